@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make demo` and `make test` (README).
+# Both create .venv with pinned dependencies first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := PYTHONSAFEPATH=1 $(VENV)/bin/python
+# torch: the CPU build where no GPU is visible (never pull CUDA torch there).
+TORCH_PIN := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 'torch==2.13.0' || echo 'torch==2.13.0+cpu')
+
+.PHONY: venv install test demo lint clean
+
+$(VENV)/.stamp-deps: requirements.txt requirements-dev.txt pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade "pip==25.3"
+	$(VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(VENV)/bin/python -m pip install -q -r requirements.txt -r requirements-dev.txt "setuptools==84.2.1" "wheel==0.48.0"
+	touch $@
+
+# Strict editable mode links every file at install time, so re-run it each
+# time (a few seconds) to pick up new modules.
+install: $(VENV)/.stamp-deps
+	$(VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
+
+test: install
+	$(VENV)/bin/lint-imports --config pyproject.toml
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+demo: install
+	$(PY) -m kvserving.cli demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,201 @@
+"""The engine-config schema: the JSON the operator renders into a ConfigMap and
+the worker and gateway read (DESIGN.md, Command line).
+
+One place, small self-checking dataclasses, no globals. ``ServingConfig.to_dict``
+and ``ServingConfig.from_dict`` round-trip exactly; unknown keys are refused so
+a typo in a ConfigMap is an error, not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+KV_DTYPES = ("bf16", "fp8_e4m3", "nvfp4", "triaxial")
+ROLES = ("prefill", "decode", "both")
+GLOBAL_SCALE_MODES = ("static", "calibrated")
+# Default page size per KV dtype (DESIGN.md, Worker): triaxial pages are 32
+# tokens because INT2 keys are quantized per channel over a page.
+DEFAULT_PAGE_SIZE = {"bf16": 16, "fp8_e4m3": 16, "nvfp4": 16, "triaxial": 32}
+TRIAXIAL_PAGE_SIZE = 32
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    """Which model a worker serves. ``path`` is a local directory (nothing downloads)."""
+
+    path: str = ""
+    served_name: str = "kvserving-tiny"
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.served_name:
+            raise ValueError("model.served_name must not be empty")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"model.max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheConfig:
+    """KV cache format and size. ``page_size`` None means the dtype's default."""
+
+    dtype: str = "bf16"
+    page_size: int | None = None
+    bit_budget: float | None = None
+    memory_fraction: float = 0.9
+    memory_bytes: int | None = None  # explicit pool budget; overrides memory_fraction
+    global_scale: str = "static"
+    allow_emulation: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache.dtype must be one of {KV_DTYPES}, got {self.dtype!r}")
+        if self.page_size is not None:
+            if not _is_power_of_two(self.page_size):
+                raise ValueError(f"kv_cache.page_size must be a power of two, got {self.page_size}")
+            if self.dtype == "triaxial" and self.page_size != TRIAXIAL_PAGE_SIZE:
+                raise ValueError(f"kv_cache.page_size must be {TRIAXIAL_PAGE_SIZE} for triaxial, got {self.page_size}")
+        if self.bit_budget is not None:
+            if self.dtype != "triaxial":
+                raise ValueError("kv_cache.bit_budget is only valid with dtype 'triaxial'")
+            if not 2.0 <= self.bit_budget <= 4.0:
+                raise ValueError(f"kv_cache.bit_budget must be in [2, 4], got {self.bit_budget}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache.memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.memory_bytes is not None and self.memory_bytes < 1:
+            raise ValueError(f"kv_cache.memory_bytes must be >= 1, got {self.memory_bytes}")
+        if self.global_scale not in GLOBAL_SCALE_MODES:
+            raise ValueError(f"kv_cache.global_scale must be one of {GLOBAL_SCALE_MODES}, got {self.global_scale!r}")
+
+    @property
+    def effective_page_size(self) -> int:
+        return self.page_size if self.page_size is not None else DEFAULT_PAGE_SIZE[self.dtype]
+
+    @property
+    def effective_bit_budget(self) -> float | None:
+        if self.dtype != "triaxial":
+            return None
+        return self.bit_budget if self.bit_budget is not None else 2.7
+
+
+@dataclass(slots=True, frozen=True)
+class ReuseConfig:
+    """Bidirectional KV reuse (DESIGN.md, Worker: kv_transfer_params).
+
+    The gateway's lease must expire before the worker's retention, so
+    ``lease_ttl_s`` < ``retention_ttl_s`` (the margin covers clock skew and a
+    request in flight when the lease is checked).
+    """
+
+    bidirectional: bool = True
+    retention_ttl_s: float = 480.0
+    lease_ttl_s: float = 420.0
+    recompute_threshold_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.retention_ttl_s <= 0:
+            raise ValueError(f"reuse.retention_ttl_s must be > 0, got {self.retention_ttl_s}")
+        if self.lease_ttl_s <= 0:
+            raise ValueError(f"reuse.lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if self.lease_ttl_s >= self.retention_ttl_s:
+            raise ValueError(
+                f"reuse.lease_ttl_s ({self.lease_ttl_s}) must be < reuse.retention_ttl_s ({self.retention_ttl_s})"
+            )
+        if self.recompute_threshold_tokens < 0:
+            raise ValueError(f"reuse.recompute_threshold_tokens must be >= 0, got {self.recompute_threshold_tokens}")
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits. ``chunk_size`` caps prompt tokens per sequence per step."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunk_size: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"scheduler.{name} must be >= 1, got {value}")
+
+
+@dataclass(slots=True, frozen=True)
+class GatewayConfig:
+    """Where the gateway finds workers: a static list (local) or headless Services (cluster)."""
+
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    prefill_service: str | None = None
+    decode_service: str | None = None
+    worker_port: int = 8000
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.worker_port <= 65535:
+            raise ValueError(f"gateway.worker_port must be in 1..65535, got {self.worker_port}")
+
+
+@dataclass(slots=True, frozen=True)
+class ServingConfig:
+    """The whole engine-config file."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    reuse: ReuseConfig = field(default_factory=ReuseConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        # sort_keys: the operator hashes this text to roll pods on a change.
+        return json.dumps(self.to_dict(), sort_keys=True, indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ServingConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"engine config must be a JSON object, got {type(data).__name__}")
+        sections = {f.name: f for f in fields(cls)}
+        unknown = set(data) - set(sections)
+        if unknown:
+            raise ValueError(f"engine config has unknown sections: {sorted(unknown)}")
+        kwargs: dict[str, Any] = {}
+        for name, value in data.items():
+            section_cls = _SECTION_TYPES[name]
+            if not isinstance(value, dict):
+                raise ValueError(f"engine config section {name!r} must be an object")
+            known = {f.name for f in fields(section_cls)}
+            bad = set(value) - known
+            if bad:
+                raise ValueError(f"engine config section {name!r} has unknown keys: {sorted(bad)}")
+            value = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+            kwargs[name] = section_cls(**value)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServingConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"engine config is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ServingConfig:
+        return cls.from_json(Path(path).read_text())
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "model": ModelConfig,
+    "kv_cache": KVCacheConfig,
+    "reuse": ReuseConfig,
+    "scheduler": SchedulerConfig,
+    "gateway": GatewayConfig,
+}

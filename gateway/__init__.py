@@ -1,0 +1,1 @@
+"""OpenAI-compatible gateway: chat template and tagger, conversation leases, router, metrics."""

@@ -1,0 +1,146 @@
+"""Byte layout of one KV page per layer, for every format: the contract between
+the pool, the reference ops, the Triton kernels and NIXL transfers.
+
+Every layer's KV lives in one flat ``uint8`` buffer. A page is one contiguous
+run of ``page_bytes`` bytes holding K and V of ``page_size`` tokens for all KV
+heads *with their scales and zeros*, so one (offset, length) descriptor moves a
+page completely (a page never travels without its scales).
+
+Fields of a page, in order, each starting on a 16-byte boundary so kernels can
+load 16-byte vectors (H = kv heads, P = page size, D = head dim)::
+
+    bf16      k[H,P,D] bf16 | v[H,P,D] bf16
+    fp8_e4m3  k[H,P,D] u8 (E4M3 bits) | v[H,P,D] u8
+    nvfp4     k[H,P,D/2] u8 | k_scale[H,P,D/16] u8 (E4M3 bits) | v[H,P,D/2] | v_scale[H,P,D/16]
+    int4      k[H,P,D/2] u8 | k_scale[H,P,D/32] f16 | k_zero[H,P,D/32] f16 | v ... same as k
+    int2      k[H,P,D/4] u8 | k_scale[H,D] f16 | k_zero[H,D] f16        (keys: per channel over the page)
+              v[H,P,D/4] u8 | v_scale[H,P,D/32] f16 | v_zero[H,P,D/32] f16  (values: per token group)
+
+Heads-major inside a page (HND): a decode kernel reads one head's page as one
+contiguous [P, D] tile.
+
+Triaxial keeps INT4 and INT2 pages in the same buffer, growing from its two
+ends (no fixed split)::
+
+    byte 0                                                             total
+    | int4 page 0 | int4 page 1 | ...  free space ... | int2 page 1 | int2 page 0 |
+
+A page id is an index with ``INT2_PAGE_FLAG`` set for INT2 pages; the flag is
+bit 30 so page tables stay non-negative int32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAGE_FORMATS = ("bf16", "fp8_e4m3", "nvfp4", "int4", "int2")
+INT2_PAGE_FLAG = 1 << 30
+ALIGN = 16
+TRIAXIAL_GROUP = 32
+NVFP4_BLOCK = 16
+
+
+@dataclass(frozen=True, slots=True)
+class PageField:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the page
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=self.dtype).element_size()
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _field_specs(fmt: str, h: int, p: int, d: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    if fmt == "bf16":
+        return [("k", torch.bfloat16, (h, p, d)), ("v", torch.bfloat16, (h, p, d))]
+    if fmt == "fp8_e4m3":
+        return [("k", torch.uint8, (h, p, d)), ("v", torch.uint8, (h, p, d))]
+    if fmt == "nvfp4":
+        return [
+            ("k", torch.uint8, (h, p, d // 2)),
+            ("k_scale", torch.uint8, (h, p, d // NVFP4_BLOCK)),
+            ("v", torch.uint8, (h, p, d // 2)),
+            ("v_scale", torch.uint8, (h, p, d // NVFP4_BLOCK)),
+        ]
+    g = d // TRIAXIAL_GROUP
+    if fmt == "int4":
+        per_token = [("scale", torch.float16, (h, p, g)), ("zero", torch.float16, (h, p, g))]
+        return [
+            ("k", torch.uint8, (h, p, d // 2)),
+            *[("k_" + n, t, s) for n, t, s in per_token],
+            ("v", torch.uint8, (h, p, d // 2)),
+            *[("v_" + n, t, s) for n, t, s in per_token],
+        ]
+    if fmt == "int2":
+        return [
+            ("k", torch.uint8, (h, p, d // 4)),
+            ("k_scale", torch.float16, (h, d)),
+            ("k_zero", torch.float16, (h, d)),
+            ("v", torch.uint8, (h, p, d // 4)),
+            ("v_scale", torch.float16, (h, p, g)),
+            ("v_zero", torch.float16, (h, p, g)),
+        ]
+    raise ValueError(f"unknown page format {fmt!r}; expected one of {PAGE_FORMATS}")
+
+
+@dataclass(frozen=True, slots=True)
+class PageLayout:
+    """Fields and size of one page of one layer in one format."""
+
+    fmt: str
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    fields: tuple[PageField, ...]
+    page_bytes: int
+
+    @classmethod
+    def build(cls, fmt: str, *, page_size: int, kv_heads: int, head_dim: int) -> PageLayout:
+        if page_size < 1 or kv_heads < 1:
+            raise ValueError(f"page_size and kv_heads must be >= 1, got {page_size}, {kv_heads}")
+        if fmt == "nvfp4" and head_dim % NVFP4_BLOCK:
+            raise ValueError(f"head_dim must be a multiple of {NVFP4_BLOCK} for nvfp4, got {head_dim}")
+        if fmt in ("int4", "int2") and head_dim % TRIAXIAL_GROUP:
+            raise ValueError(f"head_dim must be a multiple of {TRIAXIAL_GROUP} for {fmt}, got {head_dim}")
+        fields: list[PageField] = []
+        offset = 0
+        for name, dtype, shape in _field_specs(fmt, kv_heads, page_size, head_dim):
+            f = PageField(name, dtype, shape, offset)
+            fields.append(f)
+            offset = _align(offset + f.nbytes)
+        return cls(fmt, page_size, kv_heads, head_dim, tuple(fields), offset)
+
+    def field(self, name: str) -> PageField:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(f"{self.fmt} pages have no field {name!r}")
+
+    def views(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views of ``pages``: uint8 [N, page_bytes] -> {field: [N, *shape]} (no copy)."""
+        if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != self.page_bytes:
+            raise ValueError(f"pages must be uint8 [N, {self.page_bytes}], got {pages.dtype} {list(pages.shape)}")
+        out = {}
+        for f in self.fields:
+            raw = pages[:, f.offset : f.offset + f.nbytes]
+            out[f.name] = raw.view(f.dtype).view(pages.shape[0], *f.shape)
+        return out
+
+
+def page_byte_offset(page_id: int, *, page_bytes: int, int2_page_bytes: int = 0, total_bytes: int = 0) -> int:
+    """Byte offset of a page in its layer buffer (INT2 pages count down from the top)."""
+    if page_id & INT2_PAGE_FLAG:
+        index = page_id & ~INT2_PAGE_FLAG
+        return total_bytes - (index + 1) * int2_page_bytes
+    return page_id * page_bytes

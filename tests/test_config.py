@@ -1,0 +1,57 @@
+"""The engine-config schema checks itself and round-trips through JSON."""
+
+import json
+
+import pytest
+
+from kvserving.config import KVCacheConfig, ReuseConfig, SchedulerConfig, ServingConfig
+
+
+def test_round_trip_is_exact() -> None:
+    cfg = ServingConfig(kv_cache=KVCacheConfig(dtype="triaxial", bit_budget=2.7))
+    again = ServingConfig.from_json(cfg.to_json())
+    assert again == cfg
+    assert again.kv_cache.effective_page_size == 32
+    assert json.loads(cfg.to_json())["reuse"]["retention_ttl_s"] == 480.0
+
+
+def test_defaults_follow_design() -> None:
+    cfg = ServingConfig()
+    assert cfg.reuse.retention_ttl_s == 480.0
+    assert cfg.reuse.recompute_threshold_tokens == 64
+    assert cfg.reuse.lease_ttl_s < cfg.reuse.retention_ttl_s
+    assert KVCacheConfig(dtype="nvfp4").effective_page_size == 16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dtype": "int3"}, "kv_cache.dtype"),
+        ({"dtype": "nvfp4", "bit_budget": 3.0}, "bit_budget is only valid"),
+        ({"dtype": "triaxial", "bit_budget": 4.5}, r"bit_budget must be in \[2, 4\]"),
+        ({"dtype": "triaxial", "page_size": 16}, "must be 32 for triaxial"),
+        ({"page_size": 24}, "power of two"),
+        ({"memory_fraction": 0.0}, "memory_fraction"),
+    ],
+)
+def test_bad_kv_cache_is_refused_by_name(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        KVCacheConfig(**kwargs)
+
+
+def test_bad_reuse_and_scheduler_are_refused() -> None:
+    with pytest.raises(ValueError, match="lease_ttl_s"):
+        ReuseConfig(retention_ttl_s=100, lease_ttl_s=100)
+    with pytest.raises(ValueError, match="retention_ttl_s"):
+        ReuseConfig(retention_ttl_s=0)
+    with pytest.raises(ValueError, match="scheduler.chunk_size"):
+        SchedulerConfig(chunk_size=0)
+
+
+def test_unknown_keys_are_errors() -> None:
+    with pytest.raises(ValueError, match="unknown sections"):
+        ServingConfig.from_dict({"kvcache": {}})
+    with pytest.raises(ValueError, match="unknown keys"):
+        ServingConfig.from_dict({"kv_cache": {"dtyp": "bf16"}})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ServingConfig.from_json("{")

@@ -1,0 +1,59 @@
+"""Guards of the repository layout and packaging (DESIGN.md, Repository layout)."""
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import kvserving
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str, *, cwd: Path, safe_path: bool) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    if safe_path:
+        env["PYTHONSAFEPATH"] = "1"
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_operator_folder_has_no_init_so_it_cannot_shadow_stdlib() -> None:
+    assert not (ROOT / "operator" / "__init__.py").exists()
+
+
+def test_stdlib_operator_wins_even_from_repo_root_without_safe_path() -> None:
+    # `python -c` puts the cwd (the repo root) first on sys.path; a namespace
+    # portion never beats the standard library's compiled `operator` module.
+    result = _python("import operator; print(operator.add(2, 3), operator.__name__)", cwd=ROOT, safe_path=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["5", "operator"]
+
+
+def test_subpackages_import_from_mapped_folders() -> None:
+    for sub in ("kernels", "worker", "gateway", "operator"):
+        mod = importlib.import_module(f"kvserving.{sub}")
+        paths = [Path(p).resolve() for p in mod.__path__]
+        # strict editable mode links the files into a build tree; the links
+        # resolve to the repo folder of the same name.
+        assert paths, sub
+    assert kvserving.__version__
+
+
+def test_kernels_folder_does_not_shadow_pypi_name_under_safe_path() -> None:
+    # With PYTHONSAFEPATH=1 the repo root is not on sys.path, so the folder
+    # `kernels/` is not importable as a top-level package `kernels`.
+    result = _python("import importlib.util as u; print(u.find_spec('kernels') is None)", cwd=ROOT, safe_path=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
+
+
+def test_makefile_and_ci_use_safe_path_and_make_test() -> None:
+    assert "PYTHONSAFEPATH=1" in (ROOT / "Makefile").read_text()
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_every_top_level_folder_has_a_readme_line() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for folder in ("kernels/", "worker/", "gateway/", "operator/", "crds/", "manifests/", "tests/", "e2e/", "bench/"):
+        assert f"`{folder}`" in readme, folder
