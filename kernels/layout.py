@@ -9,7 +9,7 @@ page completely (a page never travels without its scales).
 Fields of a page, in order, each starting on a 16-byte boundary so kernels can
 load 16-byte vectors (H = kv heads, P = page size, D = head dim)::
 
-    bf16      k[H,P,D] bf16 | v[H,P,D] bf16
+    bf16      k[H,P,D] bf16 | v[H,P,D] bf16      (fp32: the same in float32, for fp32 models)
     fp8_e4m3  k[H,P,D] u8 (E4M3 bits) | v[H,P,D] u8
     nvfp4     k[H,P,D/2] u8 | k_scale[H,P,D/16] u8 (E4M3 bits) | v[H,P,D/2] | v_scale[H,P,D/16]
     int4      k[H,P,D/2] u8 | k_scale[H,P,D/32] f16 | k_zero[H,P,D/32] f16 | v ... same as k
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-PAGE_FORMATS = ("bf16", "fp8_e4m3", "nvfp4", "int4", "int2")
+PAGE_FORMATS = ("bf16", "fp32", "fp8_e4m3", "nvfp4", "int4", "int2")
 INT2_PAGE_FLAG = 1 << 30
 ALIGN = 16
 TRIAXIAL_GROUP = 32
@@ -62,8 +62,10 @@ def _align(n: int) -> int:
 
 
 def _field_specs(fmt: str, h: int, p: int, d: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    if fmt == "bf16":
-        return [("k", torch.bfloat16, (h, p, d)), ("v", torch.bfloat16, (h, p, d))]
+    if fmt in ("bf16", "fp32"):
+        # fp32: unquantized KV for models run in fp32 (CPU tests against transformers)
+        t = torch.bfloat16 if fmt == "bf16" else torch.float32
+        return [("k", t, (h, p, d)), ("v", t, (h, p, d))]
     if fmt == "fp8_e4m3":
         return [("k", torch.uint8, (h, p, d)), ("v", torch.uint8, (h, p, d))]
     if fmt == "nvfp4":
