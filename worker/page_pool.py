@@ -1,0 +1,395 @@
+"""The KV page pool: page ids, ref counts, free list, prefix hashes, LRU eviction
+and lease pins -- the pure-Python bottom layer of the KV cache (STYLE.md item 6:
+no torch, no bytes; the storage layer maps page ids to bytes).
+
+A page is in one of three states::
+
+                 allocate                     free (last ref), no hash
+      free ───────────────────> owned ──────────────────────────────────> free
+       ^                      (ref >= 1) <─┐
+       │                           │       │ match_prefix / incref / pin
+       │ allocate evicts           │ free (last ref), hashed
+       │ (LRU first)               v       │
+       └──────────────────────  cached ────┘
+                            (ref 0, hashed: evictable)
+
+Policies, exact so tests can assert them (and the same for the triaxial pool,
+which shares this code through ``PagePoolBase``):
+
+- **Free list: lowest free page id first.** Freed pages go back to a min-heap,
+  so the live pages stay packed at the bottom (the triaxial pool needs that to
+  shrink its high-water marks; NIXL descriptors coalesce better too).
+- **allocate** is all-or-nothing and prefers, in order: free pages, then never
+  used space above the high-water mark, then evicting cached pages, least
+  recently used first. Evicting a page removes its hash from the map.
+- **LRU order.** A page's clock starts when its last ref goes (``free``) and it
+  leaves the LRU when it is matched or ref'd again. ``free(ids)`` treats ``ids``
+  as one sequence's page list in order and queues them for eviction *last page
+  first*: a chained hash is useless once its prefix is gone, so the tail of a
+  conversation should go before its head.
+- **register** keeps the first page registered under a hash: a second page with
+  the same content (two sequences computed the same prefix at once) stays
+  unhashed and returns to the free list when freed.
+- **Leases** take one ref per page, so a pinned page is never evicted; a lease
+  is valid while ``clock() < expires_at``. ``expire_leases`` releases the rest
+  (earliest expiry first) and the engine calls it every step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import struct
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+HASH_BITS = 63  # hashes fit a signed int64 (tensors, JSON readers) without a sign bit
+_HASH_MASK = (1 << HASH_BITS) - 1
+_HASH_PERSON = b"kvserving.page1"  # blake2b personalisation: version of the hash recipe
+
+
+@dataclass(slots=True)
+class Page:
+    """Bookkeeping of one live (owned or cached) page. Free pages have none."""
+
+    page_id: int
+    ref_count: int = 1
+    hash: int | None = None
+    last_used: float = 0.0
+    leases: list[str] = field(default_factory=list)  # leases pinning it (each holds one ref), in pin order
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: str
+    page_ids: tuple[int, ...]
+    expires_at: float
+
+
+def chain_hashes(
+    token_ids: Sequence[int],
+    page_size: int,
+    tags: Sequence[int] | None = None,
+    *,
+    parent: int | None = None,
+) -> list[int]:
+    """One hash per FULL page of ``token_ids``, each chained on the previous one.
+
+    Page k's hash covers the previous hash (``parent`` for page 0), the page
+    size, its token ids and, when given, their tags -- so equal hashes mean an
+    equal prefix up to and including that page. blake2b over little-endian
+    bytes: the same on every process and machine (Python's ``hash()`` is salted
+    per process). Values are in ``[0, 2**63)``. A partial last page gets none.
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if tags is not None and len(tags) != len(token_ids):
+        raise ValueError(f"tags must have one entry per token: {len(tags)} tags for {len(token_ids)} tokens")
+    if parent is not None and not 0 <= parent <= _HASH_MASK:
+        raise ValueError(f"parent must be a page hash in [0, 2**{HASH_BITS}), got {parent}")
+    hashes: list[int] = []
+    prev = parent
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        h = hashlib.blake2b(digest_size=8, person=_HASH_PERSON)
+        h.update(b"\x00" if prev is None else b"\x01" + prev.to_bytes(8, "little"))
+        try:
+            h.update(struct.pack(f"<I{page_size}q", page_size, *token_ids[start : start + page_size]))
+            if tags is not None:
+                h.update(b"T" + bytes(tags[start : start + page_size]))  # tags are 0..55: one byte each
+        except (struct.error, ValueError, TypeError) as exc:
+            raise ValueError(f"bad token ids or tags in page {start // page_size}: {exc}") from exc
+        prev = int.from_bytes(h.digest(), "little") & _HASH_MASK
+        hashes.append(prev)
+    return hashes
+
+
+class _Region:
+    """Page slots ``index < hwm`` of one contiguous region; slots above ``hwm`` were never used
+    (or were given back). Free slots below ``hwm`` wait in a min-heap; the top slot is never
+    free (``put_free`` lowers ``hwm`` past free slots), so ``hwm`` is exactly the extent in use."""
+
+    __slots__ = ("flag", "hwm", "_free", "_heap", "lru")
+
+    def __init__(self, flag: int) -> None:
+        self.flag = flag  # or'ed into an index to make a page id
+        self.hwm = 0
+        self._free: set[int] = set()
+        self._heap: list[int] = []  # may hold stale entries; ``_free`` is the truth
+        self.lru: OrderedDict[int, None] = OrderedDict()  # cached page ids, least recently used first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take_free(self) -> int | None:
+        while self._heap:
+            index = heapq.heappop(self._heap)
+            if index in self._free:
+                self._free.remove(index)
+                return index
+        return None
+
+    def grow(self) -> int:
+        self.hwm += 1
+        return self.hwm - 1
+
+    def put_free(self, index: int) -> None:
+        self._free.add(index)
+        heapq.heappush(self._heap, index)
+        while self.hwm and self.hwm - 1 in self._free:
+            self._free.remove(self.hwm - 1)
+            self.hwm -= 1
+
+    def truncate(self, hwm: int) -> None:
+        """Give back slots ``hwm..`` (the caller has evicted every live page there)."""
+        for index in range(hwm, self.hwm):
+            self._free.discard(index)
+        self.hwm = min(self.hwm, hwm)
+
+
+class PagePoolBase:
+    """Ref counts, prefix hashes, LRU and leases over one or more ``_Region``s.
+
+    Subclasses own the regions and ``allocate``; every other operation is here."""
+
+    def __init__(self, *, page_size: int, clock: Callable[[], float]) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self._clock = clock
+        self._pages: dict[int, Page] = {}  # live pages (owned or cached) by id
+        self._by_hash: dict[int, int] = {}  # page hash -> page id
+        self._leases: dict[str, Lease] = {}
+        self._regions: tuple[_Region, ...] = ()
+
+    chain_hashes = staticmethod(chain_hashes)
+
+    # -- subclass hooks ---------------------------------------------------------------------
+    def _region_of(self, page_id: int) -> _Region:
+        raise NotImplementedError
+
+    def _check_id(self, page_id: int) -> None:
+        """Raise ValueError unless ``page_id`` names a slot of this pool."""
+        raise NotImplementedError
+
+    # -- inspection -------------------------------------------------------------------------
+    @property
+    def num_cached(self) -> int:
+        """Pages with ref 0 kept for their hash (evictable)."""
+        return sum(len(r.lru) for r in self._regions)
+
+    @property
+    def num_owned(self) -> int:
+        return len(self._pages) - self.num_cached
+
+    def ref_count(self, page_id: int) -> int:
+        self._check_id(page_id)
+        page = self._pages.get(page_id)
+        return 0 if page is None else page.ref_count
+
+    def page(self, page_id: int) -> Page | None:
+        """The live page's record (read it, don't change it); None when the page is free."""
+        self._check_id(page_id)
+        return self._pages.get(page_id)
+
+    def cached_page_ids(self) -> list[int]:
+        """Evictable pages, least recently used first (per region, in region order)."""
+        return [pid for r in self._regions for pid in r.lru]
+
+    # -- refs -------------------------------------------------------------------------------
+    def _live(self, page_id: int) -> Page:
+        self._check_id(page_id)
+        page = self._pages.get(page_id)
+        if page is None:
+            raise ValueError(f"page {page_id} is free")
+        return page
+
+    def incref(self, page_ids: Iterable[int]) -> None:
+        """Take one more ref on each page (a cached page leaves the LRU). All or nothing."""
+        pages = [self._live(pid) for pid in page_ids]
+        now = self._clock()
+        for page in pages:
+            if page.ref_count == 0:
+                self._region_of(page.page_id).lru.pop(page.page_id)
+            page.ref_count += 1
+            page.last_used = now
+
+    def free(self, page_ids: Sequence[int]) -> None:
+        """Drop one ref per listed page. At ref 0 a hashed page is cached, any other one is free.
+
+        Raises ValueError (and changes nothing) if a page would go below ref 0."""
+        for pid, count in Counter(page_ids).items():
+            page = self._live(pid)
+            if page.ref_count < count:
+                raise ValueError(f"double free of page {pid}: ref count {page.ref_count}, freed {count} time(s)")
+        now = self._clock()
+        for pid in reversed(page_ids):  # tail first into the LRU: see the module docstring
+            page = self._pages[pid]
+            page.ref_count -= 1
+            if page.ref_count:
+                continue
+            page.last_used = now
+            region = self._region_of(pid)
+            if page.hash is None:
+                del self._pages[pid]
+                region.put_free(pid & ~region.flag)
+            else:
+                region.lru[pid] = None
+
+    def _own(self, page_ids: list[int]) -> list[int]:
+        now = self._clock()
+        for pid in page_ids:
+            self._pages[pid] = Page(pid, ref_count=1, last_used=now)
+        return page_ids
+
+    def _evict(self, page_id: int) -> None:
+        """Forget a cached page; its slot is the caller's to reuse or give back."""
+        page = self._pages.pop(page_id)
+        self._region_of(page_id).lru.pop(page_id)
+        assert page.hash is not None and page.ref_count == 0
+        del self._by_hash[page.hash]
+
+    def _fill(self, region: _Region, n: int, room: int) -> list[int]:
+        """Up to ``n`` page ids of ``region``: free slots (lowest first), then up to ``room``
+        new slots above its high-water mark, then evicted cached pages (LRU first)."""
+        ids: list[int] = []
+        while len(ids) < n and (index := region.take_free()) is not None:
+            ids.append(region.flag | index)
+        while len(ids) < n and room > 0:
+            ids.append(region.flag | region.grow())
+            room -= 1
+        while len(ids) < n and region.lru:
+            pid = next(iter(region.lru))
+            self._evict(pid)
+            ids.append(pid)
+        return ids
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def register(self, page_id: int, page_hash: int) -> None:
+        """Cache a full, owned page under its chained hash (see ``chain_hashes``).
+
+        If another page already holds ``page_hash`` that one stays the cached copy
+        and this page stays unhashed. Re-registering the same hash is a no-op."""
+        page = self._live(page_id)
+        if page.ref_count == 0:
+            raise ValueError(f"page {page_id} is not owned (ref 0); register pages you hold")
+        if page.hash == page_hash:
+            return
+        if page.hash is not None:
+            raise ValueError(f"page {page_id} is already registered under hash {page.hash}, not {page_hash}")
+        if page_hash in self._by_hash:
+            return
+        page.hash = page_hash
+        self._by_hash[page_hash] = page_id
+
+    def lookup(self, page_hash: int) -> int | None:
+        """The page cached under ``page_hash``, without taking a ref."""
+        return self._by_hash.get(page_hash)
+
+    def match_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """Pages of the longest run of leading ``hashes`` present; the caller owns one ref on each."""
+        matched: list[int] = []
+        for h in hashes:
+            pid = self._by_hash.get(h)
+            if pid is None:
+                break
+            matched.append(pid)
+        self.incref(matched)
+        return matched
+
+    # -- leases -----------------------------------------------------------------------------
+    def _lease(self, lease_id: str) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise ValueError(f"unknown lease {lease_id!r}")
+        return lease
+
+    def pin(self, lease_id: str, page_ids: Sequence[int], *, ttl_s: float) -> float:
+        """Pin ``page_ids`` under a new lease (one ref each) until ``ttl_s`` from now; returns expires_at."""
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if lease_id in self._leases:
+            raise ValueError(f"lease {lease_id!r} already exists; renew it instead")
+        self.incref(page_ids)
+        expires_at = self._clock() + ttl_s
+        self._leases[lease_id] = Lease(lease_id, tuple(page_ids), expires_at)
+        for pid in page_ids:
+            self._pages[pid].leases.append(lease_id)
+        return expires_at
+
+    def renew(self, lease_id: str, *, ttl_s: float) -> float:
+        """Move a live lease's expiry to ``ttl_s`` from now; an expired one cannot come back."""
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        lease = self._lease(lease_id)
+        now = self._clock()
+        if lease.expires_at <= now:
+            raise ValueError(f"lease {lease_id!r} expired at {lease.expires_at}")
+        lease.expires_at = now + ttl_s
+        return lease.expires_at
+
+    def release(self, lease_id: str) -> None:
+        """Drop a lease's refs (its pages become cached or free unless others hold them)."""
+        lease = self._lease(lease_id)
+        del self._leases[lease_id]
+        for pid in lease.page_ids:
+            self._pages[pid].leases.remove(lease_id)
+        self.free(lease.page_ids)
+
+    def expire_leases(self) -> list[str]:
+        """Release every lease with ``expires_at <= clock()``; their ids, earliest expiry first."""
+        now = self._clock()
+        expired = sorted((le for le in self._leases.values() if le.expires_at <= now), key=lambda le: le.expires_at)
+        for lease in expired:
+            self.release(lease.lease_id)
+        return [lease.lease_id for lease in expired]
+
+    def lease_pages(self, lease_id: str) -> list[int]:
+        return list(self._lease(lease_id).page_ids)
+
+    def lease_expires_at(self, lease_id: str) -> float:
+        return self._lease(lease_id).expires_at
+
+    def lease_ids(self) -> list[str]:
+        return list(self._leases)
+
+
+class PagePool(PagePoolBase):
+    """``num_pages`` pages of ``page_size`` tokens, ids ``0..num_pages-1``. Pure Python."""
+
+    def __init__(self, num_pages: int, *, page_size: int, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(page_size=page_size, clock=clock)
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.num_pages = num_pages
+        self._region = _Region(flag=0)
+        self._regions = (self._region,)
+
+    def _region_of(self, page_id: int) -> _Region:
+        return self._region
+
+    def _check_id(self, page_id: int) -> None:
+        if not 0 <= page_id < self.num_pages:
+            raise ValueError(f"page id must be in 0..{self.num_pages - 1}, got {page_id}")
+
+    @property
+    def num_free(self) -> int:
+        """Pages ``allocate`` can hand out now: free ones plus evictable cached ones."""
+        r = self._region
+        return r.num_free + (self.num_pages - r.hwm) + len(r.lru)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` pages with ref 1 each, lowest free ids first, then LRU evictions; None if
+        even evicting every cached page would not give ``n`` (nothing changes then)."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > self.num_free:
+            return None
+        r = self._region
+        return self._own(self._fill(r, n, room=self.num_pages - r.hwm))

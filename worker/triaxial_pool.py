@@ -1,0 +1,163 @@
+"""The triaxial page pool: INT4 and INT2 pages in ONE byte buffer per layer,
+growing from its two ends (DESIGN.md, KV formats: triaxial; kernels/layout.py).
+Pure Python: ids and byte offsets; the storage layer owns the bytes.
+
+    byte 0                                                                  total
+    | int4 0 | int4 1 | ... | int4 h4-1 |   gap   | int2 h2-1 | ... | int2 1 | int2 0 |
+    '------------ h4 * B4 -------------'          '------------- h2 * B2 ------------'
+
+INT4 page i occupies ``[i*B4, (i+1)*B4)``; INT2 page j occupies
+``[total-(j+1)*B2, total-j*B2)``; its page id is ``j | INT2_PAGE_FLAG``.
+
+No static split: an allocation succeeds while ``h4*B4 + h2*B2 <= total``, so an
+INT4-only workload can fill the whole buffer (every decode-generated token is
+INT4; a fixed split ran a public TriAxialKV reproduction out of memory).
+
+Policy that keeps the two ends from deadlocking each other:
+
+- each end hands out its lowest free index first, so live pages stay packed at
+  its outer end, and its high-water mark ``h`` drops as soon as its innermost
+  page is freed -- the bytes go back to the gap for either precision;
+- ``allocate(n, bits=b)`` takes, in order: free slots of precision ``b`` below
+  its mark, then the gap, then evicts cached pages of precision ``b`` (LRU
+  first), and only then evicts the *other* end's innermost cached pages to pull
+  its mark back (never past a page someone owns). ``num_free_pages(bits=b)``
+  counts exactly what that can give, and allocation is all-or-nothing.
+
+What can still strand space: an owned page deep inside one end keeps that end's
+mark above it; free slots below it serve only its own precision.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from .page_pool import PagePoolBase, _Region
+
+# Must equal kvserving.kernels.layout.INT2_PAGE_FLAG (a test guards it); copied
+# so that this module does not import torch.
+INT2_PAGE_FLAG = 1 << 30
+BITS = (2, 4)
+
+
+def page_id_bits(page_id: int) -> int:
+    """2 for an INT2 page id, 4 for an INT4 one."""
+    return 2 if page_id & INT2_PAGE_FLAG else 4
+
+
+class TriaxialPagePool(PagePoolBase):
+    """Dual INT4/INT2 page pool over a ``total_bytes_per_layer`` buffer (same bytes in every layer)."""
+
+    def __init__(
+        self,
+        total_bytes_per_layer: int,
+        *,
+        int4_page_bytes: int,
+        int2_page_bytes: int,
+        page_size: int = 32,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(page_size=page_size, clock=clock)
+        if int4_page_bytes < 1 or int2_page_bytes < 1:
+            raise ValueError(f"page bytes must be >= 1, got int4 {int4_page_bytes}, int2 {int2_page_bytes}")
+        if total_bytes_per_layer < max(int4_page_bytes, int2_page_bytes):
+            raise ValueError(f"total_bytes_per_layer {total_bytes_per_layer} holds no page")
+        if total_bytes_per_layer // min(int4_page_bytes, int2_page_bytes) >= INT2_PAGE_FLAG:
+            raise ValueError("too many pages: indices must stay below INT2_PAGE_FLAG")
+        self.total_bytes = total_bytes_per_layer
+        self._bytes = {4: int4_page_bytes, 2: int2_page_bytes}
+        self._r = {4: _Region(flag=0), 2: _Region(flag=INT2_PAGE_FLAG)}
+        self._regions = (self._r[4], self._r[2])
+
+    # -- ids and bytes ------------------------------------------------------------------------
+    def page_bytes(self, *, bits: int) -> int:
+        return self._bytes[_check_bits(bits)]
+
+    def byte_offset(self, page_id: int) -> int:
+        """Start of the page in its layer buffer (equals kernels.layout.page_byte_offset)."""
+        self._check_id(page_id)
+        if page_id & INT2_PAGE_FLAG:
+            return self.total_bytes - ((page_id & ~INT2_PAGE_FLAG) + 1) * self._bytes[2]
+        return page_id * self._bytes[4]
+
+    def high_water(self, *, bits: int) -> int:
+        """Slots the ``bits`` end spans now (its live pages all lie below this index)."""
+        return self._r[_check_bits(bits)].hwm
+
+    def _region_of(self, page_id: int) -> _Region:
+        return self._r[page_id_bits(page_id)]
+
+    def _check_id(self, page_id: int) -> None:
+        bits = page_id_bits(page_id)
+        index = page_id & ~INT2_PAGE_FLAG
+        limit = self.total_bytes // self._bytes[bits]
+        if page_id < 0 or not 0 <= index < limit:
+            raise ValueError(f"INT{bits} page index must be in 0..{limit - 1}, got page id {page_id}")
+
+    # -- capacity -----------------------------------------------------------------------------
+    def _min_mark(self, region: _Region) -> int:
+        """How low ``region``'s mark can go by evicting its innermost cached pages."""
+        index = region.hwm
+        while index:
+            page = self._pages.get(region.flag | (index - 1))
+            if page is not None and page.ref_count > 0:
+                break
+            index -= 1
+        return index
+
+    def num_free_pages(self, *, bits: int) -> int:
+        """Exactly how many ``bits`` pages ``allocate`` can give now (free, gap, evictable)."""
+        mine, other = self._r[_check_bits(bits)], self._r[6 - bits]
+        gap = self.total_bytes - mine.hwm * self._bytes[bits] - self._min_mark(other) * self._bytes[6 - bits]
+        return mine.num_free + len(mine.lru) + gap // self._bytes[bits]
+
+    @property
+    def num_free(self) -> int:
+        """Pages allocatable at either precision (the smaller of the two counts)."""
+        return min(self.num_free_pages(bits=b) for b in BITS)
+
+    def capacity_tokens(self, frac_int2: float) -> int:
+        """Tokens the whole buffer holds when ``frac_int2`` of its pages are INT2:
+        the most pages n with round(frac_int2*n) INT2 and the rest INT4 that fit."""
+        if not 0.0 <= frac_int2 <= 1.0:
+            raise ValueError(f"frac_int2 must be in [0, 1], got {frac_int2}")
+        b4, b2 = self._bytes[4], self._bytes[2]
+        n = int(self.total_bytes / (frac_int2 * b2 + (1.0 - frac_int2) * b4)) + 1
+        while n > 0:
+            n2 = round(frac_int2 * n)
+            if n2 * b2 + (n - n2) * b4 <= self.total_bytes:
+                break
+            n -= 1
+        return n * self.page_size
+
+    # -- allocation ---------------------------------------------------------------------------
+    def allocate(self, n: int, *, bits: int) -> list[int] | None:
+        """``n`` pages of precision ``bits`` with ref 1 each (policy in the module docstring);
+        None, changing nothing, if ``num_free_pages(bits=bits) < n``."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        mine, other = self._r[_check_bits(bits)], self._r[6 - bits]
+        b_mine, b_other = self._bytes[bits], self._bytes[6 - bits]
+        gap = (self.total_bytes - mine.hwm * b_mine - other.hwm * b_other) // b_mine
+        # Fast path first: scanning the other end (num_free_pages) is needed only when short.
+        if n > mine.num_free + gap + len(mine.lru) and n > self.num_free_pages(bits=bits):
+            return None
+        ids = self._fill(mine, n, room=gap)
+        short = n - len(ids)
+        if short:
+            # Pull the other end's mark back just far enough; everything from the new mark up
+            # is free or cached there (num_free_pages checked it), so evict the cached ones.
+            mark = (self.total_bytes - (mine.hwm + short) * b_mine) // b_other
+            for index in range(mark, other.hwm):
+                if other.flag | index in other.lru:
+                    self._evict(other.flag | index)
+            other.truncate(mark)
+            ids += self._fill(mine, short, room=short)
+        return self._own(ids)
+
+
+def _check_bits(bits: int) -> int:
+    if bits not in BITS:
+        raise ValueError(f"bits must be 2 or 4, got {bits}")
+    return bits
