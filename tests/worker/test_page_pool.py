@@ -1,0 +1,301 @@
+"""PagePool: exact page ids, ref counts, free-list and LRU order after each step."""
+
+import subprocess
+import sys
+
+import pytest
+
+from kvserving.worker.page_pool import HASH_BITS, PagePool, chain_hashes
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_pool(num_pages: int = 4, page_size: int = 2) -> tuple[PagePool, FakeClock]:
+    clock = FakeClock()
+    return PagePool(num_pages, page_size=page_size, clock=clock), clock
+
+
+def refs(pool: PagePool) -> list[int]:
+    return [pool.ref_count(i) for i in range(pool.num_pages)]
+
+
+# -- allocation and the free list -------------------------------------------------------
+
+
+def test_allocate_lowest_ids_first_and_free_list_reuses_lowest() -> None:
+    pool, _ = make_pool(6)
+    assert pool.capacity_tokens == 12
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(3) == [2, 3, 4]
+    assert refs(pool) == [1, 1, 1, 1, 1, 0]
+    assert pool.num_free == 1
+    pool.free([3, 1])
+    assert refs(pool) == [1, 0, 1, 0, 1, 0]
+    assert pool.num_free == 3
+    # lowest free id first, whatever order they were freed in
+    assert pool.allocate(1) == [1]
+    assert pool.allocate(2) == [3, 5]
+    assert pool.num_free == 0
+
+
+def test_allocate_is_all_or_nothing() -> None:
+    pool, _ = make_pool(4)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.allocate(2) is None
+    assert refs(pool) == [1, 1, 1, 0]
+    assert pool.num_free == 1
+    assert pool.allocate(0) == []
+    assert pool.allocate(1) == [3]
+    assert pool.allocate(1) is None
+
+
+def test_free_of_the_top_page_then_reuse() -> None:
+    pool, _ = make_pool(4)
+    assert pool.allocate(4) == [0, 1, 2, 3]
+    pool.free([3])
+    pool.free([0])
+    assert pool.allocate(2) == [0, 3]
+
+
+def test_refs_incref_and_double_free() -> None:
+    pool, _ = make_pool(4)
+    assert pool.allocate(2) == [0, 1]
+    pool.incref([1, 1])
+    assert refs(pool) == [1, 3, 0, 0]
+    pool.free([1])
+    assert refs(pool) == [1, 2, 0, 0]
+    pool.free([0, 1, 1])
+    assert refs(pool) == [0, 0, 0, 0]
+    assert pool.num_free == 4
+    with pytest.raises(ValueError, match="is free"):
+        pool.free([0])
+    assert pool.allocate(1) == [0]
+    # a double free inside one call changes nothing
+    with pytest.raises(ValueError, match="double free of page 0"):
+        pool.free([0, 0])
+    assert refs(pool) == [1, 0, 0, 0]
+    with pytest.raises(ValueError, match="is free"):
+        pool.incref([0, 2])
+    assert refs(pool) == [1, 0, 0, 0]
+    with pytest.raises(ValueError, match="0..3"):
+        pool.ref_count(4)
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        pool.allocate(-1)
+
+
+# -- chained hashes ---------------------------------------------------------------------
+
+
+def test_chain_hashes_full_pages_only_and_deterministic() -> None:
+    tokens = list(range(10, 17))  # 7 tokens, page 2: three full pages, one partial
+    h = chain_hashes(tokens, 2)
+    assert len(h) == 3
+    assert h == PagePool.chain_hashes(tokens, 2)
+    assert all(0 <= x < 2**HASH_BITS for x in h)
+    assert chain_hashes(tokens[:6], 2) == h  # the partial page adds nothing
+    assert chain_hashes(tokens[:1], 2) == []
+    # chaining: the continuation from a parent equals the tail of the full chain
+    assert chain_hashes(tokens[2:], 2, parent=h[0]) == h[1:]
+    assert chain_hashes(tokens[2:], 2) != h[1:]
+
+
+def test_chain_hashes_same_in_another_process() -> None:
+    code = "from kvserving.worker.page_pool import chain_hashes; print(chain_hashes(list(range(10, 17)), 2, [1] * 7))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == str(chain_hashes(list(range(10, 17)), 2, [1] * 7))
+
+
+def test_one_token_change_in_page_k_changes_hashes_from_k_on() -> None:
+    tokens = list(range(8))
+    base = chain_hashes(tokens, 2)
+    changed = tokens.copy()
+    changed[5] = 99  # page 2
+    h = chain_hashes(changed, 2)
+    assert h[:2] == base[:2]
+    assert h[2] != base[2] and h[3] != base[3]
+
+
+def test_tags_change_the_hash() -> None:
+    tokens = list(range(4))
+    plain = chain_hashes(tokens, 2)
+    tagged = chain_hashes(tokens, 2, [0, 0, 0, 0])
+    assert plain[0] != tagged[0]
+    retagged = chain_hashes(tokens, 2, [0, 0, 0, 5])
+    assert retagged[0] == tagged[0] and retagged[1] != tagged[1]
+    with pytest.raises(ValueError, match="one entry per token"):
+        chain_hashes(tokens, 2, [0])
+    with pytest.raises(ValueError, match="bad token ids"):
+        chain_hashes([-(2**70), 1], 2)
+
+
+# -- prefix cache and LRU ----------------------------------------------------------------
+
+
+def test_freed_hashed_page_stays_cached_and_match_prefix_refinds_it() -> None:
+    pool, _ = make_pool(4)
+    h = chain_hashes([1, 2, 3, 4, 5], 2)  # two full pages
+    ids = pool.allocate(3)
+    assert ids == [0, 1, 2]
+    pool.register(0, h[0])
+    pool.register(1, h[1])
+    pool.free(ids)
+    assert refs(pool) == [0, 0, 0, 0]
+    assert pool.num_cached == 2 and pool.num_free == 4
+    assert pool.cached_page_ids() == [1, 0]  # tail first in line for eviction
+    assert pool.lookup(h[0]) == 0
+    # the next turn shares the first page only
+    assert pool.match_prefix([h[0], 12345, h[1]]) == [0]
+    assert refs(pool) == [1, 0, 0, 0]
+    assert pool.cached_page_ids() == [1]
+    assert pool.match_prefix(h) == [0, 1]
+    assert refs(pool) == [2, 1, 0, 0]
+    assert pool.num_cached == 0 and pool.num_free == 2
+    # a free page (2, unhashed) is not cached
+    assert pool.page(2) is None
+
+
+def test_register_keeps_the_first_page_for_a_hash() -> None:
+    pool, _ = make_pool(4)
+    assert pool.allocate(2) == [0, 1]
+    pool.register(0, 7)
+    pool.register(0, 7)  # idempotent
+    pool.register(1, 7)  # same content computed twice: page 0 stays the cached copy
+    assert pool.page(1).hash is None
+    with pytest.raises(ValueError, match="already registered"):
+        pool.register(0, 8)
+    pool.free([0, 1])
+    assert pool.cached_page_ids() == [0]
+    assert pool.allocate(2) == [1, 2]  # page 1 went back to the free list
+    with pytest.raises(ValueError, match="not owned"):
+        pool.register(0, 9)
+
+
+def test_lru_eviction_order_under_pressure() -> None:
+    pool, clock = make_pool(4)
+    a = pool.allocate(2)  # conversation A: pages 0, 1
+    b = pool.allocate(2)  # conversation B: pages 2, 3
+    assert (a, b) == ([0, 1], [2, 3])
+    for pid, h in zip(a + b, (10, 11, 20, 21)):
+        pool.register(pid, h)
+    pool.free(a)
+    clock.t += 1
+    pool.free(b)
+    assert pool.cached_page_ids() == [1, 0, 3, 2]
+    assert pool.num_free == 4
+    # A's head is touched again: it moves to the back of the line when freed
+    clock.t += 1
+    assert pool.match_prefix([10]) == [0]
+    pool.free([0])
+    assert pool.cached_page_ids() == [1, 3, 2, 0]
+    assert pool.page(0).last_used == 102.0
+    # pressure: evict LRU first, hashes leave the map
+    assert pool.allocate(2) == [1, 3]
+    assert pool.lookup(11) is None and pool.lookup(21) is None
+    assert pool.cached_page_ids() == [2, 0]
+    assert refs(pool) == [0, 1, 0, 1]
+    assert pool.allocate(3) is None  # all-or-nothing: nothing evicted
+    assert pool.cached_page_ids() == [2, 0]
+    assert pool.allocate(1) == [2]
+    assert pool.match_prefix([10, 11]) == [0]
+    assert pool.num_free == 0 and pool.allocate(1) is None
+
+
+def test_allocate_prefers_free_pages_over_evicting_cached_ones() -> None:
+    pool, _ = make_pool(4)
+    assert pool.allocate(1) == [0]
+    pool.register(0, 5)
+    pool.free([0])
+    assert pool.allocate(3) == [1, 2, 3]
+    assert pool.lookup(5) == 0
+    assert pool.allocate(1) == [0]
+    assert pool.lookup(5) is None
+
+
+# -- leases --------------------------------------------------------------------------------
+
+
+def test_pinned_pages_are_never_evicted_until_expiry() -> None:
+    pool, clock = make_pool(4)
+    ids = pool.allocate(2)
+    assert ids == [0, 1]
+    pool.register(0, 10)
+    pool.register(1, 11)
+    assert pool.pin("conv-1", ids, ttl_s=30) == 130.0
+    pool.free(ids)  # the sequence ends; the lease keeps the pages
+    assert refs(pool) == [1, 1, 0, 0]
+    assert pool.page(0).leases == ["conv-1"]
+    assert pool.lease_pages("conv-1") == [0, 1]
+    assert pool.num_free == 2
+    assert pool.allocate(3) is None
+    assert pool.allocate(2) == [2, 3]
+    clock.t = 129.9
+    assert pool.expire_leases() == []
+    assert refs(pool) == [1, 1, 1, 1]
+    clock.t = 130.0
+    assert pool.expire_leases() == ["conv-1"]
+    assert refs(pool) == [0, 0, 1, 1]
+    assert pool.cached_page_ids() == [1, 0]
+    assert pool.page(0).leases == []
+    assert pool.lease_ids() == []
+    assert pool.allocate(1) == [1]  # now evictable
+
+
+def test_unhashed_pinned_pages_return_to_the_free_list_on_release() -> None:
+    pool, _ = make_pool(4)
+    assert pool.allocate(2) == [0, 1]
+    pool.pin("a", [0, 1], ttl_s=5)
+    pool.pin("b", [1], ttl_s=5)
+    pool.free([0, 1])
+    assert refs(pool) == [1, 2, 0, 0]
+    assert pool.page(1).leases == ["a", "b"]
+    pool.release("a")
+    assert refs(pool) == [0, 1, 0, 0]
+    assert pool.page(1).leases == ["b"]
+    assert pool.allocate(1) == [0]
+
+
+def test_renew_extends_and_expiry_order() -> None:
+    pool, clock = make_pool(4)
+    assert pool.allocate(3) == [0, 1, 2]
+    pool.pin("a", [0], ttl_s=10)
+    pool.pin("b", [1], ttl_s=5)
+    pool.pin("c", [2], ttl_s=20)
+    clock.t = 104.0
+    assert pool.renew("b", ttl_s=10) == 114.0
+    assert pool.lease_expires_at("b") == 114.0
+    clock.t = 115.0
+    assert pool.expire_leases() == ["a", "b"]  # earliest expiry first
+    assert pool.lease_ids() == ["c"]
+    clock.t = 120.0
+    with pytest.raises(ValueError, match="expired"):
+        pool.renew("c", ttl_s=10)
+    assert pool.expire_leases() == ["c"]
+
+
+def test_lease_errors() -> None:
+    pool, _ = make_pool(4)
+    assert pool.allocate(1) == [0]
+    with pytest.raises(ValueError, match="unknown lease 'nope'"):
+        pool.release("nope")
+    with pytest.raises(ValueError, match="unknown lease"):
+        pool.renew("nope", ttl_s=1)
+    with pytest.raises(ValueError, match="unknown lease"):
+        pool.lease_pages("nope")
+    with pytest.raises(ValueError, match="ttl_s"):
+        pool.pin("x", [0], ttl_s=0)
+    with pytest.raises(ValueError, match="is free"):
+        pool.pin("x", [0, 1], ttl_s=1)
+    assert refs(pool) == [1, 0, 0, 0]
+    pool.pin("x", [0], ttl_s=1)
+    with pytest.raises(ValueError, match="already exists"):
+        pool.pin("x", [0], ttl_s=1)
+    pool.release("x")
+    with pytest.raises(ValueError, match="unknown lease"):
+        pool.release("x")
+    assert refs(pool) == [1, 0, 0, 0]
