@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvserving.demo", "run the main job on the built-in tiny model"),
     "capacity": ("kvserving.kernels.capacity", "print KV bytes per token and tokens per GPU for each format"),
+    "tiny-model": ("kvserving.worker.tiny_model", "write the built-in tiny model (HF format) to DIR"),
 }
 
 

@@ -1,0 +1,358 @@
+"""Decoder model code for the Llama and Qwen3 families (RMSNorm, RoPE, GQA,
+SwiGLU, q/k-norm for Qwen3), loaded from Hugging Face safetensors by name.
+
+Attention is not computed here: each layer hands its q/k/v to an
+`AttentionOp` that the caller passes to `forward`. The engine plugs in its
+paged-KV backend; `DenseCausalAttention` is the simple one-sequence op for
+tests and scripts. Tokens are a flat batch `[T]` (no padding): the op knows,
+from metadata the caller set before `forward`, which sequence and position
+each token belongs to.
+
+    args, model = load_model("tiny/")
+    attn = DenseCausalAttention()
+    hidden = model(ids, torch.arange(len(ids)), attn)   # prefill
+    logits = model.compute_logits(hidden[-1:])           # [1, vocab] fp32
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvserving.worker.weights import load_tensors, read_config
+
+# model_type -> what differs between the families. (`attention_bias`, read
+# from the config, puts a bias on q/k/v/o in both.)
+FAMILIES: dict[str, dict[str, bool]] = {
+    "llama": {"qk_norm": False},
+    "qwen3": {"qk_norm": True},
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(slots=True)
+class ModelArgs:
+    """The architecture, read from a Hugging Face config.json (`from_config`)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None for plain RoPE, else a dict with "rope_type" in ("linear", "llama3") and its parameters.
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type")
+            if kind not in ROPE_TYPES[1:]:
+                raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: None, linear, llama3)")
+            keys = ("factor",) if kind == "linear" else LLAMA3_ROPE_KEYS
+            for key in keys:
+                if not isinstance(self.rope_scaling.get(key), int | float):
+                    raise ValueError(f"rope_scaling ({kind}) needs a number for {key!r}")
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        """Map Hugging Face config.json fields; ValueError names what is missing or wrong."""
+        model_type = config.get("model_type")
+        if model_type not in FAMILIES:
+            raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+
+        def need(key: str) -> Any:
+            if config.get(key) is None:
+                raise ValueError(f"config.json lacks {key!r}")
+            return config[key]
+
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu / SwiGLU)")
+        if config.get("use_sliding_window"):
+            raise ValueError("use_sliding_window is not supported")
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        head_dim = config.get("head_dim")
+        if head_dim is None:  # Llama configs often leave it implicit
+            head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else 0
+        theta, scaling = _rope_from_config(config)
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qk_norm=FAMILIES[model_type]["qk_norm"],
+            attention_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_from_config(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either `rope_parameters` (transformers 5) or the
+    older `rope_theta` + `rope_scaling` pair."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters/rope_scaling must be an object, got {params!r}")
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    if kind in (None, "default"):
+        return theta, None
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    scaling["rope_type"] = kind
+    if kind == "llama3":
+        scaling.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+    return theta, scaling
+
+
+def rope_inv_freq(args: ModelArgs, *, device: str | torch.device = "cpu") -> Tensor:
+    """Inverse frequencies [head_dim / 2] in fp32, with the config's scaling."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth
+    # blend in between (wavelengths measured against the original context).
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, blended, scaled)
+
+
+class AttentionOp(Protocol):
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q: [T, num_heads, head_dim], k/v: [T, num_kv_heads, head_dim] for the
+        T tokens of this forward (RoPE and q/k-norm applied); returns
+        [T, num_heads, head_dim]. The op stores k/v as it needs and knows
+        which sequence/position each token is from metadata set beforehand."""
+        ...
+
+
+class DenseCausalAttention:
+    """AttentionOp for ONE sequence whose tokens arrive in position order:
+    each call appends that layer's k/v to an internal list and attends
+    causally over everything so far (GQA, fp32 softmax). Enough for prefill
+    followed by step-by-step decode in tests and scripts."""
+
+    def __init__(self) -> None:
+        self._k: dict[int, Tensor] = {}  # layer -> [S, num_kv_heads, head_dim]
+        self._v: dict[int, Tensor] = {}
+
+    def num_tokens(self, layer: int = 0) -> int:
+        return 0 if layer not in self._k else self._k[layer].shape[0]
+
+    def reset(self) -> None:
+        self._k.clear()
+        self._v.clear()
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if layer in self._k:
+            k = torch.cat([self._k[layer], k])
+            v = torch.cat([self._v[layer], v])
+        self._k[layer], self._v[layer] = k, v
+        return dense_causal_attention(q, k, v)
+
+
+def dense_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """q: [T, H, D] are the last T of the S positions of k/v: [S, Hkv, D].
+    Query i sees keys 0..S-T+i. Returns [T, H, D] in q's dtype."""
+    t, heads, d = q.shape
+    s, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    qf = q.float().transpose(0, 1)  # [H, T, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = qf @ kf.transpose(1, 2) / math.sqrt(d)  # [H, T, S]
+    visible = torch.arange(s, device=q.device)[None, :] <= torch.arange(s - t, s, device=q.device)[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ vf  # [H, T, D]
+    return out.transpose(0, 1).to(q.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32, scale in the model dtype (as Hugging Face does).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [T, heads, D]; cos/sin: [T, D] (each half-frequency repeated twice).
+    Rotates the pairs (x[i], x[i + D/2])."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        h, d = args.hidden_size, args.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, d
+        self.q_proj = nn.Linear(h, args.num_heads * d, bias=args.attention_bias)
+        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
+        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
+        self.o_proj = nn.Linear(args.num_heads * d, h, bias=args.attention_bias)
+        self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
+
+    def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionOp) -> Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn(layer, q, k, v)  # [T, H, D]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        h, i, b = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, layer: int, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionOp) -> Tensor:
+        h = h + self.self_attn(layer, self.input_layernorm(h), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """Parameter names are Hugging Face's without the leading "model."
+    (`hf_name` maps them), so checkpoints load by name."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    @staticmethod
+    def hf_name(name: str) -> str:
+        return name if name.startswith("lm_head.") else "model." + name
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionOp) -> Tensor:
+        """input_ids, positions: [T] -> final-normed hidden states [T, hidden]."""
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        # Angles in fp32 whatever the model dtype: bf16 positions lose whole tokens past 256.
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
+        angles = torch.cat([freqs, freqs], dim=-1)  # [T, D]
+        cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(i, h, cos, sin, attn)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden: [N, hidden] (from `forward`) -> logits [N, vocab] in fp32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def load_model(
+    model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[ModelArgs, DecoderModel]:
+    """Build the model from `model_dir`'s config.json and safetensors weights.
+
+    ValueError on an unsupported or incomplete config and on missing or
+    unexpected tensor names (the message names them)."""
+    args = ModelArgs.from_config(read_config(model_dir))
+    with torch.device("meta"):
+        model = DecoderModel(args)
+    names = [name for name, _ in model.named_parameters()]
+    tensors = load_tensors(
+        model_dir,
+        [DecoderModel.hf_name(n) for n in names],
+        # Tied checkpoints sometimes store the copy anyway.
+        optional=["lm_head.weight"] if args.tie_word_embeddings else [],
+        dtype=dtype,
+        device=device,
+    )
+    state: dict[str, Tensor] = {}
+    for name, param in model.named_parameters():
+        tensor = tensors[DecoderModel.hf_name(name)]
+        if tensor.shape != param.shape:
+            raise ValueError(
+                f"tensor {DecoderModel.hf_name(name)} has shape {tuple(tensor.shape)}, config implies {tuple(param.shape)}"
+            )
+        state[name] = tensor
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = rope_inv_freq(args, device=device)  # replaces the meta buffer; stays fp32
+    model.requires_grad_(False)
+    return args, model.eval()

@@ -1,0 +1,129 @@
+"""The built-in tiny model: a Qwen3-style decoder with seeded random weights,
+written locally in Hugging Face format (`kvserving tiny-model DIR`).
+
+Nothing downloads. `transformers`' AutoTokenizer and AutoModelForCausalLM load
+the directory unchanged; the worker's own model code (kvserving.worker.model)
+loads it too, and the tests hold the two to each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from kvserving.worker import tokenizer_data
+
+# config.json of the tiny model: ~4.9M parameters (1M embedding, 1M untied
+# lm_head, 0.7M per layer).
+TINY_CONFIG: dict[str, object] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": tokenizer_data.VOCAB_SIZE,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "initializer_range": 0.02,
+    "use_cache": True,
+    "torch_dtype": "float32",
+}
+
+
+def random_weights(config: dict[str, object], *, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Seeded random weights under Hugging Face's Qwen3 tensor names.
+
+    Linear weights ~ N(0, std), norms 1. The embedding is drawn larger
+    (std 1) so the residual stream starts at unit scale; with a small
+    embedding the untied lm_head sees mostly noise and greedy decoding
+    collapses onto a few tokens.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    hidden = int(config["hidden_size"])  # type: ignore[arg-type]
+    inter = int(config["intermediate_size"])  # type: ignore[arg-type]
+    heads = int(config["num_attention_heads"])  # type: ignore[arg-type]
+    kv_heads = int(config["num_key_value_heads"])  # type: ignore[arg-type]
+    head_dim = int(config["head_dim"])  # type: ignore[arg-type]
+    vocab = int(config["vocab_size"])  # type: ignore[arg-type]
+
+    def normal(*shape: int, scale: float = std) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab, hidden, scale=1.0)}
+    for i in range(int(config["num_hidden_layers"])):  # type: ignore[arg-type]
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(hidden)
+        w[p + "self_attn.q_proj.weight"] = normal(heads * head_dim, hidden)
+        w[p + "self_attn.k_proj.weight"] = normal(kv_heads * head_dim, hidden)
+        w[p + "self_attn.v_proj.weight"] = normal(kv_heads * head_dim, hidden)
+        w[p + "self_attn.o_proj.weight"] = normal(hidden, heads * head_dim)
+        w[p + "self_attn.q_norm.weight"] = torch.ones(head_dim)
+        w[p + "self_attn.k_norm.weight"] = torch.ones(head_dim)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+        w[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
+        w[p + "mlp.up_proj.weight"] = normal(inter, hidden)
+        w[p + "mlp.down_proj.weight"] = normal(hidden, inter)
+    w["model.norm.weight"] = torch.ones(hidden)
+    if not config["tie_word_embeddings"]:
+        w["lm_head.weight"] = normal(vocab, hidden)
+    return w
+
+
+def build_tiny_model(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Write config, weights, tokenizer and generation config to `out_dir`
+    (created if missing; existing files of the same names are replaced)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = tokenizer_data.train_tokenizer()
+    tokenizer.save(str(out / "tokenizer.json"))
+    eos_id = tokenizer.token_to_id(tokenizer_data.EOS_TOKEN)
+    pad_id = tokenizer.token_to_id(tokenizer_data.PAD_TOKEN)
+    _write_json(out / "tokenizer_config.json", tokenizer_data.tokenizer_config(tokenizer))
+
+    config = dict(TINY_CONFIG, bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
+    _write_json(out / "config.json", config)
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": None,
+            "eos_token_id": [eos_id, pad_id],
+            "pad_token_id": pad_id,
+            "do_sample": True,
+            "temperature": 0.6,
+            "top_p": 0.95,
+            "top_k": 20,
+        },
+    )
+    save_file(random_weights(config, seed=seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", type=Path, help="output directory (created if missing)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = build_tiny_model(args.dir, seed=args.seed)
+    print(f"wrote tiny model to {out}")
+    return 0
