@@ -138,15 +138,19 @@ class _Region:
     def put_free(self, index: int) -> None:
         self._free.add(index)
         heapq.heappush(self._heap, index)
-        while self.hwm and self.hwm - 1 in self._free:
-            self._free.remove(self.hwm - 1)
-            self.hwm -= 1
+        self._lower_mark()
 
     def truncate(self, hwm: int) -> None:
         """Give back slots ``hwm..`` (the caller has evicted every live page there)."""
         for index in range(hwm, self.hwm):
             self._free.discard(index)
         self.hwm = min(self.hwm, hwm)
+        self._lower_mark()
+
+    def _lower_mark(self) -> None:
+        while self.hwm and self.hwm - 1 in self._free:
+            self._free.remove(self.hwm - 1)
+            self.hwm -= 1
 
 
 class PagePoolBase:
