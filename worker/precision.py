@@ -55,6 +55,8 @@ def average_bits(page_bits: Sequence[int], page_size: int, num_tokens: int) -> f
     expected = -(-num_tokens // page_size)
     if len(page_bits) != expected:
         raise ValueError(f"{num_tokens} tokens fill {expected} pages of {page_size}, got {len(page_bits)} page bits")
+    if any(b not in (2, 4) for b in page_bits):
+        raise ValueError(f"page bits must be 2 or 4, got {sorted(set(page_bits))}")
     last = num_tokens - (expected - 1) * page_size
     total = sum(page_bits[:-1]) * page_size + page_bits[-1] * last
     return total / num_tokens
