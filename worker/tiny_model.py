@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from kvserving.worker import tokenizer_data
 
-# config.json of the tiny model: ~4.9M parameters (1M embedding, 1M untied
+# config.json of the tiny model: ~5.0M parameters (1M embedding, 1M untied
 # lm_head, 0.7M per layer).
 TINY_CONFIG: dict[str, object] = {
     "architectures": ["Qwen3ForCausalLM"],
