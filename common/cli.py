@@ -15,7 +15,9 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvserving.demo", "run the main job on the built-in tiny model"),
     "capacity": ("kvserving.kernels.capacity", "print KV bytes per token and tokens per GPU for each format"),
+    "operator": ("kvserving.operator.main", "run the kopf operator"),
     "tiny-model": ("kvserving.worker.tiny_model", "write the built-in tiny model (HF format) to DIR"),
+    "generate": ("kvserving.worker.generate", "offline generation with the engine (no server)"),
 }
 
 

@@ -1,0 +1,104 @@
+"""The Grafana dashboard of a KVServing, built in code so that its metric names
+live in one list (``DASHBOARD_METRICS``).
+
+DESIGN.md, Metrics: every panel must query a metric the worker or gateway
+exports. The names below are the contract the gateway and worker metrics are
+written against; a test checks every panel's query uses only these names, and
+once the exporters exist a test can check each name is exported.
+``manifests/grafana/kvserving-dashboard.json`` is this dashboard for any
+instance (a test keeps the file equal to ``build_dashboard()``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# (metric, Prometheus type, what it counts) — base units, `_total` counters,
+# `_seconds` histograms (DESIGN.md, Metrics).
+DASHBOARD_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("kvserving_gateway_requests_total", "counter", "requests by route and HTTP status code"),
+    ("kvserving_gateway_time_to_first_token_seconds", "histogram", "time from request to first streamed token"),
+    ("kvserving_gateway_kv_reused_tokens_total", "counter", "prompt tokens served from reused KV instead of recompute"),
+    ("kvserving_worker_prompt_tokens_total", "counter", "prompt tokens a worker computed (prefill)"),
+    ("kvserving_worker_generation_tokens_total", "counter", "tokens a worker generated (decode)"),
+    ("kvserving_worker_kv_cache_usage_ratio", "gauge", "used fraction of the KV pool"),
+    ("kvserving_worker_kv_transfer_bytes_total", "counter", "KV bytes moved over NIXL, by direction"),
+)
+
+# (title, PromQL expression, unit); `$namespace` and `$kvserving` are dashboard
+# variables, `kvserving` the target label the PodMonitor sets from the pods'
+# app.kubernetes.io/instance label.
+_SEL = 'namespace="$namespace", kvserving="$kvserving"'
+PANELS: tuple[tuple[str, str, str], ...] = (
+    ("Requests / s", f"sum by (code) (rate(kvserving_gateway_requests_total{{{_SEL}}}[5m]))", "reqps"),
+    (
+        "Time to first token (p99)",
+        f"histogram_quantile(0.99, sum by (le) (rate(kvserving_gateway_time_to_first_token_seconds_bucket{{{_SEL}}}[5m])))",
+        "s",
+    ),
+    ("Reused KV tokens / s", f"sum(rate(kvserving_gateway_kv_reused_tokens_total{{{_SEL}}}[5m]))", "short"),
+    ("Prefill tokens / s", f"sum(rate(kvserving_worker_prompt_tokens_total{{{_SEL}}}[5m]))", "short"),
+    ("Decode tokens / s", f"sum(rate(kvserving_worker_generation_tokens_total{{{_SEL}}}[5m]))", "short"),
+    ("KV cache usage", f"max by (pod) (kvserving_worker_kv_cache_usage_ratio{{{_SEL}}})", "percentunit"),
+    (
+        "KV transfer bytes / s",
+        f"sum by (direction) (rate(kvserving_worker_kv_transfer_bytes_total{{{_SEL}}}[5m]))",
+        "Bps",
+    ),
+)
+
+
+def _variable(name: str, value: str | None, query: str) -> dict[str, Any]:
+    if value is not None:  # one instance: a fixed value
+        return {"name": name, "type": "constant", "query": value, "hide": 2}
+    return {
+        "name": name,
+        "type": "query",
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "query": query,
+        "refresh": 2,
+    }
+
+
+def build_dashboard(*, namespace: str | None = None, instance: str | None = None) -> dict[str, Any]:
+    """Dashboard JSON; with ``namespace``/``instance`` fixed to one KVServing, else chosen in Grafana."""
+    panels = []
+    for i, (title, expr, unit) in enumerate(PANELS):
+        panels.append(
+            {
+                "id": i + 1,
+                "type": "timeseries",
+                "title": title,
+                "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "targets": [{"refId": "A", "expr": expr}],
+            }
+        )
+    title = "kvserving" if instance is None else f"kvserving {namespace}/{instance}"
+    uid = "kvserving" if instance is None else f"kvs-{namespace}-{instance}"[:40]
+    return {
+        "title": title,
+        "uid": uid,
+        "tags": ["kvserving"],
+        "schemaVersion": 39,
+        "time": {"from": "now-1h", "to": "now"},
+        "refresh": "30s",
+        "templating": {
+            "list": [
+                {"name": "datasource", "type": "datasource", "query": "prometheus"},
+                _variable("namespace", namespace, "label_values(kvserving_worker_kv_cache_usage_ratio, namespace)"),
+                _variable(
+                    "kvserving",
+                    instance,
+                    'label_values(kvserving_worker_kv_cache_usage_ratio{namespace="$namespace"}, kvserving)',
+                ),
+            ]
+        },
+        "panels": panels,
+    }
+
+
+def dashboard_json(*, namespace: str | None = None, instance: str | None = None) -> str:
+    return json.dumps(build_dashboard(namespace=namespace, instance=instance), indent=2, sort_keys=True) + "\n"

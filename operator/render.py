@@ -1,0 +1,262 @@
+"""Pure rendering: a KVServing's spec in, its child objects out (no I/O).
+
+Children of KVServing ``NAME`` in namespace ``NS``:
+
+    NAME-config      ConfigMap   engine config (kvserving.config JSON) at /etc/kvserving/config.json
+    NAME-prefill     Deployment  `kvserving worker --role prefill`, + headless Service
+    NAME-decode      Deployment  `kvserving worker --role decode`,  + headless Service
+    NAME-gateway     Deployment  `kvserving gateway`,               + Service
+    NAME             PodMonitor  scrapes /metrics of all pods        (monitoring.enabled)
+    NAME-dashboard   ConfigMap   Grafana dashboard                   (monitoring.enabled and .dashboard)
+
+Every pod template carries the engine config's hash, so a spec change that
+changes the config rolls the pods; every object carries the hash of its own
+rendering, so the reconciler only writes what changed (status.plan_children).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvserving.operator.dashboard import dashboard_json
+from kvserving.operator.names import GROUP, KIND, VERSION
+from kvserving.operator.spec import GATEWAY_PORT, WORKER_PORT, KVServingSpec, RoleSpec, engine_config, parse_spec
+
+MANAGED_BY = "kvserving-operator"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+CONFIG_HASH = "kvserving.dev/config-hash"
+APPLIED_HASH = "kvserving.dev/applied-hash"
+CONFIG_DIR = "/etc/kvserving"
+CONFIG_FILE = "config.json"
+MODEL_DIR = "/models"
+ROLES = ("prefill", "decode", "gateway")
+# GPU feature discovery labels: Blackwell is compute capability 10.x (B200,
+# GB200) or 12.x (RTX PRO 6000, B40) — the GPUs with FP4 tensor cores.
+GPU_COMPUTE_MAJOR = "nvidia.com/gpu.compute.major"
+BLACKWELL_COMPUTE_MAJORS = ("10", "12")
+
+
+@dataclass(slots=True, frozen=True)
+class Owner:
+    """The KVServing object the children belong to (their owner reference)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+@dataclass(slots=True, frozen=True)
+class Rendered:
+    objects: tuple[dict[str, Any], ...]  # in apply order: config before the pods that mount it
+    config_hash: str
+    replicas: dict[str, int]  # role -> desired replicas
+    endpoint: str
+    kv_bits: float
+
+
+def short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def selector_labels(name: str, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "kvserving", LABEL_INSTANCE: name, LABEL_COMPONENT: component}
+
+
+def instance_labels(name: str) -> dict[str, str]:
+    """Labels on every child: the reconciler lists children by these."""
+    return {"app.kubernetes.io/name": "kvserving", LABEL_INSTANCE: name, LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def render(spec: dict[str, Any], *, owner: Owner) -> Rendered:
+    """All child objects of one KVServing. Raises ``ValueError`` for a spec the engine config refuses."""
+    parsed = parse_spec(spec)
+    config_text = engine_config(parsed, name=owner.name, namespace=owner.namespace).to_json()
+    config_hash = short_hash(config_text)
+    objects: list[dict[str, Any]] = [
+        _config_map(owner, f"{owner.name}-config", "engine", {CONFIG_FILE: config_text}, {}),
+    ]
+    for role in ("prefill", "decode"):
+        objects.append(_service(owner, role, WORKER_PORT, headless=True, service_type="ClusterIP"))
+        objects.append(_deployment(owner, parsed, role, config_hash))
+    objects.append(_service(owner, "gateway", GATEWAY_PORT, headless=False, service_type=parsed.gateway.service_type))
+    objects.append(_deployment(owner, parsed, "gateway", config_hash))
+    if parsed.monitoring.enabled:
+        objects.append(_pod_monitor(owner, parsed))
+        if parsed.monitoring.dashboard:
+            dashboard = {f"kvserving-{owner.namespace}-{owner.name}.json": dashboard_json(
+                namespace=owner.namespace, instance=owner.name)}
+            labels = {"grafana_dashboard": "1", **parsed.monitoring.labels}
+            objects.append(_config_map(owner, f"{owner.name}-dashboard", "dashboard", dashboard, labels))
+    return Rendered(
+        objects=tuple(_with_applied_hash(obj) for obj in objects),
+        config_hash=config_hash,
+        replicas={role: _role_spec(parsed, role).replicas for role in ROLES},
+        endpoint=f"http://{owner.name}-gateway.{owner.namespace}.svc:{GATEWAY_PORT}",
+        kv_bits=parsed.kv_bits,
+    )
+
+
+def _role_spec(spec: KVServingSpec, role: str) -> RoleSpec:
+    return {"prefill": spec.prefill, "decode": spec.decode, "gateway": spec.gateway}[role]
+
+
+def _with_applied_hash(obj: dict[str, Any]) -> dict[str, Any]:
+    digest = short_hash(json.dumps(obj, sort_keys=True))
+    obj["metadata"].setdefault("annotations", {})[APPLIED_HASH] = digest
+    return obj
+
+
+def _metadata(owner: Owner, name: str, component: str, extra_labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": {**instance_labels(owner.name), LABEL_COMPONENT: component, **extra_labels},
+        # No blockOwnerDeletion: it would need update on kvservings/finalizers,
+        # and garbage collection deletes the children either way.
+        "ownerReferences": [
+            {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name, "uid": owner.uid, "controller": True}
+        ],
+    }
+
+
+def _config_map(owner: Owner, name: str, component: str, data: dict[str, str], labels: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(owner, name, component, labels), "data": data}
+
+
+def _service(owner: Owner, role: str, port: int, *, headless: bool, service_type: str) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "type": service_type,
+        "selector": selector_labels(owner.name, role),
+        "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+    }
+    if headless:
+        # Headless: DNS returns every ready worker pod, which the gateway resolves
+        # to route per worker (prefix holder for prefill, load for decode).
+        spec["clusterIP"] = "None"
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(owner, f"{owner.name}-{role}", role, {}), "spec": spec}
+
+
+def _container(spec: KVServingSpec, role: str, role_spec: RoleSpec) -> dict[str, Any]:
+    config = f"{CONFIG_DIR}/{CONFIG_FILE}"
+    if role == "gateway":
+        args = ["gateway", "--config", config, "--host", "0.0.0.0", "--port", str(GATEWAY_PORT)]
+        port = GATEWAY_PORT
+    else:
+        args = ["worker", "--role", role, "--config", config, "--host", "0.0.0.0", "--port", str(WORKER_PORT)]
+        port = WORKER_PORT
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if role != "gateway":
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})  # UCX/NIXL shared-memory transport
+        if spec.model_pvc:
+            mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    return {
+        "name": role if role == "gateway" else "worker",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["kvserving"],
+        "args": args,
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "env": [
+            {"name": "HOME", "value": "/tmp"},  # read-only root: caches (Triton, tokenizer) go to /tmp
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        ],
+        "resources": role_spec.resources,
+        # Model loading can take minutes: the startup probe holds off liveness until /health answers.
+        "startupProbe": _probe("/health", period=10, failures=60),
+        "readinessProbe": _probe("/ready", period=5, failures=3),
+        "livenessProbe": _probe("/health", period=10, failures=6),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": mounts,
+    }
+
+
+def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 5}
+
+
+def _affinity(spec: KVServingSpec, role: str) -> dict[str, Any] | None:
+    kv = spec.serving.kv_cache
+    if role == "gateway" or kv.dtype != "nvfp4" or kv.allow_emulation:
+        return None
+    term = {"matchExpressions": [{"key": GPU_COMPUTE_MAJOR, "operator": "In", "values": list(BLACKWELL_COMPUTE_MAJORS)}]}
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+
+
+def _deployment(owner: Owner, spec: KVServingSpec, role: str, config_hash: str) -> dict[str, Any]:
+    role_spec = _role_spec(spec, role)
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": f"{owner.name}-config"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if role != "gateway":
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        if spec.model_pvc:
+            volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": spec.model_pvc, "readOnly": True}})
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # workers and gateway never call the Kubernetes API
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [_container(spec, role, role_spec)],
+        "volumes": volumes,
+        "nodeSelector": dict(role_spec.node_selector),
+        "tolerations": [dict(t) for t in role_spec.tolerations],
+    }
+    affinity = _affinity(spec, role)
+    if affinity is not None:
+        pod_spec["affinity"] = affinity
+    labels = selector_labels(owner.name, role)
+    deployment_spec: dict[str, Any] = {
+        "replicas": role_spec.replicas,
+        "selector": {"matchLabels": labels},
+        "template": {
+            "metadata": {"labels": {**labels, LABEL_MANAGED_BY: MANAGED_BY}, "annotations": {CONFIG_HASH: config_hash}},
+            "spec": pod_spec,
+        },
+    }
+    if role != "gateway":
+        # Replace GPU pods one at a time without surging: a surge pod would need
+        # a spare GPU that a full node pool does not have.
+        deployment_spec["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+        deployment_spec["progressDeadlineSeconds"] = 1200  # model loading counts as progress time
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner, f"{owner.name}-{role}", role, {}),
+        "spec": deployment_spec,
+    }
+
+
+def _pod_monitor(owner: Owner, spec: KVServingSpec) -> dict[str, Any]:
+    relabel = [
+        {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"], "targetLabel": "kvserving"},
+        {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"], "targetLabel": "component"},
+    ]
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": _metadata(owner, owner.name, "monitoring", spec.monitoring.labels),
+        "spec": {
+            "selector": {"matchLabels": {"app.kubernetes.io/name": "kvserving", LABEL_INSTANCE: owner.name}},
+            "podMetricsEndpoints": [
+                {"port": "http", "path": "/metrics", "interval": spec.monitoring.scrape_interval, "relabelings": relabel}
+            ],
+        },
+    }
