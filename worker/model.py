@@ -1,5 +1,5 @@
-"""Decoder model code for the Llama and Qwen3 families (RMSNorm, RoPE, GQA,
-SwiGLU, q/k-norm for Qwen3), loaded from Hugging Face safetensors by name.
+"""Decoder model code for the Llama, Qwen2 and Qwen3 families (RMSNorm, RoPE,
+GQA, SwiGLU, q/k-norm for Qwen3), loaded from Hugging Face safetensors by name.
 
 Attention is not computed here: each layer hands its q/k/v to an
 `AttentionOp` that the caller passes to `forward`. The engine plugs in its
@@ -25,13 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvserving.worker.weights import load_tensors, read_config
+from kvserving.worker.weights import load_tensors, read_config, read_generation_config
 
-# model_type -> what differs between the families. (`attention_bias`, read
-# from the config, puts a bias on q/k/v/o in both.)
+# model_type -> what differs between the families. Llama and Qwen3 put a
+# bias on q/k/v/o when the config's `attention_bias` says so; Qwen2 always has
+# one on q/k/v and never on o; Qwen3 RMS-normalises each head of q and k.
 FAMILIES: dict[str, dict[str, bool]] = {
-    "llama": {"qk_norm": False},
-    "qwen3": {"qk_norm": True},
+    "llama": {"qk_norm": False, "fixed_qkv_bias": False},
+    "qwen2": {"qk_norm": False, "fixed_qkv_bias": True},
+    "qwen3": {"qk_norm": True, "fixed_qkv_bias": False},
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -55,7 +57,8 @@ class ModelArgs:
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     qk_norm: bool = False
-    attention_bias: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
     mlp_bias: bool = False
     max_position_embeddings: int = 4096
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -86,8 +89,9 @@ class ModelArgs:
                     raise ValueError(f"rope_scaling ({kind}) needs a number for {key!r}")
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
-        """Map Hugging Face config.json fields; ValueError names what is missing or wrong."""
+    def from_config(cls, config: dict[str, Any], *, generation_config: dict[str, Any] | None = None) -> ModelArgs:
+        """Map Hugging Face config.json fields; ValueError names what is missing or wrong.
+        End-of-sequence ids are the union of config.json's and generation_config.json's."""
         model_type = config.get("model_type")
         if model_type not in FAMILIES:
             raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
@@ -107,8 +111,14 @@ class ModelArgs:
         if head_dim is None:  # Llama configs often leave it implicit
             head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else 0
         theta, scaling = _rope_from_config(config)
-        eos = config.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        eos_ids: list[int] = []
+        for source in (config, generation_config or {}):
+            eos = source.get("eos_token_id")
+            for token in eos if isinstance(eos, list) else [] if eos is None else [eos]:
+                if token not in eos_ids:
+                    eos_ids.append(int(token))
+        family = FAMILIES[model_type]
+        bias = bool(config.get("attention_bias", False))
         return cls(
             model_type=model_type,
             vocab_size=need("vocab_size"),
@@ -122,11 +132,12 @@ class ModelArgs:
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qk_norm=FAMILIES[model_type]["qk_norm"],
-            attention_bias=bool(config.get("attention_bias", False)),
+            qk_norm=family["qk_norm"],
+            qkv_bias=True if family["fixed_qkv_bias"] else bias,
+            o_bias=False if family["fixed_qkv_bias"] else bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-            eos_token_ids=eos_ids,
+            eos_token_ids=tuple(eos_ids),
         )
 
 
@@ -247,10 +258,10 @@ class Attention(nn.Module):
         super().__init__()
         h, d = args.hidden_size, args.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, d
-        self.q_proj = nn.Linear(h, args.num_heads * d, bias=args.attention_bias)
-        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
-        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
-        self.o_proj = nn.Linear(args.num_heads * d, h, bias=args.attention_bias)
+        self.q_proj = nn.Linear(h, args.num_heads * d, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.num_heads * d, h, bias=args.o_bias)
         self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
 
@@ -332,7 +343,7 @@ def load_model(
 
     ValueError on an unsupported or incomplete config and on missing or
     unexpected tensor names (the message names them)."""
-    args = ModelArgs.from_config(read_config(model_dir))
+    args = ModelArgs.from_config(read_config(model_dir), generation_config=read_generation_config(model_dir))
     with torch.device("meta"):
         model = DecoderModel(args)
     names = [name for name, _ in model.named_parameters()]
@@ -348,9 +359,8 @@ def load_model(
     for name, param in model.named_parameters():
         tensor = tensors[DecoderModel.hf_name(name)]
         if tensor.shape != param.shape:
-            raise ValueError(
-                f"tensor {DecoderModel.hf_name(name)} has shape {tuple(tensor.shape)}, config implies {tuple(param.shape)}"
-            )
+            hf = DecoderModel.hf_name(name)
+            raise ValueError(f"tensor {hf} has shape {tuple(tensor.shape)}, config implies {tuple(param.shape)}")
         state[name] = tensor
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = rope_inv_freq(args, device=device)  # replaces the meta buffer; stays fp32

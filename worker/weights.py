@@ -27,6 +27,18 @@ def read_config(model_dir: str | Path) -> dict[str, object]:
     return config
 
 
+def read_generation_config(model_dir: str | Path) -> dict[str, object]:
+    """generation_config.json, or {} where the directory has none."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    return config if isinstance(config, dict) else {}
+
+
 def weight_files(model_dir: str | Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it."""
     root = Path(model_dir)
@@ -66,8 +78,8 @@ def load_tensors(
     optional_set = set(optional)
     missing = [name for name in expected if name not in where]
     if missing:
-        raise ValueError(f"checkpoint in {model_dir} is missing tensors: {', '.join(missing[:8])}"
-                         + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
+        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise ValueError(f"checkpoint in {model_dir} is missing tensors: {', '.join(missing[:8])}{more}")
     known = set(expected) | optional_set
     unexpected = sorted(n for n in where if n not in known and not n.endswith(IGNORED_SUFFIXES))
     if unexpected:

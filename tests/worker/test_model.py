@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from kvserving.worker.model import DenseCausalAttention, ModelArgs, dense_causal_attention, load_model
 
@@ -76,36 +76,54 @@ def test_chunked_prefill_equals_one_prefill(tiny_model_dir: Path) -> None:
     assert (torch.cat(parts) - whole).abs().max().item() < 1e-5
 
 
-LLAMA_CASES = {
-    "untied-default-rope": {},
-    "tied-llama3-rope": {
-        "tie_word_embeddings": True,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-        "max_position_embeddings": 512,
-    },
-    "biases-linear-rope": {"attention_bias": True, "mlp_bias": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+FAMILY_CASES = {
+    "llama-untied-default-rope": ("llama", {}),
+    "llama-tied-llama3-rope": (
+        "llama",
+        {
+            "tie_word_embeddings": True,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            "max_position_embeddings": 512,
+        },
+    ),
+    "llama-biases-linear-rope": (
+        "llama", {"attention_bias": True, "mlp_bias": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    ),
+    "qwen2-qkv-bias": ("qwen2", {}),
 }
 
 
-@pytest.mark.parametrize("case", list(LLAMA_CASES))
-def test_llama_family_matches_transformers(tmp_path: Path, case: str) -> None:
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+def test_other_families_match_transformers(tmp_path: Path, case: str) -> None:
+    """A tiny random Llama (or Qwen2), saved by transformers itself, loads into our code."""
+    model_type, extra = FAMILY_CASES[case]
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    config_cls, model_cls = classes[model_type]
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = config_cls(
         vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0, **LLAMA_CASES[case],
+        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0, **extra,
     )
-    hf = LlamaForCausalLM(config).eval()
+    hf = model_cls(config).eval()
     with torch.no_grad():  # HF zero-inits biases and ones-inits norms: make them matter
         for name, p in hf.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     hf.save_pretrained(tmp_path)
     args, model = load_model(tmp_path)
-    assert args.model_type == "llama" and not args.qk_norm and args.head_dim == 16
+    assert args.model_type == model_type and not args.qk_norm and args.head_dim == 16
     assert args.tie_word_embeddings == config.tie_word_embeddings
+    llama_bias = bool(getattr(config, "attention_bias", False))
+    assert (args.qkv_bias, args.o_bias) == ((True, False) if model_type == "qwen2" else (llama_bias, llama_bias))
     ids = _ids(70, 300)  # past original_max_position_embeddings of the llama3 case
     _assert_close(_ours_prefill_and_decode(model, ids, 60), _hf_prefill_and_decode(hf, ids, 60))
+
+
+def test_eos_ids_join_config_and_generation_config(tiny_model_dir: Path) -> None:
+    args, _ = load_model(tiny_model_dir)
+    generation = json.loads((tiny_model_dir / "generation_config.json").read_text())
+    assert args.eos_token_ids == tuple(generation["eos_token_id"])  # <|im_end|> then <|endoftext|>
 
 
 def test_dense_causal_attention_matches_sdpa() -> None:

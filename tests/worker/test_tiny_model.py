@@ -18,7 +18,10 @@ from kvserving.worker.tokenizer_data import SPECIAL_TOKENS, VOCAB_SIZE
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "image"}, {"type": "text", "text": "?"}]},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "What is "}, {"type": "image"}, {"type": "text", "text": "?"}],
+    },
     {
         "role": "assistant",
         "reasoning_content": "Look it up.",
@@ -51,7 +54,8 @@ def test_cli_writes_hf_model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # cli.main rewrites sys.argv
     assert cli.main(["tiny-model", str(tmp_path / "tiny")]) == 0
     out = tmp_path / "tiny"
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    files = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    for name in files:
         assert (out / name).is_file(), name
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "qwen3" and config["architectures"] == ["Qwen3ForCausalLM"]
@@ -81,7 +85,8 @@ def test_special_tokens_are_single_ids_at_the_end_of_the_vocab(tiny_model_dir: P
     assert ids == [[VOCAB_SIZE - len(SPECIAL_TOKENS) + i] for i in range(len(SPECIAL_TOKENS))]
     # Inside text they are still one id each.
     text_ids = tok.encode("a<think>b</think><tool_call>", add_special_tokens=False)
-    assert tok.convert_tokens_to_ids(["<think>", "</think>", "<tool_call>"]) == [t for t in text_ids if t >= VOCAB_SIZE - len(SPECIAL_TOKENS)]
+    first_special = VOCAB_SIZE - len(SPECIAL_TOKENS)
+    assert tok.convert_tokens_to_ids(["<think>", "</think>", "<tool_call>"]) == [t for t in text_ids if t >= first_special]
 
 
 @pytest.mark.parametrize(
