@@ -22,7 +22,9 @@ Policy that keeps the two ends from deadlocking each other:
   its mark, then the gap, then evicts cached pages of precision ``b`` (LRU
   first), and only then evicts the *other* end's innermost cached pages to pull
   its mark back (never past a page someone owns). ``num_free_pages(bits=b)``
-  counts exactly what that can give, and allocation is all-or-nothing.
+  counts exactly what that can give, and allocation is all-or-nothing;
+- ``allocate_mixed(page_bits)`` places both kinds at once (one sequence's new
+  pages), all-or-nothing across the two ends: prefer it to two ``allocate`` calls.
 
 What can still strand space: an owned page deep inside one end keeps that end's
 mark above it; free slots below it serve only its own precision.
@@ -31,7 +33,7 @@ mark above it; free slots below it serve only its own precision.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .page_pool import PagePoolBase, _Region
 
@@ -138,23 +140,65 @@ class TriaxialPagePool(PagePoolBase):
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         mine, other = self._r[_check_bits(bits)], self._r[6 - bits]
-        b_mine, b_other = self._bytes[bits], self._bytes[6 - bits]
-        gap = (self.total_bytes - mine.hwm * b_mine - other.hwm * b_other) // b_mine
+        gap = (self.total_bytes - mine.hwm * self._bytes[bits] - other.hwm * self._bytes[6 - bits]) // self._bytes[bits]
         # Fast path first: scanning the other end (num_free_pages) is needed only when short.
         if n > mine.num_free + gap + len(mine.lru) and n > self.num_free_pages(bits=bits):
             return None
-        ids = self._fill(mine, n, room=gap)
+        return self._own(self._take(n, bits, cap=None))
+
+    def allocate_mixed(self, page_bits: Sequence[int]) -> list[int] | None:
+        """One page per entry of ``page_bits`` (2 or 4 each), in that order; all or nothing.
+
+        Two ``allocate`` calls can fail where one placement of both kinds fits (the
+        first kind grows into the gap the second needed) and cannot undo their
+        evictions; this checks both ends at once: it succeeds iff extents
+        ``e2 = max(min_mark2, owned2 + n2)`` and ``e4`` likewise fit in the buffer.
+        INT2 goes first, capped at the extent that still leaves INT4 its ``e4``."""
+        n2 = sum(1 for b in page_bits if _check_bits(b) == 2)
+        n4 = len(page_bits) - n2
+        if not n2 or not n4:
+            return self.allocate(len(page_bits), bits=2 if n2 else 4)
+        r2, r4 = self._r[2], self._r[4]
+        e2 = max(self._min_mark(r2), self._num_owned_in(r2) + n2)
+        e4 = max(self._min_mark(r4), self._num_owned_in(r4) + n4)
+        if e2 * self._bytes[2] + e4 * self._bytes[4] > self.total_bytes:
+            return None
+        cap2 = (self.total_bytes - e4 * self._bytes[4]) // self._bytes[2]
+        int2 = iter(self._own(self._take(n2, 2, cap=cap2)))
+        int4 = iter(self._own(self._take(n4, 4, cap=None)))
+        return [next(int2) if b == 2 else next(int4) for b in page_bits]
+
+    def _num_owned_in(self, region: _Region) -> int:
+        # every slot below the mark is owned, free or cached (evicted slots are reused at once)
+        return region.hwm - region.num_free - len(region.lru)
+
+    def _shrink(self, region: _Region, mark: int) -> None:
+        """Lower ``region``'s mark to ``mark``, evicting its cached pages from there up
+        (the caller checked that nobody owns one)."""
+        for index in range(mark, region.hwm):
+            if region.flag | index in region.lru:
+                self._evict(region.flag | index)
+        region.truncate(mark)
+
+    def _take(self, n: int, bits: int, *, cap: int | None) -> list[int]:
+        """``n`` slots of precision ``bits`` (the caller checked they exist), keeping that end
+        within ``cap`` slots when given: free slots, the gap, own LRU evictions, then the
+        other end's innermost cached pages."""
+        mine, other = self._r[bits], self._r[6 - bits]
+        b_mine, b_other = self._bytes[bits], self._bytes[6 - bits]
+        if cap is not None and mine.hwm > cap:
+            self._shrink(mine, cap)
+        room = (self.total_bytes - mine.hwm * b_mine - other.hwm * b_other) // b_mine
+        if cap is not None:
+            room = min(room, cap - mine.hwm)
+        ids = self._fill(mine, n, room=room)
         short = n - len(ids)
         if short:
-            # Pull the other end's mark back just far enough; everything from the new mark up
-            # is free or cached there (num_free_pages checked it), so evict the cached ones.
-            mark = (self.total_bytes - (mine.hwm + short) * b_mine) // b_other
-            for index in range(mark, other.hwm):
-                if other.flag | index in other.lru:
-                    self._evict(other.flag | index)
-            other.truncate(mark)
+            # Pull the other end's mark back just far enough for ``short`` more slots.
+            self._shrink(other, (self.total_bytes - (mine.hwm + short) * b_mine) // b_other)
             ids += self._fill(mine, short, room=short)
-        return self._own(ids)
+        assert len(ids) == n
+        return ids
 
 
 def _check_bits(bits: int) -> int:

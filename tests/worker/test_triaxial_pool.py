@@ -229,3 +229,59 @@ def test_random_workload_keeps_ends_apart_and_free_counts_exact() -> None:
         for p in set(owned):
             assert pool.ref_count(p) == owned.count(p)
         assert pool.high_water(bits=4) * B4 + pool.high_water(bits=2) * B2 <= TOTAL
+
+
+def test_allocate_mixed_places_both_kinds_where_two_calls_would_fail() -> None:
+    pool, _ = make_pool()
+    assert pool.allocate(2, bits=2) == [F | 0, F | 1]
+    pool.register(F | 0, 1)
+    pool.register(F | 1, 2)
+    pool.free([F | 0, F | 1])  # cached at the top; LRU order F|1, F|0
+    assert pool.allocate(3, bits=4) == [0, 1, 2]
+    # gap: 20 bytes. allocate(1, bits=2) would grow into it (F|2) and leave INT4 short;
+    # mixed evicts INT2's own cached F|1 instead and leaves the gap to INT4.
+    assert pool.allocate_mixed([4, 2]) == [3, F | 1]
+    assert pool.lookup(2) is None and pool.lookup(1) == F | 0
+    assert (pool.high_water(bits=4), pool.high_water(bits=2)) == (4, 2)
+    live_ranges(pool, [0, 1, 2, 3, F | 0, F | 1])
+    # infeasible jointly: nothing changes
+    assert pool.allocate_mixed([2, 2, 4]) is None
+    assert pool.cached_page_ids() == [F | 0] and pool.lookup(1) == F | 0
+    assert pool.allocate_mixed([2, 4]) is None
+    assert pool.allocate_mixed([2]) == [F | 0]  # one kind: same as allocate
+    assert pool.allocate_mixed([]) == []
+    with pytest.raises(ValueError, match="bits must be 2 or 4"):
+        pool.allocate_mixed([4, 3])
+
+
+def test_random_mixed_allocations_succeed_exactly_when_both_ends_fit() -> None:
+    import random
+
+    rng = random.Random(1)
+    pool, clock = make_pool()
+    owned: list[int] = []
+    for step in range(3000):
+        clock.t += 1
+        if rng.random() < 0.5:
+            want = [rng.choice((2, 4)) for _ in range(rng.randint(1, 4))]
+            n2, n4 = want.count(2), want.count(4)
+            # brute force: some split of the buffer fits both kinds' extents
+            e = {}
+            for bits, n in ((2, n2), (4, n4)):
+                region = pool._r[bits]
+                e[bits] = max(pool._min_mark(region), pool._num_owned_in(region) + n)
+            fits = e[2] * B2 + e[4] * B4 <= TOTAL
+            got = pool.allocate_mixed(want)
+            assert (got is not None) == fits, (step, want)
+            if got is not None:
+                assert [page_id_bits(p) for p in got] == want
+                owned += got
+                for p in got:
+                    if rng.random() < 0.6:
+                        pool.register(p, step * 10 + got.index(p))
+        elif owned:
+            drop = rng.sample(owned, rng.randint(1, min(3, len(owned))))
+            for p in drop:
+                owned.remove(p)
+            pool.free(drop)
+        live_ranges(pool, sorted(set(owned) | set(pool.cached_page_ids())))
