@@ -180,6 +180,11 @@ class PagePoolBase:
 
     # -- inspection -------------------------------------------------------------------------
     @property
+    def num_free(self) -> int:
+        """Pages ``allocate`` can hand out now (free + evictable cached; per subclass)."""
+        raise NotImplementedError
+
+    @property
     def num_cached(self) -> int:
         """Pages with ref 0 kept for their hash (evictable)."""
         return sum(len(r.lru) for r in self._regions)
