@@ -299,3 +299,12 @@ def test_lease_errors() -> None:
     with pytest.raises(ValueError, match="unknown lease"):
         pool.release("x")
     assert refs(pool) == [1, 0, 0, 0]
+
+
+def test_pool_modules_do_not_import_torch() -> None:
+    code = (
+        "import sys, kvserving.worker.page_pool, kvserving.worker.triaxial_pool, kvserving.worker.precision;"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
