@@ -1,0 +1,196 @@
+"""The KVServing CRD: a valid, structural CRD; samples pass its schema and CEL
+rules; each invalid combination is refused with its own rule's message."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from kvs_crd_tools import SAMPLES, admit, apply_defaults, load_crd, load_sample, root_schema
+
+from kvserving.operator.names import CRD_NAME, GROUP, KIND, PLURAL, SHORT_NAME, VERSION
+from kvserving.operator.render import Owner, render
+from kvserving.operator.spec import parse_spec
+
+K8S_VERSION = "1.37"
+OWNER = Owner(name="demo", namespace="default", uid="uid-1")
+
+
+def _spec_schema() -> dict[str, Any]:
+    return root_schema()["properties"]["spec"]
+
+
+def test_crd_is_a_valid_customresourcedefinition() -> None:
+    crd = load_crd()
+    assert kubernetes_validate.validate(crd, K8S_VERSION, strict=True) == K8S_VERSION
+    assert crd["metadata"]["name"] == CRD_NAME
+    spec = crd["spec"]
+    assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["plural"]) == (GROUP, "Namespaced", KIND, PLURAL)
+    assert spec["names"]["shortNames"] == [SHORT_NAME]
+    (version,) = spec["versions"]
+    assert (version["name"], version["served"], version["storage"]) == (VERSION, True, True)
+    assert version["subresources"] == {"status": {}}
+
+
+def test_printer_columns() -> None:
+    (version,) = load_crd()["spec"]["versions"]
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns == {
+        "DType": ".spec.kvCache.dtype",
+        "Bits": ".status.kvBits",
+        "Prefill": ".status.prefill.ready",
+        "Decode": ".status.decode.ready",
+        "Phase": ".status.phase",
+        "Endpoint": ".status.endpoint",
+        "Age": ".metadata.creationTimestamp",
+    }
+
+
+def _walk(schema: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:
+    out = [(path, schema)]
+    for key, sub in (schema.get("properties") or {}).items():
+        out += _walk(sub, f"{path}.{key}")
+    if isinstance(schema.get("items"), dict):
+        out += _walk(schema["items"], f"{path}[]")
+    return out
+
+
+def test_every_spec_field_has_a_type_and_description() -> None:
+    nodes = _walk(_spec_schema(), "spec")
+    assert len(nodes) > 40
+    for path, node in nodes:
+        if "[]" in path:  # toleration items mirror core/v1 Toleration
+            continue
+        assert "type" in node or node.get("x-kubernetes-int-or-string"), path
+        assert node.get("description"), f"{path} has no description"
+
+
+# Fields left unset on purpose: their default depends on other fields or is "none".
+OPTIONAL = {"spec.model.maxModelLen", "spec.model.pvcName", "spec.kvCache.bitBudget", "spec.kvCache.pageSize"}
+
+
+def test_every_top_level_field_of_each_section_has_a_default() -> None:
+    spec = _spec_schema()
+    for section, node in spec["properties"].items():
+        assert "default" in node, f"spec.{section}"
+        for key, sub in (node.get("properties") or {}).items():
+            if f"spec.{section}.{key}" not in OPTIONAL:
+                assert "default" in sub, f"spec.{section}.{key} has no default"
+
+
+def test_design_defaults() -> None:
+    defaulted, errors = admit({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": "d"}})
+    assert errors == []
+    spec = defaulted["spec"]
+    assert spec["reuse"] == {"bidirectional": True, "retentionTTLSeconds": 480, "leaseTTLSeconds": 420, "recomputeThresholdTokens": 64}
+    assert spec["kvCache"] == {"dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowEmulation": False}
+    assert spec["prefill"]["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    assert spec["monitoring"] == {"enabled": True, "dashboard": True, "scrapeInterval": "30s", "labels": {}}
+
+
+@pytest.mark.parametrize("sample", sorted(SAMPLES))
+def test_renderer_defaults_equal_the_crd_defaults(sample: str) -> None:
+    """Rendering the spec as written and as the API server defaults it gives the same objects."""
+    body = load_sample(sample)
+    defaulted = apply_defaults(root_schema(), body)
+    assert parse_spec(body["spec"]) == parse_spec(defaulted["spec"])
+    assert render(body["spec"], owner=OWNER) == render(defaulted["spec"], owner=OWNER)
+
+
+def test_empty_spec_renders_like_its_defaulted_self() -> None:
+    defaulted = apply_defaults(root_schema(), {"spec": {}})
+    assert render({}, owner=OWNER) == render(defaulted["spec"], owner=OWNER)
+
+
+@pytest.mark.parametrize("sample", sorted(SAMPLES))
+def test_samples_are_admitted(sample: str) -> None:
+    body = load_sample(sample)
+    assert (body["apiVersion"], body["kind"]) == (f"{GROUP}/{VERSION}", KIND)
+    _, errors = admit(body)
+    assert errors == []
+
+
+def test_sample_set_covers_the_three_formats() -> None:
+    dtypes = {name: load_sample(name)["spec"]["kvCache"]["dtype"] for name in SAMPLES}
+    assert dtypes == {"nvfp4": "nvfp4", "triaxial": "triaxial", "fp8_e4m3": "fp8_e4m3"}
+    assert load_sample("triaxial")["spec"]["kvCache"]["bitBudget"] == 2.7
+
+
+def _with(path: str, value: Any, *, base: str = "fp8_e4m3") -> dict[str, Any]:
+    body = copy.deepcopy(load_sample(base))
+    node = body
+    *parents, leaf = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+    return body
+
+
+INVALID = [
+    ("bitBudget without triaxial", _with("spec.kvCache.bitBudget", 3.0), "spec.kvCache: bitBudget is only valid with dtype triaxial"),
+    ("bitBudget below 2", _with("spec.kvCache.bitBudget", 1.5, base="triaxial"), "spec.kvCache.bitBudget: bitBudget must be within [2, 4]"),
+    ("bitBudget above 4", _with("spec.kvCache.bitBudget", 4.5, base="triaxial"), "spec.kvCache.bitBudget: bitBudget must be within [2, 4]"),
+    (
+        "lease not below retention",
+        _with("spec.reuse", {"retentionTTLSeconds": 300, "leaseTTLSeconds": 300}),
+        "spec.reuse: leaseTTLSeconds must be less than retentionTTLSeconds",
+    ),
+    ("zero lease", _with("spec.reuse.leaseTTLSeconds", 0), "spec.reuse.leaseTTLSeconds: leaseTTLSeconds must be positive"),
+    ("negative lease", _with("spec.reuse.leaseTTLSeconds", -5), "spec.reuse.leaseTTLSeconds: leaseTTLSeconds must be positive"),
+    ("negative prefill replicas", _with("spec.prefill.replicas", -1), "spec.prefill.replicas: replicas must not be negative"),
+    ("negative decode replicas", _with("spec.decode.replicas", -2), "spec.decode.replicas: replicas must not be negative"),
+    ("negative gateway replicas", _with("spec.gateway.replicas", -1), "spec.gateway.replicas: replicas must not be negative"),
+    ("page size not a power of two", _with("spec.kvCache.pageSize", 24), "spec.kvCache.pageSize: pageSize must be a power of two"),
+    ("triaxial page size not 32", _with("spec.kvCache.pageSize", 16, base="triaxial"), "spec.kvCache: pageSize must be 32 for dtype triaxial"),
+]
+
+
+@pytest.mark.parametrize(("case", "body", "message"), INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_spec_is_refused_with_its_rules_message(case: str, body: dict[str, Any], message: str) -> None:
+    _, errors = admit(body)
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(message)
+
+
+def test_zero_retention_also_breaks_the_lease_rule() -> None:
+    _, errors = admit(_with("spec.reuse.retentionTTLSeconds", 0))
+    assert [e.split(" (")[0] for e in errors] == [
+        "spec.reuse: leaseTTLSeconds must be less than retentionTTLSeconds",
+        "spec.reuse.retentionTTLSeconds: retentionTTLSeconds must be positive",
+    ]
+
+
+@pytest.mark.parametrize(("case", "body", "message"), INVALID, ids=[c[0] for c in INVALID])
+def test_engine_config_refuses_what_the_crd_refuses(case: str, body: dict[str, Any], message: str) -> None:
+    defaulted, _ = admit(body)
+    with pytest.raises(ValueError):
+        render(defaulted["spec"], owner=OWNER)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "base"),
+    [
+        ("spec.kvCache.bitBudget", 2.0, "triaxial"),
+        ("spec.kvCache.bitBudget", 4, "triaxial"),  # an integer in YAML is still a number
+        ("spec.kvCache.pageSize", 32, "triaxial"),
+        ("spec.kvCache.pageSize", 64, "fp8_e4m3"),
+        ("spec.reuse", {"retentionTTLSeconds": 60, "leaseTTLSeconds": 59}, "fp8_e4m3"),
+        ("spec.decode.replicas", 0, "fp8_e4m3"),
+    ],
+)
+def test_boundary_values_are_admitted(path: str, value: Any, base: str) -> None:
+    _, errors = admit(_with(path, value, base=base))
+    assert errors == []
+
+
+def test_other_schema_errors_are_refused() -> None:
+    _, errors = admit(_with("spec.kvCache.dtype", "int3"))
+    assert any("kvCache.dtype" in e for e in errors)
+    _, errors = admit(_with("spec.kvCache.memoryFraction", 1.5))
+    assert errors == ["spec.kvCache.memoryFraction: memoryFraction must be in (0, 1]"]
+    _, errors = admit(_with("spec.kvCache.bitsBudget", 3.0))
+    assert errors == ["spec.kvCache.bitsBudget: unknown field"]
+    _, errors = admit(_with("metadata.name", "n" * 51))
+    assert errors == ["<root>: metadata.name must be at most 50 characters (child Services append -prefill, -decode, -gateway)"]
