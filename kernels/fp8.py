@@ -17,50 +17,17 @@ rounding: ``-0.0`` and negative values that round to zero give ``0x80``
 Dequantize: ``fp32(e4m3(bits)) * fp32(scale)`` (one fp32 rounding; exact when
 scale is 1), then cast to the output dtype (round to nearest even).
 
-The helpers ``check_float_tensor`` / ``check_positive_scale`` are shared with
-the other reference codecs so every quantizer refuses bad input the same way.
+Bad input (see ``quant_checks``) raises ValueError; nothing is silently rounded.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from kvserving.kernels.quant_checks import check_float_tensor, check_out_dtype, check_positive_scale
 
 E4M3_MAX = 448.0
 E4M3_MAX_BITS = 0x7E
-# Inputs a reference quantizer accepts; everything is computed in fp32. fp64
-# is refused rather than silently rounded to fp32 first.
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def check_float_tensor(x: torch.Tensor, name: str = "x") -> None:
-    """Raise ValueError unless ``x`` is an fp32/bf16/fp16 tensor of finite values."""
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name} must have dtype float32, bfloat16 or float16, got {x.dtype}")
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{name} contains NaN or Inf")
-
-
-def check_positive_scale(value: float, name: str) -> torch.Tensor:
-    """Return ``value`` as an fp32 scalar tensor; raise ValueError unless it is finite and > 0 in fp32."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a real number, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {value}")
-    as_f32 = torch.tensor(value, dtype=torch.float32)
-    # The kernels hold scales in fp32: a value that under/overflows there is refused.
-    if not (bool(torch.isfinite(as_f32)) and float(as_f32) > 0):
-        raise ValueError(f"{name} must be a positive finite fp32 value, got {value}")
-    return as_f32
-
-
-def check_out_dtype(dtype: torch.dtype) -> None:
-    """Raise ValueError unless ``dtype`` is a dequantization output dtype (fp32/bf16/fp16)."""
-    if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
 
 
 def e4m3_bits(t: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserving.kernels.fp8 import check_float_tensor, check_out_dtype
+from kvserving.kernels.quant_checks import check_float_tensor, check_out_dtype
 
 GROUP = 32
 FP16_MAX = 65504.0

@@ -41,14 +41,9 @@ import math
 
 import torch
 
-from kvserving.kernels.fp8 import (
-    check_float_tensor,
-    check_out_dtype,
-    check_positive_scale,
-    e4m3_bits,
-    e4m3_values,
-)
+from kvserving.kernels.fp8 import e4m3_bits, e4m3_values
 from kvserving.kernels.intquant import pack_int4, unpack_int4  # same nibble order as INT4
+from kvserving.kernels.quant_checks import check_float_tensor, check_out_dtype, check_positive_scale
 
 BLOCK = 16
 E2M1_MAX = 6.0
