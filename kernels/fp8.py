@@ -17,7 +17,7 @@ rounding: ``-0.0`` and negative values that round to zero give ``0x80``
 Dequantize: ``fp32(e4m3(bits)) * fp32(scale)`` (one fp32 rounding; exact when
 scale is 1), then cast to the output dtype (round to nearest even).
 
-Bad input (see ``quant_checks``) raises ValueError; nothing is silently rounded.
+Bad input (see ``quant_checks``: NaN/Inf, a non-float dtype, a bad scale) raises ValueError.
 """
 
 from __future__ import annotations
