@@ -1,0 +1,297 @@
+"""Pure rendering: golden objects per sample, exact container contract, a spec
+change changes exactly what it should, every object validates against the
+Kubernetes schema."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from kvs_crd_tools import REPO, SAMPLES, apply_defaults, load_sample, root_schema
+
+from kvserving.config import ServingConfig
+from kvserving.operator.dashboard import DASHBOARD_METRICS, PANELS, build_dashboard, dashboard_json
+from kvserving.operator.render import APPLIED_HASH, CONFIG_HASH, Owner, Rendered, render
+
+GOLDEN = Path(__file__).parent / "golden"
+K8S_VERSION = "1.37"
+UID = "0b6f4a1e-5d2c-4c7e-9a43-6f1d2e3c4b5a"
+
+
+def _render_sample(name: str, mutate: Any = None) -> Rendered:
+    body = apply_defaults(root_schema(), load_sample(name))
+    if mutate is not None:
+        mutate(body["spec"])
+    meta = body["metadata"]
+    return render(body["spec"], owner=Owner(name=meta["name"], namespace=meta["namespace"], uid=UID))
+
+
+def _by_key(rendered: Rendered) -> dict[str, dict[str, Any]]:
+    return {f"{o['kind']}/{o['metadata']['name']}": o for o in rendered.objects}
+
+
+@pytest.mark.parametrize("sample", sorted(SAMPLES))
+def test_golden(sample: str) -> None:
+    """Regenerate with KVSERVING_UPDATE_GOLDEN=1 and review the diff."""
+    text = yaml.safe_dump_all(_render_sample(sample).objects, sort_keys=True)
+    path = GOLDEN / f"{sample}.yaml"
+    if os.environ.get("KVSERVING_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text()
+
+
+def test_children_of_the_nvfp4_sample() -> None:
+    objs = _by_key(_render_sample("nvfp4"))
+    assert sorted(objs) == [
+        "ConfigMap/qwen3-nvfp4-config",
+        "ConfigMap/qwen3-nvfp4-dashboard",
+        "Deployment/qwen3-nvfp4-decode",
+        "Deployment/qwen3-nvfp4-gateway",
+        "Deployment/qwen3-nvfp4-prefill",
+        "PodMonitor/qwen3-nvfp4",
+        "Service/qwen3-nvfp4-decode",
+        "Service/qwen3-nvfp4-gateway",
+        "Service/qwen3-nvfp4-prefill",
+    ]
+    for obj in objs.values():
+        assert obj["metadata"]["namespace"] == "default"
+        assert obj["metadata"]["ownerReferences"] == [
+            {"apiVersion": "kvserving.dev/v1alpha1", "kind": "KVServing", "name": "qwen3-nvfp4", "uid": UID, "controller": True}
+        ]
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kvserving-operator"
+        assert re.fullmatch(r"[0-9a-f]{16}", obj["metadata"]["annotations"][APPLIED_HASH])
+
+
+def test_engine_config_is_the_shared_schema() -> None:
+    rendered = _render_sample("triaxial")
+    cm = _by_key(rendered)["ConfigMap/qwen3-triaxial-config"]
+    cfg = ServingConfig.from_json(cm["data"]["config.json"])
+    assert cfg.kv_cache.dtype == "triaxial"
+    assert cfg.kv_cache.bit_budget == 2.7
+    assert cfg.kv_cache.effective_page_size == 32
+    assert (cfg.reuse.retention_ttl_s, cfg.reuse.lease_ttl_s, cfg.reuse.recompute_threshold_tokens) == (600.0, 540.0, 64)
+    assert cfg.reuse.bidirectional is True
+    assert (cfg.model.path, cfg.model.served_name) == ("/models/Qwen3-8B", "qwen3-8b")
+    assert cfg.gateway.prefill_service == "qwen3-triaxial-prefill.default.svc"
+    assert cfg.gateway.decode_service == "qwen3-triaxial-decode.default.svc"
+    assert cfg.gateway.worker_port == 8000
+    assert cm["data"]["config.json"] == cfg.to_json()
+    assert rendered.kv_bits == 2.7
+
+
+def test_worker_and_gateway_containers_follow_the_command_line() -> None:
+    objs = _by_key(_render_sample("fp8_e4m3"))
+    for role in ("prefill", "decode"):
+        pod = objs[f"Deployment/qwen3-fp8-{role}"]["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        assert c["command"] + c["args"] == [
+            "kvserving", "worker", "--role", role, "--config", "/etc/kvserving/config.json", "--host", "0.0.0.0", "--port", "8000",
+        ]
+        assert c["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+        assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+        assert {v["name"]: v for v in pod["volumes"]}["model"]["persistentVolumeClaim"] == {
+            "claimName": "qwen3-8b-weights", "readOnly": True}
+    gw = objs["Deployment/qwen3-fp8-gateway"]["spec"]["template"]["spec"]
+    (c,) = gw["containers"]
+    assert c["command"] + c["args"] == [
+        "kvserving", "gateway", "--config", "/etc/kvserving/config.json", "--host", "0.0.0.0", "--port", "8080",
+    ]
+    assert "nvidia.com/gpu" not in json.dumps(c["resources"])
+    assert objs["Service/qwen3-fp8-gateway"]["spec"]["ports"][0]["port"] == 8080
+    for role in ("prefill", "decode"):
+        svc = objs[f"Service/qwen3-fp8-{role}"]["spec"]
+        assert svc["clusterIP"] == "None"
+        assert svc["selector"] == {"app.kubernetes.io/name": "kvserving", "app.kubernetes.io/instance": "qwen3-fp8",
+                                   "app.kubernetes.io/component": role}
+    assert "clusterIP" not in objs["Service/qwen3-fp8-gateway"]["spec"]
+
+
+def test_probes_and_security_context() -> None:
+    for obj in _render_sample("fp8_e4m3").objects:
+        if obj["kind"] != "Deployment":
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+        assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == 1000
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+        assert pod["automountServiceAccountToken"] is False
+        # the pod selector matches the template's labels
+        assert obj["spec"]["selector"]["matchLabels"].items() <= obj["spec"]["template"]["metadata"]["labels"].items()
+
+
+BLACKWELL = {
+    "nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "nvidia.com/gpu.compute.major", "operator": "In", "values": ["10", "12"]}]}]
+        }
+    }
+}
+
+
+def test_nvfp4_workers_get_blackwell_affinity_and_the_pool_selector() -> None:
+    objs = _by_key(_render_sample("nvfp4"))
+    for role in ("prefill", "decode"):
+        pod = objs[f"Deployment/qwen3-nvfp4-{role}"]["spec"]["template"]["spec"]
+        assert pod["affinity"] == BLACKWELL
+        assert pod["nodeSelector"] == {"kvserving.dev/node-pool": "blackwell"}
+        assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert "affinity" not in objs["Deployment/qwen3-nvfp4-gateway"]["spec"]["template"]["spec"]
+
+
+def test_emulation_or_other_formats_get_no_gpu_affinity() -> None:
+    emulated = _render_sample("nvfp4", lambda s: s["kvCache"].update(allowEmulation=True))
+    for name in ("triaxial", "fp8_e4m3"):
+        for obj in _render_sample(name).objects + emulated.objects:
+            if obj["kind"] == "Deployment":
+                assert "affinity" not in obj["spec"]["template"]["spec"], obj["metadata"]["name"]
+
+
+def _changed(before: Rendered, after: Rendered) -> set[str]:
+    a, b = _by_key(before), _by_key(after)
+    return {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+
+
+def test_replica_change_touches_only_that_deployment() -> None:
+    before = _render_sample("triaxial")
+    after = _render_sample("triaxial", lambda s: s["decode"].update(replicas=5))
+    assert _changed(before, after) == {"Deployment/qwen3-triaxial-decode"}
+    assert after.config_hash == before.config_hash
+    dep = _by_key(after)["Deployment/qwen3-triaxial-decode"]
+    assert dep["spec"]["replicas"] == 5
+    assert dep["spec"]["template"] == _by_key(before)["Deployment/qwen3-triaxial-decode"]["spec"]["template"]
+    assert after.replicas == {"prefill": 1, "decode": 5, "gateway": 1}
+
+
+def test_engine_config_change_rolls_every_pod() -> None:
+    before = _render_sample("triaxial")
+    after = _render_sample("triaxial", lambda s: s["reuse"].update(retentionTTLSeconds=900))
+    assert after.config_hash != before.config_hash
+    assert _changed(before, after) == {
+        "ConfigMap/qwen3-triaxial-config",
+        "Deployment/qwen3-triaxial-prefill",
+        "Deployment/qwen3-triaxial-decode",
+        "Deployment/qwen3-triaxial-gateway",
+    }
+    for role in ("prefill", "decode", "gateway"):
+        template = _by_key(after)[f"Deployment/qwen3-triaxial-{role}"]["spec"]["template"]
+        assert template["metadata"]["annotations"] == {CONFIG_HASH: after.config_hash}
+
+
+def test_image_change_touches_deployments_only() -> None:
+    before = _render_sample("fp8_e4m3")
+    after = _render_sample("fp8_e4m3", lambda s: s.update(image="registry.example/kvserving:0.2.0"))
+    assert _changed(before, after) == {f"Deployment/qwen3-fp8-{r}" for r in ("prefill", "decode", "gateway")}
+
+
+def test_monitoring_off_drops_monitor_and_dashboard() -> None:
+    before = _render_sample("fp8_e4m3")
+    after = _render_sample("fp8_e4m3", lambda s: s["monitoring"].update(enabled=False))
+    assert _changed(before, after) == {"PodMonitor/qwen3-fp8", "ConfigMap/qwen3-fp8-dashboard"}
+    assert set(_by_key(before)) - set(_by_key(after)) == {"PodMonitor/qwen3-fp8", "ConfigMap/qwen3-fp8-dashboard"}
+
+
+def test_monitoring_objects() -> None:
+    objs = _by_key(_render_sample("nvfp4"))
+    monitor = objs["PodMonitor/qwen3-nvfp4"]
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("http", "/metrics", "30s")
+    assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "kvserving", "app.kubernetes.io/instance": "qwen3-nvfp4"}
+    dash = objs["ConfigMap/qwen3-nvfp4-dashboard"]
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    board = json.loads(dash["data"]["kvserving-default-qwen3-nvfp4.json"])
+    assert board["uid"] == "kvs-default-qwen3-nvfp4"
+    assert len(board["panels"]) == len(PANELS)
+
+
+# What a PodMonitor must look like (prometheus-operator's CRD is not in the
+# Kubernetes schemas); the fields the renderer sets, with their types.
+POD_MONITOR_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "spec": {
+            "type": "object",
+            "required": ["selector", "podMetricsEndpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {"type": "object", "properties": {"matchLabels": {"type": "object"}}, "additionalProperties": False},
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "interval": {"type": "string", "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
+                            "relabelings": {"type": "array"},
+                        },
+                    },
+                },
+            },
+        }
+    },
+}
+
+
+@pytest.mark.parametrize("sample", sorted(SAMPLES))
+def test_every_rendered_object_validates(sample: str) -> None:
+    import jsonschema
+
+    kinds = set()
+    for obj in _render_sample(sample).objects:
+        kinds.add(obj["kind"])
+        if obj["apiVersion"] == "monitoring.coreos.com/v1":
+            jsonschema.validate(obj, POD_MONITOR_SCHEMA)
+            # metadata is a plain ObjectMeta: validate it through a ConfigMap shell
+            kubernetes_validate.validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]}, K8S_VERSION, strict=True)
+        else:
+            assert kubernetes_validate.validate(obj, K8S_VERSION, strict=True) == K8S_VERSION
+    assert kinds >= {"ConfigMap", "Service", "Deployment"}
+
+
+def test_a_broken_object_would_fail_validation() -> None:
+    """The validator is not a no-op."""
+    obj = copy.deepcopy(_by_key(_render_sample("fp8_e4m3"))["Deployment/qwen3-fp8-prefill"])
+    obj["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def _histogram_base(name: str) -> str:
+    return re.sub(r"_(bucket|sum|count)$", "", name)
+
+
+def test_every_dashboard_panel_queries_a_listed_metric() -> None:
+    listed = {name for name, _, _ in DASHBOARD_METRICS}
+    kinds = {name: kind for name, kind, _ in DASHBOARD_METRICS}
+    for name in listed:
+        assert re.fullmatch(r"kvserving_(gateway|worker)_[a-z0-9_]+", name)
+        assert kinds[name] != "counter" or name.endswith("_total")
+        assert kinds[name] != "histogram" or name.endswith("_seconds")
+    used = set()
+    for panel in build_dashboard()["panels"]:
+        (target,) = panel["targets"]
+        names = set(re.findall(r"\bkvserving_[a-z0-9_]+", target["expr"]))
+        assert names, panel["title"]
+        for name in names:
+            assert _histogram_base(name) in listed, f"{panel['title']} queries {name}"
+            used.add(_histogram_base(name))
+    assert used == listed  # no metric listed that no panel shows
+
+
+def test_manifest_dashboard_is_the_generated_one() -> None:
+    path = REPO / "manifests" / "grafana" / "kvserving-dashboard.json"
+    assert path.read_text() == dashboard_json()
