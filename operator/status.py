@@ -77,6 +77,7 @@ class RoleObservation:
     updated: int = 0
     config_hash: str | None = None  # pod template annotation
     settled: bool = False  # the Deployment controller observed its latest generation
+    complete: bool = False  # Progressing=NewReplicaSetAvailable: the rollout finished once
     failure: str | None = None  # ProgressDeadlineExceeded / ReplicaFailure message
 
 
@@ -87,10 +88,12 @@ def observe_deployment(obj: dict[str, Any] | None) -> RoleObservation:
     if obj is None:
         return MISSING
     status = obj.get("status") or {}
-    failure = None
+    failure, complete = None, False
     for cond in status.get("conditions") or []:
         if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
             failure = cond.get("message") or "progress deadline exceeded"
+        elif cond.get("type") == "Progressing" and cond.get("reason") == "NewReplicaSetAvailable":
+            complete = True
         elif cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
             failure = cond.get("message") or cond.get("reason") or "replica failure"
     template_meta = obj.get("spec", {}).get("template", {}).get("metadata", {})
@@ -101,6 +104,7 @@ def observe_deployment(obj: dict[str, Any] | None) -> RoleObservation:
         updated=int(status.get("updatedReplicas") or 0),
         config_hash=(template_meta.get("annotations") or {}).get(CONFIG_HASH),
         settled=int(status.get("observedGeneration") or 0) >= int(obj.get("metadata", {}).get("generation") or 0),
+        complete=complete,
         failure=failure,
     )
 
@@ -121,7 +125,8 @@ def _condition(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any
 
 
 def _role_condition(role: str, name: str, want: int, config_hash: str, obs: RoleObservation) -> tuple[dict[str, Any], str]:
-    """The role's condition and its state: ready, rolling, failed or missing."""
+    """The role's condition and its state: ready, rolling, unavailable (replicas
+    lost after a finished rollout) or failed."""
     ctype = ROLE_CONDITION[role]
     counts = f"{obs.ready}/{want} replicas ready"
     if not obs.exists:
@@ -129,12 +134,14 @@ def _role_condition(role: str, name: str, want: int, config_hash: str, obs: Role
     if obs.failure is not None:
         return _condition(ctype, False, "RolloutFailed", f"{counts}: {obs.failure}"), "failed"
     current = obs.config_hash == config_hash and obs.replicas == want and obs.settled
+    if current and want == 0:
+        return _condition(ctype, True, "ScaledToZero", "0 replicas requested"), "ready"
     if not current or obs.updated < want:
         return _condition(ctype, False, "RollingOut", f"{counts}, {obs.updated}/{want} updated to config {config_hash}"), "rolling"
+    if obs.ready < want and not obs.complete:
+        return _condition(ctype, False, "ReplicasNotReady", f"{counts}, rollout in progress"), "rolling"
     if obs.ready < want:
-        return _condition(ctype, False, "ReplicasNotReady", counts), "unavailable"
-    if want == 0:
-        return _condition(ctype, True, "ScaledToZero", "0 replicas requested"), "ready"
+        return _condition(ctype, False, "ReplicasUnavailable", f"{counts} after the rollout finished"), "unavailable"
     return _condition(ctype, True, "ReplicasReady", counts), "ready"
 
 
