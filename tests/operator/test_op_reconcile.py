@@ -193,12 +193,14 @@ class _Memo:
 
 def test_handlers_registered() -> None:
     changing = handlers.registry._changing.get_all_handlers()
-    reasons = sorted(str(r) for h in changing for r in (h.reason,) if r is not None)
-    assert {"create", "update", "resume"} <= {r.split(".")[-1].lower() for r in reasons} | {
-        "resume" for h in changing if getattr(h, "initial", False)}
+    # (reason, initial): create, update, and resume (initial listing, no reason)
+    assert sorted((str(h.reason), h.initial) for h in changing) == [("None", True), ("create", None), ("update", None)]
+    assert {h.id for h in changing} == {"reconcile_kvserving"}
+    assert all(h.errors == kopf.ErrorsMode.TEMPORARY for h in changing)
     spawning = handlers.registry._spawning.get_all_handlers()
-    assert [h.interval for h in spawning] == [handlers.REFRESH_SECONDS]
-    assert not any(str(getattr(h, "reason", "")).endswith("DELETE") for h in changing)  # GC deletes, no finalizer
+    assert [(h.id, h.interval) for h in spawning] == [("refresh", handlers.REFRESH_SECONDS)]
+    activities = sorted(str(h.activity) for h in handlers.registry._activities.get_all_handlers())
+    assert activities == ["authentication", "cleanup", "startup"]
 
 
 def test_reconcile_handler_posts_events_and_raises_for_retry(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,114 @@
+"""RBAC derived from the code: every API call the operator makes is granted by
+the ClusterRole, and the ClusterRole grants nothing the code does not use."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+import pytest
+import yaml
+from kvs_crd_tools import REPO, apply_defaults, load_sample, root_schema
+from kvs_fake_api import FakeApiServer
+
+from kvserving.operator import kube, rbac
+from kvserving.operator.kube import KubeApi
+from kvserving.operator.main import add_arguments, run
+from kvserving.operator.reconcile import reconcile, refresh_status
+
+
+def _manifest(kind: str) -> dict[str, Any]:
+    (doc,) = [d for d in yaml.safe_load_all((REPO / "manifests" / "rbac.yaml").read_text()) if d["kind"] == kind]
+    return doc
+
+
+def _granted() -> set[tuple[str, str, str]]:
+    return {
+        (verb, group, resource)
+        for rule in _manifest("ClusterRole")["rules"]
+        for verb in rule["verbs"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+
+
+def _exercise_every_call() -> set[tuple[str, str, str]]:
+    """Drive the reconciler through create, refresh, change, monitoring off,
+    stale children, a cluster without prometheus-operator and a delete of a
+    gone object."""
+    body = apply_defaults(root_schema(), load_sample("nvfp4"))
+    body["metadata"].update(uid="u1", generation=1)
+    server = FakeApiServer()
+    api = KubeApi(server)
+    asyncio.run(reconcile(api, body, now="2026-11-29T10:00:00Z"))
+    server.settle_deployments()
+    asyncio.run(refresh_status(api, body, now="2026-11-29T10:00:01Z"))
+    body["spec"]["monitoring"]["enabled"] = False
+    body["metadata"]["generation"] = 2
+    asyncio.run(reconcile(api, body, now="2026-11-29T10:00:02Z"))
+    # Children an older rendering left behind (owned, labelled, no longer rendered) are deleted.
+    for plural, group in (("services", ""), ("deployments", "apps")):
+        stale = server.objects[(group, plural, "default", "qwen3-nvfp4-prefill")]
+        server.objects[(group, plural, "default", "qwen3-nvfp4-old")] = {**stale, "metadata": {**stale["metadata"], "name": "qwen3-nvfp4-old"}}
+    server.writes.clear()
+    asyncio.run(reconcile(api, body, now="2026-11-29T10:00:03Z"))
+    assert sorted(w for w in server.writes if w[0] == "delete") == [
+        ("delete", "deployments", "qwen3-nvfp4-old"), ("delete", "services", "qwen3-nvfp4-old")]
+    asyncio.run(api.delete("Deployment", "default", "gone"))  # already gone: not an error
+    calls = set(server.calls)
+    bare = FakeApiServer()
+    bare.missing_groups.add("monitoring.coreos.com")
+    asyncio.run(reconcile(KubeApi(bare), body, now="2026-11-29T10:00:03Z"))
+    return calls | set(bare.calls)
+
+
+def test_the_code_makes_exactly_the_declared_calls() -> None:
+    assert _exercise_every_call() == set(kube.API_CALLS)
+
+
+def test_an_undeclared_call_is_refused_before_it_is_made() -> None:
+    server = FakeApiServer()
+    with pytest.raises(ValueError, match="undeclared API call get apps/deployments"):
+        asyncio.run(KubeApi(server)._call("get", kube.CHILD_RESOURCES["Deployment"], "/apis/apps/v1/namespaces/x/deployments/y"))
+    assert server.calls == []
+
+
+def test_cluster_role_grants_exactly_what_the_code_needs() -> None:
+    needed = rbac.required_permissions()
+    granted = _granted()
+    assert needed - granted == set(), "missing from manifests/rbac.yaml"
+    assert granted - needed == set(), "granted but never used"
+    # what kopf itself needs for our handlers: watch the KVServings, patch its annotations, post Events
+    assert needed - set(kube.API_CALLS) == {
+        ("list", "kvserving.dev", "kvservings"),
+        ("watch", "kvserving.dev", "kvservings"),
+        ("patch", "kvserving.dev", "kvservings"),
+        ("create", "", "events"),
+    }
+    assert _manifest("ClusterRole")["rules"] == rbac.cluster_role_rules()
+
+
+def test_no_wildcards_and_no_secrets() -> None:
+    for verb, group, resource in _granted():
+        assert "*" not in (verb, group, resource)
+        assert resource not in ("secrets", "pods/exec", "clusterroles", "clusterrolebindings")
+
+
+def test_binding_ties_the_role_to_the_operators_service_account() -> None:
+    binding = _manifest("ClusterRoleBinding")
+    sa = _manifest("ServiceAccount")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": _manifest("ClusterRole")["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": sa["metadata"]["namespace"]}]
+    (deployment,) = [d for d in yaml.safe_load_all((REPO / "manifests" / "operator.yaml").read_text())]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == sa["metadata"]["name"]
+    assert deployment["metadata"]["namespace"] == sa["metadata"]["namespace"]
+
+
+def test_print_rbac_matches_the_manifest(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--print-rbac"])) == 0
+    assert json.loads(capsys.readouterr().out) == _manifest("ClusterRole")["rules"]
