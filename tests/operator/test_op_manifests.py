@@ -1,0 +1,111 @@
+"""manifests/: every object validates against the Kubernetes schema, the
+kustomization installs CRD + operator + RBAC + dashboard, and the operator
+Deployment runs `kvserving operator` as DESIGN.md's command line says."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from kvs_crd_tools import REPO, SAMPLES
+
+from kvserving.operator.main import add_arguments, run
+
+MANIFESTS = REPO / "manifests"
+K8S_VERSION = "1.37"
+
+
+def _kustomize_resources(root: Path) -> list[Path]:
+    """Files a kustomization lists, following directories that are kustomizations themselves."""
+    files = []
+    for entry in yaml.safe_load((root / "kustomization.yaml").read_text())["resources"]:
+        path = (root / entry).resolve()
+        files += _kustomize_resources(path) if path.is_dir() else [path]
+    return files
+
+
+def _docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def test_kustomization_lists_existing_files_and_covers_everything() -> None:
+    files = _kustomize_resources(MANIFESTS)
+    assert all(f.exists() for f in files)
+    kinds = sorted(d["kind"] for f in files for d in _docs(f))
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "Namespace", "ServiceAccount"]
+    (gen,) = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())["configMapGenerator"]
+    assert all((MANIFESTS / f).exists() for f in gen["files"])
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(REPO).as_posix() for p in _kustomize_resources(MANIFESTS)))
+def test_every_manifest_validates(path: str) -> None:
+    for doc in _docs(REPO / path):
+        assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True) == K8S_VERSION
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed: kustomize build not checked")
+def test_kubectl_kustomize_builds_valid_objects() -> None:
+    out = subprocess.run(["kubectl", "kustomize", str(MANIFESTS)], capture_output=True, text=True, check=True, timeout=60).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    by_kind = {d["kind"]: d for d in docs}
+    assert sorted(by_kind) == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "CustomResourceDefinition", "Deployment", "Namespace", "ServiceAccount"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    dashboard = by_kind["ConfigMap"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["data"]["kvserving-dashboard.json"] == (MANIFESTS / "grafana" / "kvserving-dashboard.json").read_text()
+    # YAML anchors in the CRD expand identically through kustomize
+    assert by_kind["CustomResourceDefinition"]["spec"] == yaml.safe_load((REPO / "crds" / "kvserving.yaml").read_text())["spec"]
+
+
+def test_operator_deployment() -> None:
+    (dep,) = _docs(MANIFESTS / "operator.yaml")
+    assert dep["spec"]["replicas"] == 1
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}  # standalone kopf: never two at once
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["kvserving", "operator"]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    assert c["args"] == ["--liveness-port", "8081"]
+    assert c["ports"][0]["containerPort"] == 8081
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(c["args"])
+    assert (args.liveness_port, args.namespace) == (8081, [])
+
+
+def test_samples_are_not_in_the_kustomization() -> None:
+    """A KVServing cannot be applied in the same apply that creates its CRD."""
+    listed = set(_kustomize_resources(MANIFESTS))
+    assert not listed & {p.resolve() for p in SAMPLES.values()}
+
+
+def test_render_command_prints_the_children(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--render", str(SAMPLES["triaxial"])])) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [f"{d['kind']}/{d['metadata']['name']}" for d in docs] == [
+        "ConfigMap/qwen3-triaxial-config",
+        "Service/qwen3-triaxial-prefill",
+        "Deployment/qwen3-triaxial-prefill",
+        "Service/qwen3-triaxial-decode",
+        "Deployment/qwen3-triaxial-decode",
+        "Service/qwen3-triaxial-gateway",
+        "Deployment/qwen3-triaxial-gateway",
+        "PodMonitor/qwen3-triaxial",
+        "ConfigMap/qwen3-triaxial-dashboard",
+    ]
+
+
+def test_cli_has_the_operator_subcommand() -> None:
+    from kvserving.cli import COMMANDS
+
+    assert COMMANDS["operator"] == ("kvserving.operator.main", "run the kopf operator")
