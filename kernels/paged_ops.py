@@ -28,10 +28,12 @@ from .layout import PageLayout
 BACKENDS = ("reference", "triton")
 
 
-def _backend(buffer: Tensor, backend: str | None) -> str:
+def _backend(buffer: Tensor, backend: str | None, layout: PageLayout) -> str:
     name = backend or os.environ.get("KVSERVING_PAGED_BACKEND") or ("triton" if buffer.is_cuda else "reference")
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r}; expected one of {BACKENDS}")
+    if layout.fmt == "fp32":
+        return "reference"  # fp32 pages exist for fp32 models on CPU; the reference runs on any device
     return name
 
 
@@ -62,7 +64,7 @@ def write_kv(
     check_values: bool | None = None,
 ) -> None:
     """Quantize-on-write of T tokens ``k, v: [T, H, D]`` into ``(page_ids[t], slots[t])`` (bf16/fp8_e4m3/nvfp4/int4)."""
-    if _backend(buffer, backend) == "reference":
+    if _backend(buffer, backend, layout) == "reference":
         paged_ref.write_kv(buffer, layout, k, v, page_ids, slots, k_scale=k_scale, v_scale=v_scale)
         return
     paged_ref.check_write_kv(buffer, layout, k, v, page_ids, slots, values=_values(buffer, check_values))
@@ -81,7 +83,7 @@ def write_int2_pages(
     check_values: bool | None = None,
 ) -> None:
     """Write N whole INT2 pages ``k, v: [N, P, H, D]`` to ids carrying INT2_PAGE_FLAG."""
-    if _backend(buffer, backend) == "reference":
+    if _backend(buffer, backend, layout) == "reference":
         paged_ref.write_int2_pages(buffer, layout, k, v, page_ids, total_bytes=total_bytes)
         return
     paged_ref.check_write_int2_pages(buffer, layout, k, v, page_ids, total_bytes=total_bytes, values=_values(buffer, check_values))
@@ -106,7 +108,7 @@ def decode_attention(
 ) -> Tensor:
     """Decode attention of ``q: [B, Hq, D]`` over each sequence's pages -> [B, Hq, D] in q.dtype."""
     kw = dict(sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, int2_layout=int2_layout, num_int2_pages=num_int2_pages, total_bytes=total_bytes)
-    if _backend(buffer, backend) == "reference":
+    if _backend(buffer, backend, layout) == "reference":
         return paged_ref.decode_attention(q, buffer, layout, page_table, seq_lens, **kw)  # type: ignore[arg-type]
     total = paged_ref.check_decode(
         q, buffer, layout, page_table, seq_lens,
@@ -134,7 +136,7 @@ def gather_kv(
 ) -> None:
     """Extend path: dequantize the first ``num_tokens`` tokens of ``page_ids`` into the workspace ``out_k/out_v``."""
     kw = dict(k_scale=k_scale, v_scale=v_scale, int2_layout=int2_layout, total_bytes=total_bytes)
-    if _backend(buffer, backend) == "reference":
+    if _backend(buffer, backend, layout) == "reference":
         paged_ref.gather_kv(buffer, layout, page_ids, num_tokens, out_k, out_v, **kw)  # type: ignore[arg-type]
         return
     total = paged_ref.check_gather(

@@ -1,0 +1,246 @@
+"""Triton device functions that encode and decode the KV formats, bit-exact with the reference codecs.
+
+Two kinds live here:
+
+* encoders (E4M3, E2M1, INT codes) in plain fp32/int32 arithmetic, the same
+  IEEE operations in the same order as ``fp8.py`` / ``nvfp4.py`` /
+  ``intquant.py`` (divisions are ``div_rn``: Triton's ``/`` on fp32 lowers to an
+  approximate ``div.full.f32`` on NVIDIA GPUs);
+* decoders to fp16 for the attention kernels, each in two versions chosen at
+  compile time by ``FAST``: portable bit arithmetic (runs under
+  ``TRITON_INTERPRET=1``, so CI runs every kernel) and PTX inline assembly that
+  works on four packed bytes per instruction stream (the device path; the GPU
+  tests hold it to the same reference).
+
+Decoding to fp16 is exact for every stored value: E4M3 values and E2M1 x E4M3
+products fit in 11 significant bits and fp16's range once pre-scaled (see
+``nibbles_e2m1``), and INT codes are small integers.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# 1.5 * 2^23: adding it to an fp32 |x| < 2^22 leaves rne(x) in the low mantissa bits
+RNE_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def rne(x):
+    """Round fp32 to the nearest integer, ties to even (valid for |x| < 2^22)."""
+    return (x + RNE_MAGIC) - RNE_MAGIC
+
+
+@triton.jit
+def sign_bit(x):
+    """1 where the fp32 sign bit is set (also for -0.0), else 0; int32."""
+    return (x.to(tl.int32, bitcast=True) >> 31) & 1
+
+
+@triton.jit
+def to_bf16(x):
+    """fp32 -> bf16, round to nearest even, done in integer arithmetic (finite x).
+
+    The hardware conversion does the same on a GPU, but the interpreter
+    truncates; this keeps CPU and GPU bytes identical.
+    """
+    b = x.to(tl.uint32, bitcast=True)
+    b = b + 0x7FFF + ((b >> 16) & 1)
+    return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+# ----------------------------------------------------------------------------
+# encoders (quantize-on-write)
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def e4m3_bits(t):
+    """fp32 -> E4M3 bits (int32 0..255), saturating at +-448, ties to even, the sign of zero kept.
+
+    |t| lies in a binade [2^e, 2^(e+1)) with e >= -6 (smaller values share the
+    subnormal grid of e = -6), where E4M3 steps by q = 2^(e-3). rne(|t| / q)
+    is then r in 0..16 and the code is (e + 6) * 8 + r: r = 16 carries into
+    the next exponent by itself, and subnormals (e = -6, r < 8) come out as r.
+    """
+    a = tl.minimum(tl.abs(t), 448.0)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6)
+    inv_q = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e): |t| * inv_q is exact
+    r = rne(a * inv_q).to(tl.int32)
+    return ((e + 6) * 8 + r) | (sign_bit(t) << 7)
+
+
+@triton.jit
+def e4m3_value(bits):
+    """E4M3 bits (int32 0..255, never NaN codes) -> exact fp32 value."""
+    e = (bits >> 3) & 0xF
+    m = bits & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
+    return tl.where((bits & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def e2m1_codes(t):
+    """fp32 (already divided by the block scale) -> E2M1 code (int32 0..15), ties to even, saturating at 6."""
+    a = tl.abs(t)
+    # the magnitude index is the number of midpoints passed; ties go to the even index
+    idx = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
+    idx += (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+    return idx | (sign_bit(t) << 3)
+
+
+@triton.jit
+def int_stats(lo, hi, LEVELS: tl.constexpr):
+    """Group min/max (fp32) -> (scale, zero) as fp16: scale = fp16((hi - lo) / L), 1 when that is 0."""
+    scale = tl.math.div_rn(hi - lo, LEVELS * 1.0).to(tl.float16)
+    scale = tl.where(scale == 0, 1.0, scale).to(tl.float16)
+    return scale, lo.to(tl.float16)
+
+
+@triton.jit
+def int_codes(x, scale, zero, LEVELS: tl.constexpr):
+    """fp32 values and broadcastable fp16 scale/zero -> int32 codes clamp(rne((x - zero) / scale), 0, L)."""
+    t = tl.math.div_rn(x - zero.to(tl.float32), scale.to(tl.float32))
+    # clamping before rounding gives the same codes and keeps rne's argument small
+    t = tl.minimum(tl.maximum(t, -1.0), LEVELS + 1.0)
+    return tl.minimum(tl.maximum(rne(t), 0.0), LEVELS * 1.0).to(tl.int32)
+
+
+# ----------------------------------------------------------------------------
+# decoders to fp16 (attention); FAST selects the inline-assembly version
+# ----------------------------------------------------------------------------
+#
+# Packed bytes, and the fp16 each decoder builds from a code (bits of a half):
+#
+#   nvfp4 byte:  hi nibble = element 2j+1 | lo nibble = element 2j
+#                nibble s e1 e0 m  ->  fp16  s 0 0 e1 e0 m 0..0   (= e2m1 * 2^-14)
+#   int4 byte:   same nibble order; code c -> fp16 0x6400 | c  (= 1024 + c), minus 1024
+#   int2 byte:   bits 7-6 | 5-4 | 3-2 | 1-0 = elements 4j+3 | 4j+2 | 4j+1 | 4j
+#
+# In the assembly, one 32-bit register holds four bytes b0..b3 of a tensor and
+# each fp16 output register holds two results (b0, b1) or (b2, b3); prmt first
+# spreads two bytes into the two 16-bit halves of a register.
+
+_PRMT = """
+    mov.b32 zz, 0;
+    prmt.b32 lo01, $IN, zz, 0x4140;
+    prmt.b32 lo23, $IN, zz, 0x4342;
+"""
+
+
+def _asm_e2m1() -> str:
+    # t = b0 | b1 << 16; lo nibble -> bits 15 and 11..9: ((t & 8) << 12) | ((t & 7) << 9)
+    out = []
+    for pair, reg in ((0, "lo01"), (1, "lo23")):
+        for nib, shift in ((0, 0), (1, 4)):  # output 0: lo nibbles, output 1: hi nibbles
+            dst = f"${nib * 2 + pair}"
+            sc = f"${5 + pair}"
+            out.append(
+                f"shr.b32 t, {reg}, {shift}; shl.b32 a, t, 12; and.b32 a, a, 0x80008000; "
+                f"shl.b32 b, t, 9; and.b32 b, b, 0x0E000E00; or.b32 a, a, b; mul.rn.f16x2 {dst}, a, {sc};"
+            )
+    return "{ .reg .b32 zz, lo01, lo23, t, a, b;" + _PRMT.replace("$IN", "$4") + "\n".join(out) + "}"
+
+
+def _asm_int(bits: int) -> str:
+    # t = b0 | b1 << 16; code k of each byte -> (t >> bits*k) & mask | 0x6400 (1024 + c), then (x - 1024) * s + z
+    n = 8 // bits
+    mask = (1 << bits) - 1
+    mask2 = mask | mask << 16
+    ins = 2 * n  # first input operand: outputs are n tensors x 2 registers
+    out = []
+    for pair, reg in ((0, "lo01"), (1, "lo23")):
+        for k in range(n):
+            dst = f"${k * 2 + pair}"
+            sc, zr = f"${ins + 1 + pair}", f"${ins + 3 + pair}"
+            out.append(
+                f"shr.b32 t, {reg}, {bits * k}; and.b32 t, t, {mask2:#x}; or.b32 t, t, 0x64006400; "
+                f"sub.rn.f16x2 t, t, magic; fma.rn.f16x2 {dst}, t, {sc}, {zr};"
+            )
+    return (
+        "{ .reg .b32 zz, lo01, lo23, t, magic; mov.b32 magic, 0x64006400;"
+        + _PRMT.replace("$IN", f"${ins}")
+        + "\n".join(out)
+        + "}"
+    )
+
+
+ASM_E2M1: tl.constexpr = tl.constexpr(_asm_e2m1())
+ASM_INT4: tl.constexpr = tl.constexpr(_asm_int(4))
+ASM_INT2: tl.constexpr = tl.constexpr(_asm_int(2))
+
+
+@triton.jit
+def nibbles_e2m1(packed, scale, FAST: tl.constexpr):
+    """uint8 packed E2M1 pairs, fp16 scale (E4M3 block scale * 2^7, broadcast) -> (lo, hi) fp16 = e2m1 * s * 2^-7.
+
+    The 2^-7 keeps s * 2^7 <= 448 * 128 inside fp16 and every product exact
+    (the smallest, 0.5 * 2^-9 * 2^-7, is an fp16 subnormal on the grid); the
+    caller folds 2^7 back into its softmax or output scale.
+    """
+    if FAST:
+        lo, hi = tl.inline_asm_elementwise(
+            ASM_E2M1, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
+        )
+    else:
+        b = packed.to(tl.int32)
+        lo16 = (((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+        hi16 = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+        lo = lo16 * scale
+        hi = hi16 * scale
+    return lo, hi
+
+
+@triton.jit
+def nibbles_int4(packed, scale, zero, FAST: tl.constexpr):
+    """uint8 packed INT4 pairs, fp16 scale/zero (broadcast) -> (lo, hi) fp16 = code * scale + zero."""
+    if FAST:
+        lo, hi = tl.inline_asm_elementwise(
+            ASM_INT4, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale, zero], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
+        )
+    else:
+        # fp32 multiply-add, one rounding to fp16 at the end (as fma.rn.f16x2 up to double rounding)
+        b = packed.to(tl.int32)
+        s32, z32 = scale.to(tl.float32), zero.to(tl.float32)
+        lo = ((b & 0xF).to(tl.float32) * s32 + z32).to(tl.float16)
+        hi = ((b >> 4).to(tl.float32) * s32 + z32).to(tl.float16)
+    return lo, hi
+
+
+@triton.jit
+def crumbs_int2(packed, scale, zero, FAST: tl.constexpr):
+    """uint8 packed INT2 quads, fp16 scale/zero (broadcast) -> four fp16 tensors, element 4j+k = code_k * scale + zero."""
+    if FAST:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            ASM_INT2,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r",
+            [packed, scale, zero],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        b = packed.to(tl.int32)
+        s32, z32 = scale.to(tl.float32), zero.to(tl.float32)
+        c0 = ((b & 3).to(tl.float32) * s32 + z32).to(tl.float16)
+        c1 = (((b >> 2) & 3).to(tl.float32) * s32 + z32).to(tl.float16)
+        c2 = (((b >> 4) & 3).to(tl.float32) * s32 + z32).to(tl.float16)
+        c3 = ((b >> 6).to(tl.float32) * s32 + z32).to(tl.float16)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def e4m3_to_f16(bits, FAST: tl.constexpr):
+    """uint8 E4M3 bits -> exact fp16 value."""
+    if FAST:
+        # sm_89+: cvt.rn.f16x2.e4m3x2, two values per instruction
+        out = bits.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        b = bits.to(tl.int32)
+        # E4M3 (bias 7) exponent and mantissa into fp16 (bias 15): the value times 2^-8, subnormals included
+        h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+        out = h * 256.0
+    return out

@@ -1,0 +1,431 @@
+"""Triton paged decode attention for bf16, fp8, nvfp4 and triaxial (INT2 + INT4) pages: split-K with a log-sum-exp merge.
+
+One program handles one (sequence, kv head, split): all G query heads of
+that kv head at once (padded to 16 rows for ``tl.dot``), over a run of pages.
+Each iteration loads PPI pages of K and V for the head (each page's [P, ...]
+rows are contiguous, so loads are 16-byte vectors), dequantizes them in
+registers to fp16 (bf16 pages stay bf16) and runs an online softmax in base 2.
+A second small kernel merges the splits by log-sum-exp.
+
+Head dim is handled as four quarters of D/4 channels, each a separate
+``tl.dot``, so packed formats never interleave nibbles in registers: a
+quarter is the set of channels one unpacking step yields::
+
+    bf16, fp8:   quarter i = channels i*D/4 + j            (contiguous)
+    nvfp4, int4: quarter i = channels (i//2)*D/2 + 2j + i%2  (lo / hi nibbles of a half row)
+    int2:        quarter i = channels 4j + i               (crumb i of every byte)
+
+q is loaded and the output stored through the same channel map.
+
+Triaxial rows list INT2 pages first. Splits are pure: split s < ceil(n2/PPS)
+covers INT2 pages, the rest cover INT4 pages, so no loop mixes precisions.
+INT2 keys have per-channel scales for the whole page, which fold into q
+(score = sum_c (q_c s_c) code_c + sum_c q_c z_c), so K codes need no
+multiply-add per element.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import INT2_PAGE_FLAG, PageLayout
+from .triton_codec import crumbs_int2, e4m3_to_f16, nibbles_e2m1, nibbles_int4
+
+FMT_BF16: tl.constexpr = tl.constexpr(0)
+FMT_FP8: tl.constexpr = tl.constexpr(1)
+FMT_NVFP4: tl.constexpr = tl.constexpr(2)
+FMT_INT4: tl.constexpr = tl.constexpr(3)
+FMT_INT2: tl.constexpr = tl.constexpr(4)
+FMT_CODES = {"bf16": 0, "fp8_e4m3": 1, "nvfp4": 2, "int4": 3, "int2": 4}
+FLAG: tl.constexpr = tl.constexpr(INT2_PAGE_FLAG)
+LOG2E = 1.4426950408889634
+# nvfp4 tiles decode to value * 2^-7 (triton_codec.nibbles_e2m1): folded back here
+NVFP4_FOLD = 128.0
+
+
+@triton.jit
+def _channels(FMT: tl.constexpr, D: tl.constexpr, i: tl.constexpr):
+    """Channel index of each of the D/4 columns of quarter i."""
+    j = tl.arange(0, D // 4)
+    if FMT == FMT_BF16 or FMT == FMT_FP8:
+        ch = i * (D // 4) + j
+    elif FMT == FMT_INT2:
+        ch = 4 * j + i
+    else:
+        ch = (i // 2) * (D // 2) + 2 * j + (i % 2)
+    return ch
+
+
+@triton.jit
+def _half_rows(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, hf: tl.constexpr,
+               FMT: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr):
+    """Half a row of nibble-packed K or V (D/4 bytes = D/2 channels) -> its (lo, hi) quarters, fp16 [N, D/4]."""
+    N: tl.constexpr = hrow.shape[0]
+    p3 = rows_ptr[:, None, None]
+    r3 = hrow[:, None, None]
+    m3 = ok[:, None, None]
+    if FMT == FMT_NVFP4:
+        NB: tl.constexpr = D // 32  # 16-channel blocks in half a row, 8 bytes each
+        b = tl.arange(0, NB)[None, :, None]
+        jj = tl.arange(0, 8)[None, None, :]
+        packed = tl.load(p3 + OFF + r3 * (D // 2) + hf * (D // 4) + b * 8 + jj, mask=m3, other=0)
+        sbits = tl.load(p3 + SOFF + r3 * (D // 16) + hf * NB + b, mask=m3, other=0)
+        scale = e4m3_to_f16(sbits, FAST) * 128.0  # s * 2^7, exact in fp16
+        lo, hi = nibbles_e2m1(packed, tl.broadcast_to(scale, (N, NB, 8)), FAST)
+    else:
+        NG: tl.constexpr = D // 64  # 32-channel groups in half a row, 16 bytes each
+        g = tl.arange(0, NG)[None, :, None]
+        jj = tl.arange(0, 16)[None, None, :]
+        packed = tl.load(p3 + OFF + r3 * (D // 2) + hf * (D // 4) + g * 16 + jj, mask=m3, other=0)
+        meta = r3 * (D // 32) + hf * NG + g  # fp16 element index of this group's scale / zero
+        scale = tl.load((p3 + SOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m3, other=0.0)
+        zero = tl.load((p3 + ZOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m3, other=0.0)
+        lo, hi = nibbles_int4(packed, tl.broadcast_to(scale, (N, NG, 16)), tl.broadcast_to(zero, (N, NG, 16)), FAST)
+    return tl.reshape(lo, (N, D // 4)), tl.reshape(hi, (N, D // 4))
+
+
+@triton.jit
+def _quarters(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, IS_KEY: tl.constexpr,
+              FMT: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr):
+    """K or V of N rows -> four [N, D/4] tiles (fp16; bf16 for bf16 pages).
+
+    ``rows_ptr``: uint8 pointer to each row's page [N]; ``hrow``: the row's
+    index inside a [H, P, ...] field (h * P + slot) [N]; rows where ``ok`` is
+    false read as zeros, so the attention never multiplies a stale NaN.
+    """
+    N: tl.constexpr = hrow.shape[0]
+    Q: tl.constexpr = D // 4
+    j = tl.arange(0, Q)[None, :]
+    p2 = rows_ptr[:, None]
+    r = hrow[:, None]
+    m = ok[:, None]
+    if FMT == FMT_BF16:
+        base = (p2 + OFF).to(tl.pointer_type(tl.bfloat16)) + r * D + j
+        t0 = tl.load(base, mask=m, other=0.0)
+        t1 = tl.load(base + Q, mask=m, other=0.0)
+        t2 = tl.load(base + 2 * Q, mask=m, other=0.0)
+        t3 = tl.load(base + 3 * Q, mask=m, other=0.0)
+    elif FMT == FMT_FP8:
+        base = p2 + OFF + r * D + j
+        t0 = e4m3_to_f16(tl.load(base, mask=m, other=0), FAST)
+        t1 = e4m3_to_f16(tl.load(base + Q, mask=m, other=0), FAST)
+        t2 = e4m3_to_f16(tl.load(base + 2 * Q, mask=m, other=0), FAST)
+        t3 = e4m3_to_f16(tl.load(base + 3 * Q, mask=m, other=0), FAST)
+    elif FMT == FMT_INT2:
+        if IS_KEY:
+            # codes only: the per-channel scale and zero are folded into q by the caller
+            packed = tl.load(p2 + OFF + r * Q + j, mask=m, other=0)
+            one = tl.full((N, Q), 1.0, tl.float16)
+            t0, t1, t2, t3 = crumbs_int2(packed, one, one - one, FAST)
+        else:
+            NG: tl.constexpr = D // 32  # groups of 32 channels = 8 bytes
+            g = tl.arange(0, NG)[None, :, None]
+            jj = tl.arange(0, 8)[None, None, :]
+            p3 = rows_ptr[:, None, None]
+            r3 = hrow[:, None, None]
+            m3 = ok[:, None, None]
+            packed = tl.load(p3 + OFF + r3 * Q + g * 8 + jj, mask=m3, other=0)
+            meta = r3 * NG + g
+            scale = tl.load((p3 + SOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m3, other=0.0)
+            zero = tl.load((p3 + ZOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m3, other=0.0)
+            c0, c1, c2, c3 = crumbs_int2(packed, tl.broadcast_to(scale, (N, NG, 8)), tl.broadcast_to(zero, (N, NG, 8)), FAST)
+            t0 = tl.reshape(c0, (N, Q))
+            t1 = tl.reshape(c1, (N, Q))
+            t2 = tl.reshape(c2, (N, Q))
+            t3 = tl.reshape(c3, (N, Q))
+    else:
+        t0, t1 = _half_rows(rows_ptr, hrow, ok, OFF, SOFF, ZOFF, 0, FMT, D, FAST)
+        t2, t3 = _half_rows(rows_ptr, hrow, ok, OFF, SOFF, ZOFF, 1, FMT, D, FAST)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _split(
+    q_row_ptr,  # first query row of this kv head: [G, D] at stride D
+    o_row_ptr,  # fp32 partial output of (b, h*G, s): rows at stride S*D
+    lse_row_ptr,  # fp32 partial lse of (b, h*G, s): rows at stride S
+    buf_ptr,  # uint8 layer buffer
+    pt_row_ptr,  # int32 page-table row of this sequence
+    page_lo,  # first page (index into the row) of this split
+    page_hi,  # one past the last page of this split
+    num_tokens,  # tokens of the sequence (masks the tail of the last page)
+    h,  # kv head
+    total_bytes,  # layer buffer bytes (INT2 pages count down from here)
+    k_mul,  # fp32 factor turning q.k into base-2 logits
+    S: tl.constexpr,  # splits per (sequence, head)
+    FMT: tl.constexpr,
+    G: tl.constexpr,  # query heads per kv head
+    D: tl.constexpr,
+    P: tl.constexpr,  # tokens per page
+    PAGE_BYTES: tl.constexpr,
+    K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,  # byte offsets of K fields in a page
+    V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,  # and of V fields
+    BLOCK_H: tl.constexpr,  # G rounded up to >= 16
+    PPI: tl.constexpr,  # pages per loop iteration
+    NUM_STAGES: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    Q: tl.constexpr = D // 4
+    N: tl.constexpr = PPI * P
+    if FMT == FMT_BF16 and FAST:
+        DT: tl.constexpr = tl.bfloat16
+    elif FMT == FMT_BF16:
+        # the interpreter's bf16 dot is wrong (numpy has no bf16); bf16 values are exact in tf32/fp32
+        DT: tl.constexpr = tl.float32
+    else:
+        DT: tl.constexpr = tl.float16
+    rh = tl.arange(0, BLOCK_H)[:, None]
+    qmask = rh < G
+    c0 = _channels(FMT, D, 0)[None, :]
+    c1 = _channels(FMT, D, 1)[None, :]
+    c2 = _channels(FMT, D, 2)[None, :]
+    c3 = _channels(FMT, D, 3)[None, :]
+    q0 = tl.load(q_row_ptr + rh * D + c0, mask=qmask, other=0.0).to(tl.float32)
+    q1 = tl.load(q_row_ptr + rh * D + c1, mask=qmask, other=0.0).to(tl.float32)
+    q2 = tl.load(q_row_ptr + rh * D + c2, mask=qmask, other=0.0).to(tl.float32)
+    q3 = tl.load(q_row_ptr + rh * D + c3, mask=qmask, other=0.0).to(tl.float32)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    a0 = tl.zeros((BLOCK_H, Q), tl.float32)
+    a1 = tl.zeros((BLOCK_H, Q), tl.float32)
+    a2 = tl.zeros((BLOCK_H, Q), tl.float32)
+    a3 = tl.zeros((BLOCK_H, Q), tl.float32)
+    n = tl.arange(0, N)
+    for it in tl.range(page_lo, page_hi, PPI, num_stages=NUM_STAGES):
+        pidx = it + n // P  # page of each row (index into the page-table row)
+        slot = n % P
+        ok = (pidx * P + slot < num_tokens) & (pidx < page_hi)
+        pid = tl.load(pt_row_ptr + pidx, mask=pidx < page_hi, other=0)
+        if FMT == FMT_INT2:
+            page = total_bytes - ((pid & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES
+        else:
+            page = pid.to(tl.int64) * PAGE_BYTES
+        rows_ptr = buf_ptr + page  # [N] page base of each row
+        hrow = h * P + slot  # row inside a [H, P, ...] field
+        if FMT == FMT_INT2:
+            # one page per iteration: fold its per-channel key scale / zero into q
+            pg = total_bytes - ((tl.load(pt_row_ptr + it) & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES
+            ks = (buf_ptr + pg + KS_OFF).to(tl.pointer_type(tl.float16)) + h * D
+            kz = (buf_ptr + pg + KZ_OFF).to(tl.pointer_type(tl.float16)) + h * D
+            s0 = tl.load(ks + c0).to(tl.float32)
+            s1 = tl.load(ks + c1).to(tl.float32)
+            s2 = tl.load(ks + c2).to(tl.float32)
+            s3 = tl.load(ks + c3).to(tl.float32)
+            z0 = tl.load(kz + c0).to(tl.float32)
+            z1 = tl.load(kz + c1).to(tl.float32)
+            z2 = tl.load(kz + c2).to(tl.float32)
+            z3 = tl.load(kz + c3).to(tl.float32)
+            bias = tl.sum(q0 * z0 + q1 * z1 + q2 * z2 + q3 * z3, axis=1)
+            k0, k1, k2, k3 = _quarters(rows_ptr, hrow, ok, K_OFF, KS_OFF, KZ_OFF, True, FMT, D, FAST)
+            sc = tl.dot((q0 * s0).to(DT), tl.trans(k0))
+            sc = tl.dot((q1 * s1).to(DT), tl.trans(k1), sc)
+            sc = tl.dot((q2 * s2).to(DT), tl.trans(k2), sc)
+            sc = tl.dot((q3 * s3).to(DT), tl.trans(k3), sc)
+            sc = sc + bias[:, None]
+        else:
+            k0, k1, k2, k3 = _quarters(rows_ptr, hrow, ok, K_OFF, KS_OFF, KZ_OFF, True, FMT, D, FAST)
+            sc = tl.dot(q0.to(DT), tl.trans(k0.to(DT)))
+            sc = tl.dot(q1.to(DT), tl.trans(k1.to(DT)), sc)
+            sc = tl.dot(q2.to(DT), tl.trans(k2.to(DT)), sc)
+            sc = tl.dot(q3.to(DT), tl.trans(k3.to(DT)), sc)
+        v0, v1, v2, v3 = _quarters(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, False, FMT, D, FAST)
+        sc = tl.where(ok[None, :], sc * k_mul, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pt = p.to(DT)
+        a0 = tl.dot(pt, v0.to(DT), a0 * alpha[:, None])
+        a1 = tl.dot(pt, v1.to(DT), a1 * alpha[:, None])
+        a2 = tl.dot(pt, v2.to(DT), a2 * alpha[:, None])
+        a3 = tl.dot(pt, v3.to(DT), a3 * alpha[:, None])
+        m_i = m_new
+    # an empty split (no pages) reports lse = -inf and zeros, which the merge weighs by 0
+    has = l_i > 0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)[:, None]
+    hh = tl.arange(0, BLOCK_H)
+    tl.store(lse_row_ptr + hh * S, tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=hh < G)
+    tl.store(o_row_ptr + rh * (S * D) + c0, a0 * inv, mask=qmask)
+    tl.store(o_row_ptr + rh * (S * D) + c1, a1 * inv, mask=qmask)
+    tl.store(o_row_ptr + rh * (S * D) + c2, a2 * inv, mask=qmask)
+    tl.store(o_row_ptr + rh * (S * D) + c3, a3 * inv, mask=qmask)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [B, H*G, D] queries, contiguous
+    o_ptr,  # fp32 [B, H*G, S, D] per-split outputs (normalised by their own softmax sums)
+    lse_ptr,  # fp32 [B, H*G, S] per-split base-2 log-sum-exp (-inf for an empty split)
+    buf_ptr,  # uint8 [total_bytes] the layer's pages
+    pt_ptr,  # int32 [B, pt_stride] page tables
+    lens_ptr,  # int32 [B] cached tokens per sequence
+    n2_ptr,  # int32 [B] INT2 pages leading each row (TRIAXIAL only)
+    k_mul,  # fp32 sm_scale * log2(e) * the K format's folded scale
+    total_bytes,  # layer buffer size in bytes
+    pt_stride,  # page-table row stride (elements)
+    S: tl.constexpr,  # splits per (sequence, head); grid axis 0
+    PPS: tl.constexpr,  # pages per split
+    FMT: tl.constexpr,  # page format of `layout` (FMT_*)
+    TRIAXIAL: tl.constexpr,  # rows start with INT2 pages (second layout below)
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
+    V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,
+    PAGE_BYTES2: tl.constexpr, K_OFF2: tl.constexpr, KS_OFF2: tl.constexpr, KZ_OFF2: tl.constexpr,  # INT2 layout
+    V_OFF2: tl.constexpr, VS_OFF2: tl.constexpr, VZ_OFF2: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # G padded to >= 16
+    PPI: tl.constexpr,  # pages per iteration (INT2 pages always 1)
+    NUM_STAGES: tl.constexpr,
+    FAST: tl.constexpr,  # inline-assembly decoders (GPU) instead of portable arithmetic
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    num_tokens = tl.load(lens_ptr + b)
+    num_pages = tl.cdiv(num_tokens, P)
+    head0 = b * (H * G) + h * G  # first query head of this kv head
+    q_row = q_ptr + head0.to(tl.int64) * D
+    o_row = o_ptr + (head0.to(tl.int64) * S + s) * D
+    lse_row = lse_ptr + head0.to(tl.int64) * S + s
+    pt_row = pt_ptr + b.to(tl.int64) * pt_stride
+    if TRIAXIAL:
+        n2 = tl.load(n2_ptr + b)
+        c2 = tl.cdiv(n2, PPS)  # splits that cover the INT2 pages
+        if s < c2:
+            lo = s * PPS
+            _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, n2), num_tokens, h, total_bytes, k_mul,
+                   S, FMT_INT2, G, D, P, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2,
+                   BLOCK_H, 1, NUM_STAGES, FAST)
+        else:
+            lo = n2 + (s - c2) * PPS
+            _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, num_pages), num_tokens, h, total_bytes, k_mul,
+                   S, FMT, G, D, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF,
+                   BLOCK_H, PPI, NUM_STAGES, FAST)
+    else:
+        lo = s * PPS
+        _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, num_pages), num_tokens, h, total_bytes, k_mul,
+               S, FMT, G, D, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF,
+               BLOCK_H, PPI, NUM_STAGES, FAST)
+
+
+@triton.jit
+def _merge_kernel(
+    o_ptr,  # fp32 [R, S, D] per-split outputs (R = B * Hq rows)
+    lse_ptr,  # fp32 [R, S] per-split base-2 log-sum-exp
+    out_ptr,  # [R, D] result, q's dtype
+    v_mul,  # fp32 the V format's folded scale
+    S: tl.constexpr,
+    S_POW2: tl.constexpr,  # S rounded up to a power of two
+    D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, S_POW2)
+    live = s < S
+    lse = tl.load(lse_ptr + row * S + s, mask=live, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    w = tl.where(lse > float("-inf"), tl.math.exp2(lse - top), 0.0)  # all -inf (empty sequence): zeros
+    total = tl.sum(w, axis=0)
+    d = tl.arange(0, D)
+    o = tl.load(o_ptr + (row * S + s[:, None]) * D + d[None, :], mask=live[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, axis=0) * (v_mul / tl.where(total > 0, total, 1.0))
+    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+# Per format: pages per loop iteration, warps, pipeline stages. Chosen on an H100 (bench/decode_gpu.py).
+TUNING: dict[str, dict[str, int]] = {
+    "bf16": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 1},
+    "fp8_e4m3": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 1},
+    "nvfp4": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 1},
+    "int4": {"PPI": 2, "num_warps": 4, "NUM_STAGES": 1},
+}
+MAX_SPLITS = 64
+
+
+def use_fast(device: torch.device) -> bool:
+    """Inline-assembly decoders on a real GPU; portable arithmetic in the interpreter. KVSERVING_TRITON_FAST=0/1 forces."""
+    import os
+
+    forced = os.environ.get("KVSERVING_TRITON_FAST")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def field_offsets(layout: PageLayout | None) -> tuple[int, int, int, int, int, int, int]:
+    """(page_bytes, k, k_scale, k_zero, v, v_scale, v_zero) byte offsets; 0 for fields a format lacks."""
+    if layout is None:
+        return (16, 0, 0, 0, 0, 0, 0)
+    names = {f.name: f.offset for f in layout.fields}
+    return (layout.page_bytes, *(names.get(n, 0) for n in ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")))
+
+
+def plan_splits(batch_heads: int, max_pages: int, ppi: int, device: torch.device, *, triaxial: bool) -> tuple[int, int]:
+    """(splits, pages per split): enough programs to fill the GPU a few times over, from the page-table width."""
+    want = max(1, math.ceil(4 * _sm_count(device) / max(batch_heads, 1)))
+    splits = max(1, min(want, MAX_SPLITS, math.ceil(max_pages / ppi)))
+    pps = math.ceil(math.ceil(max(max_pages, 1) / splits) / ppi) * ppi
+    splits = math.ceil(max(max_pages, 1) / pps) + (1 if triaxial else 0)
+    return splits, pps
+
+
+def decode_attention(
+    q: torch.Tensor,
+    buffer: torch.Tensor,
+    layout: PageLayout,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    int2_layout: PageLayout | None = None,
+    num_int2_pages: torch.Tensor | None = None,
+    total_bytes: int | None = None,
+    tuning: dict[str, int] | None = None,
+    splits: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Launch decode attention (arguments checked by paged_ops); -> [B, Hq, D] in q.dtype."""
+    b, hq, d = q.shape
+    h = layout.kv_heads
+    g = hq // h
+    total = buffer.numel() if total_bytes is None else total_bytes
+    cfg = {**TUNING[layout.fmt], **(tuning or {})}
+    triaxial = int2_layout is not None
+    if splits is None:
+        splits = plan_splits(b * h, page_table.shape[1], cfg["PPI"], q.device, triaxial=triaxial)
+    s, pps = splits
+    q = q.contiguous()
+    page_table = page_table.contiguous()
+    o = torch.empty(b, hq, s, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
+    fmt = layout.fmt
+    if fmt not in ("bf16", "fp8_e4m3", "nvfp4", "int4"):
+        raise ValueError(f"no Triton decode for {fmt!r} pages (fp32 pages run on the reference path)")
+    k_fold = {"bf16": 1.0, "fp8_e4m3": k_scale, "nvfp4": k_scale * NVFP4_FOLD, "int4": 1.0}[fmt]
+    v_fold = {"bf16": 1.0, "fp8_e4m3": v_scale, "nvfp4": v_scale * NVFP4_FOLD, "int4": 1.0}[fmt]
+    n2 = num_int2_pages if num_int2_pages is not None else seq_lens
+    _decode_kernel[(s, h, b)](
+        q, o, lse, buffer, page_table, seq_lens, n2,
+        sm_scale * LOG2E * k_fold, total, page_table.stride(0),
+        S=s, PPS=pps, FMT=FMT_CODES[fmt], TRIAXIAL=triaxial, H=h, G=g, D=d, P=layout.page_size,
+        PAGE_BYTES=field_offsets(layout)[0], K_OFF=field_offsets(layout)[1], KS_OFF=field_offsets(layout)[2],
+        KZ_OFF=field_offsets(layout)[3], V_OFF=field_offsets(layout)[4], VS_OFF=field_offsets(layout)[5],
+        VZ_OFF=field_offsets(layout)[6],
+        PAGE_BYTES2=field_offsets(int2_layout)[0], K_OFF2=field_offsets(int2_layout)[1],
+        KS_OFF2=field_offsets(int2_layout)[2], KZ_OFF2=field_offsets(int2_layout)[3],
+        V_OFF2=field_offsets(int2_layout)[4], VS_OFF2=field_offsets(int2_layout)[5], VZ_OFF2=field_offsets(int2_layout)[6],
+        BLOCK_H=max(16, triton.next_power_of_2(g)), PPI=cfg["PPI"], NUM_STAGES=cfg["NUM_STAGES"],
+        FAST=use_fast(q.device), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    _merge_kernel[(b * hq,)](o, lse, out, v_fold, S=s, S_POW2=triton.next_power_of_2(s), D=d, num_warps=4)
+    return out
