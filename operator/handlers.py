@@ -1,12 +1,14 @@
 """kopf glue: the handlers the operator registers, each a few lines.
 
-    login          credentials from the service account or KUBECONFIG (kube.connection_info)
-    startup        operator settings (configure) and the API client in ``memo``
-    reconcile      on create / update / resume: render, apply, write status (reconcile.py)
-    refresh        every REFRESH_SECONDS: status from the owned Deployments
-    cleanup        close the API client
+    login                credentials from the service account or KUBECONFIG (kube.connection_info)
+    startup              operator settings (configure) and the API client in ``memo``
+    reconcile_kvserving  on create / update / resume: render, apply, write status (reconcile.py)
+    kvserving_bodies     an in-memory index of the KVServings, kept by kopf's watch
+    deployment_changed   an owned Deployment changed: recompute its KVServing's status
+    cleanup              close the API client
 
-Deletion has no handler (and so no finalizer): the children carry owner
+Deletion has no handler, and there is no timer or daemon either (kopf would
+put a finalizer on every KVServing for those): the children carry owner
 references and the garbage collector removes them.
 """
 
@@ -21,8 +23,8 @@ import kopf
 from kvserving.operator.kube import AiohttpTransport, KubeApi, connection_info
 from kvserving.operator.names import GROUP, PLURAL, VERSION
 from kvserving.operator.reconcile import reconcile, refresh_status, retry_delay, utc_now
+from kvserving.operator.render import LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY
 
-REFRESH_SECONDS = 10.0
 registry = kopf.OperatorRegistry()
 
 
@@ -35,6 +37,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = logging.WARNING  # Events for problems; our own Events say what changed
     settings.posting.reporting_component = "kvserving-operator"
+    # Watch only our Deployments, filtered by the API server, not every Deployment of the cluster.
+    settings.watching.label_selectors["apps", "deployments"] = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
 
 
 def plain(value: Any) -> Any:
@@ -76,6 +80,15 @@ async def reconcile_kvserving(body: kopf.Body, retry: int, memo: kopf.Memo, **_:
         raise kopf.TemporaryError(outcome.error, delay=retry_delay(retry))
 
 
-@kopf.timer(group=GROUP, version=VERSION, plural=PLURAL, registry=registry, interval=REFRESH_SECONDS, initial_delay=REFRESH_SECONDS)
-async def refresh(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    await refresh_status(memo.kube, plain(body), now=utc_now())
+@kopf.index(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+def kvserving_bodies(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(namespace, name): plain(body)}
+
+
+@kopf.on.event(group="apps", version="v1", plural="deployments", labels={LABEL_MANAGED_BY: MANAGED_BY}, registry=registry)
+async def deployment_changed(body: kopf.Body, kvserving_bodies: kopf.Index[tuple[str, str], dict[str, Any]],
+                             memo: kopf.Memo, **_: Any) -> None:
+    key = (body.metadata.namespace or "", body.metadata.labels.get(LABEL_INSTANCE, ""))
+    for owner in kvserving_bodies.get(key, []):
+        if not owner["metadata"].get("deletionTimestamp"):
+            await refresh_status(memo.kube, owner, now=utc_now())

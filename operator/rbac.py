@@ -16,13 +16,17 @@ Permission = tuple[str, str, str]  # (verb, group, resource)
 
 def kopf_permissions(registry: kopf.OperatorRegistry, settings: kopf.OperatorSettings) -> set[Permission]:
     perms: set[Permission] = set()
-    # kopf keeps no public accessor for a registry's resources; these two
-    # sub-registries hold the change handlers and the timers/daemons.
-    selectors = registry._changing.get_all_selectors() | registry._spawning.get_all_selectors()
-    for sel in selectors:
+    # kopf keeps no public accessor for a registry's resources; these are its
+    # sub-registries. Every handled resource is listed and watched; change
+    # handlers (and timers/daemons) also patch it: progress and diffbase annotations.
+    # Event and index handlers keep no state on the object, so no patch.
+    stateful = registry._changing.get_all_selectors() | registry._spawning.get_all_selectors()
+    stateless = registry._watching.get_all_selectors() | registry._indexing.get_all_selectors()
+    for sel in stateful | stateless:
         group = sel.group or ""
-        # list + watch to observe; patch for its progress/diffbase annotations.
-        perms |= {("list", group, sel.plural), ("watch", group, sel.plural), ("patch", group, sel.plural)}
+        perms |= {("list", group, sel.plural), ("watch", group, sel.plural)}
+        if sel in stateful:
+            perms.add(("patch", group, sel.plural))
     if settings.posting.enabled:
         perms.add(("create", "", "events"))  # kopf.event() and kopf's own warnings
     if not settings.peering.standalone:

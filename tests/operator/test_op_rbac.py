@@ -80,11 +80,13 @@ def test_cluster_role_grants_exactly_what_the_code_needs() -> None:
     granted = _granted()
     assert needed - granted == set(), "missing from manifests/rbac.yaml"
     assert granted - needed == set(), "granted but never used"
-    # what kopf itself needs for our handlers: watch the KVServings, patch its annotations, post Events
+    # what kopf itself needs for our handlers: watch the KVServings and patch
+    # their annotations, watch our Deployments (status follows them), post Events
     assert needed - set(kube.API_CALLS) == {
         ("list", "kvserving.dev", "kvservings"),
         ("watch", "kvserving.dev", "kvservings"),
         ("patch", "kvserving.dev", "kvservings"),
+        ("watch", "apps", "deployments"),
         ("create", "", "events"),
     }
     assert _manifest("ClusterRole")["rules"] == rbac.cluster_role_rules()

@@ -193,12 +193,16 @@ class _Memo:
 
 def test_handlers_registered() -> None:
     changing = handlers.registry._changing.get_all_handlers()
-    # (reason, initial): create, update, and resume (initial listing, no reason)
+    # (reason, initial): create, update, and resume (initial listing, no reason); no deletion handler
     assert sorted((str(h.reason), h.initial) for h in changing) == [("None", True), ("create", None), ("update", None)]
     assert {h.id for h in changing} == {"reconcile_kvserving"}
     assert all(h.errors == kopf.ErrorsMode.TEMPORARY for h in changing)
-    spawning = handlers.registry._spawning.get_all_handlers()
-    assert [(h.id, h.interval) for h in spawning] == [("refresh", handlers.REFRESH_SECONDS)]
+    assert not any(h.requires_finalizer for h in changing)
+    # no timers or daemons: kopf would put a finalizer on every KVServing for them
+    assert handlers.registry._spawning.get_all_handlers() == []
+    assert [h.id for h in handlers.registry._indexing.get_all_handlers()] == ["kvserving_bodies"]
+    (watching,) = handlers.registry._watching.get_all_handlers()
+    assert (watching.id, watching.selector.group, watching.selector.plural) == ("deployment_changed", "apps", "deployments")
     activities = sorted(str(h.activity) for h in handlers.registry._activities.get_all_handlers())
     assert activities == ["authentication", "cleanup", "startup"]
 
@@ -221,12 +225,25 @@ def test_reconcile_handler_posts_events_and_raises_for_retry(monkeypatch: pytest
         _run(handlers.reconcile_kvserving(body=bad, retry=0, memo=_Memo(server)))
 
 
-def test_refresh_handler_writes_status(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deployment_event_refreshes_its_owners_status() -> None:
     server = FakeApiServer()
     _run(reconcile(KubeApi(server), _body(), now=T0))
     server.settle_deployments()
-    _run(handlers.refresh(body=_with_status(_body(), server), memo=_Memo(server)))
+    owner = _with_status(_body(), server)
+    deployment = kopf.Body(copy.deepcopy(server.objects[("apps", "deployments", "default", "qwen3-fp8-decode")]))
+    index = {("default", "qwen3-fp8"): [owner], ("default", "other"): [_body()]}
+    _run(handlers.deployment_changed(body=deployment, kvserving_bodies=index, memo=_Memo(server)))
     assert server.statuses[("default", "qwen3-fp8")]["phase"] == "Ready"
+    # an owner being deleted is left alone: its children are going away
+    server.settle_deployments(ready=False)
+    owner["metadata"]["deletionTimestamp"] = "2026-11-29T10:03:00Z"
+    _run(handlers.deployment_changed(body=deployment, kvserving_bodies=index, memo=_Memo(server)))
+    assert server.statuses[("default", "qwen3-fp8")]["phase"] == "Ready"
+
+
+def test_index_keeps_plain_bodies_by_namespace_and_name() -> None:
+    body = kopf.Body(_body())
+    assert handlers.kvserving_bodies(namespace="default", name="qwen3-fp8", body=body) == {("default", "qwen3-fp8"): _body()}
 
 
 def test_configure_keeps_kopf_out_of_status_and_peering() -> None:
@@ -236,3 +253,4 @@ def test_configure_keeps_kopf_out_of_status_and_peering() -> None:
     assert settings.scanning.disabled is True
     assert isinstance(settings.persistence.progress_storage, kopf.AnnotationsProgressStorage)
     assert isinstance(settings.persistence.diffbase_storage, kopf.AnnotationsDiffBaseStorage)
+    assert list(settings.watching.label_selectors.values()) == ["app.kubernetes.io/managed-by=kvserving-operator"]
