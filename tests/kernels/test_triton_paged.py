@@ -1,0 +1,248 @@
+"""Triton paged-KV kernels against the torch references (paged_ref) and the codecs.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) with the
+portable arithmetic decoders, on tiny shapes. The ``gpu`` tests run the same
+checks at real shapes on the device machine, with both the inline-assembly
+(default there) and the arithmetic decoders.
+
+Bounds: writes and the extend gather must be bit-identical to the reference.
+Decode attention dequantizes to fp16 (bf16 pages: bf16) for ``tl.dot`` and
+rounds the softmax weights to that type, so against fp64 attention over the
+codec-dequantized K/V its relative error is a few units of fp16/bf16
+rounding: 3e-3 (fp16 paths) and 1e-2 (bf16 pages), with fp32 q and output.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_paged_ref import (
+    SCALES,
+    Pool,
+    dense_attention,
+    expected_kv,
+    fill_sequences,
+    make_pool,
+    rel_err,
+)
+
+from kvserving.kernels import paged_ops, paged_ref, triton_decode, triton_paged
+from kvserving.kernels.layout import INT2_PAGE_FLAG
+
+# The tiny-shape tests run the kernels on CPU tensors, which only the interpreter can do;
+# on a CUDA machine the gpu tests below cover the same ground at real shapes.
+interpreter_only = pytest.mark.skipif(
+    torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", reason="CPU-tensor kernel tests need TRITON_INTERPRET=1"
+)
+
+FORMATS = ["bf16", "fp8_e4m3", "nvfp4", "int4"]
+CASES = FORMATS + ["triaxial"]
+BOUND = {"bf16": 1e-2, "fp8_e4m3": 3e-3, "nvfp4": 3e-3, "int4": 3e-3, "triaxial": 3e-3}
+
+
+def edge_tokens(t: int, h: int, d: int) -> torch.Tensor:
+    """Random tokens plus rows that hit the codecs' corners: zeros, constants, outliers, tiny values, E2M1 ties."""
+    x = torch.randn(t, h, d) * 2
+    x[0] = 0.0  # zero blocks / groups (scale 0 -> codes 0; int scale 1)
+    x[1] = 0.75  # constant groups: max == min
+    x[2, :, ::7] *= 400  # saturates fp8 at 448 with small scales, large nvfp4 block scales
+    x[3] = torch.randn(h, d) * 1e-6  # E4M3 subnormals and underflow to zero
+    ties = torch.tensor([6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5, -0.0])
+    x[4, :, :16] = ties  # block scale exactly 1: every E2M1 midpoint, ties to even
+    return x[:t]
+
+
+def _clone(pool: Pool) -> Pool:
+    return Pool(pool.layout, pool.int2, pool.buffer.clone(), pool.num_pages, pool.num_int2_pages)
+
+
+# ----------------------------------------------------------------------------
+# quantize-on-write and INT2 pages: bytes identical to the reference
+# ----------------------------------------------------------------------------
+
+
+@interpreter_only
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_write_kv_bytes_equal_reference(fmt: str) -> None:
+    pool = make_pool(fmt, num_pages=5, page_size=8, kv_heads=2, head_dim=64)
+    ref = _clone(pool)
+    t = 21
+    k, v = edge_tokens(t, 2, 64), edge_tokens(t, 2, 64).flip(0)
+    dst = torch.randperm(5 * 8)[:t]  # scattered (page, slot) pairs, pages out of order
+    pages, slots = (dst // 8).int(), (dst % 8).int()
+    ks, vs = SCALES[fmt], SCALES[fmt] * 3
+    for dtype in (torch.float32, torch.bfloat16):
+        triton_paged.write_kv(pool.buffer, pool.layout, k.to(dtype), v.to(dtype), pages, slots, k_scale=ks, v_scale=vs)
+        paged_ref.write_kv(ref.buffer, ref.layout, k.to(dtype), v.to(dtype), pages, slots, k_scale=ks, v_scale=vs)
+        assert torch.equal(pool.buffer, ref.buffer)  # written bytes equal, untouched bytes untouched
+
+
+@interpreter_only
+def test_write_int2_pages_bytes_equal_reference() -> None:
+    pool = make_pool("int4", num_pages=1, page_size=8, kv_heads=2, head_dim=64, num_int2_pages=4)
+    ref = _clone(pool)
+    k = edge_tokens(16, 2, 64).reshape(2, 8, 2, 64)
+    v = edge_tokens(16, 2, 64).flip(0).reshape(2, 8, 2, 64)
+    ids = torch.tensor([3 | INT2_PAGE_FLAG, 1 | INT2_PAGE_FLAG], dtype=torch.int32)
+    triton_paged.write_int2_pages(pool.buffer, pool.int2, k, v, ids, total_bytes=pool.total_bytes)
+    paged_ref.write_int2_pages(ref.buffer, ref.int2, k, v, ids, total_bytes=ref.total_bytes)
+    assert torch.equal(pool.buffer, ref.buffer)
+
+
+# ----------------------------------------------------------------------------
+# extend gather: bit-identical workspace, nothing written past num_tokens
+# ----------------------------------------------------------------------------
+
+
+def _filled_pool(case: str, lens: list[int], *, device: str = "cpu", d: int = 64, h: int = 2, p: int = 8, ops: object = triton_paged):
+    n2 = None
+    if case == "triaxial":
+        n2 = [min(i % 3, n // p) for i, n in enumerate(lens)]
+        pool = make_pool("int4", num_pages=sum(-(-n // p) for n in lens) + 2, page_size=p, kv_heads=h, head_dim=d,
+                         num_int2_pages=sum(n2) + 1, device=device)  # fmt: skip
+        scale = 1.0
+    else:
+        pool = make_pool(case, num_pages=sum(-(-n // p) for n in lens) + 2, page_size=p, kv_heads=h, head_dim=d, device=device)
+        scale = SCALES[case]
+    filled = fill_sequences(pool, lens, int2_pages=n2, k_scale=scale, v_scale=scale, ops=ops)
+    return pool, filled, scale
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_gather_kv_equals_reference_and_leaves_the_rest(case: str, out_dtype: torch.dtype) -> None:
+    lens = [1, 8, 19]
+    pool, filled, scale = _filled_pool(case, lens)
+    for i, n in enumerate(lens):
+        out_k = torch.full((n + 5, 2, 64), float("nan"), dtype=out_dtype)
+        out_v = torch.full((n + 5, 2, 64), float("nan"), dtype=out_dtype)
+        kw = dict(k_scale=scale, v_scale=scale, int2_layout=pool.int2, total_bytes=pool.total_bytes)
+        triton_paged.gather_kv(pool.buffer, pool.layout, filled.page_table[i], n, out_k, out_v, **kw)
+        ek, ev = expected_kv(pool, filled, i, k_scale=scale, v_scale=scale)
+        assert torch.equal(out_k[:n], ek.to(out_dtype)) and torch.equal(out_v[:n], ev.to(out_dtype))
+        assert out_k[n:].isnan().all() and out_v[n:].isnan().all()
+
+
+# ----------------------------------------------------------------------------
+# decode attention
+# ----------------------------------------------------------------------------
+
+
+def _check_decode(case: str, lens: list[int], *, device: str = "cpu", d: int = 64, h: int = 2, g: int = 4, p: int = 8,
+                  splits: tuple[int, int] | None = None) -> None:  # fmt: skip
+    pool, filled, scale = _filled_pool(case, lens, device=device, d=d, h=h, p=p)
+    q = torch.randn(len(lens), h * g, d, device=device)
+    out = triton_decode.decode_attention(
+        q, pool.buffer, pool.layout, filled.page_table, filled.seq_lens, sm_scale=d**-0.5, k_scale=scale, v_scale=scale,
+        int2_layout=pool.int2, num_int2_pages=filled.num_int2, total_bytes=pool.total_bytes, splits=splits,
+    )  # fmt: skip
+    assert out.dtype == q.dtype and out.shape == q.shape
+    for i in range(len(lens)):
+        ek, ev = expected_kv(pool, filled, i, k_scale=scale, v_scale=scale)
+        err = rel_err(out[i].cpu(), dense_attention(q[i].cpu(), ek, ev, d**-0.5))
+        assert err < BOUND[case], (case, i, lens[i], err)
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", CASES)
+def test_decode_matches_dense_attention_ragged_partial_pages(case: str) -> None:
+    # one-token sequence, exactly one page, one past a page, partial last page; tables padded and scattered
+    _check_decode(case, [1, 8, 9, 30])
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", ["nvfp4", "triaxial"])
+def test_decode_merges_many_splits_including_empty_ones(case: str) -> None:
+    # 2 pages per split: short sequences leave most splits empty, the long one spans several
+    _check_decode(case, [3, 40, 17], splits=(12, 2))
+
+
+@interpreter_only
+def test_decode_zero_length_sequence_gives_zeros() -> None:
+    pool, filled, _ = _filled_pool("bf16", [5, 0])
+    q = torch.randn(2, 4, 64)
+    out = triton_decode.decode_attention(q, pool.buffer, pool.layout, filled.page_table, filled.seq_lens, sm_scale=0.1)
+    assert torch.equal(out[1], torch.zeros(4, 64))
+
+
+@interpreter_only
+def test_paged_ops_dispatches_to_triton_when_asked() -> None:
+    pool, filled, _ = _filled_pool("fp8_e4m3", [10], ops=paged_ops)
+    q = torch.randn(1, 4, 64)
+    kw = dict(sm_scale=0.1, k_scale=SCALES["fp8_e4m3"], v_scale=SCALES["fp8_e4m3"])
+    ref = paged_ops.decode_attention(q, pool.buffer, pool.layout, filled.page_table, filled.seq_lens, **kw)
+    tri = paged_ops.decode_attention(q, pool.buffer, pool.layout, filled.page_table, filled.seq_lens, backend="triton", **kw)
+    assert rel_err(tri, ref) < 3e-3
+    with pytest.raises(ValueError, match="out of range"):
+        bad = filled.page_table.clone()
+        bad[0, 0] = 10_000
+        paged_ops.decode_attention(q, pool.buffer, pool.layout, bad, filled.seq_lens, backend="triton", **kw)
+
+
+# ----------------------------------------------------------------------------
+# GPU: real shapes (Qwen3-8B-like heads), both decoder paths
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["1", "0"], ids=["asm", "arith"])
+def decoder_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("KVSERVING_TRITON_FAST", request.param)
+    return str(request.param)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_gpu_decode_real_shapes(case: str, decoder_path: str) -> None:
+    p = 32 if case == "triaxial" else 16
+    lens = [1, p, p + 1, 1000, 2047, 4096, 333, 77]
+    _check_decode(case, lens, device="cuda", d=128, h=8, g=4, p=p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_gpu_write_and_gather_equal_reference(case: str) -> None:
+    p = 32 if case == "triaxial" else 16
+    lens = [1, p + 3, 700, 1500]
+    pool, filled, scale = _filled_pool(case, lens, device="cuda", d=128, h=8, p=p)  # written by the kernels
+    cpu = Pool(pool.layout, pool.int2, pool.buffer.cpu(), pool.num_pages, pool.num_int2_pages)
+    for i, n in enumerate(lens):
+        kw = dict(k_scale=scale, v_scale=scale, int2_layout=pool.int2, total_bytes=pool.total_bytes)
+        out_k = torch.full((n, 8, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out_v = torch.full_like(out_k, float("nan"))
+        triton_paged.gather_kv(pool.buffer, pool.layout, filled.page_table[i], n, out_k, out_v, **kw)
+        ref_k = torch.empty(n, 8, 128, dtype=torch.bfloat16)
+        ref_v = torch.empty_like(ref_k)
+        paged_ref.gather_kv(cpu.buffer, cpu.layout, filled.page_table[i].cpu(), n, ref_k, ref_v, **kw)
+        ek, ev = expected_kv(pool, filled, i, k_scale=scale, v_scale=scale)
+        assert torch.equal(out_k.cpu(), ref_k) and torch.equal(out_v.cpu(), ref_v)
+        assert torch.equal(ref_k, ek.bfloat16()) and torch.equal(ref_v, ev.bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_write_kv_bytes_equal_reference(fmt: str) -> None:
+    pool = make_pool(fmt, num_pages=300, page_size=16, kv_heads=8, head_dim=128, device="cuda")
+    ref = pool.buffer.cpu()
+    t = 3000
+    k, v = edge_tokens(t, 8, 128), torch.randn(t, 8, 128) * 5
+    dst = torch.randperm(300 * 16)[:t]
+    pages, slots = (dst // 16).int(), (dst % 16).int()
+    ks, vs = SCALES[fmt], SCALES[fmt] * 3
+    triton_paged.write_kv(pool.buffer, pool.layout, k.cuda().bfloat16(), v.cuda().bfloat16(), pages.cuda(), slots.cuda(), k_scale=ks, v_scale=vs)
+    paged_ref.write_kv(ref, pool.layout, k.bfloat16(), v.bfloat16(), pages, slots, k_scale=ks, v_scale=vs)
+    assert torch.equal(pool.buffer.cpu(), ref)
+
+
+@pytest.mark.gpu
+def test_gpu_write_int2_pages_bytes_equal_reference() -> None:
+    pool = make_pool("int4", num_pages=2, page_size=32, kv_heads=8, head_dim=128, num_int2_pages=64, device="cuda")
+    ref = pool.buffer.cpu()
+    k = torch.cat([edge_tokens(32, 8, 128)[None], torch.randn(39, 32, 8, 128) * 3])
+    v = torch.randn(40, 32, 8, 128)
+    ids = (torch.randperm(64)[:40] | INT2_PAGE_FLAG).int()
+    triton_paged.write_int2_pages(pool.buffer, pool.int2, k.cuda(), v.cuda(), ids.cuda(), total_bytes=pool.total_bytes)
+    paged_ref.write_int2_pages(ref, pool.int2, k, v, ids, total_bytes=pool.total_bytes)
+    assert torch.equal(pool.buffer.cpu(), ref)
