@@ -22,7 +22,6 @@ install: $(VENV)/.stamp-deps
 	$(VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
 
 test: install
-	$(VENV)/bin/lint-imports --config pyproject.toml
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 demo: install

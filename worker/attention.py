@@ -1,0 +1,118 @@
+"""The engine's attention op: the three paths of DESIGN.md over the paged KV.
+
+For each layer of one batched forward step:
+
+1. quantize-on-write: the step's new K/V go into their pages (INT2 pages of
+   triaxial are written whole, since their key scales span the page);
+2. decode rows (one new token after a cached prefix) attend over the paged
+   pool through the fused decode op;
+3. initial prefill chunks (start 0) attend on the fresh, unquantized K/V;
+4. extend chunks (start > 0) dequantize the cached prefix into one workspace
+   shared by every layer, append the fresh chunk, and attend there.
+
+Cost of the extend path per chunk and layer: a dequantize pass over the whole
+cached prefix (``start`` tokens), so chunked prefill of a context of C tokens
+in chunks of c reads O(C^2 / c) KV bytes in total; larger chunks amortize it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvserving.worker.kv_storage import KVStorage
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """A prompt chunk: batch rows [row, row+n) hold positions [start, start+n)."""
+
+    row: int
+    start: int
+    n: int
+    prefix_pages: torch.Tensor  # int32 page ids covering [0, start), token order
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What one step's attention needs; built by the model runner."""
+
+    write_rows: torch.Tensor  # long [W]: batch rows written token by token
+    write_pages: torch.Tensor  # int32 [W]
+    write_slots: torch.Tensor  # int32 [W]
+    int2_pages: list[tuple[int, int]] = field(default_factory=list)  # (first row, page id): P rows, one page
+    decode_rows: torch.Tensor | None = None  # long [B]
+    page_table: torch.Tensor | None = None  # int32 [B, max_pages]
+    seq_lens: torch.Tensor | None = None  # int32 [B]
+    num_int2_pages: torch.Tensor | None = None  # int32 [B] (triaxial)
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, sm_scale: float) -> torch.Tensor:
+    """q: [n, Hq, D] at positions q_offset.., k/v: [L, H, D] at 0..L-1 -> [n, Hq, D] (GQA)."""
+    n, length = q.shape[0], k.shape[0]
+    # [heads, tokens, dim] for SDPA
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if q_offset == 0 and n == length:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=sm_scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(q_offset, q_offset + n, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=sm_scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+class PagedAttention:
+    """AttentionOp of the model code, bound to one engine's storage and workspace."""
+
+    def __init__(self, storage: KVStorage, *, head_dim: int, workspace_tokens: int, dtype: torch.dtype) -> None:
+        self.storage = storage
+        self.sm_scale = 1.0 / math.sqrt(head_dim)
+        h = storage.shape.num_kv_heads
+        # One workspace for the extend path, allocated once and reused by every layer.
+        self.ws_k = torch.empty(workspace_tokens, h, head_dim, dtype=dtype, device=storage.device)
+        self.ws_v = torch.empty_like(self.ws_k)
+        self.meta: AttentionMetadata | None = None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        if meta is None:
+            raise RuntimeError("PagedAttention called without metadata for the step")
+        st = self.storage
+        # 1. quantize-on-write
+        if meta.write_rows.numel():
+            rows = meta.write_rows
+            st.write(layer, k[rows], v[rows], meta.write_pages, meta.write_slots)
+        if meta.int2_pages:
+            p = st.page_size
+            ks = torch.stack([k[r : r + p] for r, _ in meta.int2_pages])
+            vs = torch.stack([v[r : r + p] for r, _ in meta.int2_pages])
+            ids = torch.tensor([pid for _, pid in meta.int2_pages], dtype=torch.int32, device=k.device)
+            st.write_int2_pages(layer, ks, vs, ids)
+
+        out = torch.empty_like(q)
+        # 2. decode over the paged pool
+        if meta.decode_rows is not None and meta.decode_rows.numel():
+            assert meta.page_table is not None and meta.seq_lens is not None
+            out[meta.decode_rows] = st.decode(
+                layer, q[meta.decode_rows], meta.page_table, meta.seq_lens,
+                sm_scale=self.sm_scale, num_int2_pages=meta.num_int2_pages,
+            ).to(q.dtype)
+        # 3./4. prefill and extend
+        for span in meta.prefills:
+            r, n, s = span.row, span.n, span.start
+            if s == 0:
+                out[r : r + n] = causal_attention(q[r : r + n], k[r : r + n], v[r : r + n], q_offset=0, sm_scale=self.sm_scale)
+                continue
+            if s + n > self.ws_k.shape[0]:
+                raise ValueError(f"extend of {s + n} tokens exceeds the workspace ({self.ws_k.shape[0]})")
+            st.gather(layer, span.prefix_pages, s, self.ws_k, self.ws_v)
+            self.ws_k[s : s + n] = k[r : r + n]
+            self.ws_v[s : s + n] = v[r : r + n]
+            out[r : r + n] = causal_attention(
+                q[r : r + n], self.ws_k[: s + n], self.ws_v[: s + n], q_offset=s, sm_scale=self.sm_scale
+            )
+        return out

@@ -1,0 +1,118 @@
+"""Per-sequence KV page policy above the pool: prefix matching, page precision,
+allocation for the next tokens, publishing full pages, freeing.
+
+The pool (``page_pool``) knows page ids, ref counts, hashes and leases; the
+storage (``kv_storage``) knows bytes. This layer knows sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from kvserving.tags import MODAL, SEMANTIC
+from kvserving.worker.page_pool import PagePool, PagePoolBase
+from kvserving.worker.precision import page_bits
+from kvserving.worker.triaxial_pool import TriaxialPagePool
+from kvserving.worker.sequence import Sequence
+
+
+class KVCacheManager:
+    """Maps sequences to pages. ``bits_table`` is set only for triaxial pools."""
+
+    def __init__(self, pool: PagePoolBase, *, page_size: int, bits_table: Seq[int] | None = None) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.bits_table = tuple(bits_table) if bits_table is not None else None
+
+    @property
+    def triaxial(self) -> bool:
+        return self.bits_table is not None
+
+    def _hash_tags(self, seq: Sequence) -> list[int] | None:
+        # Triaxial page contents depend on tags (they pick the precision), so
+        # the modal x semantic part of each tag is part of the page identity
+        # there. The temporal part is not: it ages every turn (current ->
+        # turn_m1 -> ...), and keeping it would make every page of the last
+        # turn miss in the next one. Aging only lowers a page's bits, so a
+        # reused page is never less precise than a fresh one would be.
+        if not self.triaxial:
+            return None
+        per_turn = len(MODAL) * len(SEMANTIC)
+        return [t % per_turn for t in seq.all_tags]
+
+    def _extend_hashes(self, seq: Sequence, num_full_pages: int) -> None:
+        have = len(seq.page_hashes)
+        if num_full_pages <= have:
+            return
+        p = self.page_size
+        tags = self._hash_tags(seq)
+        new = self.pool.chain_hashes(
+            seq.all_ids[have * p : num_full_pages * p],
+            p,
+            tags[have * p : num_full_pages * p] if tags is not None else None,
+            parent=seq.page_hashes[-1] if have else None,
+        )
+        seq.page_hashes.extend(new)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Reuse cached pages for the longest known prefix; returns tokens reused.
+
+        At least one token is always left to compute: its logits start decoding.
+        """
+        assert not seq.page_ids and seq.num_computed == 0
+        max_pages = (seq.num_tokens - 1) // self.page_size
+        self._extend_hashes(seq, max_pages)
+        matched = self.pool.match_prefix(seq.page_hashes[:max_pages])
+        seq.page_ids = list(matched)
+        seq.num_registered_pages = len(matched)
+        seq.num_computed = len(matched) * self.page_size
+        return seq.num_computed
+
+    def page_bits_for(self, seq: Sequence, first_page: int, last_page: int) -> list[int]:
+        """Precision of pages [first_page, last_page) of ``seq`` (4 outside triaxial)."""
+        if self.bits_table is None:
+            return [4] * (last_page - first_page)
+        # Only full pages of the original prompt can be INT2; pages holding
+        # generated tokens (and the partial last prompt page) are INT4.
+        prompt_bits = page_bits(seq.tags, self.bits_table, self.page_size)
+        full_prompt_pages = len(seq.prompt_ids) // self.page_size
+        return [prompt_bits[i] if i < full_prompt_pages else 4 for i in range(first_page, last_page)]
+
+    def allocate_until(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make sure pages cover the first ``num_tokens`` tokens; all or nothing."""
+        need = -(-num_tokens // self.page_size) - len(seq.page_ids)
+        if need <= 0:
+            return True
+        first = len(seq.page_ids)
+        if not self.triaxial:
+            assert isinstance(self.pool, PagePool)
+            got = self.pool.allocate(need)
+            if got is None:
+                return False
+            seq.page_ids.extend(got)
+            return True
+        assert isinstance(self.pool, TriaxialPagePool)
+        # one all-or-nothing placement across both ends of the buffer
+        got_mixed = self.pool.allocate_mixed(self.page_bits_for(seq, first, first + need))
+        if got_mixed is None:
+            return False
+        seq.page_ids.extend(got_mixed)
+        return True
+
+    def publish_full_pages(self, seq: Sequence) -> None:
+        """Register every fully computed page with the prefix cache (once)."""
+        full = seq.num_computed // self.page_size
+        if full <= seq.num_registered_pages:
+            return
+        self._extend_hashes(seq, full)
+        for i in range(seq.num_registered_pages, full):
+            self.pool.register(seq.page_ids[i], seq.page_hashes[i])
+        seq.num_registered_pages = full
+
+    def free(self, seq: Sequence) -> None:
+        if seq.page_ids:
+            self.pool.free(seq.page_ids)
+        seq.page_ids = []
+        seq.page_hashes = []
+        seq.num_registered_pages = 0
+        seq.num_computed = 0

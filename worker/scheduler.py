@@ -1,0 +1,137 @@
+"""Continuous batching with chunked prefill: decide each step which tokens of
+which sequences run, within the token budget and the free pages.
+
+Order each step: running decodes first (one token each), then running
+prefills continue, then waiting sequences are admitted FIFO. When a decode
+cannot get a page, the most recently admitted running sequence is preempted:
+its pages go back to the pool and it re-enters the queue front, to be
+recomputed later (its sampled tokens are kept, so its output is unchanged).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserving.config import SchedulerConfig
+from kvserving.worker.kv_manager import KVCacheManager
+from kvserving.worker.sequence import Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Tokens [start, start + num_tokens) of ``seq`` run this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        # Logits are needed only once the chunk reaches the sequence's end.
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        if config.chunk_size % kv.page_size:
+            # Chunks end on page boundaries, so a page (INT2 ones are written
+            # whole) never straddles two steps.
+            raise ValueError(
+                f"scheduler.chunk_size ({config.chunk_size}) must be a multiple of the page size ({kv.page_size})"
+            )
+        if config.max_num_batched_tokens < kv.page_size:
+            raise ValueError("scheduler.max_num_batched_tokens must be >= the page size")
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._arrivals = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        self.kv.publish_full_pages(seq)
+        self.kv.free(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed, self.config.chunk_size, budget)
+        if n < seq.num_uncomputed:
+            n -= n % self.kv.page_size  # a non-final chunk ends on a page boundary
+        return n
+
+    def _preempt_latest(self, out: SchedulerOutput) -> Sequence:
+        victim = max(self.running, key=lambda s: s.arrival)
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = SeqStatus.WAITING
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+        out.chunks = [c for c in out.chunks if c.seq is not victim]
+        return victim
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        # 1. running sequences, oldest first; a page shortage preempts the newest
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status is not SeqStatus.RUNNING or budget == 0:
+                continue
+            n = self._chunk_len(seq, budget)
+            if n == 0:
+                continue
+            while not self.kv.allocate_until(seq, seq.num_computed + n):
+                victim = self._preempt_latest(out)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            budget -= n
+
+        # 2. admit waiting sequences in order while pages and budget last
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.page_ids:
+                hit = self.kv.match_prefix(seq)
+                if seq.num_preemptions == 0 and not seq.output_ids:
+                    seq.num_cached_prompt = hit
+            n = self._chunk_len(seq, budget)
+            if n == 0 or not self.kv.allocate_until(seq, seq.num_computed + n):
+                self.kv.free(seq)  # give back matched prefix pages; retry next step
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self._arrivals += 1
+            seq.arrival = self._arrivals
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            budget -= n
+        return out

@@ -1,0 +1,70 @@
+"""One request's state as the scheduler sees it: tokens, tags, pages, progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserving.tags import encode_tag
+from kvserving.worker.sampling import SamplingParams
+
+# Tokens a decode step generates are the current turn's assistant text.
+GENERATED_TAG = encode_tag("current", "text", "assistant")
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """Prompt + generated tokens, their tags, and the pages holding their KV.
+
+    ``page_ids`` are in token order: page i holds tokens [i*P, (i+1)*P).
+    ``num_computed`` tokens have KV in those pages; the rest still need a
+    forward pass (a prompt chunk, or the one token sampled last step).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    tags: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    page_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_prompt: int = 0  # prompt tokens served from the prefix cache at first admission
+    page_hashes: list[int] = field(default_factory=list)  # chained hashes of the leading full pages
+    num_registered_pages: int = 0  # leading full pages already published to the prefix cache
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    arrival: int = 0  # admission order, for choosing whom to preempt
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def all_tags(self) -> list[int]:
+        return self.tags + [GENERATED_TAG] * len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
