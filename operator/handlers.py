@@ -3,7 +3,6 @@
     login                credentials from the service account or KUBECONFIG (kube.connection_info)
     startup              operator settings (configure) and the API client in ``memo``
     reconcile_kvserving  on create / update / resume: render, apply, write status (reconcile.py)
-    kvserving_bodies     an in-memory index of the KVServings, kept by kopf's watch
     deployment_changed   an owned Deployment changed: recompute its KVServing's status
     cleanup              close the API client
 
@@ -80,15 +79,9 @@ async def reconcile_kvserving(body: kopf.Body, retry: int, memo: kopf.Memo, **_:
         raise kopf.TemporaryError(outcome.error, delay=retry_delay(retry))
 
 
-@kopf.index(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
-def kvserving_bodies(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(namespace, name): plain(body)}
-
-
 @kopf.on.event(group="apps", version="v1", plural="deployments", labels={LABEL_MANAGED_BY: MANAGED_BY}, registry=registry)
-async def deployment_changed(body: kopf.Body, kvserving_bodies: kopf.Index[tuple[str, str], dict[str, Any]],
-                             memo: kopf.Memo, **_: Any) -> None:
-    key = (body.metadata.namespace or "", body.metadata.labels.get(LABEL_INSTANCE, ""))
-    for owner in kvserving_bodies.get(key, []):
-        if not owner["metadata"].get("deletionTimestamp"):
-            await refresh_status(memo.kube, owner, now=utc_now())
+async def deployment_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    # Read the owner fresh: a cached copy could carry an older status and undo a reconcile's.
+    owner = await memo.kube.get_kvserving(body.metadata.namespace or "", body.metadata.labels.get(LABEL_INSTANCE, ""))
+    if owner is not None and not owner["metadata"].get("deletionTimestamp"):
+        await refresh_status(memo.kube, owner, now=utc_now())

@@ -57,7 +57,7 @@ OPTIONAL_GROUPS = frozenset({"monitoring.coreos.com"})
 # API server authorizes as "create" as well as "patch".
 API_CALLS: frozenset[tuple[str, str, str]] = frozenset(
     {(verb, r.group, r.plural) for r in CHILD_RESOURCES.values() for verb in ("list", "create", "patch", "delete")}
-    | {("patch", GROUP, f"{PLURAL}/status")}
+    | {("get", GROUP, PLURAL), ("patch", GROUP, f"{PLURAL}/status")}
 )
 
 
@@ -132,11 +132,24 @@ class KubeApi:
             if exc.status != 404:  # already gone is what we wanted
                 raise
 
-    async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+    async def get_kvserving(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._call("get", KVSERVINGS, KVSERVINGS.path(namespace, name))
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def patch_status(
+        self, namespace: str, name: str, status: dict[str, Any], *, resource_version: str | None = None
+    ) -> None:
+        """Merge-patch ``.status``. With ``resource_version`` the write happens only if
+        the object is unchanged since it was read (else ApiError 409)."""
+        body: dict[str, Any] = {"status": status}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
         path = KVSERVINGS.path(namespace, name, "status")
-        await self._call(
-            "patch", KVSERVINGS, path, subresource="status", body={"status": status}, content_type="application/merge-patch+json"
-        )
+        await self._call("patch", KVSERVINGS, path, subresource="status", body=body, content_type="application/merge-patch+json")
 
 
 def connection_info(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:

@@ -129,8 +129,9 @@ async def reconcile(api: KubeApi, body: dict[str, Any], *, now: str) -> Outcome:
 
 
 async def refresh_status(api: KubeApi, body: dict[str, Any], *, now: str) -> dict[str, Any] | None:
-    """Recompute the status from the owned Deployments; write it only if it changed.
-    Returns the status written, or None when nothing was written."""
+    """Recompute the status from the owned Deployments; write it only if it
+    changed and only if ``body`` is still the latest version (a reconcile that
+    wrote meanwhile knows better). Returns the status written, or None."""
     owner = _owner(body)
     previous = body.get("status") or {}
     try:
@@ -149,5 +150,10 @@ async def refresh_status(api: KubeApi, body: dict[str, Any], *, now: str) -> dic
     )
     if status == previous:
         return None
-    await api.patch_status(owner.namespace, owner.name, status)
+    try:
+        await api.patch_status(owner.namespace, owner.name, status, resource_version=body["metadata"].get("resourceVersion"))
+    except ApiError as exc:
+        if exc.status == 409:  # changed since read; whoever changed it triggers the next refresh
+            return None
+        raise
     return status

@@ -56,9 +56,21 @@ class FakeApiServer:
             return {"items": items}
         if sub == "status":
             assert content_type == "application/merge-patch+json"
+            stored = self.objects.get(key)
+            wanted_rv = body.get("metadata", {}).get("resourceVersion")
+            if wanted_rv is not None and stored is not None and stored["metadata"]["resourceVersion"] != wanted_rv:
+                raise ApiError(409, "the object has been modified; please apply your changes to the latest version")
             self.statuses[(ns, name or "")] = copy.deepcopy(body["status"])
+            if stored is not None:
+                stored["status"] = copy.deepcopy(body["status"])
+                self._rv += 1
+                stored["metadata"]["resourceVersion"] = str(self._rv)
             self.writes.append(("status", plural, name or ""))
             return {}
+        if verb == "get":
+            if key not in self.objects:
+                raise ApiError(404, f"{plural} {name!r} not found")
+            return copy.deepcopy(self.objects[key])
         if verb == "patch":
             assert content_type == "application/apply-patch+yaml" and params == {"fieldManager": "kvserving-operator", "force": "true"}
             self.writes.append(("apply", plural, name or ""))
@@ -83,6 +95,14 @@ class FakeApiServer:
         new["metadata"].update(generation=generation, resourceVersion=str(self._rv), uid=f"child-{self._rv}")
         self.objects[key] = new
         return new
+
+    def put_kvserving(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Store a KVServing as the API server holds it (with a resourceVersion); returns the stored copy."""
+        self._rv += 1
+        stored = copy.deepcopy(body)
+        stored["metadata"]["resourceVersion"] = str(self._rv)
+        self.objects[("kvserving.dev", "kvservings", stored["metadata"]["namespace"], stored["metadata"]["name"])] = stored
+        return copy.deepcopy(stored)
 
     def settle_deployments(self, *, ready: bool = True) -> None:
         """What the Deployment controller would report once the pods are up (or are not)."""

@@ -6,14 +6,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import types
 from typing import Any
 
+import kopf
 import pytest
 import yaml
 from kvs_crd_tools import REPO, apply_defaults, load_sample, root_schema
 from kvs_fake_api import FakeApiServer
 
-from kvserving.operator import kube, rbac
+from kvserving.operator import handlers, kube, rbac
 from kvserving.operator.kube import KubeApi
 from kvserving.operator.main import add_arguments, run
 from kvserving.operator.reconcile import reconcile, refresh_status
@@ -57,6 +59,10 @@ def _exercise_every_call() -> set[tuple[str, str, str]]:
     assert sorted(w for w in server.writes if w[0] == "delete") == [
         ("delete", "deployments", "qwen3-nvfp4-old"), ("delete", "services", "qwen3-nvfp4-old")]
     asyncio.run(api.delete("Deployment", "default", "gone"))  # already gone: not an error
+    # an owned Deployment changed: the handler reads its KVServing and refreshes the status
+    server.put_kvserving(body)
+    deployment = kopf.Body(server.objects[("apps", "deployments", "default", "qwen3-nvfp4-decode")])
+    asyncio.run(handlers.deployment_changed(body=deployment, memo=types.SimpleNamespace(kube=api)))
     calls = set(server.calls)
     bare = FakeApiServer()
     bare.missing_groups.add("monitoring.coreos.com")

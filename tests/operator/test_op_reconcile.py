@@ -200,7 +200,7 @@ def test_handlers_registered() -> None:
     assert not any(h.requires_finalizer for h in changing)
     # no timers or daemons: kopf would put a finalizer on every KVServing for them
     assert handlers.registry._spawning.get_all_handlers() == []
-    assert [h.id for h in handlers.registry._indexing.get_all_handlers()] == ["kvserving_bodies"]
+    assert handlers.registry._indexing.get_all_handlers() == []
     (watching,) = handlers.registry._watching.get_all_handlers()
     assert (watching.id, watching.selector.group, watching.selector.plural) == ("deployment_changed", "apps", "deployments")
     activities = sorted(str(h.activity) for h in handlers.registry._activities.get_all_handlers())
@@ -229,21 +229,36 @@ def test_deployment_event_refreshes_its_owners_status() -> None:
     server = FakeApiServer()
     _run(reconcile(KubeApi(server), _body(), now=T0))
     server.settle_deployments()
-    owner = _with_status(_body(), server)
+    server.put_kvserving(_with_status(_body(), server))
     deployment = kopf.Body(copy.deepcopy(server.objects[("apps", "deployments", "default", "qwen3-fp8-decode")]))
-    index = {("default", "qwen3-fp8"): [owner], ("default", "other"): [_body()]}
-    _run(handlers.deployment_changed(body=deployment, kvserving_bodies=index, memo=_Memo(server)))
+    _run(handlers.deployment_changed(body=deployment, memo=_Memo(server)))
     assert server.statuses[("default", "qwen3-fp8")]["phase"] == "Ready"
     # an owner being deleted is left alone: its children are going away
     server.settle_deployments(ready=False)
-    owner["metadata"]["deletionTimestamp"] = "2026-11-29T10:03:00Z"
-    _run(handlers.deployment_changed(body=deployment, kvserving_bodies=index, memo=_Memo(server)))
+    server.objects[("kvserving.dev", "kvservings", "default", "qwen3-fp8")]["metadata"]["deletionTimestamp"] = T1
+    _run(handlers.deployment_changed(body=deployment, memo=_Memo(server)))
     assert server.statuses[("default", "qwen3-fp8")]["phase"] == "Ready"
+    # an owner already gone: nothing to do
+    del server.objects[("kvserving.dev", "kvservings", "default", "qwen3-fp8")]
+    _run(handlers.deployment_changed(body=deployment, memo=_Memo(server)))
 
 
-def test_index_keeps_plain_bodies_by_namespace_and_name() -> None:
-    body = kopf.Body(_body())
-    assert handlers.kvserving_bodies(namespace="default", name="qwen3-fp8", body=body) == {("default", "qwen3-fp8"): _body()}
+def test_refresh_never_overwrites_a_newer_status() -> None:
+    """A refresh that read generation 1 must not undo the status a reconcile of
+    generation 2 wrote meanwhile (seen with the real kopf against a fake server)."""
+    server = FakeApiServer()
+    api = KubeApi(server)
+    _run(reconcile(api, _body(), now=T0))
+    server.settle_deployments()
+    stale = server.put_kvserving(_with_status(_body(), server))  # what the refresh read
+    newer = _body(generation=2, decode={"replicas": 3})
+    server.put_kvserving(newer)
+    _run(reconcile(api, _with_status(newer, server), now=T1))
+    assert server.statuses[("default", "qwen3-fp8")]["observedGeneration"] == 2
+    server.writes.clear()
+    assert _run(refresh_status(api, stale, now=T2)) is None
+    assert server.statuses[("default", "qwen3-fp8")]["observedGeneration"] == 2
+    assert server.writes == []  # refused with 409, nothing written
 
 
 def test_configure_keeps_kopf_out_of_status_and_peering() -> None:
