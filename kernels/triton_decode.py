@@ -156,7 +156,7 @@ def _split(
     h,  # kv head
     total_bytes,  # layer buffer bytes (INT2 pages count down from here)
     k_mul,  # fp32 factor turning q.k into base-2 logits
-    S: tl.constexpr,  # splits per (sequence, head)
+    S,  # splits per (sequence, head)
     FMT: tl.constexpr,
     G: tl.constexpr,  # query heads per kv head
     D: tl.constexpr,
@@ -267,8 +267,8 @@ def _decode_kernel(
     k_mul,  # fp32 sm_scale * log2(e) * the K format's folded scale
     total_bytes,  # layer buffer size in bytes
     pt_stride,  # page-table row stride (elements)
-    S: tl.constexpr,  # splits per (sequence, head); grid axis 0
-    PPS: tl.constexpr,  # pages per split
+    S,  # splits per (sequence, head); grid axis 0 (runtime, so batch shapes share one compiled kernel)
+    PPS,  # pages per split
     FMT: tl.constexpr,  # page format of `layout` (FMT_*)
     TRIAXIAL: tl.constexpr,  # rows start with INT2 pages (second layout below)
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
@@ -317,7 +317,7 @@ def _merge_kernel(
     lse_ptr,  # fp32 [R, S] per-split base-2 log-sum-exp
     out_ptr,  # [R, D] result, q's dtype
     v_mul,  # fp32 the V format's folded scale
-    S: tl.constexpr,
+    S,  # splits
     S_POW2: tl.constexpr,  # S rounded up to a power of two
     D: tl.constexpr,
 ):
@@ -416,7 +416,7 @@ def decode_attention(
     _decode_kernel[(s, h, b)](
         q, o, lse, buffer, page_table, seq_lens, n2,
         sm_scale * LOG2E * k_fold, total, page_table.stride(0),
-        S=s, PPS=pps, FMT=FMT_CODES[fmt], TRIAXIAL=triaxial, H=h, G=g, D=d, P=layout.page_size,
+        s, pps, FMT=FMT_CODES[fmt], TRIAXIAL=triaxial, H=h, G=g, D=d, P=layout.page_size,
         PAGE_BYTES=field_offsets(layout)[0], K_OFF=field_offsets(layout)[1], KS_OFF=field_offsets(layout)[2],
         KZ_OFF=field_offsets(layout)[3], V_OFF=field_offsets(layout)[4], VS_OFF=field_offsets(layout)[5],
         VZ_OFF=field_offsets(layout)[6],
@@ -427,5 +427,5 @@ def decode_attention(
         FAST=use_fast(q.device), num_warps=cfg["num_warps"],
     )  # fmt: skip
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    _merge_kernel[(b * hq,)](o, lse, out, v_fold, S=s, S_POW2=triton.next_power_of_2(s), D=d, num_warps=4)
+    _merge_kernel[(b * hq,)](o, lse, out, v_fold, s, S_POW2=triton.next_power_of_2(s), D=d, num_warps=4)
     return out

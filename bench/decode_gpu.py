@@ -1,0 +1,252 @@
+"""GPU benchmark of the paged-KV kernels: decode attention, quantize-on-write, extend gather. One table + JSON.
+
+Run on the device machine (see bench/NOTES-kernels.md)::
+
+    python bench/decode_gpu.py --out $OUT/decode.json [--flashinfer] [--sweep]
+
+Shape: Qwen3-8B-like (32 query heads, 8 KV heads, head_dim 128); pages of
+16 tokens (32 for triaxial); (batch, context) in {(64, 4K), (32, 32K),
+(4, 128K), (1, 128K)}. Triaxial runs at 2.7 average code bits: 65% of each
+sequence's pages INT2 (listed first), 35% INT4. Every pool is filled by our
+quantize-on-write kernels with random K/V and read through a shuffled page
+table. Effective bandwidth = bytes of the pages read (scales and zeros
+included) / median time; copy bandwidth = a device-to-device copy measured in
+the same run (bytes read + written). Timings replay CUDA graphs, so launch
+gaps are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from kvserving.kernels import triton_decode, triton_paged
+from kvserving.kernels.layout import INT2_PAGE_FLAG, PageLayout
+
+HQ, H, D = 32, 8, 128
+SHAPES = [(64, 4096), (32, 32768), (4, 131072), (1, 131072)]
+FORMATS = ["bf16", "fp8_e4m3", "nvfp4", "triaxial"]
+INT2_SHARE = 0.65  # of pages: 0.65 * 2 + 0.35 * 4 = 2.7 average code bits
+FP8_SCALE = 0.05
+NVFP4_G = 1.0 / (6 * 448) * 8
+
+
+def time_ms(fn: Callable[[], object], *, target_ms: float = 30.0) -> float:
+    """Median ms of fn, replayed from a CUDA graph of several calls (events-per-call if capture fails)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    est = max(start.elapsed_time(end), 1e-3)
+    n = max(1, min(200, int(target_ms / est)))
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(n):
+                fn()
+        runs = []
+        for _ in range(7):
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            runs.append(start.elapsed_time(end) / n)
+        return statistics.median(runs)
+    except RuntimeError:
+        runs = []
+        for _ in range(max(5, n)):
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            runs.append(start.elapsed_time(end))
+        return statistics.median(runs)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    n = 2 << 30
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n / ms / 1e9  # TB/s
+
+
+class Pool:
+    """One layer's pages for a batch, filled through our write kernels, with its page table."""
+
+    def __init__(self, fmt: str, batch: int, ctx: int) -> None:
+        torch.manual_seed(1234)  # same K/V for bf16 / fp8 / nvfp4, so their outputs can be compared
+        self.fmt = fmt
+        self.tri = fmt == "triaxial"
+        self.p = 32 if self.tri else 16
+        self.layout = PageLayout.build("int4" if self.tri else fmt, page_size=self.p, kv_heads=H, head_dim=D)
+        self.int2 = PageLayout.build("int2", page_size=self.p, kv_heads=H, head_dim=D) if self.tri else None
+        per_seq = ctx // self.p
+        self.n2 = round(INT2_SHARE * per_seq) if self.tri else 0
+        self.n4 = per_seq - self.n2
+        self.pages4, self.pages2 = batch * self.n4, batch * self.n2
+        self.bytes_total = self.pages4 * self.layout.page_bytes + (self.pages2 * self.int2.page_bytes if self.int2 else 0)
+        self.buffer = torch.empty(self.bytes_total, dtype=torch.uint8, device="cuda")
+        ids4 = torch.randperm(self.pages4, device="cuda").int()
+        ids2 = torch.randperm(self.pages2, device="cuda").int() | INT2_PAGE_FLAG
+        self.page_table = torch.cat([ids2.view(batch, self.n2), ids4.view(batch, self.n4)], dim=1).contiguous()
+        self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        self.num_int2 = torch.full((batch,), self.n2, dtype=torch.int32, device="cuda") if self.tri else None
+        self.scale = {"fp8_e4m3": FP8_SCALE, "nvfp4": NVFP4_G}.get(fmt, 1.0)
+        self._fill(ids4, ids2)
+
+    def _fill(self, ids4: torch.Tensor, ids2: torch.Tensor) -> None:
+        chunk = 1 << 16
+        tok_total = self.pages4 * self.p
+        for t0 in range(0, tok_total, chunk):
+            tok = torch.arange(t0, min(t0 + chunk, tok_total), device="cuda")
+            k = torch.randn(tok.numel(), H, D, device="cuda", dtype=torch.bfloat16) * 2
+            v = torch.randn_like(k)
+            triton_paged.write_kv(self.buffer, self.layout, k, v, ids4[tok // self.p], (tok % self.p).int(),
+                                  k_scale=self.scale, v_scale=self.scale)  # fmt: skip
+        for p0 in range(0, self.pages2, 1024):
+            n = min(1024, self.pages2 - p0)
+            k = torch.randn(n, self.p, H, D, device="cuda", dtype=torch.bfloat16) * 2
+            v = torch.randn_like(k)
+            triton_paged.write_int2_pages(self.buffer, self.int2, k, v, ids2[p0 : p0 + n], total_bytes=self.bytes_total)
+
+    def decode(self, q: torch.Tensor, **kw: object) -> torch.Tensor:
+        return triton_decode.decode_attention(
+            q, self.buffer, self.layout, self.page_table, self.seq_lens, sm_scale=D**-0.5,
+            k_scale=self.scale, v_scale=self.scale, int2_layout=self.int2, num_int2_pages=self.num_int2,
+            total_bytes=self.bytes_total, **kw,
+        )  # fmt: skip
+
+
+def flashinfer_decode(pool: Pool, q: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """FlashInfer's paged decode over the same pages (our bf16/fp8 page is FlashInfer's HND [2, H, P, D])."""
+    import flashinfer
+
+    b = q.shape[0]
+    kv_dtype = torch.bfloat16 if pool.fmt == "bf16" else torch.float8_e4m3fn
+    kv = pool.buffer.view(kv_dtype).view(pool.pages4, 2, H, pool.p, D)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="HND")
+    indptr = torch.arange(b + 1, dtype=torch.int32, device="cuda") * pool.n4
+    last = torch.full((b,), pool.p, dtype=torch.int32, device="cuda")
+    wrapper.plan(indptr, pool.page_table.flatten(), last, HQ, H, D, pool.p, pos_encoding_mode="NONE",
+                 q_data_type=torch.bfloat16, kv_data_type=kv_dtype)  # fmt: skip
+    if pool.fmt == "bf16":
+        return lambda: wrapper.run(q, kv)
+    return lambda: wrapper.run(q, kv, k_scale=pool.scale, v_scale=pool.scale)
+
+
+SWEEP = [
+    {"PPI": 2, "num_warps": 4, "NUM_STAGES": 1},
+    {"PPI": 4, "num_warps": 4, "NUM_STAGES": 1},
+    {"PPI": 4, "num_warps": 4, "NUM_STAGES": 2},
+    {"PPI": 8, "num_warps": 4, "NUM_STAGES": 1},
+    {"PPI": 4, "num_warps": 8, "NUM_STAGES": 1},
+    {"PPI": 8, "num_warps": 8, "NUM_STAGES": 2},
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="decode_gpu.json")
+    ap.add_argument("--flashinfer", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time tuning variants at 32x32K")
+    ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    args = ap.parse_args()
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    formats = args.formats.split(",")
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_name()
+    copy_tbs = copy_bandwidth()
+    print(f"device: {dev}; copy {copy_tbs:.2f} TB/s (read+write); torch {torch.__version__}", flush=True)
+    rows: list[dict[str, object]] = []
+
+    def record(shape: tuple[int, int], impl: str, ms: float, nbytes: int, **extra: object) -> None:
+        tbs = nbytes / ms / 1e9
+        rows.append({"batch": shape[0], "context": shape[1], "impl": impl, "ms": ms, "bytes": nbytes,
+                     "tb_s": tbs, "of_copy": tbs / copy_tbs, **extra})  # fmt: skip
+        print(f"{shape[0]:>3}x{shape[1]:<6} {impl:<26} {ms:8.3f} ms {nbytes / 1e9:7.3f} GB {tbs:5.2f} TB/s {100 * tbs / copy_tbs:5.1f}%", flush=True)
+
+    for shape in shapes:
+        b, ctx = shape
+        q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+        outs: dict[str, torch.Tensor] = {}
+        for fmt in formats:
+            pool = Pool(fmt, b, ctx)
+            pool_bytes = pool.bytes_total
+            ms = time_ms(lambda: pool.decode(q))
+            outs[fmt] = pool.decode(q).float()
+            record(shape, f"ours {fmt}", ms, pool_bytes)
+            if args.sweep and shape == (32, 32768):
+                variants = SWEEP if fmt != "triaxial" else [v for v in SWEEP if v["PPI"] <= 4]
+                for cfg in variants:
+                    t = time_ms(lambda: pool.decode(q, tuning=cfg))
+                    record(shape, f"  {fmt} {cfg['PPI']}/{cfg['num_warps']}/{cfg['NUM_STAGES']}", t, pool_bytes, tuning=cfg)
+                os.environ["KVSERVING_TRITON_FAST"] = "0"
+                t = time_ms(lambda: pool.decode(q))
+                record(shape, f"  {fmt} arithmetic decoders", t, pool_bytes)
+                del os.environ["KVSERVING_TRITON_FAST"]
+            if args.flashinfer and fmt in ("bf16", "fp8_e4m3"):
+                try:
+                    fn = flashinfer_decode(pool, q)
+                    ref = fn().float()
+                    err = float((ref - outs[fmt]).norm() / ref.norm())
+                    record(shape, f"flashinfer {fmt}", time_ms(fn), pool_bytes, rel_diff_vs_ours=err)
+                except Exception as exc:  # noqa: BLE001 - report and go on: FlashInfer is a comparison only
+                    print(f"flashinfer {fmt}: skipped ({type(exc).__name__}: {str(exc)[:300]})", flush=True)
+            if shape == (32, 32768):
+                # quantize-on-write: 32K new tokens into this pool's pages; bytes = bf16 in + pages out
+                tok = torch.arange(32768, device="cuda")
+                k = torch.randn(32768, H, D, device="cuda", dtype=torch.bfloat16)
+                ids = pool.page_table[:, pool.n2 :].flatten()[tok // pool.p].contiguous()
+                slots = (tok % pool.p).int()
+                wbytes = 2 * k.numel() * 2 + 32768 // pool.p * pool.layout.page_bytes
+                t = time_ms(lambda: triton_paged.write_kv(pool.buffer, pool.layout, k, k, ids, slots, k_scale=pool.scale, v_scale=pool.scale))
+                record(shape, f"write_kv {pool.layout.fmt}", t, wbytes)
+                if pool.tri:
+                    pk = torch.randn(1024, pool.p, H, D, device="cuda", dtype=torch.bfloat16)
+                    ids2 = pool.page_table[:, : pool.n2].flatten()[:1024].contiguous()
+                    wb2 = 2 * pk.numel() * 2 + 1024 * pool.int2.page_bytes
+                    t = time_ms(lambda: triton_paged.write_int2_pages(pool.buffer, pool.int2, pk, pk, ids2, total_bytes=pool.bytes_total))
+                    record(shape, "write_int2_pages", t, wb2)
+                # extend: dequantize one sequence's whole cached prefix into a bf16 workspace
+                ws_k = torch.empty(ctx, H, D, device="cuda", dtype=torch.bfloat16)
+                ws_v = torch.empty_like(ws_k)
+                row = pool.page_table[0]
+                gbytes = pool.n4 * pool.layout.page_bytes + pool.n2 * (pool.int2.page_bytes if pool.int2 else 0) + 2 * ws_k.numel() * 2
+                t = time_ms(lambda: triton_paged.gather_kv(pool.buffer, pool.layout, row, ctx, ws_k, ws_v, k_scale=pool.scale,
+                                                           v_scale=pool.scale, int2_layout=pool.int2, total_bytes=pool.bytes_total))  # fmt: skip
+                record(shape, f"gather_kv {fmt} ({ctx} tok)", t, gbytes)
+            del pool
+            torch.cuda.empty_cache()
+        if "bf16" in outs:
+            for fmt, o in outs.items():
+                if fmt not in ("bf16", "triaxial"):
+                    print(f"    {fmt} vs bf16 output rel diff {float((o - outs['bf16']).norm() / outs['bf16'].norm()):.3e}")
+    with open(args.out, "w") as f:
+        json.dump({"device": dev, "copy_tb_s": copy_tbs, "rows": rows}, f, indent=1)
+    print(f"\n{'shape':<10} {'impl':<26} {'ms':>8} {'TB/s':>6} {'%copy':>6}")
+    for r in rows:
+        print(f"{r['batch']}x{r['context']:<7} {r['impl']:<26} {r['ms']:8.3f} {r['tb_s']:6.2f} {100 * r['of_copy']:5.1f}%")
+    print(f"copy {copy_tbs:.2f} TB/s on {dev}")
+
+
+if __name__ == "__main__":
+    main()
