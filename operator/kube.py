@@ -61,6 +61,9 @@ API_CALLS: frozenset[tuple[str, str, str]] = frozenset(
 )
 
 
+DELETE_OPTIONS = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+
+
 class ApiError(Exception):
     """A non-2xx answer of the API server."""
 
@@ -127,7 +130,7 @@ class KubeApi:
     async def delete(self, kind: str, namespace: str, name: str) -> None:
         resource = CHILD_RESOURCES[kind]
         try:
-            await self._call("delete", resource, resource.path(namespace, name), body={"propagationPolicy": "Background"})
+            await self._call("delete", resource, resource.path(namespace, name), body=DELETE_OPTIONS)
         except ApiError as exc:
             if exc.status != 404:  # already gone is what we wanted
                 raise

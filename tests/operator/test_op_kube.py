@@ -80,7 +80,8 @@ def test_transport_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert (seen[2]["method"], seen[2]["path"]) == ("PATCH", "/api/v1/namespaces/team/configmaps/demo-config")
     assert seen[2]["query"] == {"fieldManager": "kvserving-operator", "force": "true"}
     assert seen[2]["type"] == "application/apply-patch+yaml"
-    assert seen[3]["method"] == "DELETE" and json.loads(seen[3]["body"]) == {"propagationPolicy": "Background"}
+    assert seen[3]["method"] == "DELETE" and json.loads(seen[3]["body"]) == {
+        "apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
 
 
 def test_no_credentials_is_a_login_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -44,7 +44,10 @@ def test_golden(sample: str) -> None:
     path = GOLDEN / f"{sample}.yaml"
     if os.environ.get("KVSERVING_UPDATE_GOLDEN"):
         path.write_text(text)
-    assert text == path.read_text()
+    assert text == path.read_text(), (
+        f"rendering of {sample} changed; if intended (e.g. a new engine-config field), regenerate with "
+        "KVSERVING_UPDATE_GOLDEN=1 and review the diff of tests/operator/golden/"
+    )
 
 
 def test_children_of_the_nvfp4_sample() -> None:
