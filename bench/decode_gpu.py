@@ -152,14 +152,17 @@ def flashinfer_decode(pool: Pool, q: torch.Tensor) -> Callable[[], torch.Tensor]
     return lambda: wrapper.run(q, kv, k_scale=pool.scale, v_scale=pool.scale)
 
 
-SWEEP = [
-    {"PPI": 2, "num_warps": 4, "NUM_STAGES": 1},
-    {"PPI": 4, "num_warps": 4, "NUM_STAGES": 1},
-    {"PPI": 4, "num_warps": 4, "NUM_STAGES": 2},
-    {"PPI": 8, "num_warps": 4, "NUM_STAGES": 1},
-    {"PPI": 4, "num_warps": 8, "NUM_STAGES": 1},
-    {"PPI": 8, "num_warps": 8, "NUM_STAGES": 2},
+SWEEP = [  # (pages per iteration, warps, pipeline stages, programs per SM)
+    (4, 4, 1, 16), (8, 4, 1, 16), (16, 4, 1, 16), (8, 8, 1, 16), (4, 4, 2, 16),
+    (8, 4, 2, 16), (8, 8, 2, 16), (8, 4, 1, 4), (8, 4, 1, 48),
 ]
+
+
+def resources() -> str:
+    k = triton_decode.LAST_KERNEL[0] if triton_decode.LAST_KERNEL else None
+    if k is None:
+        return ""
+    return f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} smem {k.metadata.shared}"
 
 
 def main() -> None:
@@ -193,12 +196,18 @@ def main() -> None:
             pool_bytes = pool.bytes_total
             ms = time_ms(lambda: pool.decode(q))
             outs[fmt] = pool.decode(q).float()
-            record(shape, f"ours {fmt}", ms, pool_bytes)
+            record(shape, f"ours {fmt}", ms, pool_bytes, resources=resources())
+            print("      " + resources(), flush=True)
             if args.sweep and shape == (32, 32768):
-                variants = SWEEP if fmt != "triaxial" else [v for v in SWEEP if v["PPI"] <= 4]
-                for cfg in variants:
-                    t = time_ms(lambda: pool.decode(q, tuning=cfg))
-                    record(shape, f"  {fmt} {cfg['PPI']}/{cfg['num_warps']}/{cfg['NUM_STAGES']}", t, pool_bytes, tuning=cfg)
+                for ppi, warps, stages, ppsm in SWEEP:
+                    cfg = {"PPI": ppi, "num_warps": warps, "NUM_STAGES": stages, "PPSM": ppsm}
+                    try:
+                        t = time_ms(lambda: pool.decode(q, tuning=cfg))
+                    except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
+                        print(f"  {fmt} {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                        continue
+                    record(shape, f"  {fmt} {ppi}/{warps}/{stages}/{ppsm}", t, pool_bytes, tuning=cfg, resources=resources())
+                    print("      " + resources(), flush=True)
                 os.environ["KVSERVING_TRITON_FAST"] = "0"
                 t = time_ms(lambda: pool.decode(q))
                 record(shape, f"  {fmt} arithmetic decoders", t, pool_bytes)
@@ -240,8 +249,10 @@ def main() -> None:
             for fmt, o in outs.items():
                 if fmt not in ("bf16", "triaxial"):
                     print(f"    {fmt} vs bf16 output rel diff {float((o - outs['bf16']).norm() / outs['bf16'].norm()):.3e}")
+    copy_end = copy_bandwidth()
+    print(f"copy bandwidth at the start {copy_tbs:.2f}, at the end {copy_end:.2f} TB/s", flush=True)
     with open(args.out, "w") as f:
-        json.dump({"device": dev, "copy_tb_s": copy_tbs, "rows": rows}, f, indent=1)
+        json.dump({"device": dev, "copy_tb_s": copy_tbs, "copy_tb_s_end": copy_end, "rows": rows}, f, indent=1)
     print(f"\n{'shape':<10} {'impl':<26} {'ms':>8} {'TB/s':>6} {'%copy':>6}")
     for r in rows:
         print(f"{r['batch']}x{r['context']:<7} {r['impl']:<26} {r['ms']:8.3f} {r['tb_s']:6.2f} {100 * r['of_copy']:5.1f}%")

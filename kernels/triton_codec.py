@@ -168,7 +168,25 @@ def _asm_int(bits: int) -> str:
     )
 
 
+def _asm_crumb_codes() -> str:
+    # four INT2 codes per byte -> fp16 code values (no scale): ((t >> 2k) & 3 | 0x6400) - 1024
+    out = []
+    for pair, reg in ((0, "lo01"), (1, "lo23")):
+        for k in range(4):
+            out.append(
+                f"shr.b32 t, {reg}, {2 * k}; and.b32 t, t, 0x30003; or.b32 t, t, 0x64006400; "
+                f"sub.rn.f16x2 ${k * 2 + pair}, t, magic;"
+            )
+    return (
+        "{ .reg .b32 zz, lo01, lo23, t, magic; mov.b32 magic, 0x64006400;"
+        + _PRMT.replace("$IN", "$8")
+        + "\n".join(out)
+        + "}"
+    )
+
+
 ASM_E2M1: tl.constexpr = tl.constexpr(_asm_e2m1())
+ASM_CRUMB_CODES: tl.constexpr = tl.constexpr(_asm_crumb_codes())
 ASM_INT4: tl.constexpr = tl.constexpr(_asm_int(4))
 ASM_INT2: tl.constexpr = tl.constexpr(_asm_int(2))
 
@@ -229,6 +247,28 @@ def crumbs_int2(packed, scale, zero, FAST: tl.constexpr):
         c1 = (((b >> 2) & 3).to(tl.float32) * s32 + z32).to(tl.float16)
         c2 = (((b >> 4) & 3).to(tl.float32) * s32 + z32).to(tl.float16)
         c3 = ((b >> 6).to(tl.float32) * s32 + z32).to(tl.float16)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def crumb_codes(packed, FAST: tl.constexpr):
+    """uint8 packed INT2 quads -> four fp16 tensors of the raw codes 0..3 (element 4j+k in tensor k)."""
+    if FAST:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            ASM_CRUMB_CODES,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r",
+            [packed],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        # 0x6400 | c is fp16 1024 + c: an exact integer-to-fp16 conversion without I2F
+        b = packed.to(tl.int32)
+        c0 = ((b & 3) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+        c1 = (((b >> 2) & 3) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+        c2 = (((b >> 4) & 3) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+        c3 = ((b >> 6) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
     return c0, c1, c2, c3
 
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .layout import INT2_PAGE_FLAG, PageLayout
-from .triton_codec import crumbs_int2, e4m3_to_f16, nibbles_e2m1, nibbles_int4
+from .triton_codec import crumb_codes, crumbs_int2, e4m3_to_f16, nibbles_e2m1, nibbles_int4
 
 FMT_BF16: tl.constexpr = tl.constexpr(0)
 FMT_FP8: tl.constexpr = tl.constexpr(1)
@@ -61,86 +61,111 @@ def _channels(FMT: tl.constexpr, D: tl.constexpr, i: tl.constexpr):
 
 
 @triton.jit
-def _half_rows(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, hf: tl.constexpr,
-               FMT: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr):
-    """Half a row of nibble-packed K or V (D/4 bytes = D/2 channels) -> its (lo, hi) quarters, fp16 [N, D/4]."""
-    N: tl.constexpr = hrow.shape[0]
-    p3 = rows_ptr[:, None, None]
-    r3 = hrow[:, None, None]
-    m3 = ok[:, None, None]
-    if FMT == FMT_NVFP4:
-        NB: tl.constexpr = D // 32  # 16-channel blocks in half a row, 8 bytes each
-        b = tl.arange(0, NB)[None, :, None]
-        jj = tl.arange(0, 8)[None, None, :]
-        packed = tl.load(p3 + OFF + r3 * (D // 2) + hf * (D // 4) + b * 8 + jj, mask=m3, other=0)
-        sbits = tl.load(p3 + SOFF + r3 * (D // 16) + hf * NB + b, mask=m3, other=0)
-        scale = e4m3_to_f16(sbits, FAST) * 128.0  # s * 2^7, exact in fp16
-        lo, hi = nibbles_e2m1(packed, tl.broadcast_to(scale, (N, NB, 8)), FAST)
+def _plain_rows(rows_ptr, hrow, ok, OFF: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr):
+    """bf16 / fp8 rows: loads only -> four [N, D/4] tiles (bf16, or E4M3 bytes)."""
+    Q: tl.constexpr = D // 4
+    j = tl.arange(0, Q)[None, :]
+    m = ok[:, None]
+    if FMT == FMT_BF16:
+        base = (rows_ptr[:, None] + OFF).to(tl.pointer_type(tl.bfloat16)) + hrow[:, None] * D + j
     else:
-        NG: tl.constexpr = D // 64  # 32-channel groups in half a row, 16 bytes each
-        g = tl.arange(0, NG)[None, :, None]
-        jj = tl.arange(0, 16)[None, None, :]
-        packed = tl.load(p3 + OFF + r3 * (D // 2) + hf * (D // 4) + g * 16 + jj, mask=m3, other=0)
-        meta = r3 * (D // 32) + hf * NG + g  # fp16 element index of this group's scale / zero
-        scale = tl.load((p3 + SOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m3, other=0.0)
-        zero = tl.load((p3 + ZOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m3, other=0.0)
-        lo, hi = nibbles_int4(packed, tl.broadcast_to(scale, (N, NG, 16)), tl.broadcast_to(zero, (N, NG, 16)), FAST)
-    return tl.reshape(lo, (N, D // 4)), tl.reshape(hi, (N, D // 4))
+        base = rows_ptr[:, None] + OFF + hrow[:, None] * D + j
+    t0 = tl.load(base, mask=m, other=0)
+    t1 = tl.load(base + Q, mask=m, other=0)
+    t2 = tl.load(base + 2 * Q, mask=m, other=0)
+    t3 = tl.load(base + 3 * Q, mask=m, other=0)
+    return t0, t1, t2, t3
 
 
 @triton.jit
-def _quarters(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, IS_KEY: tl.constexpr,
-              FMT: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr):
-    """K or V of N rows -> four [N, D/4] tiles (fp16; bf16 for bf16 pages).
+def _plain_decode(t0, t1, t2, t3, FMT: tl.constexpr, FAST: tl.constexpr):
+    if FMT == FMT_FP8:
+        t0 = e4m3_to_f16(t0, FAST)
+        t1 = e4m3_to_f16(t1, FAST)
+        t2 = e4m3_to_f16(t2, FAST)
+        t3 = e4m3_to_f16(t3, FAST)
+    return t0, t1, t2, t3
 
-    ``rows_ptr``: uint8 pointer to each row's page [N]; ``hrow``: the row's
-    index inside a [H, P, ...] field (h * P + slot) [N]; rows where ``ok`` is
-    false read as zeros, so the attention never multiplies a stale NaN.
-    """
-    N: tl.constexpr = hrow.shape[0]
+
+@triton.jit
+def _nibble_rows(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr,
+                 FMT: tl.constexpr, D: tl.constexpr):
+    """nvfp4 / int4 rows, loads only: packed halves [N, D/4] u8 (16-byte vectors) and each half's scales (and zeros)."""
     Q: tl.constexpr = D // 4
     j = tl.arange(0, Q)[None, :]
     p2 = rows_ptr[:, None]
     r = hrow[:, None]
     m = ok[:, None]
-    if FMT == FMT_BF16:
-        base = (p2 + OFF).to(tl.pointer_type(tl.bfloat16)) + r * D + j
-        t0 = tl.load(base, mask=m, other=0.0)
-        t1 = tl.load(base + Q, mask=m, other=0.0)
-        t2 = tl.load(base + 2 * Q, mask=m, other=0.0)
-        t3 = tl.load(base + 3 * Q, mask=m, other=0.0)
-    elif FMT == FMT_FP8:
-        base = p2 + OFF + r * D + j
-        t0 = e4m3_to_f16(tl.load(base, mask=m, other=0), FAST)
-        t1 = e4m3_to_f16(tl.load(base + Q, mask=m, other=0), FAST)
-        t2 = e4m3_to_f16(tl.load(base + 2 * Q, mask=m, other=0), FAST)
-        t3 = e4m3_to_f16(tl.load(base + 3 * Q, mask=m, other=0), FAST)
-    elif FMT == FMT_INT2:
-        if IS_KEY:
-            # codes only: the per-channel scale and zero are folded into q by the caller
-            packed = tl.load(p2 + OFF + r * Q + j, mask=m, other=0)
-            one = tl.full((N, Q), 1.0, tl.float16)
-            t0, t1, t2, t3 = crumbs_int2(packed, one, one - one, FAST)
-        else:
-            NG: tl.constexpr = D // 32  # groups of 32 channels = 8 bytes
-            g = tl.arange(0, NG)[None, :, None]
-            jj = tl.arange(0, 8)[None, None, :]
-            p3 = rows_ptr[:, None, None]
-            r3 = hrow[:, None, None]
-            m3 = ok[:, None, None]
-            packed = tl.load(p3 + OFF + r3 * Q + g * 8 + jj, mask=m3, other=0)
-            meta = r3 * NG + g
-            scale = tl.load((p3 + SOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m3, other=0.0)
-            zero = tl.load((p3 + ZOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m3, other=0.0)
-            c0, c1, c2, c3 = crumbs_int2(packed, tl.broadcast_to(scale, (N, NG, 8)), tl.broadcast_to(zero, (N, NG, 8)), FAST)
-            t0 = tl.reshape(c0, (N, Q))
-            t1 = tl.reshape(c1, (N, Q))
-            t2 = tl.reshape(c2, (N, Q))
-            t3 = tl.reshape(c3, (N, Q))
+    d0 = tl.load(p2 + OFF + r * (D // 2) + j, mask=m, other=0)
+    d1 = tl.load(p2 + OFF + r * (D // 2) + Q + j, mask=m, other=0)
+    if FMT == FMT_NVFP4:
+        NB: tl.constexpr = D // 32  # E4M3 block scales per half row
+        b = tl.arange(0, NB)[None, :]
+        s0 = tl.load(p2 + SOFF + r * (D // 16) + b, mask=m, other=0)
+        s1 = tl.load(p2 + SOFF + r * (D // 16) + NB + b, mask=m, other=0)
+        z0 = s0
+        z1 = s1
     else:
-        t0, t1 = _half_rows(rows_ptr, hrow, ok, OFF, SOFF, ZOFF, 0, FMT, D, FAST)
-        t2, t3 = _half_rows(rows_ptr, hrow, ok, OFF, SOFF, ZOFF, 1, FMT, D, FAST)
-    return t0, t1, t2, t3
+        NG: tl.constexpr = D // 64  # fp16 group scale / zero per half row
+        g = tl.arange(0, NG)[None, :]
+        sp = (p2 + SOFF).to(tl.pointer_type(tl.float16)) + r * (D // 32) + g
+        zp = (p2 + ZOFF).to(tl.pointer_type(tl.float16)) + r * (D // 32) + g
+        s0 = tl.load(sp, mask=m, other=0.0)
+        s1 = tl.load(sp + NG, mask=m, other=0.0)
+        z0 = tl.load(zp, mask=m, other=0.0)
+        z1 = tl.load(zp + NG, mask=m, other=0.0)
+    return d0, d1, s0, s1, z0, z1
+
+
+@triton.jit
+def _nibble_decode(d, s, z, FMT: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr):
+    """Half a row of nibbles [N, D/4] -> its (lo, hi) quarters, fp16 [N, D/4]."""
+    N: tl.constexpr = d.shape[0]
+    if FMT == FMT_NVFP4:
+        NB: tl.constexpr = D // 32
+        scale = tl.broadcast_to((e4m3_to_f16(s, FAST) * 128.0)[:, :, None], (N, NB, 8))  # s * 2^7, exact in fp16
+        lo, hi = nibbles_e2m1(tl.reshape(d, (N, NB, 8)), scale, FAST)
+    else:
+        NG: tl.constexpr = D // 64
+        sc = tl.broadcast_to(s[:, :, None], (N, NG, 16))
+        zr = tl.broadcast_to(z[:, :, None], (N, NG, 16))
+        lo, hi = nibbles_int4(tl.reshape(d, (N, NG, 16)), sc, zr, FAST)
+    return tl.reshape(lo, (N, D // 4)), tl.reshape(hi, (N, D // 4))
+
+
+@triton.jit
+def _crumb_rows(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, D: tl.constexpr):
+    """INT2 value rows, loads only: codes [N, D/4] u8 and per-token group scale / zero [N, D/32] fp16."""
+    Q: tl.constexpr = D // 4
+    NG: tl.constexpr = D // 32
+    j = tl.arange(0, Q)[None, :]
+    g = tl.arange(0, NG)[None, :]
+    p2 = rows_ptr[:, None]
+    r = hrow[:, None]
+    m = ok[:, None]
+    d = tl.load(p2 + OFF + r * Q + j, mask=m, other=0)
+    s = tl.load((p2 + SOFF).to(tl.pointer_type(tl.float16)) + r * NG + g, mask=m, other=0.0)
+    z = tl.load((p2 + ZOFF).to(tl.pointer_type(tl.float16)) + r * NG + g, mask=m, other=0.0)
+    return d, s, z
+
+
+@triton.jit
+def _crumb_values(d, s, z, D: tl.constexpr, FAST: tl.constexpr):
+    """INT2 values [N, D/4] u8 with group scale / zero [N, D/32] -> four fp16 quarters [N, D/4]."""
+    N: tl.constexpr = d.shape[0]
+    NG: tl.constexpr = D // 32
+    sc = tl.broadcast_to(s[:, :, None], (N, NG, 8))
+    zr = tl.broadcast_to(z[:, :, None], (N, NG, 8))
+    c0, c1, c2, c3 = crumbs_int2(tl.reshape(d, (N, NG, 8)), sc, zr, FAST)
+    Q: tl.constexpr = D // 4
+    return tl.reshape(c0, (N, Q)), tl.reshape(c1, (N, Q)), tl.reshape(c2, (N, Q)), tl.reshape(c3, (N, Q))
+
+
+@triton.jit
+def _crumb_key_meta(page_ptr, h, OFF: tl.constexpr, i: tl.constexpr, D: tl.constexpr):
+    """Per-channel INT2 key scale (or zero) of quarter i for each page of the iteration: [PPI, 1, D/4] fp16."""
+    ch = 4 * tl.arange(0, D // 4) + i
+    return tl.load((page_ptr[:, None] + OFF).to(tl.pointer_type(tl.float16)) + h * D + ch[None, :])[:, None, :]
 
 
 @triton.jit
@@ -184,10 +209,10 @@ def _split(
     c1 = _channels(FMT, D, 1)[None, :]
     c2 = _channels(FMT, D, 2)[None, :]
     c3 = _channels(FMT, D, 3)[None, :]
-    q0 = tl.load(q_row_ptr + rh * D + c0, mask=qmask, other=0.0).to(tl.float32)
-    q1 = tl.load(q_row_ptr + rh * D + c1, mask=qmask, other=0.0).to(tl.float32)
-    q2 = tl.load(q_row_ptr + rh * D + c2, mask=qmask, other=0.0).to(tl.float32)
-    q3 = tl.load(q_row_ptr + rh * D + c3, mask=qmask, other=0.0).to(tl.float32)
+    q0 = tl.load(q_row_ptr + rh * D + c0, mask=qmask, other=0.0).to(DT)
+    q1 = tl.load(q_row_ptr + rh * D + c1, mask=qmask, other=0.0).to(DT)
+    q2 = tl.load(q_row_ptr + rh * D + c2, mask=qmask, other=0.0).to(DT)
+    q3 = tl.load(q_row_ptr + rh * D + c3, mask=qmask, other=0.0).to(DT)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     a0 = tl.zeros((BLOCK_H, Q), tl.float32)
@@ -206,33 +231,44 @@ def _split(
             page = pid.to(tl.int64) * PAGE_BYTES
         rows_ptr = buf_ptr + page  # [N] page base of each row
         hrow = h * P + slot  # row inside a [H, P, ...] field
+        # all loads of the iteration first (K and V), then decode: more bytes in flight per program
         if FMT == FMT_INT2:
-            # one page per iteration: fold its per-channel key scale / zero into q
-            pg = total_bytes - ((tl.load(pt_row_ptr + it) & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES
-            ks = (buf_ptr + pg + KS_OFF).to(tl.pointer_type(tl.float16)) + h * D
-            kz = (buf_ptr + pg + KZ_OFF).to(tl.pointer_type(tl.float16)) + h * D
-            s0 = tl.load(ks + c0).to(tl.float32)
-            s1 = tl.load(ks + c1).to(tl.float32)
-            s2 = tl.load(ks + c2).to(tl.float32)
-            s3 = tl.load(ks + c3).to(tl.float32)
-            z0 = tl.load(kz + c0).to(tl.float32)
-            z1 = tl.load(kz + c1).to(tl.float32)
-            z2 = tl.load(kz + c2).to(tl.float32)
-            z3 = tl.load(kz + c3).to(tl.float32)
-            bias = tl.sum(q0 * z0 + q1 * z1 + q2 * z2 + q3 * z3, axis=1)
-            k0, k1, k2, k3 = _quarters(rows_ptr, hrow, ok, K_OFF, KS_OFF, KZ_OFF, True, FMT, D, FAST)
-            sc = tl.dot((q0 * s0).to(DT), tl.trans(k0))
-            sc = tl.dot((q1 * s1).to(DT), tl.trans(k1), sc)
-            sc = tl.dot((q2 * s2).to(DT), tl.trans(k2), sc)
-            sc = tl.dot((q3 * s3).to(DT), tl.trans(k3), sc)
-            sc = sc + bias[:, None]
+            ip = tl.arange(0, PPI)
+            pids = tl.load(pt_row_ptr + it + ip, mask=it + ip < page_hi, other=0)
+            pages = buf_ptr + total_bytes - ((pids & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES  # [PPI]
+            kd = tl.load(rows_ptr[:, None] + K_OFF + hrow[:, None] * Q + tl.arange(0, Q)[None, :], mask=ok[:, None], other=0)
+            ks0 = _crumb_key_meta(pages, h, KS_OFF, 0, D)
+            ks1 = _crumb_key_meta(pages, h, KS_OFF, 1, D)
+            ks2 = _crumb_key_meta(pages, h, KS_OFF, 2, D)
+            ks3 = _crumb_key_meta(pages, h, KS_OFF, 3, D)
+            kz0 = _crumb_key_meta(pages, h, KZ_OFF, 0, D)
+            kz1 = _crumb_key_meta(pages, h, KZ_OFF, 1, D)
+            kz2 = _crumb_key_meta(pages, h, KZ_OFF, 2, D)
+            kz3 = _crumb_key_meta(pages, h, KZ_OFF, 3, D)
+            vd, vs, vz = _crumb_rows(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, D)
+            # keys: per-channel scale / zero of each page, broadcast over its P rows
+            e0, e1, e2, e3 = crumb_codes(tl.reshape(kd, (PPI, P, Q)), FAST)
+            k0 = tl.reshape(e0 * ks0 + kz0, (N, Q)).to(DT)
+            k1 = tl.reshape(e1 * ks1 + kz1, (N, Q)).to(DT)
+            k2 = tl.reshape(e2 * ks2 + kz2, (N, Q)).to(DT)
+            k3 = tl.reshape(e3 * ks3 + kz3, (N, Q)).to(DT)
+            v0, v1, v2, v3 = _crumb_values(vd, vs, vz, D, FAST)
+        elif FMT == FMT_NVFP4 or FMT == FMT_INT4:
+            kd0, kd1, ks0, ks1, kz0, kz1 = _nibble_rows(rows_ptr, hrow, ok, K_OFF, KS_OFF, KZ_OFF, FMT, D)
+            vd0, vd1, vs0, vs1, vz0, vz1 = _nibble_rows(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, FMT, D)
+            k0, k1 = _nibble_decode(kd0, ks0, kz0, FMT, D, FAST)
+            k2, k3 = _nibble_decode(kd1, ks1, kz1, FMT, D, FAST)
+            v0, v1 = _nibble_decode(vd0, vs0, vz0, FMT, D, FAST)
+            v2, v3 = _nibble_decode(vd1, vs1, vz1, FMT, D, FAST)
         else:
-            k0, k1, k2, k3 = _quarters(rows_ptr, hrow, ok, K_OFF, KS_OFF, KZ_OFF, True, FMT, D, FAST)
-            sc = tl.dot(q0.to(DT), tl.trans(k0.to(DT)))
-            sc = tl.dot(q1.to(DT), tl.trans(k1.to(DT)), sc)
-            sc = tl.dot(q2.to(DT), tl.trans(k2.to(DT)), sc)
-            sc = tl.dot(q3.to(DT), tl.trans(k3.to(DT)), sc)
-        v0, v1, v2, v3 = _quarters(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, False, FMT, D, FAST)
+            k0, k1, k2, k3 = _plain_rows(rows_ptr, hrow, ok, K_OFF, FMT, D)
+            v0, v1, v2, v3 = _plain_rows(rows_ptr, hrow, ok, V_OFF, FMT, D)
+            k0, k1, k2, k3 = _plain_decode(k0, k1, k2, k3, FMT, FAST)
+            v0, v1, v2, v3 = _plain_decode(v0, v1, v2, v3, FMT, FAST)
+        sc = tl.dot(q0, tl.trans(k0.to(DT)))
+        sc = tl.dot(q1, tl.trans(k1.to(DT)), sc)
+        sc = tl.dot(q2, tl.trans(k2.to(DT)), sc)
+        sc = tl.dot(q3, tl.trans(k3.to(DT)), sc)
         sc = tl.where(ok[None, :], sc * k_mul, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         alpha = tl.math.exp2(m_i - m_new)
@@ -277,7 +313,7 @@ def _decode_kernel(
     PAGE_BYTES2: tl.constexpr, K_OFF2: tl.constexpr, KS_OFF2: tl.constexpr, KZ_OFF2: tl.constexpr,  # INT2 layout
     V_OFF2: tl.constexpr, VS_OFF2: tl.constexpr, VZ_OFF2: tl.constexpr,
     BLOCK_H: tl.constexpr,  # G padded to >= 16
-    PPI: tl.constexpr,  # pages per iteration (INT2 pages always 1)
+    PPI: tl.constexpr,  # pages per loop iteration
     NUM_STAGES: tl.constexpr,
     FAST: tl.constexpr,  # inline-assembly decoders (GPU) instead of portable arithmetic
 ):
@@ -298,7 +334,7 @@ def _decode_kernel(
             lo = s * PPS
             _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, n2), num_tokens, h, total_bytes, k_mul,
                    S, FMT_INT2, G, D, P, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2,
-                   BLOCK_H, 1, NUM_STAGES, FAST)
+                   BLOCK_H, PPI, NUM_STAGES, FAST)
         else:
             lo = n2 + (s - c2) * PPS
             _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, num_pages), num_tokens, h, total_bytes, k_mul,
@@ -318,30 +354,38 @@ def _merge_kernel(
     out_ptr,  # [R, D] result, q's dtype
     v_mul,  # fp32 the V format's folded scale
     S,  # splits
-    S_POW2: tl.constexpr,  # S rounded up to a power of two
+    BLOCK_S: tl.constexpr,  # splits per step
     D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, S_POW2)
-    live = s < S
-    lse = tl.load(lse_ptr + row * S + s, mask=live, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    w = tl.where(lse > float("-inf"), tl.math.exp2(lse - top), 0.0)  # all -inf (empty sequence): zeros
-    total = tl.sum(w, axis=0)
+    top = float("-inf")
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        top = tl.maximum(top, tl.max(tl.load(lse_ptr + row * S + s, mask=s < S, other=float("-inf")), axis=0))
     d = tl.arange(0, D)
-    o = tl.load(o_ptr + (row * S + s[:, None]) * D + d[None, :], mask=live[:, None], other=0.0)
-    out = tl.sum(w[:, None] * o, axis=0) * (v_mul / tl.where(total > 0, total, 1.0))
+    acc = tl.zeros((D,), tl.float32)
+    total = 0.0
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        lse = tl.load(lse_ptr + row * S + s, mask=s < S, other=float("-inf"))
+        w = tl.where(lse > float("-inf"), tl.math.exp2(lse - top), 0.0)  # all -inf (empty sequence): zeros
+        total += tl.sum(w, axis=0)
+        o = tl.load(o_ptr + (row * S + s[:, None]) * D + d[None, :], mask=(s < S)[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+    out = acc * (v_mul / tl.where(total > 0, total, 1.0))
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
 
 
-# Per format: pages per loop iteration, warps, pipeline stages. Chosen on an H100 (bench/decode_gpu.py).
+# Per format: pages per loop iteration, warps, pipeline stages, and programs per SM the split
+# planner aims for (enough waves that the last one's tail is small). Chosen on an H100 with
+# bench/decode_gpu.py --sweep; see bench/NOTES-kernels.md.
 TUNING: dict[str, dict[str, int]] = {
-    "bf16": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 1},
-    "fp8_e4m3": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 1},
-    "nvfp4": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 1},
-    "int4": {"PPI": 2, "num_warps": 4, "NUM_STAGES": 1},
+    "bf16": {"PPI": 8, "num_warps": 8, "NUM_STAGES": 2, "PPSM": 16},
+    "fp8_e4m3": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
+    "nvfp4": {"PPI": 8, "num_warps": 4, "NUM_STAGES": 1, "PPSM": 16},
+    "int4": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
 }
-MAX_SPLITS = 64
+MAX_SPLITS = 256
 
 
 def use_fast(device: torch.device) -> bool:
@@ -368,13 +412,18 @@ def field_offsets(layout: PageLayout | None) -> tuple[int, int, int, int, int, i
     return (layout.page_bytes, *(names.get(n, 0) for n in ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")))
 
 
-def plan_splits(batch_heads: int, max_pages: int, ppi: int, device: torch.device, *, triaxial: bool) -> tuple[int, int]:
-    """(splits, pages per split): enough programs to fill the GPU a few times over, from the page-table width."""
-    want = max(1, math.ceil(4 * _sm_count(device) / max(batch_heads, 1)))
+def plan_splits(batch_heads: int, max_pages: int, ppi: int, device: torch.device, *, triaxial: bool,
+                programs_per_sm: int = 16) -> tuple[int, int]:  # fmt: skip
+    """(splits, pages per split) from the page-table width: about programs_per_sm programs per SM."""
+    want = max(1, math.ceil(programs_per_sm * _sm_count(device) / max(batch_heads, 1)))
     splits = max(1, min(want, MAX_SPLITS, math.ceil(max_pages / ppi)))
     pps = math.ceil(math.ceil(max(max_pages, 1) / splits) / ppi) * ppi
     splits = math.ceil(max(max_pages, 1) / pps) + (1 if triaxial else 0)
     return splits, pps
+
+
+# the last compiled decode kernel, for the benchmark's resource report (registers, spills, shared memory)
+LAST_KERNEL: list[object] = []
 
 
 def decode_attention(
@@ -401,7 +450,7 @@ def decode_attention(
     cfg = {**TUNING[layout.fmt], **(tuning or {})}
     triaxial = int2_layout is not None
     if splits is None:
-        splits = plan_splits(b * h, page_table.shape[1], cfg["PPI"], q.device, triaxial=triaxial)
+        splits = plan_splits(b * h, page_table.shape[1], cfg["PPI"], q.device, triaxial=triaxial, programs_per_sm=cfg["PPSM"])
     s, pps = splits
     q = q.contiguous()
     page_table = page_table.contiguous()
@@ -413,7 +462,7 @@ def decode_attention(
     k_fold = {"bf16": 1.0, "fp8_e4m3": k_scale, "nvfp4": k_scale * NVFP4_FOLD, "int4": 1.0}[fmt]
     v_fold = {"bf16": 1.0, "fp8_e4m3": v_scale, "nvfp4": v_scale * NVFP4_FOLD, "int4": 1.0}[fmt]
     n2 = num_int2_pages if num_int2_pages is not None else seq_lens
-    _decode_kernel[(s, h, b)](
+    kernel = _decode_kernel[(s, h, b)](
         q, o, lse, buffer, page_table, seq_lens, n2,
         sm_scale * LOG2E * k_fold, total, page_table.stride(0),
         s, pps, FMT=FMT_CODES[fmt], TRIAXIAL=triaxial, H=h, G=g, D=d, P=layout.page_size,
@@ -426,6 +475,7 @@ def decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(g)), PPI=cfg["PPI"], NUM_STAGES=cfg["NUM_STAGES"],
         FAST=use_fast(q.device), num_warps=cfg["num_warps"],
     )  # fmt: skip
+    LAST_KERNEL[:] = [kernel]
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    _merge_kernel[(b * hq,)](o, lse, out, v_fold, s, S_POW2=triton.next_power_of_2(s), D=d, num_warps=4)
+    _merge_kernel[(b * hq,)](o, lse, out, v_fold, s, BLOCK_S=16, D=d, num_warps=4)
     return out
