@@ -306,7 +306,7 @@ def _decode_kernel(
     S,  # splits per (sequence, head); grid axis 0 (runtime, so batch shapes share one compiled kernel)
     PPS,  # pages per split
     FMT: tl.constexpr,  # page format of `layout` (FMT_*)
-    TRIAXIAL: tl.constexpr,  # rows start with INT2 pages (second layout below)
+    PART: tl.constexpr,  # 0: plain pages; triaxial rows (INT2 pages first): 2 runs the INT2 splits, 4 the INT4 splits
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
     V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,
@@ -327,24 +327,27 @@ def _decode_kernel(
     o_row = o_ptr + (head0.to(tl.int64) * S + s) * D
     lse_row = lse_ptr + head0.to(tl.int64) * S + s
     pt_row = pt_ptr + b.to(tl.int64) * pt_stride
-    if TRIAXIAL:
-        n2 = tl.load(n2_ptr + b)
-        c2 = tl.cdiv(n2, PPS)  # splits that cover the INT2 pages
-        if s < c2:
-            lo = s * PPS
-            _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, n2), num_tokens, h, total_bytes, k_mul,
-                   S, FMT_INT2, G, D, P, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2,
-                   BLOCK_H, PPI, NUM_STAGES, FAST)
-        else:
-            lo = n2 + (s - c2) * PPS
-            _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, num_pages), num_tokens, h, total_bytes, k_mul,
-                   S, FMT, G, D, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF,
-                   BLOCK_H, PPI, NUM_STAGES, FAST)
-    else:
+    if PART == 0:
         lo = s * PPS
         _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, num_pages), num_tokens, h, total_bytes, k_mul,
                S, FMT, G, D, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF,
                BLOCK_H, PPI, NUM_STAGES, FAST)
+    else:
+        # triaxial: two launches over the same grid, each compiled for one precision (fewer registers)
+        n2 = tl.load(n2_ptr + b)
+        c2 = tl.cdiv(n2, PPS)  # splits that cover the INT2 pages
+        if PART == 2:
+            if s < c2:
+                lo = s * PPS
+                _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, n2), num_tokens, h, total_bytes, k_mul,
+                       S, FMT_INT2, G, D, P, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2,
+                       BLOCK_H, PPI, NUM_STAGES, FAST)
+        else:
+            if s >= c2:
+                lo = n2 + (s - c2) * PPS
+                _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, num_pages), num_tokens, h, total_bytes,
+                       k_mul, S, FMT, G, D, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF,
+                       BLOCK_H, PPI, NUM_STAGES, FAST)
 
 
 @triton.jit
@@ -380,9 +383,9 @@ def _merge_kernel(
 # planner aims for (enough waves that the last one's tail is small). Chosen on an H100 with
 # bench/decode_gpu.py --sweep; see bench/NOTES-kernels.md.
 TUNING: dict[str, dict[str, int]] = {
-    "bf16": {"PPI": 8, "num_warps": 8, "NUM_STAGES": 2, "PPSM": 16},
-    "fp8_e4m3": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
-    "nvfp4": {"PPI": 8, "num_warps": 4, "NUM_STAGES": 1, "PPSM": 16},
+    "bf16": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
+    "fp8_e4m3": {"PPI": 8, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
+    "nvfp4": {"PPI": 8, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
     "int4": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
 }
 MAX_SPLITS = 256
@@ -462,19 +465,17 @@ def decode_attention(
     k_fold = {"bf16": 1.0, "fp8_e4m3": k_scale, "nvfp4": k_scale * NVFP4_FOLD, "int4": 1.0}[fmt]
     v_fold = {"bf16": 1.0, "fp8_e4m3": v_scale, "nvfp4": v_scale * NVFP4_FOLD, "int4": 1.0}[fmt]
     n2 = num_int2_pages if num_int2_pages is not None else seq_lens
-    kernel = _decode_kernel[(s, h, b)](
-        q, o, lse, buffer, page_table, seq_lens, n2,
-        sm_scale * LOG2E * k_fold, total, page_table.stride(0),
-        s, pps, FMT=FMT_CODES[fmt], TRIAXIAL=triaxial, H=h, G=g, D=d, P=layout.page_size,
-        PAGE_BYTES=field_offsets(layout)[0], K_OFF=field_offsets(layout)[1], KS_OFF=field_offsets(layout)[2],
-        KZ_OFF=field_offsets(layout)[3], V_OFF=field_offsets(layout)[4], VS_OFF=field_offsets(layout)[5],
-        VZ_OFF=field_offsets(layout)[6],
-        PAGE_BYTES2=field_offsets(int2_layout)[0], K_OFF2=field_offsets(int2_layout)[1],
-        KS_OFF2=field_offsets(int2_layout)[2], KZ_OFF2=field_offsets(int2_layout)[3],
-        V_OFF2=field_offsets(int2_layout)[4], VS_OFF2=field_offsets(int2_layout)[5], VZ_OFF2=field_offsets(int2_layout)[6],
-        BLOCK_H=max(16, triton.next_power_of_2(g)), PPI=cfg["PPI"], NUM_STAGES=cfg["NUM_STAGES"],
-        FAST=use_fast(q.device), num_warps=cfg["num_warps"],
-    )  # fmt: skip
+    lay, lay2 = field_offsets(layout), field_offsets(int2_layout)
+    for part in (2, 4) if triaxial else (0,):
+        kernel = _decode_kernel[(s, h, b)](
+            q, o, lse, buffer, page_table, seq_lens, n2,
+            sm_scale * LOG2E * k_fold, total, page_table.stride(0), s, pps,
+            FMT=FMT_CODES[fmt], PART=part, H=h, G=g, D=d, P=layout.page_size,
+            PAGE_BYTES=lay[0], K_OFF=lay[1], KS_OFF=lay[2], KZ_OFF=lay[3], V_OFF=lay[4], VS_OFF=lay[5], VZ_OFF=lay[6],
+            PAGE_BYTES2=lay2[0], K_OFF2=lay2[1], KS_OFF2=lay2[2], KZ_OFF2=lay2[3], V_OFF2=lay2[4], VS_OFF2=lay2[5],
+            VZ_OFF2=lay2[6], BLOCK_H=max(16, triton.next_power_of_2(g)), PPI=cfg["PPI"], NUM_STAGES=cfg["NUM_STAGES"],
+            FAST=use_fast(q.device), num_warps=cfg["num_warps"],
+        )  # fmt: skip
     LAST_KERNEL[:] = [kernel]
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     _merge_kernel[(b * hq,)](o, lse, out, v_fold, s, BLOCK_S=16, D=d, num_warps=4)
