@@ -153,8 +153,7 @@ def flashinfer_decode(pool: Pool, q: torch.Tensor) -> Callable[[], torch.Tensor]
 
 
 SWEEP = [  # (pages per iteration, warps, pipeline stages, programs per SM)
-    (4, 4, 1, 16), (8, 4, 1, 16), (16, 4, 1, 16), (8, 8, 1, 16), (4, 4, 2, 16),
-    (8, 4, 2, 16), (8, 8, 2, 16), (8, 4, 1, 4), (8, 4, 1, 48),
+    (4, 4, 2, 16), (8, 4, 2, 16), (8, 4, 3, 16), (4, 4, 3, 16), (2, 4, 2, 16), (8, 4, 2, 32), (16, 8, 2, 16),
 ]
 
 
@@ -208,6 +207,10 @@ def main() -> None:
                         continue
                     record(shape, f"  {fmt} {ppi}/{warps}/{stages}/{ppsm}", t, pool_bytes, tuning=cfg, resources=resources())
                     print("      " + resources(), flush=True)
+                if fmt in ("nvfp4", "triaxial"):
+                    cfg = {**triton_decode.TUNING[pool.layout.fmt], "PROBE": 1}
+                    t = time_ms(lambda: pool.decode(q, tuning=cfg))
+                    record(shape, f"  {fmt} probe: no unpacking", t, pool_bytes)
                 os.environ["KVSERVING_TRITON_FAST"] = "0"
                 t = time_ms(lambda: pool.decode(q))
                 record(shape, f"  {fmt} arithmetic decoders", t, pool_bytes)

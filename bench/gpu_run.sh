@@ -21,3 +21,10 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/decode_gpu.py --out $OUT/decode_gpu.json "$@" 2>&1 | tee $OUT/bench.log
 fi
+if [ "$what" = ncu ]; then  # profile one decode launch per format named in "$@"
+  (cd bench && timeout 400 ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section InstructionStats \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
+    python3 profile_decode.py "$@") > $OUT/ncu.txt 2>&1
+  grep -vE "^\s*-+\s*$|^\s*$" $OUT/ncu.txt | grep -E "regs|_decode_kernel|Duration|Throughput|Occupancy|Registers|Issue|Ipc|Bank|Pipe|Eligible|Warp Cycles|Block Limit|Hit Rate|Busy|Shared Memory|Stall|Executed Instructions" | cut -c1-140
+fi

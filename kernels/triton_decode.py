@@ -118,10 +118,16 @@ def _nibble_rows(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF
 
 
 @triton.jit
-def _nibble_decode(d, s, z, FMT: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr):
-    """Half a row of nibbles [N, D/4] -> its (lo, hi) quarters, fp16 [N, D/4]."""
+def _nibble_decode(d, s, z, FMT: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr, PROBE: tl.constexpr = 0):
+    """Half a row of nibbles [N, D/4] -> its (lo, hi) quarters, fp16 [N, D/4].
+
+    PROBE=1 (benchmark only, wrong values) skips unpacking, to time the rest of the kernel.
+    """
     N: tl.constexpr = d.shape[0]
-    if FMT == FMT_NVFP4:
+    if PROBE == 1:
+        lo = tl.reshape(d.to(tl.float16), (N, D // 32, 8))
+        hi = lo
+    elif FMT == FMT_NVFP4:
         NB: tl.constexpr = D // 32
         scale = tl.broadcast_to((e4m3_to_f16(s, FAST) * 128.0)[:, :, None], (N, NB, 8))  # s * 2^7, exact in fp16
         lo, hi = nibbles_e2m1(tl.reshape(d, (N, NB, 8)), scale, FAST)
@@ -193,6 +199,7 @@ def _split(
     PPI: tl.constexpr,  # pages per loop iteration
     NUM_STAGES: tl.constexpr,
     FAST: tl.constexpr,
+    PROBE: tl.constexpr,  # benchmark-only timing probe (0: the real kernel)
 ):
     Q: tl.constexpr = D // 4
     N: tl.constexpr = PPI * P
@@ -256,10 +263,10 @@ def _split(
         elif FMT == FMT_NVFP4 or FMT == FMT_INT4:
             kd0, kd1, ks0, ks1, kz0, kz1 = _nibble_rows(rows_ptr, hrow, ok, K_OFF, KS_OFF, KZ_OFF, FMT, D)
             vd0, vd1, vs0, vs1, vz0, vz1 = _nibble_rows(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, FMT, D)
-            k0, k1 = _nibble_decode(kd0, ks0, kz0, FMT, D, FAST)
-            k2, k3 = _nibble_decode(kd1, ks1, kz1, FMT, D, FAST)
-            v0, v1 = _nibble_decode(vd0, vs0, vz0, FMT, D, FAST)
-            v2, v3 = _nibble_decode(vd1, vs1, vz1, FMT, D, FAST)
+            k0, k1 = _nibble_decode(kd0, ks0, kz0, FMT, D, FAST, PROBE)
+            k2, k3 = _nibble_decode(kd1, ks1, kz1, FMT, D, FAST, PROBE)
+            v0, v1 = _nibble_decode(vd0, vs0, vz0, FMT, D, FAST, PROBE)
+            v2, v3 = _nibble_decode(vd1, vs1, vz1, FMT, D, FAST, PROBE)
         else:
             k0, k1, k2, k3 = _plain_rows(rows_ptr, hrow, ok, K_OFF, FMT, D)
             v0, v1, v2, v3 = _plain_rows(rows_ptr, hrow, ok, V_OFF, FMT, D)
@@ -316,6 +323,7 @@ def _decode_kernel(
     PPI: tl.constexpr,  # pages per loop iteration
     NUM_STAGES: tl.constexpr,
     FAST: tl.constexpr,  # inline-assembly decoders (GPU) instead of portable arithmetic
+    PROBE: tl.constexpr,  # benchmark-only timing probe (0: the real kernel)
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -331,7 +339,7 @@ def _decode_kernel(
         lo = s * PPS
         _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, num_pages), num_tokens, h, total_bytes, k_mul,
                S, FMT, G, D, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF,
-               BLOCK_H, PPI, NUM_STAGES, FAST)
+               BLOCK_H, PPI, NUM_STAGES, FAST, PROBE)
     else:
         # triaxial: two launches over the same grid, each compiled for one precision (fewer registers)
         n2 = tl.load(n2_ptr + b)
@@ -341,13 +349,13 @@ def _decode_kernel(
                 lo = s * PPS
                 _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, n2), num_tokens, h, total_bytes, k_mul,
                        S, FMT_INT2, G, D, P, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2,
-                       BLOCK_H, PPI, NUM_STAGES, FAST)
+                       BLOCK_H, PPI, NUM_STAGES, FAST, PROBE)
         else:
             if s >= c2:
                 lo = n2 + (s - c2) * PPS
                 _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, num_pages), num_tokens, h, total_bytes,
                        k_mul, S, FMT, G, D, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF,
-                       BLOCK_H, PPI, NUM_STAGES, FAST)
+                       BLOCK_H, PPI, NUM_STAGES, FAST, PROBE)
 
 
 @triton.jit
@@ -474,7 +482,7 @@ def decode_attention(
             PAGE_BYTES=lay[0], K_OFF=lay[1], KS_OFF=lay[2], KZ_OFF=lay[3], V_OFF=lay[4], VS_OFF=lay[5], VZ_OFF=lay[6],
             PAGE_BYTES2=lay2[0], K_OFF2=lay2[1], KS_OFF2=lay2[2], KZ_OFF2=lay2[3], V_OFF2=lay2[4], VS_OFF2=lay2[5],
             VZ_OFF2=lay2[6], BLOCK_H=max(16, triton.next_power_of_2(g)), PPI=cfg["PPI"], NUM_STAGES=cfg["NUM_STAGES"],
-            FAST=use_fast(q.device), num_warps=cfg["num_warps"],
+            FAST=use_fast(q.device), PROBE=cfg.get("PROBE", 0), num_warps=cfg["num_warps"],
         )  # fmt: skip
     LAST_KERNEL[:] = [kernel]
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
