@@ -70,7 +70,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on shared machines)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or build_tiny_model(Path(tmp) / "tiny")
