@@ -72,6 +72,8 @@ class KVCacheConfig:
             raise ValueError(f"kv_cache.memory_bytes must be >= 1, got {self.memory_bytes}")
         if self.global_scale not in GLOBAL_SCALE_MODES:
             raise ValueError(f"kv_cache.global_scale must be one of {GLOBAL_SCALE_MODES}, got {self.global_scale!r}")
+        if self.global_scale == "calibrated" and self.dtype not in ("fp8_e4m3", "nvfp4"):
+            raise ValueError("kv_cache.global_scale 'calibrated' needs dtype fp8_e4m3 or nvfp4 (the formats with a global scale)")
 
     @property
     def effective_page_size(self) -> int:

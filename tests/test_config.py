@@ -32,6 +32,7 @@ def test_defaults_follow_design() -> None:
         ({"dtype": "triaxial", "page_size": 16}, "must be 32 for triaxial"),
         ({"page_size": 24}, "power of two"),
         ({"memory_fraction": 0.0}, "memory_fraction"),
+        ({"dtype": "triaxial", "global_scale": "calibrated"}, "needs dtype fp8_e4m3 or nvfp4"),
     ],
 )
 def test_bad_kv_cache_is_refused_by_name(kwargs: dict, message: str) -> None:

@@ -21,6 +21,7 @@ from kvserving.config import ServingConfig
 from kvserving.tags import NUM_TAGS, default_bits_table, validate_bits_table
 from kvserving.worker.attention import PagedAttention
 from kvserving.worker.kv_manager import KVCacheManager
+from kvserving.worker.kv_scales import CALIBRATION_TOKENS, calibration_ids, measure_kv_amax, scales_from_amax
 from kvserving.worker.kv_storage import KVShape, KVStorage
 from kvserving.worker.model import load_model
 from kvserving.worker.model_runner import ModelRunner
@@ -120,8 +121,23 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.attention, device=self.device)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
+        if kvc.global_scale == "calibrated":
+            self.calibrate_scales(calibration_ids(self.vocab_size, min(CALIBRATION_TOKENS, self.max_model_len)))
         # request id -> logits of each sampled position (set to a dict to record; tests, calibration)
         self.capture_logits: dict[str, list[torch.Tensor]] | None = None
+
+    def calibrate_scales(self, ids: Seq[int]) -> None:
+        """Set per-layer global K/V scales from one forward pass over ``ids``.
+
+        Only before any page is written: pages keep the scale they were written with.
+        """
+        if self.storage.kv_dtype not in ("fp8_e4m3", "nvfp4"):
+            raise ValueError(f"kv dtype {self.storage.kv_dtype!r} has no global scale to calibrate")
+        if self.pool.num_owned or self.pool.num_cached:
+            raise ValueError("global scales can only be calibrated before any KV page is written")
+        k_amax, v_amax = measure_kv_amax(self.model, self.args.num_layers, ids, device=self.device)
+        self.storage.k_scales = scales_from_amax(self.storage.kv_dtype, k_amax)
+        self.storage.v_scales = scales_from_amax(self.storage.kv_dtype, v_amax)
 
     # ------------------------------------------------------------------ intake
     @property

@@ -144,6 +144,11 @@ INVALID = [
     ("negative gateway replicas", _with("spec.gateway.replicas", -1), "spec.gateway.replicas: replicas must not be negative"),
     ("page size not a power of two", _with("spec.kvCache.pageSize", 24), "spec.kvCache.pageSize: pageSize must be a power of two"),
     ("triaxial page size not 32", _with("spec.kvCache.pageSize", 16, base="triaxial"), "spec.kvCache: pageSize must be 32 for dtype triaxial"),
+    (
+        "calibrated scale without one",
+        _with("spec.kvCache.globalScale", "calibrated", base="triaxial"),
+        "spec.kvCache: globalScale calibrated needs dtype fp8_e4m3 or nvfp4",
+    ),
 ]
 
 
