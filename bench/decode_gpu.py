@@ -152,8 +152,8 @@ def flashinfer_decode(pool: Pool, q: torch.Tensor) -> Callable[[], torch.Tensor]
     return lambda: wrapper.run(q, kv, k_scale=pool.scale, v_scale=pool.scale)
 
 
-SWEEP = [  # (pages per iteration, warps, pipeline stages, programs per SM)
-    (4, 4, 2, 16), (8, 4, 2, 16), (8, 4, 3, 16), (4, 4, 3, 16), (2, 4, 2, 16), (8, 4, 2, 32), (16, 8, 2, 16),
+SWEEP = [  # (pages per iteration, warps, pipeline stages, programs per SM, register cap)
+    (8, 4, 2, 16, 128), (8, 4, 2, 16, 96), (4, 4, 2, 16, 128), (4, 4, 2, 16, 96), (16, 4, 2, 16, 128),
 ]
 
 
@@ -198,19 +198,24 @@ def main() -> None:
             record(shape, f"ours {fmt}", ms, pool_bytes, resources=resources())
             print("      " + resources(), flush=True)
             if args.sweep and shape == (32, 32768):
-                for ppi, warps, stages, ppsm in SWEEP:
-                    cfg = {"PPI": ppi, "num_warps": warps, "NUM_STAGES": stages, "PPSM": ppsm}
+                for ppi, warps, stages, ppsm, regs in SWEEP:
+                    cfg = {"PPI": ppi, "num_warps": warps, "NUM_STAGES": stages, "PPSM": ppsm, "maxnreg": regs}
                     try:
                         t = time_ms(lambda: pool.decode(q, tuning=cfg))
                     except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
                         print(f"  {fmt} {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                         continue
-                    record(shape, f"  {fmt} {ppi}/{warps}/{stages}/{ppsm}", t, pool_bytes, tuning=cfg, resources=resources())
+                    record(shape, f"  {fmt} {ppi}/{warps}/{stages}/{ppsm}/r{regs}", t, pool_bytes, tuning=cfg, resources=resources())
                     print("      " + resources(), flush=True)
                 if fmt in ("nvfp4", "triaxial"):
                     cfg = {**triton_decode.TUNING[pool.layout.fmt], "PROBE": 1}
                     t = time_ms(lambda: pool.decode(q, tuning=cfg))
                     record(shape, f"  {fmt} probe: no unpacking", t, pool_bytes)
+                if fmt == "triaxial":
+                    for part in (2, 4):
+                        cfg = {**triton_decode.TUNING["int4"], "PROBE": part}
+                        t = time_ms(lambda: pool.decode(q, tuning=cfg))
+                        record(shape, f"  triaxial INT{part} launch only", t, pool_bytes)
                 os.environ["KVSERVING_TRITON_FAST"] = "0"
                 t = time_ms(lambda: pool.decode(q))
                 record(shape, f"  {fmt} arithmetic decoders", t, pool_bytes)

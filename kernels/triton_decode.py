@@ -474,7 +474,11 @@ def decode_attention(
     v_fold = {"bf16": 1.0, "fp8_e4m3": v_scale, "nvfp4": v_scale * NVFP4_FOLD, "int4": 1.0}[fmt]
     n2 = num_int2_pages if num_int2_pages is not None else seq_lens
     lay, lay2 = field_offsets(layout), field_offsets(int2_layout)
-    for part in (2, 4) if triaxial else (0,):
+    parts = (2, 4) if triaxial else (0,)
+    if cfg.get("PROBE", 0) in (2, 4) and triaxial:
+        parts = (cfg["PROBE"],)  # benchmark-only: time one precision's launch
+    extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+    for part in parts:
         kernel = _decode_kernel[(s, h, b)](
             q, o, lse, buffer, page_table, seq_lens, n2,
             sm_scale * LOG2E * k_fold, total, page_table.stride(0), s, pps,
@@ -482,7 +486,7 @@ def decode_attention(
             PAGE_BYTES=lay[0], K_OFF=lay[1], KS_OFF=lay[2], KZ_OFF=lay[3], V_OFF=lay[4], VS_OFF=lay[5], VZ_OFF=lay[6],
             PAGE_BYTES2=lay2[0], K_OFF2=lay2[1], KS_OFF2=lay2[2], KZ_OFF2=lay2[3], V_OFF2=lay2[4], VS_OFF2=lay2[5],
             VZ_OFF2=lay2[6], BLOCK_H=max(16, triton.next_power_of_2(g)), PPI=cfg["PPI"], NUM_STAGES=cfg["NUM_STAGES"],
-            FAST=use_fast(q.device), PROBE=cfg.get("PROBE", 0), num_warps=cfg["num_warps"],
+            FAST=use_fast(q.device), PROBE=cfg.get("PROBE", 0) & 1, num_warps=cfg["num_warps"], **extra,
         )  # fmt: skip
     LAST_KERNEL[:] = [kernel]
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
