@@ -45,13 +45,25 @@ TINY_CONFIG: dict[str, object] = {
 }
 
 
-def random_weights(config: dict[str, object], *, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+def random_weights(
+    config: dict[str, object], *, seed: int = 0, std: float = 0.02, attn_std: float = 0.0675
+) -> dict[str, torch.Tensor]:
     """Seeded random weights under Hugging Face's Qwen3 tensor names.
 
-    Linear weights ~ N(0, std), norms 1. The embedding is drawn larger
-    (std 1) so the residual stream starts at unit scale; with a small
-    embedding the untied lm_head sees mostly noise and greedy decoding
-    collapses onto a few tokens.
+    Pure noise makes a poor test model: its next-token logits are nearly
+    flat, so the top two often differ by ~0.001 of their spread and any
+    rounding (a bf16 KV cache, another summation order) flips greedy tokens.
+    So the weights carry a little structure, all drawn from `seed`:
+
+    - embedding ~ N(0, 1): the residual stream starts at unit scale;
+    - lm_head row v = std * embedding[perm[v]] + N(0, std) for a random
+      permutation `perm`: a "bigram table" whose clear winner is the token
+      that the permutation maps the current one to, so greedy decoding walks
+      a long permutation cycle (neither collapsing onto one token nor tied);
+    - q/k/v/o ~ N(0, attn_std), larger than the MLP's N(0, std), so earlier
+      tokens move the logits (KV-cache mistakes show) without drowning
+      the winner;
+    - all norms 1.
     """
     gen = torch.Generator().manual_seed(seed)
     hidden = int(config["hidden_size"])  # type: ignore[arg-type]
@@ -64,14 +76,15 @@ def random_weights(config: dict[str, object], *, seed: int = 0, std: float = 0.0
     def normal(*shape: int, scale: float = std) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * scale
 
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab, hidden, scale=1.0)}
+    embed = normal(vocab, hidden, scale=1.0)
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
     for i in range(int(config["num_hidden_layers"])):  # type: ignore[arg-type]
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = torch.ones(hidden)
-        w[p + "self_attn.q_proj.weight"] = normal(heads * head_dim, hidden)
-        w[p + "self_attn.k_proj.weight"] = normal(kv_heads * head_dim, hidden)
-        w[p + "self_attn.v_proj.weight"] = normal(kv_heads * head_dim, hidden)
-        w[p + "self_attn.o_proj.weight"] = normal(hidden, heads * head_dim)
+        w[p + "self_attn.q_proj.weight"] = normal(heads * head_dim, hidden, scale=attn_std)
+        w[p + "self_attn.k_proj.weight"] = normal(kv_heads * head_dim, hidden, scale=attn_std)
+        w[p + "self_attn.v_proj.weight"] = normal(kv_heads * head_dim, hidden, scale=attn_std)
+        w[p + "self_attn.o_proj.weight"] = normal(hidden, heads * head_dim, scale=attn_std)
         w[p + "self_attn.q_norm.weight"] = torch.ones(head_dim)
         w[p + "self_attn.k_norm.weight"] = torch.ones(head_dim)
         w[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
@@ -80,7 +93,8 @@ def random_weights(config: dict[str, object], *, seed: int = 0, std: float = 0.0
         w[p + "mlp.down_proj.weight"] = normal(hidden, inter)
     w["model.norm.weight"] = torch.ones(hidden)
     if not config["tie_word_embeddings"]:
-        w["lm_head.weight"] = normal(vocab, hidden)
+        perm = torch.randperm(vocab, generator=gen)
+        w["lm_head.weight"] = embed[perm] * std + normal(vocab, hidden)
     return w
 
 
