@@ -152,8 +152,9 @@ def flashinfer_decode(pool: Pool, q: torch.Tensor) -> Callable[[], torch.Tensor]
     return lambda: wrapper.run(q, kv, k_scale=pool.scale, v_scale=pool.scale)
 
 
-SWEEP = [  # (pages per iteration, warps, pipeline stages, programs per SM, register cap)
-    (8, 4, 2, 16, 128), (8, 4, 2, 16, 96), (4, 4, 2, 16, 128), (4, 4, 2, 16, 96), (16, 4, 2, 16, 128),
+SWEEP = [  # (pages per iteration, INT2 pages per iteration, warps, pipeline stages, register cap)
+    (8, 8, 4, 2, 128), (8, 8, 4, 2, 144), (8, 8, 4, 3, 128), (4, 1, 4, 2, 0), (4, 2, 4, 2, 0), (4, 2, 4, 2, 128),
+    (8, 2, 4, 2, 128), (4, 1, 4, 3, 0),
 ]
 
 
@@ -198,14 +199,16 @@ def main() -> None:
             record(shape, f"ours {fmt}", ms, pool_bytes, resources=resources())
             print("      " + resources(), flush=True)
             if args.sweep and shape == (32, 32768):
-                for ppi, warps, stages, ppsm, regs in SWEEP:
-                    cfg = {"PPI": ppi, "num_warps": warps, "NUM_STAGES": stages, "PPSM": ppsm, "maxnreg": regs}
+                for ppi, ppi2, warps, stages, regs in SWEEP:
+                    if fmt != "triaxial" and ppi2 != ppi:
+                        continue
+                    cfg = {"PPI": ppi, "PPI2": ppi2, "num_warps": warps, "NUM_STAGES": stages, "PPSM": 16, "maxnreg": regs}
                     try:
                         t = time_ms(lambda: pool.decode(q, tuning=cfg))
                     except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
                         print(f"  {fmt} {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                         continue
-                    record(shape, f"  {fmt} {ppi}/{warps}/{stages}/{ppsm}/r{regs}", t, pool_bytes, tuning=cfg, resources=resources())
+                    record(shape, f"  {fmt} {ppi}/{ppi2}/{warps}/{stages}/r{regs}", t, pool_bytes, tuning=cfg, resources=resources())
                     print("      " + resources(), flush=True)
                 if fmt in ("nvfp4", "triaxial"):
                     cfg = {**triton_decode.TUNING[pool.layout.fmt], "PROBE": 1}
@@ -213,7 +216,7 @@ def main() -> None:
                     record(shape, f"  {fmt} probe: no unpacking", t, pool_bytes)
                 if fmt == "triaxial":
                     for part in (2, 4):
-                        cfg = {**triton_decode.TUNING["int4"], "PROBE": part}
+                        cfg = {**triton_decode.TUNING["int4"], "PROBE": part, "PPI2": 1}
                         t = time_ms(lambda: pool.decode(q, tuning=cfg))
                         record(shape, f"  triaxial INT{part} launch only", t, pool_bytes)
                 os.environ["KVSERVING_TRITON_FAST"] = "0"

@@ -478,6 +478,7 @@ def decode_attention(
     if cfg.get("PROBE", 0) in (2, 4) and triaxial:
         parts = (cfg["PROBE"],)  # benchmark-only: time one precision's launch
     extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+    cfg.setdefault("PPI2", cfg["PPI"])  # INT2 pages per iteration (triaxial)
     for part in parts:
         kernel = _decode_kernel[(s, h, b)](
             q, o, lse, buffer, page_table, seq_lens, n2,
@@ -485,7 +486,8 @@ def decode_attention(
             FMT=FMT_CODES[fmt], PART=part, H=h, G=g, D=d, P=layout.page_size,
             PAGE_BYTES=lay[0], K_OFF=lay[1], KS_OFF=lay[2], KZ_OFF=lay[3], V_OFF=lay[4], VS_OFF=lay[5], VZ_OFF=lay[6],
             PAGE_BYTES2=lay2[0], K_OFF2=lay2[1], KS_OFF2=lay2[2], KZ_OFF2=lay2[3], V_OFF2=lay2[4], VS_OFF2=lay2[5],
-            VZ_OFF2=lay2[6], BLOCK_H=max(16, triton.next_power_of_2(g)), PPI=cfg["PPI"], NUM_STAGES=cfg["NUM_STAGES"],
+            VZ_OFF2=lay2[6], BLOCK_H=max(16, triton.next_power_of_2(g)), PPI=cfg["PPI2"] if part == 2 else cfg["PPI"],
+            NUM_STAGES=cfg["NUM_STAGES"],
             FAST=use_fast(q.device), PROBE=cfg.get("PROBE", 0) & 1, num_warps=cfg["num_warps"], **extra,
         )  # fmt: skip
     LAST_KERNEL[:] = [kernel]
