@@ -62,7 +62,7 @@ _MIDPOINTS = tuple(
 def e2m1_codes(t: torch.Tensor) -> torch.Tensor:
     """fp32 tensor (already divided by the block scale) -> uint8 E2M1 codes, RNE, saturating at ±6."""
     mag = t.abs()
-    index = torch.zeros(t.shape, dtype=torch.uint8)
+    index = torch.zeros(t.shape, dtype=torch.uint8, device=t.device)
     for midpoint, tie_up in _MIDPOINTS:
         passed = mag >= midpoint if tie_up else mag > midpoint
         index += passed.to(torch.uint8)
@@ -113,7 +113,7 @@ def dequantize_nvfp4(
             f"packed last dim must be 8 x scales last dim (> 0), got {packed.shape[-1]} and {scales.shape[-1]}"
         )
     codes = unpack_int4(packed)  # [..., D]
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes.long()]
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
     d = codes.shape[-1]
     values = values.reshape(*codes.shape[:-1], d // BLOCK, BLOCK)
     out = (values * s.unsqueeze(-1)) * g  # e2m1 * s is exact in fp32; * g rounds once
