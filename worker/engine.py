@@ -8,7 +8,6 @@ request's tokens through ``generate()``.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import AsyncIterator, Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
@@ -58,18 +57,6 @@ class EngineStats:
     extra: dict[str, int] = field(default_factory=dict)
 
 
-def _eos_ids(model_dir: Path, config: dict) -> tuple[int, ...]:
-    ids: object = None
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        ids = json.loads(gen.read_text()).get("eos_token_id")
-    if ids is None:
-        ids = config.get("eos_token_id")
-    if ids is None:
-        return ()
-    return tuple(ids) if isinstance(ids, list) else (int(ids),)
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -89,7 +76,7 @@ class LLMEngine:
         args = self.args
         self.vocab_size = args.vocab_size
         self.max_model_len = min(config.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
-        self.eos_token_ids = args.eos_token_ids or _eos_ids(model_dir, json.loads((model_dir / "config.json").read_text()))
+        self.eos_token_ids = args.eos_token_ids  # config.json and generation_config.json
 
         kvc = config.kv_cache
         page_size = kvc.effective_page_size
@@ -287,9 +274,9 @@ class AsyncEngine:
                         self.engine.abort(rid)
                 continue
             for out in outputs:
-                q = self._queues.get(out.request_id)
-                if q is not None:
-                    q.put_nowait(out)
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
             if not outputs:
                 await asyncio.sleep(0.005)  # pool full of leased pages: wait for expiry
 

@@ -6,11 +6,12 @@ import torch
 
 from kvserving.kernels.layout import INT2_PAGE_FLAG
 from kvserving.worker.attention import AttentionMetadata, PagedAttention, PrefillSpan
+from kvserving.worker.model import DecoderModel
 from kvserving.worker.scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, attention: PagedAttention, *, device: torch.device) -> None:
+    def __init__(self, model: DecoderModel, attention: PagedAttention, *, device: torch.device) -> None:
         self.model = model
         self.attention = attention
         self.page_size = attention.storage.page_size
@@ -68,7 +69,8 @@ class ModelRunner:
         if decode_rows:
             width = max(len(x) for x in decode_tables)
             meta.decode_rows = t(decode_rows, torch.long)
-            meta.page_table = t([x + [0] * (width - len(x)) for x in decode_tables], torch.int32).view(-1, width)
+            padded = [x + [0] * (width - len(x)) for x in decode_tables]
+            meta.page_table = torch.tensor(padded, dtype=torch.int32, device=self.device)
             meta.seq_lens = t(decode_lens, torch.int32)
             meta.num_int2_pages = t(decode_int2, torch.int32)
         return meta
