@@ -11,7 +11,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -53,8 +53,6 @@ class EngineStats:
     prompt_tokens_computed: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
-    prefix_hit_tokens: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -84,7 +82,10 @@ class LLMEngine:
         if budget is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * kvc.memory_fraction)
+                # the extend workspace (K and V of a full context) is allocated after the pool
+                elem = torch.empty((), dtype=self.dtype).element_size()
+                workspace = 2 * self.max_model_len * args.num_kv_heads * args.head_dim * elem
+                budget = int(free * kvc.memory_fraction) - workspace
             else:
                 budget = int(DEFAULT_CPU_KV_BYTES * kvc.memory_fraction)
         shape = KVShape(args.num_layers, args.num_kv_heads, args.head_dim)
