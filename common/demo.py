@@ -12,10 +12,10 @@ decode workers with KV transfer).
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from pathlib import Path
 
-DEFAULT_MODEL_DIR = Path(".cache/tiny-model")
 QUESTIONS = (
     "List the files in the current directory.",
     "What does the function os.path.join do?",
@@ -26,23 +26,22 @@ QUESTIONS = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="KV memory budget in GiB for the capacity table")
-    parser.add_argument("--model", type=Path, default=None, help="model dir (default: build the tiny model in .cache/)")
+    parser.add_argument("--model", type=Path, default=None, help="model dir (default: build the tiny model in a temp dir)")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--kv-mib", type=int, default=16, help="engine KV budget in MiB")
 
 
-def _ensure_model(path: Path | None) -> Path:
-    if path is not None:
-        return path
-    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
-        from kvserving.worker.tiny_model import build_tiny_model
-
-        print(f"building the tiny model in {DEFAULT_MODEL_DIR} ...")
-        build_tiny_model(DEFAULT_MODEL_DIR)
-    return DEFAULT_MODEL_DIR
-
-
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        return _serve(args, args.model)
+    from kvserving.worker.tiny_model import build_tiny_model
+
+    # Built fresh each run (under a second), so the demo never serves a stale copy.
+    with tempfile.TemporaryDirectory(prefix="kvserving-tiny-") as tmp:
+        return _serve(args, build_tiny_model(Path(tmp) / "tiny-model"))
+
+
+def _serve(args: argparse.Namespace, model_dir: Path) -> int:
     from transformers import AutoTokenizer
 
     from kvserving.config import KV_DTYPES, KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
@@ -54,7 +53,6 @@ def run(args: argparse.Namespace) -> int:
     print(capacity.format_table(capacity.capacity_rows(gpu_bytes=int(args.gpu_gib * 2**30))))
     print()
 
-    model_dir = _ensure_model(args.model)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True)
@@ -62,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    print(f"tiny model ({model_dir}) serving {len(prompts)} chat requests, {args.max_tokens} tokens each, "
+    print(f"model {model_dir.name} serving {len(prompts)} chat requests, {args.max_tokens} tokens each, "
           f"KV budget {args.kv_mib} MiB (random weights: the text is noise, the mechanics are real)")
     print(f"{'kv format':<10}{'pool tokens':>12}{'bytes/token':>13}{'tokens/s':>10}{'same tokens as bf16':>21}")
     reference: list[list[int]] | None = None
@@ -82,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         same = sum(a == b for r, o in zip(reference, outs) for a, b in zip(r, o)) / sum(map(len, reference))
         print(f"{fmt:<10}{engine.capacity_tokens:>12,}{engine.storage.bytes_per_token:>13.0f}{rate:>10.0f}{same:>20.0%}")
     assert reference is not None
+    print("(on a CPU the model runs in fp32 and the unquantized 'bf16' pool stores fp32, 4 bytes a value)")
     print()
     print(f"first request, bf16 KV: {QUESTIONS[0]!r} ->")
     print("   ", repr(tok.decode(reference[0])))
