@@ -393,8 +393,8 @@ def _merge_kernel(
 TUNING: dict[str, dict[str, int]] = {
     "bf16": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
     "fp8_e4m3": {"PPI": 8, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
-    "nvfp4": {"PPI": 8, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
-    "int4": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
+    "nvfp4": {"PPI": 8, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16, "maxnreg": 128},
+    "int4": {"PPI": 4, "PPI2": 2, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16, "maxnreg": 128},  # triaxial
 }
 MAX_SPLITS = 256
 
