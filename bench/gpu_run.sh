@@ -22,7 +22,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/decode_gpu.py --out $OUT/decode_gpu.json "$@" 2>&1 | tee $OUT/bench.log
 fi
 if [ "$what" = ncu ]; then  # profile one decode launch per format named in "$@"
-  (cd bench && timeout 400 ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip 3 --launch-count 1 \
+  (cd bench && timeout 400 ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip ${NCU_SKIP:-3} --launch-count ${NCU_COUNT:-1} \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section InstructionStats \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
     python3 profile_decode.py "$@") > $OUT/ncu.txt 2>&1
