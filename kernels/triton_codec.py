@@ -185,6 +185,83 @@ def _asm_crumb_codes() -> str:
     )
 
 
+def _asm_unary(body_for_pair: str) -> str:
+    # one output tensor from four packed bytes: $0 = (b0, b1), $1 = (b2, b3); $2 = the four input bytes
+    lines = [body_for_pair.replace("SRC", reg).replace("DST", f"${pair}") for pair, reg in ((0, "lo01"), (1, "lo23"))]
+    return (
+        "{ .reg .b32 zz, lo01, lo23, t, a, b, magic; mov.b32 magic, 0x64006400;"
+        + _PRMT.replace("$IN", "$2")
+        + "\n".join(lines)
+        + "}"
+    )
+
+
+def _e2m1_pair(shift: int) -> str:
+    return (
+        f"shr.b32 t, SRC, {shift}; shl.b32 a, t, 12; and.b32 a, a, 0x80008000; "
+        "shl.b32 b, t, 9; and.b32 b, b, 0x0E000E00; or.b32 DST, a, b;"
+    )
+
+
+def _code_pair(shift: int, mask: int) -> str:
+    return f"shr.b32 t, SRC, {shift}; and.b32 t, t, {mask:#x}; or.b32 t, t, 0x64006400; sub.rn.f16x2 DST, t, magic;"
+
+
+# single-output decoders (unary: a dot operand's layout conversion can move above them)
+ASM_E2M1_LO: tl.constexpr = tl.constexpr(_asm_unary(_e2m1_pair(0)))
+ASM_E2M1_HI: tl.constexpr = tl.constexpr(_asm_unary(_e2m1_pair(4)))
+ASM_NIB_LO: tl.constexpr = tl.constexpr(_asm_unary(_code_pair(0, 0x000F000F)))
+ASM_NIB_HI: tl.constexpr = tl.constexpr(_asm_unary(_code_pair(4, 0x000F000F)))
+ASM_CRUMB_0: tl.constexpr = tl.constexpr(_asm_unary(_code_pair(0, 0x00030003)))
+ASM_CRUMB_1: tl.constexpr = tl.constexpr(_asm_unary(_code_pair(2, 0x00030003)))
+ASM_CRUMB_2: tl.constexpr = tl.constexpr(_asm_unary(_code_pair(4, 0x00030003)))
+ASM_CRUMB_3: tl.constexpr = tl.constexpr(_asm_unary(_code_pair(6, 0x00030003)))
+
+
+@triton.jit
+def _unary(packed, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def e2m1_raw(packed, HI: tl.constexpr, FAST: tl.constexpr):
+    """uint8 packed E2M1 pairs -> fp16 e2m1 * 2^-14 of the low (HI=0) or high (HI=1) nibble."""
+    if FAST:
+        if HI:
+            out = _unary(packed, ASM_E2M1_HI)
+        else:
+            out = _unary(packed, ASM_E2M1_LO)
+    else:
+        b = packed.to(tl.int32)
+        if HI:
+            b = b >> 4
+        out = (((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+    return out
+
+
+@triton.jit
+def int_code(packed, BITS: tl.constexpr, K: tl.constexpr, FAST: tl.constexpr):
+    """uint8 packed INT4 (BITS=4) / INT2 (BITS=2) codes -> fp16 value of code K of each byte."""
+    if FAST:
+        if BITS == 4:
+            if K == 0:
+                out = _unary(packed, ASM_NIB_LO)
+            else:
+                out = _unary(packed, ASM_NIB_HI)
+        elif K == 0:
+            out = _unary(packed, ASM_CRUMB_0)
+        elif K == 1:
+            out = _unary(packed, ASM_CRUMB_1)
+        elif K == 2:
+            out = _unary(packed, ASM_CRUMB_2)
+        else:
+            out = _unary(packed, ASM_CRUMB_3)
+    else:
+        c = (packed.to(tl.int32) >> (BITS * K)) & ((1 << BITS) - 1)
+        out = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    return out
+
+
 ASM_E2M1: tl.constexpr = tl.constexpr(_asm_e2m1())
 ASM_CRUMB_CODES: tl.constexpr = tl.constexpr(_asm_crumb_codes())
 ASM_INT4: tl.constexpr = tl.constexpr(_asm_int(4))
