@@ -152,9 +152,9 @@ def flashinfer_decode(pool: Pool, q: torch.Tensor) -> Callable[[], torch.Tensor]
     return lambda: wrapper.run(q, kv, k_scale=pool.scale, v_scale=pool.scale)
 
 
-SWEEP = [  # (pages per iteration, INT2 pages per iteration, warps, pipeline stages, register cap, flat decode)
-    (8, 2, 4, 2, 128, 1), (4, 2, 4, 2, 128, 1), (8, 4, 4, 2, 0, 1), (4, 4, 4, 2, 0, 1), (8, 2, 8, 2, 0, 1),
-    (8, 2, 4, 3, 128, 1),
+SWEEP = [  # (pages per iteration, INT2 pages per iteration, warps, pipeline stages, register cap)
+    (8, 8, 4, 2, 128), (8, 8, 4, 2, 144), (8, 8, 4, 3, 128), (4, 1, 4, 2, 0), (4, 2, 4, 2, 0), (4, 2, 4, 2, 128),
+    (8, 2, 4, 2, 128), (4, 1, 4, 3, 0),
 ]
 
 
@@ -199,19 +199,16 @@ def main() -> None:
             record(shape, f"ours {fmt}", ms, pool_bytes, resources=resources())
             print("      " + resources(), flush=True)
             if args.sweep and shape == (32, 32768):
-                for ppi, ppi2, warps, stages, regs, flat in SWEEP:
-                    cfg = {"PPI": ppi, "PPI2": ppi2, "num_warps": warps, "NUM_STAGES": stages, "PPSM": 16, "maxnreg": regs,
-                           "FLAT": flat}  # fmt: skip
+                for ppi, ppi2, warps, stages, regs in SWEEP:
+                    if fmt != "triaxial" and ppi2 != ppi:
+                        continue
+                    cfg = {"PPI": ppi, "PPI2": ppi2, "num_warps": warps, "NUM_STAGES": stages, "PPSM": 16, "maxnreg": regs}
                     try:
                         t = time_ms(lambda: pool.decode(q, tuning=cfg))
                     except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
                         print(f"  {fmt} {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                         continue
-                    got = pool.decode(q, tuning=cfg).float()
-                    diff = float((got - outs[fmt]).norm() / outs[fmt].norm())
-                    record(shape, f"  {fmt} {ppi}/{ppi2}/{warps}/{stages}/r{regs}/f{flat}", t, pool_bytes, tuning=cfg,
-                           resources=resources(), rel_diff_vs_default=diff)  # fmt: skip
-                    print(f"      rel diff vs default {diff:.2e}", flush=True)
+                    record(shape, f"  {fmt} {ppi}/{ppi2}/{warps}/{stages}/r{regs}", t, pool_bytes, tuning=cfg, resources=resources())
                     print("      " + resources(), flush=True)
                 if fmt in ("nvfp4", "triaxial"):
                     cfg = {**triton_decode.TUNING[pool.layout.fmt], "PROBE": 1}

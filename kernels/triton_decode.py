@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .layout import INT2_PAGE_FLAG, PageLayout
-from .triton_codec import crumb_codes, crumbs_int2, e2m1_raw, e4m3_to_f16, int_code, nibbles_e2m1, nibbles_int4
+from .triton_codec import crumb_codes, crumbs_int2, e4m3_to_f16, nibbles_e2m1, nibbles_int4
 
 FMT_BF16: tl.constexpr = tl.constexpr(0)
 FMT_FP8: tl.constexpr = tl.constexpr(1)
@@ -140,51 +140,6 @@ def _nibble_decode(d, s, z, FMT: tl.constexpr, D: tl.constexpr, FAST: tl.constex
 
 
 @triton.jit
-def _flat_half(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, hf: tl.constexpr,
-               FMT: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr):
-    """Half a row of nibbles -> (lo, hi) fp16 [N, D/4], all 2-D: scales gathered per element (from L1), one-input
-    decoders, so the compiler may convert the packed bytes to the dot-operand layout before unpacking."""
-    Q: tl.constexpr = D // 4
-    j = tl.arange(0, Q)[None, :]
-    p2 = rows_ptr[:, None]
-    r = hrow[:, None]
-    m = ok[:, None]
-    d = tl.load(p2 + OFF + r * (D // 2) + hf * Q + j, mask=m, other=0)
-    if FMT == FMT_NVFP4:
-        sbits = tl.load(p2 + SOFF + r * (D // 16) + hf * (D // 32) + j // 8, mask=m, other=0)
-        scale = e4m3_to_f16(sbits, FAST) * 128.0
-        lo = e2m1_raw(d, 0, FAST) * scale
-        hi = e2m1_raw(d, 1, FAST) * scale
-    else:
-        meta = r * (D // 32) + hf * (D // 64) + j // 16
-        sc = tl.load((p2 + SOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m, other=0.0)
-        zr = tl.load((p2 + ZOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m, other=0.0)
-        lo = int_code(d, 4, 0, FAST) * sc + zr
-        hi = int_code(d, 4, 1, FAST) * sc + zr
-    return lo, hi
-
-
-@triton.jit
-def _flat_crumb_values(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr,
-                       D: tl.constexpr, FAST: tl.constexpr):
-    """INT2 values, 2-D like _flat_half: four fp16 quarters [N, D/4]."""
-    Q: tl.constexpr = D // 4
-    j = tl.arange(0, Q)[None, :]
-    p2 = rows_ptr[:, None]
-    r = hrow[:, None]
-    m = ok[:, None]
-    d = tl.load(p2 + OFF + r * Q + j, mask=m, other=0)
-    meta = r * (D // 32) + j // 8
-    sc = tl.load((p2 + SOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m, other=0.0)
-    zr = tl.load((p2 + ZOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m, other=0.0)
-    v0 = int_code(d, 2, 0, FAST) * sc + zr
-    v1 = int_code(d, 2, 1, FAST) * sc + zr
-    v2 = int_code(d, 2, 2, FAST) * sc + zr
-    v3 = int_code(d, 2, 3, FAST) * sc + zr
-    return v0, v1, v2, v3
-
-
-@triton.jit
 def _crumb_rows(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, D: tl.constexpr):
     """INT2 value rows, loads only: codes [N, D/4] u8 and per-token group scale / zero [N, D/32] fp16."""
     Q: tl.constexpr = D // 4
@@ -245,7 +200,6 @@ def _split(
     NUM_STAGES: tl.constexpr,
     FAST: tl.constexpr,
     PROBE: tl.constexpr,  # benchmark-only timing probe (0: the real kernel)
-    FLAT: tl.constexpr,  # 2-D decode with gathered scales (see _flat_half)
 ):
     Q: tl.constexpr = D // 4
     N: tl.constexpr = PPI * P
@@ -298,23 +252,14 @@ def _split(
             kz1 = _crumb_key_meta(pages, h, KZ_OFF, 1, D)
             kz2 = _crumb_key_meta(pages, h, KZ_OFF, 2, D)
             kz3 = _crumb_key_meta(pages, h, KZ_OFF, 3, D)
-            if not FLAT:
-                vd, vs, vz = _crumb_rows(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, D)
+            vd, vs, vz = _crumb_rows(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, D)
             # keys: per-channel scale / zero of each page, broadcast over its P rows
             e0, e1, e2, e3 = crumb_codes(tl.reshape(kd, (PPI, P, Q)), FAST)
             k0 = tl.reshape(e0 * ks0 + kz0, (N, Q)).to(DT)
             k1 = tl.reshape(e1 * ks1 + kz1, (N, Q)).to(DT)
             k2 = tl.reshape(e2 * ks2 + kz2, (N, Q)).to(DT)
             k3 = tl.reshape(e3 * ks3 + kz3, (N, Q)).to(DT)
-            if FLAT:
-                v0, v1, v2, v3 = _flat_crumb_values(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, D, FAST)
-            else:
-                v0, v1, v2, v3 = _crumb_values(vd, vs, vz, D, FAST)
-        elif (FMT == FMT_NVFP4 or FMT == FMT_INT4) and FLAT:
-            k0, k1 = _flat_half(rows_ptr, hrow, ok, K_OFF, KS_OFF, KZ_OFF, 0, FMT, D, FAST)
-            k2, k3 = _flat_half(rows_ptr, hrow, ok, K_OFF, KS_OFF, KZ_OFF, 1, FMT, D, FAST)
-            v0, v1 = _flat_half(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, 0, FMT, D, FAST)
-            v2, v3 = _flat_half(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, 1, FMT, D, FAST)
+            v0, v1, v2, v3 = _crumb_values(vd, vs, vz, D, FAST)
         elif FMT == FMT_NVFP4 or FMT == FMT_INT4:
             kd0, kd1, ks0, ks1, kz0, kz1 = _nibble_rows(rows_ptr, hrow, ok, K_OFF, KS_OFF, KZ_OFF, FMT, D)
             vd0, vd1, vs0, vs1, vz0, vz1 = _nibble_rows(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, FMT, D)
@@ -379,7 +324,6 @@ def _decode_kernel(
     NUM_STAGES: tl.constexpr,
     FAST: tl.constexpr,  # inline-assembly decoders (GPU) instead of portable arithmetic
     PROBE: tl.constexpr,  # benchmark-only timing probe (0: the real kernel)
-    FLAT: tl.constexpr,  # packed formats: 2-D decode with gathered scales
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -395,7 +339,7 @@ def _decode_kernel(
         lo = s * PPS
         _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, num_pages), num_tokens, h, total_bytes, k_mul,
                S, FMT, G, D, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF,
-               BLOCK_H, PPI, NUM_STAGES, FAST, PROBE, FLAT)
+               BLOCK_H, PPI, NUM_STAGES, FAST, PROBE)
     else:
         # triaxial: two launches over the same grid, each compiled for one precision (fewer registers)
         n2 = tl.load(n2_ptr + b)
@@ -405,13 +349,13 @@ def _decode_kernel(
                 lo = s * PPS
                 _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, n2), num_tokens, h, total_bytes, k_mul,
                        S, FMT_INT2, G, D, P, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2,
-                       BLOCK_H, PPI, NUM_STAGES, FAST, PROBE, FLAT)
+                       BLOCK_H, PPI, NUM_STAGES, FAST, PROBE)
         else:
             if s >= c2:
                 lo = n2 + (s - c2) * PPS
                 _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, num_pages), num_tokens, h, total_bytes,
                        k_mul, S, FMT, G, D, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF,
-                       BLOCK_H, PPI, NUM_STAGES, FAST, PROBE, FLAT)
+                       BLOCK_H, PPI, NUM_STAGES, FAST, PROBE)
 
 
 @triton.jit
@@ -544,7 +488,7 @@ def decode_attention(
             PAGE_BYTES2=lay2[0], K_OFF2=lay2[1], KS_OFF2=lay2[2], KZ_OFF2=lay2[3], V_OFF2=lay2[4], VS_OFF2=lay2[5],
             VZ_OFF2=lay2[6], BLOCK_H=max(16, triton.next_power_of_2(g)), PPI=cfg["PPI2"] if part == 2 else cfg["PPI"],
             NUM_STAGES=cfg["NUM_STAGES"],
-            FAST=use_fast(q.device), PROBE=cfg.get("PROBE", 0) & 1, FLAT=cfg.get("FLAT", 0), num_warps=cfg["num_warps"], **extra,
+            FAST=use_fast(q.device), PROBE=cfg.get("PROBE", 0) & 1, num_warps=cfg["num_warps"], **extra,
         )  # fmt: skip
     LAST_KERNEL[:] = [kernel]
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
