@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -111,6 +112,11 @@ class Pool:
         self.scale = {"fp8_e4m3": FP8_SCALE, "nvfp4": NVFP4_G}.get(fmt, 1.0)
         self._fill(ids4, ids2)
 
+    @property
+    def int2_pages(self) -> PageLayout:
+        assert self.int2 is not None, "not a triaxial pool"
+        return self.int2
+
     def _fill(self, ids4: torch.Tensor, ids2: torch.Tensor) -> None:
         chunk = 1 << 16
         tok_total = self.pages4 * self.p
@@ -124,9 +130,9 @@ class Pool:
             n = min(1024, self.pages2 - p0)
             k = torch.randn(n, self.p, H, D, device="cuda", dtype=torch.bfloat16) * 2
             v = torch.randn_like(k)
-            triton_paged.write_int2_pages(self.buffer, self.int2, k, v, ids2[p0 : p0 + n], total_bytes=self.bytes_total)
+            triton_paged.write_int2_pages(self.buffer, self.int2_pages, k, v, ids2[p0 : p0 + n], total_bytes=self.bytes_total)
 
-    def decode(self, q: torch.Tensor, **kw: object) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, **kw: Any) -> torch.Tensor:
         return triton_decode.decode_attention(
             q, self.buffer, self.layout, self.page_table, self.seq_lens, sm_scale=D**-0.5,
             k_scale=self.scale, v_scale=self.scale, int2_layout=self.int2, num_int2_pages=self.num_int2,
@@ -159,7 +165,7 @@ SWEEP = [  # (pages per iteration, INT2 pages per iteration, warps, pipeline sta
 
 
 def resources() -> str:
-    k = triton_decode.LAST_KERNEL[0] if triton_decode.LAST_KERNEL else None
+    k: Any = triton_decode.LAST_KERNEL[0] if triton_decode.LAST_KERNEL else None
     if k is None:
         return ""
     return f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} smem {k.metadata.shared}"
@@ -173,13 +179,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
     ap.add_argument("--formats", default=",".join(FORMATS))
     args = ap.parse_args()
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    shapes = [(int(s.split("x")[0]), int(s.split("x")[1])) for s in args.shapes.split(",")]
     formats = args.formats.split(",")
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
     copy_tbs = copy_bandwidth()
     print(f"device: {dev}; copy {copy_tbs:.2f} TB/s (read+write); torch {torch.__version__}", flush=True)
-    rows: list[dict[str, object]] = []
+    rows: list[dict[str, Any]] = []
 
     def record(shape: tuple[int, int], impl: str, ms: float, nbytes: int, **extra: object) -> None:
         tbs = nbytes / ms / 1e9
@@ -243,8 +249,8 @@ def main() -> None:
                 if pool.tri:
                     pk = torch.randn(1024, pool.p, H, D, device="cuda", dtype=torch.bfloat16)
                     ids2 = pool.page_table[:, : pool.n2].flatten()[:1024].contiguous()
-                    wb2 = 2 * pk.numel() * 2 + 1024 * pool.int2.page_bytes
-                    t = time_ms(lambda: triton_paged.write_int2_pages(pool.buffer, pool.int2, pk, pk, ids2, total_bytes=pool.bytes_total))
+                    wb2 = 2 * pk.numel() * 2 + 1024 * pool.int2_pages.page_bytes
+                    t = time_ms(lambda: triton_paged.write_int2_pages(pool.buffer, pool.int2_pages, pk, pk, ids2, total_bytes=pool.bytes_total))
                     record(shape, "write_int2_pages", t, wb2)
                 # extend: dequantize one sequence's whole cached prefix into a bf16 workspace
                 ws_k = torch.empty(ctx, H, D, device="cuda", dtype=torch.bfloat16)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 from decode_gpu import HQ, D, Pool
@@ -19,7 +20,7 @@ for fmt in sys.argv[1:]:
     for _ in range(4):
         pool.decode(q)
     torch.cuda.synchronize()
-    k = triton_decode.LAST_KERNEL[0]
+    k: Any = triton_decode.LAST_KERNEL[0]
     print(fmt, "regs", k.n_regs, "spills", k.n_spills, "smem", k.metadata.shared, flush=True)
     del pool
     torch.cuda.empty_cache()

@@ -18,10 +18,15 @@ quarter is the set of channels one unpacking step yields::
 q is loaded and the output stored through the same channel map.
 
 Triaxial rows list INT2 pages first. Splits are pure: split s < ceil(n2/PPS)
-covers INT2 pages, the rest cover INT4 pages, so no loop mixes precisions.
-INT2 keys have per-channel scales for the whole page, which fold into q
-(score = sum_c (q_c s_c) code_c + sum_c q_c z_c), so K codes need no
-multiply-add per element.
+covers INT2 pages, the rest cover INT4 pages, so no loop mixes precisions;
+the two kinds run as two launches over one grid (each compiled for one
+precision, fewer registers) and share the merge. INT2 keys' per-channel
+scale and zero (one per page, head and channel) are applied in registers,
+broadcast over the page's rows.
+
+What limits these kernels on an H100 (instruction issue and shared-memory
+layout conversions of the unpacked fp16 tiles, not bytes) is measured in
+bench/NOTES-kernels.md.
 """
 
 from __future__ import annotations
@@ -207,9 +212,9 @@ def _split(
         DT: tl.constexpr = tl.bfloat16
     elif FMT == FMT_BF16:
         # the interpreter's bf16 dot is wrong (numpy has no bf16); bf16 values are exact in tf32/fp32
-        DT: tl.constexpr = tl.float32
+        DT: tl.constexpr = tl.float32  # type: ignore[no-redef]
     else:
-        DT: tl.constexpr = tl.float16
+        DT: tl.constexpr = tl.float16  # type: ignore[no-redef]
     rh = tl.arange(0, BLOCK_H)[:, None]
     qmask = rh < G
     c0 = _channels(FMT, D, 0)[None, :]
@@ -419,8 +424,9 @@ def field_offsets(layout: PageLayout | None) -> tuple[int, int, int, int, int, i
     """(page_bytes, k, k_scale, k_zero, v, v_scale, v_zero) byte offsets; 0 for fields a format lacks."""
     if layout is None:
         return (16, 0, 0, 0, 0, 0, 0)
-    names = {f.name: f.offset for f in layout.fields}
-    return (layout.page_bytes, *(names.get(n, 0) for n in ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")))
+    at = {f.name: f.offset for f in layout.fields}
+    get = at.get
+    return (layout.page_bytes, get("k", 0), get("k_scale", 0), get("k_zero", 0), get("v", 0), get("v_scale", 0), get("v_zero", 0))
 
 
 def plan_splits(batch_heads: int, max_pages: int, ppi: int, device: torch.device, *, triaxial: bool,

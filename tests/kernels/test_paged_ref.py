@@ -34,6 +34,11 @@ class Pool:
     def total_bytes(self) -> int:
         return self.buffer.numel()
 
+    @property
+    def int2_pages(self) -> PageLayout:
+        assert self.int2 is not None, "this pool has no INT2 pages"
+        return self.int2
+
 
 def make_pool(
     fmt: str, *, num_pages: int, page_size: int, kv_heads: int, head_dim: int, num_int2_pages: int = 0, device: str = "cpu"
@@ -97,7 +102,7 @@ def fill_sequences(
     table = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows], dtype=torch.int32)
     if pg_ids:
         ops.write_int2_pages(  # type: ignore[attr-defined]
-            pool.buffer, pool.int2, torch.stack(pg_k).to(dev, dtype), torch.stack(pg_v).to(dev, dtype),
+            pool.buffer, pool.int2_pages, torch.stack(pg_k).to(dev, dtype), torch.stack(pg_v).to(dev, dtype),
             torch.tensor(pg_ids, dtype=torch.int32, device=dev), total_bytes=pool.total_bytes,
         )  # fmt: skip
     if tok_k:
@@ -232,9 +237,9 @@ def test_write_int2_pages_matches_codec_bytes() -> None:
     pool = make_pool("int4", num_pages=1, page_size=32, kv_heads=2, head_dim=32, num_int2_pages=3)
     k, v = torch.randn(2, 32, 2, 32), torch.randn(2, 32, 2, 32)
     ids = torch.tensor([2 | INT2_PAGE_FLAG, 0 | INT2_PAGE_FLAG], dtype=torch.int32)
-    paged_ref.write_int2_pages(pool.buffer, pool.int2, k, v, ids, total_bytes=pool.total_bytes)
-    top = pool.total_bytes - pool.int2.page_bytes  # INT2 page 0 is the last page of the buffer
-    views = pool.int2.views(pool.buffer[top:].view(1, -1))
+    paged_ref.write_int2_pages(pool.buffer, pool.int2_pages, k, v, ids, total_bytes=pool.total_bytes)
+    top = pool.total_bytes - pool.int2_pages.page_bytes  # INT2 page 0 is the last page of the buffer
+    views = pool.int2_pages.views(pool.buffer[top:].view(1, -1))
     codes, scale, zero = quantize_int2_keys(k[1].transpose(0, 1))
     assert torch.equal(views["k"][0], codes) and torch.equal(views["k_scale"][0], scale) and torch.equal(views["k_zero"][0], zero)
     vcodes, _, _ = quantize_groups(v[1].transpose(0, 1), 2)
@@ -280,4 +285,4 @@ def test_triaxial_page_order_is_checked() -> None:
             int2_layout=pool.int2, num_int2_pages=filled.num_int2, total_bytes=pool.total_bytes,
         )  # fmt: skip
     with pytest.raises(ValueError, match="INT2_PAGE_FLAG"):
-        paged_ref.write_int2_pages(pool.buffer, pool.int2, torch.randn(1, 8, 1, 32), torch.randn(1, 8, 1, 32), torch.zeros(1, dtype=torch.int32), total_bytes=pool.total_bytes)
+        paged_ref.write_int2_pages(pool.buffer, pool.int2_pages, torch.randn(1, 8, 1, 32), torch.randn(1, 8, 1, 32), torch.zeros(1, dtype=torch.int32), total_bytes=pool.total_bytes)

@@ -15,6 +15,7 @@ rounding: 3e-3 (fp16 paths) and 1e-2 (bf16 pages), with fp32 q and output.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -86,8 +87,8 @@ def test_write_int2_pages_bytes_equal_reference() -> None:
     k = edge_tokens(16, 2, 64).reshape(2, 8, 2, 64)
     v = edge_tokens(16, 2, 64).flip(0).reshape(2, 8, 2, 64)
     ids = torch.tensor([3 | INT2_PAGE_FLAG, 1 | INT2_PAGE_FLAG], dtype=torch.int32)
-    triton_paged.write_int2_pages(pool.buffer, pool.int2, k, v, ids, total_bytes=pool.total_bytes)
-    paged_ref.write_int2_pages(ref.buffer, ref.int2, k, v, ids, total_bytes=ref.total_bytes)
+    triton_paged.write_int2_pages(pool.buffer, pool.int2_pages, k, v, ids, total_bytes=pool.total_bytes)
+    paged_ref.write_int2_pages(ref.buffer, ref.int2_pages, k, v, ids, total_bytes=ref.total_bytes)
     assert torch.equal(pool.buffer, ref.buffer)
 
 
@@ -119,7 +120,7 @@ def test_gather_kv_equals_reference_and_leaves_the_rest(case: str, out_dtype: to
     for i, n in enumerate(lens):
         out_k = torch.full((n + 5, 2, 64), float("nan"), dtype=out_dtype)
         out_v = torch.full((n + 5, 2, 64), float("nan"), dtype=out_dtype)
-        kw = dict(k_scale=scale, v_scale=scale, int2_layout=pool.int2, total_bytes=pool.total_bytes)
+        kw: dict[str, Any] = dict(k_scale=scale, v_scale=scale, int2_layout=pool.int2, total_bytes=pool.total_bytes)
         triton_paged.gather_kv(pool.buffer, pool.layout, filled.page_table[i], n, out_k, out_v, **kw)
         ek, ev = expected_kv(pool, filled, i, k_scale=scale, v_scale=scale)
         assert torch.equal(out_k[:n], ek.to(out_dtype)) and torch.equal(out_v[:n], ev.to(out_dtype))
@@ -172,7 +173,7 @@ def test_decode_zero_length_sequence_gives_zeros() -> None:
 def test_paged_ops_dispatches_to_triton_when_asked() -> None:
     pool, filled, _ = _filled_pool("fp8_e4m3", [10], ops=paged_ops)
     q = torch.randn(1, 4, 64)
-    kw = dict(sm_scale=0.1, k_scale=SCALES["fp8_e4m3"], v_scale=SCALES["fp8_e4m3"])
+    kw: dict[str, Any] = dict(sm_scale=0.1, k_scale=SCALES["fp8_e4m3"], v_scale=SCALES["fp8_e4m3"])
     ref = paged_ops.decode_attention(q, pool.buffer, pool.layout, filled.page_table, filled.seq_lens, **kw)
     tri = paged_ops.decode_attention(q, pool.buffer, pool.layout, filled.page_table, filled.seq_lens, backend="triton", **kw)
     assert rel_err(tri, ref) < 3e-3
@@ -209,7 +210,7 @@ def test_gpu_write_and_gather_equal_reference(case: str) -> None:
     pool, filled, scale = _filled_pool(case, lens, device="cuda", d=128, h=8, p=p)  # written by the kernels
     cpu = Pool(pool.layout, pool.int2, pool.buffer.cpu(), pool.num_pages, pool.num_int2_pages)
     for i, n in enumerate(lens):
-        kw = dict(k_scale=scale, v_scale=scale, int2_layout=pool.int2, total_bytes=pool.total_bytes)
+        kw: dict[str, Any] = dict(k_scale=scale, v_scale=scale, int2_layout=pool.int2, total_bytes=pool.total_bytes)
         out_k = torch.full((n, 8, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
         out_v = torch.full_like(out_k, float("nan"))
         triton_paged.gather_kv(pool.buffer, pool.layout, filled.page_table[i], n, out_k, out_v, **kw)
@@ -243,6 +244,6 @@ def test_gpu_write_int2_pages_bytes_equal_reference() -> None:
     k = torch.cat([edge_tokens(32, 8, 128)[None], torch.randn(39, 32, 8, 128) * 3])
     v = torch.randn(40, 32, 8, 128)
     ids = (torch.randperm(64)[:40] | INT2_PAGE_FLAG).int()
-    triton_paged.write_int2_pages(pool.buffer, pool.int2, k.cuda(), v.cuda(), ids.cuda(), total_bytes=pool.total_bytes)
-    paged_ref.write_int2_pages(ref, pool.int2, k, v, ids, total_bytes=pool.total_bytes)
+    triton_paged.write_int2_pages(pool.buffer, pool.int2_pages, k.cuda(), v.cuda(), ids.cuda(), total_bytes=pool.total_bytes)
+    paged_ref.write_int2_pages(ref, pool.int2_pages, k, v, ids, total_bytes=pool.total_bytes)
     assert torch.equal(pool.buffer.cpu(), ref)
