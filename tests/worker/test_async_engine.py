@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
-from kvserving.worker.engine import AsyncEngine, LLMEngine, RequestOutput
+from kvserving.worker.async_engine import AsyncEngine
+from kvserving.worker.engine import LLMEngine, RequestOutput
 from kvserving.worker.sampling import SamplingParams
 
 
