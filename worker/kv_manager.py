@@ -12,7 +12,7 @@ from collections.abc import Sequence as Seq
 from kvserving.tags import MODAL, SEMANTIC
 from kvserving.worker.page_pool import PagePool, PagePoolBase
 from kvserving.worker.precision import page_bits
-from kvserving.worker.triaxial_pool import TriaxialPagePool
+from kvserving.worker.triaxial_pool import INT2_PAGE_FLAG, TriaxialPagePool
 from kvserving.worker.sequence import Sequence
 
 
@@ -28,42 +28,57 @@ class KVCacheManager:
     def triaxial(self) -> bool:
         return self.bits_table is not None
 
-    def _hash_tags(self, seq: Sequence) -> list[int] | None:
-        # Triaxial page contents depend on tags (they pick the precision), so
-        # the modal x semantic part of each tag is part of the page identity
-        # there. The temporal part is not: it ages every turn (current ->
-        # turn_m1 -> ...), and keeping it would make every page of the last
-        # turn miss in the next one. Aging only lowers a page's bits, so a
-        # reused page is never less precise than a fresh one would be.
-        if not self.triaxial:
-            return None
-        per_turn = len(MODAL) * len(SEMANTIC)
-        return [t % per_turn for t in seq.all_tags]
+    def _page_hashes(self, seq: Sequence, first: int, bits: Seq[int], parent: int | None) -> list[int]:
+        """Chained hashes of pages [first, first + len(bits)) of ``seq`` stored at ``bits``.
+
+        Triaxial: a page's identity is its tokens, the modal x semantic part of
+        each token's tag, and the precision it is stored at. The temporal part
+        is left out: it ages every turn (current -> turn_m1 -> ...), and
+        keeping it would make every page of the last turn miss in the next one.
+        """
+        p = self.page_size
+        lo, hi = first * p, (first + len(bits)) * p
+        tags = None
+        if self.triaxial:
+            per_turn = len(MODAL) * len(SEMANTIC)
+            tags = [t % per_turn + (per_turn if bits[(j - lo) // p] == 2 else 0) for j, t in enumerate(seq.all_tags[lo:hi], lo)]
+        return self.pool.chain_hashes(seq.all_ids[lo:hi], p, tags, parent=parent)
 
     def _extend_hashes(self, seq: Sequence, num_full_pages: int) -> None:
+        """Hashes of the held pages up to ``num_full_pages``, at their stored precision."""
         have = len(seq.page_hashes)
         if num_full_pages <= have:
             return
-        p = self.page_size
-        tags = self._hash_tags(seq)
-        new = self.pool.chain_hashes(
-            seq.all_ids[have * p : num_full_pages * p],
-            p,
-            tags[have * p : num_full_pages * p] if tags is not None else None,
-            parent=seq.page_hashes[-1] if have else None,
-        )
-        seq.page_hashes.extend(new)
+        bits = [2 if pid & INT2_PAGE_FLAG else 4 for pid in seq.page_ids[have:num_full_pages]]
+        seq.page_hashes.extend(self._page_hashes(seq, have, bits, seq.page_hashes[-1] if have else None))
 
     def match_prefix(self, seq: Sequence) -> int:
         """Reuse cached pages for the longest known prefix; returns tokens reused.
 
         At least one token is always left to compute: its logits start decoding.
+        A triaxial page matches if stored at the precision this request would
+        give it, or at 4 bits (more precise is always acceptable; less never).
         """
         assert not seq.page_ids and seq.num_computed == 0
         max_pages = (seq.num_tokens - 1) // self.page_size
-        self._extend_hashes(seq, max_pages)
-        matched = self.pool.match_prefix(seq.page_hashes[:max_pages])
-        seq.page_ids = list(matched)
+        wanted = self.page_bits_for(seq, 0, max_pages)
+        matched: list[int] = []
+        parent: int | None = None
+        for i, want in enumerate(wanted):
+            found = None
+            for bits in (4, 2) if want == 2 else (4,):
+                h = self._page_hashes(seq, i, [bits], parent)[0]
+                pid = self.pool.lookup(h)
+                if pid is not None:
+                    found = h, pid
+                    break
+            if found is None:
+                break
+            parent = found[0]
+            seq.page_hashes.append(found[0])
+            matched.append(found[1])
+        self.pool.incref(matched)
+        seq.page_ids = matched
         seq.num_registered_pages = len(matched)
         seq.num_computed = len(matched) * self.page_size
         return seq.num_computed

@@ -1,0 +1,73 @@
+"""Prefix matching above the pool: exact page ids, and triaxial pages reused
+only at their request's precision or a more precise one."""
+
+from __future__ import annotations
+
+from kvserving.tags import default_bits_table, encode_tag
+from kvserving.worker.kv_manager import KVCacheManager
+from kvserving.worker.page_pool import PagePool
+from kvserving.worker.sampling import SamplingParams, make_generator
+from kvserving.worker.sequence import Sequence
+from kvserving.worker.triaxial_pool import INT2_PAGE_FLAG, TriaxialPagePool
+
+OLD = encode_tag("older", "text", "user")  # 2 bits in the default table
+NOW = encode_tag("current", "text", "user")  # 4 bits
+TOKENS = list(range(100, 165))  # two full pages of 32 and one token
+
+
+def seq(rid: str, tags: list[int], tokens: list[int] = TOKENS) -> Sequence:
+    return Sequence(rid, list(tokens), SamplingParams(), make_generator(0), tags=tags)
+
+
+def run_and_cache(kv: KVCacheManager, s: Sequence) -> list[int]:
+    """Allocate and 'compute' the whole prompt, publish its pages, finish."""
+    assert kv.match_prefix(s) == 0
+    assert kv.allocate_until(s, s.num_tokens)
+    s.num_computed = s.num_tokens
+    kv.publish_full_pages(s)
+    ids = list(s.page_ids)
+    kv.free(s)
+    return ids
+
+
+def triaxial_manager() -> KVCacheManager:
+    pool = TriaxialPagePool(64 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=32)
+    return KVCacheManager(pool, page_size=32, bits_table=default_bits_table())
+
+
+def test_int2_pages_are_not_reused_where_int4_is_wanted() -> None:
+    kv = triaxial_manager()
+    ids = run_and_cache(kv, seq("a", [OLD] * 65))
+    assert [bool(p & INT2_PAGE_FLAG) for p in ids] == [True, True, False]
+    fresh = seq("b", [NOW] * 65)  # same tokens, current turn: wants INT4
+    assert kv.match_prefix(fresh) == 0
+    assert fresh.page_ids == []
+
+
+def test_int4_pages_are_reused_where_int2_is_wanted() -> None:
+    kv = triaxial_manager()
+    ids = run_and_cache(kv, seq("a", [NOW] * 65))
+    assert ids == [0, 1, 2]
+    aged = seq("b", [OLD] * 65)  # the same turn two turns later: wants INT2, INT4 is fine
+    assert kv.match_prefix(aged) == 64
+    assert aged.page_ids == [0, 1]
+    assert kv.pool.ref_count(0) == 1 and kv.pool.ref_count(1) == 1
+    # and the pages it then computes chain on the matched ones
+    assert kv.allocate_until(aged, 65)
+    assert aged.page_ids[:2] == [0, 1]
+
+
+def test_int2_pages_are_reused_where_int2_is_wanted() -> None:
+    kv = triaxial_manager()
+    ids = run_and_cache(kv, seq("a", [OLD] * 65))
+    again = seq("b", [OLD] * 65)
+    assert kv.match_prefix(again) == 64
+    assert again.page_ids == ids[:2]
+
+
+def test_plain_pools_ignore_tags() -> None:
+    kv = KVCacheManager(PagePool(16, page_size=16), page_size=16)
+    run_and_cache(kv, seq("a", [OLD] * 65))
+    other = seq("b", [NOW] * 65)
+    assert kv.match_prefix(other) == 64  # four full pages of 16; the last token is computed
+    assert other.page_ids == [0, 1, 2, 3]
