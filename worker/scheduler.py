@@ -96,6 +96,26 @@ class Scheduler:
         out.chunks = [c for c in out.chunks if c.seq is not victim]
         return victim
 
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Give a waiting ``seq`` pages for its first chunk; returns the chunk length (0: not now).
+
+        First with its cached prefix, then, if that placement does not fit,
+        from scratch: matched pages can sit deep inside one end of a triaxial
+        buffer and block the other end, while a fresh placement (evicting
+        those cached pages) fits.
+        """
+        for use_prefix in (True, False):
+            hit = self.kv.match_prefix(seq) if use_prefix else 0
+            n = self._chunk_len(seq, budget)
+            if n and self.kv.allocate_until(seq, seq.num_computed + n):
+                if seq.num_preemptions == 0 and not seq.output_ids:
+                    seq.num_cached_prompt = hit
+                return n
+            self.kv.free(seq)  # back to no pages, nothing computed
+            if hit == 0:
+                break
+        return 0
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -119,14 +139,9 @@ class Scheduler:
         # 2. admit waiting sequences in order while pages and budget last
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.page_ids:
-                hit = self.kv.match_prefix(seq)
-                if seq.num_preemptions == 0 and not seq.output_ids:
-                    seq.num_cached_prompt = hit
-            n = self._chunk_len(seq, budget)
-            if n == 0 or not self.kv.allocate_until(seq, seq.num_computed + n):
-                self.kv.free(seq)  # give back matched prefix pages; retry next step
-                break
+            n = self._admit(seq, budget)
+            if n == 0:
+                break  # retry next step, when pages or budget free up
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self._arrivals += 1

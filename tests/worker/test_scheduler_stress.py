@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from kvserving.tags import encode_tag
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.sampling import SamplingParams
+from kvserving.worker.triaxial_pool import INT2_PAGE_FLAG
 
 
 def engine(model_dir: Path, dtype: str, pages: int) -> LLMEngine:
@@ -31,24 +33,28 @@ def engine(model_dir: Path, dtype: str, pages: int) -> LLMEngine:
 def test_tight_pool_mixed_workload_equals_isolated_runs(tiny_model_dir: Path, dtype: str, pages: int) -> None:
     rng = random.Random(11)
     shared = [rng.randrange(10, 4000) for _ in range(40)]
+    old, now = encode_tag("older", "text", "user"), encode_tag("current", "text", "user")
     requests = []
     for n in range(8):
         prompt = (shared if n % 2 else []) + [rng.randrange(10, 4000) for _ in range(rng.randrange(1, 60))]
-        requests.append((f"r{n}", prompt, SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=True)))
+        # earlier turns, then the current one: full pages of old tokens go INT2
+        cut = max(0, len(prompt) - rng.randrange(1, 12))
+        tags = [old] * cut + [now] * (len(prompt) - cut)
+        requests.append((f"r{n}", prompt, tags, SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=True)))
 
     alone = {}
-    for rid, prompt, params in requests:
+    for rid, prompt, tags, params in requests:
         solo = engine(tiny_model_dir, dtype, 64)
-        alone[rid] = solo.generate([prompt], params)[0]
+        alone[rid] = solo.generate([prompt], params, tags=[tags])[0]
 
     busy = engine(tiny_model_dir, dtype, pages)
-    got: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
+    got: dict[str, list[int]] = {rid: [] for rid, _, _, _ in requests}
     pending = list(requests)
     steps = 0
     while pending or busy.has_unfinished():
         if pending and steps % 2 == 0:  # arrivals while others run
-            rid, prompt, params = pending.pop(0)
-            busy.add_request(rid, prompt, params)
+            rid, prompt, tags, params = pending.pop(0)
+            busy.add_request(rid, prompt, params, tags=tags)
         for out in busy.step():
             got[out.request_id] += out.new_token_ids
         steps += 1
@@ -56,3 +62,5 @@ def test_tight_pool_mixed_workload_equals_isolated_runs(tiny_model_dir: Path, dt
     assert got == alone
     assert busy.stats.preemptions > 0  # the pool really was too small for the batch
     assert busy.pool.num_owned == 0  # every page was returned (only cached pages remain)
+    if dtype == "triaxial":
+        assert any(pid & INT2_PAGE_FLAG for pid in busy.pool.cached_page_ids())  # INT2 pages were in play
