@@ -111,10 +111,14 @@ def test_quantized_formats_keep_greedy_close_to_bf16(tiny_model_dir: Path, dtype
     ref = make_engine(tiny_model_dir, chunk=64).generate(ps, GREEDY_32)
     got = make_engine(tiny_model_dir, dtype, chunk=64).generate(ps, GREEDY_32)
     # Greedy decoding diverges for good after the first differing token, so
-    # count the agreeing prefix. Bounds are what these formats measured on this
-    # model with margin; fp8's first divergence needs many accumulated steps.
+    # count the agreeing prefix. Measured on the tiny model (seed 0): all 128
+    # tokens agree for every format (these untagged prompts keep triaxial at
+    # INT4). The tiny model's top-two logit gap is >= 0.05 of the logit spread
+    # (test_tiny_model) while these formats move attention outputs by 3-14%
+    # (test_kv_fidelity), so a flip is possible but rare: the floors leave room
+    # for one divergence in the middle of one of the four sequences.
     agree = sum(next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(ref, got))
-    floor = {"fp8_e4m3": 0.75, "nvfp4": 0.25, "triaxial": 0.1}[dtype]
+    floor = {"fp8_e4m3": 0.85, "nvfp4": 0.85, "triaxial": 0.85}[dtype]
     assert agree / (32 * len(ps)) >= floor
     assert all(len(g) == 32 for g in got)
 
