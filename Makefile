@@ -22,6 +22,7 @@ install: $(VENV)/.stamp-deps
 	$(VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
 
 test: install
+	$(PY) -m mypy -p kvserving
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 demo: install

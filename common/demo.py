@@ -54,11 +54,12 @@ def _serve(args: argparse.Namespace, model_dir: Path) -> int:
     print()
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True)
+    # render with the chat template, then tokenize the text (the template holds its own special tokens)
+    texts = [
+        str(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True))
         for q in QUESTIONS
     ]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    prompts: list[list[int]] = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     print(f"model {model_dir.name} serving {len(prompts)} chat requests, {args.max_tokens} tokens each, "
           f"KV budget {args.kv_mib} MiB (random weights: the text is noise, the mechanics are real)")

@@ -55,7 +55,7 @@ def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
 
 
 @kopf.on.startup(registry=registry)
-async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     configure(settings)
     memo.transport = AiohttpTransport(settings, logger)
     memo.kube = KubeApi(memo.transport)

@@ -24,9 +24,10 @@ def kopf_permissions(registry: kopf.OperatorRegistry, settings: kopf.OperatorSet
     stateless = registry._watching.get_all_selectors() | registry._indexing.get_all_selectors()
     for sel in stateful | stateless:
         group = sel.group or ""
-        perms |= {("list", group, sel.plural), ("watch", group, sel.plural)}
+        plural = sel.plural or ""
+        perms |= {("list", group, plural), ("watch", group, plural)}
         if sel in stateful:
-            perms.add(("patch", group, sel.plural))
+            perms.add(("patch", group, plural))
     if settings.posting.enabled:
         perms.add(("create", "", "events"))  # kopf.event() and kopf's own warnings
     if not settings.peering.standalone:

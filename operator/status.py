@@ -191,8 +191,8 @@ def compute_status(
     for cond in conditions:
         cond["observedGeneration"] = desired.generation
         before = previous_by_type.get(cond["type"])
-        same = before is not None and before.get("status") == cond["status"] and before.get("lastTransitionTime")
-        cond["lastTransitionTime"] = before["lastTransitionTime"] if same else now
+        kept = before.get("lastTransitionTime") if before is not None and before.get("status") == cond["status"] else None
+        cond["lastTransitionTime"] = kept or now
 
     if degraded["status"] == "True":
         phase = "Degraded"

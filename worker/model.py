@@ -306,6 +306,8 @@ class DecoderModel(nn.Module):
     """Parameter names are Hugging Face's without the leading "model."
     (`hf_name` maps them), so checkpoints load by name."""
 
+    inv_freq: Tensor  # RoPE inverse frequencies, an fp32 buffer
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args

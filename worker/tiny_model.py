@@ -66,19 +66,19 @@ def random_weights(
     - all norms 1.
     """
     gen = torch.Generator().manual_seed(seed)
-    hidden = int(config["hidden_size"])  # type: ignore[arg-type]
-    inter = int(config["intermediate_size"])  # type: ignore[arg-type]
-    heads = int(config["num_attention_heads"])  # type: ignore[arg-type]
-    kv_heads = int(config["num_key_value_heads"])  # type: ignore[arg-type]
-    head_dim = int(config["head_dim"])  # type: ignore[arg-type]
-    vocab = int(config["vocab_size"])  # type: ignore[arg-type]
+    hidden = int(config["hidden_size"])  # type: ignore[call-overload]
+    inter = int(config["intermediate_size"])  # type: ignore[call-overload]
+    heads = int(config["num_attention_heads"])  # type: ignore[call-overload]
+    kv_heads = int(config["num_key_value_heads"])  # type: ignore[call-overload]
+    head_dim = int(config["head_dim"])  # type: ignore[call-overload]
+    vocab = int(config["vocab_size"])  # type: ignore[call-overload]
 
     def normal(*shape: int, scale: float = std) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * scale
 
     embed = normal(vocab, hidden, scale=1.0)
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
-    for i in range(int(config["num_hidden_layers"])):  # type: ignore[arg-type]
+    for i in range(int(config["num_hidden_layers"])):  # type: ignore[call-overload]
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = torch.ones(hidden)
         w[p + "self_attn.q_proj.weight"] = normal(heads * head_dim, hidden, scale=attn_std)
