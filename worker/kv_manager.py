@@ -41,8 +41,8 @@ class KVCacheManager:
         tags = None
         if self.triaxial:
             per_turn = len(MODAL) * len(SEMANTIC)
-            tags = [t % per_turn + (per_turn if bits[(j - lo) // p] == 2 else 0) for j, t in enumerate(seq.all_tags[lo:hi], lo)]
-        return self.pool.chain_hashes(seq.all_ids[lo:hi], p, tags, parent=parent)
+            tags = [t % per_turn + (per_turn if bits[(j - lo) // p] == 2 else 0) for j, t in enumerate(seq.token_tags(lo, hi), lo)]
+        return self.pool.chain_hashes(seq.token_ids(lo, hi), p, tags, parent=parent)
 
     def _extend_hashes(self, seq: Sequence, num_full_pages: int) -> None:
         """Hashes of the held pages up to ``num_full_pages``, at their stored precision."""
@@ -88,10 +88,13 @@ class KVCacheManager:
         if self.bits_table is None:
             return [4] * (last_page - first_page)
         # Only full pages of the original prompt can be INT2; pages holding
-        # generated tokens (and the partial last prompt page) are INT4.
-        prompt_bits = page_bits(seq.tags, self.bits_table, self.page_size)
-        full_prompt_pages = len(seq.prompt_ids) // self.page_size
-        return [prompt_bits[i] if i < full_prompt_pages else 4 for i in range(first_page, last_page)]
+        # generated tokens (and the partial last prompt page) are INT4. Only
+        # the asked-for pages' tags are read: a decode step that opens a page
+        # past the prompt reads none.
+        p = self.page_size
+        full_end = min(last_page, len(seq.prompt_ids) // p)
+        prompt_bits = page_bits(seq.tags[first_page * p : full_end * p], self.bits_table, p) if full_end > first_page else []
+        return prompt_bits + [4] * (last_page - first_page - len(prompt_bits))
 
     def allocate_until(self, seq: Sequence, num_tokens: int) -> bool:
         """Make sure pages cover the first ``num_tokens`` tokens; all or nothing."""

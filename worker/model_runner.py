@@ -82,7 +82,7 @@ class ModelRunner:
         positions: list[int] = []
         last_rows: list[int] = []
         for c in chunks:
-            ids.extend(c.seq.all_ids[c.start : c.start + c.num_tokens])
+            ids.extend(c.seq.token_ids(c.start, c.start + c.num_tokens))
             positions.extend(range(c.start, c.start + c.num_tokens))
             if c.samples:
                 last_rows.append(len(ids) - 1)

@@ -49,13 +49,17 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without copying the whole sequence."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:end] + self.output_ids[: max(0, end - n)]
 
-    @property
-    def all_tags(self) -> list[int]:
-        return self.tags + [GENERATED_TAG] * len(self.output_ids)
+    def token_tags(self, start: int, end: int) -> list[int]:
+        """Tags of tokens [start, end); generated tokens are current assistant text."""
+        n = len(self.prompt_ids)
+        return self.tags[start:end] + [GENERATED_TAG] * (max(n, end) - max(n, start))
 
     @property
     def num_uncomputed(self) -> int:
