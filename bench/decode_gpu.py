@@ -204,7 +204,32 @@ def main() -> None:
             outs[fmt] = pool.decode(q).float()
             record(shape, f"ours {fmt}", ms, pool_bytes, resources=resources())
             print("      " + resources(), flush=True)
-            if args.sweep and shape == (32, 32768):
+            if fmt in ("nvfp4", "triaxial"):
+                # the tl kernel (what CI's interpreter runs) next to the default Gluon one
+                t = time_ms(lambda: pool.decode(q, kernel="tl"))
+                err = float((pool.decode(q, kernel="tl").float() - outs[fmt]).norm() / outs[fmt].norm())
+                record(shape, f"  {fmt} tl kernel", t, pool_bytes, rel_diff_vs_gluon=err)
+                print(f"      tl vs gluon output rel diff {err:.2e}", flush=True)
+            if args.sweep and fmt in ("nvfp4", "triaxial") and shape == (32, 32768):
+                from kvserving.kernels import gluon_decode
+
+                base = gluon_decode.GL_TUNING[pool.layout.fmt]
+                for warps, ppsm in ((4, 8), (4, 32), (8, 16), (2, 16)):
+                    cfg = {**base, "num_warps": warps, "PPSM": ppsm}
+                    try:
+                        t = time_ms(lambda: pool.decode(q, tuning=cfg))
+                    except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                        print(f"  {fmt} gluon {cfg}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                        continue
+                    record(shape, f"  {fmt} gluon w{warps} ppsm{ppsm}", t, pool_bytes, tuning=cfg, resources=resources())
+                    print("      " + resources(), flush=True)
+                if fmt == "triaxial":
+                    for part in (2, 4):
+                        cfg = {**base, "PART": part}
+                        t = time_ms(lambda: pool.decode(q, tuning=cfg))
+                        record(shape, f"  triaxial gluon INT{part} launch only", t, pool_bytes, resources=resources())
+                        print("      " + resources(), flush=True)
+            if args.sweep and shape == (32, 32768) and fmt not in ("nvfp4", "triaxial"):
                 for ppi, ppi2, warps, stages, regs in SWEEP:
                     if fmt != "triaxial" and ppi2 != ppi:
                         continue

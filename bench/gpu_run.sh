@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton_paged.py -x 2>&1 | tee $OUT/gpu_tests.log | tail -40
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gluon_decode.py tests/kernels/test_triton_paged.py 2>&1 | tee $OUT/gpu_tests.log | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/decode_gpu.py --out $OUT/decode_gpu.json "$@" 2>&1 | tee $OUT/bench.log

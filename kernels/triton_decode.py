@@ -458,8 +458,29 @@ def decode_attention(
     total_bytes: int | None = None,
     tuning: dict[str, int] | None = None,
     splits: tuple[int, int] | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
-    """Launch decode attention (arguments checked by paged_ops); -> [B, Hq, D] in q.dtype."""
+    """Launch decode attention (arguments checked by paged_ops); -> [B, Hq, D] in q.dtype.
+
+    kernel: "gluon" (nvfp4 / triaxial pages on a GPU, gluon_decode.py), "tl" (this file's kernel) or None:
+    $KVSERVING_DECODE_KERNEL if set, else gluon where ``gluon_decode.supported`` holds.
+    """
+    import os
+
+    choice = kernel or os.environ.get("KVSERVING_DECODE_KERNEL") or "auto"
+    if choice not in ("auto", "gluon", "tl"):
+        raise ValueError(f"kernel={choice!r}; expected 'gluon', 'tl' or None")
+    if choice != "tl" and layout.fmt in ("nvfp4", "int4"):
+        from . import gluon_decode
+
+        if gluon_decode.supported(layout, q, int2_layout):
+            return gluon_decode.decode_attention(
+                q, buffer, layout, page_table, seq_lens, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
+                int2_layout=int2_layout, num_int2_pages=num_int2_pages, total_bytes=total_bytes, tuning=tuning,
+                splits=splits,
+            )  # fmt: skip
+        if choice == "gluon":
+            raise ValueError("the Gluon decode kernel does not support this call (see gluon_decode.supported)")
     b, hq, d = q.shape
     h = layout.kv_heads
     g = hq // h

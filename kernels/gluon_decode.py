@@ -1,0 +1,625 @@
+"""Gluon decode attention for packed pages (nvfp4, triaxial INT4 and INT2): unpacked straight into tensor-core fragments.
+
+Why a second decode kernel: the ``tl`` kernels in ``triton_decode.py`` dequantize
+a tile in a blocked layout and Triton then moves the fp16 tile through shared
+memory into the ``mma`` operand layout; for 4- and 2-bit pages that round trip
+costs more than reading the bytes (bench/NOTES-kernels.md). Gluon lets the
+kernel choose every layout, so here each thread loads exactly the bytes whose
+values its ``mma.m16n8k16`` fragments hold, unpacks them with a few integer ops
+and one ``f16x2`` multiply (or fma) per pair, and hands the registers to the
+tensor core: no shared memory in the loop.
+
+One program = one (split, kv head, sequence), W warps. Each warp runs its own
+online softmax over its own pages (NT = pages-per-warp x page-size tokens per
+step) and the warps merge by log-sum-exp at the end; the splits merge in
+``triton_decode._merge_kernel``. Per warp and step::
+
+    S^T[NT, HP] = K[NT, D] . q^T[D, HP]         K: A operand (rows = tokens), HP = query heads padded to 8
+    O^T[D, HP] += V^T[D, NT] . P^T[NT, HP]      V^T: A operand (rows = channels), P^T: B operand
+
+A-operand fragments of m16n8k16 hold, in thread (g = lane / 4, c = lane % 4),
+rows g and g+8 and the column pairs (2c, 2c+1), (2c+8, 2c+9) of every 16-wide
+k step. The contraction order is free (q is permuted to match) and so is the
+row order of O^T (un-permuted at the store), so the kernel picks both to make
+every thread's bytes contiguous:
+
+    K rows (tokens g, g+8, ...):  thread c loads bytes [c*KB/4, (c+1)*KB/4) of the token's row (16 bytes = 32
+                                  nvfp4/int4 values or 8 bytes = 32 INT2 values): one nvfp4 block pair or one
+                                  INT4/INT2 group, so one block scale (or one scale + zero) per register;
+    V^T rows (channels):          thread g owns channels [g*D/8, (g+1)*D/8) = 8 bytes of nvfp4/int4 or 4 of INT2
+                                  of tokens 2c, 2c+1, 2c+8, 2c+9 (+16): an mma register pairs two *tokens*, so
+                                  the unpacker takes bytes of two tokens in one 32-bit word.
+
+Unpacking one 32-bit word ``x`` (bytes b0 b1 b2 b3) makes fp16 pairs from
+bytes (b0, b2) and (b1, b3), whose nibbles sit 16 bits apart, so one mask and
+one shift serve both halves::
+
+    nvfp4 nibble s e1 e0 m -> fp16 bits s 0 0 e1 e0 m 0..0  (= e2m1 * 2^-14), times (block scale * 2^7)
+    int4 / int2 code c     -> fp16 0x6400 | c (= 1024 + c), minus 1024, times scale plus zero
+
+The register order that results (b0, b2, b1, b3) is relabelled with
+reshape / permute, which Triton proves free (``assert_trivial``) at compile time.
+
+Supported: head_dim 128, up to 16 query heads per kv head, page size 16
+(nvfp4) or 32 (triaxial); anything else, and the interpreter, uses
+``triton_decode``. The unpackers are PTX, so these kernels run on a GPU only
+(sm_80+: ``mma.sync``; sm_89+ for the E4M3 scale conversion);
+``tests/kernels/test_gluon_decode.py`` compiles them for sm_90 on CPU and the
+gpu tests hold them to the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from .layout import INT2_PAGE_FLAG, PageLayout
+
+GL_FMT_NVFP4: gl.constexpr = gl.constexpr(0)
+GL_FMT_INT4: gl.constexpr = gl.constexpr(1)
+GL_FMT_INT2: gl.constexpr = gl.constexpr(2)
+FLAG: gl.constexpr = gl.constexpr(INT2_PAGE_FLAG)
+LOG2E = 1.4426950408889634
+NVFP4_FOLD = 128.0  # nvfp4 values decode to value * 2^-7
+
+
+# ----------------------------------------------------------------------------
+# unpackers (PTX). Operands: outputs first ($0..), then the packed word, then
+# scale (and zero) registers; each fp16 operand of pack=4 is two registers.
+# ----------------------------------------------------------------------------
+
+# nvfp4 nibble pairs of one word: (mask, shift of the magnitude, mask, shift of the sign); shift < 0 = right
+_E2M1_PAIRS = (
+    (0x00070007, 9, 0x00080008, 12),  # lo nibbles of b0, b2
+    (0x07000700, 1, 0x08000800, 4),  # lo nibbles of b1, b3
+    (0x00700070, 5, 0x00800080, 8),  # hi nibbles of b0, b2
+    (0x70007000, -3, 0x80008000, 0),  # hi nibbles of b1, b3
+)
+
+
+def _shift(dst: str, src: str, n: int) -> str:
+    if n > 0:
+        return f"shl.b32 {dst}, {src}, {n};"
+    if n < 0:
+        return f"shr.b32 {dst}, {src}, {-n};"
+    return f"mov.b32 {dst}, {src};"
+
+
+def _asm_e2m1(token_pairs: bool) -> str:
+    """Outputs lo (2 regs: pairs of b0/b2, b1/b3), hi (2 regs); inputs word $4, scale $5 $6.
+
+    token_pairs: the word holds (a0, a1, b0, b1) of two tokens a, b whose scales arrive as (sa, sa), (sb, sb);
+    a prmt makes (sa, sb). Otherwise all four bytes share one scale.
+    """
+    code = ["{ .reg .b32 a, b, s;"]
+    code.append("prmt.b32 s, $5, $6, 0x5410;" if token_pairs else "mov.b32 s, $5;")
+    for i, (mm, ms, sm, ss) in enumerate(_E2M1_PAIRS):
+        dst = ("$0", "$1", "$2", "$3")[i]
+        code.append(f"and.b32 a, $4, {mm:#010x};" + _shift("a", "a", ms))
+        code.append(f"and.b32 b, $4, {sm:#010x};" + _shift("b", "b", ss))
+        code.append(f"or.b32 a, a, b; mul.rn.f16x2 {dst}, a, s;")
+    code.append("}")
+    return "\n".join(code)
+
+
+def _asm_int4(token_pairs: bool) -> str:
+    """Outputs lo (2 regs), hi (2 regs); inputs word $4, scale $5 $6, zero $7 $8; code * scale + zero."""
+    code = ["{ .reg .b32 t, s, z, magic; mov.b32 magic, 0x64006400;"]
+    if token_pairs:
+        code.append("prmt.b32 s, $5, $6, 0x5410; prmt.b32 z, $7, $8, 0x5410;")
+    else:
+        code.append("mov.b32 s, $5; mov.b32 z, $7;")
+    for i, shift in enumerate((0, 8, 4, 12)):  # lo b0/b2, lo b1/b3, hi b0/b2, hi b1/b3
+        code.append(
+            _shift("t", "$4", -shift) + f"and.b32 t, t, 0x000F000F; or.b32 t, t, magic;"
+            f"sub.rn.f16x2 t, t, magic; fma.rn.f16x2 ${i}, t, s, z;"
+        )
+    code.append("}")
+    return "\n".join(code)
+
+
+def _asm_int2_values() -> str:
+    """V rows of two tokens: outputs c0..c3 (2 regs each); inputs word $8, scale $9 $10, zero $11 $12."""
+    code = ["{ .reg .b32 t, s, z, magic; mov.b32 magic, 0x64006400;"]
+    code.append("prmt.b32 s, $9, $10, 0x5410; prmt.b32 z, $11, $12, 0x5410;")
+    for k in range(4):
+        for r in range(2):
+            code.append(
+                _shift("t", "$8", -(2 * k + 8 * r)) + "and.b32 t, t, 0x00030003; or.b32 t, t, magic;"
+                f"sub.rn.f16x2 t, t, magic; fma.rn.f16x2 ${2 * k + r}, t, s, z;"
+            )
+    code.append("}")
+    return "\n".join(code)
+
+
+def _asm_int2_keys() -> str:
+    """K row bytes of one token: outputs c0..c3 (2 regs each); inputs word $8, per-channel scales $9..$16, zeros $17..$24."""
+    code = ["{ .reg .b32 t, magic; mov.b32 magic, 0x64006400;"]
+    for k in range(4):
+        for r in range(2):
+            code.append(
+                _shift("t", "$8", -(2 * k + 8 * r)) + "and.b32 t, t, 0x00030003; or.b32 t, t, magic;"
+                f"sub.rn.f16x2 t, t, magic; fma.rn.f16x2 ${2 * k + r}, t, ${9 + 2 * k + r}, ${17 + 2 * k + r};"
+            )
+    code.append("}")
+    return "\n".join(code)
+
+
+ASM_E2M1_K: gl.constexpr = gl.constexpr(_asm_e2m1(False))
+ASM_E2M1_V: gl.constexpr = gl.constexpr(_asm_e2m1(True))
+ASM_INT4_K: gl.constexpr = gl.constexpr(_asm_int4(False))
+ASM_INT4_V: gl.constexpr = gl.constexpr(_asm_int4(True))
+ASM_INT2_K: gl.constexpr = gl.constexpr(_asm_int2_keys())
+ASM_INT2_V: gl.constexpr = gl.constexpr(_asm_int2_values())
+
+
+# ----------------------------------------------------------------------------
+# layouts (built on the host, passed as constexpr)
+# ----------------------------------------------------------------------------
+
+
+def _bits(n: int) -> int:
+    return n.bit_length() - 1
+
+
+def _warp_bases(w: int, rank: int) -> list[list[int]]:
+    return [[1 << i] + [0] * (rank - 1) for i in range(_bits(w))]
+
+
+def _basis(rank: int, dim: int, value: int) -> list[int]:
+    b = [0] * rank
+    b[dim] = value
+    return b
+
+
+def v_layouts(w: int, nt: int, groups: int, per_group: int, per_thread: int) -> tuple[Any, Any]:
+    """(load, unpack) layouts of V bytes [W, NT, groups, per_group]; thread (g, c) holds per_thread contiguous
+    bytes of tokens 2c, 2c+1, 2c+8, 2c+9 (+16...), lanes g spread over the D/8-channel slices.
+
+    The unpack layout only reorders registers so a pack of 4 is (a_x, a_x+1, b_x, b_x+1) for tokens a, b.
+    """
+    r = 4
+    byte_regs = [_basis(r, 3, 1 << i) for i in range(_bits(per_thread))]
+    tok_regs = [_basis(r, 1, 1)] + [_basis(r, 1, 8 << i) for i in range(_bits(nt // 8))]
+    # lanes: c -> tokens 2, 4; g -> the next three byte bits (within a group, then across groups)
+    g_bits = []
+    v = per_thread
+    for _ in range(3):
+        g_bits.append(_basis(r, 3, v) if v < per_group else _basis(r, 2, v // per_group))
+        v *= 2
+    lanes = [_basis(r, 1, 2), _basis(r, 1, 4)] + g_bits
+    shape = [w, nt, groups, per_group]
+    load = gl.DistributedLinearLayout(byte_regs + tok_regs, lanes, _warp_bases(w, r), [], shape)
+    unpack = gl.DistributedLinearLayout(byte_regs[:1] + tok_regs[:1] + byte_regs[1:] + tok_regs[1:], lanes,
+                                        _warp_bases(w, r), [], shape)  # fmt: skip
+    return load, unpack
+
+
+# ----------------------------------------------------------------------------
+# device helpers
+# ----------------------------------------------------------------------------
+
+
+@gluon.jit
+def _idx3(L: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr):
+    """Broadcastable int32 index tensors [S0,1,1], [1,S1,1], [1,1,S2] in layout L."""
+    i0 = gl.arange(0, S0, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+    i1 = gl.arange(0, S1, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+    i2 = gl.arange(0, S2, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+    return (gl.expand_dims(gl.expand_dims(i0, 1), 2), gl.expand_dims(gl.expand_dims(i1, 0), 2),
+            gl.expand_dims(gl.expand_dims(i2, 0), 1))  # fmt: skip
+
+
+@gluon.jit
+def _idx4(L: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S3: gl.constexpr):
+    """Broadcastable int32 index tensors of a 4-D layout L."""
+    i0 = gl.arange(0, S0, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+    i1 = gl.arange(0, S1, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+    i2 = gl.arange(0, S2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L))))
+    i3 = gl.arange(0, S3, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L))))
+    e0 = gl.expand_dims(gl.expand_dims(gl.expand_dims(i0, 1), 2), 3)
+    e1 = gl.expand_dims(gl.expand_dims(gl.expand_dims(i1, 0), 2), 3)
+    e2 = gl.expand_dims(gl.expand_dims(gl.expand_dims(i2, 0), 1), 3)
+    e3 = gl.expand_dims(gl.expand_dims(gl.expand_dims(i3, 0), 1), 2)
+    return e0, e1, e2, e3
+
+
+@gluon.jit
+def _rows(pt_row_ptr, base, page_hi, num_tokens, h, total_bytes, wi, ni,
+          P: gl.constexpr, PPW: gl.constexpr, PAGE_BYTES: gl.constexpr, INT2: gl.constexpr):  # fmt: skip
+    """Page byte offset (int64), row index inside a [H, P, ...] field and validity of each token (wi, ni)."""
+    pidx = base + wi * PPW + ni // P
+    slot = ni % P
+    inb = pidx < page_hi
+    ok = inb & (pidx * P + slot < num_tokens)
+    pid = gl.load(pt_row_ptr + pidx, mask=inb, other=0)
+    if INT2:
+        off = total_bytes - ((pid & ~FLAG) + 1).to(gl.int64) * PAGE_BYTES
+    else:
+        off = pid.to(gl.int64) * PAGE_BYTES
+    return off, h * P + slot, ok
+
+
+@gluon.jit
+def _as_a_rows(x, W: gl.constexpr, NT: gl.constexpr, KB: gl.constexpr, A: gl.constexpr):
+    """K halves [W, NT, KB] in the byte layout (thread c holds bytes c*KB/4 .. +KB/4, unpacked as b0 b2 b1 b3)
+    -> the A operand, relabelling byte j to k = (j >> 1 & (KB/8 - 1)) << 3 | (j >> R) << 1 | (j & 1)."""
+    y = gl.reshape(x, [W, NT, 4, KB // 8, 2])
+    y = gl.permute(y, [0, 1, 3, 2, 4])
+    return gl.convert_layout(gl.reshape(y, [W, NT, KB]), A, assert_trivial=True)
+
+
+@gluon.jit
+def _q_k_dims(k, KB: gl.constexpr, PER: gl.constexpr, PIECE: gl.constexpr):
+    """Channel of logical k (0..KB-1) of piece PIECE (nibble / crumb index): the inverse of _as_a_rows and of the
+    unpackers' b0 b2 b1 b3 order; PER = values per byte (2 or 4)."""
+    R: gl.constexpr = KB // 4  # bytes per thread
+    j = ((k >> 1) & 3) * R + ((k >> 3) << 1) + (k & 1)
+    byte = (j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1)
+    return byte * PER + PIECE
+
+
+@gluon.jit
+def _swap_t0_j0(x, W: gl.constexpr, NT: gl.constexpr, KB: gl.constexpr):
+    """Unpacked V [W, NT, KB] whose 4-packs are (a_x, b_x, a_x+1, b_x+1) -> tensor indexed by (token, byte)."""
+    y = gl.reshape(x, [W, NT // 2, 2, KB // 2, 2])
+    y = gl.permute(y, [0, 1, 4, 3, 2])
+    return gl.reshape(y, [W, NT, KB])
+
+
+@gluon.jit
+def _as_a_channels(x, W: gl.constexpr, NT: gl.constexpr, D: gl.constexpr, A: gl.constexpr):
+    """V [W, NT, D] (channels in memory order; thread g holds channels g*D/8 ..) -> A operand V^T [W, D, NT],
+    row m = channel (m & 7) * D/8 + (m >> 3)."""
+    y = gl.permute(x, [0, 2, 1])
+    y = gl.reshape(y, [W, 8, D // 8, NT])
+    y = gl.permute(y, [0, 2, 1, 3])
+    return gl.convert_layout(gl.reshape(y, [W, D, NT]), A, assert_trivial=True)
+
+
+@gluon.jit
+def _load_q_piece(q_row_ptr, G, KB: gl.constexpr, PER: gl.constexpr, PIECE: gl.constexpr, W: gl.constexpr,
+                  HP: gl.constexpr, B: gl.constexpr):  # fmt: skip
+    """q^T piece [W, KB, HP] (same for every warp) in the B-operand layout, rows in the kernel's k order."""
+    wi, ki, hi = _idx3(B, W, KB, HP)
+    ch = _q_k_dims(ki, KB, PER, PIECE)
+    q = gl.load(q_row_ptr + hi * 128 + ch + wi * 0, mask=(hi < G) & (wi >= 0), other=0.0)
+    return q.to(gl.float16)
+
+
+# ----------------------------------------------------------------------------
+# the kernel
+# ----------------------------------------------------------------------------
+
+
+@gluon.jit
+def _gl_decode_kernel(
+    q_ptr,  # [B, H*G, 128] queries, contiguous
+    o_ptr,  # fp32 [B, H*G, S, 128] per-split outputs (normalised by their own softmax sums)
+    lse_ptr,  # fp32 [B, H*G, S] per-split base-2 log-sum-exp (-inf for an empty split)
+    buf_ptr,  # uint8 [total_bytes] the layer's pages
+    pt_ptr,  # int32 [B, pt_stride] page tables
+    lens_ptr,  # int32 [B] cached tokens per sequence
+    n2_ptr,  # int32 [B] INT2 pages leading each row (triaxial only)
+    k_mul,  # fp32 sm_scale * log2(e) * the K format's folded scale
+    total_bytes,  # layer buffer size in bytes
+    pt_stride,  # page-table row stride (elements)
+    S,  # splits per (sequence, head)
+    PPS,  # pages per split
+    FMT: gl.constexpr,  # GL_FMT_*
+    PART: gl.constexpr,  # 0: plain pages; triaxial rows (INT2 pages first): 2 runs the INT2 splits, 4 the INT4 splits
+    H: gl.constexpr, G: gl.constexpr, P: gl.constexpr,
+    PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr,
+    V_OFF: gl.constexpr, VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr,
+    PPW: gl.constexpr,  # pages per warp per step
+    HP: gl.constexpr,  # query heads padded (8 or 16)
+    LV_LOAD: gl.constexpr, LV_UNPACK: gl.constexpr,  # V byte layouts (v_layouts), for num_warps warps
+):
+    D: gl.constexpr = 128
+    W: gl.constexpr = gl.num_warps()
+    NT: gl.constexpr = PPW * P  # tokens per warp per step
+    INT2: gl.constexpr = FMT == GL_FMT_INT2
+    KB: gl.constexpr = D // 4 if INT2 else D // 2  # bytes per token row
+    PER: gl.constexpr = 4 if INT2 else 2  # values per byte
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+    A: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    B: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+
+    s = gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    num_tokens = gl.load(lens_ptr + b)
+    num_pages = gl.cdiv(num_tokens, P)
+    mine = s >= 0  # this launch owns split s (triaxial: the INT2 launch its first splits, the INT4 one the rest)
+    if PART == 0:
+        lo = s * PPS
+        hi = gl.minimum(lo + PPS, num_pages)
+    else:
+        n2 = gl.load(n2_ptr + b)
+        c2 = gl.cdiv(n2, PPS)  # splits that cover the INT2 pages
+        if PART == 2:
+            mine = s < c2
+            lo = s * PPS
+            hi = gl.where(mine, gl.minimum(lo + PPS, n2), lo)
+        else:
+            mine = s >= c2
+            lo = n2 + (s - c2) * PPS
+            hi = gl.where(mine, gl.minimum(lo + PPS, num_pages), lo)
+    head0 = b * (H * G) + h * G
+    q_row = q_ptr + head0.to(gl.int64) * D
+    pt_row = pt_ptr + b.to(gl.int64) * pt_stride
+
+    # q^T pieces, one per nibble (2) or crumb (4), in the B-operand layout
+    q0 = _load_q_piece(q_row, G, KB, PER, 0, W, HP, B)
+    q1 = _load_q_piece(q_row, G, KB, PER, 1, W, HP, B)
+    if INT2:
+        q2 = _load_q_piece(q_row, G, KB, PER, 2, W, HP, B)
+        q3 = _load_q_piece(q_row, G, KB, PER, 3, W, HP, B)
+
+    # K bytes: thread c holds KB/4 contiguous bytes of tokens g, g+8, ...: [W, NT, groups, bytes per group]
+    if FMT == GL_FMT_NVFP4:
+        KG: gl.constexpr = 8  # bytes per E4M3-scaled block
+    elif FMT == GL_FMT_INT4:
+        KG: gl.constexpr = 16  # bytes per 32-channel group
+    else:
+        KG: gl.constexpr = KB // 4
+    LK: gl.constexpr = gl.BlockedLayout([1, 1, (KB // 4) // KG, KG], [1, 8, 4, 1], [W, 1, 1, 1], [3, 2, 1, 0])
+    LK3: gl.constexpr = gl.BlockedLayout([1, 1, KB // 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
+    kw, kn, kj = _idx3(LK3, W, NT, KB)  # loaded as 3-D rows: one 16-byte (8 for INT2) vector per token
+    LKS: gl.constexpr = gl.SliceLayout(3, LK)
+    sw, sn, sg = _idx3(LKS, W, NT, KB // KG)
+    # V bytes [W, NT, groups, bytes per group] in the channel-slice layout (see v_layouts)
+    VG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else KB // 4  # bytes per scale group
+    vw, vn, vg, vj = _idx4(LV_LOAD, W, NT, KB // VG, VG)
+    LVS: gl.constexpr = gl.SliceLayout(3, LV_UNPACK)
+    tw, tn, tg = _idx3(LVS, W, NT, KB // VG)
+    # token index of the S^T accumulator's rows
+    mw, mn, mh = _idx3(MMA, W, NT, HP)
+    if INT2:
+        # per-channel key scale / zero of the warp's page: [W, 1, KB] per crumb, byte order b0 b2 b1 b3
+        LKC: gl.constexpr = gl.SliceLayout(1, LK3)
+        cw = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, LKC)), 1)
+        cj = gl.expand_dims(gl.arange(0, KB, layout=gl.SliceLayout(0, LKC)), 0)
+        cbyte = (cj & ~3) | ((cj & 1) << 1) | ((cj >> 1) & 1)
+
+    m_i = gl.full([W, HP], float("-inf"), gl.float32, gl.SliceLayout(1, MMA))
+    l_i = gl.zeros([W, HP], gl.float32, gl.SliceLayout(1, MMA))
+    acc = gl.zeros([W, D, HP], gl.float32, MMA)
+    for base in range(lo, hi, W * PPW):
+        # ---- loads (K and V bytes, scales) ----
+        koff, krow, kok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, kw, kn, P, PPW, PAGE_BYTES, INT2)
+        kb = gl.load(buf_ptr + koff + K_OFF + krow * KB + kj, mask=kok, other=0)
+        if not INT2:
+            kb = gl.convert_layout(gl.reshape(kb, [W, NT, KB // KG, KG]), LK, assert_trivial=True)
+        soff, srow, sok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, sw, sn, P, PPW, PAGE_BYTES, INT2)
+        voff, vrow, vok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, vw, vn, P, PPW, PAGE_BYTES, INT2)
+        vb = gl.load(buf_ptr + voff + V_OFF + vrow * KB + vg * VG + vj, mask=vok, other=0)
+        toff, trow, tok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, tw, tn, P, PPW, PAGE_BYTES, INT2)
+        if FMT == GL_FMT_NVFP4:
+            ks = gl.load(buf_ptr + soff + KS_OFF + srow * (D // 16) + sg, mask=sok, other=0)
+            vs = gl.load(buf_ptr + toff + VS_OFF + trow * (D // 16) + tg, mask=tok, other=0)
+            ks = ks.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0
+            vs = vs.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0
+        elif FMT == GL_FMT_INT4:
+            NGR: gl.constexpr = D // 32
+            kp = (buf_ptr + soff).to(gl.pointer_type(gl.float16), bitcast=True) + srow * NGR + sg
+            ks = gl.load(kp + (KS_OFF // 2), mask=sok, other=0.0)
+            kz = gl.load(kp + (KZ_OFF // 2), mask=sok, other=0.0)
+            vp = (buf_ptr + toff).to(gl.pointer_type(gl.float16), bitcast=True) + trow * NGR + tg
+            vs = gl.load(vp + (VS_OFF // 2), mask=tok, other=0.0)
+            vz = gl.load(vp + (VZ_OFF // 2), mask=tok, other=0.0)
+        else:
+            NGR: gl.constexpr = D // 32
+            vp = (buf_ptr + toff).to(gl.pointer_type(gl.float16), bitcast=True) + trow * NGR + tg
+            vs = gl.load(vp + (VS_OFF // 2), mask=tok, other=0.0)
+            vz = gl.load(vp + (VZ_OFF // 2), mask=tok, other=0.0)
+            # the warp's page (NT == P): per-channel scale / zero of each crumb, in the unpacker's byte order
+            pidx = base + cw
+            pid = gl.load(pt_row + pidx, mask=pidx < hi, other=0)
+            cpage = (buf_ptr + total_bytes - ((pid & ~FLAG) + 1).to(gl.int64) * PAGE_BYTES).to(
+                gl.pointer_type(gl.float16), bitcast=True) + h * D + cbyte * 4  # fmt: skip
+            cs0 = gl.expand_dims(gl.load(cpage + (KS_OFF // 2) + 0), 1)
+            cs1 = gl.expand_dims(gl.load(cpage + (KS_OFF // 2) + 1), 1)
+            cs2 = gl.expand_dims(gl.load(cpage + (KS_OFF // 2) + 2), 1)
+            cs3 = gl.expand_dims(gl.load(cpage + (KS_OFF // 2) + 3), 1)
+            cz0 = gl.expand_dims(gl.load(cpage + (KZ_OFF // 2) + 0), 1)
+            cz1 = gl.expand_dims(gl.load(cpage + (KZ_OFF // 2) + 1), 1)
+            cz2 = gl.expand_dims(gl.load(cpage + (KZ_OFF // 2) + 2), 1)
+            cz3 = gl.expand_dims(gl.load(cpage + (KZ_OFF // 2) + 3), 1)
+
+        # ---- S^T = K . q^T ----
+        sc = gl.zeros([W, NT, HP], gl.float32, MMA)
+        if INT2:
+            k0, k1, k2, k3 = gl.inline_asm_elementwise(
+                ASM_INT2_K, "=r,=r,=r,=r,=r,=r,=r,=r,r" + ",r" * 16,
+                [kb, cs0, cs1, cs2, cs3, cz0, cz1, cz2, cz3],
+                dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
+            sc = mma_v2(_as_a_rows(k0, W, NT, KB, A), q0, sc)
+            sc = mma_v2(_as_a_rows(k1, W, NT, KB, A), q1, sc)
+            sc = mma_v2(_as_a_rows(k2, W, NT, KB, A), q2, sc)
+            sc = mma_v2(_as_a_rows(k3, W, NT, KB, A), q3, sc)
+        else:
+            if FMT == GL_FMT_NVFP4:
+                klo, khi = gl.inline_asm_elementwise(
+                    ASM_E2M1_K, "=r,=r,=r,=r,r,r,r", [kb, gl.expand_dims(ks, 3)],
+                    dtype=(gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
+            else:
+                klo, khi = gl.inline_asm_elementwise(
+                    ASM_INT4_K, "=r,=r,=r,=r,r,r,r,r,r", [kb, gl.expand_dims(ks, 3), gl.expand_dims(kz, 3)],
+                    dtype=(gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
+            sc = mma_v2(_as_a_rows(gl.reshape(klo, [W, NT, KB]), W, NT, KB, A), q0, sc)
+            sc = mma_v2(_as_a_rows(gl.reshape(khi, [W, NT, KB]), W, NT, KB, A), q1, sc)
+
+        # ---- online softmax over the warp's tokens (base 2) ----
+        _o, _r, mok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, mw, mn, P, PPW, PAGE_BYTES, INT2)
+        sc = gl.where(mok & (mh >= 0), sc * k_mul, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(sc - gl.expand_dims(m_safe, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        pt = gl.convert_layout(p.to(gl.float16), B)
+
+        # ---- O^T += V^T . P^T ----
+        vb = gl.convert_layout(vb, LV_UNPACK, assert_trivial=True)
+        if INT2:
+            v0, v1, v2, v3 = gl.inline_asm_elementwise(
+                ASM_INT2_V, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", [vb, gl.expand_dims(vs, 3), gl.expand_dims(vz, 3)],
+                dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
+            v0 = _swap_t0_j0(gl.reshape(v0, [W, NT, KB]), W, NT, KB)
+            v1 = _swap_t0_j0(gl.reshape(v1, [W, NT, KB]), W, NT, KB)
+            v2 = _swap_t0_j0(gl.reshape(v2, [W, NT, KB]), W, NT, KB)
+            v3 = _swap_t0_j0(gl.reshape(v3, [W, NT, KB]), W, NT, KB)
+            vv = gl.reshape(gl.join(gl.join(v0, v2), gl.join(v1, v3)), [W, NT, D])  # channel 4j + crumb
+        else:
+            if FMT == GL_FMT_NVFP4:
+                vlo, vhi = gl.inline_asm_elementwise(
+                    ASM_E2M1_V, "=r,=r,=r,=r,r,r,r", [vb, gl.expand_dims(vs, 3)],
+                    dtype=(gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
+            else:
+                vlo, vhi = gl.inline_asm_elementwise(
+                    ASM_INT4_V, "=r,=r,=r,=r,r,r,r,r,r", [vb, gl.expand_dims(vs, 3), gl.expand_dims(vz, 3)],
+                    dtype=(gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
+            vlo = _swap_t0_j0(gl.reshape(vlo, [W, NT, KB]), W, NT, KB)
+            vhi = _swap_t0_j0(gl.reshape(vhi, [W, NT, KB]), W, NT, KB)
+            vv = gl.reshape(gl.join(vlo, vhi), [W, NT, D])  # channel 2j + nibble
+        acc = acc * gl.expand_dims(alpha, 1)
+        acc = mma_v2(_as_a_channels(vv, W, NT, D, A), pt, acc)
+
+    # ---- merge the warps by log-sum-exp; store this split's rows ----
+    top = gl.max(m_i, axis=0)  # [HP]
+    top_safe = gl.where(top == float("-inf"), 0.0, top)
+    wgt = gl.exp2(m_i - gl.expand_dims(top_safe, 0))  # [W, HP]; 0 for empty warps
+    l_all = gl.sum(l_i * wgt, axis=0)
+    o = gl.sum(acc * gl.expand_dims(wgt, 1), axis=0)  # [D, HP]
+    has = l_all > 0
+    inv = gl.where(has, 1.0 / gl.where(has, l_all, 1.0), 0.0)
+    LO: gl.constexpr = gl.SliceLayout(0, MMA)
+    o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(0, LO)), 0)
+    om = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, LO)), 1)
+    oh = gl.expand_dims(gl.arange(0, HP, layout=gl.SliceLayout(0, LO)), 0)
+    ch = (om & 7) * (D // 8) + (om >> 3)  # row m of O^T is channel (m & 7) * D/8 + (m >> 3)
+    orow = (head0 + oh).to(gl.int64) * S + s
+    gl.store(o_ptr + orow * D + ch, o, mask=(oh < G) & (om >= 0) & mine)
+    lse = gl.where(has, top_safe + gl.log2(gl.where(has, l_all, 1.0)), float("-inf"))
+    lh = gl.arange(0, HP, layout=lse.type.layout)
+    gl.store(lse_ptr + (head0 + lh).to(gl.int64) * S + s, lse, mask=(lh < G) & mine)
+
+
+# ----------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------
+
+GL_FMT = {"nvfp4": 0, "int4": 1, "int2": 2}
+# warps per program, pages per warp per step, programs per SM the split planner aims for
+GL_TUNING: dict[str, dict[str, int]] = {
+    "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16},
+    "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16},
+}
+
+
+def supported(layout: PageLayout, q: torch.Tensor, int2_layout: PageLayout | None) -> bool:
+    """Whether the Gluon kernel handles this call (else triton_decode's ``tl`` kernel runs)."""
+    if layout.fmt not in ("nvfp4", "int4") or layout.head_dim != 128 or not q.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(q.device) < (8, 9):
+        return False
+    g = q.shape[1] // layout.kv_heads
+    if g > 16:
+        return False
+    want_p = 16 if layout.fmt == "nvfp4" else 32
+    if layout.page_size != want_p or (int2_layout is not None and int2_layout.page_size != 32):
+        return False
+    return True
+
+
+def kernel_args(fmt: str, layout: PageLayout, *, num_warps: int, ppw: int) -> dict[str, Any]:
+    """Constexpr arguments of one launch for page format ``fmt`` (its layout's field offsets included)."""
+    from .triton_decode import field_offsets
+
+    p = layout.page_size
+    nt = ppw * p
+    kb = 32 if fmt == "int2" else 64
+    vg = 8 if fmt == "nvfp4" else kb // 4
+    per_thread = kb // 8
+    lv_load, lv_unpack = v_layouts(num_warps, nt, kb // vg, vg, per_thread)
+    pb, ko, kso, kzo, vo, vso, vzo = field_offsets(layout)
+    return dict(FMT=GL_FMT[fmt], P=p, PAGE_BYTES=pb, K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, V_OFF=vo, VS_OFF=vso,
+                VZ_OFF=vzo, PPW=ppw, LV_LOAD=lv_load, LV_UNPACK=lv_unpack, num_warps=num_warps)  # fmt: skip
+
+
+def decode_attention(
+    q: torch.Tensor,
+    buffer: torch.Tensor,
+    layout: PageLayout,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    int2_layout: PageLayout | None = None,
+    num_int2_pages: torch.Tensor | None = None,
+    total_bytes: int | None = None,
+    tuning: dict[str, int] | None = None,
+    splits: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Launch the Gluon decode (arguments checked by paged_ops; ``supported`` must hold) -> [B, Hq, D] in q.dtype."""
+    from .triton_decode import LAST_KERNEL, _merge_kernel, plan_splits
+
+    b, hq, d = q.shape
+    h = layout.kv_heads
+    g = hq // h
+    total = buffer.numel() if total_bytes is None else total_bytes
+    cfg = {**GL_TUNING[layout.fmt], **(tuning or {})}
+    triaxial = int2_layout is not None
+    ppi = cfg["num_warps"] * cfg["PPW"]
+    if splits is None:
+        splits = plan_splits(b * h, page_table.shape[1], ppi, q.device, triaxial=triaxial, programs_per_sm=cfg["PPSM"])
+    s, pps = splits
+    if pps % ppi:
+        raise ValueError(f"pages per split ({pps}) must be a multiple of pages per step ({ppi})")
+    q = q.contiguous()
+    page_table = page_table.contiguous()
+    o = torch.empty(b, hq, s, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
+    fold = NVFP4_FOLD if layout.fmt == "nvfp4" else 1.0
+    k_fold = (k_scale if layout.fmt == "nvfp4" else 1.0) * fold
+    v_fold = (v_scale if layout.fmt == "nvfp4" else 1.0) * fold
+    n2 = num_int2_pages if num_int2_pages is not None else seq_lens
+    hp = 8 if g <= 8 else 16
+    common = dict(H=h, G=g, HP=hp)
+    launches = [(0, layout.fmt, layout, cfg["PPW"])]
+    if triaxial:
+        assert int2_layout is not None
+        launches = [(2, "int2", int2_layout, 1), (4, "int4", layout, 1)]
+        if cfg.get("PART") in (2, 4):  # benchmark only: time one precision's launch (the other's splits stay unset)
+            launches = [x for x in launches if x[0] == cfg["PART"]]
+    for part, fmt, lay, ppw in launches:
+        args = kernel_args(fmt, lay, num_warps=cfg["num_warps"], ppw=ppw)
+        kernel = _gl_decode_kernel[(s, h, b)](
+            q, o, lse, buffer, page_table, seq_lens, n2, sm_scale * LOG2E * k_fold, total, page_table.stride(0),
+            s, pps, PART=part, **common, **args,
+        )  # fmt: skip
+    LAST_KERNEL[:] = [kernel]
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    _merge_kernel[(b * hq,)](o, lse, out, v_fold, s, BLOCK_S=16, D=d, num_warps=4)
+    return out
+
+
+def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None, heads: int = 4) -> tuple[dict[str, str], dict[str, Any]]:
+    """(signature, constexprs) to compile ``_gl_decode_kernel`` without a GPU (bench/sm90_report.py, tests)."""
+    p = 16 if fmt == "nvfp4" else 32
+    ppw = ppw or (2 if fmt == "nvfp4" else 1)
+    lay = PageLayout.build(fmt, page_size=p, kv_heads=8, head_dim=128)
+    sig = {"q_ptr": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "buf_ptr": "*u8", "pt_ptr": "*i32", "lens_ptr": "*i32",
+           "n2_ptr": "*i32", "k_mul": "fp32", "total_bytes": "i64", "pt_stride": "i32", "S": "i32", "PPS": "i32"}  # fmt: skip
+    const = dict(PART=0 if fmt == "nvfp4" else (2 if fmt == "int2" else 4), H=8, G=heads, HP=8 if heads <= 8 else 16,
+                 **kernel_args(fmt, lay, num_warps=num_warps, ppw=ppw))  # fmt: skip
+    return sig, const

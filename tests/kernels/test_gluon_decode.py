@@ -1,0 +1,92 @@
+"""The Gluon decode kernels (gluon_decode.py): compiled for sm_90 here, held to the reference on the GPU.
+
+CPU (CI): the kernels cannot run without a GPU (PTX unpackers, mma.sync), so
+CI compiles each variant for an H100 with the pinned Triton and checks what
+makes them fast and what makes them right to compile: every layout change
+``assert_trivial`` demands is free, no register spills, no shared memory
+inside the main loop (the fragments come straight from registers), the
+expected tensor-core instruction count per step and 16-byte K loads.
+
+GPU (``gpu`` marker, device machine): decode at real shapes against fp64
+attention over the codec-dequantized K/V, with the same bounds as the ``tl``
+kernels (fp16 operands and softmax weights: 3e-3 relative).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from test_triton_paged import _check_decode
+
+from kvserving.kernels import gluon_decode
+
+
+# compiled in a child process: the test session runs with TRITON_INTERPRET=1, under which Triton's own
+# jit helpers (the reductions' combine functions) cannot be compiled
+_COMPILE = """
+import json, sys
+from kvserving.kernels import gluon_decode
+from kvserving.kernels.compile_report import loop_ops, report
+sig, const = gluon_decode.compile_report_args(sys.argv[1])
+warps = const.pop("num_warps")
+r = report(gluon_decode._gl_decode_kernel, sig, const, gluon=True, num_warps=warps, aligned=("total_bytes",))
+print(json.dumps({"warps": warps, "local": r["local"], "stack": r["stack"], "shared": r["shared"], "regs": r["regs"],
+                  "loop": dict(loop_ops(r["sass"]))}))
+"""
+
+
+def _compile(fmt: str) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, fmt], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4", "int2"])
+def test_gluon_decode_compiles_for_sm90_without_shared_memory_in_the_loop(fmt: str) -> None:
+    r = _compile(fmt)
+    warps = r["warps"]
+    assert r["local"] == 0 and r["stack"] == 0, "register spills"
+    ops = r["loop"]
+    # per warp and step: S^T = K q^T (NT/16 row tiles x D/16 k steps) and O^T += V^T P^T (D/16 x NT/16)
+    nt = 32
+    assert ops["HMMA.16816.F32"] == 2 * (nt // 16) * (128 // 16)
+    assert not any(op.startswith(("LDS", "STS", "BAR", "LDSM")) for op in ops), ops
+    wide = "LDG.E.128" if fmt != "int2" else "LDG.E.64"
+    assert ops[wide] >= 4, ops  # K rows: one 16-byte (INT2: 8-byte) vector per token and thread
+    # the epilogue merges the warps through shared memory: [W, D, HP] fp32 at most
+    assert r["shared"] <= warps * 128 * 8 * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["nvfp4", "int4", "triaxial"])
+def test_gpu_gluon_decode_real_shapes(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSERVING_DECODE_KERNEL", "gluon")
+    p = 16 if case == "nvfp4" else 32
+    lens = [1, p, p + 1, 1000, 2047, 4096, 333, 77]
+    _check_decode(case, lens, device="cuda", d=128, h=8, g=4, p=p)
+    _check_decode(case, [5, 700, 129], device="cuda", d=128, h=2, g=8, p=p)  # 8 query heads per kv head
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["nvfp4", "triaxial"])
+def test_gpu_gluon_decode_many_splits_including_empty_ones(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSERVING_DECODE_KERNEL", "gluon")
+    p = 16 if case == "nvfp4" else 32
+    step = 4 * gluon_decode.GL_TUNING["nvfp4" if case == "nvfp4" else "int4"]["PPW"] if case == "nvfp4" else 4
+    _check_decode(case, [3, 40 * p, 17 * p + 5], device="cuda", d=128, h=8, g=4, p=p, splits=(40, step))
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_is_the_default_for_nvfp4_on_hopper() -> None:
+    from test_triton_paged import _filled_pool
+
+    pool, filled, scale = _filled_pool("nvfp4", [300], device="cuda", d=128, h=8, p=16)
+    q = torch.randn(1, 32, 128, device="cuda")
+    assert gluon_decode.supported(pool.layout, q, None)
