@@ -298,28 +298,12 @@ def _load_q_piece(q_row_ptr, G, KB: gl.constexpr, PER: gl.constexpr, PIECE: gl.c
 
 
 @gluon.jit
-def _gl_decode_kernel(
-    q_ptr,  # [B, H*G, 128] queries, contiguous
-    o_ptr,  # fp32 [B, H*G, S, 128] per-split outputs (normalised by their own softmax sums)
-    lse_ptr,  # fp32 [B, H*G, S] per-split base-2 log-sum-exp (-inf for an empty split)
-    buf_ptr,  # uint8 [total_bytes] the layer's pages
-    pt_ptr,  # int32 [B, pt_stride] page tables
-    lens_ptr,  # int32 [B] cached tokens per sequence
-    n2_ptr,  # int32 [B] INT2 pages leading each row (triaxial only)
-    k_mul,  # fp32 sm_scale * log2(e) * the K format's folded scale
-    total_bytes,  # layer buffer size in bytes
-    pt_stride,  # page-table row stride (elements)
-    S,  # splits per (sequence, head)
-    PPS,  # pages per split
-    FMT: gl.constexpr,  # GL_FMT_*
-    PART: gl.constexpr,  # 0: plain pages; triaxial rows (INT2 pages first): 2 runs the INT2 splits, 4 the INT4 splits
-    H: gl.constexpr, G: gl.constexpr, P: gl.constexpr,
-    PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr,
-    V_OFF: gl.constexpr, VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr,
-    PPW: gl.constexpr,  # pages per warp per step
-    HP: gl.constexpr,  # query heads padded (8 or 16)
-    LV_LOAD: gl.constexpr, LV_UNPACK: gl.constexpr,  # V byte layouts (v_layouts), for num_warps warps
-):
+def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo, hi, mine,
+              FMT: gl.constexpr, G: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
+              KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
+              VZ_OFF: gl.constexpr, PPW: gl.constexpr, HP: gl.constexpr, LV_LOAD: gl.constexpr,
+              LV_UNPACK: gl.constexpr):  # fmt: skip
+    """Pages [lo, hi) of one (sequence, kv head) in one format -> this split's rows of o and lse (if mine)."""
     D: gl.constexpr = 128
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P  # tokens per warp per step
@@ -329,30 +313,6 @@ def _gl_decode_kernel(
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
     A: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
-
-    s = gl.program_id(0)
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    num_tokens = gl.load(lens_ptr + b)
-    num_pages = gl.cdiv(num_tokens, P)
-    mine = s >= 0  # this launch owns split s (triaxial: the INT2 launch its first splits, the INT4 one the rest)
-    if PART == 0:
-        lo = s * PPS
-        hi = gl.minimum(lo + PPS, num_pages)
-    else:
-        n2 = gl.load(n2_ptr + b)
-        c2 = gl.cdiv(n2, PPS)  # splits that cover the INT2 pages
-        if PART == 2:
-            mine = s < c2
-            lo = s * PPS
-            hi = gl.where(mine, gl.minimum(lo + PPS, n2), lo)
-        else:
-            mine = s >= c2
-            lo = n2 + (s - c2) * PPS
-            hi = gl.where(mine, gl.minimum(lo + PPS, num_pages), lo)
-    head0 = b * (H * G) + h * G
-    q_row = q_ptr + head0.to(gl.int64) * D
-    pt_row = pt_ptr + b.to(gl.int64) * pt_stride
 
     # q^T pieces, one per nibble (2) or crumb (4), in the B-operand layout
     q0 = _load_q_piece(q_row, G, KB, PER, 0, W, HP, B)
@@ -512,11 +472,69 @@ def _gl_decode_kernel(
     gl.store(lse_ptr + (head0 + lh).to(gl.int64) * S + s, lse, mask=(lh < G) & mine)
 
 
+
+@gluon.jit
+def _gl_decode_kernel(
+    q_ptr,  # [B, H*G, 128] queries, contiguous
+    o_ptr,  # fp32 [B, H*G, S, 128] per-split outputs (normalised by their own softmax sums)
+    lse_ptr,  # fp32 [B, H*G, S] per-split base-2 log-sum-exp (-inf for an empty split)
+    buf_ptr,  # uint8 [total_bytes] the layer's pages
+    pt_ptr,  # int32 [B, pt_stride] page tables
+    lens_ptr,  # int32 [B] cached tokens per sequence
+    n2_ptr,  # int32 [B] INT2 pages leading each row (triaxial only)
+    k_mul,  # fp32 sm_scale * log2(e) * the K format's folded scale
+    total_bytes,  # layer buffer size in bytes
+    pt_stride,  # page-table row stride (elements)
+    S,  # splits per (sequence, head)
+    PPS,  # pages per split
+    FMT: gl.constexpr,  # GL_FMT_* of the plain (or triaxial INT4) pages
+    PART: gl.constexpr,  # 0: plain pages; triaxial rows (INT2 pages first): 1 both kinds, 2 the INT2 splits only, 4 the INT4 ones
+    H: gl.constexpr, G: gl.constexpr, P: gl.constexpr,
+    PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr,
+    V_OFF: gl.constexpr, VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr,
+    PPW: gl.constexpr,  # pages per warp per step
+    HP: gl.constexpr,  # query heads padded (8 or 16)
+    LV_LOAD: gl.constexpr, LV_UNPACK: gl.constexpr,  # V byte layouts (v_layouts), for num_warps warps
+    P2: gl.constexpr, PAGE_BYTES2: gl.constexpr, K_OFF2: gl.constexpr, KS_OFF2: gl.constexpr,  # INT2 pages (triaxial)
+    KZ_OFF2: gl.constexpr, V_OFF2: gl.constexpr, VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr,
+    LV_LOAD2: gl.constexpr, LV_UNPACK2: gl.constexpr,
+):
+    s = gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    num_tokens = gl.load(lens_ptr + b)
+    num_pages = gl.cdiv(num_tokens, P)
+    head0 = b * (H * G) + h * G
+    q_row = q_ptr + head0.to(gl.int64) * 128
+    pt_row = pt_ptr + b.to(gl.int64) * pt_stride
+    if PART == 0:
+        lo = s * PPS
+        _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
+                  gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF,
+                  VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK)  # fmt: skip
+    else:
+        n2 = gl.load(n2_ptr + b)
+        c2 = gl.cdiv(n2, PPS)  # splits that cover the INT2 pages; the rest cover INT4 pages
+        if s < c2:
+            if PART != 4:
+                lo = s * PPS
+                _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
+                          gl.minimum(lo + PPS, n2), s >= 0, GL_FMT_INT2, G, P2, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2,
+                          V_OFF2, VS_OFF2, VZ_OFF2, 1, HP, LV_LOAD2, LV_UNPACK2)  # fmt: skip
+        else:
+            if PART != 2:
+                lo = n2 + (s - c2) * PPS
+                _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
+                          gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
+                          VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK)  # fmt: skip
+
+
 # ----------------------------------------------------------------------------
 # host side
 # ----------------------------------------------------------------------------
 
 GL_FMT = {"nvfp4": 0, "int4": 1, "int2": 2}
+INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", "VZ_OFF", "LV_LOAD", "LV_UNPACK")
 # warps per program, pages per warp per step, programs per SM the split planner aims for
 GL_TUNING: dict[str, dict[str, int]] = {
     "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16},
@@ -595,18 +613,18 @@ def decode_attention(
     n2 = num_int2_pages if num_int2_pages is not None else seq_lens
     hp = 8 if g <= 8 else 16
     common = dict(H=h, G=g, HP=hp)
-    launches = [(0, layout.fmt, layout, cfg["PPW"])]
+    part = 0
+    args = kernel_args(layout.fmt, layout, num_warps=cfg["num_warps"], ppw=cfg["PPW"])
+    args2 = {k + "2": v for k, v in args.items() if k in INT2_ARGS}
     if triaxial:
         assert int2_layout is not None
-        launches = [(2, "int2", int2_layout, 1), (4, "int4", layout, 1)]
-        if cfg.get("PART") in (2, 4):  # benchmark only: time one precision's launch (the other's splits stay unset)
-            launches = [x for x in launches if x[0] == cfg["PART"]]
-    for part, fmt, lay, ppw in launches:
-        args = kernel_args(fmt, lay, num_warps=cfg["num_warps"], ppw=ppw)
-        kernel = _gl_decode_kernel[(s, h, b)](
-            q, o, lse, buffer, page_table, seq_lens, n2, sm_scale * LOG2E * k_fold, total, page_table.stride(0),
-            s, pps, PART=part, **common, **args,
-        )  # fmt: skip
+        part = cfg.get("PART", 1)  # 2 or 4: benchmark only, time one precision (the other's splits stay unset)
+        a2 = kernel_args("int2", int2_layout, num_warps=cfg["num_warps"], ppw=1)
+        args2 = {k + "2": v for k, v in a2.items() if k in INT2_ARGS}
+    kernel = _gl_decode_kernel[(s, h, b)](
+        q, o, lse, buffer, page_table, seq_lens, n2, sm_scale * LOG2E * k_fold, total, page_table.stride(0),
+        s, pps, PART=part, **common, **args, **args2,
+    )  # fmt: skip
     LAST_KERNEL[:] = [kernel]
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     _merge_kernel[(b * hq,)](o, lse, out, v_fold, s, BLOCK_S=16, D=d, num_warps=4)
@@ -614,12 +632,18 @@ def decode_attention(
 
 
 def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None, heads: int = 4) -> tuple[dict[str, str], dict[str, Any]]:
-    """(signature, constexprs) to compile ``_gl_decode_kernel`` without a GPU (bench/sm90_report.py, tests)."""
-    p = 16 if fmt == "nvfp4" else 32
-    ppw = ppw or (2 if fmt == "nvfp4" else 1)
-    lay = PageLayout.build(fmt, page_size=p, kv_heads=8, head_dim=128)
+    """(signature, constexprs) to compile ``_gl_decode_kernel`` without a GPU (compile_report.py, tests).
+
+    fmt "int2" / "int4" compile the triaxial kernel with only that precision's branch (PART 2 / 4)."""
+    plain = "int4" if fmt == "int2" else fmt
+    p = 16 if plain == "nvfp4" else 32
+    ppw = ppw or (2 if plain == "nvfp4" else 1)
+    lay = PageLayout.build(plain, page_size=p, kv_heads=8, head_dim=128)
+    lay2 = PageLayout.build("int2", page_size=32, kv_heads=8, head_dim=128)
+    a2 = kernel_args("int2", lay2, num_warps=num_warps, ppw=1)
     sig = {"q_ptr": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "buf_ptr": "*u8", "pt_ptr": "*i32", "lens_ptr": "*i32",
            "n2_ptr": "*i32", "k_mul": "fp32", "total_bytes": "i64", "pt_stride": "i32", "S": "i32", "PPS": "i32"}  # fmt: skip
-    const = dict(PART=0 if fmt == "nvfp4" else (2 if fmt == "int2" else 4), H=8, G=heads, HP=8 if heads <= 8 else 16,
-                 **kernel_args(fmt, lay, num_warps=num_warps, ppw=ppw))  # fmt: skip
+    const = dict(PART={"nvfp4": 0, "int2": 2, "int4": 4}[fmt], H=8, G=heads, HP=8 if heads <= 8 else 16,
+                 **kernel_args(plain, lay, num_warps=num_warps, ppw=ppw),
+                 **{k + "2": v for k, v in a2.items() if k in INT2_ARGS})  # fmt: skip
     return sig, const
