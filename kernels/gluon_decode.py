@@ -322,12 +322,9 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
         q3 = _load_q_piece(q_row, G, KB, PER, 3, W, HP, B)
 
     # K bytes: thread c holds KB/4 contiguous bytes of tokens g, g+8, ...: [W, NT, groups, bytes per group]
-    if FMT == GL_FMT_NVFP4:
-        KG: gl.constexpr = 8  # bytes per E4M3-scaled block
-    elif FMT == GL_FMT_INT4:
-        KG: gl.constexpr = 16  # bytes per 32-channel group
-    else:
-        KG: gl.constexpr = KB // 4
+    # bytes per scale group: an E4M3-scaled block (nvfp4), a 32-channel group (INT4), a thread's row share (INT2)
+    KG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else (16 if FMT == GL_FMT_INT4 else KB // 4)
+    NGR: gl.constexpr = D // 32  # INT4 / INT2 scale groups per row
     LK: gl.constexpr = gl.BlockedLayout([1, 1, (KB // 4) // KG, KG], [1, 8, 4, 1], [W, 1, 1, 1], [3, 2, 1, 0])
     LK3: gl.constexpr = gl.BlockedLayout([1, 1, KB // 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
     kw, kn, kj = _idx3(LK3, W, NT, KB)  # loaded as 3-D rows: one 16-byte (8 for INT2) vector per token
@@ -366,7 +363,6 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
             ks = ks.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0
             vs = vs.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0
         elif FMT == GL_FMT_INT4:
-            NGR: gl.constexpr = D // 32
             kp = (buf_ptr + soff).to(gl.pointer_type(gl.float16), bitcast=True) + srow * NGR + sg
             ks = gl.load(kp + (KS_OFF // 2), mask=sok, other=0.0)
             kz = gl.load(kp + (KZ_OFF // 2), mask=sok, other=0.0)
@@ -374,7 +370,6 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
             vs = gl.load(vp + (VS_OFF // 2), mask=tok, other=0.0)
             vz = gl.load(vp + (VZ_OFF // 2), mask=tok, other=0.0)
         else:
-            NGR: gl.constexpr = D // 32
             vp = (buf_ptr + toff).to(gl.pointer_type(gl.float16), bitcast=True) + trow * NGR + tg
             vs = gl.load(vp + (VS_OFF // 2), mask=tok, other=0.0)
             vz = gl.load(vp + (VZ_OFF // 2), mask=tok, other=0.0)
