@@ -2,10 +2,12 @@
 
 Two kinds live here:
 
-* encoders (E4M3, E2M1, INT codes) in plain fp32/int32 arithmetic, the same
-  IEEE operations in the same order as ``fp8.py`` / ``nvfp4.py`` /
-  ``intquant.py`` (divisions are ``div_rn``: Triton's ``/`` on fp32 lowers to an
-  approximate ``div.full.f32`` on NVIDIA GPUs);
+* encoders (E4M3, E2M1, INT codes) in plain fp32/int32 arithmetic that gives
+  the same bits as the IEEE operations of ``fp8.py`` / ``nvfp4.py`` /
+  ``intquant.py``. Triton's ``/`` on fp32 lowers to an approximate
+  ``div.full.f32`` on NVIDIA GPUs, so divisions are either ``div_rn`` or, where
+  the divisor is an fp16 value (INT scales), ``div_f16``: the same correctly
+  rounded quotient from three fused multiply-adds;
 * decoders to fp16 for the attention kernels, each in two versions chosen at
   compile time by ``FAST``: portable bit arithmetic (runs under
   ``TRITON_INTERPRET=1``, so CI runs every kernel) and PTX inline assembly that
@@ -24,6 +26,7 @@ import triton.language as tl
 
 # 1.5 * 2^23: adding it to an fp32 |x| < 2^22 leaves rne(x) in the low mantissa bits
 RNE_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
+RNE_MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B400000)  # its fp32 bits: the integer n sits in the low bits of n + RNE_MAGIC
 
 
 @triton.jit
@@ -93,20 +96,58 @@ def e2m1_codes(t):
 
 
 @triton.jit
+def div_f16(d, s, inv_s):
+    """fp32 ``d / s`` rounded to nearest even (bit-equal to ``div_rn``, but +0 for d = -0) when ``s > 0`` holds an fp16 value.
+
+    ``inv_s`` is any approximation of 1/s within 2^-20 relative (one per
+    group: ``1.0 / s`` is within 2 ulp). The quotient comes from the residual,
+    as in the fast path of a hardware division, but per value it is one
+    multiply and two fused multiply-adds instead of a reciprocal, a range check
+    and five more::
+
+        q0 = d * inv_s                 within 2^-20 relative of t = d / s
+        r  = fma(q0, -s, d)            = d - q0 * s exactly (see below)
+        q1 = fma(r, inv_s, q0)         = t + (t - q0) * err, |err| <= 2^-20
+
+    Why q1 is the correctly rounded t: s has at most 11 significant bits and
+    d at most 24, so d - q0 * s is a multiple of 2^(e(d) - 35) below
+    2^(e(d) - 18): it fits in 24 bits and the first fma is exact. The second
+    fma rounds once a value within 2^-39 |t| of t. No fp32 midpoint M (25
+    significant bits, the last odd) lies that close to t: M * s would need 25
+    or more significant bits, so d != M * s, and |d - M * s| is a nonzero
+    multiple of 2^min(e(d) - 23, e(M) - 24 + e(s) - 10), which puts |t - M|
+    above 2^-37 |t|. A value and t on the same side of every midpoint round
+    alike. The argument assumes no underflow, which holds for |d| >= 2^-115;
+    smaller d give |t| < 2^-90, which quantizes to 0 whatever its last bits.
+    A zero quotient comes out +0 (r and q0 are zeros of opposite signs); the
+    INT codes clamp at 0 and cannot tell.
+    (``tests/kernels/test_triton_paged.py`` checks quotients near every kind
+    of midpoint against numpy's IEEE division.)
+    """
+    q0 = d * inv_s
+    # (-s), not (-q0): LLVM rewrites -(d * inv_s) into a second product
+    r = tl.fma(q0, -s, d)
+    return tl.fma(r, inv_s, q0)
+
+
+@triton.jit
 def int_stats(lo, hi, LEVELS: tl.constexpr):
     """Group min/max (fp32) -> (scale, zero) as fp16: scale = fp16((hi - lo) / L), 1 when that is 0."""
-    scale = tl.math.div_rn(hi - lo, LEVELS * 1.0).to(tl.float16)
+    # L = 3 or 15 is an fp16 value, so div_f16 gives div_rn's quotient; 1/L is a constant
+    scale = div_f16(hi - lo, LEVELS * 1.0, 1.0 / LEVELS).to(tl.float16)
     scale = tl.where(scale == 0, 1.0, scale).to(tl.float16)
     return scale, lo.to(tl.float16)
 
 
 @triton.jit
-def int_codes(x, scale, zero, LEVELS: tl.constexpr):
-    """fp32 values and broadcastable fp16 scale/zero -> int32 codes clamp(rne((x - zero) / scale), 0, L)."""
-    t = tl.math.div_rn(x - zero.to(tl.float32), scale.to(tl.float32))
-    # clamping before rounding gives the same codes and keeps rne's argument small
-    t = tl.minimum(tl.maximum(t, -1.0), LEVELS + 1.0)
-    return tl.minimum(tl.maximum(rne(t), 0.0), LEVELS * 1.0).to(tl.int32)
+def int_codes(x, s, z, inv_s, LEVELS: tl.constexpr):
+    """fp32 values, broadcastable fp32 scale s (an fp16 value), zero z and ~1/s -> int32 codes clamp(rne((x - z) / s), 0, L)."""
+    t = div_f16(x - z, s, inv_s)
+    # clamping to the integers 0..L before rounding gives the same codes and
+    # keeps the argument small enough for the magic-number rounding; the code
+    # is then the low bits of t + 1.5 * 2^23
+    t = tl.minimum(tl.maximum(t, 0.0), LEVELS * 1.0)
+    return (t + RNE_MAGIC).to(tl.int32, bitcast=True) - RNE_MAGIC_BITS
 
 
 # ----------------------------------------------------------------------------

@@ -1,14 +1,32 @@
-"""Triton quantize-on-write: new K/V tokens into their pages (bf16, fp8, nvfp4, int4) and whole INT2 pages, one launch each.
+"""Triton quantize-on-write: new K/V tokens into their pages (bf16, fp8, nvfp4, int4) and whole INT2 pages.
 
 Bit-identical to paged_ref.write_kv / write_int2_pages: the encoders in
-triton_codec repeat the reference codecs' fp32 operations in order.
+triton_codec give the reference codecs' fp32 results bit for bit (the INT
+codes divide by their fp16 scale with ``div_f16``: three FMA-pipe
+instructions instead of an IEEE division per value).
 
-``write_kv``: one program per (block of BT tokens, kv head); each token's
-row of K and V is quantized and stored at ``page * page_bytes + field +
-(h * P + slot) * row_bytes``.
-``write_int2_pages``: one program per (page, kv head): the page's [P, D] key
-tile gives per-channel scales (min/max over its P tokens), values use
-per-token groups of 32 channels.
+Two program shapes, both one (block of tokens, kv head) per program for
+``write_kv``:
+
+* rows (bf16, fp8, and nvfp4 by default): each token's row of K and V is
+  quantized as a [BT, D] tile; reductions (nvfp4 block amax) run across lanes.
+* groups (int4, nvfp4 when asked): one thread owns one group of 32
+  consecutive channels of one token, so the group's min/max (or two block
+  amaxes) stay in its registers and its packed codes leave as one 16-byte
+  store. The group is loaded as four 16-byte chunks (four [R, 8] loads with
+  the same layout) because Triton gives a thread at most 16 bytes of one
+  load::
+
+      group r of the program (R = BT * D/32 of them, one per thread):
+        x[tok, h, 32g : 32g+32]  = chunk0 | chunk1 | chunk2 | chunk3   (8 values each)
+      int4 word i = the 8 nibbles of chunk i (element 8i+j in bits 4j..4j+3)
+      page row:  k[h, slot, 16g : 16g+16] = word0 word1 word2 word3  (one 16-byte store)
+
+``write_int2_pages``: two launches. Keys: one program per (page, block of HB
+heads), a [P, HB*D] tile in which each thread owns 8 channels of P/2 tokens,
+so the per-channel min/max over the page stay in registers (plus one
+shuffle). Values: the group-per-thread shape above with 2-bit codes (8 bytes
+a group), flat over (page, head, token, group).
 """
 
 from __future__ import annotations
@@ -19,9 +37,14 @@ import triton.language as tl
 
 from .layout import INT2_PAGE_FLAG, PageLayout
 from .triton_codec import e2m1_codes, e4m3_bits, e4m3_value, int_codes, int_stats, to_bf16
-from .triton_decode import FMT_BF16, FMT_CODES, FMT_FP8, FMT_INT4, FMT_NVFP4, field_offsets
+from .triton_decode import FMT_BF16, FMT_CODES, FMT_INT4, FMT_NVFP4, field_offsets
 
 FLAG: tl.constexpr = tl.constexpr(INT2_PAGE_FLAG)
+
+
+# ----------------------------------------------------------------------------
+# packing
+# ----------------------------------------------------------------------------
 
 
 @triton.jit
@@ -32,17 +55,95 @@ def _pack_pairs(codes, SHAPE: tl.constexpr):
 
 
 @triton.jit
-def _pack_quads(codes, SHAPE: tl.constexpr):
-    """int32 codes [..., 4n] -> uint8 [..., n]: element 4j+k in bits 2k..2k+1 (SHAPE = [..., n, 2, 2])."""
-    even, odd = tl.split(tl.reshape(codes, SHAPE))  # element 4j + {0, 2} and 4j + {1, 3}
-    c0, c2 = tl.split(even)
-    c1, c3 = tl.split(odd)
-    return (c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)).to(tl.uint8)
+def _pack_word(codes, BITS: tl.constexpr):
+    """int32 codes [R, 8] (in one thread) -> int32 [R]: element j in bits BITS*j .. BITS*j + BITS-1."""
+    shift = BITS * tl.arange(0, 8)[None, :]
+    return tl.sum(codes << shift, axis=1)  # the fields do not overlap: the sum is an OR
 
 
 @triton.jit
-def _write_rows(x_ptr, tok, tok_ok, h, rows_ptr, hrow, scale, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr,
-                FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
+def _words4(w0, w1, w2, w3):
+    """Four int32 [R] -> [R, 4] (w0 first), one thread's 16 bytes."""
+    # join(a, b)[r, i] = (a[r, i], b[r, i]): the outer join interleaves, so pair w0 with w2
+    return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (w0.shape[0], 4))
+
+
+# ----------------------------------------------------------------------------
+# one group of 32 channels per thread
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_group(src, ok):
+    """src: [R] pointers to 32 consecutive values -> four [R, 8] chunks in the input dtype (masked rows read 0)."""
+    e = tl.arange(0, 8)[None, :]
+    m = ok[:, None]
+    c0 = tl.load(src[:, None] + e, mask=m, other=0.0)
+    c1 = tl.load(src[:, None] + (e + 8), mask=m, other=0.0)
+    c2 = tl.load(src[:, None] + (e + 16), mask=m, other=0.0)
+    c3 = tl.load(src[:, None] + (e + 24), mask=m, other=0.0)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _int_group(c0, c1, c2, c3, LEVELS: tl.constexpr, BITS: tl.constexpr):
+    """Four [R, 8] chunks of a group -> (four packed int32 [R] words, fp16 scale [R], fp16 zero [R])."""
+    c0, c1, c2, c3 = c0.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32), c3.to(tl.float32)
+    lo = tl.min(tl.minimum(tl.minimum(c0, c1), tl.minimum(c2, c3)), axis=1)
+    hi = tl.max(tl.maximum(tl.maximum(c0, c1), tl.maximum(c2, c3)), axis=1)
+    scale, zero = int_stats(lo, hi, LEVELS)
+    s = scale.to(tl.float32)[:, None]
+    z = zero.to(tl.float32)[:, None]
+    inv = 1.0 / s  # within 2 ulp: all div_f16 needs
+    w0 = _pack_word(int_codes(c0, s, z, inv, LEVELS), BITS)
+    w1 = _pack_word(int_codes(c1, s, z, inv, LEVELS), BITS)
+    w2 = _pack_word(int_codes(c2, s, z, inv, LEVELS), BITS)
+    w3 = _pack_word(int_codes(c3, s, z, inv, LEVELS), BITS)
+    return w0, w1, w2, w3, scale, zero
+
+
+@triton.jit
+def _nvfp4_block(a, b, g):
+    """The two [R, 8] chunks of one 16-value block -> (two packed int32 [R] words, E4M3 scale bits int32 [R])."""
+    amax = tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1))
+    sbits = e4m3_bits(tl.math.div_rn(tl.math.div_rn(amax, 6.0), g))
+    big_s = e4m3_value(sbits) * g  # the rounded block scale
+    zero_block = (big_s == 0)[:, None]
+    div = tl.where(zero_block, 1.0, big_s[:, None])
+    wa = _pack_word(tl.where(zero_block, 0, e2m1_codes(tl.math.div_rn(a, div))), 4)
+    wb = _pack_word(tl.where(zero_block, 0, e2m1_codes(tl.math.div_rn(b, div))), 4)
+    return wa, wb, sbits
+
+
+@triton.jit
+def _store_group(c0, c1, c2, c3, rows_ptr, hrow, g, ok, scale, OFF: tl.constexpr, SOFF: tl.constexpr,
+                 ZOFF: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr):  # fmt: skip
+    """Quantize one group per thread (int4 or nvfp4) and store its 16 data bytes and its scales."""
+    NG: tl.constexpr = D // 32
+    if FMT == FMT_INT4:
+        w0, w1, w2, w3, sc, zr = _int_group(c0, c1, c2, c3, 15, 4)
+        meta = hrow * NG + g  # [R] fp16 index of the group's scale and zero
+        tl.store((rows_ptr + SOFF).to(tl.pointer_type(tl.float16)) + meta, sc, mask=ok)
+        tl.store((rows_ptr + ZOFF).to(tl.pointer_type(tl.float16)) + meta, zr, mask=ok)
+    else:  # nvfp4: the group is two blocks of 16
+        w0, w1, s0 = _nvfp4_block(c0.to(tl.float32), c1.to(tl.float32), scale)
+        w2, w3, s1 = _nvfp4_block(c2.to(tl.float32), c3.to(tl.float32), scale)
+        # block scales 2g and 2g+1 of the row are adjacent bytes: one 2-byte store
+        sidx = hrow * (D // 32) + g  # uint16 index = byte index (hrow * D/16 + 2g) / 2
+        tl.store((rows_ptr + SOFF).to(tl.pointer_type(tl.uint16)) + sidx, (s0 | (s1 << 8)).to(tl.uint16), mask=ok)
+    # data: D/2 bytes a row, 16 per group -> int32 index (hrow * D/2 + 16g) / 4
+    didx = (hrow * (D // 8) + g * 4)[:, None] + tl.arange(0, 4)[None, :]
+    tl.store((rows_ptr + OFF).to(tl.pointer_type(tl.int32))[:, None] + didx, _words4(w0, w1, w2, w3), mask=ok[:, None])
+
+
+# ----------------------------------------------------------------------------
+# one token row per tile row (bf16, fp8, nvfp4 by default)
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_rows(x_ptr, tok, tok_ok, h, rows_ptr, hrow, scale, OFF: tl.constexpr, SOFF: tl.constexpr,
+                FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):  # fmt: skip
     """Quantize x[tok, h, :] (fp32) into each token's row ``hrow`` of the page at ``rows_ptr``."""
     src = x_ptr + (tok.to(tl.int64) * H + h) * D  # [BT] row starts of x
     if FMT == FMT_NVFP4:
@@ -62,20 +163,6 @@ def _write_rows(x_ptr, tok, tok_ok, h, rows_ptr, hrow, scale, OFF: tl.constexpr,
         tl.store(rows_ptr[:, None, None] + OFF + hrow[:, None, None] * (D // 2) + b * 8 + jj, packed, mask=m3)
         b2 = tl.arange(0, NB)[None, :]
         tl.store(rows_ptr[:, None] + SOFF + hrow[:, None] * NB + b2, sbits.to(tl.uint8), mask=tok_ok[:, None])
-    elif FMT == FMT_INT4:
-        NG: tl.constexpr = D // 32
-        g = tl.arange(0, NG)[None, :, None]
-        e = tl.arange(0, 32)[None, None, :]
-        m3 = tok_ok[:, None, None]
-        x = tl.load(src[:, None, None] + g * 32 + e, mask=m3, other=0.0).to(tl.float32)  # [BT, NG, 32]
-        sc, zr = int_stats(tl.min(x, axis=2), tl.max(x, axis=2), 15)
-        codes = int_codes(x, sc[:, :, None], zr[:, :, None], 15)
-        packed = _pack_pairs(codes, (BT, NG, 16, 2))
-        jj = tl.arange(0, 16)[None, None, :]
-        tl.store(rows_ptr[:, None, None] + OFF + hrow[:, None, None] * (D // 2) + g * 16 + jj, packed, mask=m3)
-        meta = hrow[:, None] * NG + tl.arange(0, NG)[None, :]
-        tl.store((rows_ptr[:, None] + SOFF).to(tl.pointer_type(tl.float16)) + meta, sc, mask=tok_ok[:, None])
-        tl.store((rows_ptr[:, None] + ZOFF).to(tl.pointer_type(tl.float16)) + meta, zr, mask=tok_ok[:, None])
     else:
         d = tl.arange(0, D)[None, :]
         m = tok_ok[:, None]
@@ -98,59 +185,155 @@ def _write_kv_kernel(
     PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
     V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,
     BT: tl.constexpr,  # tokens per program
+    GROUPS: tl.constexpr,  # 1: one 32-channel group per thread (int4, nvfp4); 0: token rows
 ):
-    tok = tl.program_id(0) * BT + tl.arange(0, BT)
     h = tl.program_id(1)
-    ok = tok < num_tokens
-    page = tl.load(page_ptr + tok, mask=ok, other=0).to(tl.int64)
-    slot = tl.load(slot_ptr + tok, mask=ok, other=0)
-    rows_ptr = buf_ptr + page * PAGE_BYTES
-    hrow = h * P + slot
-    _write_rows(k_ptr, tok, ok, h, rows_ptr, hrow, k_scale, K_OFF, KS_OFF, KZ_OFF, FMT, H, D, BT)
-    _write_rows(v_ptr, tok, ok, h, rows_ptr, hrow, v_scale, V_OFF, VS_OFF, VZ_OFF, FMT, H, D, BT)
+    if GROUPS:
+        NG: tl.constexpr = D // 32
+        r = tl.arange(0, BT * NG)  # the program's groups, token-major: lanes 4i..4i+3 share a token (D = 128)
+        tok = tl.program_id(0) * BT + r // NG
+        g = r % NG
+        ok = tok < num_tokens
+        src = (tok.to(tl.int64) * H + h) * D + g * 32
+        # both loads before any store: the compiler may not move a load above a store to another pointer
+        k0, k1, k2, k3 = _load_group(k_ptr + src, ok)
+        v0, v1, v2, v3 = _load_group(v_ptr + src, ok)
+        page = tl.load(page_ptr + tok, mask=ok, other=0).to(tl.int64)
+        slot = tl.load(slot_ptr + tok, mask=ok, other=0)
+        rows_ptr = buf_ptr + page * PAGE_BYTES
+        hrow = h * P + slot
+        _store_group(k0, k1, k2, k3, rows_ptr, hrow, g, ok, k_scale, K_OFF, KS_OFF, KZ_OFF, FMT, D)
+        _store_group(v0, v1, v2, v3, rows_ptr, hrow, g, ok, v_scale, V_OFF, VS_OFF, VZ_OFF, FMT, D)
+    else:
+        tok = tl.program_id(0) * BT + tl.arange(0, BT)
+        ok = tok < num_tokens
+        page = tl.load(page_ptr + tok, mask=ok, other=0).to(tl.int64)
+        slot = tl.load(slot_ptr + tok, mask=ok, other=0)
+        rows_ptr = buf_ptr + page * PAGE_BYTES
+        hrow = h * P + slot
+        _write_rows(k_ptr, tok, ok, h, rows_ptr, hrow, k_scale, K_OFF, KS_OFF, FMT, H, D, BT)
+        _write_rows(v_ptr, tok, ok, h, rows_ptr, hrow, v_scale, V_OFF, VS_OFF, FMT, H, D, BT)
+
+
+# ----------------------------------------------------------------------------
+# whole INT2 pages: keys and values in two launches
+# ----------------------------------------------------------------------------
 
 
 @triton.jit
-def _write_int2_kernel(
-    k_ptr, v_ptr,  # [N, P, H, D] whole pages of keys / values (float, contiguous)
+def _widen(raw):
+    """Loaded values -> fp32. For bf16 a shift of the bits: a second conversion the compiler will not merge
+    with the first (.to), so the codes pass need not keep the min/max pass's fp32 copy alive."""
+    if raw.dtype == tl.bfloat16:
+        return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return raw.to(tl.float32)
+
+
+@triton.jit
+def _int2_page(buf_ptr, page_ptr, n, total_bytes, PAGE_BYTES: tl.constexpr):
+    """Start of INT2 page ``page_ptr[n]``: INT2 page i lies at total_bytes - (i + 1) * PAGE_BYTES."""
+    pid = tl.load(page_ptr + n)
+    return buf_ptr + total_bytes - ((pid & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES
+
+
+@triton.jit
+def _write_int2_keys_kernel(
+    k_ptr,  # [N, P, H, D] whole pages of keys (float, contiguous)
     buf_ptr,  # uint8 layer buffer
     page_ptr,  # int32 [N] INT2 page ids (with INT2_PAGE_FLAG)
-    total_bytes,  # layer buffer size: INT2 page i starts at total_bytes - (i + 1) * PAGE_BYTES
+    total_bytes,  # layer buffer size
     H: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
-    V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,
+    HB: tl.constexpr,  # kv heads per program
 ):
+    """Keys of heads h0 .. h0+HB of page n: scale and zero per channel over the page's P tokens.
+
+    The [P, HB*D] tile is HB heads side by side (contiguous in k). With
+    HB*D/8 lanes (1 warp for D = 128, HB = 1) Triton gives each thread 8
+    adjacent channels of P/2 tokens: the min/max over tokens are in-thread
+    plus one shuffle. A thread's 8 channels of a token are 2 bytes of codes.
+    """
     n = tl.program_id(0)
-    h = tl.program_id(1)
-    pid = tl.load(page_ptr + n)
-    page = buf_ptr + total_bytes - ((pid & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES
+    h0 = tl.program_id(1) * HB
+    page = _int2_page(buf_ptr, page_ptr, n, total_bytes, PAGE_BYTES)
+    C: tl.constexpr = HB * D
     p = tl.arange(0, P)
-    src = (n.to(tl.int64) * P + p) * H + h  # [P] token rows of this page and head
-    # keys: per channel over the page's P tokens
-    d = tl.arange(0, D)
-    k = tl.load(k_ptr + src[:, None] * D + d[None, :]).to(tl.float32)  # [P, D]
-    ks, kz = int_stats(tl.min(k, axis=0), tl.max(k, axis=0), 3)
-    kc = _pack_quads(int_codes(k, ks[None, :], kz[None, :], 3), (P, D // 4, 2, 2))
-    q = tl.arange(0, D // 4)
-    tl.store(page + K_OFF + (h * P + p)[:, None] * (D // 4) + q[None, :], kc)
-    tl.store((page + KS_OFF).to(tl.pointer_type(tl.float16)) + h * D + d, ks)
-    tl.store((page + KZ_OFF).to(tl.pointer_type(tl.float16)) + h * D + d, kz)
-    # values: per token, groups of 32 channels
+    col = tl.arange(0, C)
+    raw = tl.load(k_ptr + ((n.to(tl.int64) * P + p) * H + h0)[:, None] * D + col[None, :])  # [P, C]
+    x = raw.to(tl.float32)
+    ks, kz = int_stats(tl.min(x, axis=0), tl.max(x, axis=0), 3)
+    s = ks.to(tl.float32)[None, :]
+    codes = int_codes(_widen(raw), s, kz.to(tl.float32)[None, :], 1.0 / s, 3)
+    # [P, C] -> [P, C/8, 8] -> one 16-bit field per 8 channels
+    quads = tl.sum(tl.reshape(codes, (P, C // 8, 8)) << (2 * tl.arange(0, 8))[None, None, :], axis=2)  # [P, C/8]
+    j = tl.arange(0, C // 8)
+    hrow = (h0 + j // (D // 8))[None, :] * P + p[:, None]  # [P, C/8] row of (head, token)
+    at = hrow * (D // 8) + (j % (D // 8))[None, :]  # uint16 index: byte (hrow * D/4 + 2 * (j % (D/8))) / 2
+    tl.store((page + K_OFF).to(tl.pointer_type(tl.uint16)) + at, quads.to(tl.uint16))
+    tl.store((page + KS_OFF).to(tl.pointer_type(tl.float16)) + h0 * D + col, ks)
+    tl.store((page + KZ_OFF).to(tl.pointer_type(tl.float16)) + h0 * D + col, kz)
+
+
+@triton.jit
+def _write_int2_values_kernel(
+    v_ptr,  # [N, P, H, D] whole pages of values (float, contiguous)
+    buf_ptr,  # uint8 layer buffer
+    page_ptr,  # int32 [N] INT2 page ids (with INT2_PAGE_FLAG)
+    total_bytes,  # layer buffer size
+    num_groups,  # N * P * H * D/32
+    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    PAGE_BYTES: tl.constexpr, V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,
+    R: tl.constexpr,  # groups per program (one per thread)
+):
+    """Values: per token, groups of 32 channels, one group per thread; 8 bytes of codes a group.
+
+    Groups are numbered (page, head, token, group) so that adjacent lanes
+    write adjacent bytes of the page (rows are head-major there).
+    """
     NG: tl.constexpr = D // 32
-    g = tl.arange(0, NG)[None, :, None]
-    e = tl.arange(0, 32)[None, None, :]
-    v = tl.load(v_ptr + src[:, None, None] * D + g * 32 + e).to(tl.float32)  # [P, NG, 32]
-    vs, vz = int_stats(tl.min(v, axis=2), tl.max(v, axis=2), 3)
-    vc = _pack_quads(int_codes(v, vs[:, :, None], vz[:, :, None], 3), (P, NG, 8, 2, 2))
-    jj = tl.arange(0, 8)[None, None, :]
-    hp = (h * P + p)[:, None, None]
-    tl.store(page + V_OFF + hp * (D // 4) + g * 8 + jj, vc)
-    meta = (h * P + p)[:, None] * NG + tl.arange(0, NG)[None, :]
-    tl.store((page + VS_OFF).to(tl.pointer_type(tl.float16)) + meta, vs)
-    tl.store((page + VZ_OFF).to(tl.pointer_type(tl.float16)) + meta, vz)
+    gi = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    ok = gi < num_groups
+    g = (gi % NG).to(tl.int32)
+    p = ((gi // NG) % P).to(tl.int32)
+    h = ((gi // (NG * P)) % H).to(tl.int32)
+    n = gi // (NG * P * H)
+    c0, c1, c2, c3 = _load_group(v_ptr + ((n * P + p) * H + h) * D + g * 32, ok)
+    page = _int2_page(buf_ptr, page_ptr + n, 0, total_bytes, PAGE_BYTES)  # [R]
+    w0, w1, w2, w3, vs, vz = _int_group(c0, c1, c2, c3, 3, 2)
+    hrow = h * P + p
+    # chunk i is 16 bits: the group's 8 bytes are two int32 words at index (hrow * D/4 + 8g) / 4
+    words = tl.reshape(tl.join(w0 | (w1 << 16), w2 | (w3 << 16)), (R, 2))
+    at = (hrow * (D // 16) + g * 2)[:, None] + tl.arange(0, 2)[None, :]
+    tl.store((page + V_OFF).to(tl.pointer_type(tl.int32))[:, None] + at, words, mask=ok[:, None])
+    meta = hrow * NG + g
+    tl.store((page + VS_OFF).to(tl.pointer_type(tl.float16)) + meta, vs, mask=ok)
+    tl.store((page + VZ_OFF).to(tl.pointer_type(tl.float16)) + meta, vz, mask=ok)
 
 
-WRITE_BT = 16  # tokens per program of write_kv
+# ----------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------
+
+# Launch shapes by format. "groups": one 32-channel group per thread (int4;
+# nvfp4 can use it too), else token rows. The bench times the alternatives.
+WRITE_TUNING: dict[str, dict[str, int]] = {
+    "bf16": {"groups": 0, "bt": 16, "num_warps": 4},
+    "fp8_e4m3": {"groups": 0, "bt": 16, "num_warps": 4},
+    "nvfp4": {"groups": 0, "bt": 16, "num_warps": 4},
+    "int4": {"groups": 1, "num_warps": 4},
+}
+# INT2 pages: kv heads per keys program (at most; a power of two dividing H), warps of the keys
+# programs, and groups (= threads) per values program.
+INT2_TUNING: dict[str, int] = {"heads": 1, "key_warps": 1, "value_warps": 4}
+
+
+def _tokens_per_program(d: int, cfg: dict[str, int]) -> int:
+    if cfg["groups"]:
+        # one group per thread: 32 * num_warps groups of D/32 per token (Triton gives each thread
+        # a whole 8-value chunk only when the tile has 8 values per thread)
+        return max(1, 32 * cfg["num_warps"] // (d // 32))
+    return cfg["bt"]
 
 
 def write_kv(
@@ -163,20 +346,32 @@ def write_kv(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    tuning: dict[str, int] | None = None,
 ) -> None:
-    """Launch quantize-on-write (arguments checked by paged_ops)."""
-    if layout.fmt not in ("bf16", "fp8_e4m3", "nvfp4", "int4"):
+    """Launch quantize-on-write (arguments checked by paged_ops); ``tuning`` overrides WRITE_TUNING[fmt]."""
+    if layout.fmt not in WRITE_TUNING:
         raise ValueError(f"no Triton write for {layout.fmt!r} pages (fp32 pages run on the reference path)")
     t, h, d = k.shape
     if t == 0:
         return
+    cfg = {**WRITE_TUNING[layout.fmt], **(tuning or {})}
+    if cfg["groups"] and layout.fmt not in ("int4", "nvfp4"):
+        raise ValueError(f"the group-per-thread shape writes int4 and nvfp4 pages, not {layout.fmt!r}")
+    bt = _tokens_per_program(d, cfg)
     pb, ko, kso, kzo, vo, vso, vzo = field_offsets(layout)
-    _write_kv_kernel[(triton.cdiv(t, WRITE_BT), h)](
+    _write_kv_kernel[(triton.cdiv(t, bt), h)](
         k.contiguous(), v.contiguous(), buffer, page_ids, slots, t, float(k_scale), float(v_scale),
         FMT=FMT_CODES[layout.fmt], H=h, D=d, P=layout.page_size,
         PAGE_BYTES=pb, K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, V_OFF=vo, VS_OFF=vso, VZ_OFF=vzo,
-        BT=WRITE_BT, num_warps=4,
+        BT=bt, GROUPS=cfg["groups"], num_warps=cfg["num_warps"],
     )  # fmt: skip
+
+
+def _int2_heads(h: int, want: int) -> int:
+    hb = 1
+    while hb * 2 <= want and h % (hb * 2) == 0:
+        hb *= 2
+    return hb
 
 
 def write_int2_pages(
@@ -187,14 +382,36 @@ def write_int2_pages(
     page_ids: torch.Tensor,
     *,
     total_bytes: int,
+    tuning: dict[str, int] | None = None,
 ) -> None:
-    """Launch the INT2 whole-page writer (arguments checked by paged_ops)."""
-    n, p, h, d = k.shape
-    if n == 0:
+    """Launch the INT2 whole-page writers, keys then values (arguments checked by paged_ops); ``tuning`` overrides INT2_TUNING."""
+    if k.shape[0] == 0:
         return
-    pb, ko, kso, kzo, vo, vso, vzo = field_offsets(layout)
-    _write_int2_kernel[(n, h)](
-        k.contiguous(), v.contiguous(), buffer, page_ids, total_bytes,
-        H=h, D=d, P=p, PAGE_BYTES=pb, K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, V_OFF=vo, VS_OFF=vso, VZ_OFF=vzo,
-        num_warps=4,
+    cfg = {**INT2_TUNING, **(tuning or {})}
+    launch_int2_keys(buffer, layout, k, page_ids, total_bytes=total_bytes, heads=cfg["heads"], num_warps=cfg["key_warps"])
+    launch_int2_values(buffer, layout, v, page_ids, total_bytes=total_bytes, num_warps=cfg["value_warps"])
+
+
+def launch_int2_keys(buffer: torch.Tensor, layout: PageLayout, k: torch.Tensor, page_ids: torch.Tensor, *,
+                     total_bytes: int, heads: int, num_warps: int) -> None:  # fmt: skip
+    """The keys half of write_int2_pages (the benchmark times the halves apart)."""
+    n, p, h, d = k.shape
+    hb = _int2_heads(h, heads)
+    pb, ko, kso, kzo, _, _, _ = field_offsets(layout)
+    _write_int2_keys_kernel[(n, h // hb)](
+        k.contiguous(), buffer, page_ids, total_bytes,
+        H=h, D=d, P=p, PAGE_BYTES=pb, K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, HB=hb, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def launch_int2_values(buffer: torch.Tensor, layout: PageLayout, v: torch.Tensor, page_ids: torch.Tensor, *,
+                       total_bytes: int, num_warps: int) -> None:  # fmt: skip
+    """The values half of write_int2_pages."""
+    n, p, h, d = v.shape
+    pb, _, _, _, vo, vso, vzo = field_offsets(layout)
+    groups = n * p * h * (d // 32)
+    r = 32 * num_warps
+    _write_int2_values_kernel[(triton.cdiv(groups, r),)](
+        v.contiguous(), buffer, page_ids, total_bytes, groups,
+        H=h, D=d, P=p, PAGE_BYTES=pb, V_OFF=vo, VS_OFF=vso, VZ_OFF=vzo, R=r, num_warps=num_warps,
     )  # fmt: skip

@@ -247,3 +247,183 @@ def test_gpu_write_int2_pages_bytes_equal_reference() -> None:
     triton_paged.write_int2_pages(pool.buffer, pool.int2_pages, k.cuda(), v.cuda(), ids.cuda(), total_bytes=pool.total_bytes)
     paged_ref.write_int2_pages(ref, pool.int2_pages, k, v, ids, total_bytes=pool.total_bytes)
     assert torch.equal(pool.buffer.cpu(), ref)
+
+
+# ----------------------------------------------------------------------------
+# exact division by an fp16 scale and the rounding edges of the INT writers
+# ----------------------------------------------------------------------------
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kvserving.kernels import triton_codec, triton_write  # noqa: E402
+
+
+@triton.jit
+def _div_f16_kernel(d_ptr, s_ptr, inv_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    d = tl.load(d_ptr + i, mask=m, other=0.0)
+    s = tl.load(s_ptr + i, mask=m, other=1.0)
+    inv = tl.load(inv_ptr + i, mask=m, other=1.0)
+    tl.store(out_ptr + i, triton_codec.div_f16(d, s, inv), mask=m)
+
+
+def _nudge(x: torch.Tensor, ulps: torch.Tensor) -> torch.Tensor:
+    """fp32 x moved by a signed number of ulps (through the bit pattern; x > 0)."""
+    return (x.view(torch.int32) + ulps.to(torch.int32)).view(torch.float32)
+
+
+def _hard_quotients(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d, s) fp32: every positive finite fp16 scale s, dividends whose quotient is on or within
+    a few ulps of a .5 tie or of an arbitrary fp32 midpoint, plus signed zeros, huge and tiny d."""
+    s_all = torch.arange(1, 0x7C00, dtype=torch.int16).view(torch.float16).float()  # every positive fp16
+    n = s_all.numel()
+    parts_d, parts_s = [], []
+    # quotient (k + 0.5) exactly (k + 0.5 and s have few bits: the product is exact), then nudged
+    k = torch.randint(-2, 40, (n,), generator=gen).float() + 0.5
+    d = k * s_all
+    for ulps in (0, 1, -1, 3):
+        parts_d.append(torch.where(d > 0, _nudge(d.abs(), torch.full((n,), ulps)), -_nudge(d.abs(), torch.full((n,), ulps))))
+        parts_s.append(s_all)
+    # quotient next to a random fp32 midpoint q + ulp(q)/2 (the hard case of any division)
+    q = torch.rand(n, generator=gen) * 20 + 2**-10
+    mid = q.double() + (torch.nextafter(q, torch.tensor(float("inf"))) - q).double() / 2
+    d = (mid * s_all.double()).float()
+    for ulps in (0, 1, -1):
+        parts_d.append(_nudge(d, torch.full((n,), ulps)))
+        parts_s.append(s_all)
+    # random signs and magnitudes, signed zeros, the largest inputs the codec accepts
+    m = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-30, 6, (n,), generator=gen).float()
+    m[:4] = torch.tensor([0.0, -0.0, 131008.0, -131008.0])
+    parts_d.append(m)
+    parts_s.append(s_all[torch.randperm(n, generator=gen)])
+    return torch.cat(parts_d), torch.cat(parts_s)
+
+
+def _check_div_f16(device: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    d, s = _hard_quotients(gen)
+    # any reciprocal within 2^-20 will do: exact, and off by up to 8 ulps (1.0 / s on a GPU is within 2)
+    inv = (1.0 / s.double()).float()
+    inv = _nudge(inv, torch.randint(-8, 9, inv.shape, generator=gen))
+    out = torch.empty_like(d)
+    dd, ss, ii, oo = (t.to(device) for t in (d, s, inv, out))
+    _div_f16_kernel[(triton.cdiv(d.numel(), 4096),)](dd, ss, ii, oo, d.numel(), BLOCK=4096)
+    expect = d / s  # IEEE fp32 division on the CPU
+    # bit-equal, except that a zero quotient is +0 (adding +0 turns -0 into +0 and leaves the rest alone)
+    assert torch.equal((oo.cpu() + 0.0).view(torch.int32), (expect + 0.0).view(torch.int32))
+
+
+@interpreter_only
+def test_div_f16_equals_ieee_division_near_every_kind_of_midpoint() -> None:
+    _check_div_f16("cpu")
+
+
+def _edge_groups(num: int, levels: int, gen: torch.Generator) -> torch.Tensor:
+    """fp32 [num, 32]: groups whose INT quotients (x - min) / scale sit on or next to .5 ties, and corner groups.
+
+    A group holding lo = -m*s and hi = lo + L*s gets scale s exactly (s an fp16
+    value), and lo + (k + 0.5) * s is an exact tie; half the groups use a
+    power-of-two s so the ties survive rounding to bf16.
+    """
+    s16 = torch.randint(1, 0x6800, (num,), dtype=torch.int16, generator=gen).view(torch.float16).float()  # s <= 2048: |x| < 65504
+    pow2 = 2.0 ** torch.randint(-24, 8, (num,), generator=gen).float()
+    s = torch.where(torch.arange(num) % 2 == 0, pow2, s16)[:, None]
+    lo = -(2.0 ** torch.randint(-1, 3, (num, 1), generator=gen).float()).floor() * s  # 0, -s, -2s, -4s: fp16 values, so zero == lo
+    k = torch.randint(0, levels, (num, 32), generator=gen).float() + 0.5  # inside [lo, hi]: the group keeps scale s
+    x = lo + k * s  # exact
+    ulps = torch.randint(-1, 2, (num, 32), generator=gen)  # one ulp off a tie: a naive x * (1/s) misrounds ~5% of these
+    x = torch.where(x > 0, _nudge(x.abs(), ulps), torch.where(x < 0, -_nudge(x.abs(), ulps), x))
+    x[:, 0] = lo[:, 0]
+    x[:, 1] = (lo + levels * s)[:, 0]
+    x = x[:, torch.randperm(32, generator=gen)]
+    corners = [
+        torch.full((32,), -0.0),  # negative zeros only: zero -0.0, scale 1
+        torch.zeros(32),
+        torch.full((32,), 0.75),  # max == min
+        torch.full((32,), 0.1),  # max == min, min not an fp16 value (fp32 input)
+        torch.full((32,), 1000.3),  # fp16(min) above min: quotients below 0
+        1000.3 + torch.arange(32) * 2.0**-9,  # fp32: fp16(min) = 1000.5, quotients far below 0 (clamped)
+        1000.2 + torch.arange(32) * 2.0**-9,  # fp32: fp16(min) = 1000.0, quotients far above L (clamped)
+        torch.tensor([65280.0, -65280.0] * 16),  # the largest inputs in fp16 range in both fp32 and bf16
+        torch.cat([torch.tensor([0.0, levels * 2.0**-24]), (torch.arange(30) % (levels + 1) + 0.5) * 2.0**-24]),  # subnormal fp16 scale
+        torch.cat([torch.tensor([-3.0, -0.0, 0.0]), torch.randn(29)]),  # signed zeros above the min
+    ]
+    x[: len(corners)] = torch.stack(corners)
+    return x
+
+
+def _check_int_writes_on_edges(device: str, *, h: int, d: int, p: int, pages: int) -> None:
+    gen = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.bfloat16):
+        # int4 rows: write_kv, every launch shape the bench may time
+        t = pages * p
+        k = _edge_groups(t * h * d // 32, 15, gen).reshape(t, h, d)
+        v = _edge_groups(t * h * d // 32, 15, gen).reshape(t, h, d).flip(0)
+        dst = torch.randperm(pages * p, generator=gen)[: t - 3]
+        pg, sl = (dst // p).int(), (dst % p).int()
+        for tuning in (None, {"num_warps": 8}):
+            pool = make_pool("int4", num_pages=pages, page_size=p, kv_heads=h, head_dim=d, device=device)
+            ref = pool.buffer.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
+            kk, vv = k[: t - 3].to(dtype), v[: t - 3].to(dtype)
+            triton_write.write_kv(pool.buffer, pool.layout, kk.to(device), vv.to(device), pg.to(device), sl.to(device), tuning=tuning)
+            paged_ref.write_kv(ref, pool.layout, kk, vv, pg, sl)
+            assert torch.equal(pool.buffer.cpu(), ref), (dtype, tuning)
+        # whole INT2 pages: keys per channel over the page's tokens, values per token group
+        kc = _edge_groups(pages * h * d * p // 32, 3, gen).reshape(pages, h, d, p).permute(0, 3, 1, 2)  # channel-wise edges
+        vg = _edge_groups(pages * p * h * d // 32, 3, gen).reshape(pages, p, h, d)
+        ids = (torch.randperm(pages + 2, generator=gen)[:pages] | INT2_PAGE_FLAG).int()
+        for tuning in (None, {"heads": 2, "key_warps": 2, "value_warps": 8}):
+            pool = make_pool("int4", num_pages=1, page_size=p, kv_heads=h, head_dim=d, num_int2_pages=pages + 2, device=device)
+            ref = pool.buffer.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
+            kk, vv = kc.contiguous().to(dtype), vg.to(dtype)
+            triton_write.write_int2_pages(pool.buffer, pool.int2_pages, kk.to(device), vv.to(device), ids.to(device),
+                                          total_bytes=pool.total_bytes, tuning=tuning)  # fmt: skip
+            paged_ref.write_int2_pages(ref, pool.int2_pages, kk, vv, ids, total_bytes=pool.total_bytes)
+            assert torch.equal(pool.buffer.cpu(), ref), (dtype, tuning)
+
+
+@interpreter_only
+def test_int_writes_equal_reference_on_rounding_edges() -> None:
+    _check_int_writes_on_edges("cpu", h=2, d=64, p=8, pages=3)
+
+
+@interpreter_only
+def test_nvfp4_group_shape_equals_reference() -> None:
+    pool = make_pool("nvfp4", num_pages=5, page_size=8, kv_heads=2, head_dim=64)
+    ref = pool.buffer.clone()
+    t = 21
+    k, v = edge_tokens(t, 2, 64), edge_tokens(t, 2, 64).flip(0)
+    dst = torch.randperm(5 * 8)[:t]
+    pages, slots = (dst // 8).int(), (dst % 8).int()
+    ks, vs = SCALES["nvfp4"], SCALES["nvfp4"] * 3
+    for dtype in (torch.float32, torch.bfloat16):
+        triton_write.write_kv(pool.buffer, pool.layout, k.to(dtype), v.to(dtype), pages, slots, k_scale=ks, v_scale=vs, tuning={"groups": 1})
+        paged_ref.write_kv(ref, pool.layout, k.to(dtype), v.to(dtype), pages, slots, k_scale=ks, v_scale=vs)
+        assert torch.equal(pool.buffer, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_div_f16_equals_ieee_division() -> None:
+    _check_div_f16("cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_int_writes_equal_reference_on_rounding_edges() -> None:
+    _check_int_writes_on_edges("cuda", h=8, d=128, p=32, pages=24)
+
+
+@pytest.mark.gpu
+def test_gpu_nvfp4_group_shape_equals_reference() -> None:
+    pool = make_pool("nvfp4", num_pages=300, page_size=16, kv_heads=8, head_dim=128, device="cuda")
+    ref = pool.buffer.cpu()
+    t = 3000
+    k, v = edge_tokens(t, 8, 128), torch.randn(t, 8, 128) * 5
+    dst = torch.randperm(300 * 16)[:t]
+    pages, slots = (dst // 16).int(), (dst % 16).int()
+    ks, vs = SCALES["nvfp4"], SCALES["nvfp4"] * 3
+    triton_write.write_kv(pool.buffer, pool.layout, k.cuda().bfloat16(), v.cuda().bfloat16(), pages.cuda(), slots.cuda(),
+                          k_scale=ks, v_scale=vs, tuning={"groups": 1})  # fmt: skip
+    paged_ref.write_kv(ref, pool.layout, k.bfloat16(), v.bfloat16(), pages, slots, k_scale=ks, v_scale=vs)
+    assert torch.equal(pool.buffer.cpu(), ref)
