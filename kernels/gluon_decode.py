@@ -265,6 +265,21 @@ def _q_k_dims(k, KB: gl.constexpr, PER: gl.constexpr, PIECE: gl.constexpr):
 
 
 @gluon.jit
+def _unpack_nibbles(x, scale, zero, FMT: gl.constexpr, TOKEN_PAIRS: gl.constexpr):
+    """Packed nvfp4 / int4 bytes [W, NT, groups, bytes] and per-group scale (zero) [W, NT, groups] -> (lo, hi)
+    fp16 halves, each 4-pack in the unpackers' order (K: b0 b2 b1 b3 of one token; V: two tokens' bytes)."""
+    if FMT == GL_FMT_NVFP4:
+        lo, hi = gl.inline_asm_elementwise(ASM_E2M1_V if TOKEN_PAIRS else ASM_E2M1_K, "=r,=r,=r,=r,r,r,r",
+                                           [x, gl.expand_dims(scale, 3)], dtype=(gl.float16, gl.float16), is_pure=True,
+                                           pack=4)  # fmt: skip
+    else:
+        lo, hi = gl.inline_asm_elementwise(ASM_INT4_V if TOKEN_PAIRS else ASM_INT4_K, "=r,=r,=r,=r,r,r,r,r,r",
+                                           [x, gl.expand_dims(scale, 3), gl.expand_dims(zero, 3)],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
+    return lo, hi
+
+
+@gluon.jit
 def _swap_t0_j0(x, W: gl.constexpr, NT: gl.constexpr, KB: gl.constexpr):
     """Unpacked V [W, NT, KB] whose 4-packs are (a_x, b_x, a_x+1, b_x+1) -> tensor indexed by (token, byte)."""
     y = gl.reshape(x, [W, NT // 2, 2, KB // 2, 2])
@@ -362,6 +377,8 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
             vs = gl.load(buf_ptr + toff + VS_OFF + trow * (D // 16) + tg, mask=tok, other=0)
             ks = ks.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0
             vs = vs.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0
+            kz = ks  # unused: nvfp4 has no zero point
+            vz = vs
         elif FMT == GL_FMT_INT4:
             kp = (buf_ptr + soff).to(gl.pointer_type(gl.float16), bitcast=True) + srow * NGR + sg
             ks = gl.load(kp + (KS_OFF // 2), mask=sok, other=0.0)
@@ -399,14 +416,7 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
             sc = mma_v2(_as_a_rows(k2, W, NT, KB, A), q2, sc)
             sc = mma_v2(_as_a_rows(k3, W, NT, KB, A), q3, sc)
         else:
-            if FMT == GL_FMT_NVFP4:
-                klo, khi = gl.inline_asm_elementwise(
-                    ASM_E2M1_K, "=r,=r,=r,=r,r,r,r", [kb, gl.expand_dims(ks, 3)],
-                    dtype=(gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
-            else:
-                klo, khi = gl.inline_asm_elementwise(
-                    ASM_INT4_K, "=r,=r,=r,=r,r,r,r,r,r", [kb, gl.expand_dims(ks, 3), gl.expand_dims(kz, 3)],
-                    dtype=(gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
+            klo, khi = _unpack_nibbles(kb, ks, kz, FMT, False)
             sc = mma_v2(_as_a_rows(gl.reshape(klo, [W, NT, KB]), W, NT, KB, A), q0, sc)
             sc = mma_v2(_as_a_rows(gl.reshape(khi, [W, NT, KB]), W, NT, KB, A), q1, sc)
 
@@ -433,14 +443,7 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
             v3 = _swap_t0_j0(gl.reshape(v3, [W, NT, KB]), W, NT, KB)
             vv = gl.reshape(gl.join(gl.join(v0, v2), gl.join(v1, v3)), [W, NT, D])  # channel 4j + crumb
         else:
-            if FMT == GL_FMT_NVFP4:
-                vlo, vhi = gl.inline_asm_elementwise(
-                    ASM_E2M1_V, "=r,=r,=r,=r,r,r,r", [vb, gl.expand_dims(vs, 3)],
-                    dtype=(gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
-            else:
-                vlo, vhi = gl.inline_asm_elementwise(
-                    ASM_INT4_V, "=r,=r,=r,=r,r,r,r,r,r", [vb, gl.expand_dims(vs, 3), gl.expand_dims(vz, 3)],
-                    dtype=(gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
+            vlo, vhi = _unpack_nibbles(vb, vs, vz, FMT, True)
             vlo = _swap_t0_j0(gl.reshape(vlo, [W, NT, KB]), W, NT, KB)
             vhi = _swap_t0_j0(gl.reshape(vhi, [W, NT, KB]), W, NT, KB)
             vv = gl.reshape(gl.join(vlo, vhi), [W, NT, D])  # channel 2j + nibble
