@@ -214,20 +214,21 @@ def main() -> None:
                 from kvserving.kernels import gluon_decode
 
                 base = gluon_decode.GL_TUNING[pool.layout.fmt]
-                for warps, ppsm in ((4, 8), (4, 32), (8, 16), (2, 16)):
-                    cfg = {**base, "num_warps": warps, "PPSM": ppsm}
+                for warps, ppsm, regs in ((4, 16, 0), (4, 16, 128), (4, 16, 144), (2, 16, 0), (2, 16, 128), (2, 32, 128),
+                                          (4, 8, 0), (8, 16, 128)):  # fmt: skip
+                    cfg = {**base, "num_warps": warps, "PPSM": ppsm, "maxnreg": regs}
                     try:
                         t = time_ms(lambda: pool.decode(q, tuning=cfg))
                     except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
                         print(f"  {fmt} gluon {cfg}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                         continue
-                    record(shape, f"  {fmt} gluon w{warps} ppsm{ppsm}", t, pool_bytes, tuning=cfg, resources=resources())
+                    record(shape, f"  {fmt} gluon w{warps} ppsm{ppsm} r{regs}", t, pool_bytes, tuning=cfg, resources=resources())
                     print("      " + resources(), flush=True)
                 if fmt == "triaxial":
-                    for part in (2, 4):
-                        cfg = {**base, "PART": part}
+                    for part, regs in ((2, 0), (2, 128), (4, 0), (4, 128)):
+                        cfg = {**base, "PART": part, "maxnreg": regs}
                         t = time_ms(lambda: pool.decode(q, tuning=cfg))
-                        record(shape, f"  triaxial gluon INT{part} launch only", t, pool_bytes, resources=resources())
+                        record(shape, f"  triaxial gluon INT{part} launch only r{regs}", t, pool_bytes, resources=resources())
                         print("      " + resources(), flush=True)
             if args.sweep and shape == (32, 32768) and fmt not in ("nvfp4", "triaxial"):
                 for ppi, ppi2, warps, stages, regs in SWEEP:

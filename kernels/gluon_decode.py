@@ -116,7 +116,7 @@ def _asm_int4(token_pairs: bool) -> str:
         code.append("mov.b32 s, $5; mov.b32 z, $7;")
     for i, shift in enumerate((0, 8, 4, 12)):  # lo b0/b2, lo b1/b3, hi b0/b2, hi b1/b3
         code.append(
-            _shift("t", "$4", -shift) + f"and.b32 t, t, 0x000F000F; or.b32 t, t, magic;"
+            _shift("t", "$4", -shift) + "lop3.b32 t, t, 0x000F000F, magic, 0xEA;"
             f"sub.rn.f16x2 t, t, magic; fma.rn.f16x2 ${i}, t, s, z;"
         )
     code.append("}")
@@ -124,28 +124,37 @@ def _asm_int4(token_pairs: bool) -> str:
 
 
 def _asm_int2_values() -> str:
-    """V rows of two tokens: outputs c0..c3 (2 regs each); inputs word $8, scale $9 $10, zero $11 $12."""
-    code = ["{ .reg .b32 t, s, z, magic; mov.b32 magic, 0x64006400;"]
-    code.append("prmt.b32 s, $9, $10, 0x5410; prmt.b32 z, $11, $12, 0x5410;")
+    """V rows of two tokens: outputs c0..c3 (2 regs each); inputs word $8, scale $9 $10, zero $11 $12.
+
+    Crumb k at bit 2k: the odd crumbs are taken in place as c * 4 (exact fp16 integers) and scaled by s / 4, so
+    one shift serves two crumbs (s / 4 is exact unless s < 2^-12, where fp16 subnormals round it by < 2^-25
+    absolute, far below the INT2 step s).
+    """
+    code = ["{ .reg .b32 t, u0, u1, s, s4, z, magic; mov.b32 magic, 0x64006400; mov.b32 s4, 0x34003400;"]
+    code.append("prmt.b32 s, $9, $10, 0x5410; prmt.b32 z, $11, $12, 0x5410; mul.rn.f16x2 s4, s, s4;")
     for k in range(4):
         for r in range(2):
-            code.append(
-                _shift("t", "$8", -(2 * k + 8 * r)) + "and.b32 t, t, 0x00030003; or.b32 t, t, magic;"
-                f"sub.rn.f16x2 t, t, magic; fma.rn.f16x2 ${2 * k + r}, t, s, z;"
-            )
+            if k % 2 == 0:
+                code.append(_shift(f"u{r}", "$8", -(2 * k + 8 * r)))
+            mask = 0x00030003 << (2 * (k % 2))
+            code.append(f"lop3.b32 t, u{r}, {mask:#010x}, magic, 0xEA; sub.rn.f16x2 t, t, magic;"
+                        f"fma.rn.f16x2 ${2 * k + r}, t, {'s4' if k % 2 else 's'}, z;")  # fmt: skip
     code.append("}")
     return "\n".join(code)
 
 
-def _asm_int2_keys() -> str:
-    """K row bytes of one token: outputs c0..c3 (2 regs each); inputs word $8, per-channel scales $9..$16, zeros $17..$24."""
-    code = ["{ .reg .b32 t, magic; mov.b32 magic, 0x64006400;"]
+def _asm_int2_codes() -> str:
+    """K row bytes of one token: outputs c0..c3 (2 regs each: pairs b0/b2, b1/b3); input word $8.
+
+    Codes only, as exact fp16 integers: crumb k sits at bit 2k of its byte, so (x & 3 << 2k) | 0x6400 is the fp16
+    1024 + c * 4^k and one subtraction leaves c * 4^k (one shift serves the high bytes). The 4^-k, the
+    per-channel key scale and the zero are folded into q (see _gl_split), so a pair costs two instructions.
+    """
+    code = ["{ .reg .b32 t, u, magic; mov.b32 magic, 0x64006400; shr.b32 u, $8, 8;"]
     for k in range(4):
-        for r in range(2):
-            code.append(
-                _shift("t", "$8", -(2 * k + 8 * r)) + "and.b32 t, t, 0x00030003; or.b32 t, t, magic;"
-                f"sub.rn.f16x2 t, t, magic; fma.rn.f16x2 ${2 * k + r}, t, ${9 + 2 * k + r}, ${17 + 2 * k + r};"
-            )
+        for r, src in enumerate(("$8", "u")):
+            code.append(f"lop3.b32 t, {src}, {0x00030003 << (2 * k):#010x}, magic, 0xEA;"
+                        f"sub.rn.f16x2 ${2 * k + r}, t, magic;")  # fmt: skip
     code.append("}")
     return "\n".join(code)
 
@@ -154,7 +163,7 @@ ASM_E2M1_K: gl.constexpr = gl.constexpr(_asm_e2m1(False))
 ASM_E2M1_V: gl.constexpr = gl.constexpr(_asm_e2m1(True))
 ASM_INT4_K: gl.constexpr = gl.constexpr(_asm_int4(False))
 ASM_INT4_V: gl.constexpr = gl.constexpr(_asm_int4(True))
-ASM_INT2_K: gl.constexpr = gl.constexpr(_asm_int2_keys())
+ASM_INT2_K: gl.constexpr = gl.constexpr(_asm_int2_codes())
 ASM_INT2_V: gl.constexpr = gl.constexpr(_asm_int2_values())
 
 
@@ -163,14 +172,17 @@ ASM_INT2_V: gl.constexpr = gl.constexpr(_asm_int2_values())
 # ----------------------------------------------------------------------------
 
 
+@gluon.constexpr_function
 def _bits(n: int) -> int:
     return n.bit_length() - 1
 
 
+@gluon.constexpr_function
 def _warp_bases(w: int, rank: int) -> list[list[int]]:
     return [[1 << i] + [0] * (rank - 1) for i in range(_bits(w))]
 
 
+@gluon.constexpr_function
 def _basis(rank: int, dim: int, value: int) -> list[int]:
     b = [0] * rank
     b[dim] = value
@@ -198,6 +210,20 @@ def v_layouts(w: int, nt: int, groups: int, per_group: int, per_thread: int) -> 
     unpack = gl.DistributedLinearLayout(byte_regs[:1] + tok_regs[:1] + byte_regs[1:] + tok_regs[1:], lanes,
                                         _warp_bases(w, r), [], shape)  # fmt: skip
     return load, unpack
+
+
+@gluon.constexpr_function
+def chan_layout(w: int, hp: int) -> Any:
+    """Layout [W, D, HP] of one INT2 page's per-channel key scales or zeros, repeated for every head column.
+
+    Thread c of every lane group g loads the 32 contiguous channels c*32 .. c*32+31 (four 16-byte vectors);
+    the g lanes (the heads) repeat them. Channel bits 0..6 relabel to (crumb, k) as the unpacker's order
+    dictates (_crumbs), and then each crumb's tensor is exactly the B-operand layout, rows
+    k = (ch4, ch2, ch6, ch5, ch3).
+    """
+    regs = [_basis(3, 1, 1 << i) for i in range(5)] + ([_basis(3, 2, 8)] if hp > 8 else [])
+    lanes = [_basis(3, 1, 32), _basis(3, 1, 64)] + [_basis(3, 2, 1 << i) for i in range(3)]
+    return gl.DistributedLinearLayout(regs, lanes, _warp_bases(w, 3), [], [w, 128, hp])
 
 
 # ----------------------------------------------------------------------------
@@ -243,6 +269,14 @@ def _rows(pt_row_ptr, base, page_hi, num_tokens, h, total_bytes, wi, ni,
     else:
         off = pid.to(gl.int64) * PAGE_BYTES
     return off, h * P + slot, ok
+
+
+@gluon.jit
+def _int2_page(pt_row_ptr, pidx, page_hi, h, buf_ptr, total_bytes, PAGE_BYTES: gl.constexpr, FIELD: gl.constexpr):
+    """fp16 pointer to kv head h's row of a per-channel field of INT2 page pidx (page ids grow from the top)."""
+    pid = gl.load(pt_row_ptr + pidx, mask=pidx < page_hi, other=0)
+    page = buf_ptr + total_bytes - ((pid & ~FLAG) + 1).to(gl.int64) * PAGE_BYTES + FIELD
+    return page.to(gl.pointer_type(gl.float16), bitcast=True) + h * 128
 
 
 @gluon.jit
@@ -298,18 +332,175 @@ def _as_a_channels(x, W: gl.constexpr, NT: gl.constexpr, D: gl.constexpr, A: gl.
 
 
 @gluon.jit
+def _crumbs(x, B: gl.constexpr, W: gl.constexpr, HP: gl.constexpr):
+    """Per-channel vector [W, D, HP] in chan_layout -> one [W, 32, HP] tensor per crumb in the B-operand layout,
+    row k = (ch4, ch2, ch6, ch5, ch3) of channel ch = (byte << 2) | crumb (the inverse of _q_k_dims)."""
+    y = gl.reshape(x, [W, 2, 2, 2, 2, 2, 2, 2, HP])  # dims 1..7: ch6 .. ch0
+    y = gl.permute(y, [0, 3, 5, 1, 2, 4, 8, 6, 7])
+    e, o = gl.split(gl.reshape(y, [W, 32, HP, 2, 2]))  # ch0
+    c0, c2 = gl.split(e)  # ch1
+    c1, c3 = gl.split(o)
+    return (gl.convert_layout(c0, B, assert_trivial=True), gl.convert_layout(c1, B, assert_trivial=True),
+            gl.convert_layout(c2, B, assert_trivial=True), gl.convert_layout(c3, B, assert_trivial=True))  # fmt: skip
+
+
+@gluon.jit
+def _two_tiles(x, W: gl.constexpr, HP: gl.constexpr, MMA: gl.constexpr):
+    """[W, 16, HP] accumulator -> [W, 32, HP], both row tiles the same (a per-page term of every token)."""
+    y = gl.permute(gl.join(x, x), [0, 3, 1, 2])
+    return gl.convert_layout(gl.reshape(y, [W, 32, HP]), MMA, assert_trivial=True)
+
+
+@gluon.jit
 def _load_q_piece(q_row_ptr, G, KB: gl.constexpr, PER: gl.constexpr, PIECE: gl.constexpr, W: gl.constexpr,
-                  HP: gl.constexpr, B: gl.constexpr):  # fmt: skip
-    """q^T piece [W, KB, HP] (same for every warp) in the B-operand layout, rows in the kernel's k order."""
+                  HP: gl.constexpr, B: gl.constexpr, SCALE: gl.constexpr):  # fmt: skip
+    """q^T piece [W, KB, HP] (same for every warp) times SCALE in the B-operand layout, rows in the kernel's k order."""
     wi, ki, hi = _idx3(B, W, KB, HP)
     ch = _q_k_dims(ki, KB, PER, PIECE)
     q = gl.load(q_row_ptr + hi * 128 + ch + wi * 0, mask=(hi < G) & (wi >= 0), other=0.0)
-    return q.to(gl.float16)
+    return (q.to(gl.float32) * SCALE).to(gl.float16)
+
+
+@gluon.jit
+def _load_step(pt_row, base, hi, num_tokens, h, buf_ptr, total_bytes, FMT: gl.constexpr, P: gl.constexpr,
+               PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
+               KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
+               VZ_OFF: gl.constexpr, LV_LOAD: gl.constexpr, LV_UNPACK: gl.constexpr):  # fmt: skip
+    """The bytes of one step (pages base + w*PPW .. of warp w), raw: (K bytes, V bytes, K scales, K zeros,
+    V scales, V zeros); tokens past the split or the sequence read as 0."""
+    D: gl.constexpr = 128
+    W: gl.constexpr = gl.num_warps()
+    NT: gl.constexpr = PPW * P
+    INT2: gl.constexpr = FMT == GL_FMT_INT2
+    KB: gl.constexpr = D // 4 if INT2 else D // 2  # bytes per token row
+    # K bytes: thread c holds KB/4 contiguous bytes of tokens g, g+8, ...: [W, NT, groups, bytes per group]
+    # bytes per scale group: an E4M3-scaled block (nvfp4), a 32-channel group (INT4), a thread's row share (INT2)
+    KG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else (16 if FMT == GL_FMT_INT4 else KB // 4)
+    NGR: gl.constexpr = D // 32  # INT4 / INT2 scale groups per row
+    LK: gl.constexpr = gl.BlockedLayout([1, 1, (KB // 4) // KG, KG], [1, 8, 4, 1], [W, 1, 1, 1], [3, 2, 1, 0])
+    LK3: gl.constexpr = gl.BlockedLayout([1, 1, KB // 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
+    kw, kn, kj = _idx3(LK3, W, NT, KB)  # loaded as 3-D rows: one 16-byte (8 for INT2) vector per token
+    koff, krow, kok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, kw, kn, P, PPW, PAGE_BYTES, INT2)
+    kb = gl.load(buf_ptr + koff + K_OFF + krow * KB + kj, mask=kok, other=0)
+    if not INT2:
+        kb = gl.convert_layout(gl.reshape(kb, [W, NT, KB // KG, KG]), LK, assert_trivial=True)
+    # V bytes [W, NT, groups, bytes per group] in the channel-slice layout (see v_layouts)
+    VG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else KB // 4  # bytes per scale group
+    vw, vn, vg, vj = _idx4(LV_LOAD, W, NT, KB // VG, VG)
+    voff, vrow, vok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, vw, vn, P, PPW, PAGE_BYTES, INT2)
+    vb = gl.load(buf_ptr + voff + V_OFF + vrow * KB + vg * VG + vj, mask=vok, other=0)
+    tw, tn, tg = _idx3(gl.SliceLayout(3, LV_UNPACK), W, NT, KB // VG)
+    toff, trow, tok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, tw, tn, P, PPW, PAGE_BYTES, INT2)
+    if FMT == GL_FMT_NVFP4:
+        sw, sn, sg = _idx3(gl.SliceLayout(3, LK), W, NT, KB // KG)
+        soff, srow, sok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, sw, sn, P, PPW, PAGE_BYTES, INT2)
+        ks = gl.load(buf_ptr + soff + KS_OFF + srow * (D // 16) + sg, mask=sok, other=0)
+        vs = gl.load(buf_ptr + toff + VS_OFF + trow * (D // 16) + tg, mask=tok, other=0)
+        kz = ks  # unused: nvfp4 has no zero point
+        vz = vs
+    else:
+        vp = (buf_ptr + toff).to(gl.pointer_type(gl.float16), bitcast=True) + trow * NGR + tg
+        vs = gl.load(vp + (VS_OFF // 2), mask=tok, other=0.0)
+        vz = gl.load(vp + (VZ_OFF // 2), mask=tok, other=0.0)
+        if FMT == GL_FMT_INT4:
+            sw, sn, sg = _idx3(gl.SliceLayout(3, LK), W, NT, KB // KG)
+            soff, srow, sok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, sw, sn, P, PPW, PAGE_BYTES, INT2)
+            kp = (buf_ptr + soff).to(gl.pointer_type(gl.float16), bitcast=True) + srow * NGR + sg
+            ks = gl.load(kp + (KS_OFF // 2), mask=sok, other=0.0)
+            kz = gl.load(kp + (KZ_OFF // 2), mask=sok, other=0.0)
+        else:
+            # the warp's page (NT == P): per-channel key scales and zeros [W, D, HP], one 16-byte vector per 8
+            # channels (relabelled to crumbs by _crumbs)
+            bw, bc, bh = _idx3(chan_layout(W, HP), W, D, HP)
+            cok = (base + bw < hi) & (bh >= 0)
+            ks = gl.load(_int2_page(pt_row, base + bw, hi, h, buf_ptr, total_bytes, PAGE_BYTES, KS_OFF) + bc,
+                         mask=cok, other=0.0)  # fmt: skip
+            kz = gl.load(_int2_page(pt_row, base + bw, hi, h, buf_ptr, total_bytes, PAGE_BYTES, KZ_OFF) + bc,
+                         mask=cok, other=0.0)  # fmt: skip
+    return kb, vb, ks, kz, vs, vz
 
 
 # ----------------------------------------------------------------------------
 # the kernel
 # ----------------------------------------------------------------------------
+
+
+@gluon.jit
+def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes, k_mul, FMT: gl.constexpr,
+          P: gl.constexpr, PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, QF: gl.constexpr,
+          LV_UNPACK: gl.constexpr):  # fmt: skip
+    """One step of every warp: scores of its NT tokens, online softmax, O^T += V^T P^T -> (m_i, l_i, acc)."""
+    D: gl.constexpr = 128
+    W: gl.constexpr = gl.num_warps()
+    NT: gl.constexpr = PPW * P
+    INT2: gl.constexpr = FMT == GL_FMT_INT2
+    KB: gl.constexpr = D // 4 if INT2 else D // 2
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+    A: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    B: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    kb, vb, ks, kz, vs, vz = d
+    if FMT == GL_FMT_NVFP4:
+        ks = ks.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0
+        vs = vs.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0
+        kz = ks  # unused: nvfp4 has no zero point
+        vz = vs
+
+    # ---- S^T = K . q^T ----
+    if INT2:
+        # zero term sum_c z_c q_c QF of the page, the same for all its tokens: products summed over the crumbs
+        # in fp16 (as exact as dequantizing k = code * s + z to fp16), then over k by an mma with ones
+        z = _crumbs(kz, B, W, HP)
+        zq = z[0] * q0
+        zq = gl.fma(z[1], q1, zq)
+        zq = gl.fma(z[2], q2, zq)
+        zq = gl.fma(z[3], q3, zq)
+        ones = gl.full([W, 16, 32], 1.0, gl.float16, A)
+        sc = _two_tiles(mma_v2(ones, zq, gl.zeros([W, 16, HP], gl.float32, MMA)), W, HP, MMA)
+        # codes times q * 4^-k * s_c
+        sk = _crumbs(ks, B, W, HP)
+        k0, k1, k2, k3 = gl.inline_asm_elementwise(
+            ASM_INT2_K, "=r,=r,=r,=r,=r,=r,=r,=r,r", [kb],
+            dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
+        sc = mma_v2(_as_a_rows(k0, W, NT, KB, A), q0 * sk[0], sc)
+        sc = mma_v2(_as_a_rows(k1, W, NT, KB, A), q1 * (sk[1] * 0.25), sc)
+        sc = mma_v2(_as_a_rows(k2, W, NT, KB, A), q2 * (sk[2] * 0.0625), sc)
+        sc = mma_v2(_as_a_rows(k3, W, NT, KB, A), q3 * (sk[3] * 0.015625), sc)
+    else:
+        sc = gl.zeros([W, NT, HP], gl.float32, MMA)
+        klo, khi = _unpack_nibbles(kb, ks, kz, FMT, False)
+        sc = mma_v2(_as_a_rows(gl.reshape(klo, [W, NT, KB]), W, NT, KB, A), q0, sc)
+        sc = mma_v2(_as_a_rows(gl.reshape(khi, [W, NT, KB]), W, NT, KB, A), q1, sc)
+
+    # ---- online softmax over the warp's tokens (base 2) ----
+    mw, mn, mh = _idx3(MMA, W, NT, HP)
+    _o, _r, mok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, mw, mn, P, PPW, PAGE_BYTES, INT2)
+    sc = gl.where(mok & (mh >= 0), sc * k_mul, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(sc - gl.expand_dims(m_safe, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    pt = gl.convert_layout(p.to(gl.float16), B)
+
+    # ---- O^T += V^T . P^T ----
+    vb = gl.convert_layout(vb, LV_UNPACK, assert_trivial=True)
+    if INT2:
+        v0, v1, v2, v3 = gl.inline_asm_elementwise(
+            ASM_INT2_V, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", [vb, gl.expand_dims(vs, 3), gl.expand_dims(vz, 3)],
+            dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
+        v0 = _swap_t0_j0(gl.reshape(v0, [W, NT, KB]), W, NT, KB)
+        v1 = _swap_t0_j0(gl.reshape(v1, [W, NT, KB]), W, NT, KB)
+        v2 = _swap_t0_j0(gl.reshape(v2, [W, NT, KB]), W, NT, KB)
+        v3 = _swap_t0_j0(gl.reshape(v3, [W, NT, KB]), W, NT, KB)
+        vv = gl.reshape(gl.join(gl.join(v0, v2), gl.join(v1, v3)), [W, NT, D])  # channel 4j + crumb
+    else:
+        vlo, vhi = _unpack_nibbles(vb, vs, vz, FMT, True)
+        vlo = _swap_t0_j0(gl.reshape(vlo, [W, NT, KB]), W, NT, KB)
+        vhi = _swap_t0_j0(gl.reshape(vhi, [W, NT, KB]), W, NT, KB)
+        vv = gl.reshape(gl.join(vlo, vhi), [W, NT, D])  # channel 2j + nibble
+    acc = acc * gl.expand_dims(alpha, 1)
+    acc = mma_v2(_as_a_channels(vv, W, NT, D, A), pt, acc)
+    return m_new, l_i, acc
 
 
 @gluon.jit
@@ -326,129 +517,30 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
     KB: gl.constexpr = D // 4 if INT2 else D // 2  # bytes per token row
     PER: gl.constexpr = 4 if INT2 else 2  # values per byte
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
-    A: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
 
-    # q^T pieces, one per nibble (2) or crumb (4), in the B-operand layout
-    q0 = _load_q_piece(q_row, G, KB, PER, 0, W, HP, B)
-    q1 = _load_q_piece(q_row, G, KB, PER, 1, W, HP, B)
+    # q^T pieces, one per nibble (2) or crumb (4), in the B-operand layout. INT2 keys (per-channel scale s_c and
+    # zero z_c over the page): S = sum_c (code s_c + z_c) q_c = QF^-1 (sum_c (code 4^k) (q_c QF 4^-k s_c)
+    # + sum_c z_c q_c QF): the codes enter the mma as exact integers code * 4^k (k = the crumb), q is scaled by
+    # QF 4^-k once and by the page's s_c each step, and the zero term is one small mma per page.
+    # QF = 2^-4 keeps the products q_c s_c QF inside fp16 for |q_c s_c| < 2^20.
+    QF: gl.constexpr = 0.0625 if INT2 else 1.0
+    q0 = _load_q_piece(q_row, G, KB, PER, 0, W, HP, B, QF)
+    q1 = _load_q_piece(q_row, G, KB, PER, 1, W, HP, B, QF)
+    q2 = q0  # unused unless INT2
+    q3 = q0
     if INT2:
-        q2 = _load_q_piece(q_row, G, KB, PER, 2, W, HP, B)
-        q3 = _load_q_piece(q_row, G, KB, PER, 3, W, HP, B)
-
-    # K bytes: thread c holds KB/4 contiguous bytes of tokens g, g+8, ...: [W, NT, groups, bytes per group]
-    # bytes per scale group: an E4M3-scaled block (nvfp4), a 32-channel group (INT4), a thread's row share (INT2)
-    KG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else (16 if FMT == GL_FMT_INT4 else KB // 4)
-    NGR: gl.constexpr = D // 32  # INT4 / INT2 scale groups per row
-    LK: gl.constexpr = gl.BlockedLayout([1, 1, (KB // 4) // KG, KG], [1, 8, 4, 1], [W, 1, 1, 1], [3, 2, 1, 0])
-    LK3: gl.constexpr = gl.BlockedLayout([1, 1, KB // 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
-    kw, kn, kj = _idx3(LK3, W, NT, KB)  # loaded as 3-D rows: one 16-byte (8 for INT2) vector per token
-    LKS: gl.constexpr = gl.SliceLayout(3, LK)
-    sw, sn, sg = _idx3(LKS, W, NT, KB // KG)
-    # V bytes [W, NT, groups, bytes per group] in the channel-slice layout (see v_layouts)
-    VG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else KB // 4  # bytes per scale group
-    vw, vn, vg, vj = _idx4(LV_LOAD, W, NT, KB // VG, VG)
-    LVS: gl.constexpr = gl.SliceLayout(3, LV_UNPACK)
-    tw, tn, tg = _idx3(LVS, W, NT, KB // VG)
-    # token index of the S^T accumulator's rows
-    mw, mn, mh = _idx3(MMA, W, NT, HP)
-    if INT2:
-        # per-channel key scale / zero of the warp's page: [W, 1, KB] per crumb, byte order b0 b2 b1 b3
-        LKC: gl.constexpr = gl.SliceLayout(1, LK3)
-        cw = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, LKC)), 1)
-        cj = gl.expand_dims(gl.arange(0, KB, layout=gl.SliceLayout(0, LKC)), 0)
-        cbyte = (cj & ~3) | ((cj & 1) << 1) | ((cj >> 1) & 1)
+        q2 = _load_q_piece(q_row, G, KB, PER, 2, W, HP, B, QF)
+        q3 = _load_q_piece(q_row, G, KB, PER, 3, W, HP, B, QF)
 
     m_i = gl.full([W, HP], float("-inf"), gl.float32, gl.SliceLayout(1, MMA))
     l_i = gl.zeros([W, HP], gl.float32, gl.SliceLayout(1, MMA))
     acc = gl.zeros([W, D, HP], gl.float32, MMA)
     for base in range(lo, hi, W * PPW):
-        # ---- loads (K and V bytes, scales) ----
-        koff, krow, kok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, kw, kn, P, PPW, PAGE_BYTES, INT2)
-        kb = gl.load(buf_ptr + koff + K_OFF + krow * KB + kj, mask=kok, other=0)
-        if not INT2:
-            kb = gl.convert_layout(gl.reshape(kb, [W, NT, KB // KG, KG]), LK, assert_trivial=True)
-        soff, srow, sok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, sw, sn, P, PPW, PAGE_BYTES, INT2)
-        voff, vrow, vok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, vw, vn, P, PPW, PAGE_BYTES, INT2)
-        vb = gl.load(buf_ptr + voff + V_OFF + vrow * KB + vg * VG + vj, mask=vok, other=0)
-        toff, trow, tok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, tw, tn, P, PPW, PAGE_BYTES, INT2)
-        if FMT == GL_FMT_NVFP4:
-            ks = gl.load(buf_ptr + soff + KS_OFF + srow * (D // 16) + sg, mask=sok, other=0)
-            vs = gl.load(buf_ptr + toff + VS_OFF + trow * (D // 16) + tg, mask=tok, other=0)
-            ks = ks.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0
-            vs = vs.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0
-            kz = ks  # unused: nvfp4 has no zero point
-            vz = vs
-        elif FMT == GL_FMT_INT4:
-            kp = (buf_ptr + soff).to(gl.pointer_type(gl.float16), bitcast=True) + srow * NGR + sg
-            ks = gl.load(kp + (KS_OFF // 2), mask=sok, other=0.0)
-            kz = gl.load(kp + (KZ_OFF // 2), mask=sok, other=0.0)
-            vp = (buf_ptr + toff).to(gl.pointer_type(gl.float16), bitcast=True) + trow * NGR + tg
-            vs = gl.load(vp + (VS_OFF // 2), mask=tok, other=0.0)
-            vz = gl.load(vp + (VZ_OFF // 2), mask=tok, other=0.0)
-        else:
-            vp = (buf_ptr + toff).to(gl.pointer_type(gl.float16), bitcast=True) + trow * NGR + tg
-            vs = gl.load(vp + (VS_OFF // 2), mask=tok, other=0.0)
-            vz = gl.load(vp + (VZ_OFF // 2), mask=tok, other=0.0)
-            # the warp's page (NT == P): per-channel scale / zero of each crumb, in the unpacker's byte order
-            pidx = base + cw
-            pid = gl.load(pt_row + pidx, mask=pidx < hi, other=0)
-            cpage = (buf_ptr + total_bytes - ((pid & ~FLAG) + 1).to(gl.int64) * PAGE_BYTES).to(
-                gl.pointer_type(gl.float16), bitcast=True) + h * D + cbyte * 4  # fmt: skip
-            cs0 = gl.expand_dims(gl.load(cpage + (KS_OFF // 2) + 0), 1)
-            cs1 = gl.expand_dims(gl.load(cpage + (KS_OFF // 2) + 1), 1)
-            cs2 = gl.expand_dims(gl.load(cpage + (KS_OFF // 2) + 2), 1)
-            cs3 = gl.expand_dims(gl.load(cpage + (KS_OFF // 2) + 3), 1)
-            cz0 = gl.expand_dims(gl.load(cpage + (KZ_OFF // 2) + 0), 1)
-            cz1 = gl.expand_dims(gl.load(cpage + (KZ_OFF // 2) + 1), 1)
-            cz2 = gl.expand_dims(gl.load(cpage + (KZ_OFF // 2) + 2), 1)
-            cz3 = gl.expand_dims(gl.load(cpage + (KZ_OFF // 2) + 3), 1)
-
-        # ---- S^T = K . q^T ----
-        sc = gl.zeros([W, NT, HP], gl.float32, MMA)
-        if INT2:
-            k0, k1, k2, k3 = gl.inline_asm_elementwise(
-                ASM_INT2_K, "=r,=r,=r,=r,=r,=r,=r,=r,r" + ",r" * 16,
-                [kb, cs0, cs1, cs2, cs3, cz0, cz1, cz2, cz3],
-                dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
-            sc = mma_v2(_as_a_rows(k0, W, NT, KB, A), q0, sc)
-            sc = mma_v2(_as_a_rows(k1, W, NT, KB, A), q1, sc)
-            sc = mma_v2(_as_a_rows(k2, W, NT, KB, A), q2, sc)
-            sc = mma_v2(_as_a_rows(k3, W, NT, KB, A), q3, sc)
-        else:
-            klo, khi = _unpack_nibbles(kb, ks, kz, FMT, False)
-            sc = mma_v2(_as_a_rows(gl.reshape(klo, [W, NT, KB]), W, NT, KB, A), q0, sc)
-            sc = mma_v2(_as_a_rows(gl.reshape(khi, [W, NT, KB]), W, NT, KB, A), q1, sc)
-
-        # ---- online softmax over the warp's tokens (base 2) ----
-        _o, _r, mok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, mw, mn, P, PPW, PAGE_BYTES, INT2)
-        sc = gl.where(mok & (mh >= 0), sc * k_mul, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(sc - gl.expand_dims(m_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        pt = gl.convert_layout(p.to(gl.float16), B)
-
-        # ---- O^T += V^T . P^T ----
-        vb = gl.convert_layout(vb, LV_UNPACK, assert_trivial=True)
-        if INT2:
-            v0, v1, v2, v3 = gl.inline_asm_elementwise(
-                ASM_INT2_V, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", [vb, gl.expand_dims(vs, 3), gl.expand_dims(vz, 3)],
-                dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
-            v0 = _swap_t0_j0(gl.reshape(v0, [W, NT, KB]), W, NT, KB)
-            v1 = _swap_t0_j0(gl.reshape(v1, [W, NT, KB]), W, NT, KB)
-            v2 = _swap_t0_j0(gl.reshape(v2, [W, NT, KB]), W, NT, KB)
-            v3 = _swap_t0_j0(gl.reshape(v3, [W, NT, KB]), W, NT, KB)
-            vv = gl.reshape(gl.join(gl.join(v0, v2), gl.join(v1, v3)), [W, NT, D])  # channel 4j + crumb
-        else:
-            vlo, vhi = _unpack_nibbles(vb, vs, vz, FMT, True)
-            vlo = _swap_t0_j0(gl.reshape(vlo, [W, NT, KB]), W, NT, KB)
-            vhi = _swap_t0_j0(gl.reshape(vhi, [W, NT, KB]), W, NT, KB)
-            vv = gl.reshape(gl.join(vlo, vhi), [W, NT, D])  # channel 2j + nibble
-        acc = acc * gl.expand_dims(alpha, 1)
-        acc = mma_v2(_as_a_channels(vv, W, NT, D, A), pt, acc)
+        d = _load_step(pt_row, base, hi, num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW, HP, PAGE_BYTES, K_OFF,
+                       KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, LV_UNPACK)  # fmt: skip
+        m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,
+                              k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK)  # fmt: skip
 
     # ---- merge the warps by log-sum-exp; store this split's rows ----
     top = gl.max(m_i, axis=0)  # [HP]
@@ -533,10 +625,11 @@ def _gl_decode_kernel(
 
 GL_FMT = {"nvfp4": 0, "int4": 1, "int2": 2}
 INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", "VZ_OFF", "LV_LOAD", "LV_UNPACK")
-# warps per program, pages per warp per step, programs per SM the split planner aims for
+# warps per program, pages per warp per step, programs per SM the split planner aims for, register cap (0: none;
+# 144 measured 4% faster for triaxial on an H200, bench/NOTES-kernels.md)
 GL_TUNING: dict[str, dict[str, int]] = {
     "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16},
-    "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16},
+    "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 144},  # triaxial (INT4 and INT2 splits)
 }
 
 
@@ -621,7 +714,7 @@ def decode_attention(
         args2 = {k + "2": v for k, v in a2.items() if k in INT2_ARGS}
     kernel = _gl_decode_kernel[(s, h, b)](
         q, o, lse, buffer, page_table, seq_lens, n2, sm_scale * LOG2E * k_fold, total, page_table.stride(0),
-        s, pps, PART=part, **common, **args, **args2,
+        s, pps, PART=part, **common, **args, **args2, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )  # fmt: skip
     LAST_KERNEL[:] = [kernel]
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)

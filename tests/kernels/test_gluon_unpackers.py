@@ -1,0 +1,188 @@
+"""The Gluon kernels' PTX unpackers, run on the CPU by a small interpreter of the PTX they use.
+
+The Gluon decode kernels cannot run without a GPU, so CI would otherwise never
+execute their bit tricks (nibble / crumb placement in fp16 mantissas, magic
+numbers, the 4^k spreads of the INT2 codes). Each unpacker string from
+``gluon_decode`` is interpreted here, instruction by instruction (32-bit
+integer ops exact, f16x2 ops rounded once to fp16 as the hardware does), on
+random words and scales, and every output half is compared with the value the
+page format defines for that nibble or crumb.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from kvserving.kernels import gluon_decode as gd
+
+M32 = 0xFFFFFFFF
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _f16(bits: int) -> Fraction:
+    return Fraction(float(np.array([bits], dtype=np.uint16).view(np.float16)[0]))
+
+
+def _bits16(x: Fraction) -> int:
+    # exact rational -> nearest fp16 (via float64: every value here is exact in float64)
+    return int(np.array([np.float16(float(x))]).view(np.uint16)[0])
+
+
+def _halves(r: int) -> tuple[Fraction, Fraction]:
+    return _f16(r & 0xFFFF), _f16(r >> 16)
+
+
+def _pack(lo: Fraction, hi: Fraction) -> int:
+    return _bits16(lo) | _bits16(hi) << 16
+
+
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    out = 0
+    for i in range(32):
+        idx = ((a >> i & 1) << 2) | ((b >> i & 1) << 1) | (c >> i & 1)
+        out |= (lut >> idx & 1) << i
+    return out
+
+
+def run_ptx(asm: str, operands: list[int]) -> list[int]:
+    """Interpret the unpacker's PTX; operands are $0.. (outputs first, any value) -> the outputs' registers."""
+    regs: dict[str, int] = {f"${i}": v & M32 for i, v in enumerate(operands)}
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0) & M32
+
+    body = asm.replace("{", " ").replace("}", " ")
+    for stmt in (s.strip() for s in body.split(";")):
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, args = stmt.split(None, 1)
+        a = [x.strip() for x in args.split(",")]
+        dst, src = a[0], a[1:]
+        if op == "mov.b32":
+            r = val(src[0])
+        elif op == "and.b32":
+            r = val(src[0]) & val(src[1])
+        elif op == "or.b32":
+            r = val(src[0]) | val(src[1])
+        elif op == "shl.b32":
+            r = val(src[0]) << val(src[1]) & M32
+        elif op == "shr.b32":
+            r = val(src[0]) >> val(src[1])
+        elif op == "lop3.b32":
+            r = _lop3(val(src[0]), val(src[1]), val(src[2]), val(src[3]))
+        elif op == "prmt.b32":
+            x, y, sel = val(src[0]), val(src[1]), val(src[2])
+            pool = x | y << 32
+            r = sum((pool >> (8 * (sel >> (4 * i) & 7)) & 0xFF) << (8 * i) for i in range(4))
+        elif op in ("mul.rn.f16x2", "sub.rn.f16x2", "fma.rn.f16x2"):
+            xs = [_halves(val(t)) for t in src]
+            res = []
+            for h in range(2):
+                if op == "mul.rn.f16x2":
+                    res.append(xs[0][h] * xs[1][h])
+                elif op == "sub.rn.f16x2":
+                    res.append(xs[0][h] - xs[1][h])
+                else:
+                    res.append(xs[0][h] * xs[1][h] + xs[2][h])  # one rounding (fma)
+            r = _pack(res[0], res[1])
+        else:
+            raise AssertionError(f"unknown PTX op in an unpacker: {op}")
+        assert re.fullmatch(r"\$\d+|[a-z]\w*", dst), dst
+        regs[dst] = r
+    return [regs[f"${i}"] for i in range(len(operands))]
+
+
+def _byte(word: int, j: int) -> int:
+    return word >> (8 * j) & 0xFF
+
+
+def _e2m1(nib: int) -> Fraction:
+    v = Fraction(E2M1[nib & 7])
+    return -v if nib & 8 else v
+
+
+def _rand_f16(rng: np.random.Generator, lo: float, hi: float) -> Fraction:
+    return _f16(_bits16(Fraction(float(rng.uniform(lo, hi)))))
+
+
+# pairs of bytes an output register holds, in the unpackers' order: (b0, b2) then (b1, b3)
+PAIRS = ((0, 2), (1, 3))
+
+
+@pytest.mark.parametrize("token_pairs", [False, True])
+def test_e2m1_unpacker_gives_code_times_scale(token_pairs: bool) -> None:
+    rng = np.random.default_rng(1)
+    asm = gd._asm_e2m1(token_pairs)
+    for _ in range(200):
+        w = int(rng.integers(0, 1 << 32))
+        sa, sb = _rand_f16(rng, 1, 448 * 128), _rand_f16(rng, 1, 448 * 128)
+        if not token_pairs:
+            sb = sa
+        out = run_ptx(asm, [0, 0, 0, 0, w, _pack(sa, sa), _pack(sb, sb)])
+        for i, reg in enumerate(out[:4]):
+            nib_shift, (j0, j1) = 4 * (i // 2), PAIRS[i % 2]
+            for half, (j, s) in enumerate(((j0, sa), (j1, sb))):
+                want = _e2m1(_byte(w, j) >> nib_shift) * Fraction(1, 1 << 14) * s
+                assert _halves(reg)[half] == _f16(_bits16(want)), (w, i, half)
+
+
+@pytest.mark.parametrize("token_pairs", [False, True])
+def test_int4_unpacker_gives_code_times_scale_plus_zero(token_pairs: bool) -> None:
+    rng = np.random.default_rng(2)
+    asm = gd._asm_int4(token_pairs)
+    for _ in range(200):
+        w = int(rng.integers(0, 1 << 32))
+        sa, sb = _rand_f16(rng, 1e-3, 4), _rand_f16(rng, 1e-3, 4)
+        za, zb = _rand_f16(rng, -30, 30), _rand_f16(rng, -30, 30)
+        if not token_pairs:
+            sb, zb = sa, za
+        out = run_ptx(asm, [0, 0, 0, 0, w, _pack(sa, sa), _pack(sb, sb), _pack(za, za), _pack(zb, zb)])
+        # outputs: lo b0/b2, lo b1/b3, hi b0/b2, hi b1/b3
+        for i, reg in enumerate(out[:4]):
+            nib_shift, (j0, j1) = 4 * (i // 2), PAIRS[i % 2]
+            for half, (j, s, z) in enumerate(((j0, sa, za), (j1, sb, zb))):
+                want = (_byte(w, j) >> nib_shift & 15) * s + z
+                assert _halves(reg)[half] == _f16(_bits16(want)), (w, i, half)
+
+
+def test_int2_key_unpacker_gives_exact_codes_spread_by_4_to_the_crumb() -> None:
+    rng = np.random.default_rng(3)
+    asm = gd._asm_int2_codes()
+    for w in [0, M32] + [int(x) for x in rng.integers(0, 1 << 32, 300)]:
+        out = run_ptx(asm, [0] * 8 + [w])
+        for k in range(4):
+            for r in range(2):
+                reg = out[2 * k + r]
+                for half, j in enumerate(PAIRS[r]):
+                    assert _halves(reg)[half] == (_byte(w, j) >> (2 * k) & 3) * 4**k, (w, k, r, half)
+
+
+def test_int2_value_unpacker_gives_code_times_scale_plus_zero() -> None:
+    rng = np.random.default_rng(4)
+    asm = gd._asm_int2_values()
+    for _ in range(300):
+        w = int(rng.integers(0, 1 << 32))
+        sa, sb = _rand_f16(rng, 1e-3, 4), _rand_f16(rng, 1e-3, 4)
+        za, zb = _rand_f16(rng, -30, 30), _rand_f16(rng, -30, 30)
+        out = run_ptx(asm, [0] * 8 + [w, _pack(sa, sa), _pack(sb, sb), _pack(za, za), _pack(zb, zb)])
+        for k in range(4):
+            for r in range(2):
+                reg = out[2 * k + r]
+                for half, (j, s, z) in enumerate(((PAIRS[r][0], sa, za), (PAIRS[r][1], sb, zb))):
+                    code = _byte(w, j) >> (2 * k) & 3
+                    # odd crumbs: code * 4 times the fp16 s / 4 (exact for these scales), one fma rounding
+                    want = code * s + z if k % 2 == 0 else code * 4 * _f16(_bits16(s / 4)) + z
+                    assert _halves(reg)[half] == _f16(_bits16(want)), (w, k, r, half)
+
+
+def test_the_interpreter_knows_a_wrong_unpacker() -> None:
+    # the same INT2 code unpacker with the shift for the high bytes left out must fail the check above
+    asm = gd._asm_int2_codes().replace("shr.b32 u, $8, 8;", "mov.b32 u, $8;")
+    out = run_ptx(asm, [0] * 8 + [0x0300])  # crumb 0 of byte 1 = 3
+    assert _halves(out[1])[0] == 0  # the broken one reads byte 0's crumb
+    assert _halves(run_ptx(gd._asm_int2_codes(), [0] * 8 + [0x0300])[1])[0] == 3
