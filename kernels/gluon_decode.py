@@ -625,11 +625,11 @@ def _gl_decode_kernel(
 
 GL_FMT = {"nvfp4": 0, "int4": 1, "int2": 2}
 INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", "VZ_OFF", "LV_LOAD", "LV_UNPACK")
-# warps per program, pages per warp per step, programs per SM the split planner aims for, register cap (0: none;
-# 144 measured 4% faster for triaxial on an H200, bench/NOTES-kernels.md)
+# warps per program, pages per warp per step, programs per SM the split planner aims for, register cap (triaxial:
+# both branches in one kernel take 175 registers, 2 programs of 4 warps per SM; 168 fits 3, without spills)
 GL_TUNING: dict[str, dict[str, int]] = {
     "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16},
-    "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 144},  # triaxial (INT4 and INT2 splits)
+    "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 168},  # triaxial (INT4 and INT2 splits)
 }
 
 
@@ -725,8 +725,9 @@ def decode_attention(
 def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None, heads: int = 4) -> tuple[dict[str, str], dict[str, Any]]:
     """(signature, constexprs) to compile ``_gl_decode_kernel`` without a GPU (compile_report.py, tests).
 
-    fmt "int2" / "int4" compile the triaxial kernel with only that precision's branch (PART 2 / 4)."""
-    plain = "int4" if fmt == "int2" else fmt
+    fmt "int2" / "int4" compile the triaxial kernel with only that precision's branch (PART 2 / 4), "triaxial"
+    with both (PART 1, as launched)."""
+    plain = "int4" if fmt in ("int2", "triaxial") else fmt
     p = 16 if plain == "nvfp4" else 32
     ppw = ppw or (2 if plain == "nvfp4" else 1)
     lay = PageLayout.build(plain, page_size=p, kv_heads=8, head_dim=128)
@@ -734,7 +735,7 @@ def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None,
     a2 = kernel_args("int2", lay2, num_warps=num_warps, ppw=1)
     sig = {"q_ptr": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "buf_ptr": "*u8", "pt_ptr": "*i32", "lens_ptr": "*i32",
            "n2_ptr": "*i32", "k_mul": "fp32", "total_bytes": "i64", "pt_stride": "i32", "S": "i32", "PPS": "i32"}  # fmt: skip
-    const = dict(PART={"nvfp4": 0, "int2": 2, "int4": 4}[fmt], H=8, G=heads, HP=8 if heads <= 8 else 16,
+    const = dict(PART={"nvfp4": 0, "int2": 2, "int4": 4, "triaxial": 1}[fmt], H=8, G=heads, HP=8 if heads <= 8 else 16,
                  **kernel_args(plain, lay, num_warps=num_warps, ppw=ppw),
                  **{k + "2": v for k, v in a2.items() if k in INT2_ARGS})  # fmt: skip
     return sig, const
