@@ -108,12 +108,13 @@ def _asm_e2m1(token_pairs: bool) -> str:
 
 
 def _asm_int4(token_pairs: bool) -> str:
-    """Outputs lo (2 regs), hi (2 regs); inputs word $4, scale $5 $6, zero $7 $8; code * scale + zero."""
+    """Outputs lo (2 regs), hi (2 regs); inputs word $4, then scale and zero; code * scale + zero.
+
+    K (one token): scale $5 $6 and zero $7 $8 hold (s, s) pairs. V (token_pairs, two tokens a, b): scale $5..$8
+    and zero $9..$12 are four copies of the word (s_a, s_b) loaded from the token-minor field.
+    """
     code = ["{ .reg .b32 t, s, z, magic; mov.b32 magic, 0x64006400;"]
-    if token_pairs:
-        code.append("prmt.b32 s, $5, $6, 0x5410; prmt.b32 z, $7, $8, 0x5410;")
-    else:
-        code.append("mov.b32 s, $5; mov.b32 z, $7;")
+    code.append("mov.b32 s, $5; mov.b32 z, $9;" if token_pairs else "mov.b32 s, $5; mov.b32 z, $7;")
     for i, shift in enumerate((0, 8, 4, 12)):  # lo b0/b2, lo b1/b3, hi b0/b2, hi b1/b3
         code.append(
             _shift("t", "$4", -shift) + "lop3.b32 t, t, 0x000F000F, magic, 0xEA;"
@@ -124,14 +125,15 @@ def _asm_int4(token_pairs: bool) -> str:
 
 
 def _asm_int2_values() -> str:
-    """V rows of two tokens: outputs c0..c3 (2 regs each); inputs word $8, scale $9 $10, zero $11 $12.
+    """V rows of two tokens a, b: outputs c0..c3 (2 regs each); inputs word $8, scale $9..$12 and zero $13..$16
+    (four copies each of the words (s_a, s_b), (z_a, z_b)).
 
     Crumb k at bit 2k: the odd crumbs are taken in place as c * 4 (exact fp16 integers) and scaled by s / 4, so
     one shift serves two crumbs (s / 4 is exact unless s < 2^-12, where fp16 subnormals round it by < 2^-25
     absolute, far below the INT2 step s).
     """
     code = ["{ .reg .b32 t, u0, u1, s, s4, z, magic; mov.b32 magic, 0x64006400; mov.b32 s4, 0x34003400;"]
-    code.append("prmt.b32 s, $9, $10, 0x5410; prmt.b32 z, $11, $12, 0x5410; mul.rn.f16x2 s4, s, s4;")
+    code.append("mov.b32 s, $9; mov.b32 z, $13; mul.rn.f16x2 s4, s, s4;")
     for k in range(4):
         for r in range(2):
             if k % 2 == 0:
@@ -210,6 +212,19 @@ def v_layouts(w: int, nt: int, groups: int, per_group: int, per_thread: int) -> 
     unpack = gl.DistributedLinearLayout(byte_regs[:1] + tok_regs[:1] + byte_regs[1:] + tok_regs[1:], lanes,
                                         _warp_bases(w, r), [], shape)  # fmt: skip
     return load, unpack
+
+
+@gluon.constexpr_function
+def pair_layout(unpack: Any) -> Any:
+    """[W, NT/2, groups] layout of one word per V token pair (2c, 2c+1): V's unpack layout without the byte
+    dimension and token bit 0 (the two tokens whose bytes share an unpacker word)."""
+    def cut(b: list[int]) -> list[int]:
+        return [b[0], b[1] // 2, b[2]]
+
+    regs = [cut(b) for b in unpack.reg_bases if b[3] == 0 and b[1] != 1]
+    s = unpack.shape
+    return gl.DistributedLinearLayout(regs, [cut(b) for b in unpack.lane_bases], [cut(b) for b in unpack.warp_bases],
+                                      [], [s[0], s[1] // 2, s[2]])  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -306,8 +321,12 @@ def _unpack_nibbles(x, scale, zero, FMT: gl.constexpr, TOKEN_PAIRS: gl.constexpr
         lo, hi = gl.inline_asm_elementwise(ASM_E2M1_V if TOKEN_PAIRS else ASM_E2M1_K, "=r,=r,=r,=r,r,r,r",
                                            [x, gl.expand_dims(scale, 3)], dtype=(gl.float16, gl.float16), is_pure=True,
                                            pack=4)  # fmt: skip
+    elif TOKEN_PAIRS:  # scale / zero: int32 words (s_a, s_b) per token pair (_pairs_to_tokens)
+        lo, hi = gl.inline_asm_elementwise(ASM_INT4_V, "=r,=r,=r,=r,r" + ",r" * 8,
+                                           [x, gl.expand_dims(scale, 3), gl.expand_dims(zero, 3)],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
     else:
-        lo, hi = gl.inline_asm_elementwise(ASM_INT4_V if TOKEN_PAIRS else ASM_INT4_K, "=r,=r,=r,=r,r,r,r,r,r",
+        lo, hi = gl.inline_asm_elementwise(ASM_INT4_K, "=r,=r,=r,=r,r,r,r,r,r",
                                            [x, gl.expand_dims(scale, 3), gl.expand_dims(zero, 3)],
                                            dtype=(gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
     return lo, hi
@@ -342,6 +361,13 @@ def _crumbs(x, B: gl.constexpr, W: gl.constexpr, HP: gl.constexpr):
     c1, c3 = gl.split(o)
     return (gl.convert_layout(c0, B, assert_trivial=True), gl.convert_layout(c1, B, assert_trivial=True),
             gl.convert_layout(c2, B, assert_trivial=True), gl.convert_layout(c3, B, assert_trivial=True))  # fmt: skip
+
+
+@gluon.jit
+def _pairs_to_tokens(x, W: gl.constexpr, NT: gl.constexpr, L: gl.constexpr):
+    """[W, NT/2, groups] words of token pairs -> [W, NT, groups] (both tokens of a pair hold the word) in L."""
+    y = gl.permute(gl.join(x, x), [0, 1, 3, 2])
+    return gl.convert_layout(gl.reshape(y, [W, NT, y.shape[3]]), L, assert_trivial=True)
 
 
 @gluon.jit
@@ -399,9 +425,17 @@ def _load_step(pt_row, base, hi, num_tokens, h, buf_ptr, total_bytes, FMT: gl.co
         kz = ks  # unused: nvfp4 has no zero point
         vz = vs
     else:
-        vp = (buf_ptr + toff).to(gl.pointer_type(gl.float16), bitcast=True) + trow * NGR + tg
-        vs = gl.load(vp + (VS_OFF // 2), mask=tok, other=0.0)
-        vz = gl.load(vp + (VZ_OFF // 2), mask=tok, other=0.0)
+        # V scale / zero: one int32 word (s_a, s_b) per token pair (2c, 2c+1) and group, from the token-minor
+        # fields [H, D/32, P] (layout.py); a second token past the sequence (partial page) reads 0 like masked ones
+        LVP: gl.constexpr = pair_layout(LV_UNPACK)
+        pw, pn, pg = _idx3(LVP, W, NT // 2, KB // VG)
+        poff, prow, pok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, pw, 2 * pn, P, PPW, PAGE_BYTES, INT2)
+        _o, _r, bok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, pw, 2 * pn + 1, P, PPW, PAGE_BYTES, INT2)
+        keep = gl.where(bok, -1, 0xFFFF)
+        vp = (buf_ptr + poff).to(gl.pointer_type(gl.int32), bitcast=True)
+        pi = ((prow // P) * NGR + pg) * (P // 2) + (prow % P) // 2
+        vs = gl.load(vp + (VS_OFF // 4 + pi), mask=pok, other=0) & keep
+        vz = gl.load(vp + (VZ_OFF // 4 + pi), mask=pok, other=0) & keep
         if FMT == GL_FMT_INT4:
             sw, sn, sg = _idx3(gl.SliceLayout(3, LK), W, NT, KB // KG)
             soff, srow, sok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, sw, sn, P, PPW, PAGE_BYTES, INT2)
@@ -444,6 +478,9 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
         vs = vs.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0
         kz = ks  # unused: nvfp4 has no zero point
         vz = vs
+    else:
+        vs = _pairs_to_tokens(vs, W, NT, gl.SliceLayout(3, LV_UNPACK))
+        vz = _pairs_to_tokens(vz, W, NT, gl.SliceLayout(3, LV_UNPACK))
 
     # ---- S^T = K . q^T ----
     if INT2:
@@ -486,7 +523,7 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
     vb = gl.convert_layout(vb, LV_UNPACK, assert_trivial=True)
     if INT2:
         v0, v1, v2, v3 = gl.inline_asm_elementwise(
-            ASM_INT2_V, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", [vb, gl.expand_dims(vs, 3), gl.expand_dims(vz, 3)],
+            ASM_INT2_V, "=r,=r,=r,=r,=r,=r,=r,=r,r" + ",r" * 8, [vb, gl.expand_dims(vs, 3), gl.expand_dims(vz, 3)],
             dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
         v0 = _swap_t0_j0(gl.reshape(v0, [W, NT, KB]), W, NT, KB)
         v1 = _swap_t0_j0(gl.reshape(v1, [W, NT, KB]), W, NT, KB)

@@ -12,9 +12,14 @@ load 16-byte vectors (H = kv heads, P = page size, D = head dim)::
     bf16      k[H,P,D] bf16 | v[H,P,D] bf16      (fp32: the same in float32, for fp32 models)
     fp8_e4m3  k[H,P,D] u8 (E4M3 bits) | v[H,P,D] u8
     nvfp4     k[H,P,D/2] u8 | k_scale[H,P,D/16] u8 (E4M3 bits) | v[H,P,D/2] | v_scale[H,P,D/16]
-    int4      k[H,P,D/2] u8 | k_scale[H,P,D/32] f16 | k_zero[H,P,D/32] f16 | v ... same as k
+    int4      k[H,P,D/2] u8 | k_scale[H,P,D/32] f16 | k_zero[H,P,D/32] f16
+              v[H,P,D/2] u8 | v_scale[H,D/32,P] f16 | v_zero[H,D/32,P] f16
     int2      k[H,P,D/4] u8 | k_scale[H,D] f16 | k_zero[H,D] f16        (keys: per channel over the page)
-              v[H,P,D/4] u8 | v_scale[H,P,D/32] f16 | v_zero[H,P,D/32] f16  (values: per token group)
+              v[H,P,D/4] u8 | v_scale[H,D/32,P] f16 | v_zero[H,D/32,P] f16  (values: per token group)
+
+Value scales and zeros of int4 / int2 pages are stored token-minor ([H, D/32, P]): a decode
+thread that holds two adjacent tokens' value bytes loads both tokens' scale (and zero) as one
+32-bit word. ``PageLayout.views`` still shows them as [H, P, D/32] (a permuted view).
 
 Heads-major inside a page (HND): a decode kernel reads one head's page as one
 contiguous [P, D] tile.
@@ -46,8 +51,9 @@ NVFP4_BLOCK = 16
 class PageField:
     name: str
     dtype: torch.dtype
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # logical shape ([H, P, ...] for per-token fields)
     offset: int  # bytes from the start of the page
+    storage: tuple[int, ...] | None = None  # order of the logical dims in memory (None: as listed)
 
     @property
     def nbytes(self) -> int:
@@ -61,37 +67,41 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _field_specs(fmt: str, h: int, p: int, d: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+TOKEN_MINOR = (0, 2, 1)  # [H, P, G] fields stored as [H, G, P]
+
+
+def _field_specs(fmt: str, h: int, p: int, d: int) -> list[tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...] | None]]:
     if fmt in ("bf16", "fp32"):
         # fp32: unquantized KV for models run in fp32 (CPU tests against transformers)
         t = torch.bfloat16 if fmt == "bf16" else torch.float32
-        return [("k", t, (h, p, d)), ("v", t, (h, p, d))]
+        return [("k", t, (h, p, d), None), ("v", t, (h, p, d), None)]
     if fmt == "fp8_e4m3":
-        return [("k", torch.uint8, (h, p, d)), ("v", torch.uint8, (h, p, d))]
+        return [("k", torch.uint8, (h, p, d), None), ("v", torch.uint8, (h, p, d), None)]
     if fmt == "nvfp4":
         return [
-            ("k", torch.uint8, (h, p, d // 2)),
-            ("k_scale", torch.uint8, (h, p, d // NVFP4_BLOCK)),
-            ("v", torch.uint8, (h, p, d // 2)),
-            ("v_scale", torch.uint8, (h, p, d // NVFP4_BLOCK)),
+            ("k", torch.uint8, (h, p, d // 2), None),
+            ("k_scale", torch.uint8, (h, p, d // NVFP4_BLOCK), None),
+            ("v", torch.uint8, (h, p, d // 2), None),
+            ("v_scale", torch.uint8, (h, p, d // NVFP4_BLOCK), None),
         ]
     g = d // TRIAXIAL_GROUP
+    f16 = torch.float16
+    values_meta = [("v_scale", f16, (h, p, g), TOKEN_MINOR), ("v_zero", f16, (h, p, g), TOKEN_MINOR)]
     if fmt == "int4":
-        per_token = [("scale", torch.float16, (h, p, g)), ("zero", torch.float16, (h, p, g))]
         return [
-            ("k", torch.uint8, (h, p, d // 2)),
-            *[("k_" + n, t, s) for n, t, s in per_token],
-            ("v", torch.uint8, (h, p, d // 2)),
-            *[("v_" + n, t, s) for n, t, s in per_token],
+            ("k", torch.uint8, (h, p, d // 2), None),
+            ("k_scale", f16, (h, p, g), None),
+            ("k_zero", f16, (h, p, g), None),
+            ("v", torch.uint8, (h, p, d // 2), None),
+            *values_meta,
         ]
     if fmt == "int2":
         return [
-            ("k", torch.uint8, (h, p, d // 4)),
-            ("k_scale", torch.float16, (h, d)),
-            ("k_zero", torch.float16, (h, d)),
-            ("v", torch.uint8, (h, p, d // 4)),
-            ("v_scale", torch.float16, (h, p, g)),
-            ("v_zero", torch.float16, (h, p, g)),
+            ("k", torch.uint8, (h, p, d // 4), None),
+            ("k_scale", f16, (h, d), None),
+            ("k_zero", f16, (h, d), None),
+            ("v", torch.uint8, (h, p, d // 4), None),
+            *values_meta,
         ]
     raise ValueError(f"unknown page format {fmt!r}; expected one of {PAGE_FORMATS}")
 
@@ -117,8 +127,8 @@ class PageLayout:
             raise ValueError(f"head_dim must be a multiple of {TRIAXIAL_GROUP} for {fmt}, got {head_dim}")
         fields: list[PageField] = []
         offset = 0
-        for name, dtype, shape in _field_specs(fmt, kv_heads, page_size, head_dim):
-            f = PageField(name, dtype, shape, offset)
+        for name, dtype, shape, storage in _field_specs(fmt, kv_heads, page_size, head_dim):
+            f = PageField(name, dtype, shape, offset, storage)
             fields.append(f)
             offset = _align(offset + f.nbytes)
         return cls(fmt, page_size, kv_heads, head_dim, tuple(fields), offset)
@@ -135,8 +145,12 @@ class PageLayout:
             raise ValueError(f"pages must be uint8 [N, {self.page_bytes}], got {pages.dtype} {list(pages.shape)}")
         out = {}
         for f in self.fields:
-            raw = pages[:, f.offset : f.offset + f.nbytes]
-            out[f.name] = raw.view(f.dtype).view(pages.shape[0], *f.shape)
+            raw = pages[:, f.offset : f.offset + f.nbytes].view(f.dtype)
+            if f.storage is None:
+                out[f.name] = raw.view(pages.shape[0], *f.shape)
+            else:  # stored in a permuted order: a strided view in the logical one
+                stored = raw.view(pages.shape[0], *(f.shape[i] for i in f.storage))
+                out[f.name] = stored.permute(0, *(1 + f.storage.index(i) for i in range(len(f.shape))))
         return out
 
 

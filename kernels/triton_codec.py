@@ -131,6 +131,16 @@ def div_f16(d, s, inv_s):
 
 
 @triton.jit
+def meta_index(hrow, g, NG: tl.constexpr, TM: tl.constexpr):
+    """fp16 index of group g's scale (or zero) of row ``hrow`` (= head * P + slot) in a per-token field:
+    [H, P, NG] when TM is 0; token-minor [H, NG, P] with P = TM (value scales of int4 / int2 pages, layout.py)."""
+    if TM == 0:
+        return hrow * NG + g
+    else:
+        return (hrow // TM * NG + g) * TM + hrow % TM
+
+
+@triton.jit
 def int_stats(lo, hi, LEVELS: tl.constexpr):
     """Group min/max (fp32) -> (scale, zero) as fp16: scale = fp16((hi - lo) / L), 1 when that is 0."""
     # L = 3 or 15 is an fp16 value, so div_f16 gives div_rn's quotient; 1/L is a constant

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .layout import INT2_PAGE_FLAG, PageLayout
-from .triton_codec import crumb_codes, crumbs_int2, e4m3_to_f16, nibbles_e2m1, nibbles_int4
+from .triton_codec import crumb_codes, crumbs_int2, e4m3_to_f16, meta_index, nibbles_e2m1, nibbles_int4
 
 FMT_BF16: tl.constexpr = tl.constexpr(0)
 FMT_FP8: tl.constexpr = tl.constexpr(1)
@@ -94,8 +94,9 @@ def _plain_decode(t0, t1, t2, t3, FMT: tl.constexpr, FAST: tl.constexpr):
 
 @triton.jit
 def _nibble_rows(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr,
-                 FMT: tl.constexpr, D: tl.constexpr):
-    """nvfp4 / int4 rows, loads only: packed halves [N, D/4] u8 (16-byte vectors) and each half's scales (and zeros)."""
+                 FMT: tl.constexpr, D: tl.constexpr, TM: tl.constexpr):
+    """nvfp4 / int4 rows, loads only: packed halves [N, D/4] u8 (16-byte vectors) and each half's scales (and zeros);
+    TM: the int4 scale order (meta_index)."""
     Q: tl.constexpr = D // 4
     j = tl.arange(0, Q)[None, :]
     p2 = rows_ptr[:, None]
@@ -113,12 +114,14 @@ def _nibble_rows(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF
     else:
         NG: tl.constexpr = D // 64  # fp16 group scale / zero per half row
         g = tl.arange(0, NG)[None, :]
-        sp = (p2 + SOFF).to(tl.pointer_type(tl.float16)) + r * (D // 32) + g
-        zp = (p2 + ZOFF).to(tl.pointer_type(tl.float16)) + r * (D // 32) + g
-        s0 = tl.load(sp, mask=m, other=0.0)
-        s1 = tl.load(sp + NG, mask=m, other=0.0)
-        z0 = tl.load(zp, mask=m, other=0.0)
-        z1 = tl.load(zp + NG, mask=m, other=0.0)
+        sp = (p2 + SOFF).to(tl.pointer_type(tl.float16))
+        zp = (p2 + ZOFF).to(tl.pointer_type(tl.float16))
+        i0 = meta_index(r, g, D // 32, TM)
+        i1 = meta_index(r, g + NG, D // 32, TM)
+        s0 = tl.load(sp + i0, mask=m, other=0.0)
+        s1 = tl.load(sp + i1, mask=m, other=0.0)
+        z0 = tl.load(zp + i0, mask=m, other=0.0)
+        z1 = tl.load(zp + i1, mask=m, other=0.0)
     return d0, d1, s0, s1, z0, z1
 
 
@@ -145,8 +148,9 @@ def _nibble_decode(d, s, z, FMT: tl.constexpr, D: tl.constexpr, FAST: tl.constex
 
 
 @triton.jit
-def _crumb_rows(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, D: tl.constexpr):
-    """INT2 value rows, loads only: codes [N, D/4] u8 and per-token group scale / zero [N, D/32] fp16."""
+def _crumb_rows(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, D: tl.constexpr,
+                P: tl.constexpr):  # fmt: skip
+    """INT2 value rows, loads only: codes [N, D/4] u8 and per-token group scale / zero [N, D/32] fp16 (token-minor)."""
     Q: tl.constexpr = D // 4
     NG: tl.constexpr = D // 32
     j = tl.arange(0, Q)[None, :]
@@ -155,8 +159,8 @@ def _crumb_rows(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF:
     r = hrow[:, None]
     m = ok[:, None]
     d = tl.load(p2 + OFF + r * Q + j, mask=m, other=0)
-    s = tl.load((p2 + SOFF).to(tl.pointer_type(tl.float16)) + r * NG + g, mask=m, other=0.0)
-    z = tl.load((p2 + ZOFF).to(tl.pointer_type(tl.float16)) + r * NG + g, mask=m, other=0.0)
+    s = tl.load((p2 + SOFF).to(tl.pointer_type(tl.float16)) + meta_index(r, g, NG, P), mask=m, other=0.0)
+    z = tl.load((p2 + ZOFF).to(tl.pointer_type(tl.float16)) + meta_index(r, g, NG, P), mask=m, other=0.0)
     return d, s, z
 
 
@@ -257,7 +261,7 @@ def _split(
             kz1 = _crumb_key_meta(pages, h, KZ_OFF, 1, D)
             kz2 = _crumb_key_meta(pages, h, KZ_OFF, 2, D)
             kz3 = _crumb_key_meta(pages, h, KZ_OFF, 3, D)
-            vd, vs, vz = _crumb_rows(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, D)
+            vd, vs, vz = _crumb_rows(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, D, P)
             # keys: per-channel scale / zero of each page, broadcast over its P rows
             e0, e1, e2, e3 = crumb_codes(tl.reshape(kd, (PPI, P, Q)), FAST)
             k0 = tl.reshape(e0 * ks0 + kz0, (N, Q)).to(DT)
@@ -266,8 +270,8 @@ def _split(
             k3 = tl.reshape(e3 * ks3 + kz3, (N, Q)).to(DT)
             v0, v1, v2, v3 = _crumb_values(vd, vs, vz, D, FAST)
         elif FMT == FMT_NVFP4 or FMT == FMT_INT4:
-            kd0, kd1, ks0, ks1, kz0, kz1 = _nibble_rows(rows_ptr, hrow, ok, K_OFF, KS_OFF, KZ_OFF, FMT, D)
-            vd0, vd1, vs0, vs1, vz0, vz1 = _nibble_rows(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, FMT, D)
+            kd0, kd1, ks0, ks1, kz0, kz1 = _nibble_rows(rows_ptr, hrow, ok, K_OFF, KS_OFF, KZ_OFF, FMT, D, 0)
+            vd0, vd1, vs0, vs1, vz0, vz1 = _nibble_rows(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, FMT, D, P)
             k0, k1 = _nibble_decode(kd0, ks0, kz0, FMT, D, FAST, PROBE)
             k2, k3 = _nibble_decode(kd1, ks1, kz1, FMT, D, FAST, PROBE)
             v0, v1 = _nibble_decode(vd0, vs0, vz0, FMT, D, FAST, PROBE)

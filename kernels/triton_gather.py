@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .layout import INT2_PAGE_FLAG, PageLayout
-from .triton_codec import e4m3_value, to_bf16
+from .triton_codec import e4m3_value, meta_index, to_bf16
 from .triton_decode import FMT_BF16, FMT_CODES, FMT_FP8, FMT_INT4, FMT_NVFP4, field_offsets
 
 FLAG: tl.constexpr = tl.constexpr(INT2_PAGE_FLAG)
@@ -39,8 +39,8 @@ def _interleave(lo, hi, SHAPE: tl.constexpr):
 
 @triton.jit
 def _dequant_rows(page, hrow, ok, scale, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr,
-                  FMT: tl.constexpr, P: tl.constexpr, D: tl.constexpr):
-    """K or V of the P rows ``hrow`` of one page -> fp32 [P, D] (reference arithmetic)."""
+                  FMT: tl.constexpr, P: tl.constexpr, D: tl.constexpr, TM: tl.constexpr):
+    """K or V of the P rows ``hrow`` of one page -> fp32 [P, D] (reference arithmetic); TM: see meta_index."""
     m = ok[:, None]
     if FMT == FMT_BF16:
         d = tl.arange(0, D)[None, :]
@@ -63,7 +63,7 @@ def _dequant_rows(page, hrow, ok, scale, OFF: tl.constexpr, SOFF: tl.constexpr, 
         NG: tl.constexpr = D // 32
         g = tl.arange(0, NG)[None, :, None]
         m3 = ok[:, None, None]
-        meta = hrow[:, None, None] * NG + g
+        meta = meta_index(hrow[:, None, None], g, NG, TM)
         sc = tl.load((page + SOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m3, other=0.0).to(tl.float32)
         zr = tl.load((page + ZOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m3, other=0.0).to(tl.float32)
         if FMT == FMT_INT4:
@@ -127,11 +127,11 @@ def _gather_kernel(
     if is_int2:
         page = buf_ptr + total_bytes - ((pid & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES2
         k = _int2_keys(page, h, hrow, ok, K_OFF2, KS_OFF2, KZ_OFF2, P, D)
-        v = _dequant_rows(page, hrow, ok, v_scale, V_OFF2, VS_OFF2, VZ_OFF2, 4, P, D)
+        v = _dequant_rows(page, hrow, ok, v_scale, V_OFF2, VS_OFF2, VZ_OFF2, 4, P, D, P)
     else:
         page = buf_ptr + pid.to(tl.int64) * PAGE_BYTES
-        k = _dequant_rows(page, hrow, ok, k_scale, K_OFF, KS_OFF, KZ_OFF, FMT, P, D)
-        v = _dequant_rows(page, hrow, ok, v_scale, V_OFF, VS_OFF, VZ_OFF, FMT, P, D)
+        k = _dequant_rows(page, hrow, ok, k_scale, K_OFF, KS_OFF, KZ_OFF, FMT, P, D, 0)
+        v = _dequant_rows(page, hrow, ok, v_scale, V_OFF, VS_OFF, VZ_OFF, FMT, P, D, P)
     if out_k_ptr.dtype.element_ty == tl.bfloat16:
         k = to_bf16(k)
         v = to_bf16(v)

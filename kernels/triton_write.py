@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .layout import INT2_PAGE_FLAG, PageLayout
-from .triton_codec import e2m1_codes, e4m3_bits, e4m3_value, int_codes, int_stats, to_bf16
+from .triton_codec import e2m1_codes, e4m3_bits, e4m3_value, int_codes, int_stats, meta_index, to_bf16
 from .triton_decode import FMT_BF16, FMT_CODES, FMT_INT4, FMT_NVFP4, field_offsets
 
 FLAG: tl.constexpr = tl.constexpr(INT2_PAGE_FLAG)
@@ -117,12 +117,12 @@ def _nvfp4_block(a, b, g):
 
 @triton.jit
 def _store_group(c0, c1, c2, c3, rows_ptr, hrow, g, ok, scale, OFF: tl.constexpr, SOFF: tl.constexpr,
-                 ZOFF: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr):  # fmt: skip
+                 ZOFF: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, TM: tl.constexpr):  # fmt: skip
     """Quantize one group per thread (int4 or nvfp4) and store its 16 data bytes and its scales."""
     NG: tl.constexpr = D // 32
     if FMT == FMT_INT4:
         w0, w1, w2, w3, sc, zr = _int_group(c0, c1, c2, c3, 15, 4)
-        meta = hrow * NG + g  # [R] fp16 index of the group's scale and zero
+        meta = meta_index(hrow, g, NG, TM)  # [R] fp16 index of the group's scale and zero
         tl.store((rows_ptr + SOFF).to(tl.pointer_type(tl.float16)) + meta, sc, mask=ok)
         tl.store((rows_ptr + ZOFF).to(tl.pointer_type(tl.float16)) + meta, zr, mask=ok)
     else:  # nvfp4: the group is two blocks of 16
@@ -202,8 +202,8 @@ def _write_kv_kernel(
         slot = tl.load(slot_ptr + tok, mask=ok, other=0)
         rows_ptr = buf_ptr + page * PAGE_BYTES
         hrow = h * P + slot
-        _store_group(k0, k1, k2, k3, rows_ptr, hrow, g, ok, k_scale, K_OFF, KS_OFF, KZ_OFF, FMT, D)
-        _store_group(v0, v1, v2, v3, rows_ptr, hrow, g, ok, v_scale, V_OFF, VS_OFF, VZ_OFF, FMT, D)
+        _store_group(k0, k1, k2, k3, rows_ptr, hrow, g, ok, k_scale, K_OFF, KS_OFF, KZ_OFF, FMT, D, 0)
+        _store_group(v0, v1, v2, v3, rows_ptr, hrow, g, ok, v_scale, V_OFF, VS_OFF, VZ_OFF, FMT, D, P)
     else:
         tok = tl.program_id(0) * BT + tl.arange(0, BT)
         ok = tok < num_tokens
@@ -306,7 +306,7 @@ def _write_int2_values_kernel(
     words = tl.reshape(tl.join(w0 | (w1 << 16), w2 | (w3 << 16)), (R, 2))
     at = (hrow * (D // 16) + g * 2)[:, None] + tl.arange(0, 2)[None, :]
     tl.store((page + V_OFF).to(tl.pointer_type(tl.int32))[:, None] + at, words, mask=ok[:, None])
-    meta = hrow * NG + g
+    meta = meta_index(hrow, g, NG, P)
     tl.store((page + VS_OFF).to(tl.pointer_type(tl.float16)) + meta, vs, mask=ok)
     tl.store((page + VZ_OFF).to(tl.pointer_type(tl.float16)) + meta, vz, mask=ok)
 

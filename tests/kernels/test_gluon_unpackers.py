@@ -141,7 +141,10 @@ def test_int4_unpacker_gives_code_times_scale_plus_zero(token_pairs: bool) -> No
         za, zb = _rand_f16(rng, -30, 30), _rand_f16(rng, -30, 30)
         if not token_pairs:
             sb, zb = sa, za
-        out = run_ptx(asm, [0, 0, 0, 0, w, _pack(sa, sa), _pack(sb, sb), _pack(za, za), _pack(zb, zb)])
+        if token_pairs:  # scale and zero as four copies of the token pair's words (s_a, s_b), (z_a, z_b)
+            out = run_ptx(asm, [0, 0, 0, 0, w] + [_pack(sa, sb)] * 4 + [_pack(za, zb)] * 4)
+        else:  # one token: (s, s) pairs
+            out = run_ptx(asm, [0, 0, 0, 0, w, _pack(sa, sa), _pack(sa, sa), _pack(za, za), _pack(za, za)])
         # outputs: lo b0/b2, lo b1/b3, hi b0/b2, hi b1/b3
         for i, reg in enumerate(out[:4]):
             nib_shift, (j0, j1) = 4 * (i // 2), PAIRS[i % 2]
@@ -169,7 +172,7 @@ def test_int2_value_unpacker_gives_code_times_scale_plus_zero() -> None:
         w = int(rng.integers(0, 1 << 32))
         sa, sb = _rand_f16(rng, 1e-3, 4), _rand_f16(rng, 1e-3, 4)
         za, zb = _rand_f16(rng, -30, 30), _rand_f16(rng, -30, 30)
-        out = run_ptx(asm, [0] * 8 + [w, _pack(sa, sa), _pack(sb, sb), _pack(za, za), _pack(zb, zb)])
+        out = run_ptx(asm, [0] * 8 + [w] + [_pack(sa, sb)] * 4 + [_pack(za, zb)] * 4)
         for k in range(4):
             for r in range(2):
                 reg = out[2 * k + r]
