@@ -175,7 +175,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="decode_gpu.json")
     ap.add_argument("--flashinfer", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="time tuning variants at 32x32K")
+    ap.add_argument("--sweep", action="store_true", help="time tuning variants (Gluon: every shape; tl: 32x32K)")
     ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
     ap.add_argument("--formats", default=",".join(FORMATS))
     args = ap.parse_args()
@@ -210,12 +210,13 @@ def main() -> None:
                 err = float((pool.decode(q, kernel="tl").float() - outs[fmt]).norm() / outs[fmt].norm())
                 record(shape, f"  {fmt} tl kernel", t, pool_bytes, rel_diff_vs_gluon=err)
                 print(f"      tl vs gluon output rel diff {err:.2e}", flush=True)
-            if args.sweep and fmt in ("nvfp4", "triaxial") and shape == (32, 32768):
+            if args.sweep and fmt in ("nvfp4", "triaxial"):
                 from kvserving.kernels import gluon_decode
 
                 base = gluon_decode.GL_TUNING[pool.layout.fmt]
-                for warps, ppsm, regs in ((4, 16, 0), (4, 16, 144), (4, 16, 168), (4, 32, 168), (4, 8, 168), (2, 16, 168),
-                                          (2, 32, 168), (2, 16, 0)):  # fmt: skip
+                variants = ((4, 4), (4, 8), (4, 32), (2, 8), (2, 32)) if fmt == "triaxial" else ((2, 4), (2, 8), (2, 32), (4, 16))
+                for warps, ppsm in variants:
+                    regs = base.get("maxnreg", 0)
                     cfg = {**base, "num_warps": warps, "PPSM": ppsm, "maxnreg": regs}
                     try:
                         t = time_ms(lambda: pool.decode(q, tuning=cfg))
@@ -224,7 +225,7 @@ def main() -> None:
                         continue
                     record(shape, f"  {fmt} gluon w{warps} ppsm{ppsm} r{regs}", t, pool_bytes, tuning=cfg, resources=resources())
                     print("      " + resources(), flush=True)
-                if fmt == "triaxial":
+                if fmt == "triaxial" and shape == (32, 32768):
                     for part, regs in ((2, 0), (4, 0)):
                         cfg = {**base, "PART": part, "maxnreg": regs}
                         t = time_ms(lambda: pool.decode(q, tuning=cfg))

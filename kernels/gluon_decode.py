@@ -664,6 +664,9 @@ GL_FMT = {"nvfp4": 0, "int4": 1, "int2": 2}
 INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", "VZ_OFF", "LV_LOAD", "LV_UNPACK")
 # warps per program, pages per warp per step, programs per SM the split planner aims for, register cap (triaxial:
 # both branches in one kernel take 175 registers, 2 programs of 4 warps per SM; 168 fits 3, without spills)
+# no split shorter than this many tokens: measured on an H200 (bench/NOTES-kernels.md), batch 1 x 128K and
+# 64 x 4K were 10-25% faster with 1.5K-2K tokens per split than with 16 programs per SM's shorter splits
+SPLIT_MIN_TOKENS = 1536
 GL_TUNING: dict[str, dict[str, int]] = {
     "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16},
     "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 168},  # triaxial (INT4 and INT2 splits)
@@ -727,7 +730,8 @@ def decode_attention(
     triaxial = int2_layout is not None
     ppi = cfg["num_warps"] * cfg["PPW"]
     if splits is None:
-        splits = plan_splits(b * h, page_table.shape[1], ppi, q.device, triaxial=triaxial, programs_per_sm=cfg["PPSM"])
+        splits = plan_splits(b * h, page_table.shape[1], ppi, q.device, triaxial=triaxial, programs_per_sm=cfg["PPSM"],
+                             min_pages=-(-SPLIT_MIN_TOKENS // layout.page_size))  # fmt: skip
     s, pps = splits
     if pps % ppi:
         raise ValueError(f"pages per split ({pps}) must be a multiple of pages per step ({ppi})")

@@ -434,10 +434,11 @@ def field_offsets(layout: PageLayout | None) -> tuple[int, int, int, int, int, i
 
 
 def plan_splits(batch_heads: int, max_pages: int, ppi: int, device: torch.device, *, triaxial: bool,
-                programs_per_sm: int = 16) -> tuple[int, int]:  # fmt: skip
-    """(splits, pages per split) from the page-table width: about programs_per_sm programs per SM."""
+                programs_per_sm: int = 16, min_pages: int = 1) -> tuple[int, int]:  # fmt: skip
+    """(splits, pages per split) from the page-table width: about programs_per_sm programs per SM, but no split
+    shorter than min_pages (a program's fixed cost, and the merge's per split, must stay small)."""
     want = max(1, math.ceil(programs_per_sm * _sm_count(device) / max(batch_heads, 1)))
-    splits = max(1, min(want, MAX_SPLITS, math.ceil(max_pages / ppi)))
+    splits = max(1, min(want, MAX_SPLITS, math.ceil(max_pages / ppi), math.ceil(max_pages / min_pages)))
     pps = math.ceil(math.ceil(max(max_pages, 1) / splits) / ppi) * ppi
     splits = math.ceil(max(max_pages, 1) / pps) + (1 if triaxial else 0)
     return splits, pps

@@ -170,6 +170,20 @@ def test_decode_zero_length_sequence_gives_zeros() -> None:
 
 
 @interpreter_only
+def test_split_planner_covers_every_page_and_keeps_splits_long_enough() -> None:
+    cpu = torch.device("cpu")  # 4 "SMs" off the GPU
+    # 16 programs per SM over 2 sequence-heads: 32 splits wanted, of 4096 pages -> 128 pages (a multiple of 4) each
+    assert triton_decode.plan_splits(2, 4096, 4, cpu, triaxial=False) == (32, 128)
+    # no split shorter than min_pages: 4096 / 512 = 8 splits
+    assert triton_decode.plan_splits(2, 4096, 4, cpu, triaxial=False, min_pages=512) == (8, 512)
+    # triaxial: one more split, for the INT2 / INT4 boundary inside a sequence
+    assert triton_decode.plan_splits(2, 4096, 4, cpu, triaxial=True, min_pages=512) == (9, 512)
+    for bh, pages, ppi, mp in [(1, 1, 4, 96), (7, 333, 4, 48), (64, 100, 8, 1), (3, 10_000, 4, 96)]:
+        s, pps = triton_decode.plan_splits(bh, pages, ppi, cpu, triaxial=False, min_pages=mp)
+        assert pps % ppi == 0 and s * pps >= pages > (s - 1) * pps, (bh, pages, s, pps)
+        assert s == 1 or pps >= min(mp, pages), (bh, pages, s, pps)
+
+
 def test_paged_ops_dispatches_to_triton_when_asked() -> None:
     pool, filled, _ = _filled_pool("fp8_e4m3", [10], ops=paged_ops)
     q = torch.randn(1, 4, 64)
