@@ -35,10 +35,15 @@ bytes (b0, b2) and (b1, b3), whose nibbles sit 16 bits apart, so one mask and
 one shift serve both halves::
 
     nvfp4 nibble s e1 e0 m -> fp16 bits s 0 0 e1 e0 m 0..0  (= e2m1 * 2^-14), times (block scale * 2^7)
-    int4 / int2 code c     -> fp16 0x6400 | c (= 1024 + c), minus 1024, times scale plus zero
+    int4 / int2 value c    -> fp16 0x6400 | c (= 1024 + c), minus 1024, times scale plus zero
+    INT2 key c (crumb k)   -> fp16 0x6400 | c << 2k, minus 1024: the exact integer c * 4^k; the page's
+                              per-channel scale (and 4^-k) is folded into q once per page, its zero into
+                              one per-page term (see _step), so a key pair costs two instructions
 
 The register order that results (b0, b2, b1, b3) is relabelled with
 reshape / permute, which Triton proves free (``assert_trivial``) at compile time.
+Value scales and zeros of int4 / int2 pages are stored token-minor (layout.py):
+one 32-bit load gives the (s_a, s_b) pair of the two tokens an unpacker word holds.
 
 Supported: head_dim 128, up to 16 query heads per kv head, page size 16
 (nvfp4) or 32 (triaxial); anything else, and the interpreter, uses
@@ -150,7 +155,7 @@ def _asm_int2_codes() -> str:
 
     Codes only, as exact fp16 integers: crumb k sits at bit 2k of its byte, so (x & 3 << 2k) | 0x6400 is the fp16
     1024 + c * 4^k and one subtraction leaves c * 4^k (one shift serves the high bytes). The 4^-k, the
-    per-channel key scale and the zero are folded into q (see _gl_split), so a pair costs two instructions.
+    per-channel key scale and the zero are folded into q (see _step), so a pair costs two instructions.
     """
     code = ["{ .reg .b32 t, u, magic; mov.b32 magic, 0x64006400; shr.b32 u, $8, 8;"]
     for k in range(4):
