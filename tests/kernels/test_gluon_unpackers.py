@@ -3,7 +3,7 @@
 The Gluon decode kernels cannot run without a GPU, so CI would otherwise never
 execute their bit tricks (nibble / crumb placement in fp16 mantissas, magic
 numbers, the 4^k spreads of the INT2 codes). Each unpacker string from
-``gluon_decode`` is interpreted here, instruction by instruction (32-bit
+``gluon_fragments`` is interpreted here, instruction by instruction (32-bit
 integer ops exact, f16x2 ops rounded once to fp16 as the hardware does), on
 random words and scales, and every output half is compared with the value the
 page format defines for that nibble or crumb.
@@ -17,7 +17,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from kvserving.kernels import gluon_decode as gd
+from kvserving.kernels import gluon_fragments as gd
 
 M32 = 0xFFFFFFFF
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

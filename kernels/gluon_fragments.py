@@ -1,0 +1,316 @@
+"""How packed KV bytes become tensor-core fragments in the Gluon decode kernels: PTX unpackers and layouts.
+
+``gluon_decode.py`` loads, per thread, exactly the bytes whose values its
+``mma.m16n8k16`` fragments hold; this module turns them into those fragments.
+Unpacking one 32-bit word ``x`` (bytes b0 b1 b2 b3) makes fp16 pairs from
+bytes (b0, b2) and (b1, b3), whose nibbles sit 16 bits apart, so one mask and
+one shift serve both halves::
+
+    nvfp4 nibble s e1 e0 m -> fp16 bits s 0 0 e1 e0 m 0..0  (= e2m1 * 2^-14), times (block scale * 2^7)
+    int4 / int2 value c    -> fp16 0x6400 | c (= 1024 + c), minus 1024, times scale plus zero
+    INT2 key c (crumb k)   -> fp16 0x6400 | c << 2k, minus 1024: the exact integer c * 4^k; the page's
+                              per-channel scale (and 4^-k) is folded into q once per page, its zero into
+                              one per-page term (gluon_decode._step), so a key pair costs two instructions
+
+The register order that results (b0, b2, b1, b3) is relabelled with
+reshape / permute, which Triton proves free (``assert_trivial``) at compile time.
+Value scales and zeros of int4 / int2 pages are stored token-minor (layout.py):
+one 32-bit load gives the (s_a, s_b) pair of the two tokens an unpacker word holds.
+
+The unpackers are PTX strings, held to the page formats on CPU by a small PTX
+interpreter (``tests/kernels/test_gluon_unpackers.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+GL_FMT_NVFP4: gl.constexpr = gl.constexpr(0)
+GL_FMT_INT4: gl.constexpr = gl.constexpr(1)
+GL_FMT_INT2: gl.constexpr = gl.constexpr(2)
+
+# ----------------------------------------------------------------------------
+# unpackers (PTX). Operands: outputs first ($0..), then the packed word, then
+# scale (and zero) registers; each fp16 operand of pack=4 is two registers.
+# ----------------------------------------------------------------------------
+
+# nvfp4 nibble pairs of one word: (mask, shift of the magnitude, mask, shift of the sign); shift < 0 = right
+_E2M1_PAIRS = (
+    (0x00070007, 9, 0x00080008, 12),  # lo nibbles of b0, b2
+    (0x07000700, 1, 0x08000800, 4),  # lo nibbles of b1, b3
+    (0x00700070, 5, 0x00800080, 8),  # hi nibbles of b0, b2
+    (0x70007000, -3, 0x80008000, 0),  # hi nibbles of b1, b3
+)
+
+
+def _shift(dst: str, src: str, n: int) -> str:
+    if n > 0:
+        return f"shl.b32 {dst}, {src}, {n};"
+    if n < 0:
+        return f"shr.b32 {dst}, {src}, {-n};"
+    return f"mov.b32 {dst}, {src};"
+
+
+def _asm_e2m1(token_pairs: bool) -> str:
+    """Outputs lo (2 regs: pairs of b0/b2, b1/b3), hi (2 regs); inputs word $4, scale $5 $6.
+
+    token_pairs: the word holds (a0, a1, b0, b1) of two tokens a, b whose scales arrive as (sa, sa), (sb, sb);
+    a prmt makes (sa, sb). Otherwise all four bytes share one scale.
+    """
+    code = ["{ .reg .b32 a, b, s;"]
+    code.append("prmt.b32 s, $5, $6, 0x5410;" if token_pairs else "mov.b32 s, $5;")
+    for i, (mm, ms, sm, ss) in enumerate(_E2M1_PAIRS):
+        dst = ("$0", "$1", "$2", "$3")[i]
+        code.append(f"and.b32 a, $4, {mm:#010x};" + _shift("a", "a", ms))
+        code.append(f"and.b32 b, $4, {sm:#010x};" + _shift("b", "b", ss))
+        code.append(f"or.b32 a, a, b; mul.rn.f16x2 {dst}, a, s;")
+    code.append("}")
+    return "\n".join(code)
+
+
+def _asm_int4(token_pairs: bool) -> str:
+    """Outputs lo (2 regs), hi (2 regs); inputs word $4, then scale and zero; code * scale + zero.
+
+    K (one token): scale $5 $6 and zero $7 $8 hold (s, s) pairs. V (token_pairs, two tokens a, b): scale $5..$8
+    and zero $9..$12 are four copies of the word (s_a, s_b) loaded from the token-minor field.
+    """
+    code = ["{ .reg .b32 t, s, z, magic; mov.b32 magic, 0x64006400;"]
+    code.append("mov.b32 s, $5; mov.b32 z, $9;" if token_pairs else "mov.b32 s, $5; mov.b32 z, $7;")
+    for i, shift in enumerate((0, 8, 4, 12)):  # lo b0/b2, lo b1/b3, hi b0/b2, hi b1/b3
+        code.append(
+            _shift("t", "$4", -shift) + "lop3.b32 t, t, 0x000F000F, magic, 0xEA;"
+            f"sub.rn.f16x2 t, t, magic; fma.rn.f16x2 ${i}, t, s, z;"
+        )
+    code.append("}")
+    return "\n".join(code)
+
+
+def _asm_int2_values() -> str:
+    """V rows of two tokens a, b: outputs c0..c3 (2 regs each); inputs word $8, scale $9..$12 and zero $13..$16
+    (four copies each of the words (s_a, s_b), (z_a, z_b)).
+
+    Crumb k at bit 2k: the odd crumbs are taken in place as c * 4 (exact fp16 integers) and scaled by s / 4, so
+    one shift serves two crumbs (s / 4 is exact unless s < 2^-12, where fp16 subnormals round it by < 2^-25
+    absolute, far below the INT2 step s).
+    """
+    code = ["{ .reg .b32 t, u0, u1, s, s4, z, magic; mov.b32 magic, 0x64006400; mov.b32 s4, 0x34003400;"]
+    code.append("mov.b32 s, $9; mov.b32 z, $13; mul.rn.f16x2 s4, s, s4;")
+    for k in range(4):
+        for r in range(2):
+            if k % 2 == 0:
+                code.append(_shift(f"u{r}", "$8", -(2 * k + 8 * r)))
+            mask = 0x00030003 << (2 * (k % 2))
+            code.append(f"lop3.b32 t, u{r}, {mask:#010x}, magic, 0xEA; sub.rn.f16x2 t, t, magic;"
+                        f"fma.rn.f16x2 ${2 * k + r}, t, {'s4' if k % 2 else 's'}, z;")  # fmt: skip
+    code.append("}")
+    return "\n".join(code)
+
+
+def _asm_int2_codes() -> str:
+    """K row bytes of one token: outputs c0..c3 (2 regs each: pairs b0/b2, b1/b3); input word $8.
+
+    Codes only, as exact fp16 integers: crumb k sits at bit 2k of its byte, so (x & 3 << 2k) | 0x6400 is the fp16
+    1024 + c * 4^k and one subtraction leaves c * 4^k (one shift serves the high bytes). The 4^-k, the
+    per-channel key scale and the zero are folded into q (see _step), so a pair costs two instructions.
+    """
+    code = ["{ .reg .b32 t, u, magic; mov.b32 magic, 0x64006400; shr.b32 u, $8, 8;"]
+    for k in range(4):
+        for r, src in enumerate(("$8", "u")):
+            code.append(f"lop3.b32 t, {src}, {0x00030003 << (2 * k):#010x}, magic, 0xEA;"
+                        f"sub.rn.f16x2 ${2 * k + r}, t, magic;")  # fmt: skip
+    code.append("}")
+    return "\n".join(code)
+
+
+ASM_E2M1_K: gl.constexpr = gl.constexpr(_asm_e2m1(False))
+ASM_E2M1_V: gl.constexpr = gl.constexpr(_asm_e2m1(True))
+ASM_INT4_K: gl.constexpr = gl.constexpr(_asm_int4(False))
+ASM_INT4_V: gl.constexpr = gl.constexpr(_asm_int4(True))
+ASM_INT2_K: gl.constexpr = gl.constexpr(_asm_int2_codes())
+ASM_INT2_V: gl.constexpr = gl.constexpr(_asm_int2_values())
+
+# ----------------------------------------------------------------------------
+# layouts (built on the host or at compile time, passed as constexpr)
+# ----------------------------------------------------------------------------
+
+
+@gluon.constexpr_function
+def _bits(n: int) -> int:
+    return n.bit_length() - 1
+
+
+@gluon.constexpr_function
+def _warp_bases(w: int, rank: int) -> list[list[int]]:
+    return [[1 << i] + [0] * (rank - 1) for i in range(_bits(w))]
+
+
+@gluon.constexpr_function
+def _basis(rank: int, dim: int, value: int) -> list[int]:
+    b = [0] * rank
+    b[dim] = value
+    return b
+
+
+def v_layouts(w: int, nt: int, groups: int, per_group: int, per_thread: int) -> tuple[Any, Any]:
+    """(load, unpack) layouts of V bytes [W, NT, groups, per_group]; thread (g, c) holds per_thread contiguous
+    bytes of tokens 2c, 2c+1, 2c+8, 2c+9 (+16...), lanes g spread over the D/8-channel slices.
+
+    The unpack layout only reorders registers so a pack of 4 is (a_x, a_x+1, b_x, b_x+1) for tokens a, b.
+    """
+    r = 4
+    byte_regs = [_basis(r, 3, 1 << i) for i in range(_bits(per_thread))]
+    tok_regs = [_basis(r, 1, 1)] + [_basis(r, 1, 8 << i) for i in range(_bits(nt // 8))]
+    # lanes: c -> tokens 2, 4; g -> the next three byte bits (within a group, then across groups)
+    g_bits = []
+    v = per_thread
+    for _ in range(3):
+        g_bits.append(_basis(r, 3, v) if v < per_group else _basis(r, 2, v // per_group))
+        v *= 2
+    lanes = [_basis(r, 1, 2), _basis(r, 1, 4)] + g_bits
+    shape = [w, nt, groups, per_group]
+    load = gl.DistributedLinearLayout(byte_regs + tok_regs, lanes, _warp_bases(w, r), [], shape)
+    unpack = gl.DistributedLinearLayout(byte_regs[:1] + tok_regs[:1] + byte_regs[1:] + tok_regs[1:], lanes,
+                                        _warp_bases(w, r), [], shape)  # fmt: skip
+    return load, unpack
+
+
+@gluon.constexpr_function
+def pair_layout(unpack: Any) -> Any:
+    """[W, NT/2, groups] layout of one word per V token pair (2c, 2c+1): V's unpack layout without the byte
+    dimension and token bit 0 (the two tokens whose bytes share an unpacker word)."""
+    def cut(b: list[int]) -> list[int]:
+        return [b[0], b[1] // 2, b[2]]
+
+    regs = [cut(b) for b in unpack.reg_bases if b[3] == 0 and b[1] != 1]
+    s = unpack.shape
+    return gl.DistributedLinearLayout(regs, [cut(b) for b in unpack.lane_bases], [cut(b) for b in unpack.warp_bases],
+                                      [], [s[0], s[1] // 2, s[2]])  # fmt: skip
+
+
+@gluon.constexpr_function
+def chan_layout(w: int, hp: int) -> Any:
+    """Layout [W, D, HP] of one INT2 page's per-channel key scales or zeros, repeated for every head column.
+
+    Thread c of every lane group g loads the 32 contiguous channels c*32 .. c*32+31 (four 16-byte vectors);
+    the g lanes (the heads) repeat them. Channel bits 0..6 relabel to (crumb, k) as the unpacker's order
+    dictates (crumbs), and then each crumb's tensor is exactly the B-operand layout, rows
+    k = (ch4, ch2, ch6, ch5, ch3).
+    """
+    regs = [_basis(3, 1, 1 << i) for i in range(5)] + ([_basis(3, 2, 8)] if hp > 8 else [])
+    lanes = [_basis(3, 1, 32), _basis(3, 1, 64)] + [_basis(3, 2, 1 << i) for i in range(3)]
+    return gl.DistributedLinearLayout(regs, lanes, _warp_bases(w, 3), [], [w, 128, hp])
+
+
+# ----------------------------------------------------------------------------
+# relabelling registers (all free: reshape / permute / split, checked by assert_trivial)
+# ----------------------------------------------------------------------------
+
+
+@gluon.jit
+def idx3(L: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr):
+    """Broadcastable int32 index tensors [S0,1,1], [1,S1,1], [1,1,S2] in layout L."""
+    i0 = gl.arange(0, S0, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+    i1 = gl.arange(0, S1, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+    i2 = gl.arange(0, S2, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+    return (gl.expand_dims(gl.expand_dims(i0, 1), 2), gl.expand_dims(gl.expand_dims(i1, 0), 2),
+            gl.expand_dims(gl.expand_dims(i2, 0), 1))  # fmt: skip
+
+
+@gluon.jit
+def idx4(L: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S3: gl.constexpr):
+    """Broadcastable int32 index tensors of a 4-D layout L."""
+    i0 = gl.arange(0, S0, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+    i1 = gl.arange(0, S1, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+    i2 = gl.arange(0, S2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L))))
+    i3 = gl.arange(0, S3, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L))))
+    e0 = gl.expand_dims(gl.expand_dims(gl.expand_dims(i0, 1), 2), 3)
+    e1 = gl.expand_dims(gl.expand_dims(gl.expand_dims(i1, 0), 2), 3)
+    e2 = gl.expand_dims(gl.expand_dims(gl.expand_dims(i2, 0), 1), 3)
+    e3 = gl.expand_dims(gl.expand_dims(gl.expand_dims(i3, 0), 1), 2)
+    return e0, e1, e2, e3
+
+
+@gluon.jit
+def as_a_rows(x, W: gl.constexpr, NT: gl.constexpr, KB: gl.constexpr, A: gl.constexpr):
+    """K halves [W, NT, KB] in the byte layout (thread c holds bytes c*KB/4 .. +KB/4, unpacked as b0 b2 b1 b3)
+    -> the A operand, relabelling byte j to k = (j >> 1 & (KB/8 - 1)) << 3 | (j >> R) << 1 | (j & 1)."""
+    y = gl.reshape(x, [W, NT, 4, KB // 8, 2])
+    y = gl.permute(y, [0, 1, 3, 2, 4])
+    return gl.convert_layout(gl.reshape(y, [W, NT, KB]), A, assert_trivial=True)
+
+
+@gluon.jit
+def q_k_dims(k, KB: gl.constexpr, PER: gl.constexpr, PIECE: gl.constexpr):
+    """Channel of logical k (0..KB-1) of piece PIECE (nibble / crumb index): the inverse of as_a_rows and of the
+    unpackers' b0 b2 b1 b3 order; PER = values per byte (2 or 4)."""
+    R: gl.constexpr = KB // 4  # bytes per thread
+    j = ((k >> 1) & 3) * R + ((k >> 3) << 1) + (k & 1)
+    byte = (j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1)
+    return byte * PER + PIECE
+
+
+@gluon.jit
+def unpack_nibbles(x, scale, zero, FMT: gl.constexpr, TOKEN_PAIRS: gl.constexpr):
+    """Packed nvfp4 / int4 bytes [W, NT, groups, bytes] and per-group scale (zero) [W, NT, groups] -> (lo, hi)
+    fp16 halves, each 4-pack in the unpackers' order (K: b0 b2 b1 b3 of one token; V: two tokens' bytes)."""
+    if FMT == GL_FMT_NVFP4:
+        lo, hi = gl.inline_asm_elementwise(ASM_E2M1_V if TOKEN_PAIRS else ASM_E2M1_K, "=r,=r,=r,=r,r,r,r",
+                                           [x, gl.expand_dims(scale, 3)], dtype=(gl.float16, gl.float16), is_pure=True,
+                                           pack=4)  # fmt: skip
+    elif TOKEN_PAIRS:  # scale / zero: int32 words (s_a, s_b) per token pair (pairs_to_tokens)
+        lo, hi = gl.inline_asm_elementwise(ASM_INT4_V, "=r,=r,=r,=r,r" + ",r" * 8,
+                                           [x, gl.expand_dims(scale, 3), gl.expand_dims(zero, 3)],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
+    else:
+        lo, hi = gl.inline_asm_elementwise(ASM_INT4_K, "=r,=r,=r,=r,r,r,r,r,r",
+                                           [x, gl.expand_dims(scale, 3), gl.expand_dims(zero, 3)],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
+    return lo, hi
+
+
+@gluon.jit
+def swap_t0_j0(x, W: gl.constexpr, NT: gl.constexpr, KB: gl.constexpr):
+    """Unpacked V [W, NT, KB] whose 4-packs are (a_x, b_x, a_x+1, b_x+1) -> tensor indexed by (token, byte)."""
+    y = gl.reshape(x, [W, NT // 2, 2, KB // 2, 2])
+    y = gl.permute(y, [0, 1, 4, 3, 2])
+    return gl.reshape(y, [W, NT, KB])
+
+
+@gluon.jit
+def as_a_channels(x, W: gl.constexpr, NT: gl.constexpr, D: gl.constexpr, A: gl.constexpr):
+    """V [W, NT, D] (channels in memory order; thread g holds channels g*D/8 ..) -> A operand V^T [W, D, NT],
+    row m = channel (m & 7) * D/8 + (m >> 3)."""
+    y = gl.permute(x, [0, 2, 1])
+    y = gl.reshape(y, [W, 8, D // 8, NT])
+    y = gl.permute(y, [0, 2, 1, 3])
+    return gl.convert_layout(gl.reshape(y, [W, D, NT]), A, assert_trivial=True)
+
+
+@gluon.jit
+def crumbs(x, B: gl.constexpr, W: gl.constexpr, HP: gl.constexpr):
+    """Per-channel vector [W, D, HP] in chan_layout -> one [W, 32, HP] tensor per crumb in the B-operand layout,
+    row k = (ch4, ch2, ch6, ch5, ch3) of channel ch = (byte << 2) | crumb (the inverse of q_k_dims)."""
+    y = gl.reshape(x, [W, 2, 2, 2, 2, 2, 2, 2, HP])  # dims 1..7: ch6 .. ch0
+    y = gl.permute(y, [0, 3, 5, 1, 2, 4, 8, 6, 7])
+    e, o = gl.split(gl.reshape(y, [W, 32, HP, 2, 2]))  # ch0
+    c0, c2 = gl.split(e)  # ch1
+    c1, c3 = gl.split(o)
+    return (gl.convert_layout(c0, B, assert_trivial=True), gl.convert_layout(c1, B, assert_trivial=True),
+            gl.convert_layout(c2, B, assert_trivial=True), gl.convert_layout(c3, B, assert_trivial=True))  # fmt: skip
+
+
+@gluon.jit
+def pairs_to_tokens(x, W: gl.constexpr, NT: gl.constexpr, L: gl.constexpr):
+    """[W, NT/2, groups] words of token pairs -> [W, NT, groups] (both tokens of a pair hold the word) in L."""
+    y = gl.permute(gl.join(x, x), [0, 1, 3, 2])
+    return gl.convert_layout(gl.reshape(y, [W, NT, y.shape[3]]), L, assert_trivial=True)
+
+
+@gluon.jit
+def two_tiles(x, W: gl.constexpr, HP: gl.constexpr, MMA: gl.constexpr):
+    """[W, 16, HP] accumulator -> [W, 32, HP], both row tiles the same (a per-page term of every token)."""
+    y = gl.permute(gl.join(x, x), [0, 3, 1, 2])
+    return gl.convert_layout(gl.reshape(y, [W, 32, HP]), MMA, assert_trivial=True)
