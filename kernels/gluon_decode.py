@@ -391,7 +391,8 @@ def _gl_decode_kernel(
 GL_FMT = {"nvfp4": 0, "int4": 1, "int2": 2}
 INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", "VZ_OFF", "LV_LOAD", "LV_UNPACK")
 # warps per program, pages per warp per step, programs per SM the split planner aims for, register cap (triaxial:
-# both branches in one kernel take 175 registers, 2 programs of 4 warps per SM; 168 fits 3, without spills)
+# both branches in one kernel take 175 registers, 2 programs of 4 warps per SM; 168 fits 3, without spills; with
+# 16 query heads per kv head the kernel needs ~245 and runs uncapped)
 # no split shorter than this many tokens: measured on an H200 (bench/NOTES-kernels.md), batch 1 x 128K and
 # 64 x 4K were 10-25% faster with 1.5K-2K tokens per split than with 16 programs per SM's shorter splits
 SPLIT_MIN_TOKENS = 1536
@@ -481,9 +482,10 @@ def decode_attention(
         part = cfg.get("PART", 1)  # 2 or 4: benchmark only, time one precision (the other's splits stay unset)
         a2 = kernel_args("int2", int2_layout, num_warps=cfg["num_warps"], ppw=1)
         args2 = {k + "2": v for k, v in a2.items() if k in INT2_ARGS}
+    cap = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and hp == 8 else {}  # 16 heads need more registers
     kernel = _gl_decode_kernel[(s, h, b)](
         q, o, lse, buffer, page_table, seq_lens, n2, sm_scale * LOG2E * k_fold, total, page_table.stride(0),
-        s, pps, PART=part, **common, **args, **args2, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
+        s, pps, PART=part, **common, **args, **args2, **cap,
     )  # fmt: skip
     LAST_KERNEL[:] = [kernel]
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)

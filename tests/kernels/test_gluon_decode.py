@@ -73,6 +73,7 @@ def test_gpu_gluon_decode_real_shapes(case: str, monkeypatch: pytest.MonkeyPatch
     lens = [1, p, p + 1, 1000, 2047, 4096, 333, 77]
     _check_decode(case, lens, device="cuda", d=128, h=8, g=4, p=p)
     _check_decode(case, [5, 700, 129], device="cuda", d=128, h=2, g=8, p=p)  # 8 query heads per kv head
+    _check_decode(case, [3, 400, 65], device="cuda", d=128, h=1, g=16, p=p)  # 16: heads padded to 16, not 8
 
 
 @pytest.mark.gpu
