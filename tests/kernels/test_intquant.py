@@ -247,3 +247,22 @@ def test_bad_input_is_refused() -> None:
         pack_int2(torch.zeros(6, dtype=U8))
     with pytest.raises(ValueError, match="uint8"):
         pack_int4(torch.zeros(2))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int2"])
+def test_value_scales_are_stored_token_minor_and_key_scales_are_not(fmt: str) -> None:
+    # the Gluon decode loads two adjacent tokens' value scales as one 32-bit word (layout.py)
+    h, p, d = 2, 32, 128
+    lay = PageLayout.build(fmt, page_size=p, kv_heads=h, head_dim=d)
+    raw = torch.zeros(1, lay.page_bytes, dtype=U8)
+    views = lay.views(raw)
+    assert views["v_scale"].shape == (1, h, p, d // 32)  # logical [H, P, D/32]
+    views["v_scale"][0, 1, 5, 2] = 7.0  # head 1, token 5, group 2
+    f = lay.field("v_scale")
+    flat = raw[0, f.offset : f.offset + f.nbytes].view(torch.float16)
+    assert torch.nonzero(flat).flatten().tolist() == [(1 * (d // 32) + 2) * p + 5]  # stored [H, D/32, P]
+    if fmt == "int4":
+        views["k_scale"][0, 1, 5, 2] = 7.0
+        f = lay.field("k_scale")
+        flat = raw[0, f.offset : f.offset + f.nbytes].view(torch.float16)
+        assert torch.nonzero(flat).flatten().tolist() == [(1 * p + 5) * (d // 32) + 2]  # stored [H, P, D/32]
