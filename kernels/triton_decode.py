@@ -159,8 +159,9 @@ def _crumb_rows(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF:
     r = hrow[:, None]
     m = ok[:, None]
     d = tl.load(p2 + OFF + r * Q + j, mask=m, other=0)
-    s = tl.load((p2 + SOFF).to(tl.pointer_type(tl.float16)) + meta_index(r, g, NG, P), mask=m, other=0.0)
-    z = tl.load((p2 + ZOFF).to(tl.pointer_type(tl.float16)) + meta_index(r, g, NG, P), mask=m, other=0.0)
+    meta = meta_index(r, g, NG, P)
+    s = tl.load((p2 + SOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m, other=0.0)
+    z = tl.load((p2 + ZOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m, other=0.0)
     return d, s, z
 
 
