@@ -99,8 +99,13 @@ class ReuseConfig:
     retention_ttl_s: float = 480.0
     lease_ttl_s: float = 420.0
     recompute_threshold_tokens: int = 64
+    # How long a prefill worker holds a prompt's pages for the decode worker to
+    # READ, and the deadline of every NIXL READ (a frozen peer reports nothing).
+    transfer_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"reuse.transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         if self.retention_ttl_s <= 0:
             raise ValueError(f"reuse.retention_ttl_s must be > 0, got {self.retention_ttl_s}")
         if self.lease_ttl_s <= 0:
