@@ -1,0 +1,329 @@
+"""The local stack: gateway + prefill + decode workers (and optionally a real
+Prometheus) as child processes on loopback, supervised as one unit.
+
+``kvserving up`` runs it from the command line; the demo and the e2e tests use
+``LocalStack`` directly. Every part is started from ONE engine-config file
+written with ``kvserving.config`` (the schema the operator renders into its
+ConfigMap), so local mode and the cluster run the same configuration code.
+
+Supervision rules, exact so tests can assert them:
+
+- each child runs in its own process group (``start_new_session``), so stopping
+  it also stops anything it started; stop = SIGTERM to the group, then SIGKILL
+  after ``grace_s``;
+- ``wait_ready`` polls every child's ``/ready`` until all answer 200 or the
+  deadline passes; a child that exits meanwhile fails the start with its name,
+  exit code and the last lines of its log;
+- ``check()`` reports the first child that died; the caller then stops the rest
+  (no orphans: ``stop()`` is idempotent and runs from ``__exit__``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kvserving.config import ServingConfig
+
+LOG_TAIL_LINES = 15
+
+
+class StackError(RuntimeError):
+    """A part of the stack could not start or died; the message is one line per fact."""
+
+
+@dataclass(slots=True, frozen=True)
+class StackSpec:
+    """What to start. ``single``: one worker of role ``both`` instead of prefill + decode."""
+
+    config: ServingConfig
+    host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    prefill_port: int = 8001
+    decode_port: int = 8002
+    single: bool = False
+    prometheus_port: int | None = None  # None: no Prometheus
+    run_dir: Path | None = None  # logs and config; None: a temp dir removed on stop
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        ports = [self.gateway_port, self.prefill_port] + ([] if self.single else [self.decode_port])
+        if self.prometheus_port is not None:
+            ports.append(self.prometheus_port)
+        for port in ports:
+            if not 1 <= port <= 65535:
+                raise ValueError(f"port must be in 1..65535, got {port}")
+        if len(set(ports)) != len(ports):
+            raise ValueError(f"ports must be distinct, got {ports}")
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    argv: list[str]
+    ready_url: str | None
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    log_file: object = None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports that were free a moment ago (the OS picks them)."""
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            socks.append(sock)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def http_ok(url: str, *, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 (loopback URL we built)
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def prometheus_binary() -> str | None:
+    return shutil.which("prometheus")
+
+
+def install_prometheus() -> str:
+    """Install Debian's ``prometheus`` package (says so on stderr); returns the binary path."""
+    found = prometheus_binary()
+    if found:
+        return found
+    print("prometheus is not installed: installing the Debian package 'prometheus' (apt-get)", file=sys.stderr)
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"]):
+        result = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            raise StackError(f"could not install prometheus ({' '.join(argv[:2])}): {last}")
+    found = prometheus_binary()
+    if not found:
+        raise StackError("prometheus package installed but no 'prometheus' binary on PATH")
+    return found
+
+
+def scrape_config(targets: dict[str, str], *, interval_s: float = 1.0) -> str:
+    """Prometheus config scraping each ``name -> host:port`` target, labelled like the cluster's PodMonitor."""
+    jobs = []
+    for name, target in targets.items():
+        jobs.append(
+            {
+                "job_name": name,
+                "scrape_interval": f"{interval_s:g}s",
+                "static_configs": [{"targets": [target], "labels": {"namespace": "local", "kvserving": "local", "pod": name}}],
+            }
+        )
+    # JSON is valid YAML: no YAML writer needed.
+    return json.dumps({"global": {"scrape_interval": f"{interval_s:g}s"}, "scrape_configs": jobs}, indent=2)
+
+
+class LocalStack:
+    """Start, wait for, check and stop the local stack's child processes."""
+
+    def __init__(self, spec: StackSpec) -> None:
+        self.spec = spec
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if spec.run_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvserving-up-")
+            self.run_dir = Path(self._tmp.name)
+        else:
+            self.run_dir = spec.run_dir
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.children: list[Child] = []
+        self.config_path = self.run_dir / "config.json"
+
+    # -------------------------------------------------------------- addresses
+    def _url(self, port: int) -> str:
+        return f"http://{self.spec.host}:{port}"
+
+    @property
+    def gateway_url(self) -> str:
+        return self._url(self.spec.gateway_port)
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"{self.gateway_url}/v1"
+
+    @property
+    def worker_urls(self) -> dict[str, str]:
+        if self.spec.single:
+            return {"both": self._url(self.spec.prefill_port)}
+        return {"prefill": self._url(self.spec.prefill_port), "decode": self._url(self.spec.decode_port)}
+
+    @property
+    def prometheus_url(self) -> str | None:
+        port = self.spec.prometheus_port
+        return None if port is None else self._url(port)
+
+    # ------------------------------------------------------------------ start
+    def engine_config(self) -> ServingConfig:
+        """The spec's config with the gateway pointed at this stack's workers."""
+        workers = self.worker_urls
+        both = self.spec.single
+        gateway = replace(
+            self.spec.config.gateway,
+            prefill_urls=(workers["both"],) if both else (workers["prefill"],),
+            decode_urls=(workers["both"],) if both else (workers["decode"],),
+            prefill_service=None,
+            decode_service=None,
+        )
+        return replace(self.spec.config, gateway=gateway)
+
+    def _check_ports(self) -> None:
+        ports = {"gateway": self.spec.gateway_port, "prefill": self.spec.prefill_port}
+        if not self.spec.single:
+            ports["decode"] = self.spec.decode_port
+        if self.spec.prometheus_port is not None:
+            ports["prometheus"] = self.spec.prometheus_port
+        busy = [f"{name} port {port}" for name, port in ports.items() if not port_is_free(self.spec.host, port)]
+        if busy:
+            raise StackError(f"already in use on {self.spec.host}: {', '.join(busy)} (choose other ports with --port)")
+
+    def _plan(self) -> list[Child]:
+        py, cfg, host = self.spec.python, str(self.config_path), self.spec.host
+        cli = [py, "-m", "kvserving.cli"]
+        children = []
+        roles = [("both", self.spec.prefill_port)] if self.spec.single else [
+            ("prefill", self.spec.prefill_port), ("decode", self.spec.decode_port)]
+        for role, port in roles:
+            name = "worker" if role == "both" else role
+            argv = cli + ["worker", "--role", role, "--config", cfg, "--host", host, "--port", str(port)]
+            children.append(Child(name, argv, self._url(port) + "/ready", self.run_dir / f"{name}.log"))
+        argv = cli + ["gateway", "--config", cfg, "--host", host, "--port", str(self.spec.gateway_port)]
+        children.append(Child("gateway", argv, self.gateway_url + "/ready", self.run_dir / "gateway.log"))
+        if self.spec.prometheus_port is not None:
+            children.append(self._prometheus_child())
+        return children
+
+    def _prometheus_child(self) -> Child:
+        binary = install_prometheus()
+        targets = {c: url.split("://", 1)[1] for c, url in self.worker_urls.items()}
+        targets["gateway"] = f"{self.spec.host}:{self.spec.gateway_port}"
+        prom_cfg = self.run_dir / "prometheus.yml"
+        prom_cfg.write_text(scrape_config(targets))
+        data = self.run_dir / "prometheus-data"
+        argv = [
+            binary, f"--config.file={prom_cfg}", f"--storage.tsdb.path={data}",
+            f"--web.listen-address={self.spec.host}:{self.spec.prometheus_port}",
+        ]
+        return Child("prometheus", argv, f"{self.prometheus_url}/-/ready", self.run_dir / "prometheus.log")
+
+    def start(self) -> None:
+        """Write the config and start every child (returns at once; then ``wait_ready``)."""
+        self._check_ports()
+        self.config_path.write_text(self.engine_config().to_json())
+        env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1")
+        for child in self._plan():
+            child.log_file = open(child.log_path, "wb")  # noqa: SIM115 (closed in stop)
+            child.proc = subprocess.Popen(
+                child.argv, stdout=child.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, start_new_session=True,
+            )
+            self.children.append(child)
+
+    def check(self) -> Child | None:
+        """The first child that has exited, or None while all run."""
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is not None:
+                return child
+        return None
+
+    def describe_death(self, child: Child) -> str:
+        code = child.proc.returncode if child.proc is not None else None
+        tail = child.log_tail()
+        return f"{child.name} exited with code {code}; last lines of {child.log_path}:\n{tail}"
+
+    def wait_ready(self, *, timeout_s: float = 120.0, poll_s: float = 0.25) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = [c for c in self.children if c.ready_url]
+        while pending:
+            dead = self.check()
+            if dead is not None:
+                raise StackError(self.describe_death(dead))
+            pending = [c for c in pending if not http_ok(c.ready_url or "")]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise StackError(f"not ready after {timeout_s:g} s: {names} (logs in {self.run_dir})")
+            time.sleep(poll_s)
+
+    # ------------------------------------------------------------------- stop
+    def stop(self, *, grace_s: float = 10.0) -> None:
+        """SIGTERM every child's process group, SIGKILL what is left after ``grace_s``."""
+        # Gateway first (stop taking traffic), workers after.
+        for child in reversed(self.children):
+            _signal_group(child, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in reversed(self.children):
+            if child.proc is None:
+                continue
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            if child.proc.poll() is None:
+                _signal_group(child, signal.SIGKILL)
+                child.proc.wait(timeout=5.0)
+            _signal_group(child, signal.SIGKILL)  # stragglers the child left in its group
+        for child in self.children:
+            if child.log_file is not None:
+                child.log_file.close()  # type: ignore[attr-defined]
+                child.log_file = None
+        self.children = []
+
+    def close(self) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _signal_group(child: Child, sig: signal.Signals) -> None:
+    if child.proc is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.proc.pid, sig)
+

@@ -1,0 +1,155 @@
+"""The local stack's supervision: readiness, a dying child, port clashes, no orphans.
+
+The children here are tiny HTTP servers (real processes) so the rules are tested
+without loading a model; e2e/ starts the real gateway and workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvserving.config import ServingConfig
+from kvserving.stack import Child, LocalStack, StackError, StackSpec, free_ports, scrape_config
+
+# A server that answers 200 on /ready after `delay` seconds and starts a
+# grandchild (sleep) in its own process group, to prove groups are stopped.
+READY_SERVER = r"""
+import http.server, subprocess, sys, time
+port, delay = int(sys.argv[1]), float(sys.argv[2])
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+start = time.monotonic()
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        ok = self.path == "/ready" and time.monotonic() - start >= delay
+        self.send_response(200 if ok else 503); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+class FakeStack(LocalStack):
+    def __init__(self, spec: StackSpec, script: Path, delays: dict[str, float]) -> None:
+        super().__init__(spec)
+        self.script, self.delays = script, delays
+
+    def _plan(self) -> list[Child]:
+        ports = {"prefill": self.spec.prefill_port, "decode": self.spec.decode_port, "gateway": self.spec.gateway_port}
+        return [
+            Child(name, [sys.executable, str(self.script), str(port), str(self.delays.get(name, 0.0))],
+                  f"http://127.0.0.1:{port}/ready", self.run_dir / f"{name}.log")
+            for name, port in ports.items()
+        ]
+
+
+def _spec(tmp_path: Path) -> StackSpec:
+    g, p, d = free_ports(3)
+    return StackSpec(config=ServingConfig(), gateway_port=g, prefill_port=p, decode_port=d, run_dir=tmp_path / "run")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _group_members(pgid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
+
+
+def test_stack_waits_for_every_ready_and_stops_whole_process_groups(tmp_path: Path) -> None:
+    script = tmp_path / "ready.py"
+    script.write_text(READY_SERVER)
+    stack = FakeStack(_spec(tmp_path), script, {"decode": 1.0})
+    try:
+        stack.start()
+        t0 = time.monotonic()
+        stack.wait_ready(timeout_s=30)
+        assert time.monotonic() - t0 >= 1.0  # decode answered 503 for its first second
+        assert stack.check() is None
+        pgids = [c.proc.pid for c in stack.children if c.proc is not None]
+        time.sleep(0.3)  # let each server start its grandchild
+        assert all(len(_group_members(g)) == 2 for g in pgids)
+    finally:
+        stack.close()
+    assert all(_group_members(g) == [] for g in pgids)
+
+
+def test_a_child_that_dies_is_reported_with_its_log(tmp_path: Path) -> None:
+    script = tmp_path / "ready.py"
+    script.write_text(READY_SERVER)
+    stack = FakeStack(_spec(tmp_path), script, {})
+    with stack:
+        stack.start()
+        stack.wait_ready(timeout_s=30)
+        victim = stack.children[1]
+        assert victim.proc is not None
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(timeout=10)
+        dead = stack.check()
+        assert dead is victim
+        assert stack.describe_death(dead).startswith("decode exited with code -9")
+    assert stack.children == []
+
+
+def test_a_child_that_exits_during_start_fails_the_start(tmp_path: Path) -> None:
+    script = tmp_path / "crash.py"
+    script.write_text("import sys\nprint('model directory /nope does not exist')\nsys.exit(3)\n")
+    stack = FakeStack(_spec(tmp_path), script, {})
+    with stack, pytest.raises(StackError, match=r"exited with code 3;[\s\S]*model directory /nope does not exist"):
+        stack.start()
+        stack.wait_ready(timeout_s=30)
+
+
+def test_a_busy_port_is_refused_in_one_line(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", spec.decode_port))
+        busy.listen()
+        stack = LocalStack(spec)
+        with stack, pytest.raises(StackError) as info:
+            stack.start()
+    assert str(info.value) == f"already in use on 127.0.0.1: decode port {spec.decode_port} (choose other ports with --port)"
+    assert stack.children == []
+
+
+def test_engine_config_points_the_gateway_at_the_local_workers(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    cfg = LocalStack(spec).engine_config()
+    assert cfg.gateway.prefill_urls == (f"http://127.0.0.1:{spec.prefill_port}",)
+    assert cfg.gateway.decode_urls == (f"http://127.0.0.1:{spec.decode_port}",)
+    single = StackSpec(config=ServingConfig(), gateway_port=spec.gateway_port, prefill_port=spec.prefill_port, single=True)
+    cfg1 = LocalStack(single).engine_config()
+    assert cfg1.gateway.prefill_urls == cfg1.gateway.decode_urls == (f"http://127.0.0.1:{spec.prefill_port}",)
+    assert ServingConfig.from_json(cfg.to_json()) == cfg  # what the children read
+
+
+def test_spec_refuses_clashing_ports() -> None:
+    with pytest.raises(ValueError, match="ports must be distinct"):
+        StackSpec(config=ServingConfig(), gateway_port=8000, prefill_port=8000)
+
+
+def test_scrape_config_labels_targets_like_the_pod_monitor() -> None:
+    import json
+
+    cfg = json.loads(scrape_config({"gateway": "127.0.0.1:8000"}))
+    (job,) = cfg["scrape_configs"]
+    assert job["static_configs"] == [{"targets": ["127.0.0.1:8000"], "labels": {"namespace": "local", "kvserving": "local", "pod": "gateway"}}]
