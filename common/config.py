@@ -142,10 +142,28 @@ class GatewayConfig:
     prefill_service: str | None = None
     decode_service: str | None = None
     worker_port: int = 8000
+    # Bearer keys; empty = no authentication (/health, /ready, /metrics are always open).
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 8 * 1024 * 1024
+    health_interval_s: float = 2.0  # worker /ready polling period
+    dns_refresh_s: float = 10.0  # headless Services re-resolved this often
+    request_timeout_s: float = 600.0  # one upstream request, end to end
+    connect_timeout_s: float = 2.0
+    lease_heartbeat_s: float = 30.0  # renew active conversations' leases this often
+    max_leases: int = 100_000  # lease-table entries; the least recently active is released beyond it
+    max_inflight_per_worker: int = 256  # a lease holder busier than this is "overloaded"
 
     def __post_init__(self) -> None:
         if not 1 <= self.worker_port <= 65535:
             raise ValueError(f"gateway.worker_port must be in 1..65535, got {self.worker_port}")
+        if any(not isinstance(k, str) or not k for k in self.api_keys):
+            raise ValueError("gateway.api_keys must be non-empty strings")
+        for name in ("max_body_bytes", "max_leases", "max_inflight_per_worker"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"gateway.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("health_interval_s", "dns_refresh_s", "request_timeout_s", "connect_timeout_s", "lease_heartbeat_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"gateway.{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(slots=True, frozen=True)
