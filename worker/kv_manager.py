@@ -9,17 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+from kvserving.kernels.page_ids import page_id_bits
 from kvserving.tags import MODAL, SEMANTIC
-from kvserving.worker.page_pool import PagePool, PagePoolBase
+from kvserving.worker.page_pool import PagePoolBase
 from kvserving.worker.precision import page_bits
-from kvserving.worker.triaxial_pool import INT2_PAGE_FLAG, TriaxialPagePool
 from kvserving.worker.sequence import Sequence
 
 
 class KVCacheManager:
-    """Maps sequences to pages. ``bits_table`` is set only for triaxial pools."""
+    """Maps sequences to pages. ``bits_table`` (tag -> 2 or 4) is given exactly when the
+    pool stores INT2 pages; without it every page is 4-bit (the format's one precision)."""
 
     def __init__(self, pool: PagePoolBase, *, page_size: int, bits_table: Seq[int] | None = None) -> None:
+        if (bits_table is not None) != (2 in pool.precisions):
+            raise ValueError(
+                f"bits_table must be given exactly when the pool stores INT2 pages (pool precisions {pool.precisions})"
+            )
+        if page_size != pool.page_size:
+            raise ValueError(f"page_size {page_size} differs from the pool's {pool.page_size}")
         self.pool = pool
         self.page_size = page_size
         self.bits_table = tuple(bits_table) if bits_table is not None else None
@@ -49,7 +56,7 @@ class KVCacheManager:
         have = len(seq.page_hashes)
         if num_full_pages <= have:
             return
-        bits = [2 if pid & INT2_PAGE_FLAG else 4 for pid in seq.page_ids[have:num_full_pages]]
+        bits = [page_id_bits(pid) for pid in seq.page_ids[have:num_full_pages]]
         seq.page_hashes.extend(self._page_hashes(seq, have, bits, seq.page_hashes[-1] if have else None))
 
     def match_prefix(self, seq: Sequence) -> int:
@@ -102,19 +109,11 @@ class KVCacheManager:
         if need <= 0:
             return True
         first = len(seq.page_ids)
-        if not self.triaxial:
-            assert isinstance(self.pool, PagePool)
-            got = self.pool.allocate(need)
-            if got is None:
-                return False
-            seq.page_ids.extend(got)
-            return True
-        assert isinstance(self.pool, TriaxialPagePool)
-        # one all-or-nothing placement across both ends of the buffer
-        got_mixed = self.pool.allocate_mixed(self.page_bits_for(seq, first, first + need))
-        if got_mixed is None:
+        # one all-or-nothing placement (across both ends of a triaxial buffer)
+        got = self.pool.allocate(self.page_bits_for(seq, first, first + need))
+        if got is None:
             return False
-        seq.page_ids.extend(got_mixed)
+        seq.page_ids.extend(got)
         return True
 
     def publish_full_pages(self, seq: Sequence) -> None:

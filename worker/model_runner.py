@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from kvserving.kernels.layout import INT2_PAGE_FLAG
+from kvserving.kernels.page_ids import is_int2
 from kvserving.worker.attention import AttentionMetadata, PagedAttention, PrefillSpan
 from kvserving.worker.model import DecoderModel
-from kvserving.worker.scheduler import ScheduledChunk
+from kvserving.worker.precision import order_pages_int2_first
+from kvserving.worker.sequence import ScheduledChunk
 
 
 class ModelRunner:
@@ -34,7 +35,7 @@ class ModelRunner:
             pos = c.start
             while pos < c.start + c.num_tokens:
                 page = pages[pos // p]
-                if page & INT2_PAGE_FLAG:
+                if is_int2(page):
                     # chunks end on page boundaries, so an INT2 page is whole here
                     assert pos % p == 0 and pos + p <= c.start + c.num_tokens
                     int2_pages.append((row + pos - c.start, page))
@@ -45,12 +46,11 @@ class ModelRunner:
                 write_slots.append(pos % p)
                 pos += 1
             if c.num_tokens == 1 and c.start > 0:
-                used = pages[: -(-(c.start + 1) // p)]
-                int2 = [x for x in used if x & INT2_PAGE_FLAG]
+                table, num_int2 = order_pages_int2_first(pages[: -(-(c.start + 1) // p)])
                 decode_rows.append(row)
-                decode_tables.append(int2 + [x for x in used if not x & INT2_PAGE_FLAG])
+                decode_tables.append(table)
                 decode_lens.append(c.start + 1)
-                decode_int2.append(len(int2))
+                decode_int2.append(num_int2)
             else:
                 prefix = torch.tensor(pages[: c.start // p], dtype=torch.int32, device=self.device)
                 prefills.append(PrefillSpan(row, c.start, c.num_tokens, prefix))

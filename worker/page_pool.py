@@ -156,7 +156,11 @@ class _Region:
 class PagePoolBase:
     """Ref counts, prefix hashes, LRU and leases over one or more ``_Region``s.
 
-    Subclasses own the regions and ``allocate``; every other operation is here."""
+    Subclasses own the regions and allocation; every other operation is here.
+    ``precisions`` says which page precisions (bits) a pool stores: callers ask
+    ``allocate`` for the precisions they want and never look at the pool's type."""
+
+    precisions: tuple[int, ...] = (4,)
 
     def __init__(self, *, page_size: int, clock: Callable[[], float]) -> None:
         if page_size < 1:
@@ -178,10 +182,23 @@ class PagePoolBase:
         """Raise ValueError unless ``page_id`` names a slot of this pool."""
         raise NotImplementedError
 
+    def allocate(self, page_bits: Sequence[int]) -> list[int] | None:
+        """One page per entry of ``page_bits`` (its precision), in that order, ref 1 each;
+        all or nothing: None, changing nothing, when they do not all fit."""
+        raise NotImplementedError
+
     # -- inspection -------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
         """Pages ``allocate`` can hand out now (free + evictable cached; per subclass)."""
+        raise NotImplementedError
+
+    def num_free_pages(self, *, bits: int) -> int:
+        """How many pages of precision ``bits`` ``allocate`` can give now."""
+        raise NotImplementedError
+
+    def capacity_tokens(self, frac_int2: float = 0.0) -> int:
+        """Tokens the pool holds when ``frac_int2`` of its pages are INT2."""
         raise NotImplementedError
 
     @property
@@ -389,16 +406,29 @@ class PagePool(PagePoolBase):
         r = self._region
         return r.num_free + (self.num_pages - r.hwm) + len(r.lru)
 
-    @property
-    def capacity_tokens(self) -> int:
+    def num_free_pages(self, *, bits: int) -> int:
+        _check_plain_bits([bits])
+        return self.num_free
+
+    def capacity_tokens(self, frac_int2: float = 0.0) -> int:
+        """Tokens of the whole pool (it has no INT2 pages: ``frac_int2`` must be 0)."""
+        if frac_int2 != 0.0:
+            raise ValueError(f"frac_int2 must be 0 for a pool without INT2 pages, got {frac_int2}")
         return self.num_pages * self.page_size
 
-    def allocate(self, n: int) -> list[int] | None:
-        """``n`` pages with ref 1 each, lowest free ids first, then LRU evictions; None if
-        even evicting every cached page would not give ``n`` (nothing changes then)."""
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
+    def allocate(self, page_bits: Sequence[int]) -> list[int] | None:
+        """One page per entry of ``page_bits`` (each must be 4: this pool has one precision),
+        ref 1 each, lowest free ids first, then LRU evictions; None if even evicting every
+        cached page would not give them all (nothing changes then)."""
+        _check_plain_bits(page_bits)
+        n = len(page_bits)
         if n > self.num_free:
             return None
         r = self._region
         return self._own(self._fill(r, n, room=self.num_pages - r.hwm))
+
+
+def _check_plain_bits(page_bits: Sequence[int]) -> None:
+    bad = sorted({b for b in page_bits if b != 4})
+    if bad:
+        raise ValueError(f"page bits must be 4 in a pool without INT2 pages, got {bad}")

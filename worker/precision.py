@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.tags import validate_bits_table
-
-from .triaxial_pool import INT2_PAGE_FLAG
 
 
 def page_bits(tags: Sequence[int], bits_table: Sequence[int], page_size: int = 32) -> list[int]:

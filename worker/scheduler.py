@@ -11,35 +11,12 @@ recomputed later (its sampled tokens are kept, so its output is unchanged).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from kvserving.config import SchedulerConfig
 from kvserving.worker.kv_manager import KVCacheManager
-from kvserving.worker.sequence import Sequence, SeqStatus
+from kvserving.worker.sequence import ScheduledChunk, SchedulerOutput, Sequence, SeqStatus
 
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    """Tokens [start, start + num_tokens) of ``seq`` run this step."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        # Logits are needed only once the chunk reaches the sequence's end.
-        return self.start + self.num_tokens == self.seq.num_tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:

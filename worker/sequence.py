@@ -1,4 +1,5 @@
-"""One request's state as the scheduler sees it: tokens, tags, pages, progress."""
+"""One request's state as the scheduler sees it (tokens, tags, pages, progress),
+and the plain step plan the scheduler hands the model runner."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserving.tags import encode_tag
+from kvserving.worker.leases import RetainSpec
 from kvserving.worker.sampling import SamplingParams
 
 # Tokens a decode step generates are the current turn's assistant text.
@@ -44,6 +46,11 @@ class Sequence:
     finish_reason: str | None = None
     arrival: int = 0  # admission order, for choosing whom to preempt
     num_preemptions: int = 0
+    # KV reuse (worker/kv_transfer.py): keep the full pages under a lease when finished;
+    # the pin holding this request's pulled pages until admission; how many prompt tokens it pulled
+    retain: RetainSpec | None = None
+    pin_lease: str | None = None
+    num_pulled_prompt: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -72,3 +79,29 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Tokens [start, start + num_tokens) of ``seq`` run this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        # Logits are needed only once the chunk reaches the sequence's end.
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan: the chunks to run, in batch order, and who was preempted for room."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)

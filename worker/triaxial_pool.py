@@ -7,7 +7,8 @@ Pure Python: ids and byte offsets; the storage layer owns the bytes.
     '------------ h4 * B4 -------------'          '------------- h2 * B2 ------------'
 
 INT4 page i occupies ``[i*B4, (i+1)*B4)``; INT2 page j occupies
-``[total-(j+1)*B2, total-j*B2)``; its page id is ``j | INT2_PAGE_FLAG``.
+``[total-(j+1)*B2, total-j*B2)``; its page id is ``j | INT2_PAGE_FLAG``
+(ids and offsets: ``kvserving.kernels.page_ids``, torch-free).
 
 No static split: an allocation succeeds while ``h4*B4 + h2*B2 <= total``, so an
 INT4-only workload can fill the whole buffer (every decode-generated token is
@@ -18,13 +19,14 @@ Policy that keeps the two ends from deadlocking each other:
 - each end hands out its lowest free index first, so live pages stay packed at
   its outer end, and its high-water mark ``h`` drops as soon as its innermost
   page is freed -- the bytes go back to the gap for either precision;
-- ``allocate(n, bits=b)`` takes, in order: free slots of precision ``b`` below
-  its mark, then the gap, then evicts cached pages of precision ``b`` (LRU
-  first), and only then evicts the *other* end's innermost cached pages to pull
-  its mark back (never past a page someone owns). ``num_free_pages(bits=b)``
-  counts exactly what that can give, and allocation is all-or-nothing;
-- ``allocate_mixed(page_bits)`` places both kinds at once (one sequence's new
-  pages), all-or-nothing across the two ends: prefer it to two ``allocate`` calls.
+- ``allocate(page_bits)`` places one page per entry (2 or 4) and is
+  all-or-nothing across the two ends (one sequence's new pages at once: two
+  separate calls could fail where one placement of both kinds fits). For each
+  precision ``b`` it takes, in order: free slots of precision ``b`` below its
+  mark, then the gap, then evicts cached pages of precision ``b`` (LRU first),
+  and only then evicts the *other* end's innermost cached pages to pull its
+  mark back (never past a page someone owns). ``num_free_pages(bits=b)``
+  counts exactly what a one-precision request can get.
 
 What can still strand space: an owned page deep inside one end keeps that end's
 mark above it; free slots below it serve only its own precision.
@@ -35,21 +37,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG, page_byte_offset, page_id_bits, page_index
+
 from .page_pool import PagePoolBase, _Region
 
-# Must equal kvserving.kernels.layout.INT2_PAGE_FLAG (a test guards it); copied
-# so that this module does not import torch.
-INT2_PAGE_FLAG = 1 << 30
 BITS = (2, 4)
-
-
-def page_id_bits(page_id: int) -> int:
-    """2 for an INT2 page id, 4 for an INT4 one."""
-    return 2 if page_id & INT2_PAGE_FLAG else 4
 
 
 class TriaxialPagePool(PagePoolBase):
     """Dual INT4/INT2 page pool over a ``total_bytes_per_layer`` buffer (same bytes in every layer)."""
+
+    precisions = BITS
 
     def __init__(
         self,
@@ -79,9 +77,9 @@ class TriaxialPagePool(PagePoolBase):
     def byte_offset(self, page_id: int) -> int:
         """Start of the page in its layer buffer (equals kernels.layout.page_byte_offset)."""
         self._check_id(page_id)
-        if page_id & INT2_PAGE_FLAG:
-            return self.total_bytes - ((page_id & ~INT2_PAGE_FLAG) + 1) * self._bytes[2]
-        return page_id * self._bytes[4]
+        return page_byte_offset(
+            page_id, page_bytes=self._bytes[4], int2_page_bytes=self._bytes[2], total_bytes=self.total_bytes
+        )
 
     def high_water(self, *, bits: int) -> int:
         """Slots the ``bits`` end spans now (its live pages all lie below this index)."""
@@ -92,9 +90,9 @@ class TriaxialPagePool(PagePoolBase):
 
     def _check_id(self, page_id: int) -> None:
         bits = page_id_bits(page_id)
-        index = page_id & ~INT2_PAGE_FLAG
+        index = page_index(page_id)
         limit = self.total_bytes // self._bytes[bits]
-        if page_id < 0 or not 0 <= index < limit:
+        if not 0 <= page_id < INT2_PAGE_FLAG << 1 or not index < limit:
             raise ValueError(f"INT{bits} page index must be in 0..{limit - 1}, got page id {page_id}")
 
     # -- capacity -----------------------------------------------------------------------------
@@ -119,7 +117,7 @@ class TriaxialPagePool(PagePoolBase):
         """Pages allocatable at either precision (the smaller of the two counts)."""
         return min(self.num_free_pages(bits=b) for b in BITS)
 
-    def capacity_tokens(self, frac_int2: float) -> int:
+    def capacity_tokens(self, frac_int2: float = 0.0) -> int:
         """Tokens the whole buffer holds when ``frac_int2`` of its pages are INT2:
         the most pages n with round(frac_int2*n) INT2 and the rest INT4 that fit."""
         if not 0.0 <= frac_int2 <= 1.0:
@@ -134,30 +132,17 @@ class TriaxialPagePool(PagePoolBase):
         return n * self.page_size
 
     # -- allocation ---------------------------------------------------------------------------
-    def allocate(self, n: int, *, bits: int) -> list[int] | None:
-        """``n`` pages of precision ``bits`` with ref 1 each (policy in the module docstring);
-        None, changing nothing, if ``num_free_pages(bits=bits) < n``."""
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        mine, other = self._r[_check_bits(bits)], self._r[6 - bits]
-        gap = (self.total_bytes - mine.hwm * self._bytes[bits] - other.hwm * self._bytes[6 - bits]) // self._bytes[bits]
-        # Fast path first: scanning the other end (num_free_pages) is needed only when short.
-        if n > mine.num_free + gap + len(mine.lru) and n > self.num_free_pages(bits=bits):
-            return None
-        return self._own(self._take(n, bits, cap=None))
+    def allocate(self, page_bits: Sequence[int]) -> list[int] | None:
+        """One page per entry of ``page_bits`` (2 or 4 each), in that order, ref 1 each;
+        None, changing nothing, if they do not all fit (policy in the module docstring).
 
-    def allocate_mixed(self, page_bits: Sequence[int]) -> list[int] | None:
-        """One page per entry of ``page_bits`` (2 or 4 each), in that order; all or nothing.
-
-        Two ``allocate`` calls can fail where one placement of both kinds fits (the
-        first kind grows into the gap the second needed) and cannot undo their
-        evictions; this checks both ends at once: it succeeds iff extents
+        Both kinds are checked at once: it succeeds iff extents
         ``e2 = max(min_mark2, owned2 + n2)`` and ``e4`` likewise fit in the buffer.
         INT2 goes first, capped at the extent that still leaves INT4 its ``e4``."""
         n2 = sum(1 for b in page_bits if _check_bits(b) == 2)
         n4 = len(page_bits) - n2
         if not n2 or not n4:
-            return self.allocate(len(page_bits), bits=2 if n2 else 4)
+            return self._allocate_one_kind(len(page_bits), bits=2 if n2 else 4)
         r2, r4 = self._r[2], self._r[4]
         e2 = max(self._min_mark(r2), self._num_owned_in(r2) + n2)
         e4 = max(self._min_mark(r4), self._num_owned_in(r4) + n4)
@@ -167,6 +152,14 @@ class TriaxialPagePool(PagePoolBase):
         int2 = iter(self._own(self._take(n2, 2, cap=cap2)))
         int4 = iter(self._own(self._take(n4, 4, cap=None)))
         return [next(int2) if b == 2 else next(int4) for b in page_bits]
+
+    def _allocate_one_kind(self, n: int, *, bits: int) -> list[int] | None:
+        mine, other = self._r[bits], self._r[6 - bits]
+        gap = (self.total_bytes - mine.hwm * self._bytes[bits] - other.hwm * self._bytes[6 - bits]) // self._bytes[bits]
+        # Fast path first: scanning the other end (num_free_pages) is needed only when short.
+        if n > mine.num_free + gap + len(mine.lru) and n > self.num_free_pages(bits=bits):
+            return None
+        return self._own(self._take(n, bits, cap=None))
 
     def _num_owned_in(self, region: _Region) -> int:
         # every slot below the mark is owned, free or cached (evicted slots are reused at once)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
-from kvserving.kernels.layout import INT2_PAGE_FLAG
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.tags import encode_tag
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.sampling import SamplingParams

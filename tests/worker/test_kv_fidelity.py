@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserving.kernels.layout import INT2_PAGE_FLAG
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.worker.kv_storage import KVShape, KVStorage
 from kvserving.worker.model import dense_causal_attention, load_model
 

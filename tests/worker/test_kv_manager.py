@@ -3,12 +3,13 @@ only at their request's precision or a more precise one."""
 
 from __future__ import annotations
 
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.tags import default_bits_table, encode_tag
 from kvserving.worker.kv_manager import KVCacheManager
 from kvserving.worker.page_pool import PagePool
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence
-from kvserving.worker.triaxial_pool import INT2_PAGE_FLAG, TriaxialPagePool
+from kvserving.worker.triaxial_pool import TriaxialPagePool
 
 OLD = encode_tag("older", "text", "user")  # 2 bits in the default table
 NOW = encode_tag("current", "text", "user")  # 4 bits

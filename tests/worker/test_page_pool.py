@@ -30,42 +30,42 @@ def refs(pool: PagePool) -> list[int]:
 
 def test_allocate_lowest_ids_first_and_free_list_reuses_lowest() -> None:
     pool, _ = make_pool(6)
-    assert pool.capacity_tokens == 12
-    assert pool.allocate(2) == [0, 1]
-    assert pool.allocate(3) == [2, 3, 4]
+    assert pool.capacity_tokens() == 12
+    assert pool.allocate([4] * 2) == [0, 1]
+    assert pool.allocate([4] * 3) == [2, 3, 4]
     assert refs(pool) == [1, 1, 1, 1, 1, 0]
     assert pool.num_free == 1
     pool.free([3, 1])
     assert refs(pool) == [1, 0, 1, 0, 1, 0]
     assert pool.num_free == 3
     # lowest free id first, whatever order they were freed in
-    assert pool.allocate(1) == [1]
-    assert pool.allocate(2) == [3, 5]
+    assert pool.allocate([4] * 1) == [1]
+    assert pool.allocate([4] * 2) == [3, 5]
     assert pool.num_free == 0
 
 
 def test_allocate_is_all_or_nothing() -> None:
     pool, _ = make_pool(4)
-    assert pool.allocate(3) == [0, 1, 2]
-    assert pool.allocate(2) is None
+    assert pool.allocate([4] * 3) == [0, 1, 2]
+    assert pool.allocate([4] * 2) is None
     assert refs(pool) == [1, 1, 1, 0]
     assert pool.num_free == 1
-    assert pool.allocate(0) == []
-    assert pool.allocate(1) == [3]
-    assert pool.allocate(1) is None
+    assert pool.allocate([]) == []
+    assert pool.allocate([4] * 1) == [3]
+    assert pool.allocate([4] * 1) is None
 
 
 def test_free_of_the_top_page_then_reuse() -> None:
     pool, _ = make_pool(4)
-    assert pool.allocate(4) == [0, 1, 2, 3]
+    assert pool.allocate([4] * 4) == [0, 1, 2, 3]
     pool.free([3])
     pool.free([0])
-    assert pool.allocate(2) == [0, 3]
+    assert pool.allocate([4] * 2) == [0, 3]
 
 
 def test_refs_incref_and_double_free() -> None:
     pool, _ = make_pool(4)
-    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate([4] * 2) == [0, 1]
     pool.incref([1, 1])
     assert refs(pool) == [1, 3, 0, 0]
     pool.free([1])
@@ -75,7 +75,7 @@ def test_refs_incref_and_double_free() -> None:
     assert pool.num_free == 4
     with pytest.raises(ValueError, match="is free"):
         pool.free([0])
-    assert pool.allocate(1) == [0]
+    assert pool.allocate([4] * 1) == [0]
     # a double free inside one call changes nothing
     with pytest.raises(ValueError, match="double free of page 0"):
         pool.free([0, 0])
@@ -85,8 +85,9 @@ def test_refs_incref_and_double_free() -> None:
     assert refs(pool) == [1, 0, 0, 0]
     with pytest.raises(ValueError, match="0..3"):
         pool.ref_count(4)
-    with pytest.raises(ValueError, match="n must be >= 0"):
-        pool.allocate(-1)
+    with pytest.raises(ValueError, match=r"page bits must be 4 in a pool without INT2 pages, got \[2\]"):
+        pool.allocate([4, 2])
+    assert refs(pool) == [1, 0, 0, 0]
 
 
 # -- chained hashes ---------------------------------------------------------------------
@@ -140,7 +141,7 @@ def test_tags_change_the_hash() -> None:
 def test_freed_hashed_page_stays_cached_and_match_prefix_refinds_it() -> None:
     pool, _ = make_pool(4)
     h = chain_hashes([1, 2, 3, 4, 5], 2)  # two full pages
-    ids = pool.allocate(3)
+    ids = pool.allocate([4] * 3)
     assert ids == [0, 1, 2]
     pool.register(0, h[0])
     pool.register(1, h[1])
@@ -162,7 +163,7 @@ def test_freed_hashed_page_stays_cached_and_match_prefix_refinds_it() -> None:
 
 def test_register_keeps_the_first_page_for_a_hash() -> None:
     pool, _ = make_pool(4)
-    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate([4] * 2) == [0, 1]
     pool.register(0, 7)
     pool.register(0, 7)  # idempotent
     pool.register(1, 7)  # same content computed twice: page 0 stays the cached copy
@@ -171,15 +172,15 @@ def test_register_keeps_the_first_page_for_a_hash() -> None:
         pool.register(0, 8)
     pool.free([0, 1])
     assert pool.cached_page_ids() == [0]
-    assert pool.allocate(2) == [1, 2]  # page 1 went back to the free list
+    assert pool.allocate([4] * 2) == [1, 2]  # page 1 went back to the free list
     with pytest.raises(ValueError, match="not owned"):
         pool.register(0, 9)
 
 
 def test_lru_eviction_order_under_pressure() -> None:
     pool, clock = make_pool(4)
-    a = pool.allocate(2)  # conversation A: pages 0, 1
-    b = pool.allocate(2)  # conversation B: pages 2, 3
+    a = pool.allocate([4] * 2)  # conversation A: pages 0, 1
+    b = pool.allocate([4] * 2)  # conversation B: pages 2, 3
     assert (a, b) == ([0, 1], [2, 3])
     for pid, h in zip(a + b, (10, 11, 20, 21)):
         pool.register(pid, h)
@@ -195,25 +196,25 @@ def test_lru_eviction_order_under_pressure() -> None:
     assert pool.cached_page_ids() == [1, 3, 2, 0]
     assert pool.page(0).last_used == 102.0
     # pressure: evict LRU first, hashes leave the map
-    assert pool.allocate(2) == [1, 3]
+    assert pool.allocate([4] * 2) == [1, 3]
     assert pool.lookup(11) is None and pool.lookup(21) is None
     assert pool.cached_page_ids() == [2, 0]
     assert refs(pool) == [0, 1, 0, 1]
-    assert pool.allocate(3) is None  # all-or-nothing: nothing evicted
+    assert pool.allocate([4] * 3) is None  # all-or-nothing: nothing evicted
     assert pool.cached_page_ids() == [2, 0]
-    assert pool.allocate(1) == [2]
+    assert pool.allocate([4] * 1) == [2]
     assert pool.match_prefix([10, 11]) == [0]
-    assert pool.num_free == 0 and pool.allocate(1) is None
+    assert pool.num_free == 0 and pool.allocate([4] * 1) is None
 
 
 def test_allocate_prefers_free_pages_over_evicting_cached_ones() -> None:
     pool, _ = make_pool(4)
-    assert pool.allocate(1) == [0]
+    assert pool.allocate([4] * 1) == [0]
     pool.register(0, 5)
     pool.free([0])
-    assert pool.allocate(3) == [1, 2, 3]
+    assert pool.allocate([4] * 3) == [1, 2, 3]
     assert pool.lookup(5) == 0
-    assert pool.allocate(1) == [0]
+    assert pool.allocate([4] * 1) == [0]
     assert pool.lookup(5) is None
 
 
@@ -222,7 +223,7 @@ def test_allocate_prefers_free_pages_over_evicting_cached_ones() -> None:
 
 def test_pinned_pages_are_never_evicted_until_expiry() -> None:
     pool, clock = make_pool(4)
-    ids = pool.allocate(2)
+    ids = pool.allocate([4] * 2)
     assert ids == [0, 1]
     pool.register(0, 10)
     pool.register(1, 11)
@@ -232,8 +233,8 @@ def test_pinned_pages_are_never_evicted_until_expiry() -> None:
     assert pool.page(0).leases == ["conv-1"]
     assert pool.lease_pages("conv-1") == [0, 1]
     assert pool.num_free == 2
-    assert pool.allocate(3) is None
-    assert pool.allocate(2) == [2, 3]
+    assert pool.allocate([4] * 3) is None
+    assert pool.allocate([4] * 2) == [2, 3]
     clock.t = 129.9
     assert pool.expire_leases() == []
     assert refs(pool) == [1, 1, 1, 1]
@@ -243,12 +244,12 @@ def test_pinned_pages_are_never_evicted_until_expiry() -> None:
     assert pool.cached_page_ids() == [1, 0]
     assert pool.page(0).leases == []
     assert pool.lease_ids() == []
-    assert pool.allocate(1) == [1]  # now evictable
+    assert pool.allocate([4] * 1) == [1]  # now evictable
 
 
 def test_unhashed_pinned_pages_return_to_the_free_list_on_release() -> None:
     pool, _ = make_pool(4)
-    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate([4] * 2) == [0, 1]
     pool.pin("a", [0, 1], ttl_s=5)
     pool.pin("b", [1], ttl_s=5)
     pool.free([0, 1])
@@ -257,12 +258,12 @@ def test_unhashed_pinned_pages_return_to_the_free_list_on_release() -> None:
     pool.release("a")
     assert refs(pool) == [0, 1, 0, 0]
     assert pool.page(1).leases == ["b"]
-    assert pool.allocate(1) == [0]
+    assert pool.allocate([4] * 1) == [0]
 
 
 def test_renew_extends_and_expiry_order() -> None:
     pool, clock = make_pool(4)
-    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.allocate([4] * 3) == [0, 1, 2]
     pool.pin("a", [0], ttl_s=10)
     pool.pin("b", [1], ttl_s=5)
     pool.pin("c", [2], ttl_s=20)
@@ -280,7 +281,7 @@ def test_renew_extends_and_expiry_order() -> None:
 
 def test_lease_errors() -> None:
     pool, _ = make_pool(4)
-    assert pool.allocate(1) == [0]
+    assert pool.allocate([4] * 1) == [0]
     with pytest.raises(ValueError, match="unknown lease 'nope'"):
         pool.release("nope")
     with pytest.raises(ValueError, match="unknown lease"):
@@ -303,7 +304,8 @@ def test_lease_errors() -> None:
 
 def test_pool_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, kvserving.worker.page_pool, kvserving.worker.triaxial_pool, kvserving.worker.precision;"
+        "import sys, kvserving.kernels.page_ids, kvserving.worker.page_pool, kvserving.worker.triaxial_pool,"
+        " kvserving.worker.precision;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)

@@ -2,9 +2,9 @@
 
 import pytest
 
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG as F
 from kvserving.tags import NUM_TAGS, default_bits_table, encode_tag
 from kvserving.worker.precision import average_bits, order_pages_int2_first, page_bits
-from kvserving.worker.triaxial_pool import INT2_PAGE_FLAG as F
 
 OLD_USER = encode_tag("older", "text", "user")
 OLD_ASSISTANT = encode_tag("older", "text", "assistant")

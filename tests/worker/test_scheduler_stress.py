@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvserving.tags import encode_tag
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG
+from kvserving.tags import encode_tag
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.sampling import SamplingParams
-from kvserving.worker.triaxial_pool import INT2_PAGE_FLAG
 
 
 def engine(model_dir: Path, dtype: str, pages: int) -> LLMEngine:

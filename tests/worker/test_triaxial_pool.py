@@ -4,8 +4,9 @@ Buffer of 100 bytes, INT4 pages of 20 bytes (at most 5), INT2 pages of 10 (at mo
 
 import pytest
 
-from kvserving.kernels import layout
-from kvserving.worker.triaxial_pool import INT2_PAGE_FLAG, TriaxialPagePool, page_id_bits
+from kvserving.kernels import layout, page_ids
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG, page_id_bits
+from kvserving.worker.triaxial_pool import TriaxialPagePool
 
 F = INT2_PAGE_FLAG
 B4, B2, TOTAL = 20, 10, 100
@@ -26,11 +27,11 @@ def make_pool() -> tuple[TriaxialPagePool, FakeClock]:
 
 
 def live_ranges(pool: TriaxialPagePool, ids: list[int]) -> list[tuple[int, int]]:
-    """Byte ranges of ``ids``, checked against kernels.layout and for overlap."""
+    """Byte ranges of ``ids``, checked against kernels.page_ids and for overlap."""
     ranges = []
     for pid in ids:
         start = pool.byte_offset(pid)
-        assert start == layout.page_byte_offset(pid, page_bytes=B4, int2_page_bytes=B2, total_bytes=TOTAL)
+        assert start == page_ids.page_byte_offset(pid, page_bytes=B4, int2_page_bytes=B2, total_bytes=TOTAL)
         ranges.append((start, start + (B2 if pid & F else B4)))
     ordered = sorted(ranges)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ordered, ordered[1:])), ordered
@@ -50,32 +51,32 @@ def test_flag_matches_kernels_layout_and_ids_carry_it() -> None:
 def test_two_ends_grow_without_overlap() -> None:
     pool, _ = make_pool()
     assert free_counts(pool) == (5, 10)
-    assert pool.allocate(2, bits=4) == [0, 1]
-    assert pool.allocate(3, bits=2) == [F | 0, F | 1, F | 2]
+    assert pool.allocate([4] * 2) == [0, 1]
+    assert pool.allocate([2] * 3) == [F | 0, F | 1, F | 2]
     assert [pool.byte_offset(p) for p in (0, 1, F | 0, F | 1, F | 2)] == [0, 20, 90, 80, 70]
     assert live_ranges(pool, [0, 1, F | 0, F | 1, F | 2]) == [(0, 20), (20, 40), (90, 100), (80, 90), (70, 80)]
     assert (pool.high_water(bits=4), pool.high_water(bits=2)) == (2, 3)
     assert free_counts(pool) == (1, 3)
     assert pool.num_free == 1
-    assert pool.allocate(2, bits=4) is None  # all-or-nothing
-    assert pool.allocate(1, bits=4) == [2]
+    assert pool.allocate([4] * 2) is None  # all-or-nothing
+    assert pool.allocate([4] * 1) == [2]
     assert free_counts(pool) == (0, 1)
-    assert pool.allocate(1, bits=2) == [F | 3]
-    assert pool.allocate(1, bits=2) is None
+    assert pool.allocate([2] * 1) == [F | 3]
+    assert pool.allocate([2] * 1) is None
     live_ranges(pool, [0, 1, 2, F | 0, F | 1, F | 2, F | 3])
 
 
 def test_int4_only_workload_fills_the_whole_buffer() -> None:
     pool, _ = make_pool()
-    assert pool.allocate(5, bits=4) == [0, 1, 2, 3, 4]
+    assert pool.allocate([4] * 5) == [0, 1, 2, 3, 4]
     assert live_ranges(pool, [0, 1, 2, 3, 4])[-1] == (80, 100)
     assert free_counts(pool) == (0, 0)
-    assert pool.allocate(1, bits=4) is None and pool.allocate(1, bits=2) is None
+    assert pool.allocate([4] * 1) is None and pool.allocate([2] * 1) is None
 
 
 def test_int2_only_workload_fills_the_whole_buffer() -> None:
     pool, _ = make_pool()
-    ids = pool.allocate(10, bits=2)
+    ids = pool.allocate([2] * 10)
     assert ids == [F | i for i in range(10)]
     assert live_ranges(pool, ids)[-1] == (0, 10)
     assert free_counts(pool) == (0, 0)
@@ -83,21 +84,21 @@ def test_int2_only_workload_fills_the_whole_buffer() -> None:
 
 def test_freeing_top_pages_lets_the_other_precision_grow() -> None:
     pool, _ = make_pool()
-    assert pool.allocate(5, bits=4) == [0, 1, 2, 3, 4]
+    assert pool.allocate([4] * 5) == [0, 1, 2, 3, 4]
     pool.free([3, 4])
     assert pool.high_water(bits=4) == 3
     assert free_counts(pool) == (2, 4)
     pool.free([1])  # inside the INT4 end: only INT4 can reuse it
     assert pool.high_water(bits=4) == 3
     assert free_counts(pool) == (3, 4)
-    assert pool.allocate(4, bits=2) == [F | 0, F | 1, F | 2, F | 3]
+    assert pool.allocate([2] * 4) == [F | 0, F | 1, F | 2, F | 3]
     assert free_counts(pool) == (1, 0)
-    assert pool.allocate(1, bits=4) == [1]
+    assert pool.allocate([4] * 1) == [1]
     live_ranges(pool, [0, 1, 2, F | 0, F | 1, F | 2, F | 3])
     # and back: INT2 frees its inner pages, INT4 grows into them
     pool.free([F | 3, F | 2])
     assert pool.high_water(bits=2) == 2
-    assert pool.allocate(1, bits=4) == [3]
+    assert pool.allocate([4] * 1) == [3]
     assert pool.high_water(bits=4) == 4
     live_ranges(pool, [0, 1, 2, 3, F | 0, F | 1])
 
@@ -105,7 +106,7 @@ def test_freeing_top_pages_lets_the_other_precision_grow() -> None:
 def test_an_owned_inner_page_holds_its_end_open() -> None:
     # the documented limit: free slots below an owned page serve only their own precision
     pool, _ = make_pool()
-    assert pool.allocate(5, bits=4) == [0, 1, 2, 3, 4]
+    assert pool.allocate([4] * 5) == [0, 1, 2, 3, 4]
     pool.free([0, 1, 2, 3])
     assert pool.high_water(bits=4) == 5
     assert free_counts(pool) == (4, 0)
@@ -116,21 +117,21 @@ def test_an_owned_inner_page_holds_its_end_open() -> None:
 
 def test_cached_pages_of_the_other_end_are_evicted_only_after_own() -> None:
     pool, _ = make_pool()
-    assert pool.allocate(4, bits=2) == [F | 0, F | 1, F | 2, F | 3]
+    assert pool.allocate([2] * 4) == [F | 0, F | 1, F | 2, F | 3]
     pool.register(F | 2, 22)
     pool.register(F | 3, 23)
     pool.free([F | 0, F | 1, F | 2, F | 3])
     assert pool.high_water(bits=2) == 4  # cached F|3 holds the mark
     assert pool.cached_page_ids() == [F | 3, F | 2]
     assert free_counts(pool) == (5, 10)
-    assert pool.allocate(3, bits=4) == [0, 1, 2]  # the gap is enough: nothing evicted
+    assert pool.allocate([4] * 3) == [0, 1, 2]  # the gap is enough: nothing evicted
     pool.register(2, 42)
     pool.free([2])
     assert pool.cached_page_ids() == [2, F | 3, F | 2]
     assert free_counts(pool) == (3, 6)
     # needs 2 more INT4 slots: own cached page 2 first, then pull the INT2 mark back
     # from 4 to 2 (evicting F|2 and F|3); its free slots 0, 1 go with it
-    assert pool.allocate(3, bits=4) == [2, 3, 4]
+    assert pool.allocate([4] * 3) == [2, 3, 4]
     assert pool.lookup(42) is None and pool.lookup(22) is None and pool.lookup(23) is None
     assert pool.high_water(bits=2) == 0
     assert free_counts(pool) == (0, 0)
@@ -139,12 +140,12 @@ def test_cached_pages_of_the_other_end_are_evicted_only_after_own() -> None:
 
 def test_int2_evicts_the_int4_ends_cached_pages() -> None:
     pool, _ = make_pool()
-    assert pool.allocate(5, bits=4) == [0, 1, 2, 3, 4]
+    assert pool.allocate([4] * 5) == [0, 1, 2, 3, 4]
     pool.register(4, 44)
     pool.free([3, 4])
     assert pool.high_water(bits=4) == 5
     assert free_counts(pool) == (2, 4)
-    assert pool.allocate(3, bits=2) == [F | 0, F | 1, F | 2]
+    assert pool.allocate([2] * 3) == [F | 0, F | 1, F | 2]
     assert pool.high_water(bits=4) == 3  # 4 evicted, 3 given back
     assert pool.lookup(44) is None
     assert free_counts(pool) == (0, 1)
@@ -153,7 +154,7 @@ def test_int2_evicts_the_int4_ends_cached_pages() -> None:
 
 def test_prefix_cache_and_leases_work_on_int2_pages() -> None:
     pool, clock = make_pool()
-    ids = pool.allocate(2, bits=2)
+    ids = pool.allocate([2] * 2)
     assert ids == [F | 0, F | 1]
     hashes = TriaxialPagePool.chain_hashes(list(range(64)), 32, [3] * 64)
     pool.register(F | 0, hashes[0])
@@ -163,14 +164,14 @@ def test_prefix_cache_and_leases_work_on_int2_pages() -> None:
     assert [pool.ref_count(p) for p in ids] == [1, 1]
     # the pinned INT2 pages block INT4 from taking their bytes
     assert free_counts(pool) == (4, 8)
-    assert pool.allocate(5, bits=4) is None
+    assert pool.allocate([4] * 5) is None
     clock.t = 10.0
     assert pool.expire_leases() == ["conv"]
     assert pool.cached_page_ids() == [F | 1, F | 0]
     assert pool.match_prefix(hashes) == [F | 0, F | 1]
     assert [pool.ref_count(p) for p in ids] == [1, 1]
     pool.free(ids)
-    assert pool.allocate(5, bits=4) == [0, 1, 2, 3, 4]
+    assert pool.allocate([4] * 5) == [0, 1, 2, 3, 4]
     assert pool.match_prefix(hashes) == []
 
 
@@ -186,7 +187,7 @@ def test_capacity_tokens_by_int2_fraction() -> None:
 def test_bad_arguments() -> None:
     pool, _ = make_pool()
     with pytest.raises(ValueError, match="bits must be 2 or 4"):
-        pool.allocate(1, bits=8)
+        pool.allocate([8])
     with pytest.raises(ValueError, match="INT4 page index must be in 0..4"):
         pool.ref_count(5)
     with pytest.raises(ValueError, match="INT2 page index must be in 0..9"):
@@ -210,7 +211,7 @@ def test_random_workload_keeps_ends_apart_and_free_counts_exact() -> None:
             bits = rng.choice((2, 4))
             n = rng.randint(1, 4)
             can = pool.num_free_pages(bits=bits)
-            got = pool.allocate(n, bits=bits)
+            got = pool.allocate([bits] * n)
             assert (got is not None) == (n <= can)
             if got is not None:
                 assert all(page_id_bits(p) == bits for p in got)
@@ -231,27 +232,27 @@ def test_random_workload_keeps_ends_apart_and_free_counts_exact() -> None:
         assert pool.high_water(bits=4) * B4 + pool.high_water(bits=2) * B2 <= TOTAL
 
 
-def test_allocate_mixed_places_both_kinds_where_two_calls_would_fail() -> None:
+def test_one_allocate_places_both_kinds_where_two_calls_would_fail() -> None:
     pool, _ = make_pool()
-    assert pool.allocate(2, bits=2) == [F | 0, F | 1]
+    assert pool.allocate([2] * 2) == [F | 0, F | 1]
     pool.register(F | 0, 1)
     pool.register(F | 1, 2)
     pool.free([F | 0, F | 1])  # cached at the top; LRU order F|1, F|0
-    assert pool.allocate(3, bits=4) == [0, 1, 2]
-    # gap: 20 bytes. allocate(1, bits=2) would grow into it (F|2) and leave INT4 short;
-    # mixed evicts INT2's own cached F|1 instead and leaves the gap to INT4.
-    assert pool.allocate_mixed([4, 2]) == [3, F | 1]
+    assert pool.allocate([4] * 3) == [0, 1, 2]
+    # gap: 20 bytes. Allocating the INT2 page alone would grow into it (F|2) and leave
+    # INT4 short; one joint call evicts INT2's own cached F|1 instead and leaves the gap to INT4.
+    assert pool.allocate([4, 2]) == [3, F | 1]
     assert pool.lookup(2) is None and pool.lookup(1) == F | 0
     assert (pool.high_water(bits=4), pool.high_water(bits=2)) == (4, 2)
     live_ranges(pool, [0, 1, 2, 3, F | 0, F | 1])
     # infeasible jointly: nothing changes
-    assert pool.allocate_mixed([2, 2, 4]) is None
+    assert pool.allocate([2, 2, 4]) is None
     assert pool.cached_page_ids() == [F | 0] and pool.lookup(1) == F | 0
-    assert pool.allocate_mixed([2, 4]) is None
-    assert pool.allocate_mixed([2]) == [F | 0]  # one kind: same as allocate
-    assert pool.allocate_mixed([]) == []
+    assert pool.allocate([2, 4]) is None
+    assert pool.allocate([2]) == [F | 0]  # one kind
+    assert pool.allocate([]) == []
     with pytest.raises(ValueError, match="bits must be 2 or 4"):
-        pool.allocate_mixed([4, 3])
+        pool.allocate([4, 3])
 
 
 def test_random_mixed_allocations_succeed_exactly_when_both_ends_fit() -> None:
@@ -271,7 +272,7 @@ def test_random_mixed_allocations_succeed_exactly_when_both_ends_fit() -> None:
                 region = pool._r[bits]
                 e[bits] = max(pool._min_mark(region), pool._num_owned_in(region) + n)
             fits = e[2] * B2 + e[4] * B4 <= TOTAL
-            got = pool.allocate_mixed(want)
+            got = pool.allocate(want)
             assert (got is not None) == fits, (step, want)
             if got is not None:
                 assert [page_id_bits(p) for p in got] == want
