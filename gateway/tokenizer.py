@@ -1,0 +1,135 @@
+"""The model's tokenizer as the gateway sees it: `tokenizer.json` through the
+`tokenizers` package plus the special tokens of `tokenizer_config.json`.
+
+No `transformers` at run time: ids equal `AutoTokenizer.from_pretrained(dir)`
+for the chat path (`add_special_tokens=False`), which the tests check.
+Special tokens (`special=True` added tokens) are what `decode(...,
+skip_special_tokens=True)` drops; every added token (special or not, e.g.
+`<think>`, `<tool_call>`) is a *control token* for the tagger.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Tokenizer
+
+# Special-token names the chat template may read (transformers passes them as
+# template variables).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+# Added tokens that stand for image or video content (Qwen-VL, LLaVA, Gemma 3,
+# Llama 4, Pixtral, ...): the tagger gives them the `image` modality.
+IMAGE_TOKEN_PATTERN = re.compile(r"image|vision|img|video|patch", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """Token ids and each token's character span [start, end) in the text."""
+
+    ids: list[int]
+    offsets: list[tuple[int, int]]
+
+
+class TextTokenizer:
+    """Encode and decode text with the model's own tokenizer."""
+
+    def __init__(self, tokenizer: Tokenizer, *, config: dict[str, Any] | None = None) -> None:
+        self._tok = tokenizer
+        self.config: dict[str, Any] = dict(config or {})
+        _add_missing_tokens(tokenizer, self.config)
+        added = tokenizer.get_added_tokens_decoder()
+        self.added_tokens: dict[int, str] = {i: t.content for i, t in added.items()}
+        self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self.image_token_ids: frozenset[int] = frozenset(
+            i for i, content in self.added_tokens.items() if IMAGE_TOKEN_PATTERN.search(content)
+        )
+        self.special_tokens_map: dict[str, str] = {}
+        for name in SPECIAL_TOKEN_NAMES:
+            value = _token_content(self.config.get(name))
+            if value is not None:
+                self.special_tokens_map[name] = value
+        eos = self.special_tokens_map.get("eos_token")
+        eos_id = tokenizer.token_to_id(eos) if eos is not None else None
+        self.eos_token_id: int | None = eos_id
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> TextTokenizer:
+        """Load `tokenizer.json` and `tokenizer_config.json` from a model directory."""
+        root = Path(model_dir)
+        path = root / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"model_dir: no tokenizer.json in {root}")
+        config = read_tokenizer_config(root)
+        return cls(Tokenizer.from_file(str(path)), config=config)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> Encoded:
+        """Ids and character offsets of `text`, no special tokens added (the chat path)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return Encoded(ids=list(enc.ids), offsets=[(int(a), int(b)) for a, b in enc.offsets])
+
+    def encode_ids(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        value = self._tok.token_to_id(token)
+        return None if value is None else int(value)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        value = self._tok.id_to_token(token_id)
+        return None if value is None else str(value)
+
+
+def read_tokenizer_config(model_dir: str | Path) -> dict[str, Any]:
+    """`tokenizer_config.json` as a dict ({} when the file is absent)."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"tokenizer_config.json: expected an object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: object) -> str | None:
+    """A special-token entry is a string or an AddedToken dict {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _add_missing_tokens(tokenizer: Tokenizer, config: dict[str, Any]) -> None:
+    """Add the `added_tokens_decoder` entries that tokenizer.json lacks (as transformers does)."""
+    decoder = config.get("added_tokens_decoder")
+    if not isinstance(decoder, dict):
+        return
+    for token_id in sorted(decoder, key=int):
+        entry = decoder[token_id]
+        content = _token_content(entry)
+        if content is None or tokenizer.token_to_id(content) is not None:
+            continue
+        token = AddedToken(
+            content,
+            single_word=bool(entry.get("single_word", False)),
+            lstrip=bool(entry.get("lstrip", False)),
+            rstrip=bool(entry.get("rstrip", False)),
+            normalized=bool(entry.get("normalized", False)),
+            special=bool(entry.get("special", False)),
+        )
+        if token.special:
+            tokenizer.add_special_tokens([token])
+        else:
+            tokenizer.add_tokens([token])
