@@ -1,0 +1,30 @@
+"""Gateway test fixtures: the built-in tiny model (built once per session) and
+the gateway's view of it (tokenizer, chat template)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Nothing may reach the Hugging Face hub from the tests.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding `kvserving tiny-model` output (seed 0); read-only by convention."""
+    # Test-only import: the gateway package itself never imports the worker.
+    from kvserving.worker.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
+    """`transformers`' tokenizer of the tiny model: the reference."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
