@@ -1,14 +1,16 @@
 """kopf glue: the handlers the operator registers, each a few lines.
 
     login                credentials from the service account or KUBECONFIG (kube.connection_info)
-    startup              operator settings (configure) and the API client in ``memo``
-    reconcile_kvserving  on create / update / resume: render, apply, write status (reconcile.py)
+    startup              operator settings (configure), the API client in ``memo``, the KV-health sampler task
+    reconcile_kvserving  on create / update / resume: render, apply, write status (reconcile.py);
+                         remembers the KVServing for the sampler
     deployment_changed   an owned Deployment changed: recompute its KVServing's status
-    cleanup              close the API client
+    cleanup              stop the sampler, close the API client
 
 Deletion has no handler, and there is no timer or daemon either (kopf would
 put a finalizer on every KVServing for those): the children carry owner
-references and the garbage collector removes them.
+references and the garbage collector removes them. The KV-health sampler
+(kv_sampler.py) is one plain background task for that reason.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import kopf
 
 from kvserving.operator.kube import AiohttpTransport, KubeApi, connection_info
+from kvserving.operator.kv_sampler import KVSampler
 from kvserving.operator.names import GROUP, PLURAL, VERSION
 from kvserving.operator.reconcile import reconcile, refresh_status, retry_delay, utc_now
 from kvserving.operator.render import LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY
@@ -59,10 +62,13 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
     configure(settings)
     memo.transport = AiohttpTransport(settings, logger)
     memo.kube = KubeApi(memo.transport)
+    memo.sampler = KVSampler(memo.kube)
+    memo.sampler.start()
 
 
 @kopf.on.cleanup(registry=registry)
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    await memo.sampler.stop()
     await memo.transport.close()
 
 
@@ -70,7 +76,9 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.create(group=GROUP, version=VERSION, plural=PLURAL, registry=registry, errors=kopf.ErrorsMode.TEMPORARY, backoff=10)
 @kopf.on.update(group=GROUP, version=VERSION, plural=PLURAL, registry=registry, errors=kopf.ErrorsMode.TEMPORARY, backoff=10)
 async def reconcile_kvserving(body: kopf.Body, retry: int, memo: kopf.Memo, **_: Any) -> None:
-    outcome = await reconcile(memo.kube, plain(body), now=utc_now())
+    obj = plain(body)
+    memo.sampler.known.add((obj["metadata"].get("namespace", ""), obj["metadata"]["name"]))
+    outcome = await reconcile(memo.kube, obj, now=utc_now())
     for event_type, reason, message in outcome.events:
         kopf.event(body, type=event_type, reason=reason, message=message)
     if outcome.permanent:

@@ -49,6 +49,7 @@ CHILD_RESOURCES: dict[str, Resource] = {
     "PodMonitor": Resource("monitoring.coreos.com", "v1", "podmonitors"),
 }
 KVSERVINGS = Resource(GROUP, VERSION, PLURAL)
+PODS = Resource("", "v1", "pods")  # read only: worker pod IPs for the KV-health sampler
 # Children whose API may be absent from a cluster (prometheus-operator not installed).
 OPTIONAL_GROUPS = frozenset({"monitoring.coreos.com"})
 
@@ -57,7 +58,7 @@ OPTIONAL_GROUPS = frozenset({"monitoring.coreos.com"})
 # API server authorizes as "create" as well as "patch".
 API_CALLS: frozenset[tuple[str, str, str]] = frozenset(
     {(verb, r.group, r.plural) for r in CHILD_RESOURCES.values() for verb in ("list", "create", "patch", "delete")}
-    | {("get", GROUP, PLURAL), ("patch", GROUP, f"{PLURAL}/status")}
+    | {("get", GROUP, PLURAL), ("patch", GROUP, f"{PLURAL}/status"), ("list", "", "pods")}
 )
 
 
@@ -112,6 +113,12 @@ class KubeApi:
                 # List items carry no apiVersion/kind; the plan keys objects by them.
                 found.append({"apiVersion": resource.api_version, "kind": kind, **item})
         return found
+
+    async def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        """Pods with these labels (the KV-health sampler reads their IPs and readiness)."""
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        answer = await self._call("list", PODS, PODS.path(namespace), params={"labelSelector": selector})
+        return list(answer.get("items", []))
 
     async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply: creates or updates, idempotent; our field manager owns what we render."""

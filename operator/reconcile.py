@@ -128,10 +128,13 @@ async def reconcile(api: KubeApi, body: dict[str, Any], *, now: str) -> Outcome:
     return Outcome(status, events, error=error)
 
 
-async def refresh_status(api: KubeApi, body: dict[str, Any], *, now: str) -> dict[str, Any] | None:
-    """Recompute the status from the owned Deployments; write it only if it
-    changed and only if ``body`` is still the latest version (a reconcile that
-    wrote meanwhile knows better). Returns the status written, or None."""
+async def refresh_status(
+    api: KubeApi, body: dict[str, Any], *, now: str, kv: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """Recompute the status from the owned Deployments (and ``kv``, the
+    workers' KV health, when given); write it only if it changed and only if
+    ``body`` is still the latest version (a reconcile that wrote meanwhile
+    knows better). Returns the status written, or None."""
     owner = _owner(body)
     previous = body.get("status") or {}
     try:
@@ -147,6 +150,7 @@ async def refresh_status(api: KubeApi, body: dict[str, Any], *, now: str) -> dic
         previous=previous,
         apply_error=carried_apply_error(previous),
         now=now,
+        kv=kv,
     )
     if status == previous:
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvserving.operator.kv_health import kv_degraded
 from kvserving.operator.render import APPLIED_HASH, CONFIG_HASH, ROLES
 
 CONDITION_TYPES = ("Ready", "PrefillReady", "DecodeReady", "GatewayReady", "Progressing", "Degraded")
@@ -154,9 +155,14 @@ def compute_status(
     previous: dict[str, Any],
     apply_error: str | None,
     now: str,
+    kv: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole ``.status``. ``observed_generation`` is the generation last
-    applied successfully; ``apply_error`` the reconciler's failure, if any."""
+    applied successfully; ``apply_error`` the reconciler's failure, if any;
+    ``kv`` the workers' KV health (kv_health.summarize), else the previous one is kept."""
+    if kv is None:
+        kv = previous.get("kv")
+    kv_verdict = kv_degraded(kv) if kv is not None else None
     conditions, states = [], {}
     for role in ROLES:
         cond, states[role] = _role_condition(role, name, desired.replicas[role], desired.config_hash, observed.get(role, MISSING))
@@ -183,6 +189,8 @@ def compute_status(
             f"{r}: {c['message']}" for r, c in zip(ROLES, conditions[1:4]) if r in failed))
     elif unavailable:
         degraded = _condition("Degraded", True, "ReplicasUnavailable", "replicas lost after rollout: " + ", ".join(unavailable))
+    elif kv_verdict is not None:
+        degraded = _condition("Degraded", True, *kv_verdict)
     else:
         degraded = _condition("Degraded", False, "AsExpected", "no errors")
     conditions.append(degraded)
@@ -212,6 +220,8 @@ def compute_status(
     }
     if observed_generation is not None:
         status["observedGeneration"] = observed_generation
+    if kv is not None:
+        status["kv"] = kv
     for role in ROLES:
         obs, want = observed.get(role, MISSING), desired.replicas[role]
         status[role] = {"replicas": want, "readyReplicas": obs.ready, "updatedReplicas": obs.updated, "ready": f"{obs.ready}/{want}"}

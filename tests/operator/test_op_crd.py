@@ -42,6 +42,8 @@ def test_printer_columns() -> None:
         "Bits": ".status.kvBits",
         "Prefill": ".status.prefill.ready",
         "Decode": ".status.decode.ready",
+        "Capacity": ".status.kv.decode.capacityTokens",
+        "Reuse": ".status.kv.reuseRatio",
         "Phase": ".status.phase",
         "Endpoint": ".status.endpoint",
         "Age": ".metadata.creationTimestamp",

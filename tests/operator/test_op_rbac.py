@@ -59,6 +59,7 @@ def _exercise_every_call() -> set[tuple[str, str, str]]:
     assert sorted(w for w in server.writes if w[0] == "delete") == [
         ("delete", "deployments", "qwen3-nvfp4-old"), ("delete", "services", "qwen3-nvfp4-old")]
     asyncio.run(api.delete("Deployment", "default", "gone"))  # already gone: not an error
+    asyncio.run(api.list_pods("default", {"app.kubernetes.io/instance": "qwen3-nvfp4"}))  # the KV-health sampler
     # an owned Deployment changed: the handler reads its KVServing and refreshes the status
     server.put_kvserving(body)
     deployment = kopf.Body(server.objects[("apps", "deployments", "default", "qwen3-nvfp4-decode")])

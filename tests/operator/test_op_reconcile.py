@@ -15,6 +15,7 @@ from kvs_fake_api import FakeApiServer
 
 from kvserving.operator import handlers
 from kvserving.operator.kube import KubeApi
+from kvserving.operator.kv_sampler import KVSampler
 from kvserving.operator.reconcile import reconcile, refresh_status, retry_delay
 
 T0, T1, T2 = "2026-11-29T10:00:00Z", "2026-11-29T10:01:00Z", "2026-11-29T10:02:00Z"
@@ -189,6 +190,7 @@ def test_retry_delay_backs_off_exponentially() -> None:
 class _Memo:
     def __init__(self, server: FakeApiServer) -> None:
         self.kube = KubeApi(server)
+        self.sampler = KVSampler(self.kube)  # not started: the handler only records the KVServing
 
 
 def test_handlers_registered() -> None:
@@ -211,8 +213,10 @@ def test_reconcile_handler_posts_events_and_raises_for_retry(monkeypatch: pytest
     posted: list[tuple[str, str]] = []
     monkeypatch.setattr(kopf, "event", lambda body, *, type, reason, message: posted.append((type, reason)))
     server = FakeApiServer()
-    _run(handlers.reconcile_kvserving(body=_body(), retry=0, memo=_Memo(server)))
+    memo = _Memo(server)
+    _run(handlers.reconcile_kvserving(body=_body(), retry=0, memo=memo))
     assert posted == [("Normal", "Applied")]
+    assert memo.sampler.known == {(_body()["metadata"]["namespace"], _body()["metadata"]["name"])}
     server.fail[("list", "configmaps")] = 500
     with pytest.raises(kopf.TemporaryError) as excinfo:
         _run(handlers.reconcile_kvserving(body=_body(), retry=2, memo=_Memo(server)))
