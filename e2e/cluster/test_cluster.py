@@ -1,8 +1,10 @@
 """The operator on a real cluster (e.g. kind): install with `kubectl apply -k
 manifests/`, apply a sample, wait for its status, scale it, delete it.
 
-Runs only when KUBECONFIG names a reachable cluster (see README, Operator):
+Runs only when KUBECONFIG names a reachable cluster (see README, Operator);
+the operator runs from the product image's CPU target (the root Dockerfile):
 
+    docker build --target cpu -t kvserving-operator:e2e . && kind load docker-image kvserving-operator:e2e
     KUBECONFIG=~/.kube/config KVSERVING_E2E_IMAGE=kvserving-operator:e2e \\
         PYTHONSAFEPATH=1 .venv/bin/python -m pytest -q e2e/cluster
 
