@@ -1,0 +1,337 @@
+"""One OpenAI request end to end: prompt -> worker turn -> OpenAI response.
+
+``Completions.chat`` / ``.text`` take a parsed request and return either the
+whole response body (``stream`` false) or an async iterator of SSE frames.
+A streaming response's first frame is produced only once the first token has
+arrived, so every failure before it (no worker, a worker that refuses) is an
+HTTP error status; a failure after it is an ``error`` event, then the stream
+closes. Stop strings are matched on the detokenized text (text held back while
+it could still be the start of a stop string); a match ends the response with
+``finish_reason`` "stop" and closes the worker stream (an abort upstream).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import openai_types as oa
+from .chat_template import ChatTemplate, normalize_messages, normalize_tools
+from .errors import GatewayError, context_length_exceeded, invalid_request, model_not_found, upstream_error
+from .metrics import GatewayMetrics
+from .output import OutputParser, StopMatcher
+from .tokenizer import TextTokenizer
+from .turn import TurnRequest, TurnResult, Turns
+
+SESSION_HEADERS = ("x-session-id", "x-session-affinity", "x-correlation-id", "x-dynamo-session-id",
+                   "x-claude-code-session-id")
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    """The served model as the gateway needs it."""
+
+    name: str
+    max_model_len: int
+    tokenizer: TextTokenizer
+    template: ChatTemplate
+    stop_token_ids: tuple[int, ...]
+    defaults: Mapping[str, Any]  # generation_config.json sampling defaults
+    created: int
+
+    @classmethod
+    def load(cls, model_dir: str | Path, *, served_name: str, max_model_len: int | None = None) -> ModelInfo:
+        """Tokenizer, chat template, context length and EOS ids of a model directory."""
+        root = Path(model_dir)
+        tokenizer = TextTokenizer.from_dir(root)
+        config = _read_json(root / "config.json")
+        generation = _read_json(root / "generation_config.json")
+        context = max_model_len or config.get("max_position_embeddings") or tokenizer.config.get("model_max_length")
+        if not isinstance(context, int) or context < 1:
+            raise ValueError(f"model.max_model_len: cannot tell the context length of {root}; set it in the config")
+        eos = generation.get("eos_token_id", config.get("eos_token_id"))
+        stop_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop_ids:
+            stop_ids.append(tokenizer.eos_token_id)
+        defaults = {k: generation[k] for k in ("temperature", "top_p", "top_k") if generation.get(k) is not None}
+        return cls(name=served_name, max_model_len=context, tokenizer=tokenizer, template=ChatTemplate.from_dir(root),
+                   stop_token_ids=tuple(int(i) for i in stop_ids), defaults=defaults,
+                   created=int(root.stat().st_mtime))
+
+
+def conversation_key(headers: Mapping[str, str], *, prompt_cache_key: str | None, user: str | None) -> str | None:
+    """Session header, then ``prompt_cache_key``, then ``user`` (DESIGN.md, Gateway)."""
+    for name in SESSION_HEADERS:
+        value = headers.get(name)
+        if value:
+            return f"h:{value}"
+    if prompt_cache_key:
+        return f"k:{prompt_cache_key}"
+    if user:
+        return f"u:{user}"
+    return None
+
+
+class Completions:
+    """Chat and text completions over ``Turns``."""
+
+    def __init__(self, *, model: ModelInfo, turns: Turns, metrics: GatewayMetrics) -> None:
+        self.model = model
+        self.turns = turns
+        self.metrics = metrics
+
+    # ----------------------------------------------------------------- chat
+    async def chat(
+        self, request: oa.ChatCompletionRequest, *, headers: Mapping[str, str], started: float
+    ) -> dict[str, Any] | AsyncIterator[bytes]:
+        self._check_model(request.model)
+        messages = normalize_messages(request.messages)
+        tools = normalize_tools(request.tools)
+        text = self.model.template.render(
+            messages, tools=tools, add_generation_prompt=True, template_kwargs=request.chat_template_kwargs
+        )
+        input_ids = self.model.tokenizer.encode_ids(text)
+        key = conversation_key(headers, prompt_cache_key=request.prompt_cache_key, user=request.user)
+        turn_request = self._turn_request("chatcmpl", input_ids, request, request.limit, key)
+        if request.stream:
+            return await self._first_then_rest(self._chat_stream(turn_request, request, started))
+        return await self._chat_whole(turn_request, request, started)
+
+    async def _chat_whole(
+        self, turn_request: TurnRequest, request: oa.ChatCompletionRequest, started: float
+    ) -> dict[str, Any]:
+        parser = OutputParser(tools=bool(request.tools))
+        pieces, finish, result = [], "stop", None
+        async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat"):
+            if kind == "text":
+                pieces.append(value)
+            else:
+                finish, result = value
+        parsed = parser.parse("".join(pieces))
+        if parsed.tool_calls and finish == "stop":
+            finish = "tool_calls"
+        assert result is not None
+        message = oa.chat_message(content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls)
+        return oa.chat_completion(id=turn_request.request_id, created=int(time.time()), model=self.model.name,
+                                  message=message, finish_reason=finish, usage=self._usage(result))
+
+    async def _chat_stream(
+        self, turn_request: TurnRequest, request: oa.ChatCompletionRequest, started: float
+    ) -> AsyncGenerator[bytes, None]:
+        rid, created, name = turn_request.request_id, int(time.time()), self.model.name
+        usage_on = request.include_usage
+
+        def chunk(delta: dict[str, Any] | None, finish: str | None = None, usage: dict[str, Any] | None = None) -> bytes:
+            return _sse(oa.chat_chunk(id=rid, created=created, model=name, delta=delta, finish_reason=finish,
+                                      usage=usage, include_usage=usage_on))
+
+        parser = OutputParser(tools=bool(request.tools))
+        first = True
+        try:
+            async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat"):
+                if first:
+                    first = False
+                    yield chunk({"role": "assistant", "content": ""})
+                if kind == "text":
+                    for delta in parser.feed(value):
+                        yield chunk(delta)
+                    continue
+                finish, result = value
+                for delta in parser.finish():
+                    yield chunk(delta)
+                if parser.saw_tool_calls and finish == "stop":
+                    finish = "tool_calls"
+                yield chunk({}, finish)
+                if usage_on:
+                    yield chunk(None, usage=self._usage(result))
+            yield b"data: [DONE]\n\n"
+        except GatewayError as exc:
+            if first:
+                raise
+            yield _sse(exc.to_body())
+
+    # ----------------------------------------------------------------- text
+    async def text(
+        self, request: oa.CompletionRequest, *, headers: Mapping[str, str], started: float
+    ) -> dict[str, Any] | AsyncIterator[bytes]:
+        self._check_model(request.model)
+        prompt = request.single_prompt()
+        if isinstance(prompt, str):
+            input_ids = self.model.tokenizer.encode_ids(prompt)
+        else:
+            vocab = self.model.tokenizer.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise invalid_request(f"prompt token ids must be in [0, {vocab}), got {bad[0]}", param="prompt")
+            input_ids = list(prompt)
+        key = conversation_key(headers, prompt_cache_key=request.prompt_cache_key, user=request.user)
+        turn_request = self._turn_request("cmpl", input_ids, request, request.limit, key)
+        if request.stream:
+            return await self._first_then_rest(self._text_stream(turn_request, request, started))
+        pieces, finish, result = [], "stop", None
+        async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="completions"):
+            if kind == "text":
+                pieces.append(value)
+            else:
+                finish, result = value
+        assert result is not None
+        return oa.completion(id=turn_request.request_id, created=int(time.time()), model=self.model.name,
+                             text="".join(pieces), finish_reason=finish, usage=self._usage(result))
+
+    async def _text_stream(
+        self, turn_request: TurnRequest, request: oa.CompletionRequest, started: float
+    ) -> AsyncGenerator[bytes, None]:
+        rid, created, name, usage_on = turn_request.request_id, int(time.time()), self.model.name, request.include_usage
+
+        def chunk(text: str | None, finish: str | None = None, usage: dict[str, Any] | None = None) -> bytes:
+            return _sse(oa.completion_chunk(id=rid, created=created, model=name, text=text, finish_reason=finish,
+                                            usage=usage, include_usage=usage_on))
+
+        first = True
+        try:
+            async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="completions"):
+                first = False
+                if kind == "text":
+                    yield chunk(value)
+                    continue
+                finish, result = value
+                yield chunk("", finish)
+                if usage_on:
+                    yield chunk(None, usage=self._usage(result))
+            yield b"data: [DONE]\n\n"
+        except GatewayError as exc:
+            if first:
+                raise
+            yield _sse(exc.to_body())
+
+    # --------------------------------------------------------------- shared
+    def _check_model(self, model: str) -> None:
+        if model != self.model.name:
+            raise model_not_found(model)
+
+    def _turn_request(
+        self, prefix: str, input_ids: list[int], request: oa._SamplingFields, limit: int | None, key: str | None
+    ) -> TurnRequest:
+        n, context = len(input_ids), self.model.max_model_len
+        if limit is None:
+            limit = context - n
+        if n + max(limit, 1) > context or limit < 1:
+            raise context_length_exceeded(prompt_tokens=n, max_tokens=max(limit, 1), context_length=context)
+        defaults = self.model.defaults
+        sampling = {
+            "max_tokens": limit,
+            "temperature": request.temperature if request.temperature is not None else defaults.get("temperature", 1.0),
+            "top_p": request.top_p if request.top_p is not None else defaults.get("top_p", 1.0),
+            "top_k": request.top_k if request.top_k is not None else defaults.get("top_k", 0),
+            "seed": request.seed,
+            "stop_token_ids": list(self.model.stop_token_ids),
+            "ignore_eos": request.ignore_eos,
+        }
+        return TurnRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", input_ids=input_ids, sampling=sampling,
+                           conversation_key=key)
+
+    async def _generate(
+        self, turn_request: TurnRequest, stops: list[str], started: float, *, route: str
+    ) -> AsyncGenerator[tuple[str, Any], None]:
+        """("text", str) pieces, then ("end", (finish_reason, TurnResult))."""
+        turn = await self.turns.start(turn_request)
+        detok = _Detokenizer(self.model.tokenizer, skip=frozenset(self.model.stop_token_ids))
+        matcher = StopMatcher(stops)
+        last = None
+        finish: str | None = None
+        async with aclosing(turn.tokens()) as tokens:
+            async for token_ids in tokens:
+                now = time.perf_counter()
+                if last is None:
+                    self.metrics.ttft.labels(route).observe(now - started)
+                else:
+                    self.metrics.itl.observe(now - last)
+                last = now
+                emit, stopped = matcher.feed(detok.add(token_ids))
+                if emit:
+                    yield "text", emit
+                if stopped:
+                    finish = "stop"
+                    break  # leaving the `async with` closes the worker stream: abort upstream
+        if finish is None:
+            rest = matcher.flush(detok.flush())
+            if rest:
+                yield "text", rest
+            result = turn.result
+            if result is None or result.finish_reason not in ("stop", "length"):
+                raise upstream_error(f"worker ended the request with finish_reason={getattr(result, 'finish_reason', None)!r}")
+            finish = result.finish_reason
+            completion_tokens = result.completion_tokens
+        else:
+            completion_tokens = detok.count
+        result_final = turn.result or _partial_result(turn_request, turn, completion_tokens)
+        result_final.completion_tokens = completion_tokens
+        self.metrics.prompt_tokens.inc(result_final.prompt_tokens)
+        self.metrics.completion_tokens.inc(completion_tokens)
+        yield "end", (finish, result_final)
+
+    def _usage(self, result: Any) -> dict[str, Any]:
+        return oa.usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+                        cached_tokens=result.cached_tokens)
+
+    async def _first_then_rest(self, frames: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+        """Pull the first frame now (errors before it stay HTTP errors), then the rest lazily."""
+        first = await anext(frames)
+
+        async def rest() -> AsyncGenerator[bytes, None]:
+            async with aclosing(frames):
+                yield first
+                async for frame in frames:
+                    yield frame
+
+        return rest()
+
+
+def _partial_result(turn_request: TurnRequest, turn: Any, completion_tokens: int) -> Any:
+    """Usage for a turn the gateway ended early (stop string): nothing computed is known but the prompt."""
+    n = len(turn_request.input_ids)
+    return TurnResult(finish_reason="stop", prompt_tokens=n, completion_tokens=completion_tokens, cached_tokens=0,
+                      local_cached_tokens=0, remote_pulled_tokens=0, decode_url=turn.decode.url,
+                      prefill_url=turn.prefill.url if turn.prefill is not None else None)
+
+
+class _Detokenizer:
+    """Incremental text of a token stream (holds back an incomplete UTF-8 tail)."""
+
+    def __init__(self, tokenizer: TextTokenizer, *, skip: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip
+        self.ids: list[int] = []
+        self.sent = 0
+        self.count = 0
+
+    def add(self, token_ids: list[int]) -> str:
+        self.count += len(token_ids)
+        self.ids.extend(t for t in token_ids if t not in self.skip)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        if text.endswith("\ufffd"):
+            return ""
+        out, self.sent = text[self.sent:], len(text)
+        return out
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        out, self.sent = text[self.sent:], len(text)
+        return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

@@ -1,0 +1,296 @@
+"""The lease table: which decode worker holds each conversation's KV, and its
+last ``kv_transfer_params`` (DESIGN.md, Gateway).
+
+The decode workers are the authority on what they retain; this table is a
+cache of them (``GET /internal/kv/leases?conversation_key=K``):
+
+- a miss asks the decode workers (``LeaseKeeper.lookup``), so a second gateway
+  replica, or this one after a restart, routes a conversation to its KV;
+- an entry is *active* while a turn is in flight or its last turn ended less
+  than ``lease_ttl_s`` ago (an agent waiting on a tool stays active); active
+  entries are renewed on their worker by heartbeat every ``heartbeat_s``;
+- an entry idle past ``lease_ttl_s`` is released (DELETE on the worker) and
+  dropped; an entry whose worker lease expired, or that the worker no longer
+  knows (404 on renew), is dropped as an expiry;
+- the table holds at most ``max_leases`` entries: beyond that the least
+  recently active idle entry is released first.
+
+``LeaseTable`` is pure (clock passed in); ``LeaseKeeper`` runs the heartbeat
+loop against a ``LeaseClient`` (the workers module) and stops cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Lease:
+    """One conversation's retained KV on one decode worker."""
+
+    conversation_key: str
+    worker_url: str
+    params: dict[str, Any]  # the decode's last kv_transfer_params
+    last_active: float
+    last_renewed: float
+    inflight: int = 0
+
+    @property
+    def lease_id(self) -> str:
+        return str(self.params.get("lease_id", ""))
+
+    @property
+    def expires_at(self) -> float:
+        return float(self.params.get("expires_at") or 0.0)
+
+
+@dataclass(slots=True)
+class Sweep:
+    """What the heartbeat must do now: renew, release (idle) and forget (expired)."""
+
+    renew: list[Lease] = field(default_factory=list)
+    release: list[Lease] = field(default_factory=list)
+    expired: list[Lease] = field(default_factory=list)
+
+
+class LeaseTable:
+    """conversation key -> Lease, ordered by last activity (oldest first)."""
+
+    def __init__(self, *, lease_ttl_s: float, heartbeat_s: float, max_leases: int) -> None:
+        if lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
+        if heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s}")
+        if max_leases < 1:
+            raise ValueError(f"max_leases must be >= 1, got {max_leases}")
+        self.lease_ttl_s = lease_ttl_s
+        self.heartbeat_s = heartbeat_s
+        self.max_leases = max_leases
+        self._leases: OrderedDict[str, Lease] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def get(self, key: str) -> Lease | None:
+        return self._leases.get(key)
+
+    def keys(self) -> list[str]:
+        return list(self._leases)
+
+    def begin_turn(self, key: str, *, now: float) -> None:
+        """A turn of this conversation starts: it is active (never released mid-turn)."""
+        lease = self._leases.get(key)
+        if lease is not None:
+            lease.inflight += 1
+            lease.last_active = now
+            self._leases.move_to_end(key)
+
+    def end_turn(self, key: str, *, now: float) -> None:
+        lease = self._leases.get(key)
+        if lease is not None:
+            lease.inflight = max(0, lease.inflight - 1)
+            lease.last_active = now
+            self._leases.move_to_end(key)
+
+    def put(self, key: str, *, worker_url: str, params: dict[str, Any], now: float, inflight: int = 0) -> list[Lease]:
+        """Record the decode's new params; returns entries evicted to stay within ``max_leases``
+        (and the replaced entry if its lease moved to another id), which the caller releases."""
+        old = self._leases.pop(key, None)
+        replaced: list[Lease] = []
+        if old is not None:
+            inflight = max(inflight, old.inflight)
+            if old.lease_id and old.lease_id != str(params.get("lease_id", "")):
+                replaced.append(old)  # superseded by the new lease: free the old pins
+        self._leases[key] = Lease(key, worker_url, dict(params), now, now, inflight)
+        return replaced + self._evict_over_capacity(keep=key)
+
+    def remember(self, key: str, *, worker_url: str, params: dict[str, Any], now: float) -> None:
+        """Cache what a worker reported for ``key`` (a lookup after a miss); not activity."""
+        if key not in self._leases:
+            self._leases[key] = Lease(key, worker_url, dict(params), now, now)
+
+    def drop(self, key: str, *, lease_id: str | None = None) -> Lease | None:
+        """Forget ``key`` (only if it still has ``lease_id``, when given)."""
+        lease = self._leases.get(key)
+        if lease is None or (lease_id is not None and lease.lease_id != lease_id):
+            return None
+        return self._leases.pop(key)
+
+    def drop_worker(self, worker_url: str) -> list[Lease]:
+        """Forget every lease on a worker that left the rotation for good."""
+        gone = [lease for lease in self._leases.values() if lease.worker_url == worker_url]
+        for lease in gone:
+            del self._leases[lease.conversation_key]
+        return gone
+
+    def renewed(self, key: str, *, lease_id: str, expires_at: float, now: float) -> None:
+        lease = self._leases.get(key)
+        if lease is not None and lease.lease_id == lease_id:
+            lease.params["expires_at"] = expires_at
+            lease.last_renewed = now
+
+    def sweep(self, *, now: float) -> Sweep:
+        """Classify every entry; removes the released and expired ones from the table."""
+        out = Sweep()
+        for lease in list(self._leases.values()):
+            if lease.inflight == 0 and lease.expires_at and lease.expires_at <= now:
+                out.expired.append(lease)
+            elif lease.inflight == 0 and now - lease.last_active >= self.lease_ttl_s:
+                out.release.append(lease)
+            elif now - lease.last_renewed >= self.heartbeat_s:
+                out.renew.append(lease)
+        for lease in out.expired + out.release:
+            del self._leases[lease.conversation_key]
+        return out
+
+    def _evict_over_capacity(self, *, keep: str) -> list[Lease]:
+        evicted: list[Lease] = []
+        if len(self._leases) <= self.max_leases:
+            return evicted
+        for key in list(self._leases):  # oldest activity first
+            if len(self._leases) <= self.max_leases:
+                break
+            lease = self._leases[key]
+            if key != keep and lease.inflight == 0:
+                evicted.append(self._leases.pop(key))
+        return evicted
+
+
+class LeaseClient(Protocol):
+    """The worker calls the keeper needs (implemented by workers.WorkerClient)."""
+
+    async def find_leases(self, url: str, *, conversation_key: str) -> list[dict[str, Any]]: ...
+
+    async def renew_lease(self, url: str, lease_id: str, *, ttl_s: float) -> float | None: ...
+
+    async def release_lease(self, url: str, lease_id: str) -> bool: ...
+
+
+class LeaseEvents(Protocol):
+    """What the keeper counts (implemented by metrics.GatewayMetrics)."""
+
+    def lease_event(self, kind: str, n: int = 1) -> None: ...
+
+    def set_leases(self, n: int) -> None: ...
+
+
+class LeaseKeeper:
+    """Owns a LeaseTable: miss lookups, heartbeat renewals, idle releases."""
+
+    def __init__(
+        self,
+        table: LeaseTable,
+        client: LeaseClient,
+        *,
+        retention_ttl_s: float,
+        events: LeaseEvents,
+        clock: Callable[[], float],
+    ) -> None:
+        self.table = table
+        self.client = client
+        self.retention_ttl_s = retention_ttl_s
+        self.events = events
+        self.clock = clock
+        self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+
+    async def lookup(self, key: str, *, decode_urls: Sequence[str]) -> Lease | None:
+        """The cached lease, or (on a miss) the one a decode worker reports for ``key``."""
+        lease = self.table.get(key)
+        if lease is not None or not decode_urls:
+            return lease
+        answers = await asyncio.gather(
+            *(self.client.find_leases(url, conversation_key=key) for url in decode_urls), return_exceptions=True
+        )
+        best: tuple[float, str, dict[str, Any]] | None = None
+        for url, answer in zip(decode_urls, answers):
+            if isinstance(answer, BaseException):
+                continue
+            for entry in answer:
+                params = entry.get("kv_transfer_params") or {}
+                expires = float(entry.get("expires_at") or params.get("expires_at") or 0.0)
+                if expires > self.clock() and (best is None or expires > best[0]):
+                    best = (expires, url, dict(params, lease_id=entry.get("lease_id", params.get("lease_id"))))
+        if best is None:
+            self.events.lease_event("lookup_miss")
+            return None
+        self.events.lease_event("lookup_hit")
+        self.table.remember(key, worker_url=best[1], params=best[2], now=self.clock())
+        self.events.set_leases(len(self.table))
+        return self.table.get(key)
+
+    async def record(self, key: str, *, worker_url: str, params: dict[str, Any] | None) -> None:
+        """After a turn: store the decode's returned params (None: the worker kept nothing)."""
+        now = self.clock()
+        stale: list[Lease] = []
+        if params and params.get("lease_id"):
+            stale = self.table.put(key, worker_url=worker_url, params=params, now=now)
+        self.table.end_turn(key, now=now)
+        self.events.set_leases(len(self.table))
+        await self._release_all(stale)
+
+    async def run_once(self) -> None:
+        """One heartbeat: release idle, forget expired, renew active leases."""
+        sweep = self.table.sweep(now=self.clock())
+        if sweep.expired:
+            self.events.lease_event("expired", len(sweep.expired))
+        await self._release_all(sweep.release)
+        results = await asyncio.gather(
+            *(self.client.renew_lease(lease.worker_url, lease.lease_id, ttl_s=self.retention_ttl_s) for lease in sweep.renew),
+            return_exceptions=True,
+        )
+        for lease, result in zip(sweep.renew, results):
+            if isinstance(result, BaseException):
+                continue  # worker unreachable: keep the entry, the next beat retries
+            if result is None:  # the worker no longer knows it: expired there
+                if self.table.drop(lease.conversation_key, lease_id=lease.lease_id) is not None:
+                    self.events.lease_event("expired")
+                continue
+            self.table.renewed(lease.conversation_key, lease_id=lease.lease_id, expires_at=result, now=self.clock())
+            self.events.lease_event("renewed")
+        self.events.set_leases(len(self.table))
+
+    async def _release_all(self, leases: Sequence[Lease]) -> None:
+        if not leases:
+            return
+        await asyncio.gather(
+            *(self.client.release_lease(lease.worker_url, lease.lease_id) for lease in leases), return_exceptions=True
+        )
+        self.events.lease_event("released", len(leases))
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._task = asyncio.create_task(self._loop(), name="lease-heartbeat")
+
+    async def stop(self, *, release: bool = False) -> None:
+        """Stop the heartbeat (bounded); ``release`` also frees every idle lease now."""
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if release:
+            idle = [lease for key in self.table.keys() if (lease := self.table.get(key)) and lease.inflight == 0]
+            for lease in idle:
+                self.table.drop(lease.conversation_key)
+            await self._release_all(idle)
+
+    async def _loop(self) -> None:
+        # Beat at a fraction of the heartbeat so idle releases are prompt.
+        period = min(self.table.heartbeat_s, self.table.lease_ttl_s) / 4
+        while not self._stop.is_set():
+            try:
+                await self.run_once()
+            except Exception:  # one bad beat must not end the loop
+                log.exception("lease heartbeat failed")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=period)

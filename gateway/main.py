@@ -1,0 +1,69 @@
+"""``kvserving gateway``: the OpenAI-compatible front door, served by uvicorn.
+
+    kvserving gateway --config FILE --host H --port P [--prefill URL ...] [--decode URL ...] [--model DIR]
+
+``--prefill`` / ``--decode`` replace the config's static worker lists (a URL
+given to both is a ``both`` worker); ``--model`` replaces ``model.path`` (with
+neither, the built-in tiny model is resolved as the workers resolve it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from kvserving.config import ServingConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="engine-config JSON (the operator's ConfigMap); defaults if absent")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8080, help="port to bind")
+    parser.add_argument("--prefill", nargs="+", default=None, metavar="URL", help="prefill worker URLs (static list)")
+    parser.add_argument("--decode", nargs="+", default=None, metavar="URL", help="decode worker URLs (static list)")
+    parser.add_argument("--model", type=Path, default=None, metavar="DIR", help="model directory (tokenizer, template)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def load_config(args: argparse.Namespace) -> ServingConfig:
+    config = ServingConfig.load(args.config) if args.config else ServingConfig()
+    gateway = config.gateway
+    if args.prefill is not None or args.decode is not None:
+        gateway = dataclasses.replace(
+            gateway,
+            prefill_urls=tuple(args.prefill or ()),
+            decode_urls=tuple(args.decode or ()),
+            prefill_service=None,
+            decode_service=None,
+        )
+    model = config.model
+    if args.model is not None:
+        model = dataclasses.replace(model, path=str(args.model))
+    return dataclasses.replace(config, gateway=gateway, model=model)
+
+
+def model_dir(config: ServingConfig) -> Path:
+    if config.model.path:
+        return Path(config.model.path)
+    from kvserving.model_dir import resolve_model_dir  # builds the built-in tiny model
+
+    return Path(resolve_model_dir(config.model))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from .app import build_app, build_state
+    from .completions import ModelInfo
+
+    config = load_config(args)
+    if not (config.gateway.prefill_urls or config.gateway.decode_urls or config.gateway.decode_service):
+        raise SystemExit("kvserving gateway: no workers: give --decode URL (and --prefill URL) or gateway.decode_service")
+    model = ModelInfo.load(model_dir(config), served_name=config.model.served_name,
+                           max_model_len=config.model.max_model_len)
+    app = build_app(build_state(config, model=model, registry=CollectorRegistry()))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=30)
+    return 0

@@ -1,0 +1,86 @@
+"""The gateway's Prometheus metrics, created against a registry passed in.
+
+The first three names are the dashboard's contract (operator/dashboard.py
+DASHBOARD_METRICS, same name and type); the rest are for operators:
+
+    kvserving_gateway_requests_total{route,code}          counter
+    kvserving_gateway_time_to_first_token_seconds{route}  histogram
+    kvserving_gateway_kv_reused_tokens_total{source}      counter   source: local | remote
+    kvserving_gateway_requests_in_flight                  gauge
+    kvserving_gateway_inter_token_latency_seconds         histogram
+    kvserving_gateway_request_duration_seconds{route}     histogram
+    kvserving_gateway_prompt_tokens_total                 counter
+    kvserving_gateway_completion_tokens_total             counter
+    kvserving_gateway_leases                              gauge     entries in the lease table
+    kvserving_gateway_lease_lookups_total{result}         counter   hit | miss (a miss asked the decode workers)
+    kvserving_gateway_lease_renewals_total                counter
+    kvserving_gateway_lease_releases_total                counter
+    kvserving_gateway_lease_expiries_total                counter
+    kvserving_gateway_routing_decisions_total{role,reason} counter
+    kvserving_gateway_upstream_errors_total{kind}         counter   connect | timeout | status | stream | worker_error
+    kvserving_gateway_workers_healthy{role}               gauge
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Seconds; dense below 50 ms where the gateway's own overhead lives.
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+DURATION_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class GatewayMetrics:
+    """Every gateway metric, registered on ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        p = "kvserving_gateway_"
+        self.requests = Counter(p + "requests", "Requests by route and HTTP status code", ["route", "code"], registry=registry)
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds", "Time from request to first streamed token", ["route"],
+            buckets=TTFT_BUCKETS, registry=registry,
+        )
+        self.reused_tokens = Counter(
+            p + "kv_reused_tokens", "Prompt tokens served from reused KV instead of recompute, by source",
+            ["source"], registry=registry,
+        )
+        self.in_flight = Gauge(p + "requests_in_flight", "Requests being served", registry=registry)
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds", "Time between streamed tokens", buckets=ITL_BUCKETS, registry=registry
+        )
+        self.duration = Histogram(
+            p + "request_duration_seconds", "Time from request to its last byte", ["route"],
+            buckets=DURATION_BUCKETS, registry=registry,
+        )
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of served requests", registry=registry)
+        self.completion_tokens = Counter(p + "completion_tokens", "Tokens generated for clients", registry=registry)
+        self.leases = Gauge(p + "leases", "Conversations in the lease table", registry=registry)
+        self.lease_lookups = Counter(
+            p + "lease_lookups", "Lease-table misses answered by the decode workers", ["result"], registry=registry
+        )
+        self.lease_renewals = Counter(p + "lease_renewals", "Leases renewed on their worker", registry=registry)
+        self.lease_releases = Counter(p + "lease_releases", "Leases released (idle or superseded)", registry=registry)
+        self.lease_expiries = Counter(p + "lease_expiries", "Leases that expired or their worker forgot", registry=registry)
+        self.routing = Counter(
+            p + "routing_decisions", "Routing decisions by role and reason", ["role", "reason"], registry=registry
+        )
+        self.upstream_errors = Counter(p + "upstream_errors", "Worker failures by kind", ["kind"], registry=registry)
+        self.workers_healthy = Gauge(p + "workers_healthy", "Healthy workers by role", ["role"], registry=registry)
+
+    # LeaseEvents (leases.LeaseKeeper)
+    def lease_event(self, kind: str, n: int = 1) -> None:
+        if kind in ("lookup_hit", "lookup_miss"):
+            self.lease_lookups.labels(kind.removeprefix("lookup_")).inc(n)
+            return
+        {"renewed": self.lease_renewals, "released": self.lease_releases, "expired": self.lease_expiries}[kind].inc(n)
+
+    def set_leases(self, n: int) -> None:
+        self.leases.set(n)
+
+    def upstream_error(self, kind: str) -> None:
+        self.upstream_errors.labels(kind).inc()
+
+    def route(self, role: str, reason: str) -> None:
+        self.routing.labels(role, reason).inc()

@@ -1,0 +1,233 @@
+"""OpenAI wire types: request models (pydantic) and response builders (plain dicts).
+
+Requests are parsed with ``parse_chat_request`` / ``parse_completion_request``,
+which turn every validation failure into a 400 ``GatewayError`` naming the
+field (``param``) the way OpenAI does. Fields OpenAI clients send that do not
+change the result here (``presence_penalty``, ``metadata``, ``store``,
+``parallel_tool_calls``, ...) are accepted and ignored; fields whose meaning
+the gateway cannot honour (``n`` > 1, ``logprobs``, ``echo``, ``suffix``,
+``best_of`` > 1) are refused clearly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import GatewayError, invalid_request
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)  # vLLM extension; 0 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(default=None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logprobs: bool | int | None = None
+    ignore_eos: bool = False
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [s for s in stops if s]
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise invalid_request(f"n={self.n} is not supported: this server returns one choice per request (n=1).",
+                                  param="n", code="unsupported_value")
+        if self.logprobs:
+            raise invalid_request("logprobs are not supported by this server.", param="logprobs", code="unsupported_value")
+        if self.stream_options is not None and not self.stream:
+            raise invalid_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                                  param="stream_options")
+        if len(self.stop_strings()) > 4:
+            raise invalid_request("'stop' may hold at most 4 sequences.", param="stop")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``; ``messages`` are checked in depth by the chat template."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (e.g. enable_thinking)
+
+    @property
+    def limit(self) -> int | None:
+        """``max_completion_tokens`` wins over the deprecated ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: a string or one token-id list."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    prompt_cache_key: str | None = None
+
+    @property
+    def limit(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise invalid_request("Only one prompt per request is supported.", param="prompt", code="unsupported_value")
+            prompt = prompt[0]  # type: ignore[assignment]
+        if not prompt:
+            raise invalid_request("'prompt' must not be empty.", param="prompt")
+        return prompt  # type: ignore[return-value]
+
+
+def _validation_error(exc: ValidationError) -> GatewayError:
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    param = loc[0] if loc else None
+    where = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc).lstrip(".")
+    kind = first.get("type", "")
+    if kind == "missing":
+        message = f"Missing required parameter: '{where}'."
+        return invalid_request(message, param=param, code="missing_required_parameter")
+    return invalid_request(f"Invalid value for '{where}': {first.get('msg', 'invalid')}.", param=param,
+                           code="invalid_value" if "type" not in kind else "invalid_type")
+
+
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    try:
+        request = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    if not request.messages:
+        raise invalid_request("'messages' must contain at least one message.", param="messages", code="empty_array")
+    request.check_supported()
+    return request
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    try:
+        request = CompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    request.check_supported()
+    if request.echo:
+        raise invalid_request("echo is not supported by this server.", param="echo", code="unsupported_value")
+    if request.suffix:
+        raise invalid_request("suffix is not supported by this server.", param="suffix", code="unsupported_value")
+    if request.best_of not in (None, 1):
+        raise invalid_request("best_of > 1 is not supported by this server.", param="best_of", code="unsupported_value")
+    return request
+
+
+# ---------------------------------------------------------------- responses
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+def usage(*, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def chat_message(
+    *, content: str | None, reasoning: str | None = None, tool_calls: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message
+
+
+def chat_completion(
+    *, id: str, created: int, model: str, message: dict[str, Any], finish_reason: str, usage: dict[str, Any]  # noqa: A002
+) -> dict[str, Any]:
+    return {
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage,
+    }
+
+
+def chat_chunk(
+    *, id: str, created: int, model: str, delta: dict[str, Any] | None, finish_reason: str | None = None,  # noqa: A002
+    usage: dict[str, Any] | None = None, include_usage: bool = False,
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk``; ``delta=None`` is the usage-only chunk (no choices)."""
+    chunk: dict[str, Any] = {
+        "id": id, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": None,
+        "choices": [] if delta is None else [
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        ],
+    }
+    if include_usage:
+        chunk["usage"] = usage
+    return chunk
+
+
+def completion(
+    *, id: str, created: int, model: str, text: str, finish_reason: str, usage: dict[str, Any]  # noqa: A002
+) -> dict[str, Any]:
+    return {
+        "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage,
+    }
+
+
+def completion_chunk(
+    *, id: str, created: int, model: str, text: str | None, finish_reason: str | None = None,  # noqa: A002
+    usage: dict[str, Any] | None = None, include_usage: bool = False,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None,
+        "choices": [] if text is None else [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        ],
+    }
+    if include_usage:
+        chunk["usage"] = usage
+    return chunk
+
+
+def models_list(*, name: str, created: int, owned_by: str = "kvserving", max_model_len: int | None = None) -> dict[str, Any]:
+    model: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": owned_by}
+    if max_model_len is not None:
+        model["max_model_len"] = max_model_len
+    return {"object": "list", "data": [model]}

@@ -1,0 +1,221 @@
+"""One turn of a conversation against the workers: route, prefill, decode, lease.
+
+    both worker:     POST /internal/generate (retain, conversation_key)      -> tokens
+    prefill/decode:  prefill  (max_tokens 1, tags, kv_transfer_params = the
+                               conversation's lease params, if any)
+                     decode   (kv_transfer_params = the prefill's params,
+                               conversation_key, retain)                     -> tokens
+    then:            the lease table records the decode's final params
+
+``Turns.start`` routes and returns a ``Turn`` or raises ``GatewayError`` (503
+with Retry-After when no healthy worker can take it). ``Turn.tokens()`` yields
+token-id lists as the decode streams them; afterwards ``Turn.result`` holds the
+finish reason and usage. Closing ``tokens()`` early (client gone, stop string
+matched) closes the worker connection, which aborts the request upstream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import GatewayError, service_unavailable, upstream_error
+from .leases import Lease, LeaseKeeper
+from .metrics import GatewayMetrics
+from .router import choose_decode, choose_prefill, prefix_key
+from .workers import UpstreamError, WorkerClient, WorkerPool, WorkerState
+
+RETRY_AFTER_S = 2
+
+
+@dataclass(slots=True, frozen=True)
+class TurnRequest:
+    """What the gateway asks the workers for (already tokenized and tagged)."""
+
+    request_id: str
+    input_ids: list[int]
+    sampling: dict[str, Any]
+    tags: list[int] | None = None
+    conversation_key: str | None = None
+
+
+@dataclass(slots=True)
+class TurnResult:
+    """The decode's final event, in the gateway's terms."""
+
+    finish_reason: str  # the worker's: "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens not computed this turn
+    local_cached_tokens: int
+    remote_pulled_tokens: int
+    decode_url: str
+    prefill_url: str | None
+    reuse_fallback: str | None = None
+
+
+@dataclass(slots=True)
+class Turn:
+    """A routed turn; iterate ``tokens()`` once."""
+
+    turns: Turns
+    request: TurnRequest
+    decode: WorkerState
+    prefill: WorkerState | None
+    lease: Lease | None
+    result: TurnResult | None = None
+    _prefill_usage: dict[str, Any] = field(default_factory=dict)
+
+    async def tokens(self) -> AsyncGenerator[list[int], None]:
+        async with aclosing(self.turns._run(self)) as stream:
+            async for token_ids in stream:
+                yield token_ids
+
+
+class Turns:
+    """Runs turns; owns nothing but references to the pool, client, lease keeper and metrics."""
+
+    def __init__(
+        self,
+        *,
+        pool: WorkerPool,
+        client: WorkerClient,
+        keeper: LeaseKeeper,
+        metrics: GatewayMetrics,
+        max_inflight_per_worker: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.pool = pool
+        self.client = client
+        self.keeper = keeper
+        self.metrics = metrics
+        self.max_inflight = max_inflight_per_worker
+        self.clock = clock
+
+    async def start(self, request: TurnRequest) -> Turn:
+        """Route the turn (no worker request yet); 503 when no worker can take it."""
+        decoders = [w for w in self.pool.workers.values() if w.role in ("decode", "both")]
+        key = request.conversation_key
+        lease = None
+        if key is not None:
+            lease = await self.keeper.lookup(key, decode_urls=[w.url for w in decoders if w.healthy])
+        decision = choose_decode([w.view() for w in decoders], lease_url=lease.worker_url if lease else None,
+                                 max_inflight=self.max_inflight)
+        if decision is None:
+            raise service_unavailable("No healthy decode worker is available; retry shortly.", retry_after_s=RETRY_AFTER_S)
+        decode = self.pool.workers[decision.url]
+        self.metrics.route("decode", decision.reason)
+        prefill = None
+        if decode.role != "both":
+            prefillers = [w.view() for w in self.pool.workers.values() if w.role in ("prefill", "both")]
+            choice = choose_prefill(prefillers, key=prefix_key(request.input_ids))
+            if choice is None:
+                raise service_unavailable("No healthy prefill worker is available; retry shortly.",
+                                          retry_after_s=RETRY_AFTER_S)
+            prefill = self.pool.workers[choice.url]
+            self.metrics.route("prefill", choice.reason)
+        return Turn(self, request, decode, prefill, lease)
+
+    async def _run(self, turn: Turn) -> AsyncGenerator[list[int], None]:
+        request, key = turn.request, turn.request.conversation_key
+        final_params: dict[str, Any] | None = None
+        if key is not None:
+            self.keeper.table.begin_turn(key, now=self.clock())
+        try:
+            pull_params = turn.lease.params if turn.lease is not None else None
+            if turn.prefill is not None:
+                pull_params = await self._prefill(turn, pull_params)
+            elif turn.lease is not None and turn.lease.worker_url == turn.decode.url:
+                pull_params = None  # a both worker finds its own retained KV in its prefix cache
+            body = {
+                "request_id": request.request_id,
+                "input_ids": request.input_ids,
+                "sampling": request.sampling,
+                "kv_transfer_params": pull_params,
+                "conversation_key": key,
+                "retain": key is not None,
+            }
+            if request.tags is not None:
+                body["tags"] = request.tags
+            async with aclosing(self._stream(turn.decode, body)) as events:
+                async for event in events:
+                    if "finish_reason" in event:
+                        final_params = event.get("kv_transfer_params")
+                        turn.result = self._result(turn, event)
+                    elif event.get("token_ids"):
+                        yield list(event["token_ids"])
+            if turn.result is None:
+                raise self._upstream(UpstreamError("stream", "worker ended the stream without a final event",
+                                                   url=turn.decode.url))
+        finally:
+            if key is not None:
+                await self.keeper.record(key, worker_url=turn.decode.url, params=final_params)
+
+    async def _prefill(self, turn: Turn, lease_params: dict[str, Any] | None) -> dict[str, Any] | None:
+        assert turn.prefill is not None
+        request = turn.request
+        sampling = dict(request.sampling, max_tokens=1)
+        body: dict[str, Any] = {
+            "request_id": f"{request.request_id}-prefill",
+            "input_ids": request.input_ids,
+            "sampling": sampling,
+            "kv_transfer_params": lease_params,
+            "conversation_key": request.conversation_key,
+            "retain": False,
+        }
+        if request.tags is not None:
+            body["tags"] = request.tags
+        params: dict[str, Any] | None = None
+        async with aclosing(self._stream(turn.prefill, body)) as events:
+            async for event in events:
+                if "finish_reason" in event:
+                    turn._prefill_usage = dict(event.get("usage") or {})
+                    params = event.get("kv_transfer_params")
+        return params
+
+    async def _stream(self, worker: WorkerState, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        worker.inflight += 1
+        try:
+            async with aclosing(self.client.generate(worker.url, body)) as events:
+                async for event in events:
+                    yield event
+        except UpstreamError as exc:
+            raise self._upstream(exc) from exc
+        finally:
+            worker.inflight -= 1
+
+    def _upstream(self, exc: UpstreamError) -> GatewayError:
+        self.metrics.upstream_error(exc.kind)
+        if exc.kind == "connect":
+            self.pool.mark_unhealthy(exc.url)  # leaves the rotation until /ready answers again
+        if exc.kind == "status" and exc.status == 503:
+            return service_unavailable(f"Worker not ready: {exc.message}", retry_after_s=RETRY_AFTER_S)
+        if exc.kind == "timeout":
+            return upstream_error(exc.message, status=504, code="upstream_timeout")
+        return upstream_error(exc.message)
+
+    def _result(self, turn: Turn, final: dict[str, Any]) -> TurnResult:
+        decode_usage = final.get("usage") or {}
+        source = turn._prefill_usage if turn.prefill is not None else decode_usage
+        prompt_tokens = int(decode_usage.get("prompt_tokens", len(turn.request.input_ids)))
+        computed = int(source.get("computed_prompt_tokens", prompt_tokens))
+        local = int(source.get("local_cached_tokens", 0))
+        remote = int(source.get("remote_pulled_tokens", 0))
+        if local:
+            self.metrics.reused_tokens.labels("local").inc(local)
+        if remote:
+            self.metrics.reused_tokens.labels("remote").inc(remote)
+        return TurnResult(
+            finish_reason=str(final.get("finish_reason")),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=int(decode_usage.get("completion_tokens", 0)),
+            cached_tokens=max(0, prompt_tokens - computed),
+            local_cached_tokens=local,
+            remote_pulled_tokens=remote,
+            decode_url=turn.decode.url,
+            prefill_url=turn.prefill.url if turn.prefill is not None else None,
+            reuse_fallback=source.get("reuse_fallback"),
+        )

@@ -1,0 +1,258 @@
+"""The one module that talks to workers (docs/worker-api.md): the HTTP client,
+server-sent-event parsing, worker discovery and health polling.
+
+Calls it makes:
+
+    POST   /internal/generate                         WorkerClient.generate (SSE stream)
+    GET    /internal/kv/leases?conversation_key=K     WorkerClient.find_leases
+    POST   /internal/kv/leases/{id}/renew             WorkerClient.renew_lease
+    DELETE /internal/kv/leases/{id}                   WorkerClient.release_lease
+    GET    /ready                                     WorkerPool health polling
+
+Discovery: a static list of URLs (local mode) or the headless Services
+``gateway.prefill_service`` / ``decode_service`` resolved by DNS every
+``dns_refresh_s`` (cluster mode: one address per ready pod). A URL listed both
+as prefill and as decode is a ``both`` worker; decode workers with no prefill
+worker configured at all also take whole turns (``both``). A worker leaves the
+rotation when ``/ready`` fails or a request cannot reach it, and comes back
+when ``/ready`` answers 200 again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvserving.config import GatewayConfig
+
+from .router import WorkerView
+
+log = logging.getLogger(__name__)
+
+
+class UpstreamError(Exception):
+    """A worker call failed; ``kind`` is the metric label, ``status`` the worker's HTTP status if any."""
+
+    def __init__(self, kind: str, message: str, *, url: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.url = url
+        self.status = status
+        self.message = message
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """What the gateway knows about one worker."""
+
+    url: str
+    role: str  # "prefill" | "decode" | "both"
+    healthy: bool = False
+    inflight: int = 0
+
+    def view(self) -> WorkerView:
+        return WorkerView(self.url, self.healthy, self.inflight)
+
+
+class WorkerClient:
+    """HTTP calls to workers over one pooled ``httpx.AsyncClient``."""
+
+    def __init__(self, *, request_timeout_s: float, connect_timeout_s: float, max_connections: int = 4096) -> None:
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+        self._short = httpx.Timeout(max(connect_timeout_s, 1.0) * 2, connect=connect_timeout_s)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def generate(self, url: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        """Every event of one generate stream (token events, then the final one).
+
+        Raises UpstreamError on a refused request, a broken stream or an error
+        event. Closing the iterator early closes the connection, which the
+        worker takes as an abort.
+        """
+        try:
+            async with self._http.stream("POST", f"{url}/internal/generate", json=body) as response:
+                if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")
+                    raise UpstreamError("status", _error_message(text, response.status_code), url=url,
+                                        status=response.status_code)
+                async for event in _sse_events(response.aiter_lines(), url=url):
+                    yield event
+        except httpx.TimeoutException as exc:
+            raise UpstreamError("timeout", f"worker {url} timed out: {type(exc).__name__}", url=url) from exc
+        except httpx.ConnectError as exc:
+            raise UpstreamError("connect", f"cannot reach worker {url}: {exc}", url=url) from exc
+        except httpx.HTTPError as exc:
+            raise UpstreamError("stream", f"worker {url} stream broke: {type(exc).__name__}: {exc}", url=url) from exc
+
+    async def find_leases(self, url: str, *, conversation_key: str) -> list[dict[str, Any]]:
+        response = await self._http.get(
+            f"{url}/internal/kv/leases", params={"conversation_key": conversation_key}, timeout=self._short
+        )
+        response.raise_for_status()
+        leases = response.json().get("leases", [])
+        return [entry for entry in leases if entry.get("conversation_key") == conversation_key]
+
+    async def renew_lease(self, url: str, lease_id: str, *, ttl_s: float) -> float | None:
+        """The new expiry, or None if the worker does not know the lease (404)."""
+        response = await self._http.post(
+            f"{url}/internal/kv/leases/{lease_id}/renew", json={"ttl_s": ttl_s}, timeout=self._short
+        )
+        if response.status_code == 404:
+            return None
+        response.raise_for_status()
+        return float(response.json()["expires_at"])
+
+    async def release_lease(self, url: str, lease_id: str) -> bool:
+        response = await self._http.delete(f"{url}/internal/kv/leases/{lease_id}", timeout=self._short)
+        if response.status_code == 404:
+            return False
+        response.raise_for_status()
+        return True
+
+    async def ready(self, url: str) -> bool:
+        try:
+            response = await self._http.get(f"{url}/ready", timeout=self._short)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+
+async def _sse_events(lines: AsyncIterator[str], *, url: str) -> AsyncGenerator[dict[str, Any], None]:
+    """``data: <json>`` events until ``data: [DONE]``; an ``error`` event raises."""
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, other fields
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise UpstreamError("stream", f"worker {url} sent a malformed event: {data[:200]!r}", url=url) from exc
+        if "error" in event:
+            raise UpstreamError("worker_error", _error_message(json.dumps(event), None), url=url)
+        yield event
+    raise UpstreamError("stream", f"worker {url} closed the stream before [DONE]", url=url)
+
+
+def _error_message(text: str, status: int | None) -> str:
+    try:
+        message = str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        message = text[:500]
+    return f"worker error ({status}): {message}" if status is not None else f"worker error: {message}"
+
+
+async def resolve_service(host: str, port: int) -> list[str]:
+    """Every address of a headless Service, as worker URLs (sorted, deduplicated)."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    urls = set()
+    for family, _, _, _, sockaddr in infos:
+        address = str(sockaddr[0])
+        urls.add(f"http://[{address}]:{port}" if family == socket.AF_INET6 else f"http://{address}:{port}")
+    return sorted(urls)
+
+
+class WorkerPool:
+    """The workers in rotation, their health and load; a background task keeps it current."""
+
+    def __init__(self, config: GatewayConfig, client: WorkerClient, *, resolve: Callable[[str, int], Any] = resolve_service) -> None:
+        self.config = config
+        self.client = client
+        self._resolve = resolve
+        self.workers: dict[str, WorkerState] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self._last_dns = float("-inf")
+        self.set_members(prefill=list(config.prefill_urls), decode=list(config.decode_urls))
+
+    @property
+    def uses_dns(self) -> bool:
+        return bool(self.config.prefill_service or self.config.decode_service)
+
+    def set_members(self, *, prefill: list[str], decode: list[str]) -> None:
+        """Replace the member list; known workers keep their health and load."""
+        prefill_set = {u.rstrip("/") for u in prefill}
+        decode_set = {u.rstrip("/") for u in decode}
+        roles: dict[str, str] = {}
+        for url in sorted(prefill_set | decode_set):
+            if url in prefill_set and url in decode_set:
+                roles[url] = "both"
+            elif url in prefill_set:
+                roles[url] = "prefill"
+            else:
+                roles[url] = "decode" if prefill_set else "both"
+        old = self.workers
+        self.workers = {url: old.get(url) or WorkerState(url, role) for url, role in roles.items()}
+        for url, state in self.workers.items():
+            state.role = roles[url]
+
+    def by_role(self, role: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def get(self, url: str) -> WorkerState | None:
+        return self.workers.get(url)
+
+    def mark_unhealthy(self, url: str) -> None:
+        state = self.workers.get(url)
+        if state is not None:
+            state.healthy = False
+
+    async def refresh(self) -> None:
+        """Re-resolve the Services (when due) and poll every worker's /ready once."""
+        loop = asyncio.get_running_loop()
+        if self.uses_dns and loop.time() - self._last_dns >= self.config.dns_refresh_s:
+            self._last_dns = loop.time()
+            await self._resolve_members()
+        states = list(self.workers.values())
+        results = await asyncio.gather(*(self.client.ready(w.url) for w in states))
+        for state, ok in zip(states, results):
+            state.healthy = ok
+
+    async def _resolve_members(self) -> None:
+        port = self.config.worker_port
+        found: dict[str, list[str]] = {"prefill": list(self.config.prefill_urls), "decode": list(self.config.decode_urls)}
+        for role, host in (("prefill", self.config.prefill_service), ("decode", self.config.decode_service)):
+            if not host:
+                continue
+            try:
+                found[role] += await self._resolve(host, port)
+            except OSError as exc:  # no ready pod yet: NXDOMAIN; keep the old list
+                log.warning("cannot resolve %s service %s: %s", role, host, exc)
+                found[role] += [w.url for w in self.workers.values() if w.role in (role, "both")]
+        self.set_members(prefill=found["prefill"], decode=found["decode"])
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._task = asyncio.create_task(self._loop(), name="worker-health")
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.refresh()
+            except Exception:  # one failed poll must not end the loop
+                log.exception("worker health poll failed")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=self.config.health_interval_s)

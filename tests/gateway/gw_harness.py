@@ -1,0 +1,74 @@
+"""Start a real gateway (uvicorn on 127.0.0.1, in a thread) over fake workers, for the gateway tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fake_worker import FakeWorker, ServerThread, start_fake
+from prometheus_client import CollectorRegistry
+
+from kvserving.config import GatewayConfig, ModelConfig, ReuseConfig, ServingConfig
+from kvserving.gateway.app import GatewayState, build_app, build_state
+from kvserving.gateway.completions import ModelInfo
+
+MODEL = "kvserving-tiny"
+
+
+@dataclass
+class Gateway:
+    server: ServerThread
+    state: GatewayState
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def base_url(self) -> str:
+        return self.server.url + "/v1"
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        value = self.state.metrics.registry.get_sample_value(name, labels or {})
+        return 0.0 if value is None else float(value)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def start_gateway(
+    model_dir: Path, *, prefill: list[str] = (), decode: list[str] = (), reuse: ReuseConfig | None = None,  # type: ignore[assignment]
+    max_model_len: int | None = None, **gateway: Any,
+) -> Gateway:
+    gateway.setdefault("health_interval_s", 0.2)
+    config = ServingConfig(
+        model=ModelConfig(path=str(model_dir), served_name=MODEL, max_model_len=max_model_len),
+        reuse=reuse or ReuseConfig(),
+        gateway=GatewayConfig(prefill_urls=tuple(prefill), decode_urls=tuple(decode), **gateway),
+    )
+    model = ModelInfo.load(model_dir, served_name=MODEL, max_model_len=max_model_len)
+    state = build_state(config, model=model, registry=CollectorRegistry())
+    return Gateway(ServerThread(build_app(state)).start(), state)
+
+
+class Stack:
+    """Fake workers and gateways started by one test, all stopped at the end."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self.servers: list[Any] = []
+
+    def worker(self, **kwargs: Any) -> FakeWorker:
+        worker = FakeWorker(**kwargs)
+        self.servers.append(start_fake(worker))
+        return worker
+
+    def gateway(self, **kwargs: Any) -> Gateway:
+        gw = start_gateway(self.model_dir, **kwargs)
+        self.servers.append(gw)
+        return gw
+
+    def close(self) -> None:
+        for server in reversed(self.servers):
+            server.stop()
