@@ -12,7 +12,7 @@ tensor core: no shared memory in the loop.
 One program = one (split, kv head, sequence), W warps. Each warp runs its own
 online softmax over its own pages (NT = pages-per-warp x page-size tokens per
 step) and the warps merge by log-sum-exp at the end; the splits merge in
-``triton_decode._merge_kernel``. Per warp and step::
+``triton_common._merge_kernel``. Per warp and step::
 
     S^T[NT, HP] = K[NT, D] . q^T[D, HP]         K: A operand (rows = tokens), HP = query heads padded to 8
     O^T[D, HP] += V^T[D, NT] . P^T[NT, HP]      V^T: A operand (rows = channels), P^T: B operand
@@ -70,11 +70,12 @@ from .gluon_fragments import (
     unpack_nibbles,
     v_layouts,
 )
-from .layout import INT2_PAGE_FLAG, PageLayout
+from .layout import PageLayout
+from .page_ids import INT2_PAGE_FLAG
+from .paged_kv import PagedKV
+from .triton_common import LOG2E, field_offsets, folded_scales, merge_splits, prepare_splits
 
 FLAG: gl.constexpr = gl.constexpr(INT2_PAGE_FLAG)
-LOG2E = 1.4426950408889634
-NVFP4_FOLD = 128.0  # nvfp4 values decode to value * 2^-7
 
 
 # ----------------------------------------------------------------------------
@@ -402,9 +403,13 @@ GL_TUNING: dict[str, dict[str, int]] = {
 }
 
 
-def supported(layout: PageLayout, q: torch.Tensor, int2_layout: PageLayout | None) -> bool:
-    """Whether the Gluon kernel handles this call (else triton_decode's ``tl`` kernel runs)."""
-    if layout.fmt not in ("nvfp4", "int4") or layout.head_dim != 128 or not q.is_cuda:
+FORMATS = ("nvfp4", "int4")  # plain nvfp4 pages; int4 pages alone or with INT2 pages (triaxial)
+
+
+def supported(kv: PagedKV, q: torch.Tensor) -> bool:
+    """Whether the Gluon kernel handles this call (paged_ops runs triton_decode's ``tl`` kernel otherwise)."""
+    layout = kv.layout
+    if layout.fmt not in FORMATS or layout.head_dim != 128 or not q.is_cuda:
         return False
     if torch.cuda.get_device_capability(q.device) < (8, 9):
         return False
@@ -412,15 +417,11 @@ def supported(layout: PageLayout, q: torch.Tensor, int2_layout: PageLayout | Non
     if g > 16:
         return False
     want_p = 16 if layout.fmt == "nvfp4" else 32
-    if layout.page_size != want_p or (int2_layout is not None and int2_layout.page_size != 32):
-        return False
-    return True
+    return layout.page_size == want_p and (kv.int2_layout is None or kv.int2_layout.page_size == 32)
 
 
 def kernel_args(fmt: str, layout: PageLayout, *, num_warps: int, ppw: int) -> dict[str, Any]:
     """Constexpr arguments of one launch for page format ``fmt`` (its layout's field offsets included)."""
-    from .triton_decode import field_offsets
-
     p = layout.page_size
     nt = ppw * p
     kb = 32 if fmt == "int2" else 64
@@ -434,63 +435,60 @@ def kernel_args(fmt: str, layout: PageLayout, *, num_warps: int, ppw: int) -> di
 
 def decode_attention(
     q: torch.Tensor,
-    buffer: torch.Tensor,
-    layout: PageLayout,
+    kv: PagedKV,
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
     sm_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    int2_layout: PageLayout | None = None,
     num_int2_pages: torch.Tensor | None = None,
-    total_bytes: int | None = None,
     tuning: dict[str, int] | None = None,
     splits: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Launch the Gluon decode (arguments checked by paged_ops; ``supported`` must hold) -> [B, Hq, D] in q.dtype."""
-    from .triton_decode import LAST_KERNEL, _merge_kernel, plan_splits
+    """Launch the Gluon decode (arguments checked by paged_ops; ``supported`` must hold) -> [B, Hq, D] in q.dtype.
 
-    b, hq, d = q.shape
-    h = layout.kv_heads
-    g = hq // h
-    total = buffer.numel() if total_bytes is None else total_bytes
+    tuning overrides GL_TUNING[fmt]; splits (splits, pages per split) overrides the planner."""
+    out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages,
+                           tuning=tuning, splits=splits)  # fmt: skip
+    return out
+
+
+def launch_decode(
+    q: torch.Tensor,
+    kv: PagedKV,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float,
+    num_int2_pages: torch.Tensor | None,
+    tuning: dict[str, int] | None = None,
+    splits: tuple[int, int] | None = None,
+    part: int | None = None,
+) -> tuple[torch.Tensor, Any]:
+    """``decode_attention`` that also returns the compiled kernel (registers, spills: the benchmark).
+
+    part (benchmark only, wrong values): 2 / 4 run only the INT2 / INT4 splits of triaxial rows (the other
+    splits' partials stay unset)."""
+    layout = kv.layout
     cfg = {**GL_TUNING[layout.fmt], **(tuning or {})}
-    triaxial = int2_layout is not None
     ppi = cfg["num_warps"] * cfg["PPW"]
-    if splits is None:
-        splits = plan_splits(b * h, page_table.shape[1], ppi, q.device, triaxial=triaxial, programs_per_sm=cfg["PPSM"],
-                             min_pages=-(-SPLIT_MIN_TOKENS // layout.page_size))  # fmt: skip
-    s, pps = splits
-    if pps % ppi:
-        raise ValueError(f"pages per split ({pps}) must be a multiple of pages per step ({ppi})")
-    q = q.contiguous()
-    page_table = page_table.contiguous()
-    o = torch.empty(b, hq, s, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
-    fold = NVFP4_FOLD if layout.fmt == "nvfp4" else 1.0
-    k_fold = (k_scale if layout.fmt == "nvfp4" else 1.0) * fold
-    v_fold = (v_scale if layout.fmt == "nvfp4" else 1.0) * fold
-    n2 = num_int2_pages if num_int2_pages is not None else seq_lens
-    hp = 8 if g <= 8 else 16
-    common = dict(H=h, G=g, HP=hp)
-    part = 0
+    run = prepare_splits(q, kv, page_table, seq_lens, num_int2_pages, pages_per_iter=ppi, programs_per_sm=cfg["PPSM"],
+                         min_pages=-(-SPLIT_MIN_TOKENS // layout.page_size), splits=splits)  # fmt: skip
+    if run.pages_per_split % ppi:
+        raise ValueError(f"pages per split ({run.pages_per_split}) must be a multiple of pages per step ({ppi})")
+    k_fold, v_fold = folded_scales(kv)
+    hp = 8 if run.group <= 8 else 16
     args = kernel_args(layout.fmt, layout, num_warps=cfg["num_warps"], ppw=cfg["PPW"])
     args2 = {k + "2": v for k, v in args.items() if k in INT2_ARGS}
-    if triaxial:
-        assert int2_layout is not None
-        part = cfg.get("PART", 1)  # 2 or 4: benchmark only, time one precision (the other's splits stay unset)
-        a2 = kernel_args("int2", int2_layout, num_warps=cfg["num_warps"], ppw=1)
+    if kv.int2_layout is not None:  # triaxial: both precisions' splits in one launch
+        a2 = kernel_args("int2", kv.int2_layout, num_warps=cfg["num_warps"], ppw=1)
         args2 = {k + "2": v for k, v in a2.items() if k in INT2_ARGS}
     cap = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and hp == 8 else {}  # 16 heads need more registers
-    kernel = _gl_decode_kernel[(s, h, b)](
-        q, o, lse, buffer, page_table, seq_lens, n2, sm_scale * LOG2E * k_fold, total, page_table.stride(0),
-        s, pps, PART=part, **common, **args, **args2, **cap,
+    kernel = _gl_decode_kernel[run.grid](
+        run.q, run.o, run.lse, kv.buffer, run.page_table, seq_lens, run.n2, sm_scale * LOG2E * k_fold, kv.total_bytes,
+        run.page_table.stride(0), run.splits, run.pages_per_split, PART=(part or 1) if kv.triaxial else 0,
+        H=run.kv_heads, G=run.group, HP=hp, **args, **args2, **cap,
     )  # fmt: skip
-    LAST_KERNEL[:] = [kernel]
-    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    _merge_kernel[(b * hq,)](o, lse, out, v_fold, s, BLOCK_S=16, D=d, num_warps=4)
-    return out
+    return merge_splits(run, v_mul=v_fold), kernel
 
 
 def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None, heads: int = 4) -> tuple[dict[str, str], dict[str, Any]]:

@@ -31,7 +31,8 @@ ends (no fixed split)::
     | int4 page 0 | int4 page 1 | ...  free space ... | int2 page 1 | int2 page 0 |
 
 A page id is an index with ``INT2_PAGE_FLAG`` set for INT2 pages; the flag is
-bit 30 so page tables stay non-negative int32.
+bit 30 so page tables stay non-negative int32. Ids and their byte offsets are
+defined once, in page_ids.py (re-exported here).
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .page_ids import INT2_PAGE_FLAG as INT2_PAGE_FLAG
+from .page_ids import page_byte_offset as page_byte_offset
+
 PAGE_FORMATS = ("bf16", "fp32", "fp8_e4m3", "nvfp4", "int4", "int2")
-INT2_PAGE_FLAG = 1 << 30
 ALIGN = 16
 TRIAXIAL_GROUP = 32
 NVFP4_BLOCK = 16
@@ -153,10 +156,3 @@ class PageLayout:
                 out[f.name] = stored.permute(0, *(1 + f.storage.index(i) for i in range(len(f.shape))))
         return out
 
-
-def page_byte_offset(page_id: int, *, page_bytes: int, int2_page_bytes: int = 0, total_bytes: int = 0) -> int:
-    """Byte offset of a page in its layer buffer (INT2 pages count down from the top)."""
-    if page_id & INT2_PAGE_FLAG:
-        index = page_id & ~INT2_PAGE_FLAG
-        return total_bytes - (index + 1) * int2_page_bytes
-    return page_id * page_bytes

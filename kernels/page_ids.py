@@ -16,8 +16,17 @@ cannot call Python); ``tests/kernels`` hold them to ``page_byte_offset``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
 INT2_PAGE_FLAG = 1 << 30
+_FLAG_BIT = 30
 _INDEX_MASK = INT2_PAGE_FLAG - 1
+
+# an int, or an int64 tensor of ids (torch): the offset formula below is elementwise
+Ids = TypeVar("Ids", int, "Tensor")
 
 
 def is_int2(page_id: int) -> bool:
@@ -46,9 +55,16 @@ def make_page_id(index: int, *, bits: int) -> int:
 
 def page_byte_offset(page_id: int, *, page_bytes: int, int2_page_bytes: int = 0, total_bytes: int = 0) -> int:
     """Byte offset of a page in its layer buffer (INT2 pages count down from the top)."""
-    if page_id & INT2_PAGE_FLAG:
-        if int2_page_bytes <= 0 or total_bytes <= 0:
-            raise ValueError(f"page id {page_id} is an INT2 page but the buffer has no INT2 layout")
-        return total_bytes - (page_index(page_id) + 1) * int2_page_bytes
-    return page_id * page_bytes
+    if page_id & INT2_PAGE_FLAG and (int2_page_bytes <= 0 or total_bytes <= 0):
+        raise ValueError(f"page id {page_id} is an INT2 page but the buffer has no INT2 layout")
+    return page_byte_offsets(page_id, page_bytes=page_bytes, int2_page_bytes=int2_page_bytes, total_bytes=total_bytes)
+
+
+def page_byte_offsets(page_ids: Ids, *, page_bytes: int, int2_page_bytes: int = 0, total_bytes: int = 0) -> Ids:
+    """``page_byte_offset`` of an id or, elementwise, of an int64 tensor of ids (no branch, so no check:
+    callers of the tensor form have refused INT2 ids without an INT2 layout)."""
+    int2 = (page_ids >> _FLAG_BIT) & 1  # 1 for INT2 ids
+    index = page_ids & _INDEX_MASK
+    # plain: index * page_bytes; INT2: total_bytes - (index + 1) * int2_page_bytes
+    return index * page_bytes + int2 * (total_bytes - (index + 1) * int2_page_bytes - index * page_bytes)
 

@@ -1,147 +1,164 @@
-"""The one dispatch point for paged-KV ops: torch reference on CPU, Triton kernels on CUDA.
+"""The one dispatch point for paged-KV ops: torch reference, Triton ``tl`` kernels or the Gluon decode.
 
-The engine calls only these four functions. Each validates its arguments
-(paged_ref.check_*) and then runs one backend:
+The engine calls only these four functions, each with one layer's ``PagedKV``.
+Each validates its arguments (paged_ref.check_*) and then runs one backend:
 
-- ``backend=None`` (default): ``$KVSERVING_PAGED_BACKEND`` if set, else
-  ``"triton"`` when the buffer is on CUDA and ``"reference"`` otherwise;
-- ``backend="reference"`` or ``"triton"`` forces one (Triton on CPU tensors
-  runs under ``TRITON_INTERPRET=1``, which is how CI tests the kernels).
+- ``backend=None`` (default): ``options.backend`` if set, else ``"triton"`` when
+  the buffer is on CUDA and ``"reference"`` otherwise (fp32 pages: always the
+  reference); ``backend="reference"`` or ``"triton"`` forces one (Triton on CPU
+  tensors runs under ``TRITON_INTERPRET=1``, which is how CI tests the kernels);
+- decode on the Triton backend: the Gluon kernel (gluon_decode.py) where
+  ``gluon_decode.supported`` holds and ``options.decode_kernel`` allows it,
+  else the ``tl`` kernel (triton_decode.py). Nothing below this module
+  dispatches again.
+
+``options`` (kernels/options.py) carries the environment overrides; a caller
+that passes none gets ``KernelOptions.from_env()``, read here and nowhere else.
+The worker's storage reads it once and passes it on every call.
 
 Value checks (page ids in range, lengths that fit the page table) read the
 index tensors on the host. On CUDA that is a device sync per call, which a
 decode loop (and CUDA graph capture) cannot afford, so they run only on CPU
-tensors unless ``check_values=True`` or ``KVSERVING_CHECK_VALUES=1``. Shape,
+tensors unless ``check_values=True`` or ``options.check_values``. Shape,
 dtype and device checks always run.
 """
 
 from __future__ import annotations
 
-import os
-from types import ModuleType
-
 from torch import Tensor
 
 from . import paged_ref
-from .layout import PageLayout
+from .options import BACKENDS, KernelOptions
+from .paged_kv import PagedKV
 
-BACKENDS = ("reference", "triton")
+
+def _options(options: KernelOptions | None) -> KernelOptions:
+    return KernelOptions.from_env() if options is None else options
 
 
-def _backend(buffer: Tensor, backend: str | None, layout: PageLayout) -> str:
-    name = backend or os.environ.get("KVSERVING_PAGED_BACKEND") or ("triton" if buffer.is_cuda else "reference")
+def _backend(kv: PagedKV, backend: str | None, opts: KernelOptions) -> str:
+    name = backend or opts.backend or ("triton" if kv.buffer.is_cuda else "reference")
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r}; expected one of {BACKENDS}")
-    if layout.fmt == "fp32":
+    if kv.layout.fmt == "fp32":
         return "reference"  # fp32 pages exist for fp32 models on CPU; the reference runs on any device
     return name
 
 
-def _values(buffer: Tensor, check_values: bool | None) -> bool:
+def _values(kv: PagedKV, check_values: bool | None, opts: KernelOptions) -> bool:
     if check_values is not None:
         return check_values
-    return not buffer.is_cuda or os.environ.get("KVSERVING_CHECK_VALUES") == "1"
+    return not kv.buffer.is_cuda or opts.check_values
 
 
-def _triton() -> ModuleType:
-    # imported on first use so CPU engines never load Triton
-    from . import triton_paged
+def decode_kernel(q: Tensor, kv: PagedKV, *, backend: str | None = None, options: KernelOptions | None = None) -> str:
+    """Which implementation ``decode_attention`` runs for this call: "reference", "tl" or "gluon"."""
+    opts = _options(options)
+    if _backend(kv, backend, opts) == "reference":
+        return "reference"
+    if opts.decode_kernel != "tl" and q.is_cuda:  # Gluon runs on a GPU only (never in the interpreter)
+        # imported on first use so CPU engines never load Triton
+        from . import gluon_decode
 
-    return triton_paged
+        if gluon_decode.supported(kv, q):
+            return "gluon"
+    if opts.decode_kernel == "gluon" and kv.layout.fmt in ("nvfp4", "int4"):
+        # "gluon" asks for Gluon wherever its page formats are used: a call it cannot run is an error
+        raise ValueError("decode_kernel='gluon' but the Gluon decode does not support this call (see gluon_decode.supported)")
+    return "tl"
 
 
 def write_kv(
-    buffer: Tensor,
-    layout: PageLayout,
+    kv: PagedKV,
     k: Tensor,
     v: Tensor,
     page_ids: Tensor,
     slots: Tensor,
     *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
     backend: str | None = None,
     check_values: bool | None = None,
+    options: KernelOptions | None = None,
 ) -> None:
-    """Quantize-on-write of T tokens ``k, v: [T, H, D]`` into ``(page_ids[t], slots[t])`` (bf16/fp8_e4m3/nvfp4/int4)."""
-    if _backend(buffer, backend, layout) == "reference":
-        paged_ref.write_kv(buffer, layout, k, v, page_ids, slots, k_scale=k_scale, v_scale=v_scale)
+    """Quantize-on-write of T tokens ``k, v: [T, H, D]`` into ``(page_ids[t], slots[t])`` (plain or INT4 pages)."""
+    opts = _options(options)
+    if _backend(kv, backend, opts) == "reference":
+        paged_ref.write_kv(kv, k, v, page_ids, slots)
         return
-    paged_ref.check_write_kv(buffer, layout, k, v, page_ids, slots, values=_values(buffer, check_values))
-    _triton().write_kv(buffer, layout, k, v, page_ids, slots, k_scale=k_scale, v_scale=v_scale)
+    paged_ref.check_write_kv(kv, k, v, page_ids, slots, values=_values(kv, check_values, opts))
+    from . import triton_write
+
+    triton_write.write_kv(kv, k, v, page_ids, slots)
 
 
 def write_int2_pages(
-    buffer: Tensor,
-    layout: PageLayout,
+    kv: PagedKV,
     k: Tensor,
     v: Tensor,
     page_ids: Tensor,
     *,
-    total_bytes: int,
     backend: str | None = None,
     check_values: bool | None = None,
+    options: KernelOptions | None = None,
 ) -> None:
-    """Write N whole INT2 pages ``k, v: [N, P, H, D]`` to ids carrying INT2_PAGE_FLAG."""
-    if _backend(buffer, backend, layout) == "reference":
-        paged_ref.write_int2_pages(buffer, layout, k, v, page_ids, total_bytes=total_bytes)
+    """Write N whole INT2 pages ``k, v: [N, P, H, D]`` of a triaxial KV to ids carrying INT2_PAGE_FLAG."""
+    opts = _options(options)
+    if _backend(kv, backend, opts) == "reference":
+        paged_ref.write_int2_pages(kv, k, v, page_ids)
         return
-    paged_ref.check_write_int2_pages(buffer, layout, k, v, page_ids, total_bytes=total_bytes, values=_values(buffer, check_values))
-    _triton().write_int2_pages(buffer, layout, k, v, page_ids, total_bytes=total_bytes)
+    paged_ref.check_write_int2_pages(kv, k, v, page_ids, values=_values(kv, check_values, opts))
+    from . import triton_write
+
+    triton_write.write_int2_pages(kv, k, v, page_ids)
 
 
 def decode_attention(
     q: Tensor,
-    buffer: Tensor,
-    layout: PageLayout,
+    kv: PagedKV,
     page_table: Tensor,
     seq_lens: Tensor,
     *,
     sm_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    int2_layout: PageLayout | None = None,
     num_int2_pages: Tensor | None = None,
-    total_bytes: int | None = None,
     backend: str | None = None,
     check_values: bool | None = None,
+    options: KernelOptions | None = None,
 ) -> Tensor:
-    """Decode attention of ``q: [B, Hq, D]`` over each sequence's pages -> [B, Hq, D] in q.dtype."""
-    kw = dict(sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, int2_layout=int2_layout, num_int2_pages=num_int2_pages, total_bytes=total_bytes)
-    if _backend(buffer, backend, layout) == "reference":
-        return paged_ref.decode_attention(q, buffer, layout, page_table, seq_lens, **kw)  # type: ignore[arg-type]
-    total = paged_ref.check_decode(
-        q, buffer, layout, page_table, seq_lens,
-        int2_layout=int2_layout, num_int2_pages=num_int2_pages, total_bytes=total_bytes,
-        values=_values(buffer, check_values),
-    )  # fmt: skip
-    kw["total_bytes"] = total
-    return _triton().decode_attention(q, buffer, layout, page_table, seq_lens, **kw)  # type: ignore[no-any-return]
+    """Decode attention of ``q: [B, Hq, D]`` over each sequence's pages -> [B, Hq, D] in q.dtype.
+
+    ``num_int2_pages`` (int32 [B]) is given exactly when ``kv.triaxial``: the INT2 pages leading each row.
+    """
+    opts = _options(options)
+    which = decode_kernel(q, kv, backend=backend, options=opts)
+    if which == "reference":
+        return paged_ref.decode_attention(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages)
+    paged_ref.check_decode(q, kv, page_table, seq_lens, num_int2_pages=num_int2_pages, values=_values(kv, check_values, opts))
+    if which == "gluon":
+        from . import gluon_decode
+
+        return gluon_decode.decode_attention(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages)
+    from . import triton_decode
+
+    fast = opts.fast_decoders(q.device)
+    return triton_decode.decode_attention(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages, fast=fast)
 
 
 def gather_kv(
-    buffer: Tensor,
-    layout: PageLayout,
+    kv: PagedKV,
     page_ids: Tensor,
     num_tokens: int,
     out_k: Tensor,
     out_v: Tensor,
     *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    int2_layout: PageLayout | None = None,
-    total_bytes: int | None = None,
     backend: str | None = None,
     check_values: bool | None = None,
+    options: KernelOptions | None = None,
 ) -> None:
     """Extend path: dequantize the first ``num_tokens`` tokens of ``page_ids`` into the workspace ``out_k/out_v``."""
-    kw = dict(k_scale=k_scale, v_scale=v_scale, int2_layout=int2_layout, total_bytes=total_bytes)
-    if _backend(buffer, backend, layout) == "reference":
-        paged_ref.gather_kv(buffer, layout, page_ids, num_tokens, out_k, out_v, **kw)  # type: ignore[arg-type]
+    opts = _options(options)
+    if _backend(kv, backend, opts) == "reference":
+        paged_ref.gather_kv(kv, page_ids, num_tokens, out_k, out_v)
         return
-    total = paged_ref.check_gather(
-        buffer, layout, page_ids, num_tokens, out_k, out_v,
-        int2_layout=int2_layout, total_bytes=total_bytes, values=_values(buffer, check_values),
-    )  # fmt: skip
-    kw["total_bytes"] = total
-    _triton().gather_kv(buffer, layout, page_ids, num_tokens, out_k, out_v, **kw)
+    paged_ref.check_gather(kv, page_ids, num_tokens, out_k, out_v, values=_values(kv, check_values, opts))
+    from . import triton_gather
+
+    triton_gather.gather_kv(kv, page_ids, num_tokens, out_k, out_v)

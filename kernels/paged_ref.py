@@ -1,14 +1,17 @@
 """Reference paged-KV ops in readable torch: quantize-on-write, extend gather and decode attention.
 
-These functions are the spec the Triton kernels (``triton_paged*.py``) are
-held to, and what the engine runs on CPU. They read and write exactly the page
-bytes of ``kernels.layout`` through ``PageLayout.views`` and quantize with the
+These functions are the spec the Triton kernels (``triton_write``,
+``triton_gather``, ``triton_decode``, ``gluon_decode``) are held to, and what
+the engine runs on CPU. They read and write exactly the page bytes of
+``kernels.layout`` through ``PageLayout.views`` and quantize with the
 reference codecs (``fp8``, ``nvfp4``, ``intquant``), so a page written here and
 a page written by a kernel are the same bytes.
 
-Addressing: one layer's KV is a flat uint8 ``buffer``. Page ``i`` of a plain
-layout starts at byte ``i * page_bytes``; an INT2 page id carries
-``INT2_PAGE_FLAG`` and counts down from ``total_bytes`` (layout.py draws it).
+Addressing: one layer's KV is a ``PagedKV`` (a flat uint8 buffer, its
+layouts and scales). Page ``i`` of a plain layout starts at byte
+``i * page_bytes``; an INT2 page id carries ``INT2_PAGE_FLAG`` and counts down
+from ``total_bytes``: ``page_ids.page_byte_offsets``, through
+``PagedKV.page_offsets`` (layout.py draws it).
 
 The ``check_*`` functions validate arguments for both backends (paged_ops.py
 calls them before dispatching). Shape and dtype checks are free; checks of
@@ -23,14 +26,14 @@ from torch import Tensor
 
 from .fp8 import dequantize_fp8, quantize_fp8
 from .intquant import dequantize_groups, dequantize_int2_keys, quantize_groups, quantize_int2_keys
-from .layout import INT2_PAGE_FLAG, PageLayout
 from .nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from .page_ids import INT2_PAGE_FLAG
+from .paged_kv import PagedKV
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-WRITE_FORMATS = ("bf16", "fp32", "fp8_e4m3", "nvfp4", "int4")
 
 # ----------------------------------------------------------------------------
-# argument checks (shared by both backends)
+# argument checks (shared by both backends; the PagedKV checked itself when built)
 # ----------------------------------------------------------------------------
 
 
@@ -39,111 +42,83 @@ def _need(ok: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def _check_buffer(buffer: Tensor, total_bytes: int | None) -> int:
-    _need(buffer.dtype == torch.uint8 and buffer.dim() == 1, f"buffer must be a flat uint8 tensor, got {buffer.dtype} {list(buffer.shape)}")
-    _need(buffer.is_contiguous(), "buffer must be contiguous")
-    total = buffer.numel() if total_bytes is None else int(total_bytes)
-    _need(0 < total <= buffer.numel(), f"total_bytes={total} must be in 1..{buffer.numel()} (the buffer's size)")
-    return total
-
-
 def _check_index(t: Tensor, name: str, shape: tuple[int, ...], device: torch.device) -> None:
     _need(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
     _need(tuple(t.shape) == shape, f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     _need(t.device == device, f"{name} is on {t.device}, the buffer on {device}")
 
 
-def _check_pair(layout: PageLayout, int2_layout: PageLayout | None) -> None:
-    _need(layout.fmt in WRITE_FORMATS, f"layout.fmt={layout.fmt!r}: pages are read through a {'/'.join(WRITE_FORMATS)} layout (int2 goes in int2_layout)")
-    if int2_layout is None:
-        return
-    _need(layout.fmt == "int4" and int2_layout.fmt == "int2", f"int2_layout needs layout.fmt='int4' and int2_layout.fmt='int2', got {layout.fmt!r}, {int2_layout.fmt!r}")
-    same = (layout.page_size, layout.kv_heads, layout.head_dim) == (int2_layout.page_size, int2_layout.kv_heads, int2_layout.head_dim)
-    _need(same, "int4 and int2 layouts must share page_size, kv_heads and head_dim")
+def _check_floats(kv: PagedKV, **tensors: Tensor) -> None:
+    for name, x in tensors.items():
+        _need(x.dtype in FLOAT_DTYPES, f"{name} must be float32/float16/bfloat16, got {x.dtype}")
+        _need(x.device == kv.buffer.device, f"{name} is on {x.device}, the buffer on {kv.buffer.device}")
 
 
-def check_page_ids(page_ids: Tensor, layout: PageLayout, *, int2_layout: PageLayout | None = None, total_bytes: int) -> None:
+def check_page_ids(page_ids: Tensor, kv: PagedKV) -> None:
     """Every id addresses a page that lies inside ``[0, total_bytes)`` (values; host sync on GPU)."""
     ids = page_ids.reshape(-1).long().cpu()
     _need(bool((ids >= 0).all()), "page ids must be >= 0")
     flagged = (ids & INT2_PAGE_FLAG) != 0
     index = ids & ~INT2_PAGE_FLAG
-    if int2_layout is None:
-        _need(not bool(flagged.any()), "page id carries INT2_PAGE_FLAG but no int2_layout was given")
+    if not kv.triaxial:
+        _need(not bool(flagged.any()), "page id carries INT2_PAGE_FLAG but the KV has no INT2 pages (not triaxial)")
     else:
-        n2 = total_bytes // int2_layout.page_bytes
-        _need(bool((index[flagged] < n2).all()), f"INT2 page index out of range (at most {n2} INT2 pages fit in {total_bytes} bytes)")
-    n = total_bytes // layout.page_bytes
-    _need(bool((index[~flagged] < n).all()), f"page id out of range (at most {n} {layout.fmt} pages fit in {total_bytes} bytes)")
+        n2 = kv.num_int2_pages
+        _need(bool((index[flagged] < n2).all()), f"INT2 page index out of range (at most {n2} INT2 pages fit in {kv.total_bytes} bytes)")
+    n = kv.num_pages
+    _need(bool((index[~flagged] < n).all()), f"page id out of range (at most {n} {kv.layout.fmt} pages fit in {kv.total_bytes} bytes)")
 
 
-def check_write_kv(buffer: Tensor, layout: PageLayout, k: Tensor, v: Tensor, page_ids: Tensor, slots: Tensor, *, values: bool) -> None:
-    _check_buffer(buffer, None)
-    _need(layout.fmt in WRITE_FORMATS, f"write_kv writes {WRITE_FORMATS} pages, got {layout.fmt!r} (INT2 pages: write_int2_pages)")
+def check_write_kv(kv: PagedKV, k: Tensor, v: Tensor, page_ids: Tensor, slots: Tensor, *, values: bool) -> None:
+    layout = kv.layout
     _need(k.dim() == 3, f"k must be [T, H, D], got {list(k.shape)}")
     t, h, d = k.shape
     _need((h, d) == (layout.kv_heads, layout.head_dim), f"k heads/dim {h}, {d} do not match the layout's {layout.kv_heads}, {layout.head_dim}")
     _need(v.shape == k.shape, f"v shape {list(v.shape)} != k shape {list(k.shape)}")
-    for name, x in (("k", k), ("v", v)):
-        _need(x.dtype in FLOAT_DTYPES, f"{name} must be float32/float16/bfloat16, got {x.dtype}")
-        _need(x.device == buffer.device, f"{name} is on {x.device}, the buffer on {buffer.device}")
-    _check_index(page_ids, "page_ids", (t,), buffer.device)
-    _check_index(slots, "slots", (t,), buffer.device)
+    _check_floats(kv, k=k, v=v)
+    _check_index(page_ids, "page_ids", (t,), kv.buffer.device)
+    _check_index(slots, "slots", (t,), kv.buffer.device)
     if values and t:
-        check_page_ids(page_ids, layout, total_bytes=buffer.numel())
+        ids = page_ids.long().cpu()
+        _need(not bool((ids & INT2_PAGE_FLAG).any()), "write_kv writes INT4 / plain pages: an id carries INT2_PAGE_FLAG (INT2 pages: write_int2_pages)")
+        check_page_ids(ids, kv)
         s = slots.long().cpu()
         _need(bool(((s >= 0) & (s < layout.page_size)).all()), f"slots must be in 0..{layout.page_size - 1}")
-        key = page_ids.long().cpu() * layout.page_size + s
+        key = ids * layout.page_size + s
         _need(key.unique().numel() == t, "two tokens write the same (page, slot)")
 
 
-def check_write_int2_pages(buffer: Tensor, layout: PageLayout, k: Tensor, v: Tensor, page_ids: Tensor, *, total_bytes: int, values: bool) -> None:
-    total = _check_buffer(buffer, total_bytes)
-    _need(layout.fmt == "int2", f"write_int2_pages needs an int2 layout, got {layout.fmt!r}")
+def check_write_int2_pages(kv: PagedKV, k: Tensor, v: Tensor, page_ids: Tensor, *, values: bool) -> None:
+    _need(kv.triaxial, f"write_int2_pages needs a triaxial KV (int4 + int2 layouts), got {kv.layout.fmt!r} pages only")
+    layout = kv.int2
     _need(k.dim() == 4, f"k must be [N, P, H, D], got {list(k.shape)}")
     n, p, h, d = k.shape
     shape = (layout.page_size, layout.kv_heads, layout.head_dim)
     _need((p, h, d) == shape, f"k pages [P, H, D] = {[p, h, d]} must be whole pages of the layout, {list(shape)}")
     _need(v.shape == k.shape, f"v shape {list(v.shape)} != k shape {list(k.shape)}")
-    for name, x in (("k", k), ("v", v)):
-        _need(x.dtype in FLOAT_DTYPES, f"{name} must be float32/float16/bfloat16, got {x.dtype}")
-        _need(x.device == buffer.device, f"{name} is on {x.device}, the buffer on {buffer.device}")
-    _check_index(page_ids, "page_ids", (n,), buffer.device)
+    _check_floats(kv, k=k, v=v)
+    _check_index(page_ids, "page_ids", (n,), kv.buffer.device)
     if values and n:
         ids = page_ids.long().cpu()
         _need(bool(((ids & INT2_PAGE_FLAG) != 0).all()), "write_int2_pages page ids must carry INT2_PAGE_FLAG")
         _need(ids.unique().numel() == n, "two pages of one write have the same id")
-        index = ids & ~INT2_PAGE_FLAG
-        _need(bool((index < total // layout.page_bytes).all()), "INT2 page index out of range")
+        check_page_ids(ids, kv)
 
 
-def check_decode(
-    q: Tensor,
-    buffer: Tensor,
-    layout: PageLayout,
-    page_table: Tensor,
-    seq_lens: Tensor,
-    *,
-    int2_layout: PageLayout | None,
-    num_int2_pages: Tensor | None,
-    total_bytes: int | None,
-    values: bool,
-) -> int:
-    """Validate decode arguments; return total_bytes."""
-    total = _check_buffer(buffer, total_bytes)
-    _check_pair(layout, int2_layout)
+def check_decode(q: Tensor, kv: PagedKV, page_table: Tensor, seq_lens: Tensor, *, num_int2_pages: Tensor | None, values: bool) -> None:
+    """Validate decode arguments."""
+    layout, dev = kv.layout, kv.buffer.device
     _need(q.dim() == 3, f"q must be [B, Hq, D], got {list(q.shape)}")
     b, hq, d = q.shape
-    _need(q.dtype in FLOAT_DTYPES, f"q must be float32/float16/bfloat16, got {q.dtype}")
-    _need(q.device == buffer.device, f"q is on {q.device}, the buffer on {buffer.device}")
+    _check_floats(kv, q=q)
     _need(d == layout.head_dim, f"q head_dim {d} != layout head_dim {layout.head_dim}")
     _need(hq % layout.kv_heads == 0, f"query heads {hq} must be a multiple of kv heads {layout.kv_heads}")
     _need(page_table.dim() == 2, f"page_table must be [B, max_pages], got {list(page_table.shape)}")
-    _check_index(page_table, "page_table", (b, page_table.shape[1]), buffer.device)
-    _check_index(seq_lens, "seq_lens", (b,), buffer.device)
-    _need((int2_layout is None) == (num_int2_pages is None), "int2_layout and num_int2_pages come together")
+    _check_index(page_table, "page_table", (b, page_table.shape[1]), dev)
+    _check_index(seq_lens, "seq_lens", (b,), dev)
+    _need(kv.triaxial == (num_int2_pages is not None), "num_int2_pages is given exactly when the KV is triaxial")
     if num_int2_pages is not None:
-        _check_index(num_int2_pages, "num_int2_pages", (b,), buffer.device)
+        _check_index(num_int2_pages, "num_int2_pages", (b,), dev)
     if values and b:
         p = layout.page_size
         lens = seq_lens.long().cpu()
@@ -153,57 +128,31 @@ def check_decode(
         cols = torch.arange(page_table.shape[1])
         mask = cols[None, :] < used[:, None]
         pt = page_table.long().cpu()
-        check_page_ids(pt[mask], layout, int2_layout=int2_layout, total_bytes=total)
+        check_page_ids(pt[mask], kv)
         if num_int2_pages is not None:
             n2 = num_int2_pages.long().cpu()
             _need(bool(((n2 >= 0) & (n2 * p <= lens)).all()), "num_int2_pages must be in 0..seq_len // page_size")
             flagged = (pt & INT2_PAGE_FLAG) != 0
             want = cols[None, :] < n2[:, None]
             _need(bool((flagged[mask] == want[mask]).all()), "each page_table row must list exactly its num_int2_pages INT2 pages first, then INT4 pages")
-    return total
 
 
-def check_gather(
-    buffer: Tensor,
-    layout: PageLayout,
-    page_ids: Tensor,
-    num_tokens: int,
-    out_k: Tensor,
-    out_v: Tensor,
-    *,
-    int2_layout: PageLayout | None,
-    total_bytes: int | None,
-    values: bool,
-) -> int:
-    total = _check_buffer(buffer, total_bytes)
-    _check_pair(layout, int2_layout)
+def check_gather(kv: PagedKV, page_ids: Tensor, num_tokens: int, out_k: Tensor, out_v: Tensor, *, values: bool) -> None:
+    layout = kv.layout
     _need(page_ids.dim() == 1, f"page_ids must be [N], got {list(page_ids.shape)}")
-    _check_index(page_ids, "page_ids", (page_ids.shape[0],), buffer.device)
+    _check_index(page_ids, "page_ids", (page_ids.shape[0],), kv.buffer.device)
     _need(0 <= num_tokens <= page_ids.shape[0] * layout.page_size, f"num_tokens={num_tokens} does not fit {page_ids.shape[0]} pages of {layout.page_size}")
+    _check_floats(kv, out_k=out_k, out_v=out_v)
     for name, x in (("out_k", out_k), ("out_v", out_v)):
-        _need(x.dtype in FLOAT_DTYPES, f"{name} must be float32/float16/bfloat16, got {x.dtype}")
         _need(x.dim() == 3 and x.shape[0] >= num_tokens and tuple(x.shape[1:]) == (layout.kv_heads, layout.head_dim), f"{name} must be [>= {num_tokens}, {layout.kv_heads}, {layout.head_dim}], got {list(x.shape)}")
-        _need(x.device == buffer.device, f"{name} is on {x.device}, the buffer on {buffer.device}")
     if values and num_tokens:
         used = (num_tokens + layout.page_size - 1) // layout.page_size
-        check_page_ids(page_ids[:used], layout, int2_layout=int2_layout, total_bytes=total)
-    return total
+        check_page_ids(page_ids[:used], kv)
 
 
 # ----------------------------------------------------------------------------
 # page addressing
 # ----------------------------------------------------------------------------
-
-
-def page_offsets(page_ids: Tensor, layout: PageLayout, *, int2_layout: PageLayout | None = None, total_bytes: int = 0) -> Tensor:
-    """Byte offset of each page (int64, same shape): plain ids count up, INT2 ids down from the top."""
-    ids = page_ids.long()
-    index = ids & ~INT2_PAGE_FLAG
-    offsets = index * layout.page_bytes
-    if int2_layout is not None:
-        top = total_bytes - (index + 1) * int2_layout.page_bytes
-        offsets = torch.where((ids & INT2_PAGE_FLAG) != 0, top, offsets)
-    return offsets
 
 
 def _byte_index(offsets: Tensor, page_bytes: int) -> Tensor:
@@ -229,43 +178,34 @@ def _dequant_pages(views: dict[str, Tensor], fmt: str, which: str, scale: float,
     raise ValueError(f"unknown page format {fmt!r}")
 
 
-def _dequant_tokens(
-    buffer: Tensor,
-    layout: PageLayout,
-    int2_layout: PageLayout | None,
-    total_bytes: int,
-    page_ids: Tensor,
-    num_tokens: int,
-    scales: tuple[float, float],
-    dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:
+def _dequant_tokens(kv: PagedKV, page_ids: Tensor, num_tokens: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """K and V of the first ``num_tokens`` tokens of ``page_ids`` (list order, then slot order): [num_tokens, H, D] each.
 
     Only written slots are decoded: the bytes past the last token of a partial
     page are whatever the pool held before (possibly the E4M3 NaN code).
     """
+    layout, buffer = kv.layout, kv.buffer
     p, h, d = layout.page_size, layout.kv_heads, layout.head_dim
     k = torch.empty(num_tokens, h, d, dtype=dtype, device=buffer.device)
     v = torch.empty_like(k)
     is_int2 = (page_ids.long() & INT2_PAGE_FLAG) != 0
-    for lay, sel in ((layout, ~is_int2), (int2_layout, is_int2)):
+    for lay, sel in ((layout, ~is_int2), (kv.int2_layout, is_int2)):
         if lay is None or not bool(sel.any()):
             continue
-        offsets = page_offsets(page_ids[sel], lay, int2_layout=int2_layout, total_bytes=total_bytes)
-        views = lay.views(buffer[_byte_index(offsets, lay.page_bytes)])  # fields [n, H, P, ...]
+        views = lay.views(buffer[_byte_index(kv.page_offsets(page_ids[sel]), lay.page_bytes)])  # fields [n, H, P, ...]
         # token t of the list is page t // P, slot t % P; rows of these pages in token order:
         token = (torch.nonzero(sel)[:, 0, None] * p + torch.arange(p, device=buffer.device)).reshape(-1)  # [n*P]
         valid = token < num_tokens
         if lay.fmt == "int2":
             # INT2 pages are always full: decode whole pages (keys share per-page channel scales)
-            kp = _dequant_pages(views, "int2", "k", scales[0], dtype).transpose(1, 2).reshape(-1, h, d)
-            vp = _dequant_pages(views, "int2", "v", scales[1], dtype).transpose(1, 2).reshape(-1, h, d)
+            kp = _dequant_pages(views, "int2", "k", kv.k_scale, dtype).transpose(1, 2).reshape(-1, h, d)
+            vp = _dequant_pages(views, "int2", "v", kv.v_scale, dtype).transpose(1, 2).reshape(-1, h, d)
             k[token[valid]], v[token[valid]] = kp[valid], vp[valid]
             continue
         # per-token fields: [n, H, P, ...] -> token-major [n*P, H, ...], keep written tokens only
         rows = {name: x.transpose(1, 2).reshape(-1, *x.shape[1:2], *x.shape[3:])[valid] for name, x in views.items()}
-        k[token[valid]] = _dequant_pages(rows, lay.fmt, "k", scales[0], dtype)
-        v[token[valid]] = _dequant_pages(rows, lay.fmt, "v", scales[1], dtype)
+        k[token[valid]] = _dequant_pages(rows, lay.fmt, "k", kv.k_scale, dtype)
+        v[token[valid]] = _dequant_pages(rows, lay.fmt, "v", kv.v_scale, dtype)
     return k, v
 
 
@@ -274,29 +214,20 @@ def _dequant_tokens(
 # ----------------------------------------------------------------------------
 
 
-def write_kv(
-    buffer: Tensor,
-    layout: PageLayout,
-    k: Tensor,
-    v: Tensor,
-    page_ids: Tensor,
-    slots: Tensor,
-    *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
-    """Quantize T new tokens ``k, v: [T, H, D]`` into ``(page_ids[t], slots[t])`` of a plain layout."""
-    check_write_kv(buffer, layout, k, v, page_ids, slots, values=True)
+def write_kv(kv: PagedKV, k: Tensor, v: Tensor, page_ids: Tensor, slots: Tensor) -> None:
+    """Quantize T new tokens ``k, v: [T, H, D]`` into ``(page_ids[t], slots[t])`` (plain or INT4 pages)."""
+    check_write_kv(kv, k, v, page_ids, slots, values=True)
     if k.shape[0] == 0:
         return
+    layout = kv.layout
     # read each touched page once, update it in place, write it back
     pages, local = torch.unique(page_ids.long(), return_inverse=True)
-    index = _byte_index(page_offsets(pages, layout), layout.page_bytes)
-    raw = buffer[index]  # [U, page_bytes] (a copy)
+    index = _byte_index(kv.page_offsets(pages), layout.page_bytes)
+    raw = kv.buffer[index]  # [U, page_bytes] (a copy)
     views = layout.views(raw)
     s = slots.long()
     fields: dict[str, Tensor] = {}
-    for which, x, scale in (("k", k, k_scale), ("v", v, v_scale)):
+    for which, x, scale in (("k", k, kv.k_scale), ("v", v, kv.v_scale)):
         if layout.fmt in ("bf16", "fp32"):
             fields[which] = x.to(views[which].dtype)
         elif layout.fmt == "fp8_e4m3":
@@ -308,79 +239,46 @@ def write_kv(
     for name, value in fields.items():
         # views[name]: [U, H, P, ...]; token t goes to page local[t], slot s[t]
         views[name][local, :, s] = value
-    buffer[index] = raw
+    kv.buffer[index] = raw
 
 
-def write_int2_pages(
-    buffer: Tensor,
-    layout: PageLayout,
-    k: Tensor,
-    v: Tensor,
-    page_ids: Tensor,
-    *,
-    total_bytes: int,
-) -> None:
+def write_int2_pages(kv: PagedKV, k: Tensor, v: Tensor, page_ids: Tensor) -> None:
     """Write N whole INT2 pages (``k, v: [N, P, H, D]``): keys per channel over the page, values per token groups."""
-    check_write_int2_pages(buffer, layout, k, v, page_ids, total_bytes=total_bytes, values=True)
+    check_write_int2_pages(kv, k, v, page_ids, values=True)
     if k.shape[0] == 0:
         return
+    layout = kv.int2
     kh = k.permute(0, 2, 1, 3)  # [N, H, P, D]
     vh = v.permute(0, 2, 1, 3)
-    raw = torch.zeros(k.shape[0], layout.page_bytes, dtype=torch.uint8, device=buffer.device)
+    raw = torch.zeros(k.shape[0], layout.page_bytes, dtype=torch.uint8, device=kv.buffer.device)
     views = layout.views(raw)
     views["k"][:], views["k_scale"][:], views["k_zero"][:] = quantize_int2_keys(kh)
     views["v"][:], views["v_scale"][:], views["v_zero"][:] = quantize_groups(vh, 2)
-    offsets = page_offsets(page_ids, layout, int2_layout=layout, total_bytes=total_bytes)
-    buffer[_byte_index(offsets, layout.page_bytes)] = raw
+    kv.buffer[_byte_index(kv.page_offsets(page_ids), layout.page_bytes)] = raw
 
 
-def gather_kv(
-    buffer: Tensor,
-    layout: PageLayout,
-    page_ids: Tensor,
-    num_tokens: int,
-    out_k: Tensor,
-    out_v: Tensor,
-    *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    int2_layout: PageLayout | None = None,
-    total_bytes: int | None = None,
-) -> None:
+def gather_kv(kv: PagedKV, page_ids: Tensor, num_tokens: int, out_k: Tensor, out_v: Tensor) -> None:
     """Extend path: dequantize the first ``num_tokens`` tokens of ``page_ids`` into ``out_k/out_v[:num_tokens]``."""
-    total = check_gather(buffer, layout, page_ids, num_tokens, out_k, out_v, int2_layout=int2_layout, total_bytes=total_bytes, values=True)
+    check_gather(kv, page_ids, num_tokens, out_k, out_v, values=True)
     if num_tokens == 0:
         return
-    used = (num_tokens + layout.page_size - 1) // layout.page_size
-    k, v = _dequant_tokens(buffer, layout, int2_layout, total, page_ids[:used], num_tokens, (k_scale, v_scale), out_k.dtype)
+    used = (num_tokens + kv.layout.page_size - 1) // kv.layout.page_size
+    k, v = _dequant_tokens(kv, page_ids[:used], num_tokens, out_k.dtype)
     out_k[:num_tokens] = k
     out_v[:num_tokens] = v
 
 
 def decode_attention(
-    q: Tensor,
-    buffer: Tensor,
-    layout: PageLayout,
-    page_table: Tensor,
-    seq_lens: Tensor,
-    *,
-    sm_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    int2_layout: PageLayout | None = None,
-    num_int2_pages: Tensor | None = None,
-    total_bytes: int | None = None,
+    q: Tensor, kv: PagedKV, page_table: Tensor, seq_lens: Tensor, *, sm_scale: float, num_int2_pages: Tensor | None = None
 ) -> Tensor:
     """One query token per sequence over its cached tokens; GQA; fp32 softmax. -> [B, Hq, D] in q.dtype.
 
+    ``num_int2_pages`` (int32 [B], triaxial only): INT2 pages leading each page-table row.
     A sequence with seq_len 0 (batch padding) gets zeros.
     """
-    total = check_decode(
-        q, buffer, layout, page_table, seq_lens,
-        int2_layout=int2_layout, num_int2_pages=num_int2_pages, total_bytes=total_bytes, values=True,
-    )  # fmt: skip
+    check_decode(q, kv, page_table, seq_lens, num_int2_pages=num_int2_pages, values=True)
     b, hq, d = q.shape
-    h, p = layout.kv_heads, layout.page_size
+    h, p = kv.layout.kv_heads, kv.layout.page_size
     out = torch.zeros(b, hq, d, dtype=q.dtype, device=q.device)
     for i in range(b):
         n = int(seq_lens[i])
@@ -388,7 +286,7 @@ def decode_attention(
             continue
         ids = page_table[i, : (n + p - 1) // p]
         # k, v: [n, H, D] fp32 (token order does not matter: RoPE was applied before caching)
-        k, v = _dequant_tokens(buffer, layout, int2_layout, total, ids, n, (k_scale, v_scale), torch.float32)
+        k, v = _dequant_tokens(kv, ids, n, torch.float32)
         qi = q[i].float().view(h, hq // h, d)  # [H, G, D]: the G query heads of each kv head
         scores = torch.einsum("hgd,nhd->hgn", qi, k) * sm_scale
         probs = torch.softmax(scores, dim=-1)

@@ -5,7 +5,8 @@ that kv head at once (padded to 16 rows for ``tl.dot``), over a run of pages.
 Each iteration loads PPI pages of K and V for the head (each page's [P, ...]
 rows are contiguous, so loads are 16-byte vectors), dequantizes them in
 registers to fp16 (bf16 pages stay bf16) and runs an online softmax in base 2.
-A second small kernel merges the splits by log-sum-exp.
+A second small kernel merges the splits by log-sum-exp (triton_common.py,
+shared with the Gluon decode, as are the split planner and launch preamble).
 
 Head dim is handled as four quarters of D/4 channels, each a separate
 ``tl.dot``, so packed formats never interleave nibbles in registers: a
@@ -31,25 +32,30 @@ bench/NOTES-kernels.md.
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from .layout import INT2_PAGE_FLAG, PageLayout
+from .page_ids import INT2_PAGE_FLAG
+from .paged_kv import PagedKV
 from .triton_codec import crumb_codes, crumbs_int2, e4m3_to_f16, meta_index, nibbles_e2m1, nibbles_int4
+from .triton_common import (
+    FMT_BF16,
+    FMT_CODES,
+    FMT_FP8,
+    FMT_INT2,
+    FMT_INT4,
+    FMT_NVFP4,
+    LOG2E,
+    field_offsets,
+    folded_scales,
+    merge_splits,
+    prepare_splits,
+)
 
-FMT_BF16: tl.constexpr = tl.constexpr(0)
-FMT_FP8: tl.constexpr = tl.constexpr(1)
-FMT_NVFP4: tl.constexpr = tl.constexpr(2)
-FMT_INT4: tl.constexpr = tl.constexpr(3)
-FMT_INT2: tl.constexpr = tl.constexpr(4)
-FMT_CODES = {"bf16": 0, "fp8_e4m3": 1, "nvfp4": 2, "int4": 3, "int2": 4}
 FLAG: tl.constexpr = tl.constexpr(INT2_PAGE_FLAG)
-LOG2E = 1.4426950408889634
-# nvfp4 tiles decode to value * 2^-7 (triton_codec.nibbles_e2m1): folded back here
-NVFP4_FOLD = 128.0
 
 
 @triton.jit
@@ -368,35 +374,6 @@ def _decode_kernel(
                        BLOCK_H, PPI, NUM_STAGES, FAST, PROBE)
 
 
-@triton.jit
-def _merge_kernel(
-    o_ptr,  # fp32 [R, S, D] per-split outputs (R = B * Hq rows)
-    lse_ptr,  # fp32 [R, S] per-split base-2 log-sum-exp
-    out_ptr,  # [R, D] result, q's dtype
-    v_mul,  # fp32 the V format's folded scale
-    S,  # splits
-    BLOCK_S: tl.constexpr,  # splits per step
-    D: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    top = float("-inf")
-    for s0 in range(0, S, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        top = tl.maximum(top, tl.max(tl.load(lse_ptr + row * S + s, mask=s < S, other=float("-inf")), axis=0))
-    d = tl.arange(0, D)
-    acc = tl.zeros((D,), tl.float32)
-    total = 0.0
-    for s0 in range(0, S, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        lse = tl.load(lse_ptr + row * S + s, mask=s < S, other=float("-inf"))
-        w = tl.where(lse > float("-inf"), tl.math.exp2(lse - top), 0.0)  # all -inf (empty sequence): zeros
-        total += tl.sum(w, axis=0)
-        o = tl.load(o_ptr + (row * S + s[:, None]) * D + d[None, :], mask=(s < S)[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * o, axis=0)
-    out = acc * (v_mul / tl.where(total > 0, total, 1.0))
-    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
-
-
 # Per format: pages per loop iteration, warps, pipeline stages, and programs per SM the split
 # planner aims for (enough waves that the last one's tail is small). Chosen on an H100 with
 # bench/decode_gpu.py --sweep; see bench/NOTES-kernels.md.
@@ -404,126 +381,72 @@ TUNING: dict[str, dict[str, int]] = {
     "bf16": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
     "fp8_e4m3": {"PPI": 8, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
     "nvfp4": {"PPI": 8, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16, "maxnreg": 128},
-    "int4": {"PPI": 4, "PPI2": 2, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16, "maxnreg": 128},  # triaxial
+    # int4 pages, alone or (triaxial) with INT2 pages: PPI2 INT2 pages per iteration
+    "int4": {"PPI": 4, "PPI2": 2, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16, "maxnreg": 128},
 }
-MAX_SPLITS = 256
-
-
-def use_fast(device: torch.device) -> bool:
-    """Inline-assembly decoders on a real GPU; portable arithmetic in the interpreter. KVSERVING_TRITON_FAST=0/1 forces."""
-    import os
-
-    forced = os.environ.get("KVSERVING_TRITON_FAST")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
-def field_offsets(layout: PageLayout | None) -> tuple[int, int, int, int, int, int, int]:
-    """(page_bytes, k, k_scale, k_zero, v, v_scale, v_zero) byte offsets; 0 for fields a format lacks."""
-    if layout is None:
-        return (16, 0, 0, 0, 0, 0, 0)
-    at = {f.name: f.offset for f in layout.fields}
-    get = at.get
-    return (layout.page_bytes, get("k", 0), get("k_scale", 0), get("k_zero", 0), get("v", 0), get("v_scale", 0), get("v_zero", 0))
-
-
-def plan_splits(batch_heads: int, max_pages: int, ppi: int, device: torch.device, *, triaxial: bool,
-                programs_per_sm: int = 16, min_pages: int = 1) -> tuple[int, int]:  # fmt: skip
-    """(splits, pages per split) from the page-table width: about programs_per_sm programs per SM, but no split
-    shorter than min_pages (a program's fixed cost, and the merge's per split, must stay small)."""
-    want = max(1, math.ceil(programs_per_sm * _sm_count(device) / max(batch_heads, 1)))
-    splits = max(1, min(want, MAX_SPLITS, math.ceil(max_pages / ppi), math.ceil(max_pages / min_pages)))
-    pps = math.ceil(math.ceil(max(max_pages, 1) / splits) / ppi) * ppi
-    splits = math.ceil(max(max_pages, 1) / pps) + (1 if triaxial else 0)
-    return splits, pps
-
-
-# the last compiled decode kernel, for the benchmark's resource report (registers, spills, shared memory)
-LAST_KERNEL: list[object] = []
 
 
 def decode_attention(
     q: torch.Tensor,
-    buffer: torch.Tensor,
-    layout: PageLayout,
+    kv: PagedKV,
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
     sm_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    int2_layout: PageLayout | None = None,
     num_int2_pages: torch.Tensor | None = None,
-    total_bytes: int | None = None,
+    fast: bool,
     tuning: dict[str, int] | None = None,
     splits: tuple[int, int] | None = None,
-    kernel: str | None = None,
 ) -> torch.Tensor:
-    """Launch decode attention (arguments checked by paged_ops); -> [B, Hq, D] in q.dtype.
+    """Launch the tl decode (arguments checked by paged_ops) -> [B, Hq, D] in q.dtype.
 
-    kernel: "gluon" (nvfp4 / triaxial pages on a GPU, gluon_decode.py), "tl" (this file's kernel) or None:
-    $KVSERVING_DECODE_KERNEL if set, else gluon where ``gluon_decode.supported`` holds.
-    """
-    import os
+    fast: inline-assembly decoders (KernelOptions.fast_decoders); tuning overrides TUNING[fmt]; splits
+    (splits, pages per split) overrides the planner."""
+    out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages, fast=fast,
+                           tuning=tuning, splits=splits)  # fmt: skip
+    return out
 
-    choice = kernel or os.environ.get("KVSERVING_DECODE_KERNEL") or "auto"
-    if choice not in ("auto", "gluon", "tl"):
-        raise ValueError(f"kernel={choice!r}; expected 'gluon', 'tl' or None")
-    if choice != "tl" and layout.fmt in ("nvfp4", "int4"):
-        from . import gluon_decode
 
-        if gluon_decode.supported(layout, q, int2_layout):
-            return gluon_decode.decode_attention(
-                q, buffer, layout, page_table, seq_lens, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-                int2_layout=int2_layout, num_int2_pages=num_int2_pages, total_bytes=total_bytes, tuning=tuning,
-                splits=splits,
-            )  # fmt: skip
-        if choice == "gluon":
-            raise ValueError("the Gluon decode kernel does not support this call (see gluon_decode.supported)")
-    b, hq, d = q.shape
-    h = layout.kv_heads
-    g = hq // h
-    total = buffer.numel() if total_bytes is None else total_bytes
+def launch_decode(
+    q: torch.Tensor,
+    kv: PagedKV,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float,
+    num_int2_pages: torch.Tensor | None,
+    fast: bool,
+    tuning: dict[str, int] | None = None,
+    splits: tuple[int, int] | None = None,
+    probe: int = 0,
+) -> tuple[torch.Tensor, Any]:
+    """``decode_attention`` that also returns the last compiled decode kernel (registers, spills: the benchmark).
+
+    probe (benchmark only, wrong values): 1 skips the nibble unpacking; 2 / 4 run only the INT2 / INT4
+    splits of triaxial rows."""
+    layout = kv.layout
+    if layout.fmt not in TUNING:
+        raise ValueError(f"no Triton decode for {layout.fmt!r} pages (fp32 pages run on the reference path)")
     cfg = {**TUNING[layout.fmt], **(tuning or {})}
-    triaxial = int2_layout is not None
-    if splits is None:
-        splits = plan_splits(b * h, page_table.shape[1], cfg["PPI"], q.device, triaxial=triaxial, programs_per_sm=cfg["PPSM"])
-    s, pps = splits
-    q = q.contiguous()
-    page_table = page_table.contiguous()
-    o = torch.empty(b, hq, s, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
-    fmt = layout.fmt
-    if fmt not in ("bf16", "fp8_e4m3", "nvfp4", "int4"):
-        raise ValueError(f"no Triton decode for {fmt!r} pages (fp32 pages run on the reference path)")
-    k_fold = {"bf16": 1.0, "fp8_e4m3": k_scale, "nvfp4": k_scale * NVFP4_FOLD, "int4": 1.0}[fmt]
-    v_fold = {"bf16": 1.0, "fp8_e4m3": v_scale, "nvfp4": v_scale * NVFP4_FOLD, "int4": 1.0}[fmt]
-    n2 = num_int2_pages if num_int2_pages is not None else seq_lens
-    lay, lay2 = field_offsets(layout), field_offsets(int2_layout)
-    parts = (2, 4) if triaxial else (0,)
-    if cfg.get("PROBE", 0) in (2, 4) and triaxial:
-        parts = (cfg["PROBE"],)  # benchmark-only: time one precision's launch
-    extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
     cfg.setdefault("PPI2", cfg["PPI"])  # INT2 pages per iteration (triaxial)
+    run = prepare_splits(q, kv, page_table, seq_lens, num_int2_pages, pages_per_iter=cfg["PPI"],
+                         programs_per_sm=cfg["PPSM"], splits=splits)  # fmt: skip
+    k_fold, v_fold = folded_scales(kv)
+    lay, lay2 = field_offsets(layout), field_offsets(kv.int2_layout)
+    parts = (2, 4) if kv.triaxial else (0,)
+    if probe in (2, 4) and kv.triaxial:
+        parts = (probe,)
+    extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+    kernel = None
     for part in parts:
-        kernel = _decode_kernel[(s, h, b)](
-            q, o, lse, buffer, page_table, seq_lens, n2,
-            sm_scale * LOG2E * k_fold, total, page_table.stride(0), s, pps,
-            FMT=FMT_CODES[fmt], PART=part, H=h, G=g, D=d, P=layout.page_size,
+        kernel = _decode_kernel[run.grid](
+            run.q, run.o, run.lse, kv.buffer, run.page_table, seq_lens, run.n2,
+            sm_scale * LOG2E * k_fold, kv.total_bytes, run.page_table.stride(0), run.splits, run.pages_per_split,
+            FMT=FMT_CODES[layout.fmt], PART=part, H=run.kv_heads, G=run.group, D=layout.head_dim, P=layout.page_size,
             PAGE_BYTES=lay[0], K_OFF=lay[1], KS_OFF=lay[2], KZ_OFF=lay[3], V_OFF=lay[4], VS_OFF=lay[5], VZ_OFF=lay[6],
             PAGE_BYTES2=lay2[0], K_OFF2=lay2[1], KS_OFF2=lay2[2], KZ_OFF2=lay2[3], V_OFF2=lay2[4], VS_OFF2=lay2[5],
-            VZ_OFF2=lay2[6], BLOCK_H=max(16, triton.next_power_of_2(g)), PPI=cfg["PPI2"] if part == 2 else cfg["PPI"],
-            NUM_STAGES=cfg["NUM_STAGES"],
-            FAST=use_fast(q.device), PROBE=cfg.get("PROBE", 0) & 1, num_warps=cfg["num_warps"], **extra,
+            VZ_OFF2=lay2[6], BLOCK_H=max(16, triton.next_power_of_2(run.group)),
+            PPI=cfg["PPI2"] if part == 2 else cfg["PPI"], NUM_STAGES=cfg["NUM_STAGES"],
+            FAST=fast, PROBE=probe & 1, num_warps=cfg["num_warps"], **extra,
         )  # fmt: skip
-    LAST_KERNEL[:] = [kernel]
-    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    _merge_kernel[(b * hq,)](o, lse, out, v_fold, s, BLOCK_S=16, D=d, num_warps=4)
-    return out
+    return merge_splits(run, v_mul=v_fold), kernel

@@ -14,9 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import INT2_PAGE_FLAG, PageLayout
+from .page_ids import INT2_PAGE_FLAG
+from .paged_kv import PagedKV
 from .triton_codec import e4m3_value, meta_index, to_bf16
-from .triton_decode import FMT_BF16, FMT_CODES, FMT_FP8, FMT_INT4, FMT_NVFP4, field_offsets
+from .triton_common import FMT_BF16, FMT_CODES, FMT_FP8, FMT_INT4, FMT_NVFP4, field_offsets
 
 FLAG: tl.constexpr = tl.constexpr(INT2_PAGE_FLAG)
 
@@ -140,19 +141,14 @@ def _gather_kernel(
 
 
 def gather_kv(
-    buffer: torch.Tensor,
-    layout: PageLayout,
+    kv: PagedKV,
     page_ids: torch.Tensor,
     num_tokens: int,
     out_k: torch.Tensor,
     out_v: torch.Tensor,
-    *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    int2_layout: PageLayout | None = None,
-    total_bytes: int | None = None,
 ) -> None:
     """Launch the extend dequantize (arguments checked by paged_ops)."""
+    layout = kv.layout
     if layout.fmt not in ("bf16", "fp8_e4m3", "nvfp4", "int4"):
         raise ValueError(f"no Triton gather for {layout.fmt!r} pages (fp32 pages run on the reference path)")
     if num_tokens == 0:
@@ -162,13 +158,13 @@ def gather_kv(
     p = layout.page_size
     used = triton.cdiv(num_tokens, p)
     pb, ko, kso, kzo, vo, vso, vzo = field_offsets(layout)
-    pb2, ko2, kso2, kzo2, vo2, vso2, vzo2 = field_offsets(int2_layout)
+    pb2, ko2, kso2, kzo2, vo2, vso2, vzo2 = field_offsets(kv.int2_layout)
     _gather_kernel[(used, layout.kv_heads)](
-        buffer, page_ids, out_k, out_v, out_k.stride(0), out_k.stride(1), num_tokens, float(k_scale), float(v_scale),
-        buffer.numel() if total_bytes is None else total_bytes,
+        kv.buffer, page_ids, out_k, out_v, out_k.stride(0), out_k.stride(1), num_tokens,
+        float(kv.k_scale), float(kv.v_scale), kv.total_bytes,
         FMT=FMT_CODES[layout.fmt], H=layout.kv_heads, D=layout.head_dim, P=p,
         PAGE_BYTES=pb, K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, V_OFF=vo, VS_OFF=vso, VZ_OFF=vzo,
-        TRIAXIAL=int2_layout is not None,
+        TRIAXIAL=kv.triaxial,
         PAGE_BYTES2=pb2, K_OFF2=ko2, KS_OFF2=kso2, KZ_OFF2=kzo2, V_OFF2=vo2, VS_OFF2=vso2, VZ_OFF2=vzo2,
         num_warps=4,
     )  # fmt: skip

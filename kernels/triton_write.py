@@ -35,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import INT2_PAGE_FLAG, PageLayout
+from .page_ids import INT2_PAGE_FLAG
+from .paged_kv import PagedKV
 from .triton_codec import e2m1_codes, e4m3_bits, e4m3_value, int_codes, int_stats, meta_index, to_bf16
-from .triton_decode import FMT_BF16, FMT_CODES, FMT_INT4, FMT_NVFP4, field_offsets
+from .triton_common import FMT_BF16, FMT_CODES, FMT_INT4, FMT_NVFP4, field_offsets
 
 FLAG: tl.constexpr = tl.constexpr(INT2_PAGE_FLAG)
 
@@ -337,18 +338,16 @@ def _tokens_per_program(d: int, cfg: dict[str, int]) -> int:
 
 
 def write_kv(
-    buffer: torch.Tensor,
-    layout: PageLayout,
+    kv: PagedKV,
     k: torch.Tensor,
     v: torch.Tensor,
     page_ids: torch.Tensor,
     slots: torch.Tensor,
     *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
     tuning: dict[str, int] | None = None,
 ) -> None:
     """Launch quantize-on-write (arguments checked by paged_ops); ``tuning`` overrides WRITE_TUNING[fmt]."""
+    layout = kv.layout
     if layout.fmt not in WRITE_TUNING:
         raise ValueError(f"no Triton write for {layout.fmt!r} pages (fp32 pages run on the reference path)")
     t, h, d = k.shape
@@ -360,7 +359,7 @@ def write_kv(
     bt = _tokens_per_program(d, cfg)
     pb, ko, kso, kzo, vo, vso, vzo = field_offsets(layout)
     _write_kv_kernel[(triton.cdiv(t, bt), h)](
-        k.contiguous(), v.contiguous(), buffer, page_ids, slots, t, float(k_scale), float(v_scale),
+        k.contiguous(), v.contiguous(), kv.buffer, page_ids, slots, t, float(kv.k_scale), float(kv.v_scale),
         FMT=FMT_CODES[layout.fmt], H=h, D=d, P=layout.page_size,
         PAGE_BYTES=pb, K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, V_OFF=vo, VS_OFF=vso, VZ_OFF=vzo,
         BT=bt, GROUPS=cfg["groups"], num_warps=cfg["num_warps"],
@@ -375,43 +374,39 @@ def _int2_heads(h: int, want: int) -> int:
 
 
 def write_int2_pages(
-    buffer: torch.Tensor,
-    layout: PageLayout,
+    kv: PagedKV,
     k: torch.Tensor,
     v: torch.Tensor,
     page_ids: torch.Tensor,
     *,
-    total_bytes: int,
     tuning: dict[str, int] | None = None,
 ) -> None:
     """Launch the INT2 whole-page writers, keys then values (arguments checked by paged_ops); ``tuning`` overrides INT2_TUNING."""
     if k.shape[0] == 0:
         return
     cfg = {**INT2_TUNING, **(tuning or {})}
-    launch_int2_keys(buffer, layout, k, page_ids, total_bytes=total_bytes, heads=cfg["heads"], num_warps=cfg["key_warps"])
-    launch_int2_values(buffer, layout, v, page_ids, total_bytes=total_bytes, num_warps=cfg["value_warps"])
+    launch_int2_keys(kv, k, page_ids, heads=cfg["heads"], num_warps=cfg["key_warps"])
+    launch_int2_values(kv, v, page_ids, num_warps=cfg["value_warps"])
 
 
-def launch_int2_keys(buffer: torch.Tensor, layout: PageLayout, k: torch.Tensor, page_ids: torch.Tensor, *,
-                     total_bytes: int, heads: int, num_warps: int) -> None:  # fmt: skip
+def launch_int2_keys(kv: PagedKV, k: torch.Tensor, page_ids: torch.Tensor, *, heads: int, num_warps: int) -> None:
     """The keys half of write_int2_pages (the benchmark times the halves apart)."""
     n, p, h, d = k.shape
     hb = _int2_heads(h, heads)
-    pb, ko, kso, kzo, _, _, _ = field_offsets(layout)
+    pb, ko, kso, kzo, _, _, _ = field_offsets(kv.int2)
     _write_int2_keys_kernel[(n, h // hb)](
-        k.contiguous(), buffer, page_ids, total_bytes,
+        k.contiguous(), kv.buffer, page_ids, kv.total_bytes,
         H=h, D=d, P=p, PAGE_BYTES=pb, K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, HB=hb, num_warps=num_warps,
     )  # fmt: skip
 
 
-def launch_int2_values(buffer: torch.Tensor, layout: PageLayout, v: torch.Tensor, page_ids: torch.Tensor, *,
-                       total_bytes: int, num_warps: int) -> None:  # fmt: skip
+def launch_int2_values(kv: PagedKV, v: torch.Tensor, page_ids: torch.Tensor, *, num_warps: int) -> None:
     """The values half of write_int2_pages."""
     n, p, h, d = v.shape
-    pb, _, _, _, vo, vso, vzo = field_offsets(layout)
+    pb, _, _, _, vo, vso, vzo = field_offsets(kv.int2)
     groups = n * p * h * (d // 32)
     r = 32 * num_warps
     _write_int2_values_kernel[(triton.cdiv(groups, r),)](
-        v.contiguous(), buffer, page_ids, total_bytes, groups,
+        v.contiguous(), kv.buffer, page_ids, kv.total_bytes, groups,
         H=h, D=d, P=p, PAGE_BYTES=pb, V_OFF=vo, VS_OFF=vso, VZ_OFF=vzo, R=r, num_warps=num_warps,
     )  # fmt: skip

@@ -2,7 +2,10 @@
 plus per-layer global scales; reads and writes go through the paged ops.
 
 Sizes come from a byte budget. For triaxial, each layer's buffer holds INT4
-pages from the bottom and INT2 pages from the top (kernels.layout).
+pages from the bottom and INT2 pages from the top (kernels.layout). Each
+layer is handed to the ops as one ``PagedKV`` (buffer, layouts, scales), built
+once and rebuilt only when the scales change; the kernel options
+(environment overrides) are read once, when the storage is built.
 """
 
 from __future__ import annotations
@@ -13,9 +16,16 @@ import torch
 
 from kvserving.kernels import paged_ops
 from kvserving.kernels.layout import ALIGN, PageLayout
+from kvserving.kernels.options import KernelOptions
+from kvserving.kernels.paged_kv import PagedKV
 
-# kv dtype -> page format of its (first) layout
-_PAGE_FORMAT = {"bf16": "bf16", "fp8_e4m3": "fp8_e4m3", "nvfp4": "nvfp4", "triaxial": "int4"}
+# kv dtype -> page formats of its layout and of its INT2 layout (triaxial only)
+_PAGE_FORMATS: dict[str, tuple[str, str | None]] = {
+    "bf16": ("bf16", None),
+    "fp8_e4m3": ("fp8_e4m3", None),
+    "nvfp4": ("nvfp4", None),
+    "triaxial": ("int4", "int2"),
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,10 +47,11 @@ class KVStorage:
         budget_bytes: int,
         device: torch.device | str = "cpu",
         model_dtype: torch.dtype = torch.bfloat16,
+        options: KernelOptions | None = None,
     ) -> None:
-        if kv_dtype not in _PAGE_FORMAT:
-            raise ValueError(f"unknown kv dtype {kv_dtype!r}; expected one of {sorted(_PAGE_FORMAT)}")
-        fmt = _PAGE_FORMAT[kv_dtype]
+        if kv_dtype not in _PAGE_FORMATS:
+            raise ValueError(f"unknown kv dtype {kv_dtype!r}; expected one of {sorted(_PAGE_FORMATS)}")
+        fmt, int2_fmt = _PAGE_FORMATS[kv_dtype]
         if fmt == "bf16" and model_dtype == torch.float32:
             # Unquantized KV is stored in the model's dtype: bf16 in serving,
             # fp32 where the model runs in fp32 (CPU tests against transformers).
@@ -51,9 +62,9 @@ class KVStorage:
         self.device = torch.device(device)
         dims = dict(page_size=page_size, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
         self.layout = PageLayout.build(fmt, **dims)
-        self.int2_layout = PageLayout.build("int2", **dims) if kv_dtype == "triaxial" else None
+        self.int2_layout = PageLayout.build(int2_fmt, **dims) if int2_fmt else None
         per_layer = budget_bytes // shape.num_layers
-        if kv_dtype == "triaxial":
+        if self.int2_layout is not None:  # INT4 and INT2 pages share the bytes: no whole-page rounding
             self.total_bytes = per_layer // ALIGN * ALIGN
             self.num_pages = self.total_bytes // self.layout.page_bytes  # in INT4 pages
         else:
@@ -65,30 +76,63 @@ class KVStorage:
                 f"({self.layout.page_bytes} bytes per page per layer x {shape.num_layers} layers)"
             )
         self.buffers = torch.zeros(shape.num_layers, self.total_bytes, dtype=torch.uint8, device=self.device)
-        # Per-layer global scales (fp8: tensor scale; nvfp4: FP32 global scale g).
-        self.k_scales = [1.0] * shape.num_layers
-        self.v_scales = [1.0] * shape.num_layers
+        self.options = KernelOptions.from_env() if options is None else options
+        # Per-layer global scales (fp8: tensor scale; nvfp4: FP32 global scale g), set through the properties.
+        self._k_scales = [1.0] * shape.num_layers
+        self._v_scales = [1.0] * shape.num_layers
+        self._layers = self._build_layers()
+
+    def _build_layers(self) -> list[PagedKV]:
+        return [
+            PagedKV(self.buffers[i], self.layout, self._k_scales[i], self._v_scales[i], self.int2_layout, self.total_bytes)
+            for i in range(self.shape.num_layers)
+        ]
+
+    @property
+    def k_scales(self) -> list[float]:
+        """Global K scale per layer (a copy: assign a new list to change them)."""
+        return list(self._k_scales)
+
+    @k_scales.setter
+    def k_scales(self, scales: list[float]) -> None:
+        self._k_scales = self._checked_scales(scales, "k_scales")
+        self._layers = self._build_layers()
+
+    @property
+    def v_scales(self) -> list[float]:
+        """Global V scale per layer (a copy: assign a new list to change them)."""
+        return list(self._v_scales)
+
+    @v_scales.setter
+    def v_scales(self, scales: list[float]) -> None:
+        self._v_scales = self._checked_scales(scales, "v_scales")
+        self._layers = self._build_layers()
+
+    def _checked_scales(self, scales: list[float], name: str) -> list[float]:
+        if len(scales) != self.shape.num_layers:
+            raise ValueError(f"{name} needs one scale per layer ({self.shape.num_layers}), got {len(scales)}")
+        return [float(s) for s in scales]
+
+    @property
+    def triaxial(self) -> bool:
+        """INT4 and INT2 pages in each layer's buffer."""
+        return self.int2_layout is not None
 
     @property
     def bytes_per_token(self) -> float:
         return self.layout.page_bytes * self.shape.num_layers / self.page_size
 
-    def _extra(self) -> dict:
-        if self.int2_layout is None:
-            return {}
-        return {"int2_layout": self.int2_layout, "total_bytes": self.total_bytes}
+    def layer(self, layer: int) -> PagedKV:
+        """Layer ``layer``'s KV as the paged ops take it."""
+        return self._layers[layer]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Quantize-on-write of tokens into (page, slot); k, v: [T, H, D]."""
-        paged_ops.write_kv(
-            self.buffers[layer], self.layout, k, v, page_ids, slots,
-            k_scale=self.k_scales[layer], v_scale=self.v_scales[layer],
-        )
+        paged_ops.write_kv(self._layers[layer], k, v, page_ids, slots, options=self.options)
 
     def write_int2_pages(self, layer: int, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor) -> None:
         """Whole INT2 pages; k, v: [N, P, H, D]."""
-        assert self.int2_layout is not None
-        paged_ops.write_int2_pages(self.buffers[layer], self.int2_layout, k, v, page_ids, total_bytes=self.total_bytes)
+        paged_ops.write_int2_pages(self._layers[layer], k, v, page_ids, options=self.options)
 
     def decode(
         self,
@@ -100,20 +144,16 @@ class KVStorage:
         sm_scale: float,
         num_int2_pages: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [B, Hq, D] against each row's cached tokens -> [B, Hq, D]."""
-        extra = self._extra()
-        if extra:
-            extra["num_int2_pages"] = num_int2_pages
+        """q: [B, Hq, D] against each row's cached tokens -> [B, Hq, D].
+
+        num_int2_pages (int32 [B]): INT2 pages leading each row; required when triaxial, ignored otherwise."""
+        n2 = num_int2_pages if self.triaxial else None
         return paged_ops.decode_attention(
-            q, self.buffers[layer], self.layout, page_table, seq_lens, sm_scale=sm_scale,
-            k_scale=self.k_scales[layer], v_scale=self.v_scales[layer], **extra,
-        )
+            q, self._layers[layer], page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=n2, options=self.options,
+        )  # fmt: skip
 
     def gather(
         self, layer: int, page_ids: torch.Tensor, num_tokens: int, out_k: torch.Tensor, out_v: torch.Tensor
     ) -> None:
         """Dequantize the first ``num_tokens`` tokens of ``page_ids`` into out_k/out_v [>=num_tokens, H, D]."""
-        paged_ops.gather_kv(
-            self.buffers[layer], self.layout, page_ids, num_tokens, out_k, out_v,
-            k_scale=self.k_scales[layer], v_scale=self.v_scales[layer], **self._extra(),
-        )
+        paged_ops.gather_kv(self._layers[layer], page_ids, num_tokens, out_k, out_v, options=self.options)

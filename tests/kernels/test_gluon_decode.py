@@ -24,7 +24,8 @@ import pytest
 import torch
 from test_triton_paged import _check_decode
 
-from kvserving.kernels import gluon_decode
+from kvserving.kernels import gluon_decode, paged_ops
+from kvserving.kernels.options import KernelOptions
 
 
 # compiled in a child process: the test session runs with TRITON_INTERPRET=1, under which Triton's own
@@ -67,28 +68,31 @@ def test_gluon_decode_compiles_for_sm90_without_shared_memory_in_the_loop(fmt: s
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["nvfp4", "int4", "triaxial"])
-def test_gpu_gluon_decode_real_shapes(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVSERVING_DECODE_KERNEL", "gluon")
+def test_gpu_gluon_decode_real_shapes(case: str) -> None:
     p = 16 if case == "nvfp4" else 32
     lens = [1, p, p + 1, 1000, 2047, 4096, 333, 77]
-    _check_decode(case, lens, device="cuda", d=128, h=8, g=4, p=p)
-    _check_decode(case, [5, 700, 129], device="cuda", d=128, h=2, g=8, p=p)  # 8 query heads per kv head
-    _check_decode(case, [3, 400, 65], device="cuda", d=128, h=1, g=16, p=p)  # 16: heads padded to 16, not 8
+    _check_decode(case, lens, device="cuda", d=128, h=8, g=4, p=p, kernel="gluon")
+    _check_decode(case, [5, 700, 129], device="cuda", d=128, h=2, g=8, p=p, kernel="gluon")  # 8 query heads per kv head
+    _check_decode(case, [3, 400, 65], device="cuda", d=128, h=1, g=16, p=p, kernel="gluon")  # 16: heads padded to 16
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["nvfp4", "triaxial"])
-def test_gpu_gluon_decode_many_splits_including_empty_ones(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVSERVING_DECODE_KERNEL", "gluon")
+def test_gpu_gluon_decode_many_splits_including_empty_ones(case: str) -> None:
     p = 16 if case == "nvfp4" else 32
     step = 4 * gluon_decode.GL_TUNING["nvfp4" if case == "nvfp4" else "int4"]["PPW"] if case == "nvfp4" else 4
-    _check_decode(case, [3, 40 * p, 17 * p + 5], device="cuda", d=128, h=8, g=4, p=p, splits=(40, step))
+    _check_decode(case, [3, 40 * p, 17 * p + 5], device="cuda", d=128, h=8, g=4, p=p, splits=(40, step), kernel="gluon")
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_is_the_default_for_nvfp4_on_hopper() -> None:
+@pytest.mark.parametrize("case", ["nvfp4", "triaxial"])
+def test_gpu_gluon_is_the_default_for_nvfp4_and_triaxial_on_hopper(case: str) -> None:
     from test_triton_paged import _filled_pool
 
-    pool, filled, scale = _filled_pool("nvfp4", [300], device="cuda", d=128, h=8, p=16)
+    p = 16 if case == "nvfp4" else 32
+    pool, filled, scale = _filled_pool(case, [300], device="cuda", d=128, h=8, p=p)
     q = torch.randn(1, 32, 128, device="cuda")
-    assert gluon_decode.supported(pool.layout, q, None)
+    assert paged_ops.decode_kernel(q, pool.kv(), options=KernelOptions()) == "gluon"
+    assert paged_ops.decode_kernel(q, pool.kv(), options=KernelOptions(decode_kernel="tl")) == "tl"
+    wide = torch.randn(1, 8 * 24, 128, device="cuda")  # 24 query heads per kv head: more than Gluon's 16
+    assert paged_ops.decode_kernel(wide, pool.kv(), options=KernelOptions()) == "tl"

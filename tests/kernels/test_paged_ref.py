@@ -15,8 +15,10 @@ import torch
 from kvserving.kernels import paged_ops, paged_ref
 from kvserving.kernels.fp8 import dequantize_fp8, quantize_fp8
 from kvserving.kernels.intquant import dequantize_groups, dequantize_int2_keys, quantize_groups, quantize_int2_keys
-from kvserving.kernels.layout import INT2_PAGE_FLAG, PageLayout
+from kvserving.kernels.layout import PageLayout
 from kvserving.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG
+from kvserving.kernels.paged_kv import PagedKV
 
 # pages of ids never used by a sequence: reading one is a bug the result shows
 PAD_ID = 1_000_000
@@ -38,6 +40,10 @@ class Pool:
     def int2_pages(self) -> PageLayout:
         assert self.int2 is not None, "this pool has no INT2 pages"
         return self.int2
+
+    def kv(self, k_scale: float = 1.0, v_scale: float = 1.0) -> PagedKV:
+        """The pool as the ops take it (triaxial when it has INT2 pages)."""
+        return PagedKV(self.buffer, self.layout, k_scale, v_scale, self.int2)
 
 
 def make_pool(
@@ -102,16 +108,15 @@ def fill_sequences(
     table = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows], dtype=torch.int32)
     if pg_ids:
         ops.write_int2_pages(  # type: ignore[attr-defined]
-            pool.buffer, pool.int2_pages, torch.stack(pg_k).to(dev, dtype), torch.stack(pg_v).to(dev, dtype),
-            torch.tensor(pg_ids, dtype=torch.int32, device=dev), total_bytes=pool.total_bytes,
+            pool.kv(), torch.stack(pg_k).to(dev, dtype), torch.stack(pg_v).to(dev, dtype),
+            torch.tensor(pg_ids, dtype=torch.int32, device=dev),
         )  # fmt: skip
     if tok_k:
         order = torch.randperm(len(tok_k))  # tokens arrive in any order
         ops.write_kv(  # type: ignore[attr-defined]
-            pool.buffer, lay,
+            pool.kv(k_scale, v_scale),
             torch.stack(tok_k)[order].to(dev, dtype), torch.stack(tok_v)[order].to(dev, dtype),
             torch.tensor(tok_page, dtype=torch.int32)[order].to(dev), torch.tensor(tok_slot, dtype=torch.int32)[order].to(dev),
-            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     num_int2 = torch.tensor(int2_pages, dtype=torch.int32, device=dev) if pool.int2 else None
     return Filled(table.to(dev), torch.tensor(seq_lens, dtype=torch.int32, device=dev), num_int2, ks, vs)
@@ -182,7 +187,7 @@ def test_write_then_gather_equals_codec_roundtrip(fmt: str) -> None:
         ek, ev = expected_kv(pool, filled, i, k_scale=ks, v_scale=vs)
         out_k = torch.full((n + 3, 2, 32), float("nan"))
         out_v = torch.full((n + 3, 2, 32), float("nan"))
-        paged_ref.gather_kv(pool.buffer, pool.layout, filled.page_table[i, : (n + 7) // 8], n, out_k, out_v, k_scale=ks, v_scale=vs)
+        paged_ref.gather_kv(pool.kv(ks, vs), filled.page_table[i, : (n + 7) // 8], n, out_k, out_v)
         assert torch.equal(out_k[:n], ek) and torch.equal(out_v[:n], ev)
         assert out_k[n:].isnan().all() and out_v[n:].isnan().all()  # nothing past num_tokens written
 
@@ -194,7 +199,7 @@ def test_gather_mixed_int2_and_int4_pages_into_bf16_workspace() -> None:
         ek, ev = expected_kv(pool, filled, i)
         out_k = torch.empty(n, 2, 64, dtype=torch.bfloat16)
         out_v = torch.empty(n, 2, 64, dtype=torch.bfloat16)
-        paged_ref.gather_kv(pool.buffer, pool.layout, filled.page_table[i], n, out_k, out_v, int2_layout=pool.int2, total_bytes=pool.total_bytes)
+        paged_ref.gather_kv(pool.kv(), filled.page_table[i], n, out_k, out_v)
         assert torch.equal(out_k, ek.bfloat16()) and torch.equal(out_v, ev.bfloat16())
 
 
@@ -204,7 +209,7 @@ def test_decode_equals_dense_attention_on_dequantized_kv(fmt: str) -> None:
     pool = make_pool(fmt, num_pages=14, page_size=8, kv_heads=2, head_dim=32)
     filled = fill_sequences(pool, lens, k_scale=SCALES[fmt], v_scale=SCALES[fmt])
     q = torch.randn(len(lens), 8, 32, dtype=torch.bfloat16)
-    out = paged_ref.decode_attention(q, pool.buffer, pool.layout, filled.page_table, filled.seq_lens, sm_scale=0.2, k_scale=SCALES[fmt], v_scale=SCALES[fmt])
+    out = paged_ref.decode_attention(q, pool.kv(SCALES[fmt], SCALES[fmt]), filled.page_table, filled.seq_lens, sm_scale=0.2)
     assert out.dtype == torch.bfloat16
     for i in range(len(lens)):
         ek, ev = expected_kv(pool, filled, i, k_scale=SCALES[fmt], v_scale=SCALES[fmt])
@@ -217,10 +222,7 @@ def test_triaxial_decode_reads_int2_pages_then_int4_pages() -> None:
     pool = make_pool("int4", num_pages=8, page_size=8, kv_heads=2, head_dim=32, num_int2_pages=6)
     filled = fill_sequences(pool, lens, int2_pages=n2)
     q = torch.randn(3, 4, 32)
-    out = paged_ops.decode_attention(
-        q, pool.buffer, pool.layout, filled.page_table, filled.seq_lens, sm_scale=0.3,
-        int2_layout=pool.int2, num_int2_pages=filled.num_int2, total_bytes=pool.total_bytes,
-    )  # fmt: skip
+    out = paged_ops.decode_attention(q, pool.kv(), filled.page_table, filled.seq_lens, sm_scale=0.3, num_int2_pages=filled.num_int2)
     for i in range(3):
         ek, ev = expected_kv(pool, filled, i)
         assert rel_err(out[i], dense_attention(q[i], ek, ev, 0.3)) < 1e-5
@@ -229,7 +231,7 @@ def test_triaxial_decode_reads_int2_pages_then_int4_pages() -> None:
 def test_zero_length_sequence_decodes_to_zeros() -> None:
     pool = make_pool("bf16", num_pages=4, page_size=4, kv_heads=1, head_dim=32)
     filled = fill_sequences(pool, [3, 0])
-    out = paged_ref.decode_attention(torch.randn(2, 2, 32), pool.buffer, pool.layout, filled.page_table, filled.seq_lens, sm_scale=1.0)
+    out = paged_ref.decode_attention(torch.randn(2, 2, 32), pool.kv(), filled.page_table, filled.seq_lens, sm_scale=1.0)
     assert torch.equal(out[1], torch.zeros(2, 32))
 
 
@@ -237,7 +239,7 @@ def test_write_int2_pages_matches_codec_bytes() -> None:
     pool = make_pool("int4", num_pages=1, page_size=32, kv_heads=2, head_dim=32, num_int2_pages=3)
     k, v = torch.randn(2, 32, 2, 32), torch.randn(2, 32, 2, 32)
     ids = torch.tensor([2 | INT2_PAGE_FLAG, 0 | INT2_PAGE_FLAG], dtype=torch.int32)
-    paged_ref.write_int2_pages(pool.buffer, pool.int2_pages, k, v, ids, total_bytes=pool.total_bytes)
+    paged_ref.write_int2_pages(pool.kv(), k, v, ids)
     top = pool.total_bytes - pool.int2_pages.page_bytes  # INT2 page 0 is the last page of the buffer
     views = pool.int2_pages.views(pool.buffer[top:].view(1, -1))
     codes, scale, zero = quantize_int2_keys(k[1].transpose(0, 1))
@@ -250,28 +252,54 @@ def test_bad_inputs_raise_value_errors_naming_the_problem() -> None:
     pool = make_pool("fp8_e4m3", num_pages=4, page_size=4, kv_heads=2, head_dim=32)
     filled = fill_sequences(pool, [5])
     q = torch.randn(1, 4, 32)
-    buf, lay = pool.buffer, pool.layout
+    kv = pool.kv()
     with pytest.raises(ValueError, match="int32"):
-        paged_ref.decode_attention(q, buf, lay, filled.page_table.long(), filled.seq_lens, sm_scale=1.0)
+        paged_ref.decode_attention(q, kv, filled.page_table.long(), filled.seq_lens, sm_scale=1.0)
     with pytest.raises(ValueError, match="multiple of kv heads"):
-        paged_ref.decode_attention(torch.randn(1, 3, 32), buf, lay, filled.page_table, filled.seq_lens, sm_scale=1.0)
+        paged_ref.decode_attention(torch.randn(1, 3, 32), kv, filled.page_table, filled.seq_lens, sm_scale=1.0)
     with pytest.raises(ValueError, match="exceeds max_pages"):
-        paged_ref.decode_attention(q, buf, lay, filled.page_table[:, :1], filled.seq_lens, sm_scale=1.0)
+        paged_ref.decode_attention(q, kv, filled.page_table[:, :1], filled.seq_lens, sm_scale=1.0)
     bad = filled.page_table.clone()
     bad[0, 0] = 4
     with pytest.raises(ValueError, match="out of range"):
-        paged_ref.decode_attention(q, buf, lay, bad, filled.seq_lens, sm_scale=1.0)
+        paged_ref.decode_attention(q, kv, bad, filled.seq_lens, sm_scale=1.0)
+    with pytest.raises(ValueError, match="exactly when the KV is triaxial"):
+        paged_ref.decode_attention(q, kv, filled.page_table, filled.seq_lens, sm_scale=1.0, num_int2_pages=filled.seq_lens)
     k = torch.randn(2, 2, 32)
     with pytest.raises(ValueError, match="same \\(page, slot\\)"):
-        paged_ref.write_kv(buf, lay, k, k, torch.tensor([1, 1], dtype=torch.int32), torch.tensor([2, 2], dtype=torch.int32))
+        paged_ref.write_kv(kv, k, k, torch.tensor([1, 1], dtype=torch.int32), torch.tensor([2, 2], dtype=torch.int32))
     with pytest.raises(ValueError, match="slots"):
-        paged_ref.write_kv(buf, lay, k, k, torch.tensor([1, 1], dtype=torch.int32), torch.tensor([2, 4], dtype=torch.int32))
+        paged_ref.write_kv(kv, k, k, torch.tensor([1, 1], dtype=torch.int32), torch.tensor([2, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match="heads/dim"):
-        paged_ref.write_kv(buf, lay, torch.randn(2, 2, 64), torch.randn(2, 2, 64), torch.zeros(2, dtype=torch.int32), torch.arange(2, dtype=torch.int32))
+        paged_ref.write_kv(kv, torch.randn(2, 2, 64), torch.randn(2, 2, 64), torch.zeros(2, dtype=torch.int32), torch.arange(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="does not fit"):
-        paged_ref.gather_kv(buf, lay, filled.page_table[0, :2], 9, torch.empty(9, 2, 32), torch.empty(9, 2, 32))
+        paged_ref.gather_kv(kv, filled.page_table[0, :2], 9, torch.empty(9, 2, 32), torch.empty(9, 2, 32))
     with pytest.raises(ValueError, match="backend"):
-        paged_ops.decode_attention(q, buf, lay, filled.page_table, filled.seq_lens, sm_scale=1.0, backend="cuda")
+        paged_ops.decode_attention(q, kv, filled.page_table, filled.seq_lens, sm_scale=1.0, backend="cuda")
+    with pytest.raises(ValueError, match="needs a triaxial KV"):
+        paged_ref.write_int2_pages(kv, torch.randn(1, 4, 2, 32), torch.randn(1, 4, 2, 32), torch.tensor([INT2_PAGE_FLAG], dtype=torch.int32))
+
+
+def test_paged_kv_checks_itself_and_answers_triaxial() -> None:
+    lay = PageLayout.build("int4", page_size=8, kv_heads=1, head_dim=32)
+    lay2 = PageLayout.build("int2", page_size=8, kv_heads=1, head_dim=32)
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    assert not PagedKV(buf, lay).triaxial and PagedKV(buf, lay, int2_layout=lay2).triaxial
+    assert PagedKV(buf, lay).total_bytes == 4096 and PagedKV(buf, lay, total_bytes=1000).num_pages == 1000 // lay.page_bytes
+    with pytest.raises(ValueError, match="total_bytes=5000"):
+        PagedKV(buf, lay, total_bytes=5000)
+    with pytest.raises(ValueError, match="flat contiguous uint8"):
+        PagedKV(buf.view(2, -1), lay)
+    with pytest.raises(ValueError, match="int2 goes in int2_layout"):
+        PagedKV(buf, lay2)
+    with pytest.raises(ValueError, match="int2_layout needs layout.fmt='int4'"):
+        PagedKV(buf, PageLayout.build("nvfp4", page_size=8, kv_heads=1, head_dim=32), int2_layout=lay2)
+    with pytest.raises(ValueError, match="share page_size"):
+        PagedKV(buf, lay, int2_layout=PageLayout.build("int2", page_size=16, kv_heads=1, head_dim=32))
+    with pytest.raises(ValueError, match="k_scale"):
+        PagedKV(buf, lay, k_scale=0.0)
+    with pytest.raises(ValueError, match="not triaxial"):
+        _ = PagedKV(buf, lay).int2
 
 
 def test_triaxial_page_order_is_checked() -> None:
@@ -280,9 +308,10 @@ def test_triaxial_page_order_is_checked() -> None:
     swapped = filled.page_table.clone()
     swapped[0, :2] = filled.page_table[0, :2].flip(0)  # INT4 page listed before the INT2 page
     with pytest.raises(ValueError, match="INT2 pages first"):
-        paged_ref.decode_attention(
-            torch.randn(1, 1, 32), pool.buffer, pool.layout, swapped, filled.seq_lens, sm_scale=1.0,
-            int2_layout=pool.int2, num_int2_pages=filled.num_int2, total_bytes=pool.total_bytes,
-        )  # fmt: skip
+        paged_ref.decode_attention(torch.randn(1, 1, 32), pool.kv(), swapped, filled.seq_lens, sm_scale=1.0, num_int2_pages=filled.num_int2)
+    with pytest.raises(ValueError, match="exactly when the KV is triaxial"):
+        paged_ref.decode_attention(torch.randn(1, 1, 32), pool.kv(), filled.page_table, filled.seq_lens, sm_scale=1.0)
     with pytest.raises(ValueError, match="INT2_PAGE_FLAG"):
-        paged_ref.write_int2_pages(pool.buffer, pool.int2_pages, torch.randn(1, 8, 1, 32), torch.randn(1, 8, 1, 32), torch.zeros(1, dtype=torch.int32), total_bytes=pool.total_bytes)
+        paged_ref.write_int2_pages(pool.kv(), torch.randn(1, 8, 1, 32), torch.randn(1, 8, 1, 32), torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="INT2_PAGE_FLAG"):  # write_kv writes INT4 pages only
+        paged_ref.write_kv(pool.kv(), torch.randn(1, 1, 32), torch.randn(1, 1, 32), torch.tensor([INT2_PAGE_FLAG], dtype=torch.int32), torch.zeros(1, dtype=torch.int32))

@@ -15,7 +15,6 @@ rounding: 3e-3 (fp16 paths) and 1e-2 (bf16 pages), with fp32 q and output.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytest
 import torch
@@ -29,8 +28,10 @@ from test_paged_ref import (
     rel_err,
 )
 
-from kvserving.kernels import paged_ops, paged_ref, triton_decode, triton_paged
-from kvserving.kernels.layout import INT2_PAGE_FLAG
+from kvserving.kernels import gluon_decode, paged_ops, paged_ref, triton_common, triton_decode, triton_gather, triton_write
+from kvserving.kernels.options import KernelOptions
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG
+from kvserving.kernels.paged_kv import PagedKV
 
 # The tiny-shape tests run the kernels on CPU tensors, which only the interpreter can do;
 # on a CUDA machine the gpu tests below cover the same ground at real shapes.
@@ -75,8 +76,8 @@ def test_write_kv_bytes_equal_reference(fmt: str) -> None:
     pages, slots = (dst // 8).int(), (dst % 8).int()
     ks, vs = SCALES[fmt], SCALES[fmt] * 3
     for dtype in (torch.float32, torch.bfloat16):
-        triton_paged.write_kv(pool.buffer, pool.layout, k.to(dtype), v.to(dtype), pages, slots, k_scale=ks, v_scale=vs)
-        paged_ref.write_kv(ref.buffer, ref.layout, k.to(dtype), v.to(dtype), pages, slots, k_scale=ks, v_scale=vs)
+        triton_write.write_kv(pool.kv(ks, vs), k.to(dtype), v.to(dtype), pages, slots)
+        paged_ref.write_kv(ref.kv(ks, vs), k.to(dtype), v.to(dtype), pages, slots)
         assert torch.equal(pool.buffer, ref.buffer)  # written bytes equal, untouched bytes untouched
 
 
@@ -87,8 +88,8 @@ def test_write_int2_pages_bytes_equal_reference() -> None:
     k = edge_tokens(16, 2, 64).reshape(2, 8, 2, 64)
     v = edge_tokens(16, 2, 64).flip(0).reshape(2, 8, 2, 64)
     ids = torch.tensor([3 | INT2_PAGE_FLAG, 1 | INT2_PAGE_FLAG], dtype=torch.int32)
-    triton_paged.write_int2_pages(pool.buffer, pool.int2_pages, k, v, ids, total_bytes=pool.total_bytes)
-    paged_ref.write_int2_pages(ref.buffer, ref.int2_pages, k, v, ids, total_bytes=ref.total_bytes)
+    triton_write.write_int2_pages(pool.kv(), k, v, ids)
+    paged_ref.write_int2_pages(ref.kv(), k, v, ids)
     assert torch.equal(pool.buffer, ref.buffer)
 
 
@@ -97,7 +98,7 @@ def test_write_int2_pages_bytes_equal_reference() -> None:
 # ----------------------------------------------------------------------------
 
 
-def _filled_pool(case: str, lens: list[int], *, device: str = "cpu", d: int = 64, h: int = 2, p: int = 8, ops: object = triton_paged):
+def _filled_pool(case: str, lens: list[int], *, device: str = "cpu", d: int = 64, h: int = 2, p: int = 8, ops: object = triton_write):
     n2 = None
     if case == "triaxial":
         n2 = [min(i % 3, n // p) for i, n in enumerate(lens)]
@@ -120,8 +121,7 @@ def test_gather_kv_equals_reference_and_leaves_the_rest(case: str, out_dtype: to
     for i, n in enumerate(lens):
         out_k = torch.full((n + 5, 2, 64), float("nan"), dtype=out_dtype)
         out_v = torch.full((n + 5, 2, 64), float("nan"), dtype=out_dtype)
-        kw: dict[str, Any] = dict(k_scale=scale, v_scale=scale, int2_layout=pool.int2, total_bytes=pool.total_bytes)
-        triton_paged.gather_kv(pool.buffer, pool.layout, filled.page_table[i], n, out_k, out_v, **kw)
+        triton_gather.gather_kv(pool.kv(scale, scale), filled.page_table[i], n, out_k, out_v)
         ek, ev = expected_kv(pool, filled, i, k_scale=scale, v_scale=scale)
         assert torch.equal(out_k[:n], ek.to(out_dtype)) and torch.equal(out_v[:n], ev.to(out_dtype))
         assert out_k[n:].isnan().all() and out_v[n:].isnan().all()
@@ -133,13 +133,21 @@ def test_gather_kv_equals_reference_and_leaves_the_rest(case: str, out_dtype: to
 
 
 def _check_decode(case: str, lens: list[int], *, device: str = "cpu", d: int = 64, h: int = 2, g: int = 4, p: int = 8,
-                  splits: tuple[int, int] | None = None) -> None:  # fmt: skip
+                  splits: tuple[int, int] | None = None, kernel: str = "tl", fast: bool | None = None) -> None:  # fmt: skip
+    """Decode through one kernel ("tl", "gluon", or "auto": paged_ops' choice) against dense attention."""
     pool, filled, scale = _filled_pool(case, lens, device=device, d=d, h=h, p=p)
     q = torch.randn(len(lens), h * g, d, device=device)
-    out = triton_decode.decode_attention(
-        q, pool.buffer, pool.layout, filled.page_table, filled.seq_lens, sm_scale=d**-0.5, k_scale=scale, v_scale=scale,
-        int2_layout=pool.int2, num_int2_pages=filled.num_int2, total_bytes=pool.total_bytes, splits=splits,
-    )  # fmt: skip
+    kv = pool.kv(scale, scale)
+    args = (q, kv, filled.page_table, filled.seq_lens)
+    if kernel == "auto":
+        assert splits is None and fast is None
+        out = paged_ops.decode_attention(*args, sm_scale=d**-0.5, num_int2_pages=filled.num_int2, options=KernelOptions())
+    elif kernel == "gluon":
+        assert gluon_decode.supported(kv, q)
+        out = gluon_decode.decode_attention(*args, sm_scale=d**-0.5, num_int2_pages=filled.num_int2, splits=splits)
+    else:
+        fast = KernelOptions.from_env().fast_decoders(q.device) if fast is None else fast
+        out = triton_decode.decode_attention(*args, sm_scale=d**-0.5, num_int2_pages=filled.num_int2, fast=fast, splits=splits)
     assert out.dtype == q.dtype and out.shape == q.shape
     for i in range(len(lens)):
         ek, ev = expected_kv(pool, filled, i, k_scale=scale, v_scale=scale)
@@ -165,7 +173,7 @@ def test_decode_merges_many_splits_including_empty_ones(case: str) -> None:
 def test_decode_zero_length_sequence_gives_zeros() -> None:
     pool, filled, _ = _filled_pool("bf16", [5, 0])
     q = torch.randn(2, 4, 64)
-    out = triton_decode.decode_attention(q, pool.buffer, pool.layout, filled.page_table, filled.seq_lens, sm_scale=0.1)
+    out = triton_decode.decode_attention(q, pool.kv(), filled.page_table, filled.seq_lens, sm_scale=0.1, fast=False)
     assert torch.equal(out[1], torch.zeros(4, 64))
 
 
@@ -173,13 +181,13 @@ def test_decode_zero_length_sequence_gives_zeros() -> None:
 def test_split_planner_covers_every_page_and_keeps_splits_long_enough() -> None:
     cpu = torch.device("cpu")  # 4 "SMs" off the GPU
     # 16 programs per SM over 2 sequence-heads: 32 splits wanted, of 4096 pages -> 128 pages (a multiple of 4) each
-    assert triton_decode.plan_splits(2, 4096, 4, cpu, triaxial=False) == (32, 128)
+    assert triton_common.plan_splits(2, 4096, 4, cpu, triaxial=False) == (32, 128)
     # no split shorter than min_pages: 4096 / 512 = 8 splits
-    assert triton_decode.plan_splits(2, 4096, 4, cpu, triaxial=False, min_pages=512) == (8, 512)
+    assert triton_common.plan_splits(2, 4096, 4, cpu, triaxial=False, min_pages=512) == (8, 512)
     # triaxial: one more split, for the INT2 / INT4 boundary inside a sequence
-    assert triton_decode.plan_splits(2, 4096, 4, cpu, triaxial=True, min_pages=512) == (9, 512)
+    assert triton_common.plan_splits(2, 4096, 4, cpu, triaxial=True, min_pages=512) == (9, 512)
     for bh, pages, ppi, mp in [(1, 1, 4, 96), (7, 333, 4, 48), (64, 100, 8, 1), (3, 10_000, 4, 96)]:
-        s, pps = triton_decode.plan_splits(bh, pages, ppi, cpu, triaxial=False, min_pages=mp)
+        s, pps = triton_common.plan_splits(bh, pages, ppi, cpu, triaxial=False, min_pages=mp)
         assert pps % ppi == 0 and s * pps >= pages > (s - 1) * pps, (bh, pages, s, pps)
         assert s == 1 or pps >= min(mp, pages), (bh, pages, s, pps)
 
@@ -187,14 +195,45 @@ def test_split_planner_covers_every_page_and_keeps_splits_long_enough() -> None:
 def test_paged_ops_dispatches_to_triton_when_asked() -> None:
     pool, filled, _ = _filled_pool("fp8_e4m3", [10], ops=paged_ops)
     q = torch.randn(1, 4, 64)
-    kw: dict[str, Any] = dict(sm_scale=0.1, k_scale=SCALES["fp8_e4m3"], v_scale=SCALES["fp8_e4m3"])
-    ref = paged_ops.decode_attention(q, pool.buffer, pool.layout, filled.page_table, filled.seq_lens, **kw)
-    tri = paged_ops.decode_attention(q, pool.buffer, pool.layout, filled.page_table, filled.seq_lens, backend="triton", **kw)
-    assert rel_err(tri, ref) < 3e-3
+    kv = pool.kv(SCALES["fp8_e4m3"], SCALES["fp8_e4m3"])
+    ref = paged_ops.decode_attention(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1)
+    tri = paged_ops.decode_attention(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1, backend="triton")
+    assert rel_err(tri, ref) < 3e-3 and not torch.equal(tri, ref)  # two implementations, one answer
+    via_options = paged_ops.decode_attention(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1, options=KernelOptions(backend="triton"))
+    assert torch.equal(via_options, tri)
     with pytest.raises(ValueError, match="out of range"):
         bad = filled.page_table.clone()
         bad[0, 0] = 10_000
-        paged_ops.decode_attention(q, pool.buffer, pool.layout, bad, filled.seq_lens, backend="triton", **kw)
+        paged_ops.decode_attention(q, kv, bad, filled.seq_lens, sm_scale=0.1, backend="triton")
+
+
+def test_paged_ops_is_the_one_place_that_picks_the_decode_kernel() -> None:
+    pool = make_pool("nvfp4", num_pages=2, page_size=8, kv_heads=2, head_dim=64)
+    q = torch.randn(1, 4, 64)
+    kv = pool.kv()
+    assert paged_ops.decode_kernel(q, kv, options=KernelOptions()) == "reference"  # CPU tensors
+    assert paged_ops.decode_kernel(q, kv, backend="triton", options=KernelOptions()) == "tl"  # no Gluon off a GPU
+    assert paged_ops.decode_kernel(q, kv, options=KernelOptions(backend="triton", decode_kernel="tl")) == "tl"
+    with pytest.raises(ValueError, match="decode_kernel='gluon'"):
+        paged_ops.decode_kernel(q, kv, options=KernelOptions(backend="triton", decode_kernel="gluon"))
+    fp32 = make_pool("fp32", num_pages=2, page_size=8, kv_heads=2, head_dim=64)
+    assert paged_ops.decode_kernel(q, fp32.kv(), backend="triton") == "reference"  # fp32 pages: reference only
+
+
+def test_kernel_options_read_the_environment_once_and_refuse_bad_values() -> None:
+    env = {"KVSERVING_PAGED_BACKEND": "triton", "KVSERVING_CHECK_VALUES": "1", "KVSERVING_DECODE_KERNEL": "tl",
+           "KVSERVING_TRITON_FAST": "0", "TRITON_INTERPRET": "1"}  # fmt: skip
+    assert KernelOptions.from_env(env) == KernelOptions(backend="triton", check_values=True, decode_kernel="tl", triton_fast=False, interpret=True)
+    assert KernelOptions.from_env({}) == KernelOptions()
+    gpu = torch.device("cuda")
+    assert KernelOptions().fast_decoders(gpu) and not KernelOptions(interpret=True).fast_decoders(gpu)
+    assert not KernelOptions(triton_fast=False).fast_decoders(gpu) and KernelOptions(triton_fast=True).fast_decoders(torch.device("cpu"))
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        KernelOptions.from_env({"KVSERVING_PAGED_BACKEND": "cuda"})
+    with pytest.raises(ValueError, match="decode_kernel='fast'"):
+        KernelOptions.from_env({"KVSERVING_DECODE_KERNEL": "fast"})
+    with pytest.raises(ValueError, match="KVSERVING_TRITON_FAST='yes'"):
+        KernelOptions.from_env({"KVSERVING_TRITON_FAST": "yes"})
 
 
 # ----------------------------------------------------------------------------
@@ -202,18 +241,20 @@ def test_paged_ops_dispatches_to_triton_when_asked() -> None:
 # ----------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["1", "0"], ids=["asm", "arith"])
-def decoder_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("KVSERVING_TRITON_FAST", request.param)
-    return str(request.param)
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("fast", [True, False], ids=["asm", "arith"])
+def test_gpu_decode_real_shapes(case: str, fast: bool) -> None:
+    p = 32 if case == "triaxial" else 16
+    lens = [1, p, p + 1, 1000, 2047, 4096, 333, 77]
+    _check_decode(case, lens, device="cuda", d=128, h=8, g=4, p=p, fast=fast)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
-def test_gpu_decode_real_shapes(case: str, decoder_path: str) -> None:
+def test_gpu_decode_through_paged_ops(case: str) -> None:
     p = 32 if case == "triaxial" else 16
-    lens = [1, p, p + 1, 1000, 2047, 4096, 333, 77]
-    _check_decode(case, lens, device="cuda", d=128, h=8, g=4, p=p)
+    _check_decode(case, [1, p + 1, 1000, 4096], device="cuda", d=128, h=8, g=4, p=p, kernel="auto")
 
 
 @pytest.mark.gpu
@@ -224,13 +265,12 @@ def test_gpu_write_and_gather_equal_reference(case: str) -> None:
     pool, filled, scale = _filled_pool(case, lens, device="cuda", d=128, h=8, p=p)  # written by the kernels
     cpu = Pool(pool.layout, pool.int2, pool.buffer.cpu(), pool.num_pages, pool.num_int2_pages)
     for i, n in enumerate(lens):
-        kw: dict[str, Any] = dict(k_scale=scale, v_scale=scale, int2_layout=pool.int2, total_bytes=pool.total_bytes)
         out_k = torch.full((n, 8, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
         out_v = torch.full_like(out_k, float("nan"))
-        triton_paged.gather_kv(pool.buffer, pool.layout, filled.page_table[i], n, out_k, out_v, **kw)
+        triton_gather.gather_kv(pool.kv(scale, scale), filled.page_table[i], n, out_k, out_v)
         ref_k = torch.empty(n, 8, 128, dtype=torch.bfloat16)
         ref_v = torch.empty_like(ref_k)
-        paged_ref.gather_kv(cpu.buffer, cpu.layout, filled.page_table[i].cpu(), n, ref_k, ref_v, **kw)
+        paged_ref.gather_kv(cpu.kv(scale, scale), filled.page_table[i].cpu(), n, ref_k, ref_v)
         ek, ev = expected_kv(pool, filled, i, k_scale=scale, v_scale=scale)
         assert torch.equal(out_k.cpu(), ref_k) and torch.equal(out_v.cpu(), ref_v)
         assert torch.equal(ref_k, ek.bfloat16()) and torch.equal(ref_v, ev.bfloat16())
@@ -246,8 +286,8 @@ def test_gpu_write_kv_bytes_equal_reference(fmt: str) -> None:
     dst = torch.randperm(300 * 16)[:t]
     pages, slots = (dst // 16).int(), (dst % 16).int()
     ks, vs = SCALES[fmt], SCALES[fmt] * 3
-    triton_paged.write_kv(pool.buffer, pool.layout, k.cuda().bfloat16(), v.cuda().bfloat16(), pages.cuda(), slots.cuda(), k_scale=ks, v_scale=vs)
-    paged_ref.write_kv(ref, pool.layout, k.bfloat16(), v.bfloat16(), pages, slots, k_scale=ks, v_scale=vs)
+    triton_write.write_kv(pool.kv(ks, vs), k.cuda().bfloat16(), v.cuda().bfloat16(), pages.cuda(), slots.cuda())
+    paged_ref.write_kv(PagedKV(ref, pool.layout, ks, vs), k.bfloat16(), v.bfloat16(), pages, slots)
     assert torch.equal(pool.buffer.cpu(), ref)
 
 
@@ -258,8 +298,8 @@ def test_gpu_write_int2_pages_bytes_equal_reference() -> None:
     k = torch.cat([edge_tokens(32, 8, 128)[None], torch.randn(39, 32, 8, 128) * 3])
     v = torch.randn(40, 32, 8, 128)
     ids = (torch.randperm(64)[:40] | INT2_PAGE_FLAG).int()
-    triton_paged.write_int2_pages(pool.buffer, pool.int2_pages, k.cuda(), v.cuda(), ids.cuda(), total_bytes=pool.total_bytes)
-    paged_ref.write_int2_pages(ref, pool.int2_pages, k, v, ids, total_bytes=pool.total_bytes)
+    triton_write.write_int2_pages(pool.kv(), k.cuda(), v.cuda(), ids.cuda())
+    paged_ref.write_int2_pages(PagedKV(ref, pool.layout, int2_layout=pool.int2), k, v, ids)
     assert torch.equal(pool.buffer.cpu(), ref)
 
 
@@ -270,7 +310,7 @@ def test_gpu_write_int2_pages_bytes_equal_reference() -> None:
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kvserving.kernels import triton_codec, triton_write  # noqa: E402
+from kvserving.kernels import triton_codec  # noqa: E402
 
 
 @triton.jit
@@ -381,8 +421,8 @@ def _check_int_writes_on_edges(device: str, *, h: int, d: int, p: int, pages: in
             pool = make_pool("int4", num_pages=pages, page_size=p, kv_heads=h, head_dim=d, device=device)
             ref = pool.buffer.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
             kk, vv = k[: t - 3].to(dtype), v[: t - 3].to(dtype)
-            triton_write.write_kv(pool.buffer, pool.layout, kk.to(device), vv.to(device), pg.to(device), sl.to(device), tuning=tuning)
-            paged_ref.write_kv(ref, pool.layout, kk, vv, pg, sl)
+            triton_write.write_kv(pool.kv(), kk.to(device), vv.to(device), pg.to(device), sl.to(device), tuning=tuning)
+            paged_ref.write_kv(PagedKV(ref, pool.layout), kk, vv, pg, sl)
             assert torch.equal(pool.buffer.cpu(), ref), (dtype, tuning)
         # whole INT2 pages: keys per channel over the page's tokens, values per token group
         kc = _edge_groups(pages * h * d * p // 32, 3, gen).reshape(pages, h, d, p).permute(0, 3, 1, 2)  # channel-wise edges
@@ -392,9 +432,8 @@ def _check_int_writes_on_edges(device: str, *, h: int, d: int, p: int, pages: in
             pool = make_pool("int4", num_pages=1, page_size=p, kv_heads=h, head_dim=d, num_int2_pages=pages + 2, device=device)
             ref = pool.buffer.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
             kk, vv = kc.contiguous().to(dtype), vg.to(dtype)
-            triton_write.write_int2_pages(pool.buffer, pool.int2_pages, kk.to(device), vv.to(device), ids.to(device),
-                                          total_bytes=pool.total_bytes, tuning=tuning)  # fmt: skip
-            paged_ref.write_int2_pages(ref, pool.int2_pages, kk, vv, ids, total_bytes=pool.total_bytes)
+            triton_write.write_int2_pages(pool.kv(), kk.to(device), vv.to(device), ids.to(device), tuning=tuning)
+            paged_ref.write_int2_pages(PagedKV(ref, pool.layout, int2_layout=pool.int2), kk, vv, ids)
             assert torch.equal(pool.buffer.cpu(), ref), (dtype, tuning)
 
 
@@ -413,8 +452,8 @@ def test_nvfp4_group_shape_equals_reference() -> None:
     pages, slots = (dst // 8).int(), (dst % 8).int()
     ks, vs = SCALES["nvfp4"], SCALES["nvfp4"] * 3
     for dtype in (torch.float32, torch.bfloat16):
-        triton_write.write_kv(pool.buffer, pool.layout, k.to(dtype), v.to(dtype), pages, slots, k_scale=ks, v_scale=vs, tuning={"groups": 1})
-        paged_ref.write_kv(ref, pool.layout, k.to(dtype), v.to(dtype), pages, slots, k_scale=ks, v_scale=vs)
+        triton_write.write_kv(pool.kv(ks, vs), k.to(dtype), v.to(dtype), pages, slots, tuning={"groups": 1})
+        paged_ref.write_kv(PagedKV(ref, pool.layout, ks, vs), k.to(dtype), v.to(dtype), pages, slots)
         assert torch.equal(pool.buffer, ref)
 
 
@@ -437,7 +476,6 @@ def test_gpu_nvfp4_group_shape_equals_reference() -> None:
     dst = torch.randperm(300 * 16)[:t]
     pages, slots = (dst // 16).int(), (dst % 16).int()
     ks, vs = SCALES["nvfp4"], SCALES["nvfp4"] * 3
-    triton_write.write_kv(pool.buffer, pool.layout, k.cuda().bfloat16(), v.cuda().bfloat16(), pages.cuda(), slots.cuda(),
-                          k_scale=ks, v_scale=vs, tuning={"groups": 1})  # fmt: skip
-    paged_ref.write_kv(ref, pool.layout, k.bfloat16(), v.bfloat16(), pages, slots, k_scale=ks, v_scale=vs)
+    triton_write.write_kv(pool.kv(ks, vs), k.cuda().bfloat16(), v.cuda().bfloat16(), pages.cuda(), slots.cuda(), tuning={"groups": 1})
+    paged_ref.write_kv(PagedKV(ref, pool.layout, ks, vs), k.bfloat16(), v.bfloat16(), pages, slots)
     assert torch.equal(pool.buffer.cpu(), ref)

@@ -1,0 +1,75 @@
+"""Kernel options: the environment overrides of the paged-KV ops, read once into one frozen value.
+
+Every knob a user can turn without code lives here, and this is the only
+module of ``kvserving.kernels`` that reads the environment
+(tests/kernels/test_kernel_layers.py checks it). ``KernelOptions.from_env()``
+is called by whoever owns the KV (the worker's ``KVStorage``, once) or by
+``paged_ops`` when a caller passes no options; everything below takes the
+value as an argument.
+
+==========================  ==============  ===================================================
+variable                    field           meaning
+==========================  ==============  ===================================================
+KVSERVING_PAGED_BACKEND     backend         ``reference`` or ``triton`` for every op (unset:
+                                            Triton for CUDA buffers, the reference otherwise)
+KVSERVING_CHECK_VALUES=1    check_values    value checks (page ids in range ...) on CUDA too,
+                                            at one device sync per call
+KVSERVING_DECODE_KERNEL     decode_kernel   ``auto`` (Gluon where it is supported, else ``tl``),
+                                            ``gluon`` (refuse a call Gluon cannot run) or ``tl``
+KVSERVING_TRITON_FAST=0/1   triton_fast     force the ``tl`` decode's inline-assembly (1) or
+                                            portable (0) decoders (unset: assembly on a GPU)
+TRITON_INTERPRET=1          interpret       kernels run in Triton's interpreter (no assembly)
+==========================  ==============  ===================================================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+BACKENDS = ("reference", "triton")
+DECODE_KERNELS = ("auto", "gluon", "tl")
+
+
+@dataclass(frozen=True, slots=True)
+class KernelOptions:
+    """How the paged-KV ops pick and run their kernels (defaults: chosen by the tensors' device)."""
+
+    backend: str | None = None  # None: "triton" for CUDA buffers, "reference" otherwise
+    check_values: bool = False  # value checks on CUDA tensors too (CPU tensors are always checked)
+    decode_kernel: str = "auto"
+    triton_fast: bool | None = None  # None: inline-assembly decoders on a real GPU
+    interpret: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}; expected one of {BACKENDS} or None")
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel={self.decode_kernel!r}; expected one of {DECODE_KERNELS}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> KernelOptions:
+        """The options the environment asks for (``env`` defaults to ``os.environ``)."""
+        env = os.environ if env is None else env
+        fast = env.get("KVSERVING_TRITON_FAST")
+        if fast not in (None, "", "0", "1"):
+            raise ValueError(f"KVSERVING_TRITON_FAST={fast!r}; expected 0 or 1")
+        try:
+            return cls(
+                backend=env.get("KVSERVING_PAGED_BACKEND") or None,
+                check_values=env.get("KVSERVING_CHECK_VALUES") == "1",
+                decode_kernel=env.get("KVSERVING_DECODE_KERNEL") or "auto",
+                triton_fast=None if not fast else fast == "1",
+                interpret=env.get("TRITON_INTERPRET") == "1",
+            )
+        except ValueError as exc:
+            raise ValueError(f"kernel options from the environment: {exc}") from None
+
+    def fast_decoders(self, device: torch.device) -> bool:
+        """Inline-assembly decoders in the ``tl`` decode: on a real GPU unless forced; never in the interpreter."""
+        if self.triton_fast is not None:
+            return self.triton_fast
+        return device.type == "cuda" and not self.interpret

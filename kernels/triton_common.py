@@ -1,0 +1,154 @@
+"""What the Triton and Gluon kernels share: format codes, field offsets, the split-K planner, launch preamble and merge.
+
+Both decode kernels (``triton_decode``'s ``tl`` kernel and ``gluon_decode``)
+are Flash-Decoding split-K: a grid of (split, kv head, sequence) programs
+writes each split's normalised partial output and base-2 log-sum-exp, and
+``_merge_kernel`` combines the splits::
+
+    o[B, Hq, S, D] fp32, lse[B, Hq, S] fp32  --merge-->  out[B, Hq, D] (q's dtype) * v_mul
+
+``prepare_splits`` is the host side both run before their launch (plan,
+contiguous inputs, partial buffers); ``merge_splits`` the one after. The
+write and gather kernels share the format codes and ``field_offsets``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import PageLayout
+from .paged_kv import PagedKV
+
+FMT_BF16: tl.constexpr = tl.constexpr(0)
+FMT_FP8: tl.constexpr = tl.constexpr(1)
+FMT_NVFP4: tl.constexpr = tl.constexpr(2)
+FMT_INT4: tl.constexpr = tl.constexpr(3)
+FMT_INT2: tl.constexpr = tl.constexpr(4)
+FMT_CODES = {"bf16": 0, "fp8_e4m3": 1, "nvfp4": 2, "int4": 3, "int2": 4}
+LOG2E = 1.4426950408889634
+# nvfp4 tiles decode to value * 2^-7 (triton_codec.nibbles_e2m1, gluon_fragments): folded back into the scales
+NVFP4_FOLD = 128.0
+MAX_SPLITS = 256
+
+
+def field_offsets(layout: PageLayout | None) -> tuple[int, int, int, int, int, int, int]:
+    """(page_bytes, k, k_scale, k_zero, v, v_scale, v_zero) byte offsets; 0 for fields a format lacks."""
+    if layout is None:
+        return (16, 0, 0, 0, 0, 0, 0)
+    at = {f.name: f.offset for f in layout.fields}
+    get = at.get
+    return (layout.page_bytes, get("k", 0), get("k_scale", 0), get("k_zero", 0), get("v", 0), get("v_scale", 0), get("v_zero", 0))
+
+
+def folded_scales(kv: PagedKV) -> tuple[float, float]:
+    """(K, V) factors the decode kernels fold into the softmax scale and the merged output: the global scale
+    of fp8 / nvfp4 pages (times 2^7 for nvfp4's scaled tiles); 1 for bf16 and the self-scaled INT formats."""
+    fmt = kv.layout.fmt
+    if fmt == "fp8_e4m3":
+        return kv.k_scale, kv.v_scale
+    if fmt == "nvfp4":
+        return kv.k_scale * NVFP4_FOLD, kv.v_scale * NVFP4_FOLD
+    return 1.0, 1.0
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def plan_splits(batch_heads: int, max_pages: int, ppi: int, device: torch.device, *, triaxial: bool,
+                programs_per_sm: int = 16, min_pages: int = 1) -> tuple[int, int]:  # fmt: skip
+    """(splits, pages per split) from the page-table width: about programs_per_sm programs per SM, but no split
+    shorter than min_pages (a program's fixed cost, and the merge's per split, must stay small)."""
+    want = max(1, math.ceil(programs_per_sm * _sm_count(device) / max(batch_heads, 1)))
+    splits = max(1, min(want, MAX_SPLITS, math.ceil(max_pages / ppi), math.ceil(max_pages / min_pages)))
+    pps = math.ceil(math.ceil(max(max_pages, 1) / splits) / ppi) * ppi
+    splits = math.ceil(max(max_pages, 1) / pps) + (1 if triaxial else 0)
+    return splits, pps
+
+
+@dataclass(frozen=True, slots=True)
+class SplitLaunch:
+    """Host-side state of one split-K decode launch (grid: splits x kv_heads x batch)."""
+
+    q: torch.Tensor  # [B, Hq, D] contiguous
+    page_table: torch.Tensor  # int32 [B, max_pages] contiguous
+    n2: torch.Tensor  # int32 [B] INT2 pages leading each row (triaxial; else any int32 [B], never read)
+    o: torch.Tensor  # fp32 [B, Hq, S, D] per-split outputs
+    lse: torch.Tensor  # fp32 [B, Hq, S] per-split base-2 log-sum-exp
+    splits: int  # S
+    pages_per_split: int
+    kv_heads: int
+    group: int  # query heads per kv head
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.splits, self.kv_heads, self.q.shape[0])
+
+
+def prepare_splits(
+    q: torch.Tensor,
+    kv: PagedKV,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_int2_pages: torch.Tensor | None,
+    *,
+    pages_per_iter: int,
+    programs_per_sm: int,
+    min_pages: int = 1,
+    splits: tuple[int, int] | None = None,
+) -> SplitLaunch:
+    """Plan the splits (unless given: tests and benchmarks) and allocate the partial outputs."""
+    b, hq, d = q.shape
+    h = kv.layout.kv_heads
+    if splits is None:
+        splits = plan_splits(b * h, page_table.shape[1], pages_per_iter, q.device, triaxial=kv.triaxial,
+                             programs_per_sm=programs_per_sm, min_pages=min_pages)  # fmt: skip
+    s, pps = splits
+    o = torch.empty(b, hq, s, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
+    n2 = num_int2_pages if num_int2_pages is not None else seq_lens
+    return SplitLaunch(q.contiguous(), page_table.contiguous(), n2, o, lse, s, pps, h, hq // h)
+
+
+@triton.jit
+def _merge_kernel(
+    o_ptr,  # fp32 [R, S, D] per-split outputs (R = B * Hq rows)
+    lse_ptr,  # fp32 [R, S] per-split base-2 log-sum-exp
+    out_ptr,  # [R, D] result, q's dtype
+    v_mul,  # fp32 the V format's folded scale
+    S,  # splits
+    BLOCK_S: tl.constexpr,  # splits per step
+    D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    top = float("-inf")
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        top = tl.maximum(top, tl.max(tl.load(lse_ptr + row * S + s, mask=s < S, other=float("-inf")), axis=0))
+    d = tl.arange(0, D)
+    acc = tl.zeros((D,), tl.float32)
+    total = 0.0
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        lse = tl.load(lse_ptr + row * S + s, mask=s < S, other=float("-inf"))
+        w = tl.where(lse > float("-inf"), tl.math.exp2(lse - top), 0.0)  # all -inf (empty sequence): zeros
+        total += tl.sum(w, axis=0)
+        o = tl.load(o_ptr + (row * S + s[:, None]) * D + d[None, :], mask=(s < S)[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+    out = acc * (v_mul / tl.where(total > 0, total, 1.0))
+    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def merge_splits(launch: SplitLaunch, *, v_mul: float) -> torch.Tensor:
+    """Merge the splits' partial outputs by log-sum-exp -> [B, Hq, D] in q's dtype, times ``v_mul``."""
+    b, hq, d = launch.q.shape
+    out = torch.empty(b, hq, d, dtype=launch.q.dtype, device=launch.q.device)
+    _merge_kernel[(b * hq,)](launch.o, launch.lse, out, v_mul, launch.splits, BLOCK_S=16, D=d, num_warps=4)
+    return out
