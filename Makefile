@@ -7,7 +7,7 @@ PY := PYTHONSAFEPATH=1 $(VENV)/bin/python
 # torch: the CPU build where no GPU is visible (never pull CUDA torch there).
 TORCH_PIN := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 'torch==2.13.0' || echo 'torch==2.13.0+cpu')
 
-.PHONY: venv install test demo lint clean
+.PHONY: venv install tools test demo lint clean
 
 $(VENV)/.stamp-deps: requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,13 @@ $(VENV)/.stamp-deps: requirements.txt requirements-dev.txt pyproject.toml
 install: $(VENV)/.stamp-deps
 	$(VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
 
-test: install
+# promtool (rule tests) and prometheus (the local stack's --prometheus, the
+# dashboard e2e test): Debian's prometheus package, installed when missing.
+tools:
+	@command -v promtool >/dev/null 2>&1 || { echo "installing Debian's prometheus package (promtool, prometheus)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+test: install tools
 	$(PY) -m mypy -p kvserving
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
