@@ -77,6 +77,7 @@ class OutputParser:
         self.mode = "content"  # "content" | "reasoning" | "call"
         self.call_text = ""
         self.calls: list[dict[str, Any]] = []
+        self.strip_newline = False
 
     @property
     def saw_tool_calls(self) -> bool:
@@ -126,6 +127,9 @@ class OutputParser:
                       tool_calls=calls)
 
     def _emit(self, text: str, deltas: list[dict[str, Any]]) -> None:
+        if self.strip_newline and text:  # the newlines the template puts after <think> and </think>
+            text = text.lstrip("\n")
+            self.strip_newline = not text
         if not text:
             return
         if self.mode == "call":
@@ -136,11 +140,12 @@ class OutputParser:
     def _switch(self, marker: str, deltas: list[dict[str, Any]]) -> None:
         if marker == THINK_OPEN:
             self.mode = "reasoning"
+            self.strip_newline = True
         elif marker == CALL_OPEN:
             self.mode, self.call_text = "call", ""
         elif marker == THINK_CLOSE:
             self.mode = "content"
-            self.buffer = self.buffer.lstrip("\n")
+            self.strip_newline = True
         elif marker == CALL_CLOSE:
             self.mode = "content"
             call = _tool_call(self.call_text, index=len(self.calls))

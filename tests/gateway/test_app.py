@@ -57,3 +57,181 @@ def test_chat_sync_answers_the_workers_tokens_with_exact_usage(stack: Stack, tok
     assert body["input_ids"] == ids
     assert body["sampling"]["temperature"] == 0
     assert body["retain"] is False and body["conversation_key"] is None
+
+
+def test_max_tokens_cut_is_length_and_max_completion_tokens_wins(stack: Stack, tok: TextTokenizer) -> None:
+    reply = tok.encode_ids(REPLY)
+    worker = stack.worker(role="both", reply_ids=reply)
+    gw = stack.gateway(decode=[worker.url])
+    c = client(gw)
+    out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 3
+    assert out.choices[0].message.content == tok.decode(reply[:3], skip_special_tokens=False)
+    assert worker.received[-1]["sampling"]["max_tokens"] == 3
+    out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                    max_completion_tokens=5)
+    assert worker.received[-1]["sampling"]["max_tokens"] == 5
+    assert out.usage.completion_tokens == 5
+
+
+def test_streaming_chunks_join_to_the_reply_and_usage_comes_last(stack: Stack, tok: TextTokenizer) -> None:
+    reply = tok.encode_ids(REPLY)
+    worker = stack.worker(role="both", reply_ids=reply)
+    gw = stack.gateway(decode=[worker.url])
+    chunks = list(client(gw).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "stream please"}], stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == REPLY
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(reply)
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_async_client_concurrent_requests(stack: Stack, tok: TextTokenizer) -> None:
+    reply = tok.encode_ids(REPLY)
+    worker = stack.worker(role="both", reply_ids=reply, token_delay_s=0.01)
+    gw = stack.gateway(decode=[worker.url])
+
+    async def main() -> list[str]:
+        ac = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=20)
+        outs = await asyncio.gather(*(
+            ac.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}]) for i in range(8)))
+        await ac.close()
+        return [o.choices[0].message.content or "" for o in outs]
+
+    assert asyncio.run(main()) == [REPLY] * 8
+    assert gw.metric("kvserving_gateway_requests_total", {"route": "/v1/chat/completions", "code": "200"}) == 8
+    assert gw.metric("kvserving_gateway_requests_in_flight") == 0
+
+
+def test_multi_turn_reports_cached_tokens_of_the_previous_turn(stack: Stack, tok: TextTokenizer, tiny_model_dir: Path) -> None:
+    reply = tok.encode_ids(REPLY)
+    worker = stack.worker(role="both", reply_ids=reply)
+    gw = stack.gateway(decode=[worker.url], prefill=[worker.url])
+    c = client(gw)
+    messages = [{"role": "system", "content": "You are a coding agent. " * 8}, {"role": "user", "content": "List the files."}]
+    first = c.chat.completions.create(model=MODEL, messages=messages, extra_headers={"X-Session-ID": "s1"})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert worker.received[-1]["conversation_key"] is not None and worker.received[-1]["retain"] is True
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Now read main.py."}]
+    second = c.chat.completions.create(model=MODEL, messages=messages, extra_headers={"X-Session-ID": "s1"})
+    # The fake keeps prompt + output of turn 1 as full pages; turn 2's prompt starts with them.
+    turn1 = prompt_ids(tiny_model_dir, tok, messages[:2]) + reply
+    turn2 = prompt_ids(tiny_model_dir, tok, messages)
+    common = 0
+    while common < min(len(turn1), len(turn2)) and turn1[common] == turn2[common]:
+        common += 1
+    assert second.usage.prompt_tokens == len(turn2)
+    assert second.usage.prompt_tokens_details.cached_tokens == common // PAGE_SIZE * PAGE_SIZE > 0
+    assert gw.metric("kvserving_gateway_kv_reused_tokens_total", {"source": "local"}) == common // PAGE_SIZE * PAGE_SIZE
+
+
+def test_stop_string_ends_the_reply_and_aborts_upstream(stack: Stack, tok: TextTokenizer) -> None:
+    reply = tok.encode_ids(REPLY)
+    worker = stack.worker(role="both", reply_ids=reply, token_delay_s=0.02)
+    gw = stack.gateway(decode=[worker.url])
+    out = client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stop=["fake"])
+    assert out.choices[0].message.content == "Hello from the "
+    assert out.choices[0].finish_reason == "stop"
+    rid = worker.received[-1]["request_id"]
+    _wait(lambda: rid in worker.aborted)
+    assert out.usage.completion_tokens < len(reply)
+
+
+def test_stream_stop_string_split_across_tokens(stack: Stack, tok: TextTokenizer) -> None:
+    reply = tok.encode_ids(REPLY)
+    worker = stack.worker(role="both", reply_ids=reply)
+    gw = stack.gateway(decode=[worker.url])
+    chunks = list(client(gw).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], stop="several words", stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Hello from the fake worker, with "
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_client_disconnect_aborts_the_upstream_request(stack: Stack, tok: TextTokenizer) -> None:
+    worker = stack.worker(role="both", reply_ids=tok.encode_ids(REPLY) * 20, token_delay_s=0.05)
+    gw = stack.gateway(decode=[worker.url])
+    stream = client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True)
+    next(iter(stream))
+    stream.close()
+    rid = worker.received[-1]["request_id"]
+    _wait(lambda: rid in worker.aborted)
+    _wait(lambda: gw.metric("kvserving_gateway_requests_in_flight") == 0)
+
+
+def test_client_disconnect_before_the_first_token_aborts_too(stack: Stack, tok: TextTokenizer) -> None:
+    worker = stack.worker(role="both", reply_ids=tok.encode_ids(REPLY), token_delay_s=5.0)
+    gw = stack.gateway(decode=[worker.url])
+    with pytest.raises(openai.APITimeoutError):
+        openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=0.5).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}])
+    _wait(lambda: bool(worker.received) and worker.received[-1]["request_id"] in worker.aborted)
+
+
+def test_tools_and_reasoning_multi_turn(stack: Stack, tok: TextTokenizer, tiny_model_dir: Path) -> None:
+    said = '<think>\nI should list the directory.\n</think>\n\n<tool_call>\n{"name": "ls", "arguments": {"path": "."}}\n</tool_call>'
+    worker = stack.worker(role="both", reply_ids=tok.encode_ids(said))
+    gw = stack.gateway(decode=[worker.url])
+    c = client(gw)
+    tools = [{"type": "function", "function": {"name": "ls", "description": "list a directory",
+                                               "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+    messages: list[dict] = [{"role": "user", "content": "What is here?"}]
+    out = c.chat.completions.create(model=MODEL, messages=messages, tools=tools, prompt_cache_key="agent-1")
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert choice.message.reasoning_content == "I should list the directory.\n"  # type: ignore[attr-defined]
+    call = choice.message.tool_calls[0]
+    assert (call.function.name, call.function.arguments) == ("ls", '{"path": "."}')
+    messages += [
+        {"role": "assistant", "content": None, "reasoning_content": "I should list the directory.",
+         "tool_calls": [{"id": call.id, "type": "function", "function": {"name": "ls", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "main.py\nREADME.md"},
+    ]
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, tools=tools, prompt_cache_key="agent-1",
+                                            stream=True, stream_options={"include_usage": True}))
+    calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name, tc.function.arguments) for tc in calls] == [(0, "ls", '{"path": "."}')]
+    reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices)
+    assert reasoning == "I should list the directory.\n"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+    assert worker.received[-1]["input_ids"] == prompt_ids(tiny_model_dir, tok, messages, tools)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_text_completions_sync_and_stream(stack: Stack, tok: TextTokenizer) -> None:
+    reply = tok.encode_ids(REPLY)
+    worker = stack.worker(role="both", reply_ids=reply)
+    gw = stack.gateway(decode=[worker.url])
+    c = client(gw)
+    out = c.completions.create(model=MODEL, prompt="def main():", max_tokens=50)
+    assert out.choices[0].text == REPLY and out.choices[0].finish_reason == "stop"
+    assert worker.received[-1]["input_ids"] == tok.encode_ids("def main():")
+    assert out.usage.prompt_tokens == len(tok.encode_ids("def main():"))
+    chunks = list(c.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == tok.decode(reply[:2], skip_special_tokens=False)
+    assert worker.received[-1]["input_ids"] == [1, 2, 3]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+
+
+def test_models_lists_the_served_model(stack: Stack) -> None:
+    worker = stack.worker(role="both")
+    gw = stack.gateway(decode=[worker.url])
+    models = client(gw).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def _wait(pred, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
