@@ -6,6 +6,17 @@ equivalent that also sees `operator/`, a namespace portion import-linter skips).
     gateway   imports neither worker nor kernels
     operator  imports neither worker nor kernels
     config    imports no component
+
+Inside ``worker/``, the engine's layers, lowest first (a module never imports,
+directly or through other worker modules, one ranked above it)::
+
+    page_pool < triaxial_pool < precision, sequence < kv_manager < kv_cache
+      < scheduler < model_runner < engine < async_engine and the server side
+      (server, main, metrics, kv_transfer, nixl_io)
+
+Worker modules not listed (model code, storage, new files) are not ranked: what
+they import is not checked, but a ranked module that imports one inherits its
+imports, so an unlisted module cannot smuggle a higher layer into a lower one.
 """
 
 from __future__ import annotations
@@ -61,8 +72,62 @@ def test_component_layers(folder: str) -> None:
 
 
 def test_config_and_tags_import_no_component() -> None:
-    files = [ROOT / "common" / "config.py", ROOT / "common" / "tags.py"]
+    # (model_dir.py imports the worker's tiny model on purpose, lazily: it builds it on demand)
+    files = [ROOT / "common" / "config.py", ROOT / "common" / "tags.py", ROOT / "common" / "bits.py"]
     assert _violations("kvserving", files, COMPONENTS) == []
+
+
+WORKER_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("page_pool",),
+    ("triaxial_pool",),
+    ("precision", "sequence"),
+    ("kv_manager",),
+    ("kv_cache",),
+    ("scheduler",),
+    ("model_runner",),
+    ("engine",),
+    ("async_engine", "server", "main", "metrics", "kv_transfer", "nixl_io"),
+)
+
+
+def worker_imports(folder: Path) -> dict[str, set[str]]:
+    """worker module -> the worker modules it imports (lazy imports inside functions included)."""
+    prefix = "kvserving.worker."
+    graph: dict[str, set[str]] = {}
+    for path in sorted(folder.glob("*.py")):
+        names = imported_modules(path, "kvserving.worker")
+        graph[path.stem] = {n[len(prefix):].split(".")[0] for n in names if n.startswith(prefix)} - {path.stem}
+    return graph
+
+
+def layer_violations(graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...]) -> list[str]:
+    rank = {m: i for i, group in enumerate(layers) for m in group}
+    bad = []
+    for module in sorted(m for m in graph if m in rank):
+        seen: set[str] = set()
+        todo = [(dep, (module, dep)) for dep in sorted(graph[module])]
+        while todo:
+            dep, chain = todo.pop()
+            if dep in seen:
+                continue
+            seen.add(dep)
+            if rank.get(dep, -1) > rank[module]:
+                bad.append(" -> ".join(chain))
+            todo.extend((d, (*chain, d)) for d in sorted(graph.get(dep, ())))
+    return bad
+
+
+def test_worker_layers() -> None:
+    graph = worker_imports(ROOT / "worker")
+    missing = [m for group in WORKER_LAYERS for m in group[:1] if m not in graph]
+    assert missing == []  # the first module of every layer exists (the rule is not vacuous)
+    assert layer_violations(graph, WORKER_LAYERS) == []
+
+
+def test_the_worker_checker_follows_unlisted_modules() -> None:
+    layers = (("low",), ("high",))
+    graph = {"low": {"helper"}, "helper": {"high"}, "high": {"low"}, "other": {"high"}}
+    assert layer_violations(graph, layers) == ["low -> helper -> high"]
 
 
 def test_the_checker_sees_a_violation(tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ class ModelRunner:
         self.model = model
         self.attention = attention
         self.page_size = attention.storage.page_size
+        # Decode gets per-row INT2 page counts exactly when the storage has INT2 pages.
+        self.has_int2 = attention.storage.int2_layout is not None
         self.device = device
 
     def _metadata(self, chunks: list[ScheduledChunk]) -> AttentionMetadata:
@@ -72,7 +74,8 @@ class ModelRunner:
             padded = [x + [0] * (width - len(x)) for x in decode_tables]
             meta.page_table = torch.tensor(padded, dtype=torch.int32, device=self.device)
             meta.seq_lens = t(decode_lens, torch.int32)
-            meta.num_int2_pages = t(decode_int2, torch.int32)
+            if self.has_int2:
+                meta.num_int2_pages = t(decode_int2, torch.int32)
         return meta
 
     @torch.inference_mode()

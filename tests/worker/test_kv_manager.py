@@ -4,15 +4,16 @@ only at their request's precision or a more precise one."""
 from __future__ import annotations
 
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
-from kvserving.tags import default_bits_table, encode_tag
+from kvserving.tags import NUM_TAGS, encode_tag
 from kvserving.worker.kv_manager import KVCacheManager
 from kvserving.worker.page_pool import PagePool
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence
 from kvserving.worker.triaxial_pool import TriaxialPagePool
 
-OLD = encode_tag("older", "text", "user")  # 2 bits in the default table
+OLD = encode_tag("older", "text", "user")  # 2 bits in TABLE
 NOW = encode_tag("current", "text", "user")  # 4 bits
+TABLE = tuple(2 if t == OLD else 4 for t in range(NUM_TAGS))
 TOKENS = list(range(100, 165))  # two full pages of 32 and one token
 
 
@@ -33,7 +34,7 @@ def run_and_cache(kv: KVCacheManager, s: Sequence) -> list[int]:
 
 def triaxial_manager() -> KVCacheManager:
     pool = TriaxialPagePool(64 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=32)
-    return KVCacheManager(pool, page_size=32, bits_table=default_bits_table())
+    return KVCacheManager(pool, page_size=32, bits_table=TABLE)
 
 
 def test_int2_pages_are_not_reused_where_int4_is_wanted() -> None:

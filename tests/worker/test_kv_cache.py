@@ -1,0 +1,91 @@
+"""build_kv_cache: one object with storage, pool and manager; the bits table and
+the capacity follow the bit budget; imported pages join the prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserving.bits import bits_table_for_budget
+from kvserving.config import KVCacheConfig
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG as F
+from kvserving.tags import NUM_TAGS
+from kvserving.worker.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, build_kv_cache, kv_budget_bytes
+from kvserving.worker.kv_storage import KVShape
+from kvserving.worker.page_pool import PagePool
+from kvserving.worker.triaxial_pool import TriaxialPagePool
+
+SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=64)
+MIB = 1 << 20
+
+
+def build(dtype: str = "triaxial", *, budget: float | None = None, table: list[int] | None = None) -> KVCache:
+    return build_kv_cache(
+        KVCacheConfig(dtype=dtype, bit_budget=budget), SHAPE,
+        budget_bytes=MIB, device="cpu", model_dtype=torch.float32, bits_table=table,
+    )
+
+
+def test_plain_formats_get_a_one_precision_pool() -> None:
+    kv = build("nvfp4")
+    assert isinstance(kv.pool, PagePool) and kv.pool.precisions == (4,)
+    assert kv.manager.pool is kv.pool and kv.bits_table is None
+    # nvfp4, 16 tokens x 2 heads x 64 dims: K and V data 2 x 1024 B + scales 2 x 128 B
+    assert kv.page_bytes == {4: 2304}
+    assert kv.num_pages == {4: (MIB // 2) // 2304} == {4: 227}
+    assert kv.capacity_tokens == 227 * 16 == kv.capacity_tokens_at(0.0)
+    assert kv.describe() == (
+        "kv cache nvfp4: page 16 tokens, 2 layers x 523008 B (2304 B per page per layer), capacity 3632 tokens"
+    )
+    with pytest.raises(ValueError, match="bits_table is only used by kv_cache.dtype 'triaxial', got 'nvfp4'"):
+        build("nvfp4", table=[4] * NUM_TAGS)
+
+
+def test_triaxial_table_and_capacity_follow_the_budget() -> None:
+    low, high = build(budget=2.5), build(budget=3.5)
+    assert isinstance(low.pool, TriaxialPagePool) and low.pool.precisions == (2, 4)
+    assert low.bits_table == bits_table_for_budget(2.5) and high.bits_table == bits_table_for_budget(3.5)
+    assert low.bits_table != high.bits_table
+    assert low.page_bytes == {4: 5120, 2: 3072}
+    assert low.num_pages == {4: 102, 2: 170}  # 512 KiB per layer
+    # expected INT2 share = share of 2-bit tokens: (4 - average) / 2
+    assert low.int2_share == pytest.approx((4 - 2.4845) / 2) and high.int2_share == pytest.approx((4 - 3.328) / 2)
+    assert (low.capacity_tokens, high.capacity_tokens, low.capacity_tokens_at(0.0)) == (4672, 3776, 3264)
+    assert low.capacity_tokens == low.pool.capacity_tokens(low.int2_share)
+    assert build().bits_table == bits_table_for_budget(2.7)  # the config's default budget
+    assert "bit budget 2.5 -> 2.48 average bits; bits table: current text IUARCOD image IUA.C.D;" in low.describe()
+
+
+def test_an_explicit_table_overrides_the_budget() -> None:
+    table = [4] * NUM_TAGS
+    kv = build(budget=2.5, table=table)
+    assert kv.bits_table == tuple(table) and kv.bit_budget is None
+    assert kv.int2_share == 0.0 and kv.capacity_tokens == 3264
+    assert "explicit table -> 4.00 average bits" in kv.describe()
+    with pytest.raises(ValueError, match="56 entries"):
+        build(table=[4])
+
+
+def test_imported_pages_join_the_prefix_cache() -> None:
+    kv = build(budget=2.5)
+    ids = kv.import_pages([2, 4, 2])
+    assert ids == [F | 0, 0, F | 1]
+    kv.register(ids, [11, 12, 13])
+    kv.free(ids)
+    assert [kv.pool.lookup(h) for h in (11, 12, 13)] == ids
+    assert kv.pool.num_owned == 0 and sorted(kv.pool.cached_page_ids()) == sorted(ids)
+    # a failed transfer: unregistered pages go straight back to the free list
+    again = kv.import_pages([4])
+    assert again == [1]
+    kv.free(again)
+    assert kv.pool.ref_count(1) == 0 and kv.pool.page(1) is None
+    with pytest.raises(ValueError, match="page_hashes has 1 entries for 2 pages"):
+        kv.register([0, 1], [5])
+    # all or nothing: more INT4 pages than the buffer holds
+    assert kv.import_pages([4] * 103) is None
+
+
+def test_budget_bytes_come_from_the_config_on_cpu() -> None:
+    cpu = torch.device("cpu")
+    assert kv_budget_bytes(KVCacheConfig(memory_bytes=12345), device=cpu) == 12345
+    assert kv_budget_bytes(KVCacheConfig(memory_fraction=0.5), device=cpu) == DEFAULT_CPU_KV_BYTES // 2

@@ -1,0 +1,179 @@
+"""The engine's KV cache, assembled in one place: storage (bytes), pool (page
+ids) and manager (sequences -> pages), and the numbers a server reports.
+
+``build_kv_cache`` is the only code that knows how the three fit together and
+the only place that asks whether the format stores INT2 pages (triaxial): it
+then builds the dual-ended pool and a bits table, and everything above asks
+the pool (``pool.precisions``, ``pool.allocate(page_bits)``) instead.
+
+Pages for KV transfer: ``import_pages`` and ``register`` receive pulled KV;
+leases (``pool.pin`` / ``renew`` / ``release``) and what a finished request
+keeps are ``worker/leases.py``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+import torch
+
+from kvserving.bits import average_bits, bits_table_for_budget, format_bits_table, int2_share
+from kvserving.config import KVCacheConfig
+from kvserving.tags import validate_bits_table
+from kvserving.worker.kv_manager import KVCacheManager
+from kvserving.worker.kv_storage import KVShape, KVStorage
+from kvserving.worker.page_pool import PagePool, PagePoolBase
+from kvserving.worker.triaxial_pool import TriaxialPagePool
+
+# KV budget on a machine without a GPU when the config names no byte count.
+DEFAULT_CPU_KV_BYTES = 256 * 2**20
+
+
+class KVCache:
+    """Storage + pool + manager of one engine (build it with ``build_kv_cache``)."""
+
+    def __init__(
+        self,
+        storage: KVStorage,
+        pool: PagePoolBase,
+        manager: KVCacheManager,
+        *,
+        bit_budget: float | None,
+    ) -> None:
+        self.storage = storage
+        self.pool = pool
+        self.manager = manager
+        # The budget the bits table was derived from; None for an explicit table or a one-precision format.
+        self.bit_budget = bit_budget
+
+    # -- shape and capacity ---------------------------------------------------------------
+    @property
+    def dtype(self) -> str:
+        return self.storage.kv_dtype
+
+    @property
+    def page_size(self) -> int:
+        return self.storage.page_size
+
+    @property
+    def bits_table(self) -> tuple[int, ...] | None:
+        """Tag -> bits; None when every page is 4-bit (formats without INT2 pages)."""
+        return self.manager.bits_table
+
+    @property
+    def page_bytes(self) -> dict[int, int]:
+        """Bytes of one page in one layer, by precision (4: the format's only or INT4 pages)."""
+        out = {4: self.storage.layout.page_bytes}
+        if self.storage.int2_layout is not None:
+            out[2] = self.storage.int2_layout.page_bytes
+        return out
+
+    @property
+    def num_pages(self) -> dict[int, int]:
+        """Pages the buffer holds when all of them are at one precision, by precision."""
+        return {bits: self.storage.total_bytes // size for bits, size in self.page_bytes.items()}
+
+    @property
+    def int2_share(self) -> float:
+        """Expected share of INT2 pages: the share of 2-bit tokens under the default class
+        frequencies (``kvserving.bits``). An upper estimate: a page is INT2 only when all of
+        its tokens are 2-bit. 0 for formats without INT2 pages."""
+        table = self.bits_table
+        return 0.0 if table is None else int2_share(table)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the cache holds at the expected INT2 share."""
+        return self.pool.capacity_tokens(self.int2_share)
+
+    def capacity_tokens_at(self, frac_int2: float) -> int:
+        """Tokens the cache holds when ``frac_int2`` of the pages are INT2 (0: all 4-bit)."""
+        return self.pool.capacity_tokens(frac_int2)
+
+    def describe(self) -> str:
+        """One line for the log: format, pages, capacity and the bits table."""
+        sizes = ", ".join(f"INT{b} {n} B" for b, n in sorted(self.page_bytes.items(), reverse=True))
+        if len(self.page_bytes) == 1:
+            sizes = f"{self.page_bytes[4]} B"
+        line = (
+            f"kv cache {self.dtype}: page {self.page_size} tokens, {self.storage.shape.num_layers} layers x "
+            f"{self.storage.total_bytes} B ({sizes} per page per layer), "
+            f"capacity {self.capacity_tokens} tokens"
+        )
+        table = self.bits_table
+        if table is None:
+            return line
+        source = f"bit budget {self.bit_budget:g}" if self.bit_budget is not None else "explicit table"
+        return (
+            f"{line} at INT2 share {self.int2_share:.2f} ({self.capacity_tokens_at(0.0)} all-INT4); "
+            f"{source} -> {average_bits(table):.2f} average bits; bits table: {format_bits_table(table)}"
+        )
+
+    # -- pages for KV transfer ------------------------------------------------------------
+    def import_pages(self, page_bits: Seq[int]) -> list[int] | None:
+        """Pages to receive pulled KV: one per entry of ``page_bits``, ref 1 each, all or
+        nothing. Fill them, then ``register`` their hashes and ``free`` them (they stay
+        cached), or ``free`` them unregistered on a failed transfer (they go back free)."""
+        return self.pool.allocate(page_bits)
+
+    def register(self, page_ids: Seq[int], page_hashes: Seq[int]) -> None:
+        """Publish owned, filled pages to the prefix cache under their chained hashes."""
+        if len(page_ids) != len(page_hashes):
+            raise ValueError(f"page_hashes has {len(page_hashes)} entries for {len(page_ids)} pages")
+        for pid, h in zip(page_ids, page_hashes):
+            self.pool.register(pid, h)
+
+    def free(self, page_ids: Seq[int]) -> None:
+        """Drop one ref per page (see ``PagePoolBase.free``)."""
+        self.pool.free(page_ids)
+
+
+def kv_budget_bytes(kv_config: KVCacheConfig, *, device: torch.device, reserved_bytes: int = 0) -> int:
+    """Bytes for the KV pool: ``memory_bytes`` if set, else ``memory_fraction`` of the GPU's
+    free memory minus ``reserved_bytes`` (what is allocated after the pool), else of
+    ``DEFAULT_CPU_KV_BYTES`` on a machine without a GPU."""
+    if kv_config.memory_bytes is not None:
+        return kv_config.memory_bytes
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * kv_config.memory_fraction) - reserved_bytes
+    return int(DEFAULT_CPU_KV_BYTES * kv_config.memory_fraction)
+
+
+def build_kv_cache(
+    kv_config: KVCacheConfig,
+    model_shape: KVShape,
+    *,
+    budget_bytes: int,
+    device: torch.device | str,
+    model_dtype: torch.dtype,
+    bits_table: Seq[int] | None = None,
+) -> KVCache:
+    """Storage, pool and manager for ``kv_config`` in ``budget_bytes``.
+
+    Triaxial: ``bits_table`` if given, else the table ``kvserving.bits`` derives from
+    ``kv_config.effective_bit_budget``. Other formats have one precision and refuse a table.
+    """
+    page_size = kv_config.effective_page_size
+    storage = KVStorage(
+        kv_config.dtype, model_shape, page_size=page_size, budget_bytes=budget_bytes,
+        device=device, model_dtype=model_dtype,
+    )
+    if storage.int2_layout is None:
+        if bits_table is not None:
+            raise ValueError(f"bits_table is only used by kv_cache.dtype 'triaxial', got {kv_config.dtype!r}")
+        pool: PagePoolBase = PagePool(storage.num_pages, page_size=page_size)
+        return KVCache(storage, pool, KVCacheManager(pool, page_size=page_size), bit_budget=None)
+    budget = None
+    if bits_table is not None:
+        table = validate_bits_table(list(bits_table))
+    else:
+        budget = kv_config.effective_bit_budget
+        assert budget is not None  # set for triaxial
+        table = bits_table_for_budget(budget)
+    pool = TriaxialPagePool(
+        storage.total_bytes,
+        int4_page_bytes=storage.layout.page_bytes,
+        int2_page_bytes=storage.int2_layout.page_bytes,
+        page_size=page_size,
+    )
+    return KVCache(storage, pool, KVCacheManager(pool, page_size=page_size, bits_table=table), bit_budget=budget)
