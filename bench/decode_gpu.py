@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from kvserving.kernels import triton_decode, triton_paged
-from kvserving.kernels.layout import INT2_PAGE_FLAG, PageLayout
+from kvserving.kernels import paged_ops, triton_decode, triton_gather, triton_write
+from kvserving.kernels.layout import PageLayout
+from kvserving.kernels.options import KernelOptions
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG
+from kvserving.kernels.paged_kv import PagedKV
 
 HQ, H, D = 32, 8, 128
 SHAPES = [(64, 4096), (32, 32768), (4, 131072), (1, 131072)]
@@ -35,6 +37,7 @@ FORMATS = ["bf16", "fp8_e4m3", "nvfp4", "triaxial"]
 INT2_SHARE = 0.65  # of pages: 0.65 * 2 + 0.35 * 4 = 2.7 average code bits
 FP8_SCALE = 0.05
 NVFP4_G = 1.0 / (6 * 448) * 8
+OPTIONS = KernelOptions.from_env()  # the production choice of decode kernel and decoders
 
 
 def time_ms(fn: Callable[[], object], *, target_ms: float = 30.0) -> float:
@@ -110,6 +113,8 @@ class Pool:
         self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         self.num_int2 = torch.full((batch,), self.n2, dtype=torch.int32, device="cuda") if self.tri else None
         self.scale = {"fp8_e4m3": FP8_SCALE, "nvfp4": NVFP4_G}.get(fmt, 1.0)
+        self.kv = PagedKV(self.buffer, self.layout, self.scale, self.scale, self.int2, self.bytes_total)
+        self.last_kernel: Any = None  # compiled kernel of the last decode (resources)
         self._fill(ids4, ids2)
 
     @property
@@ -124,20 +129,28 @@ class Pool:
             tok = torch.arange(t0, min(t0 + chunk, tok_total), device="cuda")
             k = torch.randn(tok.numel(), H, D, device="cuda", dtype=torch.bfloat16) * 2
             v = torch.randn_like(k)
-            triton_paged.write_kv(self.buffer, self.layout, k, v, ids4[tok // self.p], (tok % self.p).int(),
-                                  k_scale=self.scale, v_scale=self.scale)  # fmt: skip
+            triton_write.write_kv(self.kv, k, v, ids4[tok // self.p], (tok % self.p).int())
         for p0 in range(0, self.pages2, 1024):
             n = min(1024, self.pages2 - p0)
             k = torch.randn(n, self.p, H, D, device="cuda", dtype=torch.bfloat16) * 2
             v = torch.randn_like(k)
-            triton_paged.write_int2_pages(self.buffer, self.int2_pages, k, v, ids2[p0 : p0 + n], total_bytes=self.bytes_total)
+            triton_write.write_int2_pages(self.kv, k, v, ids2[p0 : p0 + n])
 
-    def decode(self, q: torch.Tensor, **kw: Any) -> torch.Tensor:
-        return triton_decode.decode_attention(
-            q, self.buffer, self.layout, self.page_table, self.seq_lens, sm_scale=D**-0.5,
-            k_scale=self.scale, v_scale=self.scale, int2_layout=self.int2, num_int2_pages=self.num_int2,
-            total_bytes=self.bytes_total, **kw,
-        )  # fmt: skip
+    def decode(self, q: torch.Tensor, *, kernel: str | None = None, tuning: dict[str, int] | None = None,
+               fast: bool | None = None, probe: int = 0, part: int | None = None) -> torch.Tensor:  # fmt: skip
+        """Decode through ``kernel`` ("tl", "gluon"; None: the one paged_ops.decode_kernel picks), keeping the
+        compiled kernel; probe / part: the benchmark-only variants of triton_decode / gluon_decode.launch_decode."""
+        kernel = kernel or paged_ops.decode_kernel(q, self.kv, options=OPTIONS)
+        args = (q, self.kv, self.page_table, self.seq_lens)
+        kw: dict[str, Any] = dict(sm_scale=D**-0.5, num_int2_pages=self.num_int2, tuning=tuning)
+        if kernel == "gluon":
+            from kvserving.kernels import gluon_decode
+
+            out, self.last_kernel = gluon_decode.launch_decode(*args, **kw, part=part)
+        else:
+            fast = OPTIONS.fast_decoders(q.device) if fast is None else fast
+            out, self.last_kernel = triton_decode.launch_decode(*args, **kw, fast=fast, probe=probe)
+        return out
 
 
 def flashinfer_decode(pool: Pool, q: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -164,8 +177,8 @@ SWEEP = [  # (pages per iteration, INT2 pages per iteration, warps, pipeline sta
 ]
 
 
-def resources() -> str:
-    k: Any = triton_decode.LAST_KERNEL[0] if triton_decode.LAST_KERNEL else None
+def resources(pool: Pool) -> str:
+    k = pool.last_kernel
     if k is None:
         return ""
     return f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} smem {k.metadata.shared}"
@@ -202,8 +215,8 @@ def main() -> None:
             pool_bytes = pool.bytes_total
             ms = time_ms(lambda: pool.decode(q))
             outs[fmt] = pool.decode(q).float()
-            record(shape, f"ours {fmt}", ms, pool_bytes, resources=resources())
-            print("      " + resources(), flush=True)
+            record(shape, f"ours {fmt}", ms, pool_bytes, resources=resources(pool))
+            print("      " + resources(pool), flush=True)
             if fmt in ("nvfp4", "triaxial"):
                 # the tl kernel (what CI's interpreter runs) next to the default Gluon one
                 t = time_ms(lambda: pool.decode(q, kernel="tl"))
@@ -219,43 +232,40 @@ def main() -> None:
                     regs = base.get("maxnreg", 0)
                     cfg = {**base, "num_warps": warps, "PPSM": ppsm, "maxnreg": regs}
                     try:
-                        t = time_ms(lambda: pool.decode(q, tuning=cfg))
+                        t = time_ms(lambda: pool.decode(q, kernel="gluon", tuning=cfg))
                     except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
                         print(f"  {fmt} gluon {cfg}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                         continue
-                    record(shape, f"  {fmt} gluon w{warps} ppsm{ppsm} r{regs}", t, pool_bytes, tuning=cfg, resources=resources())
-                    print("      " + resources(), flush=True)
+                    record(shape, f"  {fmt} gluon w{warps} ppsm{ppsm} r{regs}", t, pool_bytes, tuning=cfg, resources=resources(pool))
+                    print("      " + resources(pool), flush=True)
                 if fmt == "triaxial" and shape == (32, 32768):
                     for part in (2, 4):  # one precision's splits, uncapped registers
-                        cfg = {**base, "PART": part, "maxnreg": 0}
-                        t = time_ms(lambda: pool.decode(q, tuning=cfg))
-                        record(shape, f"  triaxial gluon INT{part} launch only", t, pool_bytes, resources=resources())
-                        print("      " + resources(), flush=True)
+                        cfg = {**base, "maxnreg": 0}
+                        t = time_ms(lambda: pool.decode(q, kernel="gluon", tuning=cfg, part=part))
+                        record(shape, f"  triaxial gluon INT{part} launch only", t, pool_bytes, resources=resources(pool))
+                        print("      " + resources(pool), flush=True)
             if args.sweep and shape == (32, 32768) and fmt not in ("nvfp4", "triaxial"):
                 for ppi, ppi2, warps, stages, regs in SWEEP:
                     if fmt != "triaxial" and ppi2 != ppi:
                         continue
                     cfg = {"PPI": ppi, "PPI2": ppi2, "num_warps": warps, "NUM_STAGES": stages, "PPSM": 16, "maxnreg": regs}
                     try:
-                        t = time_ms(lambda: pool.decode(q, tuning=cfg))
+                        t = time_ms(lambda: pool.decode(q, kernel="tl", tuning=cfg))
                     except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
                         print(f"  {fmt} {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                         continue
-                    record(shape, f"  {fmt} {ppi}/{ppi2}/{warps}/{stages}/r{regs}", t, pool_bytes, tuning=cfg, resources=resources())
-                    print("      " + resources(), flush=True)
-                if fmt in ("nvfp4", "triaxial"):
-                    cfg = {**triton_decode.TUNING[pool.layout.fmt], "PROBE": 1}
-                    t = time_ms(lambda: pool.decode(q, tuning=cfg))
-                    record(shape, f"  {fmt} probe: no unpacking", t, pool_bytes)
+                    record(shape, f"  {fmt} {ppi}/{ppi2}/{warps}/{stages}/r{regs}", t, pool_bytes, tuning=cfg, resources=resources(pool))
+                    print("      " + resources(pool), flush=True)
+                t = time_ms(lambda: pool.decode(q, kernel="tl", fast=False))
+                record(shape, f"  {fmt} arithmetic decoders", t, pool_bytes)
+            if args.sweep and shape == (32, 32768) and fmt in ("nvfp4", "triaxial"):
+                # the tl kernel's timing probes: no unpacking; one precision's launch of triaxial rows
+                t = time_ms(lambda: pool.decode(q, kernel="tl", probe=1))
+                record(shape, f"  {fmt} tl probe: no unpacking", t, pool_bytes)
                 if fmt == "triaxial":
                     for part in (2, 4):
-                        cfg = {**triton_decode.TUNING["int4"], "PROBE": part, "PPI2": 1}
-                        t = time_ms(lambda: pool.decode(q, tuning=cfg))
-                        record(shape, f"  triaxial INT{part} launch only", t, pool_bytes)
-                os.environ["KVSERVING_TRITON_FAST"] = "0"
-                t = time_ms(lambda: pool.decode(q))
-                record(shape, f"  {fmt} arithmetic decoders", t, pool_bytes)
-                del os.environ["KVSERVING_TRITON_FAST"]
+                        t = time_ms(lambda: pool.decode(q, kernel="tl", tuning={"PPI2": 1}, probe=part))
+                        record(shape, f"  triaxial tl INT{part} launch only", t, pool_bytes)
             if args.flashinfer and fmt in ("bf16", "fp8_e4m3"):
                 try:
                     fn = flashinfer_decode(pool, q)
@@ -271,21 +281,20 @@ def main() -> None:
                 ids = pool.page_table[:, pool.n2 :].flatten()[tok // pool.p].contiguous()
                 slots = (tok % pool.p).int()
                 wbytes = 2 * k.numel() * 2 + 32768 // pool.p * pool.layout.page_bytes
-                t = time_ms(lambda: triton_paged.write_kv(pool.buffer, pool.layout, k, k, ids, slots, k_scale=pool.scale, v_scale=pool.scale))
+                t = time_ms(lambda: triton_write.write_kv(pool.kv, k, k, ids, slots))
                 record(shape, f"write_kv {pool.layout.fmt}", t, wbytes)
                 if pool.tri:
                     pk = torch.randn(1024, pool.p, H, D, device="cuda", dtype=torch.bfloat16)
                     ids2 = pool.page_table[:, : pool.n2].flatten()[:1024].contiguous()
                     wb2 = 2 * pk.numel() * 2 + 1024 * pool.int2_pages.page_bytes
-                    t = time_ms(lambda: triton_paged.write_int2_pages(pool.buffer, pool.int2_pages, pk, pk, ids2, total_bytes=pool.bytes_total))
+                    t = time_ms(lambda: triton_write.write_int2_pages(pool.kv, pk, pk, ids2))
                     record(shape, "write_int2_pages", t, wb2)
                 # extend: dequantize one sequence's whole cached prefix into a bf16 workspace
                 ws_k = torch.empty(ctx, H, D, device="cuda", dtype=torch.bfloat16)
                 ws_v = torch.empty_like(ws_k)
                 row = pool.page_table[0]
                 gbytes = pool.n4 * pool.layout.page_bytes + pool.n2 * (pool.int2.page_bytes if pool.int2 else 0) + 2 * ws_k.numel() * 2
-                t = time_ms(lambda: triton_paged.gather_kv(pool.buffer, pool.layout, row, ctx, ws_k, ws_v, k_scale=pool.scale,
-                                                           v_scale=pool.scale, int2_layout=pool.int2, total_bytes=pool.bytes_total))  # fmt: skip
+                t = time_ms(lambda: triton_gather.gather_kv(pool.kv, row, ctx, ws_k, ws_v))
                 record(shape, f"gather_kv {fmt} ({ctx} tok)", t, gbytes)
             del pool
             torch.cuda.empty_cache()

@@ -34,9 +34,11 @@ import triton
 import triton.language as tl
 
 from kvserving.kernels import paged_ref, triton_write
-from kvserving.kernels.layout import INT2_PAGE_FLAG, PageLayout
+from kvserving.kernels.layout import PageLayout
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG
+from kvserving.kernels.paged_kv import PagedKV
 from kvserving.kernels.triton_codec import rne
-from kvserving.kernels.triton_decode import field_offsets
+from kvserving.kernels.triton_common import field_offsets
 
 T, H, D = 32768, 8, 128
 INT2_PAGES = 1024
@@ -235,13 +237,14 @@ def main() -> int:
         slots = (tok % p).int()
         buf = torch.zeros(n * layout.page_bytes, dtype=torch.uint8, device="cuda")
         sc = SCALES[fmt]
-        triton_write.write_kv(buf, layout, k, v, ids, slots, k_scale=sc, v_scale=sc, tuning=tuning)
+        kv = PagedKV(buf, layout, sc, sc)
+        triton_write.write_kv(kv, k, v, ids, slots, tuning=tuning)
         if fmt not in refs:
             ref = torch.zeros(n * layout.page_bytes, dtype=torch.uint8)
-            paged_ref.write_kv(ref, layout, kc, vc, ids.cpu(), slots.cpu(), k_scale=sc, v_scale=sc)
+            paged_ref.write_kv(PagedKV(ref, layout, sc, sc), kc, vc, ids.cpu(), slots.cpu())
             refs[fmt] = ref
         check = "OK" if torch.equal(buf.cpu(), refs[fmt]) else "MISMATCH"
-        ms = time_ms(lambda: triton_write.write_kv(buf, layout, k, v, ids, slots, k_scale=sc, v_scale=sc, tuning=tuning))
+        ms = time_ms(lambda: triton_write.write_kv(kv, k, v, ids, slots, tuning=tuning))
         record(label, ms, in_bytes + n * layout.page_bytes, check)
         if fmt == "int4" and tuning is None and not args.no_old:
             buf.zero_()
@@ -257,22 +260,24 @@ def main() -> int:
     total = INT2_PAGES * layout2.page_bytes
     ids2 = (torch.randperm(INT2_PAGES, generator=torch.Generator().manual_seed(2)) | INT2_PAGE_FLAG).int()
     ref2 = torch.zeros(total, dtype=torch.uint8)
-    paged_ref.write_int2_pages(ref2, layout2, pk.cpu(), pv.cpu(), ids2, total_bytes=total)
+    layout4 = PageLayout.build("int4", page_size=32, kv_heads=H, head_dim=D)
+    paged_ref.write_int2_pages(PagedKV(ref2, layout4, int2_layout=layout2), pk.cpu(), pv.cpu(), ids2)
     ids2 = ids2.cuda()
     buf2 = torch.zeros(total, dtype=torch.uint8, device="cuda")
+    kv2 = PagedKV(buf2, layout4, int2_layout=layout2)
     in2 = 2 * pk.numel() * pk.element_size()
     for label, tuning2 in INT2_VARIANTS:
         buf2.zero_()
-        triton_write.write_int2_pages(buf2, layout2, pk, pv, ids2, total_bytes=total, tuning=tuning2)
+        triton_write.write_int2_pages(kv2, pk, pv, ids2, tuning=tuning2)
         check = "OK" if torch.equal(buf2.cpu(), ref2) else "MISMATCH"
-        ms = time_ms(lambda: triton_write.write_int2_pages(buf2, layout2, pk, pv, ids2, total_bytes=total, tuning=tuning2))
+        ms = time_ms(lambda: triton_write.write_int2_pages(kv2, pk, pv, ids2, tuning=tuning2))
         record(label, ms, in2 + total, check)
     # the two launches apart (bytes: their half of the input + their fields of the pages)
     cfg = triton_write.INT2_TUNING
     key_bytes = sum(layout2.field(f).nbytes for f in ("k", "k_scale", "k_zero")) * INT2_PAGES
-    ms = time_ms(lambda: triton_write.launch_int2_keys(buf2, layout2, pk, ids2, total_bytes=total, heads=cfg["heads"], num_warps=cfg["key_warps"]))
+    ms = time_ms(lambda: triton_write.launch_int2_keys(kv2, pk, ids2, heads=cfg["heads"], num_warps=cfg["key_warps"]))
     record("  INT2 keys launch alone", ms, in2 // 2 + key_bytes, "-")
-    ms = time_ms(lambda: triton_write.launch_int2_values(buf2, layout2, pv, ids2, total_bytes=total, num_warps=cfg["value_warps"]))
+    ms = time_ms(lambda: triton_write.launch_int2_values(kv2, pv, ids2, num_warps=cfg["value_warps"]))
     record("  INT2 values launch alone", ms, in2 // 2 + total - key_bytes, "-")
     if not args.no_old:
         buf2.zero_()
