@@ -2,6 +2,9 @@
 (DESIGN.md, Token tags): 4 temporal x 2 modal x 7 semantic = 56 classes.
 
     tag = (temporal * 2 + modal) * 7 + semantic
+
+A bits table maps each tag to 2 or 4 bits; ``kvserving.bits`` derives one
+from a bit budget.
 """
 
 from __future__ import annotations
@@ -28,17 +31,8 @@ def decode_tag(tag: int) -> tuple[str, str, str]:
     return TEMPORAL[t], MODAL[m], SEMANTIC[s]
 
 
-def default_bits_table() -> tuple[int, ...]:
-    """4 bits everywhere except older x text x {user, assistant, obs} at 2 bits.
-
-    A conservative starting point until calibration (``kvserving calibrate``)
-    produces a table for a model and budget.
-    """
-    two_bit = {encode_tag("older", "text", s) for s in ("user", "assistant", "obs")}
-    return tuple(2 if tag in two_bit else 4 for tag in range(NUM_TAGS))
-
-
 def validate_bits_table(table: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """``table`` as a tuple of 56 entries, each 2 or 4; ValueError otherwise."""
     if len(table) != NUM_TAGS:
         raise ValueError(f"bits table must have {NUM_TAGS} entries, got {len(table)}")
     bad = [b for b in table if b not in (2, 4)]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvserving.tags import NUM_TAGS, decode_tag, default_bits_table, encode_tag, validate_bits_table
+from kvserving.tags import NUM_TAGS, decode_tag, encode_tag, validate_bits_table
 
 
 def test_formula_and_round_trip() -> None:
@@ -11,12 +11,6 @@ def test_formula_and_round_trip() -> None:
     assert encode_tag("turn_m1", "image", "obs") == (1 * 2 + 1) * 7 + 5 == 26
     assert encode_tag("older", "image", "delim") == 55
     assert [encode_tag(*decode_tag(t)) for t in range(NUM_TAGS)] == list(range(NUM_TAGS))
-
-
-def test_default_bits_table_has_three_two_bit_classes() -> None:
-    table = default_bits_table()
-    two = [decode_tag(t) for t, b in enumerate(table) if b == 2]
-    assert two == [("older", "text", "user"), ("older", "text", "assistant"), ("older", "text", "obs")]
 
 
 def test_bad_tags_and_tables_are_refused() -> None:

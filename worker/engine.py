@@ -6,28 +6,30 @@ directly); ``async_engine.AsyncEngine`` streams tokens on top of it.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from kvserving.config import ServingConfig
-from kvserving.tags import NUM_TAGS, default_bits_table, validate_bits_table
+from kvserving.model_dir import resolve_model_dir
+from kvserving.tags import NUM_TAGS
 from kvserving.worker.attention import PagedAttention
+from kvserving.worker.kv_cache import KVCache, build_kv_cache, kv_budget_bytes
 from kvserving.worker.kv_manager import KVCacheManager
 from kvserving.worker.kv_scales import CALIBRATION_TOKENS, calibration_ids, measure_kv_amax, scales_from_amax
 from kvserving.worker.kv_storage import KVShape, KVStorage
+from kvserving.worker.leases import RetainedKV, RetainSpec, release_pin, retain_pages
 from kvserving.worker.model import load_model
 from kvserving.worker.model_runner import ModelRunner
-from kvserving.worker.page_pool import PagePool, PagePoolBase
+from kvserving.worker.page_pool import PagePoolBase
 from kvserving.worker.sampling import SamplingParams, make_generator, sample_one
 from kvserving.worker.scheduler import Scheduler
 from kvserving.worker.sequence import Sequence
-from kvserving.worker.triaxial_pool import TriaxialPagePool
 
-# KV budget on a machine without a GPU when the config names no byte count.
-DEFAULT_CPU_KV_BYTES = 256 * 2**20
+logger = logging.getLogger("kvserving.worker")
 
 
 @dataclass(slots=True)
@@ -39,8 +41,10 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens from the prefix cache, pulled pages included
     num_output_tokens: int = 0
+    num_pulled_tokens: int = 0  # of num_cached_tokens: pages READ from another worker for this request
+    retained: RetainedKV | None = None  # the lease a finished request's pages went to (add_request(retain=))
 
 
 @dataclass(slots=True)
@@ -49,6 +53,7 @@ class EngineStats:
     prompt_tokens_computed: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
+    prefill_seconds: float = 0.0  # model time spent on prompt tokens (prefill tokens/s for reuse "auto")
 
 
 class LLMEngine:
@@ -60,55 +65,52 @@ class LLMEngine:
         dtype: torch.dtype | None = None,
         bits_table: Seq[int] | None = None,
     ) -> None:
-        if not config.model.path:
-            raise ValueError("model.path is empty: give a local model directory (e.g. from `kvserving tiny-model DIR`)")
+        """Load the model and build the KV cache, scheduler and runner that ``config`` asks for.
+
+        ``bits_table`` (triaxial only) overrides the table derived from ``kv_cache.bit_budget``.
+        """
         self.config = config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        model_dir = Path(config.model.path)
-        self.args, self.model = load_model(model_dir, dtype=self.dtype, device=self.device)
+        self.args, self.model = load_model(resolve_model_dir(config.model), dtype=self.dtype, device=self.device)
         args = self.args
         self.vocab_size = args.vocab_size
         self.max_model_len = min(config.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         self.eos_token_ids = args.eos_token_ids  # config.json and generation_config.json
 
-        kvc = config.kv_cache
-        page_size = kvc.effective_page_size
-        budget = kvc.memory_bytes
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                # the extend workspace (K and V of a full context) is allocated after the pool
-                elem = torch.empty((), dtype=self.dtype).element_size()
-                workspace = 2 * self.max_model_len * args.num_kv_heads * args.head_dim * elem
-                budget = int(free * kvc.memory_fraction) - workspace
-            else:
-                budget = int(DEFAULT_CPU_KV_BYTES * kvc.memory_fraction)
-        shape = KVShape(args.num_layers, args.num_kv_heads, args.head_dim)
-        self.storage = KVStorage(kvc.dtype, shape, page_size=page_size, budget_bytes=budget, device=self.device, model_dtype=self.dtype)
-        table = None
-        if kvc.dtype == "triaxial":
-            table = validate_bits_table(tuple(bits_table) if bits_table is not None else default_bits_table())
-            assert self.storage.int2_layout is not None
-            pool: PagePoolBase = TriaxialPagePool(
-                self.storage.total_bytes,
-                int4_page_bytes=self.storage.layout.page_bytes,
-                int2_page_bytes=self.storage.int2_layout.page_bytes,
-                page_size=page_size,
-            )
-        else:
-            pool = PagePool(self.storage.num_pages, page_size=page_size)
-        self.pool = pool
-        self.kv = KVCacheManager(pool, page_size=page_size, bits_table=table)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        # The extend workspace (K and V of a full context) is allocated after the pool.
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        workspace = 2 * self.max_model_len * args.num_kv_heads * args.head_dim * elem
+        self.kv_cache: KVCache = build_kv_cache(
+            config.kv_cache,
+            KVShape(args.num_layers, args.num_kv_heads, args.head_dim),
+            budget_bytes=kv_budget_bytes(config.kv_cache, device=self.device, reserved_bytes=workspace),
+            device=self.device,
+            model_dtype=self.dtype,
+            bits_table=bits_table,
+        )
+        logger.info("%s", self.kv_cache.describe())
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache.manager)
         self.attention = PagedAttention(self.storage, head_dim=args.head_dim, workspace_tokens=self.max_model_len, dtype=self.dtype)
         self.runner = ModelRunner(self.model, self.attention, device=self.device)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
-        if kvc.global_scale == "calibrated":
+        if config.kv_cache.global_scale == "calibrated":
             self.calibrate_scales(calibration_ids(self.vocab_size, min(CALIBRATION_TOKENS, self.max_model_len)))
         # request id -> logits of each sampled position (set to a dict to record; tests, calibration)
         self.capture_logits: dict[str, list[torch.Tensor]] | None = None
+
+    @property
+    def storage(self) -> KVStorage:
+        return self.kv_cache.storage
+
+    @property
+    def pool(self) -> PagePoolBase:
+        return self.kv_cache.pool
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.kv_cache.manager
 
     def calibrate_scales(self, ids: Seq[int]) -> None:
         """Set per-layer global K/V scales from one forward pass over ``ids``.
@@ -126,8 +128,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ intake
     @property
     def capacity_tokens(self) -> int:
-        """Tokens the pool holds when every page is at full (4-bit for triaxial) precision."""
-        return self.storage.num_pages * self.storage.page_size
+        """Tokens the KV cache holds (triaxial: at the expected INT2 share, see ``KVCache``)."""
+        return self.kv_cache.capacity_tokens
 
     def add_request(
         self,
@@ -136,8 +138,15 @@ class LLMEngine:
         params: SamplingParams,
         *,
         tags: Seq[int] | None = None,
+        retain: RetainSpec | None = None,
+        pin_lease: str | None = None,
     ) -> None:
-        """Queue a request; raises ValueError (and queues nothing) on bad input."""
+        """Queue a request; raises ValueError (and queues nothing) on bad input.
+
+        ``retain``: when it finishes, its full pages stay pinned under that lease
+        (``RequestOutput.retained``). ``pin_lease``: the lease holding pages pulled
+        for it (``KVTransfer.pull``), released once it is admitted.
+        """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt_ids]
@@ -160,11 +169,13 @@ class LLMEngine:
             if any(not 0 <= t < NUM_TAGS for t in tag_list):
                 raise ValueError(f"tags must be in 0..{NUM_TAGS - 1}")
         total = min(len(prompt) + params.max_tokens, self.max_model_len)
-        if -(-total // self.storage.page_size) > self.storage.num_pages:
+        # Worst case every page is 4-bit (decode-generated tokens always are).
+        if total > self.kv_cache.capacity_tokens_at(0.0):
             raise ValueError(
-                f"request needs {total} tokens of KV but the pool holds {self.capacity_tokens}"
+                f"request needs {total} tokens of KV but the pool holds {self.kv_cache.capacity_tokens_at(0.0)} at 4 bits"
             )
         seq = Sequence(request_id, prompt, params, make_generator(params.seed), tags=tag_list)
+        seq.retain, seq.pin_lease = retain, pin_lease
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -172,6 +183,9 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is not None and not seq.finished:
             self.scheduler.abort(seq)
+            if seq.pin_lease is not None:
+                release_pin(self.pool, seq.pin_lease, [])
+                seq.pin_lease = None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -192,7 +206,15 @@ class LLMEngine:
         if not plan.chunks:
             # Nothing can run: every free page is held by leases until they expire.
             return []
+        for c in plan.chunks:
+            if c.seq.pin_lease is not None:  # admitted: it holds its own refs on the pulled pages now
+                used = release_pin(self.pool, c.seq.pin_lease, c.seq.page_ids[: c.seq.num_computed // self.storage.page_size])
+                c.seq.num_pulled_prompt = used * self.storage.page_size
+                c.seq.pin_lease = None
+        t0 = time.perf_counter()
         logits = self.runner.execute(plan.chunks)
+        prompt_share = sum(c.num_tokens for c in plan.chunks if c.start < len(c.seq.prompt_ids)) / max(1, plan.num_tokens)
+        self.stats.prefill_seconds += (time.perf_counter() - t0) * prompt_share
         self.stats.steps += 1
         outputs: list[RequestOutput] = []
         i = 0
@@ -212,13 +234,19 @@ class LLMEngine:
             i += 1
             seq.output_ids.append(token)
             reason = self._finish_reason(seq, token)
+            retained = None
             if reason is not None:
+                if seq.retain is not None:  # pin the full pages before finish frees them
+                    self.kv.publish_full_pages(seq)
+                    n = seq.num_registered_pages
+                    retained = retain_pages(self.pool, seq.retain, seq.page_ids[:n], seq.page_hashes[:n], self.storage.page_size)
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
             outputs.append(
                 RequestOutput(
                     seq.request_id, [token], reason is not None, reason,
                     len(seq.prompt_ids), seq.num_cached_prompt, len(seq.output_ids),
+                    seq.num_pulled_prompt, retained,
                 )
             )
         return outputs
