@@ -98,7 +98,7 @@ class ReuseConfig:
     bidirectional: bool = True
     retention_ttl_s: float = 480.0
     lease_ttl_s: float = 420.0
-    recompute_threshold_tokens: int = 64
+    recompute_threshold_tokens: int | str = 64  # tokens, or "auto": pull when measured faster than prefill
     # How long a prefill worker holds a prompt's pages for the decode worker to
     # READ, and the deadline of every NIXL READ (a frozen peer reports nothing).
     transfer_timeout_s: float = 10.0
@@ -114,8 +114,9 @@ class ReuseConfig:
             raise ValueError(
                 f"reuse.lease_ttl_s ({self.lease_ttl_s}) must be < reuse.retention_ttl_s ({self.retention_ttl_s})"
             )
-        if self.recompute_threshold_tokens < 0:
-            raise ValueError(f"reuse.recompute_threshold_tokens must be >= 0, got {self.recompute_threshold_tokens}")
+        t = self.recompute_threshold_tokens
+        if t != "auto" and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
+            raise ValueError(f"reuse.recompute_threshold_tokens must be an integer >= 0 or \"auto\", got {t!r}")
 
 
 @dataclass(slots=True, frozen=True)

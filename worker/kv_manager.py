@@ -51,6 +51,11 @@ class KVCacheManager:
             tags = [t % per_turn + (per_turn if bits[(j - lo) // p] == 2 else 0) for j, t in enumerate(seq.token_tags(lo, hi), lo)]
         return self.pool.chain_hashes(seq.token_ids(lo, hi), p, tags, parent=parent)
 
+    def page_hashes(self, seq: Sequence, bits: Seq[int]) -> list[int]:
+        """Chained hashes of ``seq``'s leading ``len(bits)`` pages stored at ``bits``: the keys
+        the prefix cache holds them under (KV transfer matches a sender's pages with these)."""
+        return self._page_hashes(seq, 0, bits, None)
+
     def _extend_hashes(self, seq: Sequence, num_full_pages: int) -> None:
         """Hashes of the held pages up to ``num_full_pages``, at their stored precision."""
         have = len(seq.page_hashes)

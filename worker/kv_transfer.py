@@ -1,0 +1,683 @@
+"""Engine-level KV reuse across workers: pull a prompt's pages from another
+worker over NIXL, retain a finished request's pages under a lease, and the
+lease table (DESIGN.md, Worker: kv_transfer_params; docs/worker-api.md).
+
+API the worker server uses (one ``KVTransfer`` per worker process)::
+
+    kvt = KVTransfer(engine, config.reuse, engine_id=f"worker-{uuid4().hex[:12]}",  # unique per PROCESS start
+                     agent_url="http://host:port", role="decode",
+                     run_on_engine=lambda fn: async_engine._executor.submit(fn).result())
+    kvt.agent_info()                       # body of GET /internal/kv/agent
+    # POST /internal/generate, before the request reaches the engine (blocking: run it in a thread,
+    # never on the engine thread itself):
+    params = KVTransferParams.from_dict(body["kv_transfer_params"]) if body.get(...) else None  # ValueError -> 400
+    res = kvt.pull(input_ids, tags, params)           # -> PullResult; never raises for transfer faults
+    spec = kvt.retain_spec(conversation_key=key) if retain else None   # prefill role: always
+    engine.add_request(rid, input_ids, sampling, tags=tags, retain=spec, pin_lease=res.pin_lease)
+    #   (if add_request raises: kvt.drop_pin(res))
+    # final RequestOutput `out`:
+    usage: local_cached_tokens = out.num_cached_tokens - out.num_pulled_tokens,
+           remote_pulled_tokens = out.num_pulled_tokens, computed = prompt - out.num_cached_tokens,
+           kv_bytes_pulled = res.num_bytes, kv_regions_pulled = res.num_regions, reuse_fallback = res.fallback
+    kv_transfer_params = kvt.params_for(out.retained).to_dict() if out.retained else None
+    # leases
+    kvt.leases(conversation_key=None) -> list[dict]    # GET /internal/kv/leases
+    kvt.renew(lease_id, ttl_s=None) -> expires_at      # KeyError -> 404; capped at retention_ttl_s
+    kvt.release(lease_id)                              # KeyError -> 404
+    kvt.stats() -> dict; kvt.fallbacks (Counter by reason); kvt.prefill_tokens_per_s,
+    kvt.transfer_bytes_per_s (the two "auto" measurements); kvt.close() at shutdown.
+
+Threads: every method that touches engine state hops onto the engine thread
+through ``run_on_engine(fn)`` (default: call ``fn`` under a private lock, for
+a synchronous engine loop in tests). Call them from any thread EXCEPT the
+engine thread (they would wait on themselves), e.g. ``asyncio.to_thread``.
+``RetainSpec.on_retained`` runs on the engine thread inside ``step``.
+
+``pull`` (P->D and D->P alike): hash this prompt's full pages the way the
+prefix cache does (triaxial: at the sender's stored precision, from its page
+ids' INT2 flag); keep the leading remote pages whose hashes equal them; skip
+pages the local prefix cache holds; READ the rest when that adds at least
+``reuse.recompute_threshold_tokens`` (or, for "auto", when the measured
+transfer is predicted faster than the measured prefill), the lease is alive
+(checked with the sender before and after the READ: a lease alive at both
+ends was alive throughout, so its pages were not reused) and ``layout_hash``
+matches. Pulled pages are registered in the prefix cache and pinned under
+``PullResult.pin_lease`` (local prefix pages under ``pin_lease + ".local"``)
+until the engine admits the request. Any failure gives ``fallback`` one of
+``FALLBACK_REASONS`` and the request recomputes; a failed READ's pages are
+freed unregistered (never used). ``hash_mismatch`` with ``pulled_tokens > 0``
+means the histories diverged and only the common prefix was pulled. A
+sender lease whose id starts with ``xfer-`` (a prefill worker's hold) is
+released on the sender after a successful pull.
+
+Retaining: a request added with ``retain=kvt.retain_spec(...)`` keeps its
+full pages (prompt + generated) pinned when it finishes, for
+``reuse.transfer_timeout_s`` on a prefill worker and ``reuse.retention_ttl_s``
+otherwise; one lease per conversation key (a newer one releases the older).
+Released or expired leases' pages go back to the prefix cache's LRU.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+from kvserving.config import ROLES, ReuseConfig
+from kvserving.kernels.page_ids import page_id_bits
+from kvserving.worker.engine import LLMEngine
+from kvserving.worker.leases import RetainedKV, RetainSpec, release_pin
+from kvserving.worker.nixl_io import NixlIO, PageGeometry, RemoteBuffers, TransferError
+from kvserving.worker.sampling import SamplingParams, make_generator
+from kvserving.worker.sequence import Sequence as Seq_
+
+T = TypeVar("T")
+
+FALLBACK_REASONS = (
+    "remote_unreachable", "transfer_timeout", "transfer_failed", "lease_expired",
+    "layout_mismatch", "hash_mismatch", "stale_agent",
+)
+TRANSFER_LEASE_PREFIX = "xfer-"  # a prefill worker's single-use hold of a prompt's pages
+RETAIN_LEASE_PREFIX = "kv-"
+PIN_LEASE_PREFIX = "pull-"
+DEFAULT_THRESHOLD_TOKENS = 64  # "auto" before both rates are measured
+MAX_PAGES = 1 << 20
+HTTP_TIMEOUT_S = 2.0
+_HASH_LIMIT = 1 << 63
+
+
+# --------------------------------------------------------------------------- wire params
+@dataclass(slots=True, frozen=True)
+class KVTransferParams:
+    """Where a prompt's KV may be pulled from (docs/worker-api.md)."""
+
+    engine_id: str
+    agent_url: str
+    lease_id: str
+    page_ids: tuple[int, ...]
+    page_hashes: tuple[int, ...]
+    num_tokens: int
+    page_size: int
+    dtype: str
+    layout_hash: str
+    expires_at: float  # unix seconds
+
+    @classmethod
+    def from_dict(cls, data: object) -> KVTransferParams:
+        """Parse the wire form; ValueError naming the field on any wrong type, value or length."""
+        if not isinstance(data, dict):
+            raise ValueError(f"kv_transfer_params must be an object, got {type(data).__name__}")
+        names = [f for f in cls.__dataclass_fields__]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ValueError(f"kv_transfer_params has unknown fields: {unknown}")
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise ValueError(f"kv_transfer_params is missing fields: {missing}")
+        for name in ("engine_id", "agent_url", "lease_id", "dtype", "layout_hash"):
+            if not isinstance(data[name], str) or not data[name]:
+                raise ValueError(f"kv_transfer_params.{name} must be a non-empty string")
+        for name in ("num_tokens", "page_size"):
+            if not _is_int(data[name]) or data[name] < 0:
+                raise ValueError(f"kv_transfer_params.{name} must be an integer >= 0")
+        if data["page_size"] < 1:
+            raise ValueError("kv_transfer_params.page_size must be >= 1")
+        exp = data["expires_at"]
+        if isinstance(exp, bool) or not isinstance(exp, (int, float)) or not math.isfinite(exp):
+            raise ValueError("kv_transfer_params.expires_at must be a finite number (unix seconds)")
+        ids = _int_list(data["page_ids"], "page_ids", limit=1 << 31)
+        hashes = _int_list(data["page_hashes"], "page_hashes", limit=_HASH_LIMIT)
+        if len(hashes) != len(ids):
+            raise ValueError(f"kv_transfer_params.page_hashes has {len(hashes)} entries for {len(ids)} page_ids")
+        if data["num_tokens"] > len(ids) * data["page_size"]:
+            raise ValueError(
+                f"kv_transfer_params.num_tokens ({data['num_tokens']}) exceeds {len(ids)} pages of {data['page_size']}"
+            )
+        return cls(
+            data["engine_id"], data["agent_url"], data["lease_id"], ids, hashes, data["num_tokens"],
+            data["page_size"], data["dtype"], data["layout_hash"], float(exp),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.engine_id, "agent_url": self.agent_url, "lease_id": self.lease_id,
+            "page_ids": list(self.page_ids), "page_hashes": list(self.page_hashes), "num_tokens": self.num_tokens,
+            "page_size": self.page_size, "dtype": self.dtype, "layout_hash": self.layout_hash,
+            "expires_at": self.expires_at,
+        }
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_list(value: object, name: str, *, limit: int) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"kv_transfer_params.{name} must be a list of integers")
+    if len(value) > MAX_PAGES:
+        raise ValueError(f"kv_transfer_params.{name} has {len(value)} entries (at most {MAX_PAGES})")
+    if any(not _is_int(v) or not 0 <= v < limit for v in value):
+        raise ValueError(f"kv_transfer_params.{name} must hold integers in [0, {limit})")
+    return tuple(value)
+
+
+# --------------------------------------------------------------------------- layout identity
+def weights_identity(model_dir: str | Path) -> str:
+    """Hex digest of config.json and, per safetensors file, its name, size and first MiB
+    (header and leading tensor bytes): different weights never share KV pages."""
+    root = Path(model_dir)
+    h = hashlib.sha256()
+    cfg = root / "config.json"
+    h.update(cfg.read_bytes() if cfg.is_file() else b"")
+    for path in sorted(root.glob("*.safetensors")):
+        h.update(path.name.encode() + b"\0" + str(path.stat().st_size).encode() + b"\0")
+        with path.open("rb") as f:
+            h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+def layout_info(engine: LLMEngine) -> dict[str, Any]:
+    """The pool layout peers need: dtype, page size, per-layer page bytes and fields, model shape."""
+    st = engine.storage
+    layouts = [st.layout] + ([st.int2_layout] if st.int2_layout is not None else [])
+    return {
+        "dtype": st.kv_dtype,
+        "page_format": st.layout.fmt,
+        "page_size": st.page_size,
+        "num_layers": st.shape.num_layers,
+        "num_kv_heads": st.shape.num_kv_heads,
+        "head_dim": st.shape.head_dim,
+        "page_bytes": st.layout.page_bytes,
+        "int2_page_bytes": st.int2_layout.page_bytes if st.int2_layout is not None else 0,
+        "total_bytes": st.total_bytes,
+        "fields": [
+            [lay.fmt, [[f.name, str(f.dtype), list(f.shape), f.offset, list(f.storage or ())] for f in lay.fields]]
+            for lay in layouts
+        ],
+        "k_scales": list(st.k_scales),
+        "v_scales": list(st.v_scales),
+    }
+
+
+def layout_hash(engine: LLMEngine, *, weights_id: str | None = None) -> str:
+    """Hash of everything that must agree for a page to mean the same on two workers:
+    dtype, page size, page layout (fields with scales and zeros), global scales,
+    model shape and weights identity (buffer size is not in it: it is per worker)."""
+    info = {k: v for k, v in layout_info(engine).items() if k != "total_bytes"}
+    info["weights"] = weights_id if weights_id is not None else weights_identity(engine.config.model.path)
+    info["bits_table"] = list(engine.kv.bits_table) if engine.kv.bits_table is not None else None
+    return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------- results
+@dataclass(slots=True, frozen=True)
+class PullResult:
+    """What ``pull`` did for one request."""
+
+    pulled_tokens: int = 0
+    num_bytes: int = 0
+    num_regions: int = 0
+    seconds: float = 0.0
+    fallback: str | None = None  # one of FALLBACK_REASONS, or None
+    pin_lease: str | None = None  # pass to LLMEngine.add_request(pin_lease=...)
+    matched_tokens: int = 0  # leading remote tokens whose hashes equal this prompt's
+    local_tokens: int = 0  # of those, already in the local prefix cache
+    skipped: str | None = None  # why nothing was pulled without a fault ("below_threshold", "no_free_pages", ...)
+
+
+@dataclass(slots=True)
+class _Plan:
+    matched: int = 0  # leading pages equal to the remote's
+    usable: int = 0  # remote pages this prompt could use at most
+    local_pids: list[int] = field(default_factory=list)
+    want: list[int] = field(default_factory=list)  # page indices to pull
+    hashes: list[int] = field(default_factory=list)
+    local_pin: str | None = None
+
+
+@dataclass(slots=True)
+class _LeaseRecord:
+    kept: RetainedKV
+    ttl_s: float
+
+
+# --------------------------------------------------------------------------- HTTP defaults
+def http_fetch_agent_info(agent_url: str) -> dict[str, Any]:
+    import httpx
+
+    r = httpx.get(f"{agent_url.rstrip('/')}/internal/kv/agent", timeout=HTTP_TIMEOUT_S)
+    r.raise_for_status()
+    return cast(dict[str, Any], r.json())
+
+
+def http_renew_remote(agent_url: str, lease_id: str) -> float | None:
+    """The lease's new expiry, or None when the sender does not hold it (404)."""
+    import httpx
+
+    r = httpx.post(f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}/renew", json={}, timeout=HTTP_TIMEOUT_S)
+    if r.status_code == 404:
+        return None
+    r.raise_for_status()
+    return float(r.json()["expires_at"])
+
+
+def http_release_remote(agent_url: str, lease_id: str) -> None:
+    import httpx
+
+    r = httpx.delete(f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}", timeout=HTTP_TIMEOUT_S)
+    if r.status_code not in (200, 404):
+        r.raise_for_status()
+
+
+# --------------------------------------------------------------------------- the class
+class KVTransfer:
+    """KV export/import and leases of one engine (see the module docstring for the API)."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        reuse: ReuseConfig,
+        *,
+        engine_id: str,
+        agent_url: str,
+        role: str = "both",
+        run_on_engine: Callable[[Callable[[], Any]], Any] | None = None,
+        fetch_agent_info: Callable[[str], dict[str, Any]] | None = None,
+        renew_remote: Callable[[str, str], float | None] | None = None,
+        release_remote: Callable[[str, str], None] | None = None,
+        weights_id: str | None = None,
+        poll_interval_s: float = 0.002,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if not engine_id:
+            raise ValueError("engine_id must not be empty")
+        self.engine = engine
+        self.reuse = reuse
+        self.engine_id = engine_id
+        self.agent_url = agent_url
+        self.role = role
+        self.generation = uuid.uuid4().int >> 80  # this process's metadata generation (48 bits)
+        self._lock = threading.Lock()
+        self._run = run_on_engine or self._run_locked
+        self._fetch = fetch_agent_info or http_fetch_agent_info
+        self._renew_remote = renew_remote or http_renew_remote
+        self._release_remote = release_remote or http_release_remote
+        st = engine.storage
+        self.page_size = st.page_size
+        self.dtype = st.kv_dtype
+        self.layout = layout_info(engine)
+        self.layout_hash = layout_hash(engine, weights_id=weights_id)
+        self.geometry = PageGeometry(
+            st.layout.page_bytes, st.int2_layout.page_bytes if st.int2_layout is not None else 0, st.total_bytes
+        )
+        self.nixl = NixlIO(f"{engine_id}-{self.generation:x}", st.buffers, geometry=self.geometry, poll_interval_s=poll_interval_s)
+        self.nixl.start_progress()
+        self._metadata_b64 = base64.b64encode(self.nixl.metadata()).decode()
+        self._leases: dict[str, _LeaseRecord] = {}  # engine thread only
+        # counters and the two "auto" measurements (read by metrics)
+        self.fallbacks: Counter[str] = Counter()
+        self.pulls = 0
+        self.pulled_tokens_total = 0
+        self.pulled_bytes_total = 0
+        self.pulled_regions_total = 0
+        self.transfer_seconds_total = 0.0
+        self.transfer_bytes_per_s: float | None = None  # NIXL READ rate achieved (EWMA)
+        self.pull_overhead_s: float | None = None  # per pull: agent fetch + lease checks (EWMA)
+
+    def _run_locked(self, fn: Callable[[], Any]) -> Any:
+        with self._lock:
+            return fn()
+
+    def _on_engine(self, fn: Callable[[], T]) -> T:
+        return cast(T, self._run(fn))
+
+    def close(self) -> None:
+        self.nixl.close()
+
+    # ------------------------------------------------------------------ agent
+    def agent_info(self) -> dict[str, Any]:
+        """Body of GET /internal/kv/agent."""
+        layout = dict(self.layout)
+        layout.update(buffer_addrs=list(self.nixl.addrs), mem_type=self.nixl.mem_type, device_id=self.nixl.device_id)
+        return {
+            "engine_id": self.engine_id,
+            "agent_name": self.nixl.name,
+            "metadata": self._metadata_b64,
+            "generation": self.generation,
+            "layout": layout,
+            "layout_hash": self.layout_hash,
+        }
+
+    # ------------------------------------------------------------------ measurements
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Prompt tokens this engine computes per second of model time (None before any)."""
+        s = self.engine.stats
+        if s.prefill_seconds <= 0 or s.prompt_tokens_computed < self.page_size:
+            return None
+        return s.prompt_tokens_computed / s.prefill_seconds
+
+    def page_nbytes(self, page_ids: Sequence[int]) -> int:
+        """Bytes a READ of these pages moves (all layers)."""
+        return self.engine.storage.shape.num_layers * sum(self.geometry.span(p)[1] for p in page_ids)
+
+    def worth_pulling(self, num_tokens: int, num_bytes: int) -> bool:
+        """The recompute threshold: a token count, or "auto" (predicted pull faster than prefill)."""
+        threshold = self.reuse.recompute_threshold_tokens
+        if threshold != "auto":
+            return num_tokens >= int(threshold)
+        tps, bw, overhead = self.prefill_tokens_per_s, self.transfer_bytes_per_s, self.pull_overhead_s
+        if tps is None or bw is None or overhead is None:
+            return num_tokens >= DEFAULT_THRESHOLD_TOKENS
+        return overhead + num_bytes / bw < num_tokens / tps
+
+    def _measure(self, read_bytes: int, read_s: float, overhead_s: float) -> None:
+        a = 0.3
+        if read_s > 0 and read_bytes > 0:
+            rate = read_bytes / read_s
+            self.transfer_bytes_per_s = rate if self.transfer_bytes_per_s is None else (1 - a) * self.transfer_bytes_per_s + a * rate
+        self.pull_overhead_s = overhead_s if self.pull_overhead_s is None else (1 - a) * self.pull_overhead_s + a * overhead_s
+
+    # ------------------------------------------------------------------ pull
+    def pull(
+        self, input_ids: Sequence[int], tags: Sequence[int] | None, params: KVTransferParams | None
+    ) -> PullResult:
+        """Pull what ``params`` offers of this prompt's KV (see the module docstring). Never raises
+        for a transfer fault: the result's ``fallback`` says why nothing (or less) was pulled."""
+        self._reap()
+        if params is None:
+            return PullResult()
+        ids = [int(t) for t in input_ids]
+        tag_list = [int(t) for t in tags] if tags is not None else [0] * len(ids)
+        if params.page_size != self.page_size or params.dtype != self.dtype or params.layout_hash != self.layout_hash:
+            return self._fail("layout_mismatch")
+        if params.expires_at <= time.time():
+            return self._fail("lease_expired")
+        plan = self._on_engine(lambda: self._plan(ids, tag_list, params))
+        try:
+            return self._pull_planned(plan, params)
+        finally:
+            if plan.local_pin is not None:
+                pin = plan.local_pin
+                self._on_engine(lambda: self._drop_lease(pin))
+
+    def _pull_planned(self, plan: _Plan, params: KVTransferParams) -> PullResult:
+        p = self.page_size
+        diverged = plan.matched < plan.usable
+        base: dict[str, Any] = {"matched_tokens": plan.matched * p, "local_tokens": len(plan.local_pids) * p}
+        if not plan.want:
+            if diverged:
+                return self._fail("hash_mismatch", **base)
+            return PullResult(skipped="nothing_to_pull", **base)
+        remote_pids = [params.page_ids[i] for i in plan.want]
+        nbytes = self.page_nbytes(remote_pids)
+        if not self.worth_pulling(len(plan.want) * p, nbytes):
+            if diverged:
+                return self._fail("hash_mismatch", **base)
+            return PullResult(skipped="below_threshold", **base)
+        t0 = time.perf_counter()
+        peer_or_reason = self._connect(params)
+        if isinstance(peer_or_reason, str):
+            return self._fail(peer_or_reason, **base)
+        peer = peer_or_reason
+        hold = self._check_lease(params)
+        if hold is not None:
+            return self._fail(hold, **base)
+        bits = [page_id_bits(pid) for pid in remote_pids]
+        local = self._on_engine(lambda: self.engine.pool.allocate(bits))
+        if local is None:
+            return PullResult(skipped="no_free_pages", **base)
+        overhead = time.perf_counter() - t0
+        try:
+            stats = self.nixl.read(peer, local, remote_pids, timeout_s=self.reuse.transfer_timeout_s)
+        except TransferError as exc:
+            self.nixl.forget_remote(params.engine_id)
+            self._discard(local, safe=exc.pages_safe)
+            return self._fail(exc.reason, **base)
+        t1 = time.perf_counter()
+        after = self._check_lease(params)  # alive before and after: its pages were pinned throughout
+        if after is not None:
+            self._discard(local, safe=True)
+            return self._fail(after, **base)
+        overhead += time.perf_counter() - t1
+        pin = f"{PIN_LEASE_PREFIX}{uuid.uuid4().hex}"
+        hashes = [plan.hashes[i] for i in plan.want]
+        local_pids = list(plan.local_pids)
+        self._on_engine(lambda: self._adopt(pin, local, hashes, local_pids))
+        if params.lease_id.startswith(TRANSFER_LEASE_PREFIX):
+            try:
+                self._release_remote(params.agent_url, params.lease_id)
+            except Exception:  # noqa: BLE001 - the sender's own timeout frees it anyway
+                pass
+        self._measure(stats.num_bytes, stats.seconds, overhead)
+        self.pulls += 1
+        tokens = len(local) * p
+        self.pulled_tokens_total += tokens
+        self.pulled_bytes_total += stats.num_bytes
+        self.pulled_regions_total += stats.num_regions
+        self.transfer_seconds_total += stats.seconds
+        fallback = None
+        if diverged:
+            fallback = "hash_mismatch"
+            self.fallbacks[fallback] += 1
+        return PullResult(
+            pulled_tokens=tokens, num_bytes=stats.num_bytes, num_regions=stats.num_regions,
+            seconds=time.perf_counter() - t0, fallback=fallback, pin_lease=pin, **base,
+        )
+
+    def _fail(self, reason: str, **kw: Any) -> PullResult:
+        assert reason in FALLBACK_REASONS, reason
+        self.fallbacks[reason] += 1
+        return PullResult(fallback=reason, **kw)
+
+    def _plan(self, ids: list[int], tags: list[int], params: KVTransferParams) -> _Plan:
+        """On the engine thread: match the remote hashes against this prompt's, find what the
+        local prefix cache holds (pinned under a ``.local`` lease), pick the pages to pull."""
+        kv, pool, p = self.engine.kv, self.engine.pool, self.page_size
+        seq = Seq_("kv-pull", ids, SamplingParams(), make_generator(0), tags=tags)
+        usable = min(len(params.page_ids), params.num_tokens // p, (len(ids) - 1) // p)
+        bits = [page_id_bits(pid) for pid in params.page_ids[:usable]]
+        if kv.bits_table is not None:
+            # a page stored at 2 bits never serves a request that wants 4 (match_prefix's rule)
+            wanted = kv.page_bits_for(seq, 0, usable)
+            ok = next((i for i, (b, w) in enumerate(zip(bits, wanted)) if b == 2 and w == 4), usable)
+            usable, bits = ok, bits[:ok]
+        mine = kv.page_hashes(seq, bits) if usable else []
+        plan = _Plan(usable=usable)
+        while plan.matched < usable and mine[plan.matched] == params.page_hashes[plan.matched]:
+            plan.matched += 1
+        plan.hashes = mine[: plan.matched]
+        i = 0
+        while i < plan.matched and (pid := pool.lookup(plan.hashes[i])) is not None:
+            plan.local_pids.append(pid)
+            i += 1
+        plan.want = [j for j in range(i, plan.matched) if pool.lookup(plan.hashes[j]) is None]
+        if plan.local_pids:
+            plan.local_pin = f"{PIN_LEASE_PREFIX}{uuid.uuid4().hex}.local"
+            pool.pin(plan.local_pin, plan.local_pids, ttl_s=self._pin_ttl())
+        return plan
+
+    def _pin_ttl(self) -> float:
+        return max(60.0, 2 * self.reuse.transfer_timeout_s)
+
+    def _connect(self, params: KVTransferParams) -> RemoteBuffers | str:
+        """The sender's NIXL agent (cached by engine id + generation) or a fallback reason."""
+        try:
+            info = self._fetch(params.agent_url)
+            engine_id, generation = str(info["engine_id"]), int(info["generation"])
+            lay = info["layout"]
+        except Exception:  # noqa: BLE001 - connection refused, timeout, bad JSON: all unreachable
+            self.nixl.forget_remote(params.engine_id)
+            return "remote_unreachable"
+        if engine_id != params.engine_id:
+            self.nixl.forget_remote(params.engine_id)  # restarted: the pages named by params are gone
+            return "stale_agent"
+        if info.get("layout_hash") != self.layout_hash:
+            return "layout_mismatch"
+        try:
+            geometry = PageGeometry(int(lay["page_bytes"]), int(lay["int2_page_bytes"]), int(lay["total_bytes"]))
+            peer = self.nixl.remote(engine_id, generation)
+            if peer is None:
+                peer = self.nixl.add_remote(
+                    engine_id, generation, base64.b64decode(info["metadata"]),
+                    addrs=[int(a) for a in lay["buffer_addrs"]], device_id=int(lay.get("device_id", 0)), geometry=geometry,
+                )
+        except Exception:  # noqa: BLE001 - metadata NIXL cannot load
+            self.nixl.forget_remote(engine_id)
+            return "stale_agent"
+        return peer
+
+    def _check_lease(self, params: KVTransferParams) -> str | None:
+        try:
+            expires = self._renew_remote(params.agent_url, params.lease_id)
+        except Exception:  # noqa: BLE001
+            return "remote_unreachable"
+        return "lease_expired" if expires is None else None
+
+    def _discard(self, pages: list[int], *, safe: bool) -> None:
+        """Free pages of a failed READ unregistered; unsafe ones wait until NIXL lets go (``_reap``)."""
+        if safe:
+            self._on_engine(lambda: self.engine.pool.free(pages))
+
+    def _reap(self) -> None:
+        done = self.nixl.reap()
+        if done:
+            self._on_engine(lambda: self.engine.pool.free(done))
+
+    def _adopt(self, pin: str, pages: list[int], hashes: list[int], local_pids: list[int]) -> None:
+        """On the engine thread: register pulled pages, pin them under ``pin`` (and the local
+        prefix under ``pin.local``, so both survive until admission), drop our own refs."""
+        pool = self.engine.pool
+        for pid, h in zip(pages, hashes):
+            pool.register(pid, h)
+        pool.pin(pin, pages, ttl_s=self._pin_ttl())
+        pool.free(pages)
+        if local_pids:
+            pool.pin(pin + ".local", local_pids, ttl_s=self._pin_ttl())
+
+    def drop_pin(self, result: PullResult) -> None:
+        """Release a pull's pins when its request never reached the engine."""
+        if result.pin_lease is not None:
+            lease = result.pin_lease
+            self._on_engine(lambda: release_pin(self.engine.pool, lease, []))
+
+    def _drop_lease(self, lease_id: str) -> None:
+        if lease_id in self.engine.pool.lease_ids():
+            self.engine.pool.release(lease_id)
+
+    # ------------------------------------------------------------------ retain and leases
+    def retain_spec(self, *, conversation_key: str | None = None) -> RetainSpec:
+        """A new lease for a request's pages when it finishes (ttl by role)."""
+        if self.role == "prefill":
+            return RetainSpec(f"{TRANSFER_LEASE_PREFIX}{uuid.uuid4().hex}", self.reuse.transfer_timeout_s,
+                              conversation_key, self._on_retained)
+        return RetainSpec(f"{RETAIN_LEASE_PREFIX}{uuid.uuid4().hex}", self.reuse.retention_ttl_s,
+                          conversation_key, self._on_retained)
+
+    def _on_retained(self, kept: RetainedKV) -> None:
+        """Engine thread, inside step: record the lease; a conversation keeps only its newest."""
+        self._purge()
+        if kept.conversation_key is not None:
+            for lid, rec in list(self._leases.items()):
+                if rec.kept.conversation_key == kept.conversation_key:
+                    self._drop_lease(lid)
+                    del self._leases[lid]
+        ttl = self.reuse.transfer_timeout_s if kept.lease_id.startswith(TRANSFER_LEASE_PREFIX) else self.reuse.retention_ttl_s
+        self._leases[kept.lease_id] = _LeaseRecord(kept, ttl)
+
+    def _purge(self) -> None:
+        """Forget leases the pool expired or released."""
+        self.engine.pool.expire_leases()
+        live = set(self.engine.pool.lease_ids())
+        for lid in [lid for lid in self._leases if lid not in live]:
+            del self._leases[lid]
+
+    def _unix(self, expires_mono: float) -> float:
+        return time.time() + (expires_mono - time.monotonic())
+
+    def params_for(self, kept: RetainedKV) -> KVTransferParams:
+        """The wire params of a retained lease (expiry in unix seconds)."""
+        return KVTransferParams(
+            self.engine_id, self.agent_url, kept.lease_id, kept.page_ids, kept.page_hashes, kept.num_tokens,
+            self.page_size, self.dtype, self.layout_hash, self._unix(kept.expires_at),
+        )
+
+    def leases(self, conversation_key: str | None = None) -> list[dict[str, Any]]:
+        """Every lease held (GET /internal/kv/leases), optionally of one conversation."""
+
+        def listing() -> list[dict[str, Any]]:
+            self._purge()
+            out = []
+            for lid, rec in self._leases.items():
+                if conversation_key is not None and rec.kept.conversation_key != conversation_key:
+                    continue
+                exp = self.engine.pool.lease_expires_at(lid)
+                kept = RetainedKV(lid, rec.kept.page_ids, rec.kept.page_hashes, rec.kept.num_tokens, exp,
+                                  rec.kept.conversation_key)
+                out.append({
+                    "lease_id": lid, "conversation_key": rec.kept.conversation_key,
+                    "num_pages": len(rec.kept.page_ids), "num_tokens": rec.kept.num_tokens,
+                    "expires_at": self._unix(exp), "kv_transfer_params": self.params_for(kept).to_dict(),
+                })
+            return out
+
+        return self._on_engine(listing)
+
+    def renew(self, lease_id: str, ttl_s: float | None = None) -> float:
+        """Extend a lease to ``ttl_s`` from now (default: its own TTL; at most retention_ttl_s);
+        the new expiry in unix seconds. KeyError when unknown or expired."""
+        if ttl_s is not None and (not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or ttl_s <= 0):
+            raise ValueError(f"ttl_s must be a finite number > 0, got {ttl_s!r}")
+
+        def go() -> float:
+            self._purge()
+            rec = self._leases.get(lease_id)
+            if rec is None:
+                raise KeyError(lease_id)
+            ttl = min(ttl_s if ttl_s is not None else rec.ttl_s, self.reuse.retention_ttl_s)
+            return self._unix(self.engine.pool.renew(lease_id, ttl_s=ttl))
+
+        return self._on_engine(go)
+
+    def release(self, lease_id: str) -> None:
+        """Drop a lease now (its pages go back to the prefix cache LRU). KeyError when unknown."""
+
+        def go() -> None:
+            self._purge()
+            if lease_id not in self._leases:
+                raise KeyError(lease_id)
+            del self._leases[lease_id]
+            self._drop_lease(lease_id)
+
+        self._on_engine(go)
+
+    def stats(self) -> dict[str, Any]:
+        """Reuse counters and lease totals (for /internal/kv/stats and metrics)."""
+
+        def go() -> dict[str, Any]:
+            self._purge()
+            return {
+                "leases": len(self._leases),
+                "leased_tokens": sum(r.kept.num_tokens for r in self._leases.values()),
+                "pulls": self.pulls,
+                "pulled_tokens": self.pulled_tokens_total,
+                "pulled_bytes": self.pulled_bytes_total,
+                "pulled_regions": self.pulled_regions_total,
+                "transfer_seconds": self.transfer_seconds_total,
+                "fallbacks": {r: self.fallbacks.get(r, 0) for r in FALLBACK_REASONS},
+                "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "transfer_bytes_per_s": self.transfer_bytes_per_s,
+                "stuck_transfers": self.nixl.num_stuck,
+            }
+
+        return self._on_engine(go)

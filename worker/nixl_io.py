@@ -1,0 +1,332 @@
+"""NIXL transport of KV pages: the only module that imports NIXL.
+
+One agent per worker process, UCX backend, progress thread off (the default
+thread costs ~2/3 of a core when idle; ``NixlIO`` polls instead, on a light
+thread of its own while the worker serves, and inside every wait). Each layer
+buffer of the KV storage (``KVStorage.buffers[layer]``, uint8) is one
+registered region: DRAM on a CPU tensor, VRAM on a CUDA tensor.
+
+A READ moves pages of a remote worker into pages of this one: one descriptor
+per page per layer (byte offsets from ``kvserving.kernels.page_ids``), adjacent
+descriptors merged here so a run of contiguous pages is one region; the
+number of regions is returned with every READ (transfer cost is set by it).
+
+Failures (``TransferError.reason``): ``remote_unreachable`` (NIXL reports the
+peer disconnected or it cannot be reached), ``transfer_timeout`` (our own
+deadline fired: a frozen peer over TCP reports nothing), ``transfer_failed``
+(any other NIXL error). After ANY failure every destination page may be
+partly written: the caller must treat them all as invalid. When a timed-out
+transfer cannot be cancelled, ``TransferError.pages_safe`` is False and the
+destination pages must not be reused until ``reap`` says the transfer is over.
+
+Remote agents are cached by engine id and metadata generation: new metadata
+for a known engine id (a restarted peer) removes the old agent first.
+
+Thread-safety: every call into the NIXL agent holds ``NixlIO``'s own lock
+(the agent runs with NIXL's thread sync off).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kvserving.kernels.page_ids import page_byte_offset
+
+REASONS = ("remote_unreachable", "transfer_timeout", "transfer_failed")
+
+
+def import_nixl() -> ModuleType:
+    """The NIXL Python API: ``nixl_cu12._api`` (the CPU-only wheel here), else ``nixl._api``."""
+    errors = []
+    for name in ("nixl_cu12._api", "nixl._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise ImportError("NIXL is not installed (" + "; ".join(errors) + ")")
+
+
+class TransferError(Exception):
+    """A failed READ; ``reason`` is one of ``REASONS``."""
+
+    def __init__(self, reason: str, message: str, *, pages_safe: bool = True) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.pages_safe = pages_safe
+
+
+@dataclass(slots=True, frozen=True)
+class PageGeometry:
+    """Where pages live in one worker's layer buffers (same offsets in every layer)."""
+
+    page_bytes: int
+    int2_page_bytes: int
+    total_bytes: int
+
+    def span(self, page_id: int) -> tuple[int, int]:
+        """(byte offset, length) of ``page_id`` in a layer buffer."""
+        off = page_byte_offset(
+            page_id, page_bytes=self.page_bytes, int2_page_bytes=self.int2_page_bytes, total_bytes=self.total_bytes
+        )
+        length = self.int2_page_bytes if page_id & (1 << 30) else self.page_bytes
+        if off < 0 or off + length > self.total_bytes:
+            raise ValueError(f"page id {page_id} lies outside a layer buffer of {self.total_bytes} bytes")
+        return off, length
+
+
+@dataclass(slots=True, frozen=True)
+class RemoteBuffers:
+    """A peer's registered layer buffers, from its agent info."""
+
+    agent_name: str
+    addrs: tuple[int, ...]  # base address of each layer buffer
+    device_id: int
+    geometry: PageGeometry
+
+
+@dataclass(slots=True, frozen=True)
+class ReadStats:
+    num_bytes: int
+    num_regions: int
+    seconds: float
+
+
+def merge_spans(pairs: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Merge (local offset, remote offset, length) copies that are adjacent on BOTH sides.
+
+    Sorted by local offset first (a READ's descriptor order does not matter),
+    so INT2 pages, which grow downwards, merge too.
+    """
+    merged: list[tuple[int, int, int]] = []
+    for lo, ro, n in sorted(pairs):
+        if merged:
+            plo, pro, pn = merged[-1]
+            if plo + pn == lo and pro + pn == ro:
+                merged[-1] = (plo, pro, pn + n)
+                continue
+        merged.append((lo, ro, n))
+    return merged
+
+
+class NixlIO:
+    """One NIXL agent over the layer buffers ``buffers`` ([num_layers, total_bytes] uint8)."""
+
+    def __init__(
+        self,
+        name: str,
+        buffers: torch.Tensor,
+        *,
+        geometry: PageGeometry,
+        poll_interval_s: float = 0.002,
+    ) -> None:
+        if buffers.dtype != torch.uint8 or buffers.dim() != 2 or not buffers.is_contiguous():
+            raise ValueError(f"buffers must be a contiguous uint8 [layers, bytes] tensor, got {buffers.dtype} {list(buffers.shape)}")
+        api = import_nixl()
+        self._api = api
+        nixl_log = getattr(api, "logger", None)
+        if isinstance(nixl_log, logging.Logger) and "NIXL_LOG_LEVEL" not in os.environ:
+            nixl_log.setLevel(logging.WARNING)  # its INFO lines go to stdout; NIXL_LOG_LEVEL overrides
+        self.name = name
+        self.buffers = buffers
+        self.geometry = geometry
+        self.mem_type = "VRAM" if buffers.is_cuda else "DRAM"
+        self.device_id = buffers.get_device() if buffers.is_cuda else 0
+        self.addrs = tuple(int(buffers[layer].data_ptr()) for layer in range(buffers.shape[0]))
+        self._lock = threading.RLock()
+        config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
+        self._agent: Any = api.nixl_agent(name, config)
+        if "UCX" not in self._agent.backends:
+            raise RuntimeError("NIXL has no UCX backend plugin")
+        regions = [(addr, int(buffers.shape[1]), self.device_id, "") for addr in self.addrs]
+        self._reg = self._agent.register_memory(regions, self.mem_type)
+        self._remotes: dict[str, tuple[int, RemoteBuffers]] = {}  # engine id -> (generation, buffers)
+        self._stuck: list[tuple[Any, tuple[int, ...]]] = []  # un-cancellable transfers, their local pages
+        self._poll_interval_s = poll_interval_s
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+
+    # -- metadata ---------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        with self._lock:
+            return bytes(self._agent.get_agent_metadata())
+
+    def remote(self, engine_id: str, generation: int) -> RemoteBuffers | None:
+        """The cached peer for ``engine_id`` at ``generation``, if loaded."""
+        cached = self._remotes.get(engine_id)
+        return cached[1] if cached is not None and cached[0] == generation else None
+
+    def add_remote(
+        self, engine_id: str, generation: int, metadata: bytes, *, addrs: Sequence[int], device_id: int, geometry: PageGeometry
+    ) -> RemoteBuffers:
+        """Load a peer's metadata (once per engine id and generation)."""
+        hit = self.remote(engine_id, generation)
+        if hit is not None:
+            return hit
+        self.forget_remote(engine_id)
+        with self._lock:
+            name = self._agent.add_remote_agent(metadata)
+        agent_name = name.decode() if isinstance(name, bytes) else str(name)
+        peer = RemoteBuffers(agent_name, tuple(int(a) for a in addrs), device_id, geometry)
+        self._remotes[engine_id] = (generation, peer)
+        return peer
+
+    def forget_remote(self, engine_id: str) -> None:
+        """Drop a peer's cached metadata (next use loads it fresh)."""
+        cached = self._remotes.pop(engine_id, None)
+        if cached is None:
+            return
+        with self._lock:
+            try:
+                self._agent.remove_remote_agent(cached[1].agent_name)
+            except Exception:  # noqa: BLE001 - a dead peer may already be gone from NIXL's view
+                pass
+
+    # -- transfers --------------------------------------------------------------------------
+    def descriptors(
+        self, peer: RemoteBuffers, local_pages: Sequence[int], remote_pages: Sequence[int]
+    ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """Local and remote (addr, len, dev) lists: one per page per layer, adjacent ones merged."""
+        if len(local_pages) != len(remote_pages):
+            raise ValueError(f"{len(local_pages)} local pages for {len(remote_pages)} remote pages")
+        if len(peer.addrs) != len(self.addrs):
+            raise ValueError(f"peer has {len(peer.addrs)} layer buffers, this worker {len(self.addrs)}")
+        pairs = []
+        for lp, rp in zip(local_pages, remote_pages):
+            lo, ln = self.geometry.span(lp)
+            ro, rn = peer.geometry.span(rp)
+            if ln != rn:
+                raise ValueError(f"local page {lp} has {ln} bytes, remote page {rp} {rn}")
+            pairs.append((lo, ro, ln))
+        merged = merge_spans(pairs)
+        local = [(base + lo, n, self.device_id) for base in self.addrs for lo, _, n in merged]
+        remote = [(base + ro, n, peer.device_id) for base in peer.addrs for _, ro, n in merged]
+        return local, remote
+
+    def read(
+        self, peer: RemoteBuffers, local_pages: Sequence[int], remote_pages: Sequence[int], *, timeout_s: float
+    ) -> ReadStats:
+        """READ ``remote_pages`` of ``peer`` into ``local_pages`` (all layers); bounded by ``timeout_s``.
+
+        Raises TransferError; then every page in ``local_pages`` is invalid.
+        """
+        t0 = time.perf_counter()
+        local, remote = self.descriptors(peer, local_pages, remote_pages)
+        if not local:
+            return ReadStats(0, 0, 0.0)
+        nbytes = sum(n for _, n, _ in local)
+        deadline = time.monotonic() + timeout_s
+        handle = None
+        try:
+            with self._lock:
+                ldesc = self._agent.get_xfer_descs(local, self.mem_type)
+                rdesc = self._agent.get_xfer_descs(remote, self.mem_type)
+                handle = self._agent.initialize_xfer("READ", ldesc, rdesc, peer.agent_name)
+                state = self._agent.transfer(handle)
+            polls = 0
+            while state == "PROC":
+                if time.monotonic() >= deadline:
+                    released = self._abandon(handle, local_pages)
+                    handle = None
+                    raise TransferError(
+                        "transfer_timeout", f"READ of {nbytes} bytes not done after {timeout_s:g} s", pages_safe=released
+                    )
+                polls += 1
+                if polls > 200:
+                    time.sleep(0.0002)
+                with self._lock:
+                    state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError("transfer_failed", f"NIXL transfer state {state}")
+        except TransferError as exc:
+            if handle is not None and not self._abandon(handle, local_pages):
+                exc.pages_safe = False
+            raise
+        except Exception as exc:  # noqa: BLE001 - NIXL raises its own binding errors
+            safe = handle is None or self._abandon(handle, local_pages)
+            reason = "remote_unreachable" if "DISCONNECT" in str(exc).upper() or "Disconnect" in type(exc).__name__ else "transfer_failed"
+            raise TransferError(reason, f"{type(exc).__name__}: {exc}", pages_safe=safe) from exc
+        with self._lock:
+            handle.release()
+        return ReadStats(nbytes, len(local), time.perf_counter() - t0)
+
+    def _abandon(self, handle: Any, local_pages: Sequence[int]) -> bool:
+        """Release a transfer that did not finish (True); one NIXL cannot cancel is parked in
+        ``_stuck`` with its pages (False)."""
+        with self._lock:
+            try:
+                handle.release()
+                return True
+            except Exception:  # noqa: BLE001 - still in flight: keep its pages out of use
+                self._stuck.append((handle, tuple(local_pages)))
+                return False
+
+    def reap(self) -> list[int]:
+        """Pages of parked transfers that have since ended (the caller may free them now)."""
+        freed: list[int] = []
+        with self._lock:
+            keep = []
+            for handle, pages in self._stuck:
+                try:
+                    state = self._agent.check_xfer_state(handle)
+                except Exception:  # noqa: BLE001 - an error ends it too
+                    state = "ERR"
+                if state == "PROC":
+                    keep.append((handle, pages))
+                    continue
+                try:
+                    handle.release()
+                except Exception:  # noqa: BLE001
+                    keep.append((handle, pages))
+                    continue
+                freed.extend(pages)
+            self._stuck = keep
+        return freed
+
+    @property
+    def num_stuck(self) -> int:
+        return len(self._stuck)
+
+    # -- progress ---------------------------------------------------------------------------
+    def progress(self) -> None:
+        """Drive the UCX worker once (peers READing from us need it over TCP)."""
+        with self._lock:
+            self._agent.get_new_notifs()
+
+    def start_progress(self) -> None:
+        """Poll every ``poll_interval_s`` on a daemon thread (instead of NIXL's busy progress thread)."""
+        if self._poller is not None:
+            return
+        self._stop.clear()
+        self._poller = threading.Thread(target=self._poll_loop, name="kvserving-nixl-progress", daemon=True)
+        self._poller.start()
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self._poll_interval_s):
+            try:
+                self.progress()
+            except Exception:  # noqa: BLE001 - a dead peer's error must not kill the poller
+                pass
+
+    def close(self) -> None:
+        """Stop polling, drop peers, deregister the buffers."""
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(timeout=2.0)
+            self._poller = None
+        for engine_id in list(self._remotes):
+            self.forget_remote(engine_id)
+        with self._lock:
+            try:
+                self._agent.deregister_memory(self._reg)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
