@@ -1,15 +1,81 @@
-"""Streaming on top of the engine: its steps run on one worker thread while
-each request's tokens flow to its own asyncio queue."""
+"""Streaming on top of the engine: every engine call runs on one engine thread
+while each request's tokens flow to its own asyncio queue.
+
+The engine is not thread-safe, so nothing touches it from the event loop:
+``add``, ``abort``, ``step`` and any ``call(fn)`` (stats, lease operations,
+KV export and import) are queued on one single-thread executor and run in
+submission order. The event loop never waits on a lock held by a step.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
-from collections.abc import AsyncIterator, Sequence as Seq
+from collections.abc import AsyncIterator, Callable, Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from kvserving.worker.engine import LLMEngine, RequestOutput
+from kvserving.worker.leases import RetainSpec
 from kvserving.worker.sampling import SamplingParams
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# While every free page is held by leases a step schedules nothing; wait this
+# long before trying again (leases expire, aborts free pages).
+IDLE_STEP_S = 0.005
+ENGINE_THREAD = "kvserving-engine"
+
+
+class DuplicateRequestError(ValueError):
+    """A request with this id is already in flight on this engine."""
+
+
+class RequestStream:
+    """One request's outputs, in order; iterate it, or ``abort()`` it.
+
+    Leaving the iteration early (a client disconnect cancels the consumer)
+    aborts the request on the engine thread, which frees its pages.
+    """
+
+    def __init__(self, owner: AsyncEngine, request_id: str, num_prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self._owner = owner
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+        self._closed = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    self.finished = True
+                    return
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop streaming (idempotent); a request that has not finished is aborted."""
+        if not self._closed:
+            self._closed = True
+            self._owner._forget(self.request_id, abort=not self.finished)
+
+    def abort(self) -> None:
+        """End the stream with ``finish_reason == "abort"`` and free the request's pages."""
+        if self.finished:
+            return
+        self._owner._submit_abort(self.request_id)
+        self.queue.put_nowait(
+            RequestOutput(self.request_id, [], True, "abort", self.num_prompt_tokens, 0, 0)
+        )
 
 
 class AsyncEngine:
@@ -17,42 +83,130 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserving-engine")
-        self._lock = threading.Lock()
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=ENGINE_THREAD)
+        self._streams: dict[str, RequestStream] = {}
         self._loop_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._closed = False
 
-    def _add(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, tags: Seq[int] | None) -> None:
-        with self._lock:
-            self.engine.add_request(request_id, prompt_ids, params, tags=tags)
+    # ------------------------------------------------------------ engine thread
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread, after every call queued before it."""
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, self.engine)
 
-    def _step(self) -> list[RequestOutput]:
-        with self._lock:
-            return self.engine.step()
+    def _submit_abort(self, request_id: str) -> None:
+        if not self._closed:
+            self._executor.submit(self.engine.abort, request_id)
+
+    def _step(self, engine: LLMEngine) -> tuple[list[RequestOutput], bool]:
+        outputs = engine.step()
+        return outputs, engine.has_unfinished()
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            if not self.engine.has_unfinished():
+            if not self._streams:  # nothing streams: sleep until the next add
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             try:
-                outputs = await loop.run_in_executor(self._executor, self._step)
+                outputs, more = await self.call(self._step)
             except Exception as exc:  # a failed step fails every request in flight, not the server
-                for q in self._queues.values():
-                    q.put_nowait(exc)
-                with self._lock:
-                    for rid in list(self.engine.requests):
-                        self.engine.abort(rid)
+                log.exception("engine step failed; aborting %d request(s)", len(self._streams))
+                for stream in list(self._streams.values()):
+                    stream.queue.put_nowait(exc)
+                    self._submit_abort(stream.request_id)
+                await asyncio.sleep(IDLE_STEP_S)
                 continue
             for out in outputs:
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
-            if not outputs:
-                await asyncio.sleep(0.005)  # pool full of leased pages: wait for expiry
+                target = self._streams.get(out.request_id)
+                if target is not None:
+                    target.queue.put_nowait(out)
+            if not outputs or not more:
+                # leased pages fill the pool, or streams wait to be read: let others run
+                await asyncio.sleep(IDLE_STEP_S)
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    # ---------------------------------------------------------------- requests
+    @property
+    def in_flight(self) -> list[str]:
+        """Ids of the requests streaming now, oldest first."""
+        return list(self._streams)
+
+    def reserve(self, request_id: str, num_prompt_tokens: int) -> RequestStream:
+        """Claim ``request_id`` for a request about to be added (``start``).
+
+        Raises ``DuplicateRequestError`` while a request with this id streams.
+        ``close()`` the stream if the request never starts.
+        """
+        if request_id in self._streams:
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
+        stream = RequestStream(self, request_id, num_prompt_tokens)
+        self._streams[request_id] = stream
+        return stream
+
+    async def start(
+        self,
+        stream: RequestStream,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        tags: Seq[int] | None = None,
+        retain: RetainSpec | None = None,
+        pin_lease: str | None = None,
+    ) -> None:
+        """Queue a reserved request on the engine; the engine's ``ValueError`` (nothing queued)
+        reaches the caller and releases the id."""
+        rid = stream.request_id
+        try:
+            await self.call(
+                lambda e: e.add_request(rid, prompt_ids, params, tags=tags, retain=retain, pin_lease=pin_lease)
+            )
+        except BaseException:
+            stream.finished = True  # never added: nothing to abort
+            stream.close()
+            raise
+        self._ensure_loop()
+        self._wake.set()
+
+    async def add(
+        self,
+        request_id: str,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        tags: Seq[int] | None = None,
+    ) -> RequestStream:
+        """``reserve`` + ``start``: queue a request, get the stream of its outputs."""
+        stream = self.reserve(request_id, len(prompt_ids))
+        await self.start(stream, prompt_ids, params, tags=tags)
+        return stream
+
+    def run_sync(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` on the engine thread and wait for it (from a thread other than the
+        event loop's; on the engine thread itself it runs at once instead of deadlocking)."""
+        if threading.current_thread().name.startswith(ENGINE_THREAD):
+            return fn()
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        return self._executor.submit(fn).result()
+
+    def _forget(self, request_id: str, *, abort: bool) -> None:
+        self._streams.pop(request_id, None)
+        if abort:
+            self._submit_abort(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a streaming request (its stream ends with "abort"); False if unknown."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        stream.abort()
+        return True
 
     async def generate(
         self,
@@ -63,27 +217,19 @@ class AsyncEngine:
         tags: Seq[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per generated token; the last has ``finished``."""
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = queue
-        try:
-            self._add(request_id, prompt_ids, params, tags)  # ValueError reaches the caller
-            self._wake.set()
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if request_id in self.engine.requests:
-                with self._lock:
-                    self.engine.abort(request_id)
+        stream = await self.add(request_id, prompt_ids, params, tags=tags)
+        async for out in stream:
+            yield out
 
     async def close(self) -> None:
+        """Abort what still streams, stop the step loop and the engine thread."""
+        for stream in list(self._streams.values()):
+            stream.abort()
         if self._loop_task is not None:
             self._loop_task.cancel()
-        self._executor.shutdown(wait=False)
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._closed = True
+        self._executor.shutdown(wait=True)

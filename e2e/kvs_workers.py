@@ -1,0 +1,126 @@
+"""Real `kvserving worker` processes on loopback for the e2e tests (the
+fixtures in conftest.py hand them out).
+
+Every process is started in its own session (process group) and killed with
+its group when the test ends, also on failure; every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+READY_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class WorkerProc:
+    role: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.role} worker exited {self.proc.returncode} before ready:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"{self.role} worker not ready within {timeout} s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL the worker's whole process group (idempotent)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class WorkerFactory:
+    """Starts workers; ``close`` kills every one it started."""
+
+    def __init__(self, tmp: Path, model_dir: Path) -> None:
+        self.tmp = tmp
+        self.model_dir = model_dir
+        self.started: list[WorkerProc] = []
+
+    def start(self, role: str, config: dict[str, Any], *, wait: bool = True, args: tuple[str, ...] = ()) -> WorkerProc:
+        n = len(self.started)
+        cfg = self.tmp / f"config-{n}.json"
+        cfg.write_text(json.dumps(config))
+        log_path = self.tmp / f"worker-{n}-{role}.log"
+        port = free_port()
+        argv = [
+            sys.executable, "-m", "kvserving.cli", "worker", "--role", role, "--config", str(cfg),
+            "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port), *args,
+        ]
+        # One torch thread per worker: several processes share 2 cores.
+        env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+        worker = WorkerProc(role, f"http://127.0.0.1:{port}", proc, log_path)
+        self.started.append(worker)
+        if wait:
+            worker.wait_ready()
+        return worker
+
+    def close(self) -> None:
+        for worker in self.started:
+            worker.kill()
+
+
+def stream_generate(url: str, body: dict[str, Any], *, timeout: float = 120) -> tuple[list[int], dict[str, Any]]:
+    """POST /internal/generate; the streamed token ids and the final event (asserts [DONE])."""
+    tokens: list[int] = []
+    final: dict[str, Any] = {}
+    with httpx.stream("POST", url + "/internal/generate", json=body, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise AssertionError(f"{r.status_code}: {r.read().decode()}")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                return tokens, final
+            event = json.loads(data)
+            if "error" in event:
+                raise AssertionError(f"error event: {event}")
+            tokens.extend(event["token_ids"])
+            if "finish_reason" in event:
+                final = event
+    raise AssertionError("stream ended without [DONE]")

@@ -1,0 +1,276 @@
+"""The worker HTTP server (`kvserving.worker.server`) on a real uvicorn socket:
+streams equal the offline engine, usage counts cached and computed tokens,
+malformed bodies get one-line 4xx errors, duplicates 409, a client that goes
+away frees its pages, /metrics exports every worker metric of the dashboard."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
+from kvserving.operator.dashboard import DASHBOARD_METRICS
+from kvserving.worker.engine import LLMEngine
+from kvserving.worker.metrics import FALLBACK_REASONS, WorkerMetrics
+from kvserving.worker.sampling import SamplingParams
+from kvserving.worker.server import create_app
+from kvserving.worker.service import WorkerService
+
+PAGE = 16
+MAX_LEN = 512
+
+
+@dataclass
+class Live:
+    url: str
+    service: WorkerService
+    server: uvicorn.Server
+    thread: threading.Thread
+    config: ServingConfig
+
+
+def start_live(config: ServingConfig, *, role: str = "both") -> Live:
+    """A worker app on uvicorn in a thread, on a free loopback port; ready when returned."""
+    registry = CollectorRegistry()
+    service = WorkerService(config, role=role, metrics=WorkerMetrics(registry, role=role), engine_id=f"test-{role}",
+                            advertise_url="http://127.0.0.1:0")
+    engine = LLMEngine(config)
+
+    async def startup() -> None:
+        await service.start(engine)
+
+    app = create_app(service, registry=registry, startup=startup)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return Live(url, service, server, thread, config)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    stop_live(Live(url, service, server, thread, config))
+    raise AssertionError("worker did not become ready within 60 s")
+
+
+def stop_live(live: Live) -> None:
+    live.server.should_exit = True
+    live.thread.join(timeout=30)
+    assert not live.thread.is_alive(), "uvicorn thread did not stop"
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model_dir: Path) -> ServingConfig:
+    return ServingConfig(
+        model=ModelConfig(path=str(tiny_model_dir), max_model_len=MAX_LEN),
+        kv_cache=KVCacheConfig(dtype="bf16", memory_bytes=4 << 20),
+    )
+
+
+@pytest.fixture(scope="module")
+def live(config: ServingConfig) -> Iterator[Live]:
+    w = start_live(config)
+    try:
+        yield w
+    finally:
+        stop_live(w)
+
+
+def generate(url: str, body: dict[str, Any], *, timeout: float = 60) -> tuple[list[int], dict[str, Any]]:
+    """POST /internal/generate; the streamed token ids and the final event."""
+    tokens: list[int] = []
+    final: dict[str, Any] = {}
+    done = False
+    with httpx.stream("POST", url + "/internal/generate", json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            assert "error" not in event, event
+            tokens.extend(event["token_ids"])
+            if "finish_reason" in event:
+                final = event
+    assert done and final
+    return tokens, final
+
+
+def body(rid: str, ids: list[int], max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    return {"request_id": rid, "input_ids": ids, "sampling": {"max_tokens": max_tokens, "ignore_eos": True}, **extra}
+
+
+def test_stream_equals_offline_engine_and_usage_counts_the_prefix_cache(live: Live, config: ServingConfig) -> None:
+    prompt = [(7 * i + 3) % 4000 + 50 for i in range(70)]  # 70 tokens: 4 full pages + 6
+    want = LLMEngine(config).generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+
+    tokens, final = generate(live.url, body("first", prompt))
+    assert tokens == want
+    assert final["finish_reason"] == "length"
+    assert final["kv_transfer_params"] is None
+    assert final["usage"] == {
+        "prompt_tokens": 70, "completion_tokens": 8, "local_cached_tokens": 0, "remote_pulled_tokens": 0,
+        "computed_prompt_tokens": 70, "kv_bytes_pulled": 0, "kv_regions_pulled": 0, "reuse_fallback": None,
+    }
+    # the same prompt again: its 4 full pages come from the prefix cache
+    tokens, final = generate(live.url, body("second", prompt))
+    assert tokens == want
+    assert final["usage"]["local_cached_tokens"] == 64
+    assert final["usage"]["computed_prompt_tokens"] == 6
+
+
+BAD_BODIES: list[tuple[str, Any, int, str]] = [
+    ("bad json", b'{"request_id": "x", "input_ids": [1,', 400, "request body is not valid JSON"),
+    ("unknown field", {"request_id": "x", "input_ids": [1], "prompt": "hi"}, 422, "prompt: Extra inputs are not permitted"),
+    ("unknown sampling field", {"request_id": "x", "input_ids": [1], "sampling": {"n": 2}}, 422, "sampling.n: Extra inputs"),
+    ("id as string", {"request_id": "x", "input_ids": ["1"]}, 422, "input_ids.0: Input should be a valid integer"),
+    ("negative id", {"request_id": "x", "input_ids": [-1]}, 422, "input_ids.0: Input should be greater than or equal to 0"),
+    ("empty prompt", {"request_id": "x", "input_ids": []}, 422, "input_ids: List should have at least 1 item"),
+    ("id outside vocab", {"request_id": "x", "input_ids": [1, 4096]}, 400, "input_ids outside the vocabulary [0, 4096): [4096]"),
+    ("tag 56", {"request_id": "x", "input_ids": [1, 2], "tags": [0, 56]}, 422, "tags.1: Input should be less than or equal to 55"),
+    ("tags length", {"request_id": "x", "input_ids": [1, 2], "tags": [0]}, 422, "tags has 1 entries for 2 input_ids"),
+    ("prompt too long", {"request_id": "x", "input_ids": [5] * MAX_LEN}, 400,
+     f"prompt of {MAX_LEN} tokens does not fit the context length {MAX_LEN}"),
+    ("max_tokens 0", {"request_id": "x", "input_ids": [1], "sampling": {"max_tokens": 0}}, 422,
+     "sampling.max_tokens: Input should be greater than or equal to 1"),
+    ("temperature nan", b'{"request_id": "x", "input_ids": [1], "sampling": {"temperature": NaN}}', 422, "sampling.temperature"),
+    ("no request id", {"input_ids": [1]}, 422, "request_id: Field required"),
+    ("kv params page ids as strings", {"request_id": "x", "input_ids": [1], "kv_transfer_params": {
+        "engine_id": "e", "agent_url": "http://a", "lease_id": "l", "page_ids": ["0"], "page_hashes": [1],
+        "num_tokens": 16, "page_size": 16, "dtype": "bf16", "layout_hash": "h", "expires_at": 1.0}}, 422,
+     "kv_transfer_params.page_ids.0: Input should be a valid integer"),
+    ("kv params lengths", {"request_id": "x", "input_ids": [1], "kv_transfer_params": {
+        "engine_id": "e", "agent_url": "http://a", "lease_id": "l", "page_ids": [0, 1], "page_hashes": [1],
+        "num_tokens": 16, "page_size": 16, "dtype": "bf16", "layout_hash": "h", "expires_at": 1.0}}, 422,
+     "page_ids has 2 entries but page_hashes has 1"),
+    ("kv params missing", {"request_id": "x", "input_ids": [1], "kv_transfer_params": {"engine_id": "e"}}, 422,
+     "kv_transfer_params.agent_url: Field required"),
+    ("body not an object", [1, 2], 422, "Input should be a valid dictionary"),
+]
+
+
+@pytest.mark.parametrize(("case", "payload", "status", "message"), BAD_BODIES, ids=[c[0] for c in BAD_BODIES])
+def test_malformed_requests_get_a_one_line_4xx(live: Live, case: str, payload: Any, status: int, message: str) -> None:
+    content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    r = httpx.post(live.url + "/internal/generate", content=content, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert message in err["message"]
+    assert "\n" not in err["message"]
+    assert set(err) == {"message", "type", "code"}
+    assert httpx.get(live.url + "/health", timeout=5).json()["status"] == "ok"
+
+
+def test_unknown_route_and_lease_are_404_in_the_error_shape(live: Live) -> None:
+    r = httpx.get(live.url + "/nope", timeout=5)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
+    r = httpx.post(live.url + "/internal/kv/leases/nope/renew", timeout=5)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_lease"
+    r = httpx.delete(live.url + "/internal/kv/leases/nope", timeout=5)
+    assert r.status_code == 404 and "unknown lease 'nope'" in r.json()["error"]["message"]
+    assert httpx.get(live.url + "/internal/kv/leases", timeout=5).json() == {"leases": []}
+
+
+def _kv_stats(live: Live) -> dict[str, Any]:
+    r = httpx.get(live.url + "/internal/kv/stats", timeout=10)
+    assert r.status_code == 200
+    stats: dict[str, Any] = r.json()
+    return stats
+
+
+def _wait_idle(live: Live, *, timeout: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = _kv_stats(live)
+        if stats["in_flight"] == 0 and stats["running"] == 0 and stats["pages"]["owned"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"request still holds pages: {stats}"
+        time.sleep(0.05)
+
+
+def test_duplicate_in_flight_id_is_409_and_a_disconnect_frees_the_pages(live: Live) -> None:
+    prompt = list(range(100, 140))
+    with httpx.stream("POST", live.url + "/internal/generate", json=body("dup", prompt, max_tokens=400), timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        assert json.loads(first[len("data: "):])["token_ids"]
+        again = httpx.post(live.url + "/internal/generate", json=body("dup", [1, 2, 3]), timeout=30)
+        assert again.status_code == 409
+        assert again.json()["error"] == {
+            "message": "request_id 'dup' is already in flight", "type": "conflict", "code": "duplicate_request_id",
+        }
+        busy = _kv_stats(live)
+        assert busy["in_flight"] == 1 and busy["pages"]["owned"] >= 3
+    # the client is gone: the request is aborted and every page is back in the pool
+    stats = _wait_idle(live)
+    total = stats["pages"]["total"]
+    assert stats["pages"]["free"] + stats["pages"]["cached"] == total
+    # the id is free again
+    tokens, final = generate(live.url, body("dup", [1, 2, 3], max_tokens=2))
+    assert len(tokens) == 2 and final["finish_reason"] == "length"
+
+
+def test_metrics_export_every_worker_metric_with_values(live: Live) -> None:
+    generate(live.url, body("metrics-a", list(range(200, 250)), max_tokens=4))
+    generate(live.url, body("metrics-b", list(range(200, 250)), max_tokens=4))  # 3 pages from the cache
+    text = httpx.get(live.url + "/metrics", timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def value(name: str, **labels: str) -> float:
+        fam = families[name]
+        for s in fam.samples:
+            if s.name in (name, name + "_total") and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+        raise AssertionError(f"no sample {name}{labels}")
+
+    worker_metrics = [(n, t) for n, t, _ in DASHBOARD_METRICS if n.startswith("kvserving_worker_")]
+    assert len(worker_metrics) == 4
+    for name, kind in worker_metrics:
+        base = name.removesuffix("_total") if kind == "counter" else name
+        assert base in families, name
+        assert families[base].type == kind, name
+    assert value("kvserving_worker_prompt_tokens") >= 50 + 2
+    assert value("kvserving_worker_generation_tokens") >= 8
+    assert 0.0 <= value("kvserving_worker_kv_cache_usage_ratio") <= 1.0
+    assert families["kvserving_worker_kv_transfer_bytes"].type == "counter"
+    assert value("kvserving_worker_prompt_tokens_by_source", source="local_cache") >= 48
+    assert value("kvserving_worker_prompt_tokens_by_source", source="computed") >= 50
+    assert value("kvserving_worker_prompt_tokens_by_source", source="remote_pull") == 0
+    for reason in FALLBACK_REASONS:
+        assert value("kvserving_worker_kv_reuse_fallbacks", reason=reason) == 0
+    assert value("kvserving_worker_requests", finish_reason="length") >= 2
+    assert value("kvserving_worker_kv_pool_capacity_tokens", precision="bf16") == live.service.engine.engine.capacity_tokens  # type: ignore[union-attr]
+    assert value("kvserving_worker_kv_pool_pages", precision="bf16", state="capacity") > 0
+    assert value("kvserving_worker_queue_depth", state="running") == 0
+    assert value("kvserving_worker_queue_depth", state="waiting") == 0
+    assert value("kvserving_worker_ready") == 1
+    for name, kind in [
+        ("kvserving_worker_kv_transfer_seconds", "histogram"), ("kvserving_worker_kv_transfer_regions", "histogram"),
+        ("kvserving_worker_preemptions", "counter"), ("kvserving_worker_kv_leases", "gauge"),
+        ("kvserving_worker_kv_leased_tokens", "gauge"),
+    ]:
+        assert families[name].type == kind, name

@@ -1,0 +1,96 @@
+"""A snapshot of an engine's KV pool, leases and queue: what `/internal/kv/stats`
+returns and what the worker's gauges are set from.
+
+``collect`` reads engine state, so it runs on the engine thread
+(``AsyncEngine.call``); the snapshot it returns is plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvserving.kernels.page_ids import is_int2
+from kvserving.worker.engine import LLMEngine
+from kvserving.worker.triaxial_pool import TriaxialPagePool
+
+
+@dataclass(slots=True, frozen=True)
+class PrecisionStats:
+    """Pages of one stored precision: how many fit the whole pool, how many are in use."""
+
+    capacity_pages: int  # pages of this precision the pool holds if every page had it
+    capacity_tokens: int
+    owned_pages: int  # held by running requests or leases
+    cached_pages: int  # unowned, kept for their prefix hash (evictable)
+
+
+@dataclass(slots=True, frozen=True)
+class KVStats:
+    dtype: str
+    page_size: int
+    usage_ratio: float  # owned fraction of the pool's bytes
+    free_pages: int  # pages an allocation can get now (free + evictable)
+    precisions: dict[str, PrecisionStats]
+    num_leases: int
+    leased_pages: int
+    leased_tokens: int
+    running: int
+    waiting: int
+    steps: int
+    prompt_tokens_computed: int
+    decode_tokens: int
+    preemptions: int
+    capacity_tokens: int  # at full (4-bit for triaxial) precision
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def collect(engine: LLMEngine) -> KVStats:
+    """Snapshot ``engine`` (call on the engine thread). Expired leases are released first."""
+    pool = engine.pool
+    pool.expire_leases()
+    page_size = engine.storage.page_size
+    live = [p for pid in _live_ids(engine) if (p := pool.page(pid)) is not None]
+    leased = {pid for lid in pool.lease_ids() for pid in pool.lease_pages(lid)}
+    precisions: dict[str, PrecisionStats] = {}
+    if isinstance(pool, TriaxialPagePool):
+        used_bytes = 0
+        for bits, name in ((4, "int4"), (2, "int2")):
+            pages = [p for p in live if is_int2(p.page_id) == (bits == 2)]
+            cap = pool.total_bytes // pool.page_bytes(bits=bits)
+            owned = sum(1 for p in pages if p.ref_count > 0)
+            used_bytes += owned * pool.page_bytes(bits=bits)
+            precisions[name] = PrecisionStats(cap, cap * page_size, owned, len(pages) - owned)
+        usage = used_bytes / pool.total_bytes
+    else:
+        owned = sum(1 for p in live if p.ref_count > 0)
+        num_pages = engine.storage.num_pages
+        precisions[engine.storage.kv_dtype] = PrecisionStats(num_pages, num_pages * page_size, owned, len(live) - owned)
+        usage = owned / num_pages
+    sched = engine.scheduler
+    stats = engine.stats
+    return KVStats(
+        dtype=engine.storage.kv_dtype,
+        page_size=page_size,
+        usage_ratio=usage,
+        free_pages=pool.num_free,
+        precisions=precisions,
+        num_leases=len(pool.lease_ids()),
+        leased_pages=len(leased),
+        leased_tokens=len(leased) * page_size,
+        running=len(sched.running),
+        waiting=len(sched.waiting),
+        steps=stats.steps,
+        prompt_tokens_computed=stats.prompt_tokens_computed,
+        decode_tokens=stats.decode_tokens,
+        preemptions=stats.preemptions,
+        capacity_tokens=engine.capacity_tokens,
+    )
+
+
+def _live_ids(engine: LLMEngine) -> list[int]:
+    # The pool has no public list of its live page ids; its ``_pages`` map is
+    # that list (read only here, each record then through the public ``page()``).
+    return list(engine.pool._pages)

@@ -1,0 +1,177 @@
+"""The worker's Prometheus metrics, created against a registry passed in.
+
+Names follow DESIGN.md (Metrics): ``kvserving_worker_`` prefix, base units,
+``_total`` counters, ``_seconds`` histograms. The first four are the ones the
+Grafana dashboard queries (``operator/dashboard.py DASHBOARD_METRICS``); a
+test holds their names and types to that list.
+
+Two kinds of updates:
+
+- events, counted where they happen (a request finishes: tokens by source,
+  a transfer ends: bytes, seconds, regions; a reuse falls back: its reason);
+- engine state, copied from a ``KVStats`` snapshot when ``/metrics`` is
+  scraped (pool use and capacity, leases, queue depth, and the engine's own
+  counters: prompt tokens computed, preemptions).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvserving.worker.kv_stats import KVStats
+
+# Why a reuse fell back to recompute (docs/worker-api.md). Every reason is
+# exported from the start (at 0) so a rate() over it never sees a gap.
+FALLBACK_REASONS = (
+    "remote_unreachable",
+    "transfer_timeout",
+    "transfer_failed",
+    "lease_expired",
+    "layout_mismatch",
+    "hash_mismatch",
+    "stale_agent",
+)
+# Where a prompt token's KV came from.
+TOKEN_SOURCES = ("local_cache", "remote_pull", "computed")
+# A pull runs toward the worker that issues the NIXL READ.
+DIRECTIONS = ("prefill_to_decode", "decode_to_prefill")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_REGION_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+
+
+class WorkerMetrics:
+    """Every metric one worker exports; ``registry`` is the one ``/metrics`` serves."""
+
+    def __init__(self, registry: CollectorRegistry, *, role: str) -> None:
+        r = registry
+        # -- the dashboard's four (names and types fixed by DASHBOARD_METRICS) --
+        self.prompt_tokens = Counter(
+            "kvserving_worker_prompt_tokens_total", "prompt tokens a worker computed (prefill)", registry=r
+        )
+        self.generation_tokens = Counter(
+            "kvserving_worker_generation_tokens_total", "tokens a worker generated (decode)", registry=r
+        )
+        self.kv_cache_usage = Gauge("kvserving_worker_kv_cache_usage_ratio", "used fraction of the KV pool", registry=r)
+        self.kv_transfer_bytes = Counter(
+            "kvserving_worker_kv_transfer_bytes_total", "KV bytes moved over NIXL, by direction", ["direction"], registry=r
+        )
+        # -- reuse ------------------------------------------------------------------
+        self.reuse_fallbacks = Counter(
+            "kvserving_worker_kv_reuse_fallbacks_total",
+            "KV reuses that fell back to recompute, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.prompt_tokens_by_source = Counter(
+            "kvserving_worker_prompt_tokens_by_source_total",
+            "prompt tokens of finished requests by where their KV came from",
+            ["source"],
+            registry=r,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "kvserving_worker_kv_transfer_seconds",
+            "wall time of one NIXL pull, by direction",
+            ["direction"],
+            buckets=_TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfer_regions = Histogram(
+            "kvserving_worker_kv_transfer_regions",
+            "contiguous memory regions (NIXL descriptors after merging) per pull",
+            ["direction"],
+            buckets=_REGION_BUCKETS,
+            registry=r,
+        )
+        self.prefill_tokens_per_second = Gauge(
+            "kvserving_worker_prefill_tokens_per_second", "measured prefill speed (recompute threshold 'auto')", registry=r
+        )
+        self.kv_transfer_bytes_per_second = Gauge(
+            "kvserving_worker_kv_transfer_bytes_per_second", "measured NIXL pull speed (recompute threshold 'auto')", registry=r
+        )
+        # -- requests and engine state ---------------------------------------------
+        self.requests = Counter(
+            "kvserving_worker_requests_total", "finished generate requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.preemptions = Counter(
+            "kvserving_worker_preemptions_total", "sequences preempted (recomputed later) for lack of pages", registry=r
+        )
+        self.queue_depth = Gauge("kvserving_worker_queue_depth", "sequences in the scheduler, by state", ["state"], registry=r)
+        self.kv_leases = Gauge("kvserving_worker_kv_leases", "KV leases held now", registry=r)
+        self.kv_leased_tokens = Gauge("kvserving_worker_kv_leased_tokens", "tokens of KV pinned by leases now", registry=r)
+        self.kv_pool_capacity_tokens = Gauge(
+            "kvserving_worker_kv_pool_capacity_tokens",
+            "tokens the pool holds if every page has this precision",
+            ["precision"],
+            registry=r,
+        )
+        self.kv_pool_pages = Gauge(
+            "kvserving_worker_kv_pool_pages",
+            "pages by precision and state (capacity, owned, cached)",
+            ["precision", "state"],
+            registry=r,
+        )
+        self.info = Gauge("kvserving_worker_info", "1, labelled with the worker's role", ["role"], registry=r)
+        self.info.labels(role=role).set(1)
+        self.ready = Gauge("kvserving_worker_ready", "1 while the worker admits requests", registry=r)
+        for reason in FALLBACK_REASONS:
+            self.reuse_fallbacks.labels(reason=reason)
+        for source in TOKEN_SOURCES:
+            self.prompt_tokens_by_source.labels(source=source)
+        for direction in DIRECTIONS:
+            self.kv_transfer_bytes.labels(direction=direction)
+        for reason in FINISH_REASONS:
+            self.requests.labels(finish_reason=reason)
+        self._seen_prompt_tokens = 0
+        self._seen_preemptions = 0
+        # the same counts as plain numbers, for GET /internal/kv/stats
+        self.prompt_token_totals = dict.fromkeys(TOKEN_SOURCES, 0)
+        self.fallback_totals: dict[str, int] = {}
+
+    # ------------------------------------------------------------------- events
+    def request_finished(
+        self, *, finish_reason: str, local_cached: int, remote_pulled: int, computed: int
+    ) -> None:
+        self.requests.labels(finish_reason=finish_reason).inc()
+        for source, n in zip(TOKEN_SOURCES, (local_cached, remote_pulled, computed)):
+            self.prompt_tokens_by_source.labels(source=source).inc(n)
+            self.prompt_token_totals[source] += n
+
+    def transfer_done(self, *, direction: str, num_bytes: int, seconds: float, regions: int) -> None:
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        self.kv_transfer_bytes.labels(direction=direction).inc(num_bytes)
+        self.kv_transfer_seconds.labels(direction=direction).observe(seconds)
+        self.kv_transfer_regions.labels(direction=direction).observe(regions)
+
+    def fallback(self, reason: str) -> None:
+        if reason not in FALLBACK_REASONS:
+            raise ValueError(f"reason must be one of {FALLBACK_REASONS}, got {reason!r}")
+        self.reuse_fallbacks.labels(reason=reason).inc()
+        self.fallback_totals[reason] = self.fallback_totals.get(reason, 0) + 1
+
+    # ------------------------------------------------------------ engine state
+    def observe(self, stats: KVStats) -> None:
+        """Copy an engine snapshot into the gauges; move the engine's counters by their growth."""
+        self.prompt_tokens.inc(max(0, stats.prompt_tokens_computed - self._seen_prompt_tokens))
+        self._seen_prompt_tokens = max(self._seen_prompt_tokens, stats.prompt_tokens_computed)
+        self.preemptions.inc(max(0, stats.preemptions - self._seen_preemptions))
+        self._seen_preemptions = max(self._seen_preemptions, stats.preemptions)
+        self.kv_cache_usage.set(stats.usage_ratio)
+        self.queue_depth.labels(state="running").set(stats.running)
+        self.queue_depth.labels(state="waiting").set(stats.waiting)
+        for name, p in stats.precisions.items():
+            self.kv_pool_capacity_tokens.labels(precision=name).set(p.capacity_tokens)
+            self.kv_pool_pages.labels(precision=name, state="capacity").set(p.capacity_pages)
+            self.kv_pool_pages.labels(precision=name, state="owned").set(p.owned_pages)
+            self.kv_pool_pages.labels(precision=name, state="cached").set(p.cached_pages)
+
+    def observe_transfer(
+        self, *, leases: int, leased_tokens: int, prefill_tokens_per_s: float | None, transfer_bytes_per_s: float | None
+    ) -> None:
+        """Leases and the two "auto" threshold measurements (0 until measured)."""
+        self.kv_leases.set(leases)
+        self.kv_leased_tokens.set(leased_tokens)
+        self.prefill_tokens_per_second.set(prefill_tokens_per_s or 0.0)
+        self.kv_transfer_bytes_per_second.set(transfer_bytes_per_s or 0.0)

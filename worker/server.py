@@ -1,0 +1,193 @@
+"""The worker's HTTP API (docs/worker-api.md): thin FastAPI routes over
+``WorkerService``.
+
+Routes::
+
+    POST   /internal/generate                 SSE: token events, final event, [DONE]
+    GET    /internal/kv/stats                  pool, leases, queue, reuse counts
+    GET    /internal/kv/agent                  NIXL agent metadata and pool layout
+    GET    /internal/kv/leases[?conversation_key=K]
+    POST   /internal/kv/leases/{lease_id}/renew
+    DELETE /internal/kv/leases/{lease_id}
+    GET    /health  /ready  /metrics
+
+Every error is ``{"error": {"message", "type", "code"}}`` with a one-line
+message: 400 bad JSON or input the engine refuses, 422 a body of the wrong
+shape, 409 a request id already in flight, 404 an unknown lease or route,
+413 a body over ``MAX_BODY_BYTES``, 503 loading or draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from kvserving.worker.async_engine import DuplicateRequestError
+from kvserving.worker.service import Admitted, LeaseNotFoundError, NotReadyError, WorkerService
+from kvserving.worker.wire import GenerateBody, RenewBody, error_body, validation_message
+
+log = logging.getLogger(__name__)
+
+# A prompt of a long context is a few MB of JSON; nothing legitimate is larger.
+MAX_BODY_BYTES = 64 << 20
+
+
+def error_response(status: int, message: str, *, type_: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_=type_, code=code), status_code=status)
+
+
+def sse(event: dict[str, Any] | str) -> bytes:
+    data = event if isinstance(event, str) else json.dumps(event, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class EventStream(StreamingResponse):
+    """The SSE response of one generate request; however it ends (finished, the
+    client gone, the server stopping), the request is aborted unless it finished."""
+
+    def __init__(self, service: WorkerService, admitted: Admitted) -> None:
+        self.admitted = admitted
+        super().__init__(self._events(service), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self, service: WorkerService) -> AsyncIterator[bytes]:
+        async for event in service.events(self.admitted):
+            yield sse(event)
+        yield sse("[DONE]")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.admitted.stream.close()
+
+
+def create_app(
+    service: WorkerService,
+    *,
+    registry: CollectorRegistry,
+    startup: Callable[[], Coroutine[Any, Any, None]] | None = None,
+) -> FastAPI:
+    """The worker's app. ``startup`` (model loading) runs as a background task from the
+    lifespan, so /health answers while it runs and /ready turns 200 when it is done."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.get_running_loop().create_task(startup()) if startup is not None else None
+        try:
+            yield
+        finally:
+            if task is not None and not task.done():
+                task.cancel()
+            await service.close()
+
+    app = FastAPI(title="kvserving worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    _install_error_handlers(app)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            return error_response(413, f"request body over {MAX_BODY_BYTES} bytes", type_="invalid_request_error")
+        return await call_next(request)
+
+    @app.post("/internal/generate", response_model=None)
+    async def generate(body: GenerateBody) -> Response:
+        try:
+            admitted = await service.admit(body)
+        except NotReadyError as exc:
+            return error_response(503, str(exc), type_="unavailable")
+        except DuplicateRequestError as exc:
+            return error_response(409, str(exc), type_="conflict", code="duplicate_request_id")
+        except ValueError as exc:
+            return error_response(400, str(exc), type_="invalid_request_error")
+        return EventStream(service, admitted)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "state": service.state, "role": service.role, "engine_id": service.engine_id}
+
+    @app.get("/ready", response_model=None)
+    async def ready() -> Response:
+        if not service.ready:
+            return error_response(503, f"worker is {service.state}", type_="unavailable")
+        return JSONResponse({"ready": True, "role": service.role, "engine_id": service.engine_id})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await service.refresh_metrics()
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/internal/kv/stats", response_model=None)
+    async def kv_stats() -> Response:
+        try:
+            return JSONResponse(await service.kv_stats_body())
+        except NotReadyError as exc:
+            return error_response(503, str(exc), type_="unavailable")
+
+    _add_kv_routes(app, service)
+    return app
+
+
+def _add_kv_routes(app: FastAPI, service: WorkerService) -> None:
+    @app.get("/internal/kv/agent", response_model=None)
+    async def kv_agent() -> Response:
+        try:
+            return JSONResponse(await service.agent())
+        except NotReadyError as exc:
+            return error_response(503, str(exc), type_="unavailable")
+
+    @app.get("/internal/kv/leases", response_model=None)
+    async def list_leases(conversation_key: str | None = None) -> Response:
+        try:
+            return JSONResponse({"leases": await service.leases(conversation_key=conversation_key)})
+        except NotReadyError as exc:
+            return error_response(503, str(exc), type_="unavailable")
+
+    @app.post("/internal/kv/leases/{lease_id}/renew", response_model=None)
+    async def renew(lease_id: str, body: RenewBody | None = None) -> Response:
+        try:
+            expires_at = await service.renew(lease_id, ttl_s=None if body is None else body.ttl_s)
+        except NotReadyError as exc:
+            return error_response(503, str(exc), type_="unavailable")
+        except LeaseNotFoundError as exc:
+            return error_response(404, str(exc), type_="not_found", code="unknown_lease")
+        return JSONResponse({"lease_id": lease_id, "expires_at": expires_at})
+
+    @app.delete("/internal/kv/leases/{lease_id}", response_model=None)
+    async def release(lease_id: str) -> Response:
+        try:
+            await service.release(lease_id)
+        except NotReadyError as exc:
+            return error_response(503, str(exc), type_="unavailable")
+        except LeaseNotFoundError as exc:
+            return error_response(404, str(exc), type_="not_found", code="unknown_lease")
+        return JSONResponse({"lease_id": lease_id, "released": True})
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = list(exc.errors())
+        bad_json = any(e.get("type") == "json_invalid" for e in errors)
+        return error_response(400 if bad_json else 422, validation_message(errors), type_="invalid_request_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), type_="invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", type_="internal_error")

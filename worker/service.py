@@ -1,0 +1,309 @@
+"""What a worker does for each API call, without HTTP: admit or refuse a
+generate request, turn engine outputs into stream events with ``usage``, read
+KV stats, drain on shutdown.
+
+States: ``starting`` (model loading; /ready 503) -> ``ready`` -> ``draining``
+(SIGTERM: no new requests, in-flight ones finish or are aborted at the grace
+deadline) -> ``stopped``. ``server.py`` maps the errors raised here to HTTP
+statuses: ``NotReadyError`` 503, ``DuplicateRequestError`` 409, ``ValueError``
+400, ``LeaseNotFoundError`` 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvserving.config import ServingConfig
+from kvserving.worker.async_engine import AsyncEngine, RequestStream
+from kvserving.worker.engine import LLMEngine, RequestOutput
+from kvserving.worker.kv_stats import KVStats, collect
+from kvserving.worker.kv_transfer import KVTransfer, KVTransferParams, PullResult
+from kvserving.worker.metrics import WorkerMetrics
+from kvserving.worker.sampling import SamplingParams
+from kvserving.worker.wire import GenerateBody
+
+log = logging.getLogger(__name__)
+
+STARTING, READY, DRAINING, STOPPED = "starting", "ready", "draining", "stopped"
+
+
+class NotReadyError(RuntimeError):
+    """The worker does not admit requests now (loading or draining)."""
+
+
+class LeaseNotFoundError(LookupError):
+    """No lease with this id on this worker."""
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A generate request the engine accepted, and what the final event reports about its prompt."""
+
+    body: GenerateBody
+    stream: RequestStream
+    pull: PullResult
+
+
+class WorkerService:
+    def __init__(
+        self, config: ServingConfig, *, role: str, metrics: WorkerMetrics, engine_id: str, advertise_url: str
+    ) -> None:
+        self.config = config
+        self.role = role
+        self.advertise_url = advertise_url
+        self.metrics = metrics
+        self.engine_id = engine_id
+        self.state = STARTING
+        self.engine: AsyncEngine | None = None
+        self.transfer: KVTransfer | None = None
+        self.started_at = time.time()
+
+    # ------------------------------------------------------------------ life
+    async def start(self, engine: LLMEngine, *, transfer: bool = True) -> None:
+        """Serve ``engine`` (built off the event loop by the caller) and bring up its NIXL
+        agent (``transfer``); /ready turns 200 when both are up."""
+        async_engine = AsyncEngine(engine)
+        self.engine = async_engine
+        if transfer:
+            self.transfer = await asyncio.to_thread(
+                KVTransfer, engine, self.config.reuse, engine_id=self.engine_id, agent_url=self.advertise_url,
+                role=self.role, run_on_engine=async_engine.run_sync,
+            )
+        if self.state != STARTING:  # a signal came while loading
+            return
+        self.state = READY
+        self.metrics.ready.set(1)
+        log.info("worker %s ready: role %s, kv %s, pool %d tokens", self.engine_id, self.role,
+                 engine.storage.kv_dtype, engine.capacity_tokens)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == READY
+
+    async def drain(self, *, grace_s: float) -> int:
+        """Stop admitting; wait up to ``grace_s`` for in-flight requests, then abort the rest.
+
+        Returns how many were aborted."""
+        if self.state in (DRAINING, STOPPED):
+            return 0
+        self.state = DRAINING
+        self.metrics.ready.set(0)
+        if self.engine is None:
+            return 0
+        deadline = time.monotonic() + grace_s
+        while self.engine.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        aborted = [rid for rid in self.engine.in_flight if self.engine.abort(rid)]
+        if aborted:
+            log.warning("grace period over: aborted %d request(s)", len(aborted))
+            # let the aborted streams send their final event before the server closes connections
+            wait_until = time.monotonic() + 2.0
+            while self.engine.in_flight and time.monotonic() < wait_until:
+                await asyncio.sleep(0.02)
+        return len(aborted)
+
+    async def close(self) -> None:
+        """Abort what still runs, release the NIXL agent, stop the engine thread."""
+        self.state = STOPPED
+        self.metrics.ready.set(0)
+        if self.engine is not None:
+            for rid in self.engine.in_flight:
+                self.engine.abort(rid)
+        if self.transfer is not None:
+            await asyncio.to_thread(self.transfer.close)
+        if self.engine is not None:
+            await self.engine.close()
+
+    def _engine(self) -> AsyncEngine:
+        if self.state != READY or self.engine is None:
+            raise NotReadyError(f"worker is {self.state}")
+        return self.engine
+
+    # -------------------------------------------------------------- generate
+    async def admit(self, body: GenerateBody) -> Admitted:
+        """Pull what ``kv_transfer_params`` offers, then queue ``body`` on the engine.
+
+        Raises before anything streams if the request cannot run; a pull that
+        fails is not an error (the request recomputes; ``usage.reuse_fallback``).
+        """
+        engine = self._engine()
+        s = body.sampling
+        params = SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=float(s.temperature),
+            top_p=float(s.top_p),
+            top_k=s.top_k,
+            seed=s.seed,
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        )
+        remote = None
+        if body.kv_transfer_params is not None:
+            remote = KVTransferParams.from_dict(body.kv_transfer_params.model_dump())
+        stream = engine.reserve(body.request_id, len(body.input_ids))  # 409 before any pull
+        kvt = self.transfer
+        pull = PullResult()
+        try:
+            if kvt is not None and remote is not None:
+                pull = await asyncio.to_thread(kvt.pull, body.input_ids, body.tags, remote)
+                self._count_pull(pull)
+            retain = None
+            if kvt is not None and (self.role == "prefill" or body.retain):
+                retain = kvt.retain_spec(conversation_key=body.conversation_key)
+            await engine.start(stream, body.input_ids, params, tags=body.tags, retain=retain, pin_lease=pull.pin_lease)
+        except BaseException:
+            stream.finished = True
+            stream.close()
+            if kvt is not None and pull.pin_lease is not None:
+                await asyncio.to_thread(kvt.drop_pin, pull)
+            raise
+        return Admitted(body, stream, pull)
+
+    def _count_pull(self, pull: PullResult) -> None:
+        if pull.fallback is not None:
+            self.metrics.fallback(pull.fallback)
+        if pull.num_bytes:
+            direction = "prefill_to_decode" if self.role == "decode" else "decode_to_prefill"
+            self.metrics.transfer_done(
+                direction=direction, num_bytes=pull.num_bytes, seconds=pull.seconds, regions=pull.num_regions
+            )
+
+    async def events(self, req: Admitted) -> AsyncIterator[dict[str, Any]]:
+        """One event per generated token, then the final event (or an error event)."""
+        rid = req.body.request_id
+        try:
+            async for out in req.stream:
+                if out.new_token_ids:
+                    self.metrics.generation_tokens.inc(len(out.new_token_ids))
+                    yield {"request_id": rid, "token_ids": out.new_token_ids}
+                if out.finished:
+                    reason = out.finish_reason or "stop"
+                    usage = self._usage(req, out)
+                    self.metrics.request_finished(
+                        finish_reason=reason,
+                        local_cached=usage["local_cached_tokens"],
+                        remote_pulled=usage["remote_pulled_tokens"],
+                        computed=usage["computed_prompt_tokens"],
+                    )
+                    yield {
+                        "request_id": rid,
+                        "token_ids": [],
+                        "finish_reason": reason,
+                        "usage": usage,
+                        "kv_transfer_params": self._params_of(out),
+                    }
+        except Exception as exc:  # an engine failure ends this stream, never the worker
+            self.metrics.requests.labels(finish_reason="error").inc()
+            log.exception("request %s failed", rid)
+            yield {"error": {"message": f"engine error: {exc}".splitlines()[0], "type": "engine_error", "code": None}}
+
+    def _usage(self, req: Admitted, out: RequestOutput) -> dict[str, Any]:
+        prompt = len(req.body.input_ids)
+        remote = out.num_pulled_tokens
+        local = out.num_cached_tokens - remote
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": out.num_output_tokens,
+            "local_cached_tokens": local,
+            "remote_pulled_tokens": remote,
+            "computed_prompt_tokens": prompt - out.num_cached_tokens,
+            "kv_bytes_pulled": req.pull.num_bytes,
+            "kv_regions_pulled": req.pull.num_regions,
+            "reuse_fallback": req.pull.fallback,
+        }
+
+    def _params_of(self, out: RequestOutput) -> dict[str, Any] | None:
+        if out.retained is None or self.transfer is None:
+            return None
+        return self.transfer.params_for(out.retained).to_dict()
+
+    # ----------------------------------------------------------------- state
+    async def snapshot(self) -> tuple[KVStats, dict[str, Any] | None]:
+        """The engine's KV snapshot and the transfer's counters, read on the engine thread."""
+        engine = self.engine
+        if engine is None or self.state == STOPPED:
+            raise NotReadyError(f"worker is {self.state}")
+        kvt = self.transfer
+        return await engine.call(lambda e: (collect(e), kvt.stats() if kvt is not None else None))
+
+    async def kv_stats_body(self) -> dict[str, Any]:
+        """``GET /internal/kv/stats`` (docs/worker-api.md): counters are cumulative since start."""
+        st, xfer = await self.snapshot()
+        owned = sum(p.owned_pages for p in st.precisions.values())
+        cached = sum(p.cached_pages for p in st.precisions.values())
+        full = st.precisions.get("int4") or next(iter(st.precisions.values()))
+        totals = self.metrics.prompt_token_totals
+        return {
+            "engine_id": self.engine_id,
+            "role": self.role,
+            "dtype": st.dtype,
+            "page_size": st.page_size,
+            "capacity_tokens": st.capacity_tokens,
+            "used_ratio": round(st.usage_ratio, 6),
+            "pages": {"total": full.capacity_pages, "free": max(0, st.free_pages - cached), "cached": cached, "owned": owned},
+            "pages_by_bits": {
+                "4": full.capacity_pages,
+                "2": st.precisions["int2"].capacity_pages if "int2" in st.precisions else 0,
+            },
+            "precisions": {name: asdict(p) for name, p in st.precisions.items()},
+            # retained conversations and prefill holds (pull pins are not leases a client sees)
+            "leases": xfer["leases"] if xfer is not None else 0,
+            "leased_tokens": xfer["leased_tokens"] if xfer is not None else 0,
+            "prompt_tokens": {
+                "local": totals["local_cache"], "remote": totals["remote_pull"], "computed": totals["computed"],
+            },
+            "fallbacks": dict(sorted(self.metrics.fallback_totals.items())),
+            "transfer": xfer,
+            "running": st.running,
+            "waiting": st.waiting,
+            "preemptions": st.preemptions,
+            "in_flight": len(self.engine.in_flight) if self.engine is not None else 0,
+        }
+
+    async def refresh_metrics(self) -> None:
+        """Copy engine state into the gauges (before a scrape); nothing to copy while loading."""
+        if self.engine is None or self.state == STOPPED:
+            return
+        st, xfer = await self.snapshot()
+        self.metrics.observe(st)
+        if xfer is not None:
+            self.metrics.observe_transfer(
+                leases=xfer["leases"], leased_tokens=xfer["leased_tokens"],
+                prefill_tokens_per_s=xfer["prefill_tokens_per_s"], transfer_bytes_per_s=xfer["transfer_bytes_per_s"],
+            )
+
+    # ---------------------------------------------------------------- leases
+    def _transfer(self) -> KVTransfer:
+        if self.transfer is None or self.state in (STARTING, STOPPED):
+            raise NotReadyError(f"worker is {self.state}" if self.state != READY else "this worker has no NIXL agent")
+        return self.transfer
+
+    async def agent(self) -> dict[str, Any]:
+        """``GET /internal/kv/agent``: this worker's NIXL agent and pool layout."""
+        return self._transfer().agent_info()
+
+    async def leases(self, *, conversation_key: str | None = None) -> list[dict[str, Any]]:
+        """Every lease this worker holds (optionally of one conversation)."""
+        kvt = self._transfer()
+        return await asyncio.to_thread(kvt.leases, conversation_key)
+
+    async def renew(self, lease_id: str, *, ttl_s: float | None) -> float:
+        """Extend a lease (capped at the retention TTL); its new expiry in unix seconds."""
+        kvt = self._transfer()
+        try:
+            return await asyncio.to_thread(kvt.renew, lease_id, ttl_s)
+        except KeyError:
+            raise LeaseNotFoundError(f"unknown lease {lease_id!r} (expired, released, or never held here)") from None
+
+    async def release(self, lease_id: str) -> None:
+        """Drop a lease; its pages go back to the prefix cache's LRU."""
+        kvt = self._transfer()
+        try:
+            await asyncio.to_thread(kvt.release, lease_id)
+        except KeyError:
+            raise LeaseNotFoundError(f"unknown lease {lease_id!r} (expired, released, or never held here)") from None
