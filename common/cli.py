@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("kvserving.operator.main", "run the kopf operator"),
     "tiny-model": ("kvserving.worker.tiny_model", "write the built-in tiny model (HF format) to DIR"),
     "generate": ("kvserving.worker.generate", "offline generation with the engine (no server)"),
+    "worker": ("kvserving.worker.main", "serve one worker (prefill, decode or both): the worker HTTP API, engine and NIXL agent"),
 }
 
 
