@@ -17,7 +17,7 @@ class ModelRunner:
         self.attention = attention
         self.page_size = attention.storage.page_size
         # Decode gets per-row INT2 page counts exactly when the storage has INT2 pages.
-        self.has_int2 = attention.storage.int2_layout is not None
+        self.has_int2 = attention.storage.triaxial
         self.device = device
 
     def _metadata(self, chunks: list[ScheduledChunk]) -> AttentionMetadata:
