@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -75,6 +75,7 @@ class LeaseTable:
         self.heartbeat_s = heartbeat_s
         self.max_leases = max_leases
         self._leases: OrderedDict[str, Lease] = OrderedDict()
+        self.per_worker: Counter[str] = Counter()  # worker URL -> entries on it
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -103,32 +104,32 @@ class LeaseTable:
     def put(self, key: str, *, worker_url: str, params: dict[str, Any], now: float, inflight: int = 0) -> list[Lease]:
         """Record the decode's new params; returns entries evicted to stay within ``max_leases``
         (and the replaced entry if its lease moved to another id), which the caller releases."""
-        old = self._leases.pop(key, None)
+        old = self._pop(key)
         replaced: list[Lease] = []
         if old is not None:
             inflight = max(inflight, old.inflight)
             if old.lease_id and old.lease_id != str(params.get("lease_id", "")):
                 replaced.append(old)  # superseded by the new lease: free the old pins
-        self._leases[key] = Lease(key, worker_url, dict(params), now, now, inflight)
+        self._add(Lease(key, worker_url, dict(params), now, now, inflight))
         return replaced + self._evict_over_capacity(keep=key)
 
     def remember(self, key: str, *, worker_url: str, params: dict[str, Any], now: float) -> None:
         """Cache what a worker reported for ``key`` (a lookup after a miss); not activity."""
         if key not in self._leases:
-            self._leases[key] = Lease(key, worker_url, dict(params), now, now)
+            self._add(Lease(key, worker_url, dict(params), now, now))
 
     def drop(self, key: str, *, lease_id: str | None = None) -> Lease | None:
         """Forget ``key`` (only if it still has ``lease_id``, when given)."""
         lease = self._leases.get(key)
         if lease is None or (lease_id is not None and lease.lease_id != lease_id):
             return None
-        return self._leases.pop(key)
+        return self._pop(key)
 
     def drop_worker(self, worker_url: str) -> list[Lease]:
         """Forget every lease on a worker that left the rotation for good."""
         gone = [lease for lease in self._leases.values() if lease.worker_url == worker_url]
         for lease in gone:
-            del self._leases[lease.conversation_key]
+            self._pop(lease.conversation_key)
         return gone
 
     def renewed(self, key: str, *, lease_id: str, expires_at: float, now: float) -> None:
@@ -148,7 +149,7 @@ class LeaseTable:
             elif now - lease.last_renewed >= self.heartbeat_s:
                 out.renew.append(lease)
         for lease in out.expired + out.release:
-            del self._leases[lease.conversation_key]
+            self._pop(lease.conversation_key)
         return out
 
     def _evict_over_capacity(self, *, keep: str) -> list[Lease]:
@@ -160,8 +161,21 @@ class LeaseTable:
                 break
             lease = self._leases[key]
             if key != keep and lease.inflight == 0:
-                evicted.append(self._leases.pop(key))
+                evicted.append(self._leases[key])
+                self._pop(key)
         return evicted
+
+    def _add(self, lease: Lease) -> None:
+        self._leases[lease.conversation_key] = lease
+        self.per_worker[lease.worker_url] += 1
+
+    def _pop(self, key: str) -> Lease | None:
+        lease = self._leases.pop(key, None)
+        if lease is not None:
+            self.per_worker[lease.worker_url] -= 1
+            if self.per_worker[lease.worker_url] <= 0:
+                del self.per_worker[lease.worker_url]
+        return lease
 
 
 class LeaseClient(Protocol):

@@ -4,7 +4,8 @@ Policies (DESIGN.md, Gateway; issue 12, Routing):
 
 - decode: the worker that holds the conversation's lease, when it is healthy
   and not overloaded (its KV is there, no transfer needed); else the least
-  loaded healthy decode worker (ties: the first by URL, so tests are exact).
+  loaded healthy decode worker: fewest requests in flight, then fewest
+  retained conversations, then the first by URL (so tests are exact).
 - prefill: the worker chosen by rendezvous (highest-random-weight) hashing of
   the prompt's first pages, so every conversation that starts with the same
   system prompt lands on the same prefill worker and hits its prefix cache;
@@ -36,6 +37,7 @@ class WorkerView:
     url: str
     healthy: bool
     inflight: int
+    leases: int = 0  # conversations whose KV it retains (the gateway's count): KV it cannot give new ones
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,7 +59,7 @@ def _weight(key: bytes, url: str) -> int:
 
 
 def _least_loaded(candidates: Sequence[WorkerView]) -> WorkerView:
-    return min(candidates, key=lambda w: (w.inflight, w.url))
+    return min(candidates, key=lambda w: (w.inflight, w.leases, w.url))
 
 
 def choose_decode(

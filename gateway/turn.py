@@ -25,7 +25,7 @@ from typing import Any
 from .errors import GatewayError, service_unavailable, upstream_error
 from .leases import Lease, LeaseKeeper
 from .metrics import GatewayMetrics
-from .router import choose_decode, choose_prefill, prefix_key
+from .router import WorkerView, choose_decode, choose_prefill, prefix_key
 from .workers import UpstreamError, WorkerClient, WorkerPool, WorkerState
 
 RETRY_AFTER_S = 2
@@ -102,8 +102,9 @@ class Turns:
         lease = None
         if key is not None:
             lease = await self.keeper.lookup(key, decode_urls=[w.url for w in decoders if w.healthy])
-        decision = choose_decode([w.view() for w in decoders], lease_url=lease.worker_url if lease else None,
-                                 max_inflight=self.max_inflight)
+        held = self.keeper.table.per_worker
+        views = [WorkerView(w.url, w.healthy, w.inflight, held.get(w.url, 0)) for w in decoders]
+        decision = choose_decode(views, lease_url=lease.worker_url if lease else None, max_inflight=self.max_inflight)
         if decision is None:
             raise service_unavailable("No healthy decode worker is available; retry shortly.", retry_after_s=RETRY_AFTER_S)
         decode = self.pool.workers[decision.url]

@@ -1,0 +1,147 @@
+"""Prefill/decode split through the gateway: the KV flow of docs/worker-api.md,
+the lease table as a cache of the decode workers (two gateway replicas), and
+lease heartbeats, releases and expiries."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from fake_worker import PAGE_SIZE, FakeWorker
+from gw_harness import MODEL, Gateway, Stack
+
+from kvserving.config import ReuseConfig
+from kvserving.gateway.tokenizer import TextTokenizer
+
+SYSTEM = {"role": "system", "content": "You are a careful coding agent working in a repository. " * 4}
+
+
+@pytest.fixture()
+def stack(tiny_model_dir: Path) -> Iterator[Stack]:
+    s = Stack(tiny_model_dir)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def reply(tiny_model_dir: Path) -> list[int]:
+    return TextTokenizer.from_dir(tiny_model_dir).encode_ids("Done. The tests pass now.")
+
+
+def client(gw: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=20)
+
+
+def turn(gw: Gateway, messages: list[dict], session: str) -> openai.types.chat.ChatCompletion:
+    out = client(gw).chat.completions.create(model=MODEL, messages=messages, extra_headers={"X-Session-ID": session})
+    messages.append({"role": "assistant", "content": out.choices[0].message.content})
+    return out
+
+
+def test_split_turns_move_kv_prefill_to_decode_and_back(stack: Stack, reply: list[int]) -> None:
+    prefill = stack.worker(role="prefill", reply_ids=reply)
+    decode = stack.worker(role="decode", reply_ids=reply)
+    gw = stack.gateway(prefill=[prefill.url], decode=[decode.url])
+    messages = [SYSTEM, {"role": "user", "content": "Fix the failing test."}]
+    first = turn(gw, messages, "s1")
+    p1, d1 = prefill.received[-1], decode.received[-1]
+    assert p1["sampling"]["max_tokens"] == 1 and p1["kv_transfer_params"] is None and p1["retain"] is False
+    assert d1["input_ids"] == p1["input_ids"] and d1["retain"] is True and d1["conversation_key"] == "h:s1"
+    transfer = prefill.leases[d1["kv_transfer_params"]["lease_id"]]  # P -> D: the prefill's transfer lease
+    assert d1["kv_transfer_params"]["page_hashes"] == transfer.hashes
+    assert first.choices[0].message.content == "Done. The tests pass now."
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    (lease,) = decode.leases.values()
+    assert lease.conversation_key == "h:s1"
+
+    messages.append({"role": "user", "content": "Run them again."})
+    second = turn(gw, messages, "s1")
+    p2 = prefill.received[-1]
+    # D -> P: the prefill is told where the conversation's KV lives (the decode's retained lease).
+    assert p2["kv_transfer_params"]["lease_id"] == lease.lease_id
+    assert p2["kv_transfer_params"]["agent_url"] == decode.url
+    # The fake prefill pulls the pages its local cache lacks; cached = prompt - what the prefill computed.
+    n = len(p2["input_ids"])
+    pulled_and_local = n - (n - second.usage.prompt_tokens_details.cached_tokens)
+    assert second.usage.prompt_tokens == n
+    assert second.usage.prompt_tokens_details.cached_tokens == pulled_and_local > PAGE_SIZE
+    assert gw.metric("kvserving_gateway_kv_reused_tokens_total", {"source": "remote"}) > 0
+    assert gw.metric("kvserving_gateway_routing_decisions_total", {"role": "decode", "reason": "lease"}) == 1
+    # the decode replaced its lease; the table follows
+    (lease2,) = decode.leases.values()
+    assert gw.state.keeper.table.get("h:s1").lease_id == lease2.lease_id  # type: ignore[union-attr]
+
+
+def test_two_gateway_replicas_route_a_conversation_to_the_same_kv(stack: Stack, reply: list[int]) -> None:
+    prefill = stack.worker(role="prefill", reply_ids=reply)
+    decoders = [stack.worker(role="decode", reply_ids=reply) for _ in range(3)]
+    urls = [d.url for d in decoders]
+    gw_a = stack.gateway(prefill=[prefill.url], decode=urls)
+    gw_b = stack.gateway(prefill=[prefill.url], decode=urls)
+    sessions = {f"s{i}": [SYSTEM, {"role": "user", "content": f"task {i}"}] for i in range(6)}
+    holder: dict[str, FakeWorker] = {}
+    for session, messages in sessions.items():
+        turn(gw_a, messages, session)
+        (owner,) = [d for d in decoders if any(le.conversation_key == f"h:{session}" for le in d.leases.values())]
+        holder[session] = owner
+    assert len({id(w) for w in holder.values()}) > 1  # load spread over decode workers
+    for session, messages in sessions.items():
+        messages.append({"role": "user", "content": "continue"})
+        before = len(holder[session].received)
+        out = turn(gw_b, messages, session)  # replica B never saw the conversation: it asks the decode workers
+        assert len(holder[session].received) == before + 1
+        assert prefill.received[-1]["kv_transfer_params"]["agent_url"] == holder[session].url
+        assert out.usage.prompt_tokens_details.cached_tokens > 0
+    assert gw_b.metric("kvserving_gateway_lease_lookups_total", {"result": "hit"}) == 6
+    assert gw_b.metric("kvserving_gateway_routing_decisions_total", {"role": "decode", "reason": "lease"}) == 6
+
+
+def test_leases_renew_while_active_and_release_when_idle(stack: Stack, reply: list[int]) -> None:
+    decode = stack.worker(role="both", reply_ids=reply, retention_ttl_s=30.0)
+    reuse = ReuseConfig(lease_ttl_s=1.0, retention_ttl_s=30.0)
+    gw = stack.gateway(decode=[decode.url], reuse=reuse, lease_heartbeat_s=0.2)
+    turn(gw, [SYSTEM, {"role": "user", "content": "hello"}], "idle-one")
+    (lease_id,) = decode.leases
+    _wait(lambda: lease_id in decode.renewals)  # active (within the lease TTL): renewed by heartbeat
+    _wait(lambda: lease_id in decode.releases, timeout_s=5)  # idle past the lease TTL: released
+    assert decode.leases == {}
+    assert gw.state.keeper.table.get("h:idle-one") is None
+    assert gw.metric("kvserving_gateway_lease_renewals_total") >= 1
+    assert gw.metric("kvserving_gateway_lease_releases_total") == 1
+    assert gw.metric("kvserving_gateway_leases") == 0
+
+
+def test_a_lease_the_worker_forgot_is_dropped_as_expired(stack: Stack, reply: list[int]) -> None:
+    decode = stack.worker(role="both", reply_ids=reply)
+    reuse = ReuseConfig(lease_ttl_s=5.0, retention_ttl_s=30.0)
+    gw = stack.gateway(decode=[decode.url], reuse=reuse, lease_heartbeat_s=0.2)
+    turn(gw, [SYSTEM, {"role": "user", "content": "hello"}], "forgotten")
+    decode.leases.clear()  # the worker lost it (restart, eviction)
+    _wait(lambda: gw.state.keeper.table.get("h:forgotten") is None)
+    assert gw.metric("kvserving_gateway_lease_expiries_total") == 1
+    assert decode.releases == []
+
+
+def test_gateway_shutdown_releases_idle_leases(tiny_model_dir: Path, reply: list[int]) -> None:
+    stack = Stack(tiny_model_dir)
+    try:
+        decode = stack.worker(role="both", reply_ids=reply)
+        gw = stack.gateway(decode=[decode.url])
+        turn(gw, [SYSTEM, {"role": "user", "content": "hello"}], "bye")
+        (lease_id,) = decode.leases
+        gw.stop()
+        assert decode.releases == [lease_id]
+    finally:
+        stack.close()
+
+
+def _wait(pred, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)

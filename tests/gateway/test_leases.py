@@ -1,0 +1,162 @@
+"""The lease table (pure, clock passed in) and its keeper against a recorded client."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvserving.gateway.leases import LeaseKeeper, LeaseTable
+from kvserving.gateway.metrics import GatewayMetrics
+
+W1, W2 = "http://w1", "http://w2"
+
+
+def params(lease_id: str, expires_at: float = 1000.0) -> dict[str, Any]:
+    return {"lease_id": lease_id, "expires_at": expires_at, "page_hashes": [1, 2]}
+
+
+def table(**kw: Any) -> LeaseTable:
+    return LeaseTable(lease_ttl_s=kw.get("ttl", 10.0), heartbeat_s=kw.get("beat", 2.0), max_leases=kw.get("max", 100))
+
+
+def test_sweep_renews_active_releases_idle_forgets_expired() -> None:
+    t = table()
+    t.put("active", worker_url=W1, params=params("a"), now=0.0)
+    t.put("idle", worker_url=W1, params=params("i"), now=0.0)
+    t.put("expired", worker_url=W2, params=params("e", expires_at=5.0), now=0.0)
+    t.begin_turn("active", now=9.0)  # a turn in flight: never released, still renewed
+    sweep = t.sweep(now=10.0)
+    assert [le.conversation_key for le in sweep.renew] == ["active"]
+    assert [le.conversation_key for le in sweep.release] == ["idle"]
+    assert [le.conversation_key for le in sweep.expired] == ["expired"]
+    assert t.keys() == ["active"] and dict(t.per_worker) == {W1: 1}
+
+
+def test_an_agent_waiting_on_a_tool_stays_active_for_the_lease_ttl() -> None:
+    t = table(ttl=10.0, beat=2.0)
+    t.put("c", worker_url=W1, params=params("x"), now=0.0)
+    assert [le.lease_id for le in t.sweep(now=2.0).renew] == ["x"]
+    t.renewed("c", lease_id="x", expires_at=500.0, now=2.0)
+    assert t.sweep(now=3.0).renew == []  # renewed a second ago
+    assert [le.lease_id for le in t.sweep(now=9.9).renew] == ["x"]  # idle 9.9 s < 10: still active
+    assert [le.lease_id for le in t.sweep(now=10.0).release] == ["x"]
+    assert len(t) == 0
+
+
+def test_put_returns_the_superseded_lease_and_capacity_evictions() -> None:
+    t = table(max=2)
+    assert t.put("a", worker_url=W1, params=params("a1"), now=0.0) == []
+    replaced = t.put("a", worker_url=W2, params=params("a2"), now=1.0)
+    assert [(le.lease_id, le.worker_url) for le in replaced] == [("a1", W1)]
+    assert dict(t.per_worker) == {W2: 1}
+    t.put("b", worker_url=W1, params=params("b1"), now=2.0)
+    evicted = t.put("c", worker_url=W1, params=params("c1"), now=3.0)
+    assert [le.conversation_key for le in evicted] == ["a"]  # least recently active first
+    assert t.keys() == ["b", "c"]
+    assert t.put("c", worker_url=W1, params=params("c1"), now=4.0) == []  # same lease id: nothing to free
+
+
+def test_drop_only_when_the_lease_id_still_matches() -> None:
+    t = table()
+    t.put("a", worker_url=W1, params=params("new"), now=0.0)
+    assert t.drop("a", lease_id="old") is None
+    assert t.drop("a", lease_id="new") is not None and len(t) == 0
+
+
+def test_bad_bounds_are_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="lease_ttl_s"):
+        LeaseTable(lease_ttl_s=0, heartbeat_s=1, max_leases=1)
+    with pytest.raises(ValueError, match="max_leases"):
+        LeaseTable(lease_ttl_s=1, heartbeat_s=1, max_leases=0)
+
+
+class RecordingClient:
+    def __init__(self, leases: dict[str, list[dict[str, Any]]]) -> None:
+        self.leases = leases  # url -> what GET /internal/kv/leases answers
+        self.calls: list[tuple[str, ...]] = []
+        self.known: set[str] = {"x", "y"}
+
+    async def find_leases(self, url: str, *, conversation_key: str) -> list[dict[str, Any]]:
+        self.calls.append(("find", url, conversation_key))
+        if url == "http://down":
+            raise OSError("unreachable")
+        return [e for e in self.leases.get(url, []) if e["conversation_key"] == conversation_key]
+
+    async def renew_lease(self, url: str, lease_id: str, *, ttl_s: float) -> float | None:
+        self.calls.append(("renew", url, lease_id))
+        return 777.0 if lease_id in self.known else None
+
+    async def release_lease(self, url: str, lease_id: str) -> bool:
+        self.calls.append(("release", url, lease_id))
+        return True
+
+
+def keeper(client: RecordingClient, now: list[float]) -> tuple[LeaseKeeper, GatewayMetrics]:
+    metrics = GatewayMetrics(CollectorRegistry())
+    k = LeaseKeeper(table(ttl=10.0, beat=2.0), client, retention_ttl_s=60.0, events=metrics, clock=lambda: now[0])
+    return k, metrics
+
+
+def sample(m: GatewayMetrics, name: str, labels: dict[str, str] | None = None) -> float:
+    return m.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def test_a_miss_asks_the_decode_workers_and_takes_the_latest_unexpired_lease() -> None:
+    entry = lambda lid, exp: {"lease_id": lid, "conversation_key": "k", "expires_at": exp,  # noqa: E731
+                              "kv_transfer_params": params(lid, exp)}
+    client = RecordingClient({W1: [entry("old", 50.0)], W2: [entry("new", 90.0), entry("gone", 5.0)]})
+    now = [10.0]
+    k, m = keeper(client, now)
+    lease = asyncio.run(k.lookup("k", decode_urls=[W1, W2, "http://down"]))
+    assert lease is not None and (lease.worker_url, lease.lease_id) == (W2, "new")
+    assert asyncio.run(k.lookup("k", decode_urls=[W1, W2])) is lease  # now cached: no more calls
+    assert [c for c in client.calls if c[0] == "find"] == [("find", W1, "k"), ("find", W2, "k"), ("find", "http://down", "k")]
+    assert asyncio.run(k.lookup("other", decode_urls=[W1])) is None
+    assert sample(m, "kvserving_gateway_lease_lookups_total", {"result": "hit"}) == 1
+    assert sample(m, "kvserving_gateway_lease_lookups_total", {"result": "miss"}) == 1
+
+
+def test_heartbeat_renews_releases_and_counts() -> None:
+    client = RecordingClient({})
+    now = [0.0]
+    k, m = keeper(client, now)
+
+    async def scenario() -> None:
+        await k.record("a", worker_url=W1, params=params("x"))
+        await k.record("b", worker_url=W1, params=params("y"))
+        await k.record("c", worker_url=W2, params=params("z"))  # the worker will not know "z"
+        now[0] = 3.0
+        await k.run_once()
+        now[0] = 11.0
+        await k.record("a", worker_url=W1, params=params("x"))  # "a" had a new turn: active
+        now[0] = 13.5
+        await k.run_once()
+
+    asyncio.run(scenario())
+    assert client.calls == [
+        ("renew", W1, "x"), ("renew", W1, "y"), ("renew", W2, "z"),
+        ("release", W1, "y"), ("renew", W1, "x"),
+    ]
+    assert k.table.keys() == ["a"] and k.table.get("a").expires_at == 777.0  # type: ignore[union-attr]
+    assert sample(m, "kvserving_gateway_lease_renewals_total") == 3
+    assert sample(m, "kvserving_gateway_lease_releases_total") == 1
+    assert sample(m, "kvserving_gateway_lease_expiries_total") == 1
+    assert sample(m, "kvserving_gateway_leases") == 1
+
+
+def test_keeper_loop_starts_and_stops_cleanly_releasing_idle_leases() -> None:
+    client = RecordingClient({})
+    now = [0.0]
+    k, _ = keeper(client, now)
+
+    async def scenario() -> None:
+        k.start()
+        await k.record("a", worker_url=W1, params=params("x"))
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(k.stop(release=True), timeout=2)
+
+    asyncio.run(scenario())
+    assert ("release", W1, "x") in client.calls and len(k.table) == 0
