@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tiny-model": ("kvserving.worker.tiny_model", "write the built-in tiny model (HF format) to DIR"),
     "generate": ("kvserving.worker.generate", "offline generation with the engine (no server)"),
     "worker": ("kvserving.worker.main", "serve one worker (prefill, decode or both): the worker HTTP API, engine and NIXL agent"),
+    "gateway": ("kvserving.gateway.main", "the OpenAI-compatible gateway in front of prefill/decode workers"),
 }
 
 
