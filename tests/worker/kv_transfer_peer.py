@@ -27,27 +27,33 @@ torch.set_num_threads(1)
 REPLY = "@@ "  # marks answer lines (libraries may print to stdout too)
 
 
+def serving_config(spec: dict[str, Any]) -> ServingConfig:
+    """The engine config of a test worker (and of its reference engine)."""
+    retention = spec.get("retention_ttl_s", 480.0)
+    reuse = ReuseConfig(
+        retention_ttl_s=retention,
+        lease_ttl_s=retention * 0.9,
+        recompute_threshold_tokens=spec.get("threshold", 0),
+        transfer_timeout_s=spec.get("transfer_timeout_s", 5.0),
+    )
+    return ServingConfig(
+        model=ModelConfig(path=spec["model"]),
+        kv_cache=KVCacheConfig(dtype=spec["dtype"], memory_bytes=spec.get("memory_bytes", 4 << 20)),
+        reuse=reuse,
+        scheduler=SchedulerConfig(chunk_size=512, max_num_batched_tokens=512),
+    )
+
+
 class Worker:
     """One engine + KVTransfer; ``lock`` serialises engine access (steps and KVTransfer hops)."""
 
-    def __init__(self, url: str, spec: dict[str, Any]) -> None:
+    def __init__(self, url: str, spec: dict[str, Any], **kvt_kwargs: Any) -> None:
         self.lock = threading.RLock()
-        reuse = ReuseConfig(
-            retention_ttl_s=spec.get("retention_ttl_s", 480.0),
-            lease_ttl_s=spec.get("retention_ttl_s", 480.0) * 0.9,
-            recompute_threshold_tokens=spec.get("threshold", 0),
-            transfer_timeout_s=spec.get("transfer_timeout_s", 5.0),
-        )
-        cfg = ServingConfig(
-            model=ModelConfig(path=spec["model"]),
-            kv_cache=KVCacheConfig(dtype=spec["dtype"], memory_bytes=spec.get("memory_bytes", 4 << 20)),
-            reuse=reuse,
-            scheduler=SchedulerConfig(chunk_size=512, max_num_batched_tokens=512),
-        )
+        cfg = serving_config(spec)
         self.engine = LLMEngine(cfg)
         self.kvt = KVTransfer(
-            self.engine, reuse, engine_id=spec["engine_id"], agent_url=url, role=spec.get("role", "both"),
-            run_on_engine=self._locked,
+            self.engine, cfg.reuse, engine_id=spec["engine_id"], agent_url=url, role=spec.get("role", "both"),
+            run_on_engine=self._locked, **kvt_kwargs,
         )
 
     def _locked(self, fn: Any) -> Any:
@@ -152,8 +158,8 @@ class Host:
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.port}/w/{name}"
 
-    def open(self, name: str, spec: dict[str, Any]) -> Worker:
-        self.workers[name] = Worker(self.url(name), spec)
+    def open(self, name: str, spec: dict[str, Any], **kvt_kwargs: Any) -> Worker:
+        self.workers[name] = Worker(self.url(name), spec, **kvt_kwargs)
         return self.workers[name]
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
