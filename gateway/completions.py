@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from . import openai_types as oa
-from .chat_template import ChatTemplate, normalize_messages, normalize_tools
+from .chat_template import ChatTemplate
+from .detokenize import IncrementalDetokenizer
 from .errors import GatewayError, context_length_exceeded, invalid_request, model_not_found, upstream_error
 from .metrics import GatewayMetrics
 from .output import OutputParser, StopMatcher
+from .tagger import ChatTagger
 from .tokenizer import TextTokenizer
 from .turn import TurnRequest, TurnResult, Turns
 
@@ -40,7 +42,7 @@ class ModelInfo:
     name: str
     max_model_len: int
     tokenizer: TextTokenizer
-    template: ChatTemplate
+    tagger: ChatTagger
     stop_token_ids: tuple[int, ...]
     defaults: Mapping[str, Any]  # generation_config.json sampling defaults
     created: int
@@ -60,7 +62,8 @@ class ModelInfo:
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop_ids:
             stop_ids.append(tokenizer.eos_token_id)
         defaults = {k: generation[k] for k in ("temperature", "top_p", "top_k") if generation.get(k) is not None}
-        return cls(name=served_name, max_model_len=context, tokenizer=tokenizer, template=ChatTemplate.from_dir(root),
+        tagger = ChatTagger(tokenizer, ChatTemplate.from_dir(root))
+        return cls(name=served_name, max_model_len=context, tokenizer=tokenizer, tagger=tagger,
                    stop_token_ids=tuple(int(i) for i in stop_ids), defaults=defaults,
                    created=int(root.stat().st_mtime))
 
@@ -91,14 +94,10 @@ class Completions:
         self, request: oa.ChatCompletionRequest, *, headers: Mapping[str, str], started: float
     ) -> dict[str, Any] | AsyncIterator[bytes]:
         self._check_model(request.model)
-        messages = normalize_messages(request.messages)
-        tools = normalize_tools(request.tools)
-        text = self.model.template.render(
-            messages, tools=tools, add_generation_prompt=True, template_kwargs=request.chat_template_kwargs
-        )
-        input_ids = self.model.tokenizer.encode_ids(text)
+        prompt = self.model.tagger.build(request.messages, tools=request.tools,
+                                         template_kwargs=request.chat_template_kwargs)
         key = conversation_key(headers, prompt_cache_key=request.prompt_cache_key, user=request.user)
-        turn_request = self._turn_request("chatcmpl", input_ids, request, request.limit, key)
+        turn_request = self._turn_request("chatcmpl", prompt.input_ids, prompt.tags, request, request.limit, key)
         if request.stream:
             return await self._first_then_rest(self._chat_stream(turn_request, request, started))
         return await self._chat_whole(turn_request, request, started)
@@ -163,15 +162,16 @@ class Completions:
         self._check_model(request.model)
         prompt = request.single_prompt()
         if isinstance(prompt, str):
-            input_ids = self.model.tokenizer.encode_ids(prompt)
+            tagged = self.model.tagger.tag_text(prompt)
+            input_ids, tags = tagged.input_ids, tagged.tags
         else:
             vocab = self.model.tokenizer.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise invalid_request(f"prompt token ids must be in [0, {vocab}), got {bad[0]}", param="prompt")
-            input_ids = list(prompt)
+            input_ids, tags = list(prompt), self.model.tagger.tag_ids(prompt)
         key = conversation_key(headers, prompt_cache_key=request.prompt_cache_key, user=request.user)
-        turn_request = self._turn_request("cmpl", input_ids, request, request.limit, key)
+        turn_request = self._turn_request("cmpl", input_ids, tags, request, request.limit, key)
         if request.stream:
             return await self._first_then_rest(self._text_stream(turn_request, request, started))
         pieces, finish, result = [], "stop", None
@@ -216,7 +216,8 @@ class Completions:
             raise model_not_found(model)
 
     def _turn_request(
-        self, prefix: str, input_ids: list[int], request: oa._SamplingFields, limit: int | None, key: str | None
+        self, prefix: str, input_ids: list[int], tags: list[int], request: oa._SamplingFields, limit: int | None,
+        key: str | None,
     ) -> TurnRequest:
         n, context = len(input_ids), self.model.max_model_len
         if limit is None:
@@ -233,7 +234,7 @@ class Completions:
             "stop_token_ids": list(self.model.stop_token_ids),
             "ignore_eos": request.ignore_eos,
         }
-        return TurnRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", input_ids=input_ids, sampling=sampling,
+        return TurnRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", input_ids=input_ids, tags=tags, sampling=sampling,
                            conversation_key=key)
 
     async def _generate(
@@ -241,7 +242,7 @@ class Completions:
     ) -> AsyncGenerator[tuple[str, Any], None]:
         """("text", str) pieces, then ("end", (finish_reason, TurnResult))."""
         turn = await self.turns.start(turn_request)
-        detok = _Detokenizer(self.model.tokenizer, skip=frozenset(self.model.stop_token_ids))
+        detok = IncrementalDetokenizer(self.model.tokenizer, skip_ids=self.model.stop_token_ids)
         matcher = StopMatcher(stops)
         last = None
         finish: str | None = None
@@ -299,31 +300,6 @@ def _partial_result(turn_request: TurnRequest, turn: Any, completion_tokens: int
     return TurnResult(finish_reason="stop", prompt_tokens=n, completion_tokens=completion_tokens, cached_tokens=0,
                       local_cached_tokens=0, remote_pulled_tokens=0, decode_url=turn.decode.url,
                       prefill_url=turn.prefill.url if turn.prefill is not None else None)
-
-
-class _Detokenizer:
-    """Incremental text of a token stream (holds back an incomplete UTF-8 tail)."""
-
-    def __init__(self, tokenizer: TextTokenizer, *, skip: frozenset[int]) -> None:
-        self.tokenizer = tokenizer
-        self.skip = skip
-        self.ids: list[int] = []
-        self.sent = 0
-        self.count = 0
-
-    def add(self, token_ids: list[int]) -> str:
-        self.count += len(token_ids)
-        self.ids.extend(t for t in token_ids if t not in self.skip)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
-        if text.endswith("\ufffd"):
-            return ""
-        out, self.sent = text[self.sent:], len(text)
-        return out
-
-    def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
-        out, self.sent = text[self.sent:], len(text)
-        return out
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -13,7 +13,9 @@ from fake_worker import PAGE_SIZE
 from gw_harness import MODEL, Stack
 
 from kvserving.gateway.chat_template import ChatTemplate, normalize_messages
+from kvserving.gateway.tagger import ChatTagger
 from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.tags import decode_tag
 
 REPLY = "Hello from the fake worker, with several words."
 
@@ -55,6 +57,9 @@ def test_chat_sync_answers_the_workers_tokens_with_exact_usage(stack: Stack, tok
     assert out.usage.prompt_tokens_details.cached_tokens == 0
     body = worker.received[-1]
     assert body["input_ids"] == ids
+    tagged = ChatTagger(tok, ChatTemplate.from_dir(tiny_model_dir)).build(messages)
+    assert body["tags"] == tagged.tags and len(body["tags"]) == len(ids)
+    assert {decode_tag(t)[2] for t in body["tags"]} >= {"inst", "user", "delim"}
     assert body["sampling"]["temperature"] == 0
     assert body["retain"] is False and body["conversation_key"] is None
 
