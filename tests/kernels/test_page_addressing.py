@@ -1,0 +1,165 @@
+"""Every kernel finds a page where ``page_ids.page_byte_offset`` says it is.
+
+Triton kernels cannot call Python, so each repeats the offset formula inside
+the kernel (plain pages count up from byte 0, INT2 pages down from
+``total_bytes``). These tests hold each one to the Python definition: pages
+are placed (or looked for) at ``page_byte_offset`` in a poisoned buffer whose
+``total_bytes`` stops short of the buffer's end, so a kernel that counted INT2
+pages from the buffer's end, or scaled an index by the wrong page size, reads
+or writes the wrong bytes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_paged_ref import dense_attention, rel_err
+
+from kvserving.kernels import gluon_decode, page_ids, paged_ref, triton_decode, triton_gather, triton_write
+from kvserving.kernels.layout import PageLayout
+from kvserving.kernels.page_ids import make_page_id
+from kvserving.kernels.paged_kv import PagedKV
+
+interpreter_only = pytest.mark.skipif(
+    torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", reason="CPU-tensor kernel tests need TRITON_INTERPRET=1"
+)
+PLAIN_ID = 5  # the plain (or INT4) page the tests use
+INT2_ID = make_page_id(3, bits=2)
+
+
+def _kv(case: str, *, p: int, h: int, d: int, device: str) -> PagedKV:
+    """A poisoned buffer with room for 8 plain and 6 INT2 pages, plus 48 bytes past total_bytes."""
+    fmt = "int4" if case == "triaxial" else case
+    lay = PageLayout.build(fmt, page_size=p, kv_heads=h, head_dim=d)
+    lay2 = PageLayout.build("int2", page_size=p, kv_heads=h, head_dim=d) if case == "triaxial" else None
+    total = 8 * lay.page_bytes + (6 * lay2.page_bytes if lay2 else 0)
+    buf = torch.randint(0, 256, (total + 48,), dtype=torch.uint8, device=device)
+    return PagedKV(buf, lay, 0.02, 0.03, lay2, total)
+
+
+def _offset(kv: PagedKV, pid: int) -> int:
+    two = kv.int2_layout.page_bytes if kv.int2_layout is not None else 0
+    return page_ids.page_byte_offset(pid, page_bytes=kv.layout.page_bytes, int2_page_bytes=two, total_bytes=kv.total_bytes)
+
+
+def _one_page(kv: PagedKV, k: torch.Tensor, v: torch.Tensor, *, int2: bool, poison: torch.Tensor) -> torch.Tensor:
+    """The bytes of one page holding tokens k, v [P, H, D], written by the reference into a buffer of that page alone
+    (page id 0 of either kind sits at byte 0 there, whatever the formula), starting from ``poison``."""
+    one = poison.clone()
+    if int2:
+        alone = PagedKV(one, kv.layout, kv.k_scale, kv.v_scale, kv.int2_layout)
+        paged_ref.write_int2_pages(alone, k[None], v[None], torch.tensor([make_page_id(0, bits=2)], dtype=torch.int32, device=one.device))
+    else:
+        alone = PagedKV(one, kv.layout, kv.k_scale, kv.v_scale)
+        slots = torch.arange(k.shape[0], dtype=torch.int32, device=one.device)
+        paged_ref.write_kv(alone, k, v, torch.zeros_like(slots), slots)
+    return one
+
+
+def _tokens(kv: PagedKV, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    lay = kv.layout
+    g = torch.Generator().manual_seed(3)
+    shape = (lay.page_size, lay.kv_heads, lay.head_dim)
+    return torch.randn(shape, generator=g).to(device), torch.randn(shape, generator=g).to(device)
+
+
+def _check_writes(case: str, device: str, *, p: int, h: int, d: int) -> None:
+    kv = _kv(case, p=p, h=h, d=d, device=device)
+    before = kv.buffer.clone()
+    k, v = _tokens(kv, device)
+    slots = torch.arange(p, dtype=torch.int32, device=device)
+    triton_write.write_kv(kv, k, v, torch.full_like(slots, PLAIN_ID), slots)
+    writes = [(PLAIN_ID, kv.layout.page_bytes, False)]
+    if kv.triaxial:
+        triton_write.write_int2_pages(kv, k[None], v[None], torch.tensor([INT2_ID], dtype=torch.int32, device=device))
+        writes.append((INT2_ID, kv.int2.page_bytes, True))
+    touched = torch.zeros_like(kv.buffer, dtype=torch.bool)
+    for pid, nbytes, int2 in writes:
+        off = _offset(kv, pid)
+        page = kv.buffer[off : off + nbytes]
+        assert torch.equal(page, _one_page(kv, k, v, int2=int2, poison=before[off : off + nbytes])), (case, pid)
+        touched[off : off + nbytes] = True
+    assert torch.equal(kv.buffer[~touched], before[~touched]), "a write touched bytes outside its page"
+
+
+def _placed(case: str, device: str, *, p: int, h: int, d: int) -> tuple[PagedKV, list[int]]:
+    """A KV whose pages INT2_ID (triaxial) and PLAIN_ID (in that order) were put at page_byte_offset."""
+    kv = _kv(case, p=p, h=h, d=d, device=device)
+    k, v = _tokens(kv, device)
+    ids = ([INT2_ID] if kv.triaxial else []) + [PLAIN_ID]
+    for pid in ids:
+        int2 = pid == INT2_ID
+        nbytes = kv.int2.page_bytes if int2 else kv.layout.page_bytes
+        off = _offset(kv, pid)
+        kv.buffer[off : off + nbytes] = _one_page(kv, k, v, int2=int2, poison=kv.buffer[off : off + nbytes])
+    return kv, ids
+
+
+def _check_gather(case: str, device: str, *, p: int, h: int, d: int) -> None:
+    kv, ids = _placed(case, device, p=p, h=h, d=d)
+    table = torch.tensor(ids, dtype=torch.int32, device=device)
+    n = len(ids) * p
+    got_k, got_v = torch.empty(n, h, d, device=device), torch.empty(n, h, d, device=device)
+    triton_gather.gather_kv(kv, table, n, got_k, got_v)
+    want_k, want_v = torch.empty(n, h, d), torch.empty(n, h, d)
+    cpu = PagedKV(kv.buffer.cpu(), kv.layout, kv.k_scale, kv.v_scale, kv.int2_layout, kv.total_bytes)
+    paged_ref.gather_kv(cpu, table.cpu(), n, want_k, want_v)
+    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
+
+
+def _check_decode(case: str, device: str, *, p: int, h: int, d: int, kernel: str) -> None:
+    kv, ids = _placed(case, device, p=p, h=h, d=d)
+    g = 4
+    q = torch.randn(1, h * g, d, device=device)
+    table = torch.tensor([ids], dtype=torch.int32, device=device)
+    lens = torch.tensor([len(ids) * p], dtype=torch.int32, device=device)
+    n2 = torch.tensor([1], dtype=torch.int32, device=device) if kv.triaxial else None
+    if kernel == "gluon":
+        assert gluon_decode.supported(kv, q)
+        out = gluon_decode.decode_attention(q, kv, table, lens, sm_scale=d**-0.5, num_int2_pages=n2)
+    else:
+        out = triton_decode.decode_attention(q, kv, table, lens, sm_scale=d**-0.5, num_int2_pages=n2, fast=device == "cuda")
+    n = len(ids) * p
+    ek, ev = torch.empty(n, h, d), torch.empty(n, h, d)
+    cpu = PagedKV(kv.buffer.cpu(), kv.layout, kv.k_scale, kv.v_scale, kv.int2_layout, kv.total_bytes)
+    paged_ref.gather_kv(cpu, table[0].cpu(), n, ek, ev)  # what the placed pages decode to
+    assert rel_err(out[0].cpu(), dense_attention(q[0].cpu(), ek, ev, d**-0.5)) < 3e-3
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", ["nvfp4", "triaxial"])
+def test_writers_put_pages_at_page_byte_offset(case: str) -> None:
+    _check_writes(case, "cpu", p=8, h=2, d=64)
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", ["nvfp4", "triaxial"])
+def test_gather_reads_pages_at_page_byte_offset(case: str) -> None:
+    _check_gather(case, "cpu", p=8, h=2, d=64)
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", ["nvfp4", "triaxial"])
+def test_tl_decode_reads_pages_at_page_byte_offset(case: str) -> None:
+    _check_decode(case, "cpu", p=8, h=2, d=64, kernel="tl")
+
+
+def test_reference_offsets_are_page_ids_offsets() -> None:
+    kv = _kv("triaxial", p=8, h=2, d=64, device="cpu")
+    ids = [0, PLAIN_ID, 7, make_page_id(0, bits=2), INT2_ID, make_page_id(5, bits=2)]
+    assert kv.page_offsets(torch.tensor(ids, dtype=torch.int32)).tolist() == [_offset(kv, i) for i in ids]
+    assert [kv.page_offset(i) for i in ids] == [_offset(kv, i) for i in ids]
+    assert _offset(kv, make_page_id(0, bits=2)) == kv.total_bytes - kv.int2.page_bytes < kv.buffer.numel() - kv.int2.page_bytes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["fp8_e4m3", "nvfp4", "triaxial"])
+def test_gpu_every_kernel_addresses_pages_at_page_byte_offset(case: str) -> None:
+    p = 32 if case == "triaxial" else 16
+    _check_writes(case, "cuda", p=p, h=8, d=128)
+    _check_gather(case, "cuda", p=p, h=8, d=128)
+    _check_decode(case, "cuda", p=p, h=8, d=128, kernel="tl")
+    if case != "fp8_e4m3":
+        _check_decode(case, "cuda", p=p, h=8, d=128, kernel="gluon")
