@@ -1,0 +1,75 @@
+"""Metrics: every gateway metric of the dashboard exported with its name and
+type, and the counters move by what happened."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from gw_harness import MODEL, Stack
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserving.operator.dashboard import DASHBOARD_METRICS
+
+
+@pytest.fixture()
+def stack(tiny_model_dir: Path) -> Iterator[Stack]:
+    s = Stack(tiny_model_dir)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def families(url: str) -> dict[str, str]:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return {f.name: f.type for f in text_string_to_metric_families(text)}
+
+
+def test_every_dashboard_gateway_metric_is_exported_with_its_type(stack: Stack) -> None:
+    worker = stack.worker(role="both")
+    gw = stack.gateway(decode=[worker.url])
+    openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    exported = families(gw.url)
+    wanted = [(name, kind) for name, kind, _ in DASHBOARD_METRICS if name.startswith("kvserving_gateway_")]
+    assert len(wanted) == 3
+    for name, kind in wanted:
+        base = name.removesuffix("_total") if kind == "counter" else name
+        assert exported.get(base) == kind, (name, exported.get(base))
+    for name, kind in [
+        ("kvserving_gateway_requests_in_flight", "gauge"),
+        ("kvserving_gateway_inter_token_latency", "histogram"),
+        ("kvserving_gateway_leases", "gauge"),
+        ("kvserving_gateway_lease_renewals", "counter"),
+        ("kvserving_gateway_lease_releases", "counter"),
+        ("kvserving_gateway_lease_expiries", "counter"),
+        ("kvserving_gateway_routing_decisions", "counter"),
+        ("kvserving_gateway_upstream_errors", "counter"),
+    ]:
+        name = name + "_seconds" if kind == "histogram" else name
+        assert exported.get(name) == kind, name
+
+
+def test_counters_move_by_what_happened(stack: Stack) -> None:
+    worker = stack.worker(role="both", reply_ids=[11, 12, 13])
+    gw = stack.gateway(decode=[worker.url])
+    c = openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+    for _ in range(2):
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True))
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    route = "/v1/chat/completions"
+    assert gw.metric("kvserving_gateway_requests_total", {"route": route, "code": "200"}) == 3
+    assert gw.metric("kvserving_gateway_requests_total", {"route": route, "code": "404"}) == 1
+    assert gw.metric("kvserving_gateway_time_to_first_token_seconds_count", {"route": "chat"}) == 3
+    assert gw.metric("kvserving_gateway_inter_token_latency_seconds_count") == 3 * 2
+    assert gw.metric("kvserving_gateway_completion_tokens_total") == 9
+    assert gw.metric("kvserving_gateway_routing_decisions_total", {"role": "decode", "reason": "least_loaded"}) == 3
+    assert gw.metric("kvserving_gateway_requests_in_flight") == 0
+    httpx.get(gw.url + "/metrics", timeout=5)
+    assert gw.metric("kvserving_gateway_workers_healthy", {"role": "both"}) == 1

@@ -1,0 +1,82 @@
+"""Worker discovery and health (gateway/workers.py): static lists, roles,
+headless-Service DNS re-resolution, SSE parsing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kvserving.config import GatewayConfig
+from kvserving.gateway.workers import UpstreamError, WorkerClient, WorkerPool, _sse_events, resolve_service
+
+
+def pool(config: GatewayConfig, resolve=None) -> WorkerPool:  # type: ignore[no-untyped-def]
+    client = WorkerClient(request_timeout_s=5, connect_timeout_s=1)
+    return WorkerPool(config, client, resolve=resolve) if resolve else WorkerPool(config, client)
+
+
+def test_static_roles_a_url_in_both_lists_is_a_both_worker() -> None:
+    p = pool(GatewayConfig(prefill_urls=("http://p/", "http://x"), decode_urls=("http://d", "http://x")))
+    assert {u: w.role for u, w in p.workers.items()} == {"http://p": "prefill", "http://d": "decode", "http://x": "both"}
+    only_decode = pool(GatewayConfig(decode_urls=("http://d",)))
+    assert only_decode.workers["http://d"].role == "both"  # no prefill worker at all: whole turns
+
+
+def test_services_are_resolved_and_re_resolved_keeping_known_workers_state() -> None:
+    answers = {"pre.svc": ["http://10.0.0.1:8000"], "dec.svc": ["http://10.0.0.2:8000", "http://10.0.0.3:8000"]}
+
+    async def resolve(host: str, port: int) -> list[str]:
+        assert port == 8000
+        if host not in answers:
+            raise OSError("NXDOMAIN")
+        return list(answers[host])
+
+    cfg = GatewayConfig(prefill_service="pre.svc", decode_service="dec.svc", dns_refresh_s=0.001, health_interval_s=1)
+    p = pool(cfg, resolve)
+
+    async def scenario() -> None:
+        await p._resolve_members()
+        assert {u: w.role for u, w in p.workers.items()} == {
+            "http://10.0.0.1:8000": "prefill", "http://10.0.0.2:8000": "decode", "http://10.0.0.3:8000": "decode"}
+        p.workers["http://10.0.0.2:8000"].inflight = 3
+        answers["dec.svc"] = ["http://10.0.0.2:8000", "http://10.0.0.4:8000"]  # a pod went, one came
+        await p._resolve_members()
+        assert sorted(p.workers) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.4:8000"]
+        assert p.workers["http://10.0.0.2:8000"].inflight == 3
+        del answers["pre.svc"]  # a failed lookup keeps the last known list
+        await p._resolve_members()
+        assert "http://10.0.0.1:8000" in p.workers
+        await p.client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_resolve_service_returns_urls_for_every_address() -> None:
+    urls = asyncio.run(resolve_service("localhost", 8000))
+    assert "http://127.0.0.1:8000" in urls or "http://[::1]:8000" in urls
+
+
+async def _lines(*lines: str) -> AsyncIterator[str]:
+    for line in lines:
+        yield line
+
+
+def _collect(*lines: str) -> list[dict]:
+    async def run() -> list[dict]:
+        return [e async for e in _sse_events(_lines(*lines), url="http://w")]
+
+    return asyncio.run(run())
+
+
+def test_sse_events_until_done_errors_raise() -> None:
+    assert _collect('data: {"token_ids": [1]}', "", ": comment", 'data: {"token_ids": []}', "data: [DONE]",
+                    'data: {"never": 1}') == [{"token_ids": [1]}, {"token_ids": []}]
+    with pytest.raises(UpstreamError) as err:
+        _collect('data: {"token_ids": [1]}', 'data: {"error": {"message": "oom", "type": "server_error"}}')
+    assert err.value.kind == "worker_error" and "oom" in err.value.message
+    with pytest.raises(UpstreamError, match="before \\[DONE\\]"):
+        _collect('data: {"token_ids": [1]}')
+    with pytest.raises(UpstreamError, match="malformed"):
+        _collect("data: {nope")
