@@ -41,7 +41,7 @@ class KVStats:
     prompt_tokens_computed: int
     decode_tokens: int
     preemptions: int
-    capacity_tokens: int  # at full (4-bit for triaxial) precision
+    capacity_tokens: int  # triaxial: at the expected INT2 share (KVCache.capacity_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,6 +91,4 @@ def collect(engine: LLMEngine) -> KVStats:
 
 
 def _live_ids(engine: LLMEngine) -> list[int]:
-    # The pool has no public list of its live page ids; its ``_pages`` map is
-    # that list (read only here, each record then through the public ``page()``).
-    return list(engine.pool._pages)
+    return engine.pool.live_page_ids()

@@ -220,6 +220,10 @@ class PagePoolBase:
         self._check_id(page_id)
         return self._pages.get(page_id)
 
+    def live_page_ids(self) -> list[int]:
+        """Every owned or cached page id (in no particular order)."""
+        return list(self._pages)
+
     def cached_page_ids(self) -> list[int]:
         """Evictable pages, least recently used first (per region, in region order)."""
         return [pid for r in self._regions for pid in r.lru]

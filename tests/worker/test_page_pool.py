@@ -55,6 +55,15 @@ def test_allocate_is_all_or_nothing() -> None:
     assert pool.allocate([4] * 1) is None
 
 
+def test_live_page_ids_are_the_owned_and_cached_pages() -> None:
+    pool, _ = make_pool(4)
+    assert pool.allocate([4] * 3) == [0, 1, 2]
+    pool.register(1, 7)
+    pool.free([1, 2])  # 1 stays cached under its hash, 2 goes back free
+    assert sorted(pool.live_page_ids()) == [0, 1]
+    assert pool.cached_page_ids() == [1]
+
+
 def test_free_of_the_top_page_then_reuse() -> None:
     pool, _ = make_pool(4)
     assert pool.allocate([4] * 4) == [0, 1, 2, 3]
