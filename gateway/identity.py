@@ -1,0 +1,264 @@
+"""Conversation identity: which conversation a request continues.
+
+The first source that applies decides (the `source` of the result, a metric
+label):
+
+1. a session header agent clients already send, in this order (names are
+   case-insensitive): `X-Session-ID`, `X-Session-Affinity`,
+   `X-Correlation-ID`, `X-Dynamo-Session-ID`, `x-claude-code-session-id`;
+2. the body's `prompt_cache_key` (OpenAI's cache-routing field);
+3. the body's `user`;
+4. `prefix`: the request's prompt extends a token sequence this gateway saw
+   before (an earlier prompt, or an earlier prompt plus its output) — clients
+   resend the whole history each turn;
+5. `new`: none of these; a fresh key.
+
+The prefix match is exact and conservative. A remembered sequence S of
+conversation C matches a prompt P only when
+
+- S is a proper prefix of P (P = S + more: a continuation, never a retry or a
+  second session sending the identical first prompt);
+- S holds more than the system block (at least one token that is not
+  instruction or template text), so two agents sharing one system prompt and
+  tool schemas are never merged;
+- S covers everything in P before the current user turn except template
+  delimiters: each earlier message of P must have been seen in S. A client
+  that strips earlier reasoning changes its history, so the earlier prompt
+  still prefixes the new one only up to the stripped message: such a client
+  is recognised by its header, never merged by a short prefix with a
+  different conversation that shares its first turn.
+
+The longest matching S wins (the most specific conversation). Sequences are
+indexed by a hash chained over their full pages of `page_size` tokens: the
+chain of P is computed once and each remembered sequence is filed under the
+chain value at its last full page (plus its few tail tokens), so a lookup is
+one pass over P's pages plus dictionary hits — no per-token index. Memory is
+bounded: at most `max_records` sequences (least recently used go first) and
+`records_per_conversation` each, at most `max_conversations` conversations.
+Pure (no I/O), not thread-safe (one event loop owns it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvserving.tags import SEMANTIC
+
+SESSION_HEADERS = (
+    "x-session-id",
+    "x-session-affinity",
+    "x-correlation-id",
+    "x-dynamo-session-id",
+    "x-claude-code-session-id",
+)
+SOURCES = (*SESSION_HEADERS, "prompt_cache_key", "user", "prefix", "new")
+MAX_VALUE_CHARS = 256  # longer client ids are hashed into the key
+_INST, _DELIM = SEMANTIC.index("inst"), SEMANTIC.index("delim")
+_ROOT = hash(("kvserving-identity-root",))
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """The conversation key, the source that decided it, and (prefix only)
+    how many prompt tokens the matched sequence covers."""
+
+    key: str
+    source: str
+    matched_tokens: int = 0
+
+
+class PromptLike(Protocol):
+    """What identity needs of a tagged prompt (`tagger.TaggedPrompt` fits)."""
+
+    @property
+    def input_ids(self) -> list[int]: ...
+
+    @property
+    def tags(self) -> list[int]: ...
+
+    @property
+    def current_turn_start(self) -> int: ...
+
+
+def explicit_identity(headers: Mapping[str, str], body: Mapping[str, Any]) -> Identity | None:
+    """Sources 1-3 (session header, prompt_cache_key, user), or None."""
+    lowered = {str(k).lower(): v for k, v in headers.items()}
+    for name in SESSION_HEADERS:
+        value = _clean(lowered.get(name))
+        if value is not None:
+            return Identity(key=f"session:{value}", source=name)
+    for field, prefix in (("prompt_cache_key", "cache"), ("user", "user")):
+        value = _clean(body.get(field))
+        if value is not None:
+            return Identity(key=f"{prefix}:{value}", source=field)
+    return None
+
+
+def _clean(value: object) -> str | None:
+    if not isinstance(value, str):
+        return None
+    value = value.strip()
+    if not value:
+        return None
+    if len(value) > MAX_VALUE_CHARS:
+        return "sha256-" + hashlib.sha256(value.encode()).hexdigest()
+    return value
+
+
+def page_chain(ids: Sequence[int], page_size: int) -> list[int]:
+    """chain[k] = hash of ids[: k * page_size] (chain[0] is the root)."""
+    chain = [_ROOT]
+    h = _ROOT
+    for start in range(0, len(ids) - page_size + 1, page_size):
+        h = hash((h, *ids[start : start + page_size]))
+        chain.append(h)
+    return chain
+
+
+# A remembered sequence: (chain value at its last full page, length, tail ids).
+_RecordId = tuple[int, int, tuple[int, ...]]
+
+
+class ConversationIndex:
+    """Recent conversations' token sequences, for sources 4 and 5."""
+
+    def __init__(
+        self,
+        *,
+        page_size: int = 16,
+        max_records: int = 65536,
+        records_per_conversation: int = 4,
+        max_conversations: int = 16384,
+        new_key: Callable[[], str] | None = None,
+    ) -> None:
+        for name, value in (("page_size", page_size), ("max_records", max_records),
+                            ("records_per_conversation", records_per_conversation), ("max_conversations", max_conversations)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.page_size = page_size
+        self.max_records = max_records
+        self.records_per_conversation = records_per_conversation
+        self.max_conversations = max_conversations
+        self._new_key = new_key or (lambda: f"conv:{uuid.uuid4().hex}")
+        self._records: OrderedDict[_RecordId, str] = OrderedDict()  # LRU, value: conversation key
+        self._by_end: dict[int, dict[_RecordId, None]] = {}
+        self._conversations: OrderedDict[str, list[_RecordId]] = OrderedDict()  # LRU
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def conversations(self) -> int:
+        return len(self._conversations)
+
+    def approx_bytes(self) -> int:
+        """A rough upper bound of the memory the index holds (for a gauge)."""
+        per_record = 400 + 8 * self.page_size
+        return len(self._records) * per_record + len(self._conversations) * 200
+
+    def identify(self, *, headers: Mapping[str, str], body: Mapping[str, Any], prompt: PromptLike) -> Identity:
+        """Sources 1-5 in order (see the module doc); looks only, remembers nothing."""
+        explicit = explicit_identity(headers, body)
+        if explicit is not None:
+            return explicit
+        match = self.match(prompt)
+        if match is not None:
+            return match
+        return Identity(key=self._new_key(), source="new")
+
+    def match(self, prompt: PromptLike) -> Identity | None:
+        """Source 4: the longest remembered sequence the prompt continues, or None."""
+        ids = prompt.input_ids
+        n = len(ids)
+        if not self._records or n == 0:
+            return None
+        floor = self._coverage_floor(prompt)
+        chain = page_chain(ids, self.page_size)
+        for k in range(len(chain) - 1, -1, -1):
+            if (k + 1) * self.page_size - 1 <= floor:
+                break  # every sequence filed here or lower is too short
+            bucket = self._by_end.get(chain[k])
+            if not bucket:
+                continue
+            best: _RecordId | None = None
+            for rid in reversed(bucket):  # most recent first: ties go to it
+                _, length, tail = rid
+                if floor < length < n and (best is None or length > best[1]) and tuple(ids[length - len(tail) : length]) == tail:
+                    best = rid
+            if best is not None:
+                key = self._records[best]
+                self._touch(best, key)
+                return Identity(key=key, source="prefix", matched_tokens=best[1])
+        return None
+
+    def _coverage_floor(self, prompt: PromptLike) -> int:
+        """A matching sequence must be longer than this many tokens: past the
+        system block, and past every non-delimiter token before the current
+        user turn."""
+        tags, width = prompt.tags, len(SEMANTIC)
+        first_content = next((i for i, t in enumerate(tags) if t % width not in (_INST, _DELIM)), len(tags))
+        last_before_turn = -1
+        for i in range(min(prompt.current_turn_start, len(tags)) - 1, -1, -1):
+            if tags[i] % width != _DELIM:
+                last_before_turn = i
+                break
+        return max(first_content, last_before_turn)
+
+    def remember(self, key: str, ids: Sequence[int]) -> None:
+        """File a sequence of conversation `key` (a prompt, or prompt + output)."""
+        if not ids:
+            return
+        chain = page_chain(ids, self.page_size)
+        full = (len(chain) - 1) * self.page_size
+        rid: _RecordId = (chain[-1], len(ids), tuple(ids[full:]))
+        previous = self._records.pop(rid, None)
+        if previous is not None and previous != key:
+            self._drop_from_conversation(previous, rid)
+        self._records[rid] = key
+        self._by_end.setdefault(rid[0], {})[rid] = None
+        records = self._conversations.pop(key, [])
+        if rid in records:
+            records.remove(rid)
+        records.append(rid)
+        self._conversations[key] = records
+        while len(records) > self.records_per_conversation:
+            self._drop_record(records.pop(0))
+        while len(self._records) > self.max_records:
+            oldest, owner = next(iter(self._records.items()))
+            self._drop_record(oldest)
+            self._drop_from_conversation(owner, oldest)
+        while len(self._conversations) > self.max_conversations:
+            self.forget(next(iter(self._conversations)))
+
+    def forget(self, key: str) -> None:
+        """Drop every sequence of a conversation."""
+        for rid in self._conversations.pop(key, []):
+            if self._records.get(rid) == key:
+                self._drop_record(rid)
+
+    def _touch(self, rid: _RecordId, key: str) -> None:
+        self._records.move_to_end(rid)
+        if key in self._conversations:
+            self._conversations.move_to_end(key)
+
+    def _drop_record(self, rid: _RecordId) -> None:
+        self._records.pop(rid, None)
+        bucket = self._by_end.get(rid[0])
+        if bucket is not None:
+            bucket.pop(rid, None)
+            if not bucket:
+                del self._by_end[rid[0]]
+
+    def _drop_from_conversation(self, key: str, rid: _RecordId) -> None:
+        records = self._conversations.get(key)
+        if records is None:
+            return
+        if rid in records:
+            records.remove(rid)
+        if not records:
+            del self._conversations[key]

@@ -1,0 +1,249 @@
+"""Conversation identity: explicit sources in order, then exact prefix matches
+that never merge agents sharing a system prompt or a stripped history."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvserving.gateway.chat_template import ChatTemplate
+from kvserving.gateway.identity import SOURCES, ConversationIndex, Identity, explicit_identity, page_chain
+from kvserving.gateway.tagger import ChatTagger, TaggedPrompt
+from kvserving.gateway.tokenizer import TextTokenizer
+
+from test_chat_template import TOOLS  # noqa: E402  (sibling test module)
+
+SYSTEM = {"role": "system", "content": "You are a coding agent. Use the tools to inspect the repository and answer precisely."}
+
+
+@pytest.fixture(scope="module")
+def tagger(tiny_model_dir: Path) -> ChatTagger:
+    return ChatTagger(TextTokenizer.from_dir(tiny_model_dir), ChatTemplate.from_dir(tiny_model_dir))
+
+
+def fresh_index(**kwargs: Any) -> ConversationIndex:
+    counter = itertools.count(1)
+    return ConversationIndex(new_key=lambda: f"conv:{next(counter)}", **kwargs)
+
+
+class Agent:
+    """A client that resends its whole history each turn, like an OpenAI client."""
+
+    def __init__(self, tagger: ChatTagger, index: ConversationIndex, first: str, *, strip_reasoning: bool = False,
+                 headers: dict[str, str] | None = None) -> None:
+        self.tagger, self.index = tagger, index
+        self.messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": first}]
+        self.strip_reasoning = strip_reasoning
+        self.headers = headers or {}
+
+    def send(self) -> tuple[Identity, TaggedPrompt]:
+        """One request: identify, remember the prompt (what the gateway does at request time)."""
+        prompt = self.tagger.build(self.messages, tools=TOOLS)
+        ident = self.index.identify(headers=self.headers, body={"model": "tiny"}, prompt=prompt)
+        self.index.remember(ident.key, prompt.input_ids)
+        return ident, prompt
+
+    def answer(self, ident: Identity, prompt: TaggedPrompt, reasoning: str, text: str, *, tool_call: str | None = None) -> None:
+        """The model's output: remembered as prompt + output ids; the client appends the message."""
+        tok = self.tagger.tokenizer
+        generated = f"<think>\n{reasoning}\n</think>\n\n{text}"
+        if tool_call is not None:
+            generated += f'\n<tool_call>\n{{"name": "{tool_call}", "arguments": {{}}}}\n</tool_call>'
+        eos = tok.eos_token_id
+        assert eos is not None
+        self.index.remember(ident.key, prompt.input_ids + tok.encode_ids(generated) + [eos])
+        message: dict[str, Any] = {"role": "assistant", "content": text if self.strip_reasoning else f"<think>\n{reasoning}\n</think>\n\n{text}"}
+        if tool_call is not None:
+            message["tool_calls"] = [{"id": "c", "type": "function", "function": {"name": tool_call, "arguments": "{}"}}]
+        self.messages.append(message)
+
+    def tool_result(self, content: str) -> None:
+        self.messages.append({"role": "tool", "tool_call_id": "c", "content": content})
+
+    def user(self, content: str) -> None:
+        self.messages.append({"role": "user", "content": content})
+
+
+# -- sources 1-3 ----------------------------------------------------------------
+
+
+def test_header_order_and_case() -> None:
+    headers = {"X-Claude-Code-Session-Id": "claude", "x-correlation-id": "corr", "X-SESSION-AFFINITY": "aff"}
+    assert explicit_identity(headers, {}) == Identity("session:aff", "x-session-affinity")
+    assert explicit_identity({**headers, "x-session-id": "sid"}, {"user": "u"}) == Identity("session:sid", "x-session-id")
+    assert explicit_identity({"X-Dynamo-Session-ID": "d", "x-claude-code-session-id": "c"}, {}) == Identity("session:d", "x-dynamo-session-id")
+    assert explicit_identity({"x-claude-code-session-id": "c"}, {}) == Identity("session:c", "x-claude-code-session-id")
+
+
+def test_body_fields_after_headers() -> None:
+    assert explicit_identity({}, {"prompt_cache_key": "pk", "user": "u"}) == Identity("cache:pk", "prompt_cache_key")
+    assert explicit_identity({}, {"user": "u"}) == Identity("user:u", "user")
+    assert explicit_identity({"x-session-id": "s"}, {"prompt_cache_key": "pk"}) == Identity("session:s", "x-session-id")
+
+
+def test_blank_or_odd_values_are_skipped_and_long_ones_hashed() -> None:
+    assert explicit_identity({"x-session-id": "  "}, {"prompt_cache_key": "", "user": 5}) is None
+    assert explicit_identity({"x-session-id": " a "}, {}) == Identity("session:a", "x-session-id")
+    long = explicit_identity({"x-session-id": "x" * 1000}, {})
+    assert long is not None and long.key.startswith("session:sha256-") and len(long.key) < 100
+    assert {"prefix", "new", "user", "prompt_cache_key", "x-session-id"} <= set(SOURCES)
+
+
+# -- source 4: prefix -------------------------------------------------------------
+
+
+def test_multi_turn_agent_keeps_one_key(tagger: ChatTagger) -> None:
+    index = fresh_index()
+    agent = Agent(tagger, index, "Where is the config parsed?")
+    first, prompt = agent.send()
+    assert first == Identity("conv:1", "new")
+    agent.answer(first, prompt, "I should list files.", "Let me look.", tool_call="list_files")
+    agent.tool_result("config.py main.py")
+    second, prompt2 = agent.send()  # tool loop: same user turn
+    assert (second.key, second.source) == ("conv:1", "prefix")
+    # It continued prompt + output, not only the earlier prompt.
+    assert second.matched_tokens > len(prompt.input_ids)
+    agent.answer(second, prompt2, "It is config.py.", "In config.py.")
+    agent.user("And where is it validated?")
+    third, _ = agent.send()  # a new user turn
+    assert (third.key, third.source) == ("conv:1", "prefix")
+
+
+def test_two_agents_with_the_same_system_prompt_stay_apart(tagger: ChatTagger) -> None:
+    index = fresh_index()
+    a = Agent(tagger, index, "Where is the config parsed?")
+    b = Agent(tagger, index, "Why does the test fail?")
+    ia, pa = a.send()
+    ib, pb = b.send()
+    assert (ia.key, ib.key) == ("conv:1", "conv:2") and ib.source == "new"
+    a.answer(ia, pa, "look", "config.py")
+    b.answer(ib, pb, "think", "A race.")
+    a.user("more?")
+    b.user("fix it")
+    assert a.send()[0].key == "conv:1"
+    assert b.send()[0].key == "conv:2"
+
+
+def test_identical_first_prompts_are_two_conversations(tagger: ChatTagger) -> None:
+    """A benchmark harness sending one task to many sessions: same first prompt,
+    different answers; each continuation goes to its own conversation."""
+    index = fresh_index()
+    a = Agent(tagger, index, "Solve task 7.")
+    b = Agent(tagger, index, "Solve task 7.")
+    ia, pa = a.send()
+    ib, pb = b.send()
+    assert (ia.key, ib.key) == ("conv:1", "conv:2")  # an identical prompt is not a continuation
+    a.answer(ia, pa, "plan A", "Answer A.")
+    b.answer(ib, pb, "plan B", "Answer B.")
+    a.user("next")
+    b.user("next")
+    assert a.send()[0].key == "conv:1"
+    assert b.send()[0].key == "conv:2"
+
+
+def test_client_that_strips_reasoning(tagger: ChatTagger) -> None:
+    index = fresh_index()
+    # Without a header: the earlier prompt still prefixes the new one, but only
+    # up to the stripped message, so it is not taken as the same conversation.
+    plain = Agent(tagger, index, "Where is the config parsed?", strip_reasoning=True)
+    i1, p1 = plain.send()
+    plain.answer(i1, p1, "I should think hard.", "In config.py.")
+    plain.user("Thanks. Where is it validated?")
+    i2, _ = plain.send()
+    assert i2.source == "new" and i2.key != i1.key
+    # With a header the same client is recognised every turn.
+    index2 = fresh_index()
+    named = Agent(tagger, index2, "Where is the config parsed?", strip_reasoning=True, headers={"X-Session-ID": "s-42"})
+    j1, q1 = named.send()
+    named.answer(j1, q1, "I should think hard.", "In config.py.")
+    named.user("Thanks. Where is it validated?")
+    assert named.send()[0] == j1 == Identity("session:s-42", "x-session-id")
+
+
+def test_stripped_client_is_not_merged_into_another_session_with_the_same_first_turn(tagger: ChatTagger) -> None:
+    index = fresh_index()
+    other = Agent(tagger, index, "Where is the config parsed?")
+    io, po = other.send()
+    other.answer(io, po, "hmm", "In config.py.")
+    stripped = Agent(tagger, index, "Where is the config parsed?", strip_reasoning=True)
+    i1, p1 = stripped.send()
+    stripped.answer(i1, p1, "I should think hard.", "In config.py.")
+    stripped.user("Thanks. Where is it validated?")
+    i2, _ = stripped.send()
+    assert i2.key not in (io.key, i1.key) and i2.source == "new"
+
+
+def test_retry_of_the_same_prompt_is_not_a_continuation(tagger: ChatTagger) -> None:
+    index = fresh_index()
+    agent = Agent(tagger, index, "hello")
+    first, _ = agent.send()
+    again, _ = agent.send()
+    assert again.source == "new" and again.key != first.key
+
+
+def test_completion_prompts_match_by_extension(tagger: ChatTagger) -> None:
+    index = fresh_index()
+    p1 = tagger.tag_text("def parse(path):\n    with open(path) as f:\n")
+    i1 = index.identify(headers={}, body={}, prompt=p1)
+    index.remember(i1.key, p1.input_ids)
+    p2 = tagger.tag_text("def parse(path):\n    with open(path) as f:\n        return f.read()\n")
+    assert p2.input_ids[: len(p1.input_ids)] == p1.input_ids
+    assert index.identify(headers={}, body={}, prompt=p2) == Identity(i1.key, "prefix", len(p1.input_ids))
+
+
+# -- bounds -----------------------------------------------------------------------------
+
+
+class Plain:
+    """A prompt with no structure: every token current user text."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.input_ids = ids
+        self.tags = [7 * 0 + 1] * len(ids)  # current/text/user
+        self.current_turn_start = 0
+
+
+def test_records_are_bounded_per_conversation_and_in_total() -> None:
+    index = fresh_index(page_size=4, max_records=5, records_per_conversation=2, max_conversations=3)
+    for n in range(1, 4):
+        index.remember("a", list(range(n * 5)))
+    assert len(index) == 2  # only the 2 latest of "a"
+    assert index.match(Plain(list(range(11)))) == Identity("a", "prefix", 10)
+    assert index.match(Plain(list(range(6)))) is None  # its first sequence was dropped
+    for key in "bcd":
+        index.remember(key, [ord(key)] * 9)
+    assert index.conversations == 3 and len(index) <= 5
+    assert index.match(Plain([ord("d")] * 12)) == Identity("d", "prefix", 9)
+    index.forget("d")
+    assert index.match(Plain([ord("d")] * 12)) is None
+    assert index.approx_bytes() > 0
+
+
+def test_latest_registrant_of_an_identical_sequence_owns_it() -> None:
+    index = fresh_index(page_size=4)
+    index.remember("a", [1, 2, 3, 4, 5])
+    index.remember("b", [1, 2, 3, 4, 5])
+    assert index.match(Plain([1, 2, 3, 4, 5, 6])) == Identity("b", "prefix", 5)
+    assert index.conversations == 1
+
+
+def test_tail_tokens_must_match_exactly() -> None:
+    index = fresh_index(page_size=4)
+    index.remember("a", [1, 2, 3, 4, 5, 6])
+    assert index.match(Plain([1, 2, 3, 4, 5, 7, 8])) is None
+    assert index.match(Plain([1, 2, 3, 4, 5, 6, 8])) == Identity("a", "prefix", 6)
+
+
+def test_page_chain_is_prefix_stable() -> None:
+    a = page_chain(list(range(40)), 16)
+    b = page_chain(list(range(35)) + [0] * 10, 16)
+    assert len(a) == 3 and a[:3] == b[:3]
+    assert page_chain(list(range(33)), 16)[2] != page_chain([9] + list(range(1, 33)), 16)[2]
+
+
+def test_invalid_bounds_name_the_field() -> None:
+    with pytest.raises(ValueError, match="page_size"):
+        ConversationIndex(page_size=0)
