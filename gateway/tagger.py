@@ -538,15 +538,13 @@ def _gap_spans(
 
 def _token_tags(spans: list[tuple[int, int, int]], offsets: list[tuple[int, int]]) -> list[int]:
     """Each token takes the tag of the span holding its first character."""
-    tags: list[int] = []
-    j = 0
-    last = encode_tag("current", "text", "delim")
-    for a, _ in offsets:
-        while j < len(spans) and spans[j][1] <= a:
-            j += 1
-        if j < len(spans) and spans[j][0] <= a:
-            last = spans[j][2]
-        tags.append(last)
+    starts = [a for a, _ in offsets]
+    tags = [encode_tag("current", "text", "delim")] * len(starts)
+    for start, end, tag in spans:
+        # Tokens are in text order, so those starting in [start, end) are one slice.
+        lo, hi = bisect.bisect_left(starts, start), bisect.bisect_left(starts, end)
+        if hi > lo:
+            tags[lo:hi] = [tag] * (hi - lo)
     return tags
 
 
@@ -555,6 +553,8 @@ def _token_tags(spans: list[tuple[int, int, int]], offsets: list[tuple[int, int]
 
 def _image_runs(ids: list[int], image_ids: frozenset[int]) -> list[tuple[int, int]]:
     runs: list[tuple[int, int]] = []
+    if image_ids.isdisjoint(ids):
+        return runs
     start = -1
     for k, t in enumerate(ids):
         if t in image_ids:

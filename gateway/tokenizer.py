@@ -74,7 +74,7 @@ class TextTokenizer:
     def encode(self, text: str) -> Encoded:
         """Ids and character offsets of `text`, no special tokens added (the chat path)."""
         enc = self._tok.encode(text, add_special_tokens=False)
-        return Encoded(ids=list(enc.ids), offsets=[(int(a), int(b)) for a, b in enc.offsets])
+        return Encoded(ids=enc.ids, offsets=enc.offsets)
 
     def encode_ids(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
