@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_transfer import KVTransferParams
+from kvserving.worker.kv_transfer import http_renew_remote
 from kvserving.tags import encode_tag
 from kvserving.worker.sampling import SamplingParams
 
@@ -116,9 +116,9 @@ def _fresh(model: Path, dtype: str, prompt: list[int], gen: int) -> list[int]:
     return eng.generate([prompt], _sp(gen))[0]
 
 
-# Triaxial tags: the first 96 tokens are an old user turn (2 bits: INT2 pages), the rest
+# Triaxial tags: the first 96 tokens are an old tool observation (2 bits: INT2 pages), the rest
 # this turn's user text (4 bits); generated tokens are assistant text.
-OLD_USER, M1_USER, CUR_USER = encode_tag("older", "text", "user"), encode_tag("turn_m1", "text", "user"), encode_tag("current", "text", "user")
+OLD_OBS, M1_USER, CUR_USER = encode_tag("older", "text", "obs"), encode_tag("turn_m1", "text", "user"), encode_tag("current", "text", "user")
 M1_ASSISTANT = encode_tag("turn_m1", "text", "assistant")
 
 
@@ -133,7 +133,7 @@ def test_conversation_p_to_d_and_back(tiny_model_dir: Path, host: Any, peer: Pee
     peer.call("open", name=f"d-{dtype}", spec=_spec(tiny_model_dir, dtype, f"d-{dtype}-1", role="decode", memory_bytes=6 << 20))
     n1, gen, new = 150, 20, 70
     prompt1 = _prompt(n1, 1)
-    tags1 = [OLD_USER] * 96 + [CUR_USER] * (n1 - 96) if dtype == "triaxial" else None
+    tags1 = [OLD_OBS] * 96 + [CUR_USER] * (n1 - 96) if dtype == "triaxial" else None
 
     def decode(rid: str, ids: list[int], tags: list[int] | None, params: dict[str, Any]) -> dict[str, Any]:
         return peer.call("generate", name=f"d-{dtype}", request_id=rid, input_ids=ids, tags=tags, max_tokens=gen,
@@ -141,7 +141,7 @@ def test_conversation_p_to_d_and_back(tiny_model_dir: Path, host: Any, peer: Pee
 
     p1 = P.generate({"request_id": "t1p", "input_ids": prompt1, "tags": tags1, "max_tokens": 1, "retain": True})
     assert p1["computed"] == n1 and p1["params"]["num_tokens"] == n1 // ps * ps
-    if dtype == "triaxial":  # the old user turn travels as INT2 pages
+    if dtype == "triaxial":  # the old observation travels as INT2 pages
         assert sum(1 for pid in p1["params"]["page_ids"] if pid & (1 << 30)) == 96 // ps
     d1 = decode("t1d", prompt1, tags1, p1["params"])
     pulled1 = (n1 - 1) // ps * ps  # every full prompt page (one token is always computed)
@@ -153,7 +153,7 @@ def test_conversation_p_to_d_and_back(tiny_model_dir: Path, host: Any, peer: Pee
 
     prompt2 = prompt1 + d1["tokens"] + _prompt(new, 2)
     n2 = len(prompt2)
-    tags2 = ([OLD_USER] * 96 + [M1_USER] * (n1 - 96) + [M1_ASSISTANT] * gen + [CUR_USER] * new) if dtype == "triaxial" else None
+    tags2 = ([OLD_OBS] * 96 + [M1_USER] * (n1 - 96) + [M1_ASSISTANT] * gen + [CUR_USER] * new) if dtype == "triaxial" else None
     retained = d1["params"]
     kept = (n1 + gen - 1) // ps * ps  # the last sampled token has no KV yet
     assert retained["num_tokens"] == kept
@@ -183,3 +183,117 @@ def test_conversation_p_to_d_and_back(tiny_model_dir: Path, host: Any, peer: Pee
     assert ref.generate([prompt1], _sp(gen), tags=t1)[0] == d1["tokens"]  # D: pages up to pulled1, then the tail
     ref.generate([prompt2[: tail + 1]], _sp(1), tags=[tags2[: tail + 1]] if tags2 else None)  # P's turn-2 chunk
     assert ref.generate([prompt2], _sp(gen), tags=[tags2] if tags2 else None)[0] == d2["tokens"]
+
+
+# ----------------------------------------------------------------------------- faults
+@pytest.fixture(scope="module")
+def pf(tiny_model_dir: Path, host: Any, peer: Peer) -> Any:
+    """A bf16 prefill worker here and a decode worker in the peer process."""
+    peer.call("open", name="d-f", spec=_spec(tiny_model_dir, "bf16", "d-f-1", role="decode"))
+    return host.open("p-f", _spec(tiny_model_dir, "bf16", "p-f-1", role="prefill"))
+
+
+def _turn1(P: Any, peer: Peer, seed: int, *, gen: int = 20, name: str = "d-f") -> tuple[list[int], dict[str, Any]]:
+    """Turn 1 through P and the peer's decode worker; returns the prompt and D's result."""
+    prompt = _prompt(150, seed)
+    p1 = P.generate({"request_id": f"f{seed}p", "input_ids": prompt, "max_tokens": 1, "retain": True})
+    d1 = peer.call("generate", name=name, request_id=f"f{seed}d", input_ids=prompt, max_tokens=gen,
+                   params=p1["params"], retain=True, conversation_key=f"c{seed}")
+    assert d1["pulled"] == 144 and d1["fallback"] is None
+    return prompt, d1
+
+
+def _turn2(P: Any, rid: str, prompt: list[int], params: dict[str, Any] | None) -> dict[str, Any]:
+    return P.generate({"request_id": rid, "input_ids": prompt, "max_tokens": 8, "params": params})
+
+
+def test_edited_history_pulls_only_the_common_prefix(tiny_model_dir: Path, pf: Any, peer: Peer) -> None:
+    prompt1, d1 = _turn1(pf, peer, 11, gen=40)
+    assert d1["params"]["num_tokens"] == 176  # (150 + 40 - 1) // 16 pages
+    history = prompt1 + d1["tokens"]
+    history[170] = 10 + (history[170] + 1) % 3990  # an edited reply: page [160, 176) differs
+    prompt2 = history + _prompt(30, 12)
+    r = _turn2(pf, "edit", prompt2, d1["params"])
+    # P holds [0, 144) itself; [144, 160) is the only matching page it lacks
+    assert (r["fallback"], r["pulled"], r["cached"], r["computed"]) == ("hash_mismatch", 16, 160, len(prompt2) - 160)
+    assert r["tokens"] == _fresh(tiny_model_dir, "bf16", prompt2, 8)
+
+
+def test_expired_or_released_lease_recomputes(tiny_model_dir: Path, pf: Any, peer: Peer) -> None:
+    for seed, how in ((13, "expired"), (17, "released")):
+        prompt1, d1 = _turn1(pf, peer, seed)
+        prompt2 = prompt1 + d1["tokens"] + _prompt(30, seed + 1)
+        params = d1["params"]
+        if how == "expired":
+            params = dict(params, expires_at=time.time() - 1.0)
+        else:  # released on the decode worker before its expiry: it answers 404 before any READ
+            peer.call("release", name="d-f", lease_id=params["lease_id"])
+        r = _turn2(pf, how, prompt2, params)
+        assert (r["fallback"], r["pulled"], r["cached"]) == ("lease_expired", 0, 144), how
+        assert r["tokens"] == _fresh(tiny_model_dir, "bf16", prompt2, 8)
+
+
+def test_other_weights_are_a_layout_mismatch(tiny_model_dir: Path, tmp_path: Path, pf: Any, peer: Peer) -> None:
+    """Same shapes and dtype, different weights: the pages would read fine and mean nothing."""
+    from kvserving.worker.tiny_model import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", seed=1)
+    peer.call("open", name="d-other", spec=_spec(other, "bf16", "d-other-1", role="decode"))
+    prompt1 = _prompt(150, 15)
+    d1 = peer.call("generate", name="d-other", request_id="o1", input_ids=prompt1, max_tokens=20, retain=True)
+    assert d1["params"]["layout_hash"] != pf.kvt.layout_hash
+    prompt2 = prompt1 + d1["tokens"] + _prompt(30, 16)
+    r = _turn2(pf, "other", prompt2, d1["params"])
+    assert (r["fallback"], r["pulled"], r["computed"]) == ("layout_mismatch", 0, len(prompt2))
+    assert r["tokens"] == _fresh(tiny_model_dir, "bf16", prompt2, 8)
+    bad = dict(d1["params"], layout_hash=pf.kvt.layout_hash, dtype="nvfp4")
+    assert _turn2(pf, "dtype", prompt2, bad)["fallback"] == "layout_mismatch"
+
+
+def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer: Peer) -> None:
+    """The peer frozen mid-pull (SIGSTOP: our deadline fires), then killed, then restarted on
+    the same port with a new engine id: each pull recomputes with its reason. (Last in the
+    file: it ends the module's peer process.)"""
+    child = peer
+    restarted: Peer | None = None
+    try:
+        child.call("open", name="d", spec=_spec(tiny_model_dir, "bf16", "d-x-1", role="decode"))
+        prompt1 = _prompt(150, 21)
+        d1 = child.call("generate", name="d", request_id="x1", input_ids=prompt1, max_tokens=20, retain=True)
+        prompt2 = prompt1 + d1["tokens"] + _prompt(30, 22)
+        expected = _fresh(tiny_model_dir, "bf16", prompt2, 8)
+
+        def renew_then_freeze(url: str, lease_id: str) -> float | None:
+            expires = http_renew_remote(url, lease_id)
+            os.kill(child.proc.pid, signal.SIGSTOP)  # frozen between the lease check and the READ
+            return expires
+
+        frozen = host.open("p-frozen", _spec(tiny_model_dir, "bf16", "p-frozen-1", transfer_timeout_s=1.0),
+                           renew_remote=renew_then_freeze)
+        t0 = time.monotonic()
+        r = _turn2(frozen, "frozen", prompt2, d1["params"])
+        assert time.monotonic() - t0 < 10.0
+        assert (r["fallback"], r["pulled"], r["computed"], r["tokens"]) == ("transfer_timeout", 0, len(prompt2), expected)
+        assert frozen.kvt.fallbacks["transfer_timeout"] == 1
+        os.kill(child.proc.pid, signal.SIGCONT)
+
+        # fresh prefill workers for each step below (a recomputed prompt lands in the prefix cache)
+        P, P2, P3 = (host.open(f"p-{k}", _spec(tiny_model_dir, "bf16", f"p-{k}-1")) for k in ("dead", "stale", "new"))
+        port = child.port
+        child.proc.kill()
+        child.proc.wait(timeout=10)
+        r = _turn2(P, "dead", prompt2, d1["params"])
+        assert (r["fallback"], r["pulled"], r["tokens"]) == ("remote_unreachable", 0, expected)
+
+        restarted = Peer(port)
+        restarted.call("open", name="d", spec=_spec(tiny_model_dir, "bf16", "d-x-2", role="decode"))
+        r = _turn2(P2, "stale", prompt2, d1["params"])
+        assert (r["fallback"], r["pulled"], r["tokens"]) == ("stale_agent", 0, expected)
+        # the restarted worker's own params load its fresh metadata and pull fine
+        d1b = restarted.call("generate", name="d", request_id="x2", input_ids=prompt1, max_tokens=20, retain=True)
+        assert d1b["tokens"] == d1["tokens"]
+        r = _turn2(P3, "fresh", prompt2, d1b["params"])
+        assert (r["fallback"], r["pulled"], r["computed"], r["tokens"]) == (None, 160, len(prompt2) - 160, expected)
+    finally:
+        if restarted is not None:
+            restarted.stop()
