@@ -12,8 +12,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
+from types import FrameType
+
+import uvicorn
 
 from kvserving.config import ServingConfig
+from kvserving.model_dir import resolve_model_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,15 +48,11 @@ def load_config(args: argparse.Namespace) -> ServingConfig:
 
 
 def model_dir(config: ServingConfig) -> Path:
-    if config.model.path:
-        return Path(config.model.path)
-    from kvserving.model_dir import resolve_model_dir  # builds the built-in tiny model
-
-    return Path(resolve_model_dir(config.model))
+    """``model.path``, or the built-in tiny model (built into the cache on first use), as the workers resolve it."""
+    return resolve_model_dir(config.model)
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
     from prometheus_client import CollectorRegistry
 
     from .app import build_app, build_state
@@ -64,6 +64,17 @@ def run(args: argparse.Namespace) -> int:
     model = ModelInfo.load(model_dir(config), served_name=config.model.served_name,
                            max_model_len=config.model.max_model_len)
     app = build_app(build_state(config, model=model, registry=CollectorRegistry()))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=30)
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                                    timeout_graceful_shutdown=30))
+    server.run()
     return 0
+
+
+class _Server(uvicorn.Server):
+    """SIGTERM/SIGINT: stop gracefully (streams finish, idle leases are released) and exit 0;
+    a second signal stops at once. (Plain uvicorn re-raises the signal after its graceful stop.)"""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True

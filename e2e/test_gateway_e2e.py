@@ -1,0 +1,127 @@
+"""The whole product on loopback: `kvserving gateway` in front of one prefill
+and one decode `kvserving worker` (real processes, NIXL on CPU memory), driven
+by the official `openai` client. A 3-turn agent conversation: every later
+turn reports cached_tokens > 0 (the decode's retained KV pulled back by the
+prefill), the lease table follows the decode's lease, and the gateway's
+metrics count the reuse."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvs_workers import WorkerFactory, free_port
+
+MODEL = "kvserving-tiny"
+
+
+def config() -> dict[str, Any]:
+    return {
+        "model": {"max_model_len": 1024, "served_name": MODEL},
+        "kv_cache": {"dtype": "bf16", "memory_bytes": 16 << 20},
+        "reuse": {"recompute_threshold_tokens": 0},
+    }
+
+
+class GatewayProc:
+    def __init__(self, tmp: Path, model_dir: Path, *, prefill: str, decode: str) -> None:
+        cfg = tmp / "gateway-config.json"
+        cfg.write_text(json.dumps(config()))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / "gateway.log"
+        argv = [sys.executable, "-m", "kvserving.cli", "gateway", "--config", str(cfg), "--model", str(model_dir),
+                "--host", "127.0.0.1", "--port", str(self.port), "--prefill", prefill, "--decode", decode]
+        env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                         start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"gateway exited {self.proc.returncode}:\n{self.log_path.read_text()}"
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"gateway not ready in {timeout_s} s:\n{self.log_path.read_text()}")
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+
+@pytest.fixture()
+def stack(workers: WorkerFactory, tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[GatewayProc, Any, Any]]:
+    prefill = workers.start("prefill", config(), wait=False)
+    decode = workers.start("decode", config(), wait=False)
+    prefill.wait_ready()
+    decode.wait_ready()
+    gateway = GatewayProc(tmp_path, tiny_model_dir, prefill=prefill.url, decode=decode.url)
+    try:
+        gateway.wait_ready()
+        yield gateway, prefill, decode
+    finally:
+        gateway.stop()
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0
+
+
+def test_three_turn_conversation_reuses_kv_through_the_gateway(stack: tuple[GatewayProc, Any, Any]) -> None:
+    gateway, prefill, decode = stack
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent. Work step by step and use the tools. " * 6},
+        {"role": "user", "content": "Find the failing test in the repository and explain it."},
+    ]
+    cached = []
+    for turn in range(3):
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,  # type: ignore[arg-type]
+                                             extra_headers={"X-Session-ID": "e2e-session"})
+        assert out.usage is not None and out.usage.completion_tokens == 8
+        assert out.choices[0].finish_reason == "length"
+        cached.append(out.usage.prompt_tokens_details.cached_tokens)  # type: ignore[union-attr]
+        messages += [{"role": "assistant", "content": out.choices[0].message.content},
+                     {"role": "user", "content": f"Turn {turn + 2}: now look at the next file and report back."}]
+    assert cached[0] == 0
+    assert cached[1] > 0 and cached[2] > cached[1], cached
+    leases = httpx.get(decode.url + "/internal/kv/leases", params={"conversation_key": "h:e2e-session"}, timeout=10).json()
+    assert len(leases["leases"]) == 1
+    assert metric(gateway.url, "kvserving_gateway_kv_reused_tokens_total", source="remote") > 0
+    assert metric(gateway.url, "kvserving_gateway_routing_decisions_total", role="decode", reason="lease") == 2
+    # streaming through the same path
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True,  # type: ignore[arg-type]
+                                                 stream_options={"include_usage": True},
+                                                 extra_headers={"X-Session-ID": "e2e-session"}))
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens_details.cached_tokens > cached[2]  # type: ignore[union-attr]
+    # a clean stop releases the conversation's lease on the decode worker
+    assert gateway.stop() == 0
+    assert httpx.get(decode.url + "/internal/kv/leases", timeout=10).json()["leases"] == []
