@@ -166,7 +166,8 @@ class ChatTagger:
     def _controls(self, ids: list[int], offsets: list[tuple[int, int]]) -> _Controls:
         spans = [(a, b) for t, (a, b) in zip(ids, offsets, strict=True) if t in self._control_ids and b > a]
         image = frozenset(a for t, (a, b) in zip(ids, offsets, strict=True) if t in self.tokenizer.image_token_ids)
-        return _Controls(spans=spans, starts=[a for a, _ in spans], image=image)
+        special = frozenset(a for t, (a, b) in zip(ids, offsets, strict=True) if t in self.tokenizer.special_ids)
+        return _Controls(spans=spans, starts=[a for a, _ in spans], image=image, special=special)
 
     def tag_text(self, text: str) -> TaggedPrompt:
         """A raw completion prompt: no structure, so every token is current user text
@@ -441,6 +442,7 @@ class _Controls:
     spans: list[tuple[int, int]]
     starts: list[int]
     image: frozenset[int]  # starts of image placeholder tokens
+    special: frozenset[int]  # starts of special tokens (`<|im_start|>`, not `<think>`)
 
     def within(self, start: int, end: int) -> list[tuple[int, int]]:
         k = bisect.bisect_left(self.starts, start)
@@ -496,8 +498,9 @@ def _gap_spans(
     The delimiter part switches from the turn of the piece before to the turn
     of the piece after at the last control token that begins a line (after a
     line break, another control token or the gap's start; image tokens do not
-    count): `<|im_end|>\n` closes the previous message, `<|im_start|>user\n`
-    opens the next one.
+    count), a special one (`<|im_start|>`) rather than markup (`<think>`) where
+    there is one: `<|im_end|>` and its line break close the previous message,
+    `<|im_start|>user` opens the next one.
     """
     if prev is not None and nxt is not None and prev.region == nxt.region:
         return [(start, end, encode_tag(prev.temporal, "text", prev.semantic))], start
@@ -518,11 +521,10 @@ def _gap_spans(
         if owner is None:
             return [(start, end, encode_tag("current", "text", "delim"))], start
         return [(start, end, encode_tag(owner.temporal, "text", owner.semantic))], start
-    cut = first
     ends = {b for _, b in inside}
-    for a, _ in inside:
-        if first <= a < last and a not in controls.image and (a == first or text[a - 1] == "\n" or a in ends):
-            cut = a
+    openers = [a for a, _ in inside if first <= a < last and a not in controls.image and (a == first or text[a - 1] == "\n" or a in ends)]
+    special = [a for a in openers if a in controls.special]
+    cut = special[-1] if special else openers[-1] if openers else first
     before = prev.temporal if prev is not None else "current"
     after = nxt.temporal if nxt is not None else "current"
     spans = []

@@ -259,3 +259,39 @@ def test_other_template_layout(tokenizer: TextTokenizer) -> None:
     inst = next(r for r in rs if r[2] == "inst")
     assert inst[0] == "current" and "get_weather" in inst[3] and "Current weather in a city" in inst[3]
     assert ("current", "text", "obs", "ok") in rs
+
+
+def test_generation_prompt_is_current_when_the_last_user_message_renders_empty(tokenizer: TextTokenizer) -> None:
+    """A template that renders only string content drops a list-content user
+    message's text: the turn switch still lands on the special token that opens
+    the generation prompt, not on `<think>` markup after it."""
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}"
+    )
+    tagger = ChatTagger(tokenizer, ChatTemplate(template))
+    messages = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": [{"type": "text", "text": "dropped by this template"}]},
+    ]
+    rs = stripped(runs(tagger.build(messages), tokenizer))
+    assert rs[-2:] == [
+        ("turn_m1", "text", "delim", "<|im_end|>\n<|im_start|>user\n<|im_end|>"),
+        ("current", "text", "delim", "<|im_start|>assistant\n<think>\n\n</think>"),
+    ]
+
+
+def test_image_runs_that_do_not_match_the_parts_keep_their_text_roles(tokenizer: TextTokenizer) -> None:
+    """A template that writes two placeholders per image: counts disagree, so
+    image tokens keep the tag of where they sit, with the image modality."""
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% for p in m.content %}{% if p.type == 'text' %}{{ p.text }}"
+        "{% else %}<|image_pad|> <|image_pad|>{% endif %}{% endfor %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+    )
+    tagger = ChatTagger(tokenizer, ChatTemplate(template))
+    prompt = tagger.build([{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "x"}}]}])
+    pad = tokenizer.token_to_id("<|image_pad|>")
+    image_tags = {decode_tag(t) for i, t in zip(prompt.input_ids, prompt.tags, strict=True) if i == pad}
+    assert image_tags and all(m == "image" for _, m, _ in image_tags)
+    assert ("current", "text", "user", "see") in stripped(runs(prompt, tokenizer))
