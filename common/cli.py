@@ -3,6 +3,11 @@
 A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``;
 it is imported only when its subcommand runs, so ``kvserving --help`` stays
 fast and the operator's image needs no torch to start.
+
+Bad input is answered with one line on stderr and a non-zero exit code, never
+a traceback: argparse errors exit 2; a ``ValueError`` or ``OSError`` raised by
+a subcommand's ``run`` (a library refusing its input at its boundary, a file
+that cannot be read or written) exits 1 with ``kvserving CMD: error: ...``.
 """
 
 from __future__ import annotations
@@ -10,6 +15,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
+
+from kvserving import __version__
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -20,28 +28,56 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvserving.worker.generate", "offline generation with the engine (no server)"),
     "worker": ("kvserving.worker.main", "serve one worker (prefill, decode or both): the worker HTTP API, engine and NIXL agent"),
     "gateway": ("kvserving.gateway.main", "the OpenAI-compatible gateway in front of prefill/decode workers"),
+    "up": ("kvserving.up", "local mode: gateway + prefill + decode workers on loopback (the whole product on one machine)"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserving", description=__doc__.splitlines()[0])
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; only ``command``'s module is imported to declare its arguments."""
+    # Every flag's help shows its default.
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = OneLineParser(prog="kvserving", description=(__doc__ or "").splitlines()[0], formatter_class=formatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=formatter)
         sub_parser.set_defaults(_module=module_name)
         # Arguments are declared by the owning module, imported lazily here
         # only for the subcommand actually named on the command line.
-        if len(sys.argv) > 1 and sys.argv[1] == name:
+        if name == command:
             importlib.import_module(module_name).add_arguments(sub_parser)
     return parser
 
 
+def describe(exc: BaseException) -> str:
+    """One line for an error: the message, with the file name an OSError carries."""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f": {exc.filename}" if exc.filename is not None else ""
+        return f"{exc.strerror}{where}"
+    text = " ".join(str(exc).split())  # multi-line messages (jinja, safetensors) on one line
+    return text or type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    args = build_parser().parse_args()
-    module = importlib.import_module(args._module)
-    return int(module.run(args) or 0)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
+    try:
+        module = importlib.import_module(args._module)
+        return int(module.run(args) or 0)
+    except (ValueError, OSError) as exc:
+        print(f"kvserving {args.command}: error: {describe(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"kvserving {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

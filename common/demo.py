@@ -16,6 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvserving.argtypes import float_in, int_in
+from kvserving.worker.generate import check_model_dir
+
 QUESTIONS = (
     "List the files in the current directory.",
     "What does the function os.path.join do?",
@@ -25,23 +28,26 @@ QUESTIONS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpu-gib", type=float, default=80.0, help="KV memory budget in GiB for the capacity table")
-    parser.add_argument("--model", type=Path, default=None, help="model dir (default: build the tiny model in a temp dir)")
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--kv-mib", type=int, default=16, help="engine KV budget in MiB")
+    parser.add_argument("--gpu-gib", type=float_in(0.0, 1 << 20, low_open=True), default=80.0,
+                        help="KV memory budget in GiB for the capacity table")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="local model directory, HF format (default: build the tiny model in a temp dir)")
+    parser.add_argument("--max-tokens", type=int_in(1, 4096), default=24, help="new tokens per request")
+    parser.add_argument("--kv-mib", type=int_in(1, 1 << 20), default=16, help="engine KV budget in MiB")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.model is not None:
-        return _serve(args, args.model)
+        check_model_dir(args.model)
+        return _serve(args, args.model, builtin=False)
     from kvserving.worker.tiny_model import build_tiny_model
 
     # Built fresh each run (under a second), so the demo never serves a stale copy.
     with tempfile.TemporaryDirectory(prefix="kvserving-tiny-") as tmp:
-        return _serve(args, build_tiny_model(Path(tmp) / "tiny-model"))
+        return _serve(args, build_tiny_model(Path(tmp) / "tiny-model"), builtin=True)
 
 
-def _serve(args: argparse.Namespace, model_dir: Path) -> int:
+def _serve(args: argparse.Namespace, model_dir: Path, *, builtin: bool) -> int:
     from transformers import AutoTokenizer
 
     from kvserving.config import KV_DTYPES, KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
@@ -53,7 +59,9 @@ def _serve(args: argparse.Namespace, model_dir: Path) -> int:
     print(capacity.format_table(capacity.capacity_rows(gpu_bytes=int(args.gpu_gib * 2**30))))
     print()
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"the model in {model_dir} has no chat template (the demo sends chat requests)")
     # render with the chat template, then tokenize the text (the template holds its own special tokens)
     texts = [
         str(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True))
@@ -61,8 +69,9 @@ def _serve(args: argparse.Namespace, model_dir: Path) -> int:
     ]
     prompts: list[list[int]] = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    print(f"model {model_dir.name} serving {len(prompts)} chat requests, {args.max_tokens} tokens each, "
-          f"KV budget {args.kv_mib} MiB (random weights: the text is noise, the mechanics are real)")
+    note = " (random weights: the text is noise, the mechanics are real)" if builtin else ""
+    name = "the built-in tiny model" if builtin else f"model {model_dir}"
+    print(f"{name} serving {len(prompts)} chat requests, {args.max_tokens} tokens each, KV budget {args.kv_mib} MiB{note}")
     print(f"{'kv format':<10}{'pool tokens':>12}{'bytes/token':>13}{'tokens/s':>10}{'same tokens as bf16':>21}")
     reference: list[list[int]] | None = None
     for fmt in KV_DTYPES:

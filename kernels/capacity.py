@@ -138,18 +138,39 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
 
 
+# Command-line bounds: a GPU's KV budget and a decoder's shape, generously.
+MAX_GPU_GIB = 1 << 20  # 1 PiB
+MAX_LAYERS = 1024
+MAX_KV_HEADS = 1024
+MAX_HEAD_DIM = 4096
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpu-gib", type=float, default=80.0, help="KV memory budget in GiB (default 80)")
-    parser.add_argument("--layers", type=int, default=36, help="decoder layers (default 36)")
-    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer (default 8)")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
-    parser.add_argument("--bit-budget", type=float, default=2.7, help="triaxial average bits, 2..4 (default 2.7)")
+    parser.add_argument("--gpu-gib", type=float, default=80.0, help=f"KV memory budget in GiB, (0, {MAX_GPU_GIB}]")
+    parser.add_argument("--layers", type=int, default=36, help=f"decoder layers, 1..{MAX_LAYERS}")
+    parser.add_argument("--kv-heads", type=int, default=8, help=f"KV heads per layer, 1..{MAX_KV_HEADS}")
+    parser.add_argument("--head-dim", type=int, default=128, help=f"head dim, 1..{MAX_HEAD_DIM}")
+    parser.add_argument("--bit-budget", type=float, default=2.7, help="triaxial average bits, 2..4")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the flag that is out of its bounds."""
+    if not (math.isfinite(args.gpu_gib) and 0 < args.gpu_gib <= MAX_GPU_GIB):
+        raise ValueError(f"--gpu-gib must be in (0, {MAX_GPU_GIB}], got {args.gpu_gib:g}")
+    for flag, value, high in (
+        ("--layers", args.layers, MAX_LAYERS),
+        ("--kv-heads", args.kv_heads, MAX_KV_HEADS),
+        ("--head-dim", args.head_dim, MAX_HEAD_DIM),
+    ):
+        if not 1 <= value <= high:
+            raise ValueError(f"{flag} must be in 1..{high}, got {value}")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        check_arguments(args)
         rows = capacity_rows(
-            gpu_bytes=int(args.gpu_gib * 2**30),
+            gpu_bytes=max(1, int(args.gpu_gib * 2**30)),
             layers=args.layers,
             kv_heads=args.kv_heads,
             head_dim=args.head_dim,

@@ -2,50 +2,88 @@
 
     kvserving operator                      # all namespaces (the manifests' default)
     kvserving operator --namespace team-a   # only these namespaces
-    kvserving operator --render FILE        # print the children of a KVServing YAML, no cluster
+    kvserving operator --render FILE        # admit a KVServing YAML as the API server would, print its children
     kvserving operator --print-rbac         # the ClusterRole rules the code needs
+
+Without credentials (no service account, no kubeconfig) it exits at once with
+one line instead of letting kopf retry the login forever.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import json
 import logging
 import sys
+from pathlib import Path
+from typing import Any
 
-import kopf
 import yaml
+
+from kvserving.argtypes import int_in
+
+CRD_PACKAGE, CRD_FILE = "kvserving.crds", "kvserving.yaml"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable)")
-    parser.add_argument("--liveness-port", type=int, default=8081, help="kopf's /healthz port (0: off)")
+    parser.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable; default: all)")
+    parser.add_argument("--liveness-port", type=int_in(0, 65535), default=8081, help="kopf's /healthz port (0: off)")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--render", metavar="FILE", help="print the objects rendered for a KVServing manifest and exit")
+    parser.add_argument("--render", metavar="FILE", type=Path, default=None,
+                        help="admit a KVServing manifest as the API server would, print the objects rendered for it and exit")
     parser.add_argument("--print-rbac", action="store_true", help="print the ClusterRole rules the code needs and exit")
 
 
-def _render(path: str) -> int:
-    from kvserving.operator.render import Owner, render
+def load_crd() -> dict[str, Any]:
+    """The KVServing CRD shipped with the package (crds/kvserving.yaml)."""
+    text = importlib.resources.files(CRD_PACKAGE).joinpath(CRD_FILE).read_text(encoding="utf-8")
+    crd: dict[str, Any] = yaml.safe_load(text)
+    return crd
 
-    with open(path) as f:
-        body = yaml.safe_load(f)
-    meta = body["metadata"]
+
+def read_manifest(path: Path) -> str:
+    if not path.exists():
+        raise ValueError(f"{path} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, not a KVServing manifest")
+    return path.read_text(encoding="utf-8")
+
+
+def render_file(path: Path) -> int:
+    """Print the children of the KVServing in ``path``; one stderr line per problem and exit 1 if it is refused."""
+    from kvserving.operator.render import Owner, render
+    from kvserving.operator.validate import admit, parse_manifest
+
+    admission = admit(parse_manifest(read_manifest(path), source=str(path)), crd=load_crd())
+    if admission.problems:
+        for problem in admission.problems:
+            print(f"kvserving operator: error: {path}: {problem}", file=sys.stderr)
+        return 1
+    meta = admission.body["metadata"]
     owner = Owner(name=meta["name"], namespace=meta.get("namespace", "default"), uid=meta.get("uid", "00000000-render"))
-    yaml.safe_dump_all(render(body.get("spec") or {}, owner=owner).objects, sys.stdout, sort_keys=False)
+    yaml.safe_dump_all(render(admission.body["spec"], owner=owner).objects, sys.stdout, sort_keys=False)
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.render:
-        return _render(args.render)
+    if args.render is not None:
+        return render_file(args.render)
     if args.print_rbac:
         from kvserving.operator.rbac import cluster_role_rules
 
         print(json.dumps(cluster_role_rules(), indent=2))
         return 0
-    from kvserving.operator.handlers import registry
+    import kopf
 
+    from kvserving.operator.handlers import registry
+    from kvserving.operator.kube import connection_info
+
+    try:
+        connection_info(kopf.OperatorSettings())
+    except kopf.LoginError as exc:
+        print(f"kvserving operator: error: cannot reach a cluster: {exc} (set KUBECONFIG or run in a pod)", file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
     kopf.run(

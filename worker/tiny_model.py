@@ -133,11 +133,22 @@ def _write_json(path: Path, obj: object) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", type=Path, help="output directory (created if missing)")
+    parser.add_argument("dir", type=Path, help="output directory (created if missing; must be empty unless --force)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument("--force", action="store_true", help="write into a non-empty directory, replacing the model files")
+
+
+def check_output_dir(out: Path, *, force: bool) -> None:
+    """Refuse a path that is a file, or a directory with files in it (unless ``force``)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory")
+    if out.is_dir() and not force and any(out.iterdir()):
+        what = "a model" if (out / "config.json").exists() else "files"
+        raise ValueError(f"{out} already holds {what}; pass --force to overwrite")
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_dir(args.dir, force=args.force)
     out = build_tiny_model(args.dir, seed=args.seed)
     print(f"wrote tiny model to {out}")
     return 0

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 # Tensors some checkpoints carry that no model needs (recomputed at load).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -53,9 +53,12 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
         raise ValueError(f"no *.safetensors in {model_dir}")
     where: dict[str, Path] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                where[name] = file
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    where[name] = file
+        except SafetensorError as exc:
+            raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {exc}") from exc
     return where
 
 
@@ -91,7 +94,10 @@ def load_tensors(
         by_file.setdefault(where[name], []).append(name)
     out: dict[str, torch.Tensor] = {}
     for file, names in by_file.items():
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in names:
-                out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in names:
+                    out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        except SafetensorError as exc:
+            raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {exc}") from exc
     return out

@@ -30,6 +30,6 @@ def test_generate_prints_each_prompt_and_a_summary(tiny_model_dir: Path, monkeyp
     assert "kv nvfp4, pool 14560 tokens" in out
 
 
-def test_generate_refuses_a_missing_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="no tokenizer.json"):
-        run_cli(monkeypatch, "generate", "--model", str(tmp_path), "--prompt", "x")
+def test_generate_refuses_a_missing_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(monkeypatch, "generate", "--model", str(tmp_path), "--prompt", "x") == 1
+    assert capsys.readouterr().err == f"kvserving generate: error: no tokenizer.json in {tmp_path}\n"
