@@ -1,0 +1,162 @@
+"""NIXL page transport (two agents in one process over UCX), descriptor merging,
+the wire params' validation, layout identity and the "auto" recompute threshold."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, ServingConfig
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG
+from kvserving.worker.engine import LLMEngine
+from kvserving.worker.kv_transfer import KVTransfer, KVTransferParams, layout_hash, weights_identity
+from kvserving.worker.nixl_io import NixlIO, PageGeometry, TransferError, merge_spans
+from kvserving.worker.sampling import SamplingParams
+
+GEO = PageGeometry(page_bytes=256, int2_page_bytes=128, total_bytes=4096)
+
+
+def test_page_spans_and_merging() -> None:
+    assert GEO.span(3) == (768, 256)
+    assert GEO.span(INT2_PAGE_FLAG | 0) == (4096 - 128, 128)
+    assert GEO.span(INT2_PAGE_FLAG | 2) == (4096 - 384, 128)
+    with pytest.raises(ValueError, match="outside"):
+        GEO.span(16)
+    # adjacent on both sides -> one copy; adjacent only locally -> two
+    assert merge_spans([(0, 512, 256), (256, 768, 256)]) == [(0, 512, 512)]
+    assert merge_spans([(0, 512, 256), (256, 1024, 256)]) == [(0, 512, 256), (256, 1024, 256)]
+    # INT2 pages grow downwards: consecutive indices are adjacent in reverse; sorting merges them
+    int2 = [(GEO.span(INT2_PAGE_FLAG | i)[0], GEO.span(INT2_PAGE_FLAG | i)[0], 128) for i in range(3)]
+    assert merge_spans(int2) == [(4096 - 384, 4096 - 384, 384)]
+
+
+@pytest.fixture()
+def agents() -> Any:
+    src = torch.randint(0, 256, (2, 4096), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    dst = torch.zeros(2, 4096, dtype=torch.uint8)
+    a, b = NixlIO("test-dst", dst, geometry=GEO), NixlIO("test-src", src, geometry=GEO)
+    b.start_progress()  # the side being read must progress (UCX over TCP)
+    yield a, b, src, dst
+    a.close()
+    b.close()
+
+
+def test_read_pages_between_two_agents(agents: Any) -> None:
+    a, b, src, dst = agents
+    peer = a.add_remote("src", 1, b.metadata(), addrs=b.addrs, device_id=0, geometry=GEO)
+    assert a.add_remote("src", 1, b"ignored: cached", addrs=b.addrs, device_id=0, geometry=GEO) is peer
+    local, remote = [0, 1, 2, 7, INT2_PAGE_FLAG | 1], [3, 4, 5, 9, INT2_PAGE_FLAG | 4]
+    stats = a.read(peer, local, remote, timeout_s=10.0)
+    # per layer: pages 0-2 <- 3-5 is one run, 7 <- 9 another, the INT2 page a third
+    assert (stats.num_regions, stats.num_bytes) == (6, 2 * (4 * 256 + 128))
+    for lp, rp in zip(local, remote):
+        lo, n = GEO.span(lp)
+        ro, _ = GEO.span(rp)
+        assert torch.equal(dst[:, lo : lo + n], src[:, ro : ro + n])
+    untouched = GEO.span(3)[0]
+    assert int(dst[:, untouched : untouched + 256].sum()) == 0
+    with pytest.raises(ValueError, match="bytes"):
+        a.read(peer, [0], [INT2_PAGE_FLAG | 0], timeout_s=1.0)  # an INT4 page cannot take an INT2 one
+
+
+def test_read_from_a_forgotten_agent_fails(agents: Any) -> None:
+    a, b, _, dst = agents
+    peer = a.add_remote("src", 1, b.metadata(), addrs=b.addrs, device_id=0, geometry=GEO)
+    a.forget_remote("src")
+    with pytest.raises(TransferError) as err:
+        a.read(peer, [0], [1], timeout_s=1.0)
+    assert err.value.reason == "transfer_failed" and err.value.pages_safe
+    # a new generation of the same engine id loads fresh metadata and works again
+    peer2 = a.add_remote("src", 2, b.metadata(), addrs=b.addrs, device_id=0, geometry=GEO)
+    assert a.read(peer2, [0], [1], timeout_s=10.0).num_regions == 2
+
+
+# ----------------------------------------------------------------------------- wire params
+def _params(**kw: Any) -> dict[str, Any]:
+    d = {"engine_id": "w-1", "agent_url": "http://127.0.0.1:1", "lease_id": "kv-1", "page_ids": [4, 5],
+         "page_hashes": [11, 12], "num_tokens": 32, "page_size": 16, "dtype": "bf16", "layout_hash": "ab",
+         "expires_at": 1.5}
+    d.update(kw)
+    return d
+
+
+def test_params_round_trip_and_refusals() -> None:
+    p = KVTransferParams.from_dict(_params())
+    assert p.page_ids == (4, 5) and KVTransferParams.from_dict(p.to_dict()) == p
+    cases = {
+        "page_ids": _params(page_ids=[4, "5"]),
+        "page_hashes": _params(page_hashes=[11]),
+        "num_tokens": _params(num_tokens=True),
+        "expires_at": _params(expires_at=float("nan")),
+        "engine_id": _params(engine_id=""),
+        "page_size": _params(page_size=0),
+        "unknown": {**_params(), "extra": 1},
+        "missing": {k: v for k, v in _params().items() if k != "dtype"},
+    }
+    for name, bad in cases.items():
+        with pytest.raises(ValueError, match=name if name not in ("unknown", "missing") else "fields"):
+            KVTransferParams.from_dict(bad)
+    with pytest.raises(ValueError, match="num_tokens"):
+        KVTransferParams.from_dict(_params(num_tokens=33))
+    with pytest.raises(ValueError, match="page_hashes"):
+        KVTransferParams.from_dict(_params(page_hashes=[11, 1 << 63]))
+    with pytest.raises(ValueError, match="must be an object"):
+        KVTransferParams.from_dict([1])
+
+
+def test_recompute_threshold_accepts_auto() -> None:
+    assert ReuseConfig(recompute_threshold_tokens="auto").recompute_threshold_tokens == "auto"
+    for bad in (-1, "fast", True, 1.5):
+        with pytest.raises(ValueError, match="recompute_threshold_tokens"):
+            ReuseConfig(recompute_threshold_tokens=bad)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- layout identity
+def _engine(model: Path, dtype: str = "bf16", **reuse: Any) -> LLMEngine:
+    return LLMEngine(ServingConfig(model=ModelConfig(path=str(model)), kv_cache=KVCacheConfig(dtype=dtype, memory_bytes=1 << 20),
+                                   reuse=ReuseConfig(**reuse)))
+
+
+def test_layout_hash_covers_format_scales_and_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model_dir, copy)
+    assert weights_identity(copy) == weights_identity(tiny_model_dir)
+    weights = next(copy.glob("*.safetensors"))
+    raw = bytearray(weights.read_bytes())
+    header = int.from_bytes(raw[:8], "little")
+    raw[8 + header + 5] ^= 0x40  # one byte of the first tensor
+    weights.write_bytes(bytes(raw))
+    assert weights_identity(copy) != weights_identity(tiny_model_dir)
+
+    bf16 = _engine(tiny_model_dir)
+    base = layout_hash(bf16, weights_id="w")
+    assert layout_hash(_engine(tiny_model_dir), weights_id="w") == base  # pool size is not part of it
+    assert layout_hash(_engine(tiny_model_dir, "fp8_e4m3"), weights_id="w") != base
+    assert layout_hash(bf16, weights_id="other") != base
+    fp8 = _engine(tiny_model_dir, "fp8_e4m3")
+    before = layout_hash(fp8, weights_id="w")
+    fp8.storage.k_scales = [0.5] + fp8.storage.k_scales[1:]  # pages under another global scale decode differently
+    assert layout_hash(fp8, weights_id="w") != before
+
+
+def test_auto_threshold_pulls_only_when_predicted_faster(tiny_model_dir: Path) -> None:
+    eng = _engine(tiny_model_dir, recompute_threshold_tokens="auto")
+    kvt = KVTransfer(eng, eng.config.reuse, engine_id="auto-1", agent_url="http://127.0.0.1:1")
+    try:
+        assert kvt.prefill_tokens_per_s is None and kvt.transfer_bytes_per_s is None
+        # unmeasured: the seed threshold of 64 tokens
+        assert not kvt.worth_pulling(48, 10**6) and kvt.worth_pulling(64, 10**6)
+        eng.generate([list(range(10, 200))], SamplingParams(max_tokens=1))
+        tps = kvt.prefill_tokens_per_s
+        assert tps is not None and tps > 0
+        kvt._measure(10**6, 1e-3, 1e-3)  # 1 GB/s, 1 ms overhead per pull
+        assert kvt.transfer_bytes_per_s == pytest.approx(1e9)
+        # pull 16 tokens when the recompute takes longer than 1 ms + bytes / 1 GB/s
+        assert kvt.worth_pulling(16, 1000) == (16 / tps > 1e-3 + 1e-6)
+        assert not kvt.worth_pulling(16, 10**12)  # 1000 s of transfer never pays
+    finally:
+        kvt.close()
