@@ -3,9 +3,11 @@ default class sensitivities and frequencies until calibration measures them.
 
 The rule (DESIGN.md, Token tags): start every class k at 2 bits and upgrade
 classes to 4 bits in order of ``(D_k(2) - D_k(4)) / (2 N_k)`` -- fidelity
-gained per extra bit spent -- while the average bits per token, weighted by the
-class frequencies ``N_k``, stays within the budget B. The first class whose
-upgrade would pass B ends the walk (the budget is a ceiling, never exceeded).
+gained per extra bit spent -- until the average bits per token, weighted by the
+class frequencies ``N_k``, reaches the budget B. B is a ceiling: a class whose
+upgrade would pass it stays at 2 bits and the walk goes on to the next ones
+(rarer classes may still fit), so the average ends as close below B as the
+class sizes allow.
 
 Until calibration measures ``D_k`` for a model, the gain of a class is modelled
 as ``D_k(2) - D_k(4) = s_k * N_k``: every token of class k costs ``s_k`` when
@@ -88,10 +90,9 @@ def greedy_bits_table(budget: float, *, gain: Sequence[float], frequency: Sequen
     average = 2.0
     for k in order:
         upgraded = average + 2 * frequency[k] / total
-        if upgraded > budget + _EPS:
-            break
-        table[k] = 4
-        average = upgraded
+        if upgraded <= budget + _EPS:
+            table[k] = 4
+            average = upgraded
     return tuple(table)
 
 

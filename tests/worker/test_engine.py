@@ -135,10 +135,10 @@ def test_capacity_follows_the_codec_byte_counts(tiny_model_dir: Path) -> None:
 
 def test_triaxial_pages_follow_tags(tiny_model_dir: Path) -> None:
     engine = make_engine(tiny_model_dir, "triaxial", chunk=128)
-    old_user = encode_tag("older", "text", "user")
+    old_obs = encode_tag("older", "text", "obs")  # 2 bits at the default budget (2.7)
     cur_user = encode_tag("current", "text", "user")
     # pages: [0,32) old, [32,64) old but one current token, [64,96) old, [96,100) partial
-    tags = [old_user] * 100
+    tags = [old_obs] * 100
     tags[40] = cur_user
     engine.add_request("t", list(range(20, 120)), SamplingParams(max_tokens=40, ignore_eos=True), tags=tags)
     engine.step()

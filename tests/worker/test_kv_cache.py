@@ -49,11 +49,11 @@ def test_triaxial_table_and_capacity_follow_the_budget() -> None:
     assert low.page_bytes == {4: 5120, 2: 3072}
     assert low.num_pages == {4: 102, 2: 170}  # 512 KiB per layer
     # expected INT2 share = share of 2-bit tokens: (4 - average) / 2
-    assert low.int2_share == pytest.approx((4 - 2.4845) / 2) and high.int2_share == pytest.approx((4 - 3.328) / 2)
-    assert (low.capacity_tokens, high.capacity_tokens, low.capacity_tokens_at(0.0)) == (4672, 3776, 3264)
+    assert low.int2_share == pytest.approx((4 - 2.5) / 2) and high.int2_share == pytest.approx((4 - 3.373) / 2)
+    assert (low.capacity_tokens, high.capacity_tokens, low.capacity_tokens_at(0.0)) == (4672, 3744, 3264)
     assert low.capacity_tokens == low.pool.capacity_tokens(low.int2_share)
     assert build().bits_table == bits_table_for_budget(2.7)  # the config's default budget
-    assert "bit budget 2.5 -> 2.48 average bits; bits table: current text IUARCOD image IUA.C.D;" in low.describe()
+    assert "bit budget 2.5 -> 2.50 average bits; bits table: current text IUARCOD image IUARCOD;" in low.describe()
 
 
 def test_an_explicit_table_overrides_the_budget() -> None:

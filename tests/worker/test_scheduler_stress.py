@@ -33,7 +33,7 @@ def engine(model_dir: Path, dtype: str, pages: int) -> LLMEngine:
 def test_tight_pool_mixed_workload_equals_isolated_runs(tiny_model_dir: Path, dtype: str, pages: int) -> None:
     rng = random.Random(11)
     shared = [rng.randrange(10, 4000) for _ in range(40)]
-    old, now = encode_tag("older", "text", "user"), encode_tag("current", "text", "user")
+    old, now = encode_tag("older", "text", "obs"), encode_tag("current", "text", "user")
     requests = []
     for n in range(8):
         prompt = (shared if n % 2 else []) + [rng.randrange(10, 4000) for _ in range(rng.randrange(1, 60))]
