@@ -29,7 +29,7 @@ tools:
 
 test: install tools
 	$(PY) -m mypy -p kvserving
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider tests e2e
 
 demo: install
 	$(PY) -m kvserving.cli demo
