@@ -43,22 +43,21 @@ class Live:
 
 def start_live(config: ServingConfig, *, role: str = "both") -> Live:
     """A worker app on uvicorn in a thread, on a free loopback port; ready when returned."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     registry = CollectorRegistry()
     service = WorkerService(config, role=role, metrics=WorkerMetrics(registry, role=role), engine_id=f"test-{role}",
-                            advertise_url="http://127.0.0.1:0")
+                            advertise_url=url)
     engine = LLMEngine(config)
 
     async def startup() -> None:
         await service.start(engine)
 
     app = create_app(service, registry=registry, startup=startup)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -274,3 +273,53 @@ def test_metrics_export_every_worker_metric_with_values(live: Live) -> None:
         ("kvserving_worker_kv_leased_tokens", "gauge"),
     ]:
         assert families[name].type == kind, name
+
+
+def test_both_worker_retains_under_a_lease_and_reuses_its_own_kv(live: Live, config: ServingConfig) -> None:
+    prompt = list(range(300, 400))  # 100 tokens
+    reply, first = generate(live.url, body("turn-1", prompt, conversation_key="c1", retain=True))
+    params = first["kv_transfer_params"]
+    assert params["lease_id"].startswith("kv-") and params["engine_id"] == "test-both"
+    assert params["agent_url"] == live.url
+    assert params["num_tokens"] == (100 + 8 - 1) // PAGE * PAGE  # prompt + reply with KV, full pages
+    assert len(params["page_ids"]) == len(params["page_hashes"]) == 6
+    listed = httpx.get(live.url + "/internal/kv/leases", params={"conversation_key": "c1"}, timeout=10).json()["leases"]
+    assert [(le["lease_id"], le["num_pages"], le["num_tokens"]) for le in listed] == [(params["lease_id"], 6, 96)]
+    assert listed[0]["kv_transfer_params"]["page_ids"] == params["page_ids"]
+
+    # the next turn: the history (prompt + reply) comes from this worker's own retained pages
+    prompt2 = prompt + reply + list(range(500, 520))  # 128 tokens
+    want = LLMEngine(config).generate([prompt2], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    tokens, second = generate(live.url, body("turn-2", prompt2, kv_transfer_params=params, conversation_key="c1", retain=True))
+    assert tokens == want
+    u = second["usage"]
+    assert (u["local_cached_tokens"], u["remote_pulled_tokens"], u["computed_prompt_tokens"]) == (96, 0, 32)
+    assert u["reuse_fallback"] is None and u["kv_bytes_pulled"] == 0
+    new = second["kv_transfer_params"]
+    listed = httpx.get(live.url + "/internal/kv/leases", timeout=10).json()["leases"]
+    assert [le["lease_id"] for le in listed] == [new["lease_id"]]  # one lease per conversation: the newest
+
+    # renew: capped at the retention TTL; release: pages go back to the prefix cache, not the free list
+    now = time.time()
+    r = httpx.post(live.url + f"/internal/kv/leases/{new['lease_id']}/renew", json={"ttl_s": 1e6}, timeout=10)
+    assert r.status_code == 200
+    assert now + 470 < r.json()["expires_at"] <= time.time() + 480 + 0.5
+    r = httpx.post(live.url + f"/internal/kv/leases/{new['lease_id']}/renew", json={"ttl_s": 5}, timeout=10)
+    assert now + 4 < r.json()["expires_at"] <= time.time() + 5.5
+    assert httpx.post(live.url + f"/internal/kv/leases/{new['lease_id']}/renew", json={"ttl_s": -1}, timeout=10).status_code == 422
+    held = _kv_stats(live)
+    assert held["leases"] == 1 and held["leased_tokens"] == new["num_tokens"] and held["pages"]["owned"] == 8
+    r = httpx.delete(live.url + f"/internal/kv/leases/{new['lease_id']}", timeout=10)
+    assert r.status_code == 200 and r.json() == {"lease_id": new["lease_id"], "released": True}
+    assert httpx.delete(live.url + f"/internal/kv/leases/{new['lease_id']}", timeout=10).status_code == 404
+    after = _wait_idle(live)
+    assert after["leases"] == 0 and after["pages"]["cached"] >= 8
+    tokens, third = generate(live.url, body("turn-2-again", prompt2))
+    assert tokens == want and third["usage"]["local_cached_tokens"] == 112  # (128 - 1) // 16 pages, from the LRU
+
+
+def test_agent_metadata_names_the_engine_and_layout(live: Live) -> None:
+    info = httpx.get(live.url + "/internal/kv/agent", timeout=10).json()
+    assert info["engine_id"] == "test-both"
+    assert info["layout"]["dtype"] == "bf16" and info["layout"]["page_size"] == PAGE
+    assert len(info["layout_hash"]) >= 16 and len(info["metadata"]) > 100
