@@ -17,6 +17,10 @@ directly or through other worker modules, one ranked above it)::
 Worker modules not listed (model code, storage, new files) are not ranked: what
 they import is not checked, but a ranked module that imports one inherits its
 imports, so an unlisted module cannot smuggle a higher layer into a lower one.
+
+Inside ``kernels/``: page_ids < layout < paged_kv < paged_ops, and paged_ops
+(the one dispatch point) is imported by no other kernels module. Neither
+folder has an import cycle (e.g. gluon_decode <-> triton_decode).
 """
 
 from __future__ import annotations
@@ -90,14 +94,37 @@ WORKER_LAYERS: tuple[tuple[str, ...], ...] = (
 )
 
 
-def worker_imports(folder: Path) -> dict[str, set[str]]:
-    """worker module -> the worker modules it imports (lazy imports inside functions included)."""
-    prefix = "kvserving.worker."
+KERNEL_LAYERS: tuple[tuple[str, ...], ...] = (("page_ids",), ("layout",), ("paged_kv",), ("paged_ops",))
+
+
+def folder_imports(folder: str) -> dict[str, set[str]]:
+    """module -> the modules of the same folder it imports (lazy imports inside functions included)."""
+    package = FOLDERS[folder]
+    prefix = package + "."
     graph: dict[str, set[str]] = {}
-    for path in sorted(folder.glob("*.py")):
-        names = imported_modules(path, "kvserving.worker")
+    for path in sorted((ROOT / folder).glob("*.py")):
+        names = imported_modules(path, package)
         graph[path.stem] = {n[len(prefix):].split(".")[0] for n in names if n.startswith(prefix)} - {path.stem}
     return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each cycle once, as the path that closes it (depth-first, sorted order)."""
+    cycles: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        for dep in sorted(graph.get(node, ())):
+            if dep in path:
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in done:
+                visit(dep, [*path, dep])
+        done.add(node)
+
+    for start in sorted(graph):
+        if start not in done:
+            visit(start, [start])
+    return cycles
 
 
 def layer_violations(graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...]) -> list[str]:
@@ -118,10 +145,27 @@ def layer_violations(graph: dict[str, set[str]], layers: tuple[tuple[str, ...], 
 
 
 def test_worker_layers() -> None:
-    graph = worker_imports(ROOT / "worker")
+    graph = folder_imports("worker")
     missing = [m for group in WORKER_LAYERS for m in group[:1] if m not in graph]
     assert missing == []  # the first module of every layer exists (the rule is not vacuous)
     assert layer_violations(graph, WORKER_LAYERS) == []
+
+
+def test_kernel_layers() -> None:
+    graph = folder_imports("kernels")
+    assert [m for (m,) in KERNEL_LAYERS if m not in graph] == []
+    assert layer_violations(graph, KERNEL_LAYERS) == []
+    assert sorted(m for m, deps in graph.items() if "paged_ops" in deps) == []
+
+
+@pytest.mark.parametrize("folder", ["kernels", "worker"])
+def test_no_import_cycles(folder: str) -> None:
+    assert import_cycles(folder_imports(folder)) == []
+
+
+def test_the_cycle_finder_sees_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c", "a"]]
 
 
 def test_the_worker_checker_follows_unlisted_modules() -> None:
