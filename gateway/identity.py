@@ -11,7 +11,13 @@ label):
 4. `prefix`: the request's prompt extends a token sequence this gateway saw
    before (an earlier prompt, or an earlier prompt plus its output) — clients
    resend the whole history each turn;
-5. `new`: none of these; a fresh key.
+5. `new`: none of these; a fresh key. It is derived from the prompt's first
+   user turn (the system block and the first user message: hashed token ids),
+   so that another gateway replica that never saw the earlier turns mints the
+   same key for a later turn of the same conversation and finds its lease on
+   the decode workers. When that key is already taken here (a second session
+   that opened with the identical first message), a random suffix keeps the
+   two apart; prompts without user turns get a random key.
 
 The prefix match is exact and conservative. A remembered sequence S of
 conversation C matches a prompt P only when
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,7 +65,7 @@ SESSION_HEADERS = (
 )
 SOURCES = (*SESSION_HEADERS, "prompt_cache_key", "user", "prefix", "new")
 MAX_VALUE_CHARS = 256  # longer client ids are hashed into the key
-_INST, _DELIM = SEMANTIC.index("inst"), SEMANTIC.index("delim")
+_INST, _USER, _DELIM = SEMANTIC.index("inst"), SEMANTIC.index("user"), SEMANTIC.index("delim")
 _ROOT = hash(("kvserving-identity-root",))
 
 
@@ -80,6 +87,9 @@ class PromptLike(Protocol):
 
     @property
     def tags(self) -> list[int]: ...
+
+    @property
+    def turn_starts(self) -> tuple[int, ...]: ...
 
     @property
     def current_turn_start(self) -> int: ...
@@ -110,6 +120,19 @@ def _clean(value: object) -> str | None:
     return value
 
 
+def first_turn_end(prompt: PromptLike) -> int:
+    """End of the first user message's content (0 when the prompt has no user turn)."""
+    tags, width = prompt.tags, len(SEMANTIC)
+    if not prompt.turn_starts:
+        return 0
+    k = prompt.turn_starts[0]
+    while k < len(tags) and tags[k] % width == _DELIM:
+        k += 1
+    while k < len(tags) and tags[k] % width == _USER:
+        k += 1
+    return k
+
+
 def page_chain(ids: Sequence[int], page_size: int) -> list[int]:
     """chain[k] = hash of ids[: k * page_size] (chain[0] is the root)."""
     chain = [_ROOT]
@@ -134,7 +157,7 @@ class ConversationIndex:
         max_records: int = 65536,
         records_per_conversation: int = 4,
         max_conversations: int = 16384,
-        new_key: Callable[[], str] | None = None,
+        new_suffix: Callable[[], str] | None = None,
     ) -> None:
         for name, value in (("page_size", page_size), ("max_records", max_records),
                             ("records_per_conversation", records_per_conversation), ("max_conversations", max_conversations)):
@@ -144,7 +167,7 @@ class ConversationIndex:
         self.max_records = max_records
         self.records_per_conversation = records_per_conversation
         self.max_conversations = max_conversations
-        self._new_key = new_key or (lambda: f"conv:{uuid.uuid4().hex}")
+        self._new_suffix = new_suffix or (lambda: uuid.uuid4().hex[:16])
         self._records: OrderedDict[_RecordId, str] = OrderedDict()  # LRU, value: conversation key
         self._by_end: dict[int, dict[_RecordId, None]] = {}
         self._conversations: OrderedDict[str, list[_RecordId]] = OrderedDict()  # LRU
@@ -169,7 +192,16 @@ class ConversationIndex:
         match = self.match(prompt)
         if match is not None:
             return match
-        return Identity(key=self._new_key(), source="new")
+        return Identity(key=self.mint(prompt), source="new")
+
+    def mint(self, prompt: PromptLike) -> str:
+        """A key for a new conversation (source 5 in the module doc)."""
+        end = first_turn_end(prompt)
+        if end == 0:
+            return f"conv:{self._new_suffix()}"
+        digest = hashlib.blake2b(array("q", prompt.input_ids[:end]).tobytes(), digest_size=12).hexdigest()
+        key = f"conv:{digest}"
+        return key if key not in self._conversations else f"{key}-{self._new_suffix()}"
 
     def match(self, prompt: PromptLike) -> Identity | None:
         """Source 4: the longest remembered sequence the prompt continues, or None."""

@@ -26,7 +26,7 @@ def tagger(tiny_model_dir: Path) -> ChatTagger:
 
 def fresh_index(**kwargs: Any) -> ConversationIndex:
     counter = itertools.count(1)
-    return ConversationIndex(new_key=lambda: f"conv:{next(counter)}", **kwargs)
+    return ConversationIndex(new_suffix=lambda: str(next(counter)), **kwargs)
 
 
 class Agent:
@@ -99,17 +99,17 @@ def test_multi_turn_agent_keeps_one_key(tagger: ChatTagger) -> None:
     index = fresh_index()
     agent = Agent(tagger, index, "Where is the config parsed?")
     first, prompt = agent.send()
-    assert first == Identity("conv:1", "new")
+    assert first.source == "new" and first.key.startswith("conv:")
     agent.answer(first, prompt, "I should list files.", "Let me look.", tool_call="list_files")
     agent.tool_result("config.py main.py")
     second, prompt2 = agent.send()  # tool loop: same user turn
-    assert (second.key, second.source) == ("conv:1", "prefix")
+    assert (second.key, second.source) == (first.key, "prefix")
     # It continued prompt + output, not only the earlier prompt.
     assert second.matched_tokens > len(prompt.input_ids)
     agent.answer(second, prompt2, "It is config.py.", "In config.py.")
     agent.user("And where is it validated?")
     third, _ = agent.send()  # a new user turn
-    assert (third.key, third.source) == ("conv:1", "prefix")
+    assert (third.key, third.source) == (first.key, "prefix")
 
 
 def test_two_agents_with_the_same_system_prompt_stay_apart(tagger: ChatTagger) -> None:
@@ -118,13 +118,12 @@ def test_two_agents_with_the_same_system_prompt_stay_apart(tagger: ChatTagger) -
     b = Agent(tagger, index, "Why does the test fail?")
     ia, pa = a.send()
     ib, pb = b.send()
-    assert (ia.key, ib.key) == ("conv:1", "conv:2") and ib.source == "new"
+    assert ia.source == ib.source == "new" and ia.key != ib.key
     a.answer(ia, pa, "look", "config.py")
     b.answer(ib, pb, "think", "A race.")
     a.user("more?")
     b.user("fix it")
-    assert a.send()[0].key == "conv:1"
-    assert b.send()[0].key == "conv:2"
+    assert [(i.key, i.source) for i in (a.send()[0], b.send()[0])] == [(ia.key, "prefix"), (ib.key, "prefix")]
 
 
 def test_identical_first_prompts_are_two_conversations(tagger: ChatTagger) -> None:
@@ -135,13 +134,15 @@ def test_identical_first_prompts_are_two_conversations(tagger: ChatTagger) -> No
     b = Agent(tagger, index, "Solve task 7.")
     ia, pa = a.send()
     ib, pb = b.send()
-    assert (ia.key, ib.key) == ("conv:1", "conv:2")  # an identical prompt is not a continuation
+    # An identical prompt is not a continuation: the second session gets the
+    # first-turn key with a suffix.
+    assert (ib.source, ib.key) == ("new", f"{ia.key}-1")
     a.answer(ia, pa, "plan A", "Answer A.")
     b.answer(ib, pb, "plan B", "Answer B.")
     a.user("next")
     b.user("next")
-    assert a.send()[0].key == "conv:1"
-    assert b.send()[0].key == "conv:2"
+    assert a.send()[0].key == ia.key
+    assert b.send()[0].key == ib.key
 
 
 def test_client_that_strips_reasoning(tagger: ChatTagger) -> None:
@@ -176,6 +177,25 @@ def test_stripped_client_is_not_merged_into_another_session_with_the_same_first_
     assert i2.key not in (io.key, i1.key) and i2.source == "new"
 
 
+def test_another_replica_mints_the_same_key_for_a_later_turn(tagger: ChatTagger) -> None:
+    """Header-less conversations keep one key across gateway replicas: the key
+    of a new conversation comes from its first user turn."""
+    replica1, replica2 = fresh_index(), fresh_index()
+    agent = Agent(tagger, replica1, "Where is the config parsed?")
+    i1, p1 = agent.send()
+    agent.answer(i1, p1, "look", "In config.py.")
+    agent.user("And validated?")
+    i2, p2 = agent.send()
+    assert i2.key == i1.key and i2.source == "prefix"
+    # The same turn lands on a replica that never saw the conversation.
+    seen_by_2 = replica2.identify(headers={}, body={}, prompt=p2)
+    assert seen_by_2 == Identity(i1.key, "new")
+    # Different first messages mint different keys; completions (no turns) a random one.
+    other = Agent(tagger, replica2, "Why does the test fail?")
+    assert other.send()[0].key != i1.key
+    assert replica2.identify(headers={}, body={}, prompt=tagger.tag_text("raw text")) == Identity("conv:1", "new")
+
+
 def test_retry_of_the_same_prompt_is_not_a_continuation(tagger: ChatTagger) -> None:
     index = fresh_index()
     agent = Agent(tagger, index, "hello")
@@ -203,6 +223,7 @@ class Plain:
     def __init__(self, ids: list[int]) -> None:
         self.input_ids = ids
         self.tags = [7 * 0 + 1] * len(ids)  # current/text/user
+        self.turn_starts: tuple[int, ...] = ()
         self.current_turn_start = 0
 
 
