@@ -12,11 +12,13 @@ and V read + page bytes written (scales and zeros included). The copy row
 copies the same K and V input bytes device to device (read + write).
 Timings are medians of CUDA-graph replays (``time_ms`` from decode_gpu.py).
 
-Every launch shape the writers offer is timed (``tuning``), plus the
-previous int4 / INT2 kernels (one exact IEEE division per value, token rows
-with cross-lane group reductions; kept below for a same-machine
-before/after), and each shape's bytes are compared once with the torch
-reference (paged_ref on CPU copies of the inputs): OK or MISMATCH.
+Every launch shape the writers offer is timed (``tuning``), and each
+shape's bytes are compared once with the torch reference (paged_ref on CPU
+copies of the inputs): OK or MISMATCH (exit code 1). The previous int4 /
+INT2 writers (one IEEE division per value, commit e0a6224) that this file
+timed for a before/after are gone: they wrote value scales row-major, the
+layout before the token-minor one (commit 6d39944), so they could only
+MISMATCH; bench/NOTES-kernels.md keeps their numbers.
 """
 
 from __future__ import annotations
@@ -31,19 +33,15 @@ from typing import Any
 
 import torch
 import triton
-import triton.language as tl
 
 from kvserving.kernels import paged_ref, triton_write
 from kvserving.kernels.layout import PageLayout
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.kernels.paged_kv import PagedKV
-from kvserving.kernels.triton_codec import rne
-from kvserving.kernels.triton_common import field_offsets
 
 T, H, D = 32768, 8, 128
 INT2_PAGES = 1024
 BRIEF_COPY_TBS = 2.99  # the H100's device-to-device copy bandwidth from the brief (read + write)
-FLAG: tl.constexpr = tl.constexpr(INT2_PAGE_FLAG)
 SCALES = {"bf16": 1.0, "fp8_e4m3": 0.05, "nvfp4": 1.0 / (6 * 448) * 8, "int4": 1.0}
 PAGE = {"bf16": 16, "fp8_e4m3": 16, "nvfp4": 16, "int4": 32}
 
@@ -66,118 +64,6 @@ INT2_VARIANTS: list[tuple[str, dict[str, int] | None]] = [
 
 
 # ----------------------------------------------------------------------------
-# the previous int4 / INT2 writers (commit e0a6224), for a before/after in one run
-# ----------------------------------------------------------------------------
-
-
-@triton.jit
-def _old_stats(lo, hi, LEVELS: tl.constexpr):
-    scale = tl.math.div_rn(hi - lo, LEVELS * 1.0).to(tl.float16)
-    scale = tl.where(scale == 0, 1.0, scale).to(tl.float16)
-    return scale, lo.to(tl.float16)
-
-
-@triton.jit
-def _old_codes(x, scale, zero, LEVELS: tl.constexpr):
-    t = tl.math.div_rn(x - zero.to(tl.float32), scale.to(tl.float32))
-    t = tl.minimum(tl.maximum(t, -1.0), LEVELS + 1.0)
-    return tl.minimum(tl.maximum(rne(t), 0.0), LEVELS * 1.0).to(tl.int32)
-
-
-@triton.jit
-def _old_int4_rows(x_ptr, tok, ok, h, rows_ptr, hrow, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr,
-                   H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):  # fmt: skip
-    NG: tl.constexpr = D // 32
-    src = x_ptr + (tok.to(tl.int64) * H + h) * D
-    g = tl.arange(0, NG)[None, :, None]
-    e = tl.arange(0, 32)[None, None, :]
-    m3 = ok[:, None, None]
-    x = tl.load(src[:, None, None] + g * 32 + e, mask=m3, other=0.0).to(tl.float32)  # [BT, NG, 32]
-    sc, zr = _old_stats(tl.min(x, axis=2), tl.max(x, axis=2), 15)
-    codes = _old_codes(x, sc[:, :, None], zr[:, :, None], 15)
-    lo, hi = tl.split(tl.reshape(codes, (BT, NG, 16, 2)))
-    jj = tl.arange(0, 16)[None, None, :]
-    tl.store(rows_ptr[:, None, None] + OFF + hrow[:, None, None] * (D // 2) + g * 16 + jj, (lo | (hi << 4)).to(tl.uint8), mask=m3)
-    meta = hrow[:, None] * NG + tl.arange(0, NG)[None, :]
-    tl.store((rows_ptr[:, None] + SOFF).to(tl.pointer_type(tl.float16)) + meta, sc, mask=ok[:, None])
-    tl.store((rows_ptr[:, None] + ZOFF).to(tl.pointer_type(tl.float16)) + meta, zr, mask=ok[:, None])
-
-
-@triton.jit
-def _old_write_int4_kernel(k_ptr, v_ptr, buf_ptr, page_ptr, slot_ptr, num_tokens, H: tl.constexpr, D: tl.constexpr,
-                           P: tl.constexpr, PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr,
-                           KZ_OFF: tl.constexpr, V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,
-                           BT: tl.constexpr):  # fmt: skip
-    tok = tl.program_id(0) * BT + tl.arange(0, BT)
-    h = tl.program_id(1)
-    ok = tok < num_tokens
-    page = tl.load(page_ptr + tok, mask=ok, other=0).to(tl.int64)
-    slot = tl.load(slot_ptr + tok, mask=ok, other=0)
-    rows_ptr = buf_ptr + page * PAGE_BYTES
-    hrow = h * P + slot
-    _old_int4_rows(k_ptr, tok, ok, h, rows_ptr, hrow, K_OFF, KS_OFF, KZ_OFF, H, D, BT)
-    _old_int4_rows(v_ptr, tok, ok, h, rows_ptr, hrow, V_OFF, VS_OFF, VZ_OFF, H, D, BT)
-
-
-@triton.jit
-def _old_quads(codes, SHAPE: tl.constexpr):
-    even, odd = tl.split(tl.reshape(codes, SHAPE))
-    c0, c2 = tl.split(even)
-    c1, c3 = tl.split(odd)
-    return (c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)).to(tl.uint8)
-
-
-@triton.jit
-def _old_write_int2_kernel(k_ptr, v_ptr, buf_ptr, page_ptr, total_bytes, H: tl.constexpr, D: tl.constexpr,
-                           P: tl.constexpr, PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr,
-                           KZ_OFF: tl.constexpr, V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr):  # fmt: skip
-    n = tl.program_id(0)
-    h = tl.program_id(1)
-    pid = tl.load(page_ptr + n)
-    page = buf_ptr + total_bytes - ((pid & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES
-    p = tl.arange(0, P)
-    src = (n.to(tl.int64) * P + p) * H + h
-    d = tl.arange(0, D)
-    k = tl.load(k_ptr + src[:, None] * D + d[None, :]).to(tl.float32)
-    ks, kz = _old_stats(tl.min(k, axis=0), tl.max(k, axis=0), 3)
-    kc = _old_quads(_old_codes(k, ks[None, :], kz[None, :], 3), (P, D // 4, 2, 2))
-    q = tl.arange(0, D // 4)
-    tl.store(page + K_OFF + (h * P + p)[:, None] * (D // 4) + q[None, :], kc)
-    tl.store((page + KS_OFF).to(tl.pointer_type(tl.float16)) + h * D + d, ks)
-    tl.store((page + KZ_OFF).to(tl.pointer_type(tl.float16)) + h * D + d, kz)
-    NG: tl.constexpr = D // 32
-    g = tl.arange(0, NG)[None, :, None]
-    e = tl.arange(0, 32)[None, None, :]
-    v = tl.load(v_ptr + src[:, None, None] * D + g * 32 + e).to(tl.float32)
-    vs, vz = _old_stats(tl.min(v, axis=2), tl.max(v, axis=2), 3)
-    vc = _old_quads(_old_codes(v, vs[:, :, None], vz[:, :, None], 3), (P, NG, 8, 2, 2))
-    jj = tl.arange(0, 8)[None, None, :]
-    hp = (h * P + p)[:, None, None]
-    tl.store(page + V_OFF + hp * (D // 4) + g * 8 + jj, vc)
-    meta = (h * P + p)[:, None] * NG + tl.arange(0, NG)[None, :]
-    tl.store((page + VS_OFF).to(tl.pointer_type(tl.float16)) + meta, vs)
-    tl.store((page + VZ_OFF).to(tl.pointer_type(tl.float16)) + meta, vz)
-
-
-def old_write_int4(buffer: torch.Tensor, layout: PageLayout, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor) -> None:
-    t, h, d = k.shape
-    pb, ko, kso, kzo, vo, vso, vzo = field_offsets(layout)
-    _old_write_int4_kernel[(triton.cdiv(t, 16), h)](
-        k, v, buffer, ids, slots, t, H=h, D=d, P=layout.page_size, PAGE_BYTES=pb,
-        K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, V_OFF=vo, VS_OFF=vso, VZ_OFF=vzo, BT=16, num_warps=4,
-    )  # fmt: skip
-
-
-def old_write_int2(buffer: torch.Tensor, layout: PageLayout, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, total: int) -> None:
-    n, p, h, d = k.shape
-    pb, ko, kso, kzo, vo, vso, vzo = field_offsets(layout)
-    _old_write_int2_kernel[(n, h)](
-        k, v, buffer, ids, total, H=h, D=d, P=p, PAGE_BYTES=pb,
-        K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, V_OFF=vo, VS_OFF=vso, VZ_OFF=vzo, num_warps=4,
-    )  # fmt: skip
-
-
-# ----------------------------------------------------------------------------
 # the run
 # ----------------------------------------------------------------------------
 
@@ -195,7 +81,6 @@ def _time_ms() -> Callable[..., float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description="time the quantize-on-write kernels against a device copy")
     ap.add_argument("--out", default="write_gpu.json")
-    ap.add_argument("--no-old", action="store_true", help="skip the previous kernels")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("write_gpu.py needs a CUDA device (run it on the device machine)", file=sys.stderr)
@@ -246,12 +131,6 @@ def main() -> int:
         check = "OK" if torch.equal(buf.cpu(), refs[fmt]) else "MISMATCH"
         ms = time_ms(lambda: triton_write.write_kv(kv, k, v, ids, slots, tuning=tuning))
         record(label, ms, in_bytes + n * layout.page_bytes, check)
-        if fmt == "int4" and tuning is None and not args.no_old:
-            buf.zero_()
-            old_write_int4(buf, layout, k, v, ids, slots)
-            check = "OK" if torch.equal(buf.cpu(), refs[fmt]) else "MISMATCH"
-            ms = time_ms(lambda: old_write_int4(buf, layout, k, v, ids, slots))
-            record("write_kv int4, previous kernel (rows, div.rn)", ms, in_bytes + n * layout.page_bytes, check)
 
     # whole INT2 pages: K and V [N, P, H, D]
     layout2 = PageLayout.build("int2", page_size=32, kv_heads=H, head_dim=D)
@@ -279,12 +158,6 @@ def main() -> int:
     record("  INT2 keys launch alone", ms, in2 // 2 + key_bytes, "-")
     ms = time_ms(lambda: triton_write.launch_int2_values(kv2, pv, ids2, num_warps=cfg["value_warps"]))
     record("  INT2 values launch alone", ms, in2 // 2 + total - key_bytes, "-")
-    if not args.no_old:
-        buf2.zero_()
-        old_write_int2(buf2, layout2, pk, pv, ids2, total)
-        check = "OK" if torch.equal(buf2.cpu(), ref2) else "MISMATCH"
-        ms = time_ms(lambda: old_write_int2(buf2, layout2, pk, pv, ids2, total))
-        record("write_int2_pages, previous kernel", ms, in2 + total, check)
 
     print(f"\n{'op':<58} | {'ms':>7} | {'TB/s':>5} | {'% of copy':>9} | {'% of 2.99':>9} | check")
     for r in rows:
