@@ -394,7 +394,7 @@ class KVTransfer:
     ) -> PullResult:
         """Pull what ``params`` offers of this prompt's KV (see the module docstring). Never raises
         for a transfer fault: the result's ``fallback`` says why nothing (or less) was pulled."""
-        self._reap()
+        self.reap()
         if params is None:
             return PullResult()
         ids = [int(t) for t in input_ids]
@@ -549,10 +549,13 @@ class KVTransfer:
         if safe:
             self._on_engine(lambda: self.engine.pool.free(pages))
 
-    def _reap(self) -> None:
+    def reap(self) -> int:
+        """Free the pages of timed-out READs that NIXL has since let go (``pull`` does this
+        first thing); how many pages were freed."""
         done = self.nixl.reap()
         if done:
             self._on_engine(lambda: self.engine.pool.free(done))
+        return len(done)
 
     def _adopt(self, pin: str, pages: list[int], hashes: list[int], local_pids: list[int]) -> None:
         """On the engine thread: register pulled pages, pin them under ``pin`` (and the local

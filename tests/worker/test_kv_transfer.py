@@ -276,14 +276,28 @@ def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer:
         assert (r["fallback"], r["pulled"], r["computed"], r["tokens"]) == ("transfer_timeout", 0, len(prompt2), expected)
         assert frozen.kvt.fallbacks["transfer_timeout"] == 1
         os.kill(child.proc.pid, signal.SIGCONT)
+        # no page leaks: a READ NIXL could not cancel keeps its pages out of use until it ends
+        deadline = time.monotonic() + 10.0
+        while frozen.kvt.nixl.num_stuck and time.monotonic() < deadline:
+            frozen.kvt.reap()
+            time.sleep(0.05)
+        assert frozen.kvt.nixl.num_stuck == 0 and frozen.engine.pool.num_owned == 0
+
+        def renew_then_kill(url: str, lease_id: str) -> float | None:
+            expires = http_renew_remote(url, lease_id)
+            child.proc.kill()  # dies between the lease check and the READ
+            child.proc.wait(timeout=10)
+            return expires
 
         # fresh prefill workers for each step below (a recomputed prompt lands in the prefix cache)
-        P, P2, P3 = (host.open(f"p-{k}", _spec(tiny_model_dir, "bf16", f"p-{k}-1")) for k in ("dead", "stale", "new"))
+        P = host.open("p-dead", _spec(tiny_model_dir, "bf16", "p-dead-1", transfer_timeout_s=3.0), renew_remote=renew_then_kill)
+        P1, P2, P3 = (host.open(f"p-{k}", _spec(tiny_model_dir, "bf16", f"p-{k}-1")) for k in ("before", "stale", "new"))
         port = child.port
-        child.proc.kill()
-        child.proc.wait(timeout=10)
         r = _turn2(P, "dead", prompt2, d1["params"])
         assert (r["fallback"], r["pulled"], r["tokens"]) == ("remote_unreachable", 0, expected)
+        assert P.engine.pool.num_owned == 0  # the failed READ's pages went back unregistered
+        r = _turn2(P1, "dead-before", prompt2, d1["params"])
+        assert (r["fallback"], r["pulled"]) == ("remote_unreachable", 0)  # no agent info from a dead peer
 
         restarted = Peer(port)
         restarted.call("open", name="d", spec=_spec(tiny_model_dir, "bf16", "d-x-2", role="decode"))
