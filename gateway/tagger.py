@@ -56,6 +56,7 @@ from typing import Any
 from kvserving.tags import SEMANTIC, TEMPORAL, encode_tag
 
 from .chat_template import ChatTemplate, Message, normalize_messages, normalize_tools
+from .errors import GatewayError
 from .tokenizer import TextTokenizer
 
 INLINE_MARKUP = re.compile(r"<think>|</think>|<tool_call>|</tool_call>")
@@ -79,6 +80,11 @@ class TaggedPrompt:
     input_ids: list[int]
     tags: list[int]
     turn_starts: tuple[int, ...] = ()
+    # How the tags were found (a metric label): "markers" (exact spans),
+    # "aligned" (the template edited content; spans re-anchored by search),
+    # "coarse" (no structure: control tokens delim, the rest user), "text"
+    # (a raw completion prompt).
+    method: str = "markers"
 
     @property
     def current_turn_start(self) -> int:
@@ -140,19 +146,22 @@ class ChatTagger:
         text = self.template.render(msgs, tools=tool_list, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
         enc = self.tokenizer.encode(text)
         codec = _pick_codec(text)
-        if codec is None:  # the request itself uses every marker alphabet: tag coarsely
-            tags = [encode_tag("current", "text", "user")] * len(enc.ids)
-            return TaggedPrompt(text=text, input_ids=enc.ids, tags=tags)
+        if codec is None:  # the request itself uses every marker alphabet
+            return self._coarse(text, enc.ids, enc.offsets)
         marks = _Marks()
         temporals = message_temporals(msgs)
         marked_msgs = [_mark_message(m, i, temporals[i], codec, marks) for i, m in enumerate(msgs)]
         marked_tools = None if tool_list is None else [_mark_tool(t, codec, marks) for t in tool_list]
-        marked_text = self.template.render(
-            marked_msgs, tools=marked_tools, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
-        )
+        try:
+            marked_text = self.template.render(
+                marked_msgs, tools=marked_tools, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
+            )
+        except GatewayError:  # the template refused marked content it accepts plain
+            return self._coarse(text, enc.ids, enc.offsets)
         plain, chunks = _parse_marked(marked_text, codec)
+        method = "markers"
         if plain != text:
-            chunks = _align(chunks, plain, text)
+            chunks, method = _align(chunks, plain, text), "aligned"
         pieces = list(marks.pieces)
         image_runs = _image_runs(enc.ids, self.tokenizer.image_token_ids)
         if image_runs and len(image_runs) == len(marks.images):
@@ -161,7 +170,15 @@ class ChatTagger:
         tags = _token_tags(spans, enc.offsets)
         _tag_images(tags, image_runs)
         turn_starts = _turn_starts(msgs, pieces, headers, enc.offsets)
-        return TaggedPrompt(text=text, input_ids=enc.ids, tags=tags, turn_starts=turn_starts)
+        return TaggedPrompt(text=text, input_ids=enc.ids, tags=tags, turn_starts=turn_starts, method=method)
+
+    def _coarse(self, text: str, ids: list[int], offsets: list[tuple[int, int]]) -> TaggedPrompt:
+        """Tags without the template's structure: control tokens are current
+        delimiters, image tokens current user image, the rest current user text."""
+        delim, image, user = (encode_tag("current", m, s) for m, s in (("text", "delim"), ("image", "user"), ("text", "user")))
+        images, controls = self.tokenizer.image_token_ids, self._control_ids
+        tags = [image if t in images else delim if t in controls else user for t in ids]
+        return TaggedPrompt(text=text, input_ids=ids, tags=tags, method="coarse")
 
     def _controls(self, ids: list[int], offsets: list[tuple[int, int]]) -> _Controls:
         spans = [(a, b) for t, (a, b) in zip(ids, offsets, strict=True) if t in self._control_ids and b > a]
@@ -173,7 +190,7 @@ class ChatTagger:
         """A raw completion prompt: no structure, so every token is current user text
         (image placeholder tokens are current user image)."""
         enc = self.tokenizer.encode(text)
-        return TaggedPrompt(text=text, input_ids=enc.ids, tags=self.tag_ids(enc.ids))
+        return TaggedPrompt(text=text, input_ids=enc.ids, tags=self.tag_ids(enc.ids), method="text")
 
     def tag_ids(self, ids: Sequence[int]) -> list[int]:
         """Tags for a prompt given as token ids (`/v1/completions` with ids)."""

@@ -105,6 +105,7 @@ def test_agent_conversation_counts_per_class(tagger: ChatTagger, tokenizer: Text
 
 def test_tagged_ids_equal_transformers(tagger: ChatTagger, hf_tokenizer: Any) -> None:
     prompt = tagger.build(copy.deepcopy(AGENT), tools=copy.deepcopy(TOOLS))
+    assert prompt.method == "markers"
     ref = hf_tokenizer.apply_chat_template(copy.deepcopy(AGENT), tools=copy.deepcopy(TOOLS), add_generation_prompt=True, tokenize=True)
     assert prompt.input_ids == list(ref["input_ids"])
     assert prompt.text == hf_tokenizer.apply_chat_template(copy.deepcopy(AGENT), tools=copy.deepcopy(TOOLS), add_generation_prompt=True, tokenize=False)
@@ -226,6 +227,7 @@ def test_template_that_edits_content_still_tags_sanely(tokenizer: TextTokenizer)
         {"role": "user", "content": "short"},
     ]
     prompt = tagger.build(messages)
+    assert prompt.method == "aligned"
     assert prompt.input_ids == tokenizer.encode_ids(prompt.text)
     assert len(prompt.tags) == len(prompt.input_ids)
     rs = stripped(runs(prompt, tokenizer))
@@ -295,3 +297,24 @@ def test_image_runs_that_do_not_match_the_parts_keep_their_text_roles(tokenizer:
     image_tags = {decode_tag(t) for i, t in zip(prompt.input_ids, prompt.tags, strict=True) if i == pad}
     assert image_tags and all(m == "image" for _, m, _ in image_tags)
     assert ("current", "text", "user", "see") in stripped(runs(prompt, tokenizer))
+
+
+def test_template_that_refuses_marked_content_falls_back_to_coarse_tags(tokenizer: TextTokenizer) -> None:
+    """The marked render must never turn a valid request into an error."""
+    template = (
+        "{% for m in messages %}{% if m.content | length > 12 %}{{ raise_exception('too long') }}{% endif %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+    )
+    tagger = ChatTagger(tokenizer, ChatTemplate(template))
+    prompt = tagger.build([{"role": "user", "content": "twelve chars"}])
+    assert prompt.method == "coarse"
+    # (jinja drops the template's one trailing newline, as in transformers)
+    assert prompt.input_ids == tokenizer.encode_ids("<|im_start|>user\ntwelve chars<|im_end|>\n<|im_start|>assistant")
+    assert stripped(runs(prompt, tokenizer)) == [
+        ("current", "text", "delim", "<|im_start|>"),
+        ("current", "text", "user", "user\ntwelve chars"),
+        ("current", "text", "delim", "<|im_end|>"),
+        ("current", "text", "user", ""),
+        ("current", "text", "delim", "<|im_start|>"),
+        ("current", "text", "user", "assistant"),
+    ]
