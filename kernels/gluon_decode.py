@@ -32,10 +32,11 @@ every thread's bytes contiguous:
 
 How packed bytes become fragments (PTX unpackers, register relabelling): ``gluon_fragments.py``.
 
-Supported: head_dim 128, up to 16 query heads per kv head, page size 16
-(nvfp4) or 32 (triaxial); anything else, and the interpreter, uses
-``triton_decode``. The unpackers are PTX, so these kernels run on a GPU only
-(sm_80+: ``mma.sync``; sm_89+ for the E4M3 scale conversion);
+Supported (``supported``): head_dim 128, up to 16 query heads per kv head,
+page size 16 (nvfp4) or 32 (triaxial); for anything else, and in the
+interpreter, ``paged_ops`` (the one dispatch point) runs ``triton_decode``.
+The unpackers are PTX, so these kernels run on a GPU only (sm_80+:
+``mma.sync``; sm_89+ for the E4M3 scale conversion);
 ``tests/kernels/test_gluon_decode.py`` compiles them for sm_90 on CPU and the
 gpu tests hold them to the reference.
 """
@@ -479,8 +480,8 @@ def launch_decode(
     hp = 8 if run.group <= 8 else 16
     args = kernel_args(layout.fmt, layout, num_warps=cfg["num_warps"], ppw=cfg["PPW"])
     args2 = {k + "2": v for k, v in args.items() if k in INT2_ARGS}
-    if kv.int2_layout is not None:  # triaxial: both precisions' splits in one launch
-        a2 = kernel_args("int2", kv.int2_layout, num_warps=cfg["num_warps"], ppw=1)
+    if kv.triaxial:  # both precisions' splits in one launch
+        a2 = kernel_args("int2", kv.int2, num_warps=cfg["num_warps"], ppw=1)
         args2 = {k + "2": v for k, v in a2.items() if k in INT2_ARGS}
     cap = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and hp == 8 else {}  # 16 heads need more registers
     kernel = _gl_decode_kernel[run.grid](
