@@ -52,21 +52,25 @@ class KernelOptions:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> KernelOptions:
-        """The options the environment asks for (``env`` defaults to ``os.environ``)."""
+        """The options the environment asks for (``env`` defaults to ``os.environ``); a bad value is a
+        ValueError naming the variable."""
         env = os.environ if env is None else env
-        fast = env.get("KVSERVING_TRITON_FAST")
-        if fast not in (None, "", "0", "1"):
-            raise ValueError(f"KVSERVING_TRITON_FAST={fast!r}; expected 0 or 1")
-        try:
-            return cls(
-                backend=env.get("KVSERVING_PAGED_BACKEND") or None,
-                check_values=env.get("KVSERVING_CHECK_VALUES") == "1",
-                decode_kernel=env.get("KVSERVING_DECODE_KERNEL") or "auto",
-                triton_fast=None if not fast else fast == "1",
-                interpret=env.get("TRITON_INTERPRET") == "1",
-            )
-        except ValueError as exc:
-            raise ValueError(f"kernel options from the environment: {exc}") from None
+        backend = env.get("KVSERVING_PAGED_BACKEND") or None
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"KVSERVING_PAGED_BACKEND={backend!r}; expected one of {BACKENDS} (or unset)")
+        kernel = env.get("KVSERVING_DECODE_KERNEL") or "auto"
+        if kernel not in DECODE_KERNELS:
+            raise ValueError(f"KVSERVING_DECODE_KERNEL={kernel!r}; expected one of {DECODE_KERNELS} (or unset)")
+        fast = env.get("KVSERVING_TRITON_FAST") or None
+        if fast not in (None, "0", "1"):
+            raise ValueError(f"KVSERVING_TRITON_FAST={fast!r}; expected 0 or 1 (or unset)")
+        return cls(
+            backend=backend,
+            check_values=env.get("KVSERVING_CHECK_VALUES") == "1",
+            decode_kernel=kernel,
+            triton_fast=None if fast is None else fast == "1",
+            interpret=env.get("TRITON_INTERPRET") == "1",
+        )
 
     def fast_decoders(self, device: torch.device) -> bool:
         """Inline-assembly decoders in the ``tl`` decode: on a real GPU unless forced; never in the interpreter."""

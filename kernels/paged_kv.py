@@ -14,7 +14,7 @@ keeps it), so the per-call checks only look at the call's own tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -35,7 +35,7 @@ class PagedKV:
     k_scale: float = 1.0  # global K scale (fp8: tensor scale; nvfp4: FP32 global scale g); 1.0 otherwise
     v_scale: float = 1.0
     int2_layout: PageLayout | None = None  # triaxial: INT2 pages counted down from total_bytes
-    total_bytes: int = field(default=0)  # bytes of the buffer the pages use; 0: the whole buffer
+    total_bytes: int = 0  # bytes of the buffer the pages use; 0: the whole buffer
 
     def __post_init__(self) -> None:
         b = self.buffer
@@ -91,7 +91,3 @@ class PagedKV:
     def _offset_args(self) -> dict[str, int]:
         two = self.int2_layout.page_bytes if self.int2_layout is not None else 0
         return {"page_bytes": self.layout.page_bytes, "int2_page_bytes": two, "total_bytes": self.total_bytes}
-
-    def with_scales(self, k_scale: float, v_scale: float) -> PagedKV:
-        """The same pages read with other global scales."""
-        return PagedKV(self.buffer, self.layout, k_scale, v_scale, self.int2_layout, self.total_bytes)

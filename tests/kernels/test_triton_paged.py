@@ -228,10 +228,12 @@ def test_kernel_options_read_the_environment_once_and_refuse_bad_values() -> Non
     gpu = torch.device("cuda")
     assert KernelOptions().fast_decoders(gpu) and not KernelOptions(interpret=True).fast_decoders(gpu)
     assert not KernelOptions(triton_fast=False).fast_decoders(gpu) and KernelOptions(triton_fast=True).fast_decoders(torch.device("cpu"))
-    with pytest.raises(ValueError, match="backend='cuda'"):
+    with pytest.raises(ValueError, match="KVSERVING_PAGED_BACKEND='cuda'"):
         KernelOptions.from_env({"KVSERVING_PAGED_BACKEND": "cuda"})
-    with pytest.raises(ValueError, match="decode_kernel='fast'"):
+    with pytest.raises(ValueError, match="KVSERVING_DECODE_KERNEL='fast'"):
         KernelOptions.from_env({"KVSERVING_DECODE_KERNEL": "fast"})
+    with pytest.raises(ValueError, match="decode_kernel='fast'"):
+        KernelOptions(decode_kernel="fast")
     with pytest.raises(ValueError, match="KVSERVING_TRITON_FAST='yes'"):
         KernelOptions.from_env({"KVSERVING_TRITON_FAST": "yes"})
 
