@@ -77,12 +77,14 @@ class WorkerFactory:
         self.model_dir = model_dir
         self.started: list[WorkerProc] = []
 
-    def start(self, role: str, config: dict[str, Any], *, wait: bool = True, args: tuple[str, ...] = ()) -> WorkerProc:
+    def start(
+        self, role: str, config: dict[str, Any], *, wait: bool = True, args: tuple[str, ...] = (), port: int | None = None
+    ) -> WorkerProc:
         n = len(self.started)
         cfg = self.tmp / f"config-{n}.json"
         cfg.write_text(json.dumps(config))
         log_path = self.tmp / f"worker-{n}-{role}.log"
-        port = free_port()
+        port = port or free_port()
         argv = [
             sys.executable, "-m", "kvserving.cli", "worker", "--role", role, "--config", str(cfg),
             "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port), *args,

@@ -47,11 +47,15 @@ def _wait_exit(worker: Any, timeout: float) -> int:
         raise AssertionError(f"worker did not exit within {timeout} s:\n{worker.log_tail()}") from None
 
 
-def test_sigterm_refuses_new_work_aborts_after_the_grace_period_and_exits_0(workers: WorkerFactory) -> None:
-    w = workers.start("both", CONFIG, args=("--grace-period-s", "1.5"))
-    body = {"request_id": "long", "input_ids": list(range(10, 40)), "sampling": {"max_tokens": 3000, "ignore_eos": True}}
-    thread, events, first = _stream_in_thread(w.url, body)
-    assert first.wait(60) and isinstance(events[0], dict) and events[0].get("token_ids"), events[:1]
+def test_sigterm_refuses_new_work_lets_short_requests_finish_aborts_the_rest_and_exits_0(workers: WorkerFactory) -> None:
+    w = workers.start("both", CONFIG, args=("--grace-period-s", "5"))
+    prompt = list(range(10, 40))
+    long_body = {"request_id": "long", "input_ids": prompt, "sampling": {"max_tokens": 3000, "ignore_eos": True}}
+    short_body = {"request_id": "short", "input_ids": prompt, "sampling": {"max_tokens": 40, "ignore_eos": True}}
+    long_thread, long_events, long_first = _stream_in_thread(w.url, long_body)
+    short_thread, short_events, short_first = _stream_in_thread(w.url, short_body)
+    for first, events in ((long_first, long_events), (short_first, short_events)):
+        assert first.wait(60) and isinstance(events[0], dict) and events[0].get("token_ids"), events[:1]
     t0 = time.monotonic()
     os.kill(w.proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + 1.0
@@ -61,23 +65,16 @@ def test_sigterm_refuses_new_work_aborts_after_the_grace_period_and_exits_0(work
     r = httpx.post(w.url + "/internal/generate", json={"request_id": "late", "input_ids": [1, 2]}, timeout=5)
     assert r.status_code == 503 and r.json()["error"]["message"] == "worker is draining"
     assert _wait_exit(w, 30) == 0
-    thread.join(10)
-    final = [e for e in events if isinstance(e, dict) and "finish_reason" in e]
-    assert final and final[0]["finish_reason"] == "abort", events[-3:]
-    assert events[-1] == "[DONE]"
-    assert time.monotonic() - t0 >= 1.4  # it waited out the grace period first
-    assert "draining (grace 1.5 s)" in w.log_tail(200)
-
-
-def test_sigterm_lets_a_request_in_flight_finish(workers: WorkerFactory) -> None:
-    w = workers.start("both", CONFIG, args=("--grace-period-s", "60"))
-    body = {"request_id": "short", "input_ids": list(range(10, 40)), "sampling": {"max_tokens": 200, "ignore_eos": True}}
-    thread, events, first = _stream_in_thread(w.url, body)
-    assert first.wait(60)
-    os.kill(w.proc.pid, signal.SIGTERM)
-    assert _wait_exit(w, 60) == 0
-    thread.join(10)
-    tokens = [t for e in events if isinstance(e, dict) for t in e.get("token_ids", [])]
-    final = [e for e in events if isinstance(e, dict) and "finish_reason" in e]
-    assert final and final[0]["finish_reason"] == "length" and len(tokens) == 200
-    assert events[-1] == "[DONE]"
+    long_thread.join(10)
+    short_thread.join(10)
+    # the short request finished within the grace period, whole
+    short_tokens = [t for e in short_events if isinstance(e, dict) for t in e.get("token_ids", [])]
+    short_final = [e for e in short_events if isinstance(e, dict) and "finish_reason" in e]
+    assert short_final and short_final[0]["finish_reason"] == "length" and len(short_tokens) == 40
+    assert short_events[-1] == "[DONE]"
+    # the long one was aborted once the grace period ran out, with a final event
+    long_final = [e for e in long_events if isinstance(e, dict) and "finish_reason" in e]
+    assert long_final and long_final[0]["finish_reason"] == "abort", long_events[-3:]
+    assert long_events[-1] == "[DONE]"
+    assert time.monotonic() - t0 >= 4.9  # it waited out the grace period first
+    assert "draining (grace 5.0 s)" in w.log_tail(200)
