@@ -37,7 +37,9 @@ MAX_SPLITS = 256
 
 
 def field_offsets(layout: PageLayout | None) -> tuple[int, int, int, int, int, int, int]:
-    """(page_bytes, k, k_scale, k_zero, v, v_scale, v_zero) byte offsets; 0 for fields a format lacks."""
+    """(page_bytes, k, k_scale, k_zero, v, v_scale, v_zero) byte offsets; 0 for fields a format lacks.
+
+    ``None`` (no INT2 layout): placeholders for the INT2 constexprs of a launch that has no INT2 pages."""
     if layout is None:
         return (16, 0, 0, 0, 0, 0, 0)
     at = {f.name: f.offset for f in layout.fields}
