@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", nargs="+", default=None, metavar="URL", help="prefill worker URLs (static list)")
     parser.add_argument("--decode", nargs="+", default=None, metavar="URL", help="decode worker URLs (static list)")
     parser.add_argument("--model", type=Path, default=None, metavar="DIR", help="model directory (tokenizer, template)")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
 
 
 def load_config(args: argparse.Namespace) -> ServingConfig:

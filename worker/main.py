@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-id", default=None, help="engine id in kv_transfer_params (default: unique per process start)")
     parser.add_argument("--grace-period-s", type=float_in(0.0, 3600.0), default=25.0,
                         help="on SIGTERM, how long requests in flight may run before they are aborted")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
 
 
 def resolve_model(config: ServingConfig, model: Path | None) -> ServingConfig:
