@@ -96,7 +96,7 @@ class _Piece:
     semantic: str
     temporal: str
     region: tuple[object, ...]
-    message: int  # index in messages; -1 for tool schemas
+    message: int  # index in messages; tool schemas: the system message's, or -1
 
 
 @dataclass(slots=True)
@@ -151,7 +151,9 @@ class ChatTagger:
         marks = _Marks()
         temporals = message_temporals(msgs)
         marked_msgs = [_mark_message(m, i, temporals[i], codec, marks) for i, m in enumerate(msgs)]
-        marked_tools = None if tool_list is None else [_mark_tool(t, codec, marks) for t in tool_list]
+        # Tool schemas join the system message's block (its index, when there is one).
+        owner = 0 if msgs[0]["role"] == "system" else -1
+        marked_tools = None if tool_list is None else [_mark_tool(t, codec, marks, message=owner) for t in tool_list]
         try:
             marked_text = self.template.render(
                 marked_msgs, tools=marked_tools, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
@@ -166,10 +168,10 @@ class ChatTagger:
         image_runs = _image_runs(enc.ids, self.tokenizer.image_token_ids)
         if image_runs and len(image_runs) == len(marks.images):
             chunks = _insert_images(chunks, image_runs, marks.images, enc.offsets, pieces, msgs, temporals)
-        spans, headers = _label(chunks, pieces, text, self._controls(enc.ids, enc.offsets))
+        spans, headers = _label(chunks, pieces, text, self._controls(enc.ids, enc.offsets), temporals)
         tags = _token_tags(spans, enc.offsets)
         _tag_images(tags, image_runs)
-        turn_starts = _turn_starts(msgs, pieces, headers, enc.offsets)
+        turn_starts = _turn_starts(msgs, headers, enc.offsets)
         return TaggedPrompt(text=text, input_ids=enc.ids, tags=tags, turn_starts=turn_starts, method=method)
 
     def _coarse(self, text: str, ids: list[int], offsets: list[tuple[int, int]]) -> TaggedPrompt:
@@ -376,10 +378,10 @@ def _mark_leaves(obj: object, piece: _Piece, codec: _MarkerCodec, marks: _Marks)
     return obj
 
 
-def _mark_tool(tool: dict[str, Any], codec: _MarkerCodec, marks: _Marks) -> dict[str, Any]:
+def _mark_tool(tool: dict[str, Any], codec: _MarkerCodec, marks: _Marks, *, message: int) -> dict[str, Any]:
     """Mark a tool's name and description strings (any depth); templates may
     compare `type` or enum values, so those stay untouched."""
-    piece = _Piece("inst", "current", SYSTEM_REGION, -1)
+    piece = _Piece("inst", "current", SYSTEM_REGION, message)
 
     def walk(obj: object, key: str | None) -> object:
         if isinstance(obj, str):
@@ -471,10 +473,11 @@ class _Controls:
 
 
 def _label(
-    chunks: list[Chunk], pieces: list[_Piece], text: str, controls: _Controls
+    chunks: list[Chunk], pieces: list[_Piece], text: str, controls: _Controls, temporals: list[str]
 ) -> tuple[list[tuple[int, int, int]], dict[int, int]]:
-    """(start, end, tag) spans covering `text`, and where each piece's header
-    begins (the character where the template text before it takes its turn)."""
+    """(start, end, tag) spans covering `text`, and where each message's header
+    begins (the character where the template text before its first piece, or
+    before its place when it rendered no piece, takes its turn)."""
     spans: list[tuple[int, int, int]] = []
     headers: dict[int, int] = {}
     # Merge neighbouring template-text chunks into one gap each.
@@ -491,36 +494,55 @@ def _label(
         following[idx] = nxt
         if merged[idx][2] >= 0:
             nxt = pieces[merged[idx][2]]
+    rendered = {pieces[c[2]].message for c in merged if c[2] >= 0}
     prev: _Piece | None = None
     header = 0
     for idx, (start, end, pid) in enumerate(merged):
         if pid >= 0:
             piece = pieces[pid]
-            headers.setdefault(pid, min(header, start))
+            if piece.message >= 0:
+                headers.setdefault(piece.message, min(header, start))
             header = end
             spans.append((start, end, encode_tag(piece.temporal, "text", piece.semantic)))
             prev = piece
             continue
-        gap, header = _gap_spans(start, end, prev, following[idx], text, controls)
+        after = following[idx]
+        lo = prev.message + 1 if prev is not None else 0
+        hi = after.message if after is not None else len(temporals)
+        skipped = [i for i in range(max(lo, 0), hi) if i not in rendered]
+        gap, header, skipped_headers = _gap_spans(start, end, prev, after, text, controls, [(i, temporals[i]) for i in skipped])
         spans.extend(gap)
+        for i, char in skipped_headers.items():
+            headers.setdefault(i, char)
     return spans, headers
 
 
 def _gap_spans(
-    start: int, end: int, prev: _Piece | None, nxt: _Piece | None, text: str, controls: _Controls
-) -> tuple[list[tuple[int, int, int]], int]:
-    """Template text between two pieces (rule in the module doc), and where the
-    next piece's header begins.
+    start: int,
+    end: int,
+    prev: _Piece | None,
+    nxt: _Piece | None,
+    text: str,
+    controls: _Controls,
+    skipped: list[tuple[int, str]],
+) -> tuple[list[tuple[int, int, int]], int, dict[int, int]]:
+    """Template text between two pieces (rule in the module doc): its spans,
+    where the next piece's header begins, and the headers of the messages in
+    between that rendered no piece (`skipped`: index and turn, e.g. an empty
+    user message).
 
     The delimiter part switches from the turn of the piece before to the turn
-    of the piece after at the last control token that begins a line (after a
-    line break, another control token or the gap's start; image tokens do not
-    count), a special one (`<|im_start|>`) rather than markup (`<think>`) where
-    there is one: `<|im_end|>` and its line break close the previous message,
-    `<|im_start|>user` opens the next one.
+    of the piece after at the last opener: a control token that begins a line
+    (after a line break, another control token or the gap's start) and is
+    followed by text on that line (`<|im_start|>user`, not `<|im_end|>` at a line end;
+    image tokens do not count), a special one rather than markup where there
+    is one: `<|im_end|>` and its line break close the previous message,
+    `<|im_start|>user` opens the next one. When the gap holds one such opener
+    per skipped message plus the next piece's, each skipped message takes the
+    stretch from its opener.
     """
     if prev is not None and nxt is not None and prev.region == nxt.region:
-        return [(start, end, encode_tag(prev.temporal, "text", prev.semantic))], start
+        return [(start, end, encode_tag(prev.temporal, "text", prev.semantic))], start, {}
     inside = controls.within(start, end)
     first = text.find("\n", start, end)
     first = end if first < 0 else first
@@ -536,23 +558,40 @@ def _gap_spans(
     if first >= last:  # no boundary at all: the gap follows the piece before
         owner = prev if prev is not None else nxt
         if owner is None:
-            return [(start, end, encode_tag("current", "text", "delim"))], start
-        return [(start, end, encode_tag(owner.temporal, "text", owner.semantic))], start
+            return [(start, end, encode_tag("current", "text", "delim"))], start, {}
+        return [(start, end, encode_tag(owner.temporal, "text", owner.semantic))], start, {}
     ends = {b for _, b in inside}
-    openers = [a for a, _ in inside if first <= a < last and a not in controls.image and (a == first or text[a - 1] == "\n" or a in ends)]
+    begins = {a for a, _ in inside}
+    openers = [
+        a
+        for a, b in inside
+        if first <= a < last
+        and a not in controls.image
+        and (a == first or text[a - 1] == "\n" or a in ends)  # begins a line
+        and (b >= end or (text[b] != "\n" and b not in begins))  # and names something: `<|im_start|>user`
+    ]
     special = [a for a in openers if a in controls.special]
-    cut = special[-1] if special else openers[-1] if openers else first
+    candidates = special or openers
     before = prev.temporal if prev is not None else "current"
     after = nxt.temporal if nxt is not None else "current"
+    # Owners of the delimiter stretches that start at each cut.
+    if skipped and len(candidates) == len(skipped) + 1:
+        cuts, owners = candidates, [t for _, t in skipped] + [after]
+    elif skipped and nxt is None and len(candidates) == len(skipped):
+        cuts, owners = candidates, [t for _, t in skipped]
+    else:
+        cuts, owners, skipped = [candidates[-1] if candidates else first], [after], []
     spans = []
     if prev is not None and first > start:
         spans.append((start, first, encode_tag(prev.temporal, "text", prev.semantic)))
-    if cut > first:
-        spans.append((first, cut, encode_tag(before, "text", "delim")))
-    spans.append((cut, last, encode_tag(after, "text", "delim")))
+    if cuts[0] > first:
+        spans.append((first, cuts[0], encode_tag(before, "text", "delim")))
+    for j, (cut, turn) in enumerate(zip(cuts, owners, strict=True)):
+        stop = cuts[j + 1] if j + 1 < len(cuts) else last
+        spans.append((cut, stop, encode_tag(turn, "text", "delim")))
     if nxt is not None and last < end:
         spans.append((last, end, encode_tag(nxt.temporal, "text", nxt.semantic)))
-    return spans, cut
+    return spans, cuts[-1], {i: cuts[j] for j, (i, _) in enumerate(skipped)}
 
 
 def _token_tags(spans: list[tuple[int, int, int]], offsets: list[tuple[int, int]]) -> list[int]:
@@ -634,19 +673,12 @@ def _tag_images(tags: list[int], runs: list[tuple[int, int]]) -> None:
             tags[k] = ((tm // 2) * 2 + 1) * width + s
 
 
-def _turn_starts(
-    msgs: list[Message], pieces: list[_Piece], headers: dict[int, int], offsets: list[tuple[int, int]]
-) -> tuple[int, ...]:
-    """Token index where each user turn begins: the header (e.g.
-    `<|im_start|>user`) before the user message's first piece (text or image)."""
-    first_header: dict[int, int] = {}
-    for pid, char in headers.items():
-        i = pieces[pid].message
-        if i >= 0 and (i not in first_header or char < first_header[i]):
-            first_header[i] = char
+def _turn_starts(msgs: list[Message], headers: dict[int, int], offsets: list[tuple[int, int]]) -> tuple[int, ...]:
+    """Token index where each user turn begins: its message's header (e.g.
+    `<|im_start|>user`), found before its first piece (text or image)."""
     token_starts = [a for a, _ in offsets]
     return tuple(
-        max(0, bisect.bisect_right(token_starts, first_header[i]) - 1)
+        max(0, bisect.bisect_right(token_starts, headers[i]) - 1)
         for i, m in enumerate(msgs)
-        if m["role"] == "user" and i in first_header
+        if m["role"] == "user" and i in headers
     )

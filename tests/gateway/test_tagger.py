@@ -265,8 +265,8 @@ def test_other_template_layout(tokenizer: TextTokenizer) -> None:
 
 def test_generation_prompt_is_current_when_the_last_user_message_renders_empty(tokenizer: TextTokenizer) -> None:
     """A template that renders only string content drops a list-content user
-    message's text: the turn switch still lands on the special token that opens
-    the generation prompt, not on `<think>` markup after it."""
+    message's text: the empty message still opens the current turn at its
+    header, and the generation prompt (with its `<think>` markup) is current."""
     template = (
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}"
@@ -278,10 +278,12 @@ def test_generation_prompt_is_current_when_the_last_user_message_renders_empty(t
         {"role": "user", "content": [{"type": "text", "text": "dropped by this template"}]},
     ]
     rs = stripped(runs(tagger.build(messages), tokenizer))
+    prompt = tagger.build(messages)
     assert rs[-2:] == [
-        ("turn_m1", "text", "delim", "<|im_end|>\n<|im_start|>user\n<|im_end|>"),
-        ("current", "text", "delim", "<|im_start|>assistant\n<think>\n\n</think>"),
+        ("turn_m1", "text", "delim", "<|im_end|>"),
+        ("current", "text", "delim", "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>"),
     ]
+    assert tokenizer.decode(prompt.input_ids[prompt.current_turn_start :][:2], skip_special_tokens=False) == "<|im_start|>user"
 
 
 def test_image_runs_that_do_not_match_the_parts_keep_their_text_roles(tokenizer: TextTokenizer) -> None:
@@ -318,3 +320,77 @@ def test_template_that_refuses_marked_content_falls_back_to_coarse_tags(tokenize
         ("current", "text", "delim", "<|im_start|>"),
         ("current", "text", "user", "assistant"),
     ]
+
+
+# -- property: random conversations ---------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+TEXT = st.text(alphabet=st.sampled_from(list("ab xyz,.!?\n\t{}\"'é日本😀-_/")), min_size=0, max_size=24)
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if draw(st.booleans()):
+        messages.append({"role": "system", "content": draw(TEXT)})
+    for _ in range(draw(st.integers(1, 3))):
+        if draw(st.booleans()):
+            parts: list[dict[str, Any]] = [{"type": "text", "text": draw(TEXT)}]
+            if draw(st.booleans()):
+                parts.insert(draw(st.integers(0, 1)), {"type": "image_url", "image_url": {"url": "data:x"}})
+            messages.append({"role": "user", "content": parts})
+        else:
+            messages.append({"role": "user", "content": draw(TEXT)})
+        if draw(st.booleans()):
+            content = draw(TEXT)
+            if draw(st.booleans()):
+                content = f"<think>{draw(TEXT)}</think>{content}"
+            msg: dict[str, Any] = {"role": "assistant", "content": content}
+            if draw(st.booleans()):
+                msg["tool_calls"] = [{"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"q": "' + draw(TEXT).replace('"', "").replace("\\", "") + '"}'}}]
+                messages.append(msg)
+                messages.append({"role": "tool", "tool_call_id": "c", "content": draw(TEXT)})
+            else:
+                messages.append(msg)
+    return messages
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=conversations(), with_tools=st.booleans())
+def test_random_conversations_keep_ids_and_tag_every_piece(
+    messages: list[dict[str, Any]], with_tools: bool, tagger: ChatTagger, tokenizer: TextTokenizer, hf_tokenizer: Any
+) -> None:
+    tools = TOOLS if with_tools else None
+    prompt = tagger.build(copy.deepcopy(messages), tools=copy.deepcopy(tools))
+    ref = hf_tokenizer.apply_chat_template(copy.deepcopy(messages), tools=copy.deepcopy(tools), add_generation_prompt=True, tokenize=True)
+    assert prompt.input_ids == list(ref["input_ids"])
+    assert len(prompt.tags) == len(prompt.input_ids) and prompt.method == "markers"
+    rs = runs(prompt, tokenizer)
+    # Everything from the current turn's header on is current.
+    assert all(decode_tag(t)[0] == "current" for t in prompt.tags[prompt.current_turn_start :])
+    # The inside of every piece carries its role (its first and last character
+    # may share a token with template text).
+    for m in messages:
+        role, content = m["role"], m["content"]
+        pieces: list[tuple[str, str]] = []
+        if role == "user":
+            texts = [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]
+            pieces += [("user", t) for t in texts]
+        elif role == "tool":
+            pieces.append(("obs", content))
+        elif role == "system":
+            pieces.append(("inst", content))
+        else:
+            reasoning, _, answer = content.rpartition("</think>")
+            pieces += [("reasoning", reasoning.removeprefix("<think>")), ("assistant", answer)]
+            pieces += [("tool_call", c["function"]["arguments"]) for c in m.get("tool_calls", [])]
+        for semantic, t in pieces:
+            core = t.strip()[1:-1]
+            if core.strip():
+                assert any(core in text for _, _, s, text in rs if s == semantic), (semantic, core, rs)
+    # One image run per image part, tagged user image.
+    images = sum(1 for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image_url")
+    assert sum(1 for _, mod, s, _ in rs if mod == "image" and s == "user") == images
+    assert len(prompt.turn_starts) == sum(1 for m in messages if m["role"] == "user")
