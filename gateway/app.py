@@ -196,12 +196,14 @@ class _Guard:
             response = JSONResponse(authentication().to_body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
-        status = 500
+        counted = False
 
         async def send_status(message: Message) -> None:
-            nonlocal status
+            nonlocal counted
             if message["type"] == "http.response.start":
-                status = int(message["status"])
+                # counted before the client can see the response
+                self.metrics.requests.labels(route, str(message["status"])).inc()
+                counted = True
             await send(message)
 
         self.metrics.in_flight.inc()
@@ -211,7 +213,8 @@ class _Guard:
         finally:
             self.metrics.in_flight.dec()
             self.metrics.duration.labels(route).observe(time.perf_counter() - started)
-            self.metrics.requests.labels(route, str(status)).inc()
+            if not counted:  # the app failed before answering
+                self.metrics.requests.labels(route, "500").inc()
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -97,7 +97,9 @@ class Completions:
         prompt = self.model.tagger.build(request.messages, tools=request.tools,
                                          template_kwargs=request.chat_template_kwargs)
         key = conversation_key(headers, prompt_cache_key=request.prompt_cache_key, user=request.user)
-        turn_request = self._turn_request("chatcmpl", prompt.input_ids, prompt.tags, request, request.limit, key)
+        history = any(isinstance(m, dict) and m.get("role") in ("assistant", "tool") for m in request.messages)
+        turn_request = self._turn_request("chatcmpl", prompt.input_ids, prompt.tags, request, request.limit, key,
+                                          has_history=history)
         if request.stream:
             return await self._first_then_rest(self._chat_stream(turn_request, request, started))
         return await self._chat_whole(turn_request, request, started)
@@ -217,7 +219,7 @@ class Completions:
 
     def _turn_request(
         self, prefix: str, input_ids: list[int], tags: list[int], request: oa._SamplingFields, limit: int | None,
-        key: str | None,
+        key: str | None, *, has_history: bool = True,
     ) -> TurnRequest:
         n, context = len(input_ids), self.model.max_model_len
         if limit is None:
@@ -235,7 +237,7 @@ class Completions:
             "ignore_eos": request.ignore_eos,
         }
         return TurnRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", input_ids=input_ids, tags=tags, sampling=sampling,
-                           conversation_key=key)
+                           conversation_key=key, has_history=has_history)
 
     async def _generate(
         self, turn_request: TurnRequest, stops: list[str], started: float, *, route: str

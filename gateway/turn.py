@@ -40,6 +40,9 @@ class TurnRequest:
     sampling: dict[str, Any]
     tags: list[int] | None = None
     conversation_key: str | None = None
+    # False for a conversation's first turn (no assistant message yet): no
+    # worker can hold its KV, so a lease-table miss need not ask them.
+    has_history: bool = True
 
 
 @dataclass(slots=True)
@@ -101,7 +104,8 @@ class Turns:
         key = request.conversation_key
         lease = None
         if key is not None:
-            lease = await self.keeper.lookup(key, decode_urls=[w.url for w in decoders if w.healthy])
+            ask = [w.url for w in decoders if w.healthy] if request.has_history else []
+            lease = await self.keeper.lookup(key, decode_urls=ask)
         held = self.keeper.table.per_worker
         views = [WorkerView(w.url, w.healthy, w.inflight, held.get(w.url, 0)) for w in decoders]
         decision = choose_decode(views, lease_url=lease.worker_url if lease else None, max_inflight=self.max_inflight)

@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from kvserving.config import GatewayConfig
 
@@ -63,17 +63,29 @@ class WorkerState:
 
 
 class WorkerClient:
-    """HTTP calls to workers over one pooled ``httpx.AsyncClient``."""
+    """HTTP calls to workers over one pooled ``aiohttp.ClientSession`` (created on first use).
+
+    aiohttp rather than httpx: its C HTTP parser and connection pool cost a
+    fraction of httpcore's per request under hundreds of concurrent streams
+    (bench/gateway_overhead.py; NOTES in bench/NOTES-gateway.md).
+    """
 
     def __init__(self, *, request_timeout_s: float, connect_timeout_s: float, max_connections: int = 4096) -> None:
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
-        self._short = httpx.Timeout(max(connect_timeout_s, 1.0) * 2, connect=connect_timeout_s)
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+        self._short = aiohttp.ClientTimeout(total=max(connect_timeout_s, 1.0) * 2, sock_connect=connect_timeout_s)
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0, keepalive_timeout=60)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, auto_decompress=False)
+        return self._session
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def generate(self, url: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """Every event of one generate stream (token events, then the final one).
@@ -83,51 +95,57 @@ class WorkerClient:
         worker takes as an abort.
         """
         try:
-            async with self._http.stream("POST", f"{url}/internal/generate", json=body) as response:
-                if response.status_code != 200:
-                    text = (await response.aread()).decode(errors="replace")
-                    raise UpstreamError("status", _error_message(text, response.status_code), url=url,
-                                        status=response.status_code)
-                async for event in _sse_events(response.aiter_lines(), url=url):
-                    yield event
-        except httpx.TimeoutException as exc:
-            raise UpstreamError("timeout", f"worker {url} timed out: {type(exc).__name__}", url=url) from exc
-        except httpx.ConnectError as exc:
+            async with self._http().post(f"{url}/internal/generate", json=body) as response:
+                if response.status != 200:
+                    text = (await response.read()).decode(errors="replace")
+                    raise UpstreamError("status", _error_message(text, response.status), url=url, status=response.status)
+                try:
+                    async for event in _sse_events(_lines(response.content), url=url):
+                        yield event
+                except BaseException:
+                    response.close()  # not back to the pool: the worker sees the disconnect (abort)
+                    raise
+        except asyncio.TimeoutError as exc:
+            raise UpstreamError("timeout", f"worker {url} timed out", url=url) from exc
+        except aiohttp.ClientConnectorError as exc:
             raise UpstreamError("connect", f"cannot reach worker {url}: {exc}", url=url) from exc
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise UpstreamError("stream", f"worker {url} stream broke: {type(exc).__name__}: {exc}", url=url) from exc
 
     async def find_leases(self, url: str, *, conversation_key: str) -> list[dict[str, Any]]:
-        response = await self._http.get(
-            f"{url}/internal/kv/leases", params={"conversation_key": conversation_key}, timeout=self._short
-        )
-        response.raise_for_status()
-        leases = response.json().get("leases", [])
+        async with self._http().get(f"{url}/internal/kv/leases", params={"conversation_key": conversation_key},
+                                    timeout=self._short) as response:
+            response.raise_for_status()
+            leases = (await response.json()).get("leases", [])
         return [entry for entry in leases if entry.get("conversation_key") == conversation_key]
 
     async def renew_lease(self, url: str, lease_id: str, *, ttl_s: float) -> float | None:
         """The new expiry, or None if the worker does not know the lease (404)."""
-        response = await self._http.post(
-            f"{url}/internal/kv/leases/{lease_id}/renew", json={"ttl_s": ttl_s}, timeout=self._short
-        )
-        if response.status_code == 404:
-            return None
-        response.raise_for_status()
-        return float(response.json()["expires_at"])
+        async with self._http().post(f"{url}/internal/kv/leases/{lease_id}/renew", json={"ttl_s": ttl_s},
+                                     timeout=self._short) as response:
+            if response.status == 404:
+                return None
+            response.raise_for_status()
+            return float((await response.json())["expires_at"])
 
     async def release_lease(self, url: str, lease_id: str) -> bool:
-        response = await self._http.delete(f"{url}/internal/kv/leases/{lease_id}", timeout=self._short)
-        if response.status_code == 404:
-            return False
-        response.raise_for_status()
-        return True
+        async with self._http().delete(f"{url}/internal/kv/leases/{lease_id}", timeout=self._short) as response:
+            if response.status == 404:
+                return False
+            response.raise_for_status()
+            return True
 
     async def ready(self, url: str) -> bool:
         try:
-            response = await self._http.get(f"{url}/ready", timeout=self._short)
-        except httpx.HTTPError:
+            async with self._http().get(f"{url}/ready", timeout=self._short) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
-        return response.status_code == 200
+
+
+async def _lines(content: aiohttp.StreamReader) -> AsyncGenerator[str, None]:
+    async for raw in content:  # one line at a time, "\n" kept
+        yield raw.decode().rstrip("\r\n")
 
 
 async def _sse_events(lines: AsyncIterator[str], *, url: str) -> AsyncGenerator[dict[str, Any], None]:

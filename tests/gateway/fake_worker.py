@@ -269,3 +269,21 @@ def start_fake(worker: FakeWorker) -> ServerThread:
     server = ServerThread(worker.app())
     worker.url = server.url
     return server.start()
+
+
+def main() -> None:
+    """``python tests/gateway/fake_worker.py --port P [--reply-ids 1,2,3]``: serve one fake (the benchmark's worker)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--role", default="both", choices=("prefill", "decode", "both"))
+    parser.add_argument("--reply-ids", default="11,12,13,14")
+    args = parser.parse_args()
+    worker = FakeWorker(role=args.role, reply_ids=[int(t) for t in args.reply_ids.split(",")])
+    worker.url = f"http://127.0.0.1:{args.port}"
+    uvicorn.run(worker.app(), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

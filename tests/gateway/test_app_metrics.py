@@ -3,6 +3,7 @@ type, and the counters move by what happened."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,6 +71,9 @@ def test_counters_move_by_what_happened(stack: Stack) -> None:
     assert gw.metric("kvserving_gateway_inter_token_latency_seconds_count") == 3 * 2
     assert gw.metric("kvserving_gateway_completion_tokens_total") == 9
     assert gw.metric("kvserving_gateway_routing_decisions_total", {"role": "decode", "reason": "least_loaded"}) == 3
-    assert gw.metric("kvserving_gateway_requests_in_flight") == 0
+    deadline = time.monotonic() + 5
+    while gw.metric("kvserving_gateway_requests_in_flight") != 0:  # decremented after the last byte
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     httpx.get(gw.url + "/metrics", timeout=5)
     assert gw.metric("kvserving_gateway_workers_healthy", {"role": "both"}) == 1
