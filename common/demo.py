@@ -69,9 +69,7 @@ def _serve(args: argparse.Namespace, model_dir: Path, *, builtin: bool) -> int:
     ]
     prompts: list[list[int]] = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    note = " (random weights: the text is noise, the mechanics are real)" if builtin else ""
-    name = "the built-in tiny model" if builtin else f"model {model_dir}"
-    print(f"{name} serving {len(prompts)} chat requests, {args.max_tokens} tokens each, KV budget {args.kv_mib} MiB{note}")
+    print(headline(model_dir, builtin=builtin, requests=len(prompts), max_tokens=args.max_tokens, kv_mib=args.kv_mib))
     print(f"{'kv format':<10}{'pool tokens':>12}{'bytes/token':>13}{'tokens/s':>10}{'same tokens as bf16':>21}")
     reference: list[list[int]] | None = None
     for fmt in KV_DTYPES:
@@ -95,3 +93,10 @@ def _serve(args: argparse.Namespace, model_dir: Path, *, builtin: bool) -> int:
     print(f"first request, bf16 KV: {QUESTIONS[0]!r} ->")
     print("   ", repr(tok.decode(reference[0])))
     return 0
+
+
+def headline(model_dir: Path, *, builtin: bool, requests: int, max_tokens: int, kv_mib: int) -> str:
+    """What is served; only the built-in model's text is called noise (its weights are random)."""
+    name = "the built-in tiny model" if builtin else f"model {model_dir}"
+    note = " (random weights: the text is noise, the mechanics are real)" if builtin else ""
+    return f"{name} serving {requests} chat requests, {max_tokens} tokens each, KV budget {kv_mib} MiB{note}"

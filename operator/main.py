@@ -81,8 +81,17 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         connection_info(kopf.OperatorSettings())
-    except kopf.LoginError as exc:
-        print(f"kvserving operator: error: cannot reach a cluster: {exc} (set KUBECONFIG or run in a pod)", file=sys.stderr)
+    except (kopf.LoginError, OSError, ValueError, KeyError, yaml.YAMLError) as exc:
+        # kopf would retry the login every minute with a traceback; a missing or broken kubeconfig is not transient.
+        if isinstance(exc, OSError):
+            reason = f"{exc.strerror}: {exc.filename}"
+        elif isinstance(exc, yaml.YAMLError):
+            reason = f"the kubeconfig is not valid YAML ({getattr(exc, 'problem', None) or 'parse error'})"
+        elif isinstance(exc, KeyError):
+            reason = f"the kubeconfig names {exc} but does not define it"
+        else:
+            reason = str(exc).splitlines()[0]
+        print(f"kvserving operator: error: no cluster credentials: {reason} (set KUBECONFIG or run in a pod)", file=sys.stderr)
         return 1
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
