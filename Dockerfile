@@ -15,6 +15,7 @@ COPY kernels/ kernels/
 COPY worker/ worker/
 COPY gateway/ gateway/
 COPY operator/ operator/
+COPY crds/ crds/
 RUN pip install --no-cache-dir "setuptools==84.2.1" "wheel==0.48.0" \
  && pip wheel --no-cache-dir --no-deps --no-build-isolation -w /wheels .
 

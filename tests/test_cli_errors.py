@@ -282,3 +282,15 @@ def test_gpu_run_exits_non_zero_when_the_gpu_tests_fail(tmp_path: Path) -> None:
     assert "python3 bench/decode_gpu.py" in proc.stdout  # the benchmark still ran
     out = tmp_path / "out"
     assert proc.stderr == f"gpu_run.sh: error: gpu tests failed (exit 1, log in {out}/gpu_tests.log)\n"
+
+
+def test_the_packaged_crd_is_the_repositorys_and_admits_every_sample() -> None:
+    from kvserving.operator.main import load_crd
+    from kvserving.operator.validate import admit
+
+    crd = load_crd()
+    assert crd == yaml.safe_load((ROOT / "crds" / "kvserving.yaml").read_text())
+    for path in sorted(SAMPLES.glob("*.yaml")):
+        admission = admit(yaml.safe_load(path.read_text()), crd=crd)
+        assert admission.problems == (), path.name
+        assert admission.body["spec"]["reuse"]["recomputeThresholdTokens"] == 64  # a CRD default filled in
