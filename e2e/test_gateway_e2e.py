@@ -113,7 +113,7 @@ def test_three_turn_conversation_reuses_kv_through_the_gateway(stack: tuple[Gate
                      {"role": "user", "content": f"Turn {turn + 2}: now look at the next file and report back."}]
     assert cached[0] == 0
     assert cached[1] > 0 and cached[2] > cached[1], cached
-    leases = httpx.get(decode.url + "/internal/kv/leases", params={"conversation_key": "h:e2e-session"}, timeout=10).json()
+    leases = httpx.get(decode.url + "/internal/kv/leases", params={"conversation_key": "session:e2e-session"}, timeout=10).json()
     assert len(leases["leases"]) == 1
     assert metric(gateway.url, "kvserving_gateway_kv_reused_tokens_total", source="remote") > 0
     assert metric(gateway.url, "kvserving_gateway_routing_decisions_total", role="decode", reason="lease") == 2

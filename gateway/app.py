@@ -37,6 +37,7 @@ from kvserving.config import ServingConfig
 from . import openai_types as oa
 from .completions import Completions, ModelInfo
 from .errors import GatewayError, authentication, invalid_request, not_found, payload_too_large
+from .identity import ConversationIndex
 from .leases import LeaseKeeper, LeaseTable
 from .metrics import GatewayMetrics
 from .turn import Turns
@@ -68,7 +69,8 @@ def build_state(config: ServingConfig, *, model: ModelInfo, registry: CollectorR
     keeper = LeaseKeeper(table, client, retention_ttl_s=config.reuse.retention_ttl_s, events=metrics, clock=time.time)
     turns = Turns(pool=pool, client=client, keeper=keeper, metrics=metrics,
                   max_inflight_per_worker=gw.max_inflight_per_worker)
-    completions = Completions(model=model, turns=turns, metrics=metrics)
+    index = ConversationIndex(page_size=config.kv_cache.effective_page_size)
+    completions = Completions(model=model, turns=turns, metrics=metrics, index=index)
     return GatewayState(config, model, metrics, client, pool, keeper, completions)
 
 

@@ -24,16 +24,13 @@ from typing import Any
 from . import openai_types as oa
 from .chat_template import ChatTemplate
 from .detokenize import IncrementalDetokenizer
+from .identity import ConversationIndex, explicit_identity
 from .errors import GatewayError, context_length_exceeded, invalid_request, model_not_found, upstream_error
 from .metrics import GatewayMetrics
 from .output import OutputParser, StopMatcher
-from .tagger import ChatTagger
+from .tagger import ChatTagger, TaggedPrompt
 from .tokenizer import TextTokenizer
 from .turn import TurnRequest, TurnResult, Turns
-
-SESSION_HEADERS = ("x-session-id", "x-session-affinity", "x-correlation-id", "x-dynamo-session-id",
-                   "x-claude-code-session-id")
-
 
 @dataclass(slots=True, frozen=True)
 class ModelInfo:
@@ -68,26 +65,14 @@ class ModelInfo:
                    created=int(root.stat().st_mtime))
 
 
-def conversation_key(headers: Mapping[str, str], *, prompt_cache_key: str | None, user: str | None) -> str | None:
-    """Session header, then ``prompt_cache_key``, then ``user`` (DESIGN.md, Gateway)."""
-    for name in SESSION_HEADERS:
-        value = headers.get(name)
-        if value:
-            return f"h:{value}"
-    if prompt_cache_key:
-        return f"k:{prompt_cache_key}"
-    if user:
-        return f"u:{user}"
-    return None
-
-
 class Completions:
     """Chat and text completions over ``Turns``."""
 
-    def __init__(self, *, model: ModelInfo, turns: Turns, metrics: GatewayMetrics) -> None:
+    def __init__(self, *, model: ModelInfo, turns: Turns, metrics: GatewayMetrics, index: ConversationIndex) -> None:
         self.model = model
         self.turns = turns
         self.metrics = metrics
+        self.index = index  # conversation identity (identity.py): explicit ids, prefix match, minted keys
 
     # ----------------------------------------------------------------- chat
     async def chat(
@@ -96,7 +81,9 @@ class Completions:
         self._check_model(request.model)
         prompt = self.model.tagger.build(request.messages, tools=request.tools,
                                          template_kwargs=request.chat_template_kwargs)
-        key = conversation_key(headers, prompt_cache_key=request.prompt_cache_key, user=request.user)
+        identity = self.index.identify(headers=headers, body=_id_fields(request), prompt=prompt)
+        self.metrics.identities.labels(identity.source).inc()
+        key = identity.key
         history = any(isinstance(m, dict) and m.get("role") in ("assistant", "tool") for m in request.messages)
         turn_request = self._turn_request("chatcmpl", prompt.input_ids, prompt.tags, request, request.limit, key,
                                           has_history=history)
@@ -172,7 +159,13 @@ class Completions:
             if bad:
                 raise invalid_request(f"prompt token ids must be in [0, {vocab}), got {bad[0]}", param="prompt")
             input_ids, tags = list(prompt), self.model.tagger.tag_ids(prompt)
-        key = conversation_key(headers, prompt_cache_key=request.prompt_cache_key, user=request.user)
+        # A raw prompt has no user turns to mint a stable key from: without an explicit id or a
+        # prefix match it is no conversation (nothing retained for it).
+        explicit = explicit_identity(headers, _id_fields(request))
+        identity = explicit or self.index.match(TaggedPrompt(text="", input_ids=input_ids, tags=tags))
+        if identity is not None:
+            self.metrics.identities.labels(identity.source).inc()
+        key = identity.key if identity is not None else None
         turn_request = self._turn_request("cmpl", input_ids, tags, request, request.limit, key)
         if request.stream:
             return await self._first_then_rest(self._text_stream(turn_request, request, started))
@@ -273,6 +266,9 @@ class Completions:
             completion_tokens = result.completion_tokens
         else:
             completion_tokens = detok.count
+        if turn_request.conversation_key is not None:  # what the next turn will start with
+            self.index.remember(turn_request.conversation_key, turn_request.input_ids)
+            self.index.remember(turn_request.conversation_key, turn_request.input_ids + detok.ids)
         result_final = turn.result or _partial_result(turn_request, turn, completion_tokens)
         result_final.completion_tokens = completion_tokens
         self.metrics.prompt_tokens.inc(result_final.prompt_tokens)
@@ -302,6 +298,10 @@ def _partial_result(turn_request: TurnRequest, turn: Any, completion_tokens: int
     return TurnResult(finish_reason="stop", prompt_tokens=n, completion_tokens=completion_tokens, cached_tokens=0,
                       local_cached_tokens=0, remote_pulled_tokens=0, decode_url=turn.decode.url,
                       prefill_url=turn.prefill.url if turn.prefill is not None else None)
+
+
+def _id_fields(request: oa.ChatCompletionRequest | oa.CompletionRequest) -> dict[str, Any]:
+    return {"prompt_cache_key": request.prompt_cache_key, "user": request.user}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -19,6 +19,7 @@ DASHBOARD_METRICS, same name and type); the rest are for operators:
     kvserving_gateway_routing_decisions_total{role,reason} counter
     kvserving_gateway_upstream_errors_total{kind}         counter   connect | timeout | status | stream | worker_error
     kvserving_gateway_workers_healthy{role}               gauge
+    kvserving_gateway_conversation_identities_total{source} counter  x-session-id | ... | prompt_cache_key | user | prefix | new
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class GatewayMetrics:
             p + "routing_decisions", "Routing decisions by role and reason", ["role", "reason"], registry=registry
         )
         self.upstream_errors = Counter(p + "upstream_errors", "Worker failures by kind", ["kind"], registry=registry)
+        self.identities = Counter(
+            p + "conversation_identities", "How each request's conversation was identified", ["source"], registry=registry
+        )
         self.workers_healthy = Gauge(p + "workers_healthy", "Healthy workers by role", ["role"], registry=registry)
 
     # LeaseEvents (leases.LeaseKeeper)

@@ -61,7 +61,8 @@ def test_chat_sync_answers_the_workers_tokens_with_exact_usage(stack: Stack, tok
     assert body["tags"] == tagged.tags and len(body["tags"]) == len(ids)
     assert {decode_tag(t)[2] for t in body["tags"]} >= {"inst", "user", "delim"}
     assert body["sampling"]["temperature"] == 0
-    assert body["retain"] is False and body["conversation_key"] is None
+    # no session id: a key minted from the first user turn, and the KV is retained under it
+    assert body["retain"] is True and body["conversation_key"].startswith("conv:")
 
 
 def test_max_tokens_cut_is_length_and_max_completion_tokens_wins(stack: Stack, tok: TextTokenizer) -> None:
@@ -135,6 +136,26 @@ def test_multi_turn_reports_cached_tokens_of_the_previous_turn(stack: Stack, tok
     assert second.usage.prompt_tokens == len(turn2)
     assert second.usage.prompt_tokens_details.cached_tokens == common // PAGE_SIZE * PAGE_SIZE > 0
     assert gw.metric("kvserving_gateway_kv_reused_tokens_total", {"source": "local"}) == common // PAGE_SIZE * PAGE_SIZE
+
+
+def test_a_plain_client_resending_the_history_is_recognised_by_prefix(stack: Stack, tok: TextTokenizer) -> None:
+    reply = tok.encode_ids(REPLY)
+    worker = stack.worker(role="both", reply_ids=reply)
+    gw = stack.gateway(decode=[worker.url])
+    c = client(gw)
+    messages = [{"role": "system", "content": "You are a coding agent. " * 8}, {"role": "user", "content": "List the files."}]
+    first = c.chat.completions.create(model=MODEL, messages=messages)
+    key = worker.received[-1]["conversation_key"]
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Now read main.py."}]
+    second = c.chat.completions.create(model=MODEL, messages=messages)
+    assert worker.received[-1]["conversation_key"] == key
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    other = c.chat.completions.create(model=MODEL, messages=[messages[0], {"role": "user", "content": "Something else."}])
+    assert worker.received[-1]["conversation_key"] != key  # a shared system prompt is not the same conversation
+    assert other.usage.prompt_tokens_details.cached_tokens > 0  # ...but its pages are still reused
+    assert gw.metric("kvserving_gateway_conversation_identities_total", {"source": "prefix"}) == 1
+    assert gw.metric("kvserving_gateway_conversation_identities_total", {"source": "new"}) == 2
 
 
 def test_stop_string_ends_the_reply_and_aborts_upstream(stack: Stack, tok: TextTokenizer) -> None:

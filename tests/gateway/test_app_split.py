@@ -51,13 +51,13 @@ def test_split_turns_move_kv_prefill_to_decode_and_back(stack: Stack, reply: lis
     first = turn(gw, messages, "s1")
     p1, d1 = prefill.received[-1], decode.received[-1]
     assert p1["sampling"]["max_tokens"] == 1 and p1["kv_transfer_params"] is None and p1["retain"] is False
-    assert d1["input_ids"] == p1["input_ids"] and d1["retain"] is True and d1["conversation_key"] == "h:s1"
+    assert d1["input_ids"] == p1["input_ids"] and d1["retain"] is True and d1["conversation_key"] == "session:s1"
     transfer = prefill.leases[d1["kv_transfer_params"]["lease_id"]]  # P -> D: the prefill's transfer lease
     assert d1["kv_transfer_params"]["page_hashes"] == transfer.hashes
     assert first.choices[0].message.content == "Done. The tests pass now."
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     (lease,) = decode.leases.values()
-    assert lease.conversation_key == "h:s1"
+    assert lease.conversation_key == "session:s1"
 
     messages.append({"role": "user", "content": "Run them again."})
     second = turn(gw, messages, "s1")
@@ -74,7 +74,7 @@ def test_split_turns_move_kv_prefill_to_decode_and_back(stack: Stack, reply: lis
     assert gw.metric("kvserving_gateway_routing_decisions_total", {"role": "decode", "reason": "lease"}) == 1
     # the decode replaced its lease; the table follows
     (lease2,) = decode.leases.values()
-    assert gw.state.keeper.table.get("h:s1").lease_id == lease2.lease_id  # type: ignore[union-attr]
+    assert gw.state.keeper.table.get("session:s1").lease_id == lease2.lease_id  # type: ignore[union-attr]
 
 
 def test_two_gateway_replicas_route_a_conversation_to_the_same_kv(stack: Stack, reply: list[int]) -> None:
@@ -87,7 +87,7 @@ def test_two_gateway_replicas_route_a_conversation_to_the_same_kv(stack: Stack, 
     holder: dict[str, FakeWorker] = {}
     for session, messages in sessions.items():
         turn(gw_a, messages, session)
-        (owner,) = [d for d in decoders if any(le.conversation_key == f"h:{session}" for le in d.leases.values())]
+        (owner,) = [d for d in decoders if any(le.conversation_key == f"session:{session}" for le in d.leases.values())]
         holder[session] = owner
     assert len({id(w) for w in holder.values()}) > 1  # load spread over decode workers
     for session, messages in sessions.items():
@@ -110,7 +110,7 @@ def test_leases_renew_while_active_and_release_when_idle(stack: Stack, reply: li
     _wait(lambda: lease_id in decode.renewals)  # active (within the lease TTL): renewed by heartbeat
     _wait(lambda: lease_id in decode.releases, timeout_s=5)  # idle past the lease TTL: released
     assert decode.leases == {}
-    assert gw.state.keeper.table.get("h:idle-one") is None
+    assert gw.state.keeper.table.get("session:idle-one") is None
     assert gw.metric("kvserving_gateway_lease_renewals_total") >= 1
     assert gw.metric("kvserving_gateway_lease_releases_total") == 1
     assert gw.metric("kvserving_gateway_leases") == 0
@@ -122,7 +122,7 @@ def test_a_lease_the_worker_forgot_is_dropped_as_expired(stack: Stack, reply: li
     gw = stack.gateway(decode=[decode.url], reuse=reuse, lease_heartbeat_s=0.2)
     turn(gw, [SYSTEM, {"role": "user", "content": "hello"}], "forgotten")
     decode.leases.clear()  # the worker lost it (restart, eviction)
-    _wait(lambda: gw.state.keeper.table.get("h:forgotten") is None)
+    _wait(lambda: gw.state.keeper.table.get("session:forgotten") is None)
     assert gw.metric("kvserving_gateway_lease_expiries_total") == 1
     assert decode.releases == []
 
