@@ -67,10 +67,13 @@ class Pair:
             url = f"local://{name}-{role}"
             self.workers[url] = KVTransfer(
                 eng, eng.config.reuse, engine_id=f"{name}-{role}", agent_url=url, role=role,
-                fetch_agent_info=lambda u: self.workers[u].agent_info(),
+                fetch_agent_info=lambda u: self.workers[u].agent_info(), fetch_lease=self._lease,
                 renew_remote=self._renew, release_remote=lambda u, lid: self.workers[u].release(lid),
             )
         self.p, self.d = self.workers[f"local://{name}-prefill"], self.workers[f"local://{name}-decode"]
+
+    def _lease(self, url: str, lease_id: str) -> dict[str, Any] | None:
+        return next((le["kv_transfer_params"] for le in self.workers[url].leases() if le["lease_id"] == lease_id), None)
 
     def _renew(self, url: str, lease_id: str) -> float | None:
         try:

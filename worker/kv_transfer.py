@@ -39,9 +39,13 @@ ids' INT2 flag); keep the leading remote pages whose hashes equal them; skip
 pages the local prefix cache holds; READ the rest when that adds at least
 ``reuse.recompute_threshold_tokens`` (or, for "auto", when the measured
 transfer is predicted faster than the measured prefill), the lease is alive
-(checked with the sender before and after the READ: a lease alive at both
-ends was alive throughout, so its pages were not reused) and ``layout_hash``
-matches. Pulled pages are registered in the prefix cache and pinned under
+and ``layout_hash`` matches. Before the READ the sender's own record of the
+lease (GET /internal/kv/leases) must name exactly the offered pages and
+hashes (NIXL would read any page of a registered region); after it, a renew
+must still find the lease (held at both ends: its pages were pinned
+throughout, never reused). Peer calls: GET /internal/kv/agent, GET
+/internal/kv/leases, POST .../renew, DELETE (after a pull of an ``xfer-``
+lease); each is an injectable callable. Pulled pages are registered in the prefix cache and pinned under
 ``PullResult.pin_lease`` (local prefix pages under ``pin_lease + ".local"``)
 until the engine admits the request. Any failure gives ``fallback`` one of
 ``FALLBACK_REASONS`` and the request recomputes; a failed READ's pages are
@@ -259,6 +263,18 @@ def http_fetch_agent_info(agent_url: str) -> dict[str, Any]:
     return cast(dict[str, Any], r.json())
 
 
+def http_fetch_lease(agent_url: str, lease_id: str) -> dict[str, Any] | None:
+    """The sender's own record of a lease (its ``kv_transfer_params``), or None when it holds none."""
+    import httpx
+
+    r = httpx.get(f"{agent_url.rstrip('/')}/internal/kv/leases", timeout=HTTP_TIMEOUT_S)
+    r.raise_for_status()
+    for lease in r.json()["leases"]:
+        if lease.get("lease_id") == lease_id:
+            return cast(dict[str, Any], lease["kv_transfer_params"])
+    return None
+
+
 def http_renew_remote(agent_url: str, lease_id: str) -> float | None:
     """The lease's new expiry, or None when the sender does not hold it (404)."""
     import httpx
@@ -292,6 +308,7 @@ class KVTransfer:
         role: str = "both",
         run_on_engine: Callable[[Callable[[], Any]], Any] | None = None,
         fetch_agent_info: Callable[[str], dict[str, Any]] | None = None,
+        fetch_lease: Callable[[str, str], dict[str, Any] | None] | None = None,
         renew_remote: Callable[[str, str], float | None] | None = None,
         release_remote: Callable[[str, str], None] | None = None,
         weights_id: str | None = None,
@@ -310,6 +327,7 @@ class KVTransfer:
         self._lock = threading.Lock()
         self._run = run_on_engine or self._run_locked
         self._fetch = fetch_agent_info or http_fetch_agent_info
+        self._fetch_lease = fetch_lease or http_fetch_lease
         self._renew_remote = renew_remote or http_renew_remote
         self._release_remote = release_remote or http_release_remote
         st = engine.storage
@@ -430,7 +448,12 @@ class KVTransfer:
         if isinstance(peer_or_reason, str):
             return self._fail(peer_or_reason, **base)
         peer = peer_or_reason
-        hold = self._check_lease(params)
+        try:
+            for pid in remote_pids:
+                peer.geometry.span(pid)
+        except ValueError:  # page ids outside the sender's buffers: not its layout
+            return self._fail("layout_mismatch", **base)
+        hold = self._verify_lease(params)
         if hold is not None:
             return self._fail(hold, **base)
         bits = [page_id_bits(pid) for pid in remote_pids]
@@ -445,7 +468,7 @@ class KVTransfer:
             self._discard(local, safe=exc.pages_safe)
             return self._fail(exc.reason, **base)
         t1 = time.perf_counter()
-        after = self._check_lease(params)  # alive before and after: its pages were pinned throughout
+        after = self._check_lease(params)  # held before and after: its pages were pinned throughout
         if after is not None:
             self._discard(local, safe=True)
             return self._fail(after, **base)
@@ -536,6 +559,27 @@ class KVTransfer:
             self.nixl.forget_remote(engine_id)
             return "stale_agent"
         return peer
+
+    def _verify_lease(self, params: KVTransferParams) -> str | None:
+        """Before a READ: the sender must hold the lease with exactly these pages and hashes.
+
+        NIXL reads any page of a registered region, so page ids a client made up (or a stale
+        gateway cache) would read someone else's KV; the sender's own record is the truth."""
+        try:
+            truth = self._fetch_lease(params.agent_url, params.lease_id)
+        except Exception:  # noqa: BLE001
+            return "remote_unreachable"
+        if truth is None:
+            return "lease_expired"
+        try:
+            held = KVTransferParams.from_dict(truth)
+        except ValueError:
+            return "transfer_failed"
+        if held.engine_id != params.engine_id:
+            return "stale_agent"
+        if (held.page_ids, held.page_hashes, held.num_tokens) != (params.page_ids, params.page_hashes, params.num_tokens):
+            return "hash_mismatch"
+        return None
 
     def _check_lease(self, params: KVTransferParams) -> str | None:
         try:

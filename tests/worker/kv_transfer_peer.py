@@ -122,9 +122,13 @@ class Host:
                     return None
                 return host.workers[parts[1]], parts[2:]
 
-            def do_GET(self) -> None:
+            def do_GET(self) -> None:  # .../internal/kv/agent or .../internal/kv/leases
                 r = self._route()
-                if r is not None:
+                if r is None:
+                    return
+                if r[1][-1] == "leases":
+                    self._reply(200, {"leases": r[0].kvt.leases()})
+                else:
                     self._reply(200, r[0].kvt.agent_info())
 
             def do_POST(self) -> None:  # .../internal/kv/leases/{id}/renew

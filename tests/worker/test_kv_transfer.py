@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_transfer import http_renew_remote
+from kvserving.worker.kv_transfer import http_fetch_lease
 from kvserving.tags import encode_tag
 from kvserving.worker.sampling import SamplingParams
 
@@ -250,6 +250,18 @@ def test_other_weights_are_a_layout_mismatch(tiny_model_dir: Path, tmp_path: Pat
     assert _turn2(pf, "dtype", prompt2, bad)["fallback"] == "layout_mismatch"
 
 
+def test_forged_page_ids_are_refused(tiny_model_dir: Path, pf: Any, peer: Peer) -> None:
+    """Params naming pages the sender's lease does not hold (made up, or a stale cache) are
+    never read: the sender's own record of the lease decides."""
+    prompt1, d1 = _turn1(pf, peer, 31)
+    _, other = _turn1(pf, peer, 33)  # another conversation's pages on the same decode worker
+    prompt2 = prompt1 + d1["tokens"] + _prompt(30, 32)
+    forged = dict(d1["params"], page_ids=other["params"]["page_ids"])
+    r = _turn2(pf, "forged", prompt2, forged)
+    assert (r["fallback"], r["pulled"]) == ("hash_mismatch", 0)
+    assert r["tokens"] == _fresh(tiny_model_dir, "bf16", prompt2, 8)
+
+
 def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer: Peer) -> None:
     """The peer frozen mid-pull (SIGSTOP: our deadline fires), then killed, then restarted on
     the same port with a new engine id: each pull recomputes with its reason. (Last in the
@@ -263,13 +275,13 @@ def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer:
         prompt2 = prompt1 + d1["tokens"] + _prompt(30, 22)
         expected = _fresh(tiny_model_dir, "bf16", prompt2, 8)
 
-        def renew_then_freeze(url: str, lease_id: str) -> float | None:
-            expires = http_renew_remote(url, lease_id)
+        def check_then_freeze(url: str, lease_id: str) -> dict[str, Any] | None:
+            held = http_fetch_lease(url, lease_id)
             os.kill(child.proc.pid, signal.SIGSTOP)  # frozen between the lease check and the READ
-            return expires
+            return held
 
         frozen = host.open("p-frozen", _spec(tiny_model_dir, "bf16", "p-frozen-1", transfer_timeout_s=1.0),
-                           renew_remote=renew_then_freeze)
+                           fetch_lease=check_then_freeze)
         t0 = time.monotonic()
         r = _turn2(frozen, "frozen", prompt2, d1["params"])
         assert time.monotonic() - t0 < 10.0
@@ -283,14 +295,14 @@ def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer:
             time.sleep(0.05)
         assert frozen.kvt.nixl.num_stuck == 0 and frozen.engine.pool.num_owned == 0
 
-        def renew_then_kill(url: str, lease_id: str) -> float | None:
-            expires = http_renew_remote(url, lease_id)
+        def check_then_kill(url: str, lease_id: str) -> dict[str, Any] | None:
+            held = http_fetch_lease(url, lease_id)
             child.proc.kill()  # dies between the lease check and the READ
             child.proc.wait(timeout=10)
-            return expires
+            return held
 
         # fresh prefill workers for each step below (a recomputed prompt lands in the prefix cache)
-        P = host.open("p-dead", _spec(tiny_model_dir, "bf16", "p-dead-1", transfer_timeout_s=3.0), renew_remote=renew_then_kill)
+        P = host.open("p-dead", _spec(tiny_model_dir, "bf16", "p-dead-1", transfer_timeout_s=3.0), fetch_lease=check_then_kill)
         P1, P2, P3 = (host.open(f"p-{k}", _spec(tiny_model_dir, "bf16", f"p-{k}-1")) for k in ("before", "stale", "new"))
         port = child.port
         r = _turn2(P, "dead", prompt2, d1["params"])
@@ -311,3 +323,4 @@ def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer:
     finally:
         if restarted is not None:
             restarted.stop()
+
