@@ -5,12 +5,14 @@ parser (issue 10, "Rendered commands exist").
 A subcommand that is not registered in ``kvserving.cli.COMMANDS`` yet is
 skipped with its name; once it is registered, its rendered flags must parse
 (nothing to turn on by hand). Also: every flag of every registered command
-has help text, and the help shows the defaults.
+has help text, the help shows the defaults, and the README and docs/design.md
+link only to documents inside the repository.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +82,14 @@ def test_every_flag_has_help_and_shows_its_default(command: str) -> None:
     for action in actions:
         if action.option_strings and action.default not in (None, False, argparse.SUPPRESS, []):
             assert f"(default: {action.default})" in text, (command, action.option_strings)
+
+
+def test_readme_and_design_links_stay_inside_the_repository() -> None:
+    # A plain clone has no ../shared/: every document the README points to is in the repo.
+    root = Path(__file__).resolve().parents[1]
+    for doc in (root / "README.md", root / "docs" / "design.md"):
+        text = doc.read_text()
+        assert "../shared" not in text, doc.name
+        for target in re.findall(r"\]\(([^)#]+)\)", text):
+            if not target.startswith(("http://", "https://")):
+                assert (doc.parent / target).exists(), (doc.name, target)
