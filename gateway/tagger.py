@@ -183,9 +183,11 @@ class ChatTagger:
         return TaggedPrompt(text=text, input_ids=ids, tags=tags, method="coarse")
 
     def _controls(self, ids: list[int], offsets: list[tuple[int, int]]) -> _Controls:
-        spans = [(a, b) for t, (a, b) in zip(ids, offsets, strict=True) if t in self._control_ids and b > a]
-        image = frozenset(a for t, (a, b) in zip(ids, offsets, strict=True) if t in self.tokenizer.image_token_ids)
-        special = frozenset(a for t, (a, b) in zip(ids, offsets, strict=True) if t in self.tokenizer.special_ids)
+        control, images, specials = self._control_ids, self.tokenizer.image_token_ids, self.tokenizer.special_ids
+        found = [k for k, t in enumerate(ids) if t in control]
+        spans = [offsets[k] for k in found if offsets[k][1] > offsets[k][0]]
+        image = frozenset(offsets[k][0] for k in found if ids[k] in images)
+        special = frozenset(offsets[k][0] for k in found if ids[k] in specials)
         return _Controls(spans=spans, starts=[a for a, _ in spans], image=image, special=special)
 
     def tag_text(self, text: str) -> TaggedPrompt:
