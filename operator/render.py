@@ -155,8 +155,8 @@ def _container(spec: KVServingSpec, role: str, role_spec: RoleSpec) -> dict[str,
     ]
     if role != "gateway":
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})  # UCX/NIXL shared-memory transport
-        if spec.model_pvc:
-            mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    if spec.model_pvc:  # the gateway reads the model's tokenizer and chat template from it
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
     return {
         "name": role if role == "gateway" else "worker",
         "image": spec.image,
@@ -202,8 +202,8 @@ def _deployment(owner: Owner, spec: KVServingSpec, role: str, config_hash: str) 
     ]
     if role != "gateway":
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
-        if spec.model_pvc:
-            volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": spec.model_pvc, "readOnly": True}})
+    if spec.model_pvc:
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": spec.model_pvc, "readOnly": True}})
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # workers and gateway never call the Kubernetes API
         "enableServiceLinks": False,

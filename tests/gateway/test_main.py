@@ -1,0 +1,104 @@
+"""`kvserving gateway` as a process: it starts from the ConfigMap the operator
+renders, and its command-line overrides."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from fake_worker import free_port
+
+from kvserving.gateway.main import add_arguments, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def rendered_config(tmp_path: Path) -> Path:
+    out = subprocess.run([sys.executable, "-m", "kvserving.cli", "operator", "--render",
+                          str(REPO / "manifests/samples/nvfp4.yaml")], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONSAFEPATH="1"), check=True).stdout
+    (cm,) = [o for o in yaml.safe_load_all(out) if o and o["kind"] == "ConfigMap" and "config.json" in o.get("data", {})]
+    path = tmp_path / "config.json"
+    path.write_text(cm["data"]["config.json"])
+    return path
+
+
+def test_gateway_starts_from_the_operators_configmap(tmp_path: Path, tiny_model_dir: Path) -> None:
+    cfg = rendered_config(tmp_path)
+    data = json.loads(cfg.read_text())
+    assert data["gateway"]["decode_service"].endswith(".svc")
+    port = free_port()
+    log = tmp_path / "gateway.log"
+    # --model: the sample's /models path exists only in the pod (the operator mounts the model PVC there)
+    argv = [sys.executable, "-m", "kvserving.cli", "gateway", "--config", str(cfg), "--host", "127.0.0.1",
+            "--port", str(port), "--model", str(tiny_model_dir)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONSAFEPATH="1"),
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            try:
+                health = httpx.get(url + "/health", timeout=2)
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert health.status_code == 200
+        # the headless Services do not resolve here: alive, not ready, refusing with 503
+        assert httpx.get(url + "/ready", timeout=5).status_code == 503
+        assert httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"] == data["model"]["served_name"]
+        r = httpx.post(url + "/v1/chat/completions", json={"model": data["model"]["served_name"],
+                                                           "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "2"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_static_urls_replace_the_services_and_model_replaces_the_path(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"gateway": {"prefill_service": "p.svc", "decode_service": "d.svc", "api_keys": ["k"]},
+                               "model": {"path": "/models/x"}}))
+    config = load_config(parse("--config", str(cfg), "--prefill", "http://a:1", "--decode", "http://b:2", "http://c:3",
+                               "--model", "/m"))
+    gw = config.gateway
+    assert (gw.prefill_urls, gw.decode_urls, gw.prefill_service, gw.decode_service) == (
+        ("http://a:1",), ("http://b:2", "http://c:3"), None, None)
+    assert gw.api_keys == ("k",) and config.model.path == "/m"
+    kept = load_config(parse("--config", str(cfg)))
+    assert (kept.gateway.decode_service, kept.model.path) == ("d.svc", "/models/x")
+
+
+def test_no_worker_at_all_is_a_one_line_error(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "kvserving.cli", "gateway", "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONSAFEPATH="1"))
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1].startswith("kvserving gateway: no workers")
+
+
+@pytest.mark.parametrize("bad", [{"gateway": {"max_body_bytes": 0}}, {"gateway": {"health_interval_s": -1}}])
+def test_bad_gateway_settings_are_refused_naming_the_field(tmp_path: Path, bad: dict) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(bad))
+    field = next(iter(bad["gateway"]))
+    with pytest.raises(ValueError, match=f"gateway.{field}"):
+        load_config(parse("--config", str(cfg)))
