@@ -22,7 +22,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
   || fail "no GPU visible to torch (or torch/triton missing)"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gluon_decode.py tests/kernels/test_triton_paged.py 2>&1 | tee $OUT/gpu_tests.log | tail -40
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels 2>&1 | tee $OUT/gpu_tests.log | tail -40
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: gpu tests failed (exit $rc, log in $OUT/gpu_tests.log)" >&2; status=1; }
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
