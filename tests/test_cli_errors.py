@@ -294,3 +294,34 @@ def test_the_packaged_crd_is_the_repositorys_and_admits_every_sample() -> None:
         admission = admit(yaml.safe_load(path.read_text()), crd=crd)
         assert admission.problems == (), path.name
         assert admission.body["spec"]["reuse"]["recomputeThresholdTokens"] == 64  # a CRD default filled in
+
+
+def test_generate_shows_progress_on_a_terminal_only(workdir: Path) -> None:
+    import pty
+
+    argv = ("generate", "--model", "short", "--prompt", "x", "--max-tokens", "3")
+    primary, secondary = pty.openpty()
+    try:
+        try:
+            proc = subprocess.run([sys.executable, "-m", "kvserving.cli", *argv], cwd=workdir, env=cli_env(),
+                                  stdout=subprocess.PIPE, stderr=secondary, text=True, timeout=TIMEOUT_S)
+        finally:
+            os.close(secondary)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(primary, 4096)
+            except OSError:  # EIO: the terminal's other end is closed and drained
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(primary)
+    terminal = b"".join(chunks).decode()
+    assert proc.returncode == 0
+    assert "\rgenerated 1/3 tokens" in terminal
+    assert terminal.endswith("\r\x1b[K")  # the progress line is cleared before the output
+    assert "--- 3 tokens in" in proc.stdout
+    piped = run_cli(argv, cwd=workdir)  # stderr is a pipe: no progress
+    assert (piped.code, piped.stderr) == (0, "")

@@ -101,7 +101,7 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
         engine.add_request(rid, prompt, params)
     results: dict[str, list[int]] = {rid: [] for rid in ids}
     total = sum(min(params.max_tokens, max(0, engine.max_model_len - len(p))) for p in prompts)
-    done, shown = 0, time.monotonic()
+    done, shown = 0, float("-inf")  # the first step shows progress at once
     while engine.has_unfinished():
         for out in engine.step():
             results[out.request_id].extend(out.new_token_ids)
