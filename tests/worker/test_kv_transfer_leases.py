@@ -1,0 +1,131 @@
+"""Retained KV and its leases on one engine (no peer): what a finished request keeps,
+renew caps, release and expiry back to the prefix cache's LRU, one lease per
+conversation, and a `both` worker reusing its own retained conversation."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, ServingConfig
+from kvserving.worker.engine import LLMEngine, RequestOutput
+from kvserving.worker.kv_transfer import KVTransfer
+from kvserving.worker.leases import RetainSpec
+from kvserving.worker.sampling import SamplingParams
+
+
+def _kvt(model: Path, role: str, **reuse: float) -> KVTransfer:
+    cfg = ServingConfig(model=ModelConfig(path=str(model)), kv_cache=KVCacheConfig(memory_bytes=2 << 20),
+                        reuse=ReuseConfig(retention_ttl_s=60.0, lease_ttl_s=50.0, **reuse))
+    eng = LLMEngine(cfg)
+    return KVTransfer(eng, cfg.reuse, engine_id=f"{role}-test", agent_url="http://127.0.0.1:1", role=role)
+
+
+@pytest.fixture()
+def decode(tiny_model_dir: Path) -> Iterator[KVTransfer]:
+    kvt = _kvt(tiny_model_dir, "decode")
+    yield kvt
+    kvt.close()
+
+
+_tokens: dict[str, list[int]] = {}  # request id -> generated tokens
+
+
+def _run(kvt: KVTransfer, rid: str, ids: list[int], gen: int, spec: RetainSpec | None) -> RequestOutput:
+    kvt.engine.add_request(rid, ids, SamplingParams(max_tokens=gen, ignore_eos=True), retain=spec)
+    _tokens[rid] = []
+    while True:
+        for out in kvt.engine.step():
+            _tokens[out.request_id].extend(out.new_token_ids)
+            if out.request_id == rid and out.finished:
+                return out
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(10, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_retained_pages_are_pinned_listed_and_renewed(decode: KVTransfer) -> None:
+    pool = decode.engine.pool
+    out = _run(decode, "r1", _ids(100, 1), 20, decode.retain_spec(conversation_key="conv"))
+    kept = out.retained
+    assert kept is not None and kept.lease_id.startswith("kv-")
+    assert (len(kept.page_ids), kept.num_tokens) == (7, 112)  # (100 + 20 - 1) // 16 full pages
+    assert all(pool.ref_count(pid) == 1 for pid in kept.page_ids)  # the lease's ref, nothing else
+    assert pool.num_owned == 7
+    [lease] = decode.leases()
+    assert (lease["lease_id"], lease["conversation_key"], lease["num_pages"], lease["num_tokens"]) == (kept.lease_id, "conv", 7, 112)
+    assert lease["expires_at"] == pytest.approx(time.time() + 60.0, abs=2.0)
+    params = lease["kv_transfer_params"]
+    assert params["page_ids"] == list(kept.page_ids) and params["layout_hash"] == decode.layout_hash
+    assert decode.leases(conversation_key="other") == []
+    assert decode.renew(kept.lease_id, 5.0) == pytest.approx(time.time() + 5.0, abs=1.0)
+    assert decode.renew(kept.lease_id, 10_000.0) == pytest.approx(time.time() + 60.0, abs=1.0)  # capped
+    with pytest.raises(KeyError):
+        decode.renew("kv-unknown")
+    with pytest.raises(KeyError):
+        decode.release("kv-unknown")
+    with pytest.raises(ValueError, match="ttl_s"):
+        decode.renew(kept.lease_id, -1.0)
+
+
+def test_release_and_newer_turn_send_pages_to_the_lru(decode: KVTransfer) -> None:
+    pool = decode.engine.pool
+    ids = _ids(100, 2)
+    first = _run(decode, "t1", ids, 20, decode.retain_spec(conversation_key="c"))
+    assert first.retained is not None
+    turn2 = ids + _ids(20, 3) + _ids(40, 4)
+    second = _run(decode, "t2", turn2, 8, decode.retain_spec(conversation_key="c"))
+    assert second.retained is not None
+    assert [le["lease_id"] for le in decode.leases()] == [second.retained.lease_id]  # one per conversation
+    # the superseded lease's pages that turn 2 does not share went to the LRU, still hashed
+    only_first = set(first.retained.page_ids) - set(second.retained.page_ids)
+    assert only_first and all(pool.ref_count(p) == 0 and pool.page(p) is not None for p in only_first)
+    decode.release(second.retained.lease_id)
+    assert decode.leases() == [] and pool.num_owned == 0
+    assert pool.num_cached >= len(second.retained.page_ids)
+    # still reusable locally: the same prompt hits every full page but the last token's
+    again = _run(decode, "t3", turn2, 1, None)
+    assert again.num_cached_tokens == (len(turn2) - 1) // 16 * 16
+
+
+def test_prefill_hold_expires_into_the_lru(tiny_model_dir: Path) -> None:
+    kvt = _kvt(tiny_model_dir, "prefill", transfer_timeout_s=0.3)
+    try:
+        out = _run(kvt, "p", _ids(64, 5), 1, kvt.retain_spec())
+        assert out.retained is not None and out.retained.lease_id.startswith("xfer-")
+        assert kvt.params_for(out.retained).expires_at == pytest.approx(time.time() + 0.3, abs=0.2)
+        time.sleep(0.4)
+        assert kvt.leases() == []  # expired (no engine step needed)
+        pool = kvt.engine.pool
+        assert pool.num_owned == 0 and pool.num_cached == 4
+        with pytest.raises(KeyError):
+            kvt.renew(out.retained.lease_id)
+    finally:
+        kvt.close()
+
+
+def test_both_worker_reuses_its_own_retained_conversation(decode: KVTransfer) -> None:
+    ids = _ids(150, 6)
+    t1 = _run(decode, "b1", ids, 20, decode.retain_spec(conversation_key="b"))
+    assert t1.retained is not None and t1.retained.num_tokens == 160  # (150 + 20 - 1) // 16 pages
+    turn2 = ids + _tokens["b1"] + _ids(50, 7)
+    t2 = _run(decode, "b2", turn2, 8, decode.retain_spec(conversation_key="b"))
+    assert (t2.num_cached_tokens, t2.num_pulled_tokens) == (160, 0)
+    fresh = LLMEngine(decode.engine.config).generate([turn2], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert _tokens["b2"] == fresh
+
+
+def test_pull_pin_is_released_on_abort(decode: KVTransfer) -> None:
+    pool = decode.engine.pool
+    pages = pool.allocate([4, 4])
+    assert pages is not None
+    pool.pin("pull-x", pages, ttl_s=30.0)
+    pool.free(pages)
+    decode.engine.add_request("ab", _ids(40, 8), SamplingParams(max_tokens=2), pin_lease="pull-x")
+    decode.engine.abort("ab")
+    assert "pull-x" not in pool.lease_ids() and pool.num_owned == 0
