@@ -100,64 +100,85 @@ class Turns:
 
     async def start(self, request: TurnRequest) -> Turn:
         """Route the turn (no worker request yet); 503 when no worker can take it."""
-        decoders = [w for w in self.pool.workers.values() if w.role in ("decode", "both")]
-        key = request.conversation_key
         lease = None
-        if key is not None:
-            ask = [w.url for w in decoders if w.healthy] if request.has_history else []
-            lease = await self.keeper.lookup(key, decode_urls=ask)
+        if request.conversation_key is not None:
+            ask = [w.url for w in self._decoders() if w.healthy] if request.has_history else []
+            lease = await self.keeper.lookup(request.conversation_key, decode_urls=ask)
+        decode, prefill = self._route(request, lease)
+        return Turn(self, request, decode, prefill, lease)
+
+    def _decoders(self) -> list[WorkerState]:
+        return [w for w in self.pool.workers.values() if w.role in ("decode", "both")]
+
+    def _route(self, request: TurnRequest, lease: Lease | None) -> tuple[WorkerState, WorkerState | None]:
         held = self.keeper.table.per_worker
-        views = [WorkerView(w.url, w.healthy, w.inflight, held.get(w.url, 0)) for w in decoders]
+        views = [WorkerView(w.url, w.healthy, w.inflight, held.get(w.url, 0)) for w in self._decoders()]
         decision = choose_decode(views, lease_url=lease.worker_url if lease else None, max_inflight=self.max_inflight)
         if decision is None:
             raise service_unavailable("No healthy decode worker is available; retry shortly.", retry_after_s=RETRY_AFTER_S)
         decode = self.pool.workers[decision.url]
         self.metrics.route("decode", decision.reason)
-        prefill = None
-        if decode.role != "both":
-            prefillers = [w.view() for w in self.pool.workers.values() if w.role in ("prefill", "both")]
-            choice = choose_prefill(prefillers, key=prefix_key(request.input_ids))
-            if choice is None:
-                raise service_unavailable("No healthy prefill worker is available; retry shortly.",
-                                          retry_after_s=RETRY_AFTER_S)
-            prefill = self.pool.workers[choice.url]
-            self.metrics.route("prefill", choice.reason)
-        return Turn(self, request, decode, prefill, lease)
+        if decode.role == "both":
+            return decode, None
+        prefillers = [w.view() for w in self.pool.workers.values() if w.role in ("prefill", "both")]
+        choice = choose_prefill(prefillers, key=prefix_key(request.input_ids))
+        if choice is None:
+            raise service_unavailable("No healthy prefill worker is available; retry shortly.", retry_after_s=RETRY_AFTER_S)
+        self.metrics.route("prefill", choice.reason)
+        return decode, self.pool.workers[choice.url]
 
     async def _run(self, turn: Turn) -> AsyncGenerator[list[int], None]:
-        request, key = turn.request, turn.request.conversation_key
-        final_params: dict[str, Any] | None = None
+        """The decode's tokens. A worker that cannot be reached before the first token is
+        taken out of the rotation and the turn is routed once more."""
+        key = turn.request.conversation_key
         if key is not None:
             self.keeper.table.begin_turn(key, now=self.clock())
+        final: dict[str, Any] = {}
         try:
-            pull_params = turn.lease.params if turn.lease is not None else None
-            if turn.prefill is not None:
-                pull_params = await self._prefill(turn, pull_params)
-            elif turn.lease is not None and turn.lease.worker_url == turn.decode.url:
-                pull_params = None  # a both worker finds its own retained KV in its prefix cache
-            body = {
-                "request_id": request.request_id,
-                "input_ids": request.input_ids,
-                "sampling": request.sampling,
-                "kv_transfer_params": pull_params,
-                "conversation_key": key,
-                "retain": key is not None,
-            }
-            if request.tags is not None:
-                body["tags"] = request.tags
-            async with aclosing(self._stream(turn.decode, body)) as events:
-                async for event in events:
-                    if "finish_reason" in event:
-                        final_params = event.get("kv_transfer_params")
-                        turn.result = self._result(turn, event)
-                    elif event.get("token_ids"):
-                        yield list(event["token_ids"])
-            if turn.result is None:
-                raise self._upstream(UpstreamError("stream", "worker ended the stream without a final event",
-                                                   url=turn.decode.url))
+            for attempt in range(2):
+                yielded = False
+                try:
+                    async with aclosing(self._attempt(turn, final)) as tokens:
+                        async for token_ids in tokens:
+                            yielded = True
+                            yield token_ids
+                    break
+                except UpstreamError as exc:
+                    error = self._upstream(exc)
+                    if exc.kind != "connect" or yielded or attempt == 1:
+                        raise error from exc
+                    turn.decode, turn.prefill = self._route(turn.request, turn.lease)
+                    self.metrics.route("retry", exc.kind)
         finally:
             if key is not None:
-                await self.keeper.record(key, worker_url=turn.decode.url, params=final_params)
+                await self.keeper.record(key, worker_url=turn.decode.url, params=final.get("kv_transfer_params"))
+
+    async def _attempt(self, turn: Turn, final: dict[str, Any]) -> AsyncGenerator[list[int], None]:
+        request = turn.request
+        pull_params = turn.lease.params if turn.lease is not None else None
+        if turn.prefill is not None:
+            pull_params = await self._prefill(turn, pull_params)
+        elif turn.lease is not None and turn.lease.worker_url == turn.decode.url:
+            pull_params = None  # a both worker finds its own retained KV in its prefix cache
+        body = {
+            "request_id": request.request_id,
+            "input_ids": request.input_ids,
+            "sampling": request.sampling,
+            "kv_transfer_params": pull_params,
+            "conversation_key": request.conversation_key,
+            "retain": request.conversation_key is not None,
+        }
+        if request.tags is not None:
+            body["tags"] = request.tags
+        async with aclosing(self._stream(turn.decode, body)) as events:
+            async for event in events:
+                if "finish_reason" in event:
+                    final.update(event)
+                    turn.result = self._result(turn, event)
+                elif event.get("token_ids"):
+                    yield list(event["token_ids"])
+        if turn.result is None:
+            raise UpstreamError("stream", "worker ended the stream without a final event", url=turn.decode.url)
 
     async def _prefill(self, turn: Turn, lease_params: dict[str, Any] | None) -> dict[str, Any] | None:
         assert turn.prefill is not None
@@ -187,8 +208,6 @@ class Turns:
             async with aclosing(self.client.generate(worker.url, body)) as events:
                 async for event in events:
                     yield event
-        except UpstreamError as exc:
-            raise self._upstream(exc) from exc
         finally:
             worker.inflight -= 1
 

@@ -164,3 +164,19 @@ def _wait(pred, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
     while not pred():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.05)
+
+
+def test_a_worker_gone_before_the_first_token_is_left_for_another(stack: Stack) -> None:
+    a, b = stack.worker(role="both"), stack.worker(role="both")
+    gw = stack.gateway(decode=[a.url, b.url], health_interval_s=60)  # the poll will not notice in time
+    first, second = sorted([a, b], key=lambda w: w.url)  # ties go to the first URL
+    server = next(s for s in stack.servers if getattr(s, "url", None) == first.url)
+    server.stop()
+    r = post(gw, {"model": MODEL, "messages": USER})
+    assert r.status_code == 200
+    assert len(second.received) == 1
+    assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "connect"}) == 1
+    assert gw.metric("kvserving_gateway_routing_decisions_total", {"role": "retry", "reason": "connect"}) == 1
+    assert not gw.state.pool.workers[first.url].healthy  # out of the rotation until /ready answers again
+    assert post(gw, {"model": MODEL, "messages": USER}).status_code == 200
+    assert len(second.received) == 2
