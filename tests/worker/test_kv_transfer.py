@@ -30,10 +30,10 @@ from kvserving.tags import encode_tag
 from kvserving.worker.sampling import SamplingParams
 
 PEER = Path(__file__).with_name("kv_transfer_peer.py")
-_spec = importlib.util.spec_from_file_location("kv_transfer_peer", PEER)
-assert _spec is not None and _spec.loader is not None
-peer_mod = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(peer_mod)
+_peer_spec = importlib.util.spec_from_file_location("kv_transfer_peer", PEER)
+assert _peer_spec is not None and _peer_spec.loader is not None
+peer_mod = importlib.util.module_from_spec(_peer_spec)
+_peer_spec.loader.exec_module(peer_mod)
 
 CALL_TIMEOUT_S = 60.0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from kvserving.worker.leases import RetainSpec
 from kvserving.worker.sampling import SamplingParams
 
 
-def _kvt(model: Path, role: str, **reuse: float) -> KVTransfer:
+def _kvt(model: Path, role: str, **reuse: Any) -> KVTransfer:
     cfg = ServingConfig(model=ModelConfig(path=str(model)), kv_cache=KVCacheConfig(memory_bytes=2 << 20),
                         reuse=ReuseConfig(retention_ttl_s=60.0, lease_ttl_s=50.0, **reuse))
     eng = LLMEngine(cfg)
