@@ -4,7 +4,7 @@ lease table (DESIGN.md, Worker: kv_transfer_params; docs/worker-api.md).
 
 API the worker server uses (one ``KVTransfer`` per worker process)::
 
-    kvt = KVTransfer(engine, config.reuse, engine_id=f"worker-{uuid4().hex[:12]}",  # unique per PROCESS start
+    kvt = KVTransfer(engine, config.reuse, engine_id="worker-...",  # may be stable: lease ids carry a per-process generation
                      agent_url="http://host:port", role="decode",
                      run_on_engine=lambda fn: async_engine._executor.submit(fn).result())
     kvt.agent_info()                       # body of GET /internal/kv/agent
@@ -158,6 +158,17 @@ class KVTransferParams:
             "page_size": self.page_size, "dtype": self.dtype, "layout_hash": self.layout_hash,
             "expires_at": self.expires_at,
         }
+
+
+def _lease_generation(lease_id: str) -> int | None:
+    """The sender generation a ``kv-<gen>-<uuid>`` / ``xfer-<gen>-<uuid>`` lease id names (None: other ids)."""
+    parts = lease_id.split("-")
+    if len(parts) == 3 and parts[0] + "-" in (RETAIN_LEASE_PREFIX, TRANSFER_LEASE_PREFIX):
+        try:
+            return int(parts[1], 16)
+        except ValueError:
+            return None
+    return None
 
 
 def _is_int(v: object) -> bool:
@@ -542,7 +553,7 @@ class KVTransfer:
         except Exception:  # noqa: BLE001 - connection refused, timeout, bad JSON: all unreachable
             self.nixl.forget_remote(params.engine_id)
             return "remote_unreachable"
-        if engine_id != params.engine_id:
+        if engine_id != params.engine_id or _lease_generation(params.lease_id) not in (None, generation):
             self.nixl.forget_remote(params.engine_id)  # restarted: the pages named by params are gone
             return "stale_agent"
         if info.get("layout_hash") != self.layout_hash:
@@ -625,11 +636,12 @@ class KVTransfer:
     # ------------------------------------------------------------------ retain and leases
     def retain_spec(self, *, conversation_key: str | None = None) -> RetainSpec:
         """A new lease for a request's pages when it finishes (ttl by role)."""
+        # the id names this process's generation: a peer that restarted since is told apart
+        # even when its engine id is stable (``_connect``)
+        tail = f"{self.generation:x}-{uuid.uuid4().hex}"
         if self.role == "prefill":
-            return RetainSpec(f"{TRANSFER_LEASE_PREFIX}{uuid.uuid4().hex}", self.reuse.transfer_timeout_s,
-                              conversation_key, self._on_retained)
-        return RetainSpec(f"{RETAIN_LEASE_PREFIX}{uuid.uuid4().hex}", self.reuse.retention_ttl_s,
-                          conversation_key, self._on_retained)
+            return RetainSpec(f"{TRANSFER_LEASE_PREFIX}{tail}", self.reuse.transfer_timeout_s, conversation_key, self._on_retained)
+        return RetainSpec(f"{RETAIN_LEASE_PREFIX}{tail}", self.reuse.retention_ttl_s, conversation_key, self._on_retained)
 
     def _on_retained(self, kept: RetainedKV) -> None:
         """Engine thread, inside step: record the lease; a conversation keeps only its newest."""

@@ -264,7 +264,7 @@ def test_forged_page_ids_are_refused(tiny_model_dir: Path, pf: Any, peer: Peer) 
 
 def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer: Peer) -> None:
     """The peer frozen mid-pull (SIGSTOP: our deadline fires), then killed, then restarted on
-    the same port with a new engine id: each pull recomputes with its reason. (Last in the
+    the same port and engine id: each pull recomputes with its reason. (Last in the
     file: it ends the module's peer process.)"""
     child = peer
     restarted: Peer | None = None
@@ -312,7 +312,8 @@ def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer:
         assert (r["fallback"], r["pulled"]) == ("remote_unreachable", 0)  # no agent info from a dead peer
 
         restarted = Peer(port)
-        restarted.call("open", name="d", spec=_spec(tiny_model_dir, "bf16", "d-x-2", role="decode"))
+        # the same (stable) engine id: the lease id's generation tells the incarnations apart
+        restarted.call("open", name="d", spec=_spec(tiny_model_dir, "bf16", "d-x-1", role="decode"))
         r = _turn2(P2, "stale", prompt2, d1["params"])
         assert (r["fallback"], r["pulled"], r["tokens"]) == ("stale_agent", 0, expected)
         # the restarted worker's own params load its fresh metadata and pull fine
