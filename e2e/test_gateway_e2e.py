@@ -122,6 +122,6 @@ def test_three_turn_conversation_reuses_kv_through_the_gateway(stack: tuple[Gate
                                                  stream_options={"include_usage": True},
                                                  extra_headers={"X-Session-ID": "e2e-session"}))
     assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens_details.cached_tokens > cached[2]  # type: ignore[union-attr]
-    # a clean stop releases the conversation's lease on the decode worker
+    # a clean stop leaves the active conversation's KV with the decode worker (another replica may go on)
     assert gateway.stop() == 0
-    assert httpx.get(decode.url + "/internal/kv/leases", timeout=10).json()["leases"] == []
+    assert len(httpx.get(decode.url + "/internal/kv/leases", timeout=10).json()["leases"]) == 1

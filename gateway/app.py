@@ -11,7 +11,7 @@ Around every route: API keys (when configured, everything but /health,
 /ready, /metrics needs ``Authorization: Bearer <key>``: 401), the body-size
 limit (413), errors in OpenAI's shape, requests counted by route and status.
 Lifespan: the worker pool's health loop and the lease heartbeat start with the
-app and stop with it (idle leases are released on shutdown).
+app and stop with it (a last sweep releases the leases idle past their TTL).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def build_app(state: GatewayState) -> FastAPI:
         try:
             yield
         finally:
-            await state.keeper.stop(release=True)
+            await state.keeper.stop(final_sweep=True)
             await state.pool.stop()
             await state.client.aclose()
 

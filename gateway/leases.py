@@ -7,8 +7,11 @@ cache of them (``GET /internal/kv/leases?conversation_key=K``):
 - a miss asks the decode workers (``LeaseKeeper.lookup``), so a second gateway
   replica, or this one after a restart, routes a conversation to its KV;
 - an entry is *active* while a turn is in flight or its last turn ended less
-  than ``lease_ttl_s`` ago (an agent waiting on a tool stays active); active
-  entries are renewed on their worker by heartbeat every ``heartbeat_s``;
+  than ``lease_ttl_s`` ago (an agent waiting on a tool stays active); an
+  active entry whose worker lease would expire within two heartbeats is
+  renewed on its worker (each turn's new lease already runs for the
+  retention TTL > lease TTL, so renewals are rare: a long turn, or a worker
+  with a short retention), the heartbeat running every ``heartbeat_s``;
 - an entry idle past ``lease_ttl_s`` is released (DELETE on the worker) and
   dropped; an entry whose worker lease expired, or that the worker no longer
   knows (404 on renew), is dropped as an expiry;
@@ -146,7 +149,7 @@ class LeaseTable:
                 out.expired.append(lease)
             elif lease.inflight == 0 and now - lease.last_active >= self.lease_ttl_s:
                 out.release.append(lease)
-            elif now - lease.last_renewed >= self.heartbeat_s:
+            elif lease.expires_at and lease.expires_at - now < 2 * self.heartbeat_s:
                 out.renew.append(lease)
         for lease in out.expired + out.release:
             self._pop(lease.conversation_key)
@@ -284,19 +287,18 @@ class LeaseKeeper:
         self._stop.clear()
         self._task = asyncio.create_task(self._loop(), name="lease-heartbeat")
 
-    async def stop(self, *, release: bool = False) -> None:
-        """Stop the heartbeat (bounded); ``release`` also frees every idle lease now."""
+    async def stop(self, *, final_sweep: bool = False) -> None:
+        """Stop the heartbeat (bounded). ``final_sweep`` runs one last beat: leases idle past
+        the TTL are released; active ones stay with their workers, whose retention ends them
+        unless another gateway replica, serving the conversation now, renews them."""
         self._stop.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if release:
-            idle = [lease for key in self.table.keys() if (lease := self.table.get(key)) and lease.inflight == 0]
-            for lease in idle:
-                self.table.drop(lease.conversation_key)
-            await self._release_all(idle)
+        if final_sweep:
+            await self.run_once()
 
     async def _loop(self) -> None:
         # Beat at a fraction of the heartbeat so idle releases are prompt.

@@ -24,23 +24,25 @@ def table(**kw: Any) -> LeaseTable:
 
 def test_sweep_renews_active_releases_idle_forgets_expired() -> None:
     t = table()
-    t.put("active", worker_url=W1, params=params("a"), now=0.0)
+    t.put("active", worker_url=W1, params=params("a", expires_at=13.0), now=0.0)
     t.put("idle", worker_url=W1, params=params("i"), now=0.0)
     t.put("expired", worker_url=W2, params=params("e", expires_at=5.0), now=0.0)
-    t.begin_turn("active", now=9.0)  # a turn in flight: never released, still renewed
+    t.put("far", worker_url=W2, params=params("f", expires_at=500.0), now=9.0)
+    t.begin_turn("active", now=9.0)  # a turn in flight: never released; its lease ends within 2 beats: renewed
     sweep = t.sweep(now=10.0)
     assert [le.conversation_key for le in sweep.renew] == ["active"]
     assert [le.conversation_key for le in sweep.release] == ["idle"]
     assert [le.conversation_key for le in sweep.expired] == ["expired"]
-    assert t.keys() == ["active"] and dict(t.per_worker) == {W1: 1}
+    assert t.keys() == ["far", "active"] and dict(t.per_worker) == {W1: 1, W2: 1}
 
 
 def test_an_agent_waiting_on_a_tool_stays_active_for_the_lease_ttl() -> None:
     t = table(ttl=10.0, beat=2.0)
-    t.put("c", worker_url=W1, params=params("x"), now=0.0)
-    assert [le.lease_id for le in t.sweep(now=2.0).renew] == ["x"]
-    t.renewed("c", lease_id="x", expires_at=500.0, now=2.0)
-    assert t.sweep(now=3.0).renew == []  # renewed a second ago
+    t.put("c", worker_url=W1, params=params("x", expires_at=6.0), now=0.0)  # a worker with a short retention
+    assert t.sweep(now=1.0).renew == []  # 5 s left: more than two beats
+    assert [le.lease_id for le in t.sweep(now=2.5).renew] == ["x"]
+    t.renewed("c", lease_id="x", expires_at=12.5, now=2.5)
+    assert t.sweep(now=3.0).renew == []  # just renewed
     assert [le.lease_id for le in t.sweep(now=9.9).renew] == ["x"]  # idle 9.9 s < 10: still active
     assert [le.lease_id for le in t.sweep(now=10.0).release] == ["x"]
     assert len(t) == 0
@@ -125,13 +127,13 @@ def test_heartbeat_renews_releases_and_counts() -> None:
     k, m = keeper(client, now)
 
     async def scenario() -> None:
-        await k.record("a", worker_url=W1, params=params("x"))
-        await k.record("b", worker_url=W1, params=params("y"))
-        await k.record("c", worker_url=W2, params=params("z"))  # the worker will not know "z"
+        await k.record("a", worker_url=W1, params=params("x", expires_at=5.0))
+        await k.record("b", worker_url=W1, params=params("y", expires_at=5.0))
+        await k.record("c", worker_url=W2, params=params("z", expires_at=5.0))  # the worker will not know "z"
         now[0] = 3.0
-        await k.run_once()
+        await k.run_once()  # all three within two beats of their expiry
         now[0] = 11.0
-        await k.record("a", worker_url=W1, params=params("x"))  # "a" had a new turn: active
+        await k.record("a", worker_url=W1, params=params("x", expires_at=14.0))  # "a" had a new turn: active
         now[0] = 13.5
         await k.run_once()
 
@@ -147,16 +149,21 @@ def test_heartbeat_renews_releases_and_counts() -> None:
     assert sample(m, "kvserving_gateway_leases") == 1
 
 
-def test_keeper_loop_starts_and_stops_cleanly_releasing_idle_leases() -> None:
+def test_keeper_loop_stops_cleanly_and_its_last_sweep_frees_only_idle_leases() -> None:
     client = RecordingClient({})
     now = [0.0]
     k, _ = keeper(client, now)
 
     async def scenario() -> None:
         k.start()
-        await k.record("a", worker_url=W1, params=params("x"))
+        await k.record("idle", worker_url=W1, params=params("x"))
+        now[0] = 10.0
+        await k.record("active", worker_url=W1, params=params("y"))
         await asyncio.sleep(0.05)
-        await asyncio.wait_for(k.stop(release=True), timeout=2)
+        await asyncio.wait_for(k.stop(final_sweep=True), timeout=2)
+        assert k._task is None
 
     asyncio.run(scenario())
-    assert ("release", W1, "x") in client.calls and len(k.table) == 0
+    # the active conversation's KV stays: another gateway replica may be serving it now
+    assert [c for c in client.calls if c[0] == "release"] == [("release", W1, "x")]
+    assert k.table.keys() == ["active"]
