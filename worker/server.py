@@ -58,6 +58,7 @@ class EventStream(StreamingResponse):
 
     def __init__(self, service: WorkerService, admitted: Admitted) -> None:
         self.admitted = admitted
+        self.service = service
         super().__init__(self._events(service), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -70,7 +71,7 @@ class EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.admitted.stream.close()
+            self.service.close_stream(self.admitted)
 
 
 def create_app(

@@ -164,6 +164,12 @@ class WorkerService:
             raise
         return Admitted(body, stream, pull)
 
+    def close_stream(self, req: Admitted) -> None:
+        """The response is over (sent, or the client went away): abort the request unless it finished."""
+        if not req.stream.finished:
+            self.metrics.requests.labels(finish_reason="abort").inc()
+        req.stream.close()
+
     def _count_pull(self, pull: PullResult) -> None:
         if pull.fallback is not None:
             self.metrics.fallback(pull.fallback)

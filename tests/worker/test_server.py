@@ -6,74 +6,25 @@ away frees its pages, /metrics exports every worker metric of the dashboard."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+
+from live_worker import Live, start_live, stop_live
 
 from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
 from kvserving.operator.dashboard import DASHBOARD_METRICS
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.metrics import FALLBACK_REASONS, WorkerMetrics
+from kvserving.worker.metrics import FALLBACK_REASONS
 from kvserving.worker.sampling import SamplingParams
-from kvserving.worker.server import create_app
-from kvserving.worker.service import WorkerService
 
 PAGE = 16
 MAX_LEN = 512
-
-
-@dataclass
-class Live:
-    url: str
-    service: WorkerService
-    server: uvicorn.Server
-    thread: threading.Thread
-    config: ServingConfig
-
-
-def start_live(config: ServingConfig, *, role: str = "both") -> Live:
-    """A worker app on uvicorn in a thread, on a free loopback port; ready when returned."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    registry = CollectorRegistry()
-    service = WorkerService(config, role=role, metrics=WorkerMetrics(registry, role=role), engine_id=f"test-{role}",
-                            advertise_url=url)
-    engine = LLMEngine(config)
-
-    async def startup() -> None:
-        await service.start(engine)
-
-    app = create_app(service, registry=registry, startup=startup)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return Live(url, service, server, thread, config)
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    stop_live(Live(url, service, server, thread, config))
-    raise AssertionError("worker did not become ready within 60 s")
-
-
-def stop_live(live: Live) -> None:
-    live.server.should_exit = True
-    live.thread.join(timeout=30)
-    assert not live.thread.is_alive(), "uvicorn thread did not stop"
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +179,8 @@ def test_duplicate_in_flight_id_is_409_and_a_disconnect_frees_the_pages(live: Li
     stats = _wait_idle(live)
     total = stats["pages"]["total"]
     assert stats["pages"]["free"] + stats["pages"]["cached"] == total
+    metrics = httpx.get(live.url + "/metrics", timeout=10).text
+    assert 'kvserving_worker_requests_total{finish_reason="abort"} 1.0' in metrics
     # the id is free again
     tokens, final = generate(live.url, body("dup", [1, 2, 3], max_tokens=2))
     assert len(tokens) == 2 and final["finish_reason"] == "length"
