@@ -109,10 +109,13 @@ def name_problems(metadata: Any) -> list[str]:
 
 
 def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
-    """Structural defaulting: a missing field with a default gets it, then its own fields are defaulted."""
+    """Structural defaulting: a null field that is not nullable is dropped (as the API server
+    prunes it), a missing field with a default gets it, then its own fields are defaulted."""
     value = copy.deepcopy(value)
     if isinstance(value, dict) and schema.get("type") == "object":
         for key, sub in (schema.get("properties") or {}).items():
+            if key in value and value[key] is None and not sub.get("nullable"):
+                del value[key]
             if key not in value and "default" in sub:
                 value[key] = copy.deepcopy(sub["default"])
             if key in value:

@@ -325,3 +325,14 @@ def test_generate_shows_progress_on_a_terminal_only(workdir: Path) -> None:
     assert "--- 3 tokens in" in proc.stdout
     piped = run_cli(argv, cwd=workdir)  # stderr is a pipe: no progress
     assert (piped.code, piped.stderr) == (0, "")
+
+
+def test_a_null_spec_is_pruned_and_defaulted_as_the_api_server_does() -> None:
+    from kvserving.operator.main import load_crd
+    from kvserving.operator.validate import admit
+
+    body = {"apiVersion": "kvserving.dev/v1alpha1", "kind": "KVServing", "metadata": {"name": "tiny"}, "spec": None}
+    admission = admit(body, crd=load_crd())
+    assert admission.problems == ()
+    assert admission.body["spec"]["kvCache"]["dtype"] == "bf16"
+    assert admission.body["spec"]["model"]["path"] == ""  # the built-in tiny model
