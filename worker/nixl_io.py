@@ -46,9 +46,10 @@ REASONS = ("remote_unreachable", "transfer_timeout", "transfer_failed")
 
 
 def import_nixl() -> ModuleType:
-    """The NIXL Python API: ``nixl_cu12._api`` (the CPU-only wheel here), else ``nixl._api``."""
+    """The NIXL Python API: ``nixl_cu12._api`` (the wheel here), ``nixl_cu13._api`` (CUDA 13 GPU
+    machines), else ``nixl._api``."""
     errors = []
-    for name in ("nixl_cu12._api", "nixl._api"):
+    for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
         try:
             return importlib.import_module(name)
         except ImportError as exc:
