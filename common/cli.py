@@ -17,7 +17,7 @@ import importlib
 import sys
 from typing import NoReturn
 
-from kvserving import __version__
+import kvserving
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -32,6 +32,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help where there is a default worth saying
+    (not for required flags, off-by-default switches, or help that states its default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        quiet = default is None or default is False or default == [] or default == argparse.SUPPRESS or action.required
+        if quiet or "%(default)" in text or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage block)."""
 
@@ -41,10 +54,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser; only ``command``'s module is imported to declare its arguments."""
-    # Every flag's help shows its default.
-    formatter = argparse.ArgumentDefaultsHelpFormatter
-    parser = OneLineParser(prog="kvserving", description=(__doc__ or "").splitlines()[0], formatter_class=formatter)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    formatter = DefaultsHelpFormatter  # every flag's help shows its default
+    summary = (kvserving.__doc__ or "kvserving").splitlines()[0]
+    parser = OneLineParser(prog="kvserving", description=summary, formatter_class=formatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {kvserving.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=formatter)
