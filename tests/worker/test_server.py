@@ -6,6 +6,7 @@ away frees its pages, /metrics exports every worker metric of the dashboard."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,6 +91,26 @@ def test_stream_equals_offline_engine_and_usage_counts_the_prefix_cache(live: Li
     assert tokens == want
     assert final["usage"]["local_cached_tokens"] == 64
     assert final["usage"]["computed_prompt_tokens"] == 6
+
+
+def test_concurrent_streams_are_batched_and_each_equals_its_offline_output(live: Live, config: ServingConfig) -> None:
+    prompts = [[(13 * i + k) % 3000 + 100 for i in range(n)] for k, n in enumerate((5, 40, 17, 33))]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=12, temperature=0.8, top_k=50, seed=7)]
+    engine = LLMEngine(config)
+    want = [engine.generate([p], params[k % 2])[0] for k, p in enumerate(prompts)]
+    results: dict[int, list[int]] = {}
+
+    def run(k: int) -> None:
+        sampling = {"max_tokens": 12, "ignore_eos": True} if k % 2 == 0 else {
+            "max_tokens": 12, "temperature": 0.8, "top_k": 50, "seed": 7, "ignore_eos": True}
+        results[k] = generate(live.url, {"request_id": f"conc-{k}", "input_ids": prompts[k], "sampling": sampling})[0]
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [results.get(k) for k in range(len(prompts))] == want
 
 
 BAD_BODIES: list[tuple[str, Any, int, str]] = [
