@@ -336,3 +336,12 @@ def test_a_null_spec_is_pruned_and_defaulted_as_the_api_server_does() -> None:
     assert admission.problems == ()
     assert admission.body["spec"]["kvCache"]["dtype"] == "bf16"
     assert admission.body["spec"]["model"]["path"] == ""  # the built-in tiny model
+
+
+def test_tiny_model_force_writes_into_a_non_empty_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvserving.cli import main
+
+    (tmp_path / "notes.txt").write_text("keep me\n")
+    assert main(["tiny-model", str(tmp_path), "--force"]) == 0
+    assert capsys.readouterr().out == f"wrote tiny model to {tmp_path}\n"
+    assert {"notes.txt", "config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in tmp_path.iterdir()}
