@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvserving.kernels.page_ids import is_int2
+from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.triaxial_pool import TriaxialPagePool
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,20 +54,17 @@ def collect(engine: LLMEngine) -> KVStats:
     live = [p for pid in _live_ids(engine) if (p := pool.page(pid)) is not None]
     leased = {pid for lid in pool.lease_ids() for pid in pool.lease_pages(lid)}
     precisions: dict[str, PrecisionStats] = {}
-    if isinstance(pool, TriaxialPagePool):
-        used_bytes = 0
-        for bits, name in ((4, "int4"), (2, "int2")):
-            pages = [p for p in live if is_int2(p.page_id) == (bits == 2)]
-            cap = pool.total_bytes // pool.page_bytes(bits=bits)
-            owned = sum(1 for p in pages if p.ref_count > 0)
-            used_bytes += owned * pool.page_bytes(bits=bits)
-            precisions[name] = PrecisionStats(cap, cap * page_size, owned, len(pages) - owned)
-        usage = used_bytes / pool.total_bytes
-    else:
-        owned = sum(1 for p in live if p.ref_count > 0)
-        num_pages = engine.storage.num_pages
-        precisions[engine.storage.kv_dtype] = PrecisionStats(num_pages, num_pages * page_size, owned, len(live) - owned)
-        usage = owned / num_pages
+    kv = engine.kv_cache
+    used_bytes = 0
+    for bits, page_bytes in sorted(kv.page_bytes.items(), reverse=True):
+        # one precision: named after the dtype; triaxial: "int4" and "int2"
+        name = kv.dtype if len(kv.page_bytes) == 1 else f"int{bits}"
+        pages = [p for p in live if page_id_bits(p.page_id) == bits]
+        cap = kv.num_pages[bits]
+        owned = sum(1 for p in pages if p.ref_count > 0)
+        used_bytes += owned * page_bytes
+        precisions[name] = PrecisionStats(cap, cap * page_size, owned, len(pages) - owned)
+    usage = used_bytes / kv.storage.total_bytes
     sched = engine.scheduler
     stats = engine.stats
     return KVStats(

@@ -20,6 +20,7 @@ from kvserving.model_dir import CACHE_ENV
 from kvserving.operator.render import CONFIG_FILE, Owner, render
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.kv_cache import DEFAULT_CPU_KV_BYTES, kv_budget_bytes
+from kvserving.worker.kv_stats import collect
 from kvserving.worker.sampling import SamplingParams
 
 SAMPLES = sorted((Path(__file__).resolve().parents[2] / "manifests" / "samples").glob("*.yaml"))
@@ -90,6 +91,13 @@ def test_each_sample_builds_an_engine_that_honours_its_config(
     # and it serves
     out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert [len(o) for o in out] == [3]
+    # what /internal/kv/stats reports: capacity by precision, from the one KV-cache object
+    stats = collect(engine)
+    names = ["int4", "int2"] if kv_spec["dtype"] == "triaxial" else [kv_spec["dtype"]]
+    assert list(stats.precisions) == names
+    for name, bits in zip(names, (4, 2)):
+        assert stats.precisions[name].capacity_pages == engine.kv_cache.num_pages[bits]
+    assert stats.capacity_tokens == engine.capacity_tokens and stats.usage_ratio == 0.0
 
 
 def test_scheduler_and_context_settings_reach_the_engine(tiny_model_dir: Path) -> None:
