@@ -80,9 +80,9 @@ from kvserving.config import ROLES, ReuseConfig
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.leases import RetainedKV, RetainSpec, release_pin
-from kvserving.worker.nixl_io import NixlIO, PageGeometry, RemoteBuffers, TransferError
+from kvserving.worker.nixl_io import NixlIO, PageGeometry, ReadStats, RemoteBuffers, TransferError
 from kvserving.worker.sampling import SamplingParams, make_generator
-from kvserving.worker.sequence import Sequence as Seq_
+from kvserving.worker.sequence import Sequence as EngineSequence
 
 T = TypeVar("T")
 
@@ -441,49 +441,33 @@ class KVTransfer:
                 self._on_engine(lambda: self._drop_lease(pin))
 
     def _pull_planned(self, plan: _Plan, params: KVTransferParams) -> PullResult:
+        """Decide, check the sender, READ, adopt; every early return is a skip or a fallback."""
         p = self.page_size
         diverged = plan.matched < plan.usable
         base: dict[str, Any] = {"matched_tokens": plan.matched * p, "local_tokens": len(plan.local_pids) * p}
-        if not plan.want:
-            if diverged:
-                return self._fail("hash_mismatch", **base)
-            return PullResult(skipped="nothing_to_pull", **base)
         remote_pids = [params.page_ids[i] for i in plan.want]
-        nbytes = self.page_nbytes(remote_pids)
-        if not self.worth_pulling(len(plan.want) * p, nbytes):
-            if diverged:
-                return self._fail("hash_mismatch", **base)
-            return PullResult(skipped="below_threshold", **base)
+        skipped = None
+        if not plan.want:
+            skipped = "nothing_to_pull"
+        elif not self.worth_pulling(len(plan.want) * p, self.page_nbytes(remote_pids)):
+            skipped = "below_threshold"
+        elif params.engine_id == self.engine_id:
+            # our own lease would have kept these pages in the local cache: it is gone
+            return self._fail("lease_expired", **base)
+        if skipped is not None:
+            return self._fail("hash_mismatch", **base) if diverged else PullResult(skipped=skipped, **base)
         t0 = time.perf_counter()
-        peer_or_reason = self._connect(params)
-        if isinstance(peer_or_reason, str):
-            return self._fail(peer_or_reason, **base)
-        peer = peer_or_reason
-        try:
-            for pid in remote_pids:
-                peer.geometry.span(pid)
-        except ValueError:  # page ids outside the sender's buffers: not its layout
-            return self._fail("layout_mismatch", **base)
-        hold = self._verify_lease(params)
-        if hold is not None:
-            return self._fail(hold, **base)
+        peer = self._prepare(params, remote_pids)
+        if isinstance(peer, str):
+            return self._fail(peer, **base)
         bits = [page_id_bits(pid) for pid in remote_pids]
         local = self._on_engine(lambda: self.engine.pool.allocate(bits))
         if local is None:
             return PullResult(skipped="no_free_pages", **base)
-        overhead = time.perf_counter() - t0
-        try:
-            stats = self.nixl.read(peer, local, remote_pids, timeout_s=self.reuse.transfer_timeout_s)
-        except TransferError as exc:
-            self.nixl.forget_remote(params.engine_id)
-            self._discard(local, safe=exc.pages_safe)
-            return self._fail(exc.reason, **base)
-        t1 = time.perf_counter()
-        after = self._check_lease(params)  # held before and after: its pages were pinned throughout
-        if after is not None:
-            self._discard(local, safe=True)
-            return self._fail(after, **base)
-        overhead += time.perf_counter() - t1
+        reason, stats = self._read_checked(peer, params, local, remote_pids)
+        if stats is None:
+            return self._fail(reason or "transfer_failed", **base)
+        overhead = time.perf_counter() - t0 - stats.seconds  # agent info, lease checks, allocation
         pin = f"{PIN_LEASE_PREFIX}{uuid.uuid4().hex}"
         hashes = [plan.hashes[i] for i in plan.want]
         local_pids = list(plan.local_pids)
@@ -493,21 +477,55 @@ class KVTransfer:
                 self._release_remote(params.agent_url, params.lease_id)
             except Exception:  # noqa: BLE001 - the sender's own timeout frees it anyway
                 pass
-        self._measure(stats.num_bytes, stats.seconds, overhead)
-        self.pulls += 1
-        tokens = len(local) * p
-        self.pulled_tokens_total += tokens
-        self.pulled_bytes_total += stats.num_bytes
-        self.pulled_regions_total += stats.num_regions
-        self.transfer_seconds_total += stats.seconds
+        self._count(stats, len(local) * p, overhead)
         fallback = None
         if diverged:
             fallback = "hash_mismatch"
             self.fallbacks[fallback] += 1
         return PullResult(
-            pulled_tokens=tokens, num_bytes=stats.num_bytes, num_regions=stats.num_regions,
+            pulled_tokens=len(local) * p, num_bytes=stats.num_bytes, num_regions=stats.num_regions,
             seconds=time.perf_counter() - t0, fallback=fallback, pin_lease=pin, **base,
         )
+
+    def _prepare(self, params: KVTransferParams, remote_pids: list[int]) -> RemoteBuffers | str:
+        """The sender's agent, its page ids checked against its buffers and its lease record."""
+        peer = self._connect(params)
+        if isinstance(peer, str):
+            return peer
+        try:
+            for pid in remote_pids:
+                peer.geometry.span(pid)
+        except ValueError:  # page ids outside the sender's buffers: not its layout
+            return "layout_mismatch"
+        return self._verify_lease(params) or peer
+
+    def _read_checked(
+        self, peer: RemoteBuffers, params: KVTransferParams, local: list[int], remote_pids: list[int]
+    ) -> tuple[str | None, ReadStats | None]:
+        """READ, then prove the lease was held throughout; on any failure the local pages are
+        discarded unregistered and the reason returned."""
+        try:
+            stats = self.nixl.read(peer, local, remote_pids, timeout_s=self.reuse.transfer_timeout_s)
+        except TransferError as exc:
+            self.nixl.forget_remote(params.engine_id)
+            self._discard(local, safe=exc.pages_safe)
+            return exc.reason, None
+        except ValueError:  # page sizes that differ between the two layouts
+            self._discard(local, safe=True)
+            return "layout_mismatch", None
+        after = self._check_lease(params)  # held before and after: its pages were pinned throughout
+        if after is not None:
+            self._discard(local, safe=True)
+            return after, None
+        return None, stats
+
+    def _count(self, stats: ReadStats, tokens: int, overhead_s: float) -> None:
+        self._measure(stats.num_bytes, stats.seconds, overhead_s)
+        self.pulls += 1
+        self.pulled_tokens_total += tokens
+        self.pulled_bytes_total += stats.num_bytes
+        self.pulled_regions_total += stats.num_regions
+        self.transfer_seconds_total += stats.seconds
 
     def _fail(self, reason: str, **kw: Any) -> PullResult:
         assert reason in FALLBACK_REASONS, reason
@@ -518,7 +536,7 @@ class KVTransfer:
         """On the engine thread: match the remote hashes against this prompt's, find what the
         local prefix cache holds (pinned under a ``.local`` lease), pick the pages to pull."""
         kv, pool, p = self.engine.kv, self.engine.pool, self.page_size
-        seq = Seq_("kv-pull", ids, SamplingParams(), make_generator(0), tags=tags)
+        seq = EngineSequence("kv-pull", ids, SamplingParams(), make_generator(0), tags=tags)
         usable = min(len(params.page_ids), params.num_tokens // p, (len(ids) - 1) // p)
         bits = [page_id_bits(pid) for pid in params.page_ids[:usable]]
         if kv.bits_table is not None:

@@ -170,23 +170,23 @@ class NixlIO:
         self, engine_id: str, generation: int, metadata: bytes, *, addrs: Sequence[int], device_id: int, geometry: PageGeometry
     ) -> RemoteBuffers:
         """Load a peer's metadata (once per engine id and generation)."""
-        hit = self.remote(engine_id, generation)
-        if hit is not None:
-            return hit
-        self.forget_remote(engine_id)
-        with self._lock:
+        with self._lock:  # one loader at a time: two pulls may meet a new peer at once
+            hit = self.remote(engine_id, generation)
+            if hit is not None:
+                return hit
+            self.forget_remote(engine_id)
             name = self._agent.add_remote_agent(metadata)
-        agent_name = name.decode() if isinstance(name, bytes) else str(name)
-        peer = RemoteBuffers(agent_name, tuple(int(a) for a in addrs), device_id, geometry)
-        self._remotes[engine_id] = (generation, peer)
-        return peer
+            agent_name = name.decode() if isinstance(name, bytes) else str(name)
+            peer = RemoteBuffers(agent_name, tuple(int(a) for a in addrs), device_id, geometry)
+            self._remotes[engine_id] = (generation, peer)
+            return peer
 
     def forget_remote(self, engine_id: str) -> None:
         """Drop a peer's cached metadata (next use loads it fresh)."""
-        cached = self._remotes.pop(engine_id, None)
-        if cached is None:
-            return
         with self._lock:
+            cached = self._remotes.pop(engine_id, None)
+            if cached is None:
+                return
             try:
                 self._agent.remove_remote_agent(cached[1].agent_name)
             except Exception:  # noqa: BLE001 - a dead peer may already be gone from NIXL's view
