@@ -1,10 +1,10 @@
 """The engine's KV cache, assembled in one place: storage (bytes), pool (page
 ids) and manager (sequences -> pages), and the numbers a server reports.
 
-``build_kv_cache`` is the only code that knows how the three fit together and
-the only place that asks whether the format stores INT2 pages (triaxial): it
-then builds the dual-ended pool and a bits table, and everything above asks
-the pool (``pool.precisions``, ``pool.allocate(page_bits)``) instead.
+``build_kv_cache`` is the only code that knows how the three fit together.
+The storage says whether the format has INT2 pages (triaxial); only here does
+that choose a pool and a bits table, and everything above asks the pool
+(``pool.precisions``, ``pool.allocate(page_bits)``) instead.
 
 Pages for KV transfer: ``import_pages`` and ``register`` receive pulled KV;
 leases (``pool.pin`` / ``renew`` / ``release``) and what a finished request
@@ -14,6 +14,7 @@ keeps are ``worker/leases.py``'s.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+
 import torch
 
 from kvserving.bits import average_bits, bits_table_for_budget, format_bits_table, int2_share
