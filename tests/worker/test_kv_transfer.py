@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_transfer import http_fetch_lease
+from kvserving.worker.kv_transfer import KVTransferParams, http_fetch_lease
 from kvserving.tags import encode_tag
 from kvserving.worker.sampling import SamplingParams
 
@@ -260,6 +260,34 @@ def test_forged_page_ids_are_refused(tiny_model_dir: Path, pf: Any, peer: Peer) 
     r = _turn2(pf, "forged", prompt2, forged)
     assert (r["fallback"], r["pulled"]) == ("hash_mismatch", 0)
     assert r["tokens"] == _fresh(tiny_model_dir, "bf16", prompt2, 8)
+
+
+def test_concurrent_pulls_from_one_peer(tiny_model_dir: Path, host: Any) -> None:
+    """Four requests pull at once (as a server's threads do) from a peer this decode worker has
+    never met: one metadata load, four READs, four pins; each request then reuses its pages."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    P = host.open("p-conc", _spec(tiny_model_dir, "bf16", "p-conc-1", role="prefill"))
+    D = host.open("d-conc", _spec(tiny_model_dir, "bf16", "d-conc-1", role="decode"))
+    prompts = [_prompt(100 + 20 * k, 40 + k) for k in range(4)]
+    params = [P.generate({"request_id": f"c{k}", "input_ids": ids, "max_tokens": 1, "retain": True})["params"]
+              for k, ids in enumerate(prompts)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda k: D.kvt.pull(prompts[k], None, KVTransferParams.from_dict(params[k])), range(4)))
+    assert [r.pulled_tokens for r in results] == [(len(ids) - 1) // 16 * 16 for ids in prompts]
+    assert all(r.fallback is None for r in results) and len({r.pin_lease for r in results}) == 4
+    with D.lock:
+        for k, (ids, r) in enumerate(zip(prompts, results)):
+            D.engine.add_request(f"r{k}", ids, _sp(6), pin_lease=r.pin_lease)
+        outs: dict[str, list[int]] = {f"r{k}": [] for k in range(4)}
+        pulled: dict[str, int] = {}
+        while D.engine.has_unfinished():
+            for o in D.engine.step():
+                outs[o.request_id].extend(o.new_token_ids)
+                pulled[o.request_id] = o.num_pulled_tokens
+    assert [pulled[f"r{k}"] for k in range(4)] == [r.pulled_tokens for r in results]
+    assert [outs[f"r{k}"] for k in range(4)] == [_fresh(tiny_model_dir, "bf16", ids, 6) for ids in prompts]
+    assert P.kvt.leases() == []  # every transfer hold released by its puller
 
 
 def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer: Peer) -> None:
