@@ -4,9 +4,9 @@ lease table (DESIGN.md, Worker: kv_transfer_params; docs/worker-api.md).
 
 API the worker server uses (one ``KVTransfer`` per worker process)::
 
-    kvt = KVTransfer(engine, config.reuse, engine_id="worker-...",  # may be stable: lease ids carry a per-process generation
+    kvt = KVTransfer(engine, config.reuse, engine_id="worker-...",  # lease ids also carry a per-process generation
                      agent_url="http://host:port", role="decode",
-                     run_on_engine=lambda fn: async_engine._executor.submit(fn).result())
+                     run_on_engine=async_engine.run_sync)   # runs fn() on the engine thread, waits
     kvt.agent_info()                       # body of GET /internal/kv/agent
     # POST /internal/generate, before the request reaches the engine (blocking: run it in a thread,
     # never on the engine thread itself):
@@ -45,9 +45,9 @@ hashes (NIXL would read any page of a registered region); after it, a renew
 must still find the lease (held at both ends: its pages were pinned
 throughout, never reused). Peer calls: GET /internal/kv/agent, GET
 /internal/kv/leases, POST .../renew, DELETE (after a pull of an ``xfer-``
-lease); each is an injectable callable. Pulled pages are registered in the prefix cache and pinned under
-``PullResult.pin_lease`` (local prefix pages under ``pin_lease + ".local"``)
-until the engine admits the request. Any failure gives ``fallback`` one of
+lease); each is an injectable callable. Pulled pages are registered in the
+prefix cache and pinned under ``PullResult.pin_lease`` (local prefix pages
+under ``pin_lease + ".local"``) until the engine admits the request. Any failure gives ``fallback`` one of
 ``FALLBACK_REASONS`` and the request recomputes; a failed READ's pages are
 freed unregistered (never used). ``hash_mismatch`` with ``pulled_tokens > 0``
 means the histories diverged and only the common prefix was pulled. A
