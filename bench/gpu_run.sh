@@ -7,6 +7,8 @@ set -uo pipefail
 what=${1:-all}; shift || true
 case "$what" in tests|bench|all|ncu) ;; *) echo "gpu_run.sh: error: unknown step '$what' (tests, bench, all or ncu)" >&2; exit 2;; esac
 fail() { echo "gpu_run.sh: error: $*" >&2; exit 1; }
+command -v nvidia-smi >/dev/null 2>&1 || fail "no GPU: nvidia-smi not found (run this on the device machine)"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader || fail "no GPU: nvidia-smi failed"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PKG=${KVPKG:-/tmp/kvpkg}; rm -rf "$PKG"; mkdir -p $PKG/kvserving
 cp -r common/. $PKG/kvserving/
@@ -16,8 +18,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PKG:/tmp/site
 fi
 export PYTHONUNBUFFERED=1
-command -v nvidia-smi >/dev/null 2>&1 || fail "no GPU: nvidia-smi not found (run this on the device machine)"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader || fail "no GPU: nvidia-smi failed"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__); assert torch.cuda.is_available()" \
   || fail "no GPU visible to torch (or torch/triton missing)"
 status=0

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from kvserving.argtypes import int_in
+from kvserving.operator.validate import DNS1123_LABEL, MAX_LABEL, admit, parse_manifest
 
 CRD_PACKAGE, CRD_FILE = "kvserving.crds", "kvserving.yaml"
 
@@ -53,7 +54,6 @@ def read_manifest(path: Path) -> str:
 def render_file(path: Path) -> int:
     """Print the children of the KVServing in ``path``; one stderr line per problem and exit 1 if it is refused."""
     from kvserving.operator.render import Owner, render
-    from kvserving.operator.validate import admit, parse_manifest
 
     admission = admit(parse_manifest(read_manifest(path), source=str(path)), crd=load_crd())
     if admission.problems:
@@ -74,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
 
         print(json.dumps(cluster_role_rules(), indent=2))
         return 0
+    for namespace in args.namespace:
+        if len(namespace) > MAX_LABEL or not DNS1123_LABEL.fullmatch(namespace):
+            raise ValueError(f"--namespace {namespace!r} is not a valid namespace name (a DNS-1123 label)")
     import kopf
 
     from kvserving.operator.handlers import registry

@@ -169,6 +169,8 @@ CASES: dict[str, Case] = {
     "capacity-negative-gpu": Case(("capacity", "--gpu-gib", "-80"), 2, "kvserving capacity: error: --gpu-gib must be in (0, 1048576], got -80"),
     "capacity-huge-gpu": Case(("capacity", "--gpu-gib", "1e30"), 2, "kvserving capacity: error: --gpu-gib must be in (0, 1048576], got 1e+30"),
     "capacity-huge-layers": Case(("capacity", "--layers", "100000"), 2, "kvserving capacity: error: --layers must be in 1..1024, got 100000"),
+    "operator-bad-namespace": Case(("operator", "--namespace", "Team_A"), 1,
+                                   "kvserving operator: error: --namespace 'Team_A' is not a valid namespace name (a DNS-1123 label)"),
     # the command itself
     "unknown-command": Case(("serve",), 2, "kvserving: error: argument COMMAND: invalid choice: 'serve'"),
     "unknown-flag": Case(("capacity", "--gpus", "8"), 2, "kvserving: error: unrecognized arguments: --gpus 8 (see kvserving --help)"),
