@@ -134,6 +134,8 @@ class WorkerMetrics:
         self, *, finish_reason: str, local_cached: int, remote_pulled: int, computed: int
     ) -> None:
         self.requests.labels(finish_reason=finish_reason).inc()
+        if finish_reason == "abort":
+            return  # aborted before it finished: where its prompt came from is not known
         for source, n in zip(TOKEN_SOURCES, (local_cached, remote_pulled, computed)):
             self.prompt_tokens_by_source.labels(source=source).inc(n)
             self.prompt_token_totals[source] += n

@@ -6,6 +6,7 @@ away frees its pages, /metrics exports every worker metric of the dashboard."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -153,6 +154,41 @@ def test_malformed_requests_get_a_one_line_4xx(live: Live, case: str, payload: A
     assert "\n" not in err["message"]
     assert set(err) == {"message", "type", "code"}
     assert httpx.get(live.url + "/health", timeout=5).json()["status"] == "ok"
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(live: Live) -> None:
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /internal/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000000\r\n\r\n{")
+        reply = b""
+        while b"bytes" not in reply and len(reply) < 65536:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 413")
+    assert b'"message":"request body over 67108864 bytes"' in reply
+
+
+def test_an_engine_failure_ends_the_streams_with_an_error_event_and_the_worker_goes_on(live: Live) -> None:
+    assert live.service.engine is not None
+    runner = live.service.engine.engine.runner
+    real = runner.execute
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        runner.execute = real  # type: ignore[method-assign]  # fail one step only
+        raise RuntimeError("injected device fault")
+
+    runner.execute = broken  # type: ignore[method-assign]
+    with httpx.stream("POST", live.url + "/internal/generate", json=body("boom", [5, 6, 7]), timeout=60) as r:
+        assert r.status_code == 200
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+    assert json.loads(events[0]) == {"error": {"message": "engine error: injected device fault", "type": "engine_error", "code": None}}
+    assert events[-1] == "[DONE]"
+    _wait_idle(live)
+    tokens, final = generate(live.url, body("after-boom", [5, 6, 7], max_tokens=3))
+    assert len(tokens) == 3 and final["finish_reason"] == "length"
 
 
 def test_unknown_route_and_lease_are_404_in_the_error_shape(live: Live) -> None:
