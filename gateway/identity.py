@@ -42,6 +42,13 @@ one pass over P's pages plus dictionary hits — no per-token index. Memory is
 bounded: at most `max_records` sequences (least recently used go first) and
 `records_per_conversation` each, at most `max_conversations` conversations.
 Pure (no I/O), not thread-safe (one event loop owns it).
+
+Use: `identify(headers=..., body=..., prompt=tagged)` before routing;
+`remember(key, prompt.input_ids)` when the request is sent; and when the turn
+ends `remember(key, prompt.input_ids + tokenizer.encode_ids(output_text))` —
+the output re-encoded from its text, as the next turn's template will render
+it (sampled ids need not be the canonical tokenization); the stop token may
+be left out, the delimiters after it are allowed to differ.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ class Agent:
         self.index.remember(ident.key, prompt.input_ids)
         return ident, prompt
 
-    def answer(self, ident: Identity, prompt: TaggedPrompt, reasoning: str, text: str, *, tool_call: str | None = None) -> None:
+    def answer(self, ident: Identity, prompt: TaggedPrompt, reasoning: str, text: str, *, tool_call: str | None = None,
+               with_eos: bool = True) -> None:
         """The model's output: remembered as prompt + output ids; the client appends the message."""
         tok = self.tagger.tokenizer
         generated = f"<think>\n{reasoning}\n</think>\n\n{text}"
@@ -54,7 +55,7 @@ class Agent:
             generated += f'\n<tool_call>\n{{"name": "{tool_call}", "arguments": {{}}}}\n</tool_call>'
         eos = tok.eos_token_id
         assert eos is not None
-        self.index.remember(ident.key, prompt.input_ids + tok.encode_ids(generated) + [eos])
+        self.index.remember(ident.key, prompt.input_ids + tok.encode_ids(generated) + ([eos] if with_eos else []))
         message: dict[str, Any] = {"role": "assistant", "content": text if self.strip_reasoning else f"<think>\n{reasoning}\n</think>\n\n{text}"}
         if tool_call is not None:
             message["tool_calls"] = [{"id": "c", "type": "function", "function": {"name": tool_call, "arguments": "{}"}}]
@@ -110,6 +111,17 @@ def test_multi_turn_agent_keeps_one_key(tagger: ChatTagger) -> None:
     agent.user("And where is it validated?")
     third, _ = agent.send()  # a new user turn
     assert (third.key, third.source) == (first.key, "prefix")
+
+
+def test_output_remembered_without_its_stop_token_still_matches(tagger: ChatTagger) -> None:
+    index = fresh_index()
+    agent = Agent(tagger, index, "Where is the config parsed?")
+    first, prompt = agent.send()
+    agent.answer(first, prompt, "look", "In config.py.", with_eos=False)
+    agent.user("And validated?")
+    second, _ = agent.send()
+    assert (second.key, second.source) == (first.key, "prefix")
+    assert second.matched_tokens > len(prompt.input_ids)
 
 
 def test_two_agents_with_the_same_system_prompt_stay_apart(tagger: ChatTagger) -> None:
