@@ -45,6 +45,8 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # templates would silently drop them.)
 TEXT_PART_TYPES = ("text",)
 IMAGE_PART_TYPES = ("image_url", "image")
+# Template variables the request's own fields set (not `chat_template_kwargs`).
+RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
 class ChatTemplate:
@@ -104,7 +106,11 @@ class ChatTemplate:
         it is the request the template refused.
         """
         compiled = compile_template(self.template_for(has_tools=bool(tools)))
-        variables: dict[str, Any] = {**self.special_tokens, **dict(template_kwargs or {})}
+        extra = dict(template_kwargs or {})
+        reserved = sorted(set(extra) & RESERVED_VARIABLES)
+        if reserved:
+            raise invalid_request(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+        variables: dict[str, Any] = {**self.special_tokens, **extra}
         try:
             return compiled.render(
                 messages=messages,

@@ -252,3 +252,13 @@ def test_no_tools_is_none_and_valid_tools_pass_unchanged() -> None:
 def test_assistant_with_only_tool_calls_is_valid() -> None:
     out = normalize_messages([{"role": "assistant", "content": None, "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}])
     assert "content" not in out[0]
+
+
+def test_template_kwargs_cannot_replace_request_fields(template: ChatTemplate) -> None:
+    with pytest.raises(GatewayError) as exc:
+        template.render([{"role": "user", "content": "x"}], template_kwargs={"messages": [], "enable_thinking": True})
+    assert (exc.value.status, exc.value.param) == (400, "chat_template_kwargs")
+    assert exc.value.message == "chat_template_kwargs may not set messages"
+    # Special tokens may be overridden, as in transformers.
+    t = ChatTemplate("{{ eos_token }}", special_tokens={"eos_token": "</s>"})
+    assert t.render([], template_kwargs={"eos_token": "<e>"}) == "<e>"
