@@ -88,8 +88,9 @@ def run_conversation(base_url: str, model: str, *, max_tokens: int, session_id: 
         ttft: float | None = None
         parts: list[str] = []
         usage: Any = None
-        stream = client.chat.completions.create(
-            model=model, messages=messages, tools=TOOLS, stream=True,  # type: ignore[arg-type]
+        # messages/tools are plain dicts in the wire shape (the SDK's TypedDicts are stricter)
+        stream = client.chat.completions.create(  # type: ignore[call-overload]
+            model=model, messages=messages, tools=TOOLS, stream=True,
             stream_options={"include_usage": True}, max_tokens=max_tokens, temperature=0.0, seed=n,
             extra_headers={"X-Session-ID": session_id},
         )
