@@ -159,12 +159,12 @@ def _add_kv_routes(app: FastAPI, service: WorkerService) -> None:
     @app.post("/internal/kv/leases/{lease_id}/renew", response_model=None)
     async def renew(lease_id: str, body: RenewBody | None = None) -> Response:
         try:
-            expires_at = await service.renew(lease_id, ttl_s=None if body is None else body.ttl_s)
+            renewed = await service.renew(lease_id, ttl_s=None if body is None else body.ttl_s)
         except NotReadyError as exc:
             return error_response(503, str(exc), type_="unavailable")
         except LeaseNotFoundError as exc:
             return error_response(404, str(exc), type_="not_found", code="unknown_lease")
-        return JSONResponse({"lease_id": lease_id, "expires_at": expires_at})
+        return JSONResponse(renewed)
 
     @app.delete("/internal/kv/leases/{lease_id}", response_model=None)
     async def release(lease_id: str) -> Response:

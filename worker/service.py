@@ -298,11 +298,20 @@ class WorkerService:
         kvt = self._transfer()
         return await asyncio.to_thread(kvt.leases, conversation_key)
 
-    async def renew(self, lease_id: str, *, ttl_s: float | None) -> float:
-        """Extend a lease (capped at the retention TTL); its new expiry in unix seconds."""
+    async def renew(self, lease_id: str, *, ttl_s: float | None) -> dict[str, Any]:
+        """Extend a lease (capped at the retention TTL): its new unix expiry and its pages,
+        so a puller can check the page ids it was given belong to this lease."""
         kvt = self._transfer()
+
+        def renew_and_read() -> dict[str, Any]:
+            expires_at = kvt.renew(lease_id, ttl_s)
+            (lease,) = [le for le in kvt.leases() if le["lease_id"] == lease_id]
+            params = lease["kv_transfer_params"]
+            return {"lease_id": lease_id, "expires_at": expires_at, "page_ids": params["page_ids"],
+                    "page_hashes": params["page_hashes"], "num_tokens": params["num_tokens"]}
+
         try:
-            return await asyncio.to_thread(kvt.renew, lease_id, ttl_s)
+            return await asyncio.to_thread(renew_and_read)
         except KeyError:
             raise LeaseNotFoundError(f"unknown lease {lease_id!r} (expired, released, or never held here)") from None
 

@@ -314,6 +314,10 @@ def test_both_worker_retains_under_a_lease_and_reuses_its_own_kv(live: Live, con
     r = httpx.post(live.url + f"/internal/kv/leases/{new['lease_id']}/renew", json={"ttl_s": 1e6}, timeout=10)
     assert r.status_code == 200
     assert now + 470 < r.json()["expires_at"] <= time.time() + 480 + 0.5
+    assert {k: v for k, v in r.json().items() if k != "expires_at"} == {
+        "lease_id": new["lease_id"], "page_ids": new["page_ids"], "page_hashes": new["page_hashes"],
+        "num_tokens": new["num_tokens"],
+    }
     r = httpx.post(live.url + f"/internal/kv/leases/{new['lease_id']}/renew", json={"ttl_s": 5}, timeout=10)
     assert now + 4 < r.json()["expires_at"] <= time.time() + 5.5
     assert httpx.post(live.url + f"/internal/kv/leases/{new['lease_id']}/renew", json={"ttl_s": -1}, timeout=10).status_code == 422
