@@ -33,6 +33,12 @@ from kvserving.operator.names import GROUP, KIND, VERSION
 DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 MAX_LABEL = 63
+# ObjectMeta's fields: strict field validation refuses any other key under metadata.
+OBJECT_META_FIELDS = frozenset({
+    "name", "generateName", "namespace", "labels", "annotations", "uid", "resourceVersion", "generation",
+    "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "ownerReferences", "finalizers",
+    "managedFields", "selfLink",
+})
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,7 +74,7 @@ def admit(body: dict[str, Any], *, crd: dict[str, Any]) -> Admission:
     if body.get("apiVersion") != api_version or body.get("kind") != KIND:
         found = f"{body.get('kind') or '(no kind)'} ({body.get('apiVersion') or 'no apiVersion'})"
         return Admission(body, (f"the manifest is a {found}, not a {KIND} ({api_version})",))
-    problems = name_problems(body.get("metadata"))
+    problems = metadata_problems(body.get("metadata"))
     if problems:
         return Admission(body, tuple(problems))
     schema = root_schema(crd)
@@ -86,11 +92,18 @@ def root_schema(crd: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def name_problems(metadata: Any) -> list[str]:
-    """metadata.name a DNS-1035 label (its children's Service names start with it), namespace a DNS-1123 label."""
+def metadata_problems(metadata: Any) -> list[str]:
+    """ObjectMeta fields only, string labels and annotations, metadata.name a DNS-1035 label
+    (its children's Service names start with it), namespace a DNS-1123 label."""
     if not isinstance(metadata, dict) or not isinstance(metadata.get("name"), str) or not metadata["name"]:
         return ["metadata.name: required"]
-    problems = []
+    problems = [f"metadata.{key}: unknown field" for key in metadata if key not in OBJECT_META_FIELDS]
+    for field in ("labels", "annotations"):
+        value = metadata.get(field)
+        if value is not None and not (
+            isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+        ):
+            problems.append(f"metadata.{field}: must map strings to strings (quote numbers and booleans)")
     name = metadata["name"]
     if len(name) > MAX_LABEL or not DNS1035_LABEL.fullmatch(name):
         problems.append(
