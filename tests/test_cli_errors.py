@@ -352,3 +352,19 @@ def test_tiny_model_force_writes_into_a_non_empty_directory(tmp_path: Path, caps
     assert main(["tiny-model", str(tmp_path), "--force"]) == 0
     assert capsys.readouterr().out == f"wrote tiny model to {tmp_path}\n"
     assert {"notes.txt", "config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_render_prints_one_line_per_problem(tmp_path: Path) -> None:
+    body = _sample("triaxial")
+    body["spec"]["kvCache"]["bitBudget"] = 9
+    body["spec"]["decode"]["replicas"] = -2
+    body["spec"]["reuse"]["leaseTTLSeconds"] = 600
+    (tmp_path / "three.yaml").write_text(yaml.safe_dump(body))
+    result = run_cli(render("three.yaml"), cwd=tmp_path)
+    assert (result.code, result.stdout) == (1, "")
+    assert sorted(result.stderr.splitlines()) == [
+        "kvserving operator: error: three.yaml: spec.decode.replicas: replicas must not be negative",
+        "kvserving operator: error: three.yaml: spec.kvCache.bitBudget: bitBudget must be within [2, 4]",
+        "kvserving operator: error: three.yaml: spec.reuse: leaseTTLSeconds must be less than retentionTTLSeconds "
+        "(a gateway lease must expire before the worker drops the KV)",
+    ]
