@@ -145,6 +145,19 @@ def _gap_spans(
         cuts, owners = candidates, [t for _, t in skipped]
     else:
         cuts, owners, skipped = [candidates[-1] if candidates else first], [after], []
+    # The system block's own prose is instruction too: after its last piece up
+    # to the first special token (tool-use instructions before `<|im_end|>`),
+    # and before its first piece from the line after its opener's header
+    # ("# Tools ..." after `<|im_start|>system`).
+    if prev is not None and prev.semantic == "inst":
+        stop = next((a for a, _ in inside if a >= first and a in controls.special), cuts[0])
+        first = max(first, min(stop, cuts[0]))
+    if nxt is not None and nxt.semantic == "inst" and candidates:
+        body = text.find("\n", cuts[-1], last)
+        if body >= 0:
+            while body < last and text[body] == "\n":
+                body += 1
+            last = body
     spans = []
     if prev is not None and first > start:
         spans.append((start, first, encode_tag(prev.temporal, "text", prev.semantic)))

@@ -24,7 +24,10 @@ Semantic role of each character:
 - template text between two pieces of the same block (one system block of
   system prompt + tools, one message body, one tool call) -> that block's
   role (the "# Tools" prose between system prompt and schemas, the JSON glue
-  between a tool's name and its arguments);
+  between a tool's name and its arguments); the system block also owns the
+  template's prose before its first piece (from the line after its header)
+  and after its last piece (up to the special token that closes it): tool-use
+  instructions and dates the template injects are instructions;
 - other template text -> delim, except its part on the same line as a piece
   (no line break or control token in between: `{"name": "` before a tool
   name, `}` after the arguments), which joins that piece. So `<|im_start|>`,

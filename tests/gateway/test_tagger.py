@@ -55,8 +55,12 @@ def test_agent_conversation_golden_spans(tagger: ChatTagger, tokenizer: TextToke
     assert system[:3] == ("current", "text", "inst")
     assert system[3].startswith("You are a terse assistant.\n\n# Tools\n\nYou can call the functions below")
     assert '{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city"' in system[3]
-    assert system[3].endswith('"description": "List files <in> a directory & more", "parameters": {"type": "object", "properties": {}}}}')
-    assert rs[2][:3] == ("current", "text", "delim") and rs[2][3].startswith("</tools>") and rs[2][3].endswith("</tool_call><|im_end|>")
+    # The template's tool-use instructions after the schemas are instruction
+    # too, up to the special token that closes the system turn.
+    assert system[3].endswith('</tools>\n\nTo call one, reply with its name and arguments as JSON inside <tool_call></tool_call>:\n'
+                              '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    assert '"description": "List files <in> a directory & more", "parameters": {"type": "object", "properties": {}}}}' in system[3]
+    assert rs[2] == ("current", "text", "delim", "<|im_end|>")
     assert rs[3:] == [
         ("turn_m1", "text", "delim", "<|im_start|>user"),
         ("turn_m1", "text", "user", "Weather in Paris?"),
