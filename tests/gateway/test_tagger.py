@@ -398,3 +398,27 @@ def test_random_conversations_keep_ids_and_tag_every_piece(
     images = sum(1 for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image_url")
     assert sum(1 for _, mod, s, _ in rs if mod == "image" and s == "user") == images
     assert len(prompt.turn_starts) == sum(1 for m in messages if m["role"] == "user")
+
+
+def test_a_turns_prompt_keeps_its_roles_in_the_next_turn(tagger: ChatTagger) -> None:
+    """Turn N's prompt is a prefix of turn N+1's (this template keeps every
+    turn), and its tokens keep their modality and role there; only the
+    temporal part ages. Prefix-cache hashes cover modality and role, so this
+    is what lets the next turn reuse the pages."""
+    per_turn = 2 * 7
+    conversation = copy.deepcopy(AGENT[:2])
+    steps: list[dict[str, Any]] = [
+        AGENT[2], AGENT[3], AGENT[4], AGENT[5],
+        {"role": "assistant", "content": "<think>\nAn image.\n</think>\n\nA cat."},
+        {"role": "user", "content": "thanks"},
+    ]
+    previous = tagger.build(conversation, tools=TOOLS)
+    for message in steps:
+        conversation.append(copy.deepcopy(message))
+        if message["role"] == "assistant":
+            continue  # a prompt never ends on an assistant message
+        current = tagger.build(conversation, tools=TOOLS)
+        n = len(previous.input_ids)
+        assert current.input_ids[:n] == previous.input_ids
+        assert [t % per_turn for t in current.tags[:n]] == [t % per_turn for t in previous.tags]
+        previous = current
