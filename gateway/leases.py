@@ -278,10 +278,12 @@ class LeaseKeeper:
     async def _release_all(self, leases: Sequence[Lease]) -> None:
         if not leases:
             return
-        await asyncio.gather(
+        results = await asyncio.gather(
             *(self.client.release_lease(lease.worker_url, lease.lease_id) for lease in leases), return_exceptions=True
         )
-        self.events.lease_event("released", len(leases))
+        released = sum(result is True for result in results)  # 404: the worker had already let it go
+        if released:
+            self.events.lease_event("released", released)
 
     def start(self) -> None:
         self._stop.clear()

@@ -78,7 +78,8 @@ class WorkerClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0, keepalive_timeout=60)
+            # Idle connections are dropped before uvicorn's 5 s keep-alive closes them from its side.
+            connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0, keepalive_timeout=4)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, auto_decompress=False)
         return self._session
 
@@ -95,7 +96,7 @@ class WorkerClient:
         worker takes as an abort.
         """
         try:
-            async with self._http().post(f"{url}/internal/generate", json=body) as response:
+            async with await self._post_fresh_on_reset(f"{url}/internal/generate", body) as response:
                 if response.status != 200:
                     text = (await response.read()).decode(errors="replace")
                     raise UpstreamError("status", _error_message(text, response.status), url=url, status=response.status)
@@ -111,6 +112,16 @@ class WorkerClient:
             raise UpstreamError("connect", f"cannot reach worker {url}: {exc}", url=url) from exc
         except aiohttp.ClientError as exc:
             raise UpstreamError("stream", f"worker {url} stream broke: {type(exc).__name__}: {exc}", url=url) from exc
+
+    async def _post_fresh_on_reset(self, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        """POST; a pooled connection the server closed meanwhile (reset before any response:
+        the worker never saw the request) is retried once on a fresh connection."""
+        try:
+            return await self._http().post(url, json=body)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                raise  # could not connect at all: the worker is down
+            return await self._http().post(url, json=body)
 
     async def find_leases(self, url: str, *, conversation_key: str) -> list[dict[str, Any]]:
         async with self._http().get(f"{url}/internal/kv/leases", params={"conversation_key": conversation_key},

@@ -4,8 +4,9 @@ a real uvicorn on 127.0.0.1, for the gateway's tests and overhead benchmark.
 What it does, exactly:
 
 - generate: refuses unknown fields (422), empty input ids (422), a duplicate
-  in-flight request id (409); keeps a prefix cache of full pages keyed by a
-  hash chained over token ids (``PAGE_SIZE`` 16); a prompt's leading pages in
+  in-flight request id (409); keeps a prefix cache of every full prompt page
+  it saw, keyed by a hash chained over token ids (``PAGE_SIZE`` 16); a
+  prompt's leading pages in
   that cache are ``local_cached_tokens``; with ``kv_transfer_params`` it
   "pulls" the following pages whose hashes equal the params' (unexpired), which
   are ``remote_pulled_tokens``; the rest is ``computed_prompt_tokens``;
@@ -111,7 +112,7 @@ class FakeWorker:
                 while match < min(len(theirs), len(hashes)) and theirs[match] == hashes[match]:
                     match += 1
                 remote = max(0, match - local)
-        self.cache.update(hashes[: local + remote])
+        self.cache.update(hashes)  # matched, pulled and computed full pages alike
         usage = {
             "prompt_tokens": len(ids), "completion_tokens": 0,
             "local_cached_tokens": local * PAGE_SIZE, "remote_pulled_tokens": remote * PAGE_SIZE,

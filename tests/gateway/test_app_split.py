@@ -30,7 +30,9 @@ def stack(tiny_model_dir: Path) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def reply(tiny_model_dir: Path) -> list[int]:
-    return TextTokenizer.from_dir(tiny_model_dir).encode_ids("Done. The tests pass now.")
+    # longer than a page: the decode's retained pages reach past what the prefill computed itself
+    return TextTokenizer.from_dir(tiny_model_dir).encode_ids(
+        "Done. The tests pass now; I also fixed the flaky parser test and updated the changelog entry.")
 
 
 def client(gw: Gateway) -> openai.OpenAI:
@@ -54,7 +56,7 @@ def test_split_turns_move_kv_prefill_to_decode_and_back(stack: Stack, reply: lis
     assert d1["input_ids"] == p1["input_ids"] and d1["retain"] is True and d1["conversation_key"] == "session:s1"
     transfer = prefill.leases[d1["kv_transfer_params"]["lease_id"]]  # P -> D: the prefill's transfer lease
     assert d1["kv_transfer_params"]["page_hashes"] == transfer.hashes
-    assert first.choices[0].message.content == "Done. The tests pass now."
+    assert first.choices[0].message.content.startswith("Done. The tests pass now;")  # type: ignore[union-attr]
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     (lease,) = decode.leases.values()
     assert lease.conversation_key == "session:s1"
