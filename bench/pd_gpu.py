@@ -1,0 +1,809 @@
+"""Prefill and decode workers on two GPUs: NIXL READ bandwidth GPU->GPU and the seed's multi-turn TTFT experiment.
+
+Run on a two-GPU device machine (bench/NOTES-pd-gpu.md gives the command)::
+
+    python3 bench/pd_gpu.py --out DIR [--phases bw,seed,faults] [--formats bf16,nvfp4,fp8_e4m3,triaxial] [--budget-s 540]
+    python3 bench/pd_gpu.py --tiny --out DIR      # the same end to end on CPU: tiny model, CPU memory
+
+Phases (in this order; each one is skipped when the time budget cannot hold it, and the
+JSON is rewritten after every step, so a run cut short still leaves its numbers):
+
+bw
+    Two processes, one per GPU (``CUDA_VISIBLE_DEVICES``), each with a KV pool of one format
+    (``KVStorage``, the worker's own layer buffers, scales included) registered with NIXL
+    (``NixlIO``, the worker's transport). The reader READs 1, 64, 1024 and 16K pages from the
+    other, pages contiguous (one region per layer, as a prompt allocated in one go) and
+    scattered (one region per page per layer); the bytes read are checked against the
+    source's pattern. The same bytes are then copied by torch peer-to-peer in one process.
+    ``UCX_PROTO_INFO=y`` makes UCX print the protocols it selected (which transport) into
+    the reader's log.
+seed
+    A Qwen3-8B-shaped model with seeded random weights (written once as safetensors), one
+    prefill ``kvserving worker`` on GPU 0 and one decode worker on GPU 1 per KV format.
+    Per prompt length L: the decode worker holds the conversation's history (computed and
+    retained there, as after earlier turns; the prefill worker has never seen it, i.e. no
+    prefix caching on the prefill side) and a new user message of ``--new`` tokens arrives:
+
+    - on: the prefill worker READs the history from the decode worker (D->P), computes only
+      the new tokens, the decode worker READs only the pages it lacks (P->D) and samples;
+    - off: the prefill worker computes all L tokens, the decode worker READs all of them;
+    - new-only: the decode worker, holding the history in its own cache, computes only the
+      new tokens itself: the floor.
+
+    TTFT = from the request reaching the prefill worker to the decode worker's first token
+    (client side, HTTP included). The prefill time is split into the D->P READ (the prefill
+    worker's own transfer seconds) and the rest (compute, scheduling, HTTP).
+faults
+    On the bf16 pair: the decode worker frozen (SIGSTOP) while the prefill worker pulls, and
+    killed between turns; each turn must recompute (usage.reuse_fallback) and its tokens are
+    compared with the decode worker's own (after SIGCONT, or after a restart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMATS = ("bf16", "nvfp4", "fp8_e4m3", "triaxial")
+INT2_SHARE = 0.65  # triaxial pages at INT2: 0.65 * 2 + 0.35 * 4 = 2.7 average code bits
+QWEN3_8B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 32768, "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0, "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
+    "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
+    "initializer_range": 0.02, "use_cache": True, "torch_dtype": "bfloat16", "bos_token_id": None,
+    "eos_token_id": 1, "pad_token_id": 0,
+}
+TRANSPORTS = ("cuda_ipc", "cuda_copy", "gdr_copy", "rc_mlx5", "dc_mlx5", "ud_mlx5", "tcp", "sysv", "posix", "cma", "self")
+
+
+@dataclass
+class Plan:
+    tiny: bool
+    out: Path
+    work: Path
+    formats: list[str]
+    lengths: list[int]
+    new: int
+    gen: int
+    reps: int
+    bw_pages: list[int]
+    scattered_max: int
+    pool_bytes: int
+    deadline: float
+    results: dict[str, Any]
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def save(self) -> None:
+        (self.out / "pd_gpu.json").write_text(json.dumps(self.results, indent=1))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------------ bw
+def shape_of(tiny: bool) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of the model the pools are laid out for."""
+    if tiny:
+        from kvserving.worker.tiny_model import TINY_CONFIG
+
+        return int(TINY_CONFIG["num_hidden_layers"]), int(TINY_CONFIG["num_key_value_heads"]), int(TINY_CONFIG["head_dim"])  # type: ignore[call-overload]
+    return QWEN3_8B["num_hidden_layers"], QWEN3_8B["num_key_value_heads"], QWEN3_8B["head_dim"]
+
+
+def page_split(fmt: str, n: int) -> tuple[int, int]:
+    """(full-precision pages, INT2 pages) among ``n`` pages of ``fmt``."""
+    if fmt != "triaxial":
+        return n, 0
+    n2 = int(round(n * INT2_SHARE))
+    return n - n2, n2
+
+
+def make_storage(fmt: str, max_pages: int, *, tiny: bool, device: torch.device) -> Any:
+    """A KV pool of ``fmt`` holding ``max_pages`` pages (triaxial: at the 2.7-bit mix)."""
+    from kvserving.config import DEFAULT_PAGE_SIZE
+    from kvserving.kernels.layout import ALIGN, PageLayout
+    from kvserving.worker.kv_storage import KVShape, KVStorage
+
+    layers, heads, dim = shape_of(tiny)
+    ps = DEFAULT_PAGE_SIZE[fmt]
+    dims = dict(page_size=ps, kv_heads=heads, head_dim=dim)
+    model_dtype = torch.float32 if tiny else torch.bfloat16
+    if fmt == "triaxial":
+        n4, n2 = page_split(fmt, max_pages)
+        per_layer = n4 * PageLayout.build("int4", **dims).page_bytes + n2 * PageLayout.build("int2", **dims).page_bytes + ALIGN
+    else:
+        per_layer = max_pages * PageLayout.build("fp32" if tiny and fmt == "bf16" else fmt, **dims).page_bytes
+    return KVStorage(fmt, KVShape(layers, heads, dim), page_size=ps, budget_bytes=layers * per_layer,
+                     device=device, model_dtype=model_dtype)
+
+
+def pattern(idx: torch.Tensor) -> torch.Tensor:
+    """The byte at global index ``idx`` of the source pool (a multiplicative hash: every page differs)."""
+    return ((idx * 0x9E3779B1) >> 17).bitwise_and(255).to(torch.uint8)
+
+
+def fill_pattern(buf: torch.Tensor) -> None:
+    layers, total = buf.shape
+    chunk = 1 << 26
+    for layer in range(layers):
+        for s in range(0, total, chunk):
+            n = min(chunk, total - s)
+            idx = torch.arange(layer * total + s, layer * total + s + n, device=buf.device, dtype=torch.int64)
+            buf[layer, s : s + n] = pattern(idx)
+
+
+def page_ids(fmt: str, n: int, *, total: int, scattered: bool, rng: random.Random) -> list[int]:
+    """``n`` page ids among ``total`` (triaxial: INT2 ids carry the flag)."""
+    from kvserving.kernels.page_ids import make_page_id
+
+    n4, n2 = page_split(fmt, n)
+    t4, t2 = page_split(fmt, total)
+    i4 = rng.sample(range(t4), n4) if scattered else list(range(n4))
+    i2 = rng.sample(range(t2), n2) if scattered else list(range(n2))
+    return [make_page_id(i, bits=4) for i in i4] + [make_page_id(i, bits=2) for i in i2]
+
+
+def bw_peer(role: str, gpu: int, conn: Any, cfg: dict[str, Any]) -> None:
+    """One side of the bandwidth test, in its own process (spawned)."""
+    fd = os.open(cfg["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    if cfg["cuda"]:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    os.environ.update(cfg["env"])
+    try:
+        _bw_peer(role, conn, cfg)
+    except BaseException as exc:  # noqa: BLE001 - report, then exit
+        import traceback
+
+        traceback.print_exc()
+        conn.send(("error", f"{role}: {type(exc).__name__}: {exc}"))
+    finally:
+        sys.stdout.flush()
+
+
+def _bw_peer(role: str, conn: Any, cfg: dict[str, Any]) -> None:
+    from kvserving.worker.nixl_io import NixlIO, PageGeometry
+
+    device = torch.device("cuda:0" if cfg["cuda"] else "cpu")
+    max_pages = max(cfg["pages"])
+    total = max_pages + 8
+    out: dict[str, Any] = {}
+    for fmt in cfg["formats"]:
+        st = make_storage(fmt, total, tiny=not cfg["cuda"], device=device)
+        geo = PageGeometry(st.layout.page_bytes, st.int2_layout.page_bytes if st.int2_layout else 0, st.total_bytes)
+        if role == "source":
+            fill_pattern(st.buffers)
+        if cfg["cuda"]:
+            torch.cuda.synchronize()
+        io = NixlIO(f"bw-{role}-{fmt}-{os.getpid()}", st.buffers, geometry=geo)
+        if role == "source":
+            io.start_progress()
+            conn.send(("meta", io.metadata(), io.addrs, io.device_id))
+            msg = conn.recv()  # the reader is done with this format
+            assert msg == "next", msg
+        else:
+            _, meta, addrs, dev = conn.recv()
+            peer = io.add_remote(f"src-{fmt}", 0, meta, addrs=addrs, device_id=dev, geometry=geo)
+            out[fmt] = bw_measure(io, peer, fmt, total, cfg, st)
+            conn.send("next")
+        io.close()
+        del io, st
+        if cfg["cuda"]:
+            torch.cuda.empty_cache()
+    if role == "reader":
+        conn.send(("result", out))
+
+
+def bw_measure(io: Any, peer: Any, fmt: str, total: int, cfg: dict[str, Any], st: Any) -> list[dict[str, Any]]:
+    rng = random.Random(5)
+    rows: list[dict[str, Any]] = []
+    for n in cfg["pages"]:
+        for scattered in (False, True):
+            if scattered and n > cfg["scattered_max"]:
+                continue
+            prev = [r for r in rows if r["scattered"] == scattered]
+            if prev and prev[-1]["median_s"] * n / prev[-1]["pages"] * 4 > cfg["max_read_s"]:
+                rows.append({"pages": n, "scattered": scattered, "skipped": "predicted over max_read_s"})
+                print(json.dumps({"fmt": fmt, **rows[-1]}), flush=True)
+                continue
+            local = page_ids(fmt, n, total=total, scattered=scattered, rng=rng)
+            remote = page_ids(fmt, n, total=total, scattered=scattered, rng=rng)
+            t0 = time.perf_counter()
+            ldesc, _ = io.descriptors(peer, local, remote)
+            desc_s = time.perf_counter() - t0
+            reps = 10 if n <= 64 else 5 if n <= 1024 else 3
+            first = io.read(peer, local, remote, timeout_s=60.0)
+            times = [io.read(peer, local, remote, timeout_s=60.0).seconds for _ in range(reps)]
+            ok = check_pages(st, local, remote, rng)
+            med = statistics.median(times)
+            rows.append({
+                "pages": n, "scattered": scattered, "bytes": first.num_bytes, "regions": first.num_regions,
+                "first_s": first.seconds, "median_s": med, "min_s": min(times), "descriptor_build_s": desc_s,
+                "gb_per_s": first.num_bytes / med / 1e9, "bytes_checked": ok, "descs": len(ldesc),
+            })
+            print(json.dumps({"fmt": fmt, **rows[-1]}), flush=True)
+    return rows
+
+
+def check_pages(st: Any, local: list[int], remote: list[int], rng: random.Random) -> bool:
+    """A sample of the pages read hold exactly the source's bytes, in every layer."""
+    from kvserving.worker.nixl_io import PageGeometry
+
+    geo = PageGeometry(st.layout.page_bytes, st.int2_layout.page_bytes if st.int2_layout else 0, st.total_bytes)
+    buf = st.buffers
+    total = buf.shape[1]
+    for k in rng.sample(range(len(local)), min(8, len(local))):
+        lo, n = geo.span(local[k])
+        ro, _ = geo.span(remote[k])
+        for layer in range(buf.shape[0]):
+            idx = torch.arange(layer * total + ro, layer * total + ro + n, device=buf.device, dtype=torch.int64)
+            if not torch.equal(buf[layer, lo : lo + n], pattern(idx)):
+                return False
+    return True
+
+
+def run_bw(plan: Plan) -> None:
+    cuda = not plan.tiny
+    env = {"UCX_PROTO_INFO": "y"} if cuda else {}
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()  # the source's end, the reader's end
+    base = {"formats": plan.formats, "pages": plan.bw_pages, "scattered_max": plan.scattered_max, "cuda": cuda, "env": env,
+            "max_read_s": 15.0}
+    src = ctx.Process(target=bw_peer, args=("source", 1, a, {**base, "log": str(plan.work / "bw_source.log")}))
+    rdr = ctx.Process(target=bw_peer, args=("reader", 0, b, {**base, "log": str(plan.work / "bw_reader.log")}))
+    src.start()
+    rdr.start()
+    res: dict[str, Any] = {"error": None}
+    try:
+        res |= relay_bw(a, b, plan, src, rdr)
+    finally:
+        for p in (src, rdr):
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    res["transports"] = ucx_transports(plan.work / "bw_reader.log")
+    res["transports_source"] = ucx_transports(plan.work / "bw_source.log")
+    if cuda and res.get("nixl"):
+        res["torch_p2p"] = torch_p2p(res["nixl"])
+    plan.results["bw"] = res
+    plan.save()
+
+
+def relay_bw(a: Any, b: Any, plan: Plan, src: Any, rdr: Any) -> dict[str, Any]:
+    """The two peers talk over one pipe (a: source end, b: reader end); this process only
+    watches the deadline. The reader's result arrives on its end after the last format."""
+    # Pipes are point to point: let the peers use (a, b) directly; we poll for the end.
+    limit = time.monotonic() + min(plan.left() - 30, 150 if not plan.tiny else 120)
+    while time.monotonic() < limit:
+        if not rdr.is_alive() and not src.is_alive():
+            break
+        time.sleep(0.5)
+    # the reader's final message went to the source's end (a), after the source finished reading
+    result: dict[str, Any] = {}
+    while a.poll(0.1):
+        msg = a.recv()
+        if isinstance(msg, tuple) and msg[0] == "result":
+            result["nixl"] = msg[1]
+        elif isinstance(msg, tuple) and msg[0] == "error":
+            result["error"] = msg[1]
+    while b.poll(0.1):
+        msg = b.recv()
+        if isinstance(msg, tuple) and msg[0] == "error":
+            result["error"] = msg[1]
+    if rdr.is_alive() or src.is_alive():
+        result["error"] = (result.get("error") or "") + " bw phase hit its time limit"
+    return result
+
+
+def ucx_transports(path: Path) -> dict[str, Any]:
+    """Transport names UCX printed (UCX_PROTO_INFO) and the protocol lines that name one."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return {}
+    lines = [ln.strip() for ln in text.splitlines() if any(t in ln for t in TRANSPORTS) and not ln.startswith("{")]
+    counts = {t: sum(t in ln for ln in lines) for t in TRANSPORTS}
+    return {"counts": {k: v for k, v in counts.items() if v}, "lines": lines[:40]}
+
+
+def torch_p2p(nixl: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The same bytes as each contiguous NIXL READ, copied GPU1 -> GPU0 by torch in one process."""
+    out: dict[str, Any] = {"can_access_peer": torch.cuda.can_device_access_peer(0, 1), "rows": []}
+    for fmt, rows in nixl.items():
+        for r in rows:
+            if r["scattered"] or "skipped" in r:
+                continue
+            src = torch.empty(r["bytes"], dtype=torch.uint8, device="cuda:1")
+            dst = torch.empty(r["bytes"], dtype=torch.uint8, device="cuda:0")
+            times = []
+            for i in range(8):
+                torch.cuda.synchronize(0)
+                torch.cuda.synchronize(1)
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                torch.cuda.synchronize(0)
+                torch.cuda.synchronize(1)
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            med = statistics.median(times)
+            out["rows"].append({"fmt": fmt, "pages": r["pages"], "bytes": r["bytes"], "median_s": med, "gb_per_s": r["bytes"] / med / 1e9})
+            del src, dst
+    torch.cuda.empty_cache()
+    return out
+
+
+# --------------------------------------------------------------------------------- model
+def build_model(plan: Plan) -> Path:
+    out = plan.work / "model"
+    if plan.tiny:
+        from kvserving.worker.tiny_model import build_tiny_model
+
+        return build_tiny_model(out)
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = QWEN3_8B
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [1], "pad_token_id": 0}))
+    g = torch.Generator(device="cuda:0").manual_seed(1234)
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+
+    def normal(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda:0", dtype=torch.bfloat16) * std).cpu()
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    layers = cfg["num_hidden_layers"]
+    shards = 4
+    per = -(-layers // shards)
+    for s in range(shards):
+        w: dict[str, torch.Tensor] = {}
+        if s == 0:
+            w["model.embed_tokens.weight"] = normal(v, h, std=1.0)
+            w["lm_head.weight"] = normal(v, h)
+            w["model.norm.weight"] = ones(h)
+        for i in range(s * per, min(layers, (s + 1) * per)):
+            p = f"model.layers.{i}."
+            w |= {
+                p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
+                p + "self_attn.q_proj.weight": normal(q * d, h), p + "self_attn.k_proj.weight": normal(kv * d, h),
+                p + "self_attn.v_proj.weight": normal(kv * d, h), p + "self_attn.o_proj.weight": normal(h, q * d),
+                p + "self_attn.q_norm.weight": ones(d), p + "self_attn.k_norm.weight": ones(d),
+                p + "mlp.gate_proj.weight": normal(inter, h), p + "mlp.up_proj.weight": normal(inter, h),
+                p + "mlp.down_proj.weight": normal(h, inter),
+            }
+        save_file(w, str(out / f"model-{s + 1:05d}-of-{shards:05d}.safetensors"), metadata={"format": "pt"})
+        del w
+    torch.cuda.empty_cache()
+    return out
+
+
+# ------------------------------------------------------------------------------- workers
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Worker:
+    name: str
+    role: str
+    gpu: int
+    url: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env, start_new_session=True)
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def make_worker(plan: Plan, model: Path, fmt: str, role: str, gpu: int) -> Worker:
+    cfg = {
+        "model": {"path": str(model), "max_model_len": 4096 if plan.tiny else 32768},
+        "kv_cache": {"dtype": fmt, "memory_bytes": plan.pool_bytes},
+        "reuse": {"recompute_threshold_tokens": 64, "transfer_timeout_s": 5.0},
+        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 2048, "chunk_size": 2048},
+    }
+    name = f"{role}-{fmt}"
+    path = plan.work / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    port = free_port()
+    argv = [sys.executable, "-m", "kvserving.cli", "worker", "--role", role, "--config", str(path), "--model", str(model),
+            "--host", "127.0.0.1", "--port", str(port), "--engine-id", f"{name}-{uuid.uuid4().hex[:6]}", "--log-level", "warning"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1" if plan.tiny else "4")
+    if not plan.tiny:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        env["UCX_PROTO_INFO"] = "y"  # UCX prints the protocols (transports) it selects into the worker's log
+    return Worker(name, role, gpu, f"http://127.0.0.1:{port}", argv, env, plan.work / f"{name}.log")
+
+
+def wait_ready(client: Any, workers: list[Worker], deadline: float) -> dict[str, str]:
+    """Worker name -> error for those not ready by ``deadline`` (or exited)."""
+    pending = {w.name: w for w in workers}
+    errors: dict[str, str] = {}
+    while pending and time.monotonic() < deadline:
+        for name, w in list(pending.items()):
+            if w.proc is not None and w.proc.poll() is not None:
+                errors[name] = f"exited {w.proc.returncode}: {w.tail()}"
+                del pending[name]
+                continue
+            try:
+                if client.get(w.url + "/ready", timeout=2).status_code == 200:
+                    del pending[name]
+            except Exception:  # noqa: BLE001 - not listening yet
+                pass
+        time.sleep(0.3)
+    for name, w in pending.items():
+        errors[name] = f"not ready in time: {w.tail()}"
+    return errors
+
+
+@dataclass
+class Gen:
+    tokens: list[int]
+    final: dict[str, Any]
+    t0: float
+    first: float
+    end: float
+
+
+def generate(client: Any, url: str, ids: list[int], *, max_tokens: int, params: dict[str, Any] | None = None,
+             key: str | None = None, retain: bool = False) -> Gen:
+    body = {"request_id": uuid.uuid4().hex, "input_ids": ids, "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
+            "kv_transfer_params": params, "conversation_key": key, "retain": retain}
+    t0 = time.perf_counter()
+    first = 0.0
+    tokens: list[int] = []
+    final: dict[str, Any] = {}
+    with client.stream("POST", url + "/internal/generate", json=body, timeout=300) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: {r.status_code} {r.read().decode()[:300]}")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                break
+            ev = json.loads(data)
+            if "error" in ev:
+                raise RuntimeError(f"{url}: {ev['error']}")
+            if ev["token_ids"] and not first:
+                first = time.perf_counter()
+            tokens.extend(ev["token_ids"])
+            if "finish_reason" in ev:
+                final = ev
+    return Gen(tokens, final, t0, first, time.perf_counter())
+
+
+def xfer_seconds(client: Any, w: Worker) -> float:
+    return float(client.get(w.url + "/internal/kv/stats", timeout=10).json()["transfer"]["transfer_seconds"])
+
+
+def release_all(client: Any, *workers: Worker) -> None:
+    for w in workers:
+        for lease in client.get(w.url + "/internal/kv/leases", timeout=10).json()["leases"]:
+            client.delete(f"{w.url}/internal/kv/leases/{lease['lease_id']}", timeout=10)
+
+
+# ---------------------------------------------------------------------------------- seed
+def rand_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def one_length(client: Any, p: Worker, d: Worker, L: int, plan: Plan, rng: random.Random, vocab: int) -> dict[str, Any]:
+    """Setup, new-only, on and off for prompt length ``L`` (see the module docstring)."""
+    key = uuid.uuid4().hex
+    hist = rand_ids(rng, L - plan.new - plan.gen, vocab)
+    setup = generate(client, d.url, hist, max_tokens=plan.gen, key=key, retain=True)
+    held = hist + setup.tokens
+    d_params = setup.final["kv_transfer_params"]
+    # new-only: the decode worker holds the history and computes the new tokens itself
+    x_base = held + rand_ids(rng, plan.new, vocab)
+    base = generate(client, d.url, x_base, max_tokens=1)
+    # on: D->P pull, compute the new tokens, P->D pull of what D lacks, first token
+    x_on = held + rand_ids(rng, plan.new, vocab)
+    sp0, sd0 = xfer_seconds(client, p), xfer_seconds(client, d)
+    pon = generate(client, p.url, x_on, max_tokens=1, params=d_params, key=key)
+    don = generate(client, d.url, x_on, max_tokens=1, params=pon.final["kv_transfer_params"], key=key)
+    sp1, sd1 = xfer_seconds(client, p), xfer_seconds(client, d)
+    # off: a prompt nobody has seen: P computes all, D pulls all
+    x_off = rand_ids(rng, L, vocab)
+    poff = generate(client, p.url, x_off, max_tokens=1)
+    doff = generate(client, d.url, x_off, max_tokens=1, params=poff.final["kv_transfer_params"])
+    sp2, sd2 = xfer_seconds(client, p), xfer_seconds(client, d)
+    release_all(client, p, d)
+    pu, du = pon.final["usage"], don.final["usage"]
+    return {
+        "L": L, "setup_ms": (setup.end - setup.t0) * 1e3,
+        "new_only_ms": (base.first - base.t0) * 1e3, "new_only_usage": base.final["usage"],
+        "on_ms": (don.first - pon.t0) * 1e3, "on_p_ms": (pon.end - pon.t0) * 1e3, "on_p_pull_ms": (sp1 - sp0) * 1e3,
+        "on_d_ms": (don.first - don.t0) * 1e3, "on_d_pull_ms": (sd1 - sd0) * 1e3, "on_p_usage": pu, "on_d_usage": du,
+        "off_ms": (doff.first - poff.t0) * 1e3, "off_p_ms": (poff.end - poff.t0) * 1e3, "off_p_pull_ms": (sp2 - sp1) * 1e3,
+        "off_d_ms": (doff.first - doff.t0) * 1e3, "off_d_pull_ms": (sd2 - sd1) * 1e3,
+        "off_p_usage": poff.final["usage"], "off_d_usage": doff.final["usage"],
+    }
+
+
+def run_seed(plan: Plan, client: Any, model: Path) -> dict[str, tuple[Worker, Worker]]:
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    pairs = {f: (make_worker(plan, model, f, "prefill", 0), make_worker(plan, model, f, "decode", 1)) for f in plan.formats}
+    t0 = time.monotonic()
+    for pw, dw in pairs.values():
+        pw.start()
+        dw.start()
+    errors = wait_ready(client, [w for pair in pairs.values() for w in pair], time.monotonic() + min(300, plan.left() - 60))
+    seed: dict[str, Any] = {"start_s": time.monotonic() - t0, "errors": errors, "formats": {}}
+    plan.results["seed"] = seed
+    plan.save()
+    log(f"workers up in {seed['start_s']:.1f} s; errors: {list(errors)}")
+    for fmt, (pw, dw) in pairs.items():
+        if pw.name in errors or dw.name in errors:
+            continue
+        if plan.left() < (60 if not plan.tiny else 20):
+            seed["formats"][fmt] = {"skipped": "time budget"}
+            continue
+        res: dict[str, Any] = {"rows": [], "warm_ms": None}
+        seed["formats"][fmt] = res
+        rng = random.Random(17)
+        try:
+            w0 = time.monotonic()
+            for L in sorted({min(plan.lengths), max(plan.lengths)}):  # compile kernels, connect NIXL both ways
+                one_length(client, pw, dw, L, plan, rng, vocab)
+            res["warm_ms"] = (time.monotonic() - w0) * 1e3
+            for L in plan.lengths:
+                for _ in range(plan.reps):
+                    if plan.left() < (45 if not plan.tiny else 10):
+                        res["cut_short"] = f"time budget at L={L}"
+                        break
+                    res["rows"].append(one_length(client, pw, dw, L, plan, rng, vocab))
+                    plan.save()
+        except Exception as exc:  # noqa: BLE001 - keep the other formats
+            res["error"] = f"{type(exc).__name__}: {exc}"
+            log(f"{fmt}: {res['error']}\n{pw.tail()}\n{dw.tail()}")
+        try:
+            res["prefill_stats"] = client.get(pw.url + "/internal/kv/stats", timeout=10).json()
+            res["decode_stats"] = client.get(dw.url + "/internal/kv/stats", timeout=10).json()
+        except Exception as exc:  # noqa: BLE001
+            res["stats_error"] = str(exc)
+        res["transports"] = {w.name: ucx_transports(w.log_path).get("counts") for w in (pw, dw)}
+        plan.save()
+        print_seed_table(fmt, res)
+    return pairs
+
+
+def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per length, each mode's fastest rep (its own row's split with it)."""
+    out = []
+    for L in sorted({r["L"] for r in rows}):
+        rs = [r for r in rows if r["L"] == L]
+        on = min(rs, key=lambda r: r["on_ms"])
+        off = min(rs, key=lambda r: r["off_ms"])
+        base = min(rs, key=lambda r: r["new_only_ms"])
+        out.append({"L": L, "on": on, "off": off, "base": base})
+    return out
+
+
+def print_seed_table(fmt: str, res: dict[str, Any]) -> None:
+    print(f"\n# seed experiment, kv {fmt}: TTFT ms (fastest of reps), prefill split, bytes per reused token")
+    head = ["L", "off", "on", "new-only", "on/new", "off/on", "P on", "P pull on", "P rest on", "D on", "D pull on",
+            "P off", "D off", "D pull off", "pulled D->P", "MiB D->P", "B/token", "regions D->P"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for b in best_rows(res.get("rows", [])):
+        on, off, base = b["on"], b["off"], b["base"]
+        pu = on["on_p_usage"]
+        pulled = pu["remote_pulled_tokens"]
+        row = [b["L"], f"{off['off_ms']:.1f}", f"{on['on_ms']:.1f}", f"{base['new_only_ms']:.1f}",
+               f"{on['on_ms'] / base['new_only_ms']:.2f}", f"{off['off_ms'] / on['on_ms']:.2f}",
+               f"{on['on_p_ms']:.1f}", f"{on['on_p_pull_ms']:.1f}", f"{on['on_p_ms'] - on['on_p_pull_ms']:.1f}",
+               f"{on['on_d_ms']:.1f}", f"{on['on_d_pull_ms']:.1f}",
+               f"{off['off_p_ms']:.1f}", f"{off['off_d_ms']:.1f}", f"{off['off_d_pull_ms']:.1f}", pulled,
+               f"{pu['kv_bytes_pulled'] / 2**20:.1f}", f"{pu['kv_bytes_pulled'] / max(1, pulled):.0f}", pu["kv_regions_pulled"]]
+        print("| " + " | ".join(str(c) for c in row) + " |")
+    if res.get("error") or res.get("cut_short"):
+        print(f"({res.get('error') or res.get('cut_short')})")
+    xf = (res.get("prefill_stats") or {}).get("transfer") or {}
+    print(f"prefill worker measured: {xf.get('prefill_tokens_per_s')} prefill tokens/s, {xf.get('transfer_bytes_per_s')} "
+          f"READ bytes/s; UCX transports in the worker logs: {res.get('transports')}")
+
+
+# -------------------------------------------------------------------------------- faults
+def run_faults(plan: Plan, client: Any, pw: Worker, dw: Worker, model: Path) -> None:
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = random.Random(23)
+    L = plan.lengths[len(plan.lengths) // 2]
+    n_tok = 8
+    out: dict[str, Any] = {"L": L}
+    plan.results["faults"] = out
+
+    def conversation() -> tuple[list[int], dict[str, Any]]:
+        hist = rand_ids(rng, L - plan.new - plan.gen, vocab)
+        s = generate(client, dw.url, hist, max_tokens=plan.gen, key=uuid.uuid4().hex, retain=True)
+        return hist + s.tokens + rand_ids(rng, plan.new, vocab), s.final["kv_transfer_params"]
+
+    # 1. decode frozen while the prefill worker pulls: its lease check / READ times out
+    x, params = conversation()
+    dw.signal(signal.SIGSTOP)
+    try:
+        g = generate(client, pw.url, x, max_tokens=n_tok, params=params)
+    finally:
+        dw.signal(signal.SIGCONT)
+    ref = generate(client, dw.url, x, max_tokens=n_tok)
+    out["frozen"] = {"usage": g.final["usage"], "ttft_ms": (g.first - g.t0) * 1e3, "tokens": g.tokens, "ref_tokens": ref.tokens,
+                     "same_tokens": g.tokens == ref.tokens, "ref_usage": ref.final["usage"]}
+    plan.save()
+    # 2. decode killed between turns; restarted, it computes the same prompt from scratch
+    x, params = conversation()
+    dw.kill()
+    g = generate(client, pw.url, x, max_tokens=n_tok, params=params)
+    dw.start()
+    errs = wait_ready(client, [dw], time.monotonic() + min(180, plan.left() - 10))
+    rec: dict[str, Any] = {"usage": g.final["usage"], "ttft_ms": (g.first - g.t0) * 1e3, "tokens": g.tokens, "restart_errors": errs}
+    if not errs:
+        ref = generate(client, dw.url, x, max_tokens=n_tok)
+        rec |= {"ref_tokens": ref.tokens, "same_tokens": g.tokens == ref.tokens, "ref_usage": ref.final["usage"]}
+    out["killed"] = rec
+    out["prefill_fallbacks"] = client.get(pw.url + "/internal/kv/stats", timeout=10).json()["fallbacks"]
+    plan.save()
+    for name in ("frozen", "killed"):
+        r = out[name]
+        print(f"fault {name}: fallback {r['usage']['reuse_fallback']}, computed {r['usage']['computed_prompt_tokens']}"
+              f"/{r['usage']['prompt_tokens']}, TTFT {r['ttft_ms']:.0f} ms, same tokens as the decode worker's own run: "
+              f"{r.get('same_tokens')}")
+
+
+# ---------------------------------------------------------------------------------- main
+def print_bw_table(bw: dict[str, Any]) -> None:
+    print("\n# NIXL READ between two worker-layout pools (one process per device) vs torch peer-to-peer")
+    print(f"transports (UCX_PROTO_INFO lines, reader): {bw.get('transports', {}).get('counts')}; error: {bw.get('error')}")
+    p2p = {(r["fmt"], r["pages"]): r for r in (bw.get("torch_p2p") or {}).get("rows", [])}
+    head = ["format", "pages", "MiB", "layout", "regions", "NIXL GB/s", "first ms", "median ms", "descr ms", "p2p GB/s", "NIXL/p2p", "bytes ok"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for fmt, rows in (bw.get("nixl") or {}).items():
+        for r in rows:
+            if "skipped" in r:
+                print(f"| {fmt} | {r['pages']} | | {'scattered' if r['scattered'] else 'contiguous'} | skipped: {r['skipped']} |")
+                continue
+            t = p2p.get((fmt, r["pages"])) if not r["scattered"] else None
+            row = [fmt, r["pages"], f"{r['bytes'] / 2**20:.2f}", "scattered" if r["scattered"] else "contiguous", r["regions"],
+                   f"{r['gb_per_s']:.1f}", f"{r['first_s'] * 1e3:.2f}", f"{r['median_s'] * 1e3:.3f}",
+                   f"{r['descriptor_build_s'] * 1e3:.2f}", f"{t['gb_per_s']:.1f}" if t else "",
+                   f"{r['gb_per_s'] / t['gb_per_s']:.2f}" if t else "", r["bytes_checked"]]
+            print("| " + " | ".join(str(c) for c in row) + " |")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="pd_gpu.json and logs.tgz go here")
+    ap.add_argument("--work", type=Path, default=None, help="model, configs and logs (default: OUT/work)")
+    ap.add_argument("--tiny", action="store_true", help="CPU: tiny model, CPU memory, small sizes")
+    ap.add_argument("--phases", default="bw,seed,faults", help="comma-separated, of bw, seed, faults")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="KV formats, in order of priority")
+    ap.add_argument("--lengths", default="", help="prompt lengths (default 2K..24K; tiny 512..2K)")
+    ap.add_argument("--new", type=int, default=0, help="new user tokens per turn (default 1024; tiny 128)")
+    ap.add_argument("--gen", type=int, default=0, help="reply tokens the decode worker generated (default 16; tiny 4)")
+    ap.add_argument("--reps", type=int, default=2, help="repetitions per length (fastest kept)")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting work after this many seconds")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or args.out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    tiny = args.tiny
+    lengths = [int(x) for x in args.lengths.split(",") if x] or (
+        [512, 1024, 2048] if tiny else [2048, 4096, 8192, 12288, 16384, 20480, 24576])
+    plan = Plan(tiny=tiny, out=args.out, work=work, formats=[f for f in args.formats.split(",") if f], lengths=lengths,
+                new=args.new or (128 if tiny else 1024), gen=args.gen or (4 if tiny else 16), reps=args.reps,
+                bw_pages=[1, 64, 256] if tiny else [1, 64, 1024, 16384], scattered_max=256 if tiny else 1024,
+                pool_bytes=(48 << 20) if tiny else (8 << 30), deadline=start + args.budget_s, results={})
+    phases = set(args.phases.split(","))
+    plan.results["setup"] = {"tiny": tiny, "formats": plan.formats, "lengths": lengths, "new": plan.new, "gen": plan.gen,
+                             "reps": plan.reps, "model": "tiny" if tiny else {k: QWEN3_8B[k] for k in (
+                                 "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                 "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")},
+                             "torch": torch.__version__, "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    plan.save()
+    import httpx
+
+    pairs: dict[str, tuple[Worker, Worker]] = {}
+    try:
+        if "bw" in phases:
+            log("bw phase")
+            run_bw(plan)
+            print_bw_table(plan.results["bw"])
+        if "seed" in phases or "faults" in phases:
+            from kvserving.worker.nixl_io import import_nixl
+
+            plan.results["setup"]["nixl"] = import_nixl().__name__  # workers need it: fail before building the model
+            log(f"building the model ({plan.left():.0f} s left)")
+            t0 = time.monotonic()
+            model = build_model(plan)
+            plan.results["setup"]["model_build_s"] = time.monotonic() - t0
+            log(f"model built in {time.monotonic() - t0:.1f} s")
+            with httpx.Client() as client:
+                pairs = run_seed(plan, client, model)
+                if "faults" in phases and "bf16" in pairs and plan.left() > (90 if not tiny else 20):
+                    pw, dw = pairs["bf16"]
+                    if pw.name not in plan.results["seed"]["errors"] and dw.name not in plan.results["seed"]["errors"]:
+                        log("faults phase")
+                        try:
+                            run_faults(plan, client, pw, dw, model)
+                        except Exception as exc:  # noqa: BLE001
+                            plan.results["faults_error"] = f"{type(exc).__name__}: {exc}"
+                            log(plan.results["faults_error"])
+                elif "faults" in phases:
+                    plan.results["faults"] = {"skipped": "time budget or no bf16 pair"}
+    finally:
+        for pw, dw in pairs.values():
+            pw.kill()
+            dw.kill()
+        plan.results["elapsed_s"] = time.monotonic() - start
+        plan.save()
+        with tarfile.open(args.out / "logs.tgz", "w:gz") as tar:
+            for f in sorted(work.glob("*.log")):
+                tar.add(f, arcname=f.name)
+    if "bw" in plan.results:
+        print_bw_table(plan.results["bw"])
+    for fmt, res in (plan.results.get("seed") or {}).get("formats", {}).items():
+        print_seed_table(fmt, res)
+    log(f"done in {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
