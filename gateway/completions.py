@@ -268,7 +268,10 @@ class Completions:
             completion_tokens = detok.count
         if turn_request.conversation_key is not None:  # what the next turn will start with
             self.index.remember(turn_request.conversation_key, turn_request.input_ids)
-            self.index.remember(turn_request.conversation_key, turn_request.input_ids + detok.ids)
+            # The output re-encoded from its text, as the next turn's template renders it:
+            # sampled ids need not be the canonical tokenization (GWTEMPLATE).
+            output_ids = self.model.tokenizer.encode_ids(detok.text)
+            self.index.remember(turn_request.conversation_key, turn_request.input_ids + output_ids)
         result_final = turn.result or _partial_result(turn_request, turn, completion_tokens)
         result_final.completion_tokens = completion_tokens
         self.metrics.prompt_tokens.inc(result_final.prompt_tokens)
