@@ -24,7 +24,6 @@ from typing import Any
 from .chat_template import Message
 
 INLINE_MARKUP = re.compile(r"<think>|</think>|<tool_call>|</tool_call>")
-SYSTEM_REGION: tuple[object, ...] = ("system",)
 # Marker alphabets (private-use planes); the first whose characters do not
 # occur in the real render is used.
 MARKER_BASES = (0xF0000, 0x100000, 0xE000)
@@ -32,6 +31,9 @@ MARKER_BASES = (0xF0000, 0x100000, 0xE000)
 
 @dataclass(frozen=True, slots=True)
 class Piece:
+    """One marked content string: its role, its turn, the block it belongs to
+    (template text between two pieces of one block takes the block's role)."""
+
     semantic: str
     temporal: str
     region: tuple[object, ...]
@@ -64,6 +66,7 @@ class MarkerCodec:
 
 
 def pick_codec(text: str) -> MarkerCodec | None:
+    """A marker alphabet that `text` (the real render) does not use, or None."""
     for base in MARKER_BASES:
         codec = MarkerCodec(base)
         if not codec.any_char.search(text):
@@ -88,7 +91,7 @@ def mark_message(message: Message, i: int, temporal: str, codec: MarkerCodec, ma
     role = message["role"]
     out = dict(message)
     if role == "system":
-        piece = Piece("inst", "current", SYSTEM_REGION, i)
+        piece = Piece("inst", "current", ("msg", i), i)
         out["content"] = _mark_content(message.get("content"), piece, codec, marks)
     elif role == "user":
         piece = Piece("user", temporal, ("msg", i), i)
@@ -226,7 +229,8 @@ def _mark_leaves(obj: object, piece: Piece, codec: MarkerCodec, marks: Marks) ->
 def mark_tool(tool: dict[str, Any], codec: MarkerCodec, marks: Marks, *, message: int) -> dict[str, Any]:
     """Mark a tool's name and description strings (any depth); templates may
     compare `type` or enum values, so those stay untouched."""
-    piece = Piece("inst", "current", SYSTEM_REGION, message)
+    # One block with the system message the schemas are rendered with.
+    piece = Piece("inst", "current", ("msg", message), message)
 
     def walk(obj: object, key: str | None) -> object:
         if isinstance(obj, str):

@@ -422,3 +422,25 @@ def test_a_turns_prompt_keeps_its_roles_in_the_next_turn(tagger: ChatTagger) -> 
         assert current.input_ids[:n] == previous.input_ids
         assert [t % per_turn for t in current.tags[:n]] == [t % per_turn for t in previous.tags]
         previous = current
+
+
+def test_a_system_message_later_in_the_conversation_is_its_own_block(tagger: ChatTagger, tokenizer: TextTokenizer) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "Answer in English."},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "system", "content": "Reminder: cite files."},
+        {"role": "user", "content": "q2"},
+    ]
+    rs = stripped(runs(tagger.build(messages), tokenizer))
+    # Each system message is instruction; the turn markup between two of them is not.
+    assert rs[:5] == [
+        ("current", "text", "delim", "<|im_start|>system"),
+        ("current", "text", "inst", "Be brief."),
+        ("current", "text", "delim", "<|im_end|>\n<|im_start|>system"),
+        ("current", "text", "inst", "Answer in English."),
+        ("current", "text", "delim", "<|im_end|>"),
+    ]
+    assert ("current", "text", "inst", "Reminder: cite files.") in rs
+    assert ("turn_m1", "text", "assistant", "a1") in rs
