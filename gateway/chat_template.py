@@ -1,9 +1,9 @@
 """The model's own chat template: load it, check OpenAI messages, render them.
 
-The template comes from the model directory (`chat_template.jinja`, else the
-`chat_template` field of `tokenizer_config.json`; a list of named templates
-picks `tool_use` when tools are given, else `default`, as `transformers`
-does) and is rendered in the same jinja2 sandbox as `transformers`:
+The template comes from the model directory (`chat_template.jinja` and
+`additional_chat_templates/*.jinja`, else the `chat_template` field of
+`tokenizer_config.json`; of several named templates `tool_use` is picked
+when tools are given, else `default`, as `transformers` does) and is rendered in the same jinja2 sandbox as `transformers`:
 `ImmutableSandboxedEnvironment(trim_blocks, lstrip_blocks, loopcontrols)` with
 `raise_exception`, a `tojson` that does not escape HTML, `strftime_now`, a safe
 `dict` and `namespace`, and the tokenizer's special tokens as variables. The
@@ -66,10 +66,17 @@ class ChatTemplate:
         """The template of a Hugging Face model directory (refuses one without any)."""
         root = Path(model_dir)
         config = read_tokenizer_config(root)
-        jinja_file = root / "chat_template.jinja"
+        # Template files take priority over the config entry, as in transformers:
+        # chat_template.jinja is "default", additional_chat_templates/NAME.jinja are named.
+        files: dict[str, str] = {}
+        if (root / "chat_template.jinja").is_file():
+            files["default"] = (root / "chat_template.jinja").read_text(encoding="utf-8")
+        extra = root / "additional_chat_templates"
+        if extra.is_dir():
+            files.update({f.stem: f.read_text(encoding="utf-8") for f in sorted(extra.glob("*.jinja"))})
         source: str | dict[str, str] | None
-        if jinja_file.is_file():
-            source = jinja_file.read_text(encoding="utf-8")
+        if files:
+            source = files["default"] if list(files) == ["default"] else files
         else:
             source = _config_template(config.get("chat_template"))
         if not source:
@@ -105,7 +112,7 @@ class ChatTemplate:
         A template's own `raise_exception` (or any render error) becomes a 400:
         it is the request the template refused.
         """
-        compiled = compile_template(self.template_for(has_tools=bool(tools)))
+        compiled = compile_template(self.template_for(has_tools=tools is not None))
         extra = dict(template_kwargs or {})
         reserved = sorted(set(extra) & RESERVED_VARIABLES)
         if reserved:

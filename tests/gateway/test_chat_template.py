@@ -154,6 +154,12 @@ def test_template_from_jinja_file_and_named_templates(tmp_path: Path) -> None:
     assert named.render([{"role": "user", "content": "a"}], tools=[{"n": "<é>"}]) == 'T1{"n": "<é>"}'
     (tmp_path / "chat_template.jinja").write_text("J{{ messages[0].content }}{% if add_generation_prompt %}>{% endif %}")
     assert ChatTemplate.from_dir(tmp_path).render([{"role": "user", "content": "x"}]) == "Jx>"
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("U{{ tools | length }}")
+    files = ChatTemplate.from_dir(tmp_path)
+    assert files.render([{"role": "user", "content": "x"}]) == "Jx>"
+    # transformers picks tool_use whenever tools are passed, even an empty list.
+    assert files.render([{"role": "user", "content": "x"}], tools=[]) == "U0"
 
 
 def test_missing_template_is_a_value_error(tmp_path: Path) -> None:
@@ -262,3 +268,22 @@ def test_template_kwargs_cannot_replace_request_fields(template: ChatTemplate) -
     # Special tokens may be overridden, as in transformers.
     t = ChatTemplate("{{ eos_token }}", special_tokens={"eos_token": "</s>"})
     assert t.render([], template_kwargs={"eos_token": "<e>"}) == "<e>"
+
+
+def test_template_files_pick_like_transformers(tiny_model_dir: Path, tmp_path: Path, tokenizer: TextTokenizer) -> None:
+    from transformers import AutoTokenizer
+
+    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_text((tiny_model_dir / "tokenizer.json").read_text())
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n")
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = ChatTemplate.from_dir(tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    for tools in (None, TOOLS):
+        ref = hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        assert ours.render(normalize_messages(messages), tools=tools) == ref
+        assert tokenizer.encode_ids(ref) == list(hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True)["input_ids"])
