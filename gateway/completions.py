@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ class Completions:
         self.turns = turns
         self.metrics = metrics
         self.index = index  # conversation identity (identity.py): explicit ids, prefix match, minted keys
+        self._active: Counter[str] = Counter()  # conversation keys with a turn in flight
 
     # ----------------------------------------------------------------- chat
     async def chat(
@@ -84,6 +86,9 @@ class Completions:
         identity = self.index.identify(headers=headers, body=_id_fields(request), prompt=prompt)
         self.metrics.identities.labels(identity.source).inc()
         key = identity.key
+        if identity.source == "new" and self._active[key]:
+            # the same first turn is in flight in another session (the index files it only after)
+            key = f"{key}-{uuid.uuid4().hex[:16]}"
         history = any(isinstance(m, dict) and m.get("role") in ("assistant", "tool") for m in request.messages)
         turn_request = self._turn_request("chatcmpl", prompt.input_ids, prompt.tags, request, request.limit, key,
                                           has_history=history)
@@ -236,6 +241,24 @@ class Completions:
         self, turn_request: TurnRequest, stops: list[str], started: float, *, route: str
     ) -> AsyncGenerator[tuple[str, Any], None]:
         """("text", str) pieces, then ("end", (finish_reason, TurnResult))."""
+        key = turn_request.conversation_key
+        if key is None:
+            async for item in self._generate_turn(turn_request, stops, started, route=route):
+                yield item
+            return
+        self._active[key] += 1
+        try:
+            async with aclosing(self._generate_turn(turn_request, stops, started, route=route)) as items:
+                async for item in items:
+                    yield item
+        finally:
+            self._active[key] -= 1
+            if self._active[key] <= 0:
+                del self._active[key]
+
+    async def _generate_turn(
+        self, turn_request: TurnRequest, stops: list[str], started: float, *, route: str
+    ) -> AsyncGenerator[tuple[str, Any], None]:
         turn = await self.turns.start(turn_request)
         detok = IncrementalDetokenizer(self.model.tokenizer, skip_ids=self.model.stop_token_ids)
         matcher = StopMatcher(stops)

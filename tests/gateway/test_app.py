@@ -261,3 +261,18 @@ def _wait(pred, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
     while not pred():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.02)
+
+
+def test_concurrent_identical_first_turns_are_different_conversations(stack: Stack, tok: TextTokenizer) -> None:
+    worker = stack.worker(role="both", reply_ids=tok.encode_ids(REPLY), token_delay_s=0.02)
+    gw = stack.gateway(decode=[worker.url])
+
+    async def main() -> None:
+        ac = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=20)
+        await asyncio.gather(*(ac.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "same"}])
+                               for _ in range(6)))
+        await ac.close()
+
+    asyncio.run(main())
+    keys = [body["conversation_key"] for body in worker.received]
+    assert len(set(keys)) == 6 and len(worker.leases) == 6
