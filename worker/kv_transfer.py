@@ -336,6 +336,7 @@ class KVTransfer:
         self.role = role
         self.generation = uuid.uuid4().int >> 80  # this process's metadata generation (48 bits)
         self._lock = threading.Lock()
+        self._counts_lock = threading.Lock()  # pulls run on several server threads at once
         self._run = run_on_engine or self._run_locked
         self._fetch = fetch_agent_info or http_fetch_agent_info
         self._fetch_lease = fetch_lease or http_fetch_lease
@@ -481,7 +482,8 @@ class KVTransfer:
         fallback = None
         if diverged:
             fallback = "hash_mismatch"
-            self.fallbacks[fallback] += 1
+            with self._counts_lock:
+                self.fallbacks[fallback] += 1
         return PullResult(
             pulled_tokens=len(local) * p, num_bytes=stats.num_bytes, num_regions=stats.num_regions,
             seconds=time.perf_counter() - t0, fallback=fallback, pin_lease=pin, **base,
@@ -520,6 +522,10 @@ class KVTransfer:
         return None, stats
 
     def _count(self, stats: ReadStats, tokens: int, overhead_s: float) -> None:
+        with self._counts_lock:
+            self._count_locked(stats, tokens, overhead_s)
+
+    def _count_locked(self, stats: ReadStats, tokens: int, overhead_s: float) -> None:
         self._measure(stats.num_bytes, stats.seconds, overhead_s)
         self.pulls += 1
         self.pulled_tokens_total += tokens
@@ -529,7 +535,8 @@ class KVTransfer:
 
     def _fail(self, reason: str, **kw: Any) -> PullResult:
         assert reason in FALLBACK_REASONS, reason
-        self.fallbacks[reason] += 1
+        with self._counts_lock:
+            self.fallbacks[reason] += 1
         return PullResult(fallback=reason, **kw)
 
     def _plan(self, ids: list[int], tags: list[int], params: KVTransferParams) -> _Plan:
