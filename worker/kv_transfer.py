@@ -423,12 +423,15 @@ class KVTransfer:
         self, input_ids: Sequence[int], tags: Sequence[int] | None, params: KVTransferParams | None
     ) -> PullResult:
         """Pull what ``params`` offers of this prompt's KV (see the module docstring). Never raises
-        for a transfer fault: the result's ``fallback`` says why nothing (or less) was pulled."""
+        for a transfer fault: the result's ``fallback`` says why nothing (or less) was pulled.
+        ValueError only for the caller's own mistake (tags not one per input token)."""
         self.reap()
         if params is None:
             return PullResult()
         ids = [int(t) for t in input_ids]
         tag_list = [int(t) for t in tags] if tags is not None else [0] * len(ids)
+        if len(tag_list) != len(ids):
+            raise ValueError(f"tags has {len(tag_list)} entries for {len(ids)} input tokens")
         if params.page_size != self.page_size or params.dtype != self.dtype or params.layout_hash != self.layout_hash:
             return self._fail("layout_mismatch")
         if params.expires_at <= time.time():
@@ -544,7 +547,7 @@ class KVTransfer:
         local prefix cache holds (pinned under a ``.local`` lease), pick the pages to pull."""
         kv, pool, p = self.engine.kv, self.engine.pool, self.page_size
         seq = EngineSequence("kv-pull", ids, SamplingParams(), make_generator(0), tags=tags)
-        usable = min(len(params.page_ids), params.num_tokens // p, (len(ids) - 1) // p)
+        usable = max(0, min(len(params.page_ids), params.num_tokens // p, (len(ids) - 1) // p))
         bits = [page_id_bits(pid) for pid in params.page_ids[:usable]]
         if kv.bits_table is not None:
             # a page stored at 2 bits never serves a request that wants 4 (match_prefix's rule)

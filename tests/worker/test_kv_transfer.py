@@ -276,6 +276,9 @@ def test_concurrent_pulls_from_one_peer(tiny_model_dir: Path, host: Any) -> None
         results = list(pool.map(lambda k: D.kvt.pull(prompts[k], None, KVTransferParams.from_dict(params[k])), range(4)))
     assert [r.pulled_tokens for r in results] == [(len(ids) - 1) // 16 * 16 for ids in prompts]
     assert all(r.fallback is None for r in results) and len({r.pin_lease for r in results}) == 4
+    with pytest.raises(ValueError, match="tags"):
+        D.kvt.pull(prompts[0], [0], KVTransferParams.from_dict(params[0]))
+    assert D.kvt.pull([], None, KVTransferParams.from_dict(params[0])).skipped == "nothing_to_pull"
     with D.lock:
         for k, (ids, r) in enumerate(zip(prompts, results)):
             D.engine.add_request(f"r{k}", ids, _sp(6), pin_lease=r.pin_lease)
