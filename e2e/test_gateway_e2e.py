@@ -35,9 +35,9 @@ def config() -> dict[str, Any]:
 
 
 class GatewayProc:
-    def __init__(self, tmp: Path, model_dir: Path, *, prefill: str, decode: str) -> None:
+    def __init__(self, tmp: Path, model_dir: Path, *, prefill: str, decode: str, config: dict[str, Any] | None = None) -> None:
         cfg = tmp / "gateway-config.json"
-        cfg.write_text(json.dumps(config()))
+        cfg.write_text(json.dumps(config or globals()["config"]()))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "gateway.log"
@@ -125,3 +125,60 @@ def test_three_turn_conversation_reuses_kv_through_the_gateway(stack: tuple[Gate
     # a clean stop leaves the active conversation's KV with the decode worker (another replica may go on)
     assert gateway.stop() == 0
     assert len(httpx.get(decode.url + "/internal/kv/leases", timeout=10).json()["leases"]) == 1
+
+
+SOAK_SESSIONS, SOAK_TURNS = 24, 3
+
+
+@pytest.mark.slow
+def test_soak_concurrent_sessions_through_real_workers(workers: WorkerFactory, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Bounded soak on loopback: concurrent agent sessions through the gateway and
+    real workers; no request lost, later turns reuse KV, every lease released once
+    the conversations go idle (the gateway's lease TTL), nothing left in flight."""
+    import asyncio
+
+    cfg = config()
+    cfg["reuse"].update({"lease_ttl_s": 3.0, "retention_ttl_s": 120.0})
+    prefill = workers.start("prefill", cfg, wait=False)
+    decode = workers.start("decode", cfg, wait=False)
+    prefill.wait_ready()
+    decode.wait_ready()
+    gateway = GatewayProc(tmp_path, tiny_model_dir, prefill=prefill.url, decode=decode.url, config=cfg)
+    try:
+        gateway.wait_ready()
+
+        async def session(client: openai.AsyncOpenAI, i: int) -> list[int]:
+            messages: list[dict[str, Any]] = [
+                {"role": "system", "content": "You are a coding agent. Use the tools. " * 6},
+                {"role": "user", "content": f"Task {i}: " + "find the bug in the parser and fix it. " * 3}]
+            cached = []
+            for turn in range(SOAK_TURNS):
+                out = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,  # type: ignore[arg-type]
+                                                           temperature=0, extra_headers={"X-Session-ID": f"soak-{i}"})
+                assert out.usage is not None and out.usage.completion_tokens == 6
+                cached.append(out.usage.prompt_tokens_details.cached_tokens)  # type: ignore[union-attr]
+                messages += [{"role": "assistant", "content": out.choices[0].message.content},
+                             {"role": "user", "content": f"Step {turn}: " + "run the tests again and report. " * 3}]
+            return cached
+
+        async def main() -> list[list[int]]:
+            client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0, timeout=300)
+            try:
+                return await asyncio.gather(*(session(client, i) for i in range(SOAK_SESSIONS)))
+            finally:
+                await client.close()
+
+        results = asyncio.run(main())
+        assert len(results) == SOAK_SESSIONS
+        for cached in results:
+            assert cached[1] > cached[0] and cached[2] > cached[1], cached
+        assert metric(gateway.url, "kvserving_gateway_requests_total", route="/v1/chat/completions", code="200") == \
+            SOAK_SESSIONS * SOAK_TURNS
+        deadline = time.monotonic() + 60
+        while httpx.get(decode.url + "/internal/kv/leases", timeout=10).json()["leases"]:
+            assert time.monotonic() < deadline, "decode leases not released after the conversations went idle"
+            time.sleep(0.5)
+        assert metric(gateway.url, "kvserving_gateway_leases") == 0
+        assert metric(gateway.url, "kvserving_gateway_requests_in_flight") == 0
+    finally:
+        assert gateway.stop() == 0

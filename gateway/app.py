@@ -208,12 +208,15 @@ class _Guard:
                 counted = True
             await send(message)
 
-        self.metrics.in_flight.inc()
+        served = path not in OPEN_PATHS  # probes and scrapes are not requests in flight
+        if served:
+            self.metrics.in_flight.inc()
         started = time.perf_counter()
         try:
             await self.app(scope, receive, send_status)
         finally:
-            self.metrics.in_flight.dec()
+            if served:
+                self.metrics.in_flight.dec()
             self.metrics.duration.labels(route).observe(time.perf_counter() - started)
             if not counted:  # the app failed before answering
                 self.metrics.requests.labels(route, "500").inc()
