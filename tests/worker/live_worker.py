@@ -6,7 +6,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import uvicorn
@@ -27,33 +29,50 @@ class Live:
     config: ServingConfig
 
 
-def start_live(config: ServingConfig, *, role: str = "both") -> Live:
-    """A worker app on uvicorn in a thread, on a free loopback port; ready when returned."""
+def start_live(
+    config: ServingConfig,
+    *,
+    role: str = "both",
+    startup: Callable[[WorkerService], Coroutine[Any, Any, None]] | None = None,
+    wait_ready: bool = True,
+) -> Live:
+    """A worker app on uvicorn in a thread, on a free loopback port. ``startup(service)``
+    replaces building the engine (default: build it, then start with KV transfer); with
+    ``wait_ready`` it returns once /ready answers 200, else once /health answers."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     registry = CollectorRegistry()
     service = WorkerService(config, role=role, metrics=WorkerMetrics(registry, role=role), engine_id=f"test-{role}",
                             advertise_url=url)
-    engine = LLMEngine(config)
+    if startup is None:
+        engine = LLMEngine(config)
 
-    async def startup() -> None:
-        await service.start(engine)
+        async def default_startup(svc: WorkerService) -> None:
+            await svc.start(engine)
 
-    app = create_app(service, registry=registry, startup=startup)
+        startup = default_startup
+    run = startup
+
+    async def app_startup() -> None:
+        await run(service)
+
+    app = create_app(service, registry=registry, startup=app_startup)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    live = Live(url, service, server, thread, config)
+    path = "/ready" if wait_ready else "/health"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return Live(url, service, server, thread, config)
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return live
         except httpx.TransportError:
             pass
         time.sleep(0.05)
-    stop_live(Live(url, service, server, thread, config))
-    raise AssertionError("worker did not become ready within 60 s")
+    stop_live(live)
+    raise AssertionError(f"worker did not answer {path} within 60 s")
 
 
 def stop_live(live: Live) -> None:

@@ -16,8 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from live_worker import Live, start_live, stop_live
@@ -25,9 +23,8 @@ from live_worker import Live, start_live, stop_live
 from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
 from kvserving.operator.dashboard import DASHBOARD_METRICS
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.metrics import FALLBACK_REASONS, WorkerMetrics
+from kvserving.worker.metrics import FALLBACK_REASONS
 from kvserving.worker.sampling import SamplingParams
-from kvserving.worker.server import create_app
 from kvserving.worker.service import WorkerService
 
 PAGE = 16
@@ -346,31 +343,15 @@ def test_agent_metadata_names_the_engine_and_layout(live: Live) -> None:
 
 def test_health_answers_while_the_model_loads_and_ready_waits_for_it(config: ServingConfig) -> None:
     loaded = threading.Event()
-    registry = CollectorRegistry()
-    service = WorkerService(config, role="decode", metrics=WorkerMetrics(registry, role="decode"), engine_id="slow",
-                            advertise_url="http://127.0.0.1:0")
 
-    async def startup() -> None:
+    async def slow_startup(service: WorkerService) -> None:
         await asyncio.to_thread(loaded.wait, 60)  # the model "loads" until the test lets it
         await service.start(LLMEngine(config), transfer=False)
 
-    app = create_app(service, registry=registry, startup=startup)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
+    live = start_live(config, role="decode", startup=slow_startup, wait_ready=False)
+    url = live.url
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                health = httpx.get(url + "/health", timeout=2)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-        assert health.json()["state"] == "starting"
+        assert httpx.get(url + "/health", timeout=5).json()["state"] == "starting"
         r = httpx.get(url + "/ready", timeout=5)
         assert r.status_code == 503 and r.json()["error"]["message"] == "worker is starting"
         r = httpx.post(url + "/internal/generate", json=body("early", [1, 2]), timeout=5)
@@ -378,12 +359,12 @@ def test_health_answers_while_the_model_loads_and_ready_waits_for_it(config: Ser
         assert httpx.get(url + "/internal/kv/stats", timeout=5).status_code == 503
         assert "kvserving_worker_ready 0.0" in httpx.get(url + "/metrics", timeout=5).text
         loaded.set()
+        deadline = time.monotonic() + 60
         while httpx.get(url + "/ready", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline + 60, "never became ready"
+            assert time.monotonic() < deadline, "never became ready"
             time.sleep(0.05)
         tokens, _ = generate(url, body("late", [1, 2], max_tokens=2))
         assert len(tokens) == 2
     finally:
         loaded.set()
-        server.should_exit = True
-        thread.join(30)
+        stop_live(live)
