@@ -31,7 +31,7 @@ from .metrics import GatewayMetrics
 from .output import OutputParser, StopMatcher
 from .tagger import ChatTagger, TaggedPrompt
 from .tokenizer import TextTokenizer
-from .turn import TurnRequest, TurnResult, Turns
+from .turn import TurnRequest, Turns
 
 @dataclass(slots=True, frozen=True)
 class ModelInfo:
@@ -295,7 +295,7 @@ class Completions:
             # sampled ids need not be the canonical tokenization (GWTEMPLATE).
             output_ids = self.model.tokenizer.encode_ids(detok.text)
             self.index.remember(turn_request.conversation_key, turn_request.input_ids + output_ids)
-        result_final = turn.result or _partial_result(turn_request, turn, completion_tokens)
+        result_final = turn.result or turn.ended_early()
         result_final.completion_tokens = completion_tokens
         self.metrics.prompt_tokens.inc(result_final.prompt_tokens)
         self.metrics.completion_tokens.inc(completion_tokens)
@@ -316,14 +316,6 @@ class Completions:
                     yield frame
 
         return rest()
-
-
-def _partial_result(turn_request: TurnRequest, turn: Any, completion_tokens: int) -> Any:
-    """Usage for a turn the gateway ended early (stop string): nothing computed is known but the prompt."""
-    n = len(turn_request.input_ids)
-    return TurnResult(finish_reason="stop", prompt_tokens=n, completion_tokens=completion_tokens, cached_tokens=0,
-                      local_cached_tokens=0, remote_pulled_tokens=0, decode_url=turn.decode.url,
-                      prefill_url=turn.prefill.url if turn.prefill is not None else None)
 
 
 def _id_fields(request: oa.ChatCompletionRequest | oa.CompletionRequest) -> dict[str, Any]:

@@ -72,6 +72,19 @@ class Turn:
     result: TurnResult | None = None
     _prefill_usage: dict[str, Any] = field(default_factory=dict)
 
+    def ended_early(self) -> TurnResult:
+        """The result of a turn the gateway stopped (a stop string) before the worker's final
+        event: what the prefill computed is known (split turns), a both worker's is not."""
+        prompt_tokens = len(self.request.input_ids)
+        computed = int(self._prefill_usage.get("computed_prompt_tokens", prompt_tokens))
+        return TurnResult(
+            finish_reason="stop", prompt_tokens=prompt_tokens, completion_tokens=0,
+            cached_tokens=max(0, prompt_tokens - computed),
+            local_cached_tokens=int(self._prefill_usage.get("local_cached_tokens", 0)),
+            remote_pulled_tokens=int(self._prefill_usage.get("remote_pulled_tokens", 0)),
+            decode_url=self.decode.url, prefill_url=self.prefill.url if self.prefill is not None else None,
+        )
+
     async def tokens(self) -> AsyncGenerator[list[int], None]:
         async with aclosing(self.turns._run(self)) as stream:
             async for token_ids in stream:

@@ -153,3 +153,18 @@ def _wait(pred, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
     while not pred():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.05)
+
+
+def test_a_stop_string_in_a_split_turn_still_reports_what_the_prefill_reused(stack: Stack, reply: list[int]) -> None:
+    prefill = stack.worker(role="prefill", reply_ids=reply)
+    decode = stack.worker(role="decode", reply_ids=reply, token_delay_s=0.02)
+    gw = stack.gateway(prefill=[prefill.url], decode=[decode.url])
+    messages = [SYSTEM, {"role": "user", "content": "Fix the failing test."}]
+    turn(gw, messages, "stop")
+    messages.append({"role": "user", "content": "Again."})
+    out = client(gw).chat.completions.create(model=MODEL, messages=messages, stop=["tests"],  # type: ignore[arg-type]
+                                             extra_headers={"X-Session-ID": "stop"})
+    assert out.choices[0].message.content == "Done. The " and out.choices[0].finish_reason == "stop"
+    rid = decode.received[-1]["request_id"]
+    _wait(lambda: rid in decode.aborted)
+    assert out.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
