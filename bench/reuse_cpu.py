@@ -104,9 +104,12 @@ def run_request(kvt: KVTransfer, rid: str, ids: list[int], max_tokens: int, para
                 return pull, out, tokens
 
 
-def flush_prefix_cache(engine: LLMEngine) -> None:
-    """Evict every cached (unowned) page: allocating all free pages takes the LRU ones too."""
-    pool = engine.pool
+def flush_prefix_cache(kvt: KVTransfer) -> None:
+    """Drop the worker's leases (a prefill worker's transfer holds: as if they had expired) and
+    evict every cached page: allocating all free pages takes the LRU ones too."""
+    for lease in kvt.leases():
+        kvt.release(lease["lease_id"])
+    pool = kvt.engine.pool
     n = pool.num_free_pages(bits=4)
     pages = pool.allocate([4] * n)
     assert pages is not None and pool.num_cached == 0
@@ -120,7 +123,7 @@ def warm_up(pair: Pair) -> None:
     assert po.retained is not None
     _, do, reply = run_request(pair.d, "warm-d", ids, 4, pair.p.params_for(po.retained))
     assert do.retained is not None
-    flush_prefix_cache(pair.p.engine)
+    flush_prefix_cache(pair.p)
     run_request(pair.p, "warm-p2", ids + reply + [11] * 20, 1, pair.d.params_for(do.retained))
     for kvt in (pair.p, pair.d):
         for lease in kvt.leases():
@@ -174,7 +177,7 @@ class Conversation:
     def _pair(self, prompt: list[int], params: KVTransferParams | None) -> tuple[TurnResult, list[int]]:
         pair = self.pair
         assert pair is not None
-        flush_prefix_cache(pair.p.engine)
+        flush_prefix_cache(pair.p)
         t0, c0 = time.perf_counter(), time.thread_time()
         pp, po, _ = run_request(pair.p, f"{self.key}-p{self.n}", prompt, 1, params if self.reuse else None, key=self.key)
         assert po.retained is not None
