@@ -111,7 +111,7 @@ def run_conversation(base_url: str, model: str, *, max_tokens: int, session_id: 
             turn=n, prompt_tokens=usage.prompt_tokens,
             cached_tokens=int(details.cached_tokens or 0) if details is not None else 0,
             local_tokens=ext.get("local_cached_tokens"), pulled_tokens=ext.get("remote_pulled_tokens"),
-            computed_tokens=ext.get("computed_prompt_tokens"), kv_bytes_pulled=ext.get("kv_bytes_pulled"),
+            computed_tokens=ext.get("computed_prompt_tokens"), kv_bytes_pulled=ext.get("kv_bytes_moved"),
             completion_tokens=usage.completion_tokens, ttft_s=ttft, reply=reply,
         ))
         assistant: dict[str, Any] = {"role": "assistant", "content": reply}

@@ -25,8 +25,9 @@ from typing import Any
 from . import openai_types as oa
 from .chat_template import ChatTemplate
 from .detokenize import IncrementalDetokenizer
-from .identity import ConversationIndex, explicit_identity
 from .errors import GatewayError, context_length_exceeded, invalid_request, model_not_found, upstream_error
+from .exact_history import ExactHistory
+from .identity import ConversationIndex, explicit_identity
 from .metrics import GatewayMetrics
 from .output import OutputParser, StopMatcher
 from .tagger import ChatTagger, TaggedPrompt
@@ -75,6 +76,10 @@ class Completions:
         self.metrics = metrics
         self.index = index  # conversation identity (identity.py): explicit ids, prefix match, minted keys
         self._active: Counter[str] = Counter()  # conversation keys with a turn in flight
+        # the ids the workers hold per conversation (exact_history.py) and, per request in
+        # flight, its canonical prompt ids (what the identity index files and matches)
+        self.history = ExactHistory(model.tokenizer)
+        self._canonical: dict[str, list[int]] = {}
 
     # ----------------------------------------------------------------- chat
     async def chat(
@@ -90,8 +95,12 @@ class Completions:
             # the same first turn is in flight in another session (the index files it only after)
             key = f"{key}-{uuid.uuid4().hex[:16]}"
         history = any(isinstance(m, dict) and m.get("role") in ("assistant", "tool") for m in request.messages)
+        canonical = prompt.input_ids
+        prompt = self.history.splice(key, prompt)  # the previous turn's held ids, when the text matches
+        self.metrics.exact_history.labels("spliced" if prompt.input_ids is not canonical else "as_rendered").inc()
         turn_request = self._turn_request("chatcmpl", prompt.input_ids, prompt.tags, request, request.limit, key,
                                           has_history=history)
+        self._canonical[turn_request.request_id] = canonical
         if request.stream:
             return await self._first_then_rest(self._chat_stream(turn_request, request, started))
         return await self._chat_whole(turn_request, request, started)
@@ -252,6 +261,7 @@ class Completions:
                 async for item in items:
                     yield item
         finally:
+            self._canonical.pop(turn_request.request_id, None)  # a turn that failed never reached its end
             self._active[key] -= 1
             if self._active[key] <= 0:
                 del self._active[key]
@@ -289,12 +299,15 @@ class Completions:
             completion_tokens = result.completion_tokens
         else:
             completion_tokens = detok.count
+        canonical = self._canonical.pop(turn_request.request_id, turn_request.input_ids)
         if turn_request.conversation_key is not None:  # what the next turn will start with
-            self.index.remember(turn_request.conversation_key, turn_request.input_ids)
+            self.index.remember(turn_request.conversation_key, canonical)
             # The output re-encoded from its text, as the next turn's template renders it:
             # sampled ids need not be the canonical tokenization (GWTEMPLATE).
             output_ids = self.model.tokenizer.encode_ids(detok.text)
-            self.index.remember(turn_request.conversation_key, turn_request.input_ids + output_ids)
+            self.index.remember(turn_request.conversation_key, canonical + output_ids)
+            # What the workers hold: the prompt as sent and the ids actually sampled.
+            self.history.record(turn_request.conversation_key, turn_request.input_ids + detok.ids)
         result_final = turn.result or turn.ended_early()
         result_final.completion_tokens = completion_tokens
         self.metrics.prompt_tokens.inc(result_final.prompt_tokens)
@@ -302,8 +315,17 @@ class Completions:
         yield "end", (finish, result_final)
 
     def _usage(self, result: Any) -> dict[str, Any]:
-        return oa.usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+        body = oa.usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
                         cached_tokens=result.cached_tokens)
+        # kvserving's own breakdown (clients ignore unknown usage fields; the demo prints it)
+        body["kvserving"] = {
+            "local_cached_tokens": int(getattr(result, "local_cached_tokens", 0)),
+            "remote_pulled_tokens": int(getattr(result, "remote_pulled_tokens", 0)),
+            "computed_prompt_tokens": int(getattr(result, "computed_prompt_tokens", 0)),
+            "kv_bytes_moved": int(getattr(result, "kv_bytes_moved", 0)),
+            "reuse_fallback": getattr(result, "reuse_fallback", None),
+        }
+        return body
 
     async def _first_then_rest(self, frames: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
         """Pull the first frame now (errors before it stay HTTP errors), then the rest lazily."""

@@ -71,6 +71,10 @@ class GatewayMetrics:
         self.identities = Counter(
             p + "conversation_identities", "How each request's conversation was identified", ["source"], registry=registry
         )
+        self.exact_history = Counter(
+            p + "exact_history", "Chat prompts that start with the previous turn's held ids (spliced) or as rendered",
+            ["result"], registry=registry,
+        )
         self.workers_healthy = Gauge(p + "workers_healthy", "Healthy workers by role", ["role"], registry=registry)
 
     # LeaseEvents (leases.LeaseKeeper)

@@ -58,6 +58,8 @@ class TurnResult:
     decode_url: str
     prefill_url: str | None
     reuse_fallback: str | None = None
+    computed_prompt_tokens: int = 0
+    kv_bytes_moved: int = 0  # NIXL bytes this turn: decode -> prefill pull plus prefill -> decode pull
 
 
 @dataclass(slots=True)
@@ -255,4 +257,7 @@ class Turns:
             decode_url=turn.decode.url,
             prefill_url=turn.prefill.url if turn.prefill is not None else None,
             reuse_fallback=source.get("reuse_fallback"),
+            computed_prompt_tokens=computed,
+            kv_bytes_moved=int(decode_usage.get("kv_bytes_pulled", 0))
+            + (int(source.get("kv_bytes_pulled", 0)) if source is not decode_usage else 0),
         )
