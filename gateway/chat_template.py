@@ -3,7 +3,8 @@
 The template comes from the model directory (`chat_template.jinja` and
 `additional_chat_templates/*.jinja`, else the `chat_template` field of
 `tokenizer_config.json`; of several named templates `tool_use` is picked
-when tools are given, else `default`, as `transformers` does) and is rendered in the same jinja2 sandbox as `transformers`:
+when tools are given, else `default`, as `transformers` does) and is
+rendered in the same jinja2 sandbox as `transformers`:
 `ImmutableSandboxedEnvironment(trim_blocks, lstrip_blocks, loopcontrols)` with
 `raise_exception`, a `tojson` that does not escape HTML, `strftime_now`, a safe
 `dict` and `namespace`, and the tokenizer's special tokens as variables. The
