@@ -26,7 +26,7 @@ from . import openai_types as oa
 from .chat_template import ChatTemplate
 from .detokenize import IncrementalDetokenizer
 from .errors import GatewayError, context_length_exceeded, invalid_request, model_not_found, upstream_error
-from .exact_history import ExactHistory
+from .exact_history import ExactHistory, Sent
 from .identity import ConversationIndex, explicit_identity
 from .metrics import GatewayMetrics
 from .output import OutputParser, StopMatcher
@@ -79,7 +79,7 @@ class Completions:
         # the ids the workers hold per conversation (exact_history.py) and, per request in
         # flight, its canonical prompt ids (what the identity index files and matches)
         self.history = ExactHistory(model.tokenizer)
-        self._canonical: dict[str, list[int]] = {}
+        self._sent: dict[str, tuple[list[int], Sent]] = {}
 
     # ----------------------------------------------------------------- chat
     async def chat(
@@ -96,11 +96,12 @@ class Completions:
             key = f"{key}-{uuid.uuid4().hex[:16]}"
         history = any(isinstance(m, dict) and m.get("role") in ("assistant", "tool") for m in request.messages)
         canonical = prompt.input_ids
-        prompt = self.history.splice(key, prompt)  # the previous turn's held ids, when the text matches
-        self.metrics.exact_history.labels("spliced" if prompt.input_ids is not canonical else "as_rendered").inc()
+        sent = self.history.splice(key, prompt)  # starts with the previous turn's held ids when the text extends them
+        self.metrics.exact_history.labels("spliced" if sent.spliced else "as_rendered").inc()
+        prompt = sent.prompt
         turn_request = self._turn_request("chatcmpl", prompt.input_ids, prompt.tags, request, request.limit, key,
                                           has_history=history)
-        self._canonical[turn_request.request_id] = canonical
+        self._sent[turn_request.request_id] = (canonical, sent)
         if request.stream:
             return await self._first_then_rest(self._chat_stream(turn_request, request, started))
         return await self._chat_whole(turn_request, request, started)
@@ -261,7 +262,7 @@ class Completions:
                 async for item in items:
                     yield item
         finally:
-            self._canonical.pop(turn_request.request_id, None)  # a turn that failed never reached its end
+            self._sent.pop(turn_request.request_id, None)  # a turn that failed never reached its end
             self._active[key] -= 1
             if self._active[key] <= 0:
                 del self._active[key]
@@ -299,15 +300,15 @@ class Completions:
             completion_tokens = result.completion_tokens
         else:
             completion_tokens = detok.count
-        canonical = self._canonical.pop(turn_request.request_id, turn_request.input_ids)
+        canonical, sent = self._sent.pop(turn_request.request_id, (turn_request.input_ids, None))
         if turn_request.conversation_key is not None:  # what the next turn will start with
             self.index.remember(turn_request.conversation_key, canonical)
             # The output re-encoded from its text, as the next turn's template renders it:
             # sampled ids need not be the canonical tokenization (GWTEMPLATE).
             output_ids = self.model.tokenizer.encode_ids(detok.text)
             self.index.remember(turn_request.conversation_key, canonical + output_ids)
-            # What the workers hold: the prompt as sent and the ids actually sampled.
-            self.history.record(turn_request.conversation_key, turn_request.input_ids + detok.ids)
+            if sent is not None:  # what the workers hold: the prompt as sent and the ids actually sampled
+                self.history.record(turn_request.conversation_key, sent, detok.ids, detok.text)
         result_final = turn.result or turn.ended_early()
         result_final.completion_tokens = completion_tokens
         self.metrics.prompt_tokens.inc(result_final.prompt_tokens)

@@ -1,6 +1,7 @@
 """Exact history: the next turn starts with the ids the workers hold (prompt +
 sampled reply), even when the reply is not the canonical tokenization of its
-text; tags and turn starts follow the text; anything else is left alone."""
+text or holds special tokens the client never saw; tags and turn starts follow
+the text; anything that does not extend the held text is left alone."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import pytest
 
 from kvserving.gateway.chat_template import ChatTemplate
 from kvserving.gateway.exact_history import ExactHistory
-from kvserving.gateway.tagger import ChatTagger
+from kvserving.gateway.tagger import ChatTagger, TaggedPrompt
 from kvserving.gateway.tokenizer import TextTokenizer
 from kvserving.tags import decode_tag
 
-SYSTEM = {"role": "system", "content": "You are a careful agent."}
+FIRST = [{"role": "system", "content": "You are a careful agent."},
+         {"role": "user", "content": "List the files, then read setup.py."}]
 
 
 @pytest.fixture(scope="module")
@@ -27,86 +29,87 @@ def tagger(tiny_model_dir: Path, tok: TextTokenizer) -> ChatTagger:
     return ChatTagger(tok, ChatTemplate.from_dir(tiny_model_dir))
 
 
-def _non_canonical_reply(tok: TextTokenizer, text: str) -> list[int]:
-    """Ids that decode to ``text`` but are not its canonical tokenization (one token per character)."""
-    ids: list[int] = []
-    for ch in text:
-        ids += tok.encode(ch).ids
-    assert tok.decode(ids, skip_special_tokens=False) == text and ids != tok.encode(text).ids
+def _one_token_per_char(tok: TextTokenizer, text: str) -> list[int]:
+    """Ids that decode to ``text`` but are not its canonical tokenization."""
+    ids = [i for ch in text for i in tok.encode(ch).ids]
+    assert tok.decode(ids) == text and ids != tok.encode(text).ids
     return ids
 
 
-def _turn(tagger: ChatTagger, tok: TextTokenizer, reply_ids: list[int]) -> tuple[list[int], list[dict]]:
-    first = [SYSTEM, {"role": "user", "content": "List the files, then read setup.py."}]
-    prompt = tagger.build(first)
-    reply_text = tok.decode(reply_ids, skip_special_tokens=False)
-    second = first + [{"role": "assistant", "content": reply_text.removesuffix("<|im_end|>")},
-                      {"role": "user", "content": "Now run the tests."}]
-    return prompt.input_ids + reply_ids, second
+def _second_turn(reply_text: str) -> list[dict]:
+    return FIRST + [{"role": "assistant", "content": reply_text},
+                    {"role": "user", "content": "Now run the tests."}]
+
+
+def _play(tagger: ChatTagger, tok: TextTokenizer, reply_ids: list[int]) -> tuple[ExactHistory, list[int], TaggedPrompt]:
+    """Turn 1 through the history, the reply recorded; returns what the workers hold and turn 2 as rendered."""
+    history = ExactHistory(tok)
+    sent = history.splice("conv", tagger.build(FIRST))
+    assert not sent.spliced
+    reply_text = tok.decode(reply_ids)  # what the gateway streamed (special tokens hidden)
+    history.record("conv", sent, reply_ids, reply_text)
+    return history, sent.prompt.input_ids + reply_ids, tagger.build(_second_turn(reply_text))
 
 
 def test_splice_keeps_the_sampled_ids_and_reads_the_same_text(tagger: ChatTagger, tok: TextTokenizer) -> None:
-    reply = _non_canonical_reply(tok, "Reading setup.py now.") + tok.encode("<|im_end|>").ids
-    held, second = _turn(tagger, tok, reply)
-    history = ExactHistory(tok)
-    history.record("conv", held)
-    canonical = tagger.build(second)
+    im_end = tok.encode("<|im_end|>").ids
+    reply = _one_token_per_char(tok, "Reading setup.py now.")
+    history, held, canonical = _play(tagger, tok, reply + im_end)
+    held = held[: -len(im_end)]  # the stop token is not kept: the template renders its own
     assert canonical.input_ids[: len(held)] != held  # re-tokenizing loses the held ids
-    spliced = history.splice("conv", canonical)
+    sent = history.splice("conv", canonical)
+    assert sent.spliced
+    spliced = sent.prompt
     assert spliced.input_ids[: len(held)] == held
     assert tok.decode(spliced.input_ids, skip_special_tokens=False) == canonical.text
-    assert len(spliced.tags) == len(spliced.input_ids)
-    # the same text carries the same tags: the reply is (turn_m1) assistant text, the new user text current user
-    reply_tags = {decode_tag(t) for t in spliced.tags[len(held) - len(reply) : len(held) - 1]}
-    assert reply_tags == {("turn_m1", "text", "assistant")}
-    assert decode_tag(spliced.tags[-4])[::2] == ("current", "delim") or decode_tag(spliced.tags[-4])[0] == "current"
-    user_now = [decode_tag(t) for t in spliced.tags[spliced.turn_starts[-1]:]]
-    assert ("current", "text", "user") in user_now
-    # user turns start at the same characters as in the canonical prompt
+    assert len(spliced.tags) == len(spliced.input_ids) == len(sent.starts)
+    assert {decode_tag(t) for t in spliced.tags[len(held) - len(reply): len(held)]} == {("turn_m1", "text", "assistant")}
+    # user turns start at the same characters as in the canonical prompt, and tags after the reply agree
     assert len(spliced.turn_starts) == len(canonical.turn_starts) == 2
-    assert spliced.turn_starts[0] == canonical.turn_starts[0]  # before the reply: same tokens
-    assert tok.decode(spliced.input_ids[spliced.turn_starts[1]:], skip_special_tokens=False) == \
-        tok.decode(canonical.input_ids[canonical.turn_starts[1]:], skip_special_tokens=False)
+    assert spliced.turn_starts[0] == canonical.turn_starts[0]
+    tail = len(canonical.input_ids) - canonical.turn_starts[1]
+    assert spliced.input_ids[-tail:] == canonical.input_ids[-tail:]
+    assert spliced.tags[-tail:] == canonical.tags[-tail:]
+    assert spliced.turn_starts[1] == len(spliced.input_ids) - tail
 
 
-def test_a_broken_utf8_reply_still_splices(tagger: ChatTagger, tok: TextTokenizer) -> None:
-    euro = tok.encode("€").ids  # three bytes; its first byte alone decodes to U+FFFD
-    byte_ids = [i for i in range(tok.vocab_size) if tok.decode([i], skip_special_tokens=False) == "\ufffd"]
-    assert byte_ids
-    reply = byte_ids[:1] + tok.encode(" ok").ids + euro
-    held, second = _turn(tagger, tok, reply)
-    history = ExactHistory(tok)
-    history.record("conv", held)
-    spliced = history.splice("conv", tagger.build(second))
-    assert spliced.input_ids[: len(held)] == held
-    assert tok.decode(spliced.input_ids, skip_special_tokens=False) == tagger.build(second).text
+def test_hidden_special_tokens_and_broken_utf8_stay_in_the_held_ids(tagger: ChatTagger, tok: TextTokenizer) -> None:
+    hidden = tok.encode("<|box_start|>").ids
+    assert tok.decode(hidden) == ""  # the client never sees it
+    lone = [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"][:1]
+    reply = tok.encode("Reading").ids + hidden + lone + tok.encode(" setup.py").ids
+    history, held, canonical = _play(tagger, tok, reply)
+    sent = history.splice("conv", canonical)
+    assert sent.spliced and sent.prompt.input_ids[: len(held)] == held
+    # the text the model reads differs from the rendered one only by the hidden token
+    assert tok.decode(sent.prompt.input_ids) == tok.decode(canonical.input_ids)
+    # and a third turn extends the second one's ids in turn
+    history.record("conv", sent, tok.encode("Done.").ids, "Done.")
+    third = tagger.build(_second_turn(tok.decode(reply)) + [{"role": "assistant", "content": "Done."},
+                                                            {"role": "user", "content": "Thanks."}])
+    again = history.splice("conv", third)
+    assert again.prompt.input_ids[: len(sent.prompt.input_ids)] == sent.prompt.input_ids
 
 
 def test_no_splice_when_history_was_edited_or_unknown(tagger: ChatTagger, tok: TextTokenizer) -> None:
-    reply = _non_canonical_reply(tok, "Reading setup.py now.")
-    held, second = _turn(tagger, tok, reply)
-    history = ExactHistory(tok)
-    history.record("conv", held)
-    edited = [dict(m) for m in second]
-    edited[2]["content"] = "Reading pyproject.toml now."
-    prompt = tagger.build(edited)
-    assert history.splice("conv", prompt) is prompt
-    assert history.splice("other", tagger.build(second)).input_ids == tagger.build(second).input_ids
+    history, _, canonical = _play(tagger, tok, _one_token_per_char(tok, "Reading setup.py now."))
+    edited = _second_turn("Reading pyproject.toml now.")
+    assert not history.splice("conv", tagger.build(edited)).spliced
+    other = history.splice("other", canonical)
+    assert not other.spliced and other.prompt is canonical
 
 
-def test_canonical_history_is_returned_unchanged(tagger: ChatTagger, tok: TextTokenizer) -> None:
-    reply = tok.encode("Reading setup.py now.").ids
-    held, second = _turn(tagger, tok, reply)
-    history = ExactHistory(tok)
-    history.record("conv", held)
-    prompt = tagger.build(second)
-    assert history.splice("conv", prompt) is prompt
+def test_canonical_history_is_sent_as_rendered(tagger: ChatTagger, tok: TextTokenizer) -> None:
+    history, _, canonical = _play(tagger, tok, tok.encode("Reading setup.py now.").ids)
+    sent = history.splice("conv", canonical)
+    assert not sent.spliced and sent.prompt is canonical
 
 
-def test_history_is_bounded_lru(tok: TextTokenizer) -> None:
+def test_history_is_bounded_lru(tagger: ChatTagger, tok: TextTokenizer) -> None:
     history = ExactHistory(tok, max_conversations=2)
+    sent = history.splice("x", tagger.build(FIRST))
     for key in ("a", "b", "c"):
-        history.record(key, tok.encode(key).ids)
+        history.record(key, sent, [], "")
     assert len(history) == 2
     with pytest.raises(ValueError, match="max_conversations"):
         ExactHistory(tok, max_conversations=0)
