@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from kvserving.kernels.page_ids import page_id_bits
-from kvserving.tags import MODAL, SEMANTIC
 from kvserving.worker.page_pool import PagePoolBase
 from kvserving.worker.precision import page_bits
 from kvserving.worker.sequence import Sequence
@@ -38,17 +37,18 @@ class KVCacheManager:
     def _page_hashes(self, seq: Sequence, first: int, bits: Seq[int], parent: int | None) -> list[int]:
         """Chained hashes of pages [first, first + len(bits)) of ``seq`` stored at ``bits``.
 
-        Triaxial: a page's identity is its tokens, the modal x semantic part of
-        each token's tag, and the precision it is stored at. The temporal part
-        is left out: it ages every turn (current -> turn_m1 -> ...), and
-        keeping it would make every page of the last turn miss in the next one.
+        Triaxial: a page's identity is its tokens (chained over the prefix) and
+        the precision it is stored at: the stored bytes depend on nothing else.
+        Tags only choose the precision, so they stay out of the hash: the same
+        reply tokens come back tagged reasoning / tool_call / delim in the next
+        turn where the worker that generated them tagged them assistant, and
+        the temporal part ages every turn; either would make retained pages miss.
         """
         p = self.page_size
         lo, hi = first * p, (first + len(bits)) * p
         tags = None
         if self.triaxial:
-            per_turn = len(MODAL) * len(SEMANTIC)
-            tags = [t % per_turn + (per_turn if bits[(j - lo) // p] == 2 else 0) for j, t in enumerate(seq.token_tags(lo, hi), lo)]
+            tags = [bits[(j - lo) // p] for j in range(lo, min(hi, seq.num_tokens))]
         return self.pool.chain_hashes(seq.token_ids(lo, hi), p, tags, parent=parent)
 
     def page_hashes(self, seq: Sequence, bits: Seq[int]) -> list[int]:

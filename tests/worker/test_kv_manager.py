@@ -73,3 +73,14 @@ def test_plain_pools_ignore_tags() -> None:
     other = seq("b", [NOW] * 65)
     assert kv.match_prefix(other) == 64  # four full pages of 16; the last token is computed
     assert other.page_ids == [0, 1, 2, 3]
+
+
+def test_triaxial_pages_match_whatever_roles_the_tokens_come_back_with() -> None:
+    # A reply the decode worker tagged assistant comes back next turn as reasoning /
+    # tool_call text of an older turn: same tokens, same stored precision, same KV.
+    kv = triaxial_manager()
+    ids = run_and_cache(kv, seq("a", [encode_tag("current", "text", "assistant")] * 65))
+    retagged = seq("b", [encode_tag("turn_m1", "text", s) for s in ("reasoning", "tool_call")] * 32
+                   + [encode_tag("current", "text", "user")])
+    assert kv.match_prefix(retagged) == 64
+    assert retagged.page_ids == ids[:2]
