@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from kvserving.argtypes import float_in, int_in
-from kvserving.worker.generate import check_model_dir
+from kvserving.worker.generate import chat_prompts, check_model_dir
 
 QUESTIONS = (
     "List the files in the current directory.",
@@ -60,13 +60,9 @@ def _serve(args: argparse.Namespace, model_dir: Path, *, builtin: bool) -> int:
     print()
 
     tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    if not getattr(tok, "chat_template", None):
-        raise ValueError(f"the model in {model_dir} has no chat template (the demo sends chat requests)")
-    # render with the chat template, then tokenize the text (the template holds its own special tokens)
-    texts = [
-        str(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True))
-        for q in QUESTIONS
-    ]
+    # render with the chat template (refusing a model without one), then tokenize the text
+    # (the template holds its own special tokens)
+    texts = chat_prompts(model_dir, list(QUESTIONS))
     prompts: list[list[int]] = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     print(headline(model_dir, builtin=builtin, requests=len(prompts), max_tokens=args.max_tokens, kv_mib=args.kv_mib))

@@ -157,7 +157,11 @@ CASES: dict[str, Case] = {
     "generate-truncated-safetensors": Case(("generate", "--model", "truncated", "--prompt", "x"), 1,
                                            "truncated/model.safetensors is not a readable safetensors file (truncated or corrupt?)"),
     "generate-chat-without-template": Case(("generate", "--model", "no-template", "--chat", "--prompt", "x"), 1,
-                                           "kvserving generate: error: the model in no-template has no chat template; run without --chat"),
+                                           "kvserving generate: error: the model in no-template has no chat template (needed for chat prompts)"),
+    "generate-broken-template": Case(("generate", "--model", "broken-template", "--chat", "--prompt", "x"), 1,
+                                     "error: the chat template of the model in broken-template fails to render: No filter named 'nofilter'"),
+    "demo-model-without-template": Case(("demo", "--model", "no-template"), 1,
+                                        "kvserving demo: error: the model in no-template has no chat template (needed for chat prompts)"),
     "generate-max-tokens-over-context": Case(("generate", "--model", "short", "--prompt", "x", "--max-tokens", "100000000000"), 0,
                                              "note: --max-tokens 100000000000 is more than the context length allows: "
                                              "generation stops at 24 tokens (prompt included, at most 23 new)"),
@@ -198,6 +202,9 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = json.loads(config_path.read_text())
     del config["chat_template"]
     config_path.write_text(json.dumps(config))
+    broken = shutil.copytree(tiny, work / "broken-template")
+    config["chat_template"] = "{% for m in messages %}{{ m.content | nofilter }}{% endfor %}"
+    (broken / "tokenizer_config.json").write_text(json.dumps(config))
     short = shutil.copytree(tiny, work / "short")
     model_config = json.loads((short / "config.json").read_text())
     model_config["max_position_embeddings"] = 24

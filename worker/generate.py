@@ -45,15 +45,19 @@ def check_model_dir(model_dir: Path) -> None:
 
 def chat_prompts(model_dir: Path, prompts: list[str]) -> list[str]:
     """Each prompt as one user turn rendered with the model's chat template."""
+    from jinja2 import TemplateError
     from transformers import AutoTokenizer
 
     hf_tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     if not getattr(hf_tok, "chat_template", None):
-        raise ValueError(f"the model in {model_dir} has no chat template; run without --chat")
-    return [
-        str(hf_tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True))
-        for p in prompts
-    ]
+        raise ValueError(f"the model in {model_dir} has no chat template (needed for chat prompts)")
+    try:
+        return [
+            str(hf_tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True))
+            for p in prompts
+        ]
+    except TemplateError as exc:
+        raise ValueError(f"the chat template of the model in {model_dir} fails to render: {exc}") from exc
 
 
 def run(args: argparse.Namespace) -> int:
