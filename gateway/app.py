@@ -68,7 +68,7 @@ def build_state(config: ServingConfig, *, model: ModelInfo, registry: CollectorR
     table = LeaseTable(lease_ttl_s=config.reuse.lease_ttl_s, heartbeat_s=gw.lease_heartbeat_s, max_leases=gw.max_leases)
     keeper = LeaseKeeper(table, client, retention_ttl_s=config.reuse.retention_ttl_s, events=metrics, clock=time.time)
     turns = Turns(pool=pool, client=client, keeper=keeper, metrics=metrics,
-                  max_inflight_per_worker=gw.max_inflight_per_worker)
+                  max_inflight_per_worker=gw.max_inflight_per_worker, bidirectional=config.reuse.bidirectional)
     index = ConversationIndex(page_size=config.kv_cache.effective_page_size)
     completions = Completions(model=model, turns=turns, metrics=metrics, index=index)
     return GatewayState(config, model, metrics, client, pool, keeper, completions)

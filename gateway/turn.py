@@ -104,6 +104,7 @@ class Turns:
         keeper: LeaseKeeper,
         metrics: GatewayMetrics,
         max_inflight_per_worker: int,
+        bidirectional: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.pool = pool
@@ -111,6 +112,9 @@ class Turns:
         self.keeper = keeper
         self.metrics = metrics
         self.max_inflight = max_inflight_per_worker
+        # reuse.bidirectional off: the decode worker keeps no lease and nothing it holds
+        # is offered to the next turn's prefill (the prefill worker's own cache still serves)
+        self.bidirectional = bidirectional
         self.clock = clock
 
     async def start(self, request: TurnRequest) -> Turn:
@@ -170,7 +174,7 @@ class Turns:
 
     async def _attempt(self, turn: Turn, final: dict[str, Any]) -> AsyncGenerator[list[int], None]:
         request = turn.request
-        pull_params = turn.lease.params if turn.lease is not None else None
+        pull_params = turn.lease.params if turn.lease is not None and self.bidirectional else None
         if turn.prefill is not None:
             pull_params = await self._prefill(turn, pull_params)
         elif turn.lease is not None and turn.lease.worker_url == turn.decode.url:
@@ -181,7 +185,7 @@ class Turns:
             "sampling": request.sampling,
             "kv_transfer_params": pull_params,
             "conversation_key": request.conversation_key,
-            "retain": request.conversation_key is not None,
+            "retain": request.conversation_key is not None and self.bidirectional,
         }
         if request.tags is not None:
             body["tags"] = request.tags

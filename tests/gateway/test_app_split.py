@@ -168,3 +168,17 @@ def test_a_stop_string_in_a_split_turn_still_reports_what_the_prefill_reused(sta
     rid = decode.received[-1]["request_id"]
     _wait(lambda: rid in decode.aborted)
     assert out.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
+
+
+def test_bidirectional_off_offers_nothing_back_and_keeps_no_lease(stack: Stack, reply: list[int]) -> None:
+    prefill = stack.worker(role="prefill", reply_ids=reply)
+    decode = stack.worker(role="decode", reply_ids=reply)
+    gw = stack.gateway(prefill=[prefill.url], decode=[decode.url], reuse=ReuseConfig(bidirectional=False))
+    messages = [SYSTEM, {"role": "user", "content": "Fix the failing test."}]
+    turn(gw, messages, "off")
+    assert decode.received[-1]["retain"] is False and decode.leases == {}
+    messages.append({"role": "user", "content": "Run them again."})
+    turn(gw, messages, "off")
+    assert prefill.received[-1]["kv_transfer_params"] is None  # no D -> P offer
+    assert decode.received[-1]["kv_transfer_params"]["agent_url"] == prefill.url  # P -> D still flows
+    assert gw.metric("kvserving_gateway_kv_reused_tokens_total", {"source": "remote"}) == 0
