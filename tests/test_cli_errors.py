@@ -154,6 +154,8 @@ CASES: dict[str, Case] = {
                                          "argument --chunk-size: must be an integer >= 1, got -1"),
     "generate-missing-model": Case(("generate", "--model", "/nonexistent", "--prompt", "x"), 1,
                                    "kvserving generate: error: model directory /nonexistent does not exist"),
+    "generate-model-is-a-file": Case(("generate", "--model", "a-file", "--prompt", "x"), 1,
+                                     "kvserving generate: error: model path a-file is not a directory"),
     "generate-truncated-safetensors": Case(("generate", "--model", "truncated", "--prompt", "x"), 1,
                                            "truncated/model.safetensors is not a readable safetensors file (truncated or corrupt?)"),
     "generate-chat-without-template": Case(("generate", "--model", "no-template", "--chat", "--prompt", "x"), 1,
