@@ -48,7 +48,10 @@ def read_manifest(path: Path) -> str:
         raise ValueError(f"{path} does not exist")
     if path.is_dir():
         raise ValueError(f"{path} is a directory, not a KVServing manifest")
-    return path.read_text(encoding="utf-8")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a UTF-8 text file, not a KVServing manifest") from None
 
 
 def render_file(path: Path) -> int:

@@ -125,6 +125,7 @@ CASES: dict[str, Case] = {
     "render-missing": Case(render("missing.yaml"), 1, "error: missing.yaml does not exist"),
     "render-directory": Case(render("."), 1, "error: . is a directory, not a KVServing manifest"),
     "render-invalid-yaml": Case(render("invalid.yaml"), 1, "error: invalid.yaml is not valid YAML at line 2, column 1"),
+    "render-binary": Case(render("binary.yaml"), 1, "error: binary.yaml is not a UTF-8 text file, not a KVServing manifest"),
     "render-empty": Case(render("empty.yaml"), 1, "error: empty.yaml is empty: expected one KVServing object"),
     "render-list": Case(render("list.yaml"), 1, "error: list.yaml holds a YAML list, not a KVServing object"),
     "render-multi-document": Case(render("multi.yaml"), 1, "error: multi.yaml holds 2 YAML documents: expected one KVServing object"),
@@ -212,6 +213,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model_config["max_position_embeddings"] = 24
     (short / "config.json").write_text(json.dumps(model_config))
     (work / "a-file").write_text("not a directory\n")
+    (work / "binary.yaml").write_bytes(bytes(range(128, 256)))
     (work / "full").mkdir()
     (work / "full" / "notes.txt").write_text("keep me\n")
     return work
