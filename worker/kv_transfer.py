@@ -266,43 +266,55 @@ class _LeaseRecord:
 
 
 # --------------------------------------------------------------------------- HTTP defaults
-def http_fetch_agent_info(agent_url: str) -> dict[str, Any]:
-    import httpx
+class PeerHttp:
+    """The HTTP calls a puller makes to the worker it pulls from, over ONE pooled
+    client: building an ``httpx.Client`` per call cost ~21 ms each on the H200
+    machines (bench/NOTES-pd-gpu.md), two or three calls a pull, two pulls a turn.
+    httpx's sync client is safe to share between the server's pull threads."""
 
-    r = httpx.get(f"{agent_url.rstrip('/')}/internal/kv/agent", timeout=HTTP_TIMEOUT_S)
-    r.raise_for_status()
-    return cast(dict[str, Any], r.json())
+    def __init__(self, *, timeout_s: float = HTTP_TIMEOUT_S) -> None:
+        import httpx
+
+        self._client = httpx.Client(timeout=timeout_s)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def fetch_agent_info(self, agent_url: str) -> dict[str, Any]:
+        r = self._client.get(f"{agent_url.rstrip('/')}/internal/kv/agent")
+        r.raise_for_status()
+        return cast(dict[str, Any], r.json())
+
+    def fetch_lease(self, agent_url: str, lease_id: str) -> dict[str, Any] | None:
+        """The sender's own record of a lease (its ``kv_transfer_params``), or None when it holds none."""
+        r = self._client.get(f"{agent_url.rstrip('/')}/internal/kv/leases")
+        r.raise_for_status()
+        for lease in r.json()["leases"]:
+            if lease.get("lease_id") == lease_id:
+                return cast(dict[str, Any], lease["kv_transfer_params"])
+        return None
+
+    def renew(self, agent_url: str, lease_id: str) -> float | None:
+        """The lease's new expiry, or None when the sender does not hold it (404)."""
+        r = self._client.post(f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}/renew", json={})
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        return float(r.json()["expires_at"])
+
+    def release(self, agent_url: str, lease_id: str) -> None:
+        r = self._client.delete(f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}")
+        if r.status_code not in (200, 404):
+            r.raise_for_status()
 
 
 def http_fetch_lease(agent_url: str, lease_id: str) -> dict[str, Any] | None:
-    """The sender's own record of a lease (its ``kv_transfer_params``), or None when it holds none."""
-    import httpx
-
-    r = httpx.get(f"{agent_url.rstrip('/')}/internal/kv/leases", timeout=HTTP_TIMEOUT_S)
-    r.raise_for_status()
-    for lease in r.json()["leases"]:
-        if lease.get("lease_id") == lease_id:
-            return cast(dict[str, Any], lease["kv_transfer_params"])
-    return None
-
-
-def http_renew_remote(agent_url: str, lease_id: str) -> float | None:
-    """The lease's new expiry, or None when the sender does not hold it (404)."""
-    import httpx
-
-    r = httpx.post(f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}/renew", json={}, timeout=HTTP_TIMEOUT_S)
-    if r.status_code == 404:
-        return None
-    r.raise_for_status()
-    return float(r.json()["expires_at"])
-
-
-def http_release_remote(agent_url: str, lease_id: str) -> None:
-    import httpx
-
-    r = httpx.delete(f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}", timeout=HTTP_TIMEOUT_S)
-    if r.status_code not in (200, 404):
-        r.raise_for_status()
+    """One-off ``PeerHttp.fetch_lease`` (tests and tools)."""
+    http = PeerHttp()
+    try:
+        return http.fetch_lease(agent_url, lease_id)
+    finally:
+        http.close()
 
 
 # --------------------------------------------------------------------------- the class
@@ -338,10 +350,11 @@ class KVTransfer:
         self._lock = threading.Lock()
         self._counts_lock = threading.Lock()  # pulls run on several server threads at once
         self._run = run_on_engine or self._run_locked
-        self._fetch = fetch_agent_info or http_fetch_agent_info
-        self._fetch_lease = fetch_lease or http_fetch_lease
-        self._renew_remote = renew_remote or http_renew_remote
-        self._release_remote = release_remote or http_release_remote
+        self._http = PeerHttp()
+        self._fetch = fetch_agent_info or self._http.fetch_agent_info
+        self._fetch_lease = fetch_lease or self._http.fetch_lease
+        self._renew_remote = renew_remote or self._http.renew
+        self._release_remote = release_remote or self._http.release
         st = engine.storage
         self.page_size = st.page_size
         self.dtype = st.kv_dtype
@@ -373,6 +386,7 @@ class KVTransfer:
 
     def close(self) -> None:
         self.nixl.close()
+        self._http.close()
 
     # ------------------------------------------------------------------ agent
     def agent_info(self) -> dict[str, Any]:
