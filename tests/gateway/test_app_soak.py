@@ -68,12 +68,15 @@ def test_soak_200_sessions_no_loss_no_leaked_lease_flat_memory(tiny_model_dir: P
                 cached = [c for _, c in results[i * TURNS:(i + 1) * TURNS]]
                 assert cached[0] < cached[1] < cached[2], cached
         assert gw.metric("kvserving_gateway_requests_total", {"route": "/v1/chat/completions", "code": "200"}) == 2 * SESSIONS * TURNS
-        assert sum(len(d.received) for d in decoders) == 2 * SESSIONS * TURNS
-        assert min(len(d.received) for d in decoders) > SESSIONS // 2  # both decode workers took load
-        assert grown < 64 << 20, f"RSS grew {grown >> 20} MiB over the second wave"
-        deadline = time.monotonic() + 20
+        counts = [len(d.received) for d in decoders]
+        assert sum(counts) == 2 * SESSIONS * TURNS, counts
+        assert min(counts) > SESSIONS // 2, counts  # both decode workers took load
+        assert grown < 128 << 20, f"RSS grew {grown >> 20} MiB over the second wave"
+        deadline = time.monotonic() + 60
         while any(d.leases for d in decoders) or len(gw.state.keeper.table):
-            assert time.monotonic() < deadline, "leases not released after the conversations went idle"
+            assert time.monotonic() < deadline, (
+                f"leases not released after the conversations went idle: workers hold "
+                f"{[len(d.leases) for d in decoders]}, the table {len(gw.state.keeper.table)}")
             time.sleep(0.2)
         # every conversation released once idle (more under load: a turn slower than the TTL re-leases)
         assert gw.metric("kvserving_gateway_lease_releases_total") >= 2 * SESSIONS
