@@ -147,20 +147,26 @@ def format_table(title: str, results: list[TurnResult]) -> str:
 
 
 def plot_ttft(runs: dict[str, list[TurnResult]], path: str) -> str:
-    """TTFT per turn, one line per run; returns the PNG path."""
+    """TTFT per turn and prompt tokens computed per turn, one series per run; returns the PNG path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=120)
-    for label, results in runs.items():
-        ax.plot([r.turn for r in results], [r.ttft_s * 1e3 for r in results], marker="o", label=label)
-    ax.set_xlabel("turn of the agent conversation")
-    ax.set_ylabel("time to first token (ms)")
-    ax.set_title("kvserving: TTFT per turn, bidirectional KV reuse on vs off")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=120)
+    width = 0.8 / max(len(runs), 1)
+    for k, (label, results) in enumerate(runs.items()):
+        turns = [r.turn for r in results]
+        left.plot(turns, [r.ttft_s * 1e3 for r in results], marker="o", label=label)
+        right.bar([t - 0.4 + width * (k + 0.5) for t in turns], [r.computed_tokens or 0 for r in results],
+                  width=width, label=label)
+    for ax, ylabel in ((left, "time to first token (ms)"), (right, "prompt tokens computed")):
+        ax.set_xlabel("turn of the agent conversation")
+        ax.set_ylabel(ylabel)
+        ax.set_xticks(sorted({r.turn for results in runs.values() for r in results}))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("kvserving: bidirectional KV reuse on vs off")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

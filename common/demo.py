@@ -1,12 +1,15 @@
-"""``kvserving demo``: the main job on the built-in tiny model.
+"""``kvserving demo`` (``make demo``): the whole product on one machine, an
+agent conversation whose later turns reuse the KV of earlier ones.
 
-1. The KV format capacity table for a Qwen3-8B-like shape on an 80 GiB GPU.
-2. The built-in tiny model (generated locally, never downloaded) served by the
-   engine in every KV format: one batch of chat requests, continuous batching
-   with chunked prefill, and what each format holds and reproduces.
-
-Later issues extend it to the full stack on loopback (gateway + prefill +
-decode workers with KV transfer).
+1. The KV-format capacity table for a Qwen3-8B-like shape on an 80 GiB GPU.
+2. ``kvserving up``'s stack (gateway + prefill worker + decode worker on
+   loopback, real NIXL between the workers) runs a scripted coding-agent
+   conversation through the official ``openai`` client twice: with
+   bidirectional KV reuse on (the decode worker keeps each turn's KV under a
+   lease and the next turn's prefill pulls it back) and off (nothing comes
+   back from the decode worker; the prefill worker keeps only its own cache).
+   One table per run, a row per turn, the reuse and TTFT ratios, and a PNG
+   plot of TTFT per turn.
 """
 
 from __future__ import annotations
@@ -14,81 +17,25 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from kvserving.argtypes import float_in, int_in
-from kvserving.worker.generate import chat_prompts, check_model_dir
+from kvserving.config import KV_DTYPES, KVCacheConfig, ModelConfig, ServingConfig
 
-QUESTIONS = (
-    "List the files in the current directory.",
-    "What does the function os.path.join do?",
-    "Write a loop that sums a list of integers.",
-    "Explain what a KV cache is.",
-)
+DEMO_SESSION = "kvserving-demo"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-gib", type=float_in(0.0, 1 << 20, low_open=True), default=80.0,
                         help="KV memory budget in GiB for the capacity table")
     parser.add_argument("--model", type=Path, default=None,
-                        help="local model directory, HF format (default: build the tiny model in a temp dir)")
-    parser.add_argument("--max-tokens", type=int_in(1, 4096), default=24, help="new tokens per request")
-    parser.add_argument("--kv-mib", type=int_in(1, 1 << 20), default=16, help="engine KV budget in MiB")
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.model is not None:
-        check_model_dir(args.model)
-        return _serve(args, args.model, builtin=False)
-    from kvserving.worker.tiny_model import build_tiny_model
-
-    # Built fresh each run (under a second), so the demo never serves a stale copy.
-    with tempfile.TemporaryDirectory(prefix="kvserving-tiny-") as tmp:
-        return _serve(args, build_tiny_model(Path(tmp) / "tiny-model"), builtin=True)
-
-
-def _serve(args: argparse.Namespace, model_dir: Path, *, builtin: bool) -> int:
-    from transformers import AutoTokenizer
-
-    from kvserving.config import KV_DTYPES, KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
-    from kvserving.kernels import capacity
-    from kvserving.worker.engine import LLMEngine
-    from kvserving.worker.sampling import SamplingParams
-
-    print("KV cache capacity, Qwen3-8B-like shape (36 layers, 8 KV heads, head_dim 128):")
-    print(capacity.format_table(capacity.capacity_rows(gpu_bytes=int(args.gpu_gib * 2**30))))
-    print()
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    # render with the chat template (refusing a model without one), then tokenize the text
-    # (the template holds its own special tokens)
-    texts = chat_prompts(model_dir, list(QUESTIONS))
-    prompts: list[list[int]] = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    print(headline(model_dir, builtin=builtin, requests=len(prompts), max_tokens=args.max_tokens, kv_mib=args.kv_mib))
-    print(f"{'kv format':<10}{'pool tokens':>12}{'bytes/token':>13}{'tokens/s':>10}{'same tokens as bf16':>21}")
-    reference: list[list[int]] | None = None
-    for fmt in KV_DTYPES:
-        engine = LLMEngine(
-            ServingConfig(
-                model=ModelConfig(path=str(model_dir)),
-                kv_cache=KVCacheConfig(dtype=fmt, memory_bytes=args.kv_mib * 2**20),
-                scheduler=SchedulerConfig(chunk_size=32),
-            )
-        )
-        start = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        rate = sum(map(len, outs)) / (time.perf_counter() - start)
-        if reference is None:
-            reference = outs
-        same = sum(a == b for r, o in zip(reference, outs) for a, b in zip(r, o)) / sum(map(len, reference))
-        print(f"{fmt:<10}{engine.capacity_tokens:>12,}{engine.storage.bytes_per_token:>13.0f}{rate:>10.0f}{same:>20.0%}")
-    assert reference is not None
-    print("(on a CPU the model runs in fp32 and the unquantized 'bf16' pool stores fp32, 4 bytes a value)")
-    print()
-    print(f"first request, bf16 KV: {QUESTIONS[0]!r} ->")
-    print("   ", repr(tok.decode(reference[0])))
-    return 0
+                        help="local model directory, HF format (default: the built-in tiny model, generated locally)")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="nvfp4", help="KV cache format of the workers")
+    parser.add_argument("--max-tokens", type=int_in(1, 4096), default=128, help="new tokens per assistant turn")
+    parser.add_argument("--kv-mib", type=int_in(1, 1 << 20), default=64, help="KV pool per worker in MiB")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="where the TTFT plot goes (default: kvserving-demo-ttft.png in the temp dir)")
 
 
 def headline(model_dir: Path, *, builtin: bool, requests: int, max_tokens: int, kv_mib: int) -> str:
@@ -96,3 +43,56 @@ def headline(model_dir: Path, *, builtin: bool, requests: int, max_tokens: int, 
     name = "the built-in tiny model" if builtin else f"model {model_dir}"
     note = " (random weights: the text is noise, the mechanics are real)" if builtin else ""
     return f"{name} serving {requests} chat requests, {max_tokens} tokens each, KV budget {kv_mib} MiB{note}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserving.agent_demo import TRACE, format_table, plot_ttft, run_conversation
+    from kvserving.kernels import capacity
+    from kvserving.model_dir import resolve_model_dir
+    from kvserving.stack import LocalStack, StackSpec, free_ports
+
+    builtin = args.model is None
+    if args.model is not None:  # refuse a bad model in one line, before any process starts
+        from kvserving.worker.generate import chat_prompts, check_model_dir
+
+        check_model_dir(args.model)
+        chat_prompts(args.model, ["check that the chat template renders"])
+    model_dir = resolve_model_dir(ModelConfig(path=str(args.model or "")))
+    print("KV cache capacity, Qwen3-8B-like shape (36 layers, 8 KV heads, head_dim 128):")
+    print(capacity.format_table(capacity.capacity_rows(gpu_bytes=int(args.gpu_gib * 2**30))))
+    print()
+    print(headline(model_dir, builtin=builtin, requests=len(TRACE), max_tokens=args.max_tokens, kv_mib=args.kv_mib))
+    base = ServingConfig(model=ModelConfig(path=str(model_dir)),
+                         kv_cache=KVCacheConfig(dtype=args.kv_dtype, memory_bytes=args.kv_mib * 2**20))
+    start = time.perf_counter()
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="kvserving-demo-") as tmp:
+        for label, bidirectional in (("reuse on", True), ("reuse off", False)):
+            config = replace(base, reuse=replace(base.reuse, bidirectional=bidirectional))
+            gateway, prefill, decode = free_ports(3)
+            spec = StackSpec(config=config, gateway_port=gateway, prefill_port=prefill, decode_port=decode,
+                             run_dir=Path(tmp) / label.replace(" ", "-"))
+            with LocalStack(spec) as stack:
+                stack.start()
+                stack.wait_ready(timeout_s=180)
+                runs[label] = run_conversation(stack.openai_base_url, config.model.served_name,
+                                               max_tokens=args.max_tokens, session_id=f"{DEMO_SESSION}-{label}")
+            print()
+            print(format_table(f"{args.kv_dtype} KV, bidirectional {label} (gateway + prefill + decode workers, "
+                               f"NIXL between them):", runs[label]))
+        plot_path = args.plot or Path(tempfile.gettempdir()) / "kvserving-demo-ttft.png"
+        plot_ttft(runs, str(plot_path))
+    on, off = runs["reuse on"], runs["reuse off"]
+    later = range(1, len(on))
+    ttft_on = sum(on[i].ttft_s for i in later)
+    ttft_off = sum(off[i].ttft_s for i in later)
+    computed_on = sum(r.computed_tokens or 0 for r in on[1:])
+    computed_off = sum(r.computed_tokens or 0 for r in off[1:])
+    print()
+    print(f"turns 2..{len(on)}: prompt tokens computed {computed_on:,} with reuse vs {computed_off:,} without "
+          f"({computed_off / max(computed_on, 1):.1f}x fewer); TTFT with reuse / without: {ttft_on / max(ttft_off, 1e-9):.2f}")
+    print("(on this tiny CPU model recomputing a 128-token reply takes milliseconds, about what pulling it costs;"
+          " the GPU numbers at real size are in bench/NOTES-pd-gpu.md)" if builtin else "")
+    print(f"TTFT plot: {plot_path}")
+    print(f"demo finished in {time.perf_counter() - start:.0f} s")
+    return 0
