@@ -252,6 +252,9 @@ def test_models_lists_the_served_model(stack: Stack) -> None:
     gw = stack.gateway(decode=[worker.url])
     models = client(gw).models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client(gw).models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="gpt-4o"):
+        client(gw).models.retrieve("gpt-4o")
 
 
 def _wait(pred, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
