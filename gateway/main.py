@@ -5,12 +5,16 @@
 ``--prefill`` / ``--decode`` replace the config's static worker lists (a URL
 given to both is a ``both`` worker); ``--model`` replaces ``model.path`` (with
 neither, the built-in tiny model is resolved as the workers resolve it).
+``KVSERVING_GATEWAY_API_KEYS`` (comma-separated, e.g. from a Secret) replaces
+``gateway.api_keys``, so keys need not sit in the ConfigMap.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
@@ -30,9 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
 
 
-def load_config(args: argparse.Namespace) -> ServingConfig:
+API_KEYS_ENV = "KVSERVING_GATEWAY_API_KEYS"
+
+
+def load_config(args: argparse.Namespace, *, environ: Mapping[str, str] = os.environ) -> ServingConfig:
     config = ServingConfig.load(args.config) if args.config else ServingConfig()
     gateway = config.gateway
+    if environ.get(API_KEYS_ENV):
+        keys = tuple(k.strip() for k in environ[API_KEYS_ENV].split(",") if k.strip())
+        gateway = dataclasses.replace(gateway, api_keys=keys)
     if args.prefill is not None or args.decode is not None:
         gateway = dataclasses.replace(
             gateway,

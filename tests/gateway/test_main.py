@@ -102,3 +102,11 @@ def test_bad_gateway_settings_are_refused_naming_the_field(tmp_path: Path, bad: 
     field = next(iter(bad["gateway"]))
     with pytest.raises(ValueError, match=f"gateway.{field}"):
         load_config(parse("--config", str(cfg)))
+
+
+def test_api_keys_from_the_environment_replace_the_configs(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"gateway": {"api_keys": ["in-configmap"]}}))
+    env = {"KVSERVING_GATEWAY_API_KEYS": "sk-a, sk-b,"}
+    assert load_config(parse("--config", str(cfg)), environ=env).gateway.api_keys == ("sk-a", "sk-b")
+    assert load_config(parse("--config", str(cfg)), environ={}).gateway.api_keys == ("in-configmap",)
