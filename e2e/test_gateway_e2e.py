@@ -133,17 +133,22 @@ SOAK_SESSIONS, SOAK_TURNS = 24, 3
 @pytest.mark.slow
 def test_soak_concurrent_sessions_through_real_workers(workers: WorkerFactory, tiny_model_dir: Path, tmp_path: Path) -> None:
     """Bounded soak on loopback: concurrent agent sessions through the gateway and
-    real workers; no request lost, later turns reuse KV, every lease released once
-    the conversations go idle (the gateway's lease TTL), nothing left in flight."""
+    real workers; no request lost, later turns reuse KV, leases renewed on the
+    worker while active (worker retention 2 s < the gateway's lease TTL 3 s)
+    and gone once idle, nothing left in flight."""
     import asyncio
 
-    cfg = config()
-    cfg["reuse"].update({"lease_ttl_s": 3.0, "retention_ttl_s": 120.0})
-    prefill = workers.start("prefill", cfg, wait=False)
-    decode = workers.start("decode", cfg, wait=False)
+    # Workers that retain KV for 2 s behind a gateway that keeps conversations active for 3 s:
+    # the gateway must renew each lease on the decode worker while its conversation is active.
+    worker_cfg = config()
+    worker_cfg["reuse"].update({"lease_ttl_s": 1.5, "retention_ttl_s": 2.0})
+    gateway_cfg = config()
+    gateway_cfg["reuse"].update({"lease_ttl_s": 3.0, "retention_ttl_s": 4.0})
+    prefill = workers.start("prefill", worker_cfg, wait=False)
+    decode = workers.start("decode", worker_cfg, wait=False)
     prefill.wait_ready()
     decode.wait_ready()
-    gateway = GatewayProc(tmp_path, tiny_model_dir, prefill=prefill.url, decode=decode.url, config=cfg)
+    gateway = GatewayProc(tmp_path, tiny_model_dir, prefill=prefill.url, decode=decode.url, config=gateway_cfg)
     try:
         gateway.wait_ready()
 
@@ -179,6 +184,7 @@ def test_soak_concurrent_sessions_through_real_workers(workers: WorkerFactory, t
             assert time.monotonic() < deadline, "decode leases not released after the conversations went idle"
             time.sleep(0.5)
         assert metric(gateway.url, "kvserving_gateway_leases") == 0
+        assert metric(gateway.url, "kvserving_gateway_lease_renewals_total") > 0
         assert metric(gateway.url, "kvserving_gateway_requests_in_flight") == 0
     finally:
         assert gateway.stop() == 0

@@ -8,10 +8,10 @@ cache of them (``GET /internal/kv/leases?conversation_key=K``):
   replica, or this one after a restart, routes a conversation to its KV;
 - an entry is *active* while a turn is in flight or its last turn ended less
   than ``lease_ttl_s`` ago (an agent waiting on a tool stays active); an
-  active entry whose worker lease would expire within two heartbeats is
-  renewed on its worker (each turn's new lease already runs for the
-  retention TTL > lease TTL, so renewals are rare: a long turn, or a worker
-  with a short retention), the heartbeat running every ``heartbeat_s``;
+  active entry whose worker lease would end before that (and within two
+  heartbeats) is renewed on its worker. Each turn's new lease runs for the
+  retention TTL > lease TTL, so renewals are rare: a turn still running long
+  after the previous one, or a worker configured with a shorter retention;
 - an entry idle past ``lease_ttl_s`` is released (DELETE on the worker) and
   dropped; an entry whose worker lease expired, or that the worker no longer
   knows (404 on renew), is dropped as an expiry;
@@ -149,11 +149,19 @@ class LeaseTable:
                 out.expired.append(lease)
             elif lease.inflight == 0 and now - lease.last_active >= self.lease_ttl_s:
                 out.release.append(lease)
-            elif lease.expires_at and lease.expires_at - now < 2 * self.heartbeat_s:
+            elif self._needs_renewal(lease, now=now):
                 out.renew.append(lease)
         for lease in out.expired + out.release:
             self._pop(lease.conversation_key)
         return out
+
+    def _needs_renewal(self, lease: Lease, *, now: float) -> bool:
+        """The worker would drop the KV before the gateway calls the conversation idle, and
+        that is within two heartbeats."""
+        if not lease.expires_at:
+            return False
+        outlives = lease.expires_at >= lease.last_active + self.lease_ttl_s
+        return not outlives and lease.expires_at - now < 2 * self.heartbeat_s
 
     def _evict_over_capacity(self, *, keep: str) -> list[Lease]:
         evicted: list[Lease] = []

@@ -41,11 +41,19 @@ def test_an_agent_waiting_on_a_tool_stays_active_for_the_lease_ttl() -> None:
     t.put("c", worker_url=W1, params=params("x", expires_at=6.0), now=0.0)  # a worker with a short retention
     assert t.sweep(now=1.0).renew == []  # 5 s left: more than two beats
     assert [le.lease_id for le in t.sweep(now=2.5).renew] == ["x"]
-    t.renewed("c", lease_id="x", expires_at=12.5, now=2.5)
-    assert t.sweep(now=3.0).renew == []  # just renewed
-    assert [le.lease_id for le in t.sweep(now=9.9).renew] == ["x"]  # idle 9.9 s < 10: still active
+    t.renewed("c", lease_id="x", expires_at=8.5, now=2.5)  # the worker grants its own (short) TTL
+    assert t.sweep(now=3.0).renew == []  # 5.5 s left
+    assert [le.lease_id for le in t.sweep(now=7.0).renew] == ["x"]  # idle 7 s < 10: still active, KV kept
+    t.renewed("c", lease_id="x", expires_at=13.0, now=7.0)
+    assert t.sweep(now=9.9).renew == []  # now outlives the conversation's activity (0 + 10)
     assert [le.lease_id for le in t.sweep(now=10.0).release] == ["x"]
     assert len(t) == 0
+
+
+def test_a_lease_that_outlives_the_activity_window_is_never_renewed() -> None:
+    t = table(ttl=10.0, beat=2.0)
+    t.put("c", worker_url=W1, params=params("x", expires_at=12.0), now=0.0)  # retention 12 > lease TTL 10
+    assert all(t.sweep(now=now).renew == [] for now in (1.0, 5.0, 9.0, 9.99))
 
 
 def test_put_returns_the_superseded_lease_and_capacity_evictions() -> None:
