@@ -3,7 +3,8 @@
 conversation through the official openai client, then EVERY PromQL
 expression of the Grafana dashboard (operator/dashboard.py), with its
 instance variables filled in, evaluated against that Prometheus: each must
-return at least one series with a finite value.
+return at least one series with a finite value (a label combination with no
+traffic in the window, e.g. a quantile of reuse="no", may be NaN).
 """
 
 from __future__ import annotations
@@ -77,6 +78,6 @@ def test_every_dashboard_query_returns_finite_data(stack: LocalStack, tmp_path: 
         series = _query(prom, filled)
         if not series:
             empty.append(title)
-        elif not all(math.isfinite(float(s["value"][1])) for s in series):
+        elif not any(math.isfinite(float(s["value"][1])) for s in series):
             nonfinite.append((title, [s["value"][1] for s in series]))
     assert empty == [] and nonfinite == [], (empty, nonfinite)

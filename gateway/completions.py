@@ -32,7 +32,7 @@ from .metrics import GatewayMetrics
 from .output import OutputParser, StopMatcher
 from .tagger import ChatTagger, TaggedPrompt
 from .tokenizer import TextTokenizer
-from .turn import TurnRequest, Turns
+from .turn import Turn, TurnRequest, Turns
 
 @dataclass(slots=True, frozen=True)
 class ModelInfo:
@@ -273,13 +273,34 @@ class Completions:
         turn = await self.turns.start(turn_request)
         detok = IncrementalDetokenizer(self.model.tokenizer, skip_ids=self.model.stop_token_ids)
         matcher = StopMatcher(stops)
+        # TTFT is observed once the turn says whether its prompt reused KV (label `reuse`);
+        # a turn that fails after its first token is observed as reuse="unknown".
+        ttft: float | None = None
+        reuse = "unknown"
+        try:
+            async with aclosing(self._relay_turn(turn, turn_request, detok, matcher, started)) as items:
+                async for item in items:
+                    if item[0] == "first":
+                        ttft = item[1]
+                        continue
+                    if item[0] == "end":
+                        reuse = "yes" if item[1][1].cached_tokens > 0 else "no"
+                    yield item
+        finally:
+            if ttft is not None:
+                self.metrics.ttft.labels(route, reuse).observe(ttft)
+
+    async def _relay_turn(
+        self, turn: Turn, turn_request: TurnRequest, detok: IncrementalDetokenizer, matcher: StopMatcher, started: float,
+    ) -> AsyncGenerator[tuple[str, Any], None]:
+        """("first", seconds to the first token), ("text", str) pieces, then ("end", (finish, TurnResult))."""
         last = None
         finish: str | None = None
         async with aclosing(turn.tokens()) as tokens:
             async for token_ids in tokens:
                 now = time.perf_counter()
                 if last is None:
-                    self.metrics.ttft.labels(route).observe(now - started)
+                    yield "first", now - started
                 else:
                     self.metrics.itl.observe(now - last)
                 last = now

@@ -40,9 +40,13 @@ class GatewayMetrics:
         p = "kvserving_gateway_"
         self.requests = Counter(p + "requests", "Requests by route and HTTP status code", ["route", "code"], registry=registry)
         self.ttft = Histogram(
-            p + "time_to_first_token_seconds", "Time from request to first streamed token", ["route"],
+            p + "time_to_first_token_seconds", "Time from request to first streamed token, by whether the prompt reused KV",
+            ["route", "reuse"],
             buckets=TTFT_BUCKETS, registry=registry,
         )
+        for route in ("chat", "completions"):  # series exist from the start: a first observation is a rate, not a jump
+            for reuse in ("yes", "no"):
+                self.ttft.labels(route, reuse)
         self.reused_tokens = Counter(
             p + "kv_reused_tokens", "Prompt tokens served from reused KV instead of recompute, by source",
             ["source"], registry=registry,

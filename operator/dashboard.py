@@ -24,6 +24,10 @@ DASHBOARD_METRICS: tuple[tuple[str, str, str], ...] = (
     ("kvserving_worker_generation_tokens_total", "counter", "tokens a worker generated (decode)"),
     ("kvserving_worker_kv_cache_usage_ratio", "gauge", "used fraction of the KV pool"),
     ("kvserving_worker_kv_transfer_bytes_total", "counter", "KV bytes moved over NIXL, by direction"),
+    ("kvserving_gateway_prompt_tokens_total", "counter", "prompt tokens of served requests"),
+    ("kvserving_worker_kv_reuse_fallbacks_total", "counter", "KV reuses that fell back to recompute, by reason"),
+    ("kvserving_worker_kv_leases", "gauge", "conversation KV leases a worker holds"),
+    ("kvserving_worker_kv_pool_capacity_tokens", "gauge", "tokens a worker's KV pool holds, by precision"),
 )
 
 # (title, PromQL expression, unit); `$namespace` and `$kvserving` are dashboard
@@ -33,9 +37,19 @@ _SEL = 'namespace="$namespace", kvserving="$kvserving"'
 PANELS: tuple[tuple[str, str, str], ...] = (
     ("Requests / s", f"sum by (code) (rate(kvserving_gateway_requests_total{{{_SEL}}}[5m]))", "reqps"),
     (
-        "Time to first token (p99)",
-        f"histogram_quantile(0.99, sum by (le) (rate(kvserving_gateway_time_to_first_token_seconds_bucket{{{_SEL}}}[5m])))",
+        "Time to first token p50, with and without KV reuse",
+        f"histogram_quantile(0.5, sum by (le, reuse) (rate(kvserving_gateway_time_to_first_token_seconds_bucket{{{_SEL}}}[5m])))",
         "s",
+    ),
+    (
+        "Time to first token p99, with and without KV reuse",
+        f"histogram_quantile(0.99, sum by (le, reuse) (rate(kvserving_gateway_time_to_first_token_seconds_bucket{{{_SEL}}}[5m])))",
+        "s",
+    ),
+    (
+        "Reuse ratio (prompt tokens not recomputed)",
+        f"sum(rate(kvserving_gateway_kv_reused_tokens_total{{{_SEL}}}[5m])) / sum(rate(kvserving_gateway_prompt_tokens_total{{{_SEL}}}[5m]))",
+        "percentunit",
     ),
     ("Reused KV tokens / s", f"sum(rate(kvserving_gateway_kv_reused_tokens_total{{{_SEL}}}[5m]))", "short"),
     ("Prefill tokens / s", f"sum(rate(kvserving_worker_prompt_tokens_total{{{_SEL}}}[5m]))", "short"),
@@ -46,6 +60,9 @@ PANELS: tuple[tuple[str, str, str], ...] = (
         f"sum by (direction) (rate(kvserving_worker_kv_transfer_bytes_total{{{_SEL}}}[5m]))",
         "Bps",
     ),
+    ("Reuse fallbacks / s by reason", f"sum by (reason) (rate(kvserving_worker_kv_reuse_fallbacks_total{{{_SEL}}}[5m]))", "short"),
+    ("Active KV leases", f"sum by (pod) (kvserving_worker_kv_leases{{{_SEL}}})", "short"),
+    ("KV capacity by precision (tokens)", f"sum by (precision) (kvserving_worker_kv_pool_capacity_tokens{{{_SEL}}})", "short"),
 )
 
 

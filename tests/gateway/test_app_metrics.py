@@ -37,7 +37,7 @@ def test_every_dashboard_gateway_metric_is_exported_with_its_type(stack: Stack) 
         model=MODEL, messages=[{"role": "user", "content": "hi"}])
     exported = families(gw.url)
     wanted = [(name, kind) for name, kind, _ in DASHBOARD_METRICS if name.startswith("kvserving_gateway_")]
-    assert len(wanted) == 3
+    assert len(wanted) == 4
     for name, kind in wanted:
         base = name.removesuffix("_total") if kind == "counter" else name
         assert exported.get(base) == kind, (name, exported.get(base))
@@ -67,7 +67,9 @@ def test_counters_move_by_what_happened(stack: Stack) -> None:
     route = "/v1/chat/completions"
     assert gw.metric("kvserving_gateway_requests_total", {"route": route, "code": "200"}) == 3
     assert gw.metric("kvserving_gateway_requests_total", {"route": route, "code": "404"}) == 1
-    assert gw.metric("kvserving_gateway_time_to_first_token_seconds_count", {"route": "chat"}) == 3
+    ttft = {r: gw.metric("kvserving_gateway_time_to_first_token_seconds_count", {"route": "chat", "reuse": r})
+            for r in ("yes", "no", "unknown")}
+    assert sum(ttft.values()) == 3 and ttft["unknown"] == 0  # each observed once its reuse was known
     assert gw.metric("kvserving_gateway_inter_token_latency_seconds_count") == 3 * 2
     assert gw.metric("kvserving_gateway_completion_tokens_total") == 9
     decisions = sum(gw.metric("kvserving_gateway_routing_decisions_total", {"role": "decode", "reason": r})

@@ -259,7 +259,7 @@ def test_metrics_export_every_worker_metric_with_values(live: Live) -> None:
         raise AssertionError(f"no sample {name}{labels}")
 
     worker_metrics = [(n, t) for n, t, _ in DASHBOARD_METRICS if n.startswith("kvserving_worker_")]
-    assert len(worker_metrics) == 4
+    assert len(worker_metrics) == 7
     for name, kind in worker_metrics:
         base = name.removesuffix("_total") if kind == "counter" else name
         assert base in families, name
