@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -153,3 +154,26 @@ def test_scrape_config_labels_targets_like_the_pod_monitor() -> None:
     cfg = json.loads(scrape_config({"gateway": "127.0.0.1:8000"}))
     (job,) = cfg["scrape_configs"]
     assert job["static_configs"] == [{"targets": ["127.0.0.1:8000"], "labels": {"namespace": "local", "kvserving": "local", "pod": "gateway"}}]
+
+
+def _up(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvserving.cli", "up", *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONSAFEPATH="1"))
+
+
+def test_up_refuses_a_missing_model_in_one_line() -> None:
+    result = _up("--model", "/nonexistent-model")
+    assert result.returncode == 1
+    assert result.stderr.strip() == "kvserving up: error: --model /nonexistent-model: the directory does not exist"
+
+
+def test_up_refuses_a_busy_port_in_one_line(tmp_path: Path) -> None:
+    (model := tmp_path / "model").mkdir()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = _up("--model", str(model), "--port", str(port), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"error: already in use on 127.0.0.1: gateway port {port} (choose other ports with --port)"]
