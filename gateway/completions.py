@@ -109,7 +109,7 @@ class Completions:
     async def _chat_whole(
         self, turn_request: TurnRequest, request: oa.ChatCompletionRequest, started: float
     ) -> dict[str, Any]:
-        parser = OutputParser(tools=bool(request.tools))
+        parser = OutputParser(tools=request.parses_tool_calls)
         pieces, finish, result = [], "stop", None
         async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat"):
             if kind == "text":
@@ -134,7 +134,7 @@ class Completions:
             return _sse(oa.chat_chunk(id=rid, created=created, model=name, delta=delta, finish_reason=finish,
                                       usage=usage, include_usage=usage_on))
 
-        parser = OutputParser(tools=bool(request.tools))
+        parser = OutputParser(tools=request.parses_tool_calls)
         first = True
         try:
             async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat"):

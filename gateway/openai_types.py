@@ -74,6 +74,11 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (e.g. enable_thinking)
 
     @property
+    def parses_tool_calls(self) -> bool:
+        """Tool calls are parsed out of the output when tools are offered and not switched off."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
     def limit(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -279,3 +279,14 @@ def test_concurrent_identical_first_turns_are_different_conversations(stack: Sta
     asyncio.run(main())
     keys = [body["conversation_key"] for body in worker.received]
     assert len(set(keys)) == 6 and len(worker.leases) == 6
+
+
+def test_tool_choice_none_leaves_tool_call_text_as_content(stack: Stack, tok: TextTokenizer) -> None:
+    said = '<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>'
+    worker = stack.worker(role="both", reply_ids=tok.encode_ids(said))
+    gw = stack.gateway(decode=[worker.url])
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}]
+    out = client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=tools,
+                                             tool_choice="none")
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].message.tool_calls is None
+    assert out.choices[0].message.content == said
