@@ -47,7 +47,8 @@ class SpliceTokenizer(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Sent:
-    """A prompt as sent to the workers, with the first character of each id in ``prompt.text``."""
+    """A prompt as sent to the workers, with the first character of each id in
+    ``prompt.text`` (empty until needed for a prompt sent as rendered)."""
 
     prompt: TaggedPrompt
     starts: tuple[int, ...]
@@ -86,7 +87,7 @@ class ExactHistory:
         while output_ids and self.tokenizer.decode(output_ids[-1:]) == "":
             output_ids.pop()
         cut = len(sent.prompt.text)
-        starts = sent.starts + tuple(cut + s for s in self._visible_starts(output_ids, output_text))
+        starts = self._starts_of(sent) + tuple(cut + s for s in self._visible_starts(output_ids, output_text))
         self._held.pop(key, None)
         self._held[key] = _Held(tuple(sent.prompt.input_ids) + tuple(output_ids), starts, sent.prompt.text + output_text)
         while len(self._held) > self.max_conversations:
@@ -94,19 +95,31 @@ class ExactHistory:
 
     def splice(self, key: str, prompt: TaggedPrompt) -> Sent:
         """The prompt to send: the held ids + the rest, when the new text extends the held text."""
-        canon = self.tokenizer.encode(prompt.text).offsets
-        as_rendered = Sent(prompt, tuple(a for a, _ in canon), spliced=False)
         held = self._held.get(key)
-        if held is None or len(canon) != len(prompt.tags) or not prompt.text.startswith(held.text):
-            return as_rendered
+        if held is None or not prompt.text.startswith(held.text):
+            return self._as_rendered(prompt)
         if prompt.input_ids[: len(held.ids)] == list(held.ids):
-            return as_rendered  # the rendered ids already extend what the workers hold
+            return self._as_rendered(prompt)  # the rendered ids already extend what the workers hold
+        canon = self.tokenizer.encode(prompt.text).offsets
+        if len(canon) != len(prompt.tags):
+            return Sent(prompt, tuple(a for a, _ in canon), spliced=False)
         self._held.move_to_end(key)
         cut = len(held.text)
         rest = self.tokenizer.encode(prompt.text[cut:])
         ids = list(held.ids) + list(rest.ids)
         starts = held.starts + tuple(cut + a for a, _ in rest.offsets)
         return Sent(_retag(prompt, ids, starts, canon), starts, spliced=True)
+
+    def _as_rendered(self, prompt: TaggedPrompt) -> Sent:
+        """The prompt unchanged. Its character starts are computed only when a turn is
+        recorded (``Sent.starts`` is lazy): a first turn or a plain client costs no
+        second tokenization here."""
+        return Sent(prompt, (), spliced=False)
+
+    def _starts_of(self, sent: Sent) -> tuple[int, ...]:
+        if sent.starts or not sent.prompt.input_ids:
+            return sent.starts
+        return tuple(a for a, _ in self.tokenizer.encode(sent.prompt.text).offsets)
 
     def _visible_starts(self, ids: list[int], text: str) -> list[int]:
         """First character of each sampled id in the text the client got (hidden specials: no width).
