@@ -57,8 +57,13 @@ class StackSpec:
     prometheus_port: int | None = None  # None: no Prometheus
     run_dir: Path | None = None  # logs and config; None: a temp dir removed on stop
     python: str = sys.executable
+    # GPU of each worker, in start order (prefill, decode; or the one `both` worker),
+    # as CUDA_VISIBLE_DEVICES values; one entry is shared by all; () leaves the env alone.
+    gpus: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if any(not g or not all(part.strip().isdigit() for part in g.split(",")) for g in self.gpus):
+            raise ValueError(f"gpus must be GPU indices such as '0' or '0,1', got {list(self.gpus)}")
         ports = [self.gateway_port, self.prefill_port] + ([] if self.single else [self.decode_port])
         if self.prometheus_port is not None:
             ports.append(self.prometheus_port)
@@ -75,6 +80,7 @@ class Child:
     argv: list[str]
     ready_url: str | None
     log_path: Path
+    env: dict[str, str] | None = None  # added to the stack's environment for this child
     proc: subprocess.Popen[bytes] | None = None
     log_file: object = None
 
@@ -223,10 +229,12 @@ class LocalStack:
         children = []
         roles = [("both", self.spec.prefill_port)] if self.spec.single else [
             ("prefill", self.spec.prefill_port), ("decode", self.spec.decode_port)]
-        for role, port in roles:
+        for n, (role, port) in enumerate(roles):
             name = "worker" if role == "both" else role
             argv = cli + ["worker", "--role", role, "--config", cfg, "--host", host, "--port", str(port)]
-            children.append(Child(name, argv, self._url(port) + "/ready", self.run_dir / f"{name}.log"))
+            gpus = self.spec.gpus
+            env = {"CUDA_VISIBLE_DEVICES": gpus[n % len(gpus)]} if gpus else None
+            children.append(Child(name, argv, self._url(port) + "/ready", self.run_dir / f"{name}.log", env=env))
         argv = cli + ["gateway", "--config", cfg, "--host", host, "--port", str(self.spec.gateway_port)]
         children.append(Child("gateway", argv, self.gateway_url + "/ready", self.run_dir / "gateway.log"))
         if self.spec.prometheus_port is not None:
@@ -255,7 +263,7 @@ class LocalStack:
             child.log_file = open(child.log_path, "wb")  # noqa: SIM115 (closed in stop)
             child.proc = subprocess.Popen(
                 child.argv, stdout=child.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, start_new_session=True,
+                env={**env, **(child.env or {})}, start_new_session=True,
             )
             self.children.append(child)
 

@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="gateway port; workers take the next two, Prometheus the one after")
     parser.add_argument("--prometheus", action="store_true",
                         help="also start a real Prometheus scraping every part (installs the Debian package if missing)")
+    parser.add_argument("--gpus", default=None,
+                        help="GPU of each worker, comma-separated, prefill first (e.g. 0,1: prefill on GPU 0, decode on "
+                             "GPU 1; one index: every worker on it); default: the environment's CUDA_VISIBLE_DEVICES")
     parser.add_argument("--run-dir", type=Path, default=None, help="where logs and the config go (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for every part's /ready")
 
@@ -81,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         config=config, host=args.host, gateway_port=args.port, prefill_port=args.port + 1,
         decode_port=args.port + 2, single=args.single,
         prometheus_port=args.port + 3 if args.prometheus else None, run_dir=args.run_dir,
+        gpus=tuple(args.gpus.split(",")) if args.gpus else (),
     )
     stopping = False
     ready = False

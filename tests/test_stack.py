@@ -177,3 +177,26 @@ def test_up_refuses_a_busy_port_in_one_line(tmp_path: Path) -> None:
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert lines == [f"error: already in use on 127.0.0.1: gateway port {port} (choose other ports with --port)"]
+
+
+def test_gpus_map_one_per_worker_and_reach_the_child(tmp_path: Path) -> None:
+    g, p, d = free_ports(3)
+    spec = StackSpec(config=ServingConfig(), gateway_port=g, prefill_port=p, decode_port=d, run_dir=tmp_path / "run",
+                     gpus=("0", "1"))
+    plan = {c.name: c.env for c in LocalStack(spec)._plan()}
+    assert plan == {"prefill": {"CUDA_VISIBLE_DEVICES": "0"}, "decode": {"CUDA_VISIBLE_DEVICES": "1"}, "gateway": None}
+    one = StackSpec(config=ServingConfig(), gateway_port=g, prefill_port=p, decode_port=d, gpus=("2",))
+    assert {c.name: c.env for c in LocalStack(one)._plan()}["decode"] == {"CUDA_VISIBLE_DEVICES": "2"}
+    with pytest.raises(ValueError, match="gpus must be GPU indices"):
+        StackSpec(config=ServingConfig(), gpus=("gpu0",))
+
+    class EnvStack(LocalStack):
+        def _plan(self) -> list[Child]:
+            script = "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('CUDA_VISIBLE_DEVICES', '-'))"
+            return [Child("w", [sys.executable, "-c", script, str(tmp_path / "seen")], None, self.run_dir / "w.log",
+                          env={"CUDA_VISIBLE_DEVICES": "1"})]
+
+    with EnvStack(spec) as stack:
+        stack.start()
+        assert stack.children[0].proc is not None and stack.children[0].proc.wait(timeout=30) == 0
+    assert (tmp_path / "seen").read_text() == "1"
