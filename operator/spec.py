@@ -100,7 +100,7 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
             bidirectional=bool(reuse.get("bidirectional", True)),
             retention_ttl_s=float(reuse.get("retentionTTLSeconds", 480)),
             lease_ttl_s=float(reuse.get("leaseTTLSeconds", 420)),
-            recompute_threshold_tokens=int(reuse.get("recomputeThresholdTokens", 64)),
+            recompute_threshold_tokens=_threshold(reuse.get("recomputeThresholdTokens", 64)),
         ),
     )
     roles = {name: spec.get(name, {}) for name in ("prefill", "decode", "gateway")}
@@ -138,3 +138,8 @@ def engine_config(spec: KVServingSpec, *, name: str, namespace: str) -> ServingC
             worker_port=WORKER_PORT,
         ),
     )
+
+
+def _threshold(value: Any) -> int | str:
+    """recomputeThresholdTokens: an integer, or "auto" (the CRD's CEL rule admits nothing else)."""
+    return "auto" if value == "auto" else int(value)

@@ -151,6 +151,10 @@ INVALID = [
         _with("spec.kvCache.globalScale", "calibrated", base="triaxial"),
         "spec.kvCache: globalScale calibrated needs dtype fp8_e4m3 or nvfp4",
     ),
+    ("negative recompute threshold", _with("spec.reuse.recomputeThresholdTokens", -3),
+     'spec.reuse.recomputeThresholdTokens: recomputeThresholdTokens must be an integer >= 0 or "auto"'),
+    ("recompute threshold neither integer nor auto", _with("spec.reuse.recomputeThresholdTokens", "sometimes"),
+     'spec.reuse.recomputeThresholdTokens: recomputeThresholdTokens must be an integer >= 0 or "auto"'),
 ]
 
 
@@ -185,6 +189,8 @@ def test_engine_config_refuses_what_the_crd_refuses(case: str, body: dict[str, A
         ("spec.kvCache.pageSize", 64, "fp8_e4m3"),
         ("spec.reuse", {"retentionTTLSeconds": 60, "leaseTTLSeconds": 59}, "fp8_e4m3"),
         ("spec.decode.replicas", 0, "fp8_e4m3"),
+        ("spec.reuse.recomputeThresholdTokens", 0, "fp8_e4m3"),
+        ("spec.reuse.recomputeThresholdTokens", "auto", "fp8_e4m3"),
     ],
 )
 def test_boundary_values_are_admitted(path: str, value: Any, base: str) -> None:
@@ -201,3 +207,9 @@ def test_other_schema_errors_are_refused() -> None:
     assert errors == ["spec.kvCache.bitsBudget: unknown field"]
     _, errors = admit(_with("metadata.name", "n" * 51))
     assert errors == ["<root>: metadata.name must be at most 50 characters (child Services append -prefill, -decode, -gateway)"]
+
+
+def test_auto_recompute_threshold_reaches_the_engine_config() -> None:
+    defaulted, errors = admit(_with("spec.reuse.recomputeThresholdTokens", "auto"))
+    assert errors == []
+    assert parse_spec(defaulted["spec"]).serving.reuse.recompute_threshold_tokens == "auto"
