@@ -47,11 +47,10 @@ class SpliceTokenizer(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Sent:
-    """A prompt as sent to the workers, with the first character of each id in
-    ``prompt.text`` (empty until needed for a prompt sent as rendered)."""
+    """A prompt as sent to the workers (``prompt.char_starts`` places each of its ids
+    in ``prompt.text``); ``spliced``: it starts with held ids, not as rendered."""
 
     prompt: TaggedPrompt
-    starts: tuple[int, ...]
     spliced: bool
 
 
@@ -87,7 +86,7 @@ class ExactHistory:
         while output_ids and self.tokenizer.decode(output_ids[-1:]) == "":
             output_ids.pop()
         cut = len(sent.prompt.text)
-        starts = self._starts_of(sent) + tuple(cut + s for s in self._visible_starts(output_ids, output_text))
+        starts = self._char_starts(sent.prompt) + tuple(cut + s for s in self._visible_starts(output_ids, output_text))
         self._held.pop(key, None)
         self._held[key] = _Held(tuple(sent.prompt.input_ids) + tuple(output_ids), starts, sent.prompt.text + output_text)
         while len(self._held) > self.max_conversations:
@@ -96,30 +95,27 @@ class ExactHistory:
     def splice(self, key: str, prompt: TaggedPrompt) -> Sent:
         """The prompt to send: the held ids + the rest, when the new text extends the held text."""
         held = self._held.get(key)
+        as_rendered = Sent(prompt, spliced=False)
         if held is None or not prompt.text.startswith(held.text):
-            return self._as_rendered(prompt)
+            return as_rendered
         if prompt.input_ids[: len(held.ids)] == list(held.ids):
-            return self._as_rendered(prompt)  # the rendered ids already extend what the workers hold
-        canon = self.tokenizer.encode(prompt.text).offsets
+            return as_rendered  # the rendered ids already extend what the workers hold
+        canon = self._char_starts(prompt)
         if len(canon) != len(prompt.tags):
-            return Sent(prompt, tuple(a for a, _ in canon), spliced=False)
+            return as_rendered
         self._held.move_to_end(key)
         cut = len(held.text)
         rest = self.tokenizer.encode(prompt.text[cut:])
         ids = list(held.ids) + list(rest.ids)
         starts = held.starts + tuple(cut + a for a, _ in rest.offsets)
-        return Sent(_retag(prompt, ids, starts, canon), starts, spliced=True)
+        return Sent(_retag(prompt, ids, starts, canon), spliced=True)
 
-    def _as_rendered(self, prompt: TaggedPrompt) -> Sent:
-        """The prompt unchanged. Its character starts are computed only when a turn is
-        recorded (``Sent.starts`` is lazy): a first turn or a plain client costs no
-        second tokenization here."""
-        return Sent(prompt, (), spliced=False)
-
-    def _starts_of(self, sent: Sent) -> tuple[int, ...]:
-        if sent.starts or not sent.prompt.input_ids:
-            return sent.starts
-        return tuple(a for a, _ in self.tokenizer.encode(sent.prompt.text).offsets)
+    def _char_starts(self, prompt: TaggedPrompt) -> tuple[int, ...]:
+        """Where each token of ``prompt`` starts in its text: the tagger's offsets, or (a
+        prompt built without them) the canonical tokenization's."""
+        if len(prompt.char_starts) == len(prompt.input_ids):
+            return prompt.char_starts
+        return tuple(a for a, _ in self.tokenizer.encode(prompt.text).offsets)
 
     def _visible_starts(self, ids: list[int], text: str) -> list[int]:
         """First character of each sampled id in the text the client got (hidden specials: no width).
@@ -139,9 +135,8 @@ class ExactHistory:
         return starts
 
 
-def _retag(prompt: TaggedPrompt, ids: list[int], starts: tuple[int, ...], canon: list[tuple[int, int]]) -> TaggedPrompt:
+def _retag(prompt: TaggedPrompt, ids: list[int], starts: tuple[int, ...], canon_starts: tuple[int, ...]) -> TaggedPrompt:
     """Tags and user-turn starts of ``ids`` (first characters ``starts``) from the canonical tagging."""
-    canon_starts = [a for a, _ in canon]
     last = len(prompt.tags) - 1
 
     def tag_at(char: int) -> int:
@@ -152,4 +147,4 @@ def _retag(prompt: TaggedPrompt, ids: list[int], starts: tuple[int, ...], canon:
         min(bisect.bisect_left(starts, canon_starts[t] if t < len(canon_starts) else len(prompt.text)), len(ids) - 1)
         for t in prompt.turn_starts
     )
-    return replace(prompt, input_ids=ids, tags=tags, turn_starts=turn_starts)
+    return replace(prompt, input_ids=ids, tags=tags, turn_starts=turn_starts, char_starts=starts)

@@ -92,6 +92,9 @@ class TaggedPrompt:
     # "coarse" (no structure: control tokens delim, the rest user), "text"
     # (a raw completion prompt).
     method: str = "markers"
+    # First character of each token in `text` (empty when unknown, e.g. ids given
+    # directly); exact_history maps tokens to characters with it.
+    char_starts: tuple[int, ...] = ()
 
     @property
     def current_turn_start(self) -> int:
@@ -146,7 +149,8 @@ class ChatTagger:
         tags = tag_spans.token_tags(spans, enc.offsets)
         tag_spans.tag_images(tags, runs)
         starts = tag_spans.turn_starts(msgs, headers, enc.offsets)
-        return TaggedPrompt(text=text, input_ids=enc.ids, tags=tags, turn_starts=starts, method=method)
+        return TaggedPrompt(text=text, input_ids=enc.ids, tags=tags, turn_starts=starts, method=method,
+                            char_starts=_char_starts(enc.offsets))
 
     def _coarse(self, text: str, ids: list[int], offsets: list[tuple[int, int]]) -> TaggedPrompt:
         """Tags without the template's structure: control tokens are current
@@ -154,7 +158,7 @@ class ChatTagger:
         delim, image, user = (encode_tag("current", m, s) for m, s in (("text", "delim"), ("image", "user"), ("text", "user")))
         images, controls = self.tokenizer.image_token_ids, self._control_ids
         tags = [image if t in images else delim if t in controls else user for t in ids]
-        return TaggedPrompt(text=text, input_ids=ids, tags=tags, method="coarse")
+        return TaggedPrompt(text=text, input_ids=ids, tags=tags, method="coarse", char_starts=_char_starts(offsets))
 
     def _controls(self, ids: list[int], offsets: list[tuple[int, int]]) -> tag_spans.Controls:
         control, images, specials = self._control_ids, self.tokenizer.image_token_ids, self.tokenizer.special_ids
@@ -168,7 +172,8 @@ class ChatTagger:
         """A raw completion prompt: no structure, so every token is current user text
         (image placeholder tokens are current user image)."""
         enc = self.tokenizer.encode(text)
-        return TaggedPrompt(text=text, input_ids=enc.ids, tags=self.tag_ids(enc.ids), method="text")
+        return TaggedPrompt(text=text, input_ids=enc.ids, tags=self.tag_ids(enc.ids), method="text",
+                            char_starts=_char_starts(enc.offsets))
 
     def tag_ids(self, ids: Sequence[int]) -> list[int]:
         """Tags for a prompt given as token ids (`/v1/completions` with ids)."""
@@ -189,3 +194,7 @@ def message_temporals(messages: Sequence[Message]) -> list[str]:
         if role == "user":
             users_after += 1
     return out
+
+
+def _char_starts(offsets: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    return tuple(a for a, _ in offsets)

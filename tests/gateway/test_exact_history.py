@@ -57,12 +57,13 @@ def test_splice_keeps_the_sampled_ids_and_reads_the_same_text(tagger: ChatTagger
     history, held, canonical = _play(tagger, tok, reply + im_end)
     held = held[: -len(im_end)]  # the stop token is not kept: the template renders its own
     assert canonical.input_ids[: len(held)] != held  # re-tokenizing loses the held ids
+    assert canonical.char_starts == tuple(a for a, _ in tok.encode(canonical.text).offsets)  # from the tagger
     sent = history.splice("conv", canonical)
     assert sent.spliced
     spliced = sent.prompt
     assert spliced.input_ids[: len(held)] == held
     assert tok.decode(spliced.input_ids, skip_special_tokens=False) == canonical.text
-    assert len(spliced.tags) == len(spliced.input_ids) == len(sent.starts)
+    assert len(spliced.tags) == len(spliced.input_ids) == len(spliced.char_starts)
     assert {decode_tag(t) for t in spliced.tags[len(held) - len(reply): len(held)]} == {("turn_m1", "text", "assistant")}
     # user turns start at the same characters as in the canonical prompt, and tags after the reply agree
     assert len(spliced.turn_starts) == len(canonical.turn_starts) == 2
