@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,16 +39,11 @@ from kvserving.gateway.chat_template import ChatTemplate
 from kvserving.gateway.tagger import ChatTagger
 from kvserving.gateway.tokenizer import TextTokenizer
 from kvserving.model_dir import resolve_model_dir
+from kvserving.stack import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "kvserving-tiny"
 SYSTEM = "You are a coding agent in a large repository. Use the tools, think step by step, keep answers short. " * 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:

@@ -47,7 +47,6 @@ import multiprocessing as mp
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -59,6 +58,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvserving.stack import free_port
 
 FORMATS = ("bf16", "nvfp4", "fp8_e4m3", "triaxial")
 INT2_SHARE = 0.65  # triaxial pages at INT2: 0.65 * 2 + 0.35 * 4 = 2.7 average code bits
@@ -403,12 +404,6 @@ def build_model(plan: Plan) -> Path:
 
 
 # ------------------------------------------------------------------------------- workers
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Worker:
     name: str

@@ -102,6 +102,11 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it)."""
+    return free_ports(1, host)[0]
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct ports that were free a moment ago (the OS picks them)."""
     socks = []

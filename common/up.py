@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
-from kvserving.config import KV_DTYPES, KVCacheConfig, ModelConfig, ReuseConfig, ServingConfig
+from kvserving.config import KV_DTYPES, KVCacheConfig, ReuseConfig, ServingConfig
 
 
 class _Interrupted(Exception):
@@ -55,9 +55,7 @@ def build_config(args: argparse.Namespace) -> ServingConfig:
         # Resolve the built-in tiny model once here, so the children do not race to build it.
         from kvserving.model_dir import resolve_model_dir
 
-        config = replace(config, model=ModelConfig(path=str(resolve_model_dir(config.model)),
-                                                   served_name=config.model.served_name,
-                                                   max_model_len=config.model.max_model_len))
+        config = replace(config, model=replace(config.model, path=str(resolve_model_dir(config.model))))
     kv = config.kv_cache
     if args.kv_dtype is not None:
         kv = KVCacheConfig(dtype=args.kv_dtype, memory_fraction=kv.memory_fraction, memory_bytes=kv.memory_bytes,

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +36,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from kvserving.stack import free_port
 
 PAGE_SIZE = 16
 GENERATE_FIELDS = {"request_id", "input_ids", "tags", "sampling", "kv_transfer_params", "conversation_key", "retain"}
@@ -233,12 +234,6 @@ def _sse(obj: dict[str, Any]) -> bytes:
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": None}}, status_code=status)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServerThread:
