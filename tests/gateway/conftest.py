@@ -4,9 +4,11 @@ the gateway's view of it (tokenizer, chat template)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from gw_harness import Stack
 
 # Nothing may reach the Hugging Face hub from the tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,3 +30,13 @@ def hf_tokenizer(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture()
+def stack(tiny_model_dir: Path) -> Iterator[Stack]:
+    """The app tests' harness: fake workers and gateways started on loopback, all stopped after the test."""
+    s = Stack(tiny_model_dir)
+    try:
+        yield s
+    finally:
+        s.close()

@@ -4,7 +4,6 @@ in front of fake workers that speak docs/worker-api.md."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -18,15 +17,6 @@ from kvserving.gateway.tokenizer import TextTokenizer
 from kvserving.tags import decode_tag
 
 REPLY = "Hello from the fake worker, with several words."
-
-
-@pytest.fixture()
-def stack(tiny_model_dir: Path) -> Iterator[Stack]:
-    s = Stack(tiny_model_dir)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")

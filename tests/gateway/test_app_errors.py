@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -15,15 +14,6 @@ from gw_harness import MODEL, Stack
 from kvserving.gateway.tokenizer import TextTokenizer
 
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture()
-def stack(tiny_model_dir: Path) -> Iterator[Stack]:
-    s = Stack(tiny_model_dir)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def post(gw, body, *, path: str = CHAT, headers: dict | None = None) -> httpx.Response:  # type: ignore[no-untyped-def]

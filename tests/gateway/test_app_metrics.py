@@ -4,8 +4,6 @@ type, and the counters move by what happened."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -14,15 +12,6 @@ from gw_harness import MODEL, Stack
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserving.operator.dashboard import DASHBOARD_METRICS
-
-
-@pytest.fixture()
-def stack(tiny_model_dir: Path) -> Iterator[Stack]:
-    s = Stack(tiny_model_dir)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def families(url: str) -> dict[str, str]:

@@ -5,7 +5,6 @@ lease heartbeats, releases and expiries."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -17,15 +16,6 @@ from kvserving.config import ReuseConfig
 from kvserving.gateway.tokenizer import TextTokenizer
 
 SYSTEM = {"role": "system", "content": "You are a careful coding agent working in a repository. " * 4}
-
-
-@pytest.fixture()
-def stack(tiny_model_dir: Path) -> Iterator[Stack]:
-    s = Stack(tiny_model_dir)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")
