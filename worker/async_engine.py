@@ -158,13 +158,16 @@ class AsyncEngine:
         tags: Seq[int] | None = None,
         retain: RetainSpec | None = None,
         pin_lease: str | None = None,
+        output_ids: Seq[int] = (),
     ) -> None:
         """Queue a reserved request on the engine; the engine's ``ValueError`` (nothing queued)
         reaches the caller and releases the id."""
         rid = stream.request_id
         try:
             await self.call(
-                lambda e: e.add_request(rid, prompt_ids, params, tags=tags, retain=retain, pin_lease=pin_lease)
+                lambda e: e.add_request(
+                    rid, prompt_ids, params, tags=tags, retain=retain, pin_lease=pin_lease, output_ids=output_ids
+                )
             )
         except BaseException:
             stream.finished = True  # never added: nothing to abort

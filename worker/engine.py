@@ -140,12 +140,17 @@ class LLMEngine:
         tags: Seq[int] | None = None,
         retain: RetainSpec | None = None,
         pin_lease: str | None = None,
+        output_ids: Seq[int] = (),
     ) -> None:
         """Queue a request; raises ValueError (and queues nothing) on bad input.
 
         ``retain``: when it finishes, its full pages stay pinned under that lease
         (``RequestOutput.retained``). ``pin_lease``: the lease holding pages pulled
         for it (``KVTransfer.pull``), released once it is admitted.
+        ``output_ids``: tokens already generated for this request elsewhere (the
+        prefill worker samples the first token and the gateway streams it at
+        once): their KV is computed with the prompt, they count toward
+        ``max_tokens``, and sampling continues after them.
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -168,13 +173,22 @@ class LLMEngine:
                 raise ValueError(f"tags has {len(tag_list)} entries for {len(prompt)} input tokens")
             if any(not 0 <= t < NUM_TAGS for t in tag_list):
                 raise ValueError(f"tags must be in 0..{NUM_TAGS - 1}")
+        generated = [int(t) for t in output_ids]
+        bad = [t for t in generated if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"output_ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if len(generated) >= params.max_tokens or len(prompt) + len(generated) >= self.max_model_len:
+            raise ValueError(
+                f"{len(generated)} output_ids already reach max_tokens {params.max_tokens} "
+                f"or the context length {self.max_model_len}: nothing is left to generate"
+            )
         total = min(len(prompt) + params.max_tokens, self.max_model_len)
         # Worst case every page is 4-bit (decode-generated tokens always are).
         if total > self.kv_cache.capacity_tokens_at(0.0):
             raise ValueError(
                 f"request needs {total} tokens of KV but the pool holds {self.kv_cache.capacity_tokens_at(0.0)} at 4 bits"
             )
-        seq = Sequence(request_id, prompt, params, make_generator(params.seed), tags=tag_list)
+        seq = Sequence(request_id, prompt, params, make_generator(params.seed), tags=tag_list, output_ids=generated)
         seq.retain, seq.pin_lease = retain, pin_lease
         self.requests[request_id] = seq
         self.scheduler.add(seq)

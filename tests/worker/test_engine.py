@@ -188,3 +188,46 @@ def test_stop_tokens_and_seeded_sampling(tiny_model_dir: Path) -> None:
     assert a == b  # same seed, same stream
     other = engine.generate([p], SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=8, ignore_eos=True))[0]
     assert other != a
+
+
+# A request that arrives with tokens already generated (``output_ids``: the prefill
+# worker sampled the first token and the gateway streamed it) continues exactly
+# where a single worker would have, counts them toward max_tokens, and refuses ids
+# that leave nothing to generate.
+
+
+def run_with_output_ids(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, output_ids: tuple[int, ...] = ()) -> tuple[list[int], int]:
+    engine.add_request(rid, prompt, params, output_ids=output_ids)
+    tokens: list[int] = []
+    num_output = -1
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+                if out.finished:
+                    num_output = out.num_output_tokens
+    return tokens, num_output
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "nvfp4", "triaxial"])
+def test_greedy_continuation_after_given_first_token_equals_one_worker(tiny_model_dir: Path, dtype: str) -> None:
+    engine = make_engine(tiny_model_dir, dtype, chunk=32)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(10, engine.vocab_size, (70,), generator=g).tolist()
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    full, n_full = run_with_output_ids(engine, "full", prompt, greedy)
+    assert (len(full), n_full) == (12, 12)
+    # A second engine (no prefix cache shared): prompt + the first token as output_ids.
+    other = make_engine(tiny_model_dir, dtype, chunk=32)
+    rest, n_rest = run_with_output_ids(other, "rest", prompt, greedy, output_ids=tuple(full[:1]))
+    assert rest == full[1:]  # the given token is not streamed again
+    assert n_rest == 12  # usage counts it: max_tokens covers the whole reply
+
+
+def test_output_ids_that_leave_nothing_to_generate_are_refused(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir)
+    with pytest.raises(ValueError, match="output_ids already reach max_tokens 1"):
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1), output_ids=[9])
+    with pytest.raises(ValueError, match="output_ids outside the vocabulary"):
+        engine.add_request("b", [5, 6, 7], SamplingParams(max_tokens=4), output_ids=[engine.vocab_size])
+    assert not engine.has_unfinished()
