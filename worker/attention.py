@@ -49,6 +49,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None = None  # int32 [B]
     num_int2_pages: torch.Tensor | None = None  # int32 [B] (triaxial)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Every row is one decode token, rows in batch order (write_* and the decode fields cover all rows,
+    # decode_rows is unused): the shape CUDA graphs capture, with no indexing by rows.
+    all_decode: bool = False
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, sm_scale: float) -> torch.Tensor:
@@ -82,6 +85,12 @@ class PagedAttention:
         if meta is None:
             raise RuntimeError("PagedAttention called without metadata for the step")
         st = self.storage
+        if meta.all_decode:
+            assert meta.page_table is not None and meta.seq_lens is not None
+            st.write(layer, k, v, meta.write_pages, meta.write_slots)
+            return st.decode(
+                layer, q, meta.page_table, meta.seq_lens, sm_scale=self.sm_scale, num_int2_pages=meta.num_int2_pages,
+            ).to(q.dtype)  # fmt: skip
         # 1. quantize-on-write
         if meta.write_rows.numel():
             rows = meta.write_rows
