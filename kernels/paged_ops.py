@@ -1,6 +1,6 @@
 """The one dispatch point for paged-KV ops: torch reference, Triton ``tl`` kernels or the Gluon decode.
 
-The engine calls only these four functions, each with one layer's ``PagedKV``.
+The engine calls only these five functions, each with one layer's ``PagedKV``.
 Each validates its arguments (paged_ref.check_*) and then runs one backend:
 
 - ``backend=None`` (default): ``options.backend`` if set, else ``"triton"`` when
@@ -10,7 +10,10 @@ Each validates its arguments (paged_ref.check_*) and then runs one backend:
 - decode on the Triton backend: the Gluon kernel (gluon_decode.py) where
   ``gluon_decode.supported`` holds and ``options.decode_kernel`` allows it,
   else the ``tl`` kernel (triton_decode.py). Nothing below this module
-  dispatches again.
+  dispatches again;
+- extend (a chunk after a cached prefix) on the Triton backend: the paged
+  prefill kernel (triton_prefill.py), which reads the packed prefix pages
+  itself; the reference dequantizes the prefix and attends with SDPA.
 
 ``options`` (kernels/options.py) carries the environment overrides; a caller
 that passes none gets ``KernelOptions.from_env()``, read here and nowhere else.
@@ -162,3 +165,28 @@ def gather_kv(
     from . import triton_gather
 
     triton_gather.gather_kv(kv, page_ids, num_tokens, out_k, out_v)
+
+
+def extend_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv: PagedKV,
+    prefix_pages: Tensor,
+    prefix_len: int,
+    *,
+    sm_scale: float,
+    backend: str | None = None,
+    check_values: bool | None = None,
+    options: KernelOptions | None = None,
+) -> Tensor:
+    """Extend: chunk ``q: [n, Hq, D]`` (k, v: [n, H, D]) after ``prefix_len`` cached tokens of ``prefix_pages``,
+    causal over the chunk -> [n, Hq, D] in q.dtype."""
+    opts = _options(options)
+    if _backend(kv, backend, opts) == "reference":
+        return paged_ref.extend_attention(q, k, v, kv, prefix_pages, prefix_len, sm_scale=sm_scale)
+    paged_ref.check_extend(q, k, v, kv, prefix_pages, prefix_len, values=_values(kv, check_values, opts))
+    from . import triton_prefill
+
+    fast = opts.fast_decoders(q.device)
+    return triton_prefill.extend_attention(q, k, v, kv, prefix_pages, prefix_len, sm_scale=sm_scale, fast=fast)

@@ -22,6 +22,7 @@ the host, so the dispatcher runs them only on CPU tensors unless asked to.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .fp8 import dequantize_fp8, quantize_fp8
@@ -148,6 +149,23 @@ def check_gather(kv: PagedKV, page_ids: Tensor, num_tokens: int, out_k: Tensor, 
     if values and num_tokens:
         used = (num_tokens + layout.page_size - 1) // layout.page_size
         check_page_ids(page_ids[:used], kv)
+
+
+def check_extend(q: Tensor, k: Tensor, v: Tensor, kv: PagedKV, prefix_pages: Tensor, prefix_len: int, *, values: bool) -> None:
+    """Validate extend arguments: a chunk ``q: [n, Hq, D]``, ``k, v: [n, H, D]`` after ``prefix_len`` cached tokens."""
+    layout = kv.layout
+    _need(q.dim() == 3 and k.dim() == 3, f"q must be [n, Hq, D] and k [n, H, D], got {list(q.shape)}, {list(k.shape)}")
+    _check_floats(kv, q=q, k=k, v=v)
+    n, hq, d = q.shape
+    _need(tuple(k.shape) == (n, layout.kv_heads, layout.head_dim), f"k must be [{n}, {layout.kv_heads}, {layout.head_dim}], got {list(k.shape)}")
+    _need(v.shape == k.shape and v.dtype == k.dtype, f"v {v.dtype} {list(v.shape)} must match k {k.dtype} {list(k.shape)}")
+    _need(d == layout.head_dim and hq % layout.kv_heads == 0, f"q [n, Hq, D] = {list(q.shape)}: D must be {layout.head_dim}, Hq a multiple of {layout.kv_heads}")
+    _need(prefix_pages.dim() == 1, f"prefix_pages must be [N], got {list(prefix_pages.shape)}")
+    _check_index(prefix_pages, "prefix_pages", (prefix_pages.shape[0],), kv.buffer.device)
+    cap = prefix_pages.shape[0] * layout.page_size
+    _need(0 <= prefix_len <= cap, f"prefix_len={prefix_len} does not fit {prefix_pages.shape[0]} pages of {layout.page_size}")
+    if values and prefix_len:
+        check_page_ids(prefix_pages[: (prefix_len + layout.page_size - 1) // layout.page_size], kv)
 
 
 # ----------------------------------------------------------------------------
@@ -292,3 +310,23 @@ def decode_attention(
         probs = torch.softmax(scores, dim=-1)
         out[i] = torch.einsum("hgn,nhd->hgd", probs, v).reshape(hq, d).to(q.dtype)
     return out
+
+
+def extend_attention(q: Tensor, k: Tensor, v: Tensor, kv: PagedKV, prefix_pages: Tensor, prefix_len: int, *, sm_scale: float) -> Tensor:
+    """Extend (chunked prefill): a chunk of n new tokens after ``prefix_len`` cached ones -> [n, Hq, D] in q.dtype.
+
+    ``q: [n, Hq, D]`` at positions prefix_len.., ``k, v: [n, H, D]`` the chunk's own (unquantized) K/V;
+    ``prefix_pages`` lists the cached pages in token order (INT2 and INT4 pages mixed, as the ids say).
+    Dequantize-then-attend: the prefix in q's dtype, the chunk appended, causal SDPA (what the engine ran
+    before the paged prefill kernel, kernels/triton_prefill.py, and what that kernel is held to).
+    """
+    check_extend(q, k, v, kv, prefix_pages, prefix_len, values=True)
+    n = q.shape[0]
+    used = (prefix_len + kv.layout.page_size - 1) // kv.layout.page_size
+    pk, pv = _dequant_tokens(kv, prefix_pages[:used], prefix_len, q.dtype)
+    keys = torch.cat([pk, k.to(q.dtype)]).transpose(0, 1)  # [H, L + n, D]
+    vals = torch.cat([pv, v.to(q.dtype)]).transpose(0, 1)
+    q_pos = torch.arange(prefix_len, prefix_len + n, device=q.device)
+    mask = torch.arange(prefix_len + n, device=q.device)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, attn_mask=mask, scale=sm_scale, enable_gqa=True)
+    return out.transpose(0, 1)
