@@ -40,6 +40,7 @@ class KVStats:
     prompt_tokens_computed: int
     decode_tokens: int
     preemptions: int
+    evicted_pages: int  # cached pages evicted to make room, since start
     capacity_tokens: int  # triaxial: at the expected INT2 share (KVCache.capacity_tokens)
 
     def to_dict(self) -> dict[str, Any]:
@@ -82,6 +83,7 @@ def collect(engine: LLMEngine) -> KVStats:
         prompt_tokens_computed=stats.prompt_tokens_computed,
         decode_tokens=stats.decode_tokens,
         preemptions=stats.preemptions,
+        evicted_pages=pool.evicted_pages,
         capacity_tokens=engine.capacity_tokens,
     )
 

@@ -171,6 +171,7 @@ class PagePoolBase:
         self._by_hash: dict[int, int] = {}  # page hash -> page id
         self._leases: dict[str, Lease] = {}
         self._regions: tuple[_Region, ...] = ()
+        self.evicted_pages = 0  # cached pages forgotten to make room, ever (a counter)
 
     chain_hashes = staticmethod(chain_hashes)
 
@@ -280,6 +281,7 @@ class PagePoolBase:
         self._region_of(page_id).lru.pop(page_id)
         assert page.hash is not None and page.ref_count == 0
         del self._by_hash[page.hash]
+        self.evicted_pages += 1
 
     def _fill(self, region: _Region, n: int, room: int) -> list[int]:
         """Up to ``n`` page ids of ``region``: free slots (lowest first), then up to ``room``

@@ -205,13 +205,16 @@ def test_lru_eviction_order_under_pressure() -> None:
     assert pool.cached_page_ids() == [1, 3, 2, 0]
     assert pool.page(0).last_used == 102.0
     # pressure: evict LRU first, hashes leave the map
+    assert pool.evicted_pages == 0
     assert pool.allocate([4] * 2) == [1, 3]
     assert pool.lookup(11) is None and pool.lookup(21) is None
+    assert pool.evicted_pages == 2
     assert pool.cached_page_ids() == [2, 0]
     assert refs(pool) == [0, 1, 0, 1]
     assert pool.allocate([4] * 3) is None  # all-or-nothing: nothing evicted
     assert pool.cached_page_ids() == [2, 0]
     assert pool.allocate([4] * 1) == [2]
+    assert pool.evicted_pages == 3  # the refused allocation evicted nothing
     assert pool.match_prefix([10, 11]) == [0]
     assert pool.num_free == 0 and pool.allocate([4] * 1) is None
 
