@@ -7,12 +7,13 @@ For each layer of one batched forward step:
 2. decode rows (one new token after a cached prefix) attend over the paged
    pool through the fused decode op;
 3. initial prefill chunks (start 0) attend on the fresh, unquantized K/V;
-4. extend chunks (start > 0) dequantize the cached prefix into one workspace
-   shared by every layer, append the fresh chunk, and attend there.
+4. extend chunks (start > 0) attend over the packed cached prefix and the
+   fresh chunk through ``paged_ops.extend_attention`` (on a GPU the paged
+   prefill kernel dequantizes pages in registers: no workspace pass).
 
-Cost of the extend path per chunk and layer: a dequantize pass over the whole
-cached prefix (``start`` tokens), so chunked prefill of a context of C tokens
-in chunks of c reads O(C^2 / c) KV bytes in total; larger chunks amortize it.
+Cost of the extend path per chunk and layer: one read of the cached prefix's
+packed pages (``start`` tokens) per block of chunk tokens, which the L2 mostly
+serves; the arithmetic (chunk x prefix) dominates.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserving.kernels import paged_ops
 from kvserving.worker.kv_storage import KVStorage
 
 
@@ -69,15 +71,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_off
 
 
 class PagedAttention:
-    """AttentionOp of the model code, bound to one engine's storage and workspace."""
+    """AttentionOp of the model code, bound to one engine's storage."""
 
     def __init__(self, storage: KVStorage, *, head_dim: int, workspace_tokens: int, dtype: torch.dtype) -> None:
         self.storage = storage
         self.sm_scale = 1.0 / math.sqrt(head_dim)
-        h = storage.shape.num_kv_heads
-        # One workspace for the extend path, allocated once and reused by every layer.
-        self.ws_k = torch.empty(workspace_tokens, h, head_dim, dtype=dtype, device=storage.device)
-        self.ws_v = torch.empty_like(self.ws_k)
+        # No dequantize workspace any more (the extend path reads the pages): only its bound on a sequence.
+        self.max_tokens = workspace_tokens
         self.meta: AttentionMetadata | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -116,12 +116,11 @@ class PagedAttention:
             if s == 0:
                 out[r : r + n] = causal_attention(q[r : r + n], k[r : r + n], v[r : r + n], q_offset=0, sm_scale=self.sm_scale)
                 continue
-            if s + n > self.ws_k.shape[0]:
-                raise ValueError(f"extend of {s + n} tokens exceeds the workspace ({self.ws_k.shape[0]})")
-            st.gather(layer, span.prefix_pages, s, self.ws_k, self.ws_v)
-            self.ws_k[s : s + n] = k[r : r + n]
-            self.ws_v[s : s + n] = v[r : r + n]
-            out[r : r + n] = causal_attention(
-                q[r : r + n], self.ws_k[: s + n], self.ws_v[: s + n], q_offset=s, sm_scale=self.sm_scale
+            if s + n > self.max_tokens:
+                raise ValueError(f"extend of {s + n} tokens exceeds the engine's max_model_len ({self.max_tokens})")
+            # the paged prefill kernel reads the packed prefix itself (GPU); the reference dequantizes it (CPU)
+            out[r : r + n] = paged_ops.extend_attention(
+                q[r : r + n], k[r : r + n], v[r : r + n], st.layer(layer), span.prefix_pages, s,
+                sm_scale=self.sm_scale, options=st.options,
             )
         return out
