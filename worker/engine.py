@@ -22,10 +22,10 @@ from kvserving.worker.kv_manager import KVCacheManager
 from kvserving.worker.kv_scales import CALIBRATION_TOKENS, calibration_ids, measure_kv_amax, scales_from_amax
 from kvserving.worker.kv_storage import KVShape, KVStorage
 from kvserving.worker.leases import RetainedKV, RetainSpec, release_pin, retain_pages
-from kvserving.worker.model import load_model
+from kvserving.worker.model import DecoderModel, ModelArgs, load_model
 from kvserving.worker.model_runner import ModelRunner
 from kvserving.worker.page_pool import PagePoolBase
-from kvserving.worker.sampling import SamplingParams, make_generator, sample_one
+from kvserving.worker.sampling import SamplingParams, make_generator, sample_tokens
 from kvserving.worker.scheduler import Scheduler
 from kvserving.worker.sequence import Sequence
 
@@ -64,15 +64,23 @@ class LLMEngine:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         bits_table: Seq[int] | None = None,
+        enforce_eager: bool = False,
+        model: tuple[ModelArgs, DecoderModel] | None = None,
     ) -> None:
         """Load the model and build the KV cache, scheduler and runner that ``config`` asks for.
 
         ``bits_table`` (triaxial only) overrides the table derived from ``kv_cache.bit_budget``.
+        ``enforce_eager``: no CUDA graphs for decode steps (they are on by default on CUDA,
+        never on CPU). ``model``: an already built model on ``device`` in ``dtype`` instead of
+        loading ``config.model`` (benchmarks with generated weights).
         """
         self.config = config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.args, self.model = load_model(resolve_model_dir(config.model), dtype=self.dtype, device=self.device)
+        if model is None:
+            self.args, self.model = load_model(resolve_model_dir(config.model), dtype=self.dtype, device=self.device)
+        else:
+            self.args, self.model = model
         args = self.args
         self.vocab_size = args.vocab_size
         self.max_model_len = min(config.model.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
@@ -92,7 +100,10 @@ class LLMEngine:
         logger.info("%s", self.kv_cache.describe())
         self.scheduler = Scheduler(config.scheduler, self.kv_cache.manager)
         self.attention = PagedAttention(self.storage, head_dim=args.head_dim, workspace_tokens=self.max_model_len, dtype=self.dtype)
-        self.runner = ModelRunner(self.model, self.attention, device=self.device)
+        self.runner = ModelRunner(
+            self.model, self.attention, device=self.device, use_graphs=self.device.type == "cuda" and not enforce_eager,
+            max_batch=config.scheduler.max_num_seqs, max_model_len=self.max_model_len, pool=self.pool,
+        )
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         if config.kv_cache.global_scale == "calibrated":
@@ -188,7 +199,8 @@ class LLMEngine:
             raise ValueError(
                 f"request needs {total} tokens of KV but the pool holds {self.kv_cache.capacity_tokens_at(0.0)} at 4 bits"
             )
-        seq = Sequence(request_id, prompt, params, make_generator(params.seed), tags=tag_list, output_ids=generated)
+        gen = make_generator(params.seed, device=self.device)
+        seq = Sequence(request_id, prompt, params, gen, tags=tag_list, output_ids=generated)
         seq.retain, seq.pin_lease = retain, pin_lease
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -227,6 +239,9 @@ class LLMEngine:
                 c.seq.pin_lease = None
         t0 = time.perf_counter()
         logits = self.runner.execute(plan.chunks)
+        sampling = [c.seq for c in plan.chunks if c.samples]
+        # sampled where the logits are: one token id per sequence comes back (the step's only device sync)
+        tokens = sample_tokens(logits, [s.params for s in sampling], [s.generator for s in sampling]).tolist() if sampling else []
         prompt_share = sum(c.num_tokens for c in plan.chunks if c.start < len(c.seq.prompt_ids)) / max(1, plan.num_tokens)
         self.stats.prefill_seconds += (time.perf_counter() - t0) * prompt_share
         self.stats.steps += 1
@@ -244,7 +259,7 @@ class LLMEngine:
                 continue
             if self.capture_logits is not None:
                 self.capture_logits.setdefault(seq.request_id, []).append(logits[i].clone())
-            token = sample_one(logits[i], seq.params, seq.generator)
+            token = tokens[i]
             i += 1
             seq.output_ids.append(token)
             reason = self._finish_reason(seq, token)

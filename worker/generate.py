@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="sampling seed")
     parser.add_argument("--kv-bytes", type=int_in(1), default=None, help="KV pool budget in bytes (default: the config's memory fraction)")
     parser.add_argument("--chunk-size", type=int_in(1), default=512, help="prompt tokens per sequence per step (chunked prefill)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (on CPU there are none)")
 
 
 def check_model_dir(model_dir: Path) -> None:
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    engine = LLMEngine(config)
+    engine = LLMEngine(config, enforce_eager=args.enforce_eager)
     ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
     longest = max(len(i) for i in ids)
     if longest + args.max_tokens > engine.max_model_len:

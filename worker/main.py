@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import socket
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-period-s", type=float_in(0.0, 3600.0), default=25.0,
                         help="on SIGTERM, how long requests in flight may run before they are aborted")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (on CPU there are none)")
 
 
 def resolve_model(config: ServingConfig, model: Path | None) -> ServingConfig:
@@ -86,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
 
     async def startup() -> None:
         try:
-            engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, config)
+            engine = await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(LLMEngine, config, enforce_eager=args.enforce_eager)
+            )
             await service.start(engine)
         except Exception as exc:  # a model that cannot load ends the process with one line
             log.error("could not start the engine: %s", " ".join(str(exc).split()) or type(exc).__name__)

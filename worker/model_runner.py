@@ -1,4 +1,9 @@
-"""Turns a scheduler step into one batched forward pass and the logits to sample from."""
+"""Turns a scheduler step into one batched forward pass and the logits to sample from.
+
+Decode steps replay CUDA graphs when the runner has them (``cuda_graphs.py``:
+on CUDA unless the engine enforces eager mode); prefill and mixed steps, and
+every step on CPU, run eagerly.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +11,46 @@ import torch
 
 from kvserving.kernels.page_ids import is_int2
 from kvserving.worker.attention import AttentionMetadata, PagedAttention, PrefillSpan
+from kvserving.worker.cuda_graphs import DecodeGraphs, table_width
 from kvserving.worker.model import DecoderModel
+from kvserving.worker.page_pool import PagePoolBase
 from kvserving.worker.precision import order_pages_int2_first
 from kvserving.worker.sequence import ScheduledChunk
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, attention: PagedAttention, *, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        attention: PagedAttention,
+        *,
+        device: torch.device,
+        use_graphs: bool = False,
+        max_batch: int = 256,
+        max_model_len: int | None = None,
+        pool: PagePoolBase | None = None,
+    ) -> None:
+        """``use_graphs`` (CUDA only) needs ``pool``: one of its pages is kept for the padding rows of graphs."""
         self.model = model
         self.attention = attention
         self.page_size = attention.storage.page_size
         # Decode gets per-row INT2 page counts exactly when the storage has INT2 pages.
         self.has_int2 = attention.storage.triaxial
         self.device = device
+        max_len = max_model_len or model.args.max_position_embeddings
+        self.max_pages = -(-max_len // self.page_size)
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            if device.type != "cuda":
+                raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+            if pool is None:
+                raise ValueError("CUDA graphs need the page pool (a page for padding rows)")
+            pad = pool.allocate([4])
+            if pad is None:
+                raise ValueError("the KV pool has no page to spare for CUDA-graph padding rows")
+            self.graphs = DecodeGraphs(
+                model, attention, device=device, max_batch=max_batch, max_pages=self.max_pages, pad_page=pad[0]
+            )
 
     def _metadata(self, chunks: list[ScheduledChunk]) -> AttentionMetadata:
         p = self.page_size
@@ -69,7 +101,8 @@ class ModelRunner:
             prefills=prefills,
         )
         if decode_rows:
-            width = max(len(x) for x in decode_tables)
+            # the width CUDA graphs use for these rows: eager and graph steps plan the same decode splits
+            width = table_width(max(len(x) for x in decode_tables), self.max_pages)
             meta.decode_rows = t(decode_rows, torch.long)
             padded = [x + [0] * (width - len(x)) for x in decode_tables]
             meta.page_table = torch.tensor(padded, dtype=torch.int32, device=self.device)
@@ -80,7 +113,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run the step; returns fp32 logits [num sampling chunks, vocab], in chunk order."""
+        """Run the step; returns fp32 logits [num sampling chunks, vocab] on the device, in chunk order."""
+        if self.graphs is not None:
+            logits = self.graphs.run(chunks)
+            if logits is not None:
+                return logits
         ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []
@@ -90,6 +127,8 @@ class ModelRunner:
             if c.samples:
                 last_rows.append(len(ids) - 1)
         self.attention.meta = self._metadata(chunks)
+        # every index tensor is on the device before the forward starts (no copy waits for it)
+        last = torch.tensor(last_rows, dtype=torch.long, device=self.device)
         try:
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.long, device=self.device),
@@ -100,4 +139,4 @@ class ModelRunner:
             self.attention.meta = None
         if not last_rows:
             return torch.empty(0, 0)
-        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)]).float()
+        return self.model.compute_logits(hidden[last]).float()

@@ -1,8 +1,18 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeds, stops."""
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeds, stops.
+
+``sample_tokens`` samples a whole step's rows where the logits are (the GPU in
+serving): the logits never leave the device, one token id per row does.
+``sample_one`` is the one-row reference it is tested against: on CPU both give
+the same tokens for the same logits and seeds, because ``sample_tokens`` does
+the same float operations row by row and draws as ``torch.multinomial`` does
+for one sample (``argmax(p / q)``, ``q ~ Exp(1)`` from the row's generator),
+without multinomial's host-side validity checks (two device syncs per row).
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -37,8 +47,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    gen = torch.Generator(device="cpu")
+def make_generator(seed: int | None, *, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own random stream on ``device`` (where its logits are sampled)."""
+    gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
     return gen
 
@@ -60,3 +71,49 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         probs = probs / probs.sum()
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def sample_tokens(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``logits`` [N, vocab] (fp32, any device) -> long [N] on that device.
+
+    Greedy rows take the argmax; the others are scaled by their temperature,
+    cut to their top-k and top-p, and drawn from their own generator (which must
+    live on the logits' device). Row-wise the same float operations as
+    ``sample_one``, batched over the rows that use each step.
+    """
+    n = logits.shape[0]
+    if len(params) != n or len(generators) != n:
+        raise ValueError(f"{n} rows of logits but {len(params)} params and {len(generators)} generators")
+    tokens = torch.argmax(logits, dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+    dev = logits.device
+    sel = [params[i] for i in rows]
+    index = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+    temps = torch.tensor([p.temperature for p in sel], dtype=torch.float32).to(dev, non_blocking=True)
+    scaled = logits.index_select(0, index).float() / temps[:, None]  # [R, vocab]
+    vocab = scaled.shape[1]
+    ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in sel]
+    if any(ks):
+        kth_at = torch.tensor([max(k, 1) - 1 for k in ks], dtype=torch.long).to(dev, non_blocking=True)
+        kth = torch.topk(scaled, max(ks), dim=-1).values.gather(1, kth_at[:, None])  # [R, 1]: each row's k-th largest
+        cut = torch.tensor([k > 0 for k in ks]).to(dev, non_blocking=True)
+        kth = torch.where(cut[:, None], kth, float("-inf"))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    nucleus = [r for r, p in enumerate(sel) if p.top_p < 1.0]
+    if nucleus:
+        at = torch.tensor(nucleus, dtype=torch.long).to(dev, non_blocking=True)
+        top_p = torch.tensor([sel[r].top_p for r in nucleus], dtype=torch.float32).to(dev, non_blocking=True)
+        sub = probs.index_select(0, at)
+        sorted_probs, order = torch.sort(sub, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p[:, None]
+        sub = torch.zeros_like(sub).scatter(1, order, sorted_probs * keep)
+        probs = probs.index_copy(0, at, sub / sub.sum(dim=-1, keepdim=True))
+    # torch.multinomial's one-sample draw: argmax(p / q) with q ~ Exp(1) from each row's generator
+    q = torch.empty_like(probs)
+    for r, i in enumerate(rows):
+        q[r].exponential_(1.0, generator=generators[i])
+    return tokens.index_copy(0, index, torch.argmax(probs / q, dim=-1))

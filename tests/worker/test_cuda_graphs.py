@@ -1,0 +1,81 @@
+"""CUDA graphs of decode steps: skipped cleanly on CPU; on a GPU, graphs on and off give the same tokens for
+every KV format (greedy and seeded sampling), and decode steps really replay graphs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
+from kvserving.worker.cuda_graphs import BATCH_BUCKETS, batch_bucket, table_width
+from kvserving.worker.engine import LLMEngine
+from kvserving.worker.model_runner import ModelRunner
+from kvserving.worker.sampling import SamplingParams
+
+
+def config(model_dir: Path, dtype: str) -> ServingConfig:
+    return ServingConfig(
+        model=ModelConfig(path=str(model_dir)),
+        kv_cache=KVCacheConfig(dtype=dtype, memory_bytes=64 << 20),
+        scheduler=SchedulerConfig(chunk_size=64),
+    )
+
+
+def test_buckets() -> None:
+    assert [batch_bucket(n, 256) for n in (1, 2, 3, 5, 64, 65, 256)] == [1, 2, 4, 8, 64, 128, 256]
+    assert batch_bucket(257, 256) is None and batch_bucket(9, 8) is None
+    assert BATCH_BUCKETS[-1] == 256
+    assert [table_width(n, 4096) for n in (1, 16, 17, 100, 4096)] == [16, 16, 32, 128, 4096]
+    assert table_width(3, 8) == 8 and table_width(300, 300) == 300 and table_width(33, 40) == 40
+
+
+def test_cpu_engine_has_no_graphs_and_still_decodes(tiny_model_dir: Path) -> None:
+    engine = LLMEngine(config(tiny_model_dir, "bf16"), device="cpu")
+    assert engine.runner.graphs is None
+    free = engine.pool.num_free  # no page is kept for padding rows on CPU
+    out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0]) == 4 and engine.pool.num_free == free
+
+
+def test_graphs_refused_off_cuda(tiny_model_dir: Path) -> None:
+    engine = LLMEngine(config(tiny_model_dir, "bf16"), device="cpu", enforce_eager=True)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        ModelRunner(engine.model, engine.attention, device=torch.device("cpu"), use_graphs=True, pool=engine.pool)
+
+
+def test_enforce_eager_flag_parses() -> None:
+    import argparse
+
+    from kvserving.worker import generate, main
+
+    for module in (generate, main):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        base = ["--model", "m", "--prompt", "x"] if module is generate else ["--role", "both"]
+        assert parser.parse_args(base).enforce_eager is False
+        assert parser.parse_args([*base, "--enforce-eager"]).enforce_eager is True
+
+
+def run(model_dir: Path, dtype: str, *, eager: bool) -> tuple[list[list[int]], LLMEngine]:
+    engine = LLMEngine(config(model_dir, dtype), device="cuda", enforce_eager=eager)
+    g = torch.Generator().manual_seed(5)
+    # 4 prompts: decode steps of 4 rows, then 3, 2, 1 as they finish (3 pads to the bucket of 4)
+    prompts = [torch.randint(10, engine.vocab_size, (n,), generator=g).tolist() for n in (9, 70, 200, 33)]
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    sampled = engine.generate(prompts[:3], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=40, seed=7, ignore_eos=True))
+    return greedy + sampled, engine
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "nvfp4", "triaxial"])
+def test_graphs_on_and_off_give_the_same_tokens(tiny_model_dir: Path, dtype: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    eager, eager_engine = run(tiny_model_dir, dtype, eager=True)
+    graphed, engine = run(tiny_model_dir, dtype, eager=False)
+    assert eager_engine.runner.graphs is None
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 20
+    assert {b for b, _ in engine.runner.graphs.graphs} >= {1, 2, 4}
+    assert graphed == eager
