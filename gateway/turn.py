@@ -2,10 +2,16 @@
 
     both worker:     POST /internal/generate (retain, conversation_key)      -> tokens
     prefill/decode:  prefill  (max_tokens 1, tags, kv_transfer_params = the
-                               conversation's lease params, if any)
+                               conversation's lease params, if any)          -> first token
                      decode   (kv_transfer_params = the prefill's params,
-                               conversation_key, retain)                     -> tokens
+                               output_ids = [first token],
+                               conversation_key, retain)                     -> the rest
     then:            the lease table records the decode's final params
+
+The prefill's first token reaches the client before the decode request starts,
+so time to first token is the prefill's alone. A seeded request that samples
+(temperature > 0) is the exception: its decode worker samples the whole reply,
+so the seed gives one token stream whatever the topology.
 
 ``Turns.start`` routes and returns a ``Turn`` or raises ``GatewayError`` (503
 with Retry-After when no healthy worker can take it). ``Turn.tokens()`` yields
@@ -73,14 +79,18 @@ class Turn:
     lease: Lease | None
     result: TurnResult | None = None
     _prefill_usage: dict[str, Any] = field(default_factory=dict)
+    # Set once the prefill answered: its kv_transfer_params and the reply tokens it
+    # sampled (already streamed), so a retried decode does not run the prefill again.
+    _prefilled: tuple[dict[str, Any] | None, list[int]] | None = None
 
     def ended_early(self) -> TurnResult:
         """The result of a turn the gateway stopped (a stop string) before the worker's final
         event: what the prefill computed is known (split turns), a both worker's is not."""
         prompt_tokens = len(self.request.input_ids)
         computed = int(self._prefill_usage.get("computed_prompt_tokens", prompt_tokens))
+        streamed = len(self._prefilled[1]) if self._prefilled is not None else 0
         return TurnResult(
-            finish_reason="stop", prompt_tokens=prompt_tokens, completion_tokens=0,
+            finish_reason="stop", prompt_tokens=prompt_tokens, completion_tokens=streamed,
             cached_tokens=max(0, prompt_tokens - computed),
             local_cached_tokens=int(self._prefill_usage.get("local_cached_tokens", 0)),
             remote_pulled_tokens=int(self._prefill_usage.get("remote_pulled_tokens", 0)),
@@ -147,8 +157,9 @@ class Turns:
         return decode, self.pool.workers[choice.url]
 
     async def _run(self, turn: Turn) -> AsyncGenerator[list[int], None]:
-        """The decode's tokens. A worker that cannot be reached before the first token is
-        taken out of the rotation and the turn is routed once more."""
+        """The reply's tokens. A worker that cannot be reached is taken out of the rotation
+        and the turn is routed once more: the whole turn before the first token, only
+        the decode after the prefill's first token was streamed."""
         key = turn.request.conversation_key
         if key is not None:
             self.keeper.table.begin_turn(key, now=self.clock())
@@ -164,19 +175,45 @@ class Turns:
                     break
                 except UpstreamError as exc:
                     error = self._upstream(exc)
-                    if exc.kind != "connect" or yielded or attempt == 1:
+                    decode_only = turn._prefilled is not None and exc.url == turn.decode.url
+                    if exc.kind != "connect" or attempt == 1 or (yielded and not decode_only):
                         raise error from exc
-                    turn.decode, turn.prefill = self._route(turn.request, turn.lease)
+                    decode, prefill = self._route(turn.request, turn.lease)
+                    if decode_only:
+                        turn.decode = decode
+                    else:
+                        turn.decode, turn.prefill = decode, prefill
                     self.metrics.route("retry", exc.kind)
         finally:
             if key is not None:
                 await self.keeper.record(key, worker_url=turn.decode.url, params=final.get("kv_transfer_params"))
 
+    def _first_token_from_prefill(self, sampling: dict[str, Any]) -> bool:
+        """Whether the prefill's sampled token opens the reply (see the module docstring)."""
+        return sampling.get("seed") is None or float(sampling.get("temperature", 1.0)) == 0.0
+
     async def _attempt(self, turn: Turn, final: dict[str, Any]) -> AsyncGenerator[list[int], None]:
         request = turn.request
         pull_params = turn.lease.params if turn.lease is not None and self.bidirectional else None
+        first: list[int] = []
         if turn.prefill is not None:
-            pull_params = await self._prefill(turn, pull_params)
+            if turn._prefilled is None:
+                prefill_final = await self._prefill(turn, pull_params)
+                params = prefill_final.get("kv_transfer_params")
+                sampled = list(prefill_final.get("output_ids") or [])
+                if not self._first_token_from_prefill(request.sampling):
+                    sampled = []
+                turn._prefilled = (params, sampled)
+                if sampled:
+                    yield sampled
+                    if prefill_final.get("finish_reason") != "length" or int(request.sampling.get("max_tokens", 1)) <= 1:
+                        # The reply ended with its first token (an end-of-sequence or stop
+                        # token, or max_tokens 1): no decode request. The prefill's pages
+                        # are under a short transfer hold, not a conversation lease.
+                        final.update(prefill_final, kv_transfer_params=None)
+                        turn.result = self._result(turn, prefill_final, prefill_only=True)
+                        return
+            pull_params, first = turn._prefilled
         elif turn.lease is not None and turn.lease.worker_url == turn.decode.url:
             pull_params = None  # a both worker finds its own retained KV in its prefix cache
         body = {
@@ -187,6 +224,8 @@ class Turns:
             "conversation_key": request.conversation_key,
             "retain": request.conversation_key is not None and self.bidirectional,
         }
+        if first:
+            body["output_ids"] = first
         if request.tags is not None:
             body["tags"] = request.tags
         async with aclosing(self._stream(turn.decode, body)) as events:
@@ -199,7 +238,8 @@ class Turns:
         if turn.result is None:
             raise UpstreamError("stream", "worker ended the stream without a final event", url=turn.decode.url)
 
-    async def _prefill(self, turn: Turn, lease_params: dict[str, Any] | None) -> dict[str, Any] | None:
+    async def _prefill(self, turn: Turn, lease_params: dict[str, Any] | None) -> dict[str, Any]:
+        """The prefill's final event, with the token ids it streamed under ``output_ids``."""
         assert turn.prefill is not None
         request = turn.request
         sampling = dict(request.sampling, max_tokens=1)
@@ -213,13 +253,19 @@ class Turns:
         }
         if request.tags is not None:
             body["tags"] = request.tags
-        params: dict[str, Any] | None = None
+        sampled: list[int] = []
+        final: dict[str, Any] = {}
         async with aclosing(self._stream(turn.prefill, body)) as events:
             async for event in events:
                 if "finish_reason" in event:
                     turn._prefill_usage = dict(event.get("usage") or {})
-                    params = event.get("kv_transfer_params")
-        return params
+                    final = dict(event)
+                elif event.get("token_ids"):
+                    sampled += event["token_ids"]
+        if not final:
+            raise UpstreamError("stream", "prefill worker ended the stream without a final event", url=turn.prefill.url)
+        final["output_ids"] = sampled
+        return final
 
     async def _stream(self, worker: WorkerState, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         worker.inflight += 1
@@ -240,9 +286,9 @@ class Turns:
             return upstream_error(exc.message, status=504, code="upstream_timeout")
         return upstream_error(exc.message)
 
-    def _result(self, turn: Turn, final: dict[str, Any]) -> TurnResult:
+    def _result(self, turn: Turn, final: dict[str, Any], *, prefill_only: bool = False) -> TurnResult:
         decode_usage = final.get("usage") or {}
-        source = turn._prefill_usage if turn.prefill is not None else decode_usage
+        source = turn._prefill_usage if turn.prefill is not None and not prefill_only else decode_usage
         prompt_tokens = int(decode_usage.get("prompt_tokens", len(turn.request.input_ids)))
         computed = int(source.get("computed_prompt_tokens", prompt_tokens))
         local = int(source.get("local_cached_tokens", 0))

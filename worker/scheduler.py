@@ -85,8 +85,8 @@ class Scheduler:
             hit = self.kv.match_prefix(seq) if use_prefix else 0
             n = self._chunk_len(seq, budget)
             if n and self.kv.allocate_until(seq, seq.num_computed + n):
-                if seq.num_preemptions == 0 and not seq.output_ids:
-                    seq.num_cached_prompt = hit
+                if seq.num_preemptions == 0:  # first admission (output_ids may be given: the prefill's token)
+                    seq.num_cached_prompt = min(hit, len(seq.prompt_ids))
                 return n
             self.kv.free(seq)  # back to no pages, nothing computed
             if hit == 0:

@@ -155,7 +155,10 @@ class WorkerService:
             retain = None
             if kvt is not None and (self.role == "prefill" or body.retain):
                 retain = kvt.retain_spec(conversation_key=body.conversation_key)
-            await engine.start(stream, body.input_ids, params, tags=body.tags, retain=retain, pin_lease=pull.pin_lease)
+            await engine.start(
+                stream, body.input_ids, params, tags=body.tags, retain=retain, pin_lease=pull.pin_lease,
+                output_ids=body.output_ids,
+            )
         except BaseException:
             stream.finished = True
             stream.close()

@@ -68,6 +68,10 @@ class GenerateBody(_Body):
     kv_transfer_params: KVTransferParamsBody | None = None
     conversation_key: StrictStr | None = Field(default=None, min_length=1, max_length=512)
     retain: StrictBool = False
+    # Tokens of the reply already generated elsewhere (the prefill worker's first
+    # token, streamed to the client by the gateway): KV computed after input_ids,
+    # counted in completion_tokens and max_tokens, not streamed again.
+    output_ids: list[TokenId] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _one_tag_per_token(self) -> GenerateBody:

@@ -11,7 +11,8 @@ What it does, exactly:
   "pulls" the following pages whose hashes equal the params' (unexpired), which
   are ``remote_pulled_tokens``; the rest is ``computed_prompt_tokens``;
 - it answers ``reply_ids`` (cut at ``max_tokens``: ``length``; else ``stop``),
-  one token event each ``token_delay_s`` apart;
+  one token event each ``token_delay_s`` apart; a request with ``output_ids``
+  (the prefill's first token) continues after them;
 - a prefill-role fake holds the prompt's pages under a transfer lease; a
   decode/both fake with ``retain`` and a conversation key holds prompt +
   output under a retention lease (replacing the conversation's previous one);
@@ -40,7 +41,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from kvserving.stack import free_port
 
 PAGE_SIZE = 16
-GENERATE_FIELDS = {"request_id", "input_ids", "tags", "sampling", "kv_transfer_params", "conversation_key", "retain"}
+GENERATE_FIELDS = {"request_id", "input_ids", "tags", "sampling", "kv_transfer_params", "conversation_key", "retain", "output_ids"}
 
 
 def page_hashes(ids: list[int], *, page_size: int = PAGE_SIZE) -> list[int]:
@@ -194,7 +195,8 @@ class FakeWorker:
         finished = False
         try:
             usage, hashes = self._usage(ids, body.get("kv_transfer_params"))
-            out = self.reply_ids[:max_tokens]
+            given = list(body.get("output_ids") or [])  # the prefill's first token, already streamed
+            out = self.reply_ids[len(given) : max_tokens]
             for i, token in enumerate(out):
                 if self.fail_after_tokens is not None and i == self.fail_after_tokens:
                     finished = True
@@ -204,8 +206,8 @@ class FakeWorker:
                     await asyncio.sleep(self.token_delay_s)
                 yield _sse({"request_id": rid, "token_ids": [token]})
             reason = "length" if len(self.reply_ids) > max_tokens else "stop"
-            usage["completion_tokens"] = len(out)
-            params = self._keep(body, ids + out, hashes)
+            usage["completion_tokens"] = len(given) + len(out)
+            params = self._keep(body, ids + given + out, hashes)
             finished = True
             yield _sse({"request_id": rid, "token_ids": [], "finish_reason": reason, "usage": usage,
                         "kv_transfer_params": params})
