@@ -31,6 +31,7 @@ from .identity import ConversationIndex, explicit_identity
 from .metrics import GatewayMetrics
 from .output import OutputParser, StopMatcher
 from .tagger import ChatTagger, TaggedPrompt
+from .token_prefixes import TokenPrefixes
 from .tokenizer import TextTokenizer
 from .turn import Turn, TurnRequest, Turns
 
@@ -61,7 +62,7 @@ class ModelInfo:
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop_ids:
             stop_ids.append(tokenizer.eos_token_id)
         defaults = {k: generation[k] for k in ("temperature", "top_p", "top_k") if generation.get(k) is not None}
-        tagger = ChatTagger(tokenizer, ChatTemplate.from_dir(root))
+        tagger = ChatTagger(tokenizer, ChatTemplate.from_dir(root), prefixes=TokenPrefixes(tokenizer))
         return cls(name=served_name, max_model_len=context, tokenizer=tokenizer, tagger=tagger,
                    stop_token_ids=tuple(int(i) for i in stop_ids), defaults=defaults,
                    created=int(root.stat().st_mtime))

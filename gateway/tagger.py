@@ -71,6 +71,7 @@ from kvserving.tags import TEMPORAL, encode_tag
 from . import tag_markers, tag_spans
 from .chat_template import ChatTemplate, Message, normalize_messages, normalize_tools
 from .errors import GatewayError
+from .token_prefixes import TokenPrefixes
 from .tokenizer import TextTokenizer
 
 
@@ -104,9 +105,12 @@ class TaggedPrompt:
 class ChatTagger:
     """Render, tokenize and tag chat requests for one model."""
 
-    def __init__(self, tokenizer: TextTokenizer, template: ChatTemplate) -> None:
+    def __init__(self, tokenizer: TextTokenizer, template: ChatTemplate, *, prefixes: TokenPrefixes | None = None) -> None:
         self.tokenizer = tokenizer
         self.template = template
+        # Tokenized prefixes of recent prompts (token_prefixes.py): a turn tokenizes only its
+        # new text; ids and offsets are those of a full tokenization either way.
+        self.prefixes = prefixes
         self._control_ids = frozenset(tokenizer.added_tokens)
 
     def build(
@@ -121,7 +125,7 @@ class ChatTagger:
         msgs = normalize_messages(messages)
         tool_list = normalize_tools(tools)
         text = self.template.render(msgs, tools=tool_list, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
-        enc = self.tokenizer.encode(text)
+        enc = self.prefixes.encode(text) if self.prefixes is not None else self.tokenizer.encode(text)
         codec = tag_markers.pick_codec(text)
         if codec is None:  # the request itself uses every marker alphabet
             return self._coarse(text, enc.ids, enc.offsets)

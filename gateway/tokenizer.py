@@ -68,6 +68,11 @@ class TextTokenizer:
         return cls(Tokenizer.from_file(str(path)), config=config)
 
     @property
+    def backend(self) -> Tokenizer:
+        """The `tokenizers` object itself (token_prefixes reads its added tokens' flags)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 

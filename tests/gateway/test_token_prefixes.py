@@ -1,0 +1,187 @@
+"""Incremental tokenization (token_prefixes.py): a turn that reuses the previous
+turn's kept ids and tokenizes only its new text gets exactly the prompt of the
+full path — text, ids, tags, turn starts, method and character starts — on
+multi-turn agent conversations with tools, reasoning and images, on templates
+that keep or strip earlier turns; and the kept prefixes stay within bounds."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import AddedToken, Tokenizer
+
+from kvserving.gateway.chat_template import ChatTemplate
+from kvserving.gateway.tagger import ChatTagger
+from kvserving.gateway.token_prefixes import TokenPrefixes
+from kvserving.gateway.tokenizer import TextTokenizer
+
+TOOLS = [
+    {"type": "function", "function": {"name": "run_tests", "description": "Run the test suite",
+                                      "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                      "parameters": {"type": "object", "properties": {"name": {"type": "string"}}}}},
+]
+
+# Qwen3-style: reasoning of assistant turns before the last user message is dropped,
+# so an earlier prompt (which showed it) is no prefix of the next one.
+STRIPPING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}<|im_start|>assistant\n"
+    "{%- if loop.index0 > ns.last_user and m.reasoning_content -%}<think>\n{{ m.reasoning_content }}\n</think>\n\n{%- endif -%}"
+    "{{ m.content or '' }}<|im_end|>\n"
+    "{%- else -%}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+
+WORDS = ["open", "the", "file", "é", "日本", "😀", "run", "tests", "  ", "\n", "\n\n", "x=1;", "\u0338", "<", ">", "'s", "42"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> TextTokenizer:
+    return TextTokenizer.from_dir(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def template(tiny_model_dir: Path) -> ChatTemplate:
+    return ChatTemplate.from_dir(tiny_model_dir)
+
+
+def words(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(WORDS) + rng.choice(["", " "]) for _ in range(n))
+
+
+def agent_turns(rng: random.Random, turns: int) -> list[list[dict[str, Any]]]:
+    """The messages of each turn of a random agent conversation: user text and images,
+    assistant replies with reasoning (inline or as a field) and tool calls, tool results."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent. " + words(rng, 8)}]
+    out = []
+    for _ in range(turns):
+        if rng.random() < 0.3:
+            messages.append({"role": "user", "content": [{"type": "text", "text": words(rng, 6)},
+                                                         {"type": "image_url", "image_url": {"url": "data:x"}}]})
+        else:
+            messages.append({"role": "user", "content": words(rng, rng.randint(1, 12))})
+        out.append(copy.deepcopy(messages))
+        reply: dict[str, Any] = {"role": "assistant", "content": words(rng, rng.randint(0, 8))}
+        kind = rng.random()
+        if kind < 0.3:
+            reply["content"] = f"<think>\n{words(rng, 5)}\n</think>\n\n{reply['content']}"
+        elif kind < 0.5:
+            reply["reasoning_content"] = words(rng, 5)
+        if rng.random() < 0.5:
+            reply["tool_calls"] = [{"id": "c1", "type": "function",
+                                    "function": {"name": "run_tests", "arguments": '{"path": "t/' + str(rng.randint(0, 9)) + '"}'}}]
+            messages.append(reply)
+            messages.append({"role": "tool", "tool_call_id": "c1", "content": words(rng, rng.randint(1, 10))})
+            out.append(copy.deepcopy(messages))  # the agent's next request within the turn
+            messages.append({"role": "assistant", "content": words(rng, 4)})
+        else:
+            messages.append(reply)
+    return out
+
+
+def test_incremental_prompts_equal_the_full_path(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
+    full = ChatTagger(tokenizer, template)
+    prefixes = TokenPrefixes(tokenizer)
+    incremental = ChatTagger(tokenizer, template, prefixes=prefixes)
+    rng = random.Random(7)
+    requests = 0
+    for _ in range(12):
+        tools = TOOLS if rng.random() < 0.5 else None
+        for messages in agent_turns(rng, rng.randint(2, 6)):
+            expected = full.build(copy.deepcopy(messages), tools=copy.deepcopy(tools))
+            got = incremental.build(copy.deepcopy(messages), tools=copy.deepcopy(tools))
+            assert got == expected
+            assert got.input_ids == tokenizer.encode_ids(got.text)
+            requests += 1
+    # Every request after a conversation's first one reused a kept prefix.
+    assert prefixes.hits >= requests - 12 and prefixes.misses == 12
+
+
+def test_sessions_interleaved_each_reuse_their_own_prefix(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
+    full = ChatTagger(tokenizer, template)
+    prefixes = TokenPrefixes(tokenizer)
+    incremental = ChatTagger(tokenizer, template, prefixes=prefixes)
+    rng = random.Random(3)
+    sessions = [agent_turns(rng, 4) for _ in range(5)]
+    for step in range(max(len(s) for s in sessions)):
+        for s in sessions:
+            if step < len(s):
+                assert incremental.build(copy.deepcopy(s[step]), tools=TOOLS) == full.build(copy.deepcopy(s[step]), tools=TOOLS)
+    assert prefixes.misses == len(sessions)
+    assert len(prefixes) == len(sessions)  # one entry per conversation: each turn's replaced the one it extended
+
+
+def test_template_that_strips_earlier_reasoning_falls_back_to_the_full_path(tokenizer: TextTokenizer) -> None:
+    template = ChatTemplate(STRIPPING_TEMPLATE)
+    full = ChatTagger(tokenizer, template)
+    prefixes = TokenPrefixes(tokenizer)
+    incremental = ChatTagger(tokenizer, template, prefixes=prefixes)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q1"}]
+    assert incremental.build(copy.deepcopy(messages)) == full.build(copy.deepcopy(messages))
+    messages.append({"role": "assistant", "content": "a1", "reasoning_content": "think 1"})
+    messages.append({"role": "tool", "content": "result"})  # still within the turn: reasoning shown
+    assert incremental.build(copy.deepcopy(messages)) == full.build(copy.deepcopy(messages))
+    assert prefixes.hits == 1
+    messages.append({"role": "user", "content": "q2"})  # the reasoning is gone: the kept text no longer matches
+    first = full.build(copy.deepcopy(messages))
+    assert "think 1" not in first.text
+    assert incremental.build(copy.deepcopy(messages)) == first
+    # The kept prefix ends at the previous prompt's generation prompt; what still matches
+    # is only the system block, which is no entry, so this was a full tokenization.
+    assert prefixes.hits == 1 and prefixes.misses == 2
+
+
+def test_encode_equals_full_tokenization_on_growing_texts(tokenizer: TextTokenizer) -> None:
+    """Random text with special tokens (and whitespace, combining marks, `<`/`>`
+    around them) grown piece by piece: every encode equals the full one."""
+    prefixes = TokenPrefixes(tokenizer)
+    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<|image_pad|>"]
+    rng = random.Random(11)
+    for _ in range(20):
+        text = ""
+        for _ in range(8):
+            text += "".join(rng.choice(specials) if rng.random() < 0.3 else words(rng, 2) for _ in range(rng.randint(1, 12)))
+            enc = prefixes.encode(text)
+            ref = tokenizer.encode(text)
+            assert (enc.ids, enc.offsets) == (ref.ids, ref.offsets)
+    assert prefixes.hits > 50
+
+
+def test_entries_and_tokens_stay_within_bounds(tokenizer: TextTokenizer) -> None:
+    prefixes = TokenPrefixes(tokenizer, max_entries=3, max_tokens=10_000)
+    for i in range(6):
+        prefixes.encode(f"<|im_start|>user\nsession {i} asks a question<|im_end|>\n<|im_start|>assistant\n")
+    assert len(prefixes) == 3  # the three most recent sessions
+    assert prefixes.encode("<|im_start|>user\nsession 5 asks a question<|im_end|>\n<|im_start|>assistant\nok") is not None
+    assert prefixes.hits == 1
+    assert prefixes.encode("<|im_start|>user\nsession 0 asks a question<|im_end|>\n<|im_start|>assistant\nok")
+    assert prefixes.hits == 1  # evicted
+    small = TokenPrefixes(tokenizer, max_tokens=20)
+    small.encode("<|im_start|>user\n" + "word " * 40 + "<|im_end|>\n<|im_start|>assistant\n")
+    assert len(small) == 0 and small.tokens == 0  # one prompt over the budget is not kept
+    with pytest.raises(ValueError, match="max_entries"):
+        TokenPrefixes(tokenizer, max_entries=0)
+
+
+def test_tokens_that_look_outside_their_match_are_never_cut_at(tmp_path: Path) -> None:
+    """An lstrip special token's match reaches the whitespace before it, a
+    truncating tokenizer cuts the whole text: neither may be split."""
+    from tokenizers import models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken("<s>", lstrip=True, special=True), AddedToken("</s>", special=True)])
+    prefixes = TokenPrefixes(TextTokenizer(tok))
+    assert prefixes.enabled and prefixes._cut_ids == frozenset({tok.token_to_id("</s>")})
+    for text in ("a </s> b <s> a", "a </s> b <s> a </s> b   <s>", "a </s> b <s> a </s> b   <s> a </s>  b"):
+        enc, ref = prefixes.encode(text), tok.encode(text, add_special_tokens=False)
+        assert (enc.ids, enc.offsets) == (ref.ids, ref.offsets)
+    tok.enable_truncation(4)
+    assert not TokenPrefixes(TextTokenizer(tok)).enabled
