@@ -1,21 +1,46 @@
 """Triaxial INT4/INT2 reference codec (torch, CPU): asymmetric group quantization, the bit-exact spec.
 
-Three quantizers share one rule (DESIGN.md, triaxial), with L = 2^bits - 1::
+Three quantizers share one rule (DESIGN.md, triaxial), with L = 2^bits - 1,
+min/max the group's fp32 extremes and all arithmetic IEEE fp32 unless said::
 
-    scale = fp16( (max - min) / L )       fp32 subtract, fp32 divide, then round to fp16
-            if that fp16 scale is 0 (max == min, or a range so small it
-            underflows fp16) the scale is 1, so no code is ever NaN
-    zero  = fp16( min )
+    zero  = the largest fp16 <= min                 (fp16 round-down)
+    span  = max - fp32(zero)                        (fp32 subtract; >= 0)
+    scale = the smallest fp16 s with L * s >= span  (fp16 round-up of span / L)
+            1 when span is 0 (max == zero), so no code is ever NaN
     code  = clamp( rne( (x - fp32(zero)) / fp32(scale) ), 0, L )
     x^    = code * fp32(scale) + fp32(zero)   then cast to the output dtype
 
-The codes use the fp16-*rounded* scale and zero, so decoding is consistent
-with encoding. ``code * scale`` is exact in fp32 (<= 2 + 11 significant bits),
+Why round zero down and scale up: then [zero, zero + L*scale] covers the
+group, 0 <= fl(x - zero) <= span <= L*scale, so every quotient lies in
+[0, L] and the clamp never acts. Rounding zero and scale to nearest instead
+lets an fp16 zero sit far below min for a large offset with a narrow range
+(a key outlier channel): 16 values 1000.2 and 16 values 1000.3 got zero 1000,
+scale 0.0066643, every code clamped to 15 and an error of 0.2 (30 steps).
+Now that group gets scale 0.0200043 and an error of 6e-5 (one fp32 ulp).
+
+The bound, for every input the codec accepts (|x| <= 65504)::
+
+    |x - x^| <= scale/2 + 2^-22 |x - zero| + 2^-24 |x^|
+
+with x^ the fp32 value before the cast (the cast adds half an ulp of the
+output dtype; the decode kernels dequantize to fp16). scale/2 is rounding
+to the nearest code; the rest are the fp32 roundings of x - zero, of the
+quotient and of code * scale + zero. scale itself is at most about
+(max - min + one fp16 ulp of min) / L: an fp16 zero costs at most one of its
+ulps spread over the L steps. ``tests/kernels/test_intquant_bound.py`` checks
+the bound on outlier channels, subnormal and near-65504 groups.
+
+The codes use the fp16 scale and zero as stored, so decoding is consistent
+with encoding. ``code * scale`` is exact in fp32 (<= 4 + 11 significant bits),
 so a kernel's fused multiply-add and this multiply-then-add agree bit for bit.
 Every ``(x - zero) / scale`` is an IEEE fp32 division (not a multiply by a
-reciprocal). Inputs must lie within the fp16 range (|x| <= 65504): then zero
-is finite and scale <= 2 * 65504 / 3 is too; larger values are refused
-rather than stored as inf.
+reciprocal). ``L * s`` is exact too, so testing ``L * s >= span`` and
+stepping the fp16 nearest to span / L up by one ulp when it falls short gives
+the round-up exactly. Inputs must lie within the fp16 range (|x| <= 65504):
+then zero >= -65504 is finite and scale <= 2 * 65504 / 3 is too; larger
+values are refused rather than stored as inf. (The Triton writers, which do
+not read values back to check them on a GPU, clamp min and max to +-65504
+first, so an out-of-range value saturates instead of poisoning its group.)
 
 Where the statistics come from:
 
@@ -65,13 +90,28 @@ def _check_quant_input(x: torch.Tensor, name: str, min_dims: int) -> int:
     return d
 
 
+def _fp16_below(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x (|x| <= 65504) -> the largest fp16 <= x: round to nearest, one fp16 step down if that went up."""
+    h = x.to(torch.float16)
+    bits = h.view(torch.int16)
+    # one step toward -inf on fp16 bit patterns (sign and magnitude): a positive h
+    # loses one, a negative h gains one in magnitude, a zero becomes -2^-24 (0x8001)
+    down = torch.where(h > 0, bits - 1, torch.where(h == 0, torch.full_like(bits, -0x7FFF), bits + 1))
+    return torch.where(h.to(torch.float32) > x, down.view(torch.float16), h)
+
+
 def _stats(xf: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 values -> (fp16 scale, fp16 zero) over ``dim`` by the shared rule."""
-    lo = xf.amin(dim=dim)
-    hi = xf.amax(dim=dim)
-    scale = ((hi - lo) / levels).to(torch.float16)
+    # the clamp only acts in the Triton writers' unchecked path; kept here so both compute the same
+    lo = xf.amin(dim=dim).clamp(-FP16_MAX, FP16_MAX)
+    hi = xf.amax(dim=dim).clamp(-FP16_MAX, FP16_MAX)
+    zero = _fp16_below(lo)
+    span = hi - zero.to(torch.float32)  # >= 0: zero <= lo <= hi
+    scale = (span / levels).to(torch.float16)  # nearest; at most one fp16 step short (module docstring)
+    short = scale.to(torch.float32) * levels < span  # exact product
+    scale = torch.where(short, (scale.view(torch.int16) + 1).view(torch.float16), scale)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    return scale, lo.to(torch.float16)
+    return scale, zero
 
 
 def _codes(xf: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: int) -> torch.Tensor:

@@ -141,12 +141,34 @@ def meta_index(hrow, g, NG: tl.constexpr, TM: tl.constexpr):
 
 
 @triton.jit
+def f16_below(x):
+    """fp32 x (|x| <= 65504) -> the largest fp16 <= x (intquant._fp16_below): nearest, then one step down if above x."""
+    h = x.to(tl.float16)
+    b = h.to(tl.int16, bitcast=True).to(tl.int32)
+    # one fp16 step toward -inf on the sign-magnitude bits; a zero becomes -2^-24 (0x8001)
+    down = tl.where(h > 0, b - 1, tl.where(h == 0, -0x7FFF, b + 1))
+    return tl.where(h.to(tl.float32) > x, down.to(tl.int16).to(tl.float16, bitcast=True), h)
+
+
+@triton.jit
 def int_stats(lo, hi, LEVELS: tl.constexpr):
-    """Group min/max (fp32) -> (scale, zero) as fp16: scale = fp16((hi - lo) / L), 1 when that is 0."""
+    """Group min/max (fp32) -> (scale, zero) as fp16 by intquant's rule: zero = the largest fp16 <= lo,
+    scale = the smallest fp16 s with L * s >= hi - zero (1 when that is 0).
+
+    lo and hi are clamped to +-65504 first (a no-op on the inputs the reference
+    accepts), so a value out of fp16 range saturates instead of making zero inf.
+    """
+    lo = tl.minimum(tl.maximum(lo, -65504.0), 65504.0)
+    hi = tl.minimum(tl.maximum(hi, -65504.0), 65504.0)
+    zero = f16_below(lo)
+    span = hi - zero.to(tl.float32)  # >= 0
     # L = 3 or 15 is an fp16 value, so div_f16 gives div_rn's quotient; 1/L is a constant
-    scale = div_f16(hi - lo, LEVELS * 1.0, 1.0 / LEVELS).to(tl.float16)
+    near = div_f16(span, LEVELS * 1.0, 1.0 / LEVELS).to(tl.float16)
+    # the nearest fp16 is at most one step short of span / L; L * near is exact
+    up = (near.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
+    scale = tl.where(near.to(tl.float32) * LEVELS < span, up, near)
     scale = tl.where(scale == 0, 1.0, scale).to(tl.float16)
-    return scale, lo.to(tl.float16)
+    return scale, zero
 
 
 @triton.jit

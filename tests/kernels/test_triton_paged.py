@@ -399,10 +399,13 @@ def _edge_groups(num: int, levels: int, gen: torch.Generator) -> torch.Tensor:
         torch.zeros(32),
         torch.full((32,), 0.75),  # max == min
         torch.full((32,), 0.1),  # max == min, min not an fp16 value (fp32 input)
-        torch.full((32,), 1000.3),  # fp16(min) above min: quotients below 0
-        1000.3 + torch.arange(32) * 2.0**-9,  # fp32: fp16(min) = 1000.5, quotients far below 0 (clamped)
-        1000.2 + torch.arange(32) * 2.0**-9,  # fp32: fp16(min) = 1000.0, quotients far above L (clamped)
+        torch.full((32,), 1000.3),  # nearest fp16 to min (1000.5) above it: zero steps down to 1000
+        1000.3 + torch.arange(32) * 2.0**-9,  # the same with a narrow range: scale covers 1000 .. max
+        1000.2 + torch.arange(32) * 2.0**-9,  # nearest fp16 1000 below min (rounded to nearest, codes clamped at L)
+        torch.tensor([1000.2] * 16 + [1000.3] * 16),  # issue 14's group: scale rounds up to cover max
         torch.tensor([65280.0, -65280.0] * 16),  # the largest inputs in fp16 range in both fp32 and bf16
+        torch.tensor([65270.0] * 31 + [65280.0]),  # nearest fp16 65280 above min: zero 65248
+        torch.tensor([-1e-10] + [0.5] * 31),  # nearest fp16 -0 above min: zero -2^-24
         torch.cat([torch.tensor([0.0, levels * 2.0**-24]), (torch.arange(30) % (levels + 1) + 0.5) * 2.0**-24]),  # subnormal fp16 scale
         torch.cat([torch.tensor([-3.0, -0.0, 0.0]), torch.randn(29)]),  # signed zeros above the min
     ]
