@@ -1,0 +1,214 @@
+"""One simulated worker's KV pool and prefix cache, kept as page *runs* per chain
+instead of pages (``kvserving simulate``; the policies of ``worker/page_pool.py``).
+
+A *chain* is a token stream whose pages hash in a chain: one conversation's
+history, or a system prompt every agent shares. Because the real pool's prefix
+match walks pages from the first and stops at the first miss, and ``free``
+queues a sequence's pages for eviction *last page first*, what a worker holds of
+a chain is always a prefix of it: pages ``[0, present)``. Of those,
+``[0, owned)`` have refs (a running request, a lease pin) and ``[owned,
+present)`` are cached: ref 0, evictable, in the LRU as one run. So the pool is::
+
+    chains:  key -> (present, refs {holder id -> extent})     owned = max(extents)
+    lru:     keys of chains with cached pages, least recently used first
+    used:    chain pages + loose pages (owned, unhashed: partial last pages,
+             duplicate or garbage pages a holder frees when it lets go)
+
+and every operation costs O(chains it touches), not O(pages).
+
+Policies (as in the real pool, tested by name in tests/test_simulate.py):
+
+- **allocate** is all or nothing: free pages first, then evict cached pages from
+  the least recently used chain, its last page first (a chain's tail is useless
+  once its head is gone); never an owned page.
+- **LRU order.** A chain's cached run moves to the LRU's end when a holder lets
+  go of pages (they were just used); taking refs on a chain's pages takes them
+  out of its run, which keeps its place.
+- **publish** (register): pages a holder computed or pulled join the chain if
+  they extend it; pages the chain already has stay loose (the first copy is the
+  cached one) and are freed when the holder lets go.
+- **Holds** (a request's pages, a lease pin) take refs on leading pages of one
+  or more chains; a lease is a hold with an expiry the worker enforces.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+Key = Hashable
+Segments = Sequence[tuple[Key, int]]  # a prompt's pages: (chain, pages of it), in order
+
+
+@dataclass(slots=True)
+class _Chain:
+    present: int = 0
+    refs: dict[int, int] = field(default_factory=dict)  # hold id -> pages [0, extent) it holds
+
+    @property
+    def owned(self) -> int:
+        return max(self.refs.values()) if self.refs else 0
+
+
+@dataclass(slots=True)
+class Hold:
+    """Refs one holder has: leading pages of some chains, and loose pages it owns."""
+
+    hold_id: int
+    extents: dict[Key, int] = field(default_factory=dict)
+    loose: int = 0
+
+
+class PageCache:
+    """``capacity`` pages; see the module docstring."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 page, got {capacity}")
+        self.capacity = capacity
+        self.used = 0
+        self.cached = 0  # evictable pages (sum of cached runs)
+        self.evicted = 0  # pages evicted so far
+        self._chains: dict[Key, _Chain] = {}
+        self._lru: OrderedDict[Key, None] = OrderedDict()
+        self._next_hold = 0
+
+    # ------------------------------------------------------------------ inspection
+    @property
+    def free(self) -> int:
+        """Pages ``allocate`` can hand out now: free plus evictable."""
+        return self.capacity - self.used + self.cached
+
+    def present(self, key: Key) -> int:
+        chain = self._chains.get(key)
+        return 0 if chain is None else chain.present
+
+    def owned(self, key: Key) -> int:
+        chain = self._chains.get(key)
+        return 0 if chain is None else chain.owned
+
+    def lru_keys(self) -> list[Key]:
+        return list(self._lru)
+
+    def match(self, segments: Segments, limit: int) -> int:
+        """Leading pages of ``segments`` (at most ``limit``) the cache holds: the prefix match."""
+        total = 0
+        for key, n in segments:
+            n = min(n, limit - total)
+            if n <= 0:
+                break
+            chain = self._chains.get(key)
+            have = 0 if chain is None else min(chain.present, n)
+            total += have
+            if have < n:
+                break
+        return total
+
+    # ------------------------------------------------------------------ holds
+    def new_hold(self) -> Hold:
+        self._next_hold += 1
+        return Hold(self._next_hold)
+
+    def _sync(self, key: Key, chain: _Chain, old_cached: int, *, touched: bool) -> None:
+        cached = chain.present - chain.owned
+        self.cached += cached - old_cached
+        if cached <= 0:
+            self._lru.pop(key, None)
+            if chain.present == 0 and not chain.refs:
+                del self._chains[key]
+        elif touched or key not in self._lru:
+            self._lru[key] = None
+            self._lru.move_to_end(key)
+
+    def ref(self, hold: Hold, segments: Segments, pages: int) -> None:
+        """``hold`` takes refs on the first ``pages`` pages of ``segments`` (all present)."""
+        for key, n in segments:
+            n = min(n, pages)
+            if n <= 0:
+                break
+            pages -= n
+            chain = self._chains[key]
+            if n > chain.present:
+                raise ValueError(f"chain {key!r} has {chain.present} pages, {n} referenced")
+            old = chain.present - chain.owned
+            if n > chain.refs.get(hold.hold_id, 0):
+                chain.refs[hold.hold_id] = n
+                hold.extents[key] = n
+            self._sync(key, chain, old, touched=False)
+
+    def allocate(self, hold: Hold, n: int) -> bool:
+        """``n`` loose pages for ``hold`` (all or nothing), evicting LRU cached pages as needed."""
+        if n <= 0:
+            return True
+        if n > self.free:
+            return False
+        need = n - (self.capacity - self.used)
+        while need > 0:
+            key = next(iter(self._lru))
+            chain = self._chains[key]
+            k = min(need, chain.present - chain.owned)
+            old = chain.present - chain.owned
+            chain.present -= k
+            self.used -= k
+            self.evicted += k
+            need -= k
+            self._sync(key, chain, old, touched=False)
+        self.used += n
+        hold.loose += n
+        return True
+
+    def publish(self, hold: Hold, segments: Segments, start: int, end: int) -> None:
+        """Pages ``[start, end)`` of ``segments``, which ``hold`` owns as loose pages, join their
+        chains where they extend them (``hold`` keeps refs on the chain up to ``end``); the
+        rest stay loose. ``hold`` must already hold the chain pages before ``start``."""
+        pos = 0
+        for key, n in segments:
+            lo, hi = max(start, pos), min(end, pos + n)
+            pos += n
+            if lo >= hi:
+                if pos >= end:
+                    break
+                continue
+            chain = self._chains.get(key)
+            if chain is None:
+                chain = self._chains[key] = _Chain()
+            a, b = lo - (pos - n), hi - (pos - n)  # page indices inside this chain
+            old = chain.present - chain.owned
+            if a <= chain.present < b:
+                gained = b - chain.present
+                chain.present = b
+                hold.loose -= gained
+            if chain.present >= b and b > chain.refs.get(hold.hold_id, 0):
+                chain.refs[hold.hold_id] = b
+                hold.extents[key] = b
+            self._sync(key, chain, old, touched=False)
+
+    def release(self, hold: Hold) -> None:
+        """``hold`` lets go: its chain pages become cached (or stay owned by others), its loose
+        pages free."""
+        for key in hold.extents:
+            chain = self._chains.get(key)
+            if chain is None or hold.hold_id not in chain.refs:
+                continue
+            old = chain.present - chain.owned
+            del chain.refs[hold.hold_id]
+            self._sync(key, chain, old, touched=True)
+        hold.extents.clear()
+        self.used -= hold.loose
+        hold.loose = 0
+
+    def drop_tail(self, key: Key, keep: int) -> int:
+        """Forget cached pages of ``key`` past ``keep`` (content no future prompt has: a stream
+        that diverged there); returns how many went. Owned pages stay."""
+        chain = self._chains.get(key)
+        if chain is None or chain.present <= keep:
+            return 0
+        old = chain.present - chain.owned
+        k = chain.present - max(keep, chain.owned)
+        if k <= 0:
+            return 0
+        chain.present -= k
+        self.used -= k
+        self._sync(key, chain, old, touched=False)
+        return k

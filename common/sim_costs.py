@@ -1,0 +1,224 @@
+"""Per-operation costs of the cluster simulator (``kvserving simulate``): a
+self-checking dataclass loaded from JSON, and the built-in profiles with where
+each number was measured.
+
+Every cost is a small formula over what the simulator knows of an operation::
+
+    prefill step   prefill_step_s + prefill_token_s * T + prefill_attn_s * sum(n_i * ctx_i)
+                   (T tokens in the step; chunk i has n_i tokens over a mean context ctx_i)
+    decode step    decode_step_s + decode_seq_s * B + decode_ctx_s[dtype] * sum(ctx)   (B sequences)
+    KV pull        transfer_overhead_s + regions * transfer_region_s + bytes / transfer_bytes_per_s
+                   (regions = layers * transfer_runs: NIXL merges adjacent pages, DESIGN.md Worker)
+    a turn         gateway_s (tagging, routing) + prefill_request_s and decode_request_s
+                   (HTTP and per-request work outside the engine loop) on top of queueing and steps
+
+KV bytes per token come from the real format arithmetic (``kvserving.kernels.capacity``);
+``fp32_unquantized`` says the unquantized format stores fp32 (the CPU engine runs the
+model in fp32, ``worker/kv_storage.py``).
+
+Token counts: the agent generator's lengths are nominal (words); the server's tokenizer
+and chat template add to them. ``prompt_token_scale`` / ``prompt_token_offset`` map a
+nominal prompt length to the server's, and ``reply_lost_tokens`` is how many tokens
+at the end of a reply the next prompt does not reproduce (the template closes the
+message differently than the model stopped), measured with the real template.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvserving.config import DEFAULT_PAGE_SIZE, KV_DTYPES
+from kvserving.kernels.capacity import bytes_per_token, frac_int2_for_budget
+
+DTYPE_ALIASES = {"fp8": "fp8_e4m3", "int4": "triaxial"}
+
+
+def canonical_dtype(name: str) -> str:
+    """``fp8`` -> ``fp8_e4m3``; ValueError for an unknown format."""
+    dtype = DTYPE_ALIASES.get(name, name)
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"unknown KV dtype {name!r}; expected one of {', '.join(KV_DTYPES)} (or fp8)")
+    return dtype
+
+
+@dataclass(slots=True, frozen=True)
+class CostModel:
+    """What one prefill/decode worker costs (see the module docstring for the formulas)."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_bytes_per_worker: int
+    prefill_token_s: float
+    prefill_attn_s: float
+    decode_step_s: float
+    decode_ctx_s: dict[str, float]
+    prefill_step_s: float = 0.0
+    decode_seq_s: float = 0.0
+    fp32_unquantized: bool = False
+    transfer_region_s: float = 7.2e-6
+    transfer_bytes_per_s: float = 330e9
+    transfer_overhead_s: float = 0.0
+    transfer_runs: int = 1
+    gateway_s: float = 0.0
+    prefill_request_s: float = 0.0
+    decode_request_s: float = 0.0
+    prompt_token_scale: float = 1.0
+    prompt_token_offset: float = 0.0
+    reply_lost_tokens: int = 0
+    triaxial_bit_budget: float = 2.7
+    source: str = ""
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("costs.name must not be empty")
+        for key in ("layers", "kv_heads", "head_dim", "kv_bytes_per_worker", "transfer_runs"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"costs.{key} must be an integer >= 1, got {value!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "float" and (not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0):
+                raise ValueError(f"costs.{f.name} must be a finite number >= 0, got {value!r}")
+        if self.transfer_bytes_per_s <= 0:
+            raise ValueError(f"costs.transfer_bytes_per_s must be > 0, got {self.transfer_bytes_per_s}")
+        if self.prompt_token_scale <= 0:
+            raise ValueError(f"costs.prompt_token_scale must be > 0, got {self.prompt_token_scale}")
+        if not isinstance(self.reply_lost_tokens, int) or self.reply_lost_tokens < 0:
+            raise ValueError(f"costs.reply_lost_tokens must be an integer >= 0, got {self.reply_lost_tokens!r}")
+        if not isinstance(self.decode_ctx_s, dict) or not self.decode_ctx_s:
+            raise ValueError("costs.decode_ctx_s must map KV dtypes to seconds per context token")
+        for dtype, value in self.decode_ctx_s.items():
+            if dtype not in KV_DTYPES:
+                raise ValueError(f"costs.decode_ctx_s has unknown dtype {dtype!r}")
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"costs.decode_ctx_s[{dtype!r}] must be a finite number >= 0, got {value!r}")
+        frac_int2_for_budget(self.triaxial_bit_budget)  # ValueError outside [2, 4]
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object) -> CostModel:
+        if not isinstance(data, dict):
+            raise ValueError(f"a cost model must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"cost model has unknown keys: {unknown}")
+        missing = sorted(
+            f.name for f in fields(cls) if f.name not in data and f.default is MISSING and f.default_factory is MISSING
+        )
+        if missing:
+            raise ValueError(f"cost model lacks keys: {missing}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"bad cost model: {exc}") from exc
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    # ------------------------------------------------------------------ derived
+    def supports(self, dtype: str) -> bool:
+        return dtype in self.decode_ctx_s
+
+    def page_bytes(self, dtype: str, page_size: int) -> float:
+        """Bytes one page takes in every layer (triaxial: the INT2/INT4 mix of the bit budget)."""
+        shape = {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
+        if dtype == "triaxial":
+            per_token = bytes_per_token(dtype, frac_int2=frac_int2_for_budget(self.triaxial_bit_budget), **shape)
+        else:
+            per_token = bytes_per_token(dtype, **shape)
+            if dtype == "bf16" and self.fp32_unquantized:
+                per_token *= 2
+        return per_token * page_size
+
+    def pool_pages(self, dtype: str, page_size: int | None = None, *, kv_bytes: int | None = None) -> int:
+        """Pages of ``page_size`` tokens a worker's KV budget holds in ``dtype``."""
+        p = page_size or DEFAULT_PAGE_SIZE[dtype]
+        budget = self.kv_bytes_per_worker if kv_bytes is None else kv_bytes
+        return int(budget // self.page_bytes(dtype, p))
+
+    def prefill_step(self, tokens: int, attn_work: float) -> float:
+        return self.prefill_step_s + self.prefill_token_s * tokens + self.prefill_attn_s * attn_work
+
+    def decode_step(self, dtype: str, batch: int, context_tokens: float) -> float:
+        return self.decode_step_s + self.decode_seq_s * batch + self.decode_ctx_s[dtype] * context_tokens
+
+    def pull_s(self, nbytes: float) -> float:
+        return (
+            self.transfer_overhead_s
+            + self.layers * self.transfer_runs * self.transfer_region_s
+            + nbytes / self.transfer_bytes_per_s
+        )
+
+    def server_tokens(self, nominal: int) -> int:
+        """A nominal length (agent generator) as the server's token count."""
+        return max(1, int(round(nominal * self.prompt_token_scale + self.prompt_token_offset)))
+
+
+def _h200_8b() -> CostModel:
+    """The Qwen3-8B-shaped model on one H200 (bench/NOTES-pd-gpu.md, bench/decode_gpu_h200.json)."""
+    # Decode attention: our kernels, ms per layer at batch 32 x 32768 context (1,048,576 context
+    # tokens), bench/decode_gpu_h200.json; x 36 layers / context tokens = seconds per context token.
+    per_layer_ms = {"bf16": 1.1235, "fp8_e4m3": 0.7734, "nvfp4": 0.4765, "triaxial": 0.4782}
+    ctx_s = {k: v * 1e-3 * 36 / (32 * 32768) for k, v in per_layer_ms.items()}
+    return CostModel(
+        name="h200-8b",
+        layers=36, kv_heads=8, head_dim=128,
+        kv_bytes_per_worker=100 * 2**30,
+        # new-only TTFT at 2K..24K (1040 new tokens): 111 ms + 0.0326 ms per context token; recompute
+        # of 2K: 195 ms, of 24K: 10.3 s (off_p_ms) -> 0.066 ms/token + 3.13e-8 s per token x context.
+        prefill_token_s=6.6e-5,
+        prefill_attn_s=3.13e-8,
+        # 16.4 GB of bf16 weights read once per step at the measured 4.2 TB/s streaming read
+        # (DESIGN.md, Measuring on a GPU); per sequence: sampling and bookkeeping (not measured).
+        decode_step_s=16.4e9 / 4.2e12,
+        decode_seq_s=2e-5,
+        decode_ctx_s=ctx_s,
+        transfer_region_s=7.2e-6,
+        transfer_bytes_per_s=330e9,
+        transfer_overhead_s=1.5e-3,
+        transfer_runs=1,
+        gateway_s=3.4e-3,
+        # two-H200 seed run after the pooled HTTP client: the prefill request's non-READ part is
+        # 53-90 ms above new-only, the decode request 114 ms (README, bench/NOTES-pd-gpu.md)
+        prefill_request_s=0.06,
+        decode_request_s=0.114,
+        source="bench/decode_gpu_h200.json, bench/pd_gpu_h200x2_httpfix.json, bench/NOTES-gateway.md",
+        notes={
+            "decode_step_s": "roofline: weights bytes / measured 4.2 TB/s read bandwidth (no 8B step timing committed)",
+            "kv_bytes_per_worker": "141 GB H200 minus 16.4 GB weights and workspace: 100 GiB of KV",
+        },
+    )
+
+
+BUILTIN: dict[str, Any] = {"h200-8b": _h200_8b}
+BUILTIN_FILES = {"cpu-tiny": "sim_costs_cpu.json"}
+
+
+def load_costs(name_or_path: str, *, bench_dir: Path | None = None) -> CostModel:
+    """A built-in profile (``h200-8b``; ``cpu-tiny`` from bench/sim_costs_cpu.json) or a JSON file."""
+    if name_or_path in BUILTIN:
+        model: CostModel = BUILTIN[name_or_path]()
+        return model
+    if name_or_path in BUILTIN_FILES:
+        root = bench_dir if bench_dir is not None else Path(__file__).resolve().parents[1] / "bench"
+        return CostModel.load(root / BUILTIN_FILES[name_or_path])
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"--costs {name_or_path!r}: not a built-in profile ({', '.join([*BUILTIN, *BUILTIN_FILES])}) nor a file")
+    return CostModel.load(path)

@@ -1,0 +1,463 @@
+"""Simulated prefill and decode workers (``kvserving simulate``): the engine
+loop's timing, the KV pool (``sim_cache.PageCache``), leases and NIXL pulls,
+with the policies of ``worker/engine.py``, ``worker/scheduler.py`` and
+``worker/kv_transfer.py``.
+
+- A **prefill worker** runs engine steps: running prompts continue, then
+  waiting ones are admitted FIFO while the token budget, ``max_num_seqs`` and
+  free pages allow (the head of the queue waits for pages: nothing overtakes
+  it); one step costs ``CostModel.prefill_step``. A finished prompt's full
+  pages stay pinned under a transfer lease until the decode worker pulls them
+  (then released) or ``transfer_timeout_s`` passes.
+- A **decode worker** is fluid: every running sequence gains one token per
+  step, so one step counter ``S`` advances at 1 / step time (``decode_step`` of
+  the batch and its context) and a sequence ends when ``S`` reaches its target.
+  Its admission computes the few prompt tokens it neither holds nor pulled and
+  stalls the batch for that long. Pages for the prompt and the whole reply are
+  taken at admission (no preemption); when it ends, its full pages are
+  retained under a lease for ``retention_ttl_s`` (the conversation's older
+  lease on the worker is released).
+- **Pulls** follow ``KVTransfer.pull``: match the offered pages against the
+  prompt, skip what the local cache holds, READ the rest when it is at least
+  ``recompute_threshold_tokens`` and the sender still holds the lease; the
+  pulled pages are pinned until the request is admitted.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvserving.config import ReuseConfig, SchedulerConfig
+from kvserving.sim_cache import Hold, Key, PageCache
+from kvserving.sim_costs import CostModel
+
+
+@dataclass(slots=True)
+class Req:
+    """One turn as the workers see it. Pages are counted from the prompt's start."""
+
+    turn_id: int
+    conv: str
+    segs: list[tuple[Key, int]]
+    prompt: int  # tokens
+    output: int
+    stable_prompt: int  # leading prompt pages every later prompt of the conversation repeats
+    stable_stream: int  # the same for prompt + reply
+    sent_at: float
+    lease_offer: WLease | None = None  # what the gateway's lease table offers the prefill (D->P)
+    # filled in on the way
+    hold: Hold | None = None
+    pin: WLease | None = None
+    pulled: tuple[int, int] = (0, 0)  # pulled page range [a, b) pinned for this request
+    hit_pages: int = 0
+    remote_pages: int = 0
+    fallback: str | None = None
+    prefill_url: str = ""
+    decode_url: str = ""
+    cached_tokens: int = 0
+    local_tokens: int = 0
+    remote_tokens: int = 0
+    first_token_at: float = 0.0
+    done_at: float = 0.0
+    transfer_offer: WLease | None = None  # the prefill's transfer lease (P->D)
+
+
+@dataclass(slots=True)
+class WLease:
+    """A lease a worker holds: pinned pages, offered to another worker's pull."""
+
+    lease_id: str
+    worker: Worker
+    hold: Hold
+    expires_at: float
+    conv: str | None
+    pages: int  # full pages it holds (num_tokens // page_size)
+    stable: int  # of those, the leading pages later prompts repeat (the hashes that match)
+
+    def alive(self, now: float) -> bool:
+        return self.worker.leases.get(self.lease_id) is self and self.expires_at > now
+
+
+@dataclass(slots=True)
+class PullOutcome:
+    seconds: float = 0.0
+    fallback: str | None = None
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    pulls: int = 0
+    pulled_pages: int = 0
+    pulled_bytes: float = 0.0
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    leases_expired: int = 0
+
+
+class Worker:
+    """What both roles share: the pool, leases (with expiry) and pulls."""
+
+    def __init__(
+        self, url: str, *, sim: Sim, pages: int, page_size: int, dtype: str, costs: CostModel,
+        reuse: ReuseConfig, sched: SchedulerConfig,
+    ) -> None:
+        self.url = url
+        self.sim = sim
+        self.cache = PageCache(pages)
+        self.page_size = page_size
+        self.page_bytes = costs.page_bytes(dtype, page_size)
+        self.dtype = dtype
+        self.costs = costs
+        self.reuse = reuse
+        self.sched = sched
+        self.threshold_pages = _threshold_pages(reuse, page_size)
+        self.leases: dict[str, WLease] = {}
+        self.conv_lease: dict[str, str] = {}
+        self._expiry: list[tuple[float, str]] = []
+        self.inflight = 0  # the gateway's count of this worker's open requests
+        self.waiting: deque[Req] = deque()
+        self.stats = WorkerStats()
+        self._lease_seq = 0
+        self._wake_at = float("inf")
+        self._admitting = False  # releases during admission must not re-enter it
+
+    # ------------------------------------------------------------------ leases
+    def pin(self, hold: Hold, *, ttl_s: float, now: float, conv: str | None, pages: int, stable: int, prefix: str) -> WLease:
+        self._lease_seq += 1
+        lease = WLease(f"{prefix}{self.url}-{self._lease_seq}", self, hold, now + ttl_s, conv, pages, stable)
+        self.leases[lease.lease_id] = lease
+        heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
+        return lease
+
+    def release(self, lease_id: str, now: float) -> bool:
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self.cache.release(lease.hold)
+        if lease.conv is not None and self.conv_lease.get(lease.conv) == lease_id:
+            del self.conv_lease[lease.conv]
+        self.on_freed(now)
+        return True
+
+    def renew(self, lease_id: str, *, ttl_s: float, now: float) -> float | None:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.expires_at <= now:
+            return None
+        lease.expires_at = now + min(ttl_s, self.reuse.retention_ttl_s)
+        heapq.heappush(self._expiry, (lease.expires_at, lease_id))
+        return lease.expires_at
+
+    def expire(self, now: float) -> None:
+        """Release every lease whose expiry has passed (the engine does it every step)."""
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, lease_id = heapq.heappop(heap)
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.expires_at <= now:
+                self.stats.leases_expired += 1
+                self.release(lease_id, now)
+
+    def next_expiry(self) -> float:
+        heap = self._expiry
+        while heap and (heap[0][1] not in self.leases or self.leases[heap[0][1]].expires_at != heap[0][0]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else float("inf")
+
+    def on_freed(self, now: float) -> None:
+        """Pages came back: a request waiting for them may go."""
+
+    def wake_when_leases_expire(self, now: float) -> None:
+        """The queue waits for pages that only an expiry frees: look again then."""
+        t = self.next_expiry()
+        if t < self._wake_at:
+            self._wake_at = t
+            self.sim.at(t, self._wake)
+
+    def _wake(self, now: float) -> None:
+        self._wake_at = float("inf")
+        self.expire(now)
+        self.on_freed(now)
+
+    # ------------------------------------------------------------------ pulls
+    def pull(self, req: Req, offer: WLease | None, now: float) -> PullOutcome:
+        """``KVTransfer.pull`` against ``offer`` (the sender's lease as the receiver knows it)."""
+        if offer is None:
+            return PullOutcome()
+        if offer.expires_at <= now:
+            return self._fail("lease_expired")
+        limit = (req.prompt - 1) // self.page_size
+        usable = min(offer.pages, limit)
+        matched = min(usable, offer.stable)
+        diverged = matched < usable
+        local = self.cache.match(req.segs, matched)
+        want = matched - local
+        if want <= 0 or want < self.threshold_pages:
+            return self._fail("hash_mismatch") if diverged else PullOutcome()
+        if not offer.alive(now):
+            return self._fail("lease_expired")
+        hold = self.cache.new_hold()
+        self.cache.ref(hold, req.segs, local)
+        if not self.cache.allocate(hold, want):
+            self.cache.release(hold)
+            return PullOutcome()  # skipped: no_free_pages
+        self.cache.publish(hold, req.segs, local, matched)
+        ttl = max(60.0, 2 * self.reuse.transfer_timeout_s)
+        req.pin = self.pin(hold, ttl_s=ttl, now=now, conv=None, pages=0, stable=0, prefix="pull-")
+        req.pulled = (local, matched)
+        nbytes = want * offer.worker.page_bytes
+        self.stats.pulls += 1
+        self.stats.pulled_pages += want
+        self.stats.pulled_bytes += nbytes
+        out = PullOutcome(seconds=self.costs.pull_s(nbytes))
+        if diverged:
+            out.fallback = self._count("hash_mismatch")
+        return out
+
+    def _count(self, reason: str) -> str:
+        self.stats.fallbacks[reason] = self.stats.fallbacks.get(reason, 0) + 1
+        return reason
+
+    def _fail(self, reason: str) -> PullOutcome:
+        return PullOutcome(fallback=self._count(reason))
+
+    # ------------------------------------------------------------------ admission
+    def admit_pages(self, req: Req, total_pages: int) -> bool:
+        """Match the prefix, take refs, allocate the rest (all or nothing); drop the pull pin."""
+        limit = (req.prompt - 1) // self.page_size
+        cache = self.cache
+        h = cache.match(req.segs, limit)
+        hold = cache.new_hold()
+        cache.ref(hold, req.segs, h)
+        if not cache.allocate(hold, total_pages - h):
+            cache.release(hold)
+            return False
+        req.hold = hold
+        req.hit_pages = h
+        a, b = req.pulled
+        req.remote_pages = max(0, min(b, h) - a) if req.pin is not None and req.pin.alive(self.sim.now) else 0
+        if req.pin is not None:
+            self.release(req.pin.lease_id, self.sim.now)
+            req.pin = None
+        return True
+
+
+def _threshold_pages(reuse: ReuseConfig, page_size: int) -> int:
+    t = reuse.recompute_threshold_tokens
+    tokens = 64 if t == "auto" else int(t)  # "auto" before both rates are measured: 64
+    return -(-tokens // page_size) if tokens > 0 else 1
+
+
+class PrefillWorker(Worker):
+    """Engine steps over prompts; see the module docstring."""
+
+    def __init__(self, url: str, **kw: object) -> None:
+        super().__init__(url, **kw)  # type: ignore[arg-type]
+        self.running: list[list[object]] = []  # [req, remaining tokens, position]
+        self.busy = False
+        self.on_done: Callable[[Req, float], None] = lambda req, now: None
+
+    def arrive(self, req: Req, now: float) -> None:
+        self.waiting.append(req)
+        self._kick(now)
+
+    def on_freed(self, now: float) -> None:
+        if self.waiting and not self._admitting:
+            self._kick(now)
+
+    def _kick(self, now: float) -> None:
+        if self.busy or self._admitting:
+            return
+        self._admitting = True
+        try:
+            self._start_step(now)
+        finally:
+            self._admitting = False
+
+    def _start_step(self, now: float) -> None:
+        self.expire(now)
+        budget = self.sched.max_num_batched_tokens
+        chunk = self.sched.chunk_size
+        steps: list[tuple[list[object], int]] = []
+        tokens = 0
+        work = 0.0
+        for item in self.running:
+            n = min(chunk, int(item[1]), budget)  # type: ignore[call-overload]
+            if n <= 0:
+                break
+            steps.append((item, n))
+            budget -= n
+            tokens += n
+            work += n * (int(item[2]) + n / 2)  # type: ignore[call-overload]
+        p = self.page_size
+        while self.waiting and budget > 0 and len(self.running) < self.sched.max_num_seqs:
+            req = self.waiting[0]
+            if not self.admit_pages(req, -(-req.prompt // p)):
+                self.wake_when_leases_expire(now)
+                break
+            self.waiting.popleft()
+            start = req.hit_pages * p
+            item = [req, req.prompt - start, start]
+            self.running.append(item)
+            n = min(chunk, req.prompt - start, budget)
+            steps.append((item, n))
+            budget -= n
+            tokens += n
+            work += n * (start + n / 2)
+        if not steps:
+            return
+        self.busy = True
+        dt = self.costs.prefill_step(tokens, work)
+        self.sim.at(now + dt, lambda t: self._step_done(steps, t))
+
+    def _step_done(self, steps: list[tuple[list[object], int]], now: float) -> None:
+        self.busy = False
+        for item, n in steps:
+            item[1] = int(item[1]) - n  # type: ignore[call-overload]
+            item[2] = int(item[2]) + n  # type: ignore[call-overload]
+            if item[1] == 0:
+                self.running.remove(item)
+                self._finish(item[0], now)  # type: ignore[arg-type]
+        self._kick(now)
+
+    def _finish(self, req: Req, now: float) -> None:
+        p = self.page_size
+        full = req.prompt // p
+        hold = req.hold
+        assert hold is not None
+        self.cache.publish(hold, req.segs, req.hit_pages, min(full, req.stable_prompt))
+        partial = -(-req.prompt // p) - full
+        hold.loose -= partial  # the partial last page is unhashed: freed now
+        self.cache.used -= partial
+        req.transfer_offer = self.pin(
+            hold, ttl_s=self.reuse.transfer_timeout_s, now=now, conv=None, pages=full,
+            stable=min(full, req.stable_prompt), prefix="xfer-",
+        )
+        req.hold = None
+        self.on_done(req, now)
+
+
+class DecodeWorker(Worker):
+    """Fluid decode batch; see the module docstring."""
+
+    def __init__(self, url: str, **kw: object) -> None:
+        super().__init__(url, **kw)  # type: ignore[arg-type]
+        self.steps = 0.0  # S: decode steps run so far (every running sequence gained one token per step)
+        self.t_steps = 0.0
+        self.step_s = 0.0
+        self.batch: list[tuple[float, int, Req]] = []  # (target S, turn id, req): a heap
+        self.ctx_base = 0.0  # sum over the batch of (context at admission - S at admission)
+        self._version = 0
+        self.on_first: Callable[[Req, float], None] = lambda req, now: None
+        self.on_done: Callable[[Req, float], None] = lambda req, now: None
+
+    def arrive(self, req: Req, now: float) -> None:
+        self.waiting.append(req)
+        self._admit(now)
+
+    def on_freed(self, now: float) -> None:
+        if self.waiting and not self._admitting:
+            self._admit(now)
+
+    def _advance(self, now: float) -> None:
+        if self.batch and self.step_s > 0:
+            self.steps += (now - self.t_steps) / self.step_s
+        self.t_steps = now
+
+    def _reschedule(self, now: float) -> None:
+        b = len(self.batch)
+        self._version += 1
+        if not b:
+            self.step_s = 0.0
+            return
+        self.step_s = self.costs.decode_step(self.dtype, b, self.ctx_base + b * self.steps)
+        t = now + max(0.0, self.batch[0][0] - self.steps) * self.step_s
+        version = self._version
+        self.sim.at(t, lambda when: self._tick(when, version))
+
+    def _admit(self, now: float) -> None:
+        if self._admitting:
+            return
+        self._admitting = True
+        try:
+            self._admit_waiting(now)
+        finally:
+            self._admitting = False
+
+    def _admit_waiting(self, now: float) -> None:
+        self.expire(now)
+        p = self.page_size
+        admitted: list[tuple[Req, float]] = []
+        while self.waiting and len(self.batch) + len(admitted) < self.sched.max_num_seqs:
+            req = self.waiting[0]
+            if not self.admit_pages(req, -(-(req.prompt + req.output) // p)):
+                self.wake_when_leases_expire(now)
+                break
+            self.waiting.popleft()
+            c = req.prompt - req.hit_pages * p  # prompt tokens computed here (>= 1)
+            stall = self.costs.prefill_token_s * c + self.costs.prefill_attn_s * c * (req.prompt - c / 2)
+            admitted.append((req, stall))
+        if not admitted:
+            return
+        self._advance(now)
+        stall = sum(s for _, s in admitted)
+        for req, _ in admitted:
+            heapq.heappush(self.batch, (self.steps + req.output, req.turn_id, req))
+            self.ctx_base += req.prompt - self.steps
+        b = len(self.batch)
+        step_s = self.costs.decode_step(self.dtype, b, self.ctx_base + b * self.steps)
+        for req, _ in admitted:
+            req.first_token_at = now + stall + step_s
+            self.on_first(req, req.first_token_at)
+        self.steps -= stall / step_s  # every sequence waits for the admitted prompts' compute
+        self._reschedule(now)
+
+    def _tick(self, now: float, version: int) -> None:
+        if version != self._version:
+            return
+        self._advance(now)
+        done: list[Req] = []
+        while self.batch and self.batch[0][0] <= self.steps + 1e-6:
+            target, _, req = heapq.heappop(self.batch)
+            self.ctx_base -= req.prompt - (target - req.output)
+            done.append(req)
+        for req in done:
+            self._finish(req, now)
+        self._admit(now)
+        self._reschedule(now)
+
+    def _finish(self, req: Req, now: float) -> None:
+        p = self.page_size
+        hold = req.hold
+        assert hold is not None
+        full = (req.prompt + req.output - 1) // p  # the last sampled token has no KV
+        keep = min(full, req.stable_stream)
+        self.cache.publish(hold, req.segs, req.hit_pages, keep)
+        extra = -(-(req.prompt + req.output) // p) - full  # partial last page: freed
+        hold.loose -= extra
+        self.cache.used -= extra
+        req.done_at = now
+        req.hold = None
+        lease = None
+        if self.sim.bidirectional:
+            lease = self.pin(hold, ttl_s=self.reuse.retention_ttl_s, now=now, conv=req.conv, pages=full,
+                             stable=keep, prefix="kv-")
+            old = self.conv_lease.get(req.conv)
+            self.conv_lease[req.conv] = lease.lease_id
+            if old is not None:
+                self.release(old, now)
+        else:
+            self.cache.release(hold)
+        req.transfer_offer = lease
+        self.on_done(req, now)
+
+
+class Sim:
+    """What workers need of the simulator: the clock, scheduling and the reuse switch."""
+
+    now: float
+    bidirectional: bool
+
+    def at(self, t: float, fn: Callable[[float], None]) -> None:
+        raise NotImplementedError

@@ -1,0 +1,492 @@
+"""Cluster simulator: N prefill and M decode workers, the gateway's real router
+and lease table, and an agent population from ``kvserving.agent_load``; a
+discrete-event simulation (one heap of timed callbacks, pure Python) whose
+every cost comes from a measured ``sim_costs.CostModel``.
+
+One turn, as the real stack runs it (gateway/turn.py, worker/kv_transfer.py)::
+
+    agent sends ──> gateway: lease-table lookup, choose_decode / choose_prefill
+      (kvserving.gateway.router, called as the gateway calls them)
+    ──> prefill worker: pull the decode's retained KV (D->P) past its own prefix
+        cache, queue, compute the rest, pin the prompt's pages for the decode
+    ──> decode worker: pull what it lacks (P->D), compute the partial page,
+        decode; retain prompt + reply under a lease; the gateway records it
+    ──> the agent thinks, then sends the next turn (the whole history)
+
+The gateway's ``LeaseTable`` (kvserving.gateway.leases) is the real one: its
+sweep releases idle conversations, renews, and bounds the table; the workers
+expire leases at ``retention_ttl_s``. Metrics are the benchmark's
+(bench/agents.py): prefix hit rate (cached / prompt tokens), reuse by source,
+evicted pages, requests/s, output tokens/s, TTFT p50/p99.
+
+``kvserving simulate`` runs it from the command line and answers the capacity
+question: the fewest GPUs that serve a population at a TTFT p99.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserving.agent_load import AgentSpec, LoadSpec, agent
+from kvserving.config import DEFAULT_PAGE_SIZE, GatewayConfig, ReuseConfig, SchedulerConfig
+from kvserving.gateway.leases import LeaseTable
+from kvserving.gateway.router import WorkerView, choose_decode, choose_prefill, prefix_key
+from kvserving.sim_costs import CostModel
+from kvserving.sim_workers import DecodeWorker, PrefillWorker, Req, Sim, WLease, Worker
+
+_BIG = 1 << 40  # pages of a conversation chain: bounded by the prompt, never by this
+
+
+@dataclass(slots=True, frozen=True)
+class ClusterSpec:
+    """The simulated cluster: formats, worker counts, engine and reuse settings."""
+
+    dtype: str
+    prefill_workers: int
+    decode_workers: int
+    costs: CostModel
+    page_size: int | None = None
+    reuse: ReuseConfig = field(default_factory=ReuseConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    kv_bytes_per_worker: int | None = None  # None: the cost model's
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DEFAULT_PAGE_SIZE:
+            raise ValueError(f"dtype must be one of {tuple(DEFAULT_PAGE_SIZE)}, got {self.dtype!r}")
+        if not self.costs.supports(self.dtype):
+            raise ValueError(f"cost model {self.costs.name!r} has no decode cost for {self.dtype}")
+        for name in ("prefill_workers", "decode_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.page_size is not None and (self.page_size < 1 or self.page_size & (self.page_size - 1)):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.kv_bytes_per_worker is not None and self.kv_bytes_per_worker < 1:
+            raise ValueError(f"kv_bytes_per_worker must be >= 1, got {self.kv_bytes_per_worker}")
+
+    @property
+    def effective_page_size(self) -> int:
+        return self.page_size or DEFAULT_PAGE_SIZE[self.dtype]
+
+    @property
+    def pages_per_worker(self) -> int:
+        return self.costs.pool_pages(self.dtype, self.effective_page_size, kv_bytes=self.kv_bytes_per_worker)
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    """One request as the agent saw it (the benchmark's ``Record``)."""
+
+    agent: int
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    local_tokens: int
+    pulled_tokens: int
+    output_tokens: int
+    sent_at: float
+    ttft_s: float
+    latency_s: float
+    fallback: str | None
+
+
+@dataclass(slots=True)
+class _Agent:
+    """An agent in flight: its spec (lengths), a unique conversation and its turn index."""
+
+    uid: int
+    spec: AgentSpec
+    conv: str
+    segs_head: list[tuple[Any, int]]
+    key: bytes
+    next_turn: int = 0
+    done_cb: Callable[[float], None] | None = None
+
+
+class Simulator(Sim):
+    """The event loop, the gateway and the agents over a ``ClusterSpec``."""
+
+    def __init__(self, cluster: ClusterSpec, load: LoadSpec, *, bidirectional: bool | None = None) -> None:
+        self.cluster = cluster
+        self.load = load
+        self.now = 0.0
+        self.bidirectional = cluster.reuse.bidirectional if bidirectional is None else bidirectional
+        self._events: list[tuple[float, int, Callable[[float], None]]] = []
+        self._seq = 0
+        costs, p = cluster.costs, cluster.effective_page_size
+        self.page_size = p
+        pages = cluster.pages_per_worker
+        if pages < 1:
+            raise ValueError(f"the KV budget holds no {cluster.dtype} page")
+        kw: dict[str, Any] = dict(sim=self, pages=pages, page_size=p, dtype=cluster.dtype, costs=costs,
+                                  reuse=cluster.reuse, sched=cluster.scheduler)
+        self.prefill = [PrefillWorker(f"http://prefill-{i}", **kw) for i in range(cluster.prefill_workers)]
+        self.decode = [DecodeWorker(f"http://decode-{i}", **kw) for i in range(cluster.decode_workers)]
+        self._by_url: dict[str, Worker] = {w.url: w for w in [*self.prefill, *self.decode]}
+        for w in self.prefill:
+            w.on_done = self._prefill_done
+        for d in self.decode:
+            d.on_done = self._decode_done
+        g = cluster.gateway
+        self.table = LeaseTable(lease_ttl_s=cluster.reuse.lease_ttl_s, heartbeat_s=g.lease_heartbeat_s, max_leases=g.max_leases)
+        self._sweep_period = min(g.lease_heartbeat_s, cluster.reuse.lease_ttl_s) / 4
+        self._sweeping = False
+        self.records: list[TurnRecord] = []
+        self.rejected = 0
+        self._turn_seq = 0
+        self._keys: dict[str, bytes] = {}
+        self._shared_prefix_key: bytes | None = None
+        self._active = 0
+        self._ctx: dict[int, tuple[_Agent, DecodeWorker, Req]] = {}  # turns in flight
+        self.max_turn_tokens = (cluster.pages_per_worker * p)  # a request longer than the pool is refused
+
+    # ------------------------------------------------------------------ event core
+    def at(self, t: float, fn: Callable[[float], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, fn))
+
+    def run(self, *, until: float = math.inf, progress: Callable[[float], None] | None = None) -> None:
+        """Process events in time order (ties in the order they were scheduled) up to ``until``."""
+        events = self._events
+        next_report = 0.0
+        while events and events[0][0] <= until:
+            t, _, fn = heapq.heappop(events)
+            self.now = t
+            fn(t)
+            if progress is not None and t >= next_report:
+                progress(t)
+                next_report = t + 10.0
+        self.now = max(self.now, until) if until != math.inf else self.now
+
+    def _ensure_sweep(self) -> None:
+        if not self._sweeping:
+            self._sweeping = True
+            self.at(self.now + self._sweep_period, self._sweep)
+
+    def _sweep(self, now: float) -> None:
+        """One gateway heartbeat (LeaseKeeper.run_once without the HTTP)."""
+        sweep = self.table.sweep(now=now)
+        for lease in sweep.release:
+            w = self._by_url.get(lease.worker_url)
+            if w is not None:
+                w.release(lease.lease_id, now)
+        for lease in sweep.renew:
+            w = self._by_url[lease.worker_url]
+            expires = w.renew(lease.lease_id, ttl_s=self.cluster.reuse.retention_ttl_s, now=now)
+            if expires is None:
+                self.table.drop(lease.conversation_key, lease_id=lease.lease_id)
+            else:
+                self.table.renewed(lease.conversation_key, lease_id=lease.lease_id, expires_at=expires, now=now)
+        if len(self.table) or self._active:
+            self.at(now + self._sweep_period, self._sweep)
+        else:
+            self._sweeping = False
+
+    # ------------------------------------------------------------------ agents
+    def start_agent(self, uid: int, spec: AgentSpec, at: float, *, on_done: Callable[[float], None] | None = None) -> None:
+        """Agent ``spec`` (a fresh conversation ``uid``) sends its first turn at ``at``."""
+        p = self.page_size
+        if self.load.shared_system_prompt:
+            shared = self.cluster.costs.server_tokens(spec.prefix_tokens) // p
+            segs_head: list[tuple[Any, int]] = [(("s", 0), shared)]
+            if self._shared_prefix_key is None:
+                self._shared_prefix_key = _synthetic_key("shared")
+            key = self._shared_prefix_key
+        else:
+            segs_head = []
+            key = _synthetic_key(f"agent-{uid}")
+        ag = _Agent(uid, spec, f"conv-{uid}", segs_head + [(("c", uid), _BIG)], key, done_cb=on_done)
+        self._active += 1
+        if not spec.turns:
+            self._agent_done(ag, at)
+            return
+        self.at(at + spec.turns[0].think_time_s, lambda t: self._send(ag, t))
+        self._ensure_sweep()
+
+    def _agent_done(self, ag: _Agent, now: float) -> None:
+        self._active -= 1
+        if ag.done_cb is not None:
+            ag.done_cb(now)
+
+    def _lengths(self, ag: _Agent, k: int) -> tuple[int, int, int, int]:
+        """Server tokens of turn ``k``: prompt, output, and the stable page counts."""
+        costs, p = self.cluster.costs, self.page_size
+        turn = ag.spec.turns[k]
+        prompt = costs.server_tokens(turn.history_tokens)
+        out = turn.output_tokens
+        stable_prompt = prompt // p
+        stable_stream = max(0, prompt + out - costs.reply_lost_tokens) // p
+        if k + 1 < len(ag.spec.turns):  # never beyond what the next prompt repeats
+            nxt = costs.server_tokens(ag.spec.turns[k + 1].history_tokens)
+            stable_prompt = min(stable_prompt, nxt // p)
+            stable_stream = min(stable_stream, nxt // p)
+        return prompt, out, stable_prompt, stable_stream
+
+    def _send(self, ag: _Agent, now: float) -> None:
+        k = ag.next_turn
+        prompt, out, sp, ss = self._lengths(ag, k)
+        self._turn_seq += 1
+        req = Req(self._turn_seq, ag.conv, ag.segs_head, prompt, out, sp, ss, now)
+        if prompt + out > self.max_turn_tokens:
+            self.rejected += 1  # the engine refuses a request its pool cannot hold (400)
+            self._after_turn(ag, req, now, failed=True)
+            return
+        # gateway: lease lookup (a miss asks the decode workers), route, begin the turn
+        key = ag.conv
+        lease = self.table.get(key)
+        if lease is None and k > 0:
+            lease = self._lookup(key, now)
+        held = self.table.per_worker
+        views = [WorkerView(w.url, True, w.inflight, held.get(w.url, 0)) for w in self.decode]
+        decision = choose_decode(views, lease_url=lease.worker_url if lease else None,
+                                 max_inflight=self.cluster.gateway.max_inflight_per_worker)
+        assert decision is not None
+        dec = self._by_url[decision.url]
+        choice = choose_prefill([WorkerView(w.url, True, w.inflight) for w in self.prefill], key=ag.key)
+        assert choice is not None
+        pre = self._by_url[choice.url]
+        assert isinstance(pre, PrefillWorker) and isinstance(dec, DecodeWorker)
+        req.prefill_url, req.decode_url = pre.url, dec.url
+        if lease is not None and self.bidirectional:
+            holder = self._by_url[lease.worker_url]
+            req.lease_offer = holder.leases.get(lease.lease_id) or _expired_offer(holder, lease.expires_at)
+        self.table.begin_turn(key, now=now)
+        pre.inflight += 1
+        dec.inflight += 1
+        t = now + self.cluster.costs.gateway_s
+        self.at(t, lambda when: self._at_prefill(ag, req, pre, dec, when))
+
+    def _lookup(self, key: str, now: float) -> Any:
+        """LeaseKeeper.lookup on a miss: the decode worker still retaining ``key``, if any."""
+        best = None
+        for w in self.decode:
+            w.expire(now)
+            lease_id = w.conv_lease.get(key)
+            if lease_id is not None:
+                rec = w.leases[lease_id]
+                if best is None or rec.expires_at > best.expires_at:
+                    best = rec
+        if best is None:
+            return None
+        self.table.remember(key, worker_url=best.worker.url, params=_params(best), now=now)
+        return self.table.get(key)
+
+    def _at_prefill(self, ag: _Agent, req: Req, pre: PrefillWorker, dec: DecodeWorker, now: float) -> None:
+        pre.expire(now)
+        if req.lease_offer is not None:
+            req.lease_offer.worker.expire(now)
+        out = pre.pull(req, req.lease_offer, now)
+        req.fallback = out.fallback
+        req_s = self.cluster.costs.prefill_request_s
+        self.at(now + out.seconds + req_s, lambda t: pre.arrive(req, t))
+        self._ctx[req.turn_id] = (ag, dec, req)
+
+    def _prefill_done(self, req: Req, now: float) -> None:
+        ag, dec, _ = self._ctx[req.turn_id]
+        pre = self._by_url[req.prefill_url]
+        pre.inflight -= 1
+        p = self.page_size
+        req.cached_tokens = req.hit_pages * p
+        req.remote_tokens = req.remote_pages * p
+        req.local_tokens = req.cached_tokens - req.remote_tokens
+        req.hold = None
+        req.pin = None
+        req.pulled = (0, 0)
+        self.at(now, lambda t: self._at_decode(req, dec, t))
+
+    def _at_decode(self, req: Req, dec: DecodeWorker, now: float) -> None:
+        dec.expire(now)
+        offer = req.transfer_offer
+        out = dec.pull(req, offer, now)
+        if offer is not None and req.pin is not None and offer.alive(now):
+            offer.worker.release(offer.lease_id, now)  # the decode pulled the prefill's hold: released
+        req.transfer_offer = None
+        self.at(now + out.seconds + self.cluster.costs.decode_request_s, lambda t: dec.arrive(req, t))
+
+    def _decode_done(self, req: Req, now: float) -> None:
+        ag, dec, _ = self._ctx.pop(req.turn_id)
+        dec.inflight -= 1
+        lease = req.transfer_offer
+        if lease is not None:
+            for old in self.table.put(ag.conv, worker_url=dec.url, params=_params(lease), now=now):
+                w = self._by_url.get(old.worker_url)
+                if w is not None:
+                    w.release(old.lease_id, now)
+        self.table.end_turn(ag.conv, now=now)
+        self._after_turn(ag, req, now, failed=False)
+
+    def _after_turn(self, ag: _Agent, req: Req, now: float, *, failed: bool) -> None:
+        turn = ag.spec.turns[ag.next_turn]
+        if not failed:
+            first = req.first_token_at or now
+            self.records.append(TurnRecord(
+                ag.uid, turn.index, req.prompt, req.cached_tokens, req.local_tokens, req.remote_tokens,
+                req.output, req.sent_at, first - req.sent_at, now - req.sent_at, req.fallback,
+            ))
+        ag.next_turn += 1
+        if failed or ag.next_turn >= len(ag.spec.turns):
+            self._agent_done(ag, now)
+            return
+        think = ag.spec.turns[ag.next_turn].think_time_s
+        self.at(now + think, lambda t: self._send(ag, t))
+
+    # ------------------------------------------------------------------ whole-cluster controls
+    def release_all_leases(self) -> None:
+        """What the benchmark does between points: every worker lets go of every lease."""
+        for w in [*self.prefill, *self.decode]:
+            for lease_id in list(w.leases):
+                w.release(lease_id, self.now)
+        for key in self.table.keys():
+            self.table.drop(key)
+
+    def in_flight(self) -> list[Req]:
+        return [req for _, _, req in self._ctx.values()]
+
+    def evicted_pages(self) -> dict[str, int]:
+        return {
+            "prefill": sum(w.cache.evicted for w in self.prefill),
+            "decode": sum(w.cache.evicted for w in self.decode),
+        }
+
+
+def _params(lease: WLease) -> dict[str, Any]:
+    return {"lease_id": lease.lease_id, "expires_at": lease.expires_at}
+
+
+def _expired_offer(worker: Worker, expires_at: float) -> WLease | None:
+    """A lease the gateway still lists but its worker no longer holds: pulls of it fail."""
+    return WLease("gone", worker, worker.cache.new_hold(), expires_at, None, 0, 0) if expires_at else None
+
+
+def _synthetic_key(name: str) -> bytes:
+    """``prefix_key`` of a prompt's first tokens: distinct prompts, distinct token ids."""
+    rng = random.Random(name)
+    return prefix_key([rng.randrange(32000) for _ in range(64)])
+
+
+# ---------------------------------------------------------------------------------- metrics
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile, as bench/agents.py computes it."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def summarize(records: list[TurnRecord], wall_s: float, *, waiting_ttfts: list[float] | None = None) -> dict[str, Any]:
+    """The benchmark's per-point metrics over ``records``; ``waiting_ttfts``: turns without a
+    reply by the end (their TTFT so far counts in the percentiles, not in the throughput)."""
+    prompt = sum(r.prompt_tokens for r in records)
+    later = [r for r in records if r.turn > 0]
+    later_prompt = sum(r.prompt_tokens for r in later)
+    ttfts = [r.ttft_s for r in records] + list(waiting_ttfts or [])
+    fallbacks: dict[str, int] = {}
+    for r in records:
+        if r.fallback:
+            fallbacks[r.fallback] = fallbacks.get(r.fallback, 0) + 1
+    cached = sum(r.cached_tokens for r in records)
+    out = sum(r.output_tokens for r in records)
+    nan = math.nan
+    return {
+        "requests": len(records),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else nan,
+        "hit_rate_later_turns": sum(r.cached_tokens for r in later) / later_prompt if later_prompt else nan,
+        "local_share": sum(r.local_tokens for r in records) / prompt if prompt else nan,
+        "pulled_share": sum(r.pulled_tokens for r in records) / prompt if prompt else nan,
+        "output_tokens": out,
+        "wall_s": wall_s,
+        "req_per_s": len(records) / wall_s if wall_s > 0 else nan,
+        "output_tok_per_s": out / wall_s if wall_s > 0 else nan,
+        "ttft_p50_ms": percentile(ttfts, 0.50) * 1e3,
+        "ttft_p99_ms": percentile(ttfts, 0.99) * 1e3,
+        "fallbacks": fallbacks,
+    }
+
+
+# ---------------------------------------------------------------------------------- scenarios
+def run_bench_point(sim: Simulator, agent_ids: range) -> dict[str, Any]:
+    """One point of bench/agents.py: every agent in ``agent_ids`` runs all its turns, starts
+    spread over one mean think time; returns the point's metrics (evictions included)."""
+    sim.release_all_leases()
+    before = sim.evicted_pages()
+    start = sim.now
+    first_record = len(sim.records)
+    n = len(agent_ids)
+    spread = sim.load.think_time_s.mean
+    for k, i in enumerate(agent_ids):
+        sim.start_agent(i, agent(sim.load, i), start + spread * k / max(n, 1))
+    sim.run()
+    records = sim.records[first_record:]
+    end = max((r.sent_at + r.latency_s for r in records), default=start)
+    point = summarize(records, end - start)
+    after = sim.evicted_pages()
+    point["prefill_evicted_pages"] = after["prefill"] - before["prefill"]
+    point["decode_evicted_pages"] = after["decode"] - before["decode"]
+    point["concurrency"] = n
+    return point
+
+
+@dataclass(slots=True, frozen=True)
+class Population:
+    """A steady population: ``agents`` slots, each running agents back to back for ``duration_s``.
+
+    Slot j runs agents j, j + agents, j + 2 agents, ...; they start spread over ``ramp_s``.
+    ``shapes``: draw only the first ``shapes`` agents of the spec and give slot agents their
+    lengths and think times in turn (each a new conversation): drawing an agent's text costs
+    ~1-15 ms, too much for 10K agents an hour."""
+
+    agents: int
+    duration_s: float
+    warmup_s: float = 0.0
+    ramp_s: float = 60.0
+    shapes: int = 256
+
+    def __post_init__(self) -> None:
+        if self.agents < 1:
+            raise ValueError(f"agents must be >= 1, got {self.agents}")
+        if not self.duration_s > 0:
+            raise ValueError(f"duration_s must be > 0, got {self.duration_s}")
+        if not 0 <= self.warmup_s < self.duration_s:
+            raise ValueError(f"warmup_s must be in [0, duration_s), got {self.warmup_s}")
+        if self.ramp_s < 0:
+            raise ValueError(f"ramp_s must be >= 0, got {self.ramp_s}")
+        if self.shapes < 1:
+            raise ValueError(f"shapes must be >= 1, got {self.shapes}")
+
+
+def run_population(sim: Simulator, pop: Population, *, progress: Callable[[float], None] | None = None) -> dict[str, Any]:
+    """Run ``pop`` on ``sim``; metrics over turns sent in [warmup_s, duration_s)."""
+    shapes: dict[int, AgentSpec] = {}
+
+    def spec_for(i: int) -> AgentSpec:
+        j = i % pop.shapes
+        if j not in shapes:
+            shapes[j] = agent(sim.load, j)
+        return shapes[j]
+
+    def launch(slot: int, k: int, at: float) -> None:
+        if at >= pop.duration_s:
+            return
+        uid = slot + k * pop.agents
+        sim.start_agent(uid, spec_for(uid), at, on_done=lambda t: launch(slot, k + 1, t))
+
+    for slot in range(pop.agents):
+        launch(slot, 0, pop.ramp_s * slot / pop.agents)
+    sim.run(until=pop.duration_s, progress=progress)
+    window = pop.duration_s - pop.warmup_s
+    end = pop.duration_s
+    records = [r for r in sim.records if pop.warmup_s <= r.sent_at and r.sent_at + r.latency_s <= end]
+    # turns still waiting at the end count in the TTFT: a saturated cluster must not look fast
+    waiting = [min(req.first_token_at or end, end) - req.sent_at for req in sim.in_flight() if req.sent_at >= pop.warmup_s]
+    point = summarize(records, window, waiting_ttfts=waiting)
+    point.update({f"{k}_evicted_pages": v for k, v in sim.evicted_pages().items()})
+    point["unfinished"] = len(waiting)
+    return point
