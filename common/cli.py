@@ -26,9 +26,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("kvserving.operator.main", "run the kopf operator"),
     "tiny-model": ("kvserving.worker.tiny_model", "write the built-in tiny model (HF format) to DIR"),
     "generate": ("kvserving.worker.generate", "offline generation with the engine (no server)"),
+    "calibrate": ("kvserving.calibrate", "measure KV sensitivity per token class: bits tables per budget and fp8/nvfp4 scales"),
     "worker": ("kvserving.worker.main", "serve one worker (prefill, decode or both): the worker HTTP API, engine and NIXL agent"),
     "gateway": ("kvserving.gateway.main", "the OpenAI-compatible gateway in front of prefill/decode workers"),
     "up": ("kvserving.up", "local mode: gateway + prefill + decode workers on loopback (the whole product on one machine)"),
+    "simulate": ("kvserving.simulate", "cluster simulator: agents on N prefill + M decode GPUs, and the GPUs a TTFT p99 needs"),
 }
 
 
