@@ -222,6 +222,7 @@ def _writer_groups(gen: torch.Generator, n: int) -> torch.Tensor:
     x[0] = OUTLIER
     x[1] = torch.tensor([-1e-10] + [1.0] * 31)
     x[2] = torch.tensor([-65500.0, 65504.0] * 16)
+    x[3] = torch.tensor([1e-40, 3e-40] * 16)  # fp32 subnormals: span 3e-40 must not flush to 0 (scale 2^-24, not 1)
     return x
 
 
