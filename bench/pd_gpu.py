@@ -30,9 +30,14 @@ seed
     - new-only: the decode worker, holding the history in its own cache, computes only the
       new tokens itself: the floor.
 
-    TTFT = from the request reaching the prefill worker to the decode worker's first token
-    (client side, HTTP included). The prefill time is split into the D->P READ (the prefill
-    worker's own transfer seconds) and the rest (compute, scheduling, HTTP).
+    TTFT = from the request reaching the prefill worker to its first token: the prefill worker
+    samples the reply's first token and the gateway streams it at once; the decode worker then
+    continues after it (``output_ids``), so its hop shows in the second token's time ("2nd
+    token on"). Client side, HTTP included. The prefill time is split into the D->P READ (the
+    prefill worker's own transfer seconds) and the rest (compute, scheduling, HTTP). With a
+    gateway per pair ("gw on"), the same "on" turn also runs through ``kvserving gateway``
+    (``/v1/completions`` with token ids and ``prompt_cache_key``, streamed): the gateway finds
+    the decode worker's lease, routes and relays; its cached tokens confirm the reuse.
 faults
     On the bf16 pair: the decode worker frozen (SIGSTOP) while the prefill worker pulls, and
     killed between turns; each turn must recompute (usage.reuse_fallback) and its tokens are
@@ -53,7 +58,7 @@ import sys
 import tarfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +68,11 @@ from kvserving.stack import free_port
 
 FORMATS = ("bf16", "nvfp4", "fp8_e4m3", "triaxial")
 INT2_SHARE = 0.65  # triaxial pages at INT2: 0.65 * 2 + 0.35 * 4 = 2.7 average code bits
+# vocab_size: the built-in tiny model's tokenizer (4096 ids) is copied next to the weights so
+# that a gateway can render, tokenize and detokenize for this model; the LM head is then 4096
+# wide (runs only at sampled positions: no effect on prefill or transfer time).
 QWEN3_8B: dict[str, Any] = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 32768, "hidden_size": 4096,
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 4096, "hidden_size": 4096,
     "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
     "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
     "rope_theta": 1_000_000.0, "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
@@ -90,6 +98,7 @@ class Plan:
     pool_bytes: int
     deadline: float
     results: dict[str, Any]
+    gateways: list[Any] = field(default_factory=list)  # gateway processes (Worker records), killed at the end
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -364,10 +373,16 @@ def build_model(plan: Plan) -> Path:
         return build_tiny_model(out)
     from safetensors.torch import save_file
 
+    import shutil
+
+    from kvserving.model_dir import resolve_model_dir
+
     out.mkdir(parents=True, exist_ok=True)
-    cfg = QWEN3_8B
+    tiny = resolve_model_dir("")  # builds the tiny model locally once (no download)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny / name, out / name)
+    cfg = dict(QWEN3_8B, vocab_size=json.loads((tiny / "config.json").read_text())["vocab_size"])
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [1], "pad_token_id": 0}))
     g = torch.Generator(device="cuda:0").manual_seed(1234)
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     q, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
@@ -444,7 +459,7 @@ class Worker:
 
 def make_worker(plan: Plan, model: Path, fmt: str, role: str, gpu: int) -> Worker:
     cfg = {
-        "model": {"path": str(model), "max_model_len": 4096 if plan.tiny else 32768},
+        "model": {"path": str(model), "served_name": "bench", "max_model_len": 4096 if plan.tiny else 32768},
         "kv_cache": {"dtype": fmt, "memory_bytes": plan.pool_bytes},
         "reuse": {"recompute_threshold_tokens": 64, "transfer_timeout_s": 5.0},
         "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 2048, "chunk_size": 2048},
@@ -460,6 +475,16 @@ def make_worker(plan: Plan, model: Path, fmt: str, role: str, gpu: int) -> Worke
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         env["UCX_PROTO_INFO"] = "y"  # UCX prints the protocols (transports) it selects into the worker's log
     return Worker(name, role, gpu, f"http://127.0.0.1:{port}", argv, env, plan.work / f"{name}.log")
+
+
+def make_gateway(plan: Plan, model: Path, fmt: str, prefill: Worker, decode: Worker) -> Worker:
+    """``kvserving gateway`` in front of one pair, from the prefill worker's engine config (CPU only)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "kvserving.cli", "gateway", "--config", str(plan.work / f"prefill-{fmt}.json"),
+            "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--prefill", prefill.url,
+            "--decode", decode.url, "--log-level", "warning"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    return Worker(f"gateway-{fmt}", "gateway", -1, f"http://127.0.0.1:{port}", argv, env, plan.work / f"gateway-{fmt}.log")
 
 
 def wait_ready(client: Any, workers: list[Worker], deadline: float) -> dict[str, str]:
@@ -493,9 +518,11 @@ class Gen:
 
 
 def generate(client: Any, url: str, ids: list[int], *, max_tokens: int, params: dict[str, Any] | None = None,
-             key: str | None = None, retain: bool = False) -> Gen:
+             key: str | None = None, retain: bool = False, output_ids: list[int] | None = None) -> Gen:
     body = {"request_id": uuid.uuid4().hex, "input_ids": ids, "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
             "kv_transfer_params": params, "conversation_key": key, "retain": retain}
+    if output_ids:
+        body["output_ids"] = output_ids
     t0 = time.perf_counter()
     first = 0.0
     tokens: list[int] = []
@@ -535,7 +562,32 @@ def rand_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(n)]
 
 
-def one_length(client: Any, p: Worker, d: Worker, L: int, plan: Plan, rng: random.Random, vocab: int) -> dict[str, Any]:
+def gateway_turn(client: Any, url: str, ids: list[int], *, key: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed /v1/completions turn through the gateway (token-id prompt, prompt_cache_key
+    as the conversation): client-side TTFT (first text chunk) and the usage it reports."""
+    body = {"model": "bench", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "prompt_cache_key": key}
+    t0 = time.perf_counter()
+    first = 0.0
+    usage: dict[str, Any] = {}
+    with client.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"gateway: {r.status_code} {r.read().decode()[:300]}")
+        for line in r.iter_lines():
+            data = line.removeprefix("data: ") if line else ""
+            if not data or data == "[DONE]":
+                continue
+            ev = json.loads(data)
+            if "error" in ev:
+                raise RuntimeError(f"gateway: {ev['error']}")
+            if ev.get("choices") and not first:
+                first = time.perf_counter()
+            usage = ev.get("usage") or usage
+    return {"ttft_ms": (first - t0) * 1e3, "total_ms": (time.perf_counter() - t0) * 1e3, "usage": usage}
+
+
+def one_length(client: Any, p: Worker, d: Worker, L: int, plan: Plan, rng: random.Random, vocab: int,
+               gateway: str | None = None) -> dict[str, Any]:
     """Setup, new-only, on and off for prompt length ``L`` (see the module docstring)."""
     key = uuid.uuid4().hex
     hist = rand_ids(rng, L - plan.new - plan.gen, vocab)
@@ -548,35 +600,53 @@ def one_length(client: Any, p: Worker, d: Worker, L: int, plan: Plan, rng: rando
     # on: D->P pull, compute the new tokens, P->D pull of what D lacks, first token
     x_on = held + rand_ids(rng, plan.new, vocab)
     sp0, sd0 = xfer_seconds(client, p), xfer_seconds(client, d)
+    # The prefill samples the first token (TTFT); the decode continues after it (output_ids)
     pon = generate(client, p.url, x_on, max_tokens=1, params=d_params, key=key)
-    don = generate(client, d.url, x_on, max_tokens=1, params=pon.final["kv_transfer_params"], key=key)
+    don = generate(client, d.url, x_on, max_tokens=2, params=pon.final["kv_transfer_params"], key=key, output_ids=pon.tokens)
     sp1, sd1 = xfer_seconds(client, p), xfer_seconds(client, d)
     # off: a prompt nobody has seen: P computes all, D pulls all
     x_off = rand_ids(rng, L, vocab)
     poff = generate(client, p.url, x_off, max_tokens=1)
-    doff = generate(client, d.url, x_off, max_tokens=1, params=poff.final["kv_transfer_params"])
+    doff = generate(client, d.url, x_off, max_tokens=2, params=poff.final["kv_transfer_params"], output_ids=poff.tokens)
     sp2, sd2 = xfer_seconds(client, p), xfer_seconds(client, d)
     release_all(client, p, d)
     pu, du = pon.final["usage"], don.final["usage"]
-    return {
+    row = {
         "L": L, "setup_ms": (setup.end - setup.t0) * 1e3,
         "new_only_ms": (base.first - base.t0) * 1e3, "new_only_usage": base.final["usage"],
-        "on_ms": (don.first - pon.t0) * 1e3, "on_p_ms": (pon.end - pon.t0) * 1e3, "on_p_pull_ms": (sp1 - sp0) * 1e3,
+        "on_ms": (pon.first - pon.t0) * 1e3, "on_second_ms": (don.first - pon.t0) * 1e3,
+        "on_p_ms": (pon.end - pon.t0) * 1e3, "on_p_pull_ms": (sp1 - sp0) * 1e3,
         "on_d_ms": (don.first - don.t0) * 1e3, "on_d_pull_ms": (sd1 - sd0) * 1e3, "on_p_usage": pu, "on_d_usage": du,
-        "off_ms": (doff.first - poff.t0) * 1e3, "off_p_ms": (poff.end - poff.t0) * 1e3, "off_p_pull_ms": (sp2 - sp1) * 1e3,
+        "off_ms": (poff.first - poff.t0) * 1e3, "off_second_ms": (doff.first - poff.t0) * 1e3,
+        "off_p_ms": (poff.end - poff.t0) * 1e3, "off_p_pull_ms": (sp2 - sp1) * 1e3,
         "off_d_ms": (doff.first - doff.t0) * 1e3, "off_d_pull_ms": (sd2 - sd1) * 1e3,
         "off_p_usage": poff.final["usage"], "off_d_usage": doff.final["usage"],
     }
+    if gateway is not None:
+        # the same "on" turn through the gateway: the decode holds the history under the
+        # conversation key the gateway derives from prompt_cache_key; the gateway finds the
+        # lease by asking the decode worker (a lease-table miss), routes, relays
+        gkey = uuid.uuid4().hex
+        gsetup = generate(client, d.url, hist, max_tokens=plan.gen, key=f"cache:{gkey}", retain=True)
+        x_gw = hist + gsetup.tokens + rand_ids(rng, plan.new, vocab)
+        row["gw_on"] = gateway_turn(client, gateway, x_gw, key=gkey, max_tokens=plan.gen)
+        release_all(client, p, d)
+    return row
 
 
 def run_seed(plan: Plan, client: Any, model: Path) -> dict[str, tuple[Worker, Worker]]:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     pairs = {f: (make_worker(plan, model, f, "prefill", 0), make_worker(plan, model, f, "decode", 1)) for f in plan.formats}
+    gateways = {f: make_gateway(plan, model, f, pw, dw) for f, (pw, dw) in pairs.items()}
+    plan.gateways = list(gateways.values())
     t0 = time.monotonic()
     for pw, dw in pairs.values():
         pw.start()
         dw.start()
-    errors = wait_ready(client, [w for pair in pairs.values() for w in pair], time.monotonic() + min(300, plan.left() - 60))
+    for gw in gateways.values():
+        gw.start()
+    everyone = [w for pair in pairs.values() for w in pair] + list(gateways.values())
+    errors = wait_ready(client, everyone, time.monotonic() + min(300, plan.left() - 60))
     seed: dict[str, Any] = {"start_s": time.monotonic() - t0, "errors": errors, "formats": {}}
     plan.results["seed"] = seed
     plan.save()
@@ -584,6 +654,7 @@ def run_seed(plan: Plan, client: Any, model: Path) -> dict[str, tuple[Worker, Wo
     for fmt, (pw, dw) in pairs.items():
         if pw.name in errors or dw.name in errors:
             continue
+        gw_url = gateways[fmt].url if gateways[fmt].name not in errors else None
         if plan.left() < (60 if not plan.tiny else 20):
             seed["formats"][fmt] = {"skipped": "time budget"}
             continue
@@ -593,14 +664,14 @@ def run_seed(plan: Plan, client: Any, model: Path) -> dict[str, tuple[Worker, Wo
         try:
             w0 = time.monotonic()
             for L in sorted({min(plan.lengths), max(plan.lengths)}):  # compile kernels, connect NIXL both ways
-                one_length(client, pw, dw, L, plan, rng, vocab)
+                one_length(client, pw, dw, L, plan, rng, vocab, gw_url)
             res["warm_ms"] = (time.monotonic() - w0) * 1e3
             for L in plan.lengths:
                 for _ in range(plan.reps):
                     if plan.left() < (45 if not plan.tiny else 10):
                         res["cut_short"] = f"time budget at L={L}"
                         break
-                    res["rows"].append(one_length(client, pw, dw, L, plan, rng, vocab))
+                    res["rows"].append(one_length(client, pw, dw, L, plan, rng, vocab, gw_url))
                     plan.save()
         except Exception as exc:  # noqa: BLE001 - keep the other formats
             res["error"] = f"{type(exc).__name__}: {exc}"
@@ -630,7 +701,8 @@ def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def print_seed_table(fmt: str, res: dict[str, Any]) -> None:
     print(f"\n# seed experiment, kv {fmt}: TTFT ms (fastest of reps), prefill split, bytes per reused token")
-    head = ["L", "off", "on", "new-only", "on/new", "off/on", "P on", "P pull on", "P rest on", "D on", "D pull on",
+    head = ["L", "off", "on", "new-only", "on/new", "off/on", "gw on", "gw/new", "gw cached", "2nd token on",
+            "P on", "P pull on", "P rest on", "D on", "D pull on",
             "P off", "D off", "D pull off", "pulled D->P", "MiB D->P", "B/token", "regions D->P"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -638,8 +710,13 @@ def print_seed_table(fmt: str, res: dict[str, Any]) -> None:
         on, off, base = b["on"], b["off"], b["base"]
         pu = on["on_p_usage"]
         pulled = pu["remote_pulled_tokens"]
+        gws = [r["gw_on"] for r in res.get("rows", []) if r["L"] == b["L"] and "gw_on" in r]
+        gw = min(gws, key=lambda g: g["ttft_ms"]) if gws else None
+        gw_cells = ([f"{gw['ttft_ms']:.1f}", f"{gw['ttft_ms'] / base['new_only_ms']:.2f}",
+                     (gw["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")] if gw else ["", "", ""])
         row = [b["L"], f"{off['off_ms']:.1f}", f"{on['on_ms']:.1f}", f"{base['new_only_ms']:.1f}",
-               f"{on['on_ms'] / base['new_only_ms']:.2f}", f"{off['off_ms'] / on['on_ms']:.2f}",
+               f"{on['on_ms'] / base['new_only_ms']:.2f}", f"{off['off_ms'] / on['on_ms']:.2f}", *gw_cells,
+               f"{on.get('on_second_ms', float('nan')):.1f}",
                f"{on['on_p_ms']:.1f}", f"{on['on_p_pull_ms']:.1f}", f"{on['on_p_ms'] - on['on_p_pull_ms']:.1f}",
                f"{on['on_d_ms']:.1f}", f"{on['on_d_pull_ms']:.1f}",
                f"{off['off_p_ms']:.1f}", f"{off['off_d_ms']:.1f}", f"{off['off_d_pull_ms']:.1f}", pulled,
@@ -784,9 +861,8 @@ def main(argv: list[str] | None = None) -> int:
                 elif "faults" in phases:
                     plan.results["faults"] = {"skipped": "time budget or no bf16 pair"}
     finally:
-        for pw, dw in pairs.values():
-            pw.kill()
-            dw.kill()
+        for w in [w for pair in pairs.values() for w in pair] + plan.gateways:
+            w.kill()
         plan.results["elapsed_s"] = time.monotonic() - start
         plan.save()
         with tarfile.open(args.out / "logs.tgz", "w:gz") as tar:
