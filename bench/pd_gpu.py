@@ -65,6 +65,7 @@ from typing import Any
 import torch
 
 from kvserving.stack import free_port
+from kvserving.tags import encode_tag
 
 FORMATS = ("bf16", "nvfp4", "fp8_e4m3", "triaxial")
 INT2_SHARE = 0.65  # triaxial pages at INT2: 0.65 * 2 + 0.35 * 4 = 2.7 average code bits
@@ -518,9 +519,12 @@ class Gen:
 
 
 def generate(client: Any, url: str, ids: list[int], *, max_tokens: int, params: dict[str, Any] | None = None,
-             key: str | None = None, retain: bool = False, output_ids: list[int] | None = None) -> Gen:
+             key: str | None = None, retain: bool = False, output_ids: list[int] | None = None,
+             tags: list[int] | None = None) -> Gen:
     body = {"request_id": uuid.uuid4().hex, "input_ids": ids, "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
             "kv_transfer_params": params, "conversation_key": key, "retain": retain}
+    if tags is not None:
+        body["tags"] = tags
     if output_ids:
         body["output_ids"] = output_ids
     t0 = time.perf_counter()
@@ -586,28 +590,45 @@ def gateway_turn(client: Any, url: str, ids: list[int], *, key: str, max_tokens:
     return {"ttft_ms": (first - t0) * 1e3, "total_ms": (time.perf_counter() - t0) * 1e3, "usage": usage}
 
 
+# Tags of an agent's history as the gateway's tagger gives them: per 1024 tokens, 352 of
+# older-turn user text and 672 of older-turn tool results (obs). At bit budget 2.7 the
+# default table stores older obs at 2 bits and older user text at 4 (kvserving.bits), and
+# both runs are whole 32-token pages: 65.6% of the history's pages INT2 (triaxial's 2.7-bit
+# mix; the other formats ignore tags). The reply is last turn's assistant text and the new
+# message current user text, both 4-bit.
+OLDER_USER, OLDER_OBS = encode_tag("older", "text", "user"), encode_tag("older", "text", "obs")
+REPLY_TAG, NEW_TAG = encode_tag("turn_m1", "text", "assistant"), encode_tag("current", "text", "user")
+
+
+def history_tags(n: int) -> list[int]:
+    return [OLDER_USER if i % 1024 < 352 else OLDER_OBS for i in range(n)]
+
+
 def one_length(client: Any, p: Worker, d: Worker, L: int, plan: Plan, rng: random.Random, vocab: int,
                gateway: str | None = None) -> dict[str, Any]:
     """Setup, new-only, on and off for prompt length ``L`` (see the module docstring)."""
     key = uuid.uuid4().hex
     hist = rand_ids(rng, L - plan.new - plan.gen, vocab)
-    setup = generate(client, d.url, hist, max_tokens=plan.gen, key=key, retain=True)
+    setup = generate(client, d.url, hist, max_tokens=plan.gen, key=key, retain=True, tags=history_tags(len(hist)))
     held = hist + setup.tokens
+    tags = history_tags(len(hist)) + [REPLY_TAG] * len(setup.tokens) + [NEW_TAG] * plan.new
     d_params = setup.final["kv_transfer_params"]
     # new-only: the decode worker holds the history and computes the new tokens itself
     x_base = held + rand_ids(rng, plan.new, vocab)
-    base = generate(client, d.url, x_base, max_tokens=1)
+    base = generate(client, d.url, x_base, max_tokens=1, tags=tags)
     # on: D->P pull, compute the new tokens, P->D pull of what D lacks, first token
     x_on = held + rand_ids(rng, plan.new, vocab)
     sp0, sd0 = xfer_seconds(client, p), xfer_seconds(client, d)
     # The prefill samples the first token (TTFT); the decode continues after it (output_ids)
-    pon = generate(client, p.url, x_on, max_tokens=1, params=d_params, key=key)
-    don = generate(client, d.url, x_on, max_tokens=2, params=pon.final["kv_transfer_params"], key=key, output_ids=pon.tokens)
+    pon = generate(client, p.url, x_on, max_tokens=1, params=d_params, key=key, tags=tags)
+    don = generate(client, d.url, x_on, max_tokens=2, params=pon.final["kv_transfer_params"], key=key, output_ids=pon.tokens,
+                   tags=tags)
     sp1, sd1 = xfer_seconds(client, p), xfer_seconds(client, d)
     # off: a prompt nobody has seen: P computes all, D pulls all
     x_off = rand_ids(rng, L, vocab)
-    poff = generate(client, p.url, x_off, max_tokens=1)
-    doff = generate(client, d.url, x_off, max_tokens=2, params=poff.final["kv_transfer_params"], output_ids=poff.tokens)
+    poff = generate(client, p.url, x_off, max_tokens=1, tags=tags)
+    doff = generate(client, d.url, x_off, max_tokens=2, params=poff.final["kv_transfer_params"], output_ids=poff.tokens,
+                    tags=tags)
     sp2, sd2 = xfer_seconds(client, p), xfer_seconds(client, d)
     release_all(client, p, d)
     pu, du = pon.final["usage"], don.final["usage"]
@@ -627,7 +648,8 @@ def one_length(client: Any, p: Worker, d: Worker, L: int, plan: Plan, rng: rando
         # conversation key the gateway derives from prompt_cache_key; the gateway finds the
         # lease by asking the decode worker (a lease-table miss), routes, relays
         gkey = uuid.uuid4().hex
-        gsetup = generate(client, d.url, hist, max_tokens=plan.gen, key=f"cache:{gkey}", retain=True)
+        gsetup = generate(client, d.url, hist, max_tokens=plan.gen, key=f"cache:{gkey}", retain=True,
+                          tags=history_tags(len(hist)))
         x_gw = hist + gsetup.tokens + rand_ids(rng, plan.new, vocab)
         row["gw_on"] = gateway_turn(client, gateway, x_gw, key=gkey, max_tokens=plan.gen)
         release_all(client, p, d)
