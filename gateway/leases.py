@@ -106,13 +106,16 @@ class LeaseTable:
 
     def put(self, key: str, *, worker_url: str, params: dict[str, Any], now: float, inflight: int = 0) -> list[Lease]:
         """Record the decode's new params; returns entries evicted to stay within ``max_leases``
-        (and the replaced entry if its lease moved to another id), which the caller releases."""
+        (and the replaced entry if the conversation moved to another worker), which the caller releases."""
         old = self._pop(key)
         replaced: list[Lease] = []
         if old is not None:
             inflight = max(inflight, old.inflight)
-            if old.lease_id and old.lease_id != str(params.get("lease_id", "")):
-                replaced.append(old)  # superseded by the new lease: free the old pins
+            # Superseded on another worker: free the old pins there. A worker itself keeps only a
+            # conversation's newest lease, so one replaced on the same worker is already gone
+            # (releasing it anyway cost an HTTP round trip per turn on both sides).
+            if old.lease_id and old.lease_id != str(params.get("lease_id", "")) and old.worker_url != worker_url:
+                replaced.append(old)
         self._add(Lease(key, worker_url, dict(params), now, now, inflight))
         return replaced + self._evict_over_capacity(keep=key)
 

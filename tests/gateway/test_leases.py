@@ -67,6 +67,9 @@ def test_put_returns_the_superseded_lease_and_capacity_evictions() -> None:
     assert [le.conversation_key for le in evicted] == ["a"]  # least recently active first
     assert t.keys() == ["b", "c"]
     assert t.put("c", worker_url=W1, params=params("c1"), now=4.0) == []  # same lease id: nothing to free
+    # A new lease on the same worker: the worker already dropped the conversation's older one.
+    assert t.put("c", worker_url=W1, params=params("c2"), now=5.0) == []
+    assert t.get("c") is not None and t.get("c").lease_id == "c2"  # type: ignore[union-attr]
 
 
 def test_drop_only_when_the_lease_id_still_matches() -> None:
