@@ -12,8 +12,10 @@ with the policies of ``worker/engine.py``, ``worker/scheduler.py`` and
 - A **decode worker** is fluid: every running sequence gains one token per
   step, so one step counter ``S`` advances at 1 / step time (``decode_step`` of
   the batch and its context) and a sequence ends when ``S`` reaches its target.
-  Its admission computes the few prompt tokens it neither holds nor pulled and
-  stalls the batch for that long. Pages for the prompt and the whole reply are
+  The prefill worker's sampled token is the reply's first (gateway/turn.py:
+  TTFT is the prefill's); the decode computes it and the few prompt tokens it
+  neither holds nor pulled (stalling the batch that long), then runs
+  ``output - 1`` steps; a one-token reply skips the decode. Pages for the prompt and the whole reply are
   taken at admission (no preemption); when it ends, its full pages are
   retained under a lease for ``retention_ttl_s`` (the conversation's older
   lease on the worker is released).
@@ -349,7 +351,6 @@ class DecodeWorker(Worker):
         self.batch: list[tuple[float, int, Req]] = []  # (target S, turn id, req): a heap
         self.ctx_base = 0.0  # sum over the batch of (context at admission - S at admission)
         self._version = 0
-        self.on_first: Callable[[Req, float], None] = lambda req, now: None
         self.on_done: Callable[[Req, float], None] = lambda req, now: None
 
     def arrive(self, req: Req, now: float) -> None:
@@ -395,7 +396,7 @@ class DecodeWorker(Worker):
                 self.wake_when_leases_expire(now)
                 break
             self.waiting.popleft()
-            c = req.prompt - req.hit_pages * p  # prompt tokens computed here (>= 1)
+            c = req.prompt + 1 - req.hit_pages * p  # prompt + the prefill's first token, less what it holds
             stall = self.costs.prefill_token_s * c + self.costs.prefill_attn_s * c * (req.prompt - c / 2)
             admitted.append((req, stall))
         if not admitted:
@@ -403,13 +404,11 @@ class DecodeWorker(Worker):
         self._advance(now)
         stall = sum(s for _, s in admitted)
         for req, _ in admitted:
-            heapq.heappush(self.batch, (self.steps + req.output, req.turn_id, req))
-            self.ctx_base += req.prompt - self.steps
+            # the first token came from the prefill worker: output - 1 steps here
+            heapq.heappush(self.batch, (self.steps + req.output - 1, req.turn_id, req))
+            self.ctx_base += req.prompt + 1 - self.steps
         b = len(self.batch)
         step_s = self.costs.decode_step(self.dtype, b, self.ctx_base + b * self.steps)
-        for req, _ in admitted:
-            req.first_token_at = now + stall + step_s
-            self.on_first(req, req.first_token_at)
         self.steps -= stall / step_s  # every sequence waits for the admitted prompts' compute
         self._reschedule(now)
 
@@ -420,7 +419,7 @@ class DecodeWorker(Worker):
         done: list[Req] = []
         while self.batch and self.batch[0][0] <= self.steps + 1e-6:
             target, _, req = heapq.heappop(self.batch)
-            self.ctx_base -= req.prompt - (target - req.output)
+            self.ctx_base -= req.prompt + 1 - (target - req.output + 1)
             done.append(req)
         for req in done:
             self._finish(req, now)

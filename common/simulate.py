@@ -142,6 +142,7 @@ class Simulator(Sim):
         self._turn_seq = 0
         self._keys: dict[str, bytes] = {}
         self._shared_prefix_key: bytes | None = None
+        self._preferred_url: dict[bytes, str] = {}
         self._active = 0
         self._ctx: dict[int, tuple[_Agent, DecodeWorker, Req]] = {}  # turns in flight
         self.max_turn_tokens = (cluster.pages_per_worker * p)  # a request longer than the pool is refused
@@ -242,15 +243,7 @@ class Simulator(Sim):
         lease = self.table.get(key)
         if lease is None and k > 0:
             lease = self._lookup(key, now)
-        held = self.table.per_worker
-        views = [WorkerView(w.url, True, w.inflight, held.get(w.url, 0)) for w in self.decode]
-        decision = choose_decode(views, lease_url=lease.worker_url if lease else None,
-                                 max_inflight=self.cluster.gateway.max_inflight_per_worker)
-        assert decision is not None
-        dec = self._by_url[decision.url]
-        choice = choose_prefill([WorkerView(w.url, True, w.inflight) for w in self.prefill], key=ag.key)
-        assert choice is not None
-        pre = self._by_url[choice.url]
+        dec, pre = self.route(ag.key, lease.worker_url if lease else None)
         assert isinstance(pre, PrefillWorker) and isinstance(dec, DecodeWorker)
         req.prefill_url, req.decode_url = pre.url, dec.url
         if lease is not None and self.bidirectional:
@@ -261,6 +254,41 @@ class Simulator(Sim):
         dec.inflight += 1
         t = now + self.cluster.costs.gateway_s
         self.at(t, lambda when: self._at_prefill(ag, req, pre, dec, when))
+
+    def route(self, key: bytes, lease_url: str | None) -> tuple[DecodeWorker, PrefillWorker]:
+        """``choose_decode`` and ``choose_prefill`` of kvserving.gateway.router, called on the two
+        candidates that can win: the lease holder (or the prefix-hash worker) and the least
+        loaded one. Both functions pick one of exactly those two, so the answer is the one
+        they give on every worker (tests/test_simulate.py holds them equal) at O(1) hashing."""
+        held = self.table.per_worker
+        least = min(self.decode, key=lambda w: (w.inflight, held.get(w.url, 0), w.url))
+        views = [WorkerView(least.url, True, least.inflight, held.get(least.url, 0))]
+        if lease_url is not None and lease_url != least.url and lease_url in self._by_url:
+            h = self._by_url[lease_url]
+            views.append(WorkerView(h.url, True, h.inflight, held.get(h.url, 0)))
+        decision = choose_decode(views, lease_url=lease_url, max_inflight=self.cluster.gateway.max_inflight_per_worker)
+        assert decision is not None
+        preferred = self._preferred(key)
+        low = min(self.prefill, key=lambda w: (w.inflight, w.url))
+        pviews = [WorkerView(preferred.url, True, preferred.inflight)]
+        if low is not preferred:
+            pviews.append(WorkerView(low.url, True, low.inflight))
+        choice = choose_prefill(pviews, key=key)
+        assert choice is not None
+        dec, pre = self._by_url[decision.url], self._by_url[choice.url]
+        assert isinstance(dec, DecodeWorker) and isinstance(pre, PrefillWorker)
+        return dec, pre
+
+    def _preferred(self, key: bytes) -> PrefillWorker:
+        """The rendezvous-hash prefill worker of ``key``: the router's choice when all are idle."""
+        url = self._preferred_url.get(key)
+        if url is None:
+            choice = choose_prefill([WorkerView(w.url, True, 0) for w in self.prefill], key=key)
+            assert choice is not None
+            url = self._preferred_url[key] = choice.url
+        w = self._by_url[url]
+        assert isinstance(w, PrefillWorker)
+        return w
 
     def _lookup(self, key: str, now: float) -> Any:
         """LeaseKeeper.lookup on a miss: the decode worker still retaining ``key``, if any."""
@@ -298,6 +326,13 @@ class Simulator(Sim):
         req.hold = None
         req.pin = None
         req.pulled = (0, 0)
+        req.first_token_at = now  # streamed before the decode request starts
+        if req.output <= 1:  # the reply ended with its first token: no decode request
+            self._ctx.pop(req.turn_id)
+            dec.inflight -= 1
+            self.table.end_turn(ag.conv, now=now)
+            self._after_turn(ag, req, now, failed=False)
+            return
         self.at(now, lambda t: self._at_decode(req, dec, t))
 
     def _at_decode(self, req: Req, dec: DecodeWorker, now: float) -> None:
@@ -462,9 +497,11 @@ class Population:
             raise ValueError(f"shapes must be >= 1, got {self.shapes}")
 
 
-def run_population(sim: Simulator, pop: Population, *, progress: Callable[[float], None] | None = None) -> dict[str, Any]:
-    """Run ``pop`` on ``sim``; metrics over turns sent in [warmup_s, duration_s)."""
-    shapes: dict[int, AgentSpec] = {}
+def run_population(sim: Simulator, pop: Population, *, progress: Callable[[float], None] | None = None,
+                   shapes: dict[int, AgentSpec] | None = None) -> dict[str, Any]:
+    """Run ``pop`` on ``sim``; metrics over turns sent in [warmup_s, duration_s). ``shapes``:
+    agents already drawn from ``sim.load`` (by index), reused across runs of the same load."""
+    shapes = {} if shapes is None else shapes
 
     def spec_for(i: int) -> AgentSpec:
         j = i % pop.shapes
@@ -490,3 +527,169 @@ def run_population(sim: Simulator, pop: Population, *, progress: Callable[[float
     point.update({f"{k}_evicted_pages": v for k, v in sim.evicted_pages().items()})
     point["unfinished"] = len(waiting)
     return point
+
+
+# ---------------------------------------------------------------------------------- capacity planning
+def gpu_load(seed: int = 0, *, think_s: float = 30.0, output_tokens: int = 250, max_context: int = 32768,
+             shared_system_prompt: bool = True) -> LoadSpec:
+    """Coding-agent traffic at GPU scale: a 2K-token shared system prompt with 8 tools, turns of
+    tool results ~1.5K tokens, replies ~``output_tokens``, ``think_s`` mean think time (tool runs)."""
+    from kvserving.agent_load import Dist
+
+    return LoadSpec(
+        seed=seed,
+        system_tokens=Dist("uniform", 2000, 500, 1),
+        num_tools=Dist("uniform", 8, 2, 1, 12),
+        tool_description_tokens=Dist("uniform", 80, 40, 1),
+        turns=Dist("uniform", 20, 10, 1),
+        user_tokens=Dist("lognormal", 200, 0.6, 4, 2000),
+        output_tokens=Dist("uniform", output_tokens, output_tokens // 2, 1),
+        tool_call_prob=0.8,
+        tool_args_tokens=Dist("uniform", 30, 15, 1),
+        tool_result_tokens=Dist("lognormal", 1500, 0.8, 4, 8000),
+        think_time_s=Dist("exponential", think_s, 0.0, 0.0, 10 * think_s),
+        shared_system_prompt=shared_system_prompt,
+        max_context_tokens=max_context,
+    )
+
+
+def split_gpus(gpus: int, prefill_share: float) -> tuple[int, int]:
+    """(prefill, decode) workers, one GPU each, at least one of each."""
+    if gpus < 2:
+        raise ValueError(f"gpus must be >= 2 (one prefill and one decode worker), got {gpus}")
+    prefill = min(gpus - 1, max(1, round(gpus * prefill_share)))
+    return prefill, gpus - prefill
+
+
+def simulate_point(dtype: str, gpus: int, *, costs: CostModel, load: LoadSpec, pop: Population,
+                   prefill_share: float, reuse: ReuseConfig | None = None,
+                   progress: Callable[[float], None] | None = None,
+                   shapes: dict[int, AgentSpec] | None = None) -> dict[str, Any]:
+    prefill, decode = split_gpus(gpus, prefill_share)
+    cluster = ClusterSpec(dtype, prefill, decode, costs, reuse=reuse or ReuseConfig(),
+                          scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, chunk_size=2048))
+    sim = Simulator(cluster, load)
+    point = run_population(sim, pop, progress=progress, shapes=shapes)
+    point.update({"dtype": dtype, "gpus": gpus, "prefill_workers": prefill, "decode_workers": decode,
+                  "pool_tokens": cluster.pages_per_worker * cluster.effective_page_size,
+                  "turns_simulated": len(sim.records)})
+    return point
+
+
+def fewest_gpus(dtype: str, max_gpus: int, ttft_p99_ms: float, **kw: Any) -> tuple[int | None, dict[str, Any]]:
+    """Binary search of the fewest GPUs (2..max_gpus) whose TTFT p99 is within ``ttft_p99_ms``
+    (more GPUs never make it worse, the search assumes); (None, the max_gpus point) if none."""
+    top = simulate_point(dtype, max_gpus, **kw)
+    if not top["ttft_p99_ms"] <= ttft_p99_ms:
+        return None, top
+    lo, hi, best = 2, max_gpus, top  # hi meets the target
+    while lo < hi:
+        mid = (lo + hi) // 2
+        point = simulate_point(dtype, mid, **kw)
+        if point["ttft_p99_ms"] <= ttft_p99_ms:
+            hi, best = mid, point
+        else:
+            lo = mid + 1
+    return hi, best
+
+
+_COLUMNS = (
+    ("dtype", "dtype", "{}"), ("GPUs", "gpus", "{}"), ("P/D", "pd", "{}"), ("pool tok/GPU", "pool_tokens", "{:,}"),
+    ("hit", "hit_rate", "{:.3f}"), ("local", "local_share", "{:.3f}"), ("pulled", "pulled_share", "{:.3f}"),
+    ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"), ("p99 ms", "ttft_p99_ms", "{:.0f}"), ("req/s", "req_per_s", "{:.1f}"),
+    ("out tok/s", "output_tok_per_s", "{:,.0f}"), ("evicted P/D", "evicted", "{}"), ("turns", "turns_simulated", "{:,}"),
+)
+
+
+def format_table(points: list[dict[str, Any]]) -> str:
+    rows = [[title for title, _, _ in _COLUMNS]]
+    for p in points:
+        q = dict(p, pd=f"{p['prefill_workers']}/{p['decode_workers']}",
+                 evicted=f"{p['prefill_evicted_pages']:,}/{p['decode_evicted_pages']:,}")
+        if q.get("gpus") is None:
+            q["gpus"] = f">{p['max_gpus']}"
+        rows.append([fmt.format(q[key]) if not isinstance(q[key], str) else q[key] for _, key, fmt in _COLUMNS])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def add_arguments(parser: Any) -> None:
+    from kvserving.argtypes import float_in, int_in
+
+    parser.add_argument("--agents", type=int_in(1, 10_000_000), default=10_000, help="concurrent agents (slots running agents back to back)")
+    parser.add_argument("--gpus", type=int_in(2, 100_000), default=64, help="GPUs (one worker each); with --ttft-p99-ms the most to try")
+    parser.add_argument("--dtype", default="nvfp4,fp8", help="KV formats, comma-separated (bf16, fp8, nvfp4, triaxial)")
+    parser.add_argument("--ttft-p99-ms", type=float_in(0, 1e9, low_open=True), default=None,
+                        help="find the fewest GPUs whose TTFT p99 is within this")
+    parser.add_argument("--costs", default="h200-8b", help="cost profile: h200-8b, cpu-tiny, or a JSON file (kvserving.sim_costs)")
+    parser.add_argument("--kv-gib", type=float_in(0, 1e6, low_open=True), default=None, help="KV memory per GPU, GiB (default: the profile's)")
+    parser.add_argument("--prefill-share", type=float_in(0, 1, low_open=True), default=0.25, help="share of the GPUs that prefill")
+    parser.add_argument("--duration-s", type=float_in(0, 1e7, low_open=True), default=3600.0, help="simulated seconds")
+    parser.add_argument("--warmup-s", type=float_in(0, 1e7), default=300.0, help="metrics ignore turns sent before this")
+    parser.add_argument("--ramp-s", type=float_in(0, 1e7), default=60.0, help="agents start spread over this")
+    parser.add_argument("--think-s", type=float_in(0, 1e6, low_open=True), default=30.0, help="mean think time between turns")
+    parser.add_argument("--output-tokens", type=int_in(1, 1_000_000), default=250, help="mean reply tokens")
+    parser.add_argument("--max-context", type=int_in(64, 10_000_000), default=32768, help="tokens an agent's history may reach")
+    parser.add_argument("--per-agent-system-prompt", action="store_true", help="every agent its own system prompt (default: shared)")
+    parser.add_argument("--no-reuse", action="store_true", help="bidirectional reuse off (the prefill's own prefix cache only)")
+    parser.add_argument("--shapes", type=int_in(1, 1_000_000), default=256, help="distinct agent shapes drawn (see Population)")
+    parser.add_argument("--seed", type=int, default=0, help="agent population seed")
+    parser.add_argument("--json", default=None, help="write the points as JSON here")
+
+
+def run(args: Any) -> int:
+    import json
+    import sys
+    import time
+
+    from kvserving.sim_costs import canonical_dtype, load_costs
+
+    dtypes = [canonical_dtype(d.strip()) for d in str(args.dtype).split(",") if d.strip()]
+    if not dtypes:
+        raise ValueError("--dtype names no format")
+    if args.warmup_s >= args.duration_s:
+        raise ValueError(f"--warmup-s ({args.warmup_s}) must be < --duration-s ({args.duration_s})")
+    costs = load_costs(args.costs)
+    if args.kv_gib is not None:
+        from dataclasses import replace
+
+        costs = replace(costs, kv_bytes_per_worker=int(args.kv_gib * 2**30))
+    load = gpu_load(args.seed, think_s=args.think_s, output_tokens=args.output_tokens, max_context=args.max_context,
+                    shared_system_prompt=not args.per_agent_system_prompt)
+    pop = Population(args.agents, args.duration_s, warmup_s=args.warmup_s, ramp_s=args.ramp_s, shapes=args.shapes)
+    reuse = ReuseConfig(bidirectional=not args.no_reuse)
+    tty = sys.stderr.isatty()
+    points: list[dict[str, Any]] = []
+    shapes: dict[int, AgentSpec] = {}  # drawn once for every run
+    t0 = time.perf_counter()
+    for dtype in dtypes:
+        label = dtype
+
+        def progress(t: float, label: str = label) -> None:
+            if tty:
+                done = int(30 * t / args.duration_s)
+                sys.stderr.write(f"\r{label:>9} [{'#' * done}{'.' * (30 - done)}] {t:6.0f}/{args.duration_s:.0f} s")
+                sys.stderr.flush()
+
+        kw: dict[str, Any] = dict(costs=costs, load=load, pop=pop, prefill_share=args.prefill_share, reuse=reuse,
+                                  progress=progress, shapes=shapes)
+        if args.ttft_p99_ms is None:
+            point = simulate_point(dtype, args.gpus, **kw)
+        else:
+            need, point = fewest_gpus(dtype, args.gpus, args.ttft_p99_ms, **kw)
+            point["gpus"] = need
+            point["max_gpus"] = args.gpus
+        points.append(point)
+        if tty:
+            sys.stderr.write("\r" + " " * 70 + "\r")
+    target = f", TTFT p99 <= {args.ttft_p99_ms:g} ms" if args.ttft_p99_ms is not None else ""
+    print(f"{args.agents:,} agents, {args.duration_s:g} s simulated (metrics after {args.warmup_s:g} s), costs {costs.name}{target}")
+    print(format_table(points))
+    print(f"simulated in {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "costs": costs.to_dict(),
+                       "points": points}, fh, indent=1, default=str)
+    return 0
