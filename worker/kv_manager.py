@@ -115,7 +115,11 @@ class KVCacheManager:
             return True
         first = len(seq.page_ids)
         # one all-or-nothing placement (across both ends of a triaxial buffer)
-        got = self.pool.allocate(self.page_bits_for(seq, first, first + need))
+        bits = self.page_bits_for(seq, first, first + need)
+        got = self.pool.allocate(bits)
+        # retained conversations yield to live requests, least recently active first
+        while got is None and self.pool.reclaim_one() is not None:
+            got = self.pool.allocate(bits)
         if got is None:
             return False
         seq.page_ids.extend(got)

@@ -41,6 +41,7 @@ class KVStats:
     decode_tokens: int
     preemptions: int
     evicted_pages: int  # cached pages evicted to make room, since start
+    reclaimed_leases: int  # retained conversations released before expiry to make room, since start
     capacity_tokens: int  # triaxial: at the expected INT2 share (KVCache.capacity_tokens)
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,6 +85,7 @@ def collect(engine: LLMEngine) -> KVStats:
         decode_tokens=stats.decode_tokens,
         preemptions=stats.preemptions,
         evicted_pages=pool.evicted_pages,
+        reclaimed_leases=pool.reclaimed_leases,
         capacity_tokens=engine.capacity_tokens,
     )
 

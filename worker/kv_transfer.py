@@ -683,7 +683,9 @@ class KVTransfer:
         tail = f"{self.generation:x}-{uuid.uuid4().hex}"
         if self.role == "prefill":
             return RetainSpec(f"{TRANSFER_LEASE_PREFIX}{tail}", self.reuse.transfer_timeout_s, conversation_key, self._on_retained)
-        return RetainSpec(f"{RETAIN_LEASE_PREFIX}{tail}", self.reuse.retention_ttl_s, conversation_key, self._on_retained)
+        # a retained conversation yields its pages to live requests when the pool runs out
+        return RetainSpec(f"{RETAIN_LEASE_PREFIX}{tail}", self.reuse.retention_ttl_s, conversation_key, self._on_retained,
+                          reclaimable=True)
 
     def _on_retained(self, kept: RetainedKV) -> None:
         """Engine thread, inside step: record the lease; a conversation keeps only its newest."""

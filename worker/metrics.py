@@ -11,7 +11,7 @@ Two kinds of updates:
   a transfer ends: bytes, seconds, regions; a reuse falls back: its reason);
 - engine state, copied from a ``KVStats`` snapshot when ``/metrics`` is
   scraped (pool use and capacity, leases, queue depth, and the engine's own
-  counters: prompt tokens computed, preemptions, evicted pages).
+  counters: prompt tokens computed, preemptions, evicted pages, reclaimed leases).
 """
 
 from __future__ import annotations
@@ -100,6 +100,10 @@ class WorkerMetrics:
         self.kv_evicted_pages = Counter(
             "kvserving_worker_kv_evicted_pages_total", "cached KV pages evicted (LRU) to make room", registry=r
         )
+        self.kv_reclaimed_leases = Counter(
+            "kvserving_worker_kv_leases_reclaimed_total",
+            "retained-KV leases released before expiry because live requests needed the pages", registry=r,
+        )
         self.queue_depth = Gauge("kvserving_worker_queue_depth", "sequences in the scheduler, by state", ["state"], registry=r)
         self.kv_leases = Gauge("kvserving_worker_kv_leases", "KV leases held now", registry=r)
         self.kv_leased_tokens = Gauge("kvserving_worker_kv_leased_tokens", "tokens of KV pinned by leases now", registry=r)
@@ -129,6 +133,7 @@ class WorkerMetrics:
         self._seen_prompt_tokens = 0
         self._seen_preemptions = 0
         self._seen_evictions = 0
+        self._seen_reclaims = 0
         # the same counts as plain numbers, for GET /internal/kv/stats
         self.prompt_token_totals = dict.fromkeys(TOKEN_SOURCES, 0)
         self.fallback_totals: dict[str, int] = {}
@@ -166,6 +171,8 @@ class WorkerMetrics:
         self._seen_preemptions = max(self._seen_preemptions, stats.preemptions)
         self.kv_evicted_pages.inc(max(0, stats.evicted_pages - self._seen_evictions))
         self._seen_evictions = max(self._seen_evictions, stats.evicted_pages)
+        self.kv_reclaimed_leases.inc(max(0, stats.reclaimed_leases - self._seen_reclaims))
+        self._seen_reclaims = max(self._seen_reclaims, stats.reclaimed_leases)
         self.kv_cache_usage.set(stats.usage_ratio)
         self.queue_depth.labels(state="running").set(stats.running)
         self.queue_depth.labels(state="waiting").set(stats.waiting)

@@ -33,6 +33,14 @@ which shares this code through ``PagePoolBase``):
 - **Leases** take one ref per page, so a pinned page is never evicted; a lease
   is valid while ``clock() < expires_at``. ``expire_leases`` releases the rest
   (earliest expiry first) and the engine calls it every step.
+- **Reclaimable leases yield to live requests.** A lease pinned with
+  ``reclaimable=True`` (a decode worker's retained conversation) may be released
+  before it expires: ``reclaim_one`` drops the reclaimable lease with the
+  earliest expiry (the least recently active conversation), and the KV manager
+  calls it when an allocation fails, before it gives up or preempts. Retained
+  KV is a bet on a next turn; it must never starve the requests running now
+  (else a pool full of retained conversations admits nothing until they
+  expire). A peer reading the lease then finds it gone and recomputes.
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ class Lease:
     lease_id: str
     page_ids: tuple[int, ...]
     expires_at: float
+    reclaimable: bool = False  # may be released before expiry when pages run out
 
 
 def chain_hashes(
@@ -172,6 +181,7 @@ class PagePoolBase:
         self._leases: dict[str, Lease] = {}
         self._regions: tuple[_Region, ...] = ()
         self.evicted_pages = 0  # cached pages forgotten to make room, ever (a counter)
+        self.reclaimed_leases = 0  # reclaimable leases released early to make room (a counter)
 
     chain_hashes = staticmethod(chain_hashes)
 
@@ -338,15 +348,16 @@ class PagePoolBase:
             raise ValueError(f"unknown lease {lease_id!r}")
         return lease
 
-    def pin(self, lease_id: str, page_ids: Sequence[int], *, ttl_s: float) -> float:
-        """Pin ``page_ids`` under a new lease (one ref each) until ``ttl_s`` from now; returns expires_at."""
+    def pin(self, lease_id: str, page_ids: Sequence[int], *, ttl_s: float, reclaimable: bool = False) -> float:
+        """Pin ``page_ids`` under a new lease (one ref each) until ``ttl_s`` from now; returns expires_at.
+        ``reclaimable``: ``reclaim_one`` may release it early."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         if lease_id in self._leases:
             raise ValueError(f"lease {lease_id!r} already exists; renew it instead")
         self.incref(page_ids)
         expires_at = self._clock() + ttl_s
-        self._leases[lease_id] = Lease(lease_id, tuple(page_ids), expires_at)
+        self._leases[lease_id] = Lease(lease_id, tuple(page_ids), expires_at, reclaimable)
         for pid in page_ids:
             self._pages[pid].leases.append(lease_id)
         return expires_at
@@ -377,6 +388,16 @@ class PagePoolBase:
         for lease in expired:
             self.release(lease.lease_id)
         return [lease.lease_id for lease in expired]
+
+    def reclaim_one(self) -> str | None:
+        """Release the reclaimable lease with the earliest expiry; its id, or None if there is none."""
+        candidates = [le for le in self._leases.values() if le.reclaimable]
+        if not candidates:
+            return None
+        lease = min(candidates, key=lambda le: le.expires_at)
+        self.release(lease.lease_id)
+        self.reclaimed_leases += 1
+        return lease.lease_id
 
     def lease_pages(self, lease_id: str) -> list[int]:
         return list(self._lease(lease_id).page_ids)

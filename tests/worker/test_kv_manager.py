@@ -84,3 +84,30 @@ def test_triaxial_pages_match_whatever_roles_the_tokens_come_back_with() -> None
                    + [encode_tag("current", "text", "user")])
     assert kv.match_prefix(retagged) == 64
     assert retagged.page_ids == ids[:2]
+
+
+def test_a_pool_full_of_retained_conversations_yields_to_a_new_request() -> None:
+    """Retained KV (reclaimable leases) must not starve live requests: the least recently
+    active conversation's lease goes first, a hard pin (transfer hold) never."""
+    pool = PagePool(6, page_size=32)
+    kv = KVCacheManager(pool, page_size=32)
+    old = seq("old", [NOW] * len(TOKENS))  # 65 tokens: 3 pages, 2 full
+    assert kv.allocate_until(old, old.num_tokens)
+    old.num_computed = old.num_tokens
+    kv.publish_full_pages(old)
+    pool.pin("conv-old", old.page_ids[:2], ttl_s=100, reclaimable=True)
+    pool.pin("xfer-hold", [old.page_ids[2]], ttl_s=200)
+    kv.free(old)
+    other = seq("other", [NOW] * 64, tokens=list(range(500, 564)))
+    assert kv.allocate_until(other, other.num_tokens)  # 2 pages of the 3 free
+    pool.pin("conv-other", other.page_ids, ttl_s=150, reclaimable=True)
+    kv.free(other)
+    assert pool.num_free == 1
+    new = seq("new", [NOW] * 96, tokens=list(range(900, 996)))  # 3 pages
+    assert kv.allocate_until(new, new.num_tokens)
+    assert pool.lease_ids() == ["xfer-hold", "conv-other"]  # conv-old (earliest expiry) went
+    assert pool.reclaimed_leases == 1
+    kv.free(new)
+    big = seq("big", [NOW] * 192, tokens=list(range(1000, 1192)))  # 6 pages: more than any reclaim frees
+    assert not kv.allocate_until(big, big.num_tokens)
+    assert pool.lease_ids() == ["xfer-hold"] and big.page_ids == []
