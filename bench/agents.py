@@ -1,0 +1,411 @@
+"""Agents at scale on the real stack: prefix hit rate and throughput vs the number
+of concurrent agents, at one fixed KV memory, per KV format (issue 18).
+
+    PYTHONSAFEPATH=1 .venv/bin/python bench/agents.py [--formats bf16,fp8,nvfp4,triaxial]
+        [--concurrency 1,2,3,4,6,8,11,16] [--kv-kib 1536] [--modes lease,ttl,off] [--json OUT] [--png OUT]
+
+Per format (and reuse mode) one local stack (``kvserving.stack.LocalStack``:
+gateway + prefill + decode worker processes on loopback, the built-in tiny
+model, every worker's KV pool ``--kv-kib``). Per concurrency point N, N agents
+of ``kvserving.agent_load`` (a system prompt with tool schemas, turns of user
+text / reply + tool call / tool result, think time between turns, the whole
+history resent each turn) run all their turns against the gateway with the
+official ``openai`` AsyncOpenAI client, streaming; every request is recorded:
+prompt tokens, ``usage.prompt_tokens_details.cached_tokens``, the gateway's
+``usage.kvserving`` split (local prefix cache / pulled from the decode worker
+/ computed), TTFT and output tokens. Each point draws new agents (indices
+never reused) and starts by releasing every lease the workers hold, so a
+point does not inherit the previous one's pinned KV (stale unpinned pages
+stay in the LRU and are evicted first).
+
+Reuse modes: ``lease`` is the product default (the decode worker retains each
+conversation's KV under a lease for ``retention_ttl_s`` = 480 s, the gateway
+renews it while the conversation is active and the prefill pulls it back);
+``ttl`` keeps the D->P pull but with a short fixed retention (``--ttl-s``),
+after which retained pages return to the decode worker's LRU; ``off`` turns
+bidirectional reuse off (the prefill worker's own prefix cache only).
+
+Per point: hit rate = cached / prompt tokens (all turns; and turns 2+, since
+every agent's first turn is cold), reuse by source, prefix-cache pages evicted
+on each worker (``kvserving_worker_kv_evicted_pages_total``), preemptions,
+requests/s and output tokens/s over the point's wall time, TTFT p50/p99.
+The hit rate is about capacity, not speed: the tiny model's KV costs 2048
+(bf16), 1024 (fp8), 576 (nvfp4) bytes per token, so at equal memory nvfp4
+holds 1.78x the tokens of fp8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import re
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kvserving.agent_load import AgentSpec, Conversation, Dist, LoadSpec, agent
+from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, SchedulerConfig, ServingConfig
+from kvserving.stack import LocalStack, StackSpec, free_ports
+
+# bench name -> (kv_cache.dtype, bit budget)
+FORMATS: dict[str, tuple[str, float | None]] = {
+    "bf16": ("bf16", None), "fp8": ("fp8_e4m3", None), "nvfp4": ("nvfp4", None), "triaxial": ("triaxial", 2.7),
+}
+MODES = ("lease", "ttl", "off")
+HERE = Path(__file__).resolve().parent
+
+
+def cpu_load(seed: int, *, think_s: float) -> LoadSpec:
+    """Agents scaled to the tiny model on 2 CPU cores: short histories (~250-700 tokens at
+    their last turn), 8-token replies, think time ~``think_s``."""
+    return LoadSpec(
+        seed=seed,
+        system_tokens=Dist("uniform", 100, 30, 1),
+        num_tools=Dist("uniform", 3, 1, 1, 12),
+        tool_description_tokens=Dist("uniform", 10, 4, 1),
+        turns=Dist("uniform", 6, 2, 1),
+        user_tokens=Dist("lognormal", 30, 0.5, 4, 120),
+        output_tokens=Dist("fixed", 8, 0, 8, 8),
+        tool_call_prob=0.6,
+        tool_args_tokens=Dist("uniform", 6, 3, 1),
+        tool_result_tokens=Dist("lognormal", 60, 0.6, 4, 240),
+        think_time_s=Dist("exponential", think_s, 0.0, 0.0, 4 * think_s),
+        max_context_tokens=900,
+    )
+
+
+def reuse_config(mode: str, *, ttl_s: float) -> ReuseConfig:
+    if mode == "lease":
+        return ReuseConfig()
+    if mode == "ttl":
+        return ReuseConfig(retention_ttl_s=ttl_s, lease_ttl_s=ttl_s / 2)
+    if mode == "off":
+        return ReuseConfig(bidirectional=False)
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def stack_spec(fmt: str, mode: str, *, kv_bytes: int, ttl_s: float, run_dir: Path | None) -> StackSpec:
+    from kvserving.model_dir import tiny_model_dir
+
+    dtype, budget = FORMATS[fmt]
+    config = ServingConfig(
+        model=ModelConfig(path=str(tiny_model_dir())),
+        kv_cache=KVCacheConfig(dtype=dtype, bit_budget=budget, memory_bytes=kv_bytes),
+        reuse=reuse_config(mode, ttl_s=ttl_s),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024, chunk_size=512),
+    )
+    gateway, prefill, decode = free_ports(3)
+    return StackSpec(config=config, gateway_port=gateway, prefill_port=prefill, decode_port=decode, run_dir=run_dir)
+
+
+# ------------------------------------------------------------------------------------- client
+@dataclass(slots=True)
+class Record:
+    """One chat request as the agent saw it."""
+
+    agent: int
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int  # usage.prompt_tokens_details.cached_tokens
+    local_tokens: int  # usage.kvserving: prefill worker's own prefix cache
+    pulled_tokens: int  # usage.kvserving: read from the decode worker (D->P)
+    computed_tokens: int
+    output_tokens: int
+    ttft_s: float
+    latency_s: float
+    fallback: str | None
+
+
+async def run_agent(client: Any, model: str, spec: AgentSpec, *, delay_s: float, out: list[Record]) -> None:
+    conv = Conversation(spec)
+    await asyncio.sleep(delay_s)
+    for turn in spec.turns:
+        await asyncio.sleep(turn.think_time_s)
+        messages = conv.request(turn)
+        start = time.perf_counter()
+        ttft: float | None = None
+        parts: list[str] = []
+        usage: Any = None
+        stream = await client.chat.completions.create(
+            model=model, messages=messages, tools=conv.tools, stream=True,
+            stream_options={"include_usage": True}, max_tokens=turn.output_tokens, temperature=0.0,
+            extra_body={"ignore_eos": True}, extra_headers={"X-Session-ID": spec.session_id},
+        )
+        async for chunk in stream:
+            if chunk.choices and ttft is None:
+                ttft = time.perf_counter() - start
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    parts.append(choice.delta.content)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        if usage is None or ttft is None:
+            raise RuntimeError(f"{spec.session_id} turn {turn.index}: the stream ended without tokens or usage")
+        ext = (getattr(usage, "model_extra", None) or {}).get("kvserving") or {}
+        details = usage.prompt_tokens_details
+        out.append(Record(
+            agent=spec.agent_id, turn=turn.index, prompt_tokens=usage.prompt_tokens,
+            cached_tokens=int(details.cached_tokens or 0) if details is not None else 0,
+            local_tokens=int(ext.get("local_cached_tokens", 0)), pulled_tokens=int(ext.get("remote_pulled_tokens", 0)),
+            computed_tokens=int(ext.get("computed_prompt_tokens", 0)), output_tokens=usage.completion_tokens,
+            ttft_s=ttft, latency_s=time.perf_counter() - start, fallback=ext.get("reuse_fallback"),
+        ))
+        conv.reply(turn, "".join(parts))
+
+
+async def run_point(base_url: str, model: str, load: LoadSpec, agents: range, *, timeout_s: float) -> tuple[list[Record], float]:
+    """Run every agent in ``agents`` at once (starts spread over one mean think time); records and wall time."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="unused-locally", timeout=timeout_s, max_retries=0)
+    records: list[Record] = []
+    spread = load.think_time_s.mean
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(
+            run_agent(client, model, agent(load, i), delay_s=spread * k / max(len(agents), 1), out=records)
+            for k, i in enumerate(agents)
+        ))
+    finally:
+        await client.close()
+    return records, time.perf_counter() - start
+
+
+# ------------------------------------------------------------------------------------ workers
+def _get(url: str, *, method: str = "GET") -> bytes:
+    req = urllib.request.Request(url, method=method)
+    with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 (loopback URL we built)
+        return bytes(resp.read())
+
+
+def worker_counters(url: str) -> dict[str, float]:
+    """Counters of one worker: evicted prefix-cache pages (from /metrics), preemptions, capacity."""
+    stats = json.loads(_get(url + "/internal/kv/stats"))
+    text = _get(url + "/metrics").decode()
+    m = re.search(r"^kvserving_worker_kv_evicted_pages_total ([0-9.e+]+)$", text, re.M)
+    return {
+        "evicted_pages": float(m.group(1)) if m else math.nan,
+        "preemptions": float(stats.get("preemptions", 0)),
+        "capacity_tokens": float(stats.get("capacity_tokens", 0)),
+        "page_size": float(stats.get("page_size", 0)),
+    }
+
+
+def release_leases(url: str) -> int:
+    leases = json.loads(_get(url + "/internal/kv/leases"))["leases"]
+    for lease in leases:
+        try:
+            _get(f"{url}/internal/kv/leases/{lease['lease_id']}", method="DELETE")
+        except OSError:
+            pass  # expired meanwhile
+    return len(leases)
+
+
+# ------------------------------------------------------------------------------------ metrics
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def summarize(records: list[Record], wall_s: float) -> dict[str, Any]:
+    prompt = sum(r.prompt_tokens for r in records)
+    later = [r for r in records if r.turn > 0]
+    later_prompt = sum(r.prompt_tokens for r in later)
+    ttfts = [r.ttft_s for r in records]
+    fallbacks: dict[str, int] = {}
+    for r in records:
+        if r.fallback:
+            fallbacks[r.fallback] = fallbacks.get(r.fallback, 0) + 1
+    return {
+        "requests": len(records),
+        "prompt_tokens": prompt,
+        "cached_tokens": sum(r.cached_tokens for r in records),
+        "hit_rate": sum(r.cached_tokens for r in records) / prompt if prompt else math.nan,
+        "hit_rate_later_turns": sum(r.cached_tokens for r in later) / later_prompt if later_prompt else math.nan,
+        "local_share": sum(r.local_tokens for r in records) / prompt if prompt else math.nan,
+        "pulled_share": sum(r.pulled_tokens for r in records) / prompt if prompt else math.nan,
+        "computed_tokens": sum(r.computed_tokens for r in records),
+        "output_tokens": sum(r.output_tokens for r in records),
+        "wall_s": wall_s,
+        "req_per_s": len(records) / wall_s,
+        "output_tok_per_s": sum(r.output_tokens for r in records) / wall_s,
+        "ttft_p50_ms": _pct(ttfts, 0.50) * 1e3,
+        "ttft_p99_ms": _pct(ttfts, 0.99) * 1e3,
+        "fallbacks": fallbacks,
+    }
+
+
+def crossing(points: list[dict[str, Any]], key: str = "hit_rate", level: float = 0.5) -> float | None:
+    """Concurrency where ``key`` first drops below ``level``, linearly interpolated between the
+    last point at or above it and the first below; None if it never drops below."""
+    pts = sorted(points, key=lambda p: p["concurrency"])
+    for a, b in zip(pts, pts[1:]):
+        if a[key] >= level > b[key]:
+            return float(a["concurrency"] + (a[key] - level) * (b["concurrency"] - a["concurrency"]) / (a[key] - b[key]))
+    if pts and pts[0][key] < level:
+        return float(pts[0]["concurrency"])
+    return None
+
+
+# ---------------------------------------------------------------------------------------- run
+def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec, args: argparse.Namespace,
+              first_agent: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    spec = stack_spec(fmt, mode, kv_bytes=args.kv_kib * 1024, ttl_s=args.ttl_s, run_dir=args.run_dir and args.run_dir / f"{fmt}-{mode}")
+    points: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    with LocalStack(spec) as stack:
+        stack.start()
+        stack.wait_ready(timeout_s=180)
+        workers = stack.worker_urls
+        info = {role: worker_counters(url) for role, url in workers.items()}
+        meta = {"format": fmt, "mode": mode, "start_s": time.perf_counter() - t0,
+                "capacity_tokens": {role: int(c["capacity_tokens"]) for role, c in info.items()},
+                "page_size": int(info["prefill"]["page_size"])}
+        model = spec.config.model.served_name
+        for n in concurrencies:
+            for url in workers.values():
+                release_leases(url)
+            before = {role: worker_counters(url) for role, url in workers.items()}
+            records, wall = asyncio.run(run_point(stack.openai_base_url, model, load, range(first_agent, first_agent + n),
+                                                  timeout_s=args.request_timeout))
+            first_agent += n
+            dead = stack.check()
+            if dead is not None:
+                raise RuntimeError(stack.describe_death(dead))
+            after = {role: worker_counters(url) for role, url in workers.items()}
+            point = {"format": fmt, "mode": mode, "concurrency": n, **summarize(records, wall)}
+            for role in workers:
+                for key in ("evicted_pages", "preemptions"):
+                    point[f"{role}_{key}"] = int(after[role][key] - before[role][key])
+            point["records"] = [asdict(r) for r in records] if args.records else []
+            points.append(point)
+            print(f"  {fmt:>8} {mode:>5} N={n:>3}: hit {point['hit_rate']:.2f} (later {point['hit_rate_later_turns']:.2f}) "
+                  f"{point['req_per_s']:.2f} req/s  TTFT p50 {point['ttft_p50_ms']:.0f} ms  "
+                  f"evicted P/D {point['prefill_evicted_pages']}/{point['decode_evicted_pages']}  {wall:.1f} s",
+                  file=sys.stderr, flush=True)
+    return points, meta
+
+
+def format_table(points: list[dict[str, Any]]) -> str:
+    head = (f"{'format':>8} {'mode':>5} {'N':>3} {'req':>4} {'hit':>5} {'hit2+':>5} {'local':>5} {'pulled':>6} "
+            f"{'evict P':>7} {'evict D':>7} {'preempt':>7} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>8} {'p99 ms':>7}")
+    lines = [head]
+    for p in points:
+        lines.append(
+            f"{p['format']:>8} {p['mode']:>5} {p['concurrency']:>3} {p['requests']:>4} {p['hit_rate']:>5.2f} "
+            f"{p['hit_rate_later_turns']:>5.2f} {p['local_share']:>5.2f} {p['pulled_share']:>6.2f} "
+            f"{p['prefill_evicted_pages']:>7} {p['decode_evicted_pages']:>7} "
+            f"{p['prefill_preemptions'] + p['decode_preemptions']:>7} {p['req_per_s']:>6.2f} {p['output_tok_per_s']:>9.1f} "
+            f"{p['ttft_p50_ms']:>8.0f} {p['ttft_p99_ms']:>7.0f}")
+    return "\n".join(lines)
+
+
+def plot(points: list[dict[str, Any]], path: Path, *, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=120)
+    for fmt in FORMATS:
+        pts = sorted((p for p in points if p["format"] == fmt and p["mode"] == "lease"), key=lambda p: p["concurrency"])
+        if not pts:
+            continue
+        xs = [p["concurrency"] for p in pts]
+        left.plot(xs, [p["hit_rate"] for p in pts], marker="o", label=fmt)
+        right.plot(xs, [p["output_tok_per_s"] for p in pts], marker="o", label=fmt)
+    left.axhline(0.5, color="grey", lw=0.8, ls="--")
+    for ax, ylabel in ((left, "prefix hit rate (cached / prompt tokens)"), (right, "output tokens / s")):
+        ax.set_xlabel("concurrent agents")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    left.set_ylim(0, 1)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _csv_ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _csv_names(choices: tuple[str, ...]) -> Any:
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.split(",") if x]
+        bad = [x for x in names if x not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"expected names from {list(choices)}, got {text!r}")
+        return names
+    return parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", type=_csv_names(tuple(FORMATS)), default=list(FORMATS))
+    ap.add_argument("--concurrency", type=_csv_ints, default=[1, 2, 3, 4, 6, 8, 11, 16])
+    ap.add_argument("--modes", type=_csv_names(MODES), default=list(MODES),
+                    help="reuse modes; modes other than 'lease' run on --mode-format only")
+    ap.add_argument("--mode-format", choices=tuple(FORMATS), default="fp8")
+    ap.add_argument("--mode-concurrency", type=_csv_ints, default=None, help="points for the other modes (default: all)")
+    ap.add_argument("--kv-kib", type=int, default=1536, help="KV pool per worker, KiB (same for every format)")
+    ap.add_argument("--ttl-s", type=float, default=3.0, help="retention of the 'ttl' mode, seconds")
+    ap.add_argument("--think-s", type=float, default=0.5, help="mean think time between turns, seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--request-timeout", type=float, default=120.0)
+    ap.add_argument("--records", action="store_true", help="keep every request's record in the JSON")
+    ap.add_argument("--run-dir", type=Path, default=None, help="keep each stack's logs and config here")
+    ap.add_argument("--json", type=Path, default=HERE / "agents_cpu.json")
+    ap.add_argument("--png", type=Path, default=HERE / "agents_cpu.png")
+    args = ap.parse_args(argv)
+    if args.kv_kib < 64:
+        ap.error(f"--kv-kib must be >= 64, got {args.kv_kib}")
+    load = cpu_load(args.seed, think_s=args.think_s)
+    runs: list[tuple[str, str, list[int]]] = [(f, "lease", args.concurrency) for f in args.formats if "lease" in args.modes]
+    runs += [(args.mode_format, m, args.mode_concurrency or args.concurrency) for m in args.modes if m != "lease"]
+    t0 = time.perf_counter()
+    points: list[dict[str, Any]] = []
+    stacks: list[dict[str, Any]] = []
+    first = 0
+    for fmt, mode, conc in runs:
+        pts, meta = run_stack(fmt, mode, conc, load, args, first)
+        first += sum(conc)
+        points += pts
+        stacks.append(meta)
+    print(format_table(points))
+    crossings: dict[str, float | None] = {f"{p['format']}/{p['mode']}": None for p in points}
+    for key in crossings:
+        fmt, mode = key.split("/")
+        crossings[key] = crossing([p for p in points if p["format"] == fmt and p["mode"] == mode])
+    print("concurrency where the hit rate drops below 50%: "
+          + ", ".join(f"{k} {'>' + str(max(args.concurrency)) if v is None else f'{v:.1f}'}" for k, v in crossings.items()))
+    caps = {m["format"]: m["capacity_tokens"]["decode"] for m in stacks if m["mode"] == "lease"}
+    print("pool capacity per worker, tokens: " + ", ".join(f"{k} {v}" for k, v in caps.items()))
+    result = {
+        "what": "bench/agents.py: agent traffic on the local stack (tiny model, CPU)",
+        "kv_kib_per_worker": args.kv_kib, "think_s": args.think_s, "seed": args.seed, "ttl_s": args.ttl_s,
+        "load": asdict(replace(load)), "stacks": stacks, "points": points, "crossing_50pct": crossings,
+        "total_s": time.perf_counter() - t0,
+    }
+    args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    plot(points, args.png, title=f"{args.kv_kib} KiB KV per worker, tiny model on CPU, {len(points)} points")
+    print(f"wrote {args.json} and {args.png} ({result['total_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
