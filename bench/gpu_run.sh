@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # Device-machine entry: make the repo importable as `kvserving` without installing,
 # carry FlashInfer wheels if present, run the gpu tests, then the benchmark.
-# Usage (repo root): bash bench/gpu_run.sh [tests|bench|all|ncu] [bench args...]
+# Usage (repo root): bash bench/gpu_run.sh [STEPS] [bench args...]
+#   STEPS: comma-separated tests, bench (decode_gpu.py), extend (extend_gpu.py), all (= tests,bench) or ncu; run in that order.
+#   TESTS=paths limits the gpu tests (default tests/kernels); WARM_FI=1 JIT-compiles FlashInfer's prefill in the
+#   background while the tests and the decode bench run; T_TESTS / T_BENCH / T_EXTEND cap each step's seconds.
 # Exits non-zero (with one line saying why) when there is no GPU, and when a step fails.
 set -uo pipefail
 what=${1:-all}; shift || true
-case "$what" in tests|bench|all|ncu) ;; *) echo "gpu_run.sh: error: unknown step '$what' (tests, bench, all or ncu)" >&2; exit 2;; esac
+[ "$what" = all ] && what=tests,bench
+for step in ${what//,/ }; do
+  case "$step" in tests|bench|extend|ncu) ;; *) echo "gpu_run.sh: error: unknown step '$step' (tests, bench, extend, all or ncu)" >&2; exit 2;; esac
+done
+has() { [[ ",$what," == *",$1,"* ]]; }
 fail() { echo "gpu_run.sh: error: $*" >&2; exit 1; }
 command -v nvidia-smi >/dev/null 2>&1 || fail "no GPU: nvidia-smi not found (run this on the device machine)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader || fail "no GPU: nvidia-smi failed"
@@ -21,15 +28,22 @@ export PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__); assert torch.cuda.is_available()" \
   || fail "no GPU visible to torch (or torch/triton missing)"
 status=0
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels 2>&1 | tee $OUT/gpu_tests.log | tail -40
+warm=""
+if [ "${WARM_FI:-0}" = 1 ]; then python3 bench/extend_gpu.py --warm > $OUT/warm_fi.log 2>&1 & warm=$!; fi
+if has tests; then
+  timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/kernels} 2>&1 | tee $OUT/gpu_tests.log | tail -40
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: gpu tests failed (exit $rc, log in $OUT/gpu_tests.log)" >&2; status=1; }
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 bench/decode_gpu.py --out $OUT/decode_gpu.json "$@" 2>&1 | tee $OUT/bench.log
+if has bench; then
+  timeout ${T_BENCH:-600} python3 bench/decode_gpu.py --out $OUT/decode_gpu.json "$@" 2>&1 | tee $OUT/bench.log
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: decode benchmark failed (exit $rc, log in $OUT/bench.log)" >&2; status=1; }
 fi
-if [ "$what" = ncu ]; then  # profile one decode launch per format named in "$@"
+if has extend; then
+  [ -n "$warm" ] && { wait $warm; cat $OUT/warm_fi.log; }
+  timeout ${T_EXTEND:-600} python3 bench/extend_gpu.py --out $OUT/extend_gpu.json ${EXTEND_ARGS:-} 2>&1 | tee $OUT/extend.log
+  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: extend benchmark failed (exit $rc, log in $OUT/extend.log)" >&2; status=1; }
+fi
+if has ncu; then  # profile one decode launch per format named in "$@"
   (cd bench && timeout 400 ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip ${NCU_SKIP:-3} --launch-count ${NCU_COUNT:-1} \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section InstructionStats \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \

@@ -7,9 +7,9 @@ over
 
 1. the cached prefix, read from the pages themselves: each iteration loads
    PPI pages of the kv head's K and V rows (packed bytes, scales, zeros),
-   dequantizes them in registers to fp16 (bf16 pages stay bf16) in channel
-   order, and feeds ``tl.dot`` with [N = PPI * P, D] tiles; no workspace and
-   no second pass over memory, so the cost of a chunk is linear in the prefix;
+   dequantizes them in registers to fp16 (bf16 pages stay bf16) and feeds
+   ``tl.dot`` with N = PPI * P keys; no workspace and no second pass over
+   memory, so the cost of a chunk is linear in the prefix;
 2. the chunk itself (the fresh, unquantized K/V in q's dtype), causally.
 
 Triaxial prefixes mix INT2 and INT4 pages; the wrapper lists the INT2 pages
@@ -17,13 +17,10 @@ first (a stable device-side sort: the partial last page is INT4 and stays
 last) and passes their count, so the kernel runs one loop per precision and
 never mixes them in one tile.
 
-Unpacked tiles, per format (decoders in triton_codec.py, the same as decode)::
-
-    bf16      [N, D] loads                  fp8      E4M3 bytes -> fp16 (value / scale)
-    nvfp4     bytes [N, D/16, 8] -> lo, hi nibbles -> join -> [N, D] fp16 (value / (g * 2^7))
-    int4      bytes [N, D/32, 16], fp16 scale / zero per token group -> join -> [N, D]
-    int2 v    bytes [N, D/32, 8] -> four crumbs -> join(join(c0, c2), join(c1, c3)) -> [N, D]
-    int2 k    crumb codes as fp16, times the page's per-channel scale plus zero ([D] per page and head)
+Two kernels: ``_extend_kernel`` for bf16 / fp8 pages ([N, D] tiles in channel
+order) and ``_extend_kernel4`` for packed pages (nvfp4, triaxial), which keeps
+q, the tiles and the accumulator in four channel quarters (below: the
+interleave back to channel order does not compile on sm_90).
 
 The global scales of fp8 / nvfp4 (and nvfp4's 2^7) are folded into the
 prefix's softmax multiplier (K) and into the probabilities before the PV
@@ -38,73 +35,22 @@ import triton.language as tl
 
 from .page_ids import INT2_PAGE_FLAG
 from .paged_kv import PagedKV
-from .triton_codec import crumb_codes, crumbs_int2, e4m3_to_f16, meta_index, nibbles_e2m1, nibbles_int4
-from .triton_common import FMT_BF16, FMT_CODES, FMT_FP8, FMT_INT2, FMT_INT4, FMT_NVFP4, LOG2E, field_offsets, folded_scales
+from .triton_codec import e4m3_to_f16, meta_index
+from .triton_common import FMT_BF16, FMT_CODES, FMT_INT2, FMT_NVFP4, LOG2E, field_offsets, folded_scales
 
 FLAG: tl.constexpr = tl.constexpr(INT2_PAGE_FLAG)
 
 
 @triton.jit
-def _rows(rows, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, FMT: tl.constexpr,
-          D: tl.constexpr, TM: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr):  # fmt: skip
-    """K or V of N token rows (``rows``: each row's page base, ``hrow``: head * P + slot) -> [N, D] in DT, channel order.
-
-    INT2 keys are not here (per-channel scales: ``_int2_keys``); TM: the scale order of int4 / int2 values (meta_index).
-    """
-    N: tl.constexpr = rows.shape[0]
+def _rows(rows, hrow, ok, OFF: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr):
+    """bf16 / fp8 K or V of N token rows (``rows``: each row's page base, ``hrow``: head * P + slot) -> [N, D] in DT."""
+    d = tl.arange(0, D)[None, :]
     m = ok[:, None]
-    if FMT == FMT_BF16 or FMT == FMT_FP8:
-        d = tl.arange(0, D)[None, :]
-        if FMT == FMT_BF16:
-            x = tl.load((rows[:, None] + OFF).to(tl.pointer_type(tl.bfloat16)) + hrow[:, None] * D + d, mask=m, other=0.0)
-        else:
-            x = e4m3_to_f16(tl.load(rows[:, None] + OFF + hrow[:, None] * D + d, mask=m, other=0), FAST)
-    elif FMT == FMT_NVFP4:
-        NB: tl.constexpr = D // 16  # blocks of 16 values: 8 bytes and one E4M3 scale each
-        b = tl.arange(0, NB)
-        jj = tl.arange(0, 8)[None, None, :]
-        m3 = ok[:, None, None]
-        packed = tl.load(rows[:, None, None] + OFF + hrow[:, None, None] * (D // 2) + b[None, :, None] * 8 + jj, mask=m3, other=0)
-        s = tl.load(rows[:, None] + SOFF + hrow[:, None] * NB + b[None, :], mask=m, other=0)
-        scale = tl.broadcast_to((e4m3_to_f16(s, FAST) * 128.0)[:, :, None], (N, NB, 8))  # s * 2^7, exact in fp16
-        lo, hi = nibbles_e2m1(packed, scale, FAST)
-        x = tl.reshape(tl.join(lo, hi), (N, D))
+    if FMT == FMT_BF16:
+        x = tl.load((rows[:, None] + OFF).to(tl.pointer_type(tl.bfloat16)) + hrow[:, None] * D + d, mask=m, other=0.0)
     else:
-        NG: tl.constexpr = D // 32  # groups of 32 channels with an fp16 scale and zero per token
-        g = tl.arange(0, NG)
-        m3 = ok[:, None, None]
-        meta = meta_index(hrow[:, None], g[None, :], NG, TM)
-        sc = tl.load((rows[:, None] + SOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m, other=0.0)
-        zr = tl.load((rows[:, None] + ZOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m, other=0.0)
-        if FMT == FMT_INT4:
-            jj = tl.arange(0, 16)[None, None, :]
-            packed = tl.load(rows[:, None, None] + OFF + hrow[:, None, None] * (D // 2) + g[None, :, None] * 16 + jj, mask=m3, other=0)
-            lo, hi = nibbles_int4(packed, tl.broadcast_to(sc[:, :, None], (N, NG, 16)), tl.broadcast_to(zr[:, :, None], (N, NG, 16)), FAST)
-            x = tl.reshape(tl.join(lo, hi), (N, D))
-        else:
-            jj = tl.arange(0, 8)[None, None, :]
-            packed = tl.load(rows[:, None, None] + OFF + hrow[:, None, None] * (D // 4) + g[None, :, None] * 8 + jj, mask=m3, other=0)
-            c0, c1, c2, c3 = crumbs_int2(packed, tl.broadcast_to(sc[:, :, None], (N, NG, 8)), tl.broadcast_to(zr[:, :, None], (N, NG, 8)), FAST)
-            x = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (N, D))  # crumb k of byte j is channel 4j + k
+        x = e4m3_to_f16(tl.load(rows[:, None] + OFF + hrow[:, None] * D + d, mask=m, other=0), FAST)
     return x.to(DT)
-
-
-@triton.jit
-def _int2_keys(rows, pages, h, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, D: tl.constexpr,
-               P: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
-    """INT2 keys of N = PPI * P rows -> fp16 [N, D]: codes times each page's per-channel scale plus its zero."""
-    N: tl.constexpr = rows.shape[0]
-    PPI: tl.constexpr = pages.shape[0]
-    NG: tl.constexpr = D // 32
-    g = tl.arange(0, NG)[None, :, None]
-    jj = tl.arange(0, 8)[None, None, :]
-    packed = tl.load(rows[:, None, None] + OFF + hrow[:, None, None] * (D // 4) + g * 8 + jj, mask=ok[:, None, None], other=0)
-    c0, c1, c2, c3 = crumb_codes(packed, FAST)
-    codes = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (PPI, P, D))
-    ch = h * D + tl.arange(0, D)[None, :]
-    sc = tl.load((pages[:, None] + SOFF).to(tl.pointer_type(tl.float16)) + ch)  # [PPI, D]
-    zr = tl.load((pages[:, None] + ZOFF).to(tl.pointer_type(tl.float16)) + ch)
-    return tl.reshape(codes * sc[:, None, :] + zr[:, None, :], (N, D))
 
 
 @triton.jit
@@ -122,12 +68,10 @@ def _attend(q, k, v, valid, m_i, l_i, acc, k_mul, v_mul, DT: tl.constexpr):
 
 
 @triton.jit
-def _prefix_loop(q, m_i, l_i, acc, buf_ptr, pt_ptr, page_lo, page_hi, prefix_len, h, total_bytes, k_mul, v_mul,
+def _prefix_loop(q, m_i, l_i, acc, buf_ptr, pt_ptr, page_lo, page_hi, prefix_len, h, k_mul, v_mul,
                  FMT: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PPI: tl.constexpr, PAGE_BYTES: tl.constexpr,
-                 K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
-                 V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,
-                 FAST: tl.constexpr, DT: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
-    """Attend over pages [page_lo, page_hi) of the (sorted) prefix list, all of format FMT, PPI pages per step."""
+                 K_OFF: tl.constexpr, V_OFF: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+    """Attend over bf16 / fp8 pages [page_lo, page_hi) of the prefix list, PPI pages per step."""
     N: tl.constexpr = PPI * P
     n = tl.arange(0, N)
     M: tl.constexpr = q.shape[0]
@@ -136,19 +80,10 @@ def _prefix_loop(q, m_i, l_i, acc, buf_ptr, pt_ptr, page_lo, page_hi, prefix_len
         slot = n % P
         ok = (pidx * P + slot < prefix_len) & (pidx < page_hi)
         pid = tl.load(pt_ptr + pidx, mask=pidx < page_hi, other=0)
-        if FMT == FMT_INT2:
-            rows = buf_ptr + total_bytes - ((pid & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES  # INT2 pages count down
-        else:
-            rows = buf_ptr + pid.to(tl.int64) * PAGE_BYTES
+        rows = buf_ptr + pid.to(tl.int64) * PAGE_BYTES
         hrow = h * P + slot  # row inside a [H, P, ...] field
-        if FMT == FMT_INT2:
-            ip = tl.arange(0, PPI)
-            pids = tl.load(pt_ptr + it + ip, mask=it + ip < page_hi, other=0)
-            pages = buf_ptr + total_bytes - ((pids & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES  # [PPI]
-            k = _int2_keys(rows, pages, h, hrow, ok, K_OFF, KS_OFF, KZ_OFF, D, P, FAST).to(DT)
-        else:
-            k = _rows(rows, hrow, ok, K_OFF, KS_OFF, KZ_OFF, FMT, D, 0, FAST, DT)
-        v = _rows(rows, hrow, ok, V_OFF, VS_OFF, VZ_OFF, FMT, D, P, FAST, DT)
+        k = _rows(rows, hrow, ok, K_OFF, FMT, D, FAST, DT)
+        v = _rows(rows, hrow, ok, V_OFF, FMT, D, FAST, DT)
         valid = tl.broadcast_to(ok[None, :], (M, N))
         m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, k_mul, v_mul, DT)
     return m_i, l_i, acc
@@ -199,17 +134,8 @@ def _extend_kernel(
     m_i = tl.full((M,), float("-inf"), tl.float32)
     l_i = tl.zeros((M,), tl.float32)
     acc = tl.zeros((M, D), tl.float32)
-    num_pages = tl.cdiv(prefix_len, P)
-    if TRIAXIAL:
-        n2 = tl.load(n2_ptr)
-        m_i, l_i, acc = _prefix_loop(q, m_i, l_i, acc, buf_ptr, pt_ptr, 0, n2, prefix_len, h, total_bytes, k_mul_pre, v_mul_pre,
-                                     FMT_INT2, D, P, PPI2, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2,
-                                     FAST, DT, NUM_STAGES)  # fmt: skip
-    else:
-        n2 = 0
-    m_i, l_i, acc = _prefix_loop(q, m_i, l_i, acc, buf_ptr, pt_ptr, n2, num_pages, prefix_len, h, total_bytes, k_mul_pre, v_mul_pre,
-                                 FMT, D, P, PPI, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF,
-                                 FAST, DT, NUM_STAGES)  # fmt: skip
+    m_i, l_i, acc = _prefix_loop(q, m_i, l_i, acc, buf_ptr, pt_ptr, 0, tl.cdiv(prefix_len, P), prefix_len, h, k_mul_pre,
+                                 v_mul_pre, FMT, D, P, PPI, PAGE_BYTES, K_OFF, V_OFF, FAST, DT, NUM_STAGES)  # fmt: skip
     # the chunk itself, causal: token t sees chunk keys j <= t
     hi = tl.minimum(n_new, (qb + 1) * BLOCK_T)
     for j0 in range(0, hi, BLOCK_N):
@@ -222,6 +148,213 @@ def _extend_kernel(
         m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, k_mul_new, 1.0, DT)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + tok[:, None].to(tl.int64) * o_s0 + qh[:, None] * o_s1 + d, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------
+# packed formats (nvfp4, triaxial): channels in four quarters
+# ----------------------------------------------------------------------------
+#
+# Interleaving unpacked nibbles back into channel order (join + reshape) in front of tl.dot
+# does not compile on sm_90 (triton 3.6: "Illegal shared layout" in the dot-operand hoisting),
+# so packed tiles stay split, as in the decode: quarter k holds channels 4j + k, and q, the
+# accumulator and the chunk's own K/V use the same map. A quarter is what one shift of the
+# packed words gives::
+#
+#   nvfp4 / int4: 16-bit word j = bytes 2j, 2j+1 = nibbles k = 0..3 = channels 4j + k
+#   int2:         byte j = crumbs k = 0..3 = channels 4j + k
+
+
+@triton.jit
+def _f16_code(c):
+    """Small integer codes (int32 0..1023) -> exact fp16: 0x6400 | c is 1024 + c."""
+    return (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def _e2m1_quarter(w, k: tl.constexpr):
+    """Nibble k of each 16-bit word (int32) -> fp16 e2m1 * 2^-14 (sign, exponent and mantissa moved into place)."""
+    nib = (w >> (4 * k)) & 0xF
+    return (((nib & 8) << 12) | ((nib & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _quarters(rows, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, FMT: tl.constexpr,
+              D: tl.constexpr, TM: tl.constexpr):  # fmt: skip
+    """nvfp4 / int4 / int2-value rows -> four fp16 quarters [N, D/4] (quarter k: channels 4j + k); TM as in _rows.
+
+    nvfp4 quarters are e2m1 * s * 2^-7 (the caller folds 2^7 and the global scale back in)."""
+    Q: tl.constexpr = D // 4
+    j = tl.arange(0, Q)[None, :]
+    m = ok[:, None]
+    r = hrow[:, None]
+    if FMT == FMT_INT2:
+        w = tl.load(rows[:, None] + OFF + r * Q + j, mask=m, other=0).to(tl.int32)  # byte j: 4 crumbs
+    else:
+        w = tl.load((rows[:, None] + OFF).to(tl.pointer_type(tl.uint16)) + r * Q + j, mask=m, other=0).to(tl.int32)
+    if FMT == FMT_NVFP4:
+        s = tl.load(rows[:, None] + SOFF + r * (D // 16) + j // 4, mask=m, other=0)  # block of word j: j // 4
+        sc = e4m3_to_f16(s, False) * 128.0  # s * 2^7, exact in fp16
+        x0 = _e2m1_quarter(w, 0) * sc
+        x1 = _e2m1_quarter(w, 1) * sc
+        x2 = _e2m1_quarter(w, 2) * sc
+        x3 = _e2m1_quarter(w, 3) * sc
+    else:
+        meta = meta_index(r, j // 8, D // 32, TM)  # group of 32 channels of word / byte j: j // 8
+        sc = tl.load((rows[:, None] + SOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m, other=0.0)
+        zr = tl.load((rows[:, None] + ZOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m, other=0.0)
+        B: tl.constexpr = 2 if FMT == FMT_INT2 else 4
+        MASK: tl.constexpr = (1 << B) - 1
+        x0 = _f16_code(w & MASK) * sc + zr
+        x1 = _f16_code((w >> B) & MASK) * sc + zr
+        x2 = _f16_code((w >> (2 * B)) & MASK) * sc + zr
+        x3 = _f16_code((w >> (3 * B)) & MASK) * sc + zr
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _int2_key_quarters(rows, pages, h, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, D: tl.constexpr,
+                       P: tl.constexpr):  # fmt: skip
+    """INT2 keys -> four fp16 quarters [N, D/4]: code times the page's per-channel scale plus its zero."""
+    N: tl.constexpr = rows.shape[0]
+    PPI: tl.constexpr = pages.shape[0]
+    Q: tl.constexpr = D // 4
+    j = tl.arange(0, Q)
+    b = tl.load(rows[:, None] + OFF + hrow[:, None] * Q + j[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    sp = (pages[:, None] + SOFF).to(tl.pointer_type(tl.float16)) + h * D + 4 * j[None, :]  # [PPI, Q]: channel 4j
+    zp = (pages[:, None] + ZOFF).to(tl.pointer_type(tl.float16)) + h * D + 4 * j[None, :]
+    c0 = tl.reshape(_f16_code(b & 3), (PPI, P, Q))
+    c1 = tl.reshape(_f16_code((b >> 2) & 3), (PPI, P, Q))
+    c2 = tl.reshape(_f16_code((b >> 4) & 3), (PPI, P, Q))
+    c3 = tl.reshape(_f16_code((b >> 6) & 3), (PPI, P, Q))
+    x0 = tl.reshape(c0 * tl.load(sp)[:, None, :] + tl.load(zp)[:, None, :], (N, Q))
+    x1 = tl.reshape(c1 * tl.load(sp + 1)[:, None, :] + tl.load(zp + 1)[:, None, :], (N, Q))
+    x2 = tl.reshape(c2 * tl.load(sp + 2)[:, None, :] + tl.load(zp + 2)[:, None, :], (N, Q))
+    x3 = tl.reshape(c3 * tl.load(sp + 3)[:, None, :] + tl.load(zp + 3)[:, None, :], (N, Q))
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _attend4(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0, a1, a2, a3, k_mul, v_mul,
+             DT: tl.constexpr):  # fmt: skip
+    """_attend on quarters: S = sum_k q_k k_k^T, a_k += P v_k."""
+    s = tl.dot(q0, tl.trans(k0.to(DT)))
+    s = tl.dot(q1, tl.trans(k1.to(DT)), s)
+    s = tl.dot(q2, tl.trans(k2.to(DT)), s)
+    s = tl.dot(q3, tl.trans(k3.to(DT)), s)
+    s = tl.where(valid, s * k_mul, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pt = (p * v_mul).to(DT)
+    a0 = tl.dot(pt, v0.to(DT), a0 * alpha[:, None])
+    a1 = tl.dot(pt, v1.to(DT), a1 * alpha[:, None])
+    a2 = tl.dot(pt, v2.to(DT), a2 * alpha[:, None])
+    a3 = tl.dot(pt, v3.to(DT), a3 * alpha[:, None])
+    return m_new, l_i, a0, a1, a2, a3
+
+
+@triton.jit
+def _prefix_loop4(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, buf_ptr, pt_ptr, page_lo, page_hi, prefix_len, h, total_bytes,
+                  k_mul, v_mul, FMT: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PPI: tl.constexpr,
+                  PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
+                  V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr, DT: tl.constexpr,
+                  NUM_STAGES: tl.constexpr):  # fmt: skip
+    """_prefix_loop on quarters (nvfp4, int4, int2 pages)."""
+    N: tl.constexpr = PPI * P
+    n = tl.arange(0, N)
+    M: tl.constexpr = q0.shape[0]
+    for it in tl.range(page_lo, page_hi, PPI, num_stages=NUM_STAGES):
+        pidx = it + n // P
+        slot = n % P
+        ok = (pidx * P + slot < prefix_len) & (pidx < page_hi)
+        pid = tl.load(pt_ptr + pidx, mask=pidx < page_hi, other=0)
+        if FMT == FMT_INT2:
+            rows = buf_ptr + total_bytes - ((pid & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES
+            ip = tl.arange(0, PPI)
+            pids = tl.load(pt_ptr + it + ip, mask=it + ip < page_hi, other=0)
+            pages = buf_ptr + total_bytes - ((pids & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES  # [PPI]
+            k0, k1, k2, k3 = _int2_key_quarters(rows, pages, h, h * P + slot, ok, K_OFF, KS_OFF, KZ_OFF, D, P)
+        else:
+            rows = buf_ptr + pid.to(tl.int64) * PAGE_BYTES
+            k0, k1, k2, k3 = _quarters(rows, h * P + slot, ok, K_OFF, KS_OFF, KZ_OFF, FMT, D, 0)
+        v0, v1, v2, v3 = _quarters(rows, h * P + slot, ok, V_OFF, VS_OFF, VZ_OFF, FMT, D, P)
+        valid = tl.broadcast_to(ok[None, :], (M, N))
+        m_i, l_i, a0, a1, a2, a3 = _attend4(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0, a1, a2, a3,
+                                            k_mul, v_mul, DT)  # fmt: skip
+    return m_i, l_i, a0, a1, a2, a3
+
+
+@triton.jit
+def _extend_kernel4(
+    q_ptr, k_ptr, v_ptr, o_ptr, buf_ptr, pt_ptr, n2_ptr,  # as _extend_kernel; k, v: [n, H, 4, D/4] (quarter-major)
+    n_new, prefix_len, total_bytes, k_mul_pre, v_mul_pre, k_mul_new,
+    q_s0, q_s1, k_s0, k_s1, o_s0, o_s1,
+    FMT: tl.constexpr, TRIAXIAL: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
+    V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,
+    PAGE_BYTES2: tl.constexpr, K_OFF2: tl.constexpr, KS_OFF2: tl.constexpr, KZ_OFF2: tl.constexpr,
+    V_OFF2: tl.constexpr, VS_OFF2: tl.constexpr, VZ_OFF2: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PPI: tl.constexpr, PPI2: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DT: tl.constexpr,
+):  # fmt: skip
+    """_extend_kernel for packed pages, on channel quarters (see above)."""
+    qb = tl.program_id(0)
+    h = tl.program_id(1)
+    M: tl.constexpr = BLOCK_T * GP
+    Q: tl.constexpr = D // 4
+    r = tl.arange(0, M)
+    tok = qb * BLOCK_T + r // GP
+    hd = r % GP
+    row_ok = (tok < n_new) & (hd < G)
+    qrow = q_ptr + tok[:, None].to(tl.int64) * q_s0 + (h * G + hd)[:, None] * q_s1
+    ch = 4 * tl.arange(0, Q)[None, :]
+    q0 = tl.load(qrow + ch, mask=row_ok[:, None], other=0.0).to(DT)
+    q1 = tl.load(qrow + ch + 1, mask=row_ok[:, None], other=0.0).to(DT)
+    q2 = tl.load(qrow + ch + 2, mask=row_ok[:, None], other=0.0).to(DT)
+    q3 = tl.load(qrow + ch + 3, mask=row_ok[:, None], other=0.0).to(DT)
+    m_i = tl.full((M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((M,), tl.float32)
+    a0 = tl.zeros((M, Q), tl.float32)
+    a1 = tl.zeros((M, Q), tl.float32)
+    a2 = tl.zeros((M, Q), tl.float32)
+    a3 = tl.zeros((M, Q), tl.float32)
+    num_pages = tl.cdiv(prefix_len, P)
+    if TRIAXIAL:
+        n2 = tl.load(n2_ptr)
+        m_i, l_i, a0, a1, a2, a3 = _prefix_loop4(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, buf_ptr, pt_ptr, 0, n2, prefix_len, h,
+                                                 total_bytes, k_mul_pre, v_mul_pre, FMT_INT2, D, P, PPI2, PAGE_BYTES2, K_OFF2,
+                                                 KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2, DT, NUM_STAGES)  # fmt: skip
+    else:
+        n2 = 0
+    m_i, l_i, a0, a1, a2, a3 = _prefix_loop4(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, buf_ptr, pt_ptr, n2, num_pages, prefix_len,
+                                             h, total_bytes, k_mul_pre, v_mul_pre, FMT, D, P, PPI, PAGE_BYTES, K_OFF, KS_OFF,
+                                             KZ_OFF, V_OFF, VS_OFF, VZ_OFF, DT, NUM_STAGES)  # fmt: skip
+    hi = tl.minimum(n_new, (qb + 1) * BLOCK_T)
+    jq = tl.arange(0, Q)[None, :]
+    for j0 in range(0, hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        jm = (j < n_new)[:, None]
+        off = j[:, None].to(tl.int64) * k_s0 + h * k_s1 + jq
+        k0 = tl.load(k_ptr + off, mask=jm, other=0.0)
+        k1 = tl.load(k_ptr + off + Q, mask=jm, other=0.0)
+        k2 = tl.load(k_ptr + off + 2 * Q, mask=jm, other=0.0)
+        k3 = tl.load(k_ptr + off + 3 * Q, mask=jm, other=0.0)
+        v0 = tl.load(v_ptr + off, mask=jm, other=0.0)
+        v1 = tl.load(v_ptr + off + Q, mask=jm, other=0.0)
+        v2 = tl.load(v_ptr + off + 2 * Q, mask=jm, other=0.0)
+        v3 = tl.load(v_ptr + off + 3 * Q, mask=jm, other=0.0)
+        valid = (j[None, :] <= tok[:, None]) & (j < n_new)[None, :]
+        m_i, l_i, a0, a1, a2, a3 = _attend4(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0, a1, a2, a3,
+                                            k_mul_new, 1.0, DT)  # fmt: skip
+    inv = (1.0 / tl.where(l_i > 0, l_i, 1.0))[:, None]
+    orow = o_ptr + tok[:, None].to(tl.int64) * o_s0 + (h * G + hd)[:, None] * o_s1
+    ty = o_ptr.dtype.element_ty
+    tl.store(orow + ch, (a0 * inv).to(ty), mask=row_ok[:, None])
+    tl.store(orow + ch + 1, (a1 * inv).to(ty), mask=row_ok[:, None])
+    tl.store(orow + ch + 2, (a2 * inv).to(ty), mask=row_ok[:, None])
+    tl.store(orow + ch + 3, (a3 * inv).to(ty), mask=row_ok[:, None])
 
 
 # Per format: chunk tokens per program, prefix pages per step (PPI * page size = 64 keys), warps, stages.
@@ -280,14 +413,22 @@ def extend_attention(
     interpret = q.device.type == "cpu"
     dt = tl.float16 if layout.fmt != "bf16" else (tl.float32 if interpret else tl.bfloat16)
     grid = (triton.cdiv(n, cfg["BLOCK_T"]), h)
-    _extend_kernel[grid](
-        q, k, v, out, kv.buffer, pages, n2, n, prefix_len, kv.total_bytes,
-        sm_scale * LOG2E * k_fold, v_fold, sm_scale * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
+    quarters = layout.fmt in ("nvfp4", "int4")
+    if quarters:
+        # the chunk's K/V with each quarter (channels 4j + k) contiguous: [n, H, 4, D/4]
+        k = k.view(n, h, d // 4, 4).transpose(2, 3).contiguous()
+        v = v.view(n, h, d // 4, 4).transpose(2, 3).contiguous()
+    args = (q, k, v, out, kv.buffer, pages, n2, n, prefix_len, kv.total_bytes, sm_scale * LOG2E * k_fold, v_fold,
+            sm_scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1))  # fmt: skip
+    meta = dict(
         FMT=FMT_CODES[layout.fmt], TRIAXIAL=kv.triaxial, G=group, GP=triton.next_power_of_2(group), D=d, P=p,
         PAGE_BYTES=lay[0], K_OFF=lay[1], KS_OFF=lay[2], KZ_OFF=lay[3], V_OFF=lay[4], VS_OFF=lay[5], VZ_OFF=lay[6],
         PAGE_BYTES2=lay2[0], K_OFF2=lay2[1], KS_OFF2=lay2[2], KZ_OFF2=lay2[3], V_OFF2=lay2[4], VS_OFF2=lay2[5],
         VZ_OFF2=lay2[6], BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], PPI=cfg["PPI"], PPI2=cfg["PPI2"],
-        NUM_STAGES=cfg["NUM_STAGES"], FAST=fast, DT=dt, num_warps=cfg["num_warps"],
+        NUM_STAGES=cfg["NUM_STAGES"], DT=dt, num_warps=cfg["num_warps"],
     )  # fmt: skip
+    if quarters:
+        _extend_kernel4[grid](*args, **meta)
+    else:
+        _extend_kernel[grid](*args, **meta, FAST=fast)
     return out
