@@ -40,7 +40,7 @@ CHUNKS = [512, 2048]
 FORMATS = ["bf16", "fp8_e4m3", "nvfp4", "triaxial"]
 OPTIONS = KernelOptions.from_env()
 SM = D**-0.5
-SWEEP = [(16, 4, 4, 2), (64, 8, 4, 2)]  # (chunk tokens per program, warps, prefix pages per step, stages)
+SWEEP = [(16, 4, 4, 2), (64, 8, 4, 2), (32, 8, 8, 2)]  # (chunk tokens per program, warps, prefix pages per step, stages)
 SWEEP_FORMATS = ("nvfp4",)
 
 
