@@ -20,7 +20,9 @@ Lengths are in tokens. Text is built from ``WORDS``, English words that are
 each one token after a space in the built-in tiny model's byte-level BPE (a
 test holds this), so an n-token draw is n words; JSON punctuation of tool
 calls and schemas and the chat template's delimiters come on top (the real
-count is what the server reports in ``usage``). For another tokenizer the same
+count is what the server reports in ``usage``); the nominal counts add the
+template costs measured on the tiny model (``TEMPLATE_TOKENS`` and below) and
+land within about 10% of the rendered prompt. For another tokenizer the same
 text is roughly 1-1.3 tokens a word.
 
 Determinism: agent ``i`` of a spec depends only on (``spec.seed``, ``i``) and
@@ -147,8 +149,15 @@ class LoadSpec:
             raise ValueError(f"LoadSpec.output_tokens.low must be >= 1, got {self.output_tokens.low}")
 
 
-# Nominal chat-template cost of one message (<|im_start|>role\n ... <|im_end|>\n).
-TEMPLATE_TOKENS = 5
+# Nominal template costs, measured on the built-in tiny model's Qwen-style chat
+# template and tokenizer (tests/test_agent_load.py holds nominal to rendered):
+TEMPLATE_TOKENS = 5  # one system/user message around its words: <|im_start|>role\n ... <|im_end|>\n
+TOOL_RESULT_TOKENS = 9  # a tool message: its turn plus <tool_response> ... </tool_response>
+REPLY_TOKENS = 7  # the assistant message around the reply, in the history
+CALL_TOKENS = 24  # a tool call around its argument words: <tool_call>{"name": .., "arguments": ..}</tool_call>
+TOOLS_HEADER_TOKENS = 83  # the template's tools preamble, once when tools are offered
+TOOL_SCHEMA_TOKENS = 67  # one tool's JSON schema around its description words
+GENERATION_PROMPT_TOKENS = 5  # <|im_start|>assistant\n ... at the end of every request
 
 
 @dataclass(slots=True, frozen=True)
@@ -163,9 +172,10 @@ class TurnSpec:
     """One request of an agent. ``user``/``tool_result`` is what arrived since the last reply.
 
     ``tool_call`` is attached to this turn's reply; ``tool_result`` is the
-    previous turn's call's result. ``*_tokens`` are nominal (words, see the
-    module docstring); the next turn's ``history_tokens`` is this one's plus
-    ``output_tokens + call_tokens + TEMPLATE_TOKENS`` (the reply) plus its own
+    previous turn's call's result. ``*_tokens`` are nominal (words plus the
+    template costs above, see the module docstring): ``history_tokens`` is
+    this request's whole prompt; the next turn's is this one's plus
+    ``output_tokens + call_tokens + REPLY_TOKENS`` (the reply) plus its own
     ``new_tokens``. ``think_time_s`` is the pause before sending the turn (0
     on turn 0).
     """
@@ -200,13 +210,13 @@ def _prefix(spec: LoadSpec, rng: random.Random) -> tuple[str, tuple[dict[str, An
     names = list(TOOL_NAMES)
     rng.shuffle(names)
     tools: list[dict[str, Any]] = []
-    tokens = len(system.split()) + TEMPLATE_TOKENS
+    tokens = len(system.split()) + TEMPLATE_TOKENS + TOOLS_HEADER_TOKENS
     for name in names[: max(1, spec.num_tools.sample_int(rng))]:
         description = _text(rng, spec.tool_description_tokens.sample_int(rng))
         tools.append({"type": "function", "function": {
             "name": name, "description": description,
             "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}, "required": ["arg"]}}})
-        tokens += len(description.split()) + 20  # nominal JSON schema around the description
+        tokens += len(description.split()) + TOOL_SCHEMA_TOKENS
     return system, tuple(tools), tokens
 
 
@@ -230,7 +240,7 @@ def agent(spec: LoadSpec, i: int) -> AgentSpec:
             new = len(user.split()) + TEMPLATE_TOKENS
         else:
             result = _text(rng, pending[1])
-            new = pending[1] + TEMPLATE_TOKENS
+            new = pending[1] + TOOL_RESULT_TOKENS
         output = max(1, spec.output_tokens.sample_int(rng))
         call: ToolCall | None = None
         call_tokens = 0
@@ -238,17 +248,18 @@ def agent(spec: LoadSpec, i: int) -> AgentSpec:
         if rng.random() < spec.tool_call_prob:
             args = _text(rng, spec.tool_args_tokens.sample_int(rng))
             call = ToolCall(id=f"call_{i}_{k}", name=rng.choice(tool_names), arguments=json.dumps({"arg": args}))
-            call_tokens = len(args.split()) + 10  # nominal <tool_call>{"name": .., "arguments": ..}</tool_call>
+            call_tokens = len(args.split()) + CALL_TOKENS
             result_tokens = max(1, spec.tool_result_tokens.sample_int(rng))
         think = spec.think_time_s.sample(rng) if k > 0 else 0.0
-        # The request must fit with its reply; the next request would add the reply, its call and a result.
-        if history + new + output > spec.max_context_tokens:
+        # The request must fit with its reply.
+        prompt = history + new + GENERATION_PROMPT_TOKENS
+        if prompt + output > spec.max_context_tokens:
             break
         history += new
         turns.append(TurnSpec(index=k, user=user, tool_result=result, output_tokens=output, tool_call=call,
-                              think_time_s=think, new_tokens=new, history_tokens=history,
+                              think_time_s=think, new_tokens=new, history_tokens=prompt,
                               call_tokens=call_tokens))
-        history += output + call_tokens + TEMPLATE_TOKENS
+        history += output + call_tokens + REPLY_TOKENS
         pending = (call, result_tokens) if call is not None else None
     return AgentSpec(agent_id=i, session_id=f"agent-{spec.seed}-{i}", system=system, tools=tools,
                      prefix_tokens=prefix_tokens, turns=tuple(turns))

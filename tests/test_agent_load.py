@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -95,15 +96,15 @@ def test_histories_stay_inside_the_context_and_long_context_fills_it() -> None:
     for i in range(50):
         for t in agent(short, i).turns:
             assert t.history_tokens + t.output_tokens <= 1024
-    long = replace(short, long_context=True, max_context_tokens=2048, user_tokens=fixed(50), tool_result_tokens=fixed(50),
+    long = replace(short, long_context=True, max_context_tokens=4096, user_tokens=fixed(50), tool_result_tokens=fixed(50),
                    tool_args_tokens=fixed(5), output_tokens=fixed(10))
     for i in range(20):
         a = agent(long, i)
         last = a.turns[-1]
         assert len(a.turns) > 12  # more than the `turns` distribution ever gives
-        assert last.history_tokens + last.output_tokens <= 2048
-        # it stopped because the next turn would not fit: reply, call and new message add under 100 tokens
-        assert last.history_tokens > 2048 - 100
+        assert last.history_tokens + last.output_tokens <= 4096
+        # it stopped because the next turn would not fit: reply, call and new message add under 120 tokens
+        assert last.history_tokens > 4096 - 120
 
 
 def test_shared_system_prompt_gives_every_agent_one_prefix() -> None:
@@ -169,11 +170,33 @@ def test_module_imports_no_torch() -> None:
 
 
 def test_nominal_history_grows_by_reply_and_new_message() -> None:
-    from kvserving.agent_load import TEMPLATE_TOKENS
+    from kvserving.agent_load import GENERATION_PROMPT_TOKENS, REPLY_TOKENS
 
     a = agent(LoadSpec(seed=9), 1)
-    assert a.turns[0].history_tokens == a.prefix_tokens + a.turns[0].new_tokens
+    assert a.turns[0].history_tokens == a.prefix_tokens + a.turns[0].new_tokens + GENERATION_PROMPT_TOKENS
     for prev, t in zip(a.turns, a.turns[1:]):
-        reply = prev.output_tokens + prev.call_tokens + TEMPLATE_TOKENS
+        reply = prev.output_tokens + prev.call_tokens + REPLY_TOKENS
         assert t.history_tokens == prev.history_tokens + reply + t.new_tokens
         assert (prev.call_tokens > 0) == (prev.tool_call is not None)
+
+
+def test_nominal_prompt_lengths_match_the_tiny_models_rendered_prompts(tmp_path: Path) -> None:
+    """The generator's nominal ``history_tokens`` land within 3% of the prompt the gateway
+    renders and tokenizes (replies of ``output_tokens`` words, as the tiny model's are counted)."""
+    from kvserving.gateway.chat_template import ChatTemplate
+    from kvserving.gateway.tagger import ChatTagger
+    from kvserving.gateway.tokenizer import TextTokenizer
+    from kvserving.worker.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny")
+    tagger = ChatTagger(TextTokenizer.from_dir(model), ChatTemplate.from_dir(model))
+    ratios = []
+    for i in range(6):
+        a = agent(LoadSpec(seed=1), i)
+        conv = Conversation(a)
+        for t in a.turns:
+            rendered = len(tagger.build(conv.request(t), tools=conv.tools).input_ids)
+            ratios.append(rendered / t.history_tokens)
+            conv.reply(t, " ".join(WORDS[:t.output_tokens]))
+    assert len(ratios) > 20
+    assert 0.97 <= min(ratios) and max(ratios) <= 1.03
