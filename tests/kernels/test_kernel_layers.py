@@ -19,9 +19,9 @@ import pytest
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 PKG = "kvserving.kernels"
 # modules that hold Triton or Gluon kernels (or only make sense next to them)
-TRITON_MODULES = {"triton_codec", "triton_common", "triton_decode", "triton_gather", "triton_write", "gluon_decode",
-                  "gluon_fragments", "compile_report"}  # fmt: skip
-KERNEL_MODULES = {"triton_decode", "triton_gather", "triton_write", "gluon_decode"}
+TRITON_MODULES = {"triton_codec", "triton_common", "triton_decode", "triton_gather", "triton_write", "triton_prefill",
+                  "gluon_decode", "gluon_fragments", "compile_report"}  # fmt: skip
+KERNEL_MODULES = {"triton_decode", "triton_gather", "triton_write", "triton_prefill", "gluon_decode"}
 REFERENCES = {"page_ids", "options", "layout", "paged_kv", "fp8", "nvfp4", "intquant", "quant_checks", "paged_ref", "capacity"}
 
 
