@@ -84,7 +84,9 @@ class CostModel:
                 raise ValueError(f"costs.{key} must be an integer >= 1, got {value!r}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type == "float" and (not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0):
+            if f.type == "float" and (
+                not isinstance(value, (int, float)) or not math.isfinite(value) or (value < 0 and f.name != "prompt_token_offset")
+            ):
                 raise ValueError(f"costs.{f.name} must be a finite number >= 0, got {value!r}")
         if self.transfer_bytes_per_s <= 0:
             raise ValueError(f"costs.transfer_bytes_per_s must be > 0, got {self.transfer_bytes_per_s}")

@@ -637,6 +637,8 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--shapes", type=int_in(1, 1_000_000), default=256, help="distinct agent shapes drawn (see Population)")
     parser.add_argument("--seed", type=int, default=0, help="agent population seed")
     parser.add_argument("--json", default=None, help="write the points as JSON here")
+    parser.add_argument("--validate", default=None, metavar="BENCH_JSON",
+                        help="instead: re-run bench/agents.py's points (its JSON) and print simulated vs measured")
 
 
 def run(args: Any) -> int:
@@ -646,6 +648,12 @@ def run(args: Any) -> int:
 
     from kvserving.sim_costs import canonical_dtype, load_costs
 
+    if args.validate is not None:
+        with open(args.validate) as fh:
+            measured = json.load(fh)
+        costs_name = args.costs if args.costs != "h200-8b" else "cpu-tiny"
+        print(format_validation(validate_points(measured, load_costs(costs_name))))
+        return 0
     dtypes = [canonical_dtype(d.strip()) for d in str(args.dtype).split(",") if d.strip()]
     if not dtypes:
         raise ValueError("--dtype names no format")
@@ -693,3 +701,83 @@ def run(args: Any) -> int:
             json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "costs": costs.to_dict(),
                        "points": points}, fh, indent=1, default=str)
     return 0
+
+
+# ---------------------------------------------------------------------------------- validation
+BENCH_FORMATS = {"bf16": "bf16", "fp8": "fp8_e4m3", "nvfp4": "nvfp4", "triaxial": "triaxial"}
+VALIDATED = ("hit_rate", "hit_rate_later_turns", "local_share", "pulled_share", "req_per_s", "output_tok_per_s",
+             "ttft_p50_ms", "ttft_p99_ms", "prefill_evicted_pages", "decode_evicted_pages")
+
+
+def load_spec_from_dict(data: dict[str, Any]) -> LoadSpec:
+    """The ``LoadSpec`` bench/agents.py wrote with ``dataclasses.asdict``."""
+    from kvserving.agent_load import Dist
+
+    if not isinstance(data, dict):
+        raise ValueError("the benchmark JSON has no 'load' object")
+    fields: dict[str, Any] = {k: Dist(**v) if isinstance(v, dict) else v for k, v in data.items()}
+    try:
+        return LoadSpec(**fields)
+    except TypeError as exc:
+        raise ValueError(f"bad 'load' in the benchmark JSON: {exc}") from exc
+
+
+def bench_reuse(mode: str, ttl_s: float) -> ReuseConfig:
+    """bench/agents.py's reuse modes."""
+    if mode == "lease":
+        return ReuseConfig()
+    if mode == "ttl":
+        return ReuseConfig(retention_ttl_s=ttl_s, lease_ttl_s=ttl_s / 2)
+    if mode == "off":
+        return ReuseConfig(bidirectional=False)
+    raise ValueError(f"unknown benchmark mode {mode!r}")
+
+
+def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str, Any]]:
+    """Re-run bench/agents.py's points (same agents, KV budget, scheduler, reuse mode, one
+    stack per format and mode, points in the order they ran) in the simulator; one row per
+    point with the simulated and the measured metrics."""
+    from dataclasses import replace
+
+    try:
+        load = load_spec_from_dict(measured["load"])
+        points = list(measured["points"])
+        kv_bytes = int(measured["kv_kib_per_worker"]) * 1024
+        ttl_s = float(measured.get("ttl_s", 3.0))
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"not a bench/agents.py result: {exc}") from exc
+    sched = SchedulerConfig(**measured.get("scheduler", {"max_num_seqs": 32, "max_num_batched_tokens": 1024, "chunk_size": 512}))
+    costs = replace(costs, kv_bytes_per_worker=kv_bytes)
+    sims: dict[tuple[str, str], Simulator] = {}
+    rows: list[dict[str, Any]] = []
+    first = 0
+    for p in points:
+        fmt, mode, n = p["format"], p["mode"], int(p["concurrency"])
+        key = (fmt, mode)
+        if key not in sims:
+            cluster = ClusterSpec(BENCH_FORMATS[fmt], 1, 1, costs, reuse=bench_reuse(mode, ttl_s), scheduler=sched)
+            sims[key] = Simulator(cluster, load)
+        sim_point = run_bench_point(sims[key], range(first, first + n))
+        first += n
+        rows.append({"format": fmt, "mode": mode, "concurrency": n,
+                     "sim": {k: sim_point.get(k) for k in VALIDATED},
+                     "measured": {k: p.get(k) for k in VALIDATED}})
+    return rows
+
+
+def format_validation(rows: list[dict[str, Any]]) -> str:
+    cols = (("hit", "hit_rate", "{:.2f}"), ("hit2+", "hit_rate_later_turns", "{:.2f}"), ("pulled", "pulled_share", "{:.2f}"),
+            ("req/s", "req_per_s", "{:.2f}"), ("TTFT p50", "ttft_p50_ms", "{:.0f}"), ("p99", "ttft_p99_ms", "{:.0f}"),
+            ("evict P", "prefill_evicted_pages", "{}"), ("evict D", "decode_evicted_pages", "{}"))
+    head = ["format", "mode", "N"] + [f"{t} sim/meas" for t, _, _ in cols]
+    table = [head]
+    for r in rows:
+        cells = [r["format"], r["mode"], str(r["concurrency"])]
+        for _, key, fmt in cols:
+            s, m = r["sim"].get(key), r["measured"].get(key)
+            cells.append(f"{fmt.format(s) if s is not None else '-'} / {fmt.format(m) if m is not None else '-'}")
+        table.append(cells)
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,208 @@
+"""The cluster simulator (kvserving.simulate): its page cache, leases and event core by name,
+routing against the real router, the cost model's input checks, and the hit rate against the
+benchmark's measured numbers (bench/sim_costs_cpu_measured.json)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from kvserving.config import GatewayConfig, ReuseConfig
+from kvserving.gateway.router import WorkerView, choose_decode, choose_prefill
+from kvserving.sim_cache import PageCache
+from kvserving.sim_costs import CostModel, canonical_dtype, load_costs
+from kvserving.simulate import ClusterSpec, Population, Simulator, split_gpus, validate_points
+
+ROOT = Path(__file__).resolve().parents[1]
+MEASURED = ROOT / "bench" / "sim_costs_cpu_measured.json"
+
+
+def tiny_costs(**kw: object) -> CostModel:
+    base = dict(name="t", layers=1, kv_heads=1, head_dim=32, kv_bytes_per_worker=1 << 20, prefill_token_s=1e-4,
+                prefill_attn_s=0.0, decode_step_s=1e-3, decode_ctx_s={"bf16": 0.0, "fp8_e4m3": 0.0, "nvfp4": 0.0})
+    base.update(kw)
+    return CostModel(**base)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- page cache
+def test_lru_evicts_least_recent_chain_first_and_its_tail_first() -> None:
+    cache = PageCache(10)
+    a, b = cache.new_hold(), cache.new_hold()
+    segs_a, segs_b = [("a", 100)], [("b", 100)]
+    assert cache.allocate(a, 4) and cache.allocate(b, 4)
+    cache.publish(a, segs_a, 0, 4)
+    cache.publish(b, segs_b, 0, 4)
+    cache.release(a)  # a goes into the LRU first: least recently used
+    cache.release(b)
+    assert cache.lru_keys() == ["a", "b"] and cache.cached == 8 and cache.free == 10
+    c = cache.new_hold()
+    assert cache.allocate(c, 5)  # 2 free pages, then 3 evicted from a's tail
+    assert cache.present("a") == 1 and cache.present("b") == 4 and cache.evicted == 3
+    assert cache.match(segs_a, 10) == 1  # the head survives, a prefix match still finds it
+    assert cache.allocate(c, 2)  # a's last page, then b's tail
+    assert cache.present("a") == 0 and cache.present("b") == 3 and cache.lru_keys() == ["b"]
+
+
+def test_matching_a_chain_takes_its_pages_out_of_the_lru_and_release_moves_it_to_the_end() -> None:
+    cache = PageCache(8)
+    h = cache.new_hold()
+    for key in ("a", "b"):
+        assert cache.allocate(h, 3)
+        cache.publish(h, [(key, 10)], 0, 3)
+    cache.release(h)
+    assert cache.lru_keys() == ["a", "b"]
+    user = cache.new_hold()
+    cache.ref(user, [("a", 10)], 3)
+    assert cache.lru_keys() == ["b"] and cache.cached == 3
+    cache.release(user)
+    assert cache.lru_keys() == ["b", "a"]  # a was just used: b is evicted first now
+
+
+def test_lease_pins_are_never_evicted_and_allocation_is_all_or_nothing() -> None:
+    cache = PageCache(6)
+    lease = cache.new_hold()
+    assert cache.allocate(lease, 4)
+    cache.publish(lease, [("conv", 50)], 0, 4)
+    other = cache.new_hold()
+    assert not cache.allocate(other, 3)  # 2 free, 4 pinned: nothing changes
+    assert cache.used == 4 and cache.evicted == 0 and other.loose == 0
+    assert cache.allocate(other, 2)
+    cache.release(lease)  # the pin goes: its pages are cached, evictable
+    assert cache.free == 4 and cache.allocate(other, 4) and cache.present("conv") == 0
+
+
+def test_publish_keeps_the_first_copy_and_frees_duplicates_on_release() -> None:
+    cache = PageCache(10)
+    first, second = cache.new_hold(), cache.new_hold()
+    assert cache.allocate(first, 3) and cache.allocate(second, 3)
+    cache.publish(first, [("sys", 3)], 0, 3)
+    cache.publish(second, [("sys", 3)], 0, 3)  # computed at the same time: stays loose
+    assert cache.present("sys") == 3 and second.loose == 3 and cache.used == 6
+    cache.release(second)
+    assert cache.used == 3 and cache.owned("sys") == 3
+
+
+def test_shared_prefix_segments_match_across_chains() -> None:
+    cache = PageCache(20)
+    h = cache.new_hold()
+    segs = [("sys", 2), ("conv1", 100)]
+    assert cache.allocate(h, 5)
+    cache.publish(h, segs, 0, 5)
+    cache.release(h)
+    assert cache.match(segs, 100) == 5
+    assert cache.match([("sys", 2), ("conv2", 100)], 100) == 2  # another agent: the shared pages only
+
+
+# ----------------------------------------------------------------------------- workers and leases
+def _sim(**kw: object) -> Simulator:
+    from kvserving.agent_load import LoadSpec
+
+    cluster = ClusterSpec("bf16", 2, 3, tiny_costs(), **kw)  # type: ignore[arg-type]
+    return Simulator(cluster, LoadSpec())
+
+
+def test_retained_lease_expires_at_retention_and_its_pages_become_cached() -> None:
+    sim = _sim(reuse=ReuseConfig(retention_ttl_s=10.0, lease_ttl_s=5.0))
+    w = sim.decode[0]
+    hold = w.cache.new_hold()
+    assert w.cache.allocate(hold, 4)
+    w.cache.publish(hold, [("c", 50)], 0, 4)
+    lease = w.pin(hold, ttl_s=10.0, now=0.0, conv="c", pages=4, stable=4, prefix="kv-")
+    w.expire(9.99)
+    assert lease.alive(9.99) and w.cache.owned("c") == 4
+    w.expire(10.0)
+    assert not lease.alive(10.0) and w.cache.owned("c") == 0 and w.cache.present("c") == 4
+    assert w.stats.leases_expired == 1 and w.cache.lru_keys() == ["c"]
+
+
+def test_renew_moves_the_expiry_but_an_expired_lease_cannot_come_back() -> None:
+    sim = _sim()
+    w = sim.decode[1]
+    hold = w.cache.new_hold()
+    lease = w.pin(hold, ttl_s=5.0, now=0.0, conv=None, pages=0, stable=0, prefix="kv-")
+    assert w.renew(lease.lease_id, ttl_s=5.0, now=4.0) == 9.0
+    w.expire(6.0)
+    assert lease.alive(6.0)
+    assert w.renew(lease.lease_id, ttl_s=5.0, now=9.5) is None
+
+
+def test_event_core_runs_in_time_order_ties_in_schedule_order() -> None:
+    sim = _sim()
+    seen: list[str] = []
+    sim.at(2.0, lambda t: seen.append("c"))
+    sim.at(1.0, lambda t: seen.append("a"))
+    sim.at(1.0, lambda t: (seen.append("b"), sim.at(1.5, lambda t2: seen.append("b2"))))
+    sim.run()
+    assert seen == ["a", "b", "b2", "c"] and sim.now == 2.0
+
+
+def test_routing_equals_the_real_router_on_every_worker() -> None:
+    rng = random.Random(7)
+    sim = _sim(gateway=GatewayConfig(max_inflight_per_worker=5))
+    for _ in range(300):
+        for w in [*sim.prefill, *sim.decode]:
+            w.inflight = rng.randrange(0, 8)
+        held = {w.url: rng.randrange(0, 3) for w in sim.decode}
+        sim.table.per_worker.clear()
+        sim.table.per_worker.update({k: v for k, v in held.items() if v})
+        key = bytes(rng.randrange(256) for _ in range(16))
+        lease_url = rng.choice([None, *[w.url for w in sim.decode]])
+        dec, pre = sim.route(key, lease_url)
+        full_d = choose_decode([WorkerView(w.url, True, w.inflight, held[w.url]) for w in sim.decode],
+                               lease_url=lease_url, max_inflight=5)
+        full_p = choose_prefill([WorkerView(w.url, True, w.inflight) for w in sim.prefill], key=key)
+        assert full_d is not None and full_p is not None
+        assert (dec.url, pre.url) == (full_d.url, full_p.url)
+
+
+# ----------------------------------------------------------------------------- inputs
+def test_bad_inputs_are_one_line_value_errors() -> None:
+    with pytest.raises(ValueError, match="kv_heads"):
+        tiny_costs(kv_heads=0)
+    with pytest.raises(ValueError, match="unknown keys"):
+        CostModel.from_dict({**tiny_costs().to_dict(), "typo": 1})
+    with pytest.raises(ValueError, match="no decode cost for triaxial"):
+        ClusterSpec("triaxial", 1, 1, tiny_costs())
+    with pytest.raises(ValueError, match="unknown KV dtype"):
+        canonical_dtype("fp6")
+    with pytest.raises(ValueError, match="gpus must be >= 2"):
+        split_gpus(1, 0.25)
+    with pytest.raises(ValueError, match="warmup_s"):
+        Population(10, 100.0, warmup_s=100.0)
+    with pytest.raises(ValueError, match="not a built-in profile"):
+        load_costs("/nonexistent/costs.json")
+    assert canonical_dtype("fp8") == "fp8_e4m3" and split_gpus(64, 0.25) == (16, 48)
+
+
+def test_cost_model_round_trips_json_and_sizes_pools_from_the_format() -> None:
+    costs = load_costs("h200-8b")
+    assert CostModel.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
+    # 8B shape: 36 layers x 8 heads x 128 x 2 (K, V) = 73728 values per token; nvfp4 stores 9/16 of fp8
+    assert costs.page_bytes("fp8_e4m3", 16) == 73728 * 16
+    assert costs.page_bytes("nvfp4", 16) == 73728 * 16 * 9 / 16
+    cpu = load_costs("cpu-tiny")
+    assert cpu.page_bytes("bf16", 16) == 2 * cpu.page_bytes("fp8_e4m3", 16) * 2  # fp32 on the CPU engine
+
+
+# ----------------------------------------------------------------------------- validation
+@pytest.mark.skipif(not MEASURED.is_file(), reason="no measured benchmark points committed")
+def test_hit_rate_agrees_with_the_benchmark_on_the_cpu_stack() -> None:
+    measured = json.loads(MEASURED.read_text())
+    rows = validate_points(measured, load_costs("cpu-tiny"))
+    assert rows, "no points to compare"
+    for row in rows:
+        assert abs(row["sim"]["hit_rate"] - row["measured"]["hit_rate"]) <= measured["tolerance"]["hit_rate"], row
+
+
+def test_a_small_population_runs_and_reuses_kv() -> None:
+    from kvserving.simulate import gpu_load, simulate_point
+
+    point = simulate_point("nvfp4", 4, costs=load_costs("h200-8b"), load=gpu_load(0, think_s=5.0, output_tokens=50,
+                           max_context=8192), pop=Population(8, 120.0, warmup_s=20.0, ramp_s=5.0, shapes=4),
+                           prefill_share=0.5)
+    assert point["requests"] > 20 and 0.5 < point["hit_rate"] < 1.0
+    assert point["local_share"] + point["pulled_share"] == pytest.approx(point["hit_rate"])
+    assert point["ttft_p50_ms"] <= point["ttft_p99_ms"]
