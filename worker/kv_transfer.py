@@ -52,7 +52,10 @@ under ``pin_lease + ".local"``) until the engine admits the request. Any failure
 freed unregistered (never used). ``hash_mismatch`` with ``pulled_tokens > 0``
 means the histories diverged and only the common prefix was pulled. A
 sender lease whose id starts with ``xfer-`` (a prefill worker's hold) is
-released on the sender after a successful pull.
+released on the sender once the pull is over, whether it read the pages or
+not (held locally already, below the threshold, a fallback): a hold is
+single-use, and idle holds filling a small prefill pool stalled it until
+their timeout.
 
 Retaining: a request added with ``retain=kvt.retain_spec(...)`` keeps its
 full pages (prompt + generated) pinned when it finishes, for
@@ -452,11 +455,24 @@ class KVTransfer:
             return self._fail("lease_expired")
         plan = self._on_engine(lambda: self._plan(ids, tag_list, params))
         try:
-            return self._pull_planned(plan, params)
+            result = self._pull_planned(plan, params)
         finally:
             if plan.local_pin is not None:
                 pin = plan.local_pin
                 self._on_engine(lambda: self._drop_lease(pin))
+        if result.pin_lease is None:
+            # nothing read (held locally already, below the threshold, a fallback): a prefill
+            # worker's single-use hold is no use to anyone now; free its pages at once rather
+            # than at its timeout (a full prefill pool of idle holds admits nothing)
+            self._release_hold(params)
+        return result
+
+    def _release_hold(self, params: KVTransferParams) -> None:
+        if params.lease_id.startswith(TRANSFER_LEASE_PREFIX):
+            try:
+                self._release_remote(params.agent_url, params.lease_id)
+            except Exception:  # noqa: BLE001 - the sender's own timeout frees it anyway
+                pass
 
     def _pull_planned(self, plan: _Plan, params: KVTransferParams) -> PullResult:
         """Decide, check the sender, READ, adopt; every early return is a skip or a fallback."""
@@ -490,11 +506,7 @@ class KVTransfer:
         hashes = [plan.hashes[i] for i in plan.want]
         local_pids = list(plan.local_pids)
         self._on_engine(lambda: self._adopt(pin, local, hashes, local_pids))
-        if params.lease_id.startswith(TRANSFER_LEASE_PREFIX):
-            try:
-                self._release_remote(params.agent_url, params.lease_id)
-            except Exception:  # noqa: BLE001 - the sender's own timeout frees it anyway
-                pass
+        self._release_hold(params)
         self._count(stats, len(local) * p, overhead)
         fallback = None
         if diverged:

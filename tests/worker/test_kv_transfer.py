@@ -291,6 +291,12 @@ def test_concurrent_pulls_from_one_peer(tiny_model_dir: Path, host: Any) -> None
     assert [pulled[f"r{k}"] for k in range(4)] == [r.pulled_tokens for r in results]
     assert [outs[f"r{k}"] for k in range(4)] == [_fresh(tiny_model_dir, "bf16", ids, 6) for ids in prompts]
     assert P.kvt.leases() == []  # every transfer hold released by its puller
+    # a new hold of a prompt D caches already: nothing to read, and the hold is released all the same
+    again = P.generate({"request_id": "c0-again", "input_ids": prompts[0], "max_tokens": 1, "retain": True})["params"]
+    assert len(P.kvt.leases()) == 1
+    skip = D.kvt.pull(prompts[0], None, KVTransferParams.from_dict(again))
+    assert (skip.pulled_tokens, skip.skipped, skip.pin_lease) == (0, "nothing_to_pull", None)
+    assert P.kvt.leases() == []
 
 
 def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer: Peer) -> None:
