@@ -52,6 +52,9 @@ class KVCacheConfig:
     memory_bytes: int | None = None  # explicit pool budget; overrides memory_fraction
     global_scale: str = "static"
     allow_emulation: bool = False
+    # A `kvserving calibrate` file (kvserving.calibration): the triaxial bits table for
+    # bit_budget and the fp8/nvfp4 global scales; None = the default table, scales 1 or measured at start.
+    calibration: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in KV_DTYPES:
@@ -74,6 +77,8 @@ class KVCacheConfig:
             raise ValueError(f"kv_cache.global_scale must be one of {GLOBAL_SCALE_MODES}, got {self.global_scale!r}")
         if self.global_scale == "calibrated" and self.dtype not in ("fp8_e4m3", "nvfp4"):
             raise ValueError("kv_cache.global_scale 'calibrated' needs dtype fp8_e4m3 or nvfp4 (the formats with a global scale)")
+        if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration):
+            raise ValueError(f"kv_cache.calibration must be a non-empty file path, got {self.calibration!r}")
 
     @property
     def effective_page_size(self) -> int:

@@ -18,6 +18,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from kvserving.bits import average_bits, bits_table_for_budget, format_bits_table, int2_share
+from kvserving.calibration import Calibration
 from kvserving.config import KVCacheConfig
 from kvserving.tags import validate_bits_table
 from kvserving.worker.kv_manager import KVCacheManager
@@ -39,12 +40,18 @@ class KVCache:
         manager: KVCacheManager,
         *,
         bit_budget: float | None,
+        table_source: str = "default",
+        scales_source: str = "static",
     ) -> None:
         self.storage = storage
         self.pool = pool
         self.manager = manager
         # The budget the bits table was derived from; None for an explicit table or a one-precision format.
         self.bit_budget = bit_budget
+        # Where the bits table came from: "default" (kvserving.bits), "calibrated" (kv_cache.calibration), "explicit".
+        self.table_source = table_source
+        # Where the fp8/nvfp4 global scales came from: "static" (1.0) or "calibration" (the file's).
+        self.scales_source = scales_source
 
     # -- shape and capacity ---------------------------------------------------------------
     @property
@@ -100,10 +107,12 @@ class KVCache:
             f"{self.storage.total_bytes} B ({sizes} per page per layer), "
             f"capacity {self.capacity_tokens} tokens"
         )
+        if self.scales_source != "static":
+            line += f"; global scales from {self.scales_source}"
         table = self.bits_table
         if table is None:
             return line
-        source = f"bit budget {self.bit_budget:g}" if self.bit_budget is not None else "explicit table"
+        source = f"{self.table_source} table for bit budget {self.bit_budget:g}" if self.bit_budget is not None else "explicit table"
         return (
             f"{line} at INT2 share {self.int2_share:.2f} ({self.capacity_tokens_at(0.0)} all-INT4); "
             f"{source} -> {average_bits(table):.2f} average bits; bits table: {format_bits_table(table)}"
@@ -151,30 +160,53 @@ def build_kv_cache(
 ) -> KVCache:
     """Storage, pool and manager for ``kv_config`` in ``budget_bytes``.
 
-    Triaxial: ``bits_table`` if given, else the table ``kvserving.bits`` derives from
-    ``kv_config.effective_bit_budget``. Other formats have one precision and refuse a table.
+    Triaxial: ``bits_table`` if given, else the table for ``kv_config.effective_bit_budget``
+    from ``kv_config.calibration`` when set, else the one ``kvserving.bits`` derives.
+    Other formats have one precision and refuse a table; fp8/nvfp4 with
+    ``global_scale: calibrated`` take the calibration file's per-layer scales when it has them.
     """
     page_size = kv_config.effective_page_size
     storage = KVStorage(
         kv_config.dtype, model_shape, page_size=page_size, budget_bytes=budget_bytes,
         device=device, model_dtype=model_dtype,
     )
+    calibration = Calibration.load(kv_config.calibration) if kv_config.calibration else None
+    if calibration is not None and (calibration.num_layers, calibration.num_kv_heads, calibration.head_dim) != (
+        model_shape.num_layers, model_shape.num_kv_heads, model_shape.head_dim
+    ):
+        raise ValueError(
+            f"calibration {kv_config.calibration} is for {calibration.num_layers} layers x {calibration.num_kv_heads} "
+            f"KV heads x {calibration.head_dim}, the model has {model_shape.num_layers} x {model_shape.num_kv_heads} x "
+            f"{model_shape.head_dim}"
+        )
     if storage.int2_layout is None:
         if bits_table is not None:
             raise ValueError(f"bits_table is only used by kv_cache.dtype 'triaxial', got {kv_config.dtype!r}")
+        scales_source = "static"
+        scales = calibration.scales_for(kv_config.dtype, model_shape.num_layers) if calibration is not None else None
+        if scales is not None and kv_config.global_scale == "calibrated":
+            storage.k_scales, storage.v_scales = list(scales.k), list(scales.v)
+            scales_source = f"calibration {kv_config.calibration} ({scales.method})"
         pool: PagePoolBase = PagePool(storage.num_pages, page_size=page_size)
-        return KVCache(storage, pool, KVCacheManager(pool, page_size=page_size), bit_budget=None)
+        return KVCache(storage, pool, KVCacheManager(pool, page_size=page_size), bit_budget=None, scales_source=scales_source)
     budget = None
+    source = "explicit"
     if bits_table is not None:
         table = validate_bits_table(list(bits_table))
     else:
         budget = kv_config.effective_bit_budget
         assert budget is not None  # set for triaxial
-        table = bits_table_for_budget(budget)
+        if calibration is not None:
+            table, how = calibration.table_for_budget(budget)
+            source = f"calibrated ({how}, {kv_config.calibration})"
+        else:
+            table, source = bits_table_for_budget(budget), "default"
     pool = TriaxialPagePool(
         storage.total_bytes,
         int4_page_bytes=storage.layout.page_bytes,
         int2_page_bytes=storage.int2_layout.page_bytes,
         page_size=page_size,
     )
-    return KVCache(storage, pool, KVCacheManager(pool, page_size=page_size, bits_table=table), bit_budget=budget)
+    return KVCache(
+        storage, pool, KVCacheManager(pool, page_size=page_size, bits_table=table), bit_budget=budget, table_source=source
+    )

@@ -1,0 +1,474 @@
+"""`kvserving calibrate`: measure a model's KV sensitivity per token class and
+write the calibration file (kvserving.calibration) the engine config names.
+
+    kvserving calibrate --model DIR --data a.py b.jsonl --bit-budget 2.5 2.7 3 --out calib.json
+
+1. Calibration text becomes tagged prompts through the gateway's own chat
+   template and tagger (the real 56 classes): a ``.jsonl`` file holds one chat
+   request per line (``{"messages": [...], "tools": [...]}`` or a bare message
+   list); any other file is plain text, cut into pieces and wrapped as agent
+   conversations (system prompt and tool schema, then four user turns of
+   request, reasoning + tool call, tool result and answer), so every turn age
+   and every text role occurs.
+2. The worker's model code runs each prompt once; an attention op captures
+   every layer's Q and the K/V as the KV cache would receive them (RoPE applied).
+3. ``D_k(b)`` (DESIGN.md, Token tags): the attention-output MSE, per query head,
+   when only class k's tokens are stored at b bits through the triaxial
+   reference codec (kernels.intquant: INT4 K and V per token in groups of 32
+   channels; at 2 bits INT2 V per token and INT2 K per channel over pages of
+   32 of the class's tokens, in position order), the rest exact; max over
+   heads, summed over layers and prompts.
+4. Per requested budget, the greedy rule of ``kvserving.bits`` over those
+   measurements gives the table (``Calibration.derive_table``).
+5. fp8 and nvfp4 global scales per layer from the K/V amax (``amax / 448``,
+   ``amax / (6 * 448)``); with ``--scale-search`` each layer's K and V scale is
+   instead the multiple of that which gives the lowest attention-output error
+   (max over heads) with only that tensor quantized, when it beats amax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from kvserving.calibration import SCALED_DTYPES, Calibration, LayerScales, budget_key
+from kvserving.config import ModelConfig
+from kvserving.gateway.chat_template import ChatTemplate
+from kvserving.gateway.errors import GatewayError
+from kvserving.gateway.tagger import ChatTagger
+from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.kernels.fp8 import dequantize_fp8, quantize_fp8
+from kvserving.kernels.intquant import dequantize_groups, dequantize_int2_keys, quantize_groups, quantize_int2_keys
+from kvserving.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from kvserving.model_dir import resolve_model_dir
+from kvserving.tags import NUM_TAGS
+from kvserving.worker.attention import causal_attention
+from kvserving.worker.model import DecoderModel, ModelArgs, load_model
+
+DEFAULT_BUDGETS = (2.5, 2.7, 3.0, 3.5)
+PAGE = 32  # triaxial page: INT2 keys are quantized per channel over this many tokens
+FP8_MAX = 448.0
+E2M1_MAX = 6.0
+# Multiples of the amax scale that --scale-search tries (< 1 clips outliers, > 1 leaves headroom).
+SEARCH_FACTORS = (0.25, 0.35, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0)
+READ_FILE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "read_file",
+        "description": "Read part of a text file of the project.",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "offset": {"type": "integer"}},
+            "required": ["path"],
+        },
+    },
+}
+SYSTEM_PROMPT = "You are a careful engineer. Read the files you are given, reason about them and answer precisely.\n\n"
+
+
+# ---------------------------------------------------------------- calibration text
+@dataclass(slots=True)
+class ChatRequest:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+def wrap_text(text: str, *, name: str, piece_chars: int) -> list[ChatRequest]:
+    """Plain text as agent conversations of 17 pieces of ``piece_chars`` characters each
+    (the last conversation may be shorter); every piece of the text is used once."""
+    if piece_chars < 1:
+        raise ValueError(f"piece_chars must be >= 1, got {piece_chars}")
+    pieces = [text[i : i + piece_chars] for i in range(0, len(text), piece_chars)]
+    pieces = [p for p in pieces if p.strip()]
+    out = []
+    for start in range(0, len(pieces), 17):
+        chunk = iter(pieces[start : start + 17])
+        system = next(chunk, None)
+        if system is None:
+            break
+        messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT + system}]
+        offset = start * piece_chars
+        for turn in range(4):
+            parts = [next(chunk, None) for _ in range(4)]
+            if parts[0] is None:
+                break
+            messages.append({"role": "user", "content": parts[0]})
+            if parts[1] is None:
+                break
+            call = {"type": "function", "function": {"name": "read_file", "arguments": {"path": name, "offset": offset + turn}}}
+            messages.append({"role": "assistant", "reasoning_content": parts[1], "content": "", "tool_calls": [call]})
+            if parts[2] is None:
+                break
+            messages.append({"role": "tool", "content": parts[2]})
+            if parts[3] is None:
+                break
+            messages.append({"role": "assistant", "content": parts[3]})
+        out.append(ChatRequest(messages, [READ_FILE_TOOL]))
+    return out
+
+
+def read_requests(path: Path, *, piece_chars: int) -> list[ChatRequest]:
+    """The chat requests of one data file (module docstring). OSError if unreadable; ValueError on bad JSONL."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix != ".jsonl":
+        if not text.strip():
+            raise ValueError(f"data file {path} is empty")
+        return wrap_text(text, name=path.name, piece_chars=piece_chars)
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not valid JSON: {exc.msg}") from None
+        if isinstance(obj, list):
+            obj = {"messages": obj}
+        if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
+            raise ValueError(f"{path}:{n}: expected {{\"messages\": [...]}} or a list of messages")
+        out.append(ChatRequest(obj["messages"], obj.get("tools")))
+    if not out:
+        raise ValueError(f"data file {path} holds no chat requests")
+    return out
+
+
+@dataclass(slots=True)
+class TaggedSeq:
+    ids: list[int]
+    tags: list[int]
+
+
+def tag_requests(tagger: ChatTagger, requests: Sequence[ChatRequest], *, max_tokens: int, where: str) -> list[TaggedSeq]:
+    """Render and tag each request; a prompt longer than ``max_tokens`` keeps its last
+    ``max_tokens`` tokens (the current turn, which a long context ends with)."""
+    out = []
+    for i, req in enumerate(requests):
+        try:
+            prompt = tagger.build(req.messages, tools=req.tools, add_generation_prompt=False)
+        except GatewayError as exc:
+            raise ValueError(f"{where} request {i}: {exc.message}") from None
+        ids, tags = prompt.input_ids[-max_tokens:], prompt.tags[-max_tokens:]
+        if len(ids) >= 2:
+            out.append(TaggedSeq(ids, tags))
+    return out
+
+
+def piece_chars_for(tagger: ChatTagger, sample: str, max_tokens: int) -> int:
+    """Characters per piece so that a wrapped conversation (17 pieces plus template) fits ``max_tokens``."""
+    probe = sample[:20_000] or "x"
+    chars_per_token = len(probe) / max(1, len(tagger.tokenizer.encode_ids(probe)))
+    return max(8, int(max_tokens * 0.85 / 17 * chars_per_token))
+
+
+# ---------------------------------------------------------------- capture and measure
+class _Capture:
+    """AttentionOp that keeps each layer's q, k, v (fp32, CPU) and attends densely."""
+
+    def __init__(self) -> None:
+        self.q: dict[int, torch.Tensor] = {}
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.q[layer], self.k[layer], self.v[layer] = q.float(), k.float(), v.float()
+        return _attend(q, k, v)
+
+
+@torch.inference_mode()
+def capture_qkv(model: DecoderModel, ids: Sequence[int], *, device: torch.device) -> _Capture:
+    cap = _Capture()
+    model(torch.tensor(list(ids), dtype=torch.long, device=device), torch.arange(len(ids), device=device), cap)
+    return cap
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention of a whole prompt: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    return causal_attention(q, k, v, q_offset=0, sm_scale=1.0 / math.sqrt(q.shape[-1]))
+
+
+def head_mse(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] x2 -> MSE per head [H]."""
+    return (out - ref).pow(2).mean(dim=(0, 2))
+
+
+def qdq_groups(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x [T, H, D] through the per-token group codec at ``bits`` and back (fp32)."""
+    return dequantize_groups(*quantize_groups(x, bits), bits, dtype=torch.float32)
+
+
+def qdq_int2_keys(k: torch.Tensor) -> torch.Tensor:
+    """k [T, H, D] -> INT2 per channel over consecutive pages of 32 tokens (last may be shorter), back to fp32."""
+    out = torch.empty_like(k)
+    for s in range(0, k.shape[0], PAGE):
+        page = k[s : s + PAGE].transpose(0, 1)  # [H, P, D]
+        out[s : s + PAGE] = dequantize_int2_keys(*quantize_int2_keys(page), dtype=torch.float32).transpose(0, 1)
+    return out
+
+
+def class_distortion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tags: torch.Tensor) -> dict[int, torch.Tensor]:
+    """One layer of one prompt: bits -> D_k(bits) [56] (max over heads of the attention-output MSE
+    with only class k's tokens at ``bits``). q: [T, Hq, D], k/v: [T, Hkv, D], tags: long [T]."""
+    ref = _attend(q, k, v)
+    k4, v4, v2 = qdq_groups(k, 4), qdq_groups(v, 4), qdq_groups(v, 2)
+    out = {2: torch.zeros(NUM_TAGS, dtype=torch.float64), 4: torch.zeros(NUM_TAGS, dtype=torch.float64)}
+    for c in torch.unique(tags).tolist():
+        idx = (tags == c).nonzero().squeeze(1)
+        for bits in (2, 4):
+            kq, vq = k.clone(), v.clone()
+            if bits == 4:
+                kq[idx], vq[idx] = k4[idx], v4[idx]
+            else:
+                kq[idx], vq[idx] = qdq_int2_keys(k[idx]), v2[idx]
+            out[bits][c] = float(head_mse(_attend(q, kq, vq), ref).max())
+    return out
+
+
+def qdq_scaled(x: torch.Tensor, kv_dtype: str, scale: float) -> torch.Tensor:
+    """x through the fp8 or nvfp4 reference codec at global ``scale`` and back (fp32)."""
+    if kv_dtype == "fp8_e4m3":
+        return dequantize_fp8(quantize_fp8(x, scale), scale, dtype=torch.float32)
+    packed, block = quantize_nvfp4(x, scale)
+    return dequantize_nvfp4(packed, block, scale, dtype=torch.float32)
+
+
+def scale_top(kv_dtype: str) -> float:
+    return FP8_MAX if kv_dtype == "fp8_e4m3" else E2M1_MAX * FP8_MAX
+
+
+def scale_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_dtype: str, k_scales: Sequence[float],
+                 v_scales: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Attention-output MSE (max over heads) with only K (resp. only V) quantized at each candidate scale."""
+    ref = _attend(q, k, v)
+    ek = [float(head_mse(_attend(q, qdq_scaled(k, kv_dtype, s), v), ref).max()) for s in k_scales]
+    ev = [float(head_mse(_attend(q, k, qdq_scaled(v, kv_dtype, s)), ref).max()) for s in v_scales]
+    return ek, ev
+
+
+class Progress:
+    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+
+    def __init__(self, total: int, label: str, *, stream: TextIO | None = None) -> None:
+        self.total, self.label, self.done = max(1, total), label, 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.on = self.stream.isatty()
+
+    def step(self, note: str = "") -> None:
+        self.done += 1
+        if self.on:
+            width = 30
+            fill = width * self.done // self.total
+            self.stream.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} {note:<24}")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.on:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+@dataclass(slots=True)
+class Measurement:
+    """Running sums over the calibration prompts."""
+
+    args: ModelArgs
+    counts: list[int]
+    d2: list[float]
+    d4: list[float]
+    k_amax: list[float]
+    v_amax: list[float]
+    # kv dtype -> per layer: candidate factor -> summed error (K and V)
+    k_err: dict[str, list[list[float]]]
+    v_err: dict[str, list[list[float]]]
+
+    @classmethod
+    def empty(cls, args: ModelArgs) -> Measurement:
+        n = args.num_layers
+        zeros = {d: [[0.0] * len(SEARCH_FACTORS) for _ in range(n)] for d in SCALED_DTYPES}
+        return cls(args, [0] * NUM_TAGS, [0.0] * NUM_TAGS, [0.0] * NUM_TAGS, [0.0] * n, [0.0] * n,
+                   zeros, {d: [list(r) for r in rows] for d, rows in zeros.items()})
+
+
+def measure(
+    model: DecoderModel, args: ModelArgs, seqs: Sequence[TaggedSeq], *, device: torch.device, search: bool,
+    progress: Callable[[str], None] | None = None,
+) -> Measurement:
+    """Distortions, token counts and K/V amax over ``seqs``; with ``search``, scale errors too.
+
+    Two passes when searching: amax first (the candidates are multiples of it), then errors."""
+    m = Measurement.empty(args)
+    caps: Iterator[tuple[TaggedSeq, _Capture]] = ((s, capture_qkv(model, s.ids, device=device)) for s in seqs)
+    for seq, cap in caps:
+        tags = torch.tensor(seq.tags, dtype=torch.long, device=device)
+        for c, n in zip(*torch.unique(tags, return_counts=True)):
+            m.counts[int(c)] += int(n)
+        for layer in range(args.num_layers):
+            q, k, v = cap.q[layer], cap.k[layer], cap.v[layer]
+            m.k_amax[layer] = max(m.k_amax[layer], float(k.abs().max()))
+            m.v_amax[layer] = max(m.v_amax[layer], float(v.abs().max()))
+            d = class_distortion(q, k, v, tags)
+            for c in range(NUM_TAGS):
+                m.d2[c] += float(d[2][c])
+                m.d4[c] += float(d[4][c])
+        if progress is not None:
+            progress("distortion")
+    if search:
+        for seq in seqs:
+            cap = capture_qkv(model, seq.ids, device=device)
+            for layer in range(args.num_layers):
+                for kv_dtype in SCALED_DTYPES:
+                    ks = [_amax_scale(kv_dtype, m.k_amax[layer]) * f for f in SEARCH_FACTORS]
+                    vs = [_amax_scale(kv_dtype, m.v_amax[layer]) * f for f in SEARCH_FACTORS]
+                    ek, ev = scale_errors(cap.q[layer], cap.k[layer], cap.v[layer], kv_dtype, ks, vs)
+                    m.k_err[kv_dtype][layer] = [a + b for a, b in zip(m.k_err[kv_dtype][layer], ek)]
+                    m.v_err[kv_dtype][layer] = [a + b for a, b in zip(m.v_err[kv_dtype][layer], ev)]
+            if progress is not None:
+                progress("scale search")
+    return m
+
+
+def _amax_scale(kv_dtype: str, amax: float) -> float:
+    return amax / scale_top(kv_dtype) if amax > 0 else 1.0
+
+
+def _best_scales(m: Measurement, kv_dtype: str, search: bool) -> LayerScales:
+    k = [_amax_scale(kv_dtype, a) for a in m.k_amax]
+    v = [_amax_scale(kv_dtype, a) for a in m.v_amax]
+    if not search:
+        return LayerScales(tuple(k), tuple(v), "amax")
+    one = SEARCH_FACTORS.index(1.0)
+    changed = False
+    for layer in range(m.args.num_layers):
+        for scales, errs in ((k, m.k_err[kv_dtype][layer]), (v, m.v_err[kv_dtype][layer])):
+            best = min(range(len(SEARCH_FACTORS)), key=lambda i: (errs[i], abs(SEARCH_FACTORS[i] - 1.0)))
+            if errs[best] < errs[one]:
+                scales[layer] *= SEARCH_FACTORS[best]
+                changed = True
+    return LayerScales(tuple(k), tuple(v), "search" if changed else "amax")
+
+
+def build_calibration(m: Measurement, budgets: Sequence[float], *, search: bool, frequency_source: str = "data") -> Calibration:
+    total = sum(m.counts)
+    if total == 0:
+        raise ValueError("the calibration data produced no tokens")
+    a = m.args
+    cal = Calibration(
+        num_layers=a.num_layers, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, tokens=total,
+        frequency=tuple(c / total for c in m.counts), frequency_source=frequency_source,
+        distortion={2: tuple(m.d2), 4: tuple(m.d4)}, tables={},
+        scales={d: _best_scales(m, d, search) for d in SCALED_DTYPES},
+    )
+    for b in budgets:
+        cal.tables[budget_key(b)] = cal.derive_table(b)
+    return cal
+
+
+def load_data(paths: Sequence[Path], tagger: ChatTagger, *, seq_len: int, max_tokens: int) -> list[TaggedSeq]:
+    """Tagged prompts from ``paths``, in order, until ``max_tokens`` tokens. Plain text is
+    wrapped in pieces sized so that a whole conversation fits ``seq_len`` tokens."""
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"data file {path} does not exist" if not path.exists() else f"data file {path} is not a file")
+    seqs: list[TaggedSeq] = []
+    total = 0
+    for path in paths:
+        sample = path.read_text(encoding="utf-8", errors="replace")[:20_000]
+        piece = piece_chars_for(tagger, sample, seq_len)
+        requests = read_requests(path, piece_chars=piece)
+        if path.suffix != ".jsonl":
+            for _ in range(6):  # shrink the pieces until the first conversation fits
+                first = tagger.build(requests[0].messages, tools=requests[0].tools, add_generation_prompt=False)
+                if len(first.input_ids) <= seq_len or piece <= 8:
+                    break
+                piece = max(8, int(piece * seq_len / len(first.input_ids) * 0.95))
+                requests = read_requests(path, piece_chars=piece)
+        for seq in tag_requests(tagger, requests, max_tokens=seq_len, where=str(path)):
+            if total >= max_tokens:
+                return seqs
+            seqs.append(seq)
+            total += len(seq.ids)
+    return seqs
+
+
+def calibrate(
+    model_dir: Path, data: Sequence[Path], budgets: Sequence[float], *, seq_len: int = 2048, max_tokens: int = 16384,
+    search: bool = False, frequency_source: str = "data", device: str | None = None, show_progress: bool = True,
+) -> Calibration:
+    """The whole job (module docstring) as a library call."""
+    for b in budgets:
+        if not 2.0 <= b <= 4.0:
+            raise ValueError(f"bit budget must be in [2, 4], got {b:g}")
+    tagger = ChatTagger(TextTokenizer.from_dir(model_dir), ChatTemplate.from_dir(model_dir))
+    seqs = load_data(data, tagger, seq_len=seq_len, max_tokens=max_tokens)
+    if not seqs:
+        raise ValueError("the calibration data produced no prompt of 2 or more tokens")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args, model = load_model(model_dir, dtype=torch.float32, device=dev)
+    bar = Progress(len(seqs) * (2 if search else 1), "calibrate") if show_progress else None
+    try:
+        m = measure(model, args, seqs, device=dev, search=search, progress=bar.step if bar else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    return build_calibration(m, budgets, search=search, frequency_source=frequency_source)
+
+
+# ---------------------------------------------------------------- command line
+def _budget(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bit budget must be a number in [2, 4], got {text!r}") from None
+    if not math.isfinite(value) or not 2.0 <= value <= 4.0:
+        raise argparse.ArgumentTypeError(f"bit budget must be in [2, 4], got {text}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="", help="model directory (HF format); empty = the built-in tiny model")
+    parser.add_argument("--data", type=Path, nargs="+", required=True,
+                        help="calibration files: .jsonl chat requests, or plain text wrapped as agent conversations")
+    parser.add_argument("--bit-budget", type=_budget, nargs="+", default=list(DEFAULT_BUDGETS), dest="bit_budgets",
+                        metavar="B", help="triaxial budgets to write tables for (default: 2.5 2.7 3.0 3.5)")
+    parser.add_argument("--out", type=Path, required=True, help="calibration JSON to write")
+    parser.add_argument("--seq-len", type=_positive, default=2048, help="tokens per calibration prompt")
+    parser.add_argument("--max-tokens", type=_positive, default=16384, help="calibration tokens in all")
+    parser.add_argument("--scale-search", action="store_true",
+                        help="choose fp8/nvfp4 scales by attention-output error among multiples of the amax scale")
+    parser.add_argument("--frequencies", choices=("data", "agent"), default="data",
+                        help="class shares a budget is met under: the calibration data's, or the default agent-context shares")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+
+
+def run(args: argparse.Namespace) -> int:
+    model_dir = resolve_model_dir(ModelConfig(path=args.model))
+    cal = calibrate(
+        model_dir, args.data, args.bit_budgets, seq_len=args.seq_len, max_tokens=args.max_tokens,
+        search=args.scale_search, frequency_source=args.frequencies, device=args.device,
+    )
+    args.out.write_text(cal.to_json())
+    from kvserving.bits import average_bits, format_bits_table
+
+    print(f"calibrated {model_dir} on {cal.tokens} tokens -> {args.out}")
+    for key, table in cal.tables.items():
+        print(f"  budget {key}: {average_bits(table, cal.budget_frequency()):.3f} average bits; {format_bits_table(table)}")
+    for name, s in sorted(cal.scales.items()):
+        print(f"  {name} scales ({s.method}): K {', '.join(f'{x:.3g}' for x in s.k)}; V {', '.join(f'{x:.3g}' for x in s.v)}")
+    return 0
