@@ -357,13 +357,18 @@ def _extend_kernel4(
     tl.store(orow + ch + 3, (a3 * inv).to(ty), mask=row_ok[:, None])
 
 
-# Per format: chunk tokens per program, prefix pages per step (PPI * page size = 64 keys), warps, stages.
+# Per format: chunk tokens per program, chunk keys per step, prefix pages per step, warps, stages.
 TUNING: dict[str, dict[str, int]] = {
     "bf16": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 4, "num_warps": 8, "NUM_STAGES": 2},
     "fp8_e4m3": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 4, "num_warps": 8, "NUM_STAGES": 2},
-    "nvfp4": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 4, "num_warps": 8, "NUM_STAGES": 2},
+    "nvfp4": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 8, "num_warps": 8, "NUM_STAGES": 2},
     "int4": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 2, "PPI2": 2, "num_warps": 8, "NUM_STAGES": 2},
 }
+# Chunks of at least LONG_CHUNK tokens: more query rows per program, so each unpacked tile feeds more rows
+# (shorter chunks need the smaller blocks to fill the SMs). H200, 32K cached, bench/NOTES-kernels.md:
+# nvfp4 2K new 8.22 -> 5.94 ms; 512 new with PPI 8: 2.16 -> 1.73 ms.
+LONG_CHUNK = 1024
+TUNING_LONG: dict[str, dict[str, int]] = {"nvfp4": {"BLOCK_T": 64, "PPI": 4}}
 
 
 def extend_attention(
@@ -394,7 +399,7 @@ def extend_attention(
         return out
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride() != k.stride():
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    cfg = {**TUNING[layout.fmt], **(tuning or {})}
+    cfg = {**TUNING[layout.fmt], **(TUNING_LONG.get(layout.fmt, {}) if n >= LONG_CHUNK else {}), **(tuning or {})}
     cfg.setdefault("PPI2", cfg["PPI"])
     p = layout.page_size
     pages = prefix_pages[: triton.cdiv(prefix_len, p)]

@@ -84,6 +84,14 @@ def test_extend_matches_dense_attention_over_packed_prefix(case: str) -> None:
 
 
 @interpreter_only
+@pytest.mark.parametrize("long", [False, True], ids=["short-chunk", "long-chunk"])
+def test_extend_nvfp4_production_tiles(long: bool) -> None:
+    # the tiles the GPU runs (64 keys and 128 / 256 query rows per step), on a tiny head
+    tuning = {**triton_prefill.TUNING["nvfp4"], **(triton_prefill.TUNING_LONG["nvfp4"] if long else {})}
+    _check_extend("nvfp4", [150], 70, tuning=tuning)
+
+
+@interpreter_only
 def test_extend_with_empty_prefix_is_causal_attention_on_the_chunk() -> None:
     _check_extend("nvfp4", [0], 5, tuning=TINY)
 
