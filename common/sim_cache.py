@@ -9,7 +9,7 @@ a chain is always a prefix of it: pages ``[0, present)``. Of those,
 ``[0, owned)`` have refs (a running request, a lease pin) and ``[owned,
 present)`` are cached: ref 0, evictable, in the LRU as one run. So the pool is::
 
-    chains:  key -> (present, refs {holder id -> extent})     owned = max(extents)
+    chains:  key -> (present, holders counted by extent)     owned = the largest extent
     lru:     keys of chains with cached pages, least recently used first
     used:    chain pages + loose pages (owned, unhashed: partial last pages,
              duplicate or garbage pages a holder frees when it lets go)
@@ -43,12 +43,26 @@ Segments = Sequence[tuple[Key, int]]  # a prompt's pages: (chain, pages of it), 
 
 @dataclass(slots=True)
 class _Chain:
-    present: int = 0
-    refs: dict[int, int] = field(default_factory=dict)  # hold id -> pages [0, extent) it holds
+    """``extents`` counts holders by how many leading pages they hold; ``owned`` is the largest
+    (a shared system prompt has thousands of holders but a few distinct extents)."""
 
-    @property
-    def owned(self) -> int:
-        return max(self.refs.values()) if self.refs else 0
+    present: int = 0
+    owned: int = 0
+    extents: dict[int, int] = field(default_factory=dict)  # extent -> holders
+
+    def add(self, extent: int) -> None:
+        self.extents[extent] = self.extents.get(extent, 0) + 1
+        if extent > self.owned:
+            self.owned = extent
+
+    def remove(self, extent: int) -> None:
+        left = self.extents[extent] - 1
+        if left:
+            self.extents[extent] = left
+            return
+        del self.extents[extent]
+        if extent == self.owned:
+            self.owned = max(self.extents) if self.extents else 0
 
 
 @dataclass(slots=True)
@@ -115,7 +129,7 @@ class PageCache:
         self.cached += cached - old_cached
         if cached <= 0:
             self._lru.pop(key, None)
-            if chain.present == 0 and not chain.refs:
+            if chain.present == 0 and not chain.extents:
                 del self._chains[key]
         elif touched or key not in self._lru:
             self._lru[key] = None
@@ -132,9 +146,7 @@ class PageCache:
             if n > chain.present:
                 raise ValueError(f"chain {key!r} has {chain.present} pages, {n} referenced")
             old = chain.present - chain.owned
-            if n > chain.refs.get(hold.hold_id, 0):
-                chain.refs[hold.hold_id] = n
-                hold.extents[key] = n
+            self._hold(chain, hold, key, n)
             self._sync(key, chain, old, touched=False)
 
     def allocate(self, hold: Hold, n: int) -> bool:
@@ -179,20 +191,29 @@ class PageCache:
                 gained = b - chain.present
                 chain.present = b
                 hold.loose -= gained
-            if chain.present >= b and b > chain.refs.get(hold.hold_id, 0):
-                chain.refs[hold.hold_id] = b
-                hold.extents[key] = b
+            if chain.present >= b:
+                self._hold(chain, hold, key, b)
             self._sync(key, chain, old, touched=False)
+
+    @staticmethod
+    def _hold(chain: _Chain, hold: Hold, key: Key, n: int) -> None:
+        """``hold`` now holds pages [0, n) of ``chain`` (never fewer than it did)."""
+        have = hold.extents.get(key, 0)
+        if n > have:
+            if have:
+                chain.remove(have)
+            chain.add(n)
+            hold.extents[key] = n
 
     def release(self, hold: Hold) -> None:
         """``hold`` lets go: its chain pages become cached (or stay owned by others), its loose
         pages free."""
-        for key in hold.extents:
+        for key, extent in hold.extents.items():
             chain = self._chains.get(key)
-            if chain is None or hold.hold_id not in chain.refs:
+            if chain is None:
                 continue
             old = chain.present - chain.owned
-            del chain.refs[hold.hold_id]
+            chain.remove(extent)
             self._sync(key, chain, old, touched=True)
         hold.extents.clear()
         self.used -= hold.loose

@@ -22,7 +22,8 @@ with the policies of ``worker/engine.py``, ``worker/scheduler.py`` and
 - **Pulls** follow ``KVTransfer.pull``: match the offered pages against the
   prompt, skip what the local cache holds, READ the rest when it is at least
   ``recompute_threshold_tokens`` and the sender still holds the lease; the
-  pulled pages are pinned until the request is admitted.
+  pulled pages are pinned until the request is admitted. A prefill worker's
+  transfer hold is released once the decode's pull is over, read or not.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from kvserving.sim_cache import Hold, Key, PageCache
 from kvserving.sim_costs import CostModel
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Req:
     """One turn as the workers see it. Pages are counted from the prompt's start."""
 
@@ -67,7 +68,7 @@ class Req:
     transfer_offer: WLease | None = None  # the prefill's transfer lease (P->D)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class WLease:
     """A lease a worker holds: pinned pages, offered to another worker's pull."""
 
@@ -78,6 +79,7 @@ class WLease:
     conv: str | None
     pages: int  # full pages it holds (num_tokens // page_size)
     stable: int  # of those, the leading pages later prompts repeat (the hashes that match)
+    reclaimable: bool = False  # a retained conversation: released early when pages run out
 
     def alive(self, now: float) -> bool:
         return self.worker.leases.get(self.lease_id) is self and self.expires_at > now
@@ -96,6 +98,7 @@ class WorkerStats:
     pulled_bytes: float = 0.0
     fallbacks: dict[str, int] = field(default_factory=dict)
     leases_expired: int = 0
+    leases_reclaimed: int = 0
 
 
 class Worker:
@@ -118,6 +121,7 @@ class Worker:
         self.leases: dict[str, WLease] = {}
         self.conv_lease: dict[str, str] = {}
         self._expiry: list[tuple[float, str]] = []
+        self._reclaimable: list[tuple[float, str]] = []  # (expires_at, lease id) of reclaimable leases
         self.inflight = 0  # the gateway's count of this worker's open requests
         self.waiting: deque[Req] = deque()
         self.stats = WorkerStats()
@@ -126,12 +130,37 @@ class Worker:
         self._admitting = False  # releases during admission must not re-enter it
 
     # ------------------------------------------------------------------ leases
-    def pin(self, hold: Hold, *, ttl_s: float, now: float, conv: str | None, pages: int, stable: int, prefix: str) -> WLease:
+    def pin(
+        self, hold: Hold, *, ttl_s: float, now: float, conv: str | None, pages: int, stable: int, prefix: str,
+        reclaimable: bool = False,
+    ) -> WLease:
         self._lease_seq += 1
-        lease = WLease(f"{prefix}{self.url}-{self._lease_seq}", self, hold, now + ttl_s, conv, pages, stable)
+        lease = WLease(f"{prefix}{self.url}-{self._lease_seq}", self, hold, now + ttl_s, conv, pages, stable, reclaimable)
         self.leases[lease.lease_id] = lease
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
+        if reclaimable:
+            heapq.heappush(self._reclaimable, (lease.expires_at, lease.lease_id))
         return lease
+
+    def reclaim_one(self, now: float) -> bool:
+        """``PagePoolBase.reclaim_one``: release the reclaimable lease with the earliest expiry."""
+        heap = self._reclaimable
+        while heap:
+            expires, lease_id = heapq.heappop(heap)
+            lease = self.leases.get(lease_id)
+            if lease is None or lease.expires_at != expires:
+                continue  # released, or renewed (a newer entry is in the heap)
+            self.stats.leases_reclaimed += 1
+            self.release(lease_id, now)
+            return True
+        return False
+
+    def allocate(self, hold: Hold, n: int, now: float) -> bool:
+        """``KVCacheManager.allocate_until``: retained conversations yield to live requests."""
+        while not self.cache.allocate(hold, n):
+            if not self.reclaim_one(now):
+                return False
+        return True
 
     def release(self, lease_id: str, now: float) -> bool:
         lease = self.leases.pop(lease_id, None)
@@ -149,6 +178,8 @@ class Worker:
             return None
         lease.expires_at = now + min(ttl_s, self.reuse.retention_ttl_s)
         heapq.heappush(self._expiry, (lease.expires_at, lease_id))
+        if lease.reclaimable:
+            heapq.heappush(self._reclaimable, (lease.expires_at, lease_id))
         return lease.expires_at
 
     def expire(self, now: float) -> None:
@@ -232,7 +263,7 @@ class Worker:
         h = cache.match(req.segs, limit)
         hold = cache.new_hold()
         cache.ref(hold, req.segs, h)
-        if not cache.allocate(hold, total_pages - h):
+        if not self.allocate(hold, total_pages - h, self.sim.now):
             cache.release(hold)
             return False
         req.hold = hold
@@ -441,7 +472,7 @@ class DecodeWorker(Worker):
         lease = None
         if self.sim.bidirectional:
             lease = self.pin(hold, ttl_s=self.reuse.retention_ttl_s, now=now, conv=req.conv, pages=full,
-                             stable=keep, prefix="kv-")
+                             stable=keep, prefix="kv-", reclaimable=True)
             old = self.conv_lease.get(req.conv)
             self.conv_lease[req.conv] = lease.lease_id
             if old is not None:

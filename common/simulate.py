@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from operator import attrgetter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,7 +113,12 @@ class _Agent:
 class Simulator(Sim):
     """The event loop, the gateway and the agents over a ``ClusterSpec``."""
 
-    def __init__(self, cluster: ClusterSpec, load: LoadSpec, *, bidirectional: bool | None = None) -> None:
+    def __init__(
+        self, cluster: ClusterSpec, load: LoadSpec, *, bidirectional: bool | None = None, sweep_s: float | None = None
+    ) -> None:
+        """``sweep_s``: the gateway's lease heartbeat period (default the real one, a quarter of
+        min(heartbeat, lease TTL)); each beat walks the whole lease table, so a population of
+        thousands of agents runs with a coarser beat (idle releases up to ``sweep_s`` late)."""
         self.cluster = cluster
         self.load = load
         self.now = 0.0
@@ -126,8 +132,8 @@ class Simulator(Sim):
             raise ValueError(f"the KV budget holds no {cluster.dtype} page")
         kw: dict[str, Any] = dict(sim=self, pages=pages, page_size=p, dtype=cluster.dtype, costs=costs,
                                   reuse=cluster.reuse, sched=cluster.scheduler)
-        self.prefill = [PrefillWorker(f"http://prefill-{i}", **kw) for i in range(cluster.prefill_workers)]
-        self.decode = [DecodeWorker(f"http://decode-{i}", **kw) for i in range(cluster.decode_workers)]
+        self.prefill = [PrefillWorker(f"http://prefill-{i:05d}", **kw) for i in range(cluster.prefill_workers)]
+        self.decode = [DecodeWorker(f"http://decode-{i:05d}", **kw) for i in range(cluster.decode_workers)]
         self._by_url: dict[str, Worker] = {w.url: w for w in [*self.prefill, *self.decode]}
         for w in self.prefill:
             w.on_done = self._prefill_done
@@ -135,7 +141,9 @@ class Simulator(Sim):
             d.on_done = self._decode_done
         g = cluster.gateway
         self.table = LeaseTable(lease_ttl_s=cluster.reuse.lease_ttl_s, heartbeat_s=g.lease_heartbeat_s, max_leases=g.max_leases)
-        self._sweep_period = min(g.lease_heartbeat_s, cluster.reuse.lease_ttl_s) / 4
+        self._sweep_period = sweep_s if sweep_s is not None else min(g.lease_heartbeat_s, cluster.reuse.lease_ttl_s) / 4
+        if not self._sweep_period > 0:
+            raise ValueError(f"sweep_s must be > 0, got {sweep_s}")
         self._sweeping = False
         self.records: list[TurnRecord] = []
         self.rejected = 0
@@ -152,11 +160,14 @@ class Simulator(Sim):
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, fn))
 
-    def run(self, *, until: float = math.inf, progress: Callable[[float], None] | None = None) -> None:
-        """Process events in time order (ties in the order they were scheduled) up to ``until``."""
+    def run(
+        self, *, until: float = math.inf, progress: Callable[[float], None] | None = None, agents_done: bool = False
+    ) -> None:
+        """Process events in time order (ties in the order they were scheduled) up to ``until``,
+        or (``agents_done``) until no agent is left; later events (sweeps, expiries) stay queued."""
         events = self._events
         next_report = 0.0
-        while events and events[0][0] <= until:
+        while events and events[0][0] <= until and not (agents_done and self._active == 0):
             t, _, fn = heapq.heappop(events)
             self.now = t
             fn(t)
@@ -261,7 +272,8 @@ class Simulator(Sim):
         loaded one. Both functions pick one of exactly those two, so the answer is the one
         they give on every worker (tests/test_simulate.py holds them equal) at O(1) hashing."""
         held = self.table.per_worker
-        least = min(self.decode, key=lambda w: (w.inflight, held.get(w.url, 0), w.url))
+        low_d = min(map(_inflight, self.decode))
+        least = min((w for w in self.decode if w.inflight == low_d), key=lambda w: (held.get(w.url, 0), w.url))
         views = [WorkerView(least.url, True, least.inflight, held.get(least.url, 0))]
         if lease_url is not None and lease_url != least.url and lease_url in self._by_url:
             h = self._by_url[lease_url]
@@ -269,7 +281,8 @@ class Simulator(Sim):
         decision = choose_decode(views, lease_url=lease_url, max_inflight=self.cluster.gateway.max_inflight_per_worker)
         assert decision is not None
         preferred = self._preferred(key)
-        low = min(self.prefill, key=lambda w: (w.inflight, w.url))
+        low_p = min(map(_inflight, self.prefill))
+        low = next(w for w in self.prefill if w.inflight == low_p)  # workers are in URL order
         pviews = [WorkerView(preferred.url, True, preferred.inflight)]
         if low is not preferred:
             pviews.append(WorkerView(low.url, True, low.inflight))
@@ -339,8 +352,8 @@ class Simulator(Sim):
         dec.expire(now)
         offer = req.transfer_offer
         out = dec.pull(req, offer, now)
-        if offer is not None and req.pin is not None and offer.alive(now):
-            offer.worker.release(offer.lease_id, now)  # the decode pulled the prefill's hold: released
+        if offer is not None and offer.alive(now):
+            offer.worker.release(offer.lease_id, now)  # the pull is over, read or not: the hold goes
         req.transfer_offer = None
         self.at(now + out.seconds + self.cluster.costs.decode_request_s, lambda t: dec.arrive(req, t))
 
@@ -383,11 +396,17 @@ class Simulator(Sim):
     def in_flight(self) -> list[Req]:
         return [req for _, _, req in self._ctx.values()]
 
+    def reclaimed_leases(self) -> int:
+        return sum(w.stats.leases_reclaimed for w in self.decode)
+
     def evicted_pages(self) -> dict[str, int]:
         return {
             "prefill": sum(w.cache.evicted for w in self.prefill),
             "decode": sum(w.cache.evicted for w in self.decode),
         }
+
+
+_inflight = attrgetter("inflight")
 
 
 def _params(lease: WLease) -> dict[str, Any]:
@@ -458,7 +477,7 @@ def run_bench_point(sim: Simulator, agent_ids: range) -> dict[str, Any]:
     spread = sim.load.think_time_s.mean
     for k, i in enumerate(agent_ids):
         sim.start_agent(i, agent(sim.load, i), start + spread * k / max(n, 1))
-    sim.run()
+    sim.run(agents_done=True)
     records = sim.records[first_record:]
     end = max((r.sent_at + r.latency_s for r in records), default=start)
     point = summarize(records, end - start)
@@ -568,7 +587,7 @@ def simulate_point(dtype: str, gpus: int, *, costs: CostModel, load: LoadSpec, p
     prefill, decode = split_gpus(gpus, prefill_share)
     cluster = ClusterSpec(dtype, prefill, decode, costs, reuse=reuse or ReuseConfig(),
                           scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, chunk_size=2048))
-    sim = Simulator(cluster, load)
+    sim = Simulator(cluster, load, sweep_s=max(30.0, min(cluster.gateway.lease_heartbeat_s, cluster.reuse.lease_ttl_s) / 4))
     point = run_population(sim, pop, progress=progress, shapes=shapes)
     point.update({"dtype": dtype, "gpus": gpus, "prefill_workers": prefill, "decode_workers": decode,
                   "pool_tokens": cluster.pages_per_worker * cluster.effective_page_size,
