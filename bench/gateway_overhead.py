@@ -2,18 +2,33 @@
 the worker, at 1, 50 and 200 concurrent multi-turn sessions, against a fake
 worker (tests/gateway/fake_worker.py) that answers instantly.
 
-    PYTHONSAFEPATH=1 .venv/bin/python bench/gateway_overhead.py [--turns 4] [--sessions 1,50,200]
+    PYTHONSAFEPATH=1 .venv/bin/python bench/gateway_overhead.py [--turns 6] [--sessions 1,50,200]
+        [--think-s 1.0] [--saturation 200] [--rounds 2]
 
 Three processes on loopback: the fake worker, `kvserving gateway` (role
-`both`: one worker request per turn), and this client (asyncio + httpx). Each
-session is an agent conversation: a system prompt, then per turn a user
-message, the streamed reply appended, the next user message. The direct run
-sends each turn's exact input ids to the worker's `/internal/generate`; the
-gateway run sends the OpenAI chat request (rendering, tagging, routing, lease
-table, detokenizing and re-framing are the overhead). TTFT is measured at the
-client from the request's first byte to the first token event. The table
-gives p50 and p99 of each and their difference (goal at 200 sessions: p50
-added <= 2 ms, p99 added <= 10 ms).
+`both`: one worker request per turn), and this client (asyncio + aiohttp, each
+session its own connection, like separate agents). Each session is an agent
+conversation: a system prompt, then per turn a user message, the streamed
+reply appended, the next user message. The direct run sends each turn's exact
+input ids and tags to the worker's `/internal/generate`; the gateway run sends
+the OpenAI chat request (rendering, tagging, routing, lease table,
+detokenizing and re-framing are the overhead). TTFT is measured at the client
+from sending the request to the first token event.
+
+Load model: an agent does not send its next turn the instant the previous one
+ends; it runs tools and (against a real worker) waits seconds for the model's
+reply. Before every turn each session waits a think time drawn from an
+exponential distribution (mean `--think-s`, seeded per session, so the direct
+and the gateway runs replay the same schedule); the first wait staggers the
+sessions' starts. The `--saturation` row uses no think time at all: every
+session fires its next turn at once, so the two cores are saturated and the
+numbers measure queueing, not the gateway.
+
+The table gives p50 and p99 of each and their difference (goal at 200
+sessions: p50 added <= 2 ms, p99 added <= 10 ms), and the gateway's CPU per
+request from /proc (its background work, health polls and lease beats,
+measured while idle and subtracted): the number that does not depend on what
+else runs on the machine.
 """
 
 from __future__ import annotations
@@ -22,16 +37,18 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from kvserving.config import ServingConfig
@@ -44,6 +61,19 @@ from kvserving.stack import free_port
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "kvserving-tiny"
 SYSTEM = "You are a coding agent in a large repository. Use the tools, think step by step, keep answers short. " * 6
+
+
+# The gateway under cProfile timed by its own CPU clock (wall time would charge it for
+# the moments the other processes held the two cores); stats written at exit.
+PROFILED = """import cProfile, sys, time
+from kvserving.cli import main
+profile = cProfile.Profile(time.process_time)
+out = sys.argv.pop(1)
+try:
+    profile.runcall(main, sys.argv[1:])
+finally:
+    profile.dump_stats(out)
+"""
 
 
 def spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -71,28 +101,28 @@ def user_text(session: int, turn: int) -> str:
     return f"Session {session}, step {turn}: open the next file, run the tests and tell me what failed."
 
 
-async def first_token_time(client: httpx.AsyncClient, url: str, body: dict[str, Any], *, openai: bool) -> tuple[float, str]:
-    """Seconds to the first token event, and the full text/ids of the reply (drains the stream)."""
+async def first_token_time(session: aiohttp.ClientSession, url: str, body: bytes, *, openai: bool) -> float:
+    """Seconds to the first token event (the stream is read to its end; only events before the first token are parsed)."""
     start = time.perf_counter()
     ttft = None
-    pieces: list[str] = []
-    async with client.stream("POST", url, json=body) as r:
-        assert r.status_code == 200, (r.status_code, await r.aread())
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+    done = False
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 200, (r.status, await r.read())
+        async for raw in r.content:
+            line = raw.rstrip(b"\r\n")
+            if line == b"data: [DONE]":
+                done = True
+            if ttft is not None or not line.startswith(b"data: ") or done:
                 continue
             event = json.loads(line[6:])
             if openai:
                 choices = event.get("choices") or []
-                text = choices[0]["delta"].get("content") if choices else None
-                if text:
-                    ttft = ttft if ttft is not None else time.perf_counter() - start
-                    pieces.append(text)
+                if choices and choices[0]["delta"].get("content"):
+                    ttft = time.perf_counter() - start
             elif event.get("token_ids"):
-                ttft = ttft if ttft is not None else time.perf_counter() - start
-                pieces.extend(str(t) for t in event["token_ids"])
-    assert ttft is not None, "no token"
-    return ttft, "".join(pieces)
+                ttft = time.perf_counter() - start
+    assert ttft is not None and done, "no token, or no end of stream"
+    return ttft
 
 
 def conversation(sid: int, turns: int, reply: str) -> list[list[dict[str, Any]]]:
@@ -106,32 +136,51 @@ def conversation(sid: int, turns: int, reply: str) -> list[list[dict[str, Any]]]
     return out
 
 
-def bodies(sessions: int, turns: int, reply: str, tagger: ChatTagger, *, via_gateway: bool) -> list[list[dict[str, Any]]]:
-    """Every request body, built before the clock starts (the direct run's ids and tags are what the gateway sends)."""
+def bodies(
+    sessions: int, turns: int, reply: str, tagger: ChatTagger, *, via_gateway: bool, max_tokens: int
+) -> list[list[bytes]]:
+    """Every request body, serialized before the clock starts (the direct run's ids and tags are what the gateway sends)."""
     run = uuid.uuid4().hex[:8]
     out = []
     for sid in range(sessions):
         per_turn = []
         for turn, messages in enumerate(conversation(sid, turns, reply)):
             if via_gateway:
-                per_turn.append({"model": MODEL, "messages": messages, "stream": True, "max_tokens": 16})
+                body: dict[str, Any] = {"model": MODEL, "messages": messages, "stream": True, "max_tokens": max_tokens}
             else:
                 prompt = tagger.build(messages)
-                per_turn.append({"request_id": f"{run}-{sid}-{turn}", "input_ids": prompt.input_ids, "tags": prompt.tags,
-                                 "sampling": {"max_tokens": 16}, "conversation_key": f"{run}-{sid}", "retain": True})
+                body = {"request_id": f"{run}-{sid}-{turn}", "input_ids": prompt.input_ids, "tags": prompt.tags,
+                        "sampling": {"max_tokens": max_tokens}, "conversation_key": f"{run}-{sid}", "retain": True}
+            per_turn.append(json.dumps(body).encode())
         out.append(per_turn)
     return out
 
 
-async def measure(target: str, plan: list[list[dict[str, Any]]], *, via_gateway: bool) -> list[float]:
+def think_times(sessions: int, turns: int, mean_s: float, *, seed: int) -> list[list[float]]:
+    """Each session's wait before each of its turns: exponential with mean ``mean_s`` (0: none)."""
+    out = []
+    for sid in range(sessions):
+        rng = random.Random(seed * 100_003 + sid)
+        out.append([rng.expovariate(1.0 / mean_s) if mean_s > 0 else 0.0 for _ in range(turns)])
+    return out
+
+
+async def measure(target: str, plan: list[list[bytes]], waits: list[list[float]], *, via_gateway: bool) -> list[float]:
     """Run every session concurrently (each its own connection, like separate agents); TTFT of every turn."""
     path = "/v1/chat/completions" if via_gateway else "/internal/generate"
     run = uuid.uuid4().hex[:8]
 
-    async def one(sid: int, turns: list[dict[str, Any]]) -> list[float]:
+    async def one(sid: int, turns: list[bytes]) -> list[float]:
         headers = {"X-Session-ID": f"bench-{run}-{sid}"} if via_gateway else {}
-        async with httpx.AsyncClient(timeout=120, headers=headers) as client:
-            return [(await first_token_time(client, target + path, body, openai=via_gateway))[0] for body in turns]
+        connector = aiohttp.TCPConnector(limit=1, force_close=False)
+        async with aiohttp.ClientSession(connector=connector, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=120)) as session:
+            out = []
+            for body, wait in zip(turns, waits[sid], strict=True):
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                out.append(await first_token_time(session, target + path, body, openai=via_gateway))
+            return out
 
     results: list[float] = []
     for times in await asyncio.gather(*(one(sid, turns) for sid, turns in enumerate(plan))):
@@ -150,13 +199,43 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+@dataclass
+class Row:
+    sessions: int
+    think_s: float
+    direct: list[float]
+    gateway: list[float]
+    cpu_ms: float  # gateway CPU per request, background subtracted
+
+
+def run_row(n: int, think_s: float, args: argparse.Namespace, *, tagger: ChatTagger, reply: str, worker_url: str,
+            gw_url: str, gw_pid: int, idle_cpu_per_s: float) -> Row:
+    direct: list[float] = []
+    gateway: list[float] = []
+    gw_cpu = 0.0
+    for r in range(args.rounds):  # interleave so drift on a shared machine hits both alike
+        waits = think_times(n, args.turns, think_s, seed=r)
+        plan = bodies(n, args.turns, reply, tagger, via_gateway=False, max_tokens=args.max_tokens)
+        direct += asyncio.run(measure(worker_url, plan, waits, via_gateway=False))
+        plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
+        before, t0 = cpu_s(gw_pid), time.monotonic()
+        gateway += asyncio.run(measure(gw_url, plan, waits, via_gateway=True))
+        gw_cpu += cpu_s(gw_pid) - before - idle_cpu_per_s * (time.monotonic() - t0)
+    return Row(n, think_s, direct, gateway, 1e3 * gw_cpu / len(gateway))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", default="1,50,200")
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--think-s", type=float, default=1.0, help="mean think time before each turn (exponential)")
+    parser.add_argument("--saturation", default="200", help="sessions of the rows with no think time ('' for none)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per reply (the fake worker's reply is 17)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating direct/gateway rounds per row")
-    parser.add_argument("--profile", default=None, metavar="FILE", help="run the gateway under cProfile, stats to FILE")
+    parser.add_argument("--profile", default=None, metavar="FILE", help="run the gateway under cProfile (CPU time), stats to FILE")
     args = parser.parse_args()
+    if args.think_s < 0:
+        raise SystemExit("--think-s must be >= 0")
     model_dir = resolve_model_dir(ServingConfig().model)
     tok = TextTokenizer.from_dir(model_dir)
     tagger = ChatTagger(tok, ChatTemplate.from_dir(model_dir))
@@ -170,36 +249,32 @@ def main() -> int:
     procs = [
         spawn([sys.executable, str(ROOT / "tests/gateway/fake_worker.py"), "--port", str(worker_port),
                "--reply-ids", ",".join(map(str, reply_ids))], tmp / "worker.log"),
-        spawn([sys.executable, *(["-m", "cProfile", "-o", args.profile] if args.profile else []), "-m", "kvserving.cli", "gateway", "--config", str(tmp / "config.json"),
-               "--port", str(gw_port), "--decode", worker_url, "--log-level", "warning"], tmp / "gateway.log"),
+        spawn([sys.executable, *(["-c", PROFILED, args.profile] if args.profile else ["-m", "kvserving.cli"]), "gateway",
+               "--config", str(tmp / "config.json"), "--port", str(gw_port), "--decode", worker_url, "--log-level", "warning"],
+              tmp / "gateway.log"),
     ]
     try:
         wait_ready(worker_url, procs[0], tmp / "worker.log")
         wait_ready(gw_url, procs[1], tmp / "gateway.log")
-        rows = []
-        for n in [int(x) for x in args.sessions.split(",")]:
-            direct: list[float] = []
-            gateway: list[float] = []
-            gw_cpu = 0.0
-            for _ in range(args.rounds):  # interleave so drift on a shared machine hits both alike
-                plan = bodies(n, args.turns, reply, tagger, via_gateway=False)
-                direct += asyncio.run(measure(worker_url, plan, via_gateway=False))
-                plan = bodies(n, args.turns, reply, tagger, via_gateway=True)
-                before = cpu_s(procs[1].pid)
-                gateway += asyncio.run(measure(gw_url, plan, via_gateway=True))
-                gw_cpu += cpu_s(procs[1].pid) - before
-            rows.append((n, len(gateway), direct, gateway, gw_cpu / len(gateway)))
-        print(f"gateway overhead: TTFT through the gateway minus straight to the worker "
-              f"({args.turns} turns per session, fake worker answering instantly, {os.cpu_count()} cores)\n")
-        print("| sessions | requests | direct p50 ms | direct p99 ms | gateway p50 ms | gateway p99 ms "
+        before = cpu_s(procs[1].pid)
+        time.sleep(3.0)  # the gateway's background work (health polls, lease beats) while idle
+        idle = (cpu_s(procs[1].pid) - before) / 3.0
+        plan = [(int(x), args.think_s) for x in args.sessions.split(",") if x]
+        plan += [(int(x), 0.0) for x in args.saturation.split(",") if x]
+        rows = [run_row(n, think, args, tagger=tagger, reply=reply, worker_url=worker_url, gw_url=gw_url,
+                        gw_pid=procs[1].pid, idle_cpu_per_s=idle) for n, think in plan]
+        print(f"gateway overhead: TTFT through the gateway minus straight to the worker ({args.turns} turns per session, "
+              f"fake worker answering instantly, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
+              f"gateway idle CPU {1e3 * idle:.1f} ms/s subtracted)\n")
+        print("| think time | sessions | requests | direct p50 ms | direct p99 ms | gateway p50 ms | gateway p99 ms "
               "| added p50 ms | added p99 ms | gateway CPU ms/request |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for n, count, direct, gateway, cpu in rows:
-            d50, d99, g50, g99 = (1e3 * pct(v, q) for v, q in ((direct, 0.5), (direct, 0.99), (gateway, 0.5), (gateway, 0.99)))
-            print(f"| {n} | {count} | {d50:.2f} | {d99:.2f} | {g50:.2f} | {g99:.2f} | {g50 - d50:.2f} | {g99 - d99:.2f} "
-                  f"| {1e3 * cpu:.2f} |")
-        print(f"\nmean direct {1e3 * statistics.mean(rows[-1][2]):.2f} ms, gateway {1e3 * statistics.mean(rows[-1][3]):.2f} ms "
-              f"at {rows[-1][0]} sessions")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for row in rows:
+            d50, d99, g50, g99 = (1e3 * pct(v, q) for v, q in
+                                  ((row.direct, 0.5), (row.direct, 0.99), (row.gateway, 0.5), (row.gateway, 0.99)))
+            load = f"exp. mean {row.think_s:g} s" if row.think_s > 0 else "none (saturation)"
+            print(f"| {load} | {row.sessions} | {len(row.gateway)} | {d50:.2f} | {d99:.2f} | {g50:.2f} | {g99:.2f} "
+                  f"| {g50 - d50:.2f} | {g99 - d99:.2f} | {row.cpu_ms:.2f} |")
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvserving.config import ServingConfig
 
 from . import openai_types as oa
-from .completions import Completions, ModelInfo
+from .completions import Completions, EventStream, ModelInfo
 from .errors import GatewayError, authentication, invalid_request, model_not_found, not_found, payload_too_large
 from .identity import ConversationIndex
 from .leases import LeaseKeeper, LeaseTable
@@ -140,11 +140,47 @@ def build_app(state: GatewayState) -> FastAPI:
     return app
 
 
-def _respond(result: dict[str, Any] | AsyncIterator[bytes]) -> Response:
+def _respond(result: dict[str, Any] | EventStream) -> Response:
     if isinstance(result, dict):
         return JSONResponse(result)
-    return StreamingResponse(result, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _EventStreamResponse(result)
+
+
+class _EventStreamResponse(StreamingResponse):
+    """Server-sent events: the first frame, then the rest as they come; a client that goes
+    away cancels the sending, which closes the frames and with them the worker request.
+
+    StreamingResponse does the same with an anyio task group under uvicorn's ASGI 2.3
+    (~0.1 ms per response); this is one plain asyncio task and one wait."""
+
+    def __init__(self, stream: EventStream) -> None:
+        super().__init__(stream.rest, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sending = asyncio.ensure_future(self._send_all(send))
+        watch = asyncio.ensure_future(_disconnect(receive))
+        try:
+            await asyncio.wait({sending, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            if not sending.done():
+                sending.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sending
+        if not sending.cancelled():
+            sending.result()  # its error, if any
+
+    async def _send_all(self, send: Send) -> None:
+        async with contextlib.aclosing(self.stream.rest) as rest:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": self.stream.first, "more_body": True})
+            async for frame in rest:
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _json_body(request: Request, limit: int) -> Any:
@@ -182,8 +218,12 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 
 async def _disconnected(request: Request) -> None:
+    await _disconnect(request.receive)
+
+
+async def _disconnect(receive: Receive) -> None:
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 

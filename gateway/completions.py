@@ -1,7 +1,7 @@
 """One OpenAI request end to end: prompt -> worker turn -> OpenAI response.
 
 ``Completions.chat`` / ``.text`` take a parsed request and return either the
-whole response body (``stream`` false) or an async iterator of SSE frames.
+whole response body (``stream`` false) or an ``EventStream`` of SSE frames.
 A streaming response's first frame is produced only once the first token has
 arrived, so every failure before it (no worker, a worker that refuses) is an
 HTTP error status; a failure after it is an ``error`` event, then the stream
@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +85,7 @@ class Completions:
     # ----------------------------------------------------------------- chat
     async def chat(
         self, request: oa.ChatCompletionRequest, *, headers: Mapping[str, str], started: float
-    ) -> dict[str, Any] | AsyncIterator[bytes]:
+    ) -> dict[str, Any] | EventStream:
         self._check_model(request.model)
         prompt = self.model.tagger.build(request.messages, tools=request.tools,
                                          template_kwargs=request.chat_template_kwargs)
@@ -128,32 +128,30 @@ class Completions:
     async def _chat_stream(
         self, turn_request: TurnRequest, request: oa.ChatCompletionRequest, started: float
     ) -> AsyncGenerator[bytes, None]:
-        rid, created, name = turn_request.request_id, int(time.time()), self.model.name
-        usage_on = request.include_usage
-
-        def chunk(delta: dict[str, Any] | None, finish: str | None = None, usage: dict[str, Any] | None = None) -> bytes:
-            return _sse(oa.chat_chunk(id=rid, created=created, model=name, delta=delta, finish_reason=finish,
-                                      usage=usage, include_usage=usage_on))
-
+        """SSE frames; the frames of one generated piece go out as one write (the role
+        frame with the first text, the last text with the finish and usage frames)."""
+        frames = ChatFrames(id=turn_request.request_id, created=int(time.time()), model=self.model.name,
+                            include_usage=request.include_usage)
         parser = OutputParser(tools=request.parses_tool_calls)
         first = True
         try:
             async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat"):
+                out: list[bytes] = []
                 if first:
                     first = False
-                    yield chunk({"role": "assistant", "content": ""})
+                    out.append(frames.chunk({"role": "assistant", "content": ""}))
                 if kind == "text":
-                    for delta in parser.feed(value):
-                        yield chunk(delta)
-                    continue
-                finish, result = value
-                for delta in parser.finish():
-                    yield chunk(delta)
-                if parser.saw_tool_calls and finish == "stop":
-                    finish = "tool_calls"
-                yield chunk({}, finish)
-                if usage_on:
-                    yield chunk(None, usage=self._usage(result))
+                    out += [frames.chunk(delta) for delta in parser.feed(value)]
+                else:
+                    finish, result = value
+                    out += [frames.chunk(delta) for delta in parser.finish()]
+                    if parser.saw_tool_calls and finish == "stop":
+                        finish = "tool_calls"
+                    out.append(frames.chunk({}, finish))
+                    if request.include_usage:
+                        out.append(frames.usage(self._usage(result)))
+                if out:
+                    yield b"".join(out)
             yield b"data: [DONE]\n\n"
         except GatewayError as exc:
             if first:
@@ -163,7 +161,7 @@ class Completions:
     # ----------------------------------------------------------------- text
     async def text(
         self, request: oa.CompletionRequest, *, headers: Mapping[str, str], started: float
-    ) -> dict[str, Any] | AsyncIterator[bytes]:
+    ) -> dict[str, Any] | EventStream:
         self._check_model(request.model)
         prompt = request.single_prompt()
         if isinstance(prompt, str):
@@ -253,32 +251,16 @@ class Completions:
     ) -> AsyncGenerator[tuple[str, Any], None]:
         """("text", str) pieces, then ("end", (finish_reason, TurnResult))."""
         key = turn_request.conversation_key
-        if key is None:
-            async for item in self._generate_turn(turn_request, stops, started, route=route):
-                yield item
-            return
-        self._active[key] += 1
-        try:
-            async with aclosing(self._generate_turn(turn_request, stops, started, route=route)) as items:
-                async for item in items:
-                    yield item
-        finally:
-            self._sent.pop(turn_request.request_id, None)  # a turn that failed never reached its end
-            self._active[key] -= 1
-            if self._active[key] <= 0:
-                del self._active[key]
-
-    async def _generate_turn(
-        self, turn_request: TurnRequest, stops: list[str], started: float, *, route: str
-    ) -> AsyncGenerator[tuple[str, Any], None]:
-        turn = await self.turns.start(turn_request)
-        detok = IncrementalDetokenizer(self.model.tokenizer, skip_ids=self.model.stop_token_ids)
-        matcher = StopMatcher(stops)
+        if key is not None:
+            self._active[key] += 1
         # TTFT is observed once the turn says whether its prompt reused KV (label `reuse`);
         # a turn that fails after its first token is observed as reuse="unknown".
         ttft: float | None = None
         reuse = "unknown"
         try:
+            turn = await self.turns.start(turn_request)
+            detok = IncrementalDetokenizer(self.model.tokenizer, skip_ids=self.model.stop_token_ids)
+            matcher = StopMatcher(stops)
             async with aclosing(self._relay_turn(turn, turn_request, detok, matcher, started)) as items:
                 async for item in items:
                     if item[0] == "first":
@@ -290,6 +272,11 @@ class Completions:
         finally:
             if ttft is not None:
                 self.metrics.ttft.labels(route, reuse).observe(ttft)
+            if key is not None:
+                self._sent.pop(turn_request.request_id, None)  # a turn that failed never reached its end
+                self._active[key] -= 1
+                if self._active[key] <= 0:
+                    del self._active[key]
 
     async def _relay_turn(
         self, turn: Turn, turn_request: TurnRequest, detok: IncrementalDetokenizer, matcher: StopMatcher, started: float,
@@ -350,17 +337,41 @@ class Completions:
         }
         return body
 
-    async def _first_then_rest(self, frames: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
-        """Pull the first frame now (errors before it stay HTTP errors), then the rest lazily."""
-        first = await anext(frames)
+    async def _first_then_rest(self, frames: AsyncGenerator[bytes, None]) -> EventStream:
+        """Pull the first frame now (errors before it stay HTTP errors); the rest is pulled as it is sent."""
+        return EventStream(first=await anext(frames), rest=frames)
 
-        async def rest() -> AsyncGenerator[bytes, None]:
-            async with aclosing(frames):
-                yield first
-                async for frame in frames:
-                    yield frame
 
-        return rest()
+@dataclass(slots=True)
+class EventStream:
+    """A streamed response: its first SSE frame, already produced, and the generator of the rest
+    (the sender iterates it and closes it, which closes the worker request)."""
+
+    first: bytes
+    rest: AsyncGenerator[bytes, None]
+
+
+class ChatFrames:
+    """``_sse(oa.chat_chunk(...))`` of one response, byte for byte: the fields every
+    chunk repeats are encoded once, each chunk encodes only its delta and finish reason."""
+
+    _DELTA, _FINISH = {"\x00delta": 0}, "\x00finish"
+
+    def __init__(self, *, id: str, created: int, model: str, include_usage: bool) -> None:  # noqa: A002
+        self.id, self.created, self.model, self.include_usage = id, created, model, include_usage
+        template = _sse(oa.chat_chunk(id=id, created=created, model=model, delta=self._DELTA,
+                                      finish_reason=self._FINISH, include_usage=include_usage))
+        head, rest = template.split(_json(self._DELTA), 1)
+        middle, tail = rest.split(_json(self._FINISH), 1)
+        self._head, self._middle, self._tail = head, middle, tail
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return self._head + _json(delta) + self._middle + _json(finish) + self._tail
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        """The usage-only chunk (no choices)."""
+        return _sse(oa.chat_chunk(id=self.id, created=self.created, model=self.model, delta=None, usage=usage,
+                                  include_usage=self.include_usage))
 
 
 def _id_fields(request: oa.ChatCompletionRequest | oa.CompletionRequest) -> dict[str, Any]:
@@ -374,5 +385,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def _json(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _json(obj) + b"\n\n"

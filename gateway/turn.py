@@ -97,10 +97,9 @@ class Turn:
             decode_url=self.decode.url, prefill_url=self.prefill.url if self.prefill is not None else None,
         )
 
-    async def tokens(self) -> AsyncGenerator[list[int], None]:
-        async with aclosing(self.turns._run(self)) as stream:
-            async for token_ids in stream:
-                yield token_ids
+    def tokens(self) -> AsyncGenerator[list[int], None]:
+        # The generator itself, not a wrapper around it: every level of generators is paid per token.
+        return self.turns._run(self)
 
 
 class Turns:
@@ -228,13 +227,19 @@ class Turns:
             body["output_ids"] = first
         if request.tags is not None:
             body["tags"] = request.tags
-        async with aclosing(self._stream(turn.decode, body)) as events:
-            async for event in events:
-                if "finish_reason" in event:
-                    final.update(event)
-                    turn.result = self._result(turn, event)
-                elif event.get("token_ids"):
-                    yield list(event["token_ids"])
+        decode = turn.decode
+        decode.inflight += 1  # as in _stream, without a generator level per token
+        try:
+            async with aclosing(self.client.generate(decode.url, body)) as events:
+                async for event in events:
+                    token_ids = event.get("token_ids")
+                    if "finish_reason" in event:
+                        final.update(event)
+                        turn.result = self._result(turn, event)
+                    elif token_ids:
+                        yield list(token_ids)
+        finally:
+            decode.inflight -= 1
         if turn.result is None:
             raise UpstreamError("stream", "worker ended the stream without a final event", url=turn.decode.url)
 

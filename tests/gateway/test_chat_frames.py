@@ -1,0 +1,38 @@
+"""Streamed chat chunks: ``ChatFrames`` (constant fields encoded once per response)
+gives exactly the bytes of encoding each ``oa.chat_chunk`` whole."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvserving.gateway import openai_types as oa
+from kvserving.gateway.completions import ChatFrames, _sse
+
+DELTAS: list[dict[str, Any]] = [
+    {"role": "assistant", "content": ""},
+    {"content": "plain text"},
+    {"content": 'quotes " and \\ and \n newlines, é 日本 😀 \x00 \u2028'},
+    {"reasoning_content": "thinking <think> & </think>"},
+    {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {},
+]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("finish", [None, "stop", "length", "tool_calls"])
+def test_frames_equal_whole_chunks(include_usage: bool, finish: str | None) -> None:
+    frames = ChatFrames(id="chatcmpl-abc\"def", created=1_700_000_000, model="tiny/é", include_usage=include_usage)
+    for delta in DELTAS:
+        expected = _sse(oa.chat_chunk(id="chatcmpl-abc\"def", created=1_700_000_000, model="tiny/é", delta=delta,
+                                      finish_reason=finish, include_usage=include_usage))
+        assert frames.chunk(delta, finish) == expected
+
+
+def test_usage_frame_equals_the_usage_chunk() -> None:
+    frames = ChatFrames(id="chatcmpl-1", created=5, model="m", include_usage=True)
+    usage = oa.usage(prompt_tokens=10, completion_tokens=3, cached_tokens=4)
+    assert frames.usage(usage) == _sse(oa.chat_chunk(id="chatcmpl-1", created=5, model="m", delta=None, usage=usage,
+                                                     include_usage=True))
