@@ -121,6 +121,8 @@ def _extend_kernel(
     FAST: tl.constexpr,  # inline-assembly decoders
     DT: tl.constexpr,  # dot operand type: fp16, or bf16 for bf16 pages (fp32 in the interpreter)
 ):
+    """bf16 / fp8 pages in channel order. The scale, zero and INT2 arguments are not read here: both kernels
+    take one launch signature (extend_attention)."""
     qb = tl.program_id(0)
     h = tl.program_id(1)
     M: tl.constexpr = BLOCK_T * GP
