@@ -12,7 +12,7 @@ in static buffers the graphs read, sized at construction:
 A batch of b sequences runs the graph of the smallest bucket B >= b; rows b..B
 are padding: token 0 at position 0, length 0 (their attention reads nothing)
 and their K/V written to a page the runner keeps for them. The page table is
-padded to the width bucket W (a power of two pages, capped at the model's
+padded to the width bucket W (16, 24, 32, 48, ... pages, capped at the model's
 context), and the eager path pads to the same W, so both run the same split
 plan and give the same tokens. The decode kernels plan their splits from W and
 B on the host, at capture; the sequences' lengths and INT2 counts are read on
@@ -50,10 +50,11 @@ def batch_bucket(n: int, max_batch: int) -> int | None:
 
 
 def table_width(num_pages: int, max_pages: int) -> int:
-    """Page-table width for rows of at most ``num_pages`` pages: a power of two >= MIN_WIDTH, at most ``max_pages``."""
+    """Page-table width for rows of at most ``num_pages`` pages: MIN_WIDTH x 2^k or x 1.5 x 2^k (at most 50% wider
+    than needed, so the decode splits planned for it stay mostly busy), capped at ``max_pages``."""
     w = MIN_WIDTH
     while w < num_pages:
-        w *= 2
+        w = w * 3 // 2 if w & (w - 1) == 0 else w * 4 // 3  # 16, 24, 32, 48, 64, 96, ...
     return max(num_pages, min(w, max_pages))
 
 
@@ -83,9 +84,12 @@ class DecodeGraphs:
         max_batch: int,
         max_pages: int,
         pad_page: int,
+        capture: bool = True,
     ) -> None:
-        if device.type != "cuda":
+        """``capture=False`` (tests on CPU): the same static buffers and forward, run eagerly instead of replayed."""
+        if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+        self.capture = capture
         self.model = model
         self.attention = attention
         self.device = device
@@ -97,13 +101,14 @@ class DecodeGraphs:
         bmax = self.max_batch
         self.table_offset = _FIELDS * bmax
         size = self.table_offset + bmax * max_pages
-        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.host_np = self.host.numpy()
         self.dev = torch.zeros(size, dtype=torch.int32, device=device)
         vocab = model.args.vocab_size
         self.logits = torch.empty(bmax, vocab, dtype=torch.float32, device=device)
-        self.copied = torch.cuda.Event()  # the last host -> device copy; the host mirror is reused after it
-        self.pool = torch.cuda.graph_pool_handle()
+        # the last host -> device copy: the host mirror is reused after it
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.rows: dict[str, _Row] = {}
         self.replays = 0
@@ -143,7 +148,8 @@ class DecodeGraphs:
         width = table_width(max(r.n for r in rows), self.max_pages)
         if width > self.max_pages:
             return None
-        self.copied.synchronize()  # the previous step's copy has read the mirror
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy has read the mirror
         h = self.host_np
         n = len(chunks)
         ids, pos, lens, n2, wpage, wslot = (h[self._field(i, b)] for i in range(_FIELDS))
@@ -212,8 +218,12 @@ class DecodeGraphs:
             return None
         used = self.table_offset + b * width
         self.dev[:used].copy_(self.host[:used], non_blocking=True)
-        self.copied.record()
+        if self.copied is not None:
+            self.copied.record()
+        self.replays += 1
+        if not self.capture:
+            self._forward(b, width)
+            return self.logits[: len(chunks)]
         graph = self.graphs.get((b, width)) or self._capture(b, width)
         graph.replay()
-        self.replays += 1
         return self.logits[: len(chunks)]

@@ -27,7 +27,7 @@ def test_buckets() -> None:
     assert [batch_bucket(n, 256) for n in (1, 2, 3, 5, 64, 65, 256)] == [1, 2, 4, 8, 64, 128, 256]
     assert batch_bucket(257, 256) is None and batch_bucket(9, 8) is None
     assert BATCH_BUCKETS[-1] == 256
-    assert [table_width(n, 4096) for n in (1, 16, 17, 100, 4096)] == [16, 16, 32, 128, 4096]
+    assert [table_width(n, 4096) for n in (1, 16, 17, 25, 33, 100, 257, 4096)] == [16, 16, 24, 32, 48, 128, 384, 4096]
     assert table_width(3, 8) == 8 and table_width(300, 300) == 300 and table_width(33, 40) == 40
 
 
@@ -37,6 +37,30 @@ def test_cpu_engine_has_no_graphs_and_still_decodes(tiny_model_dir: Path) -> Non
     free = engine.pool.num_free  # no page is kept for padding rows on CPU
     out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0]) == 4 and engine.pool.num_free == free
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "triaxial"])
+def test_static_buffer_decode_equals_eager_on_cpu(tiny_model_dir: Path, dtype: str) -> None:
+    """The graphs' metadata path (static buffers, padded batch and width), run without capture on CPU."""
+    from kvserving.worker.cuda_graphs import DecodeGraphs
+
+    def tokens(static: bool) -> tuple[list[list[int]], LLMEngine]:
+        engine = LLMEngine(config(tiny_model_dir, dtype), device="cpu")
+        if static:
+            pad = engine.pool.allocate([4])
+            assert pad is not None
+            engine.runner.graphs = DecodeGraphs(
+                engine.model, engine.attention, device=torch.device("cpu"), max_batch=8,
+                max_pages=engine.runner.max_pages, pad_page=pad[0], capture=False,
+            )  # fmt: skip
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(10, engine.vocab_size, (n,), generator=g).tolist() for n in (40, 70, 9)]
+        return engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True)), engine
+
+    eager, _ = tokens(False)
+    static, engine = tokens(True)
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 20
+    assert static == eager
 
 
 def test_graphs_refused_off_cuda(tiny_model_dir: Path) -> None:

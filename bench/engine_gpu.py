@@ -1,0 +1,390 @@
+"""GPU engine benchmark at real size: a Qwen3-8B-shaped model, each KV format, one table of ratios to bf16 + JSON.
+
+Run on the device machine (bench/NOTES-engine-gpu.md)::
+
+    python bench/engine_gpu.py --out $OUT/engine_gpu.json [--quick] [--formats bf16,nvfp4]
+
+Model: Qwen3-8B's shape (36 layers, hidden 4096, 32 query / 8 KV heads,
+head_dim 128, intermediate 12288, vocab 151936, q/k-norm), random bf16
+weights drawn on the device from a seed (nothing is read or downloaded).
+Everything runs through ``LLMEngine.step`` (scheduler, runner, kernels,
+sampling on the device, CUDA graphs for decode unless ``--enforce-eager``).
+
+Per format:
+
+(a) capacity: in a pool of ``--kv-gib`` (40 GiB), 8K-token sequences are
+    admitted until a page allocation fails; then ONE engine step runs all of
+    them (their last prompt token + a sampled token). Triaxial prompts carry
+    tags in runs at the default class shares (``kvserving.bits``), oldest turn
+    first, so INT2 pages are what the bits table makes of realistic tags;
+(b) decode: batch x context in {1, 16, 64, 256} x {4K, 32K}, in a pool of
+    ``--speed-kv-gib`` (so more shapes fit bf16 too; a shape that does not fit
+    a format's pool is skipped and said so). Sequences are placed directly in
+    the running set with their KV pages filled by our write kernels (random
+    K/V; prefilling 2M tokens per shape would take minutes) and the timed
+    steps are real engine decode steps. The prompt is ``context - 96`` tokens so
+    the timed steps (at most 50) stay inside the context. Time per output token = median
+    step time; tokens/s = batch / TPOT;
+(c) prefill: one 8K-token prompt in one step (chunk 8192), tokens/s;
+(d) triaxial: the share of INT2 pages among the pages stored, vs the share
+    the bit budget's table expects (``KVCache.int2_share``).
+Step overhead at batch 64 / 4K: step time minus the sum of the step's kernel
+times (torch.profiler), with CUDA graphs and eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from kvserving.bits import MODAL_SHARE, SEMANTIC_SHARE, TEMPORAL_SHARE
+from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG
+from kvserving.tags import encode_tag
+from kvserving.worker.engine import LLMEngine
+from kvserving.worker.model import DecoderModel, ModelArgs, rope_inv_freq
+from kvserving.worker.sampling import SamplingParams, make_generator
+from kvserving.worker.sequence import Sequence, SeqStatus
+
+FORMATS = ("bf16", "fp8_e4m3", "nvfp4", "triaxial")
+BATCHES = (1, 16, 64, 256)
+CONTEXTS = (4096, 32768)
+CAPACITY_TOKENS = 8192
+HEADROOM = 96  # decode prompts are context - HEADROOM tokens: the timed steps stay inside the context
+GIB = 1 << 30
+
+
+def qwen3_8b_shape(vocab: int, *, smoke: bool = False) -> ModelArgs:
+    if smoke:  # --smoke: the script's logic on CPU with a toy shape (no numbers)
+        return ModelArgs(model_type="qwen3", vocab_size=vocab, hidden_size=256, intermediate_size=512, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=128, qk_norm=True, max_position_embeddings=40960)  # fmt: skip
+    return ModelArgs(
+        model_type="qwen3", vocab_size=vocab, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+        num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, qk_norm=True,
+        max_position_embeddings=40960, eos_token_ids=(151645,),
+    )  # fmt: skip
+
+
+DEVICE = "cuda"
+
+
+@torch.no_grad()
+def random_model(args: ModelArgs, *, seed: int) -> DecoderModel:
+    """The model with N(0, 0.02) bf16 weights (norm weights 1) drawn on the GPU from ``seed``."""
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = DecoderModel(args)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model = model.to_empty(device=DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+    model.inv_freq = rope_inv_freq(args, device=DEVICE)
+    return model.requires_grad_(False).eval()
+
+
+def conversation_tags(n: int) -> list[int]:
+    """Tags of an n-token context: turns oldest first, each turn's classes in runs at the default shares."""
+    tags: list[int] = []
+    for t in ("older", "turn_m2", "turn_m1", "current"):
+        for m, m_share in MODAL_SHARE.items():
+            for s, s_share in SEMANTIC_SHARE.items():
+                tags += [encode_tag(t, m, s)] * round(n * TEMPORAL_SHARE[t] * m_share * s_share)
+    tags = tags[:n]
+    tags += [encode_tag("current", "text", "user")] * (n - len(tags))
+    # the newest tokens are the current instruction (4 bits in every table): the page decode writes into is INT4
+    return tags[: max(0, n - 64)] + [encode_tag("current", "text", "inst")] * min(n, 64)
+
+
+class Bench:
+    def __init__(self, model: tuple[ModelArgs, DecoderModel], *, quick: bool, enforce_eager: bool) -> None:
+        self.model = model
+        self.quick = quick
+        self.enforce_eager = enforce_eager
+        self.vocab = model[0].vocab_size
+        self.counter = 0
+        self.kv_chunk: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def engine(self, fmt: str, gib: float) -> LLMEngine:
+        config = ServingConfig(
+            model=ModelConfig(served_name="qwen3-8b-shape"),
+            kv_cache=KVCacheConfig(dtype=fmt, memory_bytes=int(gib * GIB)),
+            scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=8192, chunk_size=8192),
+        )
+        return LLMEngine(config, device=DEVICE, dtype=torch.bfloat16, model=self.model, enforce_eager=self.enforce_eager)
+
+    # -- sequences placed in the running set, their pages filled by the write kernels --------------------
+    def place(self, engine: LLMEngine, n: int, prompt_len: int, *, computed: int) -> list[Sequence]:
+        """Up to n running sequences of prompt_len tokens with pages for them and ``computed`` tokens marked
+        computed (fewer when the pool runs out)."""
+        g = torch.Generator().manual_seed(prompt_len)
+        base = torch.randint(10, self.vocab, (prompt_len,), generator=g).tolist()
+        tags = conversation_tags(prompt_len) if engine.storage.triaxial else [0] * prompt_len
+        params = SamplingParams(max_tokens=4096, ignore_eos=True)
+        seqs: list[Sequence] = []
+        for _ in range(n):
+            self.counter += 1
+            rid = f"s{self.counter}"
+            prompt = [10 + self.counter % (self.vocab - 10)] + base[1:]  # distinct prefix hashes per sequence
+            seq = Sequence(rid, prompt, params, make_generator(0, device=DEVICE), tags=tags)
+            if not engine.kv.allocate_until(seq, prompt_len):
+                engine.kv.free(seq)
+                break
+            seq.num_computed = computed
+            seq.status = SeqStatus.RUNNING
+            seq.arrival = self.counter
+            engine.scheduler.running.append(seq)
+            engine.requests[rid] = seq
+            seqs.append(seq)
+        self.fill(engine, seqs)
+        return seqs
+
+    @torch.no_grad()
+    def fill(self, engine: LLMEngine, seqs: list[Sequence]) -> None:
+        """Random K/V into every page of ``seqs`` through the write kernels (layer 0, copied to all layers)."""
+        st = engine.storage
+        p = st.page_size
+        pages4 = [pid for s in seqs for pid in s.page_ids if not pid & INT2_PAGE_FLAG]
+        pages2 = [pid for s in seqs for pid in s.page_ids if pid & INT2_PAGE_FLAG]
+        chunk = 1 << 16
+        h, d = st.shape.num_kv_heads, st.shape.head_dim
+        if self.kv_chunk is None:
+            k = torch.randn(chunk, h, d, device=DEVICE, dtype=torch.bfloat16)
+            self.kv_chunk = (k, torch.randn_like(k))
+        k, v = self.kv_chunk
+        ids4 = torch.tensor(pages4, dtype=torch.int32, device=DEVICE).repeat_interleave(p)
+        slots4 = torch.arange(p, dtype=torch.int32, device=DEVICE).repeat(len(pages4))
+        for t0 in range(0, ids4.numel(), chunk):
+            n = min(chunk, ids4.numel() - t0)
+            st.write(0, k[:n], v[:n], ids4[t0 : t0 + n], slots4[t0 : t0 + n])
+        per = chunk // p
+        ids2 = torch.tensor(pages2, dtype=torch.int32, device=DEVICE)
+        for i0 in range(0, ids2.numel(), per):
+            n = min(per, ids2.numel() - i0)
+            st.write_int2_pages(0, k[: n * p].view(n, p, h, d), v[: n * p].view(n, p, h, d), ids2[i0 : i0 + n])
+        st.buffers[1:].copy_(st.buffers[0].expand(st.buffers.shape[0] - 1, -1))
+        sync()
+
+    @staticmethod
+    def clear(engine: LLMEngine) -> None:
+        for rid in list(engine.requests):
+            engine.abort(rid)
+
+    def timed_steps(self, engine: LLMEngine, *, warmup: int = 2, budget_s: float = 0.6) -> list[float]:
+        for _ in range(warmup):  # graph capture, Triton specializations
+            engine.step()
+        times: list[float] = []
+        start = time.perf_counter()
+        limit = 3 if self.quick else 20
+        while len(times) < limit and (len(times) < 3 or time.perf_counter() - start < budget_s):
+            t0 = time.perf_counter()
+            engine.step()  # ends on the sampled ids' copy to the host: the step is done
+            times.append(time.perf_counter() - t0)
+        return times
+
+    # -- measurements ------------------------------------------------------------------------------------
+    def capacity(self, fmt: str, gib: float) -> dict[str, Any]:
+        engine = self.engine(fmt, gib)
+        t0 = time.perf_counter()
+        seqs = self.place(engine, 100_000, CAPACITY_TOKENS, computed=CAPACITY_TOKENS - 1)
+        pages = [pid for s in seqs for pid in s.page_ids]
+        n2 = sum(1 for pid in pages if pid & INT2_PAGE_FLAG)
+        outs = engine.step()  # all of them: the last prompt token of each, and one sampled token
+        ran = sum(1 for o in outs if o.new_token_ids)
+        row = {
+            "kv_gib": gib, "seqs": len(seqs), "ran_step": ran, "tokens": len(seqs) * CAPACITY_TOKENS,
+            "pool_capacity_tokens": engine.capacity_tokens, "bytes_per_token_int4": engine.storage.bytes_per_token,
+            "int2_pages_stored": n2, "pages_stored": len(pages),
+            "int2_share_stored": n2 / max(1, len(pages)), "int2_share_budget": engine.kv_cache.int2_share,
+            "seconds": time.perf_counter() - t0,
+        }  # fmt: skip
+        print(f"  capacity {fmt}: {len(seqs)} x 8K sequences in {gib:g} GiB (step ran {ran}); "
+              f"INT2 pages {row['int2_share_stored']:.3f} of stored (budget table {row['int2_share_budget']:.3f})", flush=True)  # fmt: skip
+        self.clear(engine)
+        del engine
+        release()
+        return row
+
+    def decode(self, engine: LLMEngine, batch: int, ctx: int) -> dict[str, Any]:
+        seqs = self.place(engine, batch, ctx - HEADROOM, computed=ctx - HEADROOM - 1)
+        if len(seqs) < batch:
+            self.clear(engine)
+            return {"batch": batch, "context": ctx, "skipped": f"{batch} x {ctx} tokens do not fit the pool"}
+        times = self.timed_steps(engine)
+        graphs = engine.runner.graphs
+        self.clear(engine)
+        tpot = statistics.median(times)
+        return {"batch": batch, "context": ctx, "tpot_ms": 1e3 * tpot, "tok_s": batch / tpot, "steps": len(times),
+                "graph_replays": graphs.replays if graphs is not None else 0}  # fmt: skip
+
+    def prefill(self, engine: LLMEngine, n: int = 8192) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(1)
+        tags = conversation_tags(n) if engine.storage.triaxial else None
+        times = []
+        for i in range(2 if self.quick else 3):
+            prompt = [11 + i] + torch.randint(10, self.vocab, (n - 1,), generator=g).tolist()  # no prefix hit
+            engine.add_request(f"prefill-{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True), tags=tags)
+            t0 = time.perf_counter()
+            while engine.has_unfinished():
+                engine.step()
+            times.append(time.perf_counter() - t0)
+        best = min(times[1:])  # the first run compiles
+        return {"tokens": n, "seconds": best, "tok_s": n / best}
+
+    def overhead(self, engine: LLMEngine, batch: int = 64, ctx: int = 4096) -> dict[str, Any]:
+        """Step time minus the kernels' time, with graphs (if the engine has them) and eager."""
+        seqs = self.place(engine, batch, ctx - HEADROOM, computed=ctx - HEADROOM - 1)
+        assert len(seqs) == batch
+        graphs = engine.runner.graphs
+        out: dict[str, Any] = {"batch": batch, "context": ctx}
+        for mode in ("graphs", "eager"):
+            if mode == "graphs" and graphs is None:
+                continue
+            engine.runner.graphs = graphs if mode == "graphs" else None  # the same engine, graphs taken away
+            times = self.timed_steps(engine, warmup=2)
+            step = statistics.median(times)
+            kernels, count = profile_kernels(engine, steps=3)
+            out[mode] = {"step_ms": 1e3 * step, "kernel_ms": kernels, "kernels_per_step": count,
+                         "overhead_ms": 1e3 * step - kernels if kernels else None,
+                         "overhead_share": (1 - kernels / (1e3 * step)) if kernels else None}  # fmt: skip
+        engine.runner.graphs = graphs
+        if "graphs" in out and "eager" in out and out["graphs"]["kernels_per_step"] < 0.5 * out["eager"]["kernels_per_step"]:
+            # the profiler did not see the replayed kernels one by one: the graph runs the eager step's kernels
+            g = out["graphs"]
+            g["kernel_ms"] = out["eager"]["kernel_ms"]
+            g["kernel_ms_from"] = "eager profile (graph kernels not traced one by one)"
+            g["overhead_ms"] = g["step_ms"] - g["kernel_ms"]
+            g["overhead_share"] = g["overhead_ms"] / g["step_ms"]
+        self.clear(engine)
+        return out
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def release() -> None:
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def profile_kernels(engine: LLMEngine, *, steps: int) -> tuple[float | None, float]:
+    """(ms of GPU kernels and copies per step, their number per step) over ``steps`` engine steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync()
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        total_us = sum(e.time_range.elapsed_us() for e in events)
+        return total_us / 1e3 / steps, len(events) / steps
+    except Exception as exc:  # noqa: BLE001 - the profiler is a measurement aid; report and go on
+        print(f"  profiler failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return None, 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="engine_gpu.json")
+    ap.add_argument("--quick", action="store_true", help="batch 1 and 64 at 4K only, short loops")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--kv-gib", type=float, default=40.0, help="KV budget of the capacity measurement")
+    ap.add_argument("--speed-kv-gib", type=float, default=90.0, help="KV budget of the decode and prefill runs")
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU, toy shape, tiny pools: checks the script, measures nothing")
+    args = ap.parse_args()
+    global DEVICE
+    if args.smoke:
+        DEVICE = "cpu"
+        args.kv_gib, args.speed_kv_gib, args.vocab = 0.03, 0.6, 1024
+    t_start = time.perf_counter()
+    formats = args.formats.split(",")
+    shapes = [(1, 4096), (64, 4096)] if args.quick else [(b, c) for c in CONTEXTS for b in BATCHES]
+    over = (64, 4096)
+    if args.smoke:
+        shapes, over = [(1, 512), (4, 512)], (4, 512)
+    margs = qwen3_8b_shape(args.vocab, smoke=args.smoke)
+    model = random_model(margs, seed=args.seed)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)"
+    print(f"device {dev}, torch {torch.__version__}; Qwen3-8B shape, vocab {args.vocab}, weights {weights / 1e9:.2f} GB "
+          f"(random bf16, seed {args.seed}); capacity pool {args.kv_gib:g} GiB, speed pool {args.speed_kv_gib:g} GiB", flush=True)  # fmt: skip
+    bench = Bench((margs, model), quick=args.quick, enforce_eager=args.enforce_eager)
+    results: dict[str, Any] = {}
+    for fmt in formats:
+        t0 = time.perf_counter()
+        row: dict[str, Any] = {"capacity": bench.capacity(fmt, args.kv_gib)}
+        engine = bench.engine(fmt, args.speed_kv_gib)
+        row["prefill_8k"] = bench.prefill(engine)
+        print(f"  prefill {fmt}: {row['prefill_8k']['tok_s']:.0f} tok/s", flush=True)
+        row["decode"] = []
+        for b, c in shapes:
+            r = bench.decode(engine, b, c)
+            row["decode"].append(r)
+            print(f"  decode {fmt} {b}x{c}: " + (r["skipped"] if "skipped" in r else f"TPOT {r['tpot_ms']:.2f} ms, {r['tok_s']:.0f} tok/s"), flush=True)
+        row["overhead_b64_4k"] = bench.overhead(engine, *over)
+        print(f"  overhead {fmt}: {json.dumps(row['overhead_b64_4k'])}", flush=True)
+        row["seconds"] = time.perf_counter() - t0
+        results[fmt] = row
+        del engine
+        release()
+    report(results, shapes)
+    out = {"device": dev, "torch": torch.__version__, "model": "Qwen3-8B shape, random bf16 weights", "vocab": args.vocab,
+           "weights_bytes": weights, "kv_gib": args.kv_gib, "speed_kv_gib": args.speed_kv_gib, "quick": args.quick,
+           "enforce_eager": args.enforce_eager, "seconds": time.perf_counter() - t_start, "formats": results}  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"total {out['seconds']:.0f} s", flush=True)
+
+
+def report(results: dict[str, Any], shapes: list[tuple[int, int]]) -> None:
+    base = results.get("bf16")
+
+    def ratio(x: float | None, b: float | None) -> str:
+        return f"({x / b:4.2f}x)" if x and b else "       "
+
+    print(f"\n{'format':<9} {'8K seqs':>14} {'INT2 pages':>16} {'prefill 8K tok/s':>24}")
+    for fmt, r in results.items():
+        cap, pf = r["capacity"], r["prefill_8k"]
+        b_cap = base["capacity"]["seqs"] if base else None
+        b_pf = base["prefill_8k"]["tok_s"] if base else None
+        share = f"{cap['int2_share_stored']:.2f}/{cap['int2_share_budget']:.2f}" if fmt == "triaxial" else "-"
+        print(f"{fmt:<9} {cap['seqs']:>5} {ratio(cap['seqs'], b_cap)} {share:>16} {pf['tok_s']:>14.0f} {ratio(pf['tok_s'], b_pf)}")
+    print(f"\n{'format':<9} " + " ".join(f"{f'{b}x{c // 1024}K TPOT ms':>22}" for b, c in shapes))
+    for fmt, r in results.items():
+        cells = []
+        for i, d in enumerate(r["decode"]):
+            if "skipped" in d:
+                cells.append(f"{'does not fit':>22}")
+                continue
+            bd = base["decode"][i] if base else None
+            cells.append(f"{d['tpot_ms']:>13.2f} {ratio(bd.get('tpot_ms') if bd else None, d['tpot_ms'])}")
+        print(f"{fmt:<9} " + " ".join(cells))
+    print("(TPOT ratio = bf16 TPOT / this format's: > 1 is faster than bf16)")
+    for fmt, r in results.items():
+        o = r["overhead_b64_4k"]
+        parts = [f"{m}: step {o[m]['step_ms']:.2f} ms, kernels {o[m]['kernel_ms'] or 0:.2f} ms, overhead "
+                 f"{100 * (o[m]['overhead_share'] or 0):.1f}%" for m in ("eager", "graphs") if m in o]  # fmt: skip
+        print(f"overhead 64x4K {fmt}: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
