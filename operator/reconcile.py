@@ -56,6 +56,7 @@ def _desired(body: dict[str, Any], rendered: Rendered) -> Desired:
         config_hash=rendered.config_hash,
         endpoint=rendered.endpoint,
         kv_bits=rendered.kv_bits,
+        kv_calibration=rendered.kv_calibration,
     )
 
 

@@ -3,6 +3,8 @@
 Children of KVServing ``NAME`` in namespace ``NS``:
 
     NAME-config      ConfigMap   engine config (kvserving.config JSON) at /etc/kvserving/config.json
+                                 (kvCache.calibration: the user's ConfigMap, mounted in the workers at
+                                 /etc/kvserving/calibration; the engine config names the file there)
     NAME-prefill     Deployment  `kvserving worker --role prefill`, + headless Service
     NAME-decode      Deployment  `kvserving worker --role decode`,  + headless Service
     NAME-gateway     Deployment  `kvserving gateway`,               + Service
@@ -23,7 +25,15 @@ from typing import Any
 
 from kvserving.operator.dashboard import dashboard_json
 from kvserving.operator.names import GROUP, KIND, VERSION
-from kvserving.operator.spec import GATEWAY_PORT, WORKER_PORT, KVServingSpec, RoleSpec, engine_config, parse_spec
+from kvserving.operator.spec import (
+    CALIBRATION_DIR,
+    GATEWAY_PORT,
+    WORKER_PORT,
+    KVServingSpec,
+    RoleSpec,
+    engine_config,
+    parse_spec,
+)
 
 MANAGED_BY = "kvserving-operator"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -57,6 +67,7 @@ class Rendered:
     replicas: dict[str, int]  # role -> desired replicas
     endpoint: str
     kv_bits: float
+    kv_calibration: str = ""  # status.kvCalibration
 
 
 def short_hash(text: str) -> str:
@@ -98,6 +109,7 @@ def render(spec: dict[str, Any], *, owner: Owner) -> Rendered:
         replicas={role: _role_spec(parsed, role).replicas for role in ROLES},
         endpoint=f"http://{owner.name}-gateway.{owner.namespace}.svc:{GATEWAY_PORT}",
         kv_bits=parsed.kv_bits,
+        kv_calibration=parsed.kv_calibration,
     )
 
 
@@ -157,6 +169,8 @@ def _container(spec: KVServingSpec, role: str, role_spec: RoleSpec) -> dict[str,
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})  # UCX/NIXL shared-memory transport
     if spec.model_pvc:  # the gateway reads the model's tokenizer and chat template from it
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    if spec.calibration_config_map and role != "gateway":  # kv_cache.calibration points into it
+        mounts.append({"name": "calibration", "mountPath": CALIBRATION_DIR, "readOnly": True})
     return {
         "name": role if role == "gateway" else "worker",
         "image": spec.image,
@@ -204,6 +218,8 @@ def _deployment(owner: Owner, spec: KVServingSpec, role: str, config_hash: str) 
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     if spec.model_pvc:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": spec.model_pvc, "readOnly": True}})
+    if spec.calibration_config_map and role != "gateway":
+        volumes.append({"name": "calibration", "configMap": {"name": spec.calibration_config_map}})
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # workers and gateway never call the Kubernetes API
         "enableServiceLinks": False,

@@ -19,6 +19,9 @@ WORKER_PORT = 8000
 GATEWAY_PORT = 8080
 # Nominal bits per KV value shown in `kubectl get kvs` (triaxial: its budget).
 NOMINAL_BITS = {"bf16": 16.0, "fp8_e4m3": 8.0, "nvfp4": 4.0}
+# Where a worker sees the calibration ConfigMap (kvCache.calibration), mounted read-only.
+CALIBRATION_DIR = "/etc/kvserving/calibration"
+CALIBRATION_KEY = "calibration.json"
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,12 +55,30 @@ class KVServingSpec:
     decode: RoleSpec
     gateway: RoleSpec
     monitoring: MonitoringSpec
+    calibration_config_map: str | None = None  # kvCache.calibration.configMap
 
     @property
     def kv_bits(self) -> float:
         kv = self.serving.kv_cache
         bits = kv.effective_bit_budget
         return bits if bits is not None else NOMINAL_BITS[kv.dtype]
+
+    @property
+    def kv_calibration(self) -> str:
+        """One line for ``status.kvCalibration``: where the bits table or global scales come from."""
+        kv, cm = self.serving.kv_cache, self.calibration_config_map
+        if kv.dtype == "bf16":
+            return "none: bf16 is not quantized"
+        if kv.dtype == "triaxial":
+            if cm is None:
+                return f"default bits table for bitBudget {kv.effective_bit_budget:g} (no calibration ConfigMap)"
+            return f"calibrated bits table for bitBudget {kv.effective_bit_budget:g} from ConfigMap {cm}"
+        if kv.global_scale == "static":
+            unused = f" (ConfigMap {cm}'s scales unused: globalScale is static)" if cm else ""
+            return "global scales 1.0" + unused
+        if cm is None:
+            return "global scales measured at worker start (no calibration ConfigMap)"
+        return f"calibrated global scales from ConfigMap {cm}"
 
 
 _GPU_RESOURCES = {"limits": {"nvidia.com/gpu": 1}}
@@ -82,6 +103,12 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
     reuse = spec.get("reuse", {})
     mon = spec.get("monitoring", {})
     bit_budget = kv.get("bitBudget")
+    calibration = kv.get("calibration")
+    if calibration is not None and kv.get("dtype", "bf16") == "bf16":
+        raise ValueError("spec.kvCache.calibration needs dtype triaxial, fp8_e4m3 or nvfp4 (bf16 has nothing to calibrate)")
+    key = (calibration or {}).get("key", CALIBRATION_KEY)
+    if calibration is not None and (not calibration.get("configMap") or key in (".", "..") or "/" in key):
+        raise ValueError("spec.kvCache.calibration needs a configMap name and a file-name key")
     serving = ServingConfig(
         model=ModelConfig(
             path=model.get("path", ""),
@@ -95,6 +122,7 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
             memory_fraction=float(kv.get("memoryFraction", 0.9)),
             global_scale=kv.get("globalScale", "static"),
             allow_emulation=bool(kv.get("allowEmulation", False)),
+            calibration=f"{CALIBRATION_DIR}/{key}" if calibration is not None else None,
         ),
         reuse=ReuseConfig(
             bidirectional=bool(reuse.get("bidirectional", True)),
@@ -121,6 +149,7 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
             scrape_interval=mon.get("scrapeInterval", "30s"),
             labels=dict(mon.get("labels", {})),
         ),
+        calibration_config_map=calibration["configMap"] if calibration is not None else None,
     )
 
 

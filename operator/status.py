@@ -119,6 +119,7 @@ class Desired:
     config_hash: str
     endpoint: str
     kv_bits: float
+    kv_calibration: str = ""  # where the bits table / global scales come from (spec.KVServingSpec.kv_calibration)
 
 
 def _condition(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -215,6 +216,7 @@ def compute_status(
         "phase": phase,
         "configHash": desired.config_hash,
         "kvBits": desired.kv_bits,
+        **({"kvCalibration": desired.kv_calibration} if desired.kv_calibration else {}),
         "endpoint": desired.endpoint,
         "conditions": conditions,
     }

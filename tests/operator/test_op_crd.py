@@ -70,7 +70,9 @@ def test_every_spec_field_has_a_type_and_description() -> None:
 
 
 # Fields left unset on purpose: their default depends on other fields or is "none".
-OPTIONAL = {"spec.model.maxModelLen", "spec.model.pvcName", "spec.kvCache.bitBudget", "spec.kvCache.pageSize"}
+OPTIONAL = {
+    "spec.model.maxModelLen", "spec.model.pvcName", "spec.kvCache.bitBudget", "spec.kvCache.pageSize", "spec.kvCache.calibration",
+}
 
 
 def test_every_top_level_field_of_each_section_has_a_default() -> None:
@@ -151,6 +153,10 @@ INVALID = [
         _with("spec.kvCache.globalScale", "calibrated", base="triaxial"),
         "spec.kvCache: globalScale calibrated needs dtype fp8_e4m3 or nvfp4",
     ),
+    ("calibration with bf16", _with("spec.kvCache", {"dtype": "bf16", "calibration": {"configMap": "cal"}}),
+     "spec.kvCache: calibration needs dtype triaxial, fp8_e4m3 or nvfp4"),
+    ("calibration key ..", _with("spec.kvCache.calibration", {"configMap": "cal", "key": ".."}, base="triaxial"),
+     "spec.kvCache.calibration.key: key must be a file name"),
     ("negative recompute threshold", _with("spec.reuse.recomputeThresholdTokens", -3),
      'spec.reuse.recomputeThresholdTokens: recomputeThresholdTokens must be an integer >= 0 or "auto"'),
     ("recompute threshold neither integer nor auto", _with("spec.reuse.recomputeThresholdTokens", "sometimes"),
@@ -191,6 +197,8 @@ def test_engine_config_refuses_what_the_crd_refuses(case: str, body: dict[str, A
         ("spec.decode.replicas", 0, "fp8_e4m3"),
         ("spec.reuse.recomputeThresholdTokens", 0, "fp8_e4m3"),
         ("spec.reuse.recomputeThresholdTokens", "auto", "fp8_e4m3"),
+        ("spec.kvCache.calibration", {"configMap": "my-model.calib"}, "triaxial"),
+        ("spec.kvCache.calibration", {"configMap": "c", "key": "qwen3-8b_v2.json"}, "fp8_e4m3"),
     ],
 )
 def test_boundary_values_are_admitted(path: str, value: Any, base: str) -> None:
