@@ -93,6 +93,10 @@ class OutputParser:
     def feed(self, piece: str, *, final: bool = False) -> list[dict[str, Any]]:
         self.buffer += piece
         deltas: list[dict[str, Any]] = []
+        if "<" not in self.buffer:  # every marker starts with "<": none here, nor the start of one
+            text, self.buffer = self.buffer, ""
+            self._emit(text, deltas)
+            return deltas
         while True:
             markers = self._markers()
             hits = [(i, m) for m in markers if (i := self.buffer.find(m)) >= 0]
