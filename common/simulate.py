@@ -151,6 +151,7 @@ class Simulator(Sim):
         self._keys: dict[str, bytes] = {}
         self._shared_prefix_key: bytes | None = None
         self._preferred_url: dict[bytes, str] = {}
+        self._length_cache: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         self._active = 0
         self._ctx: dict[int, tuple[_Agent, DecodeWorker, Req]] = {}  # turns in flight
         self.max_turn_tokens = (cluster.pages_per_worker * p)  # a request longer than the pool is refused
@@ -227,7 +228,15 @@ class Simulator(Sim):
             ag.done_cb(now)
 
     def _lengths(self, ag: _Agent, k: int) -> tuple[int, int, int, int]:
-        """Server tokens of turn ``k``: prompt, output, and the stable page counts."""
+        """Server tokens of turn ``k``: prompt, output, and the stable page counts (computed once
+        per agent spec: a population reuses its shapes)."""
+        key = (id(ag.spec), k)
+        hit = self._length_cache.get(key)
+        if hit is None:
+            hit = self._length_cache[key] = self._compute_lengths(ag, k)
+        return hit
+
+    def _compute_lengths(self, ag: _Agent, k: int) -> tuple[int, int, int, int]:
         costs, p = self.cluster.costs, self.page_size
         turn = ag.spec.turns[k]
         prompt = costs.server_tokens(turn.history_tokens)
@@ -595,21 +604,81 @@ def simulate_point(dtype: str, gpus: int, *, costs: CostModel, load: LoadSpec, p
     return point
 
 
-def fewest_gpus(dtype: str, max_gpus: int, ttft_p99_ms: float, **kw: Any) -> tuple[int | None, dict[str, Any]]:
+def fewest_gpus(
+    dtype: str, max_gpus: int, ttft_p99_ms: float, *, probe: Population | None = None, **kw: Any
+) -> tuple[int | None, dict[str, Any]]:
     """Binary search of the fewest GPUs (2..max_gpus) whose TTFT p99 is within ``ttft_p99_ms``
-    (more GPUs never make it worse, the search assumes); (None, the max_gpus point) if none."""
-    top = simulate_point(dtype, max_gpus, **kw)
-    if not top["ttft_p99_ms"] <= ttft_p99_ms:
+    (more GPUs never make it worse, the search assumes); (None, the max_gpus point) if none.
+
+    ``probe``: a shorter population run for the search steps; the answer is then confirmed
+    with the full one (``kw['pop']``), searching upward with it if the confirmation fails."""
+    full = kw.pop("pop")
+
+    def meets(gpus: int, pop: Population) -> tuple[bool, dict[str, Any]]:
+        point = simulate_point(dtype, gpus, pop=pop, **kw)
+        return point["ttft_p99_ms"] <= ttft_p99_ms, point
+
+    def search(lo: int, hi: int, pop: Population, best: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        while lo < hi:  # hi meets the target
+            mid = (lo + hi) // 2
+            ok, point = meets(mid, pop)
+            if ok:
+                hi, best = mid, point
+            else:
+                lo = mid + 1
+        return hi, best
+
+    step = probe or full
+    ok, top = meets(max_gpus, step)
+    if not ok:
+        return None, simulate_point(dtype, max_gpus, pop=full, **kw) if step is not full else top
+    need, best = search(2, max_gpus, step, top)
+    if step is full:
+        return need, best
+    ok, point = meets(need, full)
+    if ok:
+        return need, point
+    if need == max_gpus:
+        return None, point
+    ok, top = meets(max_gpus, full)
+    if not ok:
         return None, top
-    lo, hi, best = 2, max_gpus, top  # hi meets the target
-    while lo < hi:
-        mid = (lo + hi) // 2
-        point = simulate_point(dtype, mid, **kw)
-        if point["ttft_p99_ms"] <= ttft_p99_ms:
-            hi, best = mid, point
-        else:
-            lo = mid + 1
-    return hi, best
+    return search(need + 1, max_gpus, full, top)
+
+
+def plan(dtype: str, args: dict[str, Any], *, show_progress: bool) -> dict[str, Any]:
+    """One format's answer for ``kvserving simulate`` (a process-pool job: plain arguments)."""
+    import sys
+
+    from kvserving.sim_costs import CostModel
+
+    costs = CostModel.from_dict(args["costs"])
+    load = gpu_load(args["seed"], think_s=args["think_s"], output_tokens=args["output_tokens"],
+                    max_context=args["max_context"], shared_system_prompt=args["shared"])
+    pop = Population(args["agents"], args["duration_s"], warmup_s=args["warmup_s"], ramp_s=args["ramp_s"], shapes=args["shapes"])
+    duration = args["duration_s"]
+
+    def progress(t: float) -> None:
+        if show_progress:
+            done = int(30 * min(1.0, t / duration))
+            sys.stderr.write(f"\r{dtype:>9} [{'#' * done}{'.' * (30 - done)}] {t:6.0f} s simulated")
+            sys.stderr.flush()
+
+    kw: dict[str, Any] = dict(costs=costs, load=load, pop=pop, prefill_share=args["prefill_share"],
+                              reuse=ReuseConfig(bidirectional=args["reuse"]), progress=progress, shapes={})
+    if args["ttft_p99_ms"] is None:
+        point = simulate_point(dtype, args["gpus"], **kw)
+    else:
+        probe = None
+        if args["probe_s"] < duration:
+            probe = Population(args["agents"], args["probe_s"], warmup_s=min(args["warmup_s"], args["probe_s"] / 2),
+                               ramp_s=args["ramp_s"], shapes=args["shapes"])
+        need, point = fewest_gpus(dtype, args["gpus"], args["ttft_p99_ms"], probe=probe, **kw)
+        point["gpus"] = need
+        point["max_gpus"] = args["gpus"]
+    if show_progress:
+        sys.stderr.write("\r" + " " * 60 + "\r")
+    return point
 
 
 _COLUMNS = (
@@ -653,7 +722,10 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--max-context", type=int_in(64, 10_000_000), default=32768, help="tokens an agent's history may reach")
     parser.add_argument("--per-agent-system-prompt", action="store_true", help="every agent its own system prompt (default: shared)")
     parser.add_argument("--no-reuse", action="store_true", help="bidirectional reuse off (the prefill's own prefix cache only)")
-    parser.add_argument("--shapes", type=int_in(1, 1_000_000), default=256, help="distinct agent shapes drawn (see Population)")
+    parser.add_argument("--shapes", type=int_in(1, 1_000_000), default=128, help="distinct agent shapes drawn (see Population)")
+    parser.add_argument("--probe-s", type=float_in(0, 1e7, low_open=True), default=900.0,
+                        help="with --ttft-p99-ms: simulated seconds of each search step; the answer is confirmed over --duration-s")
+    parser.add_argument("--jobs", type=int_in(1, 256), default=2, help="formats simulated at once, one process each")
     parser.add_argument("--seed", type=int, default=0, help="agent population seed")
     parser.add_argument("--json", default=None, help="write the points as JSON here")
     parser.add_argument("--validate", default=None, metavar="BENCH_JSON",
@@ -683,34 +755,26 @@ def run(args: Any) -> int:
         from dataclasses import replace
 
         costs = replace(costs, kv_bytes_per_worker=int(args.kv_gib * 2**30))
-    load = gpu_load(args.seed, think_s=args.think_s, output_tokens=args.output_tokens, max_context=args.max_context,
-                    shared_system_prompt=not args.per_agent_system_prompt)
-    pop = Population(args.agents, args.duration_s, warmup_s=args.warmup_s, ramp_s=args.ramp_s, shapes=args.shapes)
-    reuse = ReuseConfig(bidirectional=not args.no_reuse)
-    tty = sys.stderr.isatty()
-    points: list[dict[str, Any]] = []
-    shapes: dict[int, AgentSpec] = {}  # drawn once for every run
-    t0 = time.perf_counter()
     for dtype in dtypes:
-        label = dtype
+        if not costs.supports(dtype):
+            raise ValueError(f"cost profile {costs.name!r} has no decode cost for {dtype}")
+    Population(args.agents, args.duration_s, warmup_s=args.warmup_s, ramp_s=args.ramp_s, shapes=args.shapes)
+    job = {"costs": costs.to_dict(), "seed": args.seed, "think_s": args.think_s, "output_tokens": args.output_tokens,
+           "max_context": args.max_context, "shared": not args.per_agent_system_prompt, "agents": args.agents,
+           "duration_s": args.duration_s, "warmup_s": args.warmup_s, "ramp_s": args.ramp_s, "shapes": args.shapes,
+           "prefill_share": args.prefill_share, "reuse": not args.no_reuse, "gpus": args.gpus,
+           "ttft_p99_ms": args.ttft_p99_ms, "probe_s": args.probe_s}
+    tty = sys.stderr.isatty()
+    t0 = time.perf_counter()
+    jobs = max(1, min(args.jobs, len(dtypes)))
+    if jobs == 1:
+        points = [plan(d, job, show_progress=tty) for d in dtypes]
+    else:
+        from concurrent.futures import ProcessPoolExecutor
 
-        def progress(t: float, label: str = label) -> None:
-            if tty:
-                done = int(30 * t / args.duration_s)
-                sys.stderr.write(f"\r{label:>9} [{'#' * done}{'.' * (30 - done)}] {t:6.0f}/{args.duration_s:.0f} s")
-                sys.stderr.flush()
-
-        kw: dict[str, Any] = dict(costs=costs, load=load, pop=pop, prefill_share=args.prefill_share, reuse=reuse,
-                                  progress=progress, shapes=shapes)
-        if args.ttft_p99_ms is None:
-            point = simulate_point(dtype, args.gpus, **kw)
-        else:
-            need, point = fewest_gpus(dtype, args.gpus, args.ttft_p99_ms, **kw)
-            point["gpus"] = need
-            point["max_gpus"] = args.gpus
-        points.append(point)
-        if tty:
-            sys.stderr.write("\r" + " " * 70 + "\r")
+        with ProcessPoolExecutor(max_workers=jobs) as pool:  # one format per core
+            futures = [pool.submit(plan, d, job, show_progress=tty and i == 0) for i, d in enumerate(dtypes)]
+            points = [f.result() for f in futures]
     target = f", TTFT p99 <= {args.ttft_p99_ms:g} ms" if args.ttft_p99_ms is not None else ""
     print(f"{args.agents:,} agents, {args.duration_s:g} s simulated (metrics after {args.warmup_s:g} s), costs {costs.name}{target}")
     print(format_table(points))
