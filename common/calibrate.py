@@ -442,7 +442,7 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="", help="model directory (HF format); empty = the built-in tiny model")
+    parser.add_argument("--model", default="", help="model directory (HF format); empty (the default): the built-in tiny model")
     parser.add_argument("--data", type=Path, nargs="+", required=True,
                         help="calibration files: .jsonl chat requests, or plain text wrapped as agent conversations")
     parser.add_argument("--bit-budget", type=_budget, nargs="+", default=list(DEFAULT_BUDGETS), dest="bit_budgets",

@@ -1,0 +1,418 @@
+"""What each KV format costs in model quality, on a model trained here (no downloads).
+
+    .venv/bin/python bench/fidelity.py                      # CPU config, writes bench/fidelity_cpu.json
+    python bench/fidelity.py --device cuda --out X.json     # GPU config (~57M parameters, 2K and 8K context)
+
+1. Trains, with a seed, a small Qwen3-style decoder (GQA, head_dim 128, RoPE,
+   q/k-norm) with the worker's own model code on the Python standard library's
+   ``.py`` sources (every machine has them); every 10th file (sorted by name)
+   is held out. The tokenizer is the built-in tiny model's byte-level BPE.
+   Random weights lack what makes KV quantization hard (outlier channels,
+   attention sinks); a trained model has them.
+2. Calibrates it with ``kvserving.calibrate`` on training files.
+3. Scores held-out files, wrapped as agent conversations by the gateway's chat
+   template and tagged by its tagger (the same wrapping calibration uses), through
+   the engine's real KV path for each format: pages from the engine's pool,
+   quantize-on-write, the extend path (chunked prefill over the dequantized
+   cached prefix) for perplexity, then the decode path for greedy generation.
+   - perplexity over every token of each sequence (chunks of ``--chunk`` tokens;
+     the first chunk attends on fresh K/V, later ones on the cache);
+   - greedy agreement: prompt = the sequence minus its last N tokens, N tokens
+     generated greedily; the position of the first token that differs from the
+     unquantized KV's (N if none);
+   - per layer, the attention-output relative error ||o - o_exact|| / ||o_exact||,
+     o_exact the same layer's attention over unquantized K/V of the same tokens.
+   Formats: bf16 (unquantized; fp32 on CPU, where the model runs in fp32),
+   fp8 and nvfp4 at global scale 1 and calibrated, triaxial at 2.5/2.7/3.0/3.5
+   bits with (a) the engine's default table (default priorities and agent-context
+   class shares), (b) default priorities under the data's class shares (same
+   budget on this text as the calibrated one), (c) the calibrated table.
+   ``bits`` is what the sequences actually stored: a page is INT2 only if all
+   of its 32 tokens are 2-bit (DESIGN.md), so it is below the nominal budget.
+
+Writes JSON (``--out``) and prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from kvserving.bits import average_bits, bits_table_for_budget, default_sensitivity, greedy_bits_table
+from kvserving.calibrate import calibrate, load_data
+from kvserving.calibration import Calibration
+from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
+from kvserving.gateway.chat_template import ChatTemplate
+from kvserving.gateway.tagger import ChatTagger
+from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.model_dir import tiny_model_dir
+from kvserving.worker.attention import causal_attention
+from kvserving.worker.engine import LLMEngine
+from kvserving.worker.model import DecoderModel, ModelArgs
+from kvserving.worker.sampling import SamplingParams, make_generator
+from kvserving.worker.sequence import ScheduledChunk, Sequence
+
+BUDGETS = (2.5, 2.7, 3.0, 3.5)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One hardware config: model size, training and evaluation sizes."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    train_steps: int
+    train_len: int
+    batch: int
+    lr: float
+    contexts: tuple[int, ...]  # evaluation context lengths
+    eval_seqs: int  # sequences per context
+    generate: int  # greedy tokens per sequence
+    calib_tokens: int
+    calib_len: int  # tokens per calibration prompt
+    chunk: int
+
+
+CPU = Setup(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, train_steps=120, train_len=512, batch=2,
+            lr=3e-3, contexts=(2048,), eval_seqs=2, generate=64, calib_tokens=2048, calib_len=1024, chunk=256)
+GPU = Setup(layers=8, hidden=768, heads=6, kv_heads=2, intermediate=2048, train_steps=800, train_len=2048, batch=16,
+            lr=1.5e-3, contexts=(2048, 8192), eval_seqs=4, generate=256, calib_tokens=32768, calib_len=2048, chunk=512)
+# A minute-long end-to-end check of the harness itself (--smoke); its numbers mean nothing.
+SMOKE = Setup(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, train_steps=2, train_len=128, batch=2,
+              lr=3e-3, contexts=(256,), eval_seqs=1, generate=8, calib_tokens=256, calib_len=256, chunk=64)
+HEAD_DIM = 128
+
+
+# ---------------------------------------------------------------- data and training
+def stdlib_files(*, deep: bool = False) -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files): the standard library's .py sources (top level, or every
+    package but tests and site-packages when ``deep``); every 10th file by sorted path is held out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = root.rglob("*.py") if deep else root.glob("*.py")
+    skip = ("test", "tests", "site-packages", "idlelib", "lib2to3")
+    files = sorted(p for p in found if p.is_file() and p.stat().st_size > 2000
+                   and not any(part in skip for part in p.relative_to(root).parts[:-1]))
+    return [p for i, p in enumerate(files) if i % 10], [p for i, p in enumerate(files) if i % 10 == 0]
+
+
+def model_config(s: Setup, vocab: int, eos: int, max_pos: int) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab,
+        "hidden_size": s.hidden, "intermediate_size": s.intermediate, "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads, "head_dim": HEAD_DIM,
+        "hidden_act": "silu", "max_position_embeddings": max_pos, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+        "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": False, "eos_token_id": eos,
+        "torch_dtype": "float32",
+    }
+
+
+class BatchCausal:
+    """AttentionOp for training: the flat token batch is ``batch`` sequences of equal length."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b = self.batch
+        t = q.shape[0] // b
+        # [B, H, T, D]
+        qh, kh, vh = (x.view(b, t, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(q.shape)
+
+
+def train(s: Setup, cfg: dict[str, Any], ids: torch.Tensor, *, device: torch.device, seed: int) -> tuple[DecoderModel, list[float]]:
+    torch.manual_seed(seed)
+    args = ModelArgs.from_config(cfg)
+    model = DecoderModel(args).to(device)
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02 if "embed" not in name else 1.0)
+    model.inv_freq = model.inv_freq.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(seed)
+    attn = BatchCausal(s.batch)
+    positions = torch.arange(s.train_len, device=device).repeat(s.batch)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    losses = []
+    warm = max(1, s.train_steps // 20)
+    for step in range(s.train_steps):
+        lr = s.lr * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / s.train_steps)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        starts = torch.randint(0, len(ids) - s.train_len - 1, (s.batch,), generator=gen)
+        batch = torch.stack([ids[i : i + s.train_len + 1] for i in starts.tolist()]).to(device)
+        with amp:
+            hidden = model(batch[:, :-1].reshape(-1), positions, attn)
+            logits = model.compute_logits(hidden)
+        loss = F.cross_entropy(logits.float(), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if step % max(1, s.train_steps // 10) == 0 or step == s.train_steps - 1:
+            print(f"  train step {step}/{s.train_steps}: loss {float(loss):.3f}", file=sys.stderr, flush=True)
+    model.requires_grad_(False)
+    return model.eval(), losses
+
+
+def save_model(model: DecoderModel, cfg: dict[str, Any], out: Path, tokenizer_dir: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    state = {DecoderModel.hf_name(n): p.detach().float().cpu().contiguous() for n, p in model.named_parameters()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------- scoring through the engine
+class LayerError:
+    """Wraps the engine's PagedAttention: records, per layer, ||o - o_exact||^2 and ||o_exact||^2,
+    o_exact = attention over the unquantized K/V of the same sequence (kept here as it streams)."""
+
+    def __init__(self, paged: Any, num_layers: int) -> None:
+        self.paged = paged
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.err = [0.0] * num_layers
+        self.ref = [0.0] * num_layers
+
+    def reset(self) -> None:
+        self.k.clear()
+        self.v.clear()
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = self.paged(layer, q, k, v)
+        start = 0 if layer not in self.k else self.k[layer].shape[0]
+        self.k[layer] = k if layer not in self.k else torch.cat([self.k[layer], k])
+        self.v[layer] = v if layer not in self.v else torch.cat([self.v[layer], v])
+        ref = causal_attention(q, self.k[layer], self.v[layer], q_offset=start, sm_scale=self.paged.sm_scale)
+        self.err[layer] += float((out.float() - ref.float()).pow(2).sum())
+        self.ref[layer] += float(ref.float().pow(2).sum())
+        return out
+
+
+@torch.inference_mode()
+def score(engine: LLMEngine, ids: list[int], tags: list[int], chunk: int, rec: LayerError) -> tuple[float, int, float]:
+    """(summed NLL, predicted tokens, stored bits per value) of ``ids`` through the engine's pool."""
+    seq = Sequence("score", list(ids), SamplingParams(max_tokens=1), make_generator(0), tags=list(tags))
+    if not engine.kv.allocate_until(seq, len(ids)):
+        raise RuntimeError("the KV pool is too small for one scored sequence")
+    rec.reset()
+    nll, count = 0.0, 0
+    dev = engine.device
+    try:
+        for s in range(0, len(ids), chunk):
+            n = min(chunk, len(ids) - s)
+            engine.attention.meta = engine.runner._metadata([ScheduledChunk(seq, s, n)])
+            try:
+                hidden = engine.model(torch.tensor(ids[s : s + n], device=dev), torch.arange(s, s + n, device=dev), rec)
+            finally:
+                engine.attention.meta = None
+            seq.num_computed = s + n
+            logits = engine.model.compute_logits(hidden).float()
+            targets = torch.tensor(ids[s + 1 : s + n + 1], device=dev)
+            logits = logits[: len(targets)]
+            nll += float(F.cross_entropy(logits, targets, reduction="sum"))
+            count += len(targets)
+        bits = stored_bits(engine, seq.page_ids, len(ids))
+    finally:
+        engine.kv.free(seq)
+    return nll, count, bits
+
+
+def stored_bits(engine: LLMEngine, page_ids: list[int], num_tokens: int) -> float:
+    """Nominal bits per value the sequence is stored at (16/8/4 for one-precision formats)."""
+    nominal = {"bf16": 16.0, "fp8_e4m3": 8.0, "nvfp4": 4.0}.get(engine.storage.kv_dtype)
+    if nominal is not None:
+        return nominal
+    from kvserving.kernels.page_ids import page_id_bits
+
+    p = engine.storage.page_size
+    total = sum(page_id_bits(pid) * min(p, num_tokens - i * p) for i, pid in enumerate(page_ids))
+    return total / num_tokens
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# ---------------------------------------------------------------- the run
+def build_engine(model_dir: Path, dtype: str, *, device: torch.device, ctx: int, chunk: int,
+                 table: tuple[int, ...] | None = None, scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None) -> LLMEngine:
+    kv = KVCacheConfig(dtype=dtype, memory_bytes=(256 if device.type == "cpu" else 4096) * 2**20)
+    cfg = ServingConfig(
+        model=ModelConfig(path=str(model_dir), max_model_len=ctx + 64),
+        kv_cache=kv,
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max(chunk, 8), chunk_size=chunk),
+    )
+    engine = LLMEngine(cfg, device=device, bits_table=table)
+    if scales is not None:  # before any page is written: pages keep the scale they were written with
+        engine.storage.k_scales, engine.storage.v_scales = list(scales[0]), list(scales[1])
+    return engine
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--out", type=Path, default=None, help="JSON output (default bench/fidelity_{device}.json)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train-steps", type=int, default=None, help="override the config's training steps")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the harness runs (numbers mean nothing)")
+    opts = ap.parse_args(argv)
+    device = torch.device(opts.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("fidelity: error: --device cuda but torch sees no GPU", file=sys.stderr)
+        return 1
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    s = SMOKE if opts.smoke else GPU if device.type == "cuda" else CPU
+    if opts.train_steps is not None:
+        s = Setup(**{**s.__dict__, "train_steps": opts.train_steps})
+    out_path = opts.out or Path(__file__).with_name(f"fidelity_{device.type}.json")
+    t0 = time.time()
+
+    tok_dir = tiny_model_dir()
+    tokenizer = TextTokenizer.from_dir(tok_dir)
+    train_files, held_files = stdlib_files(deep=device.type == "cuda")
+    train_text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in train_files)
+    if device.type == "cpu":
+        train_text = train_text[:3_000_000]
+    ids = torch.tensor(tokenizer.encode_ids(train_text), dtype=torch.long)
+    eos = tokenizer.token_to_id("<|im_end|>") or 0
+    cfg = model_config(s, tokenizer.vocab_size, eos, max(max(s.contexts) + 256, 4096))
+    print(f"fidelity: {len(train_files)} training files ({len(ids)} tokens), {len(held_files)} held out; "
+          f"model {s.layers} layers x {s.hidden}, {s.heads}/{s.kv_heads} heads x {HEAD_DIM}", file=sys.stderr, flush=True)
+    model, losses = train(s, cfg, ids, device=device, seed=opts.seed)
+    params = sum(p.numel() for p in model.parameters())
+    t_train = time.time() - t0
+
+    work = Path(tempfile.mkdtemp(prefix="kvs-fidelity-"))
+    try:
+        model_dir = work / "model"
+        save_model(model, cfg, model_dir, tok_dir)
+        del model
+        # Calibration on training files (never the held-out ones), at the first evaluation context.
+        t1 = time.time()
+        cal = calibrate(model_dir, train_files[:: max(1, len(train_files) // 16)], BUDGETS, seq_len=s.calib_len,
+                        max_tokens=s.calib_tokens, search=True, frequency_source="data", device=opts.device)
+        (work / "calibration.json").write_text(cal.to_json())
+        t_cal = time.time() - t1
+        tagger = ChatTagger(tokenizer, ChatTemplate.from_dir(model_dir))
+        results: dict[str, Any] = {
+            "device": opts.device, "seed": opts.seed, "params": params,
+            "config": {k: v for k, v in s.__dict__.items()}, "head_dim": HEAD_DIM,
+            "train": {"files": len(train_files), "tokens": len(ids), "loss_first": losses[0], "loss_last": sum(losses[-10:]) / min(10, len(losses)),
+                      "seconds": round(t_train, 1)},
+            "calibration": {"tokens": cal.tokens, "seconds": round(t_cal, 1),
+                            "scales": {d: {"k": sc.k, "v": sc.v, "method": sc.method} for d, sc in cal.scales.items()}},
+            "held_out_files": [p.name for p in held_files],
+            "contexts": {},
+        }
+        for ctx in s.contexts:
+            seqs = load_data(held_files, tagger, seq_len=ctx, max_tokens=ctx * s.eval_seqs * 4)
+            seqs = [q for q in seqs if len(q.ids) >= ctx // 2][: s.eval_seqs]
+            if not seqs:
+                raise RuntimeError(f"no held-out sequence of >= {ctx // 2} tokens")
+            results["contexts"][str(ctx)] = run_context(model_dir, cal, seqs, s, ctx, device)
+        results["seconds"] = round(time.time() - t0, 1)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out_path.write_text(json.dumps(results, indent=1) + "\n")
+    print_table(results)
+    print(f"wrote {out_path}")
+    return 0
+
+
+def variants(cal: Calibration) -> list[tuple[str, str, dict[str, Any]]]:
+    """(row name, kv dtype, build_engine kwargs) for every format of the table."""
+    rows: list[tuple[str, str, dict[str, Any]]] = [("bf16", "bf16", {})]
+    for d, short in (("fp8_e4m3", "fp8"), ("nvfp4", "nvfp4")):
+        sc = cal.scales[d]
+        rows += [(f"{short} scale 1", d, {}), (f"{short} calibrated ({sc.method})", d, {"scales": (sc.k, sc.v)})]
+    freq = cal.budget_frequency()
+    prior = default_sensitivity()
+    for b in BUDGETS:
+        rows += [
+            (f"triaxial {b:g} default", "triaxial", {"table": bits_table_for_budget(b)}),
+            (f"triaxial {b:g} default@data", "triaxial",
+             {"table": greedy_bits_table(b, gain=[p * n for p, n in zip(prior, freq)], frequency=freq)}),
+            (f"triaxial {b:g} calibrated", "triaxial", {"table": cal.table_for_budget(b)[0]}),
+        ]
+    return rows
+
+
+def run_context(model_dir: Path, cal: Calibration, seqs: list[Any], s: Setup, ctx: int, device: torch.device) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    reference_out: list[list[int]] | None = None
+    for name, dtype, kw in variants(cal):
+        t = time.time()
+        engine = build_engine(model_dir, dtype, device=device, ctx=ctx, chunk=s.chunk, **kw)
+        rec = LayerError(engine.attention, engine.args.num_layers)
+        nll = count = 0.0
+        bits = []
+        for q in seqs:
+            a, n, b = score(engine, q.ids, q.tags, s.chunk, rec)
+            nll, count = nll + a, count + n
+            bits.append(b)
+        gen_n = s.generate
+        prompts = [q.ids[:-gen_n] for q in seqs]
+        tags = [q.tags[:-gen_n] for q in seqs]
+        outs = engine.generate(prompts, SamplingParams(max_tokens=gen_n, temperature=0.0, ignore_eos=True), tags=tags)
+        if reference_out is None:
+            reference_out = outs
+        div = [first_divergence(o, r) for o, r in zip(outs, reference_out)]
+        table = kw.get("table")
+        rows[name] = {
+            "dtype": dtype,
+            "ppl": math.exp(nll / count),
+            "nll_per_token": nll / count,
+            "tokens": int(count),
+            "stored_bits": sum(bits) / len(bits),
+            "nominal_bits_data": average_bits(table, cal.budget_frequency()) if table is not None else None,
+            "first_divergence": div,
+            "mean_first_divergence": sum(div) / len(div),
+            "generated": gen_n,
+            "attn_rel_err": [math.sqrt(e / r) if r > 0 else 0.0 for e, r in zip(rec.err, rec.ref)],
+            "seconds": round(time.time() - t, 1),
+        }
+        print(f"  ctx {ctx} {name}: ppl {rows[name]['ppl']:.4f}, first divergence {div}, "
+              f"{rows[name]['seconds']} s", file=sys.stderr, flush=True)
+        del engine
+    base = rows["bf16"]["ppl"]
+    for r in rows.values():
+        r["ppl_vs_bf16_pct"] = 100.0 * (r["ppl"] / base - 1.0)
+    return {"sequences": len(seqs), "tokens_per_sequence": [len(q.ids) for q in seqs], "rows": rows}
+
+
+def print_table(results: dict[str, Any]) -> None:
+    for ctx, block in results["contexts"].items():
+        print(f"\ncontext {ctx} ({block['sequences']} held-out sequences, {results['params'] / 1e6:.1f}M-parameter model, "
+              f"{results['device']})")
+        print(f"{'format':<30} {'bits':>6} {'ppl':>9} {'vs bf16':>8} {'agree':>7}  attn rel err per layer")
+        for name, r in block["rows"].items():
+            errs = " ".join(f"{e:.4f}" for e in r["attn_rel_err"])
+            print(f"{name:<30} {r['stored_bits']:>6.2f} {r['ppl']:>9.4f} {r['ppl_vs_bf16_pct']:>+7.2f}% "
+                  f"{r['mean_first_divergence']:>4.0f}/{r['generated']:<3d} {errs}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
