@@ -4,8 +4,9 @@ each number was measured.
 
 Every cost is a small formula over what the simulator knows of an operation::
 
-    prefill step   prefill_step_s + prefill_token_s * T + prefill_attn_s * sum(n_i * ctx_i)
-                   (T tokens in the step; chunk i has n_i tokens over a mean context ctx_i)
+    prefill step   prefill_step_s + prefill_token_s * T + attn_s(dtype) * sum(n_i * ctx_i)
+                   (T tokens in the step; chunk i has n_i tokens over a mean context ctx_i;
+                   attn_s is prefill_attn_dtype_s[dtype], else prefill_attn_s)
     decode step    decode_step_s + decode_seq_s * B + decode_ctx_s[dtype] * sum(ctx)   (B sequences)
     KV pull        transfer_overhead_s + regions * transfer_region_s + bytes / transfer_bytes_per_s
                    (regions = layers * transfer_runs: NIXL merges adjacent pages, DESIGN.md Worker)
@@ -59,6 +60,7 @@ class CostModel:
     decode_step_s: float
     decode_ctx_s: dict[str, float]
     prefill_step_s: float = 0.0
+    prefill_attn_dtype_s: dict[str, float] = field(default_factory=dict)  # per format; else prefill_attn_s
     decode_seq_s: float = 0.0
     fp32_unquantized: bool = False
     transfer_region_s: float = 7.2e-6
@@ -96,11 +98,14 @@ class CostModel:
             raise ValueError(f"costs.reply_lost_tokens must be an integer >= 0, got {self.reply_lost_tokens!r}")
         if not isinstance(self.decode_ctx_s, dict) or not self.decode_ctx_s:
             raise ValueError("costs.decode_ctx_s must map KV dtypes to seconds per context token")
-        for dtype, value in self.decode_ctx_s.items():
-            if dtype not in KV_DTYPES:
-                raise ValueError(f"costs.decode_ctx_s has unknown dtype {dtype!r}")
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"costs.decode_ctx_s[{dtype!r}] must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.prefill_attn_dtype_s, dict):
+            raise ValueError("costs.prefill_attn_dtype_s must map KV dtypes to seconds per token x context token")
+        for name, table in (("decode_ctx_s", self.decode_ctx_s), ("prefill_attn_dtype_s", self.prefill_attn_dtype_s)):
+            for dtype, value in table.items():
+                if dtype not in KV_DTYPES:
+                    raise ValueError(f"costs.{name} has unknown dtype {dtype!r}")
+                if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                    raise ValueError(f"costs.{name}[{dtype!r}] must be a finite number >= 0, got {value!r}")
         frac_int2_for_budget(self.triaxial_bit_budget)  # ValueError outside [2, 4]
 
     # ------------------------------------------------------------------ JSON
@@ -154,8 +159,12 @@ class CostModel:
         budget = self.kv_bytes_per_worker if kv_bytes is None else kv_bytes
         return int(budget // self.page_bytes(dtype, p))
 
-    def prefill_step(self, tokens: int, attn_work: float) -> float:
-        return self.prefill_step_s + self.prefill_token_s * tokens + self.prefill_attn_s * attn_work
+    def attn_s(self, dtype: str) -> float:
+        """Prefill attention seconds per (new token x context token) in ``dtype``."""
+        return self.prefill_attn_dtype_s.get(dtype, self.prefill_attn_s)
+
+    def prefill_step(self, dtype: str, tokens: int, attn_work: float) -> float:
+        return self.prefill_step_s + self.prefill_token_s * tokens + self.attn_s(dtype) * attn_work
 
     def decode_step(self, dtype: str, batch: int, context_tokens: float) -> float:
         return self.decode_step_s + self.decode_seq_s * batch + self.decode_ctx_s[dtype] * context_tokens
@@ -183,9 +192,12 @@ def _h200_8b() -> CostModel:
         layers=36, kv_heads=8, head_dim=128,
         kv_bytes_per_worker=100 * 2**30,
         # new-only TTFT at 2K..24K (1040 new tokens): 111 ms + 0.0326 ms per context token; recompute
-        # of 2K: 195 ms, of 24K: 10.3 s (off_p_ms) -> 0.066 ms/token + 3.13e-8 s per token x context.
+        # of 2K: 195 ms, of 24K: 10.3 s (off_p_ms) -> 0.066 ms/token + 3.13e-8 s per token x context
+        # with the extend path of that run (dequantize + masked SDPA). The paged extend kernel since
+        # (bench/extend_gpu_h200.json, "ours", 2048 new over 32768, x 36 layers) costs per format:
         prefill_token_s=6.6e-5,
         prefill_attn_s=3.13e-8,
+        prefill_attn_dtype_s={"bf16": 2.06e-9, "fp8_e4m3": 2.51e-9, "nvfp4": 4.28e-9, "triaxial": 4.06e-9},
         # 16.4 GB of bf16 weights read once per step at the measured 4.2 TB/s streaming read
         # (DESIGN.md, Measuring on a GPU); per sequence: sampling and bookkeeping (not measured).
         decode_step_s=16.4e9 / 4.2e12,
@@ -200,7 +212,7 @@ def _h200_8b() -> CostModel:
         # 53-90 ms above new-only, the decode request 114 ms (README, bench/NOTES-pd-gpu.md)
         prefill_request_s=0.06,
         decode_request_s=0.114,
-        source="bench/decode_gpu_h200.json, bench/pd_gpu_h200x2_httpfix.json, bench/NOTES-gateway.md",
+        source="bench/decode_gpu_h200.json, bench/extend_gpu_h200.json, bench/pd_gpu_h200x2_httpfix.json, bench/NOTES-gateway.md",
         notes={
             "decode_step_s": "roofline: weights bytes / measured 4.2 TB/s read bandwidth (no 8B step timing committed)",
             "kv_bytes_per_worker": "141 GB H200 minus 16.4 GB weights and workspace: 100 GiB of KV",

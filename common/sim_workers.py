@@ -341,7 +341,7 @@ class PrefillWorker(Worker):
         if not steps:
             return
         self.busy = True
-        dt = self.costs.prefill_step(tokens, work)
+        dt = self.costs.prefill_step(self.dtype, tokens, work)
         self.sim.at(now + dt, lambda t: self._step_done(steps, t))
 
     def _step_done(self, steps: list[tuple[list[object], int]], now: float) -> None:
@@ -428,7 +428,7 @@ class DecodeWorker(Worker):
                 break
             self.waiting.popleft()
             c = req.prompt + 1 - req.hit_pages * p  # prompt + the prefill's first token, less what it holds
-            stall = self.costs.prefill_token_s * c + self.costs.prefill_attn_s * c * (req.prompt - c / 2)
+            stall = self.costs.prefill_token_s * c + self.costs.attn_s(self.dtype) * c * (req.prompt - c / 2)
             admitted.append((req, stall))
         if not admitted:
             return
