@@ -2,7 +2,8 @@
 of concurrent agents, at one fixed KV memory, per KV format (issue 18).
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/agents.py [--formats bf16,fp8,nvfp4,triaxial]
-        [--concurrency 1,2,3,4,6,8,11,16] [--kv-kib 1536] [--modes lease,ttl,off] [--json OUT] [--png OUT]
+        [--concurrency 1,2,4,6,8,11,16] [--kv-kib 3072] [--modes lease,ttl,off] [--mode-format fp8]
+        [--mode-concurrency 4,8,11] [--json OUT] [--png OUT]
 
 Per format (and reuse mode) one local stack (``kvserving.stack.LocalStack``:
 gateway + prefill + decode worker processes on loopback, the built-in tiny
@@ -38,19 +39,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import re
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvserving.agent_load import AgentSpec, Conversation, Dist, LoadSpec, agent
+from kvserving.agent_load import AgentSpec, Conversation, Dist, LoadSpec, agent, fixed
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, SchedulerConfig, ServingConfig
-from kvserving.stack import LocalStack, StackSpec, free_ports
+from kvserving.stack import LocalStack, StackError, StackSpec, free_ports
 
 # bench name -> (kv_cache.dtype, bit budget)
 FORMATS: dict[str, tuple[str, float | None]] = {
@@ -60,22 +63,25 @@ MODES = ("lease", "ttl", "off")
 HERE = Path(__file__).resolve().parent
 
 
-def cpu_load(seed: int, *, think_s: float) -> LoadSpec:
-    """Agents scaled to the tiny model on 2 CPU cores: short histories (~250-700 tokens at
-    their last turn), 8-token replies, think time ~``think_s``."""
+def cpu_load(seed: int, *, think_s: float, turns: int | None = None) -> LoadSpec:
+    """Agents scaled to the tiny model on 2 CPU cores: a ~290-token prefix (system prompt,
+    two tools), ~6 turns adding ~90 tokens each (histories end at <= 700 tokens), 8-token
+    replies, think time ~``think_s``; ``turns`` fixes every agent's turn count (quick runs)."""
     return LoadSpec(
         seed=seed,
-        system_tokens=Dist("uniform", 100, 30, 1),
-        num_tools=Dist("uniform", 3, 1, 1, 12),
-        tool_description_tokens=Dist("uniform", 10, 4, 1),
-        turns=Dist("uniform", 6, 2, 1),
-        user_tokens=Dist("lognormal", 30, 0.5, 4, 120),
+        system_tokens=Dist("uniform", 50, 20, 1),
+        num_tools=Dist("uniform", 2, 1, 1, 12),
+        tool_description_tokens=Dist("uniform", 8, 4, 1),
+        turns=Dist("uniform", 6, 2, 1) if turns is None else fixed(turns),
+        user_tokens=Dist("lognormal", 25, 0.5, 4, 100),
         output_tokens=Dist("fixed", 8, 0, 8, 8),
         tool_call_prob=0.6,
-        tool_args_tokens=Dist("uniform", 6, 3, 1),
-        tool_result_tokens=Dist("lognormal", 60, 0.6, 4, 240),
+        tool_args_tokens=Dist("uniform", 5, 3, 1),
+        tool_result_tokens=Dist("lognormal", 50, 0.6, 4, 200),
         think_time_s=Dist("exponential", think_s, 0.0, 0.0, 4 * think_s),
-        max_context_tokens=900,
+        # every request fits the smallest pool of the default sweep: bf16 at 3 MiB holds 768
+        # tokens on CPU (the CPU engine stores "bf16" KV as float32, 4096 B per token)
+        max_context_tokens=700,
     )
 
 
@@ -121,7 +127,18 @@ class Record:
     fallback: str | None
 
 
-async def run_agent(client: Any, model: str, spec: AgentSpec, *, delay_s: float, out: list[Record]) -> None:
+async def run_agent(client: Any, model: str, spec: AgentSpec, *, delay_s: float, out: list[Record],
+                    errors: list[str]) -> None:
+    """One agent's turns in order; an error answer ends the agent (recorded in ``errors``)."""
+    from openai import APIError
+
+    try:
+        await _turns(client, model, spec, delay_s=delay_s, out=out)
+    except APIError as exc:
+        errors.append(f"{spec.session_id}: {exc}")
+
+
+async def _turns(client: Any, model: str, spec: AgentSpec, *, delay_s: float, out: list[Record]) -> None:
     conv = Conversation(spec)
     await asyncio.sleep(delay_s)
     for turn in spec.turns:
@@ -158,22 +175,25 @@ async def run_agent(client: Any, model: str, spec: AgentSpec, *, delay_s: float,
         conv.reply(turn, "".join(parts))
 
 
-async def run_point(base_url: str, model: str, load: LoadSpec, agents: range, *, timeout_s: float) -> tuple[list[Record], float]:
-    """Run every agent in ``agents`` at once (starts spread over one mean think time); records and wall time."""
+async def run_point(base_url: str, model: str, load: LoadSpec, agents: range, *,
+                    timeout_s: float) -> tuple[list[Record], list[str], float]:
+    """Run every agent in ``agents`` at once (starts spread over one mean think time); records,
+    errors and wall time."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key="unused-locally", timeout=timeout_s, max_retries=0)
     records: list[Record] = []
+    errors: list[str] = []
     spread = load.think_time_s.mean
     start = time.perf_counter()
     try:
         await asyncio.gather(*(
-            run_agent(client, model, agent(load, i), delay_s=spread * k / max(len(agents), 1), out=records)
+            run_agent(client, model, agent(load, i), delay_s=spread * k / max(len(agents), 1), out=records, errors=errors)
             for k, i in enumerate(agents)
         ))
     finally:
         await client.close()
-    return records, time.perf_counter() - start
+    return records, errors, time.perf_counter() - start
 
 
 # ------------------------------------------------------------------------------------ workers
@@ -187,10 +207,19 @@ def worker_counters(url: str) -> dict[str, float]:
     """Counters of one worker: evicted prefix-cache pages (from /metrics), preemptions, capacity."""
     stats = json.loads(_get(url + "/internal/kv/stats"))
     text = _get(url + "/metrics").decode()
-    m = re.search(r"^kvserving_worker_kv_evicted_pages_total ([0-9.e+]+)$", text, re.M)
+    def counter(name: str) -> float:
+        m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
+        return float(m.group(1)) if m else math.nan
+
     return {
-        "evicted_pages": float(m.group(1)) if m else math.nan,
+        "evicted_pages": counter("kvserving_worker_kv_evicted_pages_total"),
+        "reclaimed_leases": counter("kvserving_worker_kv_leases_reclaimed_total"),
         "preemptions": float(stats.get("preemptions", 0)),
+        # live (owned + cached) pages stored at 2 bits: triaxial's density depends on it
+        "int2_pages": float(sum(v for k, v in (stats.get("precisions", {}).get("int2") or {}).items()
+                                if k in ("owned_pages", "cached_pages"))),
+        "int4_pages": float(sum(v for name, p in stats.get("precisions", {}).items() if name != "int2"
+                                for k, v in p.items() if k in ("owned_pages", "cached_pages"))),
         "capacity_tokens": float(stats.get("capacity_tokens", 0)),
         "page_size": float(stats.get("page_size", 0)),
     }
@@ -255,14 +284,33 @@ def crossing(points: list[dict[str, Any]], key: str = "hit_rate", level: float =
 
 
 # ---------------------------------------------------------------------------------------- run
+@contextlib.contextmanager
+def _started_stack(fmt: str, mode: str, args: argparse.Namespace) -> Iterator[tuple[StackSpec, LocalStack]]:
+    """A ready stack; a start that fails (a port taken between picking and binding it) is
+    retried twice on fresh ports."""
+    for attempt in range(3):
+        run_dir = args.run_dir / f"{fmt}-{mode}-{attempt}" if args.run_dir else None
+        spec = stack_spec(fmt, mode, kv_bytes=args.kv_kib * 1024, ttl_s=args.ttl_s, run_dir=run_dir)
+        stack = LocalStack(spec)
+        try:
+            stack.start()
+            stack.wait_ready(timeout_s=180)
+        except StackError as exc:
+            stack.close()
+            if attempt == 2:
+                raise
+            print(f"  {fmt} {mode}: stack did not start ({str(exc).splitlines()[0]}); retrying", file=sys.stderr)
+            continue
+        with stack:
+            yield spec, stack
+        return
+
+
 def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec, args: argparse.Namespace,
               first_agent: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    spec = stack_spec(fmt, mode, kv_bytes=args.kv_kib * 1024, ttl_s=args.ttl_s, run_dir=args.run_dir and args.run_dir / f"{fmt}-{mode}")
     points: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    with LocalStack(spec) as stack:
-        stack.start()
-        stack.wait_ready(timeout_s=180)
+    with _started_stack(fmt, mode, args) as (spec, stack):
         workers = stack.worker_urls
         info = {role: worker_counters(url) for role, url in workers.items()}
         meta = {"format": fmt, "mode": mode, "start_s": time.perf_counter() - t0,
@@ -273,35 +321,37 @@ def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec, arg
             for url in workers.values():
                 release_leases(url)
             before = {role: worker_counters(url) for role, url in workers.items()}
-            records, wall = asyncio.run(run_point(stack.openai_base_url, model, load, range(first_agent, first_agent + n),
+            records, errors, wall = asyncio.run(run_point(stack.openai_base_url, model, load, range(first_agent, first_agent + n),
                                                   timeout_s=args.request_timeout))
             first_agent += n
             dead = stack.check()
             if dead is not None:
                 raise RuntimeError(stack.describe_death(dead))
             after = {role: worker_counters(url) for role, url in workers.items()}
-            point = {"format": fmt, "mode": mode, "concurrency": n, **summarize(records, wall)}
+            point = {"format": fmt, "mode": mode, "concurrency": n, **summarize(records, wall), "errors": errors}
             for role in workers:
-                for key in ("evicted_pages", "preemptions"):
+                for key in ("evicted_pages", "preemptions", "reclaimed_leases"):
                     point[f"{role}_{key}"] = int(after[role][key] - before[role][key])
+            live = after["decode"]["int2_pages"] + after["decode"]["int4_pages"]
+            point["decode_int2_page_share"] = after["decode"]["int2_pages"] / live if live else 0.0
             point["records"] = [asdict(r) for r in records] if args.records else []
             points.append(point)
             print(f"  {fmt:>8} {mode:>5} N={n:>3}: hit {point['hit_rate']:.2f} (later {point['hit_rate_later_turns']:.2f}) "
                   f"{point['req_per_s']:.2f} req/s  TTFT p50 {point['ttft_p50_ms']:.0f} ms  "
-                  f"evicted P/D {point['prefill_evicted_pages']}/{point['decode_evicted_pages']}  {wall:.1f} s",
+                  f"evicted P/D {point['prefill_evicted_pages']}/{point['decode_evicted_pages']}  errors {len(errors)}  {wall:.1f} s",
                   file=sys.stderr, flush=True)
     return points, meta
 
 
 def format_table(points: list[dict[str, Any]]) -> str:
     head = (f"{'format':>8} {'mode':>5} {'N':>3} {'req':>4} {'hit':>5} {'hit2+':>5} {'local':>5} {'pulled':>6} "
-            f"{'evict P':>7} {'evict D':>7} {'preempt':>7} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>8} {'p99 ms':>7}")
+            f"{'evict P':>7} {'evict D':>7} {'reclaim':>7} {'preempt':>7} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>8} {'p99 ms':>7}")
     lines = [head]
     for p in points:
         lines.append(
             f"{p['format']:>8} {p['mode']:>5} {p['concurrency']:>3} {p['requests']:>4} {p['hit_rate']:>5.2f} "
             f"{p['hit_rate_later_turns']:>5.2f} {p['local_share']:>5.2f} {p['pulled_share']:>6.2f} "
-            f"{p['prefill_evicted_pages']:>7} {p['decode_evicted_pages']:>7} "
+            f"{p['prefill_evicted_pages']:>7} {p['decode_evicted_pages']:>7} {p['decode_reclaimed_leases']:>7} "
             f"{p['prefill_preemptions'] + p['decode_preemptions']:>7} {p['req_per_s']:>6.2f} {p['output_tok_per_s']:>9.1f} "
             f"{p['ttft_p50_ms']:>8.0f} {p['ttft_p99_ms']:>7.0f}")
     return "\n".join(lines)
@@ -321,6 +371,13 @@ def plot(points: list[dict[str, Any]], path: Path, *, title: str) -> None:
         xs = [p["concurrency"] for p in pts]
         left.plot(xs, [p["hit_rate"] for p in pts], marker="o", label=fmt)
         right.plot(xs, [p["output_tok_per_s"] for p in pts], marker="o", label=fmt)
+    for mode, style in (("ttl", "--"), ("off", ":")):
+        pts = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["concurrency"])
+        if pts:
+            xs = [p["concurrency"] for p in pts]
+            label = f"{pts[0]['format']} {mode}"
+            left.plot(xs, [p["hit_rate"] for p in pts], ls=style, color="black", marker=".", label=label)
+            right.plot(xs, [p["output_tok_per_s"] for p in pts], ls=style, color="black", marker=".", label=label)
     left.axhline(0.5, color="grey", lw=0.8, ls="--")
     for ax, ylabel in ((left, "prefix hit rate (cached / prompt tokens)"), (right, "output tokens / s")):
         ax.set_xlabel("concurrent agents")
@@ -357,16 +414,17 @@ def _csv_names(choices: tuple[str, ...]) -> Any:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", type=_csv_names(tuple(FORMATS)), default=list(FORMATS))
-    ap.add_argument("--concurrency", type=_csv_ints, default=[1, 2, 3, 4, 6, 8, 11, 16])
+    ap.add_argument("--concurrency", type=_csv_ints, default=[1, 2, 4, 6, 8, 11, 16])
     ap.add_argument("--modes", type=_csv_names(MODES), default=list(MODES),
                     help="reuse modes; modes other than 'lease' run on --mode-format only")
     ap.add_argument("--mode-format", choices=tuple(FORMATS), default="fp8")
-    ap.add_argument("--mode-concurrency", type=_csv_ints, default=None, help="points for the other modes (default: all)")
-    ap.add_argument("--kv-kib", type=int, default=1536, help="KV pool per worker, KiB (same for every format)")
+    ap.add_argument("--mode-concurrency", type=_csv_ints, default=[4, 8, 11], help="points for the other modes")
+    ap.add_argument("--kv-kib", type=int, default=3072, help="KV pool per worker, KiB (same for every format)")
     ap.add_argument("--ttl-s", type=float, default=3.0, help="retention of the 'ttl' mode, seconds")
     ap.add_argument("--think-s", type=float, default=0.5, help="mean think time between turns, seconds")
+    ap.add_argument("--turns", type=int, default=None, help="every agent runs this many turns (default: 6 +- 2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--request-timeout", type=float, default=120.0)
+    ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--records", action="store_true", help="keep every request's record in the JSON")
     ap.add_argument("--run-dir", type=Path, default=None, help="keep each stack's logs and config here")
     ap.add_argument("--json", type=Path, default=HERE / "agents_cpu.json")
@@ -374,9 +432,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.kv_kib < 64:
         ap.error(f"--kv-kib must be >= 64, got {args.kv_kib}")
-    load = cpu_load(args.seed, think_s=args.think_s)
+    if args.turns is not None and args.turns < 1:
+        ap.error(f"--turns must be >= 1, got {args.turns}")
+    if args.think_s <= 0:
+        ap.error(f"--think-s must be > 0, got {args.think_s}")
+    load = cpu_load(args.seed, think_s=args.think_s, turns=args.turns)
     runs: list[tuple[str, str, list[int]]] = [(f, "lease", args.concurrency) for f in args.formats if "lease" in args.modes]
-    runs += [(args.mode_format, m, args.mode_concurrency or args.concurrency) for m in args.modes if m != "lease"]
+    runs += [(args.mode_format, m, args.mode_concurrency) for m in args.modes if m != "lease"]
     t0 = time.perf_counter()
     points: list[dict[str, Any]] = []
     stacks: list[dict[str, Any]] = []
