@@ -206,3 +206,17 @@ def test_a_small_population_runs_and_reuses_kv() -> None:
     assert point["requests"] > 20 and 0.5 < point["hit_rate"] < 1.0
     assert point["local_share"] + point["pulled_share"] == pytest.approx(point["hit_rate"])
     assert point["ttft_p50_ms"] <= point["ttft_p99_ms"]
+
+
+def test_cli_prints_one_row_per_format_and_refuses_bad_input_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvserving.cli import main
+
+    argv = ["simulate", "--agents", "6", "--gpus", "2", "--dtype", "nvfp4,fp8", "--duration-s", "90", "--warmup-s", "10",
+            "--shapes", "3", "--jobs", "1", "--think-s", "5", "--output-tokens", "20", "--max-context", "6000"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("6 agents, 90 s simulated")
+    assert [line.split()[0] for line in out[3:5]] == ["nvfp4", "fp8_e4m3"]
+    assert main(["simulate", "--dtype", "fp6"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown KV dtype 'fp6'" in err
