@@ -55,8 +55,13 @@ class KVCacheConfig:
     # A `kvserving calibrate` file (kvserving.calibration): the triaxial bits table for
     # bit_budget and the fp8/nvfp4 global scales; None = the default table, scales 1 or measured at start.
     calibration: str | None = None
+    # Triaxial: re-store a cached 4-bit page at 2 bits when a later request's tags want 2
+    # (kv_manager age-down; docs/kv-cache.md). Ignored by the one-precision formats.
+    age_down: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.age_down, bool):
+            raise ValueError(f"kv_cache.age_down must be true or false, got {self.age_down!r}")
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache.dtype must be one of {KV_DTYPES}, got {self.dtype!r}")
         if self.page_size is not None:

@@ -123,6 +123,7 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
             global_scale=kv.get("globalScale", "static"),
             allow_emulation=bool(kv.get("allowEmulation", False)),
             calibration=f"{CALIBRATION_DIR}/{key}" if calibration is not None else None,
+            age_down=bool(kv.get("ageDown", True)),
         ),
         reuse=ReuseConfig(
             bidirectional=bool(reuse.get("bidirectional", True)),

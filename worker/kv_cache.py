@@ -208,5 +208,12 @@ def build_kv_cache(
         page_size=page_size,
     )
     return KVCache(
-        storage, pool, KVCacheManager(pool, page_size=page_size, bits_table=table), bit_budget=budget, table_source=source
+        storage,
+        pool,
+        KVCacheManager(
+            pool, page_size=page_size, bits_table=table,
+            requantize=storage.requantize_to_int2 if kv_config.age_down else None,
+        ),
+        bit_budget=budget,
+        table_source=source,
     )

@@ -3,23 +3,44 @@ allocation for the next tokens, publishing full pages, freeing.
 
 The pool (``page_pool``) knows page ids, ref counts, hashes and leases; the
 storage (``kv_storage``) knows bytes. This layer knows sequences.
+
+Age-down (triaxial): a page is stored at the precision its tokens' tags asked
+for when it was computed, and in an agent conversation every token is computed
+in the *current* turn (4 bits). When a later request's tags say a matched full
+4-bit page should now be 2 bits, ``match_prefix`` re-stores it as a new INT2
+page (``requantize``: INT4 -> fp32 -> INT2), switches this sequence to it and
+drops its ref on the old page, which goes back to the free list once nobody
+else holds it (``TriaxialPagePool.retire``). Pages are never changed in place,
+so a lease or another running sequence reading the old page sees the same
+bytes. Without INT2 room the page stays 4-bit (no eviction of retained
+conversations for it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.page_pool import PagePoolBase
 from kvserving.worker.precision import page_bits
 from kvserving.worker.sequence import Sequence
+from kvserving.worker.triaxial_pool import TriaxialPagePool
 
 
 class KVCacheManager:
     """Maps sequences to pages. ``bits_table`` (tag -> 2 or 4) is given exactly when the
-    pool stores INT2 pages; without it every page is 4-bit (the format's one precision)."""
+    pool stores INT2 pages; without it every page is 4-bit (the format's one precision).
+    ``requantize(src_ids, dst_ids)`` (``KVStorage.requantize_to_int2``) turns age-down on."""
 
-    def __init__(self, pool: PagePoolBase, *, page_size: int, bits_table: Seq[int] | None = None) -> None:
+    def __init__(
+        self,
+        pool: PagePoolBase,
+        *,
+        page_size: int,
+        bits_table: Seq[int] | None = None,
+        requantize: Callable[[list[int], list[int]], None] | None = None,
+    ) -> None:
         if (bits_table is not None) != (2 in pool.precisions):
             raise ValueError(
                 f"bits_table must be given exactly when the pool stores INT2 pages (pool precisions {pool.precisions})"
@@ -28,11 +49,19 @@ class KVCacheManager:
             raise ValueError(f"page_size {page_size} differs from the pool's {pool.page_size}")
         self.pool = pool
         self.page_size = page_size
+        if requantize is not None and not isinstance(pool, TriaxialPagePool):
+            raise ValueError("requantize (age-down) needs a triaxial pool")
         self.bits_table = tuple(bits_table) if bits_table is not None else None
+        self._requantize = requantize
+        self.aged_pages = 0  # 4-bit pages re-stored at 2 bits for a request that wanted 2, ever (a counter)
 
     @property
     def triaxial(self) -> bool:
         return self.bits_table is not None
+
+    @property
+    def age_down(self) -> bool:
+        return self._requantize is not None
 
     def _page_hashes(self, seq: Sequence, first: int, bits: Seq[int], parent: int | None) -> list[int]:
         """Chained hashes of pages [first, first + len(bits)) of ``seq`` stored at ``bits``.
@@ -70,6 +99,8 @@ class KVCacheManager:
         At least one token is always left to compute: its logits start decoding.
         A triaxial page matches if stored at the precision this request would
         give it, or at 4 bits (more precise is always acceptable; less never).
+        With age-down a 2-bit copy is preferred, and matched 4-bit pages this
+        request wants at 2 bits are re-stored at 2 (``_age_down``).
         """
         assert not seq.page_ids and seq.num_computed == 0
         max_pages = (seq.num_tokens - 1) // self.page_size
@@ -78,7 +109,7 @@ class KVCacheManager:
         parent: int | None = None
         for i, want in enumerate(wanted):
             found = None
-            for bits in (4, 2) if want == 2 else (4,):
+            for bits in ((2, 4) if self.age_down else (4, 2)) if want == 2 else (4,):
                 h = self._page_hashes(seq, i, [bits], parent)[0]
                 pid = self.pool.lookup(h)
                 if pid is not None:
@@ -93,7 +124,63 @@ class KVCacheManager:
         seq.page_ids = matched
         seq.num_registered_pages = len(matched)
         seq.num_computed = len(matched) * self.page_size
+        if self.age_down:
+            self._age_down(seq, wanted)
         return seq.num_computed
+
+    def _age_down(self, seq: Sequence, wanted: Seq[int]) -> int:
+        """Re-store ``seq``'s matched 4-bit pages that ``wanted`` puts at 2 bits as INT2 pages,
+        in prefix order while INT2 pages can be had; returns how many were aged.
+
+        Hashes: a page's chained hash covers the precision of every page before
+        it, so from the first aged page on the chain is recomputed; an aged page
+        is registered under its 2-bit hash (or the copy already cached there is
+        taken instead), an unchanged page gets the new hash as an alias.
+        """
+        assert isinstance(self.pool, TriaxialPagePool) and self._requantize is not None
+        pool = self.pool
+        cands = [i for i, pid in enumerate(seq.page_ids) if wanted[i] == 2 and page_id_bits(pid) == 4]
+        fresh: list[int] = []
+        for _ in cands:  # one at a time: as many as fit, no lease reclaimed for this
+            got = pool.allocate([2])
+            if got is None:
+                break
+            fresh += got
+        if not fresh:
+            return 0
+        aged = cands[: len(fresh)]
+        first = aged[0]
+        bits = [page_id_bits(pid) for pid in seq.page_ids]
+        for i in aged:
+            bits[i] = 2
+        parent = seq.page_hashes[first - 1] if first else None
+        hashes = seq.page_hashes[:first] + self._page_hashes(seq, first, bits[first:], parent)
+        old = [seq.page_ids[i] for i in aged]
+        src: list[int] = []
+        dst: list[int] = []
+        unused: list[int] = []
+        for i, new in zip(aged, fresh):
+            cached = pool.lookup(hashes[i])
+            if cached is not None:  # aged before under this chain: share that copy
+                pool.incref([cached])
+                unused.append(new)
+                seq.page_ids[i] = cached
+            else:
+                src.append(seq.page_ids[i])
+                dst.append(new)
+                seq.page_ids[i] = new
+        if unused:
+            pool.free(unused)  # never registered: straight back to the free list
+        self._requantize(src, dst)
+        for i in range(first, len(seq.page_ids)):
+            pool.alias(seq.page_ids[i], hashes[i])  # registers the new INT2 pages
+        seq.page_hashes = hashes
+        pool.free(old)
+        for pid in old:
+            if pool.page(pid) is not None:
+                pool.retire(pid)
+        self.aged_pages += len(aged)
+        return len(aged)
 
     def page_bits_for(self, seq: Sequence, first_page: int, last_page: int) -> list[int]:
         """Precision of pages [first_page, last_page) of ``seq`` (4 outside triaxial)."""

@@ -134,6 +134,27 @@ class KVStorage:
         """Whole INT2 pages; k, v: [N, P, H, D]."""
         paged_ops.write_int2_pages(self._layers[layer], k, v, page_ids, options=self.options)
 
+    def requantize_to_int2(self, src_ids: list[int], dst_ids: list[int]) -> None:
+        """Age-down: re-store full INT4 pages ``src_ids`` as INT2 pages ``dst_ids`` (same order),
+        every layer. The INT4 codes are dequantized to fp32 (exact: ``code*scale+zero``) and
+        quantized again by the INT2 rules (values per token groups, keys per channel over the
+        page), the same ops a fresh INT2 page is written with; the source pages are only read."""
+        if not self.triaxial:
+            raise ValueError(f"requantize_to_int2 needs triaxial KV, got {self.kv_dtype!r}")
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"{len(src_ids)} source pages for {len(dst_ids)} destination pages")
+        if not src_ids:
+            return
+        n, p = len(src_ids), self.page_size
+        h, d = self.shape.num_kv_heads, self.shape.head_dim
+        src = torch.tensor(src_ids, dtype=torch.int32, device=self.device)
+        dst = torch.tensor(dst_ids, dtype=torch.int32, device=self.device)
+        k = torch.empty(n * p, h, d, dtype=torch.float32, device=self.device)  # [n*P, H, D]
+        v = torch.empty_like(k)
+        for layer in range(self.shape.num_layers):
+            self.gather(layer, src, n * p, k, v)
+            self.write_int2_pages(layer, k.view(n, p, h, d), v.view(n, p, h, d), dst)
+
     def decode(
         self,
         layer: int,

@@ -89,7 +89,9 @@ def test_design_defaults() -> None:
     assert errors == []
     spec = defaulted["spec"]
     assert spec["reuse"] == {"bidirectional": True, "retentionTTLSeconds": 480, "leaseTTLSeconds": 420, "recomputeThresholdTokens": 64}
-    assert spec["kvCache"] == {"dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowEmulation": False}
+    assert spec["kvCache"] == {
+        "dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowEmulation": False, "ageDown": True
+    }
     assert spec["prefill"]["resources"] == {"limits": {"nvidia.com/gpu": 1}}
     assert spec["monitoring"] == {"enabled": True, "dashboard": True, "scrapeInterval": "30s", "labels": {}}
 
