@@ -172,7 +172,8 @@ async def measure(target: str, plan: list[list[bytes]], waits: list[list[float]]
 
     async def one(sid: int, turns: list[bytes]) -> list[float]:
         headers = {"X-Session-ID": f"bench-{run}-{sid}"} if via_gateway else {}
-        connector = aiohttp.TCPConnector(limit=1, force_close=False)
+        # idle connections dropped before uvicorn's 5 s keep-alive closes them (a think time can be longer)
+        connector = aiohttp.TCPConnector(limit=1, keepalive_timeout=4)
         async with aiohttp.ClientSession(connector=connector, headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=120)) as session:
             out = []
@@ -213,7 +214,8 @@ def run_row(n: int, think_s: float, args: argparse.Namespace, *, tagger: ChatTag
     direct: list[float] = []
     gateway: list[float] = []
     gw_cpu = 0.0
-    for r in range(args.rounds):  # interleave so drift on a shared machine hits both alike
+    rounds = max(args.rounds, -(-args.min_requests // (n * args.turns)))
+    for r in range(rounds):  # interleave so drift on a shared machine hits both alike
         waits = think_times(n, args.turns, think_s, seed=r)
         plan = bodies(n, args.turns, reply, tagger, via_gateway=False, max_tokens=args.max_tokens)
         direct += asyncio.run(measure(worker_url, plan, waits, via_gateway=False))
@@ -232,6 +234,7 @@ def main() -> int:
     parser.add_argument("--saturation", default="200", help="sessions of the rows with no think time ('' for none)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per reply (the fake worker's reply is 17)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating direct/gateway rounds per row")
+    parser.add_argument("--min-requests", type=int, default=36, help="more rounds for a row with fewer requests per path")
     parser.add_argument("--profile", default=None, metavar="FILE", help="run the gateway under cProfile (CPU time), stats to FILE")
     args = parser.parse_args()
     if args.think_s < 0:
