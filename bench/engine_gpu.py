@@ -240,7 +240,20 @@ class Bench:
                 engine.step()
             times.append(time.perf_counter() - t0)
         best = min(times[1:])  # the first run compiles
-        return {"tokens": n, "seconds": best, "tok_s": n / best}
+        row: dict[str, Any] = {"tokens": n, "seconds": best, "tok_s": n / best}
+        if engine.storage.kv_dtype == "bf16" and DEVICE == "cuda":  # where the prefill time goes (once)
+            from torch.profiler import ProfilerActivity, profile
+
+            prompt = [99] + torch.randint(10, self.vocab, (n - 1,), generator=g).tolist()
+            engine.add_request("prefill-profiled", prompt, SamplingParams(max_tokens=1, ignore_eos=True), tags=tags)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                while engine.has_unfinished():
+                    engine.step()
+                sync()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60)
+            print(table, flush=True)
+            row["profile_top"] = table
+        return row
 
     def overhead(self, engine: LLMEngine, batch: int = 64, ctx: int = 4096) -> dict[str, Any]:
         """Step time minus the kernels' time, with graphs (if the engine has them) and eager."""
@@ -252,12 +265,19 @@ class Bench:
             if mode == "graphs" and graphs is None:
                 continue
             engine.runner.graphs = graphs if mode == "graphs" else None  # the same engine, graphs taken away
+            if mode == "graphs" and graphs is not None:
+                graphs.replay_events = []
             times = self.timed_steps(engine, warmup=2)
             step = statistics.median(times)
             kernels, count = profile_kernels(engine, steps=3)
             out[mode] = {"step_ms": 1e3 * step, "kernel_ms": kernels, "kernels_per_step": count,
                          "overhead_ms": 1e3 * step - kernels if kernels else None,
                          "overhead_share": (1 - kernels / (1e3 * step)) if kernels else None}  # fmt: skip
+            if mode == "graphs" and graphs is not None and graphs.replay_events:
+                # GPU time of the replay alone: step - replay = host time the GPU waits; replay - kernels = gaps in the graph
+                replay = statistics.median(a.elapsed_time(b) for a, b in graphs.replay_events[2:] or graphs.replay_events)
+                out[mode]["replay_ms"] = replay
+                graphs.replay_events = None
         engine.runner.graphs = graphs
         if "graphs" in out and "eager" in out and out["graphs"]["kernels_per_step"] < 0.5 * out["eager"]["kernels_per_step"]:
             # the profiler did not see the replayed kernels one by one: the graph runs the eager step's kernels
@@ -346,13 +366,18 @@ def main() -> None:
         results[fmt] = row
         del engine
         release()
+        dump(args, dev, weights, results, time.perf_counter() - t_start)  # what is done so far, if a later format fails
     report(results, shapes)
+    dump(args, dev, weights, results, time.perf_counter() - t_start)
+
+
+def dump(args: argparse.Namespace, dev: str, weights: int, results: dict[str, Any], seconds: float) -> None:
     out = {"device": dev, "torch": torch.__version__, "model": "Qwen3-8B shape, random bf16 weights", "vocab": args.vocab,
            "weights_bytes": weights, "kv_gib": args.kv_gib, "speed_kv_gib": args.speed_kv_gib, "quick": args.quick,
-           "enforce_eager": args.enforce_eager, "seconds": time.perf_counter() - t_start, "formats": results}  # fmt: skip
+           "enforce_eager": args.enforce_eager, "seconds": seconds, "formats": results}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"total {out['seconds']:.0f} s", flush=True)
+    print(f"  ({seconds:.0f} s so far, JSON written)", flush=True)
 
 
 def report(results: dict[str, Any], shapes: list[tuple[int, int]]) -> None:

@@ -112,6 +112,8 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.rows: dict[str, _Row] = {}
         self.replays = 0
+        # benchmarks: set to a list to get (start, end) CUDA events around each replay (graph time on the GPU)
+        self.replay_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
     # ------------------------------------------------------------------ host side
     def _field(self, i: int, b: int) -> slice:
@@ -225,5 +227,12 @@ class DecodeGraphs:
             self._forward(b, width)
             return self.logits[: len(chunks)]
         graph = self.graphs.get((b, width)) or self._capture(b, width)
-        graph.replay()
+        if self.replay_events is None:
+            graph.replay()
+        else:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            self.replay_events.append((start, end))
         return self.logits[: len(chunks)]
