@@ -43,6 +43,7 @@ class KVStats:
     evicted_pages: int  # cached pages evicted to make room, since start
     reclaimed_leases: int  # retained conversations released before expiry to make room, since start
     capacity_tokens: int  # triaxial: at the expected INT2 share (KVCache.capacity_tokens)
+    aged_pages: int = 0  # triaxial: 4-bit pages re-stored at 2 bits (age-down), since start
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,6 +88,7 @@ def collect(engine: LLMEngine) -> KVStats:
         evicted_pages=pool.evicted_pages,
         reclaimed_leases=pool.reclaimed_leases,
         capacity_tokens=engine.capacity_tokens,
+        aged_pages=engine.kv.aged_pages,
     )
 
 

@@ -11,7 +11,7 @@ Two kinds of updates:
   a transfer ends: bytes, seconds, regions; a reuse falls back: its reason);
 - engine state, copied from a ``KVStats`` snapshot when ``/metrics`` is
   scraped (pool use and capacity, leases, queue depth, and the engine's own
-  counters: prompt tokens computed, preemptions, evicted pages, reclaimed leases).
+  counters: prompt tokens computed, preemptions, evicted pages, reclaimed leases, aged pages).
 """
 
 from __future__ import annotations
@@ -104,6 +104,11 @@ class WorkerMetrics:
             "kvserving_worker_kv_leases_reclaimed_total",
             "retained-KV leases released before expiry because live requests needed the pages", registry=r,
         )
+        self.kv_aged_pages = Counter(
+            "kvserving_worker_kv_pages_aged_total",
+            "triaxial KV pages re-stored from 4 to 2 bits because a later request's tags wanted 2 (age-down)",
+            registry=r,
+        )
         self.queue_depth = Gauge("kvserving_worker_queue_depth", "sequences in the scheduler, by state", ["state"], registry=r)
         self.kv_leases = Gauge("kvserving_worker_kv_leases", "KV leases held now", registry=r)
         self.kv_leased_tokens = Gauge("kvserving_worker_kv_leased_tokens", "tokens of KV pinned by leases now", registry=r)
@@ -134,6 +139,7 @@ class WorkerMetrics:
         self._seen_preemptions = 0
         self._seen_evictions = 0
         self._seen_reclaims = 0
+        self._seen_aged = 0
         # the same counts as plain numbers, for GET /internal/kv/stats
         self.prompt_token_totals = dict.fromkeys(TOKEN_SOURCES, 0)
         self.fallback_totals: dict[str, int] = {}
@@ -173,6 +179,8 @@ class WorkerMetrics:
         self._seen_evictions = max(self._seen_evictions, stats.evicted_pages)
         self.kv_reclaimed_leases.inc(max(0, stats.reclaimed_leases - self._seen_reclaims))
         self._seen_reclaims = max(self._seen_reclaims, stats.reclaimed_leases)
+        self.kv_aged_pages.inc(max(0, stats.aged_pages - self._seen_aged))
+        self._seen_aged = max(self._seen_aged, stats.aged_pages)
         self.kv_cache_usage.set(stats.usage_ratio)
         self.queue_depth.labels(state="running").set(stats.running)
         self.queue_depth.labels(state="waiting").set(stats.waiting)
