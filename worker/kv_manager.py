@@ -18,6 +18,7 @@ conversations for it).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
@@ -26,6 +27,13 @@ from kvserving.worker.page_pool import PagePoolBase
 from kvserving.worker.precision import page_bits
 from kvserving.worker.sequence import Sequence
 from kvserving.worker.triaxial_pool import TriaxialPagePool
+
+# Triaxial page hash = token chain hash XOR the mark of the stored precision (``_page_hashes``):
+# fixed 63-bit constants (blake2b of "int4" / "int2"), so every worker computes the same keys.
+_PRECISION_MARK = {
+    b: int.from_bytes(hashlib.blake2b(f"int{b}".encode(), digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    for b in (2, 4)
+}
 
 
 class KVCacheManager:
@@ -64,21 +72,31 @@ class KVCacheManager:
         return self._requantize is not None
 
     def _page_hashes(self, seq: Sequence, first: int, bits: Seq[int], parent: int | None) -> list[int]:
-        """Chained hashes of pages [first, first + len(bits)) of ``seq`` stored at ``bits``.
+        """Hashes of pages [first, first + len(bits)) of ``seq`` stored at ``bits``; ``parent`` is
+        the token chain hash of page ``first - 1`` (``_token_chain``), None for page 0.
 
-        Triaxial: a page's identity is its tokens (chained over the prefix) and
-        the precision it is stored at: the stored bytes depend on nothing else.
-        Tags only choose the precision, so they stay out of the hash: the same
-        reply tokens come back tagged reasoning / tool_call / delim in the next
-        turn where the worker that generated them tagged them assistant, and
-        the temporal part ages every turn; either would make retained pages miss.
+        A page's identity is its tokens (chained over the whole prefix) and the
+        precision it is stored at: ``token chain hash XOR mark(bits)``, the mark
+        a fixed 63-bit constant per precision (triaxial only; plain formats use
+        the token chain). The precision of *earlier* pages stays out: the
+        stored bytes do not depend on it (a prefill attends to fresh K/V), and
+        age-down re-stores an old page at 2 bits without changing the hashes
+        of the pages after it. Tags only choose the precision, so they stay
+        out too: the same reply tokens come back tagged reasoning / tool_call /
+        delim in the next turn where the worker that generated them tagged
+        them assistant, and the temporal part ages every turn; either would
+        make retained pages miss.
         """
         p = self.page_size
         lo, hi = first * p, (first + len(bits)) * p
-        tags = None
-        if self.triaxial:
-            tags = [bits[(j - lo) // p] for j in range(lo, min(hi, seq.num_tokens))]
-        return self.pool.chain_hashes(seq.token_ids(lo, hi), p, tags, parent=parent)
+        chain = self.pool.chain_hashes(seq.token_ids(lo, hi), p, None, parent=parent)
+        if not self.triaxial:
+            return chain
+        return [h ^ _PRECISION_MARK[b] for h, b in zip(chain, bits)]
+
+    def _token_chain(self, page_hash: int, page_id: int) -> int:
+        """The token chain hash under a held page's stored hash (the parent of the next page)."""
+        return page_hash ^ _PRECISION_MARK[page_id_bits(page_id)] if self.triaxial else page_hash
 
     def page_hashes(self, seq: Sequence, bits: Seq[int]) -> list[int]:
         """Chained hashes of ``seq``'s leading ``len(bits)`` pages stored at ``bits``: the keys
@@ -91,7 +109,8 @@ class KVCacheManager:
         if num_full_pages <= have:
             return
         bits = [page_id_bits(pid) for pid in seq.page_ids[have:num_full_pages]]
-        seq.page_hashes.extend(self._page_hashes(seq, have, bits, seq.page_hashes[-1] if have else None))
+        parent = self._token_chain(seq.page_hashes[-1], seq.page_ids[have - 1]) if have else None
+        seq.page_hashes.extend(self._page_hashes(seq, have, bits, parent))
 
     def match_prefix(self, seq: Sequence) -> int:
         """Reuse cached pages for the longest known prefix; returns tokens reused.
@@ -107,17 +126,19 @@ class KVCacheManager:
         wanted = self.page_bits_for(seq, 0, max_pages)
         matched: list[int] = []
         parent: int | None = None
+        p = self.page_size
         for i, want in enumerate(wanted):
+            chain = self.pool.chain_hashes(seq.token_ids(i * p, (i + 1) * p), p, None, parent=parent)[0]
             found = None
             for bits in ((2, 4) if self.age_down else (4, 2)) if want == 2 else (4,):
-                h = self._page_hashes(seq, i, [bits], parent)[0]
+                h = chain ^ _PRECISION_MARK[bits] if self.triaxial else chain
                 pid = self.pool.lookup(h)
                 if pid is not None:
                     found = h, pid
                     break
             if found is None:
                 break
-            parent = found[0]
+            parent = chain
             seq.page_hashes.append(found[0])
             matched.append(found[1])
         self.pool.incref(matched)
@@ -132,10 +153,9 @@ class KVCacheManager:
         """Re-store ``seq``'s matched 4-bit pages that ``wanted`` puts at 2 bits as INT2 pages,
         in prefix order while INT2 pages can be had; returns how many were aged.
 
-        Hashes: a page's chained hash covers the precision of every page before
-        it, so from the first aged page on the chain is recomputed; an aged page
-        is registered under its 2-bit hash (or the copy already cached there is
-        taken instead), an unchanged page gets the new hash as an alias.
+        An aged page is registered under its 2-bit hash, or the copy already
+        cached there (aged for another request) is taken instead; the pages
+        after it keep their hashes (``_page_hashes``).
         """
         assert isinstance(self.pool, TriaxialPagePool) and self._requantize is not None
         pool = self.pool
@@ -149,32 +169,29 @@ class KVCacheManager:
         if not fresh:
             return 0
         aged = cands[: len(fresh)]
-        first = aged[0]
-        bits = [page_id_bits(pid) for pid in seq.page_ids]
-        for i in aged:
-            bits[i] = 2
-        parent = seq.page_hashes[first - 1] if first else None
-        hashes = seq.page_hashes[:first] + self._page_hashes(seq, first, bits[first:], parent)
         old = [seq.page_ids[i] for i in aged]
         src: list[int] = []
         dst: list[int] = []
         unused: list[int] = []
+        written: list[int] = []  # page indices that get a new INT2 page
         for i, new in zip(aged, fresh):
-            cached = pool.lookup(hashes[i])
-            if cached is not None:  # aged before under this chain: share that copy
+            h = seq.page_hashes[i] ^ _PRECISION_MARK[4] ^ _PRECISION_MARK[2]
+            seq.page_hashes[i] = h
+            cached = pool.lookup(h)
+            if cached is not None:  # aged before: share that copy
                 pool.incref([cached])
                 unused.append(new)
                 seq.page_ids[i] = cached
             else:
                 src.append(seq.page_ids[i])
                 dst.append(new)
+                written.append(i)
                 seq.page_ids[i] = new
         if unused:
             pool.free(unused)  # never registered: straight back to the free list
         self._requantize(src, dst)
-        for i in range(first, len(seq.page_ids)):
-            pool.alias(seq.page_ids[i], hashes[i])  # registers the new INT2 pages
-        seq.page_hashes = hashes
+        for i in written:
+            pool.register(seq.page_ids[i], seq.page_hashes[i])
         pool.free(old)
         for pid in old:
             if pool.page(pid) is not None:

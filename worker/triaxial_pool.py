@@ -31,16 +31,11 @@ Policy that keeps the two ends from deadlocking each other:
 What can still strand space: an owned page deep inside one end keeps that end's
 mark above it; free slots below it serve only its own precision.
 
-Age-down (``KVCacheManager``, docs/kv-cache.md) adds two things here:
-
-- **aliases**: a page's chained hash covers the precision of every page before
-  it, so when an earlier page of a conversation is re-stored at 2 bits, the
-  4-bit pages after it get a second hash (the new chain) without moving.
-  ``alias`` adds one; evicting the page forgets all of them.
-- **retire**: the INT4 page an aged copy replaces goes back to the free list
-  as soon as nobody holds it (not to the LRU: its INT2 copy serves its
-  conversation now). A holder (a lease, another running sequence) keeps
-  reading it unchanged until it lets go.
+Age-down (``KVCacheManager``, docs/kv-cache.md) adds ``retire``: the INT4 page
+an aged INT2 copy replaces forgets its hash at once (no new request matches
+it) and goes back to the free list as soon as nobody holds it, not to the LRU.
+A holder (a lease, another running sequence) keeps reading it unchanged until
+it lets go.
 """
 
 from __future__ import annotations
@@ -80,7 +75,6 @@ class TriaxialPagePool(PagePoolBase):
         self._bytes = {4: int4_page_bytes, 2: int2_page_bytes}
         self._r = {4: _Region(flag=0), 2: _Region(flag=INT2_PAGE_FLAG)}
         self._regions = (self._r[4], self._r[2])
-        self._aliases: dict[int, list[int]] = {}  # page id -> its extra hashes (``alias``)
 
     # -- ids and bytes ------------------------------------------------------------------------
     def page_bytes(self, *, bits: int) -> int:
@@ -143,43 +137,20 @@ class TriaxialPagePool(PagePoolBase):
             n -= 1
         return n * self.page_size
 
-    # -- age-down: aliases and retired pages ----------------------------------------------------
-    def alias(self, page_id: int, page_hash: int) -> None:
-        """Make an owned page also match ``page_hash``; registers it when it has no hash yet.
-        A hash another page holds already stays with that page (like ``register``)."""
-        page = self._live(page_id)
-        if page.hash is None:
-            self.register(page_id, page_hash)
-            return
-        if page.hash == page_hash or page_hash in self._by_hash:
-            return
-        self._by_hash[page_hash] = page_id
-        self._aliases.setdefault(page_id, []).append(page_hash)
-
+    # -- age-down: retired pages ----------------------------------------------------
     def retire(self, page_id: int) -> None:
         """Forget ``page_id``'s hashes (no new request matches it) and free it once its last
         ref goes (now, if it has none). Holders keep reading it unchanged meanwhile."""
         page = self._live(page_id)
-        self._forget_hashes(page_id)
+        if page.hash is not None:
+            del self._by_hash[page.hash]
+            page.hash = None
         if page.ref_count == 0:  # cached: off the LRU, slot back to the free list
             region = self._region_of(page_id)
             region.lru.pop(page_id)
             del self._pages[page_id]
             region.put_free(page_id & ~region.flag)
         # else: with no hash, ``free`` puts it on the free list when its last ref goes
-
-    def _forget_hashes(self, page_id: int) -> None:
-        page = self._pages[page_id]
-        for h in self._aliases.pop(page_id, []):
-            del self._by_hash[h]
-        if page.hash is not None:
-            del self._by_hash[page.hash]
-            page.hash = None
-
-    def _evict(self, page_id: int) -> None:
-        for h in self._aliases.pop(page_id, []):
-            del self._by_hash[h]
-        super()._evict(page_id)
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self, page_bits: Sequence[int]) -> list[int] | None:
