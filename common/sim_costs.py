@@ -182,27 +182,23 @@ class CostModel:
 
 
 def _h200_8b() -> CostModel:
-    """The Qwen3-8B-shaped model on one H200 (bench/NOTES-pd-gpu.md, bench/decode_gpu_h200.json)."""
-    # Decode attention: our kernels, ms per layer at batch 32 x 32768 context (1,048,576 context
-    # tokens), bench/decode_gpu_h200.json; x 36 layers / context tokens = seconds per context token.
-    per_layer_ms = {"bf16": 1.1235, "fp8_e4m3": 0.7734, "nvfp4": 0.4765, "triaxial": 0.4782}
-    ctx_s = {k: v * 1e-3 * 36 / (32 * 32768) for k, v in per_layer_ms.items()}
+    """The Qwen3-8B-shaped model on one H200 (bench/engine_gpu_h200.json, bench/extend_gpu_h200.json,
+    bench/NOTES-pd-gpu.md)."""
     return CostModel(
         name="h200-8b",
         layers=36, kv_heads=8, head_dim=128,
-        kv_bytes_per_worker=100 * 2**30,
-        # new-only TTFT at 2K..24K (1040 new tokens): 111 ms + 0.0326 ms per context token; recompute
-        # of 2K: 195 ms, of 24K: 10.3 s (off_p_ms) -> 0.066 ms/token + 3.13e-8 s per token x context
-        # with the extend path of that run (dequantize + masked SDPA). The paged extend kernel since
-        # (bench/extend_gpu_h200.json, "ours", 2048 new over 32768, x 36 layers) costs per format:
-        prefill_token_s=6.6e-5,
-        prefill_attn_s=3.13e-8,
+        kv_bytes_per_worker=90 * 2**30,  # the engine benchmark's pool (speed_kv_gib)
+        # engine_gpu prefill_8k: 8192 fresh tokens in 0.29 s in every format (fresh K/V attention is
+        # unquantized) -> 3.4e-5 s/token; over a cached prefix the paged extend kernel costs, per
+        # format (extend_gpu_h200 "ours", 2048 new over 32768, x 36 layers), per token x context:
+        prefill_token_s=3.4e-5,
+        prefill_attn_s=3.13e-8,  # the dequantize + SDPA extend path of the two-H200 seed run (unused below)
         prefill_attn_dtype_s={"bf16": 2.06e-9, "fp8_e4m3": 2.51e-9, "nvfp4": 4.28e-9, "triaxial": 4.06e-9},
-        # 16.4 GB of bf16 weights read once per step at the measured 4.2 TB/s streaming read
-        # (DESIGN.md, Measuring on a GPU); per sequence: sampling and bookkeeping (not measured).
-        decode_step_s=16.4e9 / 4.2e12,
-        decode_seq_s=2e-5,
-        decode_ctx_s=ctx_s,
+        # engine_gpu decode TPOT, 25 rows (batch 1..256 x context 4K/32K, CUDA graphs), least squares:
+        # 10.85 ms + 26 us per sequence + per context token (max error 1.4 ms)
+        decode_step_s=0.01085,
+        decode_seq_s=2.63e-5,
+        decode_ctx_s={"bf16": 3.69e-8, "fp8_e4m3": 2.52e-8, "nvfp4": 1.58e-8, "triaxial": 1.57e-8},
         transfer_region_s=7.2e-6,
         transfer_bytes_per_s=330e9,
         transfer_overhead_s=1.5e-3,
@@ -212,11 +208,8 @@ def _h200_8b() -> CostModel:
         # 53-90 ms above new-only, the decode request 114 ms (README, bench/NOTES-pd-gpu.md)
         prefill_request_s=0.06,
         decode_request_s=0.114,
-        source="bench/decode_gpu_h200.json, bench/extend_gpu_h200.json, bench/pd_gpu_h200x2_httpfix.json, bench/NOTES-gateway.md",
-        notes={
-            "decode_step_s": "roofline: weights bytes / measured 4.2 TB/s read bandwidth (no 8B step timing committed)",
-            "kv_bytes_per_worker": "141 GB H200 minus 16.4 GB weights and workspace: 100 GiB of KV",
-        },
+        source="bench/engine_gpu_h200.json, bench/extend_gpu_h200.json, bench/pd_gpu_h200x2_httpfix.json, bench/NOTES-gateway.md",
+        notes={"kv_bytes_per_worker": "the engine benchmark's 90 GiB pool on a 141 GB H200 (16.4 GB of weights)"},
     )
 
 
