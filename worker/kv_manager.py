@@ -199,6 +199,44 @@ class KVCacheManager:
         self.aged_pages += len(aged)
         return len(aged)
 
+    def age_cached(self, int2_hashes: Seq[int]) -> int:
+        """Age-down before a pull: for each 2-bit page hash not cached here whose 4-bit twin
+        (same tokens, same prefix) is, store an INT2 copy under it, so the pull finds it
+        locally instead of moving its bytes; returns how many were aged. The caller
+        guarantees the request wants those pages at 2 bits. Same rules as ``_age_down``:
+        new pages only, the 4-bit page retired, skipped without INT2 room."""
+        if not self.age_down:
+            return 0
+        assert isinstance(self.pool, TriaxialPagePool) and self._requantize is not None
+        pool = self.pool
+        src: list[int] = []
+        dst: list[int] = []
+        hashes: list[int] = []
+        for h in int2_hashes:
+            old = pool.lookup(h ^ _PRECISION_MARK[2] ^ _PRECISION_MARK[4])
+            if pool.lookup(h) is not None or old is None or page_id_bits(old) != 4 or h in hashes:
+                continue
+            pool.incref([old])  # held while copied: an INT2 allocation may evict cached INT4 pages
+            got = pool.allocate([2])
+            if got is None:
+                pool.free([old])
+                break
+            src.append(old)
+            dst += got
+            hashes.append(h)
+        if not dst:
+            return 0
+        self._requantize(src, dst)
+        for new, h in zip(dst, hashes):
+            pool.register(new, h)
+        pool.free(dst)  # cached under their 2-bit hashes, for the request about to match them
+        pool.free(src)
+        for pid in src:
+            if pool.page(pid) is not None:
+                pool.retire(pid)
+        self.aged_pages += len(dst)
+        return len(dst)
+
     def page_bits_for(self, seq: Sequence, first_page: int, last_page: int) -> list[int]:
         """Precision of pages [first_page, last_page) of ``seq`` (4 outside triaxial)."""
         if self.bits_table is None:

@@ -585,6 +585,8 @@ class KVTransfer:
         while plan.matched < usable and mine[plan.matched] == params.page_hashes[plan.matched]:
             plan.matched += 1
         plan.hashes = mine[: plan.matched]
+        # pages the sender aged and this worker holds at 4 bits: age them here, pull nothing (kv_manager)
+        kv.age_cached([h for h, b in zip(plan.hashes, bits) if b == 2])
         i = 0
         while i < plan.matched and (pid := pool.lookup(plan.hashes[i])) is not None:
             plan.local_pids.append(pid)

@@ -210,6 +210,30 @@ def test_no_int2_room_skips_age_down_and_partial_room_ages_in_prefix_order() -> 
     assert pool.page(0) is None
 
 
+def test_a_pulling_worker_ages_its_own_4_bit_pages_instead_of_pulling_int2_copies() -> None:
+    """KVTransfer._plan: the sender stores pages 0 and 1 at 2 bits, this worker holds them at 4."""
+    kv = build()
+    pool, mgr = kv.pool, kv.manager
+    first = seq("t1", [NOW] * 97)
+    mgr.match_prefix(first)
+    compute(kv, first)
+    pool.pin("conv", first.page_ids[:3], ttl_s=60, reclaimable=True)  # this worker's retained conversation
+    mgr.free(first)
+    int4 = [page_kv(kv, 0, layer) for layer in range(2)]
+    remote = mgr.page_hashes(seq("x", [OLD] * 64 + [NOW] * 33), [2, 2, 4])
+    assert mgr.age_cached([remote[0], remote[1]]) == 2 and mgr.aged_pages == 2
+    assert [pool.lookup(h) for h in remote] == [F | 0, F | 1, 2]
+    assert sorted(pool.cached_page_ids()) == [F | 0, F | 1]  # ref 0 until the request matches them
+    assert [pool.ref_count(p) for p in (0, 1, 2)] == [1, 1, 1]  # the lease still reads the INT4 pages
+    want_k, want_v = int2_of(*int4[0])
+    assert torch.equal(page_kv(kv, F | 0, 0)[0], want_k) and torch.equal(page_kv(kv, F | 0, 0)[1], want_v)
+    assert mgr.age_cached([remote[0], remote[1]]) == 0  # already there
+    pool.release("conv")
+    assert pool.page(0) is None and pool.page(1) is None
+    later = turn(kv, "t3", [OLD] * 64 + [NOW] * 33)
+    assert later.page_ids == [F | 0, F | 1, 2] and mgr.aged_pages == 2
+
+
 def test_age_down_off_keeps_the_4_bit_pages() -> None:
     kv = build(age_down=False)
     assert not kv.manager.age_down
