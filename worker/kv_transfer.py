@@ -83,6 +83,7 @@ from kvserving.config import ROLES, ReuseConfig
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.leases import RetainedKV, RetainSpec, release_pin
+from kvserving.worker.page_pool import RECLAIM_FIRST, RECLAIM_LAST
 from kvserving.worker.nixl_io import NixlIO, PageGeometry, ReadStats, RemoteBuffers, TransferError
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence as EngineSequence
@@ -594,7 +595,7 @@ class KVTransfer:
         plan.want = [j for j in range(i, plan.matched) if pool.lookup(plan.hashes[j]) is None]
         if plan.local_pids:
             plan.local_pin = f"{PIN_LEASE_PREFIX}{uuid.uuid4().hex}.local"
-            pool.pin(plan.local_pin, plan.local_pids, ttl_s=self._pin_ttl())
+            pool.pin(plan.local_pin, plan.local_pids, ttl_s=self._pin_ttl(), reclaim=RECLAIM_LAST)
         return plan
 
     def _pin_ttl(self) -> float:
@@ -674,10 +675,12 @@ class KVTransfer:
         pool = self.engine.pool
         for pid, h in zip(pages, hashes):
             pool.register(pid, h)
-        pool.pin(pin, pages, ttl_s=self._pin_ttl())
+        # pulled pages wait for their request's admission; under pressure they yield (and stay
+        # in the prefix cache), else pins of requests that cannot be admitted fill the pool
+        pool.pin(pin, pages, ttl_s=self._pin_ttl(), reclaim=RECLAIM_LAST)
         pool.free(pages)
         if local_pids:
-            pool.pin(pin + ".local", local_pids, ttl_s=self._pin_ttl())
+            pool.pin(pin + ".local", local_pids, ttl_s=self._pin_ttl(), reclaim=RECLAIM_LAST)
 
     def drop_pin(self, result: PullResult) -> None:
         """Release a pull's pins when its request never reached the engine."""
@@ -699,7 +702,7 @@ class KVTransfer:
             return RetainSpec(f"{TRANSFER_LEASE_PREFIX}{tail}", self.reuse.transfer_timeout_s, conversation_key, self._on_retained)
         # a retained conversation yields its pages to live requests when the pool runs out
         return RetainSpec(f"{RETAIN_LEASE_PREFIX}{tail}", self.reuse.retention_ttl_s, conversation_key, self._on_retained,
-                          reclaimable=True)
+                          reclaim=RECLAIM_FIRST)
 
     def _on_retained(self, kept: RetainedKV) -> None:
         """Engine thread, inside step: record the lease; a conversation keeps only its newest."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserving.worker.page_pool import PagePoolBase
+from kvserving.worker.page_pool import RECLAIM_NEVER, PagePoolBase
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,15 +30,15 @@ class RetainSpec:
     """Keep a request's full pages (prompt + generated) under ``lease_id`` for ``ttl_s`` when it finishes.
 
     ``on_retained`` runs on the engine thread right after the pin (inside ``step``).
-    ``reclaimable``: the pool may release the lease early when pages run out
-    (``PagePoolBase.reclaim_one``).
+    ``reclaim``: whether and when the pool may release the lease early when
+    pages run out (``page_pool.RECLAIM_*``, ``PagePoolBase.reclaim_one``).
     """
 
     lease_id: str
     ttl_s: float
     conversation_key: str | None = None
     on_retained: Callable[[RetainedKV], None] | None = None
-    reclaimable: bool = False
+    reclaim: int = RECLAIM_NEVER
 
     def __post_init__(self) -> None:
         if not self.lease_id:
@@ -58,7 +58,7 @@ def retain_pages(
     if n == 0:
         return None
     pids = tuple(page_ids[:n])
-    expires_at = pool.pin(spec.lease_id, pids, ttl_s=spec.ttl_s, reclaimable=spec.reclaimable)
+    expires_at = pool.pin(spec.lease_id, pids, ttl_s=spec.ttl_s, reclaim=spec.reclaim)
     kept = RetainedKV(spec.lease_id, pids, tuple(page_hashes[:n]), n * page_size, expires_at, spec.conversation_key)
     if spec.on_retained is not None:
         spec.on_retained(kept)

@@ -34,13 +34,16 @@ which shares this code through ``PagePoolBase``):
   is valid while ``clock() < expires_at``. ``expire_leases`` releases the rest
   (earliest expiry first) and the engine calls it every step.
 - **Reclaimable leases yield to live requests.** A lease pinned with
-  ``reclaimable=True`` (a decode worker's retained conversation) may be released
-  before it expires: ``reclaim_one`` drops the reclaimable lease with the
-  earliest expiry (the least recently active conversation), and the KV manager
-  calls it when an allocation fails, before it gives up or preempts. Retained
-  KV is a bet on a next turn; it must never starve the requests running now
-  (else a pool full of retained conversations admits nothing until they
-  expire). A peer reading the lease then finds it gone and recomputes.
+  ``reclaim=RECLAIM_FIRST`` (a decode worker's retained conversation) or
+  ``RECLAIM_LAST`` (pulled pages waiting for their request's admission) may
+  be released before it expires: ``reclaim_one`` drops the reclaimable lease
+  of the lowest class, earliest expiry first (the least recently active
+  conversation), and the KV manager calls it when an allocation fails, before
+  it gives up or preempts. Retained KV and pulled pages are bets on a next
+  step; they must never starve the requests that can run now (else a pool
+  full of them admits nothing until they expire). Released pages stay in the
+  prefix cache (their hashes are kept), so a request whose pin went may still
+  match them; a peer reading a released lease finds it gone and recomputes.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+# Which leases ``reclaim_one`` may release before they expire, lowest class first.
+RECLAIM_NEVER = 0  # transfer holds a peer is about to READ, tests' pins
+RECLAIM_FIRST = 1  # retained conversations (a bet on a next turn)
+RECLAIM_LAST = 2  # pulled pages pinned until their request is admitted
+RECLAIM_CLASSES = (RECLAIM_NEVER, RECLAIM_FIRST, RECLAIM_LAST)
 
 HASH_BITS = 63  # hashes fit a signed int64 (tensors, JSON readers) without a sign bit
 _HASH_MASK = (1 << HASH_BITS) - 1
@@ -74,7 +83,7 @@ class Lease:
     lease_id: str
     page_ids: tuple[int, ...]
     expires_at: float
-    reclaimable: bool = False  # may be released before expiry when pages run out
+    reclaim: int = 0  # RECLAIM_*: may be released before expiry when pages run out (and in which order)
 
 
 def chain_hashes(
@@ -348,16 +357,24 @@ class PagePoolBase:
             raise ValueError(f"unknown lease {lease_id!r}")
         return lease
 
-    def pin(self, lease_id: str, page_ids: Sequence[int], *, ttl_s: float, reclaimable: bool = False) -> float:
+    def pin(
+        self, lease_id: str, page_ids: Sequence[int], *, ttl_s: float, reclaim: int = RECLAIM_NEVER,
+        reclaimable: bool = False,
+    ) -> float:
         """Pin ``page_ids`` under a new lease (one ref each) until ``ttl_s`` from now; returns expires_at.
-        ``reclaimable``: ``reclaim_one`` may release it early."""
+        ``reclaim`` (``RECLAIM_*``): whether and when ``reclaim_one`` may release it early;
+        ``reclaimable=True`` is short for ``reclaim=RECLAIM_FIRST``."""
+        if reclaimable and reclaim == RECLAIM_NEVER:
+            reclaim = RECLAIM_FIRST
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if reclaim not in RECLAIM_CLASSES:
+            raise ValueError(f"reclaim must be one of {RECLAIM_CLASSES}, got {reclaim!r}")
         if lease_id in self._leases:
             raise ValueError(f"lease {lease_id!r} already exists; renew it instead")
         self.incref(page_ids)
         expires_at = self._clock() + ttl_s
-        self._leases[lease_id] = Lease(lease_id, tuple(page_ids), expires_at, reclaimable)
+        self._leases[lease_id] = Lease(lease_id, tuple(page_ids), expires_at, reclaim)
         for pid in page_ids:
             self._pages[pid].leases.append(lease_id)
         return expires_at
@@ -390,11 +407,12 @@ class PagePoolBase:
         return [lease.lease_id for lease in expired]
 
     def reclaim_one(self) -> str | None:
-        """Release the reclaimable lease with the earliest expiry; its id, or None if there is none."""
-        candidates = [le for le in self._leases.values() if le.reclaimable]
+        """Release the reclaimable lease of the lowest ``reclaim`` class, earliest expiry first;
+        its id, or None if there is none."""
+        candidates = [le for le in self._leases.values() if le.reclaim != RECLAIM_NEVER]
         if not candidates:
             return None
-        lease = min(candidates, key=lambda le: le.expires_at)
+        lease = min(candidates, key=lambda le: (le.reclaim, le.expires_at))
         self.release(lease.lease_id)
         self.reclaimed_leases += 1
         return lease.lease_id

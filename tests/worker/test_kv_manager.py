@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.tags import NUM_TAGS, encode_tag
 from kvserving.worker.kv_manager import KVCacheManager
-from kvserving.worker.page_pool import PagePool
+from kvserving.worker.page_pool import RECLAIM_FIRST, PagePool
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence
 from kvserving.worker.triaxial_pool import TriaxialPagePool
@@ -95,12 +95,12 @@ def test_a_pool_full_of_retained_conversations_yields_to_a_new_request() -> None
     assert kv.allocate_until(old, old.num_tokens)
     old.num_computed = old.num_tokens
     kv.publish_full_pages(old)
-    pool.pin("conv-old", old.page_ids[:2], ttl_s=100, reclaimable=True)
+    pool.pin("conv-old", old.page_ids[:2], ttl_s=100, reclaim=RECLAIM_FIRST)
     pool.pin("xfer-hold", [old.page_ids[2]], ttl_s=200)
     kv.free(old)
     other = seq("other", [NOW] * 64, tokens=list(range(500, 564)))
     assert kv.allocate_until(other, other.num_tokens)  # 2 pages of the 3 free
-    pool.pin("conv-other", other.page_ids, ttl_s=150, reclaimable=True)
+    pool.pin("conv-other", other.page_ids, ttl_s=150, reclaim=RECLAIM_FIRST)
     kv.free(other)
     assert pool.num_free == 1
     new = seq("new", [NOW] * 96, tokens=list(range(900, 996)))  # 3 pages

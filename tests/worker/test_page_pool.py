@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from kvserving.worker.page_pool import HASH_BITS, PagePool, chain_hashes
+from kvserving.worker.page_pool import HASH_BITS, RECLAIM_FIRST, RECLAIM_LAST, PagePool, chain_hashes
 
 
 class FakeClock:
@@ -259,26 +259,31 @@ def test_pinned_pages_are_never_evicted_until_expiry() -> None:
     assert pool.allocate([4] * 1) == [1]  # now evictable
 
 
-def test_reclaim_one_releases_the_reclaimable_lease_with_the_earliest_expiry() -> None:
-    pool, clock = make_pool(6)
-    ids = pool.allocate([4] * 6)
-    assert ids == [0, 1, 2, 3, 4, 5]
+def test_reclaim_one_releases_retained_leases_first_then_pins_earliest_expiry_first() -> None:
+    pool, clock = make_pool(8)
+    ids = pool.allocate([4] * 8)
+    assert ids == [0, 1, 2, 3, 4, 5, 6, 7]
     for pid in ids:
         pool.register(pid, 10 + pid)
     pool.pin("hard", [0, 1], ttl_s=5)  # a transfer hold: never reclaimed
-    pool.pin("conv-late", [2, 3], ttl_s=60, reclaimable=True)
+    pool.pin("pin", [6, 7], ttl_s=2, reclaim=RECLAIM_LAST)  # pulled pages awaiting admission: last
+    pool.pin("conv-late", [2, 3], ttl_s=60, reclaim=RECLAIM_FIRST)
     clock.t += 1
-    pool.pin("conv-early", [4, 5], ttl_s=30, reclaimable=True)  # expires first (131 < 160)
+    pool.pin("conv-early", [4, 5], ttl_s=30, reclaim=RECLAIM_FIRST)  # expires first (131 < 160)
     pool.free(ids)
     assert pool.num_free == 0 and pool.allocate([4] * 1) is None
     assert pool.reclaim_one() == "conv-early"
-    assert pool.lease_ids() == ["hard", "conv-late"]
-    assert refs(pool) == [1, 1, 1, 1, 0, 0]
+    assert pool.lease_ids() == ["hard", "pin", "conv-late"]
+    assert refs(pool) == [1, 1, 1, 1, 0, 0, 1, 1]
     assert pool.cached_page_ids() == [5, 4]  # back in the prefix cache, tail first
+    assert pool.lookup(14) == 4  # hashes kept: a later request can still match them
     assert pool.reclaim_one() == "conv-late"
+    assert pool.reclaim_one() == "pin"
     assert pool.reclaim_one() is None  # only the hard lease is left
-    assert pool.reclaimed_leases == 2
+    assert pool.reclaimed_leases == 3
     assert pool.lease_ids() == ["hard"]
+    with pytest.raises(ValueError, match="reclaim must be one of"):
+        pool.pin("bad", [0], ttl_s=1, reclaim=3)
 
 
 def test_unhashed_pinned_pages_return_to_the_free_list_on_release() -> None:
