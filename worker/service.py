@@ -271,6 +271,7 @@ class WorkerService:
             "running": st.running,
             "waiting": st.waiting,
             "preemptions": st.preemptions,
+            "aged_pages": st.aged_pages,  # triaxial age-down: 4-bit pages re-stored at 2 bits
             "in_flight": len(self.engine.in_flight) if self.engine is not None else 0,
         }
 
