@@ -242,16 +242,40 @@ def main(argv: list[str] | None = None) -> int:
         shape = (cfg["num_key_value_heads"], cfg["head_dim"], cfg["num_hidden_layers"])
     nvfp4 = PageLayout.build("nvfp4", page_size=16, kv_heads=shape[0], head_dim=shape[1]).page_bytes * shape[2] / 16
     print_tables(results, fid, args, nvfp4)
+    print_projection(results)
     if args.json:
         args.json.write_text(json.dumps({m: [asdict(r) for r in rs] for m, rs in results.items()} | {"fidelity": fid}, indent=2))
     return 0
+
+
+def per_token(fmt: str, *, layers: int = 36, heads: int = 8, head_dim: int = 128) -> float:
+    """Bytes per token of one page format at the Qwen3-8B shape (all layers, K and V)."""
+    page = 16 if fmt == "nvfp4" else P
+    return PageLayout.build(fmt, page_size=page, kv_heads=heads, head_dim=head_dim).page_bytes * layers / page
+
+
+def print_projection(results: dict[str, list[TurnRow]]) -> None:
+    """The measured INT2 page shares at the Qwen3-8B KV shape (36 layers, 8 KV heads, 128 dims)."""
+    b4, b2, nv = per_token("int4"), per_token("int2"), per_token("nvfp4")
+    print()
+    print(f"# at the Qwen3-8B KV shape: INT4 {b4:.0f}, INT2 {b2:.0f}, nvfp4 {nv:.0f} B/token; "
+          "retained conversation at the measured INT2 page shares")
+    head = ["turn", "B/token off", "B/token on", "on/nvfp4", "bits/value on (incl. metadata)"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for off, on in zip(results["off"], results["on"]):
+        b_off = off.int2_share * b2 + (1 - off.int2_share) * b4
+        b_on = on.int2_share * b2 + (1 - on.int2_share) * b4
+        bits = b_on * 8 / (36 * 2 * 8 * 128)
+        print(f"| {on.turn} | {b_off:.0f} | {b_on:.0f} | {b_on / nv:.3f} | {bits:.2f} |")
 
 
 def print_tables(results: dict[str, list[TurnRow]], fid: list[dict[str, float]], args: Any, nvfp4: float) -> None:
     print(f"# age_down_cpu: triaxial (budget 2.7 default table), +{args.obs} tool-result tokens and {args.gen} "
           f"generated per turn; decode worker's retained conversation; nvfp4 = {nvfp4:.0f} B/token")
     head = ["turn", "prompt", "B/token off", "B/token on", "on/off", "on/nvfp4", "INT2 share off", "INT2 share on",
-            "fresh INT2 share", "KiB D->P off", "KiB D->P on", "KiB P->D off", "KiB P->D on", "aged P", "aged D"]
+            "fresh INT2 share", "KiB D->P off", "KiB D->P on", "KiB P->D off", "KiB P->D on",
+            "moved B/token off", "moved B/token on", "aged P", "aged D"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for off, on in zip(results["off"], results["on"]):
@@ -259,7 +283,9 @@ def print_tables(results: dict[str, list[TurnRow]], fid: list[dict[str, float]],
                f"{on.bytes_per_token / off.bytes_per_token:.3f}", f"{on.bytes_per_token / nvfp4:.3f}",
                f"{off.int2_share:.3f}", f"{on.int2_share:.3f}", f"{on.fresh_int2_share:.3f}",
                f"{off.bytes_d_to_p / 1024:.0f}", f"{on.bytes_d_to_p / 1024:.0f}",
-               f"{off.bytes_p_to_d / 1024:.0f}", f"{on.bytes_p_to_d / 1024:.0f}", on.aged_p, on.aged_d]
+               f"{off.bytes_p_to_d / 1024:.0f}", f"{on.bytes_p_to_d / 1024:.0f}",
+               f"{(off.bytes_d_to_p + off.bytes_p_to_d) / off.prompt:.0f}",
+               f"{(on.bytes_d_to_p + on.bytes_p_to_d) / on.prompt:.0f}", on.aged_p, on.aged_d]
         print("| " + " | ".join(str(c) for c in row) + " |")
     print()
     print("# fidelity: attention-output MSE (mean over heads) on the tiny model's real q/k/v, all full pages but "

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.kernels.intquant import dequantize_groups, dequantize_int2_keys, quantize_groups, quantize_int2_keys
@@ -15,6 +16,8 @@ from kvserving.kernels.page_ids import INT2_PAGE_FLAG as F
 from kvserving.tags import NUM_TAGS, encode_tag
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.kv_cache import KVCache, build_kv_cache
+from kvserving.worker.kv_stats import collect
+from kvserving.worker.metrics import WorkerMetrics
 from kvserving.worker.kv_storage import KVShape
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence
@@ -294,6 +297,14 @@ def test_engine_greedy_tokens_after_aging_equal_a_non_aged_run(tiny_model_dir: P
         outs[age_down] = eng.generate([follow], params, tags=[[OLD] * 160 + [NOW] * 4])[0]
         assert eng.kv.aged_pages == (5 if age_down else 0)
         assert sum(1 for p in eng.pool.cached_page_ids() if p & F) == (5 if age_down else 0)
+        # counted in /internal/kv/stats's snapshot and the worker metric
+        stats = collect(eng)
+        assert stats.aged_pages == stats.to_dict()["aged_pages"] == eng.kv.aged_pages
+        registry = CollectorRegistry()
+        metrics = WorkerMetrics(registry, role="both")
+        metrics.observe(stats)
+        metrics.observe(stats)  # moved by the growth only
+        assert registry.get_sample_value("kvserving_worker_kv_pages_aged_total") == eng.kv.aged_pages
     # measured: equal greedy tokens on the tiny model (12 of 12)
     assert outs[True] == outs[False]
 
@@ -326,3 +337,23 @@ def test_aged_attention_error_is_close_to_direct_int2_on_real_kv(tiny_model_dir:
     direct = float(head_mse(causal_attention(q, *stored(False), q_offset=0, sm_scale=scale), ref).mean())
     aged = float(head_mse(causal_attention(q, *stored(True), q_offset=0, sm_scale=scale), ref).mean())
     assert 0 < direct and aged <= 1.25 * direct, (aged, direct)
+
+
+@pytest.mark.gpu
+def test_requantize_on_gpu_writes_the_bytes_of_the_reference() -> None:
+    """The same storage op on CUDA tensors (Triton gather to fp32, Triton INT2 writer) gives
+    the bytes the CPU reference gives."""
+    stores = {}
+    for device in ("cpu", "cuda"):
+        cfg = KVCacheConfig(dtype="triaxial")
+        kv = build_kv_cache(cfg, SHAPE, budget_bytes=1 << 20, device=device, model_dtype=torch.float32, bits_table=TABLE)
+        for layer in range(SHAPE.num_layers):
+            rows = [token_kv(t, layer) for t in TOKENS[:64]]
+            k = torch.stack([r[0] for r in rows]).to(device)
+            v = torch.stack([r[1] for r in rows]).to(device)
+            ids = torch.tensor([0] * 32 + [1] * 32, dtype=torch.int32, device=device)
+            kv.storage.write(layer, k, v, ids, torch.arange(64, dtype=torch.int32, device=device) % 32)
+        kv.storage.requantize_to_int2([0, 1], [F | 0, F | 1])
+        stores[device] = kv
+    for pid in (F | 0, F | 1):
+        assert torch.equal(page_bytes(stores["cuda"], pid).cpu(), page_bytes(stores["cpu"], pid))
