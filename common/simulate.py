@@ -19,8 +19,8 @@ expire leases at ``retention_ttl_s``. Metrics are the benchmark's
 (bench/agents.py): prefix hit rate (cached / prompt tokens), reuse by source,
 evicted pages, requests/s, output tokens/s, TTFT p50/p99.
 
-``kvserving simulate`` runs it from the command line and answers the capacity
-question: the fewest GPUs that serve a population at a TTFT p99.
+``kvserving simulate`` (kvserving.sim_plan) runs it from the command line: the fewest
+GPUs that serve a population at a TTFT p99, and the replay of the benchmark's points.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from operator import attrgetter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from kvserving.agent_load import AgentSpec, LoadSpec, agent
@@ -557,310 +557,15 @@ def run_population(sim: Simulator, pop: Population, *, progress: Callable[[float
     return point
 
 
-# ---------------------------------------------------------------------------------- capacity planning
-def gpu_load(seed: int = 0, *, think_s: float = 30.0, output_tokens: int = 250, max_context: int = 32768,
-             shared_system_prompt: bool = True) -> LoadSpec:
-    """Coding-agent traffic at GPU scale: a 2K-token shared system prompt with 8 tools, turns of
-    tool results ~1.5K tokens, replies ~``output_tokens``, ``think_s`` mean think time (tool runs)."""
-    from kvserving.agent_load import Dist
-
-    return LoadSpec(
-        seed=seed,
-        system_tokens=Dist("uniform", 2000, 500, 1),
-        num_tools=Dist("uniform", 8, 2, 1, 12),
-        tool_description_tokens=Dist("uniform", 80, 40, 1),
-        turns=Dist("uniform", 20, 10, 1),
-        user_tokens=Dist("lognormal", 200, 0.6, 4, 2000),
-        output_tokens=Dist("uniform", output_tokens, output_tokens // 2, 1),
-        tool_call_prob=0.8,
-        tool_args_tokens=Dist("uniform", 30, 15, 1),
-        tool_result_tokens=Dist("lognormal", 1500, 0.8, 4, 8000),
-        think_time_s=Dist("exponential", think_s, 0.0, 0.0, 10 * think_s),
-        shared_system_prompt=shared_system_prompt,
-        max_context_tokens=max_context,
-    )
-
-
-def split_gpus(gpus: int, prefill_share: float) -> tuple[int, int]:
-    """(prefill, decode) workers, one GPU each, at least one of each."""
-    if gpus < 2:
-        raise ValueError(f"gpus must be >= 2 (one prefill and one decode worker), got {gpus}")
-    prefill = min(gpus - 1, max(1, round(gpus * prefill_share)))
-    return prefill, gpus - prefill
-
-
-def simulate_point(dtype: str, gpus: int, *, costs: CostModel, load: LoadSpec, pop: Population,
-                   prefill_share: float, reuse: ReuseConfig | None = None,
-                   progress: Callable[[float], None] | None = None,
-                   shapes: dict[int, AgentSpec] | None = None) -> dict[str, Any]:
-    prefill, decode = split_gpus(gpus, prefill_share)
-    cluster = ClusterSpec(dtype, prefill, decode, costs, reuse=reuse or ReuseConfig(),
-                          scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, chunk_size=2048))
-    sim = Simulator(cluster, load, sweep_s=max(30.0, min(cluster.gateway.lease_heartbeat_s, cluster.reuse.lease_ttl_s) / 4))
-    point = run_population(sim, pop, progress=progress, shapes=shapes)
-    point.update({"dtype": dtype, "gpus": gpus, "prefill_workers": prefill, "decode_workers": decode,
-                  "pool_tokens": cluster.pages_per_worker * cluster.effective_page_size,
-                  "turns_simulated": len(sim.records)})
-    return point
-
-
-def fewest_gpus(
-    dtype: str, max_gpus: int, ttft_p99_ms: float, *, probe: Population | None = None, **kw: Any
-) -> tuple[int | None, dict[str, Any]]:
-    """Binary search of the fewest GPUs (2..max_gpus) whose TTFT p99 is within ``ttft_p99_ms``
-    (more GPUs never make it worse, the search assumes); (None, the max_gpus point) if none.
-
-    ``probe``: a shorter population run for the search steps; the answer is then confirmed
-    with the full one (``kw['pop']``), searching upward with it if the confirmation fails."""
-    full = kw.pop("pop")
-
-    def meets(gpus: int, pop: Population) -> tuple[bool, dict[str, Any]]:
-        point = simulate_point(dtype, gpus, pop=pop, **kw)
-        return point["ttft_p99_ms"] <= ttft_p99_ms, point
-
-    def search(lo: int, hi: int, pop: Population, best: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        while lo < hi:  # hi meets the target
-            mid = (lo + hi) // 2
-            ok, point = meets(mid, pop)
-            if ok:
-                hi, best = mid, point
-            else:
-                lo = mid + 1
-        return hi, best
-
-    step = probe or full
-    ok, top = meets(max_gpus, step)
-    if not ok:
-        return None, simulate_point(dtype, max_gpus, pop=full, **kw) if step is not full else top
-    need, best = search(2, max_gpus, step, top)
-    if step is full:
-        return need, best
-    ok, point = meets(need, full)
-    if ok:
-        return need, point
-    if need == max_gpus:
-        return None, point
-    ok, top = meets(max_gpus, full)
-    if not ok:
-        return None, top
-    return search(need + 1, max_gpus, full, top)
-
-
-def plan(dtype: str, args: dict[str, Any], *, show_progress: bool) -> dict[str, Any]:
-    """One format's answer for ``kvserving simulate`` (a process-pool job: plain arguments)."""
-    import sys
-
-    from kvserving.sim_costs import CostModel
-
-    costs = CostModel.from_dict(args["costs"])
-    load = gpu_load(args["seed"], think_s=args["think_s"], output_tokens=args["output_tokens"],
-                    max_context=args["max_context"], shared_system_prompt=args["shared"])
-    pop = Population(args["agents"], args["duration_s"], warmup_s=args["warmup_s"], ramp_s=args["ramp_s"], shapes=args["shapes"])
-    duration = args["duration_s"]
-
-    def progress(t: float) -> None:
-        if show_progress:
-            done = int(30 * min(1.0, t / duration))
-            sys.stderr.write(f"\r{dtype:>9} [{'#' * done}{'.' * (30 - done)}] {t:6.0f} s simulated")
-            sys.stderr.flush()
-
-    kw: dict[str, Any] = dict(costs=costs, load=load, pop=pop, prefill_share=args["prefill_share"],
-                              reuse=ReuseConfig(bidirectional=args["reuse"]), progress=progress, shapes={})
-    if args["ttft_p99_ms"] is None:
-        point = simulate_point(dtype, args["gpus"], **kw)
-    else:
-        probe = None
-        if args["probe_s"] < duration:
-            probe = Population(args["agents"], args["probe_s"], warmup_s=min(args["warmup_s"], args["probe_s"] / 2),
-                               ramp_s=args["ramp_s"], shapes=args["shapes"])
-        need, point = fewest_gpus(dtype, args["gpus"], args["ttft_p99_ms"], probe=probe, **kw)
-        point["gpus"] = need
-        point["max_gpus"] = args["gpus"]
-    if show_progress:
-        sys.stderr.write("\r" + " " * 60 + "\r")
-    return point
-
-
-_COLUMNS = (
-    ("dtype", "dtype", "{}"), ("GPUs", "gpus", "{}"), ("P/D", "pd", "{}"), ("pool tok/GPU", "pool_tokens", "{:,}"),
-    ("hit", "hit_rate", "{:.3f}"), ("local", "local_share", "{:.3f}"), ("pulled", "pulled_share", "{:.3f}"),
-    ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"), ("p99 ms", "ttft_p99_ms", "{:.0f}"), ("req/s", "req_per_s", "{:.1f}"),
-    ("out tok/s", "output_tok_per_s", "{:,.0f}"), ("evicted P/D", "evicted", "{}"), ("turns", "turns_simulated", "{:,}"),
-)
-
-
-def format_table(points: list[dict[str, Any]]) -> str:
-    rows = [[title for title, _, _ in _COLUMNS]]
-    for p in points:
-        q = dict(p, pd=f"{p['prefill_workers']}/{p['decode_workers']}",
-                 evicted=f"{p['prefill_evicted_pages']:,}/{p['decode_evicted_pages']:,}")
-        if q.get("gpus") is None:
-            q["gpus"] = f">{p['max_gpus']}"
-        rows.append([fmt.format(q[key]) if not isinstance(q[key], str) else q[key] for _, key, fmt in _COLUMNS])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
+# ---------------------------------------------------------------------------------- the command
 def add_arguments(parser: Any) -> None:
-    from kvserving.argtypes import float_in, int_in
+    """``kvserving simulate`` (kvserving.sim_plan: capacity planning and validation)."""
+    from kvserving.sim_plan import add_arguments as add
 
-    parser.add_argument("--agents", type=int_in(1, 10_000_000), default=10_000, help="concurrent agents (slots running agents back to back)")
-    parser.add_argument("--gpus", type=int_in(2, 100_000), default=64, help="GPUs (one worker each); with --ttft-p99-ms the most to try")
-    parser.add_argument("--dtype", default="nvfp4,fp8", help="KV formats, comma-separated (bf16, fp8, nvfp4, triaxial)")
-    parser.add_argument("--ttft-p99-ms", type=float_in(0, 1e9, low_open=True), default=None,
-                        help="find the fewest GPUs whose TTFT p99 is within this")
-    parser.add_argument("--costs", default="h200-8b", help="cost profile: h200-8b, cpu-tiny, or a JSON file (kvserving.sim_costs)")
-    parser.add_argument("--kv-gib", type=float_in(0, 1e6, low_open=True), default=None, help="KV memory per GPU, GiB (default: the profile's)")
-    parser.add_argument("--prefill-share", type=float_in(0, 1, low_open=True), default=0.25, help="share of the GPUs that prefill")
-    parser.add_argument("--duration-s", type=float_in(0, 1e7, low_open=True), default=3600.0, help="simulated seconds")
-    parser.add_argument("--warmup-s", type=float_in(0, 1e7), default=300.0, help="metrics ignore turns sent before this")
-    parser.add_argument("--ramp-s", type=float_in(0, 1e7), default=60.0, help="agents start spread over this")
-    parser.add_argument("--think-s", type=float_in(0, 1e6, low_open=True), default=30.0, help="mean think time between turns")
-    parser.add_argument("--output-tokens", type=int_in(1, 1_000_000), default=250, help="mean reply tokens")
-    parser.add_argument("--max-context", type=int_in(64, 10_000_000), default=32768, help="tokens an agent's history may reach")
-    parser.add_argument("--per-agent-system-prompt", action="store_true", help="every agent its own system prompt (default: shared)")
-    parser.add_argument("--no-reuse", action="store_true", help="bidirectional reuse off (the prefill's own prefix cache only)")
-    parser.add_argument("--shapes", type=int_in(1, 1_000_000), default=128, help="distinct agent shapes drawn (see Population)")
-    parser.add_argument("--probe-s", type=float_in(0, 1e7, low_open=True), default=900.0,
-                        help="with --ttft-p99-ms: simulated seconds of each search step; the answer is confirmed over --duration-s")
-    parser.add_argument("--jobs", type=int_in(1, 256), default=2, help="formats simulated at once, one process each")
-    parser.add_argument("--seed", type=int, default=0, help="agent population seed")
-    parser.add_argument("--json", default=None, help="write the points as JSON here")
-    parser.add_argument("--validate", default=None, metavar="BENCH_JSON",
-                        help="instead: re-run bench/agents.py's points (its JSON) and print simulated vs measured")
+    add(parser)
 
 
 def run(args: Any) -> int:
-    import json
-    import sys
-    import time
+    from kvserving.sim_plan import run as go
 
-    from kvserving.sim_costs import canonical_dtype, load_costs
-
-    if args.validate is not None:
-        with open(args.validate) as fh:
-            measured = json.load(fh)
-        costs_name = args.costs if args.costs != "h200-8b" else "cpu-tiny"
-        print(format_validation(validate_points(measured, load_costs(costs_name))))
-        return 0
-    dtypes = [canonical_dtype(d.strip()) for d in str(args.dtype).split(",") if d.strip()]
-    if not dtypes:
-        raise ValueError("--dtype names no format")
-    if args.warmup_s >= args.duration_s:
-        raise ValueError(f"--warmup-s ({args.warmup_s}) must be < --duration-s ({args.duration_s})")
-    costs = load_costs(args.costs)
-    if args.kv_gib is not None:
-        from dataclasses import replace
-
-        costs = replace(costs, kv_bytes_per_worker=int(args.kv_gib * 2**30))
-    for dtype in dtypes:
-        if not costs.supports(dtype):
-            raise ValueError(f"cost profile {costs.name!r} has no decode cost for {dtype}")
-    Population(args.agents, args.duration_s, warmup_s=args.warmup_s, ramp_s=args.ramp_s, shapes=args.shapes)
-    job = {"costs": costs.to_dict(), "seed": args.seed, "think_s": args.think_s, "output_tokens": args.output_tokens,
-           "max_context": args.max_context, "shared": not args.per_agent_system_prompt, "agents": args.agents,
-           "duration_s": args.duration_s, "warmup_s": args.warmup_s, "ramp_s": args.ramp_s, "shapes": args.shapes,
-           "prefill_share": args.prefill_share, "reuse": not args.no_reuse, "gpus": args.gpus,
-           "ttft_p99_ms": args.ttft_p99_ms, "probe_s": args.probe_s}
-    tty = sys.stderr.isatty()
-    t0 = time.perf_counter()
-    jobs = max(1, min(args.jobs, len(dtypes)))
-    if jobs == 1:
-        points = [plan(d, job, show_progress=tty) for d in dtypes]
-    else:
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(max_workers=jobs) as pool:  # one format per core
-            futures = [pool.submit(plan, d, job, show_progress=tty and i == 0) for i, d in enumerate(dtypes)]
-            points = [f.result() for f in futures]
-    target = f", TTFT p99 <= {args.ttft_p99_ms:g} ms" if args.ttft_p99_ms is not None else ""
-    print(f"{args.agents:,} agents, {args.duration_s:g} s simulated (metrics after {args.warmup_s:g} s), costs {costs.name}{target}")
-    print(format_table(points))
-    print(f"simulated in {time.perf_counter() - t0:.1f} s")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "costs": costs.to_dict(),
-                       "points": points}, fh, indent=1, default=str)
-    return 0
-
-
-# ---------------------------------------------------------------------------------- validation
-BENCH_FORMATS = {"bf16": "bf16", "fp8": "fp8_e4m3", "nvfp4": "nvfp4", "triaxial": "triaxial"}
-VALIDATED = ("hit_rate", "hit_rate_later_turns", "local_share", "pulled_share", "req_per_s", "output_tok_per_s",
-             "ttft_p50_ms", "ttft_p99_ms", "prefill_evicted_pages", "decode_evicted_pages")
-
-
-def load_spec_from_dict(data: dict[str, Any]) -> LoadSpec:
-    """The ``LoadSpec`` bench/agents.py wrote with ``dataclasses.asdict``."""
-    from kvserving.agent_load import Dist
-
-    if not isinstance(data, dict):
-        raise ValueError("the benchmark JSON has no 'load' object")
-    fields: dict[str, Any] = {k: Dist(**v) if isinstance(v, dict) else v for k, v in data.items()}
-    try:
-        return LoadSpec(**fields)
-    except TypeError as exc:
-        raise ValueError(f"bad 'load' in the benchmark JSON: {exc}") from exc
-
-
-def bench_reuse(mode: str, ttl_s: float) -> ReuseConfig:
-    """bench/agents.py's reuse modes."""
-    if mode == "lease":
-        return ReuseConfig()
-    if mode == "ttl":
-        return ReuseConfig(retention_ttl_s=ttl_s, lease_ttl_s=ttl_s / 2)
-    if mode == "off":
-        return ReuseConfig(bidirectional=False)
-    raise ValueError(f"unknown benchmark mode {mode!r}")
-
-
-def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str, Any]]:
-    """Re-run bench/agents.py's points (same agents, KV budget, scheduler, reuse mode, one
-    stack per format and mode, points in the order they ran) in the simulator; one row per
-    point with the simulated and the measured metrics."""
-    from dataclasses import replace
-
-    try:
-        load = load_spec_from_dict(measured["load"])
-        points = list(measured["points"])
-        kv_bytes = int(measured["kv_kib_per_worker"]) * 1024
-        ttl_s = float(measured.get("ttl_s", 3.0))
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"not a bench/agents.py result: {exc}") from exc
-    sched = SchedulerConfig(**measured.get("scheduler", {"max_num_seqs": 32, "max_num_batched_tokens": 1024, "chunk_size": 512}))
-    costs = replace(costs, kv_bytes_per_worker=kv_bytes)
-    sims: dict[tuple[str, str], Simulator] = {}
-    rows: list[dict[str, Any]] = []
-    first = 0
-    for p in points:
-        fmt, mode, n = p["format"], p["mode"], int(p["concurrency"])
-        key = (fmt, mode)
-        if key not in sims:
-            cluster = ClusterSpec(BENCH_FORMATS[fmt], 1, 1, costs, reuse=bench_reuse(mode, ttl_s), scheduler=sched)
-            sims[key] = Simulator(cluster, load)
-        sim_point = run_bench_point(sims[key], range(first, first + n))
-        first += n
-        rows.append({"format": fmt, "mode": mode, "concurrency": n,
-                     "sim": {k: sim_point.get(k) for k in VALIDATED},
-                     "measured": {k: p.get(k) for k in VALIDATED}})
-    return rows
-
-
-def format_validation(rows: list[dict[str, Any]]) -> str:
-    cols = (("hit", "hit_rate", "{:.2f}"), ("hit2+", "hit_rate_later_turns", "{:.2f}"), ("pulled", "pulled_share", "{:.2f}"),
-            ("req/s", "req_per_s", "{:.2f}"), ("TTFT p50", "ttft_p50_ms", "{:.0f}"), ("p99", "ttft_p99_ms", "{:.0f}"),
-            ("evict P", "prefill_evicted_pages", "{}"), ("evict D", "decode_evicted_pages", "{}"))
-    head = ["format", "mode", "N"] + [f"{t} sim/meas" for t, _, _ in cols]
-    table = [head]
-    for r in rows:
-        cells = [r["format"], r["mode"], str(r["concurrency"])]
-        for _, key, fmt in cols:
-            s, m = r["sim"].get(key), r["measured"].get(key)
-            cells.append(f"{fmt.format(s) if s is not None else '-'} / {fmt.format(m) if m is not None else '-'}")
-        table.append(cells)
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return go(args)

@@ -14,7 +14,8 @@ from kvserving.config import GatewayConfig, ReuseConfig
 from kvserving.gateway.router import WorkerView, choose_decode, choose_prefill
 from kvserving.sim_cache import PageCache
 from kvserving.sim_costs import CostModel, canonical_dtype, load_costs
-from kvserving.simulate import ClusterSpec, Population, Simulator, split_gpus, validate_points
+from kvserving.sim_plan import split_gpus, validate_points
+from kvserving.simulate import ClusterSpec, Population, Simulator
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = ROOT / "bench" / "sim_costs_cpu_measured.json"
@@ -198,7 +199,7 @@ def test_hit_rate_agrees_with_the_benchmark_on_the_cpu_stack() -> None:
 
 
 def test_a_small_population_runs_and_reuses_kv() -> None:
-    from kvserving.simulate import gpu_load, simulate_point
+    from kvserving.sim_plan import gpu_load, simulate_point
 
     point = simulate_point("nvfp4", 4, costs=load_costs("h200-8b"), load=gpu_load(0, think_s=5.0, output_tokens=50,
                            max_context=8192), pop=Population(8, 120.0, warmup_s=20.0, ramp_s=5.0, shapes=4),
