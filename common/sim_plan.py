@@ -293,6 +293,9 @@ def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str
         raise ValueError(f"not a bench/agents.py result: {exc}") from exc
     sched = SchedulerConfig(**measured.get("scheduler", {"max_num_seqs": 32, "max_num_batched_tokens": 1024, "chunk_size": 512}))
     costs = replace(costs, kv_bytes_per_worker=kv_bytes)
+    scheme = measured.get("agent_index", "1000n")
+    if scheme not in ("1000n", "sequential"):
+        raise ValueError(f"agent_index must be '1000n' or 'sequential', got {scheme!r}")
     sims: dict[tuple[str, str], Simulator] = {}
     rows: list[dict[str, Any]] = []
     first = 0
@@ -302,8 +305,15 @@ def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str
         if key not in sims:
             cluster = ClusterSpec(BENCH_FORMATS[fmt], 1, 1, costs, reuse=bench_reuse(mode, ttl_s), scheduler=sched)
             sims[key] = Simulator(cluster, load)
-        sim_point = run_bench_point(sims[key], range(first, first + n))
+        # which agents the point ran: bench/agents.py's point_agents (1000 N .. 1000 N + N - 1),
+        # or (its first cut) indices in run order
+        agents = range(1000 * n, 1000 * n + n) if scheme == "1000n" else range(first, first + n)
         first += n
+        seen = {int(r["agent"]) for r in p.get("records") or []}
+        if seen and not seen <= set(agents):
+            raise ValueError(f"point {fmt}/{mode} N={n} ran agents {min(seen)}..{max(seen)}, not {agents} "
+                             f"(set agent_index in the JSON: '1000n' or 'sequential')")
+        sim_point = run_bench_point(sims[key], agents)
         rows.append({"format": fmt, "mode": mode, "concurrency": n,
                      "sim": {k: sim_point.get(k) for k in VALIDATED},
                      "measured": {k: p.get(k) for k in VALIDATED}})

@@ -480,6 +480,7 @@ def run_bench_point(sim: Simulator, agent_ids: range) -> dict[str, Any]:
     spread over one mean think time; returns the point's metrics (evictions included)."""
     sim.release_all_leases()
     before = sim.evicted_pages()
+    reclaimed = sim.reclaimed_leases()
     start = sim.now
     first_record = len(sim.records)
     n = len(agent_ids)
@@ -493,6 +494,7 @@ def run_bench_point(sim: Simulator, agent_ids: range) -> dict[str, Any]:
     after = sim.evicted_pages()
     point["prefill_evicted_pages"] = after["prefill"] - before["prefill"]
     point["decode_evicted_pages"] = after["decode"] - before["decode"]
+    point["decode_reclaimed_leases"] = sim.reclaimed_leases() - reclaimed
     point["concurrency"] = n
     return point
 
@@ -553,6 +555,7 @@ def run_population(sim: Simulator, pop: Population, *, progress: Callable[[float
     waiting = [min(req.first_token_at or end, end) - req.sent_at for req in sim.in_flight() if req.sent_at >= pop.warmup_s]
     point = summarize(records, window, waiting_ttfts=waiting)
     point.update({f"{k}_evicted_pages": v for k, v in sim.evicted_pages().items()})
+    point["decode_reclaimed_leases"] = sim.reclaimed_leases()
     point["unfinished"] = len(waiting)
     return point
 
