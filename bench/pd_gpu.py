@@ -376,10 +376,11 @@ def build_model(plan: Plan) -> Path:
 
     import shutil
 
+    from kvserving.config import ModelConfig
     from kvserving.model_dir import resolve_model_dir
 
     out.mkdir(parents=True, exist_ok=True)
-    tiny = resolve_model_dir("")  # builds the tiny model locally once (no download)
+    tiny = resolve_model_dir(ModelConfig())  # the built-in tiny model, built locally once (no download)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(tiny / name, out / name)
     cfg = dict(QWEN3_8B, vocab_size=json.loads((tiny / "config.json").read_text())["vocab_size"])
@@ -648,8 +649,10 @@ def one_length(client: Any, p: Worker, d: Worker, L: int, plan: Plan, rng: rando
         # conversation key the gateway derives from prompt_cache_key; the gateway finds the
         # lease by asking the decode worker (a lease-table miss), routes, relays
         gkey = uuid.uuid4().hex
+        # tagged as the gateway tags a prompt given as token ids (current user text: 4-bit), so
+        # that the turn's own tags want no page at a higher precision than the decode stored
         gsetup = generate(client, d.url, hist, max_tokens=plan.gen, key=f"cache:{gkey}", retain=True,
-                          tags=history_tags(len(hist)))
+                          tags=[NEW_TAG] * len(hist))
         x_gw = hist + gsetup.tokens + rand_ids(rng, plan.new, vocab)
         row["gw_on"] = gateway_turn(client, gateway, x_gw, key=gkey, max_tokens=plan.gen)
         release_all(client, p, d)

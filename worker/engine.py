@@ -100,8 +100,13 @@ class LLMEngine:
         logger.info("%s", self.kv_cache.describe())
         self.scheduler = Scheduler(config.scheduler, self.kv_cache.manager)
         self.attention = PagedAttention(self.storage, head_dim=args.head_dim, workspace_tokens=self.max_model_len, dtype=self.dtype)
+        # Graphs need ops without host syncs: not the reference ops (they validate page ids on
+        # the host) nor value checks, which KVSERVING_PAGED_BACKEND / _CHECK_VALUES ask for.
+        opts = self.storage.options
+        capturable = opts.backend != "reference" and not opts.check_values
         self.runner = ModelRunner(
-            self.model, self.attention, device=self.device, use_graphs=self.device.type == "cuda" and not enforce_eager,
+            self.model, self.attention, device=self.device,
+            use_graphs=self.device.type == "cuda" and not enforce_eager and capturable,
             max_batch=config.scheduler.max_num_seqs, max_model_len=self.max_model_len, pool=self.pool,
         )
         self.requests: dict[str, Sequence] = {}
