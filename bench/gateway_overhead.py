@@ -27,8 +27,10 @@ numbers measure queueing, not the gateway.
 The table gives p50 and p99 of each and their difference (goal at 200
 sessions: p50 added <= 2 ms, p99 added <= 10 ms), and the gateway's CPU per
 request from /proc (its background work, health polls and lease beats,
-measured while idle and subtracted): the number that does not depend on what
-else runs on the machine.
+measured while idle and subtracted): the number that depends least on what
+else runs on the machine; next to it, the fake worker's CPU per request in the
+direct runs (a FastAPI server streaming the same tokens: the scale of one HTTP
+hop in Python on the same machine at the same moment).
 """
 
 from __future__ import annotations
@@ -207,23 +209,26 @@ class Row:
     direct: list[float]
     gateway: list[float]
     cpu_ms: float  # gateway CPU per request, background subtracted
+    worker_cpu_ms: float  # the fake worker's CPU per request in the direct runs: the same work without the gateway
 
 
 def run_row(n: int, think_s: float, args: argparse.Namespace, *, tagger: ChatTagger, reply: str, worker_url: str,
-            gw_url: str, gw_pid: int, idle_cpu_per_s: float) -> Row:
+            gw_url: str, gw_pid: int, worker_pid: int, idle_cpu_per_s: float) -> Row:
     direct: list[float] = []
     gateway: list[float] = []
-    gw_cpu = 0.0
+    gw_cpu = worker_cpu = 0.0
     rounds = max(args.rounds, -(-args.min_requests // (n * args.turns)))
     for r in range(rounds):  # interleave so drift on a shared machine hits both alike
         waits = think_times(n, args.turns, think_s, seed=r)
         plan = bodies(n, args.turns, reply, tagger, via_gateway=False, max_tokens=args.max_tokens)
+        before = cpu_s(worker_pid)
         direct += asyncio.run(measure(worker_url, plan, waits, via_gateway=False))
+        worker_cpu += cpu_s(worker_pid) - before
         plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
         before, t0 = cpu_s(gw_pid), time.monotonic()
         gateway += asyncio.run(measure(gw_url, plan, waits, via_gateway=True))
         gw_cpu += cpu_s(gw_pid) - before - idle_cpu_per_s * (time.monotonic() - t0)
-    return Row(n, think_s, direct, gateway, 1e3 * gw_cpu / len(gateway))
+    return Row(n, think_s, direct, gateway, 1e3 * gw_cpu / len(gateway), 1e3 * worker_cpu / len(direct))
 
 
 def main() -> int:
@@ -265,19 +270,19 @@ def main() -> int:
         plan = [(int(x), args.think_s) for x in args.sessions.split(",") if x]
         plan += [(int(x), 0.0) for x in args.saturation.split(",") if x]
         rows = [run_row(n, think, args, tagger=tagger, reply=reply, worker_url=worker_url, gw_url=gw_url,
-                        gw_pid=procs[1].pid, idle_cpu_per_s=idle) for n, think in plan]
+                        gw_pid=procs[1].pid, worker_pid=procs[0].pid, idle_cpu_per_s=idle) for n, think in plan]
         print(f"gateway overhead: TTFT through the gateway minus straight to the worker ({args.turns} turns per session, "
               f"fake worker answering instantly, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
               f"gateway idle CPU {1e3 * idle:.1f} ms/s subtracted)\n")
         print("| think time | sessions | requests | direct p50 ms | direct p99 ms | gateway p50 ms | gateway p99 ms "
-              "| added p50 ms | added p99 ms | gateway CPU ms/request |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| added p50 ms | added p99 ms | gateway CPU ms/request | worker CPU ms/request (direct) |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for row in rows:
             d50, d99, g50, g99 = (1e3 * pct(v, q) for v, q in
                                   ((row.direct, 0.5), (row.direct, 0.99), (row.gateway, 0.5), (row.gateway, 0.99)))
             load = f"exp. mean {row.think_s:g} s" if row.think_s > 0 else "none (saturation)"
             print(f"| {load} | {row.sessions} | {len(row.gateway)} | {d50:.2f} | {d99:.2f} | {g50:.2f} | {g99:.2f} "
-                  f"| {g50 - d50:.2f} | {g99 - d99:.2f} | {row.cpu_ms:.2f} |")
+                  f"| {g50 - d50:.2f} | {g99 - d99:.2f} | {row.cpu_ms:.2f} | {row.worker_cpu_ms:.2f} |")
     finally:
         for proc in procs:
             if proc.poll() is None:
