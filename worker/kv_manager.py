@@ -13,7 +13,8 @@ drops its ref on the old page, which goes back to the free list once nobody
 else holds it (``TriaxialPagePool.retire``). Pages are never changed in place,
 so a lease or another running sequence reading the old page sees the same
 bytes. Without INT2 room the page stays 4-bit (no eviction of retained
-conversations for it).
+conversations for it). ``age_cached`` does the same before a KV pull, for
+pages the sender offers at 2 bits that this worker holds at 4.
 """
 
 from __future__ import annotations
