@@ -595,7 +595,8 @@ class KVTransfer:
         plan.want = [j for j in range(i, plan.matched) if pool.lookup(plan.hashes[j]) is None]
         if plan.local_pids:
             plan.local_pin = f"{PIN_LEASE_PREFIX}{uuid.uuid4().hex}.local"
-            pool.pin(plan.local_pin, plan.local_pids, ttl_s=self._pin_ttl(), reclaim=RECLAIM_LAST)
+            # held only while the pull runs, and never reclaimed: ``_adopt`` re-pins these pages
+            pool.pin(plan.local_pin, plan.local_pids, ttl_s=self._pin_ttl())
         return plan
 
     def _pin_ttl(self) -> float:
