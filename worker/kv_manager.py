@@ -259,10 +259,13 @@ class KVCacheManager:
         first = len(seq.page_ids)
         # one all-or-nothing placement (across both ends of a triaxial buffer)
         bits = self.page_bits_for(seq, first, first + need)
-        got = self.pool.allocate(bits)
+        # placement hints: extend the sequence's last page in place, room for all its known tokens
+        after = seq.page_ids[-1] if seq.page_ids else None
+        expect = -(-seq.num_tokens // self.page_size) - first
+        got = self.pool.allocate_next(bits, after=after, expect=expect)
         # retained conversations yield to live requests, least recently active first
         while got is None and self.pool.reclaim_one() is not None:
-            got = self.pool.allocate(bits)
+            got = self.pool.allocate_next(bits, after=after, expect=expect)
         if got is None:
             return False
         seq.page_ids.extend(got)

@@ -13,15 +13,34 @@ A page is in one of three states::
        └──────────────────────  cached ────┘
                             (ref 0, hashed: evictable)
 
-Policies, exact so tests can assert them (and the same for the triaxial pool,
-which shares this code through ``PagePoolBase``):
+Policies, exact so tests can assert them (the triaxial pool shares all but
+the placement through ``PagePoolBase``; it keeps lowest-id-first placement at
+each end of its buffer, see ``_Region``):
 
-- **Free list: lowest free page id first.** Freed pages go back to a min-heap,
-  so the live pages stay packed at the bottom (the triaxial pool needs that to
-  shrink its high-water marks; NIXL descriptors coalesce better too).
-- **allocate** is all-or-nothing and prefers, in order: free pages, then never
-  used space above the high-water mark, then evicting cached pages, least
-  recently used first. Evicting a page removes its hash from the map.
+- **Placement: sequences in long runs** (plain pool). A KV READ costs ~7 us
+  per contiguous region on GPUs (DESIGN.md "Worker"), and page ids are
+  consecutive in memory per layer, so a sequence's pages should be
+  consecutive ids. Free pages are kept as maximal runs; ``allocate(bits,
+  after=t, expect=e)`` (``after``: the sequence's last page, ``expect``: the
+  pages it will need for the tokens known so far) takes, in order:
+
+  1. **extend in place**: the free run starting at ``t + 1``, from its start;
+  2. **best fit**: the smallest free run holding ``max(left, expect left)``
+     pages (lowest id on ties) whose page before it is not a *growing tail*,
+     from its start;
+  3. **else the longest run** (lowest id on ties), from its start, or, when
+     a growing tail ends right before it, from its middle (the first half
+     stays for that sequence to extend into) or as far forward as needed for
+     the pages left to fit; repeat until served.
+
+  A *growing tail* is the last page of an allocation, until a later
+  allocation names it in ``after`` or its ref count drops to 0. Concurrent
+  sequences thus grow in separate runs instead of interleaving page by page.
+- **allocate** is all-or-nothing: when free pages are short it first evicts
+  cached pages, least recently used first (their slots join the free runs),
+  then places as above. So capacity and eviction order are exactly those of
+  "free pages first, then LRU" whatever the placement. Evicting a page
+  removes its hash from the map.
 - **LRU order.** A page's clock starts when its last ref goes (``free``) and it
   leaves the LRU when it is matched or ref'd again. ``free(ids)`` treats ``ids``
   as one sequence's page list in order and queues them for eviction *last page
@@ -50,6 +69,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+from bisect import bisect_left, insort
 import struct
 import time
 from collections import Counter, OrderedDict
@@ -124,7 +144,7 @@ def chain_hashes(
 
 
 class _Region:
-    """Page slots ``index < hwm`` of one contiguous region; slots above ``hwm`` were never used
+    """(The triaxial pool's two ends; the plain pool uses ``_Runs``.) Page slots ``index < hwm`` of one contiguous region; slots above ``hwm`` were never used
     (or were given back). Free slots below ``hwm`` wait in a min-heap; the top slot is never
     free (``put_free`` lowers ``hwm`` past free slots), so ``hwm`` is exactly the extent in use."""
 
@@ -171,6 +191,88 @@ class _Region:
             self.hwm -= 1
 
 
+class _Runs(_Region):
+    """The plain pool's one region: every slot ``0..num_pages-1`` exists (``hwm`` is fixed)
+    and the free ones are kept as maximal runs of consecutive ids::
+
+        ids   0 1 2 3 4 5 6 7 8 9
+              # # . . . # . . # #     # live, . free
+        runs  start 2 len 3, start 6 len 2   (_len / _end by start / end, _by_len sorted)
+
+    ``_by_len`` holds ``(length, start)`` sorted, so best fit and longest run are a bisect;
+    freeing a page merges it with the runs either side (two dict look-ups)."""
+
+    __slots__ = ("_len", "_end", "_by_len", "_num_free")
+
+    def __init__(self, num_pages: int) -> None:
+        super().__init__(flag=0)
+        self.hwm = num_pages
+        self._len: dict[int, int] = {}  # run start -> length
+        self._end: dict[int, int] = {}  # run end (exclusive) -> start
+        self._by_len: list[tuple[int, int]] = []  # (length, start), sorted
+        self._num_free = 0
+        self._add(0, num_pages)
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def _add(self, start: int, n: int) -> None:
+        self._len[start] = n
+        self._end[start + n] = start
+        insort(self._by_len, (n, start))
+        self._num_free += n
+
+    def _remove(self, start: int) -> int:
+        n = self._len.pop(start)
+        del self._end[start + n]
+        del self._by_len[bisect_left(self._by_len, (n, start))]
+        self._num_free -= n
+        return n
+
+    def run_at(self, start: int) -> int:
+        """Length of the free run starting at ``start`` (0 if none does)."""
+        return self._len.get(start, 0)
+
+    def runs(self) -> list[tuple[int, int]]:
+        """Free runs as ``(start, length)``, by start."""
+        return sorted(self._len.items())
+
+    def put_free(self, index: int) -> None:
+        start, end = index, index + 1
+        if (left := self._end.get(start)) is not None:
+            self._remove(left)
+            start = left
+        if end in self._len:
+            end += self._remove(end)
+        self._add(start, end - start)
+
+    def take(self, start: int, k: int, run_start: int) -> list[int]:
+        """Slots ``start..start+k-1`` out of the free run that starts at ``run_start``."""
+        n = self._remove(run_start)
+        assert run_start <= start and start + k <= run_start + n
+        if start > run_start:
+            self._add(run_start, start - run_start)
+        if start + k < run_start + n:
+            self._add(start + k, run_start + n - start - k)
+        return list(range(start, start + k))
+
+    def place(self, n: int, goal: int, tails: set[int]) -> tuple[int, int, int]:
+        """Where the next ``n`` pages of a sequence that expects ``goal`` go: ``(start, count,
+        run_start)``; steps 2 and 3 of the placement policy (module docstring)."""
+        by_len = self._by_len
+        for i in range(bisect_left(by_len, (goal, -1)), len(by_len)):
+            length, start = by_len[i]
+            if start - 1 not in tails:  # best fit nobody is growing into
+                return start, min(n, length), start
+            # else skip it: at most one run per growing tail is skipped
+        length, run_start = by_len[bisect_left(by_len, (by_len[-1][0], -1))]
+        # a growing tail ends right before it: leave it the first half, less if that makes
+        # the n pages fit in one piece
+        start = run_start + (min(length // 2, length - min(n, length)) if run_start - 1 in tails else 0)
+        return start, min(n, run_start + length - start), run_start
+
+
 class PagePoolBase:
     """Ref counts, prefix hashes, LRU and leases over one or more ``_Region``s.
 
@@ -206,6 +308,12 @@ class PagePoolBase:
         """One page per entry of ``page_bits`` (its precision), in that order, ref 1 each;
         all or nothing: None, changing nothing, when they do not all fit."""
         raise NotImplementedError
+
+    def allocate_next(self, page_bits: Sequence[int], *, after: int | None, expect: int = 0) -> list[int] | None:
+        """``allocate`` for a sequence whose last page is ``after`` (None: it has none yet) and
+        that expects ``expect`` more pages for the tokens known now: a pool that places pages in
+        runs uses the hints (``PagePool``); this default ignores them."""
+        return self.allocate(page_bits)
 
     # -- inspection -------------------------------------------------------------------------
     @property
@@ -428,15 +536,17 @@ class PagePoolBase:
 
 
 class PagePool(PagePoolBase):
-    """``num_pages`` pages of ``page_size`` tokens, ids ``0..num_pages-1``. Pure Python."""
+    """``num_pages`` pages of ``page_size`` tokens, ids ``0..num_pages-1``, placed in runs
+    (module docstring). Pure Python."""
 
     def __init__(self, num_pages: int, *, page_size: int, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(page_size=page_size, clock=clock)
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
-        self._region = _Region(flag=0)
+        self._region = _Runs(num_pages)
         self._regions = (self._region,)
+        self._tails: set[int] = set()  # growing tails: see the placement policy
 
     def _region_of(self, page_id: int) -> _Region:
         return self._region
@@ -448,12 +558,18 @@ class PagePool(PagePoolBase):
     @property
     def num_free(self) -> int:
         """Pages ``allocate`` can hand out now: free ones plus evictable cached ones."""
-        r = self._region
-        return r.num_free + (self.num_pages - r.hwm) + len(r.lru)
+        return self._region.num_free + len(self._region.lru)
 
     def num_free_pages(self, *, bits: int) -> int:
         _check_plain_bits([bits])
         return self.num_free
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        """Free (never cached) pages as runs ``(start, length)``, by start."""
+        return self._region.runs()
+
+    def growing_tails(self) -> list[int]:
+        return sorted(self._tails)
 
     def capacity_tokens(self, frac_int2: float = 0.0) -> int:
         """Tokens of the whole pool (it has no INT2 pages: ``frac_int2`` must be 0)."""
@@ -463,14 +579,42 @@ class PagePool(PagePoolBase):
 
     def allocate(self, page_bits: Sequence[int]) -> list[int] | None:
         """One page per entry of ``page_bits`` (each must be 4: this pool has one precision),
-        ref 1 each, lowest free ids first, then LRU evictions; None if even evicting every
-        cached page would not give them all (nothing changes then)."""
+        ref 1 each, placed as a new sequence's (best fit, see the module docstring); None if
+        even evicting every cached page would not give them all (nothing changes then)."""
+        return self.allocate_next(page_bits, after=None, expect=0)
+
+    def allocate_next(self, page_bits: Sequence[int], *, after: int | None, expect: int = 0) -> list[int] | None:
+        """``allocate`` for a sequence whose last page is ``after`` and that expects ``expect``
+        more pages: extend in place, else best fit for ``max(len, expect)``, else the longest
+        runs (module docstring)."""
         _check_plain_bits(page_bits)
+        if after is not None:
+            self._check_id(after)
         n = len(page_bits)
         if n > self.num_free:
             return None
-        r = self._region
-        return self._own(self._fill(r, n, room=self.num_pages - r.hwm))
+        runs = self._region
+        while runs.num_free < n:  # LRU first; the slots join the free runs
+            pid = next(iter(runs.lru))
+            self._evict(pid)
+            runs.put_free(pid)
+        ids: list[int] = []
+        if after is not None:
+            self._tails.discard(after)
+            if n and (length := runs.run_at(after + 1)):
+                ids += runs.take(after + 1, min(n, length), after + 1)
+        while len(ids) < n:
+            start, k, run_start = runs.place(n - len(ids), max(n, expect) - len(ids), self._tails)
+            ids += runs.take(start, k, run_start)
+        if ids:
+            self._tails.add(ids[-1])
+        return self._own(ids)
+
+    def free(self, page_ids: Sequence[int]) -> None:
+        super().free(page_ids)
+        for pid in page_ids:
+            if pid in self._tails and self.ref_count(pid) == 0:
+                self._tails.discard(pid)
 
 
 def _check_plain_bits(page_bits: Sequence[int]) -> None:
