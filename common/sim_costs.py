@@ -74,6 +74,7 @@ class CostModel:
     prompt_token_offset: float = 0.0
     reply_lost_tokens: int = 0
     triaxial_bit_budget: float = 2.7
+    triaxial_int2_share: float | None = None  # share of pages stored INT2; None: what the bit budget gives
     source: str = ""
     notes: dict[str, str] = field(default_factory=dict)
 
@@ -107,6 +108,9 @@ class CostModel:
                 if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                     raise ValueError(f"costs.{name}[{dtype!r}] must be a finite number >= 0, got {value!r}")
         frac_int2_for_budget(self.triaxial_bit_budget)  # ValueError outside [2, 4]
+        share = self.triaxial_int2_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0):
+            raise ValueError(f"costs.triaxial_int2_share must be in [0, 1] or null, got {share!r}")
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
@@ -143,10 +147,14 @@ class CostModel:
         return dtype in self.decode_ctx_s
 
     def page_bytes(self, dtype: str, page_size: int) -> float:
-        """Bytes one page takes in every layer (triaxial: the INT2/INT4 mix of the bit budget)."""
+        """Bytes one page takes in every layer (triaxial: the INT2/INT4 page mix, measured or the
+        bit budget's: a page is INT2 only when all its tokens are 2-bit, so short agent histories
+        store far fewer INT2 pages than the budget allows)."""
         shape = {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
         if dtype == "triaxial":
-            per_token = bytes_per_token(dtype, frac_int2=frac_int2_for_budget(self.triaxial_bit_budget), **shape)
+            share = self.triaxial_int2_share
+            frac = frac_int2_for_budget(self.triaxial_bit_budget) if share is None else float(share)
+            per_token = bytes_per_token(dtype, frac_int2=frac, **shape)
         else:
             per_token = bytes_per_token(dtype, **shape)
             if dtype == "bf16" and self.fp32_unquantized:

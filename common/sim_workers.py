@@ -15,7 +15,10 @@ with the policies of ``worker/engine.py``, ``worker/scheduler.py`` and
   The prefill worker's sampled token is the reply's first (gateway/turn.py:
   TTFT is the prefill's); the decode computes it and the few prompt tokens it
   neither holds nor pulled (stalling the batch that long), then runs
-  ``output - 1`` steps; a one-token reply skips the decode. Pages for the prompt and the whole reply are
+  ``output - 1`` steps; a one-token reply skips the decode. Admission takes
+  pages for the prompt and the first token; the reply's pages are taken when
+  it ends (with reclaim; no preemption is modelled, so a reply that finds no
+  pages keeps only what it holds). Pages for the prompt and the whole reply are
   taken at admission (no preemption); when it ends, its full pages are
   retained under a lease for ``retention_ttl_s`` (the conversation's older
   lease on the worker is released).
@@ -423,7 +426,7 @@ class DecodeWorker(Worker):
         admitted: list[tuple[Req, float]] = []
         while self.waiting and len(self.batch) + len(admitted) < self.sched.max_num_seqs:
             req = self.waiting[0]
-            if not self.admit_pages(req, -(-(req.prompt + req.output) // p)):
+            if not self.admit_pages(req, -(-(req.prompt + 1) // p)):  # the reply's pages come as it grows
                 self.wake_when_leases_expire(now)
                 break
             self.waiting.popleft()
@@ -461,10 +464,15 @@ class DecodeWorker(Worker):
         p = self.page_size
         hold = req.hold
         assert hold is not None
-        full = (req.prompt + req.output - 1) // p  # the last sampled token has no KV
+        held = -(-(req.prompt + 1) // p)
+        grow = -(-(req.prompt + req.output) // p) - held  # the reply's pages, taken as it grew
+        if grow > 0 and self.allocate(hold, grow, now):
+            held += grow
+        # (a reply that found no pages would have been preempted and recomputed: keep what is held)
+        full = min((req.prompt + req.output - 1) // p, held)  # the last sampled token has no KV
         keep = min(full, req.stable_stream)
         self.cache.publish(hold, req.segs, req.hit_pages, keep)
-        extra = -(-(req.prompt + req.output) // p) - full  # partial last page: freed
+        extra = held - full  # partial last page: freed
         hold.loose -= extra
         self.cache.used -= extra
         req.done_at = now

@@ -151,7 +151,7 @@ class Simulator(Sim):
         self._keys: dict[str, bytes] = {}
         self._shared_prefix_key: bytes | None = None
         self._preferred_url: dict[bytes, str] = {}
-        self._length_cache: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+        self._length_cache: dict[int, tuple[AgentSpec, list[tuple[int, int, int, int]]]] = {}
         self._active = 0
         self._ctx: dict[int, tuple[_Agent, DecodeWorker, Req]] = {}  # turns in flight
         self.max_turn_tokens = (cluster.pages_per_worker * p)  # a request longer than the pool is refused
@@ -230,11 +230,11 @@ class Simulator(Sim):
     def _lengths(self, ag: _Agent, k: int) -> tuple[int, int, int, int]:
         """Server tokens of turn ``k``: prompt, output, and the stable page counts (computed once
         per agent spec: a population reuses its shapes)."""
-        key = (id(ag.spec), k)
-        hit = self._length_cache.get(key)
-        if hit is None:
-            hit = self._length_cache[key] = self._compute_lengths(ag, k)
-        return hit
+        entry = self._length_cache.get(id(ag.spec))
+        if entry is None or entry[0] is not ag.spec:
+            # the entry keeps its spec alive, so no other spec can take its id
+            entry = self._length_cache[id(ag.spec)] = (ag.spec, [self._compute_lengths(ag, j) for j in range(len(ag.spec.turns))])
+        return entry[1][k]
 
     def _compute_lengths(self, ag: _Agent, k: int) -> tuple[int, int, int, int]:
         costs, p = self.cluster.costs, self.page_size
@@ -272,7 +272,9 @@ class Simulator(Sim):
         self.table.begin_turn(key, now=now)
         pre.inflight += 1
         dec.inflight += 1
-        t = now + self.cluster.costs.gateway_s
+        # the gateway's work, then the prefill request's HTTP and lease round trips: they come
+        # before its pull, which goes straight on to the engine queue (KVTransfer.pull in admit)
+        t = now + self.cluster.costs.gateway_s + self.cluster.costs.prefill_request_s
         self.at(t, lambda when: self._at_prefill(ag, req, pre, dec, when))
 
     def route(self, key: bytes, lease_url: str | None) -> tuple[DecodeWorker, PrefillWorker]:
@@ -333,8 +335,7 @@ class Simulator(Sim):
             req.lease_offer.worker.expire(now)
         out = pre.pull(req, req.lease_offer, now)
         req.fallback = out.fallback
-        req_s = self.cluster.costs.prefill_request_s
-        self.at(now + out.seconds + req_s, lambda t: pre.arrive(req, t))
+        self.at(now + out.seconds, lambda t: pre.arrive(req, t))
         self._ctx[req.turn_id] = (ag, dec, req)
 
     def _prefill_done(self, req: Req, now: float) -> None:
@@ -355,7 +356,7 @@ class Simulator(Sim):
             self.table.end_turn(ag.conv, now=now)
             self._after_turn(ag, req, now, failed=False)
             return
-        self.at(now, lambda t: self._at_decode(req, dec, t))
+        self.at(now + self.cluster.costs.decode_request_s, lambda t: self._at_decode(req, dec, t))
 
     def _at_decode(self, req: Req, dec: DecodeWorker, now: float) -> None:
         dec.expire(now)
@@ -364,7 +365,7 @@ class Simulator(Sim):
         if offer is not None and offer.alive(now):
             offer.worker.release(offer.lease_id, now)  # the pull is over, read or not: the hold goes
         req.transfer_offer = None
-        self.at(now + out.seconds + self.cluster.costs.decode_request_s, lambda t: dec.arrive(req, t))
+        self.at(now + out.seconds, lambda t: dec.arrive(req, t))
 
     def _decode_done(self, req: Req, now: float) -> None:
         ag, dec, _ = self._ctx.pop(req.turn_id)

@@ -193,9 +193,11 @@ def test_cost_model_round_trips_json_and_sizes_pools_from_the_format() -> None:
 def test_hit_rate_agrees_with_the_benchmark_on_the_cpu_stack() -> None:
     measured = json.loads(MEASURED.read_text())
     rows = validate_points(measured, load_costs("cpu-tiny"))
-    assert rows, "no points to compare"
-    for row in rows:
-        assert abs(row["sim"]["hit_rate"] - row["measured"]["hit_rate"]) <= measured["tolerance"]["hit_rate"], row
+    assert len(rows) == len(measured["points"]) >= 30  # 4 formats x 8 points + the ttl and off modes
+    errors = [abs(row["sim"]["hit_rate"] - row["measured"]["hit_rate"]) for row in rows]
+    for row, err in zip(rows, errors):
+        assert err <= measured["tolerance"]["hit_rate"], row
+    assert sum(errors) / len(errors) <= measured["tolerance"]["hit_rate_mean_abs"]
 
 
 def test_a_small_population_runs_and_reuses_kv() -> None:
