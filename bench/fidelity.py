@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from kvserving.bits import average_bits, bits_table_for_budget, default_sensitivity, greedy_bits_table
+from kvserving.bits import average_bits, bits_table_for_budget, default_sensitivity, format_bits_table, greedy_bits_table
 from kvserving.calibrate import calibrate, load_data
 from kvserving.calibration import Calibration
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
@@ -91,8 +91,8 @@ class Setup:
 
 CPU = Setup(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, train_steps=120, train_len=512, batch=2,
             lr=3e-3, contexts=(2048,), eval_seqs=2, generate=64, calib_tokens=2048, calib_len=1024, chunk=256)
-GPU = Setup(layers=8, hidden=768, heads=6, kv_heads=2, intermediate=2048, train_steps=800, train_len=2048, batch=16,
-            lr=1.5e-3, contexts=(2048, 8192), eval_seqs=4, generate=256, calib_tokens=32768, calib_len=2048, chunk=512)
+GPU = Setup(layers=8, hidden=768, heads=6, kv_heads=2, intermediate=2048, train_steps=600, train_len=2048, batch=16,
+            lr=1.5e-3, contexts=(2048, 8192), eval_seqs=3, generate=256, calib_tokens=32768, calib_len=2048, chunk=512)
 # A minute-long end-to-end check of the harness itself (--smoke); its numbers mean nothing.
 SMOKE = Setup(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, train_steps=2, train_len=128, batch=2,
               lr=3e-3, contexts=(256,), eval_seqs=1, generate=8, calib_tokens=256, calib_len=256, chunk=64)
@@ -168,7 +168,7 @@ def train(s: Setup, cfg: dict[str, Any], ids: torch.Tensor, *, device: torch.dev
         opt.step()
         losses.append(float(loss.detach()))
         if step % max(1, s.train_steps // 10) == 0 or step == s.train_steps - 1:
-            print(f"  train step {step}/{s.train_steps}: loss {float(loss):.3f}", file=sys.stderr, flush=True)
+            print(f"  train step {step}/{s.train_steps}: loss {losses[-1]:.3f}", file=sys.stderr, flush=True)
     model.requires_grad_(False)
     return model.eval(), losses
 
@@ -294,8 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = TextTokenizer.from_dir(tok_dir)
     train_files, held_files = stdlib_files(deep=device.type == "cuda")
     train_text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in train_files)
-    if device.type == "cpu":
-        train_text = train_text[:3_000_000]
+    train_text = train_text[: 3_000_000 if device.type == "cpu" else 8_000_000]
     ids = torch.tensor(tokenizer.encode_ids(train_text), dtype=torch.long)
     eos = tokenizer.token_to_id("<|im_end|>") or 0
     cfg = model_config(s, tokenizer.vocab_size, eos, max(max(s.contexts) + 256, 4096))
@@ -317,12 +316,14 @@ def main(argv: list[str] | None = None) -> int:
         (work / "calibration.json").write_text(cal.to_json())
         t_cal = time.time() - t1
         tagger = ChatTagger(tokenizer, ChatTemplate.from_dir(model_dir))
+        tables = {f"{b:g}": {"calibrated": format_bits_table(cal.table_for_budget(b)[0]),
+                             "default": format_bits_table(bits_table_for_budget(b))} for b in BUDGETS}
         results: dict[str, Any] = {
             "device": opts.device, "seed": opts.seed, "params": params,
             "config": {k: v for k, v in s.__dict__.items()}, "head_dim": HEAD_DIM,
             "train": {"files": len(train_files), "tokens": len(ids), "loss_first": losses[0], "loss_last": sum(losses[-10:]) / min(10, len(losses)),
                       "seconds": round(t_train, 1)},
-            "calibration": {"tokens": cal.tokens, "seconds": round(t_cal, 1),
+            "calibration": {"tokens": cal.tokens, "seconds": round(t_cal, 1), "tables": tables,
                             "scales": {d: {"k": sc.k, "v": sc.v, "method": sc.method} for d, sc in cal.scales.items()}},
             "held_out_files": [p.name for p in held_files],
             "contexts": {},
