@@ -274,8 +274,6 @@ def test_calibrate_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "budget 2.5" in capsys.readouterr().out
 
 
-@pytest.mark.xfail(strict=True, reason="LLMEngine measures scales at start even when build_kv_cache applied the file's "
-                   "(needs `and self.kv_cache.scales_source == \"static\"` on engine.py's calibrate_scales call)")
 def test_the_engine_keeps_the_calibration_files_scales(tmp_path: Path) -> None:
     from kvserving.worker.engine import LLMEngine
 

@@ -111,7 +111,8 @@ class LLMEngine:
         )
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
-        if config.kv_cache.global_scale == "calibrated":
+        if config.kv_cache.global_scale == "calibrated" and self.kv_cache.scales_source == "static":
+            # no calibration file gave the scales: measure them on a calibration prompt at start
             self.calibrate_scales(calibration_ids(self.vocab_size, min(CALIBRATION_TOKENS, self.max_model_len)))
         # request id -> logits of each sampled position (set to a dict to record; tests, calibration)
         self.capture_logits: dict[str, list[torch.Tensor]] | None = None
