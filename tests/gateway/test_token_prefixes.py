@@ -170,7 +170,7 @@ def test_entries_and_tokens_stay_within_bounds(tokenizer: TextTokenizer) -> None
         TokenPrefixes(tokenizer, max_entries=0)
 
 
-def test_tokens_that_look_outside_their_match_are_never_cut_at(tmp_path: Path) -> None:
+def test_tokens_that_look_outside_their_match_are_never_cut_at() -> None:
     """An lstrip special token's match reaches the whitespace before it, a
     truncating tokenizer cuts the whole text: neither may be split."""
     from tokenizers import models, pre_tokenizers
@@ -185,3 +185,30 @@ def test_tokens_that_look_outside_their_match_are_never_cut_at(tmp_path: Path) -
         assert (enc.ids, enc.offsets) == (ref.ids, ref.offsets)
     tok.enable_truncation(4)
     assert not TokenPrefixes(TextTokenizer(tok)).enabled
+
+
+@pytest.mark.parametrize("scheme", ["prepend_normalizer", "first", "always"])
+def test_sentencepiece_style_tokenizers_split_exactly_too(scheme: str) -> None:
+    """Llama-2 style (a normalizer prepends "▁" to every stretch) and Metaspace
+    (Mistral, Gemma: "▁" before the first stretch or every one): the stretch
+    after a cut is treated as in the whole text."""
+    from tokenizers import normalizers, pre_tokenizers, trainers
+    from tokenizers import models as tok_models
+
+    tok = Tokenizer(tok_models.BPE(unk_token="<unk>"))
+    if scheme == "prepend_normalizer":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
+    corpus = ["open the file and run the tests", "the answer is 42, é 日本", "hello world, hello agent"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]))
+    prefixes = TokenPrefixes(TextTokenizer(tok))
+    pieces = ["open", "the", " file", "  ", "é", "日本", "\n", "hello", "[INST]", "[/INST]", "</s>", "<s>", " ", "x"]
+    rng = random.Random(1)
+    for _ in range(15):
+        text = ""
+        for _ in range(6):
+            text += "".join(rng.choice(pieces) for _ in range(rng.randint(1, 10)))
+            enc, ref = prefixes.encode(text), tok.encode(text, add_special_tokens=False)
+            assert (enc.ids, enc.offsets) == (ref.ids, ref.offsets), text
+    assert prefixes.hits > 30
