@@ -28,20 +28,60 @@ def refs(pool: PagePool) -> list[int]:
 # -- allocation and the free list -------------------------------------------------------
 
 
-def test_allocate_lowest_ids_first_and_free_list_reuses_lowest() -> None:
-    pool, _ = make_pool(6)
-    assert pool.capacity_tokens() == 12
-    assert pool.allocate([4] * 2) == [0, 1]
-    assert pool.allocate([4] * 3) == [2, 3, 4]
-    assert refs(pool) == [1, 1, 1, 1, 1, 0]
-    assert pool.num_free == 1
-    pool.free([3, 1])
-    assert refs(pool) == [1, 0, 1, 0, 1, 0]
-    assert pool.num_free == 3
-    # lowest free id first, whatever order they were freed in
-    assert pool.allocate([4] * 1) == [1]
-    assert pool.allocate([4] * 2) == [3, 5]
-    assert pool.num_free == 0
+def test_placement_extends_in_place_and_keeps_concurrent_sequences_apart() -> None:
+    pool, _ = make_pool(16)
+    assert pool.capacity_tokens() == 32
+    # a: a new sequence expecting 4 pages: best fit for 4 is the whole pool, from its start
+    assert pool.allocate_next([4] * 2, after=None, expect=4) == [0, 1]
+    assert pool.growing_tails() == [1] and pool.free_runs() == [(2, 14)]
+    # b: the only run starts right after a's growing tail: b starts in its middle
+    assert pool.allocate_next([4] * 2, after=None, expect=2) == [9, 10]
+    assert pool.growing_tails() == [1, 10] and pool.free_runs() == [(2, 7), (11, 5)]
+    # each grows in place
+    assert pool.allocate_next([4] * 2, after=1, expect=2) == [2, 3]
+    assert pool.allocate_next([4] * 1, after=10) == [11]
+    assert pool.growing_tails() == [3, 11] and pool.free_runs() == [(4, 5), (12, 4)]
+    # c: both runs are someone's to grow into: the longest, leaving it 2 pages of its 5
+    assert pool.allocate([4] * 3) == [6, 7, 8]
+    assert pool.growing_tails() == [3, 8, 11] and pool.free_runs() == [(4, 2), (12, 4)]
+    assert refs(pool) == [1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0]
+    # a ends: its tail stops growing, its pages merge with the run after them
+    pool.free([0, 1, 2, 3])
+    assert pool.growing_tails() == [8, 11] and pool.free_runs() == [(0, 6), (12, 4)]
+    # best fit for 4 is (12, 4), but b's tail 11 grows into it: the next fit, from its start
+    assert pool.allocate([4] * 4) == [0, 1, 2, 3]
+    assert pool.num_free == 6
+    with pytest.raises(ValueError, match="page id must be in 0..15"):
+        pool.allocate_next([4], after=16)
+
+
+def test_best_fit_takes_the_smallest_run_that_holds_the_sequence() -> None:
+    pool, _ = make_pool(12)
+    assert pool.allocate([4] * 12) == list(range(12))
+    pool.free([1, 2, 3, 5, 6, 8, 9, 10, 11])  # tail 11 freed: nobody grows into a run now
+    assert pool.growing_tails() == []
+    assert pool.free_runs() == [(1, 3), (5, 2), (8, 4)]
+    assert pool.allocate([4] * 2) == [5, 6]  # fits (5, 2) exactly
+    assert pool.allocate_next([4] * 1, after=None, expect=3) == [1]  # room for 3: (1, 3)
+    assert pool.allocate([4] * 3) == [8, 9, 10]  # (2, 2) is 2's to grow into; (8, 4) holds 3
+    # longer than any run: the longest first, then the next longest (lowest id on ties)
+    pool.free([5, 6, 8, 9, 10])
+    assert pool.free_runs() == [(2, 2), (5, 2), (8, 4)]
+    assert pool.growing_tails() == [1]
+    # (2, 2) and (5, 2) tie: the lower one; it is 1's to grow into, but all of it is needed
+    assert pool.allocate([4] * 7) == [8, 9, 10, 11, 2, 3, 5]
+    assert pool.free_runs() == [(6, 1)]
+
+
+def test_the_free_pages_of_a_sequence_merge_back_into_one_run() -> None:
+    pool, _ = make_pool(8)
+    a = pool.allocate([4] * 3)
+    b = pool.allocate([4] * 3)
+    assert (a, b) == ([0, 1, 2], [5, 6, 7])  # b leaves a's tail 2 pages to grow into
+    pool.free(list(reversed(b)))  # any order
+    assert pool.free_runs() == [(3, 5)]
+    pool.free(a)
+    assert pool.free_runs() == [(0, 8)]
 
 
 def test_allocate_is_all_or_nothing() -> None:
@@ -231,6 +271,28 @@ def test_allocate_prefers_free_pages_over_evicting_cached_ones() -> None:
 
 
 # -- leases --------------------------------------------------------------------------------
+
+
+def test_evicting_ahead_frees_a_run_for_the_pages_a_sequence_expects() -> None:
+    pool, clock = make_pool(8)
+    assert pool.allocate([4] * 8) == list(range(8))
+    for pid in range(8):
+        pool.register(pid, 10 + pid)
+    pool.free([0, 1, 2, 3])  # conversation X
+    clock.t += 1
+    pool.free([4, 5, 6, 7])  # conversation Y
+    assert pool.cached_page_ids() == [3, 2, 1, 0, 7, 6, 5, 4]
+    # 2 pages now, 4 expected: no free run holds 2, so it evicts LRU until one holds 4
+    assert pool.allocate_next([4] * 2, after=None, expect=4) == [0, 1]
+    assert pool.evicted_pages == 4 and pool.cached_page_ids() == [7, 6, 5, 4]
+    assert pool.free_runs() == [(2, 2)] and pool.num_free == 6
+    # the next chunk extends in place, evicting nothing
+    assert pool.allocate_next([4] * 2, after=1, expect=2) == [2, 3]
+    assert pool.evicted_pages == 4
+    # one page: evicting the least recently used one is enough
+    assert pool.allocate([4] * 1) == [7]
+    assert pool.evicted_pages == 5 and pool.cached_page_ids() == [6, 5, 4]
+    assert pool.lookup(17) is None and pool.lookup(16) == 6
 
 
 def test_pinned_pages_are_never_evicted_until_expiry() -> None:
