@@ -2,7 +2,7 @@
 of concurrent agents, at one fixed KV memory, per KV format (issue 18).
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/agents.py [--formats bf16,fp8,nvfp4,triaxial]
-        [--concurrency 1,2,4,6,8,11,16] [--kv-kib 3072] [--modes lease,ttl,off] [--mode-format fp8]
+        [--concurrency 1,2,4,6,8,11,16,22] [--kv-kib 3072] [--modes lease,ttl,off] [--mode-format fp8]
         [--mode-concurrency 4,8,11] [--json OUT] [--png OUT]
 
 Per format (and reuse mode) one local stack (``kvserving.stack.LocalStack``:
@@ -14,10 +14,11 @@ history resent each turn) run all their turns against the gateway with the
 official ``openai`` AsyncOpenAI client, streaming; every request is recorded:
 prompt tokens, ``usage.prompt_tokens_details.cached_tokens``, the gateway's
 ``usage.kvserving`` split (local prefix cache / pulled from the decode worker
-/ computed), TTFT and output tokens. Each point draws new agents (indices
-never reused) and starts by releasing every lease the workers hold, so a
-point does not inherit the previous one's pinned KV (stale unpinned pages
-stay in the LRU and are evicted first).
+/ computed), TTFT and output tokens. Point N runs agents ``1000 N .. 1000 N +
+N - 1`` (``point_agents``) in every format and mode, so formats are compared
+on the same traffic and no stack sees an agent twice; each point starts by
+releasing every lease the workers hold, so it does not inherit the previous
+point's pinned KV (stale unpinned pages stay in the LRU and go first).
 
 Reuse modes: ``lease`` is the product default (the decode worker retains each
 conversation's KV under a lease for ``retention_ttl_s`` = 480 s, the gateway
@@ -306,8 +307,13 @@ def _started_stack(fmt: str, mode: str, args: argparse.Namespace) -> Iterator[tu
         return
 
 
-def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec, args: argparse.Namespace,
-              first_agent: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def point_agents(n: int) -> range:
+    """The agents of the point with ``n`` concurrent agents: the same in every stack, disjoint across points."""
+    return range(1000 * n, 1000 * n + n)
+
+
+def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec,
+              args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     points: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     with _started_stack(fmt, mode, args) as (spec, stack):
@@ -321,9 +327,8 @@ def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec, arg
             for url in workers.values():
                 release_leases(url)
             before = {role: worker_counters(url) for role, url in workers.items()}
-            records, errors, wall = asyncio.run(run_point(stack.openai_base_url, model, load, range(first_agent, first_agent + n),
-                                                  timeout_s=args.request_timeout))
-            first_agent += n
+            records, errors, wall = asyncio.run(run_point(stack.openai_base_url, model, load, point_agents(n),
+                                                          timeout_s=args.request_timeout))
             dead = stack.check()
             if dead is not None:
                 raise RuntimeError(stack.describe_death(dead))
@@ -414,7 +419,7 @@ def _csv_names(choices: tuple[str, ...]) -> Any:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", type=_csv_names(tuple(FORMATS)), default=list(FORMATS))
-    ap.add_argument("--concurrency", type=_csv_ints, default=[1, 2, 4, 6, 8, 11, 16])
+    ap.add_argument("--concurrency", type=_csv_ints, default=[1, 2, 4, 6, 8, 11, 16, 22])
     ap.add_argument("--modes", type=_csv_names(MODES), default=list(MODES),
                     help="reuse modes; modes other than 'lease' run on --mode-format only")
     ap.add_argument("--mode-format", choices=tuple(FORMATS), default="fp8")
@@ -442,10 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     points: list[dict[str, Any]] = []
     stacks: list[dict[str, Any]] = []
-    first = 0
     for fmt, mode, conc in runs:
-        pts, meta = run_stack(fmt, mode, conc, load, args, first)
-        first += sum(conc)
+        pts, meta = run_stack(fmt, mode, conc, load, args)
         points += pts
         stacks.append(meta)
     print(format_table(points))
