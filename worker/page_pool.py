@@ -41,9 +41,8 @@ each end of its buffer, see ``_Region``):
   used first (their slots join the free runs), then places as above:
 
   - when free pages are short, as many as that takes;
-  - **evicting ahead**: when no free run holds the ``n`` pages asked, on
-    until one holds ``max(n, expect)`` pages, at most that many evictions
-    in all (or what being short takes, if more). A
+  - **evicting ahead**: when no free run holds the ``n`` pages asked,
+    ``max(n, expect)`` pages (or what being short takes, if more). A
     pool at steady state is full of cached pages, so evicting one chunk's
     worth at a time would place a prefill one chunk per run (behind each
     other's tails in LRU order), and free single pages ("dust": partial
@@ -265,6 +264,23 @@ class _Runs(_Region):
         if end in self._len:
             end += self._remove(end)
         self._add(start, end - start)
+
+    def put_free_many(self, indices: list[int]) -> None:
+        """``put_free`` each, one merge per group of consecutive indices."""
+        indices.sort()
+        i = 0
+        while i < len(indices):
+            j = i + 1
+            while j < len(indices) and indices[j] == indices[j - 1] + 1:
+                j += 1
+            start, end = indices[i], indices[j - 1] + 1
+            if (left := self._end.get(start)) is not None:
+                self._remove(left)
+                start = left
+            if end in self._len:
+                end += self._remove(end)
+            self._add(start, end - start)
+            i = j
 
     def take(self, start: int, k: int, run_start: int) -> list[int]:
         """Slots ``start..start+k-1`` out of the free run that starts at ``run_start``."""
@@ -613,16 +629,16 @@ class PagePool(PagePoolBase):
         if n > self.num_free:
             return None
         runs = self._region
-        # evict (LRU first; the slots join the free runs) as many pages as are short, and when
-        # no run holds the n pages, on until one holds all the expected ones (at most that many
-        # evictions): see "evicting ahead" in the module docstring
+        # evict (LRU first; the slots join the free runs) as many pages as are short, or when no
+        # run holds the n pages, as many as the sequence expects: "evicting ahead" (docstring)
         goal = max(n, expect)
-        ahead = goal if runs.longest < n else 0
-        while runs.lru and (runs.num_free < n or (ahead > 0 and runs.longest < goal)):
-            pid = next(iter(runs.lru))
-            self._evict(pid)
-            runs.put_free(pid)
-            ahead -= 1
+        short = max(n - runs.num_free, goal if runs.longest < n else 0)
+        if short > 0 and runs.lru:
+            lru = iter(runs.lru)
+            evicted = [next(lru) for _ in range(min(short, len(runs.lru)))]
+            for pid in evicted:
+                self._evict(pid)
+            runs.put_free_many(evicted)
         ids: list[int] = []
         if after is not None:
             self._tails.discard(after)
