@@ -178,7 +178,7 @@ def save_model(model: DecoderModel, cfg: dict[str, Any], out: Path, tokenizer_di
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(tokenizer_dir / name, out / name)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    state = {DecoderModel.hf_name(n): p.detach().float().cpu().contiguous() for n, p in model.named_parameters()}
+    state = {n: p.detach().float().cpu().contiguous() for n, p in model.hf_state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 

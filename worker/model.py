@@ -12,19 +12,30 @@ each token belongs to.
     attn = DenseCausalAttention()
     hidden = model(ids, torch.arange(len(ids)), attn)   # prefill
     logits = model.compute_logits(hidden[-1:])           # [1, vocab] fp32
+
+Launches per layer are what a CUDA-graph decode step pays for, so the
+projections are merged (q/k/v into one `qkv_proj`, gate/up into one
+`gate_up_proj`: one GEMM each, concatenated at load from the checkpoint's
+separate tensors) and, on CUDA, the elementwise steps are fused Triton
+kernels (`kernels.triton_norm`): RMSNorm with the residual add, q/k-norm +
+RoPE, SiLU * up. On CPU, and where autograd needs gradients, the same steps
+run as the torch references (`kernels.norm_ref`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvserving.kernels.norm_ref import add_rms_norm_ref, qk_norm_rope_ref, rms_norm_ref, silu_mul_ref
 from kvserving.worker.weights import load_tensors, read_config, read_generation_config
 
 # model_type -> what differs between the families. Llama and Qwen3 put a
@@ -34,6 +45,11 @@ FAMILIES: dict[str, dict[str, bool]] = {
     "llama": {"qk_norm": False, "fixed_qkv_bias": False},
     "qwen2": {"qk_norm": False, "fixed_qkv_bias": True},
     "qwen3": {"qk_norm": True, "fixed_qkv_bias": False},
+}
+# Merged projections: our module -> the Hugging Face modules whose weights (and biases) it stacks along dim 0.
+MERGED: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -232,6 +248,22 @@ def dense_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return out.transpose(0, 1).to(q.dtype)
 
 
+@functools.cache
+def _triton_norm() -> ModuleType:
+    from kvserving.kernels import triton_norm  # Triton loads on first CUDA use only
+
+    return triton_norm
+
+
+def _fused(x: Tensor, *others: Tensor | None) -> ModuleType | None:
+    """The fused kernels' module when they can run this call: CUDA, one dtype, no gradient to track."""
+    if not x.is_cuda or any(t is not None and t.dtype != x.dtype for t in others):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in others)):
+        return None
+    return _triton_norm()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -240,17 +272,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # Normalise in fp32, scale in the model dtype (as Hugging Face does).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        k = _fused(x, self.weight)
+        return rms_norm_ref(x, self.weight, self.eps) if k is None else k.rms_norm(x, self.weight, self.eps)
 
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [T, heads, D]; cos/sin: [T, D] (each half-frequency repeated twice).
-    Rotates the pairs (x[i], x[i + D/2])."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(norm(residual + x), residual + x): the residual add and the next norm in one kernel."""
+        k = _fused(x, residual, self.weight)
+        if k is None:
+            return add_rms_norm_ref(x, residual, self.weight, self.eps)
+        return k.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -258,22 +288,25 @@ class Attention(nn.Module):
         super().__init__()
         h, d = args.hidden_size, args.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, d
-        self.q_proj = nn.Linear(h, args.num_heads * d, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
+        self.eps = args.rms_norm_eps
+        # q, k, v stacked: one GEMM -> [T, (H + 2 Hkv) * D]
+        self.qkv_proj = nn.Linear(h, (args.num_heads + 2 * args.num_kv_heads) * d, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.num_heads * d, h, bias=args.o_bias)
         self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
 
     def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionOp) -> Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attn(layer, q, k, v)  # [T, H, D]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
+        qw = None if self.q_norm is None else self.q_norm.weight
+        kw = None if self.k_norm is None else self.k_norm.weight
+        # q [T, H, D], k/v [T, Hkv, D]: q/k-norm per head (Qwen3), then RoPE
+        k = _fused(qkv, cos, sin, qw, kw)
+        q, key, v = (qk_norm_rope_ref if k is None else k.qk_norm_rope)(
+            qkv, cos, sin, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            q_weight=qw, k_weight=kw, eps=self.eps,
+        )  # fmt: skip
+        out = attn(layer, q, key, v)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -281,12 +314,13 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         h, i, b = args.hidden_size, args.intermediate_size, args.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=b)
-        self.up_proj = nn.Linear(h, i, bias=b)
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=b)  # gate and up stacked: one GEMM -> [T, 2 I]
         self.down_proj = nn.Linear(i, h, bias=b)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        gate_up = self.gate_up_proj(x)
+        k = _fused(gate_up)
+        return self.down_proj(silu_mul_ref(gate_up) if k is None else k.silu_mul(gate_up))  # SwiGLU
 
 
 class DecoderLayer(nn.Module):
@@ -297,9 +331,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, layer: int, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionOp) -> Tensor:
-        h = h + self.self_attn(layer, self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, layer: int, x: Tensor, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionOp, next_norm: RMSNorm
+    ) -> tuple[Tensor, Tensor]:
+        """x = input_layernorm(h) (done by the previous layer's last add) -> (next_norm(h'), h'), h' this
+        layer's output residual stream: each residual add runs with the norm after it."""
+        x, h = self.post_attention_layernorm.add_forward(self.self_attn(layer, x, cos, sin, attn), h)
+        return next_norm.add_forward(self.mlp(x), h)
 
 
 class DecoderModel(nn.Module):
@@ -321,6 +359,33 @@ class DecoderModel(nn.Module):
     def hf_name(name: str) -> str:
         return name if name.startswith("lm_head.") else "model." + name
 
+    def hf_tensors(self) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+        """Our parameter name -> the Hugging Face tensors (name, shape) it is, stacked along dim 0 in order:
+        one for most, q/k/v for `qkv_proj`, gate/up for `gate_up_proj`."""
+        a = self.args
+        q, kv, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+        rows = {"self_attn.qkv_proj": (q, kv, kv), "mlp.gate_up_proj": (i, i)}
+        out: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+        for name, param in self.named_parameters():
+            module, _, leaf = name.rpartition(".")
+            merged = next((m for m in MERGED if module.endswith("." + m)), None)
+            if merged is None:
+                out[name] = [(self.hf_name(name), tuple(param.shape))]
+                continue
+            base = module[: -len(merged)]
+            out[name] = [(self.hf_name(f"{base}{part}.{leaf}"), (n, *param.shape[1:]))
+                         for part, n in zip(MERGED[merged], rows[merged], strict=True)]  # fmt: skip
+        return out
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """The parameters under Hugging Face's names, merged projections split back (views)."""
+        params = dict(self.named_parameters())
+        state: dict[str, Tensor] = {}
+        for name, parts in self.hf_tensors().items():
+            pieces = params[name].split([shape[0] for _, shape in parts])
+            state.update((hf, piece) for (hf, _), piece in zip(parts, pieces, strict=True))
+        return state
+
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionOp) -> Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)  # [T, hidden]
@@ -328,9 +393,11 @@ class DecoderModel(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
         angles = torch.cat([freqs, freqs], dim=-1)  # [T, D]
         cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(i, h, cos, sin, attn)
-        return self.norm(h)
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        x = layers[0].input_layernorm(h)
+        for i, layer in enumerate(layers):
+            x, h = layer(i, x, h, cos, sin, attn, layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm)
+        return x
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [N, hidden] (from `forward`) -> logits [N, vocab] in fp32."""
@@ -348,22 +415,24 @@ def load_model(
     args = ModelArgs.from_config(read_config(model_dir), generation_config=read_generation_config(model_dir))
     with torch.device("meta"):
         model = DecoderModel(args)
-    names = [name for name, _ in model.named_parameters()]
+    layout = model.hf_tensors()
     tensors = load_tensors(
         model_dir,
-        [DecoderModel.hf_name(n) for n in names],
+        [hf for parts in layout.values() for hf, _ in parts],
         # Tied checkpoints sometimes store the copy anyway.
         optional=["lm_head.weight"] if args.tie_word_embeddings else [],
         dtype=dtype,
         device=device,
     )
     state: dict[str, Tensor] = {}
-    for name, param in model.named_parameters():
-        tensor = tensors[DecoderModel.hf_name(name)]
-        if tensor.shape != param.shape:
-            hf = DecoderModel.hf_name(name)
-            raise ValueError(f"tensor {hf} has shape {tuple(tensor.shape)}, config implies {tuple(param.shape)}")
-        state[name] = tensor
+    for name, parts in layout.items():
+        pieces = []
+        for hf, shape in parts:
+            tensor = tensors.pop(hf)
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"tensor {hf} has shape {tuple(tensor.shape)}, config implies {shape}")
+            pieces.append(tensor)
+        state[name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # q/k/v, gate/up: one weight each
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = rope_inv_freq(args, device=device)  # replaces the meta buffer; stays fp32
     model.requires_grad_(False)

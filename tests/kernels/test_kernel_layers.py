@@ -1,9 +1,9 @@
 """Layers inside ``kvserving.kernels``, checked on the source (AST, like tests/test_import_layers.py):
 
     page_ids, options                   torch-free ids / no kernel imports; only options reads the environment
-    layout, paged_kv, codecs, paged_ref references in torch: import no Triton and no Triton module of ours
+    layout, paged_kv, codecs, paged_ref, norm_ref  references in torch: import no Triton and no Triton module of ours
     triton_common                       what the kernels share; imports no kernel module
-    triton_write/_gather/_decode, gluon_decode   kernels: import each other never (no cycles)
+    triton_write/_gather/_decode/_norm, gluon_decode   kernels: import each other never (no cycles)
     paged_ops                           the dispatch point: imports kernel modules only inside functions
 
 and no module but page_ids defines INT2_PAGE_FLAG or writes the INT2 offset formula in Python.
@@ -20,9 +20,10 @@ KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 PKG = "kvserving.kernels"
 # modules that hold Triton or Gluon kernels (or only make sense next to them)
 TRITON_MODULES = {"triton_codec", "triton_common", "triton_decode", "triton_gather", "triton_write", "triton_prefill",
-                  "gluon_decode", "gluon_fragments", "compile_report"}  # fmt: skip
-KERNEL_MODULES = {"triton_decode", "triton_gather", "triton_write", "triton_prefill", "gluon_decode"}
-REFERENCES = {"page_ids", "options", "layout", "paged_kv", "fp8", "nvfp4", "intquant", "quant_checks", "paged_ref", "capacity"}
+                  "triton_norm", "gluon_decode", "gluon_fragments", "compile_report"}  # fmt: skip
+KERNEL_MODULES = {"triton_decode", "triton_gather", "triton_write", "triton_prefill", "triton_norm", "gluon_decode"}
+REFERENCES = {"page_ids", "options", "layout", "paged_kv", "fp8", "nvfp4", "intquant", "quant_checks", "paged_ref", "capacity",
+              "norm_ref"}  # fmt: skip
 
 
 def _tree(name: str) -> ast.Module:
