@@ -31,9 +31,11 @@ Per point: hit rate = cached / prompt tokens (all turns; and turns 2+, since
 every agent's first turn is cold), reuse by source, prefix-cache pages evicted
 on each worker (``kvserving_worker_kv_evicted_pages_total``), preemptions,
 requests/s and output tokens/s over the point's wall time, TTFT p50/p99.
-The hit rate is about capacity, not speed: the tiny model's KV costs 2048
-(bf16), 1024 (fp8), 576 (nvfp4) bytes per token, so at equal memory nvfp4
-holds 1.78x the tokens of fp8.
+The hit rate is about capacity, not speed: the tiny model's KV costs 1024
+(fp8), 576 (nvfp4), 640 (triaxial INT4, 384 INT2) bytes per token, and bf16
+2048 on a GPU but 4096 on CPU (the CPU engine keeps it as float32), so at
+equal memory nvfp4 holds 1.78x the tokens of fp8. Results and every attempt:
+bench/NOTES-agents.md.
 """
 
 from __future__ import annotations
