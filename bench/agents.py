@@ -50,7 +50,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -398,6 +398,18 @@ def plot(points: list[dict[str, Any]], path: Path, *, title: str) -> None:
     plt.close(fig)
 
 
+def _finite(obj: Any) -> Any:
+    """``obj`` with non-finite floats (an unbounded ``Dist.high``, a hit rate of no request) as
+    None: strict JSON, readable by any tool."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def _csv_ints(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x]
@@ -465,10 +477,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "what": "bench/agents.py: agent traffic on the local stack (tiny model, CPU)",
         "kv_kib_per_worker": args.kv_kib, "think_s": args.think_s, "seed": args.seed, "ttl_s": args.ttl_s,
-        "load": asdict(replace(load)), "stacks": stacks, "points": points, "crossing_50pct": crossings,
+        "load": asdict(load), "stacks": stacks, "points": points, "crossing_50pct": crossings,
         "total_s": time.perf_counter() - t0,
     }
-    args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    args.json.write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
     plot(points, args.png, title=f"{args.kv_kib} KiB KV per worker, tiny model on CPU, {len(points)} points")
     print(f"wrote {args.json} and {args.png} ({result['total_s']:.0f} s)")
     return 0
