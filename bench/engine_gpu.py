@@ -406,7 +406,8 @@ def report(results: dict[str, Any], shapes: list[tuple[int, int]]) -> None:
     print("(TPOT ratio = bf16 TPOT / this format's: > 1 is faster than bf16)")
     for fmt, r in results.items():
         o = r["overhead_b64_4k"]
-        parts = [f"{m}: step {o[m]['step_ms']:.2f} ms, kernels {o[m]['kernel_ms'] or 0:.2f} ms, overhead "
+        parts = [f"{m}: step {o[m]['step_ms']:.2f} ms, kernels {o[m]['kernel_ms'] or 0:.2f} ms "
+                 f"({o[m]['kernels_per_step']:.0f} kernels per step), overhead "
                  f"{100 * (o[m]['overhead_share'] or 0):.1f}%" for m in ("eager", "graphs") if m in o]  # fmt: skip
         print(f"overhead 64x4K {fmt}: " + "; ".join(parts))
 

@@ -5,6 +5,7 @@ configs and checkpoints are refused with the problem named."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -221,3 +222,67 @@ def test_model_args_validate_themselves() -> None:
     with pytest.raises(ValueError, match="num_layers"):
         ModelArgs(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=0,
                   num_heads=2, num_kv_heads=1, head_dim=4)
+
+
+def test_hf_state_dict_gives_back_the_checkpoint(tiny_model_dir: Path) -> None:
+    """The merged q/k/v and gate/up weights split back into exactly the checkpoint's tensors."""
+    _, model = load_model(tiny_model_dir)
+    assert "layers.0.self_attn.qkv_proj.weight" in dict(model.named_parameters())
+    saved = load_file(str(tiny_model_dir / "model.safetensors"))
+    ours = model.hf_state_dict()
+    assert sorted(ours) == sorted(saved)
+    for name, tensor in saved.items():
+        assert torch.equal(ours[name], tensor.float()), name
+
+
+def _forced_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the model's fused Triton kernels on CPU tensors (TRITON_INTERPRET=1) instead of the references."""
+    from kvserving.kernels import triton_norm
+    from kvserving.worker import model as model_module
+
+    def fused(x: torch.Tensor, *others: torch.Tensor | None) -> object:
+        same = all(t is None or t.dtype == x.dtype for t in others)
+        return triton_norm if same and not torch.is_grad_enabled() else None
+
+    monkeypatch.setattr(model_module, "_fused", fused)
+
+
+def _decode_rows(model: torch.nn.Module, ids: torch.Tensor, n_prefill: int) -> list[torch.Tensor]:
+    with torch.inference_mode():
+        return _ours_prefill_and_decode(model, ids, n_prefill)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", reason="CPU-tensor kernel tests need TRITON_INTERPRET=1"
+)
+def test_fused_kernels_give_the_reference_logits(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole bf16 model with the Triton kernels (interpreted: slow, so a prefill and one decode step)
+    against the torch references: within 2% of the logits' scale (the kernels round where the references
+    do; only last-bit differences of rsqrt/exp and the sum order flip a bf16 rounding here and there)."""
+    _, model = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    ids = _ids(8, 4096, seed=5)
+    ref = _decode_rows(model, ids, 7)
+    _forced_kernels(monkeypatch)
+    fused = _decode_rows(model, ids, 7)
+    scale = max(r.abs().max().item() for r in ref)
+    diff = max((a - b).abs().max().item() for a, b in zip(fused, ref, strict=True))
+    assert diff < 0.02 * scale, (diff, scale)
+    assert [r.argmax(-1).tolist() for r in fused] == [r.argmax(-1).tolist() for r in ref]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_model_on_cuda_matches_the_reference_path(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserving.worker import model as model_module
+
+    for dtype, bound in ((torch.float32, TOL), (torch.bfloat16, 0.02)):
+        _, model = load_model(tiny_model_dir, dtype=dtype, device="cuda")
+        ids = _ids(40, 4096, seed=6).cuda()
+        attn = DenseCausalAttention()
+        with torch.inference_mode():
+            fused = model.compute_logits(model(ids, torch.arange(40, device="cuda"), attn))
+            with monkeypatch.context() as m:
+                m.setattr(model_module, "_fused", lambda *_: None)
+                ref = model.compute_logits(model(ids, torch.arange(40, device="cuda"), DenseCausalAttention()))
+        scale = ref.abs().max().item() if dtype == torch.bfloat16 else 1.0
+        assert (fused - ref).abs().max().item() < bound * scale, dtype
