@@ -27,7 +27,7 @@ MAX_NORM_WIDTH = 65536  # one program normalises one whole row in registers
 def _rounded(x, dt: tl.constexpr):
     """fp32 ``x`` rounded to nearest-even in ``dt``, kept in fp32. bf16 by hand: Triton's interpreter truncates
     fp32 -> bf16 casts, the GPU rounds; the bit trick rounds the same on both."""
-    if dt.is_bf16():
+    if dt == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
         return bits.to(tl.float32, bitcast=True)
