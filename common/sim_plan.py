@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -146,7 +147,8 @@ def plan(dtype: str, args: dict[str, Any], *, show_progress: bool) -> dict[str, 
 _COLUMNS = (
     ("dtype", "dtype", "{}"), ("GPUs", "gpus", "{}"), ("P/D", "pd", "{}"), ("pool tok/GPU", "pool_tokens", "{:,}"),
     ("hit", "hit_rate", "{:.3f}"), ("local", "local_share", "{:.3f}"), ("pulled", "pulled_share", "{:.3f}"),
-    ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"), ("p99 ms", "ttft_p99_ms", "{:.0f}"), ("req/s", "req_per_s", "{:.1f}"),
+    ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"), ("p99 ms", "ttft_p99_ms", "{:.0f}"),
+    ("turn p99 s", "latency_p99_s", "{:.1f}"), ("req/s", "req_per_s", "{:.1f}"),
     ("out tok/s", "output_tok_per_s", "{:,.0f}"), ("evicted P/D", "evicted", "{}"), ("turns", "turns_simulated", "{:,}"),
 )
 
@@ -154,7 +156,7 @@ _COLUMNS = (
 def format_table(points: list[dict[str, Any]]) -> str:
     rows = [[title for title, _, _ in _COLUMNS]]
     for p in points:
-        q = dict(p, pd=f"{p['prefill_workers']}/{p['decode_workers']}",
+        q = dict(p, pd=f"{p['prefill_workers']}/{p['decode_workers']}", latency_p99_s=p.get("latency_p99_ms", math.nan) / 1e3,
                  evicted=f"{p['prefill_evicted_pages']:,}/{p['decode_evicted_pages']:,}")
         if q.get("gpus") is None:
             q["gpus"] = f">{p['max_gpus']}"

@@ -471,6 +471,8 @@ def summarize(records: list[TurnRecord], wall_s: float, *, waiting_ttfts: list[f
         "output_tok_per_s": out / wall_s if wall_s > 0 else nan,
         "ttft_p50_ms": percentile(ttfts, 0.50) * 1e3,
         "ttft_p99_ms": percentile(ttfts, 0.99) * 1e3,
+        "latency_p50_ms": percentile([r.latency_s for r in records], 0.50) * 1e3,  # whole turn, finished ones
+        "latency_p99_ms": percentile([r.latency_s for r in records], 0.99) * 1e3,
         "fallbacks": fallbacks,
     }
 
