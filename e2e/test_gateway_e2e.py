@@ -142,6 +142,10 @@ def test_soak_concurrent_sessions_through_real_workers(workers: WorkerFactory, t
     # the gateway must renew each lease on the decode worker while its conversation is active.
     worker_cfg = config()
     worker_cfg["reuse"].update({"lease_ttl_s": 1.5, "retention_ttl_s": 2.0})
+    # Room for every session's retained KV (24 x ~260 tokens x 4 KiB of fp32 KV per token on CPU):
+    # under pool pressure a worker releases retained conversations for live requests (by design),
+    # and then a later turn may reuse less than the one before it.
+    worker_cfg["kv_cache"]["memory_bytes"] = 64 << 20
     gateway_cfg = config()
     gateway_cfg["reuse"].update({"lease_ttl_s": 3.0, "retention_ttl_s": 4.0})
     prefill = workers.start("prefill", worker_cfg, wait=False)
