@@ -193,7 +193,8 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--seed", type=int, default=0, help="agent population seed")
     parser.add_argument("--json", default=None, help="write the points as JSON here")
     parser.add_argument("--validate", default=None, metavar="BENCH_JSON",
-                        help="instead: re-run bench/agents.py's points (its JSON) and print simulated vs measured")
+                        help="instead: re-run bench/agents.py's points (its JSON) and print simulated vs measured "
+                             "(costs: cpu-tiny unless --costs names another profile)")
 
 
 def run(args: Any) -> int:
