@@ -51,8 +51,8 @@ each end of its buffer, see ``_Region``):
     the same order; the dust stays free for single-page requests (best fit).
 
   Capacity (what fits before None) is unchanged; the price is a prefix cache
-  smaller by the dust (measured: 25-69 of 1024 pages under churn, ~1% more
-  evictions; tests/worker/test_page_runs.py). Evicting a page removes its
+  smaller by the dust (measured: 22-82 of 1024 pages free under churn,
+  0.4-1.7% more evictions; tests/worker/test_page_runs.py). Evicting a page removes its
   hash from the map.
 - **LRU order.** A page's clock starts when its last ref goes (``free``) and it
   leaves the LRU when it is matched or ref'd again. ``free(ids)`` treats ``ids``
