@@ -20,9 +20,10 @@ each end of its buffer, see ``_Region``):
 - **Placement: sequences in long runs** (plain pool). A KV READ costs ~7 us
   per contiguous region on GPUs (DESIGN.md "Worker"), and page ids are
   consecutive in memory per layer, so a sequence's pages should be
-  consecutive ids. Free pages are kept as maximal runs; ``allocate(bits,
+  consecutive ids. Free pages are kept as maximal runs; ``allocate_next(bits,
   after=t, expect=e)`` (``after``: the sequence's last page, ``expect``: the
-  pages it will need for the tokens known so far) takes, in order:
+  pages it will need for the tokens known so far; ``allocate(bits)`` is
+  ``after=None, expect=0``) takes, in order:
 
   1. **extend in place**: the free run starting at ``t + 1``, from its start;
   2. **best fit**: the smallest free run holding ``max(left, expect left)``
@@ -52,8 +53,8 @@ each end of its buffer, see ``_Region``):
 
   Capacity (what fits before None) is unchanged; the price is a prefix cache
   smaller by the dust (measured: 22-82 of 1024 pages free under churn,
-  0.4-1.7% more evictions; tests/worker/test_page_runs.py). Evicting a page removes its
-  hash from the map.
+  0.4-1.7% more evictions; tests/worker/test_page_runs.py). Evicting a page
+  removes its hash from the map.
 - **LRU order.** A page's clock starts when its last ref goes (``free``) and it
   leaves the LRU when it is matched or ref'd again. ``free(ids)`` treats ``ids``
   as one sequence's page list in order and queues them for eviction *last page
