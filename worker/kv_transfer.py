@@ -496,7 +496,7 @@ class KVTransfer:
         if isinstance(peer, str):
             return self._fail(peer, **base)
         bits = [page_id_bits(pid) for pid in remote_pids]
-        local = self._on_engine(lambda: self.engine.pool.allocate(bits))
+        local = self._on_engine(lambda: self.allocate_for_pull(bits))
         if local is None:
             return PullResult(skipped="no_free_pages", **base)
         reason, stats = self._read_checked(peer, params, local, remote_pids)
@@ -530,6 +530,19 @@ class KVTransfer:
         except ValueError:  # page ids outside the sender's buffers: not its layout
             return "layout_mismatch"
         return self._verify_lease(params) or peer
+
+    def allocate_for_pull(self, bits: list[int]) -> list[int] | None:
+        """Pages to READ into (one per entry of ``bits``), or None. Engine thread only.
+
+        A pull serves a live request, so retained conversations yield to it as they do
+        to a request's own allocation (least recently active first): a pool full of
+        retained KV would otherwise refuse the pull and make the request recompute.
+        """
+        pool = self.engine.pool
+        got = pool.allocate(bits)
+        while got is None and pool.reclaim_one() is not None:
+            got = pool.allocate(bits)
+        return got
 
     def _read_checked(
         self, peer: RemoteBuffers, params: KVTransferParams, local: list[int], remote_pids: list[int]

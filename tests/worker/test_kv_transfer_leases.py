@@ -130,3 +130,25 @@ def test_pull_pin_is_released_on_abort(decode: KVTransfer) -> None:
     decode.engine.add_request("ab", _ids(40, 8), SamplingParams(max_tokens=2), pin_lease="pull-x")
     decode.engine.abort("ab")
     assert "pull-x" not in pool.lease_ids() and pool.num_owned == 0
+
+
+def test_a_pull_reclaims_retained_conversations_when_the_pool_is_full(decode: KVTransfer) -> None:
+    # Fill the pool with retained conversations, then ask for pages to READ a pulled prompt into:
+    # the retained leases yield, least recently active first, instead of the pull being refused.
+    pool = decode.engine.pool
+    leases = []
+    n = 0
+    while pool.num_free_pages(bits=4) >= 8:
+        out = _run(decode, f"fill{n}", _ids(100, 100 + n), 20, decode.retain_spec(conversation_key=f"c{n}"))
+        assert out.retained is not None
+        leases.append(out.retained.lease_id)
+        n += 1
+    free_before = pool.num_free_pages(bits=4)  # allocate can give this much without a lease going
+    want = free_before + 7  # more than the free list and the evictable cache can give
+    before = pool.reclaimed_leases
+    got = decode.allocate_for_pull([4] * want)
+    assert got is not None and len(got) == want
+    reclaimed = pool.reclaimed_leases - before
+    assert reclaimed >= 1
+    held = {le["lease_id"] for le in decode.leases()}
+    assert held == set(leases[reclaimed:])  # the oldest retained conversations went first
