@@ -54,15 +54,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserving.agent_load import AgentSpec, Conversation, Dist, LoadSpec, agent, fixed
-from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, SchedulerConfig, ServingConfig
+from kvserving.agent_load import REUSE_MODES, AgentSpec, Conversation, Dist, LoadSpec, agent, fixed, reuse_for_mode
+from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.stack import LocalStack, StackError, StackSpec, free_ports
 
 # bench name -> (kv_cache.dtype, bit budget)
 FORMATS: dict[str, tuple[str, float | None]] = {
     "bf16": ("bf16", None), "fp8": ("fp8_e4m3", None), "nvfp4": ("nvfp4", None), "triaxial": ("triaxial", 2.7),
 }
-MODES = ("lease", "ttl", "off")
+MODES = REUSE_MODES
 HERE = Path(__file__).resolve().parent
 
 
@@ -88,15 +88,6 @@ def cpu_load(seed: int, *, think_s: float, turns: int | None = None) -> LoadSpec
     )
 
 
-def reuse_config(mode: str, *, ttl_s: float) -> ReuseConfig:
-    if mode == "lease":
-        return ReuseConfig()
-    if mode == "ttl":
-        return ReuseConfig(retention_ttl_s=ttl_s, lease_ttl_s=ttl_s / 2)
-    if mode == "off":
-        return ReuseConfig(bidirectional=False)
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-
 
 def stack_spec(fmt: str, mode: str, *, kv_bytes: int, ttl_s: float, run_dir: Path | None) -> StackSpec:
     from kvserving.model_dir import tiny_model_dir
@@ -105,7 +96,7 @@ def stack_spec(fmt: str, mode: str, *, kv_bytes: int, ttl_s: float, run_dir: Pat
     config = ServingConfig(
         model=ModelConfig(path=str(tiny_model_dir())),
         kv_cache=KVCacheConfig(dtype=dtype, bit_budget=budget, memory_bytes=kv_bytes),
-        reuse=reuse_config(mode, ttl_s=ttl_s),
+        reuse=reuse_for_mode(mode, ttl_s=ttl_s),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024, chunk_size=512),
     )
     gateway, prefill, decode = free_ports(3)

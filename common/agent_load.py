@@ -38,6 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserving.config import ReuseConfig
+
 DIST_KINDS = ("fixed", "uniform", "exponential", "lognormal")
 
 # One token each after a space in the tiny model's tokenizer (tests/test_agent_load.py).
@@ -314,3 +316,20 @@ class Conversation:
                                         "function": {"name": call.name, "arguments": call.arguments}}]
         self.messages.append(assistant)
         self._next += 1
+
+
+# Reuse modes the agent benchmark compares (and the simulator replays for validation):
+# leases (the default retention, renewed while a conversation is active), a fixed
+# short retention TTL, and bidirectional reuse off.
+REUSE_MODES = ("lease", "ttl", "off")
+
+
+def reuse_for_mode(mode: str, *, ttl_s: float) -> ReuseConfig:
+    """The workers' reuse config for one of ``REUSE_MODES``."""
+    if mode == "lease":
+        return ReuseConfig()
+    if mode == "ttl":
+        return ReuseConfig(retention_ttl_s=ttl_s, lease_ttl_s=ttl_s / 2)
+    if mode == "off":
+        return ReuseConfig(bidirectional=False)
+    raise ValueError(f"mode must be one of {REUSE_MODES}, got {mode!r}")

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from kvserving.agent_load import AgentSpec, LoadSpec
+from kvserving.agent_load import AgentSpec, LoadSpec, reuse_for_mode
 from kvserving.config import ReuseConfig, SchedulerConfig
 from kvserving.sim_costs import CostModel
 from kvserving.simulate import ClusterSpec, Population, Simulator, run_bench_point, run_population
@@ -270,16 +270,6 @@ def load_spec_from_dict(data: dict[str, Any]) -> LoadSpec:
         raise ValueError(f"bad 'load' in the benchmark JSON: {exc}") from exc
 
 
-def bench_reuse(mode: str, ttl_s: float) -> ReuseConfig:
-    """bench/agents.py's reuse modes."""
-    if mode == "lease":
-        return ReuseConfig()
-    if mode == "ttl":
-        return ReuseConfig(retention_ttl_s=ttl_s, lease_ttl_s=ttl_s / 2)
-    if mode == "off":
-        return ReuseConfig(bidirectional=False)
-    raise ValueError(f"unknown benchmark mode {mode!r}")
-
 
 def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str, Any]]:
     """Re-run bench/agents.py's points (same agents, KV budget, scheduler, reuse mode, one
@@ -306,7 +296,7 @@ def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str
         fmt, mode, n = p["format"], p["mode"], int(p["concurrency"])
         key = (fmt, mode)
         if key not in sims:
-            cluster = ClusterSpec(BENCH_FORMATS[fmt], 1, 1, costs, reuse=bench_reuse(mode, ttl_s), scheduler=sched)
+            cluster = ClusterSpec(BENCH_FORMATS[fmt], 1, 1, costs, reuse=reuse_for_mode(mode, ttl_s=ttl_s), scheduler=sched)
             sims[key] = Simulator(cluster, load)
         # which agents the point ran: bench/agents.py's point_agents (1000 N .. 1000 N + N - 1),
         # or (its first cut) indices in run order
