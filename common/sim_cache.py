@@ -108,15 +108,20 @@ class PageCache:
     def match(self, segments: Segments, limit: int) -> int:
         """Leading pages of ``segments`` (at most ``limit``) the cache holds: the prefix match."""
         total = 0
+        chains = self._chains
         for key, n in segments:
-            n = min(n, limit - total)
+            left = limit - total
+            if n > left:
+                n = left
             if n <= 0:
                 break
-            chain = self._chains.get(key)
-            have = 0 if chain is None else min(chain.present, n)
-            total += have
-            if have < n:
+            chain = chains.get(key)
+            if chain is None:
                 break
+            have = chain.present
+            if have < n:
+                return total + have
+            total += n
         return total
 
     # ------------------------------------------------------------------ holds
@@ -137,17 +142,28 @@ class PageCache:
 
     def ref(self, hold: Hold, segments: Segments, pages: int) -> None:
         """``hold`` takes refs on the first ``pages`` pages of ``segments`` (all present)."""
+        chains, extents = self._chains, hold.extents
         for key, n in segments:
-            n = min(n, pages)
+            if n > pages:
+                n = pages
             if n <= 0:
                 break
             pages -= n
-            chain = self._chains[key]
+            chain = chains[key]
             if n > chain.present:
                 raise ValueError(f"chain {key!r} has {chain.present} pages, {n} referenced")
-            old = chain.present - chain.owned
-            self._hold(chain, hold, key, n)
-            self._sync(key, chain, old, touched=False)
+            have = extents.get(key, 0)
+            if n > have:  # _hold and _sync inlined (the hottest cache path)
+                old = chain.present - chain.owned
+                if have:
+                    chain.remove(have)
+                chain.add(n)
+                extents[key] = n
+                self._sync(key, chain, old, touched=False)
+            else:
+                cached = chain.present - chain.owned
+                if (cached > 0) != (key in self._lru):
+                    self._sync(key, chain, cached, touched=False)
 
     def allocate(self, hold: Hold, n: int) -> bool:
         """``n`` loose pages for ``hold`` (all or nothing), evicting LRU cached pages as needed."""
@@ -191,8 +207,13 @@ class PageCache:
                 gained = b - chain.present
                 chain.present = b
                 hold.loose -= gained
-            if chain.present >= b:
-                self._hold(chain, hold, key, b)
+            if chain.present >= b:  # _hold inlined
+                have = hold.extents.get(key, 0)
+                if b > have:
+                    if have:
+                        chain.remove(have)
+                    chain.add(b)
+                    hold.extents[key] = b
             self._sync(key, chain, old, touched=False)
 
     @staticmethod
@@ -208,13 +229,24 @@ class PageCache:
     def release(self, hold: Hold) -> None:
         """``hold`` lets go: its chain pages become cached (or stay owned by others), its loose
         pages free."""
+        chains, lru = self._chains, self._lru
+        delta = 0
         for key, extent in hold.extents.items():
-            chain = self._chains.get(key)
+            chain = chains.get(key)
             if chain is None:
                 continue
             old = chain.present - chain.owned
             chain.remove(extent)
-            self._sync(key, chain, old, touched=True)
+            cached = chain.present - chain.owned  # _sync(touched=True) inlined
+            delta += cached - old
+            if cached <= 0:
+                lru.pop(key, None)
+                if chain.present == 0 and not chain.extents:
+                    del chains[key]
+            else:
+                lru[key] = None
+                lru.move_to_end(key)
+        self.cached += delta
         hold.extents.clear()
         self.used -= hold.loose
         hold.loose = 0

@@ -312,7 +312,9 @@ class PrefillWorker(Worker):
             self._admitting = False
 
     def _start_step(self, now: float) -> None:
-        self.expire(now)
+        heap = self._expiry
+        if heap and heap[0][0] <= now:
+            self.expire(now)
         budget = self.sched.max_num_batched_tokens
         chunk = self.sched.chunk_size
         steps: list[tuple[list[object], int]] = []
@@ -411,17 +413,20 @@ class DecodeWorker(Worker):
         version = self._version
         self.sim.at(t, lambda when: self._tick(when, version))
 
-    def _admit(self, now: float) -> None:
+    def _admit(self, now: float) -> bool:
+        """Admit what fits; True when that rescheduled the batch's next finish."""
         if self._admitting:
-            return
+            return False
         self._admitting = True
         try:
-            self._admit_waiting(now)
+            return self._admit_waiting(now)
         finally:
             self._admitting = False
 
-    def _admit_waiting(self, now: float) -> None:
-        self.expire(now)
+    def _admit_waiting(self, now: float) -> bool:
+        heap = self._expiry
+        if heap and heap[0][0] <= now:
+            self.expire(now)
         p = self.page_size
         admitted: list[tuple[Req, float]] = []
         while self.waiting and len(self.batch) + len(admitted) < self.sched.max_num_seqs:
@@ -434,9 +439,11 @@ class DecodeWorker(Worker):
             stall = self.costs.prefill_token_s * c + self.costs.attn_s(self.dtype) * c * (req.prompt - c / 2)
             admitted.append((req, stall))
         if not admitted:
-            return
+            return False
         self._advance(now)
-        stall = sum(s for _, s in admitted)
+        stall = 0.0
+        for _, s in admitted:
+            stall += s
         for req, _ in admitted:
             # the first token came from the prefill worker: output - 1 steps here
             heapq.heappush(self.batch, (self.steps + req.output - 1, req.turn_id, req))
@@ -445,6 +452,7 @@ class DecodeWorker(Worker):
         step_s = self.costs.decode_step(self.dtype, b, self.ctx_base + b * self.steps)
         self.steps -= stall / step_s  # every sequence waits for the admitted prompts' compute
         self._reschedule(now)
+        return True
 
     def _tick(self, now: float, version: int) -> None:
         if version != self._version:
@@ -457,8 +465,8 @@ class DecodeWorker(Worker):
             done.append(req)
         for req in done:
             self._finish(req, now)
-        self._admit(now)
-        self._reschedule(now)
+        if not self._admit(now):  # an admission already rescheduled (the same time, one event fewer)
+            self._reschedule(now)
 
     def _finish(self, req: Req, now: float) -> None:
         p = self.page_size

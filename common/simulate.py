@@ -158,8 +158,8 @@ class Simulator(Sim):
 
     # ------------------------------------------------------------------ event core
     def at(self, t: float, fn: Callable[[float], None]) -> None:
-        self._seq += 1
-        heapq.heappush(self._events, (t, self._seq, fn))
+        self._seq = seq = self._seq + 1
+        _heappush(self._events, (t, seq, fn))
 
     def run(
         self, *, until: float = math.inf, progress: Callable[[float], None] | None = None, agents_done: bool = False
@@ -167,12 +167,16 @@ class Simulator(Sim):
         """Process events in time order (ties in the order they were scheduled) up to ``until``,
         or (``agents_done``) until no agent is left; later events (sweeps, expiries) stay queued."""
         events = self._events
-        next_report = 0.0
-        while events and events[0][0] <= until and not (agents_done and self._active == 0):
-            t, _, fn = heapq.heappop(events)
+        pop = heapq.heappop
+        next_report = 0.0 if progress is not None else math.inf
+        while events and events[0][0] <= until:
+            if agents_done and self._active == 0:
+                break
+            t, _, fn = pop(events)
             self.now = t
             fn(t)
-            if progress is not None and t >= next_report:
+            if t >= next_report:
+                assert progress is not None
                 progress(t)
                 next_report = t + 10.0
         self.now = max(self.now, until) if until != math.inf else self.now
@@ -283,8 +287,16 @@ class Simulator(Sim):
         loaded one. Both functions pick one of exactly those two, so the answer is the one
         they give on every worker (tests/test_simulate.py holds them equal) at O(1) hashing."""
         held = self.table.per_worker
-        low_d = min(map(_inflight, self.decode))
-        least = min((w for w in self.decode if w.inflight == low_d), key=lambda w: (held.get(w.url, 0), w.url))
+        decode = self.decode
+        low_d = min(map(_inflight, decode))
+        least = None
+        best = -1
+        for w in decode:  # workers are in URL order: the first of the fewest held wins ties
+            if w.inflight == low_d:
+                n = held.get(w.url, 0)
+                if best < 0 or n < best:
+                    least, best = w, n
+        assert least is not None
         views = [WorkerView(least.url, True, least.inflight, held.get(least.url, 0))]
         if lease_url is not None and lease_url != least.url and lease_url in self._by_url:
             h = self._by_url[lease_url]
@@ -330,7 +342,8 @@ class Simulator(Sim):
         return self.table.get(key)
 
     def _at_prefill(self, ag: _Agent, req: Req, pre: PrefillWorker, dec: DecodeWorker, now: float) -> None:
-        pre.expire(now)
+        if pre._expiry and pre._expiry[0][0] <= now:
+            pre.expire(now)
         if req.lease_offer is not None:
             req.lease_offer.worker.expire(now)
         out = pre.pull(req, req.lease_offer, now)
@@ -359,7 +372,8 @@ class Simulator(Sim):
         self.at(now + self.cluster.costs.decode_request_s, lambda t: self._at_decode(req, dec, t))
 
     def _at_decode(self, req: Req, dec: DecodeWorker, now: float) -> None:
-        dec.expire(now)
+        if dec._expiry and dec._expiry[0][0] <= now:
+            dec.expire(now)
         offer = req.transfer_offer
         out = dec.pull(req, offer, now)
         if offer is not None and offer.alive(now):
@@ -417,6 +431,7 @@ class Simulator(Sim):
 
 
 _inflight = attrgetter("inflight")
+_heappush = heapq.heappush
 
 
 def _params(lease: WLease) -> dict[str, Any]:
