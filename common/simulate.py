@@ -348,8 +348,11 @@ class Simulator(Sim):
             req.lease_offer.worker.expire(now)
         out = pre.pull(req, req.lease_offer, now)
         req.fallback = out.fallback
-        self.at(now + out.seconds, lambda t: pre.arrive(req, t))
         self._ctx[req.turn_id] = (ag, dec, req)
+        if out.seconds > 0:
+            self.at(now + out.seconds, lambda t: pre.arrive(req, t))
+        else:  # nothing pulled: straight on to the engine queue (one event fewer)
+            pre.arrive(req, now)
 
     def _prefill_done(self, req: Req, now: float) -> None:
         ag, dec, _ = self._ctx[req.turn_id]
