@@ -25,6 +25,7 @@ GPUs that serve a population at a TTFT p99, and the replay of the benchmark's po
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import random
@@ -169,16 +170,24 @@ class Simulator(Sim):
         events = self._events
         pop = heapq.heappop
         next_report = 0.0 if progress is not None else math.inf
-        while events and events[0][0] <= until:
-            if agents_done and self._active == 0:
-                break
-            t, _, fn = pop(events)
-            self.now = t
-            fn(t)
-            if t >= next_report:
-                assert progress is not None
-                progress(t)
-                next_report = t + 10.0
+        # the loop makes millions of objects and (almost) no reference cycles: the cyclic
+        # collector only costs time here (~6 % at 10K agents), so it waits until the run is over
+        collect = gc.isenabled()
+        gc.disable()
+        try:
+            while events and events[0][0] <= until:
+                if agents_done and self._active == 0:
+                    break
+                t, _, fn = pop(events)
+                self.now = t
+                fn(t)
+                if t >= next_report:
+                    assert progress is not None
+                    progress(t)
+                    next_report = t + 10.0
+        finally:
+            if collect:
+                gc.enable()
         self.now = max(self.now, until) if until != math.inf else self.now
 
     def _ensure_sweep(self) -> None:
