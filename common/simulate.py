@@ -151,7 +151,6 @@ class Simulator(Sim):
         self._turn_seq = 0
         self._keys: dict[str, bytes] = {}
         self._shared_prefix_key: bytes | None = None
-        self._preferred_url: dict[bytes, str] = {}
         self._length_cache: dict[int, tuple[AgentSpec, list[tuple[int, int, int, int]]]] = {}
         self._active = 0
         self._ctx: dict[int, tuple[_Agent, DecodeWorker, Req]] = {}  # turns in flight
@@ -291,10 +290,10 @@ class Simulator(Sim):
         self.at(t, lambda when: self._at_prefill(ag, req, pre, dec, when))
 
     def route(self, key: bytes, lease_url: str | None) -> tuple[DecodeWorker, PrefillWorker]:
-        """``choose_decode`` and ``choose_prefill`` of kvserving.gateway.router, called on the two
-        candidates that can win: the lease holder (or the prefix-hash worker) and the least
-        loaded one. Both functions pick one of exactly those two, so the answer is the one
-        they give on every worker (tests/test_simulate.py holds them equal) at O(1) hashing."""
+        """``choose_decode`` and ``choose_prefill`` of kvserving.gateway.router. Decode is called on
+        the two candidates that can win (the lease holder and the least loaded: it picks one of
+        exactly those); prefill on every prefill worker (its load bound needs them all).
+        tests/test_simulate.py holds both equal to the router called on every worker."""
         held = self.table.per_worker
         decode = self.decode
         low_d = min(map(_inflight, decode))
@@ -312,28 +311,14 @@ class Simulator(Sim):
             views.append(WorkerView(h.url, True, h.inflight, held.get(h.url, 0)))
         decision = choose_decode(views, lease_url=lease_url, max_inflight=self.cluster.gateway.max_inflight_per_worker)
         assert decision is not None
-        preferred = self._preferred(key)
-        low_p = min(map(_inflight, self.prefill))
-        low = next(w for w in self.prefill if w.inflight == low_p)  # workers are in URL order
-        pviews = [WorkerView(preferred.url, True, preferred.inflight)]
-        if low is not preferred:
-            pviews.append(WorkerView(low.url, True, low.inflight))
+        # Prefill: bounded-load consistent hashing reads every worker's load and the whole
+        # rendezvous order, so the router sees every prefill worker.
+        pviews = [WorkerView(w.url, True, w.inflight) for w in self.prefill]
         choice = choose_prefill(pviews, key=key)
         assert choice is not None
         dec, pre = self._by_url[decision.url], self._by_url[choice.url]
         assert isinstance(dec, DecodeWorker) and isinstance(pre, PrefillWorker)
         return dec, pre
-
-    def _preferred(self, key: bytes) -> PrefillWorker:
-        """The rendezvous-hash prefill worker of ``key``: the router's choice when all are idle."""
-        url = self._preferred_url.get(key)
-        if url is None:
-            choice = choose_prefill([WorkerView(w.url, True, 0) for w in self.prefill], key=key)
-            assert choice is not None
-            url = self._preferred_url[key] = choice.url
-        w = self._by_url[url]
-        assert isinstance(w, PrefillWorker)
-        return w
 
     def _lookup(self, key: str, now: float) -> Any:
         """LeaseKeeper.lookup on a miss: the decode worker still retaining ``key``, if any."""

@@ -26,6 +26,7 @@ No I/O: the caller passes a snapshot of the workers and gets a decision.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -70,7 +71,9 @@ def prefix_key(input_ids: Sequence[int], *, num_tokens: int = PREFIX_HASH_TOKENS
     return hashlib.blake2b(head.encode(), digest_size=16).digest()
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _weight(key: bytes, url: str) -> int:
+    # cached: a prompt prefix is ranked again on every turn of its conversations
     return int.from_bytes(hashlib.blake2b(key + url.encode(), digest_size=8).digest(), "big")
 
 

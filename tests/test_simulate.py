@@ -98,10 +98,10 @@ def test_shared_prefix_segments_match_across_chains() -> None:
 
 
 # ----------------------------------------------------------------------------- workers and leases
-def _sim(**kw: object) -> Simulator:
+def _sim(prefill: int = 2, **kw: object) -> Simulator:
     from kvserving.agent_load import LoadSpec
 
-    cluster = ClusterSpec("bf16", 2, 3, tiny_costs(), **kw)  # type: ignore[arg-type]
+    cluster = ClusterSpec("bf16", prefill, 3, tiny_costs(), **kw)  # type: ignore[arg-type]
     return Simulator(cluster, LoadSpec())
 
 
@@ -140,9 +140,11 @@ def test_event_core_runs_in_time_order_ties_in_schedule_order() -> None:
     assert seen == ["a", "b", "b2", "c"] and sim.now == 2.0
 
 
-def test_routing_equals_the_real_router_on_every_worker() -> None:
+@pytest.mark.parametrize("prefill", [2, 5])
+def test_routing_equals_the_real_router_on_every_worker(prefill: int) -> None:
+    # 5 prefill workers: the load bound makes the third and later workers in hash order matter
     rng = random.Random(7)
-    sim = _sim(gateway=GatewayConfig(max_inflight_per_worker=5))
+    sim = _sim(prefill, gateway=GatewayConfig(max_inflight_per_worker=5))
     for _ in range(300):
         for w in [*sim.prefill, *sim.decode]:
             w.inflight = rng.randrange(0, 8)
