@@ -32,6 +32,7 @@ from kvserving.kernels.layout import PageLayout
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.tags import TEMPORAL, encode_tag
 from kvserving.worker.engine import LLMEngine, RequestOutput
+from kvserving.worker.kv_local import LocalPair, flush_prefix_cache
 from kvserving.worker.kv_transfer import KVTransfer, KVTransferParams, PullResult
 from kvserving.worker.precision import page_bits
 from kvserving.worker.sampling import SamplingParams
@@ -52,30 +53,6 @@ def make_engine(model: Path, age_down: bool) -> LLMEngine:
     )
 
 
-class Pair:
-    """A prefill and a decode worker in this process, each with its own NIXL agent."""
-
-    def __init__(self, model: Path, age_down: bool, name: str) -> None:
-        self.workers: dict[str, KVTransfer] = {}
-        for role in ("prefill", "decode"):
-            eng = make_engine(model, age_down)
-            url = f"local://{name}-{role}"
-            self.workers[url] = KVTransfer(
-                eng, eng.config.reuse, engine_id=f"{name}-{role}", agent_url=url, role=role,
-                fetch_agent_info=lambda u: self.workers[u].agent_info(), fetch_lease=self._lease,
-                renew_remote=lambda u, lid: self.workers[u].renew(lid),
-                release_remote=lambda u, lid: self.workers[u].release(lid),
-            )
-        self.p, self.d = self.workers[f"local://{name}-prefill"], self.workers[f"local://{name}-decode"]
-
-    def _lease(self, url: str, lease_id: str) -> dict[str, Any] | None:
-        return next((le["kv_transfer_params"] for le in self.workers[url].leases() if le["lease_id"] == lease_id), None)
-
-    def close(self) -> None:
-        for w in self.workers.values():
-            w.close()
-
-
 def run_request(kvt: KVTransfer, rid: str, ids: list[int], tags: list[int], max_tokens: int,
                 params: KVTransferParams | None) -> tuple[PullResult, RequestOutput, list[int]]:
     pull = kvt.pull(ids, tags, params)
@@ -89,16 +66,6 @@ def run_request(kvt: KVTransfer, rid: str, ids: list[int], tags: list[int], max_
                 tokens.extend(out.new_token_ids)
                 if out.finished:
                     return pull, out, tokens
-
-
-def flush_prefix_cache(kvt: KVTransfer) -> None:
-    """Drop the worker's leases and evict every cached page (allocating all free pages takes the LRU ones)."""
-    for lease in kvt.leases():
-        kvt.release(lease["lease_id"])
-    pool = kvt.engine.pool
-    pages = pool.allocate([4] * pool.num_free_pages(bits=4))
-    assert pages is not None and pool.num_cached == 0
-    pool.free(pages)
 
 
 @dataclass
@@ -118,7 +85,7 @@ class TurnRow:
 class Conversation:
     """Segments (tokens, semantic class, turn index); tags are derived per turn from the turn's age."""
 
-    def __init__(self, pair: Pair, *, obs: int, gen: int, seed: int) -> None:
+    def __init__(self, pair: LocalPair, *, obs: int, gen: int, seed: int) -> None:
         self.pair, self.obs, self.gen = pair, obs, gen
         self.g = torch.Generator().manual_seed(seed)
         self.segments: list[tuple[list[int], str, int]] = []
@@ -234,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = json.loads((Path(model) / "config.json").read_text())
         turns = args.turns or (cfg["max_position_embeddings"] - 164 - args.gen) // (args.obs + 8 + args.gen)
         for mode in ("off", "on"):
-            pair = Pair(model, mode == "on", f"age-{mode}")
+            pair = LocalPair(*(make_engine(model, mode == "on") for _ in range(2)), name=f"age-{mode}")
             conv = Conversation(pair, obs=args.obs, gen=args.gen, seed=7)
             results[mode] = [conv.turn() for _ in range(turns)]
             pair.close()

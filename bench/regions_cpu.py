@@ -31,6 +31,7 @@ import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, SchedulerConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine, RequestOutput
+from kvserving.worker.kv_local import LocalPair, flush_prefix_cache
 from kvserving.worker.kv_transfer import KVTransfer, KVTransferParams
 from kvserving.worker.page_pool import PagePool
 from kvserving.worker.sampling import SamplingParams
@@ -71,46 +72,6 @@ def run_request(kvt: KVTransfer, rid: str, ids: list[int], params: KVTransferPar
                 return out
 
 
-def flush_prefix_cache(kvt: KVTransfer) -> None:
-    """Drop the worker's leases and evict every cached page (allocating all free pages takes the
-    LRU ones too), so the worker keeps nothing of earlier conversations."""
-    for lease in kvt.leases():
-        kvt.release(lease["lease_id"])
-    pool = kvt.engine.pool
-    pages = pool.allocate([4] * pool.num_free_pages(bits=4))
-    assert pages is not None and pool.num_cached == 0
-    pool.free(pages)
-
-
-class Pair:
-    """A prefill and a decode worker in this process, each with its own NIXL agent."""
-
-    def __init__(self, model: Path, dtype: str, pages: dict[str, int], name: str) -> None:
-        self.workers: dict[str, KVTransfer] = {}
-        for role in ("prefill", "decode"):
-            eng = make_engine(model, dtype, pages[role])
-            url = f"local://{name}-{role}"
-            self.workers[url] = KVTransfer(
-                eng, eng.config.reuse, engine_id=f"{name}-{role}", agent_url=url, role=role,
-                fetch_agent_info=lambda u: self.workers[u].agent_info(), fetch_lease=self._lease,
-                renew_remote=self._renew, release_remote=lambda u, lid: self.workers[u].release(lid),
-            )
-        self.p, self.d = self.workers[f"local://{name}-prefill"], self.workers[f"local://{name}-decode"]
-
-    def _lease(self, url: str, lease_id: str) -> dict[str, Any] | None:
-        return next((le["kv_transfer_params"] for le in self.workers[url].leases() if le["lease_id"] == lease_id), None)
-
-    def _renew(self, url: str, lease_id: str) -> float | None:
-        try:
-            return self.workers[url].renew(lease_id)
-        except KeyError:
-            return None
-
-    def close(self) -> None:
-        for w in self.workers.values():
-            w.close()
-
-
 def make_engine(model: Path, dtype: str, num_pages: int | None, *, page_bytes: int | None = None) -> LLMEngine:
     memory = 96 << 20 if num_pages is None else num_pages * (page_bytes or PAGE_BYTES[dtype])
     return LLMEngine(
@@ -137,7 +98,7 @@ def run(model: Path, args: argparse.Namespace, policy: str) -> dict[str, Any]:
 
 
 def _run(model: Path, args: argparse.Namespace, policy: str) -> dict[str, Any]:
-    pair = Pair(model, args.dtype, {"prefill": args.pool_pages, "decode": args.pool_pages}, policy)
+    pair = LocalPair(*(make_engine(model, args.dtype, args.pool_pages) for _ in range(2)), name=policy)
     d = pair.d.engine
     rng = random.Random(args.seed)
     active: dict[str, list[int]] = {}  # request id on D -> its prompt (for the D->P pulls)

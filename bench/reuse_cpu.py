@@ -39,6 +39,7 @@ import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, SchedulerConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine, RequestOutput
+from kvserving.worker.kv_local import LocalPair, flush_prefix_cache
 from kvserving.worker.kv_transfer import KVTransfer, KVTransferParams, PullResult
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.tiny_model import build_tiny_model
@@ -55,35 +56,6 @@ def make_engine(model: Path, dtype: str, threshold: int | str) -> LLMEngine:
             scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, chunk_size=512),
         )
     )
-
-
-class Pair:
-    """A prefill and a decode worker in this process, each with its own NIXL agent."""
-
-    def __init__(self, model: Path, dtype: str, threshold: int | str, name: str) -> None:
-        self.workers: dict[str, KVTransfer] = {}
-        for role in ("prefill", "decode"):
-            eng = make_engine(model, dtype, threshold)
-            url = f"local://{name}-{role}"
-            self.workers[url] = KVTransfer(
-                eng, eng.config.reuse, engine_id=f"{name}-{role}", agent_url=url, role=role,
-                fetch_agent_info=lambda u: self.workers[u].agent_info(), fetch_lease=self._lease,
-                renew_remote=self._renew, release_remote=lambda u, lid: self.workers[u].release(lid),
-            )
-        self.p, self.d = self.workers[f"local://{name}-prefill"], self.workers[f"local://{name}-decode"]
-
-    def _lease(self, url: str, lease_id: str) -> dict[str, Any] | None:
-        return next((le["kv_transfer_params"] for le in self.workers[url].leases() if le["lease_id"] == lease_id), None)
-
-    def _renew(self, url: str, lease_id: str) -> float | None:
-        try:
-            return self.workers[url].renew(lease_id)
-        except KeyError:
-            return None
-
-    def close(self) -> None:
-        for w in self.workers.values():
-            w.close()
 
 
 def run_request(kvt: KVTransfer, rid: str, ids: list[int], max_tokens: int, params: KVTransferParams | None,
@@ -104,19 +76,7 @@ def run_request(kvt: KVTransfer, rid: str, ids: list[int], max_tokens: int, para
                 return pull, out, tokens
 
 
-def flush_prefix_cache(kvt: KVTransfer) -> None:
-    """Drop the worker's leases (a prefill worker's transfer holds: as if they had expired) and
-    evict every cached page: allocating all free pages takes the LRU ones too."""
-    for lease in kvt.leases():
-        kvt.release(lease["lease_id"])
-    pool = kvt.engine.pool
-    n = pool.num_free_pages(bits=4)
-    pages = pool.allocate([4] * n)
-    assert pages is not None and pool.num_cached == 0
-    pool.free(pages)
-
-
-def warm_up(pair: Pair) -> None:
+def warm_up(pair: LocalPair) -> None:
     """One short turn each way: NIXL connections and first-call costs stay out of the table."""
     ids = list(range(10, 10 + 100))
     _, po, reply = run_request(pair.p, "warm-p", ids, 1, None)
@@ -144,7 +104,7 @@ class TurnResult:
 class Conversation:
     """One conversation of one mode; ``pair`` None = the new-only baseline on ``local``."""
 
-    def __init__(self, key: str, pair: Pair | None, local: LLMEngine | None, *, reuse: bool, gen: int) -> None:
+    def __init__(self, key: str, pair: LocalPair | None, local: LLMEngine | None, *, reuse: bool, gen: int) -> None:
         self.key, self.pair, self.local, self.reuse, self.gen = key, pair, local, reuse, gen
         self.d_params: KVTransferParams | None = None
         self.results: list[TurnResult] = []
@@ -208,12 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or build_tiny_model(Path(tmp) / "tiny")
         ctx = json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
         turns = args.turns or (ctx - args.gen) // (args.new + args.gen)
-        pairs: dict[str, Pair] = {}
+        pairs: dict[str, LocalPair] = {}
         convs: dict[str, list[Conversation]] = {}
         local = make_engine(model, args.dtype, 0)
         for mode in MODES:
             threshold: int | str = "auto" if mode == "on-auto" else int(mode.split("-")[1]) if mode != "off" else 64
-            pairs[mode] = Pair(model, args.dtype, threshold, mode)
+            pairs[mode] = LocalPair(*(make_engine(model, args.dtype, threshold) for _ in range(2)), name=mode)
             warm_up(pairs[mode])
             convs[mode] = [Conversation(f"{mode}-{r}", pairs[mode], None, reuse=mode != "off", gen=args.gen) for r in range(args.reps)]
         convs["new-only"] = [Conversation(f"new-{r}", None, local, reuse=True, gen=args.gen) for r in range(args.reps)]
