@@ -6,10 +6,16 @@ write the calibration file (kvserving.calibration) the engine config names.
 1. Calibration text becomes tagged prompts through the gateway's own chat
    template and tagger (the real 56 classes): a ``.jsonl`` file holds one chat
    request per line (``{"messages": [...], "tools": [...]}`` or a bare message
-   list); any other file is plain text, cut into pieces and wrapped as agent
-   conversations (system prompt and tool schema, then four user turns of
-   request, reasoning + tool call, tool result and answer), so every turn age
-   and every text role occurs.
+   list); any other file is plain text, wrapped as agent conversations. With
+   ``--wrap agent`` (the default) they have the shape of the agent load
+   generator's agents (``kvserving.agent_load``: system prompt, tool schemas,
+   turns of user request or tool result, then a reply that quotes the latest
+   result and calls the next tool, until the context is full), the file's
+   text standing in for every message, so the class shares are those of an
+   agent context (tool results dominate, most tokens are old turns); with
+   ``--wrap pieces`` (and for contexts too short for an agent's system prompt
+   and tool schemas, under ~400 tokens), 17 equal pieces (system prompt and tool schema, then four
+   user turns of request, reasoning + tool call, tool result and answer).
 2. The worker's model code runs each prompt once; an attention op captures
    every layer's Q and the K/V as the KV cache would receive them (RoPE applied).
 3. ``D_k(b)`` (DESIGN.md, Token tags): the attention-output MSE, per query head,
@@ -19,7 +25,9 @@ write the calibration file (kvserving.calibration) the engine config names.
    32 of the class's tokens, in position order), the rest exact; max over
    heads, summed over layers and prompts.
 4. Per requested budget, the greedy rule of ``kvserving.bits`` over those
-   measurements gives the table (``Calibration.derive_table``).
+   measurements gives the table (``Calibration.derive_table``), with the budget
+   counted in stored pages: the prompts' pages of 32 tokens (their class mix)
+   are recorded, and a page is INT2 only when all of its tokens are 2-bit.
 5. fp8 and nvfp4 global scales per layer from the K/V amax (``amax / 448``,
    ``amax / (6 * 448)``); with ``--scale-search`` each layer's K and V scale is
    instead the multiple of that which gives the lowest attention-output error
@@ -31,14 +39,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
+from kvserving.agent_load import Dist, LoadSpec, agent
 from kvserving.calibration import SCALED_DTYPES, Calibration, LayerScales, budget_key
 from kvserving.config import ModelConfig
 from kvserving.gateway.chat_template import ChatTemplate
@@ -54,6 +65,7 @@ from kvserving.worker.attention import causal_attention
 from kvserving.worker.model import DecoderModel, ModelArgs, load_model
 
 DEFAULT_BUDGETS = (2.5, 2.7, 3.0, 3.5)
+WRAPS = ("agent", "pieces")
 PAGE = 32  # triaxial page: INT2 keys are quantized per channel over this many tokens
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
@@ -115,12 +127,81 @@ def wrap_text(text: str, *, name: str, piece_chars: int) -> list[ChatRequest]:
     return out
 
 
-def read_requests(path: Path, *, piece_chars: int) -> list[ChatRequest]:
+def agent_wrap(text: str, *, name: str, chars_per_token: float, context_tokens: int, seed: int = 0) -> list[ChatRequest]:
+    """Plain text as agent conversations of ``kvserving.agent_load``'s shape (module docstring),
+    each planned to fill about 85% of ``context_tokens``; the text is used once, in order.
+
+    Agent ``i`` is ``agent_load.agent(LoadSpec(seed, long_context=True), i)`` with every
+    message's words replaced by as many tokens' worth of the text (``chars_per_token``): the
+    system prompt, user messages and tool results; the reply quotes a span of the latest tool
+    result or user message (an agent copying what it read) and calls the turn's tool with the
+    file name and offset as its argument. Conversations stop when the text runs out."""
+    if chars_per_token <= 0 or context_tokens < 64:
+        raise ValueError(f"chars_per_token must be > 0 and context_tokens >= 64, got {chars_per_token}, {context_tokens}")
+    ctx = max(64, int(context_tokens * 0.85))
+    # agent_load's default lengths (made for 4K+ contexts), scaled down for shorter ones
+    f = min(1.0, ctx / 4096)
+    spec = LoadSpec(
+        seed=seed, long_context=True, max_context_tokens=ctx,
+        system_tokens=Dist("uniform", 300 * f, 100 * f, 1), num_tools=Dist("uniform", 4, 2, 1, max(1, round(6 * f))),
+        tool_description_tokens=Dist("uniform", 20 * f, 10 * f, 1),
+        user_tokens=Dist("lognormal", 60, 0.6, 4, 600 * f), tool_result_tokens=Dist("lognormal", 150, 0.8, 4, 2000 * f),
+    )
+    rng = random.Random(f"kvserving-calibrate:{seed}:{name}")
+    pos = 0
+
+    def take(tokens: int) -> str | None:
+        nonlocal pos
+        n = max(1, round(tokens * chars_per_token))
+        if pos >= len(text):
+            return None
+        piece, pos = text[pos : pos + n], pos + n
+        return piece if piece.strip() else piece + "."
+
+    out: list[ChatRequest] = []
+    i = 0
+    while pos < len(text) and i < 100_000:
+        a = agent(spec, i)
+        i += 1
+        if not a.turns:
+            continue
+        system = take(len(a.system.split()))
+        if system is None:
+            break
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        call_id = ""
+        for turn in a.turns:
+            words = turn.user if turn.user is not None else turn.tool_result
+            new = take(len((words or "x").split()))
+            if new is None:
+                break
+            if turn.tool_result is not None:
+                messages.append({"role": "tool", "tool_call_id": call_id, "content": new})
+            else:
+                messages.append({"role": "user", "content": new})
+            n = min(len(new), max(1, round(turn.output_tokens * chars_per_token)))
+            start = rng.randrange(0, len(new) - n + 1)
+            reply: dict[str, Any] = {"role": "assistant", "content": new[start : start + n]}
+            if turn.tool_call is not None:
+                call_id = turn.tool_call.id
+                args = json.dumps({"arg": f"{name}:{pos}"})
+                reply["tool_calls"] = [{"id": call_id, "type": "function",
+                                        "function": {"name": turn.tool_call.name, "arguments": args}}]
+            messages.append(reply)
+        if len(messages) > 1:
+            out.append(ChatRequest(messages, list(a.tools)))
+    return out
+
+
+def read_requests(path: Path, *, piece_chars: int, wrap: str = "pieces", chars_per_token: float = 3.0,
+                  context_tokens: int = 2048) -> list[ChatRequest]:
     """The chat requests of one data file (module docstring). OSError if unreadable; ValueError on bad JSONL."""
     text = path.read_text(encoding="utf-8", errors="replace")
     if path.suffix != ".jsonl":
         if not text.strip():
             raise ValueError(f"data file {path} is empty")
+        if wrap == "agent":
+            return agent_wrap(text, name=path.name, chars_per_token=chars_per_token, context_tokens=context_tokens)
         return wrap_text(text, name=path.name, piece_chars=piece_chars)
     out = []
     for n, line in enumerate(text.splitlines(), 1):
@@ -161,11 +242,14 @@ def tag_requests(tagger: ChatTagger, requests: Sequence[ChatRequest], *, max_tok
     return out
 
 
+def chars_per_token(tagger: ChatTagger, sample: str) -> float:
+    probe = sample[:20_000] or "x"
+    return len(probe) / max(1, len(tagger.tokenizer.encode_ids(probe)))
+
+
 def piece_chars_for(tagger: ChatTagger, sample: str, max_tokens: int) -> int:
     """Characters per piece so that a wrapped conversation (17 pieces plus template) fits ``max_tokens``."""
-    probe = sample[:20_000] or "x"
-    chars_per_token = len(probe) / max(1, len(tagger.tokenizer.encode_ids(probe)))
-    return max(8, int(max_tokens * 0.85 / 17 * chars_per_token))
+    return max(8, int(max_tokens * 0.85 / 17 * chars_per_token(tagger, sample)))
 
 
 # ---------------------------------------------------------------- capture and measure
@@ -287,6 +371,16 @@ class Measurement:
     # kv dtype -> per layer: candidate factor -> summed error (K and V)
     k_err: dict[str, list[list[float]]]
     v_err: dict[str, list[list[float]]]
+    # class mix of every full page of PAGE tokens -> number of such pages; tokens of partial pages
+    pages: Counter[tuple[tuple[int, int], ...]] = field(default_factory=Counter)
+    residual: int = 0
+
+    def add_pages(self, tags: Sequence[int]) -> None:
+        """Record a prompt's page layout (its tokens from position 0 in pages of PAGE)."""
+        full = len(tags) - len(tags) % PAGE
+        for s in range(0, full, PAGE):
+            self.pages[tuple(sorted(Counter(tags[s : s + PAGE]).items()))] += 1
+        self.residual += len(tags) - full
 
     @classmethod
     def empty(cls, args: ModelArgs) -> Measurement:
@@ -309,6 +403,7 @@ def measure(
         tags = torch.tensor(seq.tags, dtype=torch.long, device=device)
         for c, n in zip(*torch.unique(tags, return_counts=True)):
             m.counts[int(c)] += int(n)
+        m.add_pages(seq.tags)
         for layer in range(args.num_layers):
             q, k, v = cap.q[layer], cap.k[layer], cap.v[layer]
             m.k_amax[layer] = max(m.k_amax[layer], float(k.abs().max()))
@@ -364,15 +459,20 @@ def build_calibration(m: Measurement, budgets: Sequence[float], *, search: bool,
         frequency=tuple(c / total for c in m.counts), frequency_source=frequency_source,
         distortion={2: tuple(m.d2), 4: tuple(m.d4)}, tables={},
         scales={d: _best_scales(m, d, search) for d in SCALED_DTYPES},
+        pages=tuple(sorted(((n, mix) for mix, n in m.pages.items()), key=lambda e: (-e[0], e[1]))),
+        page_size=PAGE, residual=m.residual,
     )
     for b in budgets:
         cal.tables[budget_key(b)] = cal.derive_table(b)
     return cal
 
 
-def load_data(paths: Sequence[Path], tagger: ChatTagger, *, seq_len: int, max_tokens: int) -> list[TaggedSeq]:
+def load_data(paths: Sequence[Path], tagger: ChatTagger, *, seq_len: int, max_tokens: int, wrap: str = "agent") -> list[TaggedSeq]:
     """Tagged prompts from ``paths``, in order, until ``max_tokens`` tokens. Plain text is
-    wrapped in pieces sized so that a whole conversation fits ``seq_len`` tokens."""
+    wrapped (``wrap``: "agent" or "pieces", module docstring) so that a whole conversation
+    fits ``seq_len`` tokens."""
+    if wrap not in WRAPS:
+        raise ValueError(f"wrap must be one of {WRAPS}, got {wrap!r}")
     for path in paths:
         if not path.is_file():
             raise ValueError(f"data file {path} does not exist" if not path.exists() else f"data file {path} is not a file")
@@ -381,8 +481,12 @@ def load_data(paths: Sequence[Path], tagger: ChatTagger, *, seq_len: int, max_to
     for path in paths:
         sample = path.read_text(encoding="utf-8", errors="replace")[:20_000]
         piece = piece_chars_for(tagger, sample, seq_len)
-        requests = read_requests(path, piece_chars=piece)
-        if path.suffix != ".jsonl":
+        cpt = chars_per_token(tagger, sample)
+        requests = read_requests(path, piece_chars=piece, wrap=wrap, chars_per_token=cpt, context_tokens=seq_len)
+        pieces = wrap == "pieces"
+        if not requests:  # a context too short for an agent's system prompt and tool schemas
+            requests, pieces = read_requests(path, piece_chars=piece), True
+        if path.suffix != ".jsonl" and pieces:
             for _ in range(6):  # shrink the pieces until the first conversation fits
                 first = tagger.build(requests[0].messages, tools=requests[0].tools, add_generation_prompt=False)
                 if len(first.input_ids) <= seq_len or piece <= 8:
@@ -400,13 +504,14 @@ def load_data(paths: Sequence[Path], tagger: ChatTagger, *, seq_len: int, max_to
 def calibrate(
     model_dir: Path, data: Sequence[Path], budgets: Sequence[float], *, seq_len: int = 2048, max_tokens: int = 16384,
     search: bool = False, frequency_source: str = "data", device: str | None = None, show_progress: bool = True,
+    wrap: str = "agent",
 ) -> Calibration:
     """The whole job (module docstring) as a library call."""
     for b in budgets:
         if not 2.0 <= b <= 4.0:
             raise ValueError(f"bit budget must be in [2, 4], got {b:g}")
     tagger = ChatTagger(TextTokenizer.from_dir(model_dir), ChatTemplate.from_dir(model_dir))
-    seqs = load_data(data, tagger, seq_len=seq_len, max_tokens=max_tokens)
+    seqs = load_data(data, tagger, seq_len=seq_len, max_tokens=max_tokens, wrap=wrap)
     if not seqs:
         raise ValueError("the calibration data produced no prompt of 2 or more tokens")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -454,6 +559,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="choose fp8/nvfp4 scales by attention-output error among multiples of the amax scale")
     parser.add_argument("--frequencies", choices=("data", "agent"), default="data",
                         help="class shares a budget is met under: the calibration data's, or the default agent-context shares")
+    parser.add_argument("--wrap", choices=WRAPS, default="agent",
+                        help="how plain text becomes conversations: agent-load shaped (default) or 17 equal pieces")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 
 
@@ -461,14 +568,15 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(ModelConfig(path=args.model))
     cal = calibrate(
         model_dir, args.data, args.bit_budgets, seq_len=args.seq_len, max_tokens=args.max_tokens,
-        search=args.scale_search, frequency_source=args.frequencies, device=args.device,
+        search=args.scale_search, frequency_source=args.frequencies, device=args.device, wrap=args.wrap,
     )
     args.out.write_text(cal.to_json())
-    from kvserving.bits import average_bits, format_bits_table
+    from kvserving.bits import format_bits_table
 
     print(f"calibrated {model_dir} on {cal.tokens} tokens -> {args.out}")
+    unit = "stored bits (pages)" if cal.page_rule() else "average bits"
     for key, table in cal.tables.items():
-        print(f"  budget {key}: {average_bits(table, cal.budget_frequency()):.3f} average bits; {format_bits_table(table)}")
+        print(f"  budget {key}: {cal.stored_bits(table):.3f} {unit}; {format_bits_table(table)}")
     for name, s in sorted(cal.scales.items()):
         print(f"  {name} scales ({s.method}): K {', '.join(f'{x:.3g}' for x in s.k)}; V {', '.join(f'{x:.3g}' for x in s.v)}")
     return 0

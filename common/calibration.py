@@ -13,12 +13,23 @@ from a ConfigMap and the engine config names it in ``kv_cache.calibration``)::
       "frequency_source": "data",          # shares the budget is met under: "data" or "agent"
       "distortion": {"2": [56], "4": [56]},  # D_k(b), DESIGN.md (0 for a class absent from the data)
       "tables": {"2.7": [56 bits], ...},   # the greedy rule's table per requested budget
+      "pages": {"size": 32, "residual": 17,  # optional: the calibration prompts' full pages by
+                "counts": [[n, [[tag, tokens], ...]], ...]},  # class mix (n pages each), residual tokens
       "scales": {"fp8_e4m3": {"k": [L], "v": [L], "method": "amax"},
                  "nvfp4":    {"k": [L], "v": [L], "method": "search"}}
     }
 
 A budget the file has no table for is derived from its measurements with the
 same greedy rule (``table_for_budget``), so one file serves every budget.
+
+With ``pages`` (and data shares) the budget counts bits the way the engine
+stores them (DESIGN.md): a page is INT2 only when it is full and all of its
+tokens are 2-bit, so a class spread thinly over many pages (delimiters) costs
+far more than its token share. The greedy rule then upgrades, step by step,
+the class whose upgrade buys the most fidelity per stored bit: the pages it
+turns INT4, each worth the summed per-token gains ``(D_c(2) - D_c(4)) / N_c``
+of all its tokens, over the bits those pages add. With pages that each hold
+one class this is DESIGN.md's order ``(D_k(2) - D_k(4)) / (2 N_k)``.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserving.bits import default_frequency, default_sensitivity, greedy_bits_table
+from kvserving.bits import average_bits, default_frequency, default_sensitivity, greedy_bits_table
 from kvserving.tags import NUM_TAGS, validate_bits_table
 
 VERSION = 1
@@ -37,6 +48,7 @@ SCALED_DTYPES = ("fp8_e4m3", "nvfp4")
 FREQUENCY_SOURCES = ("data", "agent")
 # A class seen on fewer tokens than this has no measured priority of its own (see ``priorities``).
 MIN_CLASS_TOKENS = 1
+_EPS = 1e-9  # budgets are decimals like 2.7: compare averages with a little slack
 
 
 def budget_key(budget: float) -> str:
@@ -66,6 +78,11 @@ class Calibration:
     distortion: dict[int, tuple[float, ...]]  # bits -> D_k(bits) for the 56 classes
     tables: dict[str, tuple[int, ...]]  # budget_key -> bits table
     scales: dict[str, LayerScales]  # kv dtype -> scales
+    # The calibration prompts' full pages: (number of pages, ((tag, tokens), ...)); residual
+    # tokens of partial last pages (stored INT4). Empty: the budget counts token shares.
+    pages: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
+    page_size: int = 32
+    residual: int = 0
 
     def priorities(self) -> tuple[float, ...]:
         """Fidelity gained per token when a class goes from 2 to 4 bits: ``(D_k(2) - D_k(4)) / N_k``.
@@ -90,11 +107,26 @@ class Calibration:
             return default_frequency()
         return tuple(max(f, 1e-9) for f in self.frequency)
 
-    def derive_table(self, budget: float) -> tuple[int, ...]:
-        """DESIGN.md's greedy rule over the measured priorities at ``budget``."""
+    def page_rule(self) -> bool:
+        """Whether budgets count stored pages (``pages`` present and data shares)."""
+        return bool(self.pages) and self.frequency_source == "data"
+
+    def derive_table(self, budget: float, per_token: Sequence[float] | None = None) -> tuple[int, ...]:
+        """DESIGN.md's greedy rule at ``budget`` over the measured priorities (or the
+        per-token gains ``per_token``, e.g. the default sensitivities, on the same data)."""
+        prio = self.priorities() if per_token is None else tuple(per_token)
+        if self.page_rule():
+            return page_greedy_table(budget, prio, self.pages, page_size=self.page_size, residual=self.residual)
         freq = self.budget_frequency()
-        gain = tuple(p * n for p, n in zip(self.priorities(), freq))
+        gain = tuple(p * n for p, n in zip(prio, freq))
         return greedy_bits_table(budget, gain=gain, frequency=freq)
+
+    def stored_bits(self, table: Sequence[int]) -> float:
+        """Average bits per token ``table`` stores on the calibration data: by pages when
+        the file has them (partial pages INT4), else by the budget's class shares."""
+        if not self.pages:
+            return average_bits(table, self.budget_frequency())
+        return pages_stored_bits(table, self.pages, page_size=self.page_size, residual=self.residual)
 
     def table_for_budget(self, budget: float) -> tuple[tuple[int, ...], str]:
         """(bits table, "stored" or "derived") for ``budget``."""
@@ -122,6 +154,8 @@ class Calibration:
             "distortion": {str(b): list(d) for b, d in sorted(self.distortion.items())},
             "tables": {key: list(t) for key, t in self.tables.items()},
             "scales": {name: {"k": list(s.k), "v": list(s.v), "method": s.method} for name, s in sorted(self.scales.items())},
+            **({"pages": {"size": self.page_size, "residual": self.residual,
+                          "counts": [[n, [list(tc) for tc in mix]] for n, mix in self.pages]}} if self.pages else {}),
         }
 
     def to_json(self) -> str:
@@ -180,10 +214,11 @@ class Calibration:
             if any(not s > 0 for s in k + v):
                 raise ValueError(f"calibration.scales.{name} must be > 0")
             scales[name] = LayerScales(k, v, str(entry.get("method", "amax")))
+        pages, page_size, residual = _pages(data.get("pages"), tokens)
         return cls(
             num_layers=dims["num_layers"], num_kv_heads=dims["num_kv_heads"], head_dim=dims["head_dim"],
             tokens=tokens, frequency=frequency, frequency_source=source, distortion=distortion,
-            tables=tables, scales=scales,
+            tables=tables, scales=scales, pages=pages, page_size=page_size, residual=residual,
         )
 
     @classmethod
@@ -198,6 +233,99 @@ class Calibration:
             return cls.from_dict(data)
         except ValueError as exc:
             raise ValueError(f"calibration file {path}: {exc}") from None
+
+
+def _pages(raw: object, tokens: int) -> tuple[tuple[tuple[int, tuple[tuple[int, int], ...]], ...], int, int]:
+    """The optional ``pages`` field: (pages, size, residual); ValueError names what is wrong."""
+    if raw is None:
+        return (), 32, 0
+    if not isinstance(raw, Mapping):
+        raise ValueError("calibration.pages must be an object")
+    size = _positive_int(raw.get("size"), "calibration.pages.size")
+    residual = raw.get("residual", 0)
+    if not isinstance(residual, int) or isinstance(residual, bool) or residual < 0:
+        raise ValueError(f"calibration.pages.residual must be an integer >= 0, got {residual!r}")
+    counts = raw.get("counts")
+    if not isinstance(counts, list):
+        raise ValueError("calibration.pages.counts must be a list of [pages, [[tag, tokens], ...]]")
+    pages = []
+    for i, entry in enumerate(counts):
+        where = f"calibration.pages.counts[{i}]"
+        if not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[1], list):
+            raise ValueError(f"{where} must be [pages, [[tag, tokens], ...]]")
+        n = _positive_int(entry[0], f"{where}[0]")
+        mix = []
+        for pair in entry[1]:
+            if (not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)
+                    or not 0 <= pair[0] < NUM_TAGS or pair[1] < 1):
+                raise ValueError(f"{where}: each class entry must be [tag 0..{NUM_TAGS - 1}, tokens >= 1]")
+            mix.append((pair[0], pair[1]))
+        if sum(t for _, t in mix) != size:
+            raise ValueError(f"{where}: a page's class tokens must sum to the page size {size}")
+        pages.append((n, tuple(mix)))
+    if residual + size * sum(n for n, _ in pages) != tokens:
+        raise ValueError("calibration.pages must account for every calibration token (pages x size + residual = tokens)")
+    return tuple(pages), size, residual
+
+
+def pages_stored_bits(table: Sequence[int], pages: Sequence[tuple[int, Sequence[tuple[int, int]]]], *, page_size: int,
+                      residual: int) -> float:
+    """Average stored bits per token: a full page is INT2 when every class in it is 2-bit, else INT4;
+    residual tokens (partial pages) INT4."""
+    total = residual + page_size * sum(n for n, _ in pages)
+    if total == 0:
+        raise ValueError("no pages and no residual tokens")
+    bits = 4 * residual + sum(n * page_size * (2 if all(table[c] == 2 for c, _ in mix) else 4) for n, mix in pages)
+    return bits / total
+
+
+def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence[tuple[int, Sequence[tuple[int, int]]]],
+                      *, page_size: int, residual: int) -> tuple[int, ...]:
+    """The greedy rule with the budget counted in stored pages (module docstring).
+
+    Start every class at 2 bits; repeatedly upgrade the class whose upgrade turns
+    INT4 the pages with the most summed per-token gain per stored bit added, among
+    those that keep the stored average <= ``budget`` (a ceiling; ties to the lower
+    tag). Classes absent from the pages, and those whose every page ended INT4
+    anyway, cost nothing on this data and get 4 bits. Per-token gains < 0 count 0."""
+    if not 2.0 <= budget <= 4.0:
+        raise ValueError(f"bit_budget must be in [2, 4], got {budget}")
+    if len(per_token) != NUM_TAGS:
+        raise ValueError(f"per_token must have {NUM_TAGS} entries, got {len(per_token)}")
+    total = residual + page_size * sum(n for n, _ in pages)
+    if total == 0:
+        raise ValueError("no pages and no residual tokens")
+    gain_of = [n * sum(max(0.0, per_token[c]) * t for c, t in mix) for n, mix in pages]
+    bits_of = [2.0 * n * page_size / total for n, _ in pages]
+    pages_of: list[list[int]] = [[] for _ in range(NUM_TAGS)]
+    for i, (_, mix) in enumerate(pages):
+        for c, _ in mix:
+            pages_of[c].append(i)
+    hot = [False] * len(pages)
+    table = [2] * NUM_TAGS
+    average = (4.0 * residual + 2.0 * page_size * sum(n for n, _ in pages)) / total
+    while True:
+        best, best_ratio, best_bits = -1, -1.0, 0.0
+        for k in range(NUM_TAGS):
+            flips = [i for i in pages_of[k] if not hot[i]]
+            if table[k] == 4 or not flips:
+                continue
+            add = sum(bits_of[i] for i in flips)
+            if average + add > budget + _EPS:
+                continue
+            ratio = sum(gain_of[i] for i in flips) / add
+            if ratio > best_ratio:
+                best, best_ratio, best_bits = k, ratio, add
+        if best < 0:
+            break
+        table[best] = 4
+        average += best_bits
+        for i in pages_of[best]:
+            hot[i] = True
+    for k in range(NUM_TAGS):
+        if all(hot[i] for i in pages_of[k]):
+            table[k] = 4
+    return tuple(table)
 
 
 def _positive_int(value: object, name: str) -> int:
