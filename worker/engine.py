@@ -45,6 +45,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_pulled_tokens: int = 0  # of num_cached_tokens: pages READ from another worker for this request
     retained: RetainedKV | None = None  # the lease a finished request's pages went to (add_request(retain=))
+    first_step_at: float | None = None  # perf_counter when a step first ran this request (latency split)
 
 
 @dataclass(slots=True)
@@ -244,6 +245,9 @@ class LLMEngine:
                 c.seq.num_pulled_prompt = used * self.storage.page_size
                 c.seq.pin_lease = None
         t0 = time.perf_counter()
+        for c in plan.chunks:
+            if c.seq.first_step_at is None:
+                c.seq.first_step_at = t0
         logits = self.runner.execute(plan.chunks)
         sampling = [c.seq for c in plan.chunks if c.samples]
         # sampled where the logits are: one token id per sequence comes back (the step's only device sync)
@@ -281,7 +285,7 @@ class LLMEngine:
                 RequestOutput(
                     seq.request_id, [token], reason is not None, reason,
                     len(seq.prompt_ids), seq.num_cached_prompt, len(seq.output_ids),
-                    seq.num_pulled_prompt, retained,
+                    seq.num_pulled_prompt, retained, seq.first_step_at,
                 )
             )
         return outputs

@@ -51,6 +51,7 @@ class Sequence:
     retain: RetainSpec | None = None
     pin_lease: str | None = None
     num_pulled_prompt: int = 0
+    first_step_at: float | None = None  # perf_counter when a step first ran it (worker timings)
 
     @property
     def num_tokens(self) -> int:
