@@ -24,11 +24,16 @@ left of its content), `single_word` (looks at the character before),
 whitespace; a tokenizer that truncates, pads or uses BPE dropout gets no
 cache at all.
 
-Lookup: every cut token's position in the new text is a candidate; entries are
-filed under (cut position, the `TAIL` characters before it), and a candidate
-entry is used only if the new text starts with its whole text. A later entry
-filed under the same key replaces the earlier one (a miss costs a full
-tokenization, never a wrong one).
+Lookup: every cut token's position in the new text is a candidate, the last
+first; entries are filed under (cut position, hash of the whole text before
+the cut), and a candidate entry is used only if the new text starts with its
+whole text. Hashing the whole prefix (~1 us per KB) rather than a short tail:
+agents share system prompts and tool boilerplate, so the characters just
+before a cut are often the same in every session (`... what failed.<|im_end|>\n`)
+and a tail key let 200 interleaved sessions overwrite each other's entries
+(bench/NOTES-gateway.md: 10 hits in 300 turns). A later entry filed under the
+same key replaces the earlier one (a miss costs a full tokenization, never a
+wrong one).
 
 Memory: at most `max_entries` prefixes and `max_tokens` tokens in all (ids,
 starts and ends as 4-byte arrays, plus the text), least recently used first
@@ -44,10 +49,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from .tokenizer import Encoded, TextTokenizer
-
-# Characters before a cut that, with its position, file an entry.
-TAIL = 48
-
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
@@ -83,7 +84,7 @@ class TokenPrefixes:
             self._pattern is not None and backend.truncation is None and backend.padding is None
             and not getattr(backend.model, "dropout", None)
         )
-        self._entries: OrderedDict[tuple[int, str], _Entry] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
         self._tokens = 0
         self.hits = 0
         self.misses = 0
@@ -117,11 +118,11 @@ class TokenPrefixes:
         self._keep(text, enc)
         return enc
 
-    def _lookup(self, text: str) -> tuple[tuple[int, str], _Entry] | None:
+    def _lookup(self, text: str) -> tuple[tuple[int, int], _Entry] | None:
         assert self._pattern is not None
         cuts = [m.start() for m in self._pattern.finditer(text)]
         for cut in reversed(cuts):
-            key = (cut, text[max(0, cut - TAIL):cut])
+            key = (cut, hash(text[:cut]))
             entry = self._entries.get(key)
             if entry is not None and text.startswith(entry.text):
                 return key, entry
@@ -138,7 +139,7 @@ class TokenPrefixes:
         cut = offsets[k][0]
         if text[cut:offsets[k][1]] != self.tokenizer.added_tokens.get(ids[k]):
             return  # the token's span is not its content (cannot happen for a cut token; stay safe)
-        key = (cut, text[max(0, cut - TAIL):cut])
+        key = (cut, hash(text[:cut]))
         self._drop(key)
         entry = _Entry(
             text=text[: cut + self.reach],
@@ -152,7 +153,7 @@ class TokenPrefixes:
             _, old = self._entries.popitem(last=False)
             self._tokens -= len(old.ids)
 
-    def _drop(self, key: tuple[int, str]) -> None:
+    def _drop(self, key: tuple[int, int]) -> None:
         old = self._entries.pop(key, None)
         if old is not None:
             self._tokens -= len(old.ids)

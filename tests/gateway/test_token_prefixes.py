@@ -118,6 +118,27 @@ def test_sessions_interleaved_each_reuse_their_own_prefix(tokenizer: TextTokeniz
     assert len(prefixes) == len(sessions)  # one entry per conversation: each turn's replaced the one it extended
 
 
+def test_sessions_that_differ_only_far_before_each_cut_keep_their_own_prefix(
+    tokenizer: TextTokenizer, template: ChatTemplate,
+) -> None:
+    """Agents share a system prompt and boilerplate: the text just before each cut is the same in
+    every session (only a session number far before it differs); each still hits its own entry."""
+    full = ChatTagger(tokenizer, template)
+    prefixes = TokenPrefixes(tokenizer)
+    incremental = ChatTagger(tokenizer, template, prefixes=prefixes)
+    system = {"role": "system", "content": "You are a coding agent. Use the tools. " * 4}
+    tail = ": open the next file, run the tests and tell me what failed, then read the parser module."
+    reply = "I ran the tests; two failed in test_parser.py. Next I will read it and fix the parser module."
+    histories: list[list[dict[str, Any]]] = [[system] for _ in range(6)]
+    for step in range(4):
+        for sid, history in enumerate(histories):
+            history.append({"role": "user", "content": f"Session {sid}, step {step}{tail}"})
+            got = incremental.build(copy.deepcopy(history))
+            assert got == full.build(copy.deepcopy(history))
+            history.append({"role": "assistant", "content": reply})
+    assert prefixes.misses == len(histories) and prefixes.hits == 3 * len(histories)
+
+
 def test_template_that_strips_earlier_reasoning_falls_back_to_the_full_path(tokenizer: TextTokenizer) -> None:
     template = ChatTemplate(STRIPPING_TEMPLATE)
     full = ChatTagger(tokenizer, template)
