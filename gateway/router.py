@@ -77,6 +77,13 @@ def _weight(key: bytes, url: str) -> int:
     return int.from_bytes(hashlib.blake2b(key + url.encode(), digest_size=8).digest(), "big")
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _rendezvous_order(key: bytes, urls: tuple[str, ...]) -> tuple[int, ...]:
+    """Indices of ``urls`` in rendezvous order of ``key``: highest weight first, then URL (a
+    stable sort). Cached: every turn of a prefix ranks the same workers again."""
+    return tuple(sorted(range(len(urls)), key=lambda i: (-_weight(key, urls[i]), urls[i])))
+
+
 def _least_loaded(candidates: Sequence[WorkerView]) -> WorkerView:
     return min(candidates, key=lambda w: (w.inflight, w.leases, w.url))
 
@@ -115,11 +122,13 @@ def choose_prefill(workers: Sequence[WorkerView], *, key: bytes, eps: float = PR
     healthy = [w for w in workers if w.healthy]
     if not healthy:
         return None
-    bound = prefill_load_bound(sum(w.inflight for w in healthy), len(healthy), eps=eps)
-    order = sorted(healthy, key=lambda w: (-_weight(key, w.url), w.url))
-    if order[0].inflight + 1 <= bound:
-        return Decision(order[0].url, "prefix_hash")
-    for w in order[1:]:
+    bound = prefill_load_bound(sum([w.inflight for w in healthy]), len(healthy), eps=eps)
+    order = _rendezvous_order(key, tuple([w.url for w in healthy]))
+    first = healthy[order[0]]
+    if first.inflight + 1 <= bound:
+        return Decision(first.url, "prefix_hash")
+    for i in order[1:]:
+        w = healthy[i]
         if w.inflight + 1 <= bound:
             return Decision(w.url, "prefix_overflow")
     raise AssertionError("unreachable: the least loaded worker is within the bound")
