@@ -64,6 +64,7 @@ class TurnResult:
     pulled_tokens: int | None
     computed_tokens: int | None
     kv_bytes_pulled: int | None
+    reuse_fallback: str | None  # why KV offered by the decode worker was not used (None: used, or none offered)
     completion_tokens: int
     ttft_s: float
     reply: str
@@ -112,6 +113,7 @@ def run_conversation(base_url: str, model: str, *, max_tokens: int, session_id: 
             cached_tokens=int(details.cached_tokens or 0) if details is not None else 0,
             local_tokens=ext.get("local_cached_tokens"), pulled_tokens=ext.get("remote_pulled_tokens"),
             computed_tokens=ext.get("computed_prompt_tokens"), kv_bytes_pulled=ext.get("kv_bytes_moved"),
+            reuse_fallback=ext.get("reuse_fallback"),
             completion_tokens=usage.completion_tokens, ttft_s=ttft, reply=reply,
         ))
         assistant: dict[str, Any] = {"role": "assistant", "content": reply}
