@@ -85,6 +85,7 @@ class AsyncEngine:
         self.engine = engine
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=ENGINE_THREAD)
         self._streams: dict[str, RequestStream] = {}
+        self._started: set[str] = set()  # streams whose request reached the engine (``start``)
         self._loop_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._closed = False
@@ -106,10 +107,13 @@ class AsyncEngine:
 
     async def _run(self) -> None:
         while True:
-            if not self._streams:  # nothing streams: sleep until the next add
+            # nothing started streams (a reserved request may still be pulling its KV): sleep
+            # until the next start instead of stepping an empty engine every IDLE_STEP_S
+            if not self._started:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            self._wake.clear()  # a start from here on wakes the idle wait below at once
             try:
                 outputs, more = await self.call(self._step)
             except Exception as exc:  # a failed step fails every request in flight, not the server
@@ -124,8 +128,12 @@ class AsyncEngine:
                 if target is not None:
                     target.queue.put_nowait(out)
             if not outputs or not more:
-                # leased pages fill the pool, or streams wait to be read: let others run
-                await asyncio.sleep(IDLE_STEP_S)
+                # leased pages fill the pool, or streams wait to be read: let others run, but
+                # a request started meanwhile runs in the next step, not IDLE_STEP_S later
+                try:
+                    await asyncio.wait_for(self._wake.wait(), IDLE_STEP_S)
+                except TimeoutError:
+                    pass
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
@@ -173,6 +181,8 @@ class AsyncEngine:
             stream.finished = True  # never added: nothing to abort
             stream.close()
             raise
+        if rid in self._streams:  # not closed while it was being added
+            self._started.add(rid)
         self._ensure_loop()
         self._wake.set()
 
@@ -200,6 +210,7 @@ class AsyncEngine:
 
     def _forget(self, request_id: str, *, abort: bool) -> None:
         self._streams.pop(request_id, None)
+        self._started.discard(request_id)
         if abort:
             self._submit_abort(request_id)
 
