@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserving.config import ReuseConfig, SchedulerConfig
+from kvserving.gateway.router import WorkerView
 from kvserving.sim_cache import Hold, Key, PageCache
 from kvserving.sim_costs import CostModel
 
@@ -125,12 +126,25 @@ class Worker:
         self.conv_lease: dict[str, str] = {}
         self._expiry: list[tuple[float, str]] = []
         self._reclaimable: list[tuple[float, str]] = []  # (expires_at, lease id) of reclaimable leases
-        self.inflight = 0  # the gateway's count of this worker's open requests
+        self._inflight = 0  # the gateway's count of this worker's open requests (``inflight``)
+        self._board: list[int] | None = None  # the simulator's list of decode loads, mirrored at ``_slot``
+        self._slot = 0
         self.waiting: deque[Req] = deque()
         self.stats = WorkerStats()
         self._lease_seq = 0
         self._wake_at = float("inf")
         self._admitting = False  # releases during admission must not re-enter it
+
+    @property
+    def inflight(self) -> int:
+        """The gateway's count of this worker's open requests."""
+        return self._inflight
+
+    @inflight.setter
+    def inflight(self, n: int) -> None:
+        self._inflight = n
+        if self._board is not None:
+            self._board[self._slot] = n
 
     # ------------------------------------------------------------------ leases
     def pin(
@@ -291,8 +305,28 @@ class PrefillWorker(Worker):
     def __init__(self, url: str, **kw: object) -> None:
         super().__init__(url, **kw)  # type: ignore[arg-type]
         self.running: list[list[object]] = []  # [req, remaining tokens, position]
+        self._views: list[WorkerView] | None = None  # the router's view of every prefill worker, kept current
+        self._view_by_load: dict[int, WorkerView] = {}
         self.busy = False
         self.on_done: Callable[[Req, float], None] = lambda req, now: None
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    @inflight.setter
+    def inflight(self, n: int) -> None:
+        self._inflight = n
+        if self._views is not None:
+            view = self._view_by_load.get(n)
+            if view is None:  # immutable, so one per load value serves every routing
+                view = self._view_by_load[n] = WorkerView(self.url, True, n)
+            self._views[self._slot] = view
+
+    def bind_view(self, views: list[WorkerView], slot: int) -> None:
+        """Keep ``views[slot]`` equal to ``WorkerView(url, True, inflight)`` from now on."""
+        self._views, self._slot = views, slot
+        self.inflight = self._inflight
 
     def arrive(self, req: Req, now: float) -> None:
         self.waiting.append(req)
@@ -388,6 +422,11 @@ class DecodeWorker(Worker):
         self.ctx_base = 0.0  # sum over the batch of (context at admission - S at admission)
         self._version = 0
         self.on_done: Callable[[Req, float], None] = lambda req, now: None
+
+    def bind_load(self, loads: list[int], slot: int) -> None:
+        """Keep ``loads[slot]`` equal to ``inflight`` from now on."""
+        self._board, self._slot = loads, slot
+        self.inflight = self._inflight
 
     def arrive(self, req: Req, now: float) -> None:
         self.waiting.append(req)

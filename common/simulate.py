@@ -31,7 +31,6 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Any
 
 from kvserving.agent_load import AgentSpec, LoadSpec, agent
@@ -136,10 +135,16 @@ class Simulator(Sim):
         self.prefill = [PrefillWorker(f"http://prefill-{i:05d}", **kw) for i in range(cluster.prefill_workers)]
         self.decode = [DecodeWorker(f"http://decode-{i:05d}", **kw) for i in range(cluster.decode_workers)]
         self._by_url: dict[str, Worker] = {w.url: w for w in [*self.prefill, *self.decode]}
-        for w in self.prefill:
+        # the router's inputs, kept current by the workers' ``inflight`` setters (not rebuilt per turn)
+        self._pviews: list[WorkerView] = [WorkerView(w.url, True, 0) for w in self.prefill]
+        self._dloads: list[int] = [0] * len(self.decode)
+        self._durls = [d.url for d in self.decode]
+        for i, w in enumerate(self.prefill):
             w.on_done = self._prefill_done
-        for d in self.decode:
+            w.bind_view(self._pviews, i)
+        for i, d in enumerate(self.decode):
             d.on_done = self._decode_done
+            d.bind_load(self._dloads, i)
         g = cluster.gateway
         self.table = LeaseTable(lease_ttl_s=cluster.reuse.lease_ttl_s, heartbeat_s=g.lease_heartbeat_s, max_leases=g.max_leases)
         self._sweep_period = sweep_s if sweep_s is not None else min(g.lease_heartbeat_s, cluster.reuse.lease_ttl_s) / 4
@@ -295,17 +300,20 @@ class Simulator(Sim):
         exactly those); prefill on every prefill worker (its load bound needs them all).
         tests/test_simulate.py holds both equal to the router called on every worker."""
         held = self.table.per_worker
-        decode = self.decode
-        low_d = min(map(_inflight, decode))
-        least = None
-        best = -1
-        for w in decode:  # workers are in URL order: the first of the fewest held wins ties
-            if w.inflight == low_d:
-                n = held.get(w.url, 0)
-                if best < 0 or n < best:
-                    least, best = w, n
-        assert least is not None
-        views = [WorkerView(least.url, True, least.inflight, held.get(least.url, 0))]
+        loads, urls = self._dloads, self._durls  # decode workers' in-flight counts, in URL order
+        low = min(loads)
+        i = loads.index(low)
+        best = held.get(urls[i], 0)
+        j = i
+        for _ in range(loads.count(low) - 1):  # ties: the first of the fewest held
+            if not best:
+                break
+            j = loads.index(low, j + 1)
+            n = held.get(urls[j], 0)
+            if n < best:
+                i, best = j, n
+        least = self.decode[i]
+        views = [WorkerView(least.url, True, low, best)]
         if lease_url is not None and lease_url != least.url and lease_url in self._by_url:
             h = self._by_url[lease_url]
             views.append(WorkerView(h.url, True, h.inflight, held.get(h.url, 0)))
@@ -313,8 +321,7 @@ class Simulator(Sim):
         assert decision is not None
         # Prefill: bounded-load consistent hashing reads every worker's load and the whole
         # rendezvous order, so the router sees every prefill worker.
-        pviews = [WorkerView(w.url, True, w.inflight) for w in self.prefill]
-        choice = choose_prefill(pviews, key=key)
+        choice = choose_prefill(self._pviews, key=key)
         assert choice is not None
         dec, pre = self._by_url[decision.url], self._by_url[choice.url]
         assert isinstance(dec, DecodeWorker) and isinstance(pre, PrefillWorker)
@@ -427,7 +434,6 @@ class Simulator(Sim):
         }
 
 
-_inflight = attrgetter("inflight")
 _heappush = heapq.heappush
 
 
