@@ -42,6 +42,22 @@ OPTIONS = KernelOptions.from_env()
 SM = D**-0.5
 SWEEP = [(16, 4, 4, 2), (64, 8, 4, 2), (32, 8, 8, 2)]  # (chunk tokens per program, warps, prefix pages per step, stages)
 SWEEP_FORMATS = ("nvfp4",)
+# --variants: packed-kernel variants timed on every shape (bench/NOTES-kernels.md, session 6): name -> (tuning
+# overrides, PTX unpackers); "s5" is the session-5 kernel when kernels/_prefill_s5.py (an untracked copy) is there
+VARIANTS: dict[str, tuple[dict[str, int], bool]] = {
+    "new": ({}, True),
+    "noasm": ({}, False),
+    "qpre0": ({"QPRE": 0}, True),
+    "split0-vfold0": ({"SPLIT": 0, "VFOLD": 0}, True),
+    "t32-ppi8": ({"BLOCK_T": 32, "PPI": 8}, True),
+    "t64-ppi4": ({"BLOCK_T": 64, "PPI": 4}, True),
+    "t16-w4-ppi8": ({"BLOCK_T": 16, "PPI": 8, "num_warps": 4}, True),
+    "t64-ppi2": ({"BLOCK_T": 64, "PPI": 2, "PPI2": 2}, True),
+    "t32-ppi4": ({"BLOCK_T": 32, "PPI": 4, "PPI2": 4}, True),
+    "s3": ({"NUM_STAGES": 3}, True),
+}
+# tiles meant for the other format's page size (nvfp4 16 tokens, triaxial 32)
+VARIANT_SKIP = {"nvfp4": ("t64-ppi2", "t32-ppi4"), "triaxial": ("t32-ppi8", "t16-w4-ppi8", "t64-ppi4")}
 
 
 def flops(n: int, prefix: int) -> float:
@@ -77,6 +93,8 @@ def main() -> None:
     ap.add_argument("--chunks", default=",".join(map(str, CHUNKS)))
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--no-read", action="store_true", help="skip the streaming-read yardstick")
+    ap.add_argument("--no-before", action="store_true", help="skip the dequantize-then-attend rows")
+    ap.add_argument("--variants", default="", help="comma-separated VARIANTS names, timed for nvfp4 / triaxial")
     ap.add_argument("--warm", action="store_true", help="only JIT-compile FlashInfer's prefill (bf16, fp8) on a tiny shape")
     args = ap.parse_args()
     if args.warm:
@@ -134,7 +152,27 @@ def main() -> None:
                 err = float((out - ref).norm() / ref.norm())
                 record(fmt, n, prefix, "ours", time_ms(ours), rel_diff_vs_dequant=err)
                 print(f"      ours vs dequant+sdpa rel diff {err:.2e}", flush=True)
-                record(fmt, n, prefix, "dequant+sdpa (before)", time_ms(dequant_sdpa))
+                if not args.no_before:
+                    record(fmt, n, prefix, "dequant+sdpa (before)", time_ms(dequant_sdpa))
+                for name in [x for x in args.variants.split(",") if x] if fmt in ("nvfp4", "triaxial") else []:
+                    if name in VARIANT_SKIP.get(fmt, ()):
+                        continue
+                    try:
+                        if name == "s5":
+                            from kvserving.kernels import _prefill_s5  # type: ignore[attr-defined]
+
+                            def run() -> torch.Tensor:
+                                return _prefill_s5.extend_attention(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM, fast=True)
+                        else:
+                            tun, fast = VARIANTS[name]
+
+                            def run() -> torch.Tensor:
+                                return triton_prefill.extend_attention(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM,
+                                                                       fast=fast, tuning=tun)  # fmt: skip
+                        verr = float((run().float() - ref).norm() / ref.norm())
+                        record(fmt, n, prefix, f"  v {name}", time_ms(run), rel_diff_vs_dequant=verr)
+                    except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                        print(f"  {fmt} variant {name}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 if args.sweep and prefix == 32768 and fmt in SWEEP_FORMATS:
                     base = triton_prefill.TUNING[pool.layout.fmt]
                     for bt, warps, ppi, stages in SWEEP:

@@ -29,10 +29,13 @@ product (V), so the accumulator holds true values for prefix and chunk alike.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
+from .layout import PageLayout
 from .page_ids import INT2_PAGE_FLAG
 from .paged_kv import PagedKV
 from .triton_codec import e4m3_to_f16, meta_index
@@ -166,6 +169,40 @@ def _extend_kernel(
 #   int2:         byte j = crumbs k = 0..3 = channels 4j + k
 
 
+def _asm_quarters(kind: str) -> str:
+    """PTX: two packed words ($4, $5: 16-bit words of nvfp4 / int4, bytes of INT2, one per int32) -> the four
+    quarters as f16x2 pairs ($0..$3: element pair (word a, word b) of quarter k).
+
+    The words go to the halves of one register x, so every instruction below handles two values:
+
+    - e2m1 ($6: the pair's scales s * 2^7): nibble k = (sign, 3 magnitude bits) -> sign to bit 15, magnitude to
+      bits 9..11, i.e. the fp16 e2m1 * 2^-14, times the scale: 2 shifts, 2 logic ops and 1 multiply per pair;
+    - int4 / int2 codes ($6 scales, $7 zeros): (x >> Bk) & mask | 0x6400 is the fp16 1024 + code, minus 1024,
+      then code * s + z in one fma (codes only, no $6 / $7, for "int2_codes").
+    """
+    code = ["{ .reg .b32 x, t, u, magic; mov.b32 magic, 0x64006400;", "prmt.b32 x, $4, $5, 0x5410;"]
+    for k in range(4):
+        if kind == "e2m1":
+            sign, mag = 12 - 4 * k, 9 - 4 * k  # left shifts taking bit 4k+3 to 15 and bits 4k..4k+2 to 9..11
+            code.append(f"shl.b32 t, x, {sign};" if sign else "mov.b32 t, x;")
+            code.append(f"shl.b32 u, x, {mag};" if mag > 0 else f"shr.b32 u, x, {-mag};")
+            code.append(f"and.b32 u, u, 0x0E000E00; lop3.b32 t, t, u, 0x80008000, 0xEC; mul.rn.f16x2 ${k}, t, $6;")
+        else:
+            b = 4 if kind == "int4" else 2
+            code.append(f"shr.b32 t, x, {b * k};" if k else "mov.b32 t, x;")
+            mask = (1 << b) - 1
+            code.append(f"lop3.b32 t, t, {mask | mask << 16:#010x}, magic, 0xEA; sub.rn.f16x2 t, t, magic;")
+            code.append(f"mov.b32 ${k}, t;" if kind == "int2_codes" else f"fma.rn.f16x2 ${k}, t, $6, $7;")
+    code.append("}")
+    return "\n".join(code)
+
+
+ASM_E2M1_Q: tl.constexpr = tl.constexpr(_asm_quarters("e2m1"))
+ASM_INT4_Q: tl.constexpr = tl.constexpr(_asm_quarters("int4"))
+ASM_INT2_Q: tl.constexpr = tl.constexpr(_asm_quarters("int2"))
+ASM_INT2_CODES_Q: tl.constexpr = tl.constexpr(_asm_quarters("int2_codes"))
+
+
 @triton.jit
 def _f16_code(c):
     """Small integer codes (int32 0..1023) -> exact fp16: 0x6400 | c is 1024 + c."""
@@ -180,11 +217,21 @@ def _e2m1_quarter(w, k: tl.constexpr):
 
 
 @triton.jit
+def _group_bcast(x, GROUP: tl.constexpr):
+    """[N, NG] per-group values -> [N, NG * GROUP] (each repeated for its GROUP words): loading once per group
+    keeps the tile's layout row-contiguous (a j // GROUP gather made Triton store the tiles 2 bytes at a time)."""
+    N: tl.constexpr = x.shape[0]
+    NG: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.broadcast_to(x[:, :, None], (N, NG, GROUP)), (N, NG * GROUP))
+
+
+@triton.jit
 def _quarters(rows, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, FMT: tl.constexpr,
-              D: tl.constexpr, TM: tl.constexpr):  # fmt: skip
+              D: tl.constexpr, TM: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     """nvfp4 / int4 / int2-value rows -> four fp16 quarters [N, D/4] (quarter k: channels 4j + k); TM as in _rows.
 
-    nvfp4 quarters are e2m1 * s * 2^-7 (the caller folds 2^7 and the global scale back in)."""
+    nvfp4 quarters are e2m1 * s * 2^-7 (the caller folds 2^7 and the global scale back in). FAST: PTX unpackers
+    (two values per instruction)."""
     Q: tl.constexpr = D // 4
     j = tl.arange(0, Q)[None, :]
     m = ok[:, None]
@@ -194,62 +241,96 @@ def _quarters(rows, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.co
     else:
         w = tl.load((rows[:, None] + OFF).to(tl.pointer_type(tl.uint16)) + r * Q + j, mask=m, other=0).to(tl.int32)
     if FMT == FMT_NVFP4:
-        s = tl.load(rows[:, None] + SOFF + r * (D // 16) + j // 4, mask=m, other=0)  # block of word j: j // 4
-        sc = e4m3_to_f16(s, False) * 128.0  # s * 2^7, exact in fp16
-        x0 = _e2m1_quarter(w, 0) * sc
-        x1 = _e2m1_quarter(w, 1) * sc
-        x2 = _e2m1_quarter(w, 2) * sc
-        x3 = _e2m1_quarter(w, 3) * sc
+        # block of word j: j // 4, one E4M3 byte per 16 channels
+        s = tl.load(rows[:, None] + SOFF + r * (D // 16) + tl.arange(0, D // 16)[None, :], mask=m, other=0)
+        sc = _group_bcast(e4m3_to_f16(s, FAST) * 128.0, 4)  # s * 2^7, exact in fp16
+        if FAST:
+            x0, x1, x2, x3 = tl.inline_asm_elementwise(ASM_E2M1_Q, "=r,=r,=r,=r,r,r,r", [w, sc], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                       is_pure=True, pack=2)  # fmt: skip
+        else:
+            x0 = _e2m1_quarter(w, 0) * sc
+            x1 = _e2m1_quarter(w, 1) * sc
+            x2 = _e2m1_quarter(w, 2) * sc
+            x3 = _e2m1_quarter(w, 3) * sc
     else:
-        meta = meta_index(r, j // 8, D // 32, TM)  # group of 32 channels of word / byte j: j // 8
-        sc = tl.load((rows[:, None] + SOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m, other=0.0)
-        zr = tl.load((rows[:, None] + ZOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m, other=0.0)
+        meta = meta_index(r, tl.arange(0, D // 32)[None, :], D // 32, TM)  # groups of 32 channels = 8 words / bytes
+        sc = _group_bcast(tl.load((rows[:, None] + SOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m, other=0.0), 8)
+        zr = _group_bcast(tl.load((rows[:, None] + ZOFF).to(tl.pointer_type(tl.float16)) + meta, mask=m, other=0.0), 8)
         B: tl.constexpr = 2 if FMT == FMT_INT2 else 4
-        MASK: tl.constexpr = (1 << B) - 1
-        x0 = _f16_code(w & MASK) * sc + zr
-        x1 = _f16_code((w >> B) & MASK) * sc + zr
-        x2 = _f16_code((w >> (2 * B)) & MASK) * sc + zr
-        x3 = _f16_code((w >> (3 * B)) & MASK) * sc + zr
+        if FAST:
+            x0, x1, x2, x3 = tl.inline_asm_elementwise(ASM_INT2_Q if B == 2 else ASM_INT4_Q, "=r,=r,=r,=r,r,r,r,r",
+                                                       [w, sc, zr], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)  # fmt: skip
+        else:
+            MASK: tl.constexpr = (1 << B) - 1
+            x0 = _f16_code(w & MASK) * sc + zr
+            x1 = _f16_code((w >> B) & MASK) * sc + zr
+            x2 = _f16_code((w >> (2 * B)) & MASK) * sc + zr
+            x3 = _f16_code((w >> (3 * B)) & MASK) * sc + zr
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _channel_quarters(pages, OFF: tl.constexpr, D: tl.constexpr):
+    """A per-channel fp16 row [D] at byte OFF of each page (pages: [PPI] byte pointers) -> its quarters [PPI, D/4]
+    (quarter k: channels 4j + k), loaded as whole rows and split in registers."""
+    PPI: tl.constexpr = pages.shape[0]
+    x = tl.load((pages[:, None] + OFF).to(tl.pointer_type(tl.float16)) + tl.arange(0, D)[None, :])
+    ev, od = tl.split(tl.reshape(x, (PPI, D // 4, 2, 2)))  # last dim: k % 2
+    x0, x2 = tl.split(ev)
+    x1, x3 = tl.split(od)
     return x0, x1, x2, x3
 
 
 @triton.jit
 def _int2_key_quarters(rows, pages, h, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, D: tl.constexpr,
-                       P: tl.constexpr):  # fmt: skip
+                       P: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     """INT2 keys -> four fp16 quarters [N, D/4]: code times the page's per-channel scale plus its zero."""
     N: tl.constexpr = rows.shape[0]
     PPI: tl.constexpr = pages.shape[0]
     Q: tl.constexpr = D // 4
     j = tl.arange(0, Q)
     b = tl.load(rows[:, None] + OFF + hrow[:, None] * Q + j[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    sp = (pages[:, None] + SOFF).to(tl.pointer_type(tl.float16)) + h * D + 4 * j[None, :]  # [PPI, Q]: channel 4j
-    zp = (pages[:, None] + ZOFF).to(tl.pointer_type(tl.float16)) + h * D + 4 * j[None, :]
-    c0 = tl.reshape(_f16_code(b & 3), (PPI, P, Q))
-    c1 = tl.reshape(_f16_code((b >> 2) & 3), (PPI, P, Q))
-    c2 = tl.reshape(_f16_code((b >> 4) & 3), (PPI, P, Q))
-    c3 = tl.reshape(_f16_code((b >> 6) & 3), (PPI, P, Q))
-    x0 = tl.reshape(c0 * tl.load(sp)[:, None, :] + tl.load(zp)[:, None, :], (N, Q))
-    x1 = tl.reshape(c1 * tl.load(sp + 1)[:, None, :] + tl.load(zp + 1)[:, None, :], (N, Q))
-    x2 = tl.reshape(c2 * tl.load(sp + 2)[:, None, :] + tl.load(zp + 2)[:, None, :], (N, Q))
-    x3 = tl.reshape(c3 * tl.load(sp + 3)[:, None, :] + tl.load(zp + 3)[:, None, :], (N, Q))
+    if FAST:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(ASM_INT2_CODES_Q, "=r,=r,=r,=r,r,r", [b],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+                                                   pack=2)  # fmt: skip
+    else:
+        c0, c1, c2, c3 = _f16_code(b & 3), _f16_code((b >> 2) & 3), _f16_code((b >> 4) & 3), _f16_code((b >> 6) & 3)
+    s0, s1, s2, s3 = _channel_quarters(pages, SOFF + h * D * 2, D)
+    z0, z1, z2, z3 = _channel_quarters(pages, ZOFF + h * D * 2, D)
+    x0 = tl.reshape(tl.reshape(c0, (PPI, P, Q)) * s0[:, None, :] + z0[:, None, :], (N, Q))
+    x1 = tl.reshape(tl.reshape(c1, (PPI, P, Q)) * s1[:, None, :] + z1[:, None, :], (N, Q))
+    x2 = tl.reshape(tl.reshape(c2, (PPI, P, Q)) * s2[:, None, :] + z2[:, None, :], (N, Q))
+    x3 = tl.reshape(tl.reshape(c3, (PPI, P, Q)) * s3[:, None, :] + z3[:, None, :], (N, Q))
     return x0, x1, x2, x3
 
 
 @triton.jit
 def _attend4(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0, a1, a2, a3, k_mul, v_mul,
-             DT: tl.constexpr):  # fmt: skip
-    """_attend on quarters: S = sum_k q_k k_k^T, a_k += P v_k."""
+             MASK: tl.constexpr, KMUL: tl.constexpr, VMUL: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    """_attend on quarters: S = sum_k q_k k_k^T, a_k += P v_k.
+
+    MASK: apply ``valid`` (a step with every key valid skips the selects); KMUL / VMUL: multiply the scores by
+    k_mul / the probabilities by v_mul (off where the wrapper folded them into q / the output)."""
     s = tl.dot(q0, tl.trans(k0.to(DT)))
     s = tl.dot(q1, tl.trans(k1.to(DT)), s)
     s = tl.dot(q2, tl.trans(k2.to(DT)), s)
     s = tl.dot(q3, tl.trans(k3.to(DT)), s)
-    s = tl.where(valid, s * k_mul, float("-inf"))
+    if KMUL:
+        s = s * k_mul
+    if MASK:
+        s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if MASK:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new  # every score finite: so is the maximum
     alpha = tl.math.exp2(m_i - m_use)
     p = tl.math.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    pt = (p * v_mul).to(DT)
+    if VMUL:
+        p = p * v_mul
+    pt = p.to(DT)
     a0 = tl.dot(pt, v0.to(DT), a0 * alpha[:, None])
     a1 = tl.dot(pt, v1.to(DT), a1 * alpha[:, None])
     a2 = tl.dot(pt, v2.to(DT), a2 * alpha[:, None])
@@ -258,33 +339,61 @@ def _attend4(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0
 
 
 @triton.jit
-def _prefix_loop4(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, buf_ptr, pt_ptr, page_lo, page_hi, prefix_len, h, total_bytes,
+def _prefix_step4(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, it, buf_ptr, pt_ptr, page_hi, prefix_len, h, total_bytes,
                   k_mul, v_mul, FMT: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PPI: tl.constexpr,
                   PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
-                  V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr, DT: tl.constexpr,
-                  NUM_STAGES: tl.constexpr):  # fmt: skip
-    """_prefix_loop on quarters (nvfp4, int4, int2 pages)."""
+                  V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr, MASK: tl.constexpr,
+                  KMUL: tl.constexpr, VMUL: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+    """One step over prefix pages it .. it + PPI - 1 of the list (MASK: some of its keys may be invalid)."""
     N: tl.constexpr = PPI * P
     n = tl.arange(0, N)
     M: tl.constexpr = q0.shape[0]
-    for it in tl.range(page_lo, page_hi, PPI, num_stages=NUM_STAGES):
-        pidx = it + n // P
-        slot = n % P
+    pidx = it + n // P
+    slot = n % P
+    if MASK:
         ok = (pidx * P + slot < prefix_len) & (pidx < page_hi)
         pid = tl.load(pt_ptr + pidx, mask=pidx < page_hi, other=0)
-        if FMT == FMT_INT2:
-            rows = buf_ptr + total_bytes - ((pid & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES
-            ip = tl.arange(0, PPI)
-            pids = tl.load(pt_ptr + it + ip, mask=it + ip < page_hi, other=0)
-            pages = buf_ptr + total_bytes - ((pids & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES  # [PPI]
-            k0, k1, k2, k3 = _int2_key_quarters(rows, pages, h, h * P + slot, ok, K_OFF, KS_OFF, KZ_OFF, D, P)
-        else:
-            rows = buf_ptr + pid.to(tl.int64) * PAGE_BYTES
-            k0, k1, k2, k3 = _quarters(rows, h * P + slot, ok, K_OFF, KS_OFF, KZ_OFF, FMT, D, 0)
-        v0, v1, v2, v3 = _quarters(rows, h * P + slot, ok, V_OFF, VS_OFF, VZ_OFF, FMT, D, P)
-        valid = tl.broadcast_to(ok[None, :], (M, N))
-        m_i, l_i, a0, a1, a2, a3 = _attend4(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0, a1, a2, a3,
-                                            k_mul, v_mul, DT)  # fmt: skip
+    else:
+        ok = n >= 0
+        pid = tl.load(pt_ptr + pidx)
+    if FMT == FMT_INT2:
+        rows = buf_ptr + total_bytes - ((pid & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES
+        ip = tl.arange(0, PPI)
+        pids = tl.load(pt_ptr + it + ip, mask=it + ip < page_hi, other=0)
+        pages = buf_ptr + total_bytes - ((pids & ~FLAG) + 1).to(tl.int64) * PAGE_BYTES  # [PPI]
+        k0, k1, k2, k3 = _int2_key_quarters(rows, pages, h, h * P + slot, ok, K_OFF, KS_OFF, KZ_OFF, D, P, FAST)
+    else:
+        rows = buf_ptr + pid.to(tl.int64) * PAGE_BYTES
+        k0, k1, k2, k3 = _quarters(rows, h * P + slot, ok, K_OFF, KS_OFF, KZ_OFF, FMT, D, 0, FAST)
+    v0, v1, v2, v3 = _quarters(rows, h * P + slot, ok, V_OFF, VS_OFF, VZ_OFF, FMT, D, P, FAST)
+    valid = tl.broadcast_to(ok[None, :], (M, N))
+    return _attend4(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0, a1, a2, a3, k_mul, v_mul,
+                    MASK, KMUL, VMUL, DT)  # fmt: skip
+
+
+@triton.jit
+def _prefix_loop4(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, buf_ptr, pt_ptr, page_lo, page_hi, prefix_len, h, total_bytes,
+                  k_mul, v_mul, FMT: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PPI: tl.constexpr,
+                  PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
+                  V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr, SPLIT: tl.constexpr,
+                  KMUL: tl.constexpr, VMUL: tl.constexpr, DT: tl.constexpr, NUM_STAGES: tl.constexpr,
+                  FAST: tl.constexpr):  # fmt: skip
+    """_prefix_loop on quarters (nvfp4, int4, int2 pages). SPLIT: the steps whose PPI pages are all full run
+    without masks, then at most one masked step (only the list's last page can be partial)."""
+    tail = page_lo
+    if SPLIT:
+        full = tl.maximum(tl.minimum(page_hi, prefix_len // P) - page_lo, 0) // PPI * PPI
+        tail = page_lo + full
+        for it in tl.range(page_lo, tail, PPI, num_stages=NUM_STAGES):
+            m_i, l_i, a0, a1, a2, a3 = _prefix_step4(
+                q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, it, buf_ptr, pt_ptr, page_hi, prefix_len, h, total_bytes,
+                k_mul, v_mul, FMT, D, P, PPI, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, False, KMUL,
+                VMUL, DT, FAST)  # fmt: skip
+    for it in tl.range(tail, page_hi, PPI, num_stages=NUM_STAGES):
+        m_i, l_i, a0, a1, a2, a3 = _prefix_step4(
+            q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, it, buf_ptr, pt_ptr, page_hi, prefix_len, h, total_bytes,
+            k_mul, v_mul, FMT, D, P, PPI, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, True, KMUL, VMUL,
+            DT, FAST)  # fmt: skip
     return m_i, l_i, a0, a1, a2, a3
 
 
@@ -300,6 +409,10 @@ def _extend_kernel4(
     V_OFF2: tl.constexpr, VS_OFF2: tl.constexpr, VZ_OFF2: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PPI: tl.constexpr, PPI2: tl.constexpr, NUM_STAGES: tl.constexpr,
     DT: tl.constexpr,
+    QPRE: tl.constexpr,  # q arrives as [n, Hq, 4, D/4] in DT, times k_mul_pre; k_mul_new is then relative to it
+    SPLIT: tl.constexpr,  # unmasked steps over full pages (_prefix_loop4)
+    VFOLD: tl.constexpr,  # the prefix's P is not scaled: the chunk's P times v_mul_pre (= 1 / V fold), out * fold
+    FAST: tl.constexpr,  # PTX unpackers (_asm_quarters); off in the interpreter
 ):  # fmt: skip
     """_extend_kernel for packed pages, on channel quarters (see above)."""
     qb = tl.program_id(0)
@@ -311,11 +424,18 @@ def _extend_kernel4(
     hd = r % GP
     row_ok = (tok < n_new) & (hd < G)
     qrow = q_ptr + tok[:, None].to(tl.int64) * q_s0 + (h * G + hd)[:, None] * q_s1
-    ch = 4 * tl.arange(0, Q)[None, :]
-    q0 = tl.load(qrow + ch, mask=row_ok[:, None], other=0.0).to(DT)
-    q1 = tl.load(qrow + ch + 1, mask=row_ok[:, None], other=0.0).to(DT)
-    q2 = tl.load(qrow + ch + 2, mask=row_ok[:, None], other=0.0).to(DT)
-    q3 = tl.load(qrow + ch + 3, mask=row_ok[:, None], other=0.0).to(DT)
+    jq = tl.arange(0, Q)[None, :]
+    ch = 4 * jq
+    if QPRE:
+        q0 = tl.load(qrow + jq, mask=row_ok[:, None], other=0.0)
+        q1 = tl.load(qrow + Q + jq, mask=row_ok[:, None], other=0.0)
+        q2 = tl.load(qrow + 2 * Q + jq, mask=row_ok[:, None], other=0.0)
+        q3 = tl.load(qrow + 3 * Q + jq, mask=row_ok[:, None], other=0.0)
+    else:
+        q0 = tl.load(qrow + ch, mask=row_ok[:, None], other=0.0).to(DT)
+        q1 = tl.load(qrow + ch + 1, mask=row_ok[:, None], other=0.0).to(DT)
+        q2 = tl.load(qrow + ch + 2, mask=row_ok[:, None], other=0.0).to(DT)
+        q3 = tl.load(qrow + ch + 3, mask=row_ok[:, None], other=0.0).to(DT)
     m_i = tl.full((M,), float("-inf"), tl.float32)
     l_i = tl.zeros((M,), tl.float32)
     a0 = tl.zeros((M, Q), tl.float32)
@@ -327,14 +447,15 @@ def _extend_kernel4(
         n2 = tl.load(n2_ptr)
         m_i, l_i, a0, a1, a2, a3 = _prefix_loop4(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, buf_ptr, pt_ptr, 0, n2, prefix_len, h,
                                                  total_bytes, k_mul_pre, v_mul_pre, FMT_INT2, D, P, PPI2, PAGE_BYTES2, K_OFF2,
-                                                 KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2, DT, NUM_STAGES)  # fmt: skip
+                                                 KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2, SPLIT, not QPRE, not VFOLD, DT,
+                                                 NUM_STAGES, FAST)  # fmt: skip
     else:
         n2 = 0
     m_i, l_i, a0, a1, a2, a3 = _prefix_loop4(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, buf_ptr, pt_ptr, n2, num_pages, prefix_len,
                                              h, total_bytes, k_mul_pre, v_mul_pre, FMT, D, P, PPI, PAGE_BYTES, K_OFF, KS_OFF,
-                                             KZ_OFF, V_OFF, VS_OFF, VZ_OFF, DT, NUM_STAGES)  # fmt: skip
+                                             KZ_OFF, V_OFF, VS_OFF, VZ_OFF, SPLIT, not QPRE, not VFOLD, DT, NUM_STAGES,
+                                             FAST)  # fmt: skip
     hi = tl.minimum(n_new, (qb + 1) * BLOCK_T)
-    jq = tl.arange(0, Q)[None, :]
     for j0 in range(0, hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         jm = (j < n_new)[:, None]
@@ -349,8 +470,11 @@ def _extend_kernel4(
         v3 = tl.load(v_ptr + off + 3 * Q, mask=jm, other=0.0)
         valid = (j[None, :] <= tok[:, None]) & (j < n_new)[None, :]
         m_i, l_i, a0, a1, a2, a3 = _attend4(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0, a1, a2, a3,
-                                            k_mul_new, 1.0, DT)  # fmt: skip
-    inv = (1.0 / tl.where(l_i > 0, l_i, 1.0))[:, None]
+                                            k_mul_new, v_mul_pre, True, True, VFOLD, DT)  # fmt: skip
+    inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+    if VFOLD:
+        inv = inv / v_mul_pre
+    inv = inv[:, None]
     orow = o_ptr + tok[:, None].to(tl.int64) * o_s0 + (h * G + hd)[:, None] * o_s1
     ty = o_ptr.dtype.element_ty
     tl.store(orow + ch, (a0 * inv).to(ty), mask=row_ok[:, None])
@@ -359,18 +483,20 @@ def _extend_kernel4(
     tl.store(orow + ch + 3, (a3 * inv).to(ty), mask=row_ok[:, None])
 
 
-# Per format: chunk tokens per program, chunk keys per step, prefix pages per step, warps, stages.
+# Per format: chunk tokens per program, chunk keys per step, prefix pages per step (PPI2: INT2 pages), warps, stages;
+# for the packed kernel also its switches QPRE, SPLIT and VFOLD (see _extend_kernel4; 0 = the session-5 kernel).
+# Packed formats: 128 prefix keys per step for every chunk length (H200, bench/NOTES-kernels.md session 6: nvfp4
+# 2K new on 32K 3.84 ms with 64 tokens x 64 keys, 3.53 with 32 x 128; triaxial 7.21 ms with 64 keys, 4.24 with 128).
 TUNING: dict[str, dict[str, int]] = {
     "bf16": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 4, "num_warps": 8, "NUM_STAGES": 2},
     "fp8_e4m3": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 4, "num_warps": 8, "NUM_STAGES": 2},
-    "nvfp4": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 8, "num_warps": 8, "NUM_STAGES": 2},
-    "int4": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 2, "PPI2": 2, "num_warps": 8, "NUM_STAGES": 2},
+    "nvfp4": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 8, "num_warps": 8, "NUM_STAGES": 2, "QPRE": 1, "SPLIT": 1, "VFOLD": 1},
+    "int4": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 4, "PPI2": 4, "num_warps": 8, "NUM_STAGES": 2, "QPRE": 1, "SPLIT": 1,
+             "VFOLD": 1},
 }
-# Chunks of at least LONG_CHUNK tokens: more query rows per program, so each unpacked tile feeds more rows
-# (shorter chunks need the smaller blocks to fill the SMs). H200, 32K cached, bench/NOTES-kernels.md:
-# nvfp4 2K new 8.22 -> 5.94 ms; 512 new with PPI 8: 2.16 -> 1.73 ms.
-LONG_CHUNK = 1024
-TUNING_LONG: dict[str, dict[str, int]] = {"nvfp4": {"BLOCK_T": 64, "PPI": 4}}
+PACKED_SWITCHES = ("QPRE", "SPLIT", "VFOLD")
+# VFOLD scales the chunk's probabilities by 1 / (V fold) in fp16: only where that stays far from fp16's range
+VFOLD_MIN = 1e-3
 
 
 def extend_attention(
@@ -401,7 +527,7 @@ def extend_attention(
         return out
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride() != k.stride():
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    cfg = {**TUNING[layout.fmt], **(TUNING_LONG.get(layout.fmt, {}) if n >= LONG_CHUNK else {}), **(tuning or {})}
+    cfg = {**TUNING[layout.fmt], **(tuning or {})}
     cfg.setdefault("PPI2", cfg["PPI"])
     p = layout.page_size
     pages = prefix_pages[: triton.cdiv(prefix_len, p)]
@@ -421,12 +547,25 @@ def extend_attention(
     dt = tl.float16 if layout.fmt != "bf16" else (tl.float32 if interpret else tl.bfloat16)
     grid = (triton.cdiv(n, cfg["BLOCK_T"]), h)
     quarters = layout.fmt in ("nvfp4", "int4")
+    q_in = q
     if quarters:
-        # the chunk's K/V with each quarter (channels 4j + k) contiguous: [n, H, 4, D/4]
-        k = k.view(n, h, d // 4, 4).transpose(2, 3).contiguous()
-        v = v.view(n, h, d // 4, 4).transpose(2, 3).contiguous()
-    args = (q, k, v, out, kv.buffer, pages, n2, n, prefix_len, kv.total_bytes, sm_scale * LOG2E * k_fold, v_fold,
-            sm_scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1))  # fmt: skip
+        # the chunk's K/V with each quarter (channels 4j + k) contiguous, in the tile type: [n, H, 4, D/4]
+        k = k.view(n, h, d // 4, 4).transpose(2, 3).to(torch.float16).contiguous()
+        v = v.view(n, h, d // 4, 4).transpose(2, 3).to(torch.float16).contiguous()
+    k_mul_pre, v_mul_pre, k_mul_new = sm_scale * LOG2E * k_fold, v_fold, sm_scale * LOG2E
+    switches: dict[str, int] = {}
+    if quarters:
+        switches = {name: int(cfg.get(name, 0)) for name in PACKED_SWITCHES}
+        if switches["QPRE"]:
+            # q times the prefix's score multiplier, in the tile type, quarter-major like k and v: [n, Hq, 4, D/4]
+            q_in = (q.float() * k_mul_pre).view(n, hq, d // 4, 4).transpose(2, 3).to(torch.float16).contiguous()
+            k_mul_new = k_mul_new / k_mul_pre
+        if switches["VFOLD"] and v_fold < VFOLD_MIN:
+            switches["VFOLD"] = 0
+        if switches["VFOLD"]:
+            v_mul_pre = 1.0 / v_fold
+    args = (q_in, k, v, out, kv.buffer, pages, n2, n, prefix_len, kv.total_bytes, k_mul_pre, v_mul_pre, k_mul_new,
+            q_in.stride(0), q_in.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1))  # fmt: skip
     meta = dict(
         FMT=FMT_CODES[layout.fmt], TRIAXIAL=kv.triaxial, G=group, GP=triton.next_power_of_2(group), D=d, P=p,
         PAGE_BYTES=lay[0], K_OFF=lay[1], KS_OFF=lay[2], KZ_OFF=lay[3], V_OFF=lay[4], VS_OFF=lay[5], VZ_OFF=lay[6],
@@ -435,7 +574,37 @@ def extend_attention(
         NUM_STAGES=cfg["NUM_STAGES"], DT=dt, num_warps=cfg["num_warps"],
     )  # fmt: skip
     if quarters:
-        _extend_kernel4[grid](*args, **meta)
+        _extend_kernel4[grid](*args, **meta, **switches, FAST=fast)
     else:
         _extend_kernel[grid](*args, **meta, FAST=fast)
     return out
+
+
+def compile_report_args(fmt: str, *, tuning: dict[str, int] | None = None) -> tuple[Any, dict[str, str], dict[str, Any], int]:
+    """(kernel, signature, constexprs, num_warps) to compile the extend kernel without a GPU (compile_report.py).
+
+    fmt: "nvfp4" or "triaxial" (the packed kernel), "bf16" / "fp8_e4m3"; the real shape (32 q / 8 kv heads, d 128);
+    tuning overrides TUNING[fmt]."""
+    plain = "int4" if fmt == "triaxial" else fmt
+    lay = PageLayout.build(plain, page_size=32 if fmt == "triaxial" else 16, kv_heads=8, head_dim=128)
+    lay2 = PageLayout.build("int2", page_size=32, kv_heads=8, head_dim=128) if fmt == "triaxial" else None
+    cfg = {**TUNING[plain], **(tuning or {})}
+    cfg.setdefault("PPI2", cfg["PPI"])
+    a, a2 = field_offsets(lay), field_offsets(lay2)
+    sig = {"q_ptr": "*bf16", "k_ptr": "*fp16" if plain in ("nvfp4", "int4") else "*bf16", "v_ptr": "*fp16" if plain in ("nvfp4", "int4") else "*bf16", "o_ptr": "*bf16", "buf_ptr": "*u8", "pt_ptr": "*i32",
+           "n2_ptr": "*i32", "n_new": "i32", "prefix_len": "i32", "total_bytes": "i64", "k_mul_pre": "fp32",
+           "v_mul_pre": "fp32", "k_mul_new": "fp32", "q_s0": "i32", "q_s1": "i32", "k_s0": "i32", "k_s1": "i32",
+           "o_s0": "i32", "o_s1": "i32"}  # fmt: skip
+    const: dict[str, Any] = dict(
+        FMT=FMT_CODES[plain], TRIAXIAL=fmt == "triaxial", G=4, GP=4, D=128, P=lay.page_size,
+        PAGE_BYTES=a[0], K_OFF=a[1], KS_OFF=a[2], KZ_OFF=a[3], V_OFF=a[4], VS_OFF=a[5], VZ_OFF=a[6],
+        PAGE_BYTES2=a2[0], K_OFF2=a2[1], KS_OFF2=a2[2], KZ_OFF2=a2[3], V_OFF2=a2[4], VS_OFF2=a2[5], VZ_OFF2=a2[6],
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], PPI=cfg["PPI"], PPI2=cfg["PPI2"], NUM_STAGES=cfg["NUM_STAGES"],
+        DT=tl.float16 if plain != "bf16" else tl.bfloat16,
+    )  # fmt: skip
+    if plain in ("nvfp4", "int4"):
+        switches = {name: int(cfg.get(name, 0)) for name in PACKED_SWITCHES}
+        if switches["QPRE"]:
+            sig["q_ptr"] = "*fp16"
+        const.update(switches)
+    return (_extend_kernel4 if plain in ("nvfp4", "int4") else _extend_kernel), sig, {**const, "FAST": True}, cfg["num_warps"]

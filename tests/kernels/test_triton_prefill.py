@@ -84,11 +84,11 @@ def test_extend_matches_dense_attention_over_packed_prefix(case: str) -> None:
 
 
 @interpreter_only
-@pytest.mark.parametrize("long", [False, True], ids=["short-chunk", "long-chunk"])
-def test_extend_nvfp4_production_tiles(long: bool) -> None:
-    # the tiles the GPU runs (64 keys and 128 / 256 query rows per step), on a tiny head
-    tuning = {**triton_prefill.TUNING["nvfp4"], **(triton_prefill.TUNING_LONG["nvfp4"] if long else {})}
-    _check_extend("nvfp4", [150], 70, tuning=tuning)
+@pytest.mark.parametrize("case", ["nvfp4", "triaxial"])
+def test_extend_packed_production_tiles(case: str) -> None:
+    # the tiles the GPU runs (128 query rows, 8 / 4 pages per step), on a tiny head; prefix 150: full steps, then
+    # a partial one (the unmasked loop, then the masked tail)
+    _check_extend(case, [150], 70, tuning=triton_prefill.TUNING["int4" if case == "triaxial" else case])
 
 
 @interpreter_only
