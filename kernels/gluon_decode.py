@@ -398,6 +398,9 @@ INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", 
 # no split shorter than this many tokens: measured on an H200 (bench/NOTES-kernels.md), batch 1 x 128K and
 # 64 x 4K were 10-25% faster with 1.5K-2K tokens per split than with 16 programs per SM's shorter splits
 SPLIT_MIN_TOKENS = 1536
+# ... unless the grid would then leave SMs idle: below this many programs per SM, splits get shorter (batch 1 x 4K:
+# 3 splits of 1.4K tokens, 24 programs, 42 us per layer for nvfp4 in the engine -- bench/NOTES-kernels.md)
+SPLIT_MIN_FILL = 2
 GL_TUNING: dict[str, dict[str, int]] = {
     "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16},
     "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 168},  # triaxial (INT4 and INT2 splits)
@@ -473,7 +476,7 @@ def launch_decode(
     cfg = {**GL_TUNING[layout.fmt], **(tuning or {})}
     ppi = cfg["num_warps"] * cfg["PPW"]
     run = prepare_splits(q, kv, page_table, seq_lens, num_int2_pages, pages_per_iter=ppi, programs_per_sm=cfg["PPSM"],
-                         min_pages=-(-SPLIT_MIN_TOKENS // layout.page_size), splits=splits)  # fmt: skip
+                         min_pages=-(-SPLIT_MIN_TOKENS // layout.page_size), min_fill=cfg.get("FILL", SPLIT_MIN_FILL), splits=splits)  # fmt: skip
     if run.pages_per_split % ppi:
         raise ValueError(f"pages per split ({run.pages_per_split}) must be a multiple of pages per step ({ppi})")
     k_fold, v_fold = folded_scales(kv)

@@ -65,11 +65,18 @@ def _sm_count(device: torch.device) -> int:
 
 
 def plan_splits(batch_heads: int, max_pages: int, ppi: int, device: torch.device, *, triaxial: bool,
-                programs_per_sm: int = 16, min_pages: int = 1) -> tuple[int, int]:  # fmt: skip
+                programs_per_sm: int = 16, min_pages: int = 1, min_fill: int = 0) -> tuple[int, int]:  # fmt: skip
     """(splits, pages per split) from the page-table width: about programs_per_sm programs per SM, but no split
-    shorter than min_pages (a program's fixed cost, and the merge's per split, must stay small)."""
-    want = max(1, math.ceil(programs_per_sm * _sm_count(device) / max(batch_heads, 1)))
-    splits = max(1, min(want, MAX_SPLITS, math.ceil(max_pages / ppi), math.ceil(max_pages / min_pages)))
+    shorter than min_pages (a program's fixed cost, and the merge's per split, must stay small) -- unless that
+    leaves fewer than min_fill programs per SM: a small batch over short contexts (1 x 4K: 3 splits x 8 heads =
+    24 programs on 132 SMs) then splits down to ppi pages, since an idle SM costs more than a short split."""
+    sms = _sm_count(device)
+    bh = max(batch_heads, 1)
+    want = max(1, math.ceil(programs_per_sm * sms / bh))
+    by_len = math.ceil(max_pages / min_pages)
+    if min_fill and by_len * bh < min_fill * sms:
+        by_len = math.ceil(min_fill * sms / bh)
+    splits = max(1, min(want, MAX_SPLITS, math.ceil(max_pages / ppi), by_len))
     pps = math.ceil(math.ceil(max(max_pages, 1) / splits) / ppi) * ppi
     splits = math.ceil(max(max_pages, 1) / pps) + (1 if triaxial else 0)
     return splits, pps
@@ -104,6 +111,7 @@ def prepare_splits(
     pages_per_iter: int,
     programs_per_sm: int,
     min_pages: int = 1,
+    min_fill: int = 0,
     splits: tuple[int, int] | None = None,
 ) -> SplitLaunch:
     """Plan the splits (unless given: tests and benchmarks) and allocate the partial outputs."""
@@ -111,7 +119,7 @@ def prepare_splits(
     h = kv.layout.kv_heads
     if splits is None:
         splits = plan_splits(b * h, page_table.shape[1], pages_per_iter, q.device, triaxial=kv.triaxial,
-                             programs_per_sm=programs_per_sm, min_pages=min_pages)  # fmt: skip
+                             programs_per_sm=programs_per_sm, min_pages=min_pages, min_fill=min_fill)  # fmt: skip
     s, pps = splits
     o = torch.empty(b, hq, s, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)

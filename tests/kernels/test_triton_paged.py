@@ -192,6 +192,21 @@ def test_split_planner_covers_every_page_and_keeps_splits_long_enough() -> None:
         assert s == 1 or pps >= min(mp, pages), (bh, pages, s, pps)
 
 
+@interpreter_only
+def test_split_planner_fills_the_sms_before_keeping_splits_long() -> None:
+    cpu = torch.device("cpu")  # 4 "SMs"
+    # 1 sequence-head over 256 pages, splits of >= 96 pages: 3 splits = 3 programs on 4 SMs
+    assert triton_common.plan_splits(1, 256, 4, cpu, triaxial=False, min_pages=96) == (3, 88)
+    # at least 2 programs per SM: 8 splits of 32 pages
+    assert triton_common.plan_splits(1, 256, 4, cpu, triaxial=False, min_pages=96, min_fill=2) == (8, 32)
+    # never shorter than ppi pages: 8 pages of ppi 4 give 2 splits however empty the SMs are
+    assert triton_common.plan_splits(1, 8, 4, cpu, triaxial=False, min_pages=96, min_fill=2) == (2, 4)
+    # a grid that already fills the SMs keeps its long splits: 8 sequence-heads x 3 splits >= 2 x 4
+    assert triton_common.plan_splits(8, 256, 4, cpu, triaxial=False, min_pages=96, min_fill=2) == (3, 88)
+    # triaxial: the extra boundary split comes on top
+    assert triton_common.plan_splits(1, 256, 4, cpu, triaxial=True, min_pages=96, min_fill=2) == (9, 32)
+
+
 def test_paged_ops_dispatches_to_triton_when_asked() -> None:
     pool, filled, _ = _filled_pool("fp8_e4m3", [10], ops=paged_ops)
     q = torch.randn(1, 4, 64)
