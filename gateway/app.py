@@ -1,7 +1,7 @@
 """The gateway's HTTP routes (thin): everything it registers is listed here.
 
-    POST /v1/chat/completions   Completions.chat          (auth)
-    POST /v1/completions        Completions.text          (auth)
+    POST /v1/chat/completions   Completions.chat          (auth; served by front.py on plain ASGI)
+    POST /v1/completions        Completions.text          (auth; served by front.py on plain ASGI)
     GET  /v1/models             the served model          (auth)
     GET  /v1/models/{id}        it, or 404                (auth)
     GET  /health                alive
@@ -17,18 +17,14 @@ app and stop with it (a last sweep releases the leases idle past their TTL).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hmac
-import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -36,8 +32,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvserving.config import ServingConfig
 
 from . import openai_types as oa
-from .completions import Completions, EventStream, ModelInfo
-from .errors import GatewayError, authentication, invalid_request, model_not_found, not_found, payload_too_large
+from .completions import Completions, ModelInfo
+from .errors import GatewayError, authentication, model_not_found, not_found
+from .front import CompletionRoutes, api_key_ok
 from .identity import ConversationIndex
 from .leases import LeaseKeeper, LeaseTable
 from .metrics import GatewayMetrics
@@ -75,7 +72,8 @@ def build_state(config: ServingConfig, *, model: ModelInfo, registry: CollectorR
     return GatewayState(config, model, metrics, client, pool, keeper, completions)
 
 
-def build_app(state: GatewayState) -> FastAPI:
+def build_app(state: GatewayState) -> CompletionRoutes:
+    """The ASGI app to serve: the completion routes (front.py) in front of the FastAPI app of the rest."""
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await state.pool.refresh()
@@ -92,22 +90,6 @@ def build_app(state: GatewayState) -> FastAPI:
     app.state.gateway = state
     _install_errors(app)
     app.add_middleware(_Guard, state=state)
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(request: Request) -> Response:
-        started = time.perf_counter()
-        parsed = oa.parse_chat_request(await _json_body(request, state.config.gateway.max_body_bytes))
-        result = await _unless_disconnected(request, state.completions.chat(parsed, headers=request.headers,
-                                                                            started=started))
-        return _respond(result)
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(request: Request) -> Response:
-        started = time.perf_counter()
-        parsed = oa.parse_completion_request(await _json_body(request, state.config.gateway.max_body_bytes))
-        result = await _unless_disconnected(request, state.completions.text(parsed, headers=request.headers,
-                                                                            started=started))
-        return _respond(result)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -137,95 +119,8 @@ def build_app(state: GatewayState) -> FastAPI:
             state.metrics.workers_healthy.labels(role).set(sum(w.healthy for w in state.pool.by_role(role)))
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
-
-
-def _respond(result: dict[str, Any] | EventStream) -> Response:
-    if isinstance(result, dict):
-        return JSONResponse(result)
-    return _EventStreamResponse(result)
-
-
-class _EventStreamResponse(StreamingResponse):
-    """Server-sent events: the first frame, then the rest as they come; a client that goes
-    away cancels the sending, which closes the frames and with them the worker request.
-
-    StreamingResponse does the same with an anyio task group under uvicorn's ASGI 2.3
-    (~0.1 ms per response); this is one plain asyncio task and one wait."""
-
-    def __init__(self, stream: EventStream) -> None:
-        super().__init__(stream.rest, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.stream = stream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sending = asyncio.ensure_future(self._send_all(send))
-        watch = asyncio.ensure_future(_disconnect(receive))
-        try:
-            await asyncio.wait({sending, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
-            if not sending.done():
-                sending.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sending
-        if not sending.cancelled():
-            sending.result()  # its error, if any
-
-    async def _send_all(self, send: Send) -> None:
-        async with contextlib.aclosing(self.stream.rest) as rest:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            await send({"type": "http.response.body", "body": self.stream.first, "more_body": True})
-            async for frame in rest:
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _json_body(request: Request, limit: int) -> Any:
-    """The JSON body, refusing one over ``limit`` bytes (413) and invalid JSON (400)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise payload_too_large(f"Request body of {declared} bytes exceeds the limit of {limit} bytes.")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise payload_too_large(f"Request body exceeds the limit of {limit} bytes.")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid_request(f"We could not parse the JSON body of your request: {exc}.", code="invalid_json") from exc
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Run ``work``; if the client disconnects first, cancel it (closing any worker stream)."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watch
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        raise GatewayError(499, "client disconnected", type="client_closed_request")  # never sent: nobody listens
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    await _disconnect(request.receive)
-
-
-async def _disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
+    return CompletionRoutes(app, completions=state.completions, metrics=state.metrics,
+                            api_keys=state.config.gateway.api_keys, max_body_bytes=state.config.gateway.max_body_bytes)
 
 
 class _Guard:
@@ -242,7 +137,7 @@ class _Guard:
             return
         path = scope["path"]
         route = path if path in ROUTES else "other"
-        if self.keys and path not in OPEN_PATHS and not _key_ok(_header(scope, b"authorization"), self.keys):
+        if self.keys and path not in OPEN_PATHS and not api_key_ok(_header(scope, b"authorization"), self.keys):
             self.metrics.requests.labels(route, "401").inc()
             response = JSONResponse(authentication().to_body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
@@ -276,13 +171,6 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key == name:
             return str(value.decode("latin-1"))
     return None
-
-
-def _key_ok(header: str | None, keys: tuple[bytes, ...]) -> bool:
-    if not header or not header.startswith("Bearer "):
-        return False
-    given = header[len("Bearer "):].strip().encode()
-    return any(hmac.compare_digest(given, key) for key in keys)
 
 
 def _install_errors(app: FastAPI) -> None:

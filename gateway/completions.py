@@ -114,7 +114,7 @@ class Completions:
         pieces, finish, result = [], "stop", None
         async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat"):
             if kind == "text":
-                pieces.append(value)
+                pieces += value
             else:
                 finish, result = value
         parsed = parser.parse("".join(pieces))
@@ -128,12 +128,14 @@ class Completions:
     async def _chat_stream(
         self, turn_request: TurnRequest, request: oa.ChatCompletionRequest, started: float
     ) -> AsyncGenerator[bytes, None]:
-        """SSE frames; the frames of one generated piece go out as one write (the role
-        frame with the first text, the last text with the finish and usage frames)."""
+        """SSE frames; the frames of one batch of tokens go out as one write (the role frame
+        with the first text; the last text with the finish and usage frames and ``[DONE]``,
+        written once the turn's metrics are recorded)."""
         frames = ChatFrames(id=turn_request.request_id, created=int(time.time()), model=self.model.name,
                             include_usage=request.include_usage)
         parser = OutputParser(tools=request.parses_tool_calls)
         first = True
+        tail = b""
         try:
             async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat"):
                 out: list[bytes] = []
@@ -141,7 +143,8 @@ class Completions:
                     first = False
                     out.append(frames.chunk({"role": "assistant", "content": ""}))
                 if kind == "text":
-                    out += [frames.chunk(delta) for delta in parser.feed(value)]
+                    for text in value:
+                        out += [frames.chunk(delta) for delta in parser.feed(text)]
                 else:
                     finish, result = value
                     out += [frames.chunk(delta) for delta in parser.finish()]
@@ -150,9 +153,11 @@ class Completions:
                     out.append(frames.chunk({}, finish))
                     if request.include_usage:
                         out.append(frames.usage(self._usage(result)))
+                    tail = b"".join(out)
+                    continue
                 if out:
                     yield b"".join(out)
-            yield b"data: [DONE]\n\n"
+            yield tail + SSE_DONE
         except GatewayError as exc:
             if first:
                 raise
@@ -186,7 +191,7 @@ class Completions:
         pieces, finish, result = [], "stop", None
         async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="completions"):
             if kind == "text":
-                pieces.append(value)
+                pieces += value
             else:
                 finish, result = value
         assert result is not None
@@ -203,17 +208,16 @@ class Completions:
                                             usage=usage, include_usage=usage_on))
 
         first = True
+        tail = b""
         try:
             async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="completions"):
                 first = False
                 if kind == "text":
-                    yield chunk(value)
+                    yield b"".join(chunk(text) for text in value)
                     continue
                 finish, result = value
-                yield chunk("", finish)
-                if usage_on:
-                    yield chunk(None, usage=self._usage(result))
-            yield b"data: [DONE]\n\n"
+                tail = chunk("", finish) + (chunk(None, usage=self._usage(result)) if usage_on else b"")
+            yield tail + SSE_DONE
         except GatewayError as exc:
             if first:
                 raise
@@ -281,27 +285,35 @@ class Completions:
     async def _relay_turn(
         self, turn: Turn, turn_request: TurnRequest, detok: IncrementalDetokenizer, matcher: StopMatcher, started: float,
     ) -> AsyncGenerator[tuple[str, Any], None]:
-        """("first", seconds to the first token), ("text", str) pieces, then ("end", (finish, TurnResult))."""
+        """("first", seconds to the first token), ("text", [str, ...]) the pieces of each batch of
+        tokens that arrived together, then ("end", (finish, TurnResult))."""
         last = None
         finish: str | None = None
-        async with aclosing(turn.tokens()) as tokens:
-            async for token_ids in tokens:
+        itl = self.metrics.itl
+        async with aclosing(turn.tokens()) as batches:
+            async for batch in batches:
                 now = time.perf_counter()
-                if last is None:
-                    yield "first", now - started
-                else:
-                    self.metrics.itl.observe(now - last)
-                last = now
-                emit, stopped = matcher.feed(detok.add(token_ids))
-                if emit:
-                    yield "text", emit
-                if stopped:
-                    finish = "stop"
+                pieces: list[str] = []
+                for token_ids in batch:
+                    if last is None:
+                        yield "first", now - started
+                    else:
+                        itl.observe(now - last)  # 0 between the tokens of one batch: they arrived together
+                    last = now
+                    emit, stopped = matcher.feed(detok.add(token_ids))
+                    if emit:
+                        pieces.append(emit)
+                    if stopped:
+                        finish = "stop"
+                        break
+                if pieces:
+                    yield "text", pieces
+                if finish is not None:
                     break  # leaving the `async with` closes the worker stream: abort upstream
         if finish is None:
             rest = matcher.flush(detok.flush())
             if rest:
-                yield "text", rest
+                yield "text", [rest]
             result = turn.result
             if result is None or result.finish_reason not in ("stop", "length"):
                 raise upstream_error(f"worker ended the request with finish_reason={getattr(result, 'finish_reason', None)!r}")
@@ -342,10 +354,14 @@ class Completions:
         return EventStream(first=await anext(frames), rest=frames)
 
 
+SSE_DONE = b"data: [DONE]\n\n"
+
+
 @dataclass(slots=True)
 class EventStream:
     """A streamed response: its first SSE frame, already produced, and the generator of the rest
-    (the sender iterates it and closes it, which closes the worker request)."""
+    (the sender iterates it and closes it, which closes the worker request). A frame that ends
+    with ``SSE_DONE`` is the last."""
 
     first: bytes
     rest: AsyncGenerator[bytes, None]

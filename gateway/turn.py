@@ -15,8 +15,9 @@ so the seed gives one token stream whatever the topology.
 
 ``Turns.start`` routes and returns a ``Turn`` or raises ``GatewayError`` (503
 with Retry-After when no healthy worker can take it). ``Turn.tokens()`` yields
-token-id lists as the decode streams them; afterwards ``Turn.result`` holds the
-finish reason and usage. Closing ``tokens()`` early (client gone, stop string
+batches of token-id lists (one list per worker event; a batch is every event
+that had arrived when the gateway read the socket) as the decode streams them;
+afterwards ``Turn.result`` holds the finish reason and usage. Closing ``tokens()`` early (client gone, stop string
 matched) closes the worker connection, which aborts the request upstream.
 """
 
@@ -97,7 +98,7 @@ class Turn:
             decode_url=self.decode.url, prefill_url=self.prefill.url if self.prefill is not None else None,
         )
 
-    def tokens(self) -> AsyncGenerator[list[int], None]:
+    def tokens(self) -> AsyncGenerator[list[list[int]], None]:
         # The generator itself, not a wrapper around it: every level of generators is paid per token.
         return self.turns._run(self)
 
@@ -155,7 +156,7 @@ class Turns:
         self.metrics.route("prefill", choice.reason)
         return decode, self.pool.workers[choice.url]
 
-    async def _run(self, turn: Turn) -> AsyncGenerator[list[int], None]:
+    async def _run(self, turn: Turn) -> AsyncGenerator[list[list[int]], None]:
         """The reply's tokens. A worker that cannot be reached is taken out of the rotation
         and the turn is routed once more: the whole turn before the first token, only
         the decode after the prefill's first token was streamed."""
@@ -163,14 +164,19 @@ class Turns:
         if key is not None:
             self.keeper.table.begin_turn(key, now=self.clock())
         final: dict[str, Any] = {}
+        # The decode worker's load counts from the routing decision (no await since it) to the
+        # turn's end, prefill included: counted only while its own request ran, a burst of new
+        # conversations all saw every decode worker idle and all went to the first.
+        counted = turn.decode
+        counted.inflight += 1
         try:
             for attempt in range(2):
                 yielded = False
                 try:
                     async with aclosing(self._attempt(turn, final)) as tokens:
-                        async for token_ids in tokens:
+                        async for batch in tokens:
                             yielded = True
-                            yield token_ids
+                            yield batch
                     break
                 except UpstreamError as exc:
                     error = self._upstream(exc)
@@ -182,8 +188,12 @@ class Turns:
                         turn.decode = decode
                     else:
                         turn.decode, turn.prefill = decode, prefill
+                    counted.inflight -= 1
+                    counted = turn.decode
+                    counted.inflight += 1
                     self.metrics.route("retry", exc.kind)
         finally:
+            counted.inflight -= 1
             if key is not None:
                 await self.keeper.record(key, worker_url=turn.decode.url, params=final.get("kv_transfer_params"))
 
@@ -191,7 +201,7 @@ class Turns:
         """Whether the prefill's sampled token opens the reply (see the module docstring)."""
         return sampling.get("seed") is None or float(sampling.get("temperature", 1.0)) == 0.0
 
-    async def _attempt(self, turn: Turn, final: dict[str, Any]) -> AsyncGenerator[list[int], None]:
+    async def _attempt(self, turn: Turn, final: dict[str, Any]) -> AsyncGenerator[list[list[int]], None]:
         request = turn.request
         pull_params = turn.lease.params if turn.lease is not None and self.bidirectional else None
         first: list[int] = []
@@ -204,7 +214,7 @@ class Turns:
                     sampled = []
                 turn._prefilled = (params, sampled)
                 if sampled:
-                    yield sampled
+                    yield [sampled]
                     if prefill_final.get("finish_reason") != "length" or int(request.sampling.get("max_tokens", 1)) <= 1:
                         # The reply ended with its first token (an end-of-sequence or stop
                         # token, or max_tokens 1): no decode request. The prefill's pages
@@ -227,19 +237,21 @@ class Turns:
             body["output_ids"] = first
         if request.tags is not None:
             body["tags"] = request.tags
-        decode = turn.decode
-        decode.inflight += 1  # as in _stream, without a generator level per token
-        try:
-            async with aclosing(self.client.generate(decode.url, body)) as events:
-                async for event in events:
-                    token_ids = event.get("token_ids")
+        # (the decode worker's load is counted by _run for the whole turn)
+        async with aclosing(self.client.generate(turn.decode.url, body)) as batches:
+            async for events in batches:
+                tokens: list[list[int]] = []
+                end = None
+                for event in events:
                     if "finish_reason" in event:
-                        final.update(event)
-                        turn.result = self._result(turn, event)
-                    elif token_ids:
-                        yield list(token_ids)
-        finally:
-            decode.inflight -= 1
+                        end = event
+                    elif event.get("token_ids"):
+                        tokens.append(list(event["token_ids"]))
+                if tokens:
+                    yield tokens  # a consumer that stops here (a stop string) never sees the end
+                if end is not None:
+                    final.update(end)
+                    turn.result = self._result(turn, end)
         if turn.result is None:
             raise UpstreamError("stream", "worker ended the stream without a final event", url=turn.decode.url)
 
@@ -260,24 +272,25 @@ class Turns:
             body["tags"] = request.tags
         sampled: list[int] = []
         final: dict[str, Any] = {}
-        async with aclosing(self._stream(turn.prefill, body)) as events:
-            async for event in events:
-                if "finish_reason" in event:
-                    turn._prefill_usage = dict(event.get("usage") or {})
-                    final = dict(event)
-                elif event.get("token_ids"):
-                    sampled += event["token_ids"]
+        async with aclosing(self._stream(turn.prefill, body)) as batches:
+            async for events in batches:
+                for event in events:
+                    if "finish_reason" in event:
+                        turn._prefill_usage = dict(event.get("usage") or {})
+                        final = dict(event)
+                    elif event.get("token_ids"):
+                        sampled += event["token_ids"]
         if not final:
             raise UpstreamError("stream", "prefill worker ended the stream without a final event", url=turn.prefill.url)
         final["output_ids"] = sampled
         return final
 
-    async def _stream(self, worker: WorkerState, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+    async def _stream(self, worker: WorkerState, body: dict[str, Any]) -> AsyncGenerator[list[dict[str, Any]], None]:
         worker.inflight += 1
         try:
-            async with aclosing(self.client.generate(worker.url, body)) as events:
-                async for event in events:
-                    yield event
+            async with aclosing(self.client.generate(worker.url, body)) as batches:
+                async for events in batches:
+                    yield events
         finally:
             worker.inflight -= 1
 

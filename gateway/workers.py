@@ -25,7 +25,7 @@ import contextlib
 import json
 import logging
 import socket
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,12 +88,15 @@ class WorkerClient:
             await self._session.close()
             self._session = None
 
-    async def generate(self, url: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        """Every event of one generate stream (token events, then the final one).
+    async def generate(self, url: str, body: dict[str, Any]) -> AsyncGenerator[list[dict[str, Any]], None]:
+        """The events of one generate stream (token events, then the final one), in batches:
+        every event that has arrived when the gateway reads the socket, so a reply that comes
+        faster than the gateway relays it (a loaded gateway, a burst) is relayed in fewer,
+        larger steps; a token is never held back waiting for the next.
 
         Raises UpstreamError on a refused request, a broken stream or an error
-        event. Closing the iterator early closes the connection, which the
-        worker takes as an abort.
+        event (after the batch of events before it). Closing the iterator early
+        closes the connection, which the worker takes as an abort.
         """
         try:
             async with await self._post_fresh_on_reset(f"{url}/internal/generate", body) as response:
@@ -101,8 +104,17 @@ class WorkerClient:
                     text = (await response.read()).decode(errors="replace")
                     raise UpstreamError("status", _error_message(text, response.status), url=url, status=response.status)
                 try:
-                    async for event in _sse_events(_lines(response.content), url=url):
-                        yield event
+                    events = SSEEvents(url)
+                    content = response.content
+                    while not events.done:
+                        chunk = await content.readany()
+                        if not chunk:
+                            raise UpstreamError("stream", f"worker {url} closed the stream before [DONE]", url=url)
+                        batch = events.feed(chunk)
+                        if batch:
+                            yield batch
+                        if events.error is not None:
+                            raise events.error
                 except BaseException:
                     response.close()  # not back to the pool: the worker sees the disconnect (abort)
                     raise
@@ -154,27 +166,49 @@ class WorkerClient:
             return False
 
 
-async def _lines(content: aiohttp.StreamReader) -> AsyncGenerator[str, None]:
-    async for raw in content:  # one line at a time, "\n" kept
-        yield raw.decode().rstrip("\r\n")
+class SSEEvents:
+    """Server-sent events from raw bytes: ``data: <json>`` events until ``data: [DONE]``.
 
+    ``feed`` takes whatever the socket delivered (any split, even mid-line) and
+    returns the complete events in it; lines that are not ``data:`` (blank
+    separators, comments, other fields) are skipped. After ``[DONE]``, ``done``
+    is set and the rest is ignored; an ``error`` event (or a malformed one)
+    stops the parse and is left in ``error`` for the caller to raise after the
+    events before it.
+    """
 
-async def _sse_events(lines: AsyncIterator[str], *, url: str) -> AsyncGenerator[dict[str, Any], None]:
-    """``data: <json>`` events until ``data: [DONE]``; an ``error`` event raises."""
-    async for line in lines:
-        if not line.startswith("data:"):
-            continue  # blank separators, comments, other fields
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        try:
-            event = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise UpstreamError("stream", f"worker {url} sent a malformed event: {data[:200]!r}", url=url) from exc
-        if "error" in event:
-            raise UpstreamError("worker_error", _error_message(json.dumps(event), None), url=url)
-        yield event
-    raise UpstreamError("stream", f"worker {url} closed the stream before [DONE]", url=url)
+    __slots__ = ("url", "done", "error", "_partial")
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.done = False
+        self.error: UpstreamError | None = None
+        self._partial = b""
+
+    def feed(self, chunk: bytes) -> list[dict[str, Any]]:
+        if self.done or self.error is not None:
+            return []
+        lines = (self._partial + chunk).split(b"\n") if self._partial else chunk.split(b"\n")
+        self._partial = lines.pop()  # what follows the last newline: an incomplete line
+        out: list[dict[str, Any]] = []
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                self.done = True
+                break
+            try:
+                event = json.loads(data)
+            except ValueError:
+                self.error = UpstreamError("stream", f"worker {self.url} sent a malformed event: {data[:200]!r}",
+                                           url=self.url)
+                break
+            if "error" in event:
+                self.error = UpstreamError("worker_error", _error_message(json.dumps(event), None), url=self.url)
+                break
+            out.append(event)
+        return out
 
 
 def _error_message(text: str, status: int | None) -> str:

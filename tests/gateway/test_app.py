@@ -189,6 +189,8 @@ def test_client_disconnect_before_the_first_token_aborts_too(stack: Stack, tok: 
         openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=0.5).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}])
     _wait(lambda: bool(worker.received) and worker.received[-1]["request_id"] in worker.aborted)
+    _wait(lambda: gw.metric("kvserving_gateway_requests_total", {"route": "/v1/chat/completions", "code": "499"}) == 1)
+    _wait(lambda: gw.metric("kvserving_gateway_requests_in_flight") == 0)
 
 
 def test_tools_and_reasoning_multi_turn(stack: Stack, tok: TextTokenizer, tiny_model_dir: Path) -> None:

@@ -64,6 +64,32 @@ def test_request_errors_in_openai_shape(stack: Stack) -> None:
     assert worker.received == []  # nothing reached the worker
 
 
+def test_completion_routes_refuse_other_methods_and_chunked_oversized_bodies(stack: Stack) -> None:
+    worker = stack.worker(role="both")
+    gw = stack.gateway(decode=[worker.url], max_body_bytes=4096)
+    for path in (CHAT, "/v1/completions"):
+        r = httpx.get(gw.url + path, timeout=5)
+        assert r.status_code == 405 and r.headers["allow"] == "POST"
+        assert error(r) == {"message": "Method Not Allowed", "type": "invalid_request_error", "param": None, "code": None}
+    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]}).encode()
+    r = httpx.post(gw.url + CHAT, content=iter([big[:1000], big[1000:]]), timeout=10)  # chunked: no content-length
+    assert r.status_code == 413 and error(r)["code"] == "request_too_large"
+    assert r.headers["content-type"] == "application/json"
+    assert gw.metric("kvserving_gateway_requests_total", {"route": CHAT, "code": "405"}) == 1
+    assert gw.metric("kvserving_gateway_requests_total", {"route": CHAT, "code": "413"}) == 1
+    assert worker.received == []
+
+
+def test_streamed_reply_headers(stack: Stack) -> None:
+    worker = stack.worker(role="both")
+    gw = stack.gateway(decode=[worker.url])
+    with httpx.stream("POST", gw.url + CHAT, json={"model": MODEL, "messages": USER, "stream": True}, timeout=10) as r:
+        assert r.status_code == 200
+        assert (r.headers["content-type"], r.headers["cache-control"], r.headers["x-accel-buffering"]) == (
+            "text/event-stream; charset=utf-8", "no-cache", "no")
+        assert r.read().endswith(b"data: [DONE]\n\n")
+
+
 def test_prompt_longer_than_the_context_names_the_numbers(stack: Stack, tiny_model_dir: Path) -> None:
     worker = stack.worker(role="both")
     gw = stack.gateway(decode=[worker.url], max_model_len=64)

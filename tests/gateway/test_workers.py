@@ -4,12 +4,11 @@ headless-Service DNS re-resolution, SSE parsing."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
 from kvserving.config import GatewayConfig
-from kvserving.gateway.workers import UpstreamError, WorkerClient, WorkerPool, _sse_events, resolve_service
+from kvserving.gateway.workers import SSEEvents, UpstreamError, WorkerClient, WorkerPool, resolve_service
 
 
 def pool(config: GatewayConfig, resolve=None) -> WorkerPool:  # type: ignore[no-untyped-def]
@@ -58,21 +57,30 @@ def test_resolve_service_returns_urls_for_every_address() -> None:
     assert "http://127.0.0.1:8000" in urls or "http://[::1]:8000" in urls
 
 
-async def _lines(*lines: str) -> AsyncIterator[str]:
-    for line in lines:
-        yield line
-
-
 def _collect(*lines: str) -> list[dict]:
-    async def run() -> list[dict]:
-        return [e async for e in _sse_events(_lines(*lines), url="http://w")]
-
-    return asyncio.run(run())
+    """The events of ``lines`` fed in one piece; fed split at every byte they are the same."""
+    raw = "".join(line + "\n" for line in lines).encode()
+    whole = SSEEvents("http://w")
+    events = whole.feed(raw)
+    for cut in range(len(raw) + 1):
+        split = SSEEvents("http://w")
+        assert split.feed(raw[:cut]) + split.feed(raw[cut:]) == events
+        assert (split.done, repr(split.error)) == (whole.done, repr(whole.error))
+    if whole.error is not None:
+        raise whole.error
+    if not whole.done:
+        raise UpstreamError("stream", "closed before [DONE]", url="http://w")
+    return events
 
 
 def test_sse_events_until_done_errors_raise() -> None:
     assert _collect('data: {"token_ids": [1]}', "", ": comment", 'data: {"token_ids": []}', "data: [DONE]",
                     'data: {"never": 1}') == [{"token_ids": [1]}, {"token_ids": []}]
+    assert _collect('data: {"token_ids": [1]}\r', "\r", "data:[DONE]") == [{"token_ids": [1]}]  # CRLF, no space
+    events = SSEEvents("http://w")
+    assert events.feed(b'data: {"token_ids": [1]}\n\ndata: {"error": {"message": "oom", "type": "server_error"}}\n') == [
+        {"token_ids": [1]}]  # the events before an error are delivered; the error is left to raise
+    assert events.error is not None and events.error.kind == "worker_error" and "oom" in events.error.message
     with pytest.raises(UpstreamError) as err:
         _collect('data: {"token_ids": [1]}', 'data: {"error": {"message": "oom", "type": "server_error"}}')
     assert err.value.kind == "worker_error" and "oom" in err.value.message
