@@ -157,9 +157,14 @@ class PageCache:
                 old = chain.present - chain.owned
                 if have:
                     chain.remove(have)
-                chain.add(n)
+                held = chain.extents  # chain.add(n) inlined
+                held[n] = held.get(n, 0) + 1
+                if n > chain.owned:
+                    chain.owned = n
                 extents[key] = n
-                self._sync(key, chain, old, touched=False)
+                cached = chain.present - chain.owned
+                if cached != old or (cached > 0) != (key in self._lru):  # else _sync is a no-op
+                    self._sync(key, chain, old, touched=False)
             else:
                 cached = chain.present - chain.owned
                 if (cached > 0) != (key in self._lru):
@@ -191,30 +196,35 @@ class PageCache:
         chains where they extend them (``hold`` keeps refs on the chain up to ``end``); the
         rest stay loose. ``hold`` must already hold the chain pages before ``start``."""
         pos = 0
+        chains, extents = self._chains, hold.extents
         for key, n in segments:
-            lo, hi = max(start, pos), min(end, pos + n)
+            base = pos
             pos += n
+            lo = start if start > base else base
+            hi = end if end < pos else pos
             if lo >= hi:
                 if pos >= end:
                     break
                 continue
-            chain = self._chains.get(key)
+            chain = chains.get(key)
             if chain is None:
-                chain = self._chains[key] = _Chain()
-            a, b = lo - (pos - n), hi - (pos - n)  # page indices inside this chain
-            old = chain.present - chain.owned
-            if a <= chain.present < b:
-                gained = b - chain.present
-                chain.present = b
-                hold.loose -= gained
-            if chain.present >= b:  # _hold inlined
-                have = hold.extents.get(key, 0)
+                chain = chains[key] = _Chain()
+            a, b = lo - base, hi - base  # page indices inside this chain
+            present = chain.present
+            old = present - chain.owned
+            if a <= present < b:
+                hold.loose -= b - present
+                chain.present = present = b
+            if present >= b:  # _hold inlined
+                have = extents.get(key, 0)
                 if b > have:
                     if have:
                         chain.remove(have)
                     chain.add(b)
-                    hold.extents[key] = b
-            self._sync(key, chain, old, touched=False)
+                    extents[key] = b
+            cached = present - chain.owned
+            if cached != old or not present or (cached > 0) != (key in self._lru):  # else _sync is a no-op
+                self._sync(key, chain, old, touched=False)
 
     @staticmethod
     def _hold(chain: _Chain, hold: Hold, key: Key, n: int) -> None:

@@ -35,6 +35,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserving.config import ReuseConfig, SchedulerConfig
 from kvserving.gateway.router import WorkerView
@@ -84,15 +85,19 @@ class WLease:
     pages: int  # full pages it holds (num_tokens // page_size)
     stable: int  # of those, the leading pages later prompts repeat (the hashes that match)
     reclaimable: bool = False  # a retained conversation: released early when pages run out
+    gone: bool = False  # released (no longer in its worker's ``leases``)
 
     def alive(self, now: float) -> bool:
-        return self.worker.leases.get(self.lease_id) is self and self.expires_at > now
+        return not self.gone and self.expires_at > now
 
 
 @dataclass(slots=True)
 class PullOutcome:
     seconds: float = 0.0
     fallback: str | None = None
+
+
+_NO_PULL = PullOutcome()  # nothing pulled (shared: never mutated)
 
 
 @dataclass(slots=True)
@@ -183,6 +188,7 @@ class Worker:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return False
+        lease.gone = True
         self.cache.release(lease.hold)
         if lease.conv is not None and self.conv_lease.get(lease.conv) == lease_id:
             del self.conv_lease[lease.conv]
@@ -234,7 +240,7 @@ class Worker:
     def pull(self, req: Req, offer: WLease | None, now: float) -> PullOutcome:
         """``KVTransfer.pull`` against ``offer`` (the sender's lease as the receiver knows it)."""
         if offer is None:
-            return PullOutcome()
+            return _NO_PULL
         if offer.expires_at <= now:
             return self._fail("lease_expired")
         limit = (req.prompt - 1) // self.page_size
@@ -244,14 +250,14 @@ class Worker:
         local = self.cache.match(req.segs, matched)
         want = matched - local
         if want <= 0 or want < self.threshold_pages:
-            return self._fail("hash_mismatch") if diverged else PullOutcome()
+            return self._fail("hash_mismatch") if diverged else _NO_PULL
         if not offer.alive(now):
             return self._fail("lease_expired")
         hold = self.cache.new_hold()
         self.cache.ref(hold, req.segs, local)
         if not self.cache.allocate(hold, want):
             self.cache.release(hold)
-            return PullOutcome()  # skipped: no_free_pages
+            return _NO_PULL  # skipped: no_free_pages
         self.cache.publish(hold, req.segs, local, matched)
         ttl = max(60.0, 2 * self.reuse.transfer_timeout_s)
         req.pin = self.pin(hold, ttl_s=ttl, now=now, conv=None, pages=0, stable=0, prefix="pull-")
@@ -381,7 +387,7 @@ class PrefillWorker(Worker):
             return
         self.busy = True
         dt = self.costs.prefill_step(self.dtype, tokens, work)
-        self.sim.at(now + dt, lambda t: self._step_done(steps, t))
+        self.sim.call_at(now + dt, self._step_done, steps)
 
     def _step_done(self, steps: list[tuple[list[object], int]], now: float) -> None:
         self.busy = False
@@ -449,8 +455,7 @@ class DecodeWorker(Worker):
             return
         self.step_s = self.costs.decode_step(self.dtype, b, self.ctx_base + b * self.steps)
         t = now + max(0.0, self.batch[0][0] - self.steps) * self.step_s
-        version = self._version
-        self.sim.at(t, lambda when: self._tick(when, version))
+        self.sim.call_at(t, self._tick, self._version)
 
     def _admit(self, now: float) -> bool:
         """Admit what fits; True when that rescheduled the batch's next finish."""
@@ -493,7 +498,7 @@ class DecodeWorker(Worker):
         self._reschedule(now)
         return True
 
-    def _tick(self, now: float, version: int) -> None:
+    def _tick(self, version: int, now: float) -> None:
         if version != self._version:
             return
         self._advance(now)
@@ -545,4 +550,7 @@ class Sim:
     bidirectional: bool
 
     def at(self, t: float, fn: Callable[[float], None]) -> None:
+        raise NotImplementedError
+
+    def call_at(self, t: float, fn: Callable[[Any, float], None], arg: Any) -> None:
         raise NotImplementedError

@@ -123,7 +123,7 @@ class Simulator(Sim):
         self.load = load
         self.now = 0.0
         self.bidirectional = cluster.reuse.bidirectional if bidirectional is None else bidirectional
-        self._events: list[tuple[float, int, Callable[[float], None]]] = []
+        self._events: list[tuple[float, int, Callable[[Any, float], None], Any]] = []
         self._seq = 0
         costs, p = cluster.costs, cluster.effective_page_size
         self.page_size = p
@@ -164,7 +164,12 @@ class Simulator(Sim):
     # ------------------------------------------------------------------ event core
     def at(self, t: float, fn: Callable[[float], None]) -> None:
         self._seq = seq = self._seq + 1
-        _heappush(self._events, (t, seq, fn))
+        _heappush(self._events, (t, seq, _call, fn))
+
+    def call_at(self, t: float, fn: Callable[[Any, float], None], arg: Any) -> None:
+        """``fn(arg, t)`` at ``t`` (no closure to build: the hot events)."""
+        self._seq = seq = self._seq + 1
+        _heappush(self._events, (t, seq, fn, arg))
 
     def run(
         self, *, until: float = math.inf, progress: Callable[[float], None] | None = None, agents_done: bool = False
@@ -182,9 +187,9 @@ class Simulator(Sim):
             while events and events[0][0] <= until:
                 if agents_done and self._active == 0:
                     break
-                t, _, fn = pop(events)
+                t, _, fn, arg = pop(events)
                 self.now = t
-                fn(t)
+                fn(arg, t)
                 if t >= next_report:
                     assert progress is not None
                     progress(t)
@@ -236,7 +241,7 @@ class Simulator(Sim):
         if not spec.turns:
             self._agent_done(ag, at)
             return
-        self.at(at + spec.turns[0].think_time_s, lambda t: self._send(ag, t))
+        self.call_at(at + spec.turns[0].think_time_s, self._send, ag)
         self._ensure_sweep()
 
     def _agent_done(self, ag: _Agent, now: float) -> None:
@@ -292,7 +297,7 @@ class Simulator(Sim):
         # the gateway's work, then the prefill request's HTTP and lease round trips: they come
         # before its pull, which goes straight on to the engine queue (KVTransfer.pull in admit)
         t = now + self.cluster.costs.gateway_s + self.cluster.costs.prefill_request_s
-        self.at(t, lambda when: self._at_prefill(ag, req, pre, dec, when))
+        self.call_at(t, self._at_prefill, (ag, req, pre, dec))
 
     def route(self, key: bytes, lease_url: str | None) -> tuple[DecodeWorker, PrefillWorker]:
         """``choose_decode`` and ``choose_prefill`` of kvserving.gateway.router. Decode is called on
@@ -342,16 +347,20 @@ class Simulator(Sim):
         self.table.remember(key, worker_url=best.worker.url, params=_params(best), now=now)
         return self.table.get(key)
 
-    def _at_prefill(self, ag: _Agent, req: Req, pre: PrefillWorker, dec: DecodeWorker, now: float) -> None:
+    def _at_prefill(self, turn: tuple[_Agent, Req, PrefillWorker, DecodeWorker], now: float) -> None:
+        ag, req, pre, dec = turn
         if pre._expiry and pre._expiry[0][0] <= now:
             pre.expire(now)
-        if req.lease_offer is not None:
-            req.lease_offer.worker.expire(now)
-        out = pre.pull(req, req.lease_offer, now)
+        offer = req.lease_offer
+        if offer is not None:
+            holder = offer.worker
+            if holder._expiry and holder._expiry[0][0] <= now:
+                holder.expire(now)
+        out = pre.pull(req, offer, now)
         req.fallback = out.fallback
         self._ctx[req.turn_id] = (ag, dec, req)
         if out.seconds > 0:
-            self.at(now + out.seconds, lambda t: pre.arrive(req, t))
+            self.call_at(now + out.seconds, pre.arrive, req)
         else:  # nothing pulled: straight on to the engine queue (one event fewer)
             pre.arrive(req, now)
 
@@ -373,9 +382,10 @@ class Simulator(Sim):
             self.table.end_turn(ag.conv, now=now)
             self._after_turn(ag, req, now, failed=False)
             return
-        self.at(now + self.cluster.costs.decode_request_s, lambda t: self._at_decode(req, dec, t))
+        self.call_at(now + self.cluster.costs.decode_request_s, self._at_decode, (req, dec))
 
-    def _at_decode(self, req: Req, dec: DecodeWorker, now: float) -> None:
+    def _at_decode(self, turn: tuple[Req, DecodeWorker], now: float) -> None:
+        req, dec = turn
         if dec._expiry and dec._expiry[0][0] <= now:
             dec.expire(now)
         offer = req.transfer_offer
@@ -383,7 +393,7 @@ class Simulator(Sim):
         if offer is not None and offer.alive(now):
             offer.worker.release(offer.lease_id, now)  # the pull is over, read or not: the hold goes
         req.transfer_offer = None
-        self.at(now + out.seconds, lambda t: dec.arrive(req, t))
+        self.call_at(now + out.seconds, dec.arrive, req)
 
     def _decode_done(self, req: Req, now: float) -> None:
         ag, dec, _ = self._ctx.pop(req.turn_id)
@@ -410,7 +420,7 @@ class Simulator(Sim):
             self._agent_done(ag, now)
             return
         think = ag.spec.turns[ag.next_turn].think_time_s
-        self.at(now + think, lambda t: self._send(ag, t))
+        self.call_at(now + think, self._send, ag)
 
     # ------------------------------------------------------------------ whole-cluster controls
     def release_all_leases(self) -> None:
@@ -437,13 +447,17 @@ class Simulator(Sim):
 _heappush = heapq.heappush
 
 
+def _call(fn: Callable[[float], None], t: float) -> None:
+    fn(t)
+
+
 def _params(lease: WLease) -> dict[str, Any]:
     return {"lease_id": lease.lease_id, "expires_at": lease.expires_at}
 
 
 def _expired_offer(worker: Worker, expires_at: float) -> WLease | None:
     """A lease the gateway still lists but its worker no longer holds: pulls of it fail."""
-    return WLease("gone", worker, worker.cache.new_hold(), expires_at, None, 0, 0) if expires_at else None
+    return WLease("gone", worker, worker.cache.new_hold(), expires_at, None, 0, 0, gone=True) if expires_at else None
 
 
 def _synthetic_key(name: str) -> bytes:
