@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,8 @@ SM = D**-0.5
 SWEEP = [(16, 4, 4, 2), (64, 8, 4, 2), (32, 8, 8, 2)]  # (chunk tokens per program, warps, prefix pages per step, stages)
 SWEEP_FORMATS = ("nvfp4",)
 # --variants: packed-kernel variants timed on every shape (bench/NOTES-kernels.md, session 6): name -> (tuning
-# overrides, PTX unpackers); "s5" is the session-5 kernel when kernels/_prefill_s5.py (an untracked copy) is there
+# overrides, PTX unpackers); "s5" is the session-5 kernel when kernels/_prefill_s5.py (an untracked copy of
+# triton_prefill.py at 9b2d2f9) is there
 VARIANTS: dict[str, tuple[dict[str, int], bool]] = {
     "new": ({}, True),
     "noasm": ({}, False),
@@ -98,7 +100,7 @@ def main() -> None:
     ap.add_argument("--warm", action="store_true", help="only JIT-compile FlashInfer's prefill (bf16, fp8) on a tiny shape")
     args = ap.parse_args()
     if args.warm:
-        for fmt in ("bf16", "fp8_e4m3"):
+        for fmt in os.environ.get("WARM_FORMATS", "bf16,fp8_e4m3").split(","):  # gpu_run.sh WARM_FI=1 runs this
             q = torch.randn(64, HQ, D, device="cuda", dtype=torch.bfloat16)
             try:
                 fn, _ = flashinfer_prefill(fmt, 64, 1024, q, q[:, :H], q[:, :H])
