@@ -1,5 +1,5 @@
 """A prefill and a decode worker in one process, wired to each other by direct calls
-instead of HTTP (agent info, lease checks, renewals, releases); NIXL still moves the KV
+instead of HTTP (agent info, holds, releases); NIXL still moves the KV
 between their own agents. For CPU benchmarks of the transfer path (bench/reuse_cpu.py,
 bench/regions_cpu.py, bench/age_down_cpu.py)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_transfer import KVTransfer
+from kvserving.worker.kv_transfer import KVTransfer, LeaseMismatchError
 
 
 class LocalPair:
@@ -20,21 +20,26 @@ class LocalPair:
             url = f"local://{name}-{role}"
             self.workers[url] = KVTransfer(
                 eng, eng.config.reuse, engine_id=f"{name}-{role}", agent_url=url, role=role,
-                fetch_agent_info=lambda u: self.workers[u].agent_info(), fetch_lease=self._lease,
-                renew_remote=self._renew, release_remote=lambda u, lid: self.workers[u].release(lid),
+                fetch_agent_info=lambda u: self.workers[u].agent_info(), hold_remote=self._hold,
+                release_remote=self._release,
             )
         self.p, self.d = self.workers[f"local://{name}-prefill"], self.workers[f"local://{name}-decode"]
 
-    def _lease(self, url: str, lease_id: str) -> dict[str, Any] | None:
-        """What ``GET /internal/kv/leases`` would say of ``lease_id``: its params, or None."""
-        return next((le["kv_transfer_params"] for le in self.workers[url].leases() if le["lease_id"] == lease_id), None)
-
-    def _renew(self, url: str, lease_id: str) -> float | None:
-        """The new expiry, or None where the HTTP API answers 404 (lease unknown)."""
+    def _hold(self, url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
+        """What ``POST .../hold`` answers (``PeerHttp.hold``): the hold, or why it was refused."""
         try:
-            return self.workers[url].renew(lease_id)
+            return self.workers[url].hold(lease_id, digest=digest, hold_s=hold_s, consume=consume)
         except KeyError:
-            return None
+            return {"refused": "unknown_lease"}
+        except LeaseMismatchError:
+            return {"refused": "lease_mismatch"}
+
+    def _release(self, url: str, lease_id: str) -> None:
+        """``DELETE .../leases/{id}``; an unknown one is the HTTP API's 404, not an error here."""
+        try:
+            self.workers[url].release(lease_id)
+        except KeyError:
+            pass
 
     def close(self) -> None:
         for w in self.workers.values():

@@ -23,7 +23,9 @@ API the worker server uses (one ``KVTransfer`` per worker process)::
     # leases
     kvt.leases(conversation_key=None) -> list[dict]    # GET /internal/kv/leases
     kvt.renew(lease_id, ttl_s=None) -> expires_at      # KeyError -> 404; capped at retention_ttl_s
-    kvt.release(lease_id)                              # KeyError -> 404
+    kvt.hold(lease_id, digest=..., hold_s=..., consume=False) -> dict  # POST .../hold; KeyError -> 404,
+                                                       # LeaseMismatchError -> 409
+    kvt.release(lease_id)                              # KeyError -> 404 (a lease or a hold)
     kvt.stats() -> dict; kvt.fallbacks (Counter by reason); kvt.prefill_tokens_per_s,
     kvt.transfer_bytes_per_s (the two "auto" measurements); kvt.close() at shutdown.
 
@@ -39,23 +41,29 @@ ids' INT2 flag); keep the leading remote pages whose hashes equal them; skip
 pages the local prefix cache holds; READ the rest when that adds at least
 ``reuse.recompute_threshold_tokens`` (or, for "auto", when the measured
 transfer is predicted faster than the measured prefill), the lease is alive
-and ``layout_hash`` matches. Before the READ the sender's own record of the
-lease (GET /internal/kv/leases) must name exactly the offered pages and
-hashes (NIXL would read any page of a registered region); after it, a renew
-must still find the lease (held at both ends: its pages were pinned
-throughout, never reused). Peer calls: GET /internal/kv/agent, GET
-/internal/kv/leases, POST .../renew, DELETE (after a pull of an ``xfer-``
-lease); each is an injectable callable. Pulled pages are registered in the
+and ``layout_hash`` matches. Before the READ the sender must *hold* the lease
+(POST .../hold, one round trip, sent before this worker hashes its prompt so
+the two overlap): it compares a digest of the offered page ids, hashes and
+token count with its own record of the lease (NIXL would read any page of a
+registered region: made-up ids, or a stale gateway cache, must never be read)
+and pins those pages for ``transfer_timeout_s + HOLD_MARGIN_S``, never
+reclaimed; the READ must end within ``transfer_timeout_s`` of the request
+for the hold, so the pages cannot change under it (no second check after
+it). The hold is released after the READ, off the request's path. Peer
+calls: GET /internal/kv/agent (once per sender incarnation: cached by engine
+id and the lease id's generation), POST .../hold, DELETE (the hold; a
+prefill's ``xfer-`` lease when nobody held it); each is an injectable
+callable. ``PullResult.phases`` times each step. Pulled pages are registered in the
 prefix cache and pinned under ``PullResult.pin_lease`` (local prefix pages
 under ``pin_lease + ".local"``) until the engine admits the request. Any failure gives ``fallback`` one of
 ``FALLBACK_REASONS`` and the request recomputes; a failed READ's pages are
 freed unregistered (never used). ``hash_mismatch`` with ``pulled_tokens > 0``
 means the histories diverged and only the common prefix was pulled. A
-sender lease whose id starts with ``xfer-`` (a prefill worker's hold) is
-released on the sender once the pull is over, whether it read the pages or
-not (held locally already, below the threshold, a fallback): a hold is
-single-use, and idle holds filling a small prefill pool stalled it until
-their timeout.
+sender lease whose id starts with ``xfer-`` (a prefill worker's hold) ends
+on the sender when the puller's hold takes its pages (``consume``), whether
+it then reads them or not (held locally already, below the threshold, a
+fallback): it is single-use, and idle holds filling a small prefill pool
+stalled it until their timeout.
 
 Retaining: a request added with ``retain=kvt.retain_spec(...)`` keeps its
 full pages (prompt + generated) pinned when it finishes, for
@@ -70,11 +78,13 @@ import base64
 import hashlib
 import json
 import math
+import struct
 import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -97,10 +107,19 @@ FALLBACK_REASONS = (
 TRANSFER_LEASE_PREFIX = "xfer-"  # a prefill worker's single-use hold of a prompt's pages
 RETAIN_LEASE_PREFIX = "kv-"
 PIN_LEASE_PREFIX = "pull-"
+HOLD_LEASE_PREFIX = "hold-"  # a puller's pin of a lease's pages for the length of one READ (sender side)
+HOLD_MARGIN_S = 2.0  # a hold outlives the puller's READ deadline by this much
+MAX_HOLD_S = 120.0
 DEFAULT_THRESHOLD_TOKENS = 64  # "auto" before both rates are measured
 MAX_PAGES = 1 << 20
 HTTP_TIMEOUT_S = 2.0
 _HASH_LIMIT = 1 << 63
+# ``PullResult.phases``, on the request's path in this order: hash and match the prompt and
+# allocate (one engine-thread hop), wait for the sender's hold (sent before planning), build the
+# READ's descriptors, the READ itself, register and pin the pages (one hop), wait for a hold that
+# ended in no READ. ``contact_agent`` / ``contact_hold``: the agent fetch (first pull from an
+# incarnation only) and the hold's round trip, on a peer-call thread beside the planning.
+PULL_PHASES = ("plan", "lease_check", "descriptors", "read", "adopt", "release", "contact_agent", "contact_hold")
 
 
 # --------------------------------------------------------------------------- wire params
@@ -251,6 +270,26 @@ class PullResult:
     matched_tokens: int = 0  # leading remote tokens whose hashes equal this prompt's
     local_tokens: int = 0  # of those, already in the local prefix cache
     skipped: str | None = None  # why nothing was pulled without a fault ("below_threshold", "no_free_pages", ...)
+    phases: dict[str, float] = field(default_factory=dict)  # wall seconds per phase (``PULL_PHASES``)
+
+
+class _Phases:
+    """Wall seconds of one pull, phase by phase (``PullResult.phases``): ``mark(name)`` charges
+    the time since the previous mark to ``name``."""
+
+    __slots__ = ("seconds", "_t")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._t
+        self._t = now
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
 
 @dataclass(slots=True)
@@ -261,12 +300,30 @@ class _Plan:
     want: list[int] = field(default_factory=list)  # page indices to pull
     hashes: list[int] = field(default_factory=list)
     local_pin: str | None = None
+    remote_pids: list[int] = field(default_factory=list)  # the sender's ids of ``want``
+    skipped: str | None = None  # nothing to pull ("nothing_to_pull", "below_threshold")
+    local: list[int] | None = None  # pages allocated to READ into (None: none free, or skipped)
 
 
 @dataclass(slots=True)
 class _LeaseRecord:
     kept: RetainedKV
     ttl_s: float
+    digest: str | None = None  # ``lease_digest`` of its pages, computed at the first hold
+
+
+class LeaseMismatchError(ValueError):
+    """A hold named a lease whose pages are not the ones the puller was offered (HTTP 409)."""
+
+
+def lease_digest(page_ids: Sequence[int], page_hashes: Sequence[int], num_tokens: int) -> str:
+    """What a hold compares instead of shipping the page lists back: blake2b-128 over the
+    lease's page ids, page hashes and token count (equal digests = equal lists)."""
+    h = hashlib.blake2b(digest_size=16, person=b"kvserving.lease")
+    h.update(struct.pack("<qq", len(page_ids), num_tokens))
+    h.update(struct.pack(f"<{len(page_ids)}q", *page_ids))
+    h.update(struct.pack(f"<{len(page_hashes)}q", *page_hashes))
+    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------- HTTP defaults
@@ -298,13 +355,15 @@ class PeerHttp:
                 return cast(dict[str, Any], lease["kv_transfer_params"])
         return None
 
-    def renew(self, agent_url: str, lease_id: str) -> float | None:
-        """The lease's new expiry, or None when the sender does not hold it (404)."""
-        r = self._client.post(f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}/renew", json={})
-        if r.status_code == 404:
-            return None
+    def hold(self, agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
+        """``POST .../hold``: the sender's answer (``KVTransfer.hold``), ``{"refused": "unknown_lease"}``
+        on 404 and ``{"refused": "lease_mismatch"}`` on 409; raises for anything else."""
+        r = self._client.post(f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}/hold",
+                              json={"digest": digest, "hold_s": hold_s, "consume": consume})
+        if r.status_code in (404, 409):
+            return {"refused": "unknown_lease" if r.status_code == 404 else "lease_mismatch"}
         r.raise_for_status()
-        return float(r.json()["expires_at"])
+        return cast(dict[str, Any], r.json())
 
     def release(self, agent_url: str, lease_id: str) -> None:
         r = self._client.delete(f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}")
@@ -321,6 +380,26 @@ def http_fetch_lease(agent_url: str, lease_id: str) -> dict[str, Any] | None:
         http.close()
 
 
+def http_hold(agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
+    """One-off ``PeerHttp.hold`` (tests and tools)."""
+    http = PeerHttp()
+    try:
+        return http.hold(agent_url, lease_id, digest, hold_s, consume)
+    finally:
+        http.close()
+
+
+@dataclass(slots=True)
+class _Contact:
+    """What the puller learned from the sender before its READ (``KVTransfer._contact``)."""
+
+    peer: RemoteBuffers | None = None
+    hold_id: str | None = None
+    fallback: str | None = None
+    agent_s: float = 0.0
+    hold_s: float = 0.0
+
+
 # --------------------------------------------------------------------------- the class
 class KVTransfer:
     """KV export/import and leases of one engine (see the module docstring for the API)."""
@@ -335,8 +414,7 @@ class KVTransfer:
         role: str = "both",
         run_on_engine: Callable[[Callable[[], Any]], Any] | None = None,
         fetch_agent_info: Callable[[str], dict[str, Any]] | None = None,
-        fetch_lease: Callable[[str, str], dict[str, Any] | None] | None = None,
-        renew_remote: Callable[[str, str], float | None] | None = None,
+        hold_remote: Callable[[str, str, str, float, bool], dict[str, Any]] | None = None,
         release_remote: Callable[[str, str], None] | None = None,
         weights_id: str | None = None,
         poll_interval_s: float = 0.002,
@@ -356,9 +434,11 @@ class KVTransfer:
         self._run = run_on_engine or self._run_locked
         self._http = PeerHttp()
         self._fetch = fetch_agent_info or self._http.fetch_agent_info
-        self._fetch_lease = fetch_lease or self._http.fetch_lease
-        self._renew_remote = renew_remote or self._http.renew
+        self._hold_remote = hold_remote or self._http.hold
         self._release_remote = release_remote or self._http.release
+        # the sender calls of a pull run here: the hold overlaps the pull's own planning, and
+        # releases after the READ leave the request's path
+        self._calls = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvserving-kv-peer")
         st = engine.storage
         self.page_size = st.page_size
         self.dtype = st.kv_dtype
@@ -389,6 +469,7 @@ class KVTransfer:
         return cast(T, self._run(fn))
 
     def close(self) -> None:
+        self._calls.shutdown(wait=True)
         self.nixl.close()
         self._http.close()
 
@@ -417,7 +498,9 @@ class KVTransfer:
 
     def page_nbytes(self, page_ids: Sequence[int]) -> int:
         """Bytes a READ of these pages moves (all layers)."""
-        return self.engine.storage.shape.num_layers * sum(self.geometry.span(p)[1] for p in page_ids)
+        n2 = sum(1 for p in page_ids if page_id_bits(p) == 2)
+        geo = self.geometry
+        return self.engine.storage.shape.num_layers * ((len(page_ids) - n2) * geo.page_bytes + n2 * geo.int2_page_bytes)
 
     def worth_pulling(self, num_tokens: int, num_bytes: int) -> bool:
         """The recompute threshold: a token count, or "auto" (predicted pull faster than prefill)."""
@@ -443,6 +526,7 @@ class KVTransfer:
         """Pull what ``params`` offers of this prompt's KV (see the module docstring). Never raises
         for a transfer fault: the result's ``fallback`` says why nothing (or less) was pulled.
         ValueError only for the caller's own mistake (tags not one per input token)."""
+        ph = _Phases()
         self.reap()
         if params is None:
             return PullResult()
@@ -454,19 +538,55 @@ class KVTransfer:
             return self._fail("layout_mismatch")
         if params.expires_at <= time.time():
             return self._fail("lease_expired")
-        plan = self._on_engine(lambda: self._plan(ids, tag_list, params))
+        # The sender's hold runs while this worker hashes its prompt and allocates (``_contact``);
+        # the READ's deadline counts from here, inside the hold (``HOLD_MARGIN_S``).
+        t_send = time.monotonic()
+        contact = self._calls.submit(self._contact, params) if params.engine_id != self.engine_id else None
+        plan: _Plan | None = None
+        result = PullResult()
         try:
-            result = self._pull_planned(plan, params)
+            plan = self._on_engine(lambda: self._plan(ids, tag_list, params))
+            ph.mark("plan")
+            result = self._pull_planned(plan, params, contact, t_send, ph)
         finally:
-            if plan.local_pin is not None:
+            if plan is not None and plan.local_pin is not None and result.pin_lease is None:
                 pin = plan.local_pin
                 self._on_engine(lambda: self._drop_lease(pin))
-        if result.pin_lease is None:
-            # nothing read (held locally already, below the threshold, a fallback): a prefill
-            # worker's single-use hold is no use to anyone now; free its pages at once rather
-            # than at its timeout (a full prefill pool of idle holds admits nothing)
-            self._release_hold(params)
+                ph.mark("adopt")
+            if contact is not None:
+                if result.pin_lease is None and params.lease_id.startswith(TRANSFER_LEASE_PREFIX):
+                    # nothing read: wait for the hold (it consumes a prefill's single-use lease), so
+                    # that pull returns with the sender's transfer lease already gone
+                    wait([contact], timeout=HTTP_TIMEOUT_S + 1.0)
+                    ph.mark("release")
+                # the hold is over once the READ is: let the sender free it, off the request's path
+                contact.add_done_callback(lambda f: self._later(self._release_contact, params, f))
+            elif result.pin_lease is None:
+                # nothing read and nobody asked (our own id): a prefill worker's single-use hold is
+                # no use to anyone now; free its pages at once rather than at its timeout
+                self._release_hold(params)
+        result.phases.update(ph.seconds)
         return result
+
+    def _later(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the peer-call threads (nothing if this worker is closing)."""
+        try:
+            self._calls.submit(fn, *args)
+        except RuntimeError:  # shut down: the sender's own timeouts free what it holds
+            pass
+
+    def _release_contact(self, params: KVTransferParams, done: Future[_Contact]) -> None:
+        """Release the READ hold a pull took, once it is answered (a hold that failed holds nothing;
+        one whose answer never came expires on the sender)."""
+        try:
+            c = done.result()
+        except Exception:  # noqa: BLE001 - no answer: nothing held
+            return
+        try:
+            if c.hold_id is not None:
+                self._release_remote(params.agent_url, c.hold_id)
+        except Exception:  # noqa: BLE001 - the hold's own expiry frees it anyway
+            pass
 
     def _release_hold(self, params: KVTransferParams) -> None:
         if params.lease_id.startswith(TRANSFER_LEASE_PREFIX):
@@ -475,39 +595,41 @@ class KVTransfer:
             except Exception:  # noqa: BLE001 - the sender's own timeout frees it anyway
                 pass
 
-    def _pull_planned(self, plan: _Plan, params: KVTransferParams) -> PullResult:
-        """Decide, check the sender, READ, adopt; every early return is a skip or a fallback."""
+    def _pull_planned(
+        self, plan: _Plan, params: KVTransferParams, contact: Future[_Contact] | None, t_send: float, ph: _Phases
+    ) -> PullResult:
+        """Decide, wait for the sender's hold, READ, adopt; every early return is a skip or a fallback."""
         p = self.page_size
         diverged = plan.matched < plan.usable
         base: dict[str, Any] = {"matched_tokens": plan.matched * p, "local_tokens": len(plan.local_pids) * p}
-        remote_pids = [params.page_ids[i] for i in plan.want]
-        skipped = None
-        if not plan.want:
-            skipped = "nothing_to_pull"
-        elif not self.worth_pulling(len(plan.want) * p, self.page_nbytes(remote_pids)):
-            skipped = "below_threshold"
-        elif params.engine_id == self.engine_id:
+        if plan.skipped is None and contact is None:
             # our own lease would have kept these pages in the local cache: it is gone
             return self._fail("lease_expired", **base)
-        if skipped is not None:
-            return self._fail("hash_mismatch", **base) if diverged else PullResult(skipped=skipped, **base)
-        t0 = time.perf_counter()
-        peer = self._prepare(params, remote_pids)
-        if isinstance(peer, str):
-            return self._fail(peer, **base)
-        bits = [page_id_bits(pid) for pid in remote_pids]
-        local = self._on_engine(lambda: self.allocate_for_pull(bits))
+        if plan.skipped is not None:
+            return self._fail("hash_mismatch", **base) if diverged else PullResult(skipped=plan.skipped, **base)
+        local = plan.local
         if local is None:
             return PullResult(skipped="no_free_pages", **base)
-        reason, stats = self._read_checked(peer, params, local, remote_pids)
+        assert contact is not None
+        try:
+            c = contact.result()  # the sender's hold, asked for before ``_plan``
+        except Exception:  # noqa: BLE001 - a bug in the contact must not leak the pages
+            c = _Contact(fallback="transfer_failed")
+        ph.mark("lease_check")
+        ph.add("contact_agent", c.agent_s)
+        ph.add("contact_hold", c.hold_s)
+        if c.fallback is not None or c.peer is None:
+            self._discard(local, safe=True)
+            return self._fail(c.fallback or "transfer_failed", **base)
+        reason, stats = self._read_held(c.peer, params, local, plan.remote_pids, t_send, ph)
         if stats is None:
             return self._fail(reason or "transfer_failed", **base)
-        overhead = time.perf_counter() - t0 - stats.seconds  # agent info, lease checks, allocation
+        overhead = max(0.0, time.monotonic() - t_send - stats.seconds)  # hold, allocation, planning
         pin = f"{PIN_LEASE_PREFIX}{uuid.uuid4().hex}"
         hashes = [plan.hashes[i] for i in plan.want]
-        local_pids = list(plan.local_pids)
-        self._on_engine(lambda: self._adopt(pin, local, hashes, local_pids))
-        self._release_hold(params)
+        local_pids, local_pin = list(plan.local_pids), plan.local_pin
+        self._on_engine(lambda: self._adopt(pin, local, hashes, local_pids, local_pin))
+        ph.mark("adopt")
         self._count(stats, len(local) * p, overhead)
         fallback = None
         if diverged:
@@ -516,20 +638,8 @@ class KVTransfer:
                 self.fallbacks[fallback] += 1
         return PullResult(
             pulled_tokens=len(local) * p, num_bytes=stats.num_bytes, num_regions=stats.num_regions,
-            seconds=time.perf_counter() - t0, fallback=fallback, pin_lease=pin, **base,
+            seconds=time.monotonic() - t_send, fallback=fallback, pin_lease=pin, **base,
         )
-
-    def _prepare(self, params: KVTransferParams, remote_pids: list[int]) -> RemoteBuffers | str:
-        """The sender's agent, its page ids checked against its buffers and its lease record."""
-        peer = self._connect(params)
-        if isinstance(peer, str):
-            return peer
-        try:
-            for pid in remote_pids:
-                peer.geometry.span(pid)
-        except ValueError:  # page ids outside the sender's buffers: not its layout
-            return "layout_mismatch"
-        return self._verify_lease(params) or peer
 
     def allocate_for_pull(self, bits: list[int]) -> list[int] | None:
         """Pages to READ into (one per entry of ``bits``), or None. Engine thread only.
@@ -537,6 +647,7 @@ class KVTransfer:
         A pull serves a live request, so retained conversations yield to it as they do
         to a request's own allocation (least recently active first): a pool full of
         retained KV would otherwise refuse the pull and make the request recompute.
+        Placed as one new sequence (a run where one is free), so the READ stays few regions.
         """
         pool = self.engine.pool
         got = pool.allocate(bits)
@@ -544,24 +655,30 @@ class KVTransfer:
             got = pool.allocate(bits)
         return got
 
-    def _read_checked(
-        self, peer: RemoteBuffers, params: KVTransferParams, local: list[int], remote_pids: list[int]
+    def _read_held(
+        self, peer: RemoteBuffers, params: KVTransferParams, local: list[int], remote_pids: list[int], t_send: float,
+        ph: _Phases,
     ) -> tuple[str | None, ReadStats | None]:
-        """READ, then prove the lease was held throughout; on any failure the local pages are
-        discarded unregistered and the reason returned."""
+        """READ while the sender's hold pins the pages: it lasts ``transfer_timeout_s +
+        HOLD_MARGIN_S`` from before the sender took it, and the READ must end within
+        ``transfer_timeout_s`` of the same instant, so the pages cannot change under it. On any
+        failure the local pages are discarded unregistered and the reason returned."""
+        left = self.reuse.transfer_timeout_s - (time.monotonic() - t_send)
+        if left <= 0:
+            self._discard(local, safe=True)
+            return "transfer_timeout", None
         try:
-            stats = self.nixl.read(peer, local, remote_pids, timeout_s=self.reuse.transfer_timeout_s)
+            stats = self.nixl.read(peer, local, remote_pids, timeout_s=left)
         except TransferError as exc:
             self.nixl.forget_remote(params.engine_id)
             self._discard(local, safe=exc.pages_safe)
             return exc.reason, None
-        except ValueError:  # page sizes that differ between the two layouts
+        except ValueError:  # page ids outside the sender's buffers, or sizes that differ: not its layout
             self._discard(local, safe=True)
             return "layout_mismatch", None
-        after = self._check_lease(params)  # held before and after: its pages were pinned throughout
-        if after is not None:
-            self._discard(local, safe=True)
-            return after, None
+        ph.mark("read")
+        ph.add("read", -stats.descriptor_seconds)
+        ph.add("descriptors", stats.descriptor_seconds)
         return None, stats
 
     def _count(self, stats: ReadStats, tokens: int, overhead_s: float) -> None:
@@ -584,7 +701,8 @@ class KVTransfer:
 
     def _plan(self, ids: list[int], tags: list[int], params: KVTransferParams) -> _Plan:
         """On the engine thread: match the remote hashes against this prompt's, find what the
-        local prefix cache holds (pinned under a ``.local`` lease), pick the pages to pull."""
+        local prefix cache holds (pinned under a ``.local`` lease), pick the pages to pull,
+        decide whether they are worth it and allocate them (one hop onto the engine thread)."""
         kv, pool, p = self.engine.kv, self.engine.pool, self.page_size
         seq = EngineSequence("kv-pull", ids, SamplingParams(), make_generator(0), tags=tags)
         usable = max(0, min(len(params.page_ids), params.num_tokens // p, (len(ids) - 1) // p))
@@ -606,14 +724,72 @@ class KVTransfer:
             plan.local_pids.append(pid)
             i += 1
         plan.want = [j for j in range(i, plan.matched) if pool.lookup(plan.hashes[j]) is None]
+        plan.remote_pids = [params.page_ids[j] for j in plan.want]
+        if not plan.want:
+            plan.skipped = "nothing_to_pull"
+        elif not self.worth_pulling(len(plan.want) * p, self.page_nbytes(plan.remote_pids)):
+            plan.skipped = "below_threshold"
         if plan.local_pids:
             plan.local_pin = f"{PIN_LEASE_PREFIX}{uuid.uuid4().hex}.local"
             # held only while the pull runs, and never reclaimed: ``_adopt`` re-pins these pages
             pool.pin(plan.local_pin, plan.local_pids, ttl_s=self._pin_ttl())
+        if plan.skipped is None and params.engine_id != self.engine_id:
+            plan.local = self.allocate_for_pull([page_id_bits(pid) for pid in plan.remote_pids])
         return plan
 
     def _pin_ttl(self) -> float:
         return max(60.0, 2 * self.reuse.transfer_timeout_s)
+
+    def _contact(self, params: KVTransferParams) -> _Contact:
+        """On a peer-call thread: the sender's NIXL agent (cached by engine id and the lease id's
+        generation: no agent fetch once met) and a hold of the lease's pages for one READ.
+
+        The hold is the check NIXL needs (it reads any page of a registered region, so page ids
+        a client made up, or a stale gateway cache, would read someone else's KV): the sender
+        compares ``lease_digest`` of the offered pages with its own record of the lease, then
+        pins them (never reclaimed, released by the puller or at expiry). One round trip
+        replaces the lease listing before the READ and the renewal after it."""
+        c = _Contact()
+        t0 = time.perf_counter()
+        gen = _lease_generation(params.lease_id)
+        peer = self.nixl.remote(params.engine_id, gen) if gen is not None else None
+        if peer is None:
+            got = self._connect(params)
+            c.agent_s = time.perf_counter() - t0
+            if isinstance(got, str):
+                c.fallback = got
+                return c
+            peer = got
+        t1 = time.perf_counter()
+        digest = lease_digest(params.page_ids, params.page_hashes, params.num_tokens)
+        consume = params.lease_id.startswith(TRANSFER_LEASE_PREFIX)  # a prefill's hold is single-use
+        try:
+            reply = self._hold_remote(params.agent_url, params.lease_id, digest,
+                                      self.reuse.transfer_timeout_s + HOLD_MARGIN_S, consume)
+            c.hold_s = time.perf_counter() - t1
+            refused = reply.get("refused")
+            if refused is not None:
+                c.fallback = "lease_expired" if refused == "unknown_lease" else "hash_mismatch"
+                return c
+            c.hold_id = str(reply["hold_id"])
+            engine_id, generation = str(reply["engine_id"]), int(reply["generation"])
+        except Exception:  # noqa: BLE001 - connection refused, timeout, bad JSON: all unreachable
+            self.nixl.forget_remote(params.engine_id)
+            c.fallback = "remote_unreachable"
+            return c
+        if engine_id != params.engine_id:
+            c.fallback = "stale_agent"
+            return c
+        if self.nixl.remote(engine_id, generation) is None:
+            # the agent we know is another incarnation than the process that holds the lease
+            self.nixl.forget_remote(engine_id)
+            got = self._connect(params)
+            if isinstance(got, str) or self.nixl.remote(engine_id, generation) is None:
+                c.fallback = got if isinstance(got, str) else "stale_agent"
+                return c
+            peer = got
+        c.peer = peer
+        return c
 
     def _connect(self, params: KVTransferParams) -> RemoteBuffers | str:
         """The sender's NIXL agent (cached by engine id + generation) or a fallback reason."""
@@ -642,34 +818,6 @@ class KVTransfer:
             return "stale_agent"
         return peer
 
-    def _verify_lease(self, params: KVTransferParams) -> str | None:
-        """Before a READ: the sender must hold the lease with exactly these pages and hashes.
-
-        NIXL reads any page of a registered region, so page ids a client made up (or a stale
-        gateway cache) would read someone else's KV; the sender's own record is the truth."""
-        try:
-            truth = self._fetch_lease(params.agent_url, params.lease_id)
-        except Exception:  # noqa: BLE001
-            return "remote_unreachable"
-        if truth is None:
-            return "lease_expired"
-        try:
-            held = KVTransferParams.from_dict(truth)
-        except ValueError:
-            return "transfer_failed"
-        if held.engine_id != params.engine_id:
-            return "stale_agent"
-        if (held.page_ids, held.page_hashes, held.num_tokens) != (params.page_ids, params.page_hashes, params.num_tokens):
-            return "hash_mismatch"
-        return None
-
-    def _check_lease(self, params: KVTransferParams) -> str | None:
-        try:
-            expires = self._renew_remote(params.agent_url, params.lease_id)
-        except Exception:  # noqa: BLE001
-            return "remote_unreachable"
-        return "lease_expired" if expires is None else None
-
     def _discard(self, pages: list[int], *, safe: bool) -> None:
         """Free pages of a failed READ unregistered; unsafe ones wait until NIXL lets go (``_reap``)."""
         if safe:
@@ -683,9 +831,10 @@ class KVTransfer:
             self._on_engine(lambda: self.engine.pool.free(done))
         return len(done)
 
-    def _adopt(self, pin: str, pages: list[int], hashes: list[int], local_pids: list[int]) -> None:
+    def _adopt(self, pin: str, pages: list[int], hashes: list[int], local_pids: list[int], local_pin: str | None) -> None:
         """On the engine thread: register pulled pages, pin them under ``pin`` (and the local
-        prefix under ``pin.local``, so both survive until admission), drop our own refs."""
+        prefix under ``pin.local``, so both survive until admission), drop our own refs and
+        the pull's own pin on the local prefix."""
         pool = self.engine.pool
         for pid, h in zip(pages, hashes):
             pool.register(pid, h)
@@ -695,6 +844,8 @@ class KVTransfer:
         pool.free(pages)
         if local_pids:
             pool.pin(pin + ".local", local_pids, ttl_s=self._pin_ttl(), reclaim=RECLAIM_LAST)
+        if local_pin is not None:
+            self._drop_lease(local_pin)
 
     def drop_pin(self, result: PullResult) -> None:
         """Release a pull's pins when its request never reached the engine."""
@@ -783,11 +934,44 @@ class KVTransfer:
 
         return self._on_engine(go)
 
+    def hold(self, lease_id: str, *, digest: str, hold_s: float, consume: bool = False) -> dict[str, Any]:
+        """Pin lease ``lease_id``'s pages for one READ by a peer (``POST .../hold``): for
+        ``hold_s`` (at most ``MAX_HOLD_S``), never reclaimed, whatever happens to the lease
+        meanwhile; released by ``release(hold_id)`` or at expiry. ``digest`` must equal
+        ``lease_digest`` of the lease's pages, hashes and tokens (LeaseMismatchError: the
+        puller was offered other pages). ``consume``: a transfer lease (``xfer-``) ends now,
+        its pages held only by the hold (single use). KeyError when the lease is unknown."""
+        if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)) or not math.isfinite(hold_s) or hold_s <= 0:
+            raise ValueError(f"hold_s must be a finite number > 0, got {hold_s!r}")
+
+        def go() -> dict[str, Any]:
+            self._purge()
+            rec = self._leases.get(lease_id)
+            if rec is None:
+                raise KeyError(lease_id)
+            kept = rec.kept
+            if rec.digest is None:
+                rec.digest = lease_digest(kept.page_ids, kept.page_hashes, kept.num_tokens)
+            if digest != rec.digest:
+                raise LeaseMismatchError(f"lease {lease_id!r} holds other pages than the ones offered")
+            hold_id = f"{HOLD_LEASE_PREFIX}{uuid.uuid4().hex}"
+            expires = self.engine.pool.pin(hold_id, kept.page_ids, ttl_s=min(float(hold_s), MAX_HOLD_S))
+            if consume and lease_id.startswith(TRANSFER_LEASE_PREFIX):
+                del self._leases[lease_id]
+                self._drop_lease(lease_id)
+            return {"lease_id": lease_id, "hold_id": hold_id, "expires_at": self._unix(expires),
+                    "engine_id": self.engine_id, "generation": self.generation}
+
+        return self._on_engine(go)
+
     def release(self, lease_id: str) -> None:
-        """Drop a lease now (its pages go back to the prefix cache LRU). KeyError when unknown."""
+        """Drop a lease or a hold now (its pages go back to the prefix cache LRU). KeyError when unknown."""
 
         def go() -> None:
             self._purge()
+            if lease_id.startswith(HOLD_LEASE_PREFIX) and lease_id in self.engine.pool.lease_ids():
+                self.engine.pool.release(lease_id)
+                return
             if lease_id not in self._leases:
                 raise KeyError(lease_id)
             del self._leases[lease_id]

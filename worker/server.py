@@ -8,6 +8,7 @@ Routes::
     GET    /internal/kv/agent                  NIXL agent metadata and pool layout
     GET    /internal/kv/leases[?conversation_key=K]
     POST   /internal/kv/leases/{lease_id}/renew
+    POST   /internal/kv/leases/{lease_id}/hold     a puller's pin of the pages for one READ
     DELETE /internal/kv/leases/{lease_id}
     GET    /health  /ready  /metrics
 
@@ -34,8 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from kvserving.worker.async_engine import DuplicateRequestError
-from kvserving.worker.service import Admitted, LeaseNotFoundError, NotReadyError, WorkerService
-from kvserving.worker.wire import GenerateBody, RenewBody, error_body, validation_message
+from kvserving.worker.service import Admitted, LeaseMismatchError, LeaseNotFoundError, NotReadyError, WorkerService
+from kvserving.worker.wire import GenerateBody, HoldBody, RenewBody, error_body, validation_message
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,18 @@ def _add_kv_routes(app: FastAPI, service: WorkerService) -> None:
         except LeaseNotFoundError as exc:
             return error_response(404, str(exc), type_="not_found", code="unknown_lease")
         return JSONResponse(renewed)
+
+    @app.post("/internal/kv/leases/{lease_id}/hold", response_model=None)
+    async def hold(lease_id: str, body: HoldBody) -> Response:
+        try:
+            held = await service.hold(lease_id, digest=body.digest, hold_s=float(body.hold_s), consume=body.consume)
+        except NotReadyError as exc:
+            return error_response(503, str(exc), type_="unavailable")
+        except LeaseNotFoundError as exc:
+            return error_response(404, str(exc), type_="not_found", code="unknown_lease")
+        except LeaseMismatchError as exc:
+            return error_response(409, str(exc), type_="conflict", code="lease_mismatch")
+        return JSONResponse(held)
 
     @app.delete("/internal/kv/leases/{lease_id}", response_model=None)
     async def release(lease_id: str) -> Response:

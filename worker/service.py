@@ -22,7 +22,7 @@ from kvserving.config import ServingConfig
 from kvserving.worker.async_engine import AsyncEngine, RequestStream
 from kvserving.worker.engine import LLMEngine, RequestOutput
 from kvserving.worker.kv_stats import KVStats, collect
-from kvserving.worker.kv_transfer import KVTransfer, KVTransferParams, PullResult
+from kvserving.worker.kv_transfer import KVTransfer, KVTransferParams, LeaseMismatchError, PullResult
 from kvserving.worker.metrics import WorkerMetrics
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.wire import GenerateBody
@@ -40,6 +40,9 @@ class LeaseNotFoundError(LookupError):
     """No lease with this id on this worker."""
 
 
+__all__ = ["Admitted", "LeaseMismatchError", "LeaseNotFoundError", "NotReadyError", "WorkerService"]
+
+
 @dataclass(slots=True)
 class Admitted:
     """A generate request the engine accepted, and what the final event reports about its prompt."""
@@ -47,6 +50,10 @@ class Admitted:
     body: GenerateBody
     stream: RequestStream
     pull: PullResult
+    # perf_counter marks: admit entered, the pull over, the request queued on the engine (``timings``)
+    t_admit: float = 0.0
+    t_pulled: float = 0.0
+    t_queued: float = 0.0
 
 
 class WorkerService:
@@ -131,6 +138,7 @@ class WorkerService:
         Raises before anything streams if the request cannot run; a pull that
         fails is not an error (the request recomputes; ``usage.reuse_fallback``).
         """
+        t_admit = time.perf_counter()
         engine = self._engine()
         s = body.sampling
         params = SamplingParams(
@@ -152,6 +160,7 @@ class WorkerService:
             if kvt is not None and remote is not None:
                 pull = await asyncio.to_thread(kvt.pull, body.input_ids, body.tags, remote)
                 self._count_pull(pull)
+            t_pulled = time.perf_counter()
             retain = None
             if kvt is not None and (self.role == "prefill" or body.retain):
                 retain = kvt.retain_spec(conversation_key=body.conversation_key)
@@ -165,7 +174,7 @@ class WorkerService:
             if kvt is not None and pull.pin_lease is not None:
                 await asyncio.to_thread(kvt.drop_pin, pull)
             raise
-        return Admitted(body, stream, pull)
+        return Admitted(body, stream, pull, t_admit, t_pulled, time.perf_counter())
 
     def close_stream(self, req: Admitted) -> None:
         """The response is over (sent, or the client went away): abort the request unless it finished."""
@@ -185,8 +194,13 @@ class WorkerService:
     async def events(self, req: Admitted) -> AsyncIterator[dict[str, Any]]:
         """One event per generated token, then the final event (or an error event)."""
         rid = req.body.request_id
+        timings: dict[str, float] | None = None
         try:
             async for out in req.stream:
+                if timings is None and (out.new_token_ids or out.finished):
+                    timings = self._timings(req, out)
+                    if req.pull.phases:
+                        log.debug("request %s: pull and first step, ms: %s", rid, timings)
                 if out.new_token_ids:
                     self.metrics.generation_tokens.inc(len(out.new_token_ids))
                     yield {"request_id": rid, "token_ids": out.new_token_ids}
@@ -205,11 +219,28 @@ class WorkerService:
                         "finish_reason": reason,
                         "usage": usage,
                         "kv_transfer_params": self._params_of(out),
+                        "timings": timings,
                     }
         except Exception as exc:  # an engine failure ends this stream, never the worker
             self.metrics.requests.labels(finish_reason="error").inc()
             log.exception("request %s failed", rid)
             yield {"error": {"message": f"engine error: {exc}".splitlines()[0], "type": "engine_error", "code": None}}
+
+    @staticmethod
+    def _timings(req: Admitted, out: RequestOutput) -> dict[str, float]:
+        """Milliseconds from admission to the first token, by phase: ``pull_*`` the KV pull's
+        phases (``PULL_PHASES``), ``queue`` adding the request to the engine, ``wait_step`` until
+        the engine step that first ran it, ``first_step`` from that step to this event."""
+        now = time.perf_counter()
+        ms = {"admit_to_first_token": (now - req.t_admit) * 1e3}
+        if req.pull.phases:
+            # contact_* ran beside the pull's planning (on another thread): not on its path
+            ms["pull"] = sum(v for k, v in req.pull.phases.items() if not k.startswith("contact_")) * 1e3
+            ms |= {f"pull_{k}": v * 1e3 for k, v in req.pull.phases.items()}
+        step_at = out.first_step_at if out.first_step_at is not None else now
+        ms |= {"queue": (req.t_queued - req.t_pulled) * 1e3, "wait_step": (step_at - req.t_queued) * 1e3,
+               "first_step": (now - step_at) * 1e3}
+        return {k: round(v, 3) for k, v in ms.items()}
 
     def _usage(self, req: Admitted, out: RequestOutput) -> dict[str, Any]:
         prompt = len(req.body.input_ids)
@@ -316,6 +347,15 @@ class WorkerService:
 
         try:
             return await asyncio.to_thread(renew_and_read)
+        except KeyError:
+            raise LeaseNotFoundError(f"unknown lease {lease_id!r} (expired, released, or never held here)") from None
+
+    async def hold(self, lease_id: str, *, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
+        """Pin a lease's pages for a peer's READ when ``digest`` names exactly its pages
+        (``KVTransfer.hold``); LeaseMismatchError otherwise (409)."""
+        kvt = self._transfer()
+        try:
+            return await asyncio.to_thread(kvt.hold, lease_id, digest=digest, hold_s=hold_s, consume=consume)
         except KeyError:
             raise LeaseNotFoundError(f"unknown lease {lease_id!r} (expired, released, or never held here)") from None
 

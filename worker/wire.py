@@ -84,6 +84,14 @@ class RenewBody(_Body):
     ttl_s: Number | None = Field(default=None, gt=0.0)
 
 
+class HoldBody(_Body):
+    """``POST /internal/kv/leases/{id}/hold``: pin a lease's pages for one READ (``KVTransfer.hold``)."""
+
+    digest: StrictStr = Field(min_length=1, max_length=128)
+    hold_s: Number = Field(gt=0.0)
+    consume: StrictBool = False
+
+
 def error_body(message: str, *, type_: str, code: str | None = None) -> dict[str, Any]:
     """``{"error": {...}}`` with a one-line message (docs/worker-api.md)."""
     return {"error": {"message": " ".join(message.split()), "type": type_, "code": code}}

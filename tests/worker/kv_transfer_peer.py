@@ -1,6 +1,6 @@
 """A KV-transfer test host: engines with a ``KVTransfer`` each, behind a tiny
-stdlib HTTP server with the three endpoints a peer worker calls
-(GET /internal/kv/agent, POST .../renew, DELETE /internal/kv/leases/{id}).
+stdlib HTTP server with the endpoints a peer worker calls (GET /internal/kv/agent,
+POST .../renew, POST .../hold, DELETE /internal/kv/leases/{id}).
 
 The test process imports it (by path) to host workers in-process; run as a
 script it is the other process: it reads one JSON command per stdin line and
@@ -20,7 +20,7 @@ import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, SchedulerConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_transfer import KVTransfer, KVTransferParams
+from kvserving.worker.kv_transfer import KVTransfer, KVTransferParams, LeaseMismatchError
 from kvserving.worker.sampling import SamplingParams
 
 torch.set_num_threads(1)
@@ -131,16 +131,22 @@ class Host:
                 else:
                     self._reply(200, r[0].kvt.agent_info())
 
-            def do_POST(self) -> None:  # .../internal/kv/leases/{id}/renew
+            def do_POST(self) -> None:  # .../internal/kv/leases/{id}/renew or .../hold
                 r = self._route()
                 if r is None:
                     return
                 length = int(self.headers.get("Content-Length") or 0)
-                self.rfile.read(length)
+                body = json.loads(self.rfile.read(length) or b"{}")
                 try:
-                    self._reply(200, {"lease_id": r[1][3], "expires_at": r[0].kvt.renew(r[1][3])})
+                    if r[1][-1] == "hold":
+                        self._reply(200, r[0].kvt.hold(r[1][3], digest=body["digest"], hold_s=body["hold_s"],
+                                                       consume=body.get("consume", False)))
+                    else:
+                        self._reply(200, {"lease_id": r[1][3], "expires_at": r[0].kvt.renew(r[1][3])})
                 except KeyError:
                     self._reply(404, {"error": "unknown lease"})
+                except LeaseMismatchError:
+                    self._reply(409, {"error": "lease mismatch"})
 
             def do_DELETE(self) -> None:
                 r = self._route()

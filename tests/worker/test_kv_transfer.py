@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_transfer import KVTransferParams, http_fetch_lease
+from kvserving.worker.kv_transfer import KVTransferParams, http_hold
 from kvserving.tags import encode_tag
 from kvserving.worker.sampling import SamplingParams
 
@@ -312,13 +312,13 @@ def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer:
         prompt2 = prompt1 + d1["tokens"] + _prompt(30, 22)
         expected = _fresh(tiny_model_dir, "bf16", prompt2, 8)
 
-        def check_then_freeze(url: str, lease_id: str) -> dict[str, Any] | None:
-            held = http_fetch_lease(url, lease_id)
-            os.kill(child.proc.pid, signal.SIGSTOP)  # frozen between the lease check and the READ
+        def hold_then_freeze(url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
+            held = http_hold(url, lease_id, digest, hold_s, consume)
+            os.kill(child.proc.pid, signal.SIGSTOP)  # frozen between the hold and the READ
             return held
 
         frozen = host.open("p-frozen", _spec(tiny_model_dir, "bf16", "p-frozen-1", transfer_timeout_s=1.0),
-                           fetch_lease=check_then_freeze)
+                           hold_remote=hold_then_freeze)
         t0 = time.monotonic()
         r = _turn2(frozen, "frozen", prompt2, d1["params"])
         assert time.monotonic() - t0 < 10.0
@@ -332,14 +332,14 @@ def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer:
             time.sleep(0.05)
         assert frozen.kvt.nixl.num_stuck == 0 and frozen.engine.pool.num_owned == 0
 
-        def check_then_kill(url: str, lease_id: str) -> dict[str, Any] | None:
-            held = http_fetch_lease(url, lease_id)
-            child.proc.kill()  # dies between the lease check and the READ
+        def hold_then_kill(url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
+            held = http_hold(url, lease_id, digest, hold_s, consume)
+            child.proc.kill()  # dies between the hold and the READ
             child.proc.wait(timeout=10)
             return held
 
         # fresh prefill workers for each step below (a recomputed prompt lands in the prefix cache)
-        P = host.open("p-dead", _spec(tiny_model_dir, "bf16", "p-dead-1", transfer_timeout_s=3.0), fetch_lease=check_then_kill)
+        P = host.open("p-dead", _spec(tiny_model_dir, "bf16", "p-dead-1", transfer_timeout_s=3.0), hold_remote=hold_then_kill)
         P1, P2, P3 = (host.open(f"p-{k}", _spec(tiny_model_dir, "bf16", f"p-{k}-1")) for k in ("before", "stale", "new"))
         port = child.port
         r = _turn2(P, "dead", prompt2, d1["params"])

@@ -14,7 +14,7 @@ from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, ServingCon
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.kv_transfer import KVTransfer, KVTransferParams, layout_hash, weights_identity
-from kvserving.worker.nixl_io import NixlIO, PageGeometry, TransferError, merge_spans
+from kvserving.worker.nixl_io import NixlIO, PageGeometry, TransferError, merge_spans, page_runs
 from kvserving.worker.sampling import SamplingParams
 
 GEO = PageGeometry(page_bytes=256, int2_page_bytes=128, total_bytes=4096)
@@ -32,6 +32,30 @@ def test_page_spans_and_merging() -> None:
     # INT2 pages grow downwards: consecutive indices are adjacent in reverse; sorting merges them
     int2 = [(GEO.span(INT2_PAGE_FLAG | i)[0], GEO.span(INT2_PAGE_FLAG | i)[0], 128) for i in range(3)]
     assert merge_spans(int2) == [(4096 - 384, 4096 - 384, 384)]
+
+
+def test_page_runs_equal_per_page_spans_merged() -> None:
+    """One span per run of consecutive ids gives exactly the merged per-page copies: runs,
+    scattered pages, INT2 runs (downwards), runs broken on one side only, mixed precisions."""
+    import random
+
+    other = PageGeometry(page_bytes=256, int2_page_bytes=128, total_bytes=8192)
+    rng = random.Random(3)
+    f = INT2_PAGE_FLAG
+    cases = [
+        ([0, 1, 2, 3], [5, 6, 7, 8]),
+        ([4, 5, 9, 10], [20, 21, 22, 23]),
+        ([f | 0, f | 1, f | 2, 3, 4], [f | 7, f | 8, f | 9, 10, 11]),
+        ([2, 1, 0], [2, 1, 0]),
+    ] + [(rng.sample(range(12), 6), rng.sample(range(28), 6)) for _ in range(20)]
+    for local, remote in cases:
+        per_page = [(GEO.span(lp)[0], other.span(rp)[0], GEO.span(lp)[1]) for lp, rp in zip(local, remote)]
+        assert merge_spans(page_runs(GEO, other, local, remote)) == merge_spans(per_page), (local, remote)
+    assert page_runs(GEO, other, [0, 1, 2], [5, 6, 7]) == [(0, 1280, 768)]
+    with pytest.raises(ValueError, match="outside"):  # the run's last page lies past the buffer
+        page_runs(GEO, other, [14, 15, 16], [0, 1, 2])
+    with pytest.raises(ValueError, match="bytes"):
+        page_runs(GEO, other, [f | 0], [1])
 
 
 @pytest.fixture()
