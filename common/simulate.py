@@ -38,6 +38,7 @@ from kvserving.config import DEFAULT_PAGE_SIZE, GatewayConfig, ReuseConfig, Sche
 from kvserving.gateway.leases import LeaseTable
 from kvserving.gateway.router import WorkerView, choose_decode, choose_prefill, prefix_key
 from kvserving.sim_costs import CostModel
+from kvserving.sim_shapes import agent_shape
 from kvserving.sim_workers import DecodeWorker, PrefillWorker, Req, Sim, WLease, Worker
 
 _BIG = 1 << 40  # pages of a conversation chain: bounded by the prompt, never by this
@@ -540,8 +541,8 @@ class Population:
 
     Slot j runs agents j, j + agents, j + 2 agents, ...; they start spread over ``ramp_s``.
     ``shapes``: draw only the first ``shapes`` agents of the spec and give slot agents their
-    lengths and think times in turn (each a new conversation): drawing an agent's text costs
-    ~1-15 ms, too much for 10K agents an hour."""
+    lengths and think times in turn (each a new conversation); drawn by ``sim_shapes.agent_shape``
+    (``agent_load.agent`` without the text, which the simulator never reads)."""
 
     agents: int
     duration_s: float
@@ -571,7 +572,7 @@ def run_population(sim: Simulator, pop: Population, *, progress: Callable[[float
     def spec_for(i: int) -> AgentSpec:
         j = i % pop.shapes
         if j not in shapes:
-            shapes[j] = agent(sim.load, j)
+            shapes[j] = agent_shape(sim.load, j)  # agent(sim.load, j) without its text
         return shapes[j]
 
     def launch(slot: int, k: int, at: float) -> None:

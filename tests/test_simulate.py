@@ -161,6 +161,29 @@ def test_routing_equals_the_real_router_on_every_worker(prefill: int) -> None:
         assert (dec.url, pre.url) == (full_d.url, full_p.url)
 
 
+# ----------------------------------------------------------------------------- agent shapes
+def test_agent_shape_draws_the_same_lengths_and_think_times_as_agent_load() -> None:
+    from dataclasses import replace
+
+    from kvserving.agent_load import LoadSpec, agent
+    from kvserving.sim_plan import gpu_load, load_spec_from_dict
+    from kvserving.sim_shapes import agent_shape
+
+    loads = [gpu_load(0), gpu_load(3, shared_system_prompt=False), LoadSpec(), replace(LoadSpec(seed=2), long_context=True)]
+    if MEASURED.is_file():
+        loads.append(load_spec_from_dict(json.loads(MEASURED.read_text())["load"]))
+    for load in loads:
+        for i in [*range(8), 1000, 22003]:
+            a, b = agent(load, i), agent_shape(load, i)
+            assert (a.agent_id, a.session_id, a.prefix_tokens, len(a.turns)) == (b.agent_id, b.session_id, b.prefix_tokens, len(b.turns))
+            for x, y in zip(a.turns, b.turns):
+                assert (x.index, x.output_tokens, x.think_time_s, x.new_tokens, x.history_tokens, x.call_tokens) == \
+                    (y.index, y.output_tokens, y.think_time_s, y.new_tokens, y.history_tokens, y.call_tokens)
+                assert (x.user is None, x.tool_result is None) == (y.user is None, y.tool_result is None)
+    with pytest.raises(ValueError, match="agent index"):
+        agent_shape(LoadSpec(), -1)
+
+
 # ----------------------------------------------------------------------------- inputs
 def test_bad_inputs_are_one_line_value_errors() -> None:
     with pytest.raises(ValueError, match="kv_heads"):
