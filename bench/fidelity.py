@@ -50,11 +50,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
+import os
 import shutil
 import sys
 import sysconfig
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +70,7 @@ from kvserving.bits import bits_table_for_budget, default_sensitivity, format_bi
 from kvserving.calibrate import agent_wrap, calibrate, chars_per_token, load_data
 from kvserving.calibration import Calibration
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
-from kvserving.gateway.chat_template import ChatTemplate
+from kvserving.gateway.chat_template import ChatTemplate, normalize_messages, normalize_tools
 from kvserving.gateway.tagger import ChatTagger
 from kvserving.gateway.tokenizer import TextTokenizer
 from kvserving.model_dir import tiny_model_dir
@@ -144,11 +147,33 @@ def joined_text(files: list[Path], max_chars: int) -> str:
 
 def conversation_ids(text: str, tagger: ChatTagger, *, context: int, seed: int) -> list[int]:
     """``text`` wrapped as agent conversations planned for ``context`` tokens, each rendered by the
-    chat template and tokenized, concatenated (every conversation starts with its system turn)."""
+    chat template and tokenized, concatenated (every conversation starts with its system turn).
+    Long texts are cut into pieces of ~300K characters built in parallel (fork; one per core)."""
     cpt = chars_per_token(tagger, text)
+    piece = 300_000
+    jobs = [(text[i : i + piece], context, seed * 1000 + n, cpt) for n, i in enumerate(range(0, len(text), piece))]
+    global _TAGGER
+    _TAGGER = tagger
+    workers = min(len(jobs), os.cpu_count() or 1)
+    if workers <= 1:
+        parts = [_conversation_piece(j) for j in jobs]
+    else:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            parts = list(pool.map(_conversation_piece, jobs))
+    return [t for part in parts for t in part]
+
+
+_TAGGER: ChatTagger | None = None  # conversation_ids' tagger, inherited by its forked workers
+
+
+def _conversation_piece(job: tuple[str, int, int, float]) -> list[int]:
+    text, context, seed, cpt = job
+    assert _TAGGER is not None
     ids: list[int] = []
     for req in agent_wrap(text, name="stdlib", chars_per_token=cpt, context_tokens=context, seed=seed):
-        ids += tagger.build(req.messages, tools=req.tools, add_generation_prompt=False).input_ids
+        rendered = _TAGGER.template.render(normalize_messages(req.messages), tools=normalize_tools(req.tools),
+                                           add_generation_prompt=False)
+        ids += _TAGGER.tokenizer.encode_ids(rendered)
     return ids
 
 
@@ -446,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             if not seqs:
                 raise RuntimeError(f"no held-out sequence of >= {ctx // 2} tokens")
             results["contexts"][str(ctx)] = run_context(model_dir, cal, seqs, s, ctx, device)
+            out_path.write_text(json.dumps(results, indent=1) + "\n")  # each context as it completes
         results["seconds"] = round(time.time() - t0, 1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
