@@ -19,12 +19,16 @@ never mixes them in one tile.
 
 Two kernels: ``_extend_kernel`` for bf16 / fp8 pages ([N, D] tiles in channel
 order) and ``_extend_kernel4`` for packed pages (nvfp4, triaxial), which keeps
-q, the tiles and the accumulator in four channel quarters (below: the
-interleave back to channel order does not compile on sm_90).
+q, the tiles and the accumulator in four channel quarters (below). Its packed
+words are unpacked by PTX (two values per instruction, ``_asm_quarters``) and
+every unpacked tile reaches shared memory (the ``wgmma`` B operand) in 16-byte
+stores; q arrives pre-scaled in fp16 (QPRE), steps over full pages run
+without masks (SPLIT) and the V fold is applied once at the output (VFOLD).
 
 The global scales of fp8 / nvfp4 (and nvfp4's 2^7) are folded into the
-prefix's softmax multiplier (K) and into the probabilities before the PV
-product (V), so the accumulator holds true values for prefix and chunk alike.
+prefix's softmax multiplier (K: into q for the packed kernel) and into the
+probabilities before the PV product (V: the bf16 / fp8 kernel) or the output
+(packed), so the accumulator holds consistent values for prefix and chunk.
 """
 
 from __future__ import annotations
@@ -159,11 +163,11 @@ def _extend_kernel(
 # packed formats (nvfp4, triaxial): channels in four quarters
 # ----------------------------------------------------------------------------
 #
-# Interleaving unpacked nibbles back into channel order (join + reshape) in front of tl.dot
-# does not compile on sm_90 (triton 3.6: "Illegal shared layout" in the dot-operand hoisting),
-# so packed tiles stay split, as in the decode: quarter k holds channels 4j + k, and q, the
-# accumulator and the chunk's own K/V use the same map. A quarter is what one shift of the
-# packed words gives::
+# Packed tiles stay split, as in the decode: quarter k holds channels 4j + k, and q, the
+# accumulator and the chunk's own K/V use the same map. (Interleaving them back to channel
+# order with join + reshape did not compile in session 5; with these layouts it does, and
+# makes S and PV one dot each, but measured 5-8% slower on an H200: bench/NOTES-kernels.md.)
+# A quarter is what one shift of the packed words gives::
 #
 #   nvfp4 / int4: 16-bit word j = bytes 2j, 2j+1 = nibbles k = 0..3 = channels 4j + k
 #   int2:         byte j = crumbs k = 0..3 = channels 4j + k
@@ -245,8 +249,9 @@ def _quarters(rows, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.co
         s = tl.load(rows[:, None] + SOFF + r * (D // 16) + tl.arange(0, D // 16)[None, :], mask=m, other=0)
         sc = _group_bcast(e4m3_to_f16(s, FAST) * 128.0, 4)  # s * 2^7, exact in fp16
         if FAST:
-            x0, x1, x2, x3 = tl.inline_asm_elementwise(ASM_E2M1_Q, "=r,=r,=r,=r,r,r,r", [w, sc], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                                                       is_pure=True, pack=2)  # fmt: skip
+            x0, x1, x2, x3 = tl.inline_asm_elementwise(ASM_E2M1_Q, "=r,=r,=r,=r,r,r,r", [w, sc],
+                                                       dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+                                                       pack=2)  # fmt: skip
         else:
             x0 = _e2m1_quarter(w, 0) * sc
             x1 = _e2m1_quarter(w, 1) * sc
@@ -259,7 +264,8 @@ def _quarters(rows, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.co
         B: tl.constexpr = 2 if FMT == FMT_INT2 else 4
         if FAST:
             x0, x1, x2, x3 = tl.inline_asm_elementwise(ASM_INT2_Q if B == 2 else ASM_INT4_Q, "=r,=r,=r,=r,r,r,r,r",
-                                                       [w, sc, zr], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)  # fmt: skip
+                                                       [w, sc, zr], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                       is_pure=True, pack=2)  # fmt: skip
         else:
             MASK: tl.constexpr = (1 << B) - 1
             x0 = _f16_code(w & MASK) * sc + zr
@@ -580,31 +586,36 @@ def extend_attention(
     return out
 
 
-def compile_report_args(fmt: str, *, tuning: dict[str, int] | None = None) -> tuple[Any, dict[str, str], dict[str, Any], int]:
-    """(kernel, signature, constexprs, num_warps) to compile the extend kernel without a GPU (compile_report.py).
+# integer arguments the JIT specializes as multiples of 16 at the bench's shapes (compile_report's ``aligned``)
+REPORT_ALIGNED = ("total_bytes", "q_s0", "q_s1", "k_s0", "k_s1", "o_s0", "o_s1")
+
+
+def compile_report_args(
+    fmt: str, *, tuning: dict[str, int] | None = None
+) -> tuple[Any, dict[str, str], dict[str, Any], int]:
+    """(kernel, signature, constexprs, num_warps) to compile the extend kernel without a GPU, e.g.
+    ``compile_report.report(kernel, sig, const, num_warps=w, aligned=REPORT_ALIGNED)``.
 
     fmt: "nvfp4" or "triaxial" (the packed kernel), "bf16" / "fp8_e4m3"; the real shape (32 q / 8 kv heads, d 128);
     tuning overrides TUNING[fmt]."""
     plain = "int4" if fmt == "triaxial" else fmt
+    packed = plain in ("nvfp4", "int4")
     lay = PageLayout.build(plain, page_size=32 if fmt == "triaxial" else 16, kv_heads=8, head_dim=128)
     lay2 = PageLayout.build("int2", page_size=32, kv_heads=8, head_dim=128) if fmt == "triaxial" else None
     cfg = {**TUNING[plain], **(tuning or {})}
     cfg.setdefault("PPI2", cfg["PPI"])
     a, a2 = field_offsets(lay), field_offsets(lay2)
-    sig = {"q_ptr": "*bf16", "k_ptr": "*fp16" if plain in ("nvfp4", "int4") else "*bf16", "v_ptr": "*fp16" if plain in ("nvfp4", "int4") else "*bf16", "o_ptr": "*bf16", "buf_ptr": "*u8", "pt_ptr": "*i32",
-           "n2_ptr": "*i32", "n_new": "i32", "prefix_len": "i32", "total_bytes": "i64", "k_mul_pre": "fp32",
-           "v_mul_pre": "fp32", "k_mul_new": "fp32", "q_s0": "i32", "q_s1": "i32", "k_s0": "i32", "k_s1": "i32",
-           "o_s0": "i32", "o_s1": "i32"}  # fmt: skip
+    switches = {name: int(cfg.get(name, 0)) for name in PACKED_SWITCHES} if packed else {}
+    chunk = "*fp16" if packed else "*bf16"  # the wrapper hands the packed kernel the chunk's k, v in fp16
+    sig = {"q_ptr": "*fp16" if switches.get("QPRE") else "*bf16", "k_ptr": chunk, "v_ptr": chunk, "o_ptr": "*bf16",
+           "buf_ptr": "*u8", "pt_ptr": "*i32", "n2_ptr": "*i32", "n_new": "i32", "prefix_len": "i32",
+           "total_bytes": "i64", "k_mul_pre": "fp32", "v_mul_pre": "fp32", "k_mul_new": "fp32", "q_s0": "i32",
+           "q_s1": "i32", "k_s0": "i32", "k_s1": "i32", "o_s0": "i32", "o_s1": "i32"}  # fmt: skip
     const: dict[str, Any] = dict(
         FMT=FMT_CODES[plain], TRIAXIAL=fmt == "triaxial", G=4, GP=4, D=128, P=lay.page_size,
         PAGE_BYTES=a[0], K_OFF=a[1], KS_OFF=a[2], KZ_OFF=a[3], V_OFF=a[4], VS_OFF=a[5], VZ_OFF=a[6],
         PAGE_BYTES2=a2[0], K_OFF2=a2[1], KS_OFF2=a2[2], KZ_OFF2=a2[3], V_OFF2=a2[4], VS_OFF2=a2[5], VZ_OFF2=a2[6],
         BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], PPI=cfg["PPI"], PPI2=cfg["PPI2"], NUM_STAGES=cfg["NUM_STAGES"],
-        DT=tl.float16 if plain != "bf16" else tl.bfloat16,
+        DT=tl.float16 if plain != "bf16" else tl.bfloat16, FAST=True, **switches,
     )  # fmt: skip
-    if plain in ("nvfp4", "int4"):
-        switches = {name: int(cfg.get(name, 0)) for name in PACKED_SWITCHES}
-        if switches["QPRE"]:
-            sig["q_ptr"] = "*fp16"
-        const.update(switches)
-    return (_extend_kernel4 if plain in ("nvfp4", "int4") else _extend_kernel), sig, {**const, "FAST": True}, cfg["num_warps"]
+    return (_extend_kernel4 if packed else _extend_kernel), sig, const, cfg["num_warps"]
