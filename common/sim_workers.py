@@ -305,12 +305,21 @@ def _threshold_pages(reuse: ReuseConfig, page_size: int) -> int:
     return -(-tokens // page_size) if tokens > 0 else 1
 
 
+@dataclass(slots=True, eq=False)
+class _Prompt:
+    """A prompt the prefill engine is computing: tokens left, position reached."""
+
+    req: Req
+    left: int
+    pos: int
+
+
 class PrefillWorker(Worker):
     """Engine steps over prompts; see the module docstring."""
 
     def __init__(self, url: str, **kw: object) -> None:
         super().__init__(url, **kw)  # type: ignore[arg-type]
-        self.running: list[list[object]] = []  # [req, remaining tokens, position]
+        self.running: list[_Prompt] = []
         self._views: list[WorkerView] | None = None  # the router's view of every prefill worker, kept current
         self._view_by_load: dict[int, WorkerView] = {}
         self.busy = False
@@ -355,29 +364,35 @@ class PrefillWorker(Worker):
         heap = self._expiry
         if heap and heap[0][0] <= now:
             self.expire(now)
-        budget = self.sched.max_num_batched_tokens
-        chunk = self.sched.chunk_size
-        steps: list[tuple[list[object], int]] = []
+        sched = self.sched
+        budget = sched.max_num_batched_tokens
+        chunk = sched.chunk_size
+        steps: list[tuple[_Prompt, int]] = []
         tokens = 0
         work = 0.0
         for item in self.running:
-            n = min(chunk, int(item[1]), budget)  # type: ignore[call-overload]
+            n = item.left
+            if chunk < n:
+                n = chunk
+            if budget < n:
+                n = budget
             if n <= 0:
                 break
             steps.append((item, n))
             budget -= n
             tokens += n
-            work += n * (int(item[2]) + n / 2)  # type: ignore[call-overload]
+            work += n * (item.pos + n / 2)
         p = self.page_size
-        while self.waiting and budget > 0 and len(self.running) < self.sched.max_num_seqs:
-            req = self.waiting[0]
+        waiting, running = self.waiting, self.running
+        while waiting and budget > 0 and len(running) < sched.max_num_seqs:
+            req = waiting[0]
             if not self.admit_pages(req, -(-req.prompt // p)):
                 self.wake_when_leases_expire(now)
                 break
-            self.waiting.popleft()
+            waiting.popleft()
             start = req.hit_pages * p
-            item = [req, req.prompt - start, start]
-            self.running.append(item)
+            item = _Prompt(req, req.prompt - start, start)
+            running.append(item)
             n = min(chunk, req.prompt - start, budget)
             steps.append((item, n))
             budget -= n
@@ -389,14 +404,14 @@ class PrefillWorker(Worker):
         dt = self.costs.prefill_step(self.dtype, tokens, work)
         self.sim.call_at(now + dt, self._step_done, steps)
 
-    def _step_done(self, steps: list[tuple[list[object], int]], now: float) -> None:
+    def _step_done(self, steps: list[tuple[_Prompt, int]], now: float) -> None:
         self.busy = False
         for item, n in steps:
-            item[1] = int(item[1]) - n  # type: ignore[call-overload]
-            item[2] = int(item[2]) + n  # type: ignore[call-overload]
-            if item[1] == 0:
+            item.left -= n
+            item.pos += n
+            if item.left == 0:
                 self.running.remove(item)
-                self._finish(item[0], now)  # type: ignore[arg-type]
+                self._finish(item.req, now)
         self._kick(now)
 
     def _finish(self, req: Req, now: float) -> None:

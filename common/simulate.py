@@ -136,6 +136,8 @@ class Simulator(Sim):
         self.prefill = [PrefillWorker(f"http://prefill-{i:05d}", **kw) for i in range(cluster.prefill_workers)]
         self.decode = [DecodeWorker(f"http://decode-{i:05d}", **kw) for i in range(cluster.decode_workers)]
         self._by_url: dict[str, Worker] = {w.url: w for w in [*self.prefill, *self.decode]}
+        self._prefill_by_url = {w.url: w for w in self.prefill}
+        self._decode_by_url = {w.url: w for w in self.decode}
         # the router's inputs, kept current by the workers' ``inflight`` setters (not rebuilt per turn)
         self._pviews: list[WorkerView] = [WorkerView(w.url, True, 0) for w in self.prefill]
         self._dloads: list[int] = [0] * len(self.decode)
@@ -287,7 +289,6 @@ class Simulator(Sim):
         if lease is None and k > 0:
             lease = self._lookup(key, now)
         dec, pre = self.route(ag.key, lease.worker_url if lease else None)
-        assert isinstance(pre, PrefillWorker) and isinstance(dec, DecodeWorker)
         req.prefill_url, req.decode_url = pre.url, dec.url
         if lease is not None and self.bidirectional:
             holder = self._by_url[lease.worker_url]
@@ -297,8 +298,8 @@ class Simulator(Sim):
         dec.inflight += 1
         # the gateway's work, then the prefill request's HTTP and lease round trips: they come
         # before its pull, which goes straight on to the engine queue (KVTransfer.pull in admit)
-        t = now + self.cluster.costs.gateway_s + self.cluster.costs.prefill_request_s
-        self.call_at(t, self._at_prefill, (ag, req, pre, dec))
+        costs = self.cluster.costs
+        self.call_at(now + costs.gateway_s + costs.prefill_request_s, self._at_prefill, (ag, req, pre, dec))
 
     def route(self, key: bytes, lease_url: str | None) -> tuple[DecodeWorker, PrefillWorker]:
         """``choose_decode`` and ``choose_prefill`` of kvserving.gateway.router. Decode is called on
@@ -329,9 +330,7 @@ class Simulator(Sim):
         # rendezvous order, so the router sees every prefill worker.
         choice = choose_prefill(self._pviews, key=key)
         assert choice is not None
-        dec, pre = self._by_url[decision.url], self._by_url[choice.url]
-        assert isinstance(dec, DecodeWorker) and isinstance(pre, PrefillWorker)
-        return dec, pre
+        return self._decode_by_url[decision.url], self._prefill_by_url[choice.url]
 
     def _lookup(self, key: str, now: float) -> Any:
         """LeaseKeeper.lookup on a miss: the decode worker still retaining ``key``, if any."""
@@ -367,8 +366,7 @@ class Simulator(Sim):
 
     def _prefill_done(self, req: Req, now: float) -> None:
         ag, dec, _ = self._ctx[req.turn_id]
-        pre = self._by_url[req.prefill_url]
-        pre.inflight -= 1
+        self._prefill_by_url[req.prefill_url].inflight -= 1
         p = self.page_size
         req.cached_tokens = req.hit_pages * p
         req.remote_tokens = req.remote_pages * p
