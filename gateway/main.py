@@ -37,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 API_KEYS_ENV = "KVSERVING_GATEWAY_API_KEYS"
 
+# Seconds an idle client connection is kept open. Longer than clients keep theirs (httpx, and so
+# the openai SDK: 5 s; load balancers: 60 s): a server that closes an idle connection at the moment
+# the client reuses it fails that request (uvicorn's default, 5 s, raced the openai client's 5 s
+# under load: a 200-session soak lost a request to it about one run in two).
+KEEP_ALIVE_S = 75
+
 
 def load_config(args: argparse.Namespace, *, environ: Mapping[str, str] = os.environ) -> ServingConfig:
     config = ServingConfig.load(args.config) if args.config else ServingConfig()
@@ -81,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                                    timeout_graceful_shutdown=30))
+                                    timeout_graceful_shutdown=30, timeout_keep_alive=KEEP_ALIVE_S))
     server.run()
     return 0
 

@@ -3,7 +3,7 @@ server-sent-event parsing, worker discovery and health polling.
 
 Calls it makes:
 
-    POST   /internal/generate                         WorkerClient.generate (SSE stream)
+    POST   /internal/generate                         WorkerClient.generate (SSE stream; upstream.py)
     GET    /internal/kv/leases?conversation_key=K     WorkerClient.find_leases
     POST   /internal/kv/leases/{id}/renew             WorkerClient.renew_lease
     DELETE /internal/kv/leases/{id}                   WorkerClient.release_lease
@@ -34,8 +34,11 @@ import aiohttp
 from kvserving.config import GatewayConfig
 
 from .router import WorkerView
+from .upstream import ConnectFailed, ConnectionPool, Reset
 
 log = logging.getLogger(__name__)
+
+GENERATE_PATH = "/internal/generate"
 
 
 class UpstreamError(Exception):
@@ -63,18 +66,22 @@ class WorkerState:
 
 
 class WorkerClient:
-    """HTTP calls to workers over one pooled ``aiohttp.ClientSession`` (created on first use).
+    """HTTP calls to workers: ``generate`` (every turn) on the lean client of upstream.py, the
+    rare lease and health calls over one pooled ``aiohttp.ClientSession`` (created on first use).
 
-    aiohttp rather than httpx: its C HTTP parser and connection pool cost a
-    fraction of httpcore's per request under hundreds of concurrent streams
-    (bench/gateway_overhead.py; NOTES in bench/NOTES-gateway.md).
+    aiohttp rather than httpx for those: its C HTTP parser and connection pool cost a
+    fraction of httpcore's per request under hundreds of concurrent streams; the lean
+    client costs a fraction of aiohttp's (bench/NOTES-gateway.md).
     """
 
     def __init__(self, *, request_timeout_s: float, connect_timeout_s: float, max_connections: int = 4096) -> None:
+        self._request_timeout_s = request_timeout_s
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
         self._short = aiohttp.ClientTimeout(total=max(connect_timeout_s, 1.0) * 2, sock_connect=connect_timeout_s)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._streams = ConnectionPool(connect_timeout_s=connect_timeout_s, keepalive_s=4.0,
+                                       max_idle_per_host=max_connections)
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -84,6 +91,7 @@ class WorkerClient:
         return self._session
 
     async def aclose(self) -> None:
+        self._streams.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -98,42 +106,47 @@ class WorkerClient:
         event (after the batch of events before it). Closing the iterator early
         closes the connection, which the worker takes as an abort.
         """
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        deadline = asyncio.get_running_loop().time() + self._request_timeout_s
+        conn = None
+        finished = False  # read to [DONE] (or a refusal read whole): the connection may be reused
         try:
-            async with await self._post_fresh_on_reset(f"{url}/internal/generate", body) as response:
-                if response.status != 200:
-                    text = (await response.read()).decode(errors="replace")
-                    raise UpstreamError("status", _error_message(text, response.status), url=url, status=response.status)
-                try:
-                    events = SSEEvents(url)
-                    content = response.content
-                    while not events.done:
-                        chunk = await content.readany()
-                        if not chunk:
-                            raise UpstreamError("stream", f"worker {url} closed the stream before [DONE]", url=url)
-                        batch = events.feed(chunk)
-                        if batch:
-                            yield batch
-                        if events.error is not None:
-                            raise events.error
-                except BaseException:
-                    response.close()  # not back to the pool: the worker sees the disconnect (abort)
-                    raise
+            try:
+                conn = await self._streams.open(url)
+                status = await conn.request(GENERATE_PATH, payload, deadline=deadline)
+            except Reset:  # a kept-alive connection the worker closed meanwhile: it never saw the request
+                conn = await self._streams.open(url, fresh=True)
+                status = await conn.request(GENERATE_PATH, payload, deadline=deadline)
+            if status != 200:
+                text = bytearray()
+                while chunk := await conn.read():
+                    text += chunk
+                finished = True
+                raise UpstreamError("status", _error_message(text.decode(errors="replace"), status), url=url, status=status)
+            events = SSEEvents(url)
+            while not events.done:
+                chunk = await conn.read()
+                if not chunk:
+                    raise UpstreamError("stream", f"worker {url} closed the stream before [DONE]", url=url)
+                batch = events.feed(chunk)
+                if batch:
+                    yield batch
+                if events.error is not None:
+                    raise events.error
+            finished = True
+        except ConnectFailed as exc:
+            raise UpstreamError("connect", f"cannot reach worker {url}: {exc}", url=url) from exc
         except asyncio.TimeoutError as exc:
             raise UpstreamError("timeout", f"worker {url} timed out", url=url) from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamError("connect", f"cannot reach worker {url}: {exc}", url=url) from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamError("stream", f"worker {url} stream broke: {type(exc).__name__}: {exc}", url=url) from exc
-
-    async def _post_fresh_on_reset(self, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
-        """POST; a pooled connection the server closed meanwhile (reset before any response:
-        the worker never saw the request) is retried once on a fresh connection."""
-        try:
-            return await self._http().post(url, json=body)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            if isinstance(exc, aiohttp.ClientConnectorError):
-                raise  # could not connect at all: the worker is down
-            return await self._http().post(url, json=body)
+        except ConnectionError as exc:
+            raise UpstreamError("stream", f"worker {url} stream broke: {exc}", url=url) from exc
+        finally:
+            if conn is not None:
+                if finished:
+                    self._streams.release(conn)
+                else:  # closed early or broken: not back to the pool, the worker sees the disconnect (abort)
+                    conn.done()
+                    conn.close()
 
     async def find_leases(self, url: str, *, conversation_key: str) -> list[dict[str, Any]]:
         async with self._http().get(f"{url}/internal/kv/leases", params={"conversation_key": conversation_key},

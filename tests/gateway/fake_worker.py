@@ -241,10 +241,11 @@ def _error(status: int, message: str) -> JSONResponse:
 class ServerThread:
     """Serve an ASGI app with uvicorn on 127.0.0.1 in a daemon thread (bounded start and stop)."""
 
-    def __init__(self, app: Any, *, port: int | None = None) -> None:
+    def __init__(self, app: Any, *, port: int | None = None, timeout_keep_alive: int = 5) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
+                                timeout_keep_alive=timeout_keep_alive)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

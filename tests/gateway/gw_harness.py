@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from kvserving.config import GatewayConfig, ModelConfig, ReuseConfig, ServingConfig
 from kvserving.gateway.app import GatewayState, build_app, build_state
 from kvserving.gateway.completions import ModelInfo
+from kvserving.gateway.main import KEEP_ALIVE_S
 
 MODEL = "kvserving-tiny"
 
@@ -49,7 +50,8 @@ def start_gateway(
     )
     model = ModelInfo.load(model_dir, served_name=MODEL, max_model_len=max_model_len)
     state = build_state(config, model=model, registry=CollectorRegistry())
-    return Gateway(ServerThread(build_app(state)).start(), state)
+    # served as `kvserving gateway` serves it: idle client connections kept longer than clients keep them
+    return Gateway(ServerThread(build_app(state), timeout_keep_alive=KEEP_ALIVE_S).start(), state)
 
 
 class Stack:

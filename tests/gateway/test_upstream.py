@@ -1,0 +1,230 @@
+"""The lean worker client (upstream.py, through WorkerClient.generate) against a scripted
+HTTP/1.1 server on 127.0.0.1: kept-alive reuse, a reply left at [DONE], a connection
+the worker closed meanwhile (retried once, fresh), refusals, timeouts, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from kvserving.gateway.upstream import ConnectionPool
+from kvserving.gateway.workers import UpstreamError, WorkerClient
+
+Reader, Writer = asyncio.StreamReader, asyncio.StreamWriter
+EVENTS = [{"token_ids": [1]}, {"token_ids": [2, 3]}, {"finish_reason": "stop", "usage": {"prompt_tokens": 2}}]
+
+
+def sse_reply(events: list[dict[str, Any]], *, done: bool = True) -> list[bytes]:
+    """The chunks of a chunked SSE response, one event per chunk, [DONE] then the last chunk."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    frames = [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events] + ([b"data: [DONE]\n\n"] if done else [])
+    return [head] + [b"%x\r\n%s\r\n" % (len(f), f) for f in frames]
+
+
+async def read_request(reader: Reader) -> dict[str, Any] | None:
+    head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
+    if not head:
+        return None
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    assert head.startswith(b"POST /internal/generate HTTP/1.1\r\n")
+    return json.loads(await reader.readexactly(length))
+
+
+Script = Callable[[int, Reader, Writer], Awaitable[None]]
+
+
+async def serve(script: Script) -> tuple[asyncio.Server, str, list[int]]:
+    """A server running ``script(connection number, reader, writer)`` per connection."""
+    conns: list[int] = []
+
+    async def handle(reader: Reader, writer: Writer) -> None:
+        conns.append(len(conns))
+        try:
+            await script(conns[-1], reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}", conns
+
+
+async def collect(client: WorkerClient, url: str) -> list[dict[str, Any]]:
+    return [e async for batch in client.generate(url, {"request_id": "r"}) for e in batch]
+
+
+def client(**kw: Any) -> WorkerClient:
+    return WorkerClient(request_timeout_s=kw.pop("timeout", 5.0), connect_timeout_s=1.0, **kw)
+
+
+def test_kept_alive_connection_is_reused_and_chunks_are_dechunked() -> None:
+    async def script(_: int, reader: Reader, writer: Writer) -> None:
+        while await read_request(reader) is not None:
+            for chunk in sse_reply(EVENTS):
+                writer.write(chunk)
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+
+    async def run() -> None:
+        server, url, conns = await serve(script)
+        c = client()
+        try:
+            for _ in range(3):
+                assert await collect(c, url) == EVENTS
+                await asyncio.sleep(0.01)  # the last chunk arrives
+            assert len(conns) == 1
+        finally:
+            await c.aclose()
+            server.close()
+
+    asyncio.run(run())
+
+
+def test_reply_left_at_done_is_reused_once_its_last_chunk_arrived() -> None:
+    gate = asyncio.Event()
+
+    async def script(_: int, reader: Reader, writer: Writer) -> None:
+        while await read_request(reader) is not None:
+            writer.write(b"".join(sse_reply(EVENTS)))
+            await gate.wait()  # the end of the body comes later
+            writer.write(b"0\r\n\r\n")
+
+    async def run() -> None:
+        server, url, conns = await serve(script)
+        c = client()
+        try:
+            assert await collect(c, url) == EVENTS  # returns at [DONE]
+            gate.set()
+            await asyncio.sleep(0.05)
+            assert await collect(c, url) == EVENTS
+            assert len(conns) == 1
+        finally:
+            await c.aclose()
+            server.close()
+
+    asyncio.run(run())
+
+
+def test_a_reply_still_open_is_not_reused_a_fresh_connection_is() -> None:
+    async def script(_: int, reader: Reader, writer: Writer) -> None:
+        while await read_request(reader) is not None:
+            writer.write(b"".join(sse_reply(EVENTS)))  # never ends the body
+
+    async def run() -> None:
+        server, url, conns = await serve(script)
+        c = client()
+        try:
+            assert await collect(c, url) == EVENTS
+            assert await collect(c, url) == EVENTS
+            assert len(conns) == 2
+        finally:
+            await c.aclose()
+            server.close()
+
+    asyncio.run(run())
+
+
+def test_connection_closed_by_the_worker_before_answering_is_retried_once_fresh() -> None:
+    async def script(n: int, reader: Reader, writer: Writer) -> None:
+        await read_request(reader)
+        if n == 0:
+            writer.write(b"".join(sse_reply(EVENTS)) + b"0\r\n\r\n")
+            await writer.drain()
+            await read_request(reader)  # the second request on this connection: closed unanswered
+            return
+        writer.write(b"".join(sse_reply(EVENTS)) + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def run() -> None:
+        server, url, conns = await serve(script)
+        c = client()
+        try:
+            assert await collect(c, url) == EVENTS
+            await asyncio.sleep(0.01)
+            assert await collect(c, url) == EVENTS
+            assert len(conns) == 2
+        finally:
+            await c.aclose()
+            server.close()
+
+    asyncio.run(run())
+
+
+def test_refusal_broken_stream_timeout_and_unreachable_worker_are_upstream_errors() -> None:
+    async def script(n: int, reader: Reader, writer: Writer) -> None:
+        await read_request(reader)
+        if n == 0:
+            body = json.dumps({"error": {"message": "engine full"}}).encode()
+            writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()  # and closes: the next request needs a new connection
+        elif n == 1:
+            writer.write(sse_reply(EVENTS[:1], done=False)[0] + sse_reply(EVENTS[:1], done=False)[1])
+            await writer.drain()  # then the worker goes away mid-stream
+        else:
+            await reader.read()  # never answers
+
+    async def run() -> None:
+        server, url, _ = await serve(script)
+        c = client(timeout=0.3)
+        try:
+            with pytest.raises(UpstreamError) as err:
+                await collect(c, url)
+            assert (err.value.kind, err.value.status) == ("status", 503) and "engine full" in err.value.message
+            got: list[Any] = []
+            with pytest.raises(UpstreamError) as err:
+                async for batch in c.generate(url, {}):
+                    got += batch
+            assert err.value.kind == "stream" and got == EVENTS[:1]
+            with pytest.raises(UpstreamError) as err:
+                await collect(c, url)
+            assert err.value.kind == "timeout"
+            server.close()
+            await server.wait_closed()
+            with pytest.raises(UpstreamError) as err:
+                await collect(c, url)
+            assert err.value.kind == "connect"
+        finally:
+            await c.aclose()
+
+    asyncio.run(run())
+
+
+def test_closing_the_stream_early_closes_the_connection() -> None:
+    closed = asyncio.Event()
+
+    async def script(_: int, reader: Reader, writer: Writer) -> None:
+        await read_request(reader)
+        writer.write(b"".join(sse_reply(EVENTS[:1], done=False)))
+        await writer.drain()
+        assert await reader.read() == b""  # EOF: the gateway hung up (the worker aborts)
+        closed.set()
+
+    async def run() -> None:
+        server, url, conns = await serve(script)
+        c = client()
+        try:
+            stream = c.generate(url, {})
+            assert await anext(stream) == EVENTS[:1]
+            await stream.aclose()
+            await asyncio.wait_for(closed.wait(), 5)
+        finally:
+            await c.aclose()
+            server.close()
+
+    asyncio.run(run())
+
+
+def test_pool_refuses_urls_it_cannot_speak_to() -> None:
+    async def run() -> None:
+        with pytest.raises(ValueError, match="http://host"):
+            await ConnectionPool(connect_timeout_s=1.0).open("https://worker:8000")
+
+    asyncio.run(run())
