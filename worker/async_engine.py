@@ -103,7 +103,9 @@ class AsyncEngine:
 
     def _step(self, engine: LLMEngine) -> tuple[list[RequestOutput], bool]:
         outputs = engine.step()
-        return outputs, engine.has_unfinished()
+        # progress: work remains and this step produced outputs or launched one on the device (asynchronous
+        # decode returns a launched step's tokens from the next call)
+        return outputs, engine.has_unfinished() and (bool(outputs) or engine.step_in_flight)
 
     async def _run(self) -> None:
         while True:
@@ -115,7 +117,7 @@ class AsyncEngine:
                 continue
             self._wake.clear()  # a start from here on wakes the idle wait below at once
             try:
-                outputs, more = await self.call(self._step)
+                outputs, progress = await self.call(self._step)
             except Exception as exc:  # a failed step fails every request in flight, not the server
                 log.exception("engine step failed; aborting %d request(s)", len(self._streams))
                 for stream in list(self._streams.values()):
@@ -127,7 +129,7 @@ class AsyncEngine:
                 target = self._streams.get(out.request_id)
                 if target is not None:
                     target.queue.put_nowait(out)
-            if not outputs or not more:
+            if not progress:
                 # leased pages fill the pool, or streams wait to be read: let others run, but
                 # a request started meanwhile runs in the next step, not IDLE_STEP_S later
                 try:

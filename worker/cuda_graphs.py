@@ -5,13 +5,18 @@ same few hundred kernel launches every time; replaying them from a graph takes
 the Python and launch cost off the step. What changes from step to step lives
 in static buffers the graphs read, sized at construction:
 
-    one int32 device buffer (and its pinned host mirror), filled per step by ONE copy:
+    one int32 device buffer (and two pinned host mirrors, used in turn), filled per step by ONE copy:
     | ids [Bmax] | positions [Bmax] | seq lens [Bmax] | INT2 pages [Bmax] | write page [Bmax] | write slot [Bmax] |
-    | page table [B x W] (row-major, only the bucket's B x W prefix is used) |
+    | source rows [Bmax] | page table [B x W] (row-major, only the bucket's B x W prefix is used) |
 
 A batch of b sequences runs the graph of the smallest bucket B >= b; rows b..B
 are padding: token 0 at position 0, length 0 (their attention reads nothing)
-and their K/V written to a page the runner keeps for them. The page table is
+and their K/V written to pages the runner keeps for them (one slot per row).
+
+Asynchronous decode (``LLMEngine``): a step may take its input ids from the
+previous step's sampled ids on the device (``run(prev=...)``): after the
+metadata copy, ids[i] = prev_tokens[source row i], so the host launches the
+next step without waiting for the sampled ids to come back. The page table is
 padded to the width bucket W (16, 24, 32, 48, ... pages, capped at the model's
 context), and the eager path pads to the same W, so both run the same split
 plan and give the same tokens. The decode kernels plan their splits from W and
@@ -25,6 +30,7 @@ steps stay eager. CUDA only: the runner builds this only on a CUDA device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +44,7 @@ from kvserving.worker.sequence import ScheduledChunk
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_WIDTH = 16  # pages: the narrowest page table a graph is captured for
-_FIELDS = 6  # ids, positions, seq lens, INT2 pages, write page, write slot
+_FIELDS = 7  # ids, positions, seq lens, INT2 pages, write page, write slot, source row of the ids
 
 
 def batch_bucket(n: int, max_batch: int) -> int | None:
@@ -56,6 +62,13 @@ def table_width(num_pages: int, max_pages: int) -> int:
     while w < num_pages:
         w = w * 3 // 2 if w & (w - 1) == 0 else w * 4 // 3  # 16, 24, 32, 48, 64, 96, ...
     return max(num_pages, min(w, max_pages))
+
+
+def pad_pages_needed(max_batch: int, page_size: int) -> int:
+    """Pages the padding rows of a batch bucket up to ``max_batch`` write to, one slot each: a bucket B
+    pads at most B/2 - 1 rows (B/2 + 1 sequences run in it)."""
+    b = batch_bucket(min(max_batch, BATCH_BUCKETS[-1]), BATCH_BUCKETS[-1]) or BATCH_BUCKETS[-1]
+    return max(1, -(-(b // 2 - 1) // page_size))
 
 
 def is_decode_step(chunks: list[ScheduledChunk]) -> bool:
@@ -83,10 +96,11 @@ class DecodeGraphs:
         device: torch.device,
         max_batch: int,
         max_pages: int,
-        pad_page: int,
+        pad_pages: Seq[int],
         capture: bool = True,
     ) -> None:
-        """``capture=False`` (tests on CPU): the same static buffers and forward, run eagerly instead of replayed."""
+        """``capture=False`` (tests on CPU): the same static buffers and forward, run eagerly instead of replayed.
+        ``pad_pages``: pages kept for the padding rows' K/V, ``pad_pages_needed(max_batch, page size)`` of them."""
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.capture = capture
@@ -97,17 +111,25 @@ class DecodeGraphs:
         self.triaxial = attention.storage.triaxial
         self.max_batch = batch_bucket(min(max_batch, BATCH_BUCKETS[-1]), BATCH_BUCKETS[-1]) or BATCH_BUCKETS[-1]
         self.max_pages = max_pages
-        self.pad_page = pad_page
+        need = pad_pages_needed(self.max_batch, self.page_size)
+        if len(pad_pages) < need:
+            raise ValueError(f"{len(pad_pages)} padding pages given, {need} needed for batch {self.max_batch}")
+        # padding row j writes slot j % P of page j // P: no two rows write the same slot
+        pad = np.arange(self.max_batch, dtype=np.int64)
+        self.pad_write_pages = np.asarray(list(pad_pages), dtype=np.int32)[pad // self.page_size % len(pad_pages)]
+        self.pad_write_slots = (pad % self.page_size).astype(np.int32)
         bmax = self.max_batch
         self.table_offset = _FIELDS * bmax
         size = self.table_offset + bmax * max_pages
-        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.host_np = self.host.numpy()
+        pin = device.type == "cuda"
+        # two host mirrors used in turn: one is filled while the other's copy may still be in flight
+        self.hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.host_nps = [h.numpy() for h in self.hosts]
+        self.copied = [torch.cuda.Event() for _ in range(2)] if device.type == "cuda" else None
+        self.mirror = 0
         self.dev = torch.zeros(size, dtype=torch.int32, device=device)
         vocab = model.args.vocab_size
         self.logits = torch.empty(bmax, vocab, dtype=torch.float32, device=device)
-        # the last host -> device copy: the host mirror is reused after it
-        self.copied = torch.cuda.Event() if device.type == "cuda" else None
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.rows: dict[str, _Row] = {}
@@ -124,16 +146,17 @@ class DecodeGraphs:
         n = chunk.start // self.page_size + 1  # pages covering positions [0, start]
         row = self.rows.get(seq.request_id)
         if row is not None and row.pages is seq.page_ids and row.n <= n:
-            new = seq.page_ids[row.n : n]
-            if any(pid & INT2_PAGE_FLAG for pid in new):  # never in decode; rebuild to keep INT2 first
-                row = None
-            elif new:
-                if n > row.table.shape[0]:
-                    grown = np.empty(max(n, 2 * row.table.shape[0]), dtype=np.int32)
-                    grown[: row.n] = row.table[: row.n]
-                    row.table = grown
-                row.table[row.n : n] = new
-                row.n = n
+            if row.n < n:
+                new = seq.page_ids[row.n : n]
+                if any(pid & INT2_PAGE_FLAG for pid in new):  # never in decode; rebuild to keep INT2 first
+                    row = None
+                else:
+                    if n > row.table.shape[0]:
+                        grown = np.empty(max(n, 2 * row.table.shape[0]), dtype=np.int32)
+                        grown[: row.n] = row.table[: row.n]
+                        row.table = grown
+                    row.table[row.n : n] = new
+                    row.n = n
         else:
             row = None
         if row is None:
@@ -144,26 +167,35 @@ class DecodeGraphs:
             self.rows[seq.request_id] = row
         return row
 
-    def _fill(self, chunks: list[ScheduledChunk], b: int) -> int | None:
-        """Write the step's metadata into the host mirror; returns the width bucket (None: too wide)."""
+    def _fill(self, chunks: list[ScheduledChunk], b: int, sources: list[int] | None) -> int | None:
+        """Write the step's metadata into the next host mirror; returns the width bucket (None: too wide).
+        ``sources``: the ids come from the previous step's sampled ids (rows ``sources``), not the host."""
         rows = [self._row(c) for c in chunks]
         width = table_width(max(r.n for r in rows), self.max_pages)
         if width > self.max_pages:
             return None
+        self.mirror ^= 1
         if self.copied is not None:
-            self.copied.synchronize()  # the previous step's copy has read the mirror
-        h = self.host_np
+            self.copied[self.mirror].synchronize()  # this mirror's last copy (two steps ago) has read it
+        h = self.host_nps[self.mirror]
         n = len(chunks)
-        ids, pos, lens, n2, wpage, wslot = (h[self._field(i, b)] for i in range(_FIELDS))
         p = self.page_size
-        for i, (c, r) in enumerate(zip(chunks, rows)):
-            ids[i] = c.seq.token_ids(c.start, c.start + 1)[0]
-            pos[i] = c.start
-            lens[i] = c.start + 1
-            n2[i] = r.n2
-            wpage[i] = c.seq.page_ids[c.start // p]
-            wslot[i] = c.start % p
-        ids[n:], pos[n:], lens[n:], n2[n:], wpage[n:], wslot[n:] = 0, 0, 0, 0, self.pad_page, 0
+        starts = [c.start for c in chunks]
+        # one list per field, assigned in one go (per-element numpy writes cost ~100 ns each)
+        if sources is None:
+            h[self._field(0, n)] = [c.seq.token_ids(s, s + 1)[0] for c, s in zip(chunks, starts)]
+        else:
+            h[self._field(6, n)] = sources
+        h[self._field(1, n)] = starts
+        h[self._field(2, n)] = [s + 1 for s in starts]
+        h[self._field(3, n)] = [r.n2 for r in rows]
+        h[self._field(4, n)] = [c.seq.page_ids[s // p] for c, s in zip(chunks, starts)]
+        h[self._field(5, n)] = [s % p for s in starts]
+        if b > n:  # padding rows
+            for i in (0, 1, 2, 3, 6):
+                h[i * self.max_batch + n : i * self.max_batch + b] = 0
+            h[4 * self.max_batch + n : 4 * self.max_batch + b] = self.pad_write_pages[: b - n]
+            h[5 * self.max_batch + n : 5 * self.max_batch + b] = self.pad_write_slots[: b - n]
         table = h[self.table_offset : self.table_offset + b * width].reshape(b, width)
         for i, r in enumerate(rows):
             table[i, : r.n] = r.table[: r.n]
@@ -209,23 +241,38 @@ class DecodeGraphs:
         self.graphs[(b, width)] = graph
         return graph
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+    def fits(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether ``run`` takes this step (a decode step of at most the largest batch bucket)."""
+        return batch_bucket(len(chunks), self.max_batch) is not None and is_decode_step(chunks)
+
+    def run(self, chunks: list[ScheduledChunk], prev: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor | None:
         """Logits [len(chunks), vocab] of a decode step (a view of the static buffer: read it before the next
-        step), or None when the step does not fit a graph (run it eagerly)."""
+        step), or None when the step does not fit a graph (run it eagerly).
+
+        ``prev = (tokens, sources)``: row i's input id is ``tokens[sources[i]]`` (the previous step's sampled
+        ids, on the device; the host's copy of that token is not read)."""
         b = batch_bucket(len(chunks), self.max_batch)
         if b is None or not is_decode_step(chunks):
             return None
-        width = self._fill(chunks, b)
+        n = len(chunks)
+        width = self._fill(chunks, b, prev[1] if prev is not None else None)
         if width is None:
             return None
         used = self.table_offset + b * width
-        self.dev[:used].copy_(self.host[:used], non_blocking=True)
+        self.dev[:used].copy_(self.hosts[self.mirror][:used], non_blocking=True)
         if self.copied is not None:
-            self.copied.record()
+            self.copied[self.mirror].record()
+        if prev is not None:
+            tokens, sources = prev
+            ids = self.dev[self._field(0, n)]
+            if len(sources) == tokens.shape[0] and sources == list(range(n)):
+                ids.copy_(tokens)
+            else:
+                ids.copy_(tokens.index_select(0, self.dev[self._field(6, n)]))
         self.replays += 1
         if not self.capture:
             self._forward(b, width)
-            return self.logits[: len(chunks)]
+            return self.logits[:n]
         graph = self.graphs.get((b, width)) or self._capture(b, width)
         if self.replay_events is None:
             graph.replay()
@@ -235,4 +282,4 @@ class DecodeGraphs:
             graph.replay()
             end.record()
             self.replay_events.append((start, end))
-        return self.logits[: len(chunks)]
+        return self.logits[:n]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +27,7 @@ from kvserving.worker.model_runner import ModelRunner
 from kvserving.worker.page_pool import PagePoolBase
 from kvserving.worker.sampling import SamplingParams, make_generator, sample_tokens
 from kvserving.worker.scheduler import Scheduler
-from kvserving.worker.sequence import Sequence
+from kvserving.worker.sequence import ScheduledChunk, SchedulerOutput, Sequence, SeqStatus
 
 logger = logging.getLogger("kvserving.worker")
 
@@ -55,6 +55,56 @@ class EngineStats:
     decode_tokens: int = 0
     preemptions: int = 0
     prefill_seconds: float = 0.0  # model time spent on prompt tokens (prefill tokens/s for reuse "auto")
+    wait_seconds: float = 0.0  # asynchronous decode: time the host waited for a step's sampled ids
+    overlapped_steps: int = 0  # decode steps launched before the previous step's ids were back
+
+
+# A launched step's output token until its id is back from the device (never an input id: the
+# next step reads that token on the device).
+PLACEHOLDER_TOKEN = -1
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """An asynchronous decode step: launched, its sampled ids on their way to the host."""
+
+    chunks: list[ScheduledChunk]
+    tokens: torch.Tensor  # long [n] on the device: the next step's input ids are read from here
+    host: torch.Tensor  # the same ids in pinned memory, valid once ``ready`` has passed
+    ready: torch.cuda.Event | None  # None on CPU (the copy is done when launched)
+    out_index: list[int]  # where each row's token goes in its sequence's output_ids
+    live: list[bool] = field(default_factory=list)  # False: finished or aborted meanwhile, the token is dropped
+    held: list[int] = field(default_factory=list)  # pages of dropped rows that this step writes: freed when done
+    row_of: dict[int, int] = field(default_factory=dict)  # id(sequence) -> row
+    live_ids: set[int] = field(default_factory=set)  # id() of the live rows' sequences
+
+    def __post_init__(self) -> None:
+        self.live = [True] * len(self.chunks)
+        self.row_of = {id(c.seq): i for i, c in enumerate(self.chunks)}
+        self.live_ids = set(self.row_of)
+
+    @property
+    def num_live(self) -> int:
+        return len(self.live_ids)
+
+    def drop(self, seq: Sequence, pool: PagePoolBase, page_size: int) -> None:
+        """``seq`` leaves this step (it finished at the previous one, or is aborted): its token will be
+        dropped; the page its KV write lands in is held until the step is done, so it is not handed to
+        anyone (a pull, another sequence) before that write. That page holds positions past everything
+        published, retained or shared (the write is at the sequence's last position, one past its last
+        full page or inside its own unpublished partial page). Undoes ``_launch``'s placeholder."""
+        i = self.row_of[id(seq)]
+        if not self.live[i]:
+            return
+        self.live[i] = False
+        self.live_ids.discard(id(seq))
+        c = self.chunks[i]
+        page = seq.page_ids[c.start // page_size]
+        pool.incref([page])
+        self.held.append(page)
+        if len(seq.output_ids) == self.out_index[i] + 1:
+            seq.output_ids.pop()
+        seq.num_computed = c.start
 
 
 class LLMEngine:
@@ -67,13 +117,16 @@ class LLMEngine:
         bits_table: Seq[int] | None = None,
         enforce_eager: bool = False,
         model: tuple[ModelArgs, DecoderModel] | None = None,
+        async_decode: bool = True,
     ) -> None:
         """Load the model and build the KV cache, scheduler and runner that ``config`` asks for.
 
         ``bits_table`` (triaxial only) overrides the table derived from ``kv_cache.bit_budget``.
         ``enforce_eager``: no CUDA graphs for decode steps (they are on by default on CUDA,
         never on CPU). ``model``: an already built model on ``device`` in ``dtype`` instead of
-        loading ``config.model`` (benchmarks with generated weights).
+        loading ``config.model`` (benchmarks with generated weights). ``async_decode``: steady
+        decode steps on the graphs overlap the host's work with the device (``step``); off: every
+        step waits for its sampled ids.
         """
         self.config = config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -112,6 +165,12 @@ class LLMEngine:
         )
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
+        self.async_decode = async_decode
+        self._inflight: _InFlight | None = None
+        # the sampled ids of the last two launched steps come back here (pinned: the copy does not wait)
+        bmax = max(1, config.scheduler.max_num_seqs)
+        self._host_ids = [torch.empty(bmax, dtype=torch.long, pin_memory=self.device.type == "cuda") for _ in range(2)]
+        self._slot = 0
         if config.kv_cache.global_scale == "calibrated" and self.kv_cache.scales_source == "static":
             # no calibration file gave the scales: measure them on a calibration prompt at start
             self.calibrate_scales(calibration_ids(self.vocab_size, min(CALIBRATION_TOKENS, self.max_model_len)))
@@ -215,30 +274,61 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
         if seq is not None and not seq.finished:
+            inflight = self._inflight
+            if inflight is not None and id(seq) in inflight.live_ids:
+                # launched in the step in flight: its token is dropped (a finished stream gets no more)
+                inflight.drop(seq, self.pool, self.storage.page_size)
+                if not inflight.num_live:
+                    self.flush()
             self.scheduler.abort(seq)
             if seq.pin_lease is not None:
                 release_pin(self.pool, seq.pin_lease, [])
                 seq.pin_lease = None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # -------------------------------------------------------------------- step
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, num_output: int | None = None) -> str | None:
+        """Why ``seq`` stops at ``token``, its ``num_output``-th output token (default: all of them so far)."""
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        n = len(seq.output_ids) if num_output is None else num_output
+        if n >= p.max_tokens or len(seq.prompt_ids) + n >= self.max_model_len:
             return "length"
         return None
 
     def step(self) -> list[RequestOutput]:
+        """Run one step; returns what it produced for each request, in streaming order.
+
+        Asynchronous decode (``async_decode``, on CUDA graphs): an all-decode step
+        is launched and its sampled ids copied back without waiting; the next call
+        launches the following step with its input ids taken on the device
+        (``ModelRunner.execute(prev=...)``), and only then waits for the earlier
+        step's ids and returns its outputs. So a call returns the previous step's
+        tokens (the first call of a run returns none) and the host's scheduling
+        and post-processing run while the device computes. Whatever is not a
+        steady decode batch (``_continues``) waits for the step in flight first
+        and runs as before. Tokens and their order are the same either way.
+        """
         self.pool.expire_leases()
+        prev = self._inflight
+        if prev is not None and self._continues(prev):
+            plan = self.scheduler.schedule()
+            self._check_continuation(plan, prev)
+            self._inflight = self._launch(plan.chunks, prev)
+            self.stats.overlapped_steps += 1
+            outputs = self._complete(prev, self._inflight)
+            if not any(self._inflight.live):  # everyone in it finished in prev: nothing to wait for but its writes
+                self.flush()
+            return outputs
+        outputs = self.flush()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         if not plan.chunks:
             # Nothing can run: every free page is held by leases until they expire.
-            return []
+            return outputs
         for c in plan.chunks:
             if c.seq.pin_lease is not None:  # admitted: it holds its own refs on the pulled pages now
                 used = release_pin(self.pool, c.seq.pin_lease, c.seq.page_ids[: c.seq.num_computed // self.storage.page_size])
@@ -248,6 +338,9 @@ class LLMEngine:
         for c in plan.chunks:
             if c.seq.first_step_at is None:
                 c.seq.first_step_at = t0
+        if self.async_decode and self.capture_logits is None and self.runner.graphs_fit(plan.chunks):
+            self._inflight = self._launch(plan.chunks, None)
+            return outputs
         logits = self.runner.execute(plan.chunks)
         sampling = [c.seq for c in plan.chunks if c.samples]
         # sampled where the logits are: one token id per sequence comes back (the step's only device sync)
@@ -255,7 +348,6 @@ class LLMEngine:
         prompt_share = sum(c.num_tokens for c in plan.chunks if c.start < len(c.seq.prompt_ids)) / max(1, plan.num_tokens)
         self.stats.prefill_seconds += (time.perf_counter() - t0) * prompt_share
         self.stats.steps += 1
-        outputs: list[RequestOutput] = []
         i = 0
         for c in plan.chunks:
             seq = c.seq
@@ -272,23 +364,127 @@ class LLMEngine:
             token = tokens[i]
             i += 1
             seq.output_ids.append(token)
-            reason = self._finish_reason(seq, token)
-            retained = None
-            if reason is not None:
-                if seq.retain is not None:  # pin the full pages before finish frees them
-                    self.kv.publish_full_pages(seq)
-                    n = seq.num_registered_pages
-                    retained = retain_pages(self.pool, seq.retain, seq.page_ids[:n], seq.page_hashes[:n], self.storage.page_size)
-                self.scheduler.finish(seq, reason)
-                self.requests.pop(seq.request_id, None)
-            outputs.append(
-                RequestOutput(
-                    seq.request_id, [token], reason is not None, reason,
-                    len(seq.prompt_ids), seq.num_cached_prompt, len(seq.output_ids),
-                    seq.num_pulled_prompt, retained, seq.first_step_at,
-                )
-            )
+            outputs.append(self._output(seq, token, self._finish_reason(seq, token)))
         return outputs
+
+    def _output(self, seq: Sequence, token: int, reason: str | None) -> RequestOutput:
+        """``seq``'s output for ``token``, its last output token; a ``reason`` finishes it (retain, free)."""
+        retained = None
+        if reason is not None:
+            if seq.retain is not None:  # pin the full pages before finish frees them
+                self.kv.publish_full_pages(seq)
+                n = seq.num_registered_pages
+                retained = retain_pages(self.pool, seq.retain, seq.page_ids[:n], seq.page_hashes[:n], self.storage.page_size)
+            self.scheduler.finish(seq, reason)
+            self.requests.pop(seq.request_id, None)
+        return RequestOutput(
+            seq.request_id, [token], reason is not None, reason,
+            len(seq.prompt_ids), seq.num_cached_prompt, len(seq.output_ids),
+            seq.num_pulled_prompt, retained, seq.first_step_at,
+        )  # fmt: skip
+
+    # ----------------------------------------------------- asynchronous decode
+    def _continues(self, prev: _InFlight) -> bool:
+        """Whether the next step can be launched before ``prev``'s tokens are back: it is ``prev``'s
+        live sequences, each one token further, and nothing else can change that plan: no request
+        waits, every sequence runs (budget), none stops by length at ``prev``'s token, and the free
+        pages cover the pages it opens (no preemption, no lease reclaimed). Stops at ``prev``'s
+        token (EOS, stop ids) are known later: that row's next token is computed and dropped."""
+        if not self.async_decode or self.capture_logits is not None or self.runner.graphs is None:
+            return False
+        sched = self.scheduler
+        running = sched.running
+        if sched.waiting or len(running) > sched.config.max_num_batched_tokens or len(running) != prev.num_live:
+            return False
+        p = self.storage.page_size
+        need = 0
+        for seq in running:
+            if seq.status is not SeqStatus.RUNNING or seq.pin_lease is not None or id(seq) not in prev.live_ids:
+                return False
+            n = len(seq.output_ids)  # prev's token included (a placeholder until it is back)
+            if n >= seq.params.max_tokens or len(seq.prompt_ids) + n >= self.max_model_len:
+                return False
+            need += len(seq.prompt_ids) + n > len(seq.page_ids) * p
+        return need == 0 or need <= self.pool.num_free_pages(bits=4)
+
+    @staticmethod
+    def _check_continuation(plan: SchedulerOutput, prev: _InFlight) -> None:
+        live = [c.seq for c, ok in zip(prev.chunks, prev.live) if ok]
+        if plan.preempted or [c.seq for c in plan.chunks] != live or any(c.num_tokens != 1 or c.start != c.seq.num_computed for c in plan.chunks):
+            raise RuntimeError("internal error: the step after an asynchronous decode step is not its continuation")
+
+    def _launch(self, chunks: list[ScheduledChunk], prev: _InFlight | None) -> _InFlight:
+        """Launch the decode step ``chunks`` (input ids from ``prev``'s sampled ids on the device when
+        given), sample on the device, start copying the ids back; mark each sequence one token further
+        (a placeholder output token until ``_complete``)."""
+        sources: list[int] | None = None
+        if prev is not None:
+            row = prev.row_of
+            sources = [row[id(c.seq)] for c in chunks]
+        logits = self.runner.execute(chunks, prev=(prev.tokens, sources) if prev is not None and sources is not None else None)
+        seqs = [c.seq for c in chunks]
+        tokens = sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        n = len(chunks)
+        self._slot ^= 1
+        host = self._host_ids[self._slot][:n]
+        host.copy_(tokens, non_blocking=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        out_index = []
+        for c in chunks:
+            seq = c.seq
+            out_index.append(len(seq.output_ids))
+            seq.output_ids.append(PLACEHOLDER_TOKEN)
+            seq.num_computed = c.start + 1
+        self.stats.steps += 1
+        return _InFlight(chunks, tokens, host, ready, out_index)
+
+    def _complete(self, done: _InFlight, nxt: _InFlight | None) -> list[RequestOutput]:
+        """Wait for ``done``'s ids and post-process its live rows (``nxt``: the step launched after it)."""
+        if done.ready is not None:
+            t0 = time.perf_counter()
+            done.ready.synchronize()
+            self.stats.wait_seconds += time.perf_counter() - t0
+        if done.held:  # its KV writes have landed: those pages may go back
+            self.pool.free(done.held)
+        tokens = done.host.tolist()
+        outputs: list[RequestOutput] = []
+        kv = self.kv
+        p = self.storage.page_size
+        for i, c in enumerate(done.chunks):
+            if not done.live[i]:
+                continue
+            seq, token, idx = c.seq, tokens[i], done.out_index[i]
+            seq.output_ids[idx] = token
+            self.stats.decode_tokens += 1
+            computed = c.start + 1
+            if computed // p > seq.num_registered_pages:  # publish the pages full as of this step only
+                ahead, seq.num_computed = seq.num_computed, computed
+                kv.publish_full_pages(seq)
+                seq.num_computed = ahead
+            reason = self._finish_reason(seq, token, idx + 1)
+            if reason is not None and nxt is not None and id(seq) in nxt.live_ids:
+                nxt.drop(seq, self.pool, p)  # its next token was launched: undo that, keep its KV page until written
+            if reason is None:
+                outputs.append(RequestOutput(
+                    seq.request_id, [token], False, None, len(seq.prompt_ids), seq.num_cached_prompt, idx + 1,
+                    seq.num_pulled_prompt, None, seq.first_step_at,
+                ))  # fmt: skip
+            else:
+                outputs.append(self._output(seq, token, reason))
+        return outputs
+
+    def flush(self) -> list[RequestOutput]:
+        """Wait for the step in flight (asynchronous decode) and return its outputs; [] when none is."""
+        done, self._inflight = self._inflight, None
+        return self._complete(done, None) if done is not None else []
+
+    @property
+    def step_in_flight(self) -> bool:
+        """A decode step runs on the device whose outputs the next ``step`` (or ``flush``) returns."""
+        return self._inflight is not None
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams, *, tags: Seq[Seq[int]] | None = None) -> list[list[int]]:
         """Offline batch: run all prompts to completion, return their output ids."""

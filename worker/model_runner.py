@@ -11,7 +11,7 @@ import torch
 
 from kvserving.kernels.page_ids import is_int2
 from kvserving.worker.attention import AttentionMetadata, PagedAttention, PrefillSpan
-from kvserving.worker.cuda_graphs import DecodeGraphs, table_width
+from kvserving.worker.cuda_graphs import DecodeGraphs, pad_pages_needed, table_width
 from kvserving.worker.model import DecoderModel
 from kvserving.worker.page_pool import PagePoolBase
 from kvserving.worker.precision import order_pages_int2_first
@@ -30,7 +30,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         pool: PagePoolBase | None = None,
     ) -> None:
-        """``use_graphs`` (CUDA only) needs ``pool``: one of its pages is kept for the padding rows of graphs."""
+        """``use_graphs`` (CUDA only) needs ``pool``: a few of its pages are kept for the padding rows of graphs."""
         self.model = model
         self.attention = attention
         self.page_size = attention.storage.page_size
@@ -45,11 +45,11 @@ class ModelRunner:
                 raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
             if pool is None:
                 raise ValueError("CUDA graphs need the page pool (a page for padding rows)")
-            pad = pool.allocate([4])
+            pad = pool.allocate([4] * pad_pages_needed(max_batch, self.page_size))
             if pad is None:
-                raise ValueError("the KV pool has no page to spare for CUDA-graph padding rows")
+                raise ValueError("the KV pool has no pages to spare for CUDA-graph padding rows")
             self.graphs = DecodeGraphs(
-                model, attention, device=device, max_batch=max_batch, max_pages=self.max_pages, pad_page=pad[0]
+                model, attention, device=device, max_batch=max_batch, max_pages=self.max_pages, pad_pages=pad
             )
 
     def _metadata(self, chunks: list[ScheduledChunk]) -> AttentionMetadata:
@@ -111,13 +111,22 @@ class ModelRunner:
                 meta.num_int2_pages = t(decode_int2, torch.int32)
         return meta
 
+    def graphs_fit(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether ``execute`` runs this step on the decode graphs (``prev`` needs that)."""
+        return self.graphs is not None and self.graphs.fits(chunks)
+
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run the step; returns fp32 logits [num sampling chunks, vocab] on the device, in chunk order."""
+    def execute(self, chunks: list[ScheduledChunk], *, prev: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+        """Run the step; returns fp32 logits [num sampling chunks, vocab] on the device, in chunk order.
+
+        ``prev = (tokens, sources)`` (a decode step on the graphs only, ``graphs_fit``): row i's input id is
+        the device tensor ``tokens[sources[i]]`` instead of the sequence's last token on the host."""
         if self.graphs is not None:
-            logits = self.graphs.run(chunks)
+            logits = self.graphs.run(chunks, prev)
             if logits is not None:
                 return logits
+        if prev is not None:
+            raise RuntimeError("input ids from the device need a decode step that fits the graphs")
         ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -89,23 +90,29 @@ def sample_tokens(logits: torch.Tensor, params: Seq[SamplingParams], generators:
     if not rows:
         return tokens
     dev = logits.device
+
+    def put(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        # from pinned memory: a copy from pageable memory may wait for the device (async decode launches
+        # the next step before this one's tokens are back)
+        return torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+
     sel = [params[i] for i in rows]
-    index = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
-    temps = torch.tensor([p.temperature for p in sel], dtype=torch.float32).to(dev, non_blocking=True)
+    index = put(rows, torch.long)
+    temps = put([p.temperature for p in sel], torch.float32)
     scaled = logits.index_select(0, index).float() / temps[:, None]  # [R, vocab]
     vocab = scaled.shape[1]
     ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in sel]
     if any(ks):
-        kth_at = torch.tensor([max(k, 1) - 1 for k in ks], dtype=torch.long).to(dev, non_blocking=True)
+        kth_at = put([max(k, 1) - 1 for k in ks], torch.long)
         kth = torch.topk(scaled, max(ks), dim=-1).values.gather(1, kth_at[:, None])  # [R, 1]: each row's k-th largest
-        cut = torch.tensor([k > 0 for k in ks]).to(dev, non_blocking=True)
+        cut = put([k > 0 for k in ks], torch.bool)
         kth = torch.where(cut[:, None], kth, float("-inf"))
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     nucleus = [r for r, p in enumerate(sel) if p.top_p < 1.0]
     if nucleus:
-        at = torch.tensor(nucleus, dtype=torch.long).to(dev, non_blocking=True)
-        top_p = torch.tensor([sel[r].top_p for r in nucleus], dtype=torch.float32).to(dev, non_blocking=True)
+        at = put(nucleus, torch.long)
+        top_p = put([sel[r].top_p for r in nucleus], torch.float32)
         sub = probs.index_select(0, at)
         sorted_probs, order = torch.sort(sub, dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)

@@ -42,16 +42,16 @@ def test_cpu_engine_has_no_graphs_and_still_decodes(tiny_model_dir: Path) -> Non
 @pytest.mark.parametrize("dtype", ["bf16", "triaxial"])
 def test_static_buffer_decode_equals_eager_on_cpu(tiny_model_dir: Path, dtype: str) -> None:
     """The graphs' metadata path (static buffers, padded batch and width), run without capture on CPU."""
-    from kvserving.worker.cuda_graphs import DecodeGraphs
+    from kvserving.worker.cuda_graphs import DecodeGraphs, pad_pages_needed
 
     def tokens(static: bool) -> tuple[list[list[int]], LLMEngine]:
         engine = LLMEngine(config(tiny_model_dir, dtype), device="cpu")
         if static:
-            pad = engine.pool.allocate([4])
+            pad = engine.pool.allocate([4] * pad_pages_needed(8, engine.storage.page_size))
             assert pad is not None
             engine.runner.graphs = DecodeGraphs(
                 engine.model, engine.attention, device=torch.device("cpu"), max_batch=8,
-                max_pages=engine.runner.max_pages, pad_page=pad[0], capture=False,
+                max_pages=engine.runner.max_pages, pad_pages=pad, capture=False,
             )  # fmt: skip
         g = torch.Generator().manual_seed(3)
         prompts = [torch.randint(10, engine.vocab_size, (n,), generator=g).tolist() for n in (40, 70, 9)]
