@@ -35,14 +35,24 @@ and a tail key let 200 interleaved sessions overwrite each other's entries
 same key replaces the earlier one (a miss costs a full tokenization, never a
 wrong one).
 
+Shared prefixes: each prompt also files, once, the prefix before its first cut
+token after the start (in ChatML-style templates the `<|im_end|>` that closes
+the first message: the system prompt and tool schemas). A new conversation
+that starts with the same first message tokenizes only the rest of its first
+prompt; with agents' system prompts of thousands of tokens, most of it. Such
+an entry is marked shared: a hit keeps it (and refreshes it), where a
+conversation's own entry is replaced by the prompt that extended it.
+
 Memory: at most `max_entries` prefixes and `max_tokens` tokens in all (ids,
 starts and ends as 4-byte arrays, plus the text), least recently used first
 out; a prompt's entry replaces the one it extended, so a conversation holds
-one entry (its latest turn's). Pure (no I/O), one event loop owns it.
+one entry (its latest turn's), plus one per distinct first message. Pure (no
+I/O), one event loop owns it.
 """
 
 from __future__ import annotations
 
+import bisect
 import re
 from array import array
 from collections import OrderedDict
@@ -56,6 +66,7 @@ class _Entry:
     ids: array[int]  # tokens before the cut
     starts: array[int]
     ends: array[int]
+    shared: bool = False  # the first message's prefix, kept for every conversation that starts with it
 
 
 class TokenPrefixes:
@@ -114,7 +125,10 @@ class TokenPrefixes:
             offsets = list(zip(entry.starts, entry.ends, strict=True))
             offsets += [(a + cut, b + cut) for a, b in rest.offsets]
             enc = Encoded(ids=ids, offsets=offsets)
-            self._drop(key)  # this prompt's entry supersedes it
+            if entry.shared:
+                self._entries.move_to_end(key)
+            else:
+                self._drop(key)  # this prompt's entry supersedes it
         self._keep(text, enc)
         return enc
 
@@ -136,16 +150,33 @@ class TokenPrefixes:
             k -= 1
         if k <= 0:
             return
+        self._file(text, enc, k, shared=False)
+        # The first message's prefix, for new conversations that share it (module docstring).
+        assert self._pattern is not None
+        match = self._pattern.search(text, 1)
+        if match is not None:
+            first = bisect.bisect_left(offsets, (match.start(),))
+            if 0 < first < k and offsets[first][0] == match.start() and ids[first] in self._cut_ids:
+                self._file(text, enc, first, shared=True)
+
+    def _file(self, text: str, enc: Encoded, k: int, *, shared: bool) -> None:
+        """Keep the tokens before token ``k`` (a cut token ending ``reach`` before the text does)."""
+        ids, offsets = enc.ids, enc.offsets
         cut = offsets[k][0]
         if text[cut:offsets[k][1]] != self.tokenizer.added_tokens.get(ids[k]):
             return  # the token's span is not its content (cannot happen for a cut token; stay safe)
         key = (cut, hash(text[:cut]))
-        self._drop(key)
+        if shared:
+            if key in self._entries:
+                return  # filed already (by this conversation's first turn or another's)
+        else:
+            self._drop(key)
         entry = _Entry(
             text=text[: cut + self.reach],
             ids=array("i", ids[:k]),
             starts=array("i", [a for a, _ in offsets[:k]]),
             ends=array("i", [b for _, b in offsets[:k]]),
+            shared=shared,
         )
         self._entries[key] = entry
         self._tokens += k

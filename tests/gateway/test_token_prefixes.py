@@ -114,8 +114,10 @@ def test_sessions_interleaved_each_reuse_their_own_prefix(tokenizer: TextTokeniz
         for s in sessions:
             if step < len(s):
                 assert incremental.build(copy.deepcopy(s[step]), tools=TOOLS) == full.build(copy.deepcopy(s[step]), tools=TOOLS)
-    assert prefixes.misses == len(sessions)
-    assert len(prefixes) == len(sessions)  # one entry per conversation: each turn's replaced the one it extended
+    assert prefixes.misses == len(sessions)  # each system prompt differs: no shared first message
+    # one entry per conversation (each turn's replaced the one it extended) and one per first message
+    assert len(prefixes) == 2 * len(sessions)
+    assert sum(e.shared for e in prefixes._entries.values()) == len(sessions)
 
 
 def test_sessions_that_differ_only_far_before_each_cut_keep_their_own_prefix(
@@ -136,7 +138,32 @@ def test_sessions_that_differ_only_far_before_each_cut_keep_their_own_prefix(
             got = incremental.build(copy.deepcopy(history))
             assert got == full.build(copy.deepcopy(history))
             history.append({"role": "assistant", "content": reply})
-    assert prefixes.misses == len(histories) and prefixes.hits == 3 * len(histories)
+    # the first conversation tokenized its whole first prompt; the others only what follows the
+    # shared system prompt, then every later turn only its new text
+    assert prefixes.misses == 1 and prefixes.hits == 4 * len(histories) - 1
+    assert len(prefixes) == len(histories) + 1
+
+
+def test_new_conversations_sharing_a_system_prompt_and_tools_reuse_its_tokens(
+    tokenizer: TextTokenizer, template: ChatTemplate,
+) -> None:
+    full = ChatTagger(tokenizer, template)
+    prefixes = TokenPrefixes(tokenizer)
+    incremental = ChatTagger(tokenizer, template, prefixes=prefixes)
+    system = {"role": "system", "content": "You are a coding agent in a large repository. " * 8}
+    rng = random.Random(11)
+    for n in range(6):
+        messages = [system, {"role": "user", "content": words(rng, 12)}]
+        if n % 2:
+            messages += [{"role": "assistant", "content": words(rng, 5)}, {"role": "user", "content": words(rng, 4)}]
+        assert incremental.build(copy.deepcopy(messages), tools=TOOLS) == full.build(copy.deepcopy(messages), tools=TOOLS)
+    assert prefixes.misses == 1 and prefixes.hits == 5
+    shared = [e for e in prefixes._entries.values() if e.shared]
+    assert len(shared) == 1 and len(shared[0].ids) > 100  # the system prompt and the tool schemas
+    # a different system prompt is a new shared entry, not a wrong hit
+    other = [{"role": "system", "content": "You are a reviewer. " * 8}, {"role": "user", "content": "hi"}]
+    assert incremental.build(copy.deepcopy(other), tools=TOOLS) == full.build(copy.deepcopy(other), tools=TOOLS)
+    assert prefixes.misses == 2
 
 
 def test_template_that_strips_earlier_reasoning_falls_back_to_the_full_path(tokenizer: TextTokenizer) -> None:
@@ -155,8 +182,8 @@ def test_template_that_strips_earlier_reasoning_falls_back_to_the_full_path(toke
     assert "think 1" not in first.text
     assert incremental.build(copy.deepcopy(messages)) == first
     # The kept prefix ends at the previous prompt's generation prompt; what still matches
-    # is only the system block, which is no entry, so this was a full tokenization.
-    assert prefixes.hits == 1 and prefixes.misses == 2
+    # is only the system block: its shared entry serves.
+    assert prefixes.hits == 2 and prefixes.misses == 1
 
 
 def test_encode_equals_full_tokenization_on_growing_texts(tokenizer: TextTokenizer) -> None:
