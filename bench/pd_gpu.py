@@ -4,6 +4,9 @@ Run on a two-GPU device machine (bench/NOTES-pd-gpu.md gives the command)::
 
     python3 bench/pd_gpu.py --out DIR [--phases bw,seed,faults] [--formats bf16,nvfp4,fp8_e4m3,triaxial] [--budget-s 540]
     python3 bench/pd_gpu.py --tiny --out DIR      # the same end to end on CPU: tiny model, CPU memory
+    # CPU, the GPU run's lengths and pool page counts (1-layer tiny model at 32K context; "off" and
+    # the gateway turn left out: minutes of CPU prefill), for the pull's per-phase split:
+    python3 bench/pd_gpu.py --tiny --like-gpu --tiny-layers 1 --skip off,gw --phases seed --formats bf16 --new 64 --reps 5
 
 Phases (in this order; each one is skipped when the time budget cannot hold it, and the
 JSON is rewritten after every step, so a run cut short still leaves its numbers):
@@ -28,7 +31,15 @@ seed
       the new tokens, the decode worker READs only the pages it lacks (P->D) and samples;
     - off: the prefill worker computes all L tokens, the decode worker READs all of them;
     - new-only: the decode worker, holding the history in its own cache, computes only the
-      new tokens itself: the floor.
+      new tokens itself: the floor (on another process and device than "on", right after that
+      worker computed the history);
+    - new-only P: after "on", the prefill worker itself, now holding the history it pulled in
+      its own cache, computes a fresh new message: the floor on the same process, device,
+      pages and kernel path as "on" (on / new-only P isolates the pull).
+
+    Per length the bench also prints where the prefill worker's time went on "on" (the final
+    event's ``timings``: the pull's phases, queueing, the wait for the engine step, the step)
+    and one round trip of each sender call (agent, lease listing, renew, hold) from the client.
 
     TTFT = from the request reaching the prefill worker to its first token: the prefill worker
     samples the reply's first token and the gateway streams it at once; the decode worker then
@@ -58,6 +69,7 @@ import sys
 import tarfile
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +112,27 @@ class Plan:
     deadline: float
     results: dict[str, Any]
     gateways: list[Any] = field(default_factory=list)  # gateway processes (Worker records), killed at the end
+    ctx: int = 32768  # the model's context (tiny: 4096 unless --like-gpu)
+    tiny_layers: int = 0  # tiny: layers of the model (0: the built-in tiny model's)
+    skip: frozenset[str] = frozenset()  # modes left out of each length: "off", "gw"
+    like_gpu: bool = False  # tiny: pools of the GPU run's page counts (8 GiB of Qwen3-8B pages per format)
+
+    def pool_bytes_for(self, fmt: str) -> int:
+        """The KV pool of ``fmt``: ``pool_bytes``, or with ``like_gpu`` as many pages as the GPU run's
+        8 GiB pool of Qwen3-8B pages holds (so placement and regions match) in the tiny model's sizes."""
+        if not (self.tiny and self.like_gpu):
+            return self.pool_bytes
+        from kvserving.config import DEFAULT_PAGE_SIZE
+        from kvserving.kernels.layout import PageLayout
+
+        ps = DEFAULT_PAGE_SIZE[fmt]
+        lay = "int4" if fmt == "triaxial" else fmt
+        gpu_page = PageLayout.build(lay, page_size=ps, kv_heads=QWEN3_8B["num_key_value_heads"], head_dim=QWEN3_8B["head_dim"]).page_bytes
+        pages = (self.pool_bytes // QWEN3_8B["num_hidden_layers"]) // gpu_page
+        layers, heads, dim = shape_of(True)
+        layers = self.tiny_layers or layers
+        tiny_page = PageLayout.build("fp32" if fmt == "bf16" else lay, page_size=ps, kv_heads=heads, head_dim=dim).page_bytes
+        return pages * tiny_page * layers
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -371,7 +404,17 @@ def build_model(plan: Plan) -> Path:
     if plan.tiny:
         from kvserving.worker.tiny_model import build_tiny_model
 
-        return build_tiny_model(out)
+        built = build_tiny_model(out)
+        if plan.ctx > 4096 or plan.tiny_layers:  # RoPE: longer contexts need only the config to say so
+            from safetensors.torch import save_file
+
+            from kvserving.worker.tiny_model import random_weights
+
+            cfg = json.loads((built / "config.json").read_text())
+            cfg |= {"max_position_embeddings": plan.ctx, "num_hidden_layers": plan.tiny_layers or cfg["num_hidden_layers"]}
+            (built / "config.json").write_text(json.dumps(cfg, indent=1))
+            save_file(random_weights(cfg), str(built / "model.safetensors"), metadata={"format": "pt"})
+        return built
     from safetensors.torch import save_file
 
     import shutil
@@ -461,8 +504,8 @@ class Worker:
 
 def make_worker(plan: Plan, model: Path, fmt: str, role: str, gpu: int) -> Worker:
     cfg = {
-        "model": {"path": str(model), "served_name": "bench", "max_model_len": 4096 if plan.tiny else 32768},
-        "kv_cache": {"dtype": fmt, "memory_bytes": plan.pool_bytes},
+        "model": {"path": str(model), "served_name": "bench", "max_model_len": plan.ctx},
+        "kv_cache": {"dtype": fmt, "memory_bytes": plan.pool_bytes_for(fmt)},
         "reuse": {"recompute_threshold_tokens": 64, "transfer_timeout_s": 5.0},
         "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 2048, "chunk_size": 2048},
     }
@@ -552,6 +595,41 @@ def generate(client: Any, url: str, ids: list[int], *, max_tokens: int, params: 
     return Gen(tokens, final, t0, first, time.perf_counter())
 
 
+def sender_calls(client: Any, w: Worker, params: dict[str, Any] | None, n: int = 8) -> dict[str, Any]:
+    """Round trips a puller makes to the worker it pulls from, timed from here against ``w``'s lease
+    ``params`` (ms, min and median of ``n``): the agent fetch, the lease listing and the renewal
+    (the pull's checks before this change), and the hold + its release (the one check now; a
+    worker without the route answers 404)."""
+    if not params:
+        return {}
+    url, lid = w.url, params["lease_id"]
+    try:
+        from kvserving.worker.kv_transfer import lease_digest
+
+        digest = lease_digest(params["page_ids"], params["page_hashes"], params["num_tokens"])
+    except ImportError:  # a worker from before holds (bench A/B runs): it has no hold route either
+        digest = "0" * 32
+    calls = {
+        "agent": lambda: client.get(f"{url}/internal/kv/agent", timeout=10),
+        "leases": lambda: client.get(f"{url}/internal/kv/leases", timeout=10),
+        "renew": lambda: client.post(f"{url}/internal/kv/leases/{lid}/renew", json={}, timeout=10),
+        "hold": lambda: client.post(f"{url}/internal/kv/leases/{lid}/hold", json={"digest": digest, "hold_s": 5.0}, timeout=10),
+    }
+    out: dict[str, Any] = {"pages": len(params["page_ids"])}
+    for name, call in calls.items():
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            r = call()
+            times.append((time.perf_counter() - t0) * 1e3)
+            if name == "hold" and r.status_code == 200:
+                client.delete(f"{url}/internal/kv/leases/{r.json()['hold_id']}", timeout=10)
+            elif name == "hold":
+                out["hold_status"] = r.status_code
+        out[name] = {"min": min(times), "median": statistics.median(times), "bytes": len(r.content)}
+    return out
+
+
 def xfer_seconds(client: Any, w: Worker) -> float:
     return float(client.get(w.url + "/internal/kv/stats", timeout=10).json()["transfer"]["transfer_seconds"])
 
@@ -625,17 +703,29 @@ def one_length(client: Any, p: Worker, d: Worker, L: int, plan: Plan, rng: rando
     don = generate(client, d.url, x_on, max_tokens=2, params=pon.final["kv_transfer_params"], key=key, output_ids=pon.tokens,
                    tags=tags)
     sp1, sd1 = xfer_seconds(client, p), xfer_seconds(client, d)
+    rtt = sender_calls(client, d, d_params)  # the history's lease (still held: "on" did not retain on D)
+    # new-only on P: the same prefill worker, now holding the history it pulled in its own prefix
+    # cache, computes a fresh new message: the floor on the same process, device and pages
+    # (new-only above runs on the decode worker, right after it computed the history)
+    x_pl = held + rand_ids(rng, plan.new, vocab)
+    pl = generate(client, p.url, x_pl, max_tokens=1, tags=tags)
     # off: a prompt nobody has seen: P computes all, D pulls all
     x_off = rand_ids(rng, L, vocab)
-    poff = generate(client, p.url, x_off, max_tokens=1, tags=tags)
-    doff = generate(client, d.url, x_off, max_tokens=2, params=poff.final["kv_transfer_params"], output_ids=poff.tokens,
-                    tags=tags)
+    if "off" in plan.skip:  # (CPU phase runs: computing L tokens twice would take minutes)
+        poff = doff = Gen([], {"usage": {}}, 0.0, float("nan"), float("nan"))
+    else:
+        poff = generate(client, p.url, x_off, max_tokens=1, tags=tags)
+        doff = generate(client, d.url, x_off, max_tokens=2, params=poff.final["kv_transfer_params"], output_ids=poff.tokens,
+                        tags=tags)
     sp2, sd2 = xfer_seconds(client, p), xfer_seconds(client, d)
     release_all(client, p, d)
     pu, du = pon.final["usage"], don.final["usage"]
     row = {
         "L": L, "setup_ms": (setup.end - setup.t0) * 1e3,
         "new_only_ms": (base.first - base.t0) * 1e3, "new_only_usage": base.final["usage"],
+        "new_only_p_ms": (pl.first - pl.t0) * 1e3, "new_only_p_usage": pl.final["usage"], "sender_calls_ms": rtt,
+        "new_only_timings": base.final.get("timings"), "new_only_p_timings": pl.final.get("timings"),
+        "on_p_timings": pon.final.get("timings"), "on_d_timings": don.final.get("timings"),
         "on_ms": (pon.first - pon.t0) * 1e3, "on_second_ms": (don.first - pon.t0) * 1e3,
         "on_p_ms": (pon.end - pon.t0) * 1e3, "on_p_pull_ms": (sp1 - sp0) * 1e3,
         "on_d_ms": (don.first - don.t0) * 1e3, "on_d_pull_ms": (sd1 - sd0) * 1e3, "on_p_usage": pu, "on_d_usage": du,
@@ -644,7 +734,7 @@ def one_length(client: Any, p: Worker, d: Worker, L: int, plan: Plan, rng: rando
         "off_d_ms": (doff.first - doff.t0) * 1e3, "off_d_pull_ms": (sd2 - sd1) * 1e3,
         "off_p_usage": poff.final["usage"], "off_d_usage": doff.final["usage"],
     }
-    if gateway is not None:
+    if gateway is not None and "gw" not in plan.skip:
         # the same "on" turn through the gateway: the decode holds the history under the
         # conversation key the gateway derives from prompt_cache_key; the gateway finds the
         # lease by asking the decode worker (a lease-table miss), routes, relays
@@ -688,7 +778,8 @@ def run_seed(plan: Plan, client: Any, model: Path) -> dict[str, tuple[Worker, Wo
         rng = random.Random(17)
         try:
             w0 = time.monotonic()
-            for L in sorted({min(plan.lengths), max(plan.lengths)}):  # compile kernels, connect NIXL both ways
+            warm = {min(plan.lengths)} if plan.tiny else {min(plan.lengths), max(plan.lengths)}
+            for L in sorted(warm):  # compile kernels, connect NIXL both ways
                 one_length(client, pw, dw, L, plan, rng, vocab, gw_url)
             res["warm_ms"] = (time.monotonic() - w0) * 1e3
             for L in plan.lengths:
@@ -749,9 +840,72 @@ def print_seed_table(fmt: str, res: dict[str, Any]) -> None:
         print("| " + " | ".join(str(c) for c in row) + " |")
     if res.get("error") or res.get("cut_short"):
         print(f"({res.get('error') or res.get('cut_short')})")
+    print_phase_table(fmt, res)
     xf = (res.get("prefill_stats") or {}).get("transfer") or {}
     print(f"prefill worker measured: {xf.get('prefill_tokens_per_s')} prefill tokens/s, {xf.get('transfer_bytes_per_s')} "
           f"READ bytes/s; UCX transports in the worker logs: {res.get('transports')}")
+
+
+# The prefill worker's own split of an "on" request, from admission to its first token (the final
+# event's ``timings``, worker/service.py): the pull's phases (``kv_transfer.PULL_PHASES``; older
+# workers named theirs agent / lease_check / alloc / lease_recheck), then queueing, the wait for the
+# engine step and that step. "HTTP+parse" is the client's TTFT minus the worker's admit-to-token.
+PHASE_ORDER = ("pull_plan", "pull_agent", "pull_lease_check", "pull_alloc", "pull_descriptors", "pull_read",
+               "pull_lease_recheck", "pull_adopt", "pull_release", "pull_contact_agent", "pull_contact_hold",
+               "queue", "wait_step")
+
+
+def print_phase_table(fmt: str, res: dict[str, Any]) -> None:
+    """Per length: TTFTs (fastest rep) and each phase's median and minimum over the reps (ms; on a
+    loaded machine the minimum is the closer estimate of a phase's own cost)."""
+    rows = [r for r in res.get("rows", []) if r.get("on_p_timings")]
+    if not rows:
+        return
+    keys = [k for k in PHASE_ORDER if any(k in r["on_p_timings"] for r in rows)]
+    print(f"\n# kv {fmt}: where the prefill worker's time goes on 'on', ms (TTFTs: fastest rep; phases: median, then "
+          f"minimum, of {max(Counter(r['L'] for r in rows).values())} reps; new-only P: the same prefill worker with the "
+          "history in its own cache)")
+    head = ["L", "stat", "on TTFT", "new-only P", "new-only D", "on/newP", "HTTP+parse", "pull total",
+            *(k.removeprefix("pull_") for k in keys), "first_step", "newP: queue", "newP: wait_step", "newP: first_step",
+            "regions"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for L, stat in ((L, stat) for L in sorted({r["L"] for r in rows}) for stat in ("median", "min")):
+        rs = [r for r in rows if r["L"] == L]
+
+        def med(get: Any) -> float:
+            vals = [v for v in (get(r) for r in rs) if v is not None]
+            return (statistics.median(vals) if stat == "median" else min(vals)) if vals else float("nan")
+
+        on = min(r["on_ms"] for r in rs)
+        newp = min(r.get("new_only_p_ms", float("inf")) for r in rs)
+        cells = [L, stat, f"{on:.1f}", f"{newp:.1f}", f"{min(r['new_only_ms'] for r in rs):.1f}", f"{on / newp:.2f}",
+                 f"{med(lambda r: r['on_ms'] - r['on_p_timings']['admit_to_first_token']):.1f}",
+                 f"{med(lambda r: r['on_p_timings'].get('pull')):.2f}",
+                 *(f"{med(lambda r, k=k: r['on_p_timings'].get(k, 0.0)):.2f}" for k in keys),
+                 f"{med(lambda r: r['on_p_timings'].get('first_step')):.1f}",
+                 *(f"{med(lambda r, k=k: (r.get('new_only_p_timings') or {}).get(k)):.2f}" for k in ("queue", "wait_step")),
+                 f"{med(lambda r: (r.get('new_only_p_timings') or {}).get('first_step')):.1f}",
+                 "/".join(str(r["on_p_usage"]["kv_regions_pulled"]) for r in rs)]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+    calls = [r["sender_calls_ms"] for r in rows if r.get("sender_calls_ms")]
+    if calls:
+        print(f"\n# kv {fmt}: one round trip to the decode worker, from the bench client, ms (min / median of 8, "
+              "fastest rep), against the conversation's lease")
+        print("| L | lease pages | GET agent | GET leases | POST renew | POST hold (+ DELETE after) | bytes agent/leases/renew/hold |")
+        print("|---|---|---|---|---|---|---|")
+        for L in sorted({r["L"] for r in rows}):
+            cs = [r["sender_calls_ms"] for r in rows if r["L"] == L and r.get("sender_calls_ms")]
+            if not cs:
+                continue
+
+            def cell(name: str) -> str:
+                best = min((c[name] for c in cs), key=lambda x: x["min"])
+                return f"{best['min']:.2f} / {best['median']:.2f}"
+
+            hold = cell("hold") if not cs[0].get("hold_status") else f"({cs[0]['hold_status']}: no route)"
+            sizes = "/".join(str(cs[0][k]["bytes"]) for k in ("agent", "leases", "renew", "hold"))
+            print(f"| {L} | {cs[0]['pages']} | {cell('agent')} | {cell('leases')} | {cell('renew')} | {hold} | {sizes} |")
 
 
 # -------------------------------------------------------------------------------- faults
@@ -825,7 +979,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, required=True, help="pd_gpu.json and logs.tgz go here")
     ap.add_argument("--work", type=Path, default=None, help="model, configs and logs (default: OUT/work)")
     ap.add_argument("--tiny", action="store_true", help="CPU: tiny model, CPU memory, small sizes")
+    ap.add_argument("--like-gpu", action="store_true",
+                    help="with --tiny: the GPU run's lengths (2K-24K), new/gen tokens and pool page counts (tiny model at 32K context)")
     ap.add_argument("--phases", default="bw,seed,faults", help="comma-separated, of bw, seed, faults")
+    ap.add_argument("--skip", default="", help="seed modes to leave out: off, gw (CPU runs of the pull's phases)")
+    ap.add_argument("--tiny-layers", type=int, default=0, help="with --tiny: layers of the tiny model (default 4)")
     ap.add_argument("--formats", default=",".join(FORMATS), help="KV formats, in order of priority")
     ap.add_argument("--lengths", default="", help="prompt lengths (default 2K..24K; tiny 512..2K)")
     ap.add_argument("--new", type=int, default=0, help="new user tokens per turn (default 1024; tiny 128)")
@@ -842,12 +1000,15 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
     tiny = args.tiny
+    small = tiny and not args.like_gpu
     lengths = [int(x) for x in args.lengths.split(",") if x] or (
-        [512, 1024, 2048] if tiny else [2048, 4096, 8192, 12288, 16384, 20480, 24576])
+        [512, 1024, 2048] if small else [2048, 8192, 24576] if tiny else [2048, 4096, 8192, 12288, 16384, 20480, 24576])
     plan = Plan(tiny=tiny, out=args.out, work=work, formats=[f for f in args.formats.split(",") if f], lengths=lengths,
-                new=args.new or (128 if tiny else 1024), gen=args.gen or (4 if tiny else 16), reps=args.reps,
+                new=args.new or (128 if small else 1024), gen=args.gen or (4 if small else 16), reps=args.reps,
                 bw_pages=[1, 64, 256] if tiny else [1, 64, 1024, 16384], scattered_max=256 if tiny else 1024,
-                pool_bytes=(48 << 20) if tiny else (8 << 30), deadline=start + args.budget_s, results={})
+                pool_bytes=(48 << 20) if small else (8 << 30), deadline=start + args.budget_s, results={},
+                ctx=4096 if small else 32768, like_gpu=bool(args.like_gpu), tiny_layers=args.tiny_layers,
+                skip=frozenset(x for x in args.skip.split(",") if x))
     phases = set(args.phases.split(","))
     plan.results["setup"] = {"tiny": tiny, "formats": plan.formats, "lengths": lengths, "new": plan.new, "gen": plan.gen,
                              "reps": plan.reps, "model": "tiny" if tiny else {k: QWEN3_8B[k] for k in (

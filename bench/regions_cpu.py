@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -216,6 +217,135 @@ def load_old_pool(rev: str) -> Any:
     return mod.PagePool
 
 
+# ------------------------------------------------------------------ replay of bench/pd_gpu.py
+GPU_POOL_BYTES = 8 << 30  # per worker in the H200 pair's run
+GPU_SHAPE = (36, 8, 128)  # Qwen3-8B: layers, kv heads, head dim
+
+
+def gpu_pages(dtype: str) -> int:
+    """Pages of ``dtype`` in the GPU run's 8 GiB pool of Qwen3-8B pages."""
+    from kvserving.config import DEFAULT_PAGE_SIZE
+    from kvserving.kernels.layout import PageLayout
+
+    layers, heads, dim = GPU_SHAPE
+    page = PageLayout.build(dtype, page_size=DEFAULT_PAGE_SIZE[dtype], kv_heads=heads, head_dim=dim).page_bytes
+    return (GPU_POOL_BYTES // layers) // page
+
+
+def no_compute(eng: LLMEngine) -> None:
+    """Replace the model run by zero logits: the pages are placed, pinned, pulled and freed as
+    in a real run (placement never looks at their bytes), at no compute cost."""
+    vocab = eng.vocab_size
+
+    def execute(chunks: Sequence[Any]) -> torch.Tensor:
+        return torch.zeros(sum(1 for c in chunks if c.samples), vocab)
+
+    eng.runner.execute = execute  # type: ignore[method-assign]
+
+
+def runs_of(ids: Sequence[int]) -> int:
+    """Runs of consecutive page ids in ``ids`` (in order)."""
+    return sum(1 for i, pid in enumerate(ids) if i == 0 or pid != ids[i - 1] + 1)
+
+
+class Replay:
+    """bench/pd_gpu.py's seed phase on a LocalPair with GPU page counts and no compute."""
+
+    def __init__(self, model: Path, dtype: str, *, new: int, gen: int, seed: int) -> None:
+        engines = []
+        probe = LLMEngine(ServingConfig(model=ModelConfig(path=str(model)), kv_cache=KVCacheConfig(dtype=dtype, memory_bytes=8 << 20)))
+        per_page = probe.storage.shape.num_layers * probe.storage.layout.page_bytes
+        for _ in range(2):
+            cfg = ServingConfig(
+                model=ModelConfig(path=str(model), max_model_len=32768),
+                kv_cache=KVCacheConfig(dtype=dtype, memory_bytes=gpu_pages(dtype) * per_page),
+                reuse=ReuseConfig(recompute_threshold_tokens=64, transfer_timeout_s=5.0),
+                scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, chunk_size=2048),
+            )
+            eng = LLMEngine(cfg, model=(probe.args, probe.model))
+            no_compute(eng)
+            engines.append(eng)
+        self.pair = LocalPair(*engines, name=f"replay-{dtype}")
+        self.new, self.gen = new, gen
+        self.rng = random.Random(seed)
+        self.n = 0
+        self.rows: list[dict[str, Any]] = []
+
+    def ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(10, 4000) for _ in range(n)]
+
+    def turn(self, kvt: KVTransfer, prompt: list[int], max_tokens: int, params: KVTransferParams | None = None, *,
+             retain: bool = False, key: str | None = None, output_ids: Sequence[int] = ()) -> tuple[Any, RequestOutput]:
+        self.n += 1
+        rid = f"r{self.n}"
+        pull = kvt.pull(prompt, None, params)
+        spec = kvt.retain_spec(conversation_key=key) if kvt.role == "prefill" or retain else None
+        eng = kvt.engine
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), retain=spec,
+                        pin_lease=pull.pin_lease, output_ids=output_ids)
+        while True:
+            for out in eng.step():
+                if out.request_id == rid and out.finished:
+                    return pull, out
+
+    def release_all(self) -> None:
+        for kvt in (self.pair.p, self.pair.d):
+            for lease in kvt.leases():
+                kvt.release(lease["lease_id"])
+
+    def on_turn(self, L: int, label: str, key: str, *, d_gen: int) -> list[int]:
+        """Setup on D (history + reply, retained); for "on" the new-only turn on D; then P pulls
+        the history back (D->P) and D pulls the new pages (P->D). The row records each side's
+        runs of that D->P READ. Returns the prompt the history held (for new-only on P)."""
+        p, d = self.pair.p, self.pair.d
+        hist = self.ids(L - self.new - self.gen)
+        _, setup = self.turn(d, hist, self.gen, retain=True, key=key)
+        assert setup.retained is not None
+        d_params = d.params_for(setup.retained)
+        held = hist + [0] * self.gen  # the reply (zero logits: token 0)
+        if label == "on":
+            self.turn(d, held + self.ids(self.new), 1)  # new-only on D
+        x = held + self.ids(self.new)
+        pull, pout = self.turn(p, x, 1, d_params, key=key)
+        assert pout.retained is not None
+        first = pull.local_tokens // p.page_size
+        n = pull.pulled_tokens // p.page_size
+        self.rows.append({"L": L, "mode": label, "pulled_tokens": pull.pulled_tokens, "regions": pull.num_regions,
+                          "layers": p.engine.storage.shape.num_layers, "fallback": pull.fallback,
+                          "remote_runs": runs_of(list(d_params.page_ids[first : first + n])),
+                          "local_runs": runs_of(list(pout.retained.page_ids[first : first + n])),
+                          "phases_ms": {k: round(v * 1e3, 3) for k, v in pull.phases.items()}})
+        d_pull, _ = self.turn(d, x, d_gen, p.params_for(pout.retained), retain=True, key=key, output_ids=[0])
+        self.rows[-1]["p_to_d_regions"] = d_pull.num_regions
+        return held
+
+    def length(self, L: int) -> None:
+        """One length as ``pd_gpu.one_length``: setup, new-only, on, new-only on P, off, then the gateway turn."""
+        p, d = self.pair.p, self.pair.d
+        self.n += 1
+        held = self.on_turn(L, "on", f"k{self.n}", d_gen=2)
+        self.turn(p, held + self.ids(self.new), 1)  # new-only on P
+        x_off = self.ids(L)
+        _, poff = self.turn(p, x_off, 1)
+        assert poff.retained is not None
+        self.turn(d, x_off, 2, p.params_for(poff.retained), output_ids=[0])
+        self.release_all()
+        self.on_turn(L, "gw on", f"cache:g{self.n}", d_gen=self.gen)
+        self.release_all()
+
+
+def replay_pd_gpu(model: Path, dtype: str, lengths: list[int], reps: int, *, new: int, gen: int, seed: int) -> list[dict[str, Any]]:
+    r = Replay(model, dtype, new=new, gen=gen, seed=seed)
+    for L in sorted({min(lengths), max(lengths)}):  # the bench's warm-up
+        r.length(L)
+    r.rows.clear()
+    for L in lengths:
+        for _ in range(reps):
+            r.length(L)
+    r.pair.close()
+    return r.rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--model", type=Path, help="model directory (default: build the tiny model)")
@@ -229,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-pages", type=int, default=1024, help="pages per worker")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--pd-gpu", action="store_true", help="replay bench/pd_gpu.py's seed phase (GPU page counts, no "
+                    "compute): regions of each D->P pull and which side's pages are split")
+    ap.add_argument("--lengths", default="2048,8192,24576", help="--pd-gpu: prompt lengths")
+    ap.add_argument("--reps", type=int, default=2, help="--pd-gpu: repetitions per length")
     ap.add_argument("--pool-bench", metavar="OLD_REV", help="only time the pool's calls per scheduler step, now and "
                     "at git revision OLD_REV (e.g. the commit before runs placement)")
     args = ap.parse_args(argv)
@@ -247,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {pages} | {width} | {name} | {t['us_per_step']:.1f} | {t['us_per_call']:.2f} |")
         return 0
     torch.set_num_threads(1)
+    if args.pd_gpu:
+        return main_pd_gpu(args)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or build_tiny_model(Path(tmp) / "tiny")
         probe = make_engine(model, args.dtype, None)
@@ -272,6 +408,55 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
+
+
+def main_pd_gpu(args: argparse.Namespace) -> int:
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or build_tiny_model(Path(tmp) / "tiny")
+        cfg = json.loads((model / "config.json").read_text())
+        if cfg["max_position_embeddings"] < max(lengths) + 64:  # RoPE: a longer context is a config change
+            cfg["max_position_embeddings"] = 32768
+            (model / "config.json").write_text(json.dumps(cfg))
+        results: dict[str, list[dict[str, Any]]] = {}
+        saved = PagePool.allocate_next
+        for policy in ("lowest", "runs"):
+            if policy == "lowest":  # the placement before runs (dd48d37): the H200 run of 00:12 had it
+                PagePool.allocate_next = lowest_id_first  # type: ignore[method-assign,assignment]
+            try:
+                results[policy] = replay_pd_gpu(model, args.dtype, lengths, args.reps, new=1024, gen=16, seed=args.seed)
+            finally:
+                PagePool.allocate_next = saved  # type: ignore[method-assign]
+    print(f"# regions_cpu --pd-gpu: dtype {args.dtype}, {gpu_pages(args.dtype)} pages per worker (the H200 run's), "
+          "bench/pd_gpu.py's order of turns, no compute; runs = regions per layer buffer")
+    head = ["policy", "L", "turn", "pulled tokens", "D->P runs (regions/layer)", "runs on D (sender)",
+            "runs on P (receiver)", "P->D runs", "fallback"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for policy, rows in results.items():
+        for r in rows:
+            row = [policy, r["L"], r["mode"], r["pulled_tokens"], r["regions"] // r["layers"], r["remote_runs"],
+                   r["local_runs"], r["p_to_d_regions"] // r["layers"], r["fallback"]]
+            print("| " + " | ".join(str(c) for c in row) + " |")
+    # the pull's own steps (no HTTP here: the peer calls are direct), median over the D->P pulls
+    rows = results["runs"]
+    keys = sorted({k for r in rows for k in r["phases_ms"]}, key=lambda k: (PHASE_ORDER + [k]).index(k))
+    print("\n# D->P pull phases, ms (median of the 'on' and 'gw on' pulls per length; runs placement; direct peer calls)")
+    print("| L | " + " | ".join(keys) + " | total |")
+    print("|---|" + "---|" * (len(keys) + 1))
+    for L in lengths:
+        rs = [r["phases_ms"] for r in rows if r["L"] == L]
+        med = {k: statistics.median(r.get(k, 0.0) for r in rs) for k in keys}
+        total = statistics.median(sum(v for k, v in r.items() if not k.startswith("contact_")) for r in rs)
+        print(f"| {L} | " + " | ".join(f"{med[k]:.2f}" for k in keys) + f" | {total:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+# phase names of kv_transfer.PULL_PHASES and of the pull before the hold (agent, lease_check, alloc, lease_recheck)
+PHASE_ORDER = ["plan", "agent", "lease_check", "alloc", "descriptors", "read", "lease_recheck", "adopt", "release",
+               "contact_agent", "contact_hold"]
 
 
 if __name__ == "__main__":

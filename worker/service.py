@@ -354,8 +354,13 @@ class WorkerService:
         """Pin a lease's pages for a peer's READ when ``digest`` names exactly its pages
         (``KVTransfer.hold``); LeaseMismatchError otherwise (409)."""
         kvt = self._transfer()
+        engine = self.engine
+        if engine is None:
+            raise NotReadyError(f"worker is {self.state}")
         try:
-            return await asyncio.to_thread(kvt.hold, lease_id, digest=digest, hold_s=hold_s, consume=consume)
+            # straight onto the engine thread (``hold`` hops there itself; from there it runs
+            # inline): one thread hand-off on the puller's path instead of two
+            return await engine.call(lambda _: kvt.hold(lease_id, digest=digest, hold_s=hold_s, consume=consume))
         except KeyError:
             raise LeaseNotFoundError(f"unknown lease {lease_id!r} (expired, released, or never held here)") from None
 
