@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from kvserving.agent_load import AgentSpec, LoadSpec, reuse_for_mode
 from kvserving.config import ReuseConfig, SchedulerConfig
 from kvserving.sim_costs import CostModel
-from kvserving.simulate import ClusterSpec, Population, Simulator, run_bench_point, run_population
+from kvserving import simulate as pure
+from kvserving.simulate import ClusterSpec, Population, Simulator, run_bench_point
 
 
 # ---------------------------------------------------------------------------------- capacity planning
@@ -55,12 +57,15 @@ def split_gpus(gpus: int, prefill_share: float) -> tuple[int, int]:
 def simulate_point(dtype: str, gpus: int, *, costs: CostModel, load: LoadSpec, pop: Population,
                    prefill_share: float, reuse: ReuseConfig | None = None,
                    progress: Callable[[float], None] | None = None,
-                   shapes: dict[int, AgentSpec] | None = None) -> dict[str, Any]:
+                   shapes: dict[int, AgentSpec] | None = None, engine: ModuleType = pure) -> dict[str, Any]:
+    """One population run. ``engine``: ``kvserving.simulate`` or its compiled build
+    (``sim_native.load()``); ``pop`` must be that module's ``Population``."""
     prefill, decode = split_gpus(gpus, prefill_share)
-    cluster = ClusterSpec(dtype, prefill, decode, costs, reuse=reuse or ReuseConfig(),
-                          scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, chunk_size=2048))
-    sim = Simulator(cluster, load, sweep_s=max(30.0, min(cluster.gateway.lease_heartbeat_s, cluster.reuse.lease_ttl_s) / 4))
-    point = run_population(sim, pop, progress=progress, shapes=shapes)
+    cluster = engine.ClusterSpec(dtype, prefill, decode, costs, reuse=reuse or ReuseConfig(),
+                                 scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, chunk_size=2048))
+    sweep_s = max(30.0, min(cluster.gateway.lease_heartbeat_s, cluster.reuse.lease_ttl_s) / 4)
+    sim = engine.Simulator(cluster, load, sweep_s=sweep_s)
+    point: dict[str, Any] = engine.run_population(sim, pop, progress=progress, shapes=shapes)
     point.update({"dtype": dtype, "gpus": gpus, "prefill_workers": prefill, "decode_workers": decode,
                   "pool_tokens": cluster.pages_per_worker * cluster.effective_page_size,
                   "turns_simulated": len(sim.records)})
@@ -109,6 +114,17 @@ def fewest_gpus(
     return search(need + 1, max_gpus, full, top)
 
 
+def engine_for(native: bool) -> ModuleType:
+    """The compiled simulator core when wanted and built for this source, else the pure-Python one."""
+    if native:
+        from kvserving.sim_native import load as load_native
+
+        module = load_native()
+        if module is not None:
+            return module
+    return pure
+
+
 def plan(dtype: str, args: dict[str, Any], *, show_progress: bool) -> dict[str, Any]:
     """One format's answer for ``kvserving simulate`` (a process-pool job: plain arguments)."""
     import sys
@@ -118,7 +134,8 @@ def plan(dtype: str, args: dict[str, Any], *, show_progress: bool) -> dict[str, 
     costs = CostModel.from_dict(args["costs"])
     load = gpu_load(args["seed"], think_s=args["think_s"], output_tokens=args["output_tokens"],
                     max_context=args["max_context"], shared_system_prompt=args["shared"])
-    pop = Population(args["agents"], args["duration_s"], warmup_s=args["warmup_s"], ramp_s=args["ramp_s"], shapes=args["shapes"])
+    engine = engine_for(args["native"])
+    pop = engine.Population(args["agents"], args["duration_s"], warmup_s=args["warmup_s"], ramp_s=args["ramp_s"], shapes=args["shapes"])
     duration = args["duration_s"]
 
     def progress(t: float) -> None:
@@ -128,13 +145,13 @@ def plan(dtype: str, args: dict[str, Any], *, show_progress: bool) -> dict[str, 
             sys.stderr.flush()
 
     kw: dict[str, Any] = dict(costs=costs, load=load, pop=pop, prefill_share=args["prefill_share"],
-                              reuse=ReuseConfig(bidirectional=args["reuse"]), progress=progress, shapes={})
+                              reuse=ReuseConfig(bidirectional=args["reuse"]), progress=progress, shapes={}, engine=engine)
     if args["ttft_p99_ms"] is None:
         point = simulate_point(dtype, args["gpus"], **kw)
     else:
         probe = None
         if args["probe_s"] < duration:
-            probe = Population(args["agents"], args["probe_s"], warmup_s=min(args["warmup_s"], args["probe_s"] / 2),
+            probe = engine.Population(args["agents"], args["probe_s"], warmup_s=min(args["warmup_s"], args["probe_s"] / 2),
                                ramp_s=args["ramp_s"], shapes=args["shapes"])
         need, point = fewest_gpus(dtype, args["gpus"], args["ttft_p99_ms"], probe=probe, **kw)
         point["gpus"] = need
@@ -192,6 +209,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--jobs", type=int_in(1, 256), default=2, help="formats simulated at once, one process each")
     parser.add_argument("--seed", type=int, default=0, help="agent population seed")
     parser.add_argument("--json", default=None, help="write the points as JSON here")
+    parser.add_argument("--build-native", action="store_true",
+                        help="compile the simulator core with mypyc (kvserving.sim_native; once per source version), then run")
+    parser.add_argument("--pure-python", action="store_true", help="run the pure-Python core even when a compiled one is built")
     parser.add_argument("--validate", default=None, metavar="BENCH_JSON",
                         help="instead: re-run bench/agents.py's points (its JSON) and print simulated vs measured "
                              "(costs: cpu-tiny unless --costs names another profile)")
@@ -204,6 +224,10 @@ def run(args: Any) -> int:
 
     from kvserving.sim_costs import canonical_dtype, load_costs
 
+    if args.build_native:
+        from kvserving.sim_native import build
+
+        build()
     if args.validate is not None:
         with open(args.validate) as fh:
             measured = json.load(fh)
@@ -228,7 +252,7 @@ def run(args: Any) -> int:
            "max_context": args.max_context, "shared": not args.per_agent_system_prompt, "agents": args.agents,
            "duration_s": args.duration_s, "warmup_s": args.warmup_s, "ramp_s": args.ramp_s, "shapes": args.shapes,
            "prefill_share": args.prefill_share, "reuse": not args.no_reuse, "gpus": args.gpus,
-           "ttft_p99_ms": args.ttft_p99_ms, "probe_s": args.probe_s}
+           "ttft_p99_ms": args.ttft_p99_ms, "probe_s": args.probe_s, "native": not args.pure_python}
     tty = sys.stderr.isatty()
     t0 = time.perf_counter()
     jobs = max(1, min(args.jobs, len(dtypes)))
@@ -243,7 +267,8 @@ def run(args: Any) -> int:
     target = f", TTFT p99 <= {args.ttft_p99_ms:g} ms" if args.ttft_p99_ms is not None else ""
     print(f"{args.agents:,} agents, {args.duration_s:g} s simulated (metrics after {args.warmup_s:g} s), costs {costs.name}{target}")
     print(format_table(points))
-    print(f"simulated in {time.perf_counter() - t0:.1f} s")
+    core = "compiled core" if engine_for(job["native"]) is not pure else "pure Python; --build-native compiles the core"
+    print(f"simulated in {time.perf_counter() - t0:.1f} s ({core})")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "costs": costs.to_dict(),

@@ -317,8 +317,11 @@ class _Prompt:
 class PrefillWorker(Worker):
     """Engine steps over prompts; see the module docstring."""
 
-    def __init__(self, url: str, **kw: object) -> None:
-        super().__init__(url, **kw)  # type: ignore[arg-type]
+    def __init__(
+        self, url: str, *, sim: Sim, pages: int, page_size: int, dtype: str, costs: CostModel,
+        reuse: ReuseConfig, sched: SchedulerConfig,
+    ) -> None:
+        super().__init__(url, sim=sim, pages=pages, page_size=page_size, dtype=dtype, costs=costs, reuse=reuse, sched=sched)
         self.running: list[_Prompt] = []
         self._views: list[WorkerView] | None = None  # the router's view of every prefill worker, kept current
         self._view_by_load: dict[int, WorkerView] = {}
@@ -434,8 +437,11 @@ class PrefillWorker(Worker):
 class DecodeWorker(Worker):
     """Fluid decode batch; see the module docstring."""
 
-    def __init__(self, url: str, **kw: object) -> None:
-        super().__init__(url, **kw)  # type: ignore[arg-type]
+    def __init__(
+        self, url: str, *, sim: Sim, pages: int, page_size: int, dtype: str, costs: CostModel,
+        reuse: ReuseConfig, sched: SchedulerConfig,
+    ) -> None:
+        super().__init__(url, sim=sim, pages=pages, page_size=page_size, dtype=dtype, costs=costs, reuse=reuse, sched=sched)
         self.steps = 0.0  # S: decode steps run so far (every running sequence gained one token per step)
         self.t_steps = 0.0
         self.step_s = 0.0

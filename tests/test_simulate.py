@@ -184,6 +184,32 @@ def test_agent_shape_draws_the_same_lengths_and_think_times_as_agent_load() -> N
         agent_shape(LoadSpec(), -1)
 
 
+# ----------------------------------------------------------------------------- compiled core
+def test_native_copies_import_each_other_and_the_rest_of_kvserving() -> None:
+    from kvserving.sim_native import rewrite, source_key
+
+    text = "from kvserving.sim_cache import Hold\nfrom kvserving.sim_costs import CostModel\nimport kvserving.simulate\n"
+    assert rewrite(text) == ("from kvs_simnative.sim_cache import Hold\nfrom kvserving.sim_costs import CostModel\n"
+                             "import kvs_simnative.simulate\n")
+    assert len(source_key()) == 20 and source_key() == source_key()
+
+
+def test_the_compiled_core_gives_the_pure_python_results() -> None:
+    from kvserving import simulate as pure
+    from kvserving.sim_native import load
+    from kvserving.sim_plan import gpu_load, simulate_point
+
+    native = load()
+    if native is None:
+        pytest.skip("no compiled core for this source (kvserving simulate --build-native)")
+    points = []
+    for engine in (pure, native):
+        pop = engine.Population(40, 200.0, warmup_s=20.0, ramp_s=5.0, shapes=6)
+        points.append(simulate_point("fp8_e4m3", 3, costs=load_costs("h200-8b"), pop=pop, prefill_share=0.34,
+                                     load=gpu_load(1, think_s=5.0, output_tokens=40, max_context=8192), engine=engine))
+    assert points[0]["requests"] > 100 and points[0] == points[1]
+
+
 # ----------------------------------------------------------------------------- inputs
 def test_bad_inputs_are_one_line_value_errors() -> None:
     with pytest.raises(ValueError, match="kv_heads"):
