@@ -10,6 +10,7 @@ tokenizer. Pure: lists in, lists out.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserving.tags import SEMANTIC, encode_tag
@@ -171,9 +172,8 @@ def _gap_spans(
     return spans, cuts[-1], {i: cuts[j] for j, (i, _) in enumerate(skipped)}
 
 
-def token_tags(spans: list[tuple[int, int, int]], offsets: list[tuple[int, int]]) -> list[int]:
-    """Each token takes the tag of the span holding its first character."""
-    starts = [a for a, _ in offsets]
+def token_tags(spans: list[tuple[int, int, int]], starts: Sequence[int]) -> list[int]:
+    """Each token (given by its first character, ``starts``) takes the tag of the span holding it."""
     tags = [encode_tag("current", "text", "delim")] * len(starts)
     for start, end, tag in spans:
         # Tokens are in text order, so those starting in [start, end) are one slice.
@@ -250,10 +250,10 @@ def tag_images(tags: list[int], runs: list[tuple[int, int]]) -> None:
             tags[k] = ((tm // 2) * 2 + 1) * width + s
 
 
-def turn_starts(msgs: list[Message], headers: dict[int, int], offsets: list[tuple[int, int]]) -> tuple[int, ...]:
+def turn_starts(msgs: list[Message], headers: dict[int, int], token_starts: Sequence[int]) -> tuple[int, ...]:
     """Token index where each user turn begins: its message's header (e.g.
-    `<|im_start|>user`), found before its first piece (text or image)."""
-    token_starts = [a for a, _ in offsets]
+    `<|im_start|>user`), found before its first piece (text or image); ``token_starts``:
+    each token's first character."""
     return tuple(
         max(0, bisect.bisect_right(token_starts, headers[i]) - 1)
         for i, m in enumerate(msgs)

@@ -62,6 +62,7 @@ labelled characters into token tags, this module runs the two.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -150,11 +151,12 @@ class ChatTagger:
         if runs and len(runs) == len(marks.images):
             chunks = tag_spans.insert_images(chunks, runs, marks.images, enc.offsets, pieces, msgs, temporals)
         spans, headers = tag_spans.label(chunks, pieces, text, self._controls(enc.ids, enc.offsets), temporals)
-        tags = tag_spans.token_tags(spans, enc.offsets)
+        char_starts = _char_starts(enc.offsets)
+        tags = tag_spans.token_tags(spans, char_starts)
         tag_spans.tag_images(tags, runs)
-        starts = tag_spans.turn_starts(msgs, headers, enc.offsets)
+        starts = tag_spans.turn_starts(msgs, headers, char_starts)
         return TaggedPrompt(text=text, input_ids=enc.ids, tags=tags, turn_starts=starts, method=method,
-                            char_starts=_char_starts(enc.offsets))
+                            char_starts=char_starts)
 
     def _coarse(self, text: str, ids: list[int], offsets: list[tuple[int, int]]) -> TaggedPrompt:
         """Tags without the template's structure: control tokens are current
@@ -200,5 +202,8 @@ def message_temporals(messages: Sequence[Message]) -> list[str]:
     return out
 
 
+_FIRST = operator.itemgetter(0)
+
+
 def _char_starts(offsets: Sequence[tuple[int, int]]) -> tuple[int, ...]:
-    return tuple(a for a, _ in offsets)
+    return tuple(map(_FIRST, offsets))  # C-speed: a generator spent ~40 us on a 600-token prompt
