@@ -188,6 +188,23 @@ def test_sandbox_refuses_python_internals() -> None:
         ns.render([{"role": "user", "content": "x"}])
 
 
+def test_dict_attribute_shortcut_answers_what_the_sandbox_answers() -> None:
+    """Fields read as attributes, missing ones, dict methods, keys named like methods, internals."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from kvserving.gateway.chat_template import compile_template
+
+    source = ("{% for m in messages %}[{{ m.role }}|{{ m.missing is defined }}|{{ m.missing }}|{{ m.get('role') }}"
+              "|{{ m.items is callable }}|{{ m['items'] }}|{{ m.keys() | list }}"
+              "|{{ m.content.upper() }}|{{ m.content.split is defined }}]{% endfor %}")
+    messages = [{"role": "user", "content": "ab", "items": "kept as an item"}, {"role": "tool", "content": "c"}]
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    assert compile_template(source).render(messages=messages) == plain.from_string(source).render(messages=messages)
+    for escape in ("{{ messages[0].__class__ }}", "{{ messages[0].__init__ }}", "{{ messages[0].copy.__self__ }}"):
+        assert compile_template(escape).render(messages=messages) == plain.from_string(escape).render(messages=messages)
+
+
 def test_strftime_now_and_loopcontrols() -> None:
     t = ChatTemplate("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}|{{ strftime_now('%Y') | length }}")
     assert t.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "a|4"
