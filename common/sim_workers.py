@@ -127,6 +127,8 @@ class Worker:
         self.reuse = reuse
         self.sched = sched
         self.threshold_pages = _threshold_pages(reuse, page_size)
+        self.attn_s = costs.attn_s(dtype)  # the cost model is frozen: per token x context, this format
+        self.pull_ttl_s = max(60.0, 2 * reuse.transfer_timeout_s)
         self.leases: dict[str, WLease] = {}
         self.conv_lease: dict[str, str] = {}
         self._expiry: list[tuple[float, str]] = []
@@ -259,8 +261,7 @@ class Worker:
             self.cache.release(hold)
             return _NO_PULL  # skipped: no_free_pages
         self.cache.publish(hold, req.segs, local, matched)
-        ttl = max(60.0, 2 * self.reuse.transfer_timeout_s)
-        req.pin = self.pin(hold, ttl_s=ttl, now=now, conv=None, pages=0, stable=0, prefix="pull-")
+        req.pin = self.pin(hold, ttl_s=self.pull_ttl_s, now=now, conv=None, pages=0, stable=0, prefix="pull-")
         req.pulled = (local, matched)
         nbytes = want * offer.worker.page_bytes
         self.stats.pulls += 1
@@ -493,6 +494,7 @@ class DecodeWorker(Worker):
         if heap and heap[0][0] <= now:
             self.expire(now)
         p = self.page_size
+        token_s, attn_s = self.costs.prefill_token_s, self.attn_s
         admitted: list[tuple[Req, float]] = []
         while self.waiting and len(self.batch) + len(admitted) < self.sched.max_num_seqs:
             req = self.waiting[0]
@@ -501,7 +503,7 @@ class DecodeWorker(Worker):
                 break
             self.waiting.popleft()
             c = req.prompt + 1 - req.hit_pages * p  # prompt + the prefill's first token, less what it holds
-            stall = self.costs.prefill_token_s * c + self.costs.attn_s(self.dtype) * c * (req.prompt - c / 2)
+            stall = token_s * c + attn_s * c * (req.prompt - c / 2)
             admitted.append((req, stall))
         if not admitted:
             return False
