@@ -438,7 +438,7 @@ class KVTransfer:
         self._release_remote = release_remote or self._http.release
         # the sender calls of a pull run here: the hold overlaps the pull's own planning, and
         # releases after the READ leave the request's path
-        self._calls = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvserving-kv-peer")
+        self._calls = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvserving-kv-peer")
         st = engine.storage
         self.page_size = st.page_size
         self.dtype = st.kv_dtype
