@@ -133,6 +133,7 @@ class Worker:
         self.conv_lease: dict[str, str] = {}
         self._expiry: list[tuple[float, str]] = []
         self._reclaimable: list[tuple[float, str]] = []  # (expires_at, lease id) of reclaimable leases
+        self._compact_at = 1024  # heap entries (both heaps) past which stale ones are dropped
         self._inflight = 0  # the gateway's count of this worker's open requests (``inflight``)
         self._board: list[int] | None = None  # the simulator's list of decode loads, mirrored at ``_slot``
         self._slot = 0
@@ -164,7 +165,25 @@ class Worker:
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
         if reclaimable:
             heapq.heappush(self._reclaimable, (lease.expires_at, lease.lease_id))
+        if len(self._expiry) + len(self._reclaimable) > self._compact_at:
+            self._compact()
         return lease
+
+    def _compact(self) -> None:
+        """Drop the heap entries of released and renewed leases (``expire`` and ``reclaim_one``
+        skip them anyway; the live ones pop in the same order), once they outnumber the live."""
+        leases = self.leases
+        live = 0
+        for heap in (self._expiry, self._reclaimable):
+            kept = []
+            for entry in heap:
+                lease = leases.get(entry[1])
+                if lease is not None and lease.expires_at == entry[0]:
+                    kept.append(entry)
+            heapq.heapify(kept)
+            heap[:] = kept
+            live += len(kept)
+        self._compact_at = 2 * live + 1024
 
     def reclaim_one(self, now: float) -> bool:
         """``PagePoolBase.reclaim_one``: release the reclaimable lease with the earliest expiry."""
