@@ -330,7 +330,8 @@ def lease_digest(page_ids: Sequence[int], page_hashes: Sequence[int], num_tokens
 class PeerHttp:
     """The HTTP calls a puller makes to the worker it pulls from, over ONE pooled
     client: building an ``httpx.Client`` per call cost ~21 ms each on the H200
-    machines (bench/NOTES-pd-gpu.md), two or three calls a pull, two pulls a turn.
+    machines (bench/NOTES-pd-gpu.md); a pull makes one (the hold), plus the agent fetch
+    once per sender incarnation and the hold's release after the READ.
     httpx's sync client is safe to share between the server's pull threads."""
 
     def __init__(self, *, timeout_s: float = HTTP_TIMEOUT_S) -> None:
@@ -346,15 +347,6 @@ class PeerHttp:
         r.raise_for_status()
         return cast(dict[str, Any], r.json())
 
-    def fetch_lease(self, agent_url: str, lease_id: str) -> dict[str, Any] | None:
-        """The sender's own record of a lease (its ``kv_transfer_params``), or None when it holds none."""
-        r = self._client.get(f"{agent_url.rstrip('/')}/internal/kv/leases")
-        r.raise_for_status()
-        for lease in r.json()["leases"]:
-            if lease.get("lease_id") == lease_id:
-                return cast(dict[str, Any], lease["kv_transfer_params"])
-        return None
-
     def hold(self, agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
         """``POST .../hold``: the sender's answer (``KVTransfer.hold``), ``{"refused": "unknown_lease"}``
         on 404 and ``{"refused": "lease_mismatch"}`` on 409; raises for anything else."""
@@ -369,15 +361,6 @@ class PeerHttp:
         r = self._client.delete(f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}")
         if r.status_code not in (200, 404):
             r.raise_for_status()
-
-
-def http_fetch_lease(agent_url: str, lease_id: str) -> dict[str, Any] | None:
-    """One-off ``PeerHttp.fetch_lease`` (tests and tools)."""
-    http = PeerHttp()
-    try:
-        return http.fetch_lease(agent_url, lease_id)
-    finally:
-        http.close()
 
 
 def http_hold(agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
