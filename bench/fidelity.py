@@ -460,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
                       "loss_last": sum(losses[-10:]) / min(10, len(losses)), "held_out_loss": val_losses,
                       "held_out_ppl": math.exp(val_losses[-1][1]), "seconds": round(t_train, 1)},
             "calibration": {"tokens": cal.tokens, "seconds": round(t_cal, 1), "tables": tables,
+                            # per class seen: token share, measured per-token gain (D_k(2) - D_k(4)) / N_k, default s_k
+                            "classes": {"/".join(decode_tag(k)): {"share": cal.frequency[k], "gain": cal.priorities()[k],
+                                                                  "default": default_sensitivity()[k]}
+                                        for k in range(len(cal.frequency)) if cal.frequency[k] > 0},
                             "scales": {d: {"k": sc.k, "v": sc.v, "method": sc.method} for d, sc in cal.scales.items()}},
             "calibration_files": [str(p.relative_to(p.parents[len(p.parents) - 1])) for p in calib_files][:3] + ["..."],
             "evaluation_files": len(eval_files),
