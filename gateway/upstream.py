@@ -14,8 +14,8 @@ uvicorn uses) straight into a byte buffer the caller drains.
     conn.close()                                 # abort: the worker sees the disconnect
 
 Rules: a connection is reused only after its previous response ended (a reply
-that stopped reading at ``[DONE]`` goes back to the pool and becomes reusable
-once its last chunk arrives), only while it is younger than ``keepalive_s``
+that stopped reading at ``[DONE]`` is parked and joins the idle ones once its
+last chunk arrives), only while it is younger than ``keepalive_s``
 idle (below uvicorn's 5 s, so the worker never closes one under a request),
 and only if both sides said keep-alive. A reused connection that the worker
 closed before answering (reset, restart) is reported as ``Reset`` so the
@@ -44,8 +44,10 @@ class ConnectFailed(ConnectionError):
 class _Connection(asyncio.Protocol):
     """One HTTP/1.1 connection: one request at a time, the response buffered as it arrives."""
 
-    def __init__(self, host: str, key: str) -> None:
+    def __init__(self, host: str, key: str, pool: ConnectionPool) -> None:
         self.key = key  # the pool's key: scheme://host:port
+        self.pool = pool
+        self.parked = False  # released before its response ended: idle once it has
         self.host = host.encode("latin-1")
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
@@ -74,6 +76,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        if self.parked:
+            self.parked = False
+            self.pool._parked.discard(self)
         if not self.complete:
             if self.reused and not self.got_bytes:
                 self._fail(Reset("connection closed before the response"))
@@ -93,6 +98,9 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self.complete = True
         self._wake()
+        if self.parked:
+            self.parked = False
+            self.pool._idle_now(self)
 
     # ------------------------------------------------------------- client
     async def request(self, path: str, body: bytes, *, deadline: float) -> int:
@@ -170,6 +178,7 @@ class ConnectionPool:
         self.max_idle_per_host = max_idle_per_host
         self._idle: defaultdict[str, list[_Connection]] = defaultdict(list)
         self._where: dict[str, tuple[str, str, int, str]] = {}  # url -> (key, host, port, Host header)
+        self._parked: set[_Connection] = set()  # released before their response ended
 
     async def open(self, url: str, *, fresh: bool = False) -> _Connection:
         """An idle kept-alive connection to ``url``'s worker (unless ``fresh``), else a new one."""
@@ -186,18 +195,28 @@ class ConnectionPool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(host_header, key), host, port), self.connect_timeout_s)
+                loop.create_connection(lambda: _Connection(host_header, key, self), host, port), self.connect_timeout_s)
         except OSError as exc:
             raise ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
         return conn
 
     def release(self, conn: _Connection) -> None:
-        """Back to the pool, or closed: one whose response has not ended yet is kept and used
-        only once it has (its last chunk usually follows ``[DONE]`` at once)."""
+        """Back to the pool, or closed: one whose response has not ended yet is parked and
+        joins the idle ones when it has (its last chunk usually follows ``[DONE]`` at once;
+        closing it instead, a closed loop of requests opened a connection per request, and
+        the worker's accept queue overflowed: connects timed out, health polls failed)."""
         conn.done()
         if conn.transport is None or conn.error is not None or not conn.keep_alive:
             conn.close()
             return
+        if not conn.complete:
+            conn.parked = True
+            self._parked.add(conn)
+            return
+        self._idle_now(conn)
+
+    def _idle_now(self, conn: _Connection) -> None:
+        self._parked.discard(conn)
         idle = self._idle[conn.key]
         if len(idle) >= self.max_idle_per_host:
             conn.close()
@@ -206,10 +225,11 @@ class ConnectionPool:
         idle.append(conn)
 
     def close(self) -> None:
-        for idle in self._idle.values():
+        for idle in [*self._idle.values(), list(self._parked)]:
             for conn in idle:
                 conn.close()
         self._idle.clear()
+        self._parked.clear()
 
     def _parse(self, url: str) -> tuple[str, str, int, str]:
         where = self._where.get(url)

@@ -111,6 +111,41 @@ def test_reply_left_at_done_is_reused_once_its_last_chunk_arrived() -> None:
     asyncio.run(run())
 
 
+def test_a_reply_still_ending_is_parked_not_closed_when_the_next_request_comes() -> None:
+    """A closed loop sends its next request while the last reply's final chunk is still in
+    flight: that request takes another connection and the first is kept (closing it, a
+    closed loop opened a connection per request and overflowed the worker's accept queue)."""
+    gate = asyncio.Event()
+    served: dict[int, int] = {}
+
+    async def script(n: int, reader: Reader, writer: Writer) -> None:
+        while await read_request(reader) is not None:
+            served[n] = served.get(n, 0) + 1
+            writer.write(b"".join(sse_reply(EVENTS)))
+            await writer.drain()
+            if n == 0:
+                await gate.wait()  # the first reply's end comes late
+            writer.write(b"0\r\n\r\n")
+
+    async def run() -> None:
+        server, url, conns = await serve(script)
+        c = client()
+        try:
+            assert await collect(c, url) == EVENTS  # connection 0, its reply not ended
+            assert await collect(c, url) == EVENTS  # connection 1
+            gate.set()
+            await asyncio.sleep(0.05)
+            for _ in range(3):
+                assert await collect(c, url) == EVENTS
+                await asyncio.sleep(0.01)
+            assert len(conns) == 2 and served[0] >= 2, (conns, served)
+        finally:
+            await c.aclose()
+            server.close()
+
+    asyncio.run(run())
+
+
 def test_a_reply_still_open_is_not_reused_a_fresh_connection_is() -> None:
     async def script(_: int, reader: Reader, writer: Writer) -> None:
         while await read_request(reader) is not None:
