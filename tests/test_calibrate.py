@@ -265,8 +265,9 @@ def test_calibrate_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert (cal.num_layers, cal.num_kv_heads, cal.head_dim) == TINY_SHAPE
     assert 100 <= cal.tokens <= 160
     assert sorted(cal.tables) == ["2.5", "3"]
+    assert cal.page_rule() and cal.residual + cal.page_size * sum(n for n, _ in cal.pages) == cal.tokens
     for key, table in cal.tables.items():
-        assert average_bits(table, cal.budget_frequency()) <= float(key) + 1e-9
+        assert cal.stored_bits(table) <= float(key) + 1e-9  # counted as the engine stores pages
     seen = [c for c in range(NUM_TAGS) if cal.frequency[c] > 0]
     assert encode_tag("current", "text", "delim") in seen and len(seen) >= 8  # the template's roles are tagged
     assert all(cal.distortion[2][c] > cal.distortion[4][c] > 0 for c in seen)
