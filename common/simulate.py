@@ -124,8 +124,10 @@ class Simulator(Sim):
         self.load = load
         self.now = 0.0
         self.bidirectional = cluster.reuse.bidirectional if bidirectional is None else bidirectional
-        self._events: list[tuple[float, int, Callable[[Any, float], None], Any]] = []
-        self._seq = 0
+        # the event queue: a heap of the distinct times that have events (floats compare far
+        # cheaper than (time, seq) tuples) and each time's events in the order they were scheduled
+        self._times: list[float] = []
+        self._due: dict[float, list[tuple[Callable[[Any, float], None], Any]]] = {}
         costs, p = cluster.costs, cluster.effective_page_size
         self.page_size = p
         pages = cluster.pages_per_worker
@@ -166,20 +168,25 @@ class Simulator(Sim):
 
     # ------------------------------------------------------------------ event core
     def at(self, t: float, fn: Callable[[float], None]) -> None:
-        self._seq = seq = self._seq + 1
-        _heappush(self._events, (t, seq, _call, fn))
+        self.call_at(t, _call, fn)
 
     def call_at(self, t: float, fn: Callable[[Any, float], None], arg: Any) -> None:
         """``fn(arg, t)`` at ``t`` (no closure to build: the hot events)."""
-        self._seq = seq = self._seq + 1
-        _heappush(self._events, (t, seq, fn, arg))
+        if t < self.now:
+            raise ValueError(f"event at {t} before the clock ({self.now})")
+        bucket = self._due.get(t)
+        if bucket is None:
+            self._due[t] = [(fn, arg)]
+            _heappush(self._times, t)
+        else:
+            bucket.append((fn, arg))
 
     def run(
         self, *, until: float = math.inf, progress: Callable[[float], None] | None = None, agents_done: bool = False
     ) -> None:
         """Process events in time order (ties in the order they were scheduled) up to ``until``,
         or (``agents_done``) until no agent is left; later events (sweeps, expiries) stay queued."""
-        events = self._events
+        times, due = self._times, self._due
         pop = heapq.heappop
         next_report = 0.0 if progress is not None else math.inf
         # the loop makes millions of objects and (almost) no reference cycles: the cyclic
@@ -187,16 +194,28 @@ class Simulator(Sim):
         collect = gc.isenabled()
         gc.disable()
         try:
-            while events and events[0][0] <= until:
-                if agents_done and self._active == 0:
-                    break
-                t, _, fn, arg = pop(events)
-                self.now = t
-                fn(arg, t)
-                if t >= next_report:
-                    assert progress is not None
-                    progress(t)
-                    next_report = t + 10.0
+            stopped = False
+            while times and times[0] <= until and not stopped:
+                t = times[0]
+                bucket = due[t]  # grows while it runs: events scheduled for the same instant
+                i = 0
+                while i < len(bucket):
+                    if agents_done and self._active == 0:
+                        stopped = True
+                        break
+                    fn, arg = bucket[i]
+                    i += 1
+                    self.now = t
+                    fn(arg, t)
+                    if t >= next_report:
+                        assert progress is not None
+                        progress(t)
+                        next_report = t + 10.0
+                if stopped:
+                    del bucket[:i]  # the rest stays queued for the next run
+                else:
+                    del due[t]
+                    pop(times)
         finally:
             if collect:
                 gc.enable()
@@ -232,14 +251,14 @@ class Simulator(Sim):
         p = self.page_size
         if self.load.shared_system_prompt:
             shared = self.cluster.costs.server_tokens(spec.prefix_tokens) // p
-            segs_head: list[tuple[Any, int]] = [(("s", 0), shared)]
+            segs_head: list[tuple[Any, int]] = [(-1, shared)]  # chain keys: -1 the shared prompt, uid a conversation
             if self._shared_prefix_key is None:
                 self._shared_prefix_key = _synthetic_key("shared")
             key = self._shared_prefix_key
         else:
             segs_head = []
             key = _synthetic_key(f"agent-{uid}")
-        ag = _Agent(uid, spec, f"conv-{uid}", segs_head + [(("c", uid), _BIG)], key, done_cb=on_done)
+        ag = _Agent(uid, spec, f"conv-{uid}", segs_head + [(uid, _BIG)], key, done_cb=on_done)
         self._active += 1
         if not spec.turns:
             self._agent_done(ag, at)
