@@ -453,27 +453,36 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         kv = self.kv
         p = self.storage.page_size
+        eos = self.eos_token_ids
+        max_len = self.max_model_len
+        live = done.live
         for i, c in enumerate(done.chunks):
-            if not done.live[i]:
+            if not live[i]:
                 continue
             seq, token, idx = c.seq, tokens[i], done.out_index[i]
             seq.output_ids[idx] = token
-            self.stats.decode_tokens += 1
             computed = c.start + 1
             if computed // p > seq.num_registered_pages:  # publish the pages full as of this step only
                 ahead, seq.num_computed = seq.num_computed, computed
                 kv.publish_full_pages(seq)
                 seq.num_computed = ahead
-            reason = self._finish_reason(seq, token, idx + 1)
-            if reason is not None and nxt is not None and id(seq) in nxt.live_ids:
-                nxt.drop(seq, self.pool, p)  # its next token was launched: undo that, keep its KV page until written
-            if reason is None:
+            sp, plen = seq.params, len(seq.prompt_ids)
+            if (
+                token not in sp.stop_token_ids
+                and (sp.ignore_eos or token not in eos)
+                and idx + 1 < sp.max_tokens
+                and plen + idx + 1 < max_len
+            ):  # the common case, without a call per row
                 outputs.append(RequestOutput(
-                    seq.request_id, [token], False, None, len(seq.prompt_ids), seq.num_cached_prompt, idx + 1,
+                    seq.request_id, [token], False, None, plen, seq.num_cached_prompt, idx + 1,
                     seq.num_pulled_prompt, None, seq.first_step_at,
                 ))  # fmt: skip
-            else:
-                outputs.append(self._output(seq, token, reason))
+                continue
+            reason = self._finish_reason(seq, token, idx + 1)
+            if nxt is not None and id(seq) in nxt.live_ids:
+                nxt.drop(seq, self.pool, p)  # its next token was launched: undo that, keep its KV page until written
+            outputs.append(self._output(seq, token, reason))
+        self.stats.decode_tokens += len(outputs)
         return outputs
 
     def flush(self) -> list[RequestOutput]:

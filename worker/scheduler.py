@@ -11,12 +11,15 @@ recomputed later (its sampled tokens are kept, so its output is unchanged).
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 
 from kvserving.config import SchedulerConfig
 from kvserving.worker.kv_manager import KVCacheManager
 from kvserving.worker.sequence import ScheduledChunk, SchedulerOutput, Sequence, SeqStatus
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
+
+_arrival = attrgetter("arrival")
 
 
 class Scheduler:
@@ -98,18 +101,25 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
 
         # 1. running sequences, oldest first; a page shortage preempts the newest
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        # (inlined _chunk_len and a page check before allocate_until: per-sequence host cost of decode steps)
+        page = self.kv.page_size
+        chunk = self.config.chunk_size
+        for seq in sorted(self.running, key=_arrival):
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue
-            n = self._chunk_len(seq, budget)
+            left = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed
+            n = min(left, chunk, budget)
+            if n < left:
+                n -= n % page  # a non-final chunk ends on a page boundary
             if n == 0:
                 continue
-            while not self.kv.allocate_until(seq, seq.num_computed + n):
-                victim = self._preempt_latest(out)
-                if victim is seq:
-                    break
-            if seq.status is not SeqStatus.RUNNING:
-                continue
+            if seq.num_computed + n > len(seq.page_ids) * page:
+                while not self.kv.allocate_until(seq, seq.num_computed + n):
+                    victim = self._preempt_latest(out)
+                    if victim is seq:
+                        break
+                if seq.status is not SeqStatus.RUNNING:
+                    continue
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
 
