@@ -29,7 +29,12 @@ Per format:
 (d) triaxial: the share of INT2 pages among the pages stored, vs the share
     the bit budget's table expects (``KVCache.int2_share``).
 Step overhead at batch 64 / 4K: step time minus the sum of the step's kernel
-times (torch.profiler), with CUDA graphs and eager.
+times (torch.profiler), with CUDA graphs and asynchronous decode (the default:
+the next step is launched before this one's sampled ids are back), graphs with
+every step waiting for its ids (``graphs_sync``), and eager. Step time is the
+wall time of one ``engine.step()`` call in steady state, whichever step's tokens
+it returns; ``host_wait_ms`` is the part of it the host spent waiting for the
+device (asynchronous decode: the rest is host work overlapped with the device).
 """
 
 from __future__ import annotations
@@ -189,7 +194,7 @@ class Bench:
         limit = 3 if self.quick else 20
         while len(times) < limit and (len(times) < 3 or time.perf_counter() - start < budget_s):
             t0 = time.perf_counter()
-            engine.step()  # ends on the sampled ids' copy to the host: the step is done
+            engine.step()  # asynchronous decode: launches a step, returns the one before it (steady state: one step)
             times.append(time.perf_counter() - t0)
         return times
 
@@ -200,7 +205,7 @@ class Bench:
         seqs = self.place(engine, 100_000, CAPACITY_TOKENS, computed=CAPACITY_TOKENS - 1)
         pages = [pid for s in seqs for pid in s.page_ids]
         n2 = sum(1 for pid in pages if pid & INT2_PAGE_FLAG)
-        outs = engine.step()  # all of them: the last prompt token of each, and one sampled token
+        outs = engine.step() + engine.flush()  # all of them: the last prompt token of each, one sampled token
         ran = sum(1 for o in outs if o.new_token_ids)
         row = {
             "kv_gib": gib, "seqs": len(seqs), "ran_step": ran, "tokens": len(seqs) * CAPACITY_TOKENS,
@@ -261,31 +266,41 @@ class Bench:
         assert len(seqs) == batch
         graphs = engine.runner.graphs
         out: dict[str, Any] = {"batch": batch, "context": ctx}
-        for mode in ("graphs", "eager"):
-            if mode == "graphs" and graphs is None:
+        for mode in ("graphs", "graphs_sync", "eager"):
+            if mode != "eager" and graphs is None:
                 continue
-            engine.runner.graphs = graphs if mode == "graphs" else None  # the same engine, graphs taken away
-            if mode == "graphs" and graphs is not None:
+            engine.flush()
+            engine.runner.graphs = graphs if mode != "eager" else None  # the same engine, graphs taken away
+            engine.async_decode = mode == "graphs"
+            if mode != "eager" and graphs is not None:
                 graphs.replay_events = []
+            wait0, overlapped0 = engine.stats.wait_seconds, engine.stats.overlapped_steps
             times = self.timed_steps(engine, warmup=2)
+            waited = (engine.stats.wait_seconds - wait0) / (len(times) + 2)
+            overlapped = engine.stats.overlapped_steps - overlapped0
             step = statistics.median(times)
             kernels, count = profile_kernels(engine, steps=3)
             out[mode] = {"step_ms": 1e3 * step, "kernel_ms": kernels, "kernels_per_step": count,
                          "overhead_ms": 1e3 * step - kernels if kernels else None,
-                         "overhead_share": (1 - kernels / (1e3 * step)) if kernels else None}  # fmt: skip
-            if mode == "graphs" and graphs is not None and graphs.replay_events:
-                # GPU time of the replay alone: step - replay = host time the GPU waits; replay - kernels = gaps in the graph
+                         "overhead_share": (1 - kernels / (1e3 * step)) if kernels else None,
+                         "host_wait_ms": 1e3 * waited, "overlapped_steps": overlapped}  # fmt: skip
+            if mode != "eager" and graphs is not None and graphs.replay_events:
+                # GPU time of the replay alone; synchronous: step - replay = host time the GPU waits;
+                # replay - kernels = gaps in the graph
                 replay = statistics.median(a.elapsed_time(b) for a, b in graphs.replay_events[2:] or graphs.replay_events)
                 out[mode]["replay_ms"] = replay
                 graphs.replay_events = None
+        engine.flush()
+        engine.async_decode = True
         engine.runner.graphs = graphs
-        if "graphs" in out and "eager" in out and out["graphs"]["kernels_per_step"] < 0.5 * out["eager"]["kernels_per_step"]:
-            # the profiler did not see the replayed kernels one by one: the graph runs the eager step's kernels
-            g = out["graphs"]
-            g["kernel_ms"] = out["eager"]["kernel_ms"]
-            g["kernel_ms_from"] = "eager profile (graph kernels not traced one by one)"
-            g["overhead_ms"] = g["step_ms"] - g["kernel_ms"]
-            g["overhead_share"] = g["overhead_ms"] / g["step_ms"]
+        for mode in ("graphs", "graphs_sync"):
+            if mode in out and "eager" in out and out[mode]["kernels_per_step"] < 0.5 * out["eager"]["kernels_per_step"]:
+                # the profiler did not see the replayed kernels one by one: the graph runs the eager step's kernels
+                g = out[mode]
+                g["kernel_ms"] = out["eager"]["kernel_ms"]
+                g["kernel_ms_from"] = "eager profile (graph kernels not traced one by one)"
+                g["overhead_ms"] = g["step_ms"] - g["kernel_ms"]
+                g["overhead_share"] = g["overhead_ms"] / g["step_ms"]
         self.clear(engine)
         return out
 
@@ -307,9 +322,12 @@ def profile_kernels(engine: LLMEngine, *, steps: int) -> tuple[float | None, flo
     from torch.profiler import ProfilerActivity, profile
 
     try:
+        engine.flush()  # no step launched before the profile runs inside it
+        sync()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
-                engine.step()
+                engine.step()  # ``steps`` steps launched (asynchronous decode: the last one finishes in flush)
+            engine.flush()
             sync()
         events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
         total_us = sum(e.time_range.elapsed_us() for e in events)
@@ -408,7 +426,8 @@ def report(results: dict[str, Any], shapes: list[tuple[int, int]]) -> None:
         o = r["overhead_b64_4k"]
         parts = [f"{m}: step {o[m]['step_ms']:.2f} ms, kernels {o[m]['kernel_ms'] or 0:.2f} ms "
                  f"({o[m]['kernels_per_step']:.0f} kernels per step), overhead "
-                 f"{100 * (o[m]['overhead_share'] or 0):.1f}%" for m in ("eager", "graphs") if m in o]  # fmt: skip
+                 f"{100 * (o[m]['overhead_share'] or 0):.1f}%, host waits {o[m]['host_wait_ms']:.2f} ms"
+                 for m in ("eager", "graphs_sync", "graphs") if m in o]  # fmt: skip
         print(f"overhead 64x4K {fmt}: " + "; ".join(parts))
 
 

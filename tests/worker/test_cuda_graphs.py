@@ -103,3 +103,49 @@ def test_graphs_on_and_off_give_the_same_tokens(tiny_model_dir: Path, dtype: str
     assert engine.runner.graphs is not None and engine.runner.graphs.replays > 20
     assert {b for b, _ in engine.runner.graphs.graphs} >= {1, 2, 4}
     assert graphed == eager
+
+
+def stream(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], abort_at: int) -> list[tuple]:
+    """Every output in order; r1 is aborted once it has ``abort_at`` tokens."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    out: list[tuple] = []
+    for _ in range(1000):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            out.append((o.request_id, o.new_token_ids[0], o.finished, o.finish_reason, o.num_output_tokens))
+            if o.request_id == "r1" and o.num_output_tokens == abort_at:
+                engine.abort("r1")
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "nvfp4", "triaxial"])
+def test_async_decode_gives_the_same_streams(tiny_model_dir: Path, dtype: str) -> None:
+    """Graphs with asynchronous decode (default) against graphs that wait for every step's ids: the same
+    streams through stop ids mid-batch, seeded sampling, max_tokens and an abort."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(9)
+    ref_engine = LLMEngine(config(tiny_model_dir, dtype), device="cuda", async_decode=False)
+    prompts = [torch.randint(10, ref_engine.vocab_size, (n,), generator=g).tolist() for n in (9, 70, 200, 33, 17)]
+    base = [SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=40, ignore_eos=True),
+            SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, top_k=40, seed=7, ignore_eos=True),
+            SamplingParams(max_tokens=25, ignore_eos=True), SamplingParams(max_tokens=37, ignore_eos=True)]  # fmt: skip
+    ref = stream(ref_engine, prompts, base, abort_at=1000)
+    stops = {}
+    for i in (0, 4):  # a token first produced at output 12+: the row stops mid-batch
+        toks = [r[1] for r in ref if r[0] == f"r{i}"]
+        stops[i] = next(t for k, t in enumerate(toks) if k >= 12 and t not in toks[:k])
+    params = [SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                             seed=sp.seed, ignore_eos=True, stop_token_ids=(stops[i],) if i in stops else ())
+              for i, sp in enumerate(base)]  # fmt: skip
+    runs = {}
+    for async_decode in (False, True):
+        engine = LLMEngine(config(tiny_model_dir, dtype), device="cuda", async_decode=async_decode)
+        runs[async_decode] = stream(engine, prompts, params, abort_at=15)
+        assert engine.runner.graphs is not None and not engine.step_in_flight
+        assert (engine.stats.overlapped_steps > 10) == async_decode
+    assert runs[True] == runs[False]
+    assert {r[0]: r[3] for r in runs[True] if r[2]} == {"r0": "stop", "r2": "length", "r3": "length", "r4": "stop"}
