@@ -46,6 +46,9 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
                (b"x-accel-buffering", b"no")]
 JSON_TYPE = (b"content-type", b"application/json")
 
+# starlette's JSONResponse encoding (json.dumps with these arguments), one encoder for all
+_ENCODE = json.JSONEncoder(ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode
+
 Handler = Callable[[Any, Mapping[str, str], float], Awaitable[dict[str, Any] | EventStream]]
 
 
@@ -199,7 +202,7 @@ class _Exchange:
 
     async def _json(self, status: int, content: Any, extra: Mapping[str, str] | None = None) -> None:
         # starlette's JSONResponse, byte for byte
-        body = json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+        body = _ENCODE(content).encode()
         headers = [(b"content-length", str(len(body)).encode()), JSON_TYPE]
         if extra:
             headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]

@@ -39,6 +39,7 @@ from .upstream import ConnectFailed, ConnectionPool, Reset
 log = logging.getLogger(__name__)
 
 GENERATE_PATH = "/internal/generate"
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps(.., separators=..) without an encoder per call
 
 
 class UpstreamError(Exception):
@@ -106,7 +107,7 @@ class WorkerClient:
         event (after the batch of events before it). Closing the iterator early
         closes the connection, which the worker takes as an abort.
         """
-        payload = json.dumps(body, separators=(",", ":")).encode()
+        payload = _ENCODE(body).encode()
         deadline = asyncio.get_running_loop().time() + self._request_timeout_s
         conn = None
         finished = False  # read to [DONE] (or a refusal read whole): the connection may be reused

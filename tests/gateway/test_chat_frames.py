@@ -3,6 +3,7 @@ gives exactly the bytes of encoding each ``oa.chat_chunk`` whole."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -26,9 +27,11 @@ DELTAS: list[dict[str, Any]] = [
 def test_frames_equal_whole_chunks(include_usage: bool, finish: str | None) -> None:
     frames = ChatFrames(id="chatcmpl-abc\"def", created=1_700_000_000, model="tiny/é", include_usage=include_usage)
     for delta in DELTAS:
-        expected = _sse(oa.chat_chunk(id="chatcmpl-abc\"def", created=1_700_000_000, model="tiny/é", delta=delta,
-                                      finish_reason=finish, include_usage=include_usage))
+        chunk = oa.chat_chunk(id="chatcmpl-abc\"def", created=1_700_000_000, model="tiny/é", delta=delta,
+                              finish_reason=finish, include_usage=include_usage)
+        expected = _sse(chunk)
         assert frames.chunk(delta, finish) == expected
+        assert expected == b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
 
 
 def test_usage_frame_equals_the_usage_chunk() -> None:
