@@ -238,20 +238,21 @@ def test_abort_and_new_request_mid_stream(tiny_model_dir: Path, late: bool) -> N
 
 
 def test_preemption_falls_back_to_synchronous_steps(tiny_model_dir: Path) -> None:
-    """A pool too small for every sequence's decode pages: steps that would preempt run synchronously."""
-    probe = make(tiny_model_dir, "eager", kv_bytes=1 << 20)
-    ps = prompts(probe.vocab_size, (60, 70, 50, 65))
-    greedy = SamplingParams(max_tokens=80, ignore_eos=True)
+    """A pool too small for every sequence's decode pages (6 pages): steps that would preempt run
+    synchronously, and the streams equal the synchronous engine's."""
+    probe = make(tiny_model_dir, "eager")
+    ps = prompts(probe.vocab_size, (20, 28, 18, 25))
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
     requests = [(f"r{i}", p, greedy) for i, p in enumerate(ps)]
     streams = {}
-    for mode in MODES:
-        engine = make(tiny_model_dir, mode, kv_bytes=1 << 20)
+    for mode in ("sync", "async"):
+        engine = make(tiny_model_dir, mode, kv_bytes=384 << 10)
         streams[mode] = drive(engine, requests)
         assert engine.stats.preemptions > 0
         if mode == "async":
             assert engine.stats.overlapped_steps > 10
-    assert [tokens_of(streams["async"], f"r{i}") for i in range(4)] == [tokens_of(streams["eager"], f"r{i}") for i in range(4)]
     assert streams["async"] == streams["sync"]
+    assert all(len(tokens_of(streams["async"], f"r{i}")) == 30 for i in range(4))
 
 
 def test_flush_returns_the_step_in_flight(tiny_model_dir: Path) -> None:
