@@ -268,3 +268,33 @@ def test_flush_returns_the_step_in_flight(tiny_model_dir: Path) -> None:
     assert [o.num_output_tokens for o in rest] == [3, 4, 5] and rest[-1].finish_reason == "length"
     assert engine.generate([[9, 10, 11]], SamplingParams(max_tokens=7, ignore_eos=True))[0] == \
         make(tiny_model_dir, "eager").generate([[9, 10, 11]], SamplingParams(max_tokens=7, ignore_eos=True))[0]  # fmt: skip
+
+
+def test_async_engine_streams_over_async_decode(tiny_model_dir: Path) -> None:
+    """The serving loop (AsyncEngine) on an engine with asynchronous decode: each stream gets its tokens in
+    order, equal to the offline outputs, one output per token, the last one finished."""
+    import asyncio
+
+    from kvserving.worker.async_engine import AsyncEngine
+
+    engine = make(tiny_model_dir, "async")
+    ps = prompts(engine.vocab_size, (12, 30, 7))
+    params = SamplingParams(max_tokens=18, ignore_eos=True)
+    want = make(tiny_model_dir, "eager").generate(ps, params)
+
+    async def main() -> list[list[RequestOutput]]:
+        served = AsyncEngine(engine)
+        try:
+
+            async def collect(rid: str, prompt: list[int]) -> list[RequestOutput]:
+                return [o async for o in served.generate(rid, prompt, params)]
+
+            tasks = [asyncio.create_task(collect(f"a{i}", p)) for i, p in enumerate(ps)]
+            return list(await asyncio.wait_for(asyncio.gather(*tasks), timeout=120))
+        finally:
+            await served.close()
+
+    results = asyncio.run(main())
+    assert [[t for o in outs for t in o.new_token_ids] for outs in results] == want
+    assert all([o.num_output_tokens for o in outs] == list(range(1, 19)) and outs[-1].finished for outs in results)
+    assert engine.stats.overlapped_steps > 5
