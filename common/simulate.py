@@ -487,9 +487,12 @@ def _synthetic_key(name: str) -> bytes:
 # ---------------------------------------------------------------------------------- metrics
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile, as bench/agents.py computes it."""
-    if not values:
+    return _nearest_rank(sorted(values), q)
+
+
+def _nearest_rank(s: list[float], q: float) -> float:
+    if not s:
         return math.nan
-    s = sorted(values)
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
@@ -499,7 +502,8 @@ def summarize(records: list[TurnRecord], wall_s: float, *, waiting_ttfts: list[f
     prompt = sum(r.prompt_tokens for r in records)
     later = [r for r in records if r.turn > 0]
     later_prompt = sum(r.prompt_tokens for r in later)
-    ttfts = [r.ttft_s for r in records] + list(waiting_ttfts or [])
+    ttfts = sorted([r.ttft_s for r in records] + list(waiting_ttfts or []))  # sorted once for both percentiles
+    latencies = sorted([r.latency_s for r in records])
     fallbacks: dict[str, int] = {}
     for r in records:
         if r.fallback:
@@ -519,10 +523,10 @@ def summarize(records: list[TurnRecord], wall_s: float, *, waiting_ttfts: list[f
         "wall_s": wall_s,
         "req_per_s": len(records) / wall_s if wall_s > 0 else nan,
         "output_tok_per_s": out / wall_s if wall_s > 0 else nan,
-        "ttft_p50_ms": percentile(ttfts, 0.50) * 1e3,
-        "ttft_p99_ms": percentile(ttfts, 0.99) * 1e3,
-        "latency_p50_ms": percentile([r.latency_s for r in records], 0.50) * 1e3,  # whole turn, finished ones
-        "latency_p99_ms": percentile([r.latency_s for r in records], 0.99) * 1e3,
+        "ttft_p50_ms": _nearest_rank(ttfts, 0.50) * 1e3,
+        "ttft_p99_ms": _nearest_rank(ttfts, 0.99) * 1e3,
+        "latency_p50_ms": _nearest_rank(latencies, 0.50) * 1e3,  # whole turn, finished ones
+        "latency_p99_ms": _nearest_rank(latencies, 0.99) * 1e3,
         "fallbacks": fallbacks,
     }
 
