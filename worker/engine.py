@@ -349,6 +349,7 @@ class LLMEngine:
         self.stats.prefill_seconds += (time.perf_counter() - t0) * prompt_share
         self.stats.steps += 1
         i = 0
+        p = self.storage.page_size
         for c in plan.chunks:
             seq = c.seq
             if c.start >= len(seq.prompt_ids):
@@ -356,8 +357,9 @@ class LLMEngine:
             else:
                 self.stats.prompt_tokens_computed += c.num_tokens
             seq.num_computed = c.start + c.num_tokens
-            self.kv.publish_full_pages(seq)
-            if not c.samples:
+            if seq.num_computed // p > seq.num_registered_pages:
+                self.kv.publish_full_pages(seq)
+            if seq.num_computed != seq.num_tokens:  # not c.samples: a prompt chunk before the last
                 continue
             if self.capture_logits is not None:
                 self.capture_logits.setdefault(seq.request_id, []).append(logits[i].clone())
