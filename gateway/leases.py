@@ -45,14 +45,18 @@ class Lease:
     last_active: float
     last_renewed: float
     inflight: int = 0
+    # read from params once (every heartbeat sweep and route reads them; the simulator, per turn):
+    # params is a private copy, and only ``LeaseTable.renewed`` changes it, through ``set_expiry``
+    lease_id: str = field(init=False)
+    expires_at: float = field(init=False)
 
-    @property
-    def lease_id(self) -> str:
-        return str(self.params.get("lease_id", ""))
+    def __post_init__(self) -> None:
+        self.lease_id = str(self.params.get("lease_id", ""))
+        self.expires_at = float(self.params.get("expires_at") or 0.0)
 
-    @property
-    def expires_at(self) -> float:
-        return float(self.params.get("expires_at") or 0.0)
+    def set_expiry(self, expires_at: float) -> None:
+        self.params["expires_at"] = expires_at
+        self.expires_at = float(expires_at or 0.0)
 
 
 @dataclass(slots=True)
@@ -141,7 +145,7 @@ class LeaseTable:
     def renewed(self, key: str, *, lease_id: str, expires_at: float, now: float) -> None:
         lease = self._leases.get(key)
         if lease is not None and lease.lease_id == lease_id:
-            lease.params["expires_at"] = expires_at
+            lease.set_expiry(expires_at)
             lease.last_renewed = now
 
     def sweep(self, *, now: float) -> Sweep:
