@@ -31,7 +31,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,7 +41,7 @@ from typing import Any
 
 from kvserving.agent_demo import run_conversation
 from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
-from kvserving.stack import free_port
+from kvserving.stack import free_port, port_is_free
 
 MODES = ("on", "timeout", "off")
 TIMEOUT_S = 1e-6  # shorter than any READ: the deadline passes while the transfer is in flight
@@ -76,15 +75,8 @@ def consecutive_ports(n: int) -> int:
     """A port whose next n - 1 are free too (``kvserving up --port P`` takes P .. P + 2)."""
     for _ in range(100):
         port = free_port()
-        if port + n > 65535:
-            continue
-        try:
-            for k in range(1, n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + k))
-        except OSError:
-            continue
-        return port
+        if port + n <= 65535 and all(port_is_free("127.0.0.1", port + k) for k in range(1, n)):
+            return port
     raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1")
 
 

@@ -168,11 +168,17 @@ def _warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x: [..., N], weight: [N] -> [..., N] in the dtype of ``weight * x``."""
+def _norm_width(fn: str, x: Tensor, weight: Tensor) -> int:
+    """N of x [..., N] when weight is [N] and N fits one program's block; ValueError naming ``fn`` otherwise."""
     n = x.shape[-1] if x.dim() else 0
     if weight.shape != (n,) or not 0 < n <= MAX_NORM_WIDTH:
-        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} must be [N] for x {tuple(x.shape)}, N <= {MAX_NORM_WIDTH}")
+        raise ValueError(f"{fn}: weight {tuple(weight.shape)} must be [N] for x {tuple(x.shape)}, N <= {MAX_NORM_WIDTH}")
+    return n
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x: [..., N], weight: [N] -> [..., N] in the dtype of ``weight * x``."""
+    n = _norm_width("rms_norm", x, weight)
     x2 = _rows(x, "x")
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if x2.shape[0]:
@@ -186,11 +192,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(rms_norm(residual + x), residual + x); x and residual [..., N] of one dtype, weight [N]."""
-    n = x.shape[-1] if x.dim() else 0
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
-    if weight.shape != (n,) or not 0 < n <= MAX_NORM_WIDTH:
-        raise ValueError(f"add_rms_norm: weight {tuple(weight.shape)} must be [N] for x {tuple(x.shape)}, N <= {MAX_NORM_WIDTH}")
+    n = _norm_width("add_rms_norm", x, weight)
     x2, r2 = _rows(x, "x"), _rows(residual, "residual")
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     h = torch.empty_like(x2)

@@ -258,7 +258,10 @@ class _Runs(_Region):
         return sorted(self._len.items())
 
     def put_free(self, index: int) -> None:
-        start, end = index, index + 1
+        self._free_span(index, index + 1)
+
+    def _free_span(self, start: int, end: int) -> None:
+        """Free ``start..end-1``, merged with the free runs that touch it on either side."""
         if (left := self._end.get(start)) is not None:
             self._remove(left)
             start = left
@@ -274,13 +277,7 @@ class _Runs(_Region):
             j = i + 1
             while j < len(indices) and indices[j] == indices[j - 1] + 1:
                 j += 1
-            start, end = indices[i], indices[j - 1] + 1
-            if (left := self._end.get(start)) is not None:
-                self._remove(left)
-                start = left
-            if end in self._len:
-                end += self._remove(end)
-            self._add(start, end - start)
+            self._free_span(indices[i], indices[j - 1] + 1)
             i = j
 
     def take(self, start: int, k: int, run_start: int) -> list[int]:
