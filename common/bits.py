@@ -1,19 +1,25 @@
 """The triaxial bits table from a bit budget: DESIGN.md's greedy rule, over
-default class sensitivities and frequencies until calibration measures them.
+default class sensitivities and the page mix of agent contexts until
+calibration measures a model.
 
 The rule (DESIGN.md, Token tags): start every class k at 2 bits and upgrade
 classes to 4 bits in order of ``(D_k(2) - D_k(4)) / (2 N_k)`` -- fidelity
-gained per extra bit spent -- until the average bits per token, weighted by the
-class frequencies ``N_k``, reaches the budget B. B is a ceiling: a class whose
-upgrade would pass it stays at 2 bits and the walk goes on to the next ones
-(rarer classes may still fit), so the average ends as close below B as the
-class sizes allow.
+gained per extra bit spent -- until the average bits reach the budget B. B is
+a ceiling: a class whose upgrade would pass it stays at 2 bits and the walk
+goes on to the next ones (rarer classes may still fit).
 
-Until calibration measures ``D_k`` for a model, the gain of a class is modelled
-as ``D_k(2) - D_k(4) = s_k * N_k``: every token of class k costs ``s_k`` when
-stored at 2 bits, so the order is by per-token sensitivity ``s_k`` and the
-frequencies only decide how much of the budget each upgrade spends. ``s_k`` is
-the product of one weight per tag axis:
+The average is counted the way the engine stores KV (``page_greedy_table``): a
+page is INT2 only when it is full and all 32 of its tokens are 2-bit, so a
+class spread thinly over many pages (delimiters, tool-call JSON, short user
+messages) costs the pages it turns INT4, not its token share. Counted by token
+shares, a budget of 2.7 stored ~3.5 bits on agent contexts (bench/NOTES-fidelity.md).
+Each step upgrades the class whose upgrade turns INT4 the pages with the most
+summed per-token gain per stored bit added; with pages that each hold one class
+this is exactly the order above (a test holds it).
+
+Until calibration measures ``D_k`` for a model, the per-token gain of class k
+(``D_k(2) - D_k(4)) / N_k``) is modelled as a sensitivity ``s_k``, the product
+of one weight per tag axis:
 
 - temporal: current 8, turn_m1 4, turn_m2 2, older 1. An agent acts on the
   latest request and the latest tool result; attention to a turn fades with
@@ -26,19 +32,28 @@ the product of one weight per tag axis:
   logs, search results -- are long, redundant and looked up sparsely).
 - modal: text 1, image 0.5 (image placeholder tokens are many and redundant).
 
-Default frequencies (share of an agent context's tokens, the product of one
-share per axis): temporal current 0.10, turn_m1 0.15, turn_m2 0.15, older 0.60
-(long sessions: most of the context is old turns); semantic inst 0.10, user
-0.05, assistant 0.10, reasoning 0.10, tool_call 0.05, obs 0.55, delim 0.05
-(tool output dominates agent contexts); modal text 0.95, image 0.05.
+The pages are those of ``kvserving.agent_pages``: agent conversations at
+production-shaped lengths, rendered, tokenized and tagged by the gateway, cut
+into pages (``agent_pages_data``, generated). Classes those pages never show
+(image tokens: the built-in template has one placeholder per image) are placed
+by their sensitivity: 4 bits only when it is above that of every class the
+walk left at 2 bits.
+
+``default_frequency`` (token shares per axis: temporal current 0.10, turn_m1
+0.15, turn_m2 0.15, older 0.60; semantic inst 0.10, user 0.05, assistant 0.10,
+reasoning 0.10, tool_call 0.05, obs 0.55, delim 0.05; modal text 0.95, image
+0.05) remains the token-share model a calibration file may ask for
+(``frequency_source: agent``).
 
 Pure Python; imports no component.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+from kvserving import agent_pages_data
 from kvserving.tags import MODAL, NUM_TAGS, SEMANTIC, TEMPORAL, decode_tag, validate_bits_table
 
 TEMPORAL_SENSITIVITY = {"current": 8.0, "turn_m1": 4.0, "turn_m2": 2.0, "older": 1.0}
@@ -96,11 +111,86 @@ def greedy_bits_table(budget: float, *, gain: Sequence[float], frequency: Sequen
     return tuple(table)
 
 
+def pages_stored_bits(table: Sequence[int], pages: Sequence[tuple[int, Sequence[tuple[int, int]]]], *, page_size: int,
+                      residual: int) -> float:
+    """Average stored bits per token: a full page is INT2 when every class in it is 2-bit, else INT4;
+    residual tokens (partial pages) INT4."""
+    total = residual + page_size * sum(n for n, _ in pages)
+    if total == 0:
+        raise ValueError("no pages and no residual tokens")
+    bits = 4 * residual + sum(n * page_size * (2 if all(table[c] == 2 for c, _ in mix) else 4) for n, mix in pages)
+    return bits / total
+
+
+def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence[tuple[int, Sequence[tuple[int, int]]]],
+                      *, page_size: int, residual: int, absent: str = "free") -> tuple[int, ...]:
+    """The greedy rule with the budget counted in stored pages (module docstring).
+
+    Start every class at 2 bits; repeatedly upgrade the class whose upgrade turns
+    INT4 the pages with the most summed per-token gain per stored bit added, among
+    those that keep the stored average <= ``budget`` (a ceiling; ties to the lower
+    tag). Classes whose every page ended INT4 anyway cost nothing and get 4 bits. Classes
+    absent from the pages: ``absent="free"`` gives them 4 bits (they cost nothing on this
+    data); ``absent="rank"`` gives them 4 only when their per-token gain is above that of
+    every present class the walk left at 2 bits (the pages are a model of other traffic,
+    where they do occur). Per-token gains < 0 count 0."""
+    if absent not in ("free", "rank"):
+        raise ValueError(f"absent must be 'free' or 'rank', got {absent!r}")
+    if not 2.0 <= budget <= 4.0:
+        raise ValueError(f"bit_budget must be in [2, 4], got {budget}")
+    if len(per_token) != NUM_TAGS:
+        raise ValueError(f"per_token must have {NUM_TAGS} entries, got {len(per_token)}")
+    total = residual + page_size * sum(n for n, _ in pages)
+    if total == 0:
+        raise ValueError("no pages and no residual tokens")
+    gain_of = [n * sum(max(0.0, per_token[c]) * t for c, t in mix) for n, mix in pages]
+    bits_of = [2.0 * n * page_size / total for n, _ in pages]
+    pages_of: list[list[int]] = [[] for _ in range(NUM_TAGS)]
+    for i, (_, mix) in enumerate(pages):
+        for c, _ in mix:
+            pages_of[c].append(i)
+    hot = [False] * len(pages)
+    table = [2] * NUM_TAGS
+    average = (4.0 * residual + 2.0 * page_size * sum(n for n, _ in pages)) / total
+    while True:
+        best, best_ratio, best_bits = -1, -1.0, 0.0
+        for k in range(NUM_TAGS):
+            flips = [i for i in pages_of[k] if not hot[i]]
+            if table[k] == 4 or not flips:
+                continue
+            add = sum(bits_of[i] for i in flips)
+            if average + add > budget + _EPS:
+                continue
+            ratio = sum(gain_of[i] for i in flips) / add
+            if ratio > best_ratio:
+                best, best_ratio, best_bits = k, ratio, add
+        if best < 0:
+            break
+        table[best] = 4
+        average += best_bits
+        for i in pages_of[best]:
+            hot[i] = True
+    for k in range(NUM_TAGS):
+        if pages_of[k] and all(hot[i] for i in pages_of[k]):
+            table[k] = 4
+    ceiling = max((max(0.0, per_token[k]) for k in range(NUM_TAGS) if pages_of[k] and table[k] == 2), default=-math.inf)
+    for k in range(NUM_TAGS):
+        if not pages_of[k] and (absent == "free" or max(0.0, per_token[k]) > ceiling):
+            table[k] = 4
+    return tuple(table)
+
+
 def bits_table_for_budget(budget: float) -> tuple[int, ...]:
-    """The bits table for ``budget`` under the default sensitivities and frequencies."""
-    frequency = default_frequency()
-    gain = tuple(s * n for s, n in zip(default_sensitivity(), frequency))
-    return greedy_bits_table(budget, gain=gain, frequency=frequency)
+    """The bits table for ``budget`` under the default sensitivities, counted on the agent pages."""
+    d = agent_pages_data
+    return page_greedy_table(budget, default_sensitivity(), d.PAGES, page_size=d.PAGE_SIZE, residual=d.RESIDUAL,
+                             absent="rank")
+
+
+def default_stored_bits(table: Sequence[int]) -> float:
+    """Average bits per token ``table`` stores on the agent pages (partial pages INT4)."""
+    d = agent_pages_data
+    return pages_stored_bits(validate_bits_table(list(table)), d.PAGES, page_size=d.PAGE_SIZE, residual=d.RESIDUAL)
 
 
 def average_bits(table: Sequence[int], frequency: Sequence[float] | None = None) -> float:

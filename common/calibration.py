@@ -40,7 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserving.bits import average_bits, default_frequency, default_sensitivity, greedy_bits_table
+from kvserving.bits import (
+    average_bits,
+    default_frequency,
+    default_sensitivity,
+    greedy_bits_table,
+    page_greedy_table,
+    pages_stored_bits,
+)
 from kvserving.tags import NUM_TAGS, validate_bits_table
 
 VERSION = 1
@@ -48,7 +55,6 @@ SCALED_DTYPES = ("fp8_e4m3", "nvfp4")
 FREQUENCY_SOURCES = ("data", "agent")
 # A class seen on fewer tokens than this has no measured priority of its own (see ``priorities``).
 MIN_CLASS_TOKENS = 1
-_EPS = 1e-9  # budgets are decimals like 2.7: compare averages with a little slack
 
 
 def budget_key(budget: float) -> str:
@@ -266,66 +272,6 @@ def _pages(raw: object, tokens: int) -> tuple[tuple[tuple[int, tuple[tuple[int, 
     if residual + size * sum(n for n, _ in pages) != tokens:
         raise ValueError("calibration.pages must account for every calibration token (pages x size + residual = tokens)")
     return tuple(pages), size, residual
-
-
-def pages_stored_bits(table: Sequence[int], pages: Sequence[tuple[int, Sequence[tuple[int, int]]]], *, page_size: int,
-                      residual: int) -> float:
-    """Average stored bits per token: a full page is INT2 when every class in it is 2-bit, else INT4;
-    residual tokens (partial pages) INT4."""
-    total = residual + page_size * sum(n for n, _ in pages)
-    if total == 0:
-        raise ValueError("no pages and no residual tokens")
-    bits = 4 * residual + sum(n * page_size * (2 if all(table[c] == 2 for c, _ in mix) else 4) for n, mix in pages)
-    return bits / total
-
-
-def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence[tuple[int, Sequence[tuple[int, int]]]],
-                      *, page_size: int, residual: int) -> tuple[int, ...]:
-    """The greedy rule with the budget counted in stored pages (module docstring).
-
-    Start every class at 2 bits; repeatedly upgrade the class whose upgrade turns
-    INT4 the pages with the most summed per-token gain per stored bit added, among
-    those that keep the stored average <= ``budget`` (a ceiling; ties to the lower
-    tag). Classes absent from the pages, and those whose every page ended INT4
-    anyway, cost nothing on this data and get 4 bits. Per-token gains < 0 count 0."""
-    if not 2.0 <= budget <= 4.0:
-        raise ValueError(f"bit_budget must be in [2, 4], got {budget}")
-    if len(per_token) != NUM_TAGS:
-        raise ValueError(f"per_token must have {NUM_TAGS} entries, got {len(per_token)}")
-    total = residual + page_size * sum(n for n, _ in pages)
-    if total == 0:
-        raise ValueError("no pages and no residual tokens")
-    gain_of = [n * sum(max(0.0, per_token[c]) * t for c, t in mix) for n, mix in pages]
-    bits_of = [2.0 * n * page_size / total for n, _ in pages]
-    pages_of: list[list[int]] = [[] for _ in range(NUM_TAGS)]
-    for i, (_, mix) in enumerate(pages):
-        for c, _ in mix:
-            pages_of[c].append(i)
-    hot = [False] * len(pages)
-    table = [2] * NUM_TAGS
-    average = (4.0 * residual + 2.0 * page_size * sum(n for n, _ in pages)) / total
-    while True:
-        best, best_ratio, best_bits = -1, -1.0, 0.0
-        for k in range(NUM_TAGS):
-            flips = [i for i in pages_of[k] if not hot[i]]
-            if table[k] == 4 or not flips:
-                continue
-            add = sum(bits_of[i] for i in flips)
-            if average + add > budget + _EPS:
-                continue
-            ratio = sum(gain_of[i] for i in flips) / add
-            if ratio > best_ratio:
-                best, best_ratio, best_bits = k, ratio, add
-        if best < 0:
-            break
-        table[best] = 4
-        average += best_bits
-        for i in pages_of[best]:
-            hot[i] = True
-    for k in range(NUM_TAGS):
-        if all(hot[i] for i in pages_of[k]):
-            table[k] = 4
-    return tuple(table)
 
 
 def _positive_int(value: object, name: str) -> int:

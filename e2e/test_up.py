@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from kvserving.stack import free_ports
+from kvserving.stack import free_ports, port_is_free
 
 READY_S = 180.0
 
@@ -34,7 +34,9 @@ def _children_of(run_dir: Path) -> list[int]:
 
 def _start(tmp_path: Path, name: str) -> tuple[subprocess.Popen[str], Path, int]:
     run_dir = tmp_path / name
-    port = free_ports(1)[0]  # `up` takes the next port too and refuses in one line if it is busy
+    # `up` takes the next port too and refuses in one line if it is busy: the OS picks a free
+    # port from the ephemeral range, where the next one may be a live connection's local port
+    port = next(p for p in (free_ports(1)[0] for _ in range(50)) if port_is_free("127.0.0.1", p + 1))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvserving.cli", "up", "--single", "--port", str(port), "--run-dir", str(run_dir),
          "--kv-mib", "8"],

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvserving import cli
-from kvserving.bits import average_bits, bits_table_for_budget
+from kvserving.bits import average_bits, bits_table_for_budget, default_stored_bits
 from kvserving.calibrate import (
     Measurement,
     Progress,
@@ -252,6 +252,29 @@ def test_cli_errors_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     err = capsys.readouterr().err
     assert rc == code
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_the_engine_sizes_its_capacity_from_the_calibration_pages(tmp_path: Path) -> None:
+    # three full pages of user text and one of tool results: with user text at 2 bits the
+    # calibration data stores (3 x 2 + 4) / 4 = 2.5 bits, the agent pages of the default far more
+    m = _measurement({USER: 1.0, OBS: 5.0}, {USER: 96, OBS: 32})
+    m.add_pages([USER] * 96 + [OBS] * 32)
+    cal = build_calibration(m, [], search=False)
+    table = tuple(2 if c == USER else 4 for c in range(NUM_TAGS))
+    cal.tables["2.7"] = table
+    cal = Calibration(**{**{f: getattr(cal, f) for f in Calibration.__slots__}, "num_layers": TINY_SHAPE[0],
+                         "num_kv_heads": TINY_SHAPE[1], "head_dim": TINY_SHAPE[2]})
+    assert cal.stored_bits(table) == 2.5
+    path = tmp_path / "calibration.json"
+    path.write_text(cal.to_json())
+    kv = build_kv_cache(
+        KVCacheConfig(dtype="triaxial", bit_budget=2.7, memory_bytes=2**20, calibration=str(path)),
+        KVShape(*TINY_SHAPE), budget_bytes=2**20, device="cpu", model_dtype=torch.float32,
+    )
+    assert kv.bits_table == table and kv.stored_bits == 2.5 and kv.int2_share == 0.75
+    assert default_stored_bits(table) > 3.5  # user text shares most agent pages with other classes
+    assert kv.capacity_tokens == kv.capacity_tokens_at(0.75) > kv.capacity_tokens_at(0.0)
+    assert "-> 2.50 stored bits" in kv.describe()
 
 
 def test_calibrate_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from kvserving.bits import average_bits, bits_table_for_budget, format_bits_table, int2_share
+from kvserving.bits import bits_table_for_budget, default_stored_bits, format_bits_table
 from kvserving.calibration import Calibration
 from kvserving.config import KVCacheConfig
 from kvserving.tags import validate_bits_table
@@ -42,6 +42,7 @@ class KVCache:
         bit_budget: float | None,
         table_source: str = "default",
         scales_source: str = "static",
+        stored_bits: float | None = None,
     ) -> None:
         self.storage = storage
         self.pool = pool
@@ -52,6 +53,12 @@ class KVCache:
         self.table_source = table_source
         # Where the fp8/nvfp4 global scales came from: "static" (1.0) or "calibration" (the file's).
         self.scales_source = scales_source
+        # Average bits per token the bits table is expected to store (pages counted as the
+        # pool stores them); None: ``default_stored_bits`` of the table (agent pages).
+        table = manager.bits_table
+        if stored_bits is None:
+            stored_bits = 4.0 if table is None else default_stored_bits(table)
+        self._stored_bits = stored_bits
 
     # -- shape and capacity ---------------------------------------------------------------
     @property
@@ -81,12 +88,16 @@ class KVCache:
         return {bits: self.storage.total_bytes // size for bits, size in self.page_bytes.items()}
 
     @property
+    def stored_bits(self) -> float:
+        """Average bits per token the cache is expected to store: what the bits table stores
+        on the calibration file's pages, or on the agent pages of ``kvserving.bits`` (a page
+        is INT2 only when all of its tokens are 2-bit); 4 for formats without INT2 pages."""
+        return self._stored_bits
+
+    @property
     def int2_share(self) -> float:
-        """Expected share of INT2 pages: the share of 2-bit tokens under the default class
-        frequencies (``kvserving.bits``). An upper estimate: a page is INT2 only when all of
-        its tokens are 2-bit. 0 for formats without INT2 pages."""
-        table = self.bits_table
-        return 0.0 if table is None else int2_share(table)
+        """Expected share of INT2 pages (from ``stored_bits``); 0 for formats without INT2 pages."""
+        return (4.0 - self.stored_bits) / 2.0
 
     @property
     def capacity_tokens(self) -> int:
@@ -115,7 +126,7 @@ class KVCache:
         source = f"{self.table_source} table for bit budget {self.bit_budget:g}" if self.bit_budget is not None else "explicit table"
         return (
             f"{line} at INT2 share {self.int2_share:.2f} ({self.capacity_tokens_at(0.0)} all-INT4); "
-            f"{source} -> {average_bits(table):.2f} average bits; bits table: {format_bits_table(table)}"
+            f"{source} -> {self.stored_bits:.2f} stored bits; bits table: {format_bits_table(table)}"
         )
 
     # -- pages for KV transfer ------------------------------------------------------------
@@ -191,6 +202,7 @@ def build_kv_cache(
         return KVCache(storage, pool, KVCacheManager(pool, page_size=page_size), bit_budget=None, scales_source=scales_source)
     budget = None
     source = "explicit"
+    stored: float | None = None
     if bits_table is not None:
         table = validate_bits_table(list(bits_table))
     else:
@@ -199,6 +211,7 @@ def build_kv_cache(
         if calibration is not None:
             table, how = calibration.table_for_budget(budget)
             source = f"calibrated ({how}, {kv_config.calibration})"
+            stored = calibration.stored_bits(table) if calibration.pages else None
         else:
             table, source = bits_table_for_budget(budget), "default"
     pool = TriaxialPagePool(
@@ -216,4 +229,5 @@ def build_kv_cache(
         ),
         bit_budget=budget,
         table_source=source,
+        stored_bits=stored,
     )

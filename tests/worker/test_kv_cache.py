@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserving.bits import bits_table_for_budget
+from kvserving.bits import bits_table_for_budget, default_stored_bits
 from kvserving.config import KVCacheConfig
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG as F
 from kvserving.tags import NUM_TAGS
@@ -48,12 +48,14 @@ def test_triaxial_table_and_capacity_follow_the_budget() -> None:
     assert low.bits_table != high.bits_table
     assert low.page_bytes == {4: 5120, 2: 3072}
     assert low.num_pages == {4: 102, 2: 170}  # 512 KiB per layer
-    # expected INT2 share = share of 2-bit tokens: (4 - average) / 2
-    assert low.int2_share == pytest.approx((4 - 2.5) / 2) and high.int2_share == pytest.approx((4 - 3.373) / 2)
-    assert (low.capacity_tokens, high.capacity_tokens, low.capacity_tokens_at(0.0)) == (4672, 3744, 3264)
+    # expected INT2 share = (4 - stored bits) / 2, the stored bits counted in pages on the agent pages
+    assert low.stored_bits == pytest.approx(default_stored_bits(low.bits_table)) == pytest.approx(2.479, abs=5e-4)
+    assert low.int2_share == pytest.approx((4 - low.stored_bits) / 2)
+    assert high.int2_share == pytest.approx((4 - 3.462) / 2, abs=5e-4)
+    assert (low.capacity_tokens, high.capacity_tokens, low.capacity_tokens_at(0.0)) == (4704, 3648, 3264)
     assert low.capacity_tokens == low.pool.capacity_tokens(low.int2_share)
     assert build().bits_table == bits_table_for_budget(2.7)  # the config's default budget
-    assert "bit budget 2.5 -> 2.50 average bits; bits table: current text IUARCOD image IUARCOD;" in low.describe()
+    assert "bit budget 2.5 -> 2.48 stored bits; bits table: current text IUA.C.D image .......;" in low.describe()
 
 
 def test_an_explicit_table_overrides_the_budget() -> None:
@@ -61,7 +63,7 @@ def test_an_explicit_table_overrides_the_budget() -> None:
     kv = build(budget=2.5, table=table)
     assert kv.bits_table == tuple(table) and kv.bit_budget is None
     assert kv.int2_share == 0.0 and kv.capacity_tokens == 3264
-    assert "explicit table -> 4.00 average bits" in kv.describe()
+    assert "explicit table -> 4.00 stored bits" in kv.describe()
     with pytest.raises(ValueError, match="56 entries"):
         build(table=[4])
 
