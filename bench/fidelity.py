@@ -35,8 +35,9 @@
      o_exact the same layer's attention over unquantized K/V of the same tokens.
    Formats: bf16 (unquantized; fp32 on CPU, where the model runs in fp32),
    fp8 and nvfp4 at global scale 1 and calibrated, triaxial at 2.5/2.7/3.0/3.5
-   bits with (a) the engine's default table (default priorities, budget met on
-   default agent-context token shares), (b) "default@pages": the default
+   bits with (a) the engine's default table (default priorities, budget counted
+   in stored pages on the agent pages of ``kvserving.agent_pages``; before
+   2026-12-01 on token shares), (b) "default@pages": the default
    priorities through the calibration's page-counted greedy rule on the same
    calibration data (the equal-cost baseline), (c) the calibrated table.
    ``bits`` is what the sequences actually stored: a page is INT2 only if all
