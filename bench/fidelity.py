@@ -109,7 +109,7 @@ class Setup:
 
 
 CPU = Setup(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, train_steps=300, train_len=512, batch=2,
-            lr=3e-3, contexts=(2048,), eval_seqs=2, generate=64, calib_tokens=4096, calib_len=2048, chunk=256,
+            lr=3e-3, contexts=(2048,), eval_seqs=8, generate=64, calib_tokens=16384, calib_len=2048, chunk=256,
             dropout=0.0, train_chars=1_500_000)
 # ~2 passes over the deep stdlib's sources as conversations (~5M tokens): more passes over-fit (held-out
 # perplexity rises while the training loss falls; the first GPU run's 8 passes reached 155 at 2K).
@@ -400,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="JSON output (default bench/fidelity_{device}.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-steps", type=int, default=None, help="override the config's training steps")
+    ap.add_argument("--eval-seqs", type=int, default=None, help="override the config's evaluation conversations per context")
+    ap.add_argument("--calib-tokens", type=int, default=None, help="override the config's calibration tokens")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the harness runs (numbers mean nothing)")
     opts = ap.parse_args(argv)
@@ -410,8 +412,13 @@ def main(argv: list[str] | None = None) -> int:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     s = SMOKE if opts.smoke else GPU if device.type == "cuda" else CPU
-    if opts.train_steps is not None:
-        s = Setup(**{**s.__dict__, "train_steps": opts.train_steps})
+    for field in ("train_steps", "eval_seqs", "calib_tokens"):
+        value = getattr(opts, field)
+        if value is not None:
+            if value < 1:
+                print(f"fidelity: error: --{field.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)
+                return 2
+            s = Setup(**{**s.__dict__, field: value})
     out_path = opts.out or Path(__file__).with_name(f"fidelity_{device.type}.json")
     t0 = time.time()
 
