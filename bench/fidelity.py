@@ -116,6 +116,11 @@ CPU = Setup(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, train_s
 GPU = Setup(layers=8, hidden=768, heads=6, kv_heads=2, intermediate=2048, train_steps=400, train_len=2048, batch=12,
             lr=1.5e-3, contexts=(2048, 8192), eval_seqs=4, generate=256, calib_tokens=32768, calib_len=2048, chunk=512,
             dropout=0.1, train_chars=12_000_000)
+# A larger CPU model (--size large, ~13M parameters, ~30 min on an idle 2-core machine): does a model
+# that has learned more spread the per-class sensitivities the calibration measures?
+CPU_LARGE = Setup(layers=4, hidden=512, heads=4, kv_heads=2, intermediate=1024, train_steps=400, train_len=1024,
+                  batch=4, lr=2e-3, contexts=(2048,), eval_seqs=8, generate=64, calib_tokens=16384, calib_len=2048,
+                  chunk=256, dropout=0.0, train_chars=3_000_000)
 # A minute-long end-to-end check of the harness itself (--smoke); its numbers mean nothing.
 SMOKE = Setup(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, train_steps=2, train_len=128, batch=2,
               lr=3e-3, contexts=(256,), eval_seqs=1, generate=8, calib_tokens=256, calib_len=256, chunk=64)
@@ -404,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib-tokens", type=int, default=None, help="override the config's calibration tokens")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the harness runs (numbers mean nothing)")
+    ap.add_argument("--size", choices=("default", "large"), default="default",
+                    help="large: the ~13M-parameter CPU model (CPU only)")
     opts = ap.parse_args(argv)
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -411,7 +418,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    s = SMOKE if opts.smoke else GPU if device.type == "cuda" else CPU
+    if opts.size == "large" and device.type == "cuda":
+        print("fidelity: error: --size large is a CPU config; the GPU config is already larger", file=sys.stderr)
+        return 2
+    s = SMOKE if opts.smoke else GPU if device.type == "cuda" else CPU_LARGE if opts.size == "large" else CPU
     for field in ("train_steps", "eval_seqs", "calib_tokens"):
         value = getattr(opts, field)
         if value is not None:
