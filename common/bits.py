@@ -123,7 +123,7 @@ def pages_stored_bits(table: Sequence[int], pages: Sequence[tuple[int, Sequence[
 
 
 def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence[tuple[int, Sequence[tuple[int, int]]]],
-                      *, page_size: int, residual: int, absent: str = "free") -> tuple[int, ...]:
+                      *, page_size: int, residual: int, absent: str = "free", improve: bool = True) -> tuple[int, ...]:
     """The greedy rule with the budget counted in stored pages (module docstring).
 
     Start every class at 2 bits; repeatedly upgrade the class whose upgrade turns
@@ -133,7 +133,12 @@ def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence
     absent from the pages: ``absent="free"`` gives them 4 bits (they cost nothing on this
     data); ``absent="rank"`` gives them 4 only when their per-token gain is above that of
     every present class the walk left at 2 bits (the pages are a model of other traffic,
-    where they do occur). Per-token gains < 0 count 0."""
+    where they do occur). Per-token gains < 0 count 0.
+
+    With ``improve`` a swap pass follows the walk (``_swap_pass``): the walk buys
+    the best gain per bit first and can then stop well below the budget when every
+    class left is large; swapping a bought class for one that was not (or adding
+    one) while the total gain rises and the budget holds spends that rest."""
     if absent not in ("free", "rank"):
         raise ValueError(f"absent must be 'free' or 'rank', got {absent!r}")
     if not 2.0 <= budget <= 4.0:
@@ -170,6 +175,14 @@ def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence
         average += best_bits
         for i in pages_of[best]:
             hot[i] = True
+    if improve:
+        bought = _swap_pass([k for k in range(NUM_TAGS) if table[k] == 4], pages_of, gain_of, bits_of,
+                            room=budget + _EPS - average)
+        table = [4 if k in bought else 2 for k in range(NUM_TAGS)]
+        hot = [False] * len(pages)
+        for k in bought:
+            for i in pages_of[k]:
+                hot[i] = True
     for k in range(NUM_TAGS):
         if pages_of[k] and all(hot[i] for i in pages_of[k]):
             table[k] = 4
@@ -178,6 +191,58 @@ def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence
         if not pages_of[k] and (absent == "free" or max(0.0, per_token[k]) > ceiling):
             table[k] = 4
     return tuple(table)
+
+
+def _swap_pass(bought: list[int], pages_of: Sequence[Sequence[int]], gain_of: Sequence[float],
+               bits_of: Sequence[float], *, room: float, rounds: int = 4 * NUM_TAGS) -> set[int]:
+    """Improve a bought set of classes: repeatedly apply the one change -- add a class,
+    or swap a bought class for one not bought -- that raises the summed gain of the INT4
+    pages most while the added stored bits fit in ``room``; stop when none does.
+
+    A page is INT4 while any bought class is on it (``count`` of them per page), so a
+    change's cost and gain are the pages that cross zero: O(pages of the two classes)."""
+    chosen = set(bought)
+    count = [0] * len(gain_of)
+    for k in chosen:
+        for i in pages_of[k]:
+            count[i] += 1
+    candidates = [k for k in range(len(pages_of)) if pages_of[k]]
+    for _ in range(rounds):
+        best: tuple[float, float, int | None, int] | None = None  # (gain, bits, out, in)
+        for out in [None, *sorted(chosen)]:
+            d_bits = d_gain = 0.0
+            if out is not None:
+                for i in pages_of[out]:
+                    count[i] -= 1
+                    if count[i] == 0:
+                        d_bits -= bits_of[i]
+                        d_gain -= gain_of[i]
+            for k in candidates:
+                if k in chosen:
+                    continue
+                add_bits = add_gain = 0.0
+                for i in pages_of[k]:
+                    if count[i] == 0:
+                        add_bits += bits_of[i]
+                        add_gain += gain_of[i]
+                gain, bits = d_gain + add_gain, d_bits + add_bits
+                if gain > 1e-12 * (1.0 + abs(add_gain)) and bits <= room and (best is None or gain > best[0]):
+                    best = (gain, bits, out, k)
+            if out is not None:
+                for i in pages_of[out]:
+                    count[i] += 1
+        if best is None:
+            break
+        _, bits, out, k = best
+        if out is not None:
+            chosen.discard(out)
+            for i in pages_of[out]:
+                count[i] -= 1
+        chosen.add(k)
+        for i in pages_of[k]:
+            count[i] += 1
+        room -= bits
+    return chosen
 
 
 def bits_table_for_budget(budget: float) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ from kvserving.bits import (
     greedy_bits_table,
     int2_share,
     page_greedy_table,
+    pages_stored_bits,
 )
 from kvserving.tags import NUM_TAGS, encode_tag
 
@@ -68,14 +69,14 @@ def test_budgets_2_5_and_3_5_give_the_documented_tables() -> None:
     # pages of their own) and the current turn's short classes; every tool result at 2 bits
     assert format_bits_table(low) == (
         "current text IUA.C.D image .......; turn_m1 text .U..... image .......; "
-        "turn_m2 text .U..... image .......; older text ....... image ......."
+        "turn_m2 text ....C.. image .......; older text ....... image ......."
     )
     assert format_bits_table(high) == (
         "current text IUARCOD image IUARCOD; turn_m1 text IUARCOD image IUA.C.D; "
         "turn_m2 text IUA.C.D image IU..C.D; older text IUA.C.D image I.....D"
     )
     # counted as the pool stores pages, on the agent pages the table was walked on
-    assert default_stored_bits(low) == pytest.approx(2.479, abs=5e-4)
+    assert default_stored_bits(low) == pytest.approx(2.493, abs=5e-4)
     assert default_stored_bits(high) == pytest.approx(3.462, abs=5e-4)
     # the token-share count says far less for the same tables: delimiters and tool-call JSON
     # are a few % of the tokens but sit on many pages, which they keep at 4 bits
@@ -91,9 +92,9 @@ def test_default_budgets_hold_in_stored_bits_and_grow_with_the_budget() -> None:
         stored = default_stored_bits(bits_table_for_budget(budget))
         assert previous <= stored <= budget + 1e-9, budget
         previous = stored
-    # where classes are small next to the budget's step the budget is met within 0.06 bits
+    # where classes are small next to the budget's step the budget is met within 0.02 bits
     for budget in (2.3, 2.5, 2.7, 2.9, 3.4):
-        assert default_stored_bits(bits_table_for_budget(budget)) >= budget - 0.06, budget
+        assert default_stored_bits(bits_table_for_budget(budget)) >= budget - 0.02, budget
 
 
 def test_absent_classes_are_placed_by_sensitivity_not_given_free() -> None:
@@ -111,6 +112,51 @@ def test_absent_classes_are_placed_by_sensitivity_not_given_free() -> None:
     assert (ranked[user], ranked[obs], ranked[image_user], ranked[image_obs]) == (4, 2, 4, 2)
     with pytest.raises(ValueError, match="absent must be 'free' or 'rank'"):
         page_greedy_table(3.0, per_token, pages, page_size=32, residual=0, absent="maybe")
+
+
+def test_the_swap_pass_spends_what_the_walk_leaves() -> None:
+    # a: 1 page, per-token gain 10 (best ratio); b: 4 pages, gain 3 each token. Budget 2 + 2 * 4/5:
+    # the walk buys a (0.4 bits) and then b (1.6) no longer fits; swapping a for b fits and gains more
+    a, b, c = (encode_tag("current", "text", s) for s in ("user", "obs", "assistant"))
+    pages = ((1, ((a, 32),)), (4, ((b, 32),)))
+    per_token = [0.0] * NUM_TAGS
+    per_token[a], per_token[b], per_token[c] = 10.0, 3.0, 50.0  # c is absent from the pages
+    kwargs = dict(page_size=32, residual=0)
+    walk = page_greedy_table(2.0 + 2 * 4 / 5, per_token, pages, improve=False, **kwargs)
+    swapped = page_greedy_table(2.0 + 2 * 4 / 5, per_token, pages, **kwargs)
+    assert (walk[a], walk[b]) == (4, 2) and pages_stored_bits(walk, pages, **kwargs) == pytest.approx(2.4)
+    assert (swapped[a], swapped[b]) == (2, 4) and pages_stored_bits(swapped, pages, **kwargs) == pytest.approx(3.6)
+    assert walk[c] == swapped[c] == 4  # absent and free either way
+
+    def gain(table: tuple[int, ...]) -> float:
+        return sum(n * sum(per_token[k] * t for k, t in mix) for n, mix in pages if any(table[k] == 4 for k, _ in mix))
+
+    assert gain(swapped) == 4 * 32 * 3.0 > gain(walk) == 32 * 10.0
+
+
+def test_the_swap_pass_never_loses_gain_nor_breaks_the_budget() -> None:
+    import random
+
+    rng = random.Random(5)
+    kwargs = dict(page_size=32, residual=7)
+    for _ in range(30):
+        classes = rng.sample(range(NUM_TAGS), 10)
+        pages = tuple(
+            (rng.randint(1, 30), tuple(sorted(zip(sorted(rng.sample(classes, 2)), (16, 16)))) if rng.random() < 0.3
+             else ((rng.choice(classes), 32),))
+            for _ in range(12)
+        )
+        per_token = [rng.random() * 10 for _ in range(NUM_TAGS)]
+        for budget in (2.3, 2.7, 3.1, 3.6):
+            walk = page_greedy_table(budget, per_token, pages, improve=False, **kwargs)
+            best = page_greedy_table(budget, per_token, pages, **kwargs)
+            assert pages_stored_bits(best, pages, **kwargs) <= budget + 1e-9
+
+            def gain(table: tuple[int, ...]) -> float:
+                return sum(n * sum(per_token[k] * t for k, t in mix) for n, mix in pages
+                           if any(table[k] == 4 for k, _ in mix))
+
+            assert gain(best) >= gain(walk) - 1e-9
 
 
 def test_the_agent_pages_are_what_the_generator_measures() -> None:
