@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvserving.agent_load import WORDS, Conversation, Dist, LoadSpec, agent
+from kvserving.bits import PageMix, count_page_mixes, page_records
 
 PAGE_SIZE = 32
 AGENTS = 24
@@ -54,9 +55,7 @@ REASONING_TOKENS = Dist("uniform", 150, 100, 1)
 def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(max(n, 1)))
 
-# A page's class mix: ((tag, tokens), ...) sorted by tag; the pages: (count, mix) entries.
-Mix = tuple[tuple[int, int], ...]
-Pages = tuple[tuple[int, Mix], ...]
+Pages = tuple[tuple[int, PageMix], ...]
 
 
 def agent_messages(spec: LoadSpec, i: int) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
@@ -81,14 +80,9 @@ def agent_messages(spec: LoadSpec, i: int) -> tuple[list[dict[str, object]], lis
 def page_mix(tag_lists: Sequence[Sequence[int]], *, page_size: int = PAGE_SIZE) -> tuple[Pages, int]:
     """(pages, residual): the class mix of every full page of each prompt (from position 0),
     counted, most common first; tokens of partial last pages."""
-    counts: Counter[Mix] = Counter()
-    residual = 0
-    for tags in tag_lists:
-        full = len(tags) - len(tags) % page_size
-        for s in range(0, full, page_size):
-            counts[tuple(sorted(Counter(tags[s : s + page_size]).items()))] += 1
-        residual += len(tags) - full
-    return tuple(sorted(((n, mix) for mix, n in counts.items()), key=lambda e: (-e[0], e[1]))), residual
+    counts: Counter[PageMix] = Counter()
+    residual = sum(count_page_mixes(counts, tags, page_size) for tags in tag_lists)
+    return page_records(counts), residual
 
 
 def measure(*, agents: int = AGENTS, spec: LoadSpec = SPEC) -> tuple[Pages, int, int]:

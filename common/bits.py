@@ -51,6 +51,7 @@ Pure Python; imports no component.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 
 from kvserving import agent_pages_data
@@ -109,6 +110,24 @@ def greedy_bits_table(budget: float, *, gain: Sequence[float], frequency: Sequen
             table[k] = 4
             average = upgraded
     return tuple(table)
+
+
+# A page's class mix: ((tag, tokens), ...) sorted by tag; a page record: (number of pages, mix).
+PageMix = tuple[tuple[int, int], ...]
+
+
+def count_page_mixes(counts: Counter[PageMix], tags: Sequence[int], page_size: int) -> int:
+    """Add the class mix of every full page of one prompt (pages from position 0) to
+    ``counts``; return the tokens of its partial last page (stored INT4)."""
+    full = len(tags) - len(tags) % page_size
+    for s in range(0, full, page_size):
+        counts[tuple(sorted(Counter(tags[s : s + page_size]).items()))] += 1
+    return len(tags) - full
+
+
+def page_records(counts: Counter[PageMix]) -> tuple[tuple[int, PageMix], ...]:
+    """``counts`` as (number of pages, mix) records, most common first, ties by mix."""
+    return tuple(sorted(((n, mix) for mix, n in counts.items()), key=lambda e: (-e[0], e[1])))
 
 
 def pages_stored_bits(table: Sequence[int], pages: Sequence[tuple[int, Sequence[tuple[int, int]]]], *, page_size: int,

@@ -50,6 +50,7 @@ from typing import Any, TextIO
 import torch
 
 from kvserving.agent_load import Dist, LoadSpec, agent
+from kvserving.bits import PageMix, count_page_mixes, page_records
 from kvserving.calibration import SCALED_DTYPES, Calibration, LayerScales, budget_key
 from kvserving.config import ModelConfig
 from kvserving.gateway.chat_template import ChatTemplate
@@ -374,15 +375,12 @@ class Measurement:
     k_err: dict[str, list[list[float]]]
     v_err: dict[str, list[list[float]]]
     # class mix of every full page of PAGE tokens -> number of such pages; tokens of partial pages
-    pages: Counter[tuple[tuple[int, int], ...]] = field(default_factory=Counter)
+    pages: Counter[PageMix] = field(default_factory=Counter)
     residual: int = 0
 
     def add_pages(self, tags: Sequence[int]) -> None:
         """Record a prompt's page layout (its tokens from position 0 in pages of PAGE)."""
-        full = len(tags) - len(tags) % PAGE
-        for s in range(0, full, PAGE):
-            self.pages[tuple(sorted(Counter(tags[s : s + PAGE]).items()))] += 1
-        self.residual += len(tags) - full
+        self.residual += count_page_mixes(self.pages, tags, PAGE)
 
     @classmethod
     def empty(cls, args: ModelArgs) -> Measurement:
@@ -461,7 +459,7 @@ def build_calibration(m: Measurement, budgets: Sequence[float], *, search: bool,
         frequency=tuple(c / total for c in m.counts), frequency_source=frequency_source,
         distortion={2: tuple(m.d2), 4: tuple(m.d4)}, tables={},
         scales={d: _best_scales(m, d, search) for d in SCALED_DTYPES},
-        pages=tuple(sorted(((n, mix) for mix, n in m.pages.items()), key=lambda e: (-e[0], e[1]))),
+        pages=page_records(m.pages),
         page_size=PAGE, residual=m.residual,
     )
     for b in budgets:

@@ -114,7 +114,8 @@ def test_absent_classes_are_placed_by_sensitivity_not_given_free() -> None:
         page_greedy_table(3.0, per_token, pages, page_size=32, residual=0, absent="maybe")
 
 
-def _int4_gain(table: tuple[int, ...], pages: tuple, per_token: list[float]) -> float:  # type: ignore[type-arg]
+def _int4_gain(table: tuple[int, ...], pages: tuple[tuple[int, tuple[tuple[int, int], ...]], ...],
+               per_token: list[float]) -> float:
     """Summed per-token gain of the pages ``table`` stores INT4 (any 4-bit class on them)."""
     return sum(n * sum(per_token[k] * t for k, t in mix) for n, mix in pages if any(table[k] == 4 for k, _ in mix))
 
