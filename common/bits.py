@@ -55,6 +55,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kvserving import agent_pages_data
+from kvserving.page_search import best_classes, swap_pass
 from kvserving.tags import MODAL, NUM_TAGS, SEMANTIC, TEMPORAL, decode_tag, validate_bits_table
 
 TEMPORAL_SENSITIVITY = {"current": 8.0, "turn_m1": 4.0, "turn_m2": 2.0, "older": 1.0}
@@ -154,17 +155,22 @@ def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence
     every present class the walk left at 2 bits (the pages are a model of other traffic,
     where they do occur). Per-token gains < 0 count 0.
 
-    With ``improve`` a swap pass follows the walk (``_swap_pass``): the walk buys
-    the best gain per bit first and can then stop well below the budget when every
-    class left is large; swapping a bought class for one that was not (or adding
-    one) while the total gain rises and the budget holds spends that rest."""
+    With ``improve`` (``kvserving.page_search``) the walk's set is improved: the
+    walk buys the best gain per bit first and can then stop well below the budget
+    when every class left is large. A swap pass (add a class, or swap one bought
+    class for one that was not, while the total gain rises and the budget holds),
+    then an exact branch-and-bound search over the bought sets (two-for-one swaps
+    and the like) from there: the INT4 pages' summed gain never falls below the
+    walk's, the budget holds, and the set is the best one whenever the search
+    completes (``page_search.MAX_NODES``; < 1,000 nodes on the agent pages)."""
     if absent not in ("free", "rank"):
         raise ValueError(f"absent must be 'free' or 'rank', got {absent!r}")
     if not 2.0 <= budget <= 4.0:
         raise ValueError(f"bit_budget must be in [2, 4], got {budget}")
     if len(per_token) != NUM_TAGS:
         raise ValueError(f"per_token must have {NUM_TAGS} entries, got {len(per_token)}")
-    total = residual + page_size * sum(n for n, _ in pages)
+    n_pages = sum(n for n, _ in pages)
+    total = residual + page_size * n_pages
     if total == 0:
         raise ValueError("no pages and no residual tokens")
     gain_of = [n * sum(max(0.0, per_token[c]) * t for c, t in mix) for n, mix in pages]
@@ -175,7 +181,7 @@ def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence
             pages_of[c].append(i)
     hot = [False] * len(pages)
     table = [2] * NUM_TAGS
-    average = (4.0 * residual + 2.0 * page_size * sum(n for n, _ in pages)) / total
+    average = (4.0 * residual + 2.0 * page_size * n_pages) / total
     while True:
         best, best_ratio, best_bits = -1, -1.0, 0.0
         for k in range(NUM_TAGS):
@@ -195,8 +201,11 @@ def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence
         for i in pages_of[best]:
             hot[i] = True
     if improve:
-        bought = _swap_pass([k for k in range(NUM_TAGS) if table[k] == 4], pages_of, gain_of, bits_of,
-                            room=budget + _EPS - average)
+        bought = swap_pass([k for k in range(NUM_TAGS) if table[k] == 4], pages_of, gain_of, bits_of,
+                           room=budget + _EPS - average)
+        # the most full pages that may be INT4: (4 r + 2 P s + 2 s W) / total <= budget
+        capacity = math.floor(((budget + _EPS) * total - 4.0 * residual - 2.0 * page_size * n_pages) / (2.0 * page_size))
+        bought = set(best_classes(bought, pages_of, gain_of, [n for n, _ in pages], capacity=capacity).chosen)
         table = [4 if k in bought else 2 for k in range(NUM_TAGS)]
         hot = [False] * len(pages)
         for k in bought:
@@ -210,58 +219,6 @@ def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence
         if not pages_of[k] and (absent == "free" or max(0.0, per_token[k]) > ceiling):
             table[k] = 4
     return tuple(table)
-
-
-def _swap_pass(bought: list[int], pages_of: Sequence[Sequence[int]], gain_of: Sequence[float],
-               bits_of: Sequence[float], *, room: float, rounds: int = 4 * NUM_TAGS) -> set[int]:
-    """Improve a bought set of classes: repeatedly apply the one change -- add a class,
-    or swap a bought class for one not bought -- that raises the summed gain of the INT4
-    pages most while the added stored bits fit in ``room``; stop when none does.
-
-    A page is INT4 while any bought class is on it (``count`` of them per page), so a
-    change's cost and gain are the pages that cross zero: O(pages of the two classes)."""
-    chosen = set(bought)
-    count = [0] * len(gain_of)
-    for k in chosen:
-        for i in pages_of[k]:
-            count[i] += 1
-    candidates = [k for k in range(len(pages_of)) if pages_of[k]]
-    for _ in range(rounds):
-        best: tuple[float, float, int | None, int] | None = None  # (gain, bits, out, in)
-        for out in [None, *sorted(chosen)]:
-            d_bits = d_gain = 0.0
-            if out is not None:
-                for i in pages_of[out]:
-                    count[i] -= 1
-                    if count[i] == 0:
-                        d_bits -= bits_of[i]
-                        d_gain -= gain_of[i]
-            for k in candidates:
-                if k in chosen:
-                    continue
-                add_bits = add_gain = 0.0
-                for i in pages_of[k]:
-                    if count[i] == 0:
-                        add_bits += bits_of[i]
-                        add_gain += gain_of[i]
-                gain, bits = d_gain + add_gain, d_bits + add_bits
-                if gain > 1e-12 * (1.0 + abs(add_gain)) and bits <= room and (best is None or gain > best[0]):
-                    best = (gain, bits, out, k)
-            if out is not None:
-                for i in pages_of[out]:
-                    count[i] += 1
-        if best is None:
-            break
-        _, bits, out, k = best
-        if out is not None:
-            chosen.discard(out)
-            for i in pages_of[out]:
-                count[i] -= 1
-        chosen.add(k)
-        for i in pages_of[k]:
-            count[i] += 1
-        room -= bits
-    return chosen
 
 
 def bits_table_for_budget(budget: float) -> tuple[int, ...]:

@@ -49,13 +49,13 @@ def test_triaxial_table_and_capacity_follow_the_budget() -> None:
     assert low.page_bytes == {4: 5120, 2: 3072}
     assert low.num_pages == {4: 102, 2: 170}  # 512 KiB per layer
     # expected INT2 share = (4 - stored bits) / 2, the stored bits counted in pages on the agent pages
-    assert low.stored_bits == pytest.approx(default_stored_bits(low.bits_table)) == pytest.approx(2.493, abs=5e-4)
+    assert low.stored_bits == pytest.approx(default_stored_bits(low.bits_table)) == pytest.approx(2.496, abs=5e-4)
     assert low.int2_share == pytest.approx((4 - low.stored_bits) / 2)
     assert high.int2_share == pytest.approx((4 - 3.462) / 2, abs=5e-4)
     assert (low.capacity_tokens, high.capacity_tokens, low.capacity_tokens_at(0.0)) == (4672, 3648, 3264)
     assert low.capacity_tokens == low.pool.capacity_tokens(low.int2_share)
     assert build().bits_table == bits_table_for_budget(2.7)  # the config's default budget
-    assert "bit budget 2.5 -> 2.49 stored bits; bits table: current text IUA.C.D image .......;" in low.describe()
+    assert "bit budget 2.5 -> 2.50 stored bits; bits table: current text IU..C.. image .......;" in low.describe()
 
 
 def test_an_explicit_table_overrides_the_budget() -> None:
