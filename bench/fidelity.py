@@ -482,7 +482,9 @@ def main(argv: list[str] | None = None) -> int:
                             "classes": {"/".join(decode_tag(k)): {"share": cal.frequency[k], "gain": cal.priorities()[k],
                                                                   "default": default_sensitivity()[k]}
                                         for k in range(len(cal.frequency)) if cal.frequency[k] > 0},
-                            "scales": {d: {"k": sc.k, "v": sc.v, "method": sc.method} for d, sc in cal.scales.items()}},
+                            "scales": {d: {"k": sc.k, "v": sc.v, "method": sc.method} for d, sc in cal.scales.items()},
+                            # the whole calibration file (its pages and distortions): tables can be re-derived offline
+                            "file": cal.to_dict()},
             "calibration_files": [str(p.relative_to(p.parents[len(p.parents) - 1])) for p in calib_files][:3] + ["..."],
             "evaluation_files": len(eval_files),
             "contexts": {},
@@ -532,7 +534,11 @@ def run_context(model_dir: Path, cal: Calibration, seqs: list[Any], s: Setup, ct
         engine = build_engine(model_dir, dtype, device=device, ctx=ctx, chunk=s.chunk, **kw)
         rec = LayerError(engine.attention, engine.args.num_layers)
         acc = Score()
-        bits = [score(engine, q.ids, q.tags, s.chunk, rec, acc, r) for q, r in zip(seqs, ref)]
+        bits, kl_seq = [], []
+        for q, r in zip(seqs, ref):
+            kl0, n0 = acc.kl, acc.count
+            bits.append(score(engine, q.ids, q.tags, s.chunk, rec, acc, r))
+            kl_seq.append((acc.kl - kl0) / max(1, acc.count - n0))
         gen_n = s.generate
         prompts = [q.ids[:-gen_n] for q in seqs]
         tags = [q.tags[:-gen_n] for q in seqs]
@@ -549,6 +555,7 @@ def run_context(model_dir: Path, cal: Calibration, seqs: list[Any], s: Setup, ct
             "reply_ppl": math.exp(acc.reply_nll / acc.reply_count) if acc.reply_count else None,
             "reply_tokens": acc.reply_count,
             "kl_vs_bf16": acc.kl / acc.count,
+            "kl_per_sequence": kl_seq,  # paired across rows: how many conversations a KL difference holds on
             "top1_vs_bf16": acc.top1 / acc.count,
             "stored_bits": sum(bits) / len(bits),
             "stored_bits_calibration_data": cal.stored_bits(table) if table is not None else None,
