@@ -408,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-seqs", type=int, default=None, help="override the config's evaluation conversations per context")
     ap.add_argument("--calib-tokens", type=int, default=None, help="override the config's calibration tokens")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--triaxial-only", action="store_true",
+                    help="score bf16 (the reference) and the triaxial rows only: more conversations in the same time")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the harness runs (numbers mean nothing)")
     ap.add_argument("--size", choices=("default", "large"), default="default",
                     help="large: the ~13M-parameter CPU model (CPU only)")
@@ -494,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
             seqs = [q for q in seqs if len(q.ids) >= ctx // 2][: s.eval_seqs]
             if not seqs:
                 raise RuntimeError(f"no held-out sequence of >= {ctx // 2} tokens")
-            results["contexts"][str(ctx)] = run_context(model_dir, cal, seqs, s, ctx, device)
+            results["contexts"][str(ctx)] = run_context(model_dir, cal, seqs, s, ctx, device,
+                                                        triaxial_only=opts.triaxial_only)
             out_path.write_text(json.dumps(results, indent=1) + "\n")  # each context as it completes
         results["seconds"] = round(time.time() - t0, 1)
     finally:
@@ -525,11 +528,14 @@ def variants(cal: Calibration) -> list[tuple[str, str, dict[str, Any]]]:
     return rows
 
 
-def run_context(model_dir: Path, cal: Calibration, seqs: list[Any], s: Setup, ctx: int, device: torch.device) -> dict[str, Any]:
+def run_context(model_dir: Path, cal: Calibration, seqs: list[Any], s: Setup, ctx: int, device: torch.device, *,
+                triaxial_only: bool = False) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     reference_out: list[list[int]] | None = None
     ref: list[list[torch.Tensor]] = [[] for _ in seqs]  # the bf16 run's log-probabilities per sequence and chunk
     for name, dtype, kw in variants(cal):
+        if triaxial_only and dtype not in ("bf16", "triaxial"):
+            continue
         t = time.time()
         engine = build_engine(model_dir, dtype, device=device, ctx=ctx, chunk=s.chunk, **kw)
         rec = LayerError(engine.attention, engine.args.num_layers)
