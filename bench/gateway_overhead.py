@@ -48,7 +48,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import httpx
@@ -76,6 +76,57 @@ try:
 finally:
     profile.dump_stats(out)
 """
+
+
+class _Relay(asyncio.Protocol):
+    """One side of a relayed connection: bytes received are written to the peer as they come."""
+
+    def __init__(self, peer: asyncio.Transport | None = None) -> None:
+        self.peer = peer
+        self.pending: list[bytes] = []  # bytes from the client while the upstream connection opens
+
+    def data_received(self, data: bytes) -> None:
+        if self.peer is None:
+            self.pending.append(data)
+        else:
+            self.peer.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.peer is not None:
+            self.peer.close()
+
+
+class _Downstream(_Relay):
+    """The client's side: opens its upstream connection when accepted."""
+
+    def __init__(self, upstream_port: int, tasks: set[asyncio.Task[None]]) -> None:
+        super().__init__()
+        self.upstream_port, self.tasks = upstream_port, tasks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are no asyncio.Transport subclasses; they have its methods
+        task = asyncio.get_running_loop().create_task(self.connect(cast(asyncio.Transport, transport)))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def connect(self, down: asyncio.Transport) -> None:
+        up, _ = await asyncio.get_running_loop().create_connection(lambda: _Relay(down), "127.0.0.1", self.upstream_port)
+        up.write(b"".join(self.pending))
+        self.pending.clear()
+        self.peer = up
+
+
+def relay_main(listen_port: int, upstream_port: int) -> None:
+    """The null proxy: accept on ``listen_port``, relay every connection's bytes to ``upstream_port`` and back."""
+    import uvloop
+
+    async def serve() -> None:
+        tasks: set[asyncio.Task[None]] = set()
+        server = await asyncio.get_running_loop().create_server(
+            lambda: _Downstream(upstream_port, tasks), "127.0.0.1", listen_port)
+        await server.serve_forever()
+
+    uvloop.run(serve())
 
 
 def spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -207,14 +258,16 @@ class Row:
     sessions: int
     think_s: float
     direct: list[float]
+    relay: list[float]  # the direct requests through the null proxy
     gateway: list[float]
     cpu_ms: float  # gateway CPU per request, background subtracted
     worker_cpu_ms: float  # the fake worker's CPU per request in the direct runs: the same work without the gateway
 
 
 def run_row(n: int, think_s: float, args: argparse.Namespace, *, tagger: ChatTagger, reply: str, worker_url: str,
-            gw_url: str, gw_pid: int, worker_pid: int, idle_cpu_per_s: float) -> Row:
+            relay_url: str, gw_url: str, gw_pid: int, worker_pid: int, idle_cpu_per_s: float) -> Row:
     direct: list[float] = []
+    relay: list[float] = []
     gateway: list[float] = []
     gw_cpu = worker_cpu = 0.0
     rounds = max(args.rounds, -(-args.min_requests // (n * args.turns)))
@@ -224,11 +277,13 @@ def run_row(n: int, think_s: float, args: argparse.Namespace, *, tagger: ChatTag
         before = cpu_s(worker_pid)
         direct += asyncio.run(measure(worker_url, plan, waits, via_gateway=False))
         worker_cpu += cpu_s(worker_pid) - before
+        plan = bodies(n, args.turns, reply, tagger, via_gateway=False, max_tokens=args.max_tokens)
+        relay += asyncio.run(measure(relay_url, plan, waits, via_gateway=False))
         plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
         before, t0 = cpu_s(gw_pid), time.monotonic()
         gateway += asyncio.run(measure(gw_url, plan, waits, via_gateway=True))
         gw_cpu += cpu_s(gw_pid) - before - idle_cpu_per_s * (time.monotonic() - t0)
-    return Row(n, think_s, direct, gateway, 1e3 * gw_cpu / len(gateway), 1e3 * worker_cpu / len(direct))
+    return Row(n, think_s, direct, relay, gateway, 1e3 * gw_cpu / len(gateway), 1e3 * worker_cpu / len(direct))
 
 
 def main() -> int:
@@ -241,7 +296,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternating direct/gateway rounds per row")
     parser.add_argument("--min-requests", type=int, default=36, help="more rounds for a row with fewer requests per path")
     parser.add_argument("--profile", default=None, metavar="FILE", help="run the gateway under cProfile (CPU time), stats to FILE")
+    parser.add_argument("--relay", default=None, help=argparse.SUPPRESS)  # LISTEN:UPSTREAM: run as the null proxy
     args = parser.parse_args()
+    if args.relay:
+        listen, upstream = (int(x) for x in args.relay.split(":"))
+        relay_main(listen, upstream)
+        return 0
     if args.think_s < 0:
         raise SystemExit("--think-s must be >= 0")
     model_dir = resolve_model_dir(ServingConfig().model)
@@ -251,8 +311,9 @@ def main() -> int:
     reply = tok.decode(reply_ids)
 
     tmp = Path(tempfile.mkdtemp(prefix="gw-bench-"))
-    worker_port, gw_port = free_port(), free_port()
+    worker_port, gw_port, relay_port = free_port(), free_port(), free_port()
     worker_url, gw_url = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{gw_port}"
+    relay_url = f"http://127.0.0.1:{relay_port}"
     (tmp / "config.json").write_text(json.dumps({"model": {"path": str(model_dir), "served_name": MODEL}}))
     procs = [
         spawn([sys.executable, str(ROOT / "tests/gateway/fake_worker.py"), "--port", str(worker_port),
@@ -260,29 +321,33 @@ def main() -> int:
         spawn([sys.executable, *(["-c", PROFILED, args.profile] if args.profile else ["-m", "kvserving.cli"]), "gateway",
                "--config", str(tmp / "config.json"), "--port", str(gw_port), "--decode", worker_url, "--log-level", "warning"],
               tmp / "gateway.log"),
+        spawn([sys.executable, __file__, "--relay", f"{relay_port}:{worker_port}"], tmp / "relay.log"),
     ]
     try:
         wait_ready(worker_url, procs[0], tmp / "worker.log")
         wait_ready(gw_url, procs[1], tmp / "gateway.log")
+        wait_ready(relay_url, procs[2], tmp / "relay.log")  # the worker's /ready, through the relay
         before = cpu_s(procs[1].pid)
         time.sleep(3.0)  # the gateway's background work (health polls, lease beats) while idle
         idle = (cpu_s(procs[1].pid) - before) / 3.0
         plan = [(int(x), args.think_s) for x in args.sessions.split(",") if x]
         plan += [(int(x), 0.0) for x in args.saturation.split(",") if x]
-        rows = [run_row(n, think, args, tagger=tagger, reply=reply, worker_url=worker_url, gw_url=gw_url,
+        rows = [run_row(n, think, args, tagger=tagger, reply=reply, worker_url=worker_url, relay_url=relay_url, gw_url=gw_url,
                         gw_pid=procs[1].pid, worker_pid=procs[0].pid, idle_cpu_per_s=idle) for n, think in plan]
         print(f"gateway overhead: TTFT through the gateway minus straight to the worker ({args.turns} turns per session, "
               f"fake worker answering instantly, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
               f"gateway idle CPU {1e3 * idle:.1f} ms/s subtracted)\n")
         print("| think time | sessions | requests | direct p50 ms | direct p99 ms | gateway p50 ms | gateway p99 ms "
-              "| added p50 ms | added p99 ms | gateway CPU ms/request | worker CPU ms/request (direct) |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| added p50 ms | added p99 ms | null proxy added p50 / p99 ms | gateway minus null proxy p50 / p99 ms "
+              "| gateway CPU ms/request | worker CPU ms/request (direct) |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for row in rows:
-            d50, d99, g50, g99 = (1e3 * pct(v, q) for v, q in
-                                  ((row.direct, 0.5), (row.direct, 0.99), (row.gateway, 0.5), (row.gateway, 0.99)))
+            d50, d99, r50, r99, g50, g99 = (1e3 * pct(v, q) for v in (row.direct, row.relay, row.gateway)
+                                            for q in (0.5, 0.99))
             load = f"exp. mean {row.think_s:g} s" if row.think_s > 0 else "none (saturation)"
             print(f"| {load} | {row.sessions} | {len(row.gateway)} | {d50:.2f} | {d99:.2f} | {g50:.2f} | {g99:.2f} "
-                  f"| {g50 - d50:.2f} | {g99 - d99:.2f} | {row.cpu_ms:.2f} | {row.worker_cpu_ms:.2f} |")
+                  f"| {g50 - d50:.2f} | {g99 - d99:.2f} | {r50 - d50:.2f} / {r99 - d99:.2f} "
+                  f"| {g50 - r50:.2f} / {g99 - r99:.2f} | {row.cpu_ms:.2f} | {row.worker_cpu_ms:.2f} |")
     finally:
         for proc in procs:
             if proc.poll() is None:

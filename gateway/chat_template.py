@@ -189,6 +189,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 _DICT_ATTRIBUTES = frozenset(dir(dict))
+_SAFE_CACHE_SIZE = 4096  # (type, attribute name) verdicts per template; names come from the template's source
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
@@ -207,6 +208,24 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             except KeyError:
                 return self.undefined(obj=obj, name=attribute)
         return super().getattr(obj, attribute)
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        """The sandbox's verdict, remembered per (type, name): it reads only the name and
+        the object's type (private names, the internal attributes of functions, frames
+        and generators, the mutating methods of mutable containers), never the value.
+        Half of a long conversation's render went to these checks (`str.split` and
+        `loop.previtem` per message)."""
+        key = (type(obj), attr)
+        safe = self._safe.get(key)
+        if safe is None:
+            safe = super().is_safe_attribute(obj, attr, value)
+            if len(self._safe) < _SAFE_CACHE_SIZE:
+                self._safe[key] = safe
+        return safe
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._safe: dict[tuple[type, str], bool] = {}
 
 
 @lru_cache(maxsize=16)

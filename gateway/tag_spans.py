@@ -13,7 +13,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserving.tags import SEMANTIC, encode_tag
+from kvserving.tags import SEMANTIC
 
 from .chat_template import Message
 from .tag_markers import Chunk, Piece
@@ -37,49 +37,84 @@ class Controls:
         return out
 
 
-def label(
-    chunks: list[Chunk], pieces: list[Piece], text: str, controls: Controls, temporals: list[str]
-) -> tuple[list[tuple[int, int, int]], dict[int, int]]:
-    """(start, end, tag) spans covering `text`, and where each message's header
-    begins (the character where the template text before its first piece, or
-    before its place when it rendered no piece, takes its turn)."""
-    spans: list[tuple[int, int, int]] = []
-    headers: dict[int, int] = {}
-    # Merge neighbouring template-text chunks into one gap each.
+# A labelled span of the text: (start, end, owner, semantic index). The owner is the
+# message whose turn the span takes (its temporal part comes from that message's
+# place in the request: `tagger.message_temporals`), or ALWAYS_CURRENT. Spans hold
+# no temporal so that a conversation's next turn can reuse them (they only age).
+Span = tuple[int, int, int, int]
+ALWAYS_CURRENT = -1
+DELIM = SEMANTIC.index("delim")
+_SEM = {name: k for k, name in enumerate(SEMANTIC)}
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """Where labelling starts: the first merged chunk to label, the piece before it,
+    and the header position after it (``label``'s state at that point)."""
+
+    index: int = 0
+    prev: Piece | None = None
+    header: int = 0
+
+
+def merge_chunks(chunks: list[Chunk]) -> list[Chunk]:
+    """Neighbouring template-text chunks joined into one gap each."""
     merged: list[Chunk] = []
     for c in chunks:
         if merged and c[2] == -1 and merged[-1][2] == -1 and merged[-1][1] == c[0]:
             merged[-1] = (merged[-1][0], c[1], -1)
         else:
             merged.append(c)
+    return merged
+
+
+def label(
+    merged: list[Chunk], pieces: list[Piece], text: str, controls: Controls, num_messages: int,
+    *, resume: Resume = Resume(), rendered: set[int] | None = None,
+) -> tuple[list[Span], dict[int, int]]:
+    """Spans covering `text` from merged chunk ``resume.index`` on, and where each
+    message's header begins (the character where the template text before its first
+    piece, or before its place when it rendered no piece, takes its turn).
+
+    What it decides for a chunk depends on the chunks up to the next piece only (and on
+    which messages render a piece at all, ``rendered``): so labels of a prompt's text
+    up to a piece stay valid for a longer prompt with the same chunks up to there."""
+    spans: list[Span] = []
+    headers: dict[int, int] = {}
     # The next piece after each chunk (one backward pass).
     following: list[Piece | None] = [None] * len(merged)
     nxt: Piece | None = None
-    for idx in range(len(merged) - 1, -1, -1):
+    for idx in range(len(merged) - 1, resume.index - 1, -1):
         following[idx] = nxt
         if merged[idx][2] >= 0:
             nxt = pieces[merged[idx][2]]
-    rendered = {pieces[c[2]].message for c in merged if c[2] >= 0}
-    prev: Piece | None = None
-    header = 0
-    for idx, (start, end, pid) in enumerate(merged):
+    if rendered is None:
+        rendered = rendered_messages(merged, pieces)
+    prev, header = resume.prev, resume.header
+    for idx in range(resume.index, len(merged)):
+        start, end, pid = merged[idx]
         if pid >= 0:
             piece = pieces[pid]
             if piece.message >= 0:
                 headers.setdefault(piece.message, min(header, start))
             header = end
-            spans.append((start, end, encode_tag(piece.temporal, "text", piece.semantic)))
+            spans.append((start, end, piece.message, _SEM[piece.semantic]))
             prev = piece
             continue
         after = following[idx]
         lo = prev.message + 1 if prev is not None else 0
-        hi = after.message if after is not None else len(temporals)
+        hi = after.message if after is not None else num_messages
         skipped = [i for i in range(max(lo, 0), hi) if i not in rendered]
-        gap, header, skipped_headers = _gap_spans(start, end, prev, after, text, controls, [(i, temporals[i]) for i in skipped])
+        gap, header, skipped_headers = _gap_spans(start, end, prev, after, text, controls, skipped)
         spans.extend(gap)
         for i, char in skipped_headers.items():
             headers.setdefault(i, char)
     return spans, headers
+
+
+def rendered_messages(merged: list[Chunk], pieces: list[Piece]) -> set[int]:
+    """The messages with at least one piece in the text."""
+    return {pieces[c[2]].message for c in merged if c[2] >= 0}
 
 
 def _gap_spans(
@@ -89,12 +124,12 @@ def _gap_spans(
     nxt: Piece | None,
     text: str,
     controls: Controls,
-    skipped: list[tuple[int, str]],
-) -> tuple[list[tuple[int, int, int]], int, dict[int, int]]:
+    skipped: list[int],
+) -> tuple[list[Span], int, dict[int, int]]:
     """Template text between two pieces (rule in the module doc): its spans,
     where the next piece's header begins, and the headers of the messages in
-    between that rendered no piece (`skipped`: index and turn, e.g. an empty
-    user message).
+    between that rendered no piece (`skipped`: their indices, e.g. an empty
+    user message). Spans name their owner message, not a turn (`Span`).
 
     The delimiter part switches from the turn of the piece before to the turn
     of the piece after at the last opener: a control token that begins a line
@@ -107,7 +142,7 @@ def _gap_spans(
     stretch from its opener.
     """
     if prev is not None and nxt is not None and prev.region == nxt.region:
-        return [(start, end, encode_tag(prev.temporal, "text", prev.semantic))], start, {}
+        return [(start, end, prev.message, _SEM[prev.semantic])], start, {}
     inside = controls.within(start, end)
     first = text.find("\n", start, end)
     first = end if first < 0 else first
@@ -123,8 +158,8 @@ def _gap_spans(
     if first >= last:  # no boundary at all: the gap follows the piece before
         owner = prev if prev is not None else nxt
         if owner is None:
-            return [(start, end, encode_tag("current", "text", "delim"))], start, {}
-        return [(start, end, encode_tag(owner.temporal, "text", owner.semantic))], start, {}
+            return [(start, end, ALWAYS_CURRENT, DELIM)], start, {}
+        return [(start, end, owner.message, _SEM[owner.semantic])], start, {}
     ends = {b for _, b in inside}
     begins = {a for a, _ in inside}
     openers = [
@@ -137,13 +172,13 @@ def _gap_spans(
     ]
     special = [a for a in openers if a in controls.special]
     candidates = special or openers
-    before = prev.temporal if prev is not None else "current"
-    after = nxt.temporal if nxt is not None else "current"
+    before = prev.message if prev is not None else ALWAYS_CURRENT
+    after = nxt.message if nxt is not None else ALWAYS_CURRENT
     # Owners of the delimiter stretches that start at each cut.
     if skipped and len(candidates) == len(skipped) + 1:
-        cuts, owners = candidates, [t for _, t in skipped] + [after]
+        cuts, owners = candidates, [*skipped, after]
     elif skipped and nxt is None and len(candidates) == len(skipped):
-        cuts, owners = candidates, [t for _, t in skipped]
+        cuts, owners = candidates, list(skipped)
     else:
         cuts, owners, skipped = [candidates[-1] if candidates else first], [after], []
     # The system block's own prose is instruction too: after its last piece up
@@ -159,28 +194,72 @@ def _gap_spans(
             while body < last and text[body] == "\n":
                 body += 1
             last = body
-    spans = []
+    spans: list[Span] = []
     if prev is not None and first > start:
-        spans.append((start, first, encode_tag(prev.temporal, "text", prev.semantic)))
+        spans.append((start, first, prev.message, _SEM[prev.semantic]))
     if cuts[0] > first:
-        spans.append((first, cuts[0], encode_tag(before, "text", "delim")))
-    for j, (cut, turn) in enumerate(zip(cuts, owners, strict=True)):
+        spans.append((first, cuts[0], before, DELIM))
+    for j, (cut, turn_owner) in enumerate(zip(cuts, owners, strict=True)):
         stop = cuts[j + 1] if j + 1 < len(cuts) else last
-        spans.append((cut, stop, encode_tag(turn, "text", "delim")))
+        spans.append((cut, stop, turn_owner, DELIM))
     if nxt is not None and last < end:
-        spans.append((last, end, encode_tag(nxt.temporal, "text", nxt.semantic)))
-    return spans, cuts[-1], {i: cuts[j] for j, (i, _) in enumerate(skipped)}
+        spans.append((last, end, nxt.message, _SEM[nxt.semantic]))
+    return spans, cuts[-1], {i: cuts[j] for j, i in enumerate(skipped)}
 
 
-def token_tags(spans: list[tuple[int, int, int]], starts: Sequence[int]) -> list[int]:
-    """Each token (given by its first character, ``starts``) takes the tag of the span holding it."""
-    tags = [encode_tag("current", "text", "delim")] * len(starts)
-    for start, end, tag in spans:
-        # Tokens are in text order, so those starting in [start, end) are one slice.
-        lo, hi = bisect.bisect_left(starts, start), bisect.bisect_left(starts, end)
-        if hi > lo:
-            tags[lo:hi] = [tag] * (hi - lo)
-    return tags
+# Consecutive tokens with one label: (end token, owner, base), base = modal * 7 + semantic.
+Run = tuple[int, int, int]
+
+
+def token_runs(spans: list[Span], starts: Sequence[int], first: int = 0) -> list[Run]:
+    """Runs of the tokens from ``first`` on: each token (given by its first character,
+    ``starts``) takes the label of the span holding it; tokens no span holds are
+    current delimiters."""
+    runs: list[Run] = []
+    pos, n = first, len(starts)
+    for a, b, owner, sem in spans:
+        # Spans are in text order and do not overlap, so each one's tokens are the next slice.
+        lo = bisect.bisect_left(starts, a, pos, n)
+        hi = bisect.bisect_left(starts, b, lo, n)
+        if hi <= lo:
+            continue
+        if lo > pos:
+            _extend(runs, lo, ALWAYS_CURRENT, DELIM)
+        _extend(runs, hi, owner, sem)
+        pos = hi
+    if pos < n:
+        _extend(runs, n, ALWAYS_CURRENT, DELIM)
+    return runs
+
+
+def _extend(runs: list[Run], end: int, owner: int, base: int) -> None:
+    if runs and runs[-1][1] == owner and runs[-1][2] == base:
+        runs[-1] = (end, owner, base)
+    else:
+        runs.append((end, owner, base))
+
+
+def run_tags(runs: Sequence[Run], temporal_of: Sequence[int]) -> list[int]:
+    """One tag per token: each run's owner gives its temporal index (``temporal_of[message]``)."""
+    width = 2 * len(SEMANTIC)  # tag = (temporal * 2 + modal) * 7 + semantic = temporal * 14 + base
+    out: list[int] = []
+    lo = 0
+    for hi, owner, base in runs:
+        out += [(temporal_of[owner] if owner >= 0 else 0) * width + base] * (hi - lo)
+        lo = hi
+    return out
+
+
+def runs_before(runs: Sequence[Run], end: int) -> tuple[Run, ...]:
+    """The runs of the tokens before token ``end``."""
+    out: list[Run] = []
+    if end <= 0:
+        return ()
+    for hi, owner, base in runs:
+        out.append((min(hi, end), owner, base))
+        if hi >= end:
+            break
+    return tuple(out)
 
 
 # -- images and turns ---------------------------------------------------------

@@ -62,17 +62,21 @@ labelled characters into token tags, this module runs the two.
 
 from __future__ import annotations
 
+import bisect
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from array import array
 
 from kvserving.tags import TEMPORAL, encode_tag
 
 from . import tag_markers, tag_spans
 from .chat_template import ChatTemplate, Message, normalize_messages, normalize_tools
 from .errors import GatewayError
-from .token_prefixes import TokenPrefixes
+from .tag_markers import Chunk, Piece
+from .token_prefixes import Prefixed, TokenPrefixes, split_offsets
 from .tokenizer import TextTokenizer
 
 
@@ -113,6 +117,7 @@ class ChatTagger:
         # new text; ids and offsets are those of a full tokenization either way.
         self.prefixes = prefixes
         self._control_ids = frozenset(tokenizer.added_tokens)
+        self.label_hits = 0  # prompts that reused a kept prefix's labels
 
     def build(
         self,
@@ -122,41 +127,70 @@ class ChatTagger:
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> TaggedPrompt:
-        """Check (400 `GatewayError` on bad input), render, tokenize and tag a chat request."""
+        """Check (400 `GatewayError` on bad input), render, tokenize and tag a chat request.
+
+        With `prefixes`, a turn that extends a kept prompt reuses that prompt's token
+        labels up to its last piece before the kept cut (`_Labels`: valid when the
+        marked render has the same chunks and pieces up to there), so its work on the
+        shared history is array copies and one template render pair, not a pass over
+        every token; the result equals a tagging from scratch (tests hold it so)."""
         msgs = normalize_messages(messages)
         tool_list = normalize_tools(tools)
         text = self.template.render(msgs, tools=tool_list, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
-        enc = self.prefixes.encode(text) if self.prefixes is not None else self.tokenizer.encode(text)
+        got = self._tokens(text)
         codec = tag_markers.pick_codec(text)
         if codec is None:  # the request itself uses every marker alphabet
-            return self._coarse(text, enc.ids, enc.offsets)
+            return self._coarse(text, got.ids, got.offsets())
         marks = tag_markers.Marks()
         temporals = message_temporals(msgs)
-        marked_msgs = [tag_markers.mark_message(m, i, temporals[i], codec, marks) for i, m in enumerate(msgs)]
-        # Tool schemas join the system message's block (its index, when there is one).
+        # Tool schemas join the system message's block (its index, when there is one). They
+        # are marked first so that every piece keeps its id when later turns add messages.
         owner = 0 if msgs[0]["role"] == "system" else -1
         marked_tools = None if tool_list is None else [tag_markers.mark_tool(t, codec, marks, message=owner) for t in tool_list]
+        marked_msgs = [tag_markers.mark_message(m, i, temporals[i], codec, marks) for i, m in enumerate(msgs)]
         try:
             marked_text = self.template.render(
                 marked_msgs, tools=marked_tools, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
             )
         except GatewayError:  # the template refused marked content it accepts plain
-            return self._coarse(text, enc.ids, enc.offsets)
+            return self._coarse(text, got.ids, got.offsets())
         plain, chunks = tag_markers.parse_marked(marked_text, codec)
         method = "markers"
         if plain != text:
             chunks, method = tag_markers.align(chunks, plain, text), "aligned"
         pieces = list(marks.pieces)
-        runs = tag_spans.image_runs(enc.ids, self.tokenizer.image_token_ids)
-        if runs and len(runs) == len(marks.images):
-            chunks = tag_spans.insert_images(chunks, runs, marks.images, enc.offsets, pieces, msgs, temporals)
-        spans, headers = tag_spans.label(chunks, pieces, text, self._controls(enc.ids, enc.offsets), temporals)
-        char_starts = _char_starts(enc.offsets)
-        tags = tag_spans.token_tags(spans, char_starts)
-        tag_spans.tag_images(tags, runs)
+        images = tag_spans.image_runs(got.ids, self.tokenizer.image_token_ids)
+        if images and len(images) == len(marks.images):
+            chunks = tag_spans.insert_images(chunks, images, marks.images, got.offsets(), pieces, msgs, temporals)
+        merged = tag_spans.merge_chunks(chunks)
+        rendered = tag_spans.rendered_messages(merged, pieces)
+        # Labels are kept and reused on the exact path only (markers, no image runs).
+        exact = method == "markers" and not images
+        prior = _reusable(got.reused, merged, pieces, rendered) if exact else None
+        first = prior.tokens if prior is not None else 0
+        self.label_hits += prior is not None
+        resume = tag_spans.Resume(len(prior.chunks), pieces[prior.chunks[-1][2]], prior.chunks[-1][1]) if prior else tag_spans.Resume()
+        spans, headers = tag_spans.label(merged, pieces, text, self._controls(got, first), len(msgs),
+                                         resume=resume, rendered=rendered)
+        runs = [*prior.runs, *tag_spans.token_runs(spans, got.starts, first)] if prior else tag_spans.token_runs(spans, got.starts)
+        tags = tag_spans.run_tags(runs, [TEMPORAL.index(t) for t in temporals])
+        tag_spans.tag_images(tags, images)
+        if prior is not None:
+            headers.update(prior.headers)  # the prefix's headers came first
+        char_starts = tuple(got.starts)
         starts = tag_spans.turn_starts(msgs, headers, char_starts)
-        return TaggedPrompt(text=text, input_ids=enc.ids, tags=tags, turn_starts=starts, method=method,
+        if exact:
+            for entry in got.filed:
+                entry.labels = _keep(entry.cut, merged, pieces, rendered, runs, headers, got.starts)
+        return TaggedPrompt(text=text, input_ids=got.ids, tags=tags, turn_starts=starts, method=method,
                             char_starts=char_starts)
+
+    def _tokens(self, text: str) -> Prefixed:
+        if self.prefixes is not None:
+            return self.prefixes.encode_prefixed(text)
+        enc = self.tokenizer.encode(text)
+        starts, ends = split_offsets(enc.offsets, 0)
+        return Prefixed(enc.ids, starts, ends, None, ())
 
     def _coarse(self, text: str, ids: list[int], offsets: list[tuple[int, int]]) -> TaggedPrompt:
         """Tags without the template's structure: control tokens are current
@@ -166,12 +200,14 @@ class ChatTagger:
         tags = [image if t in images else delim if t in controls else user for t in ids]
         return TaggedPrompt(text=text, input_ids=ids, tags=tags, method="coarse", char_starts=_char_starts(offsets))
 
-    def _controls(self, ids: list[int], offsets: list[tuple[int, int]]) -> tag_spans.Controls:
+    def _controls(self, got: Prefixed, first: int) -> tag_spans.Controls:
+        """The control tokens from token ``first`` on (labelling starts there)."""
         control, images, specials = self._control_ids, self.tokenizer.image_token_ids, self.tokenizer.special_ids
-        found = [k for k, t in enumerate(ids) if t in control]
-        spans = [offsets[k] for k in found if offsets[k][1] > offsets[k][0]]
-        image = frozenset(offsets[k][0] for k in found if ids[k] in images)
-        special = frozenset(offsets[k][0] for k in found if ids[k] in specials)
+        ids, starts, ends = got.ids, got.starts, got.ends
+        found = [k for k in range(first, len(ids)) if ids[k] in control]
+        spans = [(starts[k], ends[k]) for k in found if ends[k] > starts[k]]
+        image = frozenset(starts[k] for k in found if ids[k] in images)
+        special = frozenset(starts[k] for k in found if ids[k] in specials)
         return tag_spans.Controls(spans=spans, starts=[a for a, _ in spans], image=image, special=special)
 
     def tag_text(self, text: str) -> TaggedPrompt:
@@ -207,3 +243,71 @@ _FIRST = operator.itemgetter(0)
 
 def _char_starts(offsets: Sequence[tuple[int, int]]) -> tuple[int, ...]:
     return tuple(map(_FIRST, offsets))  # C-speed: a generator spent ~40 us on a 600-token prompt
+
+
+# -- labels kept for the next turn ---------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Labels:
+    """A prompt prefix's token labels, kept with its tokens (a `TokenPrefixes`
+    entry) for the next turn of the conversation (or another one that starts
+    with the same first message).
+
+    They cover the text up to the end of the last piece before the entry's cut:
+    `tag_spans.label` decides a chunk from the chunks up to the next piece and
+    from which messages render a piece at all, so a longer prompt whose marked
+    render has the same merged chunks and pieces up to there, and the same
+    rendered messages among those, labels that text the same way. Labels name
+    owner messages, not turns, so they age with the request's temporals."""
+
+    chunks: tuple[Chunk, ...]  # merged chunks, the last one a piece
+    pieces: tuple[tuple[str, tuple[object, ...], int], ...]  # (semantic, region, message) of the pieces up to them
+    rendered: frozenset[int]  # messages up to `last_message` that render a piece
+    last_message: int
+    runs: tuple[tag_spans.Run, ...]  # the labels of the tokens before `tokens`
+    tokens: int  # tokens whose first character is before the last chunk's end
+    headers: dict[int, int]  # message headers found before that end
+
+
+def _piece_key(pieces: list[Piece]) -> tuple[tuple[str, tuple[object, ...], int], ...]:
+    return tuple((p.semantic, p.region, p.message) for p in pieces)
+
+
+def _keep(cut: int, merged: list[Chunk], pieces: list[Piece], rendered: set[int], runs: list[tag_spans.Run],
+          headers: dict[int, int], starts: array[int]) -> _Labels | None:
+    """The labels of this prompt up to its last piece that ends by ``cut``."""
+    j = len(merged) - 1
+    while j >= 0 and (merged[j][2] < 0 or merged[j][1] > cut):
+        j -= 1
+    if j < 0:
+        return None
+    chunks = tuple(merged[: j + 1])
+    used = [pid for _, _, pid in chunks if pid >= 0]
+    last_message = max(pieces[pid].message for pid in used)
+    end = chunks[-1][1]
+    tokens = bisect.bisect_left(starts, end)
+    return _Labels(
+        chunks=chunks,
+        pieces=_piece_key(pieces[: max(used) + 1]),
+        rendered=frozenset(m for m in rendered if m <= last_message),
+        last_message=last_message,
+        runs=tag_spans.runs_before(runs, tokens),
+        tokens=tokens,
+        headers={m: c for m, c in headers.items() if c < end},
+    )
+
+
+def _reusable(entry: object, merged: list[Chunk], pieces: list[Piece], rendered: set[int]) -> _Labels | None:
+    """The kept labels of the prefix this prompt extends, when they hold for it (`_Labels`)."""
+    labels = getattr(entry, "labels", None)
+    if not isinstance(labels, _Labels):
+        return None
+    n, k = len(labels.chunks), len(labels.pieces)
+    if len(merged) < n or tuple(merged[:n]) != labels.chunks:
+        return None
+    if len(pieces) < k or _piece_key(pieces[:k]) != labels.pieces:
+        return None
+    if frozenset(m for m in rendered if m <= labels.last_message) != labels.rendered:
+        return None
+    return labels

@@ -48,6 +48,12 @@ starts and ends as 4-byte arrays, plus the text), least recently used first
 out; a prompt's entry replaces the one it extended, so a conversation holds
 one entry (its latest turn's), plus one per distinct first message. Pure (no
 I/O), one event loop owns it.
+
+Each entry can also carry what its owner derived from the same prefix (the
+tagger keeps the prefix's labels there: `Prefixed.reused.labels`), so a turn's
+work on the history it shares with the previous turn is a few array copies,
+not a pass over every token: `encode_prefixed` returns ids and offsets as
+arrays, never a Python tuple per token.
 """
 
 from __future__ import annotations
@@ -60,13 +66,29 @@ from dataclasses import dataclass
 
 from .tokenizer import Encoded, TextTokenizer
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Entry:
     text: str  # the prompt through its cut + reach
     ids: array[int]  # tokens before the cut
     starts: array[int]
     ends: array[int]
+    cut: int  # characters before the cut token: the text these ids cover
     shared: bool = False  # the first message's prefix, kept for every conversation that starts with it
+    labels: object = None  # what the owner derived from this prefix (opaque here)
+
+
+@dataclass(frozen=True, slots=True)
+class Prefixed:
+    """A text's tokens (equal to a full tokenization), with where they came from."""
+
+    ids: list[int]
+    starts: array[int]  # first character of each token
+    ends: array[int]  # one past its last character
+    reused: _Entry | None  # the kept prefix this text extends, if any
+    filed: tuple[_Entry, ...]  # the entries kept for this text's prefixes (its own; its shared first message)
+
+    def offsets(self) -> list[tuple[int, int]]:
+        return list(zip(self.starts, self.ends, strict=True))
 
 
 class TokenPrefixes:
@@ -112,25 +134,36 @@ class TokenPrefixes:
         """``tokenizer.encode(text)``, reusing a kept prefix; keeps this text's prefix for the next turn."""
         if not self.enabled:
             return self.tokenizer.encode(text)
+        got = self.encode_prefixed(text)
+        return Encoded(ids=got.ids, offsets=got.offsets())
+
+    def encode_prefixed(self, text: str) -> Prefixed:
+        """``encode`` as arrays, with the kept prefix it reused and the entries it kept."""
+        if not self.enabled:
+            enc = self.tokenizer.encode(text)
+            starts, ends = split_offsets(enc.offsets, 0)
+            return Prefixed(enc.ids, starts, ends, None, ())
         found = self._lookup(text)
+        entry: _Entry | None = None
         if found is None:
             self.misses += 1
             enc = self.tokenizer.encode(text)
+            ids = enc.ids
+            starts, ends = split_offsets(enc.offsets, 0)
         else:
             self.hits += 1
             key, entry = found
             cut = key[0]
             rest = self.tokenizer.encode(text[cut:])
             ids = entry.ids.tolist() + rest.ids
-            offsets = list(zip(entry.starts, entry.ends, strict=True))
-            offsets += [(a + cut, b + cut) for a, b in rest.offsets]
-            enc = Encoded(ids=ids, offsets=offsets)
+            rest_starts, rest_ends = split_offsets(rest.offsets, cut)
+            starts, ends = entry.starts + rest_starts, entry.ends + rest_ends
             if entry.shared:
                 self._entries.move_to_end(key)
             else:
                 self._drop(key)  # this prompt's entry supersedes it
-        self._keep(text, enc)
-        return enc
+        filed = self._keep(text, ids, starts, ends)
+        return Prefixed(ids, starts, ends, entry, filed)
 
     def _lookup(self, text: str) -> tuple[tuple[int, int], _Entry] | None:
         assert self._pattern is not None
@@ -142,49 +175,58 @@ class TokenPrefixes:
                 return key, entry
         return None
 
-    def _keep(self, text: str, enc: Encoded) -> None:
+    def _keep(self, text: str, ids: list[int], starts: array[int], ends: array[int]) -> tuple[_Entry, ...]:
         """File ``text``'s tokens before its last cut token that ends ``reach`` before the text does."""
-        ids, offsets = enc.ids, enc.offsets
         k = len(ids) - 1
-        while k >= 0 and not (ids[k] in self._cut_ids and offsets[k][0] + self.reach <= len(text)):
+        while k >= 0 and not (ids[k] in self._cut_ids and starts[k] + self.reach <= len(text)):
             k -= 1
         if k <= 0:
-            return
-        self._file(text, enc, k, shared=False)
+            return ()
+        filed = [self._file(text, ids, starts, ends, k, shared=False)]
         # The first message's prefix, for new conversations that share it (module docstring).
         assert self._pattern is not None
         match = self._pattern.search(text, 1)
         if match is not None:
-            first = bisect.bisect_left(offsets, (match.start(),))
-            if 0 < first < k and offsets[first][0] == match.start() and ids[first] in self._cut_ids:
-                self._file(text, enc, first, shared=True)
+            first = bisect.bisect_left(starts, match.start())
+            if 0 < first < k and starts[first] == match.start() and ids[first] in self._cut_ids:
+                filed.append(self._file(text, ids, starts, ends, first, shared=True))
+        return tuple(e for e in filed if e is not None)
 
-    def _file(self, text: str, enc: Encoded, k: int, *, shared: bool) -> None:
+    def _file(self, text: str, ids: list[int], starts: array[int], ends: array[int], k: int, *,
+              shared: bool) -> _Entry | None:
         """Keep the tokens before token ``k`` (a cut token ending ``reach`` before the text does)."""
-        ids, offsets = enc.ids, enc.offsets
-        cut = offsets[k][0]
-        if text[cut:offsets[k][1]] != self.tokenizer.added_tokens.get(ids[k]):
-            return  # the token's span is not its content (cannot happen for a cut token; stay safe)
+        cut = starts[k]
+        if text[cut:ends[k]] != self.tokenizer.added_tokens.get(ids[k]):
+            return None  # the token's span is not its content (cannot happen for a cut token; stay safe)
         key = (cut, hash(text[:cut]))
         if shared:
-            if key in self._entries:
-                return  # filed already (by this conversation's first turn or another's)
+            kept = self._entries.get(key)
+            if kept is not None and kept.text == text[: cut + self.reach]:
+                return kept  # filed already (by this conversation's first turn or another's)
+            if kept is not None:
+                return None  # another text under the same key: the first one keeps its place
         else:
             self._drop(key)
-        entry = _Entry(
-            text=text[: cut + self.reach],
-            ids=array("i", ids[:k]),
-            starts=array("i", [a for a, _ in offsets[:k]]),
-            ends=array("i", [b for _, b in offsets[:k]]),
-            shared=shared,
-        )
+        entry = _Entry(text=text[: cut + self.reach], ids=array("i", ids[:k]), starts=starts[:k], ends=ends[:k],
+                       cut=cut, shared=shared)
         self._entries[key] = entry
         self._tokens += k
         while self._entries and (len(self._entries) > self.max_entries or self._tokens > self.max_tokens):
             _, old = self._entries.popitem(last=False)
             self._tokens -= len(old.ids)
+        return entry
 
     def _drop(self, key: tuple[int, int]) -> None:
         old = self._entries.pop(key, None)
         if old is not None:
             self._tokens -= len(old.ids)
+
+
+def split_offsets(offsets: list[tuple[int, int]], shift: int) -> tuple[array[int], array[int]]:
+    """Character offsets as arrays of first and one-past-last characters, shifted by ``shift``."""
+    if not offsets:
+        return array("i"), array("i")
+    starts, ends = zip(*offsets, strict=True)
+    if shift:
+        return array("i", [a + shift for a in starts]), array("i", [b + shift for b in ends])
+    return array("i", starts), array("i", ends)
