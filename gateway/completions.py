@@ -323,11 +323,11 @@ class Completions:
             completion_tokens = detok.count
         canonical, sent = self._sent.pop(turn_request.request_id, (turn_request.input_ids, None))
         if turn_request.conversation_key is not None:  # what the next turn will start with
-            self.index.remember(turn_request.conversation_key, canonical)
-            # The output re-encoded from its text, as the next turn's template renders it:
-            # sampled ids need not be the canonical tokenization (GWTEMPLATE).
+            # The prompt, and the prompt + the output re-encoded from its text, as the next
+            # turn's template renders it: sampled ids need not be the canonical tokenization
+            # (GWTEMPLATE).
             output_ids = self.model.tokenizer.encode_ids(detok.text)
-            self.index.remember(turn_request.conversation_key, canonical + output_ids)
+            self.index.remember(turn_request.conversation_key, canonical + output_ids, prefix=len(canonical))
             if sent is not None:  # what the workers hold: the prompt as sent and the ids actually sampled
                 self.history.record(turn_request.conversation_key, sent, detok.ids, detok.text)
         result_final = turn.result or turn.ended_early()

@@ -136,15 +136,38 @@ class ExactHistory:
 
 
 def _retag(prompt: TaggedPrompt, ids: list[int], starts: tuple[int, ...], canon_starts: tuple[int, ...]) -> TaggedPrompt:
-    """Tags and user-turn starts of ``ids`` (first characters ``starts``) from the canonical tagging."""
-    last = len(prompt.tags) - 1
+    """Tags and user-turn starts of ``ids`` (first characters ``starts``) from the canonical tagging.
 
-    def tag_at(char: int) -> int:
-        return prompt.tags[max(0, min(last, bisect.bisect_right(canon_starts, char) - 1))]
-
-    tags = [tag_at(c) for c in starts]
+    Each token takes the tag of the last canonical token starting at or before its first
+    character. With the canonical tags as runs (`TaggedPrompt.tag_runs`) that is one
+    bisection per run, not per token: a run of canonical tokens [s, e) covers the
+    characters from canon_starts[s] up to canon_starts[e]."""
+    runs = prompt.tag_runs or _runs_of(prompt.tags)
+    tags: list[int] = []
+    out_runs: list[tuple[int, int]] = []
+    lo, n = 0, len(canon_starts)
+    for k, (end, tag) in enumerate(runs):
+        hi = len(starts) if k == len(runs) - 1 or end >= n else bisect.bisect_left(starts, canon_starts[end], lo)
+        if hi > lo:
+            tags += [tag] * (hi - lo)
+            if out_runs and out_runs[-1][1] == tag:
+                out_runs[-1] = (hi, tag)
+            else:
+                out_runs.append((hi, tag))
+            lo = hi
     turn_starts = tuple(
         min(bisect.bisect_left(starts, canon_starts[t] if t < len(canon_starts) else len(prompt.text)), len(ids) - 1)
         for t in prompt.turn_starts
     )
-    return replace(prompt, input_ids=ids, tags=tags, turn_starts=turn_starts, char_starts=starts)
+    return replace(prompt, input_ids=ids, tags=tags, turn_starts=turn_starts, char_starts=starts, tag_runs=tuple(out_runs))
+
+
+def _runs_of(tags: list[int]) -> list[tuple[int, int]]:
+    """(end token, tag) runs of a tag list (a prompt tagged without runs: one step per token)."""
+    out: list[tuple[int, int]] = []
+    for k, tag in enumerate(tags):
+        if out and out[-1][1] == tag:
+            out[-1] = (k + 1, tag)
+        else:
+            out.append((k + 1, tag))
+    return out

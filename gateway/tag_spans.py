@@ -250,6 +250,19 @@ def run_tags(runs: Sequence[Run], temporal_of: Sequence[int]) -> list[int]:
     return out
 
 
+def final_runs(runs: Sequence[Run], temporal_of: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """``run_tags`` as runs of (end token, tag), neighbours with one tag joined."""
+    width = 2 * len(SEMANTIC)
+    out: list[tuple[int, int]] = []
+    for hi, owner, base in runs:
+        tag = (temporal_of[owner] if owner >= 0 else 0) * width + base
+        if out and out[-1][1] == tag:
+            out[-1] = (hi, tag)
+        else:
+            out.append((hi, tag))
+    return tuple(out)
+
+
 def runs_before(runs: Sequence[Run], end: int) -> tuple[Run, ...]:
     """The runs of the tokens before token ``end``."""
     out: list[Run] = []

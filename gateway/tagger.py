@@ -101,6 +101,9 @@ class TaggedPrompt:
     # First character of each token in `text` (empty when unknown, e.g. ids given
     # directly); exact_history maps tokens to characters with it.
     char_starts: tuple[int, ...] = ()
+    # The tags as runs, (end token, tag), when the tagger had them (empty otherwise):
+    # what maps other ids onto these tags without a step per token (exact_history).
+    tag_runs: tuple[tuple[int, int], ...] = ()
 
     @property
     def current_turn_start(self) -> int:
@@ -173,8 +176,10 @@ class ChatTagger:
         spans, headers = tag_spans.label(merged, pieces, text, self._controls(got, first), len(msgs),
                                          resume=resume, rendered=rendered)
         runs = [*prior.runs, *tag_spans.token_runs(spans, got.starts, first)] if prior else tag_spans.token_runs(spans, got.starts)
-        tags = tag_spans.run_tags(runs, [TEMPORAL.index(t) for t in temporals])
+        temporal_of = [TEMPORAL.index(t) for t in temporals]
+        tags = tag_spans.run_tags(runs, temporal_of)
         tag_spans.tag_images(tags, images)
+        tag_runs = () if images else tag_spans.final_runs(runs, temporal_of)
         if prior is not None:
             headers.update(prior.headers)  # the prefix's headers came first
         char_starts = tuple(got.starts)
@@ -183,7 +188,7 @@ class ChatTagger:
             for entry in got.filed:
                 entry.labels = _keep(entry.cut, merged, pieces, rendered, runs, headers, got.starts)
         return TaggedPrompt(text=text, input_ids=got.ids, tags=tags, turn_starts=starts, method=method,
-                            char_starts=char_starts)
+                            char_starts=char_starts, tag_runs=tag_runs)
 
     def _tokens(self, text: str) -> Prefixed:
         if self.prefixes is not None:

@@ -114,3 +114,39 @@ def test_history_is_bounded_lru(tagger: ChatTagger, tok: TextTokenizer) -> None:
     assert len(history) == 2
     with pytest.raises(ValueError, match="max_conversations"):
         ExactHistory(tok, max_conversations=0)
+
+
+def test_retag_by_runs_equals_the_tag_of_the_covering_canonical_token() -> None:
+    """Mapping by runs (one bisection per run of equal tags) gives every token the tag
+    of the last canonical token starting at or before its first character, as a step
+    per token would; repeated starts (a character split over two byte tokens), held
+    tokens before the first and after the last canonical start included."""
+    import bisect
+    import itertools
+    import random
+
+    from kvserving.gateway.exact_history import _retag
+    from kvserving.gateway.tagger import TaggedPrompt
+
+    rng = random.Random(5)
+    for _ in range(300):
+        n = rng.randint(1, 40)
+        canon = sorted(rng.randint(0, 60) for _ in range(n))
+        tags = [rng.choice([3, 3, 3, 17, 20]) for _ in range(n)]
+        held = tuple(sorted(rng.randint(-2, 70) for _ in range(rng.randint(1, 50))))
+        runs, end = [], 0
+        for tag, group in itertools.groupby(tags):
+            end += len(list(group))
+            runs.append((end, tag))
+        want = [tags[max(0, min(n - 1, bisect.bisect_right(canon, c) - 1))] for c in held]
+        for tag_runs in ((), tuple(runs)):  # the tagger's runs, or none (one step per token)
+            prompt = TaggedPrompt(text="x" * 70, input_ids=list(range(n)), tags=tags, char_starts=tuple(canon),
+                                  tag_runs=tag_runs)
+            got = _retag(prompt, list(range(len(held))), held, tuple(canon))
+            assert got.tags == want
+            expanded, lo = [], 0
+            for hi, tag in got.tag_runs:
+                assert hi > lo
+                expanded += [tag] * (hi - lo)
+                lo = hi
+            assert expanded == want

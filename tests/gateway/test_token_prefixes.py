@@ -301,8 +301,11 @@ def test_kept_labels_give_the_tags_of_a_full_tagging(name: str, tokenizer: TextT
         for turns, tools in sessions:  # round robin: the sessions' kept prefixes interleave
             if turns:
                 messages = turns.pop(0)
-                assert incremental.build(copy.deepcopy(messages), tools=copy.deepcopy(tools)) == \
-                    full.build(copy.deepcopy(messages), tools=copy.deepcopy(tools))
+                got = incremental.build(copy.deepcopy(messages), tools=copy.deepcopy(tools))
+                assert got == full.build(copy.deepcopy(messages), tools=copy.deepcopy(tools))
+                if got.tag_runs:  # the runs are the tags
+                    assert [t for (hi, t), lo in zip(got.tag_runs, [0] + [h for h, _ in got.tag_runs])
+                            for _ in range(hi - lo)] == got.tags
                 requests += 1
     # The labels were reused where the template keeps earlier turns as they were and
     # renders nothing after them but the generation prompt (the tools-after layout
