@@ -229,7 +229,11 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time tuning variants (Gluon: every shape; tl: 32x32K)")
     ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--variants", default="", help='JSON list of Gluon tunings timed next to the default, e.g. [{"STAGES": 2}]')
+    ap.add_argument("--no-tl", action="store_true", help="skip the tl kernel rows of the packed formats")
+    ap.add_argument("--no-writes", action="store_true", help="skip the write / gather rows")
     args = ap.parse_args()
+    variants: list[dict[str, int]] = json.loads(args.variants) if args.variants else []
     shapes = [(int(s.split("x")[0]), int(s.split("x")[1])) for s in args.shapes.split(",")]
     formats = args.formats.split(",")
     torch.manual_seed(0)
@@ -260,7 +264,23 @@ def main() -> None:
             outs[fmt] = pool.decode(q).float()
             record(shape, f"ours {fmt}", ms, pool_bytes, resources=resources(pool))
             print("      " + resources(pool), flush=True)
-            if fmt in ("nvfp4", "triaxial"):
+            if fmt in ("nvfp4", "triaxial") and variants:
+                from kvserving.kernels import gluon_decode
+
+                base = gluon_decode.GL_TUNING[pool.layout.fmt]
+                for var in variants:
+                    cfg = {**base, **var}
+                    name = " ".join(f"{k}{v}" for k, v in var.items())
+                    try:
+                        t = time_ms(lambda: pool.decode(q, kernel="gluon", tuning=cfg))
+                        err = float((pool.decode(q, kernel="gluon", tuning=cfg).float() - outs[fmt]).norm() / outs[fmt].norm())
+                    except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                        print(f"  {fmt} gluon {name}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                        continue
+                    record(shape, f"  {fmt} {name}", t, pool_bytes, tuning=cfg, rel_diff_vs_default=err,
+                           resources=resources(pool))  # fmt: skip
+                    print(f"      {resources(pool)}; vs default output rel diff {err:.2e}", flush=True)
+            if fmt in ("nvfp4", "triaxial") and not args.no_tl:
                 # the tl kernel (what CI's interpreter runs) next to the default Gluon one
                 t = time_ms(lambda: pool.decode(q, kernel="tl"))
                 err = float((pool.decode(q, kernel="tl").float() - outs[fmt]).norm() / outs[fmt].norm())
@@ -317,7 +337,7 @@ def main() -> None:
                     record(shape, f"flashinfer {fmt}", time_ms(fn), pool_bytes, rel_diff_vs_ours=err)
                 except Exception as exc:  # noqa: BLE001 - report and go on: FlashInfer is a comparison only
                     print(f"flashinfer {fmt}: skipped ({type(exc).__name__}: {str(exc)[:300]})", flush=True)
-            if shape == (32, 32768):
+            if shape == (32, 32768) and not args.no_writes:
                 # quantize-on-write: 32K new tokens into this pool's pages; bytes = bf16 in + pages out
                 tok = torch.arange(32768, device="cuda")
                 k = torch.randn(32768, H, D, device="cuda", dtype=torch.bfloat16)

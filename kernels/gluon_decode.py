@@ -7,12 +7,15 @@ costs more than reading the bytes (bench/NOTES-kernels.md). Gluon lets the
 kernel choose every layout, so here each thread loads exactly the bytes whose
 values its ``mma.m16n8k16`` fragments hold, unpacks them with a few integer ops
 and one ``f16x2`` multiply (or fma) per pair, and hands the registers to the
-tensor core: no shared memory in the loop.
+tensor core: no shared-memory round trip of unpacked values in the loop.
 
 One program = one (split, kv head, sequence), W warps. Each warp runs its own
 online softmax over its own pages (NT = pages-per-warp x page-size tokens per
 step) and the warps merge by log-sum-exp at the end; the splits merge in
-``triton_common._merge_kernel``. Per warp and step::
+``triton_common._merge_kernel``. A step's bytes are staged by ``cp.async`` in
+a shared-memory ring one step ahead (``STAGES``; each thread copies the bytes
+it later reads, in the layouts below), so the next step's loads are in flight
+while this one unpacks. Per warp and step::
 
     S^T[NT, HP] = K[NT, D] . q^T[D, HP]         K: A operand (rows = tokens), HP = query heads padded to 8
     O^T[D, HP] += V^T[D, NT] . P^T[NT, HP]      V^T: A operand (rows = channels), P^T: B operand
@@ -49,7 +52,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .gluon_fragments import (
     ASM_INT2_K,
@@ -77,6 +80,8 @@ from .paged_kv import PagedKV
 from .triton_common import LOG2E, field_offsets, folded_scales, merge_splits, prepare_splits
 
 FLAG: gl.constexpr = gl.constexpr(INT2_PAGE_FLAG)
+# cp.async global -> shared: `async_copy_global_to_shared` in triton 3.6 (the device), renamed `async_load` by 3.9 (CI)
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 
 # ----------------------------------------------------------------------------
@@ -185,6 +190,149 @@ def _load_step(pt_row, base, hi, num_tokens, h, buf_ptr, total_bytes, FMT: gl.co
     return kb, vb, ks, kz, vs, vz
 
 
+@gluon.constexpr_function
+def _ring_layout(rank: int) -> Any:
+    """Plain row-major shared layout of one slot (rank dims) of a staging ring: the copies write what the reads read."""
+    return gl.SwizzledSharedLayout(1, 1, 1, list(range(rank - 1, -1, -1)))
+
+
+@gluon.constexpr_function
+def _row_layout(w: int, rows: int, per_thread: int) -> Any:
+    """[W, rows, n] with per_thread contiguous elements a thread (one cp.async of 8 bytes), rows over the lanes."""
+    return gl.BlockedLayout([1, 1, per_thread], [1, 32, 1], [w, 1, 1], [2, 1, 0])
+
+
+@gluon.jit
+def _rings(FMT: gl.constexpr, NT: gl.constexpr, HP: gl.constexpr, STAGES: gl.constexpr, LV_LOAD: gl.constexpr):
+    """Shared-memory rings of STAGES steps for every field a step reads: (K bytes, V bytes, K scales, K zeros,
+    V scales, V zeros); nvfp4 has no zeros (its rings alias the scales')."""
+    D: gl.constexpr = 128
+    W: gl.constexpr = gl.num_warps()
+    INT2: gl.constexpr = FMT == GL_FMT_INT2
+    KB: gl.constexpr = D // 4 if INT2 else D // 2
+    VG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else KB // 4
+    NGR: gl.constexpr = D // 32
+    kr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, KB], _ring_layout(3))
+    vr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, KB // VG, VG], _ring_layout(4))
+    if FMT == GL_FMT_NVFP4:
+        ksr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, D // 16], _ring_layout(3))
+        vsr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, D // 16], _ring_layout(3))
+        kzr = ksr
+        vzr = vsr
+    else:
+        vsr = gl.allocate_shared_memory(gl.int32, [STAGES, W, NGR, NT // 2], _ring_layout(3))
+        vzr = gl.allocate_shared_memory(gl.int32, [STAGES, W, NGR, NT // 2], _ring_layout(3))
+        if INT2:
+            ksr = gl.allocate_shared_memory(gl.float16, [STAGES, W, D], _ring_layout(2))
+            kzr = gl.allocate_shared_memory(gl.float16, [STAGES, W, D], _ring_layout(2))
+        else:
+            ksr = gl.allocate_shared_memory(gl.float16, [STAGES, W, NT, NGR], _ring_layout(3))
+            kzr = gl.allocate_shared_memory(gl.float16, [STAGES, W, NT, NGR], _ring_layout(3))
+    return kr, vr, ksr, kzr, vsr, vzr
+
+
+@gluon.jit
+def _stage_step(rings, slot, pt_row, base, hi, num_tokens, h, buf_ptr, total_bytes, FMT: gl.constexpr,
+                P: gl.constexpr, PPW: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
+                KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
+                VZ_OFF: gl.constexpr, LV_LOAD: gl.constexpr):  # fmt: skip
+    """Start the cp.async copies of one step's bytes (as _load_step reads them) into ring slot ``slot``; tokens
+    past the split or the sequence are zero-filled, so the step reads exactly what _load_step would."""
+    D: gl.constexpr = 128
+    W: gl.constexpr = gl.num_warps()
+    NT: gl.constexpr = PPW * P
+    INT2: gl.constexpr = FMT == GL_FMT_INT2
+    KB: gl.constexpr = D // 4 if INT2 else D // 2
+    VG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else KB // 4
+    NGR: gl.constexpr = D // 32
+    kr, vr, ksr, kzr, vsr, vzr = rings
+    LK3: gl.constexpr = gl.BlockedLayout([1, 1, KB // 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
+    kw, kn, kj = idx3(LK3, W, NT, KB)
+    koff, krow, kok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, kw, kn, P, PPW, PAGE_BYTES, INT2)
+    _cp_async(kr.index(slot), buf_ptr + koff + K_OFF + krow * KB + kj, mask=kok)
+    vw, vn, vg, vj = idx4(LV_LOAD, W, NT, KB // VG, VG)
+    voff, vrow, vok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, vw, vn, P, PPW, PAGE_BYTES, INT2)
+    _cp_async(vr.index(slot), buf_ptr + voff + V_OFF + vrow * KB + vg * VG + vj,
+                                           mask=vok)  # fmt: skip
+    if FMT == GL_FMT_NVFP4:
+        LS: gl.constexpr = _row_layout(W, NT, D // 16)  # a token's 8 block scales: one 8-byte copy
+        sw, sn, sj = idx3(LS, W, NT, D // 16)
+        soff, srow, sok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, sw, sn, P, PPW, PAGE_BYTES, INT2)
+        _cp_async(ksr.index(slot), buf_ptr + soff + KS_OFF + srow * (D // 16) + sj,
+                                               mask=sok)  # fmt: skip
+        _cp_async(vsr.index(slot), buf_ptr + soff + VS_OFF + srow * (D // 16) + sj,
+                                               mask=sok)  # fmt: skip
+    else:
+        # V scales / zeros: the warp's page's [D/32, P] token-minor fp16 rows as int32 token pairs (8 bytes a thread)
+        LP: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, NGR, 32 // NGR], [W, 1, 1], [2, 1, 0])
+        pw, pg, pn = idx3(LP, W, NGR, NT // 2)
+        poff, prow, pok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, pw, 2 * pn, P, PPW, PAGE_BYTES, INT2)
+        vp = (buf_ptr + poff).to(gl.pointer_type(gl.int32), bitcast=True)
+        pi = ((prow // P) * NGR + pg) * (P // 2) + (prow % P) // 2
+        _cp_async(vsr.index(slot), vp + (VS_OFF // 4 + pi), mask=pok)
+        _cp_async(vzr.index(slot), vp + (VZ_OFF // 4 + pi), mask=pok)
+        if INT2:
+            # the warp's page's per-channel key scales and zeros [D] fp16 (8 bytes a thread)
+            LC: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
+            cw = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, LC)), 1)
+            cc = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, LC)), 0)
+            cok = (base + cw < hi) & (cc >= 0)
+            _cp_async(
+                ksr.index(slot), _int2_page(pt_row, base + cw, hi, h, buf_ptr, total_bytes, PAGE_BYTES, KS_OFF) + cc,
+                mask=cok)  # fmt: skip
+            _cp_async(
+                kzr.index(slot), _int2_page(pt_row, base + cw, hi, h, buf_ptr, total_bytes, PAGE_BYTES, KZ_OFF) + cc,
+                mask=cok)  # fmt: skip
+        else:
+            LS4: gl.constexpr = _row_layout(W, NT, NGR)  # a token's 4 group scales (zeros): one 8-byte copy
+            sw, sn, sj = idx3(LS4, W, NT, NGR)
+            soff, srow, sok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, sw, sn, P, PPW, PAGE_BYTES, INT2)
+            kp = (buf_ptr + soff).to(gl.pointer_type(gl.float16), bitcast=True) + srow * NGR + sj
+            _cp_async(ksr.index(slot), kp + (KS_OFF // 2), mask=sok)
+            _cp_async(kzr.index(slot), kp + (KZ_OFF // 2), mask=sok)
+
+
+@gluon.jit
+def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: gl.constexpr, P: gl.constexpr,
+               PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, LV_LOAD: gl.constexpr,
+               LV_UNPACK: gl.constexpr):  # fmt: skip
+    """One staged step from ring slot ``slot`` into registers, in _load_step's layouts and order."""
+    D: gl.constexpr = 128
+    W: gl.constexpr = gl.num_warps()
+    NT: gl.constexpr = PPW * P
+    INT2: gl.constexpr = FMT == GL_FMT_INT2
+    KB: gl.constexpr = D // 4 if INT2 else D // 2
+    KG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else (16 if FMT == GL_FMT_INT4 else KB // 4)
+    kr, vr, ksr, kzr, vsr, vzr = rings
+    LK: gl.constexpr = gl.BlockedLayout([1, 1, (KB // 4) // KG, KG], [1, 8, 4, 1], [W, 1, 1, 1], [3, 2, 1, 0])
+    LK3: gl.constexpr = gl.BlockedLayout([1, 1, KB // 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
+    kb = kr.index(slot).load(LK3)
+    if not INT2:
+        kb = gl.convert_layout(gl.reshape(kb, [W, NT, KB // KG, KG]), LK, assert_trivial=True)
+    vb = vr.index(slot).load(LV_LOAD)
+    if FMT == GL_FMT_NVFP4:
+        ks = ksr.index(slot).load(gl.SliceLayout(3, LK))
+        vs = vsr.index(slot).load(gl.SliceLayout(3, LV_UNPACK))
+        kz = ks
+        vz = vs
+    else:
+        LVP: gl.constexpr = pair_layout(LV_UNPACK)
+        pw, pn, pg = idx3(LVP, W, NT // 2, 1)
+        _o, _r, bok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, pw, 2 * pn + 1, P, PPW, PAGE_BYTES, INT2)
+        keep = gl.where(bok, -1, 0xFFFF)  # the second token of a pair past the sequence reads 0, as in _load_step
+        vs = vsr.index(slot).permute([0, 2, 1]).load(LVP) & keep
+        vz = vzr.index(slot).permute([0, 2, 1]).load(LVP) & keep
+        if INT2:
+            CL: gl.constexpr = chan_layout(W, HP)
+            full = gl.zeros([W, D, HP], gl.float16, CL)
+            ks = gl.broadcast(gl.expand_dims(ksr.index(slot).load(gl.SliceLayout(2, CL)), 2), full)[0]
+            kz = gl.broadcast(gl.expand_dims(kzr.index(slot).load(gl.SliceLayout(2, CL)), 2), full)[0]
+        else:
+            ks = ksr.index(slot).load(gl.SliceLayout(3, LK))
+            kz = kzr.index(slot).load(gl.SliceLayout(3, LK))
+    return kb, vb, ks, kz, vs, vz
+
+
 # ----------------------------------------------------------------------------
 # the kernel
 # ----------------------------------------------------------------------------
@@ -276,8 +424,11 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
               FMT: gl.constexpr, G: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
               KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
               VZ_OFF: gl.constexpr, PPW: gl.constexpr, HP: gl.constexpr, LV_LOAD: gl.constexpr,
-              LV_UNPACK: gl.constexpr):  # fmt: skip
-    """Pages [lo, hi) of one (sequence, kv head) in one format -> this split's rows of o and lse (if mine)."""
+              LV_UNPACK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Pages [lo, hi) of one (sequence, kv head) in one format -> this split's rows of o and lse (if mine).
+
+    STAGES 0: each step loads its bytes into registers and waits for them; STAGES >= 2: a ring of STAGES
+    shared-memory slots filled by cp.async STAGES - 1 steps ahead, so that many steps' bytes are in flight."""
     D: gl.constexpr = 128
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P  # tokens per warp per step
@@ -304,11 +455,33 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
     m_i = gl.full([W, HP], float("-inf"), gl.float32, gl.SliceLayout(1, MMA))
     l_i = gl.zeros([W, HP], gl.float32, gl.SliceLayout(1, MMA))
     acc = gl.zeros([W, D, HP], gl.float32, MMA)
-    for base in range(lo, hi, W * PPW):
-        d = _load_step(pt_row, base, hi, num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW, HP, PAGE_BYTES, K_OFF,
-                       KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, LV_UNPACK)  # fmt: skip
-        m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,
-                              k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK)  # fmt: skip
+    if STAGES == 0:
+        for base in range(lo, hi, W * PPW):
+            d = _load_step(pt_row, base, hi, num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW, HP, PAGE_BYTES, K_OFF,
+                           KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, LV_UNPACK)  # fmt: skip
+            m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,
+                                  k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK)  # fmt: skip
+    else:
+        STEP: gl.constexpr = W * PPW
+        rings = _rings(FMT, NT, HP, STAGES, LV_LOAD)
+        for i in gl.static_range(STAGES - 1):
+            _stage_step(rings, i, pt_row, lo + i * STEP, hi, num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW,
+                        PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD)  # fmt: skip
+            async_copy.commit_group()
+        rd = 0  # the ring slot this step reads; the copies go to the one before it (read by the step before)
+        for j in range(0, gl.cdiv(hi - lo, STEP)):
+            _stage_step(rings, gl.where(rd == 0, STAGES - 1, rd - 1), pt_row, lo + (j + STAGES - 1) * STEP, hi,
+                        num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
+                        VS_OFF, VZ_OFF, LV_LOAD)  # fmt: skip
+            async_copy.commit_group()
+            async_copy.wait_group(STAGES - 1)
+            base = lo + j * STEP
+            d = _read_step(rings, rd, pt_row, base, hi, num_tokens, h, total_bytes, FMT, P, PPW, HP, PAGE_BYTES,
+                           LV_LOAD, LV_UNPACK)  # fmt: skip
+            rd = gl.where(rd == STAGES - 1, 0, rd + 1)
+            m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,
+                                  k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK)  # fmt: skip
+        async_copy.wait_group(0)  # the copies past the split (zero-fills) land before the epilogue reuses smem
 
     # ---- merge the warps by log-sum-exp; store this split's rows ----
     top = gl.max(m_i, axis=0)  # [HP]
@@ -355,6 +528,7 @@ def _gl_decode_kernel(
     P2: gl.constexpr, PAGE_BYTES2: gl.constexpr, K_OFF2: gl.constexpr, KS_OFF2: gl.constexpr,  # INT2 pages (triaxial)
     KZ_OFF2: gl.constexpr, V_OFF2: gl.constexpr, VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr,
     LV_LOAD2: gl.constexpr, LV_UNPACK2: gl.constexpr,
+    STAGES: gl.constexpr,  # 0: loads into registers each step; >= 2: cp.async ring this many steps deep
 ):
     s = gl.program_id(0)
     h = gl.program_id(1)
@@ -368,7 +542,7 @@ def _gl_decode_kernel(
         lo = s * PPS
         _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                   gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF,
-                  VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK)  # fmt: skip
+                  VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES)  # fmt: skip
     else:
         n2 = gl.load(n2_ptr + b)
         c2 = gl.cdiv(n2, PPS)  # splits that cover the INT2 pages; the rest cover INT4 pages
@@ -377,13 +551,13 @@ def _gl_decode_kernel(
                 lo = s * PPS
                 _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                           gl.minimum(lo + PPS, n2), s >= 0, GL_FMT_INT2, G, P2, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2,
-                          V_OFF2, VS_OFF2, VZ_OFF2, 1, HP, LV_LOAD2, LV_UNPACK2)  # fmt: skip
+                          V_OFF2, VS_OFF2, VZ_OFF2, 1, HP, LV_LOAD2, LV_UNPACK2, STAGES)  # fmt: skip
         else:
             if PART != 2:
                 lo = n2 + (s - c2) * PPS
                 _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                           gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
-                          VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK)  # fmt: skip
+                          VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------
@@ -401,9 +575,11 @@ SPLIT_MIN_TOKENS = 1536
 # ... unless the grid would then leave SMs idle: below this many programs per SM, splits get shorter (batch 1 x 4K:
 # 3 splits of 1.4K tokens, 24 programs, 42 us per layer for nvfp4 in the engine -- bench/NOTES-kernels.md)
 SPLIT_MIN_FILL = 2
+# STAGES: the cp.async ring's depth (0: no ring, each step loads into registers and waits); 2 measured best on an
+# H200 (bench/NOTES-kernels.md session 7: 3 and 4 no better, 4 slower for triaxial: 81 KB of smem, 2 programs per SM)
 GL_TUNING: dict[str, dict[str, int]] = {
-    "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16},
-    "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 168},  # triaxial (INT4 and INT2 splits)
+    "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2},
+    "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 168, "STAGES": 2},  # triaxial (INT4 and INT2 splits)
 }
 
 
@@ -490,12 +666,13 @@ def launch_decode(
     kernel = _gl_decode_kernel[run.grid](
         run.q, run.o, run.lse, kv.buffer, run.page_table, seq_lens, run.n2, sm_scale * LOG2E * k_fold, kv.total_bytes,
         run.page_table.stride(0), run.splits, run.pages_per_split, PART=(part or 1) if kv.triaxial else 0,
-        H=run.kv_heads, G=run.group, HP=hp, **args, **args2, **cap,
+        H=run.kv_heads, G=run.group, HP=hp, STAGES=cfg.get("STAGES", 0), **args, **args2, **cap,
     )  # fmt: skip
     return merge_splits(run, v_mul=v_fold), kernel
 
 
-def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None, heads: int = 4) -> tuple[dict[str, str], dict[str, Any]]:
+def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None, heads: int = 4,
+                        stages: int = 0) -> tuple[dict[str, str], dict[str, Any]]:  # fmt: skip
     """(signature, constexprs) to compile ``_gl_decode_kernel`` without a GPU (compile_report.py, tests).
 
     fmt "int2" / "int4" compile the triaxial kernel with only that precision's branch (PART 2 / 4), "triaxial"
@@ -509,6 +686,7 @@ def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None,
     sig = {"q_ptr": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "buf_ptr": "*u8", "pt_ptr": "*i32", "lens_ptr": "*i32",
            "n2_ptr": "*i32", "k_mul": "fp32", "total_bytes": "i64", "pt_stride": "i32", "S": "i32", "PPS": "i32"}  # fmt: skip
     const = dict(PART={"nvfp4": 0, "int2": 2, "int4": 4, "triaxial": 1}[fmt], H=8, G=heads, HP=8 if heads <= 8 else 16,
+                 STAGES=stages,
                  **kernel_args(plain, lay, num_warps=num_warps, ppw=ppw),
                  **{k + "2": v for k, v in a2.items() if k in INT2_ARGS})  # fmt: skip
     return sig, const

@@ -34,7 +34,7 @@ _COMPILE = """
 import json, sys
 from kvserving.kernels import gluon_decode
 from kvserving.kernels.compile_report import loop_ops, report
-sig, const = gluon_decode.compile_report_args(sys.argv[1])
+sig, const = gluon_decode.compile_report_args(sys.argv[1], stages=int(sys.argv[2]))
 warps = const.pop("num_warps")
 r = report(gluon_decode._gl_decode_kernel, sig, const, gluon=True, num_warps=warps, aligned=("total_bytes",))
 print(json.dumps({"warps": warps, "local": r["local"], "stack": r["stack"], "shared": r["shared"], "regs": r["regs"],
@@ -42,16 +42,18 @@ print(json.dumps({"warps": warps, "local": r["local"], "stack": r["stack"], "sha
 """
 
 
-def _compile(fmt: str) -> dict[str, Any]:
+def _compile(fmt: str, stages: int) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, fmt], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _COMPILE, fmt, str(stages)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+@pytest.mark.parametrize("stages", [0, 2])
 @pytest.mark.parametrize("fmt", ["nvfp4", "int4", "int2"])
-def test_gluon_decode_compiles_for_sm90_without_shared_memory_in_the_loop(fmt: str) -> None:
-    r = _compile(fmt)
+def test_gluon_decode_compiles_for_sm90_without_unpacked_values_in_shared_memory(fmt: str, stages: int) -> None:
+    r = _compile(fmt, stages)
     warps = r["warps"]
     assert r["local"] == 0 and r["stack"] == 0, "register spills"
     ops = r["loop"]
@@ -59,29 +61,47 @@ def test_gluon_decode_compiles_for_sm90_without_shared_memory_in_the_loop(fmt: s
     # (INT2 keys: plus one k=32 mma per page for the zero term, see _gl_split)
     nt = 32
     assert ops["HMMA.16816.F32"] == 2 * (nt // 16) * (128 // 16) + (2 if fmt == "int2" else 0)
-    assert not any(op.startswith(("LDS", "STS", "BAR", "LDSM")) for op in ops), ops
-    wide = "LDG.E.128" if fmt != "int2" else "LDG.E.64"
-    assert ops[wide] >= 4, ops  # K rows: one 16-byte (INT2: 8-byte) vector per token and thread
-    # the epilogue merges the warps through shared memory: [W, D, HP] fp32 at most
-    assert r["shared"] <= warps * 128 * 8 * 4
+    # the fragments come straight from registers: nothing is stored to shared memory in the loop
+    assert not any(op.startswith("STS") for op in ops), ops
+    wide = "128" if fmt != "int2" else "64"
+    if stages == 0:
+        assert not any(op.startswith(("LDS", "BAR")) for op in ops), ops
+        assert ops["LDG.E." + wide] >= 4, ops  # K rows: one 16-byte (INT2: 8-byte) vector per token and thread
+    else:
+        # the ring: K rows copied global -> shared by cp.async (16 / 8 bytes a thread and token) and read back
+        # with vectors as wide; one barrier after the wait, one before a slot is refilled
+        cp = "LDGSTS.E.BYPASS.128" if fmt != "int2" else "LDGSTS.E.64"
+        assert ops[cp] >= 4 and ops["LDS." + wide] >= 4, ops
+        assert sum(v for op, v in ops.items() if op.startswith("BAR")) <= 2, ops
+    # the epilogue merges the warps through shared memory ([W, D, HP] fp32 at most), the ring is 2 steps
+    assert r["shared"] <= max(warps * 128 * 8 * 4, stages * warps * 5 * 1024 * (1 if fmt == "int2" else 2))
+
+
+# the kernel's step variants: bytes loaded into registers each step (STAGES 0) or staged by cp.async in a
+# shared-memory ring one step ahead (STAGES 2, the default)
+STAGE_VARIANTS = [0, 2]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stages", STAGE_VARIANTS)
 @pytest.mark.parametrize("case", ["nvfp4", "int4", "triaxial"])
-def test_gpu_gluon_decode_real_shapes(case: str) -> None:
+def test_gpu_gluon_decode_real_shapes(case: str, stages: int) -> None:
     p = 16 if case == "nvfp4" else 32
     lens = [1, p, p + 1, 1000, 2047, 4096, 333, 77]
-    _check_decode(case, lens, device="cuda", d=128, h=8, g=4, p=p, kernel="gluon")
-    _check_decode(case, [5, 700, 129], device="cuda", d=128, h=2, g=8, p=p, kernel="gluon")  # 8 query heads per kv head
-    _check_decode(case, [3, 400, 65], device="cuda", d=128, h=1, g=16, p=p, kernel="gluon")  # 16: heads padded to 16
+    t = {"STAGES": stages}
+    _check_decode(case, lens, device="cuda", d=128, h=8, g=4, p=p, kernel="gluon", tuning=t)
+    _check_decode(case, [5, 700, 129], device="cuda", d=128, h=2, g=8, p=p, kernel="gluon", tuning=t)  # 8 per kv head
+    _check_decode(case, [3, 400, 65], device="cuda", d=128, h=1, g=16, p=p, kernel="gluon", tuning=t)  # padded to 16
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stages", STAGE_VARIANTS)
 @pytest.mark.parametrize("case", ["nvfp4", "triaxial"])
-def test_gpu_gluon_decode_many_splits_including_empty_ones(case: str) -> None:
+def test_gpu_gluon_decode_many_splits_including_empty_ones(case: str, stages: int) -> None:
     p = 16 if case == "nvfp4" else 32
     step = 4 * gluon_decode.GL_TUNING["nvfp4" if case == "nvfp4" else "int4"]["PPW"] if case == "nvfp4" else 4
-    _check_decode(case, [3, 40 * p, 17 * p + 5], device="cuda", d=128, h=8, g=4, p=p, splits=(40, step), kernel="gluon")
+    _check_decode(case, [3, 40 * p, 17 * p + 5], device="cuda", d=128, h=8, g=4, p=p, splits=(40, step), kernel="gluon",
+                  tuning={"STAGES": stages})  # fmt: skip
 
 
 @pytest.mark.gpu
