@@ -178,26 +178,40 @@ async def first_token_time(session: aiohttp.ClientSession, url: str, body: bytes
     return ttft
 
 
-def conversation(sid: int, turns: int, reply: str) -> list[list[dict[str, Any]]]:
-    """The messages each turn of session ``sid`` sends (the reply appended after each turn)."""
+def conversation(sid: int, turns: int, reply: str, *, tool_words: int = 0) -> list[list[dict[str, Any]]]:
+    """The messages each turn of session ``sid`` sends (the reply appended after each turn).
+
+    With ``tool_words``, each turn's reply is a tool call whose result (that many words
+    of the standard library's sources) comes back before the next user message: an
+    agent's history grows by about that many tokens a turn."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     out = []
+    words = _library_words() if tool_words else []
     for turn in range(turns):
         messages = messages + [{"role": "user", "content": user_text(sid, turn)}]
         out.append(messages)
+        if tool_words:
+            call = {"id": f"call{turn}", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "os.py"}'}}
+            start = (sid * 7919 + turn * tool_words) % (len(words) - tool_words)
+            messages = messages + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                                   {"role": "tool", "tool_call_id": f"call{turn}", "content": " ".join(words[start:start + tool_words])}]
         messages = messages + [{"role": "assistant", "content": reply}]
     return out
 
 
+def _library_words() -> list[str]:
+    return Path(os.__file__).read_text().split()
+
+
 def bodies(
-    sessions: int, turns: int, reply: str, tagger: ChatTagger, *, via_gateway: bool, max_tokens: int
+    sessions: int, turns: int, reply: str, tagger: ChatTagger, *, via_gateway: bool, max_tokens: int, tool_words: int = 0
 ) -> list[list[bytes]]:
     """Every request body, serialized before the clock starts (the direct run's ids and tags are what the gateway sends)."""
     run = uuid.uuid4().hex[:8]
     out = []
     for sid in range(sessions):
         per_turn = []
-        for turn, messages in enumerate(conversation(sid, turns, reply)):
+        for turn, messages in enumerate(conversation(sid, turns, reply, tool_words=tool_words)):
             if via_gateway:
                 body: dict[str, Any] = {"model": MODEL, "messages": messages, "stream": True, "max_tokens": max_tokens}
             else:
@@ -286,6 +300,47 @@ def run_row(n: int, think_s: float, args: argparse.Namespace, *, tagger: ChatTag
     return Row(n, think_s, direct, relay, gateway, 1e3 * gw_cpu / len(gateway), 1e3 * worker_cpu / len(direct))
 
 
+@dataclass
+class LongRow:
+    turns: int
+    prompt_tokens: list[int]  # per turn
+    direct: list[list[float]]  # per round, per turn
+    gateway: list[list[float]]
+    cpu_ms: list[float]  # gateway CPU per request, per round
+
+
+def run_long(args: argparse.Namespace, *, tagger: ChatTagger, reply: str, worker_url: str, gw_url: str, gw_pid: int,
+             idle_cpu_per_s: float) -> LongRow:
+    """One agent session whose history grows by a tool result each turn, alone on the machine."""
+    turns, words = args.long_turns, args.long_tool_words
+    tokens = [len(tagger.build(m).input_ids) for m in conversation(0, turns, reply, tool_words=words)]
+    row = LongRow(turns, tokens, [], [], [])
+    for r in range(args.rounds):
+        waits = [[0.05] * turns]  # a short pause: each turn starts on an idle event loop
+        plan = bodies(1, turns, reply, tagger, via_gateway=False, max_tokens=args.max_tokens, tool_words=words)
+        row.direct.append(asyncio.run(measure(worker_url, plan, waits, via_gateway=False)))
+        plan = bodies(1, turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens, tool_words=words)
+        before, t0 = cpu_s(gw_pid), time.monotonic()
+        row.gateway.append(asyncio.run(measure(gw_url, plan, waits, via_gateway=True)))
+        row.cpu_ms.append(1e3 * (cpu_s(gw_pid) - before - idle_cpu_per_s * (time.monotonic() - t0)) / turns)
+    return row
+
+
+def print_long(row: LongRow) -> None:
+    print(f"\nlong agent session: 1 session, {row.turns} turns, a tool result of ~{row.prompt_tokens[1] - row.prompt_tokens[0]} "
+          f"tokens per turn, {len(row.direct)} rounds (median over rounds and the turns of each stretch)\n")
+    print("| turns | prompt tokens | direct TTFT ms | gateway TTFT ms | added ms |")
+    print("|---|---:|---:|---:|---:|")
+    stretch = max(1, row.turns // 4)
+    for lo in range(0, row.turns, stretch):
+        hi = min(row.turns, lo + stretch)
+        d = [t for times in row.direct for t in times[lo:hi]]
+        g = [t for times in row.gateway for t in times[lo:hi]]
+        d50, g50 = 1e3 * pct(d, 0.5), 1e3 * pct(g, 0.5)
+        print(f"| {lo + 1}-{hi} | {row.prompt_tokens[lo]}-{row.prompt_tokens[hi - 1]} | {d50:.2f} | {g50:.2f} | {g50 - d50:.2f} |")
+    print(f"\ngateway CPU per request over the session: {sum(row.cpu_ms) / len(row.cpu_ms):.2f} ms (tick counts)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", default="1,50,200")
@@ -296,6 +351,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternating direct/gateway rounds per row")
     parser.add_argument("--min-requests", type=int, default=36, help="more rounds for a row with fewer requests per path")
     parser.add_argument("--profile", default=None, metavar="FILE", help="run the gateway under cProfile (CPU time), stats to FILE")
+    parser.add_argument("--long-turns", type=int, default=40, help="turns of the long agent session (0: none)")
+    parser.add_argument("--long-tool-words", type=int, default=300, help="words of the tool result each long-session turn adds")
     parser.add_argument("--relay", default=None, help=argparse.SUPPRESS)  # LISTEN:UPSTREAM: run as the null proxy
     args = parser.parse_args()
     if args.relay:
@@ -314,7 +371,8 @@ def main() -> int:
     worker_port, gw_port, relay_port = free_port(), free_port(), free_port()
     worker_url, gw_url = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{gw_port}"
     relay_url = f"http://127.0.0.1:{relay_port}"
-    (tmp / "config.json").write_text(json.dumps({"model": {"path": str(model_dir), "served_name": MODEL}}))
+    # a context long enough for the long session (the fake worker holds no KV)
+    (tmp / "config.json").write_text(json.dumps({"model": {"path": str(model_dir), "served_name": MODEL, "max_model_len": 131072}}))
     procs = [
         spawn([sys.executable, str(ROOT / "tests/gateway/fake_worker.py"), "--port", str(worker_port),
                "--reply-ids", ",".join(map(str, reply_ids))], tmp / "worker.log"),
@@ -348,6 +406,9 @@ def main() -> int:
             print(f"| {load} | {row.sessions} | {len(row.gateway)} | {d50:.2f} | {d99:.2f} | {g50:.2f} | {g99:.2f} "
                   f"| {g50 - d50:.2f} | {g99 - d99:.2f} | {r50 - d50:.2f} / {r99 - d99:.2f} "
                   f"| {g50 - r50:.2f} / {g99 - r99:.2f} | {row.cpu_ms:.2f} | {row.worker_cpu_ms:.2f} |")
+        if args.long_turns > 0:
+            print_long(run_long(args, tagger=tagger, reply=reply, worker_url=worker_url, gw_url=gw_url,
+                                gw_pid=procs[1].pid, idle_cpu_per_s=idle))
     finally:
         for proc in procs:
             if proc.poll() is None:

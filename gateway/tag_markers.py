@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from .chat_template import Message
@@ -67,11 +68,21 @@ class MarkerCodec:
 
 def pick_codec(text: str) -> MarkerCodec | None:
     """A marker alphabet that `text` (the real render) does not use, or None."""
+    if text.isascii() or max(text) < _LOWEST_MARKER:  # no private-use character at all (a C scan)
+        return _codec(MARKER_BASES[0])
     for base in MARKER_BASES:
-        codec = MarkerCodec(base)
+        codec = _codec(base)
         if not codec.any_char.search(text):
             return codec
     return None
+
+
+@lru_cache(maxsize=len(MARKER_BASES))
+def _codec(base: int) -> MarkerCodec:
+    return MarkerCodec(base)
+
+
+_LOWEST_MARKER = chr(min(MARKER_BASES))
 
 
 def _wrap(text: str, piece: Piece, codec: MarkerCodec, marks: Marks, *, piece_id: int | None = None) -> str:
