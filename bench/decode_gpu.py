@@ -264,10 +264,10 @@ def main() -> None:
             outs[fmt] = pool.decode(q).float()
             record(shape, f"ours {fmt}", ms, pool_bytes, resources=resources(pool))
             print("      " + resources(pool), flush=True)
-            if fmt in ("nvfp4", "triaxial") and variants:
+            if fmt in ("nvfp4", "triaxial", "fp8_e4m3") and variants:
                 from kvserving.kernels import gluon_decode
 
-                base = gluon_decode.GL_TUNING[pool.layout.fmt]
+                base = gluon_decode.GL_TUNING.get(pool.layout.fmt, {})
                 for var in variants:
                     cfg = {**base, **var}
                     name = " ".join(f"{k}{v}" for k, v in var.items())
@@ -280,7 +280,7 @@ def main() -> None:
                     record(shape, f"  {fmt} {name}", t, pool_bytes, tuning=cfg, rel_diff_vs_default=err,
                            resources=resources(pool))  # fmt: skip
                     print(f"      {resources(pool)}; vs default output rel diff {err:.2e}", flush=True)
-            if fmt in ("nvfp4", "triaxial") and not args.no_tl:
+            if fmt in ("nvfp4", "triaxial", "fp8_e4m3") and not args.no_tl and paged_ops.decode_kernel(q, pool.kv, options=OPTIONS) == "gluon":
                 # the tl kernel (what CI's interpreter runs) next to the default Gluon one
                 t = time_ms(lambda: pool.decode(q, kernel="tl"))
                 err = float((pool.decode(q, kernel="tl").float() - outs[fmt]).norm() / outs[fmt].norm())

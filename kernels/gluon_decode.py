@@ -55,6 +55,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .gluon_fragments import (
+    ASM_FP8_K,
+    ASM_FP8_V,
     ASM_INT2_K,
     ASM_INT2_V,
     GL_FMT_INT2,
@@ -64,6 +66,7 @@ from .gluon_fragments import (
     as_a_rows,
     chan_layout,
     crumbs,
+    fp8_as_a_rows,
     idx3,
     idx4,
     pair_layout,
@@ -80,6 +83,20 @@ from .paged_kv import PagedKV
 from .triton_common import LOG2E, field_offsets, folded_scales, merge_splits, prepare_splits
 
 FLAG: gl.constexpr = gl.constexpr(INT2_PAGE_FLAG)
+GL_FMT_FP8: gl.constexpr = gl.constexpr(3)
+
+
+@gluon.constexpr_function
+def _kb(fmt: int) -> int:
+    """Bytes per token row of head_dim 128: INT2 32, nvfp4 / int4 64, fp8 128."""
+    return {0: 64, 1: 64, 2: 32, 3: 128}[fmt]
+
+
+@gluon.constexpr_function
+def _vg(fmt: int) -> int:
+    """Bytes of a V row per scale group in the V layouts (v_layouts): an nvfp4 block pair 8, an int group 16 / 8;
+    fp8 has no groups: 16 = a thread's D/8 channels."""
+    return {0: 8, 1: 16, 2: 8, 3: 16}[fmt]
 # cp.async global -> shared: `async_copy_global_to_shared` in triton 3.6 (the device), renamed `async_load` by 3.9 (CI)
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
@@ -134,7 +151,7 @@ def _load_step(pt_row, base, hi, num_tokens, h, buf_ptr, total_bytes, FMT: gl.co
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P
     INT2: gl.constexpr = FMT == GL_FMT_INT2
-    KB: gl.constexpr = D // 4 if INT2 else D // 2  # bytes per token row
+    KB: gl.constexpr = _kb(FMT)  # bytes per token row
     # K bytes: thread c holds KB/4 contiguous bytes of tokens g, g+8, ...: [W, NT, groups, bytes per group]
     # bytes per scale group: an E4M3-scaled block (nvfp4), a 32-channel group (INT4), a thread's row share (INT2)
     KG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else (16 if FMT == GL_FMT_INT4 else KB // 4)
@@ -144,16 +161,21 @@ def _load_step(pt_row, base, hi, num_tokens, h, buf_ptr, total_bytes, FMT: gl.co
     kw, kn, kj = idx3(LK3, W, NT, KB)  # loaded as 3-D rows: one 16-byte (8 for INT2) vector per token
     koff, krow, kok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, kw, kn, P, PPW, PAGE_BYTES, INT2)
     kb = gl.load(buf_ptr + koff + K_OFF + krow * KB + kj, mask=kok, other=0)
-    if not INT2:
+    if FMT == GL_FMT_NVFP4 or FMT == GL_FMT_INT4:
         kb = gl.convert_layout(gl.reshape(kb, [W, NT, KB // KG, KG]), LK, assert_trivial=True)
     # V bytes [W, NT, groups, bytes per group] in the channel-slice layout (see v_layouts)
-    VG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else KB // 4  # bytes per scale group
+    VG: gl.constexpr = _vg(FMT)  # bytes per scale group
     vw, vn, vg, vj = idx4(LV_LOAD, W, NT, KB // VG, VG)
     voff, vrow, vok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, vw, vn, P, PPW, PAGE_BYTES, INT2)
     vb = gl.load(buf_ptr + voff + V_OFF + vrow * KB + vg * VG + vj, mask=vok, other=0)
-    tw, tn, tg = idx3(gl.SliceLayout(3, LV_UNPACK), W, NT, KB // VG)
-    toff, trow, tok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, tw, tn, P, PPW, PAGE_BYTES, INT2)
-    if FMT == GL_FMT_NVFP4:
+    if FMT == GL_FMT_FP8:  # no scales: the layer's scale is folded into k_mul and the merge
+        ks = kb
+        kz = kb
+        vs = vb
+        vz = vb
+    elif FMT == GL_FMT_NVFP4:
+        tw, tn, tg = idx3(gl.SliceLayout(3, LV_UNPACK), W, NT, KB // VG)
+        toff, trow, tok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, tw, tn, P, PPW, PAGE_BYTES, INT2)
         sw, sn, sg = idx3(gl.SliceLayout(3, LK), W, NT, KB // KG)
         soff, srow, sok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, sw, sn, P, PPW, PAGE_BYTES, INT2)
         ks = gl.load(buf_ptr + soff + KS_OFF + srow * (D // 16) + sg, mask=sok, other=0)
@@ -209,12 +231,17 @@ def _rings(FMT: gl.constexpr, NT: gl.constexpr, HP: gl.constexpr, STAGES: gl.con
     D: gl.constexpr = 128
     W: gl.constexpr = gl.num_warps()
     INT2: gl.constexpr = FMT == GL_FMT_INT2
-    KB: gl.constexpr = D // 4 if INT2 else D // 2
-    VG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else KB // 4
+    KB: gl.constexpr = _kb(FMT)
+    VG: gl.constexpr = _vg(FMT)
     NGR: gl.constexpr = D // 32
     kr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, KB], _ring_layout(3))
     vr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, KB // VG, VG], _ring_layout(4))
-    if FMT == GL_FMT_NVFP4:
+    if FMT == GL_FMT_FP8:  # no scales: the unused rings alias the K ring
+        ksr = kr
+        vsr = kr
+        kzr = kr
+        vzr = kr
+    elif FMT == GL_FMT_NVFP4:
         ksr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, D // 16], _ring_layout(3))
         vsr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, D // 16], _ring_layout(3))
         kzr = ksr
@@ -242,8 +269,8 @@ def _stage_step(rings, slot, pt_row, base, hi, num_tokens, h, buf_ptr, total_byt
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P
     INT2: gl.constexpr = FMT == GL_FMT_INT2
-    KB: gl.constexpr = D // 4 if INT2 else D // 2
-    VG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else KB // 4
+    KB: gl.constexpr = _kb(FMT)
+    VG: gl.constexpr = _vg(FMT)
     NGR: gl.constexpr = D // 32
     kr, vr, ksr, kzr, vsr, vzr = rings
     LK3: gl.constexpr = gl.BlockedLayout([1, 1, KB // 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
@@ -254,7 +281,9 @@ def _stage_step(rings, slot, pt_row, base, hi, num_tokens, h, buf_ptr, total_byt
     voff, vrow, vok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, vw, vn, P, PPW, PAGE_BYTES, INT2)
     _cp_async(vr.index(slot), buf_ptr + voff + V_OFF + vrow * KB + vg * VG + vj,
                                            mask=vok)  # fmt: skip
-    if FMT == GL_FMT_NVFP4:
+    if FMT == GL_FMT_FP8:
+        pass  # no scales
+    elif FMT == GL_FMT_NVFP4:
         LS: gl.constexpr = _row_layout(W, NT, D // 16)  # a token's 8 block scales: one 8-byte copy
         sw, sn, sj = idx3(LS, W, NT, D // 16)
         soff, srow, sok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, sw, sn, P, PPW, PAGE_BYTES, INT2)
@@ -301,16 +330,21 @@ def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: g
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P
     INT2: gl.constexpr = FMT == GL_FMT_INT2
-    KB: gl.constexpr = D // 4 if INT2 else D // 2
+    KB: gl.constexpr = _kb(FMT)
     KG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else (16 if FMT == GL_FMT_INT4 else KB // 4)
     kr, vr, ksr, kzr, vsr, vzr = rings
     LK: gl.constexpr = gl.BlockedLayout([1, 1, (KB // 4) // KG, KG], [1, 8, 4, 1], [W, 1, 1, 1], [3, 2, 1, 0])
     LK3: gl.constexpr = gl.BlockedLayout([1, 1, KB // 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
     kb = kr.index(slot).load(LK3)
-    if not INT2:
+    if FMT == GL_FMT_NVFP4 or FMT == GL_FMT_INT4:
         kb = gl.convert_layout(gl.reshape(kb, [W, NT, KB // KG, KG]), LK, assert_trivial=True)
     vb = vr.index(slot).load(LV_LOAD)
-    if FMT == GL_FMT_NVFP4:
+    if FMT == GL_FMT_FP8:
+        ks = kb
+        kz = kb
+        vs = vb
+        vz = vb
+    elif FMT == GL_FMT_NVFP4:
         ks = ksr.index(slot).load(gl.SliceLayout(3, LK))
         vs = vsr.index(slot).load(gl.SliceLayout(3, LV_UNPACK))
         kz = ks
@@ -347,12 +381,14 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P
     INT2: gl.constexpr = FMT == GL_FMT_INT2
-    KB: gl.constexpr = D // 4 if INT2 else D // 2
+    KB: gl.constexpr = _kb(FMT)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
     A: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     kb, vb, ks, kz, vs, vz = d
-    if FMT == GL_FMT_NVFP4:
+    if FMT == GL_FMT_FP8:
+        pass
+    elif FMT == GL_FMT_NVFP4:
         ks = ks.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0
         vs = vs.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0
         kz = ks  # unused: nvfp4 has no zero point
@@ -381,6 +417,9 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
         sc = mma_v2(as_a_rows(k1, W, NT, KB, A), q1 * (sk[1] * 0.25), sc)
         sc = mma_v2(as_a_rows(k2, W, NT, KB, A), q2 * (sk[2] * 0.0625), sc)
         sc = mma_v2(as_a_rows(k3, W, NT, KB, A), q3 * (sk[3] * 0.015625), sc)
+    elif FMT == GL_FMT_FP8:
+        k8 = gl.inline_asm_elementwise(ASM_FP8_K, "=r,=r,r", [kb], dtype=gl.float16, is_pure=True, pack=4)
+        sc = mma_v2(fp8_as_a_rows(k8, W, NT, A), q0, gl.zeros([W, NT, HP], gl.float32, MMA))
     else:
         sc = gl.zeros([W, NT, HP], gl.float32, MMA)
         klo, khi = unpack_nibbles(kb, ks, kz, FMT, False)
@@ -409,6 +448,9 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
         v2 = swap_t0_j0(gl.reshape(v2, [W, NT, KB]), W, NT, KB)
         v3 = swap_t0_j0(gl.reshape(v3, [W, NT, KB]), W, NT, KB)
         vv = gl.reshape(gl.join(gl.join(v0, v2), gl.join(v1, v3)), [W, NT, D])  # channel 4j + crumb
+    elif FMT == GL_FMT_FP8:
+        v8 = gl.inline_asm_elementwise(ASM_FP8_V, "=r,=r,r", [vb], dtype=gl.float16, is_pure=True, pack=4)
+        vv = swap_t0_j0(gl.reshape(v8, [W, NT, KB]), W, NT, KB)  # channel = byte
     else:
         vlo, vhi = unpack_nibbles(vb, vs, vz, FMT, True)
         vlo = swap_t0_j0(gl.reshape(vlo, [W, NT, KB]), W, NT, KB)
@@ -433,8 +475,8 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P  # tokens per warp per step
     INT2: gl.constexpr = FMT == GL_FMT_INT2
-    KB: gl.constexpr = D // 4 if INT2 else D // 2  # bytes per token row
-    PER: gl.constexpr = 4 if INT2 else 2  # values per byte
+    KB: gl.constexpr = _kb(FMT)  # bytes per token row
+    PER: gl.constexpr = 4 if INT2 else (1 if FMT == GL_FMT_FP8 else 2)  # values per byte
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
     B: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
 
@@ -564,7 +606,7 @@ def _gl_decode_kernel(
 # host side
 # ----------------------------------------------------------------------------
 
-GL_FMT = {"nvfp4": 0, "int4": 1, "int2": 2}
+GL_FMT = {"nvfp4": 0, "int4": 1, "int2": 2, "fp8_e4m3": 3}
 INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", "VZ_OFF", "LV_LOAD", "LV_UNPACK")
 # warps per program, pages per warp per step, programs per SM the split planner aims for, register cap (triaxial:
 # both branches in one kernel take 175 registers, 2 programs of 4 warps per SM; 168 fits 3, without spills; with
@@ -580,10 +622,11 @@ SPLIT_MIN_FILL = 2
 GL_TUNING: dict[str, dict[str, int]] = {
     "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2},
     "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 168, "STAGES": 2},  # triaxial (INT4 and INT2 splits)
+    "fp8_e4m3": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2},
 }
 
 
-FORMATS = ("nvfp4", "int4")  # plain nvfp4 pages; int4 pages alone or with INT2 pages (triaxial)
+FORMATS = ("nvfp4", "int4", "fp8_e4m3")  # plain nvfp4 / fp8 pages; int4 pages alone or with INT2 pages (triaxial)
 
 
 def supported(kv: PagedKV, q: torch.Tensor) -> bool:
@@ -596,7 +639,7 @@ def supported(kv: PagedKV, q: torch.Tensor) -> bool:
     g = q.shape[1] // layout.kv_heads
     if g > 16:
         return False
-    want_p = 16 if layout.fmt == "nvfp4" else 32
+    want_p = 32 if layout.fmt == "int4" else 16
     return layout.page_size == want_p and (kv.int2_layout is None or kv.int2_layout.page_size == 32)
 
 
@@ -604,8 +647,8 @@ def kernel_args(fmt: str, layout: PageLayout, *, num_warps: int, ppw: int) -> di
     """Constexpr arguments of one launch for page format ``fmt`` (its layout's field offsets included)."""
     p = layout.page_size
     nt = ppw * p
-    kb = 32 if fmt == "int2" else 64
-    vg = 8 if fmt == "nvfp4" else kb // 4
+    kb = {"int2": 32, "fp8_e4m3": 128}.get(fmt, 64)
+    vg = {"nvfp4": 8, "fp8_e4m3": 16}.get(fmt, kb // 4)
     per_thread = kb // 8
     lv_load, lv_unpack = v_layouts(num_warps, nt, kb // vg, vg, per_thread)
     pb, ko, kso, kzo, vo, vso, vzo = field_offsets(layout)
@@ -678,14 +721,14 @@ def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None,
     fmt "int2" / "int4" compile the triaxial kernel with only that precision's branch (PART 2 / 4), "triaxial"
     with both (PART 1, as launched)."""
     plain = "int4" if fmt in ("int2", "triaxial") else fmt
-    p = 16 if plain == "nvfp4" else 32
-    ppw = ppw or (2 if plain == "nvfp4" else 1)
+    p = 32 if plain == "int4" else 16
+    ppw = ppw or (1 if plain == "int4" else 2)
     lay = PageLayout.build(plain, page_size=p, kv_heads=8, head_dim=128)
     lay2 = PageLayout.build("int2", page_size=32, kv_heads=8, head_dim=128)
     a2 = kernel_args("int2", lay2, num_warps=num_warps, ppw=1)
     sig = {"q_ptr": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "buf_ptr": "*u8", "pt_ptr": "*i32", "lens_ptr": "*i32",
            "n2_ptr": "*i32", "k_mul": "fp32", "total_bytes": "i64", "pt_stride": "i32", "S": "i32", "PPS": "i32"}  # fmt: skip
-    const = dict(PART={"nvfp4": 0, "int2": 2, "int4": 4, "triaxial": 1}[fmt], H=8, G=heads, HP=8 if heads <= 8 else 16,
+    const = dict(PART={"nvfp4": 0, "fp8_e4m3": 0, "int2": 2, "int4": 4, "triaxial": 1}[fmt], H=8, G=heads, HP=8 if heads <= 8 else 16,
                  STAGES=stages,
                  **kernel_args(plain, lay, num_warps=num_warps, ppw=ppw),
                  **{k + "2": v for k, v in a2.items() if k in INT2_ARGS})  # fmt: skip

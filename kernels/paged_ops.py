@@ -65,7 +65,7 @@ def decode_kernel(q: Tensor, kv: PagedKV, *, backend: str | None = None, options
 
         if gluon_decode.supported(kv, q):
             return "gluon"
-    if opts.decode_kernel == "gluon" and kv.layout.fmt in ("nvfp4", "int4"):
+    if opts.decode_kernel == "gluon" and kv.layout.fmt in ("nvfp4", "int4", "fp8_e4m3"):
         # "gluon" asks for Gluon wherever its page formats are used: a call it cannot run is an error
         raise ValueError("decode_kernel='gluon' but the Gluon decode does not support this call (see gluon_decode.supported)")
     return "tl"

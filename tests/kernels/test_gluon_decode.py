@@ -51,7 +51,7 @@ def _compile(fmt: str, stages: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("stages", [0, 2])
-@pytest.mark.parametrize("fmt", ["nvfp4", "int4", "int2"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4", "int2", "fp8_e4m3"])
 def test_gluon_decode_compiles_for_sm90_without_unpacked_values_in_shared_memory(fmt: str, stages: int) -> None:
     r = _compile(fmt, stages)
     warps = r["warps"]
@@ -84,9 +84,9 @@ STAGE_VARIANTS = [0, 2]
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("stages", STAGE_VARIANTS)
-@pytest.mark.parametrize("case", ["nvfp4", "int4", "triaxial"])
+@pytest.mark.parametrize("case", ["nvfp4", "int4", "triaxial", "fp8_e4m3"])
 def test_gpu_gluon_decode_real_shapes(case: str, stages: int) -> None:
-    p = 16 if case == "nvfp4" else 32
+    p = 32 if case in ("int4", "triaxial") else 16
     lens = [1, p, p + 1, 1000, 2047, 4096, 333, 77]
     t = {"STAGES": stages}
     _check_decode(case, lens, device="cuda", d=128, h=8, g=4, p=p, kernel="gluon", tuning=t)
@@ -96,20 +96,20 @@ def test_gpu_gluon_decode_real_shapes(case: str, stages: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("stages", STAGE_VARIANTS)
-@pytest.mark.parametrize("case", ["nvfp4", "triaxial"])
+@pytest.mark.parametrize("case", ["nvfp4", "triaxial", "fp8_e4m3"])
 def test_gpu_gluon_decode_many_splits_including_empty_ones(case: str, stages: int) -> None:
-    p = 16 if case == "nvfp4" else 32
-    step = 4 * gluon_decode.GL_TUNING["nvfp4" if case == "nvfp4" else "int4"]["PPW"] if case == "nvfp4" else 4
+    p = 32 if case == "triaxial" else 16
+    step = 4 if case == "triaxial" else 2 * gluon_decode.GL_TUNING[case]["PPW"]  # warps x pages per warp
     _check_decode(case, [3, 40 * p, 17 * p + 5], device="cuda", d=128, h=8, g=4, p=p, splits=(40, step), kernel="gluon",
                   tuning={"STAGES": stages})  # fmt: skip
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["nvfp4", "triaxial"])
-def test_gpu_gluon_is_the_default_for_nvfp4_and_triaxial_on_hopper(case: str) -> None:
+@pytest.mark.parametrize("case", ["nvfp4", "triaxial", "fp8_e4m3"])
+def test_gpu_gluon_is_the_default_for_packed_and_fp8_pages_on_hopper(case: str) -> None:
     from test_triton_paged import _filled_pool
 
-    p = 16 if case == "nvfp4" else 32
+    p = 32 if case == "triaxial" else 16
     pool, filled, scale = _filled_pool(case, [300], device="cuda", d=128, h=8, p=p)
     q = torch.randn(1, 32, 128, device="cuda")
     assert paged_ops.decode_kernel(q, pool.kv(), options=KernelOptions()) == "gluon"
