@@ -269,12 +269,36 @@ def parse_marked(marked: str, codec: MarkerCodec) -> tuple[str, list[Chunk]]:
     Flat, not nested: an open marker ends any piece still open (pieces never
     contain each other; a template that cut off a close marker loses nothing
     more than that piece's end)."""
+    parsed = parse_marked_from(marked, codec, ParseState())
+    return parsed.plain, parsed.chunks
+
+
+@dataclass(frozen=True, slots=True)
+class ParseState:
+    """Where parsing resumes: a marked-text position just after a marker, the plain
+    characters before it, and the piece open there (-1: template text)."""
+
+    marked: int = 0
+    plain: int = 0
+    current: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    plain: str  # the plain text from the start state on
+    chunks: list[Chunk]  # in plain-text positions counted from the text's start
+    after: list[ParseState]  # per chunk: the state just after the marker that ends it
+
+
+def parse_marked_from(marked: str, codec: MarkerCodec, state: ParseState) -> Parsed:
+    """`parse_marked` of ``marked`` from ``state`` on: the chunks that parsing the whole
+    text would give from there (parsing reads each marker on its own, so the text
+    before a marker's end decides nothing after it)."""
     out: list[str] = []
     chunks: list[Chunk] = []
-    pos = 0
-    length = 0
-    current = -1
-    for m in codec.pattern.finditer(marked):
+    after: list[ParseState] = []
+    pos, length, current = state.marked, state.plain, state.current
+    for m in codec.pattern.finditer(marked, pos):
         if m.start() > pos:
             seg = marked[pos : m.start()]
             out.append(seg)
@@ -282,11 +306,14 @@ def parse_marked(marked: str, codec: MarkerCodec) -> tuple[str, list[Chunk]]:
             length += len(seg)
         current = codec.piece_id(m.group(1)) if m.group(1) is not None else -1
         pos = m.end()
+        if chunks and len(after) < len(chunks):
+            after.append(ParseState(pos, length, current))
     if pos < len(marked):
         seg = marked[pos:]
         out.append(seg)
         chunks.append((length, length + len(seg), current))
-    return "".join(out), chunks
+        after.append(ParseState(len(marked), length + len(seg), current))
+    return Parsed("".join(out), chunks, after)
 
 
 def align(chunks: list[Chunk], plain: str, text: str) -> list[Chunk]:

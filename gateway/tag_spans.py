@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from kvserving.tags import SEMANTIC
@@ -70,7 +71,7 @@ def merge_chunks(chunks: list[Chunk]) -> list[Chunk]:
 
 def label(
     merged: list[Chunk], pieces: list[Piece], text: str, controls: Controls, num_messages: int,
-    *, resume: Resume = Resume(), rendered: set[int] | None = None,
+    *, resume: Resume = Resume(), rendered: AbstractSet[int] | None = None,
 ) -> tuple[list[Span], dict[int, int]]:
     """Spans covering `text` from merged chunk ``resume.index`` on, and where each
     message's header begins (the character where the template text before its first

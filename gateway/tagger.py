@@ -65,6 +65,7 @@ from __future__ import annotations
 import bisect
 import operator
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,7 @@ class ChatTagger:
         self.prefixes = prefixes
         self._control_ids = frozenset(tokenizer.added_tokens)
         self.label_hits = 0  # prompts that reused a kept prefix's labels
+        self.parse_hits = 0  # prompts whose marked render was parsed from a kept prefix's state on
 
     def build(
         self,
@@ -157,19 +159,25 @@ class ChatTagger:
             )
         except GatewayError:  # the template refused marked content it accepts plain
             return self._coarse(text, got.ids, got.offsets())
-        plain, chunks = tag_markers.parse_marked(marked_text, codec)
-        method = "markers"
-        if plain != text:
-            chunks, method = tag_markers.align(chunks, plain, text), "aligned"
         pieces = list(marks.pieces)
         images = tag_spans.image_runs(got.ids, self.tokenizer.image_token_ids)
+        # Labels are kept and reused on the exact path only (markers, no image runs).
+        kept = None if images else _labels_of(got.reused)
+        chunked = _chunk(text, marked_text, codec, kept)
+        method, chunks = chunked.method, chunked.chunks
+        self.parse_hits += chunked.resumed
         if images and len(images) == len(marks.images):
             chunks = tag_spans.insert_images(chunks, images, marks.images, got.offsets(), pieces, msgs, temporals)
-        merged = tag_spans.merge_chunks(chunks)
-        rendered = tag_spans.rendered_messages(merged, pieces)
-        # Labels are kept and reused on the exact path only (markers, no image runs).
+        rendered: AbstractSet[int]
+        if chunked.resumed:
+            assert kept is not None
+            merged = [*kept.chunks, *tag_spans.merge_chunks(chunks)]
+            rendered = kept.prefix_rendered | tag_spans.rendered_messages(merged[len(kept.chunks):], pieces)
+        else:
+            merged = tag_spans.merge_chunks(chunks)
+            rendered = tag_spans.rendered_messages(merged, pieces)
         exact = method == "markers" and not images
-        prior = _reusable(got.reused, merged, pieces, rendered) if exact else None
+        prior = _reusable(kept, merged, pieces, rendered, same_chunks=chunked.resumed) if exact else None
         first = prior.tokens if prior is not None else 0
         self.label_hits += prior is not None
         resume = tag_spans.Resume(len(prior.chunks), pieces[prior.chunks[-1][2]], prior.chunks[-1][1]) if prior else tag_spans.Resume()
@@ -186,7 +194,7 @@ class ChatTagger:
         starts = tag_spans.turn_starts(msgs, headers, char_starts)
         if exact:
             for entry in got.filed:
-                entry.labels = _keep(entry.cut, merged, pieces, rendered, runs, headers, got.starts)
+                entry.labels = _keep(entry.cut, merged, pieces, rendered, runs, headers, got.starts, marked_text, chunked)
         return TaggedPrompt(text=text, input_ids=got.ids, tags=tags, turn_starts=starts, method=method,
                             char_starts=char_starts, tag_runs=tag_runs)
 
@@ -264,23 +272,55 @@ class _Labels:
     from which messages render a piece at all, so a longer prompt whose marked
     render has the same merged chunks and pieces up to there, and the same
     rendered messages among those, labels that text the same way. Labels name
-    owner messages, not turns, so they age with the request's temporals."""
+    owner messages, not turns, so they age with the request's temporals.
+
+    The marked render up to that piece's close marker is kept too: a marked render
+    that starts with it has those very chunks (parsing reads each marker on its own),
+    so only the rest is parsed."""
 
     chunks: tuple[Chunk, ...]  # merged chunks, the last one a piece
     pieces: tuple[tuple[str, tuple[object, ...], int], ...]  # (semantic, region, message) of the pieces up to them
-    rendered: frozenset[int]  # messages up to `last_message` that render a piece
+    rendered: frozenset[int]  # messages up to `last_message` that render a piece (anywhere in the prompt)
+    prefix_rendered: frozenset[int]  # messages with a piece among `chunks`
     last_message: int
     runs: tuple[tag_spans.Run, ...]  # the labels of the tokens before `tokens`
     tokens: int  # tokens whose first character is before the last chunk's end
     headers: dict[int, int]  # message headers found before that end
+    marked: str | None  # the marked render through the last chunk's closing marker (None: not kept)
+    state: tag_markers.ParseState  # the parse state there
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunked:
+    """The marked render's chunks: all of them (``resumed`` False, unmerged), or those
+    after a kept prefix's (``resumed``), as the parse gave them."""
+
+    parsed: tag_markers.Parsed
+    chunks: list[Chunk]
+    method: str
+    resumed: bool
+
+
+def _chunk(text: str, marked: str, codec: tag_markers.MarkerCodec, kept: _Labels | None) -> _Chunked:
+    """Parse the marked render: from the kept prefix's parse state when it starts with
+    that prefix's marked text, else whole (and aligned to the real render when the
+    template edited content)."""
+    if kept is not None and kept.marked is not None and marked.startswith(kept.marked):
+        parsed = tag_markers.parse_marked_from(marked, codec, kept.state)
+        if parsed.plain == text[kept.state.plain :]:
+            return _Chunked(parsed, parsed.chunks, "markers", resumed=True)
+    parsed = tag_markers.parse_marked_from(marked, codec, tag_markers.ParseState())
+    if parsed.plain != text:
+        return _Chunked(parsed, tag_markers.align(parsed.chunks, parsed.plain, text), "aligned", resumed=False)
+    return _Chunked(parsed, parsed.chunks, "markers", resumed=False)
 
 
 def _piece_key(pieces: list[Piece]) -> tuple[tuple[str, tuple[object, ...], int], ...]:
     return tuple((p.semantic, p.region, p.message) for p in pieces)
 
 
-def _keep(cut: int, merged: list[Chunk], pieces: list[Piece], rendered: set[int], runs: list[tag_spans.Run],
-          headers: dict[int, int], starts: array[int]) -> _Labels | None:
+def _keep(cut: int, merged: list[Chunk], pieces: list[Piece], rendered: AbstractSet[int], runs: list[tag_spans.Run],
+          headers: dict[int, int], starts: array[int], marked: str, chunked: _Chunked) -> _Labels | None:
     """The labels of this prompt up to its last piece that ends by ``cut``."""
     j = len(merged) - 1
     while j >= 0 and (merged[j][2] < 0 or merged[j][1] > cut):
@@ -289,27 +329,43 @@ def _keep(cut: int, merged: list[Chunk], pieces: list[Piece], rendered: set[int]
         return None
     chunks = tuple(merged[: j + 1])
     used = [pid for _, _, pid in chunks if pid >= 0]
-    last_message = max(pieces[pid].message for pid in used)
+    messages = frozenset(pieces[pid].message for pid in used)
+    last_message = max(messages)
     end = chunks[-1][1]
     tokens = bisect.bisect_left(starts, end)
+    # The parse state after that piece's raw chunk (parsed this time: found among the raw chunks).
+    raw = chunked.parsed.chunks
+    k = len(raw) - 1
+    while k >= 0 and raw[k] != chunks[-1]:
+        k -= 1
+    state = chunked.parsed.after[k] if k >= 0 else tag_markers.ParseState()
     return _Labels(
         chunks=chunks,
         pieces=_piece_key(pieces[: max(used) + 1]),
         rendered=frozenset(m for m in rendered if m <= last_message),
+        prefix_rendered=messages,
         last_message=last_message,
         runs=tag_spans.runs_before(runs, tokens),
         tokens=tokens,
         headers={m: c for m, c in headers.items() if c < end},
+        marked=marked[: state.marked] if k >= 0 else None,
+        state=state,
     )
 
 
-def _reusable(entry: object, merged: list[Chunk], pieces: list[Piece], rendered: set[int]) -> _Labels | None:
-    """The kept labels of the prefix this prompt extends, when they hold for it (`_Labels`)."""
+def _labels_of(entry: object) -> _Labels | None:
     labels = getattr(entry, "labels", None)
-    if not isinstance(labels, _Labels):
+    return labels if isinstance(labels, _Labels) else None
+
+
+def _reusable(labels: _Labels | None, merged: list[Chunk], pieces: list[Piece], rendered: AbstractSet[int], *,
+              same_chunks: bool) -> _Labels | None:
+    """The kept labels, when they hold for this prompt (`_Labels`); ``same_chunks``: its
+    chunks were taken from them (its marked render starts with theirs)."""
+    if labels is None:
         return None
     n, k = len(labels.chunks), len(labels.pieces)
-    if len(merged) < n or tuple(merged[:n]) != labels.chunks:
+    if not same_chunks and (len(merged) < n or tuple(merged[:n]) != labels.chunks):
         return None
     if len(pieces) < k or _piece_key(pieces[:k]) != labels.pieces:
         return None

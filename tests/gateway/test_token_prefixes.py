@@ -312,6 +312,8 @@ def test_kept_labels_give_the_tags_of_a_full_tagging(name: str, tokenizer: TextT
     # renders its tool block after the conversation: only the first message is kept).
     if name in ("tiny", "empty_list"):
         assert incremental.label_hits >= requests - 2 * len(sessions), (incremental.label_hits, requests)
+        # and parsed only the marked render after the kept prefix
+        assert incremental.parse_hits >= requests - 2 * len(sessions), (incremental.parse_hits, requests)
 
 
 def test_same_text_with_other_pieces_does_not_reuse_the_labels(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
