@@ -32,11 +32,11 @@ MARKER_BASES = (0xF0000, 0x100000, 0xE000)
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """One marked content string: its role, its turn, the block it belongs to
-    (template text between two pieces of one block takes the block's role)."""
+    """One marked content string: its role, the block it belongs to (template text
+    between two pieces of one block takes the block's role) and its message (whose
+    place in the request gives its turn)."""
 
     semantic: str
-    temporal: str
     region: tuple[object, ...]
     message: int  # index in messages; tool schemas: the system message's, or -1
 
@@ -98,20 +98,20 @@ def _wrap(text: str, piece: Piece, codec: MarkerCodec, marks: Marks, *, piece_id
     return text[:lead] + codec.open(piece_id) + core + codec.close + text[end:]
 
 
-def mark_message(message: Message, i: int, temporal: str, codec: MarkerCodec, marks: Marks) -> Message:
+def mark_message(message: Message, i: int, codec: MarkerCodec, marks: Marks) -> Message:
     role = message["role"]
     out = dict(message)
     if role == "system":
-        piece = Piece("inst", "current", ("msg", i), i)
+        piece = Piece("inst", ("msg", i), i)
         out["content"] = _mark_content(message.get("content"), piece, codec, marks)
     elif role == "user":
-        piece = Piece("user", temporal, ("msg", i), i)
+        piece = Piece("user", ("msg", i), i)
         out["content"] = _mark_content(message.get("content"), piece, codec, marks, images=True, message_index=i)
     elif role == "tool":
-        piece = Piece("obs", temporal, ("msg", i), i)
+        piece = Piece("obs", ("msg", i), i)
         out["content"] = _mark_content(message.get("content"), piece, codec, marks)
     elif role == "assistant":
-        _mark_assistant(message, out, i, temporal, codec, marks)
+        _mark_assistant(message, out, i, codec, marks)
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -139,14 +139,14 @@ def _mark_content(
     return parts
 
 
-def _mark_assistant(message: Message, out: Message, i: int, temporal: str, codec: MarkerCodec, marks: Marks) -> None:
-    reasoning = Piece("reasoning", temporal, ("reason", i), i)
+def _mark_assistant(message: Message, out: Message, i: int, codec: MarkerCodec, marks: Marks) -> None:
+    reasoning = Piece("reasoning", ("reason", i), i)
     content = message.get("content")
     if isinstance(content, str):
-        out["content"] = _mark_inline(content, i, temporal, codec, marks)
+        out["content"] = _mark_inline(content, i, codec, marks)
     elif isinstance(content, list):
         out["content"] = [
-            {**p, "text": _mark_inline(p["text"], i, temporal, codec, marks)}
+            {**p, "text": _mark_inline(p["text"], i, codec, marks)}
             if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
             else p
             for p in content
@@ -162,10 +162,10 @@ def _mark_assistant(message: Message, out: Message, i: int, temporal: str, codec
             out[name] = _wrap(value, reasoning, codec, marks, piece_id=shared)
     calls = message.get("tool_calls")
     if isinstance(calls, list):
-        out["tool_calls"] = [_mark_call(call, i, k, temporal, codec, marks) for k, call in enumerate(calls)]
+        out["tool_calls"] = [_mark_call(call, i, k, codec, marks) for k, call in enumerate(calls)]
 
 
-def _mark_inline(text: str, i: int, temporal: str, codec: MarkerCodec, marks: Marks) -> str:
+def _mark_inline(text: str, i: int, codec: MarkerCodec, marks: Marks) -> str:
     """Assistant text with `<think>` / `<tool_call>` blocks marked as their own pieces.
 
     A `</think>` without an opening `<think>` before it closes reasoning that
@@ -177,7 +177,7 @@ def _mark_inline(text: str, i: int, temporal: str, codec: MarkerCodec, marks: Ma
     out: list[str] = []
     pos, calls = 0, 0
     for m in found:
-        out.append(_wrap(text[pos : m.start()], _inline_piece(state, i, temporal, calls), codec, marks))
+        out.append(_wrap(text[pos : m.start()], _inline_piece(state, i, calls), codec, marks))
         out.append(m.group())
         tag = m.group()
         if tag == "<think>":
@@ -187,11 +187,11 @@ def _mark_inline(text: str, i: int, temporal: str, codec: MarkerCodec, marks: Ma
         else:
             state = "assistant"
         pos = m.end()
-    out.append(_wrap(text[pos:], _inline_piece(state, i, temporal, calls), codec, marks))
+    out.append(_wrap(text[pos:], _inline_piece(state, i, calls), codec, marks))
     return "".join(out)
 
 
-def _inline_piece(state: str, i: int, temporal: str, calls: int) -> Piece:
+def _inline_piece(state: str, i: int, calls: int) -> Piece:
     region: tuple[object, ...]
     if state == "reasoning":
         region = ("reason", i)
@@ -199,13 +199,13 @@ def _inline_piece(state: str, i: int, temporal: str, calls: int) -> Piece:
         region = ("inline_call", i, calls)
     else:
         region = ("msg", i)
-    return Piece(state, temporal, region, i)
+    return Piece(state, region, i)
 
 
-def _mark_call(call: object, i: int, k: int, temporal: str, codec: MarkerCodec, marks: Marks) -> object:
+def _mark_call(call: object, i: int, k: int, codec: MarkerCodec, marks: Marks) -> object:
     if not isinstance(call, dict):
         return call
-    piece = Piece("tool_call", temporal, ("call", i, k), i)
+    piece = Piece("tool_call", ("call", i, k), i)
     out = dict(call)
     fn = call.get("function")
     if isinstance(fn, dict):
@@ -241,7 +241,7 @@ def mark_tool(tool: dict[str, Any], codec: MarkerCodec, marks: Marks, *, message
     """Mark a tool's name and description strings (any depth); templates may
     compare `type` or enum values, so those stay untouched."""
     # One block with the system message the schemas are rendered with.
-    piece = Piece("inst", "current", ("msg", message), message)
+    piece = Piece("inst", ("msg", message), message)
 
     def walk(obj: object, key: str | None) -> object:
         if isinstance(obj, str):

@@ -303,7 +303,6 @@ def insert_images(
     offsets: list[tuple[int, int]],
     pieces: list[Piece],
     msgs: list[Message],
-    temporals: list[str],
 ) -> list[Chunk]:
     """Image placeholder runs as pieces of their message (matched in order to
     the request's image parts), cut out of the template text around them."""
@@ -311,7 +310,7 @@ def insert_images(
     for (a, b), i in zip(runs, images, strict=True):
         semantic = "obs" if msgs[i]["role"] == "tool" else "user"
         spans.append((offsets[a][0], offsets[b - 1][1], len(pieces)))
-        pieces.append(Piece(semantic, temporals[i], ("msg", i), i))
+        pieces.append(Piece(semantic, ("msg", i), i))
     out: list[Chunk] = []
     k = 0
     for start, end, pid in chunks:

@@ -152,7 +152,7 @@ class ChatTagger:
         # are marked first so that every piece keeps its id when later turns add messages.
         owner = 0 if msgs[0]["role"] == "system" else -1
         marked_tools = None if tool_list is None else [tag_markers.mark_tool(t, codec, marks, message=owner) for t in tool_list]
-        marked_msgs = [tag_markers.mark_message(m, i, temporals[i], codec, marks) for i, m in enumerate(msgs)]
+        marked_msgs = [tag_markers.mark_message(m, i, codec, marks) for i, m in enumerate(msgs)]
         try:
             marked_text = self.template.render(
                 marked_msgs, tools=marked_tools, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
@@ -167,7 +167,7 @@ class ChatTagger:
         method, chunks = chunked.method, chunked.chunks
         self.parse_hits += chunked.resumed
         if images and len(images) == len(marks.images):
-            chunks = tag_spans.insert_images(chunks, images, marks.images, got.offsets(), pieces, msgs, temporals)
+            chunks = tag_spans.insert_images(chunks, images, marks.images, got.offsets(), pieces, msgs)
         rendered: AbstractSet[int]
         if chunked.resumed:
             assert kept is not None
