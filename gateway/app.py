@@ -37,7 +37,7 @@ from .errors import GatewayError, authentication, model_not_found, not_found
 from .front import CompletionRoutes, api_key_ok
 from .identity import ConversationIndex
 from .leases import LeaseKeeper, LeaseTable
-from .metrics import GatewayMetrics
+from .metrics import GatewayMetrics, PromptReuse
 from .turn import Turns
 from .workers import WorkerClient, WorkerPool
 
@@ -69,6 +69,7 @@ def build_state(config: ServingConfig, *, model: ModelInfo, registry: CollectorR
                   max_inflight_per_worker=gw.max_inflight_per_worker, bidirectional=config.reuse.bidirectional)
     index = ConversationIndex(page_size=config.kv_cache.effective_page_size)
     completions = Completions(model=model, turns=turns, metrics=metrics, index=index)
+    registry.register(PromptReuse(model.tagger))
     return GatewayState(config, model, metrics, client, pool, keeper, completions)
 
 

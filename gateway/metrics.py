@@ -20,11 +20,23 @@ DASHBOARD_METRICS, same name and type); the rest are for operators:
     kvserving_gateway_upstream_errors_total{kind}         counter   connect | timeout | status | stream | worker_error
     kvserving_gateway_workers_healthy{role}               gauge
     kvserving_gateway_conversation_identities_total{source} counter  x-session-id | ... | prompt_cache_key | user | prefix | new
+    kvserving_gateway_prompt_reuse_total{part,result}     counter   part: tokens | labels | parse; result: hit | miss
+    kvserving_gateway_prompt_prefix_tokens                gauge     tokens the kept prompt prefixes hold
+
+The last two are read at scrape time from the tagger (`PromptReuse`): how much
+of each chat prompt's tokenization, labels and marked-render parse came from
+the previous turn's kept prefix (a template that rewrites earlier turns shows
+up as misses).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 # Seconds; dense below 50 ms where the gateway's own overhead lives.
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -96,3 +108,27 @@ class GatewayMetrics:
 
     def route(self, role: str, reason: str) -> None:
         self.routing.labels(role, reason).inc()
+
+
+class ReuseCounts(Protocol):
+    """What the tagger counts (`tagger.ChatTagger.reuse_counts`)."""
+
+    def reuse_counts(self) -> tuple[dict[str, tuple[int, int]], int]: ...
+
+
+class PromptReuse(Collector):
+    """Scrape-time counters of the tagger's prompt-prefix reuse (nothing on the request path)."""
+
+    def __init__(self, source: ReuseCounts) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        parts, tokens = self.source.reuse_counts()
+        reuse = CounterMetricFamily("kvserving_gateway_prompt_reuse", "Chat prompts whose tokens, labels or marked-render "
+                                    "parse came from the previous turn's kept prefix (hit) or were done whole (miss)",
+                                    labels=["part", "result"])
+        for part, (hits, misses) in parts.items():
+            reuse.add_metric([part, "hit"], hits)
+            reuse.add_metric([part, "miss"], misses)
+        yield reuse
+        yield GaugeMetricFamily("kvserving_gateway_prompt_prefix_tokens", "Tokens the kept prompt prefixes hold", value=tokens)

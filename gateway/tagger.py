@@ -121,6 +121,7 @@ class ChatTagger:
         # new text; ids and offsets are those of a full tokenization either way.
         self.prefixes = prefixes
         self._control_ids = frozenset(tokenizer.added_tokens)
+        self.builds = 0  # chat prompts tagged
         self.label_hits = 0  # prompts that reused a kept prefix's labels
         self.parse_hits = 0  # prompts whose marked render was parsed from a kept prefix's state on
 
@@ -142,6 +143,7 @@ class ChatTagger:
         msgs = normalize_messages(messages)
         tool_list = normalize_tools(tools)
         text = self.template.render(msgs, tools=tool_list, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
+        self.builds += 1
         got = self._tokens(text)
         codec = tag_markers.pick_codec(text)
         if codec is None:  # the request itself uses every marker alphabet
@@ -197,6 +199,13 @@ class ChatTagger:
                 entry.labels = _keep(entry.cut, merged, pieces, rendered, runs, headers, got.starts, marked_text, chunked)
         return TaggedPrompt(text=text, input_ids=got.ids, tags=tags, turn_starts=starts, method=method,
                             char_starts=char_starts, tag_runs=tag_runs)
+
+    def reuse_counts(self) -> tuple[dict[str, tuple[int, int]], int]:
+        """(hits, misses) of the kept prefixes per part, and the tokens they hold (for metrics)."""
+        p = self.prefixes
+        tokens = (p.hits, p.misses) if p is not None else (0, self.builds)
+        return ({"tokens": tokens, "labels": (self.label_hits, self.builds - self.label_hits),
+                 "parse": (self.parse_hits, self.builds - self.parse_hits)}, p.tokens if p is not None else 0)
 
     def _tokens(self, text: str) -> Prefixed:
         if self.prefixes is not None:

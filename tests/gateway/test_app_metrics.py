@@ -39,6 +39,8 @@ def test_every_dashboard_gateway_metric_is_exported_with_its_type(stack: Stack) 
         ("kvserving_gateway_lease_expiries", "counter"),
         ("kvserving_gateway_routing_decisions", "counter"),
         ("kvserving_gateway_upstream_errors", "counter"),
+        ("kvserving_gateway_prompt_reuse", "counter"),
+        ("kvserving_gateway_prompt_prefix_tokens", "gauge"),
     ]:
         name = name + "_seconds" if kind == "histogram" else name
         assert exported.get(name) == kind, name
@@ -70,3 +72,24 @@ def test_counters_move_by_what_happened(stack: Stack) -> None:
         time.sleep(0.02)
     httpx.get(gw.url + "/metrics", timeout=5)
     assert gw.metric("kvserving_gateway_workers_healthy", {"role": "both"}) == 1
+
+
+def test_prompt_reuse_counts_the_turns_that_extended_a_kept_prefix(stack: Stack) -> None:
+    """A conversation's second turn tokenizes, labels and parses only what its first
+    turn's prompt did not have; a new conversation with another system prompt does all."""
+    worker = stack.worker(role="both", reply_ids=[11, 12, 13])
+    gw = stack.gateway(decode=[worker.url])
+    c = openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "list the files"}]
+    reply = c.chat.completions.create(model=MODEL, messages=messages).choices[0].message.content
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "now read setup.py"}]
+    c.chat.completions.create(model=MODEL, messages=messages)
+    c.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Another agent."},
+                                                     {"role": "user", "content": "hi"}])
+
+    def reuse(part: str, result: str) -> float:
+        return gw.metric("kvserving_gateway_prompt_reuse_total", {"part": part, "result": result})
+
+    for part in ("tokens", "labels", "parse"):
+        assert (reuse(part, "hit"), reuse(part, "miss")) == (1, 2), part
+    assert gw.metric("kvserving_gateway_prompt_prefix_tokens") > 0
