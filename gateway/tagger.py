@@ -196,6 +196,8 @@ class ChatTagger:
         starts = tag_spans.turn_starts(msgs, headers, char_starts)
         if exact:
             for entry in got.filed:
+                if entry.shared and isinstance(entry.labels, _Labels):
+                    continue  # a first message's labels hold for every conversation that starts with it
                 entry.labels = _keep(entry.cut, merged, pieces, rendered, runs, headers, got.starts, marked_text, chunked)
         return TaggedPrompt(text=text, input_ids=got.ids, tags=tags, turn_starts=starts, method=method,
                             char_starts=char_starts, tag_runs=tag_runs)

@@ -158,6 +158,8 @@ def test_new_conversations_sharing_a_system_prompt_and_tools_reuse_its_tokens(
             messages += [{"role": "assistant", "content": words(rng, 5)}, {"role": "user", "content": words(rng, 4)}]
         assert incremental.build(copy.deepcopy(messages), tools=TOOLS) == full.build(copy.deepcopy(messages), tools=TOOLS)
     assert prefixes.misses == 1 and prefixes.hits == 5
+    # their labels and the marked render's parse of the shared block came from the kept prefix too
+    assert incremental.label_hits == 5 and incremental.parse_hits == 5
     shared = [e for e in prefixes._entries.values() if e.shared]
     assert len(shared) == 1 and len(shared[0].ids) > 100  # the system prompt and the tool schemas
     # a different system prompt is a new shared entry, not a wrong hit
