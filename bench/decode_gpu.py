@@ -233,7 +233,7 @@ def main() -> None:
     ap.add_argument("--no-tl", action="store_true", help="skip the tl kernel rows of the packed formats")
     ap.add_argument("--no-writes", action="store_true", help="skip the write / gather rows")
     args = ap.parse_args()
-    variants: list[dict[str, int]] = json.loads(args.variants) if args.variants else []
+    gl_variants: list[dict[str, Any]] = json.loads(args.variants) if args.variants else []
     shapes = [(int(s.split("x")[0]), int(s.split("x")[1])) for s in args.shapes.split(",")]
     formats = args.formats.split(",")
     torch.manual_seed(0)
@@ -264,13 +264,16 @@ def main() -> None:
             outs[fmt] = pool.decode(q).float()
             record(shape, f"ours {fmt}", ms, pool_bytes, resources=resources(pool))
             print("      " + resources(pool), flush=True)
-            if fmt in ("nvfp4", "triaxial", "fp8_e4m3") and variants:
+            if fmt in ("nvfp4", "triaxial", "fp8_e4m3") and gl_variants:
                 from kvserving.kernels import gluon_decode
 
                 base = gluon_decode.GL_TUNING.get(pool.layout.fmt, {})
-                for var in variants:
-                    cfg = {**base, **var}
-                    name = " ".join(f"{k}{v}" for k, v in var.items())
+                for var in gl_variants:
+                    if fmt not in var.get("FORMATS", fmt).split(","):  # a variant may name the formats it is for
+                        continue
+                    tune = {k: v for k, v in var.items() if k != "FORMATS"}
+                    cfg = {**base, **tune}
+                    name = " ".join(f"{k}{v}" for k, v in tune.items())
                     try:
                         t = time_ms(lambda: pool.decode(q, kernel="gluon", tuning=cfg))
                         err = float((pool.decode(q, kernel="gluon", tuning=cfg).float() - outs[fmt]).norm() / outs[fmt].norm())

@@ -1,9 +1,10 @@
-"""Gluon decode attention for packed pages (nvfp4, triaxial INT4 and INT2): unpacked straight into tensor-core fragments.
+"""Gluon decode attention for nvfp4, triaxial (INT4 + INT2) and fp8 pages: unpacked straight into tensor-core fragments.
 
 Why a second decode kernel: the ``tl`` kernels in ``triton_decode.py`` dequantize
 a tile in a blocked layout and Triton then moves the fp16 tile through shared
 memory into the ``mma`` operand layout; for 4- and 2-bit pages that round trip
-costs more than reading the bytes (bench/NOTES-kernels.md). Gluon lets the
+costs more than reading the bytes, and even fp8 pages read only ~60% of the chip's
+bandwidth that way (bench/NOTES-kernels.md). Gluon lets the
 kernel choose every layout, so here each thread loads exactly the bytes whose
 values its ``mma.m16n8k16`` fragments hold, unpacks them with a few integer ops
 and one ``f16x2`` multiply (or fma) per pair, and hands the registers to the
@@ -27,19 +28,20 @@ row order of O^T (un-permuted at the store), so the kernel picks both to make
 every thread's bytes contiguous:
 
     K rows (tokens g, g+8, ...):  thread c loads bytes [c*KB/4, (c+1)*KB/4) of the token's row (16 bytes = 32
-                                  nvfp4/int4 values or 8 bytes = 32 INT2 values): one nvfp4 block pair or one
-                                  INT4/INT2 group, so one block scale (or one scale + zero) per register;
-    V^T rows (channels):          thread g owns channels [g*D/8, (g+1)*D/8) = 8 bytes of nvfp4/int4 or 4 of INT2
-                                  of tokens 2c, 2c+1, 2c+8, 2c+9 (+16): an mma register pairs two *tokens*, so
-                                  the unpacker takes bytes of two tokens in one 32-bit word.
+                                  nvfp4/int4 values, 8 bytes = 32 INT2 values, 32 bytes = 32 fp8 values): one
+                                  nvfp4 block pair or one INT4/INT2 group, so one block scale (or one scale +
+                                  zero) per register;
+    V^T rows (channels):          thread g owns channels [g*D/8, (g+1)*D/8) = 8 bytes of nvfp4/int4, 4 of INT2,
+                                  16 of fp8 of tokens 2c, 2c+1, 2c+8, 2c+9 (+16): an mma register pairs two
+                                  *tokens*, so the unpacker takes bytes of two tokens in one 32-bit word.
 
 How packed bytes become fragments (PTX unpackers, register relabelling): ``gluon_fragments.py``.
 
 Supported (``supported``): head_dim 128, up to 16 query heads per kv head,
-page size 16 (nvfp4) or 32 (triaxial); for anything else, and in the
+page size 16 (nvfp4, fp8) or 32 (triaxial); for anything else, and in the
 interpreter, ``paged_ops`` (the one dispatch point) runs ``triton_decode``.
-The unpackers are PTX, so these kernels run on a GPU only (sm_80+:
-``mma.sync``; sm_89+ for the E4M3 scale conversion);
+The unpackers are PTX, so these kernels run on a GPU only (sm_89+: ``mma.sync``,
+the E4M3 conversions; ``cp.async``);
 ``tests/kernels/test_gluon_decode.py`` compiles them for sm_90 on CPU and the
 gpu tests hold them to the reference.
 """
@@ -120,6 +122,14 @@ def _rows(pt_row_ptr, base, page_hi, num_tokens, h, total_bytes, wi, ni,
     else:
         off = pid.to(gl.int64) * PAGE_BYTES
     return off, h * P + slot, ok
+
+
+@gluon.jit
+def _valid(base, page_hi, num_tokens, h, wi, ni, P: gl.constexpr, PPW: gl.constexpr):
+    """_rows without the page offset (masks need no page id): (row index inside a [H, P, ...] field, validity)."""
+    pidx = base + wi * PPW + ni // P
+    slot = ni % P
+    return h * P + slot, (pidx < page_hi) & (pidx * P + slot < num_tokens)
 
 
 @gluon.jit
@@ -352,7 +362,7 @@ def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: g
     else:
         LVP: gl.constexpr = pair_layout(LV_UNPACK)
         pw, pn, pg = idx3(LVP, W, NT // 2, 1)
-        _o, _r, bok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, pw, 2 * pn + 1, P, PPW, PAGE_BYTES, INT2)
+        _r, bok = _valid(base, hi, num_tokens, h, pw, 2 * pn + 1, P, PPW)
         keep = gl.where(bok, -1, 0xFFFF)  # the second token of a pair past the sequence reads 0, as in _load_step
         vs = vsr.index(slot).permute([0, 2, 1]).load(LVP) & keep
         vz = vzr.index(slot).permute([0, 2, 1]).load(LVP) & keep
@@ -428,7 +438,7 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
 
     # ---- online softmax over the warp's tokens (base 2) ----
     mw, mn, mh = idx3(MMA, W, NT, HP)
-    _o, _r, mok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, mw, mn, P, PPW, PAGE_BYTES, INT2)
+    _r, mok = _valid(base, hi, num_tokens, h, mw, mn, P, PPW)
     sc = gl.where(mok & (mh >= 0), sc * k_mul, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, axis=1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -669,7 +679,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """Launch the Gluon decode (arguments checked by paged_ops; ``supported`` must hold) -> [B, Hq, D] in q.dtype.
 
-    tuning overrides GL_TUNING[fmt]; splits (splits, pages per split) overrides the planner."""
+    tuning overrides GL_TUNING[fmt] (MINTOK / FILL: the planner's SPLIT_MIN_TOKENS / SPLIT_MIN_FILL); splits
+    (splits, pages per split) overrides the planner."""
     out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages,
                            tuning=tuning, splits=splits)  # fmt: skip
     return out
@@ -695,7 +706,8 @@ def launch_decode(
     cfg = {**GL_TUNING[layout.fmt], **(tuning or {})}
     ppi = cfg["num_warps"] * cfg["PPW"]
     run = prepare_splits(q, kv, page_table, seq_lens, num_int2_pages, pages_per_iter=ppi, programs_per_sm=cfg["PPSM"],
-                         min_pages=-(-SPLIT_MIN_TOKENS // layout.page_size), min_fill=cfg.get("FILL", SPLIT_MIN_FILL), splits=splits)  # fmt: skip
+                         min_pages=-(-cfg.get("MINTOK", SPLIT_MIN_TOKENS) // layout.page_size),
+                         min_fill=cfg.get("FILL", SPLIT_MIN_FILL), splits=splits)  # fmt: skip
     if run.pages_per_split % ppi:
         raise ValueError(f"pages per split ({run.pages_per_split}) must be a multiple of pages per step ({ppi})")
     k_fold, v_fold = folded_scales(kv)
