@@ -64,12 +64,11 @@ from __future__ import annotations
 
 import bisect
 import operator
+from array import array
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
-
-from array import array
 
 from kvserving.tags import TEMPORAL, encode_tag
 
@@ -170,19 +169,12 @@ class ChatTagger:
         self.parse_hits += chunked.resumed
         if images and len(images) == len(marks.images):
             chunks = tag_spans.insert_images(chunks, images, marks.images, got.offsets(), pieces, msgs)
-        rendered: AbstractSet[int]
-        if chunked.resumed:
-            assert kept is not None
-            merged = [*kept.chunks, *tag_spans.merge_chunks(chunks)]
-            rendered = kept.prefix_rendered | tag_spans.rendered_messages(merged[len(kept.chunks):], pieces)
-        else:
-            merged = tag_spans.merge_chunks(chunks)
-            rendered = tag_spans.rendered_messages(merged, pieces)
+        merged, rendered = _merge(chunks, pieces, kept if chunked.resumed else None)
         exact = method == "markers" and not images
         prior = _reusable(kept, merged, pieces, rendered, same_chunks=chunked.resumed) if exact else None
         first = prior.tokens if prior is not None else 0
         self.label_hits += prior is not None
-        resume = tag_spans.Resume(len(prior.chunks), pieces[prior.chunks[-1][2]], prior.chunks[-1][1]) if prior else tag_spans.Resume()
+        resume = prior.resume(pieces) if prior is not None else tag_spans.Resume()
         spans, headers = tag_spans.label(merged, pieces, text, self._controls(got, first), len(msgs),
                                          resume=resume, rendered=rendered)
         runs = [*prior.runs, *tag_spans.token_runs(spans, got.starts, first)] if prior else tag_spans.token_runs(spans, got.starts)
@@ -300,6 +292,11 @@ class _Labels:
     marked: str | None  # the marked render through the last chunk's closing marker (None: not kept)
     state: tag_markers.ParseState  # the parse state there
 
+    def resume(self, pieces: list[Piece]) -> tag_spans.Resume:
+        """Labelling's state after the kept chunks (their last one is a piece)."""
+        _, end, pid = self.chunks[-1]
+        return tag_spans.Resume(len(self.chunks), pieces[pid], end)
+
 
 @dataclass(frozen=True, slots=True)
 class _Chunked:
@@ -324,6 +321,16 @@ def _chunk(text: str, marked: str, codec: tag_markers.MarkerCodec, kept: _Labels
     if parsed.plain != text:
         return _Chunked(parsed, tag_markers.align(parsed.chunks, parsed.plain, text), "aligned", resumed=False)
     return _Chunked(parsed, parsed.chunks, "markers", resumed=False)
+
+
+def _merge(chunks: list[Chunk], pieces: list[Piece], kept: _Labels | None) -> tuple[list[Chunk], AbstractSet[int]]:
+    """Merged chunks and the messages that render a piece; with ``kept``, ``chunks`` are
+    those after its chunks (a resumed parse) and its chunks come first."""
+    if kept is None:
+        merged = tag_spans.merge_chunks(chunks)
+        return merged, tag_spans.rendered_messages(merged, pieces)
+    rest = tag_spans.merge_chunks(chunks)  # the kept chunks end with a piece: nothing merges across
+    return [*kept.chunks, *rest], kept.prefix_rendered | tag_spans.rendered_messages(rest, pieces)
 
 
 def _piece_key(pieces: list[Piece]) -> tuple[tuple[str, tuple[object, ...], int], ...]:
