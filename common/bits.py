@@ -162,7 +162,7 @@ def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence
     then an exact branch-and-bound search over the bought sets (two-for-one swaps
     and the like) from there: the INT4 pages' summed gain never falls below the
     walk's, the budget holds, and the set is the best one whenever the search
-    completes (``page_search.MAX_NODES``; < 1,000 nodes on the agent pages)."""
+    completes (``page_search.MAX_NODES``; at most ~1,100 nodes on the agent pages)."""
     if absent not in ("free", "rank"):
         raise ValueError(f"absent must be 'free' or 'rank', got {absent!r}")
     if not 2.0 <= budget <= 4.0:

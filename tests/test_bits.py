@@ -66,8 +66,8 @@ def test_defaults_are_documented_shares_and_weights() -> None:
 def test_budgets_2_5_and_3_5_give_the_documented_tables() -> None:
     low, high = bits_table_for_budget(2.5), bits_table_for_budget(3.5)
     # 2.5: the system prompt and tool schemas (current inst, 18% of the agent tokens, on
-    # pages of their own), the current request and the last two turns' tool calls; every tool
-    # result at 2 bits, and the delimiters too (on most pages, where they would cost whole pages)
+    # pages of their own), the current and previous requests and tool calls; every tool result
+    # at 2 bits, and the delimiters too (on most pages, where they would cost whole pages)
     assert format_bits_table(low) == (
         "current text IU..C.. image .......; turn_m1 text .U..C.. image .......; "
         "turn_m2 text ....... image .......; older text ....... image ......."
