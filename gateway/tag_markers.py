@@ -263,16 +263,6 @@ def mark_tool(tool: dict[str, Any], codec: MarkerCodec, marks: Marks, *, message
 Chunk = tuple[int, int, int]
 
 
-def parse_marked(marked: str, codec: MarkerCodec) -> tuple[str, list[Chunk]]:
-    """Strip the markers; chunks of the plain text labelled with the open piece.
-
-    Flat, not nested: an open marker ends any piece still open (pieces never
-    contain each other; a template that cut off a close marker loses nothing
-    more than that piece's end)."""
-    parsed = parse_marked_from(marked, codec, ParseState())
-    return parsed.plain, parsed.chunks
-
-
 @dataclass(frozen=True, slots=True)
 class ParseState:
     """Where parsing resumes: a marked-text position just after a marker, the plain
@@ -291,9 +281,14 @@ class Parsed:
 
 
 def parse_marked_from(marked: str, codec: MarkerCodec, state: ParseState) -> Parsed:
-    """`parse_marked` of ``marked`` from ``state`` on: the chunks that parsing the whole
-    text would give from there (parsing reads each marker on its own, so the text
-    before a marker's end decides nothing after it)."""
+    """Strip the markers of ``marked`` from ``state`` on (``ParseState()``: the whole
+    text); chunks of the plain text labelled with the open piece.
+
+    Flat, not nested: an open marker ends any piece still open (pieces never
+    contain each other; a template that cut off a close marker loses nothing
+    more than that piece's end). Each marker is read on its own, so the text
+    before a marker's end decides nothing after it: parsing from a state gives
+    the chunks that parsing the whole text would give from there."""
     out: list[str] = []
     chunks: list[Chunk] = []
     after: list[ParseState] = []
