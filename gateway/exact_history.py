@@ -35,6 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from .tag_spans import expand_runs
 from .tagger import TaggedPrompt
 from .tokenizer import Encoded
 
@@ -143,13 +144,11 @@ def _retag(prompt: TaggedPrompt, ids: list[int], starts: tuple[int, ...], canon_
     bisection per run, not per token: a run of canonical tokens [s, e) covers the
     characters from canon_starts[s] up to canon_starts[e]."""
     runs = prompt.tag_runs or _runs_of(prompt.tags)
-    tags: list[int] = []
     out_runs: list[tuple[int, int]] = []
     lo, n = 0, len(canon_starts)
     for k, (end, tag) in enumerate(runs):
         hi = len(starts) if k == len(runs) - 1 or end >= n else bisect.bisect_left(starts, canon_starts[end], lo)
         if hi > lo:
-            tags += [tag] * (hi - lo)
             if out_runs and out_runs[-1][1] == tag:
                 out_runs[-1] = (hi, tag)
             else:
@@ -159,7 +158,8 @@ def _retag(prompt: TaggedPrompt, ids: list[int], starts: tuple[int, ...], canon_
         min(bisect.bisect_left(starts, canon_starts[t] if t < len(canon_starts) else len(prompt.text)), len(ids) - 1)
         for t in prompt.turn_starts
     )
-    return replace(prompt, input_ids=ids, tags=tags, turn_starts=turn_starts, char_starts=starts, tag_runs=tuple(out_runs))
+    return replace(prompt, input_ids=ids, tags=expand_runs(out_runs), turn_starts=turn_starts, char_starts=starts,
+                   tag_runs=tuple(out_runs))
 
 
 def _runs_of(tags: list[int]) -> list[tuple[int, int]]:

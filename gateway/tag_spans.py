@@ -240,20 +240,10 @@ def _extend(runs: list[Run], end: int, owner: int, base: int) -> None:
         runs.append((end, owner, base))
 
 
-def run_tags(runs: Sequence[Run], temporal_of: Sequence[int]) -> list[int]:
-    """One tag per token: each run's owner gives its temporal index (``temporal_of[message]``)."""
-    width = 2 * len(SEMANTIC)  # tag = (temporal * 2 + modal) * 7 + semantic = temporal * 14 + base
-    out: list[int] = []
-    lo = 0
-    for hi, owner, base in runs:
-        out += [(temporal_of[owner] if owner >= 0 else 0) * width + base] * (hi - lo)
-        lo = hi
-    return out
-
-
 def final_runs(runs: Sequence[Run], temporal_of: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """``run_tags`` as runs of (end token, tag), neighbours with one tag joined."""
-    width = 2 * len(SEMANTIC)
+    """The tags of ``runs`` as runs of (end token, tag), neighbours with one tag joined: each
+    run's owner gives its temporal index (``temporal_of[message]``)."""
+    width = 2 * len(SEMANTIC)  # tag = (temporal * 2 + modal) * 7 + semantic = temporal * 14 + base
     out: list[tuple[int, int]] = []
     for hi, owner, base in runs:
         tag = (temporal_of[owner] if owner >= 0 else 0) * width + base
@@ -262,6 +252,16 @@ def final_runs(runs: Sequence[Run], temporal_of: Sequence[int]) -> tuple[tuple[i
         else:
             out.append((hi, tag))
     return tuple(out)
+
+
+def expand_runs(runs: Sequence[tuple[int, int]]) -> list[int]:
+    """One tag per token from (end token, tag) runs."""
+    out: list[int] = []
+    lo = 0
+    for hi, tag in runs:
+        out += [tag] * (hi - lo)
+        lo = hi
+    return out
 
 
 def runs_before(runs: Sequence[Run], end: int) -> tuple[Run, ...]:

@@ -179,9 +179,11 @@ class ChatTagger:
                                          resume=resume, rendered=rendered)
         runs = [*prior.runs, *tag_spans.token_runs(spans, got.starts, first)] if prior else tag_spans.token_runs(spans, got.starts)
         temporal_of = [TEMPORAL.index(t) for t in temporals]
-        tags = tag_spans.run_tags(runs, temporal_of)
-        tag_spans.tag_images(tags, images)
-        tag_runs = () if images else tag_spans.final_runs(runs, temporal_of)
+        tag_runs = tag_spans.final_runs(runs, temporal_of)
+        tags = tag_spans.expand_runs(tag_runs)
+        if images:
+            tag_spans.tag_images(tags, images)
+            tag_runs = ()  # the image tokens changed modality inside the runs
         if prior is not None:
             headers.update(prior.headers)  # the prefix's headers came first
         char_starts = tuple(got.starts)
