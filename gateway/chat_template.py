@@ -193,13 +193,19 @@ _SAFE_CACHE_SIZE = 4096  # (type, attribute name) verdicts per template; names c
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
-    """The sandbox `transformers` uses, with one shortcut that returns what it returns.
+    """The sandbox `transformers` uses, with two shortcuts that return what it returns:
+    plain-dict fields read as items (below) and attribute verdicts remembered
+    (`is_safe_attribute`).
 
     Templates read message fields as attributes (`message.role`); the sandbox first
     tries a real attribute, which a plain dict lacks (an AttributeError raised and
     caught, ~1 us, dozens of times per render), then the item. For a plain dict and
     a name that is no dict attribute that first try always fails, so the item (or
     the same undefined) is looked up directly."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._safe: dict[tuple[type, str], bool] = {}  # is_safe_attribute's verdicts
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
@@ -222,10 +228,6 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             if len(self._safe) < _SAFE_CACHE_SIZE:
                 self._safe[key] = safe
         return safe
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._safe: dict[tuple[type, str], bool] = {}
 
 
 @lru_cache(maxsize=16)
