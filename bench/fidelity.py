@@ -58,8 +58,9 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from kvserving.bits import bits_table_for_budget, default_sensitivity, format_bits_table
-from kvserving.calibrate import agent_wrap, calibrate, chars_per_token, load_data
+from kvserving.bits import bits_table_for_budget, count_page_mixes, default_sensitivity, format_bits_table, page_records
+from kvserving.calibrate import METRICS, TaggedSeq, agent_wrap, calibrate, capture_qkv, chars_per_token, load_data
+from kvserving.calibrate_kl import kl_sum, log_probs, predicted, table_attn_distortion, table_bits
 from kvserving.calibration import Calibration
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.gateway.chat_template import ChatTemplate, normalize_messages, normalize_tools
@@ -77,10 +79,10 @@ from kvserving.gateway.tokenizer import TextTokenizer
 from kvserving.model_dir import tiny_model_dir
 from kvserving.worker.attention import causal_attention
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.model import DecoderModel, ModelArgs
+from kvserving.worker.model import DecoderModel, ModelArgs, load_model
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import ScheduledChunk, Sequence
-from kvserving.tags import SEMANTIC, decode_tag
+from kvserving.tags import NUM_TAGS, SEMANTIC, decode_tag
 
 BUDGETS = (2.5, 2.7, 3.0, 3.5)
 
@@ -408,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="JSON output (default bench/fidelity_{device}.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-steps", type=int, default=None, help="override the config's training steps")
-    ap.add_argument("--eval-seqs", type=int, default=None, help="override the config's evaluation conversations per context")
+    ap.add_argument("--eval-seqs", type=int, nargs="+", default=None,
+                    help="override the config's evaluation conversations per context (one number, or one per context)")
     ap.add_argument("--calib-tokens", type=int, default=None, help="override the config's calibration tokens")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--triaxial-only", action="store_true",
@@ -416,6 +419,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the harness runs (numbers mean nothing)")
     ap.add_argument("--size", choices=("default", "large"), default="default",
                     help="large: the ~13M-parameter CPU model (CPU only)")
+    ap.add_argument("--metric", choices=METRICS, default="kl", help="the calibrated table's D_k (kvserving calibrate --metric)")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="also calibrate with the other metric (rows 'calibrated (<metric>)'), the attention-MSE 2.7 "
+                         "table with the system prompt swapped to 4 bits, and whole-table KL / attention MSE on the "
+                         "calibration prompts against the per-class sums (additivity)")
+    ap.add_argument("--skip-default", action="store_true", help="leave out the engine default table's rows")
     opts = ap.parse_args(argv)
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -427,6 +436,15 @@ def main(argv: list[str] | None = None) -> int:
         print("fidelity: error: --size large is a CPU config; the GPU config is already larger", file=sys.stderr)
         return 2
     s = SMOKE if opts.smoke else GPU if device.type == "cuda" else CPU_LARGE if opts.size == "large" else CPU
+    eval_seqs: list[int] = opts.eval_seqs or []
+    if len(eval_seqs) > 1 and len(eval_seqs) != len(s.contexts):
+        print(f"fidelity: error: --eval-seqs takes one number or one per context ({len(s.contexts)})", file=sys.stderr)
+        return 2
+    if any(n < 1 for n in eval_seqs):
+        print("fidelity: error: --eval-seqs must be >= 1", file=sys.stderr)
+        return 2
+    opts.eval_seqs = eval_seqs[0] if eval_seqs else None
+    per_context = dict(zip(s.contexts, eval_seqs)) if len(eval_seqs) > 1 else {}
     for field in ("train_steps", "eval_seqs", "calib_tokens"):
         value = getattr(opts, field)
         if value is not None:
@@ -468,12 +486,20 @@ def main(argv: list[str] | None = None) -> int:
         calib_path.write_text(joined_text(calib_files, 10**9))
         eval_path.write_text(eval_text)
         cal = calibrate(model_dir, [calib_path], BUDGETS, seq_len=s.calib_len, max_tokens=s.calib_tokens, search=True,
-                        frequency_source="data", device=opts.device, wrap="agent")
+                        frequency_source="data", device=opts.device, wrap="agent", metric=opts.metric, chunk=s.chunk)
         (work / "calibration.json").write_text(cal.to_json())
         t_cal = time.time() - t1
+        cals = {"calibrated": cal}
+        other = METRICS[1 - METRICS.index(opts.metric)]
+        if opts.diagnose:  # the same prompts, the other D_k (no scale search: the scales come from ``cal``)
+            cals[f"calibrated ({other})"] = calibrate(model_dir, [calib_path], BUDGETS, seq_len=s.calib_len,
+                                                      max_tokens=s.calib_tokens, device=opts.device, wrap="agent",
+                                                      metric=other, show_progress=False, chunk=s.chunk)
+        t_other = time.time() - t1 - t_cal
+        swap = ("calibrated" if opts.metric == "attn" else f"calibrated ({other})") if opts.diagnose else None
         tables = {}
         for b in BUDGETS:
-            t = table_set(cal, b)
+            t = table_set(cals, b, swap=swap)
             tables[f"{b:g}"] = {name: {"table": format_bits_table(tb), "stored_bits_calibration_data": cal.stored_bits(tb)}
                                 for name, tb in t.items()}
         results: dict[str, Any] = {
@@ -482,25 +508,46 @@ def main(argv: list[str] | None = None) -> int:
             "train": {"files": len(train_files), "tokens": len(ids), "loss_first": losses[0],
                       "loss_last": sum(losses[-10:]) / min(10, len(losses)), "held_out_loss": val_losses,
                       "held_out_ppl": math.exp(val_losses[-1][1]), "seconds": round(t_train, 1)},
-            "calibration": {"tokens": cal.tokens, "seconds": round(t_cal, 1), "tables": tables,
+            "calibration": {"tokens": cal.tokens, "seconds": round(t_cal, 1), "metric": opts.metric, "tables": tables,
                             # per class seen: token share, measured per-token gain (D_k(2) - D_k(4)) / N_k, default s_k
                             "classes": {"/".join(decode_tag(k)): {"share": cal.frequency[k], "gain": cal.priorities()[k],
                                                                   "default": default_sensitivity()[k]}
                                         for k in range(len(cal.frequency)) if cal.frequency[k] > 0},
                             "scales": {d: {"k": sc.k, "v": sc.v, "method": sc.method} for d, sc in cal.scales.items()},
                             # the whole calibration file (its pages and distortions): tables can be re-derived offline
-                            "file": cal.to_dict()},
+                            "file": cal.to_dict(),
+                            # --diagnose: the other metric's calibration of the same prompts
+                            "others": {name: {"seconds": round(t_other, 1), "file": c.to_dict(),
+                                              "gain": {"/".join(decode_tag(k)): c.priorities()[k]
+                                                       for k in range(NUM_TAGS) if c.frequency[k] > 0}}
+                                       for name, c in cals.items() if c is not cal}},
             "calibration_files": [str(p.relative_to(p.parents[len(p.parents) - 1])) for p in calib_files][:3] + ["..."],
             "evaluation_files": len(eval_files),
             "contexts": {},
         }
         for ctx in s.contexts:
-            seqs = load_data([eval_path], tagger, seq_len=ctx, max_tokens=ctx * s.eval_seqs * 4, wrap="agent")
-            seqs = [q for q in seqs if len(q.ids) >= ctx // 2][: s.eval_seqs]
+            # Tables for a context other than the calibration prompts' are counted on the calibration text's
+            # pages at that context (kvserving calibrate --page-seq-len: the budget holds on the lengths served).
+            ccals = cals
+            if ctx != s.calib_len:
+                page_seqs = load_data([calib_path], tagger, seq_len=ctx, max_tokens=2 * s.calib_tokens, wrap="agent")
+                ccals = {name: with_pages(c, page_seqs) for name, c in cals.items()}
+            n_eval = per_context.get(ctx, s.eval_seqs)
+            seqs = load_data([eval_path], tagger, seq_len=ctx, max_tokens=ctx * n_eval * 4, wrap="agent")
+            seqs = [q for q in seqs if len(q.ids) >= ctx // 2][:n_eval]
             if not seqs:
                 raise RuntimeError(f"no held-out sequence of >= {ctx // 2} tokens")
-            results["contexts"][str(ctx)] = run_context(model_dir, cal, seqs, s, ctx, device,
-                                                        triaxial_only=opts.triaxial_only)
+            specs = variants(ccals, swap=swap, skip_default=opts.skip_default, triaxial_only=opts.triaxial_only)
+            block = run_context(model_dir, specs, ccals["calibrated"], seqs, s, ctx, device)
+            block["calibration_pages"] = {"context": ctx if ctx != s.calib_len else s.calib_len,
+                                          "tokens": ccals["calibrated"].residual + 32 * sum(n for n, _ in ccals["calibrated"].pages)}
+            if opts.diagnose and ctx == s.calib_len:
+                calib_seqs = load_data([calib_path], tagger, seq_len=s.calib_len, max_tokens=min(s.calib_tokens, 32768),
+                                       wrap="agent")
+                block["diagnosis"] = diagnose(model_dir, cals, {n: sp[1]["table"] for n, sp in specs.items()
+                                                                if "table" in sp[1]}, calib_seqs, device, s.chunk)
+            block["comparisons"] = comparisons(block["rows"])
+            results["contexts"][str(ctx)] = block
             out_path.write_text(json.dumps(results, indent=1) + "\n")  # each context as it completes
         results["seconds"] = round(time.time() - t0, 1)
     finally:
@@ -511,34 +558,128 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def table_set(cal: Calibration, budget: float) -> dict[str, tuple[int, ...]]:
-    """The three triaxial tables compared at ``budget`` (module docstring)."""
-    return {
-        "default": bits_table_for_budget(budget),
-        "default@pages": cal.derive_table(budget, per_token=default_sensitivity()),
-        "calibrated": cal.table_for_budget(budget)[0],
-    }
+def table_set(cals: dict[str, Calibration], budget: float, *, swap: str | None = None,
+              skip_default: bool = False) -> dict[str, tuple[int, ...]]:
+    """The triaxial tables compared at ``budget`` (module docstring): the engine default, the
+    default priorities on the calibration pages, each calibration's table; with ``swap`` (the
+    attention-MSE calibration's name), at 2.7 that table with the system prompt at 4 bits."""
+    cal = cals["calibrated"]
+    out = {} if skip_default else {"default": bits_table_for_budget(budget)}
+    out["default@pages"] = cal.derive_table(budget, per_token=default_sensitivity())
+    for name, c in cals.items():
+        out[name] = c.table_for_budget(budget)[0]
+    if swap is not None and abs(budget - 2.7) < 1e-9:
+        out[f"{swap} +system prompt"] = system_prompt_swap(cals[swap], out[swap], budget)
+    return out
 
 
-def variants(cal: Calibration) -> list[tuple[str, str, dict[str, Any]]]:
-    """(row name, kv dtype, build_engine kwargs) for every format of the table."""
-    rows: list[tuple[str, str, dict[str, Any]]] = [("bf16", "bf16", {})]
-    for d, short in (("fp8_e4m3", "fp8"), ("nvfp4", "nvfp4")):
-        sc = cal.scales[d]
-        rows += [(f"{short} scale 1", d, {}), (f"{short} calibrated ({sc.method})", d, {"scales": (sc.k, sc.v)})]
+SYSTEM_PROMPT_CLASSES = tuple(c for c in range(NUM_TAGS) if decode_tag(c)[2] == "inst")
+
+
+def system_prompt_swap(cal: Calibration, table: tuple[int, ...], budget: float) -> tuple[int, ...]:
+    """``table`` with the system prompt and tool schemas (inst classes) at 4 bits, then the bought
+    classes of the least measured per-token gain back at 2 bits until the stored bits on the
+    calibration pages are within ``budget``, then the most-gain 2-bit classes that still fit at 4."""
+    t = list(table)
+    for c in SYSTEM_PROMPT_CLASSES:
+        t[c] = 4
+    gain = cal.priorities()
+    seen = [c for c in range(NUM_TAGS) if cal.frequency[c] > 0 and c not in SYSTEM_PROMPT_CLASSES]
+    for c in sorted((c for c in seen if t[c] == 4), key=lambda c: gain[c]):
+        if cal.stored_bits(t) <= budget + 1e-9:
+            break
+        t[c] = 2
+    for c in sorted((c for c in seen if t[c] == 2), key=lambda c: -gain[c]):
+        t[c] = 4
+        if cal.stored_bits(t) > budget + 1e-9:
+            t[c] = 2
+    return tuple(t)
+
+
+def with_pages(cal: Calibration, seqs: list[TaggedSeq]) -> Calibration:
+    """``cal`` with its budget counted on the pages of ``seqs`` (its stored tables dropped: derived anew)."""
+    counts: Counter[Any] = Counter()
+    residual = sum(count_page_mixes(counts, q.tags, cal.page_size) for q in seqs)
+    return replace(cal, pages=page_records(counts), residual=residual, tables={})
+
+
+def variants(cals: dict[str, Calibration], *, swap: str | None = None, skip_default: bool = False,
+             triaxial_only: bool = False) -> dict[str, tuple[str, dict[str, Any]]]:
+    """row name -> (kv dtype, build_engine kwargs) for every format of the table."""
+    cal = cals["calibrated"]
+    rows: dict[str, tuple[str, dict[str, Any]]] = {"bf16": ("bf16", {})}
+    if not triaxial_only:
+        for d, short in (("fp8_e4m3", "fp8"), ("nvfp4", "nvfp4")):
+            sc = cal.scales[d]
+            rows[f"{short} scale 1"] = (d, {})
+            rows[f"{short} calibrated ({sc.method})"] = (d, {"scales": (sc.k, sc.v)})
     for b in BUDGETS:
-        rows += [(f"triaxial {b:g} {name}", "triaxial", {"table": table}) for name, table in table_set(cal, b).items()]
+        for name, table in table_set(cals, b, swap=swap, skip_default=skip_default).items():
+            rows[f"triaxial {b:g} {name}"] = ("triaxial", {"table": table})
     return rows
 
 
-def run_context(model_dir: Path, cal: Calibration, seqs: list[Any], s: Setup, ctx: int, device: torch.device, *,
-                triaxial_only: bool = False) -> dict[str, Any]:
+def diagnose(model_dir: Path, cals: dict[str, Calibration], tables: dict[str, tuple[int, ...]], seqs: list[TaggedSeq],
+             device: torch.device, chunk: int) -> dict[str, Any]:
+    """Per table, on the calibration prompts (page rule): the summed next-token KL and attention-output MSE
+    (max over heads, summed over layers, each layer's inputs exact) measured with the whole table applied,
+    and what each calibration's per-class D_k predict for it (sum over tokens of D_c(b) / N_c). The KL is
+    prefilled in chunks of ``chunk`` (as the evaluation and the KL metric)."""
+    args, model = load_model(model_dir, dtype=torch.float32, device=device)
+    out: dict[str, Any] = {"prompts": len(seqs), "tokens": sum(len(q.ids) for q in seqs), "tables": {}}
+    acc = {name: {"kl": 0.0, "attn": 0.0, **{f"predicted {c}": 0.0 for c in cals}} for name in tables}
+    for q in seqs:
+        tags = torch.tensor(q.tags, dtype=torch.long, device=device)
+        ref = log_probs(model, q.ids, None, device=device)
+        cap = capture_qkv(model, q.ids, device=device)
+        for name, table in tables.items():
+            bits = table_bits(tags, table)
+            a = acc[name]
+            a["kl"] += kl_sum(ref, log_probs(model, q.ids, bits, device=device, chunk=chunk))
+            a["attn"] += sum(table_attn_distortion(cap.q[i], cap.k[i], cap.v[i], bits) for i in range(args.num_layers))
+            for c_name, c in cals.items():
+                counts = [f * c.tokens for f in c.frequency]
+                a[f"predicted {c_name}"] += predicted(c.distortion, counts, tags, bits)
+    out["tables"] = acc
+    return out
+
+
+def comparisons(rows: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per budget, each triaxial table against default@pages: the pooled KL change and the paired
+    per-conversation difference (mean and standard error as % of default@pages' mean KL; t)."""
+    out: dict[str, dict[str, Any]] = {}
+    for b in BUDGETS:
+        base = rows.get(f"triaxial {b:g} default@pages")
+        if base is None:
+            continue
+        block = {}
+        for name, r in rows.items():
+            if not name.startswith(f"triaxial {b:g} ") or r is base or name.endswith(" default"):
+                continue
+            x, y = r["kl_per_sequence"], base["kl_per_sequence"]
+            d = [a - c for a, c in zip(x, y)]
+            n, mean_base = len(d), sum(y) / len(y)
+            mean = sum(d) / n
+            sd = math.sqrt(sum((v - mean) ** 2 for v in d) / (n - 1)) if n > 1 else 0.0
+            se = sd / math.sqrt(n)
+            block[name.removeprefix(f"triaxial {b:g} ")] = {
+                "kl_change_pct": 100.0 * (r["kl_vs_bf16"] / base["kl_vs_bf16"] - 1.0) if base["kl_vs_bf16"] else None,
+                "paired_mean_pct": 100.0 * mean / mean_base if mean_base else None,
+                "paired_se_pct": 100.0 * se / mean_base if mean_base else None,
+                "t": mean / se if se > 0 else None,
+                "lower_higher_equal": [sum(v < 0 for v in d), sum(v > 0 for v in d), sum(v == 0 for v in d)],
+                "stored_bits_minus_default_pages": r["stored_bits"] - base["stored_bits"],
+            }
+        out[f"{b:g}"] = block
+    return out
+
+
+def run_context(model_dir: Path, specs: dict[str, tuple[str, dict[str, Any]]], cal: Calibration, seqs: list[Any],
+                s: Setup, ctx: int, device: torch.device) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     reference_out: list[list[int]] | None = None
     ref: list[list[torch.Tensor]] = [[] for _ in seqs]  # the bf16 run's log-probabilities per sequence and chunk
-    for name, dtype, kw in variants(cal):
-        if triaxial_only and dtype not in ("bf16", "triaxial"):
-            continue
+    for name, (dtype, kw) in specs.items():
         t = time.time()
         engine = build_engine(model_dir, dtype, device=device, ctx=ctx, chunk=s.chunk, **kw)
         rec = LayerError(engine.attention, engine.args.num_layers)
@@ -598,6 +739,21 @@ def print_table(results: dict[str, Any]) -> None:
             print(f"{name:<30} {r['stored_bits']:>5.2f} {r['ppl']:>8.3f} {r['ppl_vs_bf16_pct']:>+7.2f}% "
                   f"{r['reply_ppl_vs_bf16_pct']:>+7.2f}% {r['kl_vs_bf16']:>8.2e} {100 * r['top1_vs_bf16']:>5.1f}% "
                   f"{r['mean_first_divergence']:>3.0f}/{r['generated']:<3d} {errs}")
+        if block.get("comparisons"):
+            print("KL against default@pages (pooled change; paired mean +- se as % of its KL, t; conversations lower/higher)")
+            for b, comp in block["comparisons"].items():
+                for name, c in comp.items():
+                    if c["paired_se_pct"] is None:
+                        continue
+                    print(f"  {b:>4} {name:<34} {c['kl_change_pct']:+6.1f}%  {c['paired_mean_pct']:+6.1f} +- "
+                          f"{c['paired_se_pct']:4.1f}%  t {c['t'] if c['t'] is not None else 0:+5.1f}  "
+                          f"{c['lower_higher_equal'][0]}/{c['lower_higher_equal'][1]}  bits {c['stored_bits_minus_default_pages']:+.3f}")
+        diag = block.get("diagnosis")
+        if diag:
+            print(f"whole tables on {diag['prompts']} calibration prompts: measured vs per-class sums")
+            for name, a in diag["tables"].items():
+                preds = "  ".join(f"{k.removeprefix('predicted ')} {v:.4g}" for k, v in a.items() if k.startswith("predicted"))
+                print(f"  {name:<40} KL {a['kl']:.4g}  attn {a['attn']:.4g}  predicted: {preds}")
 
 
 if __name__ == "__main__":

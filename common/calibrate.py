@@ -67,6 +67,11 @@ from kvserving.worker.model import DecoderModel, ModelArgs, load_model
 
 DEFAULT_BUDGETS = (2.5, 2.7, 3.0, 3.5)
 WRAPS = ("agent", "pieces")
+# D_k(b): "kl", the next-token KL with class k at b bits through every layer (kvserving.calibrate_kl), or
+# "attn", DESIGN.md's per-layer attention-output MSE (max over heads, summed over layers)
+METRICS = ("kl", "attn")
+# The KL metric prefills each prompt in chunks of this many tokens, as the engine does (SchedulerConfig.chunk_size)
+DEFAULT_CHUNK = 512
 PAGE = 32  # triaxial page: INT2 keys are quantized per channel over this many tokens
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
@@ -294,9 +299,14 @@ def qdq_groups(x: torch.Tensor, bits: int) -> torch.Tensor:
 def qdq_int2_keys(k: torch.Tensor) -> torch.Tensor:
     """k [T, H, D] -> INT2 per channel over consecutive pages of 32 tokens (last may be shorter), back to fp32."""
     out = torch.empty_like(k)
-    for s in range(0, k.shape[0], PAGE):
-        page = k[s : s + PAGE].transpose(0, 1)  # [H, P, D]
-        out[s : s + PAGE] = dequantize_int2_keys(*quantize_int2_keys(page), dtype=torch.float32).transpose(0, 1)
+    t, h, d = k.shape
+    full = t - t % PAGE
+    if full:  # every whole page at once: [pages, H, P, D]
+        pages = k[:full].reshape(full // PAGE, PAGE, h, d).transpose(1, 2)
+        out[:full] = dequantize_int2_keys(*quantize_int2_keys(pages), dtype=torch.float32).transpose(1, 2).reshape(full, h, d)
+    if full < t:
+        page = k[full:].transpose(0, 1)  # [H, P, D]
+        out[full:] = dequantize_int2_keys(*quantize_int2_keys(page), dtype=torch.float32).transpose(0, 1)
     return out
 
 
@@ -378,6 +388,30 @@ class Measurement:
     pages: Counter[PageMix] = field(default_factory=Counter)
     residual: int = 0
 
+    def add_distortion(self, d: dict[int, torch.Tensor]) -> None:
+        for c in range(NUM_TAGS):
+            self.d2[c] += float(d[2][c])
+            self.d4[c] += float(d[4][c])
+
+    def set_pages(self, groups: Sequence[Sequence[TaggedSeq]]) -> None:
+        """Replace the recorded page layout by that of prompts of other shapes (e.g. the data wrapped at
+        each served context length: one group per length). The calibration file counts pages on as
+        many tokens as were measured, so each group gives an equal share of them: its prompts in
+        order (again from the first if they run out), the last one cut to fit."""
+        groups = [g for g in groups if any(g)]
+        if not groups:
+            raise ValueError("no prompts to count pages on")
+        total = sum(self.counts)
+        self.pages, self.residual = Counter(), 0
+        for i, group in enumerate(groups):
+            need = total // len(groups) + (1 if i < total % len(groups) else 0)
+            j = 0
+            while need > 0:
+                tags = group[j % len(group)].tags[:need]
+                self.add_pages(tags)
+                need -= len(tags)
+                j += 1
+
     def add_pages(self, tags: Sequence[int]) -> None:
         """Record a prompt's page layout (its tokens from position 0 in pages of PAGE)."""
         self.residual += count_page_mixes(self.pages, tags, PAGE)
@@ -392,11 +426,16 @@ class Measurement:
 
 def measure(
     model: DecoderModel, args: ModelArgs, seqs: Sequence[TaggedSeq], *, device: torch.device, search: bool,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, metric: str = "kl", chunk: int = DEFAULT_CHUNK,
 ) -> Measurement:
-    """Distortions, token counts and K/V amax over ``seqs``; with ``search``, scale errors too.
+    """Distortions (``metric``, see METRICS), token counts and K/V amax over ``seqs``; with
+    ``search``, scale errors too.
 
     Two passes when searching: amax first (the candidates are multiples of it), then errors."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+    from kvserving.calibrate_kl import class_kl  # it builds on this module's codecs
+
     m = Measurement.empty(args)
     caps: Iterator[tuple[TaggedSeq, _Capture]] = ((s, capture_qkv(model, s.ids, device=device)) for s in seqs)
     for seq, cap in caps:
@@ -408,10 +447,10 @@ def measure(
             q, k, v = cap.q[layer], cap.k[layer], cap.v[layer]
             m.k_amax[layer] = max(m.k_amax[layer], float(k.abs().max()))
             m.v_amax[layer] = max(m.v_amax[layer], float(v.abs().max()))
-            d = class_distortion(q, k, v, tags)
-            for c in range(NUM_TAGS):
-                m.d2[c] += float(d[2][c])
-                m.d4[c] += float(d[4][c])
+            if metric == "attn":
+                m.add_distortion(class_distortion(q, k, v, tags))
+        if metric == "kl":
+            m.add_distortion(class_kl(model, seq.ids, tags, device=device, chunk=chunk))
         if progress is not None:
             progress("distortion")
     if search:
@@ -504,24 +543,36 @@ def load_data(paths: Sequence[Path], tagger: ChatTagger, *, seq_len: int, max_to
 def calibrate(
     model_dir: Path, data: Sequence[Path], budgets: Sequence[float], *, seq_len: int = 2048, max_tokens: int = 16384,
     search: bool = False, frequency_source: str = "data", device: str | None = None, show_progress: bool = True,
-    wrap: str = "agent",
+    wrap: str = "agent", metric: str = "kl", page_seq_lens: Sequence[int] = (), chunk: int = DEFAULT_CHUNK,
 ) -> Calibration:
-    """The whole job (module docstring) as a library call."""
+    """The whole job (module docstring) as a library call. ``page_seq_lens``: count the budget's
+    pages on the data wrapped at these context lengths (the lengths served; tagging only; as many
+    tokens as were measured, an equal share per length: ``Measurement.set_pages``) instead of on the
+    measured prompts."""
     for b in budgets:
         if not 2.0 <= b <= 4.0:
             raise ValueError(f"bit budget must be in [2, 4], got {b:g}")
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     tagger = ChatTagger(TextTokenizer.from_dir(model_dir), ChatTemplate.from_dir(model_dir))
     seqs = load_data(data, tagger, seq_len=seq_len, max_tokens=max_tokens, wrap=wrap)
     if not seqs:
         raise ValueError("the calibration data produced no prompt of 2 or more tokens")
+    page_groups = [load_data(data, tagger, seq_len=n, max_tokens=max(max_tokens, n), wrap=wrap) for n in page_seq_lens]
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args, model = load_model(model_dir, dtype=torch.float32, device=dev)
     bar = Progress(len(seqs) * (2 if search else 1), "calibrate") if show_progress else None
     try:
-        m = measure(model, args, seqs, device=dev, search=search, progress=bar.step if bar else None)
+        m = measure(model, args, seqs, device=dev, search=search, progress=bar.step if bar else None, metric=metric,
+                    chunk=chunk)
     finally:
         if bar is not None:
             bar.close()
+    if not any(m.d2):
+        raise ValueError(f"no calibration prompt is longer than one prefill chunk ({chunk} tokens): nothing to measure "
+                         "(give longer prompts or a smaller --chunk)")
+    if page_groups:
+        m.set_pages(page_groups)
     return build_calibration(m, budgets, search=search, frequency_source=frequency_source)
 
 
@@ -561,6 +612,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="class shares a budget is met under: the calibration data's, or the default agent-context shares")
     parser.add_argument("--wrap", choices=WRAPS, default="agent",
                         help="how plain text becomes conversations: agent-load shaped (default) or 17 equal pieces")
+    parser.add_argument("--metric", choices=METRICS, default="kl",
+                        help="D_k(b): next-token KL with class k at b bits through every layer (default), or "
+                             "DESIGN.md's per-layer attention-output MSE")
+    parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
+                        help="--metric kl: prefill chunk in tokens (the engine's chunk_size; 0: every query on quantized KV)")
+    parser.add_argument("--page-seq-len", type=_positive, nargs="+", default=[], dest="page_seq_lens", metavar="N",
+                        help="count the budget's stored pages on the data wrapped at these context lengths (the lengths "
+                             "served) instead of --seq-len")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 
 
@@ -569,6 +628,7 @@ def run(args: argparse.Namespace) -> int:
     cal = calibrate(
         model_dir, args.data, args.bit_budgets, seq_len=args.seq_len, max_tokens=args.max_tokens,
         search=args.scale_search, frequency_source=args.frequencies, device=args.device, wrap=args.wrap,
+        metric=args.metric, page_seq_lens=args.page_seq_lens, chunk=args.chunk,
     )
     args.out.write_text(cal.to_json())
     from kvserving.bits import format_bits_table
