@@ -293,13 +293,23 @@ class Completions:
         async with aclosing(turn.tokens()) as batches:
             async for batch in batches:
                 now = time.perf_counter()
+                if last is None:
+                    yield "first", now - started
+                else:
+                    itl.observe(now - last)
+                for _ in range(len(batch) - 1):
+                    itl.observe(0.0)  # the events of one batch arrived together
+                last = now
+                if not matcher.stops:
+                    # No stop string can cut the batch: its ids are detokenized in one step
+                    # (a batch is what queued while the gateway was busy: the cost per batch,
+                    # not per token, is what keeps it from falling further behind).
+                    text = detok.add([t for token_ids in batch for t in token_ids])
+                    if text:
+                        yield "text", [text]
+                    continue
                 pieces: list[str] = []
                 for token_ids in batch:
-                    if last is None:
-                        yield "first", now - started
-                    else:
-                        itl.observe(now - last)  # 0 between the tokens of one batch: they arrived together
-                    last = now
                     emit, stopped = matcher.feed(detok.add(token_ids))
                     if emit:
                         pieces.append(emit)

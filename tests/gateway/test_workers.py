@@ -88,3 +88,18 @@ def test_sse_events_until_done_errors_raise() -> None:
         _collect('data: {"token_ids": [1]}')
     with pytest.raises(UpstreamError, match="malformed"):
         _collect("data: {nope")
+
+
+@pytest.mark.parametrize("data", ['{"token_ids": [1]} x', '{"token_ids": [1]}{"token_ids": [2]}', "[1]", "5", '"text"', ""])
+def test_sse_event_that_is_not_exactly_one_object_is_malformed(data: str) -> None:
+    events = SSEEvents("http://w")
+    assert events.feed(f'data: {{"token_ids": [7]}}\ndata: {data}\ndata: {{"token_ids": [8]}}\n'.encode()) == [
+        {"token_ids": [7]}]  # the events before it are delivered, none after
+    assert events.error is not None and events.error.kind == "stream" and "malformed" in events.error.message
+
+
+def test_sse_event_with_invalid_utf8_is_malformed() -> None:
+    events = SSEEvents("http://w")
+    assert events.feed(b'data: {"text": "\xff"}\n') == []
+    assert events.error is not None and "malformed" in events.error.message
+    assert SSEEvents("http://w").feed('data: {"text": "é ☃"}\n'.encode()) == [{"text": "é ☃"}]
