@@ -10,7 +10,8 @@ cached tokens, per format (pages of 16 tokens, 32 for triaxial at 2.7 bits:
 65% INT2 pages). Rows:
 
 - ``ours``: paged_ops.extend_attention, the paged prefill kernel
-  (kernels/triton_prefill.py) reading the packed prefix pages;
+  (kernels/triton_prefill.py; for nvfp4 on Hopper the Gluon kernel,
+  kernels/gluon_extend.py) reading the packed prefix pages;
 - ``dequant+sdpa``: what the engine ran before, the dequantize-then-attend
   path: triton_gather into a bf16 workspace, the chunk appended, masked SDPA;
 - ``flashinfer``: FlashInfer's paged prefill (BatchPrefillWithPagedKVCacheWrapper,
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from decode_gpu import HQ, D, H, Pool, read_bandwidth, time_ms
 
-from kvserving.kernels import paged_ops, triton_gather, triton_prefill
+from kvserving.kernels import gluon_extend, paged_ops, triton_gather, triton_prefill
 from kvserving.kernels.options import KernelOptions
 from kvserving.worker.attention import causal_attention
 
@@ -47,7 +48,7 @@ SWEEP_FORMATS = ("nvfp4",)
 # overrides, PTX unpackers); "s5" is the session-5 kernel when kernels/_prefill_s5.py (an untracked copy of
 # triton_prefill.py at 9b2d2f9) is there
 VARIANTS: dict[str, tuple[dict[str, int], bool]] = {
-    "new": ({}, True),
+    "new": ({}, True),  # the tl kernel (triton_prefill: not the Gluon nvfp4 kernel paged_ops runs by default)
     "noasm": ({}, False),
     "qpre0": ({"QPRE": 0}, True),
     "split0-vfold0": ({"SPLIT": 0, "VFOLD": 0}, True),
@@ -57,6 +58,14 @@ VARIANTS: dict[str, tuple[dict[str, int], bool]] = {
     "t64-ppi2": ({"BLOCK_T": 64, "PPI": 2, "PPI2": 2}, True),
     "t32-ppi4": ({"BLOCK_T": 32, "PPI": 4, "PPI2": 4}, True),
     "s3": ({"NUM_STAGES": 3}, True),
+}
+# Gluon extend (kernels/gluon_extend.py, nvfp4 only): name -> its tuning overrides
+GLUON_VARIANTS: dict[str, dict[str, int]] = {
+    "gluon": {},
+    "gluon-serial": {"OVERLAP": 0},
+    "gluon-t16w4": {"BLOCK_T": 16, "PPI": 4, "num_warps": 4},  # 64 rows x 64 keys, one warpgroup: 2 programs per SM
+    "gluon-probe1": {"PROBE": 1},  # measurement only (wrong output): no unpacking in the loop
+    "gluon-probe2": {"PROBE": 2},  # measurement only (wrong output): no unpacking and no loads in the loop
 }
 # tiles meant for the other format's page size (nvfp4 16 tokens, triaxial 32)
 VARIANT_SKIP = {"nvfp4": ("t64-ppi2", "t32-ppi4"), "triaxial": ("t32-ppi8", "t16-w4-ppi8", "t64-ppi4")}
@@ -160,7 +169,15 @@ def main() -> None:
                     if name in VARIANT_SKIP.get(fmt, ()):
                         continue
                     try:
-                        if name == "s5":
+                        if name in GLUON_VARIANTS:
+                            if fmt != "nvfp4":
+                                continue
+                            gtun = GLUON_VARIANTS[name]
+
+                            def run() -> torch.Tensor:
+                                return gluon_extend.extend_attention(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM,
+                                                                     tuning=gtun)  # fmt: skip
+                        elif name == "s5":
                             from kvserving.kernels import _prefill_s5  # type: ignore[attr-defined]
 
                             def run() -> torch.Tensor:

@@ -357,3 +357,54 @@ def e4m3_to_f16(bits, FAST: tl.constexpr):
         h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
         out = h * 256.0
     return out
+
+
+def asm_quarters(kind: str) -> str:
+    """PTX of the extend kernels' quarter unpackers (triton_prefill, gluon_extend): two packed words ($4, $5: 16-bit
+    words of nvfp4 / int4, bytes of INT2, one per int32) -> the four quarters as f16x2 pairs ($0..$3: element pair
+    (word a, word b) of quarter k).
+
+    The words go to the halves of one register x, so every instruction below handles two values:
+
+    - e2m1 ($6: the pair's scales s * 2^7): nibble k = (sign, 3 magnitude bits) -> sign to bit 15, magnitude to
+      bits 9..11, i.e. the fp16 e2m1 * 2^-14, times the scale: 2 shifts, 2 logic ops and 1 multiply per pair;
+    - int4 / int2 codes ($6 scales, $7 zeros): (x >> Bk) & mask | 0x6400 is the fp16 1024 + code, minus 1024,
+      then code * s + z in one fma (codes only, no $6 / $7, for "int2_codes").
+    """
+    code = ["{ .reg .b32 x, t, u, magic; mov.b32 magic, 0x64006400;", "prmt.b32 x, $4, $5, 0x5410;"]
+    for k in range(4):
+        if kind == "e2m1":
+            sign, mag = 12 - 4 * k, 9 - 4 * k  # left shifts taking bit 4k+3 to 15 and bits 4k..4k+2 to 9..11
+            code.append(f"shl.b32 t, x, {sign};" if sign else "mov.b32 t, x;")
+            code.append(f"shl.b32 u, x, {mag};" if mag > 0 else f"shr.b32 u, x, {-mag};")
+            code.append(f"and.b32 u, u, 0x0E000E00; lop3.b32 t, t, u, 0x80008000, 0xEC; mul.rn.f16x2 ${k}, t, $6;")
+        else:
+            b = 4 if kind == "int4" else 2
+            code.append(f"shr.b32 t, x, {b * k};" if k else "mov.b32 t, x;")
+            mask = (1 << b) - 1
+            code.append(f"lop3.b32 t, t, {mask | mask << 16:#010x}, magic, 0xEA; sub.rn.f16x2 t, t, magic;")
+            code.append(f"mov.b32 ${k}, t;" if kind == "int2_codes" else f"fma.rn.f16x2 ${k}, t, $6, $7;")
+    code.append("}")
+    return "\n".join(code)
+
+
+def asm_e2m1_pair() -> str:
+    """PTX: the nvfp4 quarters of two 16-bit words from one register ($4 = word a | word b << 16, as a pair of int16
+    elements arrives with pack=2) -> $0..$3 = quarter k as the f16x2 pair (word a, word b), times $5 (f16x2 scales
+    s * 2^7), bit-identical to asm_quarters("e2m1") on ($4 & 0xFFFF, $4 >> 16).
+
+    Each byte's low nibble and high nibble become fp16 *high bytes* s 0 0 0 m2 m1 m0 0 (= e2m1 * 2^-14 over a zero
+    low byte) for all four bytes at once (e: low nibbles, quarters 0 and 2; o: high nibbles, quarters 1 and 3), a prmt
+    per quarter places two of them over zero low bytes: 15 instructions per 8 values (asm_quarters: 21 plus the
+    prmt that joins two words).
+    """
+    return "\n".join([
+        "{ .reg .b32 e, o, t, u, z; mov.b32 z, 0;",
+        "shl.b32 t, $4, 4; shl.b32 u, $4, 1; and.b32 u, u, 0x0E0E0E0E; lop3.b32 e, t, u, 0x80808080, 0xEC;",
+        "shr.b32 t, $4, 3; and.b32 t, t, 0x0E0E0E0E; lop3.b32 o, $4, t, 0x80808080, 0xEC;",
+        "prmt.b32 t, e, z, 0x2404; mul.rn.f16x2 $0, t, $5;",  # quarter 0: bytes 0 and 2 of e
+        "prmt.b32 t, o, z, 0x2404; mul.rn.f16x2 $1, t, $5;",
+        "prmt.b32 t, e, z, 0x3414; mul.rn.f16x2 $2, t, $5;",  # quarter 2: bytes 1 and 3 of e
+        "prmt.b32 t, o, z, 0x3414; mul.rn.f16x2 $3, t, $5;",
+        "}",
+    ])  # fmt: skip

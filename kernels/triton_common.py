@@ -33,6 +33,9 @@ FMT_CODES = {"bf16": 0, "fp8_e4m3": 1, "nvfp4": 2, "int4": 3, "int2": 4}
 LOG2E = 1.4426950408889634
 # nvfp4 tiles decode to value * 2^-7 (triton_codec.nibbles_e2m1, gluon_fragments): folded back into the scales
 NVFP4_FOLD = 128.0
+# the extend kernels' VFOLD scales the chunk's probabilities by 1 / (V fold) in fp16: only where that stays far from
+# fp16's range
+VFOLD_MIN = 1e-3
 MAX_SPLITS = 256
 
 

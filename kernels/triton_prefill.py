@@ -20,7 +20,7 @@ never mixes them in one tile.
 Two kernels: ``_extend_kernel`` for bf16 / fp8 pages ([N, D] tiles in channel
 order) and ``_extend_kernel4`` for packed pages (nvfp4, triaxial), which keeps
 q, the tiles and the accumulator in four channel quarters (below). Its packed
-words are unpacked by PTX (two values per instruction, ``_asm_quarters``) and
+words are unpacked by PTX (two values per instruction, ``triton_codec.asm_quarters``) and
 every unpacked tile reaches shared memory (the ``wgmma`` B operand) in 16-byte
 stores; q arrives pre-scaled in fp16 (QPRE), steps over full pages run
 without masks (SPLIT) and the V fold is applied once at the output (VFOLD).
@@ -42,8 +42,8 @@ import triton.language as tl
 from .layout import PageLayout
 from .page_ids import INT2_PAGE_FLAG
 from .paged_kv import PagedKV
-from .triton_codec import e4m3_to_f16, meta_index
-from .triton_common import FMT_BF16, FMT_CODES, FMT_INT2, FMT_NVFP4, LOG2E, field_offsets, folded_scales
+from .triton_codec import asm_quarters, e4m3_to_f16, meta_index
+from .triton_common import FMT_BF16, FMT_CODES, FMT_INT2, FMT_NVFP4, LOG2E, VFOLD_MIN, field_offsets, folded_scales
 
 FLAG: tl.constexpr = tl.constexpr(INT2_PAGE_FLAG)
 
@@ -173,38 +173,10 @@ def _extend_kernel(
 #   int2:         byte j = crumbs k = 0..3 = channels 4j + k
 
 
-def _asm_quarters(kind: str) -> str:
-    """PTX: two packed words ($4, $5: 16-bit words of nvfp4 / int4, bytes of INT2, one per int32) -> the four
-    quarters as f16x2 pairs ($0..$3: element pair (word a, word b) of quarter k).
-
-    The words go to the halves of one register x, so every instruction below handles two values:
-
-    - e2m1 ($6: the pair's scales s * 2^7): nibble k = (sign, 3 magnitude bits) -> sign to bit 15, magnitude to
-      bits 9..11, i.e. the fp16 e2m1 * 2^-14, times the scale: 2 shifts, 2 logic ops and 1 multiply per pair;
-    - int4 / int2 codes ($6 scales, $7 zeros): (x >> Bk) & mask | 0x6400 is the fp16 1024 + code, minus 1024,
-      then code * s + z in one fma (codes only, no $6 / $7, for "int2_codes").
-    """
-    code = ["{ .reg .b32 x, t, u, magic; mov.b32 magic, 0x64006400;", "prmt.b32 x, $4, $5, 0x5410;"]
-    for k in range(4):
-        if kind == "e2m1":
-            sign, mag = 12 - 4 * k, 9 - 4 * k  # left shifts taking bit 4k+3 to 15 and bits 4k..4k+2 to 9..11
-            code.append(f"shl.b32 t, x, {sign};" if sign else "mov.b32 t, x;")
-            code.append(f"shl.b32 u, x, {mag};" if mag > 0 else f"shr.b32 u, x, {-mag};")
-            code.append(f"and.b32 u, u, 0x0E000E00; lop3.b32 t, t, u, 0x80008000, 0xEC; mul.rn.f16x2 ${k}, t, $6;")
-        else:
-            b = 4 if kind == "int4" else 2
-            code.append(f"shr.b32 t, x, {b * k};" if k else "mov.b32 t, x;")
-            mask = (1 << b) - 1
-            code.append(f"lop3.b32 t, t, {mask | mask << 16:#010x}, magic, 0xEA; sub.rn.f16x2 t, t, magic;")
-            code.append(f"mov.b32 ${k}, t;" if kind == "int2_codes" else f"fma.rn.f16x2 ${k}, t, $6, $7;")
-    code.append("}")
-    return "\n".join(code)
-
-
-ASM_E2M1_Q: tl.constexpr = tl.constexpr(_asm_quarters("e2m1"))
-ASM_INT4_Q: tl.constexpr = tl.constexpr(_asm_quarters("int4"))
-ASM_INT2_Q: tl.constexpr = tl.constexpr(_asm_quarters("int2"))
-ASM_INT2_CODES_Q: tl.constexpr = tl.constexpr(_asm_quarters("int2_codes"))
+ASM_E2M1_Q: tl.constexpr = tl.constexpr(asm_quarters("e2m1"))
+ASM_INT4_Q: tl.constexpr = tl.constexpr(asm_quarters("int4"))
+ASM_INT2_Q: tl.constexpr = tl.constexpr(asm_quarters("int2"))
+ASM_INT2_CODES_Q: tl.constexpr = tl.constexpr(asm_quarters("int2_codes"))
 
 
 @triton.jit
@@ -418,7 +390,7 @@ def _extend_kernel4(
     QPRE: tl.constexpr,  # q arrives as [n, Hq, 4, D/4] in DT, times k_mul_pre; k_mul_new is then relative to it
     SPLIT: tl.constexpr,  # unmasked steps over full pages (_prefix_loop4)
     VFOLD: tl.constexpr,  # the prefix's P is not scaled: the chunk's P times v_mul_pre (= 1 / V fold), out * fold
-    FAST: tl.constexpr,  # PTX unpackers (_asm_quarters); off in the interpreter
+    FAST: tl.constexpr,  # PTX unpackers (triton_codec.asm_quarters); off in the interpreter
 ):  # fmt: skip
     """_extend_kernel for packed pages, on channel quarters (see above)."""
     qb = tl.program_id(0)
@@ -501,8 +473,6 @@ TUNING: dict[str, dict[str, int]] = {
              "VFOLD": 1},
 }
 PACKED_SWITCHES = ("QPRE", "SPLIT", "VFOLD")
-# VFOLD scales the chunk's probabilities by 1 / (V fold) in fp16: only where that stays far from fp16's range
-VFOLD_MIN = 1e-3
 
 
 def extend_attention(

@@ -3,7 +3,7 @@
     page_ids, options                   torch-free ids / no kernel imports; only options reads the environment
     layout, paged_kv, codecs, paged_ref, norm_ref  references in torch: import no Triton and no Triton module of ours
     triton_common                       what the kernels share; imports no kernel module
-    triton_write/_gather/_decode/_norm, gluon_decode   kernels: import each other never (no cycles)
+    triton_write/_gather/_decode/_norm/_prefill, gluon_decode/_extend   kernels: import each other never (no cycles)
     paged_ops                           the dispatch point: imports kernel modules only inside functions
 
 and no module but page_ids defines INT2_PAGE_FLAG or writes the INT2 offset formula in Python.
@@ -20,8 +20,9 @@ KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 PKG = "kvserving.kernels"
 # modules that hold Triton or Gluon kernels (or only make sense next to them)
 TRITON_MODULES = {"triton_codec", "triton_common", "triton_decode", "triton_gather", "triton_write", "triton_prefill",
-                  "triton_norm", "gluon_decode", "gluon_fragments", "compile_report"}  # fmt: skip
-KERNEL_MODULES = {"triton_decode", "triton_gather", "triton_write", "triton_prefill", "triton_norm", "gluon_decode"}
+                  "triton_norm", "gluon_decode", "gluon_extend", "gluon_fragments", "compile_report"}  # fmt: skip
+KERNEL_MODULES = {"triton_decode", "triton_gather", "triton_write", "triton_prefill", "triton_norm", "gluon_decode",
+                  "gluon_extend"}  # fmt: skip
 REFERENCES = {"page_ids", "options", "layout", "paged_kv", "fp8", "nvfp4", "intquant", "quant_checks", "paged_ref", "capacity",
               "norm_ref"}  # fmt: skip
 
@@ -106,7 +107,7 @@ def test_page_ids_is_torch_free_at_run_time() -> None:
 def test_paged_ops_loads_kernels_only_on_first_use() -> None:
     top = _ours(_imports(_tree("paged_ops"), top_level_only=True))
     assert top & TRITON_MODULES == set(), top
-    assert _ours(_imports(_tree("paged_ops"))) >= {"triton_write", "triton_gather", "triton_decode", "gluon_decode"}
+    assert _ours(_imports(_tree("paged_ops"))) >= {"triton_write", "triton_gather", "triton_decode", "gluon_decode", "gluon_extend"}
 
 
 def _reads_environment(tree: ast.AST) -> bool:

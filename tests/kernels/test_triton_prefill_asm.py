@@ -1,4 +1,4 @@
-"""The extend kernel's PTX quarter unpackers (triton_prefill._asm_quarters), run on a small PTX emulator.
+"""The extend kernel's PTX quarter unpackers (triton_codec.asm_quarters), run on a small PTX emulator.
 
 The PTX only runs on a GPU (the ``gpu`` tests of test_triton_prefill.py hold the
 whole kernel to the reference there); here every instruction the unpackers use
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvserving.kernels.nvfp4 import E2M1_VALUES
-from kvserving.kernels.triton_prefill import _asm_quarters
+from kvserving.kernels.triton_codec import asm_quarters as _asm_quarters
 
 MASK32 = 0xFFFFFFFF
 
@@ -104,3 +104,26 @@ def test_int2_quarters_are_crumb_k(words: tuple[int, int]) -> None:
             crumb = (b >> (2 * k)) & 3
             assert codes[k][e] == crumb
             assert out[k][e] == crumb * scale[e] + zero[e], (k, e, hex(b))
+
+
+@pytest.mark.parametrize("words", WORDS)
+def test_e2m1_pair_unpacker_equals_the_quarter_unpacker(words: tuple[int, int]) -> None:
+    # gluon_extend's unpacker takes both words in one register; same four quarters, bit for bit, for every nibble
+    from kvserving.kernels.triton_codec import asm_e2m1_pair
+
+    scales = _pack(np.array((128.0, 0.25 * 128.0)))
+    want = _run(_asm_quarters("e2m1"), [words[0], words[1], scales])
+    got = _run(asm_e2m1_pair(), [words[0] | words[1] << 16, scales])
+    for k in range(4):
+        assert np.array_equal(got[k], want[k]), (k, got[k], want[k])
+
+
+def test_e2m1_pair_unpacker_covers_every_code() -> None:
+    from kvserving.kernels.triton_codec import asm_e2m1_pair
+
+    for code in range(16):
+        word = code * 0x1111  # the code in all four nibbles of word a; word b: the next code
+        nxt = ((code + 1) % 16) * 0x1111
+        got = _run(asm_e2m1_pair(), [word | nxt << 16, _pack(np.array((128.0, 128.0)))])
+        for k in range(4):  # e2m1 * 2^-14 times the scale 2^7
+            assert got[k][0] == E2M1_VALUES[code] * 2.0**-7 and got[k][1] == E2M1_VALUES[(code + 1) % 16] * 2.0**-7, (code, k)

@@ -1,0 +1,366 @@
+"""Gluon extend (chunked-prefill) attention on nvfp4 pages for Hopper: unpacking overlapped with async ``wgmma``.
+
+Same problem as ``triton_prefill._extend_kernel4`` (a chunk of new tokens against
+the packed cached prefix plus itself, causal, one online softmax); this kernel
+changes how a step is scheduled, which is what bound the ``tl`` kernel
+(bench/NOTES-kernels.md, session 6: unpack, wgmma and softmax ran one after
+the other, every wgmma waited at once).
+
+One program = BLOCK_T chunk tokens x the G query heads of one kv head (M =
+BLOCK_T * G = 128 rows, 8 warps = two warpgroups of 64 rows), N = PPI * P = 128
+prefix keys per step. Per step i (a ring of RING K/V tile pairs in shared
+memory, NVMMA-swizzled, written by the unpackers)::
+
+    issue S_i = q K_i^T                      (wgmma, async; q in shared memory, pre-scaled by the wrapper)
+    wait until only S_i is in flight         (PV_{i-1} done: its V tile may be rewritten, acc may be read)
+    load the packed bytes of step i+2        (global -> registers, used one step later)
+    unpack step i+1 into ring slot i+1       (ALU work while S_i runs on the tensor cores)
+    wait S_i; online softmax; acc *= alpha
+    fence (generic -> async proxy); CTA barrier (slot i+1 complete for both warpgroups)
+    issue acc += P_i V_i                     (wgmma, async, P from registers; runs under step i+1's issue/unpack)
+
+Ring slot i+1 was last read by S_{i-2} and PV_{i-2}, which both warpgroups
+finished before step i-1's barrier, so RING = 3 needs one barrier per step.
+
+Channels stay in the four quarters of ``triton_prefill._extend_kernel4`` (quarter k = channels
+4j + k, what one shift of the packed 16-bit words gives): the unpacked K / V
+tiles are [N, D] with the quarters side by side (column k * D/4 + j), q
+arrives in the same order (QPRE), and the output is un-permuted at the store.
+The chunk's own keys (fp16, quarter-major from the wrapper) run after the
+prefix, one synchronous step per N keys, causal.
+
+Supported (``supported``): nvfp4 pages, head_dim 128, page size 16, 4 query
+heads per kv head, a V fold (global scale times 2^7) of at least VFOLD_MIN; the
+PTX unpackers and ``wgmma`` need a Hopper GPU, so the interpreter and other
+calls run ``triton_prefill``. ``tests/kernels/test_gluon_extend.py`` compiles the
+kernel for sm_90 on CPU and the gpu tests hold it to fp64 attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+
+from .layout import PageLayout
+from .paged_kv import PagedKV
+from .triton_codec import asm_e2m1_pair, asm_quarters
+from .triton_common import LOG2E, VFOLD_MIN, field_offsets, folded_scales
+
+ASM_E2M1_Q: gl.constexpr = gl.constexpr(asm_quarters("e2m1"))
+ASM_E2M1_PAIR: gl.constexpr = gl.constexpr(asm_e2m1_pair())
+# CTA barrier: `thread_barrier` in triton 3.6 (the device), `barrier` by 3.9 (CI)
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@gluon.constexpr_function
+def _word_layout(w: int) -> Any:
+    """[rows, D/4 words] of packed 16-bit words: 8 words (16 bytes) per thread and row, 4 threads per row."""
+    return gl.BlockedLayout([1, 8], [8, 4], [w, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _scale_layout(w: int) -> Any:
+    """[rows, D/16 block scales]: the 2 blocks of a thread's 8 words (same rows per thread as _word_layout)."""
+    return gl.BlockedLayout([1, 2], [8, 4], [w, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _row_layout(w: int) -> Any:
+    """[rows, D] fp16 rows (q, the chunk's K / V, the output): 8 channels (16 bytes) per thread."""
+    return gl.BlockedLayout([1, 8], [2, 16], [w, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _mma_layout(w: int, n: int) -> Any:
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[w, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _page_ids(pt_ptr, it, page_hi, N: gl.constexpr, P: gl.constexpr):
+    """Page id of each of the N key rows of the step at list index ``it`` (0 past page_hi), in the rows' layout of
+    _word_layout: loaded a step before the bytes, so that their addresses do not wait for it."""
+    n = gl.arange(0, N, layout=gl.SliceLayout(1, _word_layout(gl.num_warps())))
+    pidx = it + n // P
+    return gl.load(pt_ptr + pidx, mask=pidx < page_hi, other=0)
+
+
+@gluon.jit
+def _load_raw(buf_ptr, pid, it, prefix_len, h, N: gl.constexpr, P: gl.constexpr, D: gl.constexpr,
+              PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, V_OFF: gl.constexpr,
+              VS_OFF: gl.constexpr):  # fmt: skip
+    """The packed bytes of the step at list index ``it`` (pid: its rows' page ids): K and V words [N, D/4] (int16),
+    K and V block scales [N, D/16] (uint8); keys past prefix_len read 0 (codes and scales 0: the tile is 0, so a
+    masked key's probability 0 never meets a NaN that the unwritten slots of a partial page may hold)."""
+    W: gl.constexpr = gl.num_warps()
+    LW: gl.constexpr = _word_layout(W)
+    LS: gl.constexpr = _scale_layout(W)
+    Q: gl.constexpr = D // 4
+    n = gl.arange(0, N, layout=gl.SliceLayout(1, LW))
+    inb = it * P + n < prefix_len
+    page = pid.to(gl.int64) * PAGE_BYTES
+    hrow = h * P + n % P  # row inside a [H, P, ...] field
+    j = gl.arange(0, Q, layout=gl.SliceLayout(0, LW))[None, :]
+    wp = (buf_ptr + (page + hrow * (D // 2))[:, None]).to(gl.pointer_type(gl.int16), bitcast=True) + j
+    m = inb[:, None]
+    kw = gl.load(wp + K_OFF // 2, mask=m, other=0)
+    vw = gl.load(wp + V_OFF // 2, mask=m, other=0)
+    SL: gl.constexpr = gl.SliceLayout(1, LS)
+    srow = gl.convert_layout(page, SL) + gl.convert_layout(hrow, SL) * (D // 16)
+    sok = gl.convert_layout(inb, SL)[:, None]
+    sp = buf_ptr + srow[:, None] + gl.arange(0, D // 16, layout=gl.SliceLayout(0, LS))[None, :]
+    ks = gl.load(sp + KS_OFF, mask=sok, other=0)
+    vs = gl.load(sp + VS_OFF, mask=sok, other=0)
+    return kw, vw, ks, vs
+
+
+@gluon.jit
+def _unpack(w, s, dst, PAIR: gl.constexpr):
+    """Packed nvfp4 words [N, D/4] and their block scales [N, D/16] -> fp16 e2m1 * s * 2^-7 ... * 2^7 = e2m1 * s,
+    quarters side by side ([N, D], column k * D/4 + j = channel 4j + k), stored into the shared tile ``dst``."""
+    N: gl.constexpr = w.shape[0]
+    Q: gl.constexpr = w.shape[1]
+    sc = s.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0  # s * 2^7: the unpacker gives e2m1 * 2^-14
+    sc = gl.join(gl.join(sc, sc), gl.join(sc, sc))  # each block scale for its 4 words
+    sc = gl.convert_layout(gl.reshape(sc, [N, Q]), w.type.layout)
+    if PAIR:  # the two int16 words of a pair arrive in one register (pack=2): 15 instructions per 8 values
+        x0, x1, x2, x3 = gl.inline_asm_elementwise(ASM_E2M1_PAIR, "=r,=r,=r,=r,r,r", [w, sc],
+                                                   dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True,
+                                                   pack=2)  # fmt: skip
+    else:  # the session-6 unpacker: one word per int32, joined again by a prmt (21 + 3 per 8 values)
+        x0, x1, x2, x3 = gl.inline_asm_elementwise(ASM_E2M1_Q, "=r,=r,=r,=r,r,r,r", [w.to(gl.int32), sc],
+                                                   dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True,
+                                                   pack=2)  # fmt: skip
+    t = gl.join(gl.join(x0, x1), gl.join(x2, x3))  # [N, Q, i, o]: quarter k = 2 * o + i
+    t = gl.reshape(gl.permute(t, [0, 3, 2, 1]), [N, 4 * Q])
+    dst.store(t)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, acc, MASKED: gl.constexpr):
+    """One online-softmax step (base 2) on scores s [M, N] (masked entries -inf) -> (P fp16, m, l, acc * alpha)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    if MASKED:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_i, acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+
+
+@gluon.jit
+def _step(i, q_smem, k_cur, v_cur, k_nxt, v_nxt, s0, m_i, l_i, acc, kw, vw, ks, vs, pid, key, buf_ptr, pt_ptr, num_pages,
+          prefix_len, h, N: gl.constexpr, P: gl.constexpr, D: gl.constexpr, PAGE_BYTES: gl.constexpr,
+          K_OFF: gl.constexpr, KS_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr, PPI: gl.constexpr,
+          OVERLAP: gl.constexpr, PROBE: gl.constexpr, PAIR: gl.constexpr):  # fmt: skip
+    """Prefix step i: S and PV on the tiles in k_cur / v_cur while step i+1's bytes (kw .. vs) are unpacked into
+    k_nxt / v_nxt, step i+2's are loaded (pid: its page ids) and step i+3's page ids -> (m, l, acc, step i+2's bytes,
+    step i+3's page ids)."""
+    A_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+    # step i+2's bytes: in flight for a whole step
+    if PROBE == 2:
+        nkw, nvw, nks, nvs, npid = kw, vw, ks, vs, pid
+    else:
+        nkw, nvw, nks, nvs = _load_raw(buf_ptr, pid, (i + 2) * PPI, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF, KS_OFF,
+                                       V_OFF, VS_OFF)  # fmt: skip
+        npid = _page_ids(pt_ptr, (i + 3) * PPI, num_pages, N, P)
+    if OVERLAP:
+        s_tok = warpgroup_mma(q_smem, k_cur.permute((1, 0)), s0, use_acc=False, is_async=True)
+        if PROBE == 0:
+            _unpack(kw, ks, k_nxt, PAIR)  # under S_i
+        s = warpgroup_mma_wait(0, deps=(s_tok,))
+    else:
+        s = warpgroup_mma(q_smem, k_cur.permute((1, 0)), s0, use_acc=False)
+        if PROBE == 0:
+            _unpack(kw, ks, k_nxt, PAIR)
+    if (i + 1) * N > prefix_len:  # the last step may end inside a page
+        s = gl.where(i * N + key < prefix_len, s, float("-inf"))
+        p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, True)
+    else:
+        p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, False)
+    pa = gl.convert_layout(p.to(gl.float16), A_P)
+    if OVERLAP:
+        o_tok = warpgroup_mma(pa, v_cur, acc, is_async=True)
+        if PROBE == 0:
+            _unpack(vw, vs, v_nxt, PAIR)  # under PV_i
+        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+    else:
+        acc = warpgroup_mma(pa, v_cur, acc)
+        if PROBE == 0:
+            _unpack(vw, vs, v_nxt, PAIR)
+    # the next tiles complete (both warpgroups) and visible to wgmma; the current ones free (S_i, PV_i done)
+    fence_async_shared()
+    _cta_barrier()
+    return m_i, l_i, acc, nkw, nvw, nks, nvs, npid
+
+
+@gluon.jit
+def _gl_extend_kernel(
+    q_ptr,  # [n, Hq, 4, D/4] fp16: the chunk's queries, quarter-major, times the prefix's score multiplier
+    k_ptr, v_ptr,  # [n, H, 4, D/4] fp16: the chunk's own K / V, quarter-major
+    o_ptr,  # [n, Hq, D] output (strides o_s0, o_s1, 1)
+    buf_ptr, pt_ptr,  # uint8 layer buffer, int32 prefix page ids
+    n_new, prefix_len,
+    k_mul_new,  # fp32: the chunk's score multiplier relative to q's
+    v_div,  # fp32: 1 / (V fold): the chunk's P is scaled by it, the output by its inverse
+    q_s0, k_s0, o_s0, o_s1,
+    G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
+    KS_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
+    BLOCK_T: gl.constexpr, PPI: gl.constexpr, OVERLAP: gl.constexpr,
+    PAIR: gl.constexpr,  # the word-pair unpacker (triton_codec.asm_e2m1_pair); 0: asm_quarters
+    PROBE: gl.constexpr,  # measurement only: 1 = no unpacking in the loop (tiles keep stale values), 2 = no loads either
+):  # fmt: skip
+    W: gl.constexpr = gl.num_warps()
+    M: gl.constexpr = BLOCK_T * G
+    N: gl.constexpr = PPI * P
+    Q: gl.constexpr = D // 4
+    qb = gl.program_id(0)
+    h = gl.program_id(1)
+    MMA: gl.constexpr = _mma_layout(W, N)  # S [M, N]
+    MMA_O: gl.constexpr = _mma_layout(W, D)  # O [M, D]
+    A_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=2)
+    LR: gl.constexpr = _row_layout(W)
+    TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float16)
+    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], gl.float16)
+
+    # q [M, D] -> shared memory (the A operand of every S)
+    r = gl.arange(0, M, layout=gl.SliceLayout(1, LR))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, LR))[None, :]
+    tok = qb * BLOCK_T + r // G
+    qh = h * G + r % G
+    row_ok = (tok < n_new)[:, None]
+    q = gl.load(q_ptr + tok[:, None].to(gl.int64) * q_s0 + qh[:, None] * D + c, mask=row_ok, other=0.0)
+    q_smem = gl.allocate_shared_memory(gl.float16, [M, D], QL, q)
+    k_a = gl.allocate_shared_memory(gl.float16, [N, D], TILE)
+    v_a = gl.allocate_shared_memory(gl.float16, [N, D], TILE)
+    k_b = gl.allocate_shared_memory(gl.float16, [N, D], TILE)
+    v_b = gl.allocate_shared_memory(gl.float16, [N, D], TILE)
+
+    m_i = gl.full([M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+    l_i = gl.zeros([M], gl.float32, layout=gl.SliceLayout(1, MMA))
+    acc = gl.zeros([M, D], gl.float32, layout=MMA_O)
+    s0 = gl.zeros([M, N], gl.float32, layout=MMA)
+
+    num_pages = gl.cdiv(prefix_len, P)
+    steps = gl.cdiv(num_pages, PPI)
+    # prologue: step 0 unpacked into slot 0, step 1's bytes in registers
+    pid = _page_ids(pt_ptr, 0, num_pages, N, P)
+    kw, vw, ks, vs = _load_raw(buf_ptr, pid, 0, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF)
+    pid = _page_ids(pt_ptr, PPI, num_pages, N, P)
+    pid2 = _page_ids(pt_ptr, 2 * PPI, num_pages, N, P)
+    _unpack(kw, ks, k_a, PAIR)
+    _unpack(vw, vs, v_a, PAIR)
+    kw, vw, ks, vs = _load_raw(buf_ptr, pid, PPI, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF)
+    pid = pid2
+    fence_async_shared()
+    _cta_barrier()
+    key = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))[None, :]
+    # steps in pairs: slots a then b, so that each tile is its own allocation (no barrier for a dynamic index)
+    for i in range(0, steps, 2):
+        m_i, l_i, acc, kw, vw, ks, vs, pid = _step(i, q_smem, k_a, v_a, k_b, v_b, s0, m_i, l_i, acc, kw, vw, ks, vs, pid, key,
+                                              buf_ptr, pt_ptr, num_pages, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF,
+                                              KS_OFF, V_OFF, VS_OFF, PPI, OVERLAP, PROBE, PAIR)  # fmt: skip
+        if i + 1 < steps:
+            m_i, l_i, acc, kw, vw, ks, vs, pid = _step(i + 1, q_smem, k_b, v_b, k_a, v_a, s0, m_i, l_i, acc, kw, vw, ks, vs,
+                                                       pid, key,
+                                                  buf_ptr, pt_ptr, num_pages, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF,
+                                                  KS_OFF, V_OFF, VS_OFF, PPI, OVERLAP, PROBE, PAIR)  # fmt: skip
+
+    # the chunk itself, causal: synchronous steps of N keys through slot a
+    kc = k_a
+    vc = v_a
+    tok_s = gl.convert_layout(tok, gl.SliceLayout(1, MMA))[:, None]
+    jr = gl.arange(0, N, layout=gl.SliceLayout(1, LR))
+    hi = gl.minimum(n_new, (qb + 1) * BLOCK_T)
+    for j0 in range(0, hi, N):
+        j = j0 + jr
+        off = j[:, None].to(gl.int64) * k_s0 + h * D + c
+        jm = (j < n_new)[:, None]
+        kc.store(gl.load(k_ptr + off, mask=jm, other=0.0))
+        vc.store(gl.load(v_ptr + off, mask=jm, other=0.0))
+        fence_async_shared()
+        _cta_barrier()
+        s = warpgroup_mma(q_smem, kc.permute((1, 0)), s0, use_acc=False)
+        s = gl.where((j0 + key <= tok_s) & (j0 + key < n_new), s * k_mul_new, float("-inf"))
+        p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, True)
+        acc = warpgroup_mma(gl.convert_layout((p * v_div).to(gl.float16), A_P), vc, acc)
+        _cta_barrier()  # both warpgroups done with the tile before the next one overwrites it
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, MMA_O))
+    out = acc * (1.0 / (gl.where(l_o > 0, l_o, 1.0) * v_div))[:, None]
+    out = gl.convert_layout(out, LR)
+    ch = 4 * (c % Q) + c // Q  # column k * D/4 + j holds channel 4j + k
+    gl.store(o_ptr + tok[:, None].to(gl.int64) * o_s0 + qh[:, None] * o_s1 + ch, out.to(o_ptr.dtype.element_ty),
+             mask=row_ok)  # fmt: skip
+
+
+# tiles: 32 chunk tokens x 4 heads = 128 rows, 8 pages of 16 = 128 prefix keys (and 128 chunk keys) per step
+TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 0, "PROBE": 0, "num_warps": 8}
+
+
+def supported(kv: PagedKV, q: torch.Tensor) -> bool:
+    """Calls this kernel runs: nvfp4 pages of 16 tokens, head_dim 128, 4 query heads per kv head, on a Hopper GPU
+    (not the interpreter), with a V fold the chunk's fp16 probabilities can carry."""
+    lay = kv.layout
+    if lay.fmt != "nvfp4" or kv.triaxial or lay.page_size != 16 or lay.head_dim != 128 or q.shape[-1] != 128:
+        return False
+    if q.shape[1] != 4 * lay.kv_heads or q.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    return folded_scales(kv)[1] >= VFOLD_MIN
+
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, prefix_pages: torch.Tensor,
+                     prefix_len: int, *, sm_scale: float, tuning: dict[str, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """Launch the kernel (arguments checked by paged_ops; ``supported`` must hold) -> [n, Hq, D] in q.dtype."""
+    if not supported(kv, q):
+        raise ValueError("gluon_extend does not support this call (see gluon_extend.supported)")
+    lay = kv.layout
+    n, hq, d = q.shape
+    h = lay.kv_heads
+    out = torch.empty_like(q)
+    if n == 0:
+        return out
+    if out.stride(2) != 1:
+        out = out.contiguous()
+    cfg = {**TUNING, **(tuning or {})}
+    p = lay.page_size
+    pages = prefix_pages[: triton.cdiv(prefix_len, p)].contiguous()
+    if pages.numel() == 0:
+        pages = torch.zeros(1, dtype=torch.int32, device=q.device)  # never read (prefix_len 0), but a valid pointer
+    k_fold, v_fold = folded_scales(kv)
+    k_mul_pre = sm_scale * LOG2E * k_fold
+    # q times the prefix's score multiplier; q, k, v quarter-major ([.., 4, D/4]: channel 4j + k at k * D/4 + j)
+    q_in = (q.float() * k_mul_pre).view(n, hq, d // 4, 4).transpose(2, 3).to(torch.float16).contiguous()
+    k_in = k.view(n, h, d // 4, 4).transpose(2, 3).to(torch.float16).contiguous()
+    v_in = v.view(n, h, d // 4, 4).transpose(2, 3).to(torch.float16).contiguous()
+    a = field_offsets(lay)
+    grid = (triton.cdiv(n, cfg["BLOCK_T"]), h)
+    _gl_extend_kernel[grid](
+        q_in, k_in, v_in, out, kv.buffer, pages, n, prefix_len, sm_scale * LOG2E / k_mul_pre, 1.0 / v_fold,
+        q_in.stride(0), k_in.stride(0), out.stride(0), out.stride(1),
+        G=hq // h, D=d, P=p, PAGE_BYTES=a[0], K_OFF=a[1], KS_OFF=a[2], V_OFF=a[4], VS_OFF=a[5],
+        BLOCK_T=cfg["BLOCK_T"], PPI=cfg["PPI"], OVERLAP=cfg["OVERLAP"], PAIR=cfg["PAIR"], PROBE=cfg["PROBE"], num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return out
+
+
+def compile_report_args(*, tuning: dict[str, int] | None = None) -> tuple[dict[str, str], dict[str, Any]]:
+    """(signature, constexprs incl. num_warps) to compile _gl_extend_kernel for sm_90 without a GPU at the bench's
+    shape (32 q / 8 kv heads, d 128, nvfp4 pages of 16), e.g. with compile_report.report(..., gluon=True)."""
+    cfg = {**TUNING, **(tuning or {})}
+    lay = PageLayout.build("nvfp4", page_size=16, kv_heads=8, head_dim=128)
+    a = field_offsets(lay)
+    sig = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "o_ptr": "*bf16", "buf_ptr": "*u8", "pt_ptr": "*i32",
+           "n_new": "i32", "prefix_len": "i32", "k_mul_new": "fp32", "v_div": "fp32", "q_s0": "i32", "k_s0": "i32",
+           "o_s0": "i32", "o_s1": "i32"}  # fmt: skip
+    const: dict[str, Any] = dict(G=4, D=128, P=16, PAGE_BYTES=a[0], K_OFF=a[1], KS_OFF=a[2], V_OFF=a[4], VS_OFF=a[5],
+                                 BLOCK_T=cfg["BLOCK_T"], PPI=cfg["PPI"], OVERLAP=cfg["OVERLAP"], PAIR=cfg["PAIR"], PROBE=cfg["PROBE"],
+                                 num_warps=cfg["num_warps"])  # fmt: skip
+    return sig, const

@@ -1,0 +1,131 @@
+"""The Gluon extend kernel (gluon_extend.py): compiled for sm_90 here, held to fp64 attention on the GPU.
+
+CPU (CI): the kernel needs a Hopper GPU (wgmma, PTX unpackers), so CI compiles
+it for an H100 with the pinned Triton and checks what its speed rests on: the
+tensor-core work of a step is two wgmma groups (S = q K^T, then PV), each
+waited once (ptxas serializes every wgmma, one wait per instruction, when an
+accumulator is touched while in flight: warning C7514), one CTA barrier per
+step, the unpacked tiles stored 16 bytes at a time, and no register spills in
+the loop.
+
+GPU (``gpu`` marker, device machine): extend at real shapes against fp64
+attention over the codec-dequantized prefix plus the chunk, same bound as the
+``tl`` kernel (test_triton_prefill.py), and against the ``tl`` kernel itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from test_paged_ref import rel_err
+from test_triton_paged import BOUND, _filled_pool, expected_kv
+from test_triton_prefill import dense_extend
+
+from kvserving.kernels import gluon_extend, paged_ops, triton_prefill
+from kvserving.kernels.options import KernelOptions
+
+# compiled in a child process: the test session runs with TRITON_INTERPRET=1
+_COMPILE = """
+import json, sys
+from kvserving.kernels import gluon_extend
+from kvserving.kernels.compile_report import loop_ops, report
+sig, const = gluon_extend.compile_report_args(tuning=json.loads(sys.argv[1]))
+warps = const.pop("num_warps")
+r = report(gluon_extend._gl_extend_kernel, sig, const, gluon=True, num_warps=warps, aligned=("q_s0", "k_s0", "o_s0", "o_s1"))
+print(json.dumps({"local": r["local"], "shared": r["shared"], "regs": r["regs"], "loop": dict(loop_ops(r["sass"]))}))
+"""
+
+
+def _compile(tuning: dict[str, int]) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(tuning)], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_gluon_extend_compiles_for_sm90_with_each_wgmma_group_waited_once() -> None:
+    r = _compile({})
+    ops = r["loop"]
+    # the loop body is two prefix steps (tiles a, b); per step and warpgroup: S = 8 x m64n128k16 (K = 128 channels),
+    # PV = 8 (K = 128 keys)
+    assert ops["HGMMA.64"] == 2 * 16, ops  # m64n128k16 (the opcode histogram stops at the "x")
+    # one arrive and one wait per wgmma group (ptxas' serialization would wait after each of the 32)
+    assert ops["WARPGROUP.ARRIVE"] == 2 * 2 and ops["WARPGROUP.DEPBAR.LE"] == 2 * 2, ops
+    # one CTA barrier per step (the next tiles complete, the current ones free) with triton 3.6; 3.9 adds two
+    # around the tile stores of each step
+    assert ops["BAR.SYNC.DEFER_BLOCKING"] <= 2 * 3, ops
+    # each step unpacks a K and a V tile of 128 x 128 fp16 (32 KB each) over 256 threads: 16 x 16 bytes per thread
+    assert ops["STS.128"] == 2 * 16 and not any(op.startswith("STS") and op != "STS.128" for op in ops), ops
+    assert not any(op.startswith(("STL", "LDL")) for op in ops) or r["local"] <= 64, ops
+    # q + two K/V tile pairs, fp16 (the third slot of a ring would not fit next to the scratch)
+    assert r["shared"] <= 128 * 128 * 2 * 5 + 1024
+
+
+def _check(prefix_lens: list[int], n_new: int, tuning: dict[str, int] | None = None) -> None:
+    d, h, g, p = 128, 8, 4, 16
+    pool, filled, scale = _filled_pool("nvfp4", prefix_lens, device="cuda", d=d, h=h, p=p)
+    kv = pool.kv(scale, scale)
+    sm = d**-0.5
+    for i, start in enumerate(prefix_lens):
+        for dtype in (torch.float32, torch.bfloat16):
+            q = torch.randn(n_new, h * g, d, device="cuda").to(dtype)
+            k_new = (torch.randn(n_new, h, d, device="cuda") * 2).to(dtype)
+            v_new = torch.randn(n_new, h, d, device="cuda").to(dtype)
+            pages = filled.page_table[i]
+            assert gluon_extend.supported(kv, q)
+            out = torch.full_like(q, float("nan"))
+            out.copy_(gluon_extend.extend_attention(q, k_new, v_new, kv, pages, start, sm_scale=sm, tuning=tuning))
+            assert out.dtype == q.dtype and out.shape == q.shape and out.isfinite().all()
+            ek, ev = expected_kv(pool, filled, i, k_scale=scale, v_scale=scale)
+            want = dense_extend(q.cpu(), torch.cat([ek, k_new.cpu()]), torch.cat([ev, v_new.cpu()]), start, sm)
+            err = rel_err(out.cpu(), want)
+            assert err < BOUND["nvfp4"] + (4e-3 if dtype == torch.bfloat16 else 0.0), (start, n_new, dtype, err)
+            tl_out = triton_prefill.extend_attention(q, k_new, v_new, kv, pages, start, sm_scale=sm, fast=True)
+            assert rel_err(out.cpu(), tl_out.cpu().double()) < 5e-3 + (4e-3 if dtype == torch.bfloat16 else 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", [{}, {"OVERLAP": 0}, {"BLOCK_T": 16, "PPI": 4, "num_warps": 4}])
+def test_gpu_gluon_extend_real_shapes(tuning: dict[str, int]) -> None:
+    # prefixes: whole steps + a partial page (odd step count), exactly one step, empty, 3000 (even step count);
+    # 300 new tokens: 32-token blocks, the last partial, chunk steps of 128 keys, the last partial
+    _check([16 * 40 + 7, 128, 0, 3000], 300, tuning)
+    _check([1], 1, tuning)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_extend_supported_calls() -> None:
+    pool, _, scale = _filled_pool("nvfp4", [20], device="cuda", d=128, h=8, p=16)
+    q = torch.randn(3, 32, 128, device="cuda")
+    assert gluon_extend.supported(pool.kv(scale, scale), q)
+    assert not gluon_extend.supported(pool.kv(scale, scale), q[:, :16])  # 2 query heads per kv head
+    assert not gluon_extend.supported(pool.kv(1e-6, 1e-6), q)  # a V fold too small for the chunk's fp16 P
+    with pytest.raises(ValueError, match="does not support"):
+        gluon_extend.extend_attention(q[:, :16], q[:, :8], q[:, :8], pool.kv(scale, scale), torch.zeros(2, dtype=torch.int32,
+                                      device="cuda"), 20, sm_scale=0.1)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_paged_ops_extend_runs_the_gluon_kernel_on_nvfp4_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, filled, scale = _filled_pool("nvfp4", [40], device="cuda", d=128, h=8, p=16)
+    kv = pool.kv(scale, scale)
+    q, k, v = torch.randn(5, 32, 128, device="cuda"), torch.randn(5, 8, 128, device="cuda"), torch.randn(5, 8, 128, device="cuda")
+    calls: list[int] = []
+    launch = gluon_extend.extend_attention
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(gluon_extend, "extend_attention", counted)
+    out = paged_ops.extend_attention(q, k, v, kv, filled.page_table[0], 40, sm_scale=0.1, options=KernelOptions())
+    assert calls == [1]
+    ref = triton_prefill.extend_attention(q, k, v, kv, filled.page_table[0], 40, sm_scale=0.1, fast=True)
+    assert calls == [1] and rel_err(out, ref) < 5e-3
