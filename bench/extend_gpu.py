@@ -63,6 +63,8 @@ VARIANTS: dict[str, tuple[dict[str, int], bool]] = {
 GLUON_VARIANTS: dict[str, dict[str, int]] = {
     "gluon": {},
     "gluon-serial": {"OVERLAP": 0},
+    "gluon-pair": {"PAIR": 1},  # the word-pair unpacker (triton_codec.asm_e2m1_pair)
+    "gluon-pair-serial": {"PAIR": 1, "OVERLAP": 0},
     "gluon-t16w4": {"BLOCK_T": 16, "PPI": 4, "num_warps": 4},  # 64 rows x 64 keys, one warpgroup: 2 programs per SM
     "gluon-probe1": {"PROBE": 1},  # measurement only (wrong output): no unpacking in the loop
     "gluon-probe2": {"PROBE": 2},  # measurement only (wrong output): no unpacking and no loads in the loop

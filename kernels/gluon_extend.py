@@ -8,19 +8,22 @@ the other, every wgmma waited at once).
 
 One program = BLOCK_T chunk tokens x the G query heads of one kv head (M =
 BLOCK_T * G = 128 rows, 8 warps = two warpgroups of 64 rows), N = PPI * P = 128
-prefix keys per step. Per step i (a ring of RING K/V tile pairs in shared
-memory, NVMMA-swizzled, written by the unpackers)::
+prefix keys per step. Two pairs of K / V tiles in shared memory (NVMMA-swizzled,
+written by the unpackers), used alternately: the loop runs two steps per
+iteration so each tile is its own allocation. Per step i (``_step``)::
 
-    issue S_i = q K_i^T                      (wgmma, async; q in shared memory, pre-scaled by the wrapper)
-    wait until only S_i is in flight         (PV_{i-1} done: its V tile may be rewritten, acc may be read)
-    load the packed bytes of step i+2        (global -> registers, used one step later)
-    unpack step i+1 into ring slot i+1       (ALU work while S_i runs on the tensor cores)
+    load step i+2's packed bytes and step i+3's page ids    (global -> registers, used a step later)
+    issue S_i = q K_i^T               (wgmma, async; q in shared memory, pre-scaled by the wrapper)
+    unpack step i+1's K into the other K tile               (ALU work while S_i runs)
     wait S_i; online softmax; acc *= alpha
-    fence (generic -> async proxy); CTA barrier (slot i+1 complete for both warpgroups)
-    issue acc += P_i V_i                     (wgmma, async, P from registers; runs under step i+1's issue/unpack)
+    issue acc += P_i V_i              (wgmma, async, P from registers)
+    unpack step i+1's V into the other V tile               (ALU work while PV_i runs)
+    wait PV_i; fence (generic -> async proxy); one CTA barrier
 
-Ring slot i+1 was last read by S_{i-2} and PV_{i-2}, which both warpgroups
-finished before step i-1's barrier, so RING = 3 needs one barrier per step.
+The other tiles were last read by step i-1's wgmma, which both warpgroups
+waited for before step i-1's barrier. (Keeping PV_i in flight into step i+1,
+as FlashAttention-3 does, makes ptxas serialize every wgmma of the kernel:
+bench/NOTES-kernels.md, session 8.)
 
 Channels stay in the four quarters of ``triton_prefill._extend_kernel4`` (quarter k = channels
 4j + k, what one shift of the packed 16-bit words gives): the unpacked K / V
@@ -34,6 +37,9 @@ heads per kv head, a V fold (global scale times 2^7) of at least VFOLD_MIN; the
 PTX unpackers and ``wgmma`` need a Hopper GPU, so the interpreter and other
 calls run ``triton_prefill``. ``tests/kernels/test_gluon_extend.py`` compiles the
 kernel for sm_90 on CPU and the gpu tests hold it to fp64 attention.
+
+Tuning (``TUNING``): OVERLAP 0 waits each wgmma at once (the unpack after it), PAIR 0 uses the session-6 quarter
+unpacker, PROBE is for measurements only (wrong output). The unpacking still binds: see the notes, session 8.
 """
 
 from __future__ import annotations
@@ -300,7 +306,7 @@ def _gl_extend_kernel(
 
 
 # tiles: 32 chunk tokens x 4 heads = 128 rows, 8 pages of 16 = 128 prefix keys (and 128 chunk keys) per step
-TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 0, "PROBE": 0, "num_warps": 8}
+TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 1, "PROBE": 0, "num_warps": 8}
 
 
 def supported(kv: PagedKV, q: torch.Tensor) -> bool:

@@ -92,7 +92,8 @@ def _check(prefix_lens: list[int], n_new: int, tuning: dict[str, int] | None = N
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [{}, {"OVERLAP": 0}, {"BLOCK_T": 16, "PPI": 4, "num_warps": 4}])
+@pytest.mark.parametrize("tuning", [{}, {"PAIR": 1 - gluon_extend.TUNING["PAIR"]}, {"OVERLAP": 0},
+                                    {"BLOCK_T": 16, "PPI": 4, "num_warps": 4}])  # fmt: skip
 def test_gpu_gluon_extend_real_shapes(tuning: dict[str, int]) -> None:
     # prefixes: whole steps + a partial page (odd step count), exactly one step, empty, 3000 (even step count);
     # 300 new tokens: 32-token blocks, the last partial, chunk steps of 128 keys, the last partial
