@@ -101,7 +101,7 @@ class Completions:
         self.metrics.exact_history.labels("spliced" if sent.spliced else "as_rendered").inc()
         prompt = sent.prompt
         turn_request = self._turn_request("chatcmpl", prompt.input_ids, prompt.tags, request, request.limit, key,
-                                          has_history=history)
+                                          has_history=history, tag_runs=prompt.tag_runs, ids_json=sent.ids_json)
         self._sent[turn_request.request_id] = (canonical, sent)
         if request.stream:
             return await self._first_then_rest(self._chat_stream(turn_request, request, started))
@@ -230,7 +230,8 @@ class Completions:
 
     def _turn_request(
         self, prefix: str, input_ids: list[int], tags: list[int], request: oa._SamplingFields, limit: int | None,
-        key: str | None, *, has_history: bool = True,
+        key: str | None, *, has_history: bool = True, tag_runs: tuple[tuple[int, int], ...] = (),
+        ids_json: str | None = None,
     ) -> TurnRequest:
         n, context = len(input_ids), self.model.max_model_len
         if limit is None:
@@ -247,8 +248,10 @@ class Completions:
             "stop_token_ids": list(self.model.stop_token_ids),
             "ignore_eos": request.ignore_eos,
         }
+        if tag_runs and tag_runs[-1][0] != len(tags):
+            tag_runs = ()  # not the runs of these tags: the list goes out as it is
         return TurnRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", input_ids=input_ids, tags=tags, sampling=sampling,
-                           conversation_key=key, has_history=has_history)
+                           conversation_key=key, has_history=has_history, tag_runs=tag_runs, ids_json=ids_json)
 
     async def _generate(
         self, turn_request: TurnRequest, stops: list[str], started: float, *, route: str

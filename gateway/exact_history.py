@@ -31,7 +31,9 @@ reply, a client that dropped the reasoning) leaves the prompt as rendered.
 from __future__ import annotations
 
 import bisect
+import json
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -49,10 +51,14 @@ class SpliceTokenizer(Protocol):
 @dataclass(frozen=True, slots=True)
 class Sent:
     """A prompt as sent to the workers (``prompt.char_starts`` places each of its ids
-    in ``prompt.text``); ``spliced``: it starts with held ids, not as rendered."""
+    in ``prompt.text``); ``spliced``: it starts with held ids, not as rendered.
+    ``ids_json``: the JSON array of ``prompt.input_ids`` (the worker body's ids), built
+    from the held ids' text when the ids extend them: encoding tens of thousands of ids
+    one int at a time was ~2-4 ms of a long conversation's turn, before its request left."""
 
     prompt: TaggedPrompt
     spliced: bool
+    ids_json: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +66,19 @@ class _Held:
     ids: tuple[int, ...]
     starts: tuple[int, ...]
     text: str
+    ids_json: str  # the held ids as JSON array elements ("1,2,3"; "" for none)
+
+
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _elements(ids: Sequence[int]) -> str:
+    """``ids`` as the elements of a JSON array, no brackets."""
+    return _ENCODE(ids if isinstance(ids, list) else list(ids))[1:-1]
+
+
+def _joined(*parts: str) -> str:
+    return ",".join(p for p in parts if p)
 
 
 class ExactHistory:
@@ -89,27 +108,28 @@ class ExactHistory:
         cut = len(sent.prompt.text)
         starts = self._char_starts(sent.prompt) + tuple(cut + s for s in self._visible_starts(output_ids, output_text))
         self._held.pop(key, None)
-        self._held[key] = _Held(tuple(sent.prompt.input_ids) + tuple(output_ids), starts, sent.prompt.text + output_text)
+        self._held[key] = _Held(tuple(sent.prompt.input_ids) + tuple(output_ids), starts, sent.prompt.text + output_text,
+                                _joined(sent.ids_json[1:-1], _elements(output_ids)))
         while len(self._held) > self.max_conversations:
             self._held.popitem(last=False)
 
     def splice(self, key: str, prompt: TaggedPrompt) -> Sent:
         """The prompt to send: the held ids + the rest, when the new text extends the held text."""
         held = self._held.get(key)
-        as_rendered = Sent(prompt, spliced=False)
         if held is None or not prompt.text.startswith(held.text):
-            return as_rendered
-        if prompt.input_ids[: len(held.ids)] == list(held.ids):
-            return as_rendered  # the rendered ids already extend what the workers hold
+            return Sent(prompt, spliced=False, ids_json=f"[{_elements(prompt.input_ids)}]")
+        n = len(held.ids)
+        if prompt.input_ids[:n] == list(held.ids):  # the rendered ids already extend what the workers hold
+            return Sent(prompt, spliced=False, ids_json=f"[{_joined(held.ids_json, _elements(prompt.input_ids[n:]))}]")
         canon = self._char_starts(prompt)
         if len(canon) != len(prompt.tags):
-            return as_rendered
+            return Sent(prompt, spliced=False, ids_json=f"[{_elements(prompt.input_ids)}]")
         self._held.move_to_end(key)
         cut = len(held.text)
         rest = self.tokenizer.encode(prompt.text[cut:])
         ids = list(held.ids) + list(rest.ids)
         starts = held.starts + tuple(cut + a for a, _ in rest.offsets)
-        return Sent(_retag(prompt, ids, starts, canon), spliced=True)
+        return Sent(_retag(prompt, ids, starts, canon), spliced=True, ids_json=f"[{_joined(held.ids_json, _elements(rest.ids))}]")
 
     def _char_starts(self, prompt: TaggedPrompt) -> tuple[int, ...]:
         """Where each token of ``prompt`` starts in its text: the tagger's offsets, or (a

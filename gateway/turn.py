@@ -33,7 +33,7 @@ from .errors import GatewayError, service_unavailable, upstream_error
 from .leases import Lease, LeaseKeeper
 from .metrics import GatewayMetrics
 from .router import WorkerView, choose_decode, choose_prefill, prefix_key
-from .workers import UpstreamError, WorkerClient, WorkerPool, WorkerState
+from .workers import RawJson, UpstreamError, WorkerClient, WorkerPool, WorkerState, runs_json
 
 RETRY_AFTER_S = 2
 
@@ -50,6 +50,18 @@ class TurnRequest:
     # False for a conversation's first turn (no assistant message yet): no
     # worker can hold its KV, so a lease-table miss need not ask them.
     has_history: bool = True
+    # `tags` as (end token, tag) runs when the tagger had them: the body's tags are
+    # encoded from the runs (workers.runs_json), not one int at a time
+    tag_runs: tuple[tuple[int, int], ...] = ()
+    # `input_ids` as a JSON array when the caller has it (exact_history.Sent.ids_json:
+    # built from the previous turn's text, not one int at a time)
+    ids_json: str | None = None
+
+    def body_ids(self) -> list[int] | RawJson:
+        return RawJson(self.ids_json) if self.ids_json is not None else self.input_ids
+
+    def body_tags(self) -> list[int] | RawJson | None:
+        return runs_json(self.tag_runs) if self.tag_runs else self.tags
 
 
 @dataclass(slots=True)
@@ -225,9 +237,9 @@ class Turns:
             pull_params, first = turn._prefilled
         elif turn.lease is not None and turn.lease.worker_url == turn.decode.url:
             pull_params = None  # a both worker finds its own retained KV in its prefix cache
-        body = {
+        body: dict[str, Any] = {
             "request_id": request.request_id,
-            "input_ids": request.input_ids,
+            "input_ids": request.body_ids(),
             "sampling": request.sampling,
             "kv_transfer_params": pull_params,
             "conversation_key": request.conversation_key,
@@ -236,7 +248,7 @@ class Turns:
         if first:
             body["output_ids"] = first
         if request.tags is not None:
-            body["tags"] = request.tags
+            body["tags"] = request.body_tags()
         # (the decode worker's load is counted by _run for the whole turn)
         async with aclosing(self.client.generate(turn.decode.url, body)) as batches:
             async for events in batches:
@@ -262,14 +274,14 @@ class Turns:
         sampling = dict(request.sampling, max_tokens=1)
         body: dict[str, Any] = {
             "request_id": f"{request.request_id}-prefill",
-            "input_ids": request.input_ids,
+            "input_ids": request.body_ids(),
             "sampling": sampling,
             "kv_transfer_params": lease_params,
             "conversation_key": request.conversation_key,
             "retain": False,
         }
         if request.tags is not None:
-            body["tags"] = request.tags
+            body["tags"] = request.body_tags()
         sampled: list[int] = []
         final: dict[str, Any] = {}
         async with aclosing(self._stream(turn.prefill, body)) as batches:

@@ -282,3 +282,26 @@ def test_tool_choice_none_leaves_tool_call_text_as_content(stack: Stack, tok: Te
                                              tool_choice="none")
     assert out.choices[0].finish_reason == "stop" and out.choices[0].message.tool_calls is None
     assert out.choices[0].message.content == said
+
+
+def test_next_turn_sends_the_held_ids_the_workers_sampled(stack: Stack, tok: TextTokenizer, tiny_model_dir: Path) -> None:
+    """A reply sampled as one token per character (not its canonical tokenization): the next
+    turn's body starts with turn 1's ids + those very ids (exact history), every id as sent."""
+    text = "Reading setup.py now."
+    reply = [i for ch in text for i in tok.encode_ids(ch)]
+    assert tok.decode(reply) == text and reply != tok.encode_ids(text)
+    worker = stack.worker(role="both", reply_ids=reply)
+    gw = stack.gateway(decode=[worker.url])
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Read setup.py."}]
+    c = client(gw)
+    first = c.chat.completions.create(model=MODEL, messages=messages, extra_headers={"X-Session-ID": "held"})
+    assert first.choices[0].message.content == text
+    sent1 = worker.received[-1]["input_ids"]
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Now run the tests."}]
+    second = c.chat.completions.create(model=MODEL, messages=messages, extra_headers={"X-Session-ID": "held"})
+    body = worker.received[-1]
+    held = sent1 + reply
+    assert body["input_ids"][: len(held)] == held
+    assert tok.decode(body["input_ids"], skip_special_tokens=False) == ChatTemplate.from_dir(tiny_model_dir).render(
+        normalize_messages(messages))
+    assert len(body["tags"]) == len(body["input_ids"]) == second.usage.prompt_tokens

@@ -5,6 +5,7 @@ the text; anything that does not extend the held text is left alone."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,37 @@ def test_retag_by_runs_equals_the_tag_of_the_covering_canonical_token() -> None:
                 expanded += [tag] * (hi - lo)
                 lo = hi
             assert expanded == want
+
+
+def test_ids_json_is_the_json_of_the_ids_sent_in_every_case(tagger: ChatTagger, tok: TextTokenizer) -> None:
+    """The worker body's ids come from ``Sent.ids_json`` (built from the held ids' text): it
+    must equal the ids, whether the prompt is new, extends the held ids as rendered, is
+    spliced onto them, or was edited; after records with hidden, broken and no output."""
+    history = ExactHistory(tok)
+    seen: list[str] = []
+
+    def splice(key: str, prompt: TaggedPrompt) -> object:
+        sent = history.splice(key, prompt)
+        assert json.loads(sent.ids_json) == sent.prompt.input_ids
+        seen.append("spliced" if sent.spliced else "as_rendered")
+        return sent
+
+    first = splice("conv", tagger.build(FIRST))
+    hidden = tok.encode("<|box_start|>").ids
+    lone = [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"][:1]
+    reply = _one_token_per_char(tok, "Reading") + hidden + lone + tok.encode(" setup.py").ids
+    history.record("conv", first, reply + tok.encode("<|im_end|>").ids, tok.decode(reply))
+    second = splice("conv", tagger.build(_second_turn(tok.decode(reply))))
+    history.record("conv", second, tok.encode("Done.").ids, "Done.")  # canonical: the next turn extends as rendered
+    third_messages = _second_turn(tok.decode(reply)) + [{"role": "assistant", "content": "Done."},
+                                                        {"role": "user", "content": "Thanks."}]
+    third = splice("conv", tagger.build(third_messages))
+    history.record("conv", third, [], "")  # nothing came back
+    splice("conv", tagger.build(third_messages + [{"role": "user", "content": "And?"}]))  # no generation prompt held: no extension
+    splice("conv", tagger.build(_second_turn("Edited.")))  # does not extend the held text
+    canon = splice("canon", tagger.build(FIRST))  # a new conversation
+    history.record("canon", canon, tok.encode("Reading setup.py now.").ids, "Reading setup.py now.")
+    extended = tagger.build(_second_turn("Reading setup.py now."))
+    assert extended.input_ids[: len(canon.prompt.input_ids)] == canon.prompt.input_ids
+    splice("canon", extended)  # the rendered ids extend the held ones: sent as rendered, ids from the held text
+    assert seen == ["as_rendered", "spliced", "spliced", "as_rendered", "as_rendered", "as_rendered", "as_rendered"]

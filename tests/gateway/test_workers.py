@@ -4,11 +4,22 @@ headless-Service DNS re-resolution, SSE parsing."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from kvserving.config import GatewayConfig
-from kvserving.gateway.workers import SSEEvents, UpstreamError, WorkerClient, WorkerPool, resolve_service
+from kvserving.gateway.tag_spans import expand_runs
+from kvserving.gateway.workers import (
+    RawJson,
+    SSEEvents,
+    UpstreamError,
+    WorkerClient,
+    WorkerPool,
+    encode_body,
+    resolve_service,
+    runs_json,
+)
 
 
 def pool(config: GatewayConfig, resolve=None) -> WorkerPool:  # type: ignore[no-untyped-def]
@@ -103,3 +114,19 @@ def test_sse_event_with_invalid_utf8_is_malformed() -> None:
     assert events.feed(b'data: {"text": "\xff"}\n') == []
     assert events.error is not None and "malformed" in events.error.message
     assert SSEEvents("http://w").feed('data: {"text": "é ☃"}\n'.encode()) == [{"text": "é ☃"}]
+
+
+@pytest.mark.parametrize("runs", [[], [(1, 0)], [(3, 5), (4, 55), (10, 5)], [(0, 7), (2, 1), (2, 9), (5, 12)]])
+def test_runs_json_is_the_json_of_the_expanded_runs(runs: list[tuple[int, int]]) -> None:
+    text = runs_json(runs).text
+    assert json.loads(text) == expand_runs(runs)
+    assert text == json.dumps(expand_runs(runs), separators=(",", ":"))
+
+
+def test_encode_body_splices_raw_values_and_equals_the_plain_encoding() -> None:
+    tags = [3, 3, 3, 10, 10, 4]
+    plain = {"request_id": "r", "input_ids": [1, 2, 3, 4, 5, 6], "sampling": {"max_tokens": 2}, "tags": tags}
+    raw = dict(plain, tags=runs_json([(3, 3), (5, 10), (6, 4)]))
+    assert json.loads(encode_body(raw)) == plain
+    assert json.loads(encode_body(plain)) == plain
+    assert json.loads(encode_body({"tags": RawJson("[1,2]")})) == {"tags": [1, 2]}  # nothing but raw values
