@@ -12,6 +12,7 @@ it could still be the start of a stop string); a match ends the response with
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -30,7 +31,7 @@ from .exact_history import ExactHistory, Sent
 from .identity import ConversationIndex, explicit_identity
 from .metrics import GatewayMetrics
 from .output import OutputParser, StopMatcher
-from .tagger import ChatTagger, TaggedPrompt
+from .tagger import ChatTagger, Draft, TaggedPrompt
 from .token_prefixes import TokenPrefixes
 from .tokenizer import TextTokenizer
 from .turn import Turn, TurnRequest, Turns
@@ -81,14 +82,43 @@ class Completions:
         # flight, its canonical prompt ids (what the identity index files and matches)
         self.history = ExactHistory(model.tokenizer)
         self._sent: dict[str, tuple[list[int], Sent]] = {}
+        self.drafting = Drafting()
 
     # ----------------------------------------------------------------- chat
     async def chat(
         self, request: oa.ChatCompletionRequest, *, headers: Mapping[str, str], started: float
     ) -> dict[str, Any] | EventStream:
+        """A chat turn. Its prompt goes out as a draft when it can (`ChatTagger.draft`: the
+        marked render without markers, one template render fewer before the worker request);
+        the real render confirms it while the worker computes, before the first token is
+        relayed. A mismatch (a template that inspects content) aborts that worker request
+        and the turn starts again from the real render (`_Unconfirmed`); so does an error
+        before the first token that an unconfirmed draft may have caused."""
         self._check_model(request.model)
-        prompt = self.model.tagger.build(request.messages, tools=request.tools,
-                                         template_kwargs=request.chat_template_kwargs)
+        tagger, drafts = self.model.tagger, self.metrics.prompt_drafts
+        kwargs: dict[str, Any] = {"tools": request.tools, "template_kwargs": request.chat_template_kwargs}
+        draft = tagger.draft(request.messages, **kwargs) if self.drafting.on else None
+        if draft is not None:
+            self.drafting.drafts += 1
+            try:
+                return await self._chat(request, draft.prompt, draft, headers=headers, started=started)
+            except _Unconfirmed:
+                pass
+            except GatewayError:
+                if draft.confirmed():
+                    drafts.labels("confirmed").inc()
+                    raise
+            drafts.labels("mismatch").inc()
+            self.drafting.mismatch()
+        else:
+            drafts.labels("off" if not self.drafting.on else "none").inc()
+        prompt = tagger.build(request.messages, **kwargs)
+        return await self._chat(request, prompt, None, headers=headers, started=started)
+
+    async def _chat(
+        self, request: oa.ChatCompletionRequest, prompt: TaggedPrompt, draft: Draft | None, *,
+        headers: Mapping[str, str], started: float,
+    ) -> dict[str, Any] | EventStream:
         identity = self.index.identify(headers=headers, body=_id_fields(request), prompt=prompt)
         self.metrics.identities.labels(identity.source).inc()
         key = identity.key
@@ -104,15 +134,15 @@ class Completions:
                                           has_history=history, tag_runs=prompt.tag_runs, ids_json=sent.ids_json)
         self._sent[turn_request.request_id] = (canonical, sent)
         if request.stream:
-            return await self._first_then_rest(self._chat_stream(turn_request, request, started))
-        return await self._chat_whole(turn_request, request, started)
+            return await self._first_then_rest(self._chat_stream(turn_request, request, started, draft))
+        return await self._chat_whole(turn_request, request, started, draft)
 
     async def _chat_whole(
-        self, turn_request: TurnRequest, request: oa.ChatCompletionRequest, started: float
+        self, turn_request: TurnRequest, request: oa.ChatCompletionRequest, started: float, draft: Draft | None
     ) -> dict[str, Any]:
         parser = OutputParser(tools=request.parses_tool_calls)
         pieces, finish, result = [], "stop", None
-        async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat"):
+        async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat", draft=draft):
             if kind == "text":
                 pieces += value
             else:
@@ -126,7 +156,7 @@ class Completions:
                                   message=message, finish_reason=finish, usage=self._usage(result))
 
     async def _chat_stream(
-        self, turn_request: TurnRequest, request: oa.ChatCompletionRequest, started: float
+        self, turn_request: TurnRequest, request: oa.ChatCompletionRequest, started: float, draft: Draft | None
     ) -> AsyncGenerator[bytes, None]:
         """SSE frames; the frames of one batch of tokens go out as one write (the role frame
         with the first text; the last text with the finish and usage frames and ``[DONE]``,
@@ -137,7 +167,7 @@ class Completions:
         first = True
         tail = b""
         try:
-            async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat"):
+            async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat", draft=draft):
                 out: list[bytes] = []
                 if first:
                     first = False
@@ -254,7 +284,7 @@ class Completions:
                            conversation_key=key, has_history=has_history, tag_runs=tag_runs, ids_json=ids_json)
 
     async def _generate(
-        self, turn_request: TurnRequest, stops: list[str], started: float, *, route: str
+        self, turn_request: TurnRequest, stops: list[str], started: float, *, route: str, draft: Draft | None = None
     ) -> AsyncGenerator[tuple[str, Any], None]:
         """("text", str) pieces, then ("end", (finish_reason, TurnResult))."""
         key = turn_request.conversation_key
@@ -266,9 +296,13 @@ class Completions:
         reuse = "unknown"
         try:
             turn = await self.turns.start(turn_request)
+            if draft is not None:
+                # Confirmed on the loop's next pass: once this task waits for the worker,
+                # which has the request by then (or is being connected to).
+                asyncio.get_running_loop().call_soon(draft.confirmed)
             detok = IncrementalDetokenizer(self.model.tokenizer, skip_ids=self.model.stop_token_ids)
             matcher = StopMatcher(stops)
-            async with aclosing(self._relay_turn(turn, turn_request, detok, matcher, started)) as items:
+            async with aclosing(self._relay_turn(turn, turn_request, detok, matcher, started, draft)) as items:
                 async for item in items:
                     if item[0] == "first":
                         ttft = item[1]
@@ -287,14 +321,19 @@ class Completions:
 
     async def _relay_turn(
         self, turn: Turn, turn_request: TurnRequest, detok: IncrementalDetokenizer, matcher: StopMatcher, started: float,
+        draft: Draft | None,
     ) -> AsyncGenerator[tuple[str, Any], None]:
         """("first", seconds to the first token), ("text", [str, ...]) the pieces of each batch of
-        tokens that arrived together, then ("end", (finish, TurnResult))."""
+        tokens that arrived together, then ("end", (finish, TurnResult)). A draft prompt is
+        confirmed before anything is relayed (`_Unconfirmed` closes the worker stream)."""
         last = None
         finish: str | None = None
         itl = self.metrics.itl
         async with aclosing(turn.tokens()) as batches:
             async for batch in batches:
+                if draft is not None:
+                    self._confirm(draft)
+                    draft = None
                 now = time.perf_counter()
                 if last is None:
                     yield "first", now - started
@@ -323,6 +362,8 @@ class Completions:
                     yield "text", pieces
                 if finish is not None:
                     break  # leaving the `async with` closes the worker stream: abort upstream
+        if draft is not None:  # the turn ended without a token
+            self._confirm(draft)
         if finish is None:
             rest = matcher.flush(detok.flush())
             if rest:
@@ -349,6 +390,11 @@ class Completions:
         self.metrics.completion_tokens.inc(completion_tokens)
         yield "end", (finish, result_final)
 
+    def _confirm(self, draft: Draft) -> None:
+        if not draft.confirmed():
+            raise _Unconfirmed
+        self.metrics.prompt_drafts.labels("confirmed").inc()
+
     def _usage(self, result: Any) -> dict[str, Any]:
         body = oa.usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
                         cached_tokens=result.cached_tokens)
@@ -368,6 +414,28 @@ class Completions:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+class _Unconfirmed(Exception):
+    """A draft prompt's real render differs: the turn starts again from the real render."""
+
+
+class Drafting:
+    """Whether chat prompts go out as drafts: on until mismatches pass 8 and a tenth of the
+    drafts (a template that inspects content in most requests would pay a second worker
+    request for each; a few odd requests cost one each and leave it on)."""
+
+    __slots__ = ("on", "drafts", "mismatches")
+
+    def __init__(self, *, on: bool = True) -> None:
+        self.on = on
+        self.drafts = 0
+        self.mismatches = 0
+
+    def mismatch(self) -> None:
+        self.mismatches += 1
+        if self.mismatches > 8 and self.mismatches * 10 > self.drafts:
+            self.on = False
 
 
 @dataclass(slots=True)

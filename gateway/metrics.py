@@ -92,6 +92,11 @@ class GatewayMetrics:
             ["result"], registry=registry,
         )
         self.workers_healthy = Gauge(p + "workers_healthy", "Healthy workers by role", ["role"], registry=registry)
+        self.prompt_drafts = Counter(
+            p + "prompt_drafts", "Chat prompts sent from the marked render before the real render confirmed them: "
+            "confirmed, mismatch (aborted and sent again from the real render), none (no draft possible), off",
+            ["result"], registry=registry,
+        )
 
     # LeaseEvents (leases.LeaseKeeper)
     def lease_event(self, kind: str, n: int = 1) -> None:

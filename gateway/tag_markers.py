@@ -59,6 +59,10 @@ class MarkerCodec:
         self.pattern = re.compile(f"{re.escape(self.open_char)}([{d}]+){re.escape(self.sep)}|{re.escape(self.close)}")
         self.any_char = re.compile(f"[{re.escape(chr(base))}-{re.escape(chr(base + 31))}]")
 
+    def strip(self, marked: str) -> str:
+        """``marked`` without this alphabet's characters."""
+        return self.any_char.sub("", marked)
+
     def open(self, piece_id: int) -> str:
         return self.open_char + "".join(self.digits[int(c, 16)] for c in format(piece_id, "x")) + self.sep
 
@@ -75,6 +79,17 @@ def pick_codec(text: str) -> MarkerCodec | None:
         if not codec.any_char.search(text):
             return codec
     return None
+
+
+def first_codec() -> MarkerCodec:
+    """The alphabet a draft marks with (before the real render is known; `ChatTagger.draft`)."""
+    return _codec(MARKER_BASES[0])
+
+
+def no_markers(text: str) -> bool:
+    """Whether ``text`` holds no character of any marker alphabet (a C scan when it has no
+    private-use character at all, the common case)."""
+    return text.isascii() or max(text) < _LOWEST_MARKER or not any(_codec(b).any_char.search(text) for b in MARKER_BASES)
 
 
 @lru_cache(maxsize=len(MARKER_BASES))

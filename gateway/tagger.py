@@ -65,7 +65,7 @@ from __future__ import annotations
 import bisect
 import operator
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +110,28 @@ class TaggedPrompt:
         return self.turn_starts[-1] if self.turn_starts else 0
 
 
+class Draft:
+    """A prompt tagged from the marked render alone (``ChatTagger.draft``), and its check
+    against the real render (run once, remembered; never raises)."""
+
+    __slots__ = ("prompt", "_confirm", "_result")
+
+    def __init__(self, prompt: TaggedPrompt, confirm: Callable[[], bool]) -> None:
+        self.prompt = prompt
+        self._confirm: Callable[[], bool] | None = confirm
+        self._result = False
+
+    def confirmed(self) -> bool:
+        """Whether the real render equals the draft's text."""
+        if self._confirm is not None:
+            confirm, self._confirm = self._confirm, None
+            try:
+                self._result = confirm()
+            except Exception:  # a template error surfaces on the real path; the draft is just not confirmed
+                self._result = False
+        return self._result
+
+
 class ChatTagger:
     """Render, tokenize and tag chat requests for one model."""
 
@@ -143,23 +165,71 @@ class ChatTagger:
         tool_list = normalize_tools(tools)
         text = self.template.render(msgs, tools=tool_list, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
         self.builds += 1
-        got = self._tokens(text)
         codec = tag_markers.pick_codec(text)
-        if codec is None:  # the request itself uses every marker alphabet
+        marked = None if codec is None else self._marked(msgs, tool_list, codec, add_generation_prompt, template_kwargs)
+        if codec is None or marked is None:  # the request uses every marker alphabet, or the template refused markers
+            got = self._tokens(text)
             return self._coarse(text, got.ids, got.offsets())
+        return self._tag(msgs, text, codec, *marked)
+
+    def draft(
+        self,
+        messages: object,
+        *,
+        tools: object = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Draft | None:
+        """``build`` from the marked render alone: its text is that render without markers,
+        which is the real render unless the template inspects content (a macro that tests
+        what a message starts with sees the markers). ``Draft.confirmed()`` renders the
+        real text and compares; the caller sends the draft's ids first and confirms while
+        the worker computes, so one template render leaves the critical path. None when no
+        draft can be made (the marked render refused, content with private-use
+        characters): ``build`` then. Bad input raises as in ``build``."""
+        msgs = normalize_messages(messages)
+        tool_list = normalize_tools(tools)
+        codec = tag_markers.first_codec()
+        marked = self._marked(msgs, tool_list, codec, add_generation_prompt, template_kwargs)
+        if marked is None:
+            return None
+        text = codec.strip(marked[1])
+        if not tag_markers.no_markers(text):
+            return None  # the request holds private-use characters: pick_codec must see the real render
+        self.builds += 1
+        prompt = self._tag(msgs, text, codec, *marked)
+
+        def confirm() -> bool:
+            try:
+                real = self.template.render(msgs, tools=tool_list, add_generation_prompt=add_generation_prompt,
+                                            template_kwargs=template_kwargs)
+            except GatewayError:
+                return False
+            return real == text
+
+        return Draft(prompt, confirm)
+
+    def _marked(self, msgs: list[Message], tool_list: list[dict[str, Any]] | None, codec: tag_markers.MarkerCodec,
+                add_generation_prompt: bool, template_kwargs: Mapping[str, Any] | None) -> tuple[tag_markers.Marks, str] | None:
+        """The marks and the marked render (None: the template refused marked content)."""
         marks = tag_markers.Marks()
-        temporals = message_temporals(msgs)
         # Tool schemas join the system message's block (its index, when there is one). They
         # are marked first so that every piece keeps its id when later turns add messages.
         owner = 0 if msgs[0]["role"] == "system" else -1
         marked_tools = None if tool_list is None else [tag_markers.mark_tool(t, codec, marks, message=owner) for t in tool_list]
         marked_msgs = [tag_markers.mark_message(m, i, codec, marks) for i, m in enumerate(msgs)]
         try:
-            marked_text = self.template.render(
+            return marks, self.template.render(
                 marked_msgs, tools=marked_tools, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
             )
         except GatewayError:  # the template refused marked content it accepts plain
-            return self._coarse(text, got.ids, got.offsets())
+            return None
+
+    def _tag(self, msgs: list[Message], text: str, codec: tag_markers.MarkerCodec, marks: tag_markers.Marks,
+             marked_text: str) -> TaggedPrompt:
+        """Tokenize ``text`` (the real render) and tag it from the marked render."""
+        got = self._tokens(text)
+        temporals = message_temporals(msgs)
         pieces = list(marks.pieces)
         images = tag_spans.image_runs(got.ids, self.tokenizer.image_token_ids)
         # Labels are kept and reused on the exact path only (markers, no image runs).
