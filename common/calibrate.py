@@ -18,16 +18,27 @@ write the calibration file (kvserving.calibration) the engine config names.
    user turns of request, reasoning + tool call, tool result and answer).
 2. The worker's model code runs each prompt once; an attention op captures
    every layer's Q and the K/V as the KV cache would receive them (RoPE applied).
-3. ``D_k(b)`` (DESIGN.md, Token tags): the attention-output MSE, per query head,
-   when only class k's tokens are stored at b bits through the triaxial
+3. ``D_k(b)``, with only class k's tokens stored at b bits through the triaxial
    reference codec (kernels.intquant: INT4 K and V per token in groups of 32
    channels; at 2 bits INT2 V per token and INT2 K per channel over pages of
-   32 of the class's tokens, in position order), the rest exact; max over
-   heads, summed over layers and prompts.
+   32 of the class's tokens, in position order), the rest exact, summed over
+   the prompts. ``--metric kl`` (the default, ``kvserving.calibrate_kl``): the
+   KL divergence of the next-token distribution from the exact KV's, summed
+   over positions, with class k quantized in every layer as the engine stores
+   it and the prompt prefilled in chunks of ``--chunk`` tokens (512, the
+   engine's chunk size: queries read the stored K/V of earlier chunks and
+   their own chunk's exact K/V). ``--metric attn``: DESIGN.md's attention-output
+   MSE per query head with each layer's inputs exact, max over heads, summed
+   over layers. The attention-output MSE misranked the classes on a deeper
+   model; the KL ranks whole tables as the evaluation does
+   (bench/NOTES-fidelity.md, "Calibration by KL").
 4. Per requested budget, the greedy rule of ``kvserving.bits`` over those
    measurements gives the table (``Calibration.derive_table``), with the budget
    counted in stored pages: the prompts' pages of 32 tokens (their class mix)
    are recorded, and a page is INT2 only when all of its tokens are 2-bit.
+   ``--page-seq-len N ...`` records instead the pages of the data wrapped at
+   the context lengths served (a table met on 2K prompts stores other bits on
+   8K ones: their class mix differs).
 5. fp8 and nvfp4 global scales per layer from the K/V amax (``amax / 448``,
    ``amax / (6 * 448)``); with ``--scale-search`` each layer's K and V scale is
    instead the multiple of that which gives the lowest attention-output error
