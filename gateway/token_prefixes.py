@@ -61,7 +61,7 @@ from __future__ import annotations
 import bisect
 import re
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from .tokenizer import Encoded, TextTokenizer
@@ -118,6 +118,7 @@ class TokenPrefixes:
             and not getattr(backend.model, "dropout", None)
         )
         self._entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
+        self._cuts: Counter[int] = Counter()  # entries per cut position: a candidate with none is not hashed
         self._tokens = 0
         self.hits = 0
         self.misses = 0
@@ -149,33 +150,38 @@ class TokenPrefixes:
             self.misses += 1
             enc = self.tokenizer.encode(text)
             ids = enc.ids
+            id_array = array("i", ids)
             starts, ends = split_offsets(enc.offsets, 0)
         else:
             self.hits += 1
             key, entry = found
             cut = key[0]
             rest = self.tokenizer.encode(text[cut:])
-            ids = entry.ids.tolist() + rest.ids
+            # array copies, not a Python int per kept token (the entry filed below slices them)
+            id_array = entry.ids + array("i", rest.ids)
+            ids = id_array.tolist()
             rest_starts, rest_ends = split_offsets(rest.offsets, cut)
             starts, ends = entry.starts + rest_starts, entry.ends + rest_ends
             if entry.shared:
                 self._entries.move_to_end(key)
             else:
                 self._drop(key)  # this prompt's entry supersedes it
-        filed = self._keep(text, ids, starts, ends)
+        filed = self._keep(text, id_array, starts, ends)
         return Prefixed(ids, starts, ends, entry, filed)
 
     def _lookup(self, text: str) -> tuple[tuple[int, int], _Entry] | None:
         assert self._pattern is not None
         cuts = [m.start() for m in self._pattern.finditer(text)]
         for cut in reversed(cuts):
+            if cut not in self._cuts:
+                continue  # hashing the text before each candidate cut (~15 us per 100K characters) only where an entry could be
             key = (cut, hash(text[:cut]))
             entry = self._entries.get(key)
             if entry is not None and text.startswith(entry.text):
                 return key, entry
         return None
 
-    def _keep(self, text: str, ids: list[int], starts: array[int], ends: array[int]) -> tuple[_Entry, ...]:
+    def _keep(self, text: str, ids: array[int], starts: array[int], ends: array[int]) -> tuple[_Entry, ...]:
         """File ``text``'s tokens before its last cut token that ends ``reach`` before the text does."""
         k = len(ids) - 1
         while k >= 0 and not (ids[k] in self._cut_ids and starts[k] + self.reach <= len(text)):
@@ -192,7 +198,7 @@ class TokenPrefixes:
                 filed.append(self._file(text, ids, starts, ends, first, shared=True))
         return tuple(e for e in filed if e is not None)
 
-    def _file(self, text: str, ids: list[int], starts: array[int], ends: array[int], k: int, *,
+    def _file(self, text: str, ids: array[int], starts: array[int], ends: array[int], k: int, *,
               shared: bool) -> _Entry | None:
         """Keep the tokens before token ``k`` (a cut token ending ``reach`` before the text does)."""
         cut = starts[k]
@@ -207,19 +213,26 @@ class TokenPrefixes:
                 return None  # another text under the same key: the first one keeps its place
         else:
             self._drop(key)
-        entry = _Entry(text=text[: cut + self.reach], ids=array("i", ids[:k]), starts=starts[:k], ends=ends[:k],
+        entry = _Entry(text=text[: cut + self.reach], ids=ids[:k], starts=starts[:k], ends=ends[:k],
                        cut=cut, shared=shared)
         self._entries[key] = entry
+        self._cuts[cut] += 1
         self._tokens += k
         while self._entries and (len(self._entries) > self.max_entries or self._tokens > self.max_tokens):
             _, old = self._entries.popitem(last=False)
-            self._tokens -= len(old.ids)
+            self._forget(old)
         return entry
 
     def _drop(self, key: tuple[int, int]) -> None:
         old = self._entries.pop(key, None)
         if old is not None:
-            self._tokens -= len(old.ids)
+            self._forget(old)
+
+    def _forget(self, old: _Entry) -> None:
+        self._tokens -= len(old.ids)
+        self._cuts[old.cut] -= 1
+        if not self._cuts[old.cut]:
+            del self._cuts[old.cut]
 
 
 def split_offsets(offsets: list[tuple[int, int]], shift: int) -> tuple[array[int], array[int]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -213,9 +214,13 @@ def test_entries_and_tokens_stay_within_bounds(tokenizer: TextTokenizer) -> None
     assert prefixes.hits == 1
     assert prefixes.encode("<|im_start|>user\nsession 0 asks a question<|im_end|>\n<|im_start|>assistant\nok")
     assert prefixes.hits == 1  # evicted
+    # the count of entries per cut position (lookups hash only where an entry is) follows every
+    # eviction and replacement
+    assert sum(prefixes._cuts.values()) == len(prefixes) == 3
+    assert prefixes._cuts == Counter(e.cut for e in prefixes._entries.values())
     small = TokenPrefixes(tokenizer, max_tokens=20)
     small.encode("<|im_start|>user\n" + "word " * 40 + "<|im_end|>\n<|im_start|>assistant\n")
-    assert len(small) == 0 and small.tokens == 0  # one prompt over the budget is not kept
+    assert len(small) == 0 and small.tokens == 0 and not small._cuts  # one prompt over the budget is not kept
     with pytest.raises(ValueError, match="max_entries"):
         TokenPrefixes(tokenizer, max_entries=0)
 
