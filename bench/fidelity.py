@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
                          "table with the system prompt swapped to 4 bits, and whole-table KL / attention MSE on the "
                          "calibration prompts against the per-class sums (additivity)")
     ap.add_argument("--skip-default", action="store_true", help="leave out the engine default table's rows")
+    ap.add_argument("--select", action="store_true",
+                    help="calibrated = the least whole-table KL among three candidates (kvserving calibrate --select)")
     opts = ap.parse_args(argv)
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -485,8 +487,10 @@ def main(argv: list[str] | None = None) -> int:
         calib_path, eval_path = work / "calibration_text.py", work / "evaluation_text.py"
         calib_path.write_text(joined_text(calib_files, 10**9))
         eval_path.write_text(eval_text)
+        selection: dict[str, dict[str, float | str]] = {}
         cal = calibrate(model_dir, [calib_path], BUDGETS, seq_len=s.calib_len, max_tokens=s.calib_tokens, search=True,
-                        frequency_source="data", device=opts.device, wrap="agent", metric=opts.metric, chunk=s.chunk)
+                        frequency_source="data", device=opts.device, wrap="agent", metric=opts.metric, chunk=s.chunk,
+                        select=opts.select, selection=selection)
         (work / "calibration.json").write_text(cal.to_json())
         t_cal = time.time() - t1
         cals = {"calibrated": cal}
@@ -509,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                       "loss_last": sum(losses[-10:]) / min(10, len(losses)), "held_out_loss": val_losses,
                       "held_out_ppl": math.exp(val_losses[-1][1]), "seconds": round(t_train, 1)},
             "calibration": {"tokens": cal.tokens, "seconds": round(t_cal, 1), "metric": opts.metric, "tables": tables,
+                            # per budget: each candidate table's whole-table KL on the calibration prompts, the one kept
+                            "selection": selection,
                             # per class seen: token share, measured per-token gain (D_k(2) - D_k(4)) / N_k, default s_k
                             "classes": {"/".join(decode_tag(k)): {"share": cal.frequency[k], "gain": cal.priorities()[k],
                                                                   "default": default_sensitivity()[k]}

@@ -181,3 +181,33 @@ def test_cli_metrics_and_served_page_lengths(tmp_path: Path) -> None:
     assert c.stored_bits(c.tables["3"]) <= 3.0 + 1e-9
     # a prompt no longer than one chunk has nothing to measure
     assert cli.main([*common, "--out", str(tmp_path / "x.json"), "--chunk", "4096"]) != 0
+
+
+def test_select_keeps_the_candidate_with_the_least_whole_table_kl(tmp_path: Path, tiny: tuple[Path, object]) -> None:
+    from kvserving.calibrate import CANDIDATES, calibrate, load_data
+    from kvserving.gateway.chat_template import ChatTemplate
+    from kvserving.gateway.tagger import ChatTagger
+    from kvserving.gateway.tokenizer import TextTokenizer
+
+    path, model = tiny
+    data = tmp_path / "notes.txt"
+    data.write_text("def add(a, b):\n    return a + b  # adds two numbers\n" * 400)
+    record: dict[str, dict[str, float | str]] = {}
+    cal = calibrate(path, [data], (2.5, 3.0), seq_len=150, max_tokens=300, device="cpu", chunk=64, select=True,
+                    selection=record, show_progress=False)
+    plain = calibrate(path, [data], (2.5, 3.0), seq_len=150, max_tokens=300, device="cpu", chunk=64,
+                      show_progress=False)
+    assert cal.distortion == plain.distortion and sorted(record) == ["2.5", "3"]
+    tagger = ChatTagger(TextTokenizer.from_dir(path), ChatTemplate.from_dir(path))
+    seqs = load_data([data], tagger, seq_len=150, max_tokens=300)
+    for key, rec in record.items():
+        kls = {name: float(rec[name]) for name in CANDIDATES}
+        assert rec["chosen"] == min(CANDIDATES, key=lambda n: (kls[n], CANDIDATES.index(n)))
+        assert cal.stored_bits(cal.tables[key]) <= float(key) + 1e-9
+        # the recorded KL is the chosen table's, measured whole on the calibration prompts
+        measured = sum(table_kl(model, q.ids, torch.tensor(q.tags), cal.tables[key], device=CPU, chunk=64)  # type: ignore[arg-type,misc]
+                       for q in seqs)
+        assert measured == pytest.approx(kls[str(rec["chosen"])], rel=1e-9)
+        if rec["chosen"] == "kl":
+            assert cal.tables[key] == plain.tables[key]
+    assert plain.tables == {k: plain.derive_table(float(k)) for k in plain.tables}  # without --select: the KL search's
