@@ -15,8 +15,16 @@
    during training. The tokenizer is the built-in tiny model's byte-level BPE.
    Random weights lack what makes KV quantization hard (outlier channels,
    attention sinks); a trained model has them.
-2. Calibrates it with ``kvserving.calibrate`` on training files, wrapped the same
-   way, at the first evaluation context.
+2. Calibrates it with ``kvserving.calibrate`` on held-out files the evaluation
+   does not use, wrapped the same way, at the first evaluation context (D_k by
+   next-token KL, prefilled in chunks of ``--chunk`` like the evaluation;
+   ``--metric attn`` for DESIGN.md's attention-output MSE). At a longer context
+   the tables are counted on the calibration text's pages at that context
+   (``kvserving calibrate --page-seq-len``). ``--diagnose`` adds the other
+   metric's tables, the attention-MSE 2.7 table with the system prompt at 4
+   bits, and every table's KL and attention MSE measured whole on the
+   calibration prompts against the per-class sums; every run prints the paired
+   per-conversation KL comparison against default@pages.
 3. Scores held-out files, wrapped the same way and tagged by the gateway's
    tagger (the real 56 classes at agent-context shares), through the engine's
    real KV path for each format: pages from the engine's pool,

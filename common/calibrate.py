@@ -36,6 +36,9 @@ write the calibration file (kvserving.calibration) the engine config names.
    measurements gives the table (``Calibration.derive_table``), with the budget
    counted in stored pages: the prompts' pages of 32 tokens (their class mix)
    are recorded, and a page is INT2 only when all of its tokens are 2-bit.
+   ``--select`` keeps, per budget, whichever of the KL search's table, the
+   attention-MSE search's and the default sensitivities' has the least KL
+   measured whole on the calibration prompts.
    ``--page-seq-len N ...`` records instead the pages of the data wrapped at
    the context lengths served (a table met on 2K prompts stores other bits on
    8K ones: their class mix differs).
@@ -577,6 +580,8 @@ def calibrate(
             raise ValueError(f"bit budget must be in [2, 4], got {b:g}")
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+    if chunk < 0:
+        raise ValueError(f"chunk must be >= 0, got {chunk}")
     tagger = ChatTagger(TextTokenizer.from_dir(model_dir), ChatTemplate.from_dir(model_dir))
     seqs = load_data(data, tagger, seq_len=seq_len, max_tokens=max_tokens, wrap=wrap)
     if not seqs:
@@ -681,7 +686,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--select", action="store_true",
                         help="--metric kl: per budget, keep the least whole-table KL (measured on the calibration prompts) "
                              "among the KL search's table, the attention-MSE search's and the default sensitivities' "
-                             "(about doubles the time on CPU; changed 1 of 8 tables on the bench's two models)")
+                             "(1.8x the calibration time on CPU; changed 1 of 8 tables on the bench's two models)")
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
                         help="--metric kl: prefill chunk in tokens (the engine's chunk_size; 0: every query on quantized KV)")
     parser.add_argument("--page-seq-len", type=_positive, nargs="+", default=[], dest="page_seq_lens", metavar="N",
