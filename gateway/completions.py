@@ -35,6 +35,7 @@ from .tagger import ChatTagger, Draft, TaggedPrompt
 from .token_prefixes import TokenPrefixes
 from .tokenizer import TextTokenizer
 from .turn import Turn, TurnRequest, Turns
+from .workers import runs_json
 
 @dataclass(slots=True, frozen=True)
 class ModelInfo:
@@ -278,10 +279,10 @@ class Completions:
             "stop_token_ids": list(self.model.stop_token_ids),
             "ignore_eos": request.ignore_eos,
         }
-        if tag_runs and tag_runs[-1][0] != len(tags):
-            tag_runs = ()  # not the runs of these tags: the list goes out as it is
+        # runs that are not those of these tags leave the list to go out as it is
+        tags_json = runs_json(tag_runs) if tag_runs and tag_runs[-1][0] == len(tags) else None
         return TurnRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", input_ids=input_ids, tags=tags, sampling=sampling,
-                           conversation_key=key, has_history=has_history, tag_runs=tag_runs, ids_json=ids_json)
+                           conversation_key=key, has_history=has_history, ids_json=ids_json, tags_json=tags_json)
 
     async def _generate(
         self, turn_request: TurnRequest, stops: list[str], started: float, *, route: str, draft: Draft | None = None
@@ -427,8 +428,8 @@ class Drafting:
 
     __slots__ = ("on", "drafts", "mismatches")
 
-    def __init__(self, *, on: bool = True) -> None:
-        self.on = on
+    def __init__(self) -> None:
+        self.on = True
         self.drafts = 0
         self.mismatches = 0
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import bisect
 import json
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -72,13 +71,18 @@ class _Held:
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
-def _elements(ids: Sequence[int]) -> str:
+def _elements(ids: list[int]) -> str:
     """``ids`` as the elements of a JSON array, no brackets."""
-    return _ENCODE(ids if isinstance(ids, list) else list(ids))[1:-1]
+    return _ENCODE(ids)[1:-1]
 
 
 def _joined(*parts: str) -> str:
     return ",".join(p for p in parts if p)
+
+
+def _as_rendered(prompt: TaggedPrompt) -> Sent:
+    """``prompt`` sent as rendered, its ids encoded whole (nothing held to extend)."""
+    return Sent(prompt, spliced=False, ids_json=f"[{_elements(prompt.input_ids)}]")
 
 
 class ExactHistory:
@@ -117,13 +121,13 @@ class ExactHistory:
         """The prompt to send: the held ids + the rest, when the new text extends the held text."""
         held = self._held.get(key)
         if held is None or not prompt.text.startswith(held.text):
-            return Sent(prompt, spliced=False, ids_json=f"[{_elements(prompt.input_ids)}]")
+            return _as_rendered(prompt)
         n = len(held.ids)
         if prompt.input_ids[:n] == list(held.ids):  # the rendered ids already extend what the workers hold
             return Sent(prompt, spliced=False, ids_json=f"[{_joined(held.ids_json, _elements(prompt.input_ids[n:]))}]")
         canon = self._char_starts(prompt)
         if len(canon) != len(prompt.tags):
-            return Sent(prompt, spliced=False, ids_json=f"[{_elements(prompt.input_ids)}]")
+            return _as_rendered(prompt)
         self._held.move_to_end(key)
         cut = len(held.text)
         rest = self.tokenizer.encode(prompt.text[cut:])

@@ -72,7 +72,7 @@ class MarkerCodec:
 
 def pick_codec(text: str) -> MarkerCodec | None:
     """A marker alphabet that `text` (the real render) does not use, or None."""
-    if text.isascii() or max(text) < _LOWEST_MARKER:  # no private-use character at all (a C scan)
+    if _no_private_use(text):
         return _codec(MARKER_BASES[0])
     for base in MARKER_BASES:
         codec = _codec(base)
@@ -89,7 +89,12 @@ def first_codec() -> MarkerCodec:
 def no_markers(text: str) -> bool:
     """Whether ``text`` holds no character of any marker alphabet (a C scan when it has no
     private-use character at all, the common case)."""
-    return text.isascii() or max(text) < _LOWEST_MARKER or not any(_codec(b).any_char.search(text) for b in MARKER_BASES)
+    return _no_private_use(text) or not any(_codec(b).any_char.search(text) for b in MARKER_BASES)
+
+
+def _no_private_use(text: str) -> bool:
+    """No character at or above the lowest marker alphabet (a C scan: the common case)."""
+    return text.isascii() or max(text) < _LOWEST_MARKER
 
 
 @lru_cache(maxsize=len(MARKER_BASES))

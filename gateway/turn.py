@@ -33,7 +33,7 @@ from .errors import GatewayError, service_unavailable, upstream_error
 from .leases import Lease, LeaseKeeper
 from .metrics import GatewayMetrics
 from .router import WorkerView, choose_decode, choose_prefill, prefix_key
-from .workers import RawJson, UpstreamError, WorkerClient, WorkerPool, WorkerState, runs_json
+from .workers import RawJson, UpstreamError, WorkerClient, WorkerPool, WorkerState
 
 RETRY_AFTER_S = 2
 
@@ -50,18 +50,17 @@ class TurnRequest:
     # False for a conversation's first turn (no assistant message yet): no
     # worker can hold its KV, so a lease-table miss need not ask them.
     has_history: bool = True
-    # `tags` as (end token, tag) runs when the tagger had them: the body's tags are
-    # encoded from the runs (workers.runs_json), not one int at a time
-    tag_runs: tuple[tuple[int, int], ...] = ()
-    # `input_ids` as a JSON array when the caller has it (exact_history.Sent.ids_json:
-    # built from the previous turn's text, not one int at a time)
+    # `input_ids` and `tags` as JSON arrays when the caller has them (exact_history.Sent.ids_json:
+    # built from the previous turn's text; workers.runs_json: from the tagger's runs), encoded
+    # once for every body of the turn rather than one int at a time per body
     ids_json: str | None = None
+    tags_json: str | None = None
 
     def body_ids(self) -> list[int] | RawJson:
         return RawJson(self.ids_json) if self.ids_json is not None else self.input_ids
 
     def body_tags(self) -> list[int] | RawJson | None:
-        return runs_json(self.tag_runs) if self.tag_runs else self.tags
+        return RawJson(self.tags_json) if self.tags_json is not None else self.tags
 
 
 @dataclass(slots=True)

@@ -118,7 +118,7 @@ def test_sse_event_with_invalid_utf8_is_malformed() -> None:
 
 @pytest.mark.parametrize("runs", [[], [(1, 0)], [(3, 5), (4, 55), (10, 5)], [(0, 7), (2, 1), (2, 9), (5, 12)]])
 def test_runs_json_is_the_json_of_the_expanded_runs(runs: list[tuple[int, int]]) -> None:
-    text = runs_json(runs).text
+    text = runs_json(runs)
     assert json.loads(text) == expand_runs(runs)
     assert text == json.dumps(expand_runs(runs), separators=(",", ":"))
 
@@ -126,7 +126,7 @@ def test_runs_json_is_the_json_of_the_expanded_runs(runs: list[tuple[int, int]])
 def test_encode_body_splices_raw_values_and_equals_the_plain_encoding() -> None:
     tags = [3, 3, 3, 10, 10, 4]
     plain = {"request_id": "r", "input_ids": [1, 2, 3, 4, 5, 6], "sampling": {"max_tokens": 2}, "tags": tags}
-    raw = dict(plain, tags=runs_json([(3, 3), (5, 10), (6, 4)]))
+    raw = dict(plain, tags=RawJson(runs_json([(3, 3), (5, 10), (6, 4)])))
     assert json.loads(encode_body(raw)) == plain
     assert json.loads(encode_body(plain)) == plain
     assert json.loads(encode_body({"tags": RawJson("[1,2]")})) == {"tags": [1, 2]}  # nothing but raw values
