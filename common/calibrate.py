@@ -310,6 +310,17 @@ def qdq_groups(x: torch.Tensor, bits: int) -> torch.Tensor:
     return dequantize_groups(*quantize_groups(x, bits), bits, dtype=torch.float32)
 
 
+def quantize_positions(k: torch.Tensor, v: torch.Tensor, idx4: torch.Tensor,
+                       idx2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k/v [T, H, D] fp32 with the positions ``idx4`` through INT4 and ``idx2`` through INT2 and back."""
+    kq, vq = k.clone(), v.clone()
+    if idx4.numel():
+        kq[idx4], vq[idx4] = qdq_groups(k[idx4], 4), qdq_groups(v[idx4], 4)
+    if idx2.numel():
+        kq[idx2], vq[idx2] = qdq_int2_keys(k[idx2]), qdq_groups(v[idx2], 2)
+    return kq, vq
+
+
 def qdq_int2_keys(k: torch.Tensor) -> torch.Tensor:
     """k [T, H, D] -> INT2 per channel over consecutive pages of 32 tokens (last may be shorter), back to fp32."""
     out = torch.empty_like(k)
@@ -328,16 +339,12 @@ def class_distortion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tags: to
     """One layer of one prompt: bits -> D_k(bits) [56] (max over heads of the attention-output MSE
     with only class k's tokens at ``bits``). q: [T, Hq, D], k/v: [T, Hkv, D], tags: long [T]."""
     ref = _attend(q, k, v)
-    k4, v4, v2 = qdq_groups(k, 4), qdq_groups(v, 4), qdq_groups(v, 2)
+    none = tags.new_empty(0)
     out = {2: torch.zeros(NUM_TAGS, dtype=torch.float64), 4: torch.zeros(NUM_TAGS, dtype=torch.float64)}
     for c in torch.unique(tags).tolist():
         idx = (tags == c).nonzero().squeeze(1)
         for bits in (2, 4):
-            kq, vq = k.clone(), v.clone()
-            if bits == 4:
-                kq[idx], vq[idx] = k4[idx], v4[idx]
-            else:
-                kq[idx], vq[idx] = qdq_int2_keys(k[idx]), v2[idx]
+            kq, vq = quantize_positions(k, v, idx, none) if bits == 4 else quantize_positions(k, v, none, idx)
             out[bits][c] = float(head_mse(_attend(q, kq, vq), ref).max())
     return out
 

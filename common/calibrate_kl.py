@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvserving.calibrate import PAGE, _attend, head_mse, qdq_groups, qdq_int2_keys
+from kvserving.calibrate import PAGE, _attend, head_mse, quantize_positions
 from kvserving.tags import NUM_TAGS
 from kvserving.worker.attention import causal_attention
 from kvserving.worker.model import DecoderModel
@@ -73,17 +73,6 @@ class QuantizedKV:
             kk, vv = torch.cat([kq[:s], kf[s:e]]), torch.cat([vq[:s], vf[s:e]])
             out[s:e] = causal_attention(qf[s:e], kk, vv, q_offset=s, sm_scale=scale)
         return out.to(q.dtype)
-
-
-def quantize_positions(k: torch.Tensor, v: torch.Tensor, idx4: torch.Tensor,
-                       idx2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """k/v [T, H, D] fp32 with the positions ``idx4`` through INT4 and ``idx2`` through INT2 and back."""
-    kq, vq = k.clone(), v.clone()
-    if idx4.numel():
-        kq[idx4], vq[idx4] = qdq_groups(k[idx4], 4), qdq_groups(v[idx4], 4)
-    if idx2.numel():
-        kq[idx2], vq[idx2] = qdq_int2_keys(k[idx2]), qdq_groups(v[idx2], 2)
-    return kq, vq
 
 
 @torch.inference_mode()
