@@ -20,12 +20,18 @@
    next-token KL, prefilled in chunks of ``--chunk`` like the evaluation;
    ``--metric attn`` for DESIGN.md's attention-output MSE). At a longer context
    the tables are counted on the calibration text's pages at that context
-   (``kvserving calibrate --page-seq-len``). ``--diagnose`` adds the other
+   (``kvserving calibrate --page-seq-len``); ``--calibrate-at-context`` adds
+   tables whose D_k are measured on the calibration text wrapped at that
+   context too (rows ``calibrated@<ctx>``). ``--diagnose`` adds the other
    metric's tables, the attention-MSE 2.7 table with the system prompt at 4
    bits, and every table's KL and attention MSE measured whole on the
    calibration prompts against the per-class sums; every run prints the paired
    per-conversation KL comparison against default@pages.
-3. Scores held-out files, wrapped the same way and tagged by the gateway's
+3. Scores held-out files (the first ``--eval-seqs`` conversations of at least
+   half the context; how many the evaluation files give is recorded; only if
+   they give too few, the standard library's test suites, idlelib and lib2to3,
+   which ``stdlib_files`` never gives to training or calibration, supply the
+   rest: ``evaluation_conversations``), wrapped the same way and tagged by the gateway's
    tagger (the real 56 classes at agent-context shares), through the engine's
    real KV path for each format: pages from the engine's pool,
    quantize-on-write, the extend path (chunked prefill over the dequantized
@@ -136,7 +142,7 @@ CPU_LARGE = Setup(layers=4, hidden=512, heads=4, kv_heads=2, intermediate=1024, 
                   chunk=256, dropout=0.0, train_chars=3_000_000)
 # A minute-long end-to-end check of the harness itself (--smoke); its numbers mean nothing.
 SMOKE = Setup(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, train_steps=2, train_len=128, batch=2,
-              lr=3e-3, contexts=(256,), eval_seqs=1, generate=8, calib_tokens=256, calib_len=256, chunk=64)
+              lr=3e-3, contexts=(256, 512), eval_seqs=1, generate=8, calib_tokens=512, calib_len=256, chunk=64)
 HEAD_DIM = 128
 
 
@@ -150,6 +156,24 @@ def stdlib_files(*, deep: bool = False) -> tuple[list[Path], list[Path]]:
     files = sorted(p for p in found if p.is_file() and p.stat().st_size > 2000
                    and not any(part in skip for part in p.relative_to(root).parts[:-1]))
     return [p for i, p in enumerate(files) if i % 10], [p for i, p in enumerate(files) if i % 10 == 0]
+
+
+EXTRA_CHARS = 3_000_000  # at most this much of extra_held_out_files' text
+
+
+def extra_held_out_files() -> list[Path]:
+    """Standard-library sources that ``stdlib_files`` never gives (so neither training nor calibration
+    reads them): the test suites, idlelib and lib2to3, where installed (a distribution may ship none);
+    never site- or dist-packages (not the standard library). Files over 2000 bytes, sorted by path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    held = ("test", "tests", "idlelib", "lib2to3")
+    out = []
+    for p in root.rglob("*.py"):
+        parts = p.relative_to(root).parts[:-1]
+        if (any(part in held for part in parts) and not any(part in ("site-packages", "dist-packages") for part in parts)
+                and p.is_file() and p.stat().st_size > 2000):
+            out.append(p)
+    return sorted(out)
 
 
 def joined_text(files: list[Path], max_chars: int) -> str:
@@ -435,6 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-default", action="store_true", help="leave out the engine default table's rows")
     ap.add_argument("--select", action="store_true",
                     help="calibrated = the least whole-table KL among three candidates (kvserving calibrate --select)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None,
+                    help="evaluate these of the config's contexts only (the model and the calibration are the same)")
+    ap.add_argument("--calibrate-at-context", action="store_true",
+                    help="also calibrate on the calibration text wrapped at each longer evaluation context (D_k "
+                         "measured on prompts of that length, the budget on the same pages): rows 'calibrated@<ctx>'")
     opts = ap.parse_args(argv)
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -446,15 +475,19 @@ def main(argv: list[str] | None = None) -> int:
         print("fidelity: error: --size large is a CPU config; the GPU config is already larger", file=sys.stderr)
         return 2
     s = SMOKE if opts.smoke else GPU if device.type == "cuda" else CPU_LARGE if opts.size == "large" else CPU
+    contexts: tuple[int, ...] = tuple(opts.contexts or s.contexts)
+    if not set(contexts) <= set(s.contexts) or len(set(contexts)) != len(contexts):
+        print(f"fidelity: error: --contexts takes distinct contexts of the config's {list(s.contexts)}", file=sys.stderr)
+        return 2
     eval_seqs: list[int] = opts.eval_seqs or []
-    if len(eval_seqs) > 1 and len(eval_seqs) != len(s.contexts):
-        print(f"fidelity: error: --eval-seqs takes one number or one per context ({len(s.contexts)})", file=sys.stderr)
+    if len(eval_seqs) > 1 and len(eval_seqs) != len(contexts):
+        print(f"fidelity: error: --eval-seqs takes one number or one per context ({len(contexts)})", file=sys.stderr)
         return 2
     if any(n < 1 for n in eval_seqs):
         print("fidelity: error: --eval-seqs must be >= 1", file=sys.stderr)
         return 2
     opts.eval_seqs = eval_seqs[0] if eval_seqs else None
-    per_context = dict(zip(s.contexts, eval_seqs)) if len(eval_seqs) > 1 else {}
+    per_context = dict(zip(contexts, eval_seqs)) if len(eval_seqs) > 1 else {}
     for field in ("train_steps", "eval_seqs", "calib_tokens"):
         value = getattr(opts, field)
         if value is not None:
@@ -496,7 +529,9 @@ def main(argv: list[str] | None = None) -> int:
         calib_path.write_text(joined_text(calib_files, 10**9))
         eval_path.write_text(eval_text)
         selection: dict[str, dict[str, float | str]] = {}
-        cal = calibrate(model_dir, [calib_path], BUDGETS, seq_len=s.calib_len, max_tokens=s.calib_tokens, search=True,
+        # the fp8/nvfp4 scale search only where those formats are scored (--triaxial-only: ~25 % of the time)
+        cal = calibrate(model_dir, [calib_path], BUDGETS, seq_len=s.calib_len, max_tokens=s.calib_tokens,
+                        search=not opts.triaxial_only,
                         frequency_source="data", device=opts.device, wrap="agent", metric=opts.metric, chunk=s.chunk,
                         select=opts.select, selection=selection)
         (work / "calibration.json").write_text(cal.to_json())
@@ -539,22 +574,32 @@ def main(argv: list[str] | None = None) -> int:
             "evaluation_files": len(eval_files),
             "contexts": {},
         }
-        for ctx in s.contexts:
+        extra_path = work / "extra_held_out_text.py"
+        for ctx in contexts:
             # Tables for a context other than the calibration prompts' are counted on the calibration text's
             # pages at that context (kvserving calibrate --page-seq-len: the budget holds on the lengths served).
-            ccals = cals
+            ccals = dict(cals)
+            t_ctx = time.time()
+            at_ctx: Calibration | None = None  # --calibrate-at-context: D_k measured on prompts of this length
             if ctx != s.calib_len:
                 page_seqs = load_data([calib_path], tagger, seq_len=ctx, max_tokens=2 * s.calib_tokens, wrap="agent")
-                ccals = {name: with_pages(c, page_seqs) for name, c in cals.items()}
+                if opts.calibrate_at_context:  # the same calibration text, wrapped at this context
+                    at_ctx = calibrate(model_dir, [calib_path], BUDGETS, seq_len=ctx, max_tokens=s.calib_tokens,
+                                       device=opts.device, wrap="agent", metric=opts.metric, show_progress=False,
+                                       chunk=s.chunk)
+                    ccals[f"calibrated@{ctx}"] = at_ctx
+                ccals = {name: with_pages(c, page_seqs) for name, c in ccals.items()}
+            t_ctx_cal = time.time() - t_ctx
             n_eval = per_context.get(ctx, s.eval_seqs)
-            seqs = load_data([eval_path], tagger, seq_len=ctx, max_tokens=ctx * n_eval * 4, wrap="agent")
-            seqs = [q for q in seqs if len(q.ids) >= ctx // 2][:n_eval]
-            if not seqs:
-                raise RuntimeError(f"no held-out sequence of >= {ctx // 2} tokens")
+            seqs, sources = evaluation_conversations(eval_path, extra_path, tagger, ctx=ctx, n=n_eval)
             specs = variants(ccals, swap=swap, skip_default=opts.skip_default, triaxial_only=opts.triaxial_only)
             block = run_context(model_dir, specs, ccals["calibrated"], seqs, s, ctx, device)
-            block["calibration_pages"] = {"context": ctx if ctx != s.calib_len else s.calib_len,
-                                          "tokens": ccals["calibrated"].residual + 32 * sum(n for n, _ in ccals["calibrated"].pages)}
+            block["conversations"] = sources
+            block["calibration_pages"] = {"context": ctx, **page_mix_summary(ccals["calibrated"])}
+            if at_ctx is not None:  # the file as measured (its own pages); the tables used are counted on the above
+                block["calibration_at_context"] = {
+                    "tokens": at_ctx.tokens, "seconds": round(t_ctx_cal, 1), "file": at_ctx.to_dict(),
+                    "gain": {"/".join(decode_tag(k)): at_ctx.priorities()[k] for k in range(NUM_TAGS) if at_ctx.frequency[k] > 0}}
             if opts.diagnose and ctx == s.calib_len:
                 calib_seqs = load_data([calib_path], tagger, seq_len=s.calib_len, max_tokens=min(s.calib_tokens, 32768),
                                        wrap="agent")
@@ -608,6 +653,52 @@ def system_prompt_swap(cal: Calibration, table: tuple[int, ...], budget: float) 
         if cal.stored_bits(t) > budget + 1e-9:
             t[c] = 2
     return tuple(t)
+
+
+def page_mix_summary(cal: Calibration, top: int = 8) -> dict[str, Any]:
+    """What the budget is counted on: full pages, residual tokens, and the classes that fill whole
+    pages alone (share of the full pages): a table can store a page INT2 only if every token on it is
+    2-bit, so only such classes (and page mixes all at 2 bits) free whole pages."""
+    full = sum(n for n, _ in cal.pages)
+    pure: Counter[int] = Counter()
+    for n, mix in cal.pages:
+        if len(mix) == 1:
+            pure[mix[0][0]] += n
+    return {"tokens": cal.residual + cal.page_size * full, "full_pages": full, "residual_tokens": cal.residual,
+            "single_class_pages": {"/".join(decode_tag(c)): n / full for c, n in pure.most_common(top)} if full else {},
+            "mixed_pages": (full - sum(pure.values())) / full if full else 0.0,
+            # every page mix (n pages, [[tag, tokens], ...]): the tables can be re-counted offline
+            "counts": [[n, [list(ct) for ct in mix]] for n, mix in cal.pages]}
+
+
+def evaluation_conversations(eval_path: Path, extra_path: Path, tagger: ChatTagger, *, ctx: int,
+                             n: int) -> tuple[list[TaggedSeq], dict[str, Any]]:
+    """The first ``n`` held-out conversations of at least ``ctx / 2`` tokens at context ``ctx``: from the
+    evaluation files, then, only if they give fewer, from the standard library's sources that neither
+    training nor calibration reads (``extra_held_out_files``; written to ``extra_path``). Returns the
+    conversations and where they came from."""
+    def long_enough(path: Path, max_tokens: int) -> list[TaggedSeq]:
+        return [q for q in load_data([path], tagger, seq_len=ctx, max_tokens=max_tokens, wrap="agent")
+                if len(q.ids) >= ctx // 2]
+
+    seqs = long_enough(eval_path, 10**9)  # all of them: how many there are is part of the record
+    info: dict[str, Any] = {"available_in_evaluation_files": len(seqs), "from_evaluation_files": min(n, len(seqs)),
+                            "from_extra_files": 0}
+    if len(seqs) < n:
+        files = extra_held_out_files()
+        if files:
+            if not extra_path.exists():  # the test suites can be tens of MB: a few MB give hundreds of conversations
+                extra_path.write_text(joined_text(files, EXTRA_CHARS))
+            extra = long_enough(extra_path, 4 * ctx * (n - len(seqs)))
+            info.update(extra_files=len(files), extra_chars=len(extra_path.read_text()))
+            seqs += extra
+        info["from_extra_files"] = min(n, len(seqs)) - info["from_evaluation_files"]
+    if len(seqs) < n:
+        print(f"fidelity: warning: {len(seqs)} held-out conversations of >= {ctx // 2} tokens at {ctx}, {n} asked",
+              file=sys.stderr, flush=True)
+    if not seqs:
+        raise RuntimeError(f"no held-out sequence of >= {ctx // 2} tokens")
+    return seqs[:n], info
 
 
 def with_pages(cal: Calibration, seqs: list[TaggedSeq]) -> Calibration:
@@ -666,9 +757,13 @@ def comparisons(rows: dict[str, Any]) -> dict[str, dict[str, Any]]:
         base = rows.get(f"triaxial {b:g} default@pages")
         if base is None:
             continue
-        block = {}
+        block: dict[str, dict[str, Any]] = {}
         for name, r in rows.items():
             if not name.startswith(f"triaxial {b:g} ") or r is base or name.endswith(" default"):
+                continue
+            if r.get("table") is not None and r["table"] == base.get("table"):  # nothing to compare
+                block[name.removeprefix(f"triaxial {b:g} ")] = {"same_table": True, "paired_mean_pct": 0.0,
+                                                                 "paired_se_pct": None, "t": None}
                 continue
             x, y = r["kl_per_sequence"], base["kl_per_sequence"]
             d = [a - c for a, c in zip(x, y)]
@@ -693,7 +788,14 @@ def run_context(model_dir: Path, specs: dict[str, tuple[str, dict[str, Any]]], c
     rows: dict[str, Any] = {}
     reference_out: list[list[int]] | None = None
     ref: list[list[torch.Tensor]] = [[] for _ in seqs]  # the bf16 run's log-probabilities per sequence and chunk
+    scored: dict[str, str] = {}  # the same format and table score the same: row key -> the row that scored it
     for name, (dtype, kw) in specs.items():
+        key = json.dumps([dtype, kw.get("table"), kw.get("scales")])
+        if key in scored:
+            rows[name] = {**rows[scored[key]], "same_table_as": scored[key], "seconds": 0.0}
+            print(f"  ctx {ctx} {name}: the same table as {scored[key]}", file=sys.stderr, flush=True)
+            continue
+        scored[key] = name
         t = time.time()
         engine = build_engine(model_dir, dtype, device=device, ctx=ctx, chunk=s.chunk, **kw)
         rec = LayerError(engine.attention, engine.args.num_layers)
@@ -757,6 +859,8 @@ def print_table(results: dict[str, Any]) -> None:
             print("KL against default@pages (pooled change; paired mean +- se as % of its KL, t; conversations lower/higher)")
             for b, comp in block["comparisons"].items():
                 for name, c in comp.items():
+                    if c.get("same_table"):
+                        print(f"  {b:>4} {name:<34} the same table as default@pages")
                     if c["paired_se_pct"] is None:
                         continue
                     print(f"  {b:>4} {name:<34} {c['kl_change_pct']:+6.1f}%  {c['paired_mean_pct']:+6.1f} +- "

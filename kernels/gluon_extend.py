@@ -50,7 +50,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .layout import PageLayout
 from .paged_kv import PagedKV
@@ -59,6 +59,7 @@ from .triton_common import LOG2E, VFOLD_MIN, field_offsets, folded_scales
 
 ASM_E2M1_Q: gl.constexpr = gl.constexpr(asm_quarters("e2m1"))
 ASM_E2M1_PAIR: gl.constexpr = gl.constexpr(asm_e2m1_pair())
+ASM_E2M1_PAIR_H: gl.constexpr = gl.constexpr(asm_e2m1_pair(half_scale=True))
 # CTA barrier: `thread_barrier` in triton 3.6 (the device), `barrier` by 3.9 (CI)
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
@@ -67,6 +68,13 @@ _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 def _word_layout(w: int) -> Any:
     """[rows, D/4 words] of packed 16-bit words: 8 words (16 bytes) per thread and row, 4 threads per row."""
     return gl.BlockedLayout([1, 8], [8, 4], [w, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _pair_layout(w: int) -> Any:
+    """[rows, D/8 word pairs] of packed int32 (two 16-bit words each): 4 pairs (16 bytes) per thread and row, the
+    rows of _word_layout."""
+    return gl.BlockedLayout([1, 4], [8, 4], [w, 1], [1, 0])
 
 
 @gluon.constexpr_function
@@ -98,23 +106,30 @@ def _page_ids(pt_ptr, it, page_hi, N: gl.constexpr, P: gl.constexpr):
 @gluon.jit
 def _load_raw(buf_ptr, pid, it, prefix_len, h, N: gl.constexpr, P: gl.constexpr, D: gl.constexpr,
               PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, V_OFF: gl.constexpr,
-              VS_OFF: gl.constexpr):  # fmt: skip
+              VS_OFF: gl.constexpr, PAIRS: gl.constexpr = False):  # fmt: skip
     """The packed bytes of the step at list index ``it`` (pid: its rows' page ids): K and V words [N, D/4] (int16),
     K and V block scales [N, D/16] (uint8); keys past prefix_len read 0 (codes and scales 0: the tile is 0, so a
-    masked key's probability 0 never meets a NaN that the unwritten slots of a partial page may hold)."""
+    masked key's probability 0 never meets a NaN that the unwritten slots of a partial page may hold). PAIRS: the
+    words as int32 pairs [N, D/8] (half the registers of int16 elements, which take one each)."""
     W: gl.constexpr = gl.num_warps()
-    LW: gl.constexpr = _word_layout(W)
+    LW: gl.constexpr = _pair_layout(W) if PAIRS else _word_layout(W)
     LS: gl.constexpr = _scale_layout(W)
     Q: gl.constexpr = D // 4
     n = gl.arange(0, N, layout=gl.SliceLayout(1, LW))
     inb = it * P + n < prefix_len
-    page = pid.to(gl.int64) * PAGE_BYTES
+    page = gl.convert_layout(pid, gl.SliceLayout(1, LW)).to(gl.int64) * PAGE_BYTES
     hrow = h * P + n % P  # row inside a [H, P, ...] field
-    j = gl.arange(0, Q, layout=gl.SliceLayout(0, LW))[None, :]
-    wp = (buf_ptr + (page + hrow * (D // 2))[:, None]).to(gl.pointer_type(gl.int16), bitcast=True) + j
     m = inb[:, None]
-    kw = gl.load(wp + K_OFF // 2, mask=m, other=0)
-    vw = gl.load(wp + V_OFF // 2, mask=m, other=0)
+    if PAIRS:
+        j = gl.arange(0, Q // 2, layout=gl.SliceLayout(0, LW))[None, :]
+        wp = (buf_ptr + (page + hrow * (D // 2))[:, None]).to(gl.pointer_type(gl.int32), bitcast=True) + j
+        kw = gl.load(wp + K_OFF // 4, mask=m, other=0)
+        vw = gl.load(wp + V_OFF // 4, mask=m, other=0)
+    else:
+        j = gl.arange(0, Q, layout=gl.SliceLayout(0, LW))[None, :]
+        wp = (buf_ptr + (page + hrow * (D // 2))[:, None]).to(gl.pointer_type(gl.int16), bitcast=True) + j
+        kw = gl.load(wp + K_OFF // 2, mask=m, other=0)
+        vw = gl.load(wp + V_OFF // 2, mask=m, other=0)
     SL: gl.constexpr = gl.SliceLayout(1, LS)
     srow = gl.convert_layout(page, SL) + gl.convert_layout(hrow, SL) * (D // 16)
     sok = gl.convert_layout(inb, SL)[:, None]
@@ -129,21 +144,33 @@ def _unpack(w, s, dst, PAIR: gl.constexpr):
     """Packed nvfp4 words [N, D/4] and their block scales [N, D/16] -> fp16 e2m1 * s * 2^-7 ... * 2^7 = e2m1 * s,
     quarters side by side ([N, D], column k * D/4 + j = channel 4j + k), stored into the shared tile ``dst``."""
     N: gl.constexpr = w.shape[0]
-    Q: gl.constexpr = w.shape[1]
-    sc = s.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0  # s * 2^7: the unpacker gives e2m1 * 2^-14
-    sc = gl.join(gl.join(sc, sc), gl.join(sc, sc))  # each block scale for its 4 words
-    sc = gl.convert_layout(gl.reshape(sc, [N, Q]), w.type.layout)
-    if PAIR:  # the two int16 words of a pair arrive in one register (pack=2): 15 instructions per 8 values
-        x0, x1, x2, x3 = gl.inline_asm_elementwise(ASM_E2M1_PAIR, "=r,=r,=r,=r,r,r", [w, sc],
-                                                   dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True,
-                                                   pack=2)  # fmt: skip
-    else:  # the session-6 unpacker: one word per int32, joined again by a prmt (21 + 3 per 8 values)
-        x0, x1, x2, x3 = gl.inline_asm_elementwise(ASM_E2M1_Q, "=r,=r,=r,=r,r,r,r", [w.to(gl.int32), sc],
-                                                   dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True,
-                                                   pack=2)  # fmt: skip
-    t = gl.join(gl.join(x0, x1), gl.join(x2, x3))  # [N, Q, i, o]: quarter k = 2 * o + i
-    t = gl.reshape(gl.permute(t, [0, 3, 2, 1]), [N, 4 * Q])
-    dst.store(t)
+    if PAIR == 2:  # int32 word pairs [N, D/8]: quarters as f16x2 int32, stored through an int32 view of the tile
+        Q2: gl.constexpr = w.shape[1]
+        sh = s.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0
+        sh = gl.convert_layout(gl.reshape(gl.join(sh, sh), [N, Q2]), w.type.layout)  # a block: 2 word pairs
+        y0, y1, y2, y3 = gl.inline_asm_elementwise(ASM_E2M1_PAIR_H, "=r,=r,=r,=r,r,h", [w, sh],
+                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
+                                                   pack=1)  # fmt: skip
+        u = gl.join(gl.join(y0, y1), gl.join(y2, y3))  # [N, Q2, i, o]: quarter k = 2 * o + i
+        u = gl.reshape(gl.permute(u, [0, 3, 2, 1]), [N, 4 * Q2])
+        LI: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, 4 * Q2], gl.int32)
+        dst._reinterpret(gl.int32, [N, 4 * Q2], LI).store(u)
+    else:
+        Q: gl.constexpr = w.shape[1]
+        sc = s.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0  # s * 2^7: the unpacker gives e2m1 * 2^-14
+        sc = gl.join(gl.join(sc, sc), gl.join(sc, sc))  # each block scale for its 4 words
+        sc = gl.convert_layout(gl.reshape(sc, [N, Q]), w.type.layout)
+        if PAIR:  # the two int16 words of a pair arrive in one register (pack=2): 15 instructions per 8 values
+            x0, x1, x2, x3 = gl.inline_asm_elementwise(ASM_E2M1_PAIR, "=r,=r,=r,=r,r,r", [w, sc],
+                                                       dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True,
+                                                       pack=2)  # fmt: skip
+        else:  # the session-6 unpacker: one word per int32, joined again by a prmt (21 + 3 per 8 values)
+            x0, x1, x2, x3 = gl.inline_asm_elementwise(ASM_E2M1_Q, "=r,=r,=r,=r,r,r,r", [w.to(gl.int32), sc],
+                                                       dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True,
+                                                       pack=2)  # fmt: skip
+        t = gl.join(gl.join(x0, x1), gl.join(x2, x3))  # [N, Q, i, o]: quarter k = 2 * o + i
+        t = gl.reshape(gl.permute(t, [0, 3, 2, 1]), [N, 4 * Q])
+        dst.store(t)
 
 
 @gluon.jit
@@ -174,7 +201,7 @@ def _step(i, q_smem, k_cur, v_cur, k_nxt, v_nxt, s0, m_i, l_i, acc, kw, vw, ks, 
         nkw, nvw, nks, nvs, npid = kw, vw, ks, vs, pid
     else:
         nkw, nvw, nks, nvs = _load_raw(buf_ptr, pid, (i + 2) * PPI, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF, KS_OFF,
-                                       V_OFF, VS_OFF)  # fmt: skip
+                                       V_OFF, VS_OFF, PAIR == 2)  # fmt: skip
         npid = _page_ids(pt_ptr, (i + 3) * PPI, num_pages, N, P)
     if OVERLAP:
         s_tok = warpgroup_mma(q_smem, k_cur.permute((1, 0)), s0, use_acc=False, is_async=True)
@@ -204,6 +231,48 @@ def _step(i, q_smem, k_cur, v_cur, k_nxt, v_nxt, s0, m_i, l_i, acc, kw, vw, ks, 
     fence_async_shared()
     _cta_barrier()
     return m_i, l_i, acc, nkw, nvw, nks, nvs, npid
+
+
+@gluon.jit
+def _finish(q_smem, kc, vc, m_i, l_i, acc, s0, key, k_ptr, v_ptr, o_ptr, n_new, k_mul_new, v_div, k_s0, o_s0, o_s1, qb,
+            h, G: gl.constexpr, D: gl.constexpr, BLOCK_T: gl.constexpr):  # fmt: skip
+    """After the prefix: the chunk itself, causal, in synchronous steps of N keys through the tiles kc / vc; then
+    the output (normalized, the V fold applied, channels un-permuted)."""
+    W: gl.constexpr = gl.num_warps()
+    M: gl.constexpr = BLOCK_T * G
+    N: gl.constexpr = kc.shape[0]
+    Q: gl.constexpr = D // 4
+    MMA: gl.constexpr = s0.type.layout
+    MMA_O: gl.constexpr = acc.type.layout
+    A_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=2)
+    LR: gl.constexpr = _row_layout(W)
+    r = gl.arange(0, M, layout=gl.SliceLayout(1, LR))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, LR))[None, :]
+    tok = qb * BLOCK_T + r // G
+    qh = h * G + r % G
+    row_ok = (tok < n_new)[:, None]
+    tok_s = gl.convert_layout(tok, gl.SliceLayout(1, MMA))[:, None]
+    jr = gl.arange(0, N, layout=gl.SliceLayout(1, LR))
+    hi = gl.minimum(n_new, (qb + 1) * BLOCK_T)
+    for j0 in range(0, hi, N):
+        j = j0 + jr
+        off = j[:, None].to(gl.int64) * k_s0 + h * D + c
+        jm = (j < n_new)[:, None]
+        kc.store(gl.load(k_ptr + off, mask=jm, other=0.0))
+        vc.store(gl.load(v_ptr + off, mask=jm, other=0.0))
+        fence_async_shared()
+        _cta_barrier()
+        s = warpgroup_mma(q_smem, kc.permute((1, 0)), s0, use_acc=False)
+        s = gl.where((j0 + key <= tok_s) & (j0 + key < n_new), s * k_mul_new, float("-inf"))
+        p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, True)
+        acc = warpgroup_mma(gl.convert_layout((p * v_div).to(gl.float16), A_P), vc, acc)
+        _cta_barrier()  # both warpgroups done with the tile before the next one overwrites it
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, MMA_O))
+    out = acc * (1.0 / (gl.where(l_o > 0, l_o, 1.0) * v_div))[:, None]
+    out = gl.convert_layout(out, LR)
+    ch = 4 * (c % Q) + c // Q  # column k * D/4 + j holds channel 4j + k
+    gl.store(o_ptr + tok[:, None].to(gl.int64) * o_s0 + qh[:, None] * o_s1 + ch, out.to(o_ptr.dtype.element_ty),
+             mask=row_ok)  # fmt: skip
 
 
 @gluon.jit
@@ -257,12 +326,12 @@ def _gl_extend_kernel(
     steps = gl.cdiv(num_pages, PPI)
     # prologue: step 0 unpacked into slot 0, step 1's bytes in registers
     pid = _page_ids(pt_ptr, 0, num_pages, N, P)
-    kw, vw, ks, vs = _load_raw(buf_ptr, pid, 0, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF)
+    kw, vw, ks, vs = _load_raw(buf_ptr, pid, 0, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF, PAIR == 2)
     pid = _page_ids(pt_ptr, PPI, num_pages, N, P)
     pid2 = _page_ids(pt_ptr, 2 * PPI, num_pages, N, P)
     _unpack(kw, ks, k_a, PAIR)
     _unpack(vw, vs, v_a, PAIR)
-    kw, vw, ks, vs = _load_raw(buf_ptr, pid, PPI, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF)
+    kw, vw, ks, vs = _load_raw(buf_ptr, pid, PPI, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF, PAIR == 2)
     pid = pid2
     fence_async_shared()
     _cta_barrier()
@@ -278,35 +347,128 @@ def _gl_extend_kernel(
                                                   buf_ptr, pt_ptr, num_pages, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF,
                                                   KS_OFF, V_OFF, VS_OFF, PPI, OVERLAP, PROBE, PAIR)  # fmt: skip
 
-    # the chunk itself, causal: synchronous steps of N keys through slot a
-    kc = k_a
-    vc = v_a
-    tok_s = gl.convert_layout(tok, gl.SliceLayout(1, MMA))[:, None]
-    jr = gl.arange(0, N, layout=gl.SliceLayout(1, LR))
-    hi = gl.minimum(n_new, (qb + 1) * BLOCK_T)
-    for j0 in range(0, hi, N):
-        j = j0 + jr
-        off = j[:, None].to(gl.int64) * k_s0 + h * D + c
-        jm = (j < n_new)[:, None]
-        kc.store(gl.load(k_ptr + off, mask=jm, other=0.0))
-        vc.store(gl.load(v_ptr + off, mask=jm, other=0.0))
+    _finish(q_smem, k_a, v_a, m_i, l_i, acc, s0, key, k_ptr, v_ptr, o_ptr, n_new, k_mul_new, v_div, k_s0, o_s0, o_s1,
+            qb, h, G, D, BLOCK_T)  # fmt: skip
+
+
+@gluon.jit
+def _ws_load(buf_ptr, pt_ptr, k_ring, v_ring, full, empty, prefix_len, h, P: gl.constexpr, D: gl.constexpr,
+             PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, V_OFF: gl.constexpr,
+             VS_OFF: gl.constexpr, PPI: gl.constexpr, PAIR: gl.constexpr):  # fmt: skip
+    """WS producer partition: loads and unpacks step i into ring slot i % SLOTS once the consumers released it
+    (``empty``), then signals ``full``; step i+1's bytes and step i+2's page ids are in flight meanwhile."""
+    N: gl.constexpr = PPI * P
+    SLOTS: gl.constexpr = k_ring.shape[0]
+    num_pages = gl.cdiv(prefix_len, P)
+    steps = gl.cdiv(num_pages, PPI)
+    pid = _page_ids(pt_ptr, 0, num_pages, N, P)
+    kw, vw, ks, vs = _load_raw(buf_ptr, pid, 0, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF, PAIR == 2)
+    pid = _page_ids(pt_ptr, PPI, num_pages, N, P)
+    for i in range(steps):
+        slot = i % SLOTS
+        nkw, nvw, nks, nvs = _load_raw(buf_ptr, pid, (i + 1) * PPI, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF, KS_OFF,
+                                       V_OFF, VS_OFF, PAIR == 2)  # fmt: skip
+        pid = _page_ids(pt_ptr, (i + 2) * PPI, num_pages, N, P)
+        mbarrier.wait(empty.index(slot), ((i // SLOTS) & 1) ^ 1)  # a fresh mbarrier counts as released once
+        _unpack(kw, ks, k_ring.index(slot), PAIR)
+        _unpack(vw, vs, v_ring.index(slot), PAIR)
         fence_async_shared()
-        _cta_barrier()
-        s = warpgroup_mma(q_smem, kc.permute((1, 0)), s0, use_acc=False)
-        s = gl.where((j0 + key <= tok_s) & (j0 + key < n_new), s * k_mul_new, float("-inf"))
-        p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, True)
-        acc = warpgroup_mma(gl.convert_layout((p * v_div).to(gl.float16), A_P), vc, acc)
-        _cta_barrier()  # both warpgroups done with the tile before the next one overwrites it
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, MMA_O))
-    out = acc * (1.0 / (gl.where(l_o > 0, l_o, 1.0) * v_div))[:, None]
-    out = gl.convert_layout(out, LR)
-    ch = 4 * (c % Q) + c // Q  # column k * D/4 + j holds channel 4j + k
-    gl.store(o_ptr + tok[:, None].to(gl.int64) * o_s0 + qh[:, None] * o_s1 + ch, out.to(o_ptr.dtype.element_ty),
-             mask=row_ok)  # fmt: skip
+        _cta_barrier()  # the partition's stores are done: its thread 0 arrives for all
+        mbarrier.arrive(full.index(slot), count=1)
+        kw, vw, ks, vs = nkw, nvw, nks, nvs
+
+
+@gluon.jit
+def _ws_attend(q_smem, k_ring, v_ring, full, empty, m_i, l_i, acc, s0, key, prefix_len, P: gl.constexpr,
+               PPI: gl.constexpr):  # fmt: skip
+    """WS consumer partition (the kernel's warps, two warpgroups): S, softmax and PV on ring slot i % SLOTS once the
+    producer filled it, then releases the slot."""
+    N: gl.constexpr = PPI * P
+    SLOTS: gl.constexpr = k_ring.shape[0]
+    A_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+    steps = gl.cdiv(gl.cdiv(prefix_len, P), PPI)
+    for i in range(steps):
+        slot = i % SLOTS
+        mbarrier.wait(full.index(slot), (i // SLOTS) & 1)
+        s = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s0, use_acc=False)
+        if (i + 1) * N > prefix_len:  # the last step may end inside a page
+            s = gl.where(i * N + key < prefix_len, s, float("-inf"))
+            p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, True)
+        else:
+            p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, False)
+        acc = warpgroup_mma(gl.convert_layout(p.to(gl.float16), A_P), v_ring.index(slot), acc)
+        _cta_barrier()  # both warpgroups are done reading the slot: thread 0 releases it
+        mbarrier.arrive(empty.index(slot), count=1)
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _gl_extend_ws_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, buf_ptr, pt_ptr, n_new, prefix_len, k_mul_new, v_div, q_s0, k_s0, o_s0, o_s1,
+    G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
+    KS_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr, BLOCK_T: gl.constexpr, PPI: gl.constexpr,
+    PAIR: gl.constexpr,
+    SLOTS: gl.constexpr,  # K / V tile pairs in the ring
+    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,  # the producer partition
+):  # fmt: skip
+    """_gl_extend_kernel warp-specialized (WS): a producer partition of LOAD_WARPS warps loads and unpacks the
+    prefix into a ring of SLOTS tile pairs (mbarriers full / empty), the kernel's own warps only attend; then the
+    chunk as in _gl_extend_kernel. Not yet run on a GPU (bench/NOTES-kernels.md, session 8)."""
+    W: gl.constexpr = gl.num_warps()
+    M: gl.constexpr = BLOCK_T * G
+    N: gl.constexpr = PPI * P
+    qb = gl.program_id(0)
+    h = gl.program_id(1)
+    MMA: gl.constexpr = _mma_layout(W, N)
+    LR: gl.constexpr = _row_layout(W)
+    TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float16)
+    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], gl.float16)
+    r = gl.arange(0, M, layout=gl.SliceLayout(1, LR))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, LR))[None, :]
+    tok = qb * BLOCK_T + r // G
+    qh = h * G + r % G
+    q = gl.load(q_ptr + tok[:, None].to(gl.int64) * q_s0 + qh[:, None] * D + c, mask=(tok < n_new)[:, None], other=0.0)
+    q_smem = gl.allocate_shared_memory(gl.float16, [M, D], QL, q)
+    k_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
+    v_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
+    full = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(SLOTS):
+        mbarrier.init(full.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+    fence_async_shared()
+    _cta_barrier()
+    m_i = gl.full([M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+    l_i = gl.zeros([M], gl.float32, layout=gl.SliceLayout(1, MMA))
+    acc = gl.zeros([M, D], gl.float32, layout=_mma_layout(W, D))
+    s0 = gl.zeros([M, N], gl.float32, layout=MMA)
+    key = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))[None, :]
+    m_i, l_i, acc = gl.warp_specialize([
+        (_ws_attend, (q_smem, k_ring, v_ring, full, empty, m_i, l_i, acc, s0, key, prefix_len, P, PPI)),
+        (_ws_load, (buf_ptr, pt_ptr, k_ring, v_ring, full, empty, prefix_len, h, P, D, PAGE_BYTES, K_OFF, KS_OFF, V_OFF,
+                    VS_OFF, PPI, PAIR)),
+    ], [LOAD_WARPS], [LOAD_REGS])  # fmt: skip
+    _cta_barrier()
+    _finish(q_smem, k_ring.index(0), v_ring.index(0), m_i, l_i, acc, s0, key, k_ptr, v_ptr, o_ptr, n_new, k_mul_new,
+            v_div, k_s0, o_s0, o_s1, qb, h, G, D, BLOCK_T)  # fmt: skip
 
 
 # tiles: 32 chunk tokens x 4 heads = 128 rows, 8 pages of 16 = 128 prefix keys (and 128 chunk keys) per step
-TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 1, "PROBE": 0, "num_warps": 8}
+TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 1, "PROBE": 0, "num_warps": 8,
+                          "WS": 0, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 120, "maxnreg": 168}  # fmt: skip
+# WS 1: _gl_extend_ws_kernel (not yet run on a GPU); its registers: the producer's LOAD_REGS, the kernel's warps
+# what maxnreg * (num_warps + LOAD_WARPS) leaves (168 * 12 - 120 * 4 = 8 x 192). Compiled (triton 3.6) with PAIR 2: the
+# producer spills ~12 values a step at 120 registers, the consumers none; never run on a GPU yet.
+
+
+def _launch_meta(cfg: dict[str, int]) -> tuple[Any, dict[str, Any]]:
+    """(kernel, its tile constexprs and launch options) for a tuning."""
+    meta: dict[str, Any] = dict(BLOCK_T=cfg["BLOCK_T"], PPI=cfg["PPI"], PAIR=cfg["PAIR"], num_warps=cfg["num_warps"])
+    if cfg["WS"]:
+        meta.update(SLOTS=cfg["SLOTS"], LOAD_WARPS=cfg["LOAD_WARPS"], LOAD_REGS=cfg["LOAD_REGS"], maxnreg=cfg["maxnreg"])
+        return _gl_extend_ws_kernel, meta
+    meta.update(OVERLAP=cfg["OVERLAP"], PROBE=cfg["PROBE"])
+    return _gl_extend_kernel, meta
 
 
 def supported(kv: PagedKV, q: torch.Tensor) -> bool:
@@ -348,25 +510,26 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
     v_in = v.view(n, h, d // 4, 4).transpose(2, 3).to(torch.float16).contiguous()
     a = field_offsets(lay)
     grid = (triton.cdiv(n, cfg["BLOCK_T"]), h)
-    _gl_extend_kernel[grid](
+    kernel, meta = _launch_meta(cfg)
+    kernel[grid](
         q_in, k_in, v_in, out, kv.buffer, pages, n, prefix_len, sm_scale * LOG2E / k_mul_pre, 1.0 / v_fold,
         q_in.stride(0), k_in.stride(0), out.stride(0), out.stride(1),
-        G=hq // h, D=d, P=p, PAGE_BYTES=a[0], K_OFF=a[1], KS_OFF=a[2], V_OFF=a[4], VS_OFF=a[5],
-        BLOCK_T=cfg["BLOCK_T"], PPI=cfg["PPI"], OVERLAP=cfg["OVERLAP"], PAIR=cfg["PAIR"], PROBE=cfg["PROBE"], num_warps=cfg["num_warps"],
+        G=hq // h, D=d, P=p, PAGE_BYTES=a[0], K_OFF=a[1], KS_OFF=a[2], V_OFF=a[4], VS_OFF=a[5], **meta,
     )  # fmt: skip
     return out
 
 
-def compile_report_args(*, tuning: dict[str, int] | None = None) -> tuple[dict[str, str], dict[str, Any]]:
-    """(signature, constexprs incl. num_warps) to compile _gl_extend_kernel for sm_90 without a GPU at the bench's
-    shape (32 q / 8 kv heads, d 128, nvfp4 pages of 16), e.g. with compile_report.report(..., gluon=True)."""
+def compile_report_args(*, tuning: dict[str, int] | None = None) -> tuple[Any, dict[str, str], dict[str, Any]]:
+    """(kernel, signature, constexprs incl. num_warps and for WS maxnreg) to compile the extend kernel for sm_90
+    without a GPU at the bench's shape (32 q / 8 kv heads, d 128, nvfp4 pages of 16), e.g. with
+    compile_report.report(..., gluon=True)."""
     cfg = {**TUNING, **(tuning or {})}
     lay = PageLayout.build("nvfp4", page_size=16, kv_heads=8, head_dim=128)
     a = field_offsets(lay)
     sig = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "o_ptr": "*bf16", "buf_ptr": "*u8", "pt_ptr": "*i32",
            "n_new": "i32", "prefix_len": "i32", "k_mul_new": "fp32", "v_div": "fp32", "q_s0": "i32", "k_s0": "i32",
            "o_s0": "i32", "o_s1": "i32"}  # fmt: skip
+    kernel, meta = _launch_meta(cfg)
     const: dict[str, Any] = dict(G=4, D=128, P=16, PAGE_BYTES=a[0], K_OFF=a[1], KS_OFF=a[2], V_OFF=a[4], VS_OFF=a[5],
-                                 BLOCK_T=cfg["BLOCK_T"], PPI=cfg["PPI"], OVERLAP=cfg["OVERLAP"], PAIR=cfg["PAIR"], PROBE=cfg["PROBE"],
-                                 num_warps=cfg["num_warps"])  # fmt: skip
-    return sig, const
+                                 **meta)  # fmt: skip
+    return kernel, sig, const

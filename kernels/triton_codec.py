@@ -388,7 +388,7 @@ def asm_quarters(kind: str) -> str:
     return "\n".join(code)
 
 
-def asm_e2m1_pair() -> str:
+def asm_e2m1_pair(*, half_scale: bool = False) -> str:
     """PTX: the nvfp4 quarters of two 16-bit words from one register ($4 = word a | word b << 16, as a pair of int16
     elements arrives with pack=2) -> $0..$3 = quarter k as the f16x2 pair (word a, word b), times $5 (f16x2 scales
     s * 2^7), bit-identical to asm_quarters("e2m1") on ($4 & 0xFFFF, $4 >> 16).
@@ -396,15 +396,19 @@ def asm_e2m1_pair() -> str:
     Each byte's low nibble and high nibble become fp16 *high bytes* s 0 0 0 m2 m1 m0 0 (= e2m1 * 2^-14 over a zero
     low byte) for all four bytes at once (e: low nibbles, quarters 0 and 2; o: high nibbles, quarters 1 and 3), a prmt
     per quarter places two of them over zero low bytes: 15 instructions per 8 values (asm_quarters: 21 plus the
-    prmt that joins two words).
+    prmt that joins two words). half_scale: $5 is one fp16 scale for both words (a 16-bit operand, pack=1).
     """
+    head = "{ .reg .b32 e, o, t, u, z; mov.b32 z, 0;"
+    s = "$5"
+    if half_scale:
+        head, s = "{ .reg .b32 e, o, t, u, z, s; mov.b32 z, 0; mov.b32 s, {$5, $5};", "s"
     return "\n".join([
-        "{ .reg .b32 e, o, t, u, z; mov.b32 z, 0;",
+        head,
         "shl.b32 t, $4, 4; shl.b32 u, $4, 1; and.b32 u, u, 0x0E0E0E0E; lop3.b32 e, t, u, 0x80808080, 0xEC;",
         "shr.b32 t, $4, 3; and.b32 t, t, 0x0E0E0E0E; lop3.b32 o, $4, t, 0x80808080, 0xEC;",
-        "prmt.b32 t, e, z, 0x2404; mul.rn.f16x2 $0, t, $5;",  # quarter 0: bytes 0 and 2 of e
-        "prmt.b32 t, o, z, 0x2404; mul.rn.f16x2 $1, t, $5;",
-        "prmt.b32 t, e, z, 0x3414; mul.rn.f16x2 $2, t, $5;",  # quarter 2: bytes 1 and 3 of e
-        "prmt.b32 t, o, z, 0x3414; mul.rn.f16x2 $3, t, $5;",
+        "prmt.b32 t, e, z, 0x2404; mul.rn.f16x2 $0, t, " + s + ";",  # quarter 0: bytes 0 and 2 of e
+        "prmt.b32 t, o, z, 0x2404; mul.rn.f16x2 $1, t, " + s + ";",
+        "prmt.b32 t, e, z, 0x3414; mul.rn.f16x2 $2, t, " + s + ";",  # quarter 2: bytes 1 and 3 of e
+        "prmt.b32 t, o, z, 0x3414; mul.rn.f16x2 $3, t, " + s + ";",
         "}",
     ])  # fmt: skip

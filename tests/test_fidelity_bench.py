@@ -91,3 +91,63 @@ def test_paired_comparison_against_default_at_pages(fidelity: ModuleType) -> Non
     assert c["kl_change_pct"] == pytest.approx(100 * (14 / 18 - 1))
     assert c["lower_higher_equal"] == [3, 0, 0]
     assert c["stored_bits_minus_default_pages"] == pytest.approx(0.02)
+
+
+def test_a_table_equal_to_default_at_pages_is_reported_as_the_same_table(fidelity: ModuleType) -> None:
+    def row(kls: list[float], table: str) -> dict[str, object]:
+        return {"kl_per_sequence": kls, "kl_vs_bf16": sum(kls) / len(kls), "stored_bits": 3.39, "table": table}
+
+    rows = {"triaxial 3.5 default@pages": row([4.0, 6.0], "older obs at 2"),
+            "triaxial 3.5 calibrated": row([4.0, 6.0], "older obs at 2"),
+            "triaxial 3.5 calibrated@8192": row([3.0, 5.0], "recent classes at 2")}
+    comp = fidelity.comparisons(rows)["3.5"]
+    assert comp["calibrated"] == {"same_table": True, "paired_mean_pct": 0.0, "paired_se_pct": None, "t": None}
+    assert "same_table" not in comp["calibrated@8192"] and comp["calibrated@8192"]["lower_higher_equal"] == [2, 0, 0]
+
+
+def test_the_page_mix_summary_names_the_classes_that_fill_pages_alone(fidelity: ModuleType) -> None:
+    pages = ((6, ((OBS, 32),)), (2, ((INST, 32),)), (2, ((USER, 16), (DELIM, 16))))
+    cal = Calibration(**{**{f: getattr(_calibration({}, pages), f) for f in Calibration.__dataclass_fields__},
+                         "residual": 5})
+    summary = fidelity.page_mix_summary(cal)
+    assert summary["full_pages"] == 10 and summary["residual_tokens"] == 5 and summary["tokens"] == 325
+    assert summary["single_class_pages"] == {"turn_m1/text/obs": 0.6, "current/text/inst": 0.2}
+    assert summary["mixed_pages"] == pytest.approx(0.2)
+    assert summary["counts"] == [[6, [[OBS, 32]]], [2, [[INST, 32]]], [2, [[USER, 16], [DELIM, 16]]]]
+
+
+def test_extra_held_out_files_are_never_training_calibration_or_evaluation_files(fidelity: ModuleType) -> None:
+    extra = set(fidelity.extra_held_out_files())
+    for deep in (False, True):
+        train, held = fidelity.stdlib_files(deep=deep)
+        assert not extra & set(train) and not extra & set(held)
+    assert not any(part in ("site-packages", "dist-packages") for p in extra for part in p.parts)
+
+
+def test_evaluation_conversations_come_from_the_evaluation_files_first(fidelity: ModuleType, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserving.gateway.chat_template import ChatTemplate
+    from kvserving.gateway.tagger import ChatTagger
+    from kvserving.gateway.tokenizer import TextTokenizer
+    from kvserving.model_dir import tiny_model_dir
+
+    tok_dir = tiny_model_dir()
+    tagger = ChatTagger(TextTokenizer.from_dir(tok_dir), ChatTemplate.from_dir(tok_dir))
+    text = Path(importlib.util.__file__).read_text()  # any standard-library source
+    eval_path, extra_source = tmp_path / "evaluation.py", tmp_path / "other.py"
+    eval_path.write_text(text[:6000])
+    extra_source.write_text(text[6000:])
+    monkeypatch.setattr(fidelity, "extra_held_out_files", lambda: [extra_source])
+    few, info = fidelity.evaluation_conversations(eval_path, tmp_path / "extra.py", tagger, ctx=256, n=2)
+    have = info["available_in_evaluation_files"]
+    assert 2 <= have and len(few) == 2 and info["from_extra_files"] == 0 and not (tmp_path / "extra.py").exists()
+    more, info = fidelity.evaluation_conversations(eval_path, tmp_path / "extra.py", tagger, ctx=256, n=have + 3)
+    assert len(more) == have + 3 and info["from_evaluation_files"] == have and info["from_extra_files"] == 3
+    assert [q.ids for q in more[:2]] == [q.ids for q in few]  # the same first conversations
+    assert all(len(q.ids) >= 128 for q in more)
+
+
+def test_contexts_must_be_the_configs(fidelity: ModuleType) -> None:
+    assert fidelity.main(["--smoke", "--contexts", "999"]) == 2
+    assert fidelity.main(["--smoke", "--contexts", "256", "256"]) == 2
+    assert fidelity.main(["--smoke", "--contexts", "256", "--eval-seqs", "1", "2"]) == 2

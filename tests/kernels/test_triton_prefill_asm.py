@@ -44,8 +44,10 @@ def _run(asm: str, inputs: list[int]) -> list[np.ndarray]:
             continue
         op, rest = stmt.split(None, 1)
         dst, *srcs = [a.strip() for a in rest.split(",")]
-        a = [val(s) for s in srcs]
-        if op == "mov.b32":
+        a = [val(s) for s in srcs] if not (srcs and srcs[0].startswith("{")) else []
+        if op == "mov.b32" and srcs[0].startswith("{"):  # {lo, hi}: two 16-bit operands into one register
+            r = val(srcs[0].strip("{} ")) & 0xFFFF | (val(srcs[1].strip("{} ")) & 0xFFFF) << 16
+        elif op == "mov.b32":
             r = a[0]
         elif op == "prmt.b32":  # default mode: byte i of the result = byte (selector nibble i & 7) of {a[1], a[0]}
             table = struct.pack("<II", a[0], a[1])
@@ -127,3 +129,15 @@ def test_e2m1_pair_unpacker_covers_every_code() -> None:
         got = _run(asm_e2m1_pair(), [word | nxt << 16, _pack(np.array((128.0, 128.0)))])
         for k in range(4):  # e2m1 * 2^-14 times the scale 2^7
             assert got[k][0] == E2M1_VALUES[code] * 2.0**-7 and got[k][1] == E2M1_VALUES[(code + 1) % 16] * 2.0**-7, (code, k)
+
+
+@pytest.mark.parametrize("words", WORDS)
+def test_e2m1_pair_unpacker_with_one_fp16_scale(words: tuple[int, int]) -> None:
+    # the int32-pair path of gluon_extend (PAIR 2): one 16-bit scale operand, duplicated into both halves
+    from kvserving.kernels.triton_codec import asm_e2m1_pair
+
+    half = int(np.array(0.25 * 128.0, dtype=np.float16).view(np.uint16))
+    want = _run(asm_e2m1_pair(), [words[0] | words[1] << 16, _pack(np.array((0.25 * 128.0, 0.25 * 128.0)))])
+    got = _run(asm_e2m1_pair(half_scale=True), [words[0] | words[1] << 16, half])
+    for k in range(4):
+        assert np.array_equal(got[k], want[k]), (k, got[k], want[k])
