@@ -35,9 +35,10 @@ _COMPILE = """
 import json, sys
 from kvserving.kernels import gluon_extend
 from kvserving.kernels.compile_report import loop_ops, report
-sig, const = gluon_extend.compile_report_args(tuning=json.loads(sys.argv[1]))
+kernel, sig, const = gluon_extend.compile_report_args(tuning=json.loads(sys.argv[1]))
 warps = const.pop("num_warps")
-r = report(gluon_extend._gl_extend_kernel, sig, const, gluon=True, num_warps=warps, aligned=("q_s0", "k_s0", "o_s0", "o_s1"))
+maxnreg = const.pop("maxnreg", None)
+r = report(kernel, sig, const, gluon=True, num_warps=warps, maxnreg=maxnreg, aligned=("q_s0", "k_s0", "o_s0", "o_s1"))
 print(json.dumps({"local": r["local"], "shared": r["shared"], "regs": r["regs"], "loop": dict(loop_ops(r["sass"]))}))
 """
 
