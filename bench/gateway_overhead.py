@@ -351,6 +351,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternating direct/gateway rounds per row")
     parser.add_argument("--min-requests", type=int, default=36, help="more rounds for a row with fewer requests per path")
     parser.add_argument("--profile", default=None, metavar="FILE", help="run the gateway under cProfile (CPU time), stats to FILE")
+    parser.add_argument("--timeline", default=None, metavar="FILE",
+                        help="stamp every request's stages (bench/gateway_timeline.py), print their percentiles at the end")
+    parser.add_argument("--cpu-samples", default=None, metavar="FILE",
+                        help="sample the gateway in CPU time (bench/gateway_timeline.py sample), print where its CPU went")
     parser.add_argument("--long-turns", type=int, default=40, help="turns of the long agent session (0: none)")
     parser.add_argument("--long-tool-words", type=int, default=300, help="words of the tool result each long-session turn adds")
     parser.add_argument("--relay", default=None, help=argparse.SUPPRESS)  # LISTEN:UPSTREAM: run as the null proxy
@@ -376,7 +380,7 @@ def main() -> int:
     procs = [
         spawn([sys.executable, str(ROOT / "tests/gateway/fake_worker.py"), "--port", str(worker_port),
                "--reply-ids", ",".join(map(str, reply_ids))], tmp / "worker.log"),
-        spawn([sys.executable, *(["-c", PROFILED, args.profile] if args.profile else ["-m", "kvserving.cli"]), "gateway",
+        spawn([sys.executable, *gateway_launcher(args), "gateway",
                "--config", str(tmp / "config.json"), "--port", str(gw_port), "--decode", worker_url, "--log-level", "warning"],
               tmp / "gateway.log"),
         spawn([sys.executable, __file__, "--relay", f"{relay_port}:{worker_port}"], tmp / "relay.log"),
@@ -418,7 +422,24 @@ def main() -> int:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+    tool = str(Path(__file__).with_name("gateway_timeline.py"))
+    for what, path in (("report", args.timeline), ("report-samples", args.cpu_samples)):
+        if path:
+            print(flush=True)
+            subprocess.run([sys.executable, tool, what, path], check=True)
     return 0
+
+
+def gateway_launcher(args: argparse.Namespace) -> list[str]:
+    """How the gateway process starts: plain, under cProfile, stamped or sampled by bench/gateway_timeline.py."""
+    if args.profile:
+        return ["-c", PROFILED, args.profile]
+    tool = str(Path(__file__).with_name("gateway_timeline.py"))
+    if args.timeline:
+        return [tool, "run", args.timeline]
+    if args.cpu_samples:
+        return [tool, "sample", args.cpu_samples]
+    return ["-m", "kvserving.cli"]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,293 @@
+"""Where a gateway request's time goes: the gateway run with a timestamp at each
+stage of every completion request, and a table of the stages' percentiles; or
+the gateway sampled in CPU time, and where its CPU goes.
+
+    python bench/gateway_timeline.py run OUT.jsonl gateway --config ...     # the gateway, stamped (what the bench spawns)
+    python bench/gateway_timeline.py report OUT.jsonl                       # the table
+    python bench/gateway_timeline.py sample OUT.txt gateway --config ...    # the gateway under a CPU-time sampler
+    python bench/gateway_timeline.py report-samples OUT.txt                 # self and inclusive shares per function
+
+`bench/gateway_overhead.py --timeline OUT.jsonl` (or `--cpu-samples OUT.txt`)
+spawns the gateway this way and prints the table after its rows.
+
+The sampler: a SIGPROF timer (``ITIMER_PROF``, every 0.5 ms of the process's
+user + system CPU) records the Python stack it interrupts; signals that arrive
+while one is pending merge, so it gives shares, not times. Unlike cProfile it
+costs the same per sample whatever the call count, so many small calls are not
+inflated; unlike a wall-clock sampler (py-spy) it does not count the time the
+process waits for a core on a loaded machine. A signal handler runs between
+bytecodes, so the time of a long C call (a tokenizer call) lands on its caller. Stages, in milliseconds after uvicorn
+parsed the request's headers (``arrive``):
+
+    serve         the request's task starts (_Exchange._serve): the event loop's queue
+    body          the body is read and parsed (json.loads)
+    draft_start   ChatTagger.draft called (request checks, conversation identity before it)
+    draft         ChatTagger.draft returned (render with markers, tokenize, tag)
+    worker_write  the worker request is written (upstream._Connection.request)
+    confirm       the plain render confirmed the draft (the loop's next pass)
+    worker_first  the worker's first body bytes arrived
+    client_first  the first body frame went to the client (TTFT, gateway side)
+    end           the response ended
+
+and ``draft_cpu``, the draft's own CPU time (thread time): the rest of
+``draft_only`` is time the gateway was runnable but not running (the other
+processes on the cores) or blocked.
+
+Also the gaps the gateway adds around the worker: ``draft_to_write`` (routing,
+worker body) and ``worker_to_client`` (first worker bytes to the first frame:
+parsing, detokenizing, framing and the loop's queue). The stamps are taken
+with `time.perf_counter` by wrappers installed before the gateway starts; the
+wrappers cost ~1 us each, so the table describes the gateway as benchmarked,
+not a different program. A development tool: nothing in the product imports it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+STAGES = ("serve", "body", "draft_start", "draft", "worker_write", "confirm", "worker_first", "client_first", "end")
+GAPS = (("body_to_draft", "body", "draft_start"), ("draft_only", "draft_start", "draft"),
+        ("draft_to_write", "draft", "worker_write"), ("worker_to_client", "worker_first", "client_first"),
+        ("worker_leg", "worker_write", "worker_first"))
+
+_now = time.perf_counter
+_stamps: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("gateway_timeline", default=None)
+
+
+def _stamp(name: str) -> None:
+    got = _stamps.get()
+    if got is not None and name not in got:
+        got[name] = _now()
+
+
+def install(out: Path) -> None:
+    """Wrap the gateway's stage functions; write one JSON line per completion request at exit."""
+    from uvicorn.protocols.http import httptools_impl
+
+    from kvserving.gateway import front, tagger, upstream
+
+    records: list[dict[str, float]] = []
+    gc_time = [0.0, 0.0, 0.0]  # seconds in the cyclic collector per generation
+    gc_count = [0, 0, 0]
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_start[0] = _now()
+        else:
+            gc_time[info["generation"]] += _now() - gc_start[0]
+            gc_count[info["generation"]] += 1
+
+    gc.callbacks.append(on_gc)
+
+    def write() -> None:
+        lines = [json.dumps(r) + "\n" for r in records]
+        lines.append(json.dumps({"gc_seconds": gc_time, "gc_collections": gc_count}) + "\n")
+        out.write_text("".join(lines))
+
+    atexit.register(write)
+
+    cycle_init = httptools_impl.RequestResponseCycle.__init__
+
+    def init(self: Any, scope: Any, *args: Any, **kwargs: Any) -> None:
+        scope["timeline_arrive"] = _now()
+        cycle_init(self, scope, *args, **kwargs)
+
+    httptools_impl.RequestResponseCycle.__init__ = init  # type: ignore[method-assign]
+
+    cycle_send = httptools_impl.RequestResponseCycle.send
+
+    async def send(self: Any, message: Any) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            _stamp("client_first")
+        await cycle_send(self, message)
+
+    httptools_impl.RequestResponseCycle.send = send  # type: ignore[method-assign]
+
+    read_body = front._Exchange._body
+
+    async def body_stamped(self: Any, declared: str | None) -> Any:
+        out = await read_body(self, declared)
+        _stamp("body")
+        return out
+
+    front._Exchange._body = body_stamped  # type: ignore[method-assign]
+
+    serve = front._Exchange.serve
+
+    async def serve_stamped(self: Any, handler: Any, scope: Any) -> None:
+        got = {"arrive": scope.get("timeline_arrive", _now()), "serve": _now()}
+        _stamps.set(got)
+        try:
+            await serve(self, handler, scope)
+        finally:
+            got["end"] = _now()
+            records.append({k: 1e3 * (v - got["arrive"]) for k, v in got.items() if k != "arrive"})
+
+    front._Exchange.serve = serve_stamped  # type: ignore[method-assign]
+
+    draft = tagger.ChatTagger.draft
+
+    def draft_stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _stamp("draft_start")
+        cpu = time.thread_time()
+        out = draft(self, *args, **kwargs)
+        _stamp("draft")
+        got = _stamps.get()
+        if got is not None:  # a duration, not a stage: "draft_cpu" minus "draft_only" is time without the CPU
+            got["draft_cpu"] = got["arrive"] + (time.thread_time() - cpu)
+        return out
+
+    tagger.ChatTagger.draft = draft_stamped  # type: ignore[method-assign]
+
+    confirmed = tagger.Draft.confirmed
+
+    def confirmed_stamped(self: Any) -> bool:
+        ok = confirmed(self)
+        _stamp("confirm")
+        return ok
+
+    tagger.Draft.confirmed = confirmed_stamped  # type: ignore[method-assign]
+
+    request = upstream._Connection.request
+
+    async def request_stamped(self: Any, path: str, body: bytes, *, deadline: float) -> int:
+        self.timeline = _stamps.get()
+        _stamp("worker_write")  # just before the write: the wrapper's own cost is not the worker's
+        return await request(self, path, body, deadline=deadline)
+
+    upstream._Connection.request = request_stamped  # type: ignore[method-assign]
+
+    on_body = upstream._Connection.on_body
+
+    def on_body_stamped(self: Any, body: bytes) -> None:
+        got = getattr(self, "timeline", None)
+        if got is not None and "worker_first" not in got:
+            got["worker_first"] = _now()
+        on_body(self, body)
+
+    upstream._Connection.on_body = on_body_stamped  # type: ignore[method-assign]
+
+
+def sample(out: Path, *, interval_s: float = 0.0005) -> None:
+    """Sample the Python stack every ``interval_s`` of CPU time; collapsed stacks to ``out`` at exit."""
+    import collections
+    import signal
+
+    counts: collections.Counter[str] = collections.Counter()
+
+    def name(frame: Any) -> str:
+        code = frame.f_code
+        where = code.co_filename
+        for marker in ("/site-packages/", "/kvserving/"):
+            if marker in where:
+                where = where.split(marker, 1)[1]
+                break
+        return f"{code.co_name} ({where})"
+
+    def handler(signum: int, frame: Any) -> None:
+        stack = []
+        while frame is not None:
+            stack.append(name(frame))
+            frame = frame.f_back
+        counts[";".join(reversed(stack))] += 1
+
+    def write() -> None:
+        signal.setitimer(signal.ITIMER_PROF, 0, 0)
+        out.write_text("".join(f"{stack} {n}\n" for stack, n in counts.items()))
+
+    signal.signal(signal.SIGPROF, handler)
+    signal.setitimer(signal.ITIMER_PROF, interval_s, interval_s)
+    atexit.register(write)
+
+
+def report_samples(path: Path, *, top: int = 40) -> str:
+    """Self and inclusive shares of the sampled CPU per function (collapsed stacks in ``path``)."""
+    import collections
+
+    own: collections.Counter[str] = collections.Counter()
+    within: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack:
+            continue
+        frames, count = stack.split(";"), int(n)
+        total += count
+        own[frames[-1]] += count
+        for frame in set(frames):
+            within[frame] += count
+    if not total:
+        return f"{path}: no samples\n"
+    lines = [f"gateway CPU samples: {total}; each function's share of them (shares, not times: signals that\n"
+             "arrive while one is pending merge, so the count is below the CPU time / interval)\n",
+             "| function | self | inclusive |", "|---|---:|---:|"]
+    for frame, _ in within.most_common(top):
+        lines.append(f"| {frame} | {100 * own[frame] / total:.1f}% | {100 * within[frame] / total:.1f}% |")
+    lines.append("\nBy self time:\n")
+    lines += ["| function | self |", "|---|---:|"]
+    lines += [f"| {frame} | {100 * n / total:.1f}% |" for frame, n in own.most_common(top)]
+    return "\n".join(lines) + "\n"
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def report(path: Path) -> str:
+    """The percentiles of every stage and gap over the streamed requests in ``path``."""
+    every = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in every if "client_first" in r and "worker_first" in r]
+    collector = next((r for r in every if "gc_seconds" in r), None)
+    if not rows:
+        return f"{path}: no streamed completion requests recorded\n"
+    gc_line = ""
+    if collector is not None:
+        per = ", ".join(f"gen{g} {n} x {1e3 * t / max(n, 1):.3f} ms" for g, (n, t) in
+                        enumerate(zip(collector["gc_collections"], collector["gc_seconds"], strict=True)))
+        gc_line = f" (cyclic GC over the whole run: {per}; {1e3 * sum(collector['gc_seconds']) / len(rows):.3f} ms per request)"
+    lines = [f"gateway timeline: {len(rows)} streamed requests, ms after the headers were parsed{gc_line}\n",
+             "| stage | p50 | p90 | p99 |", "|---|---:|---:|---:|"]
+    for name in STAGES:
+        got = [r[name] for r in rows if name in r]
+        if got:
+            lines.append(f"| {name} | {_pct(got, 0.5):.3f} | {_pct(got, 0.9):.3f} | {_pct(got, 0.99):.3f} |")
+    for name, a, b in GAPS:
+        got = [r[b] - r[a] for r in rows if a in r and b in r]
+        if got:
+            lines.append(f"| {name} | {_pct(got, 0.5):.3f} | {_pct(got, 0.9):.3f} | {_pct(got, 0.99):.3f} |")
+    got = [r["draft_cpu"] for r in rows if "draft_cpu" in r]
+    if got:
+        lines.append(f"| draft_cpu (the draft's own CPU time) | {_pct(got, 0.5):.3f} | {_pct(got, 0.9):.3f} | {_pct(got, 0.99):.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 2 and argv[0] == "report":
+        print(report(Path(argv[1])), end="")
+        return 0
+    if len(argv) >= 2 and argv[0] == "report-samples":
+        print(report_samples(Path(argv[1])), end="")
+        return 0
+    if len(argv) >= 3 and argv[0] in ("run", "sample"):
+        if argv[0] == "run":
+            install(Path(argv[1]))
+        else:
+            sample(Path(argv[1]))
+        from kvserving.cli import main as cli_main
+
+        return cli_main(argv[2:])
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
