@@ -16,7 +16,10 @@ step) and the warps merge by log-sum-exp at the end; the splits merge in
 ``triton_common._merge_kernel``. A step's bytes are staged by ``cp.async`` in
 a shared-memory ring one step ahead (``STAGES``; each thread copies the bytes
 it later reads, in the layouts below), so the next step's loads are in flight
-while this one unpacks. Per warp and step::
+while this one unpacks. A copy's address is its page's pointer plus a
+loop-invariant offset and an immediate, and only a split's last step masks
+(``_stage_copies``): the step's address arithmetic went from ~196 to ~70
+instructions (bench/NOTES-kernels.md, session 9). Per warp and step::
 
     S^T[NT, HP] = K[NT, D] . q^T[D, HP]         K: A operand (rows = tokens), HP = query heads padded to 8
     O^T[D, HP] += V^T[D, NT] . P^T[NT, HP]      V^T: A operand (rows = channels), P^T: B operand
@@ -125,11 +128,24 @@ def _rows(pt_row_ptr, base, page_hi, num_tokens, h, total_bytes, wi, ni,
 
 
 @gluon.jit
-def _valid(base, page_hi, num_tokens, h, wi, ni, P: gl.constexpr, PPW: gl.constexpr):
-    """_rows without the page offset (masks need no page id): (row index inside a [H, P, ...] field, validity)."""
-    pidx = base + wi * PPW + ni // P
-    slot = ni % P
-    return h * P + slot, (pidx < page_hi) & (pidx * P + slot < num_tokens)
+def _page(pt_row_ptr, pidx, page_hi, buf_ptr, total_bytes, PAGE_BYTES: gl.constexpr, INT2: gl.constexpr):
+    """uint8 pointer to the start of page pidx (INT2 pages grow from the top); page ids past page_hi read page 0.
+
+    One value per distinct page a thread touches (the compiler shares it between the rows of that page), so a
+    copy's address is this pointer plus a loop-invariant int32 offset and an immediate."""
+    pid = gl.load(pt_row_ptr + pidx, mask=pidx < page_hi, other=0)
+    if INT2:
+        off = total_bytes - ((pid & ~FLAG) + 1).to(gl.int64) * PAGE_BYTES
+    else:
+        off = pid.to(gl.int64) * PAGE_BYTES
+    return buf_ptr + off
+
+
+@gluon.jit
+def _limit(base, page_hi, num_tokens, P: gl.constexpr):
+    """Tokens of the step starting at page base that are valid (the split's pages and the sequence's tokens):
+    token t of the step (t = warp * NT + token in the warp) is valid iff t < _limit(...)."""
+    return gl.minimum(page_hi * P, num_tokens) - base * P
 
 
 @gluon.jit
@@ -274,7 +290,27 @@ def _stage_step(rings, slot, pt_row, base, hi, num_tokens, h, buf_ptr, total_byt
                 KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
                 VZ_OFF: gl.constexpr, LV_LOAD: gl.constexpr):  # fmt: skip
     """Start the cp.async copies of one step's bytes (as _load_step reads them) into ring slot ``slot``; tokens
-    past the split or the sequence are zero-filled, so the step reads exactly what _load_step would."""
+    past the split or the sequence are zero-filled, so the step reads exactly what _load_step would. A step whose
+    tokens are all valid (every step of a split but its last) copies without masks (_stage_copies)."""
+    W: gl.constexpr = gl.num_warps()
+    lim = _limit(base, hi, num_tokens, P)
+    if lim >= W * PPW * P:
+        _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, FMT, P, PPW, PAGE_BYTES, K_OFF,
+                      KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, False)  # fmt: skip
+    else:
+        _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, FMT, P, PPW, PAGE_BYTES, K_OFF,
+                      KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, True)  # fmt: skip
+
+
+@gluon.jit
+def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, FMT: gl.constexpr, P: gl.constexpr,
+                  PPW: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr,
+                  KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr,
+                  LV_LOAD: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
+    """_stage_step's copies with each address = its page's pointer (_page) + a loop-invariant int32 offset; masked
+    (zero-fill past ``lim`` valid tokens of the step, see _limit) only where MASKED: a step whose pages are all
+    inside the split and the sequence (every step but a split's last) runs the copies without masks or size
+    selects."""
     D: gl.constexpr = 128
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P
@@ -285,50 +321,77 @@ def _stage_step(rings, slot, pt_row, base, hi, num_tokens, h, buf_ptr, total_byt
     kr, vr, ksr, kzr, vsr, vzr = rings
     LK3: gl.constexpr = gl.BlockedLayout([1, 1, KB // 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
     kw, kn, kj = idx3(LK3, W, NT, KB)
-    koff, krow, kok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, kw, kn, P, PPW, PAGE_BYTES, INT2)
-    _cp_async(kr.index(slot), buf_ptr + koff + K_OFF + krow * KB + kj, mask=kok)
+    # each offset = a part fixed by the lane (shared by a thread's copies of one page) + a constant per register
+    # (an immediate of the copy): K rows g + 8r (lanes g: token bits 0-2), bytes c * KB/4 + j (lanes c)
+    KT: gl.constexpr = KB // 4  # K bytes a thread copies per row
+    kp = _page(pt_row, base + kw * PPW + kn // P, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
+    kp = (kp + (K_OFF + (h * P + (kn & 7)) * KB + kj // KT * KT)) + ((kn & ~7) % P * KB + kj % KT)
+    # V: tokens 2c + {0, 1, 8, 9, ..} (lanes c: token bits 1-2), KB/8 contiguous bytes a thread (v_layouts)
+    VT: gl.constexpr = KB // 8
     vw, vn, vg, vj = idx4(LV_LOAD, W, NT, KB // VG, VG)
-    voff, vrow, vok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, vw, vn, P, PPW, PAGE_BYTES, INT2)
-    _cp_async(vr.index(slot), buf_ptr + voff + V_OFF + vrow * KB + vg * VG + vj,
-                                           mask=vok)  # fmt: skip
+    vb = vg * VG + vj
+    vp = _page(pt_row, base + vw * PPW + vn // P, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
+    vp = (vp + (V_OFF + (h * P + (vn & 6)) * KB + vb // VT * VT)) + ((vn & ~6) % P * KB + vb % VT)
+    if MASKED:
+        _cp_async(kr.index(slot), kp, mask=kw * NT + kn < lim)
+        _cp_async(vr.index(slot), vp, mask=vw * NT + vn < lim)
+    else:
+        _cp_async(kr.index(slot), kp)
+        _cp_async(vr.index(slot), vp)
     if FMT == GL_FMT_FP8:
         pass  # no scales
     elif FMT == GL_FMT_NVFP4:
         LS: gl.constexpr = _row_layout(W, NT, D // 16)  # a token's 8 block scales: one 8-byte copy
         sw, sn, sj = idx3(LS, W, NT, D // 16)
-        soff, srow, sok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, sw, sn, P, PPW, PAGE_BYTES, INT2)
-        _cp_async(ksr.index(slot), buf_ptr + soff + KS_OFF + srow * (D // 16) + sj,
-                                               mask=sok)  # fmt: skip
-        _cp_async(vsr.index(slot), buf_ptr + soff + VS_OFF + srow * (D // 16) + sj,
-                                               mask=sok)  # fmt: skip
+        sp = _page(pt_row, base + sw * PPW + sn // P, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
+        sp = sp + ((h * P + sn % P) * (D // 16) + sj)
+        if MASKED:
+            sok = sw * NT + sn < lim
+            _cp_async(ksr.index(slot), sp + KS_OFF, mask=sok)
+            _cp_async(vsr.index(slot), sp + VS_OFF, mask=sok)
+        else:
+            _cp_async(ksr.index(slot), sp + KS_OFF)
+            _cp_async(vsr.index(slot), sp + VS_OFF)
     else:
         # V scales / zeros: the warp's page's [D/32, P] token-minor fp16 rows as int32 token pairs (8 bytes a thread)
         LP: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, NGR, 32 // NGR], [W, 1, 1], [2, 1, 0])
         pw, pg, pn = idx3(LP, W, NGR, NT // 2)
-        poff, prow, pok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, pw, 2 * pn, P, PPW, PAGE_BYTES, INT2)
-        vp = (buf_ptr + poff).to(gl.pointer_type(gl.int32), bitcast=True)
-        pi = ((prow // P) * NGR + pg) * (P // 2) + (prow % P) // 2
-        _cp_async(vsr.index(slot), vp + (VS_OFF // 4 + pi), mask=pok)
-        _cp_async(vzr.index(slot), vp + (VZ_OFF // 4 + pi), mask=pok)
+        pp = _page(pt_row, base + pw * PPW + (2 * pn) // P, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
+        prow = h * P + (2 * pn) % P
+        pp = pp.to(gl.pointer_type(gl.int32), bitcast=True) + ((prow // P) * NGR + pg) * (P // 2) + (prow % P) // 2
+        if MASKED:
+            pok = pw * NT + 2 * pn < lim
+            _cp_async(vsr.index(slot), pp + VS_OFF // 4, mask=pok)
+            _cp_async(vzr.index(slot), pp + VZ_OFF // 4, mask=pok)
+        else:
+            _cp_async(vsr.index(slot), pp + VS_OFF // 4)
+            _cp_async(vzr.index(slot), pp + VZ_OFF // 4)
         if INT2:
             # the warp's page's per-channel key scales and zeros [D] fp16 (8 bytes a thread)
             LC: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
             cw = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, LC)), 1)
             cc = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, LC)), 0)
-            cok = (base + cw < hi) & (cc >= 0)
-            _cp_async(
-                ksr.index(slot), _int2_page(pt_row, base + cw, hi, h, buf_ptr, total_bytes, PAGE_BYTES, KS_OFF) + cc,
-                mask=cok)  # fmt: skip
-            _cp_async(
-                kzr.index(slot), _int2_page(pt_row, base + cw, hi, h, buf_ptr, total_bytes, PAGE_BYTES, KZ_OFF) + cc,
-                mask=cok)  # fmt: skip
+            cp = _page(pt_row, base + cw, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
+            cp = cp.to(gl.pointer_type(gl.float16), bitcast=True) + (h * 128 + cc)
+            if MASKED:
+                cok = (cw * NT < lim) & (cc >= 0)
+                _cp_async(ksr.index(slot), cp + KS_OFF // 2, mask=cok)
+                _cp_async(kzr.index(slot), cp + KZ_OFF // 2, mask=cok)
+            else:
+                _cp_async(ksr.index(slot), cp + KS_OFF // 2)
+                _cp_async(kzr.index(slot), cp + KZ_OFF // 2)
         else:
             LS4: gl.constexpr = _row_layout(W, NT, NGR)  # a token's 4 group scales (zeros): one 8-byte copy
             sw, sn, sj = idx3(LS4, W, NT, NGR)
-            soff, srow, sok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, sw, sn, P, PPW, PAGE_BYTES, INT2)
-            kp = (buf_ptr + soff).to(gl.pointer_type(gl.float16), bitcast=True) + srow * NGR + sj
-            _cp_async(ksr.index(slot), kp + (KS_OFF // 2), mask=sok)
-            _cp_async(kzr.index(slot), kp + (KZ_OFF // 2), mask=sok)
+            sp = _page(pt_row, base + sw * PPW + sn // P, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
+            sp = sp.to(gl.pointer_type(gl.float16), bitcast=True) + ((h * P + sn % P) * NGR + sj)
+            if MASKED:
+                sok = sw * NT + sn < lim
+                _cp_async(ksr.index(slot), sp + KS_OFF // 2, mask=sok)
+                _cp_async(kzr.index(slot), sp + KZ_OFF // 2, mask=sok)
+            else:
+                _cp_async(ksr.index(slot), sp + KS_OFF // 2)
+                _cp_async(kzr.index(slot), sp + KZ_OFF // 2)
 
 
 @gluon.jit
@@ -362,7 +425,7 @@ def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: g
     else:
         LVP: gl.constexpr = pair_layout(LV_UNPACK)
         pw, pn, pg = idx3(LVP, W, NT // 2, 1)
-        _r, bok = _valid(base, hi, num_tokens, h, pw, 2 * pn + 1, P, PPW)
+        bok = pw * NT + 2 * pn + 1 < _limit(base, hi, num_tokens, P)
         keep = gl.where(bok, -1, 0xFFFF)  # the second token of a pair past the sequence reads 0, as in _load_step
         vs = vsr.index(slot).permute([0, 2, 1]).load(LVP) & keep
         vz = vzr.index(slot).permute([0, 2, 1]).load(LVP) & keep
@@ -438,7 +501,7 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
 
     # ---- online softmax over the warp's tokens (base 2) ----
     mw, mn, mh = idx3(MMA, W, NT, HP)
-    _r, mok = _valid(base, hi, num_tokens, h, mw, mn, P, PPW)
+    mok = mw * NT + mn < _limit(base, hi, num_tokens, P)
     sc = gl.where(mok & (mh >= 0), sc * k_mul, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, axis=1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)

@@ -46,18 +46,17 @@ def _shift(dst: str, src: str, n: int) -> str:
 
 
 def _asm_e2m1(token_pairs: bool) -> str:
-    """Outputs lo (2 regs: pairs of b0/b2, b1/b3), hi (2 regs); inputs word $4, scale $5 $6.
+    """Outputs lo (2 regs: pairs of b0/b2, b1/b3), hi (2 regs); inputs word $4, scale $5 ($5 $6, or $5..$8).
 
     The four hi nibbles of the word become fp16 *high bytes* s 0 0 e1 e0 m 0 in one go (sign in place at bit 7,
     magnitude shifted right 3), the four lo nibbles likewise after shifts left 1 / 4; a prmt per pair then places two
     such bytes over zero low bytes (fp16 = e2m1 * 2^-14) and one f16x2 multiply applies the scale: 15 instructions
     per word of 8 values, where the nibble-pair masks and shifts took ~19.
 
-    token_pairs: the word holds (a0, a1, b0, b1) of two tokens a, b whose scales arrive as (sa, sa), (sb, sb);
-    a prmt makes (sa, sb). Otherwise all four bytes share one scale.
+    token_pairs: the word holds (a0, a1, b0, b1) of two tokens a, b whose scales arrive as one int32 word
+    (sa, sb) (scale_pairs; four copies, $5..$8). Otherwise all four bytes share one scale, $5 = (s, s).
     """
-    code = ["{ .reg .b32 a, b, h, l, s;"]
-    code.append("prmt.b32 s, $5, $6, 0x5410;" if token_pairs else "mov.b32 s, $5;")
+    code = ["{ .reg .b32 a, b, h, l, s;", "mov.b32 s, $5;"]
     code.append("shr.b32 a, $4, 3; and.b32 b, $4, 0x80808080; lop3.b32 h, a, 0x0E0E0E0E, b, 0xEA;")  # (a & m) | b
     code.append("shl.b32 a, $4, 1; shl.b32 b, $4, 4; and.b32 b, b, 0x80808080; lop3.b32 l, a, 0x0E0E0E0E, b, 0xEA;")
     for i, (src, sel) in enumerate((("l", 0x2404), ("l", 0x3414), ("h", 0x2404), ("h", 0x3414))):
@@ -67,19 +66,27 @@ def _asm_e2m1(token_pairs: bool) -> str:
     return "\n".join(code)
 
 
+# fp16 magics M_k whose mantissa unit is bit 2k of the word's low byte: M_k | (code << 2k) is the fp16 M_k + code
+# (1024 step 1, 256 step 1/4, 64 step 1/16, 16 step 1/64), so a nibble or crumb is read in place, without a shift
+_MAGIC = (0x6400, 0x5C00, 0x5400, 0x4C00)
+
+
 def _asm_int4(token_pairs: bool) -> str:
     """Outputs lo (2 regs), hi (2 regs); inputs word $4, then scale and zero; code * scale + zero.
 
     K (one token): scale $5 $6 and zero $7 $8 hold (s, s) pairs. V (token_pairs, two tokens a, b): scale $5..$8
     and zero $9..$12 are four copies of the word (s_a, s_b) loaded from the token-minor field.
+    Each nibble is read in place by its magic (_MAGIC: lo 1024 + c, hi 64 + c), so the bytes b1 / b3 need the
+    one shift: 13 instructions per word (shifting each nibble down to bit 0 took 15).
     """
-    code = ["{ .reg .b32 t, s, z, magic; mov.b32 magic, 0x64006400;"]
+    code = ["{ .reg .b32 t, u, s, z, m0, m2;", f"mov.b32 m0, {_MAGIC[0] * 0x10001:#010x};",
+            f"mov.b32 m2, {_MAGIC[2] * 0x10001:#010x};", "shr.b32 u, $4, 8;"]
     code.append("mov.b32 s, $5; mov.b32 z, $9;" if token_pairs else "mov.b32 s, $5; mov.b32 z, $7;")
-    for i, shift in enumerate((0, 8, 4, 12)):  # lo b0/b2, lo b1/b3, hi b0/b2, hi b1/b3
-        code.append(
-            _shift("t", "$4", -shift) + "lop3.b32 t, t, 0x000F000F, magic, 0xEA;"
-            f"sub.rn.f16x2 t, t, magic; fma.rn.f16x2 ${i}, t, s, z;"
-        )
+    for i, (src, mask, magic) in enumerate((("$4", 0x000F000F, "m0"), ("u", 0x000F000F, "m0"),
+                                            ("$4", 0x00F000F0, "m2"), ("u", 0x00F000F0, "m2"))):  # fmt: skip
+        # lo b0/b2, lo b1/b3, hi b0/b2, hi b1/b3
+        code.append(f"lop3.b32 t, {src}, {mask:#010x}, {magic}, 0xEA; sub.rn.f16x2 t, t, {magic};"
+                    f"fma.rn.f16x2 ${i}, t, s, z;")  # fmt: skip
     code.append("}")
     return "\n".join(code)
 
@@ -88,19 +95,17 @@ def _asm_int2_values() -> str:
     """V rows of two tokens a, b: outputs c0..c3 (2 regs each); inputs word $8, scale $9..$12 and zero $13..$16
     (four copies each of the words (s_a, s_b), (z_a, z_b)).
 
-    Crumb k at bit 2k: the odd crumbs are taken in place as c * 4 (exact fp16 integers) and scaled by s / 4, so
-    one shift serves two crumbs (s / 4 is exact unless s < 2^-12, where fp16 subnormals round it by < 2^-25
-    absolute, far below the INT2 step s).
+    Crumb k at bit 2k is read in place by its magic (_MAGIC[k] + c), minus the magic leaves the exact code, then
+    code * s + z in one fma: one shift per word (for bytes b1 / b3), 25 instructions per 16 values.
     """
-    code = ["{ .reg .b32 t, u0, u1, s, s4, z, magic; mov.b32 magic, 0x64006400; mov.b32 s4, 0x34003400;"]
-    code.append("mov.b32 s, $9; mov.b32 z, $13; mul.rn.f16x2 s4, s, s4;")
+    code = ["{ .reg .b32 t, u, s, z, m0, m1, m2, m3;"]
+    code += [f"mov.b32 m{k}, {_MAGIC[k] * 0x10001:#010x};" for k in range(4)]
+    code.append("mov.b32 s, $9; mov.b32 z, $13; shr.b32 u, $8, 8;")
     for k in range(4):
-        for r in range(2):
-            if k % 2 == 0:
-                code.append(_shift(f"u{r}", "$8", -(2 * k + 8 * r)))
-            mask = 0x00030003 << (2 * (k % 2))
-            code.append(f"lop3.b32 t, u{r}, {mask:#010x}, magic, 0xEA; sub.rn.f16x2 t, t, magic;"
-                        f"fma.rn.f16x2 ${2 * k + r}, t, {'s4' if k % 2 else 's'}, z;")  # fmt: skip
+        for r, src in enumerate(("$8", "u")):
+            mask = 0x00030003 << (2 * k)
+            code.append(f"lop3.b32 t, {src}, {mask:#010x}, m{k}, 0xEA; sub.rn.f16x2 t, t, m{k};"
+                        f"fma.rn.f16x2 ${2 * k + r}, t, s, z;")  # fmt: skip
     code.append("}")
     return "\n".join(code)
 
@@ -275,8 +280,12 @@ def q_k_dims(k, KB: gl.constexpr, PER: gl.constexpr, PIECE: gl.constexpr):
 def unpack_nibbles(x, scale, zero, FMT: gl.constexpr, TOKEN_PAIRS: gl.constexpr):
     """Packed nvfp4 / int4 bytes [W, NT, groups, bytes] and per-group scale (zero) [W, NT, groups] -> (lo, hi)
     fp16 halves, each 4-pack in the unpackers' order (K: b0 b2 b1 b3 of one token; V: two tokens' bytes)."""
-    if FMT == GL_FMT_NVFP4:
-        lo, hi = gl.inline_asm_elementwise(ASM_E2M1_V if TOKEN_PAIRS else ASM_E2M1_K, "=r,=r,=r,=r,r,r,r",
+    if FMT == GL_FMT_NVFP4 and TOKEN_PAIRS:  # one (s_a, s_b) word per token pair, made once, not per unpacked word
+        lo, hi = gl.inline_asm_elementwise(ASM_E2M1_V, "=r,=r,=r,=r,r,r,r,r,r",
+                                           [x, gl.expand_dims(scale_pairs(scale), 3)], dtype=(gl.float16, gl.float16),
+                                           is_pure=True, pack=4)  # fmt: skip
+    elif FMT == GL_FMT_NVFP4:
+        lo, hi = gl.inline_asm_elementwise(ASM_E2M1_K, "=r,=r,=r,=r,r,r,r",
                                            [x, gl.expand_dims(scale, 3)], dtype=(gl.float16, gl.float16), is_pure=True,
                                            pack=4)  # fmt: skip
     elif TOKEN_PAIRS:  # scale / zero: int32 words (s_a, s_b) per token pair (pairs_to_tokens)
@@ -288,6 +297,15 @@ def unpack_nibbles(x, scale, zero, FMT: gl.constexpr, TOKEN_PAIRS: gl.constexpr)
                                            [x, gl.expand_dims(scale, 3), gl.expand_dims(zero, 3)],
                                            dtype=(gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
     return lo, hi
+
+
+@gluon.jit
+def scale_pairs(s):
+    """fp16 per-token scales [W, NT, groups] whose token bit 0 is the layout's first register bit (V's unpack
+    layout) -> int32 [W, NT, groups]: both tokens of a pair (2i, 2i+1) hold the word (s_2i, s_2i+1), which the
+    e2m1 V unpacker multiplies by as is (the two halves already sit in one register: pack=2, no prmt)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $2; mov.b32 $1, $2;", "=r,=r,r", [s], dtype=gl.int32,
+                                     is_pure=True, pack=2)  # fmt: skip
 
 
 @gluon.jit

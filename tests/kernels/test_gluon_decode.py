@@ -69,10 +69,11 @@ def test_gluon_decode_compiles_for_sm90_without_unpacked_values_in_shared_memory
         assert ops["LDG.E." + wide] >= 4, ops  # K rows: one 16-byte (INT2: 8-byte) vector per token and thread
     else:
         # the ring: K rows copied global -> shared by cp.async (16 / 8 bytes a thread and token) and read back
-        # with vectors as wide; one barrier after the wait, one before a slot is refilled
+        # with vectors as wide; one barrier after the wait, one before a slot is refilled (in each of the two
+        # branches of the copies, unmasked for a full step and masked for a split's last: 3 in the code, 2 run)
         cp = "LDGSTS.E.BYPASS.128" if fmt != "int2" else "LDGSTS.E.64"
         assert ops[cp] >= 4 and ops["LDS." + wide] >= 4, ops
-        assert sum(v for op, v in ops.items() if op.startswith("BAR")) <= 2, ops
+        assert sum(v for op, v in ops.items() if op.startswith("BAR")) <= 3, ops
     # the epilogue merges the warps through shared memory ([W, D, HP] fp32 at most), the ring is 2 steps
     assert r["shared"] <= max(warps * 128 * 8 * 4, stages * warps * 5 * 1024 * (1 if fmt == "int2" else 2))
 
