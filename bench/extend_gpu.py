@@ -62,12 +62,17 @@ VARIANTS: dict[str, tuple[dict[str, int], bool]] = {
 # Gluon extend (kernels/gluon_extend.py, nvfp4 only): name -> its tuning overrides
 GLUON_VARIANTS: dict[str, dict[str, int]] = {
     "gluon": {},
-    "gluon-serial": {"OVERLAP": 0},
-    "gluon-pair": {"PAIR": 1},  # the word-pair unpacker (triton_codec.asm_e2m1_pair)
-    "gluon-pair-serial": {"PAIR": 1, "OVERLAP": 0},
-    "gluon-t16w4": {"BLOCK_T": 16, "PPI": 4, "num_warps": 4},  # 64 rows x 64 keys, one warpgroup: 2 programs per SM
-    "gluon-probe1": {"PROBE": 1},  # measurement only (wrong output): no unpacking in the loop
-    "gluon-probe2": {"PROBE": 2},  # measurement only (wrong output): no unpacking and no loads in the loop
+    # warp-specialized (the default since session 9): the producer's registers
+    "gluon-ws120": {"LOAD_REGS": 120},
+    # one partition (_gl_extend_kernel, the default of session 8): unpackers, overlap, tiles, probes
+    "gluon-nows": {"WS": 0, "PAIR": 1},
+    "gluon-serial": {"WS": 0, "PAIR": 0, "OVERLAP": 0},
+    "gluon-quarters": {"WS": 0, "PAIR": 0},  # the session-6 quarter unpacker (triton_codec.asm_quarters)
+    "gluon-pair-serial": {"WS": 0, "PAIR": 1, "OVERLAP": 0},
+    "gluon-pair2": {"WS": 0, "PAIR": 2},  # int32 word pairs, the tile stored through an int32 view (session 8, attempt 9)
+    "gluon-t16w4": {"WS": 0, "PAIR": 1, "BLOCK_T": 16, "PPI": 4, "num_warps": 4},  # 64 rows x 64 keys, one warpgroup
+    "gluon-probe1": {"WS": 0, "PROBE": 1},  # measurement only (wrong output): no unpacking in the loop
+    "gluon-probe2": {"WS": 0, "PROBE": 2},  # measurement only (wrong output): no unpacking and no loads in the loop
 }
 # tiles meant for the other format's page size (nvfp4 16 tokens, triaxial 32)
 VARIANT_SKIP = {"nvfp4": ("t64-ppi2", "t32-ppi4"), "triaxial": ("t32-ppi8", "t16-w4-ppi8", "t64-ppi4")}

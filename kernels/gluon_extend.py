@@ -38,8 +38,17 @@ PTX unpackers and ``wgmma`` need a Hopper GPU, so the interpreter and other
 calls run ``triton_prefill``. ``tests/kernels/test_gluon_extend.py`` compiles the
 kernel for sm_90 on CPU and the gpu tests hold it to fp64 attention.
 
-Tuning (``TUNING``): OVERLAP 0 waits each wgmma at once (the unpack after it), PAIR 0 uses the session-6 quarter
-unpacker, PROBE is for measurements only (wrong output). The unpacking still binds: see the notes, session 8.
+Warp-specialized (``_gl_extend_ws_kernel``, the default: TUNING WS 1): the same step split between two
+partitions. A producer of LOAD_WARPS warps (LOAD_REGS registers after setmaxnreg) loads step i+1's packed
+bytes while it unpacks step i into a ring of SLOTS K / V tile pairs and arrives on its ``full`` barrier; the
+kernel's 8 warps wait on ``full``, run S, the softmax and PV, and release the slot on ``empty``. The unpack
+leaves the attending warps' path (H200, session 9: 1.07-1.16x the one-partition kernel). Both warpgroups still
+release a slot together (Gluon's mbarrier arrive is one thread of a partition), so they run in lockstep: no
+ping-pong yet.
+
+Tuning (``TUNING``): WS 0 runs ``_gl_extend_kernel`` (the schedule above in one partition); there OVERLAP 0 waits
+each wgmma at once (the unpack after it), PAIR 0 uses the session-6 quarter unpacker, PAIR 2 int32 word pairs,
+PROBE is for measurements only (wrong output). See bench/NOTES-kernels.md, sessions 8 and 9.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import shared_memory_descriptor
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .layout import PageLayout
@@ -140,6 +150,20 @@ def _load_raw(buf_ptr, pid, it, prefix_len, h, N: gl.constexpr, P: gl.constexpr,
 
 
 @gluon.jit
+def _as_type_36(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    return smem._reinterpret(dtype, shape, layout)
+
+
+@gluon.jit
+def _as_type_39(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    return smem.reinterpret(dtype, shape, layout)
+
+
+# a shared tile viewed as another type: `_reinterpret` in triton 3.6 (the device), `reinterpret` by 3.9 (CI)
+_as_type = _as_type_39 if hasattr(shared_memory_descriptor, "reinterpret") else _as_type_36
+
+
+@gluon.jit
 def _unpack(w, s, dst, PAIR: gl.constexpr):
     """Packed nvfp4 words [N, D/4] and their block scales [N, D/16] -> fp16 e2m1 * s * 2^-7 ... * 2^7 = e2m1 * s,
     quarters side by side ([N, D], column k * D/4 + j = channel 4j + k), stored into the shared tile ``dst``."""
@@ -154,7 +178,7 @@ def _unpack(w, s, dst, PAIR: gl.constexpr):
         u = gl.join(gl.join(y0, y1), gl.join(y2, y3))  # [N, Q2, i, o]: quarter k = 2 * o + i
         u = gl.reshape(gl.permute(u, [0, 3, 2, 1]), [N, 4 * Q2])
         LI: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, 4 * Q2], gl.int32)
-        dst._reinterpret(gl.int32, [N, 4 * Q2], LI).store(u)
+        _as_type(dst, gl.int32, [N, 4 * Q2], LI).store(u)
     else:
         Q: gl.constexpr = w.shape[1]
         sc = s.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0  # s * 2^7: the unpacker gives e2m1 * 2^-14
@@ -413,7 +437,8 @@ def _gl_extend_ws_kernel(
 ):  # fmt: skip
     """_gl_extend_kernel warp-specialized (WS): a producer partition of LOAD_WARPS warps loads and unpacks the
     prefix into a ring of SLOTS tile pairs (mbarriers full / empty), the kernel's own warps only attend; then the
-    chunk as in _gl_extend_kernel. Not yet run on a GPU (bench/NOTES-kernels.md, session 8)."""
+    chunk as in _gl_extend_kernel. The default since session 9 (H200: 0.76-0.81x FlashInfer bf16 from 32K cached,
+    1.07-1.16x _gl_extend_kernel; bench/NOTES-kernels.md)."""
     W: gl.constexpr = gl.num_warps()
     M: gl.constexpr = BLOCK_T * G
     N: gl.constexpr = PPI * P
@@ -454,11 +479,11 @@ def _gl_extend_ws_kernel(
 
 
 # tiles: 32 chunk tokens x 4 heads = 128 rows, 8 pages of 16 = 128 prefix keys (and 128 chunk keys) per step
-TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 1, "PROBE": 0, "num_warps": 8,
-                          "WS": 0, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 120, "maxnreg": 168}  # fmt: skip
-# WS 1: _gl_extend_ws_kernel (not yet run on a GPU); its registers: the producer's LOAD_REGS, the kernel's warps
-# what maxnreg * (num_warps + LOAD_WARPS) leaves (168 * 12 - 120 * 4 = 8 x 192). Compiled (triton 3.6) with PAIR 2: the
-# producer spills ~12 values a step at 120 registers, the consumers none; never run on a GPU yet.
+TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 2, "PROBE": 0, "num_warps": 8,
+                          "WS": 1, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 136, "maxnreg": 168}  # fmt: skip
+# WS 1 (the default): _gl_extend_ws_kernel; its registers: the producer's LOAD_REGS, the kernel's warps what
+# maxnreg * (num_warps + LOAD_WARPS) leaves (168 * 12 - 136 * 4 = 8 x 184). Compiled with triton 3.6 and PAIR 2: at 136
+# the producer's loop spills nothing (at 120 it spilled ~12 values a step). WS 0: _gl_extend_kernel (PAIR 1 there).
 
 
 def _launch_meta(cfg: dict[str, int]) -> tuple[Any, dict[str, Any]]:

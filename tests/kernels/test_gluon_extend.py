@@ -39,7 +39,8 @@ kernel, sig, const = gluon_extend.compile_report_args(tuning=json.loads(sys.argv
 warps = const.pop("num_warps")
 maxnreg = const.pop("maxnreg", None)
 r = report(kernel, sig, const, gluon=True, num_warps=warps, maxnreg=maxnreg, aligned=("q_s0", "k_s0", "o_s0", "o_s1"))
-print(json.dumps({"local": r["local"], "shared": r["shared"], "regs": r["regs"], "loop": dict(loop_ops(r["sass"]))}))
+print(json.dumps({"local": r["local"], "shared": r["shared"], "regs": r["regs"], "loop": dict(loop_ops(r["sass"])),
+                  "ops": dict(r["ops"])}))
 """
 
 
@@ -52,7 +53,7 @@ def _compile(tuning: dict[str, int]) -> dict[str, Any]:
 
 
 def test_gluon_extend_compiles_for_sm90_with_each_wgmma_group_waited_once() -> None:
-    r = _compile({})
+    r = _compile({"WS": 0, "PAIR": 1})  # the one-partition kernel (_gl_extend_kernel)
     ops = r["loop"]
     # the loop body is two prefix steps (tiles a, b); per step and warpgroup: S = 8 x m64n128k16 (K = 128 channels),
     # PV = 8 (K = 128 keys)
@@ -67,6 +68,17 @@ def test_gluon_extend_compiles_for_sm90_with_each_wgmma_group_waited_once() -> N
     assert not any(op.startswith(("STL", "LDL")) for op in ops) or r["local"] <= 64, ops
     # q + two K/V tile pairs, fp16 (the third slot of a ring would not fit next to the scratch)
     assert r["shared"] <= 128 * 128 * 2 * 5 + 1024
+
+
+def test_gluon_extend_default_is_warp_specialized_with_register_split() -> None:
+    # the default (WS 1): a producer partition of LOAD_WARPS warps hands registers back (setmaxnreg dealloc to
+    # LOAD_REGS) and the attending warps take them (alloc); S and PV as m64n128k16 wgmma in the consumers
+    r = _compile({})
+    ops = r["ops"]
+    assert gluon_extend.TUNING["WS"] == 1
+    assert ops.get("USETMAXREG.DEALLOC.CTAPOOL", 0) >= 1 and ops.get("USETMAXREG.TRY_ALLOC.CTAPOOL", 0) >= 1, ops
+    assert ops["HGMMA.64"] >= 16, ops
+    assert r["regs"] == gluon_extend.TUNING["maxnreg"]
 
 
 def _check(prefix_lens: list[int], n_new: int, tuning: dict[str, int] | None = None) -> None:
@@ -93,8 +105,9 @@ def _check(prefix_lens: list[int], n_new: int, tuning: dict[str, int] | None = N
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [{}, {"PAIR": 1 - gluon_extend.TUNING["PAIR"]}, {"OVERLAP": 0},
-                                    {"BLOCK_T": 16, "PPI": 4, "num_warps": 4}])  # fmt: skip
+@pytest.mark.parametrize("tuning", [{}, {"WS": 0, "PAIR": 1}, {"WS": 0, "PAIR": 2}, {"WS": 0, "PAIR": 0},
+                                    {"WS": 0, "PAIR": 1, "OVERLAP": 0},
+                                    {"WS": 0, "PAIR": 1, "BLOCK_T": 16, "PPI": 4, "num_warps": 4}])  # fmt: skip
 def test_gpu_gluon_extend_real_shapes(tuning: dict[str, int]) -> None:
     # prefixes: whole steps + a partial page (odd step count), exactly one step, empty, 3000 (even step count);
     # 300 new tokens: 32-token blocks, the last partial, chunk steps of 128 keys, the last partial
