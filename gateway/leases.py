@@ -120,13 +120,13 @@ class LeaseTable:
             # (releasing it anyway cost an HTTP round trip per turn on both sides).
             if old.lease_id and old.lease_id != str(params.get("lease_id", "")) and old.worker_url != worker_url:
                 replaced.append(old)
-        self._add(Lease(key, worker_url, dict(params), now, now, inflight))
+        self._add(Lease(key, worker_url, _kept(params), now, now, inflight))
         return replaced + self._evict_over_capacity(keep=key)
 
     def remember(self, key: str, *, worker_url: str, params: dict[str, Any], now: float) -> None:
         """Cache what a worker reported for ``key`` (a lookup after a miss); not activity."""
         if key not in self._leases:
-            self._add(Lease(key, worker_url, dict(params), now, now))
+            self._add(Lease(key, worker_url, _kept(params), now, now))
 
     def drop(self, key: str, *, lease_id: str | None = None) -> Lease | None:
         """Forget ``key`` (only if it still has ``lease_id``, when given)."""
@@ -327,3 +327,11 @@ class LeaseKeeper:
                 log.exception("lease heartbeat failed")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=period)
+
+
+def _kept(params: dict[str, Any]) -> dict[str, Any]:
+    """A private copy of ``params`` to keep in a lease, its lists (page ids and hashes) as
+    tuples: the same JSON when sent back, and a tuple of ints leaves the cyclic GC's lists
+    after its first collection, where a list is traversed element by element in every
+    collection for as long as the lease lives (bench/NOTES-gateway.md, sixth pass)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}

@@ -86,10 +86,13 @@ def run(args: argparse.Namespace) -> int:
     # (the template renders were paying for the whole heap: bench/NOTES-gateway.md).
     gc.collect()
     gc.freeze()
-    # Young collections every 20,000 allocations instead of 700: a request allocates thousands of
+    # Young collections every 5,000 net allocations instead of 700: a request allocates thousands of
     # short-lived containers (renders, tag lists), so most young collections found nothing to free
-    # (CPU per request -3..-7 % in A/B runs, bench/NOTES-gateway.md).
-    gc.set_threshold(20_000, 20, 20)
+    # (CPU per request -3..-7 % at 20,000 in A/B runs). Not more: what a young collection scans is
+    # what the conversations kept since the last one, and at 20,000 each took 9-21 ms with 200
+    # sessions, a stall for every request in flight (4 ms at 5,000; older collections as often as
+    # before). bench/NOTES-gateway.md, fifth and sixth passes.
+    gc.set_threshold(5_000, 80, 20)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                                     timeout_graceful_shutdown=30, timeout_keep_alive=KEEP_ALIVE_S))
     server.run()

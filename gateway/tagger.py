@@ -99,8 +99,10 @@ class TaggedPrompt:
     # (a raw completion prompt).
     method: str = "markers"
     # First character of each token in `text` (empty when unknown, e.g. ids given
-    # directly); exact_history maps tokens to characters with it.
-    char_starts: tuple[int, ...] = ()
+    # directly); exact_history maps tokens to characters with it. An `array("i")` from
+    # the tagger: exact history keeps it per conversation, and a tuple of ints is a
+    # container the cyclic GC traverses (bench/NOTES-gateway.md, sixth pass).
+    char_starts: Sequence[int] = ()
     # The tags as runs, (end token, tag), when the tagger had them (empty otherwise):
     # what maps other ids onto these tags without a step per token (exact_history).
     tag_runs: tuple[tuple[int, int], ...] = ()
@@ -256,7 +258,7 @@ class ChatTagger:
             tag_runs = ()  # the image tokens changed modality inside the runs
         if prior is not None:
             headers.update(prior.headers)  # the prefix's headers came first
-        char_starts = tuple(got.starts)
+        char_starts = got.starts
         starts = tag_spans.turn_starts(msgs, headers, char_starts)
         if exact:
             for entry in got.filed:
@@ -329,8 +331,8 @@ def message_temporals(messages: Sequence[Message]) -> list[str]:
 _FIRST = operator.itemgetter(0)
 
 
-def _char_starts(offsets: Sequence[tuple[int, int]]) -> tuple[int, ...]:
-    return tuple(map(_FIRST, offsets))  # C-speed: a generator spent ~40 us on a 600-token prompt
+def _char_starts(offsets: Sequence[tuple[int, int]]) -> array[int]:
+    return array("i", map(_FIRST, offsets))  # C-speed: a generator spent ~40 us on a 600-token prompt
 
 
 # -- labels kept for the next turn ---------------------------------------------

@@ -58,7 +58,7 @@ def test_splice_keeps_the_sampled_ids_and_reads_the_same_text(tagger: ChatTagger
     history, held, canonical = _play(tagger, tok, reply + im_end)
     held = held[: -len(im_end)]  # the stop token is not kept: the template renders its own
     assert canonical.input_ids[: len(held)] != held  # re-tokenizing loses the held ids
-    assert canonical.char_starts == tuple(a for a, _ in tok.encode(canonical.text).offsets)  # from the tagger
+    assert list(canonical.char_starts) == [a for a, _ in tok.encode(canonical.text).offsets]  # from the tagger
     sent = history.splice("conv", canonical)
     assert sent.spliced
     spliced = sent.prompt
