@@ -43,11 +43,13 @@ not a different program. A development tool: nothing in the product imports it.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextvars
 import gc
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -93,6 +95,7 @@ def install(out: Path) -> None:
     def write() -> None:
         lines = [json.dumps(r) + "\n" for r in records]
         lines.append(json.dumps({"gc_seconds": gc_time, "gc_collections": gc_count}) + "\n")
+        lines.append(json.dumps({"stalls": stalls.gaps, "stall_stacks": stalls.stacks}) + "\n")
         out.write_text("".join(lines))
 
     atexit.register(write)
@@ -123,10 +126,13 @@ def install(out: Path) -> None:
 
     front._Exchange._body = body_stamped  # type: ignore[method-assign]
 
+    stalls = _Stalls()
     serve = front._Exchange.serve
 
     async def serve_stamped(self: Any, handler: Any, scope: Any) -> None:
-        serving[0] = True
+        if not serving[0]:
+            serving[0] = True
+            stalls.start(asyncio.get_running_loop())
         got = {"arrive": scope.get("timeline_arrive", _now()), "serve": _now()}
         _stamps.set(got)
         try:
@@ -178,6 +184,47 @@ def install(out: Path) -> None:
         on_body(self, body)
 
     upstream._Connection.on_body = on_body_stamped  # type: ignore[method-assign]
+
+
+class _Stalls:
+    """Event-loop stalls: a callback every millisecond stamps the loop; a watchdog thread that
+    sees no stamp for ``STALL_S`` records what the loop's thread is running (once per stall),
+    and the next stamp records how long the stall lasted."""
+
+    STALL_S = 0.005
+
+    def __init__(self) -> None:
+        self.gaps: list[float] = []  # ms between two stamps, for gaps over STALL_S
+        self.stacks: list[str] = []  # the loop thread's stack, innermost last, during each stall caught
+        self._last = 0.0
+        self._caught = False
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._last = _now()
+        thread = threading.get_ident()
+
+        def beat() -> None:
+            now = _now()
+            if now - self._last > self.STALL_S:
+                self.gaps.append(1e3 * (now - self._last))
+            self._last, self._caught = now, False
+            loop.call_later(0.001, beat)
+
+        def watch() -> None:
+            while True:
+                time.sleep(0.001)
+                if not self._caught and _now() - self._last > self.STALL_S:
+                    frame = sys._current_frames().get(thread)
+                    stack = []
+                    while frame is not None:
+                        code = frame.f_code
+                        stack.append(f"{code.co_name} ({code.co_filename.rsplit('/', 2)[-2]}/{code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})")
+                        frame = frame.f_back
+                    self.stacks.append(" <- ".join(stack[:8]))
+                    self._caught = True
+
+        loop.call_later(0.001, beat)
+        threading.Thread(target=watch, name="stall-watchdog", daemon=True).start()
 
 
 def sample(out: Path, *, interval_s: float = 0.0005) -> None:
@@ -251,6 +298,7 @@ def report(path: Path) -> str:
     every = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows = [r for r in every if "client_first" in r and "worker_first" in r]
     collector = next((r for r in every if "gc_seconds" in r), None)
+    stalled = next((r for r in every if "stalls" in r), None)
     if not rows:
         return f"{path}: no streamed completion requests recorded\n"
     gc_line = ""
@@ -271,6 +319,13 @@ def report(path: Path) -> str:
     got = [r["draft_cpu"] for r in rows if "draft_cpu" in r]
     if got:
         lines.append(f"| draft_cpu (the draft's own CPU time) | {_pct(got, 0.5):.3f} | {_pct(got, 0.9):.3f} | {_pct(got, 0.99):.3f} |")
+    if stalled is not None:
+        gaps = sorted(stalled["stalls"])
+        lines.append(f"\nevent-loop stalls over {1e3 * _Stalls.STALL_S:.0f} ms: {len(gaps)}"
+                     + (f", total {sum(gaps):.0f} ms, longest {', '.join(f'{g:.1f}' for g in gaps[-5:])} ms" if gaps else ""))
+        import collections
+        for stack, n in collections.Counter(stalled["stall_stacks"]).most_common(8):
+            lines.append(f"  {n} x {stack}")
     return "\n".join(lines) + "\n"
 
 
