@@ -13,12 +13,16 @@ skip_special_tokens=True)`; `skip_ids` drops more (e.g. stop tokens).
 Tokenization-space clean-up (`clean_up_tokenization_spaces`) is not applied.
 
 Cost per token: two decodes of the ids since the last delta, independent of
-the output length; `flush()` decodes everything once.
+the output length; `flush()` decodes everything once. With a tokenizer that
+knows each token's text on its own (`TextTokenizer.piece_texts`: a byte-level
+decoder, tokens of whole characters) the delta is the new tokens' texts, the
+same string without a decode (a token that splits a character takes the
+windowed path).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 
@@ -40,6 +44,8 @@ class IncrementalDetokenizer:
         self._prefix = 0  # window start: context already sent
         self._read = 0  # ids before this are sent
         self._sent: list[str] = []
+        # TextTokenizer.piece_texts, when the tokenizer has it (test doubles need not)
+        self._pieces: Callable[..., list[str] | None] | None = getattr(tokenizer, "piece_texts", None)
 
     @property
     def text(self) -> str:
@@ -54,6 +60,15 @@ class IncrementalDetokenizer:
                 self.ids.append(int(t))
         if len(self.ids) == self._read:
             return ""
+        fast = self._whole(self.ids[self._read :])
+        if fast is not None:
+            # Each new token is whole characters and decoding is local: the window's text is
+            # its prefix's text followed by theirs, so this is the delta the windowed decode gives.
+            if not fast:
+                return ""
+            self._prefix, self._read = self._read, len(self.ids)
+            self._sent.append(fast)
+            return fast
         prefix_text = self._decode(self.ids[self._prefix : self._read])
         # The longest run of the new ids that ends on a whole character (a
         # batch whose last token splits a character still sends the rest).
@@ -80,6 +95,13 @@ class IncrementalDetokenizer:
         if rest:
             self._sent.append(rest)
         return rest
+
+    def _whole(self, ids: Sequence[int]) -> str | None:
+        """The text of ``ids`` when each is whole characters on its own (None: decode)."""
+        if self._pieces is None:
+            return None
+        texts = self._pieces(ids, skip_special_tokens=self._skip_special)
+        return None if texts is None else "".join(texts)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip_special) if ids else ""

@@ -48,6 +48,8 @@ class SpliceTokenizer(Protocol):
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str: ...
 
+    def piece_texts(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> list[str] | None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class Sent:
@@ -153,8 +155,17 @@ class ExactHistory:
         """First character of each sampled id in the text the client got (hidden specials: no width).
 
         Decoding restarts from a checkpoint once the text so far ends on a whole
-        character, so a long reply costs O(n) decodes of a few tokens each.
+        character, so a long reply costs O(n) decodes of a few tokens each; none when
+        each id is whole characters and decoding is local (``piece_texts``): then the
+        text before id i is the texts of the ids before it.
         """
+        texts = self.tokenizer.piece_texts(ids)
+        if texts is not None:
+            out, pos, end = [], 0, len(text)
+            for piece in texts:
+                out.append(min(pos, end))
+                pos += len(piece)
+            return out
         starts: list[int] = []
         mark, mark_pos, last = 0, 0, 0
         for i in range(len(ids)):

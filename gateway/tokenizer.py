@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer
+from tokenizers import AddedToken, Tokenizer, decoders
 
 # Special-token names the chat template may read (transformers passes them as
 # template variables).
@@ -56,6 +57,12 @@ class TextTokenizer:
         eos = self.special_tokens_map.get("eos_token")
         eos_id = tokenizer.token_to_id(eos) if eos is not None else None
         self.eos_token_id: int | None = eos_id
+        # A byte-level decoder turns each token into its own fixed bytes and decodes their
+        # concatenation: the text of tokens that are each whole UTF-8 characters is the
+        # concatenation of their texts (`piece_texts`). SentencePiece-style decoders are
+        # not local (a leading space depends on the position), nor are unknown ones.
+        self._local = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        self._pieces: tuple[dict[int, str | None], dict[int, str | None]] = ({}, {})
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> TextTokenizer:
@@ -86,6 +93,26 @@ class TextTokenizer:
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def piece_texts(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> list[str] | None:
+        """Each id's text on its own, when ``decode(ids)`` is their concatenation: a
+        byte-level decoder and every token whole characters (its text alone holds no
+        U+FFFD). None otherwise: the caller decodes. Streaming asks this once per token,
+        where a decode call costs ~3 us; each id is decoded once per process."""
+        if not self._local:
+            return None
+        cache = self._pieces[skip_special_tokens]  # at most the vocabulary, twice
+        out = []
+        for t in ids:
+            try:
+                text = cache[t]
+            except KeyError:
+                alone = self.decode([t], skip_special_tokens=skip_special_tokens)
+                text = cache[t] = None if "\ufffd" in alone else alone
+            if text is None:
+                return None
+            out.append(text)
+        return out
 
     def token_to_id(self, token: str) -> int | None:
         value = self._tok.token_to_id(token)

@@ -102,3 +102,55 @@ def test_sentencepiece_style_leading_spaces() -> None:
     deltas = [detok.add([t]) for t in ids] + [detok.flush()]
     assert deltas == ["Hello", " world", "!", " again", ""]
     assert "".join(deltas) == tok.decode(ids) == "Hello world! again"
+
+
+class _Windowed:
+    """The tokenizer without ``piece_texts``: every delta through the windowed decode."""
+
+    def __init__(self, tok: TextTokenizer) -> None:
+        self.tok = tok
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_piece_texts_only_for_local_whole_tokens(tokenizer: TextTokenizer) -> None:
+    ascii_ids = tokenizer.encode_ids("Reading setup.py now.")
+    texts = tokenizer.piece_texts(ascii_ids)
+    assert texts is not None and "".join(texts) == tokenizer.decode(ascii_ids)
+    split = [t for t in tokenizer.encode_ids(TEXT) if "\ufffd" in tokenizer.decode([t])]
+    assert split and tokenizer.piece_texts(ascii_ids + split[:1]) is None  # a token that splits a character
+    eos = tokenizer.eos_token_id
+    assert eos is not None
+    assert tokenizer.piece_texts([eos]) == [""] and tokenizer.piece_texts([eos], skip_special_tokens=False) == [tokenizer.decode([eos], skip_special_tokens=False)]
+    raw = Tokenizer(models.WordLevel({"▁Hello": 0, "▁world": 1}, unk_token="▁world"))
+    raw.decoder = decoders.Metaspace()
+    assert TextTokenizer(raw).piece_texts([0, 1]) is None  # not a byte-level decoder: its text depends on position
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_piece_texts_deltas_equal_the_windowed_decode(tokenizer: TextTokenizer, seed: int, skip_special: bool) -> None:
+    """Random replies (text with split characters, special tokens, any ids), fed in random
+    batches: the same deltas with and without ``piece_texts``."""
+    rng = random.Random(seed)
+    words = (TEXT + " plain ascii words and code() {x: 1}").split(" ")
+    specials = sorted(tokenizer.added_tokens)
+    ids: list[int] = []
+    for _ in range(40):
+        pick = rng.random()
+        if pick < 0.6:
+            ids += tokenizer.encode_ids(" " + rng.choice(words))
+        elif pick < 0.8:
+            ids.append(rng.choice(specials))
+        else:
+            ids.append(rng.randrange(tokenizer.vocab_size))
+    fast, slow = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special), IncrementalDetokenizer(
+        _Windowed(tokenizer), skip_special_tokens=skip_special)
+    pos = 0
+    while pos < len(ids):
+        n = rng.choice([1, 1, 1, 2, 3])
+        assert fast.add(ids[pos:pos + n]) == slow.add(ids[pos:pos + n])
+        pos += n
+    assert fast.flush() == slow.flush()
+    assert fast.text == slow.text

@@ -6,6 +6,8 @@ the text; anything that does not extend the held text is left alone."""
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import pytest
 from kvserving.gateway.chat_template import ChatTemplate
 from kvserving.gateway.exact_history import ExactHistory
 from kvserving.gateway.tagger import ChatTagger, TaggedPrompt
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.tokenizer import Encoded, TextTokenizer
 from kvserving.tags import decode_tag
 
 FIRST = [{"role": "system", "content": "You are a careful agent."},
@@ -185,3 +187,33 @@ def test_ids_json_is_the_json_of_the_ids_sent_in_every_case(tagger: ChatTagger, 
     assert extended.input_ids[: len(canon.prompt.input_ids)] == canon.prompt.input_ids
     splice("canon", extended)  # the rendered ids extend the held ones: sent as rendered, ids from the held text
     assert seen == ["as_rendered", "spliced", "spliced", "as_rendered", "as_rendered", "as_rendered", "as_rendered"]
+
+
+class _NoPieces:
+    """The tokenizer without ``piece_texts``: starts from windowed decodes."""
+
+    def __init__(self, tok: TextTokenizer) -> None:
+        self.tok = tok
+
+    def encode(self, text: str) -> Encoded:
+        return self.tok.encode(text)
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def piece_texts(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> list[str] | None:
+        return None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_visible_starts_from_piece_texts_equal_the_windowed_decodes(tok: TextTokenizer, seed: int) -> None:
+    rng = random.Random(seed)
+    text = "Reading setup.py now; then tests. " * 3 + "naïve café ✓ 日本語"
+    ids = tok.encode_ids(text)
+    if seed % 2:
+        ids = ids[: len(ids) // 2]  # plain text only: the fast path
+    ids = ids + [rng.choice(sorted(tok.special_ids))] * (seed % 3)
+    shown = tok.decode(ids)
+    fast, slow = ExactHistory(tok), ExactHistory(_NoPieces(tok))
+    assert fast._visible_starts(ids, shown) == slow._visible_starts(ids, shown)
+    assert (tok.piece_texts(ids) is not None) == bool(seed % 2)
