@@ -45,9 +45,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import contextvars
 import gc
 import json
+import signal
 import sys
 import threading
 import time
@@ -229,8 +231,6 @@ class _Stalls:
 
 def sample(out: Path, *, interval_s: float = 0.0005) -> None:
     """Sample the Python stack every ``interval_s`` of CPU time; collapsed stacks to ``out`` at exit."""
-    import collections
-    import signal
 
     counts: collections.Counter[str] = collections.Counter()
 
@@ -261,7 +261,6 @@ def sample(out: Path, *, interval_s: float = 0.0005) -> None:
 
 def report_samples(path: Path, *, top: int = 40) -> str:
     """Self and inclusive shares of the sampled CPU per function (collapsed stacks in ``path``)."""
-    import collections
 
     own: collections.Counter[str] = collections.Counter()
     within: collections.Counter[str] = collections.Counter()
@@ -288,13 +287,9 @@ def report_samples(path: Path, *, top: int = 40) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def report(path: Path) -> str:
     """The percentiles of every stage and gap over the streamed requests in ``path``."""
+    from kvserving.simulate import percentile as _pct  # nearest rank, as bench/agents.py
     every = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows = [r for r in every if "client_first" in r and "worker_first" in r]
     collector = next((r for r in every if "gc_seconds" in r), None)
@@ -323,7 +318,6 @@ def report(path: Path) -> str:
         gaps = sorted(stalled["stalls"])
         lines.append(f"\nevent-loop stalls over {1e3 * _Stalls.STALL_S:.0f} ms: {len(gaps)}"
                      + (f", total {sum(gaps):.0f} ms, longest {', '.join(f'{g:.1f}' for g in gaps[-5:])} ms" if gaps else ""))
-        import collections
         for stack, n in collections.Counter(stalled["stall_stacks"]).most_common(8):
             lines.append(f"  {n} x {stack}")
     return "\n".join(lines) + "\n"
