@@ -114,6 +114,25 @@ def _page_ids(pt_ptr, it, page_hi, N: gl.constexpr, P: gl.constexpr):
 
 
 @gluon.jit
+def _row_coords(qb, h, M: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLOCK_T: gl.constexpr):
+    """Row r of an [M, D] tile in _row_layout is chunk token qb * BLOCK_T + r // G and query head h * G + r % G ->
+    (tok [M], qh [M], channel c [1, D])."""
+    LR: gl.constexpr = _row_layout(gl.num_warps())
+    r = gl.arange(0, M, layout=gl.SliceLayout(1, LR))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, LR))[None, :]
+    return qb * BLOCK_T + r // G, h * G + r % G, c
+
+
+@gluon.jit
+def _load_q(q_ptr, n_new, q_s0, qb, h, G: gl.constexpr, D: gl.constexpr, BLOCK_T: gl.constexpr):
+    """The program's queries [M = BLOCK_T * G, D] (rows past the chunk 0) -> a shared tile, the A operand of every S."""
+    M: gl.constexpr = BLOCK_T * G
+    tok, qh, c = _row_coords(qb, h, M, G, D, BLOCK_T)
+    q = gl.load(q_ptr + tok[:, None].to(gl.int64) * q_s0 + qh[:, None] * D + c, mask=(tok < n_new)[:, None], other=0.0)
+    return gl.allocate_shared_memory(gl.float16, [M, D], gl.NVMMASharedLayout.get_default_for([M, D], gl.float16), q)
+
+
+@gluon.jit
 def _load_raw(buf_ptr, pid, it, prefix_len, h, N: gl.constexpr, P: gl.constexpr, D: gl.constexpr,
               PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, V_OFF: gl.constexpr,
               VS_OFF: gl.constexpr, PAIRS: gl.constexpr = False):  # fmt: skip
@@ -270,10 +289,7 @@ def _finish(q_smem, kc, vc, m_i, l_i, acc, s0, key, k_ptr, v_ptr, o_ptr, n_new, 
     MMA_O: gl.constexpr = acc.type.layout
     A_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=2)
     LR: gl.constexpr = _row_layout(W)
-    r = gl.arange(0, M, layout=gl.SliceLayout(1, LR))
-    c = gl.arange(0, D, layout=gl.SliceLayout(0, LR))[None, :]
-    tok = qb * BLOCK_T + r // G
-    qh = h * G + r % G
+    tok, qh, c = _row_coords(qb, h, M, G, D, BLOCK_T)
     row_ok = (tok < n_new)[:, None]
     tok_s = gl.convert_layout(tok, gl.SliceLayout(1, MMA))[:, None]
     jr = gl.arange(0, N, layout=gl.SliceLayout(1, LR))
@@ -324,18 +340,8 @@ def _gl_extend_kernel(
     MMA: gl.constexpr = _mma_layout(W, N)  # S [M, N]
     MMA_O: gl.constexpr = _mma_layout(W, D)  # O [M, D]
     A_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=2)
-    LR: gl.constexpr = _row_layout(W)
     TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float16)
-    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], gl.float16)
-
-    # q [M, D] -> shared memory (the A operand of every S)
-    r = gl.arange(0, M, layout=gl.SliceLayout(1, LR))
-    c = gl.arange(0, D, layout=gl.SliceLayout(0, LR))[None, :]
-    tok = qb * BLOCK_T + r // G
-    qh = h * G + r % G
-    row_ok = (tok < n_new)[:, None]
-    q = gl.load(q_ptr + tok[:, None].to(gl.int64) * q_s0 + qh[:, None] * D + c, mask=row_ok, other=0.0)
-    q_smem = gl.allocate_shared_memory(gl.float16, [M, D], QL, q)
+    q_smem = _load_q(q_ptr, n_new, q_s0, qb, h, G, D, BLOCK_T)
     k_a = gl.allocate_shared_memory(gl.float16, [N, D], TILE)
     v_a = gl.allocate_shared_memory(gl.float16, [N, D], TILE)
     k_b = gl.allocate_shared_memory(gl.float16, [N, D], TILE)
@@ -445,15 +451,8 @@ def _gl_extend_ws_kernel(
     qb = gl.program_id(0)
     h = gl.program_id(1)
     MMA: gl.constexpr = _mma_layout(W, N)
-    LR: gl.constexpr = _row_layout(W)
     TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float16)
-    QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], gl.float16)
-    r = gl.arange(0, M, layout=gl.SliceLayout(1, LR))
-    c = gl.arange(0, D, layout=gl.SliceLayout(0, LR))[None, :]
-    tok = qb * BLOCK_T + r // G
-    qh = h * G + r % G
-    q = gl.load(q_ptr + tok[:, None].to(gl.int64) * q_s0 + qh[:, None] * D + c, mask=(tok < n_new)[:, None], other=0.0)
-    q_smem = gl.allocate_shared_memory(gl.float16, [M, D], QL, q)
+    q_smem = _load_q(q_ptr, n_new, q_s0, qb, h, G, D, BLOCK_T)
     k_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
     v_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
     full = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
