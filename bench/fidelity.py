@@ -49,7 +49,8 @@
      o_exact the same layer's attention over unquantized K/V of the same tokens.
    Formats: bf16 (unquantized; fp32 on CPU, where the model runs in fp32),
    fp8 and nvfp4 at global scale 1 and calibrated, triaxial at 2.5/2.7/3.0/3.5
-   bits with (a) the engine's default table (default priorities, budget counted
+   bits (``--budgets``: some of them, per context) with (a) the engine's
+   default table (default priorities, budget counted
    in stored pages on the agent pages of ``kvserving.agent_pages``; before
    2026-12-01 on token shares), (b) "default@pages": the default
    priorities through the calibration's page-counted greedy rule on the same
@@ -57,7 +58,8 @@
    ``bits`` is what the sequences actually stored: a page is INT2 only if all
    of its 32 tokens are 2-bit (DESIGN.md).
 
-Writes JSON (``--out``) and prints one table.
+Writes JSON (``--out``) after each scored row (a context still running is marked
+``partial``: a run stopped by a time limit keeps what it finished) and prints one table.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ import sysconfig
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -442,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="JSON output (default bench/fidelity_{device}.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-steps", type=int, default=None, help="override the config's training steps")
+    ap.add_argument("--generate", type=int, default=None,
+                    help="override the config's greedy tokens per conversation (the greedy-agreement column)")
     ap.add_argument("--eval-seqs", type=int, nargs="+", default=None,
                     help="override the config's evaluation conversations per context (one number, or one per context)")
     ap.add_argument("--calib-tokens", type=int, default=None, help="override the config's calibration tokens")
@@ -461,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="calibrated = the least whole-table KL among three candidates (kvserving calibrate --select)")
     ap.add_argument("--contexts", type=int, nargs="+", default=None,
                     help="evaluate these of the config's contexts only (the model and the calibration are the same)")
+    ap.add_argument("--budgets", nargs="+", default=None, metavar="B[,B...]",
+                    help=f"score the triaxial rows at these of {','.join(f'{b:g}' for b in BUDGETS)} only: one "
+                         "comma-separated list for every context, or one per context (the calibration still "
+                         "writes every budget's table)")
     ap.add_argument("--calibrate-at-context", action="store_true",
                     help="also calibrate on the calibration text wrapped at each longer evaluation context (D_k "
                          "measured on prompts of that length, the budget on the same pages): rows 'calibrated@<ctx>'")
@@ -487,8 +496,12 @@ def main(argv: list[str] | None = None) -> int:
         print("fidelity: error: --eval-seqs must be >= 1", file=sys.stderr)
         return 2
     opts.eval_seqs = eval_seqs[0] if eval_seqs else None
+    budgets = context_budgets(opts.budgets, contexts)
+    if isinstance(budgets, str):
+        print(f"fidelity: error: {budgets}", file=sys.stderr)
+        return 2
     per_context = dict(zip(contexts, eval_seqs)) if len(eval_seqs) > 1 else {}
-    for field in ("train_steps", "eval_seqs", "calib_tokens"):
+    for field in ("train_steps", "eval_seqs", "calib_tokens", "generate"):
         value = getattr(opts, field)
         if value is not None:
             if value < 1:
@@ -592,8 +605,15 @@ def main(argv: list[str] | None = None) -> int:
             t_ctx_cal = time.time() - t_ctx
             n_eval = per_context.get(ctx, s.eval_seqs)
             seqs, sources = evaluation_conversations(eval_path, extra_path, tagger, ctx=ctx, n=n_eval)
-            specs = variants(ccals, swap=swap, skip_default=opts.skip_default, triaxial_only=opts.triaxial_only)
-            block = run_context(model_dir, specs, ccals["calibrated"], seqs, s, ctx, device)
+            specs = variants(ccals, swap=swap, skip_default=opts.skip_default, triaxial_only=opts.triaxial_only,
+                             budgets=budgets[ctx])
+
+            def partial(rows: dict[str, Any], ctx: int = ctx, sources: dict[str, Any] = sources) -> None:
+                # each row as it completes: a run stopped by its time limit keeps the rows it finished
+                results["contexts"][str(ctx)] = {"partial": True, "conversations": sources, "rows": rows}
+                out_path.write_text(json.dumps(results, indent=1) + "\n")
+
+            block = run_context(model_dir, specs, ccals["calibrated"], seqs, s, ctx, device, on_row=partial)
             block["conversations"] = sources
             block["calibration_pages"] = {"context": ctx, **page_mix_summary(ccals["calibrated"])}
             if at_ctx is not None:  # the file as measured (its own pages); the tables used are counted on the above
@@ -605,7 +625,8 @@ def main(argv: list[str] | None = None) -> int:
                                        wrap="agent")
                 block["diagnosis"] = diagnose(model_dir, cals, {n: sp[1]["table"] for n, sp in specs.items()
                                                                 if "table" in sp[1]}, calib_seqs, device, s.chunk)
-            block["comparisons"] = comparisons(block["rows"])
+            block["budgets"] = list(budgets[ctx])
+            block["comparisons"] = comparisons(block["rows"], budgets=budgets[ctx])
             results["contexts"][str(ctx)] = block
             out_path.write_text(json.dumps(results, indent=1) + "\n")  # each context as it completes
         results["seconds"] = round(time.time() - t0, 1)
@@ -615,6 +636,25 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results)
     print(f"wrote {out_path}")
     return 0
+
+
+def context_budgets(specs: list[str] | None, contexts: tuple[int, ...]) -> dict[int, tuple[float, ...]] | str:
+    """``--budgets``: context -> the budgets whose triaxial rows it scores (every one of BUDGETS without the
+    option), or the error. ``specs``: one comma-separated list for every context, or one per context."""
+    if not specs:
+        return dict.fromkeys(contexts, BUDGETS)
+    if len(specs) not in (1, len(contexts)):
+        return f"--budgets takes one list or one per context ({len(contexts)})"
+    out = {}
+    for ctx, spec in zip(contexts, specs * len(contexts) if len(specs) == 1 else specs):
+        try:
+            chosen = {float(b) for b in spec.split(",")}
+        except ValueError:
+            return f"--budgets: {spec!r} is not a comma-separated list of budgets"
+        if not chosen <= set(BUDGETS):
+            return f"--budgets: {spec!r} names a budget other than {', '.join(f'{b:g}' for b in BUDGETS)}"
+        out[ctx] = tuple(b for b in BUDGETS if b in chosen)
+    return out
 
 
 def table_set(cals: dict[str, Calibration], budget: float, *, swap: str | None = None,
@@ -709,8 +749,8 @@ def with_pages(cal: Calibration, seqs: list[TaggedSeq]) -> Calibration:
 
 
 def variants(cals: dict[str, Calibration], *, swap: str | None = None, skip_default: bool = False,
-             triaxial_only: bool = False) -> dict[str, tuple[str, dict[str, Any]]]:
-    """row name -> (kv dtype, build_engine kwargs) for every format of the table."""
+             triaxial_only: bool = False, budgets: tuple[float, ...] = BUDGETS) -> dict[str, tuple[str, dict[str, Any]]]:
+    """row name -> (kv dtype, build_engine kwargs) for every format of the table (triaxial at ``budgets``)."""
     cal = cals["calibrated"]
     rows: dict[str, tuple[str, dict[str, Any]]] = {"bf16": ("bf16", {})}
     if not triaxial_only:
@@ -718,7 +758,7 @@ def variants(cals: dict[str, Calibration], *, swap: str | None = None, skip_defa
             sc = cal.scales[d]
             rows[f"{short} scale 1"] = (d, {})
             rows[f"{short} calibrated ({sc.method})"] = (d, {"scales": (sc.k, sc.v)})
-    for b in BUDGETS:
+    for b in budgets:
         for name, table in table_set(cals, b, swap=swap, skip_default=skip_default).items():
             rows[f"triaxial {b:g} {name}"] = ("triaxial", {"table": table})
     return rows
@@ -749,11 +789,11 @@ def diagnose(model_dir: Path, cals: dict[str, Calibration], tables: dict[str, tu
     return out
 
 
-def comparisons(rows: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def comparisons(rows: dict[str, Any], *, budgets: tuple[float, ...] = BUDGETS) -> dict[str, dict[str, Any]]:
     """Per budget, each triaxial table against default@pages: the pooled KL change and the paired
     per-conversation difference (mean and standard error as % of default@pages' mean KL; t)."""
     out: dict[str, dict[str, Any]] = {}
-    for b in BUDGETS:
+    for b in budgets:
         base = rows.get(f"triaxial {b:g} default@pages")
         if base is None:
             continue
@@ -784,7 +824,9 @@ def comparisons(rows: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def run_context(model_dir: Path, specs: dict[str, tuple[str, dict[str, Any]]], cal: Calibration, seqs: list[Any],
-                s: Setup, ctx: int, device: torch.device) -> dict[str, Any]:
+                s: Setup, ctx: int, device: torch.device,
+                on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Scores every row of ``specs`` on ``seqs``; ``on_row(rows so far)`` after each."""
     rows: dict[str, Any] = {}
     reference_out: list[list[int]] | None = None
     ref: list[list[torch.Tensor]] = [[] for _ in seqs]  # the bf16 run's log-probabilities per sequence and chunk
@@ -794,6 +836,8 @@ def run_context(model_dir: Path, specs: dict[str, tuple[str, dict[str, Any]]], c
         if key in scored:
             rows[name] = {**rows[scored[key]], "same_table_as": scored[key], "seconds": 0.0}
             print(f"  ctx {ctx} {name}: the same table as {scored[key]}", file=sys.stderr, flush=True)
+            if on_row is not None:
+                on_row(rows)
             continue
         scored[key] = name
         t = time.time()
@@ -824,6 +868,7 @@ def run_context(model_dir: Path, specs: dict[str, tuple[str, dict[str, Any]]], c
             "kl_per_sequence": kl_seq,  # paired across rows: how many conversations a KL difference holds on
             "top1_vs_bf16": acc.top1 / acc.count,
             "stored_bits": sum(bits) / len(bits),
+            "stored_bits_per_sequence": bits,  # paired with kl_per_sequence: how much of a KL difference is bits
             "stored_bits_calibration_data": cal.stored_bits(table) if table is not None else None,
             "table": format_bits_table(table) if table is not None else None,
             "first_divergence": div,
@@ -835,6 +880,8 @@ def run_context(model_dir: Path, specs: dict[str, tuple[str, dict[str, Any]]], c
         print(f"  ctx {ctx} {name}: bits {rows[name]['stored_bits']:.2f}, ppl {rows[name]['ppl']:.4f}, "
               f"KL {rows[name]['kl_vs_bf16']:.2e}, first divergence {div}, {rows[name]['seconds']} s", file=sys.stderr, flush=True)
         del engine
+        if on_row is not None:
+            on_row(rows)
     base, rbase = rows["bf16"]["ppl"], rows["bf16"]["reply_ppl"]
     for r in rows.values():
         r["ppl_vs_bf16_pct"] = 100.0 * (r["ppl"] / base - 1.0)

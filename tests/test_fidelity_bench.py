@@ -1,10 +1,12 @@
 """bench/fidelity.py's helpers for comparing bits tables (--diagnose and the per-context pages):
-the system-prompt swap holds the budget, tables are re-counted on another page mix, and the
-paired comparison against default@pages is the mean / standard error it says."""
+the system-prompt swap holds the budget, tables are re-counted on another page mix, the
+paired comparison against default@pages is the mean / standard error it says, --budgets
+per context; and a smoke run writes each row as it completes and calibration files that reload."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -151,3 +153,44 @@ def test_contexts_must_be_the_configs(fidelity: ModuleType) -> None:
     assert fidelity.main(["--smoke", "--contexts", "999"]) == 2
     assert fidelity.main(["--smoke", "--contexts", "256", "256"]) == 2
     assert fidelity.main(["--smoke", "--contexts", "256", "--eval-seqs", "1", "2"]) == 2
+
+
+def test_budgets_are_one_list_for_every_context_or_one_per_context(fidelity: ModuleType) -> None:
+    assert fidelity.context_budgets(None, (2048, 8192)) == {2048: fidelity.BUDGETS, 8192: fidelity.BUDGETS}
+    assert fidelity.context_budgets(["3,2.7"], (2048, 8192)) == {2048: (2.7, 3.0), 8192: (2.7, 3.0)}
+    assert fidelity.context_budgets(["2.7", "3.5,2.5"], (2048, 8192)) == {2048: (2.7,), 8192: (2.5, 3.5)}
+    for bad in (["2.7", "3", "3.5"], ["2.8"], ["2.7,"], ["x"]):
+        assert isinstance(fidelity.context_budgets(bad, (2048, 8192)), str)
+    assert fidelity.main(["--smoke", "--budgets", "2.6"]) == 2
+
+
+@pytest.mark.slow
+def test_a_smoke_run_writes_each_row_as_it_completes_and_reloadable_calibrations(
+        fidelity: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "fidelity.json"
+    seen: list[tuple[list[str], bool]] = []  # after each row: the rows on disk, the context marked partial
+    run_context = fidelity.run_context
+
+    def recording(*args: object, on_row: object = None, **kw: object) -> object:
+        def on_disk(rows: dict[str, object]) -> None:
+            assert callable(on_row)
+            on_row(rows)
+            block = json.loads(out.read_text())["contexts"]["512"]
+            seen.append((list(block["rows"]), bool(block.get("partial"))))
+        return run_context(*args, on_row=on_disk, **kw)
+
+    monkeypatch.setattr(fidelity, "run_context", recording)
+    assert fidelity.main(["--smoke", "--threads", "2", "--triaxial-only", "--skip-default", "--contexts", "512",
+                          "--calibrate-at-context", "--budgets", "3.5", "--generate", "2", "--eval-seqs", "1",
+                          "--out", str(out)]) == 0
+    rows = ["bf16", "triaxial 3.5 default@pages", "triaxial 3.5 calibrated", "triaxial 3.5 calibrated@512"]
+    assert seen == [(rows[: i + 1], True) for i in range(len(rows))]
+    result = json.loads(out.read_text())
+    block = result["contexts"]["512"]
+    assert "partial" not in block and list(block["rows"]) == rows and block["budgets"] == [3.5]
+    assert set(block["comparisons"]) == {"3.5"} and block["rows"]["bf16"]["generated"] == 2
+    assert all(len(r["stored_bits_per_sequence"]) == 1 for r in block["rows"].values())
+    # the files as measured: each accounts for its own tokens (the tables' pages at 512 are stored apart)
+    main = Calibration.from_dict(result["calibration"]["file"])
+    at_ctx = Calibration.from_dict(block["calibration_at_context"]["file"])
+    assert at_ctx.tokens == block["calibration_at_context"]["tokens"] and main.tokens == result["calibration"]["tokens"]
