@@ -248,15 +248,16 @@ def compile_template(source: str) -> jinja2.Template:
 # -- request checks -----------------------------------------------------------
 
 
-def normalize_messages(raw: object) -> list[Message]:
-    """Check OpenAI `messages` and return what the template sees (see module doc)."""
+def normalize_messages(raw: object, start: int = 0) -> list[Message]:
+    """Check OpenAI `messages` and return what the template sees (see module doc); with
+    `start`, only `raw[start:]` (the caller holds the checked messages before it)."""
     if raw is None:
         raise invalid_request("'messages' is a required property", param="messages", code="missing_required_parameter")
     if not isinstance(raw, list):
         raise invalid_request(f"'messages' must be an array, got {_json_type(raw)}", param="messages", code="invalid_type")
     if not raw:
         raise invalid_request("'messages' must contain at least one message", param="messages", code="empty_array")
-    return [_normalize_message(m, i) for i, m in enumerate(raw)]
+    return [_normalize_message(raw[i], i) for i in range(start, len(raw))]
 
 
 def normalize_tools(raw: object) -> list[dict[str, Any]] | None:

@@ -33,6 +33,7 @@ from .metrics import GatewayMetrics
 from .output import OutputParser, StopMatcher
 from .tagger import ChatTagger, Draft, TaggedPrompt
 from .token_prefixes import TokenPrefixes
+from .turn_render import TurnRenders
 from .tokenizer import TextTokenizer
 from .turn import Turn, TurnRequest, Turns
 from .workers import runs_json
@@ -64,7 +65,8 @@ class ModelInfo:
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop_ids:
             stop_ids.append(tokenizer.eos_token_id)
         defaults = {k: generation[k] for k in ("temperature", "top_p", "top_k") if generation.get(k) is not None}
-        tagger = ChatTagger(tokenizer, ChatTemplate.from_dir(root), prefixes=TokenPrefixes(tokenizer))
+        tagger = ChatTagger(tokenizer, ChatTemplate.from_dir(root), prefixes=TokenPrefixes(tokenizer),
+                            renders=TurnRenders())
         return cls(name=served_name, max_model_len=context, tokenizer=tokenizer, tagger=tagger,
                    stop_token_ids=tuple(int(i) for i in stop_ids), defaults=defaults,
                    created=int(root.stat().st_mtime))
@@ -110,7 +112,8 @@ class Completions:
                     drafts.labels("confirmed").inc()
                     raise
             drafts.labels("mismatch").inc()
-            self.drafting.mismatch()
+            if not draft.appended:  # an appended draft's mismatches are counted by the tagger's TurnRenders
+                self.drafting.mismatch()
         else:
             drafts.labels("off" if not self.drafting.on else "none").inc()
         prompt = tagger.build(request.messages, **kwargs)

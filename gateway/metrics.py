@@ -20,13 +20,14 @@ DASHBOARD_METRICS, same name and type); the rest are for operators:
     kvserving_gateway_upstream_errors_total{kind}         counter   connect | timeout | status | stream | worker_error
     kvserving_gateway_workers_healthy{role}               gauge
     kvserving_gateway_conversation_identities_total{source} counter  x-session-id | ... | prompt_cache_key | user | prefix | new
-    kvserving_gateway_prompt_reuse_total{part,result}     counter   part: tokens | labels | parse; result: hit | miss
+    kvserving_gateway_prompt_reuse_total{part,result}     counter   part: tokens | labels | parse | render; result: hit | miss
     kvserving_gateway_prompt_prefix_tokens                gauge     tokens the kept prompt prefixes hold
 
 The last two are read at scrape time from the tagger (`PromptReuse`): how much
 of each chat prompt's tokenization, labels and marked-render parse came from
-the previous turn's kept prefix (a template that rewrites earlier turns shows
-up as misses).
+the previous turn's kept prefix, and how many drafts rendered only the turn they
+append (`render`, turn_render.py); a template that rewrites earlier turns shows
+up as misses.
 """
 
 from __future__ import annotations

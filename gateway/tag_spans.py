@@ -279,20 +279,23 @@ def runs_before(runs: Sequence[Run], end: int) -> tuple[Run, ...]:
 # -- images and turns ---------------------------------------------------------
 
 
-def image_runs(ids: list[int], image_ids: frozenset[int]) -> list[tuple[int, int]]:
+def image_runs(ids: list[int], image_ids: frozenset[int], *, start: int = 0) -> list[tuple[int, int]]:
+    """(first, end) of each run of image placeholder ids among ``ids[start:]`` (the caller
+    knows the ids before ``start`` hold none)."""
     runs: list[tuple[int, int]] = []
-    if image_ids.isdisjoint(ids):
+    tail = ids[start:] if start else ids
+    if image_ids.isdisjoint(tail):
         return runs
-    start = -1
-    for k, t in enumerate(ids):
+    first = -1
+    for k, t in enumerate(tail, start):
         if t in image_ids:
-            if start < 0:
-                start = k
-        elif start >= 0:
-            runs.append((start, k))
-            start = -1
-    if start >= 0:
-        runs.append((start, len(ids)))
+            if first < 0:
+                first = k
+        elif first >= 0:
+            runs.append((first, k))
+            first = -1
+    if first >= 0:
+        runs.append((first, len(ids)))
     return runs
 
 

@@ -72,12 +72,13 @@ from typing import Any
 
 from kvserving.tags import TEMPORAL, encode_tag
 
-from . import tag_markers, tag_spans
+from . import tag_markers, tag_spans, turn_render
 from .chat_template import ChatTemplate, Message, normalize_messages, normalize_tools
 from .errors import GatewayError
 from .tag_markers import Chunk, Piece
 from .token_prefixes import Prefixed, TokenPrefixes, split_offsets
 from .tokenizer import TextTokenizer
+from .turn_render import KeptRender, TurnRenders
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,10 +117,11 @@ class Draft:
     """A prompt tagged from the marked render alone (``ChatTagger.draft``), and its check
     against the real render (run once, remembered; never raises)."""
 
-    __slots__ = ("prompt", "_confirm", "_result")
+    __slots__ = ("prompt", "appended", "_confirm", "_result")
 
-    def __init__(self, prompt: TaggedPrompt, confirm: Callable[[], bool]) -> None:
+    def __init__(self, prompt: TaggedPrompt, confirm: Callable[[], bool], *, appended: bool = False) -> None:
         self.prompt = prompt
+        self.appended = appended  # rendered by appending to a kept render (turn_render.py)
         self._confirm: Callable[[], bool] | None = confirm
         self._result = False
 
@@ -137,12 +139,15 @@ class Draft:
 class ChatTagger:
     """Render, tokenize and tag chat requests for one model."""
 
-    def __init__(self, tokenizer: TextTokenizer, template: ChatTemplate, *, prefixes: TokenPrefixes | None = None) -> None:
+    def __init__(self, tokenizer: TextTokenizer, template: ChatTemplate, *, prefixes: TokenPrefixes | None = None,
+                 renders: TurnRenders | None = None) -> None:
         self.tokenizer = tokenizer
         self.template = template
         # Tokenized prefixes of recent prompts (token_prefixes.py): a turn tokenizes only its
         # new text; ids and offsets are those of a full tokenization either way.
         self.prefixes = prefixes
+        # Kept marked renders (turn_render.py): a draft renders only the turn it appends.
+        self.renders = renders
         self._control_ids = frozenset(tokenizer.added_tokens)
         self.builds = 0  # chat prompts tagged
         self.label_hits = 0  # prompts that reused a kept prefix's labels
@@ -172,7 +177,7 @@ class ChatTagger:
         if codec is None or marked is None:  # the request uses every marker alphabet, or the template refused markers
             got = self._tokens(text)
             return self._coarse(text, got.ids, got.offsets())
-        return self._tag(msgs, text, codec, *marked)
+        return self._tag(msgs, text, codec, marked[0], marked[1])
 
     def draft(
         self,
@@ -188,32 +193,77 @@ class ChatTagger:
         real text and compares; the caller sends the draft's ids first and confirms while
         the worker computes, so one template render leaves the critical path. None when no
         draft can be made (the marked render refused, content with private-use
-        characters): ``build`` then. Bad input raises as in ``build``."""
-        msgs = normalize_messages(messages)
-        tool_list = normalize_tools(tools)
+        characters): ``build`` then. Bad input raises as in ``build``.
+
+        With ``renders``, a request that appends messages to a kept render renders only
+        its current turn (turn_render.py); ``Draft.appended`` says so."""
         codec = tag_markers.first_codec()
-        marked = self._marked(msgs, tool_list, codec, add_generation_prompt, template_kwargs)
-        if marked is None:
-            return None
-        text = codec.strip(marked[1])
+        options = (add_generation_prompt, template_kwargs)
+        renders = self.renders
+        raw = messages if isinstance(messages, list) and messages else None
+        kept = renders.find(raw, tools, options) if renders is not None and raw is not None else None
+        got = self._append(kept, raw, codec, add_generation_prompt, template_kwargs) if kept is not None and raw is not None else None
+        if got is not None and kept is not None:
+            msgs, tool_list, marks, marked_text = got.msgs, kept.tool_list, got.marks, got.marked
+            marked_msgs, marked_tools = got.marked_msgs, got.marked_tools
+        else:
+            msgs = normalize_messages(messages)
+            tool_list = normalize_tools(tools)
+            whole = self._marked(msgs, tool_list, codec, add_generation_prompt, template_kwargs)
+            if whole is None:
+                return None
+            marks, marked_text, marked_msgs, marked_tools = whole
+        if renders is not None:
+            renders.count(appended=got is not None)
+        text = codec.strip(marked_text)
         if not tag_markers.no_markers(text):
             return None  # the request holds private-use characters: pick_codec must see the real render
         self.builds += 1
-        prompt = self._tag(msgs, text, codec, *marked)
+        prompt = self._tag(msgs, text, codec, marks, marked_text)
+        if renders is not None and raw is not None and not marks.images:
+            renders.keep(KeptRender(raw=raw, tools=tools, options=options, norm=msgs, tool_list=tool_list,
+                                    marked_msgs=marked_msgs, marked_tools=marked_tools, pieces=marks.pieces,
+                                    marked=marked_text, last_user=_last_user(msgs),
+                                    heads=kept.heads if kept is not None else {}), replaces=kept)
+        appended = got is not None
 
         def confirm() -> bool:
             try:
                 real = self.template.render(msgs, tools=tool_list, add_generation_prompt=add_generation_prompt,
                                             template_kwargs=template_kwargs)
             except GatewayError:
-                return False
-            return real == text
+                ok = False
+            else:
+                ok = real == text
+            if appended and renders is not None:
+                renders.confirmed(ok)
+            return ok
 
-        return Draft(prompt, confirm)
+        return Draft(prompt, confirm, appended=appended)
+
+    def _append(self, kept: KeptRender, messages: list[Any], codec: tag_markers.MarkerCodec, add_generation_prompt: bool,
+                template_kwargs: Mapping[str, Any] | None) -> turn_render.Appended | None:
+        """The marked render of ``messages`` from the kept render they extend (None: render them whole)."""
+
+        def render(msgs: list[Message], tools: list[dict[str, Any]] | None, generation: bool) -> str:
+            return self.template.render(msgs, tools=tools, add_generation_prompt=generation, template_kwargs=template_kwargs)
+
+        try:
+            return turn_render.append(
+                kept, messages, normalize=normalize_messages, render=render, codec=codec,
+                mark=lambda m, i, marks: tag_markers.mark_message(m, i, codec, marks),
+                add_generation_prompt=add_generation_prompt,
+            )
+        except GatewayError as exc:
+            if exc.param == "messages":  # the template refused the short list: the whole one decides
+                return None
+            raise  # a bad new message: the same 400 the whole path gives
 
     def _marked(self, msgs: list[Message], tool_list: list[dict[str, Any]] | None, codec: tag_markers.MarkerCodec,
-                add_generation_prompt: bool, template_kwargs: Mapping[str, Any] | None) -> tuple[tag_markers.Marks, str] | None:
-        """The marks and the marked render (None: the template refused marked content)."""
+                add_generation_prompt: bool, template_kwargs: Mapping[str, Any] | None
+                ) -> tuple[tag_markers.Marks, str, list[Message], list[dict[str, Any]] | None] | None:
+        """The marks, the marked render, the marked messages and tools (None: the template
+        refused marked content)."""
         marks = tag_markers.Marks()
         # Tool schemas join the system message's block (its index, when there is one). They
         # are marked first so that every piece keeps its id when later turns add messages.
@@ -221,11 +271,12 @@ class ChatTagger:
         marked_tools = None if tool_list is None else [tag_markers.mark_tool(t, codec, marks, message=owner) for t in tool_list]
         marked_msgs = [tag_markers.mark_message(m, i, codec, marks) for i, m in enumerate(msgs)]
         try:
-            return marks, self.template.render(
+            marked = self.template.render(
                 marked_msgs, tools=marked_tools, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
             )
         except GatewayError:  # the template refused marked content it accepts plain
             return None
+        return marks, marked, marked_msgs, marked_tools
 
     def _tag(self, msgs: list[Message], text: str, codec: tag_markers.MarkerCodec, marks: tag_markers.Marks,
              marked_text: str) -> TaggedPrompt:
@@ -233,9 +284,14 @@ class ChatTagger:
         got = self._tokens(text)
         temporals = message_temporals(msgs)
         pieces = list(marks.pieces)
-        images = tag_spans.image_runs(got.ids, self.tokenizer.image_token_ids)
-        # Labels are kept and reused on the exact path only (markers, no image runs).
-        kept = None if images else _labels_of(got.reused)
+        # Labels are kept and reused on the exact path only (markers, no image runs): a kept
+        # prefix with labels holds no image token, so only the ids after it are searched
+        # (a scan of every id was ~0.3 ms of a 30K-token turn).
+        kept = _labels_of(got.reused)
+        scan_from = len(got.reused.ids) if kept is not None and got.reused is not None else 0
+        images = tag_spans.image_runs(got.ids, self.tokenizer.image_token_ids, start=scan_from)
+        if images:
+            kept = None
         chunked = _chunk(text, marked_text, codec, kept)
         method, chunks = chunked.method, chunked.chunks
         self.parse_hits += chunked.resumed
@@ -270,10 +326,11 @@ class ChatTagger:
 
     def reuse_counts(self) -> tuple[dict[str, tuple[int, int]], int]:
         """(hits, misses) of the kept prefixes per part, and the tokens they hold (for metrics)."""
-        p = self.prefixes
+        p, r = self.prefixes, self.renders
         tokens = (p.hits, p.misses) if p is not None else (0, self.builds)
         return ({"tokens": tokens, "labels": (self.label_hits, self.builds - self.label_hits),
-                 "parse": (self.parse_hits, self.builds - self.parse_hits)}, p.tokens if p is not None else 0)
+                 "parse": (self.parse_hits, self.builds - self.parse_hits),
+                 "render": (r.hits, r.misses) if r is not None else (0, self.builds)}, p.tokens if p is not None else 0)
 
     def _tokens(self, text: str) -> Prefixed:
         if self.prefixes is not None:
@@ -311,6 +368,10 @@ class ChatTagger:
         """Tags for a prompt given as token ids (`/v1/completions` with ids)."""
         user, image = encode_tag("current", "text", "user"), encode_tag("current", "image", "user")
         return [image if t in self.tokenizer.image_token_ids else user for t in ids]
+
+
+def _last_user(messages: Sequence[Message]) -> int:
+    return next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "user"), -1)
 
 
 def message_temporals(messages: Sequence[Message]) -> list[str]:

@@ -1,0 +1,218 @@
+"""A conversation's last marked render, kept so that its next turn renders only
+the turn it appends to, not the whole history again.
+
+Agents resend the whole history every turn, and the draft's marked render
+(normalize, mark, render every message) grows with it: ~2.7 of the ~6.8 ms a
+turn's draft took at turns 30-40 of a 30K-token agent session, in-process
+(bench/NOTES-gateway.md, seventh pass). When a request's messages start with
+the messages of a kept render ``P`` (the same raw dicts, the same tools and
+template options), the new request ``N = P + new`` is rendered as
+
+    kept marked render of P, up to the header of P's last user message ``u``
+      + the marked render of  N[:h] + N[u:]  after the render of  N[:h]  alone
+
+where ``h`` (1 or 2) keeps every message's index parity (templates that check
+alternating roles by ``loop.index0``). Restarting at the current user turn keeps
+what templates decide per turn (Qwen3 shows the reasoning of assistant messages
+after the last user message only) the same in both renders: messages before
+``u`` come before the last user message either way, messages from ``u`` on are
+rendered in the short list with that same last user message. Only the new
+messages are normalized (checked) and marked; the earlier ones are the kept
+ones, with the same piece ids.
+
+Checked before the result is used (else: None, and the caller renders the
+whole conversation): the short render starts with the head's render; its text
+before message ``u``'s first marker equals the kept render's text there; and it
+reproduces the kept render from there through P's last content piece (the
+messages both renders share). Requests with image parts are never appended
+(templates number images across the conversation). The draft built from it is
+confirmed by the real render like every draft (tagger.py ``Draft``), so a
+template that renders the appended messages differently in the short list
+costs a re-sent turn, never a wrong prompt; ``TurnRenders`` stops appending
+when such mismatches pass 8 and a tenth of its drafts.
+
+Bounded: at most ``max_entries`` kept renders and ``max_chars`` characters of
+marked text in all, least recently used first out; a conversation's new render
+replaces the one it extended. Pure (no I/O); one event loop owns it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .chat_template import Message
+from .tag_markers import MarkerCodec, Marks, Piece
+
+# How many new messages a turn may append and still find its kept render (an
+# assistant reply and a user message; a tool call and its results).
+MAX_APPENDED = 16
+
+
+@dataclass(slots=True)
+class KeptRender:
+    """What one request rendered: its raw messages (compared with the next request's),
+    their normalized and marked forms, the pieces and the marked render."""
+
+    raw: list[Any]  # the request's messages as parsed from JSON (held, compared by ==)
+    tools: object  # the request's raw tools
+    options: tuple[bool, Mapping[str, Any] | None]  # add_generation_prompt, template_kwargs
+    norm: list[Message]
+    marked_msgs: list[Message]
+    tool_list: list[dict[str, Any]] | None  # the normalized tools
+    marked_tools: list[dict[str, Any]] | None
+    pieces: list[Piece]
+    marked: str  # the marked render
+    last_user: int  # index of the last user message (-1: none)
+    heads: dict[int, str] = field(default_factory=dict)  # h -> the marked render of the first h messages, no generation prompt
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    """The marked render of a request that appends to a kept one."""
+
+    msgs: list[Message]
+    marked_msgs: list[Message]
+    marked_tools: list[dict[str, Any]] | None
+    marks: Marks
+    marked: str
+
+
+def _fingerprint(message: object) -> tuple[object, ...]:
+    """A cheap key of a raw message (equality is checked after the lookup)."""
+    if not isinstance(message, dict):
+        return (type(message).__name__,)
+    content = message.get("content")
+    return (message.get("role"), content if isinstance(content, str) else type(content).__name__, len(message))
+
+
+class TurnRenders:
+    """Kept marked renders, found by (message count, fingerprint of the last message); the
+    conversations that share such a key (the same reply at the same place) share a bucket,
+    and the comparison of the messages picks the one a request extends."""
+
+    def __init__(self, *, max_entries: int = 2048, max_chars: int = 64_000_000) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        if max_chars < 1:
+            raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+        self.max_entries = max_entries
+        self.max_chars = max_chars
+        self._lru: OrderedDict[int, KeptRender] = OrderedDict()  # id(entry) -> entry, least recently used first
+        self._buckets: dict[tuple[int, tuple[object, ...]], list[KeptRender]] = {}
+        self._chars = 0
+        self.on = True
+        self.hits = 0  # requests rendered by appending
+        self.misses = 0  # requests rendered whole (no kept render, or a check failed)
+        self.drafts = 0  # appended drafts whose confirmation came back
+        self.mismatches = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    @property
+    def chars(self) -> int:
+        """Characters of marked text kept in all."""
+        return self._chars
+
+    def find(self, raw: Sequence[Any], tools: object, options: tuple[bool, Mapping[str, Any] | None]) -> KeptRender | None:
+        """The kept render whose messages ``raw`` starts with (and has more of), same tools and options."""
+        if not self.on:
+            return None
+        n = len(raw)
+        for j in range(n - 1, max(0, n - 1 - MAX_APPENDED), -1):
+            for kept in self._buckets.get((j, _fingerprint(raw[j - 1])), ()):
+                if kept.options == options and kept.tools == tools and raw[:j] == kept.raw:
+                    return kept
+        return None
+
+    def keep(self, kept: KeptRender, *, replaces: KeptRender | None) -> None:
+        """Keep ``kept`` (most recently used); ``replaces``: the render it extended, dropped."""
+        if replaces is not None:
+            self._drop(replaces)
+        self._buckets.setdefault(_key(kept), []).insert(0, kept)
+        self._lru[id(kept)] = kept
+        self._chars += len(kept.marked)
+        while self._lru and (len(self._lru) > self.max_entries or self._chars > self.max_chars):
+            self._drop(next(iter(self._lru.values())))
+
+    def _drop(self, entry: KeptRender) -> None:
+        if self._lru.pop(id(entry), None) is None:
+            return
+        self._chars -= len(entry.marked)
+        key = _key(entry)
+        bucket = self._buckets[key]
+        bucket.remove(entry)
+        if not bucket:
+            del self._buckets[key]
+
+    def count(self, *, appended: bool) -> None:
+        if appended:
+            self.hits += 1
+        else:
+            self.misses += 1
+
+    def confirmed(self, ok: bool) -> None:
+        """An appended draft's check against the real render came back."""
+        self.drafts += 1
+        if not ok:
+            self.mismatches += 1
+            if self.mismatches > 8 and self.mismatches * 10 > self.drafts:
+                self.on = False
+
+
+def _key(kept: KeptRender) -> tuple[int, tuple[object, ...]]:
+    return len(kept.raw), _fingerprint(kept.raw[-1])
+
+
+Render = Callable[[list[Message], list[dict[str, Any]] | None, bool], str]
+
+
+def append(
+    kept: KeptRender,
+    raw: Sequence[Any],
+    *,
+    normalize: Callable[[Sequence[Any], int], list[Message]],
+    mark: Callable[[Message, int, Marks], Message],
+    render: Render,
+    codec: MarkerCodec,
+    add_generation_prompt: bool,
+) -> Appended | None:
+    """The marked render of ``raw`` (which starts with ``kept.raw``) from the kept one
+    (module docstring), or None when a check fails. ``normalize(raw, start)`` checks and
+    normalizes ``raw[start:]`` (400 on bad input, as for a whole request);
+    ``render(messages, tools, add_generation_prompt)`` is the template."""
+    n_prev, u = len(kept.raw), kept.last_user
+    if u < 2:
+        return None  # the short list would be the whole list
+    new_norm = normalize(raw, n_prev)
+    marks = Marks(pieces=list(kept.pieces))
+    new_marked = [mark(m, i, marks) for i, m in enumerate(new_norm, n_prev)]
+    if marks.images:
+        return None
+    msgs = kept.norm + new_norm
+    marked_msgs = kept.marked_msgs + new_marked
+    h = 1 if (u - 1) % 2 == 0 else 2  # N[:h] + N[u:] shifts message u by u - h: an even number
+    head = kept.heads.get(h)
+    if head is None:
+        head = kept.heads[h] = render(marked_msgs[:h], kept.marked_tools, False)
+    short = render(marked_msgs[:h] + marked_msgs[u:], kept.marked_tools, add_generation_prompt)
+    if not short.startswith(head):
+        return None
+    tail = short[len(head):]
+    first = next((k for k, p in enumerate(kept.pieces) if p.message == u), None)
+    if first is None:
+        return None  # message u renders no content piece: nothing to align on
+    opener = codec.open(first)
+    k = tail.find(opener)
+    at = kept.marked.find(opener)
+    start = at - k
+    if k < 0 or at < 0 or start < 0 or kept.marked[start:at] != tail[:k]:
+        return None
+    shared_end = kept.marked.rfind(codec.close) + len(codec.close)
+    if shared_end <= start or not tail.startswith(kept.marked[start:shared_end]):
+        return None
+    return Appended(msgs=msgs, marked_msgs=marked_msgs, marked_tools=kept.marked_tools, marks=marks,
+                    marked=kept.marked[:start] + tail)

@@ -1,0 +1,201 @@
+"""Appended renders (turn_render.py): a draft that renders only the turn its
+request appends to a kept render gets exactly the prompt a whole render gets, on
+interleaved multi-turn agent conversations and templates that strip earlier
+reasoning, number or alternate messages, render tools after the conversation
+or edit content; a template the short list would misrender is caught before
+the draft goes out; bad new messages get the whole path's 400."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_token_prefixes import EMPTY_LIST_TEMPLATE, STRIPPING_TEMPLATE, TOOLS, agent_turns, text_turns
+
+from kvserving.gateway.chat_template import ChatTemplate
+from kvserving.gateway.errors import GatewayError
+from kvserving.gateway.tagger import ChatTagger
+from kvserving.gateway.token_prefixes import TokenPrefixes
+from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.turn_render import TurnRenders
+
+# Marks every message by the parity of its index (templates that check alternating
+# roles by loop.index0): the short list keeps each message's parity.
+PARITY_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}{% if loop.index0 % 2 %} odd{% endif %}\n"
+    "{% if m.content is string %}{{ m.content }}{% endif %}"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Numbers the messages: the short list would number them differently, which the
+# header check must catch (no appended render, never a wrong one).
+NUMBERED_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }} {{ loop.index }}\n"
+    "{% if m.content is string %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> TextTokenizer:
+    return TextTokenizer.from_dir(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def template(tiny_model_dir: Path) -> ChatTemplate:
+    return ChatTemplate.from_dir(tiny_model_dir)
+
+
+def _template(name: str, tiny: ChatTemplate) -> ChatTemplate:
+    from test_tagger import EDITING_TEMPLATE, TOOLS_AS_JSON_TEMPLATE
+
+    sources = {"tools_after": TOOLS_AS_JSON_TEMPLATE, "empty_list": EMPTY_LIST_TEMPLATE, "stripping": STRIPPING_TEMPLATE,
+               "editing": EDITING_TEMPLATE, "parity": PARITY_TEMPLATE, "numbered": NUMBERED_TEMPLATE}
+    return tiny if name == "tiny" else ChatTemplate(sources[name])
+
+
+@pytest.mark.parametrize("name", ["tiny", "stripping", "parity", "empty_list", "tools_after", "editing", "numbered"])
+def test_appended_drafts_equal_whole_ones(name: str, tokenizer: TextTokenizer, template: ChatTemplate) -> None:
+    """Every turn of interleaved conversations: the draft of a tagger that appends to kept
+    renders equals the draft of one that renders every request whole (prompt and
+    confirmation), and a confirmed draft is the full tagging."""
+    chosen = _template(name, template)
+    full = ChatTagger(tokenizer, chosen)
+    whole = ChatTagger(tokenizer, chosen, prefixes=TokenPrefixes(tokenizer))
+    renders = TurnRenders()
+    appending = ChatTagger(tokenizer, chosen, prefixes=TokenPrefixes(tokenizer), renders=renders)
+    rng = random.Random(5)
+    sessions = [(text_turns(rng, rng.randint(3, 8)), TOOLS if rng.random() < 0.5 else None) for _ in range(8)]
+    requests = appended = unconfirmed = 0
+    while any(t for t, _ in sessions):
+        for t, tools in sessions:
+            if not t:
+                continue
+            messages = t.pop(0)
+            expected = whole.draft(copy.deepcopy(messages), tools=copy.deepcopy(tools))
+            got = appending.draft(copy.deepcopy(messages), tools=copy.deepcopy(tools))
+            assert expected is not None and got is not None
+            assert got.prompt == expected.prompt
+            assert got.confirmed() == expected.confirmed()
+            if got.confirmed():
+                assert got.prompt == full.build(copy.deepcopy(messages), tools=copy.deepcopy(tools))
+            appended += got.appended
+            unconfirmed += got.appended and not expected.confirmed()
+            requests += 1
+    assert renders.hits == appended and renders.hits + renders.misses == requests
+    # appending adds no mismatch: its drafts fail exactly where whole drafts fail (content the template edits)
+    assert renders.mismatches == unconfirmed and renders.drafts == appended
+    if name == "numbered":
+        assert appended == 0  # the short list numbers its messages differently: caught before use
+    elif name in ("tools_after", "editing"):
+        # tools rendered after the conversation: only tool-less conversations append; user text cut
+        # at 12 characters: only where the cut keeps the user's marker
+        assert 0 < appended < requests // 2, (appended, requests)
+    elif name == "tiny":
+        # requests render whole when there is no kept render (a conversation's first) or its last
+        # user message is its first (the short list would be the whole list): 24 of these 71
+        assert appended >= requests // 2, (appended, requests)
+    else:
+        # these templates render a user message's list content as nothing or as its repr:
+        # such a message u has no marker to align on, and its requests render whole
+        assert appended >= requests // 4, (appended, requests)
+
+
+def _conversation(turns: int) -> list[list[dict[str, Any]]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."}]
+    out = []
+    for k in range(turns):
+        messages = [*messages, {"role": "user", "content": f"step {k}: run the tests"}]
+        out.append(messages)
+        messages = [*messages, {"role": "assistant", "content": f"ran step {k}", "reasoning_content": "think"}]
+    return out
+
+
+def test_a_long_conversation_renders_only_its_last_turn(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
+    renders = TurnRenders()
+    tagger = ChatTagger(tokenizer, template, prefixes=TokenPrefixes(tokenizer), renders=renders)
+    full = ChatTagger(tokenizer, template)
+    rendered: list[int] = []
+    original = template.render
+
+    def counting(messages: list[Any], **kwargs: Any) -> str:
+        rendered.append(len(messages))
+        return original(messages, **kwargs)
+
+    tagger.template = type("T", (), {"render": staticmethod(counting)})()  # type: ignore[assignment]
+    for k, messages in enumerate(_conversation(12)):
+        rendered.clear()
+        draft = tagger.draft(copy.deepcopy(messages))
+        assert draft is not None and draft.confirmed()
+        assert draft.prompt == full.build(copy.deepcopy(messages))
+        assert draft.appended == (k >= 2)
+        if k >= 3:
+            # the short list (system + the last turn's user, assistant, new user) and the confirmation, whole
+            assert rendered == [4, len(messages)], rendered
+    assert renders.hits == 10 and renders.misses == 2 and len(renders) == 1
+
+
+def test_an_edited_history_renders_whole(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
+    renders = TurnRenders()
+    tagger = ChatTagger(tokenizer, template, prefixes=TokenPrefixes(tokenizer), renders=renders)
+    turns = _conversation(5)
+    for messages in turns[:4]:
+        tagger.draft(copy.deepcopy(messages))
+    hits = renders.hits
+    edited = copy.deepcopy(turns[4])
+    edited[2]["content"] = "something else"  # the client rewrote an earlier assistant reply
+    draft = tagger.draft(edited)
+    assert draft is not None and not draft.appended and renders.hits == hits
+    assert draft.prompt == ChatTagger(tokenizer, template).build(copy.deepcopy(edited))
+
+
+def test_a_bad_new_message_gets_the_whole_paths_error(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
+    tagger = ChatTagger(tokenizer, template, prefixes=TokenPrefixes(tokenizer), renders=TurnRenders())
+    turns = _conversation(4)
+    for messages in turns:
+        tagger.draft(copy.deepcopy(messages))
+    bad = [*copy.deepcopy(turns[-1]), {"role": "assistant", "content": "x"}, {"role": "wizard", "content": "y"}]
+    with pytest.raises(GatewayError) as appended:
+        tagger.draft(copy.deepcopy(bad))
+    with pytest.raises(GatewayError) as whole:
+        ChatTagger(tokenizer, template).draft(copy.deepcopy(bad))
+    assert appended.value.to_body() == whole.value.to_body()
+    assert appended.value.param == f"messages[{len(bad) - 1}].role"
+
+
+def test_kept_renders_stay_within_bounds(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
+    renders = TurnRenders(max_entries=3)
+    tagger = ChatTagger(tokenizer, template, renders=renders)
+    sessions = [[[{"role": "system", "content": f"agent {s}"}, *m[1:]] for m in _conversation(4)] for s in range(5)]
+    for step in range(4):
+        for s in sessions:
+            tagger.draft(copy.deepcopy(s[step]))
+        assert len(renders) == 3  # one per conversation (its new render replaced the one it extended), LRU out
+    kept_chars = renders.chars
+    assert kept_chars == sum(len(e.marked) for e in renders._lru.values())
+    small = TurnRenders(max_chars=kept_chars // 3)
+    tagger = ChatTagger(tokenizer, template, renders=small)
+    for s in sessions:
+        tagger.draft(copy.deepcopy(s[3]))
+    assert small.chars <= kept_chars // 3 and len(small) >= 1
+    with pytest.raises(ValueError, match="max_entries"):
+        TurnRenders(max_entries=0)
+    with pytest.raises(ValueError, match="max_chars"):
+        TurnRenders(max_chars=0)
+
+
+def test_appending_stops_when_its_drafts_keep_mismatching() -> None:
+    renders = TurnRenders()
+    for _ in range(8):
+        renders.confirmed(False)
+    assert renders.on  # eight odd requests leave it on
+    for _ in range(100):
+        renders.confirmed(True)
+    renders.confirmed(False)
+    assert renders.on  # 9 of 109: under a tenth
+    for _ in range(4):
+        renders.confirmed(False)
+    assert not renders.on and renders.find([{"role": "user", "content": "x"}, {}], None, (True, None)) is None
