@@ -62,8 +62,13 @@ VARIANTS: dict[str, tuple[dict[str, int], bool]] = {
 # Gluon extend (kernels/gluon_extend.py, nvfp4 only): name -> its tuning overrides
 GLUON_VARIANTS: dict[str, dict[str, int]] = {
     "gluon": {},
-    # warp-specialized (the default since session 9): the producer's registers
-    "gluon-ws120": {"LOAD_REGS": 120},
+    # WS 2 (the default since session 10): the two consumer warpgroups as two partitions (own q rows, own slot
+    # release), the chunk through the ring too; PP 1: and the warpgroups take turns issuing wgmma (named barriers)
+    "gluon-ws2": {"WS": 2},
+    "gluon-ws2pp": {"WS": 2, "PP": 1},
+    # WS 1 (the default of session 9): one consumer partition of 8 warps; its producer's registers
+    "gluon-ws1": {"WS": 1},
+    "gluon-ws120": {"WS": 1, "LOAD_REGS": 120},
     # one partition (_gl_extend_kernel, the default of session 8): unpackers, overlap, tiles, probes
     "gluon-nows": {"WS": 0, "PAIR": 1},
     "gluon-serial": {"WS": 0, "PAIR": 0, "OVERLAP": 0},

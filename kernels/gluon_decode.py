@@ -70,6 +70,7 @@ from .gluon_fragments import (
     as_a_channels,
     as_a_rows,
     chan_layout,
+    cp_async,
     crumbs,
     fp8_as_a_rows,
     idx3,
@@ -102,8 +103,6 @@ def _vg(fmt: int) -> int:
     """Bytes of a V row per scale group in the V layouts (v_layouts): an nvfp4 block pair 8, an int group 16 / 8;
     fp8 has no groups: 16 = a thread's D/8 channels."""
     return {0: 8, 1: 16, 2: 8, 3: 16}[fmt]
-# cp.async global -> shared: `async_copy_global_to_shared` in triton 3.6 (the device), renamed `async_load` by 3.9 (CI)
-_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 
 # ----------------------------------------------------------------------------
@@ -333,11 +332,11 @@ def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, F
     vp = _page(pt_row, base + vw * PPW + vn // P, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
     vp = (vp + (V_OFF + (h * P + (vn & 6)) * KB + vb // VT * VT)) + ((vn & ~6) % P * KB + vb % VT)
     if MASKED:
-        _cp_async(kr.index(slot), kp, mask=kw * NT + kn < lim)
-        _cp_async(vr.index(slot), vp, mask=vw * NT + vn < lim)
+        cp_async(kr.index(slot), kp, mask=kw * NT + kn < lim)
+        cp_async(vr.index(slot), vp, mask=vw * NT + vn < lim)
     else:
-        _cp_async(kr.index(slot), kp)
-        _cp_async(vr.index(slot), vp)
+        cp_async(kr.index(slot), kp)
+        cp_async(vr.index(slot), vp)
     if FMT == GL_FMT_FP8:
         pass  # no scales
     elif FMT == GL_FMT_NVFP4:
@@ -347,11 +346,11 @@ def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, F
         sp = sp + ((h * P + sn % P) * (D // 16) + sj)
         if MASKED:
             sok = sw * NT + sn < lim
-            _cp_async(ksr.index(slot), sp + KS_OFF, mask=sok)
-            _cp_async(vsr.index(slot), sp + VS_OFF, mask=sok)
+            cp_async(ksr.index(slot), sp + KS_OFF, mask=sok)
+            cp_async(vsr.index(slot), sp + VS_OFF, mask=sok)
         else:
-            _cp_async(ksr.index(slot), sp + KS_OFF)
-            _cp_async(vsr.index(slot), sp + VS_OFF)
+            cp_async(ksr.index(slot), sp + KS_OFF)
+            cp_async(vsr.index(slot), sp + VS_OFF)
     else:
         # V scales / zeros: the warp's page's [D/32, P] token-minor fp16 rows as int32 token pairs (8 bytes a thread)
         LP: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, NGR, 32 // NGR], [W, 1, 1], [2, 1, 0])
@@ -361,11 +360,11 @@ def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, F
         pp = pp.to(gl.pointer_type(gl.int32), bitcast=True) + ((prow // P) * NGR + pg) * (P // 2) + (prow % P) // 2
         if MASKED:
             pok = pw * NT + 2 * pn < lim
-            _cp_async(vsr.index(slot), pp + VS_OFF // 4, mask=pok)
-            _cp_async(vzr.index(slot), pp + VZ_OFF // 4, mask=pok)
+            cp_async(vsr.index(slot), pp + VS_OFF // 4, mask=pok)
+            cp_async(vzr.index(slot), pp + VZ_OFF // 4, mask=pok)
         else:
-            _cp_async(vsr.index(slot), pp + VS_OFF // 4)
-            _cp_async(vzr.index(slot), pp + VZ_OFF // 4)
+            cp_async(vsr.index(slot), pp + VS_OFF // 4)
+            cp_async(vzr.index(slot), pp + VZ_OFF // 4)
         if INT2:
             # the warp's page's per-channel key scales and zeros [D] fp16 (8 bytes a thread)
             LC: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
@@ -375,11 +374,11 @@ def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, F
             cp = cp.to(gl.pointer_type(gl.float16), bitcast=True) + (h * 128 + cc)
             if MASKED:
                 cok = (cw * NT < lim) & (cc >= 0)
-                _cp_async(ksr.index(slot), cp + KS_OFF // 2, mask=cok)
-                _cp_async(kzr.index(slot), cp + KZ_OFF // 2, mask=cok)
+                cp_async(ksr.index(slot), cp + KS_OFF // 2, mask=cok)
+                cp_async(kzr.index(slot), cp + KZ_OFF // 2, mask=cok)
             else:
-                _cp_async(ksr.index(slot), cp + KS_OFF // 2)
-                _cp_async(kzr.index(slot), cp + KZ_OFF // 2)
+                cp_async(ksr.index(slot), cp + KS_OFF // 2)
+                cp_async(kzr.index(slot), cp + KZ_OFF // 2)
         else:
             LS4: gl.constexpr = _row_layout(W, NT, NGR)  # a token's 4 group scales (zeros): one 8-byte copy
             sw, sn, sj = idx3(LS4, W, NT, NGR)
@@ -387,11 +386,11 @@ def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, F
             sp = sp.to(gl.pointer_type(gl.float16), bitcast=True) + ((h * P + sn % P) * NGR + sj)
             if MASKED:
                 sok = sw * NT + sn < lim
-                _cp_async(ksr.index(slot), sp + KS_OFF // 2, mask=sok)
-                _cp_async(kzr.index(slot), sp + KZ_OFF // 2, mask=sok)
+                cp_async(ksr.index(slot), sp + KS_OFF // 2, mask=sok)
+                cp_async(kzr.index(slot), sp + KZ_OFF // 2, mask=sok)
             else:
-                _cp_async(ksr.index(slot), sp + KS_OFF // 2)
-                _cp_async(kzr.index(slot), sp + KZ_OFF // 2)
+                cp_async(ksr.index(slot), sp + KS_OFF // 2)
+                cp_async(kzr.index(slot), sp + KZ_OFF // 2)
 
 
 @gluon.jit

@@ -38,13 +38,19 @@ PTX unpackers and ``wgmma`` need a Hopper GPU, so the interpreter and other
 calls run ``triton_prefill``. ``tests/kernels/test_gluon_extend.py`` compiles the
 kernel for sm_90 on CPU and the gpu tests hold it to fp64 attention.
 
-Warp-specialized (``_gl_extend_ws_kernel``, the default: TUNING WS 1): the same step split between two
-partitions. A producer of LOAD_WARPS warps (LOAD_REGS registers after setmaxnreg) loads step i+1's packed
-bytes while it unpacks step i into a ring of SLOTS K / V tile pairs and arrives on its ``full`` barrier; the
-kernel's 8 warps wait on ``full``, run S, the softmax and PV, and release the slot on ``empty``. The unpack
-leaves the attending warps' path (H200, session 9: 1.07-1.16x the one-partition kernel). Both warpgroups still
-release a slot together (Gluon's mbarrier arrive is one thread of a partition), so they run in lockstep: no
-ping-pong yet.
+Warp-specialized (``_gl_extend_ws_kernel``, TUNING WS 1): the same step split between two partitions. A
+producer of LOAD_WARPS warps (LOAD_REGS registers after setmaxnreg) loads step i+1's packed bytes while it
+unpacks step i into a ring of SLOTS K / V tile pairs and arrives on its ``full`` barrier; the kernel's 8 warps
+wait on ``full``, run S, the softmax and PV, and release the slot on ``empty``. The unpack leaves the attending
+warps' path (H200, session 9: 1.07-1.16x the one-partition kernel). Both warpgroups release a slot together
+(Gluon's mbarrier arrive is one thread of a partition, after a barrier of the partition), so they run in lockstep.
+
+Two consumer partitions (``_gl_extend_pp_kernel``, the default: TUNING WS 2): each warpgroup is its own
+partition of 4 warps with half the rows (its own q tile), and releases a slot for itself (``empty`` counts 2),
+so no barrier joins the two and one's softmax runs while the other's wgmma does; the producer stages the chunk's
+own keys into the ring after the prefix (cp.async), so the chunk is pipelined too. H200, session 10: 1.10-1.15x
+WS 1. PP 1 makes them take turns issuing wgmma (named barriers, FlashAttention-3's ping-pong): 1-5% slower than
+letting them drift.
 
 Tuning (``TUNING``): WS 0 runs ``_gl_extend_kernel`` (the schedule above in one partition); there OVERLAP 0 waits
 each wgmma at once (the unpack after it), PAIR 0 uses the session-6 quarter unpacker, PAIR 2 int32 word pairs,
@@ -60,8 +66,10 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import shared_memory_descriptor
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from .gluon_fragments import cp_async
 from .layout import PageLayout
 from .paged_kv import PagedKV
 from .triton_codec import asm_e2m1_pair, asm_quarters
@@ -114,20 +122,22 @@ def _page_ids(pt_ptr, it, page_hi, N: gl.constexpr, P: gl.constexpr):
 
 
 @gluon.jit
-def _row_coords(qb, h, M: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLOCK_T: gl.constexpr):
-    """Row r of an [M, D] tile in _row_layout is chunk token qb * BLOCK_T + r // G and query head h * G + r % G ->
-    (tok [M], qh [M], channel c [1, D])."""
+def _row_coords(qb, h, M: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLOCK_T: gl.constexpr, R0: gl.constexpr = 0):
+    """Row r of an [M, D] tile in _row_layout (the program's rows R0 ..) is chunk token qb * BLOCK_T + (R0 + r) // G
+    and query head h * G + (R0 + r) % G -> (tok [M], qh [M], channel c [1, D])."""
     LR: gl.constexpr = _row_layout(gl.num_warps())
-    r = gl.arange(0, M, layout=gl.SliceLayout(1, LR))
+    r = R0 + gl.arange(0, M, layout=gl.SliceLayout(1, LR))
     c = gl.arange(0, D, layout=gl.SliceLayout(0, LR))[None, :]
     return qb * BLOCK_T + r // G, h * G + r % G, c
 
 
 @gluon.jit
-def _load_q(q_ptr, n_new, q_s0, qb, h, G: gl.constexpr, D: gl.constexpr, BLOCK_T: gl.constexpr):
-    """The program's queries [M = BLOCK_T * G, D] (rows past the chunk 0) -> a shared tile, the A operand of every S."""
-    M: gl.constexpr = BLOCK_T * G
-    tok, qh, c = _row_coords(qb, h, M, G, D, BLOCK_T)
+def _load_q(q_ptr, n_new, q_s0, qb, h, G: gl.constexpr, D: gl.constexpr, BLOCK_T: gl.constexpr, R0: gl.constexpr = 0,
+            ROWS: gl.constexpr = 0):  # fmt: skip
+    """The program's queries, rows R0 .. R0 + ROWS (0: all BLOCK_T * G), [M, D] (rows past the chunk 0) -> a shared
+    tile, the A operand of every S."""
+    M: gl.constexpr = ROWS if ROWS else BLOCK_T * G
+    tok, qh, c = _row_coords(qb, h, M, G, D, BLOCK_T, R0)
     q = gl.load(q_ptr + tok[:, None].to(gl.int64) * q_s0 + qh[:, None] * D + c, mask=(tok < n_new)[:, None], other=0.0)
     return gl.allocate_shared_memory(gl.float16, [M, D], gl.NVMMASharedLayout.get_default_for([M, D], gl.float16), q)
 
@@ -443,8 +453,8 @@ def _gl_extend_ws_kernel(
 ):  # fmt: skip
     """_gl_extend_kernel warp-specialized (WS): a producer partition of LOAD_WARPS warps loads and unpacks the
     prefix into a ring of SLOTS tile pairs (mbarriers full / empty), the kernel's own warps only attend; then the
-    chunk as in _gl_extend_kernel. The default since session 9 (H200: 0.76-0.81x FlashInfer bf16 from 32K cached,
-    1.07-1.16x _gl_extend_kernel; bench/NOTES-kernels.md)."""
+    chunk as in _gl_extend_kernel. The default in session 9 (H200: 0.76-0.81x FlashInfer bf16 from 32K cached,
+    1.07-1.16x _gl_extend_kernel; bench/NOTES-kernels.md), WS 1 since session 10."""
     W: gl.constexpr = gl.num_warps()
     M: gl.constexpr = BLOCK_T * G
     N: gl.constexpr = PPI * P
@@ -477,12 +487,173 @@ def _gl_extend_ws_kernel(
             v_div, k_s0, o_s0, o_s1, qb, h, G, D, BLOCK_T)  # fmt: skip
 
 
+@gluon.jit
+def _pp_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_len, n_new, k_s0, qb, h, P: gl.constexpr,
+             D: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, V_OFF: gl.constexpr,
+             VS_OFF: gl.constexpr, PPI: gl.constexpr, PAIR: gl.constexpr, BLOCK_T: gl.constexpr):  # fmt: skip
+    """WS 2 producer: the prefix as _ws_load, then the chunk's own keys up to the program's last token (fp16
+    quarter-major rows, cp.async into the slot, rows past the chunk zero-filled), N per step, into the same ring."""
+    _ws_load(buf_ptr, pt_ptr, k_ring, v_ring, full, empty, prefix_len, h, P, D, PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF,
+             PPI, PAIR)  # fmt: skip
+    N: gl.constexpr = PPI * P
+    SLOTS: gl.constexpr = k_ring.shape[0]
+    LR: gl.constexpr = _row_layout(gl.num_warps())
+    jr = gl.arange(0, N, layout=gl.SliceLayout(1, LR))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, LR))[None, :]
+    first = gl.cdiv(gl.cdiv(prefix_len, P), PPI)  # ring steps the prefix took
+    hi = gl.minimum(n_new, (qb + 1) * BLOCK_T)
+    for j0 in range(0, hi, N):
+        i = first + j0 // N
+        slot = i % SLOTS
+        j = j0 + jr
+        off = j[:, None].to(gl.int64) * k_s0 + h * D + c
+        jm = (j < n_new)[:, None]
+        mbarrier.wait(empty.index(slot), ((i // SLOTS) & 1) ^ 1)
+        cp_async(k_ring.index(slot), k_ptr + off, mask=jm)
+        cp_async(v_ring.index(slot), v_ptr + off, mask=jm)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(full.index(slot), count=1)
+
+
+@gluon.constexpr_function
+def _named_bar_asm(op: str, bar: int) -> str:
+    """PTX of a named barrier over both consumer warpgroups (256 threads): ``sync`` waits, ``arrive`` does not.
+    Ids 8 and 9: Triton's own barriers (the CTA's 0, the partitions') take the low ids."""
+    return f"bar.{op} {bar}, 256;\n mov.b32 $0, $1;"
+
+
+@gluon.jit
+def _named_bar(op: gl.constexpr, bar: gl.constexpr):
+    """Every thread of the partition once (a dummy register per thread carries the asm: not elided, kept in order)."""
+    W: gl.constexpr = gl.num_warps()
+    z = gl.zeros([32 * W], gl.int32, layout=gl.BlockedLayout([1], [32], [W], [0]))
+    gl.inline_asm_elementwise(_named_bar_asm(op, bar), "=r,r", [z], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _mma_turn(R0: gl.constexpr, PP: gl.constexpr):
+    """PP 1: wait for this warpgroup's turn at the tensor cores (bar 8 for the first, 9 for the second)."""
+    if PP:
+        _named_bar("sync", 9 if R0 else 8)
+
+
+@gluon.jit
+def _mma_pass(R0: gl.constexpr, PP: gl.constexpr):
+    """PP 1: hand the tensor cores to the other warpgroup (its barrier: our 128 arrivals complete its 256)."""
+    if PP:
+        _named_bar("arrive", 8 if R0 else 9)
+
+
+@gluon.jit
+def _pp_attend(q_smem, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h,
+               R0: gl.constexpr, G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PPI: gl.constexpr,
+               BLOCK_T: gl.constexpr, PP: gl.constexpr):  # fmt: skip
+    """WS 2 consumer: one warpgroup, the program's rows R0 .. R0 + M (its own q tile): prefix steps, then the chunk's
+    (causal), all from the ring; releases each slot for itself (``empty`` counts both warpgroups), so neither waits
+    for the other's softmax; then its rows of the output."""
+    W: gl.constexpr = gl.num_warps()
+    M: gl.constexpr = q_smem.shape[0]
+    N: gl.constexpr = PPI * P
+    SLOTS: gl.constexpr = k_ring.shape[0]
+    MMA: gl.constexpr = _mma_layout(W, N)
+    MMA_O: gl.constexpr = _mma_layout(W, D)
+    A_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=2)
+    m_i = gl.full([M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+    l_i = gl.zeros([M], gl.float32, layout=gl.SliceLayout(1, MMA))
+    acc = gl.zeros([M, D], gl.float32, layout=MMA_O)
+    s0 = gl.zeros([M, N], gl.float32, layout=MMA)
+    key = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))[None, :]
+    tok_s = (qb * BLOCK_T + (R0 + gl.arange(0, M, layout=gl.SliceLayout(1, MMA))) // G)[:, None]
+    first = gl.cdiv(gl.cdiv(prefix_len, P), PPI)
+    steps = first + gl.cdiv(gl.minimum(n_new, (qb + 1) * BLOCK_T), N)
+    if R0:  # PP 1: the first warpgroup starts
+        _mma_pass(R0, PP)
+    for i in range(steps):
+        slot = i % SLOTS
+        mbarrier.wait(full.index(slot), (i // SLOTS) & 1)
+        _mma_turn(R0, PP)
+        s_tok = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s0, use_acc=False, is_async=True)
+        _mma_pass(R0, PP)
+        s = warpgroup_mma_wait(0, deps=(s_tok,))
+        if i >= first:  # the chunk's own keys j0 ..: causal, their own score multiplier and V fold
+            j = (i - first) * N + key
+            s = gl.where((j <= tok_s) & (j < n_new), s * k_mul_new, float("-inf"))
+            p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, True)
+            p = p * v_div
+        elif (i + 1) * N > prefix_len:  # the last prefix step may end inside a page
+            s = gl.where(i * N + key < prefix_len, s, float("-inf"))
+            p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, True)
+        else:
+            p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, False)
+        pa = gl.convert_layout(p.to(gl.float16), A_P)
+        _mma_turn(R0, PP)
+        o_tok = warpgroup_mma(pa, v_ring.index(slot), acc, is_async=True)
+        if R0 == 0 or i + 1 < steps:  # PP 1: the second warpgroup's last pass would find no one waiting
+            _mma_pass(R0, PP)
+        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        _cta_barrier()  # this warpgroup is done reading the slot: its thread 0 releases it
+        mbarrier.arrive(empty.index(slot), count=1)
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, MMA_O))
+    out = gl.convert_layout(acc * (1.0 / (gl.where(l_o > 0, l_o, 1.0) * v_div))[:, None], _row_layout(W))
+    tok, qh, c = _row_coords(qb, h, M, G, D, BLOCK_T, R0)
+    ch = 4 * (c % (D // 4)) + c // (D // 4)  # column k * D/4 + j holds channel 4j + k
+    gl.store(o_ptr + tok[:, None].to(gl.int64) * o_s0 + qh[:, None] * o_s1 + ch, out.to(o_ptr.dtype.element_ty),
+             mask=(tok < n_new)[:, None])  # fmt: skip
+
+
+@gluon.jit
+def _gl_extend_pp_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, buf_ptr, pt_ptr, n_new, prefix_len, k_mul_new, v_div, q_s0, k_s0, o_s0, o_s1,
+    G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
+    KS_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr, BLOCK_T: gl.constexpr, PPI: gl.constexpr,
+    PAIR: gl.constexpr,
+    SLOTS: gl.constexpr,  # K / V tile pairs in the ring
+    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,  # the producer partition
+    ATT_REGS: gl.constexpr,  # the second warpgroup's registers (the first, the kernel's own 4 warps, gets the rest)
+    PP: gl.constexpr,  # 1: the warpgroups take turns issuing wgmma (named barriers 8 / 9), as FlashAttention-3's ping-pong
+):  # fmt: skip
+    """WS 2: the two warpgroups of _gl_extend_ws_kernel as two partitions of 4 warps, each with half the rows (its
+    own q tile) and its own release of a slot (``empty`` counts 2), so they drift apart and one's softmax can run
+    under the other's wgmma; the producer also stages the chunk's own keys, so the chunk runs through the ring too.
+    The kernel's num_warps is the first warpgroup's (4)."""
+    M: gl.constexpr = BLOCK_T * G
+    H2: gl.constexpr = M // 2
+    N: gl.constexpr = PPI * P
+    qb = gl.program_id(0)
+    h = gl.program_id(1)
+    TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float16)
+    q_0 = _load_q(q_ptr, n_new, q_s0, qb, h, G, D, BLOCK_T, 0, H2)
+    q_1 = _load_q(q_ptr, n_new, q_s0, qb, h, G, D, BLOCK_T, H2, H2)
+    k_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
+    v_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
+    full = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(SLOTS):
+        mbarrier.init(full.index(j), count=1)
+        mbarrier.init(empty.index(j), count=2)
+    fence_async_shared()
+    _cta_barrier()
+    gl.warp_specialize([
+        (_pp_attend, (q_0, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, 0,
+                      G, D, P, PPI, BLOCK_T, PP)),
+        (_pp_attend, (q_1, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, H2,
+                      G, D, P, PPI, BLOCK_T, PP)),
+        (_pp_load, (buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_len, n_new, k_s0, qb, h, P, D,
+                    PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF, PPI, PAIR, BLOCK_T)),
+    ], [4, LOAD_WARPS], [ATT_REGS, LOAD_REGS])  # fmt: skip
+
+
 # tiles: 32 chunk tokens x 4 heads = 128 rows, 8 pages of 16 = 128 prefix keys (and 128 chunk keys) per step
 TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 2, "PROBE": 0, "num_warps": 8,
-                          "WS": 1, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 136, "maxnreg": 168}  # fmt: skip
-# WS 1 (the default): _gl_extend_ws_kernel; its registers: the producer's LOAD_REGS, the kernel's warps what
-# maxnreg * (num_warps + LOAD_WARPS) leaves (168 * 12 - 136 * 4 = 8 x 184). Compiled with triton 3.6 and PAIR 2: at 136
-# the producer's loop spills nothing (at 120 it spilled ~12 values a step). WS 0: _gl_extend_kernel (PAIR 1 there).
+                          "WS": 2, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 136, "maxnreg": 168, "ATT_REGS": 184, "PP": 0}  # fmt: skip
+# WS 2 (the default): _gl_extend_pp_kernel, num_warps 8 = two consumer warpgroups (the kernel's own 4 warps and a
+# partition of 4 with ATT_REGS) + the producer's LOAD_WARPS with LOAD_REGS: 168 * 12 = 4 x 136 + 8 x 184.
+# WS 1: _gl_extend_ws_kernel, the kernel's 8 warps get what maxnreg * (num_warps + LOAD_WARPS) leaves
+# (168 * 12 - 136 * 4 = 8 x 184). Compiled with triton 3.6 and PAIR 2: at 136 the producer's loop spills nothing
+# (at 120 it spilled ~12 values a step). WS 0: _gl_extend_kernel (PAIR 1 there).
 
 
 def _launch_meta(cfg: dict[str, int]) -> tuple[Any, dict[str, Any]]:
@@ -490,6 +661,9 @@ def _launch_meta(cfg: dict[str, int]) -> tuple[Any, dict[str, Any]]:
     meta: dict[str, Any] = dict(BLOCK_T=cfg["BLOCK_T"], PPI=cfg["PPI"], PAIR=cfg["PAIR"], num_warps=cfg["num_warps"])
     if cfg["WS"]:
         meta.update(SLOTS=cfg["SLOTS"], LOAD_WARPS=cfg["LOAD_WARPS"], LOAD_REGS=cfg["LOAD_REGS"], maxnreg=cfg["maxnreg"])
+        if cfg["WS"] == 2:  # the kernel's own warps are the first consumer warpgroup
+            meta.update(ATT_REGS=cfg["ATT_REGS"], PP=cfg["PP"], num_warps=cfg["num_warps"] // 2)
+            return _gl_extend_pp_kernel, meta
         return _gl_extend_ws_kernel, meta
     meta.update(OVERLAP=cfg["OVERLAP"], PROBE=cfg["PROBE"])
     return _gl_extend_kernel, meta

@@ -27,6 +27,10 @@ from typing import Any
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+# cp.async global -> shared: `async_copy_global_to_shared` in triton 3.6 (the device), renamed `async_load` by 3.9 (CI)
+cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 GL_FMT_NVFP4: gl.constexpr = gl.constexpr(0)
 GL_FMT_INT4: gl.constexpr = gl.constexpr(1)

@@ -15,8 +15,10 @@ attention over the codec-dequantized prefix plus the chunk, same bound as the
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -32,7 +34,7 @@ from kvserving.kernels.options import KernelOptions
 
 # compiled in a child process: the test session runs with TRITON_INTERPRET=1
 _COMPILE = """
-import json, sys
+import json, re, sys
 from kvserving.kernels import gluon_extend
 from kvserving.kernels.compile_report import loop_ops, report
 kernel, sig, const = gluon_extend.compile_report_args(tuning=json.loads(sys.argv[1]))
@@ -40,7 +42,7 @@ warps = const.pop("num_warps")
 maxnreg = const.pop("maxnreg", None)
 r = report(kernel, sig, const, gluon=True, num_warps=warps, maxnreg=maxnreg, aligned=("q_s0", "k_s0", "o_s0", "o_s1"))
 print(json.dumps({"local": r["local"], "shared": r["shared"], "regs": r["regs"], "loop": dict(loop_ops(r["sass"])),
-                  "ops": dict(r["ops"])}))
+                  "ops": dict(r["ops"]), "bars": re.findall(r"BAR\\.SYNC\\S* ([^;]*);", r["sass"])}))
 """
 
 
@@ -70,15 +72,25 @@ def test_gluon_extend_compiles_for_sm90_with_each_wgmma_group_waited_once() -> N
     assert r["shared"] <= 128 * 128 * 2 * 5 + 1024
 
 
-def test_gluon_extend_default_is_warp_specialized_with_register_split() -> None:
-    # the default (WS 1): a producer partition of LOAD_WARPS warps hands registers back (setmaxnreg dealloc to
-    # LOAD_REGS) and the attending warps take them (alloc); S and PV as m64n128k16 wgmma in the consumers
-    r = _compile({})
+@pytest.mark.parametrize("ws", [1, 2])
+def test_gluon_extend_warp_specialized_with_register_split(ws: int) -> None:
+    # WS 1 and 2: a producer partition of LOAD_WARPS warps hands registers back (setmaxnreg dealloc to LOAD_REGS) and
+    # the attending warps take them (alloc); S and PV as m64n128k16 wgmma in the consumers
+    r = _compile({"WS": ws})
     ops = r["ops"]
-    assert gluon_extend.TUNING["WS"] == 1
     assert ops.get("USETMAXREG.DEALLOC.CTAPOOL", 0) >= 1 and ops.get("USETMAXREG.TRY_ALLOC.CTAPOOL", 0) >= 1, ops
     assert ops["HGMMA.64"] >= 16, ops
     assert r["regs"] == gluon_extend.TUNING["maxnreg"]
+    assert r["shared"] <= 227 * 1024
+    if ws == 2:
+        # each warpgroup its own partition (8 S + 8 PV wgmma each, one wait per group) and no barrier joins the two:
+        # every barrier is a partition's 128 threads (named) or barrier 1 (warp_specialize's entry and exit)
+        assert ops["HGMMA.64"] == 2 * 16 and ops["WARPGROUP.ARRIVE"] == 2 * 2 and ops["WARPGROUP.DEPBAR.LE"] == 2 * 2, ops
+        assert all(b.strip().endswith("0x80") or b.strip() == "0x1" for b in r["bars"]), collections.Counter(r["bars"])
+
+
+def test_gluon_extend_default_is_the_two_consumer_partition_kernel() -> None:
+    assert gluon_extend.TUNING["WS"] == 2 and gluon_extend.TUNING["PP"] == 0
 
 
 def _check(prefix_lens: list[int], n_new: int, tuning: dict[str, int] | None = None) -> None:
@@ -105,7 +117,7 @@ def _check(prefix_lens: list[int], n_new: int, tuning: dict[str, int] | None = N
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [{}, {"WS": 0, "PAIR": 1}, {"WS": 0, "PAIR": 2}, {"WS": 0, "PAIR": 0},
+@pytest.mark.parametrize("tuning", [{}, {"WS": 2}, {"WS": 2, "PP": 1}, {"WS": 0, "PAIR": 1}, {"WS": 0, "PAIR": 2}, {"WS": 0, "PAIR": 0},
                                     {"WS": 0, "PAIR": 1, "OVERLAP": 0},
                                     {"WS": 0, "PAIR": 1, "BLOCK_T": 16, "PPI": 4, "num_warps": 4}])  # fmt: skip
 def test_gpu_gluon_extend_real_shapes(tuning: dict[str, int]) -> None:
