@@ -31,7 +31,6 @@ reply, a client that dropped the reasoning) leaves the prompt as rendered.
 from __future__ import annotations
 
 import bisect
-import json
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -40,6 +39,8 @@ from typing import Protocol
 
 from .tag_spans import expand_runs
 from .tagger import TaggedPrompt
+from .token_prefixes import joined_elements as _joined_elements
+from .token_prefixes import json_elements as _elements
 from .tokenizer import Encoded
 
 
@@ -75,21 +76,10 @@ class _Held:
     ids_json: str  # the held ids as JSON array elements ("1,2,3"; "" for none)
 
 
-_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
-
-
-def _elements(ids: list[int]) -> str:
-    """``ids`` as the elements of a JSON array, no brackets."""
-    return _ENCODE(ids)[1:-1]
-
-
-def _joined(*parts: str) -> str:
-    return ",".join(p for p in parts if p)
-
-
 def _as_rendered(prompt: TaggedPrompt) -> Sent:
-    """``prompt`` sent as rendered, its ids encoded whole (nothing held to extend)."""
-    return Sent(prompt, spliced=False, ids_json=f"[{_elements(prompt.input_ids)}]")
+    """``prompt`` sent as rendered (nothing held to extend): its ids' JSON from the tagger
+    (the kept prefix's text plus the new ids'), else encoded whole."""
+    return Sent(prompt, spliced=False, ids_json=f"[{prompt.ids_json or _elements(prompt.input_ids)}]")
 
 
 class ExactHistory:
@@ -122,7 +112,7 @@ class ExactHistory:
         ids = array("i", sent.prompt.input_ids)
         ids.extend(output_ids)
         self._held.pop(key, None)
-        self._held[key] = _Held(ids, starts, sent.prompt.text + output_text, _joined(sent.ids_json[1:-1], _elements(output_ids)))
+        self._held[key] = _Held(ids, starts, sent.prompt.text + output_text, _joined_elements(sent.ids_json[1:-1], _elements(output_ids)))
         while len(self._held) > self.max_conversations:
             self._held.popitem(last=False)
 
@@ -133,7 +123,7 @@ class ExactHistory:
             return _as_rendered(prompt)
         n = len(held.ids)
         if len(prompt.input_ids) >= n and array("i", prompt.input_ids[:n]) == held.ids:  # the rendered ids already extend what the workers hold
-            return Sent(prompt, spliced=False, ids_json=f"[{_joined(held.ids_json, _elements(prompt.input_ids[n:]))}]")
+            return Sent(prompt, spliced=False, ids_json=f"[{_joined_elements(held.ids_json, _elements(prompt.input_ids[n:]))}]")
         canon = self._char_starts(prompt)
         if len(canon) != len(prompt.tags):
             return _as_rendered(prompt)
@@ -142,7 +132,7 @@ class ExactHistory:
         rest = self.tokenizer.encode(prompt.text[cut:])
         ids = held.ids.tolist() + list(rest.ids)
         starts = held.starts + array("i", [cut + a for a, _ in rest.offsets])
-        return Sent(_retag(prompt, ids, starts, canon), spliced=True, ids_json=f"[{_joined(held.ids_json, _elements(rest.ids))}]")
+        return Sent(_retag(prompt, ids, starts, canon), spliced=True, ids_json=f"[{_joined_elements(held.ids_json, _elements(rest.ids))}]")
 
     def _char_starts(self, prompt: TaggedPrompt) -> Sequence[int]:
         """Where each token of ``prompt`` starts in its text: the tagger's offsets, or (a
@@ -201,7 +191,7 @@ def _retag(prompt: TaggedPrompt, ids: list[int], starts: Sequence[int], canon_st
         for t in prompt.turn_starts
     )
     return replace(prompt, input_ids=ids, tags=expand_runs(out_runs), turn_starts=turn_starts, char_starts=starts,
-                   tag_runs=tuple(out_runs))
+                   tag_runs=tuple(out_runs), ids_json="")
 
 
 def _runs_of(tags: list[int]) -> list[tuple[int, int]]:

@@ -67,7 +67,7 @@ import operator
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvserving.tags import TEMPORAL, encode_tag
@@ -107,6 +107,9 @@ class TaggedPrompt:
     # The tags as runs, (end token, tag), when the tagger had them (empty otherwise):
     # what maps other ids onto these tags without a step per token (exact_history).
     tag_runs: tuple[tuple[int, int], ...] = ()
+    # `input_ids` as JSON array elements ("1,2,3") when the tagger had them from the kept
+    # prefix (token_prefixes.py); "" otherwise. Whoever changes the ids clears it.
+    ids_json: str = field(default="", compare=False)
 
     @property
     def current_turn_start(self) -> int:
@@ -322,7 +325,7 @@ class ChatTagger:
                     continue  # a first message's labels hold for every conversation that starts with it
                 entry.labels = _keep(entry.cut, merged, pieces, rendered, runs, headers, got.starts, marked_text, chunked)
         return TaggedPrompt(text=text, input_ids=got.ids, tags=tags, turn_starts=starts, method=method,
-                            char_starts=char_starts, tag_runs=tag_runs)
+                            char_starts=char_starts, tag_runs=tag_runs, ids_json=got.ids_json)
 
     def reuse_counts(self) -> tuple[dict[str, tuple[int, int]], int]:
         """(hits, misses) of the kept prefixes per part, and the tokens they hold (for metrics)."""

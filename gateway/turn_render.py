@@ -32,8 +32,11 @@ costs a re-sent turn, never a wrong prompt; ``TurnRenders`` stops appending
 when such mismatches pass 8 and a tenth of its drafts.
 
 Bounded: at most ``max_entries`` kept renders and ``max_chars`` characters of
-marked text in all, least recently used first out; a conversation's new render
-replaces the one it extended. Pure (no I/O); one event loop owns it.
+marked text in all (the default 16M, about what the tokenized prefixes'
+4M tokens cover; a kept render also holds its request's messages, plain and
+marked, so about three times that in memory), least recently used first out;
+a conversation's new render replaces the one it extended. Pure (no I/O); one
+event loop owns it.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ class TurnRenders:
     conversations that share such a key (the same reply at the same place) share a bucket,
     and the comparison of the messages picks the one a request extends."""
 
-    def __init__(self, *, max_entries: int = 2048, max_chars: int = 64_000_000) -> None:
+    def __init__(self, *, max_entries: int = 2048, max_chars: int = 16_000_000) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         if max_chars < 1:

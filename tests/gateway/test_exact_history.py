@@ -15,6 +15,7 @@ import pytest
 from kvserving.gateway.chat_template import ChatTemplate
 from kvserving.gateway.exact_history import ExactHistory
 from kvserving.gateway.tagger import ChatTagger, TaggedPrompt
+from kvserving.gateway.token_prefixes import TokenPrefixes
 from kvserving.gateway.tokenizer import Encoded, TextTokenizer
 from kvserving.tags import decode_tag
 
@@ -155,17 +156,24 @@ def test_retag_by_runs_equals_the_tag_of_the_covering_canonical_token() -> None:
             assert expanded == want
 
 
-def test_ids_json_is_the_json_of_the_ids_sent_in_every_case(tagger: ChatTagger, tok: TextTokenizer) -> None:
-    """The worker body's ids come from ``Sent.ids_json`` (built from the held ids' text): it
-    must equal the ids, whether the prompt is new, extends the held ids as rendered, is
-    spliced onto them, or was edited; after records with hidden, broken and no output."""
+@pytest.mark.parametrize("prefixed", [False, True])
+def test_ids_json_is_the_json_of_the_ids_sent_in_every_case(tagger: ChatTagger, tok: TextTokenizer, prefixed: bool) -> None:
+    """The worker body's ids come from ``Sent.ids_json`` (built from the held ids' text, or
+    from the tagger's kept prefix: ``TaggedPrompt.ids_json``): it must equal the ids,
+    whether the prompt is new, extends the held ids as rendered, is spliced onto them, or
+    was edited; after records with hidden, broken and no output."""
     history = ExactHistory(tok)
     seen: list[str] = []
+    from_prefix = 0
+    if prefixed:  # prompts that extend a kept prefix carry their ids' JSON
+        tagger = ChatTagger(tok, tagger.template, prefixes=TokenPrefixes(tok))
 
     def splice(key: str, prompt: TaggedPrompt) -> object:
+        nonlocal from_prefix
         sent = history.splice(key, prompt)
         assert json.loads(sent.ids_json) == sent.prompt.input_ids
         seen.append("spliced" if sent.spliced else "as_rendered")
+        from_prefix += bool(prompt.ids_json) and not sent.spliced
         return sent
 
     first = splice("conv", tagger.build(FIRST))
@@ -187,6 +195,7 @@ def test_ids_json_is_the_json_of_the_ids_sent_in_every_case(tagger: ChatTagger, 
     assert extended.input_ids[: len(canon.prompt.input_ids)] == canon.prompt.input_ids
     splice("canon", extended)  # the rendered ids extend the held ones: sent as rendered, ids from the held text
     assert seen == ["as_rendered", "spliced", "spliced", "as_rendered", "as_rendered", "as_rendered", "as_rendered"]
+    assert from_prefix == (5 if prefixed else 0)
 
 
 class _NoPieces:

@@ -7,6 +7,7 @@ that keep or strip earlier turns; and the kept prefixes stay within bounds."""
 from __future__ import annotations
 
 import copy
+import json
 import random
 from collections import Counter
 from pathlib import Path
@@ -100,6 +101,7 @@ def test_incremental_prompts_equal_the_full_path(tokenizer: TextTokenizer, templ
             got = incremental.build(copy.deepcopy(messages), tools=copy.deepcopy(tools))
             assert got == expected
             assert got.input_ids == tokenizer.encode_ids(got.text)
+            assert json.loads(f"[{got.ids_json}]") == got.input_ids  # the ids' JSON, kept prefix + new ids
             requests += 1
     # Every request after a conversation's first one reused a kept prefix.
     assert prefixes.hits >= requests - 12 and prefixes.misses == 12
