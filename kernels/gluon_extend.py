@@ -132,14 +132,18 @@ def _row_coords(qb, h, M: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _load_q(q_ptr, n_new, q_s0, qb, h, G: gl.constexpr, D: gl.constexpr, BLOCK_T: gl.constexpr, R0: gl.constexpr = 0,
-            ROWS: gl.constexpr = 0):  # fmt: skip
-    """The program's queries, rows R0 .. R0 + ROWS (0: all BLOCK_T * G), [M, D] (rows past the chunk 0) -> a shared
-    tile, the A operand of every S."""
+def _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G: gl.constexpr, D: gl.constexpr, BLOCK_T: gl.constexpr,
+            R0: gl.constexpr = 0, ROWS: gl.constexpr = 0):  # fmt: skip
+    """The program's queries, rows R0 .. R0 + ROWS (0: all BLOCK_T * G), times q_mul (the prefix's score multiplier),
+    in fp16 with the channels quarter-major (channel 4j + k at column k * D/4 + j, as the unpacked tiles), rows past
+    the chunk 0 -> a shared [M, D] tile, the A operand of every S. Read from the caller's q as it is (any float
+    dtype): no copy of q before the launch."""
     M: gl.constexpr = ROWS if ROWS else BLOCK_T * G
     tok, qh, c = _row_coords(qb, h, M, G, D, BLOCK_T, R0)
-    q = gl.load(q_ptr + tok[:, None].to(gl.int64) * q_s0 + qh[:, None] * D + c, mask=(tok < n_new)[:, None], other=0.0)
-    return gl.allocate_shared_memory(gl.float16, [M, D], gl.NVMMASharedLayout.get_default_for([M, D], gl.float16), q)
+    x = gl.load(q_ptr + tok[:, None].to(gl.int64) * q_s0 + qh[:, None] * q_s1 + c, mask=(tok < n_new)[:, None], other=0.0)
+    x = (x.to(gl.float32) * q_mul).to(gl.float16)
+    x = gl.reshape(gl.permute(gl.reshape(x, [M, D // 4, 4]), [0, 2, 1]), [M, D])  # [M, j, k] -> [M, k, j]
+    return gl.allocate_shared_memory(gl.float16, [M, D], gl.NVMMASharedLayout.get_default_for([M, D], gl.float16), x)
 
 
 @gluon.jit
@@ -327,14 +331,15 @@ def _finish(q_smem, kc, vc, m_i, l_i, acc, s0, key, k_ptr, v_ptr, o_ptr, n_new, 
 
 @gluon.jit
 def _gl_extend_kernel(
-    q_ptr,  # [n, Hq, 4, D/4] fp16: the chunk's queries, quarter-major, times the prefix's score multiplier
+    q_ptr,  # [n, Hq, D]: the chunk's queries (strides q_s0, q_s1, 1), any float dtype
     k_ptr, v_ptr,  # [n, H, 4, D/4] fp16: the chunk's own K / V, quarter-major
     o_ptr,  # [n, Hq, D] output (strides o_s0, o_s1, 1)
     buf_ptr, pt_ptr,  # uint8 layer buffer, int32 prefix page ids
     n_new, prefix_len,
+    q_mul,  # fp32: the prefix's score multiplier (sm_scale * log2(e) * K's fold), applied to q as it is loaded
     k_mul_new,  # fp32: the chunk's score multiplier relative to q's
     v_div,  # fp32: 1 / (V fold): the chunk's P is scaled by it, the output by its inverse
-    q_s0, k_s0, o_s0, o_s1,
+    q_s0, q_s1, k_s0, o_s0, o_s1,
     G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
     KS_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
     BLOCK_T: gl.constexpr, PPI: gl.constexpr, OVERLAP: gl.constexpr,
@@ -351,7 +356,7 @@ def _gl_extend_kernel(
     MMA_O: gl.constexpr = _mma_layout(W, D)  # O [M, D]
     A_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=2)
     TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float16)
-    q_smem = _load_q(q_ptr, n_new, q_s0, qb, h, G, D, BLOCK_T)
+    q_smem = _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G, D, BLOCK_T)
     k_a = gl.allocate_shared_memory(gl.float16, [N, D], TILE)
     v_a = gl.allocate_shared_memory(gl.float16, [N, D], TILE)
     k_b = gl.allocate_shared_memory(gl.float16, [N, D], TILE)
@@ -394,9 +399,10 @@ def _gl_extend_kernel(
 @gluon.jit
 def _ws_load(buf_ptr, pt_ptr, k_ring, v_ring, full, empty, prefix_len, h, P: gl.constexpr, D: gl.constexpr,
              PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, V_OFF: gl.constexpr,
-             VS_OFF: gl.constexpr, PPI: gl.constexpr, PAIR: gl.constexpr):  # fmt: skip
+             VS_OFF: gl.constexpr, PPI: gl.constexpr, PAIR: gl.constexpr, PROBE: gl.constexpr = 0):  # fmt: skip
     """WS producer partition: loads and unpacks step i into ring slot i % SLOTS once the consumers released it
-    (``empty``), then signals ``full``; step i+1's bytes and step i+2's page ids are in flight meanwhile."""
+    (``empty``), then signals ``full``; step i+1's bytes and step i+2's page ids are in flight meanwhile. PROBE 1
+    (measurement only, wrong output): no unpacking, the slots keep what they held."""
     N: gl.constexpr = PPI * P
     SLOTS: gl.constexpr = k_ring.shape[0]
     num_pages = gl.cdiv(prefix_len, P)
@@ -410,8 +416,9 @@ def _ws_load(buf_ptr, pt_ptr, k_ring, v_ring, full, empty, prefix_len, h, P: gl.
                                        V_OFF, VS_OFF, PAIR == 2)  # fmt: skip
         pid = _page_ids(pt_ptr, (i + 2) * PPI, num_pages, N, P)
         mbarrier.wait(empty.index(slot), ((i // SLOTS) & 1) ^ 1)  # a fresh mbarrier counts as released once
-        _unpack(kw, ks, k_ring.index(slot), PAIR)
-        _unpack(vw, vs, v_ring.index(slot), PAIR)
+        if PROBE == 0:
+            _unpack(kw, ks, k_ring.index(slot), PAIR)
+            _unpack(vw, vs, v_ring.index(slot), PAIR)
         fence_async_shared()
         _cta_barrier()  # the partition's stores are done: its thread 0 arrives for all
         mbarrier.arrive(full.index(slot), count=1)
@@ -444,7 +451,7 @@ def _ws_attend(q_smem, k_ring, v_ring, full, empty, m_i, l_i, acc, s0, key, pref
 
 @gluon.jit
 def _gl_extend_ws_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, buf_ptr, pt_ptr, n_new, prefix_len, k_mul_new, v_div, q_s0, k_s0, o_s0, o_s1,
+    q_ptr, k_ptr, v_ptr, o_ptr, buf_ptr, pt_ptr, n_new, prefix_len, q_mul, k_mul_new, v_div, q_s0, q_s1, k_s0, o_s0, o_s1,
     G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
     KS_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr, BLOCK_T: gl.constexpr, PPI: gl.constexpr,
     PAIR: gl.constexpr,
@@ -462,7 +469,7 @@ def _gl_extend_ws_kernel(
     h = gl.program_id(1)
     MMA: gl.constexpr = _mma_layout(W, N)
     TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float16)
-    q_smem = _load_q(q_ptr, n_new, q_s0, qb, h, G, D, BLOCK_T)
+    q_smem = _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G, D, BLOCK_T)
     k_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
     v_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
     full = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
@@ -490,11 +497,12 @@ def _gl_extend_ws_kernel(
 @gluon.jit
 def _pp_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_len, n_new, k_s0, qb, h, P: gl.constexpr,
              D: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, V_OFF: gl.constexpr,
-             VS_OFF: gl.constexpr, PPI: gl.constexpr, PAIR: gl.constexpr, BLOCK_T: gl.constexpr):  # fmt: skip
+             VS_OFF: gl.constexpr, PPI: gl.constexpr, PAIR: gl.constexpr, BLOCK_T: gl.constexpr,
+             PROBE: gl.constexpr):  # fmt: skip
     """WS 2 producer: the prefix as _ws_load, then the chunk's own keys up to the program's last token (fp16
     quarter-major rows, cp.async into the slot, rows past the chunk zero-filled), N per step, into the same ring."""
     _ws_load(buf_ptr, pt_ptr, k_ring, v_ring, full, empty, prefix_len, h, P, D, PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF,
-             PPI, PAIR)  # fmt: skip
+             PPI, PAIR, PROBE)  # fmt: skip
     N: gl.constexpr = PPI * P
     SLOTS: gl.constexpr = k_ring.shape[0]
     LR: gl.constexpr = _row_layout(gl.num_warps())
@@ -606,7 +614,7 @@ def _pp_attend(q_smem, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_
 
 @gluon.jit
 def _gl_extend_pp_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, buf_ptr, pt_ptr, n_new, prefix_len, k_mul_new, v_div, q_s0, k_s0, o_s0, o_s1,
+    q_ptr, k_ptr, v_ptr, o_ptr, buf_ptr, pt_ptr, n_new, prefix_len, q_mul, k_mul_new, v_div, q_s0, q_s1, k_s0, o_s0, o_s1,
     G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
     KS_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr, BLOCK_T: gl.constexpr, PPI: gl.constexpr,
     PAIR: gl.constexpr,
@@ -614,6 +622,8 @@ def _gl_extend_pp_kernel(
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,  # the producer partition
     ATT_REGS: gl.constexpr,  # the second warpgroup's registers (the first, the kernel's own 4 warps, gets the rest)
     PP: gl.constexpr,  # 1: the warpgroups take turns issuing wgmma (named barriers 8 / 9), as FlashAttention-3's ping-pong
+    REV: gl.constexpr,  # 1: chunk blocks in reverse order (the last, with the most causal keys, first: a shorter tail)
+    PROBE: gl.constexpr,  # measurement only: 1 = no unpacking (wrong output)
 ):  # fmt: skip
     """WS 2: the two warpgroups of _gl_extend_ws_kernel as two partitions of 4 warps, each with half the rows (its
     own q tile) and its own release of a slot (``empty`` counts 2), so they drift apart and one's softmax can run
@@ -622,11 +632,14 @@ def _gl_extend_pp_kernel(
     M: gl.constexpr = BLOCK_T * G
     H2: gl.constexpr = M // 2
     N: gl.constexpr = PPI * P
-    qb = gl.program_id(0)
+    if REV:
+        qb = gl.num_programs(0) - 1 - gl.program_id(0)
+    else:
+        qb = gl.program_id(0)
     h = gl.program_id(1)
     TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float16)
-    q_0 = _load_q(q_ptr, n_new, q_s0, qb, h, G, D, BLOCK_T, 0, H2)
-    q_1 = _load_q(q_ptr, n_new, q_s0, qb, h, G, D, BLOCK_T, H2, H2)
+    q_0 = _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G, D, BLOCK_T, 0, H2)
+    q_1 = _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G, D, BLOCK_T, H2, H2)
     k_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
     v_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
     full = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
@@ -642,13 +655,13 @@ def _gl_extend_pp_kernel(
         (_pp_attend, (q_1, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, H2,
                       G, D, P, PPI, BLOCK_T, PP)),
         (_pp_load, (buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_len, n_new, k_s0, qb, h, P, D,
-                    PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF, PPI, PAIR, BLOCK_T)),
+                    PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF, PPI, PAIR, BLOCK_T, PROBE)),
     ], [4, LOAD_WARPS], [ATT_REGS, LOAD_REGS])  # fmt: skip
 
 
 # tiles: 32 chunk tokens x 4 heads = 128 rows, 8 pages of 16 = 128 prefix keys (and 128 chunk keys) per step
 TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 2, "PROBE": 0, "num_warps": 8,
-                          "WS": 2, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 136, "maxnreg": 168, "ATT_REGS": 184, "PP": 0}  # fmt: skip
+                          "WS": 2, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 136, "maxnreg": 168, "ATT_REGS": 184, "PP": 0, "REV": 1}  # fmt: skip
 # WS 2 (the default): _gl_extend_pp_kernel, num_warps 8 = two consumer warpgroups (the kernel's own 4 warps and a
 # partition of 4 with ATT_REGS) + the producer's LOAD_WARPS with LOAD_REGS: 168 * 12 = 4 x 136 + 8 x 184.
 # WS 1: _gl_extend_ws_kernel, the kernel's 8 warps get what maxnreg * (num_warps + LOAD_WARPS) leaves
@@ -662,7 +675,8 @@ def _launch_meta(cfg: dict[str, int]) -> tuple[Any, dict[str, Any]]:
     if cfg["WS"]:
         meta.update(SLOTS=cfg["SLOTS"], LOAD_WARPS=cfg["LOAD_WARPS"], LOAD_REGS=cfg["LOAD_REGS"], maxnreg=cfg["maxnreg"])
         if cfg["WS"] == 2:  # the kernel's own warps are the first consumer warpgroup
-            meta.update(ATT_REGS=cfg["ATT_REGS"], PP=cfg["PP"], num_warps=cfg["num_warps"] // 2)
+            meta.update(ATT_REGS=cfg["ATT_REGS"], PP=cfg["PP"], REV=cfg["REV"], PROBE=cfg["PROBE"],
+                        num_warps=cfg["num_warps"] // 2)
             return _gl_extend_pp_kernel, meta
         return _gl_extend_ws_kernel, meta
     meta.update(OVERLAP=cfg["OVERLAP"], PROBE=cfg["PROBE"])
@@ -695,6 +709,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
         return out
     if out.stride(2) != 1:
         out = out.contiguous()
+    if q.stride(2) != 1:  # the kernel reads q's channels at unit stride
+        q = q.contiguous()
     cfg = {**TUNING, **(tuning or {})}
     p = lay.page_size
     pages = prefix_pages[: triton.cdiv(prefix_len, p)].contiguous()
@@ -702,16 +718,18 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
         pages = torch.zeros(1, dtype=torch.int32, device=q.device)  # never read (prefix_len 0), but a valid pointer
     k_fold, v_fold = folded_scales(kv)
     k_mul_pre = sm_scale * LOG2E * k_fold
-    # q times the prefix's score multiplier; q, k, v quarter-major ([.., 4, D/4]: channel 4j + k at k * D/4 + j)
-    q_in = (q.float() * k_mul_pre).view(n, hq, d // 4, 4).transpose(2, 3).to(torch.float16).contiguous()
-    k_in = k.view(n, h, d // 4, 4).transpose(2, 3).to(torch.float16).contiguous()
-    v_in = v.view(n, h, d // 4, 4).transpose(2, 3).to(torch.float16).contiguous()
+    # the chunk's k, v in fp16, quarter-major ([.., 4, D/4]: channel 4j + k at k * D/4 + j), one copy each; q is read
+    # as it is (the kernel scales and permutes it)
+    k_in = torch.empty((n, h, 4, d // 4), dtype=torch.float16, device=q.device)
+    k_in.copy_(k.view(n, h, d // 4, 4).transpose(2, 3))
+    v_in = torch.empty_like(k_in)
+    v_in.copy_(v.view(n, h, d // 4, 4).transpose(2, 3))
     a = field_offsets(lay)
     grid = (triton.cdiv(n, cfg["BLOCK_T"]), h)
     kernel, meta = _launch_meta(cfg)
     kernel[grid](
-        q_in, k_in, v_in, out, kv.buffer, pages, n, prefix_len, sm_scale * LOG2E / k_mul_pre, 1.0 / v_fold,
-        q_in.stride(0), k_in.stride(0), out.stride(0), out.stride(1),
+        q, k_in, v_in, out, kv.buffer, pages, n, prefix_len, k_mul_pre, sm_scale * LOG2E / k_mul_pre, 1.0 / v_fold,
+        q.stride(0), q.stride(1), k_in.stride(0), out.stride(0), out.stride(1),
         G=hq // h, D=d, P=p, PAGE_BYTES=a[0], K_OFF=a[1], KS_OFF=a[2], V_OFF=a[4], VS_OFF=a[5], **meta,
     )  # fmt: skip
     return out
@@ -724,9 +742,9 @@ def compile_report_args(*, tuning: dict[str, int] | None = None) -> tuple[Any, d
     cfg = {**TUNING, **(tuning or {})}
     lay = PageLayout.build("nvfp4", page_size=16, kv_heads=8, head_dim=128)
     a = field_offsets(lay)
-    sig = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "o_ptr": "*bf16", "buf_ptr": "*u8", "pt_ptr": "*i32",
-           "n_new": "i32", "prefix_len": "i32", "k_mul_new": "fp32", "v_div": "fp32", "q_s0": "i32", "k_s0": "i32",
-           "o_s0": "i32", "o_s1": "i32"}  # fmt: skip
+    sig = {"q_ptr": "*bf16", "k_ptr": "*fp16", "v_ptr": "*fp16", "o_ptr": "*bf16", "buf_ptr": "*u8", "pt_ptr": "*i32",
+           "n_new": "i32", "prefix_len": "i32", "q_mul": "fp32", "k_mul_new": "fp32", "v_div": "fp32", "q_s0": "i32",
+           "q_s1": "i32", "k_s0": "i32", "o_s0": "i32", "o_s1": "i32"}  # fmt: skip
     kernel, meta = _launch_meta(cfg)
     const: dict[str, Any] = dict(G=4, D=128, P=16, PAGE_BYTES=a[0], K_OFF=a[1], KS_OFF=a[2], V_OFF=a[4], VS_OFF=a[5],
                                  **meta)  # fmt: skip
