@@ -63,11 +63,9 @@ VARIANTS: dict[str, tuple[dict[str, int], bool]] = {
 GLUON_VARIANTS: dict[str, dict[str, int]] = {
     "gluon": {},
     # WS 2 (the default since session 10): the two consumer warpgroups as two partitions (own q rows, own slot
-    # release), the chunk through the ring too; PP 1: and the warpgroups take turns issuing wgmma (named barriers)
+    # release), the chunk through the ring too
     "gluon-ws2": {"WS": 2},
-    "gluon-ws2pp": {"WS": 2, "PP": 1},
     "gluon-ws2rev0": {"WS": 2, "REV": 0},  # chunk blocks in launch order (the default: last-first)
-    "gluon-ws2p8": {"WS": 2, "LOAD_WARPS": 8, "LOAD_REGS": 88, "ATT_REGS": 168, "maxnreg": 128},  # 8 producer warps
     "gluon-ws2probe1": {"WS": 2, "PROBE": 1},  # measurement only (wrong output): no unpacking in the producer
     # WS 1 (the default of session 9): one consumer partition of 8 warps; its producer's registers
     "gluon-ws1": {"WS": 1},

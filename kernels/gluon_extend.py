@@ -49,8 +49,9 @@ Two consumer partitions (``_gl_extend_pp_kernel``, the default: TUNING WS 2): ea
 partition of 4 warps with half the rows (its own q tile), and releases a slot for itself (``empty`` counts 2),
 so no barrier joins the two and one's softmax runs while the other's wgmma does; the producer stages the chunk's
 own keys into the ring after the prefix (cp.async), so the chunk is pipelined too. H200, session 10: 1.10-1.15x
-WS 1. PP 1 makes them take turns issuing wgmma (named barriers, FlashAttention-3's ping-pong): 1-5% slower than
-letting them drift.
+WS 1 (taking turns at the wgmma through named barriers, FlashAttention-3's ping-pong, was 1-5% slower than
+letting them drift: bench/NOTES-kernels.md). q is read as the caller holds it (scaled and put quarter-major in
+the kernel), and the chunk blocks run last-first (REV 1: the blocks with the most causal keys first).
 
 Tuning (``TUNING``): WS 0 runs ``_gl_extend_kernel`` (the schedule above in one partition); there OVERLAP 0 waits
 each wgmma at once (the unpack after it), PAIR 0 uses the session-6 quarter unpacker, PAIR 2 int32 word pairs,
@@ -526,39 +527,10 @@ def _pp_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_
         mbarrier.arrive(full.index(slot), count=1)
 
 
-@gluon.constexpr_function
-def _named_bar_asm(op: str, bar: int) -> str:
-    """PTX of a named barrier over both consumer warpgroups (256 threads): ``sync`` waits, ``arrive`` does not.
-    Ids 8 and 9: Triton's own barriers (the CTA's 0, the partitions') take the low ids."""
-    return f"bar.{op} {bar}, 256;\n mov.b32 $0, $1;"
-
-
-@gluon.jit
-def _named_bar(op: gl.constexpr, bar: gl.constexpr):
-    """Every thread of the partition once (a dummy register per thread carries the asm: not elided, kept in order)."""
-    W: gl.constexpr = gl.num_warps()
-    z = gl.zeros([32 * W], gl.int32, layout=gl.BlockedLayout([1], [32], [W], [0]))
-    gl.inline_asm_elementwise(_named_bar_asm(op, bar), "=r,r", [z], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _mma_turn(R0: gl.constexpr, PP: gl.constexpr):
-    """PP 1: wait for this warpgroup's turn at the tensor cores (bar 8 for the first, 9 for the second)."""
-    if PP:
-        _named_bar("sync", 9 if R0 else 8)
-
-
-@gluon.jit
-def _mma_pass(R0: gl.constexpr, PP: gl.constexpr):
-    """PP 1: hand the tensor cores to the other warpgroup (its barrier: our 128 arrivals complete its 256)."""
-    if PP:
-        _named_bar("arrive", 8 if R0 else 9)
-
-
 @gluon.jit
 def _pp_attend(q_smem, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h,
                R0: gl.constexpr, G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PPI: gl.constexpr,
-               BLOCK_T: gl.constexpr, PP: gl.constexpr):  # fmt: skip
+               BLOCK_T: gl.constexpr):  # fmt: skip
     """WS 2 consumer: one warpgroup, the program's rows R0 .. R0 + M (its own q tile): prefix steps, then the chunk's
     (causal), all from the ring; releases each slot for itself (``empty`` counts both warpgroups), so neither waits
     for the other's softmax; then its rows of the output."""
@@ -577,15 +549,10 @@ def _pp_attend(q_smem, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_
     tok_s = (qb * BLOCK_T + (R0 + gl.arange(0, M, layout=gl.SliceLayout(1, MMA))) // G)[:, None]
     first = gl.cdiv(gl.cdiv(prefix_len, P), PPI)
     steps = first + gl.cdiv(gl.minimum(n_new, (qb + 1) * BLOCK_T), N)
-    if R0:  # PP 1: the first warpgroup starts
-        _mma_pass(R0, PP)
     for i in range(steps):
         slot = i % SLOTS
         mbarrier.wait(full.index(slot), (i // SLOTS) & 1)
-        _mma_turn(R0, PP)
-        s_tok = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s0, use_acc=False, is_async=True)
-        _mma_pass(R0, PP)
-        s = warpgroup_mma_wait(0, deps=(s_tok,))
+        s = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s0, use_acc=False)
         if i >= first:  # the chunk's own keys j0 ..: causal, their own score multiplier and V fold
             j = (i - first) * N + key
             s = gl.where((j <= tok_s) & (j < n_new), s * k_mul_new, float("-inf"))
@@ -596,12 +563,7 @@ def _pp_attend(q_smem, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_
             p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, True)
         else:
             p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, False)
-        pa = gl.convert_layout(p.to(gl.float16), A_P)
-        _mma_turn(R0, PP)
-        o_tok = warpgroup_mma(pa, v_ring.index(slot), acc, is_async=True)
-        if R0 == 0 or i + 1 < steps:  # PP 1: the second warpgroup's last pass would find no one waiting
-            _mma_pass(R0, PP)
-        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        acc = warpgroup_mma(gl.convert_layout(p.to(gl.float16), A_P), v_ring.index(slot), acc)
         _cta_barrier()  # this warpgroup is done reading the slot: its thread 0 releases it
         mbarrier.arrive(empty.index(slot), count=1)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, MMA_O))
@@ -621,7 +583,6 @@ def _gl_extend_pp_kernel(
     SLOTS: gl.constexpr,  # K / V tile pairs in the ring
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,  # the producer partition
     ATT_REGS: gl.constexpr,  # the second warpgroup's registers (the first, the kernel's own 4 warps, gets the rest)
-    PP: gl.constexpr,  # 1: the warpgroups take turns issuing wgmma (named barriers 8 / 9), as FlashAttention-3's ping-pong
     REV: gl.constexpr,  # 1: chunk blocks in reverse order (the last, with the most causal keys, first: a shorter tail)
     PROBE: gl.constexpr,  # measurement only: 1 = no unpacking (wrong output)
 ):  # fmt: skip
@@ -651,9 +612,9 @@ def _gl_extend_pp_kernel(
     _cta_barrier()
     gl.warp_specialize([
         (_pp_attend, (q_0, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, 0,
-                      G, D, P, PPI, BLOCK_T, PP)),
+                      G, D, P, PPI, BLOCK_T)),
         (_pp_attend, (q_1, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, H2,
-                      G, D, P, PPI, BLOCK_T, PP)),
+                      G, D, P, PPI, BLOCK_T)),
         (_pp_load, (buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_len, n_new, k_s0, qb, h, P, D,
                     PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF, PPI, PAIR, BLOCK_T, PROBE)),
     ], [4, LOAD_WARPS], [ATT_REGS, LOAD_REGS])  # fmt: skip
@@ -661,7 +622,7 @@ def _gl_extend_pp_kernel(
 
 # tiles: 32 chunk tokens x 4 heads = 128 rows, 8 pages of 16 = 128 prefix keys (and 128 chunk keys) per step
 TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 2, "PROBE": 0, "num_warps": 8,
-                          "WS": 2, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 136, "maxnreg": 168, "ATT_REGS": 184, "PP": 0, "REV": 1}  # fmt: skip
+                          "WS": 2, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 136, "maxnreg": 168, "ATT_REGS": 184, "REV": 1}  # fmt: skip
 # WS 2 (the default): _gl_extend_pp_kernel, num_warps 8 = two consumer warpgroups (the kernel's own 4 warps and a
 # partition of 4 with ATT_REGS) + the producer's LOAD_WARPS with LOAD_REGS: 168 * 12 = 4 x 136 + 8 x 184.
 # WS 1: _gl_extend_ws_kernel, the kernel's 8 warps get what maxnreg * (num_warps + LOAD_WARPS) leaves
@@ -675,7 +636,7 @@ def _launch_meta(cfg: dict[str, int]) -> tuple[Any, dict[str, Any]]:
     if cfg["WS"]:
         meta.update(SLOTS=cfg["SLOTS"], LOAD_WARPS=cfg["LOAD_WARPS"], LOAD_REGS=cfg["LOAD_REGS"], maxnreg=cfg["maxnreg"])
         if cfg["WS"] == 2:  # the kernel's own warps are the first consumer warpgroup
-            meta.update(ATT_REGS=cfg["ATT_REGS"], PP=cfg["PP"], REV=cfg["REV"], PROBE=cfg["PROBE"],
+            meta.update(ATT_REGS=cfg["ATT_REGS"], REV=cfg["REV"], PROBE=cfg["PROBE"],
                         num_warps=cfg["num_warps"] // 2)
             return _gl_extend_pp_kernel, meta
         return _gl_extend_ws_kernel, meta

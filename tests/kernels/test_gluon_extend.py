@@ -90,7 +90,7 @@ def test_gluon_extend_warp_specialized_with_register_split(ws: int) -> None:
 
 
 def test_gluon_extend_default_is_the_two_consumer_partition_kernel() -> None:
-    assert gluon_extend.TUNING["WS"] == 2 and gluon_extend.TUNING["PP"] == 0
+    assert gluon_extend.TUNING["WS"] == 2 and gluon_extend.TUNING["REV"] == 1
 
 
 def _check(prefix_lens: list[int], n_new: int, tuning: dict[str, int] | None = None) -> None:
@@ -117,10 +117,9 @@ def _check(prefix_lens: list[int], n_new: int, tuning: dict[str, int] | None = N
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [{}, {"WS": 2}, {"WS": 2, "PP": 1}, {"WS": 0, "PAIR": 1}, {"WS": 0, "PAIR": 2}, {"WS": 0, "PAIR": 0},
+@pytest.mark.parametrize("tuning", [{}, {"WS": 1}, {"WS": 0, "PAIR": 1}, {"WS": 0, "PAIR": 2}, {"WS": 0, "PAIR": 0},
                                     {"WS": 0, "PAIR": 1, "OVERLAP": 0},
-                                    {"WS": 0, "PAIR": 1, "BLOCK_T": 16, "PPI": 4, "num_warps": 4},
-                                    {"LOAD_WARPS": 8, "LOAD_REGS": 88, "ATT_REGS": 168, "maxnreg": 128}])  # fmt: skip
+                                    {"WS": 0, "PAIR": 1, "BLOCK_T": 16, "PPI": 4, "num_warps": 4}])  # fmt: skip
 def test_gpu_gluon_extend_real_shapes(tuning: dict[str, int]) -> None:
     # prefixes: whole steps + a partial page (odd step count), exactly one step, empty, 3000 (even step count);
     # 300 new tokens: 32-token blocks, the last partial, chunk steps of 128 keys, the last partial
