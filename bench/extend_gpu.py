@@ -66,7 +66,10 @@ GLUON_VARIANTS: dict[str, dict[str, int]] = {
     # release), the chunk through the ring too
     "gluon-ws2": {"WS": 2},
     "gluon-ws2rev0": {"WS": 2, "REV": 0},  # chunk blocks in launch order (the default: last-first)
-    "gluon-ws2probe1": {"WS": 2, "PROBE": 1},  # measurement only (wrong output): no unpacking in the producer
+    # measurement only (wrong output): the producer without unpacking, without its proxy fence, storing zero tiles
+    "gluon-ws2probe1": {"WS": 2, "PROBE": 1},
+    "gluon-ws2probe2": {"WS": 2, "PROBE": 2},
+    "gluon-ws2probe3": {"WS": 2, "PROBE": 3},
     # WS 1 (the default of session 9): one consumer partition of 8 warps; its producer's registers
     "gluon-ws1": {"WS": 1},
     "gluon-ws120": {"WS": 1, "LOAD_REGS": 120},

@@ -402,8 +402,10 @@ def _ws_load(buf_ptr, pt_ptr, k_ring, v_ring, full, empty, prefix_len, h, P: gl.
              PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, V_OFF: gl.constexpr,
              VS_OFF: gl.constexpr, PPI: gl.constexpr, PAIR: gl.constexpr, PROBE: gl.constexpr = 0):  # fmt: skip
     """WS producer partition: loads and unpacks step i into ring slot i % SLOTS once the consumers released it
-    (``empty``), then signals ``full``; step i+1's bytes and step i+2's page ids are in flight meanwhile. PROBE 1
-    (measurement only, wrong output): no unpacking, the slots keep what they held."""
+    (``empty``), then signals ``full``; step i+1's bytes and step i+2's page ids are in flight meanwhile. PROBE
+    (measurement only, wrong output): 1 no unpacking, the slots keep what they held; 2 the unpack without the
+    generic -> async proxy fence (ptxas' MEMBAR.ALL.CTA; racy); 3 zero tiles stored instead of the unpack (the
+    shared-memory stores without the unpacking arithmetic)."""
     N: gl.constexpr = PPI * P
     SLOTS: gl.constexpr = k_ring.shape[0]
     num_pages = gl.cdiv(prefix_len, P)
@@ -417,10 +419,15 @@ def _ws_load(buf_ptr, pt_ptr, k_ring, v_ring, full, empty, prefix_len, h, P: gl.
                                        V_OFF, VS_OFF, PAIR == 2)  # fmt: skip
         pid = _page_ids(pt_ptr, (i + 2) * PPI, num_pages, N, P)
         mbarrier.wait(empty.index(slot), ((i // SLOTS) & 1) ^ 1)  # a fresh mbarrier counts as released once
-        if PROBE == 0:
+        if PROBE == 0 or PROBE == 2:
             _unpack(kw, ks, k_ring.index(slot), PAIR)
             _unpack(vw, vs, v_ring.index(slot), PAIR)
-        fence_async_shared()
+        if PROBE == 3:
+            zero = gl.zeros([N, D], gl.float16, layout=_row_layout(gl.num_warps()))
+            k_ring.index(slot).store(zero)
+            v_ring.index(slot).store(zero)
+        if PROBE != 2:
+            fence_async_shared()
         _cta_barrier()  # the partition's stores are done: its thread 0 arrives for all
         mbarrier.arrive(full.index(slot), count=1)
         kw, vw, ks, vs = nkw, nvw, nks, nvs
@@ -584,7 +591,7 @@ def _gl_extend_pp_kernel(
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,  # the producer partition
     ATT_REGS: gl.constexpr,  # the second warpgroup's registers (the first, the kernel's own 4 warps, gets the rest)
     REV: gl.constexpr,  # 1: chunk blocks in reverse order (the last, with the most causal keys, first: a shorter tail)
-    PROBE: gl.constexpr,  # measurement only: 1 = no unpacking (wrong output)
+    PROBE: gl.constexpr,  # measurement only (wrong output): 1 no unpacking, 2 no proxy fence, 3 zero tiles (_ws_load)
 ):  # fmt: skip
     """WS 2: the two warpgroups of _gl_extend_ws_kernel as two partitions of 4 warps, each with half the rows (its
     own q tile) and its own release of a slot (``empty`` counts 2), so they drift apart and one's softmax can run
