@@ -55,7 +55,8 @@ the kernel), and the chunk blocks run last-first (REV 1: the blocks with the mos
 
 Tuning (``TUNING``): WS 0 runs ``_gl_extend_kernel`` (the schedule above in one partition); there OVERLAP 0 waits
 each wgmma at once (the unpack after it), PAIR 0 uses the session-6 quarter unpacker, PAIR 2 int32 word pairs,
-PROBE is for measurements only (wrong output). See bench/NOTES-kernels.md, sessions 8 and 9.
+PROBE is for measurements only (wrong output; WS 2 has its own, see _ws_load). See bench/NOTES-kernels.md,
+sessions 8-10.
 """
 
 from __future__ import annotations
