@@ -97,10 +97,9 @@ class TurnRenders:
     and the comparison of the messages picks the one a request extends."""
 
     def __init__(self, *, max_entries: int = 2048, max_chars: int = 16_000_000) -> None:
-        if max_entries < 1:
-            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
-        if max_chars < 1:
-            raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+        for name, value in (("max_entries", max_entries), ("max_chars", max_chars)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.max_entries = max_entries
         self.max_chars = max_chars
         self._lru: OrderedDict[int, KeptRender] = OrderedDict()  # id(entry) -> entry, least recently used first

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 from gw_harness import Stack
 
+from kvserving.gateway.chat_template import ChatTemplate
+from kvserving.gateway.tokenizer import TextTokenizer
+
 # Nothing may reach the Hugging Face hub from the tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -22,6 +25,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvserving.worker.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path) -> TextTokenizer:
+    """The gateway's tokenizer of the tiny model (shared: tests must not change it)."""
+    return TextTokenizer.from_dir(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def template(tiny_model_dir: Path) -> ChatTemplate:
+    """The tiny model's chat template."""
+    return ChatTemplate.from_dir(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -77,16 +77,6 @@ CONVERSATIONS: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]] | None
 }
 
 
-@pytest.fixture(scope="module")
-def template(tiny_model_dir: Path) -> ChatTemplate:
-    return ChatTemplate.from_dir(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> TextTokenizer:
-    return TextTokenizer.from_dir(tiny_model_dir)
-
-
 def _reference_ids(hf_tokenizer: Any, messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any]) -> list[int]:
     out = hf_tokenizer.apply_chat_template(
         copy.deepcopy(messages), tools=copy.deepcopy(tools), add_generation_prompt=True, tokenize=True, **kwargs

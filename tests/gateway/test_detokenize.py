@@ -4,7 +4,6 @@ and add up to tokenizer.decode of all ids."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,11 +13,6 @@ from kvserving.gateway.detokenize import IncrementalDetokenizer
 from kvserving.gateway.tokenizer import TextTokenizer
 
 TEXT = "héllo 日本語のテキスト 🇫🇷 naïve café ✓ — Ωμέγα\n\tтекст 😀👍🏽 end"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> TextTokenizer:
-    return TextTokenizer.from_dir(tiny_model_dir)
 
 
 def test_byte_level_tokens_split_characters(tokenizer: TextTokenizer) -> None:

@@ -21,11 +21,6 @@ Run = tuple[str, str, str, str]
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> TextTokenizer:
-    return TextTokenizer.from_dir(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
 def tagger(tiny_model_dir: Path, tokenizer: TextTokenizer) -> ChatTagger:
     return ChatTagger(tokenizer, ChatTemplate.from_dir(tiny_model_dir))
 

@@ -10,7 +10,6 @@ import copy
 import json
 import random
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,16 +41,6 @@ STRIPPING_TEMPLATE = (
 )
 
 WORDS = ["open", "the", "file", "é", "日本", "😀", "run", "tests", "  ", "\n", "\n\n", "x=1;", "\u0338", "<", ">", "'s", "42"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> TextTokenizer:
-    return TextTokenizer.from_dir(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def template(tiny_model_dir: Path) -> ChatTemplate:
-    return ChatTemplate.from_dir(tiny_model_dir)
 
 
 def words(rng: random.Random, n: int) -> str:

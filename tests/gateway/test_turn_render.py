@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import copy
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
-from test_token_prefixes import EMPTY_LIST_TEMPLATE, STRIPPING_TEMPLATE, TOOLS, agent_turns, text_turns
+from test_token_prefixes import EMPTY_LIST_TEMPLATE, STRIPPING_TEMPLATE, TOOLS, text_turns
 
 from kvserving.gateway.chat_template import ChatTemplate
 from kvserving.gateway.errors import GatewayError
@@ -37,16 +36,6 @@ NUMBERED_TEMPLATE = (
     "{% if m.content is string %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> TextTokenizer:
-    return TextTokenizer.from_dir(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def template(tiny_model_dir: Path) -> ChatTemplate:
-    return ChatTemplate.from_dir(tiny_model_dir)
 
 
 def _template(name: str, tiny: ChatTemplate) -> ChatTemplate:
