@@ -17,7 +17,7 @@ import json
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +84,8 @@ class Completions:
         # the ids the workers hold per conversation (exact_history.py) and, per request in
         # flight, its canonical prompt ids (what the identity index files and matches)
         self.history = ExactHistory(model.tokenizer)
-        self._sent: dict[str, tuple[list[int], Sent]] = {}
+        # per request in flight: its canonical ids, what went out, and the ids' page chain if identity computed it
+        self._sent: dict[str, tuple[list[int], Sent, Sequence[int] | None]] = {}
         self.drafting = Drafting()
 
     # ----------------------------------------------------------------- chat
@@ -136,7 +137,7 @@ class Completions:
         prompt = sent.prompt
         turn_request = self._turn_request("chatcmpl", prompt.input_ids, prompt.tags, request, request.limit, key,
                                           has_history=history, tag_runs=prompt.tag_runs, ids_json=sent.ids_json)
-        self._sent[turn_request.request_id] = (canonical, sent)
+        self._sent[turn_request.request_id] = (canonical, sent, identity.chain)
         if request.stream:
             return await self._first_then_rest(self._chat_stream(turn_request, request, started, draft))
         return await self._chat_whole(turn_request, request, started, draft)
@@ -379,13 +380,13 @@ class Completions:
             completion_tokens = result.completion_tokens
         else:
             completion_tokens = detok.count
-        canonical, sent = self._sent.pop(turn_request.request_id, (turn_request.input_ids, None))
+        canonical, sent, chain = self._sent.pop(turn_request.request_id, (turn_request.input_ids, None, None))
         if turn_request.conversation_key is not None:  # what the next turn will start with
             # The prompt, and the prompt + the output re-encoded from its text, as the next
             # turn's template renders it: sampled ids need not be the canonical tokenization
             # (GWTEMPLATE).
             output_ids = self.model.tokenizer.encode_ids(detok.text)
-            self.index.remember(turn_request.conversation_key, canonical + output_ids, prefix=len(canonical))
+            self.index.remember(turn_request.conversation_key, canonical + output_ids, prefix=len(canonical), prefix_chain=chain)
             if sent is not None:  # what the workers hold: the prompt as sent and the ids actually sampled
                 self.history.record(turn_request.conversation_key, sent, detok.ids, detok.text)
         result_final = turn.result or turn.ended_early()

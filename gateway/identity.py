@@ -58,7 +58,7 @@ import uuid
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Protocol
 
@@ -85,6 +85,9 @@ class Identity:
     key: str
     source: str
     matched_tokens: int = 0
+    # The prompt's page chain when the prefix match computed it (`remember` at the turn's
+    # end reuses it for the prompt's pages instead of hashing them again).
+    chain: Sequence[int] | None = field(default=None, compare=False, repr=False)
 
 
 class PromptLike(Protocol):
@@ -141,15 +144,20 @@ def first_turn_end(prompt: PromptLike) -> int:
     return k
 
 
-def page_chain(ids: Sequence[int], page_size: int) -> list[int]:
+def page_chain(ids: Sequence[int], page_size: int, *, known: Sequence[int] = ()) -> list[int]:
     """chain[k] = hash of ids[: k * page_size] (chain[0] is the root).
 
     Each full page is hashed as a tuple (`zip` over one iterator cuts the pages) and the
     chain folds the page hashes in order: ~1.3 ms at 45K tokens (a loop building a
     17-tuple per page: ~1.5 ms). `remember` files a prompt and prompt + output from one
-    chain."""
-    pages = map(hash, zip(*[iter(ids)] * page_size, strict=False))  # full pages only
-    return list(accumulate(pages, _fold, initial=_ROOT))
+    chain. ``known``: the chain of a sequence that ``ids`` starts with (the caller's
+    word), whose full pages are not hashed again."""
+    k = max(len(known) - 1, 0)
+    tail = ids[k * page_size :] if k else ids
+    pages = map(hash, zip(*[iter(tail)] * page_size, strict=False))  # full pages only
+    if not k:
+        return list(accumulate(pages, _fold, initial=_ROOT))
+    return [*known[:k], *accumulate(pages, _fold, initial=known[k])]
 
 
 def _fold(h: int, page: int) -> int:
@@ -202,10 +210,10 @@ class ConversationIndex:
         explicit = explicit_identity(headers, body)
         if explicit is not None:
             return explicit
-        match = self.match(prompt)
+        match, chain = self._match(prompt)
         if match is not None:
             return match
-        return Identity(key=self.mint(prompt), source="new")
+        return Identity(key=self.mint(prompt), source="new", chain=chain)
 
     def mint(self, prompt: PromptLike) -> str:
         """A key for a new conversation (source 5 in the module doc)."""
@@ -218,10 +226,14 @@ class ConversationIndex:
 
     def match(self, prompt: PromptLike) -> Identity | None:
         """Source 4: the longest remembered sequence the prompt continues, or None."""
+        return self._match(prompt)[0]
+
+    def _match(self, prompt: PromptLike) -> tuple[Identity | None, list[int] | None]:
+        """``match``, and the prompt's page chain when it was computed."""
         ids = prompt.input_ids
         n = len(ids)
         if not self._records or n == 0:
-            return None
+            return None, None
         floor = self._coverage_floor(prompt)
         chain = page_chain(ids, self.page_size)
         for k in range(len(chain) - 1, -1, -1):
@@ -238,8 +250,8 @@ class ConversationIndex:
             if best is not None:
                 key = self._records[best]
                 self._touch(best, key)
-                return Identity(key=key, source="prefix", matched_tokens=best[1])
-        return None
+                return Identity(key=key, source="prefix", matched_tokens=best[1], chain=chain), chain
+        return None, chain
 
     def _coverage_floor(self, prompt: PromptLike) -> int:
         """A matching sequence must be longer than this many tokens: past the
@@ -254,12 +266,18 @@ class ConversationIndex:
                 break
         return max(first_content, last_before_turn)
 
-    def remember(self, key: str, ids: Sequence[int], *, prefix: int | None = None) -> None:
+    def remember(self, key: str, ids: Sequence[int], *, prefix: int | None = None,
+                 prefix_chain: Sequence[int] | None = None) -> None:
         """File a sequence of conversation `key` (a prompt, or prompt + output), and
-        its first ``prefix`` tokens too when given (one chain serves both)."""
+        its first ``prefix`` tokens too when given (one chain serves both).
+        ``prefix_chain``: the page chain of those first ``prefix`` tokens
+        (`Identity.chain`), reused; ignored unless it has their length."""
         if not ids:
             return
-        chain = page_chain(ids, self.page_size)
+        known: Sequence[int] = ()
+        if prefix is not None and prefix_chain is not None and len(prefix_chain) == prefix // self.page_size + 1:
+            known = prefix_chain
+        chain = page_chain(ids, self.page_size, known=known)
         if prefix is not None and 0 < prefix < len(ids):
             self._file(key, ids[:prefix], chain[: prefix // self.page_size + 1])
         self._file(key, ids, chain)

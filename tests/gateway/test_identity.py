@@ -4,6 +4,7 @@ that never merge agents sharing a system prompt or a stripped history."""
 from __future__ import annotations
 
 import itertools
+import random
 from pathlib import Path
 from typing import Any
 
@@ -280,3 +281,36 @@ def test_page_chain_is_prefix_stable() -> None:
 def test_invalid_bounds_name_the_field() -> None:
     with pytest.raises(ValueError, match="page_size"):
         ConversationIndex(page_size=0)
+
+
+def test_page_chain_from_a_known_prefix_equals_the_whole_chain() -> None:
+    rng = random.Random(4)
+    for _ in range(200):
+        size = rng.choice([1, 4, 16])
+        ids = [rng.randrange(1000) for _ in range(rng.randrange(0, 120))]
+        m = rng.randrange(0, len(ids) + 1)
+        assert page_chain(ids, size, known=page_chain(ids[:m], size)) == page_chain(ids, size)
+
+
+def test_remembering_with_the_prompts_chain_files_the_same_records(tagger: ChatTagger) -> None:
+    """`identify` hands back the prompt's page chain (prefix match computed it); `remember` at the
+    turn's end reuses it for the prompt's pages: the index ends in the same state, and a chain
+    of the wrong length is ignored."""
+    plain, reused = fresh_index(), fresh_index()
+    agents = [Agent(tagger, index, "Fix the failing test.") for index in (plain, reused)]
+    for turn in range(4):
+        for agent, index in zip(agents, (plain, reused), strict=True):
+            prompt = agent.tagger.build(agent.messages, tools=TOOLS)
+            ident = index.identify(headers={}, body={"model": "tiny"}, prompt=prompt)
+            output = agent.tagger.tokenizer.encode_ids(f"Step {turn} done.")
+            if index is reused:
+                assert ident.chain is None or list(ident.chain) == page_chain(prompt.input_ids, index.page_size)
+                index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids), prefix_chain=ident.chain)
+                index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids), prefix_chain=[0, 1])
+            else:
+                index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids))
+                index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids))
+            agent.messages.append({"role": "assistant", "content": f"Step {turn} done."})
+            agent.user(f"Now step {turn + 1}.")
+        assert list(plain._records.items()) == list(reused._records.items())
+    assert reused.identify(headers={}, body={}, prompt=tagger.build(agents[1].messages, tools=TOOLS)).chain is not None
