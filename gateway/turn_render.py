@@ -52,6 +52,10 @@ from .tag_markers import MarkerCodec, Marks, Piece
 # How many new messages a turn may append and still find its kept render (an
 # assistant reply and a user message; a tool call and its results).
 MAX_APPENDED = 16
+# Kept renders that share a key (conversations with the same first user message and the same
+# message at the same place): the most recent ones are compared, the rest dropped, so a lookup
+# compares at most MAX_APPENDED x BUCKET message lists, each failing at its first differing message.
+BUCKET = 8
 
 
 @dataclass(slots=True)
@@ -92,9 +96,9 @@ def _fingerprint(message: object) -> tuple[object, ...]:
 
 
 class TurnRenders:
-    """Kept marked renders, found by (message count, fingerprint of the last message); the
-    conversations that share such a key (the same reply at the same place) share a bucket,
-    and the comparison of the messages picks the one a request extends."""
+    """Kept marked renders, found by (message count, fingerprints of the last and the second
+    message); the conversations that share such a key share a bucket (its BUCKET most
+    recent), and the comparison of the messages picks the one a request extends."""
 
     def __init__(self, *, max_entries: int = 2048, max_chars: int = 16_000_000) -> None:
         for name, value in (("max_entries", max_entries), ("max_chars", max_chars)):
@@ -103,7 +107,7 @@ class TurnRenders:
         self.max_entries = max_entries
         self.max_chars = max_chars
         self._lru: OrderedDict[int, KeptRender] = OrderedDict()  # id(entry) -> entry, least recently used first
-        self._buckets: dict[tuple[int, tuple[object, ...]], list[KeptRender]] = {}
+        self._buckets: dict[tuple[int, tuple[object, ...], tuple[object, ...] | None], list[KeptRender]] = {}
         self._chars = 0
         self.on = True
         self.hits = 0  # requests rendered by appending
@@ -124,8 +128,9 @@ class TurnRenders:
         if not self.on:
             return None
         n = len(raw)
+        first = _fingerprint(raw[1]) if n > 2 else None
         for j in range(n - 1, max(0, n - 1 - MAX_APPENDED), -1):
-            for kept in self._buckets.get((j, _fingerprint(raw[j - 1])), ()):
+            for kept in self._buckets.get((j, _fingerprint(raw[j - 1]), first if j > 1 else None), ()):
                 if kept.options == options and kept.tools == tools and raw[:j] == kept.raw:
                     return kept
         return None
@@ -134,9 +139,12 @@ class TurnRenders:
         """Keep ``kept`` (most recently used); ``replaces``: the render it extended, dropped."""
         if replaces is not None:
             self._drop(replaces)
-        self._buckets.setdefault(_key(kept), []).insert(0, kept)
+        bucket = self._buckets.setdefault(_key(kept), [])
+        bucket.insert(0, kept)
         self._lru[id(kept)] = kept
         self._chars += len(kept.marked)
+        if len(bucket) > BUCKET:
+            self._drop(bucket[-1])
         while self._lru and (len(self._lru) > self.max_entries or self._chars > self.max_chars):
             self._drop(next(iter(self._lru.values())))
 
@@ -165,8 +173,10 @@ class TurnRenders:
                 self.on = False
 
 
-def _key(kept: KeptRender) -> tuple[int, tuple[object, ...]]:
-    return len(kept.raw), _fingerprint(kept.raw[-1])
+def _key(kept: KeptRender) -> tuple[int, tuple[object, ...], tuple[object, ...] | None]:
+    """(message count, fingerprint of the last message, of the second one when it is not the last)."""
+    raw = kept.raw
+    return len(raw), _fingerprint(raw[-1]), _fingerprint(raw[1]) if len(raw) > 1 else None
 
 
 Render = Callable[[list[Message], list[dict[str, Any]] | None, bool], str]

@@ -188,3 +188,25 @@ def test_appending_stops_when_its_drafts_keep_mismatching() -> None:
     for _ in range(4):
         renders.confirmed(False)
     assert not renders.on and renders.find([{"role": "user", "content": "x"}, {}], None, (True, None)) is None
+
+
+def test_conversations_that_share_a_key_are_told_apart_and_bounded(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
+    """Twelve conversations with the same system prompt, first user message and last message
+    but different replies in between share one key: a request finds its own kept render
+    among the eight most recent; older ones are dropped (a lookup compares at most a bucket)."""
+    renders = TurnRenders()
+    tagger = ChatTagger(tokenizer, template, renders=renders)
+    convs = []
+    for c in range(12):
+        m = [{"role": "system", "content": "agent"}, {"role": "user", "content": "fix the bug"},
+             {"role": "assistant", "content": f"looked at file {c}"}, {"role": "user", "content": "continue"}]
+        tagger.draft(copy.deepcopy(m))
+        convs.append(m)
+    assert len(renders) == 8  # one key, eight kept
+    for c, m in enumerate(convs):
+        nxt = [*m, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "continue"}]
+        found = renders.find(nxt, None, (True, None))
+        if c < 4:
+            assert found is None  # dropped from the bucket: renders whole
+        else:
+            assert found is not None and found.raw == m
