@@ -96,3 +96,28 @@ def test_drafting_turns_off_when_mismatches_pass_eight_and_a_tenth() -> None:
     d.drafts, d.mismatches = 50, 8
     d.mismatch()
     assert not d.on  # 9 of 50
+
+
+def test_later_turns_render_only_what_they_append_and_send_the_real_prompt(stack: Stack, tiny_model_dir: Path) -> None:
+    """Four turns of one conversation through the gateway: from the third on the draft renders only
+    its last user turn (kept render), and every worker request carries exactly the ids and tags
+    of a whole render; every draft is confirmed."""
+    tok = TextTokenizer.from_dir(tiny_model_dir)
+    worker = stack.worker(role="both", reply_ids=tok.encode_ids(REPLY))
+    gw = stack.gateway(decode=[worker.url])
+    client = _client(gw)
+    real = ChatTagger(tok, ChatTemplate.from_dir(tiny_model_dir))
+    messages = list(MESSAGES)
+    for turn in range(4):
+        reply = client.chat.completions.create(model=MODEL, messages=messages).choices[0].message.content
+        assert reply == REPLY
+        # the fake worker's reply ids are the reply's canonical tokenization, so the held ids
+        # exact history sends are the whole render's too
+        expected, sent = real.build(messages), worker.received[-1]
+        assert sent["input_ids"] == expected.input_ids and sent["tags"] == expected.tags, turn
+        messages = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": f"Step {turn}: go on."}]
+    assert len(worker.received) == 4
+    assert (_drafts(gw, "confirmed"), _drafts(gw, "mismatch")) == (4, 0)
+    render = (gw.metric("kvserving_gateway_prompt_reuse_total", {"part": "render", "result": "hit"}),
+              gw.metric("kvserving_gateway_prompt_reuse_total", {"part": "render", "result": "miss"}))
+    assert render == (2, 2)  # turn 1: nothing kept; turn 2: the kept render's only user message is its first
