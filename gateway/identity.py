@@ -235,7 +235,7 @@ class ConversationIndex:
         if not self._records or n == 0:
             return None, None
         floor = self._coverage_floor(prompt)
-        chain = page_chain(ids, self.page_size)
+        chain = self._chain(prompt)
         for k in range(len(chain) - 1, -1, -1):
             if (k + 1) * self.page_size - 1 <= floor:
                 break  # every sequence filed here or lower is too short
@@ -252,6 +252,20 @@ class ConversationIndex:
                 self._touch(best, key)
                 return Identity(key=key, source="prefix", matched_tokens=best[1], chain=chain), chain
         return None, chain
+
+    def _chain(self, prompt: PromptLike) -> list[int]:
+        """The prompt's page chain, continuing the chain kept on the tokenized prefix its ids
+        start with (`TaggedPrompt.reused_prefix`), and kept on the prefixes filed for it: a
+        turn hashes the pages of its new tokens, not its whole history (~0.9 ms at 30K tokens)."""
+        size = self.page_size
+        reused = getattr(prompt, "reused_prefix", None)
+        kept = getattr(reused, "page_chain", None)
+        known = kept[1] if isinstance(kept, tuple) and kept[0] == size else ()
+        chain = page_chain(prompt.input_ids, size, known=known)
+        for entry in getattr(prompt, "kept_prefixes", ()):
+            if getattr(entry, "page_chain", 0) is None:  # a token_prefixes entry with no chain yet
+                entry.page_chain = (size, array("q", chain[: len(entry.ids) // size + 1]))
+        return chain
 
     def _coverage_floor(self, prompt: PromptLike) -> int:
         """A matching sequence must be longer than this many tokens: past the

@@ -110,6 +110,10 @@ class TaggedPrompt:
     # `input_ids` as JSON array elements ("1,2,3") when the tagger had them from the kept
     # prefix (token_prefixes.py); "" otherwise. Whoever changes the ids clears it.
     ids_json: str = field(default="", compare=False)
+    # The kept prefix (token_prefixes entry) these ids start with, and the entries kept for
+    # this prompt's own prefixes: identity keeps its page chain of an entry's ids on it.
+    reused_prefix: object = field(default=None, compare=False, repr=False)
+    kept_prefixes: tuple[object, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def current_turn_start(self) -> int:
@@ -325,7 +329,8 @@ class ChatTagger:
                     continue  # a first message's labels hold for every conversation that starts with it
                 entry.labels = _keep(entry.cut, merged, pieces, rendered, runs, headers, got.starts, marked_text, chunked)
         return TaggedPrompt(text=text, input_ids=got.ids, tags=tags, turn_starts=starts, method=method,
-                            char_starts=char_starts, tag_runs=tag_runs, ids_json=got.ids_json)
+                            char_starts=char_starts, tag_runs=tag_runs, ids_json=got.ids_json,
+                            reused_prefix=got.reused, kept_prefixes=got.filed)
 
     def reuse_counts(self) -> tuple[dict[str, tuple[int, int]], int]:
         """(hits, misses) of the kept prefixes per part, and the tokens they hold (for metrics)."""

@@ -77,6 +77,7 @@ class _Entry:
     ids_json: str  # the ids as JSON array elements ("1,2,3"), so a prompt's JSON is this plus its new ids'
     shared: bool = False  # the first message's prefix, kept for every conversation that starts with it
     labels: object = None  # what the owner derived from this prefix (opaque here)
+    page_chain: object = None  # identity's page chain of these ids (opaque here; identity.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ import pytest
 from kvserving.gateway.chat_template import ChatTemplate
 from kvserving.gateway.identity import SOURCES, ConversationIndex, Identity, explicit_identity, page_chain
 from kvserving.gateway.tagger import ChatTagger, TaggedPrompt
+from kvserving.gateway.token_prefixes import TokenPrefixes
 from kvserving.gateway.tokenizer import TextTokenizer
 
 from test_chat_template import TOOLS  # noqa: E402  (sibling test module)
@@ -314,3 +315,25 @@ def test_remembering_with_the_prompts_chain_files_the_same_records(tagger: ChatT
             agent.user(f"Now step {turn + 1}.")
         assert list(plain._records.items()) == list(reused._records.items())
     assert reused.identify(headers={}, body={}, prompt=tagger.build(agents[1].messages, tools=TOOLS)).chain is not None
+
+
+def test_the_chain_continues_from_the_kept_prefix_and_equals_the_whole_chain(tagger: ChatTagger) -> None:
+    """With tokenized prefixes, identity keeps its page chain on each prefix a prompt filed and the
+    next turn continues it: every chain equals the whole prompt's, and from the third turn on the
+    prompt's prefix carried one (in this index's page size only)."""
+    prefixed = ChatTagger(tagger.tokenizer, tagger.template, prefixes=TokenPrefixes(tagger.tokenizer))
+    index, other = fresh_index(), fresh_index(page_size=4)
+    agent = Agent(prefixed, index, "Fix the failing test.")
+    for turn in range(5):
+        prompt = prefixed.build(agent.messages, tools=TOOLS)
+        ident = index.identify(headers={}, body={"model": "tiny"}, prompt=prompt)
+        if turn:
+            assert ident.chain is not None and list(ident.chain) == page_chain(prompt.input_ids, 16)
+            carried = getattr(prompt.reused_prefix, "page_chain", None)
+            # (the first turn met an empty index: no match, no chain computed, none kept)
+            assert turn == 1 or (carried is not None and carried[0] == 16)
+            # another page size does not take the kept chain
+            assert other._chain(prompt) == page_chain(prompt.input_ids, 4)
+        index.remember(ident.key, prompt.input_ids, prefix=None)
+        agent.messages.append({"role": "assistant", "content": f"Step {turn} done."})
+        agent.user(f"Now step {turn + 1}.")
