@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from decode_gpu import HQ, D, H, Pool, read_bandwidth, time_ms
 
-from kvserving.kernels import gluon_extend, paged_ops, triton_gather, triton_prefill
+from kvserving.kernels import gluon_extend, gluon_extend_tri, paged_ops, triton_gather, triton_prefill
 from kvserving.kernels.options import KernelOptions
 from kvserving.worker.attention import causal_attention
 
@@ -82,6 +82,12 @@ GLUON_VARIANTS: dict[str, dict[str, int]] = {
     "gluon-t16w4": {"WS": 0, "PAIR": 1, "BLOCK_T": 16, "PPI": 4, "num_warps": 4},  # 64 rows x 64 keys, one warpgroup
     "gluon-probe1": {"WS": 0, "PROBE": 1},  # measurement only (wrong output): no unpacking in the loop
     "gluon-probe2": {"WS": 0, "PROBE": 2},  # measurement only (wrong output): no unpacking and no loads in the loop
+}
+# Gluon extend on triaxial pages (kernels/gluon_extend_tri.py: WS 2 with the INT4 / INT2 producer; not the default
+# until measured): name -> its tuning overrides
+TRI_VARIANTS: dict[str, dict[str, int]] = {
+    "gluon-tri": {},
+    "gluon-tri-nosort": {"SORT": 0},  # the pages as listed (the bench lists INT2 pages first already)
 }
 # tiles meant for the other format's page size (nvfp4 16 tokens, triaxial 32)
 VARIANT_SKIP = {"nvfp4": ("t64-ppi2", "t32-ppi4"), "triaxial": ("t32-ppi8", "t16-w4-ppi8", "t64-ppi4")}
@@ -185,7 +191,15 @@ def main() -> None:
                     if name in VARIANT_SKIP.get(fmt, ()):
                         continue
                     try:
-                        if name in GLUON_VARIANTS:
+                        if name in TRI_VARIANTS:
+                            if fmt != "triaxial":
+                                continue
+                            ttun = TRI_VARIANTS[name]
+
+                            def run() -> torch.Tensor:
+                                return gluon_extend_tri.extend_attention(q, k_new, v_new, pool.kv, row, prefix,
+                                                                         sm_scale=SM, tuning=ttun)  # fmt: skip
+                        elif name in GLUON_VARIANTS:
                             if fmt != "nvfp4":
                                 continue
                             gtun = GLUON_VARIANTS[name]

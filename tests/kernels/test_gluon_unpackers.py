@@ -17,6 +17,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
+from kvserving.kernels import gluon_extend_tri as ge
 from kvserving.kernels import gluon_fragments as gd
 
 M32 = 0xFFFFFFFF
@@ -54,9 +55,13 @@ def run_ptx(asm: str, operands: list[int]) -> list[int]:
 
     def val(tok: str) -> int:
         tok = tok.strip()
+        if "|" in tok:
+            lo, hi = tok.split("|")
+            return (val(lo) & 0xFFFF) | (val(hi) & 0xFFFF) << 16
         return regs[tok] if tok in regs else int(tok, 0) & M32
 
-    body = asm.replace("{", " ").replace("}", " ")
+    body = re.sub(r"\{\s*(\$\d+)\s*,\s*(\$\d+)\s*\}", r"\1|\2", asm)  # a vector {lo, hi} of 16-bit operands
+    body = body.replace("{", " ").replace("}", " ")
     for stmt in (s.strip() for s in body.split(";")):
         if not stmt or stmt.startswith(".reg"):
             continue
@@ -79,6 +84,10 @@ def run_ptx(asm: str, operands: list[int]) -> list[int]:
             x, y, sel = val(src[0]), val(src[1]), val(src[2])
             pool = x | y << 32
             r = sum((pool >> (8 * (sel >> (4 * i) & 7)) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "setp.ne.b32":
+            r = int(val(src[0]) != val(src[1]))
+        elif op == "selp.b32":
+            r = val(src[0]) if regs[src[2]] else val(src[1])
         elif op in ("mul.rn.f16x2", "sub.rn.f16x2", "fma.rn.f16x2"):
             xs = [_halves(val(t)) for t in src]
             res = []
@@ -183,6 +192,66 @@ def test_int2_value_unpacker_gives_code_times_scale_plus_zero() -> None:
                     code = _byte(w, j) >> (2 * k) & 3
                     want = code * s + z  # one fma rounding
                     assert _halves(reg)[half] == _f16(_bits16(want)), (w, k, r, half)
+
+
+# ----------------------------------------------------------------------------
+# the triaxial extend producer's row unpackers (gluon_extend_tri.asm_rows): one element = an INT4 word pair
+# (words a | b << 16) or an INT2 halfword (bytes b0 | b1 << 8, the high half ignored); output k = quarter k
+# ----------------------------------------------------------------------------
+
+
+def _int4_codes(w: int, k: int) -> tuple[int, int]:
+    return (w >> (4 * k)) & 15, (w >> (16 + 4 * k)) & 15  # nibble k of words a, b (channels 4w + k)
+
+
+def _int2_codes(w: int, k: int) -> tuple[int, int]:
+    return (w >> (2 * k)) & 3, (w >> (8 + 2 * k)) & 3  # crumb k of bytes b0, b1 (channels 4j + k)
+
+
+def _h16(x: Fraction) -> int:
+    return _bits16(x)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int2", "mixed"])
+def test_extend_row_unpackers_give_code_times_the_row_scale_plus_zero(kind: str) -> None:
+    rng = np.random.default_rng(5)
+    asm = ge.asm_rows(kind)
+    for n in range(300):
+        w = int(rng.integers(0, 1 << 32))
+        s = _f16(_bits16(Fraction(10.0 ** rng.uniform(-7, 0.6))))  # down into fp16's subnormals
+        z = _rand_f16(rng, -30, 30)
+        two = kind == "int2" or (kind == "mixed" and n % 2 == 1)
+        ops = [0, 0, 0, 0, w, _h16(s), _h16(z)] + ([n % 2 * int(rng.integers(1, 1 << 31))] if kind == "mixed" else [])
+        out = run_ptx(asm, ops)
+        for k in range(4):
+            codes = _int2_codes(w, k) if two else _int4_codes(w, k)
+            for half in range(2):
+                assert _halves(out[k])[half] == _f16(_bits16(codes[half] * s + z)), (kind, w, k, half)
+
+
+@pytest.mark.parametrize("kind", ["int2k", "mixedk"])
+def test_extend_key_unpackers_take_a_scale_pair_per_quarter(kind: str) -> None:
+    # INT2 keys: quarter k's two values (channels 8c + k, 8c + 4 + k) each have their own per-channel scale and zero
+    rng = np.random.default_rng(6)
+    asm = ge.asm_rows(kind)
+    for n in range(300):
+        w = int(rng.integers(0, 1 << 32))
+        sp = [(_rand_f16(rng, 1e-3, 4), _rand_f16(rng, 1e-3, 4)) for _ in range(4)]
+        zp = [(_rand_f16(rng, -30, 30), _rand_f16(rng, -30, 30)) for _ in range(4)]
+        pairs = [_pack(*x) for x in sp] + [_pack(*x) for x in zp]
+        two = kind == "int2k" or n % 2 == 1
+        if kind == "int2k":
+            out = run_ptx(asm, [0, 0, 0, 0, w] + pairs)
+        else:  # INT4 rows of a mixed step take the row's group scale / zero
+            s, z = _rand_f16(rng, 1e-3, 4), _rand_f16(rng, -30, 30)
+            out = run_ptx(asm, [0, 0, 0, 0, w, _h16(s), _h16(z)] + pairs + [n % 2 * 4])
+        for k in range(4):
+            for half in range(2):
+                if two:
+                    want = _int2_codes(w, k)[half] * sp[k][half] + zp[k][half]
+                else:
+                    want = _int4_codes(w, k)[half] * s + z
+                assert _halves(out[k])[half] == _f16(_bits16(want)), (kind, w, k, half)
 
 
 def test_the_interpreter_knows_a_wrong_unpacker() -> None:

@@ -1,0 +1,165 @@
+"""What the Gluon extend kernels share: the q tile, the WS 2 consumer warpgroups and the chunk's staging.
+
+``gluon_extend`` (nvfp4 pages) and ``gluon_extend_tri`` (triaxial pages) run the
+same WS 2 schedule (``gluon_extend`` module docstring): a producer partition
+fills a ring of fp16 K / V tiles (channels quarter-major: column k * D/4 + j =
+channel 4j + k) and signals ``full``; two consumer warpgroups (``_pp_attend``)
+each run S = q K^T, the online softmax and PV by ``wgmma`` on their half of
+the rows and release the slot on ``empty``. What differs between the formats
+is only the producer's prefix; the chunk's own keys are staged the same way
+(``_pp_chunk``). Everything here is device code of those kernels (no launch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import shared_memory_descriptor
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+
+from .gluon_fragments import cp_async
+
+# CTA barrier: `thread_barrier` in triton 3.6 (the device), `barrier` by 3.9 (CI)
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@gluon.constexpr_function
+def _row_layout(w: int) -> Any:
+    """[rows, D] fp16 rows (q, the chunk's K / V, the output): 8 channels (16 bytes) per thread."""
+    return gl.BlockedLayout([1, 8], [2, 16], [w, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _mma_layout(w: int, n: int) -> Any:
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[w, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _row_coords(qb, h, M: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLOCK_T: gl.constexpr, R0: gl.constexpr = 0):
+    """Row r of an [M, D] tile in _row_layout (the program's rows R0 ..) is chunk token qb * BLOCK_T + (R0 + r) // G
+    and query head h * G + (R0 + r) % G -> (tok [M], qh [M], channel c [1, D])."""
+    LR: gl.constexpr = _row_layout(gl.num_warps())
+    r = R0 + gl.arange(0, M, layout=gl.SliceLayout(1, LR))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, LR))[None, :]
+    return qb * BLOCK_T + r // G, h * G + r % G, c
+
+
+@gluon.jit
+def _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G: gl.constexpr, D: gl.constexpr, BLOCK_T: gl.constexpr,
+            R0: gl.constexpr = 0, ROWS: gl.constexpr = 0):  # fmt: skip
+    """The program's queries, rows R0 .. R0 + ROWS (0: all BLOCK_T * G), times q_mul (the prefix's score multiplier),
+    in fp16 with the channels quarter-major (channel 4j + k at column k * D/4 + j, as the unpacked tiles), rows past
+    the chunk 0 -> a shared [M, D] tile, the A operand of every S. Read from the caller's q as it is (any float
+    dtype): no copy of q before the launch."""
+    M: gl.constexpr = ROWS if ROWS else BLOCK_T * G
+    tok, qh, c = _row_coords(qb, h, M, G, D, BLOCK_T, R0)
+    x = gl.load(q_ptr + tok[:, None].to(gl.int64) * q_s0 + qh[:, None] * q_s1 + c, mask=(tok < n_new)[:, None], other=0.0)
+    x = (x.to(gl.float32) * q_mul).to(gl.float16)
+    x = gl.reshape(gl.permute(gl.reshape(x, [M, D // 4, 4]), [0, 2, 1]), [M, D])  # [M, j, k] -> [M, k, j]
+    return gl.allocate_shared_memory(gl.float16, [M, D], gl.NVMMASharedLayout.get_default_for([M, D], gl.float16), x)
+
+
+@gluon.jit
+def _as_type_36(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    return smem._reinterpret(dtype, shape, layout)
+
+
+@gluon.jit
+def _as_type_39(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    return smem.reinterpret(dtype, shape, layout)
+
+
+# a shared tile viewed as another type: `_reinterpret` in triton 3.6 (the device), `reinterpret` by 3.9 (CI)
+_as_type = _as_type_39 if hasattr(shared_memory_descriptor, "reinterpret") else _as_type_36
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, acc, MASKED: gl.constexpr):
+    """One online-softmax step (base 2) on scores s [M, N] (masked entries -inf) -> (P fp16, m, l, acc * alpha)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    if MASKED:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_i, acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+
+
+@gluon.jit
+def _pp_chunk(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb, h, D: gl.constexpr,
+              BLOCK_T: gl.constexpr):  # fmt: skip
+    """The end of a WS 2 producer (any page format): the chunk's own keys up to the program's last token (fp16
+    quarter-major rows, cp.async into the slot, rows past the chunk zero-filled), N per step, into the ring after the
+    ``first`` steps the prefix took."""
+    N: gl.constexpr = k_ring.shape[1]
+    SLOTS: gl.constexpr = k_ring.shape[0]
+    LR: gl.constexpr = _row_layout(gl.num_warps())
+    jr = gl.arange(0, N, layout=gl.SliceLayout(1, LR))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, LR))[None, :]
+    hi = gl.minimum(n_new, (qb + 1) * BLOCK_T)
+    for j0 in range(0, hi, N):
+        i = first + j0 // N
+        slot = i % SLOTS
+        j = j0 + jr
+        off = j[:, None].to(gl.int64) * k_s0 + h * D + c
+        jm = (j < n_new)[:, None]
+        mbarrier.wait(empty.index(slot), ((i // SLOTS) & 1) ^ 1)
+        cp_async(k_ring.index(slot), k_ptr + off, mask=jm)
+        cp_async(v_ring.index(slot), v_ptr + off, mask=jm)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(full.index(slot), count=1)
+
+
+@gluon.jit
+def _pp_attend(q_smem, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h,
+               R0: gl.constexpr, G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PPI: gl.constexpr,
+               BLOCK_T: gl.constexpr):  # fmt: skip
+    """WS 2 consumer: one warpgroup, the program's rows R0 .. R0 + M (its own q tile): prefix steps, then the chunk's
+    (causal), all from the ring; releases each slot for itself (``empty`` counts both warpgroups), so neither waits
+    for the other's softmax; then its rows of the output."""
+    W: gl.constexpr = gl.num_warps()
+    M: gl.constexpr = q_smem.shape[0]
+    N: gl.constexpr = PPI * P
+    SLOTS: gl.constexpr = k_ring.shape[0]
+    MMA: gl.constexpr = _mma_layout(W, N)
+    MMA_O: gl.constexpr = _mma_layout(W, D)
+    A_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=2)
+    m_i = gl.full([M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+    l_i = gl.zeros([M], gl.float32, layout=gl.SliceLayout(1, MMA))
+    acc = gl.zeros([M, D], gl.float32, layout=MMA_O)
+    s0 = gl.zeros([M, N], gl.float32, layout=MMA)
+    key = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))[None, :]
+    tok_s = (qb * BLOCK_T + (R0 + gl.arange(0, M, layout=gl.SliceLayout(1, MMA))) // G)[:, None]
+    first = gl.cdiv(gl.cdiv(prefix_len, P), PPI)
+    steps = first + gl.cdiv(gl.minimum(n_new, (qb + 1) * BLOCK_T), N)
+    for i in range(steps):
+        slot = i % SLOTS
+        mbarrier.wait(full.index(slot), (i // SLOTS) & 1)
+        s = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s0, use_acc=False)
+        if i >= first:  # the chunk's own keys j0 ..: causal, their own score multiplier and V fold
+            j = (i - first) * N + key
+            s = gl.where((j <= tok_s) & (j < n_new), s * k_mul_new, float("-inf"))
+            p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, True)
+            p = p * v_div
+        elif (i + 1) * N > prefix_len:  # the last prefix step may end inside a page
+            s = gl.where(i * N + key < prefix_len, s, float("-inf"))
+            p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, True)
+        else:
+            p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, False)
+        acc = warpgroup_mma(gl.convert_layout(p.to(gl.float16), A_P), v_ring.index(slot), acc)
+        _cta_barrier()  # this warpgroup is done reading the slot: its thread 0 releases it
+        mbarrier.arrive(empty.index(slot), count=1)
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, MMA_O))
+    out = gl.convert_layout(acc * (1.0 / (gl.where(l_o > 0, l_o, 1.0) * v_div))[:, None], _row_layout(W))
+    tok, qh, c = _row_coords(qb, h, M, G, D, BLOCK_T, R0)
+    ch = 4 * (c % (D // 4)) + c // (D // 4)  # column k * D/4 + j holds channel 4j + k
+    gl.store(o_ptr + tok[:, None].to(gl.int64) * o_s0 + qh[:, None] * o_s1 + ch, out.to(o_ptr.dtype.element_ty),
+             mask=(tok < n_new)[:, None])  # fmt: skip
