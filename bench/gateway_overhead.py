@@ -348,6 +348,10 @@ def main() -> int:
     parser.add_argument("--think-s", type=float, default=1.0, help="mean think time before each turn (exponential)")
     parser.add_argument("--saturation", default="200", help="sessions of the rows with no think time ('' for none)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per reply (the fake worker's reply is 17)")
+    parser.add_argument("--reply-repeat", type=int, default=1,
+                        help="the fake worker's reply is its sentence this many times (17 tokens each; raise --max-tokens)")
+    parser.add_argument("--token-delay-ms", type=float, default=0.0,
+                        help="the fake worker waits this long before each token (tokens then reach the gateway one event at a time)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating direct/gateway rounds per row")
     parser.add_argument("--min-requests", type=int, default=36, help="more rounds for a row with fewer requests per path")
     parser.add_argument("--profile", default=None, metavar="FILE", help="run the gateway under cProfile (CPU time), stats to FILE")
@@ -368,7 +372,9 @@ def main() -> int:
     model_dir = resolve_model_dir(ServingConfig().model)
     tok = TextTokenizer.from_dir(model_dir)
     tagger = ChatTagger(tok, ChatTemplate.from_dir(model_dir))
-    reply_ids = tok.encode_ids("I ran the tests; two failed in test_parser.py. Next I will read it.")
+    if args.reply_repeat < 1 or args.token_delay_ms < 0:
+        raise SystemExit("--reply-repeat must be >= 1 and --token-delay-ms >= 0")
+    reply_ids = tok.encode_ids(" ".join(["I ran the tests; two failed in test_parser.py. Next I will read it."] * args.reply_repeat))
     reply = tok.decode(reply_ids)
 
     tmp = Path(tempfile.mkdtemp(prefix="gw-bench-"))
@@ -379,7 +385,7 @@ def main() -> int:
     (tmp / "config.json").write_text(json.dumps({"model": {"path": str(model_dir), "served_name": MODEL, "max_model_len": 131072}}))
     procs = [
         spawn([sys.executable, str(ROOT / "tests/gateway/fake_worker.py"), "--port", str(worker_port),
-               "--reply-ids", ",".join(map(str, reply_ids))], tmp / "worker.log"),
+               "--reply-ids", ",".join(map(str, reply_ids)), "--token-delay-ms", str(args.token_delay_ms)], tmp / "worker.log"),
         spawn([sys.executable, *gateway_launcher(args), "gateway",
                "--config", str(tmp / "config.json"), "--port", str(gw_port), "--decode", worker_url, "--log-level", "warning"],
               tmp / "gateway.log"),

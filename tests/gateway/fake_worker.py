@@ -278,8 +278,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--role", default="both", choices=("prefill", "decode", "both"))
     parser.add_argument("--reply-ids", default="11,12,13,14")
+    parser.add_argument("--token-delay-ms", type=float, default=0.0, help="wait before each token (a decode step)")
     args = parser.parse_args()
     worker = FakeWorker(role=args.role, reply_ids=[int(t) for t in args.reply_ids.split(",")])
+    worker.token_delay_s = args.token_delay_ms / 1e3
     worker.url = f"http://127.0.0.1:{args.port}"
     uvicorn.run(worker.app(), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
