@@ -119,6 +119,35 @@ def _pp_chunk(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb,
 
 
 @gluon.jit
+def _pp_setup(q_ptr, n_new, q_s0, q_s1, q_mul, G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PPI: gl.constexpr,
+              BLOCK_T: gl.constexpr, SLOTS: gl.constexpr, REV: gl.constexpr):
+    """The WS 2 kernels' preamble (nvfp4 and triaxial producers alike): the program's chunk block ``qb`` (the last
+    first with REV) and KV head ``h``, each warpgroup's q tile (half the rows each), the K / V rings of SLOTS steps of
+    PPI pages and their ``full`` / ``empty`` barriers (``empty`` counts the two consumers), initialised and fenced."""
+    M: gl.constexpr = BLOCK_T * G
+    H2: gl.constexpr = M // 2
+    N: gl.constexpr = PPI * P
+    if REV:
+        qb = gl.num_programs(0) - 1 - gl.program_id(0)
+    else:
+        qb = gl.program_id(0)
+    h = gl.program_id(1)
+    TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float16)
+    q_0 = _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G, D, BLOCK_T, 0, H2)
+    q_1 = _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G, D, BLOCK_T, H2, H2)
+    k_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
+    v_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
+    full = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(SLOTS):
+        mbarrier.init(full.index(j), count=1)
+        mbarrier.init(empty.index(j), count=2)
+    fence_async_shared()
+    _cta_barrier()
+    return qb, h, q_0, q_1, k_ring, v_ring, full, empty
+
+
+@gluon.jit
 def _pp_attend(q_smem, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h,
                R0: gl.constexpr, G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PPI: gl.constexpr,
                BLOCK_T: gl.constexpr):  # fmt: skip

@@ -73,8 +73,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_attend import (_as_type, _cta_barrier, _load_q, _mma_layout, _pp_attend, _pp_chunk, _row_coords, _row_layout,
-                           _softmax)
+from .gluon_attend import (_as_type, _cta_barrier, _load_q, _mma_layout, _pp_attend, _pp_chunk, _pp_setup,
+                           _row_coords, _row_layout, _softmax)
 from .layout import PageLayout
 from .paged_kv import PagedKV
 from .triton_codec import asm_e2m1_pair, asm_quarters
@@ -468,26 +468,9 @@ def _gl_extend_pp_kernel(
     own q tile) and its own release of a slot (``empty`` counts 2), so they drift apart and one's softmax can run
     under the other's wgmma; the producer also stages the chunk's own keys, so the chunk runs through the ring too.
     The kernel's num_warps is the first warpgroup's (4)."""
-    M: gl.constexpr = BLOCK_T * G
-    H2: gl.constexpr = M // 2
-    N: gl.constexpr = PPI * P
-    if REV:
-        qb = gl.num_programs(0) - 1 - gl.program_id(0)
-    else:
-        qb = gl.program_id(0)
-    h = gl.program_id(1)
-    TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float16)
-    q_0 = _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G, D, BLOCK_T, 0, H2)
-    q_1 = _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G, D, BLOCK_T, H2, H2)
-    k_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
-    v_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
-    full = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(SLOTS):
-        mbarrier.init(full.index(j), count=1)
-        mbarrier.init(empty.index(j), count=2)
-    fence_async_shared()
-    _cta_barrier()
+    H2: gl.constexpr = BLOCK_T * G // 2
+    qb, h, q_0, q_1, k_ring, v_ring, full, empty = _pp_setup(q_ptr, n_new, q_s0, q_s1, q_mul, G, D, P, PPI, BLOCK_T,
+                                                             SLOTS, REV)
     gl.warp_specialize([
         (_pp_attend, (q_0, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, 0,
                       G, D, P, PPI, BLOCK_T)),

@@ -46,7 +46,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .gluon_attend import _as_type, _cta_barrier, _load_q, _pp_attend, _pp_chunk
+from .gluon_attend import _as_type, _cta_barrier, _pp_attend, _pp_chunk, _pp_setup
 from .gluon_fragments import _MAGIC, idx3
 from .layout import PageLayout
 from .page_ids import INT2_PAGE_FLAG
@@ -434,26 +434,9 @@ def _gl_extend_tri_kernel(
 ):  # fmt: skip
     """gluon_extend._gl_extend_pp_kernel (arguments as there) with the triaxial producer _tri_load (LOAD_WARPS = PPI:
     a warp per page of the step)."""
-    M: gl.constexpr = BLOCK_T * G
-    H2: gl.constexpr = M // 2
-    N: gl.constexpr = PPI * P
-    if REV:
-        qb = gl.num_programs(0) - 1 - gl.program_id(0)
-    else:
-        qb = gl.program_id(0)
-    h = gl.program_id(1)
-    TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float16)
-    q_0 = _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G, D, BLOCK_T, 0, H2)
-    q_1 = _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G, D, BLOCK_T, H2, H2)
-    k_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
-    v_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
-    full = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(SLOTS):
-        mbarrier.init(full.index(j), count=1)
-        mbarrier.init(empty.index(j), count=2)
-    fence_async_shared()
-    _cta_barrier()
+    H2: gl.constexpr = BLOCK_T * G // 2
+    qb, h, q_0, q_1, k_ring, v_ring, full, empty = _pp_setup(q_ptr, n_new, q_s0, q_s1, q_mul, G, D, P, PPI, BLOCK_T,
+                                                             SLOTS, REV)
     gl.warp_specialize([
         (_pp_attend, (q_0, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, 0,
                       G, D, P, PPI, BLOCK_T)),
