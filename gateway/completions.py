@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any
 
@@ -468,7 +469,7 @@ class ChatFrames:
         self._head, self._middle, self._tail = head, middle, tail
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return self._head + _json(delta) + self._middle + _json(finish) + self._tail
+        return self._head + _delta_json(delta) + self._middle + (b"null" if finish is None else _json(finish)) + self._tail
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         """The usage-only chunk (no choices)."""
@@ -494,6 +495,16 @@ _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 def _json(obj: object) -> bytes:
     return _ENCODE(obj).encode()
+
+
+def _delta_json(delta: dict[str, Any]) -> bytes:
+    """``_json(delta)``; a delta of one string field (the streamed text: content or reasoning) without the
+    encoder's call, the same bytes (~0.3 of ~4.6 us a streamed token spent encoding its delta and finish)."""
+    if len(delta) == 1:
+        ((key, value),) = delta.items()
+        if type(key) is str and type(value) is str:
+            return b"{" + encode_basestring_ascii(key).encode() + b":" + encode_basestring_ascii(value).encode() + b"}"
+    return _json(delta)
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

@@ -16,6 +16,7 @@ DELTAS: list[dict[str, Any]] = [
     {"content": "plain text"},
     {"content": 'quotes " and \\ and \n newlines, é 日本 😀 \x00 \u2028'},
     {"reasoning_content": "thinking <think> & </think>"},
+    {"content": "".join(map(chr, range(0, 0x3000, 7))) + "\udc80 \ud83d"},  # every kind of escape, lone surrogates
     {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
                      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
     {},
