@@ -132,19 +132,28 @@ def _pp_setup(q_ptr, n_new, q_s0, q_s1, q_mul, G: gl.constexpr, D: gl.constexpr,
     else:
         qb = gl.program_id(0)
     h = gl.program_id(1)
-    TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float16)
     q_0 = _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G, D, BLOCK_T, 0, H2)
     q_1 = _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G, D, BLOCK_T, H2, H2)
+    k_ring, v_ring, full, empty = _ring(N, D, SLOTS, 2)
+    return qb, h, q_0, q_1, k_ring, v_ring, full, empty
+
+
+@gluon.jit
+def _ring(N: gl.constexpr, D: gl.constexpr, SLOTS: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The warp-specialized kernels' ring: SLOTS K / V tile pairs [N, D] fp16 in shared memory and their mbarriers,
+    ``full`` (the producer's arrival) and ``empty`` (counting the CONSUMERS that release a slot), initialised and
+    fenced for the async proxy and the CTA."""
+    TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float16)
     k_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
     v_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
     full = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(SLOTS):
         mbarrier.init(full.index(j), count=1)
-        mbarrier.init(empty.index(j), count=2)
+        mbarrier.init(empty.index(j), count=CONSUMERS)
     fence_async_shared()
     _cta_barrier()
-    return qb, h, q_0, q_1, k_ring, v_ring, full, empty
+    return k_ring, v_ring, full, empty
 
 
 @gluon.jit

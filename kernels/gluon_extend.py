@@ -73,7 +73,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_attend import (_as_type, _cta_barrier, _load_q, _mma_layout, _pp_attend, _pp_chunk, _pp_setup,
+from .gluon_attend import (_as_type, _cta_barrier, _load_q, _mma_layout, _pp_attend, _pp_chunk, _pp_setup, _ring,
                            _row_coords, _row_layout, _softmax)
 from .layout import PageLayout
 from .paged_kv import PagedKV
@@ -414,17 +414,8 @@ def _gl_extend_ws_kernel(
     qb = gl.program_id(0)
     h = gl.program_id(1)
     MMA: gl.constexpr = _mma_layout(W, N)
-    TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float16)
     q_smem = _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G, D, BLOCK_T)
-    k_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
-    v_ring = gl.allocate_shared_memory(gl.float16, [SLOTS, N, D], TILE)
-    full = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(SLOTS):
-        mbarrier.init(full.index(j), count=1)
-        mbarrier.init(empty.index(j), count=1)
-    fence_async_shared()
-    _cta_barrier()
+    k_ring, v_ring, full, empty = _ring(N, D, SLOTS, 1)
     m_i = gl.full([M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
     l_i = gl.zeros([M], gl.float32, layout=gl.SliceLayout(1, MMA))
     acc = gl.zeros([M, D], gl.float32, layout=_mma_layout(W, D))
