@@ -7,13 +7,17 @@ channel 4j + k) and signals ``full``; two consumer warpgroups (``_pp_attend``)
 each run S = q K^T, the online softmax and PV by ``wgmma`` on their half of
 the rows and release the slot on ``empty``. What differs between the formats
 is only the producer's prefix; the chunk's own keys are staged the same way
-(``_pp_chunk``). Everything here is device code of those kernels (no launch).
+(``_pp_chunk``). Everything here is device code of those kernels, but for what
+both launches prepare on the host: q and the output (``launch_io``), the
+chunk's k, v in that layout (``chunk_kv``) and the page-id list the kernel
+reads (``launch_pages``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import shared_memory_descriptor
@@ -21,6 +25,37 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from .gluon_fragments import cp_async
+
+def chunk_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's k, v [n, H, D] as fp16 quarter-major [n, H, 4, D/4] (channel 4j + i at i * D/4 + j: the ring's
+    column order), one copy each."""
+    n, h, d = k.shape
+    k_in = torch.empty((n, h, 4, d // 4), dtype=torch.float16, device=k.device)
+    k_in.copy_(k.view(n, h, d // 4, 4).transpose(2, 3))
+    v_in = torch.empty_like(k_in)
+    v_in.copy_(v.view(n, h, d // 4, 4).transpose(2, 3))
+    return k_in, v_in
+
+
+def launch_io(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q with its channels at unit stride (the kernel reads them so), and the output [n, Hq, D] in q's dtype, its
+    channels at unit stride too."""
+    out = torch.empty_like(q)
+    if out.stride(2) != 1:
+        out = out.contiguous()
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    return q, out
+
+
+def launch_pages(pages: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The prefix's page ids as the kernel reads them: contiguous, or one id never read (an empty prefix) so that
+    the pointer is valid on ``device``."""
+    pages = pages.contiguous()
+    if pages.numel() == 0:
+        pages = torch.zeros(1, dtype=torch.int32, device=device)
+    return pages
+
 
 # CTA barrier: `thread_barrier` in triton 3.6 (the device), `barrier` by 3.9 (CI)
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier

@@ -74,7 +74,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .gluon_attend import (_as_type, _cta_barrier, _load_q, _mma_layout, _pp_attend, _pp_chunk, _pp_setup, _ring,
-                           _row_coords, _row_layout, _softmax)
+                           _row_coords, _row_layout, _softmax, chunk_kv, launch_io, launch_pages)
 from .layout import PageLayout
 from .paged_kv import PagedKV
 from .triton_codec import asm_e2m1_pair, asm_quarters
@@ -517,26 +517,15 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
     lay = kv.layout
     n, hq, d = q.shape
     h = lay.kv_heads
-    out = torch.empty_like(q)
+    q, out = launch_io(q)
     if n == 0:
         return out
-    if out.stride(2) != 1:
-        out = out.contiguous()
-    if q.stride(2) != 1:  # the kernel reads q's channels at unit stride
-        q = q.contiguous()
     cfg = {**TUNING, **(tuning or {})}
     p = lay.page_size
-    pages = prefix_pages[: triton.cdiv(prefix_len, p)].contiguous()
-    if pages.numel() == 0:
-        pages = torch.zeros(1, dtype=torch.int32, device=q.device)  # never read (prefix_len 0), but a valid pointer
+    pages = launch_pages(prefix_pages[: triton.cdiv(prefix_len, p)], q.device)
     k_fold, v_fold = folded_scales(kv)
     k_mul_pre = sm_scale * LOG2E * k_fold
-    # the chunk's k, v in fp16, quarter-major ([.., 4, D/4]: channel 4j + k at k * D/4 + j), one copy each; q is read
-    # as it is (the kernel scales and permutes it)
-    k_in = torch.empty((n, h, 4, d // 4), dtype=torch.float16, device=q.device)
-    k_in.copy_(k.view(n, h, d // 4, 4).transpose(2, 3))
-    v_in = torch.empty_like(k_in)
-    v_in.copy_(v.view(n, h, d // 4, 4).transpose(2, 3))
+    k_in, v_in = chunk_kv(k, v)  # q is read as it is (the kernel scales and permutes it)
     a = field_offsets(lay)
     grid = (triton.cdiv(n, cfg["BLOCK_T"]), h)
     kernel, meta = _launch_meta(cfg)

@@ -46,7 +46,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .gluon_attend import _as_type, _cta_barrier, _pp_attend, _pp_chunk, _pp_setup
+from .gluon_attend import _as_type, _cta_barrier, _pp_attend, _pp_chunk, _pp_setup, chunk_kv, launch_io, launch_pages
 from .gluon_fragments import _MAGIC, idx3
 from .layout import PageLayout
 from .page_ids import INT2_PAGE_FLAG
@@ -486,29 +486,20 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
     if not supported(kv, q):
         raise ValueError("gluon_extend_tri does not support this call (see gluon_extend_tri.supported)")
     lay = kv.layout
-    n, hq, d = q.shape
+    n, hq, _ = q.shape
     h = lay.kv_heads
-    out = torch.empty_like(q)
+    q, out = launch_io(q)
     if n == 0:
         return out
-    if out.stride(2) != 1:
-        out = out.contiguous()
-    if q.stride(2) != 1:  # the kernel reads q's channels at unit stride
-        q = q.contiguous()
     cfg = {**TUNING, **(tuning or {})}
     p = lay.page_size
     pages = prefix_pages[: triton.cdiv(prefix_len, p)]
     if cfg["SORT"] and pages.numel():
         # INT2 pages first, order kept (device-side, no sync): the partial last page is INT4 and stays last
         pages = pages[torch.argsort(((pages & INT2_PAGE_FLAG) == 0).to(torch.int8), stable=True)]
-    pages = pages.contiguous()
-    if pages.numel() == 0:
-        pages = torch.zeros(1, dtype=torch.int32, device=q.device)  # never read (prefix_len 0), but a valid pointer
+    pages = launch_pages(pages, q.device)
     q_mul = sm_scale * LOG2E  # INT scales are in the pages: no K or V fold
-    k_in = torch.empty((n, h, 4, d // 4), dtype=torch.float16, device=q.device)  # quarter-major, as gluon_extend
-    k_in.copy_(k.view(n, h, d // 4, 4).transpose(2, 3))
-    v_in = torch.empty_like(k_in)
-    v_in.copy_(v.view(n, h, d // 4, 4).transpose(2, 3))
+    k_in, v_in = chunk_kv(k, v)
     grid = (triton.cdiv(n, cfg["BLOCK_T"]), h)
     _gl_extend_tri_kernel[grid](
         q, k_in, v_in, out, kv.buffer, pages, n, prefix_len, kv.total_bytes, q_mul, 1.0, 1.0, q.stride(0), q.stride(1),

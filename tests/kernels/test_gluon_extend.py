@@ -156,3 +156,25 @@ def test_gpu_paged_ops_extend_runs_the_gluon_kernel_on_nvfp4_pages(monkeypatch: 
     assert calls == [1]
     ref = triton_prefill.extend_attention(q, k, v, kv, filled.page_table[0], 40, sm_scale=0.1, fast=True)
     assert calls == [1] and rel_err(out, ref) < 5e-3
+
+
+def test_launch_staging_of_the_chunk_and_the_page_ids() -> None:
+    """What both extend launches prepare on the host (gluon_attend): the chunk's k, v as fp16 quarter-major
+    (channel 4j + i at column i * D/4 + j) and page ids the kernel can read, one never-read id for no prefix."""
+    from kvserving.kernels.gluon_attend import chunk_kv, launch_io, launch_pages
+
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    k_in, v_in = chunk_kv(k, v)
+    assert k_in.shape == (3, 2, 4, 4) and k_in.dtype == v_in.dtype == torch.float16
+    for i in range(4):
+        for j in range(4):
+            assert torch.equal(k_in[:, :, i, j], k[:, :, 4 * j + i].half())
+            assert torch.equal(v_in[:, :, i, j], v[:, :, 4 * j + i].half())
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    pages = launch_pages(table[:, 1], torch.device("cpu"))
+    assert pages.is_contiguous() and pages.tolist() == [1, 5, 9]
+    empty = launch_pages(table[:0, 0], torch.device("cpu"))
+    assert empty.tolist() == [0] and empty.dtype == torch.int32
+    q = torch.randn(5, 8, 3).transpose(1, 2)  # channels not at unit stride
+    q_in, out = launch_io(q)
+    assert torch.equal(q_in, q) and q_in.stride(2) == 1 and out.stride(2) == 1 and out.shape == q.shape
