@@ -44,7 +44,8 @@
      matches), both teacher-forced: far less noisy than perplexity differences;
    - greedy agreement: prompt = the sequence minus its last N tokens, N tokens
      generated greedily; the position of the first token that differs from the
-     unquantized KV's (N if none);
+     unquantized KV's (N if none; ``--generate 0`` skips it: the generation
+     prefills every conversation again, with nothing the KL rows need);
    - per layer, the attention-output relative error ||o - o_exact|| / ||o_exact||,
      o_exact the same layer's attention over unquantized K/V of the same tokens.
    Formats: bf16 (unquantized; fp32 on CPU, where the model runs in fp32),
@@ -446,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-steps", type=int, default=None, help="override the config's training steps")
     ap.add_argument("--generate", type=int, default=None,
-                    help="override the config's greedy tokens per conversation (the greedy-agreement column)")
+                    help="override the config's greedy tokens per conversation (the greedy-agreement column; "
+                         "0: no generation, the KL rows in less time)")
     ap.add_argument("--eval-seqs", type=int, nargs="+", default=None,
                     help="override the config's evaluation conversations per context (one number, or one per context)")
     ap.add_argument("--calib-tokens", type=int, default=None, help="override the config's calibration tokens")
@@ -504,8 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     for field in ("train_steps", "eval_seqs", "calib_tokens", "generate"):
         value = getattr(opts, field)
         if value is not None:
-            if value < 1:
-                print(f"fidelity: error: --{field.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)
+            least = 0 if field == "generate" else 1
+            if value < least:
+                print(f"fidelity: error: --{field.replace('_', '-')} must be >= {least}, got {value}", file=sys.stderr)
                 return 2
             s = Setup(**{**s.__dict__, field: value})
     out_path = opts.out or Path(__file__).with_name(f"fidelity_{device.type}.json")
@@ -850,12 +853,14 @@ def run_context(model_dir: Path, specs: dict[str, tuple[str, dict[str, Any]]], c
             bits.append(score(engine, q.ids, q.tags, s.chunk, rec, acc, r))
             kl_seq.append((acc.kl - kl0) / max(1, acc.count - n0))
         gen_n = s.generate
-        prompts = [q.ids[:-gen_n] for q in seqs]
-        tags = [q.tags[:-gen_n] for q in seqs]
-        outs = engine.generate(prompts, SamplingParams(max_tokens=gen_n, temperature=0.0, ignore_eos=True), tags=tags)
-        if reference_out is None:
-            reference_out = outs
-        div = [first_divergence(o, r) for o, r in zip(outs, reference_out)]
+        div: list[int] = []  # --generate 0: no greedy-agreement column
+        if gen_n:
+            prompts = [q.ids[:-gen_n] for q in seqs]
+            tags = [q.tags[:-gen_n] for q in seqs]
+            outs = engine.generate(prompts, SamplingParams(max_tokens=gen_n, temperature=0.0, ignore_eos=True), tags=tags)
+            if reference_out is None:
+                reference_out = outs
+            div = [first_divergence(o, r) for o, r in zip(outs, reference_out)]
         table = kw.get("table")
         rows[name] = {
             "dtype": dtype,
@@ -872,7 +877,7 @@ def run_context(model_dir: Path, specs: dict[str, tuple[str, dict[str, Any]]], c
             "stored_bits_calibration_data": cal.stored_bits(table) if table is not None else None,
             "table": format_bits_table(table) if table is not None else None,
             "first_divergence": div,
-            "mean_first_divergence": sum(div) / len(div),
+            "mean_first_divergence": sum(div) / len(div) if div else None,
             "generated": gen_n,
             "attn_rel_err": [math.sqrt(e / r) if r > 0 else 0.0 for e, r in zip(rec.err, rec.ref)],
             "seconds": round(time.time() - t, 1),
@@ -889,6 +894,12 @@ def run_context(model_dir: Path, specs: dict[str, tuple[str, dict[str, Any]]], c
     return {"sequences": len(seqs), "tokens_per_sequence": [len(q.ids) for q in seqs], "rows": rows}
 
 
+def agree(row: dict[str, Any]) -> str:
+    """The greedy-agreement column: mean first divergence / tokens generated ("-" with ``--generate 0``)."""
+    mean = row["mean_first_divergence"]
+    return "-" if mean is None else f"{mean:.0f}/{row['generated']}"
+
+
 def print_table(results: dict[str, Any]) -> None:
     tr = results["train"]
     print(f"\nmodel {results['params'] / 1e6:.1f}M parameters, {results['device']}; training loss {tr['loss_last']:.3f}, "
@@ -901,7 +912,7 @@ def print_table(results: dict[str, Any]) -> None:
             errs = " ".join(f"{e:.3f}" for e in r["attn_rel_err"])
             print(f"{name:<30} {r['stored_bits']:>5.2f} {r['ppl']:>8.3f} {r['ppl_vs_bf16_pct']:>+7.2f}% "
                   f"{r['reply_ppl_vs_bf16_pct']:>+7.2f}% {r['kl_vs_bf16']:>8.2e} {100 * r['top1_vs_bf16']:>5.1f}% "
-                  f"{r['mean_first_divergence']:>3.0f}/{r['generated']:<3d} {errs}")
+                  f"{agree(r):>7} {errs}")
         if block.get("comparisons"):
             print("KL against default@pages (pooled change; paired mean +- se as % of its KL, t; conversations lower/higher)")
             for b, comp in block["comparisons"].items():

@@ -194,3 +194,17 @@ def test_a_smoke_run_writes_each_row_as_it_completes_and_reloadable_calibrations
     main = Calibration.from_dict(result["calibration"]["file"])
     at_ctx = Calibration.from_dict(block["calibration_at_context"]["file"])
     assert at_ctx.tokens == block["calibration_at_context"]["tokens"] and main.tokens == result["calibration"]["tokens"]
+
+
+@pytest.mark.slow
+def test_generate_zero_scores_every_row_without_the_greedy_column(fidelity: ModuleType, tmp_path: Path) -> None:
+    out = tmp_path / "fidelity.json"
+    assert fidelity.main(["--smoke", "--threads", "2", "--triaxial-only", "--skip-default", "--contexts", "512",
+                          "--budgets", "2.7", "--generate", "0", "--eval-seqs", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["contexts"]["512"]["rows"]
+    assert list(rows) == ["bf16", "triaxial 2.7 default@pages", "triaxial 2.7 calibrated"]
+    for r in rows.values():
+        assert r["generated"] == 0 and r["first_divergence"] == [] and r["mean_first_divergence"] is None
+        assert len(r["kl_per_sequence"]) == 2 and len(r["stored_bits_per_sequence"]) == 2
+    assert fidelity.agree(rows["bf16"]) == "-"
+    assert fidelity.main(["--smoke", "--generate", "-1"]) == 2
