@@ -13,9 +13,9 @@ Each validates its arguments (paged_ref.check_*) and then runs one backend:
   dispatches again;
 - extend (a chunk after a cached prefix) on the Triton backend: the paged
   prefill kernel (triton_prefill.py), which reads the packed prefix pages
-  itself -- for nvfp4 pages on Hopper the Gluon kernel (gluon_extend.py)
-  where ``gluon_extend.supported`` holds; the reference dequantizes the
-  prefix and attends with SDPA.
+  itself -- on Hopper the Gluon kernels where their ``supported`` holds:
+  gluon_extend.py for nvfp4 pages, gluon_extend_tri.py for triaxial ones;
+  the reference dequantizes the prefix and attends with SDPA.
 
 ``options`` (kernels/options.py) carries the environment overrides; a caller
 that passes none gets ``KernelOptions.from_env()``, read here and nowhere else.
@@ -188,9 +188,11 @@ def extend_attention(
     if _backend(kv, backend, opts) == "reference":
         return paged_ref.extend_attention(q, k, v, kv, prefix_pages, prefix_len, sm_scale=sm_scale)
     paged_ref.check_extend(q, k, v, kv, prefix_pages, prefix_len, values=_values(kv, check_values, opts))
-    from . import gluon_extend, triton_prefill
+    from . import gluon_extend, gluon_extend_tri, triton_prefill
 
     fast = opts.fast_decoders(q.device)
     if fast and gluon_extend.supported(kv, q):  # faster on an H200 at every bench shape (NOTES-kernels, session 8)
         return gluon_extend.extend_attention(q, k, v, kv, prefix_pages, prefix_len, sm_scale=sm_scale)
+    if fast and gluon_extend_tri.supported(kv, q):  # 1.65-1.77x the tl kernel at 32K cached (NOTES-kernels, session 11)
+        return gluon_extend_tri.extend_attention(q, k, v, kv, prefix_pages, prefix_len, sm_scale=sm_scale)
     return triton_prefill.extend_attention(q, k, v, kv, prefix_pages, prefix_len, sm_scale=sm_scale, fast=fast)

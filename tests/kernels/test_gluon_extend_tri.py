@@ -10,7 +10,8 @@ GPU (``gpu`` marker, device machine): extend at real shapes (pages of 32,
 partial last pages and steps, INT2 and INT4 pages listed in orders that make
 steps of one kind and steps that mix them, with and without the wrapper's
 INT2-first sort) against fp64 attention over the codec-dequantized prefix plus
-the chunk, and against the ``tl`` kernel.
+the chunk, and against the ``tl`` kernel; paged_ops dispatches triaxial extend
+here.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from test_paged_ref import expected_kv, fill_sequences, make_pool, rel_err
 from test_triton_paged import BOUND
 from test_triton_prefill import dense_extend
 
-from kvserving.kernels import gluon_extend_tri, triton_prefill, triton_write
+from kvserving.kernels import gluon_extend_tri, paged_ops, triton_prefill, triton_write
+from kvserving.kernels.options import KernelOptions
 
 _COMPILE = """
 import json, sys
@@ -140,3 +142,26 @@ def test_gpu_triaxial_extend_supported_calls() -> None:
     with pytest.raises(ValueError, match="does not support"):
         gluon_extend_tri.extend_attention(q[:, :16], q[:, :8], q[:, :8], pool.kv(), torch.zeros(2, dtype=torch.int32,
                                           device="cuda"), 20, sm_scale=0.1)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_paged_ops_extend_runs_the_gluon_kernel_on_triaxial_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = make_pool("int4", num_pages=4, page_size=32, kv_heads=8, head_dim=128, num_int2_pages=2, device="cuda")
+    filled = fill_sequences(pool, [80], int2_pages=[1], ops=triton_write)  # one INT2 page, two INT4 (the last of 16)
+    kv = pool.kv()
+    q, k, v = torch.randn(5, 32, 128, device="cuda"), torch.randn(5, 8, 128, device="cuda"), torch.randn(5, 8, 128, device="cuda")
+    calls: list[int] = []
+    launch = gluon_extend_tri.extend_attention
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(gluon_extend_tri, "extend_attention", counted)
+    table = filled.page_table[0]
+    out = paged_ops.extend_attention(q, k, v, kv, table, 80, sm_scale=0.1, options=KernelOptions())
+    assert calls == [1]
+    ref = triton_prefill.extend_attention(q, k, v, kv, table, 80, sm_scale=0.1, fast=True)
+    assert calls == [1] and rel_err(out, ref) < 5e-3
+    paged_ops.extend_attention(q, k, v, kv, table, 80, sm_scale=0.1, options=KernelOptions(triton_fast=False))
+    assert calls == [1]  # the portable decoders keep the tl kernel
