@@ -3,10 +3,16 @@
 Requests are parsed with ``parse_chat_request`` / ``parse_completion_request``,
 which turn every validation failure into a 400 ``GatewayError`` naming the
 field (``param``) the way OpenAI does. Fields OpenAI clients send that do not
-change the result here (``presence_penalty``, ``metadata``, ``store``,
-``parallel_tool_calls``, ...) are accepted and ignored; fields whose meaning
-the gateway cannot honour (``n`` > 1, ``logprobs``, ``echo``, ``suffix``,
-``best_of`` > 1) are refused clearly.
+change the result here (``metadata``, ``store``, ``parallel_tool_calls``,
+``service_tier``, ...) are accepted and ignored, and so are the neutral values
+of those that would (``presence_penalty: 0``, ``response_format: {"type":
+"text"}``, ``tool_choice: "auto"``); values whose meaning the gateway cannot
+honour are refused clearly (400, code ``unsupported_value``) rather than
+answered as if they had been: ``n`` > 1, ``logprobs``, ``echo``, ``suffix``,
+``best_of`` > 1, non-zero presence / frequency penalties, ``logit_bias``, a
+JSON ``response_format`` (nothing constrains the output to JSON) and a
+``tool_choice`` that forces a tool call ("required" or a named function:
+nothing forces the model to call one).
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     logprobs: bool | int | None = None
     ignore_eos: bool = False
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -57,6 +66,12 @@ class _SamplingFields(BaseModel):
                                   param="stream_options")
         if len(self.stop_strings()) > 4:
             raise invalid_request("'stop' may hold at most 4 sequences.", param="stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise invalid_request(f"{name} is not supported by this server (only 0).", param=name,
+                                      code="unsupported_value")
+        if self.logit_bias:
+            raise invalid_request("logit_bias is not supported by this server.", param="logit_bias", code="unsupported_value")
 
     @property
     def include_usage(self) -> bool:
@@ -72,6 +87,27 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     prompt_cache_key: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (e.g. enable_thinking)
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        kind = None if self.response_format is None else self.response_format.get("type")
+        if self.response_format is not None and kind != "text":
+            if kind in ("json_object", "json_schema"):
+                raise invalid_request(f"response_format type '{kind}' is not supported by this server: nothing "
+                                      "constrains the output to JSON (only 'text').", param="response_format",
+                                      code="unsupported_value")
+            raise invalid_request(f"Invalid value for 'response_format.type': {kind!r} (one of 'text', 'json_object', "
+                                  "'json_schema').", param="response_format.type", code="invalid_value")
+        choice = self.tool_choice
+        if choice is None or choice in ("auto", "none"):
+            return
+        if choice == "required" or isinstance(choice, dict):
+            raise invalid_request("tool_choice that forces a tool call ('required' or a named function) is not "
+                                  "supported by this server: nothing forces the model to call one (use 'auto' or "
+                                  "'none').", param="tool_choice", code="unsupported_value")
+        raise invalid_request(f"Invalid value for 'tool_choice': {choice!r} (one of 'none', 'auto', 'required' or a "
+                              "named function).", param="tool_choice", code="invalid_value")
 
     @property
     def parses_tool_calls(self) -> bool:

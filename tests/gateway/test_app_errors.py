@@ -61,6 +61,15 @@ def test_request_errors_in_openai_shape(stack: Stack) -> None:
     assert r.status_code == 400 and error(r)["message"] == "The request body must be a JSON object."
     r = httpx.get(gw.url + "/v1/nothing", timeout=5)
     assert r.status_code == 404 and error(r)["code"] == "unknown_url"
+    # what the gateway cannot honour is refused, not answered as if it had been (the real client raises)
+    client = openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=USER, response_format={"type": "json_object"})  # type: ignore[arg-type]
+    assert (refused.value.param, refused.value.code) == ("response_format", "unsupported_value")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=USER, frequency_penalty=0.5)  # type: ignore[arg-type]
+    assert (refused.value.param, refused.value.code) == ("frequency_penalty", "unsupported_value")
+    assert gw.metric("kvserving_gateway_requests_total", {"route": CHAT, "code": "400"}) == 10
     assert worker.received == []  # nothing reached the worker
 
 

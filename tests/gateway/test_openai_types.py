@@ -1,0 +1,56 @@
+"""Request parsing: what the gateway cannot honour is refused by name, neutral values pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvserving.gateway.errors import GatewayError
+from kvserving.gateway.openai_types import parse_chat_request, parse_completion_request
+
+BASE: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize(("extra", "param", "code", "words"), [
+    ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_value", "only 0"),
+    ({"frequency_penalty": -1}, "frequency_penalty", "unsupported_value", "only 0"),
+    ({"frequency_penalty": 3}, "frequency_penalty", "invalid_value", "less than or equal to 2"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias", "unsupported_value", "logit_bias"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_value", "'json_object'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format",
+     "unsupported_value", "'json_schema'"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "invalid_value", "'yaml'"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "unsupported_value", "forces a tool call"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "read_file"}}}, "tool_choice",
+     "unsupported_value", "forces a tool call"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "invalid_value", "'sometimes'"),
+])
+def test_chat_refuses_what_it_cannot_honour(extra: dict[str, Any], param: str, code: str, words: str) -> None:
+    with pytest.raises(GatewayError) as got:
+        parse_chat_request({**BASE, **extra})
+    err = got.value.to_body()["error"]
+    assert (got.value.status, err["param"], err["code"], err["type"]) == (400, param, code, "invalid_request_error")
+    assert words in err["message"]
+
+
+@pytest.mark.parametrize("extra", [
+    {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}},
+    {"response_format": {"type": "text"}},
+    {"tools": TOOLS, "tool_choice": "auto"},
+    {"tools": TOOLS, "tool_choice": "none"},
+    {"metadata": {"a": "b"}, "store": False, "parallel_tool_calls": True, "service_tier": "auto"},
+])
+def test_chat_accepts_neutral_values(extra: dict[str, Any]) -> None:
+    request = parse_chat_request({**BASE, **extra})
+    assert request.messages == BASE["messages"]
+
+
+def test_completions_refuse_penalties_and_logit_bias() -> None:
+    body = {"model": "m", "prompt": "hello"}
+    assert parse_completion_request({**body, "presence_penalty": 0}).prompt == "hello"
+    for extra, param in (({"presence_penalty": 1}, "presence_penalty"), ({"logit_bias": {"1": 5}}, "logit_bias")):
+        with pytest.raises(GatewayError) as got:
+            parse_completion_request({**body, **extra})
+        assert got.value.to_body()["error"]["param"] == param
