@@ -66,6 +66,7 @@ GLUON_VARIANTS: dict[str, dict[str, int]] = {
     # release), the chunk through the ring too
     "gluon-ws2": {"WS": 2},
     "gluon-ws2rev0": {"WS": 2, "REV": 0},  # chunk blocks in launch order (the default: last-first)
+    "gluon-ws2cf0": {"WS": 2, "CF": 0},  # the producer's rows in _pair_layout's lanes (2-way conflicted tile stores)
     # measurement only (wrong output): the producer without unpacking, without its proxy fence, storing zero tiles
     "gluon-ws2probe1": {"WS": 2, "PROBE": 1},
     "gluon-ws2probe2": {"WS": 2, "PROBE": 2},

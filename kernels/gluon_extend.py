@@ -51,11 +51,13 @@ so no barrier joins the two and one's softmax runs while the other's wgmma does;
 own keys into the ring after the prefix (cp.async), so the chunk is pipelined too. H200, session 10: 1.10-1.15x
 WS 1 (taking turns at the wgmma through named barriers, FlashAttention-3's ping-pong, was 1-5% slower than
 letting them drift: bench/NOTES-kernels.md). q is read as the caller holds it (scaled and put quarter-major in
-the kernel), and the chunk blocks run last-first (REV 1: the blocks with the most causal keys first).
+the kernel), and the chunk blocks run last-first (REV 1: the blocks with the most causal keys first). The
+producer's rows sit in lanes that make its 16-byte tile stores free of bank conflicts (CF 1, ``cf_bases``: ncu
+counted 16.9 M conflicts in 48.1 M store wavefronts before, 0.16 M in 27.3 M after; 2-5% faster, session 12).
 
 Triaxial pages (INT4 + INT2, pages of 32) run the WS 2 kernel with another producer: ``gluon_extend_tri``
-(the consumers ``_pp_attend`` and the chunk's ``_pp_chunk`` live in ``gluon_attend``, shared by both; not
-dispatched by paged_ops until measured on the GPU).
+(the consumers ``_pp_attend`` and the chunk's ``_pp_chunk`` live in ``gluon_attend``, shared by both; paged_ops
+runs it for triaxial pages since session 12).
 
 Tuning (``TUNING``): WS 0 runs ``_gl_extend_kernel`` (the schedule above in one partition); there OVERLAP 0 waits
 each wgmma at once (the unpack after it), PAIR 0 uses the session-6 quarter unpacker, PAIR 2 int32 word pairs,
@@ -104,11 +106,53 @@ def _scale_layout(w: int) -> Any:
     return gl.BlockedLayout([1, 2], [8, 4], [w, 1], [1, 0])
 
 
+@gluon.constexpr_function
+def cf_bases(w: int, n: int, per_thread: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """(register, lane, warp) bases of an [n, 4 * per_thread] layout with per_thread consecutive columns a thread
+    and 4 threads a row, as _pair_layout (D/8 columns) and _scale_layout (D/16) hold them, but lanes 4-7 of each 8
+    take the row 4 below lanes 0-3's instead of the next one (lane bits: 2 column, then rows +4, +1, +2).
+
+    Why: a 16-byte shared store is served 8 lanes at a time, and the NVMMA 128-byte swizzle XORs the row's low 3
+    bits into the 16-byte chunk index; the 4 lanes of a row write one aligned quad of chunks of a 128-byte line
+    (one quarter of the tile), and rows r, r+1 (r even) land on the same quad: two wavefronts where one would do.
+    Rows r and r+4 land on the two different quads."""
+    if n % (8 * w) or per_thread & (per_thread - 1):
+        raise ValueError(f"cf_bases: n={n} must be a multiple of 8 * w={8 * w}, per_thread={per_thread} a power of 2")
+    reg = [[0, 1 << b] for b in range(per_thread.bit_length() - 1)]
+    reg += [[8 * w << b, 0] for b in range((n // (8 * w)).bit_length() - 1)]
+    lane = [[0, per_thread], [0, 2 * per_thread], [4, 0], [1, 0], [2, 0]]
+    warp = [[8 << b, 0] for b in range(w.bit_length() - 1)]
+    return reg, lane, warp
+
+
+@gluon.constexpr_function
+def _cf_layout(w: int, n: int, per_thread: int) -> Any:
+    """The layout of cf_bases (CF 1)."""
+    reg, lane, warp = cf_bases(w, n, per_thread)
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [n, 4 * per_thread])
+
+
+@gluon.constexpr_function
+def _pair_layout_cf(w: int, n: int) -> Any:
+    """_pair_layout for n rows with the lanes of _cf_layout (CF 1: conflict-free tile stores)."""
+    return _cf_layout(w, n, 4)
+
+
+@gluon.constexpr_function
+def _scale_layout_cf(w: int, n: int) -> Any:
+    """_scale_layout with the rows of _pair_layout_cf."""
+    return _cf_layout(w, n, 2)
+
+
 @gluon.jit
-def _page_ids(pt_ptr, it, page_hi, N: gl.constexpr, P: gl.constexpr):
+def _page_ids(pt_ptr, it, page_hi, N: gl.constexpr, P: gl.constexpr, CF: gl.constexpr = False):
     """Page id of each of the N key rows of the step at list index ``it`` (0 past page_hi), in the rows' layout of
-    _word_layout: loaded a step before the bytes, so that their addresses do not wait for it."""
-    n = gl.arange(0, N, layout=gl.SliceLayout(1, _word_layout(gl.num_warps())))
+    _word_layout (CF: of _pair_layout_cf): loaded a step before the bytes, so that their addresses do not wait for
+    it."""
+    if CF:
+        n = gl.arange(0, N, layout=gl.SliceLayout(1, _pair_layout_cf(gl.num_warps(), N)))
+    else:
+        n = gl.arange(0, N, layout=gl.SliceLayout(1, _word_layout(gl.num_warps())))
     pidx = it + n // P
     return gl.load(pt_ptr + pidx, mask=pidx < page_hi, other=0)
 
@@ -116,14 +160,15 @@ def _page_ids(pt_ptr, it, page_hi, N: gl.constexpr, P: gl.constexpr):
 @gluon.jit
 def _load_raw(buf_ptr, pid, it, prefix_len, h, N: gl.constexpr, P: gl.constexpr, D: gl.constexpr,
               PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, V_OFF: gl.constexpr,
-              VS_OFF: gl.constexpr, PAIRS: gl.constexpr = False):  # fmt: skip
+              VS_OFF: gl.constexpr, PAIRS: gl.constexpr = False, CF: gl.constexpr = False):  # fmt: skip
     """The packed bytes of the step at list index ``it`` (pid: its rows' page ids): K and V words [N, D/4] (int16),
     K and V block scales [N, D/16] (uint8); keys past prefix_len read 0 (codes and scales 0: the tile is 0, so a
     masked key's probability 0 never meets a NaN that the unwritten slots of a partial page may hold). PAIRS: the
-    words as int32 pairs [N, D/8] (half the registers of int16 elements, which take one each)."""
+    words as int32 pairs [N, D/8] (half the registers of int16 elements, which take one each); CF (with PAIRS):
+    in _pair_layout_cf's rows."""
     W: gl.constexpr = gl.num_warps()
-    LW: gl.constexpr = _pair_layout(W) if PAIRS else _word_layout(W)
-    LS: gl.constexpr = _scale_layout(W)
+    LW: gl.constexpr = _pair_layout_cf(W, N) if CF else (_pair_layout(W) if PAIRS else _word_layout(W))
+    LS: gl.constexpr = _scale_layout_cf(W, N) if CF else _scale_layout(W)
     Q: gl.constexpr = D // 4
     n = gl.arange(0, N, layout=gl.SliceLayout(1, LW))
     inb = it * P + n < prefix_len
@@ -338,24 +383,27 @@ def _gl_extend_kernel(
 @gluon.jit
 def _ws_load(buf_ptr, pt_ptr, k_ring, v_ring, full, empty, prefix_len, h, P: gl.constexpr, D: gl.constexpr,
              PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, V_OFF: gl.constexpr,
-             VS_OFF: gl.constexpr, PPI: gl.constexpr, PAIR: gl.constexpr, PROBE: gl.constexpr = 0):  # fmt: skip
+             VS_OFF: gl.constexpr, PPI: gl.constexpr, PAIR: gl.constexpr, PROBE: gl.constexpr = 0,
+             CF: gl.constexpr = False):  # fmt: skip
     """WS producer partition: loads and unpacks step i into ring slot i % SLOTS once the consumers released it
     (``empty``), then signals ``full``; step i+1's bytes and step i+2's page ids are in flight meanwhile. PROBE
     (measurement only, wrong output): 1 no unpacking, the slots keep what they held; 2 the unpack without the
     generic -> async proxy fence (ptxas' MEMBAR.ALL.CTA; racy); 3 zero tiles stored instead of the unpack (the
-    shared-memory stores without the unpacking arithmetic)."""
+    shared-memory stores without the unpacking arithmetic). CF (PAIR 2): rows in _pair_layout_cf's lanes, so the
+    tile stores are free of bank conflicts."""
     N: gl.constexpr = PPI * P
     SLOTS: gl.constexpr = k_ring.shape[0]
     num_pages = gl.cdiv(prefix_len, P)
     steps = gl.cdiv(num_pages, PPI)
-    pid = _page_ids(pt_ptr, 0, num_pages, N, P)
-    kw, vw, ks, vs = _load_raw(buf_ptr, pid, 0, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF, PAIR == 2)
-    pid = _page_ids(pt_ptr, PPI, num_pages, N, P)
+    pid = _page_ids(pt_ptr, 0, num_pages, N, P, CF)
+    kw, vw, ks, vs = _load_raw(buf_ptr, pid, 0, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF, PAIR == 2,
+                               CF)  # fmt: skip
+    pid = _page_ids(pt_ptr, PPI, num_pages, N, P, CF)
     for i in range(steps):
         slot = i % SLOTS
         nkw, nvw, nks, nvs = _load_raw(buf_ptr, pid, (i + 1) * PPI, prefix_len, h, N, P, D, PAGE_BYTES, K_OFF, KS_OFF,
-                                       V_OFF, VS_OFF, PAIR == 2)  # fmt: skip
-        pid = _page_ids(pt_ptr, (i + 2) * PPI, num_pages, N, P)
+                                       V_OFF, VS_OFF, PAIR == 2, CF)  # fmt: skip
+        pid = _page_ids(pt_ptr, (i + 2) * PPI, num_pages, N, P, CF)
         mbarrier.wait(empty.index(slot), ((i // SLOTS) & 1) ^ 1)  # a fresh mbarrier counts as released once
         if PROBE == 0 or PROBE == 2:
             _unpack(kw, ks, k_ring.index(slot), PAIR)
@@ -435,10 +483,10 @@ def _gl_extend_ws_kernel(
 def _pp_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_len, n_new, k_s0, qb, h, P: gl.constexpr,
              D: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, V_OFF: gl.constexpr,
              VS_OFF: gl.constexpr, PPI: gl.constexpr, PAIR: gl.constexpr, BLOCK_T: gl.constexpr,
-             PROBE: gl.constexpr):  # fmt: skip
+             PROBE: gl.constexpr, CF: gl.constexpr):  # fmt: skip
     """WS 2 producer: the prefix as _ws_load, then the chunk's own keys (_pp_chunk) into the same ring."""
     _ws_load(buf_ptr, pt_ptr, k_ring, v_ring, full, empty, prefix_len, h, P, D, PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF,
-             PPI, PAIR, PROBE)  # fmt: skip
+             PPI, PAIR, PROBE, CF)  # fmt: skip
     _pp_chunk(k_ptr, v_ptr, k_ring, v_ring, full, empty, gl.cdiv(gl.cdiv(prefix_len, P), PPI), n_new, k_s0, qb, h, D,
               BLOCK_T)  # fmt: skip
 
@@ -454,6 +502,7 @@ def _gl_extend_pp_kernel(
     ATT_REGS: gl.constexpr,  # the second warpgroup's registers (the first, the kernel's own 4 warps, gets the rest)
     REV: gl.constexpr,  # 1: chunk blocks in reverse order (the last, with the most causal keys, first: a shorter tail)
     PROBE: gl.constexpr,  # measurement only (wrong output): 1 no unpacking, 2 no proxy fence, 3 zero tiles (_ws_load)
+    CF: gl.constexpr,  # 1: the producer's rows in _pair_layout_cf's lanes (tile stores free of bank conflicts)
 ):  # fmt: skip
     """WS 2: the two warpgroups of _gl_extend_ws_kernel as two partitions of 4 warps, each with half the rows (its
     own q tile) and its own release of a slot (``empty`` counts 2), so they drift apart and one's softmax can run
@@ -468,18 +517,19 @@ def _gl_extend_pp_kernel(
         (_pp_attend, (q_1, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, H2,
                       G, D, P, PPI, BLOCK_T)),
         (_pp_load, (buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_len, n_new, k_s0, qb, h, P, D,
-                    PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF, PPI, PAIR, BLOCK_T, PROBE)),
+                    PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF, PPI, PAIR, BLOCK_T, PROBE, CF)),
     ], [4, LOAD_WARPS], [ATT_REGS, LOAD_REGS])  # fmt: skip
 
 
 # tiles: 32 chunk tokens x 4 heads = 128 rows, 8 pages of 16 = 128 prefix keys (and 128 chunk keys) per step
 TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 2, "PROBE": 0, "num_warps": 8,
-                          "WS": 2, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 136, "maxnreg": 168, "ATT_REGS": 184, "REV": 1}  # fmt: skip
+                          "WS": 2, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 136, "maxnreg": 168, "ATT_REGS": 184, "REV": 1, "CF": 1}  # fmt: skip
 # WS 2 (the default): _gl_extend_pp_kernel, num_warps 8 = two consumer warpgroups (the kernel's own 4 warps and a
 # partition of 4 with ATT_REGS) + the producer's LOAD_WARPS with LOAD_REGS: 168 * 12 = 4 x 136 + 8 x 184.
 # WS 1: _gl_extend_ws_kernel, the kernel's 8 warps get what maxnreg * (num_warps + LOAD_WARPS) leaves
 # (168 * 12 - 136 * 4 = 8 x 184). Compiled with triton 3.6 and PAIR 2: at 136 the producer's loop spills nothing
-# (at 120 it spilled ~12 values a step). WS 0: _gl_extend_kernel (PAIR 1 there).
+# (at 120 it spilled ~12 values a step). WS 0: _gl_extend_kernel (PAIR 1 there). CF (WS 2): the producer's lanes
+# (cf_bases; CF 0: _pair_layout's, whose tile stores take two wavefronts per 8 lanes).
 
 
 def _launch_meta(cfg: dict[str, int]) -> tuple[Any, dict[str, Any]]:
@@ -488,7 +538,7 @@ def _launch_meta(cfg: dict[str, int]) -> tuple[Any, dict[str, Any]]:
     if cfg["WS"]:
         meta.update(SLOTS=cfg["SLOTS"], LOAD_WARPS=cfg["LOAD_WARPS"], LOAD_REGS=cfg["LOAD_REGS"], maxnreg=cfg["maxnreg"])
         if cfg["WS"] == 2:  # the kernel's own warps are the first consumer warpgroup
-            meta.update(ATT_REGS=cfg["ATT_REGS"], REV=cfg["REV"], PROBE=cfg["PROBE"],
+            meta.update(ATT_REGS=cfg["ATT_REGS"], REV=cfg["REV"], PROBE=cfg["PROBE"], CF=cfg["CF"],
                         num_warps=cfg["num_warps"] // 2)
             return _gl_extend_pp_kernel, meta
         return _gl_extend_ws_kernel, meta

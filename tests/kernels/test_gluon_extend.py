@@ -89,6 +89,42 @@ def test_gluon_extend_warp_specialized_with_register_split(ws: int) -> None:
         assert all(b.strip().endswith("0x80") or b.strip() == "0x1" for b in r["bars"]), collections.Counter(r["bars"])
 
 
+def _store_wavefronts(reg: list[list[int]], lane: list[list[int]], n: int) -> int:
+    """Most 16-byte stores of one 8-lane phase that hit the same 4 banks, over every register and quarter, when a
+    thread's 4 pair columns (after the unpack: its 16 bytes of each quarter k, tile int32 column k * 16 + c) go to
+    an [n, 64] int32 NVMMA tile with the 128-byte swizzle (16-byte chunk index XOR row % 8)."""
+    worst = 0
+    for r in range(0, 1 << len(reg), 4):  # registers 0-3 are one thread's 4 consecutive columns (one 16-byte store)
+        for k in range(4):
+            quads: list[int] = []
+            for ln in range(32):
+                row = col = 0
+                for b, (dr, dc) in enumerate(reg):
+                    if r >> b & 1:
+                        row, col = row ^ dr, col ^ dc
+                for b, (dr, dc) in enumerate(lane):
+                    if ln >> b & 1:
+                        row, col = row ^ dr, col ^ dc
+                c = k * 16 + col
+                quads.append(((c % 32) // 4) ^ (row % 8))
+                assert row < n
+            for ph in range(4):
+                worst = max(worst, max(collections.Counter(quads[8 * ph : 8 * ph + 8]).values()))
+    return worst
+
+
+def test_conflict_free_rows_store_each_phase_in_one_wavefront() -> None:
+    # CF 1 (the default): lanes 4-7 of each 8 take the row 4 below, so the 8 lanes of a phase write 8 distinct chunks
+    reg, lane, _ = gluon_extend.cf_bases(4, 128, 4)
+    assert _store_wavefronts(reg, lane, 128) == 1
+    # _pair_layout's lanes (CF 0): rows r, r+1 in a phase write the same quad of chunks, 2 wavefronts
+    blocked_lane = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
+    assert _store_wavefronts(reg, blocked_lane, 128) == 2
+    assert gluon_extend.TUNING["CF"] == 1
+    with pytest.raises(ValueError, match="multiple of"):
+        gluon_extend.cf_bases(4, 48, 4)
+
+
 def test_gluon_extend_default_is_the_two_consumer_partition_kernel() -> None:
     assert gluon_extend.TUNING["WS"] == 2 and gluon_extend.TUNING["REV"] == 1
 

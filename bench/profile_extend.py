@@ -1,0 +1,38 @@
+"""Launch the Gluon extend kernels once per tuning, for Nsight Compute (ncu) to count what a launch does.
+
+    ncu --clock-control none --kernel-name regex:_gl_extend --metrics ... python3 bench/profile_extend.py \
+        '{"CF": 0}' '{"CF": 1}' tri
+
+Each argument is a JSON tuning of gluon_extend (nvfp4 pages) or ``tri`` (gluon_extend_tri, its default tuning);
+the shape is the bench's 512 new tokens on 32K cached (NEW / PREFIX override it). Every launch is listed with
+its tuning, in order, so ncu's launches can be matched to the arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from decode_gpu import HQ, D, H, Pool
+
+from kvserving.kernels import gluon_extend, gluon_extend_tri
+
+NEW = int(os.environ.get("NEW", "512"))
+PREFIX = int(os.environ.get("PREFIX", "32768"))
+SM = D**-0.5
+
+pools = {fmt: Pool(fmt, 1, PREFIX) for fmt in {"triaxial" if a == "tri" else "nvfp4" for a in sys.argv[1:]}}
+q = torch.randn(NEW, HQ, D, device="cuda", dtype=torch.bfloat16)
+k = torch.randn(NEW, H, D, device="cuda", dtype=torch.bfloat16)
+v = torch.randn_like(k)
+for i, arg in enumerate(sys.argv[1:]):
+    pool = pools["triaxial" if arg == "tri" else "nvfp4"]
+    row = pool.page_table[0].contiguous()
+    if arg == "tri":
+        gluon_extend_tri.extend_attention(q, k, v, pool.kv, row, PREFIX, sm_scale=SM)
+    else:
+        gluon_extend.extend_attention(q, k, v, pool.kv, row, PREFIX, sm_scale=SM, tuning=json.loads(arg))
+    torch.cuda.synchronize()
+    print(f"launch {i}: {arg}", flush=True)
