@@ -5,8 +5,8 @@ worker (tests/gateway/fake_worker.py) that answers instantly.
     PYTHONSAFEPATH=1 .venv/bin/python bench/gateway_overhead.py [--turns 6] [--sessions 1,50,200]
         [--think-s 1.0] [--saturation 200] [--rounds 2]
 
-Three processes on loopback: the fake worker, `kvserving gateway` (role
-`both`: one worker request per turn), and this client (asyncio + aiohttp, each
+Processes on loopback: the fake worker, `kvserving gateway` (role
+`both`: one worker request per turn), the two reference paths below, and this client (asyncio + aiohttp, each
 session its own connection, like separate agents). Each session is an agent
 conversation: a system prompt, then per turn a user message, the streamed
 reply appended, the next user message. The direct run sends each turn's exact
@@ -23,6 +23,14 @@ and the gateway runs replay the same schedule); the first wait staggers the
 sessions' starts. The `--saturation` row uses no think time at all: every
 session fires its next turn at once, so the two cores are saturated and the
 numbers measure queueing, not the gateway.
+
+Two reference paths run in every round on the same schedule: the null proxy
+(a uvloop process relaying the direct requests' bytes: the cost of one more
+hop) and the floor (bench/gateway_floor.py: the gateway's chat requests served
+by only the steps no gateway can skip -- parse, render the chat template,
+tokenize, write the worker request, relay the reply as OpenAI chunks -- with the
+product's own code on the same server; "gateway minus floor" is what kvserving
+adds: tags, drafts, identity, exact history, leases, routing, metrics).
 
 The table gives p50 and p99 of each and their difference (goal at 200
 sessions: p50 added <= 2 ms, p99 added <= 10 ms), and the gateway's CPU per
@@ -274,15 +282,17 @@ class Row:
     direct: list[float]
     relay: list[float]  # the direct requests through the null proxy
     gateway: list[float]
+    floor: list[float]  # the chat requests through bench/gateway_floor.py
     cpu_ms: float  # gateway CPU per request, background subtracted
     worker_cpu_ms: float  # the fake worker's CPU per request in the direct runs: the same work without the gateway
 
 
 def run_row(n: int, think_s: float, args: argparse.Namespace, *, tagger: ChatTagger, reply: str, worker_url: str,
-            relay_url: str, gw_url: str, gw_pid: int, worker_pid: int, idle_cpu_per_s: float) -> Row:
+            relay_url: str, gw_url: str, gw_pid: int, worker_pid: int, idle_cpu_per_s: float, floor_url: str) -> Row:
     direct: list[float] = []
     relay: list[float] = []
     gateway: list[float] = []
+    floor: list[float] = []
     gw_cpu = worker_cpu = 0.0
     rounds = max(args.rounds, -(-args.min_requests // (n * args.turns)))
     for r in range(rounds):  # interleave so drift on a shared machine hits both alike
@@ -294,10 +304,12 @@ def run_row(n: int, think_s: float, args: argparse.Namespace, *, tagger: ChatTag
         plan = bodies(n, args.turns, reply, tagger, via_gateway=False, max_tokens=args.max_tokens)
         relay += asyncio.run(measure(relay_url, plan, waits, via_gateway=False))
         plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
+        floor += asyncio.run(measure(floor_url, plan, waits, via_gateway=True))
+        plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
         before, t0 = cpu_s(gw_pid), time.monotonic()
         gateway += asyncio.run(measure(gw_url, plan, waits, via_gateway=True))
         gw_cpu += cpu_s(gw_pid) - before - idle_cpu_per_s * (time.monotonic() - t0)
-    return Row(n, think_s, direct, relay, gateway, 1e3 * gw_cpu / len(gateway), 1e3 * worker_cpu / len(direct))
+    return Row(n, think_s, direct, relay, gateway, floor, 1e3 * gw_cpu / len(gateway), 1e3 * worker_cpu / len(direct))
 
 
 @dataclass
@@ -378,9 +390,9 @@ def main() -> int:
     reply = tok.decode(reply_ids)
 
     tmp = Path(tempfile.mkdtemp(prefix="gw-bench-"))
-    worker_port, gw_port, relay_port = free_port(), free_port(), free_port()
+    worker_port, gw_port, relay_port, floor_port = free_port(), free_port(), free_port(), free_port()
     worker_url, gw_url = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{gw_port}"
-    relay_url = f"http://127.0.0.1:{relay_port}"
+    relay_url, floor_url = f"http://127.0.0.1:{relay_port}", f"http://127.0.0.1:{floor_port}"
     # a context long enough for the long session (the fake worker holds no KV)
     (tmp / "config.json").write_text(json.dumps({"model": {"path": str(model_dir), "served_name": MODEL, "max_model_len": 131072}}))
     procs = [
@@ -390,32 +402,37 @@ def main() -> int:
                "--config", str(tmp / "config.json"), "--port", str(gw_port), "--decode", worker_url, "--log-level", "warning"],
               tmp / "gateway.log"),
         spawn([sys.executable, __file__, "--relay", f"{relay_port}:{worker_port}"], tmp / "relay.log"),
+        spawn([sys.executable, str(Path(__file__).with_name("gateway_floor.py")), "--port", str(floor_port),
+               "--worker", worker_url, "--model-dir", str(model_dir)], tmp / "floor.log"),
     ]
     try:
         wait_ready(worker_url, procs[0], tmp / "worker.log")
         wait_ready(gw_url, procs[1], tmp / "gateway.log")
         wait_ready(relay_url, procs[2], tmp / "relay.log")  # the worker's /ready, through the relay
+        wait_ready(floor_url, procs[3], tmp / "floor.log")
         before = cpu_s(procs[1].pid)
         time.sleep(3.0)  # the gateway's background work (health polls, lease beats) while idle
         idle = (cpu_s(procs[1].pid) - before) / 3.0
         plan = [(int(x), args.think_s) for x in args.sessions.split(",") if x]
         plan += [(int(x), 0.0) for x in args.saturation.split(",") if x]
         rows = [run_row(n, think, args, tagger=tagger, reply=reply, worker_url=worker_url, relay_url=relay_url, gw_url=gw_url,
-                        gw_pid=procs[1].pid, worker_pid=procs[0].pid, idle_cpu_per_s=idle) for n, think in plan]
+                        gw_pid=procs[1].pid, worker_pid=procs[0].pid, idle_cpu_per_s=idle, floor_url=floor_url)
+                for n, think in plan]
         print(f"gateway overhead: TTFT through the gateway minus straight to the worker ({args.turns} turns per session, "
               f"fake worker answering instantly, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
               f"gateway idle CPU {1e3 * idle:.1f} ms/s subtracted)\n")
         print("| think time | sessions | requests | direct p50 ms | direct p99 ms | gateway p50 ms | gateway p99 ms "
-              "| added p50 ms | added p99 ms | null proxy added p50 / p99 ms | gateway minus null proxy p50 / p99 ms "
-              "| gateway CPU ms/request | worker CPU ms/request (direct) |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| added p50 ms | added p99 ms | null proxy added p50 / p99 ms | floor added p50 / p99 ms "
+              "| gateway minus floor p50 / p99 ms | gateway CPU ms/request | worker CPU ms/request (direct) |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for row in rows:
-            d50, d99, r50, r99, g50, g99 = (1e3 * pct(v, q) for v in (row.direct, row.relay, row.gateway)
-                                            for q in (0.5, 0.99))
+            d50, d99, r50, r99, g50, g99, f50, f99 = (1e3 * pct(v, q) for v in (row.direct, row.relay, row.gateway, row.floor)
+                                                      for q in (0.5, 0.99))
             load = f"exp. mean {row.think_s:g} s" if row.think_s > 0 else "none (saturation)"
             print(f"| {load} | {row.sessions} | {len(row.gateway)} | {d50:.2f} | {d99:.2f} | {g50:.2f} | {g99:.2f} "
                   f"| {g50 - d50:.2f} | {g99 - d99:.2f} | {r50 - d50:.2f} / {r99 - d99:.2f} "
-                  f"| {g50 - r50:.2f} / {g99 - r99:.2f} | {row.cpu_ms:.2f} | {row.worker_cpu_ms:.2f} |")
+                  f"| {f50 - d50:.2f} / {f99 - d99:.2f} | {g50 - f50:.2f} / {g99 - f99:.2f} "
+                  f"| {row.cpu_ms:.2f} | {row.worker_cpu_ms:.2f} |")
         if args.long_turns > 0:
             print_long(run_long(args, tagger=tagger, reply=reply, worker_url=worker_url, gw_url=gw_url,
                                 gw_pid=procs[1].pid, idle_cpu_per_s=idle))

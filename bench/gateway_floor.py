@@ -1,0 +1,140 @@
+"""The floor under the gateway's overhead: the least any Python gateway must do per chat turn.
+
+    PYTHONSAFEPATH=1 .venv/bin/python bench/gateway_floor.py --port P --worker URL [--model-dir DIR]
+
+A process that serves ``POST /v1/chat/completions`` on the same server as
+``kvserving gateway`` (uvicorn, httptools, uvloop; raw ASGI like gateway/front.py)
+and does only the steps no OpenAI-compatible gateway in front of a token-level
+worker can skip, each with the product's own code:
+
+    read and parse the JSON body                         json.loads
+    check the messages, render the model's chat template chat_template.normalize_messages, ChatTemplate.render
+    tokenize the prompt                                  TokenPrefixes.encode (a turn tokenizes only its new text)
+    write the worker request                             upstream.ConnectionPool (the gateway's client), one body
+    relay the reply as OpenAI chunks                     SSEEvents, IncrementalDetokenizer, ChatFrames
+
+and nothing else: no tags (every token gets the same tag), no draft and
+confirmation, no conversation identity, exact history, leases, routing, metrics,
+disconnect watch or request checks beyond the JSON. `bench/gateway_overhead.py`
+runs it as its "floor" column: TTFT through this process minus TTFT straight to
+the worker is what a gateway costs before it does anything kvserving adds, on
+the same machine at the same moment. Not a product path: nothing imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from kvserving.gateway.chat_template import ChatTemplate, normalize_messages
+from kvserving.gateway.completions import SSE_DONE, ChatFrames
+from kvserving.gateway.detokenize import IncrementalDetokenizer
+from kvserving.gateway.front import SSE_HEADERS
+from kvserving.gateway.token_prefixes import TokenPrefixes
+from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.upstream import ConnectionPool
+from kvserving.gateway.workers import SSEEvents
+from kvserving.tags import encode_tag
+
+USER_TAG = encode_tag("current", "text", "user")
+
+
+class Floor:
+    """Raw ASGI app: chat completions (streamed) straight through to one worker."""
+
+    def __init__(self, model_dir: Path, worker_url: str, *, served_name: str) -> None:
+        self.tokenizer = TextTokenizer.from_dir(model_dir)
+        self.template = ChatTemplate.from_dir(model_dir)
+        self.prefixes = TokenPrefixes(self.tokenizer)
+        self.pool = ConnectionPool(connect_timeout_s=5.0)
+        self.worker_url = worker_url
+        self.served_name = served_name
+        eos = self.tokenizer.backend.token_to_id("<|im_end|>")
+        self.stop_ids = [eos] if eos is not None else []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["path"] != "/v1/chat/completions":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        message = await receive()
+        body = message.get("body", b"")
+        while message.get("more_body", False):
+            message = await receive()
+            body += message.get("body", b"")
+        request = json.loads(body)
+        messages = normalize_messages(request["messages"])
+        text = self.template.render(messages, add_generation_prompt=True)
+        ids = self.prefixes.encode(text).ids
+        worker_body = json.dumps({
+            "request_id": f"floor-{uuid.uuid4().hex}", "input_ids": ids, "tags": [USER_TAG] * len(ids),
+            "sampling": {"max_tokens": int(request.get("max_tokens") or 16), "temperature": 1.0, "top_p": 1.0,
+                         "top_k": 0, "seed": None, "stop_token_ids": self.stop_ids, "ignore_eos": False},
+        }).encode()
+        conn = await self.pool.open(self.worker_url)
+        status = await conn.request("/internal/generate", worker_body, deadline=asyncio.get_running_loop().time() + 30)
+        if status != 200:
+            raise RuntimeError(f"worker answered {status}")
+        frames = ChatFrames(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.served_name,
+                            include_usage=False)
+        detok = IncrementalDetokenizer(self.tokenizer, skip_ids=self.stop_ids)
+        events = SSEEvents(self.worker_url)
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        first = True
+        finish = "stop"
+        while not events.done:
+            chunk = await conn.read()
+            if not chunk:
+                break
+            out: list[bytes] = []
+            for event in events.feed(chunk):
+                if first:
+                    out.append(frames.chunk({"role": "assistant", "content": ""}))
+                    first = False
+                text = detok.add(event.get("token_ids") or [])
+                if text:
+                    out.append(frames.chunk({"content": text}))
+                if event.get("finish_reason"):
+                    finish = event["finish_reason"]
+            if out:
+                await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+        self.pool.release(conn)
+        tail = detok.flush()
+        last = (frames.chunk({"content": tail}) if tail else b"") + frames.chunk({}, finish) + SSE_DONE
+        await send({"type": "http.response.body", "body": last, "more_body": False})
+
+
+def main() -> int:
+    from kvserving.config import ServingConfig
+    from kvserving.model_dir import resolve_model_dir
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--worker", required=True, help="the worker's base URL")
+    parser.add_argument("--model-dir", type=Path, default=None, help="default: the built-in tiny model")
+    parser.add_argument("--served-name", default="kvserving-tiny")
+    args = parser.parse_args()
+    model_dir = args.model_dir or resolve_model_dir(ServingConfig().model)
+    app = Floor(model_dir, args.worker, served_name=args.served_name)
+    gc.collect()  # the gateway's own GC settings (gateway/main.py), so neither pays more for collections
+    gc.freeze()
+    gc.set_threshold(5_000, 80, 20)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
