@@ -10,7 +10,11 @@ Supervision rules, exact so tests can assert them:
 
 - each child runs in its own process group (``start_new_session``), so stopping
   it also stops anything it started; stop = SIGTERM to the group, then SIGKILL
-  after ``grace_s``;
+  after ``grace_s``, and ``stop()`` returns once no process of the group is
+  alive (zombies aside: reaping a grandchild is its new parent's job), within
+  ``GROUP_EXIT_S`` (a process killed by a signal still has to be scheduled to
+  die: on a loaded machine a grandchild outlived its group's SIGKILL by a
+  moment and a test saw it);
 - ``wait_ready`` polls every child's ``/ready`` until all answer 200 or the
   deadline passes; a child that exits meanwhile fails the start with its name,
   exit code and the last lines of its log;
@@ -38,6 +42,7 @@ from pathlib import Path
 from kvserving.config import ServingConfig
 
 LOG_TAIL_LINES = 15
+GROUP_EXIT_S = 5.0  # how long stop() waits for a killed process group to be gone
 
 
 class StackError(RuntimeError):
@@ -315,6 +320,7 @@ class LocalStack:
                 _signal_group(child, signal.SIGKILL)
                 child.proc.wait(timeout=5.0)
             _signal_group(child, signal.SIGKILL)  # stragglers the child left in its group
+            _wait_group_gone(child.proc.pid, GROUP_EXIT_S)
         for child in self.children:
             if child.log_file is not None:
                 child.log_file.close()  # type: ignore[attr-defined]
@@ -332,6 +338,36 @@ class LocalStack:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is alive (zombies and dying processes do not count)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True  # no way to tell zombies apart: a member exists
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _signal_group(child: Child, sig: signal.Signals) -> None:

@@ -6,6 +6,7 @@ without loading a model; e2e/ starts the real gateway and workers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvserving.config import ServingConfig
-from kvserving.stack import Child, LocalStack, StackError, StackSpec, free_ports, scrape_config
+from kvserving.stack import Child, LocalStack, StackError, StackSpec, free_ports, group_alive, scrape_config
 
 # A server that answers 200 on /ready after `delay` seconds and starts a
 # grandchild (sleep) in its own process group, to prove groups are stopped.
@@ -71,7 +72,7 @@ def _group_members(pgid: int) -> list[int]:
             except OSError:
                 continue
             fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
                 out.append(int(entry.name))
     return out
 
@@ -200,3 +201,25 @@ def test_gpus_map_one_per_worker_and_reach_the_child(tmp_path: Path) -> None:
         stack.start()
         assert stack.children[0].proc is not None and stack.children[0].proc.wait(timeout=30) == 0
     assert (tmp_path / "seen").read_text() == "1"
+
+
+def test_group_alive_sees_live_members_not_zombies() -> None:
+    # a group whose leader starts a child, then the leader is killed alone: its child lives on in the group
+    leader = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\ntime.sleep(600)"],
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(_group_members(leader.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_group_members(leader.pid)) == 2 and group_alive(leader.pid)
+        os.kill(leader.pid, signal.SIGKILL)
+        leader.wait(timeout=10)  # reaped: only the grandchild is left in the group
+        assert group_alive(leader.pid) and len(_group_members(leader.pid)) == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while group_alive(leader.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not group_alive(leader.pid) and _group_members(leader.pid) == []
