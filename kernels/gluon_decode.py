@@ -78,10 +78,12 @@ from .gluon_fragments import (
     pair_layout,
     pairs_to_tokens,
     q_k_dims,
+    rescale,
     swap_t0_j0,
     two_tiles,
     unpack_nibbles,
     v_layouts,
+    warp_any,
 )
 from .layout import PageLayout
 from .page_ids import INT2_PAGE_FLAG
@@ -90,6 +92,9 @@ from .triton_common import LOG2E, field_offsets, folded_scales, merge_splits, pr
 
 FLAG: gl.constexpr = gl.constexpr(INT2_PAGE_FLAG)
 GL_FMT_FP8: gl.constexpr = gl.constexpr(3)
+# LAZY softmax: a row's reference max moves only when its scores pass it by more than this (base 2), so the
+# probabilities stay <= 2^8 in fp16 and the rescale of the accumulator is rare (bench/NOTES-kernels.md, session 13)
+TAU: gl.constexpr = gl.constexpr(8.0)
 
 
 @gluon.constexpr_function
@@ -447,8 +452,10 @@ def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: g
 @gluon.jit
 def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes, k_mul, FMT: gl.constexpr,
           P: gl.constexpr, PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, QF: gl.constexpr,
-          LV_UNPACK: gl.constexpr):  # fmt: skip
-    """One step of every warp: scores of its NT tokens, online softmax, O^T += V^T P^T -> (m_i, l_i, acc)."""
+          LV_UNPACK: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
+    """One step of every warp: scores of its NT tokens, online softmax, O^T += V^T P^T -> (m_i, l_i, acc).
+
+    l_i: [W, HP] sums (LAZY 0), or LAZY 1 the [W, 16, HP] accumulator of ones . P^T (_gl_split reduces it)."""
     D: gl.constexpr = 128
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P
@@ -500,14 +507,36 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
 
     # ---- online softmax over the warp's tokens (base 2) ----
     mw, mn, mh = idx3(MMA, W, NT, HP)
-    mok = mw * NT + mn < _limit(base, hi, num_tokens, P)
-    sc = gl.where(mok & (mh >= 0), sc * k_mul, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(sc - gl.expand_dims(m_safe, 1))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    pt = gl.convert_layout(p.to(gl.float16), B)
+    if LAZY:
+        # m_i is a reference max that moves only where a row's max passes it by more than TAU (then to that
+        # max), so p = 2^(s - m_i) <= 2^TAU stays in fp16, and in most steps no row of the warp moves: the
+        # rescale of acc and l is skipped by one uniform branch (rescale); l is summed by the tensor core
+        # (ones . P^T, every row the same), not by shuffles. Only a split's last step masks its scores, and
+        # they stay raw: k_mul (> 0) scales the row max and enters p's exponent in one fma.
+        lim = _limit(base, hi, num_tokens, P)
+        if lim < W * NT:
+            sc = gl.where((mw * NT + mn < lim) & (mh >= 0), sc, float("-inf"))
+        top = gl.max(sc, axis=1) * k_mul
+        grow = top > m_i + TAU
+        m_new = gl.where(grow, top, m_i)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.expand_dims(gl.exp2(m_i - m_safe), 1)
+        p = gl.exp2(gl.fma(sc, gl.full(sc.shape, k_mul, gl.float32, MMA), -gl.expand_dims(m_safe, 1)))
+        moved = gl.expand_dims(warp_any(grow.to(gl.int32), HP // 4), 1)
+        pt = gl.convert_layout(p.to(gl.float16), B)
+        # before the V unpack, so that the branch does not hold the unpacked V fragments live across it
+        acc = rescale(acc, alpha, moved, 32)
+        l_i = rescale(l_i, alpha, moved, 4)
+        l_i = mma_v2(gl.full([W, 16, NT], 1.0, gl.float16, A), pt, l_i)
+    else:
+        mok = mw * NT + mn < _limit(base, hi, num_tokens, P)
+        sc = gl.where(mok & (mh >= 0), sc * k_mul, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(sc - gl.expand_dims(m_safe, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        pt = gl.convert_layout(p.to(gl.float16), B)
 
     # ---- O^T += V^T . P^T ----
     vb = gl.convert_layout(vb, LV_UNPACK, assert_trivial=True)
@@ -528,7 +557,8 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
         vlo = swap_t0_j0(gl.reshape(vlo, [W, NT, KB]), W, NT, KB)
         vhi = swap_t0_j0(gl.reshape(vhi, [W, NT, KB]), W, NT, KB)
         vv = gl.reshape(gl.join(vlo, vhi), [W, NT, D])  # channel 2j + nibble
-    acc = acc * gl.expand_dims(alpha, 1)
+    if not LAZY:
+        acc = acc * gl.expand_dims(alpha, 1)
     acc = mma_v2(as_a_channels(vv, W, NT, D, A), pt, acc)
     return m_new, l_i, acc
 
@@ -538,7 +568,7 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
               FMT: gl.constexpr, G: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
               KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
               VZ_OFF: gl.constexpr, PPW: gl.constexpr, HP: gl.constexpr, LV_LOAD: gl.constexpr,
-              LV_UNPACK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+              LV_UNPACK: gl.constexpr, STAGES: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
     """Pages [lo, hi) of one (sequence, kv head) in one format -> this split's rows of o and lse (if mine).
 
     STAGES 0: each step loads its bytes into registers and waits for them; STAGES >= 2: a ring of STAGES
@@ -567,14 +597,17 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
         q3 = _load_q_piece(q_row, G, KB, PER, 3, W, HP, B, QF)
 
     m_i = gl.full([W, HP], float("-inf"), gl.float32, gl.SliceLayout(1, MMA))
-    l_i = gl.zeros([W, HP], gl.float32, gl.SliceLayout(1, MMA))
+    if LAZY:
+        l_i = gl.zeros([W, 16, HP], gl.float32, MMA)
+    else:
+        l_i = gl.zeros([W, HP], gl.float32, gl.SliceLayout(1, MMA))
     acc = gl.zeros([W, D, HP], gl.float32, MMA)
     if STAGES == 0:
         for base in range(lo, hi, W * PPW):
             d = _load_step(pt_row, base, hi, num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW, HP, PAGE_BYTES, K_OFF,
                            KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, LV_UNPACK)  # fmt: skip
             m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,
-                                  k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK)  # fmt: skip
+                                  k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK, LAZY)  # fmt: skip
     else:
         STEP: gl.constexpr = W * PPW
         rings = _rings(FMT, NT, HP, STAGES, LV_LOAD)
@@ -594,9 +627,11 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
                            LV_LOAD, LV_UNPACK)  # fmt: skip
             rd = gl.where(rd == STAGES - 1, 0, rd + 1)
             m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,
-                                  k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK)  # fmt: skip
+                                  k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK, LAZY)  # fmt: skip
         async_copy.wait_group(0)  # the copies past the split (zero-fills) land before the epilogue reuses smem
 
+    if LAZY:
+        l_i = gl.max(l_i, axis=1)  # every row of ones . P^T is the sum
     # ---- merge the warps by log-sum-exp; store this split's rows ----
     top = gl.max(m_i, axis=0)  # [HP]
     top_safe = gl.where(top == float("-inf"), 0.0, top)
@@ -643,6 +678,7 @@ def _gl_decode_kernel(
     KZ_OFF2: gl.constexpr, V_OFF2: gl.constexpr, VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr,
     LV_LOAD2: gl.constexpr, LV_UNPACK2: gl.constexpr,
     STAGES: gl.constexpr,  # 0: loads into registers each step; >= 2: cp.async ring this many steps deep
+    LAZY: gl.constexpr,  # 1: lazy reference max, rescale skipped by a uniform branch, l by the tensor core
 ):
     s = gl.program_id(0)
     h = gl.program_id(1)
@@ -656,7 +692,7 @@ def _gl_decode_kernel(
         lo = s * PPS
         _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                   gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF,
-                  VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES)  # fmt: skip
+                  VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, LAZY)  # fmt: skip
     else:
         n2 = gl.load(n2_ptr + b)
         c2 = gl.cdiv(n2, PPS)  # splits that cover the INT2 pages; the rest cover INT4 pages
@@ -665,13 +701,13 @@ def _gl_decode_kernel(
                 lo = s * PPS
                 _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                           gl.minimum(lo + PPS, n2), s >= 0, GL_FMT_INT2, G, P2, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2,
-                          V_OFF2, VS_OFF2, VZ_OFF2, 1, HP, LV_LOAD2, LV_UNPACK2, STAGES)  # fmt: skip
+                          V_OFF2, VS_OFF2, VZ_OFF2, 1, HP, LV_LOAD2, LV_UNPACK2, STAGES, LAZY)  # fmt: skip
         else:
             if PART != 2:
                 lo = n2 + (s - c2) * PPS
                 _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                           gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
-                          VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES)  # fmt: skip
+                          VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, LAZY)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------
@@ -690,11 +726,13 @@ SPLIT_MIN_TOKENS = 1536
 # 3 splits of 1.4K tokens, 24 programs, 42 us per layer for nvfp4 in the engine -- bench/NOTES-kernels.md)
 SPLIT_MIN_FILL = 2
 # STAGES: the cp.async ring's depth (0: no ring, each step loads into registers and waits); 2 measured best on an
-# H200 (bench/NOTES-kernels.md session 7: 3 and 4 no better, 4 slower for triaxial: 81 KB of smem, 2 programs per SM)
+# H200 (bench/NOTES-kernels.md session 7: 3 and 4 no better, 4 slower for triaxial: 81 KB of smem, 2 programs per SM).
+# nvfp4 / fp8 capped at 128 registers since the lazy softmax (LAZY, session 13): 16 warps per SM, no spills; 147
+# uncapped measured slower. Tuning keys for benchmarks: LAZY 0 (the old softmax), MBS (the two-loop split merge).
 GL_TUNING: dict[str, dict[str, int]] = {
-    "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2},
+    "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128},
     "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 168, "STAGES": 2},  # triaxial (INT4 and INT2 splits)
-    "fp8_e4m3": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2},
+    "fp8_e4m3": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128},
 }
 
 
@@ -783,13 +821,14 @@ def launch_decode(
     kernel = _gl_decode_kernel[run.grid](
         run.q, run.o, run.lse, kv.buffer, run.page_table, seq_lens, run.n2, sm_scale * LOG2E * k_fold, kv.total_bytes,
         run.page_table.stride(0), run.splits, run.pages_per_split, PART=(part or 1) if kv.triaxial else 0,
-        H=run.kv_heads, G=run.group, HP=hp, STAGES=cfg.get("STAGES", 0), **args, **args2, **cap,
+        H=run.kv_heads, G=run.group, HP=hp, STAGES=cfg.get("STAGES", 0), LAZY=cfg.get("LAZY", 1),
+        **args, **args2, **cap,
     )  # fmt: skip
-    return merge_splits(run, v_mul=v_fold), kernel
+    return merge_splits(run, v_mul=v_fold, block_s=cfg.get("MBS")), kernel
 
 
 def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None, heads: int = 4,
-                        stages: int = 0) -> tuple[dict[str, str], dict[str, Any]]:  # fmt: skip
+                        stages: int = 0, lazy: int = 1) -> tuple[dict[str, str], dict[str, Any]]:  # fmt: skip
     """(signature, constexprs) to compile ``_gl_decode_kernel`` without a GPU (compile_report.py, tests).
 
     fmt "int2" / "int4" compile the triaxial kernel with only that precision's branch (PART 2 / 4), "triaxial"
@@ -803,7 +842,7 @@ def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None,
     sig = {"q_ptr": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "buf_ptr": "*u8", "pt_ptr": "*i32", "lens_ptr": "*i32",
            "n2_ptr": "*i32", "k_mul": "fp32", "total_bytes": "i64", "pt_stride": "i32", "S": "i32", "PPS": "i32"}  # fmt: skip
     const = dict(PART={"nvfp4": 0, "fp8_e4m3": 0, "int2": 2, "int4": 4, "triaxial": 1}[fmt], H=8, G=heads, HP=8 if heads <= 8 else 16,
-                 STAGES=stages,
+                 STAGES=stages, LAZY=lazy,
                  **kernel_args(plain, lay, num_warps=num_warps, ppw=ppw),
                  **{k + "2": v for k, v in a2.items() if k in INT2_ARGS})  # fmt: skip
     return sig, const

@@ -138,6 +138,35 @@ def _asm_fp8(token_pairs: bool) -> str:
             " cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
 
 
+def _asm_warp_any(n: int) -> str:
+    """Outputs $0..$(n-1) all 1 if any input ($n..) of any lane of the warp is non-zero, else 0 (vote.any).
+
+    The result is the same in every lane, so ``rescale`` can branch on it without diverging."""
+    code = ["{ .reg .pred p, q;", f"setp.ne.s32 p, ${n}, 0;"]
+    code += [f"setp.ne.s32 q, ${n + i}, 0; or.pred p, p, q;" for i in range(1, n)]
+    code.append("vote.sync.any.pred p, p, 0xffffffff;")
+    code += [f"selp.s32 ${i}, 1, 0, p;" for i in range(n)]
+    code.append("}")
+    return "\n".join(code)
+
+
+def _asm_rescale(n: int) -> str:
+    """Outputs $0..$(n-1) (tied to the first n inputs, fp32) times the next n inputs (fp32) where the flag input
+    ($3n, warp-uniform: ``warp_any``) is non-zero; one uniform branch skips the n multiplies otherwise."""
+    mul = " ".join(f"mul.f32 ${i}, ${i}, ${2 * n + i};" for i in range(n))
+    return ("{ .reg .pred p; setp.eq.s32 p, $" + str(3 * n) + ", 0; @p bra.uni SKIP${:uid}; " + mul +
+            " SKIP${:uid}: }")
+
+
+ASM_WARP_ANY2: gl.constexpr = gl.constexpr(_asm_warp_any(2))
+ASM_WARP_ANY4: gl.constexpr = gl.constexpr(_asm_warp_any(4))
+ASM_RESCALE: gl.constexpr = gl.constexpr(_asm_rescale(32))
+ASM_RESCALE4: gl.constexpr = gl.constexpr(_asm_rescale(4))
+# constraints: n fp32 outputs, the n inputs tied to them, n fp32 factors, n flags
+CONS_RESCALE: gl.constexpr = gl.constexpr(",".join(["=f"] * 32 + [str(i) for i in range(32)] + ["f"] * 32 + ["r"] * 32))
+CONS_RESCALE4: gl.constexpr = gl.constexpr(",".join(["=f"] * 4 + [str(i) for i in range(4)] + ["f"] * 4 + ["r"] * 4))
+
+
 ASM_FP8_K: gl.constexpr = gl.constexpr(_asm_fp8(False))
 ASM_FP8_V: gl.constexpr = gl.constexpr(_asm_fp8(True))
 ASM_E2M1_K: gl.constexpr = gl.constexpr(_asm_e2m1(False))
@@ -355,3 +384,27 @@ def two_tiles(x, W: gl.constexpr, HP: gl.constexpr, MMA: gl.constexpr):
     """[W, 16, HP] accumulator -> [W, 32, HP], both row tiles the same (a per-page term of every token)."""
     y = gl.permute(gl.join(x, x), [0, 3, 1, 2])
     return gl.convert_layout(gl.reshape(y, [W, 32, HP]), MMA, assert_trivial=True)
+
+
+@gluon.jit
+def warp_any(x, PER_THREAD: gl.constexpr):
+    """int32 [W, HP] (PER_THREAD elements a thread, the warp's heads) -> 1 everywhere in a warp where any element
+    of that warp is non-zero, else 0: one vote, no shuffles."""
+    if PER_THREAD == 2:
+        return gl.inline_asm_elementwise(ASM_WARP_ANY2, "=r,=r,r,r", [x], dtype=gl.int32, is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise(ASM_WARP_ANY4, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.int32, is_pure=True,
+                                         pack=4)  # fmt: skip
+
+
+@gluon.jit
+def rescale(acc, alpha, flag, PACK: gl.constexpr):
+    """acc * alpha (fp32, alpha broadcast to acc's shape) where the warp-uniform flag is set, else acc unchanged,
+    skipping the multiplies by a uniform branch (``_asm_rescale``): the online softmax's ``acc *= alpha`` costs
+    nothing in the steps where no row's reference max moved. PACK: 32 (the [W, D, HP] accumulator) or 4 (l's)."""
+    if PACK == 32:
+        return gl.inline_asm_elementwise(ASM_RESCALE, CONS_RESCALE, [acc, alpha, flag], dtype=gl.float32,
+                                         is_pure=True, pack=32)  # fmt: skip
+    else:
+        return gl.inline_asm_elementwise(ASM_RESCALE4, CONS_RESCALE4, [acc, alpha, flag], dtype=gl.float32,
+                                         is_pure=True, pack=4)  # fmt: skip

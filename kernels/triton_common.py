@@ -139,29 +139,52 @@ def _merge_kernel(
     S,  # splits
     BLOCK_S: tl.constexpr,  # splits per step
     D: tl.constexpr,
+    ONE: tl.constexpr,  # S <= BLOCK_S: one step, lse and o loaded together (one round trip instead of two)
 ):
     row = tl.program_id(0).to(tl.int64)
-    top = float("-inf")
-    for s0 in range(0, S, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        top = tl.maximum(top, tl.max(tl.load(lse_ptr + row * S + s, mask=s < S, other=float("-inf")), axis=0))
     d = tl.arange(0, D)
-    acc = tl.zeros((D,), tl.float32)
-    total = 0.0
-    for s0 in range(0, S, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
+    if ONE:
+        s = tl.arange(0, BLOCK_S)
         lse = tl.load(lse_ptr + row * S + s, mask=s < S, other=float("-inf"))
-        w = tl.where(lse > float("-inf"), tl.math.exp2(lse - top), 0.0)  # all -inf (empty sequence): zeros
-        total += tl.sum(w, axis=0)
         o = tl.load(o_ptr + (row * S + s[:, None]) * D + d[None, :], mask=(s < S)[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * o, axis=0)
+        top = tl.max(lse, axis=0)
+        w = tl.where(lse > float("-inf"), tl.math.exp2(lse - top), 0.0)  # all -inf (empty sequence): zeros
+        total = tl.sum(w, axis=0)
+        acc = tl.sum(w[:, None] * o, axis=0)
+    else:
+        top = float("-inf")
+        for s0 in range(0, S, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            top = tl.maximum(top, tl.max(tl.load(lse_ptr + row * S + s, mask=s < S, other=float("-inf")), axis=0))
+        acc = tl.zeros((D,), tl.float32)
+        total = 0.0
+        for s0 in range(0, S, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            lse = tl.load(lse_ptr + row * S + s, mask=s < S, other=float("-inf"))
+            w = tl.where(lse > float("-inf"), tl.math.exp2(lse - top), 0.0)
+            total += tl.sum(w, axis=0)
+            o = tl.load(o_ptr + (row * S + s[:, None]) * D + d[None, :], mask=(s < S)[:, None], other=0.0)
+            acc += tl.sum(w[:, None] * o, axis=0)
     out = acc * (v_mul / tl.where(total > 0, total, 1.0))
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
 
 
-def merge_splits(launch: SplitLaunch, *, v_mul: float) -> torch.Tensor:
-    """Merge the splits' partial outputs by log-sum-exp -> [B, Hq, D] in q's dtype, times ``v_mul``."""
+def merge_block(splits: int) -> int:
+    """Splits per step of ``_merge_kernel``: the next power of two from 16 up to 128, so that up to 128 splits
+    (1 x 128K: 86) merge in one step, lse and o loaded together: each step was a dependent round trip to memory,
+    and 1 x 128K took 6 of them in each of two loops (bench/NOTES-kernels.md session 13)."""
+    return min(128, max(16, triton.next_power_of_2(splits)))
+
+
+def merge_splits(launch: SplitLaunch, *, v_mul: float, block_s: int | None = None) -> torch.Tensor:
+    """Merge the splits' partial outputs by log-sum-exp -> [B, Hq, D] in q's dtype, times ``v_mul``.
+
+    block_s (benchmarks) runs the two-loop merge with that many splits a step instead of ``merge_block``'s one
+    step."""
     b, hq, d = launch.q.shape
     out = torch.empty(b, hq, d, dtype=launch.q.dtype, device=launch.q.device)
-    _merge_kernel[(b * hq,)](launch.o, launch.lse, out, v_mul, launch.splits, BLOCK_S=16, D=d, num_warps=4)
+    bs = block_s or merge_block(launch.splits)
+    one = block_s is None and launch.splits <= bs  # block_s given: the two-loop merge (the benchmark's before)
+    _merge_kernel[(b * hq,)](launch.o, launch.lse, out, v_mul, launch.splits, BLOCK_S=bs, D=d, ONE=one,
+                             num_warps=4 if bs <= 32 else 8)  # fmt: skip
     return out

@@ -165,10 +165,13 @@ def test_decode_matches_dense_attention_ragged_partial_pages(case: str) -> None:
 
 
 @interpreter_only
-@pytest.mark.parametrize("case", ["nvfp4", "triaxial"])
-def test_decode_merges_many_splits_including_empty_ones(case: str) -> None:
-    # 2 pages per split: short sequences leave most splits empty, the long one spans several
-    _check_decode(case, [3, 40, 17], splits=(12, 2))
+@pytest.mark.parametrize(
+    ("case", "splits"),  # the merge takes them in one step of 16 / 64 splits, or 130 in two steps of 128
+    [("nvfp4", (12, 2)), ("triaxial", (12, 2)), ("nvfp4", (40, 1)), ("triaxial", (40, 1)), ("nvfp4", (130, 1))],
+)
+def test_decode_merges_many_splits_including_empty_ones(case: str, splits: tuple[int, int]) -> None:
+    # few pages per split: short sequences leave most splits empty, the long one spans several
+    _check_decode(case, [3, 40, 17], splits=splits)
 
 
 @interpreter_only
