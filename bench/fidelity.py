@@ -87,9 +87,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from kvserving.bits import bits_table_for_budget, count_page_mixes, default_sensitivity, format_bits_table, page_records
-from kvserving.calibrate import METRICS, TaggedSeq, agent_wrap, calibrate, capture_qkv, chars_per_token, load_data
+from kvserving.calibrate import (METRICS, TaggedSeq, agent_wrap, calibrate, capture_qkv, chars_per_token, load_data,
+                                 select_tables)
 from kvserving.calibrate_kl import kl_sum, log_probs, predicted, table_attn_distortion, table_bits
-from kvserving.calibration import Calibration
+from kvserving.calibration import Calibration, budget_key
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.gateway.chat_template import ChatTemplate, normalize_messages, normalize_tools
 from kvserving.gateway.tagger import ChatTagger
@@ -545,11 +546,12 @@ def main(argv: list[str] | None = None) -> int:
         calib_path.write_text(joined_text(calib_files, 10**9))
         eval_path.write_text(eval_text)
         selection: dict[str, dict[str, float | str]] = {}
+        attn: dict[str, dict[int, list[float]]] = {"calibrated": {}}  # --select: each calibration's attention-MSE D_k
         # the fp8/nvfp4 scale search only where those formats are scored (--triaxial-only: ~25 % of the time)
         cal = calibrate(model_dir, [calib_path], BUDGETS, seq_len=s.calib_len, max_tokens=s.calib_tokens,
                         search=not opts.triaxial_only,
                         frequency_source="data", device=opts.device, wrap="agent", metric=opts.metric, chunk=s.chunk,
-                        select=opts.select, selection=selection)
+                        select=opts.select, selection=selection, attn_out=attn["calibrated"])
         (work / "calibration.json").write_text(cal.to_json())
         t_cal = time.time() - t1
         cals = {"calibrated": cal}
@@ -591,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
             "contexts": {},
         }
         extra_path = work / "extra_held_out_text.py"
+        ctx_selection: dict[int, dict[str, dict[str, dict[str, float | str]]]] = {}
         for ctx in contexts:
             # Tables for a context other than the calibration prompts' are counted on the calibration text's
             # pages at that context (kvserving calibrate --page-seq-len: the budget holds on the lengths served).
@@ -600,11 +603,15 @@ def main(argv: list[str] | None = None) -> int:
             if ctx != s.calib_len:
                 page_seqs = load_data([calib_path], tagger, seq_len=ctx, max_tokens=2 * s.calib_tokens, wrap="agent")
                 if opts.calibrate_at_context:  # the same calibration text, wrapped at this context
+                    attn[f"calibrated@{ctx}"] = {}
                     at_ctx = calibrate(model_dir, [calib_path], BUDGETS, seq_len=ctx, max_tokens=s.calib_tokens,
                                        device=opts.device, wrap="agent", metric=opts.metric, show_progress=False,
-                                       chunk=s.chunk)
+                                       chunk=s.chunk, select=opts.select, attn_out=attn[f"calibrated@{ctx}"])
                     ccals[f"calibrated@{ctx}"] = at_ctx
                 ccals = {name: with_pages(c, page_seqs) for name, c in ccals.items()}
+                if opts.select:  # with_pages dropped the selected tables: select again on this context's pages
+                    ccals, ctx_selection[ctx] = reselect(ccals, attn, model_dir, page_seqs, budgets=budgets[ctx],
+                                                         max_tokens=s.calib_tokens, device=device, chunk=s.chunk)
             t_ctx_cal = time.time() - t_ctx
             n_eval = per_context.get(ctx, s.eval_seqs)
             seqs, sources = evaluation_conversations(eval_path, extra_path, tagger, ctx=ctx, n=n_eval)
@@ -619,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
             block = run_context(model_dir, specs, ccals["calibrated"], seqs, s, ctx, device, on_row=partial)
             block["conversations"] = sources
             block["calibration_pages"] = {"context": ctx, **page_mix_summary(ccals["calibrated"])}
+            if ctx in ctx_selection:  # --select at this context: per calibration, per budget, each candidate's KL
+                block["selection"] = ctx_selection[ctx]
             if at_ctx is not None:  # the file as measured (its own pages); the tables used are counted on the above
                 block["calibration_at_context"] = {
                     "tokens": at_ctx.tokens, "seconds": round(t_ctx_cal, 1), "file": at_ctx.to_dict(),
@@ -742,6 +751,32 @@ def evaluation_conversations(eval_path: Path, extra_path: Path, tagger: ChatTagg
     if not seqs:
         raise RuntimeError(f"no held-out sequence of >= {ctx // 2} tokens")
     return seqs[:n], info
+
+
+def reselect(cals: dict[str, Calibration], attn: dict[str, dict[int, list[float]]], model_dir: Path,
+             seqs: list[TaggedSeq], *, budgets: tuple[float, ...], max_tokens: int, device: torch.device, chunk: int,
+             ) -> tuple[dict[str, Calibration], dict[str, dict[str, dict[str, float | str]]]]:
+    """``--select`` at a context other than the calibration prompts': each calibration with attention-MSE
+    D_k (``attn``) gets, per budget in ``budgets``, the candidate table (KL rule, attention-MSE rule, default
+    sensitivities, all counted on that context's pages) with the least whole-table KL on the first
+    ``max_tokens`` tokens of ``seqs`` (the calibration text at that context). ``with_pages`` alone would
+    derive every table by the KL rule: the selection made at the calibration length does not carry over."""
+    take, total = [], 0
+    for q in seqs:
+        if total >= max_tokens:
+            break
+        take.append(q)
+        total += len(q.ids)
+    _, model = load_model(model_dir, dtype=torch.float32, device=device)
+    out, record = dict(cals), {}
+    for name, c in cals.items():
+        if not attn.get(name):
+            continue
+        rec: dict[str, dict[str, float | str]] = {}
+        derived = replace(c, tables={budget_key(b): c.derive_table(b) for b in budgets})
+        out[name] = select_tables(derived, attn[name], model, take, device=device, chunk=chunk, record=rec)
+        record[name] = rec
+    return out, record
 
 
 def with_pages(cal: Calibration, seqs: list[TaggedSeq]) -> Calibration:

@@ -56,7 +56,7 @@ import math
 import random
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -577,11 +577,13 @@ def calibrate(
     search: bool = False, frequency_source: str = "data", device: str | None = None, show_progress: bool = True,
     wrap: str = "agent", metric: str = "kl", page_seq_lens: Sequence[int] = (), chunk: int = DEFAULT_CHUNK,
     select: bool = False, selection: dict[str, dict[str, float | str]] | None = None,
+    attn_out: dict[int, list[float]] | None = None,
 ) -> Calibration:
     """The whole job (module docstring) as a library call. ``page_seq_lens``: count the budget's
     pages on the data wrapped at these context lengths (the lengths served; tagging only; as many
     tokens as were measured, an equal share per length: ``Measurement.set_pages``) instead of on the
-    measured prompts."""
+    measured prompts. ``attn_out``, if given, gets the attention-MSE D_k measured for ``select``
+    (bits -> 56 sums), so the selection can be run again on other pages (``select_tables``)."""
     for b in budgets:
         if not 2.0 <= b <= 4.0:
             raise ValueError(f"bit budget must be in [2, 4], got {b:g}")
@@ -610,18 +612,20 @@ def calibrate(
         m.set_pages(page_groups)
     cal = build_calibration(m, budgets, search=search, frequency_source=frequency_source)
     if select and metric == "kl":
-        cal = select_tables(cal, m, model, seqs, device=dev, chunk=chunk, record=selection)
+        cal = select_tables(cal, m.attn, model, seqs, device=dev, chunk=chunk, record=selection)
+        if attn_out is not None:
+            attn_out.update({b: list(d) for b, d in m.attn.items()})
     return cal
 
 
 CANDIDATES = ("kl", "attn", "default")
 
 
-def select_tables(cal: Calibration, m: Measurement, model: DecoderModel, seqs: Sequence[TaggedSeq], *,
+def select_tables(cal: Calibration, attn: Mapping[int, Sequence[float]], model: DecoderModel, seqs: Sequence[TaggedSeq], *,
                   device: torch.device, chunk: int, record: dict[str, dict[str, float | str]] | None = None) -> Calibration:
     """Per budget in ``cal.tables``, the candidate table with the least KL measured whole (every class at
     its bits, the page rule, chunked prefill) on the calibration prompts: the page search's table over
-    the KL D_k (``cal``'s own), over the attention-MSE D_k (``m.attn``) and over the default
+    the KL D_k (``cal``'s own), over the attention-MSE D_k (``attn``: bits -> 56 sums) and over the default
     sensitivities. The per-class sums predict a whole table's KL within a few % (bench/NOTES-fidelity.md),
     not exactly; this keeps the measured best of three good sets. Ties keep the earlier candidate.
     ``record``, if given, gets per budget each candidate's summed KL and the choice. Opt-in
@@ -629,9 +633,9 @@ def select_tables(cal: Calibration, m: Measurement, model: DecoderModel, seqs: S
     an equal one at the 8th, for about twice the calibration time on CPU."""
     from kvserving.calibrate_kl import table_kl, log_probs  # it builds on this module's codecs
 
-    if not m.attn:
+    if not attn:
         raise ValueError("select_tables needs the attention-MSE measurements (measure(..., also_attn=True))")
-    cal_attn = replace(cal, distortion={b: tuple(d) for b, d in m.attn.items()})
+    cal_attn = replace(cal, distortion={b: tuple(d) for b, d in attn.items()})
     cands = {key: {"kl": table, "attn": cal_attn.derive_table(float(key)),
                    "default": cal.derive_table(float(key), per_token=default_sensitivity())}
              for key, table in cal.tables.items()}

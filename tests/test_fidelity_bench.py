@@ -208,3 +208,36 @@ def test_generate_zero_scores_every_row_without_the_greedy_column(fidelity: Modu
         assert len(r["kl_per_sequence"]) == 2 and len(r["stored_bits_per_sequence"]) == 2
     assert fidelity.agree(rows["bf16"]) == "-"
     assert fidelity.main(["--smoke", "--generate", "-1"]) == 2
+
+
+@pytest.mark.slow
+def test_select_is_applied_again_at_a_context_other_than_the_calibration_length(
+        fidelity: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # with_pages drops the tables selected at the calibration length (256 in --smoke); at 512 the selection
+    # runs again over the tables counted on 512's pages, for the main calibration and the one measured at 512
+    picked: dict[str, dict[str, str]] = {}
+    select_tables = fidelity.select_tables
+
+    def recording(cal: Calibration, attn: object, model: object, seqs: list[TaggedSeq], **kw: object) -> Calibration:
+        out = select_tables(cal, attn, model, seqs, **kw)
+        if all(len(q.ids) > 256 for q in seqs):  # the calls on 512-token prompts
+            picked[str(len(picked))] = {key: fidelity.format_bits_table(t) for key, t in out.tables.items()}
+        return out
+
+    monkeypatch.setattr(fidelity, "select_tables", recording)
+    out = tmp_path / "fidelity.json"
+    assert fidelity.main(["--smoke", "--threads", "2", "--triaxial-only", "--skip-default", "--contexts", "512",
+                          "--calibrate-at-context", "--select", "--budgets", "2.7", "--generate", "0",
+                          "--eval-seqs", "1", "--out", str(out)]) == 0
+    block = json.loads(out.read_text())["contexts"]["512"]
+    assert set(block["selection"]) == {"calibrated", "calibrated@512"}
+    for rec in block["selection"].values():
+        assert set(rec) == {"2.7"} and rec["2.7"]["chosen"] in ("kl", "attn", "default")
+        kls = {name: rec["2.7"][name] for name in ("kl", "attn", "default")}
+        assert rec["2.7"]["chosen"] == min(kls, key=lambda n: (kls[n], ("kl", "attn", "default").index(n)))
+    rows = block["rows"]
+    # the rows score the tables the selection at 512 kept (the at-512 calibration's own call at 512 comes first)
+    chosen = [p["2.7"] for p in picked.values()]
+    assert rows["triaxial 2.7 calibrated"]["table"] in chosen and rows["triaxial 2.7 calibrated@512"]["table"] in chosen
+    if block["selection"]["calibrated"]["2.7"]["chosen"] == "default":
+        assert rows["triaxial 2.7 calibrated"]["table"] == rows["triaxial 2.7 default@pages"]["table"]
