@@ -340,18 +340,10 @@ class LocalStack:
         self.close()
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` is alive (zombies and dying processes do not count)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return True  # no way to tell zombies apart: a member exists
-    for entry in proc.iterdir():
+def group_members(pgid: int) -> list[int]:
+    """The live processes of group ``pgid`` (zombies and dying processes excluded), from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
@@ -360,8 +352,21 @@ def group_alive(pgid: int) -> bool:
             continue  # exited meanwhile
         fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
         if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            return True
-    return False
+            out.append(int(entry.name))
+    return out
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is alive (zombies and dying processes do not count)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if not Path("/proc").is_dir():
+        return True  # no way to tell zombies apart: a member exists
+    return bool(group_members(pgid))
 
 
 def _wait_group_gone(pgid: int, timeout_s: float) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvserving.config import ServingConfig
-from kvserving.stack import Child, LocalStack, StackError, StackSpec, free_ports, group_alive, scrape_config
+from kvserving.stack import Child, LocalStack, StackError, StackSpec, free_ports, group_alive, group_members, scrape_config
 
 # A server that answers 200 on /ready after `delay` seconds and starts a
 # grandchild (sleep) in its own process group, to prove groups are stopped.
@@ -63,20 +63,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _group_members(pgid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                out.append(int(entry.name))
-    return out
-
-
 def test_stack_waits_for_every_ready_and_stops_whole_process_groups(tmp_path: Path) -> None:
     script = tmp_path / "ready.py"
     script.write_text(READY_SERVER)
@@ -89,10 +75,10 @@ def test_stack_waits_for_every_ready_and_stops_whole_process_groups(tmp_path: Pa
         assert stack.check() is None
         pgids = [c.proc.pid for c in stack.children if c.proc is not None]
         time.sleep(0.3)  # let each server start its grandchild
-        assert all(len(_group_members(g)) == 2 for g in pgids)
+        assert all(len(group_members(g)) == 2 for g in pgids)
     finally:
         stack.close()
-    assert all(_group_members(g) == [] for g in pgids)
+    assert all(group_members(g) == [] for g in pgids)
 
 
 def test_a_child_that_dies_is_reported_with_its_log(tmp_path: Path) -> None:
@@ -210,16 +196,16 @@ def test_group_alive_sees_live_members_not_zombies() -> None:
                               start_new_session=True)
     try:
         deadline = time.monotonic() + 10
-        while len(_group_members(leader.pid)) < 2 and time.monotonic() < deadline:
+        while len(group_members(leader.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(_group_members(leader.pid)) == 2 and group_alive(leader.pid)
+        assert len(group_members(leader.pid)) == 2 and group_alive(leader.pid)
         os.kill(leader.pid, signal.SIGKILL)
         leader.wait(timeout=10)  # reaped: only the grandchild is left in the group
-        assert group_alive(leader.pid) and len(_group_members(leader.pid)) == 1
+        assert group_alive(leader.pid) and len(group_members(leader.pid)) == 1
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(leader.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while group_alive(leader.pid) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not group_alive(leader.pid) and _group_members(leader.pid) == []
+    assert not group_alive(leader.pid) and group_members(leader.pid) == []
