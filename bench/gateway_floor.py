@@ -34,12 +34,11 @@ from typing import Any
 
 import uvicorn
 
-from kvserving.gateway.chat_template import ChatTemplate, normalize_messages
-from kvserving.gateway.completions import SSE_DONE, ChatFrames
+from kvserving.gateway.chat_template import normalize_messages
+from kvserving.gateway.completions import SSE_DONE, ChatFrames, ModelInfo
 from kvserving.gateway.detokenize import IncrementalDetokenizer
 from kvserving.gateway.front import SSE_HEADERS
 from kvserving.gateway.token_prefixes import TokenPrefixes
-from kvserving.gateway.tokenizer import TextTokenizer
 from kvserving.gateway.upstream import ConnectionPool
 from kvserving.gateway.workers import SSEEvents
 from kvserving.tags import encode_tag
@@ -51,14 +50,14 @@ class Floor:
     """Raw ASGI app: chat completions (streamed) straight through to one worker."""
 
     def __init__(self, model_dir: Path, worker_url: str, *, served_name: str) -> None:
-        self.tokenizer = TextTokenizer.from_dir(model_dir)
-        self.template = ChatTemplate.from_dir(model_dir)
+        model = ModelInfo.load(model_dir, served_name=served_name)  # what the gateway loads: tokenizer, template, EOS ids
+        self.tokenizer = model.tokenizer
+        self.template = model.tagger.template
         self.prefixes = TokenPrefixes(self.tokenizer)
         self.pool = ConnectionPool(connect_timeout_s=5.0)
         self.worker_url = worker_url
         self.served_name = served_name
-        eos = self.tokenizer.backend.token_to_id("<|im_end|>")
-        self.stop_ids = [eos] if eos is not None else []
+        self.stop_ids = list(model.stop_token_ids)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
