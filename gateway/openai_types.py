@@ -56,11 +56,11 @@ class _SamplingFields(BaseModel):
         return [s for s in stops if s]
 
     def check_supported(self) -> None:
+        """Refuse (400) what this server cannot honour; subclasses add their own fields' checks."""
         if self.n not in (None, 1):
-            raise invalid_request(f"n={self.n} is not supported: this server returns one choice per request (n=1).",
-                                  param="n", code="unsupported_value")
+            raise _unsupported(f"n={self.n} is not supported: this server returns one choice per request (n=1).", "n")
         if self.logprobs:
-            raise invalid_request("logprobs are not supported by this server.", param="logprobs", code="unsupported_value")
+            raise _unsupported("logprobs are not supported by this server.", "logprobs")
         if self.stream_options is not None and not self.stream:
             raise invalid_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                                   param="stream_options")
@@ -68,10 +68,9 @@ class _SamplingFields(BaseModel):
             raise invalid_request("'stop' may hold at most 4 sequences.", param="stop")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
-                raise invalid_request(f"{name} is not supported by this server (only 0).", param=name,
-                                      code="unsupported_value")
+                raise _unsupported(f"{name} is not supported by this server (only 0).", name)
         if self.logit_bias:
-            raise invalid_request("logit_bias is not supported by this server.", param="logit_bias", code="unsupported_value")
+            raise _unsupported("logit_bias is not supported by this server.", "logit_bias")
 
     @property
     def include_usage(self) -> bool:
@@ -94,18 +93,17 @@ class ChatCompletionRequest(_SamplingFields):
         kind = None if self.response_format is None else self.response_format.get("type")
         if self.response_format is not None and kind != "text":
             if kind in ("json_object", "json_schema"):
-                raise invalid_request(f"response_format type '{kind}' is not supported by this server: nothing "
-                                      "constrains the output to JSON (only 'text').", param="response_format",
-                                      code="unsupported_value")
+                raise _unsupported(f"response_format type '{kind}' is not supported by this server: nothing "
+                                   "constrains the output to JSON (only 'text').", "response_format")
             raise invalid_request(f"Invalid value for 'response_format.type': {kind!r} (one of 'text', 'json_object', "
                                   "'json_schema').", param="response_format.type", code="invalid_value")
         choice = self.tool_choice
         if choice is None or choice in ("auto", "none"):
             return
         if choice == "required" or isinstance(choice, dict):
-            raise invalid_request("tool_choice that forces a tool call ('required' or a named function) is not "
-                                  "supported by this server: nothing forces the model to call one (use 'auto' or "
-                                  "'none').", param="tool_choice", code="unsupported_value")
+            raise _unsupported("tool_choice that forces a tool call ('required' or a named function) is not "
+                               "supported by this server: nothing forces the model to call one (use 'auto' or "
+                               "'none').", "tool_choice")
         raise invalid_request(f"Invalid value for 'tool_choice': {choice!r} (one of 'none', 'auto', 'required' or a "
                               "named function).", param="tool_choice", code="invalid_value")
 
@@ -133,15 +131,29 @@ class CompletionRequest(_SamplingFields):
     def limit(self) -> int:
         return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
 
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise _unsupported("echo is not supported by this server.", "echo")
+        if self.suffix:
+            raise _unsupported("suffix is not supported by this server.", "suffix")
+        if self.best_of not in (None, 1):
+            raise _unsupported("best_of > 1 is not supported by this server.", "best_of")
+
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise invalid_request("Only one prompt per request is supported.", param="prompt", code="unsupported_value")
+                raise _unsupported("Only one prompt per request is supported.", "prompt")
             prompt = prompt[0]  # type: ignore[assignment]
         if not prompt:
             raise invalid_request("'prompt' must not be empty.", param="prompt")
         return prompt  # type: ignore[return-value]
+
+
+def _unsupported(message: str, param: str) -> GatewayError:
+    """A value this server cannot honour: refused rather than answered as if it had been."""
+    return invalid_request(message, param=param, code="unsupported_value")
 
 
 def _validation_error(exc: ValidationError) -> GatewayError:
@@ -178,12 +190,6 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     except ValidationError as exc:
         raise _validation_error(exc) from None
     request.check_supported()
-    if request.echo:
-        raise invalid_request("echo is not supported by this server.", param="echo", code="unsupported_value")
-    if request.suffix:
-        raise invalid_request("suffix is not supported by this server.", param="suffix", code="unsupported_value")
-    if request.best_of not in (None, 1):
-        raise invalid_request("best_of > 1 is not supported by this server.", param="best_of", code="unsupported_value")
     return request
 
 

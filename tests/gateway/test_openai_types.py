@@ -47,10 +47,15 @@ def test_chat_accepts_neutral_values(extra: dict[str, Any]) -> None:
     assert request.messages == BASE["messages"]
 
 
-def test_completions_refuse_penalties_and_logit_bias() -> None:
+def test_completions_refuse_what_they_cannot_honour() -> None:
     body = {"model": "m", "prompt": "hello"}
-    assert parse_completion_request({**body, "presence_penalty": 0}).prompt == "hello"
-    for extra, param in (({"presence_penalty": 1}, "presence_penalty"), ({"logit_bias": {"1": 5}}, "logit_bias")):
+    assert parse_completion_request({**body, "presence_penalty": 0, "echo": False, "best_of": 1}).prompt == "hello"
+    for extra, param in (({"presence_penalty": 1}, "presence_penalty"), ({"logit_bias": {"1": 5}}, "logit_bias"),
+                         ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 2}, "best_of")):
         with pytest.raises(GatewayError) as got:
             parse_completion_request({**body, **extra})
-        assert got.value.to_body()["error"]["param"] == param
+        err = got.value.to_body()["error"]
+        assert (got.value.status, err["param"], err["code"]) == (400, param, "unsupported_value")
+    with pytest.raises(GatewayError) as got:  # several prompts pass parsing; the route takes one
+        parse_completion_request({**body, "prompt": ["a", "b"]}).single_prompt()
+    assert (got.value.to_body()["error"]["param"], got.value.to_body()["error"]["code"]) == ("prompt", "unsupported_value")
