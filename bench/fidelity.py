@@ -603,10 +603,10 @@ def main(argv: list[str] | None = None) -> int:
             if ctx != s.calib_len:
                 page_seqs = load_data([calib_path], tagger, seq_len=ctx, max_tokens=2 * s.calib_tokens, wrap="agent")
                 if opts.calibrate_at_context:  # the same calibration text, wrapped at this context
-                    attn[f"calibrated@{ctx}"] = {}
+                    attn[f"calibrated@{ctx}"] = {}  # --select: measured here, the selection is made after with_pages
                     at_ctx = calibrate(model_dir, [calib_path], BUDGETS, seq_len=ctx, max_tokens=s.calib_tokens,
                                        device=opts.device, wrap="agent", metric=opts.metric, show_progress=False,
-                                       chunk=s.chunk, select=opts.select, attn_out=attn[f"calibrated@{ctx}"])
+                                       chunk=s.chunk, attn_out=attn[f"calibrated@{ctx}"] if opts.select else None)
                     ccals[f"calibrated@{ctx}"] = at_ctx
                 ccals = {name: with_pages(c, page_seqs) for name, c in ccals.items()}
                 if opts.select:  # with_pages dropped the selected tables: select again on this context's pages

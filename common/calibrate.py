@@ -582,8 +582,9 @@ def calibrate(
     """The whole job (module docstring) as a library call. ``page_seq_lens``: count the budget's
     pages on the data wrapped at these context lengths (the lengths served; tagging only; as many
     tokens as were measured, an equal share per length: ``Measurement.set_pages``) instead of on the
-    measured prompts. ``attn_out``, if given, gets the attention-MSE D_k measured for ``select``
-    (bits -> 56 sums), so the selection can be run again on other pages (``select_tables``)."""
+    measured prompts. ``attn_out``, if given under the KL metric, gets the attention-MSE D_k (bits -> 56
+    sums; measured with the KL D_k, as ``select`` needs them), so a selection can be run on other pages
+    (``select_tables``) without this one's."""
     for b in budgets:
         if not 2.0 <= b <= 4.0:
             raise ValueError(f"bit budget must be in [2, 4], got {b:g}")
@@ -601,7 +602,7 @@ def calibrate(
     bar = Progress(len(seqs) * (2 if search else 1), "calibrate") if show_progress else None
     try:
         m = measure(model, args, seqs, device=dev, search=search, progress=bar.step if bar else None, metric=metric,
-                    chunk=chunk, also_attn=select and metric == "kl")
+                    chunk=chunk, also_attn=(select or attn_out is not None) and metric == "kl")
     finally:
         if bar is not None:
             bar.close()
@@ -613,8 +614,8 @@ def calibrate(
     cal = build_calibration(m, budgets, search=search, frequency_source=frequency_source)
     if select and metric == "kl":
         cal = select_tables(cal, m.attn, model, seqs, device=dev, chunk=chunk, record=selection)
-        if attn_out is not None:
-            attn_out.update({b: list(d) for b, d in m.attn.items()})
+    if attn_out is not None:
+        attn_out.update({b: list(d) for b, d in m.attn.items()})
     return cal
 
 
