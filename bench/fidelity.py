@@ -547,11 +547,15 @@ def main(argv: list[str] | None = None) -> int:
         eval_path.write_text(eval_text)
         selection: dict[str, dict[str, float | str]] = {}
         attn: dict[str, dict[int, list[float]]] = {"calibrated": {}}  # --select: each calibration's attention-MSE D_k
-        # the fp8/nvfp4 scale search only where those formats are scored (--triaxial-only: ~25 % of the time)
+        # the fp8/nvfp4 scale search only where those formats are scored (--triaxial-only: ~25 % of the time);
+        # --select at the calibration length only where that context is scored: every other context selects
+        # again on its own pages (reselect), so a selection here would be discarded (and cost 3 whole-table
+        # KL passes per budget)
         cal = calibrate(model_dir, [calib_path], BUDGETS, seq_len=s.calib_len, max_tokens=s.calib_tokens,
                         search=not opts.triaxial_only,
                         frequency_source="data", device=opts.device, wrap="agent", metric=opts.metric, chunk=s.chunk,
-                        select=opts.select, selection=selection, attn_out=attn["calibrated"])
+                        select=opts.select and s.calib_len in contexts, selection=selection,
+                        attn_out=attn["calibrated"] if opts.select else None)
         (work / "calibration.json").write_text(cal.to_json())
         t_cal = time.time() - t1
         cals = {"calibrated": cal}
@@ -619,10 +623,13 @@ def main(argv: list[str] | None = None) -> int:
                              budgets=budgets[ctx])
 
             def partial(rows: dict[str, Any], ctx: int = ctx, sources: dict[str, Any] = sources) -> None:
-                # each row as it completes: a run stopped by its time limit keeps the rows it finished
-                results["contexts"][str(ctx)] = {"partial": True, "conversations": sources, "rows": rows}
+                # each row as it completes: a run stopped by its time limit keeps the rows it finished (and the
+                # selection made at this context, written before the first row)
+                results["contexts"][str(ctx)] = {"partial": True, "conversations": sources, "rows": rows,
+                                                 **({"selection": ctx_selection[ctx]} if ctx in ctx_selection else {})}
                 out_path.write_text(json.dumps(results, indent=1) + "\n")
 
+            partial({})
             block = run_context(model_dir, specs, ccals["calibrated"], seqs, s, ctx, device, on_row=partial)
             block["conversations"] = sources
             block["calibration_pages"] = {"context": ctx, **page_mix_summary(ccals["calibrated"])}

@@ -213,8 +213,9 @@ def test_generate_zero_scores_every_row_without_the_greedy_column(fidelity: Modu
 @pytest.mark.slow
 def test_select_is_applied_again_at_a_context_other_than_the_calibration_length(
         fidelity: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # with_pages drops the tables selected at the calibration length (256 in --smoke); at 512 the selection
-    # runs again over the tables counted on 512's pages, for the main calibration and the one measured at 512
+    # with_pages drops the tables of the calibration length (256 in --smoke, not scored here: no selection is
+    # made there); at 512 the selection runs over the tables counted on 512's pages, for the main calibration
+    # and the one measured at 512
     picked: dict[str, dict[str, str]] = {}
     select_tables = fidelity.select_tables
 
@@ -229,7 +230,10 @@ def test_select_is_applied_again_at_a_context_other_than_the_calibration_length(
     assert fidelity.main(["--smoke", "--threads", "2", "--triaxial-only", "--skip-default", "--contexts", "512",
                           "--calibrate-at-context", "--select", "--budgets", "2.7", "--generate", "0",
                           "--eval-seqs", "1", "--out", str(out)]) == 0
-    block = json.loads(out.read_text())["contexts"]["512"]
+    result = json.loads(out.read_text())
+    # 256 is not scored: no selection there (its tables would be discarded), only at 512
+    assert result["calibration"]["selection"] == {}
+    block = result["contexts"]["512"]
     assert set(block["selection"]) == {"calibrated", "calibrated@512"}
     for rec in block["selection"].values():
         assert set(rec) == {"2.7"} and rec["2.7"]["chosen"] in ("kl", "attn", "default")
