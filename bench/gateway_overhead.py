@@ -36,7 +36,8 @@ The table gives p50 and p99 of each and their difference (goal at 200
 sessions: p50 added <= 2 ms, p99 added <= 10 ms), and the gateway's CPU per
 request from /proc (its background work, health polls and lease beats,
 measured while idle and subtracted): the number that depends least on what
-else runs on the machine; next to it, the fake worker's CPU per request in the
+else runs on the machine; next to it, the floor's CPU per request (the same
+requests, only the unskippable steps) and the fake worker's CPU per request in the
 direct runs (a FastAPI server streaming the same tokens: the scale of one HTTP
 hop in Python on the same machine at the same moment).
 """
@@ -284,16 +285,18 @@ class Row:
     gateway: list[float]
     floor: list[float]  # the chat requests through bench/gateway_floor.py
     cpu_ms: float  # gateway CPU per request, background subtracted
+    floor_cpu_ms: float  # the floor's CPU per request (it has no background work)
     worker_cpu_ms: float  # the fake worker's CPU per request in the direct runs: the same work without the gateway
 
 
 def run_row(n: int, think_s: float, args: argparse.Namespace, *, tagger: ChatTagger, reply: str, worker_url: str,
-            relay_url: str, gw_url: str, gw_pid: int, worker_pid: int, idle_cpu_per_s: float, floor_url: str) -> Row:
+            relay_url: str, gw_url: str, gw_pid: int, worker_pid: int, idle_cpu_per_s: float, floor_url: str,
+            floor_pid: int) -> Row:
     direct: list[float] = []
     relay: list[float] = []
     gateway: list[float] = []
     floor: list[float] = []
-    gw_cpu = worker_cpu = 0.0
+    gw_cpu = worker_cpu = floor_cpu = 0.0
     rounds = max(args.rounds, -(-args.min_requests // (n * args.turns)))
     for r in range(rounds):  # interleave so drift on a shared machine hits both alike
         waits = think_times(n, args.turns, think_s, seed=r)
@@ -304,12 +307,15 @@ def run_row(n: int, think_s: float, args: argparse.Namespace, *, tagger: ChatTag
         plan = bodies(n, args.turns, reply, tagger, via_gateway=False, max_tokens=args.max_tokens)
         relay += asyncio.run(measure(relay_url, plan, waits, via_gateway=False))
         plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
+        before = cpu_s(floor_pid)
         floor += asyncio.run(measure(floor_url, plan, waits, via_gateway=True))
+        floor_cpu += cpu_s(floor_pid) - before
         plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
         before, t0 = cpu_s(gw_pid), time.monotonic()
         gateway += asyncio.run(measure(gw_url, plan, waits, via_gateway=True))
         gw_cpu += cpu_s(gw_pid) - before - idle_cpu_per_s * (time.monotonic() - t0)
-    return Row(n, think_s, direct, relay, gateway, floor, 1e3 * gw_cpu / len(gateway), 1e3 * worker_cpu / len(direct))
+    return Row(n, think_s, direct, relay, gateway, floor, 1e3 * gw_cpu / len(gateway), 1e3 * floor_cpu / len(floor),
+               1e3 * worker_cpu / len(direct))
 
 
 @dataclass
@@ -416,15 +422,17 @@ def main() -> int:
         plan = [(int(x), args.think_s) for x in args.sessions.split(",") if x]
         plan += [(int(x), 0.0) for x in args.saturation.split(",") if x]
         rows = [run_row(n, think, args, tagger=tagger, reply=reply, worker_url=worker_url, relay_url=relay_url, gw_url=gw_url,
-                        gw_pid=procs[1].pid, worker_pid=procs[0].pid, idle_cpu_per_s=idle, floor_url=floor_url)
+                        gw_pid=procs[1].pid, worker_pid=procs[0].pid, idle_cpu_per_s=idle, floor_url=floor_url,
+                        floor_pid=procs[3].pid)
                 for n, think in plan]
         print(f"gateway overhead: TTFT through the gateway minus straight to the worker ({args.turns} turns per session, "
               f"fake worker answering instantly, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
               f"gateway idle CPU {1e3 * idle:.1f} ms/s subtracted)\n")
         print("| think time | sessions | requests | direct p50 ms | direct p99 ms | gateway p50 ms | gateway p99 ms "
               "| added p50 ms | added p99 ms | null proxy added p50 / p99 ms | floor added p50 / p99 ms "
-              "| gateway minus floor p50 / p99 ms | gateway CPU ms/request | worker CPU ms/request (direct) |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| gateway minus floor p50 / p99 ms | gateway CPU ms/request | floor CPU ms/request "
+              "| worker CPU ms/request (direct) |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for row in rows:
             d50, d99, r50, r99, g50, g99, f50, f99 = (1e3 * pct(v, q) for v in (row.direct, row.relay, row.gateway, row.floor)
                                                       for q in (0.5, 0.99))
@@ -432,7 +440,7 @@ def main() -> int:
             print(f"| {load} | {row.sessions} | {len(row.gateway)} | {d50:.2f} | {d99:.2f} | {g50:.2f} | {g99:.2f} "
                   f"| {g50 - d50:.2f} | {g99 - d99:.2f} | {r50 - d50:.2f} / {r99 - d99:.2f} "
                   f"| {f50 - d50:.2f} / {f99 - d99:.2f} | {g50 - f50:.2f} / {g99 - f99:.2f} "
-                  f"| {row.cpu_ms:.2f} | {row.worker_cpu_ms:.2f} |")
+                  f"| {row.cpu_ms:.2f} | {row.floor_cpu_ms:.2f} | {row.worker_cpu_ms:.2f} |")
         if args.long_turns > 0:
             print_long(run_long(args, tagger=tagger, reply=reply, worker_url=worker_url, gw_url=gw_url,
                                 gw_pid=procs[1].pid, idle_cpu_per_s=idle))
