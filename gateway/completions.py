@@ -146,7 +146,7 @@ class Completions:
     async def _chat_whole(
         self, turn_request: TurnRequest, request: oa.ChatCompletionRequest, started: float, draft: Draft | None
     ) -> dict[str, Any]:
-        parser = OutputParser(tools=request.parses_tool_calls)
+        parser = OutputParser(tools=request.parses_tool_calls, max_calls=request.max_tool_calls)
         pieces, finish, result = [], "stop", None
         async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat", draft=draft):
             if kind == "text":
@@ -169,7 +169,7 @@ class Completions:
         written once the turn's metrics are recorded)."""
         frames = ChatFrames(id=turn_request.request_id, created=int(time.time()), model=self.model.name,
                             include_usage=request.include_usage)
-        parser = OutputParser(tools=request.parses_tool_calls)
+        parser = OutputParser(tools=request.parses_tool_calls, max_calls=request.max_tool_calls)
         first = True
         tail = b""
         try:

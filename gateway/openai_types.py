@@ -3,16 +3,20 @@
 Requests are parsed with ``parse_chat_request`` / ``parse_completion_request``,
 which turn every validation failure into a 400 ``GatewayError`` naming the
 field (``param``) the way OpenAI does. Fields OpenAI clients send that do not
-change the result here (``metadata``, ``store``, ``parallel_tool_calls``,
-``service_tier``, ...) are accepted and ignored, and so are the neutral values
+change the result here (``metadata``, ``store``, ``service_tier``,
+``prediction``, ...) are accepted and ignored, and so are the neutral values
 of those that would (``presence_penalty: 0``, ``response_format: {"type":
-"text"}``, ``tool_choice: "auto"``); values whose meaning the gateway cannot
-honour are refused clearly (400, code ``unsupported_value``) rather than
-answered as if they had been: ``n`` > 1, ``logprobs``, ``echo``, ``suffix``,
-``best_of`` > 1, non-zero presence / frequency penalties, ``logit_bias``, a
-JSON ``response_format`` (nothing constrains the output to JSON) and a
-``tool_choice`` that forces a tool call ("required" or a named function:
-nothing forces the model to call one).
+"text"}``, ``tool_choice: "auto"``, ``modalities: ["text"]``);
+``parallel_tool_calls: false`` is honoured (at most one tool call is returned);
+values whose meaning the gateway cannot honour are refused clearly (400, code
+``unsupported_value``) rather than answered as if they had been: ``n`` > 1,
+``logprobs`` and ``top_logprobs``, ``echo``, ``suffix``, ``best_of`` > 1,
+non-zero presence / frequency penalties, ``logit_bias``, a JSON
+``response_format`` (nothing constrains the output to JSON), a ``tool_choice``
+that forces a tool call ("required" or a named function: nothing forces the
+model to call one), audio output (``modalities`` other than "text",
+``audio``) and the legacy ``functions`` / ``function_call`` (they would be
+dropped from the prompt: send ``tools``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logprobs: bool | int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     ignore_eos: bool = False
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -61,6 +66,8 @@ class _SamplingFields(BaseModel):
             raise _unsupported(f"n={self.n} is not supported: this server returns one choice per request (n=1).", "n")
         if self.logprobs:
             raise _unsupported("logprobs are not supported by this server.", "logprobs")
+        if self.top_logprobs:
+            raise _unsupported("top_logprobs are not supported by this server (logprobs are not).", "top_logprobs")
         if self.stream_options is not None and not self.stream:
             raise invalid_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                                   param="stream_options")
@@ -87,9 +94,23 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_key: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (e.g. enable_thinking)
     response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # legacy function calling
+    function_call: str | dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        if any(m != "text" for m in self.modalities or ()):
+            raise _unsupported("Only text output is supported by this server: 'modalities' may hold only 'text'.",
+                               "modalities")
+        if self.audio is not None:
+            raise _unsupported("Audio output is not supported by this server.", "audio")
+        if self.functions or self.function_call not in (None, "none", "auto"):
+            name = "functions" if self.functions else "function_call"
+            raise _unsupported(f"The legacy '{name}' parameter is not supported by this server: send the functions "
+                               "as 'tools' (and 'tool_choice').", name)
         kind = None if self.response_format is None else self.response_format.get("type")
         if self.response_format is not None and kind != "text":
             if kind in ("json_object", "json_schema"):
@@ -111,6 +132,11 @@ class ChatCompletionRequest(_SamplingFields):
     def parses_tool_calls(self) -> bool:
         """Tool calls are parsed out of the output when tools are offered and not switched off."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def max_tool_calls(self) -> int | None:
+        """At most one tool call when the client set ``parallel_tool_calls: false``; else no limit."""
+        return 1 if self.parallel_tool_calls is False else None
 
     @property
     def limit(self) -> int | None:

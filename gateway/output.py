@@ -7,6 +7,9 @@
   ``<think>...</think>`` -> ``reasoning_content``; with tools in the request,
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` -> ``tool_calls``
   (a body that is not such JSON stays content); the rest -> ``content``.
+  With ``max_calls`` (``parallel_tool_calls: false``) the calls past the limit
+  are dropped: the client asked for at most that many, and a call is not
+  content.
   Markers split across pieces are handled by holding back a possible prefix.
 
 Pure: no I/O.
@@ -71,8 +74,11 @@ class Parsed:
 class OutputParser:
     """Streaming split of generated text into content / reasoning / tool-call deltas."""
 
-    def __init__(self, *, tools: bool) -> None:
+    def __init__(self, *, tools: bool, max_calls: int | None = None) -> None:
+        if max_calls is not None and max_calls < 1:
+            raise ValueError(f"max_calls must be >= 1 or None, got {max_calls}")
         self.tools = tools
+        self.max_calls = max_calls
         self.buffer = ""
         self.mode = "content"  # "content" | "reasoning" | "call"
         self.call_text = ""
@@ -155,6 +161,8 @@ class OutputParser:
             call = _tool_call(self.call_text, index=len(self.calls))
             if call is None:
                 self._add(deltas, "content", CALL_OPEN + self.call_text + CALL_CLOSE)
+            elif self.max_calls is not None and len(self.calls) >= self.max_calls:
+                return  # past the client's limit: dropped
             else:
                 self.calls.append(call)
                 deltas.append({"tool_calls": [call]})

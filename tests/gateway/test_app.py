@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -282,6 +283,24 @@ def test_tool_choice_none_leaves_tool_call_text_as_content(stack: Stack, tok: Te
                                              tool_choice="none")
     assert out.choices[0].finish_reason == "stop" and out.choices[0].message.tool_calls is None
     assert out.choices[0].message.content == said
+
+
+def test_parallel_tool_calls_false_returns_only_the_first_call(stack: Stack, tok: TextTokenizer) -> None:
+    said = ('<tool_call>\n{"name": "ls", "arguments": {"path": "a"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "ls", "arguments": {"path": "b"}}\n</tool_call>')
+    worker = stack.worker(role="both", reply_ids=tok.encode_ids(said))
+    gw = stack.gateway(decode=[worker.url])
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}]
+    c = client(gw)
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": tools}
+    both = c.chat.completions.create(**kwargs)
+    assert [call.function.arguments for call in both.choices[0].message.tool_calls or []] == ['{"path": "a"}', '{"path": "b"}']
+    one = c.chat.completions.create(**kwargs, parallel_tool_calls=False)
+    assert one.choices[0].finish_reason == "tool_calls"
+    assert [call.function.arguments for call in one.choices[0].message.tool_calls or []] == ['{"path": "a"}']
+    chunks = list(c.chat.completions.create(**kwargs, parallel_tool_calls=False, stream=True))
+    streamed = [call.function.arguments for ch in chunks for call in (ch.choices[0].delta.tool_calls or []) if ch.choices]
+    assert streamed == ['{"path": "a"}'] and chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_next_turn_sends_the_held_ids_the_workers_sampled(stack: Stack, tok: TextTokenizer, tiny_model_dir: Path) -> None:

@@ -26,6 +26,12 @@ TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "read_file"}}}, "tool_choice",
      "unsupported_value", "forces a tool call"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "invalid_value", "'sometimes'"),
+    ({"top_logprobs": 2}, "top_logprobs", "unsupported_value", "top_logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs", "invalid_value", "less than or equal to 20"),
+    ({"modalities": ["text", "audio"]}, "modalities", "unsupported_value", "only 'text'"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "unsupported_value", "Audio output"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "unsupported_value", "as 'tools'"),
+    ({"function_call": {"name": "f"}}, "function_call", "unsupported_value", "as 'tools'"),
 ])
 def test_chat_refuses_what_it_cannot_honour(extra: dict[str, Any], param: str, code: str, words: str) -> None:
     with pytest.raises(GatewayError) as got:
@@ -41,6 +47,8 @@ def test_chat_refuses_what_it_cannot_honour(extra: dict[str, Any], param: str, c
     {"tools": TOOLS, "tool_choice": "auto"},
     {"tools": TOOLS, "tool_choice": "none"},
     {"metadata": {"a": "b"}, "store": False, "parallel_tool_calls": True, "service_tier": "auto"},
+    {"top_logprobs": 0, "modalities": ["text"], "functions": [], "function_call": "auto"},
+    {"prediction": {"type": "content", "content": "x"}},
 ])
 def test_chat_accepts_neutral_values(extra: dict[str, Any]) -> None:
     request = parse_chat_request({**BASE, **extra})
@@ -59,3 +67,9 @@ def test_completions_refuse_what_they_cannot_honour() -> None:
     with pytest.raises(GatewayError) as got:  # several prompts pass parsing; the route takes one
         parse_completion_request({**body, "prompt": ["a", "b"]}).single_prompt()
     assert (got.value.to_body()["error"]["param"], got.value.to_body()["error"]["code"]) == ("prompt", "unsupported_value")
+
+
+def test_parallel_tool_calls_false_is_a_limit_of_one_call() -> None:
+    assert parse_chat_request({**BASE, "tools": TOOLS, "parallel_tool_calls": False}).max_tool_calls == 1
+    assert parse_chat_request({**BASE, "tools": TOOLS, "parallel_tool_calls": True}).max_tool_calls is None
+    assert parse_chat_request({**BASE, "tools": TOOLS}).max_tool_calls is None

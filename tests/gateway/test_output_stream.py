@@ -47,3 +47,24 @@ def test_any_split_streams_what_the_whole_text_parses_to() -> None:
             assert got["reasoning"] == (whole.reasoning or "")
             # parse() strips content around tool calls; streaming sends it as it comes
             assert (got["content"].strip() if calls else got["content"]) == expected_content
+
+
+def test_max_calls_drops_the_calls_past_the_limit_whatever_the_split() -> None:
+    two = ('<tool_call>\n{"name": "ls", "arguments": {"path": "a"}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "cat", "arguments": {"path": "b"}}\n</tool_call>')
+    parsed = OutputParser(tools=True, max_calls=1).parse(two)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls] == [("ls", '{"path": "a"}')]
+    assert parsed.content is None
+    assert len(OutputParser(tools=True).parse(two).tool_calls) == 2
+    rng = random.Random(7)
+    for _ in range(20):
+        parser = OutputParser(tools=True, max_calls=1)
+        deltas: list[dict[str, Any]] = []
+        pos = 0
+        while pos < len(two):
+            step = rng.randint(1, 9)
+            deltas += parser.feed(two[pos:pos + step])
+            pos += step
+        deltas += parser.finish()
+        assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == ["ls"]
+        assert "".join(d.get("content", "") for d in deltas).strip() == ""
