@@ -18,12 +18,12 @@ TEXTS = [
 ]
 
 
-def streamed(text: str, rng: random.Random) -> dict[str, Any]:
-    parser = OutputParser(tools=True)
+def streamed(text: str, rng: random.Random, *, max_calls: int | None = None, max_step: int = 6) -> dict[str, Any]:
+    parser = OutputParser(tools=True, max_calls=max_calls)
     deltas: list[dict[str, Any]] = []
     pos = 0
     while pos < len(text):
-        step = rng.randint(1, 6)
+        step = rng.randint(1, max_step)
         deltas += parser.feed(text[pos:pos + step])
         pos += step
     deltas += parser.finish()
@@ -58,13 +58,5 @@ def test_max_calls_drops_the_calls_past_the_limit_whatever_the_split() -> None:
     assert len(OutputParser(tools=True).parse(two).tool_calls) == 2
     rng = random.Random(7)
     for _ in range(20):
-        parser = OutputParser(tools=True, max_calls=1)
-        deltas: list[dict[str, Any]] = []
-        pos = 0
-        while pos < len(two):
-            step = rng.randint(1, 9)
-            deltas += parser.feed(two[pos:pos + step])
-            pos += step
-        deltas += parser.finish()
-        assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == ["ls"]
-        assert "".join(d.get("content", "") for d in deltas).strip() == ""
+        got = streamed(two, rng, max_calls=1, max_step=9)
+        assert got["calls"] == [("ls", '{"path": "a"}')] and got["content"].strip() == ""
