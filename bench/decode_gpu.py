@@ -153,6 +153,7 @@ class Pool:
         self.scale = {"fp8_e4m3": FP8_SCALE, "nvfp4": NVFP4_G}.get(fmt, 1.0)
         self.kv = PagedKV(self.buffer, self.layout, self.scale, self.scale, self.int2, self.bytes_total)
         self.last_kernel: Any = None  # compiled kernel of the last decode (resources)
+        self.last_plan = ""  # the Gluon launch's split plan
         self._fill(ids4, ids2)
 
     @property
@@ -185,9 +186,13 @@ class Pool:
             from kvserving.kernels import gluon_decode
 
             out, self.last_kernel = gluon_decode.launch_decode(*args, **kw, part=part)
+            cfg = {**gluon_decode.GL_TUNING[self.layout.fmt], **(tuning or {})}
+            s, pps = gluon_decode.split_plan(q, self.kv, self.page_table, cfg)
+            self.last_plan = f"splits {s} x {pps} pages, {q.shape[0] * H * s} programs"
         else:
             fast = OPTIONS.fast_decoders(q.device) if fast is None else fast
             out, self.last_kernel = triton_decode.launch_decode(*args, **kw, fast=fast, probe=probe)
+            self.last_plan = ""
         return out
 
 
@@ -219,7 +224,7 @@ def resources(pool: Pool) -> str:
     k = pool.last_kernel
     if k is None:
         return ""
-    return f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} smem {k.metadata.shared}"
+    return f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} smem {k.metadata.shared} {pool.last_plan}".rstrip()
 
 
 def main() -> None:

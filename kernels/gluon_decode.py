@@ -88,7 +88,16 @@ from .gluon_fragments import (
 from .layout import PageLayout
 from .page_ids import INT2_PAGE_FLAG
 from .paged_kv import PagedKV
-from .triton_common import LOG2E, field_offsets, folded_scales, merge_splits, prepare_splits
+from .triton_common import (
+    LOG2E,
+    field_offsets,
+    folded_scales,
+    merge_splits,
+    plan_splits,
+    plan_waves,
+    prepare_splits,
+    sm_count,
+)
 
 FLAG: gl.constexpr = gl.constexpr(INT2_PAGE_FLAG)
 GL_FMT_FP8: gl.constexpr = gl.constexpr(3)
@@ -716,23 +725,27 @@ def _gl_decode_kernel(
 
 GL_FMT = {"nvfp4": 0, "int4": 1, "int2": 2, "fp8_e4m3": 3}
 INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", "VZ_OFF", "LV_LOAD", "LV_UNPACK")
-# warps per program, pages per warp per step, programs per SM the split planner aims for, register cap (triaxial:
+# warps per program, pages per warp per step, programs per SM PLAN 0's planner aims for, register cap (triaxial:
 # both branches in one kernel take 175 registers, 2 programs of 4 warps per SM; 168 fits 3, without spills; with
 # 16 query heads per kv head the kernel needs ~245 and runs uncapped)
-# no split shorter than this many tokens: measured on an H200 (bench/NOTES-kernels.md), batch 1 x 128K and
-# 64 x 4K were 10-25% faster with 1.5K-2K tokens per split than with 16 programs per SM's shorter splits
+# The splits: triton_common.plan_waves, from RES (RES16: 16 query heads per kv head) programs resident per SM --
+# resident_programs of the kernel compiled with this tuning by the device's triton 3.6 (tests/kernels/
+# test_gluon_decode.py holds RES to the pinned triton's compile, RES and RES16 to the launched kernel on the GPU):
+# nvfp4 123 registers (x 2 warps: 8 programs by the register file), 18 KB ring;
+# fp8 126 registers, 32 KB ring (6 by shared memory); triaxial 163 of its 168 (3 by registers), 40 KB; with 16
+# heads uncapped: 196 / 200 / 229 registers (5 / 5 / 2). A tuning that changes warps, STAGES or maxnreg must set
+# RES too. PLAN 0 (benchmarks) is the session-6 planner: splits of at least SPLIT_MIN_TOKENS tokens unless fewer
+# than SPLIT_MIN_FILL programs per SM; MINW (benchmarks) keeps plan_waves to grids of at least that many waves.
 SPLIT_MIN_TOKENS = 1536
-# ... unless the grid would then leave SMs idle: below this many programs per SM, splits get shorter (batch 1 x 4K:
-# 3 splits of 1.4K tokens, 24 programs, 42 us per layer for nvfp4 in the engine -- bench/NOTES-kernels.md)
 SPLIT_MIN_FILL = 2
 # STAGES: the cp.async ring's depth (0: no ring, each step loads into registers and waits); 2 measured best on an
 # H200 (bench/NOTES-kernels.md session 7: 3 and 4 no better, 4 slower for triaxial: 81 KB of smem, 2 programs per SM).
 # nvfp4 / fp8 capped at 128 registers since the lazy softmax (LAZY, session 13): 16 warps per SM, no spills; 147
 # uncapped measured slower. Tuning keys for benchmarks: LAZY 0 (the old softmax), MBS (the two-loop split merge).
 GL_TUNING: dict[str, dict[str, int]] = {
-    "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128},
-    "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 168, "STAGES": 2},  # triaxial (INT4 and INT2 splits)
-    "fp8_e4m3": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128},
+    "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128, "RES": 8, "RES16": 5},
+    "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 168, "STAGES": 2, "RES": 3, "RES16": 2},  # triaxial
+    "fp8_e4m3": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128, "RES": 6, "RES16": 5},
 }
 
 
@@ -779,11 +792,24 @@ def decode_attention(
 ) -> torch.Tensor:
     """Launch the Gluon decode (arguments checked by paged_ops; ``supported`` must hold) -> [B, Hq, D] in q.dtype.
 
-    tuning overrides GL_TUNING[fmt] (MINTOK / FILL: the planner's SPLIT_MIN_TOKENS / SPLIT_MIN_FILL); splits
-    (splits, pages per split) overrides the planner."""
+    tuning overrides GL_TUNING[fmt] (RES / RES16, PLAN, MINW: the split planner's; MINTOK / FILL: PLAN 0's
+    SPLIT_MIN_TOKENS / SPLIT_MIN_FILL); splits (splits, pages per split) overrides the planner."""
     out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages,
                            tuning=tuning, splits=splits)  # fmt: skip
     return out
+
+
+def split_plan(q: torch.Tensor, kv: PagedKV, page_table: torch.Tensor, cfg: dict[str, int]) -> tuple[int, int]:
+    """(splits, pages per split) of a launch with tuning ``cfg`` (GL_TUNING[fmt] and its overrides): plan_waves on
+    the tuning's programs resident per SM (PLAN 0: the session-6 min-length planner)."""
+    bh, pages, ppi = q.shape[0] * kv.layout.kv_heads, page_table.shape[1], cfg["num_warps"] * cfg["PPW"]
+    if not cfg.get("PLAN", 1):
+        return plan_splits(bh, pages, ppi, q.device, triaxial=kv.triaxial, programs_per_sm=cfg["PPSM"],
+                           min_pages=-(-cfg.get("MINTOK", SPLIT_MIN_TOKENS) // kv.layout.page_size),
+                           min_fill=cfg.get("FILL", SPLIT_MIN_FILL))  # fmt: skip
+    resident = cfg["RES" if q.shape[1] // kv.layout.kv_heads <= 8 else "RES16"]
+    return plan_waves(bh, pages, ppi, sm_count(q.device), resident=resident, warps=cfg["num_warps"],
+                      triaxial=kv.triaxial, min_waves=cfg.get("MINW", 1))  # fmt: skip
 
 
 def launch_decode(
@@ -806,8 +832,7 @@ def launch_decode(
     cfg = {**GL_TUNING[layout.fmt], **(tuning or {})}
     ppi = cfg["num_warps"] * cfg["PPW"]
     run = prepare_splits(q, kv, page_table, seq_lens, num_int2_pages, pages_per_iter=ppi, programs_per_sm=cfg["PPSM"],
-                         min_pages=-(-cfg.get("MINTOK", SPLIT_MIN_TOKENS) // layout.page_size),
-                         min_fill=cfg.get("FILL", SPLIT_MIN_FILL), splits=splits)  # fmt: skip
+                         splits=splits or split_plan(q, kv, page_table, cfg))  # fmt: skip
     if run.pages_per_split % ppi:
         raise ValueError(f"pages per split ({run.pages_per_split}) must be a multiple of pages per step ({ppi})")
     k_fold, v_fold = folded_scales(kv)

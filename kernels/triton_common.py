@@ -8,14 +8,18 @@ writes each split's normalised partial output and base-2 log-sum-exp, and
     o[B, Hq, S, D] fp32, lse[B, Hq, S] fp32  --merge-->  out[B, Hq, D] (q's dtype) * v_mul
 
 ``prepare_splits`` is the host side both run before their launch (plan,
-contiguous inputs, partial buffers); ``merge_splits`` the one after. The
-write and gather kernels share the format codes and ``field_offsets``.
+contiguous inputs, partial buffers); ``merge_splits`` the one after. Two
+split planners: ``plan_splits`` (the ``tl`` kernels: programs per SM and a
+minimum split length) and ``plan_waves`` (the Gluon kernels: whole waves of
+the programs an SM holds, ``resident_programs``). The write and gather
+kernels share the format codes and ``field_offsets``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -61,7 +65,8 @@ def folded_scales(kv: PagedKV) -> tuple[float, float]:
     return 1.0, 1.0
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (4 off the GPU: the interpreter tests' planner)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
@@ -69,11 +74,13 @@ def _sm_count(device: torch.device) -> int:
 
 def plan_splits(batch_heads: int, max_pages: int, ppi: int, device: torch.device, *, triaxial: bool,
                 programs_per_sm: int = 16, min_pages: int = 1, min_fill: int = 0) -> tuple[int, int]:  # fmt: skip
-    """(splits, pages per split) from the page-table width: about programs_per_sm programs per SM, but no split
+    """The ``tl`` kernels' planner (and the Gluon kernels' before session 14, their tuning PLAN 0).
+
+    (splits, pages per split) from the page-table width: about programs_per_sm programs per SM, but no split
     shorter than min_pages (a program's fixed cost, and the merge's per split, must stay small) -- unless that
     leaves fewer than min_fill programs per SM: a small batch over short contexts (1 x 4K: 3 splits x 8 heads =
     24 programs on 132 SMs) then splits down to ppi pages, since an idle SM costs more than a short split."""
-    sms = _sm_count(device)
+    sms = sm_count(device)
     bh = max(batch_heads, 1)
     want = max(1, math.ceil(programs_per_sm * sms / bh))
     by_len = math.ceil(max_pages / min_pages)
@@ -83,6 +90,67 @@ def plan_splits(batch_heads: int, max_pages: int, ppi: int, device: torch.device
     pps = math.ceil(math.ceil(max(max_pages, 1) / splits) / ppi) * ppi
     splits = math.ceil(max(max_pages, 1) / pps) + (1 if triaxial else 0)
     return splits, pps
+
+
+# One sm_90 (H100 / H200) multiprocessor: what its resident programs share
+SM90_REGS = 65536  # 32-bit registers, allocated per warp in units of 256
+SM90_SHARED = 233472  # bytes of shared memory (228 KB), of which each resident program also reserves 1 KB
+SM90_WARPS = 64
+SM90_PROGRAMS = 32
+# The wave model of plan_waves (bench/NOTES-kernels.md session 14), fitted to the split sweeps of sessions 13 and 14
+# (31 shapes x formats, 2-3 plans each): a wave of k resident programs takes time L * (k + FILL_WARPS / warps) --
+# the SM's rate rises with its programs as k / (k + k0), and each wave pays a fill and drain of k0 programs (3
+# warps) -- where L, a program's pages, is the mean of the splits' average and longest length (triaxial rows split
+# their INT2 and INT4 pages apart: 3 splits of 512 pages were programs of 512, 154 and 358 at 32 x 32K) plus
+# FIXED_STEPS steps for its prologue (q, the ring's first stages) and epilogue (warp merge, stores)
+WAVE_FILL_WARPS = 3
+WAVE_FIXED_STEPS = 2
+WAVE_MAX_SPLITS = 128  # merge_block's one-step merge (session 13: 129 splits in two steps cost +7 us at 1 x 128K)
+
+
+def resident_programs(*, regs: int, warps: int, shared: int) -> int:
+    """Programs of one kernel (``regs`` registers a thread, ``warps`` warps, ``shared`` bytes of shared memory) that
+    one sm_90 multiprocessor holds at once: the least of what its register file, its shared memory, its 64 warps
+    and its 32 program slots allow."""
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = SM90_REGS // max(per_warp, 256) // warps
+    by_shared = SM90_SHARED // (shared + 1024)
+    return max(1, min(by_regs, by_shared, SM90_WARPS // warps, SM90_PROGRAMS))
+
+
+def wave_cost(batch_heads: int, max_pages: int, splits: int, pps: int, ppi: int, sms: int, *, resident: int,
+              warps: int) -> float:  # fmt: skip
+    """Modelled time (in pages of one program) of a grid of batch_heads x splits programs of at most pps pages:
+    the busiest SM runs n = ceil(programs / sms) of them in ceil(n / resident) waves."""
+    n = -(-batch_heads * splits // sms)
+    waves = -(-n // resident)
+    pages = (max_pages / splits + pps) / 2 + WAVE_FIXED_STEPS * ppi
+    return pages * (n + waves * WAVE_FILL_WARPS / warps)
+
+
+@lru_cache(maxsize=4096)
+def plan_waves(batch_heads: int, max_pages: int, ppi: int, sms: int, *, resident: int, warps: int, triaxial: bool,
+               min_waves: int = 1, max_splits: int = WAVE_MAX_SPLITS) -> tuple[int, int]:  # fmt: skip
+    """(splits, pages per split) for a kernel of which ``resident`` programs of ``warps`` warps fit on one of ``sms``
+    SMs: the split count of least ``wave_cost``, so that the grid ends on a whole wave of resident programs (or
+    close) instead of a short last wave of long programs (64 x 4K nvfp4, session 13: 3 splits were 1536 programs,
+    1.45 waves of 8 per SM, 6% slower than 2 splits' one wave; fp8, 6 per SM: the other way round).
+
+    Pages per split are a multiple of ppi (one step); triaxial rows get one more split (the INT2 / INT4 boundary).
+    min_waves (benchmarks) keeps only grids of at least that many waves where the pages allow one."""
+    top = max(1, -(-max_pages // ppi))
+    plans: list[tuple[int, int, int]] = []  # (waves, splits, pages per split)
+    for want in range(1, min(max_splits, top) + 1):
+        pps = -(-(-(-max(max_pages, 1) // want)) // ppi) * ppi
+        splits = -(-max(max_pages, 1) // pps) + (1 if triaxial else 0)
+        if splits > max_splits and plans:
+            break
+        if not plans or plans[-1][1] != splits:
+            plans.append((-(-(-(-batch_heads * splits // sms)) // resident), splits, pps))
+    kept = [p for p in plans if p[0] >= min_waves] or plans
+    cost = [wave_cost(batch_heads, max_pages, s, pps, ppi, sms, resident=resident, warps=warps) for _, s, pps in kept]
+    best = min(range(len(kept)), key=lambda i: (round(cost[i], 9), i))  # ties: fewer splits
+    return kept[best][1], kept[best][2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,16 +181,15 @@ def prepare_splits(
     *,
     pages_per_iter: int,
     programs_per_sm: int,
-    min_pages: int = 1,
-    min_fill: int = 0,
     splits: tuple[int, int] | None = None,
 ) -> SplitLaunch:
-    """Plan the splits (unless given: tests and benchmarks) and allocate the partial outputs."""
+    """Plan the splits by ``plan_splits`` (unless given: the Gluon kernels' ``plan_waves``, tests and benchmarks)
+    and allocate the partial outputs."""
     b, hq, d = q.shape
     h = kv.layout.kv_heads
     if splits is None:
         splits = plan_splits(b * h, page_table.shape[1], pages_per_iter, q.device, triaxial=kv.triaxial,
-                             programs_per_sm=programs_per_sm, min_pages=min_pages, min_fill=min_fill)  # fmt: skip
+                             programs_per_sm=programs_per_sm)  # fmt: skip
     s, pps = splits
     o = torch.empty(b, hq, s, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)

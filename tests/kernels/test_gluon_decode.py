@@ -26,6 +26,7 @@ from test_triton_paged import _check_decode
 
 from kvserving.kernels import gluon_decode, paged_ops
 from kvserving.kernels.options import KernelOptions
+from kvserving.kernels.triton_common import resident_programs
 
 
 # compiled in a child process: the test session runs with TRITON_INTERPRET=1, under which Triton's own
@@ -79,6 +80,37 @@ def test_gluon_decode_compiles_for_sm90_without_unpacked_values_in_shared_memory
     assert r["shared"] <= max(warps * 128 * 8 * 4, stages * warps * 5 * 1024 * (1 if fmt == "int2" else 2))
 
 
+# the launched tuning (GL_TUNING: warps, pages per warp, ring depth, register cap) with 4 or 16 query heads per kv head
+_COMPILE_TUNED = """
+import json, sys
+from kvserving.kernels import gluon_decode
+from kvserving.kernels.compile_report import report
+fmt, heads = sys.argv[1], int(sys.argv[2])
+cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
+sig, const = gluon_decode.compile_report_args(fmt, num_warps=cfg["num_warps"], ppw=cfg["PPW"], heads=heads,
+                                              stages=cfg["STAGES"])
+warps = const.pop("num_warps")
+r = report(gluon_decode._gl_decode_kernel, sig, const, gluon=True, num_warps=warps, aligned=("total_bytes",),
+           maxnreg=cfg["maxnreg"] if heads <= 8 else None)
+print(json.dumps({"warps": warps, "regs": r["regs"], "shared": r["shared"], "local": r["local"]}))
+"""
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "triaxial", "fp8_e4m3"])
+def test_gluon_decode_residency_table_matches_the_compiled_kernel(fmt: str) -> None:
+    # the split planner (plan_waves) plans on GL_TUNING's RES / RES16: the programs per SM the compiled kernel allows.
+    # RES16 (16 heads, uncapped) is the device's Triton 3.6 (196 / 200 / 229 registers); the pinned 3.9 gives nvfp4
+    # and fp8 209 / 204 (4 programs, not 5): only the gpu test below holds RES16
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_TUNED, fmt, "4"], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
+    assert r["local"] == 0
+    assert cfg["RES"] == resident_programs(regs=r["regs"], warps=r["warps"], shared=r["shared"]), r
+
+
 # the kernel's step variants: bytes loaded into registers each step (STAGES 0) or staged by cp.async in a
 # shared-memory ring one step ahead (STAGES 2, the default)
 STAGE_VARIANTS = [0, 2]
@@ -104,6 +136,23 @@ def test_gpu_gluon_decode_many_splits_including_empty_ones(case: str, stages: in
     step = 4 if case == "triaxial" else 2 * gluon_decode.GL_TUNING[case]["PPW"]  # warps x pages per warp
     _check_decode(case, [3, 40 * p, 17 * p + 5], device="cuda", d=128, h=8, g=4, p=p, splits=(40, step), kernel="gluon",
                   tuning={"STAGES": stages})  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [4, 16])
+@pytest.mark.parametrize("case", ["nvfp4", "triaxial", "fp8_e4m3"])
+def test_gpu_gluon_decode_residency_table_matches_the_launched_kernel(case: str, heads: int) -> None:
+    from test_triton_paged import _filled_pool
+
+    p = 32 if case == "triaxial" else 16
+    pool, filled, scale = _filled_pool(case, [300, 77], device="cuda", d=128, h=2, p=p)
+    q = torch.randn(2, 2 * heads, 128, device="cuda", dtype=torch.bfloat16)
+    kv = pool.kv(scale, scale)
+    _, kernel = gluon_decode.launch_decode(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1,
+                                           num_int2_pages=filled.num_int2)  # fmt: skip
+    cfg = gluon_decode.GL_TUNING[kv.layout.fmt]
+    got = resident_programs(regs=kernel.n_regs, warps=cfg["num_warps"], shared=kernel.metadata.shared)
+    assert got == cfg["RES" if heads <= 8 else "RES16"], (kernel.n_regs, kernel.metadata.shared)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,97 @@
+"""The Gluon decode's wave-aware split planner (triton_common.plan_waves, resident_programs): pure functions.
+
+Exact split counts on given occupancy, at the benchmark's shapes on an H200's 132 SMs (32 query / 8 kv heads:
+batch_heads = batch x 8; 16-token pages, 32 for triaxial; 4 pages a step), and the residency arithmetic of one
+sm_90 SM. bench/NOTES-kernels.md session 14 has the model and the measurements it was fitted to.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserving.kernels import gluon_decode
+from kvserving.kernels.triton_common import WAVE_MAX_SPLITS, plan_waves, resident_programs, wave_cost
+
+SMS = 132  # H200
+
+
+def test_resident_programs_take_the_least_of_registers_shared_memory_warps_and_slots() -> None:
+    # nvfp4: 123 registers -> 4096 a warp (units of 256) -> 16 warps = 8 programs of 2; 18 KB of ring allows 11
+    assert resident_programs(regs=123, warps=2, shared=18432) == 8
+    # fp8: 8 by registers, but 32 KB + 1 KB reserved a program: 6 in 228 KB
+    assert resident_programs(regs=126, warps=2, shared=32768) == 6
+    # triaxial: 163 registers -> 5376 a warp -> 12 warps = 3 programs of 4
+    assert resident_programs(regs=163, warps=4, shared=40960) == 3
+    # 16 heads per kv head, uncapped: 196 -> 10 warps (5 programs), 229 -> 8 warps (2 programs of 4)
+    assert resident_programs(regs=196, warps=2, shared=18432) == 5
+    assert resident_programs(regs=229, warps=4, shared=40960) == 2
+    # few registers: 64 warps, then 32 programs, bound
+    assert resident_programs(regs=32, warps=4, shared=0) == 16
+    assert resident_programs(regs=16, warps=1, shared=0) == 32
+
+
+def test_gl_tuning_residency_matches_the_arithmetic_of_the_compiled_resources() -> None:
+    # the registers and shared memory of the compiled kernels (triton 3.6 offline; the compile test in
+    # test_gluon_decode.py checks the pinned Triton, the gpu test the device's)
+    compiled = {"nvfp4": ((123, 18432), (196, 18432)), "int4": ((163, 40960), (229, 40960)),
+                "fp8_e4m3": ((126, 32768), (200, 32768))}  # fmt: skip
+    for fmt, ((r8, s8), (r16, s16)) in compiled.items():
+        cfg = gluon_decode.GL_TUNING[fmt]
+        assert cfg["RES"] == resident_programs(regs=r8, warps=cfg["num_warps"], shared=s8), fmt
+        assert cfg["RES16"] == resident_programs(regs=r16, warps=cfg["num_warps"], shared=s16), fmt
+
+
+def test_wave_planner_ends_the_grid_on_a_whole_wave_of_each_formats_residents() -> None:
+    # 64 x 4K (512 sequence-heads, 256 pages). nvfp4, 8 per SM: 2 splits = 1024 programs, 0.97 of a wave (the
+    # session-6 planner: 3 splits, 1.45 waves, 5% slower in session 14)
+    assert plan_waves(512, 256, 4, SMS, resident=8, warps=2, triaxial=False) == (2, 128)
+    # fp8, 6 per SM: 1024 programs would be 1.29 waves; 3 splits = 1536, 1.94 waves (2 splits measured 17% slower)
+    assert plan_waves(512, 256, 4, SMS, resident=6, warps=2, triaxial=False) == (3, 88)
+    # triaxial (128 pages of 32 tokens, 3 per SM): 2 splits + the INT2 / INT4 boundary's one, 3.9 waves
+    assert plan_waves(512, 128, 4, SMS, resident=3, warps=4, triaxial=True) == (3, 64)
+    # 32 x 32K: one wave of long splits for nvfp4 and fp8; triaxial's uneven INT2 / INT4 splits stay short
+    assert plan_waves(256, 2048, 4, SMS, resident=8, warps=2, triaxial=False) == (4, 512)
+    assert plan_waves(256, 2048, 4, SMS, resident=6, warps=2, triaxial=False) == (3, 684)
+    assert plan_waves(256, 1024, 4, SMS, resident=3, warps=4, triaxial=True) == (17, 64)
+    # 4 x 128K
+    assert plan_waves(32, 8192, 4, SMS, resident=8, warps=2, triaxial=False) == (33, 252)
+    assert plan_waves(32, 8192, 4, SMS, resident=6, warps=2, triaxial=False) == (24, 344)
+    assert plan_waves(32, 4096, 4, SMS, resident=3, warps=4, triaxial=True) == (37, 116)
+    # 1 x 128K: nvfp4 912 programs (0.86 of a wave; session 6's planner: 688, 0.65), fp8 784 (0.99), triaxial 384
+    assert plan_waves(8, 8192, 4, SMS, resident=8, warps=2, triaxial=False) == (114, 72)
+    assert plan_waves(8, 8192, 4, SMS, resident=6, warps=2, triaxial=False) == (98, 84)
+    assert plan_waves(8, 4096, 4, SMS, resident=3, warps=4, triaxial=True) == (48, 88)
+
+
+def test_wave_planner_keeps_small_grids_at_two_steps_a_split_or_more() -> None:
+    # 1 x 4K: 32 splits of 8 pages (2 steps; session 6 measured 64 splits of 1 step 27% slower)
+    assert plan_waves(8, 256, 4, SMS, resident=8, warps=2, triaxial=False) == (32, 8)
+    # 1 x 8K: still 32 splits, now of 16 pages (session 6: best of 16 / 32 / 64)
+    assert plan_waves(8, 512, 4, SMS, resident=8, warps=2, triaxial=False) == (32, 16)
+    # 4 x 4K: 16 splits of 16 pages (session 14: 4% faster than 8 of 32)
+    assert plan_waves(32, 256, 4, SMS, resident=8, warps=2, triaxial=False) == (16, 16)
+    # a sequence shorter than a step: one split
+    assert plan_waves(8, 3, 4, SMS, resident=8, warps=2, triaxial=False) == (1, 4)
+    assert plan_waves(8, 3, 4, SMS, resident=3, warps=4, triaxial=True) == (2, 4)
+
+
+def test_wave_planner_min_waves_keeps_grids_of_that_many_waves() -> None:
+    # the benchmark's two-wave variant: 64 x 4K nvfp4 4 splits (2048 programs, 1.94 waves) instead of 2
+    assert plan_waves(512, 256, 4, SMS, resident=8, warps=2, triaxial=False, min_waves=2) == (4, 64)
+    assert plan_waves(256, 2048, 4, SMS, resident=8, warps=2, triaxial=False, min_waves=2) == (8, 256)
+    # not reachable (8 programs at most): the planner's own choice
+    assert plan_waves(1, 8, 4, SMS, resident=8, warps=2, triaxial=False, min_waves=2) == (2, 4)
+
+
+@pytest.mark.parametrize("triaxial", [False, True])
+def test_wave_planner_covers_every_page_within_the_one_step_merge(triaxial: bool) -> None:
+    for bh, pages, ppi, res, warps in [(1, 1, 4, 8, 2), (7, 333, 4, 3, 4), (64, 100, 8, 6, 2), (3, 10_000, 4, 8, 2),
+                                       (8, 8192, 4, 3, 4), (2048, 64, 4, 8, 2)]:  # fmt: skip
+        s, pps = plan_waves(bh, pages, ppi, SMS, resident=res, warps=warps, triaxial=triaxial)
+        plain = s - (1 if triaxial else 0)
+        assert pps % ppi == 0 and plain * pps >= pages > (plain - 1) * pps, (bh, pages, s, pps)
+        assert s <= WAVE_MAX_SPLITS, (bh, pages, s)
+        # the choice is the least cost of every (splits, pages per split) the page table allows within the merge
+        plans = {((-(-pages // pps)) + (1 if triaxial else 0), pps) for pps in range(ppi, pages + ppi, ppi)}
+        best = min(wave_cost(bh, pages, k, q, ppi, SMS, resident=res, warps=warps) for k, q in plans if k <= WAVE_MAX_SPLITS)
+        assert wave_cost(bh, pages, s, pps, ppi, SMS, resident=res, warps=warps) <= best * (1 + 1e-9), (bh, pages, s)
