@@ -163,13 +163,18 @@ class GatewayConfig:
     lease_heartbeat_s: float = 30.0  # renew active conversations' leases this often
     max_leases: int = 100_000  # lease-table entries; the least recently active is released beyond it
     max_inflight_per_worker: int = 256  # a lease holder busier than this is "overloaded"
+    # What the gateway keeps between turns, least recently used forgotten first (its memory):
+    # conversations with identity records and held ids, and tokens of held ids and of
+    # tokenized recent prompts (each ~20-30 bytes a token; kept renders take 4 characters a token).
+    max_conversations: int = 10_000
+    max_kept_tokens: int = 4_000_000
 
     def __post_init__(self) -> None:
         if not 1 <= self.worker_port <= 65535:
             raise ValueError(f"gateway.worker_port must be in 1..65535, got {self.worker_port}")
         if any(not isinstance(k, str) or not k for k in self.api_keys):
             raise ValueError("gateway.api_keys must be non-empty strings")
-        for name in ("max_body_bytes", "max_leases", "max_inflight_per_worker"):
+        for name in ("max_body_bytes", "max_leases", "max_inflight_per_worker", "max_conversations", "max_kept_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"gateway.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("health_interval_s", "dns_refresh_s", "request_timeout_s", "connect_timeout_s", "lease_heartbeat_s"):

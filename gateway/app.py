@@ -34,6 +34,7 @@ from kvserving.config import ServingConfig
 from . import openai_types as oa
 from .completions import Completions, ModelInfo
 from .errors import GatewayError, authentication, model_not_found, not_found
+from .exact_history import ExactHistory
 from .front import CompletionRoutes, api_key_ok
 from .identity import ConversationIndex
 from .leases import LeaseKeeper, LeaseTable
@@ -67,8 +68,10 @@ def build_state(config: ServingConfig, *, model: ModelInfo, registry: CollectorR
     keeper = LeaseKeeper(table, client, retention_ttl_s=config.reuse.retention_ttl_s, events=metrics, clock=time.time)
     turns = Turns(pool=pool, client=client, keeper=keeper, metrics=metrics,
                   max_inflight_per_worker=gw.max_inflight_per_worker, bidirectional=config.reuse.bidirectional)
-    index = ConversationIndex(page_size=config.kv_cache.effective_page_size)
-    completions = Completions(model=model, turns=turns, metrics=metrics, index=index)
+    index = ConversationIndex(page_size=config.kv_cache.effective_page_size, max_conversations=gw.max_conversations,
+                              max_records=4 * gw.max_conversations)
+    history = ExactHistory(model.tokenizer, max_conversations=gw.max_conversations, max_tokens=gw.max_kept_tokens)
+    completions = Completions(model=model, turns=turns, metrics=metrics, index=index, history=history)
     registry.register(PromptReuse(model.tagger))
     return GatewayState(config, model, metrics, client, pool, keeper, completions)
 

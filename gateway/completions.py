@@ -52,8 +52,11 @@ class ModelInfo:
     created: int
 
     @classmethod
-    def load(cls, model_dir: str | Path, *, served_name: str, max_model_len: int | None = None) -> ModelInfo:
-        """Tokenizer, chat template, context length and EOS ids of a model directory."""
+    def load(cls, model_dir: str | Path, *, served_name: str, max_model_len: int | None = None,
+             max_kept_tokens: int = 4_000_000) -> ModelInfo:
+        """Tokenizer, chat template, context length and EOS ids of a model directory;
+        ``max_kept_tokens`` bounds the tagger's tokenized prefixes (tokens) and kept
+        renders (4 characters a token)."""
         root = Path(model_dir)
         tokenizer = TextTokenizer.from_dir(root)
         config = _read_json(root / "config.json")
@@ -66,8 +69,9 @@ class ModelInfo:
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop_ids:
             stop_ids.append(tokenizer.eos_token_id)
         defaults = {k: generation[k] for k in ("temperature", "top_p", "top_k") if generation.get(k) is not None}
-        tagger = ChatTagger(tokenizer, ChatTemplate.from_dir(root), prefixes=TokenPrefixes(tokenizer),
-                            renders=TurnRenders())
+        tagger = ChatTagger(tokenizer, ChatTemplate.from_dir(root),
+                            prefixes=TokenPrefixes(tokenizer, max_tokens=max_kept_tokens),
+                            renders=TurnRenders(max_chars=4 * max_kept_tokens))
         return cls(name=served_name, max_model_len=context, tokenizer=tokenizer, tagger=tagger,
                    stop_token_ids=tuple(int(i) for i in stop_ids), defaults=defaults,
                    created=int(root.stat().st_mtime))
@@ -76,7 +80,8 @@ class ModelInfo:
 class Completions:
     """Chat and text completions over ``Turns``."""
 
-    def __init__(self, *, model: ModelInfo, turns: Turns, metrics: GatewayMetrics, index: ConversationIndex) -> None:
+    def __init__(self, *, model: ModelInfo, turns: Turns, metrics: GatewayMetrics, index: ConversationIndex,
+                 history: ExactHistory | None = None) -> None:
         self.model = model
         self.turns = turns
         self.metrics = metrics
@@ -84,7 +89,7 @@ class Completions:
         self._active: Counter[str] = Counter()  # conversation keys with a turn in flight
         # the ids the workers hold per conversation (exact_history.py) and, per request in
         # flight, its canonical prompt ids (what the identity index files and matches)
-        self.history = ExactHistory(model.tokenizer)
+        self.history = history if history is not None else ExactHistory(model.tokenizer)
         # per request in flight: its canonical ids, what went out, and the ids' page chain if identity computed it
         self._sent: dict[str, tuple[list[int], Sent, Sequence[int] | None]] = {}
         self.drafting = Drafting()

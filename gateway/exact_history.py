@@ -83,20 +83,32 @@ def _as_rendered(prompt: TaggedPrompt) -> Sent:
 
 
 class ExactHistory:
-    """What the workers hold for each conversation, LRU-bounded."""
+    """What the workers hold for each conversation, LRU-bounded: at most
+    ``max_conversations`` conversations and ``max_tokens`` held ids in all (~20 bytes a
+    held token: its id, its start, its text and its JSON; 4M tokens ~80 MB). A count
+    alone is no bound: 10,000 agent conversations of 30K tokens would hold 5 GB."""
 
-    def __init__(self, tokenizer: SpliceTokenizer, *, max_conversations: int = 10_000) -> None:
-        if max_conversations < 1:
-            raise ValueError(f"max_conversations must be >= 1, got {max_conversations}")
+    def __init__(self, tokenizer: SpliceTokenizer, *, max_conversations: int = 10_000, max_tokens: int = 4_000_000) -> None:
+        for name, value in (("max_conversations", max_conversations), ("max_tokens", max_tokens)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.tokenizer = tokenizer
         self.max_conversations = max_conversations
+        self.max_tokens = max_tokens
         self._held: OrderedDict[str, _Held] = OrderedDict()
+        self._tokens = 0  # held ids over every conversation
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
 
     def __len__(self) -> int:
         return len(self._held)
 
     def forget(self, key: str) -> None:
-        self._held.pop(key, None)
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._tokens -= len(held.ids)
 
     def record(self, key: str, sent: Sent, output_ids: list[int], output_text: str) -> None:
         """After a turn: ``sent`` went out, ``output_ids`` came back, the client got ``output_text``."""
@@ -111,10 +123,14 @@ class ExactHistory:
         starts.extend(cut + s for s in self._visible_starts(output_ids, output_text))
         ids = array("i", sent.prompt.input_ids)
         ids.extend(output_ids)
-        self._held.pop(key, None)
+        self.forget(key)
         self._held[key] = _Held(ids, starts, sent.prompt.text + output_text, _joined_elements(sent.ids_json[1:-1], _elements(output_ids)))
-        while len(self._held) > self.max_conversations:
-            self._held.popitem(last=False)
+        self._tokens += len(ids)
+        # the least recently used go first; the conversation just recorded stays even when it
+        # alone passes max_tokens (its next turn needs it; the one after evicts it if it grows)
+        while len(self._held) > 1 and (len(self._held) > self.max_conversations or self._tokens > self.max_tokens):
+            _, oldest = self._held.popitem(last=False)
+            self._tokens -= len(oldest.ids)
 
     def splice(self, key: str, prompt: TaggedPrompt) -> Sent:
         """The prompt to send: the held ids + the rest, when the new text extends the held text."""

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if not (config.gateway.prefill_urls or config.gateway.decode_urls or config.gateway.decode_service):
         raise SystemExit("kvserving gateway: no workers: give --decode URL (and --prefill URL) or gateway.decode_service")
     model = ModelInfo.load(model_dir(config), served_name=config.model.served_name,
-                           max_model_len=config.model.max_model_len)
+                           max_model_len=config.model.max_model_len, max_kept_tokens=config.gateway.max_kept_tokens)
     app = build_app(build_state(config, model=model, registry=CollectorRegistry()))
     # Everything built so far (imports, the app, the tokenizer) lives as long as the process:
     # out of the cyclic GC's reach, a collection scans only what requests allocate

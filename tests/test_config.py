@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvserving.config import KVCacheConfig, ReuseConfig, SchedulerConfig, ServingConfig
+from kvserving.config import GatewayConfig, KVCacheConfig, ReuseConfig, SchedulerConfig, ServingConfig
 
 
 def test_round_trip_is_exact() -> None:
@@ -47,6 +47,12 @@ def test_bad_reuse_and_scheduler_are_refused() -> None:
         ReuseConfig(retention_ttl_s=0)
     with pytest.raises(ValueError, match="scheduler.chunk_size"):
         SchedulerConfig(chunk_size=0)
+
+
+@pytest.mark.parametrize("name", ["max_conversations", "max_kept_tokens", "max_leases"])
+def test_gateway_memory_bounds_are_positive(name: str) -> None:
+    with pytest.raises(ValueError, match=f"gateway.{name} must be >= 1, got 0"):
+        GatewayConfig(**{name: 0})
 
 
 def test_unknown_keys_are_errors() -> None:

@@ -48,7 +48,8 @@ def start_gateway(
         reuse=reuse or ReuseConfig(),
         gateway=GatewayConfig(prefill_urls=tuple(prefill), decode_urls=tuple(decode), **gateway),
     )
-    model = ModelInfo.load(model_dir, served_name=MODEL, max_model_len=max_model_len)
+    model = ModelInfo.load(model_dir, served_name=MODEL, max_model_len=max_model_len,
+                           max_kept_tokens=config.gateway.max_kept_tokens)
     state = build_state(config, model=model, registry=CollectorRegistry())
     # served as `kvserving gateway` serves it: idle client connections kept longer than clients keep them
     return Gateway(ServerThread(build_app(state), timeout_keep_alive=KEEP_ALIVE_S).start(), state)

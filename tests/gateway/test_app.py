@@ -324,3 +324,21 @@ def test_next_turn_sends_the_held_ids_the_workers_sampled(stack: Stack, tok: Tex
     assert tok.decode(body["input_ids"], skip_special_tokens=False) == ChatTemplate.from_dir(tiny_model_dir).render(
         normalize_messages(messages))
     assert len(body["tags"]) == len(body["input_ids"]) == second.usage.prompt_tokens
+
+
+def test_the_config_bounds_what_the_gateway_keeps_between_turns(tiny_model_dir: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvserving.config import GatewayConfig, ModelConfig, ServingConfig
+    from kvserving.gateway.app import build_state
+    from kvserving.gateway.completions import ModelInfo
+
+    config = ServingConfig(model=ModelConfig(path=str(tiny_model_dir), served_name=MODEL),
+                           gateway=GatewayConfig(decode_urls=("http://127.0.0.1:9",), max_conversations=7, max_kept_tokens=1000))
+    model = ModelInfo.load(tiny_model_dir, served_name=MODEL, max_kept_tokens=config.gateway.max_kept_tokens)
+    state = build_state(config, model=model, registry=CollectorRegistry())
+    history, index, tagger = state.completions.history, state.completions.index, state.model.tagger
+    assert (history.max_conversations, history.max_tokens) == (7, 1000)
+    assert (index.max_conversations, index.max_records) == (7, 28)
+    assert tagger.prefixes is not None and tagger.prefixes.max_tokens == 1000
+    assert tagger.renders is not None and tagger.renders.max_chars == 4000

@@ -120,6 +120,27 @@ def test_history_is_bounded_lru(tagger: ChatTagger, tok: TextTokenizer) -> None:
         ExactHistory(tok, max_conversations=0)
 
 
+def test_history_is_bounded_in_tokens_least_recent_first(tagger: ChatTagger, tok: TextTokenizer) -> None:
+    sent = ExactHistory(tok).splice("x", tagger.build(FIRST))
+    n = len(sent.prompt.input_ids)
+    history = ExactHistory(tok, max_tokens=3 * (n + 2))
+    for key in ("a", "b", "c"):
+        history.record(key, sent, [11, 12], "")
+    assert len(history) == 3 and history.tokens == 3 * (n + 2)
+    history.splice("a", tagger.build(_second_turn("")))  # a splice uses "a": "b" is now the least recent
+    history.record("d", sent, [11, 12], "")
+    assert history.tokens == 3 * (n + 2) and history.splice("b", tagger.build(_second_turn(""))).spliced is False
+    assert history.splice("a", tagger.build(_second_turn(""))).spliced
+    history.forget("a")
+    assert len(history) == 2 and history.tokens == 2 * (n + 2)
+    alone = ExactHistory(tok, max_tokens=1)  # the conversation just recorded stays, alone
+    alone.record("a", sent, [], "")
+    alone.record("b", sent, [], "")
+    assert len(alone) == 1 and alone.tokens == n
+    with pytest.raises(ValueError, match="max_tokens"):
+        ExactHistory(tok, max_tokens=0)
+
+
 def test_retag_by_runs_equals_the_tag_of_the_covering_canonical_token() -> None:
     """Mapping by runs (one bisection per run of equal tags) gives every token the tag
     of the last canonical token starting at or before its first character, as a step
