@@ -67,6 +67,7 @@ GLUON_VARIANTS: dict[str, dict[str, int]] = {
     "gluon-ws2": {"WS": 2},
     "gluon-ws2rev0": {"WS": 2, "REV": 0},  # chunk blocks in launch order (the default: last-first)
     "gluon-ws2cf0": {"WS": 2, "CF": 0},  # the producer's rows in _pair_layout's lanes (2-way conflicted tile stores)
+    "gluon-ws2ckv1": {"WS": 2, "CKV": 1},  # the chunk's k, v read by the kernel (no fp16 copies; session 14: slower)
     # measurement only (wrong output): the producer without unpacking, without its proxy fence, storing zero tiles
     "gluon-ws2probe1": {"WS": 2, "PROBE": 1},
     "gluon-ws2probe2": {"WS": 2, "PROBE": 2},
@@ -89,6 +90,12 @@ GLUON_VARIANTS: dict[str, dict[str, int]] = {
 TRI_VARIANTS: dict[str, dict[str, int]] = {
     "gluon-tri": {},
     "gluon-tri-nosort": {"SORT": 0},  # the pages as listed (the bench lists INT2 pages first already)
+    # session 14: each change undone alone, and all of them (the session-12 kernel)
+    "gluon-tri-sort1": {"SORT": 1},  # torch's stable argsort and a gather instead of int2_first
+    "gluon-tri-kpf0": {"KPF": 0},  # INT2 key scale / zero rows not prefetched into L1
+    "gluon-tri-ckv0": {"CKV": 0},  # the chunk's k, v copied to fp16 by the wrapper
+    "gluon-tri-r136": {"LOAD_REGS": 136, "ATT_REGS": 184},  # session 12's register split
+    "gluon-tri-s12": {"SORT": 1, "KPF": 0, "CKV": 0, "LOAD_REGS": 136, "ATT_REGS": 184},
 }
 # tiles meant for the other format's page size (nvfp4 16 tokens, triaxial 32)
 VARIANT_SKIP = {"nvfp4": ("t64-ppi2", "t32-ppi4"), "triaxial": ("t32-ppi8", "t16-w4-ppi8", "t64-ppi4")}

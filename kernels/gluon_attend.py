@@ -37,6 +37,20 @@ def chunk_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return k_in, v_in
 
 
+def chunk_rows(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's k, v [n, H, D] for a kernel that reads them as they are (_pp_chunk_rows): heads and channels
+    packed (strides D, 1) and one token stride for both; no copy when they already are (rows of one projection
+    output, or contiguous tensors), else contiguous copies."""
+    n, h, d = k.shape
+
+    def packed(x: torch.Tensor) -> bool:
+        return (d == 1 or x.stride(2) == 1) and (h == 1 or x.stride(1) == d)
+
+    if packed(k) and packed(v) and (n <= 1 or k.stride(0) == v.stride(0)):
+        return k, v
+    return k.contiguous(), v.contiguous()
+
+
 def launch_io(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q with its channels at unit stride (the kernel reads them so), and the output [n, Hq, D] in q's dtype, its
     channels at unit stride too."""
@@ -148,6 +162,41 @@ def _pp_chunk(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb,
         cp_async(v_ring.index(slot), v_ptr + off, mask=jm)
         async_copy.commit_group()
         async_copy.wait_group(0)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(full.index(slot), count=1)
+
+
+@gluon.jit
+def _chunk_tile(ptr, s0, j, h, mask, D: gl.constexpr):
+    """Rows j [N] of head h of a chunk k or v [n, H, D] as the caller holds it (any float dtype, token stride s0, head
+    stride D, unit channel stride: chunk_rows), rows outside ``mask`` 0 -> fp16 [N, D] with the channels
+    quarter-major (as _load_q puts q)."""
+    N: gl.constexpr = j.shape[0]
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, _row_layout(gl.num_warps())))[None, :]
+    x = gl.load(ptr + j[:, None].to(gl.int64) * s0 + h * D + c, mask=mask, other=0.0).to(gl.float16)
+    return gl.reshape(gl.permute(gl.reshape(x, [N, D // 4, 4]), [0, 2, 1]), [N, D])  # [N, j, k] -> [N, k, j]
+
+
+@gluon.jit
+def _pp_chunk_rows(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb, h, D: gl.constexpr,
+                   BLOCK_T: gl.constexpr):  # fmt: skip
+    """_pp_chunk reading the chunk's k, v as the caller holds them (CKV 1; chunk_rows: one token stride k_s0 for
+    both): through registers (fp16, channels permuted) into the slot, so the wrapper copies neither (chunk_kv: two
+    kernels and a pass over k and v per call)."""
+    N: gl.constexpr = k_ring.shape[1]
+    SLOTS: gl.constexpr = k_ring.shape[0]
+    jr = gl.arange(0, N, layout=gl.SliceLayout(1, _row_layout(gl.num_warps())))
+    hi = gl.minimum(n_new, (qb + 1) * BLOCK_T)
+    for j0 in range(0, hi, N):
+        i = first + j0 // N
+        slot = i % SLOTS
+        j = j0 + jr
+        jm = (j < n_new)[:, None]
+        kt = _chunk_tile(k_ptr, k_s0, j, h, jm, D)  # issued before the wait: in flight while the slot drains
+        mbarrier.wait(empty.index(slot), ((i // SLOTS) & 1) ^ 1)
+        k_ring.index(slot).store(kt)
+        v_ring.index(slot).store(_chunk_tile(v_ptr, k_s0, j, h, jm, D))
         fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(full.index(slot), count=1)

@@ -75,8 +75,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_attend import (_as_type, _cta_barrier, _load_q, _mma_layout, _pp_attend, _pp_chunk, _pp_setup, _ring,
-                           _row_coords, _row_layout, _softmax, chunk_kv, launch_io, launch_pages)
+from .gluon_attend import (_as_type, _cta_barrier, _load_q, _mma_layout, _pp_attend, _pp_chunk, _pp_chunk_rows,
+                           _pp_setup, _ring, _row_coords, _row_layout, _softmax, chunk_kv, chunk_rows, launch_io,
+                           launch_pages)
 from .layout import PageLayout
 from .paged_kv import PagedKV
 from .triton_codec import asm_e2m1_pair, asm_quarters
@@ -483,12 +484,16 @@ def _gl_extend_ws_kernel(
 def _pp_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_len, n_new, k_s0, qb, h, P: gl.constexpr,
              D: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, V_OFF: gl.constexpr,
              VS_OFF: gl.constexpr, PPI: gl.constexpr, PAIR: gl.constexpr, BLOCK_T: gl.constexpr,
-             PROBE: gl.constexpr, CF: gl.constexpr):  # fmt: skip
-    """WS 2 producer: the prefix as _ws_load, then the chunk's own keys (_pp_chunk) into the same ring."""
+             PROBE: gl.constexpr, CF: gl.constexpr, CKV: gl.constexpr):  # fmt: skip
+    """WS 2 producer: the prefix as _ws_load, then the chunk's own keys (_pp_chunk; CKV: _pp_chunk_rows) into the
+    same ring."""
     _ws_load(buf_ptr, pt_ptr, k_ring, v_ring, full, empty, prefix_len, h, P, D, PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF,
              PPI, PAIR, PROBE, CF)  # fmt: skip
-    _pp_chunk(k_ptr, v_ptr, k_ring, v_ring, full, empty, gl.cdiv(gl.cdiv(prefix_len, P), PPI), n_new, k_s0, qb, h, D,
-              BLOCK_T)  # fmt: skip
+    first = gl.cdiv(gl.cdiv(prefix_len, P), PPI)
+    if CKV:
+        _pp_chunk_rows(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb, h, D, BLOCK_T)
+    else:
+        _pp_chunk(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb, h, D, BLOCK_T)
 
 
 @gluon.jit
@@ -503,6 +508,7 @@ def _gl_extend_pp_kernel(
     REV: gl.constexpr,  # 1: chunk blocks in reverse order (the last, with the most causal keys, first: a shorter tail)
     PROBE: gl.constexpr,  # measurement only (wrong output): 1 no unpacking, 2 no proxy fence, 3 zero tiles (_ws_load)
     CF: gl.constexpr,  # 1: the producer's rows in _pair_layout_cf's lanes (tile stores free of bank conflicts)
+    CKV: gl.constexpr,  # 1: the chunk's k, v read as the caller holds them (no fp16 copies by the wrapper)
 ):  # fmt: skip
     """WS 2: the two warpgroups of _gl_extend_ws_kernel as two partitions of 4 warps, each with half the rows (its
     own q tile) and its own release of a slot (``empty`` counts 2), so they drift apart and one's softmax can run
@@ -517,19 +523,22 @@ def _gl_extend_pp_kernel(
         (_pp_attend, (q_1, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, H2,
                       G, D, P, PPI, BLOCK_T)),
         (_pp_load, (buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_len, n_new, k_s0, qb, h, P, D,
-                    PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF, PPI, PAIR, BLOCK_T, PROBE, CF)),
+                    PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF, PPI, PAIR, BLOCK_T, PROBE, CF, CKV)),
     ], [4, LOAD_WARPS], [ATT_REGS, LOAD_REGS])  # fmt: skip
 
 
 # tiles: 32 chunk tokens x 4 heads = 128 rows, 8 pages of 16 = 128 prefix keys (and 128 chunk keys) per step
 TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 2, "PROBE": 0, "num_warps": 8,
-                          "WS": 2, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 136, "maxnreg": 168, "ATT_REGS": 184, "REV": 1, "CF": 1}  # fmt: skip
+                          "WS": 2, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 136, "maxnreg": 168, "ATT_REGS": 184, "REV": 1, "CF": 1, "CKV": 0}  # fmt: skip
 # WS 2 (the default): _gl_extend_pp_kernel, num_warps 8 = two consumer warpgroups (the kernel's own 4 warps and a
 # partition of 4 with ATT_REGS) + the producer's LOAD_WARPS with LOAD_REGS: 168 * 12 = 4 x 136 + 8 x 184.
 # WS 1: _gl_extend_ws_kernel, the kernel's 8 warps get what maxnreg * (num_warps + LOAD_WARPS) leaves
 # (168 * 12 - 136 * 4 = 8 x 184). Compiled with triton 3.6 and PAIR 2: at 136 the producer's loop spills nothing
 # (at 120 it spilled ~12 values a step). WS 0: _gl_extend_kernel (PAIR 1 there). CF (WS 2): the producer's lanes
-# (cf_bases; CF 0: _pair_layout's, whose tile stores take two wavefronts per 8 lanes).
+# (cf_bases; CF 0: _pair_layout's, whose tile stores take two wavefronts per 8 lanes). CKV 1 (WS 2): the chunk's k, v
+# read by the producer as the caller holds them (gluon_attend._pp_chunk_rows) instead of the wrapper's fp16 copies;
+# slower than CKV 0 at 4-5 of the 6 bench shapes on an H200 (1-6%, NOTES-kernels session 14), so not the default here
+# (triaxial's, gluon_extend_tri, where it is 1-3% faster at 512 new tokens).
 
 
 def _launch_meta(cfg: dict[str, int]) -> tuple[Any, dict[str, Any]]:
@@ -538,7 +547,7 @@ def _launch_meta(cfg: dict[str, int]) -> tuple[Any, dict[str, Any]]:
     if cfg["WS"]:
         meta.update(SLOTS=cfg["SLOTS"], LOAD_WARPS=cfg["LOAD_WARPS"], LOAD_REGS=cfg["LOAD_REGS"], maxnreg=cfg["maxnreg"])
         if cfg["WS"] == 2:  # the kernel's own warps are the first consumer warpgroup
-            meta.update(ATT_REGS=cfg["ATT_REGS"], REV=cfg["REV"], PROBE=cfg["PROBE"], CF=cfg["CF"],
+            meta.update(ATT_REGS=cfg["ATT_REGS"], REV=cfg["REV"], PROBE=cfg["PROBE"], CF=cfg["CF"], CKV=cfg["CKV"],
                         num_warps=cfg["num_warps"] // 2)
             return _gl_extend_pp_kernel, meta
         return _gl_extend_ws_kernel, meta
@@ -575,7 +584,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
     pages = launch_pages(prefix_pages[: triton.cdiv(prefix_len, p)], q.device)
     k_fold, v_fold = folded_scales(kv)
     k_mul_pre = sm_scale * LOG2E * k_fold
-    k_in, v_in = chunk_kv(k, v)  # q is read as it is (the kernel scales and permutes it)
+    ckv = cfg["WS"] == 2 and cfg["CKV"]
+    k_in, v_in = chunk_rows(k, v) if ckv else chunk_kv(k, v)  # q is read as it is (the kernel scales and permutes it)
     a = field_offsets(lay)
     grid = (triton.cdiv(n, cfg["BLOCK_T"]), h)
     kernel, meta = _launch_meta(cfg)

@@ -23,17 +23,21 @@ Both kinds of rows leave the unpackers in one register layout (a thread's four
 16-byte pieces of its 32 channels, one per quarter), so a step whose pages mix
 INT2 and INT4 (``kind`` 2) runs both unpackers on masked inputs (the other
 kind's rows come out +0) and ORs the tiles; steps of one kind (0: INT4, 1:
-INT2) run one. The wrapper lists INT2 pages first (stable, on the device; the
-partial last page is INT4 and stays last), so at most one step is mixed
-(SORT 0 keeps the caller's order: tests).
+INT2) run one. The wrapper lists INT2 pages first (stable, on the device, in
+one launch: ``int2_first``; the partial last page is INT4 and stays last), so
+at most one step is mixed (SORT 0 keeps the caller's order: tests).
 
 The packed bytes of step i+1 are loaded while step i is unpacked (one register
 set for both kinds: INT2 rows use half of each thread's 16 bytes); the INT2
-keys' per-channel scales are loaded at the step itself.
+keys' per-channel scales are loaded at the step itself, from L1: step i
+prefetches step i+1's into L1 (KPF 2, ``_key_prefetch``; holding them in
+registers a step ahead spilled). The chunk's own k, v are read as the caller
+holds them (CKV 1: no fp16 copies per call).
 
 Supported (``supported``): triaxial KV, head_dim 128, pages of 32, 4 query
 heads per kv head, Hopper; ``paged_ops`` runs it for those calls (1.66-1.91x
-the ``tl`` kernel on an H200 at every bench shape, NOTES-kernels session 12).
+the ``tl`` kernel on an H200 at every bench shape, NOTES-kernels session 12;
+0.76-0.85x FlashInfer bf16 after session 14).
 """
 
 from __future__ import annotations
@@ -42,11 +46,13 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .gluon_attend import _as_type, _cta_barrier, _pp_attend, _pp_chunk, _pp_setup, chunk_kv, launch_io, launch_pages
+from .gluon_attend import (_as_type, _cta_barrier, _pp_attend, _pp_chunk, _pp_chunk_rows, _pp_setup, chunk_kv, chunk_rows,
+                           launch_io, launch_pages)
 from .gluon_fragments import _MAGIC, idx3
 from .layout import PageLayout
 from .page_ids import INT2_PAGE_FLAG
@@ -332,13 +338,43 @@ def _key_pairs(buf_ptr, pid, use, h, total_bytes, PAGE_BYTES2: gl.constexpr, OFF
 
 
 @gluon.jit
-def _unpack2k(w, s, z, buf_ptr, pid, use, h, total_bytes, PAGE_BYTES2: gl.constexpr, KS_OFF2: gl.constexpr,
-              KZ_OFF2: gl.constexpr, MIXED: gl.constexpr):  # fmt: skip
-    """INT2 key rows of pages pid (``use``: INT2 and listed) -> the tile's int32 [N, D/2]. MIXED: the INT4 rows among
-    them (their group scale / zero s, z [PPI, P, 4]; s, z unused otherwise) through asm_rows("mixedk")."""
-    L: gl.constexpr = w.type.layout
+def _key_fields(buf_ptr, pid, it, num_pages, h, total_bytes, PAGE_BYTES2: gl.constexpr, KS_OFF2: gl.constexpr,
+                KZ_OFF2: gl.constexpr):  # fmt: skip
+    """The INT2 key scale and zero pairs (_key_pairs) of the step at list index it (pages pid; 0 for INT4 pages and
+    past num_pages) -> (s0, s1, s2, s3, z0, z1, z2, z3)."""
+    PPI: gl.constexpr = pid.shape[0]
+    use = ((pid & FLAG) != 0) & (it + gl.arange(0, PPI, layout=pid.type.layout) < num_pages)
     s0, s1, s2, s3 = _key_pairs(buf_ptr, pid, use, h, total_bytes, PAGE_BYTES2, KS_OFF2)
     z0, z1, z2, z3 = _key_pairs(buf_ptr, pid, use, h, total_bytes, PAGE_BYTES2, KZ_OFF2)
+    return s0, s1, s2, s3, z0, z1, z2, z3
+
+
+ASM_PREFETCH_L1: gl.constexpr = gl.constexpr(
+    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.b32 $0, 0; }")
+
+
+@gluon.jit
+def _key_prefetch(buf_ptr, pid, it, num_pages, h, total_bytes, PAGE_BYTES2: gl.constexpr, KS_OFF2: gl.constexpr,
+                  KZ_OFF2: gl.constexpr):  # fmt: skip
+    """Prefetch into L1 the INT2 key scale and zero rows (head h's D fp16 each: two 128-byte lines) of the step at
+    list index it (pages pid; nothing for INT4 pages and past num_pages): _key_fields' loads then hit L1 at that
+    step, with no register held meanwhile (KPF 2)."""
+    PPI: gl.constexpr = pid.shape[0]
+    L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [gl.num_warps(), 1], [1, 0])
+    pg = gl.convert_layout(pid, gl.SliceLayout(1, L))[:, None]
+    ok = ((pg & FLAG) != 0) & (it + gl.arange(0, PPI, layout=gl.SliceLayout(1, L))[:, None] < num_pages)
+    line = gl.arange(0, 4, layout=gl.SliceLayout(0, L))[None, :]  # scale lines 0, 1; zero lines 0, 1
+    off = gl.where(line < 2, KS_OFF2, KZ_OFF2) + h * 256 + (line % 2) * 128
+    ptr = _int2_base(buf_ptr, pg, total_bytes, PAGE_BYTES2) + off
+    gl.inline_asm_elementwise(ASM_PREFETCH_L1, "=r,l,r", [ptr, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _unpack2k(w, s, z, pid, s0, s1, s2, s3, z0, z1, z2, z3, MIXED: gl.constexpr):
+    """INT2 key rows of pages pid with their pages' scale / zero pairs (_key_fields) -> the tile's int32 [N, D/2].
+    MIXED: the INT4 rows among them (their group scale / zero s, z [PPI, P, 4]; s, z unused otherwise) through
+    asm_rows("mixedk")."""
+    L: gl.constexpr = w.type.layout
     if MIXED:
         f = _pages(pid, L) & FLAG
         y0, y1, y2, y3 = gl.inline_asm_elementwise(ASM_MIXEDK, "=r,=r,=r,=r,r,h,h" + ",r" * 9,
@@ -355,15 +391,17 @@ def _unpack2k(w, s, z, buf_ptr, pid, use, h, total_bytes, PAGE_BYTES2: gl.conste
 @gluon.jit
 def _unpack_k(buf_ptr, kw, ks, kz, kind, pid, num_pages, it, h, total_bytes, dst, PAGE_BYTES2: gl.constexpr,
               KS_OFF2: gl.constexpr, KZ_OFF2: gl.constexpr):  # fmt: skip
-    """The step's K rows (_raw, list index it, pages pid) -> the fp16 tile dst, by the step's kind."""
-    PPI: gl.constexpr = pid.shape[0]
-    int2 = ((pid & FLAG) != 0) & (it + gl.arange(0, PPI, layout=pid.type.layout) < num_pages)
+    """The step's K rows (_raw, list index it, pages pid) -> the fp16 tile dst, by the step's kind (INT2 pages' key
+    scale / zero pairs loaded here: KPF 2 has them in L1 by now)."""
     if kind == 0:
         _store(_unpack_rows(kw, ks, kz, ASM_INT4), dst)
-    elif kind == 1:
-        _store(_unpack2k(kw, ks, kz, buf_ptr, pid, int2, h, total_bytes, PAGE_BYTES2, KS_OFF2, KZ_OFF2, False), dst)
-    else:  # a warp's page is one kind: each element selects its own codes and scales (asm_rows "mixedk")
-        _store(_unpack2k(kw, ks, kz, buf_ptr, pid, int2, h, total_bytes, PAGE_BYTES2, KS_OFF2, KZ_OFF2, True), dst)
+    else:
+        s0, s1, s2, s3, z0, z1, z2, z3 = _key_fields(buf_ptr, pid, it, num_pages, h, total_bytes, PAGE_BYTES2, KS_OFF2,
+                                                     KZ_OFF2)  # fmt: skip
+        if kind == 1:
+            _store(_unpack2k(kw, ks, kz, pid, s0, s1, s2, s3, z0, z1, z2, z3, False), dst)
+        else:  # a warp's page is one kind: each element selects its own codes and scales (asm_rows "mixedk")
+            _store(_unpack2k(kw, ks, kz, pid, s0, s1, s2, s3, z0, z1, z2, z3, True), dst)
 
 
 @gluon.jit
@@ -389,7 +427,7 @@ def _tri_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix
               KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr,
               PAGE_BYTES2: gl.constexpr, K_OFF2: gl.constexpr, KS_OFF2: gl.constexpr, KZ_OFF2: gl.constexpr,
               V_OFF2: gl.constexpr, VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr, PPI: gl.constexpr,
-              BLOCK_T: gl.constexpr):  # fmt: skip
+              BLOCK_T: gl.constexpr, KPF: gl.constexpr, CKV: gl.constexpr):  # fmt: skip
     """The triaxial producer: step i's rows unpacked into ring slot i % SLOTS once the consumers released it, while
     step i+1's bytes and step i+2's page ids are in flight; then the chunk (_pp_chunk)."""
     SLOTS: gl.constexpr = k_ring.shape[0]
@@ -409,6 +447,8 @@ def _tri_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix
         nkw, nvw, nks, nkz, nvs, nvz = _raw(buf_ptr, npid, nkind, (i + 1) * PPI, prefix_len, h, total_bytes, P,
                                             PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, PAGE_BYTES2,
                                             K_OFF2, V_OFF2, VS_OFF2, VZ_OFF2)  # fmt: skip
+        if KPF == 2:  # its key pairs into L1: their loads at step i+1 then wait for L1, not L2 / HBM
+            _key_prefetch(buf_ptr, npid, (i + 1) * PPI, num_pages, h, total_bytes, PAGE_BYTES2, KS_OFF2, KZ_OFF2)
         _unpack_v(vw, vs, vz, kind, pid, v_ring.index(slot))
         fence_async_shared()
         _cta_barrier()  # the partition's stores are done: its thread 0 arrives for all
@@ -416,7 +456,10 @@ def _tri_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix
         kw, vw, ks, kz, vs, vz = nkw, nvw, nks, nkz, nvs, nvz
         pid, kind = npid, nkind
         npid, nkind = npid2, nkind2
-    _pp_chunk(k_ptr, v_ptr, k_ring, v_ring, full, empty, steps, n_new, k_s0, qb, h, D, BLOCK_T)
+    if CKV:
+        _pp_chunk_rows(k_ptr, v_ptr, k_ring, v_ring, full, empty, steps, n_new, k_s0, qb, h, D, BLOCK_T)
+    else:
+        _pp_chunk(k_ptr, v_ptr, k_ring, v_ring, full, empty, steps, n_new, k_s0, qb, h, D, BLOCK_T)
 
 
 @gluon.jit
@@ -431,6 +474,8 @@ def _gl_extend_tri_kernel(
     V_OFF2: gl.constexpr, VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr,
     BLOCK_T: gl.constexpr, PPI: gl.constexpr,
     SLOTS: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, ATT_REGS: gl.constexpr, REV: gl.constexpr,
+    KPF: gl.constexpr,  # 2: INT2 key scale / zero rows prefetched into L1 a step ahead (0: not, session 12)
+    CKV: gl.constexpr,  # 1: the chunk's k, v read as the caller holds them (gluon_extend's CKV)
 ):  # fmt: skip
     """gluon_extend._gl_extend_pp_kernel (arguments as there) with the triaxial producer _tri_load (LOAD_WARPS = PPI:
     a warp per page of the step)."""
@@ -444,7 +489,7 @@ def _gl_extend_tri_kernel(
                       G, D, P, PPI, BLOCK_T)),
         (_tri_load, (buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_len, n_new, k_s0, total_bytes,
                      qb, h, P, D, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, PAGE_BYTES2, K_OFF2,
-                     KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2, PPI, BLOCK_T)),
+                     KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2, PPI, BLOCK_T, KPF, CKV)),
     ], [4, LOAD_WARPS], [ATT_REGS, LOAD_REGS])  # fmt: skip
 
 
@@ -452,10 +497,48 @@ def _gl_extend_tri_kernel(
 # host side
 # ----------------------------------------------------------------------------
 
-# 32 chunk tokens x 4 heads = 128 rows, 4 pages of 32 = 128 prefix keys per step; registers as gluon_extend's WS 2
-# (168 * 12 = 4 x 136 + 8 x 184); SORT: INT2 pages listed first (at most one mixed step)
-TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 4, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 136, "maxnreg": 168,
-                          "ATT_REGS": 184, "REV": 1, "SORT": 1, "num_warps": 4}  # fmt: skip
+# 32 chunk tokens x 4 heads = 128 rows, 4 pages of 32 = 128 prefix keys per step; registers 168 * 12 = 4 x 152 + 8 x
+# 176 (triton 3.6, offline: the producer's loop keeps 1 value a step in local memory at 152, 12 at 136 with KPF 2
+# and CKV 1; the consumers nothing at 176; H200: 136 / 184 was 1-5% slower, NOTES-kernels session 14); SORT: INT2
+# pages listed first (at most one mixed step): 2 by int2_first, 1 by torch's argsort (session 12), 0 as listed;
+# KPF 2: the next step's INT2 key scale / zero rows prefetched into L1 (0: not); CKV 1: the chunk's k, v read as
+# the caller holds them (gluon_attend._pp_chunk_rows; 0: copied to fp16 quarter-major by the wrapper)
+TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 4, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 152, "maxnreg": 168,
+                          "ATT_REGS": 176, "REV": 1, "SORT": 2, "KPF": 2, "CKV": 1, "num_warps": 4}  # fmt: skip
+
+
+@triton.jit
+def _int2_first_kernel(src_ptr, dst_ptr, n, FLAG_BIT: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[:n] = src's n page ids, the INT2 ones (bit FLAG_BIT set) first, each kind in its listed order (a stable
+    partition, one program): pass 1 counts the INT2 ids, pass 2 writes each id at its kind's running count."""
+    n2 = 0
+    for b in range(0, n, BLOCK):
+        o = b + tl.arange(0, BLOCK)
+        n2 += tl.sum((tl.load(src_ptr + o, mask=o < n, other=0) >> FLAG_BIT) & 1, axis=0)
+    c2 = 0  # INT2 / INT4 ids written by earlier blocks
+    c4 = 0
+    for b in range(0, n, BLOCK):
+        o = b + tl.arange(0, BLOCK)
+        m = o < n
+        x = tl.load(src_ptr + o, mask=m, other=0)
+        f2 = (x >> FLAG_BIT) & 1
+        f4 = tl.where(m, 1 - f2, 0)
+        pos = tl.where(f2 != 0, c2 + tl.cumsum(f2, axis=0) - 1, n2 + c4 + tl.cumsum(f4, axis=0) - 1)
+        tl.store(dst_ptr + pos, x, mask=m)
+        c2 += tl.sum(f2, axis=0)
+        c4 += tl.sum(f4, axis=0)
+
+
+def int2_first(pages: torch.Tensor, *, block: int = 4096) -> torch.Tensor:
+    """The page ids [N] (int32) with the INT2 pages first, each kind's order kept: what the kernel's SORT wants, in
+    one launch (torch's stable argsort, SORT 1, is several kernels and the gather another: NOTES-kernels session
+    14)."""
+    out = torch.empty_like(pages)
+    n = pages.numel()
+    if n:
+        blk = max(16, min(block, triton.next_power_of_2(n)))
+        _int2_first_kernel[(1,)](pages, out, n, FLAG_BIT=INT2_PAGE_FLAG.bit_length() - 1, BLOCK=blk, num_warps=4)
+    return out
 
 
 def supported(kv: PagedKV, q: torch.Tensor) -> bool:
@@ -477,7 +560,7 @@ def _meta(cfg: dict[str, int], lay: PageLayout, lay2: PageLayout) -> dict[str, A
                 VS_OFF=a[5], VZ_OFF=a[6], PAGE_BYTES2=a2[0], K_OFF2=a2[1], KS_OFF2=a2[2], KZ_OFF2=a2[3],
                 V_OFF2=a2[4], VS_OFF2=a2[5], VZ_OFF2=a2[6], BLOCK_T=cfg["BLOCK_T"], PPI=cfg["PPI"],
                 SLOTS=cfg["SLOTS"], LOAD_WARPS=cfg["LOAD_WARPS"], LOAD_REGS=cfg["LOAD_REGS"],
-                ATT_REGS=cfg["ATT_REGS"], REV=cfg["REV"], num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])  # fmt: skip
+                ATT_REGS=cfg["ATT_REGS"], REV=cfg["REV"], KPF=cfg["KPF"], CKV=cfg["CKV"], num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])  # fmt: skip
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, prefix_pages: torch.Tensor,
@@ -494,12 +577,13 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
     cfg = {**TUNING, **(tuning or {})}
     p = lay.page_size
     pages = prefix_pages[: triton.cdiv(prefix_len, p)]
-    if cfg["SORT"] and pages.numel():
-        # INT2 pages first, order kept (device-side, no sync): the partial last page is INT4 and stays last
+    if cfg["SORT"] == 2:  # INT2 pages first, order kept (one launch, no sync): the partial last page is INT4, stays last
+        pages = int2_first(pages.contiguous())
+    elif cfg["SORT"] and pages.numel():  # the same by torch's stable argsort and a gather (session 12)
         pages = pages[torch.argsort(((pages & INT2_PAGE_FLAG) == 0).to(torch.int8), stable=True)]
     pages = launch_pages(pages, q.device)
     q_mul = sm_scale * LOG2E  # INT scales are in the pages: no K or V fold
-    k_in, v_in = chunk_kv(k, v)
+    k_in, v_in = chunk_rows(k, v) if cfg["CKV"] else chunk_kv(k, v)
     grid = (triton.cdiv(n, cfg["BLOCK_T"]), h)
     _gl_extend_tri_kernel[grid](
         q, k_in, v_in, out, kv.buffer, pages, n, prefix_len, kv.total_bytes, q_mul, 1.0, 1.0, q.stride(0), q.stride(1),

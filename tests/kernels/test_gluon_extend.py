@@ -29,7 +29,7 @@ from test_paged_ref import rel_err
 from test_triton_paged import BOUND, _filled_pool, expected_kv
 from test_triton_prefill import dense_extend
 
-from kvserving.kernels import gluon_extend, paged_ops, triton_prefill
+from kvserving.kernels import gluon_extend, gluon_extend_tri, paged_ops, triton_prefill
 from kvserving.kernels.options import KernelOptions
 
 # compiled in a child process: the test session runs with TRITON_INTERPRET=1
@@ -155,7 +155,8 @@ def _check(prefix_lens: list[int], n_new: int, tuning: dict[str, int] | None = N
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuning", [{}, {"WS": 1}, {"WS": 0, "PAIR": 1}, {"WS": 0, "PAIR": 2}, {"WS": 0, "PAIR": 0},
                                     {"WS": 0, "PAIR": 1, "OVERLAP": 0},
-                                    {"WS": 0, "PAIR": 1, "BLOCK_T": 16, "PPI": 4, "num_warps": 4}])  # fmt: skip
+                                    {"WS": 0, "PAIR": 1, "BLOCK_T": 16, "PPI": 4, "num_warps": 4},
+                                    {"CKV": 1}])  # fmt: skip
 def test_gpu_gluon_extend_real_shapes(tuning: dict[str, int]) -> None:
     # prefixes: whole steps + a partial page (odd step count), exactly one step, empty, 3000 (even step count);
     # 300 new tokens: 32-token blocks, the last partial, chunk steps of 128 keys, the last partial
@@ -214,3 +215,21 @@ def test_launch_staging_of_the_chunk_and_the_page_ids() -> None:
     q = torch.randn(5, 8, 3).transpose(1, 2)  # channels not at unit stride
     q_in, out = launch_io(q)
     assert torch.equal(q_in, q) and q_in.stride(2) == 1 and out.stride(2) == 1 and out.shape == q.shape
+
+
+def test_chunk_rows_reads_packed_rows_in_place_and_copies_the_rest() -> None:
+    """CKV 1 (triaxial's default) reads the chunk's k, v in the kernel at token stride k_s0, head stride D, unit channel
+    stride, for both: chunk_rows passes such tensors through (contiguous ones, rows of one projection output) and
+    makes contiguous copies of any other."""
+    from kvserving.kernels.gluon_attend import chunk_rows
+
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    assert all(a is b for a, b in zip(chunk_rows(k, v), (k, v), strict=True))
+    kv = torch.randn(3, 2 * 2 * 16 + 8)  # one projection's rows: k and v side by side, a token stride of 72
+    k2, v2 = kv[:, :32].view(3, 2, 16), kv[:, 32:64].view(3, 2, 16)
+    assert all(a is b for a, b in zip(chunk_rows(k2, v2), (k2, v2), strict=True))
+    for kk, vv in ((k.transpose(1, 2).contiguous().transpose(1, 2), v), (k, v[:, :, :8].repeat(1, 1, 2)),
+                   (k, torch.randn(3, 4, 16)[:, ::2])):  # channels strided; v's token stride not k's; heads strided
+        k3, v3 = chunk_rows(kk, vv)
+        assert k3.is_contiguous() and v3.is_contiguous() and torch.equal(k3, kk) and torch.equal(v3, vv)
+    assert gluon_extend.TUNING["CKV"] == 0 and gluon_extend_tri.TUNING["CKV"] == 1
