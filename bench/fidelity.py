@@ -26,7 +26,11 @@
    metric's tables, the attention-MSE 2.7 table with the system prompt at 4
    bits, and every table's KL and attention MSE measured whole on the
    calibration prompts against the per-class sums; every run prints the paired
-   per-conversation KL comparison against default@pages.
+   per-conversation KL comparison against default@pages. ``--count-on-evaluation``
+   counts every table's budget on the evaluation conversations' pages instead (their
+   tags only), so each table stores its budget on the text it is scored on: the held-out
+   text's page mix differs from the calibration text's, and at 8K the calibrated tables
+   stored 0.02-0.05 fewer bits there than default@pages (bench/NOTES-fidelity.md).
 3. Scores held-out files (the first ``--eval-seqs`` conversations of at least
    half the context; how many the evaluation files give is recorded; only if
    they give too few, the standard library's test suites, idlelib and lib2to3,
@@ -473,6 +477,11 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"score the triaxial rows at these of {','.join(f'{b:g}' for b in BUDGETS)} only: one "
                          "comma-separated list for every context, or one per context (the calibration still "
                          "writes every budget's table)")
+    ap.add_argument("--count-on-evaluation", action="store_true",
+                    help="count every table's budget (default@pages' too) on the pages of the evaluation conversations "
+                         "(their tags only: what the gateway knows of served traffic), so every table stores its budget "
+                         "on the scored text and the paired KL compares equal stored bits; the D_k are measured on the "
+                         "calibration text as always, and --select still scores on it")
     ap.add_argument("--calibrate-at-context", action="store_true",
                     help="also calibrate on the calibration text wrapped at each longer evaluation context (D_k "
                          "measured on prompts of that length, the budget on the same pages): rows 'calibrated@<ctx>'")
@@ -554,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         cal = calibrate(model_dir, [calib_path], BUDGETS, seq_len=s.calib_len, max_tokens=s.calib_tokens,
                         search=not opts.triaxial_only,
                         frequency_source="data", device=opts.device, wrap="agent", metric=opts.metric, chunk=s.chunk,
-                        select=opts.select and s.calib_len in contexts, selection=selection,
+                        select=opts.select and s.calib_len in contexts and not opts.count_on_evaluation,
+                        selection=selection,
                         attn_out=attn["calibrated"] if opts.select else None)
         (work / "calibration.json").write_text(cal.to_json())
         t_cal = time.time() - t1
@@ -604,21 +614,25 @@ def main(argv: list[str] | None = None) -> int:
             ccals = dict(cals)
             t_ctx = time.time()
             at_ctx: Calibration | None = None  # --calibrate-at-context: D_k measured on prompts of this length
-            if ctx != s.calib_len:
+            n_eval = per_context.get(ctx, s.eval_seqs)
+            seqs, sources = evaluation_conversations(eval_path, extra_path, tagger, ctx=ctx, n=n_eval)
+            if ctx != s.calib_len or opts.count_on_evaluation:
                 page_seqs = load_data([calib_path], tagger, seq_len=ctx, max_tokens=2 * s.calib_tokens, wrap="agent")
-                if opts.calibrate_at_context:  # the same calibration text, wrapped at this context
+                if opts.calibrate_at_context and ctx != s.calib_len:  # the calibration text wrapped at this context
                     attn[f"calibrated@{ctx}"] = {}  # --select: measured here, the selection is made after with_pages
                     at_ctx = calibrate(model_dir, [calib_path], BUDGETS, seq_len=ctx, max_tokens=s.calib_tokens,
                                        device=opts.device, wrap="agent", metric=opts.metric, show_progress=False,
                                        chunk=s.chunk, attn_out=attn[f"calibrated@{ctx}"] if opts.select else None)
                     ccals[f"calibrated@{ctx}"] = at_ctx
-                ccals = {name: with_pages(c, page_seqs) for name, c in ccals.items()}
+                # --count-on-evaluation: the held-out text's page mix is not the calibration text's (its
+                # conversations run longer and hold fewer older tool calls: bench/NOTES-fidelity.md, "Why the
+                # calibrated tables under-spend"), so tables at the budget there store other bits on it
+                counted = seqs if opts.count_on_evaluation else page_seqs
+                ccals = {name: with_pages(c, counted) for name, c in ccals.items()}
                 if opts.select:  # with_pages dropped the selected tables: select again on this context's pages
                     ccals, ctx_selection[ctx] = reselect(ccals, attn, model_dir, page_seqs, budgets=budgets[ctx],
                                                          max_tokens=s.calib_tokens, device=device, chunk=s.chunk)
             t_ctx_cal = time.time() - t_ctx
-            n_eval = per_context.get(ctx, s.eval_seqs)
-            seqs, sources = evaluation_conversations(eval_path, extra_path, tagger, ctx=ctx, n=n_eval)
             specs = variants(ccals, swap=swap, skip_default=opts.skip_default, triaxial_only=opts.triaxial_only,
                              budgets=budgets[ctx])
 
@@ -632,7 +646,10 @@ def main(argv: list[str] | None = None) -> int:
             partial({})
             block = run_context(model_dir, specs, ccals["calibrated"], seqs, s, ctx, device, on_row=partial)
             block["conversations"] = sources
-            block["calibration_pages"] = {"context": ctx, **page_mix_summary(ccals["calibrated"])}
+            block["calibration_pages"] = {"context": ctx, "counted_on": "evaluation" if opts.count_on_evaluation
+                                          else "calibration", **page_mix_summary(ccals["calibrated"])}
+            # the scored conversations' page mix, whatever the budget was counted on: tables re-count offline
+            block["evaluation_pages"] = page_mix_summary(with_pages(ccals["calibrated"], seqs))
             if ctx in ctx_selection:  # --select at this context: per calibration, per budget, each candidate's KL
                 block["selection"] = ctx_selection[ctx]
             if at_ctx is not None:  # the file as measured (its own pages); the tables used are counted on the above

@@ -41,7 +41,11 @@ write the calibration file (kvserving.calibration) the engine config names.
    measured whole on the calibration prompts.
    ``--page-seq-len N ...`` records instead the pages of the data wrapped at
    the context lengths served (a table met on 2K prompts stores other bits on
-   8K ones: their class mix differs).
+   8K ones: their class mix differs); ``--page-data FILE ...`` the pages of
+   other data (a sample of the served traffic: text of another kind gives
+   another page mix, and a table at the budget on the calibration text stores
+   other bits there; bench/NOTES-fidelity.md, "Why the calibrated tables
+   under-spend").
 5. fp8 and nvfp4 global scales per layer from the K/V amax (``amax / 448``,
    ``amax / (6 * 448)``); with ``--scale-search`` each layer's K and V scale is
    instead the multiple of that which gives the lowest attention-output error
@@ -577,12 +581,13 @@ def calibrate(
     search: bool = False, frequency_source: str = "data", device: str | None = None, show_progress: bool = True,
     wrap: str = "agent", metric: str = "kl", page_seq_lens: Sequence[int] = (), chunk: int = DEFAULT_CHUNK,
     select: bool = False, selection: dict[str, dict[str, float | str]] | None = None,
-    attn_out: dict[int, list[float]] | None = None,
+    attn_out: dict[int, list[float]] | None = None, page_data: Sequence[Path] = (),
 ) -> Calibration:
     """The whole job (module docstring) as a library call. ``page_seq_lens``: count the budget's
     pages on the data wrapped at these context lengths (the lengths served; tagging only; as many
     tokens as were measured, an equal share per length: ``Measurement.set_pages``) instead of on the
-    measured prompts. ``attn_out``, if given under the KL metric, gets the attention-MSE D_k (bits -> 56
+    measured prompts. ``page_data``: count them on these files instead of ``data`` (wrapped at ``page_seq_lens``,
+    else at ``seq_len``; tagging only). ``attn_out``, if given under the KL metric, gets the attention-MSE D_k (bits -> 56
     sums; measured with the KL D_k, as ``select`` needs them), so a selection can be run on other pages
     (``select_tables``) without this one's."""
     for b in budgets:
@@ -596,7 +601,9 @@ def calibrate(
     seqs = load_data(data, tagger, seq_len=seq_len, max_tokens=max_tokens, wrap=wrap)
     if not seqs:
         raise ValueError("the calibration data produced no prompt of 2 or more tokens")
-    page_groups = [load_data(data, tagger, seq_len=n, max_tokens=max(max_tokens, n), wrap=wrap) for n in page_seq_lens]
+    page_lens = list(page_seq_lens) or ([seq_len] if page_data else [])
+    page_groups = [load_data(page_data or data, tagger, seq_len=n, max_tokens=max(max_tokens, n), wrap=wrap)
+                   for n in page_lens]
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args, model = load_model(model_dir, dtype=torch.float32, device=dev)
     bar = Progress(len(seqs) * (2 if search else 1), "calibrate") if show_progress else None
@@ -704,6 +711,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-seq-len", type=_positive, nargs="+", default=[], dest="page_seq_lens", metavar="N",
                         help="count the budget's stored pages on the data wrapped at these context lengths (the lengths "
                              "served) instead of --seq-len")
+    parser.add_argument("--page-data", type=Path, nargs="+", default=[], metavar="FILE",
+                        help="count the budget's stored pages on these files (e.g. a sample of the served traffic: "
+                             ".jsonl chat requests or plain text) instead of --data; the D_k are measured on --data")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 
 
@@ -714,6 +724,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir, args.data, args.bit_budgets, seq_len=args.seq_len, max_tokens=args.max_tokens,
         search=args.scale_search, frequency_source=args.frequencies, device=args.device, wrap=args.wrap,
         metric=args.metric, page_seq_lens=args.page_seq_lens, chunk=args.chunk, select=args.select, selection=selection,
+        page_data=args.page_data,
     )
     args.out.write_text(cal.to_json())
     from kvserving.bits import format_bits_table

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -297,6 +298,44 @@ def test_calibrate_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert set(cal.scales) == {"fp8_e4m3", "nvfp4"} and all(s.method == "amax" for s in cal.scales.values())
     assert "budget 2.5" in capsys.readouterr().out
 
+
+def test_page_data_counts_the_budget_on_the_pages_of_other_data(tmp_path: Path) -> None:
+    # D_k measured on code; the budget counted on the first as-many-tokens of a sample of traffic (long tool
+    # results): the file's pages are that sample's, and every table is within its budget on them
+    from kvserving.bits import count_page_mixes, page_records, pages_stored_bits
+    from kvserving.calibrate import load_data
+    from kvserving.gateway.chat_template import ChatTemplate
+    from kvserving.gateway.tagger import ChatTagger
+    from kvserving.gateway.tokenizer import TextTokenizer
+    from kvserving.model_dir import tiny_model_dir
+
+    data = tmp_path / "notes.txt"
+    data.write_text("def add(a, b):\n    return a + b  # adds two numbers\n" * 60)
+    traffic = tmp_path / "traffic.jsonl"
+    call = {"type": "function", "function": {"name": "read_file", "arguments": {"path": "x.py"}}}
+    messages = [{"role": "system", "content": "You read files."}, {"role": "user", "content": "What does x.py do?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "import os\nprint(os.getcwd())\n" * 12}]
+    traffic.write_text(json.dumps({"messages": messages}) + "\n")
+    out = tmp_path / "cal.json"
+    assert cli.main(["calibrate", "--data", str(data), "--page-data", str(traffic), "--bit-budget", "2.5", "3",
+                     "--seq-len", "160", "--max-tokens", "160", "--out", str(out), "--device", "cpu", "--chunk", "0"]) == 0
+    cal = Calibration.load(out)
+    d = tiny_model_dir()
+    tagger = ChatTagger(TextTokenizer.from_dir(d), ChatTemplate.from_dir(d))
+    sample = load_data([traffic], tagger, seq_len=160, max_tokens=160)
+    measured = load_data([data], tagger, seq_len=160, max_tokens=160)
+    assert len(sample[0].tags) >= cal.tokens  # one conversation holds as many tokens as were measured
+    pages: Counter[tuple[tuple[int, int], ...]] = Counter()
+    residual = count_page_mixes(pages, sample[0].tags[: cal.tokens], cal.page_size)
+    assert cal.pages == page_records(pages) and cal.residual == residual
+    own: Counter[tuple[tuple[int, int], ...]] = Counter()
+    count_page_mixes(own, measured[0].tags, cal.page_size)
+    assert page_records(own) != cal.pages  # not the calibration data's pages
+    assert sorted(cal.tables) == ["2.5", "3"]
+    for key, table in cal.tables.items():
+        stored = pages_stored_bits(table, page_records(pages), page_size=cal.page_size, residual=residual)
+        assert stored == cal.stored_bits(table) <= float(key) + 1e-9
 
 def test_the_engine_keeps_the_calibration_files_scales(tmp_path: Path) -> None:
     from kvserving.worker.engine import LLMEngine

@@ -245,3 +245,26 @@ def test_select_is_applied_again_at_a_context_other_than_the_calibration_length(
                                                  rows["triaxial 2.7 calibrated@512"]["table"]]
     if block["selection"]["calibrated"]["2.7"]["chosen"] == "default":
         assert rows["triaxial 2.7 calibrated"]["table"] == rows["triaxial 2.7 default@pages"]["table"]
+
+
+@pytest.mark.slow
+def test_count_on_evaluation_holds_every_tables_budget_on_the_scored_conversations(
+        fidelity: ModuleType, tmp_path: Path) -> None:
+    # the budget is counted on the evaluation conversations' pages: what the engine stored on them (token-weighted
+    # over the conversations) is what the table was counted to store there, within the budget, for every table
+    out = tmp_path / "fidelity.json"
+    assert fidelity.main(["--smoke", "--threads", "2", "--triaxial-only", "--skip-default", "--contexts", "512",
+                          "--count-on-evaluation", "--budgets", "2.7,3", "--generate", "0", "--eval-seqs", "2",
+                          "--out", str(out)]) == 0
+    block = json.loads(out.read_text())["contexts"]["512"]
+    lengths = block["tokens_per_sequence"]
+    assert block["calibration_pages"]["counted_on"] == "evaluation"
+    assert block["calibration_pages"]["tokens"] == block["evaluation_pages"]["tokens"] == sum(lengths)
+    assert block["calibration_pages"]["counts"] == block["evaluation_pages"]["counts"]
+    triaxial = {name: r for name, r in block["rows"].items() if name.startswith("triaxial")}
+    assert len(triaxial) == 4
+    for name, r in triaxial.items():
+        budget = float(name.split()[1])
+        stored = sum(b * n for b, n in zip(r["stored_bits_per_sequence"], lengths)) / sum(lengths)
+        assert math.isclose(stored, r["stored_bits_calibration_data"], abs_tol=1e-9), name
+        assert stored <= budget + 1e-9, name
