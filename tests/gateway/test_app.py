@@ -11,8 +11,12 @@ import openai
 import pytest
 from fake_worker import PAGE_SIZE
 from gw_harness import MODEL, Stack
+from prometheus_client import CollectorRegistry
 
+from kvserving.config import GatewayConfig, ModelConfig, ServingConfig
+from kvserving.gateway.app import build_state
 from kvserving.gateway.chat_template import ChatTemplate, normalize_messages
+from kvserving.gateway.completions import ModelInfo
 from kvserving.gateway.tagger import ChatTagger
 from kvserving.gateway.tokenizer import TextTokenizer
 from kvserving.tags import decode_tag
@@ -327,12 +331,6 @@ def test_next_turn_sends_the_held_ids_the_workers_sampled(stack: Stack, tok: Tex
 
 
 def test_the_config_bounds_what_the_gateway_keeps_between_turns(tiny_model_dir: Path) -> None:
-    from prometheus_client import CollectorRegistry
-
-    from kvserving.config import GatewayConfig, ModelConfig, ServingConfig
-    from kvserving.gateway.app import build_state
-    from kvserving.gateway.completions import ModelInfo
-
     config = ServingConfig(model=ModelConfig(path=str(tiny_model_dir), served_name=MODEL),
                            gateway=GatewayConfig(decode_urls=("http://127.0.0.1:9",), max_conversations=7, max_kept_tokens=1000))
     model = ModelInfo.load(tiny_model_dir, served_name=MODEL, max_kept_tokens=config.gateway.max_kept_tokens)
