@@ -138,7 +138,7 @@ def rss_bytes(pid: int) -> int:
 @pytest.mark.slow
 def test_soak_concurrent_sessions_through_real_workers(workers: WorkerFactory, tiny_model_dir: Path, tmp_path: Path) -> None:
     """Bounded soak on loopback: 200 concurrent agent sessions x 3 turns through the
-    gateway and real workers, then two waves of 100 more; no request lost, later turns
+    gateway and real workers, then two waves of 60 more; no request lost, later turns
     reuse KV, leases renewed on the worker while active (worker retention 2 s < the
     gateway's lease TTL 3 s) and gone once idle, nothing left in flight, and the
     gateway's memory flat once what it keeps between turns is at its bounds."""
@@ -155,9 +155,8 @@ def test_soak_concurrent_sessions_through_real_workers(workers: WorkerFactory, t
     gateway_cfg = config()
     gateway_cfg["reuse"].update({"lease_ttl_s": 3.0, "retention_ttl_s": 4.0})
     # What the gateway keeps between turns bounded below the first wave's worth (200
-    # conversations, ~180K prompt tokens): it fills every bound, the second wave settles the
-    # allocator (RSS measured 109.8 -> 126.3 -> 128.3 MiB over three waves of 200), and the
-    # third must not grow the gateway's memory.
+    # conversations, ~180K prompt tokens): it fills every bound, and the two waves after it
+    # must not grow the gateway's memory.
     gateway_cfg["gateway"] = {"max_conversations": 100, "max_kept_tokens": 40_000}
     prefill = workers.start("prefill", worker_cfg, wait=False)
     decode = workers.start("decode", worker_cfg, wait=False)
@@ -173,9 +172,9 @@ def test_soak_concurrent_sessions_through_real_workers(workers: WorkerFactory, t
                 {"role": "user", "content": f"Task {wave}{i}: " + "find the bug in the parser and fix it. " * 3}]
             cached = []
             for turn in range(SOAK_TURNS):
-                out = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,  # type: ignore[arg-type]
+                out = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,  # type: ignore[arg-type]
                                                            temperature=0, extra_headers={"X-Session-ID": f"soak-{wave}{i}"})
-                assert out.usage is not None and out.usage.completion_tokens == 6
+                assert out.usage is not None and out.usage.completion_tokens == 3
                 cached.append(out.usage.prompt_tokens_details.cached_tokens)  # type: ignore[union-attr]
                 messages += [{"role": "assistant", "content": out.choices[0].message.content},
                              {"role": "user", "content": f"Step {turn}: " + "run the tests again and report. " * 3}]
@@ -211,14 +210,14 @@ def test_soak_concurrent_sessions_through_real_workers(workers: WorkerFactory, t
             assert metric(gateway.url, "kvserving_gateway_requests_in_flight") == 0
             return rss_bytes(gateway.proc.pid)
 
-        rss = [wave_then_idle("a", SOAK_SESSIONS), wave_then_idle("b", SOAK_SESSIONS // 2),
-               wave_then_idle("c", SOAK_SESSIONS // 2)]
+        rss = [wave_then_idle("a", SOAK_SESSIONS), wave_then_idle("b", 60), wave_then_idle("c", 60)]
         assert metric(gateway.url, "kvserving_gateway_lease_renewals_total") > 0
-        # Flat: with every bound full, the last wave's 300 requests may only reuse memory (the
-        # gateway in-process, bounds full: +0.15 MiB of Python allocations over 300 requests;
-        # RSS here +2.2 MiB, the allocator's); one request's objects kept alive (its body,
-        # prompt ids, tags and text: 20-40 KiB) would grow it by 6-12 MiB.
+        # Flat: with every bound full, the last two waves' 360 requests may only reuse memory
+        # (the gateway in-process, bounds full: +0.15 MiB of Python allocations over 300
+        # requests; RSS here measured 96.7 / 96.7 / 96.7 MiB, and +0.9 / +2.2 MiB with waves of
+        # 100 and 6 tokens a reply); one request's objects kept alive (its body, prompt ids,
+        # tags and text: 20-40 KiB) would grow it by 7-14 MiB.
         print("gateway RSS after each wave, MiB:", [round(r / 2**20, 1) for r in rss])
-        assert rss[2] - rss[1] < 6 << 20, f"gateway RSS grew {(rss[2] - rss[1]) / 2**20:.1f} MiB over the last wave"
+        assert rss[2] - rss[0] < 6 << 20, f"gateway RSS grew {(rss[2] - rss[0]) / 2**20:.1f} MiB after the first wave"
     finally:
         assert gateway.stop() == 0
