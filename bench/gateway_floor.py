@@ -34,6 +34,7 @@ from typing import Any
 
 import uvicorn
 
+from kvserving.config import GatewayConfig
 from kvserving.gateway.chat_template import normalize_messages
 from kvserving.gateway.completions import SSE_DONE, ChatFrames, ModelInfo
 from kvserving.gateway.detokenize import IncrementalDetokenizer
@@ -50,7 +51,8 @@ class Floor:
     """Raw ASGI app: chat completions (streamed) straight through to one worker."""
 
     def __init__(self, model_dir: Path, worker_url: str, *, served_name: str) -> None:
-        model = ModelInfo.load(model_dir, served_name=served_name)  # what the gateway loads: tokenizer, template, EOS ids
+        # what the gateway loads: tokenizer, template, EOS ids (its kept caches unused here)
+        model = ModelInfo.load(model_dir, served_name=served_name, max_kept_tokens=GatewayConfig().max_kept_tokens)
         self.tokenizer = model.tokenizer
         self.template = model.tagger.template
         self.prefixes = TokenPrefixes(self.tokenizer)

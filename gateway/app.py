@@ -68,8 +68,7 @@ def build_state(config: ServingConfig, *, model: ModelInfo, registry: CollectorR
     keeper = LeaseKeeper(table, client, retention_ttl_s=config.reuse.retention_ttl_s, events=metrics, clock=time.time)
     turns = Turns(pool=pool, client=client, keeper=keeper, metrics=metrics,
                   max_inflight_per_worker=gw.max_inflight_per_worker, bidirectional=config.reuse.bidirectional)
-    index = ConversationIndex(page_size=config.kv_cache.effective_page_size, max_conversations=gw.max_conversations,
-                              max_records=4 * gw.max_conversations)
+    index = ConversationIndex(page_size=config.kv_cache.effective_page_size, max_conversations=gw.max_conversations)
     history = ExactHistory(model.tokenizer, max_conversations=gw.max_conversations, max_tokens=gw.max_kept_tokens)
     completions = Completions(model=model, turns=turns, metrics=metrics, index=index, history=history)
     registry.register(PromptReuse(model.tagger))

@@ -52,8 +52,8 @@ class ModelInfo:
     created: int
 
     @classmethod
-    def load(cls, model_dir: str | Path, *, served_name: str, max_model_len: int | None = None,
-             max_kept_tokens: int = 4_000_000) -> ModelInfo:
+    def load(cls, model_dir: str | Path, *, served_name: str, max_kept_tokens: int,
+             max_model_len: int | None = None) -> ModelInfo:
         """Tokenizer, chat template, context length and EOS ids of a model directory;
         ``max_kept_tokens`` bounds the tagger's tokenized prefixes (tokens) and kept
         renders (4 characters a token)."""

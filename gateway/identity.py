@@ -39,7 +39,8 @@ indexed by a hash chained over their full pages of `page_size` tokens: the
 chain of P is computed once and each remembered sequence is filed under the
 chain value at its last full page (plus its few tail tokens), so a lookup is
 one pass over P's pages plus dictionary hits — no per-token index. Memory is
-bounded: at most `max_records` sequences (least recently used go first) and
+bounded: at most `max_records` sequences (least recently used go first; by
+default `records_per_conversation` x `max_conversations`) and
 `records_per_conversation` each, at most `max_conversations` conversations.
 Pure (no I/O), not thread-safe (one event loop owns it).
 
@@ -175,11 +176,13 @@ class ConversationIndex:
         self,
         *,
         page_size: int = 16,
-        max_records: int = 65536,
+        max_records: int | None = None,
         records_per_conversation: int = 4,
         max_conversations: int = 16384,
         new_suffix: Callable[[], str] | None = None,
     ) -> None:
+        if max_records is None:
+            max_records = records_per_conversation * max_conversations
         for name, value in (("page_size", page_size), ("max_records", max_records),
                             ("records_per_conversation", records_per_conversation), ("max_conversations", max_conversations)):
             if value < 1:
