@@ -94,6 +94,8 @@ from .triton_common import (
     folded_scales,
     merge_splits,
     plan_splits,
+    WAVE_FILL_WARPS,
+    pick_plan,
     plan_waves,
     prepare_splits,
     sm_count,
@@ -734,8 +736,11 @@ INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", 
 # nvfp4 123 registers (x 2 warps: 8 programs by the register file), 18 KB ring;
 # fp8 126 registers, 32 KB ring (6 by shared memory); triaxial 163 of its 168 (3 by registers), 40 KB; with 16
 # heads uncapped: 196 / 200 / 229 registers (5 / 5 / 2). A tuning that changes warps, STAGES or maxnreg must set
-# RES too. PLAN 0 (benchmarks) is the session-6 planner: splits of at least SPLIT_MIN_TOKENS tokens unless fewer
-# than SPLIT_MIN_FILL programs per SM; MINW (benchmarks) keeps plan_waves to grids of at least that many waves.
+# RES too. The launch takes triton_common.pick_plan's choice between plan_waves' plan and the session-6 planner's
+# (splits of at least SPLIT_MIN_TOKENS tokens unless fewer than SPLIT_MIN_FILL programs per SM), judged by the
+# busiest SM's pages with FILLW warps of fill a wave (fp8 0: 3 programs an SM already saturate its memory reads,
+# bench/NOTES-kernels.md session 15). Benchmarks: PLAN 0 the session-6 plan alone, PLAN 2 plan_waves' alone
+# (session 14's default); MINW keeps plan_waves to grids of at least that many waves.
 SPLIT_MIN_TOKENS = 1536
 SPLIT_MIN_FILL = 2
 # STAGES: the cp.async ring's depth (0: no ring, each step loads into registers and waits); 2 measured best on an
@@ -745,7 +750,7 @@ SPLIT_MIN_FILL = 2
 GL_TUNING: dict[str, dict[str, int]] = {
     "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128, "RES": 8, "RES16": 5},
     "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 168, "STAGES": 2, "RES": 3, "RES16": 2},  # triaxial
-    "fp8_e4m3": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128, "RES": 6, "RES16": 5},
+    "fp8_e4m3": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128, "RES": 6, "RES16": 5, "FILLW": 0},
 }
 
 
@@ -792,7 +797,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """Launch the Gluon decode (arguments checked by paged_ops; ``supported`` must hold) -> [B, Hq, D] in q.dtype.
 
-    tuning overrides GL_TUNING[fmt] (RES / RES16, PLAN, MINW: the split planner's; MINTOK / FILL: PLAN 0's
+    tuning overrides GL_TUNING[fmt] (RES / RES16, PLAN, MINW, FILLW: the split planner's; MINTOK / FILL: PLAN 0's
     SPLIT_MIN_TOKENS / SPLIT_MIN_FILL); splits (splits, pages per split) overrides the planner."""
     out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages,
                            tuning=tuning, splits=splits)  # fmt: skip
@@ -800,16 +805,23 @@ def decode_attention(
 
 
 def split_plan(q: torch.Tensor, kv: PagedKV, page_table: torch.Tensor, cfg: dict[str, int]) -> tuple[int, int]:
-    """(splits, pages per split) of a launch with tuning ``cfg`` (GL_TUNING[fmt] and its overrides): plan_waves on
-    the tuning's programs resident per SM (PLAN 0: the session-6 min-length planner)."""
+    """(splits, pages per split) of a launch with tuning ``cfg`` (GL_TUNING[fmt] and its overrides): pick_plan's
+    choice between plan_waves on the tuning's programs resident per SM and the session-6 min-length planner
+    (PLAN 0: the min-length plan alone; PLAN 2: the wave plan alone, session 14's default)."""
     bh, pages, ppi = q.shape[0] * kv.layout.kv_heads, page_table.shape[1], cfg["num_warps"] * cfg["PPW"]
     if not cfg.get("PLAN", 1):
         return plan_splits(bh, pages, ppi, q.device, triaxial=kv.triaxial, programs_per_sm=cfg["PPSM"],
                            min_pages=-(-cfg.get("MINTOK", SPLIT_MIN_TOKENS) // kv.layout.page_size),
                            min_fill=cfg.get("FILL", SPLIT_MIN_FILL))  # fmt: skip
     resident = cfg["RES" if q.shape[1] // kv.layout.kv_heads <= 8 else "RES16"]
-    return plan_waves(bh, pages, ppi, sm_count(q.device), resident=resident, warps=cfg["num_warps"],
-                      triaxial=kv.triaxial, min_waves=cfg.get("MINW", 1))  # fmt: skip
+    sms = sm_count(q.device)
+    wave = plan_waves(bh, pages, ppi, sms, resident=resident, warps=cfg["num_warps"], triaxial=kv.triaxial,
+                      min_waves=cfg.get("MINW", 1))  # fmt: skip
+    if cfg.get("PLAN", 1) == 2:
+        return wave
+    old = split_plan(q, kv, page_table, {**cfg, "PLAN": 0})
+    return pick_plan(bh, pages, ppi, sms, wave=wave, old=old, resident=resident,
+                     fill=cfg.get("FILLW", WAVE_FILL_WARPS) / cfg["num_warps"])  # fmt: skip
 
 
 def launch_decode(

@@ -10,9 +10,10 @@ writes each split's normalised partial output and base-2 log-sum-exp, and
 ``prepare_splits`` is the host side both run before their launch (plan,
 contiguous inputs, partial buffers); ``merge_splits`` the one after. Two
 split planners: ``plan_splits`` (the ``tl`` kernels: programs per SM and a
-minimum split length) and ``plan_waves`` (the Gluon kernels: whole waves of
-the programs an SM holds, ``resident_programs``). The write and gather
-kernels share the format codes and ``field_offsets``.
+minimum split length) and ``plan_waves`` (whole waves of the programs an SM
+holds, ``resident_programs``); the Gluon kernels launch ``pick_plan``'s choice
+of the two. The write and gather kernels share the format codes and
+``field_offsets``.
 """
 
 from __future__ import annotations
@@ -152,6 +153,37 @@ def plan_waves(batch_heads: int, max_pages: int, ppi: int, sms: int, *, resident
     best = min(range(len(kept)), key=lambda i: (round(cost[i], 9), i))  # ties: fewer splits
     return kept[best][1], kept[best][2]
 
+
+
+def busiest_sm_cost(batch_heads: int, max_pages: int, splits: int, sms: int, ppi: int, *, resident: int,
+                    fill: float) -> float:  # fmt: skip
+    """Modelled time (in pages of one program) of the busiest SM of a grid of batch_heads x splits programs: its
+    n = ceil(programs / sms) programs of the *average* split (max_pages / splits: a triaxial row's split count
+    includes its INT2 / INT4 boundary's, so its two short splits count) plus WAVE_FIXED_STEPS steps, and ``fill``
+    programs' time for each of its ceil(n / resident) waves. Unlike ``wave_cost`` it does not weigh the longest
+    split: for ``pick_plan``, which compares the wave plan with the min-length plan only."""
+    n = -(-batch_heads * splits // sms)
+    waves = -(-n // resident)
+    return (max_pages / splits + WAVE_FIXED_STEPS * ppi) * (n + waves * fill)
+
+
+@lru_cache(maxsize=4096)
+def pick_plan(batch_heads: int, max_pages: int, ppi: int, sms: int, *, wave: tuple[int, int], old: tuple[int, int],
+              resident: int, fill: float) -> tuple[int, int]:  # fmt: skip
+    """``wave`` (plan_waves' plan) unless ``old`` (plan_splits' min-length plan) has the lower
+    ``busiest_sm_cost``; ties keep the wave plan.
+
+    Why both (bench/NOTES-kernels.md session 15): plan_waves alone was 4.5-5.8% slower than the min-length plan
+    at triaxial 32 x 32K and 128 x 4K (more, shorter splits where the old grid already ran 7-11 waves: each
+    program pays its prologue and epilogue, and a triaxial row's two short boundary splits) and 4.7% at fp8 16 x 4K
+    (twice the programs in one wave, where fp8 already saturates memory with 3 programs an SM: ``fill`` 0). This
+    comparison picks the faster measured plan of the two at every shape and format of session 14's two runs
+    but fp8 128 x 4K (+1.4%)."""
+    if wave == old:
+        return wave
+    cost_old = busiest_sm_cost(batch_heads, max_pages, old[0], sms, ppi, resident=resident, fill=fill)
+    cost_wave = busiest_sm_cost(batch_heads, max_pages, wave[0], sms, ppi, resident=resident, fill=fill)
+    return old if cost_old < cost_wave else wave
 
 @dataclass(frozen=True, slots=True)
 class SplitLaunch:

@@ -1,4 +1,4 @@
-"""The Gluon decode's wave-aware split planner (triton_common.plan_waves, resident_programs): pure functions.
+"""The Gluon decode's split planners (triton_common.plan_waves, resident_programs, pick_plan): pure functions.
 
 Exact split counts on given occupancy, at the benchmark's shapes on an H200's 132 SMs (32 query / 8 kv heads:
 batch_heads = batch x 8; 16-token pages, 32 for triaxial; 4 pages a step), and the residency arithmetic of one
@@ -7,10 +7,22 @@ sm_90 SM. bench/NOTES-kernels.md session 14 has the model and the measurements i
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
+from typing import Any
 
-from kvserving.kernels import gluon_decode
-from kvserving.kernels.triton_common import WAVE_MAX_SPLITS, plan_waves, resident_programs, wave_cost
+import pytest
+import torch
+
+from kvserving.kernels import gluon_decode, triton_common
+from kvserving.kernels.layout import PageLayout
+from kvserving.kernels.triton_common import (
+    WAVE_MAX_SPLITS,
+    busiest_sm_cost,
+    pick_plan,
+    plan_waves,
+    resident_programs,
+    wave_cost,
+)
 
 SMS = 132  # H200
 
@@ -95,3 +107,59 @@ def test_wave_planner_covers_every_page_within_the_one_step_merge(triaxial: bool
         plans = {((-(-pages // pps)) + (1 if triaxial else 0), pps) for pps in range(ppi, pages + ppi, ppi)}
         best = min(wave_cost(bh, pages, k, q, ppi, SMS, resident=res, warps=warps) for k, q in plans if k <= WAVE_MAX_SPLITS)
         assert wave_cost(bh, pages, s, pps, ppi, SMS, resident=res, warps=warps) <= best * (1 + 1e-9), (bh, pages, s)
+
+
+def test_pick_plan_keeps_the_min_length_plan_where_its_busiest_sm_is_cheaper() -> None:
+    # triaxial (3 per SM, fill 3/4 of a program a wave), 32 x 32K: 10 x 116 is 20 programs an SM of 102.4 pages on
+    # average (+ 8: two steps) in 7 waves, 2,207.5; 17 x 64 is 33 of 60.2 in 11 waves, 2,251.5 (measured 4.5% slower)
+    tri = dict(resident=3, fill=0.75)
+    assert busiest_sm_cost(256, 1024, 10, SMS, 4, **tri) == pytest.approx((102.4 + 8) * (20 + 7 * 0.75))
+    assert pick_plan(256, 1024, 4, SMS, wave=(17, 64), old=(10, 116), **tri) == (10, 116)
+    # 128 x 4K: 4 x 44 (32 programs an SM of 32 pages) over 5 x 32 (39 of 25.6; measured 5.8% slower)
+    assert pick_plan(1024, 128, 4, SMS, wave=(5, 32), old=(4, 44), **tri) == (4, 44)
+    # where the wave plan has fewer, longer splits it stays (4 x 128K, 16 x 32K, 64 x 4K, 16 x 4K: 3-15% faster)
+    assert pick_plan(32, 4096, 4, SMS, wave=(37, 116), old=(65, 64), **tri) == (37, 116)
+    assert pick_plan(128, 1024, 4, SMS, wave=(9, 128), old=(17, 64), **tri) == (9, 128)
+    assert pick_plan(512, 128, 4, SMS, wave=(3, 64), old=(4, 44), **tri) == (3, 64)
+    assert pick_plan(128, 128, 4, SMS, wave=(3, 64), old=(4, 44), **tri) == (3, 64)
+    # fp8 (6 per SM, fill 0: memory saturates at 3 programs an SM), 16 x 4K: 3 programs of 93.3 pages (280) over 6
+    # of 50.7 (304; measured 4.7% slower); 8 x 4K: 4 of 40 (160) over 3 of 59.2 (178; 4.5% faster)
+    fp8 = dict(resident=6, fill=0.0)
+    assert pick_plan(128, 256, 4, SMS, wave=(6, 44), old=(3, 88), **fp8) == (3, 88)
+    assert pick_plan(64, 256, 4, SMS, wave=(8, 32), old=(5, 52), **fp8) == (8, 32)
+    assert pick_plan(8, 8192, 4, SMS, wave=(98, 84), old=(86, 96), **fp8) == (98, 84)
+    # nvfp4 (8 per SM, fill 1.5: latency-bound, more programs a wave pay): 16 x 4K 8 x 32 (380) over 3 x 88 (420)
+    nv = dict(resident=8, fill=1.5)
+    assert pick_plan(128, 256, 4, SMS, wave=(8, 32), old=(3, 88), **nv) == (8, 32)
+    assert pick_plan(32, 256, 4, SMS, wave=(16, 16), old=(8, 32), **nv) == (16, 16)
+    assert pick_plan(256, 2048, 4, SMS, wave=(4, 512), old=(9, 228), **nv) == (4, 512)
+    # equal plans, equal costs: the wave plan
+    assert pick_plan(8, 256, 4, SMS, wave=(32, 8), old=(32, 8), **nv) == (32, 8)
+
+
+# (batch, context) -> the launched plan (splits, pages per split) per format, on 132 SMs; "old" where the
+# min-length plan wins over plan_waves' (bench/NOTES-kernels.md session 15 has both plans of every row)
+LAUNCHED = {
+    "nvfp4": {(1, 4096): (32, 8), (4, 4096): (16, 16), (16, 4096): (8, 32), (64, 4096): (2, 128),
+              (128, 4096): (1, 256), (32, 32768): (4, 512), (4, 131072): (33, 252), (1, 131072): (114, 72)},
+    "fp8_e4m3": {(4, 4096): (8, 32), (8, 4096): (8, 32), (16, 4096): (3, 88), (64, 4096): (3, 88),
+                 (1, 32768): (32, 64), (32, 32768): (3, 684), (4, 131072): (24, 344), (1, 131072): (98, 84)},
+    "triaxial": {(16, 4096): (3, 64), (64, 4096): (3, 64), (128, 4096): (4, 44), (16, 32768): (9, 128),
+                 (32, 32768): (10, 116), (4, 131072): (37, 116), (1, 131072): (48, 88)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", sorted(LAUNCHED))
+def test_gluon_decode_launches_pick_plans_choice_at_the_bench_shapes(fmt: str, monkeypatch: Any) -> None:
+    monkeypatch.setattr(triton_common, "sm_count", lambda device: SMS)  # the min-length planner's H200
+    monkeypatch.setattr(gluon_decode, "sm_count", lambda device: SMS)
+    tri = fmt == "triaxial"
+    layout = PageLayout.build("int4" if tri else fmt, page_size=32 if tri else 16, kv_heads=8, head_dim=128)
+    kv: Any = SimpleNamespace(layout=layout, triaxial=tri)
+    cfg = gluon_decode.GL_TUNING[layout.fmt]
+    for (b, ctx), want in LAUNCHED[fmt].items():
+        q, table = torch.empty(b, 32, 128), torch.empty(b, ctx // layout.page_size, dtype=torch.int32)
+        got = gluon_decode.split_plan(q, kv, table, cfg)
+        old = gluon_decode.split_plan(q, kv, table, {**cfg, "PLAN": 0})
+        wave = gluon_decode.split_plan(q, kv, table, {**cfg, "PLAN": 2})
+        assert got == want and got in (old, wave), (b, ctx, got, old, wave)
