@@ -5,6 +5,9 @@
 #   STEPS: comma-separated tests, bench (decode_gpu.py), extend (extend_gpu.py), all (= tests,bench) or ncu; run in that order.
 #   TESTS=paths limits the gpu tests (default tests/kernels); WARM_FI=1 JIT-compiles FlashInfer's prefill in the
 #   background while the tests and the decode bench run; T_TESTS / T_BENCH / T_EXTEND cap each step's seconds.
+#   PRE_VARIANTS=a,b compiles those extend_gpu.py variants side by side (one process each, at 512 new on 1K cached:
+#   the bench's specialization) while the tests run; PAR_TESTS="args1;args2" runs those pytest sets side by side
+#   with the tests step (logs in $OUT/par_tests.log). Both are waited for before the extend step.
 # Exits non-zero (with one line saying why) when there is no GPU, and when a step fails.
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -30,10 +33,30 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 status=0
 warm=""
 if [ "${WARM_FI:-0}" = 1 ]; then python3 bench/extend_gpu.py --warm > $OUT/warm_fi.log 2>&1 & warm=$!; fi
+bg=""
+for v in ${PRE_VARIANTS//,/ }; do
+  timeout ${T_TESTS:-420} python3 bench/extend_gpu.py --no-read --no-before --prefixes 1024 --chunks 512 --formats nvfp4,triaxial \
+    --variants "$v" --out /tmp/pre_$v.json > /tmp/pre_$v.log 2>&1 & bg="$bg $!"
+done
+par=""
+if [ -n "${PAR_TESTS:-}" ]; then
+  IFS=';' read -ra sets <<< "$PAR_TESTS"
+  for i in "${!sets[@]}"; do
+    timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider -m gpu ${sets[$i]} > /tmp/par_$i.log 2>&1 & par="$par $!:$i"
+  done
+fi
 if has tests; then
   timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/kernels} 2>&1 | tee $OUT/gpu_tests.log | tail -40
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: gpu tests failed (exit $rc, log in $OUT/gpu_tests.log)" >&2; status=1; }
 fi
+for job in $par; do
+  wait ${job%%:*}; rc=$?; i=${job##*:}
+  { echo "== PAR_TESTS $i: ${sets[$i]} (exit $rc)"; cat /tmp/par_$i.log; } >> $OUT/par_tests.log
+  echo "PAR_TESTS $i (exit $rc): $(tail -1 /tmp/par_$i.log)"
+  [ "$rc" = 0 ] || { echo "gpu_run.sh: error: PAR_TESTS $i failed (exit $rc, log in $OUT/par_tests.log)" >&2; status=1; }
+done
+for pid in $bg; do wait $pid || echo "gpu_run.sh: a PRE_VARIANTS compile failed (exit $?)"; done
+for v in ${PRE_VARIANTS//,/ }; do grep -h "failed" /tmp/pre_$v.log; done
 if has bench; then
   timeout ${T_BENCH:-600} python3 bench/decode_gpu.py --out $OUT/decode_gpu.json "$@" 2>&1 | tee $OUT/bench.log
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: decode benchmark failed (exit $rc, log in $OUT/bench.log)" >&2; status=1; }

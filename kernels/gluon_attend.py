@@ -24,7 +24,10 @@ from triton.experimental.gluon.language._core import shared_memory_descriptor
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-from .gluon_fragments import cp_async
+from .gluon_fragments import cp_async, rescale, warp_any
+
+# LAZY: a row's reference max moves only when the step's max passes it by more than TAU (base 2; decode's TAU)
+TAU: gl.constexpr = gl.constexpr(8.0)
 
 def chunk_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk's k, v [n, H, D] as fp16 quarter-major [n, H, 4, D/4] (channel 4j + i at i * D/4 + j: the ring's
@@ -140,6 +143,24 @@ def _softmax(s, m_i, l_i, acc, MASKED: gl.constexpr):
 
 
 @gluon.jit
+def _softmax_lazy(s, m_i, l_i, acc):
+    """_softmax on an unmasked step (LAZY 1), with a reference max m_i that moves only where the step's row max
+    passes it by more than TAU (then to that max): p = 2^(s - m_i) <= 2^TAU stays exact enough in fp16, and in most
+    steps no row of a warp moves, so ``acc *= alpha`` (64 multiplies a thread) sits behind one warp-uniform branch
+    (gluon_fragments.rescale, as the decode kernel's lazy softmax)."""
+    top = gl.max(s, axis=1)
+    grow = top > m_i + TAU  # m_i = -inf at the first step: every row moves
+    m_new = gl.where(grow, top, m_i)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    SA: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    moved = warp_any(gl.convert_layout(grow.to(gl.int32), SA), 2)
+    acc = rescale(acc, gl.convert_layout(alpha, SA)[:, None], moved[:, None], 32)
+    return p, m_new, l_i, acc
+
+
+@gluon.jit
 def _pp_chunk(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb, h, D: gl.constexpr,
               BLOCK_T: gl.constexpr):  # fmt: skip
     """The end of a WS 2 producer (any page format): the chunk's own keys up to the program's last token (fp16
@@ -243,7 +264,7 @@ def _ring(N: gl.constexpr, D: gl.constexpr, SLOTS: gl.constexpr, CONSUMERS: gl.c
 @gluon.jit
 def _pp_attend(q_smem, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h,
                R0: gl.constexpr, G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PPI: gl.constexpr,
-               BLOCK_T: gl.constexpr):  # fmt: skip
+               BLOCK_T: gl.constexpr, LAZY: gl.constexpr = 0):  # fmt: skip
     """WS 2 consumer: one warpgroup, the program's rows R0 .. R0 + M (its own q tile): prefix steps, then the chunk's
     (causal), all from the ring; releases each slot for itself (``empty`` counts both warpgroups), so neither waits
     for the other's softmax; then its rows of the output."""
@@ -269,14 +290,17 @@ def _pp_attend(q_smem, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_
         if i >= first:  # the chunk's own keys j0 ..: causal, their own score multiplier and V fold
             j = (i - first) * N + key
             s = gl.where((j <= tok_s) & (j < n_new), s * k_mul_new, float("-inf"))
-            p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, True)
+            p, m_new, l_i, acc = _softmax(s, m_i, l_i, acc, True)
             p = p * v_div
         elif (i + 1) * N > prefix_len:  # the last prefix step may end inside a page
             s = gl.where(i * N + key < prefix_len, s, float("-inf"))
-            p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, True)
+            p, m_new, l_i, acc = _softmax(s, m_i, l_i, acc, True)
+        elif LAZY:  # the full prefix steps (the chunk's keep the exact max: p <= 1 there, p * v_div in fp16)
+            p, m_new, l_i, acc = _softmax_lazy(s, m_i, l_i, acc)
         else:
-            p, m_i, l_i, acc = _softmax(s, m_i, l_i, acc, False)
+            p, m_new, l_i, acc = _softmax(s, m_i, l_i, acc, False)
         acc = warpgroup_mma(gl.convert_layout(p.to(gl.float16), A_P), v_ring.index(slot), acc)
+        m_i = m_new
         _cta_barrier()  # this warpgroup is done reading the slot: its thread 0 releases it
         mbarrier.arrive(empty.index(slot), count=1)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, MMA_O))
