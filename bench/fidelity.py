@@ -131,6 +131,7 @@ class Setup:
     chunk: int
     dropout: float = 0.1  # residual dropout (attention and MLP outputs) while training
     train_chars: int = 3_000_000  # training text cap, characters of source before wrapping
+    val_chars: int = 400_000  # held-out text for the training log's loss, characters
 
 
 # Every held-out evaluation conversation (36) and 64K calibration tokens: with 8 conversations and 16K tokens
@@ -151,7 +152,8 @@ CPU_LARGE = Setup(layers=4, hidden=512, heads=4, kv_heads=2, intermediate=1024, 
                   chunk=256, dropout=0.0, train_chars=3_000_000)
 # A minute-long end-to-end check of the harness itself (--smoke); its numbers mean nothing.
 SMOKE = Setup(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, train_steps=2, train_len=128, batch=2,
-              lr=3e-3, contexts=(256, 512), eval_seqs=1, generate=8, calib_tokens=512, calib_len=256, chunk=64)
+              lr=3e-3, contexts=(256, 512), eval_seqs=1, generate=8, calib_tokens=512, calib_len=256, chunk=64,
+              train_chars=100_000, val_chars=50_000)  # 2 steps of 2 x 128 tokens: text for ~20 steps
 HEAD_DIM = 128
 
 
@@ -533,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     eval_text = joined_text(eval_files, 10**9)
     ids = torch.tensor(conversation_ids(joined_text(train_files, s.train_chars), tagger, context=max(s.contexts),
                                         seed=opts.seed), dtype=torch.long)
-    val = torch.tensor(conversation_ids(eval_text[:400_000], tagger, context=max(s.contexts), seed=opts.seed + 1),
+    val = torch.tensor(conversation_ids(eval_text[: s.val_chars], tagger, context=max(s.contexts), seed=opts.seed + 1),
                        dtype=torch.long)
     eos = tokenizer.token_to_id("<|im_end|>") or 0
     cfg = model_config(s, tokenizer.vocab_size, eos, max(max(s.contexts) + 256, 4096))

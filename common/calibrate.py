@@ -55,12 +55,13 @@ write the calibration file (kvserving.calibration) the engine config names.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -152,6 +153,12 @@ def wrap_text(text: str, *, name: str, piece_chars: int) -> list[ChatRequest]:
 
 
 def agent_wrap(text: str, *, name: str, chars_per_token: float, context_tokens: int, seed: int = 0) -> list[ChatRequest]:
+    """Every conversation ``iter_agent_wrap`` gives, as a list."""
+    return list(iter_agent_wrap(text, name=name, chars_per_token=chars_per_token, context_tokens=context_tokens, seed=seed))
+
+
+def iter_agent_wrap(text: str, *, name: str, chars_per_token: float, context_tokens: int,
+                    seed: int = 0) -> Iterator[ChatRequest]:
     """Plain text as agent conversations of ``kvserving.agent_load``'s shape (module docstring),
     each planned to fill about 85% of ``context_tokens``; the text is used once, in order.
 
@@ -162,6 +169,12 @@ def agent_wrap(text: str, *, name: str, chars_per_token: float, context_tokens: 
     file name and offset as its argument. Conversations stop when the text runs out."""
     if chars_per_token <= 0 or context_tokens < 64:
         raise ValueError(f"chars_per_token must be > 0 and context_tokens >= 64, got {chars_per_token}, {context_tokens}")
+    # the checks above at the call, the conversations as they are asked for (load_data stops at its token cap)
+    return _agent_conversations(text, name=name, chars_per_token=chars_per_token, context_tokens=context_tokens, seed=seed)
+
+
+def _agent_conversations(text: str, *, name: str, chars_per_token: float, context_tokens: int,
+                         seed: int) -> Iterator[ChatRequest]:
     ctx = max(64, int(context_tokens * 0.85))
     # agent_load's default lengths (made for 4K+ contexts), scaled down for shorter ones
     f = min(1.0, ctx / 4096)
@@ -182,13 +195,13 @@ def agent_wrap(text: str, *, name: str, chars_per_token: float, context_tokens: 
         piece, pos = text[pos : pos + n], pos + n
         return piece if piece.strip() else piece + "."
 
-    out: list[ChatRequest] = []
+    given = 0
     i = 0
     while pos < len(text):
         a = agent(spec, i)
         i += 1
         if not a.turns:
-            if i >= 20 and (not out or i > 100 * len(out)):
+            if i >= 20 and (not given or i > 100 * given):
                 break  # the context is too short for this shape's system prompt and tool schemas
             continue
         system = take(len(a.system.split()))
@@ -215,20 +228,27 @@ def agent_wrap(text: str, *, name: str, chars_per_token: float, context_tokens: 
                                         "function": {"name": turn.tool_call.name, "arguments": args}}]
             messages.append(reply)
         if len(messages) > 1:
-            out.append(ChatRequest(messages, list(a.tools)))
-    return out
+            given += 1
+            yield ChatRequest(messages, list(a.tools))
 
 
 def read_requests(path: Path, *, piece_chars: int, wrap: str = "pieces", chars_per_token: float = 3.0,
                   context_tokens: int = 2048) -> list[ChatRequest]:
     """The chat requests of one data file (module docstring). OSError if unreadable; ValueError on bad JSONL."""
+    return list(iter_requests(path, piece_chars=piece_chars, wrap=wrap, chars_per_token=chars_per_token,
+                              context_tokens=context_tokens))
+
+
+def iter_requests(path: Path, *, piece_chars: int, wrap: str = "pieces", chars_per_token: float = 3.0,
+                  context_tokens: int = 2048) -> Iterator[ChatRequest]:
+    """``read_requests``' requests; agent-wrapped text is wrapped as the requests are asked for."""
     text = path.read_text(encoding="utf-8", errors="replace")
     if path.suffix != ".jsonl":
         if not text.strip():
             raise ValueError(f"data file {path} is empty")
         if wrap == "agent":
-            return agent_wrap(text, name=path.name, chars_per_token=chars_per_token, context_tokens=context_tokens)
-        return wrap_text(text, name=path.name, piece_chars=piece_chars)
+            return iter_agent_wrap(text, name=path.name, chars_per_token=chars_per_token, context_tokens=context_tokens)
+        return iter(wrap_text(text, name=path.name, piece_chars=piece_chars))
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -244,7 +264,7 @@ def read_requests(path: Path, *, piece_chars: int, wrap: str = "pieces", chars_p
         out.append(ChatRequest(obj["messages"], obj.get("tools")))
     if not out:
         raise ValueError(f"data file {path} holds no chat requests")
-    return out
+    return iter(out)
 
 
 @dataclass(slots=True)
@@ -256,7 +276,11 @@ class TaggedSeq:
 def tag_requests(tagger: ChatTagger, requests: Sequence[ChatRequest], *, max_tokens: int, where: str) -> list[TaggedSeq]:
     """Render and tag each request; a prompt longer than ``max_tokens`` keeps its last
     ``max_tokens`` tokens (the current turn, which a long context ends with)."""
-    out = []
+    return list(iter_tagged(tagger, requests, max_tokens=max_tokens, where=where))
+
+
+def iter_tagged(tagger: ChatTagger, requests: Iterable[ChatRequest], *, max_tokens: int, where: str) -> Iterator[TaggedSeq]:
+    """``tag_requests``, one request at a time (its caller may stop early)."""
     for i, req in enumerate(requests):
         try:
             prompt = tagger.build(req.messages, tools=req.tools, add_generation_prompt=False)
@@ -264,8 +288,7 @@ def tag_requests(tagger: ChatTagger, requests: Sequence[ChatRequest], *, max_tok
             raise ValueError(f"{where} request {i}: {exc.message}") from None
         ids, tags = prompt.input_ids[-max_tokens:], prompt.tags[-max_tokens:]
         if len(ids) >= 2:
-            out.append(TaggedSeq(ids, tags))
-    return out
+            yield TaggedSeq(ids, tags)
 
 
 def chars_per_token(tagger: ChatTagger, sample: str) -> float:
@@ -557,18 +580,25 @@ def load_data(paths: Sequence[Path], tagger: ChatTagger, *, seq_len: int, max_to
         sample = path.read_text(encoding="utf-8", errors="replace")[:20_000]
         piece = piece_chars_for(tagger, sample, seq_len)
         cpt = chars_per_token(tagger, sample)
-        requests = read_requests(path, piece_chars=piece, wrap=wrap, chars_per_token=cpt, context_tokens=seq_len)
-        pieces = wrap == "pieces"
-        if not requests:  # a context too short for an agent's system prompt and tool schemas
-            requests, pieces = read_requests(path, piece_chars=piece), True
-        if path.suffix != ".jsonl" and pieces:
-            for _ in range(6):  # shrink the pieces until the first conversation fits
-                first = tagger.build(requests[0].messages, tools=requests[0].tools, add_generation_prompt=False)
+        # requests are wrapped and tagged as they are needed: a cap far below the file's text stops early
+        head: ChatRequest | None = None
+        requests: Iterator[ChatRequest] = iter(())
+        if wrap == "agent" or path.suffix == ".jsonl":
+            given = iter_requests(path, piece_chars=piece, wrap=wrap, chars_per_token=cpt, context_tokens=seq_len)
+            head = next(given, None)
+            requests = itertools.chain([head], given) if head is not None else iter(())
+        if path.suffix != ".jsonl" and (wrap == "pieces" or head is None):
+            # pieces (asked for, or a context too short for an agent's system prompt and tool schemas):
+            # shrink them until the first conversation fits
+            listed = read_requests(path, piece_chars=piece)
+            for _ in range(6):
+                first = tagger.build(listed[0].messages, tools=listed[0].tools, add_generation_prompt=False)
                 if len(first.input_ids) <= seq_len or piece <= 8:
                     break
                 piece = max(8, int(piece * seq_len / len(first.input_ids) * 0.95))
-                requests = read_requests(path, piece_chars=piece)
-        for seq in tag_requests(tagger, requests, max_tokens=seq_len, where=str(path)):
+                listed = read_requests(path, piece_chars=piece)
+            requests = iter(listed)
+        for seq in iter_tagged(tagger, requests, max_tokens=seq_len, where=str(path)):
             if total >= max_tokens:
                 return seqs
             seqs.append(seq)
