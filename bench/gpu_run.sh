@@ -34,7 +34,7 @@ status=0
 warm=""
 if [ "${WARM_FI:-0}" = 1 ]; then python3 bench/extend_gpu.py --warm > $OUT/warm_fi.log 2>&1 & warm=$!; fi
 bg=""
-for v in ${PRE_VARIANTS//,/ }; do
+for v in ${PRE_VARIANTS:+${PRE_VARIANTS//,/ }}; do
   timeout ${T_TESTS:-420} python3 bench/extend_gpu.py --no-read --no-before --prefixes 1024 --chunks 512 --formats nvfp4,triaxial \
     --variants "$v" --out /tmp/pre_$v.json > /tmp/pre_$v.log 2>&1 & bg="$bg $!"
 done
@@ -56,7 +56,7 @@ for job in $par; do
   [ "$rc" = 0 ] || { echo "gpu_run.sh: error: PAR_TESTS $i failed (exit $rc, log in $OUT/par_tests.log)" >&2; status=1; }
 done
 for pid in $bg; do wait $pid || echo "gpu_run.sh: a PRE_VARIANTS compile failed (exit $?)"; done
-for v in ${PRE_VARIANTS//,/ }; do grep -h "failed" /tmp/pre_$v.log; done
+for v in ${PRE_VARIANTS:+${PRE_VARIANTS//,/ }}; do grep -h "failed" /tmp/pre_$v.log; done
 if has bench; then
   timeout ${T_BENCH:-600} python3 bench/decode_gpu.py --out $OUT/decode_gpu.json "$@" 2>&1 | tee $OUT/bench.log
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: decode benchmark failed (exit $rc, log in $OUT/bench.log)" >&2; status=1; }
