@@ -67,8 +67,8 @@ GLUON_VARIANTS: dict[str, dict[str, int]] = {
     "gluon-ws2": {"WS": 2},
     "gluon-ws2rev0": {"WS": 2, "REV": 0},  # chunk blocks in launch order (the default: last-first)
     "gluon-ws2cf0": {"WS": 2, "CF": 0},  # the producer's rows in _pair_layout's lanes (2-way conflicted tile stores)
-    "gluon-ws2ckv1": {"WS": 2, "CKV": 1},
-    "gluon-lazy1": {"LAZY": 1},  # session 15: the consumers' lazy softmax (gluon_attend._softmax_lazy)  # the chunk's k, v read by the kernel (no fp16 copies; session 14: slower)
+    "gluon-ws2ckv1": {"WS": 2, "CKV": 1},  # the chunk's k, v read by the kernel (no fp16 copies; session 14: slower)
+    "gluon-lazy0": {"LAZY": 0},  # before session 15: the exact max every step (the default since: LAZY 1)
     # measurement only (wrong output): the producer without unpacking, without its proxy fence, storing zero tiles
     "gluon-ws2probe1": {"WS": 2, "PROBE": 1},
     "gluon-ws2probe2": {"WS": 2, "PROBE": 2},
@@ -97,11 +97,7 @@ TRI_VARIANTS: dict[str, dict[str, int]] = {
     "gluon-tri-ckv0": {"CKV": 0},  # the chunk's k, v copied to fp16 by the wrapper
     "gluon-tri-r136": {"LOAD_REGS": 136, "ATT_REGS": 184},  # session 12's register split
     "gluon-tri-s12": {"SORT": 1, "KPF": 0, "CKV": 0, "LOAD_REGS": 136, "ATT_REGS": 184},
-    # session 15: V group scale / zero loads 8 bytes wide (VSV); the consumers' lazy softmax (LAZY, as nvfp4's)
-    "gluon-tri-vsv": {"VSV": 1},
-    "gluon-tri-lazy1": {"LAZY": 1},
-    "gluon-tri-vsv-lazy1": {"VSV": 1, "LAZY": 1},
-    "gluon-tri-vsv-kea": {"VSV": 1, "KEA": 1},  # + the next step's K rows issued before this step's K unpack
+    "gluon-tri-lazy1": {"LAZY": 1},  # session 15: the consumers' lazy softmax (nvfp4's default; not faster here)
 }
 # tiles meant for the other format's page size (nvfp4 16 tokens, triaxial 32)
 VARIANT_SKIP = {"nvfp4": ("t64-ppi2", "t32-ppi4"), "triaxial": ("t32-ppi8", "t16-w4-ppi8", "t64-ppi4")}

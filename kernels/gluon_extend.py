@@ -530,7 +530,7 @@ def _gl_extend_pp_kernel(
 
 # tiles: 32 chunk tokens x 4 heads = 128 rows, 8 pages of 16 = 128 prefix keys (and 128 chunk keys) per step
 TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 2, "PROBE": 0, "num_warps": 8,
-                          "WS": 2, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 136, "maxnreg": 168, "ATT_REGS": 184, "REV": 1, "CF": 1, "CKV": 0, "LAZY": 0}  # fmt: skip
+                          "WS": 2, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 136, "maxnreg": 168, "ATT_REGS": 184, "REV": 1, "CF": 1, "CKV": 0, "LAZY": 1}  # fmt: skip
 # WS 2 (the default): _gl_extend_pp_kernel, num_warps 8 = two consumer warpgroups (the kernel's own 4 warps and a
 # partition of 4 with ATT_REGS) + the producer's LOAD_WARPS with LOAD_REGS: 168 * 12 = 4 x 136 + 8 x 184.
 # WS 1: _gl_extend_ws_kernel, the kernel's 8 warps get what maxnreg * (num_warps + LOAD_WARPS) leaves
@@ -539,7 +539,9 @@ TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 2, "PRO
 # (cf_bases; CF 0: _pair_layout's, whose tile stores take two wavefronts per 8 lanes). CKV 1 (WS 2): the chunk's k, v
 # read by the producer as the caller holds them (gluon_attend._pp_chunk_rows) instead of the wrapper's fp16 copies;
 # slower than CKV 0 at 4-5 of the 6 bench shapes on an H200 (1-6%, NOTES-kernels session 14), so not the default here
-# (triaxial's, gluon_extend_tri, where it is 1-3% faster at 512 new tokens).
+# (triaxial's, gluon_extend_tri, where it is 1-3% faster at 512 new tokens). LAZY 1 (WS 2): the consumers' lazy
+# softmax (gluon_attend._softmax_lazy: acc *= alpha only in steps where a row's reference max moved); H200, session
+# 15: 1-3% faster at all 6 bench shapes, same output to 4 digits (LAZY 0: the exact max every step).
 
 
 def _launch_meta(cfg: dict[str, int]) -> tuple[Any, dict[str, Any]]:

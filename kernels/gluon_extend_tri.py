@@ -147,48 +147,6 @@ def _l_groups(w: int) -> Any:
     return gl.BlockedLayout([1, 4, 1], [1, 8, 4], [w, 1, 1], [2, 1, 0])
 
 
-@gluon.constexpr_function
-def _l_vgroups(w: int, p: int) -> Any:
-    """[PPI = w, 4, P] fp16 V group scales / zeros as their token-minor field holds them ([H, 4, P]): a thread's 4
-    consecutive tokens of one group in registers (one 8-byte load, VSV 1), lanes and warps as _l_groups', so that
-    the permute to [PPI, P, 4] is _l_groups itself (no data moves)."""
-    reg = [[0, 0, 1], [0, 0, 2]]
-    lane = [[0, 1, 0], [0, 2, 0], [0, 0, 4], [0, 0, 8], [0, 0, 16]]
-    warp = [[1 << b, 0, 0] for b in range(w.bit_length() - 1)]
-    if p != 32:
-        raise ValueError(f"_l_vgroups: pages of 32 tokens, not {p}")
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [w, 4, p])
-
-
-@gluon.jit
-def _vgroups(buf_ptr, pid, it, prefix_len, h, total_bytes, P: gl.constexpr, PAGE_BYTES: gl.constexpr,
-             VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, INT2: gl.constexpr, MIXED: gl.constexpr):  # fmt: skip
-    """VSV 1: the step's V group scale / zero [PPI, P, 4] (_l_groups) in two 8-byte loads a thread (4 tokens of its
-    group), instead of 8 two-byte loads. The loads cover whole 4-token groups (a mask constant over a thread's 4
-    tokens, so they stay 8 bytes wide at any prefix length); tokens past prefix_len (and MIXED: pages of the other
-    kind) are then set to 0, as _raw4 / _raw2 read them (a partial page's unwritten slots may hold NaN)."""
-    LV: gl.constexpr = _l_vgroups(gl.num_warps(), P)
-    LG: gl.constexpr = _l_groups(gl.num_warps())
-    vp, g, r = idx3(LV, pid.shape[0], 4, P)
-    p3 = _pages(pid, LV)
-    ok = (it + vp) * P + (r // 4) * 4 < prefix_len
-    if MIXED:
-        if INT2:
-            ok = ok & ((p3 & FLAG) != 0)
-        else:
-            ok = ok & ((p3 & FLAG) == 0)
-    if INT2:
-        page = _int2_base(buf_ptr, p3, total_bytes, PAGE_BYTES)
-    else:
-        page = buf_ptr + p3.to(gl.int64) * PAGE_BYTES
-    vg = page.to(gl.pointer_type(gl.float16), bitcast=True) + (h * 4 + g) * P + r
-    vs = gl.convert_layout(gl.permute(gl.load(vg + VS_OFF // 2, mask=ok, other=0.0), [0, 2, 1]), LG)
-    vz = gl.convert_layout(gl.permute(gl.load(vg + VZ_OFF // 2, mask=ok, other=0.0), [0, 2, 1]), LG)
-    gp, gr, _g = idx3(LG, pid.shape[0], P, 4)
-    tail = (it + gp) * P + gr < prefix_len  # the rows of a partial last page past prefix_len
-    return gl.where(tail, vs, 0.0), gl.where(tail, vz, 0.0)
-
-
 @gluon.jit
 def _pages(pid, L: gl.constexpr):
     """[PPI] page ids -> [PPI, 1, 1] in layout L."""
@@ -226,7 +184,7 @@ def _ids(pt_ptr, it, num_pages, PPI: gl.constexpr):
 @gluon.jit
 def _raw4(buf_ptr, pid, it, prefix_len, h, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
           KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr,
-          MIXED: gl.constexpr, VSV: gl.constexpr = 0):  # fmt: skip
+          MIXED: gl.constexpr):  # fmt: skip
     """INT4 rows of the step at list index it (pid: its page ids): K and V word pairs [PPI, P, 16] int32, K scale /
     zero and V scale / zero [PPI, P, 4] fp16; rows past prefix_len (and MIXED: rows of INT2 pages) read 0."""
     W: gl.constexpr = gl.num_warps()
@@ -251,18 +209,15 @@ def _raw4(buf_ptr, pid, it, prefix_len, h, P: gl.constexpr, PAGE_BYTES: gl.const
     vg = page + (h * 4 + g) * P + gr  # V scale / zero token-minor [H, 4, P]
     ks = gl.load(kg + KS_OFF // 2, mask=gok, other=0.0)
     kz = gl.load(kg + KZ_OFF // 2, mask=gok, other=0.0)
-    if VSV:
-        vs, vz = _vgroups(buf_ptr, pid, it, prefix_len, h, 0, P, PAGE_BYTES, VS_OFF, VZ_OFF, False, MIXED)
-    else:
-        vs = gl.load(vg + VS_OFF // 2, mask=gok, other=0.0)
-        vz = gl.load(vg + VZ_OFF // 2, mask=gok, other=0.0)
+    vs = gl.load(vg + VS_OFF // 2, mask=gok, other=0.0)
+    vz = gl.load(vg + VZ_OFF // 2, mask=gok, other=0.0)
     return kw, vw, ks, kz, vs, vz
 
 
 @gluon.jit
 def _raw2(buf_ptr, pid, it, prefix_len, h, total_bytes, P: gl.constexpr, PAGE_BYTES2: gl.constexpr,
           K_OFF2: gl.constexpr, V_OFF2: gl.constexpr, VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr,
-          MIXED: gl.constexpr, VSV: gl.constexpr = 0):  # fmt: skip
+          MIXED: gl.constexpr):  # fmt: skip
     """INT2 rows of the step, in _raw4's registers: K and V [PPI, P, 16] int32 whose column c holds halfword c of the
     32-byte row (low 16 bits: 8 codes, as an INT4 word pair holds 8), V scale / zero [PPI, P, 4]; K scale / zero 0
     (per channel, not per row: _key_pairs). Rows past prefix_len (and MIXED: rows of INT4 pages) read 0."""
@@ -284,13 +239,10 @@ def _raw2(buf_ptr, pid, it, prefix_len, h, total_bytes, P: gl.constexpr, PAGE_BY
     gok = (it + gp) * P + gr < prefix_len
     if MIXED:
         gok = gok & ((q3 & FLAG) != 0)
-    if VSV:
-        vs, vz = _vgroups(buf_ptr, pid, it, prefix_len, h, total_bytes, P, PAGE_BYTES2, VS_OFF2, VZ_OFF2, True, MIXED)
-    else:
-        vg = _int2_base(buf_ptr, q3, total_bytes, PAGE_BYTES2).to(gl.pointer_type(gl.float16), bitcast=True)
-        vg = vg + (h * 4 + g) * P + gr
-        vs = gl.load(vg + VS_OFF2 // 2, mask=gok, other=0.0)
-        vz = gl.load(vg + VZ_OFF2 // 2, mask=gok, other=0.0)
+    vg = _int2_base(buf_ptr, q3, total_bytes, PAGE_BYTES2).to(gl.pointer_type(gl.float16), bitcast=True)
+    vg = vg + (h * 4 + g) * P + gr
+    vs = gl.load(vg + VS_OFF2 // 2, mask=gok, other=0.0)
+    vz = gl.load(vg + VZ_OFF2 // 2, mask=gok, other=0.0)
     ks = gl.zeros([PPI, P, 4], gl.float16, layout=LG)
     return kw, vw, ks, ks, vs, vz
 
@@ -299,19 +251,19 @@ def _raw2(buf_ptr, pid, it, prefix_len, h, total_bytes, P: gl.constexpr, PAGE_BY
 def _raw(buf_ptr, pid, kind, it, prefix_len, h, total_bytes, P: gl.constexpr, PAGE_BYTES: gl.constexpr,
          K_OFF: gl.constexpr, KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
          VZ_OFF: gl.constexpr, PAGE_BYTES2: gl.constexpr, K_OFF2: gl.constexpr, V_OFF2: gl.constexpr,
-         VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr, VSV: gl.constexpr = 0):  # fmt: skip
+         VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr):  # fmt: skip
     """The step's packed rows by its kind (_raw4, _raw2, or both on their own rows for a mixed step)."""
     if kind == 0:
         kw, vw, ks, kz, vs, vz = _raw4(buf_ptr, pid, it, prefix_len, h, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
-                                       VS_OFF, VZ_OFF, False, VSV)  # fmt: skip
+                                       VS_OFF, VZ_OFF, False)  # fmt: skip
     elif kind == 1:
         kw, vw, ks, kz, vs, vz = _raw2(buf_ptr, pid, it, prefix_len, h, total_bytes, P, PAGE_BYTES2, K_OFF2, V_OFF2,
-                                       VS_OFF2, VZ_OFF2, False, VSV)  # fmt: skip
+                                       VS_OFF2, VZ_OFF2, False)  # fmt: skip
     else:
         kw, vw, ks, kz, vs, vz = _raw4(buf_ptr, pid, it, prefix_len, h, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
-                                       VS_OFF, VZ_OFF, True, VSV)  # fmt: skip
+                                       VS_OFF, VZ_OFF, True)  # fmt: skip
         kw2, vw2, _ks, _kz, vs2, vz2 = _raw2(buf_ptr, pid, it, prefix_len, h, total_bytes, P, PAGE_BYTES2, K_OFF2,
-                                             V_OFF2, VS_OFF2, VZ_OFF2, True, VSV)  # fmt: skip
+                                             V_OFF2, VS_OFF2, VZ_OFF2, True)  # fmt: skip
         kw = kw | kw2
         vw = vw | vw2
         vs = vs + vs2  # one of the two is +0
@@ -475,8 +427,7 @@ def _tri_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix
               KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr,
               PAGE_BYTES2: gl.constexpr, K_OFF2: gl.constexpr, KS_OFF2: gl.constexpr, KZ_OFF2: gl.constexpr,
               V_OFF2: gl.constexpr, VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr, PPI: gl.constexpr,
-              BLOCK_T: gl.constexpr, KPF: gl.constexpr, CKV: gl.constexpr, VSV: gl.constexpr = 0,
-              KEA: gl.constexpr = 0):  # fmt: skip
+              BLOCK_T: gl.constexpr, KPF: gl.constexpr, CKV: gl.constexpr):  # fmt: skip
     """The triaxial producer: step i's rows unpacked into ring slot i % SLOTS once the consumers released it, while
     step i+1's bytes and step i+2's page ids are in flight; then the chunk (_pp_chunk)."""
     SLOTS: gl.constexpr = k_ring.shape[0]
@@ -484,24 +435,18 @@ def _tri_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix
     steps = gl.cdiv(num_pages, PPI)
     pid, kind = _ids(pt_ptr, 0, num_pages, PPI)
     kw, vw, ks, kz, vs, vz = _raw(buf_ptr, pid, kind, 0, prefix_len, h, total_bytes, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF,
-                                  V_OFF, VS_OFF, VZ_OFF, PAGE_BYTES2, K_OFF2, V_OFF2, VS_OFF2, VZ_OFF2, VSV)  # fmt: skip
+                                  V_OFF, VS_OFF, VZ_OFF, PAGE_BYTES2, K_OFF2, V_OFF2, VS_OFF2, VZ_OFF2)  # fmt: skip
     npid, nkind = _ids(pt_ptr, PPI, num_pages, PPI)
     for i in range(steps):
         slot = i % SLOTS
         npid2, nkind2 = _ids(pt_ptr, (i + 2) * PPI, num_pages, PPI)
-        if KEA:  # step i+1's K rows and scales in flight from here, a K unpack sooner (its V ones below)
-            nkw, _v, nks, nkz, _vs, _vz = _raw(buf_ptr, npid, nkind, (i + 1) * PPI, prefix_len, h, total_bytes, P,
-                                               PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, PAGE_BYTES2,
-                                               K_OFF2, V_OFF2, VS_OFF2, VZ_OFF2, VSV)  # fmt: skip
         mbarrier.wait(empty.index(slot), ((i // SLOTS) & 1) ^ 1)  # a fresh mbarrier counts as released once
         _unpack_k(buf_ptr, kw, ks, kz, kind, pid, num_pages, i * PPI, h, total_bytes, k_ring.index(slot), PAGE_BYTES2,
                   KS_OFF2, KZ_OFF2)  # fmt: skip
         # step i+1's bytes, in flight from here (loaded before K's unpack they cost spills: two steps' rows at once)
-        _k, nvw, _ks, _kz, nvs, nvz = _raw(buf_ptr, npid, nkind, (i + 1) * PPI, prefix_len, h, total_bytes, P,
-                                           PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, PAGE_BYTES2,
-                                           K_OFF2, V_OFF2, VS_OFF2, VZ_OFF2, VSV)  # fmt: skip
-        if not KEA:
-            nkw, nks, nkz = _k, _ks, _kz
+        nkw, nvw, nks, nkz, nvs, nvz = _raw(buf_ptr, npid, nkind, (i + 1) * PPI, prefix_len, h, total_bytes, P,
+                                            PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, PAGE_BYTES2,
+                                            K_OFF2, V_OFF2, VS_OFF2, VZ_OFF2)  # fmt: skip
         if KPF == 2:  # its key pairs into L1: their loads at step i+1 then wait for L1, not L2 / HBM
             _key_prefetch(buf_ptr, npid, (i + 1) * PPI, num_pages, h, total_bytes, PAGE_BYTES2, KS_OFF2, KZ_OFF2)
         _unpack_v(vw, vs, vz, kind, pid, v_ring.index(slot))
@@ -531,9 +476,7 @@ def _gl_extend_tri_kernel(
     SLOTS: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, ATT_REGS: gl.constexpr, REV: gl.constexpr,
     KPF: gl.constexpr,  # 2: INT2 key scale / zero rows prefetched into L1 a step ahead (0: not, session 12)
     CKV: gl.constexpr,  # 1: the chunk's k, v read as the caller holds them (gluon_extend's CKV)
-    LAZY: gl.constexpr = 0,  # 1: the consumers' lazy softmax (gluon_extend's LAZY)
-    VSV: gl.constexpr = 0,  # 1: V group scale / zero rows loaded 4 tokens at once (one 8-byte load each)
-    KEA: gl.constexpr = 0,  # 1: the next step's K rows and scales loaded before this step's K unpack (V's after it)
+    LAZY: gl.constexpr = 0,  # 1: the consumers' lazy softmax (gluon_extend's LAZY; not faster here, session 15)
 ):  # fmt: skip
     """gluon_extend._gl_extend_pp_kernel (arguments as there) with the triaxial producer _tri_load (LOAD_WARPS = PPI:
     a warp per page of the step)."""
@@ -547,7 +490,7 @@ def _gl_extend_tri_kernel(
                       G, D, P, PPI, BLOCK_T, LAZY)),
         (_tri_load, (buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_len, n_new, k_s0, total_bytes,
                      qb, h, P, D, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, PAGE_BYTES2, K_OFF2,
-                     KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2, PPI, BLOCK_T, KPF, CKV, VSV, KEA)),
+                     KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2, PPI, BLOCK_T, KPF, CKV)),
     ], [4, LOAD_WARPS], [ATT_REGS, LOAD_REGS])  # fmt: skip
 
 
@@ -562,7 +505,7 @@ def _gl_extend_tri_kernel(
 # KPF 2: the next step's INT2 key scale / zero rows prefetched into L1 (0: not); CKV 1: the chunk's k, v read as
 # the caller holds them (gluon_attend._pp_chunk_rows; 0: copied to fp16 quarter-major by the wrapper)
 TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 4, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 152, "maxnreg": 168,
-                          "ATT_REGS": 176, "REV": 1, "SORT": 2, "KPF": 2, "CKV": 1, "LAZY": 0, "VSV": 0, "KEA": 0,
+                          "ATT_REGS": 176, "REV": 1, "SORT": 2, "KPF": 2, "CKV": 1, "LAZY": 0,
                           "num_warps": 4}  # fmt: skip
 
 
@@ -619,7 +562,7 @@ def _meta(cfg: dict[str, int], lay: PageLayout, lay2: PageLayout) -> dict[str, A
                 VS_OFF=a[5], VZ_OFF=a[6], PAGE_BYTES2=a2[0], K_OFF2=a2[1], KS_OFF2=a2[2], KZ_OFF2=a2[3],
                 V_OFF2=a2[4], VS_OFF2=a2[5], VZ_OFF2=a2[6], BLOCK_T=cfg["BLOCK_T"], PPI=cfg["PPI"],
                 SLOTS=cfg["SLOTS"], LOAD_WARPS=cfg["LOAD_WARPS"], LOAD_REGS=cfg["LOAD_REGS"],
-                ATT_REGS=cfg["ATT_REGS"], REV=cfg["REV"], KPF=cfg["KPF"], CKV=cfg["CKV"], LAZY=cfg["LAZY"], VSV=cfg["VSV"], KEA=cfg["KEA"], num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])  # fmt: skip
+                ATT_REGS=cfg["ATT_REGS"], REV=cfg["REV"], KPF=cfg["KPF"], CKV=cfg["CKV"], LAZY=cfg["LAZY"], num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])  # fmt: skip
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, prefix_pages: torch.Tensor,

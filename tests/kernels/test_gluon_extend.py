@@ -156,7 +156,7 @@ def _check(prefix_lens: list[int], n_new: int, tuning: dict[str, int] | None = N
 @pytest.mark.parametrize("tuning", [{}, {"WS": 1}, {"WS": 0, "PAIR": 1}, {"WS": 0, "PAIR": 2}, {"WS": 0, "PAIR": 0},
                                     {"WS": 0, "PAIR": 1, "OVERLAP": 0},
                                     {"WS": 0, "PAIR": 1, "BLOCK_T": 16, "PPI": 4, "num_warps": 4},
-                                    {"CKV": 1}, {"LAZY": 1}])  # fmt: skip
+                                    {"CKV": 1}, {"LAZY": 0}])  # fmt: skip
 def test_gpu_gluon_extend_real_shapes(tuning: dict[str, int]) -> None:
     # prefixes: whole steps + a partial page (odd step count), exactly one step, empty, 3000 (even step count);
     # 300 new tokens: 32-token blocks, the last partial, chunk steps of 128 keys, the last partial
