@@ -412,8 +412,12 @@ def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, F
 @gluon.jit
 def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: gl.constexpr, P: gl.constexpr,
                PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, LV_LOAD: gl.constexpr,
-               LV_UNPACK: gl.constexpr):  # fmt: skip
-    """One staged step from ring slot ``slot`` into registers, in _load_step's layouts and order."""
+               LV_UNPACK: gl.constexpr, VSLAST: gl.constexpr = 0):  # fmt: skip
+    """One staged step from ring slot ``slot`` into registers, in _load_step's layouts and order.
+
+    VSLAST 1 (INT4 / INT2 pages): the V scale / zero pairs are masked only in a step with invalid tokens (a
+    split's last), behind a uniform test of the step's valid tokens, instead of in every step (-15 / -16
+    instructions an INT2 / INT4 step offline, bench/NOTES-kernels.md "Next device session")."""
     D: gl.constexpr = 128
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P
@@ -440,10 +444,18 @@ def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: g
     else:
         LVP: gl.constexpr = pair_layout(LV_UNPACK)
         pw, pn, pg = idx3(LVP, W, NT // 2, 1)
-        bok = pw * NT + 2 * pn + 1 < _limit(base, hi, num_tokens, P)
-        keep = gl.where(bok, -1, 0xFFFF)  # the second token of a pair past the sequence reads 0, as in _load_step
-        vs = vsr.index(slot).permute([0, 2, 1]).load(LVP) & keep
-        vz = vzr.index(slot).permute([0, 2, 1]).load(LVP) & keep
+        lim = _limit(base, hi, num_tokens, P)
+        vs = vsr.index(slot).permute([0, 2, 1]).load(LVP)
+        vz = vzr.index(slot).permute([0, 2, 1]).load(LVP)
+        if not VSLAST:
+            keep = gl.where(pw * NT + 2 * pn + 1 < lim, -1, 0xFFFF)  # the second token of a pair past the
+            vs = vs & keep  # sequence reads 0, as in _load_step (its bytes may be any stale fp16, inf or NaN)
+            vz = vz & keep
+        else:
+            if lim < W * NT:
+                keep = gl.where(pw * NT + 2 * pn + 1 < lim, -1, 0xFFFF)
+                vs = vs & keep
+                vz = vz & keep
         if INT2:
             CL: gl.constexpr = chan_layout(W, HP)
             full = gl.zeros([W, D, HP], gl.float16, CL)
@@ -579,7 +591,8 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
               FMT: gl.constexpr, G: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
               KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
               VZ_OFF: gl.constexpr, PPW: gl.constexpr, HP: gl.constexpr, LV_LOAD: gl.constexpr,
-              LV_UNPACK: gl.constexpr, STAGES: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
+              LV_UNPACK: gl.constexpr, STAGES: gl.constexpr, LAZY: gl.constexpr,
+              VSLAST: gl.constexpr = 0):  # fmt: skip
     """Pages [lo, hi) of one (sequence, kv head) in one format -> this split's rows of o and lse (if mine).
 
     STAGES 0: each step loads its bytes into registers and waits for them; STAGES >= 2: a ring of STAGES
@@ -635,7 +648,7 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
             async_copy.wait_group(STAGES - 1)
             base = lo + j * STEP
             d = _read_step(rings, rd, pt_row, base, hi, num_tokens, h, total_bytes, FMT, P, PPW, HP, PAGE_BYTES,
-                           LV_LOAD, LV_UNPACK)  # fmt: skip
+                           LV_LOAD, LV_UNPACK, VSLAST)  # fmt: skip
             rd = gl.where(rd == STAGES - 1, 0, rd + 1)
             m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,
                                   k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK, LAZY)  # fmt: skip
@@ -690,6 +703,7 @@ def _gl_decode_kernel(
     LV_LOAD2: gl.constexpr, LV_UNPACK2: gl.constexpr,
     STAGES: gl.constexpr,  # 0: loads into registers each step; >= 2: cp.async ring this many steps deep
     LAZY: gl.constexpr,  # 1: lazy reference max, rescale skipped by a uniform branch, l by the tensor core
+    VSLAST: gl.constexpr = 0,  # 1: triaxial V scale / zero masks on a split's last step only (_read_step; off)
 ):
     s = gl.program_id(0)
     h = gl.program_id(1)
@@ -703,7 +717,7 @@ def _gl_decode_kernel(
         lo = s * PPS
         _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                   gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF,
-                  VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, LAZY)  # fmt: skip
+                  VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, LAZY, VSLAST)  # fmt: skip
     else:
         n2 = gl.load(n2_ptr + b)
         c2 = gl.cdiv(n2, PPS)  # splits that cover the INT2 pages; the rest cover INT4 pages
@@ -712,13 +726,13 @@ def _gl_decode_kernel(
                 lo = s * PPS
                 _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                           gl.minimum(lo + PPS, n2), s >= 0, GL_FMT_INT2, G, P2, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2,
-                          V_OFF2, VS_OFF2, VZ_OFF2, 1, HP, LV_LOAD2, LV_UNPACK2, STAGES, LAZY)  # fmt: skip
+                          V_OFF2, VS_OFF2, VZ_OFF2, 1, HP, LV_LOAD2, LV_UNPACK2, STAGES, LAZY, VSLAST)  # fmt: skip
         else:
             if PART != 2:
                 lo = n2 + (s - c2) * PPS
                 _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                           gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
-                          VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, LAZY)  # fmt: skip
+                          VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, LAZY, VSLAST)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------
@@ -740,7 +754,8 @@ INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", 
 # (splits of at least SPLIT_MIN_TOKENS tokens unless fewer than SPLIT_MIN_FILL programs per SM), judged by the
 # busiest SM's pages with FILLW warps of fill a wave (fp8 0: 3 programs an SM already saturate its memory reads,
 # bench/NOTES-kernels.md session 15). Benchmarks: PLAN 0 the session-6 plan alone, PLAN 2 plan_waves' alone
-# (session 14's default); MINW keeps plan_waves to grids of at least that many waves.
+# (session 14's default); MINW keeps plan_waves to grids of at least that many waves; SPLITS forces a split count
+# (forced_plan: timing plans side by side, bench/NOTES-kernels.md).
 SPLIT_MIN_TOKENS = 1536
 SPLIT_MIN_FILL = 2
 # STAGES: the cp.async ring's depth (0: no ring, each step loads into registers and waits); 2 measured best on an
@@ -798,17 +813,39 @@ def decode_attention(
     """Launch the Gluon decode (arguments checked by paged_ops; ``supported`` must hold) -> [B, Hq, D] in q.dtype.
 
     tuning overrides GL_TUNING[fmt] (RES / RES16, PLAN, MINW, FILLW: the split planner's; MINTOK / FILL: PLAN 0's
-    SPLIT_MIN_TOKENS / SPLIT_MIN_FILL); splits (splits, pages per split) overrides the planner."""
+    SPLIT_MIN_TOKENS / SPLIT_MIN_FILL; SPLITS: a forced split count, ``forced_plan``; VSLAST: see _read_step);
+    splits (splits, pages per split) overrides the planner."""
     out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages,
                            tuning=tuning, splits=splits)  # fmt: skip
     return out
 
 
+def forced_plan(pages: int, ppi: int, splits: int, *, triaxial: bool) -> tuple[int, int]:
+    """(splits, pages per split) of the tuning key SPLITS (benchmarks: time a plan the planners would not pick).
+
+    Plain pages: ``splits`` chunks of the page-table width, ceil(pages / splits) pages each rounded up to a whole
+    step (ppi pages; the kernel's loop needs it), so the grid can come out with fewer splits than asked (256 pages,
+    SPLITS 3: 3 x 88; SPLITS 100 at 4 pages a step: 64 x 4). Triaxial: SPLITS counts the grid's splits as the
+    planners do, the INT2 / INT4 boundary's included -- a row runs ceil(n2 / pps) INT2 and ceil(n4 / pps) INT4
+    programs, at most one more than ceil(pages / pps) (the kernel's ``c2``), so SPLITS k cuts the width into
+    k - 1 chunks (the session-6 plan 10 x 116 at 32 x 32K is SPLITS 10), and k must be at least 2."""
+    least = 2 if triaxial else 1
+    if splits < least:
+        why = " for triaxial pages (one split is the INT2 / INT4 boundary's)" if triaxial else ""
+        raise ValueError(f"tuning SPLITS must be >= {least}{why}, got {splits}")
+    chunks = splits - (1 if triaxial else 0)
+    pps = -(-(-(-max(pages, 1) // chunks)) // ppi) * ppi
+    return -(-max(pages, 1) // pps) + (1 if triaxial else 0), pps
+
+
 def split_plan(q: torch.Tensor, kv: PagedKV, page_table: torch.Tensor, cfg: dict[str, int]) -> tuple[int, int]:
     """(splits, pages per split) of a launch with tuning ``cfg`` (GL_TUNING[fmt] and its overrides): pick_plan's
     choice between plan_waves on the tuning's programs resident per SM and the session-6 min-length planner
-    (PLAN 0: the min-length plan alone; PLAN 2: the wave plan alone, session 14's default)."""
+    (PLAN 0: the min-length plan alone; PLAN 2: the wave plan alone, session 14's default; SPLITS: that many
+    splits, ``forced_plan``)."""
     bh, pages, ppi = q.shape[0] * kv.layout.kv_heads, page_table.shape[1], cfg["num_warps"] * cfg["PPW"]
+    if "SPLITS" in cfg:
+        return forced_plan(pages, ppi, cfg["SPLITS"], triaxial=kv.triaxial)
     if not cfg.get("PLAN", 1):
         return plan_splits(bh, pages, ppi, q.device, triaxial=kv.triaxial, programs_per_sm=cfg["PPSM"],
                            min_pages=-(-cfg.get("MINTOK", SPLIT_MIN_TOKENS) // kv.layout.page_size),
@@ -859,13 +896,15 @@ def launch_decode(
         run.q, run.o, run.lse, kv.buffer, run.page_table, seq_lens, run.n2, sm_scale * LOG2E * k_fold, kv.total_bytes,
         run.page_table.stride(0), run.splits, run.pages_per_split, PART=(part or 1) if kv.triaxial else 0,
         H=run.kv_heads, G=run.group, HP=hp, STAGES=cfg.get("STAGES", 0), LAZY=cfg.get("LAZY", 1),
+        VSLAST=cfg.get("VSLAST", 0),
         **args, **args2, **cap,
     )  # fmt: skip
     return merge_splits(run, v_mul=v_fold, block_s=cfg.get("MBS")), kernel
 
 
 def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None, heads: int = 4,
-                        stages: int = 0, lazy: int = 1) -> tuple[dict[str, str], dict[str, Any]]:  # fmt: skip
+                        stages: int = 0, lazy: int = 1,
+                        vslast: int = 0) -> tuple[dict[str, str], dict[str, Any]]:  # fmt: skip
     """(signature, constexprs) to compile ``_gl_decode_kernel`` without a GPU (compile_report.py, tests).
 
     fmt "int2" / "int4" compile the triaxial kernel with only that precision's branch (PART 2 / 4), "triaxial"
@@ -879,7 +918,7 @@ def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None,
     sig = {"q_ptr": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "buf_ptr": "*u8", "pt_ptr": "*i32", "lens_ptr": "*i32",
            "n2_ptr": "*i32", "k_mul": "fp32", "total_bytes": "i64", "pt_stride": "i32", "S": "i32", "PPS": "i32"}  # fmt: skip
     const = dict(PART={"nvfp4": 0, "fp8_e4m3": 0, "int2": 2, "int4": 4, "triaxial": 1}[fmt], H=8, G=heads, HP=8 if heads <= 8 else 16,
-                 STAGES=stages, LAZY=lazy,
+                 STAGES=stages, LAZY=lazy, VSLAST=vslast,
                  **kernel_args(plain, lay, num_warps=num_warps, ppw=ppw),
                  **{k + "2": v for k, v in a2.items() if k in INT2_ARGS})  # fmt: skip
     return sig, const

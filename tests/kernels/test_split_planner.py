@@ -163,3 +163,50 @@ def test_gluon_decode_launches_pick_plans_choice_at_the_bench_shapes(fmt: str, m
         old = gluon_decode.split_plan(q, kv, table, {**cfg, "PLAN": 0})
         wave = gluon_decode.split_plan(q, kv, table, {**cfg, "PLAN": 2})
         assert got == want and got in (old, wave), (b, ctx, got, old, wave)
+
+
+def _plan(fmt: str, batch: int, ctx: int, tuning: dict[str, int]) -> tuple[int, int]:
+    tri = fmt == "triaxial"
+    layout = PageLayout.build("int4" if tri else fmt, page_size=32 if tri else 16, kv_heads=8, head_dim=128)
+    kv: Any = SimpleNamespace(layout=layout, triaxial=tri)
+    q, table = torch.empty(batch, 32, 128), torch.empty(batch, ctx // layout.page_size, dtype=torch.int32)
+    return gluon_decode.split_plan(q, kv, table, {**gluon_decode.GL_TUNING[layout.fmt], **tuning})
+
+
+def test_forced_splits_launch_ceil_pages_over_splits_rounded_to_a_step() -> None:
+    # fp8 128 x 4K (256 pages, 4 a step): the plans the notes ask timed side by side (session 15: 2 x 128, pick_plan's,
+    # +1.2% vs 3 x 88, the old planner's), whatever PLAN says
+    for k, want in [(1, (1, 256)), (2, (2, 128)), (3, (3, 88)), (4, (4, 64)), (5, (5, 52)), (6, (6, 44))]:
+        assert _plan("fp8_e4m3", 128, 4096, {"SPLITS": k}) == want
+        assert _plan("fp8_e4m3", 128, 4096, {"SPLITS": k, "PLAN": 0}) == want
+    # rounded up to a whole step, the grid can have fewer splits than asked: 100 -> 3 pages -> 4, 64 splits
+    assert _plan("nvfp4", 1, 4096, {"SPLITS": 100}) == (64, 4)
+    assert _plan("nvfp4", 1, 4096, {"SPLITS": 7}) == (7, 40)
+
+
+def test_forced_triaxial_splits_count_the_int2_int4_boundary_split() -> None:
+    # SPLITS is the grid's split count as the planners print it: k - 1 chunks of the page table plus the boundary's
+    # split, so the old and the wave plans of session 15 come back by their printed counts
+    assert _plan("triaxial", 32, 32768, {"SPLITS": 10}) == (10, 116)  # old plan
+    assert _plan("triaxial", 32, 32768, {"SPLITS": 17}) == (17, 64)  # session 14's wave plan
+    assert _plan("triaxial", 128, 4096, {"SPLITS": 4}) == (4, 44)
+    assert _plan("triaxial", 128, 4096, {"SPLITS": 5}) == (5, 32)
+    assert _plan("triaxial", 1, 4096, {"SPLITS": 2}) == (2, 128)  # one chunk: the INT2 pages, then the INT4 ones
+
+
+@pytest.mark.parametrize("pages", [1, 5, 37, 128, 1024])
+@pytest.mark.parametrize("splits", [2, 3, 10, 50])
+def test_forced_triaxial_plan_covers_every_row_split_into_int2_and_int4_chunks(pages: int, splits: int) -> None:
+    s, pps = gluon_decode.forced_plan(pages, 4, splits, triaxial=True)
+    assert pps % 4 == 0 and s <= splits
+    for n2 in range(pages + 1):  # the kernel: ceil(n2 / pps) INT2 splits, then ceil(n4 / pps) INT4 ones
+        assert -(-n2 // pps) + -(-(pages - n2) // pps) <= s, (n2, s, pps)
+
+
+def test_forced_splits_below_the_least_are_refused_naming_the_key() -> None:
+    with pytest.raises(ValueError, match="SPLITS must be >= 1, got 0"):
+        _plan("fp8_e4m3", 128, 4096, {"SPLITS": 0})
+    with pytest.raises(ValueError, match="SPLITS must be >= 1"):
+        gluon_decode.forced_plan(256, 4, -3, triaxial=False)
+    with pytest.raises(ValueError, match="SPLITS must be >= 2 for triaxial pages.*got 1"):
+        _plan("triaxial", 32, 32768, {"SPLITS": 1})
