@@ -6,7 +6,7 @@
 1. Trains, with a seed, a small Qwen3-style decoder (GQA, head_dim 128, RoPE,
    q/k-norm) with the worker's own model code on agent conversations built from
    the Python standard library's ``.py`` sources (every machine has them):
-   ``kvserving.calibrate.agent_wrap`` gives them the shape of the agent load
+   ``kvserving.calib_data.agent_wrap`` gives them the shape of the agent load
    generator's agents (system prompt, tool schemas, turns of user request or
    tool result, replies that quote the latest result and call the next tool),
    rendered by the gateway's chat template, so the model learns the template
@@ -91,8 +91,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from kvserving.bits import bits_table_for_budget, count_page_mixes, default_sensitivity, format_bits_table, page_records
-from kvserving.calibrate import (METRICS, TaggedSeq, agent_wrap, calibrate, capture_qkv, chars_per_token, load_data,
-                                 select_tables)
+from kvserving.calib_data import TaggedSeq, agent_wrap, chars_per_token, load_data
+from kvserving.calibrate import METRICS, calibrate, capture_qkv, select_tables
 from kvserving.calibrate_kl import kl_sum, log_probs, predicted, table_attn_distortion, table_bits
 from kvserving.calibration import Calibration, budget_key
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
