@@ -604,7 +604,7 @@ def sender_calls(client: Any, w: Worker, params: dict[str, Any] | None, n: int =
         return {}
     url, lid = w.url, params["lease_id"]
     try:
-        from kvserving.worker.kv_transfer import lease_digest
+        from kvserving.worker.kv_wire import lease_digest
 
         digest = lease_digest(params["page_ids"], params["page_hashes"], params["num_tokens"])
     except ImportError:  # a worker from before holds (bench A/B runs): it has no hold route either

@@ -33,7 +33,8 @@ import torch
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, SchedulerConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine, RequestOutput
 from kvserving.worker.kv_local import LocalPair, flush_prefix_cache
-from kvserving.worker.kv_transfer import KVTransfer, KVTransferParams
+from kvserving.worker.kv_transfer import KVTransfer
+from kvserving.worker.kv_wire import KVTransferParams
 from kvserving.worker.page_pool import PagePool
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.tiny_model import build_tiny_model

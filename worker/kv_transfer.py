@@ -1,6 +1,7 @@
 """Engine-level KV reuse across workers: pull a prompt's pages from another
 worker over NIXL, retain a finished request's pages under a lease, and the
-lease table (DESIGN.md, Worker: kv_transfer_params; docs/worker-api.md).
+lease table (DESIGN.md, Worker: kv_transfer_params; docs/worker-api.md). The wire form of
+``kv_transfer_params``, lease digests, the layout identity and the peer HTTP client are ``kv_wire``'s.
 
 API the worker server uses (one ``KVTransfer`` per worker process)::
 
@@ -75,10 +76,7 @@ Released or expired leases' pages go back to the prefix cache's LRU.
 from __future__ import annotations
 
 import base64
-import hashlib
-import json
 import math
-import struct
 import threading
 import time
 import uuid
@@ -86,12 +84,12 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from kvserving.config import ROLES, ReuseConfig
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.engine import LLMEngine
+from kvserving.worker.kv_wire import HTTP_TIMEOUT_S, KVTransferParams, PeerHttp, layout_hash, layout_info, lease_digest
 from kvserving.worker.leases import RetainedKV, RetainSpec, release_pin
 from kvserving.worker.page_pool import RECLAIM_FIRST, RECLAIM_LAST
 from kvserving.worker.nixl_io import NixlIO, PageGeometry, ReadStats, RemoteBuffers, TransferError
@@ -111,76 +109,12 @@ HOLD_LEASE_PREFIX = "hold-"  # a puller's pin of a lease's pages for the length 
 HOLD_MARGIN_S = 2.0  # a hold outlives the puller's READ deadline by this much
 MAX_HOLD_S = 120.0
 DEFAULT_THRESHOLD_TOKENS = 64  # "auto" before both rates are measured
-MAX_PAGES = 1 << 20
-HTTP_TIMEOUT_S = 2.0
-_HASH_LIMIT = 1 << 63
 # ``PullResult.phases``, on the request's path in this order: hash and match the prompt and
 # allocate (one engine-thread hop), wait for the sender's hold (sent before planning), build the
 # READ's descriptors, the READ itself, register and pin the pages (one hop), wait for a hold that
 # ended in no READ. ``contact_agent`` / ``contact_hold``: the agent fetch (first pull from an
 # incarnation only) and the hold's round trip, on a peer-call thread beside the planning.
 PULL_PHASES = ("plan", "lease_check", "descriptors", "read", "adopt", "release", "contact_agent", "contact_hold")
-
-
-# --------------------------------------------------------------------------- wire params
-@dataclass(slots=True, frozen=True)
-class KVTransferParams:
-    """Where a prompt's KV may be pulled from (docs/worker-api.md)."""
-
-    engine_id: str
-    agent_url: str
-    lease_id: str
-    page_ids: tuple[int, ...]
-    page_hashes: tuple[int, ...]
-    num_tokens: int
-    page_size: int
-    dtype: str
-    layout_hash: str
-    expires_at: float  # unix seconds
-
-    @classmethod
-    def from_dict(cls, data: object) -> KVTransferParams:
-        """Parse the wire form; ValueError naming the field on any wrong type, value or length."""
-        if not isinstance(data, dict):
-            raise ValueError(f"kv_transfer_params must be an object, got {type(data).__name__}")
-        names = [f for f in cls.__dataclass_fields__]
-        unknown = sorted(set(data) - set(names))
-        if unknown:
-            raise ValueError(f"kv_transfer_params has unknown fields: {unknown}")
-        missing = [n for n in names if n not in data]
-        if missing:
-            raise ValueError(f"kv_transfer_params is missing fields: {missing}")
-        for name in ("engine_id", "agent_url", "lease_id", "dtype", "layout_hash"):
-            if not isinstance(data[name], str) or not data[name]:
-                raise ValueError(f"kv_transfer_params.{name} must be a non-empty string")
-        for name in ("num_tokens", "page_size"):
-            if not _is_int(data[name]) or data[name] < 0:
-                raise ValueError(f"kv_transfer_params.{name} must be an integer >= 0")
-        if data["page_size"] < 1:
-            raise ValueError("kv_transfer_params.page_size must be >= 1")
-        exp = data["expires_at"]
-        if isinstance(exp, bool) or not isinstance(exp, (int, float)) or not math.isfinite(exp):
-            raise ValueError("kv_transfer_params.expires_at must be a finite number (unix seconds)")
-        ids = _int_list(data["page_ids"], "page_ids", limit=1 << 31)
-        hashes = _int_list(data["page_hashes"], "page_hashes", limit=_HASH_LIMIT)
-        if len(hashes) != len(ids):
-            raise ValueError(f"kv_transfer_params.page_hashes has {len(hashes)} entries for {len(ids)} page_ids")
-        if data["num_tokens"] > len(ids) * data["page_size"]:
-            raise ValueError(
-                f"kv_transfer_params.num_tokens ({data['num_tokens']}) exceeds {len(ids)} pages of {data['page_size']}"
-            )
-        return cls(
-            data["engine_id"], data["agent_url"], data["lease_id"], ids, hashes, data["num_tokens"],
-            data["page_size"], data["dtype"], data["layout_hash"], float(exp),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "engine_id": self.engine_id, "agent_url": self.agent_url, "lease_id": self.lease_id,
-            "page_ids": list(self.page_ids), "page_hashes": list(self.page_hashes), "num_tokens": self.num_tokens,
-            "page_size": self.page_size, "dtype": self.dtype, "layout_hash": self.layout_hash,
-            "expires_at": self.expires_at,
-        }
 
 
 def _lease_generation(lease_id: str) -> int | None:
@@ -192,68 +126,6 @@ def _lease_generation(lease_id: str) -> int | None:
         except ValueError:
             return None
     return None
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _int_list(value: object, name: str, *, limit: int) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise ValueError(f"kv_transfer_params.{name} must be a list of integers")
-    if len(value) > MAX_PAGES:
-        raise ValueError(f"kv_transfer_params.{name} has {len(value)} entries (at most {MAX_PAGES})")
-    if any(not _is_int(v) or not 0 <= v < limit for v in value):
-        raise ValueError(f"kv_transfer_params.{name} must hold integers in [0, {limit})")
-    return tuple(value)
-
-
-# --------------------------------------------------------------------------- layout identity
-def weights_identity(model_dir: str | Path) -> str:
-    """Hex digest of config.json and, per safetensors file, its name, size and first MiB
-    (header and leading tensor bytes): different weights never share KV pages."""
-    root = Path(model_dir)
-    h = hashlib.sha256()
-    cfg = root / "config.json"
-    h.update(cfg.read_bytes() if cfg.is_file() else b"")
-    for path in sorted(root.glob("*.safetensors")):
-        h.update(path.name.encode() + b"\0" + str(path.stat().st_size).encode() + b"\0")
-        with path.open("rb") as f:
-            h.update(f.read(1 << 20))
-    return h.hexdigest()
-
-
-def layout_info(engine: LLMEngine) -> dict[str, Any]:
-    """The pool layout peers need: dtype, page size, per-layer page bytes and fields, model shape."""
-    st = engine.storage
-    layouts = [st.layout] + ([st.int2_layout] if st.int2_layout is not None else [])
-    return {
-        "dtype": st.kv_dtype,
-        "page_format": st.layout.fmt,
-        "page_size": st.page_size,
-        "num_layers": st.shape.num_layers,
-        "num_kv_heads": st.shape.num_kv_heads,
-        "head_dim": st.shape.head_dim,
-        "page_bytes": st.layout.page_bytes,
-        "int2_page_bytes": st.int2_layout.page_bytes if st.int2_layout is not None else 0,
-        "total_bytes": st.total_bytes,
-        "fields": [
-            [lay.fmt, [[f.name, str(f.dtype), list(f.shape), f.offset, list(f.storage or ())] for f in lay.fields]]
-            for lay in layouts
-        ],
-        "k_scales": list(st.k_scales),
-        "v_scales": list(st.v_scales),
-    }
-
-
-def layout_hash(engine: LLMEngine, *, weights_id: str | None = None) -> str:
-    """Hash of everything that must agree for a page to mean the same on two workers:
-    dtype, page size, page layout (fields with scales and zeros), global scales,
-    model shape and weights identity (buffer size is not in it: it is per worker)."""
-    info = {k: v for k, v in layout_info(engine).items() if k != "total_bytes"}
-    info["weights"] = weights_id if weights_id is not None else weights_identity(engine.config.model.path)
-    info["bits_table"] = list(engine.kv.bits_table) if engine.kv.bits_table is not None else None
-    return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:32]
 
 
 # --------------------------------------------------------------------------- results
@@ -314,62 +186,6 @@ class _LeaseRecord:
 
 class LeaseMismatchError(ValueError):
     """A hold named a lease whose pages are not the ones the puller was offered (HTTP 409)."""
-
-
-def lease_digest(page_ids: Sequence[int], page_hashes: Sequence[int], num_tokens: int) -> str:
-    """What a hold compares instead of shipping the page lists back: blake2b-128 over the
-    lease's page ids, page hashes and token count (equal digests = equal lists)."""
-    h = hashlib.blake2b(digest_size=16, person=b"kvserving.lease")
-    h.update(struct.pack("<qq", len(page_ids), num_tokens))
-    h.update(struct.pack(f"<{len(page_ids)}q", *page_ids))
-    h.update(struct.pack(f"<{len(page_hashes)}q", *page_hashes))
-    return h.hexdigest()
-
-
-# --------------------------------------------------------------------------- HTTP defaults
-class PeerHttp:
-    """The HTTP calls a puller makes to the worker it pulls from, over ONE pooled
-    client: building an ``httpx.Client`` per call cost ~21 ms each on the H200
-    machines (bench/NOTES-pd-gpu.md); a pull makes one (the hold), plus the agent fetch
-    once per sender incarnation and the hold's release after the READ.
-    httpx's sync client is safe to share between the server's pull threads."""
-
-    def __init__(self, *, timeout_s: float = HTTP_TIMEOUT_S) -> None:
-        import httpx
-
-        self._client = httpx.Client(timeout=timeout_s)
-
-    def close(self) -> None:
-        self._client.close()
-
-    def fetch_agent_info(self, agent_url: str) -> dict[str, Any]:
-        r = self._client.get(f"{agent_url.rstrip('/')}/internal/kv/agent")
-        r.raise_for_status()
-        return cast(dict[str, Any], r.json())
-
-    def hold(self, agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
-        """``POST .../hold``: the sender's answer (``KVTransfer.hold``), ``{"refused": "unknown_lease"}``
-        on 404 and ``{"refused": "lease_mismatch"}`` on 409; raises for anything else."""
-        r = self._client.post(f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}/hold",
-                              json={"digest": digest, "hold_s": hold_s, "consume": consume})
-        if r.status_code in (404, 409):
-            return {"refused": "unknown_lease" if r.status_code == 404 else "lease_mismatch"}
-        r.raise_for_status()
-        return cast(dict[str, Any], r.json())
-
-    def release(self, agent_url: str, lease_id: str) -> None:
-        r = self._client.delete(f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}")
-        if r.status_code not in (200, 404):
-            r.raise_for_status()
-
-
-def http_hold(agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
-    """One-off ``PeerHttp.hold`` (tests and tools)."""
-    http = PeerHttp()
-    try:
-        return http.hold(agent_url, lease_id, digest, hold_s, consume)
-    finally:
-        http.close()
 
 
 @dataclass(slots=True)

@@ -20,7 +20,8 @@ import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, SchedulerConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_transfer import KVTransfer, KVTransferParams, LeaseMismatchError
+from kvserving.worker.kv_transfer import KVTransfer, LeaseMismatchError
+from kvserving.worker.kv_wire import KVTransferParams
 from kvserving.worker.sampling import SamplingParams
 
 torch.set_num_threads(1)
