@@ -200,14 +200,9 @@ class TaggedSeq:
     tags: list[int]
 
 
-def tag_requests(tagger: ChatTagger, requests: Sequence[ChatRequest], *, max_tokens: int, where: str) -> list[TaggedSeq]:
-    """Render and tag each request; a prompt longer than ``max_tokens`` keeps its last
-    ``max_tokens`` tokens (the current turn, which a long context ends with)."""
-    return list(iter_tagged(tagger, requests, max_tokens=max_tokens, where=where))
-
-
 def iter_tagged(tagger: ChatTagger, requests: Iterable[ChatRequest], *, max_tokens: int, where: str) -> Iterator[TaggedSeq]:
-    """``tag_requests``, one request at a time (its caller may stop early)."""
+    """Render and tag each request, one at a time (the caller may stop early); a prompt longer than
+    ``max_tokens`` keeps its last ``max_tokens`` tokens (the current turn, which a long context ends with)."""
     for i, req in enumerate(requests):
         try:
             prompt = tagger.build(req.messages, tools=req.tools, add_generation_prompt=False)
