@@ -619,7 +619,10 @@ def main(argv: list[str] | None = None) -> int:
             n_eval = per_context.get(ctx, s.eval_seqs)
             seqs, sources = evaluation_conversations(eval_path, extra_path, tagger, ctx=ctx, n=n_eval)
             if ctx != s.calib_len or opts.count_on_evaluation:
-                page_seqs = load_data([calib_path], tagger, seq_len=ctx, max_tokens=2 * s.calib_tokens, wrap="agent")
+                # the calibration text's pages at this context: what the budget is counted on, and what --select
+                # scores on (with --count-on-evaluation and no --select nothing reads them)
+                page_seqs = (load_data([calib_path], tagger, seq_len=ctx, max_tokens=2 * s.calib_tokens, wrap="agent")
+                             if opts.select or not opts.count_on_evaluation else [])
                 if opts.calibrate_at_context and ctx != s.calib_len:  # the calibration text wrapped at this context
                     attn[f"calibrated@{ctx}"] = {}  # --select: measured here, the selection is made after with_pages
                     at_ctx = calibrate(model_dir, [calib_path], BUDGETS, seq_len=ctx, max_tokens=s.calib_tokens,
