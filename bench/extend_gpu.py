@@ -69,9 +69,7 @@ GLUON_VARIANTS: dict[str, dict[str, int]] = {
     "gluon-ws2cf0": {"WS": 2, "CF": 0},  # the producer's rows in _pair_layout's lanes (2-way conflicted tile stores)
     "gluon-ws2ckv1": {"WS": 2, "CKV": 1},  # the chunk's k, v read by the kernel (no fp16 copies; session 14: slower)
     "gluon-lazy0": {"LAZY": 0},  # before session 15: the exact max every step (the default since: LAZY 1)
-    # session 16 candidates (offline only): the consumers' row max / sum as trees; 1 in 4 exponentials on the FMA pipe
-    "gluon-tree1": {"TREE": 1},
-    "gluon-emu4": {"EMU": 4},
+    "gluon-tree0": {"TREE": 0},  # before session 16: the row max / sum reduced serially (the default since: TREE 1)
     # measurement only (wrong output): the producer without unpacking, without its proxy fence, storing zero tiles
     "gluon-ws2probe1": {"WS": 2, "PROBE": 1},
     "gluon-ws2probe2": {"WS": 2, "PROBE": 2},
@@ -101,9 +99,7 @@ TRI_VARIANTS: dict[str, dict[str, int]] = {
     "gluon-tri-r136": {"LOAD_REGS": 136, "ATT_REGS": 184},  # session 12's register split
     "gluon-tri-s12": {"SORT": 1, "KPF": 0, "CKV": 0, "LOAD_REGS": 136, "ATT_REGS": 184},
     "gluon-tri-lazy1": {"LAZY": 1},  # session 15: the consumers' lazy softmax (nvfp4's default; not faster here)
-    # session 16 candidates (offline only): every scale / zero row two steps ahead into L1; row max / sum as trees
-    "gluon-tri-kpf3": {"KPF": 3},
-    "gluon-tri-tree1": {"TREE": 1},
+    "gluon-tri-tree1": {"TREE": 1},  # session 16: row max / sum as trees (nvfp4's default; not faster here)
 }
 # tiles meant for the other format's page size (nvfp4 16 tokens, triaxial 32)
 VARIANT_SKIP = {"nvfp4": ("t64-ppi2", "t32-ppi4"), "triaxial": ("t32-ppi8", "t16-w4-ppi8", "t64-ppi4")}

@@ -2,7 +2,9 @@
 # Device-machine entry: make the repo importable as `kvserving` without installing,
 # carry FlashInfer wheels if present, run the gpu tests, then the benchmark.
 # Usage (repo root): bash bench/gpu_run.sh [STEPS] [bench args...]
-#   STEPS: comma-separated tests, bench (decode_gpu.py), extend (extend_gpu.py), all (= tests,bench) or ncu; run in that order.
+#   STEPS: comma-separated tests, bench (decode_gpu.py), extend (extend_gpu.py), all (= tests,bench), ncu (one decode
+#   launch per format named in the bench args) or ncux (the extend launches of profile_extend.py's NCUX_ARGS, default
+#   '{} tri fi': nvfp4, triaxial, FlashInfer bf16); NCU_METRICS=m1,m2 (ncu --metrics, regex: allowed) adds metrics to both.
 #   TESTS=paths limits the gpu tests (default tests/kernels); WARM_FI=1 JIT-compiles FlashInfer's prefill in the
 #   background while the tests and the decode bench run; T_TESTS / T_BENCH / T_EXTEND cap each step's seconds.
 #   PRE_VARIANTS=a,b compiles those extend_gpu.py variants side by side (one process each, at 512 new on 1K cached:
@@ -13,7 +15,7 @@ set -uo pipefail
 what=${1:-all}; shift || true
 [ "$what" = all ] && what=tests,bench
 for step in ${what//,/ }; do
-  case "$step" in tests|bench|extend|ncu) ;; *) echo "gpu_run.sh: error: unknown step '$step' (tests, bench, extend, all or ncu)" >&2; exit 2;; esac
+  case "$step" in tests|bench|extend|ncu|ncux) ;; *) echo "gpu_run.sh: error: unknown step '$step' (tests, bench, extend, all, ncu or ncux)" >&2; exit 2;; esac
 done
 has() { [[ ",$what," == *",$1,"* ]]; }
 fail() { echo "gpu_run.sh: error: $*" >&2; exit 1; }
@@ -62,15 +64,24 @@ if has bench; then
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: decode benchmark failed (exit $rc, log in $OUT/bench.log)" >&2; status=1; }
 fi
 if has extend; then
-  [ -n "$warm" ] && { wait $warm; cat $OUT/warm_fi.log; }
+  [ -n "$warm" ] && { wait $warm; cat $OUT/warm_fi.log; warm=""; }
   timeout ${T_EXTEND:-600} python3 bench/extend_gpu.py --out $OUT/extend_gpu.json ${EXTEND_ARGS:-} 2>&1 | tee $OUT/extend.log
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: extend benchmark failed (exit $rc, log in $OUT/extend.log)" >&2; status=1; }
 fi
-if has ncu; then  # profile one decode launch per format named in "$@"
-  (cd bench && timeout 400 ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip ${NCU_SKIP:-3} --launch-count ${NCU_COUNT:-1} \
-    --section SpeedOfLight --section Occupancy --section WarpStateStats --section InstructionStats \
-    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
-    python3 profile_decode.py "$@") > $OUT/ncu.txt 2>&1 || { echo "gpu_run.sh: error: ncu failed (see $OUT/ncu.txt)" >&2; status=1; }
-  grep -vE "^\s*-+\s*$|^\s*$" $OUT/ncu.txt | grep -E "regs|_decode_kernel|Duration|Throughput|Occupancy|Registers|Issue|Ipc|Bank|Pipe|Eligible|Warp Cycles|Block Limit|Hit Rate|Busy|Shared Memory|Stall|Executed Instructions" | cut -c1-140
+NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section WarpStateStats --section InstructionStats
+  --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats ${NCU_METRICS:+--metrics $NCU_METRICS}"
+ncu_summary() {  # the lines of an ncu report that say what binds
+  grep -vE "^\s*-+\s*$|^\s*$" "$1" | grep -E "regs|launch|_decode_kernel|_gl_extend|refill|Duration|Throughput|Occupancy|Registers|Issue|Ipc|Bank|Pipe|pipe_|stalled|Eligible|Warp Cycles|Block Limit|Hit Rate|Busy|Shared Memory|Stall|Executed Instructions" | cut -c1-140
+}
+if has ncu; then  # profile one decode launch per format named in "$@" (after 3 warm-up launches of each)
+  (cd bench && timeout 400 ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip $((3 * $#)) --launch-count $# \
+    $NCU_SECTIONS python3 profile_decode.py "$@") > $OUT/ncu.txt 2>&1 || { echo "gpu_run.sh: error: ncu failed (see $OUT/ncu.txt)" >&2; status=1; }
+  ncu_summary $OUT/ncu.txt
+fi
+if has ncux; then  # profile each extend launch of profile_extend.py (ours and FlashInfer's)
+  [ -n "$warm" ] && { wait $warm; warm=""; }
+  (cd bench && timeout 400 ncu --clock-control none --kernel-name "regex:_gl_extend|refill" $NCU_SECTIONS \
+    python3 profile_extend.py ${NCUX_ARGS:-'{}' tri fi}) > $OUT/ncux.txt 2>&1 || { echo "gpu_run.sh: error: ncu failed (see $OUT/ncux.txt)" >&2; status=1; }
+  ncu_summary $OUT/ncux.txt
 fi
 exit $status

@@ -1,10 +1,12 @@
-"""Launch decode attention a few times per format at 32x32K, for Nsight Compute (ncu) to profile.
+"""Launch decode attention per format at 32x32K for Nsight Compute (ncu): WARM launches of each argument first, then
+one launch of each, in argument order, so ncu profiles the last len(args) launches (``gpu_run.sh ncu``):
 
-    ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip 2 --launch-count 2 \
-        --section SpeedOfLight ... python3 bench/profile_decode.py nvfp4 triaxial
+    ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip 9 --launch-count 3 \
+        --section SpeedOfLight ... python3 bench/profile_decode.py nvfp4 triaxial:2 triaxial:4
 
-TUNING='{"num_warps": 2}' (JSON) passes a tuning to the kernel paged_ops picks; PART=2 or 4 runs only the
-INT2 or INT4 splits of the triaxial Gluon kernel (gluon_decode.launch_decode's benchmark-only ``part``).
+An argument is a format, or ``triaxial:2`` / ``triaxial:4``: only the INT2 or INT4 splits of the triaxial Gluon
+kernel (gluon_decode.launch_decode's benchmark-only ``part``). TUNING='{"num_warps": 2}' (JSON) passes a tuning
+to the kernel paged_ops picks; WARM (default 3) sets the warm-up launches per argument.
 """
 
 from __future__ import annotations
@@ -17,15 +19,18 @@ from typing import Any
 import torch
 from decode_gpu import HQ, D, Pool
 
-for fmt in sys.argv[1:]:
-    pool = Pool(fmt, 32, 32768)
-    q = torch.randn(32, HQ, D, device="cuda", dtype=torch.bfloat16)
-    tuning = json.loads(os.environ.get("TUNING", "{}")) or None
-    part = int(os.environ["PART"]) if os.environ.get("PART") else None
-    for _ in range(4):
+tuning = json.loads(os.environ.get("TUNING", "{}")) or None
+runs = []
+for arg in sys.argv[1:]:
+    fmt, _, part = arg.partition(":")
+    runs.append((arg, Pool(fmt, 32, 32768), int(part) if part else None))
+q = torch.randn(32, HQ, D, device="cuda", dtype=torch.bfloat16)
+for arg, pool, part in runs:
+    for _ in range(int(os.environ.get("WARM", "3"))):
         pool.decode(q, tuning=tuning, part=part)
+torch.cuda.synchronize()
+for arg, pool, part in runs:  # the profiled launches
+    pool.decode(q, tuning=tuning, part=part)
     torch.cuda.synchronize()
     k: Any = pool.last_kernel
-    print(fmt, "regs", k.n_regs, "spills", k.n_spills, "smem", k.metadata.shared, flush=True)
-    del pool
-    torch.cuda.empty_cache()
+    print(arg, "regs", k.n_regs, "spills", k.n_spills, "smem", k.metadata.shared, flush=True)

@@ -3,8 +3,8 @@
     ncu --clock-control none --kernel-name regex:_gl_extend --metrics ... python3 bench/profile_extend.py \
         '{"CF": 0}' '{"CF": 1}' tri
 
-Each argument is a JSON tuning of gluon_extend (nvfp4 pages) or ``tri`` (gluon_extend_tri, its default tuning);
-the shape is the bench's 512 new tokens on 32K cached (NEW / PREFIX override it). Every launch is listed with
+Each argument is a JSON tuning of gluon_extend (nvfp4 pages), ``tri`` (gluon_extend_tri, its default tuning) or
+``fi`` (FlashInfer's paged prefill on bf16 pages, the peer: extend_gpu.flashinfer_prefill); the shape is the bench's 512 new tokens on 32K cached (NEW / PREFIX override it). Every launch is listed with
 its tuning, in order, so ncu's launches can be matched to the arguments.
 """
 
@@ -16,6 +16,7 @@ import sys
 
 import torch
 from decode_gpu import HQ, D, H, Pool
+from extend_gpu import flashinfer_prefill
 
 from kvserving.kernels import gluon_extend, gluon_extend_tri
 
@@ -23,11 +24,16 @@ NEW = int(os.environ.get("NEW", "512"))
 PREFIX = int(os.environ.get("PREFIX", "32768"))
 SM = D**-0.5
 
-pools = {fmt: Pool(fmt, 1, PREFIX) for fmt in {"triaxial" if a == "tri" else "nvfp4" for a in sys.argv[1:]}}
+pools = {fmt: Pool(fmt, 1, PREFIX) for fmt in {"triaxial" if a == "tri" else "nvfp4" for a in sys.argv[1:] if a != "fi"}}
 q = torch.randn(NEW, HQ, D, device="cuda", dtype=torch.bfloat16)
 k = torch.randn(NEW, H, D, device="cuda", dtype=torch.bfloat16)
 v = torch.randn_like(k)
 for i, arg in enumerate(sys.argv[1:]):
+    if arg == "fi":
+        flashinfer_prefill("bf16", NEW, PREFIX, q, k, v)[0]()
+        torch.cuda.synchronize()
+        print(f"launch {i}: {arg}", flush=True)
+        continue
     pool = pools["triaxial" if arg == "tri" else "nvfp4"]
     row = pool.page_table[0].contiguous()
     if arg == "tri":

@@ -160,44 +160,6 @@ def _row_sum(x, TREE: gl.constexpr):
         return gl.sum(x, axis=1)
 
 
-# EMU: 2^x of one element in every EMU by a polynomial on the FMA pipe, the others by MUFU.EX2 (FA4's split of the
-# exponentials between the two pipes). x clamped to -125 (the result's exponent stays >= 1), n = round(x) by the
-# 1.5 * 2^23 trick, f = x - n in [-0.5, 0.5], 2^f by a degree-3 fit (relative error 7.5e-5, fp16's half ulp is
-# 4.9e-4), then n added to the exponent field: 9 instructions for one MUFU.EX2.
-_EXP2_POLY = ("max.f32 t, {x}, 0fC2FA0000; add.rn.f32 r, t, 0f4B400000; mov.b32 j, r; sub.rn.f32 r, r, 0f4B400000; "
-              "sub.rn.f32 f, t, r; fma.rn.f32 p, f, 0f3D61FBB0, 0f3E786F0F; fma.rn.f32 p, p, f, 0f3F31798D; "
-              "fma.rn.f32 p, p, f, 0f3F7FFB49; shl.b32 j, j, 23; mov.b32 pb, p; add.s32 pb, pb, j; mov.b32 {y}, pb;")
-
-
-def asm_exp2_split(n: int) -> str:
-    """PTX of one EMU group (pack n, f32 in / out): elements 0 .. n-2 by ex2.approx, element n-1 by _EXP2_POLY."""
-    body = [f"ex2.approx.ftz.f32 ${k}, ${n + k};" for k in range(n - 1)]
-    body.append(_EXP2_POLY.format(x=f"${2 * n - 1}", y=f"${n - 1}"))
-    return "{ .reg .f32 t, r, f, p; .reg .b32 j, pb; " + " ".join(body) + " }"
-
-
-ASM_EXP2_2: gl.constexpr = gl.constexpr(asm_exp2_split(2))
-ASM_EXP2_4: gl.constexpr = gl.constexpr(asm_exp2_split(4))
-ASM_EXP2_8: gl.constexpr = gl.constexpr(asm_exp2_split(8))
-CONSTRAINTS_EXP2_2: gl.constexpr = gl.constexpr(",".join(["=f"] * 2 + ["f"] * 2))
-CONSTRAINTS_EXP2_4: gl.constexpr = gl.constexpr(",".join(["=f"] * 4 + ["f"] * 4))
-CONSTRAINTS_EXP2_8: gl.constexpr = gl.constexpr(",".join(["=f"] * 8 + ["f"] * 8))
-
-
-@gluon.jit
-def _exp2(x, EMU: gl.constexpr):
-    """2^x (f32): gl.exp2, or with EMU (2, 4 or 8) one element in EMU on the FMA pipe (asm_exp2_split)."""
-    if EMU == 2:
-        return gl.inline_asm_elementwise(ASM_EXP2_2, CONSTRAINTS_EXP2_2, [x], dtype=gl.float32, is_pure=True, pack=2)
-    elif EMU == 4:
-        return gl.inline_asm_elementwise(ASM_EXP2_4, CONSTRAINTS_EXP2_4, [x], dtype=gl.float32, is_pure=True, pack=4)
-    elif EMU == 8:
-        return gl.inline_asm_elementwise(ASM_EXP2_8, CONSTRAINTS_EXP2_8, [x], dtype=gl.float32, is_pure=True, pack=8)
-    else:
-        gl.static_assert(EMU == 0, "EMU: 0, 2, 4 or 8")
-        return gl.exp2(x)
-
-
 @gluon.jit
 def _softmax(s, m_i, l_i, acc, MASKED: gl.constexpr, TREE: gl.constexpr = 0):
     """One online-softmax step (base 2) on scores s [M, N] (masked entries -inf) -> (P fp16, m, l, acc * alpha)."""
@@ -213,17 +175,16 @@ def _softmax(s, m_i, l_i, acc, MASKED: gl.constexpr, TREE: gl.constexpr = 0):
 
 
 @gluon.jit
-def _softmax_lazy(s, m_i, l_i, acc, TREE: gl.constexpr = 0, EMU: gl.constexpr = 0):
+def _softmax_lazy(s, m_i, l_i, acc, TREE: gl.constexpr = 0):
     """_softmax on an unmasked step (LAZY 1), with a reference max m_i that moves only where the step's row max
     passes it by more than TAU (then to that max): p = 2^(s - m_i) <= 2^TAU stays exact enough in fp16, and in most
     steps no row of a warp moves, so ``acc *= alpha`` (64 multiplies a thread) sits behind one warp-uniform branch
-    (gluon_fragments.rescale, as the decode kernel's lazy softmax). TREE: the row max and sum as trees (_row_max);
-    EMU: one exponential in EMU on the FMA pipe (_exp2)."""
+    (gluon_fragments.rescale, as the decode kernel's lazy softmax). TREE: the row max and sum as trees (_row_max)."""
     top = _row_max(s, TREE)
     grow = top > m_i + TAU  # m_i = -inf at the first step: every row moves
     m_new = gl.where(grow, top, m_i)
     alpha = gl.exp2(m_i - m_new)
-    p = _exp2(s - m_new[:, None], EMU)
+    p = gl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + _row_sum(p, TREE)
     SA: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     moved = warp_any(gl.convert_layout(grow.to(gl.int32), SA), 2)
@@ -335,12 +296,10 @@ def _ring(N: gl.constexpr, D: gl.constexpr, SLOTS: gl.constexpr, CONSUMERS: gl.c
 @gluon.jit
 def _pp_attend(q_smem, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h,
                R0: gl.constexpr, G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PPI: gl.constexpr,
-               BLOCK_T: gl.constexpr, LAZY: gl.constexpr = 0, TREE: gl.constexpr = 0,
-               EMU: gl.constexpr = 0):  # fmt: skip
+               BLOCK_T: gl.constexpr, LAZY: gl.constexpr = 0, TREE: gl.constexpr = 0):  # fmt: skip
     """WS 2 consumer: one warpgroup, the program's rows R0 .. R0 + M (its own q tile): prefix steps, then the chunk's
     (causal), all from the ring; releases each slot for itself (``empty`` counts both warpgroups), so neither waits
-    for the other's softmax; then its rows of the output. TREE: row max / sum as trees (every step); EMU (with
-    LAZY): part of the full prefix steps' exponentials on the FMA pipe."""
+    for the other's softmax; then its rows of the output. TREE: row max / sum as trees (every step)."""
     W: gl.constexpr = gl.num_warps()
     M: gl.constexpr = q_smem.shape[0]
     N: gl.constexpr = PPI * P
@@ -369,7 +328,7 @@ def _pp_attend(q_smem, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_
             s = gl.where(i * N + key < prefix_len, s, float("-inf"))
             p, m_new, l_i, acc = _softmax(s, m_i, l_i, acc, True, TREE)
         elif LAZY:  # the full prefix steps (the chunk's keep the exact max: p <= 1 there, p * v_div in fp16)
-            p, m_new, l_i, acc = _softmax_lazy(s, m_i, l_i, acc, TREE, EMU)
+            p, m_new, l_i, acc = _softmax_lazy(s, m_i, l_i, acc, TREE)
         else:
             p, m_new, l_i, acc = _softmax(s, m_i, l_i, acc, False, TREE)
         acc = warpgroup_mma(gl.convert_layout(p.to(gl.float16), A_P), v_ring.index(slot), acc)

@@ -412,12 +412,12 @@ def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, F
 @gluon.jit
 def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: gl.constexpr, P: gl.constexpr,
                PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, LV_LOAD: gl.constexpr,
-               LV_UNPACK: gl.constexpr, VSLAST: gl.constexpr = 0):  # fmt: skip
+               LV_UNPACK: gl.constexpr):  # fmt: skip
     """One staged step from ring slot ``slot`` into registers, in _load_step's layouts and order.
 
-    VSLAST 1 (INT4 / INT2 pages): the V scale / zero pairs are masked only in a step with invalid tokens (a
-    split's last), behind a uniform test of the step's valid tokens, instead of in every step (-15 / -16
-    instructions an INT2 / INT4 step offline, bench/NOTES-kernels.md "Next device session")."""
+    The V scale / zero pairs of INT4 / INT2 pages are masked in every step: masking them only in a split's last
+    step (behind a uniform test) saved 15-16 instructions a step offline but took 163 -> 168 registers and was
+    1.5-3.7% slower on an H200 (bench/NOTES-kernels.md session 16)."""
     D: gl.constexpr = 128
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P
@@ -447,15 +447,9 @@ def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: g
         lim = _limit(base, hi, num_tokens, P)
         vs = vsr.index(slot).permute([0, 2, 1]).load(LVP)
         vz = vzr.index(slot).permute([0, 2, 1]).load(LVP)
-        if not VSLAST:
-            keep = gl.where(pw * NT + 2 * pn + 1 < lim, -1, 0xFFFF)  # the second token of a pair past the
-            vs = vs & keep  # sequence reads 0, as in _load_step (its bytes may be any stale fp16, inf or NaN)
-            vz = vz & keep
-        else:
-            if lim < W * NT:
-                keep = gl.where(pw * NT + 2 * pn + 1 < lim, -1, 0xFFFF)
-                vs = vs & keep
-                vz = vz & keep
+        keep = gl.where(pw * NT + 2 * pn + 1 < lim, -1, 0xFFFF)  # the second token of a pair past the
+        vs = vs & keep  # sequence reads 0, as in _load_step (its bytes may be any stale fp16, inf or NaN)
+        vz = vz & keep
         if INT2:
             CL: gl.constexpr = chan_layout(W, HP)
             full = gl.zeros([W, D, HP], gl.float16, CL)
@@ -591,8 +585,7 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
               FMT: gl.constexpr, G: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
               KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
               VZ_OFF: gl.constexpr, PPW: gl.constexpr, HP: gl.constexpr, LV_LOAD: gl.constexpr,
-              LV_UNPACK: gl.constexpr, STAGES: gl.constexpr, LAZY: gl.constexpr,
-              VSLAST: gl.constexpr = 0):  # fmt: skip
+              LV_UNPACK: gl.constexpr, STAGES: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
     """Pages [lo, hi) of one (sequence, kv head) in one format -> this split's rows of o and lse (if mine).
 
     STAGES 0: each step loads its bytes into registers and waits for them; STAGES >= 2: a ring of STAGES
@@ -648,7 +641,7 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
             async_copy.wait_group(STAGES - 1)
             base = lo + j * STEP
             d = _read_step(rings, rd, pt_row, base, hi, num_tokens, h, total_bytes, FMT, P, PPW, HP, PAGE_BYTES,
-                           LV_LOAD, LV_UNPACK, VSLAST)  # fmt: skip
+                           LV_LOAD, LV_UNPACK)  # fmt: skip
             rd = gl.where(rd == STAGES - 1, 0, rd + 1)
             m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,
                                   k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK, LAZY)  # fmt: skip
@@ -703,7 +696,6 @@ def _gl_decode_kernel(
     LV_LOAD2: gl.constexpr, LV_UNPACK2: gl.constexpr,
     STAGES: gl.constexpr,  # 0: loads into registers each step; >= 2: cp.async ring this many steps deep
     LAZY: gl.constexpr,  # 1: lazy reference max, rescale skipped by a uniform branch, l by the tensor core
-    VSLAST: gl.constexpr = 0,  # 1: triaxial V scale / zero masks on a split's last step only (_read_step; off)
 ):
     s = gl.program_id(0)
     h = gl.program_id(1)
@@ -717,7 +709,7 @@ def _gl_decode_kernel(
         lo = s * PPS
         _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                   gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF,
-                  VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, LAZY, VSLAST)  # fmt: skip
+                  VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, LAZY)  # fmt: skip
     else:
         n2 = gl.load(n2_ptr + b)
         c2 = gl.cdiv(n2, PPS)  # splits that cover the INT2 pages; the rest cover INT4 pages
@@ -726,13 +718,13 @@ def _gl_decode_kernel(
                 lo = s * PPS
                 _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                           gl.minimum(lo + PPS, n2), s >= 0, GL_FMT_INT2, G, P2, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2,
-                          V_OFF2, VS_OFF2, VZ_OFF2, 1, HP, LV_LOAD2, LV_UNPACK2, STAGES, LAZY, VSLAST)  # fmt: skip
+                          V_OFF2, VS_OFF2, VZ_OFF2, 1, HP, LV_LOAD2, LV_UNPACK2, STAGES, LAZY)  # fmt: skip
         else:
             if PART != 2:
                 lo = n2 + (s - c2) * PPS
                 _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                           gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
-                          VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, LAZY, VSLAST)  # fmt: skip
+                          VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, LAZY)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------
@@ -813,7 +805,7 @@ def decode_attention(
     """Launch the Gluon decode (arguments checked by paged_ops; ``supported`` must hold) -> [B, Hq, D] in q.dtype.
 
     tuning overrides GL_TUNING[fmt] (RES / RES16, PLAN, MINW, FILLW: the split planner's; MINTOK / FILL: PLAN 0's
-    SPLIT_MIN_TOKENS / SPLIT_MIN_FILL; SPLITS: a forced split count, ``forced_plan``; VSLAST: see _read_step);
+    SPLIT_MIN_TOKENS / SPLIT_MIN_FILL; SPLITS: a forced split count, ``forced_plan``);
     splits (splits, pages per split) overrides the planner."""
     out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages,
                            tuning=tuning, splits=splits)  # fmt: skip
@@ -896,15 +888,13 @@ def launch_decode(
         run.q, run.o, run.lse, kv.buffer, run.page_table, seq_lens, run.n2, sm_scale * LOG2E * k_fold, kv.total_bytes,
         run.page_table.stride(0), run.splits, run.pages_per_split, PART=(part or 1) if kv.triaxial else 0,
         H=run.kv_heads, G=run.group, HP=hp, STAGES=cfg.get("STAGES", 0), LAZY=cfg.get("LAZY", 1),
-        VSLAST=cfg.get("VSLAST", 0),
         **args, **args2, **cap,
     )  # fmt: skip
     return merge_splits(run, v_mul=v_fold, block_s=cfg.get("MBS")), kernel
 
 
 def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None, heads: int = 4,
-                        stages: int = 0, lazy: int = 1,
-                        vslast: int = 0) -> tuple[dict[str, str], dict[str, Any]]:  # fmt: skip
+                        stages: int = 0, lazy: int = 1) -> tuple[dict[str, str], dict[str, Any]]:  # fmt: skip
     """(signature, constexprs) to compile ``_gl_decode_kernel`` without a GPU (compile_report.py, tests).
 
     fmt "int2" / "int4" compile the triaxial kernel with only that precision's branch (PART 2 / 4), "triaxial"
@@ -918,7 +908,7 @@ def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None,
     sig = {"q_ptr": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "buf_ptr": "*u8", "pt_ptr": "*i32", "lens_ptr": "*i32",
            "n2_ptr": "*i32", "k_mul": "fp32", "total_bytes": "i64", "pt_stride": "i32", "S": "i32", "PPS": "i32"}  # fmt: skip
     const = dict(PART={"nvfp4": 0, "fp8_e4m3": 0, "int2": 2, "int4": 4, "triaxial": 1}[fmt], H=8, G=heads, HP=8 if heads <= 8 else 16,
-                 STAGES=stages, LAZY=lazy, VSLAST=vslast,
+                 STAGES=stages, LAZY=lazy,
                  **kernel_args(plain, lay, num_warps=num_warps, ppw=ppw),
                  **{k + "2": v for k, v in a2.items() if k in INT2_ARGS})  # fmt: skip
     return sig, const

@@ -511,7 +511,6 @@ def _gl_extend_pp_kernel(
     CKV: gl.constexpr,  # 1: the chunk's k, v read as the caller holds them (no fp16 copies by the wrapper)
     LAZY: gl.constexpr = 0,  # 1: the consumers' lazy softmax on full prefix steps (gluon_attend._softmax_lazy)
     TREE: gl.constexpr = 0,  # 1: the consumers' row max / sum as trees (gluon_attend._row_max)
-    EMU: gl.constexpr = 0,  # n (with LAZY): one exponential in n of a full prefix step on the FMA pipe (_exp2)
 ):  # fmt: skip
     """WS 2: the two warpgroups of _gl_extend_ws_kernel as two partitions of 4 warps, each with half the rows (its
     own q tile) and its own release of a slot (``empty`` counts 2), so they drift apart and one's softmax can run
@@ -522,9 +521,9 @@ def _gl_extend_pp_kernel(
                                                              SLOTS, REV)
     gl.warp_specialize([
         (_pp_attend, (q_0, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, 0,
-                      G, D, P, PPI, BLOCK_T, LAZY, TREE, EMU)),
+                      G, D, P, PPI, BLOCK_T, LAZY, TREE)),
         (_pp_attend, (q_1, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, H2,
-                      G, D, P, PPI, BLOCK_T, LAZY, TREE, EMU)),
+                      G, D, P, PPI, BLOCK_T, LAZY, TREE)),
         (_pp_load, (buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_len, n_new, k_s0, qb, h, P, D,
                     PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF, PPI, PAIR, BLOCK_T, PROBE, CF, CKV)),
     ], [4, LOAD_WARPS], [ATT_REGS, LOAD_REGS])  # fmt: skip
@@ -533,7 +532,7 @@ def _gl_extend_pp_kernel(
 # tiles: 32 chunk tokens x 4 heads = 128 rows, 8 pages of 16 = 128 prefix keys (and 128 chunk keys) per step
 TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 2, "PROBE": 0, "num_warps": 8,
                           "WS": 2, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 136, "maxnreg": 168, "ATT_REGS": 184, "REV": 1, "CF": 1, "CKV": 0, "LAZY": 1,
-                          "TREE": 0, "EMU": 0}  # fmt: skip
+                          "TREE": 1}  # fmt: skip
 # WS 2 (the default): _gl_extend_pp_kernel, num_warps 8 = two consumer warpgroups (the kernel's own 4 warps and a
 # partition of 4 with ATT_REGS) + the producer's LOAD_WARPS with LOAD_REGS: 168 * 12 = 4 x 136 + 8 x 184.
 # WS 1: _gl_extend_ws_kernel, the kernel's 8 warps get what maxnreg * (num_warps + LOAD_WARPS) leaves
@@ -544,9 +543,9 @@ TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 2, "PRO
 # slower than CKV 0 at 4-5 of the 6 bench shapes on an H200 (1-6%, NOTES-kernels session 14), so not the default here
 # (triaxial's, gluon_extend_tri, where it is 1-3% faster at 512 new tokens). LAZY 1 (WS 2): the consumers' lazy
 # softmax (gluon_attend._softmax_lazy: acc *= alpha only in steps where a row's reference max moved); H200, session
-# 15: 1-3% faster at all 6 bench shapes, same output to 4 digits (LAZY 0: the exact max every step). TREE 1 (row max /
-# sum as trees) and EMU 4 (1 in 4 exponentials of a lazy step on the FMA pipe): candidates, off, unmeasured
-# (NOTES-kernels "Next device session").
+# 15: 1-3% faster at all 6 bench shapes, same output to 4 digits (LAZY 0: the exact max every step). TREE 1 (the
+# consumers' row max / sum as trees, gluon_attend._row_max): H200, session 16, faster than LAZY 1 alone at all 6 bench
+# shapes (-0.8..-3.4%, both rows of each beside two default rows; NOTES-kernels session 16).
 
 
 def _launch_meta(cfg: dict[str, int]) -> tuple[Any, dict[str, Any]]:
@@ -556,7 +555,7 @@ def _launch_meta(cfg: dict[str, int]) -> tuple[Any, dict[str, Any]]:
         meta.update(SLOTS=cfg["SLOTS"], LOAD_WARPS=cfg["LOAD_WARPS"], LOAD_REGS=cfg["LOAD_REGS"], maxnreg=cfg["maxnreg"])
         if cfg["WS"] == 2:  # the kernel's own warps are the first consumer warpgroup
             meta.update(ATT_REGS=cfg["ATT_REGS"], REV=cfg["REV"], PROBE=cfg["PROBE"], CF=cfg["CF"], CKV=cfg["CKV"],
-                        LAZY=cfg["LAZY"], TREE=cfg["TREE"], EMU=cfg["EMU"], num_warps=cfg["num_warps"] // 2)
+                        LAZY=cfg["LAZY"], TREE=cfg["TREE"], num_warps=cfg["num_warps"] // 2)
             return _gl_extend_pp_kernel, meta
         return _gl_extend_ws_kernel, meta
     meta.update(OVERLAP=cfg["OVERLAP"], PROBE=cfg["PROBE"])

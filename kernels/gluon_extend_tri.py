@@ -370,29 +370,6 @@ def _key_prefetch(buf_ptr, pid, it, num_pages, h, total_bytes, PAGE_BYTES2: gl.c
 
 
 @gluon.jit
-def _scale_prefetch(buf_ptr, pid, it, num_pages, h, total_bytes, PAGE_BYTES: gl.constexpr, KS_OFF: gl.constexpr,
-                    KZ_OFF: gl.constexpr, VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PAGE_BYTES2: gl.constexpr,
-                    KS_OFF2: gl.constexpr, KZ_OFF2: gl.constexpr, VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr):  # fmt: skip
-    """Prefetch into L1 every scale / zero row of head h that the step at list index it (pages pid) reads (KPF 3):
-    K scale, K zero, V scale, V zero, 256 bytes (two 128-byte lines) each for either kind (INT4 [H, P, 4] and [H, 4,
-    P] group rows, INT2 [H, D] key rows and [H, 4, P] V group rows: 8 lines a page), no kind branch (the field
-    offsets selected per page). Issued a step before _raw loads the step's rows, so those loads (LDG.E.U16, the
-    producer's long-scoreboard waits in session 14's ncu reading) and the INT2 key pairs hit L1."""
-    PPI: gl.constexpr = pid.shape[0]
-    L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [gl.num_warps(), 1], [1, 0])
-    pg = gl.convert_layout(pid, gl.SliceLayout(1, L))[:, None]
-    two = (pg & FLAG) != 0
-    ok = it + gl.arange(0, PPI, layout=gl.SliceLayout(1, L))[:, None] < num_pages
-    line = gl.arange(0, 8, layout=gl.SliceLayout(0, L))[None, :]  # field line // 2 (K s, K z, V s, V z), half line % 2
-    f = line // 2
-    off4 = gl.where(f == 0, KS_OFF, gl.where(f == 1, KZ_OFF, gl.where(f == 2, VS_OFF, VZ_OFF)))
-    off2 = gl.where(f == 0, KS_OFF2, gl.where(f == 1, KZ_OFF2, gl.where(f == 2, VS_OFF2, VZ_OFF2)))
-    base4 = buf_ptr + (pg & ~FLAG).to(gl.int64) * PAGE_BYTES
-    ptr = gl.where(two, _int2_base(buf_ptr, pg, total_bytes, PAGE_BYTES2) + off2, base4 + off4) + h * 256 + (line % 2) * 128
-    gl.inline_asm_elementwise(ASM_PREFETCH_L1, "=r,l,r", [ptr, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _unpack2k(w, s, z, pid, s0, s1, s2, s3, z0, z1, z2, z3, MIXED: gl.constexpr):
     """INT2 key rows of pages pid with their pages' scale / zero pairs (_key_fields) -> the tile's int32 [N, D/2].
     MIXED: the INT4 rows among them (their group scale / zero s, z [PPI, P, 4]; s, z unused otherwise) through
@@ -460,9 +437,6 @@ def _tri_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix
     kw, vw, ks, kz, vs, vz = _raw(buf_ptr, pid, kind, 0, prefix_len, h, total_bytes, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF,
                                   V_OFF, VS_OFF, VZ_OFF, PAGE_BYTES2, K_OFF2, V_OFF2, VS_OFF2, VZ_OFF2)  # fmt: skip
     npid, nkind = _ids(pt_ptr, PPI, num_pages, PPI)
-    if KPF == 3:  # step 1's scale / zero rows (the loop prefetches step i+2's at step i)
-        _scale_prefetch(buf_ptr, npid, PPI, num_pages, h, total_bytes, PAGE_BYTES, KS_OFF, KZ_OFF, VS_OFF, VZ_OFF,
-                        PAGE_BYTES2, KS_OFF2, KZ_OFF2, VS_OFF2, VZ_OFF2)  # fmt: skip
     for i in range(steps):
         slot = i % SLOTS
         npid2, nkind2 = _ids(pt_ptr, (i + 2) * PPI, num_pages, PPI)
@@ -475,9 +449,6 @@ def _tri_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix
                                             K_OFF2, V_OFF2, VS_OFF2, VZ_OFF2)  # fmt: skip
         if KPF == 2:  # its key pairs into L1: their loads at step i+1 then wait for L1, not L2 / HBM
             _key_prefetch(buf_ptr, npid, (i + 1) * PPI, num_pages, h, total_bytes, PAGE_BYTES2, KS_OFF2, KZ_OFF2)
-        if KPF == 3:  # step i+2's scale / zero rows, both kinds, into L1: a step before _raw loads them
-            _scale_prefetch(buf_ptr, npid2, (i + 2) * PPI, num_pages, h, total_bytes, PAGE_BYTES, KS_OFF, KZ_OFF, VS_OFF,
-                            VZ_OFF, PAGE_BYTES2, KS_OFF2, KZ_OFF2, VS_OFF2, VZ_OFF2)  # fmt: skip
         _unpack_v(vw, vs, vz, kind, pid, v_ring.index(slot))
         fence_async_shared()
         _cta_barrier()  # the partition's stores are done: its thread 0 arrives for all
@@ -503,12 +474,10 @@ def _gl_extend_tri_kernel(
     V_OFF2: gl.constexpr, VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr,
     BLOCK_T: gl.constexpr, PPI: gl.constexpr,
     SLOTS: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, ATT_REGS: gl.constexpr, REV: gl.constexpr,
-    KPF: gl.constexpr,  # 2: INT2 key scale / zero rows prefetched into L1 a step ahead (0: not, session 12); 3: every
-    # scale / zero row of both kinds two steps ahead (_scale_prefetch)
+    KPF: gl.constexpr,  # 2: INT2 key scale / zero rows prefetched into L1 a step ahead (0: not, session 12)
     CKV: gl.constexpr,  # 1: the chunk's k, v read as the caller holds them (gluon_extend's CKV)
     LAZY: gl.constexpr = 0,  # 1: the consumers' lazy softmax (gluon_extend's LAZY; not faster here, session 15)
-    TREE: gl.constexpr = 0,  # 1: the consumers' row max / sum as trees (gluon_extend's TREE)
-    EMU: gl.constexpr = 0,  # n (with LAZY): one exponential in n on the FMA pipe (gluon_extend's EMU)
+    TREE: gl.constexpr = 0,  # 1: the consumers' row max / sum as trees (gluon_extend's TREE; not faster here, session 16)
 ):  # fmt: skip
     """gluon_extend._gl_extend_pp_kernel (arguments as there) with the triaxial producer _tri_load (LOAD_WARPS = PPI:
     a warp per page of the step)."""
@@ -517,9 +486,9 @@ def _gl_extend_tri_kernel(
                                                              SLOTS, REV)
     gl.warp_specialize([
         (_pp_attend, (q_0, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, 0,
-                      G, D, P, PPI, BLOCK_T, LAZY, TREE, EMU)),
+                      G, D, P, PPI, BLOCK_T, LAZY, TREE)),
         (_pp_attend, (q_1, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, H2,
-                      G, D, P, PPI, BLOCK_T, LAZY, TREE, EMU)),
+                      G, D, P, PPI, BLOCK_T, LAZY, TREE)),
         (_tri_load, (buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_len, n_new, k_s0, total_bytes,
                      qb, h, P, D, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, PAGE_BYTES2, K_OFF2,
                      KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2, PPI, BLOCK_T, KPF, CKV)),
@@ -534,12 +503,12 @@ def _gl_extend_tri_kernel(
 # 176 (triton 3.6, offline: the producer's loop keeps 1 value a step in local memory at 152, 12 at 136 with KPF 2
 # and CKV 1; the consumers nothing at 176; H200: 136 / 184 was 1-5% slower, NOTES-kernels session 14); SORT: INT2
 # pages listed first (at most one mixed step): 2 by int2_first, 1 by torch's argsort (session 12), 0 as listed;
-# KPF 2: the next step's INT2 key scale / zero rows prefetched into L1 (0: not; 3: every scale / zero row two steps
-# ahead, a candidate, unmeasured); CKV 1: the chunk's k, v read as
+# KPF 2: the next step's INT2 key scale / zero rows prefetched into L1 (0: not; every scale / zero row of both kinds
+# two steps ahead was 1-5% slower, session 16); CKV 1: the chunk's k, v read as
 # the caller holds them (gluon_attend._pp_chunk_rows; 0: copied to fp16 quarter-major by the wrapper)
 TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 4, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 152, "maxnreg": 168,
                           "ATT_REGS": 176, "REV": 1, "SORT": 2, "KPF": 2, "CKV": 1, "LAZY": 0,
-                          "TREE": 0, "EMU": 0, "num_warps": 4}  # fmt: skip
+                          "TREE": 0, "num_warps": 4}  # fmt: skip
 
 
 @triton.jit
@@ -590,13 +559,15 @@ def _meta(cfg: dict[str, int], lay: PageLayout, lay2: PageLayout) -> dict[str, A
     """The kernel's constexprs and launch options for a tuning and the two page layouts."""
     if cfg["LOAD_WARPS"] != cfg["PPI"]:
         raise ValueError(f"the triaxial producer runs a warp per page: LOAD_WARPS ({cfg['LOAD_WARPS']}) must equal PPI")
+    if cfg["KPF"] not in (0, 2):
+        raise ValueError(f"KPF must be 0 or 2 (the INT2 key rows prefetched a step ahead), got {cfg['KPF']}")
     a, a2 = field_offsets(lay), field_offsets(lay2)
     return dict(D=lay.head_dim, P=lay.page_size, PAGE_BYTES=a[0], K_OFF=a[1], KS_OFF=a[2], KZ_OFF=a[3], V_OFF=a[4],
                 VS_OFF=a[5], VZ_OFF=a[6], PAGE_BYTES2=a2[0], K_OFF2=a2[1], KS_OFF2=a2[2], KZ_OFF2=a2[3],
                 V_OFF2=a2[4], VS_OFF2=a2[5], VZ_OFF2=a2[6], BLOCK_T=cfg["BLOCK_T"], PPI=cfg["PPI"],
                 SLOTS=cfg["SLOTS"], LOAD_WARPS=cfg["LOAD_WARPS"], LOAD_REGS=cfg["LOAD_REGS"],
                 ATT_REGS=cfg["ATT_REGS"], REV=cfg["REV"], KPF=cfg["KPF"], CKV=cfg["CKV"], LAZY=cfg["LAZY"], TREE=cfg["TREE"],
-                EMU=cfg["EMU"], num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])  # fmt: skip
+                num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])  # fmt: skip
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, prefix_pages: torch.Tensor,

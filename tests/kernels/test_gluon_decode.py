@@ -139,19 +139,6 @@ def test_gpu_gluon_decode_many_splits_including_empty_ones(case: str, stages: in
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["int4", "triaxial"])
-def test_gpu_gluon_decode_v_scale_masks_on_a_splits_last_step_only(case: str) -> None:
-    # VSLAST 1 (a benchmark key, off by default): the V scale / zero of a pair's second token past the sequence
-    # is masked only in a split's last step; make_pool's random stale bytes (fp16 NaN / inf among them) must still
-    # read as zero there, and full steps are unmasked
-    t = {"STAGES": 2, "VSLAST": 1}
-    _check_decode(case, [1, 32, 33, 1000, 2047, 4096, 333, 77], device="cuda", d=128, h=8, g=4, p=32, kernel="gluon",
-                  tuning=t)  # fmt: skip
-    _check_decode(case, [3, 40 * 32, 17 * 32 + 5], device="cuda", d=128, h=8, g=4, p=32, splits=(40, 4),
-                  kernel="gluon", tuning=t)  # fmt: skip
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("heads", [4, 16])
 @pytest.mark.parametrize("case", ["nvfp4", "triaxial", "fp8_e4m3"])
 def test_gpu_gluon_decode_residency_table_matches_the_launched_kernel(case: str, heads: int) -> None:

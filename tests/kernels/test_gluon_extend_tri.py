@@ -161,7 +161,7 @@ def _check(prefix_lens: list[int], n2s: list[int], n_new: int, base: dict[str, i
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("base", [{}, {"CKV": 0, "KPF": 0}, {"LAZY": 1}, {"KPF": 3}, {"TREE": 1}])
+@pytest.mark.parametrize("base", [{}, {"CKV": 0, "KPF": 0}, {"LAZY": 1}, {"TREE": 1}])
 def test_gpu_triaxial_extend_real_shapes_sorted_and_mixed_steps(base: dict[str, int]) -> None:
     # prefixes: 41 pages (the last of 7 tokens) with 25 INT2; 94 pages (the last of 24) with 60 INT2; 4 full INT2
     # pages (one step); 9 INT2 pages (the last step one page of four); one token; none. 300 new tokens: partial
