@@ -294,6 +294,16 @@ def _ring(N: gl.constexpr, D: gl.constexpr, SLOTS: gl.constexpr, CONSUMERS: gl.c
 
 
 @gluon.jit
+def _pp_chunk_any(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb, h, D: gl.constexpr,
+                  BLOCK_T: gl.constexpr, CKV: gl.constexpr):  # fmt: skip
+    """The chunk's keys into the ring, the way the producer's CKV says (1: _pp_chunk_rows, 0: _pp_chunk)."""
+    if CKV:
+        _pp_chunk_rows(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb, h, D, BLOCK_T)
+    else:
+        _pp_chunk(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb, h, D, BLOCK_T)
+
+
+@gluon.jit
 def _pp_attend(q_smem, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h,
                R0: gl.constexpr, G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PPI: gl.constexpr,
                BLOCK_T: gl.constexpr, LAZY: gl.constexpr = 0, TREE: gl.constexpr = 0):  # fmt: skip

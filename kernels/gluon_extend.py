@@ -75,7 +75,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_attend import (_as_type, _cta_barrier, _load_q, _mma_layout, _pp_attend, _pp_chunk, _pp_chunk_rows,
+from .gluon_attend import (_as_type, _cta_barrier, _load_q, _mma_layout, _pp_attend, _pp_chunk_any,
                            _pp_setup, _ring, _row_coords, _row_layout, _softmax, chunk_kv, chunk_rows, launch_io,
                            launch_pages)
 from .layout import PageLayout
@@ -490,10 +490,7 @@ def _pp_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_
     _ws_load(buf_ptr, pt_ptr, k_ring, v_ring, full, empty, prefix_len, h, P, D, PAGE_BYTES, K_OFF, KS_OFF, V_OFF, VS_OFF,
              PPI, PAIR, PROBE, CF)  # fmt: skip
     first = gl.cdiv(gl.cdiv(prefix_len, P), PPI)
-    if CKV:
-        _pp_chunk_rows(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb, h, D, BLOCK_T)
-    else:
-        _pp_chunk(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb, h, D, BLOCK_T)
+    _pp_chunk_any(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb, h, D, BLOCK_T, CKV)
 
 
 @gluon.jit

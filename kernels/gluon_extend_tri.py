@@ -51,7 +51,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .gluon_attend import (_as_type, _cta_barrier, _pp_attend, _pp_chunk, _pp_chunk_rows, _pp_setup, chunk_kv, chunk_rows,
+from .gluon_attend import (_as_type, _cta_barrier, _pp_attend, _pp_chunk_any, _pp_setup, chunk_kv, chunk_rows,
                            launch_io, launch_pages)
 from .gluon_fragments import _MAGIC, idx3
 from .layout import PageLayout
@@ -456,10 +456,7 @@ def _tri_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix
         kw, vw, ks, kz, vs, vz = nkw, nvw, nks, nkz, nvs, nvz
         pid, kind = npid, nkind
         npid, nkind = npid2, nkind2
-    if CKV:
-        _pp_chunk_rows(k_ptr, v_ptr, k_ring, v_ring, full, empty, steps, n_new, k_s0, qb, h, D, BLOCK_T)
-    else:
-        _pp_chunk(k_ptr, v_ptr, k_ring, v_ring, full, empty, steps, n_new, k_s0, qb, h, D, BLOCK_T)
+    _pp_chunk_any(k_ptr, v_ptr, k_ring, v_ring, full, empty, steps, n_new, k_s0, qb, h, D, BLOCK_T, CKV)
 
 
 @gluon.jit
