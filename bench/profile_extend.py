@@ -4,8 +4,9 @@
         '{"CF": 0}' '{"CF": 1}' tri
 
 Each argument is a JSON tuning of gluon_extend (nvfp4 pages), ``tri`` (gluon_extend_tri, its default tuning) or
-``fi`` (FlashInfer's paged prefill on bf16 pages, the peer: extend_gpu.flashinfer_prefill); the shape is the bench's 512 new tokens on 32K cached (NEW / PREFIX override it). Every launch is listed with
-its tuning, in order, so ncu's launches can be matched to the arguments.
+``fi`` (FlashInfer's paged prefill on bf16 pages, the peer: extend_gpu.flashinfer_prefill); the shape is the
+bench's 512 new tokens on 32K cached (NEW / PREFIX override it). Every launch is listed with its tuning, in order,
+so ncu's launches can be matched to the arguments.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ NEW = int(os.environ.get("NEW", "512"))
 PREFIX = int(os.environ.get("PREFIX", "32768"))
 SM = D**-0.5
 
-pools = {fmt: Pool(fmt, 1, PREFIX) for fmt in {"triaxial" if a == "tri" else "nvfp4" for a in sys.argv[1:] if a != "fi"}}
+ours = {"triaxial" if a == "tri" else "nvfp4" for a in sys.argv[1:] if a != "fi"}
+pools = {fmt: Pool(fmt, 1, PREFIX) for fmt in ours}
 q = torch.randn(NEW, HQ, D, device="cuda", dtype=torch.bfloat16)
 k = torch.randn(NEW, H, D, device="cuda", dtype=torch.bfloat16)
 v = torch.randn_like(k)
