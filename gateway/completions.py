@@ -81,7 +81,7 @@ class Completions:
     """Chat and text completions over ``Turns``."""
 
     def __init__(self, *, model: ModelInfo, turns: Turns, metrics: GatewayMetrics, index: ConversationIndex,
-                 history: ExactHistory | None = None) -> None:
+                 history: ExactHistory) -> None:
         self.model = model
         self.turns = turns
         self.metrics = metrics
@@ -89,7 +89,7 @@ class Completions:
         self._active: Counter[str] = Counter()  # conversation keys with a turn in flight
         # the ids the workers hold per conversation (exact_history.py) and, per request in
         # flight, its canonical prompt ids (what the identity index files and matches)
-        self.history = history if history is not None else ExactHistory(model.tokenizer)
+        self.history = history  # sized by the gateway config (app.build_state), never by a default here
         # per request in flight: its canonical ids, what went out, and the ids' page chain if identity computed it
         self._sent: dict[str, tuple[list[int], Sent, Sequence[int] | None]] = {}
         self.drafting = Drafting()
