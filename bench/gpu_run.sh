@@ -9,7 +9,8 @@
 #   background while the tests and the decode bench run; T_TESTS / T_BENCH / T_EXTEND cap each step's seconds.
 #   PRE_VARIANTS=a,b compiles those extend_gpu.py variants side by side (one process each, at 512 new on 1K cached:
 #   the bench's specialization) while the tests run; PAR_TESTS="args1;args2" runs those pytest sets side by side
-#   with the tests step (logs in $OUT/par_tests.log). Both are waited for before the extend step.
+#   with the tests step (logs in $OUT/par_tests.log; each set is split on spaces, so name tests by node ids: a -k
+#   expression with spaces does not survive). Both are waited for before the extend step.
 # Exits non-zero (with one line saying why) when there is no GPU, and when a step fails.
 set -uo pipefail
 what=${1:-all}; shift || true
