@@ -129,48 +129,43 @@ _as_type = _as_type_39 if hasattr(shared_memory_descriptor, "reinterpret") else 
 
 
 @gluon.jit
+def _reduce(x, axis: gl.constexpr, MAX: gl.constexpr):
+    """max (MAX) or sum of x along ``axis``."""
+    if MAX:
+        return gl.max(x, axis=axis)
+    else:
+        return gl.sum(x, axis=axis)
+
+
+@gluon.jit
 def _halve(x, MAX: gl.constexpr):
     """[M, C] -> [M, C/2]: column c combined with column c + C/2 (max or sum), one independent op per pair."""
-    x = gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2])
-    if MAX:
-        return gl.max(x, axis=1)
-    else:
-        return gl.sum(x, axis=1)
+    return _reduce(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), 1, MAX)
 
 
 @gluon.jit
-def _row_max(x, TREE: gl.constexpr):
-    """max over a [M, N] wgmma tile's rows. TREE 1: the thread's 32 values of a row as a tree, 4 halvings of the
-    columns (bits 64 .. 8: registers of the wgmma layout) then 2 values in the thread and the lanes' shuffles, a
-    dependent chain of 5 + 2 instead of Triton's serial 31 + 2."""
+def _row_reduce(x, MAX: gl.constexpr, TREE: gl.constexpr):
+    """max (MAX) or sum over a [M, N] wgmma tile's rows. TREE 1: the thread's 32 values of a row as a tree, 4
+    halvings of the columns (bits 64 .. 8: registers of the wgmma layout) then 2 values in the thread and the lanes'
+    shuffles, a dependent chain of 5 + 2 instead of Triton's serial 31 + 2 (the sum reassociated, the same adds)."""
     if TREE:
-        r = gl.max(_halve(_halve(_halve(_halve(x, True), True), True), True), axis=1)
+        r = _reduce(_halve(_halve(_halve(_halve(x, MAX), MAX), MAX), MAX), 1, MAX)
         return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout))
     else:
-        return gl.max(x, axis=1)
-
-
-@gluon.jit
-def _row_sum(x, TREE: gl.constexpr):
-    """_row_max's sum (TREE 1: reassociated as a tree, the same 31 + 2 adds a row)."""
-    if TREE:
-        r = gl.sum(_halve(_halve(_halve(_halve(x, False), False), False), False), axis=1)
-        return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout))
-    else:
-        return gl.sum(x, axis=1)
+        return _reduce(x, 1, MAX)
 
 
 @gluon.jit
 def _softmax(s, m_i, l_i, acc, MASKED: gl.constexpr, TREE: gl.constexpr = 0):
     """One online-softmax step (base 2) on scores s [M, N] (masked entries -inf) -> (P fp16, m, l, acc * alpha)."""
-    m_new = gl.maximum(m_i, _row_max(s, TREE))
+    m_new = gl.maximum(m_i, _row_reduce(s, True, TREE))
     if MASKED:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
     alpha = gl.exp2(m_i - m_use)
     p = gl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + _row_sum(p, TREE)
+    l_i = l_i * alpha + _row_reduce(p, False, TREE)
     return p, m_new, l_i, acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
 
 
@@ -179,13 +174,13 @@ def _softmax_lazy(s, m_i, l_i, acc, TREE: gl.constexpr = 0):
     """_softmax on an unmasked step (LAZY 1), with a reference max m_i that moves only where the step's row max
     passes it by more than TAU (then to that max): p = 2^(s - m_i) <= 2^TAU stays exact enough in fp16, and in most
     steps no row of a warp moves, so ``acc *= alpha`` (64 multiplies a thread) sits behind one warp-uniform branch
-    (gluon_fragments.rescale, as the decode kernel's lazy softmax). TREE: the row max and sum as trees (_row_max)."""
-    top = _row_max(s, TREE)
+    (gluon_fragments.rescale, as the decode kernel's lazy softmax). TREE: the row max and sum as trees (_row_reduce)."""
+    top = _row_reduce(s, True, TREE)
     grow = top > m_i + TAU  # m_i = -inf at the first step: every row moves
     m_new = gl.where(grow, top, m_i)
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + _row_sum(p, TREE)
+    l_i = l_i * alpha + _row_reduce(p, False, TREE)
     SA: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     moved = warp_any(gl.convert_layout(grow.to(gl.int32), SA), 2)
     acc = rescale(acc, gl.convert_layout(alpha, SA)[:, None], moved[:, None], 32)

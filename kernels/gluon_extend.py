@@ -507,7 +507,7 @@ def _gl_extend_pp_kernel(
     CF: gl.constexpr,  # 1: the producer's rows in _pair_layout_cf's lanes (tile stores free of bank conflicts)
     CKV: gl.constexpr,  # 1: the chunk's k, v read as the caller holds them (no fp16 copies by the wrapper)
     LAZY: gl.constexpr = 0,  # 1: the consumers' lazy softmax on full prefix steps (gluon_attend._softmax_lazy)
-    TREE: gl.constexpr = 0,  # 1: the consumers' row max / sum as trees (gluon_attend._row_max)
+    TREE: gl.constexpr = 0,  # 1: the consumers' row max / sum as trees (gluon_attend._row_reduce)
 ):  # fmt: skip
     """WS 2: the two warpgroups of _gl_extend_ws_kernel as two partitions of 4 warps, each with half the rows (its
     own q tile) and its own release of a slot (``empty`` counts 2), so they drift apart and one's softmax can run
@@ -541,7 +541,7 @@ TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 2, "PRO
 # (triaxial's, gluon_extend_tri, where it is 1-3% faster at 512 new tokens). LAZY 1 (WS 2): the consumers' lazy
 # softmax (gluon_attend._softmax_lazy: acc *= alpha only in steps where a row's reference max moved); H200, session
 # 15: 1-3% faster at all 6 bench shapes, same output to 4 digits (LAZY 0: the exact max every step). TREE 1 (the
-# consumers' row max / sum as trees, gluon_attend._row_max): H200, session 16, faster than LAZY 1 alone at all 6 bench
+# consumers' row max / sum as trees, gluon_attend._row_reduce): H200, session 16, faster than LAZY 1 alone at all 6 bench
 # shapes (-0.8..-3.4%, both rows of each beside two default rows; NOTES-kernels session 16).
 
 
