@@ -153,15 +153,8 @@ LAUNCHED = {
 def test_gluon_decode_launches_pick_plans_choice_at_the_bench_shapes(fmt: str, monkeypatch: Any) -> None:
     monkeypatch.setattr(triton_common, "sm_count", lambda device: SMS)  # the min-length planner's H200
     monkeypatch.setattr(gluon_decode, "sm_count", lambda device: SMS)
-    tri = fmt == "triaxial"
-    layout = PageLayout.build("int4" if tri else fmt, page_size=32 if tri else 16, kv_heads=8, head_dim=128)
-    kv: Any = SimpleNamespace(layout=layout, triaxial=tri)
-    cfg = gluon_decode.GL_TUNING[layout.fmt]
     for (b, ctx), want in LAUNCHED[fmt].items():
-        q, table = torch.empty(b, 32, 128), torch.empty(b, ctx // layout.page_size, dtype=torch.int32)
-        got = gluon_decode.split_plan(q, kv, table, cfg)
-        old = gluon_decode.split_plan(q, kv, table, {**cfg, "PLAN": 0})
-        wave = gluon_decode.split_plan(q, kv, table, {**cfg, "PLAN": 2})
+        got, old, wave = (_plan(fmt, b, ctx, t) for t in ({}, {"PLAN": 0}, {"PLAN": 2}))
         assert got == want and got in (old, wave), (b, ctx, got, old, wave)
 
 
