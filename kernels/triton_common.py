@@ -178,7 +178,7 @@ def pick_plan(batch_heads: int, max_pages: int, ppi: int, sms: int, *, wave: tup
     program pays its prologue and epilogue, and a triaxial row's two short boundary splits) and 4.7% at fp8 16 x 4K
     (twice the programs in one wave, where fp8 already saturates memory with 3 programs an SM: ``fill`` 0). This
     comparison picks the faster measured plan of the two at every shape and format of session 14's two runs
-    but fp8 128 x 4K (+1.4%)."""
+    but fp8 128 x 4K (+1.4% then; session 16 timed both plans twice in one run: within the same plan's spread)."""
     if wave == old:
         return wave
     cost_old = busiest_sm_cost(batch_heads, max_pages, old[0], sms, ppi, resident=resident, fill=fill)
