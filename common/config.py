@@ -183,6 +183,35 @@ class GatewayConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class SecurityConfig:
+    """Who may touch the KV (DESIGN.md, Security).
+
+    Credentials are read from files (Secrets mounted as files, never in this
+    config or a ConfigMap): the config names only where they are.
+    """
+
+    # The deployment's internal credential: every worker ``/internal/*`` route
+    # requires it as a Bearer token; the gateway and peer workers send it.
+    internal_token_file: str | None = None
+    # Gateway API keys, one per line (a mounted Secret); added to ``gateway.api_keys``.
+    api_keys_file: str | None = None
+    # Reuse (prefix-cache hits, leases, identity) never crosses tenants unless set.
+    tenants_share_cache: bool = False
+    # Longest pin a peer may put on a lease's pages for one READ.
+    max_hold_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("internal_token_file", "api_keys_file"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"security.{name} must be a non-empty path or null, got {value!r}")
+        if not isinstance(self.tenants_share_cache, bool):
+            raise ValueError(f"security.tenants_share_cache must be true or false, got {self.tenants_share_cache!r}")
+        if not self.max_hold_s > 0:
+            raise ValueError(f"security.max_hold_s must be > 0, got {self.max_hold_s}")
+
+
+@dataclass(slots=True, frozen=True)
 class ServingConfig:
     """The whole engine-config file."""
 
@@ -191,6 +220,7 @@ class ServingConfig:
     reuse: ReuseConfig = field(default_factory=ReuseConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -239,4 +269,5 @@ _SECTION_TYPES: dict[str, type] = {
     "reuse": ReuseConfig,
     "scheduler": SchedulerConfig,
     "gateway": GatewayConfig,
+    "security": SecurityConfig,
 }
