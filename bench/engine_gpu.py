@@ -53,7 +53,8 @@ from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, Servin
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.tags import encode_tag
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.model import DecoderModel, ModelArgs, rope_inv_freq
+from kvserving.worker.model import DecoderModel, ModelArgs
+from kvserving.worker.model import random_model as worker_random_model
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence, SeqStatus
 
@@ -79,24 +80,9 @@ def qwen3_8b_shape(vocab: int, *, smoke: bool = False) -> ModelArgs:
 DEVICE = "cuda"
 
 
-@torch.no_grad()
 def random_model(args: ModelArgs, *, seed: int) -> DecoderModel:
-    """The model with N(0, 0.02) bf16 weights (norm weights 1) drawn on the GPU from ``seed``."""
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            model = DecoderModel(args)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    model = model.to_empty(device=DEVICE)
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        else:
-            param.normal_(0.0, 0.02, generator=gen)
-    model.inv_freq = rope_inv_freq(args, device=DEVICE)
-    return model.requires_grad_(False).eval()
+    """The model with the dummy load format's bf16 weights (N(0, 0.02), norms 1) drawn on the GPU from ``seed``."""
+    return worker_random_model(args, seed=seed, dtype=torch.bfloat16, device=DEVICE)
 
 
 def conversation_tags(n: int) -> list[int]:

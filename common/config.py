@@ -15,6 +15,7 @@ from typing import Any
 
 KV_DTYPES = ("bf16", "fp8_e4m3", "nvfp4", "triaxial")
 ROLES = ("prefill", "decode", "both")
+LOAD_FORMATS = ("auto", "dummy")
 GLOBAL_SCALE_MODES = ("static", "calibrated")
 # Default page size per KV dtype (DESIGN.md, Worker): triaxial pages are 32
 # tokens because INT2 keys are quantized per channel over a page.
@@ -33,10 +34,18 @@ class ModelConfig:
     path: str = ""
     served_name: str = "kvserving-tiny"
     max_model_len: int | None = None
+    # "auto": the directory's safetensors weights; "dummy": seeded random weights
+    # built on the device from config.json alone (real-shape benchmarks; nothing read).
+    load_format: str = "auto"
+    seed: int = 0  # of the dummy weights: every process of a deployment draws the same
 
     def __post_init__(self) -> None:
         if not self.served_name:
             raise ValueError("model.served_name must not be empty")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"model.load_format must be one of {list(LOAD_FORMATS)}, got {self.load_format!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"model.seed must be an integer in 0..2^63-1, got {self.seed!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"model.max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
-from kvserving.config import KV_DTYPES, KVCacheConfig, ReuseConfig, ServingConfig
+from kvserving.config import KV_DTYPES, LOAD_FORMATS, KVCacheConfig, ReuseConfig, ServingConfig
 
 
 class _Interrupted(Exception):
@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None,
                         help="local model directory (default: the built-in tiny model, generated locally)")
     parser.add_argument("--config", type=Path, default=None, help="engine-config JSON to start from (default: built-in defaults)")
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
+                        help="'dummy': every worker builds the same seeded random weights from the model's config.json")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help="KV cache format (default: the config's, bf16)")
     parser.add_argument("--bit-budget", type=float, default=None, help="average KV bits for triaxial, in [2, 4] (default: 2.7)")
     parser.add_argument("--kv-mib", type=int, default=None, help="KV pool size per worker in MiB (default: the config's)")
@@ -51,6 +53,8 @@ def build_config(args: argparse.Namespace) -> ServingConfig:
         if not args.model.is_dir():
             raise ValueError(f"--model {args.model}: the directory does not exist")
         config = replace(config, model=replace(config.model, path=str(args.model.resolve())))
+    if args.load_format is not None:
+        config = replace(config, model=replace(config.model, load_format=args.load_format))
     if not config.model.path:
         # Resolve the built-in tiny model once here, so the children do not race to build it.
         from kvserving.model_dir import resolve_model_dir

@@ -22,7 +22,7 @@ from kvserving.worker.kv_manager import KVCacheManager
 from kvserving.worker.kv_scales import CALIBRATION_TOKENS, calibration_ids, measure_kv_amax, scales_from_amax
 from kvserving.worker.kv_storage import KVShape, KVStorage
 from kvserving.worker.leases import RetainedKV, RetainSpec, release_pin, retain_pages
-from kvserving.worker.model import DecoderModel, ModelArgs, load_model
+from kvserving.worker.model import DecoderModel, ModelArgs, load_dummy_model, load_model
 from kvserving.worker.model_runner import ModelRunner
 from kvserving.worker.page_pool import PagePoolBase
 from kvserving.worker.sampling import SamplingParams, make_generator, sample_tokens
@@ -132,7 +132,13 @@ class LLMEngine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if model is None:
-            self.args, self.model = load_model(resolve_model_dir(config.model), dtype=self.dtype, device=self.device)
+            model_dir = resolve_model_dir(config.model)
+            if config.model.load_format == "dummy":
+                self.args, self.model = load_dummy_model(
+                    model_dir, seed=config.model.seed, dtype=self.dtype, device=self.device
+                )
+            else:
+                self.args, self.model = load_model(model_dir, dtype=self.dtype, device=self.device)
         else:
             self.args, self.model = model
         args = self.args

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvserving.argtypes import float_in, int_in
-from kvserving.config import KV_DTYPES, KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
+from kvserving.config import KV_DTYPES, LOAD_FORMATS, KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 
 if TYPE_CHECKING:
     from kvserving.worker.engine import LLMEngine
@@ -21,6 +21,8 @@ PROGRESS_EVERY_S = 0.5
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=Path, help="local model directory (HF format; never downloaded)")
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                        help="'dummy': seeded random weights from config.json alone (no weight file read)")
     parser.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES, help="KV-cache format")
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn with the model's chat template")
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     prompts = chat_prompts(model_dir, list(args.prompt)) if args.chat else list(args.prompt)
     config = ServingConfig(
-        model=ModelConfig(path=str(model_dir)),
+        model=ModelConfig(path=str(model_dir), load_format=args.load_format),
         kv_cache=KVCacheConfig(dtype=args.kv_dtype, memory_bytes=args.kv_bytes),
         scheduler=SchedulerConfig(chunk_size=args.chunk_size),
     )

@@ -28,7 +28,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from kvserving.argtypes import float_in, int_in
-from kvserving.config import ROLES, ServingConfig
+from kvserving.config import LOAD_FORMATS, ROLES, ServingConfig
 from kvserving.model_dir import resolve_model_dir
 from kvserving.worker.metrics import WorkerMetrics
 from kvserving.worker.server import create_app
@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", required=True, choices=ROLES, help="what this worker does in the KV flow")
     parser.add_argument("--config", type=Path, default=None, help="engine config JSON (the operator's ConfigMap); defaults if absent")
     parser.add_argument("--model", type=Path, default=None, help="model directory (HF format); overrides model.path")
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
+                        help="'dummy': seeded random weights from config.json alone (real-shape benchmarks); overrides model.load_format")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int_in(0, 65535), default=8000, help="port to bind")
     parser.add_argument("--advertise-url", default=None,
@@ -77,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServingConfig.load(args.config) if args.config is not None else ServingConfig()
     config = resolve_model(config, args.model)
+    if args.load_format is not None:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, load_format=args.load_format))
     engine_id = args.engine_id or f"worker-{args.role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     registry = CollectorRegistry()
     service = WorkerService(

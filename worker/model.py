@@ -437,3 +437,35 @@ def load_model(
     model.inv_freq = rope_inv_freq(args, device=device)  # replaces the meta buffer; stays fp32
     model.requires_grad_(False)
     return args, model.eval()
+
+
+@torch.no_grad()
+def random_model(
+    args: ModelArgs, *, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> DecoderModel:
+    """The model of ``args`` with seeded random weights drawn on ``device``: N(0, 0.02)
+    everywhere, norms 1 (vLLM's dummy load format).
+
+    Parameters are drawn in ``named_parameters`` order from one generator seeded with
+    ``seed``, so processes on the same kind of device build the same weights."""
+    with torch.device("meta"):
+        model = DecoderModel(args).to(dtype=dtype)  # meta: no memory until to_empty
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+    model.inv_freq = rope_inv_freq(args, device=device)
+    return model.requires_grad_(False).eval()
+
+
+def load_dummy_model(
+    model_dir: str | Path, *, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[ModelArgs, DecoderModel]:
+    """The model `model_dir`'s config.json describes, with `random_model` weights: no
+    weight file is read (real-shape benchmarks on a directory holding only config and tokenizer)."""
+    args = ModelArgs.from_config(read_config(model_dir), generation_config=read_generation_config(model_dir))
+    return args, random_model(args, seed=seed, dtype=dtype, device=device)
+

@@ -45,6 +45,17 @@ TINY_CONFIG: dict[str, object] = {
 }
 
 
+# config.json at the Qwen3-8B shape (36 layers, 32 query / 8 KV heads of 128,
+# MLP 12288) over the built-in tokenizer: its vocabulary (4,096) replaces
+# Qwen3's 151,936, since ids past the tokenizer's would decode to nothing.
+# Weights are never written: workers build them with ``model.load_format: dummy``.
+QWEN3_8B_CONFIG: dict[str, object] = dict(
+    TINY_CONFIG, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, torch_dtype="bfloat16",
+)
+SHAPES: dict[str, dict[str, object]] = {"tiny": TINY_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG}
+
+
 def random_weights(
     config: dict[str, object], *, seed: int = 0, std: float = 0.02, attn_std: float = 0.0675
 ) -> dict[str, torch.Tensor]:
@@ -98,9 +109,14 @@ def random_weights(
     return w
 
 
-def build_tiny_model(out_dir: str | Path, *, seed: int = 0) -> Path:
+def build_tiny_model(out_dir: str | Path, *, seed: int = 0, shape: str = "tiny") -> Path:
     """Write config, weights, tokenizer and generation config to `out_dir`
-    (created if missing; existing files of the same names are replaced)."""
+    (created if missing; existing files of the same names are replaced).
+
+    A ``shape`` other than "tiny" writes no weights: config and tokenizer only,
+    for the dummy load format."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; known: {sorted(SHAPES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -110,7 +126,7 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0) -> Path:
     pad_id = tokenizer.token_to_id(tokenizer_data.PAD_TOKEN)
     _write_json(out / "tokenizer_config.json", tokenizer_data.tokenizer_config(tokenizer))
 
-    config = dict(TINY_CONFIG, bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
+    config = dict(SHAPES[shape], bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
     _write_json(out / "config.json", config)
     _write_json(
         out / "generation_config.json",
@@ -124,7 +140,8 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0) -> Path:
             "top_k": 20,
         },
     )
-    save_file(random_weights(config, seed=seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if shape == "tiny":
+        save_file(random_weights(config, seed=seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
@@ -136,6 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="output directory (created if missing; must be empty unless --force)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--force", action="store_true", help="write into a non-empty directory, replacing the model files")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                        help="'qwen3-8b': config.json at that shape and the tokenizer, no weights (serve it with --load-format dummy)")
 
 
 def check_output_dir(out: Path, *, force: bool) -> None:
@@ -149,6 +168,9 @@ def check_output_dir(out: Path, *, force: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_output_dir(args.dir, force=args.force)
-    out = build_tiny_model(args.dir, seed=args.seed)
-    print(f"wrote tiny model to {out}")
+    out = build_tiny_model(args.dir, seed=args.seed, shape=args.shape)
+    if args.shape == "tiny":
+        print(f"wrote tiny model to {out}")
+    else:
+        print(f"wrote the {args.shape}-shaped config and tokenizer to {out} (no weights: serve it with --load-format dummy)")
     return 0

@@ -50,7 +50,7 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
         return {name: root / file for name, file in weight_map.items()}
     files = sorted(root.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no *.safetensors in {model_dir}")
+        raise ValueError(f"no *.safetensors in {model_dir} (a directory without weights needs model.load_format 'dummy')")
     where: dict[str, Path] = {}
     for file in files:
         try:
