@@ -88,19 +88,52 @@ def cpu_load(seed: int, *, think_s: float, turns: int | None = None) -> LoadSpec
     )
 
 
+def gpu_load(seed: int, *, think_s: float, turns: int | None = None) -> LoadSpec:
+    """Coding agents for the Qwen3-8B-shaped model on one GPU: a system prompt with tool
+    schemas of ~3.5K tokens (2K of instructions, 6 +- 2 tools of ~250 tokens), turns that
+    mostly carry a tool result of 0.5-4K tokens (lognormal, median ~1.3K), 48-token replies
+    (the reasoning before the next call), 10 +- 2 turns, ~``think_s`` between turns:
+    histories end at ~12-25K tokens. Each agent has its own system prompt, so what is
+    reused is its own conversation, never another agent's prefix: the hit rate measures
+    how many conversations the pools keep."""
+    return LoadSpec(
+        seed=seed,
+        system_tokens=Dist("uniform", 2000, 500, 1),
+        num_tools=Dist("uniform", 6, 2, 1, 12),
+        tool_description_tokens=Dist("uniform", 250, 100, 1),
+        turns=Dist("uniform", 10, 2, 1) if turns is None else fixed(turns),
+        user_tokens=Dist("lognormal", 150, 0.6, 20, 600),
+        output_tokens=fixed(48),
+        tool_call_prob=0.8,
+        tool_args_tokens=Dist("uniform", 30, 15, 1),
+        tool_result_tokens=Dist("lognormal", 1500, 0.6, 500, 4000),
+        think_time_s=Dist("exponential", think_s, 0.0, 0.0, 4 * think_s),
+        max_context_tokens=36_000,
+    )
 
-def stack_spec(fmt: str, mode: str, *, kv_bytes: int, ttl_s: float, run_dir: Path | None) -> StackSpec:
+
+def stack_spec(fmt: str, mode: str, *, kv_bytes: int, ttl_s: float, run_dir: Path | None,
+               gpu_model: Path | None = None) -> StackSpec:
+    """The stack of one format and reuse mode: the built-in tiny model on CPU, or with
+    ``gpu_model`` that directory's model (dummy weights) with both workers on GPU 0."""
     from kvserving.model_dir import tiny_model_dir
 
     dtype, budget = FORMATS[fmt]
+    if gpu_model is None:
+        model = ModelConfig(path=str(tiny_model_dir()))
+        scheduler = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024, chunk_size=512)
+    else:
+        model = ModelConfig(path=str(gpu_model), served_name="qwen3-8b-shape", load_format="dummy")
+        scheduler = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192, chunk_size=4096)
     config = ServingConfig(
-        model=ModelConfig(path=str(tiny_model_dir())),
+        model=model,
         kv_cache=KVCacheConfig(dtype=dtype, bit_budget=budget, memory_bytes=kv_bytes),
         reuse=reuse_for_mode(mode, ttl_s=ttl_s),
-        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024, chunk_size=512),
+        scheduler=scheduler,
     )
     gateway, prefill, decode = free_ports(3)
-    return StackSpec(config=config, gateway_port=gateway, prefill_port=prefill, decode_port=decode, run_dir=run_dir)
+    return StackSpec(config=config, gateway_port=gateway, prefill_port=prefill, decode_port=decode, run_dir=run_dir,
+                     gpus=("0",) if gpu_model is not None else ())
 
 
 # ------------------------------------------------------------------------------------- client
@@ -242,6 +275,7 @@ def summarize(records: list[Record], wall_s: float) -> dict[str, Any]:
     later = [r for r in records if r.turn > 0]
     later_prompt = sum(r.prompt_tokens for r in later)
     ttfts = [r.ttft_s for r in records]
+    tpots = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in records if r.output_tokens > 1]
     fallbacks: dict[str, int] = {}
     for r in records:
         if r.fallback:
@@ -261,6 +295,8 @@ def summarize(records: list[Record], wall_s: float) -> dict[str, Any]:
         "output_tok_per_s": sum(r.output_tokens for r in records) / wall_s,
         "ttft_p50_ms": _pct(ttfts, 0.50) * 1e3,
         "ttft_p99_ms": _pct(ttfts, 0.99) * 1e3,
+        "tpot_p50_ms": _pct(tpots, 0.50) * 1e3,
+        "tpot_p99_ms": _pct(tpots, 0.99) * 1e3,
         "fallbacks": fallbacks,
     }
 
@@ -284,11 +320,11 @@ def _started_stack(fmt: str, mode: str, args: argparse.Namespace) -> Iterator[tu
     retried twice on fresh ports."""
     for attempt in range(3):
         run_dir = args.run_dir / f"{fmt}-{mode}-{attempt}" if args.run_dir else None
-        spec = stack_spec(fmt, mode, kv_bytes=args.kv_kib * 1024, ttl_s=args.ttl_s, run_dir=run_dir)
+        spec = stack_spec(fmt, mode, kv_bytes=kv_bytes(args), ttl_s=args.ttl_s, run_dir=run_dir, gpu_model=args.gpu_model)
         stack = LocalStack(spec)
         try:
             stack.start()
-            stack.wait_ready(timeout_s=180)
+            stack.wait_ready(timeout_s=600 if args.gpu else 180)
         except StackError as exc:
             stack.close()
             if attempt == 2:
@@ -305,8 +341,14 @@ def point_agents(n: int) -> range:
     return range(1000 * n, 1000 * n + n)
 
 
-def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec,
-              args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def kv_bytes(args: argparse.Namespace) -> int:
+    return int(args.kv_gib * 2**30) if args.gpu else args.kv_kib * 1024
+
+
+def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec, args: argparse.Namespace,
+              *, on_point: Any = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every point of one stack; ``on_point(points, meta)`` after each (partial results survive a
+    time limit); points stop once ``args.budget_s`` has passed since the bench started."""
     points: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     with _started_stack(fmt, mode, args) as (spec, stack):
@@ -317,6 +359,11 @@ def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec,
                 "page_size": int(info["prefill"]["page_size"])}
         model = spec.config.model.served_name
         for n in concurrencies:
+            if args.budget_s is not None and time.perf_counter() - args.t0 > args.budget_s:
+                print(f"  {fmt} {mode}: --budget-s {args.budget_s:g} passed, points from N={n} not run",
+                      file=sys.stderr, flush=True)
+                meta["skipped_points"] = [c for c in concurrencies if c >= n]
+                break
             for url in workers.values():
                 release_leases(url)
             before = {role: worker_counters(url) for role, url in workers.items()}
@@ -338,12 +385,15 @@ def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec,
                   f"{point['req_per_s']:.2f} req/s  TTFT p50 {point['ttft_p50_ms']:.0f} ms  "
                   f"evicted P/D {point['prefill_evicted_pages']}/{point['decode_evicted_pages']}  errors {len(errors)}  {wall:.1f} s",
                   file=sys.stderr, flush=True)
+            if on_point is not None:
+                on_point(points, meta)
     return points, meta
 
 
 def format_table(points: list[dict[str, Any]]) -> str:
     head = (f"{'format':>8} {'mode':>5} {'N':>3} {'req':>4} {'hit':>5} {'hit2+':>5} {'local':>5} {'pulled':>6} "
-            f"{'evict P':>7} {'evict D':>7} {'reclaim':>7} {'preempt':>7} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>8} {'p99 ms':>7}")
+            f"{'evict P':>7} {'evict D':>7} {'reclaim':>7} {'preempt':>7} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>8} {'p99 ms':>7} "
+            f"{'TPOT p50':>8} {'p99 ms':>7}")
     lines = [head]
     for p in points:
         lines.append(
@@ -351,7 +401,7 @@ def format_table(points: list[dict[str, Any]]) -> str:
             f"{p['hit_rate_later_turns']:>5.2f} {p['local_share']:>5.2f} {p['pulled_share']:>6.2f} "
             f"{p['prefill_evicted_pages']:>7} {p['decode_evicted_pages']:>7} {p['decode_reclaimed_leases']:>7} "
             f"{p['prefill_preemptions'] + p['decode_preemptions']:>7} {p['req_per_s']:>6.2f} {p['output_tok_per_s']:>9.1f} "
-            f"{p['ttft_p50_ms']:>8.0f} {p['ttft_p99_ms']:>7.0f}")
+            f"{p['ttft_p50_ms']:>8.0f} {p['ttft_p99_ms']:>7.0f} {p['tpot_p50_ms']:>8.1f} {p['tpot_p99_ms']:>7.1f}")
     return "\n".join(lines)
 
 
@@ -424,56 +474,89 @@ def _csv_names(choices: tuple[str, ...]) -> Any:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", type=_csv_names(tuple(FORMATS)), default=list(FORMATS))
-    ap.add_argument("--concurrency", type=_csv_ints, default=[1, 2, 4, 6, 8, 11, 16, 22])
+    ap.add_argument("--concurrency", type=_csv_ints, default=None,
+                    help="points (default: 1,2,4,6,8,11,16,22 on CPU; 1,4,8,12,16,24,32 with --gpu)")
     ap.add_argument("--modes", type=_csv_names(MODES), default=list(MODES),
                     help="reuse modes; modes other than 'lease' run on --mode-format only")
     ap.add_argument("--mode-format", choices=tuple(FORMATS), default="fp8")
     ap.add_argument("--mode-concurrency", type=_csv_ints, default=[4, 8, 11], help="points for the other modes")
-    ap.add_argument("--kv-kib", type=int, default=3072, help="KV pool per worker, KiB (same for every format)")
+    ap.add_argument("--gpu", action="store_true",
+                    help="the Qwen3-8B-shaped model (dummy weights) with prefill and decode worker on GPU 0, coding-agent load")
+    ap.add_argument("--kv-kib", type=int, default=3072, help="KV pool per worker, KiB (same for every format; CPU)")
+    ap.add_argument("--kv-gib", type=float, default=8.0, help="KV pool per worker, GiB (same for every format; --gpu)")
     ap.add_argument("--ttl-s", type=float, default=3.0, help="retention of the 'ttl' mode, seconds")
-    ap.add_argument("--think-s", type=float, default=0.5, help="mean think time between turns, seconds")
-    ap.add_argument("--turns", type=int, default=None, help="every agent runs this many turns (default: 6 +- 2)")
+    ap.add_argument("--think-s", type=float, default=None, help="mean think time between turns, seconds (default 0.5; 1.0 with --gpu)")
+    ap.add_argument("--turns", type=int, default=None, help="every agent runs this many turns (default: the load's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--request-timeout", type=float, default=300.0)
+    ap.add_argument("--budget-s", type=float, default=None, help="start no point after this many seconds (results so far are kept)")
     ap.add_argument("--records", action="store_true", help="keep every request's record in the JSON")
     ap.add_argument("--run-dir", type=Path, default=None, help="keep each stack's logs and config here")
-    ap.add_argument("--json", type=Path, default=HERE / "agents_cpu.json")
-    ap.add_argument("--png", type=Path, default=HERE / "agents_cpu.png")
+    ap.add_argument("--json", type=Path, default=None, help="default: bench/agents_cpu.json, bench/agents_gpu.json with --gpu")
+    ap.add_argument("--png", type=Path, default=None, help="default: beside --json")
     args = ap.parse_args(argv)
     if args.kv_kib < 64:
         ap.error(f"--kv-kib must be >= 64, got {args.kv_kib}")
+    if args.kv_gib <= 0:
+        ap.error(f"--kv-gib must be > 0, got {args.kv_gib}")
     if args.turns is not None and args.turns < 1:
         ap.error(f"--turns must be >= 1, got {args.turns}")
-    if args.think_s <= 0:
-        ap.error(f"--think-s must be > 0, got {args.think_s}")
-    load = cpu_load(args.seed, think_s=args.think_s, turns=args.turns)
+    think_s = args.think_s if args.think_s is not None else (1.0 if args.gpu else 0.5)
+    if think_s <= 0:
+        ap.error(f"--think-s must be > 0, got {think_s}")
+    args.concurrency = args.concurrency or ([1, 4, 8, 12, 16, 24, 32] if args.gpu else [1, 2, 4, 6, 8, 11, 16, 22])
+    args.json = args.json or HERE / ("agents_gpu.json" if args.gpu else "agents_cpu.json")
+    args.png = args.png or args.json.with_suffix(".png")
+    args.t0 = time.perf_counter()
+    args.gpu_model = None
+    if args.gpu:
+        import tempfile
+
+        from kvserving.worker.tiny_model import build_tiny_model
+
+        model_root = args.run_dir if args.run_dir is not None else Path(tempfile.mkdtemp(prefix="kvs-agents-gpu-"))
+        args.gpu_model = build_tiny_model(model_root / "qwen3-8b-shape", shape="qwen3-8b")
+    load = (gpu_load if args.gpu else cpu_load)(args.seed, think_s=think_s, turns=args.turns)
     runs: list[tuple[str, str, list[int]]] = [(f, "lease", args.concurrency) for f in args.formats if "lease" in args.modes]
     runs += [(args.mode_format, m, args.mode_concurrency) for m in args.modes if m != "lease"]
-    t0 = time.perf_counter()
     points: list[dict[str, Any]] = []
     stacks: list[dict[str, Any]] = []
+    where = ("Qwen3-8B shape (dummy bf16 weights, built-in tokenizer), prefill + decode worker on one GPU"
+             if args.gpu else "tiny model, CPU")
+    pool = f"{args.kv_gib:g} GiB" if args.gpu else f"{args.kv_kib} KiB"
+
+    def result() -> dict[str, Any]:
+        crossings: dict[str, float | None] = {}
+        for key in {f"{p['format']}/{p['mode']}" for p in points}:
+            fmt, mode = key.split("/")
+            crossings[key] = crossing([p for p in points if p["format"] == fmt and p["mode"] == mode])
+        return {
+            "what": f"bench/agents.py: agent traffic on the local stack ({where})",
+            "kv_per_worker": pool, "think_s": think_s, "seed": args.seed, "ttl_s": args.ttl_s,
+            "load": asdict(load), "stacks": stacks, "points": points, "crossing_50pct": crossings,
+            "total_s": time.perf_counter() - args.t0,
+        }
+
+    def save(done_points: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+        current = result()
+        current["points"] = points + done_points
+        current["stacks"] = stacks + [meta]
+        args.json.write_text(json.dumps(_finite(current), indent=1, allow_nan=False) + "\n")
+
     for fmt, mode, conc in runs:
-        pts, meta = run_stack(fmt, mode, conc, load, args)
+        pts, meta = run_stack(fmt, mode, conc, load, args, on_point=save)
         points += pts
         stacks.append(meta)
     print(format_table(points))
-    crossings: dict[str, float | None] = {f"{p['format']}/{p['mode']}": None for p in points}
-    for key in crossings:
-        fmt, mode = key.split("/")
-        crossings[key] = crossing([p for p in points if p["format"] == fmt and p["mode"] == mode])
+    final = result()
     print("concurrency where the hit rate drops below 50%: "
-          + ", ".join(f"{k} {'>' + str(max(args.concurrency)) if v is None else f'{v:.1f}'}" for k, v in crossings.items()))
+          + ", ".join(f"{k} {'>' + str(max(args.concurrency)) if v is None else f'{v:.1f}'}"
+                      for k, v in sorted(final["crossing_50pct"].items())))
     caps = {m["format"]: m["capacity_tokens"]["decode"] for m in stacks if m["mode"] == "lease"}
     print("pool capacity per worker, tokens: " + ", ".join(f"{k} {v}" for k, v in caps.items()))
-    result = {
-        "what": "bench/agents.py: agent traffic on the local stack (tiny model, CPU)",
-        "kv_kib_per_worker": args.kv_kib, "think_s": args.think_s, "seed": args.seed, "ttl_s": args.ttl_s,
-        "load": asdict(load), "stacks": stacks, "points": points, "crossing_50pct": crossings,
-        "total_s": time.perf_counter() - t0,
-    }
-    args.json.write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
-    plot(points, args.png, title=f"{args.kv_kib} KiB KV per worker, tiny model on CPU, {len(points)} points")
-    print(f"wrote {args.json} and {args.png} ({result['total_s']:.0f} s)")
+    args.json.write_text(json.dumps(_finite(final), indent=1, allow_nan=False) + "\n")
+    plot(points, args.png, title=f"{pool} KV per worker, {where}, {len(points)} points")
+    print(f"wrote {args.json} and {args.png} ({final['total_s']:.0f} s)")
     return 0
 
 

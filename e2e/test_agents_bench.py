@@ -47,6 +47,7 @@ def test_agents_bench_small_sweep(tmp_path: Path) -> None:
             elif n == 1:
                 assert r["cached_tokens"] > 0  # one agent fits: every later turn reuses its history
         assert p["req_per_s"] > 0 and p["ttft_p99_ms"] >= p["ttft_p50_ms"] > 0
+        assert p["tpot_p99_ms"] >= p["tpot_p50_ms"] > 0
     # three agents overflow 768 fp8 tokens: fewer hits than one agent, pages evicted
     one, three = points[("fp8", 1)], points[("fp8", 3)]
     assert three["hit_rate"] < one["hit_rate"]

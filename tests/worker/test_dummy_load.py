@@ -122,3 +122,42 @@ def test_qwen3_8b_dummy_logits_equal_in_two_gpu_processes(tmp_path: Path) -> Non
     first = child_logits_digest(out, 0, "cuda")
     assert child_logits_digest(out, 0, "cuda") == first
     assert child_logits_digest(out, 1, "cuda") != first
+
+
+@pytest.mark.gpu
+def test_one_gpu_stack_serves_the_8b_shape_and_pulls_back(tmp_path: Path) -> None:
+    """Prefill and decode worker of the Qwen3-8B shape share GPU 0, each with its own KV
+    budget; turn 2 pulls the decode worker's KV back over NIXL on the same device."""
+    from openai import OpenAI
+
+    from kvserving.config import KVCacheConfig
+    from kvserving.stack import LocalStack, StackSpec, free_ports
+    from kvserving.worker.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "q8b", shape="qwen3-8b")
+    config = ServingConfig(model=ModelConfig(path=str(model_dir), load_format="dummy"),
+                           kv_cache=KVCacheConfig(dtype="nvfp4", memory_bytes=4 << 30))
+    gateway, prefill, decode = free_ports(3)
+    spec = StackSpec(config=config, gateway_port=gateway, prefill_port=prefill, decode_port=decode,
+                     run_dir=tmp_path / "run", gpus=("0",))
+    with LocalStack(spec) as stack:
+        stack.start()
+        stack.wait_ready(timeout_s=600)
+        client = OpenAI(base_url=stack.openai_base_url, api_key="unused", max_retries=0, timeout=300)
+        messages = [{"role": "system", "content": "You review code. " * 200},
+                    {"role": "user", "content": "Find the bug in this function. " * 20}]
+        first = client.chat.completions.create(model=config.model.served_name, messages=messages, max_tokens=128,
+                                               temperature=0.0, extra_body={"ignore_eos": True},
+                                               extra_headers={"X-Session-ID": "gpu-stack"})
+        assert first.usage is not None and first.usage.completion_tokens == 128
+        messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                     {"role": "user", "content": "Now fix it."}]
+        second = client.chat.completions.create(model=config.model.served_name, messages=messages, max_tokens=8,
+                                                temperature=0.0, extra_body={"ignore_eos": True},
+                                                extra_headers={"X-Session-ID": "gpu-stack"})
+        assert second.usage is not None
+        ext = (second.usage.model_extra or {}).get("kvserving") or {}
+        # The history (prompt and reply of turn 1) comes back from the decode worker, not recomputed.
+        assert ext.get("reuse_fallback") is None, ext
+        assert ext.get("remote_pulled_tokens", 0) > 0, ext
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
