@@ -80,15 +80,13 @@ class WorkerGate:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        body = b"".join(chunks)
+        # handed over once, then forgotten here (a stream keeps ``replay`` for its whole life)
+        pending: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
         del chunks
-        replayed = False
 
         async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
+            if pending:
+                return pending.pop()
             return await receive()  # after the body: the disconnect a streaming response waits for
 
         await self.app(scope, replay, send)
