@@ -224,15 +224,15 @@ async def run_point(base_url: str, model: str, load: LoadSpec, agents: range, *,
 
 
 # ------------------------------------------------------------------------------------ workers
-def _get(url: str, *, method: str = "GET") -> bytes:
-    req = urllib.request.Request(url, method=method)
+def _get(url: str, *, method: str = "GET", headers: dict[str, str] | None = None) -> bytes:
+    req = urllib.request.Request(url, method=method, headers=headers or {})
     with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 (loopback URL we built)
         return bytes(resp.read())
 
 
-def worker_counters(url: str) -> dict[str, float]:
+def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
     """Counters of one worker: evicted prefix-cache pages (from /metrics), preemptions, capacity."""
-    stats = json.loads(_get(url + "/internal/kv/stats"))
+    stats = json.loads(_get(url + "/internal/kv/stats", headers=headers))
     text = _get(url + "/metrics").decode()
     def counter(name: str) -> float:
         m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
@@ -252,11 +252,11 @@ def worker_counters(url: str) -> dict[str, float]:
     }
 
 
-def release_leases(url: str) -> int:
-    leases = json.loads(_get(url + "/internal/kv/leases"))["leases"]
+def release_leases(url: str, headers: dict[str, str]) -> int:
+    leases = json.loads(_get(url + "/internal/kv/leases", headers=headers))["leases"]
     for lease in leases:
         try:
-            _get(f"{url}/internal/kv/leases/{lease['lease_id']}", method="DELETE")
+            _get(f"{url}/internal/kv/leases/{lease['lease_id']}", method="DELETE", headers=headers)
         except OSError:
             pass  # expired meanwhile
     return len(leases)
@@ -352,8 +352,8 @@ def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec, arg
     points: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     with _started_stack(fmt, mode, args) as (spec, stack):
-        workers = stack.worker_urls
-        info = {role: worker_counters(url) for role, url in workers.items()}
+        workers, auth = stack.worker_urls, stack.internal_headers
+        info = {role: worker_counters(url, auth) for role, url in workers.items()}
         meta = {"format": fmt, "mode": mode, "start_s": time.perf_counter() - t0,
                 "capacity_tokens": {role: int(c["capacity_tokens"]) for role, c in info.items()},
                 "page_size": int(info["prefill"]["page_size"])}
@@ -365,14 +365,14 @@ def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec, arg
                 meta["skipped_points"] = [c for c in concurrencies if c >= n]
                 break
             for url in workers.values():
-                release_leases(url)
-            before = {role: worker_counters(url) for role, url in workers.items()}
+                release_leases(url, auth)
+            before = {role: worker_counters(url, auth) for role, url in workers.items()}
             records, errors, wall = asyncio.run(run_point(stack.openai_base_url, model, load, point_agents(n),
                                                           timeout_s=args.request_timeout))
             dead = stack.check()
             if dead is not None:
                 raise RuntimeError(stack.describe_death(dead))
-            after = {role: worker_counters(url) for role, url in workers.items()}
+            after = {role: worker_counters(url, auth) for role, url in workers.items()}
             point = {"format": fmt, "mode": mode, "concurrency": n, **summarize(records, wall), "errors": errors}
             for role in workers:
                 for key in ("evicted_pages", "preemptions", "reclaimed_leases"):

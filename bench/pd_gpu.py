@@ -76,7 +76,7 @@ from typing import Any
 
 import torch
 
-from kvserving.stack import free_port
+from kvserving.stack import free_port, free_ports, new_token_file
 from kvserving.tags import encode_tag
 
 FORMATS = ("bf16", "nvfp4", "fp8_e4m3", "triaxial")
@@ -116,6 +116,19 @@ class Plan:
     tiny_layers: int = 0  # tiny: layers of the model (0: the built-in tiny model's)
     skip: frozenset[str] = frozenset()  # modes left out of each length: "off", "gw"
     like_gpu: bool = False  # tiny: pools of the GPU run's page counts (8 GiB of Qwen3-8B pages per format)
+    pair_ports: dict[str, list[int]] = field(default_factory=dict)  # format -> [prefill, decode] port
+
+    @property
+    def token_path(self) -> Path:
+        """The workers' internal credential (one per run; written on first use)."""
+        path = self.work / "internal-token"
+        if not path.exists():
+            new_token_file(path)
+        return path
+
+    @property
+    def internal_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token_path.read_text().strip()}"}
 
     def pool_bytes_for(self, fmt: str) -> int:
         """The KV pool of ``fmt``: ``pool_bytes``, or with ``like_gpu`` as many pages as the GPU run's
@@ -509,10 +522,15 @@ def make_worker(plan: Plan, model: Path, fmt: str, role: str, gpu: int) -> Worke
         "reuse": {"recompute_threshold_tokens": 64, "transfer_timeout_s": 5.0},
         "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 2048, "chunk_size": 2048},
     }
+    # the pair are each other's peers (the only workers a worker contacts), on ports picked together
+    ports = plan.pair_ports.setdefault(fmt, free_ports(2))
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    cfg["gateway"] = {"prefill_urls": urls[:1], "decode_urls": urls[1:]}
+    cfg["security"] = {"internal_token_file": str(plan.token_path)}
     name = f"{role}-{fmt}"
     path = plan.work / f"{name}.json"
     path.write_text(json.dumps(cfg))
-    port = free_port()
+    port = ports[0] if role == "prefill" else ports[1]
     argv = [sys.executable, "-m", "kvserving.cli", "worker", "--role", role, "--config", str(path), "--model", str(model),
             "--host", "127.0.0.1", "--port", str(port), "--engine-id", f"{name}-{uuid.uuid4().hex[:6]}", "--log-level", "warning"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1" if plan.tiny else "4")
@@ -1033,7 +1051,7 @@ def main(argv: list[str] | None = None) -> int:
             model = build_model(plan)
             plan.results["setup"]["model_build_s"] = time.monotonic() - t0
             log(f"model built in {time.monotonic() - t0:.1f} s")
-            with httpx.Client() as client:
+            with httpx.Client(headers=plan.internal_headers) as client:
                 pairs = run_seed(plan, client, model)
                 if "faults" in phases and "bf16" in pairs and plan.left() > (90 if not tiny else 20):
                     pw, dw = pairs["bf16"]

@@ -67,7 +67,7 @@ def run_request(kvt: KVTransfer, rid: str, ids: list[int], params: KVTransferPar
     pull = kvt.pull(ids, None, params)
     eng = kvt.engine
     eng.add_request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True),
-                    retain=kvt.retain_spec(conversation_key=rid), pin_lease=pull.pin_lease)
+                    retain=kvt.retain_spec(conversation_key=rid, input_ids=ids), pin_lease=pull.pin_lease)
     while True:
         for out in eng.step():
             if out.request_id == rid and out.finished:
@@ -118,7 +118,7 @@ def _run(model: Path, args: argparse.Namespace, policy: str) -> dict[str, Any]:
         assert pull.fallback is None and pull.pulled_tokens, pull
         p_to_d_regions.append(pull.num_regions)
         d.add_request(rid, prompt, SamplingParams(max_tokens=gen, ignore_eos=True),
-                      retain=pair.d.retain_spec(conversation_key=rid), pin_lease=pull.pin_lease)
+                      retain=pair.d.retain_spec(conversation_key=rid, input_ids=prompt), pin_lease=pull.pin_lease)
         active[rid] = prompt
         flush_prefix_cache(pair.p)  # P keeps nothing: the history lives on D
 
@@ -280,7 +280,7 @@ class Replay:
         self.n += 1
         rid = f"r{self.n}"
         pull = kvt.pull(prompt, None, params)
-        spec = kvt.retain_spec(conversation_key=key) if kvt.role == "prefill" or retain else None
+        spec = kvt.retain_spec(conversation_key=key, input_ids=prompt) if kvt.role == "prefill" or retain else None
         eng = kvt.engine
         eng.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), retain=spec,
                         pin_lease=pull.pin_lease, output_ids=output_ids)

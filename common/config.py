@@ -219,6 +219,20 @@ class SecurityConfig:
         if not self.max_hold_s > 0:
             raise ValueError(f"security.max_hold_s must be > 0, got {self.max_hold_s}")
 
+    def read_internal_token(self) -> str | None:
+        """The internal credential (the file's text, whitespace stripped); None when no file is
+        named. ValueError, one line, when the file cannot be read or holds nothing."""
+        if self.internal_token_file is None:
+            return None
+        try:
+            token = Path(self.internal_token_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"security.internal_token_file {self.internal_token_file}: cannot read it "
+                             f"({getattr(exc, 'strerror', None) or type(exc).__name__})") from None
+        if not token:
+            raise ValueError(f"security.internal_token_file {self.internal_token_file}: the file is empty")
+        return token
+
 
 @dataclass(slots=True, frozen=True)
 class ServingConfig:

@@ -20,6 +20,11 @@ Supervision rules, exact so tests can assert them:
   exit code and the last lines of its log;
 - ``check()`` reports the first child that died; the caller then stops the rest
   (no orphans: ``stop()`` is idempotent and runs from ``__exit__``).
+
+Every stack has its own internal credential: a random token written to a 0600
+file in the run directory (``INTERNAL_TOKEN_FILE``), named by the config's
+``security.internal_token_file``; the gateway and the workers read it there, and
+``internal_headers`` carries it for callers of the workers' ``/internal/*``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -42,6 +48,7 @@ from pathlib import Path
 from kvserving.config import ServingConfig
 
 LOG_TAIL_LINES = 15
+INTERNAL_TOKEN_FILE = "internal-token"
 GROUP_EXIT_S = 5.0  # how long stop() waits for a killed process group to be gone
 
 
@@ -95,6 +102,21 @@ class Child:
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def new_token_file(path: Path) -> str:
+    """A new random internal credential, written to ``path`` (0600); returns it."""
+    token = secrets.token_urlsafe(32)
+    write_private(path, token)
+    return token
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (0600, also when it existed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -185,6 +207,13 @@ class LocalStack:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
         self.config_path = self.run_dir / "config.json"
+        self.token_path = self.run_dir / INTERNAL_TOKEN_FILE
+        self.internal_token = secrets.token_urlsafe(32)
+
+    @property
+    def internal_headers(self) -> dict[str, str]:
+        """What a call to a worker's ``/internal/*`` routes sends."""
+        return {"Authorization": f"Bearer {self.internal_token}"}
 
     # -------------------------------------------------------------- addresses
     def _url(self, port: int) -> str:
@@ -211,7 +240,8 @@ class LocalStack:
 
     # ------------------------------------------------------------------ start
     def engine_config(self) -> ServingConfig:
-        """The spec's config with the gateway pointed at this stack's workers."""
+        """The spec's config with the gateway pointed at this stack's workers, and every part
+        at this stack's internal credential."""
         workers = self.worker_urls
         both = self.spec.single
         gateway = replace(
@@ -221,7 +251,8 @@ class LocalStack:
             prefill_service=None,
             decode_service=None,
         )
-        return replace(self.spec.config, gateway=gateway)
+        security = replace(self.spec.config.security, internal_token_file=str(self.token_path))
+        return replace(self.spec.config, gateway=gateway, security=security)
 
     def _check_ports(self) -> None:
         ports = {"gateway": self.spec.gateway_port, "prefill": self.spec.prefill_port}
@@ -267,6 +298,7 @@ class LocalStack:
     def start(self) -> None:
         """Write the config and start every child (returns at once; then ``wait_ready``)."""
         self._check_ports()
+        write_private(self.token_path, self.internal_token)
         self.config_path.write_text(self.engine_config().to_json())
         env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1")
         for child in self._plan():

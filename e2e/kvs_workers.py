@@ -3,6 +3,11 @@ fixtures in conftest.py hand them out).
 
 Every process is started in its own session (process group) and killed with
 its group when the test ends, also on failure; every wait has a deadline.
+
+The workers of one factory share an internal credential (``token_path``; calls
+to ``/internal/*`` send ``headers``) and know each other as peers: their ports
+are picked up front and every config lists them as the deployment's workers
+(``gateway.prefill_urls`` / ``decode_urls``) unless it names its own.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from typing import Any
 
 import httpx
 
-from kvserving.stack import free_port
+from kvserving.stack import free_port, free_ports, new_token_file
 
 READY_TIMEOUT_S = 120.0
+MAX_WORKERS = 16  # ports picked up front per factory (the peers every worker knows)
 
 
 @dataclass
@@ -30,6 +36,7 @@ class WorkerProc:
     url: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    headers: dict[str, str] = field(default_factory=dict)  # what a call to its /internal/* sends
     extra: dict[str, Any] = field(default_factory=dict)
 
     def log_tail(self, n: int = 40) -> str:
@@ -71,15 +78,26 @@ class WorkerFactory:
         self.tmp = tmp
         self.model_dir = model_dir
         self.started: list[WorkerProc] = []
+        self.token_path = tmp / "internal-token"
+        self.token = new_token_file(self.token_path)
+        self.headers = {"Authorization": f"Bearer {self.token}"}
+        self.ports = free_ports(MAX_WORKERS)
+        self.peer_urls = [f"http://127.0.0.1:{p}" for p in self.ports]
 
     def start(
         self, role: str, config: dict[str, Any], *, wait: bool = True, args: tuple[str, ...] = (), port: int | None = None
     ) -> WorkerProc:
         n = len(self.started)
+        config = dict(config)
+        config["security"] = {"internal_token_file": str(self.token_path), **config.get("security", {})}
+        gateway = dict(config.get("gateway", {}))
+        if not any(gateway.get(k) for k in ("prefill_urls", "decode_urls", "prefill_service", "decode_service")):
+            gateway.update(prefill_urls=self.peer_urls, decode_urls=self.peer_urls)
+        config["gateway"] = gateway
         cfg = self.tmp / f"config-{n}.json"
         cfg.write_text(json.dumps(config))
         log_path = self.tmp / f"worker-{n}-{role}.log"
-        port = port or free_port()
+        port = port or (self.ports[n] if n < len(self.ports) else free_port())
         argv = [
             sys.executable, "-m", "kvserving.cli", "worker", "--role", role, "--config", str(cfg),
             "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port), *args,
@@ -90,7 +108,7 @@ class WorkerFactory:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
-        worker = WorkerProc(role, f"http://127.0.0.1:{port}", proc, log_path)
+        worker = WorkerProc(role, f"http://127.0.0.1:{port}", proc, log_path, dict(self.headers))
         self.started.append(worker)
         if wait:
             worker.wait_ready()
@@ -101,11 +119,11 @@ class WorkerFactory:
             worker.kill()
 
 
-def stream_generate(url: str, body: dict[str, Any], *, timeout: float = 120) -> tuple[list[int], dict[str, Any]]:
+def stream_generate(worker: WorkerProc, body: dict[str, Any], *, timeout: float = 120) -> tuple[list[int], dict[str, Any]]:
     """POST /internal/generate; the streamed token ids and the final event (asserts [DONE])."""
     tokens: list[int] = []
     final: dict[str, Any] = {}
-    with httpx.stream("POST", url + "/internal/generate", json=body, timeout=timeout) as r:
+    with httpx.stream("POST", worker.url + "/internal/generate", json=body, headers=worker.headers, timeout=timeout) as r:
         if r.status_code != 200:
             raise AssertionError(f"{r.status_code}: {r.read().decode()}")
         for line in r.iter_lines():

@@ -35,9 +35,12 @@ def config() -> dict[str, Any]:
 
 
 class GatewayProc:
-    def __init__(self, tmp: Path, model_dir: Path, *, prefill: str, decode: str, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, tmp: Path, model_dir: Path, *, prefill: str, decode: str, token_file: Path,
+                 config: dict[str, Any] | None = None) -> None:
         cfg = tmp / "gateway-config.json"
-        cfg.write_text(json.dumps(config or globals()["config"]()))
+        data = dict(config or globals()["config"]())
+        data["security"] = {"internal_token_file": str(token_file)}  # the workers' credential
+        cfg.write_text(json.dumps(data))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "gateway.log"
@@ -77,7 +80,7 @@ def stack(workers: WorkerFactory, tiny_model_dir: Path, tmp_path: Path) -> Itera
     decode = workers.start("decode", config(), wait=False)
     prefill.wait_ready()
     decode.wait_ready()
-    gateway = GatewayProc(tmp_path, tiny_model_dir, prefill=prefill.url, decode=decode.url)
+    gateway = GatewayProc(tmp_path, tiny_model_dir, prefill=prefill.url, decode=decode.url, token_file=workers.token_path)
     try:
         gateway.wait_ready()
         yield gateway, prefill, decode
@@ -113,7 +116,7 @@ def test_three_turn_conversation_reuses_kv_through_the_gateway(stack: tuple[Gate
                      {"role": "user", "content": f"Turn {turn + 2}: now look at the next file and report back."}]
     assert cached[0] == 0
     assert cached[1] > 0 and cached[2] > cached[1], cached
-    leases = httpx.get(decode.url + "/internal/kv/leases", params={"conversation_key": "session:e2e-session"}, timeout=10).json()
+    leases = httpx.get(decode.url + "/internal/kv/leases", params={"conversation_key": "session:e2e-session"}, headers=decode.headers, timeout=10).json()
     assert len(leases["leases"]) == 1
     assert metric(gateway.url, "kvserving_gateway_kv_reused_tokens_total", source="remote") > 0
     assert metric(gateway.url, "kvserving_gateway_routing_decisions_total", role="decode", reason="lease") == 2
@@ -124,7 +127,7 @@ def test_three_turn_conversation_reuses_kv_through_the_gateway(stack: tuple[Gate
     assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens_details.cached_tokens > cached[2]  # type: ignore[union-attr]
     # a clean stop leaves the active conversation's KV with the decode worker (another replica may go on)
     assert gateway.stop() == 0
-    assert len(httpx.get(decode.url + "/internal/kv/leases", timeout=10).json()["leases"]) == 1
+    assert len(httpx.get(decode.url + "/internal/kv/leases", headers=decode.headers, timeout=10).json()["leases"]) == 1
 
 
 SOAK_SESSIONS, SOAK_TURNS = 200, 3
@@ -162,7 +165,8 @@ def test_soak_concurrent_sessions_through_real_workers(workers: WorkerFactory, t
     decode = workers.start("decode", worker_cfg, wait=False)
     prefill.wait_ready()
     decode.wait_ready()
-    gateway = GatewayProc(tmp_path, tiny_model_dir, prefill=prefill.url, decode=decode.url, config=gateway_cfg)
+    gateway = GatewayProc(tmp_path, tiny_model_dir, prefill=prefill.url, decode=decode.url, token_file=workers.token_path,
+                          config=gateway_cfg)
     try:
         gateway.wait_ready()
 
@@ -199,7 +203,7 @@ def test_soak_concurrent_sessions_through_real_workers(workers: WorkerFactory, t
                 assert cached[1] > cached[0] and cached[2] > cached[1], cached
             assert metric(gateway.url, "kvserving_gateway_requests_total", route="/v1/chat/completions", code="200") == done
             deadline = time.monotonic() + 60
-            while httpx.get(decode.url + "/internal/kv/leases", timeout=10).json()["leases"]:
+            while httpx.get(decode.url + "/internal/kv/leases", headers=decode.headers, timeout=10).json()["leases"]:
                 assert time.monotonic() < deadline, "decode leases not released after the conversations went idle"
                 time.sleep(0.5)
             # The worker drops an idle lease at its retention (2 s); the gateway's table drops it

@@ -34,14 +34,14 @@ REPLY = 6
 def prefill_turn(
     worker: WorkerProc, rid: str, ids: list[int], params: dict[str, Any] | None, *, max_tokens: int = 1
 ) -> tuple[list[int], dict[str, Any]]:
-    return stream_generate(worker.url, {
+    return stream_generate(worker, {
         "request_id": rid, "input_ids": ids, "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
         "kv_transfer_params": params, "conversation_key": rid,
     })
 
 
 def decode_turn(worker: WorkerProc, rid: str, ids: list[int], params: dict[str, Any] | None) -> tuple[list[int], dict[str, Any]]:
-    return stream_generate(worker.url, {
+    return stream_generate(worker, {
         "request_id": rid, "input_ids": ids, "sampling": {"max_tokens": REPLY, "ignore_eos": True},
         "kv_transfer_params": params, "conversation_key": rid, "retain": True,
     })
@@ -88,7 +88,7 @@ def test_each_reuse_fault_recomputes_the_same_tokens_and_is_counted(workers: Wor
     check("edited-2", history, retained, "hash_mismatch", local=2 * PAGE)
     # 3. the decode released the lease (the gateway went idle): never read pages that may be reused
     history, retained, own = conversation("released")
-    assert httpx.delete(f"{decode.url}/internal/kv/leases/{retained['lease_id']}", timeout=10).status_code == 200
+    assert httpx.delete(f"{decode.url}/internal/kv/leases/{retained['lease_id']}", headers=decode.headers, timeout=10).status_code == 200
     check("released-2", history, retained, "lease_expired", local=own)
     # 4. the decode worker is dead; 5. it restarted on the same address: a new engine, its pages are gone
     dead = conversation("dead")
@@ -100,7 +100,7 @@ def test_each_reuse_fault_recomputes_the_same_tokens_and_is_counted(workers: Wor
     check("stale-2", stale[0], stale[1], "stale_agent", local=stale[2])
 
     assert seen == {"layout_mismatch": 1, "hash_mismatch": 1, "lease_expired": 1, "remote_unreachable": 1, "stale_agent": 1}
-    stats = httpx.get(prefill.url + "/internal/kv/stats", timeout=10).json()
+    stats = httpx.get(prefill.url + "/internal/kv/stats", headers=prefill.headers, timeout=10).json()
     assert stats["fallbacks"] == dict(sorted(seen.items()))
     text = httpx.get(prefill.url + "/metrics", timeout=10).text
     for reason, count in seen.items():

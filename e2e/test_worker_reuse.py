@@ -67,7 +67,7 @@ def tag_history(segments: list[tuple[int, str, list[int]]], turn: int) -> list[i
 
 
 def leases(worker: WorkerProc) -> list[dict[str, Any]]:
-    r = httpx.get(worker.url + "/internal/kv/leases", timeout=10)
+    r = httpx.get(worker.url + "/internal/kv/leases", headers=worker.headers, timeout=10)
     assert r.status_code == 200, r.text
     found: list[dict[str, Any]] = r.json()["leases"]
     return found
@@ -109,7 +109,7 @@ def test_four_turn_conversation_pulls_both_ways_and_computes_only_new_tokens(
             want = reference.generate([history], SamplingParams(max_tokens=REPLY_TOKENS, ignore_eos=True), tags=[tags])[0]
 
             # prefill: its own cached pages of the last turn, the decode's retained pages pulled (D->P)
-            p_tokens, p_final = stream_generate(prefill.url, {
+            p_tokens, p_final = stream_generate(prefill, {
                 "request_id": f"{dtype}-prefill-{turn}", "input_ids": history, "tags": tags,
                 "sampling": {"max_tokens": 1, "ignore_eos": True},
                 "kv_transfer_params": decode_params, "conversation_key": CONVERSATION,
@@ -139,7 +139,7 @@ def test_four_turn_conversation_pulls_both_ways_and_computes_only_new_tokens(
             assert p_params["num_tokens"] == (n // page) * page and p_params["dtype"] == dtype
 
             # decode: its own retained pages locally, only the delta pulled from the prefill (P->D)
-            d_tokens, d_final = stream_generate(decode.url, {
+            d_tokens, d_final = stream_generate(decode, {
                 "request_id": f"{dtype}-decode-{turn}", "input_ids": history, "tags": tags,
                 "sampling": {"max_tokens": REPLY_TOKENS, "ignore_eos": True},
                 "kv_transfer_params": p_params, "conversation_key": CONVERSATION, "retain": True,

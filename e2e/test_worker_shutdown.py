@@ -18,13 +18,13 @@ from kvs_workers import WorkerFactory
 CONFIG: dict[str, Any] = {"kv_cache": {"dtype": "bf16", "memory_bytes": 16 << 20}}
 
 
-def _stream_in_thread(url: str, body: dict[str, Any]) -> tuple[threading.Thread, list[dict[str, Any] | str], threading.Event]:
+def _stream_in_thread(worker: Any, body: dict[str, Any]) -> tuple[threading.Thread, list[dict[str, Any] | str], threading.Event]:
     events: list[dict[str, Any] | str] = []
     first = threading.Event()
 
     def read() -> None:
         try:
-            with httpx.stream("POST", url + "/internal/generate", json=body, timeout=60) as r:
+            with httpx.stream("POST", worker.url + "/internal/generate", json=body, headers=worker.headers, timeout=60) as r:
                 for line in r.iter_lines():
                     if line:
                         data = line.removeprefix("data: ")
@@ -52,8 +52,8 @@ def test_sigterm_refuses_new_work_lets_short_requests_finish_aborts_the_rest_and
     prompt = list(range(10, 40))
     long_body = {"request_id": "long", "input_ids": prompt, "sampling": {"max_tokens": 3000, "ignore_eos": True}}
     short_body = {"request_id": "short", "input_ids": prompt, "sampling": {"max_tokens": 40, "ignore_eos": True}}
-    long_thread, long_events, long_first = _stream_in_thread(w.url, long_body)
-    short_thread, short_events, short_first = _stream_in_thread(w.url, short_body)
+    long_thread, long_events, long_first = _stream_in_thread(w, long_body)
+    short_thread, short_events, short_first = _stream_in_thread(w, short_body)
     for first, events in ((long_first, long_events), (short_first, short_events)):
         assert first.wait(60) and isinstance(events[0], dict) and events[0].get("token_ids"), events[:1]
     t0 = time.monotonic()
@@ -62,7 +62,7 @@ def test_sigterm_refuses_new_work_lets_short_requests_finish_aborts_the_rest_and
     while httpx.get(w.url + "/ready", timeout=2).status_code != 503:
         assert time.monotonic() < deadline, "ready still 200 after SIGTERM"
         time.sleep(0.02)
-    r = httpx.post(w.url + "/internal/generate", json={"request_id": "late", "input_ids": [1, 2]}, timeout=5)
+    r = httpx.post(w.url + "/internal/generate", json={"request_id": "late", "input_ids": [1, 2]}, headers=w.headers, timeout=5)
     assert r.status_code == 503 and r.json()["error"]["message"] == "worker is draining"
     assert _wait_exit(w, 30) == 0
     long_thread.join(10)

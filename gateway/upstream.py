@@ -112,7 +112,7 @@ class _Connection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         self._timer = loop.call_at(deadline, self._timed_out)
         self.transport.write(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-                             b"content-length: %d\r\n\r\n%s" % (path.encode("latin-1"), self.host, len(body), body))
+                             b"%scontent-length: %d\r\n\r\n%s" % (path.encode("latin-1"), self.host, self.pool.auth, len(body), body))
         while not self.status:
             await self._wait()
         return self.status
@@ -172,8 +172,11 @@ class _Connection(asyncio.Protocol):
 class ConnectionPool:
     """Kept-alive connections per worker, most recently used first."""
 
-    def __init__(self, *, connect_timeout_s: float, keepalive_s: float = 4.0, max_idle_per_host: int = 1024) -> None:
+    def __init__(self, *, connect_timeout_s: float, keepalive_s: float = 4.0, max_idle_per_host: int = 1024,
+                 token: str | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
+        # the workers' internal credential, sent with every request (their /internal/* routes need it)
+        self.auth = b"authorization: Bearer %s\r\n" % token.encode("latin-1") if token else b""
         self.keepalive_s = keepalive_s
         self.max_idle_per_host = max_idle_per_host
         self._idle: defaultdict[str, list[_Connection]] = defaultdict(list)

@@ -106,20 +106,24 @@ class WorkerClient:
     client costs a fraction of aiohttp's (bench/NOTES-gateway.md).
     """
 
-    def __init__(self, *, request_timeout_s: float, connect_timeout_s: float, max_connections: int = 4096) -> None:
+    def __init__(self, *, request_timeout_s: float, connect_timeout_s: float, max_connections: int = 4096,
+                 token: str | None = None) -> None:
+        # every call carries the workers' internal credential (``security.internal_token_file``)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._request_timeout_s = request_timeout_s
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
         self._short = aiohttp.ClientTimeout(total=max(connect_timeout_s, 1.0) * 2, sock_connect=connect_timeout_s)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
         self._streams = ConnectionPool(connect_timeout_s=connect_timeout_s, keepalive_s=4.0,
-                                       max_idle_per_host=max_connections)
+                                       max_idle_per_host=max_connections, token=token)
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             # Idle connections are dropped before uvicorn's 5 s keep-alive closes them from its side.
             connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0, keepalive_timeout=4)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, auto_decompress=False)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, auto_decompress=False,
+                                                  headers=self._headers)
         return self._session
 
     async def aclose(self) -> None:

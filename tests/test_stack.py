@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,26 @@ def test_engine_config_points_the_gateway_at_the_local_workers(tmp_path: Path) -
     cfg1 = LocalStack(single).engine_config()
     assert cfg1.gateway.prefill_urls == cfg1.gateway.decode_urls == (f"http://127.0.0.1:{spec.prefill_port}",)
     assert ServingConfig.from_json(cfg.to_json()) == cfg  # what the children read
+
+
+def test_every_stack_writes_its_own_private_internal_token_and_every_part_is_given_it(tmp_path: Path) -> None:
+    script = tmp_path / "ready.py"
+    script.write_text(READY_SERVER)
+    tokens = []
+    for n in range(2):
+        stack = FakeStack(replace(_spec(tmp_path), run_dir=tmp_path / f"run{n}"), script, {})
+        try:
+            stack.start()
+            written = ServingConfig.load(stack.config_path)
+            assert written.security.internal_token_file == str(stack.token_path)
+            assert stack.token_path.stat().st_mode & 0o777 == 0o600
+            assert written.security.read_internal_token() == stack.internal_token
+            assert stack.internal_headers == {"Authorization": f"Bearer {stack.internal_token}"}
+            assert len(stack.internal_token) >= 40  # 32 random bytes, urlsafe base64
+            tokens.append(stack.internal_token)
+        finally:
+            stack.close()
+    assert tokens[0] != tokens[1]
 
 
 def test_spec_refuses_clashing_ports() -> None:

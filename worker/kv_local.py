@@ -9,6 +9,7 @@ from typing import Any
 
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.kv_transfer import KVTransfer, LeaseMismatchError
+from kvserving.worker.peers import PeerSet
 
 
 class LocalPair:
@@ -16,12 +17,13 @@ class LocalPair:
 
     def __init__(self, prefill: LLMEngine, decode: LLMEngine, *, name: str) -> None:
         self.workers: dict[str, KVTransfer] = {}
+        urls = {role: f"local://{name}-{role}" for role in ("prefill", "decode")}
         for role, eng in (("prefill", prefill), ("decode", decode)):
-            url = f"local://{name}-{role}"
+            url = urls[role]
             self.workers[url] = KVTransfer(
                 eng, eng.config.reuse, engine_id=f"{name}-{role}", agent_url=url, role=role,
                 fetch_agent_info=lambda u: self.workers[u].agent_info(), hold_remote=self._hold,
-                release_remote=self._release,
+                release_remote=self._release, peers=PeerSet(urls.values()),
             )
         self.p, self.d = self.workers[f"local://{name}-prefill"], self.workers[f"local://{name}-decode"]
 

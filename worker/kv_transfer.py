@@ -13,7 +13,7 @@ API the worker server uses (one ``KVTransfer`` per worker process)::
     # never on the engine thread itself):
     params = KVTransferParams.from_dict(body["kv_transfer_params"]) if body.get(...) else None  # ValueError -> 400
     res = kvt.pull(input_ids, tags, params)           # -> PullResult; never raises for transfer faults
-    spec = kvt.retain_spec(conversation_key=key) if retain else None   # prefill role: always
+    spec = kvt.retain_spec(conversation_key=key, input_ids=input_ids) if retain else None   # prefill role: always
     engine.add_request(rid, input_ids, sampling, tags=tags, retain=spec, pin_lease=res.pin_lease)
     #   (if add_request raises: kvt.drop_pin(res))
     # final RequestOutput `out`:
@@ -69,17 +69,28 @@ stalled it until their timeout.
 Retaining: a request added with ``retain=kvt.retain_spec(...)`` keeps its
 full pages (prompt + generated) pinned when it finishes, for
 ``reuse.transfer_timeout_s`` on a prefill worker and ``reuse.retention_ttl_s``
-otherwise; one lease per conversation key (a newer one releases the older).
+otherwise; a newer lease of a conversation key releases the older one when its
+prompt continues the older one's (``_on_retained``).
+
+Peers: ``kv_transfer_params.agent_url`` is contacted only when it is this worker's
+own URL or one of the deployment's workers (``peers``, from the engine config's
+worker list); anything else is the fallback ``unknown_peer`` (the request
+recomputes, nothing is contacted). Every peer call carries the internal
+credential and a deadline (``kv_wire.PeerHttp``); a hold pins pages for at most
+``max_hold_s`` (``security.max_hold_s``).
 Released or expired leases' pages go back to the prefix cache's LRU.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
+import hashlib
 import math
 import threading
 import time
 import uuid
+from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -92,6 +103,7 @@ from kvserving.worker.engine import LLMEngine
 from kvserving.worker.kv_wire import HTTP_TIMEOUT_S, KVTransferParams, PeerHttp, layout_hash, layout_info, lease_digest
 from kvserving.worker.leases import RetainedKV, RetainSpec, release_pin
 from kvserving.worker.page_pool import RECLAIM_FIRST, RECLAIM_LAST
+from kvserving.worker.peers import PeerSet, url_key
 from kvserving.worker.nixl_io import NixlIO, PageGeometry, ReadStats, RemoteBuffers, TransferError
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence as EngineSequence
@@ -100,14 +112,13 @@ T = TypeVar("T")
 
 FALLBACK_REASONS = (
     "remote_unreachable", "transfer_timeout", "transfer_failed", "lease_expired",
-    "layout_mismatch", "hash_mismatch", "stale_agent",
+    "layout_mismatch", "hash_mismatch", "stale_agent", "unknown_peer",
 )
 TRANSFER_LEASE_PREFIX = "xfer-"  # a prefill worker's single-use hold of a prompt's pages
 RETAIN_LEASE_PREFIX = "kv-"
 PIN_LEASE_PREFIX = "pull-"
 HOLD_LEASE_PREFIX = "hold-"  # a puller's pin of a lease's pages for the length of one READ (sender side)
 HOLD_MARGIN_S = 2.0  # a hold outlives the puller's READ deadline by this much
-MAX_HOLD_S = 120.0
 DEFAULT_THRESHOLD_TOKENS = 64  # "auto" before both rates are measured
 # ``PullResult.phases``, on the request's path in this order: hash and match the prompt and
 # allocate (one engine-thread hop), wait for the sender's hold (sent before planning), build the
@@ -182,6 +193,12 @@ class _LeaseRecord:
     kept: RetainedKV
     ttl_s: float
     digest: str | None = None  # ``lease_digest`` of its pages, computed at the first hold
+    prompt: tuple[int, str] | None = None  # (length, ``prompt_digest``) of the prompt that made it
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """blake2b-128 of a prompt's token ids (what proves a later prompt starts with it)."""
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16, person=b"kvserving.prompt").hexdigest()
 
 
 class LeaseMismatchError(ValueError):
@@ -217,6 +234,9 @@ class KVTransfer:
         release_remote: Callable[[str, str], None] | None = None,
         weights_id: str | None = None,
         poll_interval_s: float = 0.002,
+        internal_token: str | None = None,
+        peers: PeerSet | None = None,
+        max_hold_s: float = 60.0,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -227,11 +247,16 @@ class KVTransfer:
         self.engine_id = engine_id
         self.agent_url = agent_url
         self.role = role
+        # where kv_transfer_params may send this worker: its own URL and the deployment's
+        # workers (``peers``; None: its own URL only)
+        self.peers = peers if peers is not None else PeerSet()
+        self._own = url_key(agent_url)
+        self.max_hold_s = max_hold_s  # the longest pin a peer's hold gets (security.max_hold_s)
         self.generation = uuid.uuid4().int >> 80  # this process's metadata generation (48 bits)
         self._lock = threading.Lock()
         self._counts_lock = threading.Lock()  # pulls run on several server threads at once
         self._run = run_on_engine or self._run_locked
-        self._http = PeerHttp()
+        self._http = PeerHttp(token=internal_token)
         self._fetch = fetch_agent_info or self._http.fetch_agent_info
         self._hold_remote = hold_remote or self._http.hold
         self._release_remote = release_remote or self._http.release
@@ -329,6 +354,8 @@ class KVTransfer:
         self.reap()
         if params is None:
             return PullResult()
+        if url_key(params.agent_url) != self._own and not self.peers.allows(params.agent_url):
+            return self._fail("unknown_peer")  # never contacted: not one of this deployment's workers
         ids = [int(t) for t in input_ids]
         tag_list = [int(t) for t in tags] if tags is not None else [0] * len(ids)
         if len(tag_list) != len(ids):
@@ -657,27 +684,45 @@ class KVTransfer:
             self.engine.pool.release(lease_id)
 
     # ------------------------------------------------------------------ retain and leases
-    def retain_spec(self, *, conversation_key: str | None = None) -> RetainSpec:
-        """A new lease for a request's pages when it finishes (ttl by role)."""
+    def retain_spec(self, *, conversation_key: str | None = None, input_ids: Sequence[int] = ()) -> RetainSpec:
+        """A new lease for a request's pages when it finishes (ttl by role). ``input_ids``: the
+        request's prompt, which lets its lease replace the conversation's older one (``_on_retained``)."""
         # the id names this process's generation: a peer that restarted since is told apart
         # even when its engine id is stable (``_connect``)
         tail = f"{self.generation:x}-{uuid.uuid4().hex}"
+        on_retained = functools.partial(self._on_retained, prompt=input_ids)
         if self.role == "prefill":
-            return RetainSpec(f"{TRANSFER_LEASE_PREFIX}{tail}", self.reuse.transfer_timeout_s, conversation_key, self._on_retained)
+            return RetainSpec(f"{TRANSFER_LEASE_PREFIX}{tail}", self.reuse.transfer_timeout_s, conversation_key, on_retained)
         # a retained conversation yields its pages to live requests when the pool runs out
-        return RetainSpec(f"{RETAIN_LEASE_PREFIX}{tail}", self.reuse.retention_ttl_s, conversation_key, self._on_retained,
+        return RetainSpec(f"{RETAIN_LEASE_PREFIX}{tail}", self.reuse.retention_ttl_s, conversation_key, on_retained,
                           reclaim=RECLAIM_FIRST)
 
-    def _on_retained(self, kept: RetainedKV) -> None:
-        """Engine thread, inside step: record the lease; a conversation keeps only its newest."""
+    def _on_retained(self, kept: RetainedKV, *, prompt: Sequence[int] = ()) -> None:
+        """Engine thread, inside step: record the lease; it replaces an older lease of the same
+        conversation key only when its prompt continues the older one's.
+
+        A conversation key is a name any caller can put in a request, so naming one proves
+        nothing: the older lease goes only when this request's prompt starts with the whole
+        prompt that made it (equal ``prompt_digest`` over that many tokens), i.e. the caller
+        already had that conversation's history, as the conversation's own next turn does.
+        Token ids, not page hashes: a triaxial page's hash also covers its precision, which
+        a later turn's tags may change. A request that names another conversation's key
+        leaves that lease alone and keeps its own beside it. Cost: one digest of the older
+        prompt's length, only when a lease of the same key exists."""
         self._purge()
-        if kept.conversation_key is not None:
+        if kept.conversation_key is not None and prompt:
             for lid, rec in list(self._leases.items()):
-                if rec.kept.conversation_key == kept.conversation_key:
+                if rec.kept.conversation_key != kept.conversation_key or rec.prompt is None:
+                    continue
+                n, digest = rec.prompt
+                if n <= len(prompt) and prompt_digest(prompt[:n]) == digest:
                     self._drop_lease(lid)
                     del self._leases[lid]
         ttl = self.reuse.transfer_timeout_s if kept.lease_id.startswith(TRANSFER_LEASE_PREFIX) else self.reuse.retention_ttl_s
-        self._leases[kept.lease_id] = _LeaseRecord(kept, ttl)
+        record = _LeaseRecord(kept, ttl)
+        if kept.conversation_key is not None and prompt:
+            record.prompt = (len(prompt), prompt_digest(prompt))
+        self._leases[kept.lease_id] = record
 
     def _purge(self) -> None:
         """Forget leases the pool expired or released."""
@@ -735,7 +780,7 @@ class KVTransfer:
 
     def hold(self, lease_id: str, *, digest: str, hold_s: float, consume: bool = False) -> dict[str, Any]:
         """Pin lease ``lease_id``'s pages for one READ by a peer (``POST .../hold``): for
-        ``hold_s`` (at most ``MAX_HOLD_S``), never reclaimed, whatever happens to the lease
+        ``hold_s`` (at most ``max_hold_s``), never reclaimed, whatever happens to the lease
         meanwhile; released by ``release(hold_id)`` or at expiry. ``digest`` must equal
         ``lease_digest`` of the lease's pages, hashes and tokens (LeaseMismatchError: the
         puller was offered other pages). ``consume``: a transfer lease (``xfer-``) ends now,
@@ -754,7 +799,7 @@ class KVTransfer:
             if digest != rec.digest:
                 raise LeaseMismatchError(f"lease {lease_id!r} holds other pages than the ones offered")
             hold_id = f"{HOLD_LEASE_PREFIX}{uuid.uuid4().hex}"
-            expires = self.engine.pool.pin(hold_id, kept.page_ids, ttl_s=min(float(hold_s), MAX_HOLD_S))
+            expires = self.engine.pool.pin(hold_id, kept.page_ids, ttl_s=min(float(hold_s), self.max_hold_s))
             if consume and lease_id.startswith(TRANSFER_LEASE_PREFIX):
                 del self._leases[lease_id]
                 self._drop_lease(lease_id)

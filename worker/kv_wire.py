@@ -161,12 +161,18 @@ class PeerHttp:
     client: building an ``httpx.Client`` per call cost ~21 ms each on the H200
     machines (bench/NOTES-pd-gpu.md); a pull makes one (the hold), plus the agent fetch
     once per sender incarnation and the hold's release after the READ.
-    httpx's sync client is safe to share between the server's pull threads."""
+    httpx's sync client is safe to share between the server's pull threads.
 
-    def __init__(self, *, timeout_s: float = HTTP_TIMEOUT_S) -> None:
+    Every call carries the deployment's internal credential (``token``: the sender's
+    ``/internal/*`` routes refuse calls without it) and ends within ``timeout_s`` per
+    phase (connect, each read, write): a frozen peer costs a bounded wait and the pull
+    falls back to recomputing (``remote_unreachable``)."""
+
+    def __init__(self, *, timeout_s: float = HTTP_TIMEOUT_S, token: str | None = None) -> None:
         import httpx
 
-        self._client = httpx.Client(timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s), headers=headers)
 
     def close(self) -> None:
         self._client.close()
@@ -192,9 +198,11 @@ class PeerHttp:
             r.raise_for_status()
 
 
-def http_hold(agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
+def http_hold(
+    agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool, *, token: str | None = None
+) -> dict[str, Any]:
     """One-off ``PeerHttp.hold`` (tests and tools)."""
-    http = PeerHttp()
+    http = PeerHttp(token=token)
     try:
         return http.hold(agent_url, lease_id, digest, hold_s, consume)
     finally:

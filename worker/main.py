@@ -1,9 +1,12 @@
 """``kvserving worker``: one worker process (prefill, decode or both) serving the
 worker HTTP API on uvicorn, the engine in the same process.
 
-Start-up: the config and model directory are checked before anything binds
-(one-line errors); the server then answers ``/health`` at once while the model
-loads on a thread, and ``/ready`` turns 200 when it has loaded.
+Start-up: the config, the internal credential and the model directory are
+checked before anything binds (one-line errors); the server then answers
+``/health`` at once while the model loads on a thread, and ``/ready`` turns 200
+when it has loaded. A worker never starts without the deployment's internal
+credential (``security.internal_token_file``): its ``/internal/*`` routes move
+and pin KV, and nothing unauthenticated may reach them.
 
 Shutdown (SIGTERM or SIGINT): ``/ready`` and new requests get 503 at once,
 requests in flight get ``--grace-period-s`` to finish and are aborted after
@@ -78,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServingConfig.load(args.config) if args.config is not None else ServingConfig()
+    internal_token = config.security.read_internal_token()
+    if internal_token is None:
+        raise ValueError("security.internal_token_file is not set: a worker serves /internal/* only to callers "
+                         "with the deployment's credential (kvserving up and the operator provide one)")
     config = resolve_model(config, args.model)
     if args.load_format is not None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, load_format=args.load_format))
@@ -85,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     registry = CollectorRegistry()
     service = WorkerService(
         config, role=args.role, metrics=WorkerMetrics(registry, role=args.role), engine_id=engine_id,
-        advertise_url=advertise_url(args.host, args.port, args.advertise_url),
+        advertise_url=advertise_url(args.host, args.port, args.advertise_url), internal_token=internal_token,
     )
     failed: list[BaseException] = []
     server: DrainingServer | None = None
@@ -102,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             assert server is not None
             server.should_exit = True
 
-    app = create_app(service, registry=registry, startup=startup)
+    app = create_app(service, registry=registry, internal_token=internal_token, startup=startup)
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
         timeout_graceful_shutdown=5, lifespan="on",

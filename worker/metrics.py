@@ -30,6 +30,7 @@ FALLBACK_REASONS = (
     "layout_mismatch",
     "hash_mismatch",
     "stale_agent",
+    "unknown_peer",
 )
 # Where a prompt token's KV came from.
 TOKEN_SOURCES = ("local_cache", "remote_pull", "computed")

@@ -15,7 +15,9 @@ Routes::
 Every error is ``{"error": {"message", "type", "code"}}`` with a one-line
 message: 400 bad JSON or input the engine refuses, 422 a body of the wrong
 shape, 409 a request id already in flight, 404 an unknown lease or route,
-413 a body over ``MAX_BODY_BYTES``, 503 loading or draining.
+413 a body over ``max_body_bytes`` (counted while read, chunked too), 503
+loading or draining; 401 on ``/internal/*`` without the deployment's internal
+credential (``gate.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -35,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from kvserving.worker.async_engine import DuplicateRequestError
+from kvserving.worker.gate import WorkerGate
 from kvserving.worker.service import Admitted, LeaseMismatchError, LeaseNotFoundError, NotReadyError, WorkerService
 from kvserving.worker.wire import GenerateBody, HoldBody, RenewBody, error_body, validation_message
 
@@ -79,10 +82,13 @@ def create_app(
     service: WorkerService,
     *,
     registry: CollectorRegistry,
+    internal_token: str,
     startup: Callable[[], Coroutine[Any, Any, None]] | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The worker's app. ``startup`` (model loading) runs as a background task from the
-    lifespan, so /health answers while it runs and /ready turns 200 when it is done."""
+    lifespan, so /health answers while it runs and /ready turns 200 when it is done.
+    ``internal_token``: the credential every ``/internal/*`` call must carry (``gate.py``)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -96,13 +102,7 @@ def create_app(
 
     app = FastAPI(title="kvserving worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _install_error_handlers(app)
-
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return error_response(413, f"request body over {MAX_BODY_BYTES} bytes", type_="invalid_request_error")
-        return await call_next(request)
+    app.add_middleware(WorkerGate, token=internal_token, max_body_bytes=max_body_bytes)
 
     @app.post("/internal/generate", response_model=None)
     async def generate(body: GenerateBody) -> Response:

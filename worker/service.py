@@ -25,6 +25,7 @@ from kvserving.worker.kv_stats import KVStats, collect
 from kvserving.worker.kv_transfer import KVTransfer, LeaseMismatchError, PullResult
 from kvserving.worker.kv_wire import KVTransferParams
 from kvserving.worker.metrics import WorkerMetrics
+from kvserving.worker.peers import PeerSet
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.wire import GenerateBody
 
@@ -59,9 +60,11 @@ class Admitted:
 
 class WorkerService:
     def __init__(
-        self, config: ServingConfig, *, role: str, metrics: WorkerMetrics, engine_id: str, advertise_url: str
+        self, config: ServingConfig, *, role: str, metrics: WorkerMetrics, engine_id: str, advertise_url: str,
+        internal_token: str | None = None,
     ) -> None:
         self.config = config
+        self.internal_token = internal_token  # sent to peer workers (their /internal/* routes need it)
         self.role = role
         self.advertise_url = advertise_url
         self.metrics = metrics
@@ -80,7 +83,8 @@ class WorkerService:
         if transfer:
             self.transfer = await asyncio.to_thread(
                 KVTransfer, engine, self.config.reuse, engine_id=self.engine_id, agent_url=self.advertise_url,
-                role=self.role, run_on_engine=async_engine.run_sync,
+                role=self.role, run_on_engine=async_engine.run_sync, internal_token=self.internal_token,
+                peers=PeerSet.from_config(self.config.gateway), max_hold_s=self.config.security.max_hold_s,
             )
         if self.state != STARTING:  # a signal came while loading
             return
@@ -164,7 +168,7 @@ class WorkerService:
             t_pulled = time.perf_counter()
             retain = None
             if kvt is not None and (self.role == "prefill" or body.retain):
-                retain = kvt.retain_spec(conversation_key=body.conversation_key)
+                retain = kvt.retain_spec(conversation_key=body.conversation_key, input_ids=body.input_ids)
             await engine.start(
                 stream, body.input_ids, params, tags=body.tags, retain=retain, pin_lease=pull.pin_lease,
                 output_ids=body.output_ids,

@@ -22,6 +22,7 @@ from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, SchedulerC
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.kv_transfer import KVTransfer, LeaseMismatchError
 from kvserving.worker.kv_wire import KVTransferParams
+from kvserving.worker.peers import PeerSet, url_key
 from kvserving.worker.sampling import SamplingParams
 
 torch.set_num_threads(1)
@@ -45,6 +46,15 @@ def serving_config(spec: dict[str, Any]) -> ServingConfig:
     )
 
 
+class LoopbackPeers(PeerSet):
+    """Every worker on this machine's loopback is a peer: the hosts of these tests serve theirs
+    on ports picked at start (the peer rule itself is tested in test_peers.py)."""
+
+    def allows(self, url: str) -> bool:
+        key = url_key(url)
+        return key is not None and key[1] == "127.0.0.1"
+
+
 class Worker:
     """One engine + KVTransfer; ``lock`` serialises engine access (steps and KVTransfer hops)."""
 
@@ -52,6 +62,7 @@ class Worker:
         self.lock = threading.RLock()
         cfg = serving_config(spec)
         self.engine = LLMEngine(cfg)
+        kvt_kwargs.setdefault("peers", LoopbackPeers())
         self.kvt = KVTransfer(
             self.engine, cfg.reuse, engine_id=spec["engine_id"], agent_url=url, role=spec.get("role", "both"),
             run_on_engine=self._locked, **kvt_kwargs,
@@ -65,7 +76,7 @@ class Worker:
         params = KVTransferParams.from_dict(cmd["params"]) if cmd.get("params") else None
         ids, tags = cmd["input_ids"], cmd.get("tags")
         res = self.kvt.pull(ids, tags, params)
-        spec = self.kvt.retain_spec(conversation_key=cmd.get("conversation_key")) if cmd.get("retain") else None
+        spec = self.kvt.retain_spec(conversation_key=cmd.get("conversation_key"), input_ids=ids) if cmd.get("retain") else None
         rid = cmd["request_id"]
         with self.lock:
             self.engine.add_request(rid, ids, SamplingParams(max_tokens=cmd["max_tokens"], ignore_eos=True),

@@ -3,6 +3,7 @@ free loopback port: the real HTTP stack in the test process."""
 
 from __future__ import annotations
 
+import secrets
 import socket
 import threading
 import time
@@ -27,6 +28,11 @@ class Live:
     server: uvicorn.Server
     thread: threading.Thread
     config: ServingConfig
+    token: str  # the internal credential its /internal/* routes need
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
 
 
 def start_live(
@@ -35,6 +41,7 @@ def start_live(
     role: str = "both",
     startup: Callable[[WorkerService], Coroutine[Any, Any, None]] | None = None,
     wait_ready: bool = True,
+    max_body_bytes: int | None = None,
 ) -> Live:
     """A worker app on uvicorn in a thread, on a free loopback port. ``startup(service)``
     replaces building the engine (default: build it, then start with KV transfer); with
@@ -43,8 +50,9 @@ def start_live(
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     registry = CollectorRegistry()
+    token = secrets.token_urlsafe(16)
     service = WorkerService(config, role=role, metrics=WorkerMetrics(registry, role=role), engine_id=f"test-{role}",
-                            advertise_url=url)
+                            advertise_url=url, internal_token=token)
     if startup is None:
         engine = LLMEngine(config)
 
@@ -57,11 +65,12 @@ def start_live(
     async def app_startup() -> None:
         await run(service)
 
-    app = create_app(service, registry=registry, startup=app_startup)
+    limit = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
+    app = create_app(service, registry=registry, internal_token=token, startup=app_startup, **limit)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    live = Live(url, service, server, thread, config)
+    live = Live(url, service, server, thread, config, token)
     path = "/ready" if wait_ready else "/health"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -18,6 +18,7 @@ from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, ServingCon
 from kvserving.worker.engine import LLMEngine, RequestOutput
 from kvserving.worker.kv_transfer import HOLD_LEASE_PREFIX, KVTransfer, LeaseMismatchError, PullResult
 from kvserving.worker.kv_wire import KVTransferParams, lease_digest
+from kvserving.worker.peers import PeerSet
 from kvserving.worker.sampling import SamplingParams
 
 
@@ -34,7 +35,7 @@ def _ids(n: int, seed: int) -> list[int]:
 def _run(kvt: KVTransfer, rid: str, ids: list[int], gen: int, *, retain: bool = True, pull: PullResult | None = None,
          key: str | None = None) -> RequestOutput:
     kvt.engine.add_request(rid, ids, SamplingParams(max_tokens=gen, ignore_eos=True),
-                           retain=kvt.retain_spec(conversation_key=key) if retain else None,
+                           retain=kvt.retain_spec(conversation_key=key, input_ids=ids) if retain else None,
                            pin_lease=pull.pin_lease if pull else None)
     while True:
         for out in kvt.engine.step():
@@ -56,6 +57,7 @@ class Pair:
             self.w[f"local://{role}"] = KVTransfer(
                 eng, eng.config.reuse, engine_id=f"{role}-hold", agent_url=f"local://{role}", role=role,
                 fetch_agent_info=self._agent, hold_remote=self._hold, release_remote=self._release,
+                peers=PeerSet(["local://prefill", "local://decode"]),
             )
         self.p, self.d = self.w["local://prefill"], self.w["local://decode"]
 

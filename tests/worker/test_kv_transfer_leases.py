@@ -1,6 +1,8 @@
 """Retained KV and its leases on one engine (no peer): what a finished request keeps,
-renew caps, release and expiry back to the prefix cache's LRU, one lease per
-conversation, and a `both` worker reusing its own retained conversation."""
+renew caps, release and expiry back to the prefix cache's LRU, a newer turn
+replacing its conversation's lease (only its own: a request naming another
+conversation's key leaves that lease alone), and a `both` worker reusing its own
+retained conversation."""
 
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def _ids(n: int, seed: int) -> list[int]:
 
 def test_retained_pages_are_pinned_listed_and_renewed(decode: KVTransfer) -> None:
     pool = decode.engine.pool
-    out = _run(decode, "r1", _ids(100, 1), 20, decode.retain_spec(conversation_key="conv"))
+    out = _run(decode, "r1", _ids(100, 1), 20, decode.retain_spec(conversation_key="conv", input_ids=_ids(100, 1)))
     kept = out.retained
     assert kept is not None and kept.lease_id.startswith("kv-")
     assert (len(kept.page_ids), kept.num_tokens) == (7, 112)  # (100 + 20 - 1) // 16 full pages
@@ -77,21 +79,42 @@ def test_retained_pages_are_pinned_listed_and_renewed(decode: KVTransfer) -> Non
 def test_release_and_newer_turn_send_pages_to_the_lru(decode: KVTransfer) -> None:
     pool = decode.engine.pool
     ids = _ids(100, 2)
-    first = _run(decode, "t1", ids, 20, decode.retain_spec(conversation_key="c"))
+    first = _run(decode, "t1", ids, 20, decode.retain_spec(conversation_key="c", input_ids=ids))
     assert first.retained is not None
-    turn2 = ids + _ids(20, 3) + _ids(40, 4)
-    second = _run(decode, "t2", turn2, 8, decode.retain_spec(conversation_key="c"))
+    turn2 = ids + _tokens["t1"] + _ids(40, 4)  # the conversation goes on: its history, then new text
+    second = _run(decode, "t2", turn2, 8, decode.retain_spec(conversation_key="c", input_ids=turn2))
     assert second.retained is not None
-    assert [le["lease_id"] for le in decode.leases()] == [second.retained.lease_id]  # one per conversation
-    # the superseded lease's pages that turn 2 does not share went to the LRU, still hashed
-    only_first = set(first.retained.page_ids) - set(second.retained.page_ids)
-    assert only_first and all(pool.ref_count(p) == 0 and pool.page(p) is not None for p in only_first)
+    assert [le["lease_id"] for le in decode.leases()] == [second.retained.lease_id]  # the continuation replaces it
+    # the superseded lease's pages live on in the newer one (its leading pages)
+    assert second.retained.page_ids[:len(first.retained.page_ids)] == first.retained.page_ids
     decode.release(second.retained.lease_id)
     assert decode.leases() == [] and pool.num_owned == 0
     assert pool.num_cached >= len(second.retained.page_ids)
     # still reusable locally: the same prompt hits every full page but the last token's
     again = _run(decode, "t3", turn2, 1, None)
     assert again.num_cached_tokens == (len(turn2) - 1) // 16 * 16
+
+
+def test_a_request_naming_another_conversations_key_keeps_that_conversations_lease(decode: KVTransfer) -> None:
+    """A conversation key is only a name: a retain under the victim's key whose pages do not
+    continue the victim's history adds a lease beside the victim's, which stays whole (its
+    pages pinned, its next turn reusing all of them)."""
+    pool = decode.engine.pool
+    victim_ids = _ids(100, 20)
+    victim = _run(decode, "v1", victim_ids, 20, decode.retain_spec(conversation_key="user:victim", input_ids=victim_ids))
+    assert victim.retained is not None
+    attacker = _run(decode, "a1", _ids(100, 21), 20, decode.retain_spec(conversation_key="user:victim", input_ids=_ids(100, 21)))
+    assert attacker.retained is not None
+    by_id = {le["lease_id"]: le for le in decode.leases(conversation_key="user:victim")}
+    assert sorted(by_id) == sorted([victim.retained.lease_id, attacker.retained.lease_id])
+    assert by_id[victim.retained.lease_id]["kv_transfer_params"]["page_ids"] == list(victim.retained.page_ids)
+    assert all(pool.ref_count(p) >= 1 for p in victim.retained.page_ids)
+    # the victim's next turn: every page of its history from the kept lease, which it then replaces
+    turn2 = victim_ids + _tokens["v1"] + _ids(30, 22)
+    second = _run(decode, "v2", turn2, 4, decode.retain_spec(conversation_key="user:victim", input_ids=turn2))
+    assert second.num_cached_tokens == victim.retained.num_tokens == 112
+    assert second.retained is not None
+    assert sorted(le["lease_id"] for le in decode.leases()) == sorted([second.retained.lease_id, attacker.retained.lease_id])
 
 
 def test_prefill_hold_expires_into_the_lru(tiny_model_dir: Path) -> None:
@@ -112,10 +135,10 @@ def test_prefill_hold_expires_into_the_lru(tiny_model_dir: Path) -> None:
 
 def test_both_worker_reuses_its_own_retained_conversation(decode: KVTransfer) -> None:
     ids = _ids(150, 6)
-    t1 = _run(decode, "b1", ids, 20, decode.retain_spec(conversation_key="b"))
+    t1 = _run(decode, "b1", ids, 20, decode.retain_spec(conversation_key="b", input_ids=ids))
     assert t1.retained is not None and t1.retained.num_tokens == 160  # (150 + 20 - 1) // 16 pages
     turn2 = ids + _tokens["b1"] + _ids(50, 7)
-    t2 = _run(decode, "b2", turn2, 8, decode.retain_spec(conversation_key="b"))
+    t2 = _run(decode, "b2", turn2, 8, decode.retain_spec(conversation_key="b", input_ids=turn2))
     assert (t2.num_cached_tokens, t2.num_pulled_tokens) == (160, 0)
     fresh = LLMEngine(decode.engine.config).generate([turn2], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert _tokens["b2"] == fresh
@@ -139,7 +162,7 @@ def test_a_pull_reclaims_retained_conversations_when_the_pool_is_full(decode: KV
     leases = []
     n = 0
     while pool.num_free_pages(bits=4) >= 8:
-        out = _run(decode, f"fill{n}", _ids(100, 100 + n), 20, decode.retain_spec(conversation_key=f"c{n}"))
+        out = _run(decode, f"fill{n}", _ids(100, 100 + n), 20, decode.retain_spec(conversation_key=f"c{n}", input_ids=_ids(100, 100 + n)))
         assert out.retained is not None
         leases.append(out.retained.lease_id)
         n += 1

@@ -48,12 +48,12 @@ def live(config: ServingConfig) -> Iterator[Live]:
         stop_live(w)
 
 
-def generate(url: str, body: dict[str, Any], *, timeout: float = 60) -> tuple[list[int], dict[str, Any]]:
+def generate(live: Live, body: dict[str, Any], *, timeout: float = 60) -> tuple[list[int], dict[str, Any]]:
     """POST /internal/generate; the streamed token ids and the final event."""
     tokens: list[int] = []
     final: dict[str, Any] = {}
     done = False
-    with httpx.stream("POST", url + "/internal/generate", json=body, timeout=timeout) as r:
+    with httpx.stream("POST", live.url + "/internal/generate", json=body, headers=live.headers, timeout=timeout) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
@@ -81,7 +81,7 @@ def test_stream_equals_offline_engine_and_usage_counts_the_prefix_cache(live: Li
     prompt = [(7 * i + 3) % 4000 + 50 for i in range(70)]  # 70 tokens: 4 full pages + 6
     want = LLMEngine(config).generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
 
-    tokens, final = generate(live.url, body("first", prompt))
+    tokens, final = generate(live, body("first", prompt))
     assert tokens == want
     assert final["finish_reason"] == "length"
     assert final["kv_transfer_params"] is None
@@ -90,7 +90,7 @@ def test_stream_equals_offline_engine_and_usage_counts_the_prefix_cache(live: Li
         "computed_prompt_tokens": 70, "kv_bytes_pulled": 0, "kv_regions_pulled": 0, "reuse_fallback": None,
     }
     # the same prompt again: its 4 full pages come from the prefix cache
-    tokens, final = generate(live.url, body("second", prompt))
+    tokens, final = generate(live, body("second", prompt))
     assert tokens == want
     assert final["usage"]["local_cached_tokens"] == 64
     assert final["usage"]["computed_prompt_tokens"] == 6
@@ -106,7 +106,7 @@ def test_concurrent_streams_are_batched_and_each_equals_its_offline_output(live:
     def run(k: int) -> None:
         sampling = {"max_tokens": 12, "ignore_eos": True} if k % 2 == 0 else {
             "max_tokens": 12, "temperature": 0.8, "top_k": 50, "seed": 7, "ignore_eos": True}
-        results[k] = generate(live.url, {"request_id": f"conc-{k}", "input_ids": prompts[k], "sampling": sampling})[0]
+        results[k] = generate(live, {"request_id": f"conc-{k}", "input_ids": prompts[k], "sampling": sampling})[0]
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
     for t in threads:
@@ -149,7 +149,7 @@ BAD_BODIES: list[tuple[str, Any, int, str]] = [
 @pytest.mark.parametrize(("case", "payload", "status", "message"), BAD_BODIES, ids=[c[0] for c in BAD_BODIES])
 def test_malformed_requests_get_a_one_line_4xx(live: Live, case: str, payload: Any, status: int, message: str) -> None:
     content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    r = httpx.post(live.url + "/internal/generate", content=content, headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(live.url + "/internal/generate", content=content, headers={"content-type": "application/json", **live.headers}, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert message in err["message"]
@@ -162,7 +162,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(live: Live) -> None:
     host, port = live.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(b"POST /internal/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100000000\r\n\r\n{")
+                     b"Authorization: Bearer " + live.token.encode() + b"\r\nContent-Length: 100000000\r\n\r\n{")
         reply = b""
         while b"bytes" not in reply and len(reply) < 65536:
             chunk = sock.recv(65536)
@@ -183,28 +183,28 @@ def test_an_engine_failure_ends_the_streams_with_an_error_event_and_the_worker_g
         raise RuntimeError("injected device fault")
 
     runner.execute = broken  # type: ignore[method-assign]
-    with httpx.stream("POST", live.url + "/internal/generate", json=body("boom", [5, 6, 7]), timeout=60) as r:
+    with httpx.stream("POST", live.url + "/internal/generate", json=body("boom", [5, 6, 7]), headers=live.headers, timeout=60) as r:
         assert r.status_code == 200
         events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
     assert json.loads(events[0]) == {"error": {"message": "engine error: injected device fault", "type": "engine_error", "code": None}}
     assert events[-1] == "[DONE]"
     _wait_idle(live)
-    tokens, final = generate(live.url, body("after-boom", [5, 6, 7], max_tokens=3))
+    tokens, final = generate(live, body("after-boom", [5, 6, 7], max_tokens=3))
     assert len(tokens) == 3 and final["finish_reason"] == "length"
 
 
 def test_unknown_route_and_lease_are_404_in_the_error_shape(live: Live) -> None:
     r = httpx.get(live.url + "/nope", timeout=5)
     assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
-    r = httpx.post(live.url + "/internal/kv/leases/nope/renew", timeout=5)
+    r = httpx.post(live.url + "/internal/kv/leases/nope/renew", headers=live.headers, timeout=5)
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_lease"
-    r = httpx.delete(live.url + "/internal/kv/leases/nope", timeout=5)
+    r = httpx.delete(live.url + "/internal/kv/leases/nope", headers=live.headers, timeout=5)
     assert r.status_code == 404 and "unknown lease 'nope'" in r.json()["error"]["message"]
-    assert httpx.get(live.url + "/internal/kv/leases", timeout=5).json() == {"leases": []}
+    assert httpx.get(live.url + "/internal/kv/leases", headers=live.headers, timeout=5).json() == {"leases": []}
 
 
 def _kv_stats(live: Live) -> dict[str, Any]:
-    r = httpx.get(live.url + "/internal/kv/stats", timeout=10)
+    r = httpx.get(live.url + "/internal/kv/stats", headers=live.headers, timeout=10)
     assert r.status_code == 200
     stats: dict[str, Any] = r.json()
     return stats
@@ -222,12 +222,12 @@ def _wait_idle(live: Live, *, timeout: float = 30) -> dict[str, Any]:
 
 def test_duplicate_in_flight_id_is_409_and_a_disconnect_frees_the_pages(live: Live) -> None:
     prompt = list(range(100, 140))
-    with httpx.stream("POST", live.url + "/internal/generate", json=body("dup", prompt, max_tokens=400), timeout=60) as r:
+    with httpx.stream("POST", live.url + "/internal/generate", json=body("dup", prompt, max_tokens=400), headers=live.headers, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         first = next(line for line in lines if line)
         assert json.loads(first[len("data: "):])["token_ids"]
-        again = httpx.post(live.url + "/internal/generate", json=body("dup", [1, 2, 3]), timeout=30)
+        again = httpx.post(live.url + "/internal/generate", json=body("dup", [1, 2, 3]), headers=live.headers, timeout=30)
         assert again.status_code == 409
         assert again.json()["error"] == {
             "message": "request_id 'dup' is already in flight", "type": "conflict", "code": "duplicate_request_id",
@@ -241,13 +241,13 @@ def test_duplicate_in_flight_id_is_409_and_a_disconnect_frees_the_pages(live: Li
     metrics = httpx.get(live.url + "/metrics", timeout=10).text
     assert 'kvserving_worker_requests_total{finish_reason="abort"} 1.0' in metrics
     # the id is free again
-    tokens, final = generate(live.url, body("dup", [1, 2, 3], max_tokens=2))
+    tokens, final = generate(live, body("dup", [1, 2, 3], max_tokens=2))
     assert len(tokens) == 2 and final["finish_reason"] == "length"
 
 
 def test_metrics_export_every_worker_metric_with_values(live: Live) -> None:
-    generate(live.url, body("metrics-a", list(range(200, 250)), max_tokens=4))
-    generate(live.url, body("metrics-b", list(range(200, 250)), max_tokens=4))  # 3 pages from the cache
+    generate(live, body("metrics-a", list(range(200, 250)), max_tokens=4))
+    generate(live, body("metrics-b", list(range(200, 250)), max_tokens=4))  # 3 pages from the cache
     text = httpx.get(live.url + "/metrics", timeout=10).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
 
@@ -289,53 +289,53 @@ def test_metrics_export_every_worker_metric_with_values(live: Live) -> None:
 
 def test_both_worker_retains_under_a_lease_and_reuses_its_own_kv(live: Live, config: ServingConfig) -> None:
     prompt = list(range(300, 400))  # 100 tokens
-    reply, first = generate(live.url, body("turn-1", prompt, conversation_key="c1", retain=True))
+    reply, first = generate(live, body("turn-1", prompt, conversation_key="c1", retain=True))
     params = first["kv_transfer_params"]
     assert params["lease_id"].startswith("kv-") and params["engine_id"] == "test-both"
     assert params["agent_url"] == live.url
     assert params["num_tokens"] == (100 + 8 - 1) // PAGE * PAGE  # prompt + reply with KV, full pages
     assert len(params["page_ids"]) == len(params["page_hashes"]) == 6
-    listed = httpx.get(live.url + "/internal/kv/leases", params={"conversation_key": "c1"}, timeout=10).json()["leases"]
+    listed = httpx.get(live.url + "/internal/kv/leases", params={"conversation_key": "c1"}, headers=live.headers, timeout=10).json()["leases"]
     assert [(le["lease_id"], le["num_pages"], le["num_tokens"]) for le in listed] == [(params["lease_id"], 6, 96)]
     assert listed[0]["kv_transfer_params"]["page_ids"] == params["page_ids"]
 
     # the next turn: the history (prompt + reply) comes from this worker's own retained pages
     prompt2 = prompt + reply + list(range(500, 520))  # 128 tokens
     want = LLMEngine(config).generate([prompt2], SamplingParams(max_tokens=8, ignore_eos=True))[0]
-    tokens, second = generate(live.url, body("turn-2", prompt2, kv_transfer_params=params, conversation_key="c1", retain=True))
+    tokens, second = generate(live, body("turn-2", prompt2, kv_transfer_params=params, conversation_key="c1", retain=True))
     assert tokens == want
     u = second["usage"]
     assert (u["local_cached_tokens"], u["remote_pulled_tokens"], u["computed_prompt_tokens"]) == (96, 0, 32)
     assert u["reuse_fallback"] is None and u["kv_bytes_pulled"] == 0
     new = second["kv_transfer_params"]
-    listed = httpx.get(live.url + "/internal/kv/leases", timeout=10).json()["leases"]
+    listed = httpx.get(live.url + "/internal/kv/leases", headers=live.headers, timeout=10).json()["leases"]
     assert [le["lease_id"] for le in listed] == [new["lease_id"]]  # one lease per conversation: the newest
 
     # renew: capped at the retention TTL; release: pages go back to the prefix cache, not the free list
     now = time.time()
-    r = httpx.post(live.url + f"/internal/kv/leases/{new['lease_id']}/renew", json={"ttl_s": 1e6}, timeout=10)
+    r = httpx.post(live.url + f"/internal/kv/leases/{new['lease_id']}/renew", json={"ttl_s": 1e6}, headers=live.headers, timeout=10)
     assert r.status_code == 200
     assert now + 470 < r.json()["expires_at"] <= time.time() + 480 + 0.5
     assert {k: v for k, v in r.json().items() if k != "expires_at"} == {
         "lease_id": new["lease_id"], "page_ids": new["page_ids"], "page_hashes": new["page_hashes"],
         "num_tokens": new["num_tokens"],
     }
-    r = httpx.post(live.url + f"/internal/kv/leases/{new['lease_id']}/renew", json={"ttl_s": 5}, timeout=10)
+    r = httpx.post(live.url + f"/internal/kv/leases/{new['lease_id']}/renew", json={"ttl_s": 5}, headers=live.headers, timeout=10)
     assert now + 4 < r.json()["expires_at"] <= time.time() + 5.5
-    assert httpx.post(live.url + f"/internal/kv/leases/{new['lease_id']}/renew", json={"ttl_s": -1}, timeout=10).status_code == 422
+    assert httpx.post(live.url + f"/internal/kv/leases/{new['lease_id']}/renew", json={"ttl_s": -1}, headers=live.headers, timeout=10).status_code == 422
     held = _kv_stats(live)
     assert held["leases"] == 1 and held["leased_tokens"] == new["num_tokens"] and held["pages"]["owned"] == 8
-    r = httpx.delete(live.url + f"/internal/kv/leases/{new['lease_id']}", timeout=10)
+    r = httpx.delete(live.url + f"/internal/kv/leases/{new['lease_id']}", headers=live.headers, timeout=10)
     assert r.status_code == 200 and r.json() == {"lease_id": new["lease_id"], "released": True}
-    assert httpx.delete(live.url + f"/internal/kv/leases/{new['lease_id']}", timeout=10).status_code == 404
+    assert httpx.delete(live.url + f"/internal/kv/leases/{new['lease_id']}", headers=live.headers, timeout=10).status_code == 404
     after = _wait_idle(live)
     assert after["leases"] == 0 and after["pages"]["cached"] >= 8
-    tokens, third = generate(live.url, body("turn-2-again", prompt2))
+    tokens, third = generate(live, body("turn-2-again", prompt2))
     assert tokens == want and third["usage"]["local_cached_tokens"] == 112  # (128 - 1) // 16 pages, from the LRU
 
 
 def test_agent_metadata_names_the_engine_and_layout(live: Live) -> None:
-    info = httpx.get(live.url + "/internal/kv/agent", timeout=10).json()
+    info = httpx.get(live.url + "/internal/kv/agent", headers=live.headers, timeout=10).json()
     assert info["engine_id"] == "test-both"
     assert info["layout"]["dtype"] == "bf16" and info["layout"]["page_size"] == PAGE
     assert len(info["layout_hash"]) >= 16 and len(info["metadata"]) > 100
@@ -354,16 +354,16 @@ def test_health_answers_while_the_model_loads_and_ready_waits_for_it(config: Ser
         assert httpx.get(url + "/health", timeout=5).json()["state"] == "starting"
         r = httpx.get(url + "/ready", timeout=5)
         assert r.status_code == 503 and r.json()["error"]["message"] == "worker is starting"
-        r = httpx.post(url + "/internal/generate", json=body("early", [1, 2]), timeout=5)
+        r = httpx.post(url + "/internal/generate", json=body("early", [1, 2]), headers=live.headers, timeout=5)
         assert r.status_code == 503
-        assert httpx.get(url + "/internal/kv/stats", timeout=5).status_code == 503
+        assert httpx.get(url + "/internal/kv/stats", headers=live.headers, timeout=5).status_code == 503
         assert "kvserving_worker_ready 0.0" in httpx.get(url + "/metrics", timeout=5).text
         loaded.set()
         deadline = time.monotonic() + 60
         while httpx.get(url + "/ready", timeout=5).status_code != 200:
             assert time.monotonic() < deadline, "never became ready"
             time.sleep(0.05)
-        tokens, _ = generate(url, body("late", [1, 2], max_tokens=2))
+        tokens, _ = generate(live, body("late", [1, 2], max_tokens=2))
         assert len(tokens) == 2
     finally:
         loaded.set()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -61,7 +62,7 @@ def test_each_sample_renders_worker_args_that_start_a_worker(sample: Path, tmp_p
         try:
             prompt = list(range(100, 100 + 2 * config.kv_cache.effective_page_size + 3))
             body = {"request_id": "r", "input_ids": prompt, "sampling": {"max_tokens": 1}}
-            r = httpx.post(live.url + "/internal/generate", json=body, timeout=60)
+            r = httpx.post(live.url + "/internal/generate", json=body, headers=live.headers, timeout=60)
             assert r.status_code == 200
             final = [line for line in r.text.splitlines() if "finish_reason" in line]
             params = httpx.Response(200, content=final[0].removeprefix("data: ")).json()["kv_transfer_params"]
@@ -86,7 +87,25 @@ def test_startup_errors_are_one_line(tmp_path: Path) -> None:
     assert r.stderr.strip().splitlines() == [
         "kvserving worker: error: kv_cache.dtype must be one of ('bf16', 'fp8_e4m3', 'nvfp4', 'triaxial'), got 'int3'"
     ]
-    r = run_worker("--role", "decode", "--model", str(tmp_path / "nope"))
+    r = run_worker("--role", "decode")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "kvserving worker: error: security.internal_token_file is not set: a worker serves /internal/* only to "
+        "callers with the deployment's credential (kvserving up and the operator provide one)"
+    ]
+    for token, says in (("", "the file is empty"), (None, "cannot read it (No such file or directory)")):
+        token_file = tmp_path / f"token-{says[:5]}"
+        if token is not None:
+            token_file.write_text(token + "\n")
+        cfg = tmp_path / f"cfg-{says[:5]}.json"
+        cfg.write_text(json.dumps({"security": {"internal_token_file": str(token_file)}}))
+        r = run_worker("--role", "decode", "--config", str(cfg))
+        assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+            f"kvserving worker: error: security.internal_token_file {token_file}: {says}"], r.stderr
+    (tmp_path / "token").write_text("s3cret\n")
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"security": {"internal_token_file": str(tmp_path / "token")}}))
+    r = run_worker("--role", "decode", "--config", str(cfg), "--model", str(tmp_path / "nope"))
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
     assert "does not exist" in r.stderr
     r = run_worker("--role", "router")
