@@ -26,7 +26,7 @@ def _stream_in_thread(url: str, body: dict[str, Any]) -> tuple[threading.Thread,
         try:
             with httpx.stream("POST", url + "/internal/generate", json=body, timeout=60) as r:
                 for line in r.iter_lines():
-                    if line:
+                    if line and not line.startswith(":"):  # not a keep-alive comment
                         data = line.removeprefix("data: ")
                         events.append(data if data == "[DONE]" else json.loads(data))
                         first.set()
