@@ -167,7 +167,7 @@ class GatewayConfig:
     # Deadlines of one worker request (docs/gateway-errors.md): its response headers, which a
     # worker sends once its KV pull is done (so longer than ``reuse.transfer_timeout_s``), and
     # the longest gap between two of its stream's events, keep-alive comments included.
-    first_byte_timeout_s: float = 30.0
+    first_byte_timeout_s: float = 20.0
     event_timeout_s: float = 15.0
     # On SIGTERM: how long streams in flight may still run before each ends with an error event.
     drain_grace_s: float = 20.0  # with the 5 s for the last bytes, within Kubernetes' default 30 s
