@@ -35,7 +35,7 @@ WORKER: dict[str, Any] = {
     "kv_cache": {"dtype": "bf16", "memory_bytes": 16 << 20},
     "reuse": {"recompute_threshold_tokens": 0, "transfer_timeout_s": 2.0},
 }
-FIRST_BYTE_S = 3.0  # > the workers' transfer_timeout_s: a worker answers once its pull is over
+FIRST_BYTE_S = 4.0  # > the prefill's pull from a frozen holder (the workers' 2 s peer deadline) with room for a loaded machine
 SYSTEM = {"role": "system", "content": "You are a coding agent. Work step by step and use the tools. " * 6}
 TURNS = [{"role": "user", "content": "Find the failing test in the repository and explain it."},
          {"role": "user", "content": "Now look at the next file and report back."}]
