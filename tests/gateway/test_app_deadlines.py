@@ -70,7 +70,7 @@ def test_a_lease_holder_the_prefill_cannot_reach_loses_the_decode_before_the_fir
 def test_a_decode_worker_that_does_not_answer_in_time_is_left_for_another(stack: Stack, reply: list[int], text: str) -> None:
     prefill = stack.worker(role="prefill", reply_ids=reply)
     frozen, alive = by_url([stack.worker(role="decode", reply_ids=reply) for _ in range(2)])
-    frozen.answer_after_s = 30.0
+    frozen.answer_after_s = 4.0  # long past the deadline (and short enough for the fake to stop soon)
     gw = stack.gateway(prefill=[prefill.url], decode=[frozen.url, alive.url], health_interval_s=60,
                        first_byte_timeout_s=1.0, reuse=ReuseConfig(transfer_timeout_s=0.5))
     t0 = time.monotonic()
@@ -114,9 +114,9 @@ def test_a_worker_silent_after_its_first_token_ends_the_stream_with_a_retry_safe
 
 
 def test_keep_alive_comments_hold_a_slow_stream_open_past_the_event_deadline(stack: Stack, reply: list[int]) -> None:
-    worker = stack.worker(role="both", reply_ids=reply[:2], token_delay_s=3.0, keepalive_s=0.5)
+    worker = stack.worker(role="both", reply_ids=reply[:1], token_delay_s=2.6, keepalive_s=0.5)
     gw = stack.gateway(decode=[worker.url], health_interval_s=60, event_timeout_s=2.0)
     client = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=30)
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])  # type: ignore[arg-type]
-    assert out.usage is not None and out.usage.completion_tokens == 2
+    assert out.usage is not None and out.usage.completion_tokens == 1
     assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "event_timeout"}) == 0
