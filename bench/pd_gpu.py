@@ -597,7 +597,7 @@ def generate(client: Any, url: str, ids: list[int], *, max_tokens: int, params: 
         if r.status_code != 200:
             raise RuntimeError(f"{url}: {r.status_code} {r.read().decode()[:300]}")
         for line in r.iter_lines():
-            if not line:
+            if not line or line.startswith(":"):  # a blank separator or a keep-alive comment
                 continue
             data = line.removeprefix("data: ")
             if data == "[DONE]":

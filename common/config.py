@@ -21,6 +21,10 @@ GLOBAL_SCALE_MODES = ("static", "calibrated")
 # tokens because INT2 keys are quantized per channel over a page.
 DEFAULT_PAGE_SIZE = {"bf16": 16, "fp8_e4m3": 16, "nvfp4": 16, "triaxial": 32}
 TRIAXIAL_PAGE_SIZE = 32
+# A worker's generate stream carries an event or an SSE comment (": keep-alive") at least this
+# often once its response has started (docs/worker-api.md): a longer silence means the worker
+# is frozen, not busy (``gateway.event_timeout_s``).
+STREAM_KEEPALIVE_S = 1.0
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -169,6 +173,13 @@ class GatewayConfig:
     dns_refresh_s: float = 10.0  # headless Services re-resolved this often
     request_timeout_s: float = 600.0  # one upstream request, end to end
     connect_timeout_s: float = 2.0
+    # Deadlines of one worker request (docs/gateway-errors.md): its response headers, which a
+    # worker sends once its KV pull is done (so longer than ``reuse.transfer_timeout_s``), and
+    # the longest gap between two of its stream's events, keep-alive comments included.
+    first_byte_timeout_s: float = 20.0
+    event_timeout_s: float = 15.0
+    # On SIGTERM: how long streams in flight may still run before each ends with an error event.
+    drain_grace_s: float = 20.0  # with the 5 s for the last bytes, within Kubernetes' default 30 s
     lease_heartbeat_s: float = 30.0  # renew active conversations' leases this often
     max_leases: int = 100_000  # lease-table entries; the least recently active is released beyond it
     max_inflight_per_worker: int = 256  # a lease holder busier than this is "overloaded"
@@ -186,9 +197,15 @@ class GatewayConfig:
         for name in ("max_body_bytes", "max_leases", "max_inflight_per_worker", "max_conversations", "max_kept_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"gateway.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("health_interval_s", "dns_refresh_s", "request_timeout_s", "connect_timeout_s", "lease_heartbeat_s"):
+        for name in ("health_interval_s", "dns_refresh_s", "request_timeout_s", "connect_timeout_s", "lease_heartbeat_s",
+                     "first_byte_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"gateway.{name} must be > 0, got {getattr(self, name)}")
+        if not self.event_timeout_s >= 2 * STREAM_KEEPALIVE_S:
+            raise ValueError(f"gateway.event_timeout_s must be >= {2 * STREAM_KEEPALIVE_S:g} (workers send a keep-alive "
+                             f"every {STREAM_KEEPALIVE_S:g} s), got {self.event_timeout_s}")
+        if not self.drain_grace_s >= 0:
+            raise ValueError(f"gateway.drain_grace_s must be >= 0, got {self.drain_grace_s}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -244,6 +261,12 @@ class ServingConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+
+    def __post_init__(self) -> None:
+        if self.gateway.first_byte_timeout_s <= self.reuse.transfer_timeout_s:
+            raise ValueError(
+                f"gateway.first_byte_timeout_s ({self.gateway.first_byte_timeout_s}) must be > reuse.transfer_timeout_s "
+                f"({self.reuse.transfer_timeout_s}): a worker answers once its KV pull, bounded by it, is over")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

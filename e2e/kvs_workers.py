@@ -127,7 +127,7 @@ def stream_generate(worker: WorkerProc, body: dict[str, Any], *, timeout: float 
         if r.status_code != 200:
             raise AssertionError(f"{r.status_code}: {r.read().decode()}")
         for line in r.iter_lines():
-            if not line:
+            if not line or line.startswith(":"):  # a blank separator or a keep-alive comment
                 continue
             data = line.removeprefix("data: ")
             if data == "[DONE]":

@@ -35,7 +35,7 @@ def config() -> dict[str, Any]:
 
 
 class GatewayProc:
-    def __init__(self, tmp: Path, model_dir: Path, *, prefill: str, decode: str, token_file: Path,
+    def __init__(self, tmp: Path, model_dir: Path, *, prefill: str, decode: str | list[str], token_file: Path,
                  config: dict[str, Any] | None = None) -> None:
         cfg = tmp / "gateway-config.json"
         data = dict(config or globals()["config"]())
@@ -45,7 +45,8 @@ class GatewayProc:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "gateway.log"
         argv = [sys.executable, "-m", "kvserving.cli", "gateway", "--config", str(cfg), "--model", str(model_dir),
-                "--host", "127.0.0.1", "--port", str(self.port), "--prefill", prefill, "--decode", decode]
+                "--host", "127.0.0.1", "--port", str(self.port), "--prefill", prefill,
+                "--decode", *([decode] if isinstance(decode, str) else decode)]
         env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

@@ -26,7 +26,7 @@ def _stream_in_thread(worker: Any, body: dict[str, Any]) -> tuple[threading.Thre
         try:
             with httpx.stream("POST", worker.url + "/internal/generate", json=body, headers=worker.headers, timeout=60) as r:
                 for line in r.iter_lines():
-                    if line:
+                    if line and not line.startswith(":"):  # not a keep-alive comment
                         data = line.removeprefix("data: ")
                         events.append(data if data == "[DONE]" else json.loads(data))
                         first.set()

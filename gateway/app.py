@@ -63,6 +63,7 @@ def build_state(config: ServingConfig, *, model: ModelInfo, registry: CollectorR
     gw = config.gateway
     metrics = GatewayMetrics(registry)
     client = WorkerClient(request_timeout_s=gw.request_timeout_s, connect_timeout_s=gw.connect_timeout_s,
+                          first_byte_timeout_s=gw.first_byte_timeout_s, event_timeout_s=gw.event_timeout_s,
                           token=config.security.read_internal_token())
     pool = WorkerPool(gw, client)
     table = LeaseTable(lease_ttl_s=config.reuse.lease_ttl_s, heartbeat_s=gw.lease_heartbeat_s, max_leases=gw.max_leases)

@@ -22,6 +22,10 @@ RATE_LIMIT = "rate_limit_error"
 SERVER = "server_error"
 SERVICE_UNAVAILABLE = "service_unavailable_error"
 
+# Codes of worker-side failures (docs/gateway-errors.md says which are safe to retry).
+WORKER_UNAVAILABLE = "worker_unavailable"  # the worker went away, froze or broke off: retry safe
+GATEWAY_DRAINING = "gateway_draining"  # this gateway is shutting down: retry safe
+
 
 class GatewayError(Exception):
     """An error with an HTTP status and OpenAI's `{"error": {...}}` body."""
@@ -91,10 +95,10 @@ def context_length_exceeded(*, prompt_tokens: int, max_tokens: int, context_leng
     )
 
 
-def service_unavailable(message: str, *, retry_after_s: int = 1) -> GatewayError:
-    """503 with Retry-After: no healthy worker for this request."""
+def service_unavailable(message: str, *, retry_after_s: int = 1, code: str = "service_unavailable") -> GatewayError:
+    """503 with Retry-After: no healthy worker for this request (or this gateway is draining)."""
     return GatewayError(
-        503, message, type=SERVICE_UNAVAILABLE, code="service_unavailable", headers={"Retry-After": str(retry_after_s)}
+        503, message, type=SERVICE_UNAVAILABLE, code=code, headers={"Retry-After": str(retry_after_s)}
     )
 
 

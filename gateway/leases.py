@@ -233,6 +233,7 @@ class LeaseKeeper:
         self.clock = clock
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
+        self._releasing: set[asyncio.Task[None]] = set()  # releases sent off the turn's path
 
     async def lookup(self, key: str, *, decode_urls: Sequence[str]) -> Lease | None:
         """The cached lease, or (on a miss) the one a decode worker reports for ``key``."""
@@ -267,7 +268,11 @@ class LeaseKeeper:
             stale = self.table.put(key, worker_url=worker_url, params=params, now=now)
         self.table.end_turn(key, now=now)
         self.events.set_leases(len(self.table))
-        await self._release_all(stale)
+        if stale:
+            # off the turn's path: a superseded lease's worker may be the frozen one the turn left
+            task = asyncio.get_running_loop().create_task(self._release_all(stale))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
 
     async def run_once(self) -> None:
         """One heartbeat: release idle, forget expired, renew active leases."""
@@ -314,6 +319,8 @@ class LeaseKeeper:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._releasing:  # each release call is bounded by the client's timeout
+            await asyncio.gather(*self._releasing, return_exceptions=True)
         if final_sweep:
             await self.run_once()
 

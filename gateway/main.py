@@ -7,15 +7,24 @@ given to both is a ``both`` worker); ``--model`` replaces ``model.path`` (with
 neither, the built-in tiny model is resolved as the workers resolve it).
 ``KVSERVING_GATEWAY_API_KEYS`` (comma-separated, e.g. from a Secret) replaces
 ``gateway.api_keys``, so keys need not sit in the ConfigMap.
+
+SIGTERM/SIGINT drains: no new connection is accepted, requests in flight run
+for up to ``gateway.drain_grace_s``, then each still running ends with an
+error (an SSE error event with code ``gateway_draining`` once streaming, else a
+503), never a bare close; then the process exits 0. A second signal stops at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import gc
+import logging
+import math
 import os
-from collections.abc import Mapping
+import socket
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 
@@ -36,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 API_KEYS_ENV = "KVSERVING_GATEWAY_API_KEYS"
+# Seconds past the drain grace that uvicorn waits for the ended streams' last bytes before it
+# cancels what is left (a client that stopped reading).
+DRAIN_MARGIN_S = 5.0
+
+log = logging.getLogger(__name__)
 
 # Seconds an idle client connection is kept open. Longer than clients keep theirs (httpx, and so
 # the openai SDK: 5 s; load balancers: 60 s): a server that closes an idle connection at the moment
@@ -80,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("kvserving gateway: no workers: give --decode URL (and --prefill URL) or gateway.decode_service")
     model = ModelInfo.load(model_dir(config), served_name=config.model.served_name,
                            max_model_len=config.model.max_model_len, max_kept_tokens=config.gateway.max_kept_tokens)
-    app = build_app(build_state(config, model=model, registry=CollectorRegistry()))
+    state = build_state(config, model=model, registry=CollectorRegistry())
+    app = build_app(state)
     # Everything built so far (imports, the app, the tokenizer) lives as long as the process:
     # out of the cyclic GC's reach, a collection scans only what requests allocate
     # (the template renders were paying for the whole heap: bench/NOTES-gateway.md).
@@ -93,15 +108,37 @@ def run(args: argparse.Namespace) -> int:
     # sessions, a stall for every request in flight (4 ms at 5,000; older collections as often as
     # before). bench/NOTES-gateway.md, fifth and sixth passes.
     gc.set_threshold(5_000, 80, 20)
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                                    timeout_graceful_shutdown=30, timeout_keep_alive=KEEP_ALIVE_S))
+    grace = config.gateway.drain_grace_s
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                               timeout_graceful_shutdown=math.ceil(grace + DRAIN_MARGIN_S), timeout_keep_alive=KEEP_ALIVE_S)
+    server = _Server(uv_config, grace_s=grace, end_streams=state.client.abort_streams)
     server.run()
     return 0
 
 
 class _Server(uvicorn.Server):
-    """SIGTERM/SIGINT: stop gracefully (streams finish, idle leases are released) and exit 0;
-    a second signal stops at once. (Plain uvicorn re-raises the signal after its graceful stop.)"""
+    """SIGTERM/SIGINT: drain (module docstring), release idle leases and exit 0; a second
+    signal stops at once. (Plain uvicorn re-raises the signal after its graceful stop.)"""
+
+    def __init__(self, config: uvicorn.Config, *, grace_s: float, end_streams: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.grace_s = grace_s
+        self.end_streams = end_streams  # ends every worker request in flight (WorkerClient.abort_streams)
+        self._grace: asyncio.TimerHandle | None = None
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn stops accepting, closes idle connections and waits for the others; the streams
+        # still running when the grace is over are ended by their gateway with an error event
+        log.info("draining: requests in flight have %.1f s", self.grace_s)
+        self._grace = asyncio.get_running_loop().call_later(self.grace_s, self._grace_over)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            self._grace.cancel()
+
+    def _grace_over(self) -> None:
+        log.info("drain grace over: ending the requests still in flight")
+        self.end_streams()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit:

@@ -17,7 +17,10 @@ DASHBOARD_METRICS, same name and type); the rest are for operators:
     kvserving_gateway_lease_releases_total                counter
     kvserving_gateway_lease_expiries_total                counter
     kvserving_gateway_routing_decisions_total{role,reason} counter
-    kvserving_gateway_upstream_errors_total{kind}         counter   connect | timeout | status | stream | worker_error
+    kvserving_gateway_upstream_errors_total{kind}         counter   connect | first_byte_timeout | event_timeout | timeout |
+                                                                    status | stream | worker_error | draining
+    kvserving_gateway_reuse_fallbacks_total{reason}       counter   holder_unresponsive: the lease holder was frozen or
+                                                                    gone, the turn recomputed on another decode worker
     kvserving_gateway_workers_healthy{role}               gauge
     kvserving_gateway_conversation_identities_total{source} counter  x-session-id | ... | prompt_cache_key | user | prefix | new
     kvserving_gateway_prompt_reuse_total{part,result}     counter   part: tokens | labels | parse | render; result: hit | miss
@@ -85,6 +88,11 @@ class GatewayMetrics:
             p + "routing_decisions", "Routing decisions by role and reason", ["role", "reason"], registry=registry
         )
         self.upstream_errors = Counter(p + "upstream_errors", "Worker failures by kind", ["kind"], registry=registry)
+        self.reuse_fallbacks = Counter(
+            p + "reuse_fallbacks", "Turns whose retained KV could not be used, by reason (the prompt was recomputed)",
+            ["reason"], registry=registry,
+        )
+        self.reuse_fallbacks.labels("holder_unresponsive")  # the series exists from the start
         self.identities = Counter(
             p + "conversation_identities", "How each request's conversation was identified", ["source"], registry=registry
         )
@@ -111,6 +119,9 @@ class GatewayMetrics:
 
     def upstream_error(self, kind: str) -> None:
         self.upstream_errors.labels(kind).inc()
+
+    def reuse_fallback(self, reason: str) -> None:
+        self.reuse_fallbacks.labels(reason).inc()
 
     def route(self, role: str, reason: str) -> None:
         self.routing.labels(role, reason).inc()

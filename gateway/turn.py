@@ -13,6 +13,18 @@ so time to first token is the prefill's alone. A seeded request that samples
 (temperature > 0) is the exception: its decode worker samples the whole reply,
 so the seed gives one token stream whatever the topology.
 
+A worker that fails the turn before anything of its stream was relayed
+(unreachable, no answer within ``gateway.first_byte_timeout_s``, silent for
+``gateway.event_timeout_s``, a broken stream, 503 not ready or draining) leaves
+the rotation until ``/ready`` answers again, and that part of the turn is
+routed once more: the whole turn, or only the decode once the prefill's first
+token was streamed. A lease holder found frozen or gone, by the gateway or by
+the prefill's pull from it (``usage.reuse_fallback`` ``remote_unreachable`` /
+``transfer_timeout``), moves the decode to another worker before the first
+token is relayed; the prompt is recomputed and the turn counted in
+``kvserving_gateway_reuse_fallbacks_total{reason="holder_unresponsive"}``.
+Codes of the errors that remain: docs/gateway-errors.md.
+
 ``Turns.start`` routes and returns a ``Turn`` or raises ``GatewayError`` (503
 with Retry-After when no healthy worker can take it). ``Turn.tokens()`` yields
 batches of token-id lists (one list per worker event; a batch is every event
@@ -23,19 +35,28 @@ matched) closes the worker connection, which aborts the request upstream.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import GatewayError, service_unavailable, upstream_error
+from .errors import GATEWAY_DRAINING, WORKER_UNAVAILABLE, GatewayError, service_unavailable, upstream_error
 from .leases import Lease, LeaseKeeper
 from .metrics import GatewayMetrics
 from .router import WorkerView, choose_decode, choose_prefill, prefix_key
 from .workers import RawJson, UpstreamError, WorkerClient, WorkerPool, WorkerState
 
+log = logging.getLogger(__name__)
+
 RETRY_AFTER_S = 2
+# Failures of a worker rather than of the request: retried on another worker while nothing of
+# that worker's stream has reached the client (and a 503: not ready, or draining).
+WORKER_LOST = frozenset({"connect", "first_byte_timeout", "event_timeout", "stream"})
+# A prefill's pull from the lease holder that found it unreachable or frozen (usage.reuse_fallback).
+HOLDER_LOST = frozenset({"remote_unreachable", "transfer_timeout"})
+HOLDER_UNRESPONSIVE = "holder_unresponsive"  # kvserving_gateway_reuse_fallbacks_total{reason}
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,6 +115,8 @@ class Turn:
     # Set once the prefill answered: its kv_transfer_params and the reply tokens it
     # sampled (already streamed), so a retried decode does not run the prefill again.
     _prefilled: tuple[dict[str, Any] | None, list[int]] | None = None
+    _decode_relayed: bool = False  # a token of the decode's own stream was yielded
+    _holder_lost: bool = False  # the lease holder was found frozen or gone (counted once)
 
     def ended_early(self) -> TurnResult:
         """The result of a turn the gateway stopped (a stop string) before the worker's final
@@ -150,14 +173,19 @@ class Turns:
     def _decoders(self) -> list[WorkerState]:
         return [w for w in self.pool.workers.values() if w.role in ("decode", "both")]
 
-    def _route(self, request: TurnRequest, lease: Lease | None) -> tuple[WorkerState, WorkerState | None]:
+    def _choose_decode(self, lease: Lease | None) -> WorkerState | None:
         held = self.keeper.table.per_worker
         views = [WorkerView(w.url, w.healthy, w.inflight, held.get(w.url, 0)) for w in self._decoders()]
         decision = choose_decode(views, lease_url=lease.worker_url if lease else None, max_inflight=self.max_inflight)
         if decision is None:
-            raise service_unavailable("No healthy decode worker is available; retry shortly.", retry_after_s=RETRY_AFTER_S)
-        decode = self.pool.workers[decision.url]
+            return None
         self.metrics.route("decode", decision.reason)
+        return self.pool.workers[decision.url]
+
+    def _route(self, request: TurnRequest, lease: Lease | None) -> tuple[WorkerState, WorkerState | None]:
+        decode = self._choose_decode(lease)
+        if decode is None:
+            raise service_unavailable("No healthy decode worker is available; retry shortly.", retry_after_s=RETRY_AFTER_S)
         if decode.role == "both":
             return decode, None
         prefillers = [w.view() for w in self.pool.workers.values() if w.role in ("prefill", "both")]
@@ -168,9 +196,8 @@ class Turns:
         return decode, self.pool.workers[choice.url]
 
     async def _run(self, turn: Turn) -> AsyncGenerator[list[list[int]], None]:
-        """The reply's tokens. A worker that cannot be reached is taken out of the rotation
-        and the turn is routed once more: the whole turn before the first token, only
-        the decode after the prefill's first token was streamed."""
+        """The reply's tokens. A worker lost before anything of its stream was relayed is
+        taken out of the rotation and the turn is routed once more (module docstring)."""
         key = turn.request.conversation_key
         if key is not None:
             self.keeper.table.begin_turn(key, now=self.clock())
@@ -178,35 +205,64 @@ class Turns:
         # The decode worker's load counts from the routing decision (no await since it) to the
         # turn's end, prefill included: counted only while its own request ran, a burst of new
         # conversations all saw every decode worker idle and all went to the first.
-        counted = turn.decode
-        counted.inflight += 1
+        turn.decode.inflight += 1
         try:
             for attempt in range(2):
-                yielded = False
                 try:
                     async with aclosing(self._attempt(turn, final)) as tokens:
                         async for batch in tokens:
-                            yielded = True
                             yield batch
                     break
                 except UpstreamError as exc:
                     error = self._upstream(exc)
-                    decode_only = turn._prefilled is not None and exc.url == turn.decode.url
-                    if exc.kind != "connect" or attempt == 1 or (yielded and not decode_only):
+                    at_decode = exc.url == turn.decode.url
+                    relayed = turn._decode_relayed if at_decode else turn._prefilled is not None
+                    if attempt == 1 or relayed or not _worker_lost(exc):
                         raise error from exc
-                    decode, prefill = self._route(turn.request, turn.lease)
-                    if decode_only:
-                        turn.decode = decode
+                    if turn.lease is not None and exc.url == turn.lease.worker_url:
+                        self._holder_unresponsive(turn)
+                    if turn._prefilled is not None:  # the prefill's first token is out: the decode only
+                        decode = self._choose_decode(turn.lease)
+                        if decode is None:
+                            raise error from exc
+                        self._switch_decode(turn, decode)
                     else:
-                        turn.decode, turn.prefill = decode, prefill
-                    counted.inflight -= 1
-                    counted = turn.decode
-                    counted.inflight += 1
+                        decode, turn.prefill = self._route(turn.request, turn.lease)
+                        self._switch_decode(turn, decode)
                     self.metrics.route("retry", exc.kind)
         finally:
-            counted.inflight -= 1
+            turn.decode.inflight -= 1
             if key is not None:
                 await self.keeper.record(key, worker_url=turn.decode.url, params=final.get("kv_transfer_params"))
+
+    @staticmethod
+    def _switch_decode(turn: Turn, decode: WorkerState) -> None:
+        turn.decode.inflight -= 1
+        decode.inflight += 1
+        turn.decode = decode
+
+    def _holder_unresponsive(self, turn: Turn) -> None:
+        """The lease holder is frozen or gone: out of the rotation, the turn counted once."""
+        assert turn.lease is not None
+        self.pool.mark_unhealthy(turn.lease.worker_url)
+        if not turn._holder_lost:
+            turn._holder_lost = True
+            self.metrics.reuse_fallback(HOLDER_UNRESPONSIVE)
+
+    def _check_holder(self, turn: Turn, prefill_final: dict[str, Any]) -> None:
+        """After a prefill that pulled from the lease holder: a pull that found the holder
+        unreachable or frozen moves the decode to another worker (if there is one) before
+        the prefill's token is relayed; the prefill recomputed what the holder kept."""
+        fallback = (prefill_final.get("usage") or {}).get("reuse_fallback")
+        lease = turn.lease
+        if fallback not in HOLDER_LOST or lease is None:
+            return
+        log.warning("lease holder %s unresponsive to the prefill's pull (%s): decoding elsewhere", lease.worker_url, fallback)
+        self._holder_unresponsive(turn)
+        if turn.decode.url == lease.worker_url:
+            decode = self._choose_decode(None)
+            if decode is not None:
+                self._switch_decode(turn, decode)
 
     def _first_token_from_prefill(self, sampling: dict[str, Any]) -> bool:
         """Whether the prefill's sampled token opens the reply (see the module docstring)."""
@@ -219,6 +275,8 @@ class Turns:
         if turn.prefill is not None:
             if turn._prefilled is None:
                 prefill_final = await self._prefill(turn, pull_params)
+                if pull_params is not None:
+                    self._check_holder(turn, prefill_final)
                 params = prefill_final.get("kv_transfer_params")
                 sampled = list(prefill_final.get("output_ids") or [])
                 if not self._first_token_from_prefill(request.sampling):
@@ -259,6 +317,7 @@ class Turns:
                     elif event.get("token_ids"):
                         tokens.append(list(event["token_ids"]))
                 if tokens:
+                    turn._decode_relayed = True
                     yield tokens  # a consumer that stops here (a stop string) never sees the end
                 if end is not None:
                     final.update(end)
@@ -306,13 +365,20 @@ class Turns:
             worker.inflight -= 1
 
     def _upstream(self, exc: UpstreamError) -> GatewayError:
+        """Count the failure, take a lost worker out of the rotation (until /ready answers again),
+        and the client's error (codes: docs/gateway-errors.md)."""
         self.metrics.upstream_error(exc.kind)
-        if exc.kind == "connect":
-            self.pool.mark_unhealthy(exc.url)  # leaves the rotation until /ready answers again
+        if _worker_lost(exc):
+            self.pool.mark_unhealthy(exc.url)
+        if exc.kind == "draining":
+            return service_unavailable("The gateway is shutting down; send the request again.",
+                                       retry_after_s=RETRY_AFTER_S, code=GATEWAY_DRAINING)
         if exc.kind == "status" and exc.status == 503:
             return service_unavailable(f"Worker not ready: {exc.message}", retry_after_s=RETRY_AFTER_S)
         if exc.kind == "timeout":
             return upstream_error(exc.message, status=504, code="upstream_timeout")
+        if exc.kind in WORKER_LOST:
+            return upstream_error(exc.message, code=WORKER_UNAVAILABLE)
         return upstream_error(exc.message)
 
     def _result(self, turn: Turn, final: dict[str, Any], *, prefill_only: bool = False) -> TurnResult:
@@ -340,3 +406,8 @@ class Turns:
             kv_bytes_moved=int(decode_usage.get("kv_bytes_pulled", 0))
             + (int(source.get("kv_bytes_pulled", 0)) if source is not decode_usage else 0),
         )
+
+
+def _worker_lost(exc: UpstreamError) -> bool:
+    """A failure of the worker (gone, frozen, broken, not ready or draining), not of the request."""
+    return exc.kind in WORKER_LOST or (exc.kind == "status" and exc.status == 503)

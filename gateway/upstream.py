@@ -19,8 +19,15 @@ last chunk arrives), only while it is younger than ``keepalive_s``
 idle (below uvicorn's 5 s, so the worker never closes one under a request),
 and only if both sides said keep-alive. A reused connection that the worker
 closed before answering (reset, restart) is reported as ``Reset`` so the
-caller can retry once on a fresh one. The whole request, from connecting to
-the end of the body, is bounded by ``timeout_s`` (one timer per request).
+caller can retry once on a fresh one.
+
+Deadlines (one timer per request, moved rather than re-armed per chunk): the
+whole request, from connecting to the end of the body, ends by ``deadline``;
+its response headers must come within ``first_byte_s`` of sending it
+(``FirstByteTimeout``), and once they have, no gap between two received
+chunks may pass ``idle_s`` (``EventTimeout``: workers send keep-alive comments
+while they compute, so a silent one is frozen). ``pool.abort_all()`` fails
+every request in flight with ``Closing`` at once (the gateway's drain).
 """
 
 from __future__ import annotations
@@ -39,6 +46,18 @@ class Reset(ConnectionError):
 
 class ConnectFailed(ConnectionError):
     """The worker could not be reached."""
+
+
+class FirstByteTimeout(TimeoutError):
+    """The worker accepted the request but sent no response headers in time."""
+
+
+class EventTimeout(TimeoutError):
+    """The worker's response went silent for longer than the gap allowed between events."""
+
+
+class Closing(Exception):
+    """The gateway is shutting down: the request was ended by ``ConnectionPool.abort_all``."""
 
 
 class _Connection(asyncio.Protocol):
@@ -61,6 +80,11 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deadline = 0.0  # loop time: the request's end
+        self._first_by = 0.0  # loop time: its response headers
+        self._idle_s: float | None = None  # longest gap between chunks once the headers are in
+        self._last = 0.0  # loop time of the last chunk received
 
     # ------------------------------------------------------------ protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -68,6 +92,8 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        if self._loop is not None:
+            self._last = self._loop.time()  # any byte is a sign of life: keep-alive comments too
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -89,6 +115,10 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()
+        if self._timer is not None and self._idle_s is not None and self._loop is not None:
+            # from here on the timer watches the gaps between chunks
+            self._timer.cancel()
+            self._timer = self._loop.call_at(min(self._deadline, self._last + self._idle_s), self._check_time)
         self._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -103,14 +133,19 @@ class _Connection(asyncio.Protocol):
             self.pool._idle_now(self)
 
     # ------------------------------------------------------------- client
-    async def request(self, path: str, body: bytes, *, deadline: float) -> int:
+    async def request(self, path: str, body: bytes, *, deadline: float, first_byte_s: float | None = None,
+                      idle_s: float | None = None) -> int:
         """Send ``POST path`` with a JSON body; the response status once its headers arrived."""
         if self.transport is None:
             raise Reset("connection closed while idle") if self.reused else ConnectionError("not connected")
         self.parser = httptools.HttpResponseParser(self)
         self.status, self.complete, self.got_bytes, self.error, self._body = 0, False, False, None, []
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_at(deadline, self._timed_out)
+        loop = self._loop = asyncio.get_running_loop()
+        now = self._last = loop.time()
+        self._deadline, self._idle_s = deadline, idle_s
+        self._first_by = min(deadline, now + first_byte_s) if first_byte_s is not None else deadline
+        self._timer = loop.call_at(self._first_by, self._check_time)
+        self.pool._busy.add(self)
         self.transport.write(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
                              b"%scontent-length: %d\r\n\r\n%s" % (path.encode("latin-1"), self.host, self.pool.auth, len(body), body))
         while not self.status:
@@ -149,8 +184,32 @@ class _Connection(asyncio.Protocol):
             self.error = error
         self._wake()
 
-    def _timed_out(self) -> None:
-        self._fail(asyncio.TimeoutError())
+    def _check_time(self) -> None:
+        """The request's timer: fail it if a deadline passed, else move the timer to the next one."""
+        assert self._loop is not None
+        self._timer = None
+        if self.complete:
+            return  # the response is all in: nothing left to wait for
+        now = self._loop.time() + 1e-3  # a timer may fire a little early
+        if now >= self._deadline:
+            error: TimeoutError = TimeoutError()
+        elif not self.status:
+            if now < self._first_by:
+                self._timer = self._loop.call_at(self._first_by, self._check_time)
+                return
+            error = FirstByteTimeout()
+        else:
+            due = self._last + self._idle_s if self._idle_s is not None else self._deadline
+            if now < due:
+                self._timer = self._loop.call_at(min(self._deadline, due), self._check_time)
+                return
+            error = EventTimeout()
+        self._fail(error)
+        self.close()
+
+    def abort(self, error: BaseException) -> None:
+        """End the request in flight with ``error`` (the worker sees the connection close)."""
+        self._fail(error)
         self.close()
 
     def reusable(self) -> bool:
@@ -164,6 +223,7 @@ class _Connection(asyncio.Protocol):
 
     def done(self) -> None:
         """The request is over (read to its end, or left at ``[DONE]``): stop its timer."""
+        self.pool._busy.discard(self)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -182,9 +242,13 @@ class ConnectionPool:
         self._idle: defaultdict[str, list[_Connection]] = defaultdict(list)
         self._where: dict[str, tuple[str, str, int, str]] = {}  # url -> (key, host, port, Host header)
         self._parked: set[_Connection] = set()  # released before their response ended
+        self._busy: set[_Connection] = set()  # a request in flight
+        self._closing = False  # set by abort_all: no new request
 
     async def open(self, url: str, *, fresh: bool = False) -> _Connection:
         """An idle kept-alive connection to ``url``'s worker (unless ``fresh``), else a new one."""
+        if self._closing:
+            raise Closing("the gateway is shutting down")
         key, host, port, host_header = self._parse(url)
         if not fresh:
             idle = self._idle.get(key)
@@ -226,6 +290,12 @@ class ConnectionPool:
             return
         conn.idle_since = time.monotonic()
         idle.append(conn)
+
+    def abort_all(self) -> None:
+        """Fail every request in flight with ``Closing`` now, and every later one at ``open``."""
+        self._closing = True
+        for conn in list(self._busy):
+            conn.abort(Closing("the gateway is shutting down"))
 
     def close(self) -> None:
         for idle in [*self._idle.values(), list(self._parked)]:

@@ -9,6 +9,12 @@ Calls it makes:
     DELETE /internal/kv/leases/{id}                   WorkerClient.release_lease
     GET    /ready                                     WorkerPool health polling
 
+Every generate is bounded (upstream.py): connect, response headers within
+``gateway.first_byte_timeout_s``, no gap between events longer than
+``gateway.event_timeout_s`` (workers send keep-alive comments), and the whole
+request within ``request_timeout_s``; the rare calls over aiohttp end within
+twice the connect timeout.
+
 Discovery: a static list of URLs (local mode) or the headless Services
 ``gateway.prefill_service`` / ``decode_service`` resolved by DNS every
 ``dns_refresh_s`` (cluster mode: one address per ready pod). A URL listed both
@@ -35,7 +41,7 @@ import aiohttp
 from kvserving.config import GatewayConfig
 
 from .router import WorkerView
-from .upstream import ConnectFailed, ConnectionPool, Reset
+from .upstream import Closing, ConnectFailed, ConnectionPool, EventTimeout, FirstByteTimeout, Reset
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +80,12 @@ def encode_body(body: dict[str, Any]) -> bytes:
 
 
 class UpstreamError(Exception):
-    """A worker call failed; ``kind`` is the metric label, ``status`` the worker's HTTP status if any."""
+    """A worker call failed; ``kind`` is the metric label, ``status`` the worker's HTTP status if any.
+
+    Kinds: ``connect`` (unreachable), ``first_byte_timeout`` (no response headers in time),
+    ``event_timeout`` (its stream went silent: frozen), ``timeout`` (``request_timeout_s``),
+    ``status`` (an error status), ``stream`` (broken or malformed), ``worker_error`` (an error
+    event), ``draining`` (this gateway is shutting down)."""
 
     def __init__(self, kind: str, message: str, *, url: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -107,10 +118,14 @@ class WorkerClient:
     """
 
     def __init__(self, *, request_timeout_s: float, connect_timeout_s: float, max_connections: int = 4096,
+                 first_byte_timeout_s: float | None = None, event_timeout_s: float | None = None,
                  token: str | None = None) -> None:
         # every call carries the workers' internal credential (``security.internal_token_file``)
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._request_timeout_s = request_timeout_s
+        # generate's deadlines besides the whole request's (None: only that one)
+        self._first_byte_s = first_byte_timeout_s
+        self._event_s = event_timeout_s
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
         self._short = aiohttp.ClientTimeout(total=max(connect_timeout_s, 1.0) * 2, sock_connect=connect_timeout_s)
         self._max_connections = max_connections
@@ -125,6 +140,10 @@ class WorkerClient:
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, auto_decompress=False,
                                                   headers=self._headers)
         return self._session
+
+    def abort_streams(self) -> None:
+        """End every generate in flight now (``UpstreamError`` kind ``draining``), and refuse new ones."""
+        self._streams.abort_all()
 
     async def aclose(self) -> None:
         self._streams.close()
@@ -146,13 +165,14 @@ class WorkerClient:
         deadline = asyncio.get_running_loop().time() + self._request_timeout_s
         conn = None
         finished = False  # read to [DONE] (or a refusal read whole): the connection may be reused
+        first_byte_s, idle_s = self._first_byte_s, self._event_s
         try:
             try:
                 conn = await self._streams.open(url)
-                status = await conn.request(GENERATE_PATH, payload, deadline=deadline)
+                status = await conn.request(GENERATE_PATH, payload, deadline=deadline, first_byte_s=first_byte_s, idle_s=idle_s)
             except Reset:  # a kept-alive connection the worker closed meanwhile: it never saw the request
                 conn = await self._streams.open(url, fresh=True)
-                status = await conn.request(GENERATE_PATH, payload, deadline=deadline)
+                status = await conn.request(GENERATE_PATH, payload, deadline=deadline, first_byte_s=first_byte_s, idle_s=idle_s)
             if status != 200:
                 text = bytearray()
                 while chunk := await conn.read():
@@ -172,6 +192,13 @@ class WorkerClient:
             finished = True
         except ConnectFailed as exc:
             raise UpstreamError("connect", f"cannot reach worker {url}: {exc}", url=url) from exc
+        except FirstByteTimeout as exc:
+            raise UpstreamError("first_byte_timeout", f"worker {url} did not answer within {first_byte_s:g} s",
+                                url=url) from exc
+        except EventTimeout as exc:
+            raise UpstreamError("event_timeout", f"worker {url} sent nothing for {idle_s:g} s", url=url) from exc
+        except Closing as exc:
+            raise UpstreamError("draining", "the gateway is shutting down", url=url) from exc
         except asyncio.TimeoutError as exc:
             raise UpstreamError("timeout", f"worker {url} timed out", url=url) from exc
         except ConnectionError as exc:
@@ -220,7 +247,9 @@ class SSEEvents:
 
     ``feed`` takes whatever the socket delivered (any split, even mid-line) and
     returns the complete events in it; lines that are not ``data:`` (blank
-    separators, comments, other fields) are skipped. After ``[DONE]``, ``done``
+    separators, comments, other fields) are skipped: a worker's ``: keep-alive``
+    comment is no event, only a sign of life, which the connection's
+    between-events deadline sees (upstream.py). After ``[DONE]``, ``done``
     is set and the rest is ignored; an ``error`` event (or a malformed one)
     stops the parse and is left in ``error`` for the caller to raise after the
     events before it.

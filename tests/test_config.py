@@ -78,3 +78,23 @@ def test_security_section_round_trips_and_names_bad_fields() -> None:
                             ({"max_hold_s": 0}, "max_hold_s")):
         with pytest.raises(ValueError, match=f"security.{field_name}"):
             ServingConfig.from_dict({"security": bad})
+
+
+def test_gateway_deadlines_are_refused_by_name() -> None:
+    from kvserving.config import STREAM_KEEPALIVE_S
+
+    with pytest.raises(ValueError, match="gateway.first_byte_timeout_s must be > 0, got 0"):
+        GatewayConfig(first_byte_timeout_s=0)
+    with pytest.raises(ValueError, match=r"gateway.event_timeout_s must be >= 2 \(workers send a keep-alive every 1 s\), got 1.5"):
+        GatewayConfig(event_timeout_s=1.5)
+    assert GatewayConfig(event_timeout_s=2 * STREAM_KEEPALIVE_S).event_timeout_s == 2.0
+    with pytest.raises(ValueError, match="gateway.drain_grace_s must be >= 0, got -1"):
+        GatewayConfig(drain_grace_s=-1)
+    assert GatewayConfig(drain_grace_s=0).drain_grace_s == 0
+    # a worker answers a generate once its KV pull is over, which reuse.transfer_timeout_s bounds
+    with pytest.raises(ValueError, match=r"gateway.first_byte_timeout_s \(10.0\) must be > reuse.transfer_timeout_s \(10.0\)"):
+        ServingConfig(gateway=GatewayConfig(first_byte_timeout_s=10.0))
+    with pytest.raises(ValueError, match="first_byte_timeout_s"):
+        ServingConfig.from_dict({"reuse": {"transfer_timeout_s": 30.0}})
+    ok = ServingConfig(reuse=ReuseConfig(transfer_timeout_s=2.0), gateway=GatewayConfig(first_byte_timeout_s=3.0))
+    assert ServingConfig.from_json(ok.to_json()) == ok

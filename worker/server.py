@@ -34,8 +34,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
+from kvserving.config import STREAM_KEEPALIVE_S
 from kvserving.worker.async_engine import DuplicateRequestError
 from kvserving.worker.gate import WorkerGate
 from kvserving.worker.service import Admitted, LeaseMismatchError, LeaseNotFoundError, NotReadyError, WorkerService
@@ -56,9 +57,15 @@ def sse(event: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: no event, a sign of life
+
+
 class EventStream(StreamingResponse):
     """The SSE response of one generate request; however it ends (finished, the
-    client gone, the server stopping), the request is aborted unless it finished."""
+    client gone, the server stopping), the request is aborted unless it finished.
+    While nothing else is sent (a long prefill, a queue, a slow step) a keep-alive
+    comment goes out every ``STREAM_KEEPALIVE_S``: the gateway tells a busy worker
+    from a frozen one by it (``gateway.event_timeout_s``)."""
 
     def __init__(self, service: WorkerService, admitted: Admitted) -> None:
         self.admitted = admitted
@@ -72,10 +79,65 @@ class EventStream(StreamingResponse):
         yield sse("[DONE]")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        keepalive = _KeepAlive(send)
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, keepalive.send)
         finally:
+            keepalive.stop()
             self.service.close_stream(self.admitted)
+
+
+class _KeepAlive:
+    """``send`` of an SSE response, plus a comment whenever nothing went out for
+    ``STREAM_KEEPALIVE_S`` once the response started: one timer per stream, moved
+    lazily (an event costs a clock read, no timer)."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self._loop = asyncio.get_running_loop()
+        self._last = 0.0  # loop time of the last send
+        self._open = False  # between the response's start and its last body message
+        self._timer: asyncio.TimerHandle | None = None
+        self._pending: asyncio.Task[None] | None = None
+
+    async def send(self, message: Message) -> None:
+        self._last = self._loop.time()
+        if message["type"] == "http.response.start":
+            await self._send(message)
+            self._open = True
+            self._timer = self._loop.call_at(self._last + STREAM_KEEPALIVE_S, self._tick)
+            return
+        if not message.get("more_body", False):
+            self.stop()
+        await self._send(message)
+
+    def _tick(self) -> None:
+        self._timer = None
+        if not self._open:
+            return
+        now = self._loop.time()
+        due = self._last + STREAM_KEEPALIVE_S
+        if now + 1e-3 >= due:
+            if self._pending is None:  # one still waiting means the client is not reading: no more
+                self._pending = self._loop.create_task(self._keepalive())
+            due = now + STREAM_KEEPALIVE_S
+        self._timer = self._loop.call_at(due, self._tick)
+
+    async def _keepalive(self) -> None:
+        try:
+            if self._open:
+                self._last = self._loop.time()
+                await self._send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+        except Exception:  # noqa: BLE001 - the client went away or the response ended: its own send reports it
+            pass
+        finally:
+            self._pending = None
+
+    def stop(self) -> None:
+        self._open = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 def create_app(

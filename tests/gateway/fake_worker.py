@@ -20,7 +20,11 @@ What it does, exactly:
   released; every request body is logged in ``received`` and every request
   whose client went away before its end in ``aborted``;
 - failure injection: ``fail_status`` (refuse before streaming),
-  ``fail_after_tokens`` (an error event mid-stream), ``ready`` False (503).
+  ``fail_after_tokens`` (an error event mid-stream), ``ready`` False (503),
+  ``pull_fallback`` (every pull fails with that ``usage.reuse_fallback``),
+  ``answer_after_s`` (response headers that late: a frozen worker), ``keepalive_s``
+  (a ``: keep-alive`` comment every so often before each token, for ``token_delay_s``),
+  ``stall_after_tokens`` (silent after that many tokens, connection open: frozen mid-stream).
 """
 
 from __future__ import annotations
@@ -74,6 +78,10 @@ class FakeWorker:
     fail_status: int | None = None
     fail_after_tokens: int | None = None
     ready: bool = True
+    pull_fallback: str | None = None
+    answer_after_s: float = 0.0
+    keepalive_s: float = 0.0
+    stall_after_tokens: int | None = None
     url: str = ""
     cache: set[int] = field(default_factory=set)
     leases: dict[str, FakeLease] = field(default_factory=dict)
@@ -107,7 +115,9 @@ class FakeWorker:
         remote, fallback = 0, None
         if pull:
             theirs = list(pull.get("page_hashes") or [])
-            if float(pull.get("expires_at") or 0) <= time.time():
+            if self.pull_fallback is not None:
+                fallback = self.pull_fallback
+            elif float(pull.get("expires_at") or 0) <= time.time():
                 fallback = "lease_expired"
             else:
                 match = 0
@@ -173,6 +183,8 @@ class FakeWorker:
         async def generate(request: Request) -> JSONResponse | StreamingResponse:
             body = await request.json()
             self.received.append(body)
+            if self.answer_after_s:
+                await asyncio.sleep(self.answer_after_s)
             if not self.ready:
                 return _error(503, "not ready")
             if self.fail_status is not None:
@@ -202,8 +214,15 @@ class FakeWorker:
                     finished = True
                     yield _sse({"error": {"message": "injected mid-stream failure", "type": "server_error", "code": None}})
                     return
-                if self.token_delay_s:
-                    await asyncio.sleep(self.token_delay_s)
+                if self.stall_after_tokens is not None and i == self.stall_after_tokens:
+                    await asyncio.sleep(3600)
+                waited = 0.0
+                while self.keepalive_s and waited + self.keepalive_s < self.token_delay_s:
+                    await asyncio.sleep(self.keepalive_s)
+                    waited += self.keepalive_s
+                    yield b": keep-alive\n\n"
+                if self.token_delay_s > waited:
+                    await asyncio.sleep(self.token_delay_s - waited)
                 yield _sse({"request_id": rid, "token_ids": [token]})
             reason = "length" if len(self.reply_ids) > max_tokens else "stop"
             usage["completion_tokens"] = len(given) + len(out)

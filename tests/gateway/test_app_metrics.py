@@ -39,6 +39,7 @@ def test_every_dashboard_gateway_metric_is_exported_with_its_type(stack: Stack) 
         ("kvserving_gateway_lease_expiries", "counter"),
         ("kvserving_gateway_routing_decisions", "counter"),
         ("kvserving_gateway_upstream_errors", "counter"),
+        ("kvserving_gateway_reuse_fallbacks", "counter"),
         ("kvserving_gateway_prompt_reuse", "counter"),
         ("kvserving_gateway_prompt_prefix_tokens", "gauge"),
     ]:

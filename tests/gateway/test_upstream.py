@@ -263,3 +263,93 @@ def test_pool_refuses_urls_it_cannot_speak_to() -> None:
             await ConnectionPool(connect_timeout_s=1.0).open("https://worker:8000")
 
     asyncio.run(run())
+
+
+def chunk(frame: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(frame), frame)
+
+
+def test_keep_alive_comments_keep_a_stream_alive_and_silence_past_the_gap_is_an_event_timeout() -> None:
+    async def script(n: int, reader: Reader, writer: Writer) -> None:
+        await read_request(reader)
+        head, *frames = sse_reply(EVENTS)
+        writer.write(head)
+        if n == 0:  # busy: 0.8 s of keep-alive comments (longer than the gap allowed) before the events
+            for _ in range(8):
+                await asyncio.sleep(0.1)
+                writer.write(chunk(b": keep-alive\n\n"))
+            writer.write(b"".join(frames) + b"0\r\n\r\n")
+            await writer.drain()
+            return  # and closes: the next request takes a new connection
+        writer.write(frames[0])  # frozen after its first event
+        await writer.drain()
+        await reader.read()
+
+    async def run() -> None:
+        server, url, _ = await serve(script)
+        c = WorkerClient(request_timeout_s=10.0, connect_timeout_s=1.0, first_byte_timeout_s=5.0, event_timeout_s=0.4)
+        try:
+            assert await collect(c, url) == EVENTS  # the comments are no events
+            got: list[Any] = []
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(UpstreamError) as err:
+                async for batch in c.generate(url, {}):
+                    got += batch
+            assert (err.value.kind, got) == ("event_timeout", EVENTS[:1])
+            assert 0.35 < asyncio.get_running_loop().time() - t0 < 3.0
+        finally:
+            await c.aclose()
+            server.close()
+
+    asyncio.run(run())
+
+
+def test_no_response_headers_in_time_is_a_first_byte_timeout() -> None:
+    async def script(_: int, reader: Reader, writer: Writer) -> None:
+        await read_request(reader)
+        await reader.read()  # accepted, never answered (a frozen process: the kernel still accepts)
+
+    async def run() -> None:
+        server, url, _ = await serve(script)
+        c = WorkerClient(request_timeout_s=30.0, connect_timeout_s=1.0, first_byte_timeout_s=0.3, event_timeout_s=10.0)
+        try:
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(UpstreamError) as err:
+                await collect(c, url)
+            assert err.value.kind == "first_byte_timeout" and "did not answer within 0.3 s" in err.value.message
+            assert asyncio.get_running_loop().time() - t0 < 3.0
+        finally:
+            await c.aclose()
+            server.close()
+
+    asyncio.run(run())
+
+
+def test_abort_streams_ends_every_request_in_flight_and_refuses_new_ones() -> None:
+    async def script(_: int, reader: Reader, writer: Writer) -> None:
+        await read_request(reader)
+        head, *frames = sse_reply(EVENTS)
+        writer.write(head + frames[0])
+        await writer.drain()
+        await reader.read()  # the rest never comes
+
+    async def run() -> None:
+        server, url, _ = await serve(script)
+        c = client()
+        try:
+            streams = [c.generate(url, {}) for _ in range(2)]
+            for stream in streams:
+                assert await anext(stream) == EVENTS[:1]
+            c.abort_streams()
+            for stream in streams:
+                with pytest.raises(UpstreamError) as err:
+                    await anext(stream)
+                assert err.value.kind == "draining"
+            with pytest.raises(UpstreamError) as err:
+                await collect(c, url)
+            assert err.value.kind == "draining"
+        finally:
+            await c.aclose()
+            server.close()
+
+    asyncio.run(run())

@@ -57,7 +57,7 @@ def generate(live: Live, body: dict[str, Any], *, timeout: float = 60) -> tuple[
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
-            if not line:
+            if not line or line.startswith(":"):  # a blank separator or a keep-alive comment
                 continue
             assert line.startswith("data: "), line
             data = line[len("data: "):]
@@ -185,7 +185,7 @@ def test_an_engine_failure_ends_the_streams_with_an_error_event_and_the_worker_g
     runner.execute = broken  # type: ignore[method-assign]
     with httpx.stream("POST", live.url + "/internal/generate", json=body("boom", [5, 6, 7]), headers=live.headers, timeout=60) as r:
         assert r.status_code == 200
-        events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line and not line.startswith(":")]
     assert json.loads(events[0]) == {"error": {"message": "engine error: injected device fault", "type": "engine_error", "code": None}}
     assert events[-1] == "[DONE]"
     _wait_idle(live)
@@ -225,7 +225,7 @@ def test_duplicate_in_flight_id_is_409_and_a_disconnect_frees_the_pages(live: Li
     with httpx.stream("POST", live.url + "/internal/generate", json=body("dup", prompt, max_tokens=400), headers=live.headers, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
-        first = next(line for line in lines if line)
+        first = next(line for line in lines if line and not line.startswith(":"))
         assert json.loads(first[len("data: "):])["token_ids"]
         again = httpx.post(live.url + "/internal/generate", json=body("dup", [1, 2, 3]), headers=live.headers, timeout=30)
         assert again.status_code == 409
@@ -368,3 +368,30 @@ def test_health_answers_while_the_model_loads_and_ready_waits_for_it(config: Ser
     finally:
         loaded.set()
         stop_live(live)
+
+
+def test_a_long_step_is_covered_by_keep_alive_comments_so_the_gateway_sees_a_busy_worker(live: Live) -> None:
+    """A step (a long prefill) of 2.5 s: the stream carries a ``: keep-alive`` comment about
+    every ``STREAM_KEEPALIVE_S`` meanwhile, then the same tokens as without the wait."""
+    from kvserving.config import STREAM_KEEPALIVE_S
+
+    assert live.service.engine is not None
+    runner = live.service.engine.engine.runner
+    real = runner.execute
+    prompt = list(range(300, 340))
+    expected, _ = generate(live.url, body("fast", prompt, max_tokens=3))
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        runner.execute = real  # type: ignore[method-assign]  # one slow step only
+        time.sleep(2.5)
+        return real(*args, **kwargs)
+
+    runner.execute = slow  # type: ignore[method-assign]
+    with httpx.stream("POST", live.url + "/internal/generate", json=body("slow", prompt, max_tokens=3), timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    first_event = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    assert lines[:first_event] == [": keep-alive"] * first_event and first_event >= 2.5 / STREAM_KEEPALIVE_S - 1
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    assert [t for e in events for t in e["token_ids"]] == expected
+    assert lines[-1] == "data: [DONE]"

@@ -1,0 +1,122 @@
+"""Bounded stalls through the gateway, over fake workers: a worker that does not
+answer in time, goes silent mid-stream, refuses (503: draining) or is a lease
+holder the prefill cannot reach loses its part of the turn to another worker
+before anything of it reached the client; after that the stream ends with an
+error event whose code says a retry is safe (docs/gateway-errors.md)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from fake_worker import FakeWorker
+from gw_harness import MODEL, Gateway, Stack
+
+from kvserving.config import ReuseConfig
+from kvserving.gateway.tokenizer import TextTokenizer
+
+CHAT = "/v1/chat/completions"
+SYSTEM = {"role": "system", "content": "You are a careful coding agent working in a repository. " * 4}
+
+
+@pytest.fixture(scope="module")
+def reply(tiny_model_dir: Path) -> list[int]:
+    return TextTokenizer.from_dir(tiny_model_dir).encode_ids("Done. The tests pass now; the parser is fixed.")
+
+
+@pytest.fixture(scope="module")
+def text(tiny_model_dir: Path, reply: list[int]) -> str:
+    return TextTokenizer.from_dir(tiny_model_dir).decode(reply)
+
+
+def chat(gw: Gateway, messages: list[dict[str, Any]], session: str) -> str:
+    client = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=30)
+    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=messages, stream=True, extra_headers={"X-Session-ID": session})  # type: ignore[arg-type]
+        if c.choices]
+    messages.append({"role": "assistant", "content": "".join(parts)})
+    return "".join(parts)
+
+
+def by_url(workers: list[FakeWorker]) -> list[FakeWorker]:
+    return sorted(workers, key=lambda w: w.url)  # the router breaks ties by URL
+
+
+def test_a_lease_holder_the_prefill_cannot_reach_loses_the_decode_before_the_first_token(
+    stack: Stack, reply: list[int], text: str
+) -> None:
+    prefill = stack.worker(role="prefill", reply_ids=reply)
+    decoders = [stack.worker(role="decode", reply_ids=reply) for _ in range(2)]
+    gw = stack.gateway(prefill=[prefill.url], decode=[d.url for d in decoders], health_interval_s=60)
+    messages = [SYSTEM, {"role": "user", "content": "Fix the failing test."}]
+    assert chat(gw, messages, "s") == text
+    (holder,) = [d for d in decoders if d.leases]
+    (other,) = [d for d in decoders if d is not holder]
+    prefill.pull_fallback = "remote_unreachable"  # the holder froze: the prefill's hold of its lease timed out
+    messages.append({"role": "user", "content": "Run them again."})
+    assert chat(gw, messages, "s") == text
+    assert len(holder.received) == 1 and len(other.received) == 1  # the decode went to the other worker
+    assert prefill.received[-1]["kv_transfer_params"]["agent_url"] == holder.url
+    assert gw.metric("kvserving_gateway_reuse_fallbacks_total", {"reason": "holder_unresponsive"}) == 1
+    assert not gw.state.pool.workers[holder.url].healthy  # out of the rotation until /ready answers
+    assert gw.state.keeper.table.get("session:s").worker_url == other.url  # type: ignore[union-attr]
+
+
+def test_a_decode_worker_that_does_not_answer_in_time_is_left_for_another(stack: Stack, reply: list[int], text: str) -> None:
+    prefill = stack.worker(role="prefill", reply_ids=reply)
+    frozen, alive = by_url([stack.worker(role="decode", reply_ids=reply) for _ in range(2)])
+    frozen.answer_after_s = 4.0  # long past the deadline (and short enough for the fake to stop soon)
+    gw = stack.gateway(prefill=[prefill.url], decode=[frozen.url, alive.url], health_interval_s=60,
+                       first_byte_timeout_s=1.0, reuse=ReuseConfig(transfer_timeout_s=0.5))
+    t0 = time.monotonic()
+    assert chat(gw, [SYSTEM, {"role": "user", "content": "Fix it."}], "f") == text  # whole, no error event
+    assert time.monotonic() - t0 < 10
+    assert len(frozen.received) == 1 and len(alive.received) == 1
+    assert alive.received[0]["output_ids"] == reply[:1]  # the decode only: the prefill's token was out already
+    assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "first_byte_timeout"}) == 1
+    assert gw.metric("kvserving_gateway_routing_decisions_total", {"role": "retry", "reason": "first_byte_timeout"}) == 1
+    assert gw.metric("kvserving_gateway_reuse_fallbacks_total", {"reason": "holder_unresponsive"}) == 0  # no lease yet
+
+
+def test_a_draining_decode_worker_before_its_first_byte_is_a_retry_not_an_error_event(
+    stack: Stack, reply: list[int], text: str
+) -> None:
+    prefill = stack.worker(role="prefill", reply_ids=reply)
+    draining, alive = by_url([stack.worker(role="decode", reply_ids=reply) for _ in range(2)])
+    gw = stack.gateway(prefill=[prefill.url], decode=[draining.url, alive.url], health_interval_s=60)
+    draining.ready = False  # answers 503 now; the gateway's last poll saw it ready
+    assert chat(gw, [SYSTEM, {"role": "user", "content": "Fix it."}], "d") == text
+    assert len(draining.received) == 1 and len(alive.received) == 1
+    assert gw.metric("kvserving_gateway_routing_decisions_total", {"role": "retry", "reason": "status"}) == 1
+
+
+def test_a_worker_silent_after_its_first_token_ends_the_stream_with_a_retry_safe_error_event(
+    stack: Stack, reply: list[int], text: str
+) -> None:
+    worker = stack.worker(role="both", reply_ids=reply, stall_after_tokens=1)
+    gw = stack.gateway(decode=[worker.url], health_interval_s=60, event_timeout_s=2.0)
+    t0 = time.monotonic()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream("POST", gw.url + CHAT, json=body, timeout=30) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert 1.9 < time.monotonic() - t0 < 10
+    error = json.loads(events[-1])["error"]
+    assert (error["type"], error["code"]) == ("server_error", "worker_unavailable")
+    assert "sent nothing for 2 s" in error["message"]
+    assert "[DONE]" not in events
+    assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "event_timeout"}) == 1
+
+
+def test_keep_alive_comments_hold_a_slow_stream_open_past_the_event_deadline(stack: Stack, reply: list[int]) -> None:
+    worker = stack.worker(role="both", reply_ids=reply[:1], token_delay_s=2.6, keepalive_s=0.5)
+    gw = stack.gateway(decode=[worker.url], health_interval_s=60, event_timeout_s=2.0)
+    client = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=30)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])  # type: ignore[arg-type]
+    assert out.usage is not None and out.usage.completion_tokens == 1
+    assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "event_timeout"}) == 0
