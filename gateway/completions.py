@@ -398,7 +398,8 @@ class Completions:
             # turn's template renders it: sampled ids need not be the canonical tokenization
             # (GWTEMPLATE).
             output_ids = self.model.tokenizer.encode_ids(detok.text)
-            self.index.remember(turn_request.conversation_key, canonical + output_ids, tenant=Tenant(turn_request.cache_salt or ""),
+            tenant = Tenant(turn_request.cache_salt or "")  # a tenant is its id, which the salt is
+            self.index.remember(turn_request.conversation_key, canonical + output_ids, tenant=tenant,
                                 prefix=len(canonical), prefix_chain=chain)
             if sent is not None:  # what the workers hold: the prompt as sent and the ids actually sampled
                 self.history.record(turn_request.conversation_key, sent, detok.ids, detok.text)

@@ -12,9 +12,9 @@ API the worker server uses (one ``KVTransfer`` per worker process)::
     # POST /internal/generate, before the request reaches the engine (blocking: run it in a thread,
     # never on the engine thread itself):
     params = KVTransferParams.from_dict(body["kv_transfer_params"]) if body.get(...) else None  # ValueError -> 400
-    res = kvt.pull(input_ids, tags, params)           # -> PullResult; never raises for transfer faults
+    res = kvt.pull(input_ids, tags, params, cache_salt=salt)  # -> PullResult; never raises for transfer faults
     spec = kvt.retain_spec(conversation_key=key) if retain else None   # prefill role: always
-    engine.add_request(rid, input_ids, sampling, tags=tags, retain=spec, pin_lease=res.pin_lease)
+    engine.add_request(rid, input_ids, sampling, tags=tags, retain=spec, pin_lease=res.pin_lease, cache_salt=salt)
     #   (if add_request raises: kvt.drop_pin(res))
     # final RequestOutput `out`:
     usage: local_cached_tokens = out.num_cached_tokens - out.num_pulled_tokens,
