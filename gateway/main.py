@@ -5,10 +5,11 @@
 ``--prefill`` / ``--decode`` replace the config's static worker lists (a URL
 given to both is a ``both`` worker); ``--model`` replaces ``model.path`` (with
 neither, the built-in tiny model is resolved as the workers resolve it).
+The keys in ``security.api_keys_file`` (one per line, from a mounted Secret)
+are added to the API keys at start (an unreadable or empty file stops the
+start with one line).
 ``KVSERVING_GATEWAY_API_KEYS`` (comma-separated, e.g. from a Secret) replaces
-``gateway.api_keys``, so keys need not sit in the ConfigMap; the keys in
-``security.api_keys_file`` (one per line, from a mounted Secret) are added to
-them at start (an unreadable or empty file stops the start with one line).
+``gateway.api_keys``, so keys need not sit in the ConfigMap.
 """
 
 from __future__ import annotations
