@@ -26,7 +26,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import GatewayError, invalid_request
-from .tenants import MAX_CACHE_SALT_CHARS
 
 
 class StreamOptions(BaseModel):
@@ -54,8 +53,8 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    # vLLM's: requests share reused KV only with requests of the same salt (tenants.py)
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # vLLM's: requests share reused KV only with requests of the same salt (tenants.py); "" or longer: 400
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

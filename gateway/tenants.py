@@ -29,7 +29,6 @@ import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
-MAX_CACHE_SALT_CHARS = 256  # the body's cache_salt (openai_types): a longer one, or "", is a 400
 _DEFAULT_KEY = b"kvserving.tenant"  # the HMAC key without an internal credential
 
 
