@@ -23,6 +23,8 @@ import pytest
 
 from kvs_workers import WorkerFactory, free_port
 
+from kvserving.gateway.tenants import DEFAULT_TENANT
+
 MODEL = "kvserving-tiny"
 
 
@@ -117,8 +119,10 @@ def test_three_turn_conversation_reuses_kv_through_the_gateway(stack: tuple[Gate
                      {"role": "user", "content": f"Turn {turn + 2}: now look at the next file and report back."}]
     assert cached[0] == 0
     assert cached[1] > 0 and cached[2] > cached[1], cached
-    leases = httpx.get(decode.url + "/internal/kv/leases", params={"conversation_key": "session:e2e-session"}, headers=decode.headers, timeout=10).json()
-    assert len(leases["leases"]) == 1
+    # the workers know the conversation by its tenant digest only, never by the client's session id
+    key = DEFAULT_TENANT.scope("session:e2e-session")
+    leases = httpx.get(decode.url + "/internal/kv/leases", headers=decode.headers, timeout=10).json()
+    assert [le["conversation_key"] for le in leases["leases"]] == [key]
     assert metric(gateway.url, "kvserving_gateway_kv_reused_tokens_total", source="remote") > 0
     assert metric(gateway.url, "kvserving_gateway_routing_decisions_total", role="decode", reason="lease") == 2
     # streaming through the same path

@@ -39,6 +39,7 @@ from .front import CompletionRoutes, api_key_ok
 from .identity import ConversationIndex
 from .leases import LeaseKeeper, LeaseTable
 from .metrics import GatewayMetrics, PromptReuse
+from .tenants import Tenants
 from .turn import Turns
 from .workers import WorkerClient, WorkerPool
 
@@ -72,7 +73,9 @@ def build_state(config: ServingConfig, *, model: ModelInfo, registry: CollectorR
                   max_inflight_per_worker=gw.max_inflight_per_worker, bidirectional=config.reuse.bidirectional)
     index = ConversationIndex(page_size=config.kv_cache.effective_page_size, max_conversations=gw.max_conversations)
     history = ExactHistory(model.tokenizer, max_conversations=gw.max_conversations, max_tokens=gw.max_kept_tokens)
-    completions = Completions(model=model, turns=turns, metrics=metrics, index=index, history=history)
+    tenants = Tenants.from_files(keyed=bool(gw.api_keys), share=config.security.tenants_share_cache,
+                                 internal_token_file=config.security.internal_token_file)
+    completions = Completions(model=model, turns=turns, metrics=metrics, index=index, history=history, tenants=tenants)
     registry.register(PromptReuse(model.tagger))
     return GatewayState(config, model, metrics, client, pool, keeper, completions)
 

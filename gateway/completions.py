@@ -33,6 +33,7 @@ from .identity import ConversationIndex, explicit_identity
 from .metrics import GatewayMetrics
 from .output import OutputParser, StopMatcher
 from .tagger import ChatTagger, Draft, TaggedPrompt
+from .tenants import Tenant, Tenants
 from .token_prefixes import TokenPrefixes
 from .turn_render import TurnRenders
 from .tokenizer import TextTokenizer
@@ -81,8 +82,9 @@ class Completions:
     """Chat and text completions over ``Turns``."""
 
     def __init__(self, *, model: ModelInfo, turns: Turns, metrics: GatewayMetrics, index: ConversationIndex,
-                 history: ExactHistory) -> None:
+                 history: ExactHistory, tenants: Tenants) -> None:
         self.model = model
+        self.tenants = tenants  # whose reuse each request may share (tenants.py)
         self.turns = turns
         self.metrics = metrics
         self.index = index  # conversation identity (identity.py): explicit ids, prefix match, minted keys
@@ -105,13 +107,15 @@ class Completions:
         and the turn starts again from the real render (`_Unconfirmed`); so does an error
         before the first token that an unconfirmed draft may have caused."""
         self._check_model(request.model)
+        tenant = self.tenants.of(authorization=headers.get("authorization"), cache_salt=request.cache_salt)
         tagger, drafts = self.model.tagger, self.metrics.prompt_drafts
-        kwargs: dict[str, Any] = {"tools": request.tools, "template_kwargs": request.chat_template_kwargs}
+        kwargs: dict[str, Any] = {"tools": request.tools, "template_kwargs": request.chat_template_kwargs,
+                                  "scope": tenant.id}
         draft = tagger.draft(request.messages, **kwargs) if self.drafting.on else None
         if draft is not None:
             self.drafting.drafts += 1
             try:
-                return await self._chat(request, draft.prompt, draft, headers=headers, started=started)
+                return await self._chat(request, draft.prompt, draft, tenant, headers=headers, started=started)
             except _Unconfirmed:
                 pass
             except GatewayError:
@@ -124,13 +128,13 @@ class Completions:
         else:
             drafts.labels("off" if not self.drafting.on else "none").inc()
         prompt = tagger.build(request.messages, **kwargs)
-        return await self._chat(request, prompt, None, headers=headers, started=started)
+        return await self._chat(request, prompt, None, tenant, headers=headers, started=started)
 
     async def _chat(
-        self, request: oa.ChatCompletionRequest, prompt: TaggedPrompt, draft: Draft | None, *,
+        self, request: oa.ChatCompletionRequest, prompt: TaggedPrompt, draft: Draft | None, tenant: Tenant, *,
         headers: Mapping[str, str], started: float,
     ) -> dict[str, Any] | EventStream:
-        identity = self.index.identify(headers=headers, body=_id_fields(request), prompt=prompt)
+        identity = self.index.identify(headers=headers, body=_id_fields(request), prompt=prompt, tenant=tenant)
         self.metrics.identities.labels(identity.source).inc()
         key = identity.key
         if identity.source == "new" and self._active[key]:
@@ -141,7 +145,7 @@ class Completions:
         sent = self.history.splice(key, prompt)  # starts with the previous turn's held ids when the text extends them
         self.metrics.exact_history.labels("spliced" if sent.spliced else "as_rendered").inc()
         prompt = sent.prompt
-        turn_request = self._turn_request("chatcmpl", prompt.input_ids, prompt.tags, request, request.limit, key,
+        turn_request = self._turn_request("chatcmpl", prompt.input_ids, prompt.tags, request, request.limit, key, tenant,
                                           has_history=history, tag_runs=prompt.tag_runs, ids_json=sent.ids_json)
         self._sent[turn_request.request_id] = (canonical, sent, identity.chain)
         if request.stream:
@@ -209,6 +213,7 @@ class Completions:
         self, request: oa.CompletionRequest, *, headers: Mapping[str, str], started: float
     ) -> dict[str, Any] | EventStream:
         self._check_model(request.model)
+        tenant = self.tenants.of(authorization=headers.get("authorization"), cache_salt=request.cache_salt)
         prompt = request.single_prompt()
         if isinstance(prompt, str):
             tagged = self.model.tagger.tag_text(prompt)
@@ -221,12 +226,12 @@ class Completions:
             input_ids, tags = list(prompt), self.model.tagger.tag_ids(prompt)
         # A raw prompt has no user turns to mint a stable key from: without an explicit id or a
         # prefix match it is no conversation (nothing retained for it).
-        explicit = explicit_identity(headers, _id_fields(request))
-        identity = explicit or self.index.match(TaggedPrompt(text="", input_ids=input_ids, tags=tags))
+        explicit = explicit_identity(headers, _id_fields(request), tenant=tenant)
+        identity = explicit or self.index.match(TaggedPrompt(text="", input_ids=input_ids, tags=tags), tenant=tenant)
         if identity is not None:
             self.metrics.identities.labels(identity.source).inc()
         key = identity.key if identity is not None else None
-        turn_request = self._turn_request("cmpl", input_ids, tags, request, request.limit, key)
+        turn_request = self._turn_request("cmpl", input_ids, tags, request, request.limit, key, tenant)
         if request.stream:
             return await self._first_then_rest(self._text_stream(turn_request, request, started))
         pieces, finish, result = [], "stop", None
@@ -271,7 +276,7 @@ class Completions:
 
     def _turn_request(
         self, prefix: str, input_ids: list[int], tags: list[int], request: oa._SamplingFields, limit: int | None,
-        key: str | None, *, has_history: bool = True, tag_runs: tuple[tuple[int, int], ...] = (),
+        key: str | None, tenant: Tenant, *, has_history: bool = True, tag_runs: tuple[tuple[int, int], ...] = (),
         ids_json: str | None = None,
     ) -> TurnRequest:
         n, context = len(input_ids), self.model.max_model_len
@@ -292,7 +297,8 @@ class Completions:
         # runs that are not those of these tags leave the list to go out as it is
         tags_json = runs_json(tag_runs) if tag_runs and tag_runs[-1][0] == len(tags) else None
         return TurnRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", input_ids=input_ids, tags=tags, sampling=sampling,
-                           conversation_key=key, has_history=has_history, ids_json=ids_json, tags_json=tags_json)
+                           conversation_key=key, has_history=has_history, ids_json=ids_json, tags_json=tags_json,
+                           cache_salt=tenant.cache_salt)
 
     async def _generate(
         self, turn_request: TurnRequest, stops: list[str], started: float, *, route: str, draft: Draft | None = None
@@ -392,7 +398,9 @@ class Completions:
             # turn's template renders it: sampled ids need not be the canonical tokenization
             # (GWTEMPLATE).
             output_ids = self.model.tokenizer.encode_ids(detok.text)
-            self.index.remember(turn_request.conversation_key, canonical + output_ids, prefix=len(canonical), prefix_chain=chain)
+            tenant = Tenant(turn_request.cache_salt or "")  # a tenant is its id, which the salt is
+            self.index.remember(turn_request.conversation_key, canonical + output_ids, tenant=tenant,
+                                prefix=len(canonical), prefix_chain=chain)
             if sent is not None:  # what the workers hold: the prompt as sent and the ids actually sampled
                 self.history.record(turn_request.conversation_key, sent, detok.ids, detok.text)
         result_final = turn.result or turn.ended_early()

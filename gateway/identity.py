@@ -34,6 +34,11 @@ conversation C matches a prompt P only when
   is recognised by its header, never merged by a short prefix with a
   different conversation that shares its first turn.
 
+Everything is per tenant (tenants.py): keys come out as
+`tenant.scope(key)` (a digest: workers never see a session id or user name,
+and two tenants' equal ids are two conversations), and a prompt matches only
+sequences its own tenant filed.
+
 The longest matching S wins (the most specific conversation). Sequences are
 indexed by a hash chained over their full pages of `page_size` tokens: the
 chain of P is computed once and each remembered sequence is filed under the
@@ -64,6 +69,8 @@ from itertools import accumulate
 from typing import Any, Protocol
 
 from kvserving.tags import SEMANTIC
+
+from .tenants import Tenant
 
 SESSION_HEADERS = (
     "x-session-id",
@@ -107,18 +114,26 @@ class PromptLike(Protocol):
     def current_turn_start(self) -> int: ...
 
 
-def explicit_identity(headers: Mapping[str, str], body: Mapping[str, Any]) -> Identity | None:
-    """Sources 1-3 (session header, prompt_cache_key, user), or None."""
+def explicit_identity(headers: Mapping[str, str], body: Mapping[str, Any], *,
+                      tenant: Tenant | None = None) -> Identity | None:
+    """Sources 1-3 (session header, prompt_cache_key, user), or None; with ``tenant``,
+    the key as that tenant's (``Tenant.scope``)."""
     lowered = {str(k).lower(): v for k, v in headers.items()}
+    key, source = None, ""
     for name in SESSION_HEADERS:
         value = _clean(lowered.get(name))
         if value is not None:
-            return Identity(key=f"session:{value}", source=name)
-    for field, prefix in (("prompt_cache_key", "cache"), ("user", "user")):
-        value = _clean(body.get(field))
-        if value is not None:
-            return Identity(key=f"{prefix}:{value}", source=field)
-    return None
+            key, source = f"session:{value}", name
+            break
+    else:
+        for field, prefix in (("prompt_cache_key", "cache"), ("user", "user")):
+            value = _clean(body.get(field))
+            if value is not None:
+                key, source = f"{prefix}:{value}", field
+                break
+    if key is None:
+        return None
+    return Identity(key=tenant.scope(key) if tenant is not None else key, source=source)
 
 
 def _clean(value: object) -> str | None:
@@ -165,7 +180,13 @@ def _fold(h: int, page: int) -> int:
     return hash((h, page))
 
 
-# A remembered sequence: (chain value at its last full page, length, tail ids).
+def _filed_under(tenant: Tenant, chain_value: int) -> int:
+    """Where a tenant's sequence that ends at ``chain_value`` is filed. The page chain is the
+    same for every tenant (kept tokenizations carry it); the filing is per tenant."""
+    return hash((tenant.id, chain_value)) if tenant.id else chain_value
+
+
+# A remembered sequence: (where it is filed: its tenant and chain value at its last full page, length, tail ids).
 _RecordId = tuple[int, int, tuple[int, ...]]
 
 
@@ -208,30 +229,31 @@ class ConversationIndex:
         per_record = 400 + 8 * self.page_size
         return len(self._records) * per_record + len(self._conversations) * 200
 
-    def identify(self, *, headers: Mapping[str, str], body: Mapping[str, Any], prompt: PromptLike) -> Identity:
-        """Sources 1-5 in order (see the module doc); looks only, remembers nothing."""
-        explicit = explicit_identity(headers, body)
+    def identify(self, *, headers: Mapping[str, str], body: Mapping[str, Any], prompt: PromptLike,
+                 tenant: Tenant) -> Identity:
+        """Sources 1-5 in order (see the module doc), as ``tenant``'s; looks only, remembers nothing."""
+        explicit = explicit_identity(headers, body, tenant=tenant)
         if explicit is not None:
             return explicit
-        match, chain = self._match(prompt)
+        match, chain = self._match(prompt, tenant)
         if match is not None:
             return match
-        return Identity(key=self.mint(prompt), source="new", chain=chain)
+        return Identity(key=self.mint(prompt, tenant=tenant), source="new", chain=chain)
 
-    def mint(self, prompt: PromptLike) -> str:
-        """A key for a new conversation (source 5 in the module doc)."""
+    def mint(self, prompt: PromptLike, *, tenant: Tenant) -> str:
+        """A key for a new conversation of ``tenant`` (source 5 in the module doc)."""
         end = first_turn_end(prompt)
         if end == 0:
-            return f"conv:{self._new_suffix()}"
+            return tenant.scope(f"conv:{self._new_suffix()}")
         digest = hashlib.blake2b(array("q", prompt.input_ids[:end]).tobytes(), digest_size=12).hexdigest()
-        key = f"conv:{digest}"
+        key = tenant.scope(f"conv:{digest}")
         return key if key not in self._conversations else f"{key}-{self._new_suffix()}"
 
-    def match(self, prompt: PromptLike) -> Identity | None:
-        """Source 4: the longest remembered sequence the prompt continues, or None."""
-        return self._match(prompt)[0]
+    def match(self, prompt: PromptLike, *, tenant: Tenant) -> Identity | None:
+        """Source 4: the longest sequence ``tenant`` filed that the prompt continues, or None."""
+        return self._match(prompt, tenant)[0]
 
-    def _match(self, prompt: PromptLike) -> tuple[Identity | None, list[int] | None]:
+    def _match(self, prompt: PromptLike, tenant: Tenant) -> tuple[Identity | None, list[int] | None]:
         """``match``, and the prompt's page chain when it was computed."""
         ids = prompt.input_ids
         n = len(ids)
@@ -242,7 +264,7 @@ class ConversationIndex:
         for k in range(len(chain) - 1, -1, -1):
             if (k + 1) * self.page_size - 1 <= floor:
                 break  # every sequence filed here or lower is too short
-            bucket = self._by_end.get(chain[k])
+            bucket = self._by_end.get(_filed_under(tenant, chain[k]))
             if not bucket:
                 continue
             best: _RecordId | None = None
@@ -283,9 +305,9 @@ class ConversationIndex:
                 break
         return max(first_content, last_before_turn)
 
-    def remember(self, key: str, ids: Sequence[int], *, prefix: int | None = None,
+    def remember(self, key: str, ids: Sequence[int], *, tenant: Tenant, prefix: int | None = None,
                  prefix_chain: Sequence[int] | None = None) -> None:
-        """File a sequence of conversation `key` (a prompt, or prompt + output), and
+        """File a sequence of ``tenant``'s conversation `key` (a prompt, or prompt + output), and
         its first ``prefix`` tokens too when given (one chain serves both).
         ``prefix_chain``: the page chain of those first ``prefix`` tokens
         (`Identity.chain`), reused; ignored unless it has their length."""
@@ -296,12 +318,12 @@ class ConversationIndex:
             known = prefix_chain
         chain = page_chain(ids, self.page_size, known=known)
         if prefix is not None and 0 < prefix < len(ids):
-            self._file(key, ids[:prefix], chain[: prefix // self.page_size + 1])
-        self._file(key, ids, chain)
+            self._file(key, ids[:prefix], chain[: prefix // self.page_size + 1], tenant)
+        self._file(key, ids, chain, tenant)
 
-    def _file(self, key: str, ids: Sequence[int], chain: list[int]) -> None:
+    def _file(self, key: str, ids: Sequence[int], chain: list[int], tenant: Tenant) -> None:
         full = (len(chain) - 1) * self.page_size
-        rid: _RecordId = (chain[-1], len(ids), tuple(ids[full:]))
+        rid: _RecordId = (_filed_under(tenant, chain[-1]), len(ids), tuple(ids[full:]))
         previous = self._records.pop(rid, None)
         if previous is not None and previous != key:
             self._drop_from_conversation(previous, rid)

@@ -5,6 +5,9 @@
 ``--prefill`` / ``--decode`` replace the config's static worker lists (a URL
 given to both is a ``both`` worker); ``--model`` replaces ``model.path`` (with
 neither, the built-in tiny model is resolved as the workers resolve it).
+The keys in ``security.api_keys_file`` (one per line, from a mounted Secret)
+are added to the API keys at start (an unreadable or empty file stops the
+start with one line).
 ``KVSERVING_GATEWAY_API_KEYS`` (comma-separated, e.g. from a Secret) replaces
 ``gateway.api_keys``, so keys need not sit in the ConfigMap.
 
@@ -64,6 +67,8 @@ def load_config(args: argparse.Namespace, *, environ: Mapping[str, str] = os.env
     if environ.get(API_KEYS_ENV):
         keys = tuple(k.strip() for k in environ[API_KEYS_ENV].split(",") if k.strip())
         gateway = dataclasses.replace(gateway, api_keys=keys)
+    if config.security.api_keys_file is not None:
+        gateway = dataclasses.replace(gateway, api_keys=gateway.api_keys + read_api_keys(config.security.api_keys_file))
     if args.prefill is not None or args.decode is not None:
         gateway = dataclasses.replace(
             gateway,
@@ -76,6 +81,19 @@ def load_config(args: argparse.Namespace, *, environ: Mapping[str, str] = os.env
     if args.model is not None:
         model = dataclasses.replace(model, path=str(args.model))
     return dataclasses.replace(config, gateway=gateway, model=model)
+
+
+def read_api_keys(path: str) -> tuple[str, ...]:
+    """The keys of an API keys file, one per line (blank lines skipped); ValueError, one line, when it
+    cannot be read or holds none (a gateway meant to check keys never runs open)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"security.api_keys_file {path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from exc
+    keys = tuple(line.strip() for line in text.splitlines() if line.strip())
+    if not keys:
+        raise ValueError(f"security.api_keys_file {path} holds no keys")
+    return keys
 
 
 def model_dir(config: ServingConfig) -> Path:

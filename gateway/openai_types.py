@@ -53,6 +53,8 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    # vLLM's: requests share reused KV only with requests of the same salt (tenants.py); "" or longer: 400
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

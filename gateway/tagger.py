@@ -167,8 +167,10 @@ class ChatTagger:
         tools: object = None,
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        scope: str = "",
     ) -> TaggedPrompt:
         """Check (400 `GatewayError` on bad input), render, tokenize and tag a chat request.
+        ``scope``: the tenant (tenants.py) whose kept prefixes it may reuse and keeps its own under.
 
         With `prefixes`, a turn that extends a kept prompt reuses that prompt's token
         labels up to its last piece before the kept cut (`_Labels`: valid when the
@@ -182,9 +184,9 @@ class ChatTagger:
         codec = tag_markers.pick_codec(text)
         marked = None if codec is None else self._marked(msgs, tool_list, codec, add_generation_prompt, template_kwargs)
         if codec is None or marked is None:  # the request uses every marker alphabet, or the template refused markers
-            got = self._tokens(text)
+            got = self._tokens(text, scope)
             return self._coarse(text, got.ids, got.offsets())
-        return self._tag(msgs, text, codec, marked[0], marked[1])
+        return self._tag(msgs, text, codec, marked[0], marked[1], scope)
 
     def draft(
         self,
@@ -193,6 +195,7 @@ class ChatTagger:
         tools: object = None,
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        scope: str = "",
     ) -> Draft | None:
         """``build`` from the marked render alone: its text is that render without markers,
         which is the real render unless the template inspects content (a macro that tests
@@ -203,12 +206,12 @@ class ChatTagger:
         characters): ``build`` then. Bad input raises as in ``build``.
 
         With ``renders``, a request that appends messages to a kept render renders only
-        its current turn (turn_render.py); ``Draft.appended`` says so."""
+        its current turn (turn_render.py); ``Draft.appended`` says so. ``scope`` as in ``build``."""
         codec = tag_markers.first_codec()
         options = (add_generation_prompt, template_kwargs)
         renders = self.renders
         raw = messages if isinstance(messages, list) and messages else None
-        kept = renders.find(raw, tools, options) if renders is not None and raw is not None else None
+        kept = renders.find(raw, tools, options, scope=scope) if renders is not None and raw is not None else None
         got = self._append(kept, raw, codec, add_generation_prompt, template_kwargs) if kept is not None and raw is not None else None
         if got is not None and kept is not None:
             msgs, tool_list, marks, marked_text = got.msgs, kept.tool_list, got.marks, got.marked
@@ -226,12 +229,12 @@ class ChatTagger:
         if not tag_markers.no_markers(text):
             return None  # the request holds private-use characters: pick_codec must see the real render
         self.builds += 1
-        prompt = self._tag(msgs, text, codec, marks, marked_text)
+        prompt = self._tag(msgs, text, codec, marks, marked_text, scope)
         if renders is not None and raw is not None and not marks.images:
             renders.keep(KeptRender(raw=raw, tools=tools, options=options, norm=msgs, tool_list=tool_list,
                                     marked_msgs=marked_msgs, marked_tools=marked_tools, pieces=marks.pieces,
                                     marked=marked_text, last_user=_last_user(msgs),
-                                    heads=kept.heads if kept is not None else {}), replaces=kept)
+                                    heads=kept.heads if kept is not None else {}, scope=scope), replaces=kept)
         appended = got is not None
 
         def confirm() -> bool:
@@ -286,9 +289,9 @@ class ChatTagger:
         return marks, marked, marked_msgs, marked_tools
 
     def _tag(self, msgs: list[Message], text: str, codec: tag_markers.MarkerCodec, marks: tag_markers.Marks,
-             marked_text: str) -> TaggedPrompt:
+             marked_text: str, scope: str) -> TaggedPrompt:
         """Tokenize ``text`` (the real render) and tag it from the marked render."""
-        got = self._tokens(text)
+        got = self._tokens(text, scope)
         temporals = message_temporals(msgs)
         pieces = list(marks.pieces)
         # Labels are kept and reused on the exact path only (markers, no image runs): a kept
@@ -340,9 +343,9 @@ class ChatTagger:
                  "parse": (self.parse_hits, self.builds - self.parse_hits),
                  "render": (r.hits, r.misses) if r is not None else (0, self.builds)}, p.tokens if p is not None else 0)
 
-    def _tokens(self, text: str) -> Prefixed:
+    def _tokens(self, text: str, scope: str) -> Prefixed:
         if self.prefixes is not None:
-            return self.prefixes.encode_prefixed(text)
+            return self.prefixes.encode_prefixed(text, scope=scope)
         enc = self.tokenizer.encode(text)
         starts, ends = split_offsets(enc.offsets, 0)
         return Prefixed(enc.ids, starts, ends, None, ())

@@ -43,6 +43,11 @@ prompt; with agents' system prompts of thousands of tokens, most of it. Such
 an entry is marked shared: a hit keeps it (and refreshes it), where a
 conversation's own entry is replaced by the prompt that extended it.
 
+Scoped: entries are kept and found per ``scope`` (the request's tenant id,
+tenants.py), so a tenant's kept prompts, its first message's included, never
+make another tenant's tokenization faster (which would time-confirm a guessed
+system prompt).
+
 Memory: at most `max_entries` prefixes and `max_tokens` tokens in all (ids,
 starts and ends as 4-byte arrays, plus the text), least recently used first
 out; a prompt's entry replaces the one it extended, so a conversation holds
@@ -137,20 +142,20 @@ class TokenPrefixes:
         """Tokens kept in all entries."""
         return self._tokens
 
-    def encode(self, text: str) -> Encoded:
-        """``tokenizer.encode(text)``, reusing a kept prefix; keeps this text's prefix for the next turn."""
+    def encode(self, text: str, *, scope: str = "") -> Encoded:
+        """``tokenizer.encode(text)``, reusing a kept prefix of ``scope``; keeps this text's prefix for the next turn."""
         if not self.enabled:
             return self.tokenizer.encode(text)
-        got = self.encode_prefixed(text)
+        got = self.encode_prefixed(text, scope=scope)
         return Encoded(ids=got.ids, offsets=got.offsets())
 
-    def encode_prefixed(self, text: str) -> Prefixed:
+    def encode_prefixed(self, text: str, *, scope: str = "") -> Prefixed:
         """``encode`` as arrays, with the kept prefix it reused and the entries it kept."""
         if not self.enabled:
             enc = self.tokenizer.encode(text)
             starts, ends = split_offsets(enc.offsets, 0)
             return Prefixed(enc.ids, starts, ends, None, ())
-        found = self._lookup(text)
+        found = self._lookup(text, scope)
         entry: _Entry | None = None
         if found is None:
             self.misses += 1
@@ -174,22 +179,23 @@ class TokenPrefixes:
                 self._entries.move_to_end(key)
             else:
                 self._drop(key)  # this prompt's entry supersedes it
-        filed = self._keep(text, id_array, starts, ends, ids_json)
+        filed = self._keep(text, id_array, starts, ends, ids_json, scope)
         return Prefixed(ids, starts, ends, entry, filed, ids_json)
 
-    def _lookup(self, text: str) -> tuple[tuple[int, int], _Entry] | None:
+    def _lookup(self, text: str, scope: str) -> tuple[tuple[int, int], _Entry] | None:
         assert self._pattern is not None
         cuts = [m.start() for m in self._pattern.finditer(text)]
         for cut in reversed(cuts):
             if cut not in self._cuts:
                 continue  # hashing the text before each candidate cut (~15 us per 100K characters) only where an entry could be
-            key = (cut, hash(text[:cut]))
+            key = (cut, _prefix_hash(scope, text[:cut]))
             entry = self._entries.get(key)
             if entry is not None and text.startswith(entry.text):
                 return key, entry
         return None
 
-    def _keep(self, text: str, ids: array[int], starts: array[int], ends: array[int], ids_json: str) -> tuple[_Entry, ...]:
+    def _keep(self, text: str, ids: array[int], starts: array[int], ends: array[int], ids_json: str,
+              scope: str) -> tuple[_Entry, ...]:
         """File ``text``'s tokens before its last cut token that ends ``reach`` before the text does."""
         k = len(ids) - 1
         while k >= 0 and not (ids[k] in self._cut_ids and starts[k] + self.reach <= len(text)):
@@ -198,24 +204,25 @@ class TokenPrefixes:
             return ()
         # the JSON of the ids before the cut: the prompt's minus its last len(ids) - k elements
         # (a few: the cut is near the end), split off from the right
-        filed = [self._file(text, ids, starts, ends, k, shared=False, ids_json=ids_json.rsplit(",", len(ids) - k)[0])]
+        filed = [self._file(text, ids, starts, ends, k, shared=False, ids_json=ids_json.rsplit(",", len(ids) - k)[0],
+                            scope=scope)]
         # The first message's prefix, for new conversations that share it (module docstring).
         assert self._pattern is not None
         match = self._pattern.search(text, 1)
         if match is not None:
             first = bisect.bisect_left(starts, match.start())
             if 0 < first < k and starts[first] == match.start() and ids[first] in self._cut_ids:
-                filed.append(self._file(text, ids, starts, ends, first, shared=True, ids_json=None))
+                filed.append(self._file(text, ids, starts, ends, first, shared=True, ids_json=None, scope=scope))
         return tuple(e for e in filed if e is not None)
 
     def _file(self, text: str, ids: array[int], starts: array[int], ends: array[int], k: int, *,
-              shared: bool, ids_json: str | None) -> _Entry | None:
+              shared: bool, ids_json: str | None, scope: str) -> _Entry | None:
         """Keep the tokens before token ``k`` (a cut token ending ``reach`` before the text does);
         ``ids_json``: their JSON elements (None: encoded here)."""
         cut = starts[k]
         if text[cut:ends[k]] != self.tokenizer.added_tokens.get(ids[k]):
             return None  # the token's span is not its content (cannot happen for a cut token; stay safe)
-        key = (cut, hash(text[:cut]))
+        key = (cut, _prefix_hash(scope, text[:cut]))
         if shared:
             kept = self._entries.get(key)
             if kept is not None and kept.text == text[: cut + self.reach]:
@@ -245,6 +252,11 @@ class TokenPrefixes:
         self._cuts[old.cut] -= 1
         if not self._cuts[old.cut]:
             del self._cuts[old.cut]
+
+
+def _prefix_hash(scope: str, prefix: str) -> int:
+    """The key of a kept prefix in ``scope`` (the default scope's as it always was)."""
+    return hash((scope, prefix)) if scope else hash(prefix)
 
 
 def split_offsets(offsets: list[tuple[int, int]], shift: int) -> tuple[array[int], array[int]]:

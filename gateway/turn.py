@@ -76,6 +76,7 @@ class TurnRequest:
     # once for every body of the turn rather than one int at a time per body
     ids_json: str | None = None
     tags_json: str | None = None
+    cache_salt: str | None = None  # the tenant's (tenants.py): its pages match only its own requests'
 
     def body_ids(self) -> list[int] | RawJson:
         return RawJson(self.ids_json) if self.ids_json is not None else self.input_ids
@@ -302,6 +303,8 @@ class Turns:
             "conversation_key": request.conversation_key,
             "retain": request.conversation_key is not None and self.bidirectional,
         }
+        if request.cache_salt is not None:
+            body["cache_salt"] = request.cache_salt
         if first:
             body["output_ids"] = first
         if request.tags is not None:
@@ -338,6 +341,8 @@ class Turns:
             "conversation_key": request.conversation_key,
             "retain": False,
         }
+        if request.cache_salt is not None:
+            body["cache_salt"] = request.cache_salt
         if request.tags is not None:
             body["tags"] = request.body_tags()
         sampled: list[int] = []

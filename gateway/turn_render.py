@@ -31,6 +31,9 @@ template that renders the appended messages differently in the short list
 costs a re-sent turn, never a wrong prompt; ``TurnRenders`` stops appending
 when such mismatches pass 8 and a tenth of its drafts.
 
+Scoped: a request finds only the renders kept for its own ``scope`` (its
+tenant's id, tenants.py).
+
 Bounded: at most ``max_entries`` kept renders and ``max_chars`` characters of
 marked text in all (the default 16M, about what the tokenized prefixes'
 4M tokens cover; a kept render also holds its request's messages, plain and
@@ -74,6 +77,7 @@ class KeptRender:
     marked: str  # the marked render
     last_user: int  # index of the last user message (-1: none)
     heads: dict[int, str] = field(default_factory=dict)  # h -> the marked render of the first h messages, no generation prompt
+    scope: str = ""  # the tenant whose request it was: found only by that tenant's requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +111,7 @@ class TurnRenders:
         self.max_entries = max_entries
         self.max_chars = max_chars
         self._lru: OrderedDict[int, KeptRender] = OrderedDict()  # id(entry) -> entry, least recently used first
-        self._buckets: dict[tuple[int, tuple[object, ...], tuple[object, ...] | None], list[KeptRender]] = {}
+        self._buckets: dict[tuple[str, int, tuple[object, ...], tuple[object, ...] | None], list[KeptRender]] = {}
         self._chars = 0
         self.on = True
         self.hits = 0  # requests rendered by appending
@@ -123,14 +127,15 @@ class TurnRenders:
         """Characters of marked text kept in all."""
         return self._chars
 
-    def find(self, raw: Sequence[Any], tools: object, options: tuple[bool, Mapping[str, Any] | None]) -> KeptRender | None:
-        """The kept render whose messages ``raw`` starts with (and has more of), same tools and options."""
+    def find(self, raw: Sequence[Any], tools: object, options: tuple[bool, Mapping[str, Any] | None], *,
+             scope: str = "") -> KeptRender | None:
+        """The render kept for ``scope`` whose messages ``raw`` starts with (and has more of), same tools and options."""
         if not self.on:
             return None
         n = len(raw)
         first = _fingerprint(raw[1]) if n > 2 else None
         for j in range(n - 1, max(0, n - 1 - MAX_APPENDED), -1):
-            for kept in self._buckets.get((j, _fingerprint(raw[j - 1]), first if j > 1 else None), ()):
+            for kept in self._buckets.get((scope, j, _fingerprint(raw[j - 1]), first if j > 1 else None), ()):
                 if kept.options == options and kept.tools == tools and raw[:j] == kept.raw:
                     return kept
         return None
@@ -173,10 +178,10 @@ class TurnRenders:
                 self.on = False
 
 
-def _key(kept: KeptRender) -> tuple[int, tuple[object, ...], tuple[object, ...] | None]:
-    """(message count, fingerprint of the last message, of the second one when it is not the last)."""
+def _key(kept: KeptRender) -> tuple[str, int, tuple[object, ...], tuple[object, ...] | None]:
+    """(scope, message count, fingerprint of the last message, of the second one when it is not the last)."""
     raw = kept.raw
-    return len(raw), _fingerprint(raw[-1]), _fingerprint(raw[1]) if len(raw) > 1 else None
+    return kept.scope, len(raw), _fingerprint(raw[-1]), _fingerprint(raw[1]) if len(raw) > 1 else None
 
 
 Render = Callable[[list[Message], list[dict[str, Any]] | None, bool], str]

@@ -169,6 +169,7 @@ class AsyncEngine:
         retain: RetainSpec | None = None,
         pin_lease: str | None = None,
         output_ids: Seq[int] = (),
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a reserved request on the engine; the engine's ``ValueError`` (nothing queued)
         reaches the caller and releases the id."""
@@ -176,7 +177,8 @@ class AsyncEngine:
         try:
             await self.call(
                 lambda e: e.add_request(
-                    rid, prompt_ids, params, tags=tags, retain=retain, pin_lease=pin_lease, output_ids=output_ids
+                    rid, prompt_ids, params, tags=tags, retain=retain, pin_lease=pin_lease, output_ids=output_ids,
+                    cache_salt=cache_salt,
                 )
             )
         except BaseException:

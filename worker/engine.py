@@ -224,6 +224,7 @@ class LLMEngine:
         retain: RetainSpec | None = None,
         pin_lease: str | None = None,
         output_ids: Seq[int] = (),
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request; raises ValueError (and queues nothing) on bad input.
 
@@ -234,6 +235,8 @@ class LLMEngine:
         prefill worker samples the first token and the gateway streams it at
         once): their KV is computed with the prompt, they count toward
         ``max_tokens``, and sampling continues after them.
+        ``cache_salt``: its tenant; its pages match only requests with the same salt
+        (``page_pool.chain_hashes``).
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -272,7 +275,8 @@ class LLMEngine:
                 f"request needs {total} tokens of KV but the pool holds {self.kv_cache.capacity_tokens_at(0.0)} at 4 bits"
             )
         gen = make_generator(params.seed, device=self.device)
-        seq = Sequence(request_id, prompt, params, gen, tags=tag_list, output_ids=generated)
+        seq = Sequence(request_id, prompt, params, gen, tags=tag_list, output_ids=generated,
+                       cache_salt=cache_salt.encode() if cache_salt else None)
         seq.retain, seq.pin_lease = retain, pin_lease
         self.requests[request_id] = seq
         self.scheduler.add(seq)

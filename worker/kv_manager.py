@@ -90,7 +90,7 @@ class KVCacheManager:
         """
         p = self.page_size
         lo, hi = first * p, (first + len(bits)) * p
-        chain = self.pool.chain_hashes(seq.token_ids(lo, hi), p, None, parent=parent)
+        chain = self.pool.chain_hashes(seq.token_ids(lo, hi), p, None, parent=parent, salt=seq.cache_salt)
         if not self.triaxial:
             return chain
         return [h ^ _PRECISION_MARK[b] for h, b in zip(chain, bits)]
@@ -129,7 +129,8 @@ class KVCacheManager:
         parent: int | None = None
         p = self.page_size
         for i, want in enumerate(wanted):
-            chain = self.pool.chain_hashes(seq.token_ids(i * p, (i + 1) * p), p, None, parent=parent)[0]
+            chain = self.pool.chain_hashes(seq.token_ids(i * p, (i + 1) * p), p, None, parent=parent,
+                                          salt=seq.cache_salt)[0]
             found = None
             for bits in ((2, 4) if self.age_down else (4, 2)) if want == 2 else (4,):
                 h = chain ^ _PRECISION_MARK[bits] if self.triaxial else chain

@@ -12,9 +12,9 @@ API the worker server uses (one ``KVTransfer`` per worker process)::
     # POST /internal/generate, before the request reaches the engine (blocking: run it in a thread,
     # never on the engine thread itself):
     params = KVTransferParams.from_dict(body["kv_transfer_params"]) if body.get(...) else None  # ValueError -> 400
-    res = kvt.pull(input_ids, tags, params)           # -> PullResult; never raises for transfer faults
+    res = kvt.pull(input_ids, tags, params, cache_salt=salt)  # -> PullResult; never raises for transfer faults
     spec = kvt.retain_spec(conversation_key=key, input_ids=input_ids) if retain else None   # prefill role: always
-    engine.add_request(rid, input_ids, sampling, tags=tags, retain=spec, pin_lease=res.pin_lease)
+    engine.add_request(rid, input_ids, sampling, tags=tags, retain=spec, pin_lease=res.pin_lease, cache_salt=salt)
     #   (if add_request raises: kvt.drop_pin(res))
     # final RequestOutput `out`:
     usage: local_cached_tokens = out.num_cached_tokens - out.num_pulled_tokens,
@@ -345,11 +345,13 @@ class KVTransfer:
 
     # ------------------------------------------------------------------ pull
     def pull(
-        self, input_ids: Sequence[int], tags: Sequence[int] | None, params: KVTransferParams | None
+        self, input_ids: Sequence[int], tags: Sequence[int] | None, params: KVTransferParams | None, *,
+        cache_salt: str | None = None,
     ) -> PullResult:
         """Pull what ``params`` offers of this prompt's KV (see the module docstring). Never raises
         for a transfer fault: the result's ``fallback`` says why nothing (or less) was pulled.
-        ValueError only for the caller's own mistake (tags not one per input token)."""
+        ValueError only for the caller's own mistake (tags not one per input token). ``cache_salt``:
+        the request's, in the hashes its pages are matched by (a sender's pages of another salt never match)."""
         ph = _Phases()
         self.reap()
         if params is None:
@@ -371,7 +373,7 @@ class KVTransfer:
         plan: _Plan | None = None
         result = PullResult()
         try:
-            plan = self._on_engine(lambda: self._plan(ids, tag_list, params))
+            plan = self._on_engine(lambda: self._plan(ids, tag_list, params, cache_salt))
             ph.mark("plan")
             result = self._pull_planned(plan, params, contact, t_send, ph)
         finally:
@@ -525,12 +527,13 @@ class KVTransfer:
             self.fallbacks[reason] += 1
         return PullResult(fallback=reason, **kw)
 
-    def _plan(self, ids: list[int], tags: list[int], params: KVTransferParams) -> _Plan:
+    def _plan(self, ids: list[int], tags: list[int], params: KVTransferParams, cache_salt: str | None = None) -> _Plan:
         """On the engine thread: match the remote hashes against this prompt's, find what the
         local prefix cache holds (pinned under a ``.local`` lease), pick the pages to pull,
         decide whether they are worth it and allocate them (one hop onto the engine thread)."""
         kv, pool, p = self.engine.kv, self.engine.pool, self.page_size
-        seq = EngineSequence("kv-pull", ids, SamplingParams(), make_generator(0), tags=tags)
+        seq = EngineSequence("kv-pull", ids, SamplingParams(), make_generator(0), tags=tags,
+                             cache_salt=cache_salt.encode() if cache_salt else None)
         usable = max(0, min(len(params.page_ids), params.num_tokens // p, (len(ids) - 1) // p))
         bits = [page_id_bits(pid) for pid in params.page_ids[:usable]]
         if kv.bits_table is not None:

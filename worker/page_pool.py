@@ -126,6 +126,7 @@ def chain_hashes(
     tags: Sequence[int] | None = None,
     *,
     parent: int | None = None,
+    salt: bytes | None = None,
 ) -> list[int]:
     """One hash per FULL page of ``token_ids``, each chained on the previous one.
 
@@ -134,6 +135,13 @@ def chain_hashes(
     equal prefix up to and including that page. blake2b over little-endian
     bytes: the same on every process and machine (Python's ``hash()`` is salted
     per process). Values are in ``[0, 2**63)``. A partial last page gets none.
+
+    ``salt`` (the request's ``cache_salt``: its tenant) goes into the first
+    page's hash, so every page of the chain carries it and pages never match
+    across salts (vLLM mixes ``cache_salt`` into the first block the same
+    way); it is ignored under a ``parent``, which carries it already. No salt
+    leaves the hashes as they were: the default tenant's pages match across
+    versions.
     """
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -145,7 +153,12 @@ def chain_hashes(
     prev = parent
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         h = hashlib.blake2b(digest_size=8, person=_HASH_PERSON)
-        h.update(b"\x00" if prev is None else b"\x01" + prev.to_bytes(8, "little"))
+        if prev is not None:
+            h.update(b"\x01" + prev.to_bytes(8, "little"))
+        elif salt:
+            h.update(b"\x02" + len(salt).to_bytes(4, "little") + salt)
+        else:
+            h.update(b"\x00")
         try:
             h.update(struct.pack(f"<I{page_size}q", page_size, *token_ids[start : start + page_size]))
             if tags is not None:

@@ -52,6 +52,8 @@ class Sequence:
     pin_lease: str | None = None
     num_pulled_prompt: int = 0
     first_step_at: float | None = None  # perf_counter when a step first ran it (worker timings)
+    # The tenant's salt of the prefix-cache hashes (page_pool.chain_hashes): its pages match only its own
+    cache_salt: bytes | None = None
 
     @property
     def num_tokens(self) -> int:

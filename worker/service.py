@@ -163,7 +163,7 @@ class WorkerService:
         pull = PullResult()
         try:
             if kvt is not None and remote is not None:
-                pull = await asyncio.to_thread(kvt.pull, body.input_ids, body.tags, remote)
+                pull = await asyncio.to_thread(kvt.pull, body.input_ids, body.tags, remote, cache_salt=body.cache_salt)
                 self._count_pull(pull)
             t_pulled = time.perf_counter()
             retain = None
@@ -171,7 +171,7 @@ class WorkerService:
                 retain = kvt.retain_spec(conversation_key=body.conversation_key, input_ids=body.input_ids)
             await engine.start(
                 stream, body.input_ids, params, tags=body.tags, retain=retain, pin_lease=pull.pin_lease,
-                output_ids=body.output_ids,
+                output_ids=body.output_ids, cache_salt=body.cache_salt,
             )
         except BaseException:
             stream.finished = True

@@ -68,6 +68,8 @@ class GenerateBody(_Body):
     kv_transfer_params: KVTransferParamsBody | None = None
     conversation_key: StrictStr | None = Field(default=None, min_length=1, max_length=512)
     retain: StrictBool = False
+    # The tenant (docs/worker-api.md): its pages match only requests with the same salt
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=256)
     # Tokens of the reply already generated elsewhere (the prefill worker's first
     # token, streamed to the client by the gateway): KV computed after input_ids,
     # counted in completion_tokens and max_tokens, not streamed again.

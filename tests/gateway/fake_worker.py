@@ -45,7 +45,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from kvserving.stack import free_port
 
 PAGE_SIZE = 16
-GENERATE_FIELDS = {"request_id", "input_ids", "tags", "sampling", "kv_transfer_params", "conversation_key", "retain", "output_ids"}
+GENERATE_FIELDS = {"request_id", "input_ids", "tags", "sampling", "kv_transfer_params", "conversation_key", "retain", "output_ids",
+                   "cache_salt"}
 
 
 def page_hashes(ids: list[int], *, page_size: int = PAGE_SIZE) -> list[int]:

@@ -9,7 +9,7 @@ from typing import Any
 from fake_worker import FakeWorker, ServerThread, start_fake
 from prometheus_client import CollectorRegistry
 
-from kvserving.config import GatewayConfig, ModelConfig, ReuseConfig, ServingConfig
+from kvserving.config import GatewayConfig, ModelConfig, ReuseConfig, SecurityConfig, ServingConfig
 from kvserving.gateway.app import GatewayState, build_app, build_state
 from kvserving.gateway.completions import ModelInfo
 from kvserving.gateway.main import KEEP_ALIVE_S
@@ -40,12 +40,13 @@ class Gateway:
 
 def start_gateway(
     model_dir: Path, *, prefill: list[str] = (), decode: list[str] = (), reuse: ReuseConfig | None = None,  # type: ignore[assignment]
-    max_model_len: int | None = None, **gateway: Any,
+    max_model_len: int | None = None, security: SecurityConfig | None = None, **gateway: Any,
 ) -> Gateway:
     gateway.setdefault("health_interval_s", 0.2)
     config = ServingConfig(
         model=ModelConfig(path=str(model_dir), served_name=MODEL, max_model_len=max_model_len),
         reuse=reuse or ReuseConfig(),
+        security=security or SecurityConfig(),
         gateway=GatewayConfig(prefill_urls=tuple(prefill), decode_urls=tuple(decode), **gateway),
     )
     model = ModelInfo.load(model_dir, served_name=MODEL, max_model_len=max_model_len,

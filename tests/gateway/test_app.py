@@ -57,7 +57,7 @@ def test_chat_sync_answers_the_workers_tokens_with_exact_usage(stack: Stack, tok
     assert {decode_tag(t)[2] for t in body["tags"]} >= {"inst", "user", "delim"}
     assert body["sampling"]["temperature"] == 0
     # no session id: a key minted from the first user turn, and the KV is retained under it
-    assert body["retain"] is True and body["conversation_key"].startswith("conv:")
+    assert body["retain"] is True and body["conversation_key"].startswith("conv-")
 
 
 def test_max_tokens_cut_is_length_and_max_completion_tokens_wins(stack: Stack, tok: TextTokenizer) -> None:

@@ -17,6 +17,8 @@ import pytest
 from fake_worker import FakeWorker
 from gw_harness import MODEL, Gateway, Stack
 
+from kvserving.gateway.tenants import DEFAULT_TENANT
+
 from kvserving.config import ReuseConfig
 from kvserving.gateway.tokenizer import TextTokenizer
 
@@ -64,7 +66,7 @@ def test_a_lease_holder_the_prefill_cannot_reach_loses_the_decode_before_the_fir
     assert prefill.received[-1]["kv_transfer_params"]["agent_url"] == holder.url
     assert gw.metric("kvserving_gateway_reuse_fallbacks_total", {"reason": "holder_unresponsive"}) == 1
     assert not gw.state.pool.workers[holder.url].healthy  # out of the rotation until /ready answers
-    assert gw.state.keeper.table.get("session:s").worker_url == other.url  # type: ignore[union-attr]
+    assert gw.state.keeper.table.get(DEFAULT_TENANT.scope("session:s")).worker_url == other.url  # type: ignore[union-attr]
 
 
 def test_a_decode_worker_that_does_not_answer_in_time_is_left_for_another(stack: Stack, reply: list[int], text: str) -> None:

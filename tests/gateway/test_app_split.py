@@ -13,6 +13,7 @@ from fake_worker import PAGE_SIZE, FakeWorker
 from gw_harness import MODEL, Gateway, Stack
 
 from kvserving.config import ReuseConfig
+from kvserving.gateway.tenants import DEFAULT_TENANT
 from kvserving.gateway.tokenizer import TextTokenizer
 
 SYSTEM = {"role": "system", "content": "You are a careful coding agent working in a repository. " * 4}
@@ -43,13 +44,14 @@ def test_split_turns_move_kv_prefill_to_decode_and_back(stack: Stack, reply: lis
     first = turn(gw, messages, "s1")
     p1, d1 = prefill.received[-1], decode.received[-1]
     assert p1["sampling"]["max_tokens"] == 1 and p1["kv_transfer_params"] is None and p1["retain"] is False
-    assert d1["input_ids"] == p1["input_ids"] and d1["retain"] is True and d1["conversation_key"] == "session:s1"
+    assert d1["input_ids"] == p1["input_ids"] and d1["retain"] is True
+    assert d1["conversation_key"] == DEFAULT_TENANT.scope("session:s1")
     transfer = prefill.leases[d1["kv_transfer_params"]["lease_id"]]  # P -> D: the prefill's transfer lease
     assert d1["kv_transfer_params"]["page_hashes"] == transfer.hashes
     assert first.choices[0].message.content.startswith("Done. The tests pass now;")  # type: ignore[union-attr]
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     (lease,) = decode.leases.values()
-    assert lease.conversation_key == "session:s1"
+    assert lease.conversation_key == DEFAULT_TENANT.scope("session:s1")
 
     messages.append({"role": "user", "content": "Run them again."})
     second = turn(gw, messages, "s1")
@@ -66,7 +68,7 @@ def test_split_turns_move_kv_prefill_to_decode_and_back(stack: Stack, reply: lis
     assert gw.metric("kvserving_gateway_routing_decisions_total", {"role": "decode", "reason": "lease"}) == 1
     # the decode replaced its lease; the table follows
     (lease2,) = decode.leases.values()
-    assert gw.state.keeper.table.get("session:s1").lease_id == lease2.lease_id  # type: ignore[union-attr]
+    assert gw.state.keeper.table.get(DEFAULT_TENANT.scope("session:s1")).lease_id == lease2.lease_id  # type: ignore[union-attr]
 
 
 def test_two_gateway_replicas_route_a_conversation_to_the_same_kv(stack: Stack, reply: list[int]) -> None:
@@ -79,7 +81,8 @@ def test_two_gateway_replicas_route_a_conversation_to_the_same_kv(stack: Stack, 
     holder: dict[str, FakeWorker] = {}
     for session, messages in sessions.items():
         turn(gw_a, messages, session)
-        (owner,) = [d for d in decoders if any(le.conversation_key == f"session:{session}" for le in d.leases.values())]
+        key = DEFAULT_TENANT.scope(f"session:{session}")
+        (owner,) = [d for d in decoders if any(le.conversation_key == key for le in d.leases.values())]
         holder[session] = owner
     assert len({id(w) for w in holder.values()}) > 1  # load spread over decode workers
     for session, messages in sessions.items():
@@ -102,7 +105,7 @@ def test_leases_renew_while_active_and_release_when_idle(stack: Stack, reply: li
     _wait(lambda: decode.renewals.count(lease_id) >= 2)  # active (within the lease TTL): kept alive by heartbeat
     _wait(lambda: lease_id in decode.releases, timeout_s=5)  # idle past the lease TTL: released
     assert decode.leases == {}
-    assert gw.state.keeper.table.get("session:idle-one") is None
+    assert gw.state.keeper.table.get(DEFAULT_TENANT.scope("session:idle-one")) is None
     assert gw.metric("kvserving_gateway_lease_renewals_total") >= 2
     assert gw.metric("kvserving_gateway_lease_expiries_total") == 0
     assert gw.metric("kvserving_gateway_lease_releases_total") == 1
@@ -115,7 +118,7 @@ def test_a_lease_the_worker_forgot_is_dropped_as_expired(stack: Stack, reply: li
     gw = stack.gateway(decode=[decode.url], reuse=reuse, lease_heartbeat_s=0.2)
     turn(gw, [SYSTEM, {"role": "user", "content": "hello"}], "forgotten")
     decode.leases.clear()  # the worker lost it (restart, eviction): the renewal near its expiry gets 404
-    _wait(lambda: gw.state.keeper.table.get("session:forgotten") is None)
+    _wait(lambda: gw.state.keeper.table.get(DEFAULT_TENANT.scope("session:forgotten")) is None)
     assert gw.metric("kvserving_gateway_lease_expiries_total") == 1
     assert decode.releases == []
 

@@ -13,6 +13,7 @@ import pytest
 from kvserving.gateway.chat_template import ChatTemplate
 from kvserving.gateway.identity import SOURCES, ConversationIndex, Identity, explicit_identity, page_chain
 from kvserving.gateway.tagger import ChatTagger, TaggedPrompt
+from kvserving.gateway.tenants import DEFAULT_TENANT, Tenant
 from kvserving.gateway.token_prefixes import TokenPrefixes
 from kvserving.gateway.tokenizer import TextTokenizer
 
@@ -44,8 +45,8 @@ class Agent:
     def send(self) -> tuple[Identity, TaggedPrompt]:
         """One request: identify, remember the prompt (what the gateway does at request time)."""
         prompt = self.tagger.build(self.messages, tools=TOOLS)
-        ident = self.index.identify(headers=self.headers, body={"model": "tiny"}, prompt=prompt)
-        self.index.remember(ident.key, prompt.input_ids)
+        ident = self.index.identify(tenant=DEFAULT_TENANT, headers=self.headers, body={"model": "tiny"}, prompt=prompt)
+        self.index.remember(ident.key, prompt.input_ids, tenant=DEFAULT_TENANT)
         return ident, prompt
 
     def answer(self, ident: Identity, prompt: TaggedPrompt, reasoning: str, text: str, *, tool_call: str | None = None,
@@ -57,7 +58,8 @@ class Agent:
             generated += f'\n<tool_call>\n{{"name": "{tool_call}", "arguments": {{}}}}\n</tool_call>'
         eos = tok.eos_token_id
         assert eos is not None
-        self.index.remember(ident.key, prompt.input_ids + tok.encode_ids(generated) + ([eos] if with_eos else []))
+        self.index.remember(ident.key, prompt.input_ids + tok.encode_ids(generated) + ([eos] if with_eos else []),
+                            tenant=DEFAULT_TENANT)
         message: dict[str, Any] = {"role": "assistant", "content": text if self.strip_reasoning else f"<think>\n{reasoning}\n</think>\n\n{text}"}
         if tool_call is not None:
             message["tool_calls"] = [{"id": "c", "type": "function", "function": {"name": tool_call, "arguments": "{}"}}]
@@ -102,7 +104,7 @@ def test_multi_turn_agent_keeps_one_key(tagger: ChatTagger) -> None:
     index = fresh_index()
     agent = Agent(tagger, index, "Where is the config parsed?")
     first, prompt = agent.send()
-    assert first.source == "new" and first.key.startswith("conv:")
+    assert first.source == "new" and first.key.startswith("conv-")
     agent.answer(first, prompt, "I should list files.", "Let me look.", tool_call="list_files")
     agent.tool_result("config.py main.py")
     second, prompt2 = agent.send()  # tool loop: same user turn
@@ -175,7 +177,7 @@ def test_client_that_strips_reasoning(tagger: ChatTagger) -> None:
     j1, q1 = named.send()
     named.answer(j1, q1, "I should think hard.", "In config.py.")
     named.user("Thanks. Where is it validated?")
-    assert named.send()[0] == j1 == Identity("session:s-42", "x-session-id")
+    assert named.send()[0] == j1 == Identity(DEFAULT_TENANT.scope("session:s-42"), "x-session-id")
 
 
 def test_stripped_client_is_not_merged_into_another_session_with_the_same_first_turn(tagger: ChatTagger) -> None:
@@ -202,12 +204,13 @@ def test_another_replica_mints_the_same_key_for_a_later_turn(tagger: ChatTagger)
     i2, p2 = agent.send()
     assert i2.key == i1.key and i2.source == "prefix"
     # The same turn lands on a replica that never saw the conversation.
-    seen_by_2 = replica2.identify(headers={}, body={}, prompt=p2)
+    seen_by_2 = replica2.identify(tenant=DEFAULT_TENANT, headers={}, body={}, prompt=p2)
     assert seen_by_2 == Identity(i1.key, "new")
     # Different first messages mint different keys; completions (no turns) a random one.
     other = Agent(tagger, replica2, "Why does the test fail?")
     assert other.send()[0].key != i1.key
-    assert replica2.identify(headers={}, body={}, prompt=tagger.tag_text("raw text")) == Identity("conv:1", "new")
+    raw = replica2.identify(tenant=DEFAULT_TENANT, headers={}, body={}, prompt=tagger.tag_text("raw text"))
+    assert raw == Identity(DEFAULT_TENANT.scope("conv:1"), "new")
 
 
 def test_retry_of_the_same_prompt_is_not_a_continuation(tagger: ChatTagger) -> None:
@@ -221,11 +224,11 @@ def test_retry_of_the_same_prompt_is_not_a_continuation(tagger: ChatTagger) -> N
 def test_completion_prompts_match_by_extension(tagger: ChatTagger) -> None:
     index = fresh_index()
     p1 = tagger.tag_text("def parse(path):\n    with open(path) as f:\n")
-    i1 = index.identify(headers={}, body={}, prompt=p1)
-    index.remember(i1.key, p1.input_ids)
+    i1 = index.identify(tenant=DEFAULT_TENANT, headers={}, body={}, prompt=p1)
+    index.remember(i1.key, p1.input_ids, tenant=DEFAULT_TENANT)
     p2 = tagger.tag_text("def parse(path):\n    with open(path) as f:\n        return f.read()\n")
     assert p2.input_ids[: len(p1.input_ids)] == p1.input_ids
-    assert index.identify(headers={}, body={}, prompt=p2) == Identity(i1.key, "prefix", len(p1.input_ids))
+    assert index.identify(tenant=DEFAULT_TENANT, headers={}, body={}, prompt=p2) == Identity(i1.key, "prefix", len(p1.input_ids))
 
 
 # -- bounds -----------------------------------------------------------------------------
@@ -244,32 +247,32 @@ class Plain:
 def test_records_are_bounded_per_conversation_and_in_total() -> None:
     index = fresh_index(page_size=4, max_records=5, records_per_conversation=2, max_conversations=3)
     for n in range(1, 4):
-        index.remember("a", list(range(n * 5)))
+        index.remember("a", list(range(n * 5)), tenant=DEFAULT_TENANT)
     assert len(index) == 2  # only the 2 latest of "a"
-    assert index.match(Plain(list(range(11)))) == Identity("a", "prefix", 10)
-    assert index.match(Plain(list(range(6)))) is None  # its first sequence was dropped
+    assert index.match(Plain(list(range(11))), tenant=DEFAULT_TENANT) == Identity("a", "prefix", 10)
+    assert index.match(Plain(list(range(6))), tenant=DEFAULT_TENANT) is None  # its first sequence was dropped
     for key in "bcd":
-        index.remember(key, [ord(key)] * 9)
+        index.remember(key, [ord(key)] * 9, tenant=DEFAULT_TENANT)
     assert index.conversations == 3 and len(index) <= 5
-    assert index.match(Plain([ord("d")] * 12)) == Identity("d", "prefix", 9)
+    assert index.match(Plain([ord("d")] * 12), tenant=DEFAULT_TENANT) == Identity("d", "prefix", 9)
     index.forget("d")
-    assert index.match(Plain([ord("d")] * 12)) is None
+    assert index.match(Plain([ord("d")] * 12), tenant=DEFAULT_TENANT) is None
     assert index.approx_bytes() > 0
 
 
 def test_latest_registrant_of_an_identical_sequence_owns_it() -> None:
     index = fresh_index(page_size=4)
-    index.remember("a", [1, 2, 3, 4, 5])
-    index.remember("b", [1, 2, 3, 4, 5])
-    assert index.match(Plain([1, 2, 3, 4, 5, 6])) == Identity("b", "prefix", 5)
+    index.remember("a", [1, 2, 3, 4, 5], tenant=DEFAULT_TENANT)
+    index.remember("b", [1, 2, 3, 4, 5], tenant=DEFAULT_TENANT)
+    assert index.match(Plain([1, 2, 3, 4, 5, 6]), tenant=DEFAULT_TENANT) == Identity("b", "prefix", 5)
     assert index.conversations == 1
 
 
 def test_tail_tokens_must_match_exactly() -> None:
     index = fresh_index(page_size=4)
-    index.remember("a", [1, 2, 3, 4, 5, 6])
-    assert index.match(Plain([1, 2, 3, 4, 5, 7, 8])) is None
-    assert index.match(Plain([1, 2, 3, 4, 5, 6, 8])) == Identity("a", "prefix", 6)
+    index.remember("a", [1, 2, 3, 4, 5, 6], tenant=DEFAULT_TENANT)
+    assert index.match(Plain([1, 2, 3, 4, 5, 7, 8]), tenant=DEFAULT_TENANT) is None
+    assert index.match(Plain([1, 2, 3, 4, 5, 6, 8]), tenant=DEFAULT_TENANT) == Identity("a", "prefix", 6)
 
 
 def test_page_chain_is_prefix_stable() -> None:
@@ -302,19 +305,21 @@ def test_remembering_with_the_prompts_chain_files_the_same_records(tagger: ChatT
     for turn in range(4):
         for agent, index in zip(agents, (plain, reused), strict=True):
             prompt = agent.tagger.build(agent.messages, tools=TOOLS)
-            ident = index.identify(headers={}, body={"model": "tiny"}, prompt=prompt)
+            ident = index.identify(tenant=DEFAULT_TENANT, headers={}, body={"model": "tiny"}, prompt=prompt)
             output = agent.tagger.tokenizer.encode_ids(f"Step {turn} done.")
             if index is reused:
                 assert ident.chain is None or list(ident.chain) == page_chain(prompt.input_ids, index.page_size)
-                index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids), prefix_chain=ident.chain)
-                index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids), prefix_chain=[0, 1])
+                index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids), prefix_chain=ident.chain,
+                                tenant=DEFAULT_TENANT)
+                index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids), prefix_chain=[0, 1],
+                                tenant=DEFAULT_TENANT)
             else:
-                index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids))
-                index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids))
+                index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids), tenant=DEFAULT_TENANT)
+                index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids), tenant=DEFAULT_TENANT)
             agent.messages.append({"role": "assistant", "content": f"Step {turn} done."})
             agent.user(f"Now step {turn + 1}.")
         assert list(plain._records.items()) == list(reused._records.items())
-    assert reused.identify(headers={}, body={}, prompt=tagger.build(agents[1].messages, tools=TOOLS)).chain is not None
+    assert reused.identify(tenant=DEFAULT_TENANT, headers={}, body={}, prompt=tagger.build(agents[1].messages, tools=TOOLS)).chain is not None
 
 
 def test_the_chain_continues_from_the_kept_prefix_and_equals_the_whole_chain(tagger: ChatTagger) -> None:
@@ -326,7 +331,7 @@ def test_the_chain_continues_from_the_kept_prefix_and_equals_the_whole_chain(tag
     agent = Agent(prefixed, index, "Fix the failing test.")
     for turn in range(5):
         prompt = prefixed.build(agent.messages, tools=TOOLS)
-        ident = index.identify(headers={}, body={"model": "tiny"}, prompt=prompt)
+        ident = index.identify(tenant=DEFAULT_TENANT, headers={}, body={"model": "tiny"}, prompt=prompt)
         if turn:
             assert ident.chain is not None and list(ident.chain) == page_chain(prompt.input_ids, 16)
             carried = getattr(prompt.reused_prefix, "page_chain", None)
@@ -334,6 +339,46 @@ def test_the_chain_continues_from_the_kept_prefix_and_equals_the_whole_chain(tag
             assert turn == 1 or (carried is not None and carried[0] == 16)
             # another page size does not take the kept chain
             assert other._chain(prompt) == page_chain(prompt.input_ids, 4)
-        index.remember(ident.key, prompt.input_ids, prefix=None)
+        index.remember(ident.key, prompt.input_ids, prefix=None, tenant=DEFAULT_TENANT)
         agent.messages.append({"role": "assistant", "content": f"Step {turn} done."})
         agent.user(f"Now step {turn + 1}.")
+
+
+# -- tenants -------------------------------------------------------------------------
+
+
+def test_keys_are_tenant_digests_and_equal_ids_of_two_tenants_are_two_conversations(tagger: ChatTagger) -> None:
+    a, b = Tenant("a" * 32), Tenant("b" * 32)
+    headers = {"X-Session-ID": "alice@example.com"}
+    ka = explicit_identity(headers, {}, tenant=a)
+    kb = explicit_identity(headers, {}, tenant=b)
+    assert ka is not None and kb is not None and ka.source == kb.source == "x-session-id"
+    assert ka.key == a.scope("session:alice@example.com") != kb.key
+    assert "alice" not in ka.key and ka.key.startswith("conv-") and len(ka.key) == 37
+    user = explicit_identity({}, {"user": "alice@example.com"}, tenant=a)
+    assert user is not None and user.key == a.scope("user:alice@example.com")
+    # a new conversation's key: the first turn's digest, per tenant
+    index = fresh_index()
+    prompt = tagger.build([SYSTEM, {"role": "user", "content": "Where is the config parsed?"}], tools=TOOLS)
+    new_a = index.identify(tenant=a, headers={}, body={}, prompt=prompt)
+    new_b = index.identify(tenant=b, headers={}, body={}, prompt=prompt)
+    assert new_a.source == new_b.source == "new" and new_a.key != new_b.key
+
+
+def test_a_prefix_match_never_attaches_a_request_to_another_tenants_conversation(tagger: ChatTagger) -> None:
+    a, b = Tenant("a" * 32), Tenant("b" * 32)
+    index = fresh_index()
+    secret = {"role": "system", "content": "The launch code is 7-4-1-9. Never reveal it. " * 4}
+    first = [secret, {"role": "user", "content": "Summarise the plan."}]
+    p1 = tagger.build(first)
+    i1 = index.identify(tenant=a, headers={}, body={}, prompt=p1)
+    answered = p1.input_ids + tagger.tokenizer.encode_ids("The plan is simple.")
+    index.remember(i1.key, answered, tenant=a, prefix=len(p1.input_ids))
+    later = tagger.build([*first, {"role": "assistant", "content": "The plan is simple."},
+                          {"role": "user", "content": "Go on."}])
+    assert index.identify(tenant=a, headers={}, body={}, prompt=later) == Identity(i1.key, "prefix", len(answered))
+    # the same continuation from tenant b (a right guess of the whole history) matches nothing of a's
+    assert index.match(later, tenant=b) is None
+    assert index.match(later, tenant=DEFAULT_TENANT) is None
+    other = index.identify(tenant=b, headers={}, body={}, prompt=later)
+    assert other.source == "new" and other.key != i1.key

@@ -110,3 +110,21 @@ def test_api_keys_from_the_environment_replace_the_configs(tmp_path: Path) -> No
     env = {"KVSERVING_GATEWAY_API_KEYS": "sk-a, sk-b,"}
     assert load_config(parse("--config", str(cfg)), environ=env).gateway.api_keys == ("sk-a", "sk-b")
     assert load_config(parse("--config", str(cfg)), environ={}).gateway.api_keys == ("in-configmap",)
+
+
+def test_api_keys_file_adds_its_keys_and_an_unreadable_or_empty_one_is_a_one_line_error(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("sk-file-1\n\n  sk-file-2  \n")
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"gateway": {"api_keys": ["in-configmap"]}, "security": {"api_keys_file": str(keys)}}))
+    assert load_config(parse("--config", str(cfg)), environ={}).gateway.api_keys == ("in-configmap", "sk-file-1", "sk-file-2")
+    env = {"KVSERVING_GATEWAY_API_KEYS": "sk-env"}
+    assert load_config(parse("--config", str(cfg)), environ=env).gateway.api_keys == ("sk-env", "sk-file-1", "sk-file-2")
+    keys.write_text("\n \n")
+    with pytest.raises(ValueError, match=f"^security.api_keys_file {keys} holds no keys$"):
+        load_config(parse("--config", str(cfg)), environ={})
+    keys.unlink()
+    out = subprocess.run([sys.executable, "-m", "kvserving.cli", "gateway", "--config", str(cfg), "--decode", "http://a:1"],
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONSAFEPATH="1"))
+    assert out.returncode == 1
+    assert out.stderr.strip() == f"kvserving gateway: error: security.api_keys_file {keys}: cannot read: No such file or directory"

@@ -348,3 +348,19 @@ def test_same_text_with_other_pieces_does_not_reuse_the_labels(tokenizer: TextTo
     assert prefixes.hits == hits + 1  # the same text: the ids were reused
     assert got.text.startswith(full.build(copy.deepcopy(first)).text[:-len("<|im_start|>assistant\n")])
     assert got == full.build(copy.deepcopy(second))
+
+
+def test_kept_prefixes_are_found_only_in_their_own_scope(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
+    """A tenant's kept prompts (its first message too) never speed up another tenant's tokenization."""
+    prefixes = TokenPrefixes(tokenizer)
+    tagger = ChatTagger(tokenizer, template, prefixes=prefixes)
+    full = ChatTagger(tokenizer, template)
+    secret = [{"role": "system", "content": "The launch code is 7-4-1-9. " * 8}, {"role": "user", "content": "Plan?"}]
+    turn2 = [*secret, {"role": "assistant", "content": "Soon."}, {"role": "user", "content": "When?"}]
+    assert tagger.build(copy.deepcopy(secret), scope="a") == full.build(copy.deepcopy(secret))
+    assert (prefixes.hits, prefixes.misses) == (0, 1)
+    for scope in ("b", ""):  # the right guess from another tenant, and from the default one
+        assert tagger.build(copy.deepcopy(secret), scope=scope) == full.build(copy.deepcopy(secret))
+    assert (prefixes.hits, prefixes.misses) == (0, 3)
+    assert tagger.build(copy.deepcopy(turn2), scope="a") == full.build(copy.deepcopy(turn2))
+    assert (prefixes.hits, prefixes.misses) == (1, 3)  # its own tenant's conversation reuses as before

@@ -210,3 +210,18 @@ def test_conversations_that_share_a_key_are_told_apart_and_bounded(tokenizer: Te
             assert found is None  # dropped from the bucket: renders whole
         else:
             assert found is not None and found.raw == m
+
+
+def test_kept_renders_are_found_only_by_their_own_scope(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
+    renders = TurnRenders()
+    tagger = ChatTagger(tokenizer, template, renders=renders)
+    turns = _conversation(4)
+    for messages in turns[:3]:
+        tagger.draft(copy.deepcopy(messages), scope="a")
+    hits = renders.hits
+    for scope in ("b", ""):
+        draft = tagger.draft(copy.deepcopy(turns[3]), scope=scope)
+        assert draft is not None and not draft.appended
+    assert renders.hits == hits
+    draft = tagger.draft(copy.deepcopy(turns[3]), scope="a")
+    assert draft is not None and draft.appended and renders.hits == hits + 1

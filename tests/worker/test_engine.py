@@ -94,6 +94,26 @@ def test_prefix_cache_hit_gives_the_output_of_no_hit(tiny_model_dir: Path) -> No
     assert torch.allclose(engine.capture_logits["hit"][0], fresh.capture_logits["offline-0"][0], atol=2e-5, rtol=0)
 
 
+def test_a_cache_salt_keeps_each_tenants_prefix_cache_to_itself(tiny_model_dir: Path) -> None:
+    base = prompts(4096)[3]  # 129 tokens: 8 full pages
+    engine = make_engine(tiny_model_dir)
+
+    def cached(rid: str, salt: str | None) -> tuple[int, list[int]]:
+        engine.add_request(rid, base, GREEDY_32, cache_salt=salt)
+        out: list[int] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                out += o.new_token_ids
+                n = o.num_cached_tokens
+        return n, out
+
+    first, want = cached("a1", "tenant-a")
+    assert first == 0
+    assert cached("b1", "tenant-b") == (0, want)  # another tenant's right guess: nothing cached
+    assert cached("none", None) == (0, want)  # the default tenant's too
+    assert cached("a2", "tenant-a") == (128, want)  # its own pages: all 8
+
+
 def test_pool_pressure_preempts_without_changing_any_output(tiny_model_dir: Path) -> None:
     ps = prompts(4096)
     calm = make_engine(tiny_model_dir).generate(ps, GREEDY_32)

@@ -75,6 +75,22 @@ def test_plain_pools_ignore_tags() -> None:
     assert other.page_ids == [0, 1, 2, 3]
 
 
+def test_pages_match_only_requests_of_the_same_salt() -> None:
+    kv = KVCacheManager(PagePool(16, page_size=16), page_size=16)
+    tenant_a = seq("a", [NOW] * 65)
+    tenant_a.cache_salt = b"aa"
+    ids = run_and_cache(kv, tenant_a)
+    for rid, salt in (("none", None), ("b", b"bb")):
+        other = seq(rid, [NOW] * 65)
+        other.cache_salt = salt
+        assert kv.match_prefix(other) == 0 and other.page_ids == []
+    same = seq("a2", [NOW] * 65)
+    same.cache_salt = b"aa"
+    assert kv.match_prefix(same) == 64 and same.page_ids == ids[:4]
+    # the pull's view (kv_transfer): the hashes a sender offers are those the prefix cache holds
+    assert kv.page_hashes(same, [4] * 4) == same.page_hashes
+
+
 def test_triaxial_pages_match_whatever_roles_the_tokens_come_back_with() -> None:
     # A reply the decode worker tagged assistant comes back next turn as reasoning /
     # tool_call text of an older turn: same tokens, same stored precision, same KV.

@@ -155,6 +155,20 @@ def test_chain_hashes_full_pages_only_and_deterministic() -> None:
     assert chain_hashes(tokens[2:], 2) != h[1:]
 
 
+def test_a_salt_changes_the_first_hash_and_so_the_whole_chain() -> None:
+    tokens = list(range(10, 16))  # three full pages of 2
+    plain = chain_hashes(tokens, 2)
+    a = chain_hashes(tokens, 2, salt=b"tenant-a")
+    assert a == chain_hashes(tokens, 2, salt=b"tenant-a")  # equal salts: equal chains
+    b = chain_hashes(tokens, 2, salt=b"tenant-b")
+    assert all(x != y for x, y in zip(a, plain)) and all(x != y for x, y in zip(a, b))
+    assert chain_hashes(tokens, 2, salt=b"") == chain_hashes(tokens, 2, salt=None) == plain  # no salt: as before
+    # the salt lives in the first page: a continuation from a salted parent stays salted, whatever salt it names
+    assert chain_hashes(tokens[2:], 2, parent=a[0]) == chain_hashes(tokens[2:], 2, parent=a[0], salt=b"x") == a[1:]
+    # a salt is not a token page: the salted first hash is no page-1 hash of any parent
+    assert a[0] not in chain_hashes(tokens[:2], 2, parent=0) + chain_hashes(tokens[:2], 2)
+
+
 def test_chain_hashes_same_in_another_process() -> None:
     code = "from kvserving.worker.page_pool import chain_hashes; print(chain_hashes(list(range(10, 17)), 2, [1] * 7))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
