@@ -91,6 +91,25 @@ def context_length_exceeded(*, prompt_tokens: int, max_tokens: int, context_leng
     )
 
 
+def context_length_exceeded_chars(*, chars: int, context_length: int, max_token_chars: int, param: str) -> GatewayError:
+    """400 before tokenizing: more characters than the context's tokens can cover."""
+    return GatewayError(
+        400,
+        f"This model's maximum context length is {context_length} tokens. However, your {param} hold {chars} "
+        f"characters, more than {context_length} tokens of at most {max_token_chars} characters each can hold. "
+        f"Please reduce the length of the {param}.",
+        type=INVALID_REQUEST,
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def kv_pool_exceeded(message: str) -> GatewayError:
+    """400: the workers' KV pool cannot hold the prompt and its completion (the worker's words)."""
+    return GatewayError(400, f"{message}. Please reduce the length of the messages or completion.",
+                        type=INVALID_REQUEST, param="messages", code="context_length_exceeded")
+
+
 def service_unavailable(message: str, *, retry_after_s: int = 1) -> GatewayError:
     """503 with Retry-After: no healthy worker for this request."""
     return GatewayError(
