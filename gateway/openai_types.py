@@ -1,8 +1,13 @@
 """OpenAI wire types: request models (pydantic) and response builders (plain dicts).
 
-Requests are parsed with ``parse_chat_request`` / ``parse_completion_request``,
+Requests are parsed with ``parse_chat_request`` / ``parse_completion_request``
+(both completion routes, before anything renders or tokenizes the request),
 which turn every validation failure into a 400 ``GatewayError`` naming the
-field (``param``) the way OpenAI does. Fields OpenAI clients send that do not
+field (``param``) the way OpenAI does: JSON nested past ``MAX_JSON_DEPTH``, a
+string with an unpaired surrogate, a value of the wrong type (strict: no
+coercion of ``"5"`` or ``"yes"``), an integer out of its range, a ``tool``
+message without ``tool_call_id``, and a prompt of more characters than the
+context's tokens can hold (``RequestLimits``: ``context_length_exceeded``). Fields OpenAI clients send that do not
 change the result here (``metadata``, ``store``, ``service_tier``,
 ``prediction``, ...) are accepted and ignored, and so are the neutral values
 of those that would (``presence_penalty: 0``, ``response_format: {"type":

@@ -20,6 +20,9 @@ tokens again.
 
     content  hi<|im_end|>            -> as_text ->  hi<\ufdd0|im_end|>
     tokens   hi < | im _end | >                     (not the <|im_end|> id)
+
+A special token marked `normalized` (found after normalization, rare in chat
+models' tokenizers) is not broken by the mark.
 """
 
 from __future__ import annotations
