@@ -283,18 +283,26 @@ class ChatTagger:
 
     def _as_text(self, value: _T) -> _T:
         """``value`` with every string in it (keys too) as content text: the same object when
-        no string holds a special token's text, the usual case."""
-        mark = self.tokenizer.as_text
-        if isinstance(value, str):
-            return mark(value)  # type: ignore[return-value]
-        if isinstance(value, list):
-            items = [self._as_text(v) for v in value]
-            return value if all(a is b for a, b in zip(items, value, strict=True)) else items  # type: ignore[return-value]
-        if isinstance(value, dict):
-            pairs = [(mark(k) if isinstance(k, str) else k, self._as_text(v)) for k, v in value.items()]
-            if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(pairs, value.items(), strict=True)):
+        no string holds a special token's text or the start of one, the usual case."""
+        mark = self.tokenizer.content_text.mark
+        kind = type(value)
+        if kind is str:
+            return mark(value)  # type: ignore[arg-type, return-value]
+        if kind is list:
+            values: list[Any] = value  # type: ignore[assignment]
+            out: list[Any] | None = None
+            for i, v in enumerate(values):
+                w = self._as_text(v)
+                if w is not v:
+                    if out is None:
+                        out = list(values)
+                    out[i] = w
+            return value if out is None else out  # type: ignore[return-value]
+        if kind is dict:
+            items = value.items()  # type: ignore[attr-defined]
+            if all(mark(k) is k and self._as_text(v) is v for k, v in items):
                 return value
-            return dict(pairs)  # type: ignore[return-value]
+            return {mark(k): self._as_text(v) for k, v in items}  # type: ignore[return-value]
         return value
 
     def _marked(self, msgs: list[Message], tool_list: list[dict[str, Any]] | None, codec: tag_markers.MarkerCodec,

@@ -166,19 +166,32 @@ class ContentText:
         contents = sorted({t for t in specials if len(t) > 1}, key=len, reverse=True)
         self._heads = tuple(sorted({t[:2] for t in contents}))  # a C scan for each rules most strings out
         self._whole = re.compile("|".join(re.escape(t) for t in contents)) if contents else None
-        self._starts = frozenset(t[0] for t in contents)
+        self._starts = tuple(sorted({t[0] for t in contents}))
+        self._first = self._starts[0] if len(self._starts) == 1 else None
+        self._any_first = re.compile("[" + "".join(re.escape(c) for c in self._starts) + "]").search
         self._partial = frozenset(t[:k] for t in contents for k in range(1, len(t)))
         self._reach = max((len(t) for t in contents), default=0)
 
     def mark(self, text: str) -> str:
-        if self._whole is None or not text:
+        """``text`` itself (the same object) when there is nothing to break, else marked."""
+        whole = self._whole
+        if whole is None or not text:
             return text
-        if any(h in text for h in self._heads):
-            text = self._whole.sub(lambda m: m[0][0] + TEXT_MARK + m[0][1:], text)
+        if self._first is not None:
+            if self._first not in text:
+                return text  # one C scan ("<" begins every special token): most strings end here
+        elif not self._any_first(text):
+            return text
+        if any(h in text for h in self._heads) and whole.search(text):
+            text = whole.sub(lambda m: m[0][0] + TEXT_MARK + m[0][1:], text)
         end = len(text.rstrip()) if text[-1].isspace() else len(text)
-        for k in range(max(0, end - self._reach + 1), end):
-            if text[k] in self._starts and text[k:end] in self._partial:
-                return text[:end] + TEXT_MARK + text[end:]
+        low = max(0, end - self._reach + 1)
+        for first in self._starts:  # a C scan of the tail per first character ("<")
+            k = text.rfind(first, low, end)
+            while k >= 0:
+                if text[k:end] in self._partial:
+                    return text[:end] + TEXT_MARK + text[end:]
+                k = text.rfind(first, low, k)
         return text
 
 
