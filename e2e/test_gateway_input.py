@@ -74,8 +74,8 @@ def test_a_7_mib_message_is_refused_for_little_memory_that_comes_back(served: tu
         assert r.status_code == 400
         assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("context_length_exceeded", "messages")
     # Transient: the body (~7.3 MB) is held as received, joined, decoded to JSON text and as the
-    # content string: ~4 x 7.3 = 29 MB. Rendering and tokenizing it took 1.4 GB (20 bytes of
-    # token objects per character); the bound of 50 MB leaves room for the first but never the second.
+    # content string: ~4 x 7.3 = 29 MB (measured 28-33). Rendering and tokenizing it took 1.5 GB
+    # (~200 bytes of token objects per character); 50 MB leaves room for the first, never the second.
     transient = _memory_mib(pid)["VmHWM"] - baseline
     assert transient < 50, f"peak {transient:.0f} MiB above the baseline {baseline:.0f} MiB"
     # Back within 10 % of the baseline once the last response is out (freed after it is sent: polled).

@@ -406,7 +406,8 @@ class ChatTagger:
 
     def tag_text(self, text: str) -> TaggedPrompt:
         """A raw completion prompt: no structure, so every token is current user text
-        (image placeholder tokens are current user image)."""
+        (image placeholder tokens are current user image). Its client writes the whole
+        prompt, markup included: special tokens' text in it is markup (no ``as_text``)."""
         enc = self.tokenizer.encode(text)
         return TaggedPrompt(text=text, input_ids=enc.ids, tags=self.tag_ids(enc.ids), method="text",
                             char_starts=_char_starts(enc.offsets))
