@@ -78,19 +78,6 @@ def payload_too_large(message: str) -> GatewayError:
     return GatewayError(413, message, type=INVALID_REQUEST, code="request_too_large")
 
 
-def context_length_exceeded(*, prompt_tokens: int, max_tokens: int, context_length: int) -> GatewayError:
-    """400 with the numbers, worded like OpenAI's own message."""
-    return GatewayError(
-        400,
-        f"This model's maximum context length is {context_length} tokens. However, you requested "
-        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
-        "Please reduce the length of the messages or completion.",
-        type=INVALID_REQUEST,
-        param="messages",
-        code="context_length_exceeded",
-    )
-
-
 def context_length_exceeded_chars(*, chars: int, context_length: int, max_token_chars: int, param: str) -> GatewayError:
     """400 before tokenizing: more characters than the context's tokens can cover."""
     return GatewayError(
@@ -104,10 +91,17 @@ def context_length_exceeded_chars(*, chars: int, context_length: int, max_token_
     )
 
 
-def kv_pool_exceeded(message: str) -> GatewayError:
-    """400: the workers' KV pool cannot hold the prompt and its completion (the worker's words)."""
-    return GatewayError(400, f"{message}. Please reduce the length of the messages or completion.",
-                        type=INVALID_REQUEST, param="messages", code="context_length_exceeded")
+def context_length_exceeded(*, prompt_tokens: int, max_tokens: int, context_length: int) -> GatewayError:
+    """400 with the numbers, worded like OpenAI's own message."""
+    return GatewayError(
+        400,
+        f"This model's maximum context length is {context_length} tokens. However, you requested "
+        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
+        "Please reduce the length of the messages or completion.",
+        type=INVALID_REQUEST,
+        param="messages",
+        code="context_length_exceeded",
+    )
 
 
 def service_unavailable(message: str, *, retry_after_s: int = 1) -> GatewayError:

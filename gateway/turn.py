@@ -29,7 +29,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import GatewayError, kv_pool_exceeded, service_unavailable, upstream_error
+from .errors import GatewayError, service_unavailable, upstream_error
 from .leases import Lease, LeaseKeeper
 from .metrics import GatewayMetrics
 from .router import WorkerView, choose_decode, choose_prefill, prefix_key
@@ -309,10 +309,13 @@ class Turns:
         self.metrics.upstream_error(exc.kind)
         if exc.kind == "connect":
             self.pool.mark_unhealthy(exc.url)  # leaves the rotation until /ready answers again
-        if exc.kind == "status" and exc.status == 400 and exc.code == "context_length_exceeded":
-            return kv_pool_exceeded(exc.message.removeprefix("worker error (400): "))
         if exc.kind == "status" and exc.status == 503:
             return service_unavailable(f"Worker not ready: {exc.message}", retry_after_s=RETRY_AFTER_S)
+        if exc.kind == "status" and exc.status == 400 and exc.code == "context_length_exceeded":
+            # the prompt (and max_tokens) need more than the worker's context or KV pool: the client's to shorten
+            worker_said = exc.message.removeprefix("worker error (400): ")
+            return GatewayError(400, f"{worker_said}. Please reduce the length of the messages or completion.",
+                                param="messages", code="context_length_exceeded")
         if exc.kind == "timeout":
             return upstream_error(exc.message, status=504, code="upstream_timeout")
         return upstream_error(exc.message)
