@@ -17,6 +17,7 @@ app and stop with it (a last sweep releases the leases idle past their TTL).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,7 +34,7 @@ from kvserving.config import ServingConfig
 
 from . import openai_types as oa
 from .completions import Completions, ModelInfo
-from .errors import GatewayError, authentication, model_not_found, not_found
+from .errors import GatewayError, authentication, model_not_found, not_found, server_error
 from .exact_history import ExactHistory
 from .front import CompletionRoutes, api_key_ok
 from .identity import ConversationIndex
@@ -42,6 +43,8 @@ from .metrics import GatewayMetrics, PromptReuse
 from .tenants import Tenants
 from .turn import Turns
 from .workers import WorkerClient, WorkerPool
+
+log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 ROUTES = OPEN_PATHS | {"/v1/chat/completions", "/v1/completions", "/v1/models"}  # metric labels; the rest: "other"
@@ -127,8 +130,9 @@ def build_app(state: GatewayState) -> CompletionRoutes:
             state.metrics.workers_healthy.labels(role).set(sum(w.healthy for w in state.pool.by_role(role)))
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return CompletionRoutes(app, completions=state.completions, metrics=state.metrics,
-                            api_keys=state.config.gateway.api_keys, max_body_bytes=state.config.gateway.max_body_bytes)
+    limits = oa.RequestLimits(max_model_len=state.model.max_model_len, max_token_chars=state.model.tokenizer.max_token_chars)
+    return CompletionRoutes(app, completions=state.completions, metrics=state.metrics, api_keys=state.config.gateway.api_keys,
+                            max_body_bytes=state.config.gateway.max_body_bytes, limits=limits)
 
 
 class _Guard:
@@ -185,6 +189,11 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
         return JSONResponse(exc.to_body(), status_code=exc.status, headers=exc.headers or None)
+
+    @app.exception_handler(Exception)
+    async def server_fault(_: Request, exc: Exception) -> JSONResponse:
+        log.error("request failed", exc_info=exc)
+        return JSONResponse(server_error("The server had an error while processing your request.").to_body(), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -82,6 +82,19 @@ def payload_too_large(message: str) -> GatewayError:
     return GatewayError(413, message, type=INVALID_REQUEST, code="request_too_large")
 
 
+def context_length_exceeded_chars(*, chars: int, context_length: int, max_token_chars: int, param: str) -> GatewayError:
+    """400 before tokenizing: more characters than the context's tokens can cover."""
+    return GatewayError(
+        400,
+        f"This model's maximum context length is {context_length} tokens. However, your {param} hold {chars} "
+        f"characters, more than {context_length} tokens of at most {max_token_chars} characters each can hold. "
+        f"Please reduce the length of the {param}.",
+        type=INVALID_REQUEST,
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 def context_length_exceeded(*, prompt_tokens: int, max_tokens: int, context_length: int) -> GatewayError:
     """400 with the numbers, worded like OpenAI's own message."""
     return GatewayError(

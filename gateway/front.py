@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import openai_types as oa
 from .completions import SSE_DONE, Completions, EventStream
-from .errors import GatewayError, authentication, invalid_request, payload_too_large, server_error
+from .errors import GatewayError, authentication, payload_too_large, server_error
 from .metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -56,17 +56,19 @@ class CompletionRoutes:
     """ASGI app: the two completion routes served here, every other request by ``fallback``."""
 
     def __init__(self, fallback: ASGIApp, *, completions: Completions, metrics: GatewayMetrics,
-                 api_keys: tuple[str, ...], max_body_bytes: int) -> None:
+                 api_keys: tuple[str, ...], max_body_bytes: int, limits: oa.RequestLimits | None = None) -> None:
         self.fallback = fallback
         self.metrics = metrics
         self.keys = tuple(k.encode() for k in api_keys)
         self.max_body_bytes = max_body_bytes
 
+        # Every check of the request (openai_types) before anything renders or tokenizes it.
         async def chat(body: Any, headers: Mapping[str, str], started: float) -> dict[str, Any] | EventStream:
-            return await completions.chat(oa.parse_chat_request(body), headers=headers, started=started)
+            return await completions.chat(oa.parse_chat_request(body, limits=limits), headers=headers, started=started)
 
         async def text(body: Any, headers: Mapping[str, str], started: float) -> dict[str, Any] | EventStream:
-            return await completions.text(oa.parse_completion_request(body), headers=headers, started=started)
+            return await completions.text(oa.parse_completion_request(body, limits=limits), headers=headers,
+                                          started=started)
 
         self.routes: dict[str, Handler] = {"/v1/chat/completions": chat, "/v1/completions": text}
 
@@ -167,10 +169,7 @@ class _Exchange:
             body = bytes(chunks)
         elif len(body) > limit:
             raise payload_too_large(f"Request body exceeds the limit of {limit} bytes.")
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise invalid_request(f"We could not parse the JSON body of your request: {exc}.", code="invalid_json") from exc
+        return oa.decode_json(body)
 
     # ------------------------------------------------------------ disconnects
     def _watch_disconnect(self) -> None:

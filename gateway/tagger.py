@@ -56,6 +56,12 @@ by search ("aligned"); when it refuses marked content, or the request uses
 every marker alphabet, control tokens are delim and the rest user
 ("coarse"). The token ids are always those of the real render.
 
+Content is text: every string of the request (message content, reasoning,
+tool names and arguments, tool results, tool schemas, template options)
+passes `TextTokenizer.as_text` once normalized, so the special tokens of a
+prompt are the template's own markup and none comes from content
+(tokenizer.py says how).
+
 Layout: `tag_markers` wraps and reads back the pieces, `tag_spans` turns
 labelled characters into token tags, this module runs the two.
 """
@@ -68,7 +74,7 @@ from array import array
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvserving.tags import TEMPORAL, encode_tag
 
@@ -79,6 +85,9 @@ from .tag_markers import Chunk, Piece
 from .token_prefixes import Prefixed, TokenPrefixes, split_offsets
 from .tokenizer import TextTokenizer
 from .turn_render import KeptRender, TurnRenders
+
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +186,9 @@ class ChatTagger:
         marked render has the same chunks and pieces up to there), so its work on the
         shared history is array copies and one template render pair, not a pass over
         every token; the result equals a tagging from scratch (tests hold it so)."""
-        msgs = normalize_messages(messages)
-        tool_list = normalize_tools(tools)
+        msgs = self._normalize(messages)
+        tool_list = self._as_text(normalize_tools(tools))
+        template_kwargs = self._as_text(template_kwargs)
         text = self.template.render(msgs, tools=tool_list, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
         self.builds += 1
         codec = tag_markers.pick_codec(text)
@@ -208,6 +218,7 @@ class ChatTagger:
         With ``renders``, a request that appends messages to a kept render renders only
         its current turn (turn_render.py); ``Draft.appended`` says so. ``scope`` as in ``build``."""
         codec = tag_markers.first_codec()
+        template_kwargs = self._as_text(template_kwargs)
         options = (add_generation_prompt, template_kwargs)
         renders = self.renders
         raw = messages if isinstance(messages, list) and messages else None
@@ -217,8 +228,8 @@ class ChatTagger:
             msgs, tool_list, marks, marked_text = got.msgs, kept.tool_list, got.marks, got.marked
             marked_msgs, marked_tools = got.marked_msgs, got.marked_tools
         else:
-            msgs = normalize_messages(messages)
-            tool_list = normalize_tools(tools)
+            msgs = self._normalize(messages)
+            tool_list = self._as_text(normalize_tools(tools))
             whole = self._marked(msgs, tool_list, codec, add_generation_prompt, template_kwargs)
             if whole is None:
                 return None
@@ -260,7 +271,7 @@ class ChatTagger:
 
         try:
             return turn_render.append(
-                kept, messages, normalize=normalize_messages, render=render, codec=codec,
+                kept, messages, normalize=self._normalize, render=render, codec=codec,
                 mark=lambda m, i, marks: tag_markers.mark_message(m, i, codec, marks),
                 add_generation_prompt=add_generation_prompt,
             )
@@ -268,6 +279,34 @@ class ChatTagger:
             if exc.param == "messages":  # the template refused the short list: the whole one decides
                 return None
             raise  # a bad new message: the same 400 the whole path gives
+
+    def _normalize(self, messages: object, start: int = 0) -> list[Message]:
+        """``normalize_messages``, every string in them as text (``TextTokenizer.as_text``)."""
+        return [self._as_text(m) for m in normalize_messages(messages, start)]
+
+    def _as_text(self, value: _T) -> _T:
+        """``value`` with every string in it (keys too) as content text: the same object when
+        no string holds a special token's text or the start of one, the usual case."""
+        mark = self.tokenizer.content_text.mark
+        kind = type(value)
+        if kind is str:
+            return mark(value)  # type: ignore[arg-type, return-value]
+        if kind is list:
+            values: list[Any] = value  # type: ignore[assignment]
+            out: list[Any] | None = None
+            for i, v in enumerate(values):
+                w = self._as_text(v)
+                if w is not v:
+                    if out is None:
+                        out = list(values)
+                    out[i] = w
+            return value if out is None else out  # type: ignore[return-value]
+        if kind is dict:
+            items = value.items()  # type: ignore[attr-defined]
+            if all(mark(k) is k and self._as_text(v) is v for k, v in items):
+                return value
+            return {mark(k): self._as_text(v) for k, v in items}  # type: ignore[return-value]
+        return value
 
     def _marked(self, msgs: list[Message], tool_list: list[dict[str, Any]] | None, codec: tag_markers.MarkerCodec,
                 add_generation_prompt: bool, template_kwargs: Mapping[str, Any] | None
@@ -370,7 +409,8 @@ class ChatTagger:
 
     def tag_text(self, text: str) -> TaggedPrompt:
         """A raw completion prompt: no structure, so every token is current user text
-        (image placeholder tokens are current user image)."""
+        (image placeholder tokens are current user image). Its client writes the whole
+        prompt, markup included: special tokens' text in it is markup (no ``as_text``)."""
         enc = self.tokenizer.encode(text)
         return TaggedPrompt(text=text, input_ids=enc.ids, tags=self.tag_ids(enc.ids), method="text",
                             char_starts=_char_starts(enc.offsets))

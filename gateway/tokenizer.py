@@ -6,6 +6,23 @@ for the chat path (`add_special_tokens=False`), which the tests check.
 Special tokens (`special=True` added tokens) are what `decode(...,
 skip_special_tokens=True)` drops; every added token (special or not, e.g.
 `<think>`, `<tool_call>`) is a *control token* for the tagger.
+
+Content never becomes special tokens: `as_text` breaks every special token's
+text inside a content string with `TEXT_MARK` (U+FDD0, a Unicode
+noncharacter), which the tokenizer's normalizer removes again. Added tokens
+are found on the raw text before normalization, so a broken one is not found
+there; the normalizer then joins its characters back and they are tokenized
+as the text they are, exactly as `transformers` with `split_special_tokens`
+tokenizes them. Text without the mark tokenizes as before. Non-special
+added tokens (`<think>`, `<tool_call>`) stay tokens in content: they are
+markup the model writes inside its replies, and a reply's text must give its
+tokens again.
+
+    content  hi<|im_end|>            -> as_text ->  hi<\ufdd0|im_end|>
+    tokens   hi < | im _end | >                     (not the <|im_end|> id)
+
+A special token marked `normalized` (found after normalization, rare in chat
+models' tokenizers) is not broken by the mark.
 """
 
 from __future__ import annotations
@@ -17,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders
+from tokenizers import AddedToken, Tokenizer, decoders, normalizers
 
 # Special-token names the chat template may read (transformers passes them as
 # template variables).
@@ -26,6 +43,9 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 # Added tokens that stand for image or video content (Qwen-VL, LLaVA, Gemma 3,
 # Llama 4, Pixtral, ...): the tagger gives them the `image` modality.
 IMAGE_TOKEN_PATTERN = re.compile(r"image|vision|img|video|patch", re.IGNORECASE)
+
+# Breaks a special token's text inside content (module docstring); the normalizer removes it.
+TEXT_MARK = "\ufdd0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +64,12 @@ class TextTokenizer:
         self.config: dict[str, Any] = dict(config or {})
         _add_missing_tokens(tokenizer, self.config)
         added = tokenizer.get_added_tokens_decoder()
+        self.content_text = ContentText([t.content for t in added.values() if t.special])
+        _remove_text_mark(tokenizer)
+        # Characters one token covers at most (a byte-level token's key has one character per
+        # byte, at least as many as its text): a text of more characters than
+        # max_token_chars x n cannot be n tokens or fewer.
+        self.max_token_chars = max((len(k) for k in tokenizer.get_vocab(with_added_tokens=True)), default=1)
         self.added_tokens: dict[int, str] = {i: t.content for i, t in added.items()}
         self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         self.image_token_ids: frozenset[int] = frozenset(
@@ -88,6 +114,11 @@ class TextTokenizer:
         enc = self._tok.encode(text, add_special_tokens=False)
         return Encoded(ids=enc.ids, offsets=enc.offsets)
 
+    def as_text(self, content: str) -> str:
+        """``content`` as it goes into a rendered prompt: special tokens' text broken, so that
+        it tokenizes as text (module docstring)."""
+        return self.content_text.mark(content)
+
     def encode_ids(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
@@ -121,6 +152,54 @@ class TextTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         value = self._tok.id_to_token(token_id)
         return None if value is None else str(value)
+
+
+class ContentText:
+    """Marks content strings so that no special token's text in them is found as that token.
+
+    A special token is found in a rendered prompt wherever its text is, even across two
+    content strings a template joins (text parts, a trimmed string and the next); so
+    ``mark`` breaks every whole occurrence after its first character, and a string whose
+    (right-trimmed) end could start one gets the mark after it."""
+
+    def __init__(self, specials: Sequence[str]) -> None:
+        contents = sorted({t for t in specials if len(t) > 1}, key=len, reverse=True)
+        self._heads = tuple(sorted({t[:2] for t in contents}))  # a C scan for each rules most strings out
+        self._whole = re.compile("|".join(re.escape(t) for t in contents)) if contents else None
+        self._starts = tuple(sorted({t[0] for t in contents}))
+        self._first = self._starts[0] if len(self._starts) == 1 else None
+        self._any_first = re.compile("[" + "".join(re.escape(c) for c in self._starts) + "]").search
+        self._partial = frozenset(t[:k] for t in contents for k in range(1, len(t)))
+        self._reach = max((len(t) for t in contents), default=0)
+
+    def mark(self, text: str) -> str:
+        """``text`` itself (the same object) when there is nothing to break, else marked."""
+        whole = self._whole
+        if whole is None or not text:
+            return text
+        if self._first is not None:
+            if self._first not in text:
+                return text  # one C scan ("<" begins every special token): most strings end here
+        elif not self._any_first(text):
+            return text
+        if any(h in text for h in self._heads) and whole.search(text):
+            text = whole.sub(lambda m: m[0][0] + TEXT_MARK + m[0][1:], text)
+        end = len(text.rstrip()) if text[-1].isspace() else len(text)
+        low = max(0, end - self._reach + 1)
+        for first in self._starts:  # a C scan of the tail per first character ("<")
+            k = text.rfind(first, low, end)
+            while k >= 0:
+                if text[k:end] in self._partial:
+                    return text[:end] + TEXT_MARK + text[end:]
+                k = text.rfind(first, low, k)
+        return text
+
+
+def _remove_text_mark(tokenizer: Tokenizer) -> None:
+    """Put a normalizer step first that removes ``TEXT_MARK`` (a no-op on text without it)."""
+    remove = normalizers.Replace(TEXT_MARK, "")
+    current = tokenizer.normalizer
+    tokenizer.normalizer = remove if current is None else normalizers.Sequence([remove, current])
 
 
 def read_tokenizer_config(model_dir: str | Path) -> dict[str, Any]:

@@ -380,6 +380,11 @@ class Turns:
                                        retry_after_s=RETRY_AFTER_S, code=GATEWAY_DRAINING)
         if exc.kind == "status" and exc.status == 503:
             return service_unavailable(f"Worker not ready: {exc.message}", retry_after_s=RETRY_AFTER_S)
+        if exc.kind == "status" and exc.status == 400 and exc.code == "context_length_exceeded":
+            # the prompt (and max_tokens) need more than the worker's context or KV pool: the client's to shorten
+            worker_said = exc.message.removeprefix("worker error (400): ")
+            return GatewayError(400, f"{worker_said}. Please reduce the length of the messages or completion.",
+                                param="messages", code="context_length_exceeded")
         if exc.kind == "timeout":
             return upstream_error(exc.message, status=504, code="upstream_timeout")
         if exc.kind in WORKER_LOST:

@@ -87,12 +87,13 @@ class UpstreamError(Exception):
     ``status`` (an error status), ``stream`` (broken or malformed), ``worker_error`` (an error
     event), ``draining`` (this gateway is shutting down)."""
 
-    def __init__(self, kind: str, message: str, *, url: str, status: int | None = None) -> None:
+    def __init__(self, kind: str, message: str, *, url: str, status: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.url = url
         self.status = status
         self.message = message
+        self.code = code  # the worker's error code, if it sent one (context_length_exceeded)
 
 
 @dataclass(slots=True)
@@ -178,7 +179,8 @@ class WorkerClient:
                 while chunk := await conn.read():
                     text += chunk
                 finished = True
-                raise UpstreamError("status", _error_message(text.decode(errors="replace"), status), url=url, status=status)
+                raise UpstreamError("status", _error_message(text.decode(errors="replace"), status), url=url, status=status,
+                                    code=_error_code(text.decode(errors="replace")))
             events = SSEEvents(url)
             while not events.done:
                 chunk = await conn.read()
@@ -309,6 +311,14 @@ def _error_message(text: str, status: int | None) -> str:
     except (ValueError, KeyError, TypeError):
         message = text[:500]
     return f"worker error ({status}): {message}" if status is not None else f"worker error: {message}"
+
+
+def _error_code(text: str) -> str | None:
+    try:
+        code = json.loads(text)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 async def resolve_service(host: str, port: int) -> list[str]:

@@ -32,6 +32,13 @@ from kvserving.worker.sequence import ScheduledChunk, SchedulerOutput, Sequence,
 logger = logging.getLogger("kvserving.worker")
 
 
+class ContextLengthError(ValueError):
+    """A request longer than the context or the KV pool can hold: the client's to shorten
+    (the server answers 400 with this ``code``)."""
+
+    code = "context_length_exceeded"
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request."""
@@ -247,7 +254,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"input_ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if len(prompt) >= self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"prompt of {len(prompt)} tokens does not fit the context length {self.max_model_len} "
                 "(at least one token must be generated)"
             )
@@ -270,9 +277,12 @@ class LLMEngine:
             )
         total = min(len(prompt) + params.max_tokens, self.max_model_len)
         # Worst case every page is 4-bit (decode-generated tokens always are).
-        if total > self.kv_cache.capacity_tokens_at(0.0):
-            raise ValueError(
-                f"request needs {total} tokens of KV but the pool holds {self.kv_cache.capacity_tokens_at(0.0)} at 4 bits"
+        capacity = self.kv_cache.capacity_tokens_at(0.0)
+        if total > capacity:
+            pages = " with every page at 4 bits" if self.kv_cache.dtype == "triaxial" else ""
+            raise ContextLengthError(
+                f"request needs {total} tokens of KV cache ({len(prompt)} of prompt, {total - len(prompt)} of "
+                f"completion) but this worker's {self.kv_cache.dtype} KV pool holds {capacity} tokens{pages}"
             )
         gen = make_generator(params.seed, device=self.device)
         seq = Sequence(request_id, prompt, params, gen, tags=tag_list, output_ids=generated,

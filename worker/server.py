@@ -174,8 +174,8 @@ def create_app(
             return error_response(503, str(exc), type_="unavailable")
         except DuplicateRequestError as exc:
             return error_response(409, str(exc), type_="conflict", code="duplicate_request_id")
-        except ValueError as exc:
-            return error_response(400, str(exc), type_="invalid_request_error")
+        except ValueError as exc:  # ContextLengthError carries its code
+            return error_response(400, str(exc), type_="invalid_request_error", code=getattr(exc, "code", None))
         return EventStream(service, admitted)
 
     @app.get("/health")

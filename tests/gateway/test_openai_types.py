@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from kvserving.gateway.errors import GatewayError
-from kvserving.gateway.openai_types import parse_chat_request, parse_completion_request
+from kvserving.gateway.openai_types import MAX_JSON_DEPTH, RequestLimits, parse_chat_request, parse_completion_request
 
 BASE: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
@@ -73,3 +73,38 @@ def test_parallel_tool_calls_false_is_a_limit_of_one_call() -> None:
     assert parse_chat_request({**BASE, "tools": TOOLS, "parallel_tool_calls": False}).max_tool_calls == 1
     assert parse_chat_request({**BASE, "tools": TOOLS, "parallel_tool_calls": True}).max_tool_calls is None
     assert parse_chat_request({**BASE, "tools": TOOLS}).max_tool_calls is None
+
+
+def _nested(levels: int) -> object:
+    value: object = "x"
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def test_nesting_is_refused_past_its_limit_and_surrogates_by_path() -> None:
+    # the body object is level 1, "metadata"'s list level 2: MAX_JSON_DEPTH - 1 lists reach the limit
+    assert parse_chat_request({**BASE, "metadata": _nested(MAX_JSON_DEPTH - 1)}).messages == BASE["messages"]
+    with pytest.raises(GatewayError) as got:
+        parse_chat_request({**BASE, "metadata": _nested(MAX_JSON_DEPTH)})
+    assert (got.value.status, got.value.code, got.value.param) == (400, "invalid_json", None)
+    pair = "\U0001f600"  # a surrogate pair in JSON ("\ud83d\ude00") is one character: accepted
+    assert parse_chat_request({**BASE, "messages": [{"role": "user", "content": pair}]}).messages[0]["content"] == pair
+    with pytest.raises(GatewayError) as got:
+        parse_chat_request({**BASE, "tools": [{"type": "function", "function": {"name": "f", "description": "\ude00"}}]})
+    assert (got.value.code, got.value.param) == ("invalid_value", "tools[0].function.description")
+
+
+def test_the_prompt_is_sized_in_characters_before_it_is_rendered() -> None:
+    limits = RequestLimits(max_model_len=10, max_token_chars=4)  # at most 40 characters of prompt text
+    fits = {**BASE, "messages": [{"role": "user", "content": "x" * 30}]}  # 45 characters with "role", "user", "content"
+    assert parse_chat_request(fits, limits=RequestLimits(max_model_len=10, max_token_chars=5)).messages
+    with pytest.raises(GatewayError) as got:
+        parse_chat_request(fits, limits=limits)
+    err = got.value.to_body()["error"]
+    assert (got.value.status, err["code"], err["param"]) == (400, "context_length_exceeded", "messages")
+    assert "hold 45 characters" in err["message"] and "10 tokens of at most 4 characters" in err["message"]
+    with pytest.raises(GatewayError) as got:
+        parse_completion_request({"model": "m", "prompt": "y" * 41}, limits=limits)
+    assert (got.value.code, got.value.param) == ("context_length_exceeded", "prompt")
+    assert parse_completion_request({"model": "m", "prompt": "y" * 40}, limits=limits).prompt == "y" * 40

@@ -11,7 +11,7 @@ import torch
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.tags import encode_tag
-from kvserving.worker.engine import LLMEngine
+from kvserving.worker.engine import ContextLengthError, LLMEngine
 from kvserving.worker.sampling import SamplingParams
 
 GREEDY_32 = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -177,7 +177,7 @@ def test_bad_requests_fail_alone(tiny_model_dir: Path) -> None:
     engine.add_request("good", good, GREEDY_32)
     with pytest.raises(ValueError, match="prompt is empty"):
         engine.add_request("empty", [], GREEDY_32)
-    with pytest.raises(ValueError, match="does not fit the context length"):
+    with pytest.raises(ContextLengthError, match="does not fit the context length"):  # the server: 400 context_length_exceeded
         engine.add_request("long", [5] * engine.max_model_len, GREEDY_32)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request("vocab", [5, engine.vocab_size], GREEDY_32)

@@ -1,0 +1,105 @@
+"""Client input against real processes: `kvserving gateway` in front of one `both`
+`kvserving worker` whose KV pool is smaller than the context. A 7 MiB message is
+refused before the gateway renders or tokenizes it, for little memory, and the
+gateway's memory comes back; a prompt the pool cannot hold is a 400 the official
+`openai` client raises as `BadRequestError`, without retrying."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from test_gateway_e2e import GatewayProc, metric
+
+from kvs_workers import WorkerFactory, WorkerProc
+
+MODEL = "kvserving-tiny"
+CHAT = "/v1/chat/completions"
+
+
+def config() -> dict[str, Any]:
+    # a 1 MiB bf16 KV pool holds a few hundred of the tiny model's tokens: fewer than the 1024-token context
+    return {
+        "model": {"max_model_len": 1024, "served_name": MODEL},
+        "kv_cache": {"dtype": "bf16", "memory_bytes": 1 << 20},
+    }
+
+
+@pytest.fixture(scope="module")
+def served(workers: WorkerFactory, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[GatewayProc, WorkerProc]]:
+    worker = workers.start("both", config())
+    gateway = GatewayProc(tmp_path_factory.mktemp("gateway"), tiny_model_dir, prefill=worker.url, decode=worker.url,
+                          config=config())
+    try:
+        gateway.wait_ready()
+        yield gateway, worker
+    finally:
+        gateway.stop()
+
+
+def _memory_mib(pid: int) -> dict[str, float]:
+    """VmRSS (resident now) and VmHWM (the most it has been resident) of a process, in MiB."""
+    out = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) / 1024  # kB
+    return out
+
+
+def test_a_7_mib_message_is_refused_for_little_memory_that_comes_back(served: tuple[GatewayProc, WorkerProc]) -> None:
+    gateway, _ = served
+    pid = gateway.proc.pid
+
+    def post(chars: int) -> httpx.Response:
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "ab " * (chars // 3)}]})
+        return httpx.post(gateway.url + CHAT, content=body, headers={"content-type": "application/json"}, timeout=60)
+
+    # One refusal first: what the route allocates once (its code paths' first use) is in the baseline.
+    assert post(100_000).status_code == 400
+    time.sleep(0.5)
+    baseline = _memory_mib(pid)["VmRSS"]
+    seen = metric(gateway.url, "kvserving_gateway_requests_total", route=CHAT, code="400")
+    for _ in range(10):
+        r = post(7 << 20)
+        assert r.status_code == 400
+        assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("context_length_exceeded", "messages")
+    # Transient: the body (~7.3 MB) is held as received, joined, decoded to JSON text and as the
+    # content string: ~4 x 7.3 = 29 MB (measured 28-33). Rendering and tokenizing it took 1.5 GB
+    # (~200 bytes of token objects per character); 50 MB leaves room for the first, never the second.
+    transient = _memory_mib(pid)["VmHWM"] - baseline
+    assert transient < 50, f"peak {transient:.0f} MiB above the baseline {baseline:.0f} MiB"
+    # Back within 10 % of the baseline once the last response is out (freed after it is sent: polled).
+    deadline = time.monotonic() + 20
+    while (rss := _memory_mib(pid)["VmRSS"]) > baseline * 1.1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rss <= baseline * 1.1, f"RSS {rss:.0f} MiB after ten requests, baseline {baseline:.0f} MiB"
+    assert metric(gateway.url, "kvserving_gateway_requests_total", route=CHAT, code="400") == seen + 10
+
+
+def test_a_prompt_the_kv_pool_cannot_hold_is_a_bad_request_not_retried(served: tuple[GatewayProc, WorkerProc]) -> None:
+    gateway, _ = served
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x")  # retries 5xx twice by default
+    ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    seen = metric(gateway.url, "kvserving_gateway_requests_total", route=CHAT, code="400")
+    words = "the quick brown fox jumps over the lazy dog " * 35  # 636 tokens: inside the context, over the pool
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words}], max_tokens=8)
+    assert (refused.value.code, refused.value.param, refused.value.type) == (
+        "context_length_exceeded", "messages", "invalid_request_error")
+    message = str(refused.value)
+    held = re.search(r"needs (\d+) tokens of KV cache \(\d+ of prompt, 8 of completion\) but this worker's bf16 KV pool "
+                     r"holds (\d+) tokens\. Please reduce", message)
+    assert held is not None and int(held[2]) < int(held[1]), message
+    assert metric(gateway.url, "kvserving_gateway_requests_total", route=CHAT, code="400") == seen + 1  # no retry
+    assert metric(gateway.url, "kvserving_gateway_requests_total", route=CHAT, code="502") == 0
