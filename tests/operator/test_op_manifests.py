@@ -64,6 +64,37 @@ def test_kubectl_kustomize_builds_valid_objects() -> None:
     assert by_kind["CustomResourceDefinition"]["spec"] == yaml.safe_load((REPO / "crds" / "kvserving.yaml").read_text())["spec"]
 
 
+NAMESPACED = MANIFESTS / "namespaced"
+
+
+def test_namespaced_kustomization_has_no_cluster_wide_permission() -> None:
+    files = _kustomize_resources(NAMESPACED)
+    assert all(f.exists() for f in files)
+    kinds = sorted(d["kind"] for f in files for d in _docs(f))
+    assert kinds == ["CustomResourceDefinition", "Deployment", "Role", "RoleBinding", "ServiceAccount"]
+    assert yaml.safe_load((NAMESPACED / "kustomization.yaml").read_text())["namespace"] == "kvserving"
+    for f in files:
+        for doc in _docs(f):
+            assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True) == K8S_VERSION
+
+
+def test_namespaced_operator_watches_its_own_namespace() -> None:
+    (cluster,) = _docs(MANIFESTS / "operator.yaml")
+    (namespaced,) = _docs(NAMESPACED / "operator.yaml")
+    (c,) = namespaced["spec"]["template"]["spec"]["containers"]
+    assert c["args"] == ["--liveness-port", "8081", "--namespace", "$(POD_NAMESPACE)"]
+    assert {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}} in c["env"]
+    # otherwise the same Deployment
+    c.pop("args"), c.pop("env")
+    (base,) = cluster["spec"]["template"]["spec"]["containers"]
+    base.pop("args"), base.pop("env")
+    namespaced["metadata"].pop("namespace"), cluster["metadata"].pop("namespace")
+    assert namespaced == cluster
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--liveness-port", "8081", "--namespace", "team-a"]).namespace == ["team-a"]
+
+
 def test_operator_deployment() -> None:
     (dep,) = _docs(MANIFESTS / "operator.yaml")
     assert dep["spec"]["replicas"] == 1
@@ -100,6 +131,8 @@ def test_render_command_prints_the_children(capsys: pytest.CaptureFixture[str]) 
         "Deployment/qwen3-triaxial-decode",
         "Service/qwen3-triaxial-gateway",
         "Deployment/qwen3-triaxial-gateway",
+        "NetworkPolicy/qwen3-triaxial-workers",
+        "NetworkPolicy/qwen3-triaxial-gateway",
         "PodMonitor/qwen3-triaxial",
         "ConfigMap/qwen3-triaxial-dashboard",
     ]
