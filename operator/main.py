@@ -57,7 +57,8 @@ def read_manifest(path: Path) -> str:
 
 def render_file(path: Path) -> int:
     """Print the children of the KVServing in ``path``; one stderr line per problem and exit 1 if it is refused."""
-    from kvserving.operator.render import Owner, render
+    from kvserving.operator.render import Owner, internal_secret_name, render
+    from kvserving.operator.spec import INTERNAL_TOKEN_KEY
 
     admission = admit(parse_manifest(read_manifest(path), source=str(path)), crd=load_crd())
     if admission.problems:
@@ -66,6 +67,8 @@ def render_file(path: Path) -> int:
         return 1
     meta = admission.body["metadata"]
     owner = Owner(name=meta["name"], namespace=meta.get("namespace", "default"), uid=meta.get("uid", "00000000-render"))
+    print(f"# Secret/{internal_secret_name(owner.name)} (key {INTERNAL_TOKEN_KEY!r}): made once by the operator with a random "
+          "value, mounted into the gateway and workers below; not printed")
     yaml.safe_dump_all(render(admission.body["spec"], owner=owner).objects, sys.stdout, sort_keys=False)
     return 0
 

@@ -40,6 +40,7 @@ from kvserving.operator.spec import (
     CALIBRATION_DIR,
     GATEWAY_PORT,
     INTERNAL_TOKEN_DIR,
+    OPERATOR_POD_LABELS,
     INTERNAL_TOKEN_KEY,
     WORKER_PORT,
     KVServingSpec,
@@ -333,11 +334,19 @@ def _network_policy(owner: Owner, name: str, component: str, roles: tuple[str, .
 def _worker_network_policy(owner: Owner, spec: KVServingSpec) -> dict[str, Any]:
     """Workers take connections only from this KVServing: any port from its
     workers (the worker port, and NIXL's UCX listeners, which take ephemeral
-    ports), the worker port from its gateway; /metrics (on the worker port)
-    from the monitoring peers, which reach /internal/* only with the token."""
+    ports), the worker port from its gateway and from the operator (the
+    KV-health sampler, in the operator's namespace or, when the operator
+    watches only its own namespace, this one); /metrics (on the worker port)
+    from the monitoring peers. /internal/* still needs the token."""
+    operator = {"podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}
+    operator_elsewhere = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": spec.operator_namespace}},
+        **operator,
+    }
+    peers = [operator] if spec.operator_namespace == owner.namespace else [operator, operator_elsewhere]
     ingress: list[dict[str, Any]] = [
         {"from": [{"podSelector": _pods(owner, WORKER_ROLES)}]},
-        {"from": [{"podSelector": _pods(owner, ("gateway",))}], "ports": _tcp(WORKER_PORT)},
+        {"from": [{"podSelector": _pods(owner, ("gateway",))}, *peers], "ports": _tcp(WORKER_PORT)},
     ]
     if spec.monitoring.allow_from:
         ingress.append({"from": [dict(p) for p in spec.monitoring.allow_from], "ports": _tcp(WORKER_PORT)})

@@ -30,6 +30,9 @@ INTERNAL_TOKEN_DIR = "/var/run/kvserving/internal"
 INTERNAL_TOKEN_KEY = "token"
 API_KEYS_DIR = "/var/run/kvserving/api-keys"
 API_KEYS_KEY = "api-keys"
+# Where manifests/ installs the operator (its KV-health sampler calls the workers).
+OPERATOR_NAMESPACE = "kvserving-system"
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kvserving-operator"}
 # Who may reach /metrics when spec.monitoring.allowFrom is not set: pods named
 # prometheus (prometheus-operator's label) in any namespace.
 DEFAULT_MONITORING_PEER: dict[str, Any] = {
@@ -75,6 +78,7 @@ class KVServingSpec:
     monitoring: MonitoringSpec
     calibration_config_map: str | None = None  # kvCache.calibration.configMap
     network_policy: bool = True  # networkPolicy.enabled
+    operator_namespace: str = OPERATOR_NAMESPACE  # networkPolicy.operatorNamespace
 
     @property
     def kv_bits(self) -> float:
@@ -210,6 +214,7 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
         ),
         calibration_config_map=calibration["configMap"] if calibration is not None else None,
         network_policy=bool(spec.get("networkPolicy", {}).get("enabled", True)),
+        operator_namespace=spec.get("networkPolicy", {}).get("operatorNamespace", OPERATOR_NAMESPACE),
     )
 
 

@@ -97,7 +97,7 @@ def test_design_defaults() -> None:
     assert spec["prefill"]["resources"] == {"requests": {"cpu": "4", "memory": "32Gi"},
                                             "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1}}
     assert spec["prefill"]["resources"] == WORKER_RESOURCES and spec["gateway"]["resources"] == GATEWAY_RESOURCES
-    assert spec["networkPolicy"] == {"enabled": True}
+    assert spec["networkPolicy"] == {"enabled": True, "operatorNamespace": "kvserving-system"}
     assert spec["gateway"]["allowFrom"] == []
     assert "apiKeysSecret" not in spec["gateway"]
     assert spec["monitoring"] == {"enabled": True, "dashboard": True, "scrapeInterval": "30s", "labels": {},

@@ -138,6 +138,39 @@ def test_render_command_prints_the_children(capsys: pytest.CaptureFixture[str]) 
     ]
 
 
+def test_render_shows_the_secret_mounts_the_limits_and_the_network_policies(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--render", str(SAMPLES["triaxial"])])) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# Secret/qwen3-triaxial-internal (key 'token'): made once by the operator")
+    docs = {f"{d['kind']}/{d['metadata']['name']}": d for d in yaml.safe_load_all(out)}
+    for role in ("prefill", "decode", "gateway"):
+        pod = docs[f"Deployment/qwen3-triaxial-{role}"]["spec"]["template"]["spec"]
+        assert {"name": "internal-token", "mountPath": "/var/run/kvserving/internal", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+        limits = pod["containers"][0]["resources"]["limits"]
+        assert {"cpu", "memory"} <= limits.keys()
+    gateway = docs["Deployment/qwen3-triaxial-gateway"]["spec"]["template"]["spec"]
+    assert {"name": "api-keys", "mountPath": "/var/run/kvserving/api-keys", "readOnly": True} in gateway["containers"][0]["volumeMounts"]
+    assert docs["NetworkPolicy/qwen3-triaxial-workers"]["spec"]["policyTypes"] == ["Ingress"]
+    for doc in docs.values():
+        if doc["kind"] != "PodMonitor":
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_render_refuses_a_limit_below_its_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    body = yaml.safe_load(SAMPLES["fp8_e4m3"].read_text())
+    body["spec"]["decode"]["resources"] = {"requests": {"memory": "80Gi"}}
+    path = tmp_path / "kvs.yaml"
+    path.write_text(yaml.safe_dump(body))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--render", str(path)])) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"kvserving operator: error: {path}: spec.decode.resources.limits.memory: 64Gi is below the request 80Gi\n"
+
+
 def test_cli_has_the_operator_subcommand() -> None:
     from kvserving.cli import COMMANDS
 

@@ -356,6 +356,8 @@ WORKERS = {"app.kubernetes.io/name": "kvserving", "app.kubernetes.io/instance": 
 WORKER_PODS = {"matchLabels": WORKERS,
                "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": ["prefill", "decode"]}]}
 GATEWAY_PODS = {"matchLabels": {**WORKERS, "app.kubernetes.io/component": "gateway"}}
+OPERATOR_HERE = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvserving-operator"}}}
+OPERATOR_SYSTEM = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvserving-system"}}, **OPERATOR_HERE}
 PROMETHEUS = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
 
 
@@ -365,7 +367,7 @@ def test_worker_network_policy_admits_only_its_own_pods_and_monitoring() -> None
     assert policy["policyTypes"] == ["Ingress"]
     assert policy["ingress"] == [
         {"from": [{"podSelector": WORKER_PODS}]},  # every port: HTTP and NIXL between workers
-        {"from": [{"podSelector": GATEWAY_PODS}], "ports": [{"protocol": "TCP", "port": 8000}]},
+        {"from": [{"podSelector": GATEWAY_PODS}, OPERATOR_HERE, OPERATOR_SYSTEM], "ports": [{"protocol": "TCP", "port": 8000}]},
         {"from": [PROMETHEUS], "ports": [{"protocol": "TCP", "port": 8000}]},
     ]
     # the selectors match the pods the Deployments make, and no other instance's
@@ -375,6 +377,19 @@ def test_worker_network_policy_admits_only_its_own_pods_and_monitoring() -> None
         assert WORKER_PODS["matchLabels"].items() <= labels.items() and labels["app.kubernetes.io/component"] in ("prefill", "decode")
     gw_labels = objs["Deployment/qwen3-fp8-gateway"]["spec"]["template"]["metadata"]["labels"]
     assert GATEWAY_PODS["matchLabels"].items() <= gw_labels.items()
+
+
+def test_the_operators_sampler_may_reach_the_workers_from_its_namespace() -> None:
+    moved = _render_sample("fp8_e4m3", lambda s: s.update(networkPolicy={"operatorNamespace": "platform"}))
+    rule = _by_key(moved)["NetworkPolicy/qwen3-fp8-workers"]["spec"]["ingress"][1]
+    assert rule["from"][2] == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "platform"}}, **OPERATOR_HERE}
+    # an operator in the KVServing's own namespace (manifests/namespaced/): one peer, no namespace selector
+    same = _render_sample("fp8_e4m3", lambda s: s.update(networkPolicy={"operatorNamespace": "default"}))
+    assert _by_key(same)["NetworkPolicy/qwen3-fp8-workers"]["spec"]["ingress"][1]["from"] == [{"podSelector": GATEWAY_PODS}, OPERATOR_HERE]
+    # the labels and namespace the rule names are the operator's own (manifests/)
+    (dep,) = yaml.safe_load_all((REPO / "manifests" / "operator.yaml").read_text())
+    assert dep["metadata"]["namespace"] == "kvserving-system"
+    assert OPERATOR_HERE["podSelector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
 
 
 def test_gateway_network_policy_defaults_to_any_source_and_follows_allow_from() -> None:
