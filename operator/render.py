@@ -28,6 +28,7 @@ rendering, so the reconciler only writes what changed (status.plan_children).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -349,7 +350,7 @@ def _worker_network_policy(owner: Owner, spec: KVServingSpec) -> dict[str, Any]:
         {"from": [{"podSelector": _pods(owner, ("gateway",))}, *peers], "ports": _tcp(WORKER_PORT)},
     ]
     if spec.monitoring.allow_from:
-        ingress.append({"from": [dict(p) for p in spec.monitoring.allow_from], "ports": _tcp(WORKER_PORT)})
+        ingress.append({"from": copy.deepcopy(list(spec.monitoring.allow_from)), "ports": _tcp(WORKER_PORT)})
     return _network_policy(owner, f"{owner.name}-workers", "network-policy", WORKER_ROLES, ingress)
 
 
@@ -360,10 +361,10 @@ def _gateway_network_policy(owner: Owner, spec: KVServingSpec) -> dict[str, Any]
     itself when API keys are configured."""
     rule: dict[str, Any] = {"ports": _tcp(GATEWAY_PORT)}
     if spec.gateway.allow_from:
-        rule["from"] = [dict(p) for p in spec.gateway.allow_from]
+        rule["from"] = copy.deepcopy(list(spec.gateway.allow_from))
     ingress = [rule]
     if spec.gateway.allow_from and spec.monitoring.allow_from:
-        ingress.append({"from": [dict(p) for p in spec.monitoring.allow_from], "ports": _tcp(GATEWAY_PORT)})
+        ingress.append({"from": copy.deepcopy(list(spec.monitoring.allow_from)), "ports": _tcp(GATEWAY_PORT)})
     return _network_policy(owner, f"{owner.name}-gateway", "network-policy", ("gateway",), ingress)
 
 

@@ -109,7 +109,7 @@ class KVServingSpec:
 GPU = "nvidia.com/gpu"
 WORKER_RESOURCES: dict[str, dict[str, Any]] = {
     "requests": {"cpu": "4", "memory": "32Gi"},
-    "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1},
+    "limits": {"cpu": "8", "memory": "64Gi", GPU: 1},
 }
 GATEWAY_RESOURCES: dict[str, dict[str, Any]] = {
     "requests": {"cpu": "500m", "memory": "1Gi"},
