@@ -339,12 +339,12 @@ def _worker_network_policy(owner: Owner, spec: KVServingSpec) -> dict[str, Any]:
     KV-health sampler, in the operator's namespace or, when the operator
     watches only its own namespace, this one); /metrics (on the worker port)
     from the monitoring peers. /internal/* still needs the token."""
-    operator = {"podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}
-    operator_elsewhere = {
-        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": spec.operator_namespace}},
-        **operator,
-    }
-    peers = [operator] if spec.operator_namespace == owner.namespace else [operator, operator_elsewhere]
+    peers: list[dict[str, Any]] = [{"podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}]
+    if spec.operator_namespace != owner.namespace:
+        peers.append({
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": spec.operator_namespace}},
+            "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
+        })
     ingress: list[dict[str, Any]] = [
         {"from": [{"podSelector": _pods(owner, WORKER_ROLES)}]},
         {"from": [{"podSelector": _pods(owner, ("gateway",))}, *peers], "ports": _tcp(WORKER_PORT)},

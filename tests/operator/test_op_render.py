@@ -50,6 +50,12 @@ def test_golden(sample: str) -> None:
     )
 
 
+@pytest.mark.parametrize("sample", sorted(SAMPLES))
+def test_rendered_yaml_has_no_aliases(sample: str) -> None:
+    """No dict is shared between places in an object: YAML would print anchors (&id001) that kubectl users trip on."""
+    assert "&id" not in yaml.safe_dump_all(_render_sample(sample).objects)
+
+
 def test_children_of_the_nvfp4_sample() -> None:
     objs = _by_key(_render_sample("nvfp4"))
     assert sorted(objs) == [
