@@ -8,6 +8,8 @@ a recording transport, so the table cannot drift from the code.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 from dataclasses import dataclass
@@ -46,10 +48,14 @@ CHILD_RESOURCES: dict[str, Resource] = {
     "ConfigMap": Resource("", "v1", "configmaps"),
     "Service": Resource("", "v1", "services"),
     "Deployment": Resource("apps", "v1", "deployments"),
+    "NetworkPolicy": Resource("networking.k8s.io", "v1", "networkpolicies"),
     "PodMonitor": Resource("monitoring.coreos.com", "v1", "podmonitors"),
 }
 KVSERVINGS = Resource(GROUP, VERSION, PLURAL)
 PODS = Resource("", "v1", "pods")  # read only: worker pod IPs for the KV-health sampler
+# The internal credential: created once (never patched: its value must not
+# change), read by the KV-health sampler, deleted by garbage collection.
+SECRETS = Resource("", "v1", "secrets")
 # Children whose API may be absent from a cluster (prometheus-operator not installed).
 OPTIONAL_GROUPS = frozenset({"monitoring.coreos.com"})
 
@@ -59,6 +65,7 @@ OPTIONAL_GROUPS = frozenset({"monitoring.coreos.com"})
 API_CALLS: frozenset[tuple[str, str, str]] = frozenset(
     {(verb, r.group, r.plural) for r in CHILD_RESOURCES.values() for verb in ("list", "create", "patch", "delete")}
     | {("get", GROUP, PLURAL), ("patch", GROUP, f"{PLURAL}/status"), ("list", "", "pods")}
+    | {("create", "", "secrets"), ("get", "", "secrets")}
 )
 
 
@@ -133,6 +140,40 @@ class KubeApi:
             body=obj,
             content_type="application/apply-patch+yaml",
         )
+
+    async def create_once(self, obj: dict[str, Any]) -> bool:
+        """Create a Secret unless one of that name exists (an existing one is
+        kept as it is). True when this call created it. Errors never carry the body."""
+        meta = obj["metadata"]
+        try:
+            await self._call("create", SECRETS, SECRETS.path(meta["namespace"]), body=obj)
+        except ApiError as exc:
+            if exc.status == 409:  # AlreadyExists: its value stays
+                return False
+            raise
+        return True
+
+    async def _get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._call("get", SECRETS, SECRETS.path(namespace, name))
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def secret_exists(self, namespace: str, name: str) -> bool:
+        return await self._get_secret(namespace, name) is not None
+
+    async def read_secret(self, namespace: str, name: str, key: str) -> str | None:
+        """One key of a Secret, decoded; None if the Secret or the key is missing."""
+        secret = await self._get_secret(namespace, name)
+        value = ((secret or {}).get("data") or {}).get(key)
+        if not isinstance(value, str):
+            return None
+        try:
+            return base64.b64decode(value, validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            return None
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:
         resource = CHILD_RESOURCES[kind]

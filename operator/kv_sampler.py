@@ -7,6 +7,11 @@ handlers), not as a kopf timer: timers would put a finalizer on every
 KVServing. A slow or dead pod costs at most ``timeout_s`` and counts as not
 reporting; the sampler never blocks reconciliation (it only refreshes status,
 guarded by resourceVersion like every other status refresh).
+
+``/internal/*`` requires the deployment's internal credential: the sampler
+reads it from the KVServing's Secret through the Kubernetes API (kube.py) on
+every sample, so a replaced Secret is used at once, and sends it as a Bearer
+token. The token is never logged.
 """
 
 from __future__ import annotations
@@ -22,13 +27,13 @@ import aiohttp
 from kvserving.operator.kube import KubeApi
 from kvserving.operator.kv_health import INTERVAL_S, WORKER_ROLES, Stats, summarize
 from kvserving.operator.reconcile import refresh_status, utc_now
-from kvserving.operator.render import LABEL_COMPONENT, LABEL_INSTANCE
-from kvserving.operator.spec import WORKER_PORT
+from kvserving.operator.render import LABEL_COMPONENT, LABEL_INSTANCE, internal_secret_name
+from kvserving.operator.spec import INTERNAL_TOKEN_KEY, WORKER_PORT
 
 log = logging.getLogger("kvserving.operator.kv_sampler")
 TIMEOUT_S = 2.0
 
-Fetch = Callable[[str], Awaitable[Stats | None]]
+Fetch = Callable[[str, str | None], Awaitable[Stats | None]]  # (url, internal token)
 
 
 def pod_stats_url(pod: dict[str, Any]) -> str | None:
@@ -48,9 +53,10 @@ def pod_stats_url(pod: dict[str, Any]) -> str | None:
 
 
 def http_fetcher(session: aiohttp.ClientSession, *, timeout_s: float = TIMEOUT_S) -> Fetch:
-    async def fetch(url: str) -> Stats | None:
+    async def fetch(url: str, token: str | None) -> Stats | None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 if resp.status != 200:
                     return None
                 body = await resp.json()
@@ -64,10 +70,11 @@ def http_fetcher(session: aiohttp.ClientSession, *, timeout_s: float = TIMEOUT_S
 async def sample(api: KubeApi, namespace: str, name: str, fetch: Fetch) -> dict[str, list[Stats | None]]:
     """role -> the stats of each ready pod of that role (None where a pod did not answer)."""
     out: dict[str, list[Stats | None]] = {}
+    token = await api.read_secret(namespace, internal_secret_name(name), INTERNAL_TOKEN_KEY)
     for role in WORKER_ROLES:
         pods = await api.list_pods(namespace, {LABEL_INSTANCE: name, LABEL_COMPONENT: role})
         urls = [u for u in (pod_stats_url(p) for p in pods) if u is not None]
-        out[role] = list(await asyncio.gather(*(fetch(u) for u in urls)))
+        out[role] = list(await asyncio.gather(*(fetch(u, token) for u in urls)))
     return out
 
 

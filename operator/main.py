@@ -3,7 +3,8 @@
     kvserving operator                      # all namespaces (the manifests' default)
     kvserving operator --namespace team-a   # only these namespaces
     kvserving operator --render FILE        # admit a KVServing YAML as the API server would, print its children
-    kvserving operator --print-rbac         # the ClusterRole rules the code needs
+    kvserving operator --print-rbac         # the RBAC objects the code needs: a ClusterRole,
+                                            # or with --namespace a Role in each namespace
 
 Without credentials (no service account, no kubeconfig) it exits at once with
 one line instead of letting kopf retry the login forever.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.resources
-import json
 import logging
 import sys
 from pathlib import Path
@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     parser.add_argument("--render", metavar="FILE", type=Path, default=None,
                         help="admit a KVServing manifest as the API server would, print the objects rendered for it and exit")
-    parser.add_argument("--print-rbac", action="store_true", help="print the ClusterRole rules the code needs and exit")
+    parser.add_argument("--print-rbac", action="store_true", help="print the RBAC objects the code needs (YAML) and exit: a ClusterRole and binding, "
+                        "or with --namespace a Role and RoleBinding per namespace")
 
 
 def load_crd() -> dict[str, Any]:
@@ -56,7 +57,8 @@ def read_manifest(path: Path) -> str:
 
 def render_file(path: Path) -> int:
     """Print the children of the KVServing in ``path``; one stderr line per problem and exit 1 if it is refused."""
-    from kvserving.operator.render import Owner, render
+    from kvserving.operator.render import Owner, internal_secret_name, render
+    from kvserving.operator.spec import INTERNAL_TOKEN_KEY
 
     admission = admit(parse_manifest(read_manifest(path), source=str(path)), crd=load_crd())
     if admission.problems:
@@ -65,6 +67,8 @@ def render_file(path: Path) -> int:
         return 1
     meta = admission.body["metadata"]
     owner = Owner(name=meta["name"], namespace=meta.get("namespace", "default"), uid=meta.get("uid", "00000000-render"))
+    print(f"# Secret/{internal_secret_name(owner.name)} (key {INTERNAL_TOKEN_KEY!r}): made once by the operator with a random "
+          "value, mounted into the gateway and workers below; not printed")
     yaml.safe_dump_all(render(admission.body["spec"], owner=owner).objects, sys.stdout, sort_keys=False)
     return 0
 
@@ -72,14 +76,14 @@ def render_file(path: Path) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.render is not None:
         return render_file(args.render)
-    if args.print_rbac:
-        from kvserving.operator.rbac import cluster_role_rules
-
-        print(json.dumps(cluster_role_rules(), indent=2))
-        return 0
     for namespace in args.namespace:
         if len(namespace) > MAX_LABEL or not DNS1123_LABEL.fullmatch(namespace):
             raise ValueError(f"--namespace {namespace!r} is not a valid namespace name (a DNS-1123 label)")
+    if args.print_rbac:
+        from kvserving.operator.rbac import rbac_objects
+
+        yaml.safe_dump_all(rbac_objects(args.namespace), sys.stdout, sort_keys=False)
+        return 0
     import kopf
 
     from kvserving.operator.handlers import registry

@@ -8,12 +8,13 @@ and a retry with backoff, so the operator itself never crash-loops.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from kvserving.operator.kube import CHILD_RESOURCES, OPTIONAL_GROUPS, ApiError, KubeApi
-from kvserving.operator.render import Owner, Rendered, instance_labels, render
+from kvserving.operator.render import Owner, Rendered, instance_labels, internal_secret, internal_secret_name, render
 from kvserving.operator.status import (
     Desired,
     RoleObservation,
@@ -95,6 +96,12 @@ async def reconcile(api: KubeApi, body: dict[str, Any], *, now: str) -> Outcome:
     error: str | None = None
     children: list[dict[str, Any]] = []
     try:
+        # Before the pods that mount it; an existing Secret keeps its value.
+        secret = internal_secret_name(owner.name)
+        if not await api.secret_exists(owner.namespace, secret) and await api.create_once(
+            internal_secret(owner, token=secrets.token_urlsafe(32))
+        ):
+            events.append(("Normal", "Created", f"Secret/{secret} (the internal credential)"))
         children = await api.list_children(owner.namespace, instance_labels(owner.name))
         plan = plan_children(rendered.objects, children, owner_uid=owner.uid)
         current = {object_key(c): c for c in children}

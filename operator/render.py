@@ -8,8 +8,18 @@ Children of KVServing ``NAME`` in namespace ``NS``:
     NAME-prefill     Deployment  `kvserving worker --role prefill`, + headless Service
     NAME-decode      Deployment  `kvserving worker --role decode`,  + headless Service
     NAME-gateway     Deployment  `kvserving gateway`,               + Service
+    NAME-workers     NetworkPolicy  workers: any port from this KVServing's workers (HTTP and NIXL),
+                                 the worker port from its gateway, /metrics from spec.monitoring.allowFrom
+    NAME-gateway     NetworkPolicy  gateway: its port from spec.gateway.allowFrom (unset: any source),
+                                 /metrics from spec.monitoring.allowFrom         (networkPolicy.enabled)
     NAME             PodMonitor  scrapes /metrics of all pods        (monitoring.enabled)
     NAME-dashboard   ConfigMap   Grafana dashboard                   (monitoring.enabled and .dashboard)
+
+    NAME-internal    Secret      the internal credential (key "token"), mounted as a file at
+                                 /var/run/kvserving/internal/token in the gateway and every worker.
+                                 Not in ``objects``: its value is random, so it is created once
+                                 (``internal_secret``) and never re-applied, and the same value
+                                 lives as long as the KVServing (owner reference).
 
 Every pod template carries the engine config's hash, so a spec change that
 changes the config rolls the pods; every object carries the hash of its own
@@ -18,6 +28,7 @@ rendering, so the reconciler only writes what changed (status.plan_children).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -26,8 +37,12 @@ from typing import Any
 from kvserving.operator.dashboard import dashboard_json
 from kvserving.operator.names import GROUP, KIND, VERSION
 from kvserving.operator.spec import (
+    API_KEYS_DIR,
     CALIBRATION_DIR,
     GATEWAY_PORT,
+    INTERNAL_TOKEN_DIR,
+    OPERATOR_POD_LABELS,
+    INTERNAL_TOKEN_KEY,
     WORKER_PORT,
     KVServingSpec,
     RoleSpec,
@@ -45,6 +60,8 @@ CONFIG_DIR = "/etc/kvserving"
 CONFIG_FILE = "config.json"
 MODEL_DIR = "/models"
 ROLES = ("prefill", "decode", "gateway")
+WORKER_ROLES = ("prefill", "decode")
+SECRET_FILE_MODE = 0o440  # owner and fsGroup read; nobody writes
 # GPU feature discovery labels: Blackwell is compute capability 10.x (B200,
 # GB200) or 12.x (RTX PRO 6000, B40) — the GPUs with FP4 tensor cores.
 GPU_COMPUTE_MAJOR = "nvidia.com/gpu.compute.major"
@@ -96,6 +113,8 @@ def render(spec: dict[str, Any], *, owner: Owner) -> Rendered:
         objects.append(_deployment(owner, parsed, role, config_hash))
     objects.append(_service(owner, "gateway", GATEWAY_PORT, headless=False, service_type=parsed.gateway.service_type))
     objects.append(_deployment(owner, parsed, "gateway", config_hash))
+    if parsed.network_policy:
+        objects += [_worker_network_policy(owner, parsed), _gateway_network_policy(owner, parsed)]
     if parsed.monitoring.enabled:
         objects.append(_pod_monitor(owner, parsed))
         if parsed.monitoring.dashboard:
@@ -111,6 +130,21 @@ def render(spec: dict[str, Any], *, owner: Owner) -> Rendered:
         kv_bits=parsed.kv_bits,
         kv_calibration=parsed.kv_calibration,
     )
+
+
+def internal_secret_name(name: str) -> str:
+    return f"{name}-internal"
+
+
+def internal_secret(owner: Owner, *, token: str) -> dict[str, Any]:
+    """The Secret holding the deployment's internal credential (created once, never re-applied)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(owner, internal_secret_name(owner.name), "credential", {}),
+        "type": "Opaque",
+        "stringData": {INTERNAL_TOKEN_KEY: token},
+    }
 
 
 def _role_spec(spec: KVServingSpec, role: str) -> RoleSpec:
@@ -171,6 +205,10 @@ def _container(spec: KVServingSpec, role: str, role_spec: RoleSpec) -> dict[str,
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
     if spec.calibration_config_map and role != "gateway":  # kv_cache.calibration points into it
         mounts.append({"name": "calibration", "mountPath": CALIBRATION_DIR, "readOnly": True})
+    # security.internal_token_file and security.api_keys_file point into these
+    mounts.append({"name": "internal-token", "mountPath": INTERNAL_TOKEN_DIR, "readOnly": True})
+    if role == "gateway" and spec.gateway.api_keys_secret:
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
     return {
         "name": role if role == "gateway" else "worker",
         "image": spec.image,
@@ -220,6 +258,9 @@ def _deployment(owner: Owner, spec: KVServingSpec, role: str, config_hash: str) 
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": spec.model_pvc, "readOnly": True}})
     if spec.calibration_config_map and role != "gateway":
         volumes.append({"name": "calibration", "configMap": {"name": spec.calibration_config_map}})
+    volumes.append(_secret_volume("internal-token", internal_secret_name(owner.name), INTERNAL_TOKEN_KEY))
+    if role == "gateway" and spec.gateway.api_keys_secret:
+        volumes.append(_secret_volume("api-keys", spec.gateway.api_keys_secret, spec.gateway.api_keys_key))
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # workers and gateway never call the Kubernetes API
         "enableServiceLinks": False,
@@ -258,6 +299,73 @@ def _deployment(owner: Owner, spec: KVServingSpec, role: str, config_hash: str) 
         "metadata": _metadata(owner, f"{owner.name}-{role}", role, {}),
         "spec": deployment_spec,
     }
+
+
+def _secret_volume(volume: str, secret: str, key: str) -> dict[str, Any]:
+    """One key of a Secret as a read-only file named after the key (only that key is exposed)."""
+    return {
+        "name": volume,
+        "secret": {"secretName": secret, "items": [{"key": key, "path": key}], "defaultMode": SECRET_FILE_MODE},
+    }
+
+
+def _pods(owner: Owner, roles: tuple[str, ...]) -> dict[str, Any]:
+    """A label selector for this KVServing's pods of these roles."""
+    if len(roles) == 1:
+        return {"matchLabels": selector_labels(owner.name, roles[0])}
+    return {
+        "matchLabels": {"app.kubernetes.io/name": "kvserving", LABEL_INSTANCE: owner.name},
+        "matchExpressions": [{"key": LABEL_COMPONENT, "operator": "In", "values": list(roles)}],
+    }
+
+
+def _tcp(*ports: int) -> list[dict[str, Any]]:
+    return [{"protocol": "TCP", "port": port} for port in ports]
+
+
+def _network_policy(owner: Owner, name: str, component: str, roles: tuple[str, ...], ingress: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(owner, name, component, {}),
+        "spec": {"podSelector": _pods(owner, roles), "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def _worker_network_policy(owner: Owner, spec: KVServingSpec) -> dict[str, Any]:
+    """Workers take connections only from this KVServing: any port from its
+    workers (the worker port, and NIXL's UCX listeners, which take ephemeral
+    ports), the worker port from its gateway and from the operator (the
+    KV-health sampler, in the operator's namespace or, when the operator
+    watches only its own namespace, this one); /metrics (on the worker port)
+    from the monitoring peers. /internal/* still needs the token."""
+    peers: list[dict[str, Any]] = [{"podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}]
+    if spec.operator_namespace != owner.namespace:
+        peers.append({
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": spec.operator_namespace}},
+            "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
+        })
+    ingress: list[dict[str, Any]] = [
+        {"from": [{"podSelector": _pods(owner, WORKER_ROLES)}]},
+        {"from": [{"podSelector": _pods(owner, ("gateway",))}, *peers], "ports": _tcp(WORKER_PORT)},
+    ]
+    if spec.monitoring.allow_from:
+        ingress.append({"from": copy.deepcopy(list(spec.monitoring.allow_from)), "ports": _tcp(WORKER_PORT)})
+    return _network_policy(owner, f"{owner.name}-workers", "network-policy", WORKER_ROLES, ingress)
+
+
+def _gateway_network_policy(owner: Owner, spec: KVServingSpec) -> dict[str, Any]:
+    """The gateway's port from spec.gateway.allowFrom, or from any source when
+    that is unset (any pod of the cluster, and outside clients where the
+    Service is a NodePort or LoadBalancer); the gateway authenticates clients
+    itself when API keys are configured."""
+    rule: dict[str, Any] = {"ports": _tcp(GATEWAY_PORT)}
+    if spec.gateway.allow_from:
+        rule["from"] = copy.deepcopy(list(spec.gateway.allow_from))
+    ingress = [rule]
+    if spec.gateway.allow_from and spec.monitoring.allow_from:
+        ingress.append({"from": copy.deepcopy(list(spec.monitoring.allow_from)), "ports": _tcp(GATEWAY_PORT)})
+    return _network_policy(owner, f"{owner.name}-gateway", "network-policy", ("gateway",), ingress)
 
 
 def _pod_monitor(owner: Owner, spec: KVServingSpec) -> dict[str, Any]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserving.config import GatewayConfig, KVCacheConfig, ModelConfig, ReuseConfig, ServingConfig
+from kvserving.config import GatewayConfig, KVCacheConfig, ModelConfig, ReuseConfig, SecurityConfig, ServingConfig
+from kvserving.operator.validate import parse_quantity, resources_problems
 
 DEFAULT_IMAGE = "ghcr.io/kvserving/kvserving:0.1.0"
 WORKER_PORT = 8000
@@ -22,6 +23,22 @@ NOMINAL_BITS = {"bf16": 16.0, "fp8_e4m3": 8.0, "nvfp4": 4.0}
 # Where a worker sees the calibration ConfigMap (kvCache.calibration), mounted read-only.
 CALIBRATION_DIR = "/etc/kvserving/calibration"
 CALIBRATION_KEY = "calibration.json"
+# Secrets are files, never environment variables: the internal credential
+# (Secret NAME-internal, key "token", made by the operator) in the gateway and
+# every worker, the gateway's API keys (spec.gateway.apiKeysSecret) in the gateway.
+INTERNAL_TOKEN_DIR = "/var/run/kvserving/internal"
+INTERNAL_TOKEN_KEY = "token"
+API_KEYS_DIR = "/var/run/kvserving/api-keys"
+API_KEYS_KEY = "api-keys"
+# Where manifests/ installs the operator (its KV-health sampler calls the workers).
+OPERATOR_NAMESPACE = "kvserving-system"
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kvserving-operator"}
+# Who may reach /metrics when spec.monitoring.allowFrom is not set: pods named
+# prometheus (prometheus-operator's label) in any namespace.
+DEFAULT_MONITORING_PEER: dict[str, Any] = {
+    "namespaceSelector": {},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -33,6 +50,9 @@ class RoleSpec:
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: tuple[dict[str, Any], ...] = ()
     service_type: str = "ClusterIP"  # gateway only
+    api_keys_secret: str | None = None  # gateway only: Secret with the API keys
+    api_keys_key: str = API_KEYS_KEY
+    allow_from: tuple[dict[str, Any], ...] = ()  # gateway only: NetworkPolicy peers; () = any source
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,6 +61,7 @@ class MonitoringSpec:
     dashboard: bool = True
     scrape_interval: str = "30s"
     labels: dict[str, str] = field(default_factory=dict)
+    allow_from: tuple[dict[str, Any], ...] = (DEFAULT_MONITORING_PEER,)  # NetworkPolicy peers for /metrics
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,6 +77,8 @@ class KVServingSpec:
     gateway: RoleSpec
     monitoring: MonitoringSpec
     calibration_config_map: str | None = None  # kvCache.calibration.configMap
+    network_policy: bool = True  # networkPolicy.enabled
+    operator_namespace: str = OPERATOR_NAMESPACE  # networkPolicy.operatorNamespace
 
     @property
     def kv_bits(self) -> float:
@@ -81,17 +104,54 @@ class KVServingSpec:
         return f"calibrated global scales from ConfigMap {cm}"
 
 
-_GPU_RESOURCES = {"limits": {"nvidia.com/gpu": 1}}
-_GATEWAY_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}}
+# Every container gets CPU and memory requests and limits; a spec's resources
+# override these key by key (a key left out keeps its default).
+GPU = "nvidia.com/gpu"
+WORKER_RESOURCES: dict[str, dict[str, Any]] = {
+    "requests": {"cpu": "4", "memory": "32Gi"},
+    "limits": {"cpu": "8", "memory": "64Gi", GPU: 1},
+}
+GATEWAY_RESOURCES: dict[str, dict[str, Any]] = {
+    "requests": {"cpu": "500m", "memory": "1Gi"},
+    "limits": {"cpu": "2", "memory": "4Gi"},
+}
 
 
-def _role(data: dict[str, Any], default_resources: dict[str, Any]) -> RoleSpec:
+def resources(given: dict[str, Any] | None, default: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The container resources: ``default`` overridden key by key by ``given``.
+    A limit given without its request caps the default request (as Kubernetes
+    makes the request equal to a lone limit)."""
+    given = given or {}
+    requests = {**default["requests"], **(given.get("requests") or {})}
+    limits = {**default["limits"], **(given.get("limits") or {})}
+    for name, limit in (given.get("limits") or {}).items():
+        if name in requests and name not in (given.get("requests") or {}):
+            req, lim = parse_quantity(requests[name]), parse_quantity(limit)
+            if req is not None and lim is not None and lim < req:
+                requests[name] = limit
+    return {"requests": requests, "limits": limits}
+
+
+def _role(data: dict[str, Any], default_resources: dict[str, dict[str, Any]], *, where: str) -> RoleSpec:
+    merged = resources(data.get("resources"), default_resources)
+    problems = resources_problems(merged, where=f"{where}.resources")
+    if where == "spec.gateway" and any(GPU in merged[kind] for kind in ("requests", "limits")):
+        problems.append(f"the gateway uses no GPU: remove {GPU} from spec.gateway.resources")
+    if problems:
+        raise ValueError("; ".join(problems))
+    keys = data.get("apiKeysSecret")
+    key = (keys or {}).get("key", API_KEYS_KEY)
+    if keys is not None and (not keys.get("name") or key in (".", "..") or "/" in key):
+        raise ValueError(f"{where}.apiKeysSecret needs a Secret name and a file-name key")
     return RoleSpec(
         replicas=int(data.get("replicas", 1)),
-        resources=data.get("resources", default_resources),
+        resources=merged,
         node_selector=dict(data.get("nodeSelector", {})),
         tolerations=tuple(data.get("tolerations", ())),
         service_type=data.get("serviceType", "ClusterIP"),
+        api_keys_secret=keys["name"] if keys else None,
+        api_keys_key=key,
+        allow_from=tuple(data.get("allowFrom", ())),
     )
 
 
@@ -131,6 +191,7 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
             lease_ttl_s=float(reuse.get("leaseTTLSeconds", 420)),
             recompute_threshold_tokens=_threshold(reuse.get("recomputeThresholdTokens", 64)),
         ),
+        security=SecurityConfig(tenants_share_cache=bool(reuse.get("tenantsShareCache", False))),
     )
     roles = {name: spec.get(name, {}) for name in ("prefill", "decode", "gateway")}
     for name, role in roles.items():
@@ -141,22 +202,27 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
         image_pull_policy=spec.get("imagePullPolicy", "IfNotPresent"),
         model_pvc=model.get("pvcName") or None,
         serving=serving,
-        prefill=_role(roles["prefill"], _GPU_RESOURCES),
-        decode=_role(roles["decode"], _GPU_RESOURCES),
-        gateway=_role(roles["gateway"], _GATEWAY_RESOURCES),
+        prefill=_role(roles["prefill"], WORKER_RESOURCES, where="spec.prefill"),
+        decode=_role(roles["decode"], WORKER_RESOURCES, where="spec.decode"),
+        gateway=_role(roles["gateway"], GATEWAY_RESOURCES, where="spec.gateway"),
         monitoring=MonitoringSpec(
             enabled=bool(mon.get("enabled", True)),
             dashboard=bool(mon.get("dashboard", True)),
             scrape_interval=mon.get("scrapeInterval", "30s"),
             labels=dict(mon.get("labels", {})),
+            allow_from=tuple(mon.get("allowFrom", (DEFAULT_MONITORING_PEER,))),
         ),
         calibration_config_map=calibration["configMap"] if calibration is not None else None,
+        network_policy=bool(spec.get("networkPolicy", {}).get("enabled", True)),
+        operator_namespace=spec.get("networkPolicy", {}).get("operatorNamespace", OPERATOR_NAMESPACE),
     )
 
 
 def engine_config(spec: KVServingSpec, *, name: str, namespace: str) -> ServingConfig:
     """The engine config of one KVServing: the spec's, plus where the gateway
-    finds the workers (the headless Services, resolved through cluster DNS)."""
+    finds the workers (the headless Services, resolved through cluster DNS) and
+    where the mounted credentials are."""
+    keys = spec.gateway.api_keys_secret
     return ServingConfig(
         model=spec.serving.model,
         kv_cache=spec.serving.kv_cache,
@@ -166,6 +232,12 @@ def engine_config(spec: KVServingSpec, *, name: str, namespace: str) -> ServingC
             prefill_service=f"{name}-prefill.{namespace}.svc",
             decode_service=f"{name}-decode.{namespace}.svc",
             worker_port=WORKER_PORT,
+        ),
+        security=SecurityConfig(
+            internal_token_file=f"{INTERNAL_TOKEN_DIR}/{INTERNAL_TOKEN_KEY}",
+            api_keys_file=f"{API_KEYS_DIR}/{spec.gateway.api_keys_key}" if keys else None,
+            tenants_share_cache=spec.serving.security.tenants_share_cache,
+            max_hold_s=spec.serving.security.max_hold_s,
         ),
     )
 

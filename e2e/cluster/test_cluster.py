@@ -96,8 +96,9 @@ def _sample(namespace: str) -> dict[str, Any]:
     body = yaml.safe_load((REPO / "manifests" / "samples" / "nvfp4.yaml").read_text())
     body["metadata"]["namespace"] = namespace
     body["spec"]["kvCache"]["allowEmulation"] = True
-    for role in ("prefill", "decode"):  # no GPU node pool in a test cluster
-        body["spec"][role] = {"replicas": 1, "resources": {}}
+    for role in ("prefill", "decode"):  # no GPU node pool in a test cluster, and small nodes
+        body["spec"][role] = {"replicas": 1, "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
+                                                           "limits": {"cpu": "1", "memory": "2Gi", "nvidia.com/gpu": 0}}}
     body["spec"]["model"].pop("pvcName")
     return body
 
@@ -125,6 +126,10 @@ def test_install_apply_scale_delete(namespace: str) -> None:
         assert (ref["kind"], ref["name"], ref["controller"]) == ("KVServing", name, True)
         assert "affinity" not in dep["spec"]["template"]["spec"]  # allowEmulation: no Blackwell affinity
     get_json("configmap", f"{name}-config", "-n", namespace)
+    secret = get_json("secret", f"{name}-internal", "-n", namespace)  # the internal credential, owned by the KVServing
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == get_json("kvs", name, "-n", namespace)["metadata"]["uid"]
+    policies = sorted(p["metadata"]["name"] for p in get_json("networkpolicies", "-n", namespace)["items"])
+    assert policies == [f"{name}-gateway", f"{name}-workers"]
 
     # the API server refuses an invalid combination with the CEL rule's message
     bad = _sample(namespace)

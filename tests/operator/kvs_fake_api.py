@@ -5,6 +5,7 @@ resource) the real API server would authorize."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import re
 from typing import Any
@@ -67,6 +68,8 @@ class FakeApiServer:
                 stored["metadata"]["resourceVersion"] = str(self._rv)
             self.writes.append(("status", plural, name or ""))
             return {}
+        if verb == "create":
+            return copy.deepcopy(self._create(group, plural, ns, body))
         if verb == "get":
             if key not in self.objects:
                 raise ApiError(404, f"{plural} {name!r} not found")
@@ -95,6 +98,26 @@ class FakeApiServer:
         new["metadata"].update(generation=generation, resourceVersion=str(self._rv), uid=f"child-{self._rv}")
         self.objects[key] = new
         return new
+
+    def _create(self, group: str, plural: str, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST: AlreadyExists (409) for a taken name; a Secret's stringData is stored base64 under data."""
+        key = (group, plural, ns, body["metadata"]["name"])
+        self.writes.append(("create", plural, key[3]))
+        if key in self.objects:
+            raise ApiError(409, f"{plural} {key[3]!r} already exists")
+        new = copy.deepcopy(body)
+        if plural == "secrets":
+            data = {k: base64.b64encode(v.encode()).decode() for k, v in new.pop("stringData", {}).items()}
+            new["data"] = {**new.get("data", {}), **data}
+        self._rv += 1
+        new["metadata"].update(resourceVersion=str(self._rv), uid=f"child-{self._rv}")
+        self.objects[key] = new
+        return new
+
+    def secret_value(self, ns: str, name: str, key: str) -> str | None:
+        obj = self.objects.get(("", "secrets", ns, name))
+        value = (obj or {}).get("data", {}).get(key)
+        return None if value is None else base64.b64decode(value).decode()
 
     def put_kvserving(self, body: dict[str, Any]) -> dict[str, Any]:
         """Store a KVServing as the API server holds it (with a resourceVersion); returns the stored copy."""

@@ -11,6 +11,7 @@ every task of its loop, and a server's open watch streams would be among them.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import json
 import threading
@@ -25,6 +26,10 @@ _RESOURCES = {
         ("namespaces", "Namespace", False, ["list", "watch", "get"]),
         ("configmaps", "ConfigMap", True, ["list", "watch", "get", "patch", "create", "delete"]),
         ("services", "Service", True, ["list", "watch", "get", "patch", "create", "delete"]),
+        ("secrets", "Secret", True, ["get", "create"]),
+    ],
+    ("networking.k8s.io", "v1"): [
+        ("networkpolicies", "NetworkPolicy", True, ["list", "watch", "get", "patch", "create", "delete"]),
     ],
     ("apps", "v1"): [("deployments", "Deployment", True, ["list", "watch", "get", "patch", "create", "delete"])],
     ("kvserving.dev", "v1alpha1"): [("kvservings", "KVServing", True, ["list", "watch", "get", "patch"])],
@@ -78,9 +83,12 @@ class FakeHttpApi:
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str, str], dict[str, Any]] = {}
         self.calls: set[tuple[str, str, str]] = set()
+        self.events: list[dict[str, Any]] = []
+        self.paths: set[str] = set()  # every request path, to tell namespaced calls from cluster-wide ones
         self._rv = 100
         self._watchers: dict[tuple[str, str], list[asyncio.Queue[dict[str, Any]]]] = {}
         self._discovery = _discovery()
+        self.discovery_paths = frozenset(self._discovery)
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -150,8 +158,25 @@ class FakeHttpApi:
     def get(self, group: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.objects.get((group, plural, namespace, name)))
 
+    def delete_with_dependents(self, group: str, plural: str, namespace: str, name: str) -> None:
+        """Delete an object and, as the garbage collector does, every object whose owner reference names its uid."""
+        done = threading.Event()
+
+        def delete() -> None:
+            owner = self.objects.pop((group, plural, namespace, name))
+            self._emit(group, plural, "DELETED", owner)
+            uid = owner["metadata"]["uid"]
+            for key, obj in list(self.objects.items()):
+                if any(ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences") or []):
+                    del self.objects[key]
+                    self._emit(key[0], key[1], "DELETED", obj)
+            done.set()
+        self._loop.call_soon_threadsafe(delete)
+        assert done.wait(10)
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
+        self.paths.add(path)
         if path in self._discovery:
             return web.json_response(self._discovery[path])
         parts = path.strip("/").split("/")
@@ -174,7 +199,17 @@ class FakeHttpApi:
             return web.json_response(obj) if obj else web.json_response({"message": "not found"}, status=404)
         if method == "POST":
             self.calls.add(("create", group, resource))
-            return web.json_response(body, status=201)
+            if plural != "secrets":  # kopf's Events: kept apart from the objects
+                self.events.append(copy.deepcopy(body))
+                return web.json_response(body, status=201)
+            key = (group, plural, namespace or "", body["metadata"]["name"])
+            if key in self.objects:
+                return web.json_response({"message": "already exists", "reason": "AlreadyExists"}, status=409)
+            stored = copy.deepcopy(body)
+            stored["data"] = {k: base64.b64encode(v.encode()).decode() for k, v in stored.pop("stringData", {}).items()}
+            stored["metadata"].update(resourceVersion=self._next_rv(), uid=f"uid-{self._rv}")
+            self.objects[key] = stored
+            return web.json_response(stored, status=201)
         if method == "DELETE":
             self.calls.add(("delete", group, resource))
             obj = self.objects.pop(key, None)

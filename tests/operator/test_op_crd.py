@@ -12,7 +12,7 @@ from kvs_crd_tools import SAMPLES, admit, apply_defaults, load_crd, load_sample,
 
 from kvserving.operator.names import CRD_NAME, GROUP, KIND, PLURAL, SHORT_NAME, VERSION
 from kvserving.operator.render import Owner, render
-from kvserving.operator.spec import parse_spec
+from kvserving.operator.spec import DEFAULT_MONITORING_PEER, GATEWAY_RESOURCES, WORKER_RESOURCES, parse_spec
 
 K8S_VERSION = "1.37"
 OWNER = Owner(name="demo", namespace="default", uid="uid-1")
@@ -72,6 +72,7 @@ def test_every_spec_field_has_a_type_and_description() -> None:
 # Fields left unset on purpose: their default depends on other fields or is "none".
 OPTIONAL = {
     "spec.model.maxModelLen", "spec.model.pvcName", "spec.kvCache.bitBudget", "spec.kvCache.pageSize", "spec.kvCache.calibration",
+    "spec.gateway.apiKeysSecret",
 }
 
 
@@ -88,12 +89,19 @@ def test_design_defaults() -> None:
     defaulted, errors = admit({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": "d"}})
     assert errors == []
     spec = defaulted["spec"]
-    assert spec["reuse"] == {"bidirectional": True, "retentionTTLSeconds": 480, "leaseTTLSeconds": 420, "recomputeThresholdTokens": 64}
+    assert spec["reuse"] == {"bidirectional": True, "retentionTTLSeconds": 480, "leaseTTLSeconds": 420, "recomputeThresholdTokens": 64,
+                             "tenantsShareCache": False}
     assert spec["kvCache"] == {
         "dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowEmulation": False, "ageDown": True
     }
-    assert spec["prefill"]["resources"] == {"limits": {"nvidia.com/gpu": 1}}
-    assert spec["monitoring"] == {"enabled": True, "dashboard": True, "scrapeInterval": "30s", "labels": {}}
+    assert spec["prefill"]["resources"] == {"requests": {"cpu": "4", "memory": "32Gi"},
+                                            "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1}}
+    assert spec["prefill"]["resources"] == WORKER_RESOURCES and spec["gateway"]["resources"] == GATEWAY_RESOURCES
+    assert spec["networkPolicy"] == {"enabled": True, "operatorNamespace": "kvserving-system"}
+    assert spec["gateway"]["allowFrom"] == []
+    assert "apiKeysSecret" not in spec["gateway"]
+    assert spec["monitoring"] == {"enabled": True, "dashboard": True, "scrapeInterval": "30s", "labels": {},
+                                  "allowFrom": [DEFAULT_MONITORING_PEER]}
 
 
 @pytest.mark.parametrize("sample", sorted(SAMPLES))
@@ -163,7 +171,24 @@ INVALID = [
      'spec.reuse.recomputeThresholdTokens: recomputeThresholdTokens must be an integer >= 0 or "auto"'),
     ("recompute threshold neither integer nor auto", _with("spec.reuse.recomputeThresholdTokens", "sometimes"),
      'spec.reuse.recomputeThresholdTokens: recomputeThresholdTokens must be an integer >= 0 or "auto"'),
+    ("a GPU for the gateway", _with("spec.gateway.resources", {"limits": {"nvidia.com/gpu": 1}}),
+     "spec.gateway.resources: the gateway uses no GPU: remove nvidia.com/gpu from spec.gateway.resources.limits"),
+    ("API keys key ..", _with("spec.gateway.apiKeysSecret", {"name": "keys", "key": ".."}),
+     "spec.gateway.apiKeysSecret.key: key must be a file name"),
 ]
+
+# Refused by the CRD alone (the renderer copies NetworkPolicy peers as given).
+INVALID_PEERS = [
+    ("ipBlock with a podSelector", [{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]),
+    ("an empty peer", [{}]),
+]
+
+
+@pytest.mark.parametrize(("case", "peers"), INVALID_PEERS, ids=[c[0] for c in INVALID_PEERS])
+@pytest.mark.parametrize("where", ["spec.gateway.allowFrom", "spec.monitoring.allowFrom"])
+def test_a_peer_is_an_ip_block_or_selectors(case: str, peers: list[dict[str, Any]], where: str) -> None:
+    _, errors = admit(_with(where, peers))
+    assert errors == [f"{where}[0]: a peer is an ipBlock, or a podSelector and/or namespaceSelector"]
 
 
 @pytest.mark.parametrize(("case", "body", "message"), INVALID, ids=[c[0] for c in INVALID])
@@ -201,6 +226,13 @@ def test_engine_config_refuses_what_the_crd_refuses(case: str, body: dict[str, A
         ("spec.reuse.recomputeThresholdTokens", "auto", "fp8_e4m3"),
         ("spec.kvCache.calibration", {"configMap": "my-model.calib"}, "triaxial"),
         ("spec.kvCache.calibration", {"configMap": "c", "key": "qwen3-8b_v2.json"}, "fp8_e4m3"),
+        ("spec.gateway.apiKeysSecret", {"name": "gw-keys"}, "fp8_e4m3"),
+        ("spec.gateway.allowFrom", [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.9.0.0/16"]}}], "fp8_e4m3"),
+        ("spec.gateway.allowFrom", [{"namespaceSelector": {"matchLabels": {"team": "a"}}}], "fp8_e4m3"),
+        ("spec.monitoring.allowFrom", [], "fp8_e4m3"),
+        ("spec.decode.resources", {"limits": {"memory": "200Gi", "nvidia.com/gpu": 2}}, "fp8_e4m3"),
+        ("spec.reuse.tenantsShareCache", True, "fp8_e4m3"),
+        ("spec.networkPolicy", {"enabled": False}, "fp8_e4m3"),
     ],
 )
 def test_boundary_values_are_admitted(path: str, value: Any, base: str) -> None:

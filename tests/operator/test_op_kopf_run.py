@@ -1,11 +1,16 @@
 """The real kopf operator, in-process, against a fake HTTP API server: it
-creates the children, reports Ready, follows a spec change, and every API call
-it makes — kopf's own included — is granted by manifests/rbac.yaml."""
+creates the children and the internal-credential Secret, reports Ready,
+follows a spec change (the Secret keeps its value), and every API call it
+makes — kopf's own included — is granted by manifests/rbac.yaml; watching one
+namespace, the namespaced Role of manifests/namespaced/ suffices."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
+import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -25,9 +30,25 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _granted() -> set[tuple[str, str, str]]:
-    (role,) = [d for d in yaml.safe_load_all((REPO / "manifests" / "rbac.yaml").read_text()) if d["kind"] == "ClusterRole"]
+def _granted(path: Path = REPO / "manifests" / "rbac.yaml", kind: str = "ClusterRole") -> set[tuple[str, str, str]]:
+    (role,) = [d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == kind]
     return {(v, g, r) for rule in role["rules"] for v in rule["verbs"] for g in rule["apiGroups"] for r in rule["resources"]}
+
+
+def _kubeconfig(tmp_path: Path, url: str) -> Path:
+    config = tmp_path / "kubeconfig"
+    config.write_text(yaml.safe_dump({
+        "current-context": "t",
+        "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}],
+        "clusters": [{"name": "c", "cluster": {"server": url}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+    }))
+    return config
+
+
+def _token(api: FakeHttpApi, name: str) -> str | None:
+    secret = api.get("", "secrets", "default", f"{name}-internal")
+    return None if secret is None else base64.b64decode(secret["data"]["token"]).decode()
 
 
 async def _until(what: str, predicate: Any, timeout: float = 20.0) -> None:
@@ -38,7 +59,8 @@ async def _until(what: str, predicate: Any, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def test_kopf_operator_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kopf_operator_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
     body = apply_defaults(root_schema(), load_sample("fp8_e4m3"))
     body["metadata"].update(uid="kvs-uid", generation=1)
     name = body["metadata"]["name"]
@@ -46,14 +68,7 @@ def test_kopf_operator_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     async def scenario() -> FakeHttpApi:
         api = FakeHttpApi()
         api.start()
-        config = tmp_path / "kubeconfig"
-        config.write_text(yaml.safe_dump({
-            "current-context": "t",
-            "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}],
-            "clusters": [{"name": "c", "cluster": {"server": api.url}}],
-            "users": [{"name": "u", "user": {"token": "t"}}],
-        }))
-        monkeypatch.setenv("KUBECONFIG", str(config))
+        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, api.url)))
         api.put("kvserving.dev", "kvservings", body)
 
         def kvs() -> dict[str, Any]:
@@ -68,6 +83,11 @@ def test_kopf_operator_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
             await _until("Ready at generation 1", lambda: status().get("observedGeneration") == 1 and status().get("phase") == "Ready")
             assert api.get("apps", "deployments", "default", f"{name}-decode") is not None
             assert status()["decode"]["ready"] == "1/1"
+            token = _token(api, name)
+            assert token is not None and len(token) == 43
+            secret = api.get("", "secrets", "default", f"{name}-internal")
+            assert secret is not None and secret["metadata"]["ownerReferences"] == [
+                {"apiVersion": "kvserving.dev/v1alpha1", "kind": "KVServing", "name": name, "uid": "kvs-uid", "controller": True}]
 
             changed = copy.deepcopy(kvs())
             changed["spec"]["decode"]["replicas"] = 3
@@ -77,6 +97,16 @@ def test_kopf_operator_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
                          and status().get("phase") == "Ready")
             assert api.get("apps", "deployments", "default", f"{name}-decode")["spec"]["replicas"] == 3
             assert not kvs()["metadata"].get("finalizers")  # deletion is left to garbage collection
+            assert _token(api, name) == token  # kept across reconciles and the spec change
+            # the value is nowhere but in the Secret: not in a ConfigMap, the status, an Event or a log line
+            others = [o for (_, plural, _, _), o in api.objects.items() if plural != "secrets"]
+            assert token not in json.dumps(others) + json.dumps(api.events) + caplog.text
+            # garbage collection follows the owner reference: the Secret goes with the KVServing
+            api.delete_with_dependents("kvserving.dev", "kvservings", "default", name)
+            assert _token(api, name) is None
+            assert api.get("apps", "deployments", "default", f"{name}-decode") is None
+            await asyncio.sleep(0.5)
+            assert _token(api, name) is None  # not made again for a KVServing that is gone
         finally:
             stop.set()
             await asyncio.wait_for(operator, timeout=20)
@@ -89,3 +119,35 @@ def test_kopf_operator_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     # kopf's own calls were seen, not just ours
     assert {("watch", "kvserving.dev", "kvservings"), ("watch", "apps", "deployments"), ("patch", "kvserving.dev", "kvservings"),
             ("patch", "kvserving.dev", "kvservings/status"), ("create", "apps", "deployments")} <= api.calls
+
+
+def test_kopf_operator_watching_one_namespace_needs_only_the_namespaced_role(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    body = apply_defaults(root_schema(), load_sample("triaxial"))
+    body["metadata"].update(uid="kvs-uid", generation=1)
+    name = body["metadata"]["name"]
+
+    async def scenario() -> FakeHttpApi:
+        api = FakeHttpApi()
+        api.start()
+        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, api.url)))
+        api.put("kvserving.dev", "kvservings", body)
+        stop = asyncio.Event()
+        operator = asyncio.create_task(
+            kopf.operator(registry=handlers.registry, standalone=True, clusterwide=False, namespaces=["default"], stop_flag=stop))
+        try:
+            await _until("Ready", lambda: ((api.get("kvserving.dev", "kvservings", "default", name) or {}).get("status") or {})
+                         .get("phase") == "Ready")
+            assert _token(api, name) is not None
+            assert api.get("networking.k8s.io", "networkpolicies", "default", f"{name}-workers") is not None
+        finally:
+            stop.set()
+            await asyncio.wait_for(operator, timeout=20)
+            api.stop()
+        return api
+
+    api = asyncio.run(scenario())
+    assert api.calls - _granted(REPO / "manifests" / "namespaced" / "rbac.yaml", "Role") == set()
+    # every call but API discovery is inside the watched namespace: a Role there grants them all
+    namespaced = {p for p in api.paths - api.discovery_paths if "/namespaces/default/" in p}
+    assert api.paths - api.discovery_paths - namespaced == set()
+    assert any("/namespaces/default/kvservings" in p for p in namespaced)

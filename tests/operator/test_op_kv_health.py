@@ -90,9 +90,16 @@ def test_pod_stats_url_needs_ready_and_an_ip() -> None:
     assert pod_stats_url(ipv6) == "http://[fd00::5]:8000/internal/kv/stats"
 
 
-async def _serve(handler: Any) -> tuple[web.AppRunner, int]:
+async def _serve(handler: Any, token: dict[str, str] | None = None) -> tuple[web.AppRunner, int]:
+    """A worker's /internal/kv/stats; with ``token`` (filled in later), 401 unless its Bearer token is sent."""
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        if token is not None and request.headers.get("Authorization") != f"Bearer {token.get('value')}":
+            return web.json_response({"error": "unauthorized"}, status=401)
+        return await handler(request)
+
     app = web.Application()
-    app.router.add_get("/internal/kv/stats", handler)
+    app.router.add_get("/internal/kv/stats", guarded)
     runner = web.AppRunner(app, shutdown_timeout=0.2)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -113,13 +120,17 @@ def test_sampler_writes_kv_status_from_real_endpoints_within_its_timeout() -> No
             await asyncio.sleep(5)
             return web.json_response({})
 
-        servers = [await _serve(h) for h in (decode_stats, prefill_stats, frozen)]
+        token: dict[str, str] = {}
+        servers = [await _serve(h, token) for h in (decode_stats, prefill_stats, frozen)]
         (_, decode_port), (_, prefill_port), (_, frozen_port) = servers
         with socket_closed_port() as dead_port:
             fake = FakeApiServer()
             api = KubeApi(fake)
             body = _body()
             await reconcile(api, body, now="2026-11-30T10:00:00Z")
+            # the workers require the KVServing's internal credential; the sampler reads it from the Secret
+            token["value"] = fake.secret_value("default", body["metadata"]["name"] + "-internal", "token") or ""
+            assert token["value"]
             fake.settle_deployments()
             stored = fake.put_kvserving(body)
             for pod in (_pod("d0", "decode", decode_port), _pod("d1", "decode", frozen_port),
@@ -186,3 +197,23 @@ def test_a_full_decode_pool_degrades_the_kvserving_and_a_plain_refresh_keeps_kv(
     degraded = next(c for c in written["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "KVPoolFull")
     assert kept is None  # nothing changed: the kv status was carried over, not cleared
+
+
+def test_sampler_without_the_credential_gets_nothing() -> None:
+    """Workers answer 401 to a wrong or missing token: the pod counts as not reporting."""
+
+    async def scenario() -> list[Any]:
+        async def stats(request: web.Request) -> web.Response:
+            return web.json_response(_stats())
+
+        runner, port = await _serve(stats, {"value": "right"})
+        url = f"http://127.0.0.1:{port}/internal/kv/stats"
+        async with aiohttp.ClientSession() as session:
+            fetch = http_fetcher(session, timeout_s=2.0)
+            answers = [await fetch(url, None), await fetch(url, "wrong"), await fetch(url, "right")]
+        await runner.cleanup()
+        return answers
+
+    missing, wrong, right = asyncio.run(scenario())
+    assert (missing, wrong) == (None, None)
+    assert right is not None and right["capacity_tokens"] == 1000

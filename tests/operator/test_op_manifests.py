@@ -64,6 +64,37 @@ def test_kubectl_kustomize_builds_valid_objects() -> None:
     assert by_kind["CustomResourceDefinition"]["spec"] == yaml.safe_load((REPO / "crds" / "kvserving.yaml").read_text())["spec"]
 
 
+NAMESPACED = MANIFESTS / "namespaced"
+
+
+def test_namespaced_kustomization_has_no_cluster_wide_permission() -> None:
+    files = _kustomize_resources(NAMESPACED)
+    assert all(f.exists() for f in files)
+    kinds = sorted(d["kind"] for f in files for d in _docs(f))
+    assert kinds == ["CustomResourceDefinition", "Deployment", "Role", "RoleBinding", "ServiceAccount"]
+    assert yaml.safe_load((NAMESPACED / "kustomization.yaml").read_text())["namespace"] == "kvserving"
+    for f in files:
+        for doc in _docs(f):
+            assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True) == K8S_VERSION
+
+
+def test_namespaced_operator_watches_its_own_namespace() -> None:
+    (cluster,) = _docs(MANIFESTS / "operator.yaml")
+    (namespaced,) = _docs(NAMESPACED / "operator.yaml")
+    (c,) = namespaced["spec"]["template"]["spec"]["containers"]
+    assert c["args"] == ["--liveness-port", "8081", "--namespace", "$(POD_NAMESPACE)"]
+    assert {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}} in c["env"]
+    # otherwise the same Deployment
+    c.pop("args"), c.pop("env")
+    (base,) = cluster["spec"]["template"]["spec"]["containers"]
+    base.pop("args"), base.pop("env")
+    namespaced["metadata"].pop("namespace"), cluster["metadata"].pop("namespace")
+    assert namespaced == cluster
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--liveness-port", "8081", "--namespace", "team-a"]).namespace == ["team-a"]
+
+
 def test_operator_deployment() -> None:
     (dep,) = _docs(MANIFESTS / "operator.yaml")
     assert dep["spec"]["replicas"] == 1
@@ -100,9 +131,44 @@ def test_render_command_prints_the_children(capsys: pytest.CaptureFixture[str]) 
         "Deployment/qwen3-triaxial-decode",
         "Service/qwen3-triaxial-gateway",
         "Deployment/qwen3-triaxial-gateway",
+        "NetworkPolicy/qwen3-triaxial-workers",
+        "NetworkPolicy/qwen3-triaxial-gateway",
         "PodMonitor/qwen3-triaxial",
         "ConfigMap/qwen3-triaxial-dashboard",
     ]
+
+
+def test_render_shows_the_secret_mounts_the_limits_and_the_network_policies(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--render", str(SAMPLES["triaxial"])])) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# Secret/qwen3-triaxial-internal (key 'token'): made once by the operator")
+    docs = {f"{d['kind']}/{d['metadata']['name']}": d for d in yaml.safe_load_all(out)}
+    for role in ("prefill", "decode", "gateway"):
+        pod = docs[f"Deployment/qwen3-triaxial-{role}"]["spec"]["template"]["spec"]
+        assert {"name": "internal-token", "mountPath": "/var/run/kvserving/internal", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+        limits = pod["containers"][0]["resources"]["limits"]
+        assert {"cpu", "memory"} <= limits.keys()
+    gateway = docs["Deployment/qwen3-triaxial-gateway"]["spec"]["template"]["spec"]
+    assert {"name": "api-keys", "mountPath": "/var/run/kvserving/api-keys", "readOnly": True} in gateway["containers"][0]["volumeMounts"]
+    assert docs["NetworkPolicy/qwen3-triaxial-workers"]["spec"]["policyTypes"] == ["Ingress"]
+    for doc in docs.values():
+        if doc["kind"] != "PodMonitor":
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_render_refuses_a_limit_below_its_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    body = yaml.safe_load(SAMPLES["fp8_e4m3"].read_text())
+    body["spec"]["decode"]["resources"] = {"requests": {"memory": "80Gi"}}
+    path = tmp_path / "kvs.yaml"
+    path.write_text(yaml.safe_dump(body))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--render", str(path)])) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"kvserving operator: error: {path}: spec.decode.resources.limits.memory: 64Gi is below the request 80Gi\n"
 
 
 def test_cli_has_the_operator_subcommand() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import types
 from typing import Any
 
@@ -21,8 +20,15 @@ from kvserving.operator.main import add_arguments, run
 from kvserving.operator.reconcile import reconcile, refresh_status
 
 
-def _manifest(kind: str) -> dict[str, Any]:
-    (doc,) = [d for d in yaml.safe_load_all((REPO / "manifests" / "rbac.yaml").read_text()) if d["kind"] == kind]
+RBAC_FILES = {"cluster": REPO / "manifests" / "rbac.yaml", "namespaced": REPO / "manifests" / "namespaced" / "rbac.yaml"}
+
+
+def _docs(which: str = "cluster") -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(RBAC_FILES[which].read_text()) if d]
+
+
+def _manifest(kind: str, which: str = "cluster") -> dict[str, Any]:
+    (doc,) = [d for d in _docs(which) if d["kind"] == kind]
     return doc
 
 
@@ -48,6 +54,7 @@ def _exercise_every_call() -> set[tuple[str, str, str]]:
     server.settle_deployments()
     asyncio.run(refresh_status(api, body, now="2026-11-29T10:00:01Z"))
     body["spec"]["monitoring"]["enabled"] = False
+    body["spec"]["networkPolicy"]["enabled"] = False
     body["metadata"]["generation"] = 2
     asyncio.run(reconcile(api, body, now="2026-11-29T10:00:02Z"))
     # Children an older rendering left behind (owned, labelled, no longer rendered) are deleted.
@@ -60,6 +67,7 @@ def _exercise_every_call() -> set[tuple[str, str, str]]:
         ("delete", "deployments", "qwen3-nvfp4-old"), ("delete", "services", "qwen3-nvfp4-old")]
     asyncio.run(api.delete("Deployment", "default", "gone"))  # already gone: not an error
     asyncio.run(api.list_pods("default", {"app.kubernetes.io/instance": "qwen3-nvfp4"}))  # the KV-health sampler
+    assert asyncio.run(api.read_secret("default", "qwen3-nvfp4-internal", "token"))  # ... and its credential
     # an owned Deployment changed: the handler reads its KVServing and refreshes the status
     server.put_kvserving(body)
     deployment = kopf.Body(server.objects[("apps", "deployments", "default", "qwen3-nvfp4-decode")])
@@ -99,10 +107,31 @@ def test_cluster_role_grants_exactly_what_the_code_needs() -> None:
     assert _manifest("ClusterRole")["rules"] == rbac.cluster_role_rules()
 
 
-def test_no_wildcards_and_no_secrets() -> None:
+def test_no_wildcards_and_secrets_only_created_and_read() -> None:
     for verb, group, resource in _granted():
         assert "*" not in (verb, group, resource)
-        assert resource not in ("secrets", "pods/exec", "clusterroles", "clusterrolebindings")
+        assert resource not in ("pods/exec", "clusterroles", "clusterrolebindings", "roles", "rolebindings")
+    # the internal credential: created once, read by the KV-health sampler; never listed, watched, changed or deleted
+    assert {(v, r) for v, g, r in _granted() if r == "secrets"} == {("create", "secrets"), ("get", "secrets")}
+    assert {v for v, g, r in _granted() if r == "networkpolicies"} == {"create", "patch", "list", "delete"}
+
+
+def test_namespaced_role_grants_the_same_rules_in_its_namespace_only() -> None:
+    docs = _docs("namespaced")
+    assert sorted(d["kind"] for d in docs) == ["Role", "RoleBinding", "ServiceAccount"]
+    role, binding, sa = (_manifest(k, "namespaced") for k in ("Role", "RoleBinding", "ServiceAccount"))
+    assert role["rules"] == rbac.cluster_role_rules()
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == sa["metadata"]["namespace"] == "kvserving"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "kvserving"}]
+
+
+def test_rbac_objects_per_watched_namespace() -> None:
+    objs = rbac.rbac_objects(["team-a", "team-b"])
+    assert [(o["kind"], o["metadata"].get("namespace")) for o in objs] == [
+        ("ServiceAccount", "team-a"), ("Role", "team-a"), ("RoleBinding", "team-a"), ("Role", "team-b"), ("RoleBinding", "team-b")]
+    assert all(o["subjects"] == [{"kind": "ServiceAccount", "name": "kvserving-operator", "namespace": "team-a"}]
+               for o in objs if o["kind"] == "RoleBinding")
 
 
 def test_binding_ties_the_role_to_the_operators_service_account() -> None:
@@ -116,8 +145,9 @@ def test_binding_ties_the_role_to_the_operators_service_account() -> None:
     assert deployment["metadata"]["namespace"] == sa["metadata"]["namespace"]
 
 
-def test_print_rbac_matches_the_manifest(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("which", "args"), [("cluster", []), ("namespaced", ["--namespace", "kvserving"])])
+def test_print_rbac_matches_the_manifest(which: str, args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert run(parser.parse_args(["--print-rbac"])) == 0
-    assert json.loads(capsys.readouterr().out) == _manifest("ClusterRole")["rules"]
+    assert run(parser.parse_args(["--print-rbac", *args])) == 0
+    assert [d for d in yaml.safe_load_all(capsys.readouterr().out) if d] == _docs(which)

@@ -52,10 +52,12 @@ def test_first_reconcile_creates_children_then_status_follows_readiness() -> Non
     assert server.names("services") == ["qwen3-fp8-decode", "qwen3-fp8-gateway", "qwen3-fp8-prefill"]
     assert server.names("configmaps") == ["qwen3-fp8-config", "qwen3-fp8-dashboard"]
     assert server.names("podmonitors") == ["qwen3-fp8"]
-    # the ConfigMap is written before the Deployments that mount it
-    applied = [name for verb, _, name in server.writes if verb == "apply"]
-    assert applied.index("qwen3-fp8-config") < applied.index("qwen3-fp8-prefill")
-    assert [e[:2] for e in outcome.events] == [("Normal", "Applied")]
+    assert server.names("networkpolicies") == ["qwen3-fp8-gateway", "qwen3-fp8-workers"]
+    assert server.names("secrets") == ["qwen3-fp8-internal"]
+    # the Secret and the ConfigMap are written before the Deployments that mount them
+    written = [name for _, _, name in server.writes]
+    assert written.index("qwen3-fp8-internal") < written.index("qwen3-fp8-config") < written.index("qwen3-fp8-prefill")
+    assert [e[:2] for e in outcome.events] == [("Normal", "Created"), ("Normal", "Applied")]
     status = server.statuses[("default", "qwen3-fp8")]
     assert status["phase"] == "Progressing"
     assert status["observedGeneration"] == 1
@@ -71,6 +73,46 @@ def test_first_reconcile_creates_children_then_status_follows_readiness() -> Non
     before = len(server.writes)
     assert _run(refresh_status(api, _with_status(_body(), server), now=T2)) is None
     assert len(server.writes) == before
+
+
+def test_internal_secret_is_created_once_and_kept_across_reconciles_and_spec_changes() -> None:
+    server = FakeApiServer()
+    api = KubeApi(server)
+    _run(reconcile(api, _body(), now=T0))
+    secret = server.objects[("", "secrets", "default", "qwen3-fp8-internal")]
+    token = server.secret_value("default", "qwen3-fp8-internal", "token")
+    assert token is not None and len(token) == 43  # secrets.token_urlsafe(32): 32 random bytes, base64url
+    assert secret["type"] == "Opaque" and set(secret["data"]) == {"token"}
+    # owned by the KVServing: garbage collection deletes it with the KVServing
+    assert secret["metadata"]["ownerReferences"] == [
+        {"apiVersion": "kvserving.dev/v1alpha1", "kind": "KVServing", "name": "qwen3-fp8", "uid": "kvs-uid-1", "controller": True}]
+    server.settle_deployments()
+    for generation, change in ((1, {}), (2, {"decode": {"replicas": 3}}), (3, {"reuse": {"retentionTTLSeconds": 900}})):
+        outcome = _run(reconcile(api, _with_status(_body(generation=generation, **change), server), now=T1))
+        assert outcome.error is None
+        assert ("Normal", "Created") not in [e[:2] for e in outcome.events]
+    assert server.secret_value("default", "qwen3-fp8-internal", "token") == token
+    assert [w for w in server.writes if w[1] == "secrets"] == [("create", "secrets", "qwen3-fp8-internal")]
+    # the value lives only in the Secret: not in a ConfigMap, a Deployment, the status or an event
+    others = [o for k, o in server.objects.items() if k[1] != "secrets"]
+    assert token not in repr(others) + repr(server.statuses) + repr(outcome.events)
+    # a Secret that was removed is made again (a new value) by the next reconcile
+    del server.objects[("", "secrets", "default", "qwen3-fp8-internal")]
+    outcome = _run(reconcile(api, _with_status(_body(generation=3), server), now=T2))
+    assert [e[:2] for e in outcome.events][0] == ("Normal", "Created")
+    assert server.secret_value("default", "qwen3-fp8-internal", "token") not in (None, token)
+
+
+def test_an_existing_secret_of_that_name_is_kept_as_it_is() -> None:
+    """Created by someone else (or by a reconcile that raced): the POST's 409 keeps it."""
+    server = FakeApiServer()
+    api = KubeApi(server)
+    server._create("", "secrets", "default", {"metadata": {"name": "qwen3-fp8-internal"}, "stringData": {"token": "given"}})
+    created = _run(api.create_once({"metadata": {"name": "qwen3-fp8-internal", "namespace": "default"}, "stringData": {"token": "x"}}))
+    assert created is False
+    outcome = _run(reconcile(api, _body(), now=T0))
+    assert outcome.error is None
+    assert server.secret_value("default", "qwen3-fp8-internal", "token") == "given"
 
 
 def test_reconcile_is_idempotent() -> None:
@@ -215,7 +257,7 @@ def test_reconcile_handler_posts_events_and_raises_for_retry(monkeypatch: pytest
     server = FakeApiServer()
     memo = _Memo(server)
     _run(handlers.reconcile_kvserving(body=_body(), retry=0, memo=memo))
-    assert posted == [("Normal", "Applied")]
+    assert posted == [("Normal", "Created"), ("Normal", "Applied")]
     assert memo.sampler.known == {(_body()["metadata"]["namespace"], _body()["metadata"]["name"])}
     server.fail[("list", "configmaps")] = 500
     with pytest.raises(kopf.TemporaryError) as excinfo:

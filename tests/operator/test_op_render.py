@@ -18,7 +18,7 @@ from kvs_crd_tools import REPO, SAMPLES, apply_defaults, load_sample, root_schem
 
 from kvserving.config import ServingConfig
 from kvserving.operator.dashboard import DASHBOARD_METRICS, PANELS, build_dashboard, dashboard_json
-from kvserving.operator.render import APPLIED_HASH, CONFIG_HASH, Owner, Rendered, render
+from kvserving.operator.render import APPLIED_HASH, CONFIG_HASH, Owner, Rendered, internal_secret, render
 
 GOLDEN = Path(__file__).parent / "golden"
 K8S_VERSION = "1.37"
@@ -50,6 +50,12 @@ def test_golden(sample: str) -> None:
     )
 
 
+@pytest.mark.parametrize("sample", sorted(SAMPLES))
+def test_rendered_yaml_has_no_aliases(sample: str) -> None:
+    """No dict is shared between places in an object: YAML would print anchors (&id001) that kubectl users trip on."""
+    assert "&id" not in yaml.safe_dump_all(_render_sample(sample).objects)
+
+
 def test_children_of_the_nvfp4_sample() -> None:
     objs = _by_key(_render_sample("nvfp4"))
     assert sorted(objs) == [
@@ -58,6 +64,8 @@ def test_children_of_the_nvfp4_sample() -> None:
         "Deployment/qwen3-nvfp4-decode",
         "Deployment/qwen3-nvfp4-gateway",
         "Deployment/qwen3-nvfp4-prefill",
+        "NetworkPolicy/qwen3-nvfp4-gateway",
+        "NetworkPolicy/qwen3-nvfp4-workers",
         "PodMonitor/qwen3-nvfp4",
         "Service/qwen3-nvfp4-decode",
         "Service/qwen3-nvfp4-gateway",
@@ -97,7 +105,8 @@ def test_worker_and_gateway_containers_follow_the_command_line() -> None:
         assert c["command"] + c["args"] == [
             "kvserving", "worker", "--role", role, "--config", "/etc/kvserving/config.json", "--host", "0.0.0.0", "--port", "8000",
         ]
-        assert c["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+        assert c["resources"] == {"requests": {"cpu": "4", "memory": "32Gi"},
+                                  "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1}}
         assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
         assert {v["name"]: v for v in pod["volumes"]}["model"]["persistentVolumeClaim"] == {
             "claimName": "qwen3-8b-weights", "readOnly": True}
@@ -106,7 +115,7 @@ def test_worker_and_gateway_containers_follow_the_command_line() -> None:
     assert c["command"] + c["args"] == [
         "kvserving", "gateway", "--config", "/etc/kvserving/config.json", "--host", "0.0.0.0", "--port", "8080",
     ]
-    assert "nvidia.com/gpu" not in json.dumps(c["resources"])
+    assert c["resources"] == {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}}
     assert objs["Service/qwen3-fp8-gateway"]["spec"]["ports"][0]["port"] == 8080
     for role in ("prefill", "decode"):
         svc = objs[f"Service/qwen3-fp8-{role}"]["spec"]
@@ -298,3 +307,171 @@ def test_every_dashboard_panel_queries_a_listed_metric() -> None:
 def test_manifest_dashboard_is_the_generated_one() -> None:
     path = REPO / "manifests" / "grafana" / "kvserving-dashboard.json"
     assert path.read_text() == dashboard_json()
+
+
+def _pod(rendered: Rendered, name: str) -> dict[str, Any]:
+    spec: dict[str, Any] = _by_key(rendered)[f"Deployment/{name}"]["spec"]["template"]["spec"]
+    return spec
+
+
+def test_internal_token_is_a_read_only_file_in_the_gateway_and_every_worker() -> None:
+    rendered = _render_sample("fp8_e4m3")
+    cfg = ServingConfig.from_json(_by_key(rendered)["ConfigMap/qwen3-fp8-config"]["data"]["config.json"])
+    assert cfg.security.internal_token_file == "/var/run/kvserving/internal/token"
+    assert cfg.security.api_keys_file is None and cfg.security.tenants_share_cache is False
+    for role in ("prefill", "decode", "gateway"):
+        pod = _pod(rendered, f"qwen3-fp8-{role}")
+        assert {v["name"]: v for v in pod["volumes"]}["internal-token"] == {
+            "name": "internal-token",
+            "secret": {"secretName": "qwen3-fp8-internal", "items": [{"key": "token", "path": "token"}], "defaultMode": 0o440},
+        }
+        (c,) = pod["containers"]
+        assert {"name": "internal-token", "mountPath": "/var/run/kvserving/internal", "readOnly": True} in c["volumeMounts"]
+        assert "api-keys" not in {v["name"] for v in pod["volumes"]}
+        assert "secretKeyRef" not in json.dumps(c["env"])  # secrets as files, never env
+        assert pod["automountServiceAccountToken"] is False
+    # the Secret itself is not among the applied objects (its value is made once, by the reconciler)
+    assert "Secret" not in {o["kind"] for o in rendered.objects}
+    assert internal_secret(Owner("qwen3-fp8", "default", UID), token="t0k")["stringData"] == {"token": "t0k"}
+
+
+def test_api_keys_secret_is_mounted_in_the_gateway_only() -> None:
+    rendered = _render_sample("fp8_e4m3", lambda s: s["gateway"].update(apiKeysSecret={"name": "gw-keys", "key": "keys.txt"}))
+    cfg = ServingConfig.from_json(_by_key(rendered)["ConfigMap/qwen3-fp8-config"]["data"]["config.json"])
+    assert cfg.security.api_keys_file == "/var/run/kvserving/api-keys/keys.txt"
+    gw = _pod(rendered, "qwen3-fp8-gateway")
+    assert {v["name"]: v for v in gw["volumes"]}["api-keys"]["secret"] == {
+        "secretName": "gw-keys", "items": [{"key": "keys.txt", "path": "keys.txt"}], "defaultMode": 0o440}
+    assert {"name": "api-keys", "mountPath": "/var/run/kvserving/api-keys", "readOnly": True} in gw["containers"][0]["volumeMounts"]
+    for role in ("prefill", "decode"):
+        assert "api-keys" not in {v["name"] for v in _pod(rendered, f"qwen3-fp8-{role}")["volumes"]}
+    default_key = _render_sample("fp8_e4m3", lambda s: s["gateway"].update(apiKeysSecret={"name": "gw-keys"}))
+    cfg = ServingConfig.from_json(_by_key(default_key)["ConfigMap/qwen3-fp8-config"]["data"]["config.json"])
+    assert cfg.security.api_keys_file == "/var/run/kvserving/api-keys/api-keys"
+
+
+def test_tenants_share_cache_reaches_the_engine_config_and_rolls_the_pods() -> None:
+    before = _render_sample("fp8_e4m3")
+    after = _render_sample("fp8_e4m3", lambda s: s["reuse"].update(tenantsShareCache=True))
+    cfg = ServingConfig.from_json(_by_key(after)["ConfigMap/qwen3-fp8-config"]["data"]["config.json"])
+    assert cfg.security.tenants_share_cache is True
+    assert after.config_hash != before.config_hash
+
+
+WORKERS = {"app.kubernetes.io/name": "kvserving", "app.kubernetes.io/instance": "qwen3-fp8"}
+WORKER_PODS = {"matchLabels": WORKERS,
+               "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": ["prefill", "decode"]}]}
+GATEWAY_PODS = {"matchLabels": {**WORKERS, "app.kubernetes.io/component": "gateway"}}
+OPERATOR_HERE = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvserving-operator"}}}
+OPERATOR_SYSTEM = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvserving-system"}}, **OPERATOR_HERE}
+PROMETHEUS = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+
+
+def test_worker_network_policy_admits_only_its_own_pods_and_monitoring() -> None:
+    policy = _by_key(_render_sample("fp8_e4m3"))["NetworkPolicy/qwen3-fp8-workers"]["spec"]
+    assert policy["podSelector"] == WORKER_PODS
+    assert policy["policyTypes"] == ["Ingress"]
+    assert policy["ingress"] == [
+        {"from": [{"podSelector": WORKER_PODS}]},  # every port: HTTP and NIXL between workers
+        {"from": [{"podSelector": GATEWAY_PODS}, OPERATOR_HERE, OPERATOR_SYSTEM], "ports": [{"protocol": "TCP", "port": 8000}]},
+        {"from": [PROMETHEUS], "ports": [{"protocol": "TCP", "port": 8000}]},
+    ]
+    # the selectors match the pods the Deployments make, and no other instance's
+    objs = _by_key(_render_sample("fp8_e4m3"))
+    for role in ("prefill", "decode"):
+        labels = objs[f"Deployment/qwen3-fp8-{role}"]["spec"]["template"]["metadata"]["labels"]
+        assert WORKER_PODS["matchLabels"].items() <= labels.items() and labels["app.kubernetes.io/component"] in ("prefill", "decode")
+    gw_labels = objs["Deployment/qwen3-fp8-gateway"]["spec"]["template"]["metadata"]["labels"]
+    assert GATEWAY_PODS["matchLabels"].items() <= gw_labels.items()
+
+
+def test_the_operators_sampler_may_reach_the_workers_from_its_namespace() -> None:
+    moved = _render_sample("fp8_e4m3", lambda s: s.update(networkPolicy={"operatorNamespace": "platform"}))
+    rule = _by_key(moved)["NetworkPolicy/qwen3-fp8-workers"]["spec"]["ingress"][1]
+    assert rule["from"][2] == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "platform"}}, **OPERATOR_HERE}
+    # an operator in the KVServing's own namespace (manifests/namespaced/): one peer, no namespace selector
+    same = _render_sample("fp8_e4m3", lambda s: s.update(networkPolicy={"operatorNamespace": "default"}))
+    assert _by_key(same)["NetworkPolicy/qwen3-fp8-workers"]["spec"]["ingress"][1]["from"] == [{"podSelector": GATEWAY_PODS}, OPERATOR_HERE]
+    # the labels and namespace the rule names are the operator's own (manifests/)
+    (dep,) = yaml.safe_load_all((REPO / "manifests" / "operator.yaml").read_text())
+    assert dep["metadata"]["namespace"] == "kvserving-system"
+    assert OPERATOR_HERE["podSelector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_gateway_network_policy_defaults_to_any_source_and_follows_allow_from() -> None:
+    policy = _by_key(_render_sample("fp8_e4m3"))["NetworkPolicy/qwen3-fp8-gateway"]["spec"]
+    assert policy["podSelector"] == GATEWAY_PODS
+    assert policy["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8080}]}]  # no "from": any source
+    team = {"namespaceSelector": {"matchLabels": {"team": "agents"}}}
+    rendered = _render_sample("fp8_e4m3", lambda s: s["gateway"].update(allowFrom=[team]))
+    assert _by_key(rendered)["NetworkPolicy/qwen3-fp8-gateway"]["spec"]["ingress"] == [
+        {"from": [team], "ports": [{"protocol": "TCP", "port": 8080}]},
+        {"from": [PROMETHEUS], "ports": [{"protocol": "TCP", "port": 8080}]},  # /metrics
+    ]
+
+
+def test_monitoring_selector_is_configurable_and_can_be_closed() -> None:
+    mine = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}, "podSelector": {}}
+    rendered = _render_sample("fp8_e4m3", lambda s: s["monitoring"].update(allowFrom=[mine]))
+    assert _by_key(rendered)["NetworkPolicy/qwen3-fp8-workers"]["spec"]["ingress"][2] == {
+        "from": [mine], "ports": [{"protocol": "TCP", "port": 8000}]}
+    closed = _render_sample("fp8_e4m3", lambda s: s["monitoring"].update(allowFrom=[]))
+    assert len(_by_key(closed)["NetworkPolicy/qwen3-fp8-workers"]["spec"]["ingress"]) == 2
+
+
+def test_network_policies_can_be_turned_off() -> None:
+    before = _render_sample("fp8_e4m3")
+    after = _render_sample("fp8_e4m3", lambda s: s.update(networkPolicy={"enabled": False}))
+    assert set(_by_key(before)) - set(_by_key(after)) == {"NetworkPolicy/qwen3-fp8-workers", "NetworkPolicy/qwen3-fp8-gateway"}
+    assert _changed(before, after) == {"NetworkPolicy/qwen3-fp8-workers", "NetworkPolicy/qwen3-fp8-gateway"}
+
+
+def test_resources_override_key_by_key() -> None:
+    rendered = _render_sample("fp8_e4m3", lambda s: s["decode"].update(
+        resources={"limits": {"memory": "128Gi", "nvidia.com/gpu": 2}, "requests": {"cpu": "6"}}))
+    (c,) = _pod(rendered, "qwen3-fp8-decode")["containers"]
+    assert c["resources"] == {"requests": {"cpu": "6", "memory": "32Gi"},
+                              "limits": {"cpu": "8", "memory": "128Gi", "nvidia.com/gpu": 2}}
+    # a lone limit below the default request lowers the request to it (as Kubernetes pairs a lone limit)
+    small = _render_sample("fp8_e4m3", lambda s: s["gateway"].update(resources={"limits": {"cpu": "250m"}}))
+    (c,) = _pod(small, "qwen3-fp8-gateway")["containers"]
+    assert c["resources"] == {"requests": {"cpu": "250m", "memory": "1Gi"}, "limits": {"cpu": "250m", "memory": "4Gi"}}
+
+
+@pytest.mark.parametrize(("resources", "message"), [
+    ({"requests": {"memory": "80Gi"}}, "spec.decode.resources.limits.memory: 64Gi is below the request 80Gi"),
+    ({"requests": {"cpu": "8500m"}}, "spec.decode.resources.limits.cpu: 8 is below the request 8500m"),
+    ({"requests": {"cpu": "2", "memory": "1G"}, "limits": {"cpu": "1500m", "memory": "1Gi"}},
+     "spec.decode.resources.limits.cpu: 1500m is below the request 2"),
+])
+def test_a_limit_below_its_request_is_refused(resources: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        _render_sample("fp8_e4m3", lambda s: s["decode"].update(resources=resources))
+    assert str(exc.value) == message
+
+
+def test_quantities_compare_across_suffixes() -> None:
+    from decimal import Decimal
+
+    from kvserving.operator.validate import parse_quantity
+
+    assert parse_quantity("500m") == Decimal("0.5")
+    assert parse_quantity("1Gi") == Decimal(2**30) > parse_quantity("1G") == Decimal(10**9)
+    assert parse_quantity("1e3") == Decimal(1000) == parse_quantity(1000) == parse_quantity("1k")
+    assert parse_quantity(".5") == Decimal("0.5")
+    for bad in ("1GB", "", "m", True, None, "1.2.3"):
+        assert parse_quantity(bad) is None
+
+
+def test_security_options_and_the_secret_validate() -> None:
+    def configure(spec: dict[str, Any]) -> None:
+        spec["gateway"].update(apiKeysSecret={"name": "gw-keys", "key": "api-keys"},
+                               allowFrom=[{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.9.0.0/16"]}},
+                                          {"namespaceSelector": {"matchLabels": {"team": "a"}}, "podSelector": {}}])
+        spec["decode"].update(resources={"limits": {"memory": "100Gi"}})
+
+    for obj in _render_sample("fp8_e4m3", configure).objects:
+        if obj["apiVersion"] != "monitoring.coreos.com/v1":
+            assert kubernetes_validate.validate(obj, K8S_VERSION, strict=True) == K8S_VERSION
+    secret = internal_secret(Owner("qwen3-fp8", "default", UID), token="x" * 43)
+    assert kubernetes_validate.validate(secret, K8S_VERSION, strict=True) == K8S_VERSION
