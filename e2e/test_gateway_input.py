@@ -37,7 +37,7 @@ def served(workers: WorkerFactory, tiny_model_dir: Path, tmp_path_factory: pytes
            ) -> Iterator[tuple[GatewayProc, WorkerProc]]:
     worker = workers.start("both", config())
     gateway = GatewayProc(tmp_path_factory.mktemp("gateway"), tiny_model_dir, prefill=worker.url, decode=worker.url,
-                          config=config())
+                          token_file=workers.token_path, config=config())
     try:
         gateway.wait_ready()
         yield gateway, worker

@@ -27,8 +27,14 @@ def rendered_config(tmp_path: Path) -> Path:
                           str(REPO / "manifests/samples/nvfp4.yaml")], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONSAFEPATH="1"), check=True).stdout
     (cm,) = [o for o in yaml.safe_load_all(out) if o and o["kind"] == "ConfigMap" and "config.json" in o.get("data", {})]
+    data = json.loads(cm["data"]["config.json"])
+    # The pod reads the credential from the operator's Secret mount; here a file stands in for it.
+    assert data["security"]["internal_token_file"] == "/var/run/kvserving/internal/token"
+    token = tmp_path / "internal-token"
+    token.write_text("rendered-config-test-token\n")
+    data["security"]["internal_token_file"] = str(token)
     path = tmp_path / "config.json"
-    path.write_text(cm["data"]["config.json"])
+    path.write_text(json.dumps(data))
     return path
 
 
