@@ -133,9 +133,9 @@ def test_gather_kv_equals_reference_and_leaves_the_rest(case: str, out_dtype: to
 
 
 def _check_decode(case: str, lens: list[int], *, device: str = "cpu", d: int = 64, h: int = 2, g: int = 4, p: int = 8,
-                  splits: tuple[int, int] | None = None, kernel: str = "tl", fast: bool | None = None,
-                  tuning: dict[str, int] | None = None) -> None:  # fmt: skip
-    """Decode through one kernel ("tl", "gluon", or "auto": paged_ops' choice) against dense attention."""
+                  splits: tuple[int, int] | None = None, kernel: str = "tl", fast: bool | None = None) -> None:  # fmt: skip
+    """Decode through one kernel ("tl", "gluon", or "auto": paged_ops' choice) against dense attention; ``splits``
+    (splits, pages per split) launches that plan instead of the planner's."""
     pool, filled, scale = _filled_pool(case, lens, device=device, d=d, h=h, p=p)
     q = torch.randn(len(lens), h * g, d, device=device)
     kv = pool.kv(scale, scale)
@@ -145,11 +145,15 @@ def _check_decode(case: str, lens: list[int], *, device: str = "cpu", d: int = 6
         out = paged_ops.decode_attention(*args, sm_scale=d**-0.5, num_int2_pages=filled.num_int2, options=KernelOptions())
     elif kernel == "gluon":
         assert gluon_decode.supported(kv, q)
-        out = gluon_decode.decode_attention(*args, sm_scale=d**-0.5, num_int2_pages=filled.num_int2, splits=splits,
-                                            tuning=tuning)  # fmt: skip
+        if splits is None:
+            out = gluon_decode.decode_attention(*args, sm_scale=d**-0.5, num_int2_pages=filled.num_int2)
+        else:
+            out, _ = gluon_decode.launch_decode(*args, sm_scale=d**-0.5, num_int2_pages=filled.num_int2,
+                                                cfg=gluon_decode.GL_TUNING[kv.layout.fmt], plan=splits)  # fmt: skip
     else:
         fast = KernelOptions.from_env().fast_decoders(q.device) if fast is None else fast
-        out = triton_decode.decode_attention(*args, sm_scale=d**-0.5, num_int2_pages=filled.num_int2, fast=fast, splits=splits)
+        out, _ = triton_decode.launch_decode(*args, sm_scale=d**-0.5, num_int2_pages=filled.num_int2, fast=fast,
+                                             cfg=triton_decode.TUNING[kv.layout.fmt], plan=splits)  # fmt: skip
     assert out.dtype == q.dtype and out.shape == q.shape
     for i in range(len(lens)):
         ek, ev = expected_kv(pool, filled, i, k_scale=scale, v_scale=scale)
