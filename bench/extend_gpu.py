@@ -1,6 +1,6 @@
 """GPU benchmark of the extend (chunked-prefill) path: a chunk of new tokens after a long cached prefix. One table + JSON.
 
-Run on the device machine (bench/gpu_run.sh extend; see bench/NOTES-kernels.md)::
+Run on the device machine (bench/gpu_run.sh extend)::
 
     python bench/extend_gpu.py --out $OUT/extend.json [--flashinfer] [--sweep]
 
@@ -44,14 +44,11 @@ OPTIONS = KernelOptions.from_env()
 SM = D**-0.5
 SWEEP = [(16, 4, 4, 2), (64, 8, 4, 2), (32, 8, 8, 2)]  # (chunk tokens per program, warps, prefix pages per step, stages)
 SWEEP_FORMATS = ("nvfp4",)
-# --variants: packed-kernel variants timed on every shape (bench/NOTES-kernels.md, session 6): name -> (tuning
-# overrides, PTX unpackers); "s5" is the session-5 kernel when kernels/_prefill_s5.py (an untracked copy of
-# triton_prefill.py at 9b2d2f9) is there
+# --variants: tl packed-kernel tilings timed on every shape: name -> (tile overrides of triton_prefill.TUNING,
+# PTX unpackers)
 VARIANTS: dict[str, tuple[dict[str, int], bool]] = {
-    "new": ({}, True),  # the tl kernel (triton_prefill: not the Gluon nvfp4 kernel paged_ops runs by default)
+    "new": ({}, True),  # the tl kernel (triton_prefill: not the Gluon kernels paged_ops runs by default on Hopper)
     "noasm": ({}, False),
-    "qpre0": ({"QPRE": 0}, True),
-    "split0-vfold0": ({"SPLIT": 0, "VFOLD": 0}, True),
     "t32-ppi8": ({"BLOCK_T": 32, "PPI": 8}, True),
     "t64-ppi4": ({"BLOCK_T": 64, "PPI": 4}, True),
     "t16-w4-ppi8": ({"BLOCK_T": 16, "PPI": 8, "num_warps": 4}, True),
@@ -136,10 +133,10 @@ def main() -> None:
                 k_new = torch.randn(n, H, D, device="cuda", dtype=torch.bfloat16) * 2
                 v_new = torch.randn_like(k_new)
 
-                def ours(tuning: dict[str, int] | None = None) -> torch.Tensor:
-                    if tuning is None:
+                def ours(cfg: dict[str, int] | None = None) -> torch.Tensor:
+                    if cfg is None:
                         return paged_ops.extend_attention(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM, options=OPTIONS)
-                    return triton_prefill.extend_attention(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM, fast=True, tuning=tuning)
+                    return triton_prefill.launch_extend(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM, fast=True, cfg=cfg)
 
                 ws_k = torch.empty(prefix + n, H, D, device="cuda", dtype=torch.bfloat16)
                 ws_v = torch.empty_like(ws_k)
@@ -161,17 +158,15 @@ def main() -> None:
                     if name in VARIANT_SKIP.get(fmt, ()):
                         continue
                     try:
-                        if name == "s5":
-                            from kvserving.kernels import _prefill_s5  # type: ignore[attr-defined]
+                        if name not in VARIANTS:
+                            raise ValueError(f"unknown variant {name!r}: one of {sorted(VARIANTS)}")
+                        tun, fast = VARIANTS[name]
+                        vcfg = {**triton_prefill.TUNING[pool.layout.fmt], **tun}
 
-                            def run() -> torch.Tensor:
-                                return _prefill_s5.extend_attention(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM, fast=True)
-                        else:
-                            tun, fast = VARIANTS[name]
+                        def run() -> torch.Tensor:
+                            return triton_prefill.launch_extend(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM,
+                                                                fast=fast, cfg=vcfg)  # fmt: skip
 
-                            def run() -> torch.Tensor:
-                                return triton_prefill.extend_attention(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM,
-                                                                       fast=fast, tuning=tun)  # fmt: skip
                         verr = float((run().float() - ref).norm() / ref.norm())
                         record(fmt, n, prefix, f"  v {name}", time_ms(run), rel_diff_vs_dequant=verr)
                     except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
