@@ -14,11 +14,7 @@ Timings are medians of CUDA-graph replays (``time_ms`` from decode_gpu.py).
 
 Every launch shape the writers offer is timed (``tuning``), and each
 shape's bytes are compared once with the torch reference (paged_ref on CPU
-copies of the inputs): OK or MISMATCH (exit code 1). The previous int4 /
-INT2 writers (one IEEE division per value, commit e0a6224) that this file
-timed for a before/after are gone: they wrote value scales row-major, the
-layout before the token-minor one (commit 6d39944), so they could only
-MISMATCH; bench/NOTES-kernels.md keeps their numbers.
+copies of the inputs): OK or MISMATCH (exit code 1).
 """
 
 from __future__ import annotations

@@ -231,7 +231,7 @@ def _pp_chunk_rows(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0
                    BLOCK_T: gl.constexpr):  # fmt: skip
     """_pp_chunk reading the chunk's k, v as the caller holds them (chunk_rows: one token stride k_s0 for
     both): through registers (fp16, channels permuted) into the slot, so the wrapper copies neither (chunk_kv: two
-    kernels and a pass over k and v per call)."""
+    kernels and a read and write of k and v per call)."""
     N: gl.constexpr = k_ring.shape[1]
     SLOTS: gl.constexpr = k_ring.shape[0]
     jr = gl.arange(0, N, layout=gl.SliceLayout(1, _row_layout(gl.num_warps())))

@@ -3,8 +3,8 @@
 Why a second decode kernel: the ``tl`` kernels in ``triton_decode.py`` dequantize
 a tile in a blocked layout and Triton then moves the fp16 tile through shared
 memory into the ``mma`` operand layout; for 4- and 2-bit pages that round trip
-costs more than reading the bytes, and even fp8 pages read only ~60% of the chip's
-bandwidth that way (bench/NOTES-kernels.md). Gluon lets the
+costs more than reading the bytes, and even fp8 pages read well below the chip's
+bandwidth that way. Gluon lets the
 kernel choose every layout, so here each thread loads exactly the bytes whose
 values its ``mma.m16n8k16`` fragments hold, unpacks them with a few integer ops
 and one ``f16x2`` multiply (or fma) per pair, and hands the registers to the
@@ -18,8 +18,8 @@ a shared-memory ring one step ahead (``STAGES``; each thread copies the bytes
 it later reads, in the layouts below), so the next step's loads are in flight
 while this one unpacks. A copy's address is its page's pointer plus a
 loop-invariant offset and an immediate, and only a split's last step masks
-(``_stage_copies``): the step's address arithmetic went from ~196 to ~70
-instructions (bench/NOTES-kernels.md, session 9). Per warp and step::
+(``_stage_copies``), which keeps the step's address arithmetic to a few
+instructions. Per warp and step::
 
     S^T[NT, HP] = K[NT, D] . q^T[D, HP]         K: A operand (rows = tokens), HP = query heads padded to 8
     O^T[D, HP] += V^T[D, NT] . P^T[NT, HP]      V^T: A operand (rows = channels), P^T: B operand
@@ -104,7 +104,7 @@ from .triton_common import (
 FLAG: gl.constexpr = gl.constexpr(INT2_PAGE_FLAG)
 GL_FMT_FP8: gl.constexpr = gl.constexpr(3)
 # LAZY softmax: a row's reference max moves only when its scores pass it by more than this (base 2), so the
-# probabilities stay <= 2^8 in fp16 and the rescale of the accumulator is rare (bench/NOTES-kernels.md, session 13)
+# probabilities stay <= 2^8 in fp16 and the rescale of the accumulator is rare
 TAU: gl.constexpr = gl.constexpr(8.0)
 
 

@@ -503,7 +503,7 @@ TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 4, "SLOTS": 2, "LOAD_WARPS": 4, 
 @triton.jit
 def _int2_first_kernel(src_ptr, dst_ptr, n, FLAG_BIT: tl.constexpr, BLOCK: tl.constexpr):
     """dst[:n] = src's n page ids, the INT2 ones (bit FLAG_BIT set) first, each kind in its listed order (a stable
-    partition, one program): pass 1 counts the INT2 ids, pass 2 writes each id at its kind's running count."""
+    partition, one program): a first loop counts the INT2 ids, a second writes each id at its kind's running count."""
     n2 = 0
     for b in range(0, n, BLOCK):
         o = b + tl.arange(0, BLOCK)

@@ -102,7 +102,7 @@ SM90_PROGRAMS = 32
 # k resident programs takes time L * (k + FILL_WARPS / warps) --
 # the SM's rate rises with its programs as k / (k + k0), and each wave pays a fill and drain of k0 programs (3
 # warps) -- where L, a program's pages, is the mean of the splits' average and longest length (triaxial rows split
-# their INT2 and INT4 pages apart: 3 splits of 512 pages were programs of 512, 154 and 358 at 32 x 32K) plus
+# their INT2 and INT4 pages apart: 3 splits of 512 pages are programs of 512, 154 and 358 at 32 x 32K) plus
 # FIXED_STEPS steps for its prologue (q, the ring's first stages) and epilogue (warp merge, stores)
 WAVE_FILL_WARPS = 3
 WAVE_FIXED_STEPS = 2

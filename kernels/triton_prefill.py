@@ -8,7 +8,7 @@ over
 1. the cached prefix, read from the pages themselves: each iteration loads
    PPI pages of the kv head's K and V rows (packed bytes, scales, zeros),
    dequantizes them in registers to fp16 (bf16 pages stay bf16) and feeds
-   ``tl.dot`` with N = PPI * P keys; no workspace and no second pass over
+   ``tl.dot`` with N = PPI * P keys; no workspace and no second read of
    memory, so the cost of a chunk is linear in the prefix;
 2. the chunk itself (the fresh, unquantized K/V in q's dtype), causally.
 

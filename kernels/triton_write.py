@@ -224,7 +224,7 @@ def _write_kv_kernel(
 @triton.jit
 def _widen(raw):
     """Loaded values -> fp32. For bf16 a shift of the bits: a second conversion the compiler will not merge
-    with the first (.to), so the codes pass need not keep the min/max pass's fp32 copy alive."""
+    with the first (.to), so the codes loop need not keep the min/max loop's fp32 copy alive."""
     if raw.dtype == tl.bfloat16:
         return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:

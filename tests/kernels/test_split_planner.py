@@ -58,9 +58,9 @@ def test_gl_tuning_residency_matches_the_arithmetic_of_the_compiled_resources() 
 
 def test_wave_planner_ends_the_grid_on_a_whole_wave_of_each_formats_residents() -> None:
     # 64 x 4K (512 sequence-heads, 256 pages). nvfp4, 8 per SM: 2 splits = 1024 programs, 0.97 of a wave (the
-    # session-6 planner: 3 splits, 1.45 waves, 5% slower in session 14)
+    # min-length planner's 3 splits are 1.45 waves: slower)
     assert plan_waves(512, 256, 4, SMS, resident=8, warps=2, triaxial=False) == (2, 128)
-    # fp8, 6 per SM: 1024 programs would be 1.29 waves; 3 splits = 1536, 1.94 waves (2 splits measured 17% slower)
+    # fp8, 6 per SM: 1024 programs would be 1.29 waves; 3 splits = 1536, 1.94 waves (2 splits are slower)
     assert plan_waves(512, 256, 4, SMS, resident=6, warps=2, triaxial=False) == (3, 88)
     # triaxial (128 pages of 32 tokens, 3 per SM): 2 splits + the INT2 / INT4 boundary's one, 3.9 waves
     assert plan_waves(512, 128, 4, SMS, resident=3, warps=4, triaxial=True) == (3, 64)
@@ -72,18 +72,18 @@ def test_wave_planner_ends_the_grid_on_a_whole_wave_of_each_formats_residents() 
     assert plan_waves(32, 8192, 4, SMS, resident=8, warps=2, triaxial=False) == (33, 252)
     assert plan_waves(32, 8192, 4, SMS, resident=6, warps=2, triaxial=False) == (24, 344)
     assert plan_waves(32, 4096, 4, SMS, resident=3, warps=4, triaxial=True) == (37, 116)
-    # 1 x 128K: nvfp4 912 programs (0.86 of a wave; session 6's planner: 688, 0.65), fp8 784 (0.99), triaxial 384
+    # 1 x 128K: nvfp4 912 programs (0.86 of a wave; the min-length planner's: 688, 0.65), fp8 784 (0.99), triaxial 384
     assert plan_waves(8, 8192, 4, SMS, resident=8, warps=2, triaxial=False) == (114, 72)
     assert plan_waves(8, 8192, 4, SMS, resident=6, warps=2, triaxial=False) == (98, 84)
     assert plan_waves(8, 4096, 4, SMS, resident=3, warps=4, triaxial=True) == (48, 88)
 
 
 def test_wave_planner_keeps_small_grids_at_two_steps_a_split_or_more() -> None:
-    # 1 x 4K: 32 splits of 8 pages (2 steps; session 6 measured 64 splits of 1 step 27% slower)
+    # 1 x 4K: 32 splits of 8 pages (2 steps; 64 splits of 1 step are slower)
     assert plan_waves(8, 256, 4, SMS, resident=8, warps=2, triaxial=False) == (32, 8)
-    # 1 x 8K: still 32 splits, now of 16 pages (session 6: best of 16 / 32 / 64)
+    # 1 x 8K: still 32 splits, now of 16 pages (the best of 16 / 32 / 64)
     assert plan_waves(8, 512, 4, SMS, resident=8, warps=2, triaxial=False) == (32, 16)
-    # 4 x 4K: 16 splits of 16 pages (session 14: 4% faster than 8 of 32)
+    # 4 x 4K: 16 splits of 16 pages (faster than 8 of 32)
     assert plan_waves(32, 256, 4, SMS, resident=8, warps=2, triaxial=False) == (16, 16)
     # a sequence shorter than a step: one split
     assert plan_waves(8, 3, 4, SMS, resident=8, warps=2, triaxial=False) == (1, 4)
