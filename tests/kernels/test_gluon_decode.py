@@ -1,11 +1,12 @@
 """The Gluon decode kernels (gluon_decode.py): compiled for sm_90 here, held to the reference on the GPU.
 
 CPU (CI): the kernels cannot run without a GPU (PTX unpackers, mma.sync), so
-CI compiles each variant for an H100 with the pinned Triton and checks what
-makes them fast and what makes them right to compile: every layout change
-``assert_trivial`` demands is free, no register spills, no shared memory
-inside the main loop (the fragments come straight from registers), the
-expected tensor-core instruction count per step and 16-byte K loads.
+CI compiles the kernel of each page format as launched for an H100 with the
+pinned Triton and checks what makes it fast and what makes it right to
+compile: every layout change ``assert_trivial`` demands is free, no register
+spills, no unpacked values stored to shared memory inside the main loop (the
+fragments come straight from registers), the expected tensor-core
+instruction count per step and 16-byte K copies into the ring.
 
 GPU (``gpu`` marker, device machine): decode at real shapes against fp64
 attention over the codec-dequantized K/V, with the same bounds as the ``tl``
