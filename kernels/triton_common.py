@@ -211,7 +211,7 @@ def prepare_splits(
     programs_per_sm: int,
     splits: tuple[int, int] | None = None,
 ) -> SplitLaunch:
-    """Plan the splits by ``plan_splits`` (unless given: the Gluon kernels' ``plan_waves``, tests and benchmarks)
+    """Plan the splits by ``plan_splits`` (unless given: the Gluon decode's ``split_plan``, tests and benchmarks)
     and allocate the partial outputs."""
     b, hq, d = q.shape
     h = kv.layout.kv_heads
