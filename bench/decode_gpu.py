@@ -1,6 +1,6 @@
 """GPU benchmark of the paged-KV kernels: decode attention, quantize-on-write, extend gather. One table + JSON.
 
-Run on the device machine (see bench/NOTES-kernels.md)::
+Run on the device machine (bench/gpu_run.sh bench)::
 
     python bench/decode_gpu.py --out $OUT/decode.json [--flashinfer] [--sweep]
 
@@ -176,24 +176,48 @@ class Pool:
             triton_write.write_int2_pages(self.kv, k, v, ids2[p0 : p0 + n])
 
     def decode(self, q: torch.Tensor, *, kernel: str | None = None, tuning: dict[str, int] | None = None,
-               fast: bool | None = None, probe: int = 0, part: int | None = None) -> torch.Tensor:  # fmt: skip
+               fast: bool | None = None) -> torch.Tensor:  # fmt: skip
         """Decode through ``kernel`` ("tl", "gluon"; None: the one paged_ops.decode_kernel picks), keeping the
-        compiled kernel; probe / part: the benchmark-only variants of triton_decode / gluon_decode.launch_decode."""
+        compiled kernel. ``tuning`` overrides the kernel's tuning table; for the Gluon kernel its key SPLITS
+        launches forced_plan's plan instead of the planner's."""
         kernel = kernel or paged_ops.decode_kernel(q, self.kv, options=OPTIONS)
         args = (q, self.kv, self.page_table, self.seq_lens)
-        kw: dict[str, Any] = dict(sm_scale=D**-0.5, num_int2_pages=self.num_int2, tuning=tuning)
+        kw: dict[str, Any] = dict(sm_scale=D**-0.5, num_int2_pages=self.num_int2)
         if kernel == "gluon":
             from kvserving.kernels import gluon_decode
 
-            out, self.last_kernel = gluon_decode.launch_decode(*args, **kw, part=part)
             cfg = {**gluon_decode.GL_TUNING[self.layout.fmt], **(tuning or {})}
-            s, pps = gluon_decode.split_plan(q, self.kv, self.page_table, cfg)
-            self.last_plan = f"splits {s} x {pps} pages, {q.shape[0] * H * s} programs"
+            if "SPLITS" in cfg:
+                plan = forced_plan(self.page_table.shape[1], cfg["num_warps"] * cfg["PPW"], cfg.pop("SPLITS"),
+                                   triaxial=self.kv.triaxial)  # fmt: skip
+            else:
+                plan = gluon_decode.split_plan(q, self.kv, self.page_table, cfg)
+            out, self.last_kernel = gluon_decode.launch_decode(*args, **kw, cfg=cfg, plan=plan)
+            self.last_plan = f"splits {plan[0]} x {plan[1]} pages, {q.shape[0] * H * plan[0]} programs"
         else:
             fast = OPTIONS.fast_decoders(q.device) if fast is None else fast
-            out, self.last_kernel = triton_decode.launch_decode(*args, **kw, fast=fast, probe=probe)
+            cfg = {**triton_decode.TUNING[self.layout.fmt], **(tuning or {})}
+            out, self.last_kernel = triton_decode.launch_decode(*args, **kw, fast=fast, cfg=cfg)
             self.last_plan = ""
         return out
+
+
+def forced_plan(pages: int, ppi: int, splits: int, *, triaxial: bool) -> tuple[int, int]:
+    """(splits, pages per split) of the variant key SPLITS: time a plan the planners would not pick.
+
+    Plain pages: ``splits`` chunks of the page-table width, ceil(pages / splits) pages each rounded up to a whole
+    step (ppi pages; the kernel's loop needs it), so the grid can come out with fewer splits than asked (256 pages,
+    SPLITS 3: 3 x 88; SPLITS 100 at 4 pages a step: 64 x 4). Triaxial: SPLITS counts the grid's splits as the
+    planners do, the INT2 / INT4 boundary's included -- a row runs ceil(n2 / pps) INT2 and ceil(n4 / pps) INT4
+    programs, at most one more than ceil(pages / pps) (the kernel's ``c2``), so SPLITS k cuts the width into
+    k - 1 chunks, and k must be at least 2."""
+    least = 2 if triaxial else 1
+    if splits < least:
+        why = " for triaxial pages (one split is the INT2 / INT4 boundary's)" if triaxial else ""
+        raise ValueError(f"SPLITS must be >= {least}{why}, got {splits}")
+    chunks = splits - (1 if triaxial else 0)
+    pps = -(-(-(-max(pages, 1) // chunks)) // ppi) * ppi
+    return -(-max(pages, 1) // pps) + (1 if triaxial else 0), pps
 
 
 def flashinfer_decode(pool: Pool, q: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -234,7 +258,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time tuning variants (Gluon: every shape; tl: 32x32K)")
     ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--variants", default="", help='JSON list of Gluon tunings timed next to the default, e.g. [{"STAGES": 2}]')
+    ap.add_argument("--variants", default="", help='JSON list of Gluon tunings timed next to the default, e.g. [{"SPLITS": 3}]')
     ap.add_argument("--no-tl", action="store_true", help="skip the tl kernel rows of the packed formats")
     ap.add_argument("--no-writes", action="store_true", help="skip the write / gather rows")
     args = ap.parse_args()
@@ -309,12 +333,6 @@ def main() -> None:
                         continue
                     record(shape, f"  {fmt} gluon w{warps} ppsm{ppsm} r{regs}", t, pool_bytes, tuning=cfg, resources=resources(pool))
                     print("      " + resources(pool), flush=True)
-                if fmt == "triaxial" and shape == (32, 32768):
-                    for part in (2, 4):  # one precision's splits, uncapped registers
-                        cfg = {**base, "maxnreg": 0}
-                        t = time_ms(lambda: pool.decode(q, kernel="gluon", tuning=cfg, part=part))
-                        record(shape, f"  triaxial gluon INT{part} launch only", t, pool_bytes, resources=resources(pool))
-                        print("      " + resources(pool), flush=True)
             if args.sweep and shape == (32, 32768) and fmt not in ("nvfp4", "triaxial"):
                 for ppi, ppi2, warps, stages, regs in SWEEP:
                     if fmt != "triaxial" and ppi2 != ppi:
@@ -329,14 +347,6 @@ def main() -> None:
                     print("      " + resources(pool), flush=True)
                 t = time_ms(lambda: pool.decode(q, kernel="tl", fast=False))
                 record(shape, f"  {fmt} arithmetic decoders", t, pool_bytes)
-            if args.sweep and shape == (32, 32768) and fmt in ("nvfp4", "triaxial"):
-                # the tl kernel's timing probes: no unpacking; one precision's launch of triaxial rows
-                t = time_ms(lambda: pool.decode(q, kernel="tl", probe=1))
-                record(shape, f"  {fmt} tl probe: no unpacking", t, pool_bytes)
-                if fmt == "triaxial":
-                    for part in (2, 4):
-                        t = time_ms(lambda: pool.decode(q, kernel="tl", tuning={"PPI2": 1}, probe=part))
-                        record(shape, f"  triaxial tl INT{part} launch only", t, pool_bytes)
             if args.flashinfer and fmt in ("bf16", "fp8_e4m3"):
                 try:
                     fn = flashinfer_decode(pool, q)

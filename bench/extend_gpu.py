@@ -1,6 +1,6 @@
 """GPU benchmark of the extend (chunked-prefill) path: a chunk of new tokens after a long cached prefix. One table + JSON.
 
-Run on the device machine (bench/gpu_run.sh extend; see bench/NOTES-kernels.md)::
+Run on the device machine (bench/gpu_run.sh extend)::
 
     python bench/extend_gpu.py --out $OUT/extend.json [--flashinfer] [--sweep]
 
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from decode_gpu import HQ, D, H, Pool, read_bandwidth, time_ms
 
-from kvserving.kernels import gluon_extend, gluon_extend_tri, paged_ops, triton_gather, triton_prefill
+from kvserving.kernels import paged_ops, triton_gather, triton_prefill
 from kvserving.kernels.options import KernelOptions
 from kvserving.worker.attention import causal_attention
 
@@ -44,62 +44,17 @@ OPTIONS = KernelOptions.from_env()
 SM = D**-0.5
 SWEEP = [(16, 4, 4, 2), (64, 8, 4, 2), (32, 8, 8, 2)]  # (chunk tokens per program, warps, prefix pages per step, stages)
 SWEEP_FORMATS = ("nvfp4",)
-# --variants: packed-kernel variants timed on every shape (bench/NOTES-kernels.md, session 6): name -> (tuning
-# overrides, PTX unpackers); "s5" is the session-5 kernel when kernels/_prefill_s5.py (an untracked copy of
-# triton_prefill.py at 9b2d2f9) is there
+# --variants: tl packed-kernel tilings timed on every shape: name -> (tile overrides of triton_prefill.TUNING,
+# PTX unpackers)
 VARIANTS: dict[str, tuple[dict[str, int], bool]] = {
-    "new": ({}, True),  # the tl kernel (triton_prefill: not the Gluon nvfp4 kernel paged_ops runs by default)
+    "new": ({}, True),  # the tl kernel (triton_prefill: not the Gluon kernels paged_ops runs by default on Hopper)
     "noasm": ({}, False),
-    "qpre0": ({"QPRE": 0}, True),
-    "split0-vfold0": ({"SPLIT": 0, "VFOLD": 0}, True),
     "t32-ppi8": ({"BLOCK_T": 32, "PPI": 8}, True),
     "t64-ppi4": ({"BLOCK_T": 64, "PPI": 4}, True),
     "t16-w4-ppi8": ({"BLOCK_T": 16, "PPI": 8, "num_warps": 4}, True),
     "t64-ppi2": ({"BLOCK_T": 64, "PPI": 2, "PPI2": 2}, True),
     "t32-ppi4": ({"BLOCK_T": 32, "PPI": 4, "PPI2": 4}, True),
     "s3": ({"NUM_STAGES": 3}, True),
-}
-# Gluon extend (kernels/gluon_extend.py, nvfp4 only): name -> its tuning overrides
-GLUON_VARIANTS: dict[str, dict[str, int]] = {
-    "gluon": {},
-    # WS 2 (the default since session 10): the two consumer warpgroups as two partitions (own q rows, own slot
-    # release), the chunk through the ring too
-    "gluon-ws2": {"WS": 2},
-    "gluon-ws2rev0": {"WS": 2, "REV": 0},  # chunk blocks in launch order (the default: last-first)
-    "gluon-ws2cf0": {"WS": 2, "CF": 0},  # the producer's rows in _pair_layout's lanes (2-way conflicted tile stores)
-    "gluon-ws2ckv1": {"WS": 2, "CKV": 1},  # the chunk's k, v read by the kernel (no fp16 copies; session 14: slower)
-    "gluon-lazy0": {"LAZY": 0},  # before session 15: the exact max every step (the default since: LAZY 1)
-    "gluon-tree0": {"TREE": 0},  # before session 16: the row max / sum reduced serially (the default since: TREE 1)
-    # measurement only (wrong output): the producer without unpacking, without its proxy fence, storing zero tiles
-    "gluon-ws2probe1": {"WS": 2, "PROBE": 1},
-    "gluon-ws2probe2": {"WS": 2, "PROBE": 2},
-    "gluon-ws2probe3": {"WS": 2, "PROBE": 3},
-    # WS 1 (the default of session 9): one consumer partition of 8 warps; its producer's registers
-    "gluon-ws1": {"WS": 1},
-    "gluon-ws120": {"WS": 1, "LOAD_REGS": 120},
-    # one partition (_gl_extend_kernel, the default of session 8): unpackers, overlap, tiles, probes
-    "gluon-nows": {"WS": 0, "PAIR": 1},
-    "gluon-serial": {"WS": 0, "PAIR": 0, "OVERLAP": 0},
-    "gluon-quarters": {"WS": 0, "PAIR": 0},  # the session-6 quarter unpacker (triton_codec.asm_quarters)
-    "gluon-pair-serial": {"WS": 0, "PAIR": 1, "OVERLAP": 0},
-    "gluon-pair2": {"WS": 0, "PAIR": 2},  # int32 word pairs, the tile stored through an int32 view (session 8, attempt 9)
-    "gluon-t16w4": {"WS": 0, "PAIR": 1, "BLOCK_T": 16, "PPI": 4, "num_warps": 4},  # 64 rows x 64 keys, one warpgroup
-    "gluon-probe1": {"WS": 0, "PROBE": 1},  # measurement only (wrong output): no unpacking in the loop
-    "gluon-probe2": {"WS": 0, "PROBE": 2},  # measurement only (wrong output): no unpacking and no loads in the loop
-}
-# Gluon extend on triaxial pages (kernels/gluon_extend_tri.py: WS 2 with the INT4 / INT2 producer; not the default
-# until measured): name -> its tuning overrides
-TRI_VARIANTS: dict[str, dict[str, int]] = {
-    "gluon-tri": {},
-    "gluon-tri-nosort": {"SORT": 0},  # the pages as listed (the bench lists INT2 pages first already)
-    # session 14: each change undone alone, and all of them (the session-12 kernel)
-    "gluon-tri-sort1": {"SORT": 1},  # torch's stable argsort and a gather instead of int2_first
-    "gluon-tri-kpf0": {"KPF": 0},  # INT2 key scale / zero rows not prefetched into L1
-    "gluon-tri-ckv0": {"CKV": 0},  # the chunk's k, v copied to fp16 by the wrapper
-    "gluon-tri-r136": {"LOAD_REGS": 136, "ATT_REGS": 184},  # session 12's register split
-    "gluon-tri-s12": {"SORT": 1, "KPF": 0, "CKV": 0, "LOAD_REGS": 136, "ATT_REGS": 184},
-    "gluon-tri-lazy1": {"LAZY": 1},  # session 15: the consumers' lazy softmax (nvfp4's default; not faster here)
-    "gluon-tri-tree1": {"TREE": 1},  # session 16: row max / sum as trees (nvfp4's default; not faster here)
 }
 # tiles meant for the other format's page size (nvfp4 16 tokens, triaxial 32)
 VARIANT_SKIP = {"nvfp4": ("t64-ppi2", "t32-ppi4"), "triaxial": ("t32-ppi8", "t16-w4-ppi8", "t64-ppi4")}
@@ -178,10 +133,10 @@ def main() -> None:
                 k_new = torch.randn(n, H, D, device="cuda", dtype=torch.bfloat16) * 2
                 v_new = torch.randn_like(k_new)
 
-                def ours(tuning: dict[str, int] | None = None) -> torch.Tensor:
-                    if tuning is None:
+                def ours(cfg: dict[str, int] | None = None) -> torch.Tensor:
+                    if cfg is None:
                         return paged_ops.extend_attention(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM, options=OPTIONS)
-                    return triton_prefill.extend_attention(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM, fast=True, tuning=tuning)
+                    return triton_prefill.launch_extend(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM, fast=True, cfg=cfg)
 
                 ws_k = torch.empty(prefix + n, H, D, device="cuda", dtype=torch.bfloat16)
                 ws_v = torch.empty_like(ws_k)
@@ -203,33 +158,15 @@ def main() -> None:
                     if name in VARIANT_SKIP.get(fmt, ()):
                         continue
                     try:
-                        if name in TRI_VARIANTS:
-                            if fmt != "triaxial":
-                                continue
-                            ttun = TRI_VARIANTS[name]
+                        if name not in VARIANTS:
+                            raise ValueError(f"unknown variant {name!r}: one of {sorted(VARIANTS)}")
+                        tun, fast = VARIANTS[name]
+                        vcfg = {**triton_prefill.TUNING[pool.layout.fmt], **tun}
 
-                            def run() -> torch.Tensor:
-                                return gluon_extend_tri.extend_attention(q, k_new, v_new, pool.kv, row, prefix,
-                                                                         sm_scale=SM, tuning=ttun)  # fmt: skip
-                        elif name in GLUON_VARIANTS:
-                            if fmt != "nvfp4":
-                                continue
-                            gtun = GLUON_VARIANTS[name]
+                        def run() -> torch.Tensor:
+                            return triton_prefill.launch_extend(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM,
+                                                                fast=fast, cfg=vcfg)  # fmt: skip
 
-                            def run() -> torch.Tensor:
-                                return gluon_extend.extend_attention(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM,
-                                                                     tuning=gtun)  # fmt: skip
-                        elif name == "s5":
-                            from kvserving.kernels import _prefill_s5  # type: ignore[attr-defined]
-
-                            def run() -> torch.Tensor:
-                                return _prefill_s5.extend_attention(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM, fast=True)
-                        else:
-                            tun, fast = VARIANTS[name]
-
-                            def run() -> torch.Tensor:
-                                return triton_prefill.extend_attention(q, k_new, v_new, pool.kv, row, prefix, sm_scale=SM,
-                                                                       fast=fast, tuning=tun)  # fmt: skip
                         verr = float((run().float() - ref).norm() / ref.norm())
                         record(fmt, n, prefix, f"  v {name}", time_ms(run), rel_diff_vs_dequant=verr)
                     except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal

@@ -4,7 +4,7 @@
 # Usage (repo root): bash bench/gpu_run.sh [STEPS] [bench args...]
 #   STEPS: comma-separated tests, bench (decode_gpu.py), extend (extend_gpu.py), all (= tests,bench), ncu (one decode
 #   launch per format named in the bench args) or ncux (the extend launches of profile_extend.py's NCUX_ARGS, default
-#   '{} tri fi': nvfp4, triaxial, FlashInfer bf16); NCU_METRICS=m1,m2 (ncu --metrics, regex: allowed) adds metrics to both.
+#   'nvfp4 tri fi': nvfp4, triaxial, FlashInfer bf16); NCU_METRICS=m1,m2 (ncu --metrics, regex: allowed) adds metrics to both.
 #   TESTS=paths limits the gpu tests (default tests/kernels); WARM_FI=1 JIT-compiles FlashInfer's prefill in the
 #   background while the tests and the decode bench run; T_TESTS / T_BENCH / T_EXTEND cap each step's seconds.
 #   PRE_VARIANTS=a,b compiles those extend_gpu.py variants side by side (one process each, at 512 new on 1K cached:
@@ -82,7 +82,7 @@ fi
 if has ncux; then  # profile each extend launch of profile_extend.py (ours and FlashInfer's)
   [ -n "$warm" ] && { wait $warm; warm=""; }
   (cd bench && timeout 400 ncu --clock-control none --kernel-name "regex:_gl_extend|refill" $NCU_SECTIONS \
-    python3 profile_extend.py ${NCUX_ARGS:-'{}' tri fi}) > $OUT/ncux.txt 2>&1 || { echo "gpu_run.sh: error: ncu failed (see $OUT/ncux.txt)" >&2; status=1; }
+    python3 profile_extend.py ${NCUX_ARGS:-nvfp4 tri fi}) > $OUT/ncux.txt 2>&1 || { echo "gpu_run.sh: error: ncu failed (see $OUT/ncux.txt)" >&2; status=1; }
   ncu_summary $OUT/ncux.txt
 fi
 exit $status

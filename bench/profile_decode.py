@@ -2,11 +2,10 @@
 one launch of each, in argument order, so ncu profiles the last len(args) launches (``gpu_run.sh ncu``):
 
     ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip 9 --launch-count 3 \
-        --section SpeedOfLight ... python3 bench/profile_decode.py nvfp4 triaxial:2 triaxial:4
+        --section SpeedOfLight ... python3 bench/profile_decode.py nvfp4 triaxial fp8_e4m3
 
-An argument is a format, or ``triaxial:2`` / ``triaxial:4``: only the INT2 or INT4 splits of the triaxial Gluon
-kernel (gluon_decode.launch_decode's benchmark-only ``part``). TUNING='{"num_warps": 2}' (JSON) passes a tuning
-to the kernel paged_ops picks; WARM (default 3) sets the warm-up launches per argument.
+An argument is a format. TUNING='{"num_warps": 2}' (JSON) passes a tuning to the kernel paged_ops picks; WARM
+(default 3) sets the warm-up launches per argument.
 """
 
 from __future__ import annotations
@@ -20,17 +19,14 @@ import torch
 from decode_gpu import HQ, D, Pool
 
 tuning = json.loads(os.environ.get("TUNING", "{}")) or None
-runs = []
-for arg in sys.argv[1:]:
-    fmt, _, part = arg.partition(":")
-    runs.append((arg, Pool(fmt, 32, 32768), int(part) if part else None))
+runs = [(fmt, Pool(fmt, 32, 32768)) for fmt in sys.argv[1:]]
 q = torch.randn(32, HQ, D, device="cuda", dtype=torch.bfloat16)
-for arg, pool, part in runs:
+for _, pool in runs:
     for _ in range(int(os.environ.get("WARM", "3"))):
-        pool.decode(q, tuning=tuning, part=part)
+        pool.decode(q, tuning=tuning)
 torch.cuda.synchronize()
-for arg, pool, part in runs:  # the profiled launches
-    pool.decode(q, tuning=tuning, part=part)
+for arg, pool in runs:  # the profiled launches
+    pool.decode(q, tuning=tuning)
     torch.cuda.synchronize()
     k: Any = pool.last_kernel
     print(arg, "regs", k.n_regs, "spills", k.n_spills, "smem", k.metadata.shared, flush=True)

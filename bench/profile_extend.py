@@ -1,17 +1,16 @@
-"""Launch the Gluon extend kernels once per tuning, for Nsight Compute (ncu) to count what a launch does.
+"""Launch the Gluon extend kernels once per argument, for Nsight Compute (ncu) to count what a launch does.
 
     ncu --clock-control none --kernel-name regex:_gl_extend --metrics ... python3 bench/profile_extend.py \
-        '{"CF": 0}' '{"CF": 1}' tri
+        nvfp4 tri fi
 
-Each argument is a JSON tuning of gluon_extend (nvfp4 pages), ``tri`` (gluon_extend_tri, its default tuning) or
-``fi`` (FlashInfer's paged prefill on bf16 pages, the peer: extend_gpu.flashinfer_prefill); the shape is the
-bench's 512 new tokens on 32K cached (NEW / PREFIX override it). Every launch is listed with its tuning, in order,
-so ncu's launches can be matched to the arguments.
+Each argument is ``nvfp4`` (gluon_extend), ``tri`` (gluon_extend_tri) or ``fi`` (FlashInfer's paged prefill on
+bf16 pages, the peer: extend_gpu.flashinfer_prefill); the shape is the bench's 512 new tokens on 32K cached
+(NEW / PREFIX override it). Every launch is listed with its argument, in order, so ncu's launches can be matched
+to the arguments.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -36,11 +35,13 @@ for i, arg in enumerate(sys.argv[1:]):
         torch.cuda.synchronize()
         print(f"launch {i}: {arg}", flush=True)
         continue
+    if arg not in ("nvfp4", "tri"):
+        raise SystemExit(f"unknown argument {arg!r}: nvfp4, tri or fi")
     pool = pools["triaxial" if arg == "tri" else "nvfp4"]
     row = pool.page_table[0].contiguous()
     if arg == "tri":
         gluon_extend_tri.extend_attention(q, k, v, pool.kv, row, PREFIX, sm_scale=SM)
     else:
-        gluon_extend.extend_attention(q, k, v, pool.kv, row, PREFIX, sm_scale=SM, tuning=json.loads(arg))
+        gluon_extend.extend_attention(q, k, v, pool.kv, row, PREFIX, sm_scale=SM)
     torch.cuda.synchronize()
     print(f"launch {i}: {arg}", flush=True)

@@ -12,13 +12,9 @@ and V read + page bytes written (scales and zeros included). The copy row
 copies the same K and V input bytes device to device (read + write).
 Timings are medians of CUDA-graph replays (``time_ms`` from decode_gpu.py).
 
-Every launch shape the writers offer is timed (``tuning``), and each
+Each format's launch shape (WRITE_TUNING, INT2_TUNING) and a few others are timed, and each
 shape's bytes are compared once with the torch reference (paged_ref on CPU
-copies of the inputs): OK or MISMATCH (exit code 1). The previous int4 /
-INT2 writers (one IEEE division per value, commit e0a6224) that this file
-timed for a before/after are gone: they wrote value scales row-major, the
-layout before the token-minor one (commit 6d39944), so they could only
-MISMATCH; bench/NOTES-kernels.md keeps their numbers.
+copies of the inputs): OK or MISMATCH (exit code 1).
 """
 
 from __future__ import annotations
@@ -45,22 +41,38 @@ BRIEF_COPY_TBS = 2.99  # the H100's device-to-device copy bandwidth from the bri
 SCALES = {"bf16": 1.0, "fp8_e4m3": 0.05, "nvfp4": 1.0 / (6 * 448) * 8, "int4": 1.0}
 PAGE = {"bf16": 16, "fp8_e4m3": 16, "nvfp4": 16, "int4": 32}
 
-# (label, format, tuning) of write_kv; (label, tuning) of write_int2_pages
-KV_VARIANTS: list[tuple[str, str, dict[str, int] | None]] = [
+# (label, format, launch_write_kv's num_warps and bt; None: write_kv's own shape); (label, launch_int2_keys' heads
+# and num_warps, launch_int2_values' num_warps; None: write_int2_pages' own)
+KV_VARIANTS: list[tuple[str, str, tuple[int, int] | None]] = [
     ("write_kv fp8_e4m3", "fp8_e4m3", None),
     ("write_kv bf16", "bf16", None),
     ("write_kv nvfp4 (rows)", "nvfp4", None),
-    ("write_kv nvfp4 (groups, 4 warps)", "nvfp4", {"groups": 1, "num_warps": 4}),
-    ("write_kv nvfp4 (groups, 8 warps)", "nvfp4", {"groups": 1, "num_warps": 8}),
     ("write_kv int4 (groups, 4 warps)", "int4", None),
-    ("write_kv int4 (groups, 2 warps)", "int4", {"num_warps": 2}),
-    ("write_kv int4 (groups, 8 warps)", "int4", {"num_warps": 8}),
+    ("write_kv int4 (groups, 2 warps)", "int4", (2, 0)),
+    ("write_kv int4 (groups, 8 warps)", "int4", (8, 0)),
 ]
-INT2_VARIANTS: list[tuple[str, dict[str, int] | None]] = [
+INT2_VARIANTS: list[tuple[str, tuple[int, int, int] | None]] = [
     ("write_int2_pages (keys 1 head/1 warp, values 4 warps)", None),
-    ("write_int2_pages (values 8 warps)", {"value_warps": 8}),
-    ("write_int2_pages (keys 2 heads/2 warps)", {"heads": 2, "key_warps": 2}),
+    ("write_int2_pages (values 8 warps)", (1, 1, 8)),
+    ("write_int2_pages (keys 2 heads/2 warps)", (2, 2, 4)),
 ]
+
+
+def write_kv(kv: PagedKV, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
+             shape: tuple[int, int] | None) -> None:  # fmt: skip
+    if shape is None:
+        triton_write.write_kv(kv, k, v, ids, slots)
+    else:
+        triton_write.launch_write_kv(kv, k, v, ids, slots, num_warps=shape[0], bt=shape[1])
+
+
+def write_int2_pages(kv: PagedKV, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor,
+                     shape: tuple[int, int, int] | None) -> None:  # fmt: skip
+    if shape is None:
+        triton_write.write_int2_pages(kv, k, v, ids)
+    else:
+        triton_write.launch_int2_keys(kv, k, ids, heads=shape[0], num_warps=shape[1])
+        triton_write.launch_int2_values(kv, v, ids, num_warps=shape[2])
 
 
 # ----------------------------------------------------------------------------
@@ -123,13 +135,13 @@ def main() -> int:
         buf = torch.zeros(n * layout.page_bytes, dtype=torch.uint8, device="cuda")
         sc = SCALES[fmt]
         kv = PagedKV(buf, layout, sc, sc)
-        triton_write.write_kv(kv, k, v, ids, slots, tuning=tuning)
+        write_kv(kv, k, v, ids, slots, tuning)
         if fmt not in refs:
             ref = torch.zeros(n * layout.page_bytes, dtype=torch.uint8)
             paged_ref.write_kv(PagedKV(ref, layout, sc, sc), kc, vc, ids.cpu(), slots.cpu())
             refs[fmt] = ref
         check = "OK" if torch.equal(buf.cpu(), refs[fmt]) else "MISMATCH"
-        ms = time_ms(lambda: triton_write.write_kv(kv, k, v, ids, slots, tuning=tuning))
+        ms = time_ms(lambda: write_kv(kv, k, v, ids, slots, tuning))
         record(label, ms, in_bytes + n * layout.page_bytes, check)
 
     # whole INT2 pages: K and V [N, P, H, D]
@@ -147,9 +159,9 @@ def main() -> int:
     in2 = 2 * pk.numel() * pk.element_size()
     for label, tuning2 in INT2_VARIANTS:
         buf2.zero_()
-        triton_write.write_int2_pages(kv2, pk, pv, ids2, tuning=tuning2)
+        write_int2_pages(kv2, pk, pv, ids2, tuning2)
         check = "OK" if torch.equal(buf2.cpu(), ref2) else "MISMATCH"
-        ms = time_ms(lambda: triton_write.write_int2_pages(kv2, pk, pv, ids2, tuning=tuning2))
+        ms = time_ms(lambda: write_int2_pages(kv2, pk, pv, ids2, tuning2))
         record(label, ms, in2 + total, check)
     # the two launches apart (bytes: their half of the input + their fields of the pages)
     cfg = triton_write.INT2_TUNING

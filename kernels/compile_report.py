@@ -99,3 +99,20 @@ def loop_ops(sass: str) -> collections.Counter[str]:
         if t and int(t.group(1), 16) < addr and addr - int(t.group(1), 16) > best[1] - best[0]:
             best = (int(t.group(1), 16), addr)
     return collections.Counter(op for addr, op, _ in lines if best[0] <= addr <= best[1])
+
+
+def loops(sass: str) -> list[collections.Counter[str]]:
+    """Opcodes of each innermost loop (a backward branch's target to the branch, holding no other such loop)."""
+    lines = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)
+        if m:
+            lines.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    spans = []
+    for addr, op, rest in lines:
+        t = re.match(r"\s*(?:`\()?[^0-9]*0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if t and int(t.group(1), 16) < addr:
+            spans.append((int(t.group(1), 16), addr))
+    inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    return [collections.Counter(op for addr, op, _ in lines if a <= addr <= b) for a, b in sorted(set(inner))]
+

@@ -1,7 +1,7 @@
-"""What the Gluon extend kernels share: the q tile, the WS 2 consumer warpgroups and the chunk's staging.
+"""What the Gluon extend kernels share: the q tile, the consumer warpgroups and the chunk's staging.
 
 ``gluon_extend`` (nvfp4 pages) and ``gluon_extend_tri`` (triaxial pages) run the
-same WS 2 schedule (``gluon_extend`` module docstring): a producer partition
+same warp-specialized schedule (``gluon_extend`` module docstring): a producer partition
 fills a ring of fp16 K / V tiles (channels quarter-major: column k * D/4 + j =
 channel 4j + k) and signals ``full``; two consumer warpgroups (``_pp_attend``)
 each run S = q K^T, the online softmax and PV by ``wgmma`` on their half of
@@ -171,7 +171,7 @@ def _softmax(s, m_i, l_i, acc, MASKED: gl.constexpr, TREE: gl.constexpr = 0):
 
 @gluon.jit
 def _softmax_lazy(s, m_i, l_i, acc, TREE: gl.constexpr = 0):
-    """_softmax on an unmasked step (LAZY 1), with a reference max m_i that moves only where the step's row max
+    """_softmax on an unmasked step, with a reference max m_i that moves only where the step's row max
     passes it by more than TAU (then to that max): p = 2^(s - m_i) <= 2^TAU stays exact enough in fp16, and in most
     steps no row of a warp moves, so ``acc *= alpha`` (64 multiplies a thread) sits behind one warp-uniform branch
     (gluon_fragments.rescale, as the decode kernel's lazy softmax). TREE: the row max and sum as trees (_row_reduce)."""
@@ -190,7 +190,7 @@ def _softmax_lazy(s, m_i, l_i, acc, TREE: gl.constexpr = 0):
 @gluon.jit
 def _pp_chunk(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb, h, D: gl.constexpr,
               BLOCK_T: gl.constexpr):  # fmt: skip
-    """The end of a WS 2 producer (any page format): the chunk's own keys up to the program's last token (fp16
+    """The end of a producer (any page format): the chunk's own keys up to the program's last token (fp16
     quarter-major rows, cp.async into the slot, rows past the chunk zero-filled), N per step, into the ring after the
     ``first`` steps the prefix took."""
     N: gl.constexpr = k_ring.shape[1]
@@ -229,9 +229,9 @@ def _chunk_tile(ptr, s0, j, h, mask, D: gl.constexpr):
 @gluon.jit
 def _pp_chunk_rows(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb, h, D: gl.constexpr,
                    BLOCK_T: gl.constexpr):  # fmt: skip
-    """_pp_chunk reading the chunk's k, v as the caller holds them (CKV 1; chunk_rows: one token stride k_s0 for
+    """_pp_chunk reading the chunk's k, v as the caller holds them (chunk_rows: one token stride k_s0 for
     both): through registers (fp16, channels permuted) into the slot, so the wrapper copies neither (chunk_kv: two
-    kernels and a pass over k and v per call)."""
+    kernels and a read and write of k and v per call)."""
     N: gl.constexpr = k_ring.shape[1]
     SLOTS: gl.constexpr = k_ring.shape[0]
     jr = gl.arange(0, N, layout=gl.SliceLayout(1, _row_layout(gl.num_warps())))
@@ -252,17 +252,14 @@ def _pp_chunk_rows(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0
 
 @gluon.jit
 def _pp_setup(q_ptr, n_new, q_s0, q_s1, q_mul, G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PPI: gl.constexpr,
-              BLOCK_T: gl.constexpr, SLOTS: gl.constexpr, REV: gl.constexpr):
-    """The WS 2 kernels' preamble (nvfp4 and triaxial producers alike): the program's chunk block ``qb`` (the last
-    first with REV) and KV head ``h``, each warpgroup's q tile (half the rows each), the K / V rings of SLOTS steps of
+              BLOCK_T: gl.constexpr, SLOTS: gl.constexpr):
+    """The extend kernels' preamble (nvfp4 and triaxial producers alike): the program's chunk block ``qb`` (the
+    last block first: it has the most causal keys, so the grid's tail is shorter) and KV head ``h``, each warpgroup's q tile (half the rows each), the K / V rings of SLOTS steps of
     PPI pages and their ``full`` / ``empty`` barriers (``empty`` counts the two consumers), initialised and fenced."""
     M: gl.constexpr = BLOCK_T * G
     H2: gl.constexpr = M // 2
     N: gl.constexpr = PPI * P
-    if REV:
-        qb = gl.num_programs(0) - 1 - gl.program_id(0)
-    else:
-        qb = gl.program_id(0)
+    qb = gl.num_programs(0) - 1 - gl.program_id(0)
     h = gl.program_id(1)
     q_0 = _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G, D, BLOCK_T, 0, H2)
     q_1 = _load_q(q_ptr, n_new, q_s0, q_s1, q_mul, qb, h, G, D, BLOCK_T, H2, H2)
@@ -272,7 +269,7 @@ def _pp_setup(q_ptr, n_new, q_s0, q_s1, q_mul, G: gl.constexpr, D: gl.constexpr,
 
 @gluon.jit
 def _ring(N: gl.constexpr, D: gl.constexpr, SLOTS: gl.constexpr, CONSUMERS: gl.constexpr):
-    """The warp-specialized kernels' ring: SLOTS K / V tile pairs [N, D] fp16 in shared memory and their mbarriers,
+    """The extend kernels' ring: SLOTS K / V tile pairs [N, D] fp16 in shared memory and their mbarriers,
     ``full`` (the producer's arrival) and ``empty`` (counting the CONSUMERS that release a slot), initialised and
     fenced for the async proxy and the CTA."""
     TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float16)
@@ -291,7 +288,8 @@ def _ring(N: gl.constexpr, D: gl.constexpr, SLOTS: gl.constexpr, CONSUMERS: gl.c
 @gluon.jit
 def _pp_chunk_any(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb, h, D: gl.constexpr,
                   BLOCK_T: gl.constexpr, CKV: gl.constexpr):  # fmt: skip
-    """The chunk's keys into the ring, the way the producer's CKV says (1: _pp_chunk_rows, 0: _pp_chunk)."""
+    """The chunk's keys into the ring: CKV 1 reads them as the caller holds them (_pp_chunk_rows: the triaxial
+    kernel), 0 from the wrapper's fp16 quarter-major copies (_pp_chunk: the nvfp4 kernel)."""
     if CKV:
         _pp_chunk_rows(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0, qb, h, D, BLOCK_T)
     else:
@@ -302,9 +300,11 @@ def _pp_chunk_any(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0,
 def _pp_attend(q_smem, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h,
                R0: gl.constexpr, G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PPI: gl.constexpr,
                BLOCK_T: gl.constexpr, LAZY: gl.constexpr = 0, TREE: gl.constexpr = 0):  # fmt: skip
-    """WS 2 consumer: one warpgroup, the program's rows R0 .. R0 + M (its own q tile): prefix steps, then the chunk's
+    """Consumer partition: one warpgroup, the program's rows R0 .. R0 + M (its own q tile): prefix steps, then the chunk's
     (causal), all from the ring; releases each slot for itself (``empty`` counts both warpgroups), so neither waits
-    for the other's softmax; then its rows of the output. TREE: row max / sum as trees (every step)."""
+    for the other's softmax; then its rows of the output. LAZY: the lazy softmax on full prefix steps
+    (_softmax_lazy); TREE: row max / sum as trees (every step). The nvfp4 kernel runs both, the triaxial one
+    neither (they do not pay there)."""
     W: gl.constexpr = gl.num_warps()
     M: gl.constexpr = q_smem.shape[0]
     N: gl.constexpr = PPI * P

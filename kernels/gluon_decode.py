@@ -3,8 +3,8 @@
 Why a second decode kernel: the ``tl`` kernels in ``triton_decode.py`` dequantize
 a tile in a blocked layout and Triton then moves the fp16 tile through shared
 memory into the ``mma`` operand layout; for 4- and 2-bit pages that round trip
-costs more than reading the bytes, and even fp8 pages read only ~60% of the chip's
-bandwidth that way (bench/NOTES-kernels.md). Gluon lets the
+costs more than reading the bytes, and even fp8 pages read well below the chip's
+bandwidth that way. Gluon lets the
 kernel choose every layout, so here each thread loads exactly the bytes whose
 values its ``mma.m16n8k16`` fragments hold, unpacks them with a few integer ops
 and one ``f16x2`` multiply (or fma) per pair, and hands the registers to the
@@ -18,8 +18,8 @@ a shared-memory ring one step ahead (``STAGES``; each thread copies the bytes
 it later reads, in the layouts below), so the next step's loads are in flight
 while this one unpacks. A copy's address is its page's pointer plus a
 loop-invariant offset and an immediate, and only a split's last step masks
-(``_stage_copies``): the step's address arithmetic went from ~196 to ~70
-instructions (bench/NOTES-kernels.md, session 9). Per warp and step::
+(``_stage_copies``), which keeps the step's address arithmetic to a few
+instructions. Per warp and step::
 
     S^T[NT, HP] = K[NT, D] . q^T[D, HP]         K: A operand (rows = tokens), HP = query heads padded to 8
     O^T[D, HP] += V^T[D, NT] . P^T[NT, HP]      V^T: A operand (rows = channels), P^T: B operand
@@ -104,7 +104,7 @@ from .triton_common import (
 FLAG: gl.constexpr = gl.constexpr(INT2_PAGE_FLAG)
 GL_FMT_FP8: gl.constexpr = gl.constexpr(3)
 # LAZY softmax: a row's reference max moves only when its scores pass it by more than this (base 2), so the
-# probabilities stay <= 2^8 in fp16 and the rescale of the accumulator is rare (bench/NOTES-kernels.md, session 13)
+# probabilities stay <= 2^8 in fp16 and the rescale of the accumulator is rare
 TAU: gl.constexpr = gl.constexpr(8.0)
 
 
@@ -181,78 +181,6 @@ def _load_q_piece(q_row_ptr, G, KB: gl.constexpr, PER: gl.constexpr, PIECE: gl.c
     return (q.to(gl.float32) * SCALE).to(gl.float16)
 
 
-@gluon.jit
-def _load_step(pt_row, base, hi, num_tokens, h, buf_ptr, total_bytes, FMT: gl.constexpr, P: gl.constexpr,
-               PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
-               KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
-               VZ_OFF: gl.constexpr, LV_LOAD: gl.constexpr, LV_UNPACK: gl.constexpr):  # fmt: skip
-    """The bytes of one step (pages base + w*PPW .. of warp w), raw: (K bytes, V bytes, K scales, K zeros,
-    V scales, V zeros); tokens past the split or the sequence read as 0."""
-    D: gl.constexpr = 128
-    W: gl.constexpr = gl.num_warps()
-    NT: gl.constexpr = PPW * P
-    INT2: gl.constexpr = FMT == GL_FMT_INT2
-    KB: gl.constexpr = _kb(FMT)  # bytes per token row
-    # K bytes: thread c holds KB/4 contiguous bytes of tokens g, g+8, ...: [W, NT, groups, bytes per group]
-    # bytes per scale group: an E4M3-scaled block (nvfp4), a 32-channel group (INT4), a thread's row share (INT2)
-    KG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else (16 if FMT == GL_FMT_INT4 else KB // 4)
-    NGR: gl.constexpr = D // 32  # INT4 / INT2 scale groups per row
-    LK: gl.constexpr = gl.BlockedLayout([1, 1, (KB // 4) // KG, KG], [1, 8, 4, 1], [W, 1, 1, 1], [3, 2, 1, 0])
-    LK3: gl.constexpr = gl.BlockedLayout([1, 1, KB // 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
-    kw, kn, kj = idx3(LK3, W, NT, KB)  # loaded as 3-D rows: one 16-byte (8 for INT2) vector per token
-    koff, krow, kok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, kw, kn, P, PPW, PAGE_BYTES, INT2)
-    kb = gl.load(buf_ptr + koff + K_OFF + krow * KB + kj, mask=kok, other=0)
-    if FMT == GL_FMT_NVFP4 or FMT == GL_FMT_INT4:
-        kb = gl.convert_layout(gl.reshape(kb, [W, NT, KB // KG, KG]), LK, assert_trivial=True)
-    # V bytes [W, NT, groups, bytes per group] in the channel-slice layout (see v_layouts)
-    VG: gl.constexpr = _vg(FMT)  # bytes per scale group
-    vw, vn, vg, vj = idx4(LV_LOAD, W, NT, KB // VG, VG)
-    voff, vrow, vok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, vw, vn, P, PPW, PAGE_BYTES, INT2)
-    vb = gl.load(buf_ptr + voff + V_OFF + vrow * KB + vg * VG + vj, mask=vok, other=0)
-    if FMT == GL_FMT_FP8:  # no scales: the layer's scale is folded into k_mul and the merge
-        ks = kb
-        kz = kb
-        vs = vb
-        vz = vb
-    elif FMT == GL_FMT_NVFP4:
-        tw, tn, tg = idx3(gl.SliceLayout(3, LV_UNPACK), W, NT, KB // VG)
-        toff, trow, tok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, tw, tn, P, PPW, PAGE_BYTES, INT2)
-        sw, sn, sg = idx3(gl.SliceLayout(3, LK), W, NT, KB // KG)
-        soff, srow, sok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, sw, sn, P, PPW, PAGE_BYTES, INT2)
-        ks = gl.load(buf_ptr + soff + KS_OFF + srow * (D // 16) + sg, mask=sok, other=0)
-        vs = gl.load(buf_ptr + toff + VS_OFF + trow * (D // 16) + tg, mask=tok, other=0)
-        kz = ks  # unused: nvfp4 has no zero point
-        vz = vs
-    else:
-        # V scale / zero: one int32 word (s_a, s_b) per token pair (2c, 2c+1) and group, from the token-minor
-        # fields [H, D/32, P] (layout.py); a second token past the sequence (partial page) reads 0 like masked ones
-        LVP: gl.constexpr = pair_layout(LV_UNPACK)
-        pw, pn, pg = idx3(LVP, W, NT // 2, KB // VG)
-        poff, prow, pok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, pw, 2 * pn, P, PPW, PAGE_BYTES, INT2)
-        _o, _r, bok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, pw, 2 * pn + 1, P, PPW, PAGE_BYTES, INT2)
-        keep = gl.where(bok, -1, 0xFFFF)
-        vp = (buf_ptr + poff).to(gl.pointer_type(gl.int32), bitcast=True)
-        pi = ((prow // P) * NGR + pg) * (P // 2) + (prow % P) // 2
-        vs = gl.load(vp + (VS_OFF // 4 + pi), mask=pok, other=0) & keep
-        vz = gl.load(vp + (VZ_OFF // 4 + pi), mask=pok, other=0) & keep
-        if FMT == GL_FMT_INT4:
-            sw, sn, sg = idx3(gl.SliceLayout(3, LK), W, NT, KB // KG)
-            soff, srow, sok = _rows(pt_row, base, hi, num_tokens, h, total_bytes, sw, sn, P, PPW, PAGE_BYTES, INT2)
-            kp = (buf_ptr + soff).to(gl.pointer_type(gl.float16), bitcast=True) + srow * NGR + sg
-            ks = gl.load(kp + (KS_OFF // 2), mask=sok, other=0.0)
-            kz = gl.load(kp + (KZ_OFF // 2), mask=sok, other=0.0)
-        else:
-            # the warp's page (NT == P): per-channel key scales and zeros [W, D, HP], one 16-byte vector per 8
-            # channels (relabelled to crumbs by crumbs)
-            bw, bc, bh = idx3(chan_layout(W, HP), W, D, HP)
-            cok = (base + bw < hi) & (bh >= 0)
-            ks = gl.load(_int2_page(pt_row, base + bw, hi, h, buf_ptr, total_bytes, PAGE_BYTES, KS_OFF) + bc,
-                         mask=cok, other=0.0)  # fmt: skip
-            kz = gl.load(_int2_page(pt_row, base + bw, hi, h, buf_ptr, total_bytes, PAGE_BYTES, KZ_OFF) + bc,
-                         mask=cok, other=0.0)  # fmt: skip
-    return kb, vb, ks, kz, vs, vz
-
-
 @gluon.constexpr_function
 def _ring_layout(rank: int) -> Any:
     """Plain row-major shared layout of one slot (rank dims) of a staging ring: the copies write what the reads read."""
@@ -304,8 +232,8 @@ def _stage_step(rings, slot, pt_row, base, hi, num_tokens, h, buf_ptr, total_byt
                 P: gl.constexpr, PPW: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
                 KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
                 VZ_OFF: gl.constexpr, LV_LOAD: gl.constexpr):  # fmt: skip
-    """Start the cp.async copies of one step's bytes (as _load_step reads them) into ring slot ``slot``; tokens
-    past the split or the sequence are zero-filled, so the step reads exactly what _load_step would. A step whose
+    """Start the cp.async copies of one step's bytes (pages base + w*PPW .. of warp w) into ring slot ``slot``;
+    tokens past the split or the sequence are zero-filled, so they read as 0. A step whose
     tokens are all valid (every step of a split but its last) copies without masks (_stage_copies)."""
     W: gl.constexpr = gl.num_warps()
     lim = _limit(base, hi, num_tokens, P)
@@ -413,11 +341,11 @@ def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, F
 def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: gl.constexpr, P: gl.constexpr,
                PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, LV_LOAD: gl.constexpr,
                LV_UNPACK: gl.constexpr):  # fmt: skip
-    """One staged step from ring slot ``slot`` into registers, in _load_step's layouts and order.
+    """One staged step from ring slot ``slot`` into registers, raw: (K bytes, V bytes, K scales, K zeros, V scales,
+    V zeros), in the layouts _step unpacks.
 
     The V scale / zero pairs of INT4 / INT2 pages are masked in every step: masking them only in a split's last
-    step (behind a uniform test) saved 15-16 instructions a step offline but took 163 -> 168 registers and was
-    1.5-3.7% slower on an H200 (bench/NOTES-kernels.md session 16)."""
+    step (behind a uniform test) takes more registers and is slower."""
     D: gl.constexpr = 128
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P
@@ -448,7 +376,7 @@ def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: g
         vs = vsr.index(slot).permute([0, 2, 1]).load(LVP)
         vz = vzr.index(slot).permute([0, 2, 1]).load(LVP)
         keep = gl.where(pw * NT + 2 * pn + 1 < lim, -1, 0xFFFF)  # the second token of a pair past the
-        vs = vs & keep  # sequence reads 0, as in _load_step (its bytes may be any stale fp16, inf or NaN)
+        vs = vs & keep  # sequence reads 0 (its bytes may be any stale fp16, inf or NaN)
         vz = vz & keep
         if INT2:
             CL: gl.constexpr = chan_layout(W, HP)
@@ -469,10 +397,10 @@ def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: g
 @gluon.jit
 def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes, k_mul, FMT: gl.constexpr,
           P: gl.constexpr, PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, QF: gl.constexpr,
-          LV_UNPACK: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
+          LV_UNPACK: gl.constexpr):  # fmt: skip
     """One step of every warp: scores of its NT tokens, online softmax, O^T += V^T P^T -> (m_i, l_i, acc).
 
-    l_i: [W, HP] sums (LAZY 0), or LAZY 1 the [W, 16, HP] accumulator of ones . P^T (_gl_split reduces it)."""
+    l_i: the [W, 16, HP] accumulator of ones . P^T (_gl_split reduces it)."""
     D: gl.constexpr = 128
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P
@@ -524,36 +452,26 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
 
     # ---- online softmax over the warp's tokens (base 2) ----
     mw, mn, mh = idx3(MMA, W, NT, HP)
-    if LAZY:
-        # m_i is a reference max that moves only where a row's max passes it by more than TAU (then to that
-        # max), so p = 2^(s - m_i) <= 2^TAU stays in fp16, and in most steps no row of the warp moves: the
-        # rescale of acc and l is skipped by one uniform branch (rescale); l is summed by the tensor core
-        # (ones . P^T, every row the same), not by shuffles. Only a split's last step masks its scores, and
-        # they stay raw: k_mul (> 0) scales the row max and enters p's exponent in one fma.
-        lim = _limit(base, hi, num_tokens, P)
-        if lim < W * NT:
-            sc = gl.where((mw * NT + mn < lim) & (mh >= 0), sc, float("-inf"))
-        top = gl.max(sc, axis=1) * k_mul
-        grow = top > m_i + TAU
-        m_new = gl.where(grow, top, m_i)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.expand_dims(gl.exp2(m_i - m_safe), 1)
-        p = gl.exp2(gl.fma(sc, gl.full(sc.shape, k_mul, gl.float32, MMA), -gl.expand_dims(m_safe, 1)))
-        moved = gl.expand_dims(warp_any(grow.to(gl.int32), HP // 4), 1)
-        pt = gl.convert_layout(p.to(gl.float16), B)
-        # before the V unpack, so that the branch does not hold the unpacked V fragments live across it
-        acc = rescale(acc, alpha, moved, 32)
-        l_i = rescale(l_i, alpha, moved, 4)
-        l_i = mma_v2(gl.full([W, 16, NT], 1.0, gl.float16, A), pt, l_i)
-    else:
-        mok = mw * NT + mn < _limit(base, hi, num_tokens, P)
-        sc = gl.where(mok & (mh >= 0), sc * k_mul, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(sc - gl.expand_dims(m_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        pt = gl.convert_layout(p.to(gl.float16), B)
+    # m_i is a reference max that moves only where a row's max passes it by more than TAU (then to that
+    # max), so p = 2^(s - m_i) <= 2^TAU stays in fp16, and in most steps no row of the warp moves: the
+    # rescale of acc and l is skipped by one uniform branch (rescale); l is summed by the tensor core
+    # (ones . P^T, every row the same), not by shuffles. Only a split's last step masks its scores, and
+    # they stay raw: k_mul (> 0) scales the row max and enters p's exponent in one fma.
+    lim = _limit(base, hi, num_tokens, P)
+    if lim < W * NT:
+        sc = gl.where((mw * NT + mn < lim) & (mh >= 0), sc, float("-inf"))
+    top = gl.max(sc, axis=1) * k_mul
+    grow = top > m_i + TAU
+    m_new = gl.where(grow, top, m_i)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.expand_dims(gl.exp2(m_i - m_safe), 1)
+    p = gl.exp2(gl.fma(sc, gl.full(sc.shape, k_mul, gl.float32, MMA), -gl.expand_dims(m_safe, 1)))
+    moved = gl.expand_dims(warp_any(grow.to(gl.int32), HP // 4), 1)
+    pt = gl.convert_layout(p.to(gl.float16), B)
+    # before the V unpack, so that the branch does not hold the unpacked V fragments live across it
+    acc = rescale(acc, alpha, moved, 32)
+    l_i = rescale(l_i, alpha, moved, 4)
+    l_i = mma_v2(gl.full([W, 16, NT], 1.0, gl.float16, A), pt, l_i)
 
     # ---- O^T += V^T . P^T ----
     vb = gl.convert_layout(vb, LV_UNPACK, assert_trivial=True)
@@ -574,8 +492,6 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
         vlo = swap_t0_j0(gl.reshape(vlo, [W, NT, KB]), W, NT, KB)
         vhi = swap_t0_j0(gl.reshape(vhi, [W, NT, KB]), W, NT, KB)
         vv = gl.reshape(gl.join(vlo, vhi), [W, NT, D])  # channel 2j + nibble
-    if not LAZY:
-        acc = acc * gl.expand_dims(alpha, 1)
     acc = mma_v2(as_a_channels(vv, W, NT, D, A), pt, acc)
     return m_new, l_i, acc
 
@@ -585,11 +501,11 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
               FMT: gl.constexpr, G: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
               KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
               VZ_OFF: gl.constexpr, PPW: gl.constexpr, HP: gl.constexpr, LV_LOAD: gl.constexpr,
-              LV_UNPACK: gl.constexpr, STAGES: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
+              LV_UNPACK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """Pages [lo, hi) of one (sequence, kv head) in one format -> this split's rows of o and lse (if mine).
 
-    STAGES 0: each step loads its bytes into registers and waits for them; STAGES >= 2: a ring of STAGES
-    shared-memory slots filled by cp.async STAGES - 1 steps ahead, so that many steps' bytes are in flight."""
+    A ring of STAGES shared-memory slots filled by cp.async STAGES - 1 steps ahead, so that many steps' bytes are
+    in flight."""
     D: gl.constexpr = 128
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P  # tokens per warp per step
@@ -614,41 +530,30 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
         q3 = _load_q_piece(q_row, G, KB, PER, 3, W, HP, B, QF)
 
     m_i = gl.full([W, HP], float("-inf"), gl.float32, gl.SliceLayout(1, MMA))
-    if LAZY:
-        l_i = gl.zeros([W, 16, HP], gl.float32, MMA)
-    else:
-        l_i = gl.zeros([W, HP], gl.float32, gl.SliceLayout(1, MMA))
+    l_i = gl.zeros([W, 16, HP], gl.float32, MMA)
     acc = gl.zeros([W, D, HP], gl.float32, MMA)
-    if STAGES == 0:
-        for base in range(lo, hi, W * PPW):
-            d = _load_step(pt_row, base, hi, num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW, HP, PAGE_BYTES, K_OFF,
-                           KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, LV_UNPACK)  # fmt: skip
-            m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,
-                                  k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK, LAZY)  # fmt: skip
-    else:
-        STEP: gl.constexpr = W * PPW
-        rings = _rings(FMT, NT, HP, STAGES, LV_LOAD)
-        for i in gl.static_range(STAGES - 1):
-            _stage_step(rings, i, pt_row, lo + i * STEP, hi, num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW,
-                        PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD)  # fmt: skip
-            async_copy.commit_group()
-        rd = 0  # the ring slot this step reads; the copies go to the one before it (read by the step before)
-        for j in range(0, gl.cdiv(hi - lo, STEP)):
-            _stage_step(rings, gl.where(rd == 0, STAGES - 1, rd - 1), pt_row, lo + (j + STAGES - 1) * STEP, hi,
-                        num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
-                        VS_OFF, VZ_OFF, LV_LOAD)  # fmt: skip
-            async_copy.commit_group()
-            async_copy.wait_group(STAGES - 1)
-            base = lo + j * STEP
-            d = _read_step(rings, rd, pt_row, base, hi, num_tokens, h, total_bytes, FMT, P, PPW, HP, PAGE_BYTES,
-                           LV_LOAD, LV_UNPACK)  # fmt: skip
-            rd = gl.where(rd == STAGES - 1, 0, rd + 1)
-            m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,
-                                  k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK, LAZY)  # fmt: skip
-        async_copy.wait_group(0)  # the copies past the split (zero-fills) land before the epilogue reuses smem
+    STEP: gl.constexpr = W * PPW
+    rings = _rings(FMT, NT, HP, STAGES, LV_LOAD)
+    for i in gl.static_range(STAGES - 1):
+        _stage_step(rings, i, pt_row, lo + i * STEP, hi, num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW,
+                    PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD)  # fmt: skip
+        async_copy.commit_group()
+    rd = 0  # the ring slot this step reads; the copies go to the one before it (read by the step before)
+    for j in range(0, gl.cdiv(hi - lo, STEP)):
+        _stage_step(rings, gl.where(rd == 0, STAGES - 1, rd - 1), pt_row, lo + (j + STAGES - 1) * STEP, hi,
+                    num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
+                    VS_OFF, VZ_OFF, LV_LOAD)  # fmt: skip
+        async_copy.commit_group()
+        async_copy.wait_group(STAGES - 1)
+        base = lo + j * STEP
+        d = _read_step(rings, rd, pt_row, base, hi, num_tokens, h, total_bytes, FMT, P, PPW, HP, PAGE_BYTES,
+                       LV_LOAD, LV_UNPACK)  # fmt: skip
+        rd = gl.where(rd == STAGES - 1, 0, rd + 1)
+        m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,
+                              k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK)  # fmt: skip
+    async_copy.wait_group(0)  # the copies past the split (zero-fills) land before the epilogue reuses smem
 
-    if LAZY:
-        l_i = gl.max(l_i, axis=1)  # every row of ones . P^T is the sum
+    l_i = gl.max(l_i, axis=1)  # every row of ones . P^T is the sum
     # ---- merge the warps by log-sum-exp; store this split's rows ----
     top = gl.max(m_i, axis=0)  # [HP]
     top_safe = gl.where(top == float("-inf"), 0.0, top)
@@ -684,7 +589,7 @@ def _gl_decode_kernel(
     S,  # splits per (sequence, head)
     PPS,  # pages per split
     FMT: gl.constexpr,  # GL_FMT_* of the plain (or triaxial INT4) pages
-    PART: gl.constexpr,  # 0: plain pages; triaxial rows (INT2 pages first): 1 both kinds, 2 the INT2 splits only, 4 the INT4 ones
+    TRIAXIAL: gl.constexpr,  # 0: plain pages; 1: triaxial rows (INT2 pages first), both kinds' splits in one launch
     H: gl.constexpr, G: gl.constexpr, P: gl.constexpr,
     PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr,
     V_OFF: gl.constexpr, VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr,
@@ -694,8 +599,7 @@ def _gl_decode_kernel(
     P2: gl.constexpr, PAGE_BYTES2: gl.constexpr, K_OFF2: gl.constexpr, KS_OFF2: gl.constexpr,  # INT2 pages (triaxial)
     KZ_OFF2: gl.constexpr, V_OFF2: gl.constexpr, VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr,
     LV_LOAD2: gl.constexpr, LV_UNPACK2: gl.constexpr,
-    STAGES: gl.constexpr,  # 0: loads into registers each step; >= 2: cp.async ring this many steps deep
-    LAZY: gl.constexpr,  # 1: lazy reference max, rescale skipped by a uniform branch, l by the tensor core
+    STAGES: gl.constexpr,  # cp.async ring this many steps deep (>= 2)
 ):
     s = gl.program_id(0)
     h = gl.program_id(1)
@@ -705,26 +609,24 @@ def _gl_decode_kernel(
     head0 = b * (H * G) + h * G
     q_row = q_ptr + head0.to(gl.int64) * 128
     pt_row = pt_ptr + b.to(gl.int64) * pt_stride
-    if PART == 0:
+    if TRIAXIAL == 0:
         lo = s * PPS
         _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                   gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF,
-                  VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, LAZY)  # fmt: skip
+                  VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES)  # fmt: skip
     else:
         n2 = gl.load(n2_ptr + b)
         c2 = gl.cdiv(n2, PPS)  # splits that cover the INT2 pages; the rest cover INT4 pages
         if s < c2:
-            if PART != 4:
-                lo = s * PPS
-                _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
-                          gl.minimum(lo + PPS, n2), s >= 0, GL_FMT_INT2, G, P2, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2,
-                          V_OFF2, VS_OFF2, VZ_OFF2, 1, HP, LV_LOAD2, LV_UNPACK2, STAGES, LAZY)  # fmt: skip
+            lo = s * PPS
+            _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
+                      gl.minimum(lo + PPS, n2), s >= 0, GL_FMT_INT2, G, P2, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2,
+                      V_OFF2, VS_OFF2, VZ_OFF2, 1, HP, LV_LOAD2, LV_UNPACK2, STAGES)  # fmt: skip
         else:
-            if PART != 2:
-                lo = n2 + (s - c2) * PPS
-                _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
-                          gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
-                          VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, LAZY)  # fmt: skip
+            lo = n2 + (s - c2) * PPS
+            _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
+                      gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
+                      VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------
@@ -733,32 +635,22 @@ def _gl_decode_kernel(
 
 GL_FMT = {"nvfp4": 0, "int4": 1, "int2": 2, "fp8_e4m3": 3}
 INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", "VZ_OFF", "LV_LOAD", "LV_UNPACK")
-# warps per program, pages per warp per step, programs per SM PLAN 0's planner aims for, register cap (triaxial:
-# both branches in one kernel take 175 registers, 2 programs of 4 warps per SM; 168 fits 3, without spills; with
-# 16 query heads per kv head the kernel needs ~245 and runs uncapped)
-# The splits: triton_common.plan_waves, from RES (RES16: 16 query heads per kv head) programs resident per SM --
-# resident_programs of the kernel compiled with this tuning by the device's triton 3.6 (tests/kernels/
-# test_gluon_decode.py holds RES to the pinned triton's compile, RES and RES16 to the launched kernel on the GPU):
-# nvfp4 123 registers (x 2 warps: 8 programs by the register file), 18 KB ring;
-# fp8 126 registers, 32 KB ring (6 by shared memory); triaxial 163 of its 168 (3 by registers), 40 KB; with 16
-# heads uncapped: 196 / 200 / 229 registers (5 / 5 / 2). A tuning that changes warps, STAGES or maxnreg must set
-# RES too. The launch takes triton_common.pick_plan's choice between plan_waves' plan and the session-6 planner's
-# (splits of at least SPLIT_MIN_TOKENS tokens unless fewer than SPLIT_MIN_FILL programs per SM), judged by the
-# busiest SM's pages with FILLW warps of fill a wave (fp8 0: 3 programs an SM already saturate its memory reads,
-# bench/NOTES-kernels.md session 15). Benchmarks: PLAN 0 the session-6 plan alone, PLAN 2 plan_waves' alone
-# (session 14's default); MINW keeps plan_waves to grids of at least that many waves; SPLITS forces a split count
-# (forced_plan: timing plans side by side, bench/NOTES-kernels.md).
-SPLIT_MIN_TOKENS = 1536
-SPLIT_MIN_FILL = 2
-# STAGES: the cp.async ring's depth (0: no ring, each step loads into registers and waits); 2 measured best on an
-# H200 (bench/NOTES-kernels.md session 7: 3 and 4 no better, 4 slower for triaxial: 81 KB of smem, 2 programs per SM).
-# nvfp4 / fp8 capped at 128 registers since the lazy softmax (LAZY, session 13): 16 warps per SM, no spills; 147
-# uncapped measured slower. Tuning keys for benchmarks: LAZY 0 (the old softmax), MBS (the two-loop split merge).
+# Per format: warps per program, pages per warp per step (PPW), the programs per SM the min-length planner aims
+# for (PPSM), the cp.async ring's depth (STAGES: 2 is the fastest; deeper rings take shared memory and programs),
+# the register cap (nvfp4 / fp8 128: 16 warps per SM without spills; triaxial 168: 3 programs of 4 warps per SM
+# with both kinds' branches; 16 query heads per kv head run uncapped), and the programs per SM the compiled kernel
+# allows with 4 (RES) or 16 (RES16) query heads per kv head (triton_common.resident_programs of the device's
+# compile, held by tests/kernels/test_gluon_decode.py: a tuning that changes warps, STAGES or maxnreg sets RES
+# too). FILLW: the warps of fill a wave costs in pick_plan (fp8 0: 3 programs an SM already saturate its reads).
 GL_TUNING: dict[str, dict[str, int]] = {
     "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128, "RES": 8, "RES16": 5},
     "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 168, "STAGES": 2, "RES": 3, "RES16": 2},  # triaxial
     "fp8_e4m3": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128, "RES": 6, "RES16": 5, "FILLW": 0},
 }
+# the min-length planner's splits: at least SPLIT_MIN_TOKENS tokens, unless that leaves fewer than SPLIT_MIN_FILL
+# programs per SM
+SPLIT_MIN_TOKENS = 1536
+SPLIT_MIN_FILL = 2
 
 
 FORMATS = ("nvfp4", "int4", "fp8_e4m3")  # plain nvfp4 / fp8 pages; int4 pages alone or with INT2 pages (triaxial)
@@ -799,57 +691,40 @@ def decode_attention(
     *,
     sm_scale: float,
     num_int2_pages: torch.Tensor | None = None,
-    tuning: dict[str, int] | None = None,
-    splits: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Launch the Gluon decode (arguments checked by paged_ops; ``supported`` must hold) -> [B, Hq, D] in q.dtype.
-
-    tuning overrides GL_TUNING[fmt] (RES / RES16, PLAN, MINW, FILLW: the split planner's; MINTOK / FILL: PLAN 0's
-    SPLIT_MIN_TOKENS / SPLIT_MIN_FILL; SPLITS: a forced split count, ``forced_plan``);
-    splits (splits, pages per split) overrides the planner."""
-    out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages,
-                           tuning=tuning, splits=splits)  # fmt: skip
+    """Launch the Gluon decode (arguments checked by paged_ops; ``supported`` must hold) -> [B, Hq, D] in q.dtype:
+    GL_TUNING's kernel on split_plan's splits."""
+    cfg = GL_TUNING[kv.layout.fmt]
+    plan = split_plan(q, kv, page_table, cfg)
+    out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages, cfg=cfg,
+                           plan=plan)  # fmt: skip
     return out
 
 
-def forced_plan(pages: int, ppi: int, splits: int, *, triaxial: bool) -> tuple[int, int]:
-    """(splits, pages per split) of the tuning key SPLITS (benchmarks: time a plan the planners would not pick).
+def min_length_plan(q: torch.Tensor, kv: PagedKV, page_table: torch.Tensor, cfg: dict[str, int]) -> tuple[int, int]:
+    """(splits, pages per split) of triton_common.plan_splits: about PPSM programs per SM, no split shorter than
+    SPLIT_MIN_TOKENS tokens unless fewer than SPLIT_MIN_FILL programs per SM are left."""
+    bh, pages, ppi = q.shape[0] * kv.layout.kv_heads, page_table.shape[1], cfg["num_warps"] * cfg["PPW"]
+    return plan_splits(bh, pages, ppi, q.device, triaxial=kv.triaxial, programs_per_sm=cfg["PPSM"],
+                       min_pages=-(-SPLIT_MIN_TOKENS // kv.layout.page_size), min_fill=SPLIT_MIN_FILL)  # fmt: skip
 
-    Plain pages: ``splits`` chunks of the page-table width, ceil(pages / splits) pages each rounded up to a whole
-    step (ppi pages; the kernel's loop needs it), so the grid can come out with fewer splits than asked (256 pages,
-    SPLITS 3: 3 x 88; SPLITS 100 at 4 pages a step: 64 x 4). Triaxial: SPLITS counts the grid's splits as the
-    planners do, the INT2 / INT4 boundary's included -- a row runs ceil(n2 / pps) INT2 and ceil(n4 / pps) INT4
-    programs, at most one more than ceil(pages / pps) (the kernel's ``c2``), so SPLITS k cuts the width into
-    k - 1 chunks (the session-6 plan 10 x 116 at 32 x 32K is SPLITS 10), and k must be at least 2."""
-    least = 2 if triaxial else 1
-    if splits < least:
-        why = " for triaxial pages (one split is the INT2 / INT4 boundary's)" if triaxial else ""
-        raise ValueError(f"tuning SPLITS must be >= {least}{why}, got {splits}")
-    chunks = splits - (1 if triaxial else 0)
-    pps = -(-(-(-max(pages, 1) // chunks)) // ppi) * ppi
-    return -(-max(pages, 1) // pps) + (1 if triaxial else 0), pps
+
+def wave_plan(q: torch.Tensor, kv: PagedKV, page_table: torch.Tensor, cfg: dict[str, int]) -> tuple[int, int]:
+    """(splits, pages per split) of triton_common.plan_waves on the tuning's programs resident per SM."""
+    bh, pages, ppi = q.shape[0] * kv.layout.kv_heads, page_table.shape[1], cfg["num_warps"] * cfg["PPW"]
+    resident = cfg["RES" if q.shape[1] // kv.layout.kv_heads <= 8 else "RES16"]
+    return plan_waves(bh, pages, ppi, sm_count(q.device), resident=resident, warps=cfg["num_warps"],
+                      triaxial=kv.triaxial)  # fmt: skip
 
 
 def split_plan(q: torch.Tensor, kv: PagedKV, page_table: torch.Tensor, cfg: dict[str, int]) -> tuple[int, int]:
-    """(splits, pages per split) of a launch with tuning ``cfg`` (GL_TUNING[fmt] and its overrides): pick_plan's
-    choice between plan_waves on the tuning's programs resident per SM and the session-6 min-length planner
-    (PLAN 0: the min-length plan alone; PLAN 2: the wave plan alone, session 14's default; SPLITS: that many
-    splits, ``forced_plan``)."""
+    """(splits, pages per split) of a launch with tuning ``cfg``: triton_common.pick_plan's choice between
+    wave_plan and min_length_plan, judged by the busiest SM's pages with FILLW warps of fill a wave (neither plan
+    alone is the faster at every shape)."""
     bh, pages, ppi = q.shape[0] * kv.layout.kv_heads, page_table.shape[1], cfg["num_warps"] * cfg["PPW"]
-    if "SPLITS" in cfg:
-        return forced_plan(pages, ppi, cfg["SPLITS"], triaxial=kv.triaxial)
-    if not cfg.get("PLAN", 1):
-        return plan_splits(bh, pages, ppi, q.device, triaxial=kv.triaxial, programs_per_sm=cfg["PPSM"],
-                           min_pages=-(-cfg.get("MINTOK", SPLIT_MIN_TOKENS) // kv.layout.page_size),
-                           min_fill=cfg.get("FILL", SPLIT_MIN_FILL))  # fmt: skip
     resident = cfg["RES" if q.shape[1] // kv.layout.kv_heads <= 8 else "RES16"]
-    sms = sm_count(q.device)
-    wave = plan_waves(bh, pages, ppi, sms, resident=resident, warps=cfg["num_warps"], triaxial=kv.triaxial,
-                      min_waves=cfg.get("MINW", 1))  # fmt: skip
-    if cfg.get("PLAN", 1) == 2:
-        return wave
-    old = split_plan(q, kv, page_table, {**cfg, "PLAN": 0})
-    return pick_plan(bh, pages, ppi, sms, wave=wave, old=old, resident=resident,
+    return pick_plan(bh, pages, ppi, sm_count(q.device), wave=wave_plan(q, kv, page_table, cfg),
+                     old=min_length_plan(q, kv, page_table, cfg), resident=resident,
                      fill=cfg.get("FILLW", WAVE_FILL_WARPS) / cfg["num_warps"])  # fmt: skip
 
 
@@ -861,19 +736,16 @@ def launch_decode(
     *,
     sm_scale: float,
     num_int2_pages: torch.Tensor | None,
-    tuning: dict[str, int] | None = None,
-    splits: tuple[int, int] | None = None,
-    part: int | None = None,
+    cfg: dict[str, int],
+    plan: tuple[int, int],
 ) -> tuple[torch.Tensor, Any]:
-    """``decode_attention`` that also returns the compiled kernel (registers, spills: the benchmark).
-
-    part (benchmark only, wrong values): 2 / 4 run only the INT2 / INT4 splits of triaxial rows (the other
-    splits' partials stay unset)."""
+    """The launch of ``decode_attention`` with its tuning ``cfg`` and split plan (splits, pages per split) given
+    -> (output, the compiled kernel). decode_attention passes GL_TUNING's and split_plan's; tests and benchmarks
+    pass their own (pages per split a multiple of num_warps * PPW)."""
     layout = kv.layout
-    cfg = {**GL_TUNING[layout.fmt], **(tuning or {})}
     ppi = cfg["num_warps"] * cfg["PPW"]
     run = prepare_splits(q, kv, page_table, seq_lens, num_int2_pages, pages_per_iter=ppi, programs_per_sm=cfg["PPSM"],
-                         splits=splits or split_plan(q, kv, page_table, cfg))  # fmt: skip
+                         splits=plan)  # fmt: skip
     if run.pages_per_split % ppi:
         raise ValueError(f"pages per split ({run.pages_per_split}) must be a multiple of pages per step ({ppi})")
     k_fold, v_fold = folded_scales(kv)
@@ -886,29 +758,25 @@ def launch_decode(
     cap = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and hp == 8 else {}  # 16 heads need more registers
     kernel = _gl_decode_kernel[run.grid](
         run.q, run.o, run.lse, kv.buffer, run.page_table, seq_lens, run.n2, sm_scale * LOG2E * k_fold, kv.total_bytes,
-        run.page_table.stride(0), run.splits, run.pages_per_split, PART=(part or 1) if kv.triaxial else 0,
-        H=run.kv_heads, G=run.group, HP=hp, STAGES=cfg.get("STAGES", 0), LAZY=cfg.get("LAZY", 1),
-        **args, **args2, **cap,
+        run.page_table.stride(0), run.splits, run.pages_per_split, TRIAXIAL=int(kv.triaxial),
+        H=run.kv_heads, G=run.group, HP=hp, STAGES=cfg["STAGES"], **args, **args2, **cap,
     )  # fmt: skip
-    return merge_splits(run, v_mul=v_fold, block_s=cfg.get("MBS")), kernel
+    return merge_splits(run, v_mul=v_fold), kernel
 
 
-def compile_report_args(fmt: str, *, num_warps: int = 4, ppw: int | None = None, heads: int = 4,
-                        stages: int = 0, lazy: int = 1) -> tuple[dict[str, str], dict[str, Any]]:  # fmt: skip
-    """(signature, constexprs) to compile ``_gl_decode_kernel`` without a GPU (compile_report.py, tests).
-
-    fmt "int2" / "int4" compile the triaxial kernel with only that precision's branch (PART 2 / 4), "triaxial"
-    with both (PART 1, as launched)."""
-    plain = "int4" if fmt in ("int2", "triaxial") else fmt
+def compile_report_args(fmt: str, *, heads: int = 4) -> tuple[dict[str, str], dict[str, Any]]:
+    """(signature, constexprs incl. num_warps) to compile ``_gl_decode_kernel`` as launched (GL_TUNING) without a
+    GPU (compile_report.py, tests): fmt "nvfp4", "fp8_e4m3", "int4" (plain INT4 pages) or "triaxial"; ``heads``
+    query heads per kv head. The launch caps the registers at GL_TUNING's maxnreg for up to 8 heads."""
+    plain = "int4" if fmt == "triaxial" else fmt
+    cfg = GL_TUNING[plain]
     p = 32 if plain == "int4" else 16
-    ppw = ppw or (1 if plain == "int4" else 2)
     lay = PageLayout.build(plain, page_size=p, kv_heads=8, head_dim=128)
     lay2 = PageLayout.build("int2", page_size=32, kv_heads=8, head_dim=128)
-    a2 = kernel_args("int2", lay2, num_warps=num_warps, ppw=1)
+    a2 = kernel_args("int2", lay2, num_warps=cfg["num_warps"], ppw=1)
     sig = {"q_ptr": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "buf_ptr": "*u8", "pt_ptr": "*i32", "lens_ptr": "*i32",
            "n2_ptr": "*i32", "k_mul": "fp32", "total_bytes": "i64", "pt_stride": "i32", "S": "i32", "PPS": "i32"}  # fmt: skip
-    const = dict(PART={"nvfp4": 0, "fp8_e4m3": 0, "int2": 2, "int4": 4, "triaxial": 1}[fmt], H=8, G=heads, HP=8 if heads <= 8 else 16,
-                 STAGES=stages, LAZY=lazy,
-                 **kernel_args(plain, lay, num_warps=num_warps, ppw=ppw),
+    const = dict(TRIAXIAL=int(fmt == "triaxial"), H=8, G=heads, HP=8 if heads <= 8 else 16, STAGES=cfg["STAGES"],
+                 **kernel_args(plain, lay, num_warps=cfg["num_warps"], ppw=cfg["PPW"]),
                  **{k + "2": v for k, v in a2.items() if k in INT2_ARGS})  # fmt: skip
     return sig, const

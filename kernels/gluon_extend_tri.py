@@ -1,6 +1,6 @@
-"""Gluon extend on triaxial pages (INT4 + INT2, pages of 32): a producer for the WS 2 kernel of ``gluon_extend``.
+"""Gluon extend on triaxial pages (INT4 + INT2, pages of 32): a producer for the schedule of ``gluon_extend``.
 
-The kernel is ``gluon_extend._gl_extend_pp_kernel`` with another producer: the
+The kernel is ``gluon_extend._gl_extend_kernel`` with another producer: the
 two consumer warpgroups (``_pp_attend``: S, online softmax, PV by ``wgmma``)
 and the chunk's staging (``_pp_chunk``) are the same code. The producer turns
 the step's PPI = 4 pages (128 keys) into the fp16 K / V tiles of a ring slot
@@ -25,19 +25,20 @@ INT2 and INT4 (``kind`` 2) runs both unpackers on masked inputs (the other
 kind's rows come out +0) and ORs the tiles; steps of one kind (0: INT4, 1:
 INT2) run one. The wrapper lists INT2 pages first (stable, on the device, in
 one launch: ``int2_first``; the partial last page is INT4 and stays last), so
-at most one step is mixed (SORT 0 keeps the caller's order: tests).
+at most one step is mixed (``launch`` takes any listing: tests).
 
 The packed bytes of step i+1 are loaded while step i is unpacked (one register
 set for both kinds: INT2 rows use half of each thread's 16 bytes); the INT2
 keys' per-channel scales are loaded at the step itself, from L1: step i
-prefetches step i+1's into L1 (KPF 2, ``_key_prefetch``; holding them in
-registers a step ahead spilled). The chunk's own k, v are read as the caller
-holds them (CKV 1: no fp16 copies per call).
+prefetches step i+1's into L1 (``_key_prefetch``; holding them in
+registers a step ahead spills). The chunk's own k, v are read as the caller
+holds them (``gluon_attend._pp_chunk_rows``: no fp16 copies per call). The
+consumers take the exact row max every step, reduced serially (the lazy
+softmax and tree reductions of the nvfp4 kernel do not pay here).
 
 Supported (``supported``): triaxial KV, head_dim 128, pages of 32, 4 query
-heads per kv head, Hopper; ``paged_ops`` runs it for those calls (1.66-1.91x
-the ``tl`` kernel on an H200 at every bench shape, NOTES-kernels session 12;
-0.76-0.85x FlashInfer bf16 after session 14).
+heads per kv head, Hopper; ``paged_ops`` runs it for those calls (faster than
+the ``tl`` kernel at every bench shape).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .gluon_attend import (_as_type, _cta_barrier, _pp_attend, _pp_chunk_any, _pp_setup, chunk_kv, chunk_rows,
+from .gluon_attend import (_as_type, _cta_barrier, _pp_attend, _pp_chunk_any, _pp_setup, chunk_rows,
                            launch_io, launch_pages)
 from .gluon_fragments import _MAGIC, idx3
 from .layout import PageLayout
@@ -358,7 +359,7 @@ def _key_prefetch(buf_ptr, pid, it, num_pages, h, total_bytes, PAGE_BYTES2: gl.c
                   KZ_OFF2: gl.constexpr):  # fmt: skip
     """Prefetch into L1 the INT2 key scale and zero rows (head h's D fp16 each: two 128-byte lines) of the step at
     list index it (pages pid; nothing for INT4 pages and past num_pages): _key_fields' loads then hit L1 at that
-    step, with no register held meanwhile (KPF 2)."""
+    step, with no register held meanwhile."""
     PPI: gl.constexpr = pid.shape[0]
     L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [gl.num_warps(), 1], [1, 0])
     pg = gl.convert_layout(pid, gl.SliceLayout(1, L))[:, None]
@@ -392,7 +393,7 @@ def _unpack2k(w, s, z, pid, s0, s1, s2, s3, z0, z1, z2, z3, MIXED: gl.constexpr)
 def _unpack_k(buf_ptr, kw, ks, kz, kind, pid, num_pages, it, h, total_bytes, dst, PAGE_BYTES2: gl.constexpr,
               KS_OFF2: gl.constexpr, KZ_OFF2: gl.constexpr):  # fmt: skip
     """The step's K rows (_raw, list index it, pages pid) -> the fp16 tile dst, by the step's kind (INT2 pages' key
-    scale / zero pairs loaded here: KPF 2 has them in L1 by now)."""
+    scale / zero pairs loaded here: _key_prefetch has them in L1 by now)."""
     if kind == 0:
         _store(_unpack_rows(kw, ks, kz, ASM_INT4), dst)
     else:
@@ -427,7 +428,7 @@ def _tri_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix
               KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr,
               PAGE_BYTES2: gl.constexpr, K_OFF2: gl.constexpr, KS_OFF2: gl.constexpr, KZ_OFF2: gl.constexpr,
               V_OFF2: gl.constexpr, VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr, PPI: gl.constexpr,
-              BLOCK_T: gl.constexpr, KPF: gl.constexpr, CKV: gl.constexpr):  # fmt: skip
+              BLOCK_T: gl.constexpr):  # fmt: skip
     """The triaxial producer: step i's rows unpacked into ring slot i % SLOTS once the consumers released it, while
     step i+1's bytes and step i+2's page ids are in flight; then the chunk (_pp_chunk)."""
     SLOTS: gl.constexpr = k_ring.shape[0]
@@ -447,8 +448,8 @@ def _tri_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix
         nkw, nvw, nks, nkz, nvs, nvz = _raw(buf_ptr, npid, nkind, (i + 1) * PPI, prefix_len, h, total_bytes, P,
                                             PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, PAGE_BYTES2,
                                             K_OFF2, V_OFF2, VS_OFF2, VZ_OFF2)  # fmt: skip
-        if KPF == 2:  # its key pairs into L1: their loads at step i+1 then wait for L1, not L2 / HBM
-            _key_prefetch(buf_ptr, npid, (i + 1) * PPI, num_pages, h, total_bytes, PAGE_BYTES2, KS_OFF2, KZ_OFF2)
+        # its key pairs into L1: their loads at step i+1 then wait for L1, not L2 / HBM
+        _key_prefetch(buf_ptr, npid, (i + 1) * PPI, num_pages, h, total_bytes, PAGE_BYTES2, KS_OFF2, KZ_OFF2)
         _unpack_v(vw, vs, vz, kind, pid, v_ring.index(slot))
         fence_async_shared()
         _cta_barrier()  # the partition's stores are done: its thread 0 arrives for all
@@ -456,7 +457,7 @@ def _tri_load(buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix
         kw, vw, ks, kz, vs, vz = nkw, nvw, nks, nkz, nvs, nvz
         pid, kind = npid, nkind
         npid, nkind = npid2, nkind2
-    _pp_chunk_any(k_ptr, v_ptr, k_ring, v_ring, full, empty, steps, n_new, k_s0, qb, h, D, BLOCK_T, CKV)
+    _pp_chunk_any(k_ptr, v_ptr, k_ring, v_ring, full, empty, steps, n_new, k_s0, qb, h, D, BLOCK_T, 1)
 
 
 @gluon.jit
@@ -470,25 +471,21 @@ def _gl_extend_tri_kernel(
     PAGE_BYTES2: gl.constexpr, K_OFF2: gl.constexpr, KS_OFF2: gl.constexpr, KZ_OFF2: gl.constexpr,  # INT2 pages
     V_OFF2: gl.constexpr, VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr,
     BLOCK_T: gl.constexpr, PPI: gl.constexpr,
-    SLOTS: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, ATT_REGS: gl.constexpr, REV: gl.constexpr,
-    KPF: gl.constexpr,  # 2: INT2 key scale / zero rows prefetched into L1 a step ahead (0: not, session 12)
-    CKV: gl.constexpr,  # 1: the chunk's k, v read as the caller holds them (gluon_extend's CKV)
-    LAZY: gl.constexpr = 0,  # 1: the consumers' lazy softmax (gluon_extend's LAZY; not faster here, session 15)
-    TREE: gl.constexpr = 0,  # 1: the consumers' row max / sum as trees (gluon_extend's TREE; not faster here, session 16)
+    SLOTS: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, ATT_REGS: gl.constexpr,
 ):  # fmt: skip
-    """gluon_extend._gl_extend_pp_kernel (arguments as there) with the triaxial producer _tri_load (LOAD_WARPS = PPI:
-    a warp per page of the step)."""
+    """gluon_extend._gl_extend_kernel (arguments as there; k, v as the caller holds them: chunk_rows) with the
+    triaxial producer _tri_load (LOAD_WARPS = PPI: a warp per page of the step)."""
     H2: gl.constexpr = BLOCK_T * G // 2
     qb, h, q_0, q_1, k_ring, v_ring, full, empty = _pp_setup(q_ptr, n_new, q_s0, q_s1, q_mul, G, D, P, PPI, BLOCK_T,
-                                                             SLOTS, REV)
+                                                             SLOTS)
     gl.warp_specialize([
         (_pp_attend, (q_0, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, 0,
-                      G, D, P, PPI, BLOCK_T, LAZY, TREE)),
+                      G, D, P, PPI, BLOCK_T, 0, 0)),
         (_pp_attend, (q_1, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, H2,
-                      G, D, P, PPI, BLOCK_T, LAZY, TREE)),
+                      G, D, P, PPI, BLOCK_T, 0, 0)),
         (_tri_load, (buf_ptr, pt_ptr, k_ptr, v_ptr, k_ring, v_ring, full, empty, prefix_len, n_new, k_s0, total_bytes,
                      qb, h, P, D, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, PAGE_BYTES2, K_OFF2,
-                     KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2, PPI, BLOCK_T, KPF, CKV)),
+                     KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2, PPI, BLOCK_T)),
     ], [4, LOAD_WARPS], [ATT_REGS, LOAD_REGS])  # fmt: skip
 
 
@@ -496,22 +493,17 @@ def _gl_extend_tri_kernel(
 # host side
 # ----------------------------------------------------------------------------
 
-# 32 chunk tokens x 4 heads = 128 rows, 4 pages of 32 = 128 prefix keys per step; registers 168 * 12 = 4 x 152 + 8 x
-# 176 (triton 3.6, offline: the producer's loop keeps 1 value a step in local memory at 152, 12 at 136 with KPF 2
-# and CKV 1; the consumers nothing at 176; H200: 136 / 184 was 1-5% slower, NOTES-kernels session 14); SORT: INT2
-# pages listed first (at most one mixed step): 2 by int2_first, 1 by torch's argsort (session 12), 0 as listed;
-# KPF 2: the next step's INT2 key scale / zero rows prefetched into L1 (0: not; every scale / zero row of both kinds
-# two steps ahead was 1-5% slower, session 16); CKV 1: the chunk's k, v read as
-# the caller holds them (gluon_attend._pp_chunk_rows; 0: copied to fp16 quarter-major by the wrapper)
+# 32 chunk tokens x 4 heads = 128 rows, 4 pages of 32 = 128 prefix keys per step (a producer warp per page); the
+# registers split 168 * 12 = 4 x 152 (producer: the least at which its loop keeps at most a value a step in local
+# memory) + 8 x 176 (the two consumers)
 TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 4, "SLOTS": 2, "LOAD_WARPS": 4, "LOAD_REGS": 152, "maxnreg": 168,
-                          "ATT_REGS": 176, "REV": 1, "SORT": 2, "KPF": 2, "CKV": 1, "LAZY": 0,
-                          "TREE": 0, "num_warps": 4}  # fmt: skip
+                          "ATT_REGS": 176, "num_warps": 4}  # fmt: skip
 
 
 @triton.jit
 def _int2_first_kernel(src_ptr, dst_ptr, n, FLAG_BIT: tl.constexpr, BLOCK: tl.constexpr):
     """dst[:n] = src's n page ids, the INT2 ones (bit FLAG_BIT set) first, each kind in its listed order (a stable
-    partition, one program): pass 1 counts the INT2 ids, pass 2 writes each id at its kind's running count."""
+    partition, one program): a first loop counts the INT2 ids, a second writes each id at its kind's running count."""
     n2 = 0
     for b in range(0, n, BLOCK):
         o = b + tl.arange(0, BLOCK)
@@ -531,9 +523,8 @@ def _int2_first_kernel(src_ptr, dst_ptr, n, FLAG_BIT: tl.constexpr, BLOCK: tl.co
 
 
 def int2_first(pages: torch.Tensor, *, block: int = 4096) -> torch.Tensor:
-    """The page ids [N] (int32) with the INT2 pages first, each kind's order kept: what the kernel's SORT wants, in
-    one launch (torch's stable argsort, SORT 1, is several kernels and the gather another: NOTES-kernels session
-    14)."""
+    """The page ids [N] (int32) with the INT2 pages first, each kind's order kept (at most one step of the kernel
+    mixes the kinds), in one launch (torch's stable argsort is several kernels and the gather another)."""
     out = torch.empty_like(pages)
     n = pages.numel()
     if n:
@@ -552,24 +543,29 @@ def supported(kv: PagedKV, q: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(q.device)[0] == 9
 
 
-def _meta(cfg: dict[str, int], lay: PageLayout, lay2: PageLayout) -> dict[str, Any]:
-    """The kernel's constexprs and launch options for a tuning and the two page layouts."""
-    if cfg["LOAD_WARPS"] != cfg["PPI"]:
-        raise ValueError(f"the triaxial producer runs a warp per page: LOAD_WARPS ({cfg['LOAD_WARPS']}) must equal PPI")
-    if cfg["KPF"] not in (0, 2):
-        raise ValueError(f"KPF must be 0 or 2 (the INT2 key rows prefetched a step ahead), got {cfg['KPF']}")
+def _meta(lay: PageLayout, lay2: PageLayout) -> dict[str, Any]:
+    """The kernel's constexprs and launch options (TUNING) for the two page layouts."""
     a, a2 = field_offsets(lay), field_offsets(lay2)
     return dict(D=lay.head_dim, P=lay.page_size, PAGE_BYTES=a[0], K_OFF=a[1], KS_OFF=a[2], KZ_OFF=a[3], V_OFF=a[4],
                 VS_OFF=a[5], VZ_OFF=a[6], PAGE_BYTES2=a2[0], K_OFF2=a2[1], KS_OFF2=a2[2], KZ_OFF2=a2[3],
-                V_OFF2=a2[4], VS_OFF2=a2[5], VZ_OFF2=a2[6], BLOCK_T=cfg["BLOCK_T"], PPI=cfg["PPI"],
-                SLOTS=cfg["SLOTS"], LOAD_WARPS=cfg["LOAD_WARPS"], LOAD_REGS=cfg["LOAD_REGS"],
-                ATT_REGS=cfg["ATT_REGS"], REV=cfg["REV"], KPF=cfg["KPF"], CKV=cfg["CKV"], LAZY=cfg["LAZY"], TREE=cfg["TREE"],
-                num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])  # fmt: skip
+                V_OFF2=a2[4], VS_OFF2=a2[5], VZ_OFF2=a2[6], BLOCK_T=TUNING["BLOCK_T"], PPI=TUNING["PPI"],
+                SLOTS=TUNING["SLOTS"], LOAD_WARPS=TUNING["LOAD_WARPS"], LOAD_REGS=TUNING["LOAD_REGS"],
+                ATT_REGS=TUNING["ATT_REGS"], num_warps=TUNING["num_warps"], maxnreg=TUNING["maxnreg"])  # fmt: skip
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, prefix_pages: torch.Tensor,
-                     prefix_len: int, *, sm_scale: float, tuning: dict[str, int] | None = None) -> torch.Tensor:  # fmt: skip
-    """Launch the kernel (arguments checked by paged_ops; ``supported`` must hold) -> [n, Hq, D] in q.dtype."""
+                     prefix_len: int, *, sm_scale: float) -> torch.Tensor:
+    """Launch the kernel (arguments checked by paged_ops; ``supported`` must hold) -> [n, Hq, D] in q.dtype, the
+    prefix's INT2 pages listed first (int2_first; the partial last page is INT4 and stays last)."""
+    if not supported(kv, q):
+        raise ValueError("gluon_extend_tri does not support this call (see gluon_extend_tri.supported)")
+    pages = prefix_pages[: triton.cdiv(prefix_len, kv.layout.page_size)]
+    return launch(q, k, v, kv, int2_first(pages.contiguous()), prefix_len, sm_scale=sm_scale)
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, pages: torch.Tensor, prefix_len: int, *,
+           sm_scale: float) -> torch.Tensor:  # fmt: skip
+    """The kernel over the prefix's pages in the order given (any mix of kinds per step) -> [n, Hq, D] in q.dtype."""
     if not supported(kv, q):
         raise ValueError("gluon_extend_tri does not support this call (see gluon_extend_tri.supported)")
     lay = kv.layout
@@ -578,31 +574,23 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
     q, out = launch_io(q)
     if n == 0:
         return out
-    cfg = {**TUNING, **(tuning or {})}
-    p = lay.page_size
-    pages = prefix_pages[: triton.cdiv(prefix_len, p)]
-    if cfg["SORT"] == 2:  # INT2 pages first, order kept (one launch, no sync): the partial last page is INT4, stays last
-        pages = int2_first(pages.contiguous())
-    elif cfg["SORT"] and pages.numel():  # the same by torch's stable argsort and a gather (session 12)
-        pages = pages[torch.argsort(((pages & INT2_PAGE_FLAG) == 0).to(torch.int8), stable=True)]
-    pages = launch_pages(pages, q.device)
+    pages = launch_pages(pages[: triton.cdiv(prefix_len, lay.page_size)], q.device)
     q_mul = sm_scale * LOG2E  # INT scales are in the pages: no K or V fold
-    k_in, v_in = chunk_rows(k, v) if cfg["CKV"] else chunk_kv(k, v)
-    grid = (triton.cdiv(n, cfg["BLOCK_T"]), h)
+    k_in, v_in = chunk_rows(k, v)
+    grid = (triton.cdiv(n, TUNING["BLOCK_T"]), h)
     _gl_extend_tri_kernel[grid](
         q, k_in, v_in, out, kv.buffer, pages, n, prefix_len, kv.total_bytes, q_mul, 1.0, 1.0, q.stride(0), q.stride(1),
-        k_in.stride(0), out.stride(0), out.stride(1), G=hq // h, **_meta(cfg, lay, kv.int2),
+        k_in.stride(0), out.stride(0), out.stride(1), G=hq // h, **_meta(lay, kv.int2),
     )  # fmt: skip
     return out
 
 
-def compile_report_args(*, tuning: dict[str, int] | None = None) -> tuple[Any, dict[str, str], dict[str, Any]]:
+def compile_report_args() -> tuple[Any, dict[str, str], dict[str, Any]]:
     """(kernel, signature, constexprs incl. num_warps and maxnreg) to compile the kernel for sm_90 without a GPU at
     the bench's shape (32 q / 8 kv heads, d 128, pages of 32); align total_bytes and the strides (compile_report)."""
-    cfg = {**TUNING, **(tuning or {})}
     lay = PageLayout.build("int4", page_size=32, kv_heads=8, head_dim=128)
     lay2 = PageLayout.build("int2", page_size=32, kv_heads=8, head_dim=128)
     sig = {"q_ptr": "*bf16", "k_ptr": "*fp16", "v_ptr": "*fp16", "o_ptr": "*bf16", "buf_ptr": "*u8", "pt_ptr": "*i32",
            "n_new": "i32", "prefix_len": "i32", "total_bytes": "i64", "q_mul": "fp32", "k_mul_new": "fp32",
            "v_div": "fp32", "q_s0": "i32", "q_s1": "i32", "k_s0": "i32", "o_s0": "i32", "o_s1": "i32"}  # fmt: skip
-    return _gl_extend_tri_kernel, sig, dict(G=4, **_meta(cfg, lay, lay2))
+    return _gl_extend_tri_kernel, sig, dict(G=4, **_meta(lay, lay2))

@@ -41,14 +41,6 @@ GL_FMT_INT2: gl.constexpr = gl.constexpr(2)
 # scale (and zero) registers; each fp16 operand of pack=4 is two registers.
 # ----------------------------------------------------------------------------
 
-def _shift(dst: str, src: str, n: int) -> str:
-    if n > 0:
-        return f"shl.b32 {dst}, {src}, {n};"
-    if n < 0:
-        return f"shr.b32 {dst}, {src}, {-n};"
-    return f"mov.b32 {dst}, {src};"
-
-
 def _asm_e2m1(token_pairs: bool) -> str:
     """Outputs lo (2 regs: pairs of b0/b2, b1/b3), hi (2 regs); inputs word $4, scale $5 ($5 $6, or $5..$8).
 

@@ -75,7 +75,7 @@ def sm_count(device: torch.device) -> int:
 
 def plan_splits(batch_heads: int, max_pages: int, ppi: int, device: torch.device, *, triaxial: bool,
                 programs_per_sm: int = 16, min_pages: int = 1, min_fill: int = 0) -> tuple[int, int]:  # fmt: skip
-    """The ``tl`` kernels' planner (and the Gluon kernels' before session 14, their tuning PLAN 0).
+    """The ``tl`` kernels' planner, and the Gluon decode's min-length plan (gluon_decode.min_length_plan).
 
     (splits, pages per split) from the page-table width: about programs_per_sm programs per SM, but no split
     shorter than min_pages (a program's fixed cost, and the merge's per split, must stay small) -- unless that
@@ -98,15 +98,15 @@ SM90_REGS = 65536  # 32-bit registers, allocated per warp in units of 256
 SM90_SHARED = 233472  # bytes of shared memory (228 KB), of which each resident program also reserves 1 KB
 SM90_WARPS = 64
 SM90_PROGRAMS = 32
-# The wave model of plan_waves (bench/NOTES-kernels.md session 14), fitted to the split sweeps of sessions 13 and 14
-# (31 shapes x formats, 2-3 plans each): a wave of k resident programs takes time L * (k + FILL_WARPS / warps) --
+# The wave model of plan_waves, fitted to split sweeps on an H200 (31 shapes x formats, 2-3 plans each): a wave of
+# k resident programs takes time L * (k + FILL_WARPS / warps) --
 # the SM's rate rises with its programs as k / (k + k0), and each wave pays a fill and drain of k0 programs (3
 # warps) -- where L, a program's pages, is the mean of the splits' average and longest length (triaxial rows split
-# their INT2 and INT4 pages apart: 3 splits of 512 pages were programs of 512, 154 and 358 at 32 x 32K) plus
+# their INT2 and INT4 pages apart: 3 splits of 512 pages are programs of 512, 154 and 358 at 32 x 32K) plus
 # FIXED_STEPS steps for its prologue (q, the ring's first stages) and epilogue (warp merge, stores)
 WAVE_FILL_WARPS = 3
 WAVE_FIXED_STEPS = 2
-WAVE_MAX_SPLITS = 128  # merge_block's one-step merge (session 13: 129 splits in two steps cost +7 us at 1 x 128K)
+WAVE_MAX_SPLITS = 128  # merge_block's one-step merge (more splits merge in two steps: slower)
 
 
 def resident_programs(*, regs: int, warps: int, shared: int) -> int:
@@ -131,14 +131,13 @@ def wave_cost(batch_heads: int, max_pages: int, splits: int, pps: int, ppi: int,
 
 @lru_cache(maxsize=4096)
 def plan_waves(batch_heads: int, max_pages: int, ppi: int, sms: int, *, resident: int, warps: int, triaxial: bool,
-               min_waves: int = 1, max_splits: int = WAVE_MAX_SPLITS) -> tuple[int, int]:  # fmt: skip
+               max_splits: int = WAVE_MAX_SPLITS) -> tuple[int, int]:  # fmt: skip
     """(splits, pages per split) for a kernel of which ``resident`` programs of ``warps`` warps fit on one of ``sms``
     SMs: the split count of least ``wave_cost``, so that the grid ends on a whole wave of resident programs (or
-    close) instead of a short last wave of long programs (64 x 4K nvfp4, session 13: 3 splits were 1536 programs,
-    1.45 waves of 8 per SM, 6% slower than 2 splits' one wave; fp8, 6 per SM: the other way round).
+    close) instead of a short last wave of long programs (64 x 4K nvfp4: 3 splits are 1536 programs, 1.45 waves
+    of 8 per SM, slower than 2 splits' one wave; fp8, 6 per SM: the other way round).
 
-    Pages per split are a multiple of ppi (one step); triaxial rows get one more split (the INT2 / INT4 boundary).
-    min_waves (benchmarks) keeps only grids of at least that many waves where the pages allow one."""
+    Pages per split are a multiple of ppi (one step); triaxial rows get one more split (the INT2 / INT4 boundary)."""
     top = max(1, -(-max_pages // ppi))
     plans: list[tuple[int, int, int]] = []  # (waves, splits, pages per split)
     for want in range(1, min(max_splits, top) + 1):
@@ -148,10 +147,9 @@ def plan_waves(batch_heads: int, max_pages: int, ppi: int, sms: int, *, resident
             break
         if not plans or plans[-1][1] != splits:
             plans.append((-(-(-(-batch_heads * splits // sms)) // resident), splits, pps))
-    kept = [p for p in plans if p[0] >= min_waves] or plans
-    cost = [wave_cost(batch_heads, max_pages, s, pps, ppi, sms, resident=resident, warps=warps) for _, s, pps in kept]
-    best = min(range(len(kept)), key=lambda i: (round(cost[i], 9), i))  # ties: fewer splits
-    return kept[best][1], kept[best][2]
+    cost = [wave_cost(batch_heads, max_pages, s, pps, ppi, sms, resident=resident, warps=warps) for _, s, pps in plans]
+    best = min(range(len(plans)), key=lambda i: (round(cost[i], 9), i))  # ties: fewer splits
+    return plans[best][1], plans[best][2]
 
 
 
@@ -173,12 +171,10 @@ def pick_plan(batch_heads: int, max_pages: int, ppi: int, sms: int, *, wave: tup
     """``wave`` (plan_waves' plan) unless ``old`` (plan_splits' min-length plan) has the lower
     ``busiest_sm_cost``; ties keep the wave plan.
 
-    Why both (bench/NOTES-kernels.md session 15): plan_waves alone was 4.5-5.8% slower than the min-length plan
-    at triaxial 32 x 32K and 128 x 4K (more, shorter splits where the old grid already ran 7-11 waves: each
-    program pays its prologue and epilogue, and a triaxial row's two short boundary splits) and 4.7% at fp8 16 x 4K
-    (twice the programs in one wave, where fp8 already saturates memory with 3 programs an SM: ``fill`` 0). This
-    comparison picks the faster measured plan of the two at every shape and format of session 14's two runs
-    but fp8 128 x 4K (+1.4% then; session 16 timed both plans twice in one run: within the same plan's spread)."""
+    Why both: plan_waves alone is slower than the min-length plan where the old grid already runs many waves (more,
+    shorter splits: each program pays its prologue and epilogue, and a triaxial row's two short boundary splits),
+    and where fp8 already saturates memory with 3 programs an SM (``fill`` 0); this comparison picks the faster
+    measured plan of the two at the bench shapes of every format."""
     if wave == old:
         return wave
     cost_old = busiest_sm_cost(batch_heads, max_pages, old[0], sms, ppi, resident=resident, fill=fill)
@@ -215,7 +211,7 @@ def prepare_splits(
     programs_per_sm: int,
     splits: tuple[int, int] | None = None,
 ) -> SplitLaunch:
-    """Plan the splits by ``plan_splits`` (unless given: the Gluon kernels' ``plan_waves``, tests and benchmarks)
+    """Plan the splits by ``plan_splits`` (unless given: the Gluon decode's ``split_plan``, tests and benchmarks)
     and allocate the partial outputs."""
     b, hq, d = q.shape
     h = kv.layout.kv_heads
@@ -270,20 +266,18 @@ def _merge_kernel(
 
 def merge_block(splits: int) -> int:
     """Splits per step of ``_merge_kernel``: the next power of two from 16 up to 128, so that up to 128 splits
-    (1 x 128K: 86) merge in one step, lse and o loaded together: each step was a dependent round trip to memory,
-    and 1 x 128K took 6 of them in each of two loops (bench/NOTES-kernels.md session 13)."""
+    (1 x 128K: 86) merge in one step, lse and o loaded together: each step of the two-loop merge is a dependent
+    round trip to memory."""
     return min(128, max(16, triton.next_power_of_2(splits)))
 
 
-def merge_splits(launch: SplitLaunch, *, v_mul: float, block_s: int | None = None) -> torch.Tensor:
-    """Merge the splits' partial outputs by log-sum-exp -> [B, Hq, D] in q's dtype, times ``v_mul``.
-
-    block_s (benchmarks) runs the two-loop merge with that many splits a step instead of ``merge_block``'s one
-    step."""
+def merge_splits(launch: SplitLaunch, *, v_mul: float) -> torch.Tensor:
+    """Merge the splits' partial outputs by log-sum-exp -> [B, Hq, D] in q's dtype, times ``v_mul`` (one step up to
+    merge_block's 128 splits, the two-loop merge beyond)."""
     b, hq, d = launch.q.shape
     out = torch.empty(b, hq, d, dtype=launch.q.dtype, device=launch.q.device)
-    bs = block_s or merge_block(launch.splits)
-    one = block_s is None and launch.splits <= bs  # block_s given: the two-loop merge (the benchmark's before)
+    bs = merge_block(launch.splits)
+    one = launch.splits <= bs
     _merge_kernel[(b * hq,)](launch.o, launch.lse, out, v_mul, launch.splits, BLOCK_S=bs, D=d, ONE=one,
                              num_warps=4 if bs <= 32 else 8)  # fmt: skip
     return out

@@ -25,9 +25,9 @@ precision, fewer registers) and share the merge. INT2 keys' per-channel
 scale and zero (one per page, head and channel) are applied in registers,
 broadcast over the page's rows.
 
-What limits these kernels on an H100 (instruction issue and shared-memory
-layout conversions of the unpacked fp16 tiles, not bytes) is measured in
-bench/NOTES-kernels.md.
+What limits these kernels on a GPU is instruction issue and the shared-memory
+layout conversions of the unpacked fp16 tiles, not bytes: on Hopper and Ada
+paged_ops runs the Gluon decode (gluon_decode.py) instead where it can.
 """
 
 from __future__ import annotations
@@ -132,16 +132,10 @@ def _nibble_rows(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF
 
 
 @triton.jit
-def _nibble_decode(d, s, z, FMT: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr, PROBE: tl.constexpr = 0):
-    """Half a row of nibbles [N, D/4] -> its (lo, hi) quarters, fp16 [N, D/4].
-
-    PROBE=1 (benchmark only, wrong values) skips unpacking, to time the rest of the kernel.
-    """
+def _nibble_decode(d, s, z, FMT: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr):
+    """Half a row of nibbles [N, D/4] -> its (lo, hi) quarters, fp16 [N, D/4]."""
     N: tl.constexpr = d.shape[0]
-    if PROBE == 1:
-        lo = tl.reshape(d.to(tl.float16), (N, D // 32, 8))
-        hi = lo
-    elif FMT == FMT_NVFP4:
+    if FMT == FMT_NVFP4:
         NB: tl.constexpr = D // 32
         scale = tl.broadcast_to((e4m3_to_f16(s, FAST) * 128.0)[:, :, None], (N, NB, 8))  # s * 2^7, exact in fp16
         lo, hi = nibbles_e2m1(tl.reshape(d, (N, NB, 8)), scale, FAST)
@@ -215,7 +209,6 @@ def _split(
     PPI: tl.constexpr,  # pages per loop iteration
     NUM_STAGES: tl.constexpr,
     FAST: tl.constexpr,
-    PROBE: tl.constexpr,  # benchmark-only timing probe (0: the real kernel)
 ):
     Q: tl.constexpr = D // 4
     N: tl.constexpr = PPI * P
@@ -279,10 +272,10 @@ def _split(
         elif FMT == FMT_NVFP4 or FMT == FMT_INT4:
             kd0, kd1, ks0, ks1, kz0, kz1 = _nibble_rows(rows_ptr, hrow, ok, K_OFF, KS_OFF, KZ_OFF, FMT, D, 0)
             vd0, vd1, vs0, vs1, vz0, vz1 = _nibble_rows(rows_ptr, hrow, ok, V_OFF, VS_OFF, VZ_OFF, FMT, D, P)
-            k0, k1 = _nibble_decode(kd0, ks0, kz0, FMT, D, FAST, PROBE)
-            k2, k3 = _nibble_decode(kd1, ks1, kz1, FMT, D, FAST, PROBE)
-            v0, v1 = _nibble_decode(vd0, vs0, vz0, FMT, D, FAST, PROBE)
-            v2, v3 = _nibble_decode(vd1, vs1, vz1, FMT, D, FAST, PROBE)
+            k0, k1 = _nibble_decode(kd0, ks0, kz0, FMT, D, FAST)
+            k2, k3 = _nibble_decode(kd1, ks1, kz1, FMT, D, FAST)
+            v0, v1 = _nibble_decode(vd0, vs0, vz0, FMT, D, FAST)
+            v2, v3 = _nibble_decode(vd1, vs1, vz1, FMT, D, FAST)
         else:
             k0, k1, k2, k3 = _plain_rows(rows_ptr, hrow, ok, K_OFF, FMT, D)
             v0, v1, v2, v3 = _plain_rows(rows_ptr, hrow, ok, V_OFF, FMT, D)
@@ -339,7 +332,6 @@ def _decode_kernel(
     PPI: tl.constexpr,  # pages per loop iteration
     NUM_STAGES: tl.constexpr,
     FAST: tl.constexpr,  # inline-assembly decoders (GPU) instead of portable arithmetic
-    PROBE: tl.constexpr,  # benchmark-only timing probe (0: the real kernel)
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -355,7 +347,7 @@ def _decode_kernel(
         lo = s * PPS
         _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, num_pages), num_tokens, h, total_bytes, k_mul,
                S, FMT, G, D, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF,
-               BLOCK_H, PPI, NUM_STAGES, FAST, PROBE)
+               BLOCK_H, PPI, NUM_STAGES, FAST)
     else:
         # triaxial: two launches over the same grid, each compiled for one precision (fewer registers)
         n2 = tl.load(n2_ptr + b)
@@ -365,18 +357,17 @@ def _decode_kernel(
                 lo = s * PPS
                 _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, n2), num_tokens, h, total_bytes, k_mul,
                        S, FMT_INT2, G, D, P, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2,
-                       BLOCK_H, PPI, NUM_STAGES, FAST, PROBE)
+                       BLOCK_H, PPI, NUM_STAGES, FAST)
         else:
             if s >= c2:
                 lo = n2 + (s - c2) * PPS
                 _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, num_pages), num_tokens, h, total_bytes,
                        k_mul, S, FMT, G, D, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF,
-                       BLOCK_H, PPI, NUM_STAGES, FAST, PROBE)
+                       BLOCK_H, PPI, NUM_STAGES, FAST)
 
 
 # Per format: pages per loop iteration, warps, pipeline stages, and programs per SM the split
-# planner aims for (enough waves that the last one's tail is small). Chosen on an H100 with
-# bench/decode_gpu.py --sweep; see bench/NOTES-kernels.md.
+# planner aims for (enough waves that the last one's tail is small): the fastest of bench/decode_gpu.py --sweep.
 TUNING: dict[str, dict[str, int]] = {
     "bf16": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
     "fp8_e4m3": {"PPI": 8, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
@@ -395,15 +386,13 @@ def decode_attention(
     sm_scale: float,
     num_int2_pages: torch.Tensor | None = None,
     fast: bool,
-    tuning: dict[str, int] | None = None,
-    splits: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Launch the tl decode (arguments checked by paged_ops) -> [B, Hq, D] in q.dtype.
-
-    fast: inline-assembly decoders (KernelOptions.fast_decoders); tuning overrides TUNING[fmt]; splits
-    (splits, pages per split) overrides the planner."""
+    """Launch the tl decode (arguments checked by paged_ops) -> [B, Hq, D] in q.dtype: TUNING's kernel on the
+    planner's splits. fast: inline-assembly decoders (KernelOptions.fast_decoders)."""
+    if kv.layout.fmt not in TUNING:
+        raise ValueError(f"no Triton decode for {kv.layout.fmt!r} pages (fp32 pages run on the reference path)")
     out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages, fast=fast,
-                           tuning=tuning, splits=splits)  # fmt: skip
+                           cfg=TUNING[kv.layout.fmt])  # fmt: skip
     return out
 
 
@@ -416,26 +405,22 @@ def launch_decode(
     sm_scale: float,
     num_int2_pages: torch.Tensor | None,
     fast: bool,
-    tuning: dict[str, int] | None = None,
-    splits: tuple[int, int] | None = None,
-    probe: int = 0,
+    cfg: dict[str, int],
+    plan: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, Any]:
-    """``decode_attention`` that also returns the last compiled decode kernel (registers, spills: the benchmark).
-
-    probe (benchmark only, wrong values): 1 skips the nibble unpacking; 2 / 4 run only the INT2 / INT4
-    splits of triaxial rows."""
+    """The launch of ``decode_attention`` with its tuning ``cfg`` given and, optionally, its split plan (splits,
+    pages per split; None: triton_common.plan_splits') -> (output, the last compiled kernel). decode_attention
+    passes TUNING's; tests and benchmarks pass their own."""
     layout = kv.layout
     if layout.fmt not in TUNING:
         raise ValueError(f"no Triton decode for {layout.fmt!r} pages (fp32 pages run on the reference path)")
-    cfg = {**TUNING[layout.fmt], **(tuning or {})}
-    cfg.setdefault("PPI2", cfg["PPI"])  # INT2 pages per iteration (triaxial)
+    ppi2 = cfg.get("PPI2", cfg["PPI"])  # INT2 pages per iteration (triaxial)
     run = prepare_splits(q, kv, page_table, seq_lens, num_int2_pages, pages_per_iter=cfg["PPI"],
-                         programs_per_sm=cfg["PPSM"], splits=splits)  # fmt: skip
+                         programs_per_sm=cfg["PPSM"], splits=plan)  # fmt: skip
     k_fold, v_fold = folded_scales(kv)
     lay, lay2 = field_offsets(layout), field_offsets(kv.int2_layout)
+    # triaxial: two launches over the same grid, the INT2 splits' (PART 2) and the INT4 splits' (PART 4)
     parts = (2, 4) if kv.triaxial else (0,)
-    if probe in (2, 4) and kv.triaxial:
-        parts = (probe,)
     extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
     kernel = None
     for part in parts:
@@ -446,7 +431,7 @@ def launch_decode(
             PAGE_BYTES=lay[0], K_OFF=lay[1], KS_OFF=lay[2], KZ_OFF=lay[3], V_OFF=lay[4], VS_OFF=lay[5], VZ_OFF=lay[6],
             PAGE_BYTES2=lay2[0], K_OFF2=lay2[1], KS_OFF2=lay2[2], KZ_OFF2=lay2[3], V_OFF2=lay2[4], VS_OFF2=lay2[5],
             VZ_OFF2=lay2[6], BLOCK_H=max(16, triton.next_power_of_2(run.group)),
-            PPI=cfg["PPI2"] if part == 2 else cfg["PPI"], NUM_STAGES=cfg["NUM_STAGES"],
-            FAST=fast, PROBE=probe & 1, num_warps=cfg["num_warps"], **extra,
+            PPI=ppi2 if part == 2 else cfg["PPI"], NUM_STAGES=cfg["NUM_STAGES"],
+            FAST=fast, num_warps=cfg["num_warps"], **extra,
         )  # fmt: skip
     return merge_splits(run, v_mul=v_fold), kernel

@@ -8,7 +8,7 @@ over
 1. the cached prefix, read from the pages themselves: each iteration loads
    PPI pages of the kv head's K and V rows (packed bytes, scales, zeros),
    dequantizes them in registers to fp16 (bf16 pages stay bf16) and feeds
-   ``tl.dot`` with N = PPI * P keys; no workspace and no second pass over
+   ``tl.dot`` with N = PPI * P keys; no workspace and no second read of
    memory, so the cost of a chunk is linear in the prefix;
 2. the chunk itself (the fresh, unquantized K/V in q's dtype), causally.
 
@@ -22,8 +22,9 @@ order) and ``_extend_kernel4`` for packed pages (nvfp4, triaxial), which keeps
 q, the tiles and the accumulator in four channel quarters (below). Its packed
 words are unpacked by PTX (two values per instruction, ``triton_codec.asm_quarters``) and
 every unpacked tile reaches shared memory (the ``wgmma`` B operand) in 16-byte
-stores; q arrives pre-scaled in fp16 (QPRE), steps over full pages run
-without masks (SPLIT) and the V fold is applied once at the output (VFOLD).
+stores; q arrives pre-scaled in fp16 and quarter-major, steps over full pages
+run without masks and the V fold is applied once at the output (VFOLD, where
+the fold is large enough for the chunk's fp16 probabilities).
 
 The global scales of fp8 / nvfp4 (and nvfp4's 2^7) are folded into the
 prefix's softmax multiplier (K: into q for the packed kernel) and into the
@@ -165,8 +166,7 @@ def _extend_kernel(
 #
 # Packed tiles stay split, as in the decode: quarter k holds channels 4j + k, and q, the
 # accumulator and the chunk's own K/V use the same map. (Interleaving them back to channel
-# order with join + reshape did not compile in session 5; with these layouts it does, and
-# makes S and PV one dot each, but measured 5-8% slower on an H200: bench/NOTES-kernels.md.)
+# order with join + reshape makes S and PV one dot each, but is slower.)
 # A quarter is what one shift of the packed words gives::
 #
 #   nvfp4 / int4: 16-bit word j = bytes 2j, 2j+1 = nibbles k = 0..3 = channels 4j + k
@@ -353,20 +353,18 @@ def _prefix_step4(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, it, buf_ptr, pt_ptr,
 def _prefix_loop4(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, buf_ptr, pt_ptr, page_lo, page_hi, prefix_len, h, total_bytes,
                   k_mul, v_mul, FMT: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PPI: tl.constexpr,
                   PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
-                  V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr, SPLIT: tl.constexpr,
+                  V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,
                   KMUL: tl.constexpr, VMUL: tl.constexpr, DT: tl.constexpr, NUM_STAGES: tl.constexpr,
                   FAST: tl.constexpr):  # fmt: skip
-    """_prefix_loop on quarters (nvfp4, int4, int2 pages). SPLIT: the steps whose PPI pages are all full run
-    without masks, then at most one masked step (only the list's last page can be partial)."""
-    tail = page_lo
-    if SPLIT:
-        full = tl.maximum(tl.minimum(page_hi, prefix_len // P) - page_lo, 0) // PPI * PPI
-        tail = page_lo + full
-        for it in tl.range(page_lo, tail, PPI, num_stages=NUM_STAGES):
-            m_i, l_i, a0, a1, a2, a3 = _prefix_step4(
-                q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, it, buf_ptr, pt_ptr, page_hi, prefix_len, h, total_bytes,
-                k_mul, v_mul, FMT, D, P, PPI, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, False, KMUL,
-                VMUL, DT, FAST)  # fmt: skip
+    """_prefix_loop on quarters (nvfp4, int4, int2 pages): the steps whose PPI pages are all full run without
+    masks, then at most one masked step (only the list's last page can be partial)."""
+    full = tl.maximum(tl.minimum(page_hi, prefix_len // P) - page_lo, 0) // PPI * PPI
+    tail = page_lo + full
+    for it in tl.range(page_lo, tail, PPI, num_stages=NUM_STAGES):
+        m_i, l_i, a0, a1, a2, a3 = _prefix_step4(
+            q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, it, buf_ptr, pt_ptr, page_hi, prefix_len, h, total_bytes,
+            k_mul, v_mul, FMT, D, P, PPI, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, False, KMUL,
+            VMUL, DT, FAST)  # fmt: skip
     for it in tl.range(tail, page_hi, PPI, num_stages=NUM_STAGES):
         m_i, l_i, a0, a1, a2, a3 = _prefix_step4(
             q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, it, buf_ptr, pt_ptr, page_hi, prefix_len, h, total_bytes,
@@ -377,7 +375,8 @@ def _prefix_loop4(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, buf_ptr, pt_ptr, pag
 
 @triton.jit
 def _extend_kernel4(
-    q_ptr, k_ptr, v_ptr, o_ptr, buf_ptr, pt_ptr, n2_ptr,  # as _extend_kernel; k, v: [n, H, 4, D/4] (quarter-major)
+    q_ptr,  # [n, Hq, 4, D/4] in DT: q times k_mul_pre, quarter-major (k_mul_new is relative to it)
+    k_ptr, v_ptr, o_ptr, buf_ptr, pt_ptr, n2_ptr,  # as _extend_kernel; k, v: [n, H, 4, D/4] (quarter-major)
     n_new, prefix_len, total_bytes, k_mul_pre, v_mul_pre, k_mul_new,
     q_s0, q_s1, k_s0, k_s1, o_s0, o_s1,
     FMT: tl.constexpr, TRIAXIAL: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
@@ -387,8 +386,6 @@ def _extend_kernel4(
     V_OFF2: tl.constexpr, VS_OFF2: tl.constexpr, VZ_OFF2: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PPI: tl.constexpr, PPI2: tl.constexpr, NUM_STAGES: tl.constexpr,
     DT: tl.constexpr,
-    QPRE: tl.constexpr,  # q arrives as [n, Hq, 4, D/4] in DT, times k_mul_pre; k_mul_new is then relative to it
-    SPLIT: tl.constexpr,  # unmasked steps over full pages (_prefix_loop4)
     VFOLD: tl.constexpr,  # the prefix's P is not scaled: the chunk's P times v_mul_pre (= 1 / V fold), out * fold
     FAST: tl.constexpr,  # PTX unpackers (triton_codec.asm_quarters); off in the interpreter
 ):  # fmt: skip
@@ -404,16 +401,10 @@ def _extend_kernel4(
     qrow = q_ptr + tok[:, None].to(tl.int64) * q_s0 + (h * G + hd)[:, None] * q_s1
     jq = tl.arange(0, Q)[None, :]
     ch = 4 * jq
-    if QPRE:
-        q0 = tl.load(qrow + jq, mask=row_ok[:, None], other=0.0)
-        q1 = tl.load(qrow + Q + jq, mask=row_ok[:, None], other=0.0)
-        q2 = tl.load(qrow + 2 * Q + jq, mask=row_ok[:, None], other=0.0)
-        q3 = tl.load(qrow + 3 * Q + jq, mask=row_ok[:, None], other=0.0)
-    else:
-        q0 = tl.load(qrow + ch, mask=row_ok[:, None], other=0.0).to(DT)
-        q1 = tl.load(qrow + ch + 1, mask=row_ok[:, None], other=0.0).to(DT)
-        q2 = tl.load(qrow + ch + 2, mask=row_ok[:, None], other=0.0).to(DT)
-        q3 = tl.load(qrow + ch + 3, mask=row_ok[:, None], other=0.0).to(DT)
+    q0 = tl.load(qrow + jq, mask=row_ok[:, None], other=0.0)
+    q1 = tl.load(qrow + Q + jq, mask=row_ok[:, None], other=0.0)
+    q2 = tl.load(qrow + 2 * Q + jq, mask=row_ok[:, None], other=0.0)
+    q3 = tl.load(qrow + 3 * Q + jq, mask=row_ok[:, None], other=0.0)
     m_i = tl.full((M,), float("-inf"), tl.float32)
     l_i = tl.zeros((M,), tl.float32)
     a0 = tl.zeros((M, Q), tl.float32)
@@ -425,13 +416,13 @@ def _extend_kernel4(
         n2 = tl.load(n2_ptr)
         m_i, l_i, a0, a1, a2, a3 = _prefix_loop4(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, buf_ptr, pt_ptr, 0, n2, prefix_len, h,
                                                  total_bytes, k_mul_pre, v_mul_pre, FMT_INT2, D, P, PPI2, PAGE_BYTES2, K_OFF2,
-                                                 KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2, SPLIT, not QPRE, not VFOLD, DT,
+                                                 KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2, False, not VFOLD, DT,
                                                  NUM_STAGES, FAST)  # fmt: skip
     else:
         n2 = 0
     m_i, l_i, a0, a1, a2, a3 = _prefix_loop4(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, buf_ptr, pt_ptr, n2, num_pages, prefix_len,
                                              h, total_bytes, k_mul_pre, v_mul_pre, FMT, D, P, PPI, PAGE_BYTES, K_OFF, KS_OFF,
-                                             KZ_OFF, V_OFF, VS_OFF, VZ_OFF, SPLIT, not QPRE, not VFOLD, DT, NUM_STAGES,
+                                             KZ_OFF, V_OFF, VS_OFF, VZ_OFF, False, not VFOLD, DT, NUM_STAGES,
                                              FAST)  # fmt: skip
     hi = tl.minimum(n_new, (qb + 1) * BLOCK_T)
     for j0 in range(0, hi, BLOCK_N):
@@ -461,18 +452,14 @@ def _extend_kernel4(
     tl.store(orow + ch + 3, (a3 * inv).to(ty), mask=row_ok[:, None])
 
 
-# Per format: chunk tokens per program, chunk keys per step, prefix pages per step (PPI2: INT2 pages), warps, stages;
-# for the packed kernel also its switches QPRE, SPLIT and VFOLD (see _extend_kernel4; 0 = the session-5 kernel).
-# Packed formats: 128 prefix keys per step for every chunk length (H200, bench/NOTES-kernels.md session 6: nvfp4
-# 2K new on 32K 3.84 ms with 64 tokens x 64 keys, 3.53 with 32 x 128; triaxial 7.21 ms with 64 keys, 4.24 with 128).
+# Per format: chunk tokens per program, chunk keys per step, prefix pages per step (PPI2: INT2 pages), warps, stages.
+# Packed formats: 128 prefix keys per step for every chunk length (faster than 64 at every bench shape).
 TUNING: dict[str, dict[str, int]] = {
     "bf16": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 4, "num_warps": 8, "NUM_STAGES": 2},
     "fp8_e4m3": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 4, "num_warps": 8, "NUM_STAGES": 2},
-    "nvfp4": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 8, "num_warps": 8, "NUM_STAGES": 2, "QPRE": 1, "SPLIT": 1, "VFOLD": 1},
-    "int4": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 4, "PPI2": 4, "num_warps": 8, "NUM_STAGES": 2, "QPRE": 1, "SPLIT": 1,
-             "VFOLD": 1},
+    "nvfp4": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 8, "num_warps": 8, "NUM_STAGES": 2},
+    "int4": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 4, "PPI2": 4, "num_warps": 8, "NUM_STAGES": 2},
 }
-PACKED_SWITCHES = ("QPRE", "SPLIT", "VFOLD")
 
 
 def extend_attention(
@@ -485,12 +472,30 @@ def extend_attention(
     *,
     sm_scale: float,
     fast: bool,
-    tuning: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """Launch the extend kernel (arguments checked by paged_ops) -> [n, Hq, D] in q.dtype.
+    """Launch the extend kernel (arguments checked by paged_ops) with TUNING's tiles -> [n, Hq, D] in q.dtype.
 
     q: [n, Hq, D] at positions prefix_len..; k, v: [n, H, D]; prefix_pages: int32 ids in token order.
-    fast: inline-assembly decoders (KernelOptions.fast_decoders); tuning overrides TUNING[fmt]."""
+    fast: inline-assembly decoders (KernelOptions.fast_decoders)."""
+    if kv.layout.fmt not in TUNING:
+        raise ValueError(f"no Triton extend for {kv.layout.fmt!r} pages (fp32 pages run on the reference path)")
+    return launch_extend(q, k, v, kv, prefix_pages, prefix_len, sm_scale=sm_scale, fast=fast, cfg=TUNING[kv.layout.fmt])
+
+
+def launch_extend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: PagedKV,
+    prefix_pages: torch.Tensor,
+    prefix_len: int,
+    *,
+    sm_scale: float,
+    fast: bool,
+    cfg: dict[str, int],
+) -> torch.Tensor:
+    """``extend_attention`` with its tiles ``cfg`` (TUNING[fmt]'s keys) given: tests run small tiles in the
+    interpreter, benchmarks time others."""
     layout = kv.layout
     if layout.fmt not in TUNING:
         raise ValueError(f"no Triton extend for {layout.fmt!r} pages (fp32 pages run on the reference path)")
@@ -503,8 +508,7 @@ def extend_attention(
         return out
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride() != k.stride():
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    cfg = {**TUNING[layout.fmt], **(tuning or {})}
-    cfg.setdefault("PPI2", cfg["PPI"])
+    ppi2 = cfg.get("PPI2", cfg["PPI"])
     p = layout.page_size
     pages = prefix_pages[: triton.cdiv(prefix_len, p)]
     n2 = torch.zeros(1, dtype=torch.int32, device=q.device)
@@ -529,16 +533,13 @@ def extend_attention(
         k = k.view(n, h, d // 4, 4).transpose(2, 3).to(torch.float16).contiguous()
         v = v.view(n, h, d // 4, 4).transpose(2, 3).to(torch.float16).contiguous()
     k_mul_pre, v_mul_pre, k_mul_new = sm_scale * LOG2E * k_fold, v_fold, sm_scale * LOG2E
-    switches: dict[str, int] = {}
+    vfold = 0
     if quarters:
-        switches = {name: int(cfg.get(name, 0)) for name in PACKED_SWITCHES}
-        if switches["QPRE"]:
-            # q times the prefix's score multiplier, in the tile type, quarter-major like k and v: [n, Hq, 4, D/4]
-            q_in = (q.float() * k_mul_pre).view(n, hq, d // 4, 4).transpose(2, 3).to(torch.float16).contiguous()
-            k_mul_new = k_mul_new / k_mul_pre
-        if switches["VFOLD"] and v_fold < VFOLD_MIN:
-            switches["VFOLD"] = 0
-        if switches["VFOLD"]:
+        # q times the prefix's score multiplier, in the tile type, quarter-major like k and v: [n, Hq, 4, D/4]
+        q_in = (q.float() * k_mul_pre).view(n, hq, d // 4, 4).transpose(2, 3).to(torch.float16).contiguous()
+        k_mul_new = k_mul_new / k_mul_pre
+        vfold = int(v_fold >= VFOLD_MIN)  # the chunk's probabilities times 1 / fold must stay in fp16's range
+        if vfold:
             v_mul_pre = 1.0 / v_fold
     args = (q_in, k, v, out, kv.buffer, pages, n2, n, prefix_len, kv.total_bytes, k_mul_pre, v_mul_pre, k_mul_new,
             q_in.stride(0), q_in.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1))  # fmt: skip
@@ -546,11 +547,11 @@ def extend_attention(
         FMT=FMT_CODES[layout.fmt], TRIAXIAL=kv.triaxial, G=group, GP=triton.next_power_of_2(group), D=d, P=p,
         PAGE_BYTES=lay[0], K_OFF=lay[1], KS_OFF=lay[2], KZ_OFF=lay[3], V_OFF=lay[4], VS_OFF=lay[5], VZ_OFF=lay[6],
         PAGE_BYTES2=lay2[0], K_OFF2=lay2[1], KS_OFF2=lay2[2], KZ_OFF2=lay2[3], V_OFF2=lay2[4], VS_OFF2=lay2[5],
-        VZ_OFF2=lay2[6], BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], PPI=cfg["PPI"], PPI2=cfg["PPI2"],
+        VZ_OFF2=lay2[6], BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], PPI=cfg["PPI"], PPI2=ppi2,
         NUM_STAGES=cfg["NUM_STAGES"], DT=dt, num_warps=cfg["num_warps"],
     )  # fmt: skip
     if quarters:
-        _extend_kernel4[grid](*args, **meta, **switches, FAST=fast)
+        _extend_kernel4[grid](*args, **meta, VFOLD=vfold, FAST=fast)
     else:
         _extend_kernel[grid](*args, **meta, FAST=fast)
     return out
@@ -560,24 +561,20 @@ def extend_attention(
 REPORT_ALIGNED = ("total_bytes", "q_s0", "q_s1", "k_s0", "k_s1", "o_s0", "o_s1")
 
 
-def compile_report_args(
-    fmt: str, *, tuning: dict[str, int] | None = None
-) -> tuple[Any, dict[str, str], dict[str, Any], int]:
-    """(kernel, signature, constexprs, num_warps) to compile the extend kernel without a GPU, e.g.
-    ``compile_report.report(kernel, sig, const, num_warps=w, aligned=REPORT_ALIGNED)``.
+def compile_report_args(fmt: str) -> tuple[Any, dict[str, str], dict[str, Any], int]:
+    """(kernel, signature, constexprs, num_warps) to compile the extend kernel as launched (TUNING, a V fold applied
+    at the output) without a GPU, e.g. ``compile_report.report(kernel, sig, const, num_warps=w,
+    aligned=REPORT_ALIGNED)``.
 
-    fmt: "nvfp4" or "triaxial" (the packed kernel), "bf16" / "fp8_e4m3"; the real shape (32 q / 8 kv heads, d 128);
-    tuning overrides TUNING[fmt]."""
+    fmt: "nvfp4" or "triaxial" (the packed kernel), "bf16" / "fp8_e4m3"; the real shape (32 q / 8 kv heads, d 128)."""
     plain = "int4" if fmt == "triaxial" else fmt
     packed = plain in ("nvfp4", "int4")
     lay = PageLayout.build(plain, page_size=32 if fmt == "triaxial" else 16, kv_heads=8, head_dim=128)
     lay2 = PageLayout.build("int2", page_size=32, kv_heads=8, head_dim=128) if fmt == "triaxial" else None
-    cfg = {**TUNING[plain], **(tuning or {})}
-    cfg.setdefault("PPI2", cfg["PPI"])
+    cfg = TUNING[plain]
     a, a2 = field_offsets(lay), field_offsets(lay2)
-    switches = {name: int(cfg.get(name, 0)) for name in PACKED_SWITCHES} if packed else {}
-    chunk = "*fp16" if packed else "*bf16"  # the wrapper hands the packed kernel the chunk's k, v in fp16
-    sig = {"q_ptr": "*fp16" if switches.get("QPRE") else "*bf16", "k_ptr": chunk, "v_ptr": chunk, "o_ptr": "*bf16",
+    chunk = "*fp16" if packed else "*bf16"  # the wrapper hands the packed kernel q and the chunk's k, v in fp16
+    sig = {"q_ptr": chunk, "k_ptr": chunk, "v_ptr": chunk, "o_ptr": "*bf16",
            "buf_ptr": "*u8", "pt_ptr": "*i32", "n2_ptr": "*i32", "n_new": "i32", "prefix_len": "i32",
            "total_bytes": "i64", "k_mul_pre": "fp32", "v_mul_pre": "fp32", "k_mul_new": "fp32", "q_s0": "i32",
            "q_s1": "i32", "k_s0": "i32", "k_s1": "i32", "o_s0": "i32", "o_s1": "i32"}  # fmt: skip
@@ -585,7 +582,8 @@ def compile_report_args(
         FMT=FMT_CODES[plain], TRIAXIAL=fmt == "triaxial", G=4, GP=4, D=128, P=lay.page_size,
         PAGE_BYTES=a[0], K_OFF=a[1], KS_OFF=a[2], KZ_OFF=a[3], V_OFF=a[4], VS_OFF=a[5], VZ_OFF=a[6],
         PAGE_BYTES2=a2[0], K_OFF2=a2[1], KS_OFF2=a2[2], KZ_OFF2=a2[3], V_OFF2=a2[4], VS_OFF2=a2[5], VZ_OFF2=a2[6],
-        BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], PPI=cfg["PPI"], PPI2=cfg["PPI2"], NUM_STAGES=cfg["NUM_STAGES"],
-        DT=tl.float16 if plain != "bf16" else tl.bfloat16, FAST=True, **switches,
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], PPI=cfg["PPI"], PPI2=cfg.get("PPI2", cfg["PPI"]),
+        NUM_STAGES=cfg["NUM_STAGES"], DT=tl.float16 if plain != "bf16" else tl.bfloat16, FAST=True,
+        **({"VFOLD": 1} if packed else {}),
     )  # fmt: skip
     return (_extend_kernel4 if packed else _extend_kernel), sig, const, cfg["num_warps"]

@@ -8,11 +8,10 @@ instructions instead of an IEEE division per value).
 Two program shapes, both one (block of tokens, kv head) per program for
 ``write_kv``:
 
-* rows (bf16, fp8, and nvfp4 by default): each token's row of K and V is
-  quantized as a [BT, D] tile; reductions (nvfp4 block amax) run across lanes.
-* groups (int4, nvfp4 when asked): one thread owns one group of 32
-  consecutive channels of one token, so the group's min/max (or two block
-  amaxes) stay in its registers and its packed codes leave as one 16-byte
+* rows (bf16, fp8, nvfp4): each token's row of K and V is quantized as a
+  [BT, D] tile; reductions (nvfp4 block amax) run across lanes.
+* groups (int4): one thread owns one group of 32
+  consecutive channels of one token, so the group's min/max stay in its registers and its packed codes leave as one 16-byte
   store. The group is loaded as four 16-byte chunks (four [R, 8] loads with
   the same layout) because Triton gives a thread at most 16 bytes of one
   load::
@@ -38,7 +37,7 @@ import triton.language as tl
 from .page_ids import INT2_PAGE_FLAG
 from .paged_kv import PagedKV
 from .triton_codec import e2m1_codes, e4m3_bits, e4m3_value, int_codes, int_stats, meta_index, to_bf16
-from .triton_common import FMT_BF16, FMT_CODES, FMT_INT4, FMT_NVFP4, field_offsets
+from .triton_common import FMT_BF16, FMT_CODES, FMT_NVFP4, field_offsets
 
 FLAG: tl.constexpr = tl.constexpr(INT2_PAGE_FLAG)
 
@@ -104,41 +103,21 @@ def _int_group(c0, c1, c2, c3, LEVELS: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_block(a, b, g):
-    """The two [R, 8] chunks of one 16-value block -> (two packed int32 [R] words, E4M3 scale bits int32 [R])."""
-    amax = tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1))
-    sbits = e4m3_bits(tl.math.div_rn(tl.math.div_rn(amax, 6.0), g))
-    big_s = e4m3_value(sbits) * g  # the rounded block scale
-    zero_block = (big_s == 0)[:, None]
-    div = tl.where(zero_block, 1.0, big_s[:, None])
-    wa = _pack_word(tl.where(zero_block, 0, e2m1_codes(tl.math.div_rn(a, div))), 4)
-    wb = _pack_word(tl.where(zero_block, 0, e2m1_codes(tl.math.div_rn(b, div))), 4)
-    return wa, wb, sbits
-
-
-@triton.jit
 def _store_group(c0, c1, c2, c3, rows_ptr, hrow, g, ok, scale, OFF: tl.constexpr, SOFF: tl.constexpr,
                  ZOFF: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, TM: tl.constexpr):  # fmt: skip
-    """Quantize one group per thread (int4 or nvfp4) and store its 16 data bytes and its scales."""
+    """Quantize one int4 group per thread and store its 16 data bytes, its scale and its zero."""
     NG: tl.constexpr = D // 32
-    if FMT == FMT_INT4:
-        w0, w1, w2, w3, sc, zr = _int_group(c0, c1, c2, c3, 15, 4)
-        meta = meta_index(hrow, g, NG, TM)  # [R] fp16 index of the group's scale and zero
-        tl.store((rows_ptr + SOFF).to(tl.pointer_type(tl.float16)) + meta, sc, mask=ok)
-        tl.store((rows_ptr + ZOFF).to(tl.pointer_type(tl.float16)) + meta, zr, mask=ok)
-    else:  # nvfp4: the group is two blocks of 16
-        w0, w1, s0 = _nvfp4_block(c0.to(tl.float32), c1.to(tl.float32), scale)
-        w2, w3, s1 = _nvfp4_block(c2.to(tl.float32), c3.to(tl.float32), scale)
-        # block scales 2g and 2g+1 of the row are adjacent bytes: one 2-byte store
-        sidx = hrow * (D // 32) + g  # uint16 index = byte index (hrow * D/16 + 2g) / 2
-        tl.store((rows_ptr + SOFF).to(tl.pointer_type(tl.uint16)) + sidx, (s0 | (s1 << 8)).to(tl.uint16), mask=ok)
+    w0, w1, w2, w3, sc, zr = _int_group(c0, c1, c2, c3, 15, 4)
+    meta = meta_index(hrow, g, NG, TM)  # [R] fp16 index of the group's scale and zero
+    tl.store((rows_ptr + SOFF).to(tl.pointer_type(tl.float16)) + meta, sc, mask=ok)
+    tl.store((rows_ptr + ZOFF).to(tl.pointer_type(tl.float16)) + meta, zr, mask=ok)
     # data: D/2 bytes a row, 16 per group -> int32 index (hrow * D/2 + 16g) / 4
     didx = (hrow * (D // 8) + g * 4)[:, None] + tl.arange(0, 4)[None, :]
     tl.store((rows_ptr + OFF).to(tl.pointer_type(tl.int32))[:, None] + didx, _words4(w0, w1, w2, w3), mask=ok[:, None])
 
 
 # ----------------------------------------------------------------------------
-# one token row per tile row (bf16, fp8, nvfp4 by default)
+# one token row per tile row (bf16, fp8, nvfp4)
 # ----------------------------------------------------------------------------
 
 
@@ -186,7 +165,7 @@ def _write_kv_kernel(
     PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
     V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,
     BT: tl.constexpr,  # tokens per program
-    GROUPS: tl.constexpr,  # 1: one 32-channel group per thread (int4, nvfp4); 0: token rows
+    GROUPS: tl.constexpr,  # 1: one 32-channel group per thread (int4); 0: token rows
 ):
     h = tl.program_id(1)
     if GROUPS:
@@ -224,7 +203,7 @@ def _write_kv_kernel(
 @triton.jit
 def _widen(raw):
     """Loaded values -> fp32. For bf16 a shift of the bits: a second conversion the compiler will not merge
-    with the first (.to), so the codes pass need not keep the min/max pass's fp32 copy alive."""
+    with the first (.to), so the codes loop need not keep the min/max loop's fp32 copy alive."""
     if raw.dtype == tl.bfloat16:
         return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
@@ -316,53 +295,47 @@ def _write_int2_values_kernel(
 # launchers
 # ----------------------------------------------------------------------------
 
-# Launch shapes by format. "groups": one 32-channel group per thread (int4;
-# nvfp4 can use it too), else token rows. The bench times the alternatives.
+# Launch shapes by format: int4 writes one 32-channel group per thread ("groups"), the others token rows of
+# "bt" tokens a program.
 WRITE_TUNING: dict[str, dict[str, int]] = {
-    "bf16": {"groups": 0, "bt": 16, "num_warps": 4},
-    "fp8_e4m3": {"groups": 0, "bt": 16, "num_warps": 4},
-    "nvfp4": {"groups": 0, "bt": 16, "num_warps": 4},
-    "int4": {"groups": 1, "num_warps": 4},
+    "bf16": {"bt": 16, "num_warps": 4},
+    "fp8_e4m3": {"bt": 16, "num_warps": 4},
+    "nvfp4": {"bt": 16, "num_warps": 4},
+    "int4": {"num_warps": 4},
 }
 # INT2 pages: kv heads per keys program (at most; a power of two dividing H), warps of the keys
 # programs, and groups (= threads) per values program.
 INT2_TUNING: dict[str, int] = {"heads": 1, "key_warps": 1, "value_warps": 4}
 
 
-def _tokens_per_program(d: int, cfg: dict[str, int]) -> int:
-    if cfg["groups"]:
-        # one group per thread: 32 * num_warps groups of D/32 per token (Triton gives each thread
-        # a whole 8-value chunk only when the tile has 8 values per thread)
-        return max(1, 32 * cfg["num_warps"] // (d // 32))
-    return cfg["bt"]
+def write_kv(kv: PagedKV, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor, slots: torch.Tensor) -> None:
+    """Launch quantize-on-write (arguments checked by paged_ops) with WRITE_TUNING's shape."""
+    if kv.layout.fmt not in WRITE_TUNING:
+        raise ValueError(f"no Triton write for {kv.layout.fmt!r} pages (fp32 pages run on the reference path)")
+    launch_write_kv(kv, k, v, page_ids, slots, num_warps=WRITE_TUNING[kv.layout.fmt]["num_warps"],
+                    bt=WRITE_TUNING[kv.layout.fmt].get("bt", 0))  # fmt: skip
 
 
-def write_kv(
-    kv: PagedKV,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    page_ids: torch.Tensor,
-    slots: torch.Tensor,
-    *,
-    tuning: dict[str, int] | None = None,
-) -> None:
-    """Launch quantize-on-write (arguments checked by paged_ops); ``tuning`` overrides WRITE_TUNING[fmt]."""
+def launch_write_kv(kv: PagedKV, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor, slots: torch.Tensor, *,
+                    num_warps: int, bt: int) -> None:  # fmt: skip
+    """write_kv with its launch shape given (tests and benchmarks time others): ``num_warps`` warps a program and,
+    for token rows, ``bt`` tokens a program (int4 groups: as many tokens as one group a thread makes)."""
     layout = kv.layout
     if layout.fmt not in WRITE_TUNING:
         raise ValueError(f"no Triton write for {layout.fmt!r} pages (fp32 pages run on the reference path)")
     t, h, d = k.shape
     if t == 0:
         return
-    cfg = {**WRITE_TUNING[layout.fmt], **(tuning or {})}
-    if cfg["groups"] and layout.fmt not in ("int4", "nvfp4"):
-        raise ValueError(f"the group-per-thread shape writes int4 and nvfp4 pages, not {layout.fmt!r}")
-    bt = _tokens_per_program(d, cfg)
+    groups = layout.fmt == "int4"
+    # one group per thread: 32 * num_warps groups of D/32 per token (Triton gives each thread a whole 8-value chunk
+    # only when the tile has 8 values per thread)
+    bt = max(1, 32 * num_warps // (d // 32)) if groups else bt
     pb, ko, kso, kzo, vo, vso, vzo = field_offsets(layout)
     _write_kv_kernel[(triton.cdiv(t, bt), h)](
         k.contiguous(), v.contiguous(), kv.buffer, page_ids, slots, t, float(kv.k_scale), float(kv.v_scale),
         FMT=FMT_CODES[layout.fmt], H=h, D=d, P=layout.page_size,
         PAGE_BYTES=pb, K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, V_OFF=vo, VS_OFF=vso, VZ_OFF=vzo,
-        BT=bt, GROUPS=cfg["groups"], num_warps=cfg["num_warps"],
+        BT=bt, GROUPS=int(groups), num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -373,24 +346,17 @@ def _int2_heads(h: int, want: int) -> int:
     return hb
 
 
-def write_int2_pages(
-    kv: PagedKV,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    page_ids: torch.Tensor,
-    *,
-    tuning: dict[str, int] | None = None,
-) -> None:
-    """Launch the INT2 whole-page writers, keys then values (arguments checked by paged_ops); ``tuning`` overrides INT2_TUNING."""
+def write_int2_pages(kv: PagedKV, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor) -> None:
+    """Launch the INT2 whole-page writers with INT2_TUNING's shapes, keys then values (arguments checked by
+    paged_ops)."""
     if k.shape[0] == 0:
         return
-    cfg = {**INT2_TUNING, **(tuning or {})}
-    launch_int2_keys(kv, k, page_ids, heads=cfg["heads"], num_warps=cfg["key_warps"])
-    launch_int2_values(kv, v, page_ids, num_warps=cfg["value_warps"])
+    launch_int2_keys(kv, k, page_ids, heads=INT2_TUNING["heads"], num_warps=INT2_TUNING["key_warps"])
+    launch_int2_values(kv, v, page_ids, num_warps=INT2_TUNING["value_warps"])
 
 
 def launch_int2_keys(kv: PagedKV, k: torch.Tensor, page_ids: torch.Tensor, *, heads: int, num_warps: int) -> None:
-    """The keys half of write_int2_pages (the benchmark times the halves apart)."""
+    """The keys half of write_int2_pages with its launch shape given (tests and benchmarks time others)."""
     n, p, h, d = k.shape
     hb = _int2_heads(h, heads)
     pb, ko, kso, kzo, _, _, _ = field_offsets(kv.int2)
@@ -401,7 +367,7 @@ def launch_int2_keys(kv: PagedKV, k: torch.Tensor, page_ids: torch.Tensor, *, he
 
 
 def launch_int2_values(kv: PagedKV, v: torch.Tensor, page_ids: torch.Tensor, *, num_warps: int) -> None:
-    """The values half of write_int2_pages."""
+    """The values half of write_int2_pages with its launch shape given."""
     n, p, h, d = v.shape
     pb, _, _, _, vo, vso, vzo = field_offsets(kv.int2)
     groups = n * p * h * (d // 32)

@@ -1,11 +1,12 @@
 """The Gluon decode kernels (gluon_decode.py): compiled for sm_90 here, held to the reference on the GPU.
 
 CPU (CI): the kernels cannot run without a GPU (PTX unpackers, mma.sync), so
-CI compiles each variant for an H100 with the pinned Triton and checks what
-makes them fast and what makes them right to compile: every layout change
-``assert_trivial`` demands is free, no register spills, no shared memory
-inside the main loop (the fragments come straight from registers), the
-expected tensor-core instruction count per step and 16-byte K loads.
+CI compiles the kernel of each page format as launched for an H100 with the
+pinned Triton and checks what makes it fast and what makes it right to
+compile: every layout change ``assert_trivial`` demands is free, no register
+spills, no unpacked values stored to shared memory inside the main loop (the
+fragments come straight from registers), the expected tensor-core
+instruction count per step and 16-byte K copies into the ring.
 
 GPU (``gpu`` marker, device machine): decode at real shapes against fp64
 attention over the codec-dequantized K/V, with the same bounds as the ``tl``
@@ -30,70 +31,58 @@ from kvserving.kernels.triton_common import resident_programs
 
 
 # compiled in a child process: the test session runs with TRITON_INTERPRET=1, under which Triton's own
-# jit helpers (the reductions' combine functions) cannot be compiled
+# jit helpers (the reductions' combine functions) cannot be compiled; the kernel as launched (GL_TUNING: warps,
+# pages per warp, ring depth, register cap) with 4 or 16 query heads per kv head
 _COMPILE = """
 import json, sys
 from kvserving.kernels import gluon_decode
-from kvserving.kernels.compile_report import loop_ops, report
-sig, const = gluon_decode.compile_report_args(sys.argv[1], stages=int(sys.argv[2]))
+from kvserving.kernels.compile_report import loops, report
+fmt, heads = sys.argv[1], int(sys.argv[2])
+cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
+sig, const = gluon_decode.compile_report_args(fmt, heads=heads)
 warps = const.pop("num_warps")
-r = report(gluon_decode._gl_decode_kernel, sig, const, gluon=True, num_warps=warps, aligned=("total_bytes",))
+r = report(gluon_decode._gl_decode_kernel, sig, const, gluon=True, num_warps=warps, aligned=("total_bytes",),
+           maxnreg=cfg["maxnreg"] if heads <= 8 else None)
 print(json.dumps({"warps": warps, "local": r["local"], "stack": r["stack"], "shared": r["shared"], "regs": r["regs"],
-                  "loop": dict(loop_ops(r["sass"]))}))
+                  "loops": [dict(c) for c in loops(r["sass"]) if any(op.startswith("HMMA") for op in c)]}))
 """
 
 
-def _compile(fmt: str, stages: int) -> dict[str, Any]:
+def _compile(fmt: str, heads: int = 4) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, fmt, str(stages)], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _COMPILE, fmt, str(heads)], env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-@pytest.mark.parametrize("stages", [0, 2])
-@pytest.mark.parametrize("fmt", ["nvfp4", "int4", "int2", "fp8_e4m3"])
-def test_gluon_decode_compiles_for_sm90_without_unpacked_values_in_shared_memory(fmt: str, stages: int) -> None:
-    r = _compile(fmt, stages)
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4", "triaxial", "fp8_e4m3"])
+def test_gluon_decode_compiles_for_sm90_without_unpacked_values_in_shared_memory(fmt: str) -> None:
+    r = _compile(fmt)
     warps = r["warps"]
     assert r["local"] == 0 and r["stack"] == 0, "register spills"
-    ops = r["loop"]
-    # per warp and step: S^T = K q^T (NT/16 row tiles x D/16 k steps) and O^T += V^T P^T (D/16 x NT/16)
-    # (INT2 keys: plus one k=32 mma per page for the zero term, see _gl_split; the softmax sum l = ones . P^T: one
-    # k=32 mma)
-    nt = 32
-    assert ops["HMMA.16816.F32"] == 2 * (nt // 16) * (128 // 16) + (2 if fmt == "int2" else 0) + 2
-    # the fragments come straight from registers: nothing is stored to shared memory in the loop
-    assert not any(op.startswith("STS") for op in ops), ops
-    wide = "128" if fmt != "int2" else "64"
-    if stages == 0:
-        assert not any(op.startswith(("LDS", "BAR")) for op in ops), ops
-        assert ops["LDG.E." + wide] >= 4, ops  # K rows: one 16-byte (INT2: 8-byte) vector per token and thread
-    else:
+    # one loop over the split's steps per kind of page: triaxial rows run an INT2 loop and an INT4 one
+    kinds = ["int2", "int4"] if fmt == "triaxial" else [fmt]
+    assert len(r["loops"]) == len(kinds), r["loops"]
+    for kind in kinds:
+        # per warp and step: S^T = K q^T (NT/16 row tiles x D/16 k steps) and O^T += V^T P^T (D/16 x NT/16)
+        # (INT2 keys: plus one k=32 mma per page for the zero term, see _gl_split; the softmax sum l = ones . P^T:
+        # one k=32 mma)
+        nt = 32
+        want = 2 * (nt // 16) * (128 // 16) + (2 if kind == "int2" else 0) + 2
+        ops = next((c for c in r["loops"] if c["HMMA.16816.F32"] == want), None)
+        assert ops is not None, (kind, [c["HMMA.16816.F32"] for c in r["loops"]])
+        # the fragments come straight from registers: nothing is stored to shared memory in the loop
+        assert not any(op.startswith("STS") for op in ops), ops
         # the ring: K rows copied global -> shared by cp.async (16 / 8 bytes a thread and token) and read back
         # with vectors as wide; one barrier after the wait, one before a slot is refilled (in each of the two
         # branches of the copies, unmasked for a full step and masked for a split's last: 3 in the code, 2 run)
-        cp = "LDGSTS.E.BYPASS.128" if fmt != "int2" else "LDGSTS.E.64"
+        wide = "128" if kind != "int2" else "64"
+        cp = "LDGSTS.E.BYPASS.128" if kind != "int2" else "LDGSTS.E.64"
         assert ops[cp] >= 4 and ops["LDS." + wide] >= 4, ops
         assert sum(v for op, v in ops.items() if op.startswith("BAR")) <= 3, ops
     # the epilogue merges the warps through shared memory ([W, D, HP] fp32 at most), the ring is 2 steps
-    assert r["shared"] <= max(warps * 128 * 8 * 4, stages * warps * 5 * 1024 * (1 if fmt == "int2" else 2))
-
-
-# the launched tuning (GL_TUNING: warps, pages per warp, ring depth, register cap) with 4 or 16 query heads per kv head
-_COMPILE_TUNED = """
-import json, sys
-from kvserving.kernels import gluon_decode
-from kvserving.kernels.compile_report import report
-fmt, heads = sys.argv[1], int(sys.argv[2])
-cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
-sig, const = gluon_decode.compile_report_args(fmt, num_warps=cfg["num_warps"], ppw=cfg["PPW"], heads=heads,
-                                              stages=cfg["STAGES"])
-warps = const.pop("num_warps")
-r = report(gluon_decode._gl_decode_kernel, sig, const, gluon=True, num_warps=warps, aligned=("total_bytes",),
-           maxnreg=cfg["maxnreg"] if heads <= 8 else None)
-print(json.dumps({"warps": warps, "regs": r["regs"], "shared": r["shared"], "local": r["local"]}))
-"""
+    assert r["shared"] <= max(warps * 128 * 8 * 4, 2 * warps * 5 * 1024 * 2)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "triaxial", "fp8_e4m3"])
@@ -101,41 +90,28 @@ def test_gluon_decode_residency_table_matches_the_compiled_kernel(fmt: str) -> N
     # the split planner (plan_waves) plans on GL_TUNING's RES / RES16: the programs per SM the compiled kernel allows.
     # RES16 (16 heads, uncapped) is the device's Triton 3.6 (196 / 200 / 229 registers); the pinned 3.9 gives nvfp4
     # and fp8 209 / 204 (4 programs, not 5): only the gpu test below holds RES16
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_TUNED, fmt, "4"], env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    r = json.loads(done.stdout.strip().splitlines()[-1])
+    r = _compile(fmt)
     cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
     assert r["local"] == 0
     assert cfg["RES"] == resident_programs(regs=r["regs"], warps=r["warps"], shared=r["shared"]), r
 
 
-# the kernel's step variants: bytes loaded into registers each step (STAGES 0) or staged by cp.async in a
-# shared-memory ring one step ahead (STAGES 2, the default)
-STAGE_VARIANTS = [0, 2]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", STAGE_VARIANTS)
 @pytest.mark.parametrize("case", ["nvfp4", "int4", "triaxial", "fp8_e4m3"])
-def test_gpu_gluon_decode_real_shapes(case: str, stages: int) -> None:
+def test_gpu_gluon_decode_real_shapes(case: str) -> None:
     p = 32 if case in ("int4", "triaxial") else 16
     lens = [1, p, p + 1, 1000, 2047, 4096, 333, 77]
-    t = {"STAGES": stages}
-    _check_decode(case, lens, device="cuda", d=128, h=8, g=4, p=p, kernel="gluon", tuning=t)
-    _check_decode(case, [5, 700, 129], device="cuda", d=128, h=2, g=8, p=p, kernel="gluon", tuning=t)  # 8 per kv head
-    _check_decode(case, [3, 400, 65], device="cuda", d=128, h=1, g=16, p=p, kernel="gluon", tuning=t)  # padded to 16
+    _check_decode(case, lens, device="cuda", d=128, h=8, g=4, p=p, kernel="gluon")
+    _check_decode(case, [5, 700, 129], device="cuda", d=128, h=2, g=8, p=p, kernel="gluon")  # 8 per kv head
+    _check_decode(case, [3, 400, 65], device="cuda", d=128, h=1, g=16, p=p, kernel="gluon")  # padded to 16
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", STAGE_VARIANTS)
 @pytest.mark.parametrize("case", ["nvfp4", "triaxial", "fp8_e4m3"])
-def test_gpu_gluon_decode_many_splits_including_empty_ones(case: str, stages: int) -> None:
+def test_gpu_gluon_decode_many_splits_including_empty_ones(case: str) -> None:
     p = 32 if case == "triaxial" else 16
     step = 4 if case == "triaxial" else 2 * gluon_decode.GL_TUNING[case]["PPW"]  # warps x pages per warp
-    _check_decode(case, [3, 40 * p, 17 * p + 5], device="cuda", d=128, h=8, g=4, p=p, splits=(40, step), kernel="gluon",
-                  tuning={"STAGES": stages})  # fmt: skip
+    _check_decode(case, [3, 40 * p, 17 * p + 5], device="cuda", d=128, h=8, g=4, p=p, splits=(40, step), kernel="gluon")
 
 
 @pytest.mark.gpu
@@ -148,9 +124,10 @@ def test_gpu_gluon_decode_residency_table_matches_the_launched_kernel(case: str,
     pool, filled, scale = _filled_pool(case, [300, 77], device="cuda", d=128, h=2, p=p)
     q = torch.randn(2, 2 * heads, 128, device="cuda", dtype=torch.bfloat16)
     kv = pool.kv(scale, scale)
-    _, kernel = gluon_decode.launch_decode(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1,
-                                           num_int2_pages=filled.num_int2)  # fmt: skip
     cfg = gluon_decode.GL_TUNING[kv.layout.fmt]
+    _, kernel = gluon_decode.launch_decode(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1,
+                                           num_int2_pages=filled.num_int2, cfg=cfg,
+                                           plan=gluon_decode.split_plan(q, kv, filled.page_table, cfg))  # fmt: skip
     got = resident_programs(regs=kernel.n_regs, warps=cfg["num_warps"], shared=kernel.metadata.shared)
     assert got == cfg["RES" if heads <= 8 else "RES16"], (kernel.n_regs, kernel.metadata.shared)
 

@@ -2,11 +2,11 @@
 
 CPU (CI): the kernel needs a Hopper GPU (wgmma, PTX unpackers), so CI compiles
 it for an H100 with the pinned Triton and checks what its speed rests on: the
-tensor-core work of a step is two wgmma groups (S = q K^T, then PV), each
-waited once (ptxas serializes every wgmma, one wait per instruction, when an
-accumulator is touched while in flight: warning C7514), one CTA barrier per
-step, the unpacked tiles stored 16 bytes at a time, and no register spills in
-the loop.
+producer hands registers to the consumers, each consumer's tensor-core work
+of a step is two wgmma groups (S = q K^T, then PV), each waited once (ptxas
+serializes every wgmma, one wait per instruction, when an accumulator is
+touched while in flight: warning C7514), no barrier joins the two consumers,
+and no register spills.
 
 GPU (``gpu`` marker, device machine): extend at real shapes against fp64
 attention over the codec-dequantized prefix plus the chunk, same bound as the
@@ -29,15 +29,15 @@ from test_paged_ref import rel_err
 from test_triton_paged import BOUND, _filled_pool, expected_kv
 from test_triton_prefill import dense_extend
 
-from kvserving.kernels import gluon_extend, gluon_extend_tri, paged_ops, triton_prefill
+from kvserving.kernels import gluon_extend, paged_ops, triton_prefill
 from kvserving.kernels.options import KernelOptions
 
 # compiled in a child process: the test session runs with TRITON_INTERPRET=1
 _COMPILE = """
-import json, re, sys
+import json, re
 from kvserving.kernels import gluon_extend
 from kvserving.kernels.compile_report import loop_ops, report
-kernel, sig, const = gluon_extend.compile_report_args(tuning=json.loads(sys.argv[1]))
+kernel, sig, const = gluon_extend.compile_report_args()
 warps = const.pop("num_warps")
 maxnreg = const.pop("maxnreg", None)
 r = report(kernel, sig, const, gluon=True, num_warps=warps, maxnreg=maxnreg, aligned=("q_s0", "k_s0", "o_s0", "o_s1"))
@@ -46,47 +46,26 @@ print(json.dumps({"local": r["local"], "shared": r["shared"], "regs": r["regs"],
 """
 
 
-def _compile(tuning: dict[str, int]) -> dict[str, Any]:
+def _compile() -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(tuning)], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def test_gluon_extend_compiles_for_sm90_with_each_wgmma_group_waited_once() -> None:
-    r = _compile({"WS": 0, "PAIR": 1})  # the one-partition kernel (_gl_extend_kernel)
-    ops = r["loop"]
-    # the loop body is two prefix steps (tiles a, b); per step and warpgroup: S = 8 x m64n128k16 (K = 128 channels),
-    # PV = 8 (K = 128 keys)
-    assert ops["HGMMA.64"] == 2 * 16, ops  # m64n128k16 (the opcode histogram stops at the "x")
-    # one arrive and one wait per wgmma group (ptxas' serialization would wait after each of the 32)
-    assert ops["WARPGROUP.ARRIVE"] == 2 * 2 and ops["WARPGROUP.DEPBAR.LE"] == 2 * 2, ops
-    # one CTA barrier per step (the next tiles complete, the current ones free) with triton 3.6; 3.9 adds two
-    # around the tile stores of each step
-    assert ops["BAR.SYNC.DEFER_BLOCKING"] <= 2 * 3, ops
-    # each step unpacks a K and a V tile of 128 x 128 fp16 (32 KB each) over 256 threads: 16 x 16 bytes per thread
-    assert ops["STS.128"] == 2 * 16 and not any(op.startswith("STS") and op != "STS.128" for op in ops), ops
-    assert not any(op.startswith(("STL", "LDL")) for op in ops) or r["local"] <= 64, ops
-    # q + two K/V tile pairs, fp16 (the third slot of a ring would not fit next to the scratch)
-    assert r["shared"] <= 128 * 128 * 2 * 5 + 1024
-
-
-@pytest.mark.parametrize("ws", [1, 2])
-def test_gluon_extend_warp_specialized_with_register_split(ws: int) -> None:
-    # WS 1 and 2: a producer partition of LOAD_WARPS warps hands registers back (setmaxnreg dealloc to LOAD_REGS) and
-    # the attending warps take them (alloc); S and PV as m64n128k16 wgmma in the consumers
-    r = _compile({"WS": ws})
+def test_gluon_extend_compiles_for_sm90_warp_specialized_with_each_wgmma_group_waited_once() -> None:
+    r = _compile()
     ops = r["ops"]
+    # the producer partition hands registers back (setmaxnreg dealloc to LOAD_REGS) and the consumers take them
     assert ops.get("USETMAXREG.DEALLOC.CTAPOOL", 0) >= 1 and ops.get("USETMAXREG.TRY_ALLOC.CTAPOOL", 0) >= 1, ops
-    assert ops["HGMMA.64"] >= 16, ops
-    assert r["regs"] == gluon_extend.TUNING["maxnreg"]
+    assert r["regs"] == gluon_extend.TUNING["maxnreg"] and r["local"] == 0
     assert r["shared"] <= 227 * 1024
-    if ws == 2:
-        # each warpgroup its own partition (8 S + 8 PV wgmma each, one wait per group) and no barrier joins the two:
-        # every barrier is a partition's 128 threads (named) or barrier 1 (warp_specialize's entry and exit)
-        assert ops["HGMMA.64"] == 2 * 16 and ops["WARPGROUP.ARRIVE"] == 2 * 2 and ops["WARPGROUP.DEPBAR.LE"] == 2 * 2, ops
-        assert all(b.strip().endswith("0x80") or b.strip() == "0x1" for b in r["bars"]), collections.Counter(r["bars"])
+    # each consumer warpgroup: 8 S + 8 PV m64n128k16 wgmma (the opcode histogram stops at the "x"), one arrive and
+    # one wait per group (ptxas' serialization would wait after each of the 16)
+    assert ops["HGMMA.64"] == 2 * 16 and ops["WARPGROUP.ARRIVE"] == 2 * 2 and ops["WARPGROUP.DEPBAR.LE"] == 2 * 2, ops
+    # no barrier joins the two consumers: every barrier is a partition's 128 threads (named) or barrier 1
+    # (warp_specialize's entry and exit)
+    assert all(b.strip().endswith("0x80") or b.strip() == "0x1" for b in r["bars"]), collections.Counter(r["bars"])
 
 
 def _store_wavefronts(reg: list[list[int]], lane: list[list[int]], n: int) -> int:
@@ -114,22 +93,17 @@ def _store_wavefronts(reg: list[list[int]], lane: list[list[int]], n: int) -> in
 
 
 def test_conflict_free_rows_store_each_phase_in_one_wavefront() -> None:
-    # CF 1 (the default): lanes 4-7 of each 8 take the row 4 below, so the 8 lanes of a phase write 8 distinct chunks
+    # cf_bases: lanes 4-7 of each 8 take the row 4 below, so the 8 lanes of a phase write 8 distinct chunks
     reg, lane, _ = gluon_extend.cf_bases(4, 128, 4)
     assert _store_wavefronts(reg, lane, 128) == 1
-    # _pair_layout's lanes (CF 0): rows r, r+1 in a phase write the same quad of chunks, 2 wavefronts
+    # a blocked layout's lanes (rows r, r+1 in a phase) write the same quad of chunks: 2 wavefronts
     blocked_lane = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
     assert _store_wavefronts(reg, blocked_lane, 128) == 2
-    assert gluon_extend.TUNING["CF"] == 1
     with pytest.raises(ValueError, match="multiple of"):
         gluon_extend.cf_bases(4, 48, 4)
 
 
-def test_gluon_extend_default_is_the_two_consumer_partition_kernel() -> None:
-    assert gluon_extend.TUNING["WS"] == 2 and gluon_extend.TUNING["REV"] == 1
-
-
-def _check(prefix_lens: list[int], n_new: int, tuning: dict[str, int] | None = None) -> None:
+def _check(prefix_lens: list[int], n_new: int) -> None:
     d, h, g, p = 128, 8, 4, 16
     pool, filled, scale = _filled_pool("nvfp4", prefix_lens, device="cuda", d=d, h=h, p=p)
     kv = pool.kv(scale, scale)
@@ -142,7 +116,7 @@ def _check(prefix_lens: list[int], n_new: int, tuning: dict[str, int] | None = N
             pages = filled.page_table[i]
             assert gluon_extend.supported(kv, q)
             out = torch.full_like(q, float("nan"))
-            out.copy_(gluon_extend.extend_attention(q, k_new, v_new, kv, pages, start, sm_scale=sm, tuning=tuning))
+            out.copy_(gluon_extend.extend_attention(q, k_new, v_new, kv, pages, start, sm_scale=sm))
             assert out.dtype == q.dtype and out.shape == q.shape and out.isfinite().all()
             ek, ev = expected_kv(pool, filled, i, k_scale=scale, v_scale=scale)
             want = dense_extend(q.cpu(), torch.cat([ek, k_new.cpu()]), torch.cat([ev, v_new.cpu()]), start, sm)
@@ -153,15 +127,11 @@ def _check(prefix_lens: list[int], n_new: int, tuning: dict[str, int] | None = N
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [{}, {"WS": 1}, {"WS": 0, "PAIR": 1}, {"WS": 0, "PAIR": 2}, {"WS": 0, "PAIR": 0},
-                                    {"WS": 0, "PAIR": 1, "OVERLAP": 0},
-                                    {"WS": 0, "PAIR": 1, "BLOCK_T": 16, "PPI": 4, "num_warps": 4},
-                                    {"CKV": 1}, {"LAZY": 0}, {"TREE": 0}])  # fmt: skip
-def test_gpu_gluon_extend_real_shapes(tuning: dict[str, int]) -> None:
+def test_gpu_gluon_extend_real_shapes() -> None:
     # prefixes: whole steps + a partial page (odd step count), exactly one step, empty, 3000 (even step count);
     # 300 new tokens: 32-token blocks, the last partial, chunk steps of 128 keys, the last partial
-    _check([16 * 40 + 7, 128, 0, 3000], 300, tuning)
-    _check([1], 1, tuning)
+    _check([16 * 40 + 7, 128, 0, 3000], 300)
+    _check([1], 1)
 
 
 @pytest.mark.gpu
@@ -218,7 +188,7 @@ def test_launch_staging_of_the_chunk_and_the_page_ids() -> None:
 
 
 def test_chunk_rows_reads_packed_rows_in_place_and_copies_the_rest() -> None:
-    """CKV 1 (triaxial's default) reads the chunk's k, v in the kernel at token stride k_s0, head stride D, unit channel
+    """The triaxial kernel reads the chunk's k, v at token stride k_s0, head stride D, unit channel
     stride, for both: chunk_rows passes such tensors through (contiguous ones, rows of one projection output) and
     makes contiguous copies of any other."""
     from kvserving.kernels.gluon_attend import chunk_rows
@@ -232,15 +202,3 @@ def test_chunk_rows_reads_packed_rows_in_place_and_copies_the_rest() -> None:
                    (k, torch.randn(3, 4, 16)[:, ::2])):  # channels strided; v's token stride not k's; heads strided
         k3, v3 = chunk_rows(kk, vv)
         assert k3.is_contiguous() and v3.is_contiguous() and torch.equal(k3, kk) and torch.equal(v3, vv)
-    assert gluon_extend.TUNING["CKV"] == 0 and gluon_extend_tri.TUNING["CKV"] == 1
-
-
-def test_extend_tree_reductions_compile_without_spills() -> None:
-    """TREE 1 (the consumers' row max / sum as trees: the default since session 16, 0.8-3.4% faster on an H200) and
-    TREE 0 compile for sm_90 with the same registers, no local memory and the same exponentials (three softmax
-    copies in each consumer loop; the tree moves only the reductions)."""
-    base = _compile({"TREE": 0})
-    r = _compile({})
-    assert gluon_extend.TUNING["TREE"] == 1 and gluon_extend.TUNING["LAZY"] == 1
-    assert r["regs"] == base["regs"] == gluon_extend.TUNING["maxnreg"] and r["local"] == 0
-    assert r["ops"]["MUFU.EX2"] == base["ops"]["MUFU.EX2"], (r["ops"]["MUFU.EX2"], base["ops"]["MUFU.EX2"])

@@ -1,7 +1,7 @@
 """The triaxial producer of the Gluon extend (gluon_extend_tri.py): compiled for sm_90 here, held to fp64 attention on the GPU.
 
 CPU (CI): the kernel is compiled for an H100 with the pinned Triton (it runs on
-Hopper only): the consumers are WS 2's (two warpgroups, one wait per wgmma
+Hopper only): the consumers are gluon_extend's (two warpgroups, one wait per wgmma
 group), the producer hands registers back and writes the tiles 16 bytes at a
 time, and it spills no more than the nvfp4 kernel. Its PTX unpackers run in
 test_gluon_unpackers.py.
@@ -77,34 +77,32 @@ def test_triaxial_extend_compiles_for_sm90_with_the_ws2_consumers_and_no_produce
     tri, nv = r["tri"], r["nvfp4"]
     ops = tri["ops"]
     assert ops.get("USETMAXREG.DEALLOC.CTAPOOL", 0) >= 1 and ops.get("USETMAXREG.TRY_ALLOC.CTAPOOL", 0) >= 1, ops
-    # the consumers are WS 2's: 8 S + 8 PV m64n128k16 per warpgroup, each group waited once
+    # the consumers are gluon_extend's: 8 S + 8 PV m64n128k16 per warpgroup, each group waited once
     assert ops["HGMMA.64"] == 2 * 16 and ops["WARPGROUP.DEPBAR.LE"] == 2 * 2, ops
     # tiles written 16 bytes at a time (the per-kind branches may share their stores)
     assert ops.get("STS.128", 0) >= 2 * 16 and not any(op.startswith("STS.") and op not in ("STS.128", "STS.64") for op in ops)
     assert tri["regs"] == gluon_extend_tri.TUNING["maxnreg"] and tri["shared"] <= 227 * 1024
     # the producer fits its 152 registers: its loop keeps at most 4 values in local memory a step (triton 3.6, the
     # device's: 1; the pinned 3.9: 4). The consumers at 176 spill nothing with 3.6; 3.9 reloads ~25 values a step
-    # there (stack 160 B, nvfp4's 88): NOTES-kernels session 14
+    # there (stack 160 B, nvfp4's 88)
     prod = tri["producer"]
     assert tri["local"] == 0 and prod["STS.128"] == 32 and prod.get("STL", 0) <= 4, prod
     assert tri["stack"] <= 2 * nv["stack"] and nv["local"] == 0, (tri["stack"], nv["stack"])
 
 
-def test_triaxial_extend_refuses_a_producer_that_is_not_a_warp_per_page() -> None:
-    with pytest.raises(ValueError, match="LOAD_WARPS"):
-        gluon_extend_tri.compile_report_args(tuning={"LOAD_WARPS": 8})
+def test_triaxial_extend_producer_is_a_warp_per_page() -> None:
+    assert gluon_extend_tri.TUNING["LOAD_WARPS"] == gluon_extend_tri.TUNING["PPI"]
 
 
 @pytest.mark.parametrize(("n", "block"), [(1, 4096), (7, 4096), (100, 16), (1000, 64), (4096, 4096), (3, 16), (0, 16)])
 def test_int2_first_lists_int2_pages_first_in_listed_order(n: int, block: int) -> None:
-    # the wrapper's SORT 2 (the default) in one launch: a stable partition, as torch's stable argsort gives it; blocks
+    # the wrapper's listing in one launch: a stable partition, as torch's stable argsort gives it; blocks
     # smaller than the list carry the counts from block to block (under the interpreter here)
     gen = torch.Generator().manual_seed(n)
     ids = torch.randint(0, 1 << 20, (n,), dtype=torch.int32, generator=gen)
     ids = torch.where(torch.rand(n, generator=gen) < 0.6, ids | INT2_PAGE_FLAG, ids)
     want = ids[torch.argsort(((ids & INT2_PAGE_FLAG) == 0).to(torch.int8), stable=True)]
     assert torch.equal(gluon_extend_tri.int2_first(ids, block=block), want)
-    assert gluon_extend_tri.TUNING["SORT"] == 2
 
 
 def _order(used: int, n2: int, how: str) -> torch.Tensor:
@@ -123,12 +121,12 @@ def _order(used: int, n2: int, how: str) -> torch.Tensor:
     return torch.tensor(head + list(range(len(two) + len(four), used)), dtype=torch.long)
 
 
-# listings of the prefix pages and tunings: sorted by the wrapper (at most one mixed step), and as listed (SORT 0:
-# most steps of "interleaved" mix INT2 and INT4 pages)
-CASES = [("table", {}), ("interleaved", {}), ("int4_first", {}), ("interleaved", {"SORT": 0}), ("int4_first", {"SORT": 0})]
+# listings of the prefix pages: sorted by extend_attention (at most one mixed step), and as listed by launch (most
+# steps of "interleaved" mix INT2 and INT4 pages)
+CASES = [("table", True), ("interleaved", True), ("int4_first", True), ("interleaved", False), ("int4_first", False)]
 
 
-def _check(prefix_lens: list[int], n2s: list[int], n_new: int, base: dict[str, int]) -> None:
+def _check(prefix_lens: list[int], n2s: list[int], n_new: int) -> None:
     d, h, g, p = 128, 8, 4, 32
     n4_pages = sum(-(-(n - n2 * p) // p) for n, n2 in zip(prefix_lens, n2s, strict=True))
     pool = make_pool("int4", num_pages=n4_pages + 2, page_size=p, kv_heads=h, head_dim=d, num_int2_pages=sum(n2s) + 1,
@@ -148,26 +146,25 @@ def _check(prefix_lens: list[int], n2s: list[int], n_new: int, base: dict[str, i
             want = dense_extend(q.cpu(), torch.cat([ek, k_new.cpu()]), torch.cat([ev, v_new.cpu()]), start, sm)
             tl_out = triton_prefill.extend_attention(q, k_new, v_new, kv, table, start, sm_scale=sm, fast=True).cpu()
             slack = 4e-3 if dtype == torch.bfloat16 else 0.0
-            for how, case in CASES:
-                tuning = {**base, **case}
+            for how, sort in CASES:
+                run = gluon_extend_tri.extend_attention if sort else gluon_extend_tri.launch
                 perm = _order(used, n2s[i], how).to(table.device)
                 pages = torch.cat([table[:used][perm], table[used:]]) if used else table
                 out = torch.full_like(q, float("nan"))
-                out.copy_(gluon_extend_tri.extend_attention(q, k_new, v_new, kv, pages, start, sm_scale=sm, tuning=tuning))
-                assert out.dtype == q.dtype and out.shape == q.shape and out.isfinite().all(), (start, how, tuning)
+                out.copy_(run(q, k_new, v_new, kv, pages, start, sm_scale=sm))
+                assert out.dtype == q.dtype and out.shape == q.shape and out.isfinite().all(), (start, how, sort)
                 err = rel_err(out.cpu(), want)
-                assert err < BOUND["triaxial"] + slack, (start, n2s[i], how, tuning, dtype, err)
-                assert rel_err(out.cpu(), tl_out.double()) < 5e-3 + slack, (start, how, tuning, dtype)
+                assert err < BOUND["triaxial"] + slack, (start, n2s[i], how, sort, dtype, err)
+                assert rel_err(out.cpu(), tl_out.double()) < 5e-3 + slack, (start, how, sort, dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("base", [{}, {"CKV": 0, "KPF": 0}, {"LAZY": 1}, {"TREE": 1}])
-def test_gpu_triaxial_extend_real_shapes_sorted_and_mixed_steps(base: dict[str, int]) -> None:
+def test_gpu_triaxial_extend_real_shapes_sorted_and_mixed_steps() -> None:
     # prefixes: 41 pages (the last of 7 tokens) with 25 INT2; 94 pages (the last of 24) with 60 INT2; 4 full INT2
     # pages (one step); 9 INT2 pages (the last step one page of four); one token; none. 300 new tokens: partial
     # blocks and chunk steps; then one token after one INT2 and one INT4 page.
-    _check([32 * 40 + 7, 3000, 128, 288, 1, 0], [25, 60, 4, 9, 0, 0], 300, base)
-    _check([33], [1], 1, base)
+    _check([32 * 40 + 7, 3000, 128, 288, 1, 0], [25, 60, 4, 9, 0, 0], 300)
+    _check([33], [1], 1)
 
 
 @pytest.mark.gpu

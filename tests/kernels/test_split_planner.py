@@ -2,12 +2,15 @@
 
 Exact split counts on given occupancy, at the benchmark's shapes on an H200's 132 SMs (32 query / 8 kv heads:
 batch_heads = batch x 8; 16-token pages, 32 for triaxial; 4 pages a step), and the residency arithmetic of one
-sm_90 SM. bench/NOTES-kernels.md session 14 has the model and the measurements it was fitted to.
+sm_90 SM; and the benchmark's forced plans (bench/decode_gpu.py forced_plan).
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -55,9 +58,9 @@ def test_gl_tuning_residency_matches_the_arithmetic_of_the_compiled_resources() 
 
 def test_wave_planner_ends_the_grid_on_a_whole_wave_of_each_formats_residents() -> None:
     # 64 x 4K (512 sequence-heads, 256 pages). nvfp4, 8 per SM: 2 splits = 1024 programs, 0.97 of a wave (the
-    # session-6 planner: 3 splits, 1.45 waves, 5% slower in session 14)
+    # min-length planner's 3 splits are 1.45 waves: slower)
     assert plan_waves(512, 256, 4, SMS, resident=8, warps=2, triaxial=False) == (2, 128)
-    # fp8, 6 per SM: 1024 programs would be 1.29 waves; 3 splits = 1536, 1.94 waves (2 splits measured 17% slower)
+    # fp8, 6 per SM: 1024 programs would be 1.29 waves; 3 splits = 1536, 1.94 waves (2 splits are slower)
     assert plan_waves(512, 256, 4, SMS, resident=6, warps=2, triaxial=False) == (3, 88)
     # triaxial (128 pages of 32 tokens, 3 per SM): 2 splits + the INT2 / INT4 boundary's one, 3.9 waves
     assert plan_waves(512, 128, 4, SMS, resident=3, warps=4, triaxial=True) == (3, 64)
@@ -69,30 +72,22 @@ def test_wave_planner_ends_the_grid_on_a_whole_wave_of_each_formats_residents() 
     assert plan_waves(32, 8192, 4, SMS, resident=8, warps=2, triaxial=False) == (33, 252)
     assert plan_waves(32, 8192, 4, SMS, resident=6, warps=2, triaxial=False) == (24, 344)
     assert plan_waves(32, 4096, 4, SMS, resident=3, warps=4, triaxial=True) == (37, 116)
-    # 1 x 128K: nvfp4 912 programs (0.86 of a wave; session 6's planner: 688, 0.65), fp8 784 (0.99), triaxial 384
+    # 1 x 128K: nvfp4 912 programs (0.86 of a wave; the min-length planner's: 688, 0.65), fp8 784 (0.99), triaxial 384
     assert plan_waves(8, 8192, 4, SMS, resident=8, warps=2, triaxial=False) == (114, 72)
     assert plan_waves(8, 8192, 4, SMS, resident=6, warps=2, triaxial=False) == (98, 84)
     assert plan_waves(8, 4096, 4, SMS, resident=3, warps=4, triaxial=True) == (48, 88)
 
 
 def test_wave_planner_keeps_small_grids_at_two_steps_a_split_or_more() -> None:
-    # 1 x 4K: 32 splits of 8 pages (2 steps; session 6 measured 64 splits of 1 step 27% slower)
+    # 1 x 4K: 32 splits of 8 pages (2 steps; 64 splits of 1 step are slower)
     assert plan_waves(8, 256, 4, SMS, resident=8, warps=2, triaxial=False) == (32, 8)
-    # 1 x 8K: still 32 splits, now of 16 pages (session 6: best of 16 / 32 / 64)
+    # 1 x 8K: still 32 splits, now of 16 pages (the best of 16 / 32 / 64)
     assert plan_waves(8, 512, 4, SMS, resident=8, warps=2, triaxial=False) == (32, 16)
-    # 4 x 4K: 16 splits of 16 pages (session 14: 4% faster than 8 of 32)
+    # 4 x 4K: 16 splits of 16 pages (faster than 8 of 32)
     assert plan_waves(32, 256, 4, SMS, resident=8, warps=2, triaxial=False) == (16, 16)
     # a sequence shorter than a step: one split
     assert plan_waves(8, 3, 4, SMS, resident=8, warps=2, triaxial=False) == (1, 4)
     assert plan_waves(8, 3, 4, SMS, resident=3, warps=4, triaxial=True) == (2, 4)
-
-
-def test_wave_planner_min_waves_keeps_grids_of_that_many_waves() -> None:
-    # the benchmark's two-wave variant: 64 x 4K nvfp4 4 splits (2048 programs, 1.94 waves) instead of 2
-    assert plan_waves(512, 256, 4, SMS, resident=8, warps=2, triaxial=False, min_waves=2) == (4, 64)
-    assert plan_waves(256, 2048, 4, SMS, resident=8, warps=2, triaxial=False, min_waves=2) == (8, 256)
-    # not reachable (8 programs at most): the planner's own choice
-    assert plan_waves(1, 8, 4, SMS, resident=8, warps=2, triaxial=False, min_waves=2) == (2, 4)
 
 
 @pytest.mark.parametrize("triaxial", [False, True])
@@ -138,7 +133,7 @@ def test_pick_plan_keeps_the_min_length_plan_where_its_busiest_sm_is_cheaper() -
 
 
 # (batch, context) -> the launched plan (splits, pages per split) per format, on 132 SMs; "old" where the
-# min-length plan wins over plan_waves' (bench/NOTES-kernels.md session 15 has both plans of every row)
+# min-length plan wins over plan_waves'
 LAUNCHED = {
     "nvfp4": {(1, 4096): (32, 8), (4, 4096): (16, 16), (16, 4096): (8, 32), (64, 4096): (2, 128),
               (128, 4096): (1, 256), (32, 32768): (4, 512), (4, 131072): (33, 252), (1, 131072): (114, 72)},
@@ -154,52 +149,70 @@ def test_gluon_decode_launches_pick_plans_choice_at_the_bench_shapes(fmt: str, m
     monkeypatch.setattr(triton_common, "sm_count", lambda device: SMS)  # the min-length planner's H200
     monkeypatch.setattr(gluon_decode, "sm_count", lambda device: SMS)
     for (b, ctx), want in LAUNCHED[fmt].items():
-        got, old, wave = (_plan(fmt, b, ctx, t) for t in ({}, {"PLAN": 0}, {"PLAN": 2}))
+        got, old, wave = (_plan(fmt, b, ctx, f) for f in (gluon_decode.split_plan, gluon_decode.min_length_plan,
+                                                          gluon_decode.wave_plan))  # fmt: skip
         assert got == want and got in (old, wave), (b, ctx, got, old, wave)
 
 
-def _plan(fmt: str, batch: int, ctx: int, tuning: dict[str, int]) -> tuple[int, int]:
+def _plan(fmt: str, batch: int, ctx: int, planner: Any) -> tuple[int, int]:
     tri = fmt == "triaxial"
     layout = PageLayout.build("int4" if tri else fmt, page_size=32 if tri else 16, kv_heads=8, head_dim=128)
     kv: Any = SimpleNamespace(layout=layout, triaxial=tri)
     q, table = torch.empty(batch, 32, 128), torch.empty(batch, ctx // layout.page_size, dtype=torch.int32)
-    return gluon_decode.split_plan(q, kv, table, {**gluon_decode.GL_TUNING[layout.fmt], **tuning})
+    return tuple(planner(q, kv, table, gluon_decode.GL_TUNING[layout.fmt]))  # type: ignore[return-value]
 
 
-def test_forced_splits_launch_ceil_pages_over_splits_rounded_to_a_step() -> None:
-    # fp8 128 x 4K (256 pages, 4 a step): the plans the notes ask timed side by side (session 15: 2 x 128, pick_plan's,
-    # +1.2% vs 3 x 88, the old planner's), whatever PLAN says
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    """bench/decode_gpu.py (its forced_plan: the plans the benchmark times beside the planners')."""
+    path = Path(__file__).resolve().parents[2] / "bench" / "decode_gpu.py"
+    spec = importlib.util.spec_from_file_location("decode_gpu_bench", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["decode_gpu_bench"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _forced(bench: ModuleType, fmt: str, ctx: int, splits: int) -> tuple[int, int]:
+    cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
+    pages = ctx // (32 if fmt == "triaxial" else 16)
+    return tuple(bench.forced_plan(pages, cfg["num_warps"] * cfg["PPW"], splits, triaxial=fmt == "triaxial"))
+
+
+def test_forced_splits_launch_ceil_pages_over_splits_rounded_to_a_step(bench: ModuleType) -> None:
+    # fp8 128 x 4K (256 pages, 4 a step): 2 x 128 is pick_plan's, 3 x 88 the min-length planner's
     for k, want in [(1, (1, 256)), (2, (2, 128)), (3, (3, 88)), (4, (4, 64)), (5, (5, 52)), (6, (6, 44))]:
-        assert _plan("fp8_e4m3", 128, 4096, {"SPLITS": k}) == want
-        assert _plan("fp8_e4m3", 128, 4096, {"SPLITS": k, "PLAN": 0}) == want
+        assert _forced(bench, "fp8_e4m3", 4096, k) == want
     # rounded up to a whole step, the grid can have fewer splits than asked: 100 -> 3 pages -> 4, 64 splits
-    assert _plan("nvfp4", 1, 4096, {"SPLITS": 100}) == (64, 4)
-    assert _plan("nvfp4", 1, 4096, {"SPLITS": 7}) == (7, 40)
+    assert _forced(bench, "nvfp4", 4096, 100) == (64, 4)
+    assert _forced(bench, "nvfp4", 4096, 7) == (7, 40)
 
 
-def test_forced_triaxial_splits_count_the_int2_int4_boundary_split() -> None:
+def test_forced_triaxial_splits_count_the_int2_int4_boundary_split(bench: ModuleType) -> None:
     # SPLITS is the grid's split count as the planners print it: k - 1 chunks of the page table plus the boundary's
-    # split, so the old and the wave plans of session 15 come back by their printed counts
-    assert _plan("triaxial", 32, 32768, {"SPLITS": 10}) == (10, 116)  # old plan
-    assert _plan("triaxial", 32, 32768, {"SPLITS": 17}) == (17, 64)  # session 14's wave plan
-    assert _plan("triaxial", 128, 4096, {"SPLITS": 4}) == (4, 44)
-    assert _plan("triaxial", 128, 4096, {"SPLITS": 5}) == (5, 32)
-    assert _plan("triaxial", 1, 4096, {"SPLITS": 2}) == (2, 128)  # one chunk: the INT2 pages, then the INT4 ones
+    # split, so the min-length and the wave plans come back by their printed counts
+    assert _forced(bench, "triaxial", 32768, 10) == (10, 116)  # min-length plan
+    assert _forced(bench, "triaxial", 32768, 17) == (17, 64)  # wave plan
+    assert _forced(bench, "triaxial", 4096, 4) == (4, 44)
+    assert _forced(bench, "triaxial", 4096, 5) == (5, 32)
+    assert _forced(bench, "triaxial", 4096, 2) == (2, 128)  # one chunk: the INT2 pages, then the INT4 ones
 
 
 @pytest.mark.parametrize("pages", [1, 5, 37, 128, 1024])
 @pytest.mark.parametrize("splits", [2, 3, 10, 50])
-def test_forced_triaxial_plan_covers_every_row_split_into_int2_and_int4_chunks(pages: int, splits: int) -> None:
-    s, pps = gluon_decode.forced_plan(pages, 4, splits, triaxial=True)
+def test_forced_triaxial_plan_covers_every_row_split_into_int2_and_int4_chunks(bench: ModuleType, pages: int,
+                                                                              splits: int) -> None:  # fmt: skip
+    s, pps = bench.forced_plan(pages, 4, splits, triaxial=True)
     assert pps % 4 == 0 and s <= splits
     for n2 in range(pages + 1):  # the kernel: ceil(n2 / pps) INT2 splits, then ceil(n4 / pps) INT4 ones
         assert -(-n2 // pps) + -(-(pages - n2) // pps) <= s, (n2, s, pps)
 
 
-def test_forced_splits_below_the_least_are_refused_naming_the_key() -> None:
+def test_forced_splits_below_the_least_are_refused_naming_the_key(bench: ModuleType) -> None:
     with pytest.raises(ValueError, match="SPLITS must be >= 1, got 0"):
-        _plan("fp8_e4m3", 128, 4096, {"SPLITS": 0})
+        _forced(bench, "fp8_e4m3", 4096, 0)
     with pytest.raises(ValueError, match="SPLITS must be >= 1"):
-        gluon_decode.forced_plan(256, 4, -3, triaxial=False)
+        bench.forced_plan(256, 4, -3, triaxial=False)
     with pytest.raises(ValueError, match="SPLITS must be >= 2 for triaxial pages.*got 1"):
-        _plan("triaxial", 32, 32768, {"SPLITS": 1})
+        _forced(bench, "triaxial", 32768, 1)

@@ -133,9 +133,9 @@ def test_gather_kv_equals_reference_and_leaves_the_rest(case: str, out_dtype: to
 
 
 def _check_decode(case: str, lens: list[int], *, device: str = "cpu", d: int = 64, h: int = 2, g: int = 4, p: int = 8,
-                  splits: tuple[int, int] | None = None, kernel: str = "tl", fast: bool | None = None,
-                  tuning: dict[str, int] | None = None) -> None:  # fmt: skip
-    """Decode through one kernel ("tl", "gluon", or "auto": paged_ops' choice) against dense attention."""
+                  splits: tuple[int, int] | None = None, kernel: str = "tl", fast: bool | None = None) -> None:  # fmt: skip
+    """Decode through one kernel ("tl", "gluon", or "auto": paged_ops' choice) against dense attention; ``splits``
+    (splits, pages per split) launches that plan instead of the planner's."""
     pool, filled, scale = _filled_pool(case, lens, device=device, d=d, h=h, p=p)
     q = torch.randn(len(lens), h * g, d, device=device)
     kv = pool.kv(scale, scale)
@@ -145,11 +145,15 @@ def _check_decode(case: str, lens: list[int], *, device: str = "cpu", d: int = 6
         out = paged_ops.decode_attention(*args, sm_scale=d**-0.5, num_int2_pages=filled.num_int2, options=KernelOptions())
     elif kernel == "gluon":
         assert gluon_decode.supported(kv, q)
-        out = gluon_decode.decode_attention(*args, sm_scale=d**-0.5, num_int2_pages=filled.num_int2, splits=splits,
-                                            tuning=tuning)  # fmt: skip
+        if splits is None:
+            out = gluon_decode.decode_attention(*args, sm_scale=d**-0.5, num_int2_pages=filled.num_int2)
+        else:
+            out, _ = gluon_decode.launch_decode(*args, sm_scale=d**-0.5, num_int2_pages=filled.num_int2,
+                                                cfg=gluon_decode.GL_TUNING[kv.layout.fmt], plan=splits)  # fmt: skip
     else:
         fast = KernelOptions.from_env().fast_decoders(q.device) if fast is None else fast
-        out = triton_decode.decode_attention(*args, sm_scale=d**-0.5, num_int2_pages=filled.num_int2, fast=fast, splits=splits)
+        out, _ = triton_decode.launch_decode(*args, sm_scale=d**-0.5, num_int2_pages=filled.num_int2, fast=fast,
+                                             cfg=triton_decode.TUNING[kv.layout.fmt], plan=splits)  # fmt: skip
     assert out.dtype == q.dtype and out.shape == q.shape
     for i in range(len(lens)):
         ek, ev = expected_kv(pool, filled, i, k_scale=scale, v_scale=scale)
@@ -442,44 +446,37 @@ def _check_int_writes_on_edges(device: str, *, h: int, d: int, p: int, pages: in
         v = _edge_groups(t * h * d // 32, 15, gen).reshape(t, h, d).flip(0)
         dst = torch.randperm(pages * p, generator=gen)[: t - 3]
         pg, sl = (dst // p).int(), (dst % p).int()
-        for tuning in (None, {"num_warps": 8}):
+        for warps in (None, 8):  # WRITE_TUNING's shape, and 8 warps a program
             pool = make_pool("int4", num_pages=pages, page_size=p, kv_heads=h, head_dim=d, device=device)
             ref = pool.buffer.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
             kk, vv = k[: t - 3].to(dtype), v[: t - 3].to(dtype)
-            triton_write.write_kv(pool.kv(), kk.to(device), vv.to(device), pg.to(device), sl.to(device), tuning=tuning)
+            args = (pool.kv(), kk.to(device), vv.to(device), pg.to(device), sl.to(device))
+            if warps is None:
+                triton_write.write_kv(*args)
+            else:
+                triton_write.launch_write_kv(*args, num_warps=warps, bt=0)
             paged_ref.write_kv(PagedKV(ref, pool.layout), kk, vv, pg, sl)
-            assert torch.equal(pool.buffer.cpu(), ref), (dtype, tuning)
+            assert torch.equal(pool.buffer.cpu(), ref), (dtype, warps)
         # whole INT2 pages: keys per channel over the page's tokens, values per token group
         kc = _edge_groups(pages * h * d * p // 32, 3, gen).reshape(pages, h, d, p).permute(0, 3, 1, 2)  # channel-wise edges
         vg = _edge_groups(pages * p * h * d // 32, 3, gen).reshape(pages, p, h, d)
         ids = (torch.randperm(pages + 2, generator=gen)[:pages] | INT2_PAGE_FLAG).int()
-        for tuning in (None, {"heads": 2, "key_warps": 2, "value_warps": 8}):
+        for shape in (None, (2, 2, 8)):  # INT2_TUNING's shapes, and 2 heads / 2 warps a keys program, 8 warps values
             pool = make_pool("int4", num_pages=1, page_size=p, kv_heads=h, head_dim=d, num_int2_pages=pages + 2, device=device)
             ref = pool.buffer.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
             kk, vv = kc.contiguous().to(dtype), vg.to(dtype)
-            triton_write.write_int2_pages(pool.kv(), kk.to(device), vv.to(device), ids.to(device), tuning=tuning)
+            if shape is None:
+                triton_write.write_int2_pages(pool.kv(), kk.to(device), vv.to(device), ids.to(device))
+            else:
+                triton_write.launch_int2_keys(pool.kv(), kk.to(device), ids.to(device), heads=shape[0], num_warps=shape[1])
+                triton_write.launch_int2_values(pool.kv(), vv.to(device), ids.to(device), num_warps=shape[2])
             paged_ref.write_int2_pages(PagedKV(ref, pool.layout, int2_layout=pool.int2), kk, vv, ids)
-            assert torch.equal(pool.buffer.cpu(), ref), (dtype, tuning)
+            assert torch.equal(pool.buffer.cpu(), ref), (dtype, shape)
 
 
 @interpreter_only
 def test_int_writes_equal_reference_on_rounding_edges() -> None:
     _check_int_writes_on_edges("cpu", h=2, d=64, p=8, pages=3)
-
-
-@interpreter_only
-def test_nvfp4_group_shape_equals_reference() -> None:
-    pool = make_pool("nvfp4", num_pages=5, page_size=8, kv_heads=2, head_dim=64)
-    ref = pool.buffer.clone()
-    t = 21
-    k, v = edge_tokens(t, 2, 64), edge_tokens(t, 2, 64).flip(0)
-    dst = torch.randperm(5 * 8)[:t]
-    pages, slots = (dst // 8).int(), (dst % 8).int()
-    ks, vs = SCALES["nvfp4"], SCALES["nvfp4"] * 3
-    for dtype in (torch.float32, torch.bfloat16):
-        triton_write.write_kv(pool.kv(ks, vs), k.to(dtype), v.to(dtype), pages, slots, tuning={"groups": 1})
-        paged_ref.write_kv(PagedKV(ref, pool.layout, ks, vs), k.to(dtype), v.to(dtype), pages, slots)
-        assert torch.equal(pool.buffer, ref)
 
 
 @pytest.mark.gpu
@@ -490,17 +487,3 @@ def test_gpu_div_f16_equals_ieee_division() -> None:
 @pytest.mark.gpu
 def test_gpu_int_writes_equal_reference_on_rounding_edges() -> None:
     _check_int_writes_on_edges("cuda", h=8, d=128, p=32, pages=24)
-
-
-@pytest.mark.gpu
-def test_gpu_nvfp4_group_shape_equals_reference() -> None:
-    pool = make_pool("nvfp4", num_pages=300, page_size=16, kv_heads=8, head_dim=128, device="cuda")
-    ref = pool.buffer.cpu()
-    t = 3000
-    k, v = edge_tokens(t, 8, 128), torch.randn(t, 8, 128) * 5
-    dst = torch.randperm(300 * 16)[:t]
-    pages, slots = (dst // 16).int(), (dst % 16).int()
-    ks, vs = SCALES["nvfp4"], SCALES["nvfp4"] * 3
-    triton_write.write_kv(pool.kv(ks, vs), k.cuda().bfloat16(), v.cuda().bfloat16(), pages.cuda(), slots.cuda(), tuning={"groups": 1})
-    paged_ref.write_kv(PagedKV(ref, pool.layout, ks, vs), k.bfloat16(), v.bfloat16(), pages, slots)
-    assert torch.equal(pool.buffer.cpu(), ref)

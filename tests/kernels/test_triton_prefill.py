@@ -54,7 +54,10 @@ def _check_extend(case: str, prefix_lens: list[int], n_new: int, *, device: str 
             out = paged_ops.extend_attention(q, k_new, v_new, kv, pages, start, sm_scale=sm, backend="triton", options=KernelOptions())
         else:
             fast = KernelOptions.from_env().fast_decoders(q.device)
-            out = triton_prefill.extend_attention(q, k_new, v_new, kv, pages, start, sm_scale=sm, fast=fast, tuning=tuning)
+            if tuning is None:
+                out = triton_prefill.extend_attention(q, k_new, v_new, kv, pages, start, sm_scale=sm, fast=fast)
+            else:
+                out = triton_prefill.launch_extend(q, k_new, v_new, kv, pages, start, sm_scale=sm, fast=fast, cfg=tuning)
         assert out.dtype == q.dtype and out.shape == q.shape and not out.isnan().any()
         ek, ev = expected_kv(pool, filled, i, k_scale=scale, v_scale=scale)
         if case == "triaxial" and used > 1:  # the reordered page list holds the same tokens, reordered alike

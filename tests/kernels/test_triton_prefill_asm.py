@@ -133,7 +133,7 @@ def test_e2m1_pair_unpacker_covers_every_code() -> None:
 
 @pytest.mark.parametrize("words", WORDS)
 def test_e2m1_pair_unpacker_with_one_fp16_scale(words: tuple[int, int]) -> None:
-    # the int32-pair path of gluon_extend (PAIR 2): one 16-bit scale operand, duplicated into both halves
+    # the int32-pair path of gluon_extend: one 16-bit scale operand, duplicated into both halves
     from kvserving.kernels.triton_codec import asm_e2m1_pair
 
     half = int(np.array(0.25 * 128.0, dtype=np.float16).view(np.uint16))
