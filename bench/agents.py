@@ -35,7 +35,7 @@ The hit rate is about capacity, not speed: the tiny model's KV costs 1024
 (fp8), 576 (nvfp4), 640 (triaxial INT4, 384 INT2) bytes per token, and bf16
 2048 on a GPU but 4096 on CPU (the CPU engine keeps it as float32), so at
 equal memory nvfp4 holds 1.78x the tokens of fp8. Results and every attempt:
-bench/NOTES-agents.md.
+docs/performance-log/agents.md.
 """
 
 from __future__ import annotations
@@ -437,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--records", action="store_true", help="keep every request's record in the JSON")
     ap.add_argument("--run-dir", type=Path, default=None, help="keep each stack's logs and config here")
-    ap.add_argument("--json", type=Path, default=HERE / "agents_cpu.json")
-    ap.add_argument("--png", type=Path, default=HERE / "agents_cpu.png")
+    ap.add_argument("--json", type=Path, default=HERE / "results" / "agents_cpu.json")
+    ap.add_argument("--png", type=Path, default=HERE / "results" / "agents_cpu.png")
     args = ap.parse_args(argv)
     if args.kv_kib < 64:
         ap.error(f"--kv-kib must be >= 64, got {args.kv_kib}")

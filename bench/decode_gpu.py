@@ -1,6 +1,6 @@
 """GPU benchmark of the paged-KV kernels: decode attention, quantize-on-write, extend gather. One table + JSON.
 
-Run on the device machine (see bench/NOTES-kernels.md)::
+Run on the device machine (see docs/performance-log/kernels.md)::
 
     python bench/decode_gpu.py --out $OUT/decode.json [--flashinfer] [--sweep]
 

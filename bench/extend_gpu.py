@@ -1,6 +1,6 @@
 """GPU benchmark of the extend (chunked-prefill) path: a chunk of new tokens after a long cached prefix. One table + JSON.
 
-Run on the device machine (bench/gpu_run.sh extend; see bench/NOTES-kernels.md)::
+Run on the device machine (bench/gpu_run.sh extend; see docs/performance-log/kernels.md)::
 
     python bench/extend_gpu.py --out $OUT/extend.json [--flashinfer] [--sweep]
 
@@ -44,7 +44,7 @@ OPTIONS = KernelOptions.from_env()
 SM = D**-0.5
 SWEEP = [(16, 4, 4, 2), (64, 8, 4, 2), (32, 8, 8, 2)]  # (chunk tokens per program, warps, prefix pages per step, stages)
 SWEEP_FORMATS = ("nvfp4",)
-# --variants: packed-kernel variants timed on every shape (bench/NOTES-kernels.md, session 6): name -> (tuning
+# --variants: packed-kernel variants timed on every shape (docs/performance-log/kernels.md, session 6): name -> (tuning
 # overrides, PTX unpackers); "s5" is the session-5 kernel when kernels/_prefill_s5.py (an untracked copy of
 # triton_prefill.py at 9b2d2f9) is there
 VARIANTS: dict[str, tuple[dict[str, int], bool]] = {

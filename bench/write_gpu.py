@@ -18,7 +18,7 @@ copies of the inputs): OK or MISMATCH (exit code 1). The previous int4 /
 INT2 writers (one IEEE division per value, commit e0a6224) that this file
 timed for a before/after are gone: they wrote value scales row-major, the
 layout before the token-minor one (commit 6d39944), so they could only
-MISMATCH; bench/NOTES-kernels.md keeps their numbers.
+MISMATCH; docs/performance-log/kernels.md keeps their numbers.
 """
 
 from __future__ import annotations

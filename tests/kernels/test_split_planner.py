@@ -2,7 +2,7 @@
 
 Exact split counts on given occupancy, at the benchmark's shapes on an H200's 132 SMs (32 query / 8 kv heads:
 batch_heads = batch x 8; 16-token pages, 32 for triaxial; 4 pages a step), and the residency arithmetic of one
-sm_90 SM. bench/NOTES-kernels.md session 14 has the model and the measurements it was fitted to.
+sm_90 SM. docs/performance-log/kernels.md session 14 has the model and the measurements it was fitted to.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def test_pick_plan_keeps_the_min_length_plan_where_its_busiest_sm_is_cheaper() -
 
 
 # (batch, context) -> the launched plan (splits, pages per split) per format, on 132 SMs; "old" where the
-# min-length plan wins over plan_waves' (bench/NOTES-kernels.md session 15 has both plans of every row)
+# min-length plan wins over plan_waves' (docs/performance-log/kernels.md session 15 has both plans of every row)
 LAUNCHED = {
     "nvfp4": {(1, 4096): (32, 8), (4, 4096): (16, 16), (16, 4096): (8, 32), (64, 4096): (2, 128),
               (128, 4096): (1, 256), (32, 32768): (4, 512), (4, 131072): (33, 252), (1, 131072): (114, 72)},
