@@ -4,7 +4,7 @@ Why a second decode kernel: the ``tl`` kernels in ``triton_decode.py`` dequantiz
 a tile in a blocked layout and Triton then moves the fp16 tile through shared
 memory into the ``mma`` operand layout; for 4- and 2-bit pages that round trip
 costs more than reading the bytes, and even fp8 pages read only ~60% of the chip's
-bandwidth that way (bench/NOTES-kernels.md). Gluon lets the
+bandwidth that way (docs/performance-log/kernels.md). Gluon lets the
 kernel choose every layout, so here each thread loads exactly the bytes whose
 values its ``mma.m16n8k16`` fragments hold, unpacks them with a few integer ops
 and one ``f16x2`` multiply (or fma) per pair, and hands the registers to the
@@ -19,7 +19,7 @@ it later reads, in the layouts below), so the next step's loads are in flight
 while this one unpacks. A copy's address is its page's pointer plus a
 loop-invariant offset and an immediate, and only a split's last step masks
 (``_stage_copies``): the step's address arithmetic went from ~196 to ~70
-instructions (bench/NOTES-kernels.md, session 9). Per warp and step::
+instructions (docs/performance-log/kernels.md, session 9). Per warp and step::
 
     S^T[NT, HP] = K[NT, D] . q^T[D, HP]         K: A operand (rows = tokens), HP = query heads padded to 8
     O^T[D, HP] += V^T[D, NT] . P^T[NT, HP]      V^T: A operand (rows = channels), P^T: B operand
@@ -104,7 +104,7 @@ from .triton_common import (
 FLAG: gl.constexpr = gl.constexpr(INT2_PAGE_FLAG)
 GL_FMT_FP8: gl.constexpr = gl.constexpr(3)
 # LAZY softmax: a row's reference max moves only when its scores pass it by more than this (base 2), so the
-# probabilities stay <= 2^8 in fp16 and the rescale of the accumulator is rare (bench/NOTES-kernels.md, session 13)
+# probabilities stay <= 2^8 in fp16 and the rescale of the accumulator is rare (docs/performance-log/kernels.md, session 13)
 TAU: gl.constexpr = gl.constexpr(8.0)
 
 
@@ -417,7 +417,7 @@ def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: g
 
     The V scale / zero pairs of INT4 / INT2 pages are masked in every step: masking them only in a split's last
     step (behind a uniform test) saved 15-16 instructions a step offline but took 163 -> 168 registers and was
-    1.5-3.7% slower on an H200 (bench/NOTES-kernels.md session 16)."""
+    1.5-3.7% slower on an H200 (docs/performance-log/kernels.md session 16)."""
     D: gl.constexpr = 128
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P
@@ -745,13 +745,13 @@ INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", 
 # RES too. The launch takes triton_common.pick_plan's choice between plan_waves' plan and the session-6 planner's
 # (splits of at least SPLIT_MIN_TOKENS tokens unless fewer than SPLIT_MIN_FILL programs per SM), judged by the
 # busiest SM's pages with FILLW warps of fill a wave (fp8 0: 3 programs an SM already saturate its memory reads,
-# bench/NOTES-kernels.md session 15). Benchmarks: PLAN 0 the session-6 plan alone, PLAN 2 plan_waves' alone
+# docs/performance-log/kernels.md session 15). Benchmarks: PLAN 0 the session-6 plan alone, PLAN 2 plan_waves' alone
 # (session 14's default); MINW keeps plan_waves to grids of at least that many waves; SPLITS forces a split count
-# (forced_plan: timing plans side by side, bench/NOTES-kernels.md).
+# (forced_plan: timing plans side by side, docs/performance-log/kernels.md).
 SPLIT_MIN_TOKENS = 1536
 SPLIT_MIN_FILL = 2
 # STAGES: the cp.async ring's depth (0: no ring, each step loads into registers and waits); 2 measured best on an
-# H200 (bench/NOTES-kernels.md session 7: 3 and 4 no better, 4 slower for triaxial: 81 KB of smem, 2 programs per SM).
+# H200 (docs/performance-log/kernels.md session 7: 3 and 4 no better, 4 slower for triaxial: 81 KB of smem, 2 programs per SM).
 # nvfp4 / fp8 capped at 128 registers since the lazy softmax (LAZY, session 13): 16 warps per SM, no spills; 147
 # uncapped measured slower. Tuning keys for benchmarks: LAZY 0 (the old softmax), MBS (the two-loop split merge).
 GL_TUNING: dict[str, dict[str, int]] = {

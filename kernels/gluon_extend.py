@@ -3,7 +3,7 @@
 Same problem as ``triton_prefill._extend_kernel4`` (a chunk of new tokens against
 the packed cached prefix plus itself, causal, one online softmax); this kernel
 changes how a step is scheduled, which is what bound the ``tl`` kernel
-(bench/NOTES-kernels.md, session 6: unpack, wgmma and softmax ran one after
+(docs/performance-log/kernels.md, session 6: unpack, wgmma and softmax ran one after
 the other, every wgmma waited at once).
 
 One program = BLOCK_T chunk tokens x the G query heads of one kv head (M =
@@ -23,7 +23,7 @@ iteration so each tile is its own allocation. Per step i (``_step``)::
 The other tiles were last read by step i-1's wgmma, which both warpgroups
 waited for before step i-1's barrier. (Keeping PV_i in flight into step i+1,
 as FlashAttention-3 does, makes ptxas serialize every wgmma of the kernel:
-bench/NOTES-kernels.md, session 8.)
+docs/performance-log/kernels.md, session 8.)
 
 Channels stay in the four quarters of ``triton_prefill._extend_kernel4`` (quarter k = channels
 4j + k, what one shift of the packed 16-bit words gives): the unpacked K / V
@@ -50,7 +50,7 @@ partition of 4 warps with half the rows (its own q tile), and releases a slot fo
 so no barrier joins the two and one's softmax runs while the other's wgmma does; the producer stages the chunk's
 own keys into the ring after the prefix (cp.async), so the chunk is pipelined too. H200, session 10: 1.10-1.15x
 WS 1 (taking turns at the wgmma through named barriers, FlashAttention-3's ping-pong, was 1-5% slower than
-letting them drift: bench/NOTES-kernels.md). q is read as the caller holds it (scaled and put quarter-major in
+letting them drift: docs/performance-log/kernels.md). q is read as the caller holds it (scaled and put quarter-major in
 the kernel), and the chunk blocks run last-first (REV 1: the blocks with the most causal keys first). The
 producer's rows sit in lanes that make its 16-byte tile stores free of bank conflicts (CF 1, ``cf_bases``: ncu
 counted 16.9 M conflicts in 48.1 M store wavefronts before, 0.16 M in 27.3 M after; 2-5% faster, session 12).
@@ -61,7 +61,7 @@ runs it for triaxial pages since session 12).
 
 Tuning (``TUNING``): WS 0 runs ``_gl_extend_kernel`` (the schedule above in one partition); there OVERLAP 0 waits
 each wgmma at once (the unpack after it), PAIR 0 uses the session-6 quarter unpacker, PAIR 2 int32 word pairs,
-PROBE is for measurements only (wrong output; WS 2 has its own, see _ws_load). See bench/NOTES-kernels.md,
+PROBE is for measurements only (wrong output; WS 2 has its own, see _ws_load). See docs/performance-log/kernels.md,
 sessions 8-10.
 """
 
@@ -456,7 +456,7 @@ def _gl_extend_ws_kernel(
     """_gl_extend_kernel warp-specialized (WS): a producer partition of LOAD_WARPS warps loads and unpacks the
     prefix into a ring of SLOTS tile pairs (mbarriers full / empty), the kernel's own warps only attend; then the
     chunk as in _gl_extend_kernel. The default in session 9 (H200: 0.76-0.81x FlashInfer bf16 from 32K cached,
-    1.07-1.16x _gl_extend_kernel; bench/NOTES-kernels.md), WS 1 since session 10."""
+    1.07-1.16x _gl_extend_kernel; docs/performance-log/kernels.md), WS 1 since session 10."""
     W: gl.constexpr = gl.num_warps()
     M: gl.constexpr = BLOCK_T * G
     N: gl.constexpr = PPI * P
@@ -537,12 +537,12 @@ TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 8, "OVERLAP": 1, "PAIR": 2, "PRO
 # (at 120 it spilled ~12 values a step). WS 0: _gl_extend_kernel (PAIR 1 there). CF (WS 2): the producer's lanes
 # (cf_bases; CF 0: _pair_layout's, whose tile stores take two wavefronts per 8 lanes). CKV 1 (WS 2): the chunk's k, v
 # read by the producer as the caller holds them (gluon_attend._pp_chunk_rows) instead of the wrapper's fp16 copies;
-# slower than CKV 0 at 4-5 of the 6 bench shapes on an H200 (1-6%, NOTES-kernels session 14), so not the default here
+# slower than CKV 0 at 4-5 of the 6 bench shapes on an H200 (1-6%, docs/performance-log/kernels.md session 14), so not the default here
 # (triaxial's, gluon_extend_tri, where it is 1-3% faster at 512 new tokens). LAZY 1 (WS 2): the consumers' lazy
 # softmax (gluon_attend._softmax_lazy: acc *= alpha only in steps where a row's reference max moved); H200, session
 # 15: 1-3% faster at all 6 bench shapes, same output to 4 digits (LAZY 0: the exact max every step). TREE 1 (the
 # consumers' row max / sum as trees, gluon_attend._row_reduce): H200, session 16, faster than LAZY 1 alone at all 6 bench
-# shapes (-0.8..-3.4%, both rows of each beside two default rows; NOTES-kernels session 16).
+# shapes (-0.8..-3.4%, both rows of each beside two default rows; docs/performance-log/kernels.md session 16).
 
 
 def _launch_meta(cfg: dict[str, int]) -> tuple[Any, dict[str, Any]]:

@@ -36,7 +36,7 @@ holds them (CKV 1: no fp16 copies per call).
 
 Supported (``supported``): triaxial KV, head_dim 128, pages of 32, 4 query
 heads per kv head, Hopper; ``paged_ops`` runs it for those calls (1.66-1.91x
-the ``tl`` kernel on an H200 at every bench shape, NOTES-kernels session 12;
+the ``tl`` kernel on an H200 at every bench shape, docs/performance-log/kernels.md session 12;
 0.76-0.85x FlashInfer bf16 after session 14).
 """
 
@@ -498,7 +498,7 @@ def _gl_extend_tri_kernel(
 
 # 32 chunk tokens x 4 heads = 128 rows, 4 pages of 32 = 128 prefix keys per step; registers 168 * 12 = 4 x 152 + 8 x
 # 176 (triton 3.6, offline: the producer's loop keeps 1 value a step in local memory at 152, 12 at 136 with KPF 2
-# and CKV 1; the consumers nothing at 176; H200: 136 / 184 was 1-5% slower, NOTES-kernels session 14); SORT: INT2
+# and CKV 1; the consumers nothing at 176; H200: 136 / 184 was 1-5% slower, docs/performance-log/kernels.md session 14); SORT: INT2
 # pages listed first (at most one mixed step): 2 by int2_first, 1 by torch's argsort (session 12), 0 as listed;
 # KPF 2: the next step's INT2 key scale / zero rows prefetched into L1 (0: not; every scale / zero row of both kinds
 # two steps ahead was 1-5% slower, session 16); CKV 1: the chunk's k, v read as
@@ -532,7 +532,7 @@ def _int2_first_kernel(src_ptr, dst_ptr, n, FLAG_BIT: tl.constexpr, BLOCK: tl.co
 
 def int2_first(pages: torch.Tensor, *, block: int = 4096) -> torch.Tensor:
     """The page ids [N] (int32) with the INT2 pages first, each kind's order kept: what the kernel's SORT wants, in
-    one launch (torch's stable argsort, SORT 1, is several kernels and the gather another: NOTES-kernels session
+    one launch (torch's stable argsort, SORT 1, is several kernels and the gather another: docs/performance-log/kernels.md session
     14)."""
     out = torch.empty_like(pages)
     n = pages.numel()

@@ -191,8 +191,8 @@ def extend_attention(
     from . import gluon_extend, gluon_extend_tri, triton_prefill
 
     fast = opts.fast_decoders(q.device)
-    if fast and gluon_extend.supported(kv, q):  # faster on an H200 at every bench shape (NOTES-kernels, session 8)
+    if fast and gluon_extend.supported(kv, q):  # faster on an H200 at every bench shape (docs/performance-log/kernels.md, session 8)
         return gluon_extend.extend_attention(q, k, v, kv, prefix_pages, prefix_len, sm_scale=sm_scale)
-    if fast and gluon_extend_tri.supported(kv, q):  # 1.65-1.77x the tl kernel at 32K cached (NOTES-kernels, session 11)
+    if fast and gluon_extend_tri.supported(kv, q):  # 1.65-1.77x the tl kernel at 32K cached (docs/performance-log/kernels.md, session 11)
         return gluon_extend_tri.extend_attention(q, k, v, kv, prefix_pages, prefix_len, sm_scale=sm_scale)
     return triton_prefill.extend_attention(q, k, v, kv, prefix_pages, prefix_len, sm_scale=sm_scale, fast=fast)

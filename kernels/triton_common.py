@@ -98,7 +98,7 @@ SM90_REGS = 65536  # 32-bit registers, allocated per warp in units of 256
 SM90_SHARED = 233472  # bytes of shared memory (228 KB), of which each resident program also reserves 1 KB
 SM90_WARPS = 64
 SM90_PROGRAMS = 32
-# The wave model of plan_waves (bench/NOTES-kernels.md session 14), fitted to the split sweeps of sessions 13 and 14
+# The wave model of plan_waves (docs/performance-log/kernels.md session 14), fitted to the split sweeps of sessions 13 and 14
 # (31 shapes x formats, 2-3 plans each): a wave of k resident programs takes time L * (k + FILL_WARPS / warps) --
 # the SM's rate rises with its programs as k / (k + k0), and each wave pays a fill and drain of k0 programs (3
 # warps) -- where L, a program's pages, is the mean of the splits' average and longest length (triaxial rows split
@@ -173,7 +173,7 @@ def pick_plan(batch_heads: int, max_pages: int, ppi: int, sms: int, *, wave: tup
     """``wave`` (plan_waves' plan) unless ``old`` (plan_splits' min-length plan) has the lower
     ``busiest_sm_cost``; ties keep the wave plan.
 
-    Why both (bench/NOTES-kernels.md session 15): plan_waves alone was 4.5-5.8% slower than the min-length plan
+    Why both (docs/performance-log/kernels.md session 15): plan_waves alone was 4.5-5.8% slower than the min-length plan
     at triaxial 32 x 32K and 128 x 4K (more, shorter splits where the old grid already ran 7-11 waves: each
     program pays its prologue and epilogue, and a triaxial row's two short boundary splits) and 4.7% at fp8 16 x 4K
     (twice the programs in one wave, where fp8 already saturates memory with 3 programs an SM: ``fill`` 0). This
@@ -271,7 +271,7 @@ def _merge_kernel(
 def merge_block(splits: int) -> int:
     """Splits per step of ``_merge_kernel``: the next power of two from 16 up to 128, so that up to 128 splits
     (1 x 128K: 86) merge in one step, lse and o loaded together: each step was a dependent round trip to memory,
-    and 1 x 128K took 6 of them in each of two loops (bench/NOTES-kernels.md session 13)."""
+    and 1 x 128K took 6 of them in each of two loops (docs/performance-log/kernels.md session 13)."""
     return min(128, max(16, triton.next_power_of_2(splits)))
 
 

@@ -27,7 +27,7 @@ broadcast over the page's rows.
 
 What limits these kernels on an H100 (instruction issue and shared-memory
 layout conversions of the unpacked fp16 tiles, not bytes) is measured in
-bench/NOTES-kernels.md.
+docs/performance-log/kernels.md.
 """
 
 from __future__ import annotations
@@ -376,7 +376,7 @@ def _decode_kernel(
 
 # Per format: pages per loop iteration, warps, pipeline stages, and programs per SM the split
 # planner aims for (enough waves that the last one's tail is small). Chosen on an H100 with
-# bench/decode_gpu.py --sweep; see bench/NOTES-kernels.md.
+# bench/decode_gpu.py --sweep; see docs/performance-log/kernels.md.
 TUNING: dict[str, dict[str, int]] = {
     "bf16": {"PPI": 4, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},
     "fp8_e4m3": {"PPI": 8, "num_warps": 4, "NUM_STAGES": 2, "PPSM": 16},

@@ -166,7 +166,7 @@ def _extend_kernel(
 # Packed tiles stay split, as in the decode: quarter k holds channels 4j + k, and q, the
 # accumulator and the chunk's own K/V use the same map. (Interleaving them back to channel
 # order with join + reshape did not compile in session 5; with these layouts it does, and
-# makes S and PV one dot each, but measured 5-8% slower on an H200: bench/NOTES-kernels.md.)
+# makes S and PV one dot each, but measured 5-8% slower on an H200: docs/performance-log/kernels.md.)
 # A quarter is what one shift of the packed words gives::
 #
 #   nvfp4 / int4: 16-bit word j = bytes 2j, 2j+1 = nibbles k = 0..3 = channels 4j + k
@@ -463,7 +463,7 @@ def _extend_kernel4(
 
 # Per format: chunk tokens per program, chunk keys per step, prefix pages per step (PPI2: INT2 pages), warps, stages;
 # for the packed kernel also its switches QPRE, SPLIT and VFOLD (see _extend_kernel4; 0 = the session-5 kernel).
-# Packed formats: 128 prefix keys per step for every chunk length (H200, bench/NOTES-kernels.md session 6: nvfp4
+# Packed formats: 128 prefix keys per step for every chunk length (H200, docs/performance-log/kernels.md session 6: nvfp4
 # 2K new on 32K 3.84 ms with 64 tokens x 64 keys, 3.53 with 32 x 128; triaxial 7.21 ms with 64 keys, 4.24 with 128).
 TUNING: dict[str, dict[str, int]] = {
     "bf16": {"BLOCK_T": 32, "BLOCK_N": 64, "PPI": 4, "num_warps": 8, "NUM_STAGES": 2},

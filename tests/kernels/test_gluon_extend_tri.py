@@ -84,7 +84,7 @@ def test_triaxial_extend_compiles_for_sm90_with_the_ws2_consumers_and_no_produce
     assert tri["regs"] == gluon_extend_tri.TUNING["maxnreg"] and tri["shared"] <= 227 * 1024
     # the producer fits its 152 registers: its loop keeps at most 4 values in local memory a step (triton 3.6, the
     # device's: 1; the pinned 3.9: 4). The consumers at 176 spill nothing with 3.6; 3.9 reloads ~25 values a step
-    # there (stack 160 B, nvfp4's 88): NOTES-kernels session 14
+    # there (stack 160 B, nvfp4's 88): docs/performance-log/kernels.md session 14
     prod = tri["producer"]
     assert tri["local"] == 0 and prod["STS.128"] == 32 and prod.get("STL", 0) <= 4, prod
     assert tri["stack"] <= 2 * nv["stack"] and nv["local"] == 0, (tri["stack"], nv["stack"])
