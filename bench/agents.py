@@ -35,7 +35,7 @@ The hit rate is about capacity, not speed: the tiny model's KV costs 1024
 (fp8), 576 (nvfp4), 640 (triaxial INT4, 384 INT2) bytes per token, and bf16
 2048 on a GPU but 4096 on CPU (the CPU engine keeps it as float32), so at
 equal memory nvfp4 holds 1.78x the tokens of fp8. Results and every attempt:
-bench/NOTES-agents.md.
+docs/performance-log/agents.md.
 """
 
 from __future__ import annotations
@@ -492,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=None, help="start no point after this many seconds (results so far are kept)")
     ap.add_argument("--records", action="store_true", help="keep every request's record in the JSON")
     ap.add_argument("--run-dir", type=Path, default=None, help="keep each stack's logs and config here")
-    ap.add_argument("--json", type=Path, default=None, help="default: bench/agents_cpu.json, bench/agents_gpu.json with --gpu")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="default: bench/results/agents_cpu.json, bench/results/agents_gpu_h200.json with --gpu")
     ap.add_argument("--png", type=Path, default=None, help="default: beside --json")
     args = ap.parse_args(argv)
     if args.kv_kib < 64:
@@ -505,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     if think_s <= 0:
         ap.error(f"--think-s must be > 0, got {think_s}")
     args.concurrency = args.concurrency or ([1, 4, 8, 12, 16, 24, 32] if args.gpu else [1, 2, 4, 6, 8, 11, 16, 22])
-    args.json = args.json or HERE / ("agents_gpu.json" if args.gpu else "agents_cpu.json")
+    args.json = args.json or HERE / "results" / ("agents_gpu_h200.json" if args.gpu else "agents_cpu.json")
     args.png = args.png or args.json.with_suffix(".png")
     args.t0 = time.perf_counter()
     args.gpu_model = None

@@ -1,6 +1,6 @@
 """GPU engine benchmark at real size: a Qwen3-8B-shaped model, each KV format, one table of ratios to bf16 + JSON.
 
-Run on the device machine (bench/NOTES-engine-gpu.md)::
+Run on the device machine (docs/performance-log/engine-gpu.md)::
 
     python bench/engine_gpu.py --out $OUT/engine_gpu.json [--quick] [--formats bf16,nvfp4]
 

@@ -1,6 +1,6 @@
 """What each KV format costs in model quality, on a model trained here (no downloads).
 
-    .venv/bin/python bench/fidelity.py                      # CPU config, writes bench/fidelity_cpu.json
+    .venv/bin/python bench/fidelity.py                      # CPU config, writes bench/results/fidelity_cpu.json
     python bench/fidelity.py --device cuda --out X.json     # GPU config (~57M parameters, 2K and 8K context)
 
 1. Trains, with a seed, a small Qwen3-style decoder (GQA, head_dim 128, RoPE,
@@ -30,7 +30,7 @@
    counts every table's budget on the evaluation conversations' pages instead (their
    tags only), so each table stores its budget on the text it is scored on: the held-out
    text's page mix differs from the calibration text's, and at 8K the calibrated tables
-   stored 0.02-0.05 fewer bits there than default@pages (bench/NOTES-fidelity.md).
+   stored 0.02-0.05 fewer bits there than default@pages (docs/performance-log/fidelity.md).
 3. Scores held-out files (the first ``--eval-seqs`` conversations of at least
    half the context; how many the evaluation files give is recorded; only if
    they give too few, the standard library's test suites, idlelib and lib2to3,
@@ -136,7 +136,7 @@ class Setup:
 
 # Every held-out evaluation conversation (36) and 64K calibration tokens: with 8 conversations and 16K tokens
 # (Runs 4-7) the tables' KL differences stayed within noise, and the calibration's class mix was not the
-# evaluation's (bench/NOTES-fidelity.md, Run 7c). ~20 min on an idle 2-core machine.
+# evaluation's (docs/performance-log/fidelity.md, Run 7c). ~20 min on an idle 2-core machine.
 CPU = Setup(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, train_steps=300, train_len=512, batch=2,
             lr=3e-3, contexts=(2048,), eval_seqs=36, generate=64, calib_tokens=65536, calib_len=2048, chunk=256,
             dropout=0.0, train_chars=1_500_000)
@@ -450,7 +450,7 @@ def build_engine(model_dir: Path, dtype: str, *, device: torch.device, ctx: int,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--out", type=Path, default=None, help="JSON output (default bench/fidelity_{device}.json)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON output (default bench/results/fidelity_{device}.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-steps", type=int, default=None, help="override the config's training steps")
     ap.add_argument("--generate", type=int, default=None,
@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"fidelity: error: --{field.replace('_', '-')} must be >= {least}, got {value}", file=sys.stderr)
                 return 2
             s = Setup(**{**s.__dict__, field: value})
-    out_path = opts.out or Path(__file__).with_name(f"fidelity_{device.type}.json")
+    out_path = opts.out or Path(__file__).parent / "results" / f"fidelity_{device.type}.json"
     t0 = time.time()
 
     tok_dir = tiny_model_dir()
@@ -630,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                                        chunk=s.chunk, attn_out=attn[f"calibrated@{ctx}"] if opts.select else None)
                     ccals[f"calibrated@{ctx}"] = at_ctx
                 # --count-on-evaluation: the held-out text's page mix is not the calibration text's (its
-                # conversations run longer and hold fewer older tool calls: bench/NOTES-fidelity.md, "Why the
+                # conversations run longer and hold fewer older tool calls: docs/performance-log/fidelity.md, "Why the
                 # calibrated tables under-spend"), so tables at the budget there store other bits on it
                 counted = seqs if opts.count_on_evaluation else page_seqs
                 ccals = {name: with_pages(c, counted) for name, c in ccals.items()}

@@ -1,6 +1,6 @@
 """Prefill and decode workers on two GPUs: NIXL READ bandwidth GPU->GPU and the seed's multi-turn TTFT experiment.
 
-Run on a two-GPU device machine (bench/NOTES-pd-gpu.md gives the command)::
+Run on a two-GPU device machine (docs/performance-log/pd-gpu.md gives the command)::
 
     python3 bench/pd_gpu.py --out DIR [--phases bw,seed,faults] [--formats bf16,nvfp4,fp8_e4m3,triaxial] [--budget-s 540]
     python3 bench/pd_gpu.py --tiny --out DIR      # the same end to end on CPU: tiny model, CPU memory

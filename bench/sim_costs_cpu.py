@@ -1,7 +1,7 @@
 """Calibrate the simulator's CPU cost profile (``kvserving simulate --costs cpu-tiny``) on the
-real engine with the built-in tiny model, and write bench/sim_costs_cpu.json.
+real engine with the built-in tiny model, and write bench/results/sim_costs_cpu.json.
 
-    PYTHONSAFEPATH=1 .venv/bin/python bench/sim_costs_cpu.py [--out bench/sim_costs_cpu.json]
+    PYTHONSAFEPATH=1 .venv/bin/python bench/sim_costs_cpu.py [--out bench/results/sim_costs_cpu.json]
 
 Measured here (the engine in this process, ``torch.set_num_threads(1)``, medians of a few steps):
 
@@ -15,10 +15,10 @@ Measured here (the engine in this process, ``torch.set_num_threads(1)``, medians
   reply's end: ``reply_lost_tokens``).
 
 Not measured here, taken from committed notes: the gateway's CPU per request (3.3 ms,
-bench/NOTES-gateway.md) and a CPU NIXL descriptor (1.4 us, DESIGN.md Worker). The worker
+docs/performance-log/gateway.md) and a CPU NIXL descriptor (1.4 us, DESIGN.md Worker). The worker
 requests' HTTP and lease round trips (``prefill_request_s``, ``decode_request_s``,
-``transfer_overhead_s``) are set from the bench's own measurements when bench/agents_cpu.json
-holds them (see bench/NOTES-simulate.md).
+``transfer_overhead_s``) are set from the bench's own measurements when bench/results/agents_cpu.json
+holds them (see docs/performance-log/simulate.md).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def token_fit(model: Path) -> tuple[float, float, int, list[tuple[int, int]]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=HERE / "sim_costs_cpu.json")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "sim_costs_cpu.json")
     ap.add_argument("--kv-kib", type=int, default=1536, help="KV pool per worker (bench/agents.py's default)")
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -12,7 +12,7 @@ The average is counted the way the engine stores KV (``page_greedy_table``): a
 page is INT2 only when it is full and all 32 of its tokens are 2-bit, so a
 class spread thinly over many pages (delimiters, tool-call JSON, short user
 messages) costs the pages it turns INT4, not its token share. Counted by token
-shares, a budget of 2.7 stored ~3.5 bits on agent contexts (bench/NOTES-fidelity.md).
+shares, a budget of 2.7 stored ~3.5 bits on agent contexts (docs/performance-log/fidelity.md).
 Each step upgrades the class whose upgrade turns INT4 the pages with the most
 summed per-token gain per stored bit added; with pages that each hold one class
 this is exactly the order above (a test holds it).

@@ -31,7 +31,7 @@ write the calibration file (kvserving.calibration) the engine config names.
    MSE per query head with each layer's inputs exact, max over heads, summed
    over layers. The attention-output MSE misranked the classes on a deeper
    model; the KL ranks whole tables as the evaluation does
-   (bench/NOTES-fidelity.md, "Calibration by KL").
+   (docs/performance-log/fidelity.md, "Calibration by KL").
 4. Per requested budget, the greedy rule of ``kvserving.bits`` over those
    measurements gives the table (``Calibration.derive_table``), with the budget
    counted in stored pages: the prompts' pages of 32 tokens (their class mix)
@@ -44,7 +44,7 @@ write the calibration file (kvserving.calibration) the engine config names.
    8K ones: their class mix differs); ``--page-data FILE ...`` the pages of
    other data (a sample of the served traffic: text of another kind gives
    another page mix, and a table at the budget on the calibration text stores
-   other bits there; bench/NOTES-fidelity.md, "Why the calibrated tables
+   other bits there; docs/performance-log/fidelity.md, "Why the calibrated tables
    under-spend").
 5. fp8 and nvfp4 global scales per layer from the K/V amax (``amax / 448``,
    ``amax / (6 * 448)``); with ``--scale-search`` each layer's K and V scale is
@@ -413,7 +413,7 @@ def select_tables(cal: Calibration, attn: Mapping[int, Sequence[float]], model: 
     """Per budget in ``cal.tables``, the candidate table with the least KL measured whole (every class at
     its bits, the page rule, chunked prefill) on the calibration prompts: the page search's table over
     the KL D_k (``cal``'s own), over the attention-MSE D_k (``attn``: bits -> 56 sums) and over the default
-    sensitivities. The per-class sums predict a whole table's KL within a few % (bench/NOTES-fidelity.md),
+    sensitivities. The per-class sums predict a whole table's KL within a few % (docs/performance-log/fidelity.md),
     not exactly; this keeps the measured best of three good sets. Ties keep the earlier candidate.
     ``record``, if given, gets per budget each candidate's summed KL and the choice. Opt-in
     (``--select``): on the bench's CPU and H200 models it kept the KL table at 7 of 8 budgets and took

@@ -6,7 +6,7 @@ DESIGN.md's D_k(b) is the attention-output MSE of each layer with only class
 k quantized (max over heads, summed over layers). On the 57M-parameter H200
 model of ``bench/fidelity.py`` that proxy ranked the system prompt below small
 classes (tool calls, delimiters) while the output distribution said otherwise
-(bench/NOTES-fidelity.md, "Calibration by KL"). ``class_kl`` measures instead:
+(docs/performance-log/fidelity.md, "Calibration by KL"). ``class_kl`` measures instead:
 
     D_k(b) = sum over positions t of KL(p(. | exact KV) || p(. | class k at b bits))
 

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"turns 2..{len(on)}: prompt tokens computed {computed_on:,} with reuse vs {computed_off:,} without "
           f"({computed_off / max(computed_on, 1):.1f}x fewer); TTFT with reuse / without: {ttft_on / max(ttft_off, 1e-9):.2f}")
     print("(on this tiny CPU model recomputing a 128-token reply takes milliseconds, about what pulling it costs;"
-          " the GPU numbers at real size are in bench/NOTES-pd-gpu.md)" if builtin else "")
+          " the GPU numbers at real size are in docs/results.md)" if builtin else "")
     print(f"TTFT plot: {plot_path}")
     print(f"demo finished in {time.perf_counter() - start:.0f} s")
     return 0

@@ -12,7 +12,7 @@ costs overlap (a set-union knapsack), not one over independent items.
 
 The greedy walk buys the best gain per page first and stops when no single
 class fits: with large classes left (tool results of 11-16 % of the tokens) it
-can leave a twentieth of a bit unused (bench/NOTES-fidelity.md). ``swap_pass``
+can leave a twentieth of a bit unused (docs/performance-log/fidelity.md). ``swap_pass``
 tries one-for-one swaps; ``best_classes`` searches the subsets exactly, by
 branch and bound, starting from the set it is given:
 

@@ -190,8 +190,8 @@ class CostModel:
 
 
 def _h200_8b() -> CostModel:
-    """The Qwen3-8B-shaped model on one H200 (bench/engine_gpu_h200.json, bench/extend_gpu_h200.json,
-    bench/NOTES-pd-gpu.md)."""
+    """The Qwen3-8B-shaped model on one H200 (bench/results/engine_gpu_h200.json, bench/results/extend_gpu_h200.json,
+    docs/performance-log/pd-gpu.md)."""
     return CostModel(
         name="h200-8b",
         layers=36, kv_heads=8, head_dim=128,
@@ -213,10 +213,10 @@ def _h200_8b() -> CostModel:
         transfer_runs=1,
         gateway_s=3.4e-3,
         # two-H200 seed run after the pooled HTTP client: the prefill request's non-READ part is
-        # 53-90 ms above new-only, the decode request 114 ms (README, bench/NOTES-pd-gpu.md)
+        # 53-90 ms above new-only, the decode request 114 ms (docs/performance-log/pd-gpu.md)
         prefill_request_s=0.06,
         decode_request_s=0.114,
-        source="bench/engine_gpu_h200.json, bench/extend_gpu_h200.json, bench/pd_gpu_h200x2_httpfix.json, bench/NOTES-gateway.md",
+        source="bench/results/engine_gpu_h200.json, bench/results/extend_gpu_h200.json, docs/performance-log/pd-gpu.md, docs/performance-log/gateway.md",
         notes={"kv_bytes_per_worker": "the engine benchmark's 90 GiB pool on a 141 GB H200 (16.4 GB of weights)"},
     )
 
@@ -226,12 +226,12 @@ BUILTIN_FILES = {"cpu-tiny": "sim_costs_cpu.json"}
 
 
 def load_costs(name_or_path: str, *, bench_dir: Path | None = None) -> CostModel:
-    """A built-in profile (``h200-8b``; ``cpu-tiny`` from bench/sim_costs_cpu.json) or a JSON file."""
+    """A built-in profile (``h200-8b``; ``cpu-tiny`` from bench/results/sim_costs_cpu.json) or a JSON file."""
     if name_or_path in BUILTIN:
         model: CostModel = BUILTIN[name_or_path]()
         return model
     if name_or_path in BUILTIN_FILES:
-        root = bench_dir if bench_dir is not None else Path(__file__).resolve().parents[1] / "bench"
+        root = bench_dir if bench_dir is not None else Path(__file__).resolve().parents[1] / "bench" / "results"
         return CostModel.load(root / BUILTIN_FILES[name_or_path])
     path = Path(name_or_path)
     if not path.is_file():

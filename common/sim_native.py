@@ -9,7 +9,7 @@ only when that hash matches the source they would run (an edited simulator never
 compiled code: it runs pure Python until rebuilt). The copies import each other as package
 ``kvs_simnative``; everything else (the router, the lease table, agents, the cost model) is
 the same Python code either way. Results are the same as pure Python's (tests/test_simulate.py
-compares them when a build is present; bench/NOTES-simulate.md, the digests of whole runs).
+compares them when a build is present; docs/performance-log/simulate.md, the digests of whole runs).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ to uvicorn's ``send`` (starlette's middleware stack wrapped each streamed frame
 in four more ``send`` layers), and one task per request besides uvicorn's own:
 the watch for the client going away, which cancels the request's task (that
 closes the worker stream: an abort upstream). The old path ran five tasks per
-streamed request (bench/NOTES-gateway.md). What the routes answer is unchanged:
+streamed request (docs/performance-log/gateway.md). What the routes answer is unchanged:
 the same status codes, OpenAI error bodies and headers (401 with
 ``WWW-Authenticate``, 413, 400 for invalid JSON, 405 with ``Allow``, 503 with
 ``Retry-After``), the same metrics (requests by route and code, counted before

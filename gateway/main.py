@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(state)
     # Everything built so far (imports, the app, the tokenizer) lives as long as the process:
     # out of the cyclic GC's reach, a collection scans only what requests allocate
-    # (the template renders were paying for the whole heap: bench/NOTES-gateway.md).
+    # (the template renders were paying for the whole heap: docs/performance-log/gateway.md).
     gc.collect()
     gc.freeze()
     # Young collections every 5,000 net allocations instead of 700: a request allocates thousands of
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     # (CPU per request -3..-7 % at 20,000 in A/B runs). Not more: what a young collection scans is
     # what the conversations kept since the last one, and at 20,000 each took 9-21 ms with 200
     # sessions, a stall for every request in flight (4 ms at 5,000; older collections as often as
-    # before). bench/NOTES-gateway.md, fifth and sixth passes.
+    # before). docs/performance-log/gateway.md, fifth and sixth passes.
     gc.set_threshold(5_000, 80, 20)
     grace = config.gateway.drain_grace_s
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

@@ -42,7 +42,7 @@ PREFIX_HASH_TOKENS = 64
 # rounding up is slack enough at prefill loads (a few requests per worker), and
 # with one system prompt shared by every agent (one key, one hash order) any
 # eps > 0 leaves the last ~eps / (1 + eps) of the order idle under load: 3 of 16
-# workers, TTFT p50 x2.8 in the simulator (bench/NOTES-simulate.md, "Prefill
+# workers, TTFT p50 x2.8 in the simulator (docs/performance-log/simulate.md, "Prefill
 # routing with bounded loads").
 PREFILL_LOAD_EPS = 0.0
 

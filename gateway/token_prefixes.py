@@ -31,7 +31,7 @@ whole text. Hashing the whole prefix (~1 us per KB) rather than a short tail:
 agents share system prompts and tool boilerplate, so the characters just
 before a cut are often the same in every session (`... what failed.<|im_end|>\n`)
 and a tail key let 200 interleaved sessions overwrite each other's entries
-(bench/NOTES-gateway.md: 10 hits in 300 turns). A later entry filed under the
+(docs/performance-log/gateway.md: 10 hits in 300 turns). A later entry filed under the
 same key replaces the earlier one (a miss costs a full tokenization, never a
 wrong one).
 
@@ -95,7 +95,7 @@ class Prefixed:
     reused: _Entry | None  # the kept prefix this text extends, if any
     filed: tuple[_Entry, ...]  # the entries kept for this text's prefixes (its own; its shared first message)
     # `ids` as JSON array elements ("1,2,3"): the kept prefix's text plus the new ids', so a
-    # 30K-token prompt's worker body does not encode every id again (~1.4 ms; NOTES-gateway)
+    # 30K-token prompt's worker body does not encode every id again (~1.4 ms; docs/performance-log/gateway.md)
     ids_json: str = ""
 
     def offsets(self) -> list[tuple[int, int]]:

@@ -2,7 +2,7 @@
 
 Every turn makes one such request and reads its server-sent events; aiohttp
 spent ~0.3 ms of gateway CPU on each (URL and header objects, cookie jar,
-tracing hooks, a task per timer; bench/NOTES-gateway.md). Here a request is
+tracing hooks, a task per timer; docs/performance-log/gateway.md). Here a request is
 one pre-built head plus the JSON body in one write on a kept-alive
 connection, and the response is parsed by ``httptools`` (the C parser
 uvicorn uses) straight into a byte buffer the caller drains.

@@ -115,7 +115,7 @@ class WorkerClient:
 
     aiohttp rather than httpx for those: its C HTTP parser and connection pool cost a
     fraction of httpcore's per request under hundreds of concurrent streams; the lean
-    client costs a fraction of aiohttp's (bench/NOTES-gateway.md).
+    client costs a fraction of aiohttp's (docs/performance-log/gateway.md).
     """
 
     def __init__(self, *, request_timeout_s: float, connect_timeout_s: float, max_connections: int = 4096,

@@ -1,6 +1,6 @@
 """The cluster simulator (kvserving.simulate): its page cache, leases and event core by name,
 routing against the real router, the cost model's input checks, and the hit rate against the
-benchmark's measured numbers (bench/sim_costs_cpu_measured.json)."""
+benchmark's measured numbers (bench/results/sim_costs_cpu_measured.json)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kvserving.sim_plan import split_gpus, validate_points
 from kvserving.simulate import ClusterSpec, Population, Simulator
 
 ROOT = Path(__file__).resolve().parents[1]
-MEASURED = ROOT / "bench" / "sim_costs_cpu_measured.json"
+MEASURED = ROOT / "bench" / "results" / "sim_costs_cpu_measured.json"
 
 
 def tiny_costs(**kw: object) -> CostModel:

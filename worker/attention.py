@@ -63,7 +63,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_off
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     if q_offset == 0 and n == length and q.is_cuda:
         # The fused (flash) kernel takes 4-D [batch, heads, tokens, dim] and equal head counts; 3-D or enable_gqa
-        # falls back to the fp32 math path (8K-token prefill ~6x slower, bench/NOTES-engine-gpu.md).
+        # falls back to the fp32 math path (8K-token prefill ~6x slower, docs/performance-log/engine-gpu.md).
         group = qh.shape[0] // kh.shape[0]
         kh, vh = kh.repeat_interleave(group, dim=0), vh.repeat_interleave(group, dim=0)
         out = F.scaled_dot_product_attention(qh[None], kh[None], vh[None], is_causal=True, scale=sm_scale)[0]

@@ -159,7 +159,7 @@ def lease_digest(page_ids: Sequence[int], page_hashes: Sequence[int], num_tokens
 class PeerHttp:
     """The HTTP calls a puller makes to the worker it pulls from, over ONE pooled
     client: building an ``httpx.Client`` per call cost ~21 ms each on the H200
-    machines (bench/NOTES-pd-gpu.md); a pull makes one (the hold), plus the agent fetch
+    machines (docs/performance-log/pd-gpu.md); a pull makes one (the hold), plus the agent fetch
     once per sender incarnation and the hold's release after the READ.
     httpx's sync client is safe to share between the server's pull threads.
 
