@@ -405,7 +405,10 @@ def format_table(points: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(points: list[dict[str, Any]], path: Path, *, title: str) -> None:
+SEED_FP8_CLIFF = 12  # the seed's multi-turn agent bench: fp8 throughput fell off above 12 concurrent agents
+
+
+def plot(points: list[dict[str, Any]], path: Path, *, title: str, seed_cliff: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -427,6 +430,9 @@ def plot(points: list[dict[str, Any]], path: Path, *, title: str) -> None:
             left.plot(xs, [p["hit_rate"] for p in pts], ls=style, color="black", marker=".", label=label)
             right.plot(xs, [p["output_tok_per_s"] for p in pts], ls=style, color="black", marker=".", label=label)
     left.axhline(0.5, color="grey", lw=0.8, ls="--")
+    if seed_cliff:
+        for ax in (left, right):
+            ax.axvline(SEED_FP8_CLIFF, color="red", lw=0.8, ls=":", label=f"seed: fp8 cliff (>{SEED_FP8_CLIFF} agents)")
     for ax, ylabel in ((left, "prefix hit rate (cached / prompt tokens)"), (right, "output tokens / s")):
         ax.set_xlabel("concurrent agents")
         ax.set_ylabel(ylabel)
@@ -471,6 +477,33 @@ def _csv_names(choices: tuple[str, ...]) -> Any:
     return parse
 
 
+def combine(files: list[Path], json_out: Path, png_out: Path) -> dict[str, Any]:
+    """One result from runs of the same load and pool in parts (a sweep landed over several
+    device calls): every point, a later file's point replacing an earlier one of the same
+    format, mode and concurrency; the stacks that ran points; crossings recomputed."""
+    parts = [json.loads(f.read_text()) for f in files]
+    for key in ("load", "kv_per_worker", "think_s", "seed"):
+        if any(p[key] != parts[0][key] for p in parts):
+            raise ValueError(f"--combine: the files differ in {key!r}; only parts of one sweep combine")
+    by_point: dict[tuple[str, str, int], dict[str, Any]] = {}
+    stacks = []
+    for f, part in zip(files, parts):
+        for p in part["points"]:
+            by_point[(p["format"], p["mode"], p["concurrency"])] = {**p, "part": f.name}
+        ran = {(p["format"], p["mode"]) for p in part["points"]}
+        stacks += [{**s, "part": f.name} for s in part["stacks"] if (s["format"], s["mode"]) in ran]
+    points = [by_point[k] for k in sorted(by_point, key=lambda k: (list(FORMATS).index(k[0]), k[1], k[2]))]
+    crossings = {f"{f}/{m}": crossing([p for p in points if (p["format"], p["mode"]) == (f, m)])
+                 for f, m in sorted({(p["format"], p["mode"]) for p in points})}
+    result = {**parts[0], "what": parts[0]["what"] + f" (combined from {len(files)} runs)", "points": points,
+              "stacks": stacks, "crossing_50pct": crossings, "total_s": sum(p["total_s"] for p in parts),
+              "parts": [f.name for f in files]}
+    json_out.write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
+    where = result["what"].split("(", 1)[-1].split(")", 1)[0]
+    plot(points, png_out, title=f"{result['kv_per_worker']} KV per worker; {where}", seed_cliff=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", type=_csv_names(tuple(FORMATS)), default=list(FORMATS))
@@ -495,7 +528,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None,
                     help="default: bench/results/agents_cpu.json, bench/results/agents_gpu_h200.json with --gpu")
     ap.add_argument("--png", type=Path, default=None, help="default: beside --json")
+    ap.add_argument("--combine", type=Path, nargs="+", default=None,
+                    help="write one result (--json, --png) from the JSON files of a sweep run in parts, and exit")
     args = ap.parse_args(argv)
+    if args.combine:
+        if args.json is None:
+            ap.error("--combine needs --json")
+        result = combine(args.combine, args.json, args.png or args.json.with_suffix(".png"))
+        print(format_table(result["points"]))
+        return 0
     if args.kv_kib < 64:
         ap.error(f"--kv-kib must be >= 64, got {args.kv_kib}")
     if args.kv_gib <= 0:
@@ -556,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     caps = {m["format"]: m["capacity_tokens"]["decode"] for m in stacks if m["mode"] == "lease"}
     print("pool capacity per worker, tokens: " + ", ".join(f"{k} {v}" for k, v in caps.items()))
     args.json.write_text(json.dumps(_finite(final), indent=1, allow_nan=False) + "\n")
-    plot(points, args.png, title=f"{pool} KV per worker, {where}, {len(points)} points")
+    plot(points, args.png, title=f"{pool} KV per worker, {where}, {len(points)} points", seed_cliff=args.gpu)
     print(f"wrote {args.json} and {args.png} ({final['total_s']:.0f} s)")
     return 0
 

@@ -57,3 +57,20 @@ def test_agents_bench_small_sweep(tmp_path: Path) -> None:
     assert caps["fp8"] == 768
     assert abs(caps["nvfp4"] / caps["fp8"] - 16 / 9) < 0.02  # 36 vs 64 bytes per head and token (pages round down)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # a sweep landed in parts combines into one result: a later part's point replaces the same point
+    first = tmp_path / "part1.json"
+    part = json.loads(out.read_text())
+    part["points"] = [p for p in part["points"] if p["format"] == "fp8"]
+    first.write_text(json.dumps(part))
+    combined = tmp_path / "combined.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--combine", str(first), str(out), "--json", str(combined)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = json.loads(combined.read_text())
+    assert [(p["format"], p["concurrency"], p["part"]) for p in merged["points"]] == [
+        ("fp8", 1, "agents.json"), ("fp8", 3, "agents.json"), ("nvfp4", 1, "agents.json"), ("nvfp4", 3, "agents.json")]
+    assert {k: p["hit_rate"] for k, p in points.items()} == {(p["format"], p["concurrency"]): p["hit_rate"]
+                                                             for p in merged["points"]}
+    assert merged["parts"] == ["part1.json", "agents.json"]
+    assert combined.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

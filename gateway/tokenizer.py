@@ -168,7 +168,9 @@ class ContentText:
         self._whole = re.compile("|".join(re.escape(t) for t in contents)) if contents else None
         self._starts = tuple(sorted({t[0] for t in contents}))
         self._first = self._starts[0] if len(self._starts) == 1 else None
-        self._any_first = re.compile("[" + "".join(re.escape(c) for c in self._starts) + "]").search
+        # mark() returns before using this when there is no special token (``_whole`` is None)
+        starts = re.compile("[" + "".join(re.escape(c) for c in self._starts) + "]") if self._starts else None
+        self._any_first = starts.search if starts is not None else (lambda text: None)
         self._partial = frozenset(t[:k] for t in contents for k in range(1, len(t)))
         self._reach = max((len(t) for t in contents), default=0)
 

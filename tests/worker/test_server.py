@@ -379,7 +379,7 @@ def test_a_long_step_is_covered_by_keep_alive_comments_so_the_gateway_sees_a_bus
     runner = live.service.engine.engine.runner
     real = runner.execute
     prompt = list(range(300, 340))
-    expected, _ = generate(live.url, body("fast", prompt, max_tokens=3))
+    expected, _ = generate(live, body("fast", prompt, max_tokens=3))
 
     def slow(*args: Any, **kwargs: Any) -> Any:
         runner.execute = real  # type: ignore[method-assign]  # one slow step only
@@ -387,7 +387,8 @@ def test_a_long_step_is_covered_by_keep_alive_comments_so_the_gateway_sees_a_bus
         return real(*args, **kwargs)
 
     runner.execute = slow  # type: ignore[method-assign]
-    with httpx.stream("POST", live.url + "/internal/generate", json=body("slow", prompt, max_tokens=3), timeout=60) as r:
+    with httpx.stream("POST", live.url + "/internal/generate", json=body("slow", prompt, max_tokens=3), headers=live.headers,
+                      timeout=60) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line]
     first_event = next(i for i, line in enumerate(lines) if line.startswith("data: "))
