@@ -1,0 +1,688 @@
+"""The fault matrix on CPU: real processes (`kvserving gateway`, one prefill and
+two decode `kvserving worker`s, NIXL on CPU memory, the built-in tiny model),
+a fixed set of multi-turn agent conversations sent through the official
+`openai` client (greedy, ``ignore_eos``, a fixed ``max_tokens``, one
+``X-Session-ID`` per conversation), once fault-free for the reference replies,
+then once per fault. Every request is classified:
+
+- ``ok``: 200 and the reply equals the reference (text, ``finish_reason``
+  ``length``, ``completion_tokens`` = ``max_tokens``);
+- ``failed_clear``: an HTTP 4xx/5xx or an SSE error event whose body is an
+  OpenAI error (``message``, ``type``, ``param``, ``code``);
+- ``failed_unclear``: anything else that is not a reply (a transport error, a
+  bare close, an error without that shape);
+- ``silently_wrong``: 200 with a reply other than the reference (for a
+  malformed request: any 200).
+
+    PYTHONSAFEPATH=1 .venv/bin/python bench/faults_cpu.py [--quick] [--json bench/results/faults_cpu.json]
+
+Faults (in this order; each run uses its own conversation ids):
+
+- ``none``: fault-free again (the reference must repeat);
+- ``malformed``: before every later turn, malformed requests (nested JSON, a
+  lone surrogate, ``"stream": "yes"``, an unknown role): each must be a 4xx;
+- ``attacker``: before every later turn, a caller without the internal
+  credential calls every worker's ``/internal/*`` route (the victim's real lease
+  ids in the path; no token and a guessed one), a worker generate whose
+  ``agent_url`` names a listening trap, and a gateway request carrying that
+  ``agent_url``: every worker call must be a 401, nothing may connect to the
+  trap, and the victim's turns stay ok;
+- ``other_tenant``: after every victim turn, another tenant (``cache_salt``)
+  sends the victim's exact messages: its ``cached_tokens`` must be 0;
+- ``prefill_sigstop``: the prefill worker frozen for ``PREFILL_STOP_S`` while a
+  later turn is sent;
+- ``holder_sigstop``: the decode worker holding the conversation's lease
+  frozen before its second turn, thawed after it;
+- ``decode_sigkill``: the decode worker holding the first conversation's lease
+  killed between its turns (the rest of the run has one decode worker);
+- ``transfer_timeout``: every worker restarted with
+  ``reuse.transfer_timeout_s`` = 1 us (each KV READ misses its deadline).
+
+Writes one JSON record per fault (sent, ok, failed_clear, failed_unclear,
+silently_wrong, fallback reasons seen in ``usage.kvserving.reuse_fallback``,
+notes) and prints a table. Exits 1 when a request was silently wrong, a worker
+call without the credential was answered, the trap was contacted, or another
+tenant saw cached tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserving.gateway.tenants import DEFAULT_TENANT
+from kvserving.stack import free_ports, new_token_file
+
+MODEL = "kvserving-tiny"
+MAX_TOKENS = 16
+FIRST_BYTE_S = 4.0  # > the prefill's pull from a frozen holder (the workers' 2 s peer deadline)
+PEER_TIMEOUT_S = 2.0
+TINY_TIMEOUT_S = 1e-6  # shorter than any READ (bench/up_gpu.py's `timeout` mode)
+PREFILL_STOP_S = 1.5
+READY_S = 180.0
+SYSTEM = "You are a coding agent. Work step by step, use the tools, and report what you changed. "
+CONVERSATIONS = [  # (system prompt repeats, user turns, streamed)
+    (6, ["Find the failing test in the repository and explain it.", "Now look at the next file and report back.",
+         "Write the fix and run the tests again."], False),
+    (5, ["List the modules that import the config loader.", "Which of them read the retention setting?",
+         "Summarise the change in one paragraph."], True),
+    (7, ["Open the gateway log and find the slowest request.", "What did its worker do meanwhile?",
+         "Propose one change that makes it faster."], False),
+]
+ALL_FAULTS = ("none", "malformed", "attacker", "other_tenant", "prefill_sigstop", "holder_sigstop",
+              "decode_sigkill", "transfer_timeout")
+QUICK_FAULTS = ("attacker", "holder_sigstop")
+CLASSES = ("ok", "failed_clear", "failed_unclear", "silently_wrong")
+
+
+# ------------------------------------------------------------------ processes
+@dataclass
+class Proc:
+    name: str
+    url: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def send(self, sig: signal.Signals) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        """``sig`` (then SIGKILL after 20 s) to the process group; a frozen group is thawed first."""
+        if self.proc is None:
+            return
+        self.send(signal.SIGCONT)
+        self.send(sig)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.send(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything it left in its group
+
+    def wait_ready(self, timeout: float = READY_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{tail(self.log_path)}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} not ready in {timeout:.0f} s:\n{tail(self.log_path)}")
+
+
+def tail(path: Path, n: int = 20) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    return "(no log)"
+
+
+class Cluster:
+    """One gateway, one prefill, two decode workers on loopback, one internal credential, one config."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.token = new_token_file(tmp / "internal-token")
+        self.headers = {"Authorization": f"Bearer {self.token}"}
+        ports = free_ports(4)
+        self.gateway_url, prefill_url, *decode_urls = (f"http://127.0.0.1:{p}" for p in ports)
+        self.prefill = self._worker("prefill", "prefill", prefill_url)
+        self.decoders = [self._worker(f"decode-{i}", "decode", url) for i, url in enumerate(decode_urls)]
+        self.gateway = Proc("gateway", self.gateway_url, [sys.executable, "-m", "kvserving.cli", "gateway", "--config",
+                            str(tmp / "gateway.json"), "--host", "127.0.0.1", "--port", str(ports[0])],
+                            tmp / "gateway.log")
+        self.write_config("gateway.json", PEER_TIMEOUT_S)
+
+    def _worker(self, name: str, role: str, url: str) -> Proc:
+        port = url.rsplit(":", 1)[1]
+        argv = [sys.executable, "-m", "kvserving.cli", "worker", "--role", role, "--config",
+                str(self.tmp / "worker.json"), "--host", "127.0.0.1", "--port", port]
+        return Proc(name, url, argv, self.tmp / f"{name}.log")
+
+    @property
+    def workers(self) -> list[Proc]:
+        return [self.prefill, *self.decoders]
+
+    def write_config(self, name: str, transfer_timeout_s: float) -> None:
+        config = {
+            "model": {"max_model_len": 1024, "served_name": MODEL},  # path empty: the built-in tiny model
+            "kv_cache": {"dtype": "bf16", "memory_bytes": 16 << 20},
+            "reuse": {"recompute_threshold_tokens": 0, "transfer_timeout_s": transfer_timeout_s},
+            "security": {"internal_token_file": str(self.tmp / "internal-token")},
+            "gateway": {"prefill_urls": [self.prefill.url], "decode_urls": [d.url for d in self.decoders],
+                        "first_byte_timeout_s": FIRST_BYTE_S, "event_timeout_s": FIRST_BYTE_S,
+                        "health_interval_s": 1.0},
+        }
+        (self.tmp / name).write_text(json.dumps(config))
+
+    def start_workers(self, transfer_timeout_s: float) -> None:
+        self.write_config("worker.json", transfer_timeout_s)
+        for w in self.workers:
+            w.start()
+        for w in self.workers:
+            w.wait_ready()
+
+    def start(self) -> None:
+        self.start_workers(PEER_TIMEOUT_S)
+        self.gateway.start()
+        self.gateway.wait_ready()
+
+    def restart_workers(self, transfer_timeout_s: float) -> None:
+        for w in self.workers:
+            w.stop()
+        self.start_workers(transfer_timeout_s)
+        self.all_healthy()
+
+    def all_healthy(self, timeout: float = 60.0) -> None:
+        """Every worker answers /ready and the gateway routes to both decode workers again."""
+        for w in self.workers:
+            w.wait_ready()
+        deadline = time.monotonic() + timeout
+        while gauge(self.gateway_url, "kvserving_gateway_workers_healthy", role="decode") != 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("a decode worker did not come back into the gateway's rotation")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        for p in (self.gateway, *self.workers):
+            try:
+                p.stop()
+            except Exception as exc:  # noqa: BLE001 - the others are stopped all the same
+                print(f"stopping {p.name}: {exc!r}", file=sys.stderr)
+                p.send(signal.SIGKILL)
+
+
+def gauge(url: str, name: str, *, timeout: float = 10.0, **labels: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=timeout).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+GATEWAY_COUNTERS = ("kvserving_gateway_reuse_fallbacks_total", "kvserving_gateway_upstream_errors_total",
+                    "kvserving_gateway_routing_decisions_total")
+
+
+def gateway_counters(url: str) -> dict[str, float]:
+    """The gateway's fallback, upstream error and retry counters, one entry per series."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in GATEWAY_COUNTERS and (s.name != GATEWAY_COUNTERS[2] or s.labels.get("role") == "retry"):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name.removeprefix('kvserving_gateway_').removesuffix('_total')}{{{labels}}}"] = s.value
+    return out
+
+
+def served(worker: Proc) -> float:
+    """Requests the worker has finished (0 when it does not answer: killed or frozen)."""
+    try:
+        return gauge(worker.url, "kvserving_worker_requests_total", timeout=2.0)
+    except httpx.TransportError:
+        return 0.0
+
+
+# ------------------------------------------------------------------ requests
+@dataclass
+class Result:
+    kind: str  # one of CLASSES
+    text: str = ""
+    fallback: str | None = None
+    cached_tokens: int | None = None
+    detail: str = ""
+
+
+def openai_shaped(body: object) -> bool:
+    return (isinstance(body, dict) and isinstance(body.get("message"), str) and isinstance(body.get("type"), str)
+            and "code" in body and "param" in body)
+
+
+def ask(client: openai.OpenAI, messages: list[dict[str, Any]], conversation_id: str, *, stream: bool,
+        salt: str | None = None, reference: str | None = None) -> Result:
+    extra: dict[str, Any] = {"ignore_eos": True}
+    if salt is not None:
+        extra["cache_salt"] = salt
+    kw: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+                          "extra_headers": {"X-Session-ID": conversation_id}, "extra_body": extra}
+    try:
+        if stream:
+            text, finish, usage = [], None, None
+            for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+                for choice in chunk.choices:
+                    text.append(choice.delta.content or "")
+                    finish = choice.finish_reason or finish
+                usage = chunk.usage or usage
+            reply = "".join(text)
+        else:
+            out = client.chat.completions.create(**kw)
+            reply, finish, usage = out.choices[0].message.content or "", out.choices[0].finish_reason, out.usage
+    except openai.APIStatusError as exc:  # an HTTP 4xx/5xx
+        kind = "failed_clear" if openai_shaped(exc.body) else "failed_unclear"
+        return Result(kind, detail=f"{exc.status_code} {getattr(exc, 'code', None)}")
+    except (openai.APIConnectionError, openai.APITimeoutError) as exc:
+        return Result("failed_unclear", detail=type(exc).__name__)
+    except openai.APIError as exc:  # an SSE error event
+        kind = "failed_clear" if openai_shaped(exc.body) else "failed_unclear"
+        return Result(kind, detail=f"error event {getattr(exc, 'code', None)}")
+    extra_usage = (usage.model_dump().get("kvserving") or {}) if usage is not None else {}
+    details = usage.prompt_tokens_details if usage is not None else None
+    cached = details.cached_tokens if details is not None else None
+    whole = usage is not None and usage.completion_tokens == MAX_TOKENS and finish == "length"
+    kind = "ok" if whole and (reference is None or reply == reference) else "silently_wrong"
+    return Result(kind, reply, extra_usage.get("reuse_fallback"), cached,
+                  "" if kind == "ok" else f"finish {finish}, usage {usage}")
+
+
+def raw_post(url: str, body: bytes) -> tuple[int, object]:
+    r = httpx.post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+    try:
+        return r.status_code, r.json().get("error")
+    except ValueError:
+        return r.status_code, None
+
+
+def malformed_bodies() -> dict[str, bytes]:
+    def nested(depth: int) -> Any:
+        value: Any = "x"
+        for _ in range(depth):
+            value = [value]
+        return value
+
+    base: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    return {
+        "nested_json": json.dumps({**base, "metadata": {"deep": nested(200)}}).encode(),
+        "lone_surrogate": json.dumps({**base, "messages": [{"role": "user", "content": "a\ud800b"}]}).encode(),
+        "stream_yes": json.dumps({**base, "stream": "yes"}).encode(),
+        "unknown_role": json.dumps({**base, "messages": [{"role": "root", "content": "hi"}]}).encode(),
+    }
+
+
+class Trap:
+    """A listening socket that records every connection made to it."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+
+# ------------------------------------------------------------------ faults
+@dataclass
+class Run:
+    fault: str
+    results: list[Result] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)  # security expectations broken (exit 1)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        counts = Counter(r.kind for r in self.results)
+        fallbacks = Counter(r.fallback for r in self.results if r.fallback)
+        wrong = [r.detail for r in self.results if r.kind != "ok" and r.detail]
+        return {"fault": self.fault, "sent": len(self.results), **{k: counts.get(k, 0) for k in CLASSES},
+                "fallback_reasons": dict(sorted(fallbacks.items())), "violations": self.violations,
+                "notes": self.notes + ([f"not ok: {sorted(set(wrong))}"] if wrong else []), **self.extra}
+
+
+Hook = Callable[[int, int], None]  # (conversation, turn)
+
+
+class Matrix:
+    def __init__(self, cluster: Cluster, conversations: list[tuple[int, list[str], bool]]) -> None:
+        self.c = cluster
+        self.conversations = conversations
+        self.client = openai.OpenAI(base_url=cluster.gateway_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        self.reference: list[list[str]] = []
+        self.last_decoder: dict[int, Proc] = {}  # conversation -> the decode worker that served its last turn
+        self.counter = 0
+
+    def history(self, conv: int, turn: int) -> list[dict[str, Any]]:
+        """The messages of a turn: the fixed user turns and the reference replies before it."""
+        repeats, users, _ = self.conversations[conv]
+        messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM * repeats}]
+        for t in range(turn):
+            messages += [{"role": "user", "content": users[t]}, {"role": "assistant", "content": self.reference[conv][t]}]
+        return [*messages, {"role": "user", "content": users[turn]}]
+
+    def conversation_id(self, fault: str, conv: int) -> str:
+        return f"{fault}-c{conv}"
+
+    def run(self, fault: str, *, before: Hook | None = None, after: Hook | None = None) -> Run:
+        run = Run(fault)
+        for conv, (_, users, stream) in enumerate(self.conversations):
+            for turn in range(len(users)):
+                counts = [served(d) for d in self.c.decoders]  # (before a hook freezes one)
+                if before is not None:
+                    before(conv, turn)
+                building = len(self.reference[conv]) == turn  # the reference run: replies become the history
+                ref = None if building else self.reference[conv][turn]
+                result = ask(self.client, self.history(conv, turn), self.conversation_id(fault, conv), stream=stream, reference=ref)
+                run.results.append(result)
+                if building:
+                    self.reference[conv].append(result.text)
+                if after is not None:
+                    after(conv, turn)
+                moved = [d for d, n in zip(self.c.decoders, counts, strict=True) if served(d) > n]
+                if moved:
+                    self.last_decoder[conv] = moved[0]
+        return run
+
+    def reference_run(self) -> None:
+        self.reference = [[] for _ in self.conversations]
+        run = self.run("reference")
+        bad = [r for r in run.results if r.kind != "ok"]
+        if bad:
+            raise RuntimeError(f"the fault-free reference run failed: {[r.detail for r in bad]}")
+
+    # ---- one method per fault
+    def none(self) -> Run:
+        return self.run("none")
+
+    def malformed(self) -> Run:
+        bodies = malformed_bodies()
+        extra: list[Result] = []
+
+        def before(conv: int, turn: int) -> None:
+            if turn == 0:
+                return
+            for name, body in bodies.items():
+                status, error = raw_post(self.c.gateway_url, body)
+                if 400 <= status < 500 and openai_shaped(error):
+                    extra.append(Result("failed_clear", detail=f"{name}: {status} {error['code']}"))  # type: ignore[index]
+                elif status == 200:
+                    extra.append(Result("silently_wrong", detail=f"{name}: 200"))
+                else:
+                    extra.append(Result("failed_unclear", detail=f"{name}: {status} {error}"))
+
+        run = self.run("malformed", before=before)
+        victim = Counter(r.kind for r in run.results)
+        run.results += extra
+        run.notes.append(f"victim turns {dict(victim)}; malformed requests {len(extra)} "
+                         f"({', '.join(bodies)} before each later turn), each expected failed_clear (a 4xx)")
+        run.extra["expected"] = "victim turns ok, every malformed request failed_clear with a 4xx"
+        if any(r.kind != "failed_clear" for r in extra):
+            run.violations.append("a malformed request was not a clear 4xx")
+        return run
+
+    def attacker(self) -> Run:
+        trap = Trap()
+        probes = Counter[str]()
+        answered: list[str] = []
+        gateway_codes = Counter[int]()
+
+        def before(conv: int, turn: int) -> None:
+            if turn == 0:
+                return
+            key = DEFAULT_TENANT.scope(f"session:{self.conversation_id('attacker', conv)}")
+            lease_ids = []
+            for w in self.c.decoders:  # the victim's real lease ids (the attacker cannot list them; it is given them)
+                with contextlib.suppress(httpx.TransportError, ValueError, KeyError):
+                    leases = httpx.get(w.url + "/internal/kv/leases", params={"conversation_key": key},
+                                       headers=self.c.headers, timeout=10).json()["leases"]
+                    lease_ids += [le["lease_id"] for le in leases]
+            lid = lease_ids[0] if lease_ids else "unknown"
+            evil = {"request_id": f"evil-{conv}", "input_ids": [5, 6, 7], "conversation_key": key, "retain": True,
+                    "sampling": {"max_tokens": 2, "ignore_eos": True},
+                    "kv_transfer_params": {"agent_url": trap.url, "engine_id": "evil", "lease_id": lid}}
+            calls: list[tuple[str, str, dict[str, Any] | None]] = [
+                ("GET", "/internal/kv/leases", None), ("GET", "/internal/kv/agent", None),
+                ("GET", "/internal/kv/stats", None),
+                ("POST", f"/internal/kv/leases/{lid}/hold", {"digest": "0" * 32, "hold_s": 120}),
+                ("POST", f"/internal/kv/leases/{lid}/renew", {"ttl_s": 1}),
+                ("DELETE", f"/internal/kv/leases/{lid}", None),
+                ("POST", "/internal/generate", evil),
+            ]
+            for w in self.c.workers:
+                for method, path, body in calls:
+                    for headers in ({}, {"Authorization": "Bearer guessed"}):
+                        r = httpx.request(method, w.url + path, json=body, headers=headers, timeout=10)
+                        probes[f"{method} {path.split('/leases/')[0] + ('/leases/{id}' if '/leases/' in path else '')}"] += 1
+                        if r.status_code != 401:
+                            answered.append(f"{w.name} {method} {path}: {r.status_code}")
+            # through the gateway: a client naming the trap as the KV source (an unknown field: ignored)
+            r = httpx.post(self.c.gateway_url + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "kv_transfer_params": {"agent_url": trap.url, "lease_id": lid}, "conversation_key": key, "retain": True})
+            gateway_codes[r.status_code] += 1
+
+        try:
+            run = self.run("attacker", before=before)
+            time.sleep(0.5)  # a connection the trap would get arrives now at the latest
+        finally:
+            trap.close()
+        run.extra["probes"] = {"worker_calls_without_credential": sum(probes.values()), "answered_not_401": len(answered),
+                               "trap_connections": trap.connections, "gateway_requests_naming_the_trap":
+                               dict(gateway_codes)}
+        run.notes.append(f"every /internal route of 3 workers, no token and a guessed one, before each later turn: "
+                         f"{sum(probes.values())} calls, {len(answered)} not 401; trap connections {trap.connections}")
+        if answered:
+            run.violations.append(f"answered without the credential: {answered[:5]}")
+        if trap.connections:
+            run.violations.append(f"the trap was contacted {trap.connections} times")
+        return run
+
+    def other_tenant(self) -> Run:
+        intruder: list[Result] = []
+        repeat: list[Result] = []
+
+        def after(conv: int, turn: int) -> None:
+            # a new tenant per prompt: what it finds cached can only be another tenant's pages
+            _, _, stream = self.conversations[conv]
+            salt, ref = f"intruder-c{conv}-t{turn}", self.reference[conv][turn]
+            intruder.append(ask(self.client, self.history(conv, turn), salt, stream=stream, salt=salt, reference=ref))
+            # the same prompt again from that tenant: its own pages are found (the probe can see a cache hit)
+            repeat.append(ask(self.client, self.history(conv, turn), salt + "-again", stream=stream, salt=salt,
+                              reference=ref))
+
+        run = self.run("other_tenant", after=after)
+        cached = [r.cached_tokens for r in intruder]
+        run.results += intruder + repeat
+        run.extra["intruder_cached_tokens"] = cached
+        run.extra["intruder_repeat_cached_tokens"] = [r.cached_tokens for r in repeat]
+        run.notes.append(f"a new tenant (cache_salt) sent each of the victim's {len(intruder)} prompts right after it: "
+                         f"cached_tokens {cached} (must be 0); the same tenant repeating it: "
+                         f"{[r.cached_tokens for r in repeat]}")
+        if any(c != 0 for c in cached):
+            run.violations.append(f"another tenant saw cached tokens: {cached}")
+        return run
+
+    def prefill_sigstop(self) -> Run:
+        stops = 0
+
+        def before(conv: int, turn: int) -> None:
+            nonlocal stops
+            if turn != 1:
+                return
+            self.c.prefill.send(signal.SIGSTOP)
+            threading.Timer(PREFILL_STOP_S, self.c.prefill.send, args=(signal.SIGCONT,)).start()
+            stops += 1
+
+        def after(conv: int, turn: int) -> None:
+            if turn == 1:
+                self.c.prefill.send(signal.SIGCONT)
+                self.c.all_healthy()
+
+        run = self.run("prefill_sigstop", before=before, after=after)
+        run.notes.append(f"prefill frozen {PREFILL_STOP_S} s as turn 2 of each conversation was sent ({stops} times)")
+        return run
+
+    def holder_sigstop(self) -> Run:
+        frozen: list[Proc] = []
+        seconds: list[float] = []
+        t0 = 0.0
+
+        def before(conv: int, turn: int) -> None:
+            nonlocal t0
+            if turn == 1:
+                self.c.all_healthy()
+                holder = self.last_decoder[conv]
+                holder.send(signal.SIGSTOP)
+                frozen.append(holder)
+                t0 = time.monotonic()
+
+        def after(conv: int, turn: int) -> None:
+            if turn == 1:
+                seconds.append(round(time.monotonic() - t0, 2))
+                frozen[-1].send(signal.SIGCONT)
+
+        before_fb = gauge(self.c.gateway_url, "kvserving_gateway_reuse_fallbacks_total", reason="holder_unresponsive")
+        try:
+            run = self.run("holder_sigstop", before=before, after=after)
+        finally:
+            for p in frozen:
+                p.send(signal.SIGCONT)
+        moved = gauge(self.c.gateway_url, "kvserving_gateway_reuse_fallbacks_total", reason="holder_unresponsive") - before_fb
+        run.extra["gateway_holder_unresponsive"] = int(moved)
+        run.notes.append(f"lease holder frozen before turn 2 of each conversation ({len(frozen)} times); those turns took "
+                         f"{seconds} s; gateway holder_unresponsive +{int(moved)}")
+        self.c.all_healthy()
+        return run
+
+    def decode_sigkill(self) -> Run:
+        killed: list[str] = []
+
+        def before(conv: int, turn: int) -> None:
+            if conv == 0 and turn == 1:
+                self.c.all_healthy()
+                holder = self.last_decoder[conv]
+                holder.stop(signal.SIGKILL)
+                killed.append(holder.name)
+
+        run = self.run("decode_sigkill", before=before)
+        run.notes.append(f"{killed} (the first conversation's lease holder) SIGKILLed before its turn 2; "
+                         "the rest of the run on the other decode worker")
+        return run
+
+    def transfer_timeout(self) -> Run:
+        self.c.restart_workers(TINY_TIMEOUT_S)
+        run = self.run("transfer_timeout")
+        run.notes.append(f"every worker restarted with reuse.transfer_timeout_s = {TINY_TIMEOUT_S:g}")
+        run.notes.append("the gateway counts a prefill's pull that ended in transfer_timeout as holder_unresponsive "
+                         "and takes the holder out of its rotation until the next health poll; with both decode "
+                         "workers out, a turn is a 503 service_unavailable (Retry-After)")
+        return run
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    head = f"{'fault':<17} {'sent':>4} {'ok':>4} {'failed_clear':>12} {'failed_unclear':>14} {'silently_wrong':>14}  fallbacks"
+    lines = [head, "-" * len(head)]
+    for r in records:
+        fb = ", ".join(f"{k} {v}" for k, v in r["fallback_reasons"].items()) or "-"
+        lines.append(f"{r['fault']:<17} {r['sent']:>4} {r['ok']:>4} {r['failed_clear']:>12} {r['failed_unclear']:>14} "
+                     f"{r['silently_wrong']:>14}  {fb}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"one two-turn conversation and the faults {QUICK_FAULTS}")
+    ap.add_argument("--faults", nargs="+", choices=ALL_FAULTS, help="the faults to run (default: all)")
+    ap.add_argument("--json", type=Path, help="write the records here")
+    args = ap.parse_args(argv)
+    conversations = [(r, users[:2], s) for r, users, s in CONVERSATIONS[:1]] if args.quick else CONVERSATIONS
+    faults = args.faults or (QUICK_FAULTS if args.quick else ALL_FAULTS)
+    t_start = time.monotonic()
+    # SIGTERM ends the run through the cleanup below, as Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with tempfile.TemporaryDirectory(prefix="kvserving-faults-") as tmp:
+        cluster = Cluster(Path(tmp))
+        records: list[dict[str, Any]] = []
+        try:
+            cluster.start()
+            t_ready = time.monotonic() - t_start
+            matrix = Matrix(cluster, conversations)
+            matrix.reference_run()
+            for fault in faults:
+                t0 = time.monotonic()
+                counters = gateway_counters(cluster.gateway_url)
+                rec = getattr(matrix, fault)().record()
+                rec["seconds"] = round(time.monotonic() - t0, 1)
+                after = gateway_counters(cluster.gateway_url)
+                rec["gateway_counters"] = {k: int(v - counters.get(k, 0.0)) for k, v in sorted(after.items())
+                                           if v != counters.get(k, 0.0)}
+                records.append(rec)
+                print(f"{fault}: {rec['sent']} sent, {rec['ok']} ok, {rec['failed_clear']} failed_clear, "
+                      f"{rec['failed_unclear']} failed_unclear, {rec['silently_wrong']} silently_wrong "
+                      f"({rec['seconds']} s)", file=sys.stderr, flush=True)
+        except BaseException:
+            for p in (cluster.gateway, *cluster.workers):
+                print(f"--- {p.name}\n{tail(p.log_path)}", file=sys.stderr)
+            raise
+        finally:
+            cluster.close()
+    out = {
+        "bench": "faults_cpu", "model": "built-in tiny (CPU)", "quick": args.quick,
+        "setup": {"conversations": len(conversations), "turns": [len(u) for _, u, _ in conversations],
+                  "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                  "streamed_conversations": [i for i, c in enumerate(conversations) if c[2]],
+                  "gateway_first_byte_timeout_s": FIRST_BYTE_S, "gateway_event_timeout_s": FIRST_BYTE_S,
+                  "reuse_transfer_timeout_s": PEER_TIMEOUT_S},
+        "seconds": {"start": round(t_ready, 1), "total": round(time.monotonic() - t_start, 1)},
+        "faults": records,
+    }
+    print(table(records))
+    print(f"started in {out['seconds']['start']} s, {out['seconds']['total']} s in all")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    bad = [r["fault"] for r in records if r["silently_wrong"] or r["violations"]]
+    for r in records:
+        for v in r["violations"]:
+            print(f"VIOLATION {r['fault']}: {v}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
