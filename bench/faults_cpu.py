@@ -23,9 +23,11 @@ Faults (in this order; each run uses its own conversation ids):
   lone surrogate, ``"stream": "yes"``, an unknown role): each must be a 4xx;
 - ``attacker``: before every later turn, a caller without the internal
   credential calls every worker's ``/internal/*`` route (the victim's real lease
-  ids in the path; no token and a guessed one), a worker generate whose
-  ``agent_url`` names a listening trap, and a gateway request carrying that
-  ``agent_url``: every worker call must be a 401, nothing may connect to the
+  ids in the path; no token and a guessed one; a generate among them whose
+  ``agent_url`` names a listening trap); a caller with the credential sends
+  that generate to the prefill worker, and a client sends the ``agent_url``
+  through the gateway: every call without the credential must be a 401, the
+  credentialed one a recompute (``unknown_peer``), nothing may connect to the
   trap, and the victim's turns stay ok;
 - ``other_tenant``: after every victim turn, another tenant (``cache_salt``)
   sends the victim's exact messages: its ``cached_tokens`` must be 0;
@@ -40,9 +42,10 @@ Faults (in this order; each run uses its own conversation ids):
 
 Writes one JSON record per fault (sent, ok, failed_clear, failed_unclear,
 silently_wrong, fallback reasons seen in ``usage.kvserving.reuse_fallback``,
-notes) and prints a table. Exits 1 when a request was silently wrong, a worker
-call without the credential was answered, the trap was contacted, or another
-tenant saw cached tokens.
+notes, the gateway's fallback / upstream-error / retry counters moved) and
+prints a table. Exits 1 when a request was silently wrong, a malformed request
+was not a clear 4xx, a worker call without the credential was answered, the
+trap was contacted, or another tenant saw cached tokens.
 """
 
 from __future__ import annotations
@@ -331,6 +334,24 @@ def malformed_bodies() -> dict[str, bytes]:
     }
 
 
+def peer_generate(url: str, headers: dict[str, str], body: dict[str, Any]) -> str | None:
+    """POST a worker's /internal/generate; the final event's ``usage.reuse_fallback`` ("error ..." on a failure)."""
+    final: dict[str, Any] = {}
+    with httpx.stream("POST", url + "/internal/generate", json=body, headers=headers, timeout=60) as r:
+        if r.status_code != 200:
+            return f"error {r.status_code}"
+        for line in r.iter_lines():
+            data = line.removeprefix("data: ")
+            if not line or line.startswith(":") or data == "[DONE]":
+                continue
+            event = json.loads(data)
+            if "error" in event:
+                return f"error {event['error'].get('code')}"
+            if "finish_reason" in event:
+                final = event
+    return (final.get("usage") or {}).get("reuse_fallback")
+
+
 class Trap:
     """A listening socket that records every connection made to it."""
 
@@ -461,6 +482,7 @@ class Matrix:
         probes = Counter[str]()
         answered: list[str] = []
         gateway_codes = Counter[int]()
+        insider: list[str | None] = []
 
         def before(conv: int, turn: int) -> None:
             if turn == 0:
@@ -491,6 +513,12 @@ class Matrix:
                         probes[f"{method} {path.split('/leases/')[0] + ('/leases/{id}' if '/leases/' in path else '')}"] += 1
                         if r.status_code != 401:
                             answered.append(f"{w.name} {method} {path}: {r.status_code}")
+            # a caller with the credential (past the gateway) naming the trap: recomputed, nothing contacted
+            insider.append(peer_generate(self.c.prefill.url, self.c.headers, {
+                "request_id": f"insider-{conv}", "input_ids": [5, 6, 7, 8], "sampling": {"max_tokens": 2, "ignore_eos": True},
+                "kv_transfer_params": {"engine_id": "evil", "agent_url": trap.url, "lease_id": lid, "page_ids": [0],
+                                       "page_hashes": [1], "num_tokens": 16, "page_size": 16, "dtype": "bf16",
+                                       "layout_hash": "0" * 16, "expires_at": time.time() + 60}}))
             # through the gateway: a client naming the trap as the KV source (an unknown field: ignored)
             r = httpx.post(self.c.gateway_url + "/v1/chat/completions", timeout=60, json={
                 "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
@@ -504,7 +532,11 @@ class Matrix:
             trap.close()
         run.extra["probes"] = {"worker_calls_without_credential": sum(probes.values()), "answered_not_401": len(answered),
                                "trap_connections": trap.connections, "gateway_requests_naming_the_trap":
-                               dict(gateway_codes)}
+                               dict(gateway_codes), "credentialed_generates_naming_the_trap": insider}
+        run.notes.append(f"a credentialed worker generate naming the trap as agent_url, before each later turn: "
+                         f"reuse_fallback {insider}")
+        if any(f != "unknown_peer" for f in insider):
+            run.violations.append(f"a generate naming a foreign agent_url was not refused as unknown_peer: {insider}")
         run.notes.append(f"every /internal route of 3 workers, no token and a guessed one, before each later turn: "
                          f"{sum(probes.values())} calls, {len(answered)} not 401; trap connections {trap.connections}")
         if answered:

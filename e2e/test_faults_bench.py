@@ -32,5 +32,6 @@ def test_fault_matrix_quick(tmp_path: Path) -> None:
     probes = faults["attacker"]["probes"]
     assert probes["worker_calls_without_credential"] == 3 * 7 * 2  # 3 workers x 7 routes x (no token, a guessed one)
     assert probes["answered_not_401"] == 0 and probes["trap_connections"] == 0
+    assert probes["credentialed_generates_naming_the_trap"] == ["unknown_peer"]  # recomputed, nothing contacted
     assert faults["holder_sigstop"]["gateway_counters"]["reuse_fallbacks{reason=holder_unresponsive}"] == 1
     assert "silently_wrong" in proc.stdout.splitlines()[0]  # the printed table's header
