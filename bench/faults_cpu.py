@@ -447,6 +447,20 @@ class Matrix:
         if bad:
             raise RuntimeError(f"the fault-free reference run failed: {[r.detail for r in bad]}")
 
+    def holder(self, fault: str, conv: int) -> Proc:
+        """The decode worker holding the conversation's longest lease (its last turn's), from the
+        workers' lease tables; the worker that served its last turn when none lists one."""
+        key = DEFAULT_TENANT.scope(f"session:{self.conversation_id(fault, conv)}")
+        best: tuple[int, Proc] | None = None
+        for d in self.c.decoders:
+            with contextlib.suppress(httpx.TransportError, ValueError, KeyError):
+                leases = httpx.get(d.url + "/internal/kv/leases", params={"conversation_key": key},
+                                   headers=self.c.headers, timeout=10).json()["leases"]
+                for le in leases:
+                    if best is None or le["num_tokens"] > best[0]:
+                        best = (le["num_tokens"], d)
+        return best[1] if best is not None else self.last_decoder[conv]
+
     # ---- one method per fault
     def none(self) -> Run:
         return self.run("none")
@@ -599,7 +613,7 @@ class Matrix:
             nonlocal t0
             if turn == 1:
                 self.c.all_healthy()
-                holder = self.last_decoder[conv]
+                holder = self.holder("holder_sigstop", conv)
                 holder.send(signal.SIGSTOP)
                 frozen.append(holder)
                 t0 = time.monotonic()
@@ -628,7 +642,7 @@ class Matrix:
         def before(conv: int, turn: int) -> None:
             if conv == 0 and turn == 1:
                 self.c.all_healthy()
-                holder = self.last_decoder[conv]
+                holder = self.holder("decode_sigkill", conv)
                 holder.stop(signal.SIGKILL)
                 killed.append(holder.name)
 
