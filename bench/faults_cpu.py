@@ -655,9 +655,8 @@ class Matrix:
         self.c.restart_workers(TINY_TIMEOUT_S)
         run = self.run("transfer_timeout")
         run.notes.append(f"every worker restarted with reuse.transfer_timeout_s = {TINY_TIMEOUT_S:g}")
-        run.notes.append("the gateway counts a prefill's pull that ended in transfer_timeout as holder_unresponsive "
-                         "and takes the holder out of its rotation until the next health poll; with both decode "
-                         "workers out, a turn is a 503 service_unavailable (Retry-After)")
+        run.notes.append("a pull past its deadline moves that turn's decode to the other worker; only the health "
+                         "poll takes a worker out of the rotation, so slow pulls never leave a turn without a decode worker")
         return run
 
 

@@ -259,7 +259,11 @@ class Turns:
         if fallback not in HOLDER_LOST or lease is None:
             return
         log.warning("lease holder %s unresponsive to the prefill's pull (%s): decoding elsewhere", lease.worker_url, fallback)
-        self._holder_unresponsive(turn)
+        if fallback == "remote_unreachable":
+            self._holder_unresponsive(turn)
+        # A READ past its deadline may be a slow transfer, not a frozen holder: this turn
+        # decodes elsewhere, but only the health poll takes the holder out of the rotation
+        # (marking it here took every decode worker out under a burst of slow pulls).
         if turn.decode.url == lease.worker_url:
             decode = self._choose_decode(None)
             if decode is not None:
