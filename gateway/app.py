@@ -66,9 +66,10 @@ class GatewayState:
 def build_state(config: ServingConfig, *, model: ModelInfo, registry: CollectorRegistry) -> GatewayState:
     gw = config.gateway
     metrics = GatewayMetrics(registry)
+    token = config.security.read_internal_token()
     client = WorkerClient(request_timeout_s=gw.request_timeout_s, connect_timeout_s=gw.connect_timeout_s,
                           first_byte_timeout_s=gw.first_byte_timeout_s, event_timeout_s=gw.event_timeout_s,
-                          token=config.security.read_internal_token())
+                          token=token)
     pool = WorkerPool(gw, client)
     table = LeaseTable(lease_ttl_s=config.reuse.lease_ttl_s, heartbeat_s=gw.lease_heartbeat_s, max_leases=gw.max_leases)
     keeper = LeaseKeeper(table, client, retention_ttl_s=config.reuse.retention_ttl_s, events=metrics, clock=time.time)
@@ -76,8 +77,9 @@ def build_state(config: ServingConfig, *, model: ModelInfo, registry: CollectorR
                   max_inflight_per_worker=gw.max_inflight_per_worker, bidirectional=config.reuse.bidirectional)
     index = ConversationIndex(page_size=config.kv_cache.effective_page_size, max_conversations=gw.max_conversations)
     history = ExactHistory(model.tokenizer, max_conversations=gw.max_conversations, max_tokens=gw.max_kept_tokens)
-    tenants = Tenants.from_files(keyed=bool(gw.api_keys), share=config.security.tenants_share_cache,
-                                 internal_token_file=config.security.internal_token_file)
+    # Tenant ids are keyed with the internal credential: every replica of a deployment computes the same.
+    tenants = Tenants(keyed=bool(gw.api_keys), share=config.security.tenants_share_cache,
+                      secret=(token or "").encode())
     completions = Completions(model=model, turns=turns, metrics=metrics, index=index, history=history, tenants=tenants)
     registry.register(PromptReuse(model.tagger))
     return GatewayState(config, model, metrics, client, pool, keeper, completions)

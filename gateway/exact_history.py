@@ -69,7 +69,7 @@ class Sent:
 class _Held:
     # Arrays, not tuples: a conversation's held ids and starts live for minutes, and a
     # tuple of ints is a container the cyclic GC traverses element by element (tens of
-    # ms per young collection over a few hundred conversations: docs/performance-log/gateway.md sixth pass).
+    # ms per young collection over a few hundred conversations: docs/performance-log/gateway.md).
     ids: array[int]
     starts: array[int]
     text: str

@@ -340,5 +340,5 @@ def _kept(params: dict[str, Any]) -> dict[str, Any]:
     """A private copy of ``params`` to keep in a lease, its lists (page ids and hashes) as
     tuples: the same JSON when sent back, and a tuple of ints leaves the cyclic GC's lists
     after its first collection, where a list is traversed element by element in every
-    collection for as long as the lease lives (docs/performance-log/gateway.md, sixth pass)."""
+    collection for as long as the lease lives (docs/performance-log/gateway.md)."""
     return {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     # (CPU per request -3..-7 % at 20,000 in A/B runs). Not more: what a young collection scans is
     # what the conversations kept since the last one, and at 20,000 each took 9-21 ms with 200
     # sessions, a stall for every request in flight (4 ms at 5,000; older collections as often as
-    # before). docs/performance-log/gateway.md, fifth and sixth passes.
+    # before). Measurements: docs/performance-log/gateway.md.
     gc.set_threshold(5_000, 80, 20)
     grace = config.gateway.drain_grace_s
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

@@ -111,7 +111,7 @@ class TaggedPrompt:
     # First character of each token in `text` (empty when unknown, e.g. ids given
     # directly); exact_history maps tokens to characters with it. An `array("i")` from
     # the tagger: exact history keeps it per conversation, and a tuple of ints is a
-    # container the cyclic GC traverses (docs/performance-log/gateway.md, sixth pass).
+    # container the cyclic GC traverses (docs/performance-log/gateway.md).
     char_starts: Sequence[int] = ()
     # The tags as runs, (end token, tag), when the tagger had them (empty otherwise):
     # what maps other ids onto these tags without a step per token (exact_history).

@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
-from pathlib import Path
 
 _DEFAULT_KEY = b"kvserving.tenant"  # the HMAC key without an internal credential
 
@@ -59,20 +58,6 @@ class Tenants:
         self.keyed = keyed  # the gateway checks API keys: a request's key names its tenant
         self.share = share
         self._secret = secret or _DEFAULT_KEY
-
-    @classmethod
-    def from_files(cls, *, keyed: bool, share: bool, internal_token_file: str | None) -> Tenants:
-        """Keyed with the internal credential read from ``internal_token_file`` (ValueError, one
-        line, when it cannot be read or is empty)."""
-        secret = b""
-        if internal_token_file is not None:
-            try:
-                secret = Path(internal_token_file).read_bytes().strip()
-            except OSError as exc:
-                raise ValueError(f"security.internal_token_file {internal_token_file}: cannot read: {exc.strerror}") from exc
-            if not secret:
-                raise ValueError(f"security.internal_token_file {internal_token_file} is empty")
-        return cls(keyed=keyed, share=share, secret=secret)
 
     def of(self, *, authorization: str | None, cache_salt: str | None) -> Tenant:
         """The tenant of a request with this ``Authorization`` header (already checked) and body ``cache_salt``."""

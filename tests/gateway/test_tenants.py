@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvserving.config import SecurityConfig
 from kvserving.gateway.tenants import DEFAULT_TENANT, Tenant, Tenants
 
 
@@ -39,18 +40,21 @@ def test_sharing_makes_every_request_the_default_tenant() -> None:
 
 
 def test_ids_are_keyed_by_the_internal_credential(tmp_path: Path) -> None:
+    # as build_state keys them: with the credential the workers check (SecurityConfig.read_internal_token)
     token = tmp_path / "token"
     token.write_text("deployment-secret\n")
-    keyed = Tenants.from_files(keyed=True, share=False, internal_token_file=str(token))
-    plain = Tenants.from_files(keyed=True, share=False, internal_token_file=None)
+    secret = SecurityConfig(internal_token_file=str(token)).read_internal_token()
+    assert secret == "deployment-secret"
+    keyed = Tenants(keyed=True, share=False, secret=secret.encode())
+    plain = Tenants(keyed=True, share=False)
     same = Tenants(keyed=True, share=False, secret=b"deployment-secret")  # another replica of the deployment
     ask = {"authorization": "Bearer sk-alice", "cache_salt": None}
     assert keyed.of(**ask) == same.of(**ask) != plain.of(**ask)
-    with pytest.raises(ValueError, match=f"^security.internal_token_file {tmp_path / 'missing'}: cannot read: "):
-        Tenants.from_files(keyed=True, share=False, internal_token_file=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=f"^security.internal_token_file {tmp_path / 'missing'}: cannot read it "):
+        SecurityConfig(internal_token_file=str(tmp_path / "missing")).read_internal_token()
     token.write_text("\n")
     with pytest.raises(ValueError, match="is empty$"):
-        Tenants.from_files(keyed=True, share=False, internal_token_file=str(token))
+        SecurityConfig(internal_token_file=str(token)).read_internal_token()
 
 
 def test_scoped_keys_are_digests_of_tenant_and_key() -> None:
