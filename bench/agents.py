@@ -50,7 +50,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +358,16 @@ def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec, arg
                 "capacity_tokens": {role: int(c["capacity_tokens"]) for role, c in info.items()},
                 "page_size": int(info["prefill"]["page_size"])}
         model = spec.config.model.served_name
+        if args.warmup_agents:
+            # first uses compile the kernels (Triton JIT on a GPU): outside every measured point
+            warm_load = replace(load, turns=fixed(2))
+            t_warm = time.perf_counter()
+            _, warm_errors, _ = asyncio.run(run_point(stack.openai_base_url, model, warm_load,
+                                                      range(10**6, 10**6 + args.warmup_agents),
+                                                      timeout_s=args.request_timeout))
+            meta["warmup_s"] = time.perf_counter() - t_warm
+            if warm_errors:
+                raise RuntimeError(f"warm-up failed: {warm_errors[0]}")
         for n in concurrencies:
             if args.budget_s is not None and time.perf_counter() - args.t0 > args.budget_s:
                 print(f"  {fmt} {mode}: --budget-s {args.budget_s:g} passed, points from N={n} not run",
@@ -495,9 +505,11 @@ def combine(files: list[Path], json_out: Path, png_out: Path) -> dict[str, Any]:
     points = [by_point[k] for k in sorted(by_point, key=lambda k: (list(FORMATS).index(k[0]), k[1], k[2]))]
     crossings = {f"{f}/{m}": crossing([p for p in points if (p["format"], p["mode"]) == (f, m)])
                  for f, m in sorted({(p["format"], p["mode"]) for p in points})}
-    result = {**parts[0], "what": parts[0]["what"] + f" (combined from {len(files)} runs)", "points": points,
+    runs = sum(len(p.get("parts", [None])) for p in parts)  # a combined file counts its own parts
+    what = re.sub(r" \(combined from \d+ runs\)$", "", parts[0]["what"]) + f" (combined from {runs} runs)"
+    result = {**parts[0], "what": what, "points": points,
               "stacks": stacks, "crossing_50pct": crossings, "total_s": sum(p["total_s"] for p in parts),
-              "parts": [f.name for f in files]}
+              "parts": [name for f, p in zip(files, parts) for name in p.get("parts", [f.name])]}
     json_out.write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
     where = result["what"].split("(", 1)[-1].split(")", 1)[0]
     plot(points, png_out, title=f"{result['kv_per_worker']} KV per worker; {where}", seed_cliff=True)
@@ -521,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--think-s", type=float, default=None, help="mean think time between turns, seconds (default 0.5; 1.0 with --gpu)")
     ap.add_argument("--turns", type=int, default=None, help="every agent runs this many turns (default: the load's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup-agents", type=int, default=None,
+                    help="agents of a 2-turn warm-up before each stack's first point, not recorded (default 2 with --gpu, else 0)")
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--budget-s", type=float, default=None, help="start no point after this many seconds (results so far are kept)")
     ap.add_argument("--records", action="store_true", help="keep every request's record in the JSON")
@@ -543,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--kv-gib must be > 0, got {args.kv_gib}")
     if args.turns is not None and args.turns < 1:
         ap.error(f"--turns must be >= 1, got {args.turns}")
+    args.warmup_agents = args.warmup_agents if args.warmup_agents is not None else (2 if args.gpu else 0)
+    if args.warmup_agents < 0:
+        ap.error(f"--warmup-agents must be >= 0, got {args.warmup_agents}")
     think_s = args.think_s if args.think_s is not None else (1.0 if args.gpu else 0.5)
     if think_s <= 0:
         ap.error(f"--think-s must be > 0, got {think_s}")

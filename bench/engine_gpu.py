@@ -28,6 +28,15 @@ Per format:
 (c) prefill: one 8K-token prompt in one step (chunk 8192), tokens/s;
 (d) triaxial: the share of INT2 pages among the pages stored, vs the share
     the bit budget's table expects (``KVCache.int2_share``).
+Roofline (DESIGN.md, Measuring on a GPU): per decode shape, the bytes the step
+must read (the weights without the embedding table, plus the KV pages of every
+sequence at their stored precision) divided by the chip's read bandwidth
+measured in the same run by a streaming-read kernel (``decode_gpu.read_bandwidth``);
+the table prints measured / roofline. Where the step's time goes: the kernels
+of three steps of the same shape as the engine runs them (CUDA graphs; torch.profiler
+traces the replayed kernels) summed by class (GEMMs, attention, KV writes, norms
+and rotary, activation, sampling, other); the step's wall time minus their sum
+is ``host_gap`` (launch gaps, host work the device waits for).
 Step overhead at batch 64 / 4K: step time minus the sum of the step's kernel
 times (torch.profiler), with CUDA graphs and asynchronous decode (the default:
 the next step is launched before this one's sampled ids are back), graphs with
@@ -42,6 +51,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import statistics
 import time
 from typing import Any
@@ -99,8 +109,10 @@ def conversation_tags(n: int) -> list[int]:
 
 
 class Bench:
-    def __init__(self, model: tuple[ModelArgs, DecoderModel], *, quick: bool, enforce_eager: bool) -> None:
+    def __init__(self, model: tuple[ModelArgs, DecoderModel], *, quick: bool, enforce_eager: bool,
+                 breakdown: bool = True) -> None:
         self.model = model
+        self.breakdown = breakdown and DEVICE == "cuda"
         self.quick = quick
         self.enforce_eager = enforce_eager
         self.vocab = model[0].vocab_size
@@ -214,10 +226,31 @@ class Bench:
             return {"batch": batch, "context": ctx, "skipped": f"{batch} x {ctx} tokens do not fit the pool"}
         times = self.timed_steps(engine)
         graphs = engine.runner.graphs
-        self.clear(engine)
         tpot = statistics.median(times)
-        return {"batch": batch, "context": ctx, "tpot_ms": 1e3 * tpot, "tok_s": batch / tpot, "steps": len(times),
-                "graph_replays": graphs.replays if graphs is not None else 0}  # fmt: skip
+        row: dict[str, Any] = {"batch": batch, "context": ctx, "tpot_ms": 1e3 * tpot, "tok_s": batch / tpot,
+                               "steps": len(times), "graph_replays": graphs.replays if graphs is not None else 0,
+                               "kv_bytes_read": kv_bytes(engine, seqs)}  # fmt: skip
+        if self.breakdown:
+            row["breakdown_ms"] = self.kernel_classes(engine, tpot_ms=1e3 * tpot)
+        self.clear(engine)
+        return row
+
+    def kernel_classes(self, engine: LLMEngine, *, tpot_ms: float, steps: int = 3) -> dict[str, Any] | None:
+        """ms per step by kernel class over ``steps`` steps as the engine runs them (CUDA graphs, asynchronous
+        decode: the profiler traces the replayed kernels one by one), ``host_gap``: the step's time the kernels do
+        not fill, and the five most expensive kernels the classes do not name."""
+        engine.flush()
+        table = profile_kernel_names(engine, steps=steps)
+        if table is None:
+            return None
+        out: dict[str, Any] = dict.fromkeys([name for name, _ in KERNEL_CLASSES] + ["other"], 0.0)
+        for name, ms in table.items():
+            out[kernel_class(name)] += ms
+        out["kernels"] = sum(out.values())
+        out["host_gap"] = tpot_ms - out["kernels"]
+        others = sorted(((ms, name) for name, ms in table.items() if kernel_class(name) == "other"), reverse=True)
+        out["top_other"] = [[name[:120], round(ms, 4)] for ms, name in others[:5]]
+        return out
 
     def prefill(self, engine: LLMEngine, n: int = 8192) -> dict[str, Any]:
         g = torch.Generator().manual_seed(1)
@@ -302,6 +335,65 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
+# Kernel classes of a decode step, by kernel name (first match wins; ours are Triton kernels named in kernels/,
+# cuBLAS GEMMs are nvjet / sm90 xmma / cutlass kernels, the sampler is torch's reductions and sorts).
+KERNEL_CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|splitk|wgmma", re.I)),
+    ("kv_write", re.compile(r"write_kv|write_int2|_write_", re.I)),
+    ("attention", re.compile(r"decode|extend|attn|attention|_merge|flash", re.I)),
+    ("norm_rotary", re.compile(r"rms|norm|rope|rotary", re.I)),
+    ("activation", re.compile(r"silu|gelu|act_and_mul", re.I)),
+    ("sampling", re.compile(r"sampl|argmax|argmin|topk|top_k|sort|softmax|exponential|multinomial|cumsum|gumbel|"
+                            r"reduce_kernel|radix", re.I)),  # fmt: skip
+)
+
+
+def kernel_class(name: str) -> str:
+    for cls, pattern in KERNEL_CLASSES:
+        if pattern.search(name):
+            return cls
+    return "other"
+
+
+def kv_bytes(engine: LLMEngine, seqs: list[Sequence]) -> int:
+    """Bytes of KV a decode step of ``seqs`` reads: every page of every sequence, all layers, at its precision."""
+    sizes = engine.kv_cache.page_bytes
+    pages = [pid for s in seqs for pid in s.page_ids]
+    n2 = sum(1 for pid in pages if pid & INT2_PAGE_FLAG)
+    per_layer = (len(pages) - n2) * sizes[4] + n2 * sizes.get(2, 0)
+    return per_layer * engine.storage.buffers.shape[0]
+
+
+def weights_read(model: DecoderModel) -> int:
+    """Bytes of weights a decode step reads: all parameters but the embedding table (rows are gathered, not
+    streamed), which a tied lm_head reads whole."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.embed_tokens.weight
+    return total if model.lm_head is None else total - emb.numel() * emb.element_size()
+
+
+def profile_kernel_names(engine: LLMEngine, *, steps: int) -> dict[str, float] | None:
+    """ms per step of each GPU kernel name over ``steps`` engine steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            engine.flush()
+            sync()
+    except Exception as exc:  # noqa: BLE001 - the profiler is a measurement aid; report and go on
+        print(f"  profiler failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return None
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            out[e.name] = out.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / steps
+    return out
+
+
 def profile_kernels(engine: LLMEngine, *, steps: int) -> tuple[float | None, float]:
     """(ms of GPU kernels and copies per step, their number per step) over ``steps`` engine steps."""
     from torch.autograd import DeviceType
@@ -333,6 +425,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the per-shape kernel-class profile")
     ap.add_argument("--smoke", action="store_true", help="CPU, toy shape, tiny pools: checks the script, measures nothing")
     args = ap.parse_args()
     global DEVICE
@@ -348,10 +441,19 @@ def main() -> None:
     margs = qwen3_8b_shape(args.vocab, smoke=args.smoke)
     model = random_model(margs, seed=args.seed)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    read = weights_read(model)
     dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)"
+    if DEVICE == "cuda":
+        from decode_gpu import read_bandwidth  # bench/ beside this file
+
+        bw_tb_s, _ = read_bandwidth()
+    else:
+        bw_tb_s = 0.05  # --smoke: a stand-in so the roofline columns are exercised (no meaning on CPU)
+    print(f"read bandwidth {bw_tb_s:.2f} TB/s (streaming read, this run); weights read per step {read / 1e9:.2f} GB",
+          flush=True)
     print(f"device {dev}, torch {torch.__version__}; Qwen3-8B shape, vocab {args.vocab}, weights {weights / 1e9:.2f} GB "
           f"(random bf16, seed {args.seed}); capacity pool {args.kv_gib:g} GiB, speed pool {args.speed_kv_gib:g} GiB", flush=True)  # fmt: skip
-    bench = Bench((margs, model), quick=args.quick, enforce_eager=args.enforce_eager)
+    bench = Bench((margs, model), quick=args.quick, enforce_eager=args.enforce_eager, breakdown=not args.no_breakdown)
     results: dict[str, Any] = {}
     for fmt in formats:
         t0 = time.perf_counter()
@@ -362,22 +464,35 @@ def main() -> None:
         row["decode"] = []
         for b, c in shapes:
             r = bench.decode(engine, b, c)
+            if "skipped" not in r:
+                r["roofline_ms"] = (read + r["kv_bytes_read"]) / (bw_tb_s * 1e12) * 1e3
+                r["of_roofline"] = r["roofline_ms"] / r["tpot_ms"]
             row["decode"].append(r)
-            print(f"  decode {fmt} {b}x{c}: " + (r["skipped"] if "skipped" in r else f"TPOT {r['tpot_ms']:.2f} ms, {r['tok_s']:.0f} tok/s"), flush=True)
+            print(f"  decode {fmt} {b}x{c}: " + (r["skipped"] if "skipped" in r else
+                  f"TPOT {r['tpot_ms']:.2f} ms, {r['tok_s']:.0f} tok/s, roofline {r['roofline_ms']:.2f} ms "
+                  f"({100 * r['of_roofline']:.0f} %)" + breakdown_line(r.get("breakdown_ms"))), flush=True)  # fmt: skip
         row["overhead_b64_4k"] = bench.overhead(engine, *over)
         print(f"  overhead {fmt}: {json.dumps(row['overhead_b64_4k'])}", flush=True)
         row["seconds"] = time.perf_counter() - t0
         results[fmt] = row
         del engine
         release()
-        dump(args, dev, weights, results, time.perf_counter() - t_start)  # what is done so far, if a later format fails
+        dump(args, dev, weights, results, time.perf_counter() - t_start, read=read, bw_tb_s=bw_tb_s)  # so far
     report(results, shapes)
-    dump(args, dev, weights, results, time.perf_counter() - t_start)
+    dump(args, dev, weights, results, time.perf_counter() - t_start, read=read, bw_tb_s=bw_tb_s)
 
 
-def dump(args: argparse.Namespace, dev: str, weights: int, results: dict[str, Any], seconds: float) -> None:
+def breakdown_line(b: dict[str, Any] | None) -> str:
+    if not b:
+        return ""
+    return "; " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()
+                            if isinstance(v, float) and k != "kernels" and abs(v) >= 0.005)
+
+
+def dump(args: argparse.Namespace, dev: str, weights: int, results: dict[str, Any], seconds: float, *,
+         read: int, bw_tb_s: float) -> None:
     out = {"device": dev, "torch": torch.__version__, "model": "Qwen3-8B shape, random bf16 weights", "vocab": args.vocab,
-           "weights_bytes": weights, "kv_gib": args.kv_gib, "speed_kv_gib": args.speed_kv_gib, "quick": args.quick,
+           "weights_bytes": weights, "weights_read_bytes": read, "read_bandwidth_tb_s": bw_tb_s, "kv_gib": args.kv_gib, "speed_kv_gib": args.speed_kv_gib, "quick": args.quick,
            "enforce_eager": args.enforce_eager, "seconds": seconds, "formats": results}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
@@ -408,6 +523,11 @@ def report(results: dict[str, Any], shapes: list[tuple[int, int]]) -> None:
             cells.append(f"{d['tpot_ms']:>13.2f} {ratio(bd.get('tpot_ms') if bd else None, d['tpot_ms'])}")
         print(f"{fmt:<9} " + " ".join(cells))
     print("(TPOT ratio = bf16 TPOT / this format's: > 1 is faster than bf16)")
+    print(f"\n{'format':<9} " + " ".join(f"{f'{b}x{c // 1024}K % of roofline':>22}" for b, c in shapes))
+    for fmt, r in results.items():
+        cells = [f"{'-':>22}" if "skipped" in d else f"{100 * d['of_roofline']:>21.0f}%" for d in r["decode"]]
+        print(f"{fmt:<9} " + " ".join(cells))
+    print("(roofline = (weights read + KV read) / read bandwidth; goal >= 80 % at 1x4K, 64x4K, 16x32K)")
     for fmt, r in results.items():
         o = r["overhead_b64_4k"]
         parts = [f"{m}: step {o[m]['step_ms']:.2f} ms, kernels {o[m]['kernel_ms'] or 0:.2f} ms "
