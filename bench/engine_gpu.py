@@ -49,6 +49,7 @@ device (asynchronous decode: the rest is host work overlapped with the device).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import re
@@ -119,13 +120,18 @@ class Bench:
         self.counter = 0
         self.kv_chunk: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def engine(self, fmt: str, gib: float) -> LLMEngine:
+    def engine(self, fmt: str, gib: float, *, max_len: int | None = None) -> LLMEngine:
+        margs, model = self.model
+        if max_len is not None and max_len > margs.max_position_embeddings:
+            # RoPE is computed from inv_freq, so the same weights serve a longer context (the timing does not
+            # depend on the RoPE scaling type a real 128K checkpoint would use)
+            margs = dataclasses.replace(margs, max_position_embeddings=max_len)
         config = ServingConfig(
             model=ModelConfig(served_name="qwen3-8b-shape"),
             kv_cache=KVCacheConfig(dtype=fmt, memory_bytes=int(gib * GIB)),
             scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=8192, chunk_size=8192),
         )
-        return LLMEngine(config, device=DEVICE, dtype=torch.bfloat16, model=self.model, enforce_eager=self.enforce_eager)
+        return LLMEngine(config, device=DEVICE, dtype=torch.bfloat16, model=(margs, model), enforce_eager=self.enforce_eager)
 
     # -- sequences placed in the running set, their pages filled by the write kernels --------------------
     def place(self, engine: LLMEngine, n: int, prompt_len: int, *, computed: int) -> list[Sequence]:
@@ -324,6 +330,57 @@ class Bench:
         return out
 
 
+def iso(bench: Bench, formats: list[str], gib: float, contexts: list[int], *, read: int, bw_tb_s: float,
+        base: str = "fp8_e4m3") -> dict[str, Any]:
+    """Iso-capacity and iso-concurrency at long contexts (the seed's serving comparison): in the same KV memory,
+    how many ``context``-token sequences each format decodes at once, the decode throughput at that
+    concurrency (peak) and at ``base``'s concurrency."""
+    out: dict[str, Any] = {"kv_gib": gib, "base": base, "contexts": {}}
+    for ctx in contexts:
+        rows: dict[str, Any] = {}
+        for fmt in [base] + [f for f in formats if f != base]:
+            engine = bench.engine(fmt, gib, max_len=ctx + 1024)
+            n = len(bench.place(engine, 100_000, ctx - HEADROOM, computed=ctx - HEADROOM - 1))
+            bench.clear(engine)
+            row: dict[str, Any] = {"max_concurrency": n}
+            if n:
+                row["peak"] = bench.decode(engine, n, ctx)
+                at = rows[base]["max_concurrency"] if fmt != base else n
+                if fmt != base and 0 < at <= n:
+                    row["at_base_concurrency"] = bench.decode(engine, at, ctx)
+                for r in (row.get("peak"), row.get("at_base_concurrency")):
+                    if r and "tpot_ms" in r:
+                        r["roofline_ms"] = (read + r["kv_bytes_read"]) / (bw_tb_s * 1e12) * 1e3
+                        r["of_roofline"] = r["roofline_ms"] / r["tpot_ms"]
+            rows[fmt] = row
+            peak = row.get("peak", {})
+            print(f"  iso {ctx // 1024}K {fmt}: {n} sequences in {gib:g} GiB; peak {peak.get('tok_s', 0):.0f} tok/s "
+                  f"(TPOT {peak.get('tpot_ms', 0):.2f} ms)"
+                  + (f"; at {base}'s {rows[base]['max_concurrency']}: {row['at_base_concurrency']['tok_s']:.0f} tok/s"
+                     if "at_base_concurrency" in row else ""), flush=True)  # fmt: skip
+            del engine
+            release()
+        out["contexts"][str(ctx)] = rows
+    return out
+
+
+def iso_report(result: dict[str, Any]) -> None:
+    base = result["base"]
+    print(f"\niso-capacity, {result['kv_gib']:g} GiB of KV: concurrency and decode tokens/s, ratios to {base}")
+    print(f"{'context':>8} {'format':<9} {'sequences':>14} {'peak tok/s':>18} {f'tok/s at {base} N':>22}")
+    for ctx, rows in result["contexts"].items():
+        b = rows.get(base, {})
+        for fmt, r in rows.items():
+            n, bn = r["max_concurrency"], b.get("max_concurrency")
+            peak = r.get("peak", {}).get("tok_s")
+            bpeak = b.get("peak", {}).get("tok_s")
+            at = r.get("at_base_concurrency", r.get("peak") if fmt == base else None) or {}
+            cells = [f"{n:>5} ({n / bn:4.2f}x)" if bn else f"{n:>14}",
+                     f"{peak:>9.0f} ({peak / bpeak:4.2f}x)" if peak and bpeak else f"{'-':>18}",
+                     f"{at['tok_s']:>13.0f} ({at['tok_s'] / bpeak:4.2f}x)" if at.get("tok_s") and bpeak else f"{'-':>22}"]
+            print(f"{int(ctx) // 1024:>7}K {fmt:<9} " + " ".join(cells))
+
+
 def sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -426,6 +483,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-shape kernel-class profile")
+    ap.add_argument("--iso", action="store_true",
+                    help="only the iso-capacity / iso-concurrency comparison at --iso-contexts in --iso-kv-gib")
+    ap.add_argument("--iso-kv-gib", type=float, default=100.0, help="KV memory of the iso comparison")
+    ap.add_argument("--iso-contexts", default="32768,131072")
     ap.add_argument("--smoke", action="store_true", help="CPU, toy shape, tiny pools: checks the script, measures nothing")
     args = ap.parse_args()
     global DEVICE
@@ -455,6 +516,13 @@ def main() -> None:
           f"(random bf16, seed {args.seed}); capacity pool {args.kv_gib:g} GiB, speed pool {args.speed_kv_gib:g} GiB", flush=True)  # fmt: skip
     bench = Bench((margs, model), quick=args.quick, enforce_eager=args.enforce_eager, breakdown=not args.no_breakdown)
     results: dict[str, Any] = {}
+    if args.iso:
+        contexts = [512, 1024] if args.smoke else [int(c) for c in args.iso_contexts.split(",")]
+        gib = 0.03 if args.smoke else args.iso_kv_gib
+        results["iso"] = iso(bench, formats, gib, contexts, read=read, bw_tb_s=bw_tb_s)
+        iso_report(results["iso"])
+        dump(args, dev, weights, results, time.perf_counter() - t_start, read=read, bw_tb_s=bw_tb_s)
+        return
     for fmt in formats:
         t0 = time.perf_counter()
         row: dict[str, Any] = {"capacity": bench.capacity(fmt, args.kv_gib)}
