@@ -32,9 +32,9 @@ from kvserving.kernels.layout import PageLayout
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.tags import TEMPORAL, encode_tag
 from kvserving.worker.engine import LLMEngine, RequestOutput
-from kvserving.worker.kv_local import LocalPair, flush_prefix_cache
-from kvserving.worker.kv_transfer import KVTransfer, PullResult
-from kvserving.worker.kv_wire import KVTransferParams
+from kvserving.worker.kv.local_pair import LocalPair, flush_prefix_cache
+from kvserving.worker.kv.transfer import KVTransfer, PullResult
+from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.precision import page_bits
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.tiny_model import build_tiny_model

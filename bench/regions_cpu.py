@@ -32,10 +32,10 @@ import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, SchedulerConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine, RequestOutput
-from kvserving.worker.kv_local import LocalPair, flush_prefix_cache
-from kvserving.worker.kv_transfer import KVTransfer
-from kvserving.worker.kv_wire import KVTransferParams
-from kvserving.worker.page_pool import PagePool
+from kvserving.worker.kv.local_pair import LocalPair, flush_prefix_cache
+from kvserving.worker.kv.transfer import KVTransfer
+from kvserving.worker.kv.protocol import KVTransferParams
+from kvserving.worker.kv.page_pool import PagePool
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.tiny_model import build_tiny_model
 

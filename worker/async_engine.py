@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from kvserving.worker.engine import LLMEngine, RequestOutput
-from kvserving.worker.leases import RetainSpec
+from kvserving.worker.kv.leases import RetainSpec
 from kvserving.worker.sampling import SamplingParams
 
 T = TypeVar("T")

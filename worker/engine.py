@@ -17,14 +17,14 @@ from kvserving.config import ServingConfig
 from kvserving.model_dir import resolve_model_dir
 from kvserving.tags import NUM_TAGS
 from kvserving.worker.attention import PagedAttention
-from kvserving.worker.kv_cache import KVCache, build_kv_cache, kv_budget_bytes
-from kvserving.worker.kv_manager import KVCacheManager
-from kvserving.worker.kv_scales import CALIBRATION_TOKENS, calibration_ids, measure_kv_amax, scales_from_amax
-from kvserving.worker.kv_storage import KVShape, KVStorage
-from kvserving.worker.leases import RetainedKV, RetainSpec, release_pin, retain_pages
+from kvserving.worker.kv.cache import KVCache, build_kv_cache, kv_budget_bytes
+from kvserving.worker.kv.manager import KVCacheManager
+from kvserving.worker.kv.scales import CALIBRATION_TOKENS, calibration_ids, measure_kv_amax, scales_from_amax
+from kvserving.worker.kv.storage import KVShape, KVStorage
+from kvserving.worker.kv.leases import RetainedKV, RetainSpec, release_pin, retain_pages
 from kvserving.worker.model import DecoderModel, ModelArgs, load_dummy_model, load_model
 from kvserving.worker.model_runner import ModelRunner
-from kvserving.worker.page_pool import PagePoolBase
+from kvserving.worker.kv.page_pool import PagePoolBase
 from kvserving.worker.sampling import SamplingParams, make_generator, sample_tokens
 from kvserving.worker.scheduler import Scheduler
 from kvserving.worker.sequence import ScheduledChunk, SchedulerOutput, Sequence, SeqStatus

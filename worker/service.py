@@ -22,12 +22,12 @@ from kvserving.config import ServingConfig
 from kvserving.worker.async_engine import AsyncEngine, RequestStream
 from kvserving.worker.engine import LLMEngine, RequestOutput
 from kvserving.worker.kv_stats import KVStats, collect
-from kvserving.worker.kv_transfer import KVTransfer, LeaseMismatchError, PullResult
-from kvserving.worker.kv_wire import KVTransferParams
+from kvserving.worker.kv.transfer import KVTransfer, LeaseMismatchError, PullResult
+from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.metrics import WorkerMetrics
 from kvserving.worker.peers import PeerSet
 from kvserving.worker.sampling import SamplingParams
-from kvserving.worker.wire import GenerateBody
+from kvserving.worker.api_bodies import GenerateBody
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, SchedulerConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_transfer import KVTransfer, LeaseMismatchError
-from kvserving.worker.kv_wire import KVTransferParams
+from kvserving.worker.kv.transfer import KVTransfer, LeaseMismatchError
+from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.peers import PeerSet, url_key
 from kvserving.worker.sampling import SamplingParams
 

@@ -18,7 +18,7 @@ from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, Servin
 from kvserving.worker import engine as engine_mod
 from kvserving.worker.cuda_graphs import DecodeGraphs, pad_pages_needed
 from kvserving.worker.engine import LLMEngine, RequestOutput
-from kvserving.worker.leases import RetainSpec
+from kvserving.worker.kv.leases import RetainSpec
 from kvserving.worker.sampling import SamplingParams
 
 MODES = ("eager", "sync", "async")

@@ -15,10 +15,10 @@ from kvserving.kernels.intquant import dequantize_groups, dequantize_int2_keys, 
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG as F
 from kvserving.tags import NUM_TAGS, encode_tag
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_cache import KVCache, build_kv_cache
+from kvserving.worker.kv.cache import KVCache, build_kv_cache
 from kvserving.worker.kv_stats import collect
 from kvserving.worker.metrics import WorkerMetrics
-from kvserving.worker.kv_storage import KVShape
+from kvserving.worker.kv.storage import KVShape
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence
 from kvserving.worker.triaxial_pool import TriaxialPagePool

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.tags import NUM_TAGS, encode_tag
-from kvserving.worker.kv_manager import KVCacheManager
-from kvserving.worker.page_pool import RECLAIM_FIRST, PagePool
+from kvserving.worker.kv.manager import KVCacheManager
+from kvserving.worker.kv.page_pool import RECLAIM_FIRST, PagePool
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence
 from kvserving.worker.triaxial_pool import TriaxialPagePool

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_wire import KVTransferParams, http_hold
+from kvserving.worker.kv.protocol import KVTransferParams, http_hold
 from kvserving.tags import encode_tag
 from kvserving.worker.sampling import SamplingParams
 

@@ -16,8 +16,8 @@ import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine, RequestOutput
-from kvserving.worker.kv_transfer import HOLD_LEASE_PREFIX, KVTransfer, LeaseMismatchError, PullResult
-from kvserving.worker.kv_wire import KVTransferParams, lease_digest
+from kvserving.worker.kv.transfer import HOLD_LEASE_PREFIX, KVTransfer, LeaseMismatchError, PullResult
+from kvserving.worker.kv.protocol import KVTransferParams, lease_digest
 from kvserving.worker.peers import PeerSet
 from kvserving.worker.sampling import SamplingParams
 

@@ -16,8 +16,8 @@ import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine, RequestOutput
-from kvserving.worker.kv_transfer import KVTransfer
-from kvserving.worker.leases import RetainSpec
+from kvserving.worker.kv.transfer import KVTransfer
+from kvserving.worker.kv.leases import RetainSpec
 from kvserving.worker.sampling import SamplingParams
 
 

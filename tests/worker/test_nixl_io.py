@@ -13,9 +13,9 @@ import torch
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, ServingConfig
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_transfer import KVTransfer
-from kvserving.worker.kv_wire import KVTransferParams, layout_hash, weights_identity
-from kvserving.worker.nixl_io import NixlIO, PageGeometry, TransferError, merge_spans, page_runs
+from kvserving.worker.kv.transfer import KVTransfer
+from kvserving.worker.kv.protocol import KVTransferParams, layout_hash, weights_identity
+from kvserving.worker.kv.nixl_io import NixlIO, PageGeometry, TransferError, merge_spans, page_runs
 from kvserving.worker.sampling import SamplingParams
 
 GEO = PageGeometry(page_bytes=256, int2_page_bytes=128, total_bytes=4096)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from kvserving.worker.page_pool import HASH_BITS, RECLAIM_FIRST, RECLAIM_LAST, PagePool, chain_hashes
+from kvserving.worker.kv.page_pool import HASH_BITS, RECLAIM_FIRST, RECLAIM_LAST, PagePool, chain_hashes
 
 
 class FakeClock:
@@ -170,7 +170,7 @@ def test_a_salt_changes_the_first_hash_and_so_the_whole_chain() -> None:
 
 
 def test_chain_hashes_same_in_another_process() -> None:
-    code = "from kvserving.worker.page_pool import chain_hashes; print(chain_hashes(list(range(10, 17)), 2, [1] * 7))"
+    code = "from kvserving.worker.kv.page_pool import chain_hashes; print(chain_hashes(list(range(10, 17)), 2, [1] * 7))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == str(chain_hashes(list(range(10, 17)), 2, [1] * 7))
 
@@ -419,7 +419,7 @@ def test_lease_errors() -> None:
 
 def test_pool_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, kvserving.kernels.page_ids, kvserving.worker.page_pool, kvserving.worker.triaxial_pool,"
+        "import sys, kvserving.kernels.page_ids, kvserving.worker.kv.page_pool, kvserving.worker.triaxial_pool,"
         " kvserving.worker.precision;"
         "print('torch' in sys.modules)"
     )

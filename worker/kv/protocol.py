@@ -2,7 +2,7 @@
 ``kv_transfer_params`` (the wire form, checked field by field), the digest a hold compares,
 the layout identity two workers must share for a page to mean the same (``layout_hash``), and
 the pooled HTTP client a puller calls its sender with (DESIGN.md, Worker; docs/worker-api.md).
-``kv_transfer.KVTransfer`` is their user."""
+``transfer.KVTransfer`` is their user."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserving.worker.page_pool import RECLAIM_NEVER, PagePoolBase
+from kvserving.worker.kv.page_pool import RECLAIM_NEVER, PagePoolBase
 
 
 @dataclass(slots=True, frozen=True)

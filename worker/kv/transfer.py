@@ -1,7 +1,7 @@
 """Engine-level KV reuse across workers: pull a prompt's pages from another
 worker over NIXL, retain a finished request's pages under a lease, and the
 lease table (DESIGN.md, Worker: kv_transfer_params; docs/worker-api.md). The wire form of
-``kv_transfer_params``, lease digests, the layout identity and the peer HTTP client are ``kv_wire``'s.
+``kv_transfer_params``, lease digests, the layout identity and the peer HTTP client are ``protocol``'s.
 
 API the worker server uses (one ``KVTransfer`` per worker process)::
 
@@ -76,7 +76,7 @@ Peers: ``kv_transfer_params.agent_url`` is contacted only when it is this worker
 own URL or one of the deployment's workers (``peers``, from the engine config's
 worker list); anything else is the fallback ``unknown_peer`` (the request
 recomputes, nothing is contacted). Every peer call carries the internal
-credential and a deadline (``kv_wire.PeerHttp``); a hold pins pages for at most
+credential and a deadline (``protocol.PeerHttp``); a hold pins pages for at most
 ``max_hold_s`` (``security.max_hold_s``).
 Released or expired leases' pages go back to the prefix cache's LRU.
 """
@@ -100,11 +100,11 @@ from typing import Any, TypeVar, cast
 from kvserving.config import ROLES, ReuseConfig
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_wire import HTTP_TIMEOUT_S, KVTransferParams, PeerHttp, layout_hash, layout_info, lease_digest
-from kvserving.worker.leases import RetainedKV, RetainSpec, release_pin
-from kvserving.worker.page_pool import RECLAIM_FIRST, RECLAIM_LAST
+from kvserving.worker.kv.protocol import HTTP_TIMEOUT_S, KVTransferParams, PeerHttp, layout_hash, layout_info, lease_digest
+from kvserving.worker.kv.leases import RetainedKV, RetainSpec, release_pin
+from kvserving.worker.kv.page_pool import RECLAIM_FIRST, RECLAIM_LAST
 from kvserving.worker.peers import PeerSet, url_key
-from kvserving.worker.nixl_io import NixlIO, PageGeometry, ReadStats, RemoteBuffers, TransferError
+from kvserving.worker.kv.nixl_io import NixlIO, PageGeometry, ReadStats, RemoteBuffers, TransferError
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence as EngineSequence
 
