@@ -622,7 +622,7 @@ def sender_calls(client: Any, w: Worker, params: dict[str, Any] | None, n: int =
         return {}
     url, lid = w.url, params["lease_id"]
     try:
-        from kvserving.worker.kv.protocol import lease_digest
+        from kvserving.worker.kv.leases import lease_digest
 
         digest = lease_digest(params["page_ids"], params["page_hashes"], params["num_tokens"])
     except ImportError:  # a worker from before holds (bench A/B runs): it has no hold route either
@@ -865,7 +865,7 @@ def print_seed_table(fmt: str, res: dict[str, Any]) -> None:
 
 
 # The prefill worker's own split of an "on" request, from admission to its first token (the final
-# event's ``timings``, worker/service.py): the pull's phases (``kv_transfer.PULL_PHASES``; older
+# event's ``timings``, worker/service.py): the pull's phases (``kv/puller.py`` PULL_PHASES; older
 # workers named theirs agent / lease_check / alloc / lease_recheck), then queueing, the wait for the
 # engine step and that step. "HTTP+parse" is the client's TTFT minus the worker's admit-to-token.
 PHASE_ORDER = ("pull_plan", "pull_agent", "pull_lease_check", "pull_alloc", "pull_descriptors", "pull_read",

@@ -67,7 +67,7 @@ def run_request(kvt: KVTransfer, rid: str, ids: list[int], params: KVTransferPar
     pull = kvt.pull(ids, None, params)
     eng = kvt.engine
     eng.add_request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True),
-                    retain=kvt.retain_spec(conversation_key=rid, input_ids=ids), pin_lease=pull.pin_lease)
+                    retain=kvt.retain_spec(conversation_key=rid, input_ids=ids), admission_pin=pull.admission_pin)
     while True:
         for out in eng.step():
             if out.request_id == rid and out.finished:
@@ -118,7 +118,7 @@ def _run(model: Path, args: argparse.Namespace, policy: str) -> dict[str, Any]:
         assert pull.fallback is None and pull.pulled_tokens, pull
         p_to_d_regions.append(pull.num_regions)
         d.add_request(rid, prompt, SamplingParams(max_tokens=gen, ignore_eos=True),
-                      retain=pair.d.retain_spec(conversation_key=rid, input_ids=prompt), pin_lease=pull.pin_lease)
+                      retain=pair.d.retain_spec(conversation_key=rid, input_ids=prompt), admission_pin=pull.admission_pin)
         active[rid] = prompt
         flush_prefix_cache(pair.p)  # P keeps nothing: the history lives on D
 
@@ -140,8 +140,8 @@ def _run(model: Path, args: argparse.Namespace, policy: str) -> dict[str, Any]:
         pulls.append({"conversation": rid, "tokens": res.pulled_tokens, "regions": res.num_regions,
                       "bytes": res.num_bytes, "pull_s": time.perf_counter() - t0,
                       "h200_s": res.num_regions * US_PER_REGION_H200 + res.num_bytes / BYTES_PER_S_H200})
-        if res.pin_lease:
-            pair.p.engine.pool.release(res.pin_lease)
+        if res.admission_pin:
+            pair.p.engine.pool.release(res.admission_pin)
 
     targets: dict[str, list[int]] = {}
     n = 0
@@ -163,7 +163,7 @@ def _run(model: Path, args: argparse.Namespace, policy: str) -> dict[str, Any]:
     pool = d.pool
     assert isinstance(pool, PagePool)
     out = {"policy": policy, "pulls": pulls, "p_to_d_regions": p_to_d_regions, "d_pages": pool.num_pages,
-           "d_evicted": pool.evicted_pages, "d_reclaimed": pool.reclaimed_leases}
+           "d_evicted": pool.evicted_pages, "d_reclaimed": pool.reclaimed_pins}
     pair.close()
     return out
 
@@ -283,7 +283,7 @@ class Replay:
         spec = kvt.retain_spec(conversation_key=key, input_ids=prompt) if kvt.role == "prefill" or retain else None
         eng = kvt.engine
         eng.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), retain=spec,
-                        pin_lease=pull.pin_lease, output_ids=output_ids)
+                        admission_pin=pull.admission_pin, output_ids=output_ids)
         while True:
             for out in eng.step():
                 if out.request_id == rid and out.finished:
@@ -455,7 +455,7 @@ def main_pd_gpu(args: argparse.Namespace) -> int:
     return 0
 
 
-# phase names of kv_transfer.PULL_PHASES and of the pull before the hold (agent, lease_check, alloc, lease_recheck)
+# phase names of kv/puller.py PULL_PHASES and of the pull before the hold (agent, lease_check, alloc, lease_recheck)
 PHASE_ORDER = ["plan", "agent", "lease_check", "alloc", "descriptors", "read", "lease_recheck", "adopt", "release",
                "contact_agent", "contact_hold"]
 

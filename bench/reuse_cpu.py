@@ -64,7 +64,7 @@ def run_request(kvt: KVTransfer, rid: str, ids: list[int], max_tokens: int, para
     pull = kvt.pull(ids, None, params)
     eng = kvt.engine
     eng.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                    retain=kvt.retain_spec(conversation_key=key, input_ids=ids), pin_lease=pull.pin_lease)
+                    retain=kvt.retain_spec(conversation_key=key, input_ids=ids), admission_pin=pull.admission_pin)
     tokens: list[int] = []
     while True:
         for out in eng.step():

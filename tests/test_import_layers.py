@@ -10,9 +10,12 @@ equivalent that also sees `operator/`, a namespace portion import-linter skips).
 Inside ``worker/``, the engine's layers, lowest first (a module never imports,
 directly or through other worker modules, one ranked above it)::
 
-    kv.page_pool < triaxial_pool < precision, sequence < kv.manager < kv.cache
+    kv.page_pool < triaxial_pool, kv.leases < precision, sequence < kv.manager < kv.cache
       < scheduler < model_runner < engine < async_engine and the server side
-      (server, main, metrics, kv.transfer, kv.nixl_io)
+      (server, main, metrics, kv.transfer, kv.puller, kv.nixl_io)
+
+(kv.leases below engine: the engine makes a finished request's lease without calling
+back into the connector that asked for it.)
 
 Worker modules not listed (model code, storage, new files) are not ranked: what
 they import is not checked, but a ranked module that imports one inherits its
@@ -85,14 +88,14 @@ def test_config_and_tags_import_no_component() -> None:
 
 WORKER_LAYERS: tuple[tuple[str, ...], ...] = (
     ("kv.page_pool",),
-    ("triaxial_pool",),
+    ("triaxial_pool", "kv.leases"),
     ("precision", "sequence"),
     ("kv.manager",),
     ("kv.cache",),
     ("scheduler",),
     ("model_runner",),
     ("engine",),
-    ("async_engine", "server", "main", "metrics", "kv.transfer", "kv.nixl_io"),
+    ("async_engine", "server", "main", "metrics", "kv.transfer", "kv.puller", "kv.nixl_io"),
 )
 
 

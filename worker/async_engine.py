@@ -167,7 +167,7 @@ class AsyncEngine:
         *,
         tags: Seq[int] | None = None,
         retain: RetainSpec | None = None,
-        pin_lease: str | None = None,
+        admission_pin: str | None = None,
         output_ids: Seq[int] = (),
         cache_salt: str | None = None,
     ) -> None:
@@ -177,7 +177,7 @@ class AsyncEngine:
         try:
             await self.call(
                 lambda e: e.add_request(
-                    rid, prompt_ids, params, tags=tags, retain=retain, pin_lease=pin_lease, output_ids=output_ids,
+                    rid, prompt_ids, params, tags=tags, retain=retain, admission_pin=admission_pin, output_ids=output_ids,
                     cache_salt=cache_salt,
                 )
             )

@@ -21,7 +21,7 @@ from kvserving.worker.kv.cache import KVCache, build_kv_cache, kv_budget_bytes
 from kvserving.worker.kv.manager import KVCacheManager
 from kvserving.worker.kv.scales import CALIBRATION_TOKENS, calibration_ids, measure_kv_amax, scales_from_amax
 from kvserving.worker.kv.storage import KVShape, KVStorage
-from kvserving.worker.kv.leases import RetainedKV, RetainSpec, release_pin, retain_pages
+from kvserving.worker.kv.leases import RetainedKV, RetainSpec, release_admission, retain
 from kvserving.worker.model import DecoderModel, ModelArgs, load_dummy_model, load_model
 from kvserving.worker.model_runner import ModelRunner
 from kvserving.worker.kv.page_pool import PagePoolBase
@@ -229,14 +229,14 @@ class LLMEngine:
         *,
         tags: Seq[int] | None = None,
         retain: RetainSpec | None = None,
-        pin_lease: str | None = None,
+        admission_pin: str | None = None,
         output_ids: Seq[int] = (),
         cache_salt: str | None = None,
     ) -> None:
         """Queue a request; raises ValueError (and queues nothing) on bad input.
 
         ``retain``: when it finishes, its full pages stay pinned under that lease
-        (``RequestOutput.retained``). ``pin_lease``: the lease holding pages pulled
+        (``RequestOutput.retained``). ``admission_pin``: the pin holding pages pulled
         for it (``KVTransfer.pull``), released once it is admitted.
         ``output_ids``: tokens already generated for this request elsewhere (the
         prefill worker samples the first token and the gateway streams it at
@@ -287,7 +287,7 @@ class LLMEngine:
         gen = make_generator(params.seed, device=self.device)
         seq = Sequence(request_id, prompt, params, gen, tags=tag_list, output_ids=generated,
                        cache_salt=cache_salt.encode() if cache_salt else None)
-        seq.retain, seq.pin_lease = retain, pin_lease
+        seq.retain, seq.admission_pin = retain, admission_pin
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -301,9 +301,9 @@ class LLMEngine:
                 if not inflight.num_live:
                     self.flush()
             self.scheduler.abort(seq)
-            if seq.pin_lease is not None:
-                release_pin(self.pool, seq.pin_lease, [])
-                seq.pin_lease = None
+            if seq.admission_pin is not None:
+                release_admission(self.pool, seq.admission_pin, ())
+                seq.admission_pin = None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
@@ -332,7 +332,7 @@ class LLMEngine:
         steady decode batch (``_continues``) waits for the step in flight first
         and runs as before. Tokens and their order are the same either way.
         """
-        self.pool.expire_leases()
+        self.pool.expire_pins()
         prev = self._inflight
         if prev is not None and self._continues(prev):
             plan = self.scheduler.schedule()
@@ -350,10 +350,10 @@ class LLMEngine:
             # Nothing can run: every free page is held by leases until they expire.
             return outputs
         for c in plan.chunks:
-            if c.seq.pin_lease is not None:  # admitted: it holds its own refs on the pulled pages now
-                used = release_pin(self.pool, c.seq.pin_lease, c.seq.page_ids[: c.seq.num_computed // self.storage.page_size])
+            if c.seq.admission_pin is not None:  # admitted: it holds its own refs on the pulled pages now
+                used = release_admission(self.pool, c.seq.admission_pin, c.seq.page_ids[: c.seq.num_computed // self.storage.page_size])
                 c.seq.num_pulled_prompt = used * self.storage.page_size
-                c.seq.pin_lease = None
+                c.seq.admission_pin = None
         t0 = time.perf_counter()
         for c in plan.chunks:
             if c.seq.first_step_at is None:
@@ -396,7 +396,7 @@ class LLMEngine:
             if seq.retain is not None:  # pin the full pages before finish frees them
                 self.kv.publish_full_pages(seq)
                 n = seq.num_registered_pages
-                retained = retain_pages(self.pool, seq.retain, seq.page_ids[:n], seq.page_hashes[:n], self.storage.page_size)
+                retained = retain(self.pool, seq.retain, seq.page_ids[:n], seq.page_hashes[:n], self.storage.page_size)
             self.scheduler.finish(seq, reason)
             self.requests.pop(seq.request_id, None)
         return RequestOutput(
@@ -421,7 +421,7 @@ class LLMEngine:
         p = self.storage.page_size
         need = 0
         for seq in running:
-            if seq.status is not SeqStatus.RUNNING or seq.pin_lease is not None or id(seq) not in prev.live_ids:
+            if seq.status is not SeqStatus.RUNNING or seq.admission_pin is not None or id(seq) not in prev.live_ids:
                 return False
             n = len(seq.output_ids)  # prev's token included (a placeholder until it is back)
             if n >= seq.params.max_tokens or len(seq.prompt_ids) + n >= self.max_model_len:

@@ -49,7 +49,7 @@ class Sequence:
     # KV reuse (worker/kv/transfer.py): keep the full pages under a lease when finished;
     # the pin holding this request's pulled pages until admission; how many prompt tokens it pulled
     retain: RetainSpec | None = None
-    pin_lease: str | None = None
+    admission_pin: str | None = None
     num_pulled_prompt: int = 0
     first_step_at: float | None = None  # perf_counter when a step first ran it (worker timings)
     # The tenant's salt of the prefix-cache hashes (page_pool.chain_hashes): its pages match only its own

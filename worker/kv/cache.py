@@ -7,8 +7,8 @@ that choose a pool and a bits table, and everything above asks the pool
 (``pool.precisions``, ``pool.allocate(page_bits)``) instead.
 
 Pages for KV transfer: ``import_pages`` and ``register`` receive pulled KV;
-leases (``pool.pin`` / ``renew`` / ``release``) and what a finished request
-keeps are ``kv/leases.py``'s.
+what keeps pages past their request (leases, holds, admission pins: pins of
+the pool) is ``kv/leases.py``'s.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Per-sequence KV page policy above the pool: prefix matching, page precision,
 allocation for the next tokens, publishing full pages, freeing.
 
-The pool (``page_pool``) knows page ids, ref counts, hashes and leases; the
+The pool (``page_pool``) knows page ids, ref counts, hashes and pins; the
 storage (``storage``) knows bytes. This layer knows sequences.
 
 Age-down (triaxial): a page is stored at the precision its tokens' tags asked
