@@ -187,8 +187,6 @@ class LLMEngine:
         if config.kv_cache.global_scale == "calibrated" and self.kv_cache.scales_source == "static":
             # no calibration file gave the scales: measure them on a calibration prompt at start
             self.calibrate_scales(calibration_ids(self.vocab_size, min(CALIBRATION_TOKENS, self.max_model_len)))
-        # request id -> logits of each sampled position (set to a dict to record; tests, calibration)
-        self.capture_logits: dict[str, list[torch.Tensor]] | None = None
 
     @property
     def storage(self) -> KVStorage:
@@ -320,7 +318,8 @@ class LLMEngine:
         return None
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns what it produced for each request, in streaming order.
+        """Run one step: schedule -> run -> postprocess; returns what it produced for each
+        request, in streaming order.
 
         Asynchronous decode (``async_decode``, on CUDA graphs): an all-decode step
         is launched and its sampled ids copied back without waiting; the next call
@@ -335,40 +334,51 @@ class LLMEngine:
         self.pool.expire_pins()
         prev = self._inflight
         if prev is not None and self._continues(prev):
-            plan = self.scheduler.schedule()
-            self._check_continuation(plan, prev)
-            self._inflight = self._launch(plan.chunks, prev)
-            self.stats.overlapped_steps += 1
-            outputs = self._complete(prev, self._inflight)
-            if not any(self._inflight.live):  # everyone in it finished in prev: nothing to wait for but its writes
-                self.flush()
-            return outputs
+            return self._step_overlapped(prev)
         outputs = self.flush()
-        plan = self.scheduler.schedule()
-        self.stats.preemptions += len(plan.preempted)
+        plan = self._schedule()
         if not plan.chunks:
-            # Nothing can run: every free page is held by leases until they expire.
-            return outputs
-        for c in plan.chunks:
-            if c.seq.admission_pin is not None:  # admitted: it holds its own refs on the pulled pages now
-                used = release_admission(self.pool, c.seq.admission_pin, c.seq.page_ids[: c.seq.num_computed // self.storage.page_size])
-                c.seq.num_pulled_prompt = used * self.storage.page_size
-                c.seq.admission_pin = None
-        t0 = time.perf_counter()
-        for c in plan.chunks:
-            if c.seq.first_step_at is None:
-                c.seq.first_step_at = t0
-        if self.async_decode and self.capture_logits is None and self.runner.graphs_fit(plan.chunks):
+            return outputs  # nothing can run: every free page is pinned until its pin expires
+        if self.async_decode and self.runner.graphs_fit(plan.chunks):
             self._inflight = self._launch(plan.chunks, None)
             return outputs
+        tokens = self._run(plan)
+        return outputs + self._postprocess(plan, tokens)
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's plan for this step; its requests admitted (their admission pins go:
+        each holds its own refs on its pulled pages now) and stamped with their first step."""
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.preempted)
+        p = self.storage.page_size
+        now = time.perf_counter()
+        for c in plan.chunks:
+            seq = c.seq
+            if seq.admission_pin is not None:
+                used = release_admission(self.pool, seq.admission_pin, seq.page_ids[: seq.num_computed // p])
+                seq.num_pulled_prompt = used * p
+                seq.admission_pin = None
+            if seq.first_step_at is None:
+                seq.first_step_at = now
+        return plan
+
+    def _run(self, plan: SchedulerOutput) -> list[int]:
+        """Run the model on ``plan`` and sample where the logits are: one token id per sampling
+        sequence, in chunk order (the step's only device sync)."""
+        t0 = time.perf_counter()
         logits = self.runner.execute(plan.chunks)
         sampling = [c.seq for c in plan.chunks if c.samples]
-        # sampled where the logits are: one token id per sequence comes back (the step's only device sync)
         tokens = sample_tokens(logits, [s.params for s in sampling], [s.generator for s in sampling]).tolist() if sampling else []
         prompt_share = sum(c.num_tokens for c in plan.chunks if c.start < len(c.seq.prompt_ids)) / max(1, plan.num_tokens)
         self.stats.prefill_seconds += (time.perf_counter() - t0) * prompt_share
         self.stats.steps += 1
-        i = 0
+        return tokens
+
+    def _postprocess(self, plan: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
+        """Advance each sequence past its chunk, publish its full pages, append its sampled token
+        and finish it where that token ends it."""
+        outputs: list[RequestOutput] = []
+        sampled = iter(tokens)
         p = self.storage.page_size
         for c in plan.chunks:
             seq = c.seq
@@ -379,12 +389,9 @@ class LLMEngine:
             seq.num_computed = c.start + c.num_tokens
             if seq.num_computed // p > seq.num_registered_pages:
                 self.kv.publish_full_pages(seq)
-            if seq.num_computed != seq.num_tokens:  # not c.samples: a prompt chunk before the last
+            if not c.samples:  # a prompt chunk before the last
                 continue
-            if self.capture_logits is not None:
-                self.capture_logits.setdefault(seq.request_id, []).append(logits[i].clone())
-            token = tokens[i]
-            i += 1
+            token = next(sampled)
             seq.output_ids.append(token)
             outputs.append(self._output(seq, token, self._finish_reason(seq, token)))
         return outputs
@@ -406,13 +413,25 @@ class LLMEngine:
         )  # fmt: skip
 
     # ----------------------------------------------------- asynchronous decode
+    def _step_overlapped(self, prev: _InFlight) -> list[RequestOutput]:
+        """Launch the continuation of ``prev`` (its sequences one token further), then wait for
+        ``prev``'s ids and post-process them while the new step runs."""
+        plan = self.scheduler.schedule()
+        self._check_continuation(plan, prev)
+        self._inflight = self._launch(plan.chunks, prev)
+        self.stats.overlapped_steps += 1
+        outputs = self._complete(prev, self._inflight)
+        if not any(self._inflight.live):  # everyone in it finished in prev: nothing to wait for but its writes
+            self.flush()
+        return outputs
+
     def _continues(self, prev: _InFlight) -> bool:
         """Whether the next step can be launched before ``prev``'s tokens are back: it is ``prev``'s
         live sequences, each one token further, and nothing else can change that plan: no request
         waits, every sequence runs (budget), none stops by length at ``prev``'s token, and the free
         pages cover the pages it opens (no preemption, no lease reclaimed). Stops at ``prev``'s
         token (EOS, stop ids) are known later: that row's next token is computed and dropped."""
-        if not self.async_decode or self.capture_logits is not None or self.runner.graphs is None:
+        if not self.async_decode or self.runner.graphs is None:
             return False
         sched = self.scheduler
         running = sched.running
