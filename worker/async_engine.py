@@ -23,8 +23,8 @@ from kvserving.worker.sampling import SamplingParams
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-# While every free page is held by leases a step schedules nothing; wait this
-# long before trying again (leases expire, aborts free pages).
+# While every free page is pinned a step schedules nothing; wait this
+# long before trying again (pins expire, aborts free pages).
 IDLE_STEP_S = 0.005
 ENGINE_THREAD = "kvserving-engine"
 
@@ -130,7 +130,7 @@ class AsyncEngine:
                 if target is not None:
                     target.queue.put_nowait(out)
             if not progress:
-                # leased pages fill the pool, or streams wait to be read: let others run, but
+                # pinned pages fill the pool, or streams wait to be read: let others run, but
                 # a request started meanwhile runs in the next step, not IDLE_STEP_S later
                 try:
                     await asyncio.wait_for(self._wake.wait(), IDLE_STEP_S)

@@ -429,7 +429,7 @@ class LLMEngine:
         """Whether the next step can be launched before ``prev``'s tokens are back: it is ``prev``'s
         live sequences, each one token further, and nothing else can change that plan: no request
         waits, every sequence runs (budget), none stops by length at ``prev``'s token, and the free
-        pages cover the pages it opens (no preemption, no lease reclaimed). Stops at ``prev``'s
+        pages cover the pages it opens (no preemption, no pin reclaimed). Stops at ``prev``'s
         token (EOS, stop ids) are known later: that row's next token is computed and dropped."""
         if not self.async_decode or self.runner.graphs is None:
             return False
