@@ -206,8 +206,13 @@ def pool_bench(pool_cls: Any, *, num_pages: int, width: int, steps: int, seed: i
 
 def load_old_pool(rev: str) -> Any:
     """``PagePool`` as it was at git revision ``rev`` (pure Python: loads from a temp file)."""
-    src = subprocess.run(["git", "show", f"{rev}:worker/page_pool.py"], check=True, capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent).stdout
+    root = Path(__file__).resolve().parent.parent
+    for where in ("worker/kv/page_pool.py", "worker/page_pool.py"):  # the pool's path then, newest first
+        got = subprocess.run(["git", "show", f"{rev}:{where}"], capture_output=True, text=True, cwd=root)
+        if got.returncode == 0:
+            break
+    got.check_returncode()
+    src = got.stdout
     path = Path(tempfile.mkdtemp()) / "old_page_pool.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("old_page_pool", path)

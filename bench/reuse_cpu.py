@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         clock = "ttft_s" if args.clock == "wall" else "ttft_cpu_s"
         results = {m: [min((c.results[t] for c in cs), key=lambda x: getattr(x, clock)) for t in range(turns)]
                    for m, cs in convs.items()}
-        auto = pairs["on-auto"].p
+        auto = pairs["on-auto"].p.puller
         measured = {"prefill_tokens_per_s": auto.prefill_tokens_per_s, "transfer_bytes_per_s": auto.transfer_bytes_per_s,
                     "pull_overhead_s": auto.pull_overhead_s}
         for p in pairs.values():
