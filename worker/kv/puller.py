@@ -325,7 +325,7 @@ class Puller:
         while plan.matched < usable and mine[plan.matched] == params.page_hashes[plan.matched]:
             plan.matched += 1
         plan.hashes = mine[: plan.matched]
-        # pages the sender aged and this worker holds at 4 bits: age them here, pull nothing (kv_manager)
+        # pages the sender aged and this worker holds at 4 bits: age them here, pull nothing (manager)
         kv.age_cached([h for h, b in zip(plan.hashes, bits) if b == 2])
         i = 0
         while i < plan.matched and (pid := pool.lookup(plan.hashes[i])) is not None:
