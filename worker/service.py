@@ -298,7 +298,7 @@ class WorkerService:
                 "2": st.precisions["int2"].capacity_pages if "int2" in st.precisions else 0,
             },
             "precisions": {name: asdict(p) for name, p in st.precisions.items()},
-            # retained conversations and prefill holds (pull pins are not leases a client sees)
+            # leases only: retained conversations and prefill transfers (holds and admission pins are not)
             "leases": xfer["leases"] if xfer is not None else 0,
             "leased_tokens": xfer["leased_tokens"] if xfer is not None else 0,
             "prompt_tokens": {
