@@ -3,6 +3,11 @@ pull from it (``leases.LeaseStore``), over one NIXL agent (DESIGN.md, Worker:
 kv_transfer_params; docs/worker-api.md). The wire form of ``kv_transfer_params``, the
 layout identity and the peer HTTP client are ``protocol``'s.
 
+The split follows vLLM v1's KV connector: the puller is its load side (``plan`` finds the
+remote tokens this prompt can use, as ``get_num_new_matched_tokens`` does; the READ is
+``start_load_kv``), the lease store its ``request_finished`` side (a finished request's
+pages kept for a remote reader, named by the params returned to the caller).
+
 API the worker server uses (one ``KVTransfer`` per worker process)::
 
     kvt = KVTransfer(engine, config.reuse, engine_id="worker-...",  # lease ids also carry a per-process generation
