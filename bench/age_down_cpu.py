@@ -32,9 +32,9 @@ from kvserving.kernels.layout import PageLayout
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.tags import TEMPORAL, encode_tag
 from kvserving.worker.engine import LLMEngine, RequestOutput
-from kvserving.worker.kv_local import LocalPair, flush_prefix_cache
-from kvserving.worker.kv_transfer import KVTransfer, PullResult
-from kvserving.worker.kv_wire import KVTransferParams
+from kvserving.worker.kv.local_pair import LocalPair, flush_prefix_cache
+from kvserving.worker.kv.transfer import KVTransfer, PullResult
+from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.precision import page_bits
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.tiny_model import build_tiny_model
@@ -59,7 +59,7 @@ def run_request(kvt: KVTransfer, rid: str, ids: list[int], tags: list[int], max_
     pull = kvt.pull(ids, tags, params)
     eng = kvt.engine
     eng.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), tags=tags,
-                    retain=kvt.retain_spec(conversation_key="conv", input_ids=ids), pin_lease=pull.pin_lease)
+                    retain=kvt.retain_spec(conversation_key="conv", input_ids=ids), admission_pin=pull.admission_pin)
     tokens: list[int] = []
     while True:
         for out in eng.step():

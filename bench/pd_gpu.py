@@ -180,7 +180,7 @@ def make_storage(fmt: str, max_pages: int, *, tiny: bool, device: torch.device) 
     """A KV pool of ``fmt`` holding ``max_pages`` pages (triaxial: at the 2.7-bit mix)."""
     from kvserving.config import DEFAULT_PAGE_SIZE
     from kvserving.kernels.layout import ALIGN, PageLayout
-    from kvserving.worker.kv_storage import KVShape, KVStorage
+    from kvserving.worker.kv.storage import KVShape, KVStorage
 
     layers, heads, dim = shape_of(tiny)
     ps = DEFAULT_PAGE_SIZE[fmt]
@@ -241,7 +241,7 @@ def bw_peer(role: str, gpu: int, conn: Any, cfg: dict[str, Any]) -> None:
 
 
 def _bw_peer(role: str, conn: Any, cfg: dict[str, Any]) -> None:
-    from kvserving.worker.nixl_io import NixlIO, PageGeometry
+    from kvserving.worker.kv.nixl_io import NixlIO, PageGeometry
 
     device = torch.device("cuda:0" if cfg["cuda"] else "cpu")
     max_pages = max(cfg["pages"])
@@ -306,7 +306,7 @@ def bw_measure(io: Any, peer: Any, fmt: str, total: int, cfg: dict[str, Any], st
 
 def check_pages(st: Any, local: list[int], remote: list[int], rng: random.Random) -> bool:
     """A sample of the pages read hold exactly the source's bytes, in every layer."""
-    from kvserving.worker.nixl_io import PageGeometry
+    from kvserving.worker.kv.nixl_io import PageGeometry
 
     geo = PageGeometry(st.layout.page_bytes, st.int2_layout.page_bytes if st.int2_layout else 0, st.total_bytes)
     buf = st.buffers
@@ -622,7 +622,7 @@ def sender_calls(client: Any, w: Worker, params: dict[str, Any] | None, n: int =
         return {}
     url, lid = w.url, params["lease_id"]
     try:
-        from kvserving.worker.kv_wire import lease_digest
+        from kvserving.worker.kv.leases import lease_digest
 
         digest = lease_digest(params["page_ids"], params["page_hashes"], params["num_tokens"])
     except ImportError:  # a worker from before holds (bench A/B runs): it has no hold route either
@@ -865,7 +865,7 @@ def print_seed_table(fmt: str, res: dict[str, Any]) -> None:
 
 
 # The prefill worker's own split of an "on" request, from admission to its first token (the final
-# event's ``timings``, worker/service.py): the pull's phases (``kv_transfer.PULL_PHASES``; older
+# event's ``timings``, worker/service.py): the pull's phases (``kv/puller.py`` PULL_PHASES; older
 # workers named theirs agent / lease_check / alloc / lease_recheck), then queueing, the wait for the
 # engine step and that step. "HTTP+parse" is the client's TTFT minus the worker's admit-to-token.
 PHASE_ORDER = ("pull_plan", "pull_agent", "pull_lease_check", "pull_alloc", "pull_descriptors", "pull_read",
@@ -1043,7 +1043,7 @@ def main(argv: list[str] | None = None) -> int:
             run_bw(plan)
             print_bw_table(plan.results["bw"])
         if "seed" in phases or "faults" in phases:
-            from kvserving.worker.nixl_io import import_nixl
+            from kvserving.worker.kv.nixl_io import import_nixl
 
             plan.results["setup"]["nixl"] = import_nixl().__name__  # workers need it: fail before building the model
             log(f"building the model ({plan.left():.0f} s left)")

@@ -32,10 +32,10 @@ import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, SchedulerConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine, RequestOutput
-from kvserving.worker.kv_local import LocalPair, flush_prefix_cache
-from kvserving.worker.kv_transfer import KVTransfer
-from kvserving.worker.kv_wire import KVTransferParams
-from kvserving.worker.page_pool import PagePool
+from kvserving.worker.kv.local_pair import LocalPair, flush_prefix_cache
+from kvserving.worker.kv.transfer import KVTransfer
+from kvserving.worker.kv.protocol import KVTransferParams
+from kvserving.worker.kv.page_pool import PagePool
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.tiny_model import build_tiny_model
 
@@ -67,7 +67,7 @@ def run_request(kvt: KVTransfer, rid: str, ids: list[int], params: KVTransferPar
     pull = kvt.pull(ids, None, params)
     eng = kvt.engine
     eng.add_request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True),
-                    retain=kvt.retain_spec(conversation_key=rid, input_ids=ids), pin_lease=pull.pin_lease)
+                    retain=kvt.retain_spec(conversation_key=rid, input_ids=ids), admission_pin=pull.admission_pin)
     while True:
         for out in eng.step():
             if out.request_id == rid and out.finished:
@@ -118,7 +118,7 @@ def _run(model: Path, args: argparse.Namespace, policy: str) -> dict[str, Any]:
         assert pull.fallback is None and pull.pulled_tokens, pull
         p_to_d_regions.append(pull.num_regions)
         d.add_request(rid, prompt, SamplingParams(max_tokens=gen, ignore_eos=True),
-                      retain=pair.d.retain_spec(conversation_key=rid, input_ids=prompt), pin_lease=pull.pin_lease)
+                      retain=pair.d.retain_spec(conversation_key=rid, input_ids=prompt), admission_pin=pull.admission_pin)
         active[rid] = prompt
         flush_prefix_cache(pair.p)  # P keeps nothing: the history lives on D
 
@@ -140,8 +140,8 @@ def _run(model: Path, args: argparse.Namespace, policy: str) -> dict[str, Any]:
         pulls.append({"conversation": rid, "tokens": res.pulled_tokens, "regions": res.num_regions,
                       "bytes": res.num_bytes, "pull_s": time.perf_counter() - t0,
                       "h200_s": res.num_regions * US_PER_REGION_H200 + res.num_bytes / BYTES_PER_S_H200})
-        if res.pin_lease:
-            pair.p.engine.pool.release(res.pin_lease)
+        if res.admission_pin:
+            pair.p.engine.pool.release(res.admission_pin)
 
     targets: dict[str, list[int]] = {}
     n = 0
@@ -163,7 +163,7 @@ def _run(model: Path, args: argparse.Namespace, policy: str) -> dict[str, Any]:
     pool = d.pool
     assert isinstance(pool, PagePool)
     out = {"policy": policy, "pulls": pulls, "p_to_d_regions": p_to_d_regions, "d_pages": pool.num_pages,
-           "d_evicted": pool.evicted_pages, "d_reclaimed": pool.reclaimed_leases}
+           "d_evicted": pool.evicted_pages, "d_reclaimed": pool.reclaimed_pins}
     pair.close()
     return out
 
@@ -206,8 +206,13 @@ def pool_bench(pool_cls: Any, *, num_pages: int, width: int, steps: int, seed: i
 
 def load_old_pool(rev: str) -> Any:
     """``PagePool`` as it was at git revision ``rev`` (pure Python: loads from a temp file)."""
-    src = subprocess.run(["git", "show", f"{rev}:worker/page_pool.py"], check=True, capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent).stdout
+    root = Path(__file__).resolve().parent.parent
+    for where in ("worker/kv/page_pool.py", "worker/page_pool.py"):  # the pool's path then, newest first
+        got = subprocess.run(["git", "show", f"{rev}:{where}"], capture_output=True, text=True, cwd=root)
+        if got.returncode == 0:
+            break
+    got.check_returncode()
+    src = got.stdout
     path = Path(tempfile.mkdtemp()) / "old_page_pool.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("old_page_pool", path)
@@ -283,7 +288,7 @@ class Replay:
         spec = kvt.retain_spec(conversation_key=key, input_ids=prompt) if kvt.role == "prefill" or retain else None
         eng = kvt.engine
         eng.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), retain=spec,
-                        pin_lease=pull.pin_lease, output_ids=output_ids)
+                        admission_pin=pull.admission_pin, output_ids=output_ids)
         while True:
             for out in eng.step():
                 if out.request_id == rid and out.finished:
@@ -455,7 +460,7 @@ def main_pd_gpu(args: argparse.Namespace) -> int:
     return 0
 
 
-# phase names of kv_transfer.PULL_PHASES and of the pull before the hold (agent, lease_check, alloc, lease_recheck)
+# phase names of kv/puller.py PULL_PHASES and of the pull before the hold (agent, lease_check, alloc, lease_recheck)
 PHASE_ORDER = ["plan", "agent", "lease_check", "alloc", "descriptors", "read", "lease_recheck", "adopt", "release",
                "contact_agent", "contact_hold"]
 

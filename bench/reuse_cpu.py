@@ -39,9 +39,9 @@ import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, SchedulerConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine, RequestOutput
-from kvserving.worker.kv_local import LocalPair, flush_prefix_cache
-from kvserving.worker.kv_transfer import KVTransfer, PullResult
-from kvserving.worker.kv_wire import KVTransferParams
+from kvserving.worker.kv.local_pair import LocalPair, flush_prefix_cache
+from kvserving.worker.kv.transfer import KVTransfer, PullResult
+from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.tiny_model import build_tiny_model
 
@@ -64,7 +64,7 @@ def run_request(kvt: KVTransfer, rid: str, ids: list[int], max_tokens: int, para
     pull = kvt.pull(ids, None, params)
     eng = kvt.engine
     eng.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                    retain=kvt.retain_spec(conversation_key=key, input_ids=ids), pin_lease=pull.pin_lease)
+                    retain=kvt.retain_spec(conversation_key=key, input_ids=ids), admission_pin=pull.admission_pin)
     tokens: list[int] = []
     while True:
         for out in eng.step():
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         clock = "ttft_s" if args.clock == "wall" else "ttft_cpu_s"
         results = {m: [min((c.results[t] for c in cs), key=lambda x: getattr(x, clock)) for t in range(turns)]
                    for m, cs in convs.items()}
-        auto = pairs["on-auto"].p
+        auto = pairs["on-auto"].p.puller
         measured = {"prefill_tokens_per_s": auto.prefill_tokens_per_s, "transfer_bytes_per_s": auto.transfer_bytes_per_s,
                     "pull_overhead_s": auto.pull_overhead_s}
         for p in pairs.values():

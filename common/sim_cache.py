@@ -1,5 +1,5 @@
 """One simulated worker's KV pool and prefix cache, kept as page *runs* per chain
-instead of pages (``kvserving simulate``; the policies of ``worker/page_pool.py``).
+instead of pages (``kvserving simulate``; the policies of ``worker/kv/page_pool.py``).
 
 A *chain* is a token stream whose pages hash in a chain: one conversation's
 history, or a system prompt every agent shares. Because the real pool's prefix

@@ -15,7 +15,7 @@ Every cost is a small formula over what the simulator knows of an operation::
 
 KV bytes per token come from the real format arithmetic (``kvserving.kernels.capacity``);
 ``fp32_unquantized`` says the unquantized format stores fp32 (the CPU engine runs the
-model in fp32, ``worker/kv_storage.py``).
+model in fp32, ``worker/kv/storage.py``).
 
 Token counts: the agent generator's lengths are nominal (words); the server's tokenizer
 and chat template add to them. ``prompt_token_scale`` / ``prompt_token_offset`` map a

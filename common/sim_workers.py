@@ -1,7 +1,7 @@
 """Simulated prefill and decode workers (``kvserving simulate``): the engine
 loop's timing, the KV pool (``sim_cache.PageCache``), leases and NIXL pulls,
 with the policies of ``worker/engine.py``, ``worker/scheduler.py`` and
-``worker/kv_transfer.py``.
+``worker/kv/transfer.py``.
 
 - A **prefill worker** runs engine steps: running prompts continue, then
   waiting ones are admitted FIFO while the token budget, ``max_num_seqs`` and

@@ -3,7 +3,7 @@ and lease table, and an agent population from ``kvserving.agent_load``; a
 discrete-event simulation (one heap of timed callbacks, pure Python) whose
 every cost comes from a measured ``sim_costs.CostModel``.
 
-One turn, as the real stack runs it (gateway/turn.py, worker/kv_transfer.py)::
+One turn, as the real stack runs it (gateway/turn.py, worker/kv/transfer.py)::
 
     agent sends ──> gateway: lease-table lookup, choose_decode / choose_prefill
       (kvserving.gateway.router, called as the gateway calls them)

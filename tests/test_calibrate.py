@@ -31,8 +31,8 @@ from kvserving.calibration import Calibration, LayerScales
 from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.tags import NUM_TAGS, encode_tag
-from kvserving.worker.kv_cache import build_kv_cache
-from kvserving.worker.kv_storage import KVShape
+from kvserving.worker.kv.cache import build_kv_cache
+from kvserving.worker.kv.storage import KVShape
 from kvserving.worker.model import ModelArgs
 from kvserving.worker.sampling import SamplingParams
 

@@ -10,9 +10,12 @@ equivalent that also sees `operator/`, a namespace portion import-linter skips).
 Inside ``worker/``, the engine's layers, lowest first (a module never imports,
 directly or through other worker modules, one ranked above it)::
 
-    page_pool < triaxial_pool < precision, sequence < kv_manager < kv_cache
+    kv.page_pool < triaxial_pool, kv.leases < precision, sequence < kv.manager < kv.cache
       < scheduler < model_runner < engine < async_engine and the server side
-      (server, main, metrics, kv_transfer, nixl_io)
+      (server, main, metrics, kv.transfer, kv.puller, kv.nixl_io)
+
+(kv.leases below engine: the engine makes a finished request's lease without calling
+back into the connector that asked for it.)
 
 Worker modules not listed (model code, storage, new files) are not ranked: what
 they import is not checked, but a ranked module that imports one inherits its
@@ -84,15 +87,15 @@ def test_config_and_tags_import_no_component() -> None:
 
 
 WORKER_LAYERS: tuple[tuple[str, ...], ...] = (
-    ("page_pool",),
-    ("triaxial_pool",),
+    ("kv.page_pool",),
+    ("triaxial_pool", "kv.leases"),
     ("precision", "sequence"),
-    ("kv_manager",),
-    ("kv_cache",),
+    ("kv.manager",),
+    ("kv.cache",),
     ("scheduler",),
     ("model_runner",),
     ("engine",),
-    ("async_engine", "server", "main", "metrics", "kv_transfer", "nixl_io"),
+    ("async_engine", "server", "main", "metrics", "kv.transfer", "kv.puller", "kv.nixl_io"),
 )
 
 
@@ -100,13 +103,24 @@ KERNEL_LAYERS: tuple[tuple[str, ...], ...] = (("page_ids",), ("layout",), ("page
 
 
 def folder_imports(folder: str) -> dict[str, set[str]]:
-    """module -> the modules of the same folder it imports (lazy imports inside functions included)."""
+    """module -> the modules of the same folder it imports (lazy imports inside functions included);
+    a subfolder's modules by dotted name (``kv.page_pool``)."""
     package = FOLDERS[folder]
     prefix = package + "."
+    paths = sorted((ROOT / folder).rglob("*.py"))
+    names_of = {p: ".".join(p.relative_to(ROOT / folder).with_suffix("").parts) for p in paths}
+    modules = {n.removesuffix(".__init__") for n in names_of.values()}
+
+    def module_of(name: str) -> str:
+        parts = name[len(prefix):].split(".")
+        return next((m for k in range(len(parts), 0, -1) if (m := ".".join(parts[:k])) in modules), parts[0])
+
     graph: dict[str, set[str]] = {}
-    for path in sorted((ROOT / folder).glob("*.py")):
-        names = imported_modules(path, package)
-        graph[path.stem] = {n[len(prefix):].split(".")[0] for n in names if n.startswith(prefix)} - {path.stem}
+    for path, name in names_of.items():
+        name = name.removesuffix(".__init__")
+        pkg = f"{package}.{name}".rsplit(".", 1)[0] if path.stem != "__init__" else f"{package}.{name}"
+        found = imported_modules(path, pkg)
+        graph[name] = {module_of(n) for n in found if n.startswith(prefix)} - {name}
     return graph
 
 

@@ -17,14 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from kvserving.worker.engine import LLMEngine, RequestOutput
-from kvserving.worker.leases import RetainSpec
+from kvserving.worker.kv.leases import RetainSpec
 from kvserving.worker.sampling import SamplingParams
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-# While every free page is held by leases a step schedules nothing; wait this
-# long before trying again (leases expire, aborts free pages).
+# While every free page is pinned a step schedules nothing; wait this
+# long before trying again (pins expire, aborts free pages).
 IDLE_STEP_S = 0.005
 ENGINE_THREAD = "kvserving-engine"
 
@@ -130,7 +130,7 @@ class AsyncEngine:
                 if target is not None:
                     target.queue.put_nowait(out)
             if not progress:
-                # leased pages fill the pool, or streams wait to be read: let others run, but
+                # pinned pages fill the pool, or streams wait to be read: let others run, but
                 # a request started meanwhile runs in the next step, not IDLE_STEP_S later
                 try:
                     await asyncio.wait_for(self._wake.wait(), IDLE_STEP_S)
@@ -167,7 +167,7 @@ class AsyncEngine:
         *,
         tags: Seq[int] | None = None,
         retain: RetainSpec | None = None,
-        pin_lease: str | None = None,
+        admission_pin: str | None = None,
         output_ids: Seq[int] = (),
         cache_salt: str | None = None,
     ) -> None:
@@ -177,7 +177,7 @@ class AsyncEngine:
         try:
             await self.call(
                 lambda e: e.add_request(
-                    rid, prompt_ids, params, tags=tags, retain=retain, pin_lease=pin_lease, output_ids=output_ids,
+                    rid, prompt_ids, params, tags=tags, retain=retain, admission_pin=admission_pin, output_ids=output_ids,
                     cache_salt=cache_salt,
                 )
             )

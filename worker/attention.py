@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserving.kernels import paged_ops
-from kvserving.worker.kv_storage import KVStorage
+from kvserving.worker.kv.storage import KVStorage
 
 
 @dataclass(slots=True)

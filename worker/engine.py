@@ -17,14 +17,14 @@ from kvserving.config import ServingConfig
 from kvserving.model_dir import resolve_model_dir
 from kvserving.tags import NUM_TAGS
 from kvserving.worker.attention import PagedAttention
-from kvserving.worker.kv_cache import KVCache, build_kv_cache, kv_budget_bytes
-from kvserving.worker.kv_manager import KVCacheManager
-from kvserving.worker.kv_scales import CALIBRATION_TOKENS, calibration_ids, measure_kv_amax, scales_from_amax
-from kvserving.worker.kv_storage import KVShape, KVStorage
-from kvserving.worker.leases import RetainedKV, RetainSpec, release_pin, retain_pages
+from kvserving.worker.kv.cache import KVCache, build_kv_cache, kv_budget_bytes
+from kvserving.worker.kv.manager import KVCacheManager
+from kvserving.worker.kv.scales import CALIBRATION_TOKENS, calibration_ids, measure_kv_amax, scales_from_amax
+from kvserving.worker.kv.storage import KVShape, KVStorage
+from kvserving.worker.kv.leases import RetainedKV, RetainSpec, release_admission, retain
 from kvserving.worker.model import DecoderModel, ModelArgs, load_dummy_model, load_model
 from kvserving.worker.model_runner import ModelRunner
-from kvserving.worker.page_pool import PagePoolBase
+from kvserving.worker.kv.page_pool import PagePoolBase
 from kvserving.worker.sampling import SamplingParams, make_generator, sample_tokens
 from kvserving.worker.scheduler import Scheduler
 from kvserving.worker.sequence import ScheduledChunk, SchedulerOutput, Sequence, SeqStatus
@@ -187,8 +187,6 @@ class LLMEngine:
         if config.kv_cache.global_scale == "calibrated" and self.kv_cache.scales_source == "static":
             # no calibration file gave the scales: measure them on a calibration prompt at start
             self.calibrate_scales(calibration_ids(self.vocab_size, min(CALIBRATION_TOKENS, self.max_model_len)))
-        # request id -> logits of each sampled position (set to a dict to record; tests, calibration)
-        self.capture_logits: dict[str, list[torch.Tensor]] | None = None
 
     @property
     def storage(self) -> KVStorage:
@@ -229,14 +227,14 @@ class LLMEngine:
         *,
         tags: Seq[int] | None = None,
         retain: RetainSpec | None = None,
-        pin_lease: str | None = None,
+        admission_pin: str | None = None,
         output_ids: Seq[int] = (),
         cache_salt: str | None = None,
     ) -> None:
         """Queue a request; raises ValueError (and queues nothing) on bad input.
 
         ``retain``: when it finishes, its full pages stay pinned under that lease
-        (``RequestOutput.retained``). ``pin_lease``: the lease holding pages pulled
+        (``RequestOutput.retained``). ``admission_pin``: the pin holding pages pulled
         for it (``KVTransfer.pull``), released once it is admitted.
         ``output_ids``: tokens already generated for this request elsewhere (the
         prefill worker samples the first token and the gateway streams it at
@@ -287,7 +285,7 @@ class LLMEngine:
         gen = make_generator(params.seed, device=self.device)
         seq = Sequence(request_id, prompt, params, gen, tags=tag_list, output_ids=generated,
                        cache_salt=cache_salt.encode() if cache_salt else None)
-        seq.retain, seq.pin_lease = retain, pin_lease
+        seq.retain, seq.admission_pin = retain, admission_pin
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -301,9 +299,9 @@ class LLMEngine:
                 if not inflight.num_live:
                     self.flush()
             self.scheduler.abort(seq)
-            if seq.pin_lease is not None:
-                release_pin(self.pool, seq.pin_lease, [])
-                seq.pin_lease = None
+            if seq.admission_pin is not None:
+                release_admission(self.pool, seq.admission_pin, ())
+                seq.admission_pin = None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
@@ -320,7 +318,8 @@ class LLMEngine:
         return None
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns what it produced for each request, in streaming order.
+        """Run one step: schedule -> run -> postprocess; returns what it produced for each
+        request, in streaming order.
 
         Asynchronous decode (``async_decode``, on CUDA graphs): an all-decode step
         is launched and its sampled ids copied back without waiting; the next call
@@ -332,43 +331,54 @@ class LLMEngine:
         steady decode batch (``_continues``) waits for the step in flight first
         and runs as before. Tokens and their order are the same either way.
         """
-        self.pool.expire_leases()
+        self.pool.expire_pins()
         prev = self._inflight
         if prev is not None and self._continues(prev):
-            plan = self.scheduler.schedule()
-            self._check_continuation(plan, prev)
-            self._inflight = self._launch(plan.chunks, prev)
-            self.stats.overlapped_steps += 1
-            outputs = self._complete(prev, self._inflight)
-            if not any(self._inflight.live):  # everyone in it finished in prev: nothing to wait for but its writes
-                self.flush()
-            return outputs
+            return self._step_overlapped(prev)
         outputs = self.flush()
-        plan = self.scheduler.schedule()
-        self.stats.preemptions += len(plan.preempted)
+        plan = self._schedule()
         if not plan.chunks:
-            # Nothing can run: every free page is held by leases until they expire.
-            return outputs
-        for c in plan.chunks:
-            if c.seq.pin_lease is not None:  # admitted: it holds its own refs on the pulled pages now
-                used = release_pin(self.pool, c.seq.pin_lease, c.seq.page_ids[: c.seq.num_computed // self.storage.page_size])
-                c.seq.num_pulled_prompt = used * self.storage.page_size
-                c.seq.pin_lease = None
-        t0 = time.perf_counter()
-        for c in plan.chunks:
-            if c.seq.first_step_at is None:
-                c.seq.first_step_at = t0
-        if self.async_decode and self.capture_logits is None and self.runner.graphs_fit(plan.chunks):
+            return outputs  # nothing can run: every free page is pinned until its pin expires
+        if self.async_decode and self.runner.graphs_fit(plan.chunks):
             self._inflight = self._launch(plan.chunks, None)
             return outputs
+        tokens = self._run(plan)
+        return outputs + self._postprocess(plan, tokens)
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's plan for this step; its requests admitted (their admission pins go:
+        each holds its own refs on its pulled pages now) and stamped with their first step."""
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.preempted)
+        p = self.storage.page_size
+        now = time.perf_counter()
+        for c in plan.chunks:
+            seq = c.seq
+            if seq.admission_pin is not None:
+                used = release_admission(self.pool, seq.admission_pin, seq.page_ids[: seq.num_computed // p])
+                seq.num_pulled_prompt = used * p
+                seq.admission_pin = None
+            if seq.first_step_at is None:
+                seq.first_step_at = now
+        return plan
+
+    def _run(self, plan: SchedulerOutput) -> list[int]:
+        """Run the model on ``plan`` and sample where the logits are: one token id per sampling
+        sequence, in chunk order (the step's only device sync)."""
+        t0 = time.perf_counter()
         logits = self.runner.execute(plan.chunks)
         sampling = [c.seq for c in plan.chunks if c.samples]
-        # sampled where the logits are: one token id per sequence comes back (the step's only device sync)
         tokens = sample_tokens(logits, [s.params for s in sampling], [s.generator for s in sampling]).tolist() if sampling else []
         prompt_share = sum(c.num_tokens for c in plan.chunks if c.start < len(c.seq.prompt_ids)) / max(1, plan.num_tokens)
         self.stats.prefill_seconds += (time.perf_counter() - t0) * prompt_share
         self.stats.steps += 1
-        i = 0
+        return tokens
+
+    def _postprocess(self, plan: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
+        """Advance each sequence past its chunk, publish its full pages, append its sampled token
+        and finish it where that token ends it."""
+        outputs: list[RequestOutput] = []
+        sampled = iter(tokens)
         p = self.storage.page_size
         for c in plan.chunks:
             seq = c.seq
@@ -379,12 +389,9 @@ class LLMEngine:
             seq.num_computed = c.start + c.num_tokens
             if seq.num_computed // p > seq.num_registered_pages:
                 self.kv.publish_full_pages(seq)
-            if seq.num_computed != seq.num_tokens:  # not c.samples: a prompt chunk before the last
+            if not c.samples:  # a prompt chunk before the last
                 continue
-            if self.capture_logits is not None:
-                self.capture_logits.setdefault(seq.request_id, []).append(logits[i].clone())
-            token = tokens[i]
-            i += 1
+            token = next(sampled)
             seq.output_ids.append(token)
             outputs.append(self._output(seq, token, self._finish_reason(seq, token)))
         return outputs
@@ -396,7 +403,7 @@ class LLMEngine:
             if seq.retain is not None:  # pin the full pages before finish frees them
                 self.kv.publish_full_pages(seq)
                 n = seq.num_registered_pages
-                retained = retain_pages(self.pool, seq.retain, seq.page_ids[:n], seq.page_hashes[:n], self.storage.page_size)
+                retained = retain(self.pool, seq.retain, seq.page_ids[:n], seq.page_hashes[:n], self.storage.page_size)
             self.scheduler.finish(seq, reason)
             self.requests.pop(seq.request_id, None)
         return RequestOutput(
@@ -406,13 +413,25 @@ class LLMEngine:
         )  # fmt: skip
 
     # ----------------------------------------------------- asynchronous decode
+    def _step_overlapped(self, prev: _InFlight) -> list[RequestOutput]:
+        """Launch the continuation of ``prev`` (its sequences one token further), then wait for
+        ``prev``'s ids and post-process them while the new step runs."""
+        plan = self.scheduler.schedule()
+        self._check_continuation(plan, prev)
+        self._inflight = self._launch(plan.chunks, prev)
+        self.stats.overlapped_steps += 1
+        outputs = self._complete(prev, self._inflight)
+        if not any(self._inflight.live):  # everyone in it finished in prev: nothing to wait for but its writes
+            self.flush()
+        return outputs
+
     def _continues(self, prev: _InFlight) -> bool:
         """Whether the next step can be launched before ``prev``'s tokens are back: it is ``prev``'s
         live sequences, each one token further, and nothing else can change that plan: no request
         waits, every sequence runs (budget), none stops by length at ``prev``'s token, and the free
-        pages cover the pages it opens (no preemption, no lease reclaimed). Stops at ``prev``'s
+        pages cover the pages it opens (no preemption, no pin reclaimed). Stops at ``prev``'s
         token (EOS, stop ids) are known later: that row's next token is computed and dropped."""
-        if not self.async_decode or self.capture_logits is not None or self.runner.graphs is None:
+        if not self.async_decode or self.runner.graphs is None:
             return False
         sched = self.scheduler
         running = sched.running
@@ -421,7 +440,7 @@ class LLMEngine:
         p = self.storage.page_size
         need = 0
         for seq in running:
-            if seq.status is not SeqStatus.RUNNING or seq.pin_lease is not None or id(seq) not in prev.live_ids:
+            if seq.status is not SeqStatus.RUNNING or seq.admission_pin is not None or id(seq) not in prev.live_ids:
                 return False
             n = len(seq.output_ids)  # prev's token included (a placeholder until it is back)
             if n >= seq.params.max_tokens or len(seq.prompt_ids) + n >= self.max_model_len:

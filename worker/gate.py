@@ -19,7 +19,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvserving.worker.wire import error_body
+from kvserving.worker.api_bodies import error_body
 
 INTERNAL_PREFIX = "/internal"
 UNAUTHORIZED_BODY = json.dumps(

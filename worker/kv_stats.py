@@ -52,10 +52,10 @@ class KVStats:
 def collect(engine: LLMEngine) -> KVStats:
     """Snapshot ``engine`` (call on the engine thread). Expired leases are released first."""
     pool = engine.pool
-    pool.expire_leases()
+    pool.expire_pins()
     page_size = engine.storage.page_size
     live = [p for pid in _live_ids(engine) if (p := pool.page(pid)) is not None]
-    leased = {pid for lid in pool.lease_ids() for pid in pool.lease_pages(lid)}
+    leased = {pid for lid in pool.pin_ids() for pid in pool.pin_pages(lid)}
     precisions: dict[str, PrecisionStats] = {}
     kv = engine.kv_cache
     used_bytes = 0
@@ -76,7 +76,7 @@ def collect(engine: LLMEngine) -> KVStats:
         usage_ratio=usage,
         free_pages=pool.num_free,
         precisions=precisions,
-        num_leases=len(pool.lease_ids()),
+        num_leases=len(pool.pin_ids()),
         leased_pages=len(leased),
         leased_tokens=len(leased) * page_size,
         running=len(sched.running),
@@ -86,7 +86,7 @@ def collect(engine: LLMEngine) -> KVStats:
         decode_tokens=stats.decode_tokens,
         preemptions=stats.preemptions,
         evicted_pages=pool.evicted_pages,
-        reclaimed_leases=pool.reclaimed_leases,
+        reclaimed_leases=pool.reclaimed_pins,
         capacity_tokens=engine.capacity_tokens,
         aged_pages=engine.kv.aged_pages,
     )

@@ -13,7 +13,7 @@ from kvserving.kernels.page_ids import is_int2
 from kvserving.worker.attention import AttentionMetadata, PagedAttention, PrefillSpan
 from kvserving.worker.cuda_graphs import DecodeGraphs, pad_pages_needed, table_width
 from kvserving.worker.model import DecoderModel
-from kvserving.worker.page_pool import PagePoolBase
+from kvserving.worker.kv.page_pool import PagePoolBase
 from kvserving.worker.precision import order_pages_int2_first
 from kvserving.worker.sequence import ScheduledChunk
 

@@ -14,7 +14,7 @@ from collections import deque
 from operator import attrgetter
 
 from kvserving.config import SchedulerConfig
-from kvserving.worker.kv_manager import KVCacheManager
+from kvserving.worker.kv.manager import KVCacheManager
 from kvserving.worker.sequence import ScheduledChunk, SchedulerOutput, Sequence, SeqStatus
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]

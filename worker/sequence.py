@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserving.tags import encode_tag
-from kvserving.worker.leases import RetainSpec
+from kvserving.worker.kv.leases import RetainSpec
 from kvserving.worker.sampling import SamplingParams
 
 # Tokens a decode step generates are the current turn's assistant text.
@@ -46,10 +46,10 @@ class Sequence:
     finish_reason: str | None = None
     arrival: int = 0  # admission order, for choosing whom to preempt
     num_preemptions: int = 0
-    # KV reuse (worker/kv_transfer.py): keep the full pages under a lease when finished;
+    # KV reuse (worker/kv/transfer.py): keep the full pages under a lease when finished;
     # the pin holding this request's pulled pages until admission; how many prompt tokens it pulled
     retain: RetainSpec | None = None
-    pin_lease: str | None = None
+    admission_pin: str | None = None
     num_pulled_prompt: int = 0
     first_step_at: float | None = None  # perf_counter when a step first ran it (worker timings)
     # The tenant's salt of the prefix-cache hashes (page_pool.chain_hashes): its pages match only its own

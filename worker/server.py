@@ -40,7 +40,7 @@ from kvserving.config import STREAM_KEEPALIVE_S
 from kvserving.worker.async_engine import DuplicateRequestError
 from kvserving.worker.gate import WorkerGate
 from kvserving.worker.service import Admitted, LeaseMismatchError, LeaseNotFoundError, NotReadyError, WorkerService
-from kvserving.worker.wire import GenerateBody, HoldBody, RenewBody, error_body, validation_message
+from kvserving.worker.api_bodies import GenerateBody, HoldBody, RenewBody, error_body, validation_message
 
 log = logging.getLogger(__name__)
 

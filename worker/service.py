@@ -22,12 +22,14 @@ from kvserving.config import ServingConfig
 from kvserving.worker.async_engine import AsyncEngine, RequestStream
 from kvserving.worker.engine import LLMEngine, RequestOutput
 from kvserving.worker.kv_stats import KVStats, collect
-from kvserving.worker.kv_transfer import KVTransfer, LeaseMismatchError, PullResult
-from kvserving.worker.kv_wire import KVTransferParams
+from kvserving.worker.kv.leases import LeaseMismatchError
+from kvserving.worker.kv.puller import PullResult
+from kvserving.worker.kv.transfer import KVTransfer
+from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.metrics import WorkerMetrics
 from kvserving.worker.peers import PeerSet
 from kvserving.worker.sampling import SamplingParams
-from kvserving.worker.wire import GenerateBody
+from kvserving.worker.api_bodies import GenerateBody
 
 log = logging.getLogger(__name__)
 
@@ -170,14 +172,14 @@ class WorkerService:
             if kvt is not None and (self.role == "prefill" or body.retain):
                 retain = kvt.retain_spec(conversation_key=body.conversation_key, input_ids=body.input_ids)
             await engine.start(
-                stream, body.input_ids, params, tags=body.tags, retain=retain, pin_lease=pull.pin_lease,
+                stream, body.input_ids, params, tags=body.tags, retain=retain, admission_pin=pull.admission_pin,
                 output_ids=body.output_ids, cache_salt=body.cache_salt,
             )
         except BaseException:
             stream.finished = True
             stream.close()
-            if kvt is not None and pull.pin_lease is not None:
-                await asyncio.to_thread(kvt.drop_pin, pull)
+            if kvt is not None and pull.admission_pin is not None:
+                await asyncio.to_thread(kvt.drop_admission, pull)
             raise
         return Admitted(body, stream, pull, t_admit, t_pulled, time.perf_counter())
 
@@ -296,7 +298,7 @@ class WorkerService:
                 "2": st.precisions["int2"].capacity_pages if "int2" in st.precisions else 0,
             },
             "precisions": {name: asdict(p) for name, p in st.precisions.items()},
-            # retained conversations and prefill holds (pull pins are not leases a client sees)
+            # leases only: retained conversations and prefill transfers (holds and admission pins are not)
             "leases": xfer["leases"] if xfer is not None else 0,
             "leased_tokens": xfer["leased_tokens"] if xfer is not None else 0,
             "prompt_tokens": {

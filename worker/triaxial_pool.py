@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG, page_byte_offset, page_id_bits, page_index
 
-from .page_pool import PagePoolBase, _Region
+from kvserving.worker.kv.page_pool import PagePoolBase, _Region
 
 BITS = (2, 4)
 

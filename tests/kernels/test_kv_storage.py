@@ -15,7 +15,7 @@ from kvserving.kernels import paged_ref
 from kvserving.kernels.options import KernelOptions
 from kvserving.kernels.page_ids import make_page_id
 from kvserving.kernels.paged_kv import PagedKV
-from kvserving.worker.kv_storage import KVShape, KVStorage
+from kvserving.worker.kv.storage import KVShape, KVStorage
 
 SHAPE = KVShape(num_layers=3, num_kv_heads=2, head_dim=64)
 

@@ -20,8 +20,9 @@ import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, SchedulerConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_transfer import KVTransfer, LeaseMismatchError
-from kvserving.worker.kv_wire import KVTransferParams
+from kvserving.worker.kv.leases import LeaseMismatchError
+from kvserving.worker.kv.transfer import KVTransfer
+from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.peers import PeerSet, url_key
 from kvserving.worker.sampling import SamplingParams
 
@@ -80,7 +81,7 @@ class Worker:
         rid = cmd["request_id"]
         with self.lock:
             self.engine.add_request(rid, ids, SamplingParams(max_tokens=cmd["max_tokens"], ignore_eos=True),
-                                    tags=tags, retain=spec, pin_lease=res.pin_lease)
+                                    tags=tags, retain=spec, admission_pin=res.admission_pin)
         tokens: list[int] = []
         while True:
             with self.lock:

@@ -18,7 +18,7 @@ from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, Servin
 from kvserving.worker import engine as engine_mod
 from kvserving.worker.cuda_graphs import DecodeGraphs, pad_pages_needed
 from kvserving.worker.engine import LLMEngine, RequestOutput
-from kvserving.worker.leases import RetainSpec
+from kvserving.worker.kv.leases import RetainSpec
 from kvserving.worker.sampling import SamplingParams
 
 MODES = ("eager", "sync", "async")
@@ -109,7 +109,7 @@ def held_pages_checked(engine: LLMEngine, seen: list[int]) -> Hook:
         for page in (inflight.held if inflight is not None else []):
             assert pool.page(page) is not None and pool.page(page).hash is None  # type: ignore[union-attr]
             assert pool.ref_count(page) == 1  # the hold only: the sequence's own ref is gone
-            assert all(page not in pool.lease_pages(lease) for lease in pool.lease_ids())
+            assert all(page not in pool.pin_pages(lease) for lease in pool.pin_ids())
             assert all(page not in s.page_ids for s in engine.scheduler.running)
             if out.retained is not None:
                 assert page not in out.retained.page_ids
@@ -185,7 +185,7 @@ def test_retained_leases_and_prefix_cache_equal(tiny_model_dir: Path) -> None:
         held: list[int] = []
         stream = drive(engine, requests, held_pages_checked(engine, held) if mode == "async" else None, retain=True)
         pool = engine.pool
-        leases = {lid: sorted(pool.page(pid).hash for pid in pool.lease_pages(lid)) for lid in pool.lease_ids()}  # type: ignore[union-attr]
+        leases = {lid: sorted(pool.page(pid).hash for pid in pool.pin_pages(lid)) for lid in pool.pin_ids()}  # type: ignore[union-attr]
         cached = sorted(h for pid in pool.live_page_ids() if (h := pool.page(pid).hash) is not None)  # type: ignore[union-attr]
         results[mode] = (stream, leases, cached)
         if mode == "async":

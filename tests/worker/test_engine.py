@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from logits_recorder import record_logits
+
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.tags import encode_tag
@@ -61,9 +63,9 @@ def test_bf16_greedy_equals_transformers_generate_batched_and_chunked(tiny_model
 
 
 def _first_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    engine.capture_logits = {}
+    seen = record_logits(engine)
     engine.generate([prompt], SamplingParams(max_tokens=1))
-    (logits,) = engine.capture_logits["offline-0"]
+    (logits,) = seen["offline-0"]
     return logits
 
 
@@ -80,7 +82,7 @@ def test_prefix_cache_hit_gives_the_output_of_no_hit(tiny_model_dir: Path) -> No
     follow = base[:100] + [11, 12, 13, 14, 15]
     engine = make_engine(tiny_model_dir)
     engine.generate([base], GREEDY_32)
-    engine.capture_logits = {}
+    seen = record_logits(engine)
     engine.add_request("hit", follow, GREEDY_32)
     out: list[int] = []
     while engine.has_unfinished():
@@ -89,9 +91,9 @@ def test_prefix_cache_hit_gives_the_output_of_no_hit(tiny_model_dir: Path) -> No
             cached = o.num_cached_tokens
     assert cached == 96  # six full pages of 16 tokens shared with `base`
     fresh = make_engine(tiny_model_dir)
-    fresh.capture_logits = {}
+    fresh_seen = record_logits(fresh)
     assert fresh.generate([follow], GREEDY_32)[0] == out
-    assert torch.allclose(engine.capture_logits["hit"][0], fresh.capture_logits["offline-0"][0], atol=2e-5, rtol=0)
+    assert torch.allclose(seen["hit"][0], fresh_seen["offline-0"][0], atol=2e-5, rtol=0)
 
 
 def test_a_cache_salt_keeps_each_tenants_prefix_cache_to_itself(tiny_model_dir: Path) -> None:

@@ -19,7 +19,7 @@ from kvserving.config import DEFAULT_PAGE_SIZE, KVCacheConfig, ModelConfig, Serv
 from kvserving.model_dir import CACHE_ENV
 from kvserving.operator.render import CONFIG_FILE, Owner, render
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_cache import DEFAULT_CPU_KV_BYTES, kv_budget_bytes
+from kvserving.worker.kv.cache import DEFAULT_CPU_KV_BYTES, kv_budget_bytes
 from kvserving.worker.kv_stats import collect
 from kvserving.worker.sampling import SamplingParams
 

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from logits_recorder import record_logits
+
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.sampling import SamplingParams
@@ -24,13 +26,14 @@ def run(model_dir: Path, dtype: str, monkeypatch: pytest.MonkeyPatch, backend: s
             scheduler=SchedulerConfig(chunk_size=64),
         ),
         device="cuda",
+        async_decode=False,  # every step's logits read back before the next launches
     )
-    engine.capture_logits = {}
+    seen = record_logits(engine)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(10, engine.vocab_size, (n,), generator=g).tolist() for n in (9, 70, 200, 33)]
     outs = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     # logits of the first decode step of each request (after the same first token)
-    return outs, [engine.capture_logits[f"offline-{i}"][1] for i in range(len(prompts))]
+    return outs, [seen[f"offline-{i}"][1] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "nvfp4", "triaxial"])

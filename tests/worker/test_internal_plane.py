@@ -26,8 +26,9 @@ from live_worker import Live, start_live, stop_live
 from kvserving.config import GatewayConfig, KVCacheConfig, ModelConfig, SecurityConfig, ServingConfig
 from kvserving.gateway.workers import UpstreamError, WorkerClient
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_wire import HTTP_TIMEOUT_S, lease_digest
-from kvserving.worker.page_pool import chain_hashes
+from kvserving.worker.kv.leases import lease_digest
+from kvserving.worker.kv.protocol import HTTP_TIMEOUT_S
+from kvserving.worker.kv.page_pool import chain_hashes
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.service import WorkerService
 

@@ -15,10 +15,11 @@ from kvserving.kernels.intquant import dequantize_groups, dequantize_int2_keys, 
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG as F
 from kvserving.tags import NUM_TAGS, encode_tag
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_cache import KVCache, build_kv_cache
+from kvserving.worker.kv.cache import KVCache, build_kv_cache
 from kvserving.worker.kv_stats import collect
 from kvserving.worker.metrics import WorkerMetrics
-from kvserving.worker.kv_storage import KVShape
+from kvserving.worker.kv.page_pool import RECLAIM_FIRST
+from kvserving.worker.kv.storage import KVShape
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence
 from kvserving.worker.triaxial_pool import TriaxialPagePool
@@ -177,12 +178,12 @@ def test_a_leased_page_is_copied_not_changed() -> None:
     first = seq("t1", [NOW] * 97)
     mgr.match_prefix(first)
     compute(kv, first)
-    pool.pin("conv", first.page_ids[:3], ttl_s=60, reclaimable=True)  # the retained conversation
+    pool.pin("conv", first.page_ids[:3], ttl_s=60, reclaim=RECLAIM_FIRST)  # the retained conversation
     mgr.free(first)
     before = page_bytes(kv, 0)
     later = turn(kv, "t3", [OLD] * 64 + [NOW] * 33)
     assert later.page_ids == [F | 0, F | 1, 2]
-    assert pool.lease_pages("conv") == [0, 1, 2] and [pool.ref_count(p) for p in (0, 1, 2)] == [1, 1, 2]
+    assert pool.pin_pages("conv") == [0, 1, 2] and [pool.ref_count(p) for p in (0, 1, 2)] == [1, 1, 2]
     assert torch.equal(page_bytes(kv, 0), before)
     pool.release("conv")
     assert pool.page(0) is None and pool.page(1) is None and pool.ref_count(2) == 1
@@ -214,13 +215,13 @@ def test_no_int2_room_skips_age_down_and_partial_room_ages_in_prefix_order() -> 
 
 
 def test_a_pulling_worker_ages_its_own_4_bit_pages_instead_of_pulling_int2_copies() -> None:
-    """KVTransfer._plan: the sender stores pages 0 and 1 at 2 bits, this worker holds them at 4."""
+    """Puller._plan: the sender stores pages 0 and 1 at 2 bits, this worker holds them at 4."""
     kv = build()
     pool, mgr = kv.pool, kv.manager
     first = seq("t1", [NOW] * 97)
     mgr.match_prefix(first)
     compute(kv, first)
-    pool.pin("conv", first.page_ids[:3], ttl_s=60, reclaimable=True)  # this worker's retained conversation
+    pool.pin("conv", first.page_ids[:3], ttl_s=60, reclaim=RECLAIM_FIRST)  # this worker's retained conversation
     mgr.free(first)
     int4 = [page_kv(kv, 0, layer) for layer in range(2)]
     remote = mgr.page_hashes(seq("x", [OLD] * 64 + [NOW] * 33), [2, 2, 4])

@@ -10,9 +10,9 @@ from kvserving.bits import bits_table_for_budget, default_stored_bits
 from kvserving.config import KVCacheConfig
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG as F
 from kvserving.tags import NUM_TAGS
-from kvserving.worker.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, build_kv_cache, kv_budget_bytes
-from kvserving.worker.kv_storage import KVShape
-from kvserving.worker.page_pool import PagePool
+from kvserving.worker.kv.cache import DEFAULT_CPU_KV_BYTES, KVCache, build_kv_cache, kv_budget_bytes
+from kvserving.worker.kv.storage import KVShape
+from kvserving.worker.kv.page_pool import PagePool
 from kvserving.worker.triaxial_pool import TriaxialPagePool
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=64)

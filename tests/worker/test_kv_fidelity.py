@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
-from kvserving.worker.kv_storage import KVShape, KVStorage
+from kvserving.worker.kv.storage import KVShape, KVStorage
 from kvserving.worker.model import dense_causal_attention, load_model
 
 SEQ = 96  # three full pages of 32 (triaxial) / six of 16

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.tags import NUM_TAGS, encode_tag
-from kvserving.worker.kv_manager import KVCacheManager
-from kvserving.worker.page_pool import RECLAIM_FIRST, PagePool
+from kvserving.worker.kv.manager import KVCacheManager
+from kvserving.worker.kv.page_pool import RECLAIM_FIRST, PagePool
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence
 from kvserving.worker.triaxial_pool import TriaxialPagePool
@@ -121,9 +121,9 @@ def test_a_pool_full_of_retained_conversations_yields_to_a_new_request() -> None
     assert pool.num_free == 1
     new = seq("new", [NOW] * 96, tokens=list(range(900, 996)))  # 3 pages
     assert kv.allocate_until(new, new.num_tokens)
-    assert pool.lease_ids() == ["xfer-hold", "conv-other"]  # conv-old (earliest expiry) went
-    assert pool.reclaimed_leases == 1
+    assert pool.pin_ids() == ["xfer-hold", "conv-other"]  # conv-old (earliest expiry) went
+    assert pool.reclaimed_pins == 1
     kv.free(new)
     big = seq("big", [NOW] * 192, tokens=list(range(1000, 1192)))  # 6 pages: more than any reclaim frees
     assert not kv.allocate_until(big, big.num_tokens)
-    assert pool.lease_ids() == ["xfer-hold"] and big.page_ids == []
+    assert pool.pin_ids() == ["xfer-hold"] and big.page_ids == []

@@ -8,7 +8,7 @@ import pytest
 
 from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_scales import calibration_ids, measure_kv_amax, scales_from_amax
+from kvserving.worker.kv.scales import calibration_ids, measure_kv_amax, scales_from_amax
 from kvserving.worker.sampling import SamplingParams
 
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_wire import KVTransferParams, http_hold
+from kvserving.worker.kv.protocol import KVTransferParams, http_hold
 from kvserving.tags import encode_tag
 from kvserving.worker.sampling import SamplingParams
 
@@ -275,13 +275,13 @@ def test_concurrent_pulls_from_one_peer(tiny_model_dir: Path, host: Any) -> None
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda k: D.kvt.pull(prompts[k], None, KVTransferParams.from_dict(params[k])), range(4)))
     assert [r.pulled_tokens for r in results] == [(len(ids) - 1) // 16 * 16 for ids in prompts]
-    assert all(r.fallback is None for r in results) and len({r.pin_lease for r in results}) == 4
+    assert all(r.fallback is None for r in results) and len({r.admission_pin for r in results}) == 4
     with pytest.raises(ValueError, match="tags"):
         D.kvt.pull(prompts[0], [0], KVTransferParams.from_dict(params[0]))
     assert D.kvt.pull([], None, KVTransferParams.from_dict(params[0])).skipped == "nothing_to_pull"
     with D.lock:
         for k, (ids, r) in enumerate(zip(prompts, results)):
-            D.engine.add_request(f"r{k}", ids, _sp(6), pin_lease=r.pin_lease)
+            D.engine.add_request(f"r{k}", ids, _sp(6), admission_pin=r.admission_pin)
         outs: dict[str, list[int]] = {f"r{k}": [] for k in range(4)}
         pulled: dict[str, int] = {}
         while D.engine.has_unfinished():
@@ -295,7 +295,7 @@ def test_concurrent_pulls_from_one_peer(tiny_model_dir: Path, host: Any) -> None
     again = P.generate({"request_id": "c0-again", "input_ids": prompts[0], "max_tokens": 1, "retain": True})["params"]
     assert len(P.kvt.leases()) == 1
     skip = D.kvt.pull(prompts[0], None, KVTransferParams.from_dict(again))
-    assert (skip.pulled_tokens, skip.skipped, skip.pin_lease) == (0, "nothing_to_pull", None)
+    assert (skip.pulled_tokens, skip.skipped, skip.admission_pin) == (0, "nothing_to_pull", None)
     assert P.kvt.leases() == []
 
 
@@ -323,12 +323,12 @@ def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer:
         r = _turn2(frozen, "frozen", prompt2, d1["params"])
         assert time.monotonic() - t0 < 10.0
         assert (r["fallback"], r["pulled"], r["computed"], r["tokens"]) == ("transfer_timeout", 0, len(prompt2), expected)
-        assert frozen.kvt.fallbacks["transfer_timeout"] == 1
+        assert frozen.kvt.puller.fallbacks["transfer_timeout"] == 1
         os.kill(child.proc.pid, signal.SIGCONT)
         # no page leaks: a READ NIXL could not cancel keeps its pages out of use until it ends
         deadline = time.monotonic() + 10.0
         while frozen.kvt.nixl.num_stuck and time.monotonic() < deadline:
-            frozen.kvt.reap()
+            frozen.kvt.puller.reap()
             time.sleep(0.05)
         assert frozen.kvt.nixl.num_stuck == 0 and frozen.engine.pool.num_owned == 0
 

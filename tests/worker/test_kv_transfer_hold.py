@@ -16,8 +16,11 @@ import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine, RequestOutput
-from kvserving.worker.kv_transfer import HOLD_LEASE_PREFIX, KVTransfer, LeaseMismatchError, PullResult
-from kvserving.worker.kv_wire import KVTransferParams, lease_digest
+from kvserving.worker.kv.leases import HoldRecord, LeaseMismatchError, PinKind
+from kvserving.worker.kv.puller import PullResult
+from kvserving.worker.kv.transfer import KVTransfer
+from kvserving.worker.kv.leases import lease_digest
+from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.peers import PeerSet
 from kvserving.worker.sampling import SamplingParams
 
@@ -36,7 +39,7 @@ def _run(kvt: KVTransfer, rid: str, ids: list[int], gen: int, *, retain: bool = 
          key: str | None = None) -> RequestOutput:
     kvt.engine.add_request(rid, ids, SamplingParams(max_tokens=gen, ignore_eos=True),
                            retain=kvt.retain_spec(conversation_key=key, input_ids=ids) if retain else None,
-                           pin_lease=pull.pin_lease if pull else None)
+                           admission_pin=pull.admission_pin if pull else None)
     while True:
         for out in kvt.engine.step():
             if out.request_id == rid and out.finished:
@@ -98,7 +101,7 @@ def pair(tiny_model_dir: Path) -> Iterator[Pair]:
 
 
 def _holds(kvt: KVTransfer) -> list[str]:
-    return [lid for lid in kvt.engine.pool.lease_ids() if lid.startswith(HOLD_LEASE_PREFIX)]
+    return [pin.pin_id for pin in kvt.engine.pool.pins() if isinstance(pin.record, HoldRecord)]
 
 
 def _wait_no_holds(kvt: KVTransfer) -> None:
@@ -127,7 +130,7 @@ def test_hold_checks_the_offered_pages_and_pins_them(pair: Pair) -> None:
         d.hold(kept.lease_id, digest=digest, hold_s=0.0)
     assert all(pool.ref_count(pid) == 1 for pid in kept.page_ids)  # nothing refused took a ref
     reply = d.hold(kept.lease_id, digest=digest, hold_s=5.0)
-    assert reply["hold_id"].startswith(HOLD_LEASE_PREFIX)
+    assert reply["hold_id"].startswith(PinKind.HOLD.value) and _holds(d) == [reply["hold_id"]]
     assert (reply["engine_id"], reply["generation"]) == (d.engine_id, d.generation)
     assert all(pool.ref_count(pid) == 2 for pid in kept.page_ids)
     # the lease goes (released, reclaimed under pressure): the held pages stay owned, never reused
@@ -183,8 +186,8 @@ def test_a_late_hold_reads_nothing(tiny_model_dir: Path) -> None:
         assert po.retained is not None
         pair.slow_hold_s = 0.3
         res = p.pull(_ids(150, 3)[:144] + [5], None, d.params_for(po.retained))
-        assert (res.fallback, res.pulled_tokens, res.pin_lease) == ("transfer_timeout", 0, None)
-        assert p.engine.pool.num_owned == 0 and p.pulls == 0
+        assert (res.fallback, res.pulled_tokens, res.admission_pin) == ("transfer_timeout", 0, None)
+        assert p.engine.pool.num_owned == 0 and p.puller.pulls == 0
         _wait_no_holds(d)
     finally:
         pair.close()
@@ -199,7 +202,7 @@ def test_hold_from_another_incarnation_is_a_stale_agent(pair: Pair) -> None:
             pair.generation_override = d.generation + 1
         res = p.pull(_ids(150, seed)[:144] + [5], None, d.params_for(kept))
         assert res.fallback == (None if k == 0 else "stale_agent")
-        p.drop_pin(res)  # (its request never comes)
+        p.drop_admission(res)  # (its request never comes)
     assert pair.calls["agent"] == 2  # the second pull fetched the agent again before giving up
     _wait_no_holds(d)
     assert p.engine.pool.num_owned == 0
@@ -212,5 +215,5 @@ def test_forged_params_read_nothing(pair: Pair) -> None:
     params = d.params_for(kept[0])
     forged = KVTransferParams.from_dict(dict(params.to_dict(), page_ids=list(kept[1].page_ids)))
     res = p.pull(_ids(150, 6)[:144] + [5], None, forged)
-    assert (res.fallback, res.pulled_tokens, res.pin_lease) == ("hash_mismatch", 0, None)
+    assert (res.fallback, res.pulled_tokens, res.admission_pin) == ("hash_mismatch", 0, None)
     assert p.engine.pool.num_owned == 0 and _holds(d) == []

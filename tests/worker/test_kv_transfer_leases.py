@@ -16,8 +16,8 @@ import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine, RequestOutput
-from kvserving.worker.kv_transfer import KVTransfer
-from kvserving.worker.leases import RetainSpec
+from kvserving.worker.kv.transfer import KVTransfer
+from kvserving.worker.kv.leases import RetainSpec, pin_for_admission
 from kvserving.worker.sampling import SamplingParams
 
 
@@ -144,15 +144,15 @@ def test_both_worker_reuses_its_own_retained_conversation(decode: KVTransfer) ->
     assert _tokens["b2"] == fresh
 
 
-def test_pull_pin_is_released_on_abort(decode: KVTransfer) -> None:
+def test_admission_pin_is_released_on_abort(decode: KVTransfer) -> None:
     pool = decode.engine.pool
     pages = pool.allocate([4, 4])
     assert pages is not None
-    pool.pin("pull-x", pages, ttl_s=30.0)
+    pin = pin_for_admission(pool, pages, pulled=pages, ttl_s=30.0)
     pool.free(pages)
-    decode.engine.add_request("ab", _ids(40, 8), SamplingParams(max_tokens=2), pin_lease="pull-x")
+    decode.engine.add_request("ab", _ids(40, 8), SamplingParams(max_tokens=2), admission_pin=pin)
     decode.engine.abort("ab")
-    assert "pull-x" not in pool.lease_ids() and pool.num_owned == 0
+    assert pool.pin_ids() == [] and pool.num_owned == 0
 
 
 def test_a_pull_reclaims_retained_conversations_when_the_pool_is_full(decode: KVTransfer) -> None:
@@ -168,10 +168,10 @@ def test_a_pull_reclaims_retained_conversations_when_the_pool_is_full(decode: KV
         n += 1
     free_before = pool.num_free_pages(bits=4)  # allocate can give this much without a lease going
     want = free_before + 7  # more than the free list and the evictable cache can give
-    before = pool.reclaimed_leases
-    got = decode.allocate_for_pull([4] * want)
+    before = pool.reclaimed_pins
+    got = decode.puller.allocate_for_pull([4] * want)
     assert got is not None and len(got) == want
-    reclaimed = pool.reclaimed_leases - before
+    reclaimed = pool.reclaimed_pins - before
     assert reclaimed >= 1
     held = {le["lease_id"] for le in decode.leases()}
     assert held == set(leases[reclaimed:])  # the oldest retained conversations went first

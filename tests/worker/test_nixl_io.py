@@ -13,9 +13,9 @@ import torch
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, ServingConfig
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_transfer import KVTransfer
-from kvserving.worker.kv_wire import KVTransferParams, layout_hash, weights_identity
-from kvserving.worker.nixl_io import NixlIO, PageGeometry, TransferError, merge_spans, page_runs
+from kvserving.worker.kv.transfer import KVTransfer
+from kvserving.worker.kv.protocol import KVTransferParams, layout_hash, weights_identity
+from kvserving.worker.kv.nixl_io import NixlIO, PageGeometry, TransferError, merge_spans, page_runs
 from kvserving.worker.sampling import SamplingParams
 
 GEO = PageGeometry(page_bytes=256, int2_page_bytes=128, total_bytes=4096)
@@ -172,16 +172,16 @@ def test_auto_threshold_pulls_only_when_predicted_faster(tiny_model_dir: Path) -
     eng = _engine(tiny_model_dir, recompute_threshold_tokens="auto")
     kvt = KVTransfer(eng, eng.config.reuse, engine_id="auto-1", agent_url="http://127.0.0.1:1")
     try:
-        assert kvt.prefill_tokens_per_s is None and kvt.transfer_bytes_per_s is None
+        assert kvt.puller.prefill_tokens_per_s is None and kvt.puller.transfer_bytes_per_s is None
         # unmeasured: the seed threshold of 64 tokens
-        assert not kvt.worth_pulling(48, 10**6) and kvt.worth_pulling(64, 10**6)
+        assert not kvt.puller.worth_pulling(48, 10**6) and kvt.puller.worth_pulling(64, 10**6)
         eng.generate([list(range(10, 200))], SamplingParams(max_tokens=1))
-        tps = kvt.prefill_tokens_per_s
+        tps = kvt.puller.prefill_tokens_per_s
         assert tps is not None and tps > 0
-        kvt._measure(10**6, 1e-3, 1e-3)  # 1 GB/s, 1 ms overhead per pull
-        assert kvt.transfer_bytes_per_s == pytest.approx(1e9)
+        kvt.puller.measure(10**6, 1e-3, 1e-3)  # 1 GB/s, 1 ms overhead per pull
+        assert kvt.puller.transfer_bytes_per_s == pytest.approx(1e9)
         # pull 16 tokens when the recompute takes longer than 1 ms + bytes / 1 GB/s
-        assert kvt.worth_pulling(16, 1000) == (16 / tps > 1e-3 + 1e-6)
-        assert not kvt.worth_pulling(16, 10**12)  # 1000 s of transfer never pays
+        assert kvt.puller.worth_pulling(16, 1000) == (16 / tps > 1e-3 + 1e-6)
+        assert not kvt.puller.worth_pulling(16, 10**12)  # 1000 s of transfer never pays
     finally:
         kvt.close()

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from kvserving.worker.page_pool import HASH_BITS, RECLAIM_FIRST, RECLAIM_LAST, PagePool, chain_hashes
+from kvserving.worker.kv.page_pool import HASH_BITS, RECLAIM_FIRST, RECLAIM_LAST, PagePool, chain_hashes
 
 
 class FakeClock:
@@ -170,7 +170,7 @@ def test_a_salt_changes_the_first_hash_and_so_the_whole_chain() -> None:
 
 
 def test_chain_hashes_same_in_another_process() -> None:
-    code = "from kvserving.worker.page_pool import chain_hashes; print(chain_hashes(list(range(10, 17)), 2, [1] * 7))"
+    code = "from kvserving.worker.kv.page_pool import chain_hashes; print(chain_hashes(list(range(10, 17)), 2, [1] * 7))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == str(chain_hashes(list(range(10, 17)), 2, [1] * 7))
 
@@ -284,7 +284,7 @@ def test_allocate_prefers_free_pages_over_evicting_cached_ones() -> None:
     assert pool.lookup(5) is None
 
 
-# -- leases --------------------------------------------------------------------------------
+# -- pins ----------------------------------------------------------------------------------
 
 
 def test_evicting_ahead_frees_a_run_for_the_pages_a_sequence_expects() -> None:
@@ -316,26 +316,26 @@ def test_pinned_pages_are_never_evicted_until_expiry() -> None:
     pool.register(0, 10)
     pool.register(1, 11)
     assert pool.pin("conv-1", ids, ttl_s=30) == 130.0
-    pool.free(ids)  # the sequence ends; the lease keeps the pages
+    pool.free(ids)  # the sequence ends; the pin keeps the pages
     assert refs(pool) == [1, 1, 0, 0]
-    assert pool.page(0).leases == ["conv-1"]
-    assert pool.lease_pages("conv-1") == [0, 1]
+    assert pool.page(0).pins == ["conv-1"]
+    assert pool.pin_pages("conv-1") == [0, 1]
     assert pool.num_free == 2
     assert pool.allocate([4] * 3) is None
     assert pool.allocate([4] * 2) == [2, 3]
     clock.t = 129.9
-    assert pool.expire_leases() == []
+    assert pool.expire_pins() == []
     assert refs(pool) == [1, 1, 1, 1]
     clock.t = 130.0
-    assert pool.expire_leases() == ["conv-1"]
+    assert pool.expire_pins() == ["conv-1"]
     assert refs(pool) == [0, 0, 1, 1]
     assert pool.cached_page_ids() == [1, 0]
-    assert pool.page(0).leases == []
-    assert pool.lease_ids() == []
+    assert pool.page(0).pins == []
+    assert pool.pin_ids() == []
     assert pool.allocate([4] * 1) == [1]  # now evictable
 
 
-def test_reclaim_one_releases_retained_leases_first_then_pins_earliest_expiry_first() -> None:
+def test_reclaim_one_releases_retained_conversations_first_then_admission_pins_earliest_expiry_first() -> None:
     pool, clock = make_pool(8)
     ids = pool.allocate([4] * 8)
     assert ids == [0, 1, 2, 3, 4, 5, 6, 7]
@@ -349,15 +349,15 @@ def test_reclaim_one_releases_retained_leases_first_then_pins_earliest_expiry_fi
     pool.free(ids)
     assert pool.num_free == 0 and pool.allocate([4] * 1) is None
     assert pool.reclaim_one() == "conv-early"
-    assert pool.lease_ids() == ["hard", "pin", "conv-late"]
+    assert pool.pin_ids() == ["hard", "pin", "conv-late"]
     assert refs(pool) == [1, 1, 1, 1, 0, 0, 1, 1]
     assert pool.cached_page_ids() == [5, 4]  # back in the prefix cache, tail first
     assert pool.lookup(14) == 4  # hashes kept: a later request can still match them
     assert pool.reclaim_one() == "conv-late"
     assert pool.reclaim_one() == "pin"
-    assert pool.reclaim_one() is None  # only the hard lease is left
-    assert pool.reclaimed_leases == 3
-    assert pool.lease_ids() == ["hard"]
+    assert pool.reclaim_one() is None  # only the hard pin is left
+    assert pool.reclaimed_pins == 3
+    assert pool.pin_ids() == ["hard"]
     with pytest.raises(ValueError, match="reclaim must be one of"):
         pool.pin("bad", [0], ttl_s=1, reclaim=3)
 
@@ -369,11 +369,23 @@ def test_unhashed_pinned_pages_return_to_the_free_list_on_release() -> None:
     pool.pin("b", [1], ttl_s=5)
     pool.free([0, 1])
     assert refs(pool) == [1, 2, 0, 0]
-    assert pool.page(1).leases == ["a", "b"]
+    assert pool.page(1).pins == ["a", "b"]
     pool.release("a")
     assert refs(pool) == [0, 1, 0, 0]
-    assert pool.page(1).leases == ["b"]
+    assert pool.page(1).pins == ["b"]
     assert pool.allocate([4] * 1) == [0]
+
+
+def test_a_pin_keeps_its_makers_record_and_the_pool_lists_pins_in_order() -> None:
+    pool, _ = make_pool(4)
+    assert pool.allocate([4] * 2) == [0, 1]
+    record = object()
+    pool.pin("a", [0], ttl_s=5, record=record)
+    pool.pin("b", [1], ttl_s=5)
+    assert [(p.pin_id, p.page_ids, p.record) for p in pool.pins()] == [("a", (0,), record), ("b", (1,), None)]
+    assert pool.get_pin("a") is pool.pins()[0] and pool.get_pin("nope") is None
+    pool.release("a")
+    assert pool.get_pin("a") is None and pool.pin_ids() == ["b"]
 
 
 def test_renew_extends_and_expiry_order() -> None:
@@ -384,25 +396,25 @@ def test_renew_extends_and_expiry_order() -> None:
     pool.pin("c", [2], ttl_s=20)
     clock.t = 104.0
     assert pool.renew("b", ttl_s=10) == 114.0
-    assert pool.lease_expires_at("b") == 114.0
+    assert pool.pin_expires_at("b") == 114.0
     clock.t = 115.0
-    assert pool.expire_leases() == ["a", "b"]  # earliest expiry first
-    assert pool.lease_ids() == ["c"]
+    assert pool.expire_pins() == ["a", "b"]  # earliest expiry first
+    assert pool.pin_ids() == ["c"]
     clock.t = 120.0
     with pytest.raises(ValueError, match="expired"):
         pool.renew("c", ttl_s=10)
-    assert pool.expire_leases() == ["c"]
+    assert pool.expire_pins() == ["c"]
 
 
-def test_lease_errors() -> None:
+def test_pin_errors() -> None:
     pool, _ = make_pool(4)
     assert pool.allocate([4] * 1) == [0]
-    with pytest.raises(ValueError, match="unknown lease 'nope'"):
+    with pytest.raises(ValueError, match="unknown pin 'nope'"):
         pool.release("nope")
-    with pytest.raises(ValueError, match="unknown lease"):
+    with pytest.raises(ValueError, match="unknown pin"):
         pool.renew("nope", ttl_s=1)
-    with pytest.raises(ValueError, match="unknown lease"):
-        pool.lease_pages("nope")
+    with pytest.raises(ValueError, match="unknown pin"):
+        pool.pin_pages("nope")
     with pytest.raises(ValueError, match="ttl_s"):
         pool.pin("x", [0], ttl_s=0)
     with pytest.raises(ValueError, match="is free"):
@@ -412,14 +424,14 @@ def test_lease_errors() -> None:
     with pytest.raises(ValueError, match="already exists"):
         pool.pin("x", [0], ttl_s=1)
     pool.release("x")
-    with pytest.raises(ValueError, match="unknown lease"):
+    with pytest.raises(ValueError, match="unknown pin"):
         pool.release("x")
     assert refs(pool) == [1, 0, 0, 0]
 
 
 def test_pool_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, kvserving.kernels.page_ids, kvserving.worker.page_pool, kvserving.worker.triaxial_pool,"
+        "import sys, kvserving.kernels.page_ids, kvserving.worker.kv.page_pool, kvserving.worker.triaxial_pool,"
         " kvserving.worker.precision;"
         "print('torch' in sys.modules)"
     )

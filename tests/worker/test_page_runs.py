@@ -13,8 +13,8 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from kvserving.worker.kv_manager import KVCacheManager
-from kvserving.worker.page_pool import PagePool
+from kvserving.worker.kv.manager import KVCacheManager
+from kvserving.worker.kv.page_pool import PagePool
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.sequence import Sequence
 

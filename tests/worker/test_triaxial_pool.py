@@ -166,7 +166,7 @@ def test_prefix_cache_and_leases_work_on_int2_pages() -> None:
     assert free_counts(pool) == (4, 8)
     assert pool.allocate([4] * 5) is None
     clock.t = 10.0
-    assert pool.expire_leases() == ["conv"]
+    assert pool.expire_pins() == ["conv"]
     assert pool.cached_page_ids() == [F | 1, F | 0]
     assert pool.match_prefix(hashes) == [F | 0, F | 1]
     assert [pool.ref_count(p) for p in ids] == [1, 1]

@@ -1,5 +1,5 @@
 """The KV page pool: page ids, ref counts, free list, prefix hashes, LRU eviction
-and lease pins -- the pure-Python bottom layer of the KV cache (STYLE.md item 6:
+and pins -- the pure-Python bottom layer of the KV cache (STYLE.md item 6:
 no torch, no bytes; the storage layer maps page ids to bytes).
 
 A page is in one of three states::
@@ -63,13 +63,16 @@ each end of its buffer, see ``_Region``):
 - **register** keeps the first page registered under a hash: a second page with
   the same content (two sequences computed the same prefix at once) stays
   unhashed and returns to the free list when freed.
-- **Leases** take one ref per page, so a pinned page is never evicted; a lease
-  is valid while ``clock() < expires_at``. ``expire_leases`` releases the rest
-  (earliest expiry first) and the engine calls it every step.
-- **Reclaimable leases yield to live requests.** A lease pinned with
+- **Pins** take one ref per page, so a pinned page is never evicted; a pin
+  is valid while ``clock() < expires_at``. ``expire_pins`` releases the rest
+  (earliest expiry first) and the engine calls it every step. The pool's pin
+  table is the only one: a pin's ``record`` is what the layer that made it
+  keeps with it (``kv/leases.py``: a lease, a hold, an admission pin); the
+  pool never reads it.
+- **Reclaimable pins yield to live requests.** A pin made with
   ``reclaim=RECLAIM_FIRST`` (a decode worker's retained conversation) or
   ``RECLAIM_LAST`` (pulled pages waiting for their request's admission) may
-  be released before it expires: ``reclaim_one`` drops the reclaimable lease
+  be released before it expires: ``reclaim_one`` drops the reclaimable pin
   of the lowest class, earliest expiry first (the least recently active
   conversation), and the KV manager calls it when an allocation fails, before
   it gives up or preempts. Retained KV and pulled pages are bets on a next
@@ -90,7 +93,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-# Which leases ``reclaim_one`` may release before they expire, lowest class first.
+# Which pins ``reclaim_one`` may release before they expire, lowest class first.
 RECLAIM_NEVER = 0  # transfer holds a peer is about to READ, tests' pins
 RECLAIM_FIRST = 1  # retained conversations (a bet on a next turn)
 RECLAIM_LAST = 2  # pulled pages pinned until their request is admitted
@@ -109,15 +112,19 @@ class Page:
     ref_count: int = 1
     hash: int | None = None
     last_used: float = 0.0
-    leases: list[str] = field(default_factory=list)  # leases pinning it (each holds one ref), in pin order
+    pins: list[str] = field(default_factory=list)  # pins holding it (each holds one ref), in pin order
 
 
 @dataclass(slots=True)
-class Lease:
-    lease_id: str
+class Pin:
+    """Refs on pages until ``expires_at``. ``record``: what the pin's maker keeps with it
+    (the pool never reads it), so a layer above needs no table of its own."""
+
+    pin_id: str
     page_ids: tuple[int, ...]
     expires_at: float
     reclaim: int = 0  # RECLAIM_*: may be released before expiry when pages run out (and in which order)
+    record: object = None
 
 
 def chain_hashes(
@@ -320,7 +327,7 @@ class _Runs(_Region):
 
 
 class PagePoolBase:
-    """Ref counts, prefix hashes, LRU and leases over one or more ``_Region``s.
+    """Ref counts, prefix hashes, LRU and pins over one or more ``_Region``s.
 
     Subclasses own the regions and allocation; every other operation is here.
     ``precisions`` says which page precisions (bits) a pool stores: callers ask
@@ -335,10 +342,10 @@ class PagePoolBase:
         self._clock = clock
         self._pages: dict[int, Page] = {}  # live pages (owned or cached) by id
         self._by_hash: dict[int, int] = {}  # page hash -> page id
-        self._leases: dict[str, Lease] = {}
+        self._pins: dict[str, Pin] = {}
         self._regions: tuple[_Region, ...] = ()
         self.evicted_pages = 0  # cached pages forgotten to make room, ever (a counter)
-        self.reclaimed_leases = 0  # reclaimable leases released early to make room (a counter)
+        self.reclaimed_pins = 0  # reclaimable pins released early to make room (a counter)
 
     chain_hashes = staticmethod(chain_hashes)
 
@@ -504,81 +511,87 @@ class PagePoolBase:
         self.incref(matched)
         return matched
 
-    # -- leases -----------------------------------------------------------------------------
-    def _lease(self, lease_id: str) -> Lease:
-        lease = self._leases.get(lease_id)
-        if lease is None:
-            raise ValueError(f"unknown lease {lease_id!r}")
-        return lease
+    # -- pins -----------------------------------------------------------------------------
+    def _pin(self, pin_id: str) -> Pin:
+        pin = self._pins.get(pin_id)
+        if pin is None:
+            raise ValueError(f"unknown pin {pin_id!r}")
+        return pin
 
     def pin(
-        self, lease_id: str, page_ids: Sequence[int], *, ttl_s: float, reclaim: int = RECLAIM_NEVER,
-        reclaimable: bool = False,
+        self, pin_id: str, page_ids: Sequence[int], *, ttl_s: float, reclaim: int = RECLAIM_NEVER,
+        record: object = None,
     ) -> float:
-        """Pin ``page_ids`` under a new lease (one ref each) until ``ttl_s`` from now; returns expires_at.
+        """Pin ``page_ids`` under a new pin (one ref each) until ``ttl_s`` from now; returns expires_at.
         ``reclaim`` (``RECLAIM_*``): whether and when ``reclaim_one`` may release it early;
-        ``reclaimable=True`` is short for ``reclaim=RECLAIM_FIRST``."""
-        if reclaimable and reclaim == RECLAIM_NEVER:
-            reclaim = RECLAIM_FIRST
+        ``record``: kept with the pin for its maker (``Pin.record``)."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         if reclaim not in RECLAIM_CLASSES:
             raise ValueError(f"reclaim must be one of {RECLAIM_CLASSES}, got {reclaim!r}")
-        if lease_id in self._leases:
-            raise ValueError(f"lease {lease_id!r} already exists; renew it instead")
+        if pin_id in self._pins:
+            raise ValueError(f"pin {pin_id!r} already exists; renew it instead")
         self.incref(page_ids)
         expires_at = self._clock() + ttl_s
-        self._leases[lease_id] = Lease(lease_id, tuple(page_ids), expires_at, reclaim)
+        self._pins[pin_id] = Pin(pin_id, tuple(page_ids), expires_at, reclaim, record)
         for pid in page_ids:
-            self._pages[pid].leases.append(lease_id)
+            self._pages[pid].pins.append(pin_id)
         return expires_at
 
-    def renew(self, lease_id: str, *, ttl_s: float) -> float:
-        """Move a live lease's expiry to ``ttl_s`` from now; an expired one cannot come back."""
+    def renew(self, pin_id: str, *, ttl_s: float) -> float:
+        """Move a live pin's expiry to ``ttl_s`` from now; an expired one cannot come back."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        lease = self._lease(lease_id)
+        pin = self._pin(pin_id)
         now = self._clock()
-        if lease.expires_at <= now:
-            raise ValueError(f"lease {lease_id!r} expired at {lease.expires_at}")
-        lease.expires_at = now + ttl_s
-        return lease.expires_at
+        if pin.expires_at <= now:
+            raise ValueError(f"pin {pin_id!r} expired at {pin.expires_at}")
+        pin.expires_at = now + ttl_s
+        return pin.expires_at
 
-    def release(self, lease_id: str) -> None:
-        """Drop a lease's refs (its pages become cached or free unless others hold them)."""
-        lease = self._lease(lease_id)
-        del self._leases[lease_id]
-        for pid in lease.page_ids:
-            self._pages[pid].leases.remove(lease_id)
-        self.free(lease.page_ids)
+    def release(self, pin_id: str) -> None:
+        """Drop a pin's refs (its pages become cached or free unless others hold them)."""
+        pin = self._pin(pin_id)
+        del self._pins[pin_id]
+        for pid in pin.page_ids:
+            self._pages[pid].pins.remove(pin_id)
+        self.free(pin.page_ids)
 
-    def expire_leases(self) -> list[str]:
-        """Release every lease with ``expires_at <= clock()``; their ids, earliest expiry first."""
+    def expire_pins(self) -> list[str]:
+        """Release every pin with ``expires_at <= clock()``; their ids, earliest expiry first."""
         now = self._clock()
-        expired = sorted((le for le in self._leases.values() if le.expires_at <= now), key=lambda le: le.expires_at)
-        for lease in expired:
-            self.release(lease.lease_id)
-        return [lease.lease_id for lease in expired]
+        expired = sorted((pin for pin in self._pins.values() if pin.expires_at <= now), key=lambda pin: pin.expires_at)
+        for pin in expired:
+            self.release(pin.pin_id)
+        return [pin.pin_id for pin in expired]
 
     def reclaim_one(self) -> str | None:
-        """Release the reclaimable lease of the lowest ``reclaim`` class, earliest expiry first;
+        """Release the reclaimable pin of the lowest ``reclaim`` class, earliest expiry first;
         its id, or None if there is none."""
-        candidates = [le for le in self._leases.values() if le.reclaim != RECLAIM_NEVER]
+        candidates = [pin for pin in self._pins.values() if pin.reclaim != RECLAIM_NEVER]
         if not candidates:
             return None
-        lease = min(candidates, key=lambda le: (le.reclaim, le.expires_at))
-        self.release(lease.lease_id)
-        self.reclaimed_leases += 1
-        return lease.lease_id
+        pin = min(candidates, key=lambda pin: (pin.reclaim, pin.expires_at))
+        self.release(pin.pin_id)
+        self.reclaimed_pins += 1
+        return pin.pin_id
 
-    def lease_pages(self, lease_id: str) -> list[int]:
-        return list(self._lease(lease_id).page_ids)
+    def get_pin(self, pin_id: str) -> Pin | None:
+        """The live pin (read it, don't change it); None when there is none of that id."""
+        return self._pins.get(pin_id)
 
-    def lease_expires_at(self, lease_id: str) -> float:
-        return self._lease(lease_id).expires_at
+    def pins(self) -> list[Pin]:
+        """Every live pin, in the order they were made (read them, don't change them)."""
+        return list(self._pins.values())
 
-    def lease_ids(self) -> list[str]:
-        return list(self._leases)
+    def pin_pages(self, pin_id: str) -> list[int]:
+        return list(self._pin(pin_id).page_ids)
+
+    def pin_expires_at(self, pin_id: str) -> float:
+        return self._pin(pin_id).expires_at
+
+    def pin_ids(self) -> list[str]:
+        return list(self._pins)
 
 
 class PagePool(PagePoolBase):

@@ -1,8 +1,8 @@
 """Per-sequence KV page policy above the pool: prefix matching, page precision,
 allocation for the next tokens, publishing full pages, freeing.
 
-The pool (``page_pool``) knows page ids, ref counts, hashes and leases; the
-storage (``kv_storage``) knows bytes. This layer knows sequences.
+The pool (``page_pool``) knows page ids, ref counts, hashes and pins; the
+storage (``storage``) knows bytes. This layer knows sequences.
 
 Age-down (triaxial): a page is stored at the precision its tokens' tags asked
 for when it was computed, and in an agent conversation every token is computed
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from kvserving.kernels.page_ids import page_id_bits
-from kvserving.worker.page_pool import PagePoolBase
+from kvserving.worker.kv.page_pool import PagePoolBase
 from kvserving.worker.precision import page_bits
 from kvserving.worker.sequence import Sequence
 from kvserving.worker.triaxial_pool import TriaxialPagePool

@@ -7,8 +7,8 @@ that choose a pool and a bits table, and everything above asks the pool
 (``pool.precisions``, ``pool.allocate(page_bits)``) instead.
 
 Pages for KV transfer: ``import_pages`` and ``register`` receive pulled KV;
-leases (``pool.pin`` / ``renew`` / ``release``) and what a finished request
-keeps are ``worker/leases.py``'s.
+what keeps pages past their request (leases, holds, admission pins: pins of
+the pool) is ``kv/leases.py``'s.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from kvserving.bits import bits_table_for_budget, default_stored_bits, format_bi
 from kvserving.calibration import Calibration
 from kvserving.config import KVCacheConfig
 from kvserving.tags import validate_bits_table
-from kvserving.worker.kv_manager import KVCacheManager
-from kvserving.worker.kv_storage import KVShape, KVStorage
-from kvserving.worker.page_pool import PagePool, PagePoolBase
+from kvserving.worker.kv.manager import KVCacheManager
+from kvserving.worker.kv.storage import KVShape, KVStorage
+from kvserving.worker.kv.page_pool import PagePool, PagePoolBase
 from kvserving.worker.triaxial_pool import TriaxialPagePool
 
 # KV budget on a machine without a GPU when the config names no byte count.

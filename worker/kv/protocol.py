@@ -1,21 +1,20 @@
 """What workers say to each other about KV pages, apart from the engine state behind it:
-``kv_transfer_params`` (the wire form, checked field by field), the digest a hold compares,
-the layout identity two workers must share for a page to mean the same (``layout_hash``), and
-the pooled HTTP client a puller calls its sender with (DESIGN.md, Worker; docs/worker-api.md).
-``kv_transfer.KVTransfer`` is their user."""
+``kv_transfer_params`` (the wire form, checked field by field), the layout identity two
+workers must share for a page to mean the same (``layout_hash``), and the pooled HTTP
+client a puller calls its sender with (DESIGN.md, Worker; docs/worker-api.md). The digest
+a hold compares is ``leases.lease_digest``."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import math
-import struct
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from kvserving.worker.engine import LLMEngine
+if TYPE_CHECKING:
+    from kvserving.worker.engine import LLMEngine
 
 MAX_PAGES = 1 << 20
 HTTP_TIMEOUT_S = 2.0
@@ -143,16 +142,6 @@ def layout_hash(engine: LLMEngine, *, weights_id: str | None = None) -> str:
     info["weights"] = weights_id if weights_id is not None else weights_identity(engine.config.model.path)
     info["bits_table"] = list(engine.kv.bits_table) if engine.kv.bits_table is not None else None
     return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def lease_digest(page_ids: Sequence[int], page_hashes: Sequence[int], num_tokens: int) -> str:
-    """What a hold compares instead of shipping the page lists back: blake2b-128 over the
-    lease's page ids, page hashes and token count (equal digests = equal lists)."""
-    h = hashlib.blake2b(digest_size=16, person=b"kvserving.lease")
-    h.update(struct.pack("<qq", len(page_ids), num_tokens))
-    h.update(struct.pack(f"<{len(page_ids)}q", *page_ids))
-    h.update(struct.pack(f"<{len(page_hashes)}q", *page_hashes))
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------- HTTP defaults

@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_transfer import KVTransfer, LeaseMismatchError
+from kvserving.worker.kv.leases import LeaseMismatchError
+from kvserving.worker.kv.transfer import KVTransfer
 from kvserving.worker.peers import PeerSet
 
 
