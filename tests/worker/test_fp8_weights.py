@@ -353,6 +353,22 @@ def test_tiny_model_cli_writes_an_8b_fp8_config(tmp_path: Path, capsys: pytest.C
     assert read_quantization(config) == Fp8Scheme("fp8_block") and not list(out.glob("*.safetensors"))
 
 
+def test_the_operator_renders_the_weight_format_the_crd_admits() -> None:
+    import yaml
+
+    from kvserving.config import WEIGHT_FORMATS
+    from kvserving.operator.spec import parse_spec
+
+    crd = yaml.safe_load((Path(__file__).resolve().parents[2] / "crds" / "kvserving.yaml").read_text())
+    model = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["model"]
+    assert model["properties"]["weightFormat"]["enum"] == list(WEIGHT_FORMATS)
+    assert model["properties"]["weightFormat"]["default"] == "auto"
+    assert parse_spec({}).serving.model.weight_format == "auto"
+    assert parse_spec({"model": {"weightFormat": "fp8_block"}}).serving.model.weight_format == "fp8_block"
+    with pytest.raises(ValueError, match="model.weight_format"):
+        parse_spec({"model": {"weightFormat": "int4"}})
+
+
 # -- GPU ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "triton"])
