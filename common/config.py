@@ -16,6 +16,9 @@ from typing import Any
 KV_DTYPES = ("bf16", "fp8_e4m3", "nvfp4", "triaxial")
 ROLES = ("prefill", "decode", "both")
 LOAD_FORMATS = ("auto", "dummy")
+# "auto": what the checkpoint stores (config.json's quantization_config; unquantized without one);
+# "bf16": the model dtype; "fp8": E4M3 with a scale per tensor; "fp8_block": per 128x128 tile.
+WEIGHT_FORMATS = ("auto", "bf16", "fp8", "fp8_block")
 GLOBAL_SCALE_MODES = ("static", "calibrated")
 # Default page size per KV dtype (DESIGN.md, Worker): triaxial pages are 32
 # tokens because INT2 keys are quantized per channel over a page.
@@ -42,8 +45,13 @@ class ModelConfig:
     # built on the device from config.json alone (real-shape benchmarks; nothing read).
     load_format: str = "auto"
     seed: int = 0  # of the dummy weights: every process of a deployment draws the same
+    # Weights as stored by default; an FP8 format here quantizes a bf16 checkpoint or the dummy
+    # weights at load, and must match an FP8 checkpoint's own.
+    weight_format: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"model.weight_format must be one of {list(WEIGHT_FORMATS)}, got {self.weight_format!r}")
         if not self.served_name:
             raise ValueError("model.served_name must not be empty")
         if self.load_format not in LOAD_FORMATS:

@@ -17,6 +17,16 @@ zero for head_dim a multiple of 32 and page sizes of 16 or 32).
 
 A bit budget B is the average code width on the 2/4-bit scale,
 ``B = 2 f + 4 (1 - f)``, so ``f = (4 - B) / 2``; B = 2.7 gives f = 0.65.
+
+Weights share the GPU with the KV: with ``--weights FORMAT`` the budget is the GPU's memory
+less the model's weights (``decode_weight_bytes`` plus the embedding table), per linear layer
+
+    bf16        2 bytes per weight
+    fp8         1 byte per weight + one fp32 scale per output row (merged q/k/v, gate/up keep
+                each checkpoint tensor's own scale on its rows)
+    fp8_block   1 byte per weight + one fp32 scale per 128x128 tile
+
+Embedding, lm_head and norms stay in the model dtype, as FP8 checkpoints ship them.
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ _BITS_PER_VALUE = {"bf16": 16.0, "fp8_e4m3": 8.0, "nvfp4": 4.5}
 INT4_BITS_PER_VALUE = 5.0
 INT2_BITS_PER_VALUE = 3.0
 _HEAD_DIM_MULTIPLE = {"bf16": 1, "fp8_e4m3": 1, "nvfp4": 16, "triaxial": 32}
+WEIGHT_FORMATS = ("bf16", "fp8", "fp8_block")
+WEIGHT_BLOCK = 128
 
 
 def _positive_int(value: int, name: str) -> None:
@@ -58,6 +70,43 @@ def bytes_per_token(dtype: str, *, layers: int, kv_heads: int, head_dim: int, fr
         bits = _BITS_PER_VALUE[dtype]
     values = 2 * layers * kv_heads * head_dim  # K and V
     return values * bits / 8
+
+
+def linear_weight_bytes(n: int, k: int, weight_format: str, *, dtype_bytes: int = 2) -> int:
+    """Bytes of an [n, k] linear weight as stored (codes and scales; see the module docstring)."""
+    if weight_format == "bf16":
+        return n * k * dtype_bytes
+    if weight_format == "fp8":
+        return n * k + 4 * n
+    if weight_format == "fp8_block":
+        return n * k + 4 * math.ceil(n / WEIGHT_BLOCK) * math.ceil(k / WEIGHT_BLOCK)
+    raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+
+
+def decode_weight_bytes(
+    *, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
+    weight_format: str, dtype_bytes: int = 2, qk_norm: bool = True, tie_word_embeddings: bool = False,
+    qkv_bias: bool = False, o_bias: bool = False, mlp_bias: bool = False,
+) -> int:  # fmt: skip
+    """Weight bytes a decode step reads for a Llama/Qwen-style decoder: every layer's linear layers (merged
+    q/k/v and gate/up), biases and norms, the final norm and the lm_head; not the embedding table (a lookup
+    of a few rows), unless it is tied and so read whole as the lm_head."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    linears = (
+        linear_weight_bytes(q + 2 * kv, hidden, weight_format, dtype_bytes=dtype_bytes)
+        + linear_weight_bytes(hidden, q, weight_format, dtype_bytes=dtype_bytes)
+        + linear_weight_bytes(2 * intermediate, hidden, weight_format, dtype_bytes=dtype_bytes)
+        + linear_weight_bytes(hidden, intermediate, weight_format, dtype_bytes=dtype_bytes)
+    )
+    small = 2 * hidden + (2 * head_dim if qk_norm else 0)  # the two norms, q/k-norm
+    small += (q + 2 * kv) * qkv_bias + hidden * o_bias + (2 * intermediate + hidden) * mlp_bias
+    return layers * (linears + small * dtype_bytes) + (hidden + vocab * hidden) * dtype_bytes
+
+
+def model_weight_bytes(**shape: Any) -> int:
+    """All weight bytes a GPU holds: ``decode_weight_bytes`` plus the embedding table when it is not tied."""
+    extra = 0 if shape.get("tie_word_embeddings") else shape["vocab"] * shape["hidden"] * shape.get("dtype_bytes", 2)
+    return decode_weight_bytes(**shape) + extra
 
 
 def frac_int2_for_budget(bit_budget: float) -> float:
@@ -143,6 +192,7 @@ MAX_GPU_GIB = 1 << 20  # 1 PiB
 MAX_LAYERS = 1024
 MAX_KV_HEADS = 1024
 MAX_HEAD_DIM = 4096
+MAX_MODEL_DIM = 1 << 24
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -151,6 +201,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=8, help=f"KV heads per layer, 1..{MAX_KV_HEADS}")
     parser.add_argument("--head-dim", type=int, default=128, help=f"head dim, 1..{MAX_HEAD_DIM}")
     parser.add_argument("--bit-budget", type=float, default=2.7, help="triaxial average bits, 2..4")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
+                        help="--gpu-gib is the GPU's memory, and the model's weights in this format (shape: the "
+                             "flags above and below) take their share first; unset: --gpu-gib is all KV")
+    parser.add_argument("--hidden", type=int, default=4096, help="hidden size (with --weights)")
+    parser.add_argument("--intermediate", type=int, default=12288, help="MLP intermediate size (with --weights)")
+    parser.add_argument("--heads", type=int, default=32, help="query heads (with --weights)")
+    parser.add_argument("--vocab", type=int, default=151936, help="vocabulary (with --weights)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -164,13 +221,32 @@ def check_arguments(args: argparse.Namespace) -> None:
     ):
         if not 1 <= value <= high:
             raise ValueError(f"{flag} must be in 1..{high}, got {value}")
+    for flag, value in (("--hidden", args.hidden), ("--intermediate", args.intermediate), ("--heads", args.heads),
+                        ("--vocab", args.vocab)):  # fmt: skip
+        if not 1 <= value <= MAX_MODEL_DIM:
+            raise ValueError(f"{flag} must be in 1..{MAX_MODEL_DIM}, got {value}")
+
+
+def kv_gpu_bytes(args: argparse.Namespace) -> tuple[int, int]:
+    """(KV bytes, weight bytes) of the command line: all of --gpu-gib, or what the weights leave of it."""
+    total = max(1, int(args.gpu_gib * 2**30))
+    if args.weights is None:
+        return total, 0
+    weights = model_weight_bytes(
+        layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
+        kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab, weight_format=args.weights,
+    )  # fmt: skip
+    if weights >= total:
+        raise ValueError(f"the {args.weights} weights ({weights / 2**30:.2f} GiB) do not fit --gpu-gib {args.gpu_gib:g}")
+    return total - weights, weights
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         check_arguments(args)
+        kv_bytes, weights = kv_gpu_bytes(args)
         rows = capacity_rows(
-            gpu_bytes=max(1, int(args.gpu_gib * 2**30)),
+            gpu_bytes=kv_bytes,
             layers=args.layers,
             kv_heads=args.kv_heads,
             head_dim=args.head_dim,
@@ -182,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"KV cache per token: {args.layers} layers x {args.kv_heads} KV heads x head_dim {args.head_dim}, "
         f"K and V; tokens in {args.gpu_gib:g} GiB"
+        + ("" if args.weights is None else
+           f" less {weights / 2**30:.2f} GiB of {args.weights} weights ({kv_bytes / 2**30:.2f} GiB of KV)")
     )
     print(format_table(rows))
     return 0

@@ -174,6 +174,7 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
             path=model.get("path", ""),
             served_name=model.get("servedName", "kvserving-tiny"),
             max_model_len=model.get("maxModelLen"),
+            weight_format=model.get("weightFormat", "auto"),
         ),
         kv_cache=KVCacheConfig(
             dtype=kv.get("dtype", "bf16"),

@@ -142,10 +142,10 @@ class LLMEngine:
             model_dir = resolve_model_dir(config.model)
             if config.model.load_format == "dummy":
                 self.args, self.model = load_dummy_model(
-                    model_dir, seed=config.model.seed, dtype=self.dtype, device=self.device
+                    model_dir, seed=config.model.seed, dtype=self.dtype, device=self.device, weight_format=config.model.weight_format
                 )
             else:
-                self.args, self.model = load_model(model_dir, dtype=self.dtype, device=self.device)
+                self.args, self.model = load_model(model_dir, dtype=self.dtype, device=self.device, weight_format=config.model.weight_format)
         else:
             self.args, self.model = model
         args = self.args

@@ -20,6 +20,11 @@ separate tensors) and, on CUDA, the elementwise steps are fused Triton
 kernels (`kernels.triton_norm`): RMSNorm with the residual add, q/k-norm +
 RoPE, SiLU * up. On CPU, and where autograd needs gradients, the same steps
 run as the torch references (`kernels.norm_ref`).
+
+Weights are the model dtype's, or FP8 (`weight_format` "fp8": a scale per
+tensor, "fp8_block": a scale per 128x128 tile; `worker.fp8_linear`): an FP8
+checkpoint says so in config.json's `quantization_config` and loads as it is;
+a bf16 checkpoint or the dummy weights asked for FP8 are quantized at load.
 """
 
 from __future__ import annotations
@@ -35,8 +40,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvserving.kernels.capacity import decode_weight_bytes
 from kvserving.kernels.norm_ref import add_rms_norm_ref, qk_norm_rope_ref, rms_norm_ref, silu_mul_ref
-from kvserving.worker.weights import load_tensors, read_config, read_generation_config
+from kvserving.worker.fp8_linear import Fp8Linear, from_linear, merge_scales
+from kvserving.worker.weights import (
+    WEIGHT_FORMATS,
+    Fp8Scheme,
+    load_tensors,
+    read_config,
+    read_generation_config,
+    read_quantization,
+    weight_files,
+)
 
 # model_type -> what differs between the families. Llama and Qwen3 put a
 # bias on q/k/v/o when the config's `attention_bias` says so; Qwen2 always has
@@ -51,6 +66,9 @@ MERGED: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+# The linear layers of each decoder layer: what an FP8 checkpoint stores in FP8 (embedding, lm_head and norms
+# stay in the model dtype, as published FP8 checkpoints keep them).
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 ROPE_TYPES = ("default", "linear", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -405,24 +423,154 @@ class DecoderModel(nn.Module):
         return F.linear(hidden, weight).float()
 
 
+def resolve_weight_format(requested: str, stored: Fp8Scheme | None, *, where: str | Path) -> str:
+    """The weight format to run: the checkpoint's ("auto"), or the one asked for. A bf16 checkpoint may be
+    quantized to FP8 at load; an FP8 checkpoint runs only as it is stored (ValueError, one line, otherwise)."""
+    have = "bf16" if stored is None else stored.weight_format
+    if requested == "auto":
+        return have
+    if requested not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format must be 'auto' or one of {WEIGHT_FORMATS}, got {requested!r}")
+    if stored is not None and requested != have:
+        raise ValueError(f"model.weight_format {requested!r} does not match the checkpoint in {where}: "
+                         f"its quantization_config stores {have} weights")  # fmt: skip
+    return requested
+
+
+def _linear(model: nn.Module, name: str) -> nn.Linear:
+    module = model.get_submodule(name)
+    assert isinstance(module, nn.Linear), name
+    return module
+
+
+def linear_parts(model: DecoderModel) -> dict[str, list[tuple[str, int]]]:
+    """Each decoder linear layer (``layers.3.mlp.gate_up_proj``) -> its Hugging Face parts (module name, rows)."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    for name, parts in model.hf_tensors().items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module.endswith(LINEARS):
+            out[module] = [(hf.removesuffix(".weight"), shape[0]) for hf, shape in parts]
+    return out
+
+
+def weight_format_of(model: DecoderModel) -> str:
+    """"fp8" / "fp8_block" when the model's linear layers are FP8, else "bf16" (the model dtype)."""
+    fp8 = {m.weight_format for m in model.modules() if isinstance(m, Fp8Linear)}
+    return fp8.pop() if len(fp8) == 1 else "bf16"
+
+
+@torch.no_grad()
+def quantize_linears(model: DecoderModel, weight_format: str) -> DecoderModel:
+    """Replace every decoder linear layer by its FP8 quantization (each checkpoint part per tensor, or 128x128
+    tiles), in place, one layer at a time (the unquantized weight is freed as its layer is done)."""
+    if weight_format == "bf16":
+        return model
+    for module, parts in linear_parts(model).items():
+        parent, _, leaf = module.rpartition(".")
+        holder = model.get_submodule(parent)
+        setattr(holder, leaf, from_linear(getattr(holder, leaf), [rows for _, rows in parts], weight_format=weight_format))
+    return model
+
+
+def step_weight_bytes(model: DecoderModel) -> int:
+    """Bytes of weights one decode step reads: every stored tensor but the embedding table (a lookup of a few
+    rows; when tied, it is read whole as the lm_head and counted). FP8 layers count their codes and scales."""
+    skip = {"embed_tokens.weight"} if model.lm_head is not None else set()
+    return sum(t.numel() * t.element_size() for name, t in model.state_dict().items() if name not in skip)
+
+
+def weight_bytes_per_step(args: ModelArgs, weight_format: str, *, dtype: torch.dtype = torch.bfloat16) -> int:
+    """``step_weight_bytes`` of the model ``args`` describes in ``weight_format``, without building it (the
+    roofline of a benchmark at real shape)."""
+    return decode_weight_bytes(
+        layers=args.num_layers, hidden=args.hidden_size, intermediate=args.intermediate_size, heads=args.num_heads,
+        kv_heads=args.num_kv_heads, head_dim=args.head_dim, vocab=args.vocab_size, weight_format=weight_format,
+        dtype_bytes=torch.empty((), dtype=dtype).element_size(), qk_norm=args.qk_norm,
+        tie_word_embeddings=args.tie_word_embeddings, qkv_bias=args.qkv_bias, o_bias=args.o_bias, mlp_bias=args.mlp_bias,
+    )  # fmt: skip
+
+
+def _fp8_modules(model: DecoderModel, scheme: Fp8Scheme, names: set[str]) -> dict[str, list[tuple[str, int]]]:
+    """The linear layers the checkpoint stores in FP8 (their scale tensors are there; layers a checkpoint leaves
+    unquantized, e.g. ``ignored_layers``, have none), swapped in ``model`` for meta ``Fp8Linear``s."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    for module, parts in linear_parts(model).items():
+        has = [f"{hf}.{scheme.scale_name}" in names for hf, _ in parts]
+        if any(has) and not all(has):
+            raise ValueError(f"checkpoint stores only some of {[hf for hf, _ in parts]} in FP8: they cannot be merged")
+        if not all(has):
+            continue
+        parent, _, leaf = module.rpartition(".")
+        holder = model.get_submodule(parent)
+        old = getattr(holder, leaf)
+        setattr(holder, leaf, Fp8Linear(old.in_features, old.out_features, weight_format=scheme.weight_format,
+                                        bias=old.bias is not None, static_input=scheme.static_input, device="meta"))  # fmt: skip
+        out[module] = parts
+    return out
+
+
+def _fp8_state(
+    parts_of: dict[str, list[tuple[str, int]]], tensors: dict[str, Tensor], scheme: Fp8Scheme, in_features: dict[str, int]
+) -> dict[str, Tensor]:
+    """The FP8 layers' buffers from the checkpoint's tensors (popped from ``tensors``), parts merged."""
+    state: dict[str, Tensor] = {}
+    for module, parts in parts_of.items():
+        k = in_features[module]
+        codes, scales, inputs = [], [], []
+        for hf, rows in parts:
+            w = tensors.pop(f"{hf}.weight")
+            if w.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"tensor {hf}.weight is {w.dtype}, but quantization_config says FP8 (float8_e4m3fn)")
+            if tuple(w.shape) != (rows, k):
+                raise ValueError(f"tensor {hf}.weight has shape {tuple(w.shape)}, config implies {(rows, k)}")
+            s = tensors.pop(f"{hf}.{scheme.scale_name}")
+            if scheme.weight_format == "fp8_block" and tuple(s.shape) != (math.ceil(rows / 128), math.ceil(k / 128)):
+                raise ValueError(f"tensor {hf}.weight_scale_inv has shape {tuple(s.shape)}, "
+                                 f"128x128 tiles of {(rows, k)} imply {(math.ceil(rows / 128), math.ceil(k / 128))}")  # fmt: skip
+            codes.append(w)
+            scales.append(s)
+            if scheme.static_input:
+                inputs.append(tensors.pop(f"{hf}.input_scale").float().reshape(()))
+        state[f"{module}.weight"] = torch.cat(codes)
+        state[f"{module}.weight_scale"] = merge_scales(scheme.weight_format, [r for _, r in parts], scales, name=module)
+        if scheme.static_input:
+            # one input feeds every part: its largest scale saturates none of them
+            state[f"{module}.input_scale"] = torch.stack(inputs).max()
+    return state
+
+
 def load_model(
-    model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> tuple[ModelArgs, DecoderModel]:
+    model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    weight_format: str = "auto",
+) -> tuple[ModelArgs, DecoderModel]:  # fmt: skip
     """Build the model from `model_dir`'s config.json and safetensors weights.
 
+    ``weight_format`` "auto" runs the checkpoint's (FP8 when config.json's quantization_config says so);
+    "fp8" / "fp8_block" quantize a bf16 checkpoint at load (``resolve_weight_format``).
     ValueError on an unsupported or incomplete config and on missing or
     unexpected tensor names (the message names them)."""
-    args = ModelArgs.from_config(read_config(model_dir), generation_config=read_generation_config(model_dir))
+    config = read_config(model_dir)
+    scheme = read_quantization(config)
+    fmt = resolve_weight_format(weight_format, scheme, where=model_dir)
+    args = ModelArgs.from_config(config, generation_config=read_generation_config(model_dir))
     with torch.device("meta"):
         model = DecoderModel(args)
+    in_features = {m: _linear(model, m).in_features for m in linear_parts(model)}
+    fp8_parts = {} if scheme is None else _fp8_modules(model, scheme, set(weight_files(model_dir)))
     layout = model.hf_tensors()
+    fp8_names = []
+    for fp8_layer in fp8_parts.values():
+        for hf, _ in fp8_layer:
+            fp8_names += [f"{hf}.weight", f"{hf}.{scheme.scale_name}"]  # type: ignore[union-attr]
+            fp8_names += [f"{hf}.input_scale"] if scheme.static_input else []  # type: ignore[union-attr]
     tensors = load_tensors(
         model_dir,
-        [hf for parts in layout.values() for hf, _ in parts],
+        [hf for parts in layout.values() for hf, _ in parts] + fp8_names,
         # Tied checkpoints sometimes store the copy anyway.
         optional=["lm_head.weight"] if args.tie_word_embeddings else [],
         dtype=dtype,
         device=device,
+        stored_dtype=set(fp8_names),
     )
     state: dict[str, Tensor] = {}
     for name, parts in layout.items():
@@ -433,21 +581,32 @@ def load_model(
                 raise ValueError(f"tensor {hf} has shape {tuple(tensor.shape)}, config implies {shape}")
             pieces.append(tensor)
         state[name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # q/k/v, gate/up: one weight each
+    if scheme is not None:
+        state.update(_fp8_state(fp8_parts, tensors, scheme, in_features))
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = rope_inv_freq(args, device=device)  # replaces the meta buffer; stays fp32
     model.requires_grad_(False)
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.prepare()
+    if scheme is None:
+        quantize_linears(model, fmt)
     return args, model.eval()
 
 
 @torch.no_grad()
 def random_model(
-    args: ModelArgs, *, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> DecoderModel:
+    args: ModelArgs, *, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    weight_format: str = "bf16",
+) -> DecoderModel:  # fmt: skip
     """The model of ``args`` with seeded random weights drawn on ``device``: N(0, 0.02)
-    everywhere, norms 1 (vLLM's dummy load format).
+    everywhere, norms 1 (vLLM's dummy load format); with ``weight_format`` "fp8" or
+    "fp8_block" the linear layers' draws are then quantized (``quantize_linears``).
 
     Parameters are drawn in ``named_parameters`` order from one generator seeded with
     ``seed``, so processes on the same kind of device build the same weights."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
     with torch.device("meta"):
         model = DecoderModel(args).to(dtype=dtype)  # meta: no memory until to_empty
     model = model.to_empty(device=device)
@@ -458,14 +617,17 @@ def random_model(
         else:
             param.normal_(0.0, 0.02, generator=gen)
     model.inv_freq = rope_inv_freq(args, device=device)
-    return model.requires_grad_(False).eval()
+    return quantize_linears(model.requires_grad_(False).eval(), weight_format)
 
 
 def load_dummy_model(
-    model_dir: str | Path, *, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> tuple[ModelArgs, DecoderModel]:
+    model_dir: str | Path, *, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    weight_format: str = "auto",
+) -> tuple[ModelArgs, DecoderModel]:  # fmt: skip
     """The model `model_dir`'s config.json describes, with `random_model` weights: no
-    weight file is read (real-shape benchmarks on a directory holding only config and tokenizer)."""
-    args = ModelArgs.from_config(read_config(model_dir), generation_config=read_generation_config(model_dir))
-    return args, random_model(args, seed=seed, dtype=dtype, device=device)
-
+    weight file is read (real-shape benchmarks on a directory holding only config and tokenizer).
+    ``weight_format`` "auto" follows config.json's quantization_config (FP8 when it has one)."""
+    config = read_config(model_dir)
+    fmt = resolve_weight_format(weight_format, read_quantization(config), where=model_dir)
+    args = ModelArgs.from_config(config, generation_config=read_generation_config(model_dir))
+    return args, random_model(args, seed=seed, dtype=dtype, device=device, weight_format=fmt)

@@ -4,6 +4,13 @@ written locally in Hugging Face format (`kvserving tiny-model DIR`).
 Nothing downloads. `transformers`' AutoTokenizer and AutoModelForCausalLM load
 the directory unchanged; the worker's own model code (kvserving.worker.model)
 loads it too, and the tests hold the two to each other.
+
+`--weights fp8` / `fp8_block` write the linear layers as published FP8
+checkpoints store them (config.json's quantization_config, E4M3 weights with
+`weight_scale` per tensor or `weight_scale_inv` per 128x128 tile, and with
+`--static-input-scales` an `input_scale` per tensor measured on a sample), so
+tests load a real FP8 checkpoint layout; at the qwen3-8b shape only config.json
+says so, and the dummy weights are quantized at load.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from kvserving.kernels import fp8_gemm
 from kvserving.worker import tokenizer_data
+from kvserving.worker.weights import WEIGHT_FORMATS, Fp8Scheme
 
 # config.json of the tiny model: ~5.0M parameters (1M embedding, 1M untied
 # lm_head, 0.7M per layer).
@@ -54,6 +63,9 @@ QWEN3_8B_CONFIG: dict[str, object] = dict(
     num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, torch_dtype="bfloat16",
 )
 SHAPES: dict[str, dict[str, object]] = {"tiny": TINY_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG}
+# The Hugging Face linear layers an FP8 checkpoint stores in FP8.
+FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+INPUT_SAMPLE_TOKENS = 256  # random token ids whose activations set the static input scales
 
 
 def random_weights(
@@ -109,14 +121,22 @@ def random_weights(
     return w
 
 
-def build_tiny_model(out_dir: str | Path, *, seed: int = 0, shape: str = "tiny") -> Path:
+def build_tiny_model(
+    out_dir: str | Path, *, seed: int = 0, shape: str = "tiny", weight_format: str = "bf16", static_input: bool = False
+) -> Path:
     """Write config, weights, tokenizer and generation config to `out_dir`
     (created if missing; existing files of the same names are replaced).
 
     A ``shape`` other than "tiny" writes no weights: config and tokenizer only,
-    for the dummy load format."""
+    for the dummy load format. ``weight_format`` "fp8" / "fp8_block" writes an FP8
+    checkpoint (``static_input``: with measured ``input_scale`` tensors, per tensor only)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; known: {sorted(SHAPES)}")
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weight_format!r}; known: {list(WEIGHT_FORMATS)}")
+    if static_input and (weight_format != "fp8" or shape != "tiny"):
+        raise ValueError("static input scales need the tiny shape with weight format 'fp8' (per-tensor scales)")
+    scheme = None if weight_format == "bf16" else Fp8Scheme(weight_format, static_input=static_input)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -142,7 +162,55 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, shape: str = "tiny")
     )
     if shape == "tiny":
         save_file(random_weights(config, seed=seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if scheme is not None:
+        if shape == "tiny":
+            weights = fp8_checkpoint(out, scheme)  # reads the unquantized files just written
+            save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        _write_json(out / "config.json", dict(config, quantization_config=scheme.quantization_config()))
     return out
+
+
+def fp8_checkpoint(model_dir: Path, scheme: Fp8Scheme) -> dict[str, torch.Tensor]:
+    """The unquantized checkpoint in ``model_dir`` as an FP8 checkpoint stores it: each linear layer's weight as
+    E4M3 codes with its ``weight_scale`` [] or ``weight_scale_inv`` [N/128, K/128] (fp32), and for a static
+    scheme ``input_scale`` [] = amax / 448 of the layer's input over a sample of random token ids."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(model_dir / "model.safetensors"))
+    inputs = _input_amax(model_dir) if scheme.static_input else {}
+    out: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf != "weight" or prefix.rpartition(".")[2] not in FP8_LINEARS:
+            out[name] = w
+            continue
+        if scheme.weight_format == "fp8_block":
+            out[name], out[f"{prefix}.weight_scale_inv"] = fp8_gemm.quantize_blocks(w)
+        else:
+            out[name], out[f"{prefix}.weight_scale"] = fp8_gemm.quantize_tensor(w)
+        if scheme.static_input:
+            out[f"{prefix}.input_scale"] = (inputs[prefix] / fp8_gemm.E4M3_MAX).reshape(())
+    return out
+
+
+@torch.no_grad()
+def _input_amax(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Hugging Face linear module name -> amax of its input over one prefill of random token ids."""
+    from kvserving.worker.model import DenseCausalAttention, linear_parts, load_model
+
+    args, model = load_model(model_dir)
+    amax: dict[str, torch.Tensor] = {}
+    hooks = []
+    for module, parts in linear_parts(model).items():
+        def record(_: torch.nn.Module, inp: tuple[torch.Tensor, ...], parts: list[tuple[str, int]] = parts) -> None:
+            for hf, _rows in parts:
+                amax[hf] = inp[0].abs().amax().float()
+        hooks.append(model.get_submodule(module).register_forward_pre_hook(record))
+    ids = torch.randint(0, args.vocab_size, (INPUT_SAMPLE_TOKENS,), generator=torch.Generator().manual_seed(0))
+    model(ids, torch.arange(len(ids)), DenseCausalAttention())
+    for h in hooks:
+        h.remove()
+    return amax
 
 
 def _write_json(path: Path, obj: object) -> None:
@@ -155,6 +223,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="write into a non-empty directory, replacing the model files")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
                         help="'qwen3-8b': config.json at that shape and the tokenizer, no weights (serve it with --load-format dummy)")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16",
+                        help="'fp8' (a scale per tensor) or 'fp8_block' (per 128x128 tile): the linear layers as FP8 "
+                             "checkpoints store them (qwen3-8b: config.json's quantization_config only)")
+    parser.add_argument("--static-input-scales", action="store_true",
+                        help="with --weights fp8: write measured input_scale tensors (activation_scheme 'static')")
 
 
 def check_output_dir(out: Path, *, force: bool) -> None:
@@ -168,9 +241,11 @@ def check_output_dir(out: Path, *, force: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_output_dir(args.dir, force=args.force)
-    out = build_tiny_model(args.dir, seed=args.seed, shape=args.shape)
+    out = build_tiny_model(args.dir, seed=args.seed, shape=args.shape, weight_format=args.weights,
+                           static_input=args.static_input_scales)  # fmt: skip
     if args.shape == "tiny":
-        print(f"wrote tiny model to {out}")
+        print(f"wrote tiny model to {out}" + ("" if args.weights == "bf16" else f" ({args.weights} weights)"))
     else:
-        print(f"wrote the {args.shape}-shaped config and tokenizer to {out} (no weights: serve it with --load-format dummy)")
+        fp8 = "" if args.weights == "bf16" else f", {args.weights} weights drawn and quantized at load"
+        print(f"wrote the {args.shape}-shaped config and tokenizer to {out} (no weights: serve it with --load-format dummy{fp8})")
     return 0

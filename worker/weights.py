@@ -1,10 +1,11 @@
-"""Reading a Hugging Face model directory: config.json and safetensors weights
-by their Hugging Face tensor names (one file or a sharded index)."""
+"""Reading a Hugging Face model directory: config.json, its FP8 ``quantization_config``,
+and safetensors weights by their Hugging Face tensor names (one file or a sharded index)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,6 +13,67 @@ from safetensors import SafetensorError, safe_open
 
 # Tensors some checkpoints carry that no model needs (recomputed at load).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Weight formats: the model dtype unquantized, FP8 with one scale per tensor, FP8 with one per 128x128 tile.
+WEIGHT_FORMATS = ("bf16", "fp8", "fp8_block")
+FP8_BLOCK = [128, 128]
+_SUPPORTED = "supported: quant_method 'fp8' with per-tensor scales or weight_block_size [128, 128]"
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Scheme:
+    """How a checkpoint's FP8 linear layers are stored (config.json ``quantization_config``, quant_method fp8).
+
+    fp8:       ``<layer>.weight`` e4m3, ``<layer>.weight_scale`` fp32 [] (one per tensor), and with
+               activation_scheme "static" ``<layer>.input_scale`` fp32 [] (else activations per token);
+    fp8_block: ``<layer>.weight`` e4m3, ``<layer>.weight_scale_inv`` fp32 [ceil(N/128), ceil(K/128)]
+               (the factor that dequantizes a 128x128 tile), activations per token per 128 channels."""
+
+    weight_format: str
+    static_input: bool = False
+
+    def __post_init__(self) -> None:
+        if self.weight_format not in WEIGHT_FORMATS[1:]:
+            raise ValueError(f"FP8 weight format must be one of {WEIGHT_FORMATS[1:]}, got {self.weight_format!r}")
+        if self.static_input and self.weight_format == "fp8_block":
+            raise ValueError("static activation scales are not supported with 128x128 block scales")
+
+    @property
+    def scale_name(self) -> str:
+        return "weight_scale_inv" if self.weight_format == "fp8_block" else "weight_scale"
+
+    def quantization_config(self) -> dict[str, object]:
+        """The config.json entry that describes this scheme (what FP8 checkpoints publish)."""
+        out: dict[str, object] = {"quant_method": "fp8", "fmt": "e4m3",
+                                  "activation_scheme": "static" if self.static_input else "dynamic"}
+        if self.weight_format == "fp8_block":
+            out["weight_block_size"] = list(FP8_BLOCK)
+        return out
+
+
+def read_quantization(config: dict[str, object]) -> Fp8Scheme | None:
+    """The FP8 scheme config.json's ``quantization_config`` describes; None when it has none (unquantized).
+    ValueError, one line, for any scheme this engine cannot run."""
+    q = config.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ValueError(f"quantization_config must be an object, got {q!r}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported ({_SUPPORTED})")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt {fmt!r} is not supported (only e4m3; {_SUPPORTED})")
+    act = q.get("activation_scheme", "dynamic")
+    if act not in ("dynamic", "static"):
+        raise ValueError(f"quantization_config.activation_scheme {act!r} is not supported (dynamic or static)")
+    block = q.get("weight_block_size")
+    if block is not None and list(block) != FP8_BLOCK:  # type: ignore[call-overload]
+        raise ValueError(f"quantization_config.weight_block_size {block!r} is not supported ({_SUPPORTED})")
+    if block is not None and act == "static":
+        raise ValueError("quantization_config: activation_scheme 'static' with weight_block_size is not supported "
+                         f"({_SUPPORTED}; block scales take per-token activation scales)")
+    return Fp8Scheme("fp8" if block is None else "fp8_block", static_input=act == "static")
 
 
 def read_config(model_dir: str | Path) -> dict[str, object]:
@@ -69,9 +131,11 @@ def load_tensors(
     optional: Iterable[str] = (),
     dtype: torch.dtype,
     device: str | torch.device,
+    stored_dtype: Collection[str] = (),
 ) -> dict[str, torch.Tensor]:
     """Load exactly the `expected` tensors (plus any of `optional` present),
-    cast to `dtype` on `device`.
+    cast to `dtype` on `device` (those named in `stored_dtype` keep their own:
+    FP8 codes stay FP8, scales are made fp32).
 
     Raises ValueError naming missing tensors, and tensors in the checkpoint
     that the model does not know (a sign of a wrong architecture).
@@ -97,7 +161,12 @@ def load_tensors(
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in names:
-                    out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    tensor = f.get_tensor(name)
+                    if name in stored_dtype:
+                        keep = tensor.dtype if tensor.dtype == torch.float8_e4m3fn else torch.float32
+                        out[name] = tensor.to(device=device, dtype=keep)
+                    else:
+                        out[name] = tensor.to(device=device, dtype=dtype)
         except SafetensorError as exc:
             raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {exc}") from exc
     return out

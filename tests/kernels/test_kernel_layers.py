@@ -6,6 +6,7 @@
     gluon_fragments, gluon_attend       what the Gluon kernels share (device code)
     triton_write/_gather/_decode/_norm/_prefill, gluon_decode/_extend/_extend_tri   kernels: import each other never
     paged_ops                           the dispatch point: imports kernel modules only inside functions
+    fp8_gemm, triton_fp8_gemm           FP8 weight GEMMs: torch references and dispatch, the Triton kernel
 
 and no module but page_ids defines INT2_PAGE_FLAG or writes the INT2 offset formula in Python.
 """
@@ -22,9 +23,9 @@ PKG = "kvserving.kernels"
 # modules that hold Triton or Gluon kernels (or only make sense next to them)
 TRITON_MODULES = {"triton_codec", "triton_common", "triton_decode", "triton_gather", "triton_write", "triton_prefill",
                   "triton_norm", "gluon_decode", "gluon_extend", "gluon_extend_tri", "gluon_fragments", "gluon_attend",
-                  "compile_report"}  # fmt: skip
+                  "compile_report", "triton_fp8_gemm", "fp8_gemm"}  # fmt: skip
 KERNEL_MODULES = {"triton_decode", "triton_gather", "triton_write", "triton_prefill", "triton_norm", "gluon_decode",
-                  "gluon_extend", "gluon_extend_tri"}  # fmt: skip
+                  "gluon_extend", "gluon_extend_tri", "triton_fp8_gemm"}  # fmt: skip
 REFERENCES = {"page_ids", "options", "layout", "paged_kv", "fp8", "nvfp4", "intquant", "quant_checks", "paged_ref", "capacity",
               "norm_ref"}  # fmt: skip
 
