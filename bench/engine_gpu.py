@@ -6,7 +6,7 @@ Run on the device machine (docs/performance-log/engine-gpu.md)::
 
 Model: Qwen3-8B's shape (36 layers, hidden 4096, 32 query / 8 KV heads,
 head_dim 128, intermediate 12288, vocab 151936, q/k-norm), random bf16
-weights drawn on the device from a seed (nothing is read or downloaded).
+weights (``--weights fp8`` / ``fp8_block``: then quantized to FP8) drawn on the device from a seed (nothing is read or downloaded).
 Everything runs through ``LLMEngine.step`` (scheduler, runner, kernels,
 sampling on the device, CUDA graphs for decode unless ``--enforce-eager``).
 
@@ -66,6 +66,7 @@ from kvserving.tags import encode_tag
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.model import DecoderModel, ModelArgs
 from kvserving.worker.model import random_model as worker_random_model
+from kvserving.worker.model import weight_bytes_per_step
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence, SeqStatus
 
@@ -91,9 +92,9 @@ def qwen3_8b_shape(vocab: int, *, smoke: bool = False) -> ModelArgs:
 DEVICE = "cuda"
 
 
-def random_model(args: ModelArgs, *, seed: int) -> DecoderModel:
+def random_model(args: ModelArgs, *, seed: int, weight_format: str = "bf16") -> DecoderModel:
     """The model with the dummy load format's bf16 weights (N(0, 0.02), norms 1) drawn on the GPU from ``seed``."""
-    return worker_random_model(args, seed=seed, dtype=torch.bfloat16, device=DEVICE)
+    return worker_random_model(args, seed=seed, dtype=torch.bfloat16, device=DEVICE, weight_format=weight_format)
 
 
 def conversation_tags(n: int) -> list[int]:
@@ -423,12 +424,11 @@ def kv_bytes(engine: LLMEngine, seqs: list[Sequence]) -> int:
     return per_layer * engine.storage.buffers.shape[0]
 
 
-def weights_read(model: DecoderModel) -> int:
-    """Bytes of weights a decode step reads: all parameters but the embedding table (rows are gathered, not
-    streamed), which a tied lm_head reads whole."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb = model.embed_tokens.weight
-    return total if model.lm_head is None else total - emb.numel() * emb.element_size()
+def weights_read(args: ModelArgs, weight_format: str) -> int:
+    """Bytes of weights a decode step reads (``worker.model.weight_bytes_per_step``): every linear layer at its
+    format (FP8 codes and their scales), norms, and the lm_head; not the embedding table (rows are gathered,
+    not streamed), which a tied lm_head reads whole."""
+    return weight_bytes_per_step(args, weight_format)
 
 
 def profile_kernel_names(engine: LLMEngine, *, steps: int) -> dict[str, float] | None:
@@ -484,6 +484,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--weights", choices=("bf16", "fp8", "fp8_block"), default="bf16",
+                    help="the model's linear layers: bf16, or FP8 with per-channel / 128x128 block scales")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-shape kernel-class profile")
     ap.add_argument("--iso", action="store_true",
                     help="only the iso-capacity / iso-concurrency comparison at --iso-contexts in --iso-kv-gib")
@@ -502,9 +504,9 @@ def main() -> None:
     if args.smoke:
         shapes, over = [(1, 512), (4, 512)], (4, 512)
     margs = qwen3_8b_shape(args.vocab, smoke=args.smoke)
-    model = random_model(margs, seed=args.seed)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    read = weights_read(model)
+    model = random_model(margs, seed=args.seed, weight_format=args.weights)
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    read = weights_read(margs, args.weights)
     dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)"
     if DEVICE == "cuda":
         from decode_gpu import read_bandwidth  # bench/ beside this file
@@ -515,7 +517,7 @@ def main() -> None:
     print(f"read bandwidth {bw_tb_s:.2f} TB/s (streaming read, this run); weights read per step {read / 1e9:.2f} GB",
           flush=True)
     print(f"device {dev}, torch {torch.__version__}; Qwen3-8B shape, vocab {args.vocab}, weights {weights / 1e9:.2f} GB "
-          f"(random bf16, seed {args.seed}); capacity pool {args.kv_gib:g} GiB, speed pool {args.speed_kv_gib:g} GiB", flush=True)  # fmt: skip
+          f"(random {args.weights}, seed {args.seed}); capacity pool {args.kv_gib:g} GiB, speed pool {args.speed_kv_gib:g} GiB", flush=True)  # fmt: skip
     bench = Bench((margs, model), quick=args.quick, enforce_eager=args.enforce_eager, breakdown=not args.no_breakdown)
     results: dict[str, Any] = {}
     if args.iso:
@@ -561,7 +563,7 @@ def breakdown_line(b: dict[str, Any] | None) -> str:
 
 def dump(args: argparse.Namespace, dev: str, weights: int, results: dict[str, Any], seconds: float, *,
          read: int, bw_tb_s: float) -> None:
-    out = {"device": dev, "torch": torch.__version__, "model": "Qwen3-8B shape, random bf16 weights", "vocab": args.vocab,
+    out = {"device": dev, "torch": torch.__version__, "model": f"Qwen3-8B shape, random {args.weights} weights", "weights": args.weights, "vocab": args.vocab,
            "weights_bytes": weights, "weights_read_bytes": read, "read_bandwidth_tb_s": bw_tb_s, "kv_gib": args.kv_gib, "speed_kv_gib": args.speed_kv_gib, "quick": args.quick,
            "enforce_eager": args.enforce_eager, "seconds": seconds, "formats": results}  # fmt: skip
     with open(args.out, "w") as f:
