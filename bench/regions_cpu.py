@@ -37,7 +37,7 @@ from kvserving.worker.kv_transfer import KVTransfer
 from kvserving.worker.kv_wire import KVTransferParams
 from kvserving.worker.page_pool import PagePool
 from kvserving.worker.sampling import SamplingParams
-from kvserving.worker.tiny_model import build_tiny_model
+from kvserving.tiny_model import build_tiny_model
 
 
 US_PER_REGION_H200 = 7.2e-6

@@ -21,16 +21,16 @@ import kvserving
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("kvserving.demo", "run the main job on the built-in tiny model"),
+    "demo": ("kvserving.local.demo", "run the main job on the built-in tiny model"),
     "capacity": ("kvserving.kernels.capacity", "print KV bytes per token and tokens per GPU for each format"),
     "operator": ("kvserving.operator.main", "run the kopf operator"),
-    "tiny-model": ("kvserving.worker.tiny_model", "write the built-in tiny model (HF format) to DIR"),
+    "tiny-model": ("kvserving.tiny_model", "write the built-in tiny model (HF format) to DIR"),
     "generate": ("kvserving.worker.generate", "offline generation with the engine (no server)"),
-    "calibrate": ("kvserving.calibrate", "measure KV sensitivity per token class: bits tables per budget and fp8/nvfp4 scales"),
+    "calibrate": ("kvserving.calibrate.measure", "measure KV sensitivity per token class: bits tables per budget and fp8/nvfp4 scales"),
     "worker": ("kvserving.worker.main", "serve one worker (prefill, decode or both): the worker HTTP API, engine and NIXL agent"),
     "gateway": ("kvserving.gateway.main", "the OpenAI-compatible gateway in front of prefill/decode workers"),
-    "up": ("kvserving.up", "local mode: gateway + prefill + decode workers on loopback (the whole product on one machine)"),
-    "simulate": ("kvserving.simulate", "cluster simulator: agents on N prefill + M decode GPUs, and the GPUs a TTFT p99 needs"),
+    "up": ("kvserving.local.up", "local mode: gateway + prefill + decode workers on loopback (the whole product on one machine)"),
+    "simulate": ("kvserving.sim.cluster", "cluster simulator: agents on N prefill + M decode GPUs, and the GPUs a TTFT p99 needs"),
 }
 
 

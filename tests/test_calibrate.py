@@ -16,7 +16,7 @@ import torch
 
 from kvserving import cli
 from kvserving.bits import average_bits, bits_table_for_budget, default_stored_bits
-from kvserving.calibrate import (
+from kvserving.calibrate.measure import (
     Measurement,
     Progress,
     _attend,
@@ -26,7 +26,7 @@ from kvserving.calibrate import (
     qdq_groups,
     qdq_int2_keys,
 )
-from kvserving.calib_data import read_requests, wrap_text
+from kvserving.calibrate.data import read_requests, wrap_text
 from kvserving.calibration import Calibration, LayerScales
 from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
 from kvserving.kernels.page_ids import page_id_bits
@@ -302,7 +302,7 @@ def test_page_data_counts_the_budget_on_the_pages_of_other_data(tmp_path: Path) 
     # D_k measured on code; the budget counted on the first as-many-tokens of a sample of traffic (long tool
     # results): the file's pages are that sample's, and every table is within its budget on them
     from kvserving.bits import count_page_mixes, page_records, pages_stored_bits
-    from kvserving.calib_data import load_data
+    from kvserving.calibrate.data import load_data
     from kvserving.gateway.chat_template import ChatTemplate
     from kvserving.gateway.tagger import ChatTagger
     from kvserving.gateway.tokenizer import TextTokenizer

@@ -1,4 +1,4 @@
-"""kvserving.calibrate_kl: the KL metric of `kvserving calibrate` on the built-in tiny model --
+"""kvserving.calibrate.kl: the KL metric of `kvserving calibrate` on the built-in tiny model --
 the chunked quantized attention against a hand computation, the page rule of table_bits,
 class_kl's values, the additive prediction, and (the point of it) table_kl equal to the KL
 the engine's own triaxial KV path gives on the same prompt."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvserving import cli
-from kvserving.calibrate import _attend, qdq_groups, qdq_int2_keys
-from kvserving.calibrate_kl import (
+from kvserving.calibrate.measure import _attend, qdq_groups, qdq_int2_keys
+from kvserving.calibrate.kl import (
     EXACT,
     QuantizedKV,
     class_kl,
@@ -184,8 +184,8 @@ def test_cli_metrics_and_served_page_lengths(tmp_path: Path) -> None:
 
 
 def test_select_keeps_the_candidate_with_the_least_whole_table_kl(tmp_path: Path, tiny: tuple[Path, object]) -> None:
-    from kvserving.calib_data import load_data
-    from kvserving.calibrate import CANDIDATES, calibrate
+    from kvserving.calibrate.data import load_data
+    from kvserving.calibrate.measure import CANDIDATES, calibrate
     from kvserving.gateway.chat_template import ChatTemplate
     from kvserving.gateway.tagger import ChatTagger
     from kvserving.gateway.tokenizer import TextTokenizer

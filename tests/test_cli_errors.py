@@ -191,7 +191,7 @@ CASES: dict[str, Case] = {
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvserving.worker.tiny_model import build_tiny_model
+    from kvserving.tiny_model import build_tiny_model
 
     work = tmp_path_factory.mktemp("cli_errors")
     for name, text in MANIFESTS.items():
@@ -238,7 +238,7 @@ def test_refused_commands_leave_files_alone(results: dict[str, Result], workdir:
 
 
 def test_demo_calls_only_the_builtin_models_text_noise() -> None:
-    from kvserving.demo import headline
+    from kvserving.local.demo import headline
 
     assert headline(Path("/models/qwen3"), builtin=False, requests=4, max_tokens=2, kv_mib=16) == (
         "model /models/qwen3 serving 4 chat requests, 2 tokens each, KV budget 16 MiB")

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"kernels": "kvserving.kernels", "worker": "kvserving.worker", "gateway": "kvserving.gateway", "operator": "kvserving.operator"}
 COMPONENTS = tuple(FOLDERS.values())
 FORBIDDEN = {
-    "kvserving.kernels": ("kvserving.worker", "kvserving.gateway", "kvserving.operator", "kvserving.cli", "kvserving.demo"),
+    "kvserving.kernels": ("kvserving.worker", "kvserving.gateway", "kvserving.operator", "kvserving.cli", "kvserving.local.demo"),
     "kvserving.worker": ("kvserving.gateway", "kvserving.operator"),
     "kvserving.gateway": ("kvserving.worker", "kvserving.kernels", "kvserving.operator"),
     "kvserving.operator": ("kvserving.worker", "kvserving.kernels", "kvserving.gateway"),

@@ -22,7 +22,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding `kvserving tiny-model` output (seed 0); read-only by convention."""
     # Test-only import: the gateway package itself never imports the worker.
-    from kvserving.worker.tiny_model import build_tiny_model
+    from kvserving.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
 

@@ -15,6 +15,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding `kvserving tiny-model` output (seed 0); read-only by convention."""
-    from kvserving.worker.tiny_model import build_tiny_model
+    from kvserving.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))

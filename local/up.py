@@ -77,7 +77,7 @@ def build_config(args: argparse.Namespace) -> ServingConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserving.stack import LocalStack, StackError, StackSpec
+    from kvserving.local.stack import LocalStack, StackError, StackSpec
 
     config = build_config(args)
     if not 1 <= args.port <= 65532:

@@ -46,10 +46,10 @@ def headline(model_dir: Path, *, builtin: bool, requests: int, max_tokens: int, 
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserving.agent_demo import TRACE, format_table, plot_ttft, run_conversation
+    from kvserving.local.agent_demo import TRACE, format_table, plot_ttft, run_conversation
     from kvserving.kernels import capacity
     from kvserving.model_dir import resolve_model_dir
-    from kvserving.stack import LocalStack, StackSpec, free_ports
+    from kvserving.local.stack import LocalStack, StackSpec, free_ports
 
     builtin = args.model is None
     if args.model is not None:  # refuse a bad model in one line, before any process starts

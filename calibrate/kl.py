@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvserving.calibrate import PAGE, _attend, head_mse, quantize_positions
+from kvserving.calibrate.measure import PAGE, _attend, head_mse, quantize_positions
 from kvserving.tags import NUM_TAGS
 from kvserving.worker.attention import causal_attention
 from kvserving.worker.model import DecoderModel

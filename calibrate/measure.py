@@ -3,12 +3,12 @@ write the calibration file (kvserving.calibration) the engine config names.
 
     kvserving calibrate --model DIR --data a.py b.jsonl --bit-budget 2.5 2.7 3 --out calib.json
 
-1. Calibration text becomes tagged prompts (``kvserving.calib_data``) through the gateway's own chat
+1. Calibration text becomes tagged prompts (``kvserving.calibrate.data``) through the gateway's own chat
    template and tagger (the real 56 classes): a ``.jsonl`` file holds one chat
    request per line (``{"messages": [...], "tools": [...]}`` or a bare message
    list); any other file is plain text, wrapped as agent conversations. With
    ``--wrap agent`` (the default) they have the shape of the agent load
-   generator's agents (``kvserving.agent_load``: system prompt, tool schemas,
+   generator's agents (``kvserving.agents.load``: system prompt, tool schemas,
    turns of user request or tool result, then a reply that quotes the latest
    result and calls the next tool, until the context is full), the file's
    text standing in for every message, so the class shares are those of an
@@ -22,7 +22,7 @@ write the calibration file (kvserving.calibration) the engine config names.
    reference codec (kernels.intquant: INT4 K and V per token in groups of 32
    channels; at 2 bits INT2 V per token and INT2 K per channel over pages of
    32 of the class's tokens, in position order), the rest exact, summed over
-   the prompts. ``--metric kl`` (the default, ``kvserving.calibrate_kl``): the
+   the prompts. ``--metric kl`` (the default, ``kvserving.calibrate.kl``): the
    KL divergence of the next-token distribution from the exact KV's, summed
    over positions, with class k quantized in every layer as the engine stores
    it and the prompt prefilled in chunks of ``--chunk`` tokens (512, the
@@ -66,7 +66,7 @@ from typing import TextIO
 import torch
 
 from kvserving.bits import PageMix, count_page_mixes, default_sensitivity, page_records
-from kvserving.calib_data import WRAPS, TaggedSeq, load_data
+from kvserving.calibrate.data import WRAPS, TaggedSeq, load_data
 from kvserving.calibration import SCALED_DTYPES, Calibration, LayerScales, budget_key
 from kvserving.config import ModelConfig
 from kvserving.gateway.chat_template import ChatTemplate
@@ -81,7 +81,7 @@ from kvserving.worker.attention import causal_attention
 from kvserving.worker.model import DecoderModel, ModelArgs, load_model
 
 DEFAULT_BUDGETS = (2.5, 2.7, 3.0, 3.5)
-# D_k(b): "kl", the next-token KL with class k at b bits through every layer (kvserving.calibrate_kl), or
+# D_k(b): "kl", the next-token KL with class k at b bits through every layer (kvserving.calibrate.kl), or
 # "attn", DESIGN.md's per-layer attention-output MSE (max over heads, summed over layers)
 METRICS = ("kl", "attn")
 # The KL metric prefills each prompt in chunks of this many tokens, as the engine does (SchedulerConfig.chunk_size)
@@ -281,7 +281,7 @@ def measure(
     Two passes when searching: amax first (the candidates are multiples of it), then errors."""
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
-    from kvserving.calibrate_kl import class_kl  # it builds on this module's codecs
+    from kvserving.calibrate.kl import class_kl  # it builds on this module's codecs
 
     m = Measurement.empty(args)
     caps: Iterator[tuple[TaggedSeq, _Capture]] = ((s, capture_qkv(model, s.ids, device=device)) for s in seqs)
@@ -418,7 +418,7 @@ def select_tables(cal: Calibration, attn: Mapping[int, Sequence[float]], model: 
     ``record``, if given, gets per budget each candidate's summed KL and the choice. Opt-in
     (``--select``): on the bench's CPU and H200 models it kept the KL table at 7 of 8 budgets and took
     an equal one at the 8th, for about twice the calibration time on CPU."""
-    from kvserving.calibrate_kl import table_kl, log_probs  # it builds on this module's codecs
+    from kvserving.calibrate.kl import table_kl, log_probs  # it builds on this module's codecs
 
     if not attn:
         raise ValueError("select_tables needs the attention-MSE measurements (measure(..., also_attn=True))")

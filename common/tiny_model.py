@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kvserving.worker import tokenizer_data
+from kvserving import tokenizer_data
 
 # config.json of the tiny model: ~5.0M parameters (1M embedding, 1M untied
 # lm_head, 0.7M per layer).
