@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("kvserving.worker.main", "serve one worker (prefill, decode or both): the worker HTTP API, engine and NIXL agent"),
     "gateway": ("kvserving.gateway.main", "the OpenAI-compatible gateway in front of prefill/decode workers"),
     "up": ("kvserving.local.up", "local mode: gateway + prefill + decode workers on loopback (the whole product on one machine)"),
-    "simulate": ("kvserving.sim.cluster", "cluster simulator: agents on N prefill + M decode GPUs, and the GPUs a TTFT p99 needs"),
+    "simulate": ("kvserving.sim.plan", "cluster simulator: agents on N prefill + M decode GPUs, and the GPUs a TTFT p99 needs"),
 }
 
 

@@ -615,17 +615,3 @@ def run_population(sim: Simulator, pop: Population, *, progress: Callable[[float
     point["decode_reclaimed_leases"] = sim.reclaimed_leases()
     point["unfinished"] = len(waiting)
     return point
-
-
-# ---------------------------------------------------------------------------------- the command
-def add_arguments(parser: Any) -> None:
-    """``kvserving simulate`` (kvserving.sim.plan: capacity planning and validation)."""
-    from kvserving.sim.plan import add_arguments as add
-
-    add(parser)
-
-
-def run(args: Any) -> int:
-    from kvserving.sim.plan import run as go
-
-    return go(args)

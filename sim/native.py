@@ -1,4 +1,4 @@
-"""The simulator's optional compiled core: simulate.py, sim_workers.py and sim_cache.py built
+"""The simulator's optional compiled core: cluster.py, workers.py and cache.py built
 with mypyc from the same source, for ``kvserving simulate`` at population scale.
 
 The pure-Python modules are the reference (the tests and ``--validate`` run them).

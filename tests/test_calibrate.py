@@ -16,16 +16,8 @@ import torch
 
 from kvserving import cli
 from kvserving.bits import average_bits, bits_table_for_budget, default_stored_bits
-from kvserving.calibrate.measure import (
-    Measurement,
-    Progress,
-    _attend,
-    build_calibration,
-    class_distortion,
-    head_mse,
-    qdq_groups,
-    qdq_int2_keys,
-)
+from kvserving.calibrate.codecs import attend, head_mse, qdq_groups, qdq_int2_keys
+from kvserving.calibrate.measure import Measurement, Progress, build_calibration, class_distortion
 from kvserving.calibrate.data import read_requests, wrap_text
 from kvserving.calibration import Calibration, LayerScales
 from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
@@ -63,15 +55,15 @@ def test_distortion_of_a_class_is_the_codec_error_of_its_tokens_only() -> None:
     q, k, v = _qkv(1, 64)
     tags = torch.tensor([USER] * 32 + [OBS] * 32)
     d = class_distortion(q, k, v, tags)
-    ref = _attend(q, k, v)
+    ref = attend(q, k, v)
     # reference: class OBS (tokens 32..63, one page) through the triaxial codec by hand
     k2, v2 = k.clone(), v.clone()
     k2[32:] = qdq_int2_keys(k[32:])
     v2[32:] = qdq_groups(v[32:], 2)
-    assert float(d[2][OBS]) == pytest.approx(float(head_mse(_attend(q, k2, v2), ref).max()), rel=1e-6)
+    assert float(d[2][OBS]) == pytest.approx(float(head_mse(attend(q, k2, v2), ref).max()), rel=1e-6)
     k4, v4 = k.clone(), v.clone()
     k4[:32], v4[:32] = qdq_groups(k[:32], 4), qdq_groups(v[:32], 4)
-    assert float(d[4][USER]) == pytest.approx(float(head_mse(_attend(q, k4, v4), ref).max()), rel=1e-6)
+    assert float(d[4][USER]) == pytest.approx(float(head_mse(attend(q, k4, v4), ref).max()), rel=1e-6)
 
 
 def _measurement(gains: dict[int, float], counts: dict[int, int]) -> Measurement:

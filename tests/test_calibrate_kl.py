@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvserving import cli
-from kvserving.calibrate.measure import _attend, qdq_groups, qdq_int2_keys
+from kvserving.calibrate.codecs import attend, qdq_groups, qdq_int2_keys
 from kvserving.calibrate.kl import (
     EXACT,
     QuantizedKV,
@@ -60,8 +60,8 @@ def test_quantized_attention_reads_exact_kv_in_its_own_chunk_and_stored_kv_befor
         e = min(t, s + chunk)
         want = causal_attention(q[s:e], torch.cat([kq[:s], k[s:e]]), torch.cat([vq[:s], v[s:e]]), q_offset=s, sm_scale=scale)
         assert torch.allclose(out[s:e], want, atol=1e-6)
-    assert torch.equal(QuantizedKV(bits, 0)(0, q, k, v), _attend(q, kq, vq))  # chunk 0: every query on stored K/V
-    assert torch.equal(QuantizedKV(bits, t)(0, q, k, v), _attend(q, k, v))  # one chunk: nothing stored is read
+    assert torch.equal(QuantizedKV(bits, 0)(0, q, k, v), attend(q, kq, vq))  # chunk 0: every query on stored K/V
+    assert torch.equal(QuantizedKV(bits, t)(0, q, k, v), attend(q, k, v))  # one chunk: nothing stored is read
     with pytest.raises(ValueError, match="bits must be 16, 4 or 2"):
         QuantizedKV(torch.tensor([3, 4]))
     with pytest.raises(ValueError, match="chunk must be >= 0"):
