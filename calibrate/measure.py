@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -65,6 +66,7 @@ from typing import TextIO
 
 import torch
 
+from kvserving.argtypes import check_device, check_output_file
 from kvserving.bits import PageMix, count_page_mixes, default_sensitivity, page_records
 from kvserving.calibrate.codecs import PAGE, attend, head_mse, quantize_positions
 from kvserving.calibrate.data import WRAPS, TaggedSeq, load_data
@@ -147,12 +149,15 @@ def scale_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_dtype: st
 
 
 class Progress:
-    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+    """Progress on stderr: a one-line bar on a terminal; elsewhere (a log, a pipe) a line every
+    ``every_s`` seconds of work, so a long run is never silent and a short one adds nothing."""
 
-    def __init__(self, total: int, label: str, *, stream: TextIO | None = None) -> None:
+    def __init__(self, total: int, label: str, *, stream: TextIO | None = None, every_s: float = 30.0) -> None:
         self.total, self.label, self.done = max(1, total), label, 0
         self.stream = stream if stream is not None else sys.stderr
         self.on = self.stream.isatty()
+        self.every_s = every_s
+        self.last = time.monotonic()
 
     def step(self, note: str = "") -> None:
         self.done += 1
@@ -160,6 +165,10 @@ class Progress:
             width = 30
             fill = width * self.done // self.total
             self.stream.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} {note:<24}")
+            self.stream.flush()
+        elif time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
+            self.stream.write(f"{self.label}: {self.done}/{self.total} {note}".rstrip() + "\n")
             self.stream.flush()
 
     def close(self) -> None:
@@ -334,6 +343,7 @@ def calibrate(
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     if chunk < 0:
         raise ValueError(f"chunk must be >= 0, got {chunk}")
+    check_device(device)
     tagger = ChatTagger(TextTokenizer.from_dir(model_dir), ChatTemplate.from_dir(model_dir))
     seqs = load_data(data, tagger, seq_len=seq_len, max_tokens=max_tokens, wrap=wrap)
     if not seqs:
@@ -454,6 +464,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_file(args.out, "--out")  # before minutes of work, not after
+    check_device(args.device)
     model_dir = resolve_model_dir(ModelConfig(path=args.model))
     selection: dict[str, dict[str, float | str]] = {}
     cal = calibrate(

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tiny-model": ("kvserving.tiny_model", "write the built-in tiny model (HF format) to DIR"),
     "generate": ("kvserving.worker.generate", "offline generation with the engine (no server)"),
     "calibrate": ("kvserving.calibrate.measure", "measure KV sensitivity per token class: bits tables per budget and fp8/nvfp4 scales"),
+    "config": ("kvserving.config_file", "write the engine-config file (every field, its default) that --config takes"),
     "worker": ("kvserving.worker.main", "serve one worker (prefill, decode or both): the worker HTTP API, engine and NIXL agent"),
     "gateway": ("kvserving.gateway.main", "the OpenAI-compatible gateway in front of prefill/decode workers"),
     "up": ("kvserving.local.up", "local mode: gateway + prefill + decode workers on loopback (the whole product on one machine)"),
@@ -83,7 +84,12 @@ def describe(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command).parse_args(argv)
+    parser = build_parser(command)
+    if command is None:  # name a bad flag before asking for the missing command
+        unknown = [a for a in argv if a not in ("-h", "--help", "--version")]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args = parser.parse_args(argv)
     try:
         module = importlib.import_module(args._module)
         return int(module.run(args) or 0)

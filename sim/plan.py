@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -20,6 +21,9 @@ from kvserving.config import ReuseConfig, SchedulerConfig
 from kvserving.sim.costs import CostModel
 from kvserving.sim import cluster as pure
 from kvserving.sim.cluster import ClusterSpec, Population, Simulator, run_bench_point
+
+# Off a terminal a long run prints where it is this often (a terminal gets a bar).
+PROGRESS_LINES_S = 30.0
 
 
 # ---------------------------------------------------------------------------------- capacity planning
@@ -125,7 +129,7 @@ def engine_for(native: bool) -> ModuleType:
     return pure
 
 
-def plan(dtype: str, args: dict[str, Any], *, show_progress: bool) -> dict[str, Any]:
+def plan(dtype: str, args: dict[str, Any], *, show_progress: bool, lines_every_s: float | None = None) -> dict[str, Any]:
     """One format's answer for ``kvserving simulate`` (a process-pool job: plain arguments)."""
     import sys
 
@@ -138,11 +142,17 @@ def plan(dtype: str, args: dict[str, Any], *, show_progress: bool) -> dict[str, 
     pop = engine.Population(args["agents"], args["duration_s"], warmup_s=args["warmup_s"], ramp_s=args["ramp_s"], shapes=args["shapes"])
     duration = args["duration_s"]
 
+    last = time.monotonic()
+
     def progress(t: float) -> None:
+        nonlocal last
         if show_progress:
             done = int(30 * min(1.0, t / duration))
             sys.stderr.write(f"\r{dtype:>9} [{'#' * done}{'.' * (30 - done)}] {t:6.0f} s simulated")
             sys.stderr.flush()
+        elif lines_every_s is not None and time.monotonic() - last >= lines_every_s:
+            last = time.monotonic()  # off a terminal: a line now and then, so a long run is not silent
+            print(f"{dtype}: {t:.0f} of {duration:g} s simulated", file=sys.stderr, flush=True)
 
     kw: dict[str, Any] = dict(costs=costs, load=load, pop=pop, prefill_share=args["prefill_share"],
                               reuse=ReuseConfig(bidirectional=args["reuse"]), progress=progress, shapes={}, engine=engine)
@@ -220,7 +230,6 @@ def add_arguments(parser: Any) -> None:
 def run(args: Any) -> int:
     import json
     import sys
-    import time
 
     from kvserving.sim.costs import canonical_dtype, load_costs
 
@@ -257,12 +266,13 @@ def run(args: Any) -> int:
     t0 = time.perf_counter()
     jobs = max(1, min(args.jobs, len(dtypes)))
     if jobs == 1:
-        points = [plan(d, job, show_progress=tty) for d in dtypes]
+        points = [plan(d, job, show_progress=tty, lines_every_s=PROGRESS_LINES_S) for d in dtypes]
     else:
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(max_workers=jobs) as pool:  # one format per core
-            futures = [pool.submit(plan, d, job, show_progress=tty and i == 0) for i, d in enumerate(dtypes)]
+            futures = [pool.submit(plan, d, job, show_progress=tty and i == 0, lines_every_s=PROGRESS_LINES_S if i == 0 else None)
+                       for i, d in enumerate(dtypes)]
             points = [f.result() for f in futures]
     target = f", TTFT p99 <= {args.ttft_p99_ms:g} ms" if args.ttft_p99_ms is not None else ""
     print(f"{args.agents:,} agents, {args.duration_s:g} s simulated (metrics after {args.warmup_s:g} s), costs {costs.name}{target}")

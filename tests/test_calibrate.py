@@ -209,7 +209,7 @@ def test_plain_text_becomes_agent_conversations_and_jsonl_is_read_as_requests(tm
         read_requests(tmp_path / "bad.jsonl", piece_chars=10)
 
 
-def test_progress_bar_only_on_a_terminal() -> None:
+def test_progress_is_a_bar_on_a_terminal_and_periodic_lines_elsewhere() -> None:
     class Tty(io.StringIO):
         def isatty(self) -> bool:
             return True
@@ -220,8 +220,14 @@ def test_progress_bar_only_on_a_terminal() -> None:
         bar.step("x")
         bar.step("y")
         bar.close()
-    assert pipe.getvalue() == ""
+    assert pipe.getvalue() == ""  # a short run off a terminal adds nothing
     assert "2/2" in tty.getvalue() and tty.getvalue().endswith("\n")
+    log = io.StringIO()
+    bar = Progress(3, "calibrate", stream=log, every_s=0.0)  # a long run: a line per interval
+    bar.step("x")
+    bar.step()
+    bar.close()
+    assert log.getvalue() == "calibrate: 1/3 x\ncalibrate: 2/3\n"
 
 
 @pytest.mark.parametrize(
