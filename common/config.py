@@ -322,7 +322,7 @@ _SECTION_TYPES: dict[str, type] = {
 
 
 # What a field's annotation accepts from JSON, and how an error names it. A bool is not a
-# number here (JSON true is no count); an integral float passes where an int is declared.
+# number here (JSON true is no count); an integral float is accepted where an int is declared.
 _KINDS = {
     "int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
     "tuple[str, ...]": "a list of strings", "None": "null",
