@@ -15,6 +15,10 @@ COPY kernels/ kernels/
 COPY worker/ worker/
 COPY gateway/ gateway/
 COPY operator/ operator/
+COPY agents/ agents/
+COPY calibrate/ calibrate/
+COPY sim/ sim/
+COPY local/ local/
 COPY crds/ crds/
 RUN pip install --no-cache-dir "setuptools==84.2.1" "wheel==0.48.0" \
  && pip wheel --no-cache-dir --no-deps --no-build-isolation -w /wheels .

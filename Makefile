@@ -27,7 +27,10 @@ tools:
 	@command -v promtool >/dev/null 2>&1 || { echo "installing Debian's prometheus package (promtool, prometheus)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
-test: install tools
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install tools lint
 	$(PY) -m mypy -p kvserving
 	$(PY) -m pytest -q -p no:cacheprovider tests e2e
 

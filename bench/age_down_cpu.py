@@ -37,7 +37,7 @@ from kvserving.worker.kv.transfer import KVTransfer, PullResult
 from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.precision import page_bits
 from kvserving.worker.sampling import SamplingParams
-from kvserving.worker.tiny_model import build_tiny_model
+from kvserving.tiny_model import build_tiny_model
 
 P = 32
 
@@ -145,7 +145,8 @@ class Conversation:
 def fidelity(model_dir: Path, *, tokens: int = 512, seed: int = 5) -> list[dict[str, float]]:
     """Per layer: attention-output MSE (mean over heads) of the tiny model's real q/k/v with all
     full pages but the last stored INT2 directly from fp32 vs INT4 -> INT2 (age-down)."""
-    from kvserving.calibrate import capture_qkv, head_mse
+    from kvserving.calibrate.codecs import head_mse
+    from kvserving.calibrate.measure import capture_qkv
     from kvserving.worker.attention import causal_attention
     from kvserving.worker.model import load_model
 

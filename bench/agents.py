@@ -5,10 +5,10 @@ of concurrent agents, at one fixed KV memory, per KV format (issue 18).
         [--concurrency 1,2,4,6,8,11,16,22] [--kv-kib 3072] [--modes lease,ttl,off] [--mode-format fp8]
         [--mode-concurrency 4,8,11] [--json OUT] [--png OUT]
 
-Per format (and reuse mode) one local stack (``kvserving.stack.LocalStack``:
+Per format (and reuse mode) one local stack (``kvserving.local.stack.LocalStack``:
 gateway + prefill + decode worker processes on loopback, the built-in tiny
 model, every worker's KV pool ``--kv-kib``). Per concurrency point N, N agents
-of ``kvserving.agent_load`` (a system prompt with tool schemas, turns of user
+of ``kvserving.agents.load`` (a system prompt with tool schemas, turns of user
 text / reply + tool call / tool result, think time between turns, the whole
 history resent each turn) run all their turns against the gateway with the
 official ``openai`` AsyncOpenAI client, streaming; every request is recorded:
@@ -54,9 +54,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvserving.agent_load import REUSE_MODES, AgentSpec, Conversation, Dist, LoadSpec, agent, fixed, reuse_for_mode
+from kvserving.agents.load import REUSE_MODES, AgentSpec, Conversation, Dist, LoadSpec, agent, fixed, reuse_for_mode
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
-from kvserving.stack import LocalStack, StackError, StackSpec, free_ports
+from kvserving.local.stack import LocalStack, StackError, StackSpec, free_ports
 
 # bench name -> (kv_cache.dtype, bit budget)
 FORMATS: dict[str, tuple[str, float | None]] = {
@@ -571,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu:
         import tempfile
 
-        from kvserving.worker.tiny_model import build_tiny_model
+        from kvserving.tiny_model import build_tiny_model
 
         model_root = args.run_dir if args.run_dir is not None else Path(tempfile.mkdtemp(prefix="kvs-agents-gpu-"))
         args.gpu_model = build_tiny_model(model_root / "qwen3-8b-shape", shape="qwen3-8b")

@@ -23,7 +23,7 @@ import torch
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.sampling import SamplingParams
-from kvserving.worker.tiny_model import build_tiny_model
+from kvserving.tiny_model import build_tiny_model
 
 FORMATS = ("bf16", "fp8_e4m3", "nvfp4", "triaxial")
 BATCHES = (1, 8, 32)

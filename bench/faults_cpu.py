@@ -72,7 +72,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserving.gateway.tenants import DEFAULT_TENANT
-from kvserving.stack import free_ports, new_token_file
+from kvserving.local.stack import free_ports, new_token_file
 
 MODEL = "kvserving-tiny"
 MAX_TOKENS = 16

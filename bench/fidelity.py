@@ -6,7 +6,7 @@
 1. Trains, with a seed, a small Qwen3-style decoder (GQA, head_dim 128, RoPE,
    q/k-norm) with the worker's own model code on agent conversations built from
    the Python standard library's ``.py`` sources (every machine has them):
-   ``kvserving.calib_data.agent_wrap`` gives them the shape of the agent load
+   ``kvserving.calibrate.data.agent_wrap`` gives them the shape of the agent load
    generator's agents (system prompt, tool schemas, turns of user request or
    tool result, replies that quote the latest result and call the next tool),
    rendered by the gateway's chat template, so the model learns the template
@@ -15,7 +15,7 @@
    during training. The tokenizer is the built-in tiny model's byte-level BPE.
    Random weights lack what makes KV quantization hard (outlier channels,
    attention sinks); a trained model has them.
-2. Calibrates it with ``kvserving.calibrate`` on held-out files the evaluation
+2. Calibrates it with ``kvserving.calibrate.measure`` on held-out files the evaluation
    does not use, wrapped the same way, at the first evaluation context (D_k by
    next-token KL, prefilled in chunks of ``--chunk`` like the evaluation;
    ``--metric attn`` for DESIGN.md's attention-output MSE). At a longer context
@@ -56,7 +56,7 @@
    fp8 and nvfp4 at global scale 1 and calibrated, triaxial at 2.5/2.7/3.0/3.5
    bits (``--budgets``: some of them, per context) with (a) the engine's
    default table (default priorities, budget counted
-   in stored pages on the agent pages of ``kvserving.agent_pages``; before
+   in stored pages on the agent pages of ``kvserving.agents.pages``; before
    2026-12-01 on token shares), (b) "default@pages": the default
    priorities through the calibration's page-counted greedy rule on the same
    calibration data (the equal-cost baseline), (c) the calibrated table.
@@ -91,9 +91,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from kvserving.bits import bits_table_for_budget, count_page_mixes, default_sensitivity, format_bits_table, page_records
-from kvserving.calib_data import TaggedSeq, agent_wrap, chars_per_token, load_data
-from kvserving.calibrate import METRICS, calibrate, capture_qkv, select_tables
-from kvserving.calibrate_kl import kl_sum, log_probs, predicted, table_attn_distortion, table_bits
+from kvserving.calibrate.data import TaggedSeq, agent_wrap, chars_per_token, load_data
+from kvserving.calibrate.measure import METRICS, calibrate, capture_qkv, select_tables
+from kvserving.calibrate.kl import kl_sum, log_probs, predicted, table_attn_distortion, table_bits
 from kvserving.calibration import Calibration, budget_key
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.gateway.chat_template import ChatTemplate, normalize_messages, normalize_tools

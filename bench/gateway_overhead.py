@@ -67,7 +67,7 @@ from kvserving.gateway.chat_template import ChatTemplate
 from kvserving.gateway.tagger import ChatTagger
 from kvserving.gateway.tokenizer import TextTokenizer
 from kvserving.model_dir import resolve_model_dir
-from kvserving.stack import free_port
+from kvserving.local.stack import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "kvserving-tiny"

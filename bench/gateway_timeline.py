@@ -289,7 +289,7 @@ def report_samples(path: Path, *, top: int = 40) -> str:
 
 def report(path: Path) -> str:
     """The percentiles of every stage and gap over the streamed requests in ``path``."""
-    from kvserving.simulate import percentile as _pct  # nearest rank, as bench/agents.py
+    from kvserving.sim.cluster import percentile as _pct  # nearest rank, as bench/agents.py
     every = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows = [r for r in every if "client_first" in r and "worker_first" in r]
     collector = next((r for r in every if "gc_seconds" in r), None)

@@ -25,7 +25,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PKG=${KVPKG:-/tmp/kvpkg}; rm -rf "$PKG"; mkdir -p $PKG/kvserving
 cp -r common/. $PKG/kvserving/
-for sub in kernels worker gateway operator crds; do ln -s "$PWD/$sub" $PKG/kvserving/$sub; done
+for sub in kernels worker gateway operator agents calibrate sim local crds; do ln -s "$PWD/$sub" $PKG/kvserving/$sub; done
 export PYTHONPATH=$PKG
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PKG:/tmp/site

@@ -76,7 +76,7 @@ from typing import Any
 
 import torch
 
-from kvserving.stack import free_port, free_ports, new_token_file
+from kvserving.local.stack import free_port, free_ports, new_token_file
 from kvserving.tags import encode_tag
 
 FORMATS = ("bf16", "nvfp4", "fp8_e4m3", "triaxial")
@@ -162,7 +162,7 @@ def log(msg: str) -> None:
 def shape_of(tiny: bool) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of the model the pools are laid out for."""
     if tiny:
-        from kvserving.worker.tiny_model import TINY_CONFIG
+        from kvserving.tiny_model import TINY_CONFIG
 
         return int(TINY_CONFIG["num_hidden_layers"]), int(TINY_CONFIG["num_key_value_heads"]), int(TINY_CONFIG["head_dim"])  # type: ignore[call-overload]
     return QWEN3_8B["num_hidden_layers"], QWEN3_8B["num_key_value_heads"], QWEN3_8B["head_dim"]
@@ -415,13 +415,13 @@ def torch_p2p(nixl: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 def build_model(plan: Plan) -> Path:
     out = plan.work / "model"
     if plan.tiny:
-        from kvserving.worker.tiny_model import build_tiny_model
+        from kvserving.tiny_model import build_tiny_model
 
         built = build_tiny_model(out)
         if plan.ctx > 4096 or plan.tiny_layers:  # RoPE: longer contexts need only the config to say so
             from safetensors.torch import save_file
 
-            from kvserving.worker.tiny_model import random_weights
+            from kvserving.tiny_model import random_weights
 
             cfg = json.loads((built / "config.json").read_text())
             cfg |= {"max_position_embeddings": plan.ctx, "num_hidden_layers": plan.tiny_layers or cfg["num_hidden_layers"]}

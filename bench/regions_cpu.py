@@ -37,7 +37,7 @@ from kvserving.worker.kv.transfer import KVTransfer
 from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.kv.page_pool import PagePool
 from kvserving.worker.sampling import SamplingParams
-from kvserving.worker.tiny_model import build_tiny_model
+from kvserving.tiny_model import build_tiny_model
 
 
 US_PER_REGION_H200 = 7.2e-6

@@ -43,7 +43,7 @@ from kvserving.worker.kv.local_pair import LocalPair, flush_prefix_cache
 from kvserving.worker.kv.transfer import KVTransfer, PullResult
 from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.sampling import SamplingParams
-from kvserving.worker.tiny_model import build_tiny_model
+from kvserving.tiny_model import build_tiny_model
 
 MODES = ("off", "on-0", "on-64", "on-auto")
 

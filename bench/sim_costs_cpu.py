@@ -105,7 +105,7 @@ def token_fit(model: Path) -> tuple[float, float, int, list[tuple[int, int]]]:
     """Nominal vs rendered prompt lengths of the bench's CPU agents; tokens lost at replies."""
     from agents import cpu_load  # bench/agents.py
 
-    from kvserving.agent_load import WORDS, Conversation, agent
+    from kvserving.agents.load import WORDS, Conversation, agent
     from kvserving.gateway.chat_template import ChatTemplate, normalize_messages, normalize_tools
     from kvserving.gateway.tokenizer import TextTokenizer
 
@@ -189,7 +189,7 @@ def main() -> None:
             **{k: v for k, v in old.get("notes", {}).items() if k.startswith("bench_")},
         },
     }
-    from kvserving.sim_costs import CostModel
+    from kvserving.sim.costs import CostModel
 
     CostModel.from_dict(costs)  # refuses a bad profile before writing it
     args.out.write_text(json.dumps(costs, indent=1, sort_keys=True) + "\n")

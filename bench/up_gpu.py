@@ -3,7 +3,7 @@
 One engine config (the JSON the operator renders) starts the gateway, a prefill
 worker on GPU 0 and a decode worker on GPU 1 (``--gpus 0,1`` sets one
 ``CUDA_VISIBLE_DEVICES`` per worker). The scripted coding-agent conversation of
-``make demo`` (``kvserving.agent_demo``: system prompt with tool schemas, user
+``make demo`` (``kvserving.local.agent_demo``: system prompt with tool schemas, user
 turns, tool calls, tool results) runs through the official ``openai`` client
 against the gateway, once per mode:
 
@@ -39,9 +39,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from kvserving.agent_demo import run_conversation
+from kvserving.local.agent_demo import run_conversation
 from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
-from kvserving.stack import free_port, port_is_free
+from kvserving.local.stack import free_port, port_is_free
 
 MODES = ("on", "timeout", "off")
 TIMEOUT_S = 1e-6  # shorter than any READ: the deadline passes while the transfer is in flight

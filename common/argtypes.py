@@ -1,10 +1,13 @@
-"""argparse value types that refuse out-of-range numbers with a message naming the bound."""
+"""argparse value types that refuse out-of-range numbers with a message naming the bound, and the
+checks a command makes on its output files and device before its work starts."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -38,3 +41,46 @@ def float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[st
         return value
 
     return parse
+
+
+def check_output_file(path: Path, flag: str) -> None:
+    """Refuse (ValueError naming ``flag``) a file that cannot be written, before the work that produces it."""
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory, not a file")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path}: permission denied")
+
+
+def check_device(device: str | None, flag: str = "--device") -> None:
+    """Refuse (ValueError naming ``flag``) a torch device this machine does not have, before any work."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"{flag} {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"{flag} {device}: no CUDA device is visible (torch {torch.__version__}); use --device cpu")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"{flag} {device}: only {count} CUDA device(s) are visible")
+
+
+def check_memory_bytes(nbytes: int, flag: str) -> None:
+    """Refuse (ValueError naming ``flag``) a memory budget larger than the whole device the
+    engine puts it on (the GPU when one is visible, else this machine's RAM): one line, not
+    an allocator's traceback."""
+    import torch
+
+    if torch.cuda.is_available():
+        total, where = torch.cuda.mem_get_info()[1], "the GPU's memory"
+    else:
+        total, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+    if nbytes > total:
+        raise ValueError(f"{flag} {nbytes} is more than {where} ({total / 2**30:.1f} GiB)")

@@ -32,7 +32,7 @@ of one weight per tag axis:
   logs, search results -- are long, redundant and looked up sparsely).
 - modal: text 1, image 0.5 (image placeholder tokens are many and redundant).
 
-The pages are those of ``kvserving.agent_pages``: agent conversations at
+The pages are those of ``kvserving.agents.pages``: agent conversations at
 production-shaped lengths, rendered, tokenized and tagged by the gateway, cut
 into pages (``agent_pages_data``, generated). Classes those pages never show
 (image tokens: the built-in template has one placeholder per image) are placed

@@ -21,16 +21,17 @@ import kvserving
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("kvserving.demo", "run the main job on the built-in tiny model"),
+    "demo": ("kvserving.local.demo", "run the main job on the built-in tiny model"),
     "capacity": ("kvserving.kernels.capacity", "print KV bytes per token and tokens per GPU for each format"),
     "operator": ("kvserving.operator.main", "run the kopf operator"),
-    "tiny-model": ("kvserving.worker.tiny_model", "write the built-in tiny model (HF format) to DIR"),
+    "tiny-model": ("kvserving.worker.model_files", "write the built-in tiny model (HF format) to DIR"),
     "generate": ("kvserving.worker.generate", "offline generation with the engine (no server)"),
-    "calibrate": ("kvserving.calibrate", "measure KV sensitivity per token class: bits tables per budget and fp8/nvfp4 scales"),
+    "calibrate": ("kvserving.calibrate.measure", "measure KV sensitivity per token class: bits tables per budget and fp8/nvfp4 scales"),
+    "config": ("kvserving.config_file", "write the engine-config file (every field, its default) that --config takes"),
     "worker": ("kvserving.worker.main", "serve one worker (prefill, decode or both): the worker HTTP API, engine and NIXL agent"),
     "gateway": ("kvserving.gateway.main", "the OpenAI-compatible gateway in front of prefill/decode workers"),
-    "up": ("kvserving.up", "local mode: gateway + prefill + decode workers on loopback (the whole product on one machine)"),
-    "simulate": ("kvserving.simulate", "cluster simulator: agents on N prefill + M decode GPUs, and the GPUs a TTFT p99 needs"),
+    "up": ("kvserving.local.up", "local mode: gateway + prefill + decode workers on loopback (the whole product on one machine)"),
+    "simulate": ("kvserving.sim.plan", "cluster simulator: agents on N prefill + M decode GPUs, and the GPUs a TTFT p99 needs"),
 }
 
 
@@ -83,7 +84,12 @@ def describe(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command).parse_args(argv)
+    parser = build_parser(command)
+    if command is None:  # name a bad flag before asking for the missing command
+        unknown = [a for a in argv if a not in ("-h", "--help", "--version")]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args = parser.parse_args(argv)
     try:
         module = importlib.import_module(args._module)
         return int(module.run(args) or 0)

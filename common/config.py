@@ -300,6 +300,8 @@ class ServingConfig:
             bad = set(value) - known
             if bad:
                 raise ValueError(f"engine config section {name!r} has unknown keys: {sorted(bad)}")
+            for key, item in value.items():
+                _check_type(f"{name}.{key}", _FIELD_TYPES[section_cls][key], item)
             value = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
             kwargs[name] = section_cls(**value)
         return cls(**kwargs)
@@ -325,3 +327,36 @@ _SECTION_TYPES: dict[str, type] = {
     "gateway": GatewayConfig,
     "security": SecurityConfig,
 }
+
+
+# What a field's annotation accepts from JSON, and how an error names it. A bool is not a
+# number here (JSON true is no count); an integral float is accepted where an int is declared.
+_KINDS = {
+    "int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+    "tuple[str, ...]": "a list of strings", "None": "null",
+}
+_FIELD_TYPES: dict[type, dict[str, str]] = {cls: {f.name: str(f.type) for f in fields(cls)} for cls in _SECTION_TYPES.values()}
+
+
+def _accepts(kind: str, value: Any) -> bool:
+    if kind == "None":
+        return value is None
+    if kind == "bool" or isinstance(value, bool):
+        return kind == "bool" and isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if kind == "float":
+        return isinstance(value, int | float)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "tuple[str, ...]":
+        return isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+    return True  # an annotation this table does not know: the dataclass checks it
+
+
+def _check_type(where: str, annotation: str, value: Any) -> None:
+    """ValueError naming the key when a JSON value has the wrong type (before the dataclass compares it)."""
+    kinds = [k.strip() for k in annotation.split("|")]
+    if not any(_accepts(k, value) for k in kinds):
+        want = " or ".join(_KINDS.get(k, k) for k in kinds)
+        raise ValueError(f"engine config {where} must be {want}, got {json.dumps(value)}")

@@ -50,7 +50,7 @@ def cache_dir() -> Path:
 def tiny_model_dir() -> Path:
     """The built-in tiny model in the cache, built there (atomically) if missing."""
     # Lazy: the gateway calls this to find the tokenizer without loading torch up front.
-    from kvserving.worker import tiny_model
+    from kvserving import tiny_model
 
     target = cache_dir() / f"tiny-model-{_recipe_hash()}"
     if target.is_dir():
@@ -74,7 +74,7 @@ def tiny_model_dir() -> Path:
 def _recipe_hash() -> str:
     """16 hex digits over what decides the tiny model's files: its config and the source of
     the modules that build it (an edit there rebuilds once; stale weights never load)."""
-    from kvserving.worker import tiny_model, tokenizer_data
+    from kvserving import tiny_model, tokenizer_data
 
     h = hashlib.sha256(_RECIPE_VERSION)
     h.update(json.dumps(tiny_model.TINY_CONFIG, sort_keys=True).encode())

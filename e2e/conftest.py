@@ -18,7 +18,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvserving.worker.tiny_model import build_tiny_model
+    from kvserving.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("e2e_tiny_model"))
 

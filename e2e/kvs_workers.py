@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from kvserving.stack import free_port, free_ports, new_token_file
+from kvserving.local.stack import free_port, free_ports, new_token_file
 
 READY_TIMEOUT_S = 120.0
 MAX_WORKERS = 16  # ports picked up front per factory (the peers every worker knows)

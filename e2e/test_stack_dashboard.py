@@ -19,10 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvserving.agent_demo import run_conversation
+from kvserving.local.agent_demo import run_conversation
 from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
 from kvserving.operator.dashboard import PANELS
-from kvserving.stack import LocalStack, StackSpec, free_ports
+from kvserving.local.stack import LocalStack, StackSpec, free_ports
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="prometheus not installed (`make test` installs Debian's package)")

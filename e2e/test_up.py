@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from kvserving.stack import free_ports, port_is_free
+from kvserving.local.stack import free_ports, port_is_free
 
 READY_S = 180.0
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserving.config import GatewayConfig, KVCacheConfig, ModelConfig, ReuseConfig, SecurityConfig, ServingConfig
-from kvserving.operator.validate import parse_quantity, resources_problems
+from kvserving.operator.quantity import parse_quantity, resources_problems
 
 DEFAULT_IMAGE = "ghcr.io/kvserving/kvserving:0.1.0"
 WORKER_PORT = 8000

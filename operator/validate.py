@@ -8,9 +8,9 @@ is answered with one line per problem:
     admit            identity (apiVersion/kind), names (DNS-1035/1123), then the
                      CRD's structural schema: defaults, unknown fields, OpenAPI
                      types and bounds, CEL rules (x-kubernetes-validations)
-    resources_problems  a container's limits below its requests (CEL in a CRD
-                     cannot compare quantities such as 500m and 1: the operator
-                     refuses it when it parses the spec)
+    operator_problems  what parse_spec refuses beyond the CRD, e.g. a container's
+                     limits below its requests (operator/quantity.py: CEL in a
+                     CRD cannot compare quantities such as 500m and 1)
 
 Kubernetes types CEL values by the schema (an OpenAPI ``number`` is always a
 double, even when the YAML says ``3``), so values are converted by the schema,
@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from functools import lru_cache
 from typing import Any
 
@@ -32,6 +31,7 @@ import yaml
 from celpy import celtypes
 
 from kvserving.operator.names import GROUP, KIND, VERSION
+from kvserving.operator.spec import parse_spec
 
 # A KVServing's name prefixes its Services' names (NAME-prefill): a DNS-1035 label.
 DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -43,51 +43,6 @@ OBJECT_META_FIELDS = frozenset({
     "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "ownerReferences", "finalizers",
     "managedFields", "selfLink",
 })
-
-
-# Kubernetes resource quantities: a decimal number with a binary (Ki..Ei),
-# decimal (n..E) or exponent suffix.
-_QUANTITY = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))((?:[KMGTPE]i)|[numkMGTPE]|(?:[eE][+-]?[0-9]+))?$")
-_SUFFIX = {
-    "": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
-    "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"), "P": Decimal("1e15"), "E": Decimal("1e18"),
-    **{f"{p}i": Decimal(1024) ** (i + 1) for i, p in enumerate("KMGTPE")},
-}
-
-
-def parse_quantity(value: Any) -> Decimal | None:
-    """A resource quantity (``500m``, ``4Gi``, ``1e3``, ``2``) as a number; None if it is not one."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return Decimal(value)
-    if not isinstance(value, str):
-        return None
-    m = _QUANTITY.match(value)
-    if m is None:
-        return None
-    number, suffix = m.group(1), m.group(2) or ""
-    try:
-        if suffix[:1] in ("e", "E"):
-            return Decimal(number) * Decimal(10) ** int(suffix[1:])
-        return Decimal(number) * _SUFFIX[suffix]
-    except (InvalidOperation, KeyError):
-        return None
-
-
-def resources_problems(resources: dict[str, Any], *, where: str) -> list[str]:
-    """Every quantity a number, and no limit below its request (as the API server refuses the pod)."""
-    problems = []
-    requests, limits = resources.get("requests") or {}, resources.get("limits") or {}
-    for kind, values in (("requests", requests), ("limits", limits)):
-        for name, value in values.items():
-            if parse_quantity(value) is None:
-                problems.append(f"{where}.{kind}.{name}: {value!r} is not a resource quantity")
-    for name, request in requests.items():
-        req, lim = parse_quantity(request), parse_quantity(limits.get(name))
-        if req is not None and lim is not None and lim < req:
-            problems.append(f"{where}.limits.{name}: {limits[name]} is below the request {request}")
-    return problems
 
 
 @dataclass(slots=True, frozen=True)
@@ -139,8 +94,6 @@ def admit(body: dict[str, Any], *, crd: dict[str, Any]) -> Admission:
 
 def operator_problems(spec: dict[str, Any]) -> list[str]:
     """What the operator refuses beyond the CRD (it reports these as InvalidSpec)."""
-    from kvserving.operator.spec import parse_spec  # spec.py imports this module
-
     try:
         parse_spec(spec)
     except ValueError as exc:

@@ -1,9 +1,15 @@
-"""Shared pytest setup: deterministic seeds, no GPU assumptions."""
+"""Shared pytest setup: deterministic seeds, no GPU assumptions, nothing from the
+network, and the built-in tiny model every test folder uses."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+# Nothing may reach the Hugging Face hub from the tests.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # One intra-op thread: the tiny shapes gain nothing from more, and on a
 # shared 2-core machine OpenMP threads that spin against other processes
@@ -22,3 +28,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding `kvserving tiny-model` output (seed 0); read-only by convention."""
+    from kvserving.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserving.agent_load import (
+from kvserving.agents.load import (
     WORDS,
     AgentSpec,
     Conversation,
@@ -117,7 +117,7 @@ def test_shared_system_prompt_gives_every_agent_one_prefix() -> None:
 
 
 def test_words_are_one_token_each_for_the_tiny_model() -> None:
-    from kvserving.worker import tokenizer_data
+    from kvserving import tokenizer_data
 
     tokenizer = tokenizer_data.train_tokenizer()
     assert [w for w in WORDS if len(tokenizer.encode(" " + w).ids) != 1] == []
@@ -165,12 +165,12 @@ def test_bad_specs_are_refused() -> None:
 
 
 def test_module_imports_no_torch() -> None:
-    code = "import sys, kvserving.agent_load; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, kvserving.agents.load; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_nominal_history_grows_by_reply_and_new_message() -> None:
-    from kvserving.agent_load import GENERATION_PROMPT_TOKENS, REPLY_TOKENS
+    from kvserving.agents.load import GENERATION_PROMPT_TOKENS, REPLY_TOKENS
 
     a = agent(LoadSpec(seed=9), 1)
     assert a.turns[0].history_tokens == a.prefix_tokens + a.turns[0].new_tokens + GENERATION_PROMPT_TOKENS
@@ -186,7 +186,7 @@ def test_nominal_prompt_lengths_match_the_tiny_models_rendered_prompts(tmp_path:
     from kvserving.gateway.chat_template import ChatTemplate
     from kvserving.gateway.tagger import ChatTagger
     from kvserving.gateway.tokenizer import TextTokenizer
-    from kvserving.worker.tiny_model import build_tiny_model
+    from kvserving.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny")
     tagger = ChatTagger(TextTokenizer.from_dir(model), ChatTemplate.from_dir(model))

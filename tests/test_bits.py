@@ -1,6 +1,6 @@
 """The bits table from a budget: DESIGN.md's greedy rule, exact on small inputs,
 and the default tables at 2.5 and 3.5 bits, counted in stored pages on the
-agent pages (``kvserving.agent_pages``)."""
+agent pages (``kvserving.agents.pages``)."""
 
 from __future__ import annotations
 
@@ -158,7 +158,8 @@ def test_the_swap_pass_never_loses_gain_nor_breaks_the_budget() -> None:
 
 
 def test_the_agent_pages_are_what_the_generator_measures() -> None:
-    from kvserving import agent_pages, agent_pages_data
+    from kvserving import agent_pages_data
+    from kvserving.agents import pages as agent_pages
 
     pages, residual, tokens = agent_pages.measure()
     text = agent_pages.render_module(pages, residual, tokens)

@@ -16,17 +16,9 @@ import torch
 
 from kvserving import cli
 from kvserving.bits import average_bits, bits_table_for_budget, default_stored_bits
-from kvserving.calibrate import (
-    Measurement,
-    Progress,
-    _attend,
-    build_calibration,
-    class_distortion,
-    head_mse,
-    qdq_groups,
-    qdq_int2_keys,
-)
-from kvserving.calib_data import read_requests, wrap_text
+from kvserving.calibrate.codecs import attend, head_mse, qdq_groups, qdq_int2_keys
+from kvserving.calibrate.measure import Measurement, Progress, build_calibration, class_distortion
+from kvserving.calibrate.data import read_requests, wrap_text
 from kvserving.calibration import Calibration, LayerScales
 from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
 from kvserving.kernels.page_ids import page_id_bits
@@ -63,15 +55,15 @@ def test_distortion_of_a_class_is_the_codec_error_of_its_tokens_only() -> None:
     q, k, v = _qkv(1, 64)
     tags = torch.tensor([USER] * 32 + [OBS] * 32)
     d = class_distortion(q, k, v, tags)
-    ref = _attend(q, k, v)
+    ref = attend(q, k, v)
     # reference: class OBS (tokens 32..63, one page) through the triaxial codec by hand
     k2, v2 = k.clone(), v.clone()
     k2[32:] = qdq_int2_keys(k[32:])
     v2[32:] = qdq_groups(v[32:], 2)
-    assert float(d[2][OBS]) == pytest.approx(float(head_mse(_attend(q, k2, v2), ref).max()), rel=1e-6)
+    assert float(d[2][OBS]) == pytest.approx(float(head_mse(attend(q, k2, v2), ref).max()), rel=1e-6)
     k4, v4 = k.clone(), v.clone()
     k4[:32], v4[:32] = qdq_groups(k[:32], 4), qdq_groups(v[:32], 4)
-    assert float(d[4][USER]) == pytest.approx(float(head_mse(_attend(q, k4, v4), ref).max()), rel=1e-6)
+    assert float(d[4][USER]) == pytest.approx(float(head_mse(attend(q, k4, v4), ref).max()), rel=1e-6)
 
 
 def _measurement(gains: dict[int, float], counts: dict[int, int]) -> Measurement:
@@ -217,7 +209,7 @@ def test_plain_text_becomes_agent_conversations_and_jsonl_is_read_as_requests(tm
         read_requests(tmp_path / "bad.jsonl", piece_chars=10)
 
 
-def test_progress_bar_only_on_a_terminal() -> None:
+def test_progress_is_a_bar_on_a_terminal_and_periodic_lines_elsewhere() -> None:
     class Tty(io.StringIO):
         def isatty(self) -> bool:
             return True
@@ -228,8 +220,14 @@ def test_progress_bar_only_on_a_terminal() -> None:
         bar.step("x")
         bar.step("y")
         bar.close()
-    assert pipe.getvalue() == ""
+    assert pipe.getvalue() == ""  # a short run off a terminal adds nothing
     assert "2/2" in tty.getvalue() and tty.getvalue().endswith("\n")
+    log = io.StringIO()
+    bar = Progress(3, "calibrate", stream=log, every_s=0.0)  # a long run: a line per interval
+    bar.step("x")
+    bar.step()
+    bar.close()
+    assert log.getvalue() == "calibrate: 1/3 x\ncalibrate: 2/3\n"
 
 
 @pytest.mark.parametrize(
@@ -302,7 +300,7 @@ def test_page_data_counts_the_budget_on_the_pages_of_other_data(tmp_path: Path) 
     # D_k measured on code; the budget counted on the first as-many-tokens of a sample of traffic (long tool
     # results): the file's pages are that sample's, and every table is within its budget on them
     from kvserving.bits import count_page_mixes, page_records, pages_stored_bits
-    from kvserving.calib_data import load_data
+    from kvserving.calibrate.data import load_data
     from kvserving.gateway.chat_template import ChatTemplate
     from kvserving.gateway.tagger import ChatTagger
     from kvserving.gateway.tokenizer import TextTokenizer

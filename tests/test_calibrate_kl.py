@@ -1,4 +1,4 @@
-"""kvserving.calibrate_kl: the KL metric of `kvserving calibrate` on the built-in tiny model --
+"""kvserving.calibrate.kl: the KL metric of `kvserving calibrate` on the built-in tiny model --
 the chunked quantized attention against a hand computation, the page rule of table_bits,
 class_kl's values, the additive prediction, and (the point of it) table_kl equal to the KL
 the engine's own triaxial KV path gives on the same prompt."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvserving import cli
-from kvserving.calibrate import _attend, qdq_groups, qdq_int2_keys
-from kvserving.calibrate_kl import (
+from kvserving.calibrate.codecs import attend, qdq_groups, qdq_int2_keys
+from kvserving.calibrate.kl import (
     EXACT,
     QuantizedKV,
     class_kl,
@@ -60,8 +60,8 @@ def test_quantized_attention_reads_exact_kv_in_its_own_chunk_and_stored_kv_befor
         e = min(t, s + chunk)
         want = causal_attention(q[s:e], torch.cat([kq[:s], k[s:e]]), torch.cat([vq[:s], v[s:e]]), q_offset=s, sm_scale=scale)
         assert torch.allclose(out[s:e], want, atol=1e-6)
-    assert torch.equal(QuantizedKV(bits, 0)(0, q, k, v), _attend(q, kq, vq))  # chunk 0: every query on stored K/V
-    assert torch.equal(QuantizedKV(bits, t)(0, q, k, v), _attend(q, k, v))  # one chunk: nothing stored is read
+    assert torch.equal(QuantizedKV(bits, 0)(0, q, k, v), attend(q, kq, vq))  # chunk 0: every query on stored K/V
+    assert torch.equal(QuantizedKV(bits, t)(0, q, k, v), attend(q, k, v))  # one chunk: nothing stored is read
     with pytest.raises(ValueError, match="bits must be 16, 4 or 2"):
         QuantizedKV(torch.tensor([3, 4]))
     with pytest.raises(ValueError, match="chunk must be >= 0"):
@@ -184,8 +184,8 @@ def test_cli_metrics_and_served_page_lengths(tmp_path: Path) -> None:
 
 
 def test_select_keeps_the_candidate_with_the_least_whole_table_kl(tmp_path: Path, tiny: tuple[Path, object]) -> None:
-    from kvserving.calib_data import load_data
-    from kvserving.calibrate import CANDIDATES, calibrate
+    from kvserving.calibrate.data import load_data
+    from kvserving.calibrate.measure import CANDIDATES, calibrate
     from kvserving.gateway.chat_template import ChatTemplate
     from kvserving.gateway.tagger import ChatTagger
     from kvserving.gateway.tokenizer import TextTokenizer

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvserving.bits import greedy_bits_table
-from kvserving.calib_data import agent_wrap, load_data
-from kvserving.calibrate import Measurement, build_calibration
+from kvserving.calibrate.data import agent_wrap, load_data
+from kvserving.calibrate.measure import Measurement, build_calibration
 from kvserving.calibration import Calibration, page_greedy_table, pages_stored_bits
 from kvserving.gateway.chat_template import ChatTemplate
 from kvserving.gateway.tagger import ChatTagger

@@ -48,7 +48,7 @@ class Result:
 
 def cli_env(**extra: str) -> dict[str, str]:
     # The Hub switches are dropped on purpose: the commands themselves must never try it.
-    drop = {"PYTHONSAFEPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "KUBECONFIG"}
+    drop = {"PYTHONSAFEPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "KUBECONFIG", "CUDA_VISIBLE_DEVICES"}
     env = {k: v for k, v in os.environ.items() if k not in drop}
     return {**env, "PYTHONSAFEPATH": "1", **extra}
 
@@ -186,12 +186,35 @@ CASES: dict[str, Case] = {
     # the command itself
     "unknown-command": Case(("serve",), 2, "kvserving: error: argument COMMAND: invalid choice: 'serve'"),
     "unknown-flag": Case(("capacity", "--gpus", "8"), 2, "kvserving: error: unrecognized arguments: --gpus 8 (see kvserving --help)"),
+    "unknown-flag-without-command": Case(("--bogus",), 2, "kvserving: error: unrecognized arguments: --bogus (see kvserving --help)"),
+    # a wrong type in the engine config, for every command that reads one
+    **{f"{cmd}-config-wrong-type": Case((cmd, *extra, "--config", "wrong-type.json"), 1,
+                                        f'kvserving {cmd}: error: engine config scheduler.max_num_seqs must be an integer, got "many"')
+       for cmd, extra in (("worker", ("--role", "both")), ("gateway", ()), ("up", ()))},
+    "config-set-wrong-type": Case(("config", "--set", "scheduler.max_num_seqs=many"), 1,
+                                  'kvserving config: error: engine config scheduler.max_num_seqs must be an integer, got "many"'),
+    "config-set-unknown-key": Case(("config", "--set", "scheduler.max_seqs=4"), 1,
+                                   "kvserving config: error: --set 'scheduler.max_seqs=4': section 'scheduler' has no key 'max_seqs'"),
+    # a device, a memory budget or an output path that cannot work: refused before the work
+    "calibrate-device-not-here": Case(("calibrate", "--data", "a-file", "--device", "cuda:64", "--out", "c.json"), 1,
+                                      "kvserving calibrate: error: --device cuda:64: "),
+    "calibrate-out-no-directory": Case(("calibrate", "--data", "a-file", "--out", "nodir/c.json"), 1,
+                                       "kvserving calibrate: error: --out nodir/c.json: the directory nodir does not exist"),
+    "calibrate-out-a-directory": Case(("calibrate", "--data", "a-file", "--out", "full"), 1,
+                                      "kvserving calibrate: error: --out full is a directory, not a file"),
+    "demo-plot-no-directory": Case(("demo", "--model", "tiny", "--plot", "nodir/ttft.png"), 1,
+                                   "kvserving demo: error: --plot nodir/ttft.png: the directory nodir does not exist"),
+    "generate-kv-bytes-beyond-memory": Case(("generate", "--model", "tiny", "--prompt", "x", "--kv-bytes", "1000000000000000"), 1,
+                                            "kvserving generate: error: --kv-bytes 1000000000000000 is more than "),
+    # kvserving up
+    "up-model-is-a-file": Case(("up", "--model", "a-file"), 1, "kvserving up: error: --model a-file is not a directory"),
+    "up-gpus-not-here": Case(("up", "--model", "tiny", "--gpus", "0,99"), 1, "kvserving up: error: --gpus 0,99: "),
 }
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvserving.worker.tiny_model import build_tiny_model
+    from kvserving.tiny_model import build_tiny_model
 
     work = tmp_path_factory.mktemp("cli_errors")
     for name, text in MANIFESTS.items():
@@ -213,6 +236,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model_config["max_position_embeddings"] = 24
     (short / "config.json").write_text(json.dumps(model_config))
     (work / "a-file").write_text("not a directory\n")
+    (work / "wrong-type.json").write_text('{"scheduler": {"max_num_seqs": "many"}}')
     (work / "binary.yaml").write_bytes(bytes(range(128, 256)))
     (work / "full").mkdir()
     (work / "full" / "notes.txt").write_text("keep me\n")
@@ -235,10 +259,120 @@ def test_refused_commands_leave_files_alone(results: dict[str, Result], workdir:
     assert results["tiny-model-non-empty-dir"].code == 1
     assert sorted(p.name for p in (workdir / "full").iterdir()) == ["notes.txt"]
     assert (workdir / "a-file").read_text() == "not a directory\n"
+    assert not (workdir / "c.json").exists() and not (workdir / "nodir").exists()
+
+
+def test_config_writes_every_field_and_the_readme_worker_example_uses_it(tmp_path: Path) -> None:
+    from dataclasses import fields
+
+    from kvserving.config import _SECTION_TYPES, ServingConfig
+
+    plain = run_cli(("config",), cwd=tmp_path)
+    assert (plain.code, plain.stderr) == (0, "")
+    data = json.loads(plain.stdout)
+    assert {s: sorted(v) for s, v in data.items()} == {s: sorted(f.name for f in fields(c)) for s, c in _SECTION_TYPES.items()}
+    assert ServingConfig.from_dict(data) == ServingConfig()
+    # the README's worker example, as written there
+    readme = (ROOT / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if "kvserving config --set" in ln)
+    argv = tuple(line.split("kvserving ", 1)[1].replace("/tmp/", f"{tmp_path}/").split())
+    assert argv[:2] == ("config", "--set")
+    written = run_cli(argv, cwd=tmp_path)
+    assert (written.code, written.stdout) == (0, ""), written.stderr
+    config = ServingConfig.load(tmp_path / "engine.json")
+    assert config.security.internal_token_file == f"{tmp_path}/kv-token"
+    assert config.scheduler == ServingConfig().scheduler
+    assert "--config /tmp/engine.json" in readme
+
+
+def test_up_keeps_its_logs_when_it_fails_and_says_where(workdir: Path) -> None:
+    from kvserving.local.stack import free_ports, port_is_free
+
+    port = next(p for p in (free_ports(1)[0] for _ in range(50)) if port_is_free("127.0.0.1", p + 1))
+    result = run_cli(("up", "--model", "tiny", "--single", "--kv-mib", "8", "--port", str(port), "--ready-timeout", "0"), cwd=workdir)
+    assert result.code == 1
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: not ready after 0 s: worker, gateway (logs in ")
+    run_dir = Path(line.rsplit("(logs in ", 1)[1].rstrip(")"))
+    try:
+        assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "gateway.log", "worker.log"]  # the credential went
+        assert _processes_naming(run_dir) == []
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _processes_naming(text: Path) -> list[int]:
+    """Live processes whose command line holds ``text``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if str(text) in cmd and state not in ("Z", "X"):
+                pids.append(int(entry.name))
+    return pids
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.parametrize(("argv", "parts"), [
+    (("demo", "--model", "tiny", "--max-tokens", "4", "--kv-mib", "8"), 3),  # prefill, decode, gateway
+    (("up", "--model", "tiny", "--single", "--kv-mib", "8"), 2),  # worker, gateway
+], ids=["demo", "up"])
+def test_sigterm_ends_every_child_as_ctrl_c_does(workdir: Path, argv: tuple[str, ...], parts: int) -> None:
+    import signal
+    import time
+
+    from kvserving.local.stack import group_alive
+
+    if argv[0] == "up":
+        from kvserving.local.stack import free_ports, port_is_free
+
+        port = next(p for p in (free_ports(1)[0] for _ in range(50)) if port_is_free("127.0.0.1", p + 1))
+        argv = (*argv, "--port", str(port))
+    proc = subprocess.Popen([sys.executable, "-m", "kvserving.cli", *argv], cwd=workdir, env=cli_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(children) < parts:  # every part started (each leads its own process group)
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, f"{argv[0]} started {len(children)} of {parts} parts"
+            children = _children(proc.pid)
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        assert code == (0 if argv[0] == "up" else 130)  # up: a requested stop; demo: interrupted, as on Ctrl-C
+        deadline = time.monotonic() + 30
+        while any(group_alive(c) for c in children):
+            assert time.monotonic() < deadline, [c for c in children if group_alive(c)]
+            time.sleep(0.1)
+    finally:
+        for pgid in (proc.pid, *children):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
 
 
 def test_demo_calls_only_the_builtin_models_text_noise() -> None:
-    from kvserving.demo import headline
+    from kvserving.local.demo import headline
 
     assert headline(Path("/models/qwen3"), builtin=False, requests=4, max_tokens=2, kv_mib=16) == (
         "model /models/qwen3 serving 4 chat requests, 2 tokens each, KV budget 16 MiB")

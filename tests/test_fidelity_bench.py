@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from kvserving.calib_data import TaggedSeq
+from kvserving.calibrate.data import TaggedSeq
 from kvserving.calibration import Calibration, LayerScales
 from kvserving.tags import NUM_TAGS, encode_tag
 

@@ -31,7 +31,7 @@ def test_stdlib_operator_wins_even_from_repo_root_without_safe_path() -> None:
 
 
 def test_subpackages_import_from_mapped_folders() -> None:
-    for sub in ("kernels", "worker", "gateway", "operator"):
+    for sub in ("kernels", "worker", "gateway", "operator", "agents", "calibrate", "sim", "local"):
         mod = importlib.import_module(f"kvserving.{sub}")
         paths = [Path(p).resolve() for p in mod.__path__]
         # strict editable mode links the files into a build tree; the links
@@ -55,5 +55,5 @@ def test_makefile_and_ci_use_safe_path_and_make_test() -> None:
 
 def test_every_top_level_folder_has_a_readme_line() -> None:
     readme = (ROOT / "README.md").read_text()
-    for folder in ("kernels/", "worker/", "gateway/", "operator/", "crds/", "manifests/", "tests/", "e2e/", "bench/"):
+    for folder in ("kernels/", "worker/", "gateway/", "operator/", "agents/", "calibrate/", "sim/", "local/", "crds/", "manifests/", "tests/", "e2e/", "bench/"):
         assert f"`{folder}`" in readme, folder

@@ -12,7 +12,7 @@ import pytest
 from kvserving import model_dir
 from kvserving.config import ModelConfig
 from kvserving.model_dir import CACHE_ENV, resolve_model_dir
-from kvserving.worker import tiny_model
+from kvserving import tiny_model
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The cluster simulator (kvserving.simulate): its page cache, leases and event core by name,
+"""The cluster simulator (kvserving.sim.cluster): its page cache, leases and event core by name,
 routing against the real router, the cost model's input checks, and the hit rate against the
 benchmark's measured numbers (bench/results/sim_costs_cpu_measured.json)."""
 
@@ -12,10 +12,10 @@ import pytest
 
 from kvserving.config import GatewayConfig, ReuseConfig
 from kvserving.gateway.router import WorkerView, choose_decode, choose_prefill
-from kvserving.sim_cache import PageCache
-from kvserving.sim_costs import CostModel, canonical_dtype, load_costs
-from kvserving.sim_plan import split_gpus, validate_points
-from kvserving.simulate import ClusterSpec, Population, Simulator
+from kvserving.sim.cache import PageCache
+from kvserving.sim.costs import CostModel, canonical_dtype, load_costs
+from kvserving.sim.plan import split_gpus, validate_points
+from kvserving.sim.cluster import ClusterSpec, Population, Simulator
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = ROOT / "bench" / "results" / "sim_costs_cpu_measured.json"
@@ -99,7 +99,7 @@ def test_shared_prefix_segments_match_across_chains() -> None:
 
 # ----------------------------------------------------------------------------- workers and leases
 def _sim(prefill: int = 2, **kw: object) -> Simulator:
-    from kvserving.agent_load import LoadSpec
+    from kvserving.agents.load import LoadSpec
 
     cluster = ClusterSpec("bf16", prefill, 3, tiny_costs(), **kw)  # type: ignore[arg-type]
     return Simulator(cluster, LoadSpec())
@@ -165,9 +165,9 @@ def test_routing_equals_the_real_router_on_every_worker(prefill: int) -> None:
 def test_agent_shape_draws_the_same_lengths_and_think_times_as_agent_load() -> None:
     from dataclasses import replace
 
-    from kvserving.agent_load import LoadSpec, agent
-    from kvserving.sim_plan import gpu_load, load_spec_from_dict
-    from kvserving.sim_shapes import agent_shape
+    from kvserving.agents.load import LoadSpec, agent
+    from kvserving.sim.plan import gpu_load, load_spec_from_dict
+    from kvserving.sim.shapes import agent_shape
 
     loads = [gpu_load(0), gpu_load(3, shared_system_prompt=False), LoadSpec(), replace(LoadSpec(seed=2), long_context=True)]
     if MEASURED.is_file():
@@ -186,11 +186,11 @@ def test_agent_shape_draws_the_same_lengths_and_think_times_as_agent_load() -> N
 
 # ----------------------------------------------------------------------------- compiled core
 def test_native_copies_import_each_other_and_the_rest_of_kvserving() -> None:
-    from kvserving.sim_native import rewrite, source_key
+    from kvserving.sim.native import rewrite, source_key
 
-    text = "from kvserving.sim_cache import Hold\nfrom kvserving.sim_costs import CostModel\nimport kvserving.simulate\n"
-    assert rewrite(text) == ("from kvs_simnative.sim_cache import Hold\nfrom kvserving.sim_costs import CostModel\n"
-                             "import kvs_simnative.simulate\n")
+    text = "from kvserving.sim.cache import Hold\nfrom kvserving.sim.costs import CostModel\nimport kvserving.sim.cluster\n"
+    assert rewrite(text) == ("from kvs_simnative.cache import Hold\nfrom kvserving.sim.costs import CostModel\n"
+                             "import kvs_simnative.cluster\n")
     assert len(source_key()) == 20 and source_key() == source_key()
 
 
@@ -198,9 +198,9 @@ def test_the_compiled_core_gives_the_pure_python_results(tmp_path: Path, monkeyp
     import shutil
     import sysconfig
 
-    from kvserving import simulate as pure
-    from kvserving.sim_native import build, load
-    from kvserving.sim_plan import gpu_load, simulate_point
+    from kvserving.sim import cluster as pure
+    from kvserving.sim.native import build, load
+    from kvserving.sim.plan import gpu_load, simulate_point
 
     native = load()
     if native is None:  # build it here (~20 s of CPU) rather than leave the compiled core unchecked
@@ -260,7 +260,7 @@ def test_hit_rate_agrees_with_the_benchmark_on_the_cpu_stack() -> None:
 
 
 def test_a_small_population_runs_and_reuses_kv() -> None:
-    from kvserving.sim_plan import gpu_load, simulate_point
+    from kvserving.sim.plan import gpu_load, simulate_point
 
     point = simulate_point("nvfp4", 4, costs=load_costs("h200-8b"), load=gpu_load(0, think_s=5.0, output_tokens=50,
                            max_context=8192), pop=Population(8, 120.0, warmup_s=20.0, ramp_s=5.0, shapes=4),

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvserving.config import ServingConfig
-from kvserving.stack import Child, LocalStack, StackError, StackSpec, free_ports, group_alive, group_members, scrape_config
+from kvserving.local.stack import Child, LocalStack, StackError, StackSpec, free_ports, group_alive, group_members, scrape_config
 
 # A server that answers 200 on /ready after `delay` seconds and starts a
 # grandchild (sleep) in its own process group, to prove groups are stopped.

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvserving.argtypes import float_in, int_in
+from kvserving.argtypes import check_memory_bytes, float_in, int_in
 from kvserving.config import KV_DTYPES, LOAD_FORMATS, KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 
 if TYPE_CHECKING:
@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = Path(args.model)
     check_model_dir(model_dir)
+    if args.kv_bytes is not None:
+        check_memory_bytes(args.kv_bytes, "--kv-bytes")
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     prompts = chat_prompts(model_dir, list(args.prompt)) if args.chat else list(args.prompt)
     config = ServingConfig(

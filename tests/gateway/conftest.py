@@ -1,9 +1,8 @@
-"""Gateway test fixtures: the built-in tiny model (built once per session) and
-the gateway's view of it (tokenizer, chat template)."""
+"""Gateway test fixtures: the gateway's view of the built-in tiny model
+(tokenizer, chat template; the model is tests/conftest.py's)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,20 +11,6 @@ from gw_harness import Stack
 
 from kvserving.gateway.chat_template import ChatTemplate
 from kvserving.gateway.tokenizer import TextTokenizer
-
-# Nothing may reach the Hugging Face hub from the tests.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory holding `kvserving tiny-model` output (seed 0); read-only by convention."""
-    # Test-only import: the gateway package itself never imports the worker.
-    from kvserving.worker.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
-
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir: Path) -> TextTokenizer:

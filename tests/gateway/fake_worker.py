@@ -42,7 +42,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from kvserving.stack import free_port
+from kvserving.local.stack import free_port
 
 PAGE_SIZE = 16
 GENERATE_FIELDS = {"request_id", "input_ids", "tags", "sampling", "kv_transfer_params", "conversation_key", "retain", "output_ids",

@@ -9,6 +9,7 @@ from typing import Any
 
 import openai
 import pytest
+from kvs_poll import wait_until
 from fake_worker import PAGE_SIZE
 from gw_harness import MODEL, Stack
 from prometheus_client import CollectorRegistry
@@ -107,7 +108,7 @@ def test_async_client_concurrent_requests(stack: Stack, tok: TextTokenizer) -> N
 
     assert asyncio.run(main()) == [REPLY] * 8
     assert gw.metric("kvserving_gateway_requests_total", {"route": "/v1/chat/completions", "code": "200"}) == 8
-    _wait(lambda: gw.metric("kvserving_gateway_requests_in_flight") == 0)  # decremented after the last byte
+    wait_until(lambda: gw.metric("kvserving_gateway_requests_in_flight") == 0)  # decremented after the last byte
 
 
 def test_multi_turn_reports_cached_tokens_of_the_previous_turn(stack: Stack, tok: TextTokenizer, tiny_model_dir: Path) -> None:
@@ -161,7 +162,7 @@ def test_stop_string_ends_the_reply_and_aborts_upstream(stack: Stack, tok: TextT
     assert out.choices[0].message.content == "Hello from the "
     assert out.choices[0].finish_reason == "stop"
     rid = worker.received[-1]["request_id"]
-    _wait(lambda: rid in worker.aborted)
+    wait_until(lambda: rid in worker.aborted)
     assert out.usage.completion_tokens < len(reply)
 
 
@@ -183,8 +184,8 @@ def test_client_disconnect_aborts_the_upstream_request(stack: Stack, tok: TextTo
     next(iter(stream))
     stream.close()
     rid = worker.received[-1]["request_id"]
-    _wait(lambda: rid in worker.aborted)
-    _wait(lambda: gw.metric("kvserving_gateway_requests_in_flight") == 0)
+    wait_until(lambda: rid in worker.aborted)
+    wait_until(lambda: gw.metric("kvserving_gateway_requests_in_flight") == 0)
 
 
 def test_client_disconnect_before_the_first_token_aborts_too(stack: Stack, tok: TextTokenizer) -> None:
@@ -193,9 +194,9 @@ def test_client_disconnect_before_the_first_token_aborts_too(stack: Stack, tok: 
     with pytest.raises(openai.APITimeoutError):
         openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=0.5).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}])
-    _wait(lambda: bool(worker.received) and worker.received[-1]["request_id"] in worker.aborted)
-    _wait(lambda: gw.metric("kvserving_gateway_requests_total", {"route": "/v1/chat/completions", "code": "499"}) == 1)
-    _wait(lambda: gw.metric("kvserving_gateway_requests_in_flight") == 0)
+    wait_until(lambda: bool(worker.received) and worker.received[-1]["request_id"] in worker.aborted)
+    wait_until(lambda: gw.metric("kvserving_gateway_requests_total", {"route": "/v1/chat/completions", "code": "499"}) == 1)
+    wait_until(lambda: gw.metric("kvserving_gateway_requests_in_flight") == 0)
 
 
 def test_tools_and_reasoning_multi_turn(stack: Stack, tok: TextTokenizer, tiny_model_dir: Path) -> None:
@@ -252,15 +253,6 @@ def test_models_lists_the_served_model(stack: Stack) -> None:
     assert client(gw).models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError, match="gpt-4o"):
         client(gw).models.retrieve("gpt-4o")
-
-
-def _wait(pred, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def test_concurrent_identical_first_turns_are_different_conversations(stack: Stack, tok: TextTokenizer) -> None:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from kvs_poll import wait_until
 from gw_harness import MODEL, Stack
 
 from kvserving.gateway.tokenizer import TextTokenizer
@@ -124,10 +124,10 @@ def test_no_healthy_worker_is_503_with_retry_after(stack: Stack) -> None:
     assert error(r)["type"] == "service_unavailable_error"
     assert httpx.get(gw.url + "/ready", timeout=5).status_code == 503
     worker.ready = True  # comes back into the rotation at the next health poll
-    _wait(lambda: httpx.get(gw.url + "/ready", timeout=5).status_code == 200)
+    wait_until(lambda: httpx.get(gw.url + "/ready", timeout=5).status_code == 200)
     assert post(gw, {"model": MODEL, "messages": USER}).status_code == 200
     worker.ready = False
-    _wait(lambda: httpx.get(gw.url + "/ready", timeout=5).status_code == 503)
+    wait_until(lambda: httpx.get(gw.url + "/ready", timeout=5).status_code == 503)
     assert post(gw, {"model": MODEL, "messages": USER}).status_code == 503
 
 
@@ -182,13 +182,6 @@ def test_api_keys_guard_everything_but_health_ready_metrics(stack: Stack) -> Non
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=gw.base_url, api_key="sk-nope", max_retries=0).models.list()
     assert gw.metric("kvserving_gateway_requests_total", {"route": "/v1/chat/completions", "code": "401"}) == 3
-
-
-def _wait(pred, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def test_a_worker_gone_before_the_first_token_is_left_for_another(stack: Stack) -> None:

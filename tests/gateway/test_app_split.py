@@ -9,6 +9,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from kvs_poll import wait_until
 from fake_worker import PAGE_SIZE, FakeWorker
 from gw_harness import MODEL, Gateway, Stack
 
@@ -102,8 +103,10 @@ def test_leases_renew_while_active_and_release_when_idle(stack: Stack, reply: li
     gw = stack.gateway(decode=[decode.url], reuse=reuse, lease_heartbeat_s=0.2)
     turn(gw, [SYSTEM, {"role": "user", "content": "hello"}], "idle-one")
     (lease_id,) = decode.leases
-    _wait(lambda: decode.renewals.count(lease_id) >= 2)  # active (within the lease TTL): kept alive by heartbeat
-    _wait(lambda: lease_id in decode.releases, timeout_s=5)  # idle past the lease TTL: released
+    wait_until(lambda: decode.renewals.count(lease_id) >= 2)  # active (within the lease TTL): kept alive by heartbeat
+    wait_until(lambda: lease_id in decode.releases, timeout_s=5)  # idle past the lease TTL: released
+    # the gateway counts a release once the worker has answered it: wait for that, not for the worker's side
+    wait_until(lambda: gw.metric("kvserving_gateway_lease_releases_total") >= 1, what="the gateway counting the release")
     assert decode.leases == {}
     assert gw.state.keeper.table.get(DEFAULT_TENANT.scope("session:idle-one")) is None
     assert gw.metric("kvserving_gateway_lease_renewals_total") >= 2
@@ -118,7 +121,7 @@ def test_a_lease_the_worker_forgot_is_dropped_as_expired(stack: Stack, reply: li
     gw = stack.gateway(decode=[decode.url], reuse=reuse, lease_heartbeat_s=0.2)
     turn(gw, [SYSTEM, {"role": "user", "content": "hello"}], "forgotten")
     decode.leases.clear()  # the worker lost it (restart, eviction): the renewal near its expiry gets 404
-    _wait(lambda: gw.state.keeper.table.get(DEFAULT_TENANT.scope("session:forgotten")) is None)
+    wait_until(lambda: gw.state.keeper.table.get(DEFAULT_TENANT.scope("session:forgotten")) is None)
     assert gw.metric("kvserving_gateway_lease_expiries_total") == 1
     assert decode.releases == []
 
@@ -141,13 +144,6 @@ def test_gateway_shutdown_leaves_active_leases_and_releases_idle_ones(tiny_model
         stack.close()
 
 
-def _wait(pred, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 def test_a_stop_string_in_a_split_turn_still_reports_what_the_prefill_reused(stack: Stack, reply: list[int]) -> None:
     prefill = stack.worker(role="prefill", reply_ids=reply)
     decode = stack.worker(role="decode", reply_ids=reply, token_delay_s=0.02)
@@ -159,7 +155,7 @@ def test_a_stop_string_in_a_split_turn_still_reports_what_the_prefill_reused(sta
                                              extra_headers={"X-Session-ID": "stop"})
     assert out.choices[0].message.content == "Done. The " and out.choices[0].finish_reason == "stop"
     rid = decode.received[-1]["request_id"]
-    _wait(lambda: rid in decode.aborted)
+    wait_until(lambda: rid in decode.aborted)
     assert out.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import re
 import subprocess
 import sys
 from typing import Any

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import copy
 import json
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -59,27 +61,39 @@ async def _until(what: str, predicate: Any, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.05)
 
 
+@contextlib.asynccontextmanager
+async def running_operator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sample: str,
+                           **scope: Any) -> AsyncIterator[tuple[FakeHttpApi, str]]:
+    """kopf running the operator's handlers against a fake API server that holds one defaulted
+    KVServing of ``sample``; ``scope``: kopf.operator's clusterwide/namespaces. Stops both on exit."""
+    body = apply_defaults(root_schema(), load_sample(sample))
+    body["metadata"].update(uid="kvs-uid", generation=1)
+    api = FakeHttpApi()
+    api.start()
+    monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, api.url)))
+    api.put("kvserving.dev", "kvservings", body)
+    stop = asyncio.Event()
+    operator = asyncio.create_task(kopf.operator(registry=handlers.registry, standalone=True, stop_flag=stop, **scope))
+    try:
+        yield api, body["metadata"]["name"]
+    finally:
+        stop.set()
+        await asyncio.wait_for(operator, timeout=20)
+        api.stop()
+
+
 def test_kopf_operator_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
-    body = apply_defaults(root_schema(), load_sample("fp8_e4m3"))
-    body["metadata"].update(uid="kvs-uid", generation=1)
-    name = body["metadata"]["name"]
 
     async def scenario() -> FakeHttpApi:
-        api = FakeHttpApi()
-        api.start()
-        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, api.url)))
-        api.put("kvserving.dev", "kvservings", body)
+        async with running_operator(tmp_path, monkeypatch, "fp8_e4m3", clusterwide=True) as (api, name):
 
-        def kvs() -> dict[str, Any]:
-            return api.get("kvserving.dev", "kvservings", "default", name) or {}
+            def kvs() -> dict[str, Any]:
+                return api.get("kvserving.dev", "kvservings", "default", name) or {}
 
-        def status() -> dict[str, Any]:
-            return kvs().get("status") or {}
+            def status() -> dict[str, Any]:
+                return kvs().get("status") or {}
 
-        stop = asyncio.Event()
-        operator = asyncio.create_task(kopf.operator(registry=handlers.registry, standalone=True, clusterwide=True, stop_flag=stop))
-        try:
             await _until("Ready at generation 1", lambda: status().get("observedGeneration") == 1 and status().get("phase") == "Ready")
             assert api.get("apps", "deployments", "default", f"{name}-decode") is not None
             assert status()["decode"]["ready"] == "1/1"
@@ -107,10 +121,6 @@ def test_kopf_operator_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
             assert api.get("apps", "deployments", "default", f"{name}-decode") is None
             await asyncio.sleep(0.5)
             assert _token(api, name) is None  # not made again for a KVServing that is gone
-        finally:
-            stop.set()
-            await asyncio.wait_for(operator, timeout=20)
-            api.stop()
         return api
 
     api = asyncio.run(scenario())
@@ -122,27 +132,12 @@ def test_kopf_operator_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def test_kopf_operator_watching_one_namespace_needs_only_the_namespaced_role(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    body = apply_defaults(root_schema(), load_sample("triaxial"))
-    body["metadata"].update(uid="kvs-uid", generation=1)
-    name = body["metadata"]["name"]
-
     async def scenario() -> FakeHttpApi:
-        api = FakeHttpApi()
-        api.start()
-        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, api.url)))
-        api.put("kvserving.dev", "kvservings", body)
-        stop = asyncio.Event()
-        operator = asyncio.create_task(
-            kopf.operator(registry=handlers.registry, standalone=True, clusterwide=False, namespaces=["default"], stop_flag=stop))
-        try:
+        async with running_operator(tmp_path, monkeypatch, "triaxial", clusterwide=False, namespaces=["default"]) as (api, name):
             await _until("Ready", lambda: ((api.get("kvserving.dev", "kvservings", "default", name) or {}).get("status") or {})
                          .get("phase") == "Ready")
             assert _token(api, name) is not None
             assert api.get("networking.k8s.io", "networkpolicies", "default", f"{name}-workers") is not None
-        finally:
-            stop.set()
-            await asyncio.wait_for(operator, timeout=20)
-            api.stop()
         return api
 
     api = asyncio.run(scenario())

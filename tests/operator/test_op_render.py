@@ -453,7 +453,7 @@ def test_a_limit_below_its_request_is_refused(resources: dict[str, Any], message
 def test_quantities_compare_across_suffixes() -> None:
     from decimal import Decimal
 
-    from kvserving.operator.validate import parse_quantity
+    from kvserving.operator.quantity import parse_quantity
 
     assert parse_quantity("500m") == Decimal("0.5")
     assert parse_quantity("1Gi") == Decimal(2**30) > parse_quantity("1G") == Decimal(10**9)

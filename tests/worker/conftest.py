@@ -1,20 +1,22 @@
-"""Worker test fixtures: the built-in tiny model, built once per session."""
+"""Worker test fixtures: a worker app served on a real socket (``live``) for
+the module's ``config``."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
-# Nothing may reach the Hugging Face hub from the tests.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from live_worker import Live, start_live, stop_live
+
+from kvserving.config import ServingConfig
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory holding `kvserving tiny-model` output (seed 0); read-only by convention."""
-    from kvserving.worker.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+@pytest.fixture(scope="module")
+def live(config: ServingConfig) -> Iterator[Live]:
+    """The worker app of the requesting module's ``config`` fixture, on uvicorn, for the module."""
+    w = start_live(config)
+    try:
+        yield w
+    finally:
+        stop_live(w)

@@ -16,7 +16,7 @@ import torch
 from kvserving import cli
 from kvserving.config import ModelConfig, ServingConfig
 from kvserving.worker.model import DenseCausalAttention, load_dummy_model, load_model
-from kvserving.worker.tiny_model import QWEN3_8B_CONFIG
+from kvserving.tiny_model import QWEN3_8B_CONFIG
 
 PROMPT = [5, 17, 300, 42, 99, 7, 1000, 3]
 
@@ -131,8 +131,8 @@ def test_one_gpu_stack_serves_the_8b_shape_and_pulls_back(tmp_path: Path) -> Non
     from openai import OpenAI
 
     from kvserving.config import KVCacheConfig
-    from kvserving.stack import LocalStack, StackSpec, free_ports
-    from kvserving.worker.tiny_model import build_tiny_model
+    from kvserving.local.stack import LocalStack, StackSpec, free_ports
+    from kvserving.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "q8b", shape="qwen3-8b")
     config = ServingConfig(model=ModelConfig(path=str(model_dir), load_format="dummy"),

@@ -41,7 +41,8 @@ from kvserving.worker.model import (
     weight_bytes_per_step,
     weight_format_of,
 )
-from kvserving.worker.tiny_model import QWEN3_8B_CONFIG, build_tiny_model
+from kvserving.tiny_model import QWEN3_8B_CONFIG, build_tiny_model
+from kvserving.worker.model_files import build_model_dir
 from kvserving.worker.weights import Fp8Scheme, read_quantization
 
 VARIANTS = [("fp8", False), ("fp8", True), ("fp8_block", False)]  # (weight format, static input scales)
@@ -51,7 +52,7 @@ IDS = ["per-tensor", "per-tensor-static", "block128"]
 @pytest.fixture(scope="module")
 def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], Path]:
     root = tmp_path_factory.mktemp("fp8")
-    return {(f, s): build_tiny_model(root / f"{f}-{s}", weight_format=f, static_input=s) for f, s in VARIANTS}
+    return {(f, s): build_model_dir(root / f"{f}-{s}", weight_format=f, static_input=s) for f, s in VARIANTS}
 
 
 def dequantized_reference(model: DecoderModel) -> DecoderModel:
@@ -265,7 +266,7 @@ def _child_digest(model_dir: Path, seed: int, device: str = "cpu") -> str:
 
 def _weightless(tmp_path: Path, fmt: str) -> Path:
     """The tiny shape's config (with the FP8 quantization_config) and tokenizer, no weights."""
-    d = build_tiny_model(tmp_path / fmt, weight_format=fmt)
+    d = build_model_dir(tmp_path / fmt, weight_format=fmt)
     (d / "model.safetensors").unlink()
     return d
 
@@ -397,7 +398,7 @@ def test_gpu_engine_serves_the_8b_fp8_dummy_model(tmp_path: Path, fmt: str) -> N
     from kvserving.worker.engine import LLMEngine
     from kvserving.worker.sampling import SamplingParams
 
-    d = build_tiny_model(tmp_path / "q8b", shape="qwen3-8b", weight_format=fmt)
+    d = build_model_dir(tmp_path / "q8b", shape="qwen3-8b", weight_format=fmt)
     engine = LLMEngine(ServingConfig(model=ModelConfig(path=str(d), load_format="dummy"),
                                      kv_cache=KVCacheConfig(dtype="bf16", memory_bytes=2 << 30)))  # fmt: skip
     assert weight_format_of(engine.model) == fmt

@@ -94,15 +94,6 @@ def config(tiny_model_dir: Path, frozen: Listener) -> ServingConfig:
     )
 
 
-@pytest.fixture(scope="module")
-def live(config: ServingConfig) -> Iterator[Live]:
-    w = start_live(config)
-    try:
-        yield w
-    finally:
-        stop_live(w)
-
-
 def stream(live: Live, body: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
     r = httpx.post(live.url + "/internal/generate", json=body, headers=live.headers, timeout=60)
     assert r.status_code == 200, r.text

@@ -315,7 +315,8 @@ def test_aged_attention_error_is_close_to_direct_int2_on_real_kv(tiny_model_dir:
     """Attention-output MSE over the tiny model's real q/k/v with the first pages stored
     INT2 directly from fp32 vs INT4 -> INT2 (age-down): within 1.25x (measured in
     docs/performance-log/age-down.md)."""
-    from kvserving.calibrate import capture_qkv, head_mse
+    from kvserving.calibrate.codecs import head_mse
+    from kvserving.calibrate.measure import capture_qkv
     from kvserving.worker.attention import causal_attention
     from kvserving.worker.model import load_model
 

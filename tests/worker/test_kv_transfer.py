@@ -235,7 +235,7 @@ def test_expired_or_released_lease_recomputes(tiny_model_dir: Path, pf: Any, pee
 
 def test_other_weights_are_a_layout_mismatch(tiny_model_dir: Path, tmp_path: Path, pf: Any, peer: Peer) -> None:
     """Same shapes and dtype, different weights: the pages would read fine and mean nothing."""
-    from kvserving.worker.tiny_model import build_tiny_model
+    from kvserving.tiny_model import build_tiny_model
 
     other = build_tiny_model(tmp_path / "other", seed=1)
     peer.call("open", name="d-other", spec=_spec(other, "bf16", "d-other-1", role="decode"))

@@ -10,7 +10,6 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +36,6 @@ def config(tiny_model_dir: Path) -> ServingConfig:
         model=ModelConfig(path=str(tiny_model_dir), max_model_len=MAX_LEN),
         kv_cache=KVCacheConfig(dtype="bf16", memory_bytes=4 << 20),
     )
-
-
-@pytest.fixture(scope="module")
-def live(config: ServingConfig) -> Iterator[Live]:
-    w = start_live(config)
-    try:
-        yield w
-    finally:
-        stop_live(w)
 
 
 def generate(live: Live, body: dict[str, Any], *, timeout: float = 60) -> tuple[list[int], dict[str, Any]]:

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvserving import cli
 from kvserving.worker.model import DenseCausalAttention, load_model
-from kvserving.worker.tiny_model import build_tiny_model
-from kvserving.worker.tokenizer_data import SPECIAL_TOKENS, VOCAB_SIZE
+from kvserving.tiny_model import build_tiny_model
+from kvserving.tokenizer_data import SPECIAL_TOKENS, VOCAB_SIZE
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},

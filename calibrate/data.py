@@ -2,7 +2,7 @@
 
 A ``.jsonl`` file holds one chat request per line (``{"messages": [...], "tools": [...]}`` or a bare
 message list); any other file is plain text, wrapped as chat requests: ``agent`` (``iter_agent_wrap``:
-conversations of ``kvserving.agent_load``'s shape with the text standing in for every message) or
+conversations of ``kvserving.agents.load``'s shape with the text standing in for every message) or
 ``pieces`` (``wrap_text``: 17 equal pieces of system prompt, user turns, reasoning, tool calls and
 results). Every request is rendered by the gateway's chat template and tagged by its tagger, so the
 tags are the real 56 classes; ``load_data`` does both lazily, in order, up to a token cap (a cap far
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserving.agent_load import Dist, LoadSpec, agent
+from kvserving.agents.load import Dist, LoadSpec, agent
 from kvserving.gateway.errors import GatewayError
 from kvserving.gateway.tagger import ChatTagger
 
@@ -86,7 +86,7 @@ def agent_wrap(text: str, *, name: str, chars_per_token: float, context_tokens: 
 
 def iter_agent_wrap(text: str, *, name: str, chars_per_token: float, context_tokens: int,
                     seed: int = 0) -> Iterator[ChatRequest]:
-    """Plain text as agent conversations of ``kvserving.agent_load``'s shape (module docstring),
+    """Plain text as agent conversations of ``kvserving.agents.load``'s shape (module docstring),
     each planned to fill about 85% of ``context_tokens``; the text is used once, in order.
 
     Agent ``i`` is ``agent_load.agent(LoadSpec(seed, long_context=True), i)`` with every

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 
-from kvserving.agent_load import (
+from kvserving.agents.load import (
     CALL_TOKENS,
     GENERATION_PROMPT_TOKENS,
     REPLY_TOKENS,

@@ -1,4 +1,4 @@
-"""``kvserving simulate``: capacity planning and validation on top of ``kvserving.simulate``.
+"""``kvserving simulate``: capacity planning and validation on top of ``kvserving.sim.cluster``.
 
 - Capacity: a GPU-scale agent population (``gpu_load``) on N GPUs split into prefill and
   decode workers; ``fewest_gpus`` searches the fewest GPUs whose TTFT p99 meets a target
@@ -11,15 +11,19 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from kvserving.agent_load import AgentSpec, LoadSpec, reuse_for_mode
+from kvserving.agents.load import AgentSpec, LoadSpec, reuse_for_mode
 from kvserving.config import ReuseConfig, SchedulerConfig
-from kvserving.sim_costs import CostModel
-from kvserving import simulate as pure
-from kvserving.simulate import ClusterSpec, Population, Simulator, run_bench_point
+from kvserving.sim.costs import CostModel
+from kvserving.sim import cluster as pure
+from kvserving.sim.cluster import ClusterSpec, Population, Simulator, run_bench_point
+
+# Off a terminal a long run prints where it is this often (a terminal gets a bar).
+PROGRESS_LINES_S = 30.0
 
 
 # ---------------------------------------------------------------------------------- capacity planning
@@ -27,7 +31,7 @@ def gpu_load(seed: int = 0, *, think_s: float = 30.0, output_tokens: int = 250, 
              shared_system_prompt: bool = True) -> LoadSpec:
     """Coding-agent traffic at GPU scale: a 2K-token shared system prompt with 8 tools, turns of
     tool results ~1.5K tokens, replies ~``output_tokens``, ``think_s`` mean think time (tool runs)."""
-    from kvserving.agent_load import Dist
+    from kvserving.agents.load import Dist
 
     return LoadSpec(
         seed=seed,
@@ -58,7 +62,7 @@ def simulate_point(dtype: str, gpus: int, *, costs: CostModel, load: LoadSpec, p
                    prefill_share: float, reuse: ReuseConfig | None = None,
                    progress: Callable[[float], None] | None = None,
                    shapes: dict[int, AgentSpec] | None = None, engine: ModuleType = pure) -> dict[str, Any]:
-    """One population run. ``engine``: ``kvserving.simulate`` or its compiled build
+    """One population run. ``engine``: ``kvserving.sim.cluster`` or its compiled build
     (``sim_native.load()``); ``pop`` must be that module's ``Population``."""
     prefill, decode = split_gpus(gpus, prefill_share)
     cluster = engine.ClusterSpec(dtype, prefill, decode, costs, reuse=reuse or ReuseConfig(),
@@ -117,7 +121,7 @@ def fewest_gpus(
 def engine_for(native: bool) -> ModuleType:
     """The compiled simulator core when wanted and built for this source, else the pure-Python one."""
     if native:
-        from kvserving.sim_native import load as load_native
+        from kvserving.sim.native import load as load_native
 
         module = load_native()
         if module is not None:
@@ -125,11 +129,11 @@ def engine_for(native: bool) -> ModuleType:
     return pure
 
 
-def plan(dtype: str, args: dict[str, Any], *, show_progress: bool) -> dict[str, Any]:
+def plan(dtype: str, args: dict[str, Any], *, show_progress: bool, lines_every_s: float | None = None) -> dict[str, Any]:
     """One format's answer for ``kvserving simulate`` (a process-pool job: plain arguments)."""
     import sys
 
-    from kvserving.sim_costs import CostModel
+    from kvserving.sim.costs import CostModel
 
     costs = CostModel.from_dict(args["costs"])
     load = gpu_load(args["seed"], think_s=args["think_s"], output_tokens=args["output_tokens"],
@@ -138,11 +142,17 @@ def plan(dtype: str, args: dict[str, Any], *, show_progress: bool) -> dict[str, 
     pop = engine.Population(args["agents"], args["duration_s"], warmup_s=args["warmup_s"], ramp_s=args["ramp_s"], shapes=args["shapes"])
     duration = args["duration_s"]
 
+    last = time.monotonic()
+
     def progress(t: float) -> None:
+        nonlocal last
         if show_progress:
             done = int(30 * min(1.0, t / duration))
             sys.stderr.write(f"\r{dtype:>9} [{'#' * done}{'.' * (30 - done)}] {t:6.0f} s simulated")
             sys.stderr.flush()
+        elif lines_every_s is not None and time.monotonic() - last >= lines_every_s:
+            last = time.monotonic()  # off a terminal: a line now and then, so a long run is not silent
+            print(f"{dtype}: {t:.0f} of {duration:g} s simulated", file=sys.stderr, flush=True)
 
     kw: dict[str, Any] = dict(costs=costs, load=load, pop=pop, prefill_share=args["prefill_share"],
                               reuse=ReuseConfig(bidirectional=args["reuse"]), progress=progress, shapes={}, engine=engine)
@@ -192,7 +202,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--dtype", default="nvfp4,fp8", help="KV formats, comma-separated (bf16, fp8, nvfp4, triaxial)")
     parser.add_argument("--ttft-p99-ms", type=float_in(0, 1e9, low_open=True), default=None,
                         help="find the fewest GPUs whose TTFT p99 is within this")
-    parser.add_argument("--costs", default="h200-8b", help="cost profile: h200-8b, cpu-tiny, or a JSON file (kvserving.sim_costs)")
+    parser.add_argument("--costs", default="h200-8b", help="cost profile: h200-8b, cpu-tiny, or a JSON file (kvserving.sim.costs)")
     parser.add_argument("--kv-gib", type=float_in(0, 1e6, low_open=True), default=None, help="KV memory per GPU, GiB (default: the profile's)")
     parser.add_argument("--prefill-share", type=float_in(0, 1, low_open=True), default=0.25, help="share of the GPUs that prefill")
     parser.add_argument("--duration-s", type=float_in(0, 1e7, low_open=True), default=3600.0, help="simulated seconds")
@@ -210,7 +220,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--seed", type=int, default=0, help="agent population seed")
     parser.add_argument("--json", default=None, help="write the points as JSON here")
     parser.add_argument("--build-native", action="store_true",
-                        help="compile the simulator core with mypyc (kvserving.sim_native; once per source version), then run")
+                        help="compile the simulator core with mypyc (kvserving.sim.native; once per source version), then run")
     parser.add_argument("--pure-python", action="store_true", help="run the pure-Python core even when a compiled one is built")
     parser.add_argument("--validate", default=None, metavar="BENCH_JSON",
                         help="instead: re-run bench/agents.py's points (its JSON) and print simulated vs measured "
@@ -220,12 +230,11 @@ def add_arguments(parser: Any) -> None:
 def run(args: Any) -> int:
     import json
     import sys
-    import time
 
-    from kvserving.sim_costs import canonical_dtype, load_costs
+    from kvserving.sim.costs import canonical_dtype, load_costs
 
     if args.build_native:
-        from kvserving.sim_native import build
+        from kvserving.sim.native import build
 
         build()
     if args.validate is not None:
@@ -257,12 +266,13 @@ def run(args: Any) -> int:
     t0 = time.perf_counter()
     jobs = max(1, min(args.jobs, len(dtypes)))
     if jobs == 1:
-        points = [plan(d, job, show_progress=tty) for d in dtypes]
+        points = [plan(d, job, show_progress=tty, lines_every_s=PROGRESS_LINES_S) for d in dtypes]
     else:
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(max_workers=jobs) as pool:  # one format per core
-            futures = [pool.submit(plan, d, job, show_progress=tty and i == 0) for i, d in enumerate(dtypes)]
+            futures = [pool.submit(plan, d, job, show_progress=tty and i == 0, lines_every_s=PROGRESS_LINES_S if i == 0 else None)
+                       for i, d in enumerate(dtypes)]
             points = [f.result() for f in futures]
     target = f", TTFT p99 <= {args.ttft_p99_ms:g} ms" if args.ttft_p99_ms is not None else ""
     print(f"{args.agents:,} agents, {args.duration_s:g} s simulated (metrics after {args.warmup_s:g} s), costs {costs.name}{target}")
@@ -284,7 +294,7 @@ VALIDATED = ("hit_rate", "hit_rate_later_turns", "local_share", "pulled_share", 
 
 def load_spec_from_dict(data: dict[str, Any]) -> LoadSpec:
     """The ``LoadSpec`` bench/agents.py wrote with ``dataclasses.asdict``."""
-    from kvserving.agent_load import Dist
+    from kvserving.agents.load import Dist
 
     if not isinstance(data, dict):
         raise ValueError("the benchmark JSON has no 'load' object")

@@ -3,12 +3,12 @@ write the calibration file (kvserving.calibration) the engine config names.
 
     kvserving calibrate --model DIR --data a.py b.jsonl --bit-budget 2.5 2.7 3 --out calib.json
 
-1. Calibration text becomes tagged prompts (``kvserving.calib_data``) through the gateway's own chat
+1. Calibration text becomes tagged prompts (``kvserving.calibrate.data``) through the gateway's own chat
    template and tagger (the real 56 classes): a ``.jsonl`` file holds one chat
    request per line (``{"messages": [...], "tools": [...]}`` or a bare message
    list); any other file is plain text, wrapped as agent conversations. With
    ``--wrap agent`` (the default) they have the shape of the agent load
-   generator's agents (``kvserving.agent_load``: system prompt, tool schemas,
+   generator's agents (``kvserving.agents.load``: system prompt, tool schemas,
    turns of user request or tool result, then a reply that quotes the latest
    result and calls the next tool, until the context is full), the file's
    text standing in for every message, so the class shares are those of an
@@ -22,7 +22,7 @@ write the calibration file (kvserving.calibration) the engine config names.
    reference codec (kernels.intquant: INT4 K and V per token in groups of 32
    channels; at 2 bits INT2 V per token and INT2 K per channel over pages of
    32 of the class's tokens, in position order), the rest exact, summed over
-   the prompts. ``--metric kl`` (the default, ``kvserving.calibrate_kl``): the
+   the prompts. ``--metric kl`` (the default, ``kvserving.calibrate.kl``): the
    KL divergence of the next-token distribution from the exact KV's, summed
    over positions, with class k quantized in every layer as the engine stores
    it and the prompt prefilled in chunks of ``--chunk`` tokens (512, the
@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -65,28 +66,28 @@ from typing import TextIO
 
 import torch
 
+from kvserving.argtypes import check_device, check_output_file
 from kvserving.bits import PageMix, count_page_mixes, default_sensitivity, page_records
-from kvserving.calib_data import WRAPS, TaggedSeq, load_data
+from kvserving.calibrate.codecs import PAGE, attend, head_mse, quantize_positions
+from kvserving.calibrate.data import WRAPS, TaggedSeq, load_data
+from kvserving.calibrate.kl import class_kl, log_probs, table_kl
 from kvserving.calibration import SCALED_DTYPES, Calibration, LayerScales, budget_key
 from kvserving.config import ModelConfig
 from kvserving.gateway.chat_template import ChatTemplate
 from kvserving.gateway.tagger import ChatTagger
 from kvserving.gateway.tokenizer import TextTokenizer
 from kvserving.kernels.fp8 import dequantize_fp8, quantize_fp8
-from kvserving.kernels.intquant import dequantize_groups, dequantize_int2_keys, quantize_groups, quantize_int2_keys
 from kvserving.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from kvserving.model_dir import resolve_model_dir
 from kvserving.tags import NUM_TAGS
-from kvserving.worker.attention import causal_attention
 from kvserving.worker.model import DecoderModel, ModelArgs, load_model
 
 DEFAULT_BUDGETS = (2.5, 2.7, 3.0, 3.5)
-# D_k(b): "kl", the next-token KL with class k at b bits through every layer (kvserving.calibrate_kl), or
+# D_k(b): "kl", the next-token KL with class k at b bits through every layer (kvserving.calibrate.kl), or
 # "attn", DESIGN.md's per-layer attention-output MSE (max over heads, summed over layers)
 METRICS = ("kl", "attn")
 # The KL metric prefills each prompt in chunks of this many tokens, as the engine does (SchedulerConfig.chunk_size)
 DEFAULT_CHUNK = 512
-PAGE = 32  # triaxial page: INT2 keys are quantized per channel over this many tokens
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
 # Multiples of the amax scale that --scale-search tries (< 1 clips outliers, > 1 leaves headroom).
@@ -102,7 +103,7 @@ class _Capture:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.q[layer], self.k[layer], self.v[layer] = q.float(), k.float(), v.float()
-        return _attend(q, k, v)
+        return attend(q, k, v)
 
 
 @torch.inference_mode()
@@ -112,57 +113,17 @@ def capture_qkv(model: DecoderModel, ids: Sequence[int], *, device: torch.device
     return cap
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal GQA attention of a whole prompt: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
-    return causal_attention(q, k, v, q_offset=0, sm_scale=1.0 / math.sqrt(q.shape[-1]))
-
-
-def head_mse(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """[T, H, D] x2 -> MSE per head [H]."""
-    return (out - ref).pow(2).mean(dim=(0, 2))
-
-
-def qdq_groups(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """x [T, H, D] through the per-token group codec at ``bits`` and back (fp32)."""
-    return dequantize_groups(*quantize_groups(x, bits), bits, dtype=torch.float32)
-
-
-def quantize_positions(k: torch.Tensor, v: torch.Tensor, idx4: torch.Tensor,
-                       idx2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """k/v [T, H, D] fp32 with the positions ``idx4`` through INT4 and ``idx2`` through INT2 and back."""
-    kq, vq = k.clone(), v.clone()
-    if idx4.numel():
-        kq[idx4], vq[idx4] = qdq_groups(k[idx4], 4), qdq_groups(v[idx4], 4)
-    if idx2.numel():
-        kq[idx2], vq[idx2] = qdq_int2_keys(k[idx2]), qdq_groups(v[idx2], 2)
-    return kq, vq
-
-
-def qdq_int2_keys(k: torch.Tensor) -> torch.Tensor:
-    """k [T, H, D] -> INT2 per channel over consecutive pages of 32 tokens (last may be shorter), back to fp32."""
-    out = torch.empty_like(k)
-    t, h, d = k.shape
-    full = t - t % PAGE
-    if full:  # every whole page at once: [pages, H, P, D]
-        pages = k[:full].reshape(full // PAGE, PAGE, h, d).transpose(1, 2)
-        out[:full] = dequantize_int2_keys(*quantize_int2_keys(pages), dtype=torch.float32).transpose(1, 2).reshape(full, h, d)
-    if full < t:
-        page = k[full:].transpose(0, 1)  # [H, P, D]
-        out[full:] = dequantize_int2_keys(*quantize_int2_keys(page), dtype=torch.float32).transpose(0, 1)
-    return out
-
-
 def class_distortion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tags: torch.Tensor) -> dict[int, torch.Tensor]:
     """One layer of one prompt: bits -> D_k(bits) [56] (max over heads of the attention-output MSE
     with only class k's tokens at ``bits``). q: [T, Hq, D], k/v: [T, Hkv, D], tags: long [T]."""
-    ref = _attend(q, k, v)
+    ref = attend(q, k, v)
     none = tags.new_empty(0)
     out = {2: torch.zeros(NUM_TAGS, dtype=torch.float64), 4: torch.zeros(NUM_TAGS, dtype=torch.float64)}
     for c in torch.unique(tags).tolist():
         idx = (tags == c).nonzero().squeeze(1)
         for bits in (2, 4):
             kq, vq = quantize_positions(k, v, idx, none) if bits == 4 else quantize_positions(k, v, none, idx)
-            out[bits][c] = float(head_mse(_attend(q, kq, vq), ref).max())
+            out[bits][c] = float(head_mse(attend(q, kq, vq), ref).max())
     return out
 
 
@@ -181,19 +142,22 @@ def scale_top(kv_dtype: str) -> float:
 def scale_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_dtype: str, k_scales: Sequence[float],
                  v_scales: Sequence[float]) -> tuple[list[float], list[float]]:
     """Attention-output MSE (max over heads) with only K (resp. only V) quantized at each candidate scale."""
-    ref = _attend(q, k, v)
-    ek = [float(head_mse(_attend(q, qdq_scaled(k, kv_dtype, s), v), ref).max()) for s in k_scales]
-    ev = [float(head_mse(_attend(q, k, qdq_scaled(v, kv_dtype, s)), ref).max()) for s in v_scales]
+    ref = attend(q, k, v)
+    ek = [float(head_mse(attend(q, qdq_scaled(k, kv_dtype, s), v), ref).max()) for s in k_scales]
+    ev = [float(head_mse(attend(q, k, qdq_scaled(v, kv_dtype, s)), ref).max()) for s in v_scales]
     return ek, ev
 
 
 class Progress:
-    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+    """Progress on stderr: a one-line bar on a terminal; elsewhere (a log, a pipe) a line every
+    ``every_s`` seconds of work, so a long run is never silent and a short one adds nothing."""
 
-    def __init__(self, total: int, label: str, *, stream: TextIO | None = None) -> None:
+    def __init__(self, total: int, label: str, *, stream: TextIO | None = None, every_s: float = 30.0) -> None:
         self.total, self.label, self.done = max(1, total), label, 0
         self.stream = stream if stream is not None else sys.stderr
         self.on = self.stream.isatty()
+        self.every_s = every_s
+        self.last = time.monotonic()
 
     def step(self, note: str = "") -> None:
         self.done += 1
@@ -201,6 +165,10 @@ class Progress:
             width = 30
             fill = width * self.done // self.total
             self.stream.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} {note:<24}")
+            self.stream.flush()
+        elif time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
+            self.stream.write(f"{self.label}: {self.done}/{self.total} {note}".rstrip() + "\n")
             self.stream.flush()
 
     def close(self) -> None:
@@ -281,7 +249,6 @@ def measure(
     Two passes when searching: amax first (the candidates are multiples of it), then errors."""
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
-    from kvserving.calibrate_kl import class_kl  # it builds on this module's codecs
 
     m = Measurement.empty(args)
     caps: Iterator[tuple[TaggedSeq, _Capture]] = ((s, capture_qkv(model, s.ids, device=device)) for s in seqs)
@@ -376,6 +343,7 @@ def calibrate(
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     if chunk < 0:
         raise ValueError(f"chunk must be >= 0, got {chunk}")
+    check_device(device)
     tagger = ChatTagger(TextTokenizer.from_dir(model_dir), ChatTemplate.from_dir(model_dir))
     seqs = load_data(data, tagger, seq_len=seq_len, max_tokens=max_tokens, wrap=wrap)
     if not seqs:
@@ -418,7 +386,6 @@ def select_tables(cal: Calibration, attn: Mapping[int, Sequence[float]], model: 
     ``record``, if given, gets per budget each candidate's summed KL and the choice. Opt-in
     (``--select``): on the bench's CPU and H200 models it kept the KL table at 7 of 8 budgets and took
     an equal one at the 8th, for about twice the calibration time on CPU."""
-    from kvserving.calibrate_kl import table_kl, log_probs  # it builds on this module's codecs
 
     if not attn:
         raise ValueError("select_tables needs the attention-MSE measurements (measure(..., also_attn=True))")
@@ -497,6 +464,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_file(args.out, "--out")  # before minutes of work, not after
+    check_device(args.device)
     model_dir = resolve_model_dir(ModelConfig(path=args.model))
     selection: dict[str, dict[str, float | str]] = {}
     cal = calibrate(

@@ -1,5 +1,5 @@
 """Cluster simulator: N prefill and M decode workers, the gateway's real router
-and lease table, and an agent population from ``kvserving.agent_load``; a
+and lease table, and an agent population from ``kvserving.agents.load``; a
 discrete-event simulation (one heap of timed callbacks, pure Python) whose
 every cost comes from a measured ``sim_costs.CostModel``.
 
@@ -19,7 +19,7 @@ expire leases at ``retention_ttl_s``. Metrics are the benchmark's
 (bench/agents.py): prefix hit rate (cached / prompt tokens), reuse by source,
 evicted pages, requests/s, output tokens/s, TTFT p50/p99.
 
-``kvserving simulate`` (kvserving.sim_plan) runs it from the command line: the fewest
+``kvserving simulate`` (kvserving.sim.plan) runs it from the command line: the fewest
 GPUs that serve a population at a TTFT p99, and the replay of the benchmark's points.
 """
 
@@ -33,13 +33,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserving.agent_load import AgentSpec, LoadSpec, agent
+from kvserving.agents.load import AgentSpec, LoadSpec, agent
 from kvserving.config import DEFAULT_PAGE_SIZE, GatewayConfig, ReuseConfig, SchedulerConfig
 from kvserving.gateway.leases import LeaseTable
 from kvserving.gateway.router import WorkerView, choose_decode, choose_prefill, prefix_key
-from kvserving.sim_costs import CostModel
-from kvserving.sim_shapes import agent_shape
-from kvserving.sim_workers import DecodeWorker, PrefillWorker, Req, Sim, WLease, Worker
+from kvserving.sim.costs import CostModel
+from kvserving.sim.shapes import agent_shape
+from kvserving.sim.workers import DecodeWorker, PrefillWorker, Req, Sim, WLease, Worker
 
 _BIG = 1 << 40  # pages of a conversation chain: bounded by the prompt, never by this
 
@@ -615,17 +615,3 @@ def run_population(sim: Simulator, pop: Population, *, progress: Callable[[float
     point["decode_reclaimed_leases"] = sim.reclaimed_leases()
     point["unfinished"] = len(waiting)
     return point
-
-
-# ---------------------------------------------------------------------------------- the command
-def add_arguments(parser: Any) -> None:
-    """``kvserving simulate`` (kvserving.sim_plan: capacity planning and validation)."""
-    from kvserving.sim_plan import add_arguments as add
-
-    add(parser)
-
-
-def run(args: Any) -> int:
-    from kvserving.sim_plan import run as go
-
-    return go(args)

@@ -10,6 +10,7 @@ stopped (exit 1).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -50,8 +51,10 @@ def build_config(args: argparse.Namespace) -> ServingConfig:
     """The engine config of the stack (ValueError naming the flag on bad input)."""
     config = ServingConfig.load(args.config) if args.config is not None else ServingConfig()
     if args.model is not None:
-        if not args.model.is_dir():
+        if not args.model.exists():
             raise ValueError(f"--model {args.model}: the directory does not exist")
+        if not args.model.is_dir():
+            raise ValueError(f"--model {args.model} is not a directory (a model directory holds config.json and the weights)")
         config = replace(config, model=replace(config.model, path=str(args.model.resolve())))
     if args.load_format is not None:
         config = replace(config, model=replace(config.model, load_format=args.load_format))
@@ -76,12 +79,26 @@ def build_config(args: argparse.Namespace) -> ServingConfig:
     return replace(config, kv_cache=kv, reuse=reuse)
 
 
+def check_gpus(gpus: str) -> None:
+    """Refuse ``--gpus`` on a machine without those GPUs (the workers would run on CPU without a word)."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(f"--gpus {gpus}: no CUDA device is visible (torch {torch.__version__}); leave --gpus out to run on CPU")
+    indices = [int(i) for g in gpus.split(",") for i in g.split() if i.strip().isdigit()]
+    if "CUDA_VISIBLE_DEVICES" not in os.environ and any(i >= count for i in indices):
+        raise ValueError(f"--gpus {gpus}: this machine has {count} GPU(s), indices 0..{count - 1}")
+
+
 def run(args: argparse.Namespace) -> int:
-    from kvserving.stack import LocalStack, StackError, StackSpec
+    from kvserving.local.stack import LocalStack, StackError, StackSpec
 
     config = build_config(args)
     if not 1 <= args.port <= 65532:
         raise ValueError(f"--port must be in 1..65532 (the next three ports are used too), got {args.port}")
+    if args.gpus:
+        check_gpus(args.gpus)
     spec = StackSpec(
         config=config, host=args.host, gateway_port=args.port, prefill_port=args.port + 1,
         decode_port=args.port + 2, single=args.single,
@@ -90,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     )
     stopping = False
     ready = False
+    failed = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
@@ -111,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         while not stopping:
             dead = stack.check()
             if dead is not None:
+                failed = True
                 print(f"error: {stack.describe_death(dead)}", file=sys.stderr)
                 return 1
             time.sleep(0.25)
@@ -120,9 +139,11 @@ def run(args: argparse.Namespace) -> int:
         print("interrupted while starting: stopping", file=sys.stderr)
         return 0
     except StackError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        failed = any(stack.run_dir.glob("*.log"))  # a child ran: its log says why
+        where = f" (logs in {stack.run_dir})" if failed and str(stack.run_dir) not in str(exc) else ""
+        print(f"error: {exc}{where}", file=sys.stderr)
         return 1
     finally:
-        stack.close()
+        stack.close(keep_logs=failed)  # a failure's logs are what the user reads next
         for sig, handler in previous.items():
             signal.signal(sig, handler)

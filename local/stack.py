@@ -198,10 +198,10 @@ class LocalStack:
 
     def __init__(self, spec: StackSpec) -> None:
         self.spec = spec
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._tmp: Path | None = None  # a run dir of our own, removed on close unless kept
         if spec.run_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="kvserving-up-")
-            self.run_dir = Path(self._tmp.name)
+            self._tmp = Path(tempfile.mkdtemp(prefix="kvserving-up-"))
+            self.run_dir = self._tmp
         else:
             self.run_dir = spec.run_dir
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -359,11 +359,14 @@ class LocalStack:
                 child.log_file = None
         self.children = []
 
-    def close(self) -> None:
+    def close(self, *, keep_logs: bool = False) -> None:
+        """Stop every child; remove the run dir made for this stack unless ``keep_logs`` (after a failure)."""
         self.stop()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        if self._tmp is not None and not keep_logs:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        elif self._tmp is not None:
+            self.token_path.unlink(missing_ok=True)  # the logs stay; the credential of a stopped stack goes
+        self._tmp = None
 
     def __enter__(self) -> LocalStack:
         return self

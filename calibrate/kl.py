@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvserving.calibrate import PAGE, _attend, head_mse, quantize_positions
+from kvserving.calibrate.codecs import PAGE, attend, head_mse, quantize_positions
 from kvserving.tags import NUM_TAGS
 from kvserving.worker.attention import causal_attention
 from kvserving.worker.model import DecoderModel
@@ -65,7 +65,7 @@ class QuantizedKV:
         kq, vq = quantize_positions(kf, vf, self.idx4, self.idx2)
         n = q.shape[0]
         if self.chunk <= 0 or self.chunk >= n:
-            return (_attend(qf, kq, vq) if self.chunk <= 0 else _attend(qf, kf, vf)).to(q.dtype)
+            return (attend(qf, kq, vq) if self.chunk <= 0 else attend(qf, kf, vf)).to(q.dtype)
         out = torch.empty_like(qf)
         scale = 1.0 / math.sqrt(q.shape[-1])
         for s in range(0, n, self.chunk):
@@ -135,7 +135,7 @@ def table_attn_distortion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bit
     ``bits`` and the layer's inputs exact (``calibrate.class_distortion``'s measure, whole table)."""
     idx4, idx2 = (bits == 4).nonzero().squeeze(1), (bits == 2).nonzero().squeeze(1)
     kq, vq = quantize_positions(k, v, idx4, idx2)
-    return float(head_mse(_attend(q, kq, vq), _attend(q, k, v)).max())
+    return float(head_mse(attend(q, kq, vq), attend(q, k, v)).max())
 
 
 def predicted(distortion: Mapping[int, Sequence[float]], counts: Sequence[float], tags: torch.Tensor,

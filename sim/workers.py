@@ -39,8 +39,8 @@ from typing import Any
 
 from kvserving.config import ReuseConfig, SchedulerConfig
 from kvserving.gateway.router import WorkerView
-from kvserving.sim_cache import Hold, Key, PageCache
-from kvserving.sim_costs import CostModel
+from kvserving.sim.cache import Hold, Key, PageCache
+from kvserving.sim.costs import CostModel
 
 
 @dataclass(slots=True, eq=False)

@@ -15,12 +15,14 @@ agent conversation whose later turns reuse the KV of earlier ones.
 from __future__ import annotations
 
 import argparse
+import signal
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import FrameType
 
-from kvserving.argtypes import float_in, int_in
+from kvserving.argtypes import check_output_file, float_in, int_in
 from kvserving.config import KV_DTYPES, KVCacheConfig, ModelConfig, ServingConfig
 
 DEMO_SESSION = "kvserving-demo"
@@ -45,12 +47,20 @@ def headline(model_dir: Path, *, builtin: bool, requests: int, max_tokens: int, 
     return f"{name} serving {requests} chat requests, {max_tokens} tokens each, KV budget {kv_mib} MiB{note}"
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
-    from kvserving.agent_demo import TRACE, format_table, plot_ttft, run_conversation
+    from kvserving.local.agent_demo import TRACE, format_table, plot_ttft, run_conversation
     from kvserving.kernels import capacity
     from kvserving.model_dir import resolve_model_dir
-    from kvserving.stack import LocalStack, StackSpec, free_ports
+    from kvserving.local.stack import LocalStack, StackSpec, free_ports
 
+    if args.plot is not None:
+        check_output_file(args.plot, "--plot")  # before the two runs, not after
+    # SIGTERM ends the demo as Ctrl-C does: the stack's context stops every child on the way out.
+    signal.signal(signal.SIGTERM, _interrupt)
     builtin = args.model is None
     if args.model is not None:  # refuse a bad model in one line, before any process starts
         from kvserving.worker.generate import chat_prompts, check_model_dir

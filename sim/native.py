@@ -1,4 +1,4 @@
-"""The simulator's optional compiled core: simulate.py, sim_workers.py and sim_cache.py built
+"""The simulator's optional compiled core: cluster.py, workers.py and cache.py built
 with mypyc from the same source, for ``kvserving simulate`` at population scale.
 
 The pure-Python modules are the reference (the tests and ``--validate`` run them).
@@ -26,9 +26,9 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-NATIVE_MODULES = ("sim_cache", "sim_workers", "simulate")
+NATIVE_MODULES = ("cache", "workers", "cluster")
 PACKAGE = "kvs_simnative"
-_IMPORT = re.compile(r"\bkvserving\.(" + "|".join(NATIVE_MODULES) + r")\b")
+_IMPORT = re.compile(r"\bkvserving\.sim\.(" + "|".join(NATIVE_MODULES) + r")\b")
 
 
 def cache_root() -> Path:
@@ -111,6 +111,6 @@ def load() -> ModuleType | None:
     if str(dest) not in sys.path:
         sys.path.insert(0, str(dest))
     try:
-        return importlib.import_module(f"{PACKAGE}.simulate")
+        return importlib.import_module(f"{PACKAGE}.cluster")
     except ImportError:
         return None
