@@ -34,7 +34,10 @@ Faults (in this order; each run uses its own conversation ids):
 - ``prefill_sigstop``: the prefill worker frozen for ``PREFILL_STOP_S`` while a
   later turn is sent;
 - ``holder_sigstop``: the decode worker holding the conversation's lease
-  frozen before its second turn, thawed after it;
+  frozen before its second turn, thawed after it (those turns' seconds beside
+  the same turns without the fault); then the prefill worker's part of a turn
+  whose KV only the holder has, sent to the prefill directly, the holder alive
+  and frozen (``reuse.peer_timeout_s`` bounds the frozen pull);
 - ``decode_sigkill``: the decode worker holding the first conversation's lease
   killed between its turns (the rest of the run has one decode worker);
 - ``transfer_timeout``: every worker restarted with
@@ -71,15 +74,17 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserving.config import ServingConfig
 from kvserving.gateway.tenants import DEFAULT_TENANT
 from kvserving.stack import free_ports, new_token_file
 
 MODEL = "kvserving-tiny"
 MAX_TOKENS = 16
-FIRST_BYTE_S = 4.0  # > the prefill's pull from a frozen holder (the workers' 2 s peer deadline)
-PEER_TIMEOUT_S = 2.0
+FIRST_BYTE_S = 4.0  # > the prefill's pull from a frozen holder (the workers' reuse.peer_timeout_s)
+TRANSFER_TIMEOUT_S = 2.0  # reuse.transfer_timeout_s (the gateway's first-byte deadline must exceed it)
 TINY_TIMEOUT_S = 1e-6  # shorter than any READ (bench/up_gpu.py's `timeout` mode)
 PREFILL_STOP_S = 1.5
+PROBE_PROMPT_TOKENS = 300
 READY_S = 180.0
 SYSTEM = "You are a coding agent. Work step by step, use the tools, and report what you changed. "
 CONVERSATIONS = [  # (system prompt repeats, user turns, streamed)
@@ -168,7 +173,7 @@ class Cluster:
         self.gateway = Proc("gateway", self.gateway_url, [sys.executable, "-m", "kvserving.cli", "gateway", "--config",
                             str(tmp / "gateway.json"), "--host", "127.0.0.1", "--port", str(ports[0])],
                             tmp / "gateway.log")
-        self.write_config("gateway.json", PEER_TIMEOUT_S)
+        self.write_config("gateway.json", TRANSFER_TIMEOUT_S)
 
     def _worker(self, name: str, role: str, url: str) -> Proc:
         port = url.rsplit(":", 1)[1]
@@ -200,7 +205,7 @@ class Cluster:
             w.wait_ready()
 
     def start(self) -> None:
-        self.start_workers(PEER_TIMEOUT_S)
+        self.start_workers(TRANSFER_TIMEOUT_S)
         self.gateway.start()
         self.gateway.wait_ready()
 
@@ -267,6 +272,7 @@ class Result:
     fallback: str | None = None
     cached_tokens: int | None = None
     detail: str = ""
+    seconds: float = 0.0  # the request, sent to answered (set by Matrix.run)
 
 
 def openai_shaped(body: object) -> bool:
@@ -334,8 +340,9 @@ def malformed_bodies() -> dict[str, bytes]:
     }
 
 
-def peer_generate(url: str, headers: dict[str, str], body: dict[str, Any]) -> str | None:
-    """POST a worker's /internal/generate; the final event's ``usage.reuse_fallback`` ("error ..." on a failure)."""
+def worker_generate(url: str, headers: dict[str, str], body: dict[str, Any]) -> tuple[list[int], dict[str, Any]] | str:
+    """POST a worker's /internal/generate: the streamed token ids and the final event, or "error ..."."""
+    tokens: list[int] = []
     final: dict[str, Any] = {}
     with httpx.stream("POST", url + "/internal/generate", json=body, headers=headers, timeout=60) as r:
         if r.status_code != 200:
@@ -347,9 +354,16 @@ def peer_generate(url: str, headers: dict[str, str], body: dict[str, Any]) -> st
             event = json.loads(data)
             if "error" in event:
                 return f"error {event['error'].get('code')}"
+            tokens += event.get("token_ids", [])
             if "finish_reason" in event:
                 final = event
-    return (final.get("usage") or {}).get("reuse_fallback")
+    return tokens, final
+
+
+def peer_generate(url: str, headers: dict[str, str], body: dict[str, Any]) -> str | None:
+    """POST a worker's /internal/generate; the final event's ``usage.reuse_fallback`` ("error ..." on a failure)."""
+    got = worker_generate(url, headers, body)
+    return got if isinstance(got, str) else (got[1].get("usage") or {}).get("reuse_fallback")
 
 
 class Trap:
@@ -407,6 +421,7 @@ class Matrix:
         self.client = openai.OpenAI(base_url=cluster.gateway_url + "/v1", api_key="none", max_retries=0, timeout=120)
         self.reference: list[list[str]] = []
         self.last_decoder: dict[int, Proc] = {}  # conversation -> the decode worker that served its last turn
+        self.turn_seconds: dict[str, list[list[float]]] = {}  # run -> conversation -> seconds per turn
         self.counter = 0
 
     def history(self, conv: int, turn: int) -> list[dict[str, Any]]:
@@ -429,10 +444,13 @@ class Matrix:
                     before(conv, turn)
                 building = len(self.reference[conv]) == turn  # the reference run: replies become the history
                 ref = None if building else self.reference[conv][turn]
+                t0 = time.monotonic()
                 result = ask(self.client, self.history(conv, turn), self.conversation_id(fault, conv), stream=stream, reference=ref)
+                result.seconds = round(time.monotonic() - t0, 2)
                 run.results.append(result)
                 if building:
                     self.reference[conv].append(result.text)
+                self.turn_seconds.setdefault(fault, [[] for _ in self.conversations])[conv].append(result.seconds)
                 if after is not None:
                     after(conv, turn)
                 moved = [d for d, n in zip(self.c.decoders, counts, strict=True) if served(d) > n]
@@ -631,10 +649,59 @@ class Matrix:
                 p.send(signal.SIGCONT)
         moved = gauge(self.c.gateway_url, "kvserving_gateway_reuse_fallbacks_total", reason="holder_unresponsive") - before_fb
         run.extra["gateway_holder_unresponsive"] = int(moved)
+        # the same turns without a fault (the "none" run when it ran: the same prompts, caches as warm)
+        normal = self.turn_seconds.get("none") or self.turn_seconds["reference"]
+        run.extra["frozen_turn_s"] = seconds
+        run.extra["normal_turn_s"] = [normal[conv][1] for conv in range(len(self.conversations))]
+        run.extra["frozen_turn_fallbacks"] = [run.results[sum(len(u) for _, u, _ in self.conversations[:conv]) + 1].fallback
+                                              for conv in range(len(self.conversations))]
         run.notes.append(f"lease holder frozen before turn 2 of each conversation ({len(frozen)} times); those turns took "
-                         f"{seconds} s; gateway holder_unresponsive +{int(moved)}")
+                         f"{seconds} s (without the fault: {run.extra['normal_turn_s']} s); gateway holder_unresponsive "
+                         f"+{int(moved)}")
+        self.c.all_healthy()
+        # The prefill's own bound: a turn whose KV only the (frozen) holder has
+        pulls = [self.prefill_pull(self.c.decoders[0], freeze=f, seed=n) for n, f in enumerate((False, True, False, True))]
+        run.extra["prefill_pull_from_holder"] = pulls
+        run.notes.append("prefill's part of a turn whose KV only the holder has, s: alive "
+                         f"{[p['seconds'] for p in pulls if not p['frozen']]}, frozen {[p['seconds'] for p in pulls if p['frozen']]} "
+                         f"(reuse.peer_timeout_s {ServingConfig().reuse.peer_timeout_s})")
+        if any(p["tokens"] != pulls[0]["tokens"] or p["fallback"] != ("remote_unreachable" if p["frozen"] else None)
+               for p in pulls):
+            run.violations.append(f"a pull from a frozen holder did not recompute the alive run's token: {pulls}")
         self.c.all_healthy()
         return run
+
+    def prefill_pull(self, holder: Proc, *, freeze: bool, seed: int) -> dict[str, Any]:
+        """The prefill worker's part of a turn whose KV only ``holder`` has (what the gateway sends
+        when its prefill lacks the prefix): the holder computes and retains a prompt the prefill
+        never saw, then the prefill gets the next turn with the holder's ``kv_transfer_params``,
+        the holder frozen or not. Every probe sends the same tokens under its own ``cache_salt``
+        (nothing cached from another probe is reused): the prefill's token is the same each time."""
+        head = [(i * 37) % 3500 + 300 for i in range(PROBE_PROMPT_TOKENS)]
+        body = {"sampling": {"max_tokens": 8, "ignore_eos": True}, "conversation_key": f"probe-{seed}",
+                "cache_salt": f"probe-{seed}"}
+        got = worker_generate(holder.url, self.c.headers, {**body, "request_id": f"probe-{seed}-d", "input_ids": head,
+                                                          "retain": True})
+        if isinstance(got, str):
+            raise RuntimeError(f"the holder's turn failed: {got}")
+        reply, final = got
+        nxt = [*head, *reply, *((i * 11) % 3500 + 300 for i in range(24))]
+        if freeze:
+            holder.send(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            got = worker_generate(self.c.prefill.url, self.c.headers, {
+                **body, "request_id": f"probe-{seed}-p", "input_ids": nxt, "sampling": {"max_tokens": 1, "ignore_eos": True},
+                "kv_transfer_params": final["kv_transfer_params"]})
+            seconds = time.monotonic() - t0
+        finally:
+            if freeze:
+                holder.send(signal.SIGCONT)
+        if isinstance(got, str):
+            raise RuntimeError(f"the prefill's turn failed: {got}")
+        tokens, pf = got
+        return {"frozen": freeze, "seconds": round(seconds, 2), "tokens": tokens, "fallback": pf["usage"]["reuse_fallback"],
+                "pulled_tokens": pf["usage"]["remote_pulled_tokens"]}
 
     def decode_sigkill(self) -> Run:
         killed: list[str] = []
@@ -713,7 +780,8 @@ def main(argv: list[str] | None = None) -> int:
                   "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                   "streamed_conversations": [i for i, c in enumerate(conversations) if c[2]],
                   "gateway_first_byte_timeout_s": FIRST_BYTE_S, "gateway_event_timeout_s": FIRST_BYTE_S,
-                  "reuse_transfer_timeout_s": PEER_TIMEOUT_S},
+                  "reuse_transfer_timeout_s": TRANSFER_TIMEOUT_S,
+                  "reuse_peer_timeout_s": ServingConfig().reuse.peer_timeout_s},
         "seconds": {"start": round(t_ready, 1), "total": round(time.monotonic() - t_start, 1)},
         "faults": records,
     }

@@ -3,7 +3,8 @@ a credential-less attacker between the turns and the lease holder frozen before
 the second), end to end with real gateway and worker processes: no request is
 silently wrong, the counts add up, the attacker was refused on every call and
 reached nothing, and the frozen holder's turn moved to the other decode worker
-(counted once by the gateway as ``holder_unresponsive``)."""
+(counted once by the gateway as ``holder_unresponsive``); the prefill worker's
+pull from the frozen holder gives up after ``reuse.peer_timeout_s``."""
 
 from __future__ import annotations
 
@@ -34,4 +35,11 @@ def test_fault_matrix_quick(tmp_path: Path) -> None:
     assert probes["answered_not_401"] == 0 and probes["trap_connections"] == 0
     assert probes["credentialed_generates_naming_the_trap"] == ["unknown_peer"]  # recomputed, nothing contacted
     assert faults["holder_sigstop"]["gateway_counters"]["reuse_fallbacks{reason=holder_unresponsive}"] == 1
+    # the prefill's part of a turn whose KV only the holder has: frozen, it gives up after reuse.peer_timeout_s
+    # and recomputes the alive run's token
+    pulls = faults["holder_sigstop"]["prefill_pull_from_holder"]
+    peer_timeout_s = result["setup"]["reuse_peer_timeout_s"]
+    assert [(p["frozen"], p["fallback"]) for p in pulls] == [(False, None), (True, "remote_unreachable")] * 2
+    assert all(p["pulled_tokens"] > 0 for p in pulls if not p["frozen"])
+    assert all(peer_timeout_s <= p["seconds"] < peer_timeout_s + 5 for p in pulls if p["frozen"])
     assert "silently_wrong" in proc.stdout.splitlines()[0]  # the printed table's header

@@ -100,7 +100,7 @@ from typing import Any, TypeVar, cast
 from kvserving.config import ROLES, ReuseConfig
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.kv_wire import HTTP_TIMEOUT_S, KVTransferParams, PeerHttp, layout_hash, layout_info, lease_digest
+from kvserving.worker.kv_wire import KVTransferParams, PeerHttp, layout_hash, layout_info, lease_digest
 from kvserving.worker.leases import RetainedKV, RetainSpec, release_pin
 from kvserving.worker.page_pool import RECLAIM_FIRST, RECLAIM_LAST
 from kvserving.worker.peers import PeerSet, url_key
@@ -256,7 +256,7 @@ class KVTransfer:
         self._lock = threading.Lock()
         self._counts_lock = threading.Lock()  # pulls run on several server threads at once
         self._run = run_on_engine or self._run_locked
-        self._http = PeerHttp(token=internal_token)
+        self._http = PeerHttp(token=internal_token, timeout_s=reuse.peer_timeout_s)
         self._fetch = fetch_agent_info or self._http.fetch_agent_info
         self._hold_remote = hold_remote or self._http.hold
         self._release_remote = release_remote or self._http.release
@@ -385,7 +385,7 @@ class KVTransfer:
                 if result.pin_lease is None and params.lease_id.startswith(TRANSFER_LEASE_PREFIX):
                     # nothing read: wait for the hold (it consumes a prefill's single-use lease), so
                     # that pull returns with the sender's transfer lease already gone
-                    wait([contact], timeout=HTTP_TIMEOUT_S + 1.0)
+                    wait([contact], timeout=self.reuse.peer_timeout_s + 1.0)
                     ph.mark("release")
                 # the hold is over once the READ is: let the sender free it, off the request's path
                 contact.add_done_callback(lambda f: self._later(self._release_contact, params, f))
