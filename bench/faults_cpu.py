@@ -29,6 +29,11 @@ Faults (in this order; each run uses its own conversation ids):
   through the gateway: every call without the credential must be a 401, the
   credentialed one a recompute (``unknown_peer``), nothing may connect to the
   trap, and the victim's turns stay ok;
+- ``nixl_attacker``: before every later turn, an attacker with a NIXL agent
+  of its own and no credential asks every worker for its agent metadata (must
+  be 401), loads made-up metadata (NIXL must refuse it) and sets up a READ and
+  a WRITE naming the victim's agent (must be refused: no metadata, no
+  connection); the victim's turns stay ok;
 - ``other_tenant``: after every victim turn, another tenant (``cache_salt``)
   sends the victim's exact messages: its ``cached_tokens`` must be 0;
 - ``prefill_sigstop``: the prefill worker frozen for ``PREFILL_STOP_S`` while a
@@ -38,6 +43,11 @@ Faults (in this order; each run uses its own conversation ids):
   the same turns without the fault); then the prefill worker's part of a turn
   whose KV only the holder has, sent to the prefill directly, the holder alive
   and frozen (``reuse.peer_timeout_s`` bounds the frozen pull);
+- ``gateway_sigterm``: the gateway SIGTERMed with long streams, a short one
+  and a long request that is not streamed in flight (``gateway.drain_grace_s``
+  = ``DRAIN_GRACE_S``): what finishes equals its reference, the rest ends with
+  an error event (text so far a prefix of the reference) or a 503, never a
+  bare close; the gateway is started again;
 - ``decode_sigkill``: the decode worker holding the first conversation's lease
   killed between its turns (the rest of the run has one decode worker);
 - ``transfer_timeout``: every worker restarted with
@@ -48,15 +58,20 @@ silently_wrong, fallback reasons seen in ``usage.kvserving.reuse_fallback``,
 notes, the gateway's fallback / upstream-error / retry counters moved) and
 prints a table. Exits 1 when a request was silently wrong, a malformed request
 was not a clear 4xx, a worker call without the credential was answered, the
-trap was contacted, or another tenant saw cached tokens.
+trap was contacted, another tenant saw cached tokens, NIXL accepted made-up
+metadata or a transfer to an agent it has no metadata for, or the drained
+gateway exited non-zero or past its grace.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
+import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -85,6 +100,9 @@ TRANSFER_TIMEOUT_S = 2.0  # reuse.transfer_timeout_s (the gateway's first-byte d
 TINY_TIMEOUT_S = 1e-6  # shorter than any READ (bench/up_gpu.py's `timeout` mode)
 PREFILL_STOP_S = 1.5
 PROBE_PROMPT_TOKENS = 300
+DRAIN_GRACE_S = 1.0  # gateway.drain_grace_s: the long streams outlast it
+LONG_TOKENS = 200
+SHORT_TOKENS = 3  # a stream that ends within the grace
 READY_S = 180.0
 SYSTEM = "You are a coding agent. Work step by step, use the tools, and report what you changed. "
 CONVERSATIONS = [  # (system prompt repeats, user turns, streamed)
@@ -95,9 +113,9 @@ CONVERSATIONS = [  # (system prompt repeats, user turns, streamed)
     (7, ["Open the gateway log and find the slowest request.", "What did its worker do meanwhile?",
          "Propose one change that makes it faster."], False),
 ]
-ALL_FAULTS = ("none", "malformed", "attacker", "other_tenant", "prefill_sigstop", "holder_sigstop",
-              "decode_sigkill", "transfer_timeout")
-QUICK_FAULTS = ("attacker", "holder_sigstop")
+ALL_FAULTS = ("none", "malformed", "attacker", "nixl_attacker", "other_tenant", "prefill_sigstop", "holder_sigstop",
+              "gateway_sigterm", "decode_sigkill", "transfer_timeout")
+QUICK_FAULTS = ("attacker", "nixl_attacker", "holder_sigstop")
 CLASSES = ("ok", "failed_clear", "failed_unclear", "silently_wrong")
 
 
@@ -193,7 +211,7 @@ class Cluster:
             "security": {"internal_token_file": str(self.tmp / "internal-token")},
             "gateway": {"prefill_urls": [self.prefill.url], "decode_urls": [d.url for d in self.decoders],
                         "first_byte_timeout_s": FIRST_BYTE_S, "event_timeout_s": FIRST_BYTE_S,
-                        "health_interval_s": 1.0},
+                        "health_interval_s": 1.0, "drain_grace_s": DRAIN_GRACE_S},
         }
         (self.tmp / name).write_text(json.dumps(config))
 
@@ -281,21 +299,31 @@ def openai_shaped(body: object) -> bool:
 
 
 def ask(client: openai.OpenAI, messages: list[dict[str, Any]], conversation_id: str, *, stream: bool,
-        salt: str | None = None, reference: str | None = None) -> Result:
+        salt: str | None = None, reference: str | None = None, max_tokens: int = MAX_TOKENS,
+        started: threading.Event | None = None) -> Result:
+    """One request through the openai client, classified against ``reference``. ``started`` is
+    set once a streamed reply's first chunk has arrived. A stream that ends with an error event
+    keeps the text streamed before it (``Result.text``); one that ends with neither a
+    finish_reason nor an error event was cut bare (``failed_unclear``)."""
     extra: dict[str, Any] = {"ignore_eos": True}
     if salt is not None:
         extra["cache_salt"] = salt
-    kw: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+    kw: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                           "extra_headers": {"X-Session-ID": conversation_id}, "extra_body": extra}
+    text: list[str] = []
     try:
         if stream:
-            text, finish, usage = [], None, None
+            finish, usage = None, None
             for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+                if started is not None:
+                    started.set()
                 for choice in chunk.choices:
                     text.append(choice.delta.content or "")
                     finish = choice.finish_reason or finish
                 usage = chunk.usage or usage
             reply = "".join(text)
+            if finish is None:
+                return Result("failed_unclear", reply, detail="stream ended without a finish_reason or an error event")
         else:
             out = client.chat.completions.create(**kw)
             reply, finish, usage = out.choices[0].message.content or "", out.choices[0].finish_reason, out.usage
@@ -306,11 +334,11 @@ def ask(client: openai.OpenAI, messages: list[dict[str, Any]], conversation_id: 
         return Result("failed_unclear", detail=type(exc).__name__)
     except openai.APIError as exc:  # an SSE error event
         kind = "failed_clear" if openai_shaped(exc.body) else "failed_unclear"
-        return Result(kind, detail=f"error event {getattr(exc, 'code', None)}")
+        return Result(kind, "".join(text), detail=f"error event {getattr(exc, 'code', None)}")
     extra_usage = (usage.model_dump().get("kvserving") or {}) if usage is not None else {}
     details = usage.prompt_tokens_details if usage is not None else None
     cached = details.cached_tokens if details is not None else None
-    whole = usage is not None and usage.completion_tokens == MAX_TOKENS and finish == "length"
+    whole = usage is not None and usage.completion_tokens == max_tokens and finish == "length"
     kind = "ok" if whole and (reference is None or reply == reference) else "silently_wrong"
     return Result(kind, reply, extra_usage.get("reuse_fallback"), cached,
                   "" if kind == "ok" else f"finish {finish}, usage {usage}")
@@ -577,6 +605,61 @@ class Matrix:
             run.violations.append(f"the trap was contacted {trap.connections} times")
         return run
 
+    def nixl_attacker(self) -> Run:
+        """Before every later turn, an attacker on the worker network with a NIXL agent of its own
+        and no credential goes for the victim's KV pool itself: the metadata a NIXL connection
+        needs (401), made-up metadata (NIXL refuses to load it), a READ and a WRITE naming the
+        victim's agent (its engine id is public on /health; the generation part of the agent name
+        is random): nothing may be loaded or started, and the victim's turns stay ok."""
+        from kvserving.worker.nixl_io import import_nixl
+
+        api = import_nixl()
+        if isinstance(getattr(api, "logger", None), logging.Logger):
+            api.logger.setLevel(logging.WARNING)  # its INFO lines go to stdout, where the table goes
+        agent = api.nixl_agent("attacker", api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                                                  backends=["UCX"]))
+        loot = bytearray(1 << 16)  # where a READ would land, what a WRITE would send
+        base = ctypes.addressof((ctypes.c_char * len(loot)).from_buffer(loot))
+        agent.register_memory([(base, len(loot), 0, "")], "DRAM")
+        own = bytes(agent.get_agent_metadata())
+        probes: Counter[str] = Counter()
+        violations: list[str] = []
+
+        def before(conv: int, turn: int) -> None:
+            if turn == 0:
+                return
+            for w in self.c.workers:
+                r = httpx.get(w.url + "/internal/kv/agent", timeout=10)
+                probes["agent_metadata_without_credential"] += 1
+                if r.status_code != 401 or "metadata" in r.text:
+                    violations.append(f"{w.name} /internal/kv/agent answered {r.status_code} without the credential")
+                for made_up in (os.urandom(len(own)), own[: len(own) // 2], b""):
+                    probes["made_up_metadata"] += 1
+                    try:
+                        name = agent.add_remote_agent(made_up)
+                    except Exception:  # noqa: BLE001 - NIXL refuses it: the expected outcome
+                        probes["made_up_metadata_refused"] += 1
+                    else:
+                        violations.append(f"NIXL loaded made-up metadata as agent {name!r}")
+                engine_id = httpx.get(w.url + "/health", timeout=10).json()["engine_id"]
+                victim = f"{engine_id}-{secrets.randbits(48):x}"
+                local = agent.get_xfer_descs([(base, 4096, 0)], "DRAM")
+                remote = agent.get_xfer_descs([(base, 4096, 0)], "DRAM")  # any address: the agent is what gates it
+                for op in ("READ", "WRITE"):
+                    probes["transfers_naming_the_victims_agent"] += 1
+                    try:
+                        agent.initialize_xfer(op, local, remote, victim)
+                    except Exception:  # noqa: BLE001 - no metadata for that agent: refused before any connection
+                        probes["transfers_refused"] += 1
+                    else:
+                        violations.append(f"a NIXL {op} naming {victim!r} was set up without its metadata")
+
+        run = self.run("nixl_attacker", before=before)
+        run.extra["probes"] = dict(probes)
+        run.violations += violations
+        run.notes.append(f"NIXL-level attacker without the credential before every later turn: {dict(probes)}")
+        return run
+
     def other_tenant(self) -> Run:
         intruder: list[Result] = []
         repeat: list[Result] = []
@@ -703,6 +786,72 @@ class Matrix:
         return {"frozen": freeze, "seconds": round(seconds, 2), "tokens": tokens, "fallback": pf["usage"]["reuse_fallback"],
                 "pulled_tokens": pf["usage"]["remote_pulled_tokens"]}
 
+    def gateway_sigterm(self) -> Run:
+        """The gateway SIGTERMed with streams in flight: one long stream per conversation (
+        ``LONG_TOKENS``), a short one and a long request that is not streamed. Each is sent once
+        without the fault (all at once, as in the drain: the references), then again and the
+        gateway gets SIGTERM once every stream has streamed its first chunk. What finishes within
+        ``DRAIN_GRACE_S`` must equal its reference; the rest must end with an error event (a
+        stream, its text so far a prefix of the reference) or an OpenAI-shaped 503 (the request
+        not streamed): never a bare close, never other text. The gateway is started again after."""
+        jobs = [(conv, 0, LONG_TOKENS, True) for conv in range(len(self.conversations))]
+        jobs += [(len(self.conversations) - 1, 0, LONG_TOKENS, False), (0, 1, SHORT_TOKENS, True)]
+
+        def send(tag: str, refs: list[str] | None) -> tuple[list[Result], list[float], float]:
+            results: list[Result | None] = [None] * len(jobs)
+            ended = [0.0] * len(jobs)
+            started = [threading.Event() for _ in jobs]
+
+            def one(i: int) -> None:
+                conv, turn, max_tokens, stream = jobs[i]
+                results[i] = ask(self.client, self.history(conv, turn), f"gateway_sigterm-{tag}-{i}", stream=stream,
+                                 reference=refs[i] if refs else None, max_tokens=max_tokens, started=started[i])
+                ended[i] = time.monotonic()
+
+            threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(jobs))]
+            for t in threads:
+                t.start()
+            t_term = 0.0
+            if refs is not None:
+                for i, (_, _, _, stream) in enumerate(jobs):
+                    if stream and not started[i].wait(120):
+                        raise RuntimeError("a stream did not start before the gateway's SIGTERM")
+                t_term = time.monotonic()
+                self.c.gateway.send(signal.SIGTERM)
+            for t in threads:
+                t.join(300)
+            done = [r for r in results if r is not None]
+            if len(done) != len(jobs):
+                raise RuntimeError("a request of the drain fault did not return")
+            return done, [round(e - t_term, 2) for e in ended], t_term
+
+        fault_free, _, _ = send("reference", None)
+        if any(r.kind != "ok" for r in fault_free):
+            raise RuntimeError(f"the drain fault's references failed: {[r.detail for r in fault_free]}")
+        refs = [r.text for r in fault_free]
+        results, ended, _ = send("drain", refs)
+        exit_code = self.c.gateway.proc.wait(timeout=DRAIN_GRACE_S + 30) if self.c.gateway.proc else None
+        run = Run("gateway_sigterm")
+        for (_, _, _, stream), result, ref in zip(jobs, results, refs, strict=True):
+            if result.kind == "failed_clear" and stream and not ref.startswith(result.text):
+                result.kind, result.detail = "silently_wrong", f"streamed text before the error event is not the reference's: {result.detail}"
+            run.results.append(result)
+        self.c.gateway.start()
+        self.c.gateway.wait_ready()
+        self.c.all_healthy()
+        run.extra["ended_after_sigterm_s"] = ended
+        run.extra["outcomes"] = [f"{'stream' if j[3] else 'whole'} {j[2]}: {r.kind} {r.detail}".strip()
+                                 for j, r in zip(jobs, results, strict=True)]
+        run.extra["gateway_exit_code"] = exit_code
+        if exit_code != 0:
+            run.violations.append(f"the gateway exited {exit_code} after SIGTERM")
+        late = [e for e in ended if e > DRAIN_GRACE_S + 5]
+        if late:
+            run.violations.append(f"requests ended {late} s after SIGTERM (grace {DRAIN_GRACE_S} s)")
+        run.notes.append(f"gateway SIGTERM with {len(jobs)} requests in flight (grace {DRAIN_GRACE_S} s); ended "
+                         f"{ended} s after it; exit code {exit_code}; restarted")
+        return run
+
     def decode_sigkill(self) -> Run:
         killed: list[str] = []
 
@@ -762,6 +911,8 @@ def main(argv: list[str] | None = None) -> int:
                 rec = getattr(matrix, fault)().record()
                 rec["seconds"] = round(time.monotonic() - t0, 1)
                 after = gateway_counters(cluster.gateway_url)
+                if fault == "gateway_sigterm":  # a new gateway process: its counters start from zero
+                    counters = {}
                 rec["gateway_counters"] = {k: int(v - counters.get(k, 0.0)) for k, v in sorted(after.items())
                                            if v != counters.get(k, 0.0)}
                 records.append(rec)
@@ -780,6 +931,7 @@ def main(argv: list[str] | None = None) -> int:
                   "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                   "streamed_conversations": [i for i, c in enumerate(conversations) if c[2]],
                   "gateway_first_byte_timeout_s": FIRST_BYTE_S, "gateway_event_timeout_s": FIRST_BYTE_S,
+                  "gateway_drain_grace_s": DRAIN_GRACE_S,
                   "reuse_transfer_timeout_s": TRANSFER_TIMEOUT_S,
                   "reuse_peer_timeout_s": ServingConfig().reuse.peer_timeout_s},
         "seconds": {"start": round(t_ready, 1), "total": round(time.monotonic() - t_start, 1)},
