@@ -200,6 +200,7 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
             retention_ttl_s=float(reuse.get("retentionTTLSeconds", 480)),
             lease_ttl_s=float(reuse.get("leaseTTLSeconds", 420)),
             recompute_threshold_tokens=_threshold(reuse.get("recomputeThresholdTokens", 64)),
+            peer_timeout_s=float(reuse.get("peerTimeoutSeconds", 1.0)),
         ),
         security=SecurityConfig(tenants_share_cache=bool(reuse.get("tenantsShareCache", False))),
     )

@@ -10,6 +10,7 @@ import kubernetes_validate
 import pytest
 from kvs_crd_tools import SAMPLES, admit, apply_defaults, load_crd, load_sample, root_schema
 
+from kvserving.config import ReuseConfig
 from kvserving.operator.names import CRD_NAME, GROUP, KIND, PLURAL, SHORT_NAME, VERSION
 from kvserving.operator.render import Owner, render
 from kvserving.operator.spec import DEFAULT_MONITORING_PEER, GATEWAY_RESOURCES, WORKER_RESOURCES, parse_spec
@@ -90,7 +91,8 @@ def test_design_defaults() -> None:
     assert errors == []
     spec = defaulted["spec"]
     assert spec["reuse"] == {"bidirectional": True, "retentionTTLSeconds": 480, "leaseTTLSeconds": 420, "recomputeThresholdTokens": 64,
-                             "tenantsShareCache": False}
+                             "tenantsShareCache": False, "peerTimeoutSeconds": 1}
+    assert parse_spec(spec).serving.reuse.peer_timeout_s == ReuseConfig().peer_timeout_s
     assert spec["kvCache"] == {
         "dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowEmulation": False, "ageDown": True
     }
@@ -168,6 +170,7 @@ INVALID = [
      "spec.kvCache: calibration needs dtype triaxial, fp8_e4m3 or nvfp4"),
     ("calibration key ..", _with("spec.kvCache.calibration", {"configMap": "cal", "key": ".."}, base="triaxial"),
      "spec.kvCache.calibration.key: key must be a file name"),
+    ("zero peer timeout", _with("spec.reuse.peerTimeoutSeconds", 0), "spec.reuse.peerTimeoutSeconds: peerTimeoutSeconds must be positive"),
     ("negative recompute threshold", _with("spec.reuse.recomputeThresholdTokens", -3),
      'spec.reuse.recomputeThresholdTokens: recomputeThresholdTokens must be an integer >= 0 or "auto"'),
     ("recompute threshold neither integer nor auto", _with("spec.reuse.recomputeThresholdTokens", "sometimes"),
@@ -245,6 +248,7 @@ def test_engine_config_refuses_what_the_crd_refuses(case: str, body: dict[str, A
         ("spec.reuse.tenantsShareCache", True, "fp8_e4m3"),
         ("spec.networkPolicy", {"enabled": False}, "fp8_e4m3"),
         ("spec.networkPolicy.egress", {"enabled": False}, "fp8_e4m3"),
+        ("spec.reuse.peerTimeoutSeconds", 0.25, "fp8_e4m3"),
         ("spec.networkPolicy.egress.allowTo", [{"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}],
                                                "ports": [{"port": 4317}, {"protocol": "UDP", "port": 9000, "endPort": 9100}]}], "fp8_e4m3"),
     ],
