@@ -4,7 +4,7 @@ engine's steps run on their own thread with the GIL released inside torch's
 kernels, so a probe waits at most for a scheduling slice, not for a step.
 
 The gateway takes a worker out of the rotation when /ready misses its short
-deadline (2 x connect_timeout_s); this test holds the worker to half a
+deadline (2 x connect_timeout_s, 4 s); this test holds the worker to one
 second per probe while three 3,000-token prefills are in flight."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ CONFIG: dict[str, Any] = {
     "kv_cache": {"dtype": "bf16", "memory_bytes": 64 << 20},
     "reuse": {"recompute_threshold_tokens": 0},
 }
-PROBE_DEADLINE_S = 0.5
+PROBE_DEADLINE_S = 1.0  # a quarter of the gateway's (2 x connect_timeout_s)
 PROMPT_TOKENS = 3000
 STREAMS = 3
 
@@ -57,6 +57,6 @@ def test_probes_answer_within_their_deadline_while_long_prefills_run(workers: Wo
         t.join()
     assert errors == []
     assert sorted(finished) == [PROMPT_TOKENS] * STREAMS  # every prompt prefilled in full while probed
-    assert len(latencies["/ready"]) >= 10, latencies  # the probes ran during the prefills, not after
+    assert len(latencies["/ready"]) >= 5, latencies  # the probes ran during the prefills, not after
     worst = {path: round(max(seen) * 1000, 1) for path, seen in latencies.items()}
     print(f"probe latency under load, worst ms: {worst}")
