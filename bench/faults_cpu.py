@@ -29,12 +29,25 @@ Faults (in this order; each run uses its own conversation ids):
   through the gateway: every call without the credential must be a 401, the
   credentialed one a recompute (``unknown_peer``), nothing may connect to the
   trap, and the victim's turns stay ok;
+- ``nixl_attacker``: before every later turn, an attacker with a NIXL agent
+  of its own and no credential asks every worker for its agent metadata (must
+  be 401), loads made-up metadata (NIXL must refuse it) and sets up a READ and
+  a WRITE naming the victim's agent (must be refused: no metadata, no
+  connection); the victim's turns stay ok;
 - ``other_tenant``: after every victim turn, another tenant (``cache_salt``)
   sends the victim's exact messages: its ``cached_tokens`` must be 0;
 - ``prefill_sigstop``: the prefill worker frozen for ``PREFILL_STOP_S`` while a
   later turn is sent;
 - ``holder_sigstop``: the decode worker holding the conversation's lease
-  frozen before its second turn, thawed after it;
+  frozen before its second turn, thawed after it (those turns' seconds beside
+  the same turns without the fault); then the prefill worker's part of a turn
+  whose KV only the holder has, sent to the prefill directly, the holder alive
+  and frozen (``reuse.peer_timeout_s`` bounds the frozen pull);
+- ``gateway_sigterm``: the gateway SIGTERMed with long streams, a short one
+  and a long request that is not streamed in flight (``gateway.drain_grace_s``
+  = ``DRAIN_GRACE_S``): what finishes equals its reference, the rest ends with
+  an error event (text so far a prefix of the reference) or a 503, never a
+  bare close; the gateway is started again;
 - ``decode_sigkill``: the decode worker holding the first conversation's lease
   killed between its turns (the rest of the run has one decode worker);
 - ``transfer_timeout``: every worker restarted with
@@ -45,15 +58,20 @@ silently_wrong, fallback reasons seen in ``usage.kvserving.reuse_fallback``,
 notes, the gateway's fallback / upstream-error / retry counters moved) and
 prints a table. Exits 1 when a request was silently wrong, a malformed request
 was not a clear 4xx, a worker call without the credential was answered, the
-trap was contacted, or another tenant saw cached tokens.
+trap was contacted, another tenant saw cached tokens, NIXL accepted made-up
+metadata or a transfer to an agent it has no metadata for, or the drained
+gateway exited non-zero or past its grace.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
+import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -71,15 +89,20 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserving.config import ServingConfig
 from kvserving.gateway.tenants import DEFAULT_TENANT
 from kvserving.local.stack import free_ports, new_token_file
 
 MODEL = "kvserving-tiny"
 MAX_TOKENS = 16
-FIRST_BYTE_S = 4.0  # > the prefill's pull from a frozen holder (the workers' 2 s peer deadline)
-PEER_TIMEOUT_S = 2.0
+FIRST_BYTE_S = 4.0  # > the prefill's pull from a frozen holder (the workers' reuse.peer_timeout_s)
+TRANSFER_TIMEOUT_S = 2.0  # reuse.transfer_timeout_s (the gateway's first-byte deadline must exceed it)
 TINY_TIMEOUT_S = 1e-6  # shorter than any READ (bench/up_gpu.py's `timeout` mode)
 PREFILL_STOP_S = 1.5
+PROBE_PROMPT_TOKENS = 300
+DRAIN_GRACE_S = 1.0  # gateway.drain_grace_s: the long streams outlast it
+LONG_TOKENS = 200
+SHORT_TOKENS = 3  # a stream that ends within the grace
 READY_S = 180.0
 SYSTEM = "You are a coding agent. Work step by step, use the tools, and report what you changed. "
 CONVERSATIONS = [  # (system prompt repeats, user turns, streamed)
@@ -90,9 +113,9 @@ CONVERSATIONS = [  # (system prompt repeats, user turns, streamed)
     (7, ["Open the gateway log and find the slowest request.", "What did its worker do meanwhile?",
          "Propose one change that makes it faster."], False),
 ]
-ALL_FAULTS = ("none", "malformed", "attacker", "other_tenant", "prefill_sigstop", "holder_sigstop",
-              "decode_sigkill", "transfer_timeout")
-QUICK_FAULTS = ("attacker", "holder_sigstop")
+ALL_FAULTS = ("none", "malformed", "attacker", "nixl_attacker", "other_tenant", "prefill_sigstop", "holder_sigstop",
+              "gateway_sigterm", "decode_sigkill", "transfer_timeout")
+QUICK_FAULTS = ("attacker", "nixl_attacker", "holder_sigstop")
 CLASSES = ("ok", "failed_clear", "failed_unclear", "silently_wrong")
 
 
@@ -168,7 +191,7 @@ class Cluster:
         self.gateway = Proc("gateway", self.gateway_url, [sys.executable, "-m", "kvserving.cli", "gateway", "--config",
                             str(tmp / "gateway.json"), "--host", "127.0.0.1", "--port", str(ports[0])],
                             tmp / "gateway.log")
-        self.write_config("gateway.json", PEER_TIMEOUT_S)
+        self.write_config("gateway.json", TRANSFER_TIMEOUT_S)
 
     def _worker(self, name: str, role: str, url: str) -> Proc:
         port = url.rsplit(":", 1)[1]
@@ -188,7 +211,7 @@ class Cluster:
             "security": {"internal_token_file": str(self.tmp / "internal-token")},
             "gateway": {"prefill_urls": [self.prefill.url], "decode_urls": [d.url for d in self.decoders],
                         "first_byte_timeout_s": FIRST_BYTE_S, "event_timeout_s": FIRST_BYTE_S,
-                        "health_interval_s": 1.0},
+                        "health_interval_s": 1.0, "drain_grace_s": DRAIN_GRACE_S},
         }
         (self.tmp / name).write_text(json.dumps(config))
 
@@ -200,7 +223,7 @@ class Cluster:
             w.wait_ready()
 
     def start(self) -> None:
-        self.start_workers(PEER_TIMEOUT_S)
+        self.start_workers(TRANSFER_TIMEOUT_S)
         self.gateway.start()
         self.gateway.wait_ready()
 
@@ -267,6 +290,7 @@ class Result:
     fallback: str | None = None
     cached_tokens: int | None = None
     detail: str = ""
+    seconds: float = 0.0  # the request, sent to answered (set by Matrix.run)
 
 
 def openai_shaped(body: object) -> bool:
@@ -275,21 +299,31 @@ def openai_shaped(body: object) -> bool:
 
 
 def ask(client: openai.OpenAI, messages: list[dict[str, Any]], conversation_id: str, *, stream: bool,
-        salt: str | None = None, reference: str | None = None) -> Result:
+        salt: str | None = None, reference: str | None = None, max_tokens: int = MAX_TOKENS,
+        started: threading.Event | None = None) -> Result:
+    """One request through the openai client, classified against ``reference``. ``started`` is
+    set once a streamed reply's first chunk has arrived. A stream that ends with an error event
+    keeps the text streamed before it (``Result.text``); one that ends with neither a
+    finish_reason nor an error event was cut bare (``failed_unclear``)."""
     extra: dict[str, Any] = {"ignore_eos": True}
     if salt is not None:
         extra["cache_salt"] = salt
-    kw: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+    kw: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                           "extra_headers": {"X-Session-ID": conversation_id}, "extra_body": extra}
+    text: list[str] = []
     try:
         if stream:
-            text, finish, usage = [], None, None
+            finish, usage = None, None
             for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+                if started is not None:
+                    started.set()
                 for choice in chunk.choices:
                     text.append(choice.delta.content or "")
                     finish = choice.finish_reason or finish
                 usage = chunk.usage or usage
             reply = "".join(text)
+            if finish is None:
+                return Result("failed_unclear", reply, detail="stream ended without a finish_reason or an error event")
         else:
             out = client.chat.completions.create(**kw)
             reply, finish, usage = out.choices[0].message.content or "", out.choices[0].finish_reason, out.usage
@@ -300,11 +334,11 @@ def ask(client: openai.OpenAI, messages: list[dict[str, Any]], conversation_id: 
         return Result("failed_unclear", detail=type(exc).__name__)
     except openai.APIError as exc:  # an SSE error event
         kind = "failed_clear" if openai_shaped(exc.body) else "failed_unclear"
-        return Result(kind, detail=f"error event {getattr(exc, 'code', None)}")
+        return Result(kind, "".join(text), detail=f"error event {getattr(exc, 'code', None)}")
     extra_usage = (usage.model_dump().get("kvserving") or {}) if usage is not None else {}
     details = usage.prompt_tokens_details if usage is not None else None
     cached = details.cached_tokens if details is not None else None
-    whole = usage is not None and usage.completion_tokens == MAX_TOKENS and finish == "length"
+    whole = usage is not None and usage.completion_tokens == max_tokens and finish == "length"
     kind = "ok" if whole and (reference is None or reply == reference) else "silently_wrong"
     return Result(kind, reply, extra_usage.get("reuse_fallback"), cached,
                   "" if kind == "ok" else f"finish {finish}, usage {usage}")
@@ -334,8 +368,9 @@ def malformed_bodies() -> dict[str, bytes]:
     }
 
 
-def peer_generate(url: str, headers: dict[str, str], body: dict[str, Any]) -> str | None:
-    """POST a worker's /internal/generate; the final event's ``usage.reuse_fallback`` ("error ..." on a failure)."""
+def worker_generate(url: str, headers: dict[str, str], body: dict[str, Any]) -> tuple[list[int], dict[str, Any]] | str:
+    """POST a worker's /internal/generate: the streamed token ids and the final event, or "error ..."."""
+    tokens: list[int] = []
     final: dict[str, Any] = {}
     with httpx.stream("POST", url + "/internal/generate", json=body, headers=headers, timeout=60) as r:
         if r.status_code != 200:
@@ -347,9 +382,16 @@ def peer_generate(url: str, headers: dict[str, str], body: dict[str, Any]) -> st
             event = json.loads(data)
             if "error" in event:
                 return f"error {event['error'].get('code')}"
+            tokens += event.get("token_ids", [])
             if "finish_reason" in event:
                 final = event
-    return (final.get("usage") or {}).get("reuse_fallback")
+    return tokens, final
+
+
+def peer_generate(url: str, headers: dict[str, str], body: dict[str, Any]) -> str | None:
+    """POST a worker's /internal/generate; the final event's ``usage.reuse_fallback`` ("error ..." on a failure)."""
+    got = worker_generate(url, headers, body)
+    return got if isinstance(got, str) else (got[1].get("usage") or {}).get("reuse_fallback")
 
 
 class Trap:
@@ -407,6 +449,7 @@ class Matrix:
         self.client = openai.OpenAI(base_url=cluster.gateway_url + "/v1", api_key="none", max_retries=0, timeout=120)
         self.reference: list[list[str]] = []
         self.last_decoder: dict[int, Proc] = {}  # conversation -> the decode worker that served its last turn
+        self.turn_seconds: dict[str, list[list[float]]] = {}  # run -> conversation -> seconds per turn
         self.counter = 0
 
     def history(self, conv: int, turn: int) -> list[dict[str, Any]]:
@@ -429,10 +472,13 @@ class Matrix:
                     before(conv, turn)
                 building = len(self.reference[conv]) == turn  # the reference run: replies become the history
                 ref = None if building else self.reference[conv][turn]
+                t0 = time.monotonic()
                 result = ask(self.client, self.history(conv, turn), self.conversation_id(fault, conv), stream=stream, reference=ref)
+                result.seconds = round(time.monotonic() - t0, 2)
                 run.results.append(result)
                 if building:
                     self.reference[conv].append(result.text)
+                self.turn_seconds.setdefault(fault, [[] for _ in self.conversations])[conv].append(result.seconds)
                 if after is not None:
                     after(conv, turn)
                 moved = [d for d, n in zip(self.c.decoders, counts, strict=True) if served(d) > n]
@@ -559,6 +605,61 @@ class Matrix:
             run.violations.append(f"the trap was contacted {trap.connections} times")
         return run
 
+    def nixl_attacker(self) -> Run:
+        """Before every later turn, an attacker on the worker network with a NIXL agent of its own
+        and no credential goes for the victim's KV pool itself: the metadata a NIXL connection
+        needs (401), made-up metadata (NIXL refuses to load it), a READ and a WRITE naming the
+        victim's agent (its engine id is public on /health; the generation part of the agent name
+        is random): nothing may be loaded or started, and the victim's turns stay ok."""
+        from kvserving.worker.nixl_io import import_nixl
+
+        api = import_nixl()
+        if isinstance(getattr(api, "logger", None), logging.Logger):
+            api.logger.setLevel(logging.WARNING)  # its INFO lines go to stdout, where the table goes
+        agent = api.nixl_agent("attacker", api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                                                  backends=["UCX"]))
+        loot = bytearray(1 << 16)  # where a READ would land, what a WRITE would send
+        base = ctypes.addressof((ctypes.c_char * len(loot)).from_buffer(loot))
+        agent.register_memory([(base, len(loot), 0, "")], "DRAM")
+        own = bytes(agent.get_agent_metadata())
+        probes: Counter[str] = Counter()
+        violations: list[str] = []
+
+        def before(conv: int, turn: int) -> None:
+            if turn == 0:
+                return
+            for w in self.c.workers:
+                r = httpx.get(w.url + "/internal/kv/agent", timeout=10)
+                probes["agent_metadata_without_credential"] += 1
+                if r.status_code != 401 or "metadata" in r.text:
+                    violations.append(f"{w.name} /internal/kv/agent answered {r.status_code} without the credential")
+                for made_up in (os.urandom(len(own)), own[: len(own) // 2], b""):
+                    probes["made_up_metadata"] += 1
+                    try:
+                        name = agent.add_remote_agent(made_up)
+                    except Exception:  # noqa: BLE001 - NIXL refuses it: the expected outcome
+                        probes["made_up_metadata_refused"] += 1
+                    else:
+                        violations.append(f"NIXL loaded made-up metadata as agent {name!r}")
+                engine_id = httpx.get(w.url + "/health", timeout=10).json()["engine_id"]
+                victim = f"{engine_id}-{secrets.randbits(48):x}"
+                local = agent.get_xfer_descs([(base, 4096, 0)], "DRAM")
+                remote = agent.get_xfer_descs([(base, 4096, 0)], "DRAM")  # any address: the agent is what gates it
+                for op in ("READ", "WRITE"):
+                    probes["transfers_naming_the_victims_agent"] += 1
+                    try:
+                        agent.initialize_xfer(op, local, remote, victim)
+                    except Exception:  # noqa: BLE001 - no metadata for that agent: refused before any connection
+                        probes["transfers_refused"] += 1
+                    else:
+                        violations.append(f"a NIXL {op} naming {victim!r} was set up without its metadata")
+
+        run = self.run("nixl_attacker", before=before)
+        run.extra["probes"] = dict(probes)
+        run.violations += violations
+        run.notes.append(f"NIXL-level attacker without the credential before every later turn: {dict(probes)}")
+        return run
+
     def other_tenant(self) -> Run:
         intruder: list[Result] = []
         repeat: list[Result] = []
@@ -631,9 +732,124 @@ class Matrix:
                 p.send(signal.SIGCONT)
         moved = gauge(self.c.gateway_url, "kvserving_gateway_reuse_fallbacks_total", reason="holder_unresponsive") - before_fb
         run.extra["gateway_holder_unresponsive"] = int(moved)
+        # the same turns without a fault (the "none" run when it ran: the same prompts, caches as warm)
+        normal = self.turn_seconds.get("none") or self.turn_seconds["reference"]
+        run.extra["frozen_turn_s"] = seconds
+        run.extra["normal_turn_s"] = [normal[conv][1] for conv in range(len(self.conversations))]
+        run.extra["frozen_turn_fallbacks"] = [run.results[sum(len(u) for _, u, _ in self.conversations[:conv]) + 1].fallback
+                                              for conv in range(len(self.conversations))]
         run.notes.append(f"lease holder frozen before turn 2 of each conversation ({len(frozen)} times); those turns took "
-                         f"{seconds} s; gateway holder_unresponsive +{int(moved)}")
+                         f"{seconds} s (without the fault: {run.extra['normal_turn_s']} s); gateway holder_unresponsive "
+                         f"+{int(moved)}")
         self.c.all_healthy()
+        # The prefill's own bound: a turn whose KV only the (frozen) holder has
+        pulls = [self.prefill_pull(self.c.decoders[0], freeze=f, seed=n) for n, f in enumerate((False, True, False, True))]
+        run.extra["prefill_pull_from_holder"] = pulls
+        run.notes.append("prefill's part of a turn whose KV only the holder has, s: alive "
+                         f"{[p['seconds'] for p in pulls if not p['frozen']]}, frozen {[p['seconds'] for p in pulls if p['frozen']]} "
+                         f"(reuse.peer_timeout_s {ServingConfig().reuse.peer_timeout_s})")
+        if any(p["tokens"] != pulls[0]["tokens"] or p["fallback"] != ("remote_unreachable" if p["frozen"] else None)
+               for p in pulls):
+            run.violations.append(f"a pull from a frozen holder did not recompute the alive run's token: {pulls}")
+        self.c.all_healthy()
+        return run
+
+    def prefill_pull(self, holder: Proc, *, freeze: bool, seed: int) -> dict[str, Any]:
+        """The prefill worker's part of a turn whose KV only ``holder`` has (what the gateway sends
+        when its prefill lacks the prefix): the holder computes and retains a prompt the prefill
+        never saw, then the prefill gets the next turn with the holder's ``kv_transfer_params``,
+        the holder frozen or not. Every probe sends the same tokens under its own ``cache_salt``
+        (nothing cached from another probe is reused): the prefill's token is the same each time."""
+        head = [(i * 37) % 3500 + 300 for i in range(PROBE_PROMPT_TOKENS)]
+        body = {"sampling": {"max_tokens": 8, "ignore_eos": True}, "conversation_key": f"probe-{seed}",
+                "cache_salt": f"probe-{seed}"}
+        got = worker_generate(holder.url, self.c.headers, {**body, "request_id": f"probe-{seed}-d", "input_ids": head,
+                                                          "retain": True})
+        if isinstance(got, str):
+            raise RuntimeError(f"the holder's turn failed: {got}")
+        reply, final = got
+        nxt = [*head, *reply, *((i * 11) % 3500 + 300 for i in range(24))]
+        if freeze:
+            holder.send(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            got = worker_generate(self.c.prefill.url, self.c.headers, {
+                **body, "request_id": f"probe-{seed}-p", "input_ids": nxt, "sampling": {"max_tokens": 1, "ignore_eos": True},
+                "kv_transfer_params": final["kv_transfer_params"]})
+            seconds = time.monotonic() - t0
+        finally:
+            if freeze:
+                holder.send(signal.SIGCONT)
+        if isinstance(got, str):
+            raise RuntimeError(f"the prefill's turn failed: {got}")
+        tokens, pf = got
+        return {"frozen": freeze, "seconds": round(seconds, 2), "tokens": tokens, "fallback": pf["usage"]["reuse_fallback"],
+                "pulled_tokens": pf["usage"]["remote_pulled_tokens"]}
+
+    def gateway_sigterm(self) -> Run:
+        """The gateway SIGTERMed with streams in flight: one long stream per conversation (
+        ``LONG_TOKENS``), a short one and a long request that is not streamed. Each is sent once
+        without the fault (all at once, as in the drain: the references), then again and the
+        gateway gets SIGTERM once every stream has streamed its first chunk. What finishes within
+        ``DRAIN_GRACE_S`` must equal its reference; the rest must end with an error event (a
+        stream, its text so far a prefix of the reference) or an OpenAI-shaped 503 (the request
+        not streamed): never a bare close, never other text. The gateway is started again after."""
+        jobs = [(conv, 0, LONG_TOKENS, True) for conv in range(len(self.conversations))]
+        jobs += [(len(self.conversations) - 1, 0, LONG_TOKENS, False), (0, 1, SHORT_TOKENS, True)]
+
+        def send(tag: str, refs: list[str] | None) -> tuple[list[Result], list[float], float]:
+            results: list[Result | None] = [None] * len(jobs)
+            ended = [0.0] * len(jobs)
+            started = [threading.Event() for _ in jobs]
+
+            def one(i: int) -> None:
+                conv, turn, max_tokens, stream = jobs[i]
+                results[i] = ask(self.client, self.history(conv, turn), f"gateway_sigterm-{tag}-{i}", stream=stream,
+                                 reference=refs[i] if refs else None, max_tokens=max_tokens, started=started[i])
+                ended[i] = time.monotonic()
+
+            threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(jobs))]
+            for t in threads:
+                t.start()
+            t_term = 0.0
+            if refs is not None:
+                for i, (_, _, _, stream) in enumerate(jobs):
+                    if stream and not started[i].wait(120):
+                        raise RuntimeError("a stream did not start before the gateway's SIGTERM")
+                t_term = time.monotonic()
+                self.c.gateway.send(signal.SIGTERM)
+            for t in threads:
+                t.join(300)
+            done = [r for r in results if r is not None]
+            if len(done) != len(jobs):
+                raise RuntimeError("a request of the drain fault did not return")
+            return done, [round(e - t_term, 2) for e in ended], t_term
+
+        fault_free, _, _ = send("reference", None)
+        if any(r.kind != "ok" for r in fault_free):
+            raise RuntimeError(f"the drain fault's references failed: {[r.detail for r in fault_free]}")
+        refs = [r.text for r in fault_free]
+        results, ended, _ = send("drain", refs)
+        exit_code = self.c.gateway.proc.wait(timeout=DRAIN_GRACE_S + 30) if self.c.gateway.proc else None
+        run = Run("gateway_sigterm")
+        for (_, _, _, stream), result, ref in zip(jobs, results, refs, strict=True):
+            if result.kind == "failed_clear" and stream and not ref.startswith(result.text):
+                result.kind, result.detail = "silently_wrong", f"streamed text before the error event is not the reference's: {result.detail}"
+            run.results.append(result)
+        self.c.gateway.start()
+        self.c.gateway.wait_ready()
+        self.c.all_healthy()
+        run.extra["ended_after_sigterm_s"] = ended
+        run.extra["outcomes"] = [f"{'stream' if j[3] else 'whole'} {j[2]}: {r.kind} {r.detail}".strip()
+                                 for j, r in zip(jobs, results, strict=True)]
+        run.extra["gateway_exit_code"] = exit_code
+        if exit_code != 0:
+            run.violations.append(f"the gateway exited {exit_code} after SIGTERM")
+        late = [e for e in ended if e > DRAIN_GRACE_S + 5]
+        if late:
+            run.violations.append(f"requests ended {late} s after SIGTERM (grace {DRAIN_GRACE_S} s)")
+        run.notes.append(f"gateway SIGTERM with {len(jobs)} requests in flight (grace {DRAIN_GRACE_S} s); ended "
+                         f"{ended} s after it; exit code {exit_code}; restarted")
         return run
 
     def decode_sigkill(self) -> Run:
@@ -695,6 +911,8 @@ def main(argv: list[str] | None = None) -> int:
                 rec = getattr(matrix, fault)().record()
                 rec["seconds"] = round(time.monotonic() - t0, 1)
                 after = gateway_counters(cluster.gateway_url)
+                if fault == "gateway_sigterm":  # a new gateway process: its counters start from zero
+                    counters = {}
                 rec["gateway_counters"] = {k: int(v - counters.get(k, 0.0)) for k, v in sorted(after.items())
                                            if v != counters.get(k, 0.0)}
                 records.append(rec)
@@ -713,7 +931,9 @@ def main(argv: list[str] | None = None) -> int:
                   "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                   "streamed_conversations": [i for i, c in enumerate(conversations) if c[2]],
                   "gateway_first_byte_timeout_s": FIRST_BYTE_S, "gateway_event_timeout_s": FIRST_BYTE_S,
-                  "reuse_transfer_timeout_s": PEER_TIMEOUT_S},
+                  "gateway_drain_grace_s": DRAIN_GRACE_S,
+                  "reuse_transfer_timeout_s": TRANSFER_TIMEOUT_S,
+                  "reuse_peer_timeout_s": ServingConfig().reuse.peer_timeout_s},
         "seconds": {"start": round(t_ready, 1), "total": round(time.monotonic() - t_start, 1)},
         "faults": records,
     }

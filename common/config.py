@@ -133,10 +133,19 @@ class ReuseConfig:
     # How long a prefill worker holds a prompt's pages for the decode worker to
     # READ, and the deadline of every NIXL READ (a frozen peer reports nothing).
     transfer_timeout_s: float = 10.0
+    # The deadline of each phase (connect, each read, write) of a worker's HTTP
+    # call to a peer (the agent fetch, the hold before a READ): a frozen lease
+    # holder costs a pull this long, then a counted recompute
+    # (``remote_unreachable``). A busy peer answers a hold after its engine
+    # step: p50 30 ms, p99 0.7 s on a loaded 2-core CPU machine with four
+    # 1.5-4K-token conversations in flight (docs/security.md).
+    peer_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"reuse.transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if self.peer_timeout_s <= 0:
+            raise ValueError(f"reuse.peer_timeout_s must be > 0, got {self.peer_timeout_s}")
         if self.retention_ttl_s <= 0:
             raise ValueError(f"reuse.retention_ttl_s must be > 0, got {self.retention_ttl_s}")
         if self.lease_ttl_s <= 0:

@@ -9,9 +9,11 @@ Children of KVServing ``NAME`` in namespace ``NS``:
     NAME-decode      Deployment  `kvserving worker --role decode`,  + headless Service
     NAME-gateway     Deployment  `kvserving gateway`,               + Service
     NAME-workers     NetworkPolicy  workers: any port from this KVServing's workers (HTTP and NIXL),
-                                 the worker port from its gateway, /metrics from spec.monitoring.allowFrom
+                                 the worker port from its gateway, /metrics from spec.monitoring.allowFrom;
+                                 out only to its workers, DNS and networkPolicy.egress.allowTo
     NAME-gateway     NetworkPolicy  gateway: its port from spec.gateway.allowFrom (unset: any source),
-                                 /metrics from spec.monitoring.allowFrom         (networkPolicy.enabled)
+                                 /metrics from spec.monitoring.allowFrom; out only to the worker
+                                 port of its workers, DNS and egress.allowTo   (networkPolicy.enabled)
     NAME             PodMonitor  scrapes /metrics of all pods        (monitoring.enabled)
     NAME-dashboard   ConfigMap   Grafana dashboard                   (monitoring.enabled and .dashboard)
 
@@ -323,13 +325,29 @@ def _tcp(*ports: int) -> list[dict[str, Any]]:
     return [{"protocol": "TCP", "port": port} for port in ports]
 
 
-def _network_policy(owner: Owner, name: str, component: str, roles: tuple[str, ...], ingress: list[dict[str, Any]]) -> dict[str, Any]:
+def _network_policy(owner: Owner, spec: KVServingSpec, name: str, roles: tuple[str, ...], ingress: list[dict[str, Any]],
+                    egress: list[dict[str, Any]]) -> dict[str, Any]:
+    policy: dict[str, Any] = {"podSelector": _pods(owner, roles), "policyTypes": ["Ingress"], "ingress": ingress}
+    if spec.egress.enabled:
+        policy["policyTypes"] = ["Ingress", "Egress"]
+        policy["egress"] = [*egress, *_egress_common(spec)]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(owner, name, component, {}),
-        "spec": {"podSelector": _pods(owner, roles), "policyTypes": ["Ingress"], "ingress": ingress},
+        "metadata": _metadata(owner, name, "network-policy", {}),
+        "spec": policy,
     }
+
+
+def _egress_common(spec: KVServingSpec) -> list[dict[str, Any]]:
+    """Egress every pod of the KVServing has: DNS (the headless Services are
+    resolved by name), to spec.networkPolicy.egress.dnsTo or, unset, to any
+    destination on port 53 (node-local DNS caches listen on a link-local
+    address no selector matches); then the configured extra rules."""
+    dns: dict[str, Any] = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+    if spec.egress.dns_to:
+        dns = {"to": copy.deepcopy(list(spec.egress.dns_to)), **dns}
+    return [dns, *copy.deepcopy(list(spec.egress.allow_to))]
 
 
 def _worker_network_policy(owner: Owner, spec: KVServingSpec) -> dict[str, Any]:
@@ -351,7 +369,10 @@ def _worker_network_policy(owner: Owner, spec: KVServingSpec) -> dict[str, Any]:
     ]
     if spec.monitoring.allow_from:
         ingress.append({"from": copy.deepcopy(list(spec.monitoring.allow_from)), "ports": _tcp(WORKER_PORT)})
-    return _network_policy(owner, f"{owner.name}-workers", "network-policy", WORKER_ROLES, ingress)
+    # Out: this KVServing's workers only (any port, as in), so no request can
+    # make a worker reach another deployment, the API server or the internet.
+    egress = [{"to": [{"podSelector": _pods(owner, WORKER_ROLES)}]}]
+    return _network_policy(owner, spec, f"{owner.name}-workers", WORKER_ROLES, ingress, egress)
 
 
 def _gateway_network_policy(owner: Owner, spec: KVServingSpec) -> dict[str, Any]:
@@ -365,7 +386,8 @@ def _gateway_network_policy(owner: Owner, spec: KVServingSpec) -> dict[str, Any]
     ingress = [rule]
     if spec.gateway.allow_from and spec.monitoring.allow_from:
         ingress.append({"from": copy.deepcopy(list(spec.monitoring.allow_from)), "ports": _tcp(GATEWAY_PORT)})
-    return _network_policy(owner, f"{owner.name}-gateway", "network-policy", ("gateway",), ingress)
+    egress = [{"to": [{"podSelector": _pods(owner, WORKER_ROLES)}], "ports": _tcp(WORKER_PORT)}]
+    return _network_policy(owner, spec, f"{owner.name}-gateway", ("gateway",), ingress, egress)
 
 
 def _pod_monitor(owner: Owner, spec: KVServingSpec) -> dict[str, Any]:

@@ -65,6 +65,15 @@ class MonitoringSpec:
 
 
 @dataclass(slots=True, frozen=True)
+class EgressSpec:
+    """networkPolicy.egress: where this KVServing's pods may connect beyond its own workers."""
+
+    enabled: bool = True
+    dns_to: tuple[dict[str, Any], ...] = ()  # () = any destination on port 53
+    allow_to: tuple[dict[str, Any], ...] = ()  # extra NetworkPolicy egress rules, every pod
+
+
+@dataclass(slots=True, frozen=True)
 class KVServingSpec:
     """Everything the renderer needs from ``.spec``; the engine config is nested as-is."""
 
@@ -79,6 +88,7 @@ class KVServingSpec:
     calibration_config_map: str | None = None  # kvCache.calibration.configMap
     network_policy: bool = True  # networkPolicy.enabled
     operator_namespace: str = OPERATOR_NAMESPACE  # networkPolicy.operatorNamespace
+    egress: EgressSpec = EgressSpec()  # networkPolicy.egress
 
     @property
     def kv_bits(self) -> float:
@@ -191,6 +201,7 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
             retention_ttl_s=float(reuse.get("retentionTTLSeconds", 480)),
             lease_ttl_s=float(reuse.get("leaseTTLSeconds", 420)),
             recompute_threshold_tokens=_threshold(reuse.get("recomputeThresholdTokens", 64)),
+            peer_timeout_s=float(reuse.get("peerTimeoutSeconds", 1.0)),
         ),
         security=SecurityConfig(tenants_share_cache=bool(reuse.get("tenantsShareCache", False))),
     )
@@ -216,6 +227,21 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
         calibration_config_map=calibration["configMap"] if calibration is not None else None,
         network_policy=bool(spec.get("networkPolicy", {}).get("enabled", True)),
         operator_namespace=spec.get("networkPolicy", {}).get("operatorNamespace", OPERATOR_NAMESPACE),
+        egress=_egress(spec.get("networkPolicy", {}).get("egress", {})),
+    )
+
+
+def _egress(data: dict[str, Any]) -> EgressSpec:
+    # A port's protocol defaults to TCP in the CRD; the renderer writes it out
+    # so a spec the API server did not default renders the same objects.
+    rules = []
+    for rule in data.get("allowTo", ()):
+        ports = [{"protocol": "TCP", **port} for port in rule.get("ports", ())]
+        rules.append({"to": list(rule["to"]), **({"ports": ports} if "ports" in rule else {})})
+    return EgressSpec(
+        enabled=bool(data.get("enabled", True)),
+        dns_to=tuple(data.get("dnsTo", ())),
+        allow_to=tuple(rules),
     )
 
 

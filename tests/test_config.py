@@ -98,3 +98,12 @@ def test_gateway_deadlines_are_refused_by_name() -> None:
         ServingConfig.from_dict({"reuse": {"transfer_timeout_s": 30.0}})
     ok = ServingConfig(reuse=ReuseConfig(transfer_timeout_s=2.0), gateway=GatewayConfig(first_byte_timeout_s=3.0))
     assert ServingConfig.from_json(ok.to_json()) == ok
+
+
+def test_peer_timeout_is_a_reuse_field_refused_by_name() -> None:
+    assert ReuseConfig().peer_timeout_s == 1.0
+    cfg = ServingConfig.from_dict({"reuse": {"peer_timeout_s": 0.25}})
+    assert cfg.reuse.peer_timeout_s == 0.25 and ServingConfig.from_json(cfg.to_json()) == cfg
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match=f"reuse.peer_timeout_s must be > 0, got {bad}"):
+            ReuseConfig(peer_timeout_s=bad)

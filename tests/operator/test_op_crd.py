@@ -10,6 +10,7 @@ import kubernetes_validate
 import pytest
 from kvs_crd_tools import SAMPLES, admit, apply_defaults, load_crd, load_sample, root_schema
 
+from kvserving.config import ReuseConfig
 from kvserving.operator.names import CRD_NAME, GROUP, KIND, PLURAL, SHORT_NAME, VERSION
 from kvserving.operator.render import Owner, render
 from kvserving.operator.spec import DEFAULT_MONITORING_PEER, GATEWAY_RESOURCES, WORKER_RESOURCES, parse_spec
@@ -90,14 +91,16 @@ def test_design_defaults() -> None:
     assert errors == []
     spec = defaulted["spec"]
     assert spec["reuse"] == {"bidirectional": True, "retentionTTLSeconds": 480, "leaseTTLSeconds": 420, "recomputeThresholdTokens": 64,
-                             "tenantsShareCache": False}
+                             "tenantsShareCache": False, "peerTimeoutSeconds": 1}
+    assert parse_spec(spec).serving.reuse.peer_timeout_s == ReuseConfig().peer_timeout_s
     assert spec["kvCache"] == {
         "dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowEmulation": False, "ageDown": True
     }
     assert spec["prefill"]["resources"] == {"requests": {"cpu": "4", "memory": "32Gi"},
                                             "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1}}
     assert spec["prefill"]["resources"] == WORKER_RESOURCES and spec["gateway"]["resources"] == GATEWAY_RESOURCES
-    assert spec["networkPolicy"] == {"enabled": True, "operatorNamespace": "kvserving-system"}
+    assert spec["networkPolicy"] == {"enabled": True, "operatorNamespace": "kvserving-system",
+                                     "egress": {"enabled": True, "dnsTo": [], "allowTo": []}}
     assert spec["gateway"]["allowFrom"] == []
     assert "apiKeysSecret" not in spec["gateway"]
     assert spec["monitoring"] == {"enabled": True, "dashboard": True, "scrapeInterval": "30s", "labels": {},
@@ -167,6 +170,7 @@ INVALID = [
      "spec.kvCache: calibration needs dtype triaxial, fp8_e4m3 or nvfp4"),
     ("calibration key ..", _with("spec.kvCache.calibration", {"configMap": "cal", "key": ".."}, base="triaxial"),
      "spec.kvCache.calibration.key: key must be a file name"),
+    ("zero peer timeout", _with("spec.reuse.peerTimeoutSeconds", 0), "spec.reuse.peerTimeoutSeconds: peerTimeoutSeconds must be positive"),
     ("negative recompute threshold", _with("spec.reuse.recomputeThresholdTokens", -3),
      'spec.reuse.recomputeThresholdTokens: recomputeThresholdTokens must be an integer >= 0 or "auto"'),
     ("recompute threshold neither integer nor auto", _with("spec.reuse.recomputeThresholdTokens", "sometimes"),
@@ -185,10 +189,20 @@ INVALID_PEERS = [
 
 
 @pytest.mark.parametrize(("case", "peers"), INVALID_PEERS, ids=[c[0] for c in INVALID_PEERS])
-@pytest.mark.parametrize("where", ["spec.gateway.allowFrom", "spec.monitoring.allowFrom"])
+@pytest.mark.parametrize("where", ["spec.gateway.allowFrom", "spec.monitoring.allowFrom", "spec.networkPolicy.egress.dnsTo"])
 def test_a_peer_is_an_ip_block_or_selectors(case: str, peers: list[dict[str, Any]], where: str) -> None:
     _, errors = admit(_with(where, peers))
     assert errors == [f"{where}[0]: a peer is an ipBlock, or a podSelector and/or namespaceSelector"]
+
+
+def test_an_egress_rule_names_its_peers_and_valid_ports() -> None:
+    where = "spec.networkPolicy.egress.allowTo"
+    _, errors = admit(_with(where, [{"to": [{}]}]))
+    assert errors == [f"{where}[0].to[0]: a peer is an ipBlock, or a podSelector and/or namespaceSelector"]
+    _, errors = admit(_with(where, [{"to": [{"podSelector": {}}], "ports": [{"port": 9100, "endPort": 9000}]}]))
+    assert errors == [f"{where}[0].ports[0]: endPort must not be below port"]
+    _, errors = admit(_with(where, [{"ports": [{"port": 53}]}]))
+    assert len(errors) == 1 and "to" in errors[0], errors
 
 
 @pytest.mark.parametrize(("case", "body", "message"), INVALID, ids=[c[0] for c in INVALID])
@@ -233,6 +247,10 @@ def test_engine_config_refuses_what_the_crd_refuses(case: str, body: dict[str, A
         ("spec.decode.resources", {"limits": {"memory": "200Gi", "nvidia.com/gpu": 2}}, "fp8_e4m3"),
         ("spec.reuse.tenantsShareCache", True, "fp8_e4m3"),
         ("spec.networkPolicy", {"enabled": False}, "fp8_e4m3"),
+        ("spec.networkPolicy.egress", {"enabled": False}, "fp8_e4m3"),
+        ("spec.reuse.peerTimeoutSeconds", 0.25, "fp8_e4m3"),
+        ("spec.networkPolicy.egress.allowTo", [{"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}],
+                                               "ports": [{"port": 4317}, {"protocol": "UDP", "port": 9000, "endPort": 9100}]}], "fp8_e4m3"),
     ],
 )
 def test_boundary_values_are_admitted(path: str, value: Any, base: str) -> None:

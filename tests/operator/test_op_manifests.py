@@ -152,7 +152,7 @@ def test_render_shows_the_secret_mounts_the_limits_and_the_network_policies(caps
         assert {"cpu", "memory"} <= limits.keys()
     gateway = docs["Deployment/qwen3-triaxial-gateway"]["spec"]["template"]["spec"]
     assert {"name": "api-keys", "mountPath": "/var/run/kvserving/api-keys", "readOnly": True} in gateway["containers"][0]["volumeMounts"]
-    assert docs["NetworkPolicy/qwen3-triaxial-workers"]["spec"]["policyTypes"] == ["Ingress"]
+    assert docs["NetworkPolicy/qwen3-triaxial-workers"]["spec"]["policyTypes"] == ["Ingress", "Egress"]
     for doc in docs.values():
         if doc["kind"] != "PodMonitor":
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)

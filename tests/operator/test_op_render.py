@@ -370,7 +370,7 @@ PROMETHEUS = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kube
 def test_worker_network_policy_admits_only_its_own_pods_and_monitoring() -> None:
     policy = _by_key(_render_sample("fp8_e4m3"))["NetworkPolicy/qwen3-fp8-workers"]["spec"]
     assert policy["podSelector"] == WORKER_PODS
-    assert policy["policyTypes"] == ["Ingress"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
     assert policy["ingress"] == [
         {"from": [{"podSelector": WORKER_PODS}]},  # every port: HTTP and NIXL between workers
         {"from": [{"podSelector": GATEWAY_PODS}, OPERATOR_HERE, OPERATOR_SYSTEM], "ports": [{"protocol": "TCP", "port": 8000}]},
@@ -417,6 +417,50 @@ def test_monitoring_selector_is_configurable_and_can_be_closed() -> None:
         "from": [mine], "ports": [{"protocol": "TCP", "port": 8000}]}
     closed = _render_sample("fp8_e4m3", lambda s: s["monitoring"].update(allowFrom=[]))
     assert len(_by_key(closed)["NetworkPolicy/qwen3-fp8-workers"]["spec"]["ingress"]) == 2
+
+
+DNS_ANYWHERE = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+
+
+def test_workers_connect_only_to_their_own_workers_and_dns() -> None:
+    objs = _by_key(_render_sample("fp8_e4m3"))
+    assert objs["NetworkPolicy/qwen3-fp8-workers"]["spec"]["egress"] == [
+        {"to": [{"podSelector": WORKER_PODS}]},  # every port: HTTP and NIXL to peers
+        DNS_ANYWHERE,
+    ]
+    gateway = objs["NetworkPolicy/qwen3-fp8-gateway"]["spec"]
+    assert gateway["policyTypes"] == ["Ingress", "Egress"]
+    assert gateway["egress"] == [{"to": [{"podSelector": WORKER_PODS}], "ports": [{"protocol": "TCP", "port": 8000}]}, DNS_ANYWHERE]
+    # another KVServing's workers are not this one's peers
+    spec = apply_defaults(root_schema(), load_sample("fp8_e4m3"))["spec"]
+    other = _by_key(render(spec, owner=Owner(name="other", namespace="default", uid=UID)))
+    assert other["NetworkPolicy/other-workers"]["spec"]["egress"][0]["to"][0]["podSelector"]["matchLabels"][
+        "app.kubernetes.io/instance"] == "other"
+
+
+def test_extra_egress_and_dns_peers_are_configurable() -> None:
+    otlp = {"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}], "ports": [{"port": 4317}]}
+    store = {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "storage"}}}]}
+    kube_dns = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
+    rendered = _by_key(_render_sample("fp8_e4m3", lambda s: s.update(
+        networkPolicy={"egress": {"allowTo": [otlp, store], "dnsTo": [kube_dns]}})))
+    for name in ("workers", "gateway"):
+        assert rendered[f"NetworkPolicy/qwen3-fp8-{name}"]["spec"]["egress"][1:] == [
+            {"to": [kube_dns], **DNS_ANYWHERE},
+            {"to": otlp["to"], "ports": [{"protocol": "TCP", "port": 4317}]},  # the CRD's default protocol, written out
+            store,  # no ports: every port of those peers
+        ]
+        kubernetes_validate.validate(rendered[f"NetworkPolicy/qwen3-fp8-{name}"], K8S_VERSION, strict=True)
+
+
+def test_egress_rules_can_be_turned_off_alone() -> None:
+    before = _render_sample("fp8_e4m3")
+    after = _by_key(_render_sample("fp8_e4m3", lambda s: s.update(networkPolicy={"egress": {"enabled": False}})))
+    for name in ("workers", "gateway"):
+        policy = after[f"NetworkPolicy/qwen3-fp8-{name}"]["spec"]
+        assert policy["policyTypes"] == ["Ingress"] and "egress" not in policy
+        assert policy["ingress"] == _by_key(before)[f"NetworkPolicy/qwen3-fp8-{name}"]["spec"]["ingress"]
 
 
 def test_network_policies_can_be_turned_off() -> None:

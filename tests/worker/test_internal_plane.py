@@ -23,11 +23,10 @@ import pytest
 
 from live_worker import Live, start_live, stop_live
 
-from kvserving.config import GatewayConfig, KVCacheConfig, ModelConfig, SecurityConfig, ServingConfig
+from kvserving.config import GatewayConfig, KVCacheConfig, ModelConfig, ReuseConfig, SecurityConfig, ServingConfig
 from kvserving.gateway.workers import UpstreamError, WorkerClient
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.kv.leases import lease_digest
-from kvserving.worker.kv.protocol import HTTP_TIMEOUT_S
 from kvserving.worker.kv.page_pool import chain_hashes
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.service import WorkerService
@@ -35,6 +34,7 @@ from kvserving.worker.service import WorkerService
 UNAUTHORIZED = {"error": {"message": "missing or invalid internal credential", "type": "authentication_error",
                           "code": "unauthorized"}}
 MAX_HOLD_S = 5.0
+PEER_TIMEOUT_S = 0.5  # reuse.peer_timeout_s: half the default
 
 
 class Listener:
@@ -91,6 +91,7 @@ def config(tiny_model_dir: Path, frozen: Listener) -> ServingConfig:
         kv_cache=KVCacheConfig(dtype="bf16", memory_bytes=4 << 20),
         gateway=GatewayConfig(decode_urls=(frozen.url,)),  # the deployment's other worker: frozen
         security=SecurityConfig(max_hold_s=MAX_HOLD_S),
+        reuse=ReuseConfig(peer_timeout_s=PEER_TIMEOUT_S),
     )
 
 
@@ -195,7 +196,7 @@ def test_an_agent_url_outside_the_deployment_is_never_contacted(live: Live, conf
 
 def test_a_frozen_peer_costs_a_bounded_wait_then_a_recompute(live: Live, config: ServingConfig, frozen: Listener) -> None:
     """The lease holder (a worker of the deployment) accepts and never answers: the pull gives
-    up after its HTTP deadline (``remote_unreachable``, counted) and the request recomputes the
+    up after its HTTP deadline, ``reuse.peer_timeout_s`` (``remote_unreachable``, counted) and the request recomputes the
     tokens of a fault-free run. The peer call carried the internal credential."""
     prompt = list(range(500, 600))
     want = LLMEngine(config).generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0]
@@ -206,7 +207,9 @@ def test_a_frozen_peer_costs_a_bounded_wait_then_a_recompute(live: Live, config:
     wall = time.monotonic() - t0
     assert tokens == want and final["usage"]["reuse_fallback"] == "remote_unreachable"
     assert fallbacks(live, "remote_unreachable") == before + 1
-    assert HTTP_TIMEOUT_S <= wall < 2 * HTTP_TIMEOUT_S + 5, wall
+    assert PEER_TIMEOUT_S <= wall < 2 * PEER_TIMEOUT_S + 5, wall
+    # the agent fetch is the call that waited, for reuse.peer_timeout_s (not the 1 s default)
+    assert PEER_TIMEOUT_S <= final["timings"]["pull_contact_agent"] / 1e3 < PEER_TIMEOUT_S + 0.45, final["timings"]
     assert frozen.heads and frozen.heads[0].startswith(b"GET /internal/kv/agent HTTP/1.1\r\n")
     assert f"authorization: bearer {live.token}\r\n".lower().encode() in frozen.heads[0].lower()
 

@@ -51,7 +51,7 @@ from kvserving.worker.kv.leases import (
 )
 from kvserving.worker.kv.nixl_io import NixlIO, PageGeometry, ReadStats, RemoteBuffers, TransferError
 from kvserving.worker.kv.page_pool import RECLAIM_NEVER
-from kvserving.worker.kv.protocol import HTTP_TIMEOUT_S, KVTransferParams
+from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.peers import PeerSet, url_key
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence as EngineSequence
@@ -280,7 +280,7 @@ class Puller:
                 if result.admission_pin is None and single_use:
                     # nothing read: wait for the hold (it consumes a prefill's single-use lease), so
                     # that pull returns with the sender's transfer lease already gone
-                    wait([contact], timeout=HTTP_TIMEOUT_S + 1.0)
+                    wait([contact], timeout=self.reuse.peer_timeout_s + 1.0)
                     ph.mark("release")
                 # the hold is over once the READ is: let the sender free it, off the request's path
                 contact.add_done_callback(lambda f: self._later(self._release_contact, params, f))

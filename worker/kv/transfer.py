@@ -103,7 +103,7 @@ class KVTransfer:
         self.generation = uuid.uuid4().int >> 80  # this process's metadata generation (48 bits)
         self._lock = threading.Lock()
         self._run = run_on_engine or self._run_locked
-        self._http = PeerHttp(token=internal_token)
+        self._http = PeerHttp(token=internal_token, timeout_s=reuse.peer_timeout_s)
         st = engine.storage
         self.page_size = st.page_size
         self.dtype = st.kv_dtype
