@@ -24,8 +24,9 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from kvserving.kernels.page_ids import page_id_bits
+from kvserving.worker.bit_budget import BitBudgetController
 from kvserving.worker.page_pool import PagePoolBase
-from kvserving.worker.precision import page_bits
+from kvserving.worker.precision import page_bits, stored_bits
 from kvserving.worker.sequence import Sequence
 from kvserving.worker.triaxial_pool import TriaxialPagePool
 
@@ -63,6 +64,8 @@ class KVCacheManager:
         self.bits_table = tuple(bits_table) if bits_table is not None else None
         self._requantize = requantize
         self.aged_pages = 0  # 4-bit pages re-stored at 2 bits for a request that wanted 2, ever (a counter)
+        # Triaxial with bit_budget_control "hold": sets page precision in place of bits_table.
+        self.controller: BitBudgetController | None = None
 
     @property
     def triaxial(self) -> bool:
@@ -125,6 +128,11 @@ class KVCacheManager:
         assert not seq.page_ids and seq.num_computed == 0
         max_pages = (seq.num_tokens - 1) // self.page_size
         wanted = self.page_bits_for(seq, 0, max_pages)
+        if self.controller is not None:
+            # every prompt page this request will hold, matched or computed: matched pages take
+            # the precision it wants (4-bit ones age down, 2-bit ones it wants at 4 are recomputed)
+            full = len(seq.prompt_ids) // self.page_size
+            self._observe(seq.tags[: full * self.page_size], forced=int(len(seq.prompt_ids) % self.page_size > 0))
         matched: list[int] = []
         parent: int | None = None
         p = self.page_size
@@ -249,8 +257,26 @@ class KVCacheManager:
         # past the prompt reads none.
         p = self.page_size
         full_end = min(last_page, len(seq.prompt_ids) // p)
-        prompt_bits = page_bits(seq.tags[first_page * p : full_end * p], self.bits_table, p) if full_end > first_page else []
+        tags = seq.tags[first_page * p : full_end * p] if full_end > first_page else []
+        if self.controller is not None:
+            prompt_bits = self.controller.page_bits(tags, seq.token_ids(first_page * p, full_end * p), first_page)
+        else:
+            prompt_bits = page_bits(tags, self.bits_table, p) if tags else []
         return prompt_bits + [4] * (last_page - first_page - len(prompt_bits))
+
+    def held_bits(self, *, cached: bool = True) -> float | None:
+        """Average nominal bits per value over the pages the pool holds: owned, and cached unless
+        ``cached`` is False (None: none held)."""
+        pool = self.pool
+        if not isinstance(pool, TriaxialPagePool):
+            return 4.0 if pool.live_page_ids() else None
+        return stored_bits({b: pool.held_pages(bits=b, cached=cached) for b in (2, 4)}, {2: 2.0, 4: 4.0})
+
+    def _observe(self, tags: Seq[int], forced: int) -> None:
+        """Tell the controller about pages a sequence holds; let it look at the pool when due."""
+        assert self.controller is not None
+        if self.controller.observe(tags, forced=forced):
+            self.controller.update(self.held_bits(cached=False))
 
     def allocate_until(self, seq: Sequence, num_tokens: int) -> bool:
         """Make sure pages cover the first ``num_tokens`` tokens; all or nothing."""
@@ -270,6 +296,9 @@ class KVCacheManager:
         if got is None:
             return False
         seq.page_ids.extend(got)
+        if self.controller is not None:  # pages past the prompt (generated tokens): INT4 at any cut
+            prompt_pages = -(-len(seq.prompt_ids) // self.page_size)
+            self._observe([], forced=max(0, first + need - max(first, prompt_pages)))
         return True
 
     def publish_full_pages(self, seq: Sequence) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.engine import LLMEngine
+from kvserving.worker.precision import stored_bits
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,6 +45,13 @@ class KVStats:
     reclaimed_leases: int  # retained conversations released before expiry to make room, since start
     capacity_tokens: int  # triaxial: at the expected INT2 share (KVCache.capacity_tokens)
     aged_pages: int = 0  # triaxial: 4-bit pages re-stored at 2 bits (age-down), since start
+    # Average bits per KV value over the pages held now (owned and cached, each page whole):
+    # nominal (2 / 4) and with the fp16 scales and zeros (the page's bytes over its values).
+    # None while the pool holds no page.
+    stored_bits: float | None = None
+    stored_bits_with_metadata: float | None = None
+    bit_budget: float | None = None  # triaxial: the budget the pool is held to; None for a fixed table or format
+    bits_cut: float | None = None  # triaxial with bit_budget_control "hold": the controller's cut (BitBudgetController)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,6 +76,9 @@ def collect(engine: LLMEngine) -> KVStats:
         used_bytes += owned * page_bytes
         precisions[name] = PrecisionStats(cap, cap * page_size, owned, len(pages) - owned)
     usage = used_bytes / kv.storage.total_bytes
+    held = {bits: sum(1 for p in live if page_id_bits(p.page_id) == bits) for bits in kv.page_bytes}
+    nominal = {bits: float(bits) for bits in kv.page_bytes}
+    control = kv.manager.controller
     sched = engine.scheduler
     stats = engine.stats
     return KVStats(
@@ -89,6 +100,10 @@ def collect(engine: LLMEngine) -> KVStats:
         reclaimed_leases=pool.reclaimed_leases,
         capacity_tokens=engine.capacity_tokens,
         aged_pages=engine.kv.aged_pages,
+        stored_bits=stored_bits(held, nominal),
+        stored_bits_with_metadata=stored_bits(held, kv.bits_per_value),
+        bit_budget=kv.bit_budget,
+        bits_cut=control.cut if control is not None else None,
     )
 
 
