@@ -68,6 +68,11 @@ class KVCacheManager:
         self.controller: BitBudgetController | None = None
 
     @property
+    def _four_bit_matches(self) -> tuple[int, ...]:
+        """Stored precisions a page this request wants at 4 bits may match, in order of preference."""
+        return (4, 2) if self.controller is not None else (4,)
+
+    @property
     def triaxial(self) -> bool:
         return self.bits_table is not None
 
@@ -122,6 +127,9 @@ class KVCacheManager:
         At least one token is always left to compute: its logits start decoding.
         A triaxial page matches if stored at the precision this request would
         give it, or at 4 bits (more precise is always acceptable; less never).
+        Under the bit-budget controller a page is taken at whatever precision it
+        was stored: the cut that chose it moves, and the worker that stored it
+        may hold another cut (docs/kv-cache.md, Holding the bit budget).
         With age-down a 2-bit copy is preferred, and matched 4-bit pages this
         request wants at 2 bits are re-stored at 2 (``_age_down``).
         """
@@ -140,7 +148,7 @@ class KVCacheManager:
             chain = self.pool.chain_hashes(seq.token_ids(i * p, (i + 1) * p), p, None, parent=parent,
                                           salt=seq.cache_salt)[0]
             found = None
-            for bits in ((2, 4) if self.age_down else (4, 2)) if want == 2 else (4,):
+            for bits in ((2, 4) if self.age_down else (4, 2)) if want == 2 else self._four_bit_matches:
                 h = chain ^ _PRECISION_MARK[bits] if self.triaxial else chain
                 pid = self.pool.lookup(h)
                 if pid is not None:

@@ -536,8 +536,9 @@ class KVTransfer:
                              cache_salt=cache_salt.encode() if cache_salt else None)
         usable = max(0, min(len(params.page_ids), params.num_tokens // p, (len(ids) - 1) // p))
         bits = [page_id_bits(pid) for pid in params.page_ids[:usable]]
-        if kv.bits_table is not None:
-            # a page stored at 2 bits never serves a request that wants 4 (match_prefix's rule)
+        if kv.bits_table is not None and kv.controller is None:
+            # a page stored at 2 bits never serves a request that wants 4 (match_prefix's rule;
+            # under the bit-budget controller pages are taken as stored)
             wanted = kv.page_bits_for(seq, 0, usable)
             ok = next((i for i, (b, w) in enumerate(zip(bits, wanted)) if b == 2 and w == 4), usable)
             usable, bits = ok, bits[:ok]

@@ -86,6 +86,33 @@ def test_rank_of_refuses_a_partial_order() -> None:
         BitBudgetController(1.5, ORDER, cut=0.0, page_size=P)
 
 
+def test_under_the_controller_a_page_is_taken_at_the_precision_it_was_stored() -> None:
+    """A worker whose cut moved up (or a peer with a higher cut) still reuses the 2-bit pages
+    stored under the lower cut; a fixed table recomputes them."""
+    order = tuple(range(NUM_TAGS))
+    for control, reused in ((True, 64), (False, 0)):
+        pool = TriaxialPagePool(64 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=P)
+        kv = KVCacheManager(pool, page_size=P, bits_table=tuple(4 if k < 5 else 2 for k in range(NUM_TAGS)))
+        if control:
+            kv.controller = BitBudgetController(2.7, order, cut=5.0, page_size=P)
+        tokens = list(range(100, 165))
+        first = Sequence("a", tokens, SamplingParams(), make_generator(0), tags=[5] * 65)  # class 5: 2 bits
+        kv.match_prefix(first)
+        assert kv.allocate_until(first, 65)
+        first.num_computed = 65
+        kv.publish_full_pages(first)
+        assert [bool(p & INT2_PAGE_FLAG) for p in first.page_ids] == [True, True, False]
+        kv.free(first)
+        if control:
+            kv.controller.cut = 6.0  # class 5 is now at 4 bits
+        else:
+            kv.bits_table = tuple(4 if k < 6 else 2 for k in range(NUM_TAGS))
+        again = Sequence("b", tokens, SamplingParams(), make_generator(0), tags=[5] * 65)
+        assert kv.page_bits_for(again, 0, 2) == [4, 4]
+        assert kv.match_prefix(again) == reused
+        kv.free(again)
+
+
 # -- a pool held on traffic -----------------------------------------------------------------
 
 SYS = encode_tag("current", "text", "inst")
