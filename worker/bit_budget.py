@@ -44,6 +44,7 @@ from kvserving.tags import NUM_TAGS
 
 WINDOW_PAGES = 4096  # the class mix halves its counts past this many pages
 UPDATE_PAGES = 64  # stored pages between two looks at the pool
+WARM_PAGES = 512  # the cut first moves once the class mix has counted this many pages
 DEADBAND = 0.03  # bits: inside budget +- this the cut stays
 MIN_STEP = 0.25  # classes: a smaller move of the cut is not made
 MAX_CORRECTION = 0.5  # bits: new pages aim at most this far from the budget
@@ -85,10 +86,11 @@ def bits_at_cut(best_rank: int, page_index: int, first_token: int, cut: float) -
     return 2
 
 
-def mix_bits(hist: Sequence[float], forced: float, cut: float) -> float | None:
-    """Average nominal bits of pages whose best ranks are counted in ``hist`` (by rank) plus
-    ``forced`` pages INT4 anyway, at cut ``cut`` (the boundary rank at its share); None if empty."""
-    total = forced + sum(hist)
+def mix_bits(hist: Sequence[float], forced: float, cut: float, *, fixed2: float = 0.0) -> float | None:
+    """Average nominal bits of pages whose best ranks are counted in ``hist`` (by rank),
+    ``forced`` pages INT4 and ``fixed2`` pages INT2 whatever the cut, at cut ``cut`` (the
+    boundary rank at its share); None if empty."""
+    total = forced + fixed2 + sum(hist)
     if total <= 0:
         return None
     n = math.floor(cut)
@@ -96,10 +98,10 @@ def mix_bits(hist: Sequence[float], forced: float, cut: float) -> float | None:
     return (4.0 * four + 2.0 * (total - four)) / total
 
 
-def cut_for(hist: Sequence[float], forced: float, target: float) -> float:
+def cut_for(hist: Sequence[float], forced: float, target: float, *, fixed2: float = 0.0) -> float:
     """The largest cut whose ``mix_bits`` stays <= ``target`` (mix_bits grows with the cut;
     linear within one rank). 0 when even cut 0 is above the target, 56 when all fit."""
-    total = forced + sum(hist)
+    total = forced + fixed2 + sum(hist)
     if total <= 0:
         return 0.0
     room = (target - 2.0) * total / 2.0 - forced  # pages that may still be INT4
@@ -128,6 +130,7 @@ class BitBudgetController:
         self.page_size = page_size
         self.hist = [0.0] * NUM_TAGS  # recent full pages by best rank
         self.forced = 0.0  # recent pages INT4 whatever the cut (partial, generated)
+        self.fixed2 = 0.0  # recent pages INT2 whatever the cut (reused as stored at 2 bits)
         self.held: float | None = None  # the pool's stored average, smoothed over looks
         self.offset = 0.0  # bits: the pool's lasting error, summed (INTEGRAL_GAIN per look outside the band)
         self.moves = 0  # times the cut moved, since start
@@ -147,27 +150,36 @@ class BitBudgetController:
         return tuple(4 if self.rank[k] < n else 2 for k in range(NUM_TAGS))
 
     # -- observation -----------------------------------------------------------------------
-    def observe(self, full_page_tags: Sequence[int], *, forced: int) -> bool:
-        """Count pages being stored: the tags of the full prompt pages among them and how many
-        others are INT4 anyway. True when it is time to ``update``."""
+    def observe(self, full_page_tags: Sequence[int], *, forced: int, fixed2: int = 0) -> bool:
+        """Count pages a request holds: the tags of the full pages whose precision follows the
+        cut (computed now, or held at 4 bits and aged down if the cut says 2), how many are
+        INT4 anyway (partial, generated) and how many it reuses as stored at 2 bits. True when
+        it is time to ``update``."""
         for r in page_ranks(full_page_tags, self.rank, self.page_size):
             self.hist[r] += 1.0
         self.forced += forced
-        self._since += len(full_page_tags) // self.page_size + forced
-        if self.forced + sum(self.hist) > WINDOW_PAGES:
+        self.fixed2 += fixed2
+        self._since += len(full_page_tags) // self.page_size + forced + fixed2
+        if self.window > WINDOW_PAGES:
             self.hist = [h / 2.0 for h in self.hist]
             self.forced /= 2.0
+            self.fixed2 /= 2.0
         return self._since >= UPDATE_PAGES
 
+    @property
+    def window(self) -> float:
+        """Pages the class mix counts now."""
+        return self.forced + self.fixed2 + sum(self.hist)
+
     def predicted(self) -> float | None:
-        """Bits new pages average at the current cut on the recent class mix."""
-        return mix_bits(self.hist, self.forced, self.cut)
+        """Bits the pages requests hold average at the current cut on the recent class mix."""
+        return mix_bits(self.hist, self.forced, self.cut, fixed2=self.fixed2)
 
     def update(self, held: float | None) -> bool:
         """Look at the pool (``held``: its stored average, None when empty); True if the cut moved."""
         self._since = 0
         predicted = self.predicted()
-        if predicted is None:
+        if predicted is None or self.window < WARM_PAGES:  # the starting cut stands until the mix is known
             return False
         if held is not None:  # smoothed: one conversation starting or ending moves a small pool a lot
             self.held = held if self.held is None else self.held + SMOOTHING * (held - self.held)
@@ -177,7 +189,7 @@ class BitBudgetController:
         target = min(4.0, max(2.0, self.budget + self.offset))
         if abs(predicted - target) <= DEADBAND:
             return False
-        cut = cut_for(self.hist, self.forced, target)
+        cut = cut_for(self.hist, self.forced, target, fixed2=self.fixed2)
         if abs(cut - self.cut) < MIN_STEP:
             return False
         self.cut = cut

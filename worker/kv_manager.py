@@ -136,11 +136,6 @@ class KVCacheManager:
         assert not seq.page_ids and seq.num_computed == 0
         max_pages = (seq.num_tokens - 1) // self.page_size
         wanted = self.page_bits_for(seq, 0, max_pages)
-        if self.controller is not None:
-            # every prompt page this request will hold, matched or computed: matched pages take
-            # the precision it wants (4-bit ones age down, 2-bit ones it wants at 4 are recomputed)
-            full = len(seq.prompt_ids) // self.page_size
-            self._observe(seq.tags[: full * self.page_size], forced=int(len(seq.prompt_ids) % self.page_size > 0))
         matched: list[int] = []
         parent: int | None = None
         p = self.page_size
@@ -159,6 +154,8 @@ class KVCacheManager:
             parent = chain
             seq.page_hashes.append(found[0])
             matched.append(found[1])
+        if self.controller is not None:
+            self._observe_prompt(seq, matched)
         self.pool.incref(matched)
         seq.page_ids = matched
         seq.num_registered_pages = len(matched)
@@ -280,10 +277,21 @@ class KVCacheManager:
             return 4.0 if pool.live_page_ids() else None
         return stored_bits({b: pool.held_pages(bits=b, cached=cached) for b in (2, 4)}, {2: 2.0, 4: 4.0})
 
-    def _observe(self, tags: Seq[int], forced: int) -> None:
+    def _observe_prompt(self, seq: Sequence, matched: Seq[int]) -> None:
+        """Every prompt page a request will hold: 2-bit pages it reuses stay 2-bit (taken as
+        stored); the others follow the cut (computed at it, or held at 4 bits and aged down
+        when it says 2); the partial last page is INT4."""
+        p = self.page_size
+        full = len(seq.prompt_ids) // p
+        two = [i for i, pid in enumerate(matched) if page_id_bits(pid) == 2]
+        follow = [t for i in range(full) if i >= len(matched) or page_id_bits(matched[i]) == 4
+                  for t in seq.tags[i * p : (i + 1) * p]]
+        self._observe(follow, forced=int(len(seq.prompt_ids) % p > 0), fixed2=len(two))
+
+    def _observe(self, tags: Seq[int], forced: int, fixed2: int = 0) -> None:
         """Tell the controller about pages a sequence holds; let it look at the pool when due."""
         assert self.controller is not None
-        if self.controller.observe(tags, forced=forced):
+        if self.controller.observe(tags, forced=forced, fixed2=fixed2):
             self.controller.update(self.held_bits(cached=False))
 
     def allocate_until(self, seq: Sequence, num_tokens: int) -> bool:

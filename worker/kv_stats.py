@@ -14,6 +14,10 @@ from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.precision import stored_bits
 
+# Bits of one stored value of each one-precision format, scales left out (nvfp4: E2M1 + a shared fp8 scale
+# per 16 values is 4.5 with metadata).
+FORMAT_BITS = {"bf16": 16.0, "fp8_e4m3": 8.0, "nvfp4": 4.0}
+
 
 @dataclass(slots=True, frozen=True)
 class PrecisionStats:
@@ -50,6 +54,7 @@ class KVStats:
     # None while the pool holds no page.
     stored_bits: float | None = None
     stored_bits_with_metadata: float | None = None
+    owned_stored_bits: float | None = None  # the same over owned pages only: what the controller holds
     bit_budget: float | None = None  # triaxial: the budget the pool is held to; None for a fixed table or format
     bits_cut: float | None = None  # triaxial with bit_budget_control "hold": the controller's cut (BitBudgetController)
 
@@ -77,7 +82,11 @@ def collect(engine: LLMEngine) -> KVStats:
         precisions[name] = PrecisionStats(cap, cap * page_size, owned, len(pages) - owned)
     usage = used_bytes / kv.storage.total_bytes
     held = {bits: sum(1 for p in live if page_id_bits(p.page_id) == bits) for bits in kv.page_bytes}
-    nominal = {bits: float(bits) for bits in kv.page_bytes}
+    owned_by_bits = {
+        bits: sum(1 for p in live if page_id_bits(p.page_id) == bits and p.ref_count > 0) for bits in kv.page_bytes
+    }
+    # nominal bits of a value: triaxial's page precisions, else the format's element
+    nominal = {bits: float(bits) for bits in kv.page_bytes} if len(kv.page_bytes) > 1 else {4: FORMAT_BITS[kv.dtype]}
     control = kv.manager.controller
     sched = engine.scheduler
     stats = engine.stats
@@ -102,6 +111,7 @@ def collect(engine: LLMEngine) -> KVStats:
         aged_pages=engine.kv.aged_pages,
         stored_bits=stored_bits(held, nominal),
         stored_bits_with_metadata=stored_bits(held, kv.bits_per_value),
+        owned_stored_bits=stored_bits(owned_by_bits, nominal),
         bit_budget=kv.bit_budget,
         bits_cut=control.cut if control is not None else None,
     )

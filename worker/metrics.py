@@ -133,6 +133,12 @@ class WorkerMetrics:
             ["metadata"],
             registry=r,
         )
+        self.kv_owned_stored_bits = Gauge(
+            "kvserving_worker_kv_owned_stored_bits",
+            "average nominal bits per KV value over the pages running requests and leases own "
+            "(what the bit-budget controller holds; cached pages left out)",
+            registry=r,
+        )
         self.kv_bit_budget = Gauge(
             "kvserving_worker_kv_bit_budget", "triaxial: the bit budget the pool is held to (0: a fixed table)", registry=r
         )
@@ -206,6 +212,7 @@ class WorkerMetrics:
         self.kv_stored_bits.labels(metadata="included").set(
             nan if stats.stored_bits_with_metadata is None else stats.stored_bits_with_metadata
         )
+        self.kv_owned_stored_bits.set(nan if stats.owned_stored_bits is None else stats.owned_stored_bits)
         self.kv_bit_budget.set(stats.bit_budget or 0.0)
         self.kv_bits_cut.set(stats.bits_cut if stats.bits_cut is not None else nan)
         for name, p in stats.precisions.items():

@@ -66,6 +66,10 @@ def test_update_aims_the_class_mix_at_the_budget_and_holds_inside_the_band() -> 
     for k in range(4):
         c.observe([k] * (16 * P), forced=0)  # 16 pages of each of classes 0..3
     assert c.predicted() == pytest.approx(2.5)  # cut 1: class 0 of four at 4 bits
+    assert not c.update(3.0) and c.cut == 1.0  # 64 pages seen: the starting cut stands (WARM_PAGES)
+    for k in range(4):
+        c.observe([k] * (112 * P), forced=0)  # 128 pages of each now: 512
+    assert c.window == bit_budget.WARM_PAGES and c.predicted() == pytest.approx(2.5)
     # the pool is on budget but the mix predicts 2.5: aim the mix at 3.0 -> two classes of four
     assert c.update(3.0)
     assert (c.cut, c.moves, c.offset) == (pytest.approx(2.0), 1, 0.0)
@@ -250,6 +254,7 @@ def test_stats_and_metrics_report_the_bits_of_the_pages_held(tiny_model_dir: Pat
     assert (stats.precisions["int2"].cached_pages, stats.precisions["int4"].cached_pages) == (5, 3)
     assert stats.stored_bits == (5 * 2 + 3 * 4) / 8  # 2.75
     assert stats.stored_bits_with_metadata == (5 * 3 + 3 * 5) / 8  # 3.75: fp16 scales and zeros
+    assert stats.owned_stored_bits is None  # every page held is cached: none owned
     assert stats.bit_budget is None and stats.bits_cut is None  # an explicit table: no budget held
     registry = CollectorRegistry()
     WorkerMetrics(registry, role="both").observe(stats)
