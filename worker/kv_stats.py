@@ -7,11 +7,13 @@ returns and what the worker's gauges are set from.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.engine import LLMEngine
+from kvserving.worker.kv_cache import KVCache
 from kvserving.worker.precision import stored_bits
 
 # Bits of one stored value of each one-precision format, scales left out (nvfp4: E2M1 + a shared fp8 scale
@@ -115,6 +117,16 @@ def collect(engine: LLMEngine) -> KVStats:
         bit_budget=kv.bit_budget,
         bits_cut=control.cut if control is not None else None,
     )
+
+
+def page_ids_stored_bits(kv: KVCache, page_ids: Iterable[int]) -> tuple[float | None, float | None]:
+    """(nominal, with metadata) bits per value over ``page_ids`` of ``kv`` (each page whole; None, None
+    for no page): what a bench reports beside a row, e.g. over every page its sequences hold."""
+    counts: dict[int, int] = dict.fromkeys(kv.page_bytes, 0)
+    for pid in page_ids:
+        counts[page_id_bits(pid)] += 1
+    nominal = {bits: float(bits) for bits in kv.page_bytes} if len(kv.page_bytes) > 1 else {4: FORMAT_BITS[kv.dtype]}
+    return stored_bits(counts, nominal), stored_bits(counts, kv.bits_per_value)
 
 
 def _live_ids(engine: LLMEngine) -> list[int]:

@@ -17,7 +17,7 @@ from kvserving.worker import bit_budget
 from kvserving.worker.bit_budget import BitBudgetController, bits_at_cut, cut_for, dither, mix_bits, rank_of
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.kv_manager import KVCacheManager
-from kvserving.worker.kv_stats import collect
+from kvserving.worker.kv_stats import collect, page_ids_stored_bits
 from kvserving.worker.metrics import WorkerMetrics
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence
@@ -263,3 +263,8 @@ def test_stats_and_metrics_report_the_bits_of_the_pages_held(tiny_model_dir: Pat
     assert value("kvserving_worker_kv_stored_bits", {"metadata": "included"}) == 3.75
     assert value("kvserving_worker_kv_pool_pages", {"precision": "int2", "state": "cached"}) == 5
     assert value("kvserving_worker_kv_bit_budget") == 0.0
+    # the benches' figure over a set of pages (bench/engine_gpu.py): the same counts, any subset
+    cached = eng.pool.cached_page_ids()
+    assert page_ids_stored_bits(eng.kv_cache, cached) == (2.75, 3.75)
+    assert page_ids_stored_bits(eng.kv_cache, [p for p in cached if p & INT2_PAGE_FLAG]) == (2.0, 3.0)
+    assert page_ids_stored_bits(eng.kv_cache, []) == (None, None)
