@@ -103,6 +103,14 @@ class KVCacheManager:
             return chain
         return [h ^ _PRECISION_MARK[b] for h, b in zip(chain, bits)]
 
+    def held_page(self, page_hash: int) -> int | None:
+        """The page cached under a triaxial ``page_hash`` or under its twin at the other precision
+        (same tokens, same prefix), else None: what a request takes as stored under the controller."""
+        pid = self.pool.lookup(page_hash)
+        if pid is None and self.triaxial:
+            pid = self.pool.lookup(page_hash ^ _PRECISION_MARK[2] ^ _PRECISION_MARK[4])
+        return pid
+
     def _token_chain(self, page_hash: int, page_id: int) -> int:
         """The token chain hash under a held page's stored hash (the parent of the next page)."""
         return page_hash ^ _PRECISION_MARK[page_id_bits(page_id)] if self.triaxial else page_hash
@@ -175,6 +183,10 @@ class KVCacheManager:
         assert isinstance(self.pool, TriaxialPagePool) and self._requantize is not None
         pool = self.pool
         cands = [i for i, pid in enumerate(seq.page_ids) if wanted[i] == 2 and page_id_bits(pid) == 4]
+        if self.controller is not None:
+            # under the controller only pages this request alone holds: a copy beside a page a lease or a
+            # transfer hold keeps takes a second page until that holder lets go
+            cands = [i for i in cands if pool.ref_count(seq.page_ids[i]) == 1]
         fresh: list[int] = []
         for _ in cands:  # one at a time: as many as fit, no lease reclaimed for this
             got = pool.allocate([2])

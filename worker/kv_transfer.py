@@ -547,13 +547,17 @@ class KVTransfer:
         while plan.matched < usable and mine[plan.matched] == params.page_hashes[plan.matched]:
             plan.matched += 1
         plan.hashes = mine[: plan.matched]
-        # pages the sender aged and this worker holds at 4 bits: age them here, pull nothing (kv_manager)
-        kv.age_cached([h for h, b in zip(plan.hashes, bits) if b == 2])
+        held = pool.lookup
+        if kv.controller is None:
+            # pages the sender aged and this worker holds at 4 bits: age them here, pull nothing (kv_manager)
+            kv.age_cached([h for h, b in zip(plan.hashes, bits) if b == 2])
+        else:  # pages are taken as stored: a page held here at the other precision is not pulled again
+            held = kv.held_page
         i = 0
-        while i < plan.matched and (pid := pool.lookup(plan.hashes[i])) is not None:
+        while i < plan.matched and (pid := held(plan.hashes[i])) is not None:
             plan.local_pids.append(pid)
             i += 1
-        plan.want = [j for j in range(i, plan.matched) if pool.lookup(plan.hashes[j]) is None]
+        plan.want = [j for j in range(i, plan.matched) if held(plan.hashes[j]) is None]
         plan.remote_pids = [params.page_ids[j] for j in plan.want]
         if not plan.want:
             plan.skipped = "nothing_to_pull"

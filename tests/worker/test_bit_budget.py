@@ -117,6 +117,48 @@ def test_under_the_controller_a_page_is_taken_at_the_precision_it_was_stored() -
         kv.free(again)
 
 
+def _cached(kv: KVCacheManager, tags: list[int], tokens: list[int]) -> list[int]:
+    """Compute ``tokens`` (all new), publish the full pages, free: they stay cached; their ids."""
+    s = Sequence("c", tokens, SamplingParams(), make_generator(0), tags=tags)
+    kv.match_prefix(s)
+    assert kv.allocate_until(s, len(tokens))
+    s.num_computed = len(tokens)
+    kv.publish_full_pages(s)
+    ids = list(s.page_ids)
+    kv.free(s)
+    return ids
+
+
+def test_a_page_held_at_the_other_precision_is_found_by_its_twin_hash() -> None:
+    pool = TriaxialPagePool(64 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=P)
+    kv = KVCacheManager(pool, page_size=P, bits_table=(4,) * NUM_TAGS)
+    kv.controller = BitBudgetController(2.7, ORDER, cut=6.0, page_size=P)  # class 5 at 4 bits
+    tokens = list(range(100, 165))
+    ids = _cached(kv, [5] * 65, tokens)
+    assert [bool(p & INT2_PAGE_FLAG) for p in ids] == [False, False, False]
+    probe = Sequence("p", tokens, SamplingParams(), make_generator(0), tags=[5] * 65)
+    two_bit = kv.page_hashes(probe, [2, 2])  # what a peer that stored them at 2 bits offers
+    assert [pool.lookup(h) for h in two_bit] == [None, None]
+    assert [kv.held_page(h) for h in two_bit] == ids[:2]  # the pull takes the 4-bit pages held here
+
+
+def test_under_the_controller_age_down_leaves_pages_another_holder_keeps() -> None:
+    pool = TriaxialPagePool(64 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=P)
+    copies: list[tuple[list[int], list[int]]] = []
+    kv = KVCacheManager(pool, page_size=P, bits_table=(4,) * NUM_TAGS,
+                        requantize=lambda src, dst: copies.append((src, dst)))
+    kv.controller = BitBudgetController(2.7, ORDER, cut=6.0, page_size=P)
+    tokens = list(range(100, 165))
+    ids = _cached(kv, [5] * 65, tokens)  # two full INT4 pages at cut 6
+    pool.pin("lease-a", ids[:1], ttl_s=60.0)  # a retained conversation keeps page 0
+    kv.controller.cut = 5.0  # class 5 now wants 2 bits
+    later = Sequence("l", tokens, SamplingParams(), make_generator(0), tags=[5] * 65)
+    assert kv.match_prefix(later) == 64
+    # page 1 (only this request holds it) is re-stored at 2 bits; page 0 stays: no copy beside the lease's
+    assert later.page_ids[0] == ids[0] and later.page_ids[1] & INT2_PAGE_FLAG
+    assert copies == [([ids[1]], [later.page_ids[1]])] and kv.aged_pages == 1
+
+
 # -- a pool held on traffic -----------------------------------------------------------------
 
 SYS = encode_tag("current", "text", "inst")
