@@ -61,7 +61,10 @@ from kvserving.local.stack import LocalStack, StackError, StackSpec, free_ports
 # bench name -> (kv_cache.dtype, bit budget)
 FORMATS: dict[str, tuple[str, float | None]] = {
     "bf16": ("bf16", None), "fp8": ("fp8_e4m3", None), "nvfp4": ("nvfp4", None), "triaxial": ("triaxial", 2.7),
+    "tri-hold": ("triaxial", 2.7),
 }
+# bench names whose workers hold the bit budget (kv_cache.bit_budget_control "hold"; the others: the fixed table)
+HELD = {"tri-hold"}
 MODES = REUSE_MODES
 HERE = Path(__file__).resolve().parent
 
@@ -127,7 +130,8 @@ def stack_spec(fmt: str, mode: str, *, kv_bytes: int, ttl_s: float, run_dir: Pat
         scheduler = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192, chunk_size=4096)
     config = ServingConfig(
         model=model,
-        kv_cache=KVCacheConfig(dtype=dtype, bit_budget=budget, memory_bytes=kv_bytes),
+        kv_cache=KVCacheConfig(dtype=dtype, bit_budget=budget, memory_bytes=kv_bytes,
+                               bit_budget_control="hold" if fmt in HELD else "fixed"),
         reuse=reuse_for_mode(mode, ttl_s=ttl_s),
         scheduler=scheduler,
     )
@@ -249,6 +253,9 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
                                 for k, v in p.items() if k in ("owned_pages", "cached_pages"))),
         "capacity_tokens": float(stats.get("capacity_tokens", 0)),
         "page_size": float(stats.get("page_size", 0)),
+        # bits per value over the pages held (owned + cached) and over the owned ones (NaN: none held)
+        **{key: float(v) if isinstance(v := (stats.get("stored_bits") or {}).get(field), int | float) else math.nan
+           for key, field in (("stored_bits", "excluded"), ("owned_stored_bits", "owned"))},
     }
 
 
@@ -389,6 +396,9 @@ def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec, arg
                     point[f"{role}_{key}"] = int(after[role][key] - before[role][key])
             live = after["decode"]["int2_pages"] + after["decode"]["int4_pages"]
             point["decode_int2_page_share"] = after["decode"]["int2_pages"] / live if live else 0.0
+            for role in workers:  # what each pool stores at the end of the point
+                point[f"{role}_stored_bits"] = after[role]["stored_bits"]
+                point[f"{role}_owned_stored_bits"] = after[role]["owned_stored_bits"]
             point["records"] = [asdict(r) for r in records] if args.records else []
             points.append(point)
             print(f"  {fmt:>8} {mode:>5} N={n:>3}: hit {point['hit_rate']:.2f} (later {point['hit_rate_later_turns']:.2f}) "
@@ -403,7 +413,7 @@ def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec, arg
 def format_table(points: list[dict[str, Any]]) -> str:
     head = (f"{'format':>8} {'mode':>5} {'N':>3} {'req':>4} {'hit':>5} {'hit2+':>5} {'local':>5} {'pulled':>6} "
             f"{'evict P':>7} {'evict D':>7} {'reclaim':>7} {'preempt':>7} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>8} {'p99 ms':>7} "
-            f"{'TPOT p50':>8} {'p99 ms':>7}")
+            f"{'TPOT p50':>8} {'p99 ms':>7} {'bits D':>6} {'owned':>5}")
     lines = [head]
     for p in points:
         lines.append(
@@ -411,7 +421,8 @@ def format_table(points: list[dict[str, Any]]) -> str:
             f"{p['hit_rate_later_turns']:>5.2f} {p['local_share']:>5.2f} {p['pulled_share']:>6.2f} "
             f"{p['prefill_evicted_pages']:>7} {p['decode_evicted_pages']:>7} {p['decode_reclaimed_leases']:>7} "
             f"{p['prefill_preemptions'] + p['decode_preemptions']:>7} {p['req_per_s']:>6.2f} {p['output_tok_per_s']:>9.1f} "
-            f"{p['ttft_p50_ms']:>8.0f} {p['ttft_p99_ms']:>7.0f} {p['tpot_p50_ms']:>8.1f} {p['tpot_p99_ms']:>7.1f}")
+            f"{p['ttft_p50_ms']:>8.0f} {p['ttft_p99_ms']:>7.0f} {p['tpot_p50_ms']:>8.1f} {p['tpot_p99_ms']:>7.1f} "
+            f"{p.get('decode_stored_bits', math.nan):>6.2f} {p.get('decode_owned_stored_bits', math.nan):>5.2f}")
     return "\n".join(lines)
 
 

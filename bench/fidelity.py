@@ -434,8 +434,11 @@ def first_divergence(a: list[int], b: list[int]) -> int:
 
 # ---------------------------------------------------------------- the run
 def build_engine(model_dir: Path, dtype: str, *, device: torch.device, ctx: int, chunk: int,
-                 table: tuple[int, ...] | None = None, scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None) -> LLMEngine:
-    kv = KVCacheConfig(dtype=dtype, memory_bytes=(256 if device.type == "cpu" else 4096) * 2**20)
+                 table: tuple[int, ...] | None = None, scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
+                 held: float | None = None) -> LLMEngine:
+    """``held``: triaxial with the bit-budget controller holding that budget (the default ranking), no table."""
+    kv = KVCacheConfig(dtype=dtype, memory_bytes=(256 if device.type == "cpu" else 4096) * 2**20,
+                       bit_budget=held, bit_budget_control="hold" if held is not None else "fixed")
     cfg = ServingConfig(
         model=ModelConfig(path=str(model_dir), max_model_len=ctx + 64),
         kv_cache=kv,
@@ -828,6 +831,8 @@ def variants(cals: dict[str, Calibration], *, swap: str | None = None, skip_defa
     for b in budgets:
         for name, table in table_set(cals, b, swap=swap, skip_default=skip_default).items():
             rows[f"triaxial {b:g} {name}"] = ("triaxial", {"table": table})
+        # the bit-budget controller on the default ranking: the budget held on the scored text
+        rows[f"triaxial {b:g} held"] = ("triaxial", {"held": b})
     return rows
 
 
@@ -899,7 +904,7 @@ def run_context(model_dir: Path, specs: dict[str, tuple[str, dict[str, Any]]], c
     ref: list[list[torch.Tensor]] = [[] for _ in seqs]  # the bf16 run's log-probabilities per sequence and chunk
     scored: dict[str, str] = {}  # the same format and table score the same: row key -> the row that scored it
     for name, (dtype, kw) in specs.items():
-        key = json.dumps([dtype, kw.get("table"), kw.get("scales")])
+        key = json.dumps([dtype, kw.get("table"), kw.get("scales"), kw.get("held")])
         if key in scored:
             rows[name] = {**rows[scored[key]], "same_table_as": scored[key], "seconds": 0.0}
             print(f"  ctx {ctx} {name}: the same table as {scored[key]}", file=sys.stderr, flush=True)

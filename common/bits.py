@@ -221,6 +221,54 @@ def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence
     return tuple(table)
 
 
+def greedy_order(per_token: Sequence[float], pages: Sequence[tuple[int, Sequence[tuple[int, int]]]], *,
+                 page_size: int) -> tuple[int, ...]:
+    """All 56 classes in the order ``page_greedy_table``'s walk upgrades them with no budget
+    to stop it: the ranking a cut moves along (``worker/bit_budget.py``). Classes 4-bit to the
+    walk are a prefix of it up to the first class the budget skips.
+
+    A class whose pages all turned INT4 with earlier classes follows the class that finished
+    them; a class absent from the pages comes in where every class after it has a lower
+    per-token gain (``absent="rank"``). Ties go to the lower tag."""
+    if len(per_token) != NUM_TAGS:
+        raise ValueError(f"per_token must have {NUM_TAGS} entries, got {len(per_token)}")
+    gain = [max(0.0, g) for g in per_token]
+    gain_of = [n * sum(gain[c] * t for c, t in mix) for n, mix in pages]
+    size_of = [n * page_size for n, _ in pages]
+    pages_of: list[list[int]] = [[] for _ in range(NUM_TAGS)]
+    for i, (_, mix) in enumerate(pages):
+        for c, _ in mix:
+            pages_of[c].append(i)
+    hot = [False] * len(pages)
+    order: list[int] = []
+    present = [k for k in range(NUM_TAGS) if pages_of[k]]
+    while len(order) < len(present):
+        best, best_ratio = -1, -1.0
+        for k in present:
+            flips = [i for i in pages_of[k] if not hot[i]]
+            if k in order or not flips:
+                continue
+            ratio = sum(gain_of[i] for i in flips) / sum(size_of[i] for i in flips)
+            if ratio > best_ratio:
+                best, best_ratio = k, ratio
+        if best < 0:
+            break
+        order.append(best)
+        for i in pages_of[best]:
+            hot[i] = True
+        order += [k for k in present if k not in order and all(hot[i] for i in pages_of[k])]
+    for k in sorted((k for k in range(NUM_TAGS) if not pages_of[k]), key=lambda k: (-gain[k], k)):
+        after = [i for i, c in enumerate(order) if gain[c] >= gain[k]]
+        order.insert(after[-1] + 1 if after else 0, k)
+    return tuple(order)
+
+
+def default_order() -> tuple[int, ...]:
+    """``greedy_order`` under the default sensitivities, on the agent pages."""
+    d = agent_pages_data
+    return greedy_order(default_sensitivity(), d.PAGES, page_size=d.PAGE_SIZE)
+
+
 def bits_table_for_budget(budget: float) -> tuple[int, ...]:
     """The bits table for ``budget`` under the default sensitivities, counted on the agent pages."""
     d = agent_pages_data

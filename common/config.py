@@ -62,6 +62,9 @@ class ModelConfig:
             raise ValueError(f"model.max_model_len must be >= 1, got {self.max_model_len}")
 
 
+BIT_BUDGET_CONTROLS = ("fixed", "hold")
+
+
 @dataclass(slots=True, frozen=True)
 class KVCacheConfig:
     """KV cache format and size. ``page_size`` None means the dtype's default."""
@@ -79,10 +82,17 @@ class KVCacheConfig:
     # Triaxial: re-store a cached 4-bit page at 2 bits when a later request's tags want 2
     # (kv_manager age-down; docs/kv-cache.md). Ignored by the one-precision formats.
     age_down: bool = True
+    # Triaxial: "fixed" stores what the bits table for bit_budget gives on any traffic;
+    # "hold" moves the table's cut so the pages held average bit_budget (worker/bit_budget.py).
+    bit_budget_control: str = "fixed"
 
     def __post_init__(self) -> None:
         if not isinstance(self.age_down, bool):
             raise ValueError(f"kv_cache.age_down must be true or false, got {self.age_down!r}")
+        if self.bit_budget_control not in BIT_BUDGET_CONTROLS:
+            raise ValueError(
+                f"kv_cache.bit_budget_control must be one of {BIT_BUDGET_CONTROLS}, got {self.bit_budget_control!r}"
+            )
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache.dtype must be one of {KV_DTYPES}, got {self.dtype!r}")
         if self.page_size is not None:

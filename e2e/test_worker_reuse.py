@@ -38,9 +38,13 @@ CONVERSATION = "conv-e2e"
 
 
 def worker_config(dtype: str) -> dict[str, Any]:
+    """``triaxial-hold``: triaxial with the bit-budget controller (kv_cache.bit_budget_control)."""
+    kv: dict[str, Any] = {"dtype": dtype, "memory_bytes": 16 << 20}
+    if dtype == "triaxial-hold":
+        kv.update(dtype="triaxial", bit_budget_control="hold")
     return {
         "model": {"max_model_len": 1024},
-        "kv_cache": {"dtype": dtype, "memory_bytes": 16 << 20},
+        "kv_cache": kv,
         # pull whatever is there, however small: the usage numbers below are exact
         "reuse": {"recompute_threshold_tokens": 0},
     }
@@ -81,7 +85,7 @@ def metric(text: str, name: str, **labels: str) -> float:
     raise AssertionError(f"no sample {name}{labels}")
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "nvfp4", "triaxial"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "nvfp4", "triaxial", "triaxial-hold"])
 def test_four_turn_conversation_pulls_both_ways_and_computes_only_new_tokens(
     workers: WorkerFactory, tiny_model_dir: Path, dtype: str
 ) -> None:
@@ -136,7 +140,7 @@ def test_four_turn_conversation_pulls_both_ways_and_computes_only_new_tokens(
                 prefill_pulls += covered > local
             p_params = p_final["kv_transfer_params"]
             assert p_params["lease_id"].startswith("xfer-")
-            assert p_params["num_tokens"] == (n // page) * page and p_params["dtype"] == dtype
+            assert p_params["num_tokens"] == (n // page) * page and p_params["dtype"] == cfg["kv_cache"]["dtype"]
 
             # decode: its own retained pages locally, only the delta pulled from the prefill (P->D)
             d_tokens, d_final = stream_generate(decode, {
@@ -173,6 +177,12 @@ def test_four_turn_conversation_pulls_both_ways_and_computes_only_new_tokens(
         assert metric(d_metrics, "kvserving_worker_kv_leased_tokens") == decode_params["num_tokens"]
         assert metric(d_metrics, "kvserving_worker_generation_tokens_total") == TURNS * REPLY_TOKENS
         assert metric(p_metrics, "kvserving_worker_prompt_tokens_total") > 0
+        if dtype == "triaxial-hold":
+            # both controllers active at the budget's starting cut; what each pool stores, in its stats
+            for worker in (prefill, decode):
+                st = httpx.get(worker.url + "/internal/kv/stats", headers=worker.headers, timeout=10).json()["stored_bits"]
+                assert st["budget"] == 2.7 and st["cut"] == reference.kv.controller.cut  # type: ignore[union-attr]
+                assert 2.0 <= st["excluded"] <= 4.0 and st["included"] == pytest.approx(st["excluded"] + 1.0)
         assert metric(d_metrics, "kvserving_worker_kv_transfer_bytes_per_second") > 0
         assert metric(d_metrics, "kvserving_worker_kv_cache_usage_ratio") > 0  # the retained lease's pages
     finally:

@@ -8,7 +8,12 @@
       "reuseRatio": 0.83,          # prompt tokens reused / prompt tokens, over the window
       "fallbacks": {"lease_expired": 3, …},   # cumulative, summed over pods
       "window": {"reused": …, "prompt": …, "fallbacks": …},  # the totals the next window starts from
+      "storedBits": 2.68, "bitBudget": 2.7,  # triaxial: bits per value over the pages held, all pods
+      "bits": "2.68/2.70",                   # stored / budget: the BITS column of kubectl get kvs
     }
+
+``storedBits`` weighs each pod's average (``stored_bits.excluded``) by the pages it
+holds (owned + cached); it is absent until some pod holds a page.
 
 The reuse ratio is taken over the window between two samples (the operator
 samples every ``INTERVAL_S``), so it shows the last minutes, not the history
@@ -80,7 +85,31 @@ def summarize(samples: Mapping[str, list[Stats | None]], *, previous: Mapping[st
         window=window,
         windowFallbacks=d_fallbacks,
     )
+    kv.update(stored_bits(every))
     return kv
+
+
+def stored_bits(every: list[Stats]) -> dict[str, Any]:
+    """``storedBits`` / ``bitBudget`` / ``bits`` over the reporting pods (empty when no pod holds a page)."""
+    pages = bits = 0.0
+    budget = None
+    for s in every:
+        block = s.get("stored_bits")
+        if not isinstance(block, Mapping):
+            continue
+        if isinstance(block.get("budget"), int | float):
+            budget = float(block["budget"])
+        held = _int(s, "pages", "owned") + _int(s, "pages", "cached")
+        if isinstance(block.get("excluded"), int | float) and held:
+            pages += held
+            bits += held * float(block["excluded"])
+    if not pages:
+        return {}
+    out: dict[str, Any] = {"storedBits": round(bits / pages, 3)}
+    if budget is not None:
+        out["bitBudget"] = budget
+    out["bits"] = f"{bits / pages:.2f}/{budget:.2f}" if budget is not None else f"{bits / pages:.2f}"
+    return out
 
 
 def kv_degraded(kv: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -183,7 +183,8 @@ def test_a_smoke_run_writes_each_row_as_it_completes_and_reloadable_calibrations
     assert fidelity.main(["--smoke", "--threads", "2", "--triaxial-only", "--skip-default", "--contexts", "512",
                           "--calibrate-at-context", "--budgets", "3.5", "--generate", "2", "--eval-seqs", "1",
                           "--out", str(out)]) == 0
-    rows = ["bf16", "triaxial 3.5 default@pages", "triaxial 3.5 calibrated", "triaxial 3.5 calibrated@512"]
+    rows = ["bf16", "triaxial 3.5 default@pages", "triaxial 3.5 calibrated", "triaxial 3.5 calibrated@512",
+            "triaxial 3.5 held"]
     assert seen == [(rows[: i + 1], True) for i in range(len(rows))]
     result = json.loads(out.read_text())
     block = result["contexts"]["512"]
@@ -202,7 +203,7 @@ def test_generate_zero_scores_every_row_without_the_greedy_column(fidelity: Modu
     assert fidelity.main(["--smoke", "--threads", "2", "--triaxial-only", "--skip-default", "--contexts", "512",
                           "--budgets", "2.7", "--generate", "0", "--eval-seqs", "2", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["contexts"]["512"]["rows"]
-    assert list(rows) == ["bf16", "triaxial 2.7 default@pages", "triaxial 2.7 calibrated"]
+    assert list(rows) == ["bf16", "triaxial 2.7 default@pages", "triaxial 2.7 calibrated", "triaxial 2.7 held"]
     for r in rows.values():
         assert r["generated"] == 0 and r["first_divergence"] == [] and r["mean_first_divergence"] is None
         assert len(r["kl_per_sequence"]) == 2 and len(r["stored_bits_per_sequence"]) == 2

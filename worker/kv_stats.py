@@ -7,11 +7,18 @@ returns and what the worker's gauges are set from.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.engine import LLMEngine
+from kvserving.worker.kv.cache import KVCache
+from kvserving.worker.precision import stored_bits
+
+# Bits of one stored value of each one-precision format, scales left out (nvfp4: E2M1 + a shared fp8 scale
+# per 16 values is 4.5 with metadata).
+FORMAT_BITS = {"bf16": 16.0, "fp8_e4m3": 8.0, "nvfp4": 4.0}
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,6 +51,14 @@ class KVStats:
     reclaimed_leases: int  # retained conversations released before expiry to make room, since start
     capacity_tokens: int  # triaxial: at the expected INT2 share (KVCache.capacity_tokens)
     aged_pages: int = 0  # triaxial: 4-bit pages re-stored at 2 bits (age-down), since start
+    # Average bits per KV value over the pages held now (owned and cached, each page whole):
+    # nominal (2 / 4) and with the fp16 scales and zeros (the page's bytes over its values).
+    # None while the pool holds no page.
+    stored_bits: float | None = None
+    stored_bits_with_metadata: float | None = None
+    owned_stored_bits: float | None = None  # the same over owned pages only: what the controller holds
+    bit_budget: float | None = None  # triaxial: the budget the pool is held to; None for a fixed table or format
+    bits_cut: float | None = None  # triaxial with bit_budget_control "hold": the controller's cut (BitBudgetController)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,6 +83,13 @@ def collect(engine: LLMEngine) -> KVStats:
         used_bytes += owned * page_bytes
         precisions[name] = PrecisionStats(cap, cap * page_size, owned, len(pages) - owned)
     usage = used_bytes / kv.storage.total_bytes
+    held = {bits: sum(1 for p in live if page_id_bits(p.page_id) == bits) for bits in kv.page_bytes}
+    owned_by_bits = {
+        bits: sum(1 for p in live if page_id_bits(p.page_id) == bits and p.ref_count > 0) for bits in kv.page_bytes
+    }
+    # nominal bits of a value: triaxial's page precisions, else the format's element
+    nominal = {bits: float(bits) for bits in kv.page_bytes} if len(kv.page_bytes) > 1 else {4: FORMAT_BITS[kv.dtype]}
+    control = kv.manager.controller
     sched = engine.scheduler
     stats = engine.stats
     return KVStats(
@@ -89,7 +111,22 @@ def collect(engine: LLMEngine) -> KVStats:
         reclaimed_leases=pool.reclaimed_pins,
         capacity_tokens=engine.capacity_tokens,
         aged_pages=engine.kv.aged_pages,
+        stored_bits=stored_bits(held, nominal),
+        stored_bits_with_metadata=stored_bits(held, kv.bits_per_value),
+        owned_stored_bits=stored_bits(owned_by_bits, nominal),
+        bit_budget=kv.bit_budget,
+        bits_cut=control.cut if control is not None else None,
     )
+
+
+def page_ids_stored_bits(kv: KVCache, page_ids: Iterable[int]) -> tuple[float | None, float | None]:
+    """(nominal, with metadata) bits per value over ``page_ids`` of ``kv`` (each page whole; None, None
+    for no page): what a bench reports beside a row, e.g. over every page its sequences hold."""
+    counts: dict[int, int] = dict.fromkeys(kv.page_bytes, 0)
+    for pid in page_ids:
+        counts[page_id_bits(pid)] += 1
+    nominal = {bits: float(bits) for bits in kv.page_bytes} if len(kv.page_bytes) > 1 else {4: FORMAT_BITS[kv.dtype]}
+    return stored_bits(counts, nominal), stored_bits(counts, kv.bits_per_value)
 
 
 def _live_ids(engine: LLMEngine) -> list[int]:

@@ -11,7 +11,8 @@ Two kinds of updates:
   a transfer ends: bytes, seconds, regions; a reuse falls back: its reason);
 - engine state, copied from a ``KVStats`` snapshot when ``/metrics`` is
   scraped (pool use and capacity, leases, queue depth, and the engine's own
-  counters: prompt tokens computed, preemptions, evicted pages, reclaimed leases, aged pages).
+  counters: prompt tokens computed, preemptions, evicted pages, reclaimed leases, aged pages;
+  stored bits per value with and without metadata, the bit budget and the controller's cut).
 """
 
 from __future__ import annotations
@@ -125,6 +126,27 @@ class WorkerMetrics:
             ["precision", "state"],
             registry=r,
         )
+        self.kv_stored_bits = Gauge(
+            "kvserving_worker_kv_stored_bits",
+            "average bits per KV value over the pages the pool holds (owned and cached); "
+            "metadata=included counts the fp16 scales and zeros (triaxial INT4 5, INT2 3), excluded the 4 / 2",
+            ["metadata"],
+            registry=r,
+        )
+        self.kv_owned_stored_bits = Gauge(
+            "kvserving_worker_kv_owned_stored_bits",
+            "average nominal bits per KV value over the pages running requests and leases own "
+            "(what the bit-budget controller holds; cached pages left out)",
+            registry=r,
+        )
+        self.kv_bit_budget = Gauge(
+            "kvserving_worker_kv_bit_budget", "triaxial: the bit budget the pool is held to (0: a fixed table)", registry=r
+        )
+        self.kv_bits_cut = Gauge(
+            "kvserving_worker_kv_bits_cut",
+            "triaxial, bit_budget_control hold: ranked tag classes at 4 bits (the controller's cut)",
+            registry=r,
+        )
         self.info = Gauge("kvserving_worker_info", "1, labelled with the worker's role", ["role"], registry=r)
         self.info.labels(role=role).set(1)
         self.ready = Gauge("kvserving_worker_ready", "1 while the worker admits requests", registry=r)
@@ -185,6 +207,14 @@ class WorkerMetrics:
         self.kv_cache_usage.set(stats.usage_ratio)
         self.queue_depth.labels(state="running").set(stats.running)
         self.queue_depth.labels(state="waiting").set(stats.waiting)
+        nan = float("nan")  # no page held: no average
+        self.kv_stored_bits.labels(metadata="excluded").set(nan if stats.stored_bits is None else stats.stored_bits)
+        self.kv_stored_bits.labels(metadata="included").set(
+            nan if stats.stored_bits_with_metadata is None else stats.stored_bits_with_metadata
+        )
+        self.kv_owned_stored_bits.set(nan if stats.owned_stored_bits is None else stats.owned_stored_bits)
+        self.kv_bit_budget.set(stats.bit_budget or 0.0)
+        self.kv_bits_cut.set(stats.bits_cut if stats.bits_cut is not None else nan)
         for name, p in stats.precisions.items():
             self.kv_pool_capacity_tokens.labels(precision=name).set(p.capacity_tokens)
             self.kv_pool_pages.labels(precision=name, state="capacity").set(p.capacity_pages)

@@ -59,3 +59,15 @@ def average_bits(page_bits: Sequence[int], page_size: int, num_tokens: int) -> f
     last = num_tokens - (expected - 1) * page_size
     total = sum(page_bits[:-1]) * page_size + page_bits[-1] * last
     return total / num_tokens
+
+
+def stored_bits(pages: dict[int, int], bits_per_value: dict[int, float]) -> float | None:
+    """Average bits per KV value over stored pages: ``pages`` counts the pages held per
+    precision (2 or 4), ``bits_per_value`` what one value of a page of that precision costs
+    (nominal 2 / 4, or the page's bytes over its values with scales and zeros: 3 / 5 for
+    triaxial). Every page counts whole, a partial one too: it takes a whole page's bytes.
+    None when no page is held."""
+    n = sum(pages.values())
+    if n == 0:
+        return None
+    return sum(count * bits_per_value[bits] for bits, count in pages.items()) / n

@@ -310,6 +310,9 @@ class WorkerService:
             "waiting": st.waiting,
             "preemptions": st.preemptions,
             "aged_pages": st.aged_pages,  # triaxial age-down: 4-bit pages re-stored at 2 bits
+            # bits per value over the pages held (None: none held); the budget they are held to
+            "stored_bits": {"excluded": st.stored_bits, "included": st.stored_bits_with_metadata,
+                            "owned": st.owned_stored_bits, "budget": st.bit_budget, "cut": st.bits_cut},
             "in_flight": len(self.engine.in_flight) if self.engine is not None else 0,
         }
 

@@ -118,6 +118,12 @@ class TriaxialPagePool(PagePoolBase):
         gap = self.total_bytes - mine.hwm * self._bytes[bits] - self._min_mark(other) * self._bytes[6 - bits]
         return mine.num_free + len(mine.lru) + gap // self._bytes[bits]
 
+    def held_pages(self, *, bits: int, cached: bool = True) -> int:
+        """Pages of precision ``bits`` held now: owned, and cached unless ``cached`` is False
+        (every slot below the mark is owned, cached or free)."""
+        region = self._r[_check_bits(bits)]
+        return region.hwm - region.num_free - (0 if cached else len(region.lru))
+
     @property
     def num_free(self) -> int:
         """Pages allocatable at either precision (the smaller of the two counts)."""

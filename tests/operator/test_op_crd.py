@@ -40,7 +40,7 @@ def test_printer_columns() -> None:
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns == {
         "DType": ".spec.kvCache.dtype",
-        "Bits": ".status.kvBits",
+        "Bits": ".status.kv.bits",
         "Prefill": ".status.prefill.ready",
         "Decode": ".status.decode.ready",
         "Capacity": ".status.kv.decode.capacityTokens",

@@ -217,3 +217,17 @@ def test_sampler_without_the_credential_gets_nothing() -> None:
     missing, wrong, right = asyncio.run(scenario())
     assert (missing, wrong) == (None, None)
     assert right is not None and right["capacity_tokens"] == 1000
+
+
+def test_stored_bits_are_weighted_by_the_pages_each_pod_holds() -> None:
+    def tri(owned: int, cached: int, bits: float | None) -> dict[str, Any]:
+        s = _stats()
+        s["pages"] = {"total": 100, "free": 100 - owned - cached, "cached": cached, "owned": owned}
+        s["stored_bits"] = {"excluded": bits, "included": None if bits is None else bits + 1, "budget": 2.7, "cut": 12.5}
+        return s
+
+    # 30 pages at 2.5 and 10 at 3.3 -> (75 + 33) / 40 = 2.7; an empty pod adds nothing
+    kv = summarize({"prefill": [tri(20, 10, 2.5)], "decode": [tri(10, 0, 3.3), tri(0, 0, None)]}, previous=None)
+    assert (kv["storedBits"], kv["bitBudget"], kv["bits"]) == (2.7, 2.7, "2.70/2.70")
+    # formats without the block (or no page held anywhere): no BITS value
+    assert "bits" not in summarize({"prefill": [_stats()], "decode": [tri(0, 0, None)]}, previous=None)

@@ -91,3 +91,36 @@ def test_budget_bytes_come_from_the_config_on_cpu() -> None:
     cpu = torch.device("cpu")
     assert kv_budget_bytes(KVCacheConfig(memory_bytes=12345), device=cpu) == 12345
     assert kv_budget_bytes(KVCacheConfig(memory_fraction=0.5), device=cpu) == DEFAULT_CPU_KV_BYTES // 2
+
+
+def test_stored_bits_count_the_pages_held_with_and_without_metadata() -> None:
+    from kvserving.worker.precision import stored_bits
+
+    kv = build(budget=2.7)
+    # G = 32: an fp16 scale and zero per 32 values add 1 bit (INT2 keys: per channel over the page's 32 tokens)
+    assert kv.bits_per_value == {4: 5.0, 2: 3.0}
+    assert build("bf16").bits_per_value == {4: 32.0}  # model_dtype float32: bf16 pages hold float32 on CPU
+    ids = kv.pool.allocate([4, 4, 4, 2])
+    assert ids is not None
+    held = {b: kv.pool.held_pages(bits=b) for b in (2, 4)}
+    assert held == {4: 3, 2: 1}
+    assert stored_bits(held, {2: 2.0, 4: 4.0}) == 3.5
+    assert stored_bits(held, kv.bits_per_value) == 4.5
+    assert stored_bits({2: 0, 4: 0}, kv.bits_per_value) is None
+    assert kv.manager.held_bits() == 3.5
+
+
+def test_hold_control_starts_at_the_cut_that_averages_the_budget_on_the_agent_pages() -> None:
+    from kvserving import agent_pages_data as d
+    from kvserving.bits import pages_stored_bits
+
+    for budget in (2.5, 2.7, 3.0):
+        kv = build_kv_cache(
+            KVCacheConfig(dtype="triaxial", bit_budget=budget, bit_budget_control="hold"), SHAPE,
+            budget_bytes=MIB, device="cpu", model_dtype=torch.float32,
+        )
+        c = kv.controller
+        assert c is not None and c.budget == budget and kv.stored_bits == budget
+        # the whole classes above the cut store at most the budget on the agent pages
+        assert pages_stored_bits(c.table(), d.PAGES, page_size=32, residual=d.RESIDUAL) <= budget + 1e-9
+    assert build(budget=2.7).controller is None  # "fixed" is the default

@@ -17,13 +17,15 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from kvserving.bits import bits_table_for_budget, default_stored_bits, format_bits_table
+from kvserving import agent_pages_data
+from kvserving.bits import bits_table_for_budget, default_sensitivity, default_stored_bits, format_bits_table, greedy_order
 from kvserving.calibration import Calibration
 from kvserving.config import KVCacheConfig
-from kvserving.tags import validate_bits_table
+from kvserving.tags import NUM_TAGS, validate_bits_table
+from kvserving.worker.bit_budget import BitBudgetController, cut_for, rank_of
 from kvserving.worker.kv.manager import KVCacheManager
-from kvserving.worker.kv.storage import KVShape, KVStorage
 from kvserving.worker.kv.page_pool import PagePool, PagePoolBase
+from kvserving.worker.kv.storage import KVShape, KVStorage
 from kvserving.worker.triaxial_pool import TriaxialPagePool
 
 # KV budget on a machine without a GPU when the config names no byte count.
@@ -81,6 +83,21 @@ class KVCache:
         if self.storage.int2_layout is not None:
             out[2] = self.storage.int2_layout.page_bytes
         return out
+
+    @property
+    def bits_per_value(self) -> dict[int, float]:
+        """Bits one KV value costs in a page of each precision, scales and zeros included
+        (the page's bytes over its values: 5 for triaxial INT4, 3 for INT2; 16 for bf16)."""
+        out = {}
+        for bits, layout in ((4, self.storage.layout), (2, self.storage.int2_layout)):
+            if layout is not None:
+                out[bits] = 8.0 * layout.page_bytes / (2 * layout.page_size * layout.kv_heads * layout.head_dim)
+        return out
+
+    @property
+    def controller(self) -> BitBudgetController | None:
+        """The bit-budget controller (triaxial, ``bit_budget_control: hold``), else None."""
+        return self.manager.controller
 
     @property
     def num_pages(self) -> dict[int, int]:
@@ -214,20 +231,43 @@ def build_kv_cache(
             stored = calibration.stored_bits(table) if calibration.pages else None
         else:
             table, source = bits_table_for_budget(budget), "default"
+    controller = None
+    if kv_config.bit_budget_control == "hold" and budget is not None:
+        controller = budget_controller(budget, calibration, page_size=page_size)
     pool = TriaxialPagePool(
         storage.total_bytes,
         int4_page_bytes=storage.layout.page_bytes,
         int2_page_bytes=storage.int2_layout.page_bytes,
         page_size=page_size,
     )
+    manager = KVCacheManager(
+        pool, page_size=page_size, bits_table=table,
+        requantize=storage.requantize_to_int2 if kv_config.age_down else None,
+    )
+    manager.controller = controller
     return KVCache(
         storage,
         pool,
-        KVCacheManager(
-            pool, page_size=page_size, bits_table=table,
-            requantize=storage.requantize_to_int2 if kv_config.age_down else None,
-        ),
+        manager,
         bit_budget=budget,
         table_source=source,
-        stored_bits=stored,
+        # held: the pool averages the budget whatever the traffic
+        stored_bits=float(budget) if controller is not None and budget is not None else stored,
     )
+
+
+def budget_controller(budget: float, calibration: Calibration | None, *, page_size: int) -> BitBudgetController:
+    """The controller for ``budget``: the greedy order of the calibration's priorities (on its
+    pages when it has them) or of the default sensitivities on the agent pages, starting at
+    the cut that averages ``budget`` on those pages."""
+    d = agent_pages_data
+    gain = calibration.priorities() if calibration is not None else default_sensitivity()
+    pages, residual = (calibration.pages, calibration.residual) if calibration is not None and calibration.pages \
+        else (d.PAGES, d.RESIDUAL)
+    order = greedy_order(gain, pages, page_size=page_size)
+    rank = rank_of(order)
+    hist = [0.0] * NUM_TAGS
+    for n, mix in pages:
+        hist[min(rank[c] for c, _ in mix)] += n
+    cut = cut_for(hist, residual / page_size, budget)
+    return BitBudgetController(budget, order, cut=cut, page_size=page_size)

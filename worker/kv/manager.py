@@ -24,8 +24,9 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from kvserving.kernels.page_ids import page_id_bits
+from kvserving.worker.bit_budget import BitBudgetController
 from kvserving.worker.kv.page_pool import PagePoolBase
-from kvserving.worker.precision import page_bits
+from kvserving.worker.precision import page_bits, stored_bits
 from kvserving.worker.sequence import Sequence
 from kvserving.worker.triaxial_pool import TriaxialPagePool
 
@@ -63,6 +64,13 @@ class KVCacheManager:
         self.bits_table = tuple(bits_table) if bits_table is not None else None
         self._requantize = requantize
         self.aged_pages = 0  # 4-bit pages re-stored at 2 bits for a request that wanted 2, ever (a counter)
+        # Triaxial with bit_budget_control "hold": sets page precision in place of bits_table.
+        self.controller: BitBudgetController | None = None
+
+    @property
+    def _four_bit_matches(self) -> tuple[int, ...]:
+        """Stored precisions a page this request wants at 4 bits may match, in order of preference."""
+        return (4, 2) if self.controller is not None else (4,)
 
     @property
     def triaxial(self) -> bool:
@@ -95,6 +103,14 @@ class KVCacheManager:
             return chain
         return [h ^ _PRECISION_MARK[b] for h, b in zip(chain, bits)]
 
+    def held_page(self, page_hash: int) -> int | None:
+        """The page cached under a triaxial ``page_hash`` or under its twin at the other precision
+        (same tokens, same prefix), else None: what a request takes as stored under the controller."""
+        pid = self.pool.lookup(page_hash)
+        if pid is None and self.triaxial:
+            pid = self.pool.lookup(page_hash ^ _PRECISION_MARK[2] ^ _PRECISION_MARK[4])
+        return pid
+
     def _token_chain(self, page_hash: int, page_id: int) -> int:
         """The token chain hash under a held page's stored hash (the parent of the next page)."""
         return page_hash ^ _PRECISION_MARK[page_id_bits(page_id)] if self.triaxial else page_hash
@@ -119,6 +135,9 @@ class KVCacheManager:
         At least one token is always left to compute: its logits start decoding.
         A triaxial page matches if stored at the precision this request would
         give it, or at 4 bits (more precise is always acceptable; less never).
+        Under the bit-budget controller a page is taken at whatever precision it
+        was stored: the cut that chose it moves, and the worker that stored it
+        may hold another cut (docs/kv-cache.md, Holding the bit budget).
         With age-down a 2-bit copy is preferred, and matched 4-bit pages this
         request wants at 2 bits are re-stored at 2 (``_age_down``).
         """
@@ -132,7 +151,7 @@ class KVCacheManager:
             chain = self.pool.chain_hashes(seq.token_ids(i * p, (i + 1) * p), p, None, parent=parent,
                                           salt=seq.cache_salt)[0]
             found = None
-            for bits in ((2, 4) if self.age_down else (4, 2)) if want == 2 else (4,):
+            for bits in ((2, 4) if self.age_down else (4, 2)) if want == 2 else self._four_bit_matches:
                 h = chain ^ _PRECISION_MARK[bits] if self.triaxial else chain
                 pid = self.pool.lookup(h)
                 if pid is not None:
@@ -143,6 +162,8 @@ class KVCacheManager:
             parent = chain
             seq.page_hashes.append(found[0])
             matched.append(found[1])
+        if self.controller is not None:
+            self._observe_prompt(seq, matched)
         self.pool.incref(matched)
         seq.page_ids = matched
         seq.num_registered_pages = len(matched)
@@ -162,6 +183,10 @@ class KVCacheManager:
         assert isinstance(self.pool, TriaxialPagePool) and self._requantize is not None
         pool = self.pool
         cands = [i for i, pid in enumerate(seq.page_ids) if wanted[i] == 2 and page_id_bits(pid) == 4]
+        if self.controller is not None:
+            # under the controller only pages this request alone holds: a copy beside a page a lease or a
+            # transfer hold keeps takes a second page until that holder lets go
+            cands = [i for i in cands if pool.ref_count(seq.page_ids[i]) == 1]
         fresh: list[int] = []
         for _ in cands:  # one at a time: as many as fit, no lease reclaimed for this
             got = pool.allocate([2])
@@ -249,8 +274,37 @@ class KVCacheManager:
         # past the prompt reads none.
         p = self.page_size
         full_end = min(last_page, len(seq.prompt_ids) // p)
-        prompt_bits = page_bits(seq.tags[first_page * p : full_end * p], self.bits_table, p) if full_end > first_page else []
+        tags = seq.tags[first_page * p : full_end * p] if full_end > first_page else []
+        if self.controller is not None:
+            prompt_bits = self.controller.page_bits(tags, seq.token_ids(first_page * p, full_end * p), first_page)
+        else:
+            prompt_bits = page_bits(tags, self.bits_table, p) if tags else []
         return prompt_bits + [4] * (last_page - first_page - len(prompt_bits))
+
+    def held_bits(self, *, cached: bool = True) -> float | None:
+        """Average nominal bits per value over the pages the pool holds: owned, and cached unless
+        ``cached`` is False (None: none held)."""
+        pool = self.pool
+        if not isinstance(pool, TriaxialPagePool):
+            return 4.0 if pool.live_page_ids() else None
+        return stored_bits({b: pool.held_pages(bits=b, cached=cached) for b in (2, 4)}, {2: 2.0, 4: 4.0})
+
+    def _observe_prompt(self, seq: Sequence, matched: Seq[int]) -> None:
+        """Every prompt page a request will hold: 2-bit pages it reuses stay 2-bit (taken as
+        stored); the others follow the cut (computed at it, or held at 4 bits and aged down
+        when it says 2); the partial last page is INT4."""
+        p = self.page_size
+        full = len(seq.prompt_ids) // p
+        two = [i for i, pid in enumerate(matched) if page_id_bits(pid) == 2]
+        follow = [t for i in range(full) if i >= len(matched) or page_id_bits(matched[i]) == 4
+                  for t in seq.tags[i * p : (i + 1) * p]]
+        self._observe(follow, forced=int(len(seq.prompt_ids) % p > 0), fixed2=len(two))
+
+    def _observe(self, tags: Seq[int], forced: int, fixed2: int = 0) -> None:
+        """Tell the controller about pages a sequence holds; let it look at the pool when due."""
+        assert self.controller is not None
+        if self.controller.observe(tags, forced=forced, fixed2=fixed2):
+            self.controller.update(self.held_bits(cached=False))
 
     def allocate_until(self, seq: Sequence, num_tokens: int) -> bool:
         """Make sure pages cover the first ``num_tokens`` tokens; all or nothing."""
@@ -270,6 +324,9 @@ class KVCacheManager:
         if got is None:
             return False
         seq.page_ids.extend(got)
+        if self.controller is not None:  # pages past the prompt (generated tokens): INT4 at any cut
+            prompt_pages = -(-len(seq.prompt_ids) // self.page_size)
+            self._observe([], forced=max(0, first + need - max(first, prompt_pages)))
         return True
 
     def publish_full_pages(self, seq: Sequence) -> None:

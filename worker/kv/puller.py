@@ -315,8 +315,9 @@ class Puller:
                              cache_salt=cache_salt.encode() if cache_salt else None)
         usable = max(0, min(len(params.page_ids), params.num_tokens // p, (len(ids) - 1) // p))
         bits = [page_id_bits(pid) for pid in params.page_ids[:usable]]
-        if kv.bits_table is not None:
-            # a page stored at 2 bits never serves a request that wants 4 (match_prefix's rule)
+        if kv.bits_table is not None and kv.controller is None:
+            # a page stored at 2 bits never serves a request that wants 4 (match_prefix's rule;
+            # under the bit-budget controller pages are taken as stored)
             wanted = kv.page_bits_for(seq, 0, usable)
             ok = next((i for i, (b, w) in enumerate(zip(bits, wanted)) if b == 2 and w == 4), usable)
             usable, bits = ok, bits[:ok]
@@ -325,13 +326,17 @@ class Puller:
         while plan.matched < usable and mine[plan.matched] == params.page_hashes[plan.matched]:
             plan.matched += 1
         plan.hashes = mine[: plan.matched]
-        # pages the sender aged and this worker holds at 4 bits: age them here, pull nothing (manager)
-        kv.age_cached([h for h, b in zip(plan.hashes, bits) if b == 2])
+        held = pool.lookup
+        if kv.controller is None:
+            # pages the sender aged and this worker holds at 4 bits: age them here, pull nothing (manager)
+            kv.age_cached([h for h, b in zip(plan.hashes, bits) if b == 2])
+        else:  # pages are taken as stored: a page held here at the other precision is not pulled again
+            held = kv.held_page
         i = 0
-        while i < plan.matched and (pid := pool.lookup(plan.hashes[i])) is not None:
+        while i < plan.matched and (pid := held(plan.hashes[i])) is not None:
             plan.local_pids.append(pid)
             i += 1
-        plan.want = [j for j in range(i, plan.matched) if pool.lookup(plan.hashes[j]) is None]
+        plan.want = [j for j in range(i, plan.matched) if held(plan.hashes[j]) is None]
         plan.remote_pids = [params.page_ids[j] for j in plan.want]
         if not plan.want:
             plan.skipped = "nothing_to_pull"

@@ -1,0 +1,312 @@
+"""The bit-budget controller: the cut's arithmetic on exact counts, and a triaxial pool
+held within 0.05 bits of its budget on different synthetic traffic without flapping."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvserving.bits import default_order
+from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG
+from kvserving.tags import NUM_TAGS, encode_tag
+from kvserving.worker import bit_budget
+from kvserving.worker.bit_budget import BitBudgetController, bits_at_cut, cut_for, dither, mix_bits, rank_of
+from kvserving.worker.engine import LLMEngine
+from kvserving.worker.kv.manager import KVCacheManager
+from kvserving.worker.kv_stats import collect, page_ids_stored_bits
+from kvserving.worker.metrics import WorkerMetrics
+from kvserving.worker.sampling import SamplingParams, make_generator
+from kvserving.worker.sequence import Sequence
+from kvserving.worker.triaxial_pool import TriaxialPagePool
+
+P = 32
+ORDER = tuple(range(NUM_TAGS))  # rank = tag id: easy to read
+
+
+def test_integer_cut_is_the_table_of_the_first_ranked_classes() -> None:
+    c = BitBudgetController(2.7, ORDER, cut=3.0, page_size=P)
+    assert c.table() == tuple(4 if k < 3 else 2 for k in range(NUM_TAGS))
+    # a page's best class decides: class 2 with class 40 -> INT4; 3 and 50 -> INT2
+    tags = [2] * 31 + [40] + [3] * 16 + [50] * 16 + [1] * 5
+    assert c.page_bits(tags, list(range(len(tags))), 0) == [4, 2]
+
+
+def test_fractional_cut_puts_its_share_of_boundary_pages_at_four_bits() -> None:
+    # any run of consecutive pages of the boundary class at cut 3.25: a quarter INT4, +-1 page
+    for start, n in ((0, 100), (37, 40), (1000, 8)):
+        bits = [bits_at_cut(3, i, 7, 3.25) for i in range(start, start + n)]
+        assert abs(bits.count(4) - n / 4) <= 1, (start, n, bits.count(4))
+    assert [bits_at_cut(3, i, 7, 3.0) for i in range(10)] == [2] * 10
+    assert [bits_at_cut(2, i, 7, 3.0) for i in range(10)] == [4] * 10
+    # across sequences: pages at one index, first tokens 0..999, a quarter INT4 (+-5 %)
+    assert abs(sum(bits_at_cut(3, 5, t, 3.25) == 4 for t in range(1000)) - 250) <= 50
+    assert all(0.0 <= dither(i, 3 * i) < 1.0 for i in range(1000))
+
+
+def test_mix_bits_and_cut_for_are_inverse_on_exact_counts() -> None:
+    hist = [0.0] * NUM_TAGS
+    hist[0], hist[1], hist[2] = 10, 20, 10  # pages by best rank
+    forced = 10.0  # INT4 anyway
+    assert mix_bits(hist, forced, 0.0) == (4 * 10 + 2 * 40) / 50  # 2.4
+    assert mix_bits(hist, forced, 1.0) == (4 * 20 + 2 * 30) / 50  # 2.8
+    assert mix_bits(hist, forced, 1.5) == (4 * 30 + 2 * 20) / 50  # 3.2
+    assert cut_for(hist, forced, 2.8) == pytest.approx(1.0)
+    assert cut_for(hist, forced, 3.2) == pytest.approx(1.5)
+    assert cut_for(hist, forced, 2.2) == 0.0  # the forced pages alone are above it
+    assert cut_for(hist, forced, 4.0) == NUM_TAGS
+    assert mix_bits([0.0] * NUM_TAGS, 0.0, 1.0) is None
+
+
+def test_update_aims_the_class_mix_at_the_budget_and_holds_inside_the_band() -> None:
+    c = BitBudgetController(3.0, ORDER, cut=1.0, page_size=P)
+    for k in range(4):
+        c.observe([k] * (16 * P), forced=0)  # 16 pages of each of classes 0..3
+    assert c.predicted() == pytest.approx(2.5)  # cut 1: class 0 of four at 4 bits
+    assert not c.update(3.0) and c.cut == 1.0  # 64 pages seen: the starting cut stands (WARM_PAGES)
+    for k in range(4):
+        c.observe([k] * (112 * P), forced=0)  # 128 pages of each now: 512
+    assert c.window == bit_budget.WARM_PAGES and c.predicted() == pytest.approx(2.5)
+    # the pool is on budget but the mix predicts 2.5: aim the mix at 3.0 -> two classes of four
+    assert c.update(3.0)
+    assert (c.cut, c.moves, c.offset) == (pytest.approx(2.0), 1, 0.0)
+    assert not c.update(3.0)  # on budget, mix on budget: nothing moves
+    # a lasting pool error: the smoothed average (SMOOTHING of each look) leaves the band,
+    # the offset grows by INTEGRAL_GAIN of it per look, and the cut follows once the move is >= MIN_STEP
+    looks = 0
+    while not c.update(2.5):
+        looks += 1
+        assert looks < 100
+    assert c.offset > 0 and c.cut - 2.0 >= bit_budget.MIN_STEP and c.moves == 2
+
+
+def test_rank_of_refuses_a_partial_order() -> None:
+    with pytest.raises(ValueError, match="permutation"):
+        rank_of([0, 1, 2])
+    with pytest.raises(ValueError, match="bit_budget"):
+        BitBudgetController(1.5, ORDER, cut=0.0, page_size=P)
+
+
+def test_under_the_controller_a_page_is_taken_at_the_precision_it_was_stored() -> None:
+    """A worker whose cut moved up (or a peer with a higher cut) still reuses the 2-bit pages
+    stored under the lower cut; a fixed table recomputes them."""
+    order = tuple(range(NUM_TAGS))
+    for control, reused in ((True, 64), (False, 0)):
+        pool = TriaxialPagePool(64 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=P)
+        kv = KVCacheManager(pool, page_size=P, bits_table=tuple(4 if k < 5 else 2 for k in range(NUM_TAGS)))
+        if control:
+            kv.controller = BitBudgetController(2.7, order, cut=5.0, page_size=P)
+        tokens = list(range(100, 165))
+        first = Sequence("a", tokens, SamplingParams(), make_generator(0), tags=[5] * 65)  # class 5: 2 bits
+        kv.match_prefix(first)
+        assert kv.allocate_until(first, 65)
+        first.num_computed = 65
+        kv.publish_full_pages(first)
+        assert [bool(p & INT2_PAGE_FLAG) for p in first.page_ids] == [True, True, False]
+        kv.free(first)
+        if control:
+            kv.controller.cut = 6.0  # class 5 is now at 4 bits
+        else:
+            kv.bits_table = tuple(4 if k < 6 else 2 for k in range(NUM_TAGS))
+        again = Sequence("b", tokens, SamplingParams(), make_generator(0), tags=[5] * 65)
+        assert kv.page_bits_for(again, 0, 2) == [4, 4]
+        assert kv.match_prefix(again) == reused
+        kv.free(again)
+
+
+def _cached(kv: KVCacheManager, tags: list[int], tokens: list[int]) -> list[int]:
+    """Compute ``tokens`` (all new), publish the full pages, free: they stay cached; their ids."""
+    s = Sequence("c", tokens, SamplingParams(), make_generator(0), tags=tags)
+    kv.match_prefix(s)
+    assert kv.allocate_until(s, len(tokens))
+    s.num_computed = len(tokens)
+    kv.publish_full_pages(s)
+    ids = list(s.page_ids)
+    kv.free(s)
+    return ids
+
+
+def test_a_page_held_at_the_other_precision_is_found_by_its_twin_hash() -> None:
+    pool = TriaxialPagePool(64 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=P)
+    kv = KVCacheManager(pool, page_size=P, bits_table=(4,) * NUM_TAGS)
+    kv.controller = BitBudgetController(2.7, ORDER, cut=6.0, page_size=P)  # class 5 at 4 bits
+    tokens = list(range(100, 165))
+    ids = _cached(kv, [5] * 65, tokens)
+    assert [bool(p & INT2_PAGE_FLAG) for p in ids] == [False, False, False]
+    probe = Sequence("p", tokens, SamplingParams(), make_generator(0), tags=[5] * 65)
+    two_bit = kv.page_hashes(probe, [2, 2])  # what a peer that stored them at 2 bits offers
+    assert [pool.lookup(h) for h in two_bit] == [None, None]
+    assert [kv.held_page(h) for h in two_bit] == ids[:2]  # the pull takes the 4-bit pages held here
+
+
+def test_under_the_controller_age_down_leaves_pages_another_holder_keeps() -> None:
+    pool = TriaxialPagePool(64 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=P)
+    copies: list[tuple[list[int], list[int]]] = []
+    kv = KVCacheManager(pool, page_size=P, bits_table=(4,) * NUM_TAGS,
+                        requantize=lambda src, dst: copies.append((src, dst)))
+    kv.controller = BitBudgetController(2.7, ORDER, cut=6.0, page_size=P)
+    tokens = list(range(100, 165))
+    ids = _cached(kv, [5] * 65, tokens)  # two full INT4 pages at cut 6
+    pool.pin("lease-a", ids[:1], ttl_s=60.0)  # a retained conversation keeps page 0
+    kv.controller.cut = 5.0  # class 5 now wants 2 bits
+    later = Sequence("l", tokens, SamplingParams(), make_generator(0), tags=[5] * 65)
+    assert kv.match_prefix(later) == 64
+    # page 1 (only this request holds it) is re-stored at 2 bits; page 0 stays: no copy beside the lease's
+    assert later.page_ids[0] == ids[0] and later.page_ids[1] & INT2_PAGE_FLAG
+    assert copies == [([ids[1]], [later.page_ids[1]])] and kv.aged_pages == 1
+
+
+# -- a pool held on traffic -----------------------------------------------------------------
+
+SYS = encode_tag("current", "text", "inst")
+DELIM = encode_tag("current", "text", "delim")
+AGES = ("current", "turn_m1", "turn_m2", "older")
+# per kind: (semantic class of a turn's body, its pages on the first turn, on later turns)
+BODIES = {"agents": ("obs", 6, 6), "qa": ("user", 24, 0), "chat": ("assistant", 2, 2)}
+
+
+class _Conversation:
+    """One synthetic conversation: a system prompt, then per turn a user message, a body
+    (tool output for agents, a document then short questions for QA, longer replies for
+    chat) and a 40-token reply; the whole history is resent each turn, tags aged by turn."""
+
+    def __init__(self, kind: str, rng: random.Random, first_id: int) -> None:
+        self.kind, self.rng, self.next_id = kind, rng, first_id
+        self.turns = rng.randint(3, 8)
+        self.turn = 0
+        self.parts: list[tuple[int, int, list[int]]] = []  # (turn, semantic class or -1 for fixed tags, token ids)
+        self._add(-1, SYS, 6 * P + 4)
+
+    def _add(self, turn: int, cls: int, n: int) -> None:
+        self.parts.append((turn, cls, list(range(self.next_id, self.next_id + n))))
+        self.next_id += n
+
+    def prompt(self) -> tuple[list[int], list[int]]:
+        sem, first, later = BODIES[self.kind]
+        body = first if self.turn == 0 else later
+        self._add(self.turn, 0, self.rng.randint(20, 60))
+        if body:
+            self._add(self.turn, 1, body * P + self.rng.randint(0, P))
+        ids: list[int] = []
+        tags: list[int] = []
+        for turn, cls, part in self.parts:
+            if turn < 0:
+                tags += [cls] * len(part)
+            else:
+                age = AGES[min(3, self.turn - turn)]
+                tags += [encode_tag(age, "text", ("user", sem, "assistant")[cls])] * len(part)
+            ids += part
+        self._add(self.turn, 2, 40)  # the reply, in the history from the next turn on
+        self.turn += 1
+        return ids, tags
+
+
+def _run(kind: str, budget: float, *, control: bool, turns: int = 600, seed: int = 0) -> tuple[list[float], int]:
+    """24 conversations of ``kind`` at a time through a triaxial pool with age-down; the average
+    bits of the owned pages after each turn, and how often the cut moved. A conversation's
+    pages stay owned until its next turn (retention), then cached (its next turn matches them)."""
+    rng = random.Random(seed)
+    pool = TriaxialPagePool(8000 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=P)
+    order = default_order()
+    kv = KVCacheManager(pool, page_size=P, bits_table=tuple(4 if r < 10 else 2 for r in rank_of(order)),
+                        requantize=lambda src, dst: None)
+    if control:
+        kv.controller = BitBudgetController(budget, order, cut=10.0, page_size=P)
+    convs = [_Conversation(kind, rng, c * 1_000_000) for c in range(24)]
+    held: dict[int, Sequence] = {}
+    out = []
+    for i in range(turns):
+        c = i % len(convs)
+        if convs[c].turn == convs[c].turns:  # finished: a new conversation takes its place
+            convs[c] = _Conversation(kind, rng, (i + 24) * 1_000_000)
+            if c in held:
+                kv.free(held.pop(c))
+        ids, tags = convs[c].prompt()
+        s = Sequence(f"r{i}", ids, SamplingParams(), make_generator(0), tags=tags)
+        if c in held:
+            kv.free(held.pop(c))
+        kv.match_prefix(s)
+        while not kv.allocate_until(s, len(ids) + 40):  # 40 generated tokens: INT4 pages
+            kv.free(held.pop(next(iter(held))))
+        s.num_computed = len(ids)
+        kv.publish_full_pages(s)
+        held[c] = s
+        bits = kv.held_bits(cached=False)
+        assert bits is not None
+        out.append(bits)
+    return out, kv.controller.moves if kv.controller else 0
+
+
+@pytest.mark.parametrize("kind", ["agents", "qa", "chat"])
+@pytest.mark.parametrize("budget", [2.5, 2.7, 3.0])
+def test_owned_average_is_held_within_005_of_the_budget_on_any_traffic(kind: str, budget: float) -> None:
+    held, moves = _run(kind, budget, control=True)
+    after = held[200:]  # warm-up: ~8 turns of each of the 24 conversations
+    mean = sum(after) / len(after)
+    assert abs(mean - budget) <= 0.05, (kind, budget, mean)
+    # no flapping: the cut moves at most once per ~12 turns (measured: 4-40 moves in 600)
+    assert moves <= 50, moves
+
+
+def test_a_fixed_table_misses_the_budget_on_the_same_traffic() -> None:
+    # the default-ranked table's first 10 classes: 2.63 on agents, 3.03 on QA, 3.12 on chat at 2.7
+    means = {}
+    for kind in ("agents", "qa", "chat"):
+        held, moves = _run(kind, 2.7, control=False)
+        assert moves == 0
+        means[kind] = sum(held[200:]) / len(held[200:])
+    assert max(abs(m - 2.7) for m in means.values()) > 0.3, means
+
+
+def test_held_pages_count_both_ends_of_the_pool() -> None:
+    pool = TriaxialPagePool(16 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=P)
+    kv = KVCacheManager(pool, page_size=P, bits_table=(2,) * NUM_TAGS)
+    ids = pool.allocate([4, 4, 4, 2])
+    assert ids is not None and [bool(p & INT2_PAGE_FLAG) for p in ids] == [False, False, False, True]
+    assert (pool.held_pages(bits=4), pool.held_pages(bits=2)) == (3, 1)
+    assert kv.held_bits() == (3 * 4 + 2) / 4
+    pool.free(ids[:1])  # no hash: back to the free list, no longer held
+    assert (pool.held_pages(bits=4), pool.held_pages(bits=2)) == (2, 1)
+    assert kv.held_bits() == (2 * 4 + 2) / 3
+
+
+# -- what a worker reports ------------------------------------------------------------------
+
+def test_stats_and_metrics_report_the_bits_of_the_pages_held(tiny_model_dir: Path) -> None:
+    old, now = encode_tag("turn_m2", "text", "obs"), encode_tag("current", "text", "obs")
+    table = tuple(2 if t == old else 4 for t in range(NUM_TAGS))
+    eng = LLMEngine(
+        ServingConfig(
+            model=ModelConfig(path=str(tiny_model_dir)),
+            kv_cache=KVCacheConfig(dtype="triaxial", memory_bytes=8 << 20, bit_budget=2.7),
+            scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024, chunk_size=512),
+        ),
+        device="cpu",
+        bits_table=table,
+    )
+    assert collect(eng).stored_bits is None  # nothing held yet
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    # 5 full INT2 pages and 3 full INT4 pages stay cached; the partial last pages go back free
+    eng.generate([list(range(10, 170)) + [7]], params, tags=[[old] * 161])
+    eng.generate([list(range(300, 396)) + [7]], params, tags=[[now] * 97])
+    stats = collect(eng)
+    assert (stats.precisions["int2"].cached_pages, stats.precisions["int4"].cached_pages) == (5, 3)
+    assert stats.stored_bits == (5 * 2 + 3 * 4) / 8  # 2.75
+    assert stats.stored_bits_with_metadata == (5 * 3 + 3 * 5) / 8  # 3.75: fp16 scales and zeros
+    assert stats.owned_stored_bits is None  # every page held is cached: none owned
+    assert stats.bit_budget is None and stats.bits_cut is None  # an explicit table: no budget held
+    registry = CollectorRegistry()
+    WorkerMetrics(registry, role="both").observe(stats)
+    value = registry.get_sample_value
+    assert value("kvserving_worker_kv_stored_bits", {"metadata": "excluded"}) == 2.75
+    assert value("kvserving_worker_kv_stored_bits", {"metadata": "included"}) == 3.75
+    assert value("kvserving_worker_kv_pool_pages", {"precision": "int2", "state": "cached"}) == 5
+    assert value("kvserving_worker_kv_bit_budget") == 0.0
+    # the benches' figure over a set of pages (bench/engine_gpu.py): the same counts, any subset
+    cached = eng.pool.cached_page_ids()
+    assert page_ids_stored_bits(eng.kv_cache, cached) == (2.75, 3.75)
+    assert page_ids_stored_bits(eng.kv_cache, [p for p in cached if p & INT2_PAGE_FLAG]) == (2.0, 3.0)
+    assert page_ids_stored_bits(eng.kv_cache, []) == (None, None)

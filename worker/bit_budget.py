@@ -1,0 +1,201 @@
+"""The bit-budget controller: holds a triaxial pool's stored bits at ``bit_budget``
+on the traffic it serves, by moving the cut along a fixed class ranking
+(docs/kv-cache.md, Holding the bit budget). Pure Python.
+
+The ranking is the greedy gain-per-bit order of the calibrated or default table
+(``kvserving.bits.greedy_order``); it never changes. The cut ``x`` (a real
+number in [0, 56]) says which pages are INT4:
+
+    rank:   0   1   2  ...  n-1 | n (boundary) | n+1 ... 55        n = floor(x)
+            '-- classes at 4 --'   4 on a share  '-- at 2 bits --'
+                                   x - n of its
+                                   pages
+
+A full prompt page is INT4 when the best-ranked class among its tokens ranks
+below ``n``, or ranks ``n`` and the page is one of the share ``x - n`` its
+position picks (``dither``: the page's index and first token, so every worker
+gives the same tokens the same precision at the same cut); else INT2. Partial
+pages and generated tokens are INT4, as with a table. An integer cut is exactly
+the bits table with the first ``x`` ranked classes at 4 bits.
+
+Two inputs set the cut:
+- feed-forward: the class mix of the pages this worker stores (each full page
+  reduced to its best rank, plus the pages that are INT4 anyway), over a
+  window of ``WINDOW_PAGES`` recent pages: for any cut it gives the bits new
+  pages would average;
+- feedback: the stored average of the pages the pool holds now (owned and
+  cached; aged-down pages, pulled pages and generated pages included).
+New pages aim at ``budget + (budget - held)`` (clamped to ``MAX_CORRECTION``), so
+the pool's error shrinks as its pages turn over, without an integral to wind up.
+
+Hysteresis: every ``UPDATE_PAGES`` stored pages the controller looks; it moves
+the cut only when the held average is more than ``DEADBAND`` from the budget
+(or the window predicts that), and then only if the new cut differs by at least
+``MIN_STEP``. Inside the band nothing moves, so steady traffic leaves the table
+alone and reuse keeps matching the precisions it stored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from kvserving.tags import NUM_TAGS
+
+WINDOW_PAGES = 4096  # the class mix halves its counts past this many pages
+UPDATE_PAGES = 64  # stored pages between two looks at the pool
+WARM_PAGES = 512  # the cut first moves once the class mix has counted this many pages
+DEADBAND = 0.03  # bits: inside budget +- this the cut stays
+MIN_STEP = 0.25  # classes: a smaller move of the cut is not made
+MAX_CORRECTION = 0.5  # bits: new pages aim at most this far from the budget
+SMOOTHING = 0.2  # weight of the newest look in the smoothed pool average
+INTEGRAL_GAIN = 0.05  # share of the pool's error added to the standing offset per look
+_PHI = (math.sqrt(5.0) - 1.0) / 2.0
+_MIX, _MOD = 2654435761, 1 << 32  # Knuth's multiplicative hash of a token id
+
+
+def dither(page_index: int, first_token: int) -> float:
+    """A value in [0, 1) per page, from its index in the sequence and its first token id:
+    the boundary class's pages with a value below ``x - floor(x)`` are INT4. The golden-ratio
+    step spreads one sequence's pages evenly; the token id decorrelates sequences whose
+    boundary pages sit at the same indices (same template, same tool schemas)."""
+    return ((page_index + 1) * _PHI + (first_token * _MIX % _MOD) / _MOD) % 1.0
+
+
+def rank_of(order: Sequence[int]) -> tuple[int, ...]:
+    """Class -> position in ``order`` (a permutation of the 56 classes)."""
+    if sorted(order) != list(range(NUM_TAGS)):
+        raise ValueError(f"order must be a permutation of 0..{NUM_TAGS - 1}")
+    rank = [0] * NUM_TAGS
+    for i, k in enumerate(order):
+        rank[k] = i
+    return tuple(rank)
+
+
+def page_ranks(tags: Sequence[int], rank: Sequence[int], page_size: int) -> list[int]:
+    """Best (lowest) class rank of each FULL page of ``tags``; a trailing partial page is left out."""
+    full = len(tags) - len(tags) % page_size
+    return [min(rank[t] for t in tags[s : s + page_size]) for s in range(0, full, page_size)]
+
+
+def bits_at_cut(best_rank: int, page_index: int, first_token: int, cut: float) -> int:
+    """Precision of a full page whose best class rank is ``best_rank`` at cut ``cut``."""
+    n = math.floor(cut)
+    if best_rank < n or (best_rank == n and dither(page_index, first_token) < cut - n):
+        return 4
+    return 2
+
+
+def mix_bits(hist: Sequence[float], forced: float, cut: float, *, fixed2: float = 0.0) -> float | None:
+    """Average nominal bits of pages whose best ranks are counted in ``hist`` (by rank),
+    ``forced`` pages INT4 and ``fixed2`` pages INT2 whatever the cut, at cut ``cut`` (the
+    boundary rank at its share); None if empty."""
+    total = forced + fixed2 + sum(hist)
+    if total <= 0:
+        return None
+    n = math.floor(cut)
+    four = forced + sum(hist[:n]) + (hist[n] * (cut - n) if n < len(hist) else 0.0)
+    return (4.0 * four + 2.0 * (total - four)) / total
+
+
+def cut_for(hist: Sequence[float], forced: float, target: float, *, fixed2: float = 0.0) -> float:
+    """The largest cut whose ``mix_bits`` stays <= ``target`` (mix_bits grows with the cut;
+    linear within one rank). 0 when even cut 0 is above the target, 56 when all fit."""
+    total = forced + fixed2 + sum(hist)
+    if total <= 0:
+        return 0.0
+    room = (target - 2.0) * total / 2.0 - forced  # pages that may still be INT4
+    if room < 0:
+        return 0.0
+    for n, h in enumerate(hist):
+        if h > room:
+            return n + room / h
+        room -= h
+    return float(len(hist))
+
+
+class BitBudgetController:
+    """The cut of one worker's pool (module docstring). ``order``: the ranking;
+    ``cut``: where it starts (``cut_for`` on the table's reference pages)."""
+
+    def __init__(self, budget: float, order: Sequence[int], *, cut: float, page_size: int) -> None:
+        if not 2.0 <= budget <= 4.0:
+            raise ValueError(f"bit_budget must be in [2, 4], got {budget}")
+        if not 0.0 <= cut <= NUM_TAGS:
+            raise ValueError(f"cut must be in [0, {NUM_TAGS}], got {cut}")
+        self.budget = budget
+        self.order = tuple(order)
+        self.rank = rank_of(self.order)
+        self.cut = cut
+        self.page_size = page_size
+        self.hist = [0.0] * NUM_TAGS  # recent full pages by best rank
+        self.forced = 0.0  # recent pages INT4 whatever the cut (partial, generated)
+        self.fixed2 = 0.0  # recent pages INT2 whatever the cut (reused as stored at 2 bits)
+        self.held: float | None = None  # the pool's stored average, smoothed over looks
+        self.offset = 0.0  # bits: the pool's lasting error, summed (INTEGRAL_GAIN per look outside the band)
+        self.moves = 0  # times the cut moved, since start
+        self._since = 0  # pages stored since the last look
+
+    # -- precision -------------------------------------------------------------------------
+    def page_bits(self, tags: Sequence[int], token_ids: Sequence[int], first_page: int) -> list[int]:
+        """Bits of the full pages of ``tags`` / ``token_ids`` (page ``first_page`` onward of a
+        sequence) at the cut."""
+        ranks = page_ranks(tags, self.rank, self.page_size)
+        p = self.page_size
+        return [bits_at_cut(r, first_page + i, token_ids[i * p], self.cut) for i, r in enumerate(ranks)]
+
+    def table(self) -> tuple[int, ...]:
+        """The bits table of the whole classes above the cut (the boundary class at 2)."""
+        n = math.floor(self.cut)
+        return tuple(4 if self.rank[k] < n else 2 for k in range(NUM_TAGS))
+
+    # -- observation -----------------------------------------------------------------------
+    def observe(self, full_page_tags: Sequence[int], *, forced: int, fixed2: int = 0) -> bool:
+        """Count pages a request holds: the tags of the full pages whose precision follows the
+        cut (computed now, or held at 4 bits and aged down if the cut says 2), how many are
+        INT4 anyway (partial, generated) and how many it reuses as stored at 2 bits. True when
+        it is time to ``update``."""
+        for r in page_ranks(full_page_tags, self.rank, self.page_size):
+            self.hist[r] += 1.0
+        self.forced += forced
+        self.fixed2 += fixed2
+        self._since += len(full_page_tags) // self.page_size + forced + fixed2
+        if self.window > WINDOW_PAGES:
+            self.hist = [h / 2.0 for h in self.hist]
+            self.forced /= 2.0
+            self.fixed2 /= 2.0
+        return self._since >= UPDATE_PAGES
+
+    @property
+    def window(self) -> float:
+        """Pages the class mix counts now."""
+        return self.forced + self.fixed2 + sum(self.hist)
+
+    def predicted(self) -> float | None:
+        """Bits the pages requests hold average at the current cut on the recent class mix."""
+        return mix_bits(self.hist, self.forced, self.cut, fixed2=self.fixed2)
+
+    def update(self, held: float | None) -> bool:
+        """Look at the pool (``held``: its stored average, None when empty); True if the cut moved."""
+        self._since = 0
+        predicted = self.predicted()
+        if predicted is None or self.window < WARM_PAGES:  # the starting cut stands until the mix is known
+            return False
+        if held is not None:  # smoothed: one conversation starting or ending moves a small pool a lot
+            self.held = held if self.held is None else self.held + SMOOTHING * (held - self.held)
+        error = 0.0 if self.held is None else self.budget - self.held
+        if abs(error) > DEADBAND:  # a lasting error of the pool: new pages aim off the budget by it
+            self.offset = _clamp(self.offset + INTEGRAL_GAIN * error, MAX_CORRECTION)
+        target = min(4.0, max(2.0, self.budget + self.offset))
+        if abs(predicted - target) <= DEADBAND:
+            return False
+        cut = cut_for(self.hist, self.forced, target, fixed2=self.fixed2)
+        if abs(cut - self.cut) < MIN_STEP:
+            return False
+        self.cut = cut
+        self.moves += 1
+        return True
+
+
+def _clamp(value: float, limit: float) -> float:
+    return max(-limit, min(limit, value))
