@@ -59,6 +59,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from .capability import device_choice
 from .gluon_fragments import (
     ASM_FP8_K,
     ASM_FP8_V,
@@ -661,7 +662,7 @@ def supported(kv: PagedKV, q: torch.Tensor) -> bool:
     layout = kv.layout
     if layout.fmt not in FORMATS or layout.head_dim != 128 or not q.is_cuda:
         return False
-    if torch.cuda.get_device_capability(q.device) < (8, 9):
+    if device_choice(q.device).decode != "gluon":  # capability.TABLE
         return False
     g = q.shape[1] // layout.kv_heads
     if g > 16:

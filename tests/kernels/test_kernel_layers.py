@@ -25,7 +25,7 @@ TRITON_MODULES = {"triton_codec", "triton_common", "triton_decode", "triton_gath
                   "compile_report"}  # fmt: skip
 KERNEL_MODULES = {"triton_decode", "triton_gather", "triton_write", "triton_prefill", "triton_norm", "gluon_decode",
                   "gluon_extend", "gluon_extend_tri"}  # fmt: skip
-REFERENCES = {"page_ids", "options", "layout", "paged_kv", "fp8", "nvfp4", "intquant", "quant_checks", "paged_ref", "capacity",
+REFERENCES = {"page_ids", "options", "layout", "paged_kv", "fp8", "nvfp4", "intquant", "quant_checks", "paged_ref", "capacity", "capability",
               "norm_ref"}  # fmt: skip
 
 

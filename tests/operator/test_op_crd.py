@@ -73,6 +73,7 @@ def test_every_spec_field_has_a_type_and_description() -> None:
 OPTIONAL = {
     "spec.model.maxModelLen", "spec.model.pvcName", "spec.kvCache.bitBudget", "spec.kvCache.pageSize", "spec.kvCache.calibration",
     "spec.gateway.apiKeysSecret",
+    "spec.kvCache.allowEmulation",  # deprecated alias of allowOtherGPUs: only its presence is read (and logged)
 }
 
 
@@ -92,7 +93,7 @@ def test_design_defaults() -> None:
     assert spec["reuse"] == {"bidirectional": True, "retentionTTLSeconds": 480, "leaseTTLSeconds": 420, "recomputeThresholdTokens": 64,
                              "tenantsShareCache": False}
     assert spec["kvCache"] == {
-        "dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowEmulation": False, "ageDown": True
+        "dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowOtherGPUs": False, "ageDown": True
     }
     assert spec["prefill"]["resources"] == {"requests": {"cpu": "4", "memory": "32Gi"},
                                             "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1}}
