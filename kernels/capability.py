@@ -20,9 +20,11 @@ other      (older or newer majors)   tl       tl                       tl     bi
   specialized around Hopper's ``wgmma``, which sm_100a and sm_120a do not
   have (Triton stops at instruction selection), so Blackwell runs
   triton_prefill's ``tl`` extend.
-- E2M1 ``cvt``: the ``tl`` decode unpacks nvfp4 nibbles with Blackwell's
-  ``cvt.rn.f16x2.e2m1x2`` (two values per instruction) instead of placing bits
-  (triton_codec.nibbles_e2m1). The instruction exists on the arch-specific
+- E2M1 ``cvt``: both decodes unpack nvfp4 nibbles with Blackwell's
+  ``cvt.rn.f16x2.e2m1x2`` (two values per instruction, SASS
+  ``F2FP.F16.E2M1.UNPACK_B``) instead of placing bits with shifts and
+  ``lop3`` (gluon_fragments._asm_e2m1_cvt, triton_codec.nibbles_e2m1), the
+  same values bit for bit. The instruction exists on the arch-specific
   targets only, so only the exact capabilities compiled in CI get it.
 
 A capability missing from the table runs the row of its major with the
@@ -48,7 +50,7 @@ class KernelChoice:
     decode: str  # "gluon" (gluon_decode) or "tl" (triton_decode)
     extend: str  # "gluon" (gluon_extend, gluon_extend_tri) or "tl" (triton_prefill)
     write: str  # "tl" (triton_write) on every GPU
-    e2m1: str  # "cvt" (cvt.rn.f16x2.e2m1x2) or "bits" (bit placement) in the tl decode's nvfp4 unpacker
+    e2m1: str  # "cvt" (cvt.rn.f16x2.e2m1x2) or "bits" (bit placement) in the decodes' nvfp4 unpackers
 
     def __post_init__(self) -> None:
         for name, allowed in (("decode", ("gluon", "tl")), ("extend", ("gluon", "tl")), ("write", ("tl",)),

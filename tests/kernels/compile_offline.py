@@ -138,17 +138,21 @@ def _engine_kernels() -> None:
 
 def _gluon_decode() -> None:
     from kvserving.kernels import gluon_decode
+    from kvserving.kernels.capability import choose
     from kvserving.kernels.compile_report import report
+
+    cvt = choose((SM // 10, SM % 10)).e2m1 == "cvt"  # nvfp4 unpacked as that GPU's launch unpacks it
 
     for fmt in ("nvfp4", "int4", "triaxial", "fp8_e4m3"):
         name = f"gluon-{fmt}:_gl_decode_kernel"
         cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
-        sig, const = gluon_decode.compile_report_args(fmt, heads=4)
+        sig, const = gluon_decode.compile_report_args(fmt, heads=4, e2m1_cvt=cvt)
         warps = const.pop("num_warps")
         try:
             r = report(gluon_decode._gl_decode_kernel, sig, const, gluon=True, num_warps=warps, aligned=("total_bytes",),
                        maxnreg=cfg["maxnreg"], sm=SM)  # fmt: skip
-            RESULTS[name] = {"ok": True, "shared": r["shared"], "local": r["local"]}
+            RESULTS[name] = {"ok": True, "shared": r["shared"], "local": r["local"], "e2m1_cvt": const["E2M1_CVT"],
+                             "e2m1_sass": sum(n for op, n in r["ops"].items() if "E2M1" in op)}  # fmt: skip
         except Exception as exc:  # noqa: BLE001 -- reported per kernel
             RESULTS[name] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[-400:]}"}
 

@@ -6,8 +6,8 @@ launches nothing (one child process per target, both at once; the test session
 runs under TRITON_INTERPRET=1, where kernels are not JIT functions). Checked
 per target: each kernel of capability.TABLE's row compiles, its shared memory
 fits the target's per-block limit (sm_120a has 99 KiB, not Hopper's 227), the
-Gluon decode spills nothing, and the tl decode's Blackwell E2M1 unpacker
-(cvt.rn.f16x2.e2m1x2) assembles. sm_90a is covered by the kernels' own tests
+Gluon decode spills nothing, and Blackwell's E2M1 conversion
+(cvt.rn.f16x2.e2m1x2) assembles in the tl decode and is in the Gluon decode's SASS. sm_90a is covered by the kernels' own tests
 (test_gluon_decode, test_gluon_extend, test_gluon_extend_tri).
 
 The Gluon extend kernels are Hopper's (``wgmma``): the test holds that they
@@ -80,6 +80,12 @@ def test_every_dispatchable_kernel_compiles_for_blackwell_within_its_shared_memo
     assert too_big == {}, f"shared memory over sm_{sm}a's {SHARED_LIMIT[sm]} bytes per block: {too_big}"
     spills = {name: r["local"] for name, r in got.items() if r.get("local")}
     assert spills == {}, spills
+    # the Gluon decode of nvfp4 pages unpacks with the native conversion where the table says so (SASS
+    # F2FP.F16.E2M1.UNPACK_B, one per byte: 128 in the kernel), and only there
+    gl = got["gluon-nvfp4:_gl_decode_kernel"]
+    cvt = choose((sm // 10, sm % 10)).e2m1 == "cvt"
+    assert gl["e2m1_cvt"] == int(cvt) and (gl["e2m1_sass"] > 0) == cvt, gl
+    assert all(r["e2m1_sass"] == 0 for name, r in got.items() if name.startswith("gluon-") and "nvfp4" not in name)
 
 
 # compiled in a child process each: LLVM aborts the process on an instruction the target lacks
