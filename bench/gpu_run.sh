@@ -5,7 +5,10 @@
 #   STEPS: comma-separated tests, bench (decode_gpu.py), extend (extend_gpu.py), all (= tests,bench), ncu (one decode
 #   launch per format named in the bench args) or ncux (the extend launches of profile_extend.py's NCUX_ARGS, default
 #   'nvfp4 tri fi': nvfp4, triaxial, FlashInfer bf16); NCU_METRICS=m1,m2 (ncu --metrics, regex: allowed) adds metrics to both.
-#   TESTS=paths limits the gpu tests (default tests/kernels); WARM_FI=1 JIT-compiles FlashInfer's prefill in the
+#   TESTS=paths limits the gpu tests (default: every test file under tests/ that holds a gpu-marked test, so the
+#   tests step runs the whole gpu suite); the Python packages those files import beyond torch and triton come as
+#   wheels in .whl/ (docs/results.md, "Device machine": the list), installed with --target into /tmp/site and put on
+#   PYTHONPATH; a module still missing is named before the tests run. WARM_FI=1 JIT-compiles FlashInfer's prefill in the
 #   background while the tests and the decode bench run; T_TESTS / T_BENCH / T_EXTEND cap each step's seconds.
 #   PRE_VARIANTS=a,b compiles those extend_gpu.py variants side by side (one process each, at 512 new on 1K cached:
 #   the bench's specialization) while the tests run; PAR_TESTS="args1;args2" runs those pytest sets side by side
@@ -31,6 +34,17 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PKG:/tmp/site
 fi
 export PYTHONUNBUFFERED=1
+# the gpu suite: every test file with a gpu-marked test (collecting a whole folder would import files with no gpu
+# test, and their imports, too)
+GPU_TESTS=$(grep -rlE --include='test_*.py' 'mark\.gpu|pytestmark.*gpu' tests | sort | tr '\n' ' ')
+TESTS=${TESTS:-$GPU_TESTS}
+# what those files (and the worker's HTTP server they start) import beyond torch / triton, named here if missing
+python3 -c "
+import importlib.util
+mods = 'fastapi uvicorn click h11 starlette pydantic httpx openai prometheus_client aiohttp transformers tokenizers safetensors'
+missing = [m for m in mods.split() if importlib.util.find_spec(m) is None]
+if missing:
+    print('gpu_run.sh: warning: not importable:', ' '.join(missing), '(carry their wheels in .whl/: docs/results.md)')"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__); assert torch.cuda.is_available()" \
   || fail "no GPU visible to torch (or torch/triton missing)"
 status=0
@@ -49,7 +63,7 @@ if [ -n "${PAR_TESTS:-}" ]; then
   done
 fi
 if has tests; then
-  timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/kernels} 2>&1 | tee $OUT/gpu_tests.log | tail -40
+  timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS 2>&1 | tee $OUT/gpu_tests.log | tail -40
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: gpu tests failed (exit $rc, log in $OUT/gpu_tests.log)" >&2; status=1; }
 fi
 for job in $par; do

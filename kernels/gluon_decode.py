@@ -58,6 +58,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from .capability import device_choice
 from .gluon_fragments import (
     ASM_FP8_K,
     ASM_FP8_V,
@@ -396,7 +397,7 @@ def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: g
 @gluon.jit
 def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes, k_mul, FMT: gl.constexpr,
           P: gl.constexpr, PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, QF: gl.constexpr,
-          LV_UNPACK: gl.constexpr):  # fmt: skip
+          LV_UNPACK: gl.constexpr, E2M1_CVT: gl.constexpr = 0):  # fmt: skip
     """One step of every warp: scores of its NT tokens, online softmax, O^T += V^T P^T -> (m_i, l_i, acc).
 
     l_i: the [W, 16, HP] accumulator of ones . P^T (_gl_split reduces it)."""
@@ -445,7 +446,7 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
         sc = mma_v2(fp8_as_a_rows(k8, W, NT, A), q0, gl.zeros([W, NT, HP], gl.float32, MMA))
     else:
         sc = gl.zeros([W, NT, HP], gl.float32, MMA)
-        klo, khi = unpack_nibbles(kb, ks, kz, FMT, False)
+        klo, khi = unpack_nibbles(kb, ks, kz, FMT, False, E2M1_CVT)
         sc = mma_v2(as_a_rows(gl.reshape(klo, [W, NT, KB]), W, NT, KB, A), q0, sc)
         sc = mma_v2(as_a_rows(gl.reshape(khi, [W, NT, KB]), W, NT, KB, A), q1, sc)
 
@@ -487,7 +488,7 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
         v8 = gl.inline_asm_elementwise(ASM_FP8_V, "=r,=r,r", [vb], dtype=gl.float16, is_pure=True, pack=4)
         vv = swap_t0_j0(gl.reshape(v8, [W, NT, KB]), W, NT, KB)  # channel = byte
     else:
-        vlo, vhi = unpack_nibbles(vb, vs, vz, FMT, True)
+        vlo, vhi = unpack_nibbles(vb, vs, vz, FMT, True, E2M1_CVT)
         vlo = swap_t0_j0(gl.reshape(vlo, [W, NT, KB]), W, NT, KB)
         vhi = swap_t0_j0(gl.reshape(vhi, [W, NT, KB]), W, NT, KB)
         vv = gl.reshape(gl.join(vlo, vhi), [W, NT, D])  # channel 2j + nibble
@@ -500,7 +501,7 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
               FMT: gl.constexpr, G: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
               KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
               VZ_OFF: gl.constexpr, PPW: gl.constexpr, HP: gl.constexpr, LV_LOAD: gl.constexpr,
-              LV_UNPACK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+              LV_UNPACK: gl.constexpr, STAGES: gl.constexpr, E2M1_CVT: gl.constexpr = 0):  # fmt: skip
     """Pages [lo, hi) of one (sequence, kv head) in one format -> this split's rows of o and lse (if mine).
 
     A ring of STAGES shared-memory slots filled by cp.async STAGES - 1 steps ahead, so that many steps' bytes are
@@ -549,7 +550,7 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
                        LV_LOAD, LV_UNPACK)  # fmt: skip
         rd = gl.where(rd == STAGES - 1, 0, rd + 1)
         m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,
-                              k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK)  # fmt: skip
+                              k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK, E2M1_CVT)  # fmt: skip
     async_copy.wait_group(0)  # the copies past the split (zero-fills) land before the epilogue reuses smem
 
     l_i = gl.max(l_i, axis=1)  # every row of ones . P^T is the sum
@@ -599,6 +600,7 @@ def _gl_decode_kernel(
     KZ_OFF2: gl.constexpr, V_OFF2: gl.constexpr, VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr,
     LV_LOAD2: gl.constexpr, LV_UNPACK2: gl.constexpr,
     STAGES: gl.constexpr,  # cp.async ring this many steps deep (>= 2)
+    E2M1_CVT: gl.constexpr = 0,  # 1: nvfp4 unpacked by cvt.rn.f16x2.e2m1x2 (sm_100a / sm_120a: capability.TABLE)
 ):
     s = gl.program_id(0)
     h = gl.program_id(1)
@@ -612,7 +614,7 @@ def _gl_decode_kernel(
         lo = s * PPS
         _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                   gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF,
-                  VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES)  # fmt: skip
+                  VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, E2M1_CVT)  # fmt: skip
     else:
         n2 = gl.load(n2_ptr + b)
         c2 = gl.cdiv(n2, PPS)  # splits that cover the INT2 pages; the rest cover INT4 pages
@@ -625,7 +627,7 @@ def _gl_decode_kernel(
             lo = n2 + (s - c2) * PPS
             _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                       gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
-                      VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES)  # fmt: skip
+                      VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, E2M1_CVT)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------
@@ -660,7 +662,7 @@ def supported(kv: PagedKV, q: torch.Tensor) -> bool:
     layout = kv.layout
     if layout.fmt not in FORMATS or layout.head_dim != 128 or not q.is_cuda:
         return False
-    if torch.cuda.get_device_capability(q.device) < (8, 9):
+    if device_choice(q.device).decode != "gluon":  # capability.TABLE
         return False
     g = q.shape[1] // layout.kv_heads
     if g > 16:
@@ -759,14 +761,16 @@ def launch_decode(
         run.q, run.o, run.lse, kv.buffer, run.page_table, seq_lens, run.n2, sm_scale * LOG2E * k_fold, kv.total_bytes,
         run.page_table.stride(0), run.splits, run.pages_per_split, TRIAXIAL=int(kv.triaxial),
         H=run.kv_heads, G=run.group, HP=hp, STAGES=cfg["STAGES"], **args, **args2, **cap,
+        E2M1_CVT=int(layout.fmt == "nvfp4" and device_choice(q.device).e2m1 == "cvt"),
     )  # fmt: skip
     return merge_splits(run, v_mul=v_fold), kernel
 
 
-def compile_report_args(fmt: str, *, heads: int = 4) -> tuple[dict[str, str], dict[str, Any]]:
+def compile_report_args(fmt: str, *, heads: int = 4, e2m1_cvt: bool = False) -> tuple[dict[str, str], dict[str, Any]]:
     """(signature, constexprs incl. num_warps) to compile ``_gl_decode_kernel`` as launched (GL_TUNING) without a
     GPU (compile_report.py, tests): fmt "nvfp4", "fp8_e4m3", "int4" (plain INT4 pages) or "triaxial"; ``heads``
-    query heads per kv head. The launch caps the registers at GL_TUNING's maxnreg for up to 8 heads."""
+    query heads per kv head; ``e2m1_cvt``: nvfp4 unpacked by cvt (the launch on a capability whose
+    capability.TABLE row says e2m1 "cvt"). The launch caps the registers at GL_TUNING's maxnreg for up to 8 heads."""
     plain = "int4" if fmt == "triaxial" else fmt
     cfg = GL_TUNING[plain]
     p = 32 if plain == "int4" else 16
@@ -777,5 +781,5 @@ def compile_report_args(fmt: str, *, heads: int = 4) -> tuple[dict[str, str], di
            "n2_ptr": "*i32", "k_mul": "fp32", "total_bytes": "i64", "pt_stride": "i32", "S": "i32", "PPS": "i32"}  # fmt: skip
     const = dict(TRIAXIAL=int(fmt == "triaxial"), H=8, G=heads, HP=8 if heads <= 8 else 16, STAGES=cfg["STAGES"],
                  **kernel_args(plain, lay, num_warps=cfg["num_warps"], ppw=cfg["PPW"]),
-                 **{k + "2": v for k, v in a2.items() if k in INT2_ARGS})  # fmt: skip
+                 **{k + "2": v for k, v in a2.items() if k in INT2_ARGS}, E2M1_CVT=int(e2m1_cvt and fmt == "nvfp4"))  # fmt: skip
     return sig, const

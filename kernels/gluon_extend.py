@@ -53,6 +53,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from .capability import device_choice
 from .gluon_attend import _as_type, _cta_barrier, _pp_attend, _pp_chunk_any, _pp_setup, chunk_kv, launch_io, launch_pages
 from .layout import PageLayout
 from .paged_kv import PagedKV
@@ -250,7 +251,7 @@ def supported(kv: PagedKV, q: torch.Tensor) -> bool:
         return False
     if q.shape[1] != 4 * lay.kv_heads or q.device.type != "cuda":
         return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
+    if device_choice(q.device).extend != "gluon":  # capability.TABLE: wgmma is Hopper's
         return False
     return folded_scales(kv)[1] >= VFOLD_MIN
 

@@ -52,6 +52,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from .capability import device_choice
 from .gluon_attend import (_as_type, _cta_barrier, _pp_attend, _pp_chunk_any, _pp_setup, chunk_rows,
                            launch_io, launch_pages)
 from .gluon_fragments import _MAGIC, idx3
@@ -540,7 +541,7 @@ def supported(kv: PagedKV, q: torch.Tensor) -> bool:
         return False
     if q.shape[1] != 4 * lay.kv_heads or q.device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(q.device)[0] == 9
+    return device_choice(q.device).extend == "gluon"  # capability.TABLE: wgmma is Hopper's
 
 
 def _meta(lay: PageLayout, lay2: PageLayout) -> dict[str, Any]:

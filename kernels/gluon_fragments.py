@@ -62,6 +62,24 @@ def _asm_e2m1(token_pairs: bool) -> str:
     return "\n".join(code)
 
 
+def _asm_e2m1_cvt(token_pairs: bool) -> str:
+    """_asm_e2m1's outputs and operands by Blackwell's cvt.rn.f16x2.e2m1x2 (sm_100a / sm_120a; capability.TABLE's
+    e2m1 "cvt"): each byte becomes the exact fp16 pair (lo nibble, hi nibble), prmt pairs bytes (b0, b2) and
+    (b1, b3) as _asm_e2m1 does, and the scale times 2^-14 (the exponent _asm_e2m1's bit placement leaves; exact
+    for a scale whose lowest set bit is >= 2^-10: every fp16 >= 1 and every E4M3 block scale times 2^7) multiplies
+    once: the same product, rounded once, as _asm_e2m1's. 14 instructions."""
+    code = ["{ .reg .b8 c0, c1, c2, c3; .reg .b32 d0, d1, d2, d3, s, k;", "mov.b32 {c0, c1, c2, c3}, $4;"]
+    code += [f"cvt.rn.f16x2.e2m1x2 d{i}, c{i};" for i in range(4)]
+    code.append("mov.b32 k, 0x04000400; mul.rn.f16x2 s, $5, k;")  # (2^-14, 2^-14)
+    for i, (a, b, sel) in enumerate((("d0", "d2", 0x5410), ("d1", "d3", 0x5410), ("d0", "d2", 0x7632),
+                                     ("d1", "d3", 0x7632))):  # fmt: skip
+        # lo halves (lo nibbles) of bytes a, b side by side, then the hi halves
+        code.append(f"prmt.b32 ${i}, {a}, {b}, {sel:#06x}; mul.rn.f16x2 ${i}, ${i}, s;")
+    code.append("}")
+    _ = token_pairs  # the scale operands ($5 = (s, s) or (s_a, s_b), copies after it) are _asm_e2m1's
+    return "\n".join(code)
+
+
 # fp16 magics M_k whose mantissa unit is bit 2k of the word's low byte: M_k | (code << 2k) is the fp16 M_k + code
 # (1024 step 1, 256 step 1/4, 64 step 1/16, 16 step 1/64), so a nibble or crumb is read in place, without a shift
 _MAGIC = (0x6400, 0x5C00, 0x5400, 0x4C00)
@@ -163,6 +181,8 @@ ASM_FP8_K: gl.constexpr = gl.constexpr(_asm_fp8(False))
 ASM_FP8_V: gl.constexpr = gl.constexpr(_asm_fp8(True))
 ASM_E2M1_K: gl.constexpr = gl.constexpr(_asm_e2m1(False))
 ASM_E2M1_V: gl.constexpr = gl.constexpr(_asm_e2m1(True))
+ASM_E2M1_K_CVT: gl.constexpr = gl.constexpr(_asm_e2m1_cvt(False))  # sm_100a / sm_120a only
+ASM_E2M1_V_CVT: gl.constexpr = gl.constexpr(_asm_e2m1_cvt(True))
 ASM_INT4_K: gl.constexpr = gl.constexpr(_asm_int4(False))
 ASM_INT4_V: gl.constexpr = gl.constexpr(_asm_int4(True))
 ASM_INT2_K: gl.constexpr = gl.constexpr(_asm_int2_codes())
@@ -302,10 +322,19 @@ def q_k_dims(k, KB: gl.constexpr, PER: gl.constexpr, PIECE: gl.constexpr):
 
 
 @gluon.jit
-def unpack_nibbles(x, scale, zero, FMT: gl.constexpr, TOKEN_PAIRS: gl.constexpr):
+def unpack_nibbles(x, scale, zero, FMT: gl.constexpr, TOKEN_PAIRS: gl.constexpr, E2M1_CVT: gl.constexpr = 0):
     """Packed nvfp4 / int4 bytes [W, NT, groups, bytes] and per-group scale (zero) [W, NT, groups] -> (lo, hi)
-    fp16 halves, each 4-pack in the unpackers' order (K: b0 b2 b1 b3 of one token; V: two tokens' bytes)."""
-    if FMT == GL_FMT_NVFP4 and TOKEN_PAIRS:  # one (s_a, s_b) word per token pair, made once, not per unpacked word
+    fp16 halves, each 4-pack in the unpackers' order (K: b0 b2 b1 b3 of one token; V: two tokens' bytes).
+    E2M1_CVT: nvfp4 by cvt.rn.f16x2.e2m1x2 (Blackwell), the same values."""
+    if FMT == GL_FMT_NVFP4 and TOKEN_PAIRS and E2M1_CVT:
+        lo, hi = gl.inline_asm_elementwise(ASM_E2M1_V_CVT, "=r,=r,=r,=r,r,r,r,r,r",
+                                           [x, gl.expand_dims(scale_pairs(scale), 3)], dtype=(gl.float16, gl.float16),
+                                           is_pure=True, pack=4)  # fmt: skip
+    elif FMT == GL_FMT_NVFP4 and E2M1_CVT:
+        lo, hi = gl.inline_asm_elementwise(ASM_E2M1_K_CVT, "=r,=r,=r,=r,r,r,r",
+                                           [x, gl.expand_dims(scale, 3)], dtype=(gl.float16, gl.float16), is_pure=True,
+                                           pack=4)  # fmt: skip
+    elif FMT == GL_FMT_NVFP4 and TOKEN_PAIRS:  # one (s_a, s_b) word per token pair, made once, not per unpacked word
         lo, hi = gl.inline_asm_elementwise(ASM_E2M1_V, "=r,=r,=r,=r,r,r,r,r,r",
                                            [x, gl.expand_dims(scale_pairs(scale), 3)], dtype=(gl.float16, gl.float16),
                                            is_pure=True, pack=4)  # fmt: skip

@@ -7,13 +7,16 @@ Each validates its arguments (paged_ref.check_*) and then runs one backend:
   the buffer is on CUDA and ``"reference"`` otherwise (fp32 pages: always the
   reference); ``backend="reference"`` or ``"triton"`` forces one (Triton on CPU
   tensors runs under ``TRITON_INTERPRET=1``, which is how CI tests the kernels);
+- which kernel a GPU runs is capability.py's table (compute capability ->
+  decode / extend / write kernels, the E2M1 unpacker); the kernels'
+  ``supported`` checks read it, and nothing else reads the device's capability;
 - decode on the Triton backend: the Gluon kernel (gluon_decode.py) where
   ``gluon_decode.supported`` holds and ``options.decode_kernel`` allows it,
   else the ``tl`` kernel (triton_decode.py). Nothing below this module
   dispatches again;
 - extend (a chunk after a cached prefix) on the Triton backend: the paged
   prefill kernel (triton_prefill.py), which reads the packed prefix pages
-  itself -- on Hopper the Gluon kernels where their ``supported`` holds:
+  itself -- on Hopper (the table's extend "gluon") the Gluon kernels where their ``supported`` holds:
   gluon_extend.py for nvfp4 pages, gluon_extend_tri.py for triaxial ones;
   the reference dequantizes the prefix and attends with SDPA.
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from . import paged_ref
+from .capability import device_choice
 from .options import BACKENDS, KernelOptions
 from .paged_kv import PagedKV
 
@@ -144,7 +148,9 @@ def decode_attention(
     from . import triton_decode
 
     fast = opts.fast_decoders(q.device)
-    return triton_decode.decode_attention(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages, fast=fast)
+    cvt = device_choice(q.device).e2m1 == "cvt"
+    return triton_decode.decode_attention(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages, fast=fast,
+                                          e2m1_cvt=cvt)  # fmt: skip
 
 
 def gather_kv(

@@ -331,7 +331,7 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr,  # G padded to >= 16
     PPI: tl.constexpr,  # pages per loop iteration
     NUM_STAGES: tl.constexpr,
-    FAST: tl.constexpr,  # inline-assembly decoders (GPU) instead of portable arithmetic
+    FAST: tl.constexpr,  # 0 portable arithmetic, 1 inline-assembly decoders (GPU), 2 and E2M1 by cvt (Blackwell)
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -386,13 +386,15 @@ def decode_attention(
     sm_scale: float,
     num_int2_pages: torch.Tensor | None = None,
     fast: bool,
+    e2m1_cvt: bool = False,
 ) -> torch.Tensor:
     """Launch the tl decode (arguments checked by paged_ops) -> [B, Hq, D] in q.dtype: TUNING's kernel on the
-    planner's splits. fast: inline-assembly decoders (KernelOptions.fast_decoders)."""
+    planner's splits. fast: inline-assembly decoders (KernelOptions.fast_decoders); e2m1_cvt: with fast, nvfp4
+    nibbles by Blackwell's cvt.rn.f16x2.e2m1x2 (capability.TABLE's e2m1 "cvt")."""
     if kv.layout.fmt not in TUNING:
         raise ValueError(f"no Triton decode for {kv.layout.fmt!r} pages (fp32 pages run on the reference path)")
     out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages, fast=fast,
-                           cfg=TUNING[kv.layout.fmt])  # fmt: skip
+                           e2m1_cvt=e2m1_cvt, cfg=TUNING[kv.layout.fmt])  # fmt: skip
     return out
 
 
@@ -407,6 +409,7 @@ def launch_decode(
     fast: bool,
     cfg: dict[str, int],
     plan: tuple[int, int] | None = None,
+    e2m1_cvt: bool = False,
 ) -> tuple[torch.Tensor, Any]:
     """The launch of ``decode_attention`` with its tuning ``cfg`` given and, optionally, its split plan (splits,
     pages per split; None: triton_common.plan_splits') -> (output, the last compiled kernel). decode_attention
@@ -432,6 +435,6 @@ def launch_decode(
             PAGE_BYTES2=lay2[0], K_OFF2=lay2[1], KS_OFF2=lay2[2], KZ_OFF2=lay2[3], V_OFF2=lay2[4], VS_OFF2=lay2[5],
             VZ_OFF2=lay2[6], BLOCK_H=max(16, triton.next_power_of_2(run.group)),
             PPI=ppi2 if part == 2 else cfg["PPI"], NUM_STAGES=cfg["NUM_STAGES"],
-            FAST=fast, num_warps=cfg["num_warps"], **extra,
+            FAST=2 if fast and e2m1_cvt else int(fast), num_warps=cfg["num_warps"], **extra,
         )  # fmt: skip
     return merge_splits(run, v_mul=v_fold), kernel

@@ -20,12 +20,14 @@ BLOCK_K = 128 (one block-scale group per step; row scales apply once at the end)
 
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kvserving.kernels.options import KernelOptions
 
 GROUP = 128  # the block layout's tile edge
 MAX_M = 16  # rows this kernel takes; larger batches use the FP8 tensor-core GEMMs
@@ -81,6 +83,12 @@ def _weight_only_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@functools.cache
+def _dot_type() -> tl.dtype:
+    """bf16 tensor-core dots; fp32 under Triton's interpreter, which has no bf16 dot (read once)."""
+    return tl.float32 if KernelOptions.from_env().interpret else tl.bfloat16
+
+
 def weight_only_gemm(x: Tensor, codes: Tensor, scale: Tensor, *, scheme: str, bias: Tensor | None = None) -> Tensor:
     """x [M, K] bf16 (M <= MAX_M), codes [N, K] e4m3, scale rows [N] / block [ceil(N/128), K/128] fp32 ->
     [M, N] bf16 (``fp8_gemm.linear_ref``'s product up to sum order and output rounding)."""
@@ -111,6 +119,6 @@ def weight_only_gemm(x: Tensor, codes: Tensor, scale: Tensor, *, scheme: str, bi
         x, codes, scale, codes if bias is None else bias.contiguous(), y, m, n, k,
         x.stride(0), codes.stride(0), scale.stride(0) if scheme == "block" else 0, y.stride(0),
         SCHEME=SCHEME_CODES[scheme], HAS_BIAS=int(bias is not None), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=GROUP,
-        DOT=tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16, num_warps=4, num_stages=4,
+        DOT=_dot_type(), num_warps=4, num_stages=4,
     )  # fmt: skip
     return y

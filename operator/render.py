@@ -64,10 +64,13 @@ MODEL_DIR = "/models"
 ROLES = ("prefill", "decode", "gateway")
 WORKER_ROLES = ("prefill", "decode")
 SECRET_FILE_MODE = 0o440  # owner and fsGroup read; nobody writes
-# GPU feature discovery labels: Blackwell is compute capability 10.x (B200,
-# GB200) or 12.x (RTX PRO 6000, B40) — the GPUs with FP4 tensor cores.
+# GPU feature discovery labels: the compute capabilities whose kernels are
+# compiled in CI for nvfp4 and triaxial KV (kernels/capability.py
+# PLACEMENT_MAJORS; a test keeps the two equal): Hopper 9.x (H100, H200) and
+# Blackwell 10.x (B200, GB200) and 12.x (RTX PRO 6000).
 GPU_COMPUTE_MAJOR = "nvidia.com/gpu.compute.major"
-BLACKWELL_COMPUTE_MAJORS = ("10", "12")
+PACKED_KV_COMPUTE_MAJORS = ("9", "10", "12")
+PACKED_KV_DTYPES = ("nvfp4", "triaxial")
 
 
 @dataclass(slots=True, frozen=True)
@@ -242,9 +245,9 @@ def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
 
 def _affinity(spec: KVServingSpec, role: str) -> dict[str, Any] | None:
     kv = spec.serving.kv_cache
-    if role == "gateway" or kv.dtype != "nvfp4" or kv.allow_emulation:
+    if role == "gateway" or kv.dtype not in PACKED_KV_DTYPES or spec.allow_other_gpus:
         return None
-    term = {"matchExpressions": [{"key": GPU_COMPUTE_MAJOR, "operator": "In", "values": list(BLACKWELL_COMPUTE_MAJORS)}]}
+    term = {"matchExpressions": [{"key": GPU_COMPUTE_MAJOR, "operator": "In", "values": list(PACKED_KV_COMPUTE_MAJORS)}]}
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
 
 

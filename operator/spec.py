@@ -9,11 +9,14 @@ test holds the two to each other.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvserving.config import GatewayConfig, KVCacheConfig, ModelConfig, ReuseConfig, SecurityConfig, ServingConfig
 from kvserving.operator.quantity import parse_quantity, resources_problems
+
+log = logging.getLogger(__name__)
 
 DEFAULT_IMAGE = "ghcr.io/kvserving/kvserving:0.1.0"
 WORKER_PORT = 8000
@@ -85,6 +88,8 @@ class KVServingSpec:
     decode: RoleSpec
     gateway: RoleSpec
     monitoring: MonitoringSpec
+    # kvCache.allowOtherGPUs (deprecated alias allowEmulation): no compute-capability node affinity
+    allow_other_gpus: bool = False
     calibration_config_map: str | None = None  # kvCache.calibration.configMap
     network_policy: bool = True  # networkPolicy.enabled
     operator_namespace: str = OPERATOR_NAMESPACE  # networkPolicy.operatorNamespace
@@ -192,7 +197,6 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
             bit_budget=float(bit_budget) if bit_budget is not None else None,
             memory_fraction=float(kv.get("memoryFraction", 0.9)),
             global_scale=kv.get("globalScale", "static"),
-            allow_emulation=bool(kv.get("allowEmulation", False)),
             calibration=f"{CALIBRATION_DIR}/{key}" if calibration is not None else None,
             age_down=bool(kv.get("ageDown", True)),
         ),
@@ -214,6 +218,7 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
         image_pull_policy=spec.get("imagePullPolicy", "IfNotPresent"),
         model_pvc=model.get("pvcName") or None,
         serving=serving,
+        allow_other_gpus=_allow_other_gpus(kv),
         prefill=_role(roles["prefill"], WORKER_RESOURCES, where="spec.prefill"),
         decode=_role(roles["decode"], WORKER_RESOURCES, where="spec.decode"),
         gateway=_role(roles["gateway"], GATEWAY_RESOURCES, where="spec.gateway"),
@@ -243,6 +248,15 @@ def _egress(data: dict[str, Any]) -> EgressSpec:
         dns_to=tuple(data.get("dnsTo", ())),
         allow_to=tuple(rules),
     )
+
+
+def _allow_other_gpus(kv: dict[str, Any]) -> bool:
+    """kvCache.allowOtherGPUs, or its deprecated alias allowEmulation (logged once per parse: nothing is emulated,
+    the flag only lifts the node affinity)."""
+    if "allowEmulation" in kv:
+        log.warning("spec.kvCache.allowEmulation is deprecated: use allowOtherGPUs (same meaning: workers may run "
+                    "on GPUs outside the supported compute capabilities)")  # fmt: skip
+    return bool(kv.get("allowOtherGPUs", False) or kv.get("allowEmulation", False))
 
 
 def engine_config(spec: KVServingSpec, *, name: str, namespace: str) -> ServingConfig:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -434,6 +435,29 @@ def test_gpu_run_exits_non_zero_when_the_gpu_tests_fail(tmp_path: Path) -> None:
     assert "python3 bench/decode_gpu.py" in proc.stdout  # the benchmark still ran
     out = tmp_path / "out"
     assert proc.stderr == f"gpu_run.sh: error: gpu tests failed (exit 1, log in {out}/gpu_tests.log)\n"
+
+
+def test_gpu_run_tests_step_runs_every_file_with_a_gpu_test(tmp_path: Path) -> None:
+    # the stand-in machine's python3 prints its pytest arguments: the default set is every test file holding a
+    # gpu-marked test (the worker's included), and no file without one
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fakes = {
+        "nvidia-smi": "echo 'NVIDIA H200, 1980 MHz, 3201 MHz, 30'",
+        "python3": 'case "$*" in *"-m pytest"*) echo "PYTEST $*";; esac; exit 0',
+    }
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "KVPKG": str(tmp_path / "pkg"), "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", "bench/gpu_run.sh", "tests"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("PYTEST ")]
+    ran = {a for a in line.split() if a.startswith("tests/")}
+    marked = {str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")
+              if re.search(r"mark\.gpu|pytestmark.*gpu", f.read_text())}  # fmt: skip
+    assert ran == marked and "tests/worker/test_engine_gpu.py" in ran and "tests/kernels/test_gluon_decode.py" in ran
+    assert "tests/worker/test_server.py" not in ran  # no gpu test: its imports stay off the device's collection
 
 
 def test_the_packaged_crd_is_the_repositorys_and_admits_every_sample() -> None:

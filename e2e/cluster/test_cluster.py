@@ -95,7 +95,7 @@ def namespace(installed: None) -> Any:
 def _sample(namespace: str) -> dict[str, Any]:
     body = yaml.safe_load((REPO / "manifests" / "samples" / "nvfp4.yaml").read_text())
     body["metadata"]["namespace"] = namespace
-    body["spec"]["kvCache"]["allowEmulation"] = True
+    body["spec"]["kvCache"]["allowOtherGPUs"] = True
     for role in ("prefill", "decode"):  # no GPU node pool in a test cluster, and small nodes
         body["spec"][role] = {"replicas": 1, "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
                                                            "limits": {"cpu": "1", "memory": "2Gi", "nvidia.com/gpu": 0}}}
@@ -124,7 +124,7 @@ def test_install_apply_scale_delete(namespace: str) -> None:
     for dep in deployments.values():
         (ref,) = dep["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["controller"]) == ("KVServing", name, True)
-        assert "affinity" not in dep["spec"]["template"]["spec"]  # allowEmulation: no Blackwell affinity
+        assert "affinity" not in dep["spec"]["template"]["spec"]  # allowOtherGPUs: no compute-capability affinity
     get_json("configmap", f"{name}-config", "-n", namespace)
     secret = get_json("secret", f"{name}-internal", "-n", namespace)  # the internal credential, owned by the KVServing
     assert secret["metadata"]["ownerReferences"][0]["uid"] == get_json("kvs", name, "-n", namespace)["metadata"]["uid"]

@@ -16,6 +16,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+import torch
 
 from kvserving.kernels import gluon_extend_tri as ge
 from kvserving.kernels import gluon_fragments as gd
@@ -68,7 +69,13 @@ def run_ptx(asm: str, operands: list[int]) -> list[int]:
         op, args = stmt.split(None, 1)
         a = [x.strip() for x in args.split(",")]
         dst, src = a[0], a[1:]
-        if op == "mov.b32":
+        if op == "mov.b32" and len(a) == 5:  # {b0, b1, b2, b3}, x: the bytes of x, low byte first
+            for j, name in enumerate(a[:4]):
+                regs[name] = val(a[4]) >> (8 * j) & 0xFF
+            continue
+        if op == "cvt.rn.f16x2.e2m1x2":  # byte (hi nibble | lo nibble) -> the exact fp16 pair (lo, hi) (PTX ISA)
+            r = _pack(_e2m1(val(src[0])), _e2m1(val(src[0]) >> 4))
+        elif op == "mov.b32":
             r = val(src[0])
         elif op == "and.b32":
             r = val(src[0]) & val(src[1])
@@ -123,10 +130,12 @@ def _rand_f16(rng: np.random.Generator, lo: float, hi: float) -> Fraction:
 PAIRS = ((0, 2), (1, 3))
 
 
+@pytest.mark.parametrize("cvt", [False, True])
 @pytest.mark.parametrize("token_pairs", [False, True])
-def test_e2m1_unpacker_gives_code_times_scale(token_pairs: bool) -> None:
+def test_e2m1_unpacker_gives_code_times_scale(token_pairs: bool, cvt: bool) -> None:
+    # cvt: Blackwell's cvt.rn.f16x2.e2m1x2 unpacker, the same outputs bit for bit
     rng = np.random.default_rng(1)
-    asm = gd._asm_e2m1(token_pairs)
+    asm = gd._asm_e2m1_cvt(token_pairs) if cvt else gd._asm_e2m1(token_pairs)
     for _ in range(200):
         w = int(rng.integers(0, 1 << 32))
         sa, sb = _rand_f16(rng, 1, 448 * 128), _rand_f16(rng, 1, 448 * 128)
@@ -140,6 +149,19 @@ def test_e2m1_unpacker_gives_code_times_scale(token_pairs: bool) -> None:
             for half, (j, s) in enumerate(((j0, sa), (j1, sb))):
                 want = _e2m1(_byte(w, j) >> nib_shift) * Fraction(1, 1 << 14) * s
                 assert _halves(reg)[half] == _f16(_bits16(want)), (w, i, half)
+
+
+def test_e2m1_cvt_unpacker_equals_bit_placement_for_every_e4m3_block_scale() -> None:
+    # the decode's nvfp4 scales: E4M3 (0 and subnormals included, NaN not) times 2^7
+    rng = np.random.default_rng(5)
+    scales = [_f16(_bits16(Fraction(float(v)) * 128)) for v in torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()]
+    words = [0, M32, 0x88888888] + [int(x) for x in rng.integers(0, 1 << 32, 6)]
+    for token_pairs in (False, True):
+        cvt, bits = gd._asm_e2m1_cvt(token_pairs), gd._asm_e2m1(token_pairs)
+        for w in words:
+            for sa, sb in zip(scales, scales[1:] + scales[:1]):
+                regs = [_pack(sa, sb)] * 4 if token_pairs else [_pack(sa, sa)] * 2
+                assert run_ptx(cvt, [0, 0, 0, 0, w] + regs)[:4] == run_ptx(bits, [0, 0, 0, 0, w] + regs)[:4], (w, sa)
 
 
 @pytest.mark.parametrize("token_pairs", [False, True])

@@ -2,7 +2,8 @@
 
 The PTX only runs on a GPU (the ``gpu`` tests of test_triton_prefill.py hold the
 whole kernel to the reference there); here every instruction the unpackers use
-is emulated bit for bit (fp16 arithmetic rounded through numpy's float16), so a
+is emulated bit for bit (fp16 arithmetic rounded through numpy's float16; Blackwell's
+cvt.rn.f16x2.e2m1x2 as the PTX ISA defines it, through the codec's E2M1 values), so a
 wrong shift, mask or truth table fails on CPU. Each case checks all four
 quarters of a word pair against the formats' definitions.
 """
@@ -43,6 +44,11 @@ def _run(asm: str, inputs: list[int]) -> list[np.ndarray]:
         if not stmt or stmt.startswith(".reg") or stmt == "}":
             continue
         op, rest = stmt.split(None, 1)
+        if op == "mov.b32" and rest.startswith("{"):  # {b0, b1, b2, b3}, x: the four bytes of x, low byte first
+            dsts, src = rest.split("}")
+            for i, name in enumerate(d.strip() for d in dsts.strip("{ ").split(",")):
+                regs[name] = (val(src.strip(", ")) >> (8 * i)) & 0xFF
+            continue
         dst, *srcs = [a.strip() for a in rest.split(",")]
         a = [val(s) for s in srcs] if not (srcs and srcs[0].startswith("{")) else []
         if op == "mov.b32" and srcs[0].startswith("{"):  # {lo, hi}: two 16-bit operands into one register
@@ -58,6 +64,10 @@ def _run(asm: str, inputs: list[int]) -> list[np.ndarray]:
             r = a[0] >> a[1]
         elif op == "and.b32":
             r = a[0] & a[1]
+        elif op == "or.b32":
+            r = a[0] | a[1]
+        elif op == "cvt.rn.f16x2.e2m1x2":  # byte (hi nibble | lo nibble) -> fp16 pair (lo, hi), exact (PTX ISA)
+            r = _pack(np.array([E2M1_VALUES[a[0] & 0xF], E2M1_VALUES[a[0] >> 4]]))
         elif op == "lop3.b32":  # bit b of the result = lut[(a_b << 2) | (b_b << 1) | c_b]
             r = sum(((a[3] >> ((((a[0] >> b) & 1) << 2) | (((a[1] >> b) & 1) << 1) | ((a[2] >> b) & 1))) & 1) << b
                     for b in range(32))  # fmt: skip

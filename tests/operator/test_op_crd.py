@@ -74,6 +74,7 @@ def test_every_spec_field_has_a_type_and_description() -> None:
 OPTIONAL = {
     "spec.model.maxModelLen", "spec.model.pvcName", "spec.kvCache.bitBudget", "spec.kvCache.pageSize", "spec.kvCache.calibration",
     "spec.gateway.apiKeysSecret",
+    "spec.kvCache.allowEmulation",  # deprecated alias of allowOtherGPUs: only its presence is read (and logged)
 }
 
 
@@ -94,7 +95,7 @@ def test_design_defaults() -> None:
                              "tenantsShareCache": False, "peerTimeoutSeconds": 1}
     assert parse_spec(spec).serving.reuse.peer_timeout_s == ReuseConfig().peer_timeout_s
     assert spec["kvCache"] == {
-        "dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowEmulation": False, "ageDown": True
+        "dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowOtherGPUs": False, "ageDown": True
     }
     assert spec["prefill"]["resources"] == {"requests": {"cpu": "4", "memory": "32Gi"},
                                             "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1}}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -142,29 +143,51 @@ def test_probes_and_security_context() -> None:
         assert obj["spec"]["selector"]["matchLabels"].items() <= obj["spec"]["template"]["metadata"]["labels"].items()
 
 
-BLACKWELL = {
+SUPPORTED_GPUS = {
     "nodeAffinity": {
         "requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [{"matchExpressions": [{"key": "nvidia.com/gpu.compute.major", "operator": "In", "values": ["10", "12"]}]}]
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "nvidia.com/gpu.compute.major", "operator": "In",
+                                                         "values": ["9", "10", "12"]}]}]  # fmt: skip
         }
     }
 }
 
 
-def test_nvfp4_workers_get_blackwell_affinity_and_the_pool_selector() -> None:
+def test_nvfp4_workers_get_hopper_or_blackwell_affinity_and_the_pool_selector() -> None:
     objs = _by_key(_render_sample("nvfp4"))
     for role in ("prefill", "decode"):
         pod = objs[f"Deployment/qwen3-nvfp4-{role}"]["spec"]["template"]["spec"]
-        assert pod["affinity"] == BLACKWELL
+        assert pod["affinity"] == SUPPORTED_GPUS
         assert pod["nodeSelector"] == {"kvserving.dev/node-pool": "blackwell"}
         assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert "affinity" not in objs["Deployment/qwen3-nvfp4-gateway"]["spec"]["template"]["spec"]
 
 
-def test_emulation_or_other_formats_get_no_gpu_affinity() -> None:
-    emulated = _render_sample("nvfp4", lambda s: s["kvCache"].update(allowEmulation=True))
-    for name in ("triaxial", "fp8_e4m3"):
-        for obj in _render_sample(name).objects + emulated.objects:
+def test_triaxial_workers_get_the_same_affinity() -> None:
+    objs = _by_key(_render_sample("triaxial"))
+    for role in ("prefill", "decode"):
+        assert objs[f"Deployment/qwen3-triaxial-{role}"]["spec"]["template"]["spec"]["affinity"] == SUPPORTED_GPUS
+    assert "affinity" not in objs["Deployment/qwen3-triaxial-gateway"]["spec"]["template"]["spec"]
+
+
+def test_the_affinity_lists_the_majors_the_kernels_are_compiled_for() -> None:
+    # the operator imports no kernels module: the two lists are held equal here
+    from kvserving.kernels.capability import COMPILE_TARGETS, PLACEMENT_MAJORS, choose
+
+    values = SUPPORTED_GPUS["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    assert values["matchExpressions"][0]["values"] == [str(m) for m in PLACEMENT_MAJORS]
+    assert sorted(PLACEMENT_MAJORS) == sorted(major for major, _ in COMPILE_TARGETS)
+    assert all(choose((m, 0)).decode == "gluon" for m in PLACEMENT_MAJORS)  # placed where the fast decode runs
+
+
+@pytest.mark.parametrize("flag", ["allowOtherGPUs", "allowEmulation"])
+def test_allow_other_gpus_or_its_deprecated_alias_or_other_formats_get_no_gpu_affinity(flag: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvserving.operator.spec"):
+        lifted = [_render_sample(name, lambda s: s["kvCache"].update({flag: True})) for name in ("nvfp4", "triaxial")]
+    deprecated = [r.getMessage() for r in caplog.records if "allowEmulation is deprecated" in r.getMessage()]
+    assert len(deprecated) == (2 if flag == "allowEmulation" else 0)
+    for rendered in [_render_sample("fp8_e4m3"), *lifted]:
+        for obj in rendered.objects:
             if obj["kind"] == "Deployment":
                 assert "affinity" not in obj["spec"]["template"]["spec"], obj["metadata"]["name"]
 
