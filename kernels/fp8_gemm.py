@@ -123,11 +123,16 @@ def quantize_static(x: Tensor, input_scale: Tensor) -> tuple[Tensor, Tensor]:
     return to_e4m3(x, scale), scale.contiguous()
 
 
-def quantize_activations(x: Tensor, *, scheme: str, input_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The GPU paths' activation quantization: (codes [M, K], scale [M, 1] rows or [M, K/128] block)."""
-    if scheme == "block":
-        return quantize_groups(x)
-    return quantize_rows(x) if input_scale is None else quantize_static(x, input_scale)
+def quantize_activations(
+    x: Tensor, *, scheme: str, input_scale: Tensor | None = None, fused: bool = False
+) -> tuple[Tensor, Tensor]:
+    """The GPU paths' activation quantization: (codes [M, K], scale [M, 1] rows or [M, K/128] block).
+    ``fused``: one Triton launch (``triton_fp8_gemm.quantize``, the same rounding) instead of torch's ops."""
+    if input_scale is not None and scheme == "rows":
+        return quantize_static(x, input_scale)
+    if fused:
+        return _triton_gemm().quantize(x, group=BLOCK if scheme == "block" else None)
+    return quantize_groups(x) if scheme == "block" else quantize_rows(x)
 
 
 # -- references --------------------------------------------------------------------------------------
@@ -227,7 +232,7 @@ def linear_cuda(
     GEMM: "auto" (cuBLASLt where it runs, else Triton), "cublas" or "triton"."""
     if backend not in BLOCK_BACKENDS:
         raise ValueError(f"backend must be one of {BLOCK_BACKENDS}, got {backend!r}")
-    qa, sa = quantize_activations(x, scheme=scheme, input_scale=input_scale)
+    qa, sa = quantize_activations(x, scheme=scheme, input_scale=input_scale, fused=True)
     if scheme == "rows":
         # Row-wise scaled GEMM (both operands per row): scale_a [M, 1], scale_b [1, N]; B column-major.
         return torch._scaled_mm(qa, codes.t(), scale_a=sa, scale_b=scale.view(1, -1), bias=bias, out_dtype=x.dtype)
