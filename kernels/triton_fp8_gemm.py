@@ -86,11 +86,12 @@ def _round_e4m3(v):
 def _quantize_kernel(
     x_ptr,  # [M, K] activations (bf16 or fp32, row-major)
     q_ptr,  # [M, K] e4m3 codes out
-    s_ptr,  # [M, K / GROUP] fp32 scales out (row-major; GROUP = K: one per row)
+    s_ptr,  # [M, K / GROUP] fp32 scales out (GROUP = K: one per row)
     k,  # row width K
     stride_xm,  # row strides, in elements
     stride_qm,
-    stride_sm,
+    stride_sm,  # scales: row and group strides (row- or column-major)
+    stride_sg,
     GROUP: tl.constexpr,  # values per scale: 128, or the row padded to a power of two (per token)
     BLOCK: tl.constexpr,  # next power of two >= GROUP
 ):
@@ -103,11 +104,12 @@ def _quantize_kernel(
     s = tl.where(s > 1e-12, s, 1.0)  # an all-zero group: scale 1, codes 0
     q = _round_e4m3(tl.clamp(tl.math.div_rn(x, s), -448.0, 448.0))
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + g, s)
+    tl.store(s_ptr + row * stride_sm + g * stride_sg, s)
 
 
-def quantize(x: Tensor, *, group: int | None) -> tuple[Tensor, Tensor]:
-    """x [M, K] -> (codes [M, K] e4m3, scales fp32 [M, 1] (``group`` None: per token) or [M, K/group])."""
+def quantize(x: Tensor, *, group: int | None, column_major: bool = False) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (codes [M, K] e4m3, scales fp32 [M, 1] (``group`` None: per token) or [M, K/group]);
+    ``column_major``: the scales with strides (1, M), as cuBLASLt's 1x128 scaling reads them."""
     if x.dim() != 2:
         raise ValueError(f"quantize: x must be [M, K], got {tuple(x.shape)}")
     m, k = x.shape
@@ -116,12 +118,15 @@ def quantize(x: Tensor, *, group: int | None) -> tuple[Tensor, Tensor]:
     x = x if x.stride(1) == 1 else x.contiguous()
     groups = 1 if group is None else k // group
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if column_major:
+        s = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m:
         width = k if group is None else group
         block = triton.next_power_of_2(width)
         _quantize_kernel[(m, groups)](
-            x, q, s, k, x.stride(0), q.stride(0), s.stride(0),
+            x, q, s, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
             GROUP=width, BLOCK=block, num_warps=max(1, min(8, block // 512)),
         )  # fmt: skip
     return q, s

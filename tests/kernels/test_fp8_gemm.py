@@ -124,6 +124,8 @@ def test_triton_quantizers_equal_the_torch_quantizers(m: int, k: int, dtype: tor
         assert torch.equal(s, rs)
         assert torch.equal(q.float(), rq.float())  # the same values (a zero's sign may differ)
         assert (q.float().abs() < 2.0**-6).any() and (q.float().abs() >= 1).any()
+        q_cm, s_cm = quantize(x, group=group, column_major=True)
+        assert s_cm.stride() == (1, m) and torch.equal(s_cm, rs) and torch.equal(q_cm.float(), rq.float())
 
 
 def test_triton_block_gemm_refuses_bad_operands() -> None:
