@@ -1,75 +1,91 @@
-"""FP8 weight GEMMs at Qwen3-8B's projection shapes on one GPU: each path's time and the weight bytes it streams
-per second, beside cuBLAS bf16 and the chip's streaming read, in one run.
+"""FP8 weight GEMMs against bf16 at the Qwen3-8B projection shapes, each path timed in the same run.
 
     python bench/fp8_gemm_gpu.py --out $OUT/fp8_gemm_gpu.json
 
-Paths (``kvserving.kernels.fp8_gemm``): ``bf16`` (F.linear on bf16 weights, cuBLAS), ``rows`` (activations
-quantized per token, then torch._scaled_mm with row-wise scales), ``block_triton`` (per-token-per-128
-activations, our block-scaled Triton GEMM), ``weight_only_rows`` / ``weight_only_block`` (our weight-only
-kernel: bf16 activations, E4M3 weights widened in registers; batches of at most 16 rows). Times are medians
-of CUDA-graph replays (``decode_gpu.time_ms``), the quantization of the activations included where the path
-needs it; "of read" = weight bytes / time / the streaming read of the same run.
+For M (tokens) in {1, 16, 64, 256, 4096} and each projection (N x K: merged q/k/v, o, merged
+gate/up, down), the median of CUDA-graph replays (``decode_gpu.time_ms``) of:
+
+    bf16        F.linear (cuBLAS)
+    fp8         per-token activation quantization + torch._scaled_mm, row-wise scales
+    wo_rows     (M <= 16) the weight-only kernel: bf16 activations, E4M3 weights widened in registers
+    wo_block    (M <= 16) the same with 128x128 block scales
+    block       per-token-per-128 activation quantization + cuBLASLt's 1x128 x 128x128 block scaling
+    triton      the same quantization + our Triton block GEMM (kernels/triton_fp8_gemm.py)
+
+Each row gives ms, the weight bytes read over time (TB/s: decode-sized M is bound by reading the
+weight) against the chip's streaming read measured in the same run, and the speed-up over bf16.
+Outputs are checked against ``fp8_gemm.gemm_error_bound`` once per shape before timing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from decode_gpu import read_bandwidth, time_ms  # bench/ beside this file
+from decode_gpu import read_bandwidth, time_ms
 
 from kvserving.kernels import fp8_gemm
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-ROWS = (1, 4, 16, 64)
-
-
-def paths(m: int, n: int, k: int) -> dict[str, tuple[Callable[[], Any], int]]:
-    """name -> (the call, weight bytes it streams)."""
-    g = torch.Generator(device="cuda").manual_seed(n + k)
-    w = torch.randn(n, k, generator=g, device="cuda") * 0.02
-    x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-    wb = w.to(torch.bfloat16)
-    q_rows, s_rows = fp8_gemm.quantize_rows(w)
-    s_rows = s_rows.view(n)
-    q_block, s_block = fp8_gemm.quantize_blocks(w)
-    out: dict[str, tuple[Callable[[], Any], int]] = {
-        "bf16": (lambda: F.linear(x, wb), 2 * n * k),
-        "rows": (lambda: fp8_gemm.linear_cuda(x, q_rows, s_rows, scheme="rows", backend="triton"), n * k),
-        "block_triton": (lambda: fp8_gemm.linear_cuda(x, q_block, s_block, scheme="block", backend="triton"), n * k),
-    }
-    if m <= fp8_gemm.weight_only_rows():
-        out["weight_only_rows"] = (lambda: fp8_gemm.linear_cuda(x, q_rows, s_rows, scheme="rows", backend="weight_only"), n * k)
-        out["weight_only_block"] = (lambda: fp8_gemm.linear_cuda(x, q_block, s_block, scheme="block", backend="weight_only"), n * k)
-    return out
+TOKENS = (1, 16, 64, 256, 4096)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="fp8_gemm_gpu.json")
-    args = ap.parse_args()
-    bw, _ = read_bandwidth()
+    opts = ap.parse_args()
+    peak, _ = read_bandwidth()
+    cublas = fp8_gemm.cublas_block_supported(0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: streaming read {peak:.2f} TB/s; "
+          f"cuBLASLt block scaling {'available' if cublas else 'not available'}", flush=True)  # fmt: skip
     rows: list[dict[str, Any]] = []
-    print(f"{torch.cuda.get_device_name()}, streaming read {bw:.2f} TB/s")
-    print(f"{'shape':<8} {'M':>3} " + " ".join(f"{p:>22}" for p in ("bf16", "rows", "block_triton", "weight_only_rows", "weight_only_block")))
+    g = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in SHAPES.items():
-        for m in ROWS:
-            cells = []
-            for path, (fn, nbytes) in paths(m, n, k).items():
+        w = torch.randn(n, k, generator=g, device="cuda") * 0.02
+        wb = w.to(torch.bfloat16)
+        rq, rs = fp8_gemm.quantize_tensor(w)
+        rs = rs.expand(n).contiguous()
+        bq, bs = fp8_gemm.quantize_blocks(w)
+        bs_cublas = fp8_gemm.cublas_block_scales(bs)
+        del w
+        for m in TOKENS:
+            x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+            paths = {
+                "bf16": (lambda: F.linear(x, wb), n * k * 2),
+                # a named backend keeps the quantized tensor-core path at every M ("auto" takes the weight-only
+                # kernel for decode-sized M)
+                "fp8": (lambda: fp8_gemm.linear_cuda(x, rq, rs, scheme="rows", backend="triton"), n * k + 4 * n),
+                "triton": (lambda: fp8_gemm.linear_cuda(x, bq, bs, scheme="block", backend="triton"), n * k + 4 * bs.numel()),
+            }  # fmt: skip
+            if cublas:
+                paths["block"] = (lambda: fp8_gemm.linear_cuda(x, bq, bs, scheme="block", scale_cublas=bs_cublas,
+                                                               backend="cublas"), n * k + 4 * bs.numel())  # fmt: skip
+            if m <= fp8_gemm.weight_only_rows():
+                paths["wo_rows"] = (lambda: fp8_gemm.linear_cuda(x, rq, rs, scheme="rows", backend="weight_only"),
+                                    n * k + 4 * n)  # fmt: skip
+                paths["wo_block"] = (lambda: fp8_gemm.linear_cuda(x, bq, bs, scheme="block", backend="weight_only"),
+                                     n * k + 4 * bs.numel())  # fmt: skip
+            for path in ("fp8", "block", "triton", "wo_rows", "wo_block"):
+                if path in paths:
+                    codes, scale, scheme = (rq, rs, "rows") if path in ("fp8", "wo_rows") else (bq, bs, "block")
+                    err = (paths[path][0]().float() - fp8_gemm.linear_ref(x.float(), codes, scale, scheme=scheme)).abs()
+                    assert (err <= fp8_gemm.gemm_error_bound(x.float(), codes, scale, scheme=scheme)).all(), (name, m, path)
+            row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m}
+            for path, (fn, weight_bytes) in paths.items():
                 ms = time_ms(fn)
-                of_read = nbytes / (ms * 1e-3) / (bw * 1e12)
-                rows.append({"shape": name, "n": n, "k": k, "m": m, "path": path, "ms": ms, "of_read": of_read})
-                cells.append((path, f"{1e3 * ms:7.1f} us {100 * of_read:5.1f} %"))
-            got = dict(cells)
-            print(f"{name:<8} {m:>3} " + " ".join(f"{got.get(p, '-'):>22}" for p in
-                                                  ("bf16", "rows", "block_triton", "weight_only_rows", "weight_only_block")))
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "read_tb_s": bw, "rows": rows}, f, indent=1)
-    print("(time per GEMM; % = weight bytes streamed per second / the streaming read)")
+                row[path] = {"ms": ms, "weight_tb_s": weight_bytes / ms / 1e9}
+            for path in paths:
+                row[path]["speedup_vs_bf16"] = row["bf16"]["ms"] / row[path]["ms"]
+            rows.append(row)
+            print(f"  {name:<8} M={m:<5} " + "  ".join(
+                f"{p} {row[p]['ms'] * 1e3:7.1f} us ({row[p]['weight_tb_s']:.2f} TB/s, {row[p]['speedup_vs_bf16']:.2f}x)"
+                for p in paths), flush=True)  # fmt: skip
+    with open(opts.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "read_tb_s": peak,
+                   "cublas_block": cublas, "rows": rows}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -126,11 +126,17 @@ def quantize_static(x: Tensor, input_scale: Tensor) -> tuple[Tensor, Tensor]:
     return to_e4m3(x, scale), scale.contiguous()
 
 
-def quantize_activations(x: Tensor, *, scheme: str, input_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The GPU paths' activation quantization: (codes [M, K], scale [M, 1] rows or [M, K/128] block)."""
-    if scheme == "block":
-        return quantize_groups(x)
-    return quantize_rows(x) if input_scale is None else quantize_static(x, input_scale)
+def quantize_activations(
+    x: Tensor, *, scheme: str, input_scale: Tensor | None = None, fused: bool = False, column_major: bool = False
+) -> tuple[Tensor, Tensor]:
+    """The GPU paths' activation quantization: (codes [M, K], scale [M, 1] rows or [M, K/128] block).
+    ``fused``: one Triton launch (``triton_fp8_gemm.quantize``, the same rounding) instead of torch's ops,
+    with ``column_major`` scales if asked (cuBLASLt's layout)."""
+    if input_scale is not None and scheme == "rows":
+        return quantize_static(x, input_scale)
+    if fused:
+        return _triton_gemm().quantize(x, group=BLOCK if scheme == "block" else None, column_major=column_major)
+    return quantize_groups(x) if scheme == "block" else quantize_rows(x)
 
 
 # -- references --------------------------------------------------------------------------------------
@@ -203,7 +209,8 @@ def cublas_block_scales(scale: Tensor) -> Tensor:
 
 
 def _block_cublas(qa: Tensor, sa: Tensor, codes: Tensor, scale_cublas: Tensor, out_dtype: torch.dtype) -> Tensor:
-    # scale_a: [M, K/128] with strides (1, M) (column-major), as cuBLASLt's 1x128 activation scaling reads it.
+    # scale_a: [M, K/128] with strides (1, M) (column-major), as cuBLASLt's 1x128 activation scaling reads it
+    # (no copy when the quantizer wrote it so).
     sa_cm = sa.t().contiguous().t()
     return F.scaled_mm(
         qa, codes.t(), sa_cm, F.ScalingType.BlockWise1x128, scale_cublas, F.ScalingType.BlockWise128x128,
@@ -246,11 +253,12 @@ def linear_cuda(
         raise ValueError(f"backend must be one of {BLOCK_BACKENDS}, got {backend!r}")
     if backend == "weight_only" or (backend == "auto" and x.shape[0] <= weight_only_rows() and x.shape[1] % BLOCK == 0):
         return _weight_only().weight_only_gemm(x, codes, scale, scheme=scheme, bias=bias)
-    qa, sa = quantize_activations(x, scheme=scheme, input_scale=input_scale)
+    use_cublas = scheme == "block" and (
+        backend == "cublas" or (backend == "auto" and cublas_block_supported(x.device.index or 0)))
+    qa, sa = quantize_activations(x, scheme=scheme, input_scale=input_scale, fused=True, column_major=use_cublas)
     if scheme == "rows":
         # Row-wise scaled GEMM (both operands per row): scale_a [M, 1], scale_b [1, N]; B column-major.
         return torch._scaled_mm(qa, codes.t(), scale_a=sa, scale_b=scale.view(1, -1), bias=bias, out_dtype=x.dtype)
-    use_cublas = backend == "cublas" or (backend == "auto" and cublas_block_supported(x.device.index or 0))
     if use_cublas:
         if scale_cublas is None:
             scale_cublas = cublas_block_scales(scale)

@@ -1,4 +1,9 @@
-"""Block-scaled FP8 GEMM in Triton: activations per token per 128 channels, weights per 128x128 tile.
+"""FP8 activation quantizers and the block-scaled FP8 GEMM in Triton (weights per 128x128 tile).
+
+The quantizers turn a bf16 activation into E4M3 codes and fp32 scales in one launch (per token, or
+per token per 128 channels), where torch takes ~7 elementwise kernels: a decode step runs one per
+linear layer, 144 at the Qwen3-8B shape. They round as ``fp8_gemm.quantize_rows`` /
+``quantize_groups`` do: IEEE division by the scale (``div_rn``), saturate at 448, round to nearest even.
 
     y[m, n] = sum_kb  sa[m, kb] * sw[n // 128, kb] * sum_{k in kb} qa[m, k] * qw[n, k]
 
@@ -63,6 +68,68 @@ def _block_gemm_kernel(
         acc += tl.dot(a, w, out_dtype=tl.float32) * (sa[:, None] * sw)
     c = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _round_e4m3(v):
+    """fp32 ``v`` (|v| <= 448) rounded to nearest-even E4M3, kept in fp32, so the cast after it is exact. By hand:
+    Triton's interpreter rounds fp32 -> fp8 casts wrongly where the mantissa carries; the GPU rounds; this rounds
+    the same on both. Normal range (|v| >= 2^-6): keep 3 mantissa bits; below: multiples of 2^-9, by adding and
+    removing 1.5 * 2^14 (the fp32 add rounds to nearest even at 2^-9)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    sub = (v + 24576.0) - 24576.0
+    return tl.where(tl.abs(v) >= 0.015625, normal, sub)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,  # [M, K] activations (bf16 or fp32, row-major)
+    q_ptr,  # [M, K] e4m3 codes out
+    s_ptr,  # [M, K / GROUP] fp32 scales out (GROUP = K: one per row)
+    k,  # row width K
+    stride_xm,  # row strides, in elements
+    stride_qm,
+    stride_sm,  # scales: row and group strides (row- or column-major)
+    stride_sg,
+    GROUP: tl.constexpr,  # values per scale: 128, or the row padded to a power of two (per token)
+    BLOCK: tl.constexpr,  # next power of two >= GROUP
+):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, BLOCK)
+    mask = (tl.arange(0, BLOCK) < GROUP) & (cols < k)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    s = tl.max(tl.abs(x), axis=0) / 448.0
+    s = tl.where(s > 1e-12, s, 1.0)  # an all-zero group: scale 1, codes 0
+    q = _round_e4m3(tl.clamp(tl.math.div_rn(x, s), -448.0, 448.0))
+    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + g * stride_sg, s)
+
+
+def quantize(x: Tensor, *, group: int | None, column_major: bool = False) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (codes [M, K] e4m3, scales fp32 [M, 1] (``group`` None: per token) or [M, K/group]);
+    ``column_major``: the scales with strides (1, M), as cuBLASLt's 1x128 scaling reads them."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize: x must be [M, K], got {tuple(x.shape)}")
+    m, k = x.shape
+    if group is not None and k % group:
+        raise ValueError(f"quantize: K = {k} must be a multiple of the group {group}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    groups = 1 if group is None else k // group
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    if column_major:
+        s = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        width = k if group is None else group
+        block = triton.next_power_of_2(width)
+        _quantize_kernel[(m, groups)](
+            x, q, s, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+            GROUP=width, BLOCK=block, num_warps=max(1, min(8, block // 512)),
+        )  # fmt: skip
+    return q, s
 
 
 def _tiles(m: int) -> tuple[int, int, int]:

@@ -1,4 +1,5 @@
-"""The FP8 linear layer: E4M3 weight codes with fp32 scales, run by ``kernels.fp8_gemm``.
+"""The FP8 linear layer (E4M3 weight codes with fp32 scales, run by ``kernels.fp8_gemm``), and how a
+checkpoint's FP8 tensors, or a layer's weight quantized at load, become it.
 
 A merged projection (q/k/v, gate/up) stacks its checkpoint parts along the output rows,
 so the scales keep each part's own value on its rows::
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from kvserving.kernels import fp8_gemm
+from kvserving.worker.weights import Fp8Scheme
 
 # weight format -> the GEMM's scale layout
 SCHEMES = {"fp8": "rows", "fp8_block": "block"}
@@ -147,3 +149,65 @@ def from_linear(linear: nn.Linear, part_rows: Sequence[int], *, weight_format: s
         out.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
     out.prepare()
     return out
+
+
+@torch.no_grad()
+def quantize_layers(model: nn.Module, parts_of: dict[str, list[tuple[str, int]]], *, weight_format: str) -> None:
+    """Replace each ``nn.Linear`` named in ``parts_of`` (module name -> its checkpoint parts (name, rows)) by
+    ``from_linear`` of it, in place."""
+    for module, parts in parts_of.items():
+        parent, _, leaf = module.rpartition(".")
+        holder = model.get_submodule(parent)
+        setattr(holder, leaf, from_linear(getattr(holder, leaf), [rows for _, rows in parts], weight_format=weight_format))
+
+
+def checkpoint_fp8_layers(
+    model: nn.Module, parts_of: dict[str, list[tuple[str, int]]], scheme: Fp8Scheme, names: set[str]
+) -> dict[str, list[tuple[str, int]]]:
+    """The linear layers the checkpoint stores in FP8 (their scale tensors are there; layers a checkpoint leaves
+    unquantized, e.g. ``ignored_layers``, have none), swapped in ``model`` for meta ``Fp8Linear``s."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    for module, parts in parts_of.items():
+        has = [f"{hf}.{scheme.scale_name}" in names for hf, _ in parts]
+        if any(has) and not all(has):
+            raise ValueError(f"checkpoint stores only some of {[hf for hf, _ in parts]} in FP8: they cannot be merged")
+        if not all(has):
+            continue
+        parent, _, leaf = module.rpartition(".")
+        holder = model.get_submodule(parent)
+        old = getattr(holder, leaf)
+        setattr(holder, leaf, Fp8Linear(old.in_features, old.out_features, weight_format=scheme.weight_format,
+                                        bias=old.bias is not None, static_input=scheme.static_input, device="meta"))  # fmt: skip
+        out[module] = parts
+    return out
+
+
+def checkpoint_fp8_state(
+    parts_of: dict[str, list[tuple[str, int]]], tensors: dict[str, Tensor], scheme: Fp8Scheme, in_features: dict[str, int]
+) -> dict[str, Tensor]:
+    """The FP8 layers' buffers (state-dict entries) from the checkpoint's tensors (popped from ``tensors``), each
+    layer's parts merged."""
+    state: dict[str, Tensor] = {}
+    for module, parts in parts_of.items():
+        k = in_features[module]
+        codes, scales, inputs = [], [], []
+        for hf, rows in parts:
+            w = tensors.pop(f"{hf}.weight")
+            if w.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"tensor {hf}.weight is {w.dtype}, but quantization_config says FP8 (float8_e4m3fn)")
+            if tuple(w.shape) != (rows, k):
+                raise ValueError(f"tensor {hf}.weight has shape {tuple(w.shape)}, config implies {(rows, k)}")
+            s = tensors.pop(f"{hf}.{scheme.scale_name}")
+            if scheme.weight_format == "fp8_block" and tuple(s.shape) != (math.ceil(rows / 128), math.ceil(k / 128)):
+                raise ValueError(f"tensor {hf}.weight_scale_inv has shape {tuple(s.shape)}, "
+                                 f"128x128 tiles of {(rows, k)} imply {(math.ceil(rows / 128), math.ceil(k / 128))}")  # fmt: skip
+            codes.append(w)
+            scales.append(s)
+            if scheme.static_input:
+                inputs.append(tensors.pop(f"{hf}.input_scale").float().reshape(()))
+        state[f"{module}.weight"] = torch.cat(codes)
+        state[f"{module}.weight_scale"] = merge_scales(scheme.weight_format, [r for _, r in parts], scales, name=module)
+        if scheme.static_input:
+            # one input feeds every part: its largest scale saturates none of them
+            state[f"{module}.input_scale"] = torch.stack(inputs).max()
+    return state

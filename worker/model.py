@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from kvserving.kernels.capacity import decode_weight_bytes
 from kvserving.kernels.norm_ref import add_rms_norm_ref, qk_norm_rope_ref, rms_norm_ref, silu_mul_ref
-from kvserving.worker.fp8_linear import Fp8Linear, from_linear, merge_scales
+from kvserving.worker.fp8_linear import Fp8Linear, checkpoint_fp8_layers, checkpoint_fp8_state, quantize_layers
 from kvserving.worker.weights import (
     WEIGHT_FORMATS,
     Fp8Scheme,
@@ -459,16 +459,11 @@ def weight_format_of(model: DecoderModel) -> str:
     return fp8.pop() if len(fp8) == 1 else "bf16"
 
 
-@torch.no_grad()
 def quantize_linears(model: DecoderModel, weight_format: str) -> DecoderModel:
     """Replace every decoder linear layer by its FP8 quantization (each checkpoint part per tensor, or 128x128
     tiles), in place, one layer at a time (the unquantized weight is freed as its layer is done)."""
-    if weight_format == "bf16":
-        return model
-    for module, parts in linear_parts(model).items():
-        parent, _, leaf = module.rpartition(".")
-        holder = model.get_submodule(parent)
-        setattr(holder, leaf, from_linear(getattr(holder, leaf), [rows for _, rows in parts], weight_format=weight_format))
+    if weight_format != "bf16":
+        quantize_layers(model, linear_parts(model), weight_format=weight_format)
     return model
 
 
@@ -490,55 +485,6 @@ def weight_bytes_per_step(args: ModelArgs, weight_format: str, *, dtype: torch.d
     )  # fmt: skip
 
 
-def _fp8_modules(model: DecoderModel, scheme: Fp8Scheme, names: set[str]) -> dict[str, list[tuple[str, int]]]:
-    """The linear layers the checkpoint stores in FP8 (their scale tensors are there; layers a checkpoint leaves
-    unquantized, e.g. ``ignored_layers``, have none), swapped in ``model`` for meta ``Fp8Linear``s."""
-    out: dict[str, list[tuple[str, int]]] = {}
-    for module, parts in linear_parts(model).items():
-        has = [f"{hf}.{scheme.scale_name}" in names for hf, _ in parts]
-        if any(has) and not all(has):
-            raise ValueError(f"checkpoint stores only some of {[hf for hf, _ in parts]} in FP8: they cannot be merged")
-        if not all(has):
-            continue
-        parent, _, leaf = module.rpartition(".")
-        holder = model.get_submodule(parent)
-        old = getattr(holder, leaf)
-        setattr(holder, leaf, Fp8Linear(old.in_features, old.out_features, weight_format=scheme.weight_format,
-                                        bias=old.bias is not None, static_input=scheme.static_input, device="meta"))  # fmt: skip
-        out[module] = parts
-    return out
-
-
-def _fp8_state(
-    parts_of: dict[str, list[tuple[str, int]]], tensors: dict[str, Tensor], scheme: Fp8Scheme, in_features: dict[str, int]
-) -> dict[str, Tensor]:
-    """The FP8 layers' buffers from the checkpoint's tensors (popped from ``tensors``), parts merged."""
-    state: dict[str, Tensor] = {}
-    for module, parts in parts_of.items():
-        k = in_features[module]
-        codes, scales, inputs = [], [], []
-        for hf, rows in parts:
-            w = tensors.pop(f"{hf}.weight")
-            if w.dtype != torch.float8_e4m3fn:
-                raise ValueError(f"tensor {hf}.weight is {w.dtype}, but quantization_config says FP8 (float8_e4m3fn)")
-            if tuple(w.shape) != (rows, k):
-                raise ValueError(f"tensor {hf}.weight has shape {tuple(w.shape)}, config implies {(rows, k)}")
-            s = tensors.pop(f"{hf}.{scheme.scale_name}")
-            if scheme.weight_format == "fp8_block" and tuple(s.shape) != (math.ceil(rows / 128), math.ceil(k / 128)):
-                raise ValueError(f"tensor {hf}.weight_scale_inv has shape {tuple(s.shape)}, "
-                                 f"128x128 tiles of {(rows, k)} imply {(math.ceil(rows / 128), math.ceil(k / 128))}")  # fmt: skip
-            codes.append(w)
-            scales.append(s)
-            if scheme.static_input:
-                inputs.append(tensors.pop(f"{hf}.input_scale").float().reshape(()))
-        state[f"{module}.weight"] = torch.cat(codes)
-        state[f"{module}.weight_scale"] = merge_scales(scheme.weight_format, [r for _, r in parts], scales, name=module)
-        if scheme.static_input:
-            # one input feeds every part: its largest scale saturates none of them
-            state[f"{module}.input_scale"] = torch.stack(inputs).max()
-    return state
-
-
 def load_model(
     model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     weight_format: str = "auto",
@@ -556,7 +502,7 @@ def load_model(
     with torch.device("meta"):
         model = DecoderModel(args)
     in_features = {m: _linear(model, m).in_features for m in linear_parts(model)}
-    fp8_parts = {} if scheme is None else _fp8_modules(model, scheme, set(weight_files(model_dir)))
+    fp8_parts = {} if scheme is None else checkpoint_fp8_layers(model, linear_parts(model), scheme, set(weight_files(model_dir)))
     layout = model.hf_tensors()
     fp8_names = []
     for fp8_layer in fp8_parts.values():
@@ -582,7 +528,7 @@ def load_model(
             pieces.append(tensor)
         state[name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # q/k/v, gate/up: one weight each
     if scheme is not None:
-        state.update(_fp8_state(fp8_parts, tensors, scheme, in_features))
+        state.update(checkpoint_fp8_state(fp8_parts, tensors, scheme, in_features))
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = rope_inv_freq(args, device=device)  # replaces the meta buffer; stays fp32
     model.requires_grad_(False)

@@ -107,6 +107,27 @@ def test_triton_block_gemm_matches_its_torch_reference(m: int, n: int, k: int, o
     assert (out.float() - ref).abs().max().item() <= tol
 
 
+@interpreter_only
+@pytest.mark.parametrize(("m", "k"), [(2, 128), (3, 384), (4, 300)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_quantizers_equal_the_torch_quantizers(m: int, k: int, dtype: torch.dtype) -> None:
+    from kvserving.kernels.triton_fp8_gemm import quantize
+
+    g = torch.Generator().manual_seed(m * k)
+    # magnitudes over 12 binades: codes in the normal and the subnormal range; one all-zero row
+    x = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-10, 3, (m, k), generator=g).float())).to(dtype)
+    x[-1] = 0.0
+    groups = [None, 128] if k % 128 == 0 else [None]
+    for group in groups:
+        q, s = quantize(x, group=group)
+        rq, rs = fp8_gemm.quantize_rows(x) if group is None else fp8_gemm.quantize_groups(x)
+        assert torch.equal(s, rs)
+        assert torch.equal(q.float(), rq.float())  # the same values (a zero's sign may differ)
+        assert (q.float().abs() < 2.0**-6).any() and (q.float().abs() >= 1).any()
+        q_cm, s_cm = quantize(x, group=group, column_major=True)
+        assert s_cm.stride() == (1, m) and torch.equal(s_cm, rs) and torch.equal(q_cm.float(), rq.float())
+
+
 def test_triton_block_gemm_refuses_bad_operands() -> None:
     from kvserving.kernels.triton_fp8_gemm import block_gemm
 

@@ -393,16 +393,35 @@ def test_gpu_fp8_greedy_tokens_equal_the_dequantized_reference(
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_block"])
 def test_gpu_engine_serves_the_8b_fp8_dummy_model(tmp_path: Path, fmt: str) -> None:
     """The 8B-shaped dummy model in FP8 through the engine with CUDA graphs: the weights a step reads are what
-    ``weight_bytes_per_step`` says, and its greedy tokens equal the same weights run by the reference path."""
+    ``weight_bytes_per_step`` says, and decode steps replay graphs."""
     from kvserving.config import KVCacheConfig
     from kvserving.worker.engine import LLMEngine
     from kvserving.worker.sampling import SamplingParams
 
     d = build_model_dir(tmp_path / "q8b", shape="qwen3-8b", weight_format=fmt)
-    engine = LLMEngine(ServingConfig(model=ModelConfig(path=str(d), load_format="dummy"),
-                                     kv_cache=KVCacheConfig(dtype="bf16", memory_bytes=2 << 30)))  # fmt: skip
+    config = ServingConfig(model=ModelConfig(path=str(d), load_format="dummy"),
+                           kv_cache=KVCacheConfig(dtype="bf16", memory_bytes=2 << 30))  # fmt: skip
+    engine = LLMEngine(config)
     assert weight_format_of(engine.model) == fmt
     assert step_weight_bytes(engine.model) == weight_bytes_per_step(engine.args, fmt)
-    prompt = _ids(64, seed=2).tolist()
-    out = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))
-    assert len(out[0]) == 8
+    out = engine.generate([_ids(64, seed=2).tolist()], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0 and len(out[0]) == 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("fmt", "static"), VARIANTS, ids=IDS)
+def test_gpu_fp8_graphs_on_and_off_give_the_same_tokens(
+    fp8_dirs: dict[tuple[str, bool], Path], fmt: str, static: bool
+) -> None:
+    """FP8 layers inside captured decode graphs (activation quantization, scaled GEMMs) decode as eager steps do."""
+    from kvserving.worker.engine import LLMEngine
+    from kvserving.worker.sampling import SamplingParams
+
+    config = ServingConfig(model=ModelConfig(path=str(fp8_dirs[(fmt, static)])))
+    prompts = [_ids(20 + 7 * i, seed=10 + i).tolist() for i in range(3)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    graphed = LLMEngine(config, device="cuda")
+    out = graphed.generate(prompts, params)
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.replays > 0
+    assert weight_format_of(graphed.model) == fmt
+    assert out == LLMEngine(config, device="cuda", enforce_eager=True).generate(prompts, params)
