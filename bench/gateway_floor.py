@@ -35,11 +35,11 @@ from typing import Any
 import uvicorn
 
 from kvserving.config import GatewayConfig
-from kvserving.gateway.chat_template import normalize_messages
+from kvserving.gateway.prompt.chat_template import normalize_messages
 from kvserving.gateway.completions import SSE_DONE, ChatFrames, ModelInfo
 from kvserving.gateway.detokenize import IncrementalDetokenizer
 from kvserving.gateway.front import SSE_HEADERS
-from kvserving.gateway.token_prefixes import TokenPrefixes
+from kvserving.gateway.prompt.token_prefixes import TokenPrefixes
 from kvserving.gateway.upstream import ConnectionPool
 from kvserving.gateway.workers import SSEEvents
 from kvserving.tags import encode_tag

@@ -69,9 +69,9 @@ from kvserving.bits import PageMix, count_page_mixes, default_sensitivity, page_
 from kvserving.calib_data import WRAPS, TaggedSeq, load_data
 from kvserving.calibration import SCALED_DTYPES, Calibration, LayerScales, budget_key
 from kvserving.config import ModelConfig
-from kvserving.gateway.chat_template import ChatTemplate
-from kvserving.gateway.tagger import ChatTagger
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.chat_template import ChatTemplate
+from kvserving.gateway.prompt.tagger import ChatTagger
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.kernels.fp8 import dequantize_fp8, quantize_fp8
 from kvserving.kernels.intquant import dequantize_groups, dequantize_int2_keys, quantize_groups, quantize_int2_keys
 from kvserving.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4

@@ -25,18 +25,18 @@ from pathlib import Path
 from typing import Any
 
 from . import openai_types as oa
-from .chat_template import ChatTemplate
+from .prompt.chat_template import ChatTemplate
 from .detokenize import IncrementalDetokenizer
 from .errors import GatewayError, context_length_exceeded, invalid_request, model_not_found, upstream_error
 from .exact_history import ExactHistory, Sent
 from .identity import ConversationIndex, explicit_identity
 from .metrics import GatewayMetrics
 from .output import OutputParser, StopMatcher
-from .tagger import ChatTagger, Draft, TaggedPrompt
+from .prompt.tagger import ChatTagger, Draft, TaggedPrompt
 from .tenants import Tenant, Tenants
-from .token_prefixes import TokenPrefixes
-from .turn_render import TurnRenders
-from .tokenizer import TextTokenizer
+from .prompt.token_prefixes import TokenPrefixes
+from .prompt.turn_render import TurnRenders
+from .prompt.tokenizer import TextTokenizer
 from .turn import Turn, TurnRequest, Turns
 from .workers import runs_json
 

@@ -37,11 +37,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from .tag_spans import expand_runs
-from .tagger import TaggedPrompt
-from .token_prefixes import joined_elements as _joined_elements
-from .token_prefixes import json_elements as _elements
-from .tokenizer import Encoded
+from .prompt.tag_spans import expand_runs
+from .prompt.tagger import TaggedPrompt
+from .prompt.token_prefixes import joined_elements as _joined_elements
+from .prompt.token_prefixes import json_elements as _elements
+from .prompt.tokenizer import Encoded
 
 
 class SpliceTokenizer(Protocol):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from gw_harness import Stack
 
-from kvserving.gateway.chat_template import ChatTemplate
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.chat_template import ChatTemplate
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 # Nothing may reach the Hugging Face hub from the tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry
 
 from kvserving.config import GatewayConfig, ModelConfig, ServingConfig
 from kvserving.gateway.app import build_state
-from kvserving.gateway.chat_template import ChatTemplate, normalize_messages
+from kvserving.gateway.prompt.chat_template import ChatTemplate, normalize_messages
 from kvserving.gateway.completions import ModelInfo
-from kvserving.gateway.tagger import ChatTagger
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.tagger import ChatTagger
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.tags import decode_tag
 
 REPLY = "Hello from the fake worker, with several words."

@@ -11,7 +11,7 @@ import openai
 import pytest
 from gw_harness import MODEL, Stack
 
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 CHAT = "/v1/chat/completions"
 

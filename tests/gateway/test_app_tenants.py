@@ -13,7 +13,7 @@ from gw_harness import MODEL, Stack
 
 from kvserving.config import SecurityConfig
 from kvserving.gateway.tenants import DEFAULT_TENANT
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. " * 8}
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from kvserving.gateway.chat_template import ChatTemplate
+from kvserving.gateway.prompt.chat_template import ChatTemplate
 from kvserving.gateway.exact_history import ExactHistory
-from kvserving.gateway.tagger import ChatTagger, TaggedPrompt
-from kvserving.gateway.token_prefixes import TokenPrefixes
-from kvserving.gateway.tokenizer import Encoded, TextTokenizer
+from kvserving.gateway.prompt.tagger import ChatTagger, TaggedPrompt
+from kvserving.gateway.prompt.token_prefixes import TokenPrefixes
+from kvserving.gateway.prompt.tokenizer import Encoded, TextTokenizer
 from kvserving.tags import decode_tag
 
 FIRST = [{"role": "system", "content": "You are a careful agent."},
@@ -151,7 +151,7 @@ def test_retag_by_runs_equals_the_tag_of_the_covering_canonical_token() -> None:
     import random
 
     from kvserving.gateway.exact_history import _retag
-    from kvserving.gateway.tagger import TaggedPrompt
+    from kvserving.gateway.prompt.tagger import TaggedPrompt
 
     rng = random.Random(5)
     for _ in range(300):

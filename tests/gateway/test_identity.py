@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from kvserving.gateway.chat_template import ChatTemplate
+from kvserving.gateway.prompt.chat_template import ChatTemplate
 from kvserving.gateway.identity import SOURCES, ConversationIndex, Identity, explicit_identity, page_chain
-from kvserving.gateway.tagger import ChatTagger, TaggedPrompt
+from kvserving.gateway.prompt.tagger import ChatTagger, TaggedPrompt
 from kvserving.gateway.tenants import DEFAULT_TENANT, Tenant
-from kvserving.gateway.token_prefixes import TokenPrefixes
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.token_prefixes import TokenPrefixes
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 from test_chat_template import TOOLS  # noqa: E402  (sibling test module)
 

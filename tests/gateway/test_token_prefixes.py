@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from tokenizers import AddedToken, Tokenizer
 
-from kvserving.gateway.chat_template import ChatTemplate
-from kvserving.gateway.tagger import ChatTagger
-from kvserving.gateway.token_prefixes import TokenPrefixes
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.chat_template import ChatTemplate
+from kvserving.gateway.prompt.tagger import ChatTagger
+from kvserving.gateway.prompt.token_prefixes import TokenPrefixes
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 TOOLS = [
     {"type": "function", "function": {"name": "run_tests", "description": "Run the test suite",

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from test_token_prefixes import EMPTY_LIST_TEMPLATE, STRIPPING_TEMPLATE, TOOLS, text_turns
 
-from kvserving.gateway.chat_template import ChatTemplate
+from kvserving.gateway.prompt.chat_template import ChatTemplate
 from kvserving.gateway.errors import GatewayError
-from kvserving.gateway.tagger import ChatTagger
-from kvserving.gateway.token_prefixes import TokenPrefixes
-from kvserving.gateway.tokenizer import TextTokenizer
-from kvserving.gateway.turn_render import TurnRenders
+from kvserving.gateway.prompt.tagger import ChatTagger
+from kvserving.gateway.prompt.token_prefixes import TokenPrefixes
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.turn_render import TurnRenders
 
 # Marks every message by the parity of its index (templates that check alternating
 # roles by loop.index0): the short list keeps each message's parity.

@@ -78,9 +78,9 @@ from typing import Any, TypeVar
 
 from kvserving.tags import TEMPORAL, encode_tag
 
+from ..errors import GatewayError
 from . import tag_markers, tag_spans, turn_render
 from .chat_template import ChatTemplate, Message, normalize_messages, normalize_tools
-from .errors import GatewayError
 from .tag_markers import Chunk, Piece
 from .token_prefixes import Prefixed, TokenPrefixes, split_offsets
 from .tokenizer import TextTokenizer
