@@ -16,27 +16,29 @@ import asyncio
 import json
 import time
 import uuid
-from collections import Counter
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any
 
+from kvserving.config import ServingConfig
+
 from . import openai_types as oa
-from .prompt.chat_template import ChatTemplate
 from .detokenize import IncrementalDetokenizer
+from .conversations import Conversation, Conversations
 from .errors import GatewayError, context_length_exceeded, invalid_request, model_not_found, upstream_error
 from .exact_history import ExactHistory, Sent
-from .identity import ConversationIndex, explicit_identity
+from .identity import Identities, explicit_identity
 from .metrics import GatewayMetrics
 from .output import OutputParser, StopMatcher
+from .prompt.chat_template import ChatTemplate
 from .prompt.tagger import ChatTagger, Draft, TaggedPrompt
-from .tenants import Tenant, Tenants
 from .prompt.token_prefixes import TokenPrefixes
-from .prompt.turn_render import TurnRenders
 from .prompt.tokenizer import TextTokenizer
+from .prompt.turn_render import TurnRenders
+from .tenants import Tenant, Tenants
 from .turn import Turn, TurnRequest, Turns
 from .workers import runs_json
 
@@ -53,11 +55,11 @@ class ModelInfo:
     created: int
 
     @classmethod
-    def load(cls, model_dir: str | Path, *, served_name: str, max_kept_tokens: int,
+    def load(cls, model_dir: str | Path, *, served_name: str, max_kept_tokens: int | None = None,
              max_model_len: int | None = None) -> ModelInfo:
-        """Tokenizer, chat template, context length and EOS ids of a model directory;
-        ``max_kept_tokens`` bounds the tagger's tokenized prefixes (tokens) and kept
-        renders (4 characters a token)."""
+        """Tokenizer, chat template, context length and EOS ids of a model directory. What is
+        kept between turns is bounded by the conversation store (``build_conversations``);
+        ``max_kept_tokens`` is accepted for the callers that still pass it."""
         root = Path(model_dir)
         tokenizer = TextTokenizer.from_dir(root)
         config = _read_json(root / "config.json")
@@ -70,30 +72,48 @@ class ModelInfo:
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop_ids:
             stop_ids.append(tokenizer.eos_token_id)
         defaults = {k: generation[k] for k in ("temperature", "top_p", "top_k") if generation.get(k) is not None}
-        tagger = ChatTagger(tokenizer, ChatTemplate.from_dir(root),
-                            prefixes=TokenPrefixes(tokenizer, max_tokens=max_kept_tokens),
-                            renders=TurnRenders(max_chars=4 * max_kept_tokens))
+        tagger = ChatTagger(tokenizer, ChatTemplate.from_dir(root))
         return cls(name=served_name, max_model_len=context, tokenizer=tokenizer, tagger=tagger,
                    stop_token_ids=tuple(int(i) for i in stop_ids), defaults=defaults,
                    created=int(root.stat().st_mtime))
 
 
+def build_conversations(config: ServingConfig, model: ModelInfo) -> Conversations:
+    """The conversation store the gateway config bounds, with the model's tagger finding its
+    kept prefixes and renders in it."""
+    gw = config.gateway
+    store = Conversations(max_conversations=gw.max_conversations, max_tokens=gw.max_kept_tokens)
+    model.tagger.prefixes = TokenPrefixes(model.tokenizer, store)
+    model.tagger.renders = TurnRenders(store)
+    return store
+
+
+@dataclass(slots=True, frozen=True)
+class Kept:
+    """What a turn of a conversation files on its record when it ends: the prompt's canonical
+    ids (identity matches the next turn against them), the prompt as sent (exact history), and
+    the ids' page chain when identity computed it."""
+
+    conversation: Conversation
+    canonical: list[int]
+    sent: Sent | None = None
+    chain: Sequence[int] | None = None
+
+
 class Completions:
     """Chat and text completions over ``Turns``."""
 
-    def __init__(self, *, model: ModelInfo, turns: Turns, metrics: GatewayMetrics, index: ConversationIndex,
-                 history: ExactHistory, tenants: Tenants) -> None:
+    def __init__(self, *, model: ModelInfo, turns: Turns, metrics: GatewayMetrics, conversations: Conversations,
+                 tenants: Tenants, page_size: int, clock: Callable[[], float] = time.time) -> None:
         self.model = model
         self.tenants = tenants  # whose reuse each request may share (tenants.py)
         self.turns = turns
         self.metrics = metrics
-        self.index = index  # conversation identity (identity.py): explicit ids, prefix match, minted keys
-        self._active: Counter[str] = Counter()  # conversation keys with a turn in flight
-        # the ids the workers hold per conversation (exact_history.py) and, per request in
-        # flight, its canonical prompt ids (what the identity index files and matches)
-        self.history = history  # sized by the gateway config (app.build_state), never by a default here
-        # per request in flight: its canonical ids, what went out, and the ids' page chain if identity computed it
-        self._sent: dict[str, tuple[list[int], Sent, Sequence[int] | None]] = {}
+        self.store = conversations  # one record per conversation (conversations.py), bounded by the gateway config
+        # conversation identity (identity.py): explicit ids, prefix match, minted keys
+        self.identities = Identities(conversations, page_size=page_size)
+        self.history = ExactHistory(model.tokenizer)  # splices a prompt onto the ids the workers hold
+        self.clock = clock
         self.drafting = Drafting()
 
     # ----------------------------------------------------------------- chat
@@ -134,30 +154,36 @@ class Completions:
         self, request: oa.ChatCompletionRequest, prompt: TaggedPrompt, draft: Draft | None, tenant: Tenant, *,
         headers: Mapping[str, str], started: float,
     ) -> dict[str, Any] | EventStream:
-        identity = self.index.identify(headers=headers, body=_id_fields(request), prompt=prompt, tenant=tenant)
+        identity = self.identities.identify(headers=headers, body=_id_fields(request), prompt=prompt, tenant=tenant)
         self.metrics.identities.labels(identity.source).inc()
         key = identity.key
-        if identity.source == "new" and self._active[key]:
-            # the same first turn is in flight in another session (the index files it only after)
+        taken = self.store.get(key)
+        if identity.source == "new" and taken is not None and taken.active:
+            # the same first turn is in flight in another session (identity files it only after)
             key = f"{key}-{uuid.uuid4().hex[:16]}"
+        conv = self.store.open(key, scope=tenant.id)
+        self.store.keep_prefixes(conv, prompt.kept_prefixes)
+        if draft is not None and draft.kept_render is not None:
+            self.store.keep_render(conv, draft.kept_render)
         history = any(isinstance(m, dict) and m.get("role") in ("assistant", "tool") for m in request.messages)
-        canonical = prompt.input_ids
-        sent = self.history.splice(key, prompt)  # starts with the previous turn's held ids when the text extends them
+        sent = self.history.splice(conv.held, prompt)  # starts with the previous turn's held ids when the text extends them
         self.metrics.exact_history.labels("spliced" if sent.spliced else "as_rendered").inc()
+        kept = Kept(conv, prompt.input_ids, sent, identity.chain)
         prompt = sent.prompt
         turn_request = self._turn_request("chatcmpl", prompt.input_ids, prompt.tags, request, request.limit, key, tenant,
                                           has_history=history, tag_runs=prompt.tag_runs, ids_json=sent.ids_json)
-        self._sent[turn_request.request_id] = (canonical, sent, identity.chain)
         if request.stream:
-            return await self._first_then_rest(self._chat_stream(turn_request, request, started, draft))
-        return await self._chat_whole(turn_request, request, started, draft)
+            return await self._first_then_rest(self._chat_stream(turn_request, request, started, draft, kept))
+        return await self._chat_whole(turn_request, request, started, draft, kept)
 
     async def _chat_whole(
-        self, turn_request: TurnRequest, request: oa.ChatCompletionRequest, started: float, draft: Draft | None
+        self, turn_request: TurnRequest, request: oa.ChatCompletionRequest, started: float, draft: Draft | None,
+        kept: Kept,
     ) -> dict[str, Any]:
         parser = OutputParser(tools=request.parses_tool_calls, max_calls=request.max_tool_calls)
         pieces, finish, result = [], "stop", None
-        async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat", draft=draft):
+        async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat", draft=draft,
+                                                kept=kept):
             if kind == "text":
                 pieces += value
             else:
@@ -171,7 +197,8 @@ class Completions:
                                   message=message, finish_reason=finish, usage=self._usage(result))
 
     async def _chat_stream(
-        self, turn_request: TurnRequest, request: oa.ChatCompletionRequest, started: float, draft: Draft | None
+        self, turn_request: TurnRequest, request: oa.ChatCompletionRequest, started: float, draft: Draft | None,
+        kept: Kept,
     ) -> AsyncGenerator[bytes, None]:
         """SSE frames; the frames of one batch of tokens go out as one write (the role frame
         with the first text; the last text with the finish and usage frames and ``[DONE]``,
@@ -182,7 +209,8 @@ class Completions:
         first = True
         tail = b""
         try:
-            async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat", draft=draft):
+            async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="chat",
+                                                    draft=draft, kept=kept):
                 out: list[bytes] = []
                 if first:
                     first = False
@@ -227,15 +255,18 @@ class Completions:
         # A raw prompt has no user turns to mint a stable key from: without an explicit id or a
         # prefix match it is no conversation (nothing retained for it).
         explicit = explicit_identity(headers, _id_fields(request), tenant=tenant)
-        identity = explicit or self.index.match(TaggedPrompt(text="", input_ids=input_ids, tags=tags), tenant=tenant)
+        identity = explicit or self.identities.match(TaggedPrompt(text="", input_ids=input_ids, tags=tags), tenant=tenant)
+        kept = None
         if identity is not None:
             self.metrics.identities.labels(identity.source).inc()
-        key = identity.key if identity is not None else None
-        turn_request = self._turn_request("cmpl", input_ids, tags, request, request.limit, key, tenant)
+            kept = Kept(self.store.open(identity.key, scope=tenant.id), input_ids)
+        turn_request = self._turn_request("cmpl", input_ids, tags, request, request.limit,
+                                          identity.key if identity is not None else None, tenant)
         if request.stream:
-            return await self._first_then_rest(self._text_stream(turn_request, request, started))
+            return await self._first_then_rest(self._text_stream(turn_request, request, started, kept))
         pieces, finish, result = [], "stop", None
-        async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="completions"):
+        async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="completions",
+                                                kept=kept):
             if kind == "text":
                 pieces += value
             else:
@@ -245,7 +276,7 @@ class Completions:
                              text="".join(pieces), finish_reason=finish, usage=self._usage(result))
 
     async def _text_stream(
-        self, turn_request: TurnRequest, request: oa.CompletionRequest, started: float
+        self, turn_request: TurnRequest, request: oa.CompletionRequest, started: float, kept: Kept | None
     ) -> AsyncGenerator[bytes, None]:
         rid, created, name, usage_on = turn_request.request_id, int(time.time()), self.model.name, request.include_usage
 
@@ -256,7 +287,8 @@ class Completions:
         first = True
         tail = b""
         try:
-            async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="completions"):
+            async for kind, value in self._generate(turn_request, request.stop_strings(), started, route="completions",
+                                                    kept=kept):
                 first = False
                 if kind == "text":
                     yield b"".join(chunk(text) for text in value)
@@ -301,12 +333,13 @@ class Completions:
                            cache_salt=tenant.cache_salt)
 
     async def _generate(
-        self, turn_request: TurnRequest, stops: list[str], started: float, *, route: str, draft: Draft | None = None
+        self, turn_request: TurnRequest, stops: list[str], started: float, *, route: str, draft: Draft | None = None,
+        kept: Kept | None = None,
     ) -> AsyncGenerator[tuple[str, Any], None]:
         """("text", str) pieces, then ("end", (finish_reason, TurnResult))."""
-        key = turn_request.conversation_key
-        if key is not None:
-            self._active[key] += 1
+        conv = kept.conversation if kept is not None else None
+        if conv is not None:
+            self.store.begin_turn(conv, now=self.clock())
         # TTFT is observed once the turn says whether its prompt reused KV (label `reuse`);
         # a turn that fails after its first token is observed as reuse="unknown".
         ttft: float | None = None
@@ -319,7 +352,7 @@ class Completions:
                 asyncio.get_running_loop().call_soon(draft.confirmed)
             detok = IncrementalDetokenizer(self.model.tokenizer, skip_ids=self.model.stop_token_ids)
             matcher = StopMatcher(stops)
-            async with aclosing(self._relay_turn(turn, turn_request, detok, matcher, started, draft)) as items:
+            async with aclosing(self._relay_turn(turn, turn_request, detok, matcher, started, draft, kept)) as items:
                 async for item in items:
                     if item[0] == "first":
                         ttft = item[1]
@@ -330,15 +363,12 @@ class Completions:
         finally:
             if ttft is not None:
                 self.metrics.ttft.labels(route, reuse).observe(ttft)
-            if key is not None:
-                self._sent.pop(turn_request.request_id, None)  # a turn that failed never reached its end
-                self._active[key] -= 1
-                if self._active[key] <= 0:
-                    del self._active[key]
+            if conv is not None:
+                self.store.end_turn(conv, now=self.clock())
 
     async def _relay_turn(
         self, turn: Turn, turn_request: TurnRequest, detok: IncrementalDetokenizer, matcher: StopMatcher, started: float,
-        draft: Draft | None,
+        draft: Draft | None, kept: Kept | None,
     ) -> AsyncGenerator[tuple[str, Any], None]:
         """("first", seconds to the first token), ("text", [str, ...]) the pieces of each batch of
         tokens that arrived together, then ("end", (finish, TurnResult)). A draft prompt is
@@ -392,17 +422,17 @@ class Completions:
             completion_tokens = result.completion_tokens
         else:
             completion_tokens = detok.count
-        canonical, sent, chain = self._sent.pop(turn_request.request_id, (turn_request.input_ids, None, None))
-        if turn_request.conversation_key is not None:  # what the next turn will start with
+        if kept is not None:  # what the next turn will start with
             # The prompt, and the prompt + the output re-encoded from its text, as the next
             # turn's template renders it: sampled ids need not be the canonical tokenization
             # (GWTEMPLATE).
             output_ids = self.model.tokenizer.encode_ids(detok.text)
             tenant = Tenant(turn_request.cache_salt or "")  # a tenant is its id, which the salt is
-            self.index.remember(turn_request.conversation_key, canonical + output_ids, tenant=tenant,
-                                prefix=len(canonical), prefix_chain=chain)
-            if sent is not None:  # what the workers hold: the prompt as sent and the ids actually sampled
-                self.history.record(turn_request.conversation_key, sent, detok.ids, detok.text)
+            canonical = kept.canonical
+            self.identities.remember(kept.conversation.key, canonical + output_ids, tenant=tenant,
+                                     prefix=len(canonical), prefix_chain=kept.chain)
+            if kept.sent is not None:  # what the workers hold: the prompt as sent and the ids actually sampled
+                self.store.hold(kept.conversation, self.history.held_after(kept.sent, detok.ids, detok.text))
         result_final = turn.result or turn.ended_early()
         result_final.completion_tokens = completion_tokens
         self.metrics.prompt_tokens.inc(result_final.prompt_tokens)

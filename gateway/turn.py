@@ -200,8 +200,6 @@ class Turns:
         """The reply's tokens. A worker lost before anything of its stream was relayed is
         taken out of the rotation and the turn is routed once more (module docstring)."""
         key = turn.request.conversation_key
-        if key is not None:
-            self.keeper.table.begin_turn(key, now=self.clock())
         final: dict[str, Any] = {}
         # The decode worker's load counts from the routing decision (no await since it) to the
         # turn's end, prefill included: counted only while its own request ran, a burst of new
