@@ -36,7 +36,8 @@ import uvicorn
 
 from kvserving.config import GatewayConfig
 from kvserving.gateway.prompt.chat_template import normalize_messages
-from kvserving.gateway.completions import SSE_DONE, ChatFrames, ModelInfo
+from kvserving.gateway.model import ModelInfo
+from kvserving.gateway.relay import SSE_DONE, ChatFrames
 from kvserving.gateway.detokenize import IncrementalDetokenizer
 from kvserving.gateway.front import SSE_HEADERS
 from kvserving.gateway.conversations import Conversations

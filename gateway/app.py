@@ -33,7 +33,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvserving.config import ServingConfig
 
 from . import openai_types as oa
-from .completions import Completions, ModelInfo, build_conversations
+from .completions import Completions, build_conversations
+from .model import ModelInfo
 from .errors import GatewayError, authentication, model_not_found, not_found, server_error
 from .front import CompletionRoutes, api_key_ok
 from .leases import LeaseKeeper, LeaseTable

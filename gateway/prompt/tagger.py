@@ -156,6 +156,24 @@ class Draft:
         return self._result
 
 
+class Drafting:
+    """Whether chat prompts go out as drafts: on until mismatches pass 8 and a tenth of the
+    drafts (a template that inspects content in most requests would pay a second worker
+    request for each; a few odd requests cost one each and leave it on)."""
+
+    __slots__ = ("on", "drafts", "mismatches")
+
+    def __init__(self) -> None:
+        self.on = True
+        self.drafts = 0
+        self.mismatches = 0
+
+    def mismatch(self) -> None:
+        self.mismatches += 1
+        if self.mismatches > 8 and self.mismatches * 10 > self.drafts:
+            self.on = False
+
+
 class ChatTagger:
     """Render, tokenize and tag chat requests for one model."""
 

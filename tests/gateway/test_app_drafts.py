@@ -15,7 +15,7 @@ from gw_harness import MODEL, Stack
 from test_tagger import EDITING_TEMPLATE
 
 from kvserving.gateway.prompt.chat_template import ChatTemplate, normalize_messages
-from kvserving.gateway.completions import Drafting
+from kvserving.gateway.prompt.tagger import Drafting
 from kvserving.gateway.prompt.tagger import ChatTagger
 from kvserving.gateway.prompt.tokenizer import TextTokenizer
 

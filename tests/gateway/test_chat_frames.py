@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from kvserving.gateway import openai_types as oa
-from kvserving.gateway.completions import ChatFrames, _sse
+from kvserving.gateway.relay import ChatFrames
+from kvserving.gateway.relay import sse as _sse
 
 DELTAS: list[dict[str, Any]] = [
     {"role": "assistant", "content": ""},
