@@ -21,8 +21,9 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from json.encoder import encode_basestring_ascii
 from typing import Any
+
+import orjson
 
 from . import openai_types as oa
 from .detokenize import IncrementalDetokenizer
@@ -239,21 +240,14 @@ async def first_then_rest(frames: AsyncGenerator[bytes, None]) -> EventStream:
 
 
 class ChatFrames:
-    """``sse(oa.chat_chunk(...))`` of one response, byte for byte: the fields every
-    chunk repeats are encoded once, each chunk encodes only its delta and finish reason."""
-
-    _DELTA, _FINISH = {"\x00delta": 0}, "\x00finish"
+    """The SSE chunks of one streamed chat response (its id, creation time and model)."""
 
     def __init__(self, *, id: str, created: int, model: str, include_usage: bool) -> None:  # noqa: A002
         self.id, self.created, self.model, self.include_usage = id, created, model, include_usage
-        template = sse(oa.chat_chunk(id=id, created=created, model=model, delta=self._DELTA,
-                                     finish_reason=self._FINISH, include_usage=include_usage))
-        head, rest = template.split(_json(self._DELTA), 1)
-        middle, tail = rest.split(_json(self._FINISH), 1)
-        self._head, self._middle, self._tail = head, middle, tail
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return self._head + _delta_json(delta) + self._middle + (b"null" if finish is None else _json(finish)) + self._tail
+        return sse(oa.chat_chunk(id=self.id, created=self.created, model=self.model, delta=delta, finish_reason=finish,
+                                 include_usage=self.include_usage))
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         """The usage-only chunk (no choices)."""
@@ -261,25 +255,10 @@ class ChatFrames:
                                  include_usage=self.include_usage))
 
 
-# json.dumps(obj, separators=(",", ":")), without building an encoder per call (json.dumps
-# does for any non-default argument: ~3 of its ~7 us, paid for every streamed chunk)
-_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
-
-
-def _json(obj: object) -> bytes:
-    return _ENCODE(obj).encode()
-
-
-def _delta_json(delta: dict[str, Any]) -> bytes:
-    """``_json(delta)``; a delta of one string field (the streamed text: content or reasoning) without the
-    encoder's call, the same bytes (~0.3 of ~4.6 us a streamed token spent encoding its delta and finish)."""
-    if len(delta) == 1:
-        ((key, value),) = delta.items()
-        if type(key) is str and type(value) is str:
-            return b"{" + encode_basestring_ascii(key).encode() + b":" + encode_basestring_ascii(value).encode() + b"}"
-    return _json(delta)
-
-
 def sse(obj: dict[str, Any]) -> bytes:
-    """One SSE event of a JSON object."""
-    return b"data: " + _json(obj) + b"\n\n"
+    """One SSE event of a JSON object (orjson: a streamed chunk whole in the time the standard
+    encoder took for a pre-encoded template's delta; docs/performance-log/gateway.md)."""
+    try:
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+    except TypeError:  # a lone surrogate has no UTF-8 form: the standard encoder's \u escape
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

@@ -65,11 +65,12 @@ arrays, never a Python tuple per token.
 from __future__ import annotations
 
 import bisect
-import json
 import re
 from array import array
 from dataclasses import dataclass
 from typing import Protocol
+
+import orjson
 
 from .tokenizer import Encoded, TextTokenizer
 
@@ -249,12 +250,10 @@ def split_offsets(offsets: list[tuple[int, int]], shift: int) -> tuple[array[int
     return array("i", starts), array("i", ends)
 
 
-_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
-
-
 def json_elements(ids: list[int]) -> str:
-    """``ids`` as the elements of a JSON array, no brackets ("1,2,3")."""
-    return _ENCODE(ids)[1:-1]
+    """``ids`` as the elements of a JSON array, no brackets ("1,2,3"); orjson: ~18x the standard
+    encoder on a list of ints (docs/performance-log/gateway.md)."""
+    return orjson.dumps(ids)[1:-1].decode()
 
 
 def joined_elements(*parts: str) -> str:
