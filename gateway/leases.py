@@ -147,14 +147,6 @@ class LeaseTable:
         self.store.set_lease(conv, None)
         return lease
 
-    def drop_worker(self, worker_url: str) -> list[Lease]:
-        """Forget every lease on a worker that left the rotation for good."""
-        gone = [conv for conv in self.store.leased() if conv.lease is not None and conv.lease.worker_url == worker_url]
-        leases = [conv.lease for conv in gone if conv.lease is not None]
-        for conv in gone:
-            self.store.set_lease(conv, None)
-        return leases
-
     def renewed(self, key: str, *, lease_id: str, expires_at: float, now: float) -> None:
         lease = self.get(key)
         if lease is not None and lease.lease_id == lease_id:

@@ -213,7 +213,7 @@ def test_kept_prefixes_go_with_their_conversation_records(tokenizer: TextTokeniz
     prefixes = TokenPrefixes(tokenizer, store)
     for i in range(6):
         encode(prefixes, f"<|im_start|>user\nsession {i} asks a question<|im_end|>\n<|im_start|>assistant\n", key=f"s{i}")
-    # the three most recent sessions' records: each its prompt's prefix and its first message's (shared)
+    # the three most recent conversations' records: each its prompt's prefix and its first message's (shared)
     assert [c.key for c in store] == ["s3", "s4", "s5"] and len(store._prefixes) == 6
     assert encode(prefixes, "<|im_start|>user\nsession 5 asks a question<|im_end|>\n<|im_start|>assistant\nok", key="s5")
     assert prefixes.hits == 1
