@@ -158,13 +158,12 @@ class Conversations:
 
     def _evict(self, *, keep: Conversation) -> None:
         """Least recently used first, never ``keep`` nor a record with a turn in flight."""
-        if len(self._records) <= self.max_conversations and self._tokens <= self.max_tokens:
-            return
-        for conv in list(self._records.values()):
-            if len(self._records) <= self.max_conversations and self._tokens <= self.max_tokens:
+        while len(self._records) > self.max_conversations or self._tokens > self.max_tokens:
+            # the first idle record from the least recently used end (usually the very first)
+            victim = next((c for c in self._records.values() if c is not keep and c.active == 0), None)
+            if victim is None:
                 return
-            if conv is not keep and conv.active == 0:
-                self.forget(conv.key)
+            self.forget(victim.key)
 
     def take_evicted_leases(self) -> list[Lease]:
         """Leases of records evicted since the last call (the keeper releases them)."""
