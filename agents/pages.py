@@ -87,9 +87,9 @@ def page_mix(tag_lists: Sequence[Sequence[int]], *, page_size: int = PAGE_SIZE) 
 
 def measure(*, agents: int = AGENTS, spec: LoadSpec = SPEC) -> tuple[Pages, int, int]:
     """(pages, residual, tokens) of ``agents`` agents' last prompts on the built-in tiny model."""
-    from kvserving.gateway.chat_template import ChatTemplate
-    from kvserving.gateway.tagger import ChatTagger
-    from kvserving.gateway.tokenizer import TextTokenizer
+    from kvserving.gateway.prompt.chat_template import ChatTemplate
+    from kvserving.gateway.prompt.tagger import ChatTagger
+    from kvserving.gateway.prompt.tokenizer import TextTokenizer
     from kvserving.model_dir import tiny_model_dir
 
     root = tiny_model_dir()

@@ -44,9 +44,9 @@ from typing import Any
 from kvserving.agents.load import WORDS, Conversation, agent
 from kvserving.agents.pages import SPEC as AGENT_SPEC
 from kvserving.bits import bits_table_for_budget
-from kvserving.gateway.chat_template import ChatTemplate
-from kvserving.gateway.tagger import ChatTagger
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.chat_template import ChatTemplate
+from kvserving.gateway.prompt.tagger import ChatTagger
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.model_dir import tiny_model_dir
 from kvserving.worker.kv.cache import budget_controller
 from kvserving.worker.kv.manager import KVCacheManager

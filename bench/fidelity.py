@@ -96,9 +96,9 @@ from kvserving.calibrate.measure import METRICS, calibrate, capture_qkv, select_
 from kvserving.calibrate.kl import kl_sum, log_probs, predicted, table_attn_distortion, table_bits
 from kvserving.calibration import Calibration, budget_key
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
-from kvserving.gateway.chat_template import ChatTemplate, normalize_messages, normalize_tools
-from kvserving.gateway.tagger import ChatTagger
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.chat_template import ChatTemplate, normalize_messages, normalize_tools
+from kvserving.gateway.prompt.tagger import ChatTagger
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.model_dir import tiny_model_dir
 from kvserving.worker.attention import causal_attention
 from kvserving.worker.engine import LLMEngine

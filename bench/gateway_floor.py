@@ -35,11 +35,13 @@ from typing import Any
 import uvicorn
 
 from kvserving.config import GatewayConfig
-from kvserving.gateway.chat_template import normalize_messages
-from kvserving.gateway.completions import SSE_DONE, ChatFrames, ModelInfo
+from kvserving.gateway.prompt.chat_template import normalize_messages
+from kvserving.gateway.model import ModelInfo
+from kvserving.gateway.relay import SSE_DONE, ChatFrames
 from kvserving.gateway.detokenize import IncrementalDetokenizer
 from kvserving.gateway.front import SSE_HEADERS
-from kvserving.gateway.token_prefixes import TokenPrefixes
+from kvserving.gateway.conversations import Conversations
+from kvserving.gateway.prompt.token_prefixes import TokenPrefixes
 from kvserving.gateway.upstream import ConnectionPool
 from kvserving.gateway.workers import SSEEvents
 from kvserving.tags import encode_tag
@@ -55,7 +57,8 @@ class Floor:
         model = ModelInfo.load(model_dir, served_name=served_name, max_kept_tokens=GatewayConfig().max_kept_tokens)
         self.tokenizer = model.tokenizer
         self.template = model.tagger.template
-        self.prefixes = TokenPrefixes(self.tokenizer)
+        self.kept = Conversations()
+        self.prefixes = TokenPrefixes(self.tokenizer, self.kept)
         self.pool = ConnectionPool(connect_timeout_s=5.0)
         self.worker_url = worker_url
         self.served_name = served_name
@@ -79,7 +82,10 @@ class Floor:
         request = json.loads(body)
         messages = normalize_messages(request["messages"])
         text = self.template.render(messages, add_generation_prompt=True)
-        ids = self.prefixes.encode(text).ids
+        got = self.prefixes.encode_prefixed(text)
+        # kept on the record of the conversation its first messages name (the floor has no identity stage)
+        self.kept.keep_prefixes(self.kept.open(repr(request["messages"][:2]), scope=""), got.filed)
+        ids = got.ids
         worker_body = json.dumps({
             "request_id": f"floor-{uuid.uuid4().hex}", "input_ids": ids, "tags": [USER_TAG] * len(ids),
             "sampling": {"max_tokens": int(request.get("max_tokens") or 16), "temperature": 1.0, "top_p": 1.0,

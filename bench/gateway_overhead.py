@@ -63,9 +63,9 @@ import aiohttp
 import httpx
 
 from kvserving.config import ServingConfig
-from kvserving.gateway.chat_template import ChatTemplate
-from kvserving.gateway.tagger import ChatTagger
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.chat_template import ChatTemplate
+from kvserving.gateway.prompt.tagger import ChatTagger
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.model_dir import resolve_model_dir
 from kvserving.local.stack import free_port
 

@@ -106,8 +106,8 @@ def token_fit(model: Path) -> tuple[float, float, int, list[tuple[int, int]]]:
     from agents import cpu_load  # bench/agents.py
 
     from kvserving.agents.load import WORDS, Conversation, agent
-    from kvserving.gateway.chat_template import ChatTemplate, normalize_messages, normalize_tools
-    from kvserving.gateway.tokenizer import TextTokenizer
+    from kvserving.gateway.prompt.chat_template import ChatTemplate, normalize_messages, normalize_tools
+    from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
     tok = TextTokenizer.from_dir(model)
     tmpl = ChatTemplate.from_dir(model)

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvserving.agents.load import Dist, LoadSpec, agent
 from kvserving.gateway.errors import GatewayError
-from kvserving.gateway.tagger import ChatTagger
+from kvserving.gateway.prompt.tagger import ChatTagger
 
 WRAPS = ("agent", "pieces")
 READ_FILE_TOOL = {

@@ -73,9 +73,9 @@ from kvserving.calibrate.data import WRAPS, TaggedSeq, load_data
 from kvserving.calibrate.kl import class_kl, log_probs, table_kl
 from kvserving.calibration import SCALED_DTYPES, Calibration, LayerScales, budget_key
 from kvserving.config import ModelConfig
-from kvserving.gateway.chat_template import ChatTemplate
-from kvserving.gateway.tagger import ChatTagger
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.chat_template import ChatTemplate
+from kvserving.gateway.prompt.tagger import ChatTagger
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.kernels.fp8 import dequantize_fp8, quantize_fp8
 from kvserving.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from kvserving.model_dir import resolve_model_dir

@@ -210,9 +210,9 @@ class GatewayConfig:
     lease_heartbeat_s: float = 30.0  # renew active conversations' leases this often
     max_leases: int = 100_000  # lease-table entries; the least recently active is released beyond it
     max_inflight_per_worker: int = 256  # a lease holder busier than this is "overloaded"
-    # What the gateway keeps between turns, least recently used forgotten first (its memory):
-    # conversations with identity records and held ids, and tokens of held ids and of
-    # tokenized recent prompts (each ~20-30 bytes a token; kept renders take 4 characters a token).
+    # What the gateway keeps between turns (its memory): conversation records (gateway/conversations.py),
+    # least recently used forgotten first; each is charged the longest of its held ids, its kept
+    # prompt prefix and its kept render (4 characters a token), ~60-80 bytes a token in all forms.
     max_conversations: int = 10_000
     max_kept_tokens: int = 4_000_000
 

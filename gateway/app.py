@@ -33,11 +33,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvserving.config import ServingConfig
 
 from . import openai_types as oa
-from .completions import Completions, ModelInfo
+from .completions import Completions, build_conversations
+from .model import ModelInfo
 from .errors import GatewayError, authentication, model_not_found, not_found, server_error
-from .exact_history import ExactHistory
 from .front import CompletionRoutes, api_key_ok
-from .identity import ConversationIndex
 from .leases import LeaseKeeper, LeaseTable
 from .metrics import GatewayMetrics, PromptReuse
 from .tenants import Tenants
@@ -71,16 +70,17 @@ def build_state(config: ServingConfig, *, model: ModelInfo, registry: CollectorR
                           first_byte_timeout_s=gw.first_byte_timeout_s, event_timeout_s=gw.event_timeout_s,
                           token=token)
     pool = WorkerPool(gw, client)
-    table = LeaseTable(lease_ttl_s=config.reuse.lease_ttl_s, heartbeat_s=gw.lease_heartbeat_s, max_leases=gw.max_leases)
+    conversations = build_conversations(config, model)  # one record per conversation: leases, held ids, kept prompts
+    table = LeaseTable(conversations, lease_ttl_s=config.reuse.lease_ttl_s, heartbeat_s=gw.lease_heartbeat_s,
+                       max_leases=gw.max_leases)
     keeper = LeaseKeeper(table, client, retention_ttl_s=config.reuse.retention_ttl_s, events=metrics, clock=time.time)
     turns = Turns(pool=pool, client=client, keeper=keeper, metrics=metrics,
                   max_inflight_per_worker=gw.max_inflight_per_worker, bidirectional=config.reuse.bidirectional)
-    index = ConversationIndex(page_size=config.kv_cache.effective_page_size, max_conversations=gw.max_conversations)
-    history = ExactHistory(model.tokenizer, max_conversations=gw.max_conversations, max_tokens=gw.max_kept_tokens)
     # Tenant ids are keyed with the internal credential: every replica of a deployment computes the same.
     tenants = Tenants(keyed=bool(gw.api_keys), share=config.security.tenants_share_cache,
                       secret=(token or "").encode())
-    completions = Completions(model=model, turns=turns, metrics=metrics, index=index, history=history, tenants=tenants)
+    completions = Completions(model=model, turns=turns, metrics=metrics, conversations=conversations, tenants=tenants,
+                              page_size=config.kv_cache.effective_page_size)
     registry.register(PromptReuse(model.tagger))
     return GatewayState(config, model, metrics, client, pool, keeper, completions)
 

@@ -26,22 +26,25 @@ tag of the canonical token covering its first character, and each user turn
 starts at the first token at or after its header's character. Anything that
 does not extend the held text (an edited history, a stop string cut the
 reply, a client that dropped the reasoning) leaves the prompt as rendered.
+
+What is held is the conversation record's ``held`` (conversations.py), bounded
+by the store's budget; this module computes it (``ExactHistory.held_after``)
+and splices with it (``ExactHistory.splice``), and keeps nothing itself.
 """
 
 from __future__ import annotations
 
 import bisect
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from .tag_spans import expand_runs
-from .tagger import TaggedPrompt
-from .token_prefixes import joined_elements as _joined_elements
-from .token_prefixes import json_elements as _elements
-from .tokenizer import Encoded
+from .prompt.tag_spans import expand_runs
+from .prompt.tagger import TaggedPrompt
+from .prompt.token_prefixes import joined_elements as _joined_elements
+from .prompt.token_prefixes import json_elements as _elements
+from .prompt.tokenizer import Encoded
 
 
 class SpliceTokenizer(Protocol):
@@ -66,7 +69,9 @@ class Sent:
 
 
 @dataclass(frozen=True, slots=True)
-class _Held:
+class Held:
+    """What the workers hold for a conversation (module docstring)."""
+
     # Arrays, not tuples: a conversation's held ids and starts live for minutes, and a
     # tuple of ints is a container the cyclic GC traverses element by element (tens of
     # ms per young collection over a few hundred conversations: docs/performance-log/gateway.md).
@@ -83,34 +88,13 @@ def _as_rendered(prompt: TaggedPrompt) -> Sent:
 
 
 class ExactHistory:
-    """What the workers hold for each conversation, LRU-bounded: at most
-    ``max_conversations`` conversations and ``max_tokens`` held ids in all (~20 bytes a
-    held token: its id, its start, its text and its JSON; 4M tokens ~80 MB). A count
-    alone is no bound: 10,000 agent conversations of 30K tokens would hold 5 GB."""
+    """Splices a prompt onto what the workers hold, and computes what they hold after a turn
+    (~20 bytes a held token: its id, its start, its text and its JSON)."""
 
-    def __init__(self, tokenizer: SpliceTokenizer, *, max_conversations: int = 10_000, max_tokens: int = 4_000_000) -> None:
-        for name, value in (("max_conversations", max_conversations), ("max_tokens", max_tokens)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+    def __init__(self, tokenizer: SpliceTokenizer) -> None:
         self.tokenizer = tokenizer
-        self.max_conversations = max_conversations
-        self.max_tokens = max_tokens
-        self._held: OrderedDict[str, _Held] = OrderedDict()
-        self._tokens = 0  # held ids over every conversation
 
-    @property
-    def tokens(self) -> int:
-        return self._tokens
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def forget(self, key: str) -> None:
-        held = self._held.pop(key, None)
-        if held is not None:
-            self._tokens -= len(held.ids)
-
-    def record(self, key: str, sent: Sent, output_ids: list[int], output_text: str) -> None:
+    def held_after(self, sent: Sent, output_ids: list[int], output_text: str) -> Held:
         """After a turn: ``sent`` went out, ``output_ids`` came back, the client got ``output_text``."""
         # Trailing tokens the client never saw (the stop token) go: the template renders its
         # own end-of-turn text after the reply, and the worker never computed the KV of the
@@ -123,18 +107,10 @@ class ExactHistory:
         starts.extend(cut + s for s in self._visible_starts(output_ids, output_text))
         ids = array("i", sent.prompt.input_ids)
         ids.extend(output_ids)
-        self.forget(key)
-        self._held[key] = _Held(ids, starts, sent.prompt.text + output_text, _joined_elements(sent.ids_json[1:-1], _elements(output_ids)))
-        self._tokens += len(ids)
-        # the least recently used go first; the conversation just recorded stays even when it
-        # alone passes max_tokens (its next turn needs it; the one after evicts it if it grows)
-        while len(self._held) > 1 and (len(self._held) > self.max_conversations or self._tokens > self.max_tokens):
-            _, oldest = self._held.popitem(last=False)
-            self._tokens -= len(oldest.ids)
+        return Held(ids, starts, sent.prompt.text + output_text, _joined_elements(sent.ids_json[1:-1], _elements(output_ids)))
 
-    def splice(self, key: str, prompt: TaggedPrompt) -> Sent:
+    def splice(self, held: Held | None, prompt: TaggedPrompt) -> Sent:
         """The prompt to send: the held ids + the rest, when the new text extends the held text."""
-        held = self._held.get(key)
         if held is None or not prompt.text.startswith(held.text):
             return _as_rendered(prompt)
         n = len(held.ids)
@@ -143,7 +119,6 @@ class ExactHistory:
         canon = self._char_starts(prompt)
         if len(canon) != len(prompt.tags):
             return _as_rendered(prompt)
-        self._held.move_to_end(key)
         cut = len(held.text)
         rest = self.tokenizer.encode(prompt.text[cut:])
         ids = held.ids.tolist() + list(rest.ids)

@@ -43,10 +43,10 @@ The longest matching S wins (the most specific conversation). Sequences are
 indexed by a hash chained over their full pages of `page_size` tokens: the
 chain of P is computed once and each remembered sequence is filed under the
 chain value at its last full page (plus its few tail tokens), so a lookup is
-one pass over P's pages plus dictionary hits — no per-token index. Memory is
-bounded: at most `max_records` sequences (least recently used go first; by
-default `records_per_conversation` x `max_conversations`) and
-`records_per_conversation` each, at most `max_conversations` conversations.
+one pass over P's pages plus dictionary hits — no per-token index. The
+sequences are the conversation records' (conversations.py: at most
+SEQUENCES_PER_CONVERSATION each, filed in the store's sequence index and
+dropped with their record); a match makes its record the most recently used.
 Pure (no I/O), not thread-safe (one event loop owns it).
 
 Use: `identify(headers=..., body=..., prompt=tagged)` before routing;
@@ -62,7 +62,6 @@ from __future__ import annotations
 import hashlib
 import uuid
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -70,6 +69,7 @@ from typing import Any, Protocol
 
 from kvserving.tags import SEMANTIC
 
+from .conversations import Conversations, SequenceId
 from .tenants import Tenant
 
 SESSION_HEADERS = (
@@ -186,48 +186,17 @@ def _filed_under(tenant: Tenant, chain_value: int) -> int:
     return hash((tenant.id, chain_value)) if tenant.id else chain_value
 
 
-# A remembered sequence: (where it is filed: its tenant and chain value at its last full page, length, tail ids).
-_RecordId = tuple[int, int, tuple[int, ...]]
 
 
-class ConversationIndex:
-    """Recent conversations' token sequences, for sources 4 and 5."""
+class Identities:
+    """Sources 1-5 against the conversation store's records."""
 
-    def __init__(
-        self,
-        *,
-        page_size: int = 16,
-        max_records: int | None = None,
-        records_per_conversation: int = 4,
-        max_conversations: int = 16384,
-        new_suffix: Callable[[], str] | None = None,
-    ) -> None:
-        if max_records is None:
-            max_records = records_per_conversation * max_conversations
-        for name, value in (("page_size", page_size), ("max_records", max_records),
-                            ("records_per_conversation", records_per_conversation), ("max_conversations", max_conversations)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+    def __init__(self, store: Conversations, *, page_size: int = 16, new_suffix: Callable[[], str] | None = None) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.store = store
         self.page_size = page_size
-        self.max_records = max_records
-        self.records_per_conversation = records_per_conversation
-        self.max_conversations = max_conversations
         self._new_suffix = new_suffix or (lambda: uuid.uuid4().hex[:16])
-        self._records: OrderedDict[_RecordId, str] = OrderedDict()  # LRU, value: conversation key
-        self._by_end: dict[int, dict[_RecordId, None]] = {}
-        self._conversations: OrderedDict[str, list[_RecordId]] = OrderedDict()  # LRU
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    @property
-    def conversations(self) -> int:
-        return len(self._conversations)
-
-    def approx_bytes(self) -> int:
-        """A rough upper bound of the memory the index holds (for a gauge)."""
-        per_record = 400 + 8 * self.page_size
-        return len(self._records) * per_record + len(self._conversations) * 200
 
     def identify(self, *, headers: Mapping[str, str], body: Mapping[str, Any], prompt: PromptLike,
                  tenant: Tenant) -> Identity:
@@ -247,7 +216,8 @@ class ConversationIndex:
             return tenant.scope(f"conv:{self._new_suffix()}")
         digest = hashlib.blake2b(array("q", prompt.input_ids[:end]).tobytes(), digest_size=12).hexdigest()
         key = tenant.scope(f"conv:{digest}")
-        return key if key not in self._conversations else f"{key}-{self._new_suffix()}"
+        taken = self.store.get(key)
+        return key if taken is None or not taken.sequences else f"{key}-{self._new_suffix()}"
 
     def match(self, prompt: PromptLike, *, tenant: Tenant) -> Identity | None:
         """Source 4: the longest sequence ``tenant`` filed that the prompt continues, or None."""
@@ -257,24 +227,25 @@ class ConversationIndex:
         """``match``, and the prompt's page chain when it was computed."""
         ids = prompt.input_ids
         n = len(ids)
-        if not self._records or n == 0:
+        if not self.store.has_sequences() or n == 0:
             return None, None
         floor = self._coverage_floor(prompt)
         chain = self._chain(prompt)
         for k in range(len(chain) - 1, -1, -1):
             if (k + 1) * self.page_size - 1 <= floor:
                 break  # every sequence filed here or lower is too short
-            bucket = self._by_end.get(_filed_under(tenant, chain[k]))
+            bucket = self.store.sequences_at(_filed_under(tenant, chain[k]))
             if not bucket:
                 continue
-            best: _RecordId | None = None
+            best: SequenceId | None = None
             for rid in reversed(bucket):  # most recent first: ties go to it
                 _, length, tail = rid
                 if floor < length < n and (best is None or length > best[1]) and tuple(ids[length - len(tail) : length]) == tail:
                     best = rid
             if best is not None:
-                key = self._records[best]
-                self._touch(best, key)
+                key = self.store.sequence_owner(best)
+                assert key is not None
+                self.store.touch(key)
                 return Identity(key=key, source="prefix", matched_tokens=best[1], chain=chain), chain
         return None, chain
 
@@ -307,7 +278,7 @@ class ConversationIndex:
 
     def remember(self, key: str, ids: Sequence[int], *, tenant: Tenant, prefix: int | None = None,
                  prefix_chain: Sequence[int] | None = None) -> None:
-        """File a sequence of ``tenant``'s conversation `key` (a prompt, or prompt + output), and
+        """File a sequence of ``tenant``'s conversation `key` (a prompt, or prompt + output) on its record, and
         its first ``prefix`` tokens too when given (one chain serves both).
         ``prefix_chain``: the page chain of those first ``prefix`` tokens
         (`Identity.chain`), reused; ignored unless it has their length."""
@@ -323,50 +294,5 @@ class ConversationIndex:
 
     def _file(self, key: str, ids: Sequence[int], chain: list[int], tenant: Tenant) -> None:
         full = (len(chain) - 1) * self.page_size
-        rid: _RecordId = (_filed_under(tenant, chain[-1]), len(ids), tuple(ids[full:]))
-        previous = self._records.pop(rid, None)
-        if previous is not None and previous != key:
-            self._drop_from_conversation(previous, rid)
-        self._records[rid] = key
-        self._by_end.setdefault(rid[0], {})[rid] = None
-        records = self._conversations.pop(key, [])
-        if rid in records:
-            records.remove(rid)
-        records.append(rid)
-        self._conversations[key] = records
-        while len(records) > self.records_per_conversation:
-            self._drop_record(records.pop(0))
-        while len(self._records) > self.max_records:
-            oldest, owner = next(iter(self._records.items()))
-            self._drop_record(oldest)
-            self._drop_from_conversation(owner, oldest)
-        while len(self._conversations) > self.max_conversations:
-            self.forget(next(iter(self._conversations)))
-
-    def forget(self, key: str) -> None:
-        """Drop every sequence of a conversation."""
-        for rid in self._conversations.pop(key, []):
-            if self._records.get(rid) == key:
-                self._drop_record(rid)
-
-    def _touch(self, rid: _RecordId, key: str) -> None:
-        self._records.move_to_end(rid)
-        if key in self._conversations:
-            self._conversations.move_to_end(key)
-
-    def _drop_record(self, rid: _RecordId) -> None:
-        self._records.pop(rid, None)
-        bucket = self._by_end.get(rid[0])
-        if bucket is not None:
-            bucket.pop(rid, None)
-            if not bucket:
-                del self._by_end[rid[0]]
-
-    def _drop_from_conversation(self, key: str, rid: _RecordId) -> None:
-        records = self._conversations.get(key)
-        if records is None:
-            return
-        if rid in records:
-            records.remove(rid)
-        if not records:
-            del self._conversations[key]
+        rid: SequenceId = (_filed_under(tenant, chain[-1]), len(ids), tuple(ids[full:]))
+        self.store.file_sequence(self.store.open(key, scope=tenant.id), rid)

@@ -16,10 +16,15 @@ cache of them (``GET /internal/kv/leases?conversation_key=K``):
   dropped; an entry whose worker lease expired, or that the worker no longer
   knows (404 on renew), is dropped as an expiry;
 - the table holds at most ``max_leases`` entries: beyond that the least
-  recently active idle entry is released first.
+  recently active idle entry is released first; a conversation record the
+  store evicts has its lease released too.
 
-``LeaseTable`` is pure (clock passed in); ``LeaseKeeper`` runs the heartbeat
-loop against a ``LeaseClient`` (the workers module) and stops cleanly.
+A lease is its conversation record's ``lease`` field (conversations.py): the
+table is the lease policy over the store's records, active meaning a turn in
+flight (``Conversation.active``). ``LeaseTable`` is pure (clock passed in);
+``LeaseKeeper`` runs the heartbeat loop against a ``LeaseClient`` (the workers
+module) and stops cleanly, and sets the leases gauge to the leases that are
+live (not past their worker's expiry).
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from .conversations import Conversation, Conversations
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +51,6 @@ class Lease:
     params: dict[str, Any]  # the decode's last kv_transfer_params
     last_active: float
     last_renewed: float
-    inflight: int = 0
     # read from params once (every heartbeat sweep and route reads them; the simulator, per turn):
     # params is a private copy, and only ``LeaseTable.renewed`` changes it, through ``set_expiry``
     lease_id: str = field(init=False)
@@ -69,97 +75,101 @@ class Sweep:
 
 
 class LeaseTable:
-    """conversation key -> Lease, ordered by last activity (oldest first)."""
+    """The leases of a conversation store's records, ordered by last activity (oldest first)."""
 
-    def __init__(self, *, lease_ttl_s: float, heartbeat_s: float, max_leases: int) -> None:
+    def __init__(self, store: Conversations | None = None, *, lease_ttl_s: float, heartbeat_s: float,
+                 max_leases: int) -> None:
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
         if heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s}")
         if max_leases < 1:
             raise ValueError(f"max_leases must be >= 1, got {max_leases}")
+        self.store = store if store is not None else Conversations()
         self.lease_ttl_s = lease_ttl_s
         self.heartbeat_s = heartbeat_s
         self.max_leases = max_leases
-        self._leases: OrderedDict[str, Lease] = OrderedDict()
-        self.per_worker: Counter[str] = Counter()  # worker URL -> entries on it
 
     def __len__(self) -> int:
-        return len(self._leases)
+        return self.store.lease_count
+
+    @property
+    def per_worker(self) -> Counter[str]:
+        """worker URL -> leases on it."""
+        return self.store.per_worker
 
     def get(self, key: str) -> Lease | None:
-        return self._leases.get(key)
+        conv = self.store.get(key)
+        return conv.lease if conv is not None else None
 
     def keys(self) -> list[str]:
-        return list(self._leases)
+        return [conv.key for conv in self.store.leased()]
+
+    def live(self, *, now: float) -> int:
+        """Leases not past their worker's expiry (unknown expiry counts as live)."""
+        return sum(1 for conv in self.store.leased() if conv.lease is not None and not 0 < conv.lease.expires_at <= now)
 
     def begin_turn(self, key: str, *, now: float) -> None:
         """A turn of this conversation starts: it is active (never released mid-turn)."""
-        lease = self._leases.get(key)
-        if lease is not None:
-            lease.inflight += 1
-            lease.last_active = now
-            self._leases.move_to_end(key)
+        self.store.begin_turn(self.store.open(key, scope=""), now=now)
 
     def end_turn(self, key: str, *, now: float) -> None:
-        lease = self._leases.get(key)
-        if lease is not None:
-            lease.inflight = max(0, lease.inflight - 1)
-            lease.last_active = now
-            self._leases.move_to_end(key)
+        conv = self.store.get(key)
+        if conv is not None:
+            self.store.end_turn(conv, now=now)
 
-    def put(self, key: str, *, worker_url: str, params: dict[str, Any], now: float, inflight: int = 0) -> list[Lease]:
+    def put(self, key: str, *, worker_url: str, params: dict[str, Any], now: float) -> list[Lease]:
         """Record the decode's new params; returns entries evicted to stay within ``max_leases``
         (and the replaced entry if the conversation moved to another worker), which the caller releases."""
-        old = self._pop(key)
+        conv = self.store.open(key, scope="")
+        old = conv.lease
         replaced: list[Lease] = []
-        if old is not None:
-            inflight = max(inflight, old.inflight)
-            # Superseded on another worker: free the old pins there. A worker itself keeps only a
-            # conversation's newest lease, so one replaced on the same worker is already gone
-            # (releasing it anyway cost an HTTP round trip per turn on both sides).
-            if old.lease_id and old.lease_id != str(params.get("lease_id", "")) and old.worker_url != worker_url:
-                replaced.append(old)
-        self._add(Lease(key, worker_url, _kept(params), now, now, inflight))
-        return replaced + self._evict_over_capacity(keep=key)
+        # Superseded on another worker: free the old pins there. A worker itself keeps only a
+        # conversation's newest lease, so one replaced on the same worker is already gone
+        # (releasing it anyway cost an HTTP round trip per turn on both sides).
+        if old is not None and old.lease_id and old.lease_id != str(params.get("lease_id", "")) and old.worker_url != worker_url:
+            replaced.append(old)
+        self.store.set_lease(conv, Lease(key, worker_url, _kept(params), now, now))
+        return replaced + self._evict_over_capacity(keep=conv)
 
     def remember(self, key: str, *, worker_url: str, params: dict[str, Any], now: float) -> None:
         """Cache what a worker reported for ``key`` (a lookup after a miss); not activity."""
-        if key not in self._leases:
-            self._add(Lease(key, worker_url, _kept(params), now, now))
+        conv = self.store.open(key, scope="")
+        if conv.lease is None:
+            self.store.set_lease(conv, Lease(key, worker_url, _kept(params), now, now))
 
     def drop(self, key: str, *, lease_id: str | None = None) -> Lease | None:
-        """Forget ``key`` (only if it still has ``lease_id``, when given)."""
-        lease = self._leases.get(key)
-        if lease is None or (lease_id is not None and lease.lease_id != lease_id):
+        """Forget ``key``'s lease (only if it still has ``lease_id``, when given)."""
+        conv = self.store.get(key)
+        lease = conv.lease if conv is not None else None
+        if conv is None or lease is None or (lease_id is not None and lease.lease_id != lease_id):
             return None
-        return self._pop(key)
-
-    def drop_worker(self, worker_url: str) -> list[Lease]:
-        """Forget every lease on a worker that left the rotation for good."""
-        gone = [lease for lease in self._leases.values() if lease.worker_url == worker_url]
-        for lease in gone:
-            self._pop(lease.conversation_key)
-        return gone
+        self.store.set_lease(conv, None)
+        return lease
 
     def renewed(self, key: str, *, lease_id: str, expires_at: float, now: float) -> None:
-        lease = self._leases.get(key)
+        lease = self.get(key)
         if lease is not None and lease.lease_id == lease_id:
             lease.set_expiry(expires_at)
             lease.last_renewed = now
 
     def sweep(self, *, now: float) -> Sweep:
-        """Classify every entry; removes the released and expired ones from the table."""
+        """Classify every lease; removes the released and expired ones from their records."""
         out = Sweep()
-        for lease in list(self._leases.values()):
-            if lease.inflight == 0 and lease.expires_at and lease.expires_at <= now:
+        done: list[Conversation] = []
+        for conv in self.store.leased():
+            lease = conv.lease
+            assert lease is not None
+            if conv.active == 0 and lease.expires_at and lease.expires_at <= now:
                 out.expired.append(lease)
-            elif lease.inflight == 0 and now - lease.last_active >= self.lease_ttl_s:
+                done.append(conv)
+            elif conv.active == 0 and now - lease.last_active >= self.lease_ttl_s:
                 out.release.append(lease)
+                done.append(conv)
             elif self._needs_renewal(lease, now=now):
                 out.renew.append(lease)
-        for lease in out.expired + out.release:
-            self._pop(lease.conversation_key)
+        for conv in done:
+            self.store.set_lease(conv, None)
         return out
 
     def _needs_renewal(self, lease: Lease, *, now: float) -> bool:
@@ -170,30 +180,17 @@ class LeaseTable:
         outlives = lease.expires_at >= lease.last_active + self.lease_ttl_s
         return not outlives and lease.expires_at - now < 2 * self.heartbeat_s
 
-    def _evict_over_capacity(self, *, keep: str) -> list[Lease]:
+    def _evict_over_capacity(self, *, keep: Conversation) -> list[Lease]:
         evicted: list[Lease] = []
-        if len(self._leases) <= self.max_leases:
+        if self.store.lease_count <= self.max_leases:
             return evicted
-        for key in list(self._leases):  # oldest activity first
-            if len(self._leases) <= self.max_leases:
+        for conv in self.store.leased():  # oldest activity first
+            if self.store.lease_count <= self.max_leases:
                 break
-            lease = self._leases[key]
-            if key != keep and lease.inflight == 0:
-                evicted.append(self._leases[key])
-                self._pop(key)
+            if conv is not keep and conv.active == 0 and conv.lease is not None:
+                evicted.append(conv.lease)
+                self.store.set_lease(conv, None)
         return evicted
-
-    def _add(self, lease: Lease) -> None:
-        self._leases[lease.conversation_key] = lease
-        self.per_worker[lease.worker_url] += 1
-
-    def _pop(self, key: str) -> Lease | None:
-        lease = self._leases.pop(key, None)
-        if lease is not None:
-            self.per_worker[lease.worker_url] -= 1
-            if self.per_worker[lease.worker_url] <= 0:
-                del self.per_worker[lease.worker_url]
-        return lease
 
 
 class LeaseClient(Protocol):
@@ -257,17 +254,15 @@ class LeaseKeeper:
             return None
         self.events.lease_event("lookup_hit")
         self.table.remember(key, worker_url=best[1], params=best[2], now=self.clock())
-        self.events.set_leases(len(self.table))
         return self.table.get(key)
 
     async def record(self, key: str, *, worker_url: str, params: dict[str, Any] | None) -> None:
-        """After a turn: store the decode's returned params (None: the worker kept nothing)."""
+        """After a turn: store the decode's returned params (None: the worker kept nothing); the
+        superseded lease, and those of records the store evicted, are released off the turn's path."""
         now = self.clock()
-        stale: list[Lease] = []
+        stale = self.table.store.take_evicted_leases()
         if params and params.get("lease_id"):
-            stale = self.table.put(key, worker_url=worker_url, params=params, now=now)
-        self.table.end_turn(key, now=now)
-        self.events.set_leases(len(self.table))
+            stale += self.table.put(key, worker_url=worker_url, params=params, now=now)
         if stale:
             # off the turn's path: a superseded lease's worker may be the frozen one the turn left
             task = asyncio.get_running_loop().create_task(self._release_all(stale))
@@ -275,11 +270,11 @@ class LeaseKeeper:
             task.add_done_callback(self._releasing.discard)
 
     async def run_once(self) -> None:
-        """One heartbeat: release idle, forget expired, renew active leases."""
+        """One heartbeat: release idle (and evicted records'), forget expired, renew active leases."""
         sweep = self.table.sweep(now=self.clock())
         if sweep.expired:
             self.events.lease_event("expired", len(sweep.expired))
-        await self._release_all(sweep.release)
+        await self._release_all(sweep.release + self.table.store.take_evicted_leases())
         results = await asyncio.gather(
             *(self.client.renew_lease(lease.worker_url, lease.lease_id, ttl_s=self.retention_ttl_s) for lease in sweep.renew),
             return_exceptions=True,
@@ -293,7 +288,7 @@ class LeaseKeeper:
                 continue
             self.table.renewed(lease.conversation_key, lease_id=lease.lease_id, expires_at=result, now=self.clock())
             self.events.lease_event("renewed")
-        self.events.set_leases(len(self.table))
+        self.events.set_leases(self.table.live(now=self.clock()))
 
     async def _release_all(self, leases: Sequence[Lease]) -> None:
         if not leases:

@@ -36,8 +36,7 @@ matched) closes the worker connection, which aborts the request upstream.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,9 +103,11 @@ class TurnResult:
 
 @dataclass(slots=True)
 class Turn:
-    """A routed turn; iterate ``tokens()`` once."""
+    """The execute stage: a routed turn runs its prefill, its decode and the pulls between
+    them, and retries on another worker (``router``) what a lost worker failed; iterate
+    ``tokens()`` once."""
 
-    turns: Turns
+    router: Turns
     request: TurnRequest
     decode: WorkerState
     prefill: WorkerState | None
@@ -133,160 +134,96 @@ class Turn:
             decode_url=self.decode.url, prefill_url=self.prefill.url if self.prefill is not None else None,
         )
 
-    def tokens(self) -> AsyncGenerator[list[list[int]], None]:
-        # The generator itself, not a wrapper around it: every level of generators is paid per token.
-        return self.turns._run(self)
-
-
-class Turns:
-    """Runs turns; owns nothing but references to the pool, client, lease keeper and metrics."""
-
-    def __init__(
-        self,
-        *,
-        pool: WorkerPool,
-        client: WorkerClient,
-        keeper: LeaseKeeper,
-        metrics: GatewayMetrics,
-        max_inflight_per_worker: int,
-        bidirectional: bool = True,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.pool = pool
-        self.client = client
-        self.keeper = keeper
-        self.metrics = metrics
-        self.max_inflight = max_inflight_per_worker
-        # reuse.bidirectional off: the decode worker keeps no lease and nothing it holds
-        # is offered to the next turn's prefill (the prefill worker's own cache still serves)
-        self.bidirectional = bidirectional
-        self.clock = clock
-
-    async def start(self, request: TurnRequest) -> Turn:
-        """Route the turn (no worker request yet); 503 when no worker can take it."""
-        lease = None
-        if request.conversation_key is not None:
-            ask = [w.url for w in self._decoders() if w.healthy] if request.has_history else []
-            lease = await self.keeper.lookup(request.conversation_key, decode_urls=ask)
-        decode, prefill = self._route(request, lease)
-        return Turn(self, request, decode, prefill, lease)
-
-    def _decoders(self) -> list[WorkerState]:
-        return [w for w in self.pool.workers.values() if w.role in ("decode", "both")]
-
-    def _choose_decode(self, lease: Lease | None) -> WorkerState | None:
-        held = self.keeper.table.per_worker
-        views = [WorkerView(w.url, w.healthy, w.inflight, held.get(w.url, 0)) for w in self._decoders()]
-        decision = choose_decode(views, lease_url=lease.worker_url if lease else None, max_inflight=self.max_inflight)
-        if decision is None:
-            return None
-        self.metrics.route("decode", decision.reason)
-        return self.pool.workers[decision.url]
-
-    def _route(self, request: TurnRequest, lease: Lease | None) -> tuple[WorkerState, WorkerState | None]:
-        decode = self._choose_decode(lease)
-        if decode is None:
-            raise service_unavailable("No healthy decode worker is available; retry shortly.", retry_after_s=RETRY_AFTER_S)
-        if decode.role == "both":
-            return decode, None
-        prefillers = [w.view() for w in self.pool.workers.values() if w.role in ("prefill", "both")]
-        choice = choose_prefill(prefillers, key=prefix_key(request.input_ids))
-        if choice is None:
-            raise service_unavailable("No healthy prefill worker is available; retry shortly.", retry_after_s=RETRY_AFTER_S)
-        self.metrics.route("prefill", choice.reason)
-        return decode, self.pool.workers[choice.url]
-
-    async def _run(self, turn: Turn) -> AsyncGenerator[list[list[int]], None]:
-        """The reply's tokens. A worker lost before anything of its stream was relayed is
-        taken out of the rotation and the turn is routed once more (module docstring)."""
-        key = turn.request.conversation_key
-        if key is not None:
-            self.keeper.table.begin_turn(key, now=self.clock())
+    async def tokens(self) -> AsyncGenerator[list[list[int]], None]:
+        """The reply's tokens, in batches (iterate once). A worker lost before anything of its
+        stream was relayed is taken out of the rotation and the turn is routed once more
+        (module docstring)."""
+        key = self.request.conversation_key
         final: dict[str, Any] = {}
         # The decode worker's load counts from the routing decision (no await since it) to the
         # turn's end, prefill included: counted only while its own request ran, a burst of new
         # conversations all saw every decode worker idle and all went to the first.
-        turn.decode.inflight += 1
+        self.decode.inflight += 1
         try:
             for attempt in range(2):
                 try:
-                    async with aclosing(self._attempt(turn, final)) as tokens:
+                    async with aclosing(self._attempt(final)) as tokens:
                         async for batch in tokens:
                             yield batch
                     break
                 except UpstreamError as exc:
                     error = self._upstream(exc)
-                    at_decode = exc.url == turn.decode.url
-                    relayed = turn._decode_relayed if at_decode else turn._prefilled is not None
+                    at_decode = exc.url == self.decode.url
+                    relayed = self._decode_relayed if at_decode else self._prefilled is not None
                     if attempt == 1 or relayed or not _worker_lost(exc):
                         raise error from exc
-                    if turn.lease is not None and exc.url == turn.lease.worker_url:
-                        self._holder_unresponsive(turn)
-                    if turn._prefilled is not None:  # the prefill's first token is out: the decode only
-                        decode = self._choose_decode(turn.lease)
+                    if self.lease is not None and exc.url == self.lease.worker_url:
+                        self._holder_unresponsive()
+                    if self._prefilled is not None:  # the prefill's first token is out: the decode only
+                        decode = self.router.choose_decode(self.lease)
                         if decode is None:
                             raise error from exc
-                        self._switch_decode(turn, decode)
+                        self._switch_decode(decode)
                     else:
-                        decode, turn.prefill = self._route(turn.request, turn.lease)
-                        self._switch_decode(turn, decode)
-                    self.metrics.route("retry", exc.kind)
+                        decode, self.prefill = self.router.route(self.request, self.lease)
+                        self._switch_decode(decode)
+                    self.router.metrics.route("retry", exc.kind)
         finally:
-            turn.decode.inflight -= 1
+            self.decode.inflight -= 1
             if key is not None:
-                await self.keeper.record(key, worker_url=turn.decode.url, params=final.get("kv_transfer_params"))
+                await self.router.keeper.record(key, worker_url=self.decode.url, params=final.get("kv_transfer_params"))
 
-    @staticmethod
-    def _switch_decode(turn: Turn, decode: WorkerState) -> None:
-        turn.decode.inflight -= 1
+    def _switch_decode(self, decode: WorkerState) -> None:
+        self.decode.inflight -= 1
         decode.inflight += 1
-        turn.decode = decode
+        self.decode = decode
 
-    def _holder_unresponsive(self, turn: Turn) -> None:
+    def _holder_unresponsive(self) -> None:
         """The lease holder is frozen or gone: out of the rotation, the turn counted once."""
-        assert turn.lease is not None
-        self.pool.mark_unhealthy(turn.lease.worker_url)
-        if not turn._holder_lost:
-            turn._holder_lost = True
-            self.metrics.reuse_fallback(HOLDER_UNRESPONSIVE)
+        assert self.lease is not None
+        self.router.pool.mark_unhealthy(self.lease.worker_url)
+        if not self._holder_lost:
+            self._holder_lost = True
+            self.router.metrics.reuse_fallback(HOLDER_UNRESPONSIVE)
 
-    def _check_holder(self, turn: Turn, prefill_final: dict[str, Any]) -> None:
+    def _check_holder(self, prefill_final: dict[str, Any]) -> None:
         """After a prefill that pulled from the lease holder: a pull that found the holder
         unreachable or frozen moves the decode to another worker (if there is one) before
         the prefill's token is relayed; the prefill recomputed what the holder kept."""
         fallback = (prefill_final.get("usage") or {}).get("reuse_fallback")
-        lease = turn.lease
+        lease = self.lease
         if fallback not in HOLDER_LOST or lease is None:
             return
         log.warning("lease holder %s unresponsive to the prefill's pull (%s): decoding elsewhere", lease.worker_url, fallback)
         if fallback == "remote_unreachable":
-            self._holder_unresponsive(turn)
+            self._holder_unresponsive()
         # A READ past its deadline may be a slow transfer, not a frozen holder: this turn
         # decodes elsewhere, but only the health poll takes the holder out of the rotation
         # (marking it here took every decode worker out under a burst of slow pulls).
-        if turn.decode.url == lease.worker_url:
-            decode = self._choose_decode(None)
+        if self.decode.url == lease.worker_url:
+            decode = self.router.choose_decode(None)
             if decode is not None:
-                self._switch_decode(turn, decode)
+                self._switch_decode(decode)
 
-    def _first_token_from_prefill(self, sampling: dict[str, Any]) -> bool:
+    @staticmethod
+    def _first_token_from_prefill(sampling: dict[str, Any]) -> bool:
         """Whether the prefill's sampled token opens the reply (see the module docstring)."""
         return sampling.get("seed") is None or float(sampling.get("temperature", 1.0)) == 0.0
 
-    async def _attempt(self, turn: Turn, final: dict[str, Any]) -> AsyncGenerator[list[list[int]], None]:
-        request = turn.request
-        pull_params = turn.lease.params if turn.lease is not None and self.bidirectional else None
+    async def _attempt(self, final: dict[str, Any]) -> AsyncGenerator[list[list[int]], None]:
+        request = self.request
+        pull_params = self.lease.params if self.lease is not None and self.router.bidirectional else None
         first: list[int] = []
-        if turn.prefill is not None:
-            if turn._prefilled is None:
-                prefill_final = await self._prefill(turn, pull_params)
+        if self.prefill is not None:
+            if self._prefilled is None:
+                prefill_final = await self._prefill(pull_params)
                 if pull_params is not None:
-                    self._check_holder(turn, prefill_final)
+                    self._check_holder(prefill_final)
                 params = prefill_final.get("kv_transfer_params")
                 sampled = list(prefill_final.get("output_ids") or [])
                 if not self._first_token_from_prefill(request.sampling):
                     sampled = []
-                turn._prefilled = (params, sampled)
+                self._prefilled = (params, sampled)
                 if sampled:
                     yield [sampled]
                     if prefill_final.get("finish_reason") != "length" or int(request.sampling.get("max_tokens", 1)) <= 1:
@@ -294,10 +231,10 @@ class Turns:
                         # token, or max_tokens 1): no decode request. The prefill's pages
                         # are under a short transfer hold, not a conversation lease.
                         final.update(prefill_final, kv_transfer_params=None)
-                        turn.result = self._result(turn, prefill_final, prefill_only=True)
+                        self.result = self._result(prefill_final, prefill_only=True)
                         return
-            pull_params, first = turn._prefilled
-        elif turn.lease is not None and turn.lease.worker_url == turn.decode.url:
+            pull_params, first = self._prefilled
+        elif self.lease is not None and self.lease.worker_url == self.decode.url:
             pull_params = None  # a both worker finds its own retained KV in its prefix cache
         body: dict[str, Any] = {
             "request_id": request.request_id,
@@ -305,7 +242,7 @@ class Turns:
             "sampling": request.sampling,
             "kv_transfer_params": pull_params,
             "conversation_key": request.conversation_key,
-            "retain": request.conversation_key is not None and self.bidirectional,
+            "retain": request.conversation_key is not None and self.router.bidirectional,
         }
         if request.cache_salt is not None:
             body["cache_salt"] = request.cache_salt
@@ -313,8 +250,8 @@ class Turns:
             body["output_ids"] = first
         if request.tags is not None:
             body["tags"] = request.body_tags()
-        # (the decode worker's load is counted by _run for the whole turn)
-        async with aclosing(self.client.generate(turn.decode.url, body)) as batches:
+        # (the decode worker's load is counted by tokens() for the whole turn)
+        async with aclosing(self.router.client.generate(self.decode.url, body)) as batches:
             async for events in batches:
                 tokens: list[list[int]] = []
                 end = None
@@ -324,18 +261,18 @@ class Turns:
                     elif event.get("token_ids"):
                         tokens.append(list(event["token_ids"]))
                 if tokens:
-                    turn._decode_relayed = True
+                    self._decode_relayed = True
                     yield tokens  # a consumer that stops here (a stop string) never sees the end
                 if end is not None:
                     final.update(end)
-                    turn.result = self._result(turn, end)
-        if turn.result is None:
-            raise UpstreamError("stream", "worker ended the stream without a final event", url=turn.decode.url)
+                    self.result = self._result(end)
+        if self.result is None:
+            raise UpstreamError("stream", "worker ended the stream without a final event", url=self.decode.url)
 
-    async def _prefill(self, turn: Turn, lease_params: dict[str, Any] | None) -> dict[str, Any]:
+    async def _prefill(self, lease_params: dict[str, Any] | None) -> dict[str, Any]:
         """The prefill's final event, with the token ids it streamed under ``output_ids``."""
-        assert turn.prefill is not None
-        request = turn.request
+        assert self.prefill is not None
+        request = self.request
         sampling = dict(request.sampling, max_tokens=1)
         body: dict[str, Any] = {
             "request_id": f"{request.request_id}-prefill",
@@ -351,23 +288,23 @@ class Turns:
             body["tags"] = request.body_tags()
         sampled: list[int] = []
         final: dict[str, Any] = {}
-        async with aclosing(self._stream(turn.prefill, body)) as batches:
+        async with aclosing(self._stream(self.prefill, body)) as batches:
             async for events in batches:
                 for event in events:
                     if "finish_reason" in event:
-                        turn._prefill_usage = dict(event.get("usage") or {})
+                        self._prefill_usage = dict(event.get("usage") or {})
                         final = dict(event)
                     elif event.get("token_ids"):
                         sampled += event["token_ids"]
         if not final:
-            raise UpstreamError("stream", "prefill worker ended the stream without a final event", url=turn.prefill.url)
+            raise UpstreamError("stream", "prefill worker ended the stream without a final event", url=self.prefill.url)
         final["output_ids"] = sampled
         return final
 
     async def _stream(self, worker: WorkerState, body: dict[str, Any]) -> AsyncGenerator[list[dict[str, Any]], None]:
         worker.inflight += 1
         try:
-            async with aclosing(self.client.generate(worker.url, body)) as batches:
+            async with aclosing(self.router.client.generate(worker.url, body)) as batches:
                 async for events in batches:
                     yield events
         finally:
@@ -376,9 +313,9 @@ class Turns:
     def _upstream(self, exc: UpstreamError) -> GatewayError:
         """Count the failure, take a lost worker out of the rotation (until /ready answers again),
         and the client's error (codes: docs/gateway-errors.md)."""
-        self.metrics.upstream_error(exc.kind)
+        self.router.metrics.upstream_error(exc.kind)
         if _worker_lost(exc):
-            self.pool.mark_unhealthy(exc.url)
+            self.router.pool.mark_unhealthy(exc.url)
         if exc.kind == "draining":
             return service_unavailable("The gateway is shutting down; send the request again.",
                                        retry_after_s=RETRY_AFTER_S, code=GATEWAY_DRAINING)
@@ -395,17 +332,17 @@ class Turns:
             return upstream_error(exc.message, code=WORKER_UNAVAILABLE)
         return upstream_error(exc.message)
 
-    def _result(self, turn: Turn, final: dict[str, Any], *, prefill_only: bool = False) -> TurnResult:
+    def _result(self, final: dict[str, Any], *, prefill_only: bool = False) -> TurnResult:
         decode_usage = final.get("usage") or {}
-        source = turn._prefill_usage if turn.prefill is not None and not prefill_only else decode_usage
-        prompt_tokens = int(decode_usage.get("prompt_tokens", len(turn.request.input_ids)))
+        source = self._prefill_usage if self.prefill is not None and not prefill_only else decode_usage
+        prompt_tokens = int(decode_usage.get("prompt_tokens", len(self.request.input_ids)))
         computed = int(source.get("computed_prompt_tokens", prompt_tokens))
         local = int(source.get("local_cached_tokens", 0))
         remote = int(source.get("remote_pulled_tokens", 0))
         if local:
-            self.metrics.reused_tokens.labels("local").inc(local)
+            self.router.metrics.reused_tokens.labels("local").inc(local)
         if remote:
-            self.metrics.reused_tokens.labels("remote").inc(remote)
+            self.router.metrics.reused_tokens.labels("remote").inc(remote)
         return TurnResult(
             finish_reason=str(final.get("finish_reason")),
             prompt_tokens=prompt_tokens,
@@ -413,14 +350,73 @@ class Turns:
             cached_tokens=max(0, prompt_tokens - computed),
             local_cached_tokens=local,
             remote_pulled_tokens=remote,
-            decode_url=turn.decode.url,
-            prefill_url=turn.prefill.url if turn.prefill is not None else None,
+            decode_url=self.decode.url,
+            prefill_url=self.prefill.url if self.prefill is not None else None,
             reuse_fallback=source.get("reuse_fallback"),
             computed_prompt_tokens=computed,
             kv_bytes_moved=int(decode_usage.get("kv_bytes_pulled", 0))
             + (int(source.get("kv_bytes_pulled", 0)) if source is not decode_usage else 0),
         )
 
+
+class Turns:
+    """The route stage: finds a turn's lease and picks its decode and prefill workers
+    (router.py's policies); owns nothing but references to the pool, client, lease keeper
+    and metrics, which the turns it starts use."""
+
+    def __init__(
+        self,
+        *,
+        pool: WorkerPool,
+        client: WorkerClient,
+        keeper: LeaseKeeper,
+        metrics: GatewayMetrics,
+        max_inflight_per_worker: int,
+        bidirectional: bool = True,
+    ) -> None:
+        self.pool = pool
+        self.client = client
+        self.keeper = keeper
+        self.metrics = metrics
+        self.max_inflight = max_inflight_per_worker
+        # reuse.bidirectional off: the decode worker keeps no lease and nothing it holds
+        # is offered to the next turn's prefill (the prefill worker's own cache still serves)
+        self.bidirectional = bidirectional
+
+    async def start(self, request: TurnRequest) -> Turn:
+        """Route the turn (no worker request yet); 503 when no worker can take it."""
+        lease = None
+        if request.conversation_key is not None:
+            ask = [w.url for w in self._decoders() if w.healthy] if request.has_history else []
+            lease = await self.keeper.lookup(request.conversation_key, decode_urls=ask)
+        decode, prefill = self.route(request, lease)
+        return Turn(self, request, decode, prefill, lease)
+
+    def _decoders(self) -> list[WorkerState]:
+        return [w for w in self.pool.workers.values() if w.role in ("decode", "both")]
+
+    def choose_decode(self, lease: Lease | None) -> WorkerState | None:
+        held = self.keeper.table.per_worker
+        views = [WorkerView(w.url, w.healthy, w.inflight, held.get(w.url, 0)) for w in self._decoders()]
+        decision = choose_decode(views, lease_url=lease.worker_url if lease else None, max_inflight=self.max_inflight)
+        if decision is None:
+            return None
+        self.metrics.route("decode", decision.reason)
+        return self.pool.workers[decision.url]
+
+    def route(self, request: TurnRequest, lease: Lease | None) -> tuple[WorkerState, WorkerState | None]:
+        """The decode worker and (split roles) the prefill worker; 503 when none can take it."""
+        decode = self.choose_decode(lease)
+        if decode is None:
+            raise service_unavailable("No healthy decode worker is available; retry shortly.", retry_after_s=RETRY_AFTER_S)
+        if decode.role == "both":
+            return decode, None
+        prefillers = [w.view() for w in self.pool.workers.values() if w.role in ("prefill", "both")]
+        choice = choose_prefill(prefillers, key=prefix_key(request.input_ids))
+        if choice is None:
+            raise service_unavailable("No healthy prefill worker is available; retry shortly.", retry_after_s=RETRY_AFTER_S)
+        self.metrics.route("prefill", choice.reason)
+        return decode, self.pool.workers[choice.url]
 
 def _worker_lost(exc: UpstreamError) -> bool:
     """A failure of the worker (gone, frozen, broken, not ready or draining), not of the request."""

@@ -183,9 +183,9 @@ def test_nominal_history_grows_by_reply_and_new_message() -> None:
 def test_nominal_prompt_lengths_match_the_tiny_models_rendered_prompts(tmp_path: Path) -> None:
     """The generator's nominal ``history_tokens`` land within 3% of the prompt the gateway
     renders and tokenizes (replies of ``output_tokens`` words, as the tiny model's are counted)."""
-    from kvserving.gateway.chat_template import ChatTemplate
-    from kvserving.gateway.tagger import ChatTagger
-    from kvserving.gateway.tokenizer import TextTokenizer
+    from kvserving.gateway.prompt.chat_template import ChatTemplate
+    from kvserving.gateway.prompt.tagger import ChatTagger
+    from kvserving.gateway.prompt.tokenizer import TextTokenizer
     from kvserving.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny")

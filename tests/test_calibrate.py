@@ -301,9 +301,9 @@ def test_page_data_counts_the_budget_on_the_pages_of_other_data(tmp_path: Path) 
     # results): the file's pages are that sample's, and every table is within its budget on them
     from kvserving.bits import count_page_mixes, page_records, pages_stored_bits
     from kvserving.calibrate.data import load_data
-    from kvserving.gateway.chat_template import ChatTemplate
-    from kvserving.gateway.tagger import ChatTagger
-    from kvserving.gateway.tokenizer import TextTokenizer
+    from kvserving.gateway.prompt.chat_template import ChatTemplate
+    from kvserving.gateway.prompt.tagger import ChatTagger
+    from kvserving.gateway.prompt.tokenizer import TextTokenizer
     from kvserving.model_dir import tiny_model_dir
 
     data = tmp_path / "notes.txt"

@@ -186,9 +186,9 @@ def test_cli_metrics_and_served_page_lengths(tmp_path: Path) -> None:
 def test_select_keeps_the_candidate_with_the_least_whole_table_kl(tmp_path: Path, tiny: tuple[Path, object]) -> None:
     from kvserving.calibrate.data import load_data
     from kvserving.calibrate.measure import CANDIDATES, calibrate
-    from kvserving.gateway.chat_template import ChatTemplate
-    from kvserving.gateway.tagger import ChatTagger
-    from kvserving.gateway.tokenizer import TextTokenizer
+    from kvserving.gateway.prompt.chat_template import ChatTemplate
+    from kvserving.gateway.prompt.tagger import ChatTagger
+    from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
     path, model = tiny
     data = tmp_path / "notes.txt"

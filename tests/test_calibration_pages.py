@@ -15,9 +15,9 @@ from kvserving.bits import greedy_bits_table
 from kvserving.calibrate.data import agent_wrap, load_data
 from kvserving.calibrate.measure import Measurement, build_calibration
 from kvserving.calibration import Calibration, page_greedy_table, pages_stored_bits
-from kvserving.gateway.chat_template import ChatTemplate
-from kvserving.gateway.tagger import ChatTagger
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.chat_template import ChatTemplate
+from kvserving.gateway.prompt.tagger import ChatTagger
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.model_dir import tiny_model_dir
 from kvserving.tags import NUM_TAGS, TEMPORAL, decode_tag, encode_tag
 from kvserving.worker.model import ModelArgs

@@ -128,9 +128,9 @@ def test_extra_held_out_files_are_never_training_calibration_or_evaluation_files
 
 def test_evaluation_conversations_come_from_the_evaluation_files_first(fidelity: ModuleType, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvserving.gateway.chat_template import ChatTemplate
-    from kvserving.gateway.tagger import ChatTagger
-    from kvserving.gateway.tokenizer import TextTokenizer
+    from kvserving.gateway.prompt.chat_template import ChatTemplate
+    from kvserving.gateway.prompt.tagger import ChatTagger
+    from kvserving.gateway.prompt.tokenizer import TextTokenizer
     from kvserving.model_dir import tiny_model_dir
 
     tok_dir = tiny_model_dir()

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from gw_harness import Stack
 
-from kvserving.gateway.chat_template import ChatTemplate
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.chat_template import ChatTemplate
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir: Path) -> TextTokenizer:

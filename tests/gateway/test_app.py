@@ -16,10 +16,10 @@ from prometheus_client import CollectorRegistry
 
 from kvserving.config import GatewayConfig, ModelConfig, ServingConfig
 from kvserving.gateway.app import build_state
-from kvserving.gateway.chat_template import ChatTemplate, normalize_messages
+from kvserving.gateway.prompt.chat_template import ChatTemplate, normalize_messages
 from kvserving.gateway.completions import ModelInfo
-from kvserving.gateway.tagger import ChatTagger
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.tagger import ChatTagger
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.tags import decode_tag
 
 REPLY = "Hello from the fake worker, with several words."
@@ -327,8 +327,9 @@ def test_the_config_bounds_what_the_gateway_keeps_between_turns(tiny_model_dir: 
                            gateway=GatewayConfig(decode_urls=("http://127.0.0.1:9",), max_conversations=7, max_kept_tokens=1000))
     model = ModelInfo.load(tiny_model_dir, served_name=MODEL, max_kept_tokens=config.gateway.max_kept_tokens)
     state = build_state(config, model=model, registry=CollectorRegistry())
-    history, index, tagger = state.completions.history, state.completions.index, state.model.tagger
-    assert (history.max_conversations, history.max_tokens) == (7, 1000)
-    assert (index.max_conversations, index.max_records) == (7, 28)
-    assert tagger.prefixes is not None and tagger.prefixes.max_tokens == 1000
-    assert tagger.renders is not None and tagger.renders.max_chars == 4000
+    store, tagger = state.completions.store, state.model.tagger
+    assert (store.max_conversations, store.max_tokens) == (7, 1000)
+    # one store: the leases, identity, exact history and the tagger's kept prompts all live in its records
+    assert state.keeper.table.store is store and state.completions.identities.store is store
+    assert tagger.prefixes is not None and tagger.prefixes.kept is store
+    assert tagger.renders is not None and tagger.renders.kept is store

@@ -14,10 +14,10 @@ import pytest
 from gw_harness import MODEL, Stack
 from test_tagger import EDITING_TEMPLATE
 
-from kvserving.gateway.chat_template import ChatTemplate, normalize_messages
-from kvserving.gateway.completions import Drafting
-from kvserving.gateway.tagger import ChatTagger
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.chat_template import ChatTemplate, normalize_messages
+from kvserving.gateway.prompt.tagger import Drafting
+from kvserving.gateway.prompt.tagger import ChatTagger
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 REPLY = "Fine, reading it now."
 MESSAGES = [{"role": "system", "content": "Be brief."},

@@ -11,7 +11,7 @@ import pytest
 from kvs_poll import wait_until
 from gw_harness import MODEL, Stack
 
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 CHAT = "/v1/chat/completions"
 

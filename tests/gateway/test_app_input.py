@@ -13,7 +13,7 @@ import pytest
 from gw_harness import MODEL, Stack
 
 from kvserving.gateway.openai_types import MAX_JSON_DEPTH
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]

@@ -15,7 +15,7 @@ from gw_harness import MODEL, Gateway, Stack
 
 from kvserving.config import ReuseConfig
 from kvserving.gateway.tenants import DEFAULT_TENANT
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 SYSTEM = {"role": "system", "content": "You are a careful coding agent working in a repository. " * 4}
 

@@ -12,7 +12,7 @@ from gw_harness import MODEL, Stack
 
 from kvserving.config import SecurityConfig
 from kvserving.gateway.tenants import DEFAULT_TENANT
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. " * 8}
 
@@ -36,11 +36,11 @@ def test_each_api_key_is_a_tenant_on_the_wire(stack: Stack, tokenizer: TextToken
     assert keys[0] != keys[1] and all(re.fullmatch(r"conv-[0-9a-f]{32}", k) for k in keys)
     wire = json.dumps(bodies)
     assert "alice" not in wire and "sk-" not in wire  # neither the user's id nor the API key reach a worker
-    # the gateway's per-conversation stores hold them apart: a lease and a held history each
-    leases = [gw.state.keeper.table.get(k) for k in keys]
-    assert all(lease is not None and lease.worker_url == worker.url for lease in leases)
-    assert leases[0].lease_id != leases[1].lease_id  # type: ignore[union-attr]
-    assert len(gw.state.completions.history) == 2
+    # the gateway's conversation records hold them apart: a lease and a held history each
+    records = [gw.state.completions.store.get(k) for k in keys]
+    assert all(r is not None and r.lease is not None and r.lease.worker_url == worker.url for r in records)
+    assert records[0].lease.lease_id != records[1].lease.lease_id  # type: ignore[union-attr]
+    assert all(r is not None and r.held is not None for r in records) and len(gw.state.completions.store) == 2
     # cache_salt with a key: another tenant than the key alone
     client(gw.url, "sk-alice").chat.completions.create(model=MODEL, messages=first, extra_body={"cache_salt": "s1"})
     assert worker.received[-1]["cache_salt"] not in salts

@@ -1,5 +1,5 @@
-"""Streamed chat chunks: ``ChatFrames`` (constant fields encoded once per response)
-gives exactly the bytes of encoding each ``oa.chat_chunk`` whole."""
+"""Streamed chat chunks: each ``ChatFrames`` frame is one SSE event whose JSON is the
+``oa.chat_chunk`` (every kind of escape, lone surrogates included)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from kvserving.gateway import openai_types as oa
-from kvserving.gateway.completions import ChatFrames, _sse
+from kvserving.gateway.relay import ChatFrames
+from kvserving.gateway.relay import sse as _sse
 
 DELTAS: list[dict[str, Any]] = [
     {"role": "assistant", "content": ""},
@@ -30,9 +31,9 @@ def test_frames_equal_whole_chunks(include_usage: bool, finish: str | None) -> N
     for delta in DELTAS:
         chunk = oa.chat_chunk(id="chatcmpl-abc\"def", created=1_700_000_000, model="tiny/é", delta=delta,
                               finish_reason=finish, include_usage=include_usage)
-        expected = _sse(chunk)
-        assert frames.chunk(delta, finish) == expected
-        assert expected == b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+        frame = frames.chunk(delta, finish)
+        assert frame == _sse(chunk) and frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+        assert json.loads(frame[len(b"data: "):]) == chunk and b"\n" not in frame[:-2]
 
 
 def test_usage_frame_equals_the_usage_chunk() -> None:

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from kvserving.gateway.chat_template import ChatTemplate, normalize_messages, normalize_tools
+from kvserving.gateway.prompt.chat_template import ChatTemplate, normalize_messages, normalize_tools
 from kvserving.gateway.errors import GatewayError
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 TOOLS = [
     {
@@ -183,7 +183,7 @@ def test_dict_attribute_shortcut_answers_what_the_sandbox_answers() -> None:
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from kvserving.gateway.chat_template import compile_template
+    from kvserving.gateway.prompt.chat_template import compile_template
 
     source = ("{% for m in messages %}[{{ m.role }}|{{ m.missing is defined }}|{{ m.missing }}|{{ m.get('role') }}"
               "|{{ m.items is callable }}|{{ m['items'] }}|{{ m.keys() | list }}"

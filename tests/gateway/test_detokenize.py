@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from kvserving.gateway.detokenize import IncrementalDetokenizer
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 TEXT = "héllo 日本語のテキスト 🇫🇷 naïve café ✓ — Ωμέγα\n\tтекст 😀👍🏽 end"
 

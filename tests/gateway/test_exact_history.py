@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from kvserving.gateway.chat_template import ChatTemplate
-from kvserving.gateway.exact_history import ExactHistory
-from kvserving.gateway.tagger import ChatTagger, TaggedPrompt
-from kvserving.gateway.token_prefixes import TokenPrefixes
-from kvserving.gateway.tokenizer import Encoded, TextTokenizer
+from kvserving.gateway.prompt.chat_template import ChatTemplate
+from kvserving.gateway.conversations import Conversations
+from kvserving.gateway.exact_history import ExactHistory, Sent
+from kvserving.gateway.prompt.tagger import ChatTagger, TaggedPrompt
+from kvserving.gateway.prompt.token_prefixes import TokenPrefixes
+from kvserving.gateway.prompt.tokenizer import Encoded, TextTokenizer
 from kvserving.tags import decode_tag
 
 FIRST = [{"role": "system", "content": "You are a careful agent."},
@@ -33,6 +34,24 @@ def tagger(tiny_model_dir: Path, tok: TextTokenizer) -> ChatTagger:
     return ChatTagger(tok, ChatTemplate.from_dir(tiny_model_dir))
 
 
+class History:
+    """Exact history on conversation records, as the gateway runs it: a request opens its
+    record and files its kept prefixes, splices onto what the record holds; the turn's end
+    holds the prompt as sent plus the sampled ids."""
+
+    def __init__(self, tok: TextTokenizer, store: Conversations | None = None) -> None:
+        self.exact = ExactHistory(tok)
+        self.store = store if store is not None else Conversations()
+
+    def splice(self, key: str, prompt: TaggedPrompt) -> Sent:
+        conv = self.store.open(key, scope="")
+        self.store.keep_prefixes(conv, prompt.kept_prefixes)
+        return self.exact.splice(conv.held, prompt)
+
+    def record(self, key: str, sent: Sent, output_ids: list[int], output_text: str) -> None:
+        self.store.hold(self.store.open(key, scope=""), self.exact.held_after(sent, output_ids, output_text))
+
+
 def _one_token_per_char(tok: TextTokenizer, text: str) -> list[int]:
     """Ids that decode to ``text`` but are not its canonical tokenization."""
     ids = [i for ch in text for i in tok.encode(ch).ids]
@@ -45,9 +64,9 @@ def _second_turn(reply_text: str) -> list[dict]:
                     {"role": "user", "content": "Now run the tests."}]
 
 
-def _play(tagger: ChatTagger, tok: TextTokenizer, reply_ids: list[int]) -> tuple[ExactHistory, list[int], TaggedPrompt]:
+def _play(tagger: ChatTagger, tok: TextTokenizer, reply_ids: list[int]) -> tuple[History, list[int], TaggedPrompt]:
     """Turn 1 through the history, the reply recorded; returns what the workers hold and turn 2 as rendered."""
-    history = ExactHistory(tok)
+    history = History(tok)
     sent = history.splice("conv", tagger.build(FIRST))
     assert not sent.spliced
     reply_text = tok.decode(reply_ids)  # what the gateway streamed (special tokens hidden)
@@ -110,35 +129,36 @@ def test_canonical_history_is_sent_as_rendered(tagger: ChatTagger, tok: TextToke
     assert not sent.spliced and sent.prompt is canonical
 
 
-def test_history_is_bounded_lru(tagger: ChatTagger, tok: TextTokenizer) -> None:
-    history = ExactHistory(tok, max_conversations=2)
+def test_held_history_is_bounded_by_the_store_lru(tagger: ChatTagger, tok: TextTokenizer) -> None:
+    history = History(tok, Conversations(max_conversations=2))
     sent = history.splice("x", tagger.build(FIRST))
     for key in ("a", "b", "c"):
         history.record(key, sent, [], "")
-    assert len(history) == 2
+    assert [c.key for c in history.store] == ["b", "c"]
     with pytest.raises(ValueError, match="max_conversations"):
-        ExactHistory(tok, max_conversations=0)
+        Conversations(max_conversations=0)
 
 
-def test_history_is_bounded_in_tokens_least_recent_first(tagger: ChatTagger, tok: TextTokenizer) -> None:
-    sent = ExactHistory(tok).splice("x", tagger.build(FIRST))
+def test_held_history_is_bounded_in_tokens_least_recent_first(tagger: ChatTagger, tok: TextTokenizer) -> None:
+    sent = History(tok).splice("x", tagger.build(FIRST))
     n = len(sent.prompt.input_ids)
-    history = ExactHistory(tok, max_tokens=3 * (n + 2))
+    history = History(tok, Conversations(max_tokens=3 * (n + 2)))
     for key in ("a", "b", "c"):
         history.record(key, sent, [11, 12], "")
-    assert len(history) == 3 and history.tokens == 3 * (n + 2)
-    history.splice("a", tagger.build(_second_turn("")))  # a splice uses "a": "b" is now the least recent
+    assert len(history.store) == 3 and history.store.tokens == 3 * (n + 2)
+    history.splice("a", tagger.build(_second_turn("")))  # a request of "a": "b" is now the least recent
     history.record("d", sent, [11, 12], "")
-    assert history.tokens == 3 * (n + 2) and history.splice("b", tagger.build(_second_turn(""))).spliced is False
+    assert history.store.tokens == 3 * (n + 2) and history.store.get("b") is None
+    assert history.splice("b", tagger.build(_second_turn(""))).spliced is False
     assert history.splice("a", tagger.build(_second_turn(""))).spliced
-    history.forget("a")
-    assert len(history) == 2 and history.tokens == 2 * (n + 2)
-    alone = ExactHistory(tok, max_tokens=1)  # the conversation just recorded stays, alone
+    history.store.forget("a")
+    assert history.store.tokens == 2 * (n + 2)
+    alone = History(tok, Conversations(max_tokens=1))  # the conversation just recorded stays, alone
     alone.record("a", sent, [], "")
     alone.record("b", sent, [], "")
-    assert len(alone) == 1 and alone.tokens == n
+    assert [c.key for c in alone.store] == ["b"] and alone.store.tokens == n
     with pytest.raises(ValueError, match="max_tokens"):
-        ExactHistory(tok, max_tokens=0)
+        Conversations(max_tokens=0)
 
 
 def test_retag_by_runs_equals_the_tag_of_the_covering_canonical_token() -> None:
@@ -151,7 +171,7 @@ def test_retag_by_runs_equals_the_tag_of_the_covering_canonical_token() -> None:
     import random
 
     from kvserving.gateway.exact_history import _retag
-    from kvserving.gateway.tagger import TaggedPrompt
+    from kvserving.gateway.prompt.tagger import TaggedPrompt
 
     rng = random.Random(5)
     for _ in range(300):
@@ -183,11 +203,11 @@ def test_ids_json_is_the_json_of_the_ids_sent_in_every_case(tagger: ChatTagger, 
     from the tagger's kept prefix: ``TaggedPrompt.ids_json``): it must equal the ids,
     whether the prompt is new, extends the held ids as rendered, is spliced onto them, or
     was edited; after records with hidden, broken and no output."""
-    history = ExactHistory(tok)
+    history = History(tok)
     seen: list[str] = []
     from_prefix = 0
     if prefixed:  # prompts that extend a kept prefix carry their ids' JSON
-        tagger = ChatTagger(tok, tagger.template, prefixes=TokenPrefixes(tok))
+        tagger = ChatTagger(tok, tagger.template, prefixes=TokenPrefixes(tok, history.store))
 
     def splice(key: str, prompt: TaggedPrompt) -> object:
         nonlocal from_prefix

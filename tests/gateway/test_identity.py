@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
-from kvserving.gateway.chat_template import ChatTemplate
-from kvserving.gateway.identity import SOURCES, ConversationIndex, Identity, explicit_identity, page_chain
-from kvserving.gateway.tagger import ChatTagger, TaggedPrompt
+from kvserving.gateway.prompt.chat_template import ChatTemplate
+from kvserving.gateway.conversations import SEQUENCES_PER_CONVERSATION, Conversations
+from kvserving.gateway.identity import SOURCES, Identities, Identity, explicit_identity, page_chain
+from kvserving.gateway.prompt.tagger import ChatTagger, TaggedPrompt
 from kvserving.gateway.tenants import DEFAULT_TENANT, Tenant
-from kvserving.gateway.token_prefixes import TokenPrefixes
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.token_prefixes import TokenPrefixes
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 from test_chat_template import TOOLS  # noqa: E402  (sibling test module)
 
@@ -27,15 +28,15 @@ def tagger(tiny_model_dir: Path) -> ChatTagger:
     return ChatTagger(TextTokenizer.from_dir(tiny_model_dir), ChatTemplate.from_dir(tiny_model_dir))
 
 
-def fresh_index(**kwargs: Any) -> ConversationIndex:
+def fresh_index(store: Conversations | None = None, **kwargs: Any) -> Identities:
     counter = itertools.count(1)
-    return ConversationIndex(new_suffix=lambda: str(next(counter)), **kwargs)
+    return Identities(store if store is not None else Conversations(), new_suffix=lambda: str(next(counter)), **kwargs)
 
 
 class Agent:
     """A client that resends its whole history each turn, like an OpenAI client."""
 
-    def __init__(self, tagger: ChatTagger, index: ConversationIndex, first: str, *, strip_reasoning: bool = False,
+    def __init__(self, tagger: ChatTagger, index: Identities, first: str, *, strip_reasoning: bool = False,
                  headers: dict[str, str] | None = None) -> None:
         self.tagger, self.index = tagger, index
         self.messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": first}]
@@ -244,20 +245,26 @@ class Plain:
         self.current_turn_start = 0
 
 
-def test_records_are_bounded_per_conversation_and_in_total() -> None:
-    index = fresh_index(page_size=4, max_records=5, records_per_conversation=2, max_conversations=3)
-    for n in range(1, 4):
+def test_sequences_are_bounded_per_conversation_and_go_with_their_record() -> None:
+    store = Conversations(max_conversations=3)
+    index = fresh_index(store, page_size=4)
+    for n in range(1, 6):
         index.remember("a", list(range(n * 5)), tenant=DEFAULT_TENANT)
-    assert len(index) == 2  # only the 2 latest of "a"
+    a = store.get("a")
+    assert a is not None and len(a.sequences) == SEQUENCES_PER_CONVERSATION == 4  # only the 4 latest of "a"
     assert index.match(Plain(list(range(11))), tenant=DEFAULT_TENANT) == Identity("a", "prefix", 10)
     assert index.match(Plain(list(range(6))), tenant=DEFAULT_TENANT) is None  # its first sequence was dropped
     for key in "bcd":
         index.remember(key, [ord(key)] * 9, tenant=DEFAULT_TENANT)
-    assert index.conversations == 3 and len(index) <= 5
+    # the store keeps 3 records: "a", the least recently used, left with its sequences
+    assert [c.key for c in store] == ["b", "c", "d"]
+    assert index.match(Plain(list(range(11))), tenant=DEFAULT_TENANT) is None
     assert index.match(Plain([ord("d")] * 12), tenant=DEFAULT_TENANT) == Identity("d", "prefix", 9)
-    index.forget("d")
+    store.forget("d")
     assert index.match(Plain([ord("d")] * 12), tenant=DEFAULT_TENANT) is None
-    assert index.approx_bytes() > 0
+    # a match makes its record the most recently used
+    assert index.match(Plain([ord("b")] * 12), tenant=DEFAULT_TENANT) == Identity("b", "prefix", 9)
+    assert [c.key for c in store] == ["c", "b"]
 
 
 def test_latest_registrant_of_an_identical_sequence_owns_it() -> None:
@@ -265,7 +272,8 @@ def test_latest_registrant_of_an_identical_sequence_owns_it() -> None:
     index.remember("a", [1, 2, 3, 4, 5], tenant=DEFAULT_TENANT)
     index.remember("b", [1, 2, 3, 4, 5], tenant=DEFAULT_TENANT)
     assert index.match(Plain([1, 2, 3, 4, 5, 6]), tenant=DEFAULT_TENANT) == Identity("b", "prefix", 5)
-    assert index.conversations == 1
+    a = index.store.get("a")
+    assert a is not None and a.sequences == []
 
 
 def test_tail_tokens_must_match_exactly() -> None:
@@ -284,7 +292,7 @@ def test_page_chain_is_prefix_stable() -> None:
 
 def test_invalid_bounds_name_the_field() -> None:
     with pytest.raises(ValueError, match="page_size"):
-        ConversationIndex(page_size=0)
+        Identities(Conversations(), page_size=0)
 
 
 def test_page_chain_from_a_known_prefix_equals_the_whole_chain() -> None:
@@ -318,7 +326,7 @@ def test_remembering_with_the_prompts_chain_files_the_same_records(tagger: ChatT
                 index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids), tenant=DEFAULT_TENANT)
             agent.messages.append({"role": "assistant", "content": f"Step {turn} done."})
             agent.user(f"Now step {turn + 1}.")
-        assert list(plain._records.items()) == list(reused._records.items())
+        assert list(plain.store._sequence_owner.items()) == list(reused.store._sequence_owner.items())
     assert reused.identify(tenant=DEFAULT_TENANT, headers={}, body={}, prompt=tagger.build(agents[1].messages, tools=TOOLS)).chain is not None
 
 
@@ -326,8 +334,9 @@ def test_the_chain_continues_from_the_kept_prefix_and_equals_the_whole_chain(tag
     """With tokenized prefixes, identity keeps its page chain on each prefix a prompt filed and the
     next turn continues it: every chain equals the whole prompt's, and from the third turn on the
     prompt's prefix carried one (in this index's page size only)."""
-    prefixed = ChatTagger(tagger.tokenizer, tagger.template, prefixes=TokenPrefixes(tagger.tokenizer))
-    index, other = fresh_index(), fresh_index(page_size=4)
+    store = Conversations()
+    prefixed = ChatTagger(tagger.tokenizer, tagger.template, prefixes=TokenPrefixes(tagger.tokenizer, store))
+    index, other = fresh_index(store), fresh_index(page_size=4)
     agent = Agent(prefixed, index, "Fix the failing test.")
     for turn in range(5):
         prompt = prefixed.build(agent.messages, tools=TOOLS)
@@ -340,6 +349,7 @@ def test_the_chain_continues_from_the_kept_prefix_and_equals_the_whole_chain(tag
             # another page size does not take the kept chain
             assert other._chain(prompt) == page_chain(prompt.input_ids, 4)
         index.remember(ident.key, prompt.input_ids, prefix=None, tenant=DEFAULT_TENANT)
+        store.keep_prefixes(store.open(ident.key, scope=DEFAULT_TENANT.id), prompt.kept_prefixes)
         agent.messages.append({"role": "assistant", "content": f"Step {turn} done."})
         agent.user(f"Now step {turn + 1}.")
 

@@ -178,3 +178,24 @@ def test_keeper_loop_stops_cleanly_and_its_last_sweep_frees_only_idle_leases() -
     # the active conversation's KV stays: another gateway replica may be serving it now
     assert [c for c in client.calls if c[0] == "release"] == [("release", W1, "x")]
     assert k.table.keys() == ["active"]
+
+
+def test_the_keeper_releases_the_leases_of_evicted_records_and_the_gauge_counts_live_leases() -> None:
+    client = RecordingClient({})
+    now = [0.0]
+    k, m = keeper(client, now)
+    k.table.store.max_conversations = 3
+
+    async def scenario() -> None:
+        await k.record("a", worker_url=W1, params=params("x", expires_at=100.0))
+        await k.record("b", worker_url=W1, params=params("y", expires_at=3.0))
+        k.table.store.open("c", scope="")
+        await k.record("d", worker_url=W2, params=params("z", expires_at=100.0))  # four records: "a"'s is evicted
+        now[0] = 4.0
+        await k.run_once()  # "b" expired on its worker at 3: forgotten, not counted
+
+    asyncio.run(scenario())
+    assert [c for c in client.calls if c[0] == "release"] == [("release", W1, "x")]
+    assert sample(m, "kvserving_gateway_lease_releases_total") == 1
+    assert sample(m, "kvserving_gateway_lease_expiries_total") == 1
+    assert sample(m, "kvserving_gateway_leases") == 1 and k.table.keys() == ["d"]

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from kvserving.gateway.chat_template import ChatTemplate
-from kvserving.gateway.tagger import ChatTagger, TaggedPrompt, message_temporals
-from kvserving.gateway.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.chat_template import ChatTemplate
+from kvserving.gateway.prompt.tagger import ChatTagger, TaggedPrompt, message_temporals
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.tags import NUM_TAGS, decode_tag, encode_tag
 
 from test_chat_template import AGENT, TOOLS  # noqa: E402  (sibling test module: same conversations)

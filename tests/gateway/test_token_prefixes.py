@@ -15,10 +15,13 @@ from typing import Any
 import pytest
 from tokenizers import AddedToken, Tokenizer
 
-from kvserving.gateway.chat_template import ChatTemplate
-from kvserving.gateway.tagger import ChatTagger
-from kvserving.gateway.token_prefixes import TokenPrefixes
-from kvserving.gateway.tokenizer import TextTokenizer
+from kept import build, draft, encode, kept_tagger, store_of
+
+from kvserving.gateway.conversations import Conversations
+from kvserving.gateway.prompt.chat_template import ChatTemplate
+from kvserving.gateway.prompt.tagger import ChatTagger
+from kvserving.gateway.prompt.token_prefixes import TokenPrefixes
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 TOOLS = [
     {"type": "function", "function": {"name": "run_tests", "description": "Run the test suite",
@@ -79,15 +82,16 @@ def agent_turns(rng: random.Random, turns: int) -> list[list[dict[str, Any]]]:
 
 def test_incremental_prompts_equal_the_full_path(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
     full = ChatTagger(tokenizer, template)
-    prefixes = TokenPrefixes(tokenizer)
-    incremental = ChatTagger(tokenizer, template, prefixes=prefixes)
+    incremental = kept_tagger(tokenizer, template)
+    prefixes = incremental.prefixes
+    assert prefixes is not None
     rng = random.Random(7)
     requests = 0
-    for _ in range(12):
+    for conversation in range(12):
         tools = TOOLS if rng.random() < 0.5 else None
         for messages in agent_turns(rng, rng.randint(2, 6)):
             expected = full.build(copy.deepcopy(messages), tools=copy.deepcopy(tools))
-            got = incremental.build(copy.deepcopy(messages), tools=copy.deepcopy(tools))
+            got = build(incremental, copy.deepcopy(messages), tools=copy.deepcopy(tools), key=f"c{conversation}")
             assert got == expected
             assert got.input_ids == tokenizer.encode_ids(got.text)
             assert json.loads(f"[{got.ids_json}]") == got.input_ids  # the ids' JSON, kept prefix + new ids
@@ -98,18 +102,21 @@ def test_incremental_prompts_equal_the_full_path(tokenizer: TextTokenizer, templ
 
 def test_sessions_interleaved_each_reuse_their_own_prefix(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
     full = ChatTagger(tokenizer, template)
-    prefixes = TokenPrefixes(tokenizer)
-    incremental = ChatTagger(tokenizer, template, prefixes=prefixes)
+    incremental = kept_tagger(tokenizer, template)
+    prefixes, store = incremental.prefixes, store_of(incremental)
+    assert prefixes is not None
     rng = random.Random(3)
     sessions = [agent_turns(rng, 4) for _ in range(5)]
     for step in range(max(len(s) for s in sessions)):
-        for s in sessions:
+        for sid, s in enumerate(sessions):
             if step < len(s):
-                assert incremental.build(copy.deepcopy(s[step]), tools=TOOLS) == full.build(copy.deepcopy(s[step]), tools=TOOLS)
+                got = build(incremental, copy.deepcopy(s[step]), tools=TOOLS, key=f"s{sid}")
+                assert got == full.build(copy.deepcopy(s[step]), tools=TOOLS)
     assert prefixes.misses == len(sessions)  # each system prompt differs: no shared first message
     # one entry per conversation (each turn's replaced the one it extended) and one per first message
-    assert len(prefixes) == 2 * len(sessions)
-    assert sum(e.shared for e in prefixes._entries.values()) == len(sessions)
+    assert [len(c.prefixes) for c in store] == [2] * len(sessions)
+    assert len(store._prefixes) == 2 * len(sessions)
+    assert sum(e.shared for e in store._prefixes.values()) == len(sessions)
 
 
 def test_sessions_that_differ_only_far_before_each_cut_keep_their_own_prefix(
@@ -118,8 +125,9 @@ def test_sessions_that_differ_only_far_before_each_cut_keep_their_own_prefix(
     """Agents share a system prompt and boilerplate: the text just before each cut is the same in
     every session (only a session number far before it differs); each still hits its own entry."""
     full = ChatTagger(tokenizer, template)
-    prefixes = TokenPrefixes(tokenizer)
-    incremental = ChatTagger(tokenizer, template, prefixes=prefixes)
+    incremental = kept_tagger(tokenizer, template)
+    prefixes, store = incremental.prefixes, store_of(incremental)
+    assert prefixes is not None
     system = {"role": "system", "content": "You are a coding agent. Use the tools. " * 4}
     tail = ": open the next file, run the tests and tell me what failed, then read the parser module."
     reply = "I ran the tests; two failed in test_parser.py. Next I will read it and fix the parser module."
@@ -127,54 +135,57 @@ def test_sessions_that_differ_only_far_before_each_cut_keep_their_own_prefix(
     for step in range(4):
         for sid, history in enumerate(histories):
             history.append({"role": "user", "content": f"Session {sid}, step {step}{tail}"})
-            got = incremental.build(copy.deepcopy(history))
+            got = build(incremental, copy.deepcopy(history), key=f"s{sid}")
             assert got == full.build(copy.deepcopy(history))
             history.append({"role": "assistant", "content": reply})
     # the first conversation tokenized its whole first prompt; the others only what follows the
     # shared system prompt, then every later turn only its new text
     assert prefixes.misses == 1 and prefixes.hits == 4 * len(histories) - 1
-    assert len(prefixes) == len(histories) + 1
+    assert len(store._prefixes) == len(histories) + 1
 
 
 def test_new_conversations_sharing_a_system_prompt_and_tools_reuse_its_tokens(
     tokenizer: TextTokenizer, template: ChatTemplate,
 ) -> None:
     full = ChatTagger(tokenizer, template)
-    prefixes = TokenPrefixes(tokenizer)
-    incremental = ChatTagger(tokenizer, template, prefixes=prefixes)
+    incremental = kept_tagger(tokenizer, template)
+    prefixes, store = incremental.prefixes, store_of(incremental)
+    assert prefixes is not None
     system = {"role": "system", "content": "You are a coding agent in a large repository. " * 8}
     rng = random.Random(11)
     for n in range(6):
         messages = [system, {"role": "user", "content": words(rng, 12)}]
         if n % 2:
             messages += [{"role": "assistant", "content": words(rng, 5)}, {"role": "user", "content": words(rng, 4)}]
-        assert incremental.build(copy.deepcopy(messages), tools=TOOLS) == full.build(copy.deepcopy(messages), tools=TOOLS)
+        got = build(incremental, copy.deepcopy(messages), tools=TOOLS, key=f"c{n}")
+        assert got == full.build(copy.deepcopy(messages), tools=TOOLS)
     assert prefixes.misses == 1 and prefixes.hits == 5
     # their labels and the marked render's parse of the shared block came from the kept prefix too
     assert incremental.label_hits == 5 and incremental.parse_hits == 5
-    shared = [e for e in prefixes._entries.values() if e.shared]
+    shared = [e for e in store._prefixes.values() if e.shared]
     assert len(shared) == 1 and len(shared[0].ids) > 100  # the system prompt and the tool schemas
     # a different system prompt is a new shared entry, not a wrong hit
     other = [{"role": "system", "content": "You are a reviewer. " * 8}, {"role": "user", "content": "hi"}]
-    assert incremental.build(copy.deepcopy(other), tools=TOOLS) == full.build(copy.deepcopy(other), tools=TOOLS)
+    assert build(incremental, copy.deepcopy(other), tools=TOOLS, key="other") == full.build(copy.deepcopy(other), tools=TOOLS)
     assert prefixes.misses == 2
 
 
 def test_template_that_strips_earlier_reasoning_falls_back_to_the_full_path(tokenizer: TextTokenizer) -> None:
     template = ChatTemplate(STRIPPING_TEMPLATE)
     full = ChatTagger(tokenizer, template)
-    prefixes = TokenPrefixes(tokenizer)
-    incremental = ChatTagger(tokenizer, template, prefixes=prefixes)
+    incremental = kept_tagger(tokenizer, template)
+    prefixes = incremental.prefixes
+    assert prefixes is not None
     messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q1"}]
-    assert incremental.build(copy.deepcopy(messages)) == full.build(copy.deepcopy(messages))
+    assert build(incremental, copy.deepcopy(messages)) == full.build(copy.deepcopy(messages))
     messages.append({"role": "assistant", "content": "a1", "reasoning_content": "think 1"})
     messages.append({"role": "tool", "content": "result"})  # still within the turn: reasoning shown
-    assert incremental.build(copy.deepcopy(messages)) == full.build(copy.deepcopy(messages))
+    assert build(incremental, copy.deepcopy(messages)) == full.build(copy.deepcopy(messages))
     assert prefixes.hits == 1
     messages.append({"role": "user", "content": "q2"})  # the reasoning is gone: the kept text no longer matches
     first = full.build(copy.deepcopy(messages))
     assert "think 1" not in first.text
-    assert incremental.build(copy.deepcopy(messages)) == first
+    assert build(incremental, copy.deepcopy(messages)) == first
     # The kept prefix ends at the previous prompt's generation prompt; what still matches
     # is only the system block: its shared entry serves.
     assert prefixes.hits == 2 and prefixes.misses == 1
@@ -183,37 +194,44 @@ def test_template_that_strips_earlier_reasoning_falls_back_to_the_full_path(toke
 def test_encode_equals_full_tokenization_on_growing_texts(tokenizer: TextTokenizer) -> None:
     """Random text with special tokens (and whitespace, combining marks, `<`/`>`
     around them) grown piece by piece: every encode equals the full one."""
-    prefixes = TokenPrefixes(tokenizer)
+    prefixes = TokenPrefixes(tokenizer, Conversations())
     specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<|image_pad|>"]
     rng = random.Random(11)
-    for _ in range(20):
+    for n in range(20):
         text = ""
         for _ in range(8):
             text += "".join(rng.choice(specials) if rng.random() < 0.3 else words(rng, 2) for _ in range(rng.randint(1, 12)))
-            enc = prefixes.encode(text)
+            enc = encode(prefixes, text, key=f"c{n}")
             ref = tokenizer.encode(text)
-            assert (enc.ids, enc.offsets) == (ref.ids, ref.offsets)
+            assert (enc.ids, enc.offsets()) == (ref.ids, ref.offsets)
+            assert (prefixes.encode(text).ids, prefixes.encode(text).offsets) == (ref.ids, ref.offsets)
     assert prefixes.hits > 50
 
 
-def test_entries_and_tokens_stay_within_bounds(tokenizer: TextTokenizer) -> None:
-    prefixes = TokenPrefixes(tokenizer, max_entries=3, max_tokens=10_000)
+def test_kept_prefixes_go_with_their_conversation_records(tokenizer: TextTokenizer) -> None:
+    store = Conversations(max_conversations=3)
+    prefixes = TokenPrefixes(tokenizer, store)
     for i in range(6):
-        prefixes.encode(f"<|im_start|>user\nsession {i} asks a question<|im_end|>\n<|im_start|>assistant\n")
-    assert len(prefixes) == 3  # the three most recent sessions
-    assert prefixes.encode("<|im_start|>user\nsession 5 asks a question<|im_end|>\n<|im_start|>assistant\nok") is not None
+        encode(prefixes, f"<|im_start|>user\nsession {i} asks a question<|im_end|>\n<|im_start|>assistant\n", key=f"s{i}")
+    # the three most recent conversations' records: each its prompt's prefix and its first message's (shared)
+    assert [c.key for c in store] == ["s3", "s4", "s5"] and len(store._prefixes) == 6
+    assert encode(prefixes, "<|im_start|>user\nsession 5 asks a question<|im_end|>\n<|im_start|>assistant\nok", key="s5")
     assert prefixes.hits == 1
-    assert prefixes.encode("<|im_start|>user\nsession 0 asks a question<|im_end|>\n<|im_start|>assistant\nok")
-    assert prefixes.hits == 1  # evicted
+    assert encode(prefixes, "<|im_start|>user\nsession 0 asks a question<|im_end|>\n<|im_start|>assistant\nok", key="s0")
+    assert prefixes.hits == 1  # evicted with its record
     # the count of entries per cut position (lookups hash only where an entry is) follows every
     # eviction and replacement
-    assert sum(prefixes._cuts.values()) == len(prefixes) == 3
-    assert prefixes._cuts == Counter(e.cut for e in prefixes._entries.values())
-    small = TokenPrefixes(tokenizer, max_tokens=20)
-    small.encode("<|im_start|>user\n" + "word " * 40 + "<|im_end|>\n<|im_start|>assistant\n")
-    assert len(small) == 0 and small.tokens == 0 and not small._cuts  # one prompt over the budget is not kept
-    with pytest.raises(ValueError, match="max_entries"):
-        TokenPrefixes(tokenizer, max_entries=0)
+    assert sum(store._cuts.values()) == len(store._prefixes) == 6
+    assert store._cuts == Counter(e.cut for e in store._prefixes.values())
+    assert prefixes.tokens == sum(len(e.ids) for c in store for e in c.prefixes)
+    small = Conversations(max_tokens=20)
+    budgeted = TokenPrefixes(tokenizer, small)
+    for key in ("a", "b"):
+        encode(budgeted, f"<|im_start|>user\n{key} " + "word " * 40 + "<|im_end|>\n<|im_start|>assistant\n", key=key)
+    # one prompt over the budget: only the conversation just filed stays (its next turn needs it)
+    # (a record is charged its longest form: the prompt's prefix, which its first message's is a prefix of)
+    b = small.get("b")
+    assert [c.key for c in small] == ["b"] and b is not None and small.tokens == max(len(e.ids) for e in b.prefixes) > 20
 
 
 def test_tokens_that_look_outside_their_match_are_never_cut_at() -> None:
@@ -224,13 +242,13 @@ def test_tokens_that_look_outside_their_match_are_never_cut_at() -> None:
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens([AddedToken("<s>", lstrip=True, special=True), AddedToken("</s>", special=True)])
-    prefixes = TokenPrefixes(TextTokenizer(tok))
+    prefixes = TokenPrefixes(TextTokenizer(tok), Conversations())
     assert prefixes.enabled and prefixes._cut_ids == frozenset({tok.token_to_id("</s>")})
     for text in ("a </s> b <s> a", "a </s> b <s> a </s> b   <s>", "a </s> b <s> a </s> b   <s> a </s>  b"):
-        enc, ref = prefixes.encode(text), tok.encode(text, add_special_tokens=False)
-        assert (enc.ids, enc.offsets) == (ref.ids, ref.offsets)
+        enc, ref = encode(prefixes, text), tok.encode(text, add_special_tokens=False)
+        assert (enc.ids, enc.offsets()) == (ref.ids, ref.offsets)
     tok.enable_truncation(4)
-    assert not TokenPrefixes(TextTokenizer(tok)).enabled
+    assert not TokenPrefixes(TextTokenizer(tok), Conversations()).enabled
 
 
 @pytest.mark.parametrize("scheme", ["prepend_normalizer", "first", "always"])
@@ -248,15 +266,15 @@ def test_sentencepiece_style_tokenizers_split_exactly_too(scheme: str) -> None:
         tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
     corpus = ["open the file and run the tests", "the answer is 42, é 日本", "hello world, hello agent"] * 20
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]))
-    prefixes = TokenPrefixes(TextTokenizer(tok))
+    prefixes = TokenPrefixes(TextTokenizer(tok), Conversations())
     pieces = ["open", "the", " file", "  ", "é", "日本", "\n", "hello", "[INST]", "[/INST]", "</s>", "<s>", " ", "x"]
     rng = random.Random(1)
-    for _ in range(15):
+    for n in range(15):
         text = ""
         for _ in range(6):
             text += "".join(rng.choice(pieces) for _ in range(rng.randint(1, 10)))
-            enc, ref = prefixes.encode(text), tok.encode(text, add_special_tokens=False)
-            assert (enc.ids, enc.offsets) == (ref.ids, ref.offsets), text
+            enc, ref = encode(prefixes, text, key=f"c{n}"), tok.encode(text, add_special_tokens=False)
+            assert (enc.ids, enc.offsets()) == (ref.ids, ref.offsets), text
     assert prefixes.hits > 30
 
 
@@ -291,26 +309,26 @@ def test_kept_labels_give_the_tags_of_a_full_tagging(name: str, tokenizer: TextT
               "empty_list": ChatTemplate(EMPTY_LIST_TEMPLATE), "stripping": ChatTemplate(STRIPPING_TEMPLATE),
               "editing": ChatTemplate(EDITING_TEMPLATE)}[name]
     full = ChatTagger(tokenizer, chosen)
-    incremental = ChatTagger(tokenizer, chosen, prefixes=TokenPrefixes(tokenizer))
-    drafting = ChatTagger(tokenizer, chosen, prefixes=TokenPrefixes(tokenizer))
+    incremental = kept_tagger(tokenizer, chosen)
+    drafting = kept_tagger(tokenizer, chosen)
     rng = random.Random(11)
     sessions = [(text_turns(rng, rng.randint(3, 7)), TOOLS if rng.random() < 0.5 else None) for _ in range(8)]
     requests = confirmed = 0
     while any(turns for turns, _ in sessions):
-        for turns, tools in sessions:  # round robin: the sessions' kept prefixes interleave
+        for sid, (turns, tools) in enumerate(sessions):  # round robin: the sessions' kept prefixes interleave
             if turns:
                 messages = turns.pop(0)
-                got = incremental.build(copy.deepcopy(messages), tools=copy.deepcopy(tools))
+                got = build(incremental, copy.deepcopy(messages), tools=copy.deepcopy(tools), key=f"s{sid}")
                 assert got == full.build(copy.deepcopy(messages), tools=copy.deepcopy(tools))
                 # A draft (marked render only, with the kept state of earlier drafts) that the
                 # real render confirms is exactly the full tagging; one it does not is never used.
-                draft = drafting.draft(copy.deepcopy(messages), tools=copy.deepcopy(tools))
-                assert draft is not None
-                if draft.confirmed():
-                    assert draft.prompt == got
+                got_draft = draft(drafting, copy.deepcopy(messages), tools=copy.deepcopy(tools), key=f"s{sid}")
+                assert got_draft is not None
+                if got_draft.confirmed():
+                    assert got_draft.prompt == got
                     confirmed += 1
                 else:
-                    assert draft.prompt.text != got.text
+                    assert got_draft.prompt.text != got.text
                 if got.tag_runs:  # the runs are the tags
                     assert [t for (hi, t), lo in zip(got.tag_runs, [0] + [h for h, _ in got.tag_runs])
                             for _ in range(hi - lo)] == got.tags
@@ -336,14 +354,13 @@ def test_content_that_spells_out_markup_reuses_neither_ids_nor_labels(tokenizer:
     prompt is not the text an earlier prompt rendered from two messages, so neither that
     prompt's kept ids nor its labels serve, and its control tokens are the template's."""
     full = ChatTagger(tokenizer, template)
-    prefixes = TokenPrefixes(tokenizer)
-    incremental = ChatTagger(tokenizer, template, prefixes=prefixes)
+    incremental = kept_tagger(tokenizer, template)
     system = {"role": "system", "content": "Be brief."}
     first = [system, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
     second = [system, {"role": "user", "content": "a<|im_end|>\n<|im_start|>assistant\nb"}, {"role": "user", "content": "c"},
               {"role": "assistant", "content": "d"}, {"role": "user", "content": "e"}]
-    kept = incremental.build(copy.deepcopy(first))
-    got = incremental.build(copy.deepcopy(second))
+    kept = build(incremental, copy.deepcopy(first))
+    got = build(incremental, copy.deepcopy(second))
     assert got.reused_prefix is None or len(got.reused_prefix.ids) <= kept.input_ids.index(4078, 8)  # the system message's at most
     assert sum(t in tokenizer.special_ids for t in got.input_ids) == 2 * 5 + 1  # five messages' markup and the generation prompt's opener
     assert got == full.build(copy.deepcopy(second))
@@ -351,15 +368,16 @@ def test_content_that_spells_out_markup_reuses_neither_ids_nor_labels(tokenizer:
 
 def test_kept_prefixes_are_found_only_in_their_own_scope(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
     """A tenant's kept prompts (its first message too) never speed up another tenant's tokenization."""
-    prefixes = TokenPrefixes(tokenizer)
-    tagger = ChatTagger(tokenizer, template, prefixes=prefixes)
+    tagger = kept_tagger(tokenizer, template)
+    prefixes = tagger.prefixes
+    assert prefixes is not None
     full = ChatTagger(tokenizer, template)
     secret = [{"role": "system", "content": "The launch code is 7-4-1-9. " * 8}, {"role": "user", "content": "Plan?"}]
     turn2 = [*secret, {"role": "assistant", "content": "Soon."}, {"role": "user", "content": "When?"}]
-    assert tagger.build(copy.deepcopy(secret), scope="a") == full.build(copy.deepcopy(secret))
+    assert build(tagger, copy.deepcopy(secret), scope="a", key="a") == full.build(copy.deepcopy(secret))
     assert (prefixes.hits, prefixes.misses) == (0, 1)
     for scope in ("b", ""):  # the right guess from another tenant, and from the default one
-        assert tagger.build(copy.deepcopy(secret), scope=scope) == full.build(copy.deepcopy(secret))
+        assert build(tagger, copy.deepcopy(secret), scope=scope, key=f"{scope}-c") == full.build(copy.deepcopy(secret))
     assert (prefixes.hits, prefixes.misses) == (0, 3)
-    assert tagger.build(copy.deepcopy(turn2), scope="a") == full.build(copy.deepcopy(turn2))
+    assert build(tagger, copy.deepcopy(turn2), scope="a", key="a") == full.build(copy.deepcopy(turn2))
     assert (prefixes.hits, prefixes.misses) == (1, 3)  # its own tenant's conversation reuses as before

@@ -14,12 +14,14 @@ from typing import Any
 import pytest
 from test_token_prefixes import EMPTY_LIST_TEMPLATE, STRIPPING_TEMPLATE, TOOLS, text_turns
 
-from kvserving.gateway.chat_template import ChatTemplate
+from kept import draft, kept_tagger, store_of
+
+from kvserving.gateway.conversations import Conversations
+from kvserving.gateway.prompt.chat_template import ChatTemplate
 from kvserving.gateway.errors import GatewayError
-from kvserving.gateway.tagger import ChatTagger
-from kvserving.gateway.token_prefixes import TokenPrefixes
-from kvserving.gateway.tokenizer import TextTokenizer
-from kvserving.gateway.turn_render import TurnRenders
+from kvserving.gateway.prompt.tagger import ChatTagger
+from kvserving.gateway.prompt.tokenizer import TextTokenizer
+from kvserving.gateway.prompt.turn_render import TurnRenders
 
 # Marks every message by the parity of its index (templates that check alternating
 # roles by loop.index0): the short list keeps each message's parity.
@@ -53,19 +55,20 @@ def test_appended_drafts_equal_whole_ones(name: str, tokenizer: TextTokenizer, t
     confirmation), and a confirmed draft is the full tagging."""
     chosen = _template(name, template)
     full = ChatTagger(tokenizer, chosen)
-    whole = ChatTagger(tokenizer, chosen, prefixes=TokenPrefixes(tokenizer))
-    renders = TurnRenders()
-    appending = ChatTagger(tokenizer, chosen, prefixes=TokenPrefixes(tokenizer), renders=renders)
+    whole = kept_tagger(tokenizer, chosen)
+    appending = kept_tagger(tokenizer, chosen, renders=True)
+    renders = appending.renders
+    assert renders is not None
     rng = random.Random(5)
     sessions = [(text_turns(rng, rng.randint(3, 8)), TOOLS if rng.random() < 0.5 else None) for _ in range(8)]
     requests = appended = unconfirmed = 0
     while any(t for t, _ in sessions):
-        for t, tools in sessions:
+        for sid, (t, tools) in enumerate(sessions):
             if not t:
                 continue
             messages = t.pop(0)
-            expected = whole.draft(copy.deepcopy(messages), tools=copy.deepcopy(tools))
-            got = appending.draft(copy.deepcopy(messages), tools=copy.deepcopy(tools))
+            expected = draft(whole, copy.deepcopy(messages), tools=copy.deepcopy(tools), key=f"s{sid}")
+            got = draft(appending, copy.deepcopy(messages), tools=copy.deepcopy(tools), key=f"s{sid}")
             assert expected is not None and got is not None
             assert got.prompt == expected.prompt
             assert got.confirmed() == expected.confirmed()
@@ -104,8 +107,9 @@ def _conversation(turns: int) -> list[list[dict[str, Any]]]:
 
 
 def test_a_long_conversation_renders_only_its_last_turn(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
-    renders = TurnRenders()
-    tagger = ChatTagger(tokenizer, template, prefixes=TokenPrefixes(tokenizer), renders=renders)
+    tagger = kept_tagger(tokenizer, template, renders=True)
+    renders, store = tagger.renders, store_of(tagger)
+    assert renders is not None
     full = ChatTagger(tokenizer, template)
     rendered: list[int] = []
     original = template.render
@@ -117,35 +121,39 @@ def test_a_long_conversation_renders_only_its_last_turn(tokenizer: TextTokenizer
     tagger.template = type("T", (), {"render": staticmethod(counting)})()  # type: ignore[assignment]
     for k, messages in enumerate(_conversation(12)):
         rendered.clear()
-        draft = tagger.draft(copy.deepcopy(messages))
-        assert draft is not None and draft.confirmed()
-        assert draft.prompt == full.build(copy.deepcopy(messages))
-        assert draft.appended == (k >= 2)
+        got = draft(tagger, copy.deepcopy(messages))
+        assert got is not None and got.confirmed()
+        assert got.prompt == full.build(copy.deepcopy(messages))
+        assert got.appended == (k >= 2)
         if k >= 3:
             # the short list (system + the last turn's user, assistant, new user) and the confirmation, whole
             assert rendered == [4, len(messages)], rendered
-    assert renders.hits == 10 and renders.misses == 2 and len(renders) == 1
+    # the conversation's record holds its last render, the only one kept
+    assert renders.hits == 10 and renders.misses == 2 and sum(len(b) for b in store._renders.values()) == 1
+    c = store.get("c")
+    assert c is not None and c.render is not None and c.render.raw == _conversation(12)[-1]
 
 
 def test_an_edited_history_renders_whole(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
-    renders = TurnRenders()
-    tagger = ChatTagger(tokenizer, template, prefixes=TokenPrefixes(tokenizer), renders=renders)
+    tagger = kept_tagger(tokenizer, template, renders=True)
+    renders = tagger.renders
+    assert renders is not None
     turns = _conversation(5)
     for messages in turns[:4]:
-        tagger.draft(copy.deepcopy(messages))
+        draft(tagger, copy.deepcopy(messages))
     hits = renders.hits
     edited = copy.deepcopy(turns[4])
     edited[2]["content"] = "something else"  # the client rewrote an earlier assistant reply
-    draft = tagger.draft(edited)
-    assert draft is not None and not draft.appended and renders.hits == hits
-    assert draft.prompt == ChatTagger(tokenizer, template).build(copy.deepcopy(edited))
+    got = draft(tagger, edited)
+    assert got is not None and not got.appended and renders.hits == hits
+    assert got.prompt == ChatTagger(tokenizer, template).build(copy.deepcopy(edited))
 
 
 def test_a_bad_new_message_gets_the_whole_paths_error(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
-    tagger = ChatTagger(tokenizer, template, prefixes=TokenPrefixes(tokenizer), renders=TurnRenders())
+    tagger = kept_tagger(tokenizer, template, renders=True)
     turns = _conversation(4)
     for messages in turns:
-        tagger.draft(copy.deepcopy(messages))
+        draft(tagger, copy.deepcopy(messages))
     bad = [*copy.deepcopy(turns[-1]), {"role": "assistant", "content": "x"}, {"role": "wizard", "content": "y"}]
     with pytest.raises(GatewayError) as appended:
         tagger.draft(copy.deepcopy(bad))
@@ -155,29 +163,28 @@ def test_a_bad_new_message_gets_the_whole_paths_error(tokenizer: TextTokenizer, 
     assert appended.value.param == f"messages[{len(bad) - 1}].role"
 
 
-def test_kept_renders_stay_within_bounds(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
-    renders = TurnRenders(max_entries=3)
-    tagger = ChatTagger(tokenizer, template, renders=renders)
+def test_kept_renders_go_with_their_conversation_records(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
+    store = Conversations(max_conversations=3)
+    tagger = kept_tagger(tokenizer, template, prefixes=False, renders=True, store=store)
     sessions = [[[{"role": "system", "content": f"agent {s}"}, *m[1:]] for m in _conversation(4)] for s in range(5)]
     for step in range(4):
-        for s in sessions:
-            tagger.draft(copy.deepcopy(s[step]))
-        assert len(renders) == 3  # one per conversation (its new render replaced the one it extended), LRU out
-    kept_chars = renders.chars
-    assert kept_chars == sum(len(e.marked) for e in renders._lru.values())
-    small = TurnRenders(max_chars=kept_chars // 3)
-    tagger = ChatTagger(tokenizer, template, renders=small)
-    for s in sessions:
-        tagger.draft(copy.deepcopy(s[3]))
-    assert small.chars <= kept_chars // 3 and len(small) >= 1
-    with pytest.raises(ValueError, match="max_entries"):
-        TurnRenders(max_entries=0)
-    with pytest.raises(ValueError, match="max_chars"):
-        TurnRenders(max_chars=0)
+        for sid, s in enumerate(sessions):
+            draft(tagger, copy.deepcopy(s[step]), key=f"s{sid}")
+        # one per conversation (its new render replaced the one it extended), least recently used out
+        assert [c.key for c in store] == ["s2", "s3", "s4"]
+        assert sorted(id(k) for b in store._renders.values() for k in b) == sorted(id(c.render) for c in store)
+    # a record is charged its marked render's characters / 4; the budget evicts the least recently used
+    charged = store.tokens
+    assert charged == sum(len(c.render.marked) // 4 for c in store if c.render is not None)
+    small = Conversations(max_tokens=charged // 3)
+    tagger = kept_tagger(tokenizer, template, prefixes=False, renders=True, store=small)
+    for sid, s in enumerate(sessions):
+        draft(tagger, copy.deepcopy(s[3]), key=f"s{sid}")
+    assert small.tokens <= charged // 3 and [c.key for c in small][-1] == "s4"
 
 
 def test_appending_stops_when_its_drafts_keep_mismatching() -> None:
-    renders = TurnRenders()
+    renders = TurnRenders(Conversations())
     for _ in range(8):
         renders.confirmed(False)
     assert renders.on  # eight odd requests leave it on
@@ -194,15 +201,16 @@ def test_conversations_that_share_a_key_are_told_apart_and_bounded(tokenizer: Te
     """Twelve conversations with the same system prompt, first user message and last message
     but different replies in between share one key: a request finds its own kept render
     among the eight most recent; older ones are dropped (a lookup compares at most a bucket)."""
-    renders = TurnRenders()
-    tagger = ChatTagger(tokenizer, template, renders=renders)
+    tagger = kept_tagger(tokenizer, template, prefixes=False, renders=True)
+    renders, store = tagger.renders, store_of(tagger)
+    assert renders is not None
     convs = []
     for c in range(12):
         m = [{"role": "system", "content": "agent"}, {"role": "user", "content": "fix the bug"},
              {"role": "assistant", "content": f"looked at file {c}"}, {"role": "user", "content": "continue"}]
-        tagger.draft(copy.deepcopy(m))
+        draft(tagger, copy.deepcopy(m), key=f"c{c}")
         convs.append(m)
-    assert len(renders) == 8  # one key, eight kept
+    assert [len(b) for b in store._renders.values()] == [8]  # one key, eight in its bucket
     for c, m in enumerate(convs):
         nxt = [*m, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "continue"}]
         found = renders.find(nxt, None, (True, None))
@@ -213,15 +221,16 @@ def test_conversations_that_share_a_key_are_told_apart_and_bounded(tokenizer: Te
 
 
 def test_kept_renders_are_found_only_by_their_own_scope(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
-    renders = TurnRenders()
-    tagger = ChatTagger(tokenizer, template, renders=renders)
+    tagger = kept_tagger(tokenizer, template, prefixes=False, renders=True)
+    renders = tagger.renders
+    assert renders is not None
     turns = _conversation(4)
     for messages in turns[:3]:
-        tagger.draft(copy.deepcopy(messages), scope="a")
+        draft(tagger, copy.deepcopy(messages), scope="a", key="a")
     hits = renders.hits
     for scope in ("b", ""):
-        draft = tagger.draft(copy.deepcopy(turns[3]), scope=scope)
-        assert draft is not None and not draft.appended
+        got = draft(tagger, copy.deepcopy(turns[3]), scope=scope, key=f"{scope}-c")
+        assert got is not None and not got.appended
     assert renders.hits == hits
-    draft = tagger.draft(copy.deepcopy(turns[3]), scope="a")
-    assert draft is not None and draft.appended and renders.hits == hits + 1
+    got = draft(tagger, copy.deepcopy(turns[3]), scope="a", key="a")
+    assert got is not None and got.appended and renders.hits == hits + 1

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvserving.config import GatewayConfig
-from kvserving.gateway.tag_spans import expand_runs
+from kvserving.gateway.prompt.tag_spans import expand_runs
 from kvserving.gateway.workers import (
     RawJson,
     SSEEvents,

@@ -33,7 +33,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import GatewayError, invalid_request
+from ..errors import GatewayError, invalid_request
 from .tokenizer import read_tokenizer_config
 
 Message = dict[str, Any]

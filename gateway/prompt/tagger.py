@@ -78,11 +78,11 @@ from typing import Any, TypeVar
 
 from kvserving.tags import TEMPORAL, encode_tag
 
+from ..errors import GatewayError
 from . import tag_markers, tag_spans, turn_render
 from .chat_template import ChatTemplate, Message, normalize_messages, normalize_tools
-from .errors import GatewayError
 from .tag_markers import Chunk, Piece
-from .token_prefixes import Prefixed, TokenPrefixes, split_offsets
+from .token_prefixes import PrefixEntry, Prefixed, TokenPrefixes, split_offsets
 from .tokenizer import TextTokenizer
 from .turn_render import KeptRender, TurnRenders
 
@@ -119,10 +119,11 @@ class TaggedPrompt:
     # `input_ids` as JSON array elements ("1,2,3") when the tagger had them from the kept
     # prefix (token_prefixes.py); "" otherwise. Whoever changes the ids clears it.
     ids_json: str = field(default="", compare=False)
-    # The kept prefix (token_prefixes entry) these ids start with, and the entries kept for
-    # this prompt's own prefixes: identity keeps its page chain of an entry's ids on it.
+    # The kept prefix (token_prefixes entry) these ids start with, and the entries to keep for
+    # this prompt's own prefixes (Conversations.keep_prefixes files them): identity keeps its
+    # page chain of an entry's ids on it.
     reused_prefix: object = field(default=None, compare=False, repr=False)
-    kept_prefixes: tuple[object, ...] = field(default=(), compare=False, repr=False)
+    kept_prefixes: tuple[PrefixEntry, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def current_turn_start(self) -> int:
@@ -133,11 +134,14 @@ class Draft:
     """A prompt tagged from the marked render alone (``ChatTagger.draft``), and its check
     against the real render (run once, remembered; never raises)."""
 
-    __slots__ = ("prompt", "appended", "_confirm", "_result")
+    __slots__ = ("prompt", "appended", "kept_render", "_confirm", "_result")
 
-    def __init__(self, prompt: TaggedPrompt, confirm: Callable[[], bool], *, appended: bool = False) -> None:
+    def __init__(self, prompt: TaggedPrompt, confirm: Callable[[], bool], *, appended: bool = False,
+                 kept_render: KeptRender | None = None) -> None:
         self.prompt = prompt
         self.appended = appended  # rendered by appending to a kept render (turn_render.py)
+        # the marked render to keep for the conversation's next turn (Conversations.keep_render)
+        self.kept_render = kept_render
         self._confirm: Callable[[], bool] | None = confirm
         self._result = False
 
@@ -150,6 +154,24 @@ class Draft:
             except Exception:  # a template error surfaces on the real path; the draft is just not confirmed
                 self._result = False
         return self._result
+
+
+class Drafting:
+    """Whether chat prompts go out as drafts: on until mismatches pass 8 and a tenth of the
+    drafts (a template that inspects content in most requests would pay a second worker
+    request for each; a few odd requests cost one each and leave it on)."""
+
+    __slots__ = ("on", "drafts", "mismatches")
+
+    def __init__(self) -> None:
+        self.on = True
+        self.drafts = 0
+        self.mismatches = 0
+
+    def mismatch(self) -> None:
+        self.mismatches += 1
+        if self.mismatches > 8 and self.mismatches * 10 > self.drafts:
+            self.on = False
 
 
 class ChatTagger:
@@ -216,7 +238,8 @@ class ChatTagger:
         characters): ``build`` then. Bad input raises as in ``build``.
 
         With ``renders``, a request that appends messages to a kept render renders only
-        its current turn (turn_render.py); ``Draft.appended`` says so. ``scope`` as in ``build``."""
+        its current turn (turn_render.py); ``Draft.appended`` says so, and ``Draft.kept_render``
+        is the render to keep for the next turn. ``scope`` as in ``build``."""
         codec = tag_markers.first_codec()
         template_kwargs = self._as_text(template_kwargs)
         options = (add_generation_prompt, template_kwargs)
@@ -241,11 +264,12 @@ class ChatTagger:
             return None  # the request holds private-use characters: pick_codec must see the real render
         self.builds += 1
         prompt = self._tag(msgs, text, codec, marks, marked_text, scope)
+        to_keep = None
         if renders is not None and raw is not None and not marks.images:
-            renders.keep(KeptRender(raw=raw, tools=tools, options=options, norm=msgs, tool_list=tool_list,
-                                    marked_msgs=marked_msgs, marked_tools=marked_tools, pieces=marks.pieces,
-                                    marked=marked_text, last_user=_last_user(msgs),
-                                    heads=kept.heads if kept is not None else {}, scope=scope), replaces=kept)
+            to_keep = KeptRender(raw=raw, tools=tools, options=options, norm=msgs, tool_list=tool_list,
+                                 marked_msgs=marked_msgs, marked_tools=marked_tools, pieces=marks.pieces,
+                                 marked=marked_text, last_user=_last_user(msgs),
+                                 heads=kept.heads if kept is not None else {}, scope=scope)
         appended = got is not None
 
         def confirm() -> bool:
@@ -260,7 +284,7 @@ class ChatTagger:
                 renders.confirmed(ok)
             return ok
 
-        return Draft(prompt, confirm, appended=appended)
+        return Draft(prompt, confirm, appended=appended, kept_render=to_keep)
 
     def _append(self, kept: KeptRender, messages: list[Any], codec: tag_markers.MarkerCodec, add_generation_prompt: bool,
                 template_kwargs: Mapping[str, Any] | None) -> turn_render.Appended | None:

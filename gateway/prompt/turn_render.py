@@ -34,34 +34,31 @@ when such mismatches pass 8 and a tenth of its drafts.
 Scoped: a request finds only the renders kept for its own ``scope`` (its
 tenant's id, tenants.py).
 
-Bounded: at most ``max_entries`` kept renders and ``max_chars`` characters of
-marked text in all (the default 16M, about what the tokenized prefixes'
-4M tokens cover; a kept render also holds its request's messages, plain and
-marked, so about three times that in memory), least recently used first out;
-a conversation's new render replaces the one it extended. Pure (no I/O); one
-event loop owns it.
+Kept where the conversation is: a conversation's last render is its record's
+``render`` (conversations.py), found here through the store's render index;
+the store's one budget and LRU bound them (a kept render charges its marked
+characters / 4). Pure (no I/O); one event loop owns it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .chat_template import Message
 from .tag_markers import MarkerCodec, Marks, Piece
 
 # How many new messages a turn may append and still find its kept render (an
-# assistant reply and a user message; a tool call and its results).
+# assistant reply and a user message; a tool call and its results). Renders that share a key
+# (the same first user message and the same message at the same place): the store keeps the
+# most recent few of them in its index (conversations.RENDER_BUCKET), so a lookup compares a
+# bounded number of message lists, each failing at its first differing message.
 MAX_APPENDED = 16
-# Kept renders that share a key (conversations with the same first user message and the same
-# message at the same place): the most recent ones are compared, the rest dropped, so a lookup
-# compares at most MAX_APPENDED x BUCKET message lists, each failing at its first differing message.
-BUCKET = 8
+RenderKey = tuple[str, int, tuple[object, ...], tuple[object, ...] | None]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class KeptRender:
     """What one request rendered: its raw messages (compared with the next request's),
     their normalized and marked forms, the pieces and the marked render."""
@@ -78,6 +75,12 @@ class KeptRender:
     last_user: int  # index of the last user message (-1: none)
     heads: dict[int, str] = field(default_factory=dict)  # h -> the marked render of the first h messages, no generation prompt
     scope: str = ""  # the tenant whose request it was: found only by that tenant's requests
+
+    @property
+    def key(self) -> RenderKey:
+        """(scope, message count, fingerprint of the last message, of the second one when it is not the last)."""
+        raw = self.raw
+        return self.scope, len(raw), _fingerprint(raw[-1]), _fingerprint(raw[1]) if len(raw) > 1 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,33 +102,25 @@ def _fingerprint(message: object) -> tuple[object, ...]:
     return (message.get("role"), content if isinstance(content, str) else type(content).__name__, len(message))
 
 
-class TurnRenders:
-    """Kept marked renders, found by (message count, fingerprints of the last and the second
-    message); the conversations that share such a key share a bucket (its BUCKET most
-    recent), and the comparison of the messages picks the one a request extends."""
+class KeptRenders(Protocol):
+    """The index kept renders are found in (conversations.Conversations)."""
 
-    def __init__(self, *, max_entries: int = 2048, max_chars: int = 16_000_000) -> None:
-        for name, value in (("max_entries", max_entries), ("max_chars", max_chars)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        self.max_entries = max_entries
-        self.max_chars = max_chars
-        self._lru: OrderedDict[int, KeptRender] = OrderedDict()  # id(entry) -> entry, least recently used first
-        self._buckets: dict[tuple[str, int, tuple[object, ...], tuple[object, ...] | None], list[KeptRender]] = {}
-        self._chars = 0
+    def renders(self, key: RenderKey) -> list[KeptRender]: ...
+
+
+class TurnRenders:
+    """Finds a request's kept render by (message count, fingerprints of the last and the second
+    message); the conversations that share such a key share a bucket, and the comparison of
+    the messages picks the one a request extends. Counts what it finds, and stops appending
+    when appended drafts' mismatches pass 8 and a tenth of them."""
+
+    def __init__(self, kept: KeptRenders) -> None:
+        self.kept = kept
         self.on = True
         self.hits = 0  # requests rendered by appending
         self.misses = 0  # requests rendered whole (no kept render, or a check failed)
         self.drafts = 0  # appended drafts whose confirmation came back
         self.mismatches = 0
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    @property
-    def chars(self) -> int:
-        """Characters of marked text kept in all."""
-        return self._chars
 
     def find(self, raw: Sequence[Any], tools: object, options: tuple[bool, Mapping[str, Any] | None], *,
              scope: str = "") -> KeptRender | None:
@@ -135,33 +130,10 @@ class TurnRenders:
         n = len(raw)
         first = _fingerprint(raw[1]) if n > 2 else None
         for j in range(n - 1, max(0, n - 1 - MAX_APPENDED), -1):
-            for kept in self._buckets.get((scope, j, _fingerprint(raw[j - 1]), first if j > 1 else None), ()):
+            for kept in self.kept.renders((scope, j, _fingerprint(raw[j - 1]), first if j > 1 else None)):
                 if kept.options == options and kept.tools == tools and raw[:j] == kept.raw:
                     return kept
         return None
-
-    def keep(self, kept: KeptRender, *, replaces: KeptRender | None) -> None:
-        """Keep ``kept`` (most recently used); ``replaces``: the render it extended, dropped."""
-        if replaces is not None:
-            self._drop(replaces)
-        bucket = self._buckets.setdefault(_key(kept), [])
-        bucket.insert(0, kept)
-        self._lru[id(kept)] = kept
-        self._chars += len(kept.marked)
-        if len(bucket) > BUCKET:
-            self._drop(bucket[-1])
-        while self._lru and (len(self._lru) > self.max_entries or self._chars > self.max_chars):
-            self._drop(next(iter(self._lru.values())))
-
-    def _drop(self, entry: KeptRender) -> None:
-        if self._lru.pop(id(entry), None) is None:
-            return
-        self._chars -= len(entry.marked)
-        key = _key(entry)
-        bucket = self._buckets[key]
-        bucket.remove(entry)
-        if not bucket:
-            del self._buckets[key]
 
     def count(self, *, appended: bool) -> None:
         if appended:
@@ -176,12 +148,6 @@ class TurnRenders:
             self.mismatches += 1
             if self.mismatches > 8 and self.mismatches * 10 > self.drafts:
                 self.on = False
-
-
-def _key(kept: KeptRender) -> tuple[str, int, tuple[object, ...], tuple[object, ...] | None]:
-    """(scope, message count, fingerprint of the last message, of the second one when it is not the last)."""
-    raw = kept.raw
-    return kept.scope, len(raw), _fingerprint(raw[-1]), _fingerprint(raw[1]) if len(raw) > 1 else None
 
 
 Render = Callable[[list[Message], list[dict[str, Any]] | None, bool], str]
