@@ -44,11 +44,10 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .exact_history import Held
-    from .leases import Lease
     from .prompt.token_prefixes import PrefixEntry
     from .prompt.turn_render import KeptRender, RenderKey
 
@@ -59,6 +58,30 @@ RENDER_BUCKET = 8
 
 # A filed token sequence: (where it is filed: its tenant and chain value at its last full page, length, tail ids).
 SequenceId = tuple[int, int, tuple[int, ...]]
+
+
+@dataclass(slots=True)
+class Lease:
+    """One conversation's retained KV on one decode worker."""
+
+    conversation_key: str
+    worker_url: str
+    params: dict[str, Any]  # the decode's last kv_transfer_params
+    last_active: float
+    last_renewed: float
+    # read from params once (every heartbeat sweep and route reads them; the simulator, per turn):
+    # params is a private copy, and only ``LeaseTable.renewed`` changes it, through ``set_expiry``
+    lease_id: str = field(init=False)
+    expires_at: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lease_id = str(self.params.get("lease_id", ""))
+        self.expires_at = float(self.params.get("expires_at") or 0.0)
+
+    def set_expiry(self, expires_at: float) -> None:
+        self.params["expires_at"] = expires_at
+        self.expires_at = float(expires_at or 0.0)
+
 
 
 @dataclass(slots=True, eq=False)

@@ -37,32 +37,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .conversations import Conversation, Conversations
+from .conversations import Conversation, Conversations, Lease
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Lease:
-    """One conversation's retained KV on one decode worker."""
-
-    conversation_key: str
-    worker_url: str
-    params: dict[str, Any]  # the decode's last kv_transfer_params
-    last_active: float
-    last_renewed: float
-    # read from params once (every heartbeat sweep and route reads them; the simulator, per turn):
-    # params is a private copy, and only ``LeaseTable.renewed`` changes it, through ``set_expiry``
-    lease_id: str = field(init=False)
-    expires_at: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.lease_id = str(self.params.get("lease_id", ""))
-        self.expires_at = float(self.params.get("expires_at") or 0.0)
-
-    def set_expiry(self, expires_at: float) -> None:
-        self.params["expires_at"] = expires_at
-        self.expires_at = float(expires_at or 0.0)
 
 
 @dataclass(slots=True)

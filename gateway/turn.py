@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import GATEWAY_DRAINING, WORKER_UNAVAILABLE, GatewayError, service_unavailable, upstream_error
-from .leases import Lease, LeaseKeeper
+from .conversations import Lease
+from .leases import LeaseKeeper
 from .metrics import GatewayMetrics
 from .router import WorkerView, choose_decode, choose_prefill, prefix_key
 from .workers import RawJson, UpstreamError, WorkerClient, WorkerPool, WorkerState
