@@ -7,8 +7,6 @@ gate/up, down), the median of CUDA-graph replays (``decode_gpu.time_ms``) of:
 
     bf16        F.linear (cuBLAS)
     fp8         per-token activation quantization + torch._scaled_mm, row-wise scales
-    wo_rows     (M <= 16) the weight-only kernel: bf16 activations, E4M3 weights widened in registers
-    wo_block    (M <= 16) the same with 128x128 block scales
     block       per-token-per-128 activation quantization + cuBLASLt's 1x128 x 128x128 block scaling
     triton      the same quantization + our Triton block GEMM (kernels/triton_fp8_gemm.py)
 
@@ -55,22 +53,15 @@ def main() -> None:
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
             paths = {
                 "bf16": (lambda: F.linear(x, wb), n * k * 2),
-                # a named backend keeps the quantized tensor-core path at every M ("auto" takes the weight-only
-                # kernel for decode-sized M)
-                "fp8": (lambda: fp8_gemm.linear_cuda(x, rq, rs, scheme="rows", backend="triton"), n * k + 4 * n),
+                "fp8": (lambda: fp8_gemm.linear_cuda(x, rq, rs, scheme="rows"), n * k + 4 * n),
                 "triton": (lambda: fp8_gemm.linear_cuda(x, bq, bs, scheme="block", backend="triton"), n * k + 4 * bs.numel()),
             }  # fmt: skip
             if cublas:
                 paths["block"] = (lambda: fp8_gemm.linear_cuda(x, bq, bs, scheme="block", scale_cublas=bs_cublas,
                                                                backend="cublas"), n * k + 4 * bs.numel())  # fmt: skip
-            if m <= fp8_gemm.weight_only_rows():
-                paths["wo_rows"] = (lambda: fp8_gemm.linear_cuda(x, rq, rs, scheme="rows", backend="weight_only"),
-                                    n * k + 4 * n)  # fmt: skip
-                paths["wo_block"] = (lambda: fp8_gemm.linear_cuda(x, bq, bs, scheme="block", backend="weight_only"),
-                                     n * k + 4 * bs.numel())  # fmt: skip
-            for path in ("fp8", "block", "triton", "wo_rows", "wo_block"):
+            for path in ("fp8", "block", "triton"):
                 if path in paths:
-                    codes, scale, scheme = (rq, rs, "rows") if path in ("fp8", "wo_rows") else (bq, bs, "block")
+                    codes, scale, scheme = (rq, rs, "rows") if path == "fp8" else (bq, bs, "block")
                     err = (paths[path][0]().float() - fp8_gemm.linear_ref(x.float(), codes, scale, scheme=scheme)).abs()
                     assert (err <= fp8_gemm.gemm_error_bound(x.float(), codes, scale, scheme=scheme)).all(), (name, m, path)
             row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m}

@@ -33,13 +33,10 @@ plus, with a static ``input_scale``, all of the excess of a value past 448 * s (
   path and the reference the model's logits are held to;
 - ``linear_quantized_ref``: the GPU paths' arithmetic in fp32 torch (activations quantized
   the same way): the spec the kernels are tested against at tiny sizes;
-- ``linear_cuda``: decode-sized batches (<= 16 rows) through the weight-only kernel
-  (``triton_fp8_weight_only``: the E4M3 weight widened to bf16 in registers against the bf16
-  activations, nothing quantized, the error of ``linear_ref``'s product up to sum order and
-  output rounding); larger ones with activations quantized: rows through ``torch._scaled_mm``
-  (row-wise scales, CUTLASS), block through ``torch.nn.functional.scaled_mm`` with
-  BlockWise1x128 x BlockWise128x128 scales (cuBLASLt >= 12.9, sm_90 only) or our Triton kernel
-  (``triton_fp8_gemm``; every other GPU, and on request).
+- ``linear_cuda``: rows through ``torch._scaled_mm`` (row-wise scales, CUTLASS); block
+  through ``torch.nn.functional.scaled_mm`` with BlockWise1x128 x BlockWise128x128 scales
+  (cuBLASLt >= 12.9, sm_90 only) or our Triton kernel (``triton_fp8_gemm``; every other GPU,
+  and on request).
 """
 
 from __future__ import annotations
@@ -55,7 +52,7 @@ from torch import Tensor
 E4M3_MAX = 448.0
 BLOCK = 128  # the block-scaled layout's tile edge and the activation group
 SCHEMES = ("rows", "block")
-BLOCK_BACKENDS = ("auto", "cublas", "triton", "weight_only")
+BLOCK_BACKENDS = ("auto", "cublas", "triton")
 # The smallest scale a quantizer uses: an all-zero row or group gets scale 1 instead (codes 0).
 _TINY = 1e-12
 
@@ -186,18 +183,6 @@ def _triton_gemm() -> ModuleType:
     return triton_fp8_gemm
 
 
-@functools.cache
-def _weight_only() -> ModuleType:
-    from kvserving.kernels import triton_fp8_weight_only  # Triton loads on first use only
-
-    return triton_fp8_weight_only
-
-
-def weight_only_rows() -> int:
-    """Batches of at most this many rows take the weight-only kernel under backend "auto"."""
-    return int(_weight_only().MAX_M)
-
-
 def cublas_block_scales(scale: Tensor) -> Tensor:
     """Tile scales [N/128, K/128] -> the layout cuBLASLt's 128x128 weight scaling reads: [round_up(K/128, 4), N/128]
     with strides (1, round_up(K/128, 4)), the pad rows zero. Built once at load."""
@@ -245,14 +230,10 @@ def linear_cuda(
     bias: Tensor | None = None, scale_cublas: Tensor | None = None, backend: str = "auto",
 ) -> Tensor:  # fmt: skip
     """x [M, K] bf16 (CUDA) -> [M, N] bf16. ``scale``: rows [N] or block [N/128, K/128] fp32;
-    ``scale_cublas``: ``cublas_block_scales(scale)`` (block, built once at load); ``backend``: "auto" (decode
-    batches of at most ``weight_only_rows()`` rows: the weight-only kernel, bf16 activations as they are; larger
-    ones: the row-wise library GEMM, or for blocks cuBLASLt where it runs, else Triton), "cublas" or "triton"
-    (the block GEMM named, activations quantized), "weight_only" (the weight-only kernel)."""
+    ``scale_cublas``: ``cublas_block_scales(scale)`` (block, built once at load); ``backend`` picks the block
+    GEMM: "auto" (cuBLASLt where it runs, else Triton), "cublas" or "triton"."""
     if backend not in BLOCK_BACKENDS:
         raise ValueError(f"backend must be one of {BLOCK_BACKENDS}, got {backend!r}")
-    if backend == "weight_only" or (backend == "auto" and x.shape[0] <= weight_only_rows() and x.shape[1] % BLOCK == 0):
-        return _weight_only().weight_only_gemm(x, codes, scale, scheme=scheme, bias=bias)
     use_cublas = scheme == "block" and (
         backend == "cublas" or (backend == "auto" and cublas_block_supported(x.device.index or 0)))
     qa, sa = quantize_activations(x, scheme=scheme, input_scale=input_scale, fused=True, column_major=use_cublas)

@@ -82,10 +82,7 @@ class Fp8Linear(nn.Module):
                 x2, self.weight, self.weight_scale, scheme=self.scheme, input_scale=self.input_scale, bias=self.bias
             ).to(x.dtype)
         elif fp8_gemm.cuda_supported(x2):
-            backend = self.backend
-            decode_rows = x2.shape[0] <= fp8_gemm.weight_only_rows()
-            if backend == "auto" and self.scheme == "block" and self.scale_cublas is None and not decode_rows:
-                backend = "triton"  # no cuBLASLt block scaling here
+            backend = self.backend if self.scale_cublas is not None or self.backend != "auto" else "triton"
             out = fp8_gemm.linear_cuda(
                 x2, self.weight, self.weight_scale, scheme=self.scheme, input_scale=self.input_scale,
                 bias=self.bias, scale_cublas=self.scale_cublas, backend=backend,

@@ -134,15 +134,11 @@ def _engine_kernels() -> None:
     cos, sin = torch.ones(4, 128), torch.zeros(4, 128)
     wd = torch.ones(128, dtype=torch.bfloat16)
     triton_norm.qk_norm_rope(qkv, cos, sin, num_heads=32, num_kv_heads=8, head_dim=128, q_weight=wd, k_weight=wd)
-    # FP8 weights: the weight-only kernel (decode batches, both scale layouts) and the block-scaled GEMM (larger
-    # batches; its tile shape follows M)
-    from kvserving.kernels import fp8_gemm, triton_fp8_gemm, triton_fp8_weight_only
+    # FP8 weights: the block-scaled GEMM (its tile shape follows M)
+    from kvserving.kernels import fp8_gemm, triton_fp8_gemm
 
     _label[0] = "fp8"
-    codes, rows = fp8_gemm.quantize_rows(torch.randn(1024, 4096))
-    triton_fp8_weight_only.weight_only_gemm(x, codes, rows.view(1024), scheme="rows")
     blocks_q, blocks = fp8_gemm.quantize_blocks(torch.randn(1024, 4096))
-    triton_fp8_weight_only.weight_only_gemm(x, blocks_q, blocks, scheme="block")
     for m in (16, 64, 256):
         qa, sa = fp8_gemm.quantize_groups(torch.randn(m, 4096))
         triton_fp8_gemm.block_gemm(qa, sa, blocks_q, blocks)
