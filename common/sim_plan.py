@@ -192,7 +192,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--dtype", default="nvfp4,fp8", help="KV formats, comma-separated (bf16, fp8, nvfp4, triaxial)")
     parser.add_argument("--ttft-p99-ms", type=float_in(0, 1e9, low_open=True), default=None,
                         help="find the fewest GPUs whose TTFT p99 is within this")
-    parser.add_argument("--costs", default="h200-8b", help="cost profile: h200-8b, cpu-tiny, or a JSON file (kvserving.sim_costs)")
+    parser.add_argument("--costs", default="h200-8b", help="cost profile: h200-8b, cpu-tiny, gpu-h200, or a JSON file (kvserving.sim_costs)")
     parser.add_argument("--kv-gib", type=float_in(0, 1e6, low_open=True), default=None, help="KV memory per GPU, GiB (default: the profile's)")
     parser.add_argument("--prefill-share", type=float_in(0, 1, low_open=True), default=0.25, help="share of the GPUs that prefill")
     parser.add_argument("--duration-s", type=float_in(0, 1e7, low_open=True), default=3600.0, help="simulated seconds")
@@ -214,7 +214,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--pure-python", action="store_true", help="run the pure-Python core even when a compiled one is built")
     parser.add_argument("--validate", default=None, metavar="BENCH_JSON",
                         help="instead: re-run bench/agents.py's points (its JSON) and print simulated vs measured "
-                             "(costs: cpu-tiny unless --costs names another profile)")
+                             "(costs: cpu-tiny, or gpu-h200 for a --gpu result, unless --costs names another profile)")
 
 
 def run(args: Any) -> int:
@@ -231,6 +231,17 @@ def run(args: Any) -> int:
     if args.validate is not None:
         with open(args.validate) as fh:
             measured = json.load(fh)
+        from kvserving.sim_gpu import is_gpu_result
+
+        if is_gpu_result(measured):  # bench/agents.py --gpu: one GPU shared by both workers (kvserving.sim_gpu)
+            from kvserving.sim_gpu import format_rows, reproduce
+
+            rows = reproduce(measured, load_costs(args.costs if args.costs != "h200-8b" else "gpu-h200"))
+            print(format_rows(rows))
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump({"validate": args.validate, "rows": rows}, fh, indent=1)
+            return 0
         costs_name = args.costs if args.costs != "h200-8b" else "cpu-tiny"
         print(format_validation(validate_points(measured, load_costs(costs_name))))
         return 0
