@@ -31,11 +31,9 @@ FORMATS = {"bf16": "bf16", "fp8": "fp8_e4m3", "nvfp4": "nvfp4", "triaxial": "tri
 
 
 def _load() -> Any:
-    from kvserving.sim_plan import load_spec_from_dict
+    from kvserving.sim_gpu import bench_load
 
-    raw = json.loads((HERE / "results" / "agents_gpu_h200.json").read_text())["load"]
-    return load_spec_from_dict({k: dict(v, high=math.inf) if isinstance(v, dict) and v.get("high", 0) is None else v
-                                for k, v in raw.items()})
+    return bench_load(json.loads((HERE / "results" / "agents_gpu_h200.json").read_text()))
 
 
 def search(fmt: str, share: float, args: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from kvserving.agent_load import reuse_for_mode
+from kvserving.agent_load import LoadSpec, reuse_for_mode
 from kvserving.config import SchedulerConfig
 from kvserving.sim_costs import CostModel
 from kvserving.sim_plan import BENCH_FORMATS, load_spec_from_dict
@@ -45,14 +45,19 @@ def kv_bytes(measured: dict[str, Any]) -> int:
     return int(float(m.group(1)) * 2**30)
 
 
+def bench_load(measured: dict[str, Any]) -> LoadSpec:
+    """The ``LoadSpec`` of a bench/agents.py result; it writes an unbounded ``Dist.high`` (inf) as
+    null (strict JSON)."""
+    return load_spec_from_dict({k: dict(v, high=math.inf) if isinstance(v, dict) and v.get("high", 0) is None else v
+                                for k, v in measured["load"].items()})
+
+
 def reproduce(measured: dict[str, Any], costs: CostModel, *,
               only: set[tuple[str, int]] | None = None) -> list[dict[str, Any]]:
     """One row per measured point (``only``: the (format, N) pairs to run): the simulated and
     the measured metrics, whether each meets its target, and the simulator's counters."""
     try:
-        # bench/agents.py writes an unbounded ``Dist.high`` (inf) as null: strict JSON
-        load = load_spec_from_dict({k: dict(v, high=math.inf) if isinstance(v, dict) and v.get("high", 0) is None else v
-                                    for k, v in measured["load"].items()})
+        load = bench_load(measured)
         points = list(measured["points"])
         ttl_s = float(measured.get("ttl_s", 3.0))
     except (KeyError, TypeError) as exc:

@@ -8,10 +8,9 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from kvserving.agent_load import reuse_for_mode
+from kvserving.agent_load import LoadSpec, reuse_for_mode
 from kvserving.sim_costs import load_costs
-from kvserving.sim_gpu import GPU_SCHEDULER, HIT_TOL, TPUT_TOL, kv_bytes, reproduce
-from kvserving.sim_plan import load_spec_from_dict
+from kvserving.sim_gpu import GPU_SCHEDULER, HIT_TOL, TPUT_TOL, bench_load, kv_bytes, reproduce
 from kvserving.sim_shared_gpu import SharedGpu
 from kvserving.simulate import ClusterSpec, Simulator, run_bench_point
 
@@ -20,6 +19,10 @@ RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 
 def _measured() -> dict:
     return json.loads((RESULTS / "agents_gpu_h200.json").read_text())
+
+
+def _load() -> LoadSpec:
+    return bench_load(_measured())
 
 
 def test_gpu_cost_file_loads_and_its_pools_match_the_bench_stacks() -> None:
@@ -51,12 +54,6 @@ def test_shared_gpu_halves_a_prefill_step_while_the_decode_runs() -> None:
     assert not sim.prefill[0].busy
     # the step's end reschedules the decode worker, whose empty batch reports it idle
     assert busy["decode_only"] == 0.0 and not gpu.decode_busy_now
-
-
-def _load():
-    raw = _measured()["load"]
-    return load_spec_from_dict({k: dict(v, high=math.inf) if isinstance(v, dict) and v.get("high", 0) is None else v
-                                for k, v in raw.items()})
 
 
 def test_replay_of_one_measured_point_is_what_the_simulator_computes() -> None:
