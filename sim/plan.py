@@ -18,6 +18,7 @@ from typing import Any
 
 from kvserving.agents.load import AgentSpec, LoadSpec, reuse_for_mode
 from kvserving.config import ReuseConfig, SchedulerConfig
+from kvserving.sim.bench_results import BENCH_FORMATS, load_spec_from_dict
 from kvserving.sim.costs import CostModel
 from kvserving.sim import cluster as pure
 from kvserving.sim.cluster import ClusterSpec, Population, Simulator, run_bench_point
@@ -202,7 +203,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--dtype", default="nvfp4,fp8", help="KV formats, comma-separated (bf16, fp8, nvfp4, triaxial)")
     parser.add_argument("--ttft-p99-ms", type=float_in(0, 1e9, low_open=True), default=None,
                         help="find the fewest GPUs whose TTFT p99 is within this")
-    parser.add_argument("--costs", default="h200-8b", help="cost profile: h200-8b, cpu-tiny, or a JSON file (kvserving.sim.costs)")
+    parser.add_argument("--costs", default="h200-8b", help="cost profile: h200-8b, cpu-tiny, gpu-h200, or a JSON file (kvserving.sim.costs)")
     parser.add_argument("--kv-gib", type=float_in(0, 1e6, low_open=True), default=None, help="KV memory per GPU, GiB (default: the profile's)")
     parser.add_argument("--prefill-share", type=float_in(0, 1, low_open=True), default=0.25, help="share of the GPUs that prefill")
     parser.add_argument("--duration-s", type=float_in(0, 1e7, low_open=True), default=3600.0, help="simulated seconds")
@@ -224,7 +225,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--pure-python", action="store_true", help="run the pure-Python core even when a compiled one is built")
     parser.add_argument("--validate", default=None, metavar="BENCH_JSON",
                         help="instead: re-run bench/agents.py's points (its JSON) and print simulated vs measured "
-                             "(costs: cpu-tiny unless --costs names another profile)")
+                             "(costs: cpu-tiny, or gpu-h200 for a --gpu result, unless --costs names another profile)")
 
 
 def run(args: Any) -> int:
@@ -240,6 +241,17 @@ def run(args: Any) -> int:
     if args.validate is not None:
         with open(args.validate) as fh:
             measured = json.load(fh)
+        from kvserving.sim.gpu import is_gpu_result
+
+        if is_gpu_result(measured):  # bench/agents.py --gpu: one GPU shared by both workers (kvserving.sim.gpu)
+            from kvserving.sim.gpu import format_rows, reproduce
+
+            rows = reproduce(measured, load_costs(args.costs if args.costs != "h200-8b" else "gpu-h200"))
+            print(format_rows(rows))
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump({"validate": args.validate, "rows": rows}, fh, indent=1)
+            return 0
         costs_name = args.costs if args.costs != "h200-8b" else "cpu-tiny"
         print(format_validation(validate_points(measured, load_costs(costs_name))))
         return 0
@@ -287,23 +299,8 @@ def run(args: Any) -> int:
 
 
 # ---------------------------------------------------------------------------------- validation
-BENCH_FORMATS = {"bf16": "bf16", "fp8": "fp8_e4m3", "nvfp4": "nvfp4", "triaxial": "triaxial"}
 VALIDATED = ("hit_rate", "hit_rate_later_turns", "local_share", "pulled_share", "req_per_s", "output_tok_per_s",
              "ttft_p50_ms", "ttft_p99_ms", "prefill_evicted_pages", "decode_evicted_pages")
-
-
-def load_spec_from_dict(data: dict[str, Any]) -> LoadSpec:
-    """The ``LoadSpec`` bench/agents.py wrote with ``dataclasses.asdict``."""
-    from kvserving.agents.load import Dist
-
-    if not isinstance(data, dict):
-        raise ValueError("the benchmark JSON has no 'load' object")
-    fields: dict[str, Any] = {k: Dist(**v) if isinstance(v, dict) else v for k, v in data.items()}
-    try:
-        return LoadSpec(**fields)
-    except TypeError as exc:
-        raise ValueError(f"bad 'load' in the benchmark JSON: {exc}") from exc
-
 
 
 def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str, Any]]:

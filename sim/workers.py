@@ -346,6 +346,7 @@ class PrefillWorker(Worker):
         self._views: list[WorkerView] | None = None  # the router's view of every prefill worker, kept current
         self._view_by_load: dict[int, WorkerView] = {}
         self.busy = False
+        self.gpu: Any = None  # a ``SharedGpu`` when the decode worker runs on the same GPU
         self.on_done: Callable[[Req, float], None] = lambda req, now: None
 
     @property
@@ -425,6 +426,9 @@ class PrefillWorker(Worker):
             return
         self.busy = True
         dt = self.costs.prefill_step(self.dtype, tokens, work)
+        if self.gpu is not None:  # a GPU shared with a decode worker times the step (kvserving.sim.shared_gpu)
+            self.gpu.start_prefill(now, dt, steps)
+            return
         self.sim.call_at(now + dt, self._step_done, steps)
 
     def _step_done(self, steps: list[tuple[_Prompt, int]], now: float) -> None:
@@ -468,6 +472,8 @@ class DecodeWorker(Worker):
         self.batch: list[tuple[float, int, Req]] = []  # (target S, turn id, req): a heap
         self.ctx_base = 0.0  # sum over the batch of (context at admission - S at admission)
         self._version = 0
+        self.gpu: Any = None  # a ``SharedGpu`` when the prefill worker runs on the same GPU
+        self.gpu_share = 1.0  # step time multiplier while the shared GPU also runs a prefill step
         self.on_done: Callable[[Req, float], None] = lambda req, now: None
 
     def bind_load(self, loads: list[int], slot: int) -> None:
@@ -491,10 +497,12 @@ class DecodeWorker(Worker):
     def _reschedule(self, now: float) -> None:
         b = len(self.batch)
         self._version += 1
+        if self.gpu is not None:
+            self.gpu.decode_busy(now, b > 0)
         if not b:
             self.step_s = 0.0
             return
-        self.step_s = self.costs.decode_step(self.dtype, b, self.ctx_base + b * self.steps)
+        self.step_s = self.costs.decode_step(self.dtype, b, self.ctx_base + b * self.steps) * self.gpu_share
         t = now + max(0.0, self.batch[0][0] - self.steps) * self.step_s
         self.sim.call_at(t, self._tick, self._version)
 

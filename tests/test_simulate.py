@@ -166,7 +166,8 @@ def test_agent_shape_draws_the_same_lengths_and_think_times_as_agent_load() -> N
     from dataclasses import replace
 
     from kvserving.agents.load import LoadSpec, agent
-    from kvserving.sim.plan import gpu_load, load_spec_from_dict
+    from kvserving.sim.bench_results import load_spec_from_dict
+    from kvserving.sim.plan import gpu_load
     from kvserving.sim.shapes import agent_shape
 
     loads = [gpu_load(0), gpu_load(3, shared_system_prompt=False), LoadSpec(), replace(LoadSpec(seed=2), long_context=True)]

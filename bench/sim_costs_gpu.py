@@ -1,0 +1,285 @@
+"""Fit the simulator's H200 cost profile (``kvserving simulate --costs gpu-h200``) from the
+committed GPU measurements and write bench/results/sim_costs_gpu_h200.json; prints every fit's
+residuals. Nothing runs on a GPU here: it reads JSON.
+
+    PYTHONSAFEPATH=1 .venv/bin/python bench/sim_costs_gpu.py [--out bench/results/sim_costs_gpu_h200.json]
+
+Sources and formulas (``kvserving.sim.costs`` docstring):
+
+- decode step: bench/results/engine_gpu_h200.json ``decode`` rows (batch 1..256 x context 4K/32K,
+  CUDA graphs, 25 rows over four formats): one least squares of ``step + seq_s * B +
+  ctx_s[dtype] * B * context`` (step and per-sequence shared, per-context-token per format);
+  bench/results/engine_gpu_h200_iso.json's peak rows (32K/128K at each format's largest batch)
+  are held out and printed as a check.
+- prefill attention over a cached prefix: bench/results/extend_gpu_h200.json (the paged extend
+  kernel, one layer, new tokens 512/2048 over prefixes 8K/32K/128K), per format, through the
+  origin: ``attn_s[dtype] * new * (prefix + new / 2)`` x 36 layers.
+- prefill per token: engine_gpu_h200.json ``prefill_8k`` (8192 fresh tokens in one step), less
+  that step's attention (``attn_s * 8192 * 4096``), averaged over formats. Other lengths are
+  assumed to follow the same linear + attention formula (chunked at the scheduler's chunk size);
+  the two-H200 full prefills at 2K/8K/24K (bench/results/pd_gpu_h200x2.json ``off_p_ms``,
+  through HTTP) are printed beside the formula as a check, not fitted.
+- KV pull: bench/results/pd_gpu_h200x2_bandwidth.json ``bw.nixl`` rows (NIXL READ between two
+  H200s, 1..16384 pages, contiguous and scattered): least squares (relative errors) of
+  ``overhead + regions * region_s + bytes / bandwidth``. The agent bench pulls on the same device; assumed no slower.
+- request overheads from pd_gpu_h200x2.json's seed rows: ``prefill_request_s`` = median of the
+  prefill request's time (``new_only_ms``: 1K computed over a local prefix) less its modelled
+  step; ``decode_request_s`` = median of the gateway turn's time after the first token
+  (``gw_on`` total - ttft) less its 15 modelled decode steps at batch 1. The gateway's own work
+  per request (3.4 ms) is docs/performance-log/gateway.md's figure. These are medians of few
+  noisy rows: two significant digits are kept.
+- two global parameters of the serving loop, fitted once to the agent bench
+  (bench/results/agents_gpu_h200.json, its points without preemptions; grids, two rounds):
+  per sequence per decode step (sampling, detokenizing, streaming each token through the
+  gateway, outside the engine bench's bare steps) on TPOT p50, added to ``decode_seq_s``; and
+  per prefill request on TTFT p50, added to ``prefill_request_s``. Nothing else is fitted to it.
+- KV bytes per token: the format arithmetic at 36 layers, 8 KV heads, head_dim 128
+  (``kvserving.kernels.capacity``), checked against the engine's ``bytes_per_token_int4``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+FORMATS = ("bf16", "fp8_e4m3", "nvfp4", "triaxial")
+LAYERS, KV_HEADS, HEAD_DIM = 36, 8, 128
+
+
+def _read(name: str) -> Any:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _round(x: float, digits: int = 3) -> float:
+    """``x`` to ``digits`` significant digits (what the fits support)."""
+    return float(f"{x:.{digits}g}")
+
+
+def fit_decode(engine: dict[str, Any]) -> tuple[float, float, dict[str, float], list[tuple[str, int, int, float, float]]]:
+    rows = [(f, r["batch"], r["context"], r["tpot_ms"] / 1e3)
+            for f in FORMATS for r in engine["formats"][f]["decode"] if "tpot_ms" in r]
+    a = np.array([[1.0, b] + [b * c if g == f else 0.0 for g in FORMATS] for f, b, c, _ in rows])
+    y = np.array([t for *_, t in rows])
+    sol = np.linalg.lstsq(a, y, rcond=None)[0]
+    step, seq = float(sol[0]), float(sol[1])
+    ctx = {f: float(sol[2 + i]) for i, f in enumerate(FORMATS)}
+    pred = a @ sol
+    return step, seq, ctx, [(f, b, c, t, float(p)) for (f, b, c, t), p in zip(rows, pred)]
+
+
+def fit_extend(extend: dict[str, Any]) -> tuple[dict[str, float], list[tuple[str, int, int, float, float]]]:
+    out: dict[str, float] = {}
+    resid = []
+    for f in FORMATS:
+        rows = [(r["new"], r["prefix"], r["ms"] * LAYERS / 1e3) for r in extend["rows"] if r["format"] == f and r["impl"] == "ours"]
+        x = np.array([n * (p + n / 2) for n, p, _ in rows])
+        y = np.array([t for *_, t in rows])
+        k = float(x @ y / (x @ x))
+        out[f] = k
+        resid += [(f, n, p, t, k * xi) for (n, p, t), xi in zip(rows, x)]
+    return out, resid
+
+
+def fit_transfer(bw: dict[str, Any]) -> tuple[float, float, float, list[tuple[str, int, int, float, float]]]:
+    rows = [(f, r["regions"], r["bytes"], r["median_s"]) for f, rs in bw["bw"]["nixl"].items() for r in rs]
+    a = np.array([[1.0, reg, nb] for _, reg, nb, _ in rows])
+    y = np.array([t for *_, t in rows])
+    w = 1.0 / y  # relative errors: the rows span 0.1 ms .. 190 ms
+    sol = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)[0]
+    pred = a @ sol
+    return float(sol[0]), float(sol[1]), 1.0 / float(sol[2]), [(f, reg, nb, t, float(p)) for (f, reg, nb, t), p in zip(rows, pred)]
+
+
+SERVE_GRID_S = [i * 1e-4 for i in range(0, 41)]  # 0 .. 4 ms per sequence per decode step
+REQUEST_GRID_S = [i * 0.02 for i in range(0, 26)]  # 0 .. 0.5 s per prefill request
+
+
+def _grid_fit(measured: dict[str, Any], costs: dict[str, Any], key: str, base: float, grid: list[float],
+              metric: str, clean: set[tuple[str, int]]) -> tuple[float, list[tuple[str, int, float, float]]]:
+    """The grid value (added to ``costs[key]``, which starts at ``base``) whose simulated
+    ``metric`` is closest (squared log ratio) to the measured one over the ``clean`` points."""
+    import math
+
+    from kvserving.sim.costs import CostModel
+    from kvserving.sim.gpu import reproduce
+
+    best: tuple[float, float, list[tuple[str, int, float, float]]] | None = None
+    for extra in grid:
+        model = CostModel.from_dict({**costs, key: base + extra})
+        rows = [r for r in reproduce(measured, model, only=clean) if r["mode"] == "lease"]
+        pairs = [(r["format"], r["concurrency"], r["sim"][metric], r["measured"][metric]) for r in rows]
+        err = sum(math.log(s / m) ** 2 for _, _, s, m in pairs)
+        if best is None or err < best[0]:
+            best = (err, extra, pairs)
+    assert best is not None
+    return best[1], best[2]
+
+
+def fit_serving(costs: dict[str, Any]) -> tuple[float, float, dict[str, list[tuple[str, int, float, float]]]]:
+    """The two serving-loop parameters, one value each for every point, fitted on the agent
+    bench's points without preemptions (the simulator does not preempt): per sequence per
+    decode step (on TPOT p50) and per prefill request (on TTFT p50); two rounds of one grid
+    each. Returns (seconds per sequence per step, seconds per prefill request, residual rows)."""
+    measured = _read("agents_gpu_h200.json")
+    clean = {(p["format"], p["concurrency"]) for p in measured["points"]
+             if p["mode"] == "lease" and p.get("prefill_preemptions", 0) + p.get("decode_preemptions", 0) == 0}
+    seq0, req0 = costs["decode_seq_s"], costs["prefill_request_s"]
+    seq_x, req_x = 0.0, 0.0
+    rows: dict[str, list[tuple[str, int, float, float]]] = {}
+    for _ in range(2):
+        seq_x, rows["tpot_p50_ms"] = _grid_fit(measured, {**costs, "prefill_request_s": req0 + req_x},
+                                               "decode_seq_s", seq0, SERVE_GRID_S, "tpot_p50_ms", clean)
+        req_x, rows["ttft_p50_ms"] = _grid_fit(measured, {**costs, "decode_seq_s": seq0 + seq_x},
+                                               "prefill_request_s", req0, REQUEST_GRID_S, "ttft_p50_ms", clean)
+    return _round(seq_x, 2), _round(req_x, 2), rows
+
+
+def fit(out: Path) -> dict[str, Any]:
+    from kvserving.kernels.capacity import bytes_per_token
+    from kvserving.sim.costs import CostModel
+
+    engine = _read("engine_gpu_h200.json")
+    step, seq, ctx, dec_rows = fit_decode(engine)
+    attn, ext_rows = fit_extend(_read("extend_gpu_h200.json"))
+    per_tok = []
+    for f in FORMATS:
+        p8 = engine["formats"][f]["prefill_8k"]
+        n = p8["tokens"]
+        per_tok.append((p8["seconds"] - attn[f] * n * (n / 2)) / n)
+    token_s = statistics.mean(per_tok)
+    overhead, region_s, bw_bps, bw_rows = fit_transfer(_read("pd_gpu_h200x2_bandwidth.json"))
+
+    def prefill_s(f: str, computed: int, prefix: int, chunk: int = 2048) -> float:
+        t, pos, left = 0.0, prefix, computed
+        while left > 0:
+            n = min(chunk, left)
+            t += token_s * n + attn[f] * n * (pos + n / 2)
+            pos += n
+            left -= n
+        return t
+
+    def decode_s(f: str, batch: int, ctx_tokens: float) -> float:
+        return step + seq * batch + ctx[f] * ctx_tokens
+
+    pd = _read("pd_gpu_h200x2.json")
+    pre_over, dec_over, full_rows = [], [], []
+    for f, v in pd["seed"]["formats"].items():
+        if f not in FORMATS:
+            continue  # a run with a known defect keeps its own name
+        for r in v["rows"]:
+            length = r["L"]
+            u = r["new_only_usage"]
+            pre_over.append(r["new_only_ms"] / 1e3 - prefill_s(f, u["computed_prompt_tokens"], u["local_cached_tokens"]))
+            gw = r.get("gw_on") or {}
+            if gw:
+                gen = gw["usage"]["completion_tokens"]
+                dec_over.append((gw["total_ms"] - gw["ttft_ms"]) / 1e3 - (gen - 1) * decode_s(f, 1, length))
+            full_rows.append((f, length, r["off_p_ms"] / 1e3, prefill_s(f, length, 0)))
+    prefill_request_s = _round(max(0.0, statistics.median(pre_over)), 2)
+    decode_request_s = _round(max(0.0, statistics.median(dec_over)), 2)
+
+    shape = {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
+    bpt = {f: bytes_per_token(f, **shape) for f in ("bf16", "fp8_e4m3", "nvfp4")}
+    for f, b in bpt.items():
+        measured = engine["formats"][f]["capacity"]["bytes_per_token_int4"]
+        assert b == measured, f"{f}: format arithmetic {b} B/token, the engine reported {measured}"
+
+    costs = {
+        "name": "gpu-h200",
+        "layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "kv_bytes_per_worker": int(engine["speed_kv_gib"] * 2**30),
+        "prefill_step_s": 0.0,
+        "prefill_token_s": _round(token_s),
+        "prefill_attn_s": _round(attn["bf16"]),
+        "prefill_attn_dtype_s": {f: _round(v) for f, v in attn.items()},
+        "decode_step_s": _round(step),
+        "decode_seq_s": _round(seq),
+        "decode_ctx_s": {f: _round(v) for f, v in ctx.items()},
+        "transfer_overhead_s": _round(max(0.0, overhead)),
+        "transfer_region_s": _round(region_s),
+        "transfer_bytes_per_s": _round(bw_bps),
+        "transfer_runs": 1,
+        "gateway_s": 3.4e-3,
+        "prefill_request_s": prefill_request_s,
+        "decode_request_s": decode_request_s,
+        "triaxial_bit_budget": 2.7,
+        "source": "bench/sim_costs_gpu.py from bench/results/engine_gpu_h200.json, extend_gpu_h200.json, "
+                  "pd_gpu_h200x2.json, pd_gpu_h200x2_bandwidth.json; docs/performance-log/gateway.md (gateway_s)",
+        "notes": {
+            "kv_bytes_per_worker": "the engine benchmark's 90 GiB pool on one H200 (speed_kv_gib); bench/agents.py --gpu ran 8 GiB per worker",
+            "prefill_lengths": "every length: prefill_token_s per token + the extend kernel's per-format attention over what precedes it (8K fresh rate less its attention); chunked by the scheduler",
+            "transfer": "two H200s over NVLink (cuda_ipc); the one-GPU agent stack pulls on the same device, assumed no slower",
+            "bytes_per_token": json.dumps({f: int(b) for f, b in bpt.items()}) + "; triaxial: the 2.7-bit budget's INT2/INT4 page mix",
+        },
+    }
+    engine_seq_s, pd_request_s = costs["decode_seq_s"], costs["prefill_request_s"]
+    serve_seq_s, serve_req_s, serve_rows = fit_serving(costs)
+    costs["decode_seq_s"] = _round(engine_seq_s + serve_seq_s)
+    costs["prefill_request_s"] = _round(pd_request_s + serve_req_s, 2)
+    costs["notes"]["decode_seq_s"] = (
+        f"{engine_seq_s:.3g} s per sequence per step from the engine table + {serve_seq_s:.3g} s of the serving loop, "
+        "fitted to the agent bench (bench/sim_costs_gpu.py fit_serving): the engine bench times bare steps; the stack "
+        "also samples, detokenizes and streams every sequence's token through the gateway")
+    costs["notes"]["prefill_request_s"] = (
+        f"{pd_request_s:.2g} s from the two-H200 P/D rows + {serve_req_s:.2g} s fitted to the agent bench's TTFT p50 "
+        "(bench/sim_costs_gpu.py fit_serving): the gateway renders and tokenizes the whole 5-25K-token history each turn, "
+        "where the P/D bench sent 2-24K-token prompts at one request at a time")
+    CostModel.from_dict(costs)  # refuses a bad profile before writing it
+    out.write_text(json.dumps(costs, indent=1, sort_keys=True) + "\n")
+
+    print(f"decode: step {step * 1e3:.2f} ms + {seq * 1e6:.1f} us/seq + per context token "
+          + ", ".join(f"{f} {v * 1e9:.2f} ns" for f, v in ctx.items()))
+    print(f"{'format':>9} {'B':>4} {'ctx':>6} {'meas ms':>8} {'fit ms':>7} {'resid':>7}")
+    for f, b, c, t, p in dec_rows:
+        print(f"{f:>9} {b:>4} {c:>6} {t * 1e3:>8.2f} {p * 1e3:>7.2f} {(p - t) / t:>+7.1%}")
+    errs = [abs(p - t) / t for *_, t, p in dec_rows]
+    print(f"  max |resid| {max(errs):.1%}, mean {statistics.mean(errs):.1%}")
+    print("held out (engine_gpu_h200_iso.json peak rows):")
+    iso = _read("engine_gpu_h200_iso.json")["formats"]["iso"]["contexts"]
+    for length, per in iso.items():
+        for f, v in per.items():
+            pk = v.get("peak") if isinstance(v, dict) else None
+            if f in FORMATS and pk and "tpot_ms" in pk:
+                p = decode_s(f, pk["batch"], pk["batch"] * pk["context"])
+                print(f"{f:>9} {pk['batch']:>4} {pk['context']:>6} {pk['tpot_ms']:>8.2f} {p * 1e3:>7.2f} {(p - pk['tpot_ms'] / 1e3) / (pk['tpot_ms'] / 1e3):>+7.1%}")
+    print(f"prefill: {token_s * 1e6:.2f} us/token (8K rates less attention: "
+          + ", ".join(f"{x * 1e6:.2f}" for x in per_tok) + "); attention per token x context: "
+          + ", ".join(f"{f} {v * 1e9:.2f} ns" for f, v in attn.items()))
+    ext_err = [abs(p - t) / t for *_, t, p in ext_rows]
+    print(f"  extend fit: max |resid| {max(ext_err):.1%} over {len(ext_rows)} rows")
+    print("  full prefill through HTTP (pd_gpu_h200x2 off_p, not fitted) vs formula:")
+    for f, length, t, p in full_rows:
+        print(f"{f:>9} {length:>6} {t * 1e3:>8.1f} {p * 1e3:>7.1f} ms (gap {(t - p) * 1e3:+.0f} ms)")
+    print(f"transfer: {overhead * 1e3:.3f} ms + {region_s * 1e6:.2f} us/region + {bw_bps / 1e9:.0f} GB/s")
+    bw_err = [abs(p - t) / t for *_, t, p in bw_rows]
+    for f, reg, nb, t, p in bw_rows:
+        print(f"{f:>9} {reg:>6} regions {nb / 2**20:>9.1f} MiB {t * 1e3:>8.3f} {p * 1e3:>8.3f} ms {(p - t) / t:>+7.1%}")
+    print(f"  max |resid| {max(bw_err):.1%}")
+    print(f"prefill_request_s {prefill_request_s} (median of {len(pre_over)}: "
+          + ", ".join(f"{x * 1e3:.0f}" for x in sorted(pre_over)) + " ms)")
+    print(f"decode_request_s {decode_request_s} (median of {len(dec_over)}: "
+          + ", ".join(f"{x * 1e3:.0f}" for x in sorted(dec_over)) + " ms)")
+    print(f"fitted to the agent bench: {serve_seq_s * 1e3:.2f} ms per sequence per decode step, "
+          f"{serve_req_s * 1e3:.0f} ms per prefill request; sim / measured at the fitted values:")
+    for metric, pairs in serve_rows.items():
+        for fmt, n, sim_ms, meas_ms in pairs:
+            print(f"  {metric:>11} {fmt:>9} N={n:>3} {sim_ms:>7.1f} {meas_ms:>7.1f} ms {(sim_ms - meas_ms) / meas_ms:>+7.1%}")
+    print(f"wrote {out}")
+    return costs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=RESULTS / "sim_costs_gpu_h200.json")
+    fit(ap.parse_args().out)
+
+
+if __name__ == "__main__":
+    main()

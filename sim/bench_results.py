@@ -1,0 +1,20 @@
+"""What ``bench/agents.py`` wrote, read back for the simulator: its format names and its load."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserving.agents.load import Dist, LoadSpec
+
+BENCH_FORMATS = {"bf16": "bf16", "fp8": "fp8_e4m3", "nvfp4": "nvfp4", "triaxial": "triaxial"}  # bench/agents.py's names -> KV dtypes
+
+
+def load_spec_from_dict(data: dict[str, Any]) -> LoadSpec:
+    """The ``LoadSpec`` bench/agents.py wrote with ``dataclasses.asdict``."""
+    if not isinstance(data, dict):
+        raise ValueError("the benchmark JSON has no 'load' object")
+    fields: dict[str, Any] = {k: Dist(**v) if isinstance(v, dict) else v for k, v in data.items()}
+    try:
+        return LoadSpec(**fields)
+    except TypeError as exc:
+        raise ValueError(f"bad 'load' in the benchmark JSON: {exc}") from exc

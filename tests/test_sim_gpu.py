@@ -1,0 +1,79 @@
+"""The GPU cost profile and the replay of the measured GPU agent points (kvserving.sim.gpu),
+with the two workers sharing one GPU (kvserving.sim.shared_gpu)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from kvserving.agents.load import LoadSpec, reuse_for_mode
+from kvserving.sim.costs import load_costs
+from kvserving.sim.gpu import GPU_SCHEDULER, HIT_TOL, TPUT_TOL, bench_load, kv_bytes, reproduce
+from kvserving.sim.shared_gpu import SharedGpu
+from kvserving.sim.cluster import ClusterSpec, Simulator, run_bench_point
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def _measured() -> dict:
+    return json.loads((RESULTS / "agents_gpu_h200.json").read_text())
+
+
+def _load() -> LoadSpec:
+    return bench_load(_measured())
+
+
+def test_gpu_cost_file_loads_and_its_pools_match_the_bench_stacks() -> None:
+    costs = load_costs("gpu-h200")
+    raw = json.loads((RESULTS / "sim_costs_gpu_h200.json").read_text())
+    assert costs.name == "gpu-h200" and (costs.layers, costs.kv_heads, costs.head_dim) == (36, 8, 128)
+    assert costs.decode_step("nvfp4", 16, 16 * 32768) == raw["decode_step_s"] + 16 * raw["decode_seq_s"] + raw["decode_ctx_s"]["nvfp4"] * 16 * 32768
+    measured = _measured()
+    kv = kv_bytes(measured)
+    assert kv == 8 * 2**30
+    formats = {"fp8": "fp8_e4m3", "nvfp4": "nvfp4"}
+    for stack in measured["stacks"]:
+        if stack["format"] in formats:  # triaxial's pool depends on its stored INT2 share
+            pages = costs.pool_pages(formats[stack["format"]], stack["page_size"], kv_bytes=kv)
+            assert pages * stack["page_size"] == stack["capacity_tokens"]["decode"]
+
+
+def test_shared_gpu_halves_a_prefill_step_while_the_decode_runs() -> None:
+    costs = load_costs("gpu-h200")
+    sim = Simulator(ClusterSpec("nvfp4", 1, 1, costs, scheduler=GPU_SCHEDULER), _load())
+    gpu = SharedGpu(sim, sim.prefill[0], sim.decode[0])
+    sim.prefill[0].busy = True
+    gpu.start_prefill(0.0, 1.0, [])
+    sim.at(0.5, lambda t: gpu.decode_busy(t, True))
+    sim.run(until=10.0)
+    busy = gpu.counters(10.0)
+    # 0.5 s alone, then the remaining 0.5 GPU-seconds at half speed: done at 1.5 s
+    assert math.isclose(busy["prefill_only"], 0.5) and math.isclose(busy["both"], 1.0)
+    assert not sim.prefill[0].busy
+    # the step's end reschedules the decode worker, whose empty batch reports it idle
+    assert busy["decode_only"] == 0.0 and not gpu.decode_busy_now
+
+
+def test_replay_of_one_measured_point_is_what_the_simulator_computes() -> None:
+    measured = _measured()
+    costs = load_costs("gpu-h200")
+    rows = reproduce(measured, costs, only={("nvfp4", 4)})
+    assert [(r["format"], r["mode"], r["concurrency"]) for r in rows] == [("nvfp4", "lease", 4)]
+    row = rows[0]
+    meas = next(p for p in measured["points"] if (p["format"], p["mode"], p["concurrency"]) == ("nvfp4", "lease", 4))
+    assert row["measured"]["hit_rate"] == meas["hit_rate"] and row["measured"]["output_tok_per_s"] == meas["output_tok_per_s"]
+    # the same point built by hand: one prefill and one decode worker on one shared GPU
+    cluster = ClusterSpec("nvfp4", 1, 1, replace(costs, kv_bytes_per_worker=8 * 2**30),
+                          reuse=reuse_for_mode("lease", ttl_s=measured["ttl_s"]), scheduler=GPU_SCHEDULER)
+    sim = Simulator(cluster, _load())
+    SharedGpu(sim, sim.prefill[0], sim.decode[0])
+    point = run_bench_point(sim, range(4000, 4004))
+    assert point["requests"] == meas["requests"]  # the same agents and turns as the bench ran
+    assert row["sim"]["hit_rate"] == point["hit_rate"]
+    assert row["sim"]["output_tok_per_s"] == point["output_tok_per_s"]
+    assert row["hit_ok"] == (abs(point["hit_rate"] - meas["hit_rate"]) <= HIT_TOL)
+    assert row["tput_ok"] == (abs(point["output_tok_per_s"] - meas["output_tok_per_s"]) <= TPUT_TOL * meas["output_tok_per_s"])
+    shares = row["sim_counters"]["gpu_busy_share"]
+    assert set(shares) == {"prefill_only", "decode_only", "both"} and 0 < sum(shares.values()) <= 1 + 1e-9
