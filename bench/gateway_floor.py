@@ -3,7 +3,7 @@
     PYTHONSAFEPATH=1 .venv/bin/python bench/gateway_floor.py --port P --worker URL [--model-dir DIR]
 
 A process that serves ``POST /v1/chat/completions`` on the same server as
-``kvserving gateway`` (uvicorn, httptools, uvloop; raw ASGI like gateway/front.py)
+``kvserving gateway`` (uvicorn, httptools, uvloop)
 and does only the steps no OpenAI-compatible gateway in front of a token-level
 worker can skip, each with the product's own code:
 

@@ -1,42 +1,53 @@
 """The gateway's HTTP routes (thin): everything it registers is listed here.
 
-    POST /v1/chat/completions   Completions.chat          (auth; served by front.py on plain ASGI)
-    POST /v1/completions        Completions.text          (auth; served by front.py on plain ASGI)
+    POST /v1/chat/completions   Completions.chat          (auth)
+    POST /v1/completions        Completions.text          (auth)
     GET  /v1/models             the served model          (auth)
     GET  /v1/models/{id}        it, or 404                (auth)
     GET  /health                alive
     GET  /ready                 200 once a worker can take a whole turn, else 503
     GET  /metrics               Prometheus text
 
-Around every route: API keys (when configured, everything but /health,
-/ready, /metrics needs ``Authorization: Bearer <key>``: 401), the body-size
-limit (413), errors in OpenAI's shape, requests counted by route and status.
+One FastAPI app; around every route one ASGI middleware (``Requests``): API
+keys (when configured, everything but /health, /ready, /metrics needs
+``Authorization: Bearer <key>``: 401 with ``WWW-Authenticate``), requests
+counted by route and status before the client sees the response, the
+in-flight gauge, the duration to the last byte, and a last-resort 500 in
+OpenAI's shape. The completion routes read the body against
+``gateway.max_body_bytes`` while it arrives (413), answer invalid JSON with a
+400, other methods with a 405 (``Allow: POST``), and stream SSE through
+Starlette's ``StreamingResponse``. A client that goes away before the response
+starts cancels its request (counted as 499); after, the stream's disconnect
+watch ends it; either way the worker stream closes, which aborts the request
+upstream.
 Lifespan: the worker pool's health loop and the lease heartbeat start with the
 app and stop with it (a last sweep releases the leases idle past their TTL).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserving.config import ServingConfig
 
 from . import openai_types as oa
-from .completions import Completions, ModelInfo
-from .errors import GatewayError, authentication, model_not_found, not_found, server_error
+from .completions import SSE_DONE, Completions, EventStream, ModelInfo
+from .errors import GatewayError, authentication, model_not_found, not_found, payload_too_large, server_error
 from .exact_history import ExactHistory
-from .front import CompletionRoutes, api_key_ok
 from .identity import ConversationIndex
 from .leases import LeaseKeeper, LeaseTable
 from .metrics import GatewayMetrics, PromptReuse
@@ -48,6 +59,7 @@ log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 ROUTES = OPEN_PATHS | {"/v1/chat/completions", "/v1/completions", "/v1/models"}  # metric labels; the rest: "other"
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 @dataclass(slots=True)
@@ -85,8 +97,7 @@ def build_state(config: ServingConfig, *, model: ModelInfo, registry: CollectorR
     return GatewayState(config, model, metrics, client, pool, keeper, completions)
 
 
-def build_app(state: GatewayState) -> CompletionRoutes:
-    """The ASGI app to serve: the completion routes (front.py) in front of the FastAPI app of the rest."""
+def build_app(state: GatewayState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await state.pool.refresh()
@@ -102,7 +113,23 @@ def build_app(state: GatewayState) -> CompletionRoutes:
     app = FastAPI(title="kvserving gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = state
     _install_errors(app)
-    app.add_middleware(_Guard, state=state)
+    app.add_middleware(Requests, api_keys=state.config.gateway.api_keys, metrics=state.metrics)
+    completions = state.completions
+    max_body = state.config.gateway.max_body_bytes
+    # Every check of the request (openai_types) before anything renders or tokenizes it.
+    limits = oa.RequestLimits(max_model_len=state.model.max_model_len, max_token_chars=state.model.tokenizer.max_token_chars)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        async def run(body: Any, headers: Mapping[str, str], started: float) -> dict[str, Any] | EventStream:
+            return await completions.chat(oa.parse_chat_request(body, limits=limits), headers=headers, started=started)
+        return await _complete(request, run, max_body)
+
+    @app.post("/v1/completions")
+    async def text(request: Request) -> Response:
+        async def run(body: Any, headers: Mapping[str, str], started: float) -> dict[str, Any] | EventStream:
+            return await completions.text(oa.parse_completion_request(body, limits=limits), headers=headers, started=started)
+        return await _complete(request, run, max_body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -132,18 +159,73 @@ def build_app(state: GatewayState) -> CompletionRoutes:
             state.metrics.workers_healthy.labels(role).set(sum(w.healthy for w in state.pool.by_role(role)))
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    limits = oa.RequestLimits(max_model_len=state.model.max_model_len, max_token_chars=state.model.tokenizer.max_token_chars)
-    return CompletionRoutes(app, completions=state.completions, metrics=state.metrics, api_keys=state.config.gateway.api_keys,
-                            max_body_bytes=state.config.gateway.max_body_bytes, limits=limits)
+    return app
 
 
-class _Guard:
-    """ASGI middleware: API keys, in-flight gauge, requests by route and status, duration to the last byte."""
+Handler = Callable[[Any, Mapping[str, str], float], Awaitable[dict[str, Any] | EventStream]]
 
-    def __init__(self, app: ASGIApp, *, state: GatewayState) -> None:
+
+async def _complete(request: Request, handler: Handler, max_body: int) -> Response:
+    """One completion request: the body (413 past ``max_body`` while it arrives, 400 if not JSON),
+    the handler's answer as JSON or as an SSE stream. Until the response starts, a client that
+    goes away cancels this task (``ClientDisconnect``: counted 499 by ``Requests``)."""
+    started = time.perf_counter()
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.scope["headers"]}
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body:
+        raise payload_too_large(f"Request body of {declared} bytes exceeds the limit of {max_body} bytes.")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_body:
+            raise payload_too_large(f"Request body exceeds the limit of {max_body} bytes.")
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        result = await handler(oa.decode_json(bytes(body)), headers, started)
+    except asyncio.CancelledError:
+        if not gone:
+            raise  # the server is shutting down
+        task.uncancel()  # the client went away: nobody listens, the worker stream is closed
+        raise ClientDisconnect() from None
+    finally:
+        watcher.cancel()  # from here on the response's own disconnect watch takes over
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(_frames(result), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _frames(stream: EventStream) -> AsyncGenerator[bytes, None]:
+    """The frames of a streamed response up to and including the one that ends with [DONE];
+    closing it early (a client gone) closes the worker stream."""
+    async with aclosing(stream.rest) as rest:
+        yield stream.first
+        if stream.first.endswith(SSE_DONE):
+            return
+        async for frame in rest:
+            yield frame
+            if frame.endswith(SSE_DONE):
+                return
+
+
+class Requests:
+    """The one ASGI middleware: API keys, requests by route and status (counted before the client
+    sees the response), in-flight gauge, duration to the last byte, a last-resort 500."""
+
+    def __init__(self, app: ASGIApp, *, api_keys: tuple[str, ...], metrics: GatewayMetrics) -> None:
         self.app = app
-        self.keys = tuple(k.encode() for k in state.config.gateway.api_keys)
-        self.metrics = state.metrics
+        self.keys = tuple(k.encode() for k in api_keys)
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -151,33 +233,49 @@ class _Guard:
             return
         path = scope["path"]
         route = path if path in ROUTES else "other"
+        metrics = self.metrics
         if self.keys and path not in OPEN_PATHS and not api_key_ok(_header(scope, b"authorization"), self.keys):
-            self.metrics.requests.labels(route, "401").inc()
+            metrics.requests.labels(route, "401").inc()
             response = JSONResponse(authentication().to_body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
-        counted = False
+        status = 0
 
         async def send_status(message: Message) -> None:
-            nonlocal counted
+            nonlocal status
             if message["type"] == "http.response.start":
-                # counted before the client can see the response
-                self.metrics.requests.labels(route, str(message["status"])).inc()
-                counted = True
+                status = message["status"]
+                metrics.requests.labels(route, str(status)).inc()  # before the client can see it
             await send(message)
 
         served = path not in OPEN_PATHS  # probes and scrapes are not requests in flight
         if served:
-            self.metrics.in_flight.inc()
+            metrics.in_flight.inc()
         started = time.perf_counter()
         try:
             await self.app(scope, receive, send_status)
+        except ClientDisconnect:
+            if not status:
+                status = 499
+                metrics.requests.labels(route, "499").inc()
+        except Exception:
+            if status:
+                raise  # mid-stream: uvicorn closes the connection
+            log.exception("%s failed", path)
+            error = server_error("The server had an error while processing your request.")
+            await JSONResponse(error.to_body(), status_code=500)(scope, receive, send_status)
         finally:
             if served:
-                self.metrics.in_flight.dec()
-            self.metrics.duration.labels(route).observe(time.perf_counter() - started)
-            if not counted:  # the app failed before answering
-                self.metrics.requests.labels(route, "500").inc()
+                metrics.in_flight.dec()
+            metrics.duration.labels(route).observe(time.perf_counter() - started)
+
+
+def api_key_ok(header: str | None, keys: tuple[bytes, ...]) -> bool:
+    """`Authorization: Bearer <key>` with one of `keys` (compared in constant time)."""
+    if not header or not header.startswith("Bearer "):
+        return False
+    given = header[len("Bearer "):].strip().encode()
+    return any(hmac.compare_digest(given, key) for key in keys)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -191,11 +289,6 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
         return JSONResponse(exc.to_body(), status_code=exc.status, headers=exc.headers or None)
-
-    @app.exception_handler(Exception)
-    async def server_fault(_: Request, exc: Exception) -> JSONResponse:
-        log.error("request failed", exc_info=exc)
-        return JSONResponse(server_error("The server had an error while processing your request.").to_body(), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
