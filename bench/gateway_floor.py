@@ -10,7 +10,7 @@ worker can skip, each with the product's own code:
     read and parse the JSON body                         json.loads
     check the messages, render the model's chat template chat_template.normalize_messages, ChatTemplate.render
     tokenize the prompt                                  TokenPrefixes.encode (a turn tokenizes only its new text)
-    write the worker request                             upstream.ConnectionPool (the gateway's client), one body
+    write the worker request                             WorkerClient.generate (the gateway's client, aiohttp)
     relay the reply as OpenAI chunks                     SSEEvents, IncrementalDetokenizer, ChatFrames
 
 and nothing else: no tags (every token gets the same tag), no draft and
@@ -24,7 +24,6 @@ the same machine at the same moment. Not a product path: nothing imports it.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import time
@@ -38,13 +37,13 @@ from kvserving.config import GatewayConfig
 from kvserving.gateway.chat_template import normalize_messages
 from kvserving.gateway.completions import SSE_DONE, ChatFrames, ModelInfo
 from kvserving.gateway.detokenize import IncrementalDetokenizer
-from kvserving.gateway.front import SSE_HEADERS
 from kvserving.gateway.token_prefixes import TokenPrefixes
-from kvserving.gateway.upstream import ConnectionPool
-from kvserving.gateway.workers import SSEEvents
+from kvserving.gateway.workers import WorkerClient
 from kvserving.tags import encode_tag
 
 USER_TAG = encode_tag("current", "text", "user")
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
 
 
 class Floor:
@@ -56,7 +55,7 @@ class Floor:
         self.tokenizer = model.tokenizer
         self.template = model.tagger.template
         self.prefixes = TokenPrefixes(self.tokenizer)
-        self.pool = ConnectionPool(connect_timeout_s=5.0)
+        self.client = WorkerClient(request_timeout_s=30.0, connect_timeout_s=5.0)
         self.worker_url = worker_url
         self.served_name = served_name
         self.stop_ids = list(model.stop_token_ids)
@@ -80,29 +79,21 @@ class Floor:
         messages = normalize_messages(request["messages"])
         text = self.template.render(messages, add_generation_prompt=True)
         ids = self.prefixes.encode(text).ids
-        worker_body = json.dumps({
+        worker_body = {
             "request_id": f"floor-{uuid.uuid4().hex}", "input_ids": ids, "tags": [USER_TAG] * len(ids),
             "sampling": {"max_tokens": int(request.get("max_tokens") or 16), "temperature": 1.0, "top_p": 1.0,
                          "top_k": 0, "seed": None, "stop_token_ids": self.stop_ids, "ignore_eos": False},
-        }).encode()
-        conn = await self.pool.open(self.worker_url)
-        status = await conn.request("/internal/generate", worker_body, deadline=asyncio.get_running_loop().time() + 30)
-        if status != 200:
-            raise RuntimeError(f"worker answered {status}")
+        }
         frames = ChatFrames(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.served_name,
                             include_usage=False)
         detok = IncrementalDetokenizer(self.tokenizer, skip_ids=self.stop_ids)
-        events = SSEEvents(self.worker_url)
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         first = True
         finish = "stop"
-        while not events.done:
-            chunk = await conn.read()
-            if not chunk:
-                break
+        async for batch in self.client.generate(self.worker_url, worker_body):
             out: list[bytes] = []
-            for event in events.feed(chunk):
+            for event in batch:
                 if first:
+                    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
                     out.append(frames.chunk({"role": "assistant", "content": ""}))
                     first = False
                 text = detok.add(event.get("token_ids") or [])
@@ -112,7 +103,6 @@ class Floor:
                     finish = event["finish_reason"]
             if out:
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
-        self.pool.release(conn)
         tail = detok.flush()
         last = (frames.chunk({"content": tail}) if tail else b"") + frames.chunk({}, finish) + SSE_DONE
         await send({"type": "http.response.body", "body": last, "more_body": False})

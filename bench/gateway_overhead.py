@@ -400,7 +400,10 @@ def main() -> int:
     worker_url, gw_url = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{gw_port}"
     relay_url, floor_url = f"http://127.0.0.1:{relay_port}", f"http://127.0.0.1:{floor_port}"
     # a context long enough for the long session (the fake worker holds no KV)
-    (tmp / "config.json").write_text(json.dumps({"model": {"path": str(model_dir), "served_name": MODEL, "max_model_len": 131072}}))
+    # and the workers' credential, without which the gateway does not start
+    (tmp / "internal-token").write_text(uuid.uuid4().hex)
+    (tmp / "config.json").write_text(json.dumps({"model": {"path": str(model_dir), "served_name": MODEL, "max_model_len": 131072},
+                                                 "security": {"internal_token_file": str(tmp / "internal-token")}}))
     procs = [
         spawn([sys.executable, str(ROOT / "tests/gateway/fake_worker.py"), "--port", str(worker_port),
                "--reply-ids", ",".join(map(str, reply_ids)), "--token-delay-ms", str(args.token_delay_ms)], tmp / "worker.log"),

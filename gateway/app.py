@@ -12,8 +12,11 @@ One FastAPI app; around every route one ASGI middleware (``Requests``): API
 keys (when configured, everything but /health, /ready, /metrics needs
 ``Authorization: Bearer <key>``: 401 with ``WWW-Authenticate``), requests
 counted by route and status before the client sees the response, the
-in-flight gauge, the duration to the last byte, and a last-resort 500 in
-OpenAI's shape. The completion routes read the body against
+in-flight gauge, the duration to the last byte, a last-resort 500 in
+OpenAI's shape, and one access-log line (``access_line``: route, status,
+conversation, prompt / cached / computed tokens, TTFT, duration; no content,
+no keys) on the ``kvserving.gateway.access`` logger, at INFO for API routes
+and DEBUG for /health, /ready, /metrics. The completion routes read the body against
 ``gateway.max_body_bytes`` while it arrives (413), answer invalid JSON with a
 400, other methods with a 405 (``Allow: POST``), and stream SSE through
 Starlette's ``StreamingResponse``. A client that goes away before the response
@@ -50,12 +53,14 @@ from .errors import GatewayError, authentication, model_not_found, not_found, pa
 from .exact_history import ExactHistory
 from .identity import ConversationIndex
 from .leases import LeaseKeeper, LeaseTable
-from .metrics import GatewayMetrics, PromptReuse
+from .metrics import REQUEST, GatewayMetrics, PromptReuse, RequestRecord
 from .tenants import Tenants
 from .turn import Turns
 from .workers import WorkerClient, WorkerPool
 
 log = logging.getLogger(__name__)
+# One line per request: API routes at INFO, probes and scrapes at DEBUG (``--log-level``).
+access_log = logging.getLogger("kvserving.gateway.access")
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 ROUTES = OPEN_PATHS | {"/v1/chat/completions", "/v1/completions", "/v1/models"}  # metric labels; the rest: "other"
@@ -235,9 +240,11 @@ class Requests:
         route = path if path in ROUTES else "other"
         metrics = self.metrics
         if self.keys and path not in OPEN_PATHS and not api_key_ok(_header(scope, b"authorization"), self.keys):
+            started = time.perf_counter()
             metrics.requests.labels(route, "401").inc()
             response = JSONResponse(authentication().to_body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
+            access_log.info("%s", access_line(scope["method"], path, 401, RequestRecord(), started, time.perf_counter()))
             return
         status = 0
 
@@ -251,6 +258,8 @@ class Requests:
         served = path not in OPEN_PATHS  # probes and scrapes are not requests in flight
         if served:
             metrics.in_flight.inc()
+        record = RequestRecord()
+        current = REQUEST.set(record)
         started = time.perf_counter()
         try:
             await self.app(scope, receive, send_status)
@@ -265,9 +274,30 @@ class Requests:
             error = server_error("The server had an error while processing your request.")
             await JSONResponse(error.to_body(), status_code=500)(scope, receive, send_status)
         finally:
+            ended = time.perf_counter()
+            REQUEST.reset(current)
             if served:
                 metrics.in_flight.dec()
-            metrics.duration.labels(route).observe(time.perf_counter() - started)
+            metrics.duration.labels(route).observe(ended - started)
+            level = logging.INFO if served else logging.DEBUG
+            if access_log.isEnabledFor(level):
+                access_log.log(level, "%s", access_line(scope["method"], path, status, record, started, ended))
+
+
+def access_line(method: str, path: str, status: int, record: RequestRecord, started: float, ended: float) -> str:
+    """``POST /v1/chat/completions 200 conv=1a2b3c4d5e6f prompt=812 cached=768 computed=44 ttft_ms=12.4 ms=80.2``:
+    no content, no key; the conversation is the first 12 hex digits of the key workers see (itself a
+    digest of the tenant and the client's id); "-" for what the request did not have."""
+    conv = record.conversation.removeprefix("conv-")[:12] if record.conversation else "-"
+    prompt, computed = record.prompt_tokens, record.computed_tokens
+    cached = prompt - computed if prompt is not None and computed is not None else None
+    ttft = f"{1e3 * (record.first_token_s - started):.1f}" if record.first_token_s is not None else "-"
+    return (f"{method} {path} {status or '-'} conv={conv} prompt={_or_dash(prompt)} cached={_or_dash(cached)} "
+            f"computed={_or_dash(computed)} ttft_ms={ttft} ms={1e3 * (ended - started):.1f}")
+
+
+def _or_dash(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def api_key_ok(header: str | None, keys: tuple[bytes, ...]) -> bool:

@@ -32,6 +32,7 @@ import json
 import json.scanner
 import logging
 import socket
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ import aiohttp
 
 from kvserving.config import GatewayConfig
 
+from .metrics import REQUEST, RequestRecord
 from .router import WorkerView
 
 log = logging.getLogger(__name__)
@@ -197,6 +199,9 @@ class WorkerClient:
         if self._closing:
             raise UpstreamError("draining", "the gateway is shutting down", url=url)
         payload = encode_body(body)
+        record = REQUEST.get()
+        if record is not None and record.conversation is None:
+            record.conversation = body.get("conversation_key")
         stream = _Stream(asyncio.current_task())
         self._streams.add(stream)
         response: aiohttp.ClientResponse | None = None
@@ -222,6 +227,8 @@ class WorkerClient:
                         raise UpstreamError("stream", f"worker {url} closed the stream before [DONE]", url=url)
                     batch = events.feed(chunk)
                     if batch:
+                        if record is not None:
+                            _note(record, batch)
                         yield batch
                     if events.error is not None:
                         raise events.error
@@ -319,6 +326,17 @@ class WorkerClient:
                 return response.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
+
+
+def _note(record: RequestRecord, batch: list[dict[str, Any]]) -> None:
+    """The first token's arrival and the first final event's prompt counts (a split turn's
+    prefill, else the one worker: where the prompt was computed)."""
+    if record.first_token_s is None and batch[0].get("token_ids"):
+        record.first_token_s = time.perf_counter()
+    usage = batch[-1].get("usage")
+    if record.computed_tokens is None and isinstance(usage, dict) and "computed_prompt_tokens" in usage:
+        record.prompt_tokens = usage.get("prompt_tokens")
+        record.computed_tokens = usage.get("computed_prompt_tokens")
 
 
 class SSEEvents:
