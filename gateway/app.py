@@ -173,17 +173,20 @@ Handler = Callable[[Any, Mapping[str, str], float], Awaitable[dict[str, Any] | E
 async def _complete(request: Request, handler: Handler, max_body: int) -> Response:
     """One completion request: the body (413 past ``max_body`` while it arrives, 400 if not JSON),
     the handler's answer as JSON or as an SSE stream. Until the response starts, a client that
-    goes away cancels this task (``ClientDisconnect``: counted 499 by ``Requests``)."""
+    goes away cancels this task (``ClientDisconnect``: counted 499 by ``Requests``). A refusal is
+    answered here, not raised through the framework: its traceback (which holds the request's
+    body and parse) is gone with the response, never left to the cyclic collector."""
     started = time.perf_counter()
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.scope["headers"]}
-    declared = headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_body:
-        raise payload_too_large(f"Request body of {declared} bytes exceeds the limit of {max_body} bytes.")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_body:
-            raise payload_too_large(f"Request body exceeds the limit of {max_body} bytes.")
+    try:
+        return await _answer(request, handler, headers, started, max_body)
+    except GatewayError as exc:
+        return JSONResponse(exc.to_body(), status_code=exc.status, headers=exc.headers or None)
+
+
+async def _answer(request: Request, handler: Handler, headers: Mapping[str, str], started: float,
+                  max_body: int) -> Response:
+    body = await _read_json(request, headers.get("content-length"), max_body)
     task = asyncio.current_task()
     assert task is not None
     gone = False
@@ -197,7 +200,7 @@ async def _complete(request: Request, handler: Handler, max_body: int) -> Respon
 
     watcher = asyncio.ensure_future(watch())
     try:
-        result = await handler(oa.decode_json(bytes(body)), headers, started)
+        result = await handler(body, headers, started)
     except asyncio.CancelledError:
         if not gone:
             raise  # the server is shutting down
@@ -208,6 +211,20 @@ async def _complete(request: Request, handler: Handler, max_body: int) -> Respon
     if isinstance(result, dict):
         return JSONResponse(result)
     return StreamingResponse(_frames(result), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _read_json(request: Request, declared: str | None, max_body: int) -> Any:
+    """The body as JSON, read against ``max_body`` while it arrives (413) and parsed (400 if not JSON)."""
+    if declared is not None and declared.isdigit() and int(declared) > max_body:
+        raise payload_too_large(f"Request body of {declared} bytes exceeds the limit of {max_body} bytes.")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body:
+            raise payload_too_large(f"Request body exceeds the limit of {max_body} bytes.")
+        chunks.append(chunk)
+    return oa.decode_json(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
 
 async def _frames(stream: EventStream) -> AsyncGenerator[bytes, None]:
