@@ -305,6 +305,8 @@ def access_line(method: str, path: str, status: int, record: RequestRecord, star
     """``POST /v1/chat/completions 200 conv=1a2b3c4d5e6f prompt=812 cached=768 computed=44 ttft_ms=12.4 ms=80.2``:
     no content, no key; the conversation is the first 12 hex digits of the key workers see (itself a
     digest of the tenant and the client's id); "-" for what the request did not have."""
+    if path not in ROUTES:  # a client's URL: escaped and cut, one line whatever it holds
+        path = path.encode("unicode_escape").decode("ascii")[:200]
     conv = record.conversation.removeprefix("conv-")[:12] if record.conversation else "-"
     prompt, computed = record.prompt_tokens, record.computed_tokens
     cached = prompt - computed if prompt is not None and computed is not None else None

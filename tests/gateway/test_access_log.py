@@ -45,9 +45,11 @@ def test_one_line_per_request_with_its_tokens_and_no_content_or_key(stack: Stack
             usages.append([c.usage for c in out if c.usage][0])
     assert httpx.get(gw.url + "/metrics", timeout=5).status_code == 200
     assert httpx.get(gw.url + "/v1/models", timeout=5).status_code == 401
+    assert httpx.get(gw.url + "/x%0AGET%20/v1/models", headers={"Authorization": "Bearer sk-access-log"},
+                     timeout=5).status_code == 404
 
-    info = lines(caplog, logging.INFO, 3)
-    assert len(info) == 3, info
+    info = lines(caplog, logging.INFO, 4)
+    assert len(info) == 4, info
     parsed = [LINE.match(line) for line in info[:2]]
     assert all(parsed), info
     for match, usage in zip(parsed, usages, strict=True):
@@ -59,6 +61,8 @@ def test_one_line_per_request_with_its_tokens_and_no_content_or_key(stack: Stack
     assert parsed[0].group(1) == parsed[1].group(1)  # type: ignore[union-attr]  # one conversation
     assert int(parsed[1].group(3)) > 0  # type: ignore[union-attr]  # its second turn reused the first's KV
     assert re.match(r"^GET /v1/models 401 conv=- prompt=- cached=- computed=- ttft_ms=- ms=\d+\.\d$", info[2]), info[2]
+    # a client's URL cannot start a line of its own
+    assert re.match(r"^GET /x\\nGET /v1/models 404 conv=- prompt=- cached=- computed=- ttft_ms=- ms=\d+\.\d$", info[3]), info[3]
     debug = lines(caplog, logging.DEBUG, 1)
     assert any(line.startswith("GET /metrics 200 ") for line in debug), debug
     text = "\n".join(r.getMessage() for r in caplog.records)
