@@ -124,17 +124,21 @@ def build_app(state: GatewayState) -> FastAPI:
     # Every check of the request (openai_types) before anything renders or tokenizes it.
     limits = oa.RequestLimits(max_model_len=state.model.max_model_len, max_token_chars=state.model.tokenizer.max_token_chars)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        async def run(body: Any, headers: Mapping[str, str], started: float) -> dict[str, Any] | EventStream:
-            return await completions.chat(oa.parse_chat_request(body, limits=limits), headers=headers, started=started)
-        return await _complete(request, run, max_body)
+    async def chat_run(body: Any, headers: Mapping[str, str], started: float) -> dict[str, Any] | EventStream:
+        return await completions.chat(oa.parse_chat_request(body, limits=limits), headers=headers, started=started)
 
-    @app.post("/v1/completions")
+    async def text_run(body: Any, headers: Mapping[str, str], started: float) -> dict[str, Any] | EventStream:
+        return await completions.text(oa.parse_completion_request(body, limits=limits), headers=headers, started=started)
+
+    async def chat(request: Request) -> Response:
+        return await _complete(request, chat_run, max_body)
+
     async def text(request: Request) -> Response:
-        async def run(body: Any, headers: Mapping[str, str], started: float) -> dict[str, Any] | EventStream:
-            return await completions.text(oa.parse_completion_request(body, limits=limits), headers=headers, started=started)
-        return await _complete(request, run, max_body)
+        return await _complete(request, text_run, max_body)
+
+    # Starlette routes: the request as it is, without FastAPI's per-request dependency solving
+    app.add_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_route("/v1/completions", text, methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
