@@ -175,6 +175,8 @@ class PeerHttp:
     falls back to recomputing (``remote_unreachable``)."""
 
     def __init__(self, *, timeout_s: float = HTTP_TIMEOUT_S, token: str | None = None) -> None:
+        import aiohttp  # noqa: F401 - loaded with the worker, not on its first pull
+
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout_s = timeout_s
         self._loop = asyncio.new_event_loop()
