@@ -3,14 +3,14 @@
     PYTHONSAFEPATH=1 .venv/bin/python bench/gateway_floor.py --port P --worker URL [--model-dir DIR]
 
 A process that serves ``POST /v1/chat/completions`` on the same server as
-``kvserving gateway`` (uvicorn, httptools, uvloop; raw ASGI like gateway/front.py)
+``kvserving gateway`` (uvicorn, httptools, uvloop)
 and does only the steps no OpenAI-compatible gateway in front of a token-level
 worker can skip, each with the product's own code:
 
     read and parse the JSON body                         json.loads
     check the messages, render the model's chat template chat_template.normalize_messages, ChatTemplate.render
     tokenize the prompt                                  TokenPrefixes.encode (a turn tokenizes only its new text)
-    write the worker request                             upstream.ConnectionPool (the gateway's client), one body
+    write the worker request                             WorkerClient.generate (the gateway's client, aiohttp)
     relay the reply as OpenAI chunks                     SSEEvents, IncrementalDetokenizer, ChatFrames
 
 and nothing else: no tags (every token gets the same tag), no draft and
@@ -24,7 +24,6 @@ the same machine at the same moment. Not a product path: nothing imports it.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import time
@@ -39,14 +38,14 @@ from kvserving.gateway.prompt.chat_template import normalize_messages
 from kvserving.gateway.model import ModelInfo
 from kvserving.gateway.relay import SSE_DONE, ChatFrames
 from kvserving.gateway.detokenize import IncrementalDetokenizer
-from kvserving.gateway.front import SSE_HEADERS
 from kvserving.gateway.conversations import Conversations
 from kvserving.gateway.prompt.token_prefixes import TokenPrefixes
-from kvserving.gateway.upstream import ConnectionPool
-from kvserving.gateway.workers import SSEEvents
+from kvserving.gateway.workers import WorkerClient
 from kvserving.tags import encode_tag
 
 USER_TAG = encode_tag("current", "text", "user")
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
 
 
 class Floor:
@@ -59,7 +58,7 @@ class Floor:
         self.template = model.tagger.template
         self.kept = Conversations()
         self.prefixes = TokenPrefixes(self.tokenizer, self.kept)
-        self.pool = ConnectionPool(connect_timeout_s=5.0)
+        self.client = WorkerClient(request_timeout_s=30.0, connect_timeout_s=5.0)
         self.worker_url = worker_url
         self.served_name = served_name
         self.stop_ids = list(model.stop_token_ids)
@@ -86,29 +85,21 @@ class Floor:
         # kept on the record of the conversation its first messages name (the floor has no identity stage)
         self.kept.keep_prefixes(self.kept.open(repr(request["messages"][:2]), scope=""), got.filed)
         ids = got.ids
-        worker_body = json.dumps({
+        worker_body = {
             "request_id": f"floor-{uuid.uuid4().hex}", "input_ids": ids, "tags": [USER_TAG] * len(ids),
             "sampling": {"max_tokens": int(request.get("max_tokens") or 16), "temperature": 1.0, "top_p": 1.0,
                          "top_k": 0, "seed": None, "stop_token_ids": self.stop_ids, "ignore_eos": False},
-        }).encode()
-        conn = await self.pool.open(self.worker_url)
-        status = await conn.request("/internal/generate", worker_body, deadline=asyncio.get_running_loop().time() + 30)
-        if status != 200:
-            raise RuntimeError(f"worker answered {status}")
+        }
         frames = ChatFrames(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.served_name,
                             include_usage=False)
         detok = IncrementalDetokenizer(self.tokenizer, skip_ids=self.stop_ids)
-        events = SSEEvents(self.worker_url)
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         first = True
         finish = "stop"
-        while not events.done:
-            chunk = await conn.read()
-            if not chunk:
-                break
+        async for batch in self.client.generate(self.worker_url, worker_body):
             out: list[bytes] = []
-            for event in events.feed(chunk):
+            for event in batch:
                 if first:
+                    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
                     out.append(frames.chunk({"role": "assistant", "content": ""}))
                     first = False
                 text = detok.add(event.get("token_ids") or [])
@@ -118,7 +109,6 @@ class Floor:
                     finish = event["finish_reason"]
             if out:
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
-        self.pool.release(conn)
         tail = detok.flush()
         last = (frames.chunk({"content": tail}) if tail else b"") + frames.chunk({}, finish) + SSE_DONE
         await send({"type": "http.response.body", "body": last, "more_body": False})

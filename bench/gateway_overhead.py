@@ -3,7 +3,7 @@ the worker, at 1, 50 and 200 concurrent multi-turn sessions, against a fake
 worker (tests/gateway/fake_worker.py) that answers instantly.
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/gateway_overhead.py [--turns 6] [--sessions 1,50,200]
-        [--think-s 1.0] [--saturation 200] [--rounds 2]
+        [--think-s 1.0] [--saturation 200] [--rounds 2] [--json bench/results/gateway_overhead_cpu.json]
 
 Processes on loopback: the fake worker, `kvserving gateway` (role
 `both`: one worker request per turn), the two reference paths below, and this client (asyncio + aiohttp, each
@@ -32,6 +32,14 @@ tokenize, write the worker request, relay the reply as OpenAI chunks -- with the
 product's own code on the same server; "gateway minus floor" is what kvserving
 adds: tags, drafts, identity, exact history, leases, routing, metrics).
 
+Two optional columns: vllm-router and sglang-router (the Rust routers; they
+forward OpenAI JSON and tokenize nothing), each when installed (`vllm-router` on
+PATH, the `sglang_router` module importable; never installed by the bench: a
+line says which were skipped), in front of a fake OpenAI backend (this file,
+`--openai-backend`: a uvicorn app streaming the same reply as OpenAI chunks);
+their added TTFT is against that backend straight, and their CPU per request
+is read from /proc like the gateway's.
+
 The table gives p50 and p99 of each and their difference (goal at 200
 sessions: p50 added <= 2 ms, p99 added <= 10 ms), and the gateway's CPU per
 request from /proc (its background work, health polls and lease beats,
@@ -48,14 +56,17 @@ import argparse
 import asyncio
 import json
 import os
+import importlib.util
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -138,6 +149,70 @@ def relay_main(listen_port: int, upstream_port: int) -> None:
     uvloop.run(serve())
 
 
+def openai_backend_main(port: int, reply: str) -> None:
+    """The fake OpenAI backend the routers forward to: every chat request is answered at once
+    with ``reply`` streamed as OpenAI chunks (one per word); any GET is a 200 (health checks)."""
+    import uvicorn
+
+    words = reply.split(" ")
+    head = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0, "model": MODEL}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        body = {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+    frames = [chunk({"role": "assistant", "content": ""})]
+    frames += [chunk({"content": w if i == 0 else " " + w}) for i, w in enumerate(words)]
+    frames += [chunk({}, "stop"), b"data: [DONE]\n\n"]
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        message = await receive()
+        while message.get("more_body", False):
+            message = await receive()
+        if scope["method"] != "POST":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b"{}"})
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        for frame in frames[:-1]:
+            await send({"type": "http.response.body", "body": frame, "more_body": True})
+        await send({"type": "http.response.body", "body": frames[-1], "more_body": False})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+@dataclass
+class Router:
+    """An optional comparison column: a router process in front of the fake OpenAI backend."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+
+
+def router_commands(backend_url: str) -> tuple[dict[str, list[str]], list[str]]:
+    """The routers installed here, each as the command that starts it on {port}; lines for the ones skipped."""
+    found: dict[str, list[str]] = {}
+    skipped: list[str] = []
+    binary = shutil.which("vllm-router")
+    if binary:
+        found["vllm-router"] = [binary, "--worker-urls", backend_url, "--host", "127.0.0.1", "--port", "{port}"]
+    else:
+        skipped.append("vllm-router: not installed (no vllm-router on PATH), column skipped")
+    if importlib.util.find_spec("sglang_router") is not None:
+        found["sglang-router"] = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", backend_url,
+                                  "--host", "127.0.0.1", "--port", "{port}"]
+    else:
+        skipped.append("sglang-router: not installed (no sglang_router module), column skipped")
+    return found, skipped
+
+
 def spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONSAFEPATH="1", OMP_NUM_THREADS="1")
     with open(log, "wb") as out:
@@ -145,13 +220,13 @@ def spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
                                 start_new_session=True)
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 60.0) -> None:
+def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 60.0, *, path: str = "/ready") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"{url} exited {proc.returncode}: {log.read_text()[-2000:]}")
         try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+            if httpx.get(url + path, timeout=1).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -287,25 +362,33 @@ class Row:
     cpu_ms: float  # gateway CPU per request, background subtracted
     floor_cpu_ms: float  # the floor's CPU per request (it has no background work)
     worker_cpu_ms: float  # the fake worker's CPU per request in the direct runs: the same work without the gateway
+    relay_cpu_ms: float = 0.0  # the null proxy's CPU per request
+    openai_direct: list[float] = field(default_factory=list)  # the chat requests straight to the fake OpenAI backend
+    routers: dict[str, tuple[list[float], float]] = field(default_factory=dict)  # name -> (TTFTs, CPU ms per request)
 
 
 def run_row(n: int, think_s: float, args: argparse.Namespace, *, tagger: ChatTagger, reply: str, worker_url: str,
             relay_url: str, gw_url: str, gw_pid: int, worker_pid: int, idle_cpu_per_s: float, floor_url: str,
-            floor_pid: int) -> Row:
+            floor_pid: int, relay_pid: int, backend_url: str | None = None, routers: Sequence[Router] = ()) -> Row:
     direct: list[float] = []
     relay: list[float] = []
     gateway: list[float] = []
     floor: list[float] = []
-    gw_cpu = worker_cpu = floor_cpu = 0.0
+    openai_direct: list[float] = []
+    routed: dict[str, list[float]] = {r.name: [] for r in routers}
+    routed_cpu = {r.name: 0.0 for r in routers}
+    gw_cpu = worker_cpu = floor_cpu = relay_cpu = 0.0
     rounds = max(args.rounds, -(-args.min_requests // (n * args.turns)))
-    for r in range(rounds):  # interleave so drift on a shared machine hits both alike
+    for r in range(rounds):  # interleave so drift on a shared machine hits every path alike
         waits = think_times(n, args.turns, think_s, seed=r)
         plan = bodies(n, args.turns, reply, tagger, via_gateway=False, max_tokens=args.max_tokens)
         before = cpu_s(worker_pid)
         direct += asyncio.run(measure(worker_url, plan, waits, via_gateway=False))
         worker_cpu += cpu_s(worker_pid) - before
         plan = bodies(n, args.turns, reply, tagger, via_gateway=False, max_tokens=args.max_tokens)
+        before = cpu_s(relay_pid)
         relay += asyncio.run(measure(relay_url, plan, waits, via_gateway=False))
+        relay_cpu += cpu_s(relay_pid) - before
         plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
         before = cpu_s(floor_pid)
         floor += asyncio.run(measure(floor_url, plan, waits, via_gateway=True))
@@ -314,8 +397,38 @@ def run_row(n: int, think_s: float, args: argparse.Namespace, *, tagger: ChatTag
         before, t0 = cpu_s(gw_pid), time.monotonic()
         gateway += asyncio.run(measure(gw_url, plan, waits, via_gateway=True))
         gw_cpu += cpu_s(gw_pid) - before - idle_cpu_per_s * (time.monotonic() - t0)
+        if backend_url is not None and routers:
+            plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
+            openai_direct += asyncio.run(measure(backend_url, plan, waits, via_gateway=True))
+            for router in routers:
+                plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
+                before = cpu_s(router.proc.pid)
+                routed[router.name] += asyncio.run(measure(router.url, plan, waits, via_gateway=True))
+                routed_cpu[router.name] += cpu_s(router.proc.pid) - before
     return Row(n, think_s, direct, relay, gateway, floor, 1e3 * gw_cpu / len(gateway), 1e3 * floor_cpu / len(floor),
-               1e3 * worker_cpu / len(direct))
+               1e3 * worker_cpu / len(direct), 1e3 * relay_cpu / len(relay), openai_direct,
+               {name: (times, 1e3 * routed_cpu[name] / len(times)) for name, times in routed.items()})
+
+
+def row_json(row: Row) -> dict[str, Any]:
+    """One row of the result file: p50 / p99 TTFT added over each path's direct reference, CPU per request."""
+    def added(values: list[float], reference: list[float]) -> dict[str, float]:
+        return {f"added_p{q}_ms": round(1e3 * (pct(values, q / 100) - pct(reference, q / 100)), 3) for q in (50, 99)}
+
+    out: dict[str, Any] = {
+        "sessions": row.sessions, "think_s": row.think_s, "requests_per_path": len(row.gateway),
+        "direct": {"p50_ms": round(1e3 * pct(row.direct, 0.5), 3), "p99_ms": round(1e3 * pct(row.direct, 0.99), 3),
+                   "worker_cpu_ms_per_request": round(row.worker_cpu_ms, 3)},
+        "kvserving": {**added(row.gateway, row.direct), "cpu_ms_per_request": round(row.cpu_ms, 3)},
+        "floor": {**added(row.floor, row.direct), "cpu_ms_per_request": round(row.floor_cpu_ms, 3)},
+        "null_relay": {**added(row.relay, row.direct), "cpu_ms_per_request": round(row.relay_cpu_ms, 3)},
+        "kvserving_minus_floor": {"p50_ms": round(1e3 * (pct(row.gateway, 0.5) - pct(row.floor, 0.5)), 3),
+                                  "p99_ms": round(1e3 * (pct(row.gateway, 0.99) - pct(row.floor, 0.99)), 3),
+                                  "cpu_ms_per_request": round(row.cpu_ms - row.floor_cpu_ms, 3)},
+    }
+    for name, (times, cpu) in row.routers.items():
+        out[name] = {**added(times, row.openai_direct), "cpu_ms_per_request": round(cpu, 3)}
+    return out
 
 
 @dataclass
@@ -379,11 +492,19 @@ def main() -> int:
                         help="sample the gateway in CPU time (bench/gateway_timeline.py sample), print where its CPU went")
     parser.add_argument("--long-turns", type=int, default=40, help="turns of the long agent session (0: none)")
     parser.add_argument("--long-tool-words", type=int, default=300, help="words of the tool result each long-session turn adds")
+    parser.add_argument("--json", default=str(ROOT / "bench/results/gateway_overhead_cpu.json"), metavar="FILE",
+                        help="the rows as JSON ('' for none)")
+    parser.add_argument("--no-routers", action="store_true", help="leave out the vllm-router / sglang-router columns")
     parser.add_argument("--relay", default=None, help=argparse.SUPPRESS)  # LISTEN:UPSTREAM: run as the null proxy
+    parser.add_argument("--openai-backend", type=int, default=None, help=argparse.SUPPRESS)  # PORT: run as the fake OpenAI backend
+    parser.add_argument("--reply", default="", help=argparse.SUPPRESS)  # the fake OpenAI backend's reply
     args = parser.parse_args()
     if args.relay:
         listen, upstream = (int(x) for x in args.relay.split(":"))
         relay_main(listen, upstream)
+        return 0
+    if args.openai_backend:
+        openai_backend_main(args.openai_backend, args.reply)
         return 0
     if args.think_s < 0:
         raise SystemExit("--think-s must be >= 0")
@@ -400,7 +521,10 @@ def main() -> int:
     worker_url, gw_url = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{gw_port}"
     relay_url, floor_url = f"http://127.0.0.1:{relay_port}", f"http://127.0.0.1:{floor_port}"
     # a context long enough for the long session (the fake worker holds no KV)
-    (tmp / "config.json").write_text(json.dumps({"model": {"path": str(model_dir), "served_name": MODEL, "max_model_len": 131072}}))
+    # and the workers' credential, without which the gateway does not start
+    (tmp / "internal-token").write_text(uuid.uuid4().hex)
+    (tmp / "config.json").write_text(json.dumps({"model": {"path": str(model_dir), "served_name": MODEL, "max_model_len": 131072},
+                                                 "security": {"internal_token_file": str(tmp / "internal-token")}}))
     procs = [
         spawn([sys.executable, str(ROOT / "tests/gateway/fake_worker.py"), "--port", str(worker_port),
                "--reply-ids", ",".join(map(str, reply_ids)), "--token-delay-ms", str(args.token_delay_ms)], tmp / "worker.log"),
@@ -411,11 +535,31 @@ def main() -> int:
         spawn([sys.executable, str(Path(__file__).with_name("gateway_floor.py")), "--port", str(floor_port),
                "--worker", worker_url, "--model-dir", str(model_dir)], tmp / "floor.log"),
     ]
+    backend_url: str | None = None
+    routers: list[Router] = []
+    commands, skipped = router_commands("http://127.0.0.1:0") if not args.no_routers else ({}, ["routers: left out (--no-routers)"])
+    for line in skipped:
+        print(line, flush=True)
+    if commands:
+        backend_port = free_port()
+        backend_url = f"http://127.0.0.1:{backend_port}"
+        procs.append(spawn([sys.executable, __file__, "--openai-backend", str(backend_port), "--reply", reply],
+                           tmp / "openai-backend.log"))
+        for name, argv in router_commands(backend_url)[0].items():
+            port = free_port()
+            routers.append(Router(name, f"http://127.0.0.1:{port}",
+                                  spawn([a.replace("{port}", str(port)) for a in argv], tmp / f"{name}.log")))
+            procs.append(routers[-1].proc)
     try:
         wait_ready(worker_url, procs[0], tmp / "worker.log")
         wait_ready(gw_url, procs[1], tmp / "gateway.log")
         wait_ready(relay_url, procs[2], tmp / "relay.log")  # the worker's /ready, through the relay
         wait_ready(floor_url, procs[3], tmp / "floor.log")
+        if backend_url is not None:
+            wait_ready(backend_url, procs[4], tmp / "openai-backend.log", path="/health")
+        for router in routers:
+            wait_ready(router.url, router.proc, tmp / f"{router.name}.log", timeout_s=120, path="/health")
+        load_before = list(os.getloadavg())
         before = cpu_s(procs[1].pid)
         time.sleep(3.0)  # the gateway's background work (health polls, lease beats) while idle
         idle = (cpu_s(procs[1].pid) - before) / 3.0
@@ -423,8 +567,9 @@ def main() -> int:
         plan += [(int(x), 0.0) for x in args.saturation.split(",") if x]
         rows = [run_row(n, think, args, tagger=tagger, reply=reply, worker_url=worker_url, relay_url=relay_url, gw_url=gw_url,
                         gw_pid=procs[1].pid, worker_pid=procs[0].pid, idle_cpu_per_s=idle, floor_url=floor_url,
-                        floor_pid=procs[3].pid)
+                        floor_pid=procs[3].pid, relay_pid=procs[2].pid, backend_url=backend_url, routers=routers)
                 for n, think in plan]
+        load_after = os.getloadavg()
         print(f"gateway overhead: TTFT through the gateway minus straight to the worker ({args.turns} turns per session, "
               f"fake worker answering instantly, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
               f"gateway idle CPU {1e3 * idle:.1f} ms/s subtracted)\n")
@@ -441,6 +586,23 @@ def main() -> int:
                   f"| {g50 - d50:.2f} | {g99 - d99:.2f} | {r50 - d50:.2f} / {r99 - d99:.2f} "
                   f"| {f50 - d50:.2f} / {f99 - d99:.2f} | {g50 - f50:.2f} / {g99 - f99:.2f} "
                   f"| {row.cpu_ms:.2f} | {row.floor_cpu_ms:.2f} | {row.worker_cpu_ms:.2f} |")
+        print("\nCPU per request and added TTFT p50 / p99 by path (routers against the fake OpenAI backend straight)\n")
+        names = ["kvserving", "floor", "null_relay", *(r.name for r in routers)]
+        print("| think time | sessions | " + " | ".join(f"{n} CPU ms | {n} added p50 / p99 ms" for n in names) + " |")
+        print("|---|---:|" + "---:|---:|" * len(names))
+        results = [row_json(row) for row in rows]
+        for row, result in zip(rows, results, strict=True):
+            load = f"exp. mean {row.think_s:g} s" if row.think_s > 0 else "none (saturation)"
+            cells = [f"{result[n]['cpu_ms_per_request']:.2f} | {result[n]['added_p50_ms']:.2f} / {result[n]['added_p99_ms']:.2f}"
+                     for n in names]
+            print(f"| {load} | {row.sessions} | " + " | ".join(cells) + " |")
+        if args.json:
+            Path(args.json).write_text(json.dumps({
+                "bench": "bench/gateway_overhead.py", "turns": args.turns, "rounds": args.rounds, "max_tokens": args.max_tokens,
+                "cores": os.cpu_count(), "load_average_before": load_before, "load_average_after": list(load_after),
+                "gateway_idle_cpu_ms_per_s": round(1e3 * idle, 3), "routers_skipped": skipped,
+                "rows": results}, indent=1) + "\n")
+            print(f"\nwritten: {args.json}")
         if args.long_turns > 0:
             print_long(run_long(args, tagger=tagger, reply=reply, worker_url=worker_url, gw_url=gw_url,
                                 gw_pid=procs[1].pid, idle_cpu_per_s=idle))

@@ -19,13 +19,13 @@ process waits for a core on a loaded machine. A signal handler runs between
 bytecodes, so the time of a long C call (a tokenizer call) lands on its caller. Stages, in milliseconds after uvicorn
 parsed the request's headers (``arrive``):
 
-    serve         the request's task starts (_Exchange._serve): the event loop's queue
+    serve         the request reaches the gateway's middleware (app.Requests): the event loop's queue
     body          the body is read and parsed (json.loads)
     draft_start   ChatTagger.draft called (request checks, conversation identity before it)
     draft         ChatTagger.draft returned (render with markers, tokenize, tag)
-    worker_write  the worker request is written (upstream._Connection.request)
+    worker_write  the worker request is sent (workers.WorkerClient._post)
     confirm       the plain render confirmed the draft (the loop's next pass)
-    worker_first  the worker's first body bytes arrived
+    worker_first  the worker's response headers arrived
     client_first  the first body frame went to the client (TTFT, gateway side)
     end           the response ended
 
@@ -75,7 +75,7 @@ def install(out: Path) -> None:
     """Wrap the gateway's stage functions; write one JSON line per completion request at exit."""
     from uvicorn.protocols.http import httptools_impl
 
-    from kvserving.gateway import front, tagger, upstream
+    from kvserving.gateway import app, openai_types, tagger, workers
 
     records: list[dict[str, float]] = []
     gc_time = [0.0, 0.0, 0.0]  # seconds in the cyclic collector per generation
@@ -119,31 +119,34 @@ def install(out: Path) -> None:
 
     httptools_impl.RequestResponseCycle.send = send  # type: ignore[method-assign]
 
-    read_body = front._Exchange._body
+    decode_json = openai_types.decode_json
 
-    async def body_stamped(self: Any, declared: str | None) -> Any:
-        out = await read_body(self, declared)
+    def body_stamped(raw: bytes) -> Any:
+        out = decode_json(raw)
         _stamp("body")
         return out
 
-    front._Exchange._body = body_stamped  # type: ignore[method-assign]
+    openai_types.decode_json = body_stamped
 
     stalls = _Stalls()
-    serve = front._Exchange.serve
+    serve = app.Requests.__call__
 
-    async def serve_stamped(self: Any, handler: Any, scope: Any) -> None:
+    async def serve_stamped(self: Any, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or not scope["path"].endswith("completions"):
+            await serve(self, scope, receive, send)
+            return
         if not serving[0]:
             serving[0] = True
             stalls.start(asyncio.get_running_loop())
         got = {"arrive": scope.get("timeline_arrive", _now()), "serve": _now()}
         _stamps.set(got)
         try:
-            await serve(self, handler, scope)
+            await serve(self, scope, receive, send)
         finally:
             got["end"] = _now()
             records.append({k: 1e3 * (v - got["arrive"]) for k, v in got.items() if k != "arrive"})
 
-    front._Exchange.serve = serve_stamped  # type: ignore[method-assign]
+    app.Requests.__call__ = serve_stamped  # type: ignore[method-assign]
 
     draft = tagger.ChatTagger.draft
 
@@ -168,24 +171,15 @@ def install(out: Path) -> None:
 
     tagger.Draft.confirmed = confirmed_stamped  # type: ignore[method-assign]
 
-    request = upstream._Connection.request
+    post = workers.WorkerClient._post
 
-    async def request_stamped(self: Any, path: str, body: bytes, *, deadline: float) -> int:
-        self.timeline = _stamps.get()
-        _stamp("worker_write")  # just before the write: the wrapper's own cost is not the worker's
-        return await request(self, path, body, deadline=deadline)
+    async def post_stamped(self: Any, url: str, payload: bytes, stream: Any) -> Any:
+        _stamp("worker_write")  # just before the request: the wrapper's own cost is not the worker's
+        response = await post(self, url, payload, stream)
+        _stamp("worker_first")
+        return response
 
-    upstream._Connection.request = request_stamped  # type: ignore[method-assign]
-
-    on_body = upstream._Connection.on_body
-
-    def on_body_stamped(self: Any, body: bytes) -> None:
-        got = getattr(self, "timeline", None)
-        if got is not None and "worker_first" not in got:
-            got["worker_first"] = _now()
-        on_body(self, body)
-
-    upstream._Connection.on_body = on_body_stamped  # type: ignore[method-assign]
+    workers.WorkerClient._post = post_stamped  # type: ignore[method-assign]
 
 
 class _Stalls:

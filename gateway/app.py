@@ -1,52 +1,70 @@
 """The gateway's HTTP routes (thin): everything it registers is listed here.
 
-    POST /v1/chat/completions   Completions.chat          (auth; served by front.py on plain ASGI)
-    POST /v1/completions        Completions.text          (auth; served by front.py on plain ASGI)
+    POST /v1/chat/completions   Completions.chat          (auth)
+    POST /v1/completions        Completions.text          (auth)
     GET  /v1/models             the served model          (auth)
     GET  /v1/models/{id}        it, or 404                (auth)
     GET  /health                alive
     GET  /ready                 200 once a worker can take a whole turn, else 503
     GET  /metrics               Prometheus text
 
-Around every route: API keys (when configured, everything but /health,
-/ready, /metrics needs ``Authorization: Bearer <key>``: 401), the body-size
-limit (413), errors in OpenAI's shape, requests counted by route and status.
+One FastAPI app; around every route one ASGI middleware (``Requests``): API
+keys (when configured, everything but /health, /ready, /metrics needs
+``Authorization: Bearer <key>``: 401 with ``WWW-Authenticate``), requests
+counted by route and status before the client sees the response, the
+in-flight gauge, the duration to the last byte, a last-resort 500 in
+OpenAI's shape, and one access-log line (``access_line``: route, status,
+conversation, prompt / cached / computed tokens, TTFT, duration; no content,
+no keys) on the ``kvserving.gateway.access`` logger, at INFO for API routes
+and DEBUG for /health, /ready, /metrics. The completion routes read the body against
+``gateway.max_body_bytes`` while it arrives (413), answer invalid JSON with a
+400, other methods with a 405 (``Allow: POST``), and stream SSE through
+Starlette's ``StreamingResponse``. A client that goes away before the response
+starts cancels its request (counted as 499); after, the stream's disconnect
+watch ends it; either way the worker stream closes, which aborts the request
+upstream.
 Lifespan: the worker pool's health loop and the lease heartbeat start with the
 app and stop with it (a last sweep releases the leases idle past their TTL).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserving.config import ServingConfig
 
 from . import openai_types as oa
 from .completions import Completions, build_conversations
+from .errors import GatewayError, authentication, model_not_found, not_found, payload_too_large, server_error
 from .model import ModelInfo
-from .errors import GatewayError, authentication, model_not_found, not_found, server_error
-from .front import CompletionRoutes, api_key_ok
+from .relay import SSE_DONE, EventStream
 from .leases import LeaseKeeper, LeaseTable
-from .metrics import GatewayMetrics, PromptReuse
+from .metrics import REQUEST, GatewayMetrics, PromptReuse, RequestRecord
 from .tenants import Tenants
 from .turn import Turns
 from .workers import WorkerClient, WorkerPool
 
 log = logging.getLogger(__name__)
+# One line per request: API routes at INFO, probes and scrapes at DEBUG (``--log-level``).
+access_log = logging.getLogger("kvserving.gateway.access")
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 ROUTES = OPEN_PATHS | {"/v1/chat/completions", "/v1/completions", "/v1/models"}  # metric labels; the rest: "other"
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 @dataclass(slots=True)
@@ -85,8 +103,7 @@ def build_state(config: ServingConfig, *, model: ModelInfo, registry: CollectorR
     return GatewayState(config, model, metrics, client, pool, keeper, completions)
 
 
-def build_app(state: GatewayState) -> CompletionRoutes:
-    """The ASGI app to serve: the completion routes (front.py) in front of the FastAPI app of the rest."""
+def build_app(state: GatewayState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await state.pool.refresh()
@@ -102,7 +119,27 @@ def build_app(state: GatewayState) -> CompletionRoutes:
     app = FastAPI(title="kvserving gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = state
     _install_errors(app)
-    app.add_middleware(_Guard, state=state)
+    app.add_middleware(Requests, api_keys=state.config.gateway.api_keys, metrics=state.metrics)
+    completions = state.completions
+    max_body = state.config.gateway.max_body_bytes
+    # Every check of the request (openai_types) before anything renders or tokenizes it.
+    limits = oa.RequestLimits(max_model_len=state.model.max_model_len, max_token_chars=state.model.tokenizer.max_token_chars)
+
+    async def chat_run(body: Any, headers: Mapping[str, str], started: float) -> dict[str, Any] | EventStream:
+        return await completions.chat(oa.parse_chat_request(body, limits=limits), headers=headers, started=started)
+
+    async def text_run(body: Any, headers: Mapping[str, str], started: float) -> dict[str, Any] | EventStream:
+        return await completions.text(oa.parse_completion_request(body, limits=limits), headers=headers, started=started)
+
+    async def chat(request: Request) -> Response:
+        return await _complete(request, chat_run, max_body)
+
+    async def text(request: Request) -> Response:
+        return await _complete(request, text_run, max_body)
+
+    # Starlette routes: the request as it is, without FastAPI's per-request dependency solving
+    app.add_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_route("/v1/completions", text, methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -132,18 +169,90 @@ def build_app(state: GatewayState) -> CompletionRoutes:
             state.metrics.workers_healthy.labels(role).set(sum(w.healthy for w in state.pool.by_role(role)))
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    limits = oa.RequestLimits(max_model_len=state.model.max_model_len, max_token_chars=state.model.tokenizer.max_token_chars)
-    return CompletionRoutes(app, completions=state.completions, metrics=state.metrics, api_keys=state.config.gateway.api_keys,
-                            max_body_bytes=state.config.gateway.max_body_bytes, limits=limits)
+    return app
 
 
-class _Guard:
-    """ASGI middleware: API keys, in-flight gauge, requests by route and status, duration to the last byte."""
+Handler = Callable[[Any, Mapping[str, str], float], Awaitable[dict[str, Any] | EventStream]]
 
-    def __init__(self, app: ASGIApp, *, state: GatewayState) -> None:
+
+async def _complete(request: Request, handler: Handler, max_body: int) -> Response:
+    """One completion request: the body (413 past ``max_body`` while it arrives, 400 if not JSON),
+    the handler's answer as JSON or as an SSE stream. Until the response starts, a client that
+    goes away cancels this task (``ClientDisconnect``: counted 499 by ``Requests``). A refusal is
+    answered here, not raised through the framework: its traceback (which holds the request's
+    body and parse) is gone with the response, never left to the cyclic collector."""
+    started = time.perf_counter()
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.scope["headers"]}
+    try:
+        return await _answer(request, handler, headers, started, max_body)
+    except GatewayError as exc:
+        return JSONResponse(exc.to_body(), status_code=exc.status, headers=exc.headers or None)
+
+
+async def _answer(request: Request, handler: Handler, headers: Mapping[str, str], started: float,
+                  max_body: int) -> Response:
+    body = await _read_json(request, headers.get("content-length"), max_body)
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        result = await handler(body, headers, started)
+    except asyncio.CancelledError:
+        if not gone:
+            raise  # the server is shutting down
+        task.uncancel()  # the client went away: nobody listens, the worker stream is closed
+        raise ClientDisconnect() from None
+    finally:
+        watcher.cancel()  # from here on the response's own disconnect watch takes over
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(_frames(result), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _read_json(request: Request, declared: str | None, max_body: int) -> Any:
+    """The body as JSON, read against ``max_body`` while it arrives (413) and parsed (400 if not JSON)."""
+    if declared is not None and declared.isdigit() and int(declared) > max_body:
+        raise payload_too_large(f"Request body of {declared} bytes exceeds the limit of {max_body} bytes.")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body:
+            raise payload_too_large(f"Request body exceeds the limit of {max_body} bytes.")
+        chunks.append(chunk)
+    return oa.decode_json(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+
+async def _frames(stream: EventStream) -> AsyncGenerator[bytes, None]:
+    """The frames of a streamed response up to and including the one that ends with [DONE];
+    closing it early (a client gone) closes the worker stream."""
+    async with aclosing(stream.rest) as rest:
+        yield stream.first
+        if stream.first.endswith(SSE_DONE):
+            return
+        async for frame in rest:
+            yield frame
+            if frame.endswith(SSE_DONE):
+                return
+
+
+class Requests:
+    """The one ASGI middleware: API keys, requests by route and status (counted before the client
+    sees the response), in-flight gauge, duration to the last byte, a last-resort 500."""
+
+    def __init__(self, app: ASGIApp, *, api_keys: tuple[str, ...], metrics: GatewayMetrics) -> None:
         self.app = app
-        self.keys = tuple(k.encode() for k in state.config.gateway.api_keys)
-        self.metrics = state.metrics
+        self.keys = tuple(k.encode() for k in api_keys)
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -151,33 +260,76 @@ class _Guard:
             return
         path = scope["path"]
         route = path if path in ROUTES else "other"
+        metrics = self.metrics
         if self.keys and path not in OPEN_PATHS and not api_key_ok(_header(scope, b"authorization"), self.keys):
-            self.metrics.requests.labels(route, "401").inc()
+            started = time.perf_counter()
+            metrics.requests.labels(route, "401").inc()
             response = JSONResponse(authentication().to_body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
+            access_log.info("%s", access_line(scope["method"], path, 401, RequestRecord(), started, time.perf_counter()))
             return
-        counted = False
+        status = 0
 
         async def send_status(message: Message) -> None:
-            nonlocal counted
+            nonlocal status
             if message["type"] == "http.response.start":
-                # counted before the client can see the response
-                self.metrics.requests.labels(route, str(message["status"])).inc()
-                counted = True
+                status = message["status"]
+                metrics.requests.labels(route, str(status)).inc()  # before the client can see it
             await send(message)
 
         served = path not in OPEN_PATHS  # probes and scrapes are not requests in flight
         if served:
-            self.metrics.in_flight.inc()
+            metrics.in_flight.inc()
+        record = RequestRecord()
+        current = REQUEST.set(record)
         started = time.perf_counter()
         try:
             await self.app(scope, receive, send_status)
+        except ClientDisconnect:
+            if not status:
+                status = 499
+                metrics.requests.labels(route, "499").inc()
+        except Exception:
+            if status:
+                raise  # mid-stream: uvicorn closes the connection
+            log.exception("%s failed", path)
+            error = server_error("The server had an error while processing your request.")
+            await JSONResponse(error.to_body(), status_code=500)(scope, receive, send_status)
         finally:
+            ended = time.perf_counter()
+            REQUEST.reset(current)
             if served:
-                self.metrics.in_flight.dec()
-            self.metrics.duration.labels(route).observe(time.perf_counter() - started)
-            if not counted:  # the app failed before answering
-                self.metrics.requests.labels(route, "500").inc()
+                metrics.in_flight.dec()
+            metrics.duration.labels(route).observe(ended - started)
+            level = logging.INFO if served else logging.DEBUG
+            if access_log.isEnabledFor(level):
+                access_log.log(level, "%s", access_line(scope["method"], path, status, record, started, ended))
+
+
+def access_line(method: str, path: str, status: int, record: RequestRecord, started: float, ended: float) -> str:
+    """``POST /v1/chat/completions 200 conv=1a2b3c4d5e6f prompt=812 cached=768 computed=44 ttft_ms=12.4 ms=80.2``:
+    no content, no key; the conversation is the first 12 hex digits of the key workers see (itself a
+    digest of the tenant and the client's id); "-" for what the request did not have."""
+    if path not in ROUTES:  # a client's URL: escaped and cut, one line whatever it holds
+        path = path.encode("unicode_escape").decode("ascii")[:200]
+    conv = record.conversation.removeprefix("conv-")[:12] if record.conversation else "-"
+    prompt, computed = record.prompt_tokens, record.computed_tokens
+    cached = prompt - computed if prompt is not None and computed is not None else None
+    ttft = f"{1e3 * (record.first_token_s - started):.1f}" if record.first_token_s is not None else "-"
+    return (f"{method} {path} {status or '-'} conv={conv} prompt={_or_dash(prompt)} cached={_or_dash(cached)} "
+            f"computed={_or_dash(computed)} ttft_ms={ttft} ms={1e3 * (ended - started):.1f}")
+
+
+def _or_dash(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def api_key_ok(header: str | None, keys: tuple[bytes, ...]) -> bool:
+    """`Authorization: Bearer <key>` with one of `keys` (compared in constant time)."""
+    if not header or not header.startswith("Bearer "):
+        return False
+    given = header[len("Bearer "):].strip().encode()
+    return any(hmac.compare_digest(given, key) for key in keys)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -191,11 +343,6 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
         return JSONResponse(exc.to_body(), status_code=exc.status, headers=exc.headers or None)
-
-    @app.exception_handler(Exception)
-    async def server_fault(_: Request, exc: Exception) -> JSONResponse:
-        log.error("request failed", exc_info=exc)
-        return JSONResponse(server_error("The server had an error while processing your request.").to_body(), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

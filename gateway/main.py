@@ -5,6 +5,11 @@
 ``--prefill`` / ``--decode`` replace the config's static worker lists (a URL
 given to both is a ``both`` worker); ``--model`` replaces ``model.path`` (with
 neither, the built-in tiny model is resolved as the workers resolve it).
+The workers' internal credential (``security.internal_token_file``) must be
+configured and readable, as for workers, or the start stops with one line.
+Worker URLs must be ``http://HOST:PORT``; ``--port`` in 0..65535. At start one
+line names the model, the workers and the config source; then one access-log
+line per request (app.py, ``--log-level``).
 The keys in ``security.api_keys_file`` (one per line, from a mounted Secret)
 are added to the API keys at start (an unreadable or empty file stops the
 start with one line).
@@ -28,11 +33,13 @@ import math
 import os
 import socket
 from collections.abc import Callable, Mapping
+from urllib.parse import urlsplit
 from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
+from kvserving.argtypes import int_in
 from kvserving.config import ServingConfig
 from kvserving.model_dir import resolve_model_dir
 
@@ -40,11 +47,12 @@ from kvserving.model_dir import resolve_model_dir
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="engine-config JSON (the operator's ConfigMap); defaults if absent")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8080, help="port to bind")
+    parser.add_argument("--port", type=int_in(0, 65535), default=8080, help="port to bind")
     parser.add_argument("--prefill", nargs="+", default=None, metavar="URL", help="prefill worker URLs (static list)")
     parser.add_argument("--decode", nargs="+", default=None, metavar="URL", help="decode worker URLs (static list)")
     parser.add_argument("--model", type=Path, default=None, metavar="DIR", help="model directory (tokenizer, template)")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                        help="log level; one access-log line per API request at info, per probe and scrape at debug")
 
 
 API_KEYS_ENV = "KVSERVING_GATEWAY_API_KEYS"
@@ -80,7 +88,23 @@ def load_config(args: argparse.Namespace, *, environ: Mapping[str, str] = os.env
     model = config.model
     if args.model is not None:
         model = dataclasses.replace(model, path=str(args.model))
+    for flag, field, urls in (("--prefill", "prefill_urls", args.prefill), ("--decode", "decode_urls", args.decode)):
+        where = flag if urls is not None else f"gateway.{field}"
+        for url in getattr(gateway, field):
+            check_worker_url(url, where)
     return dataclasses.replace(config, gateway=gateway, model=model)
+
+
+def check_worker_url(url: str, where: str) -> None:
+    """ValueError, one line naming ``where``, unless ``url`` is ``http://HOST[:PORT]`` (a worker's base URL)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if (parts is None or parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or parts.query
+            or parts.fragment or parts.username or port == 0):
+        raise ValueError(f"{where}: {url!r} is not a worker URL; give http://HOST:PORT")
 
 
 def read_api_keys(path: str) -> tuple[str, ...]:
@@ -107,11 +131,17 @@ def run(args: argparse.Namespace) -> int:
     from .app import build_app, build_state
     from .completions import ModelInfo
 
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args)
     if not (config.gateway.prefill_urls or config.gateway.decode_urls or config.gateway.decode_service):
         raise SystemExit("kvserving gateway: no workers: give --decode URL (and --prefill URL) or gateway.decode_service")
-    model = ModelInfo.load(model_dir(config), served_name=config.model.served_name,
+    if config.security.read_internal_token() is None:
+        raise ValueError("security.internal_token_file is not set: workers serve /internal/* only to callers with "
+                         "the deployment's credential (kvserving up and the operator provide one)")
+    where = model_dir(config)
+    model = ModelInfo.load(where, served_name=config.model.served_name,
                            max_model_len=config.model.max_model_len, max_kept_tokens=config.gateway.max_kept_tokens)
+    log.info("%s", startup_line(config, args, model_name=model.name, max_model_len=model.max_model_len, model_dir=where))
     state = build_state(config, model=model, registry=CollectorRegistry())
     app = build_app(state)
     # Everything built so far (imports, the app, the tokenizer) lives as long as the process:
@@ -132,6 +162,21 @@ def run(args: argparse.Namespace) -> int:
     server = _Server(uv_config, grace_s=grace, end_streams=state.client.abort_streams)
     server.run()
     return 0
+
+
+def startup_line(config: ServingConfig, args: argparse.Namespace, *, model_name: str, max_model_len: int,
+                 model_dir: Path) -> str:
+    """What the gateway serves, from where, in front of which workers: one line (no keys)."""
+    gw = config.gateway
+    workers = []
+    for role, urls, service in (("prefill", gw.prefill_urls, gw.prefill_service), ("decode", gw.decode_urls, gw.decode_service)):
+        if urls:
+            workers.append(f"{role} {','.join(urls)}")
+        if service:
+            workers.append(f"{role} service {service}:{gw.worker_port}")
+    keys = f"{len(gw.api_keys)} API key(s)" if gw.api_keys else "no API keys"
+    return (f"kvserving gateway on http://{args.host}:{args.port}: model {model_name} ({model_dir}, context "
+            f"{max_model_len}); workers: {'; '.join(workers)}; config {args.config or 'built-in defaults'}; {keys}")
 
 
 class _Server(uvicorn.Server):

@@ -36,6 +36,8 @@ up as misses.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -125,6 +127,22 @@ class GatewayMetrics:
 
     def route(self, role: str, reason: str) -> None:
         self.routing.labels(role, reason).inc()
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one request did, for its access-log line (app.Requests): filled while it runs by
+    the worker client from what it sends and what the workers answer (``REQUEST``)."""
+
+    conversation: str | None = None  # the conversation key as workers see it (a tenant-scoped digest)
+    prompt_tokens: int | None = None
+    computed_tokens: int | None = None  # prompt tokens computed this turn (the rest were reused)
+    first_token_s: float | None = None  # perf_counter when the first token arrived
+
+
+# The record of the request being served: set by the middleware for each request, seen by every
+# task that request starts (they copy its context).
+REQUEST: ContextVar[RequestRecord | None] = ContextVar("kvserving_gateway_request", default=None)
 
 
 class ReuseCounts(Protocol):

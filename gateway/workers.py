@@ -3,16 +3,16 @@ server-sent-event parsing, worker discovery and health polling.
 
 Calls it makes:
 
-    POST   /internal/generate                         WorkerClient.generate (SSE stream; upstream.py)
+    POST   /internal/generate                         WorkerClient.generate (SSE stream)
     GET    /internal/kv/leases?conversation_key=K     WorkerClient.find_leases
     POST   /internal/kv/leases/{id}/renew             WorkerClient.renew_lease
     DELETE /internal/kv/leases/{id}                   WorkerClient.release_lease
     GET    /ready                                     WorkerPool health polling
 
-Every generate is bounded (upstream.py): connect, response headers within
+Every generate is bounded (aiohttp's timeouts): connect, response headers within
 ``gateway.first_byte_timeout_s``, no gap between events longer than
 ``gateway.event_timeout_s`` (workers send keep-alive comments), and the whole
-request within ``request_timeout_s``; the rare calls over aiohttp end within
+request within ``request_timeout_s``; the rare lease and health calls end within
 twice the connect timeout.
 
 Discovery: a static list of URLs (local mode) or the headless Services
@@ -32,6 +32,7 @@ import json
 import json.scanner
 import logging
 import socket
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,12 +41,13 @@ import aiohttp
 
 from kvserving.config import GatewayConfig
 
+from .metrics import REQUEST, RequestRecord
 from .router import WorkerView
-from .upstream import Closing, ConnectFailed, ConnectionPool, EventTimeout, FirstByteTimeout, Reset
 
 log = logging.getLogger(__name__)
 
 GENERATE_PATH = "/internal/generate"
+_JSON = {"Content-Type": "application/json"}
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps(.., separators=..) without an encoder per call
 
 
@@ -109,13 +111,39 @@ class WorkerState:
         return WorkerView(self.url, self.healthy, self.inflight)
 
 
-class WorkerClient:
-    """HTTP calls to workers: ``generate`` (every turn) on the lean client of upstream.py, the
-    rare lease and health calls over one pooled ``aiohttp.ClientSession`` (created on first use).
+class _Closing(Exception):
+    """The gateway is shutting down: the request was ended by ``WorkerClient.abort_streams``."""
 
-    aiohttp rather than httpx for those: its C HTTP parser and connection pool cost a
-    fraction of httpcore's per request under hundreds of concurrent streams; the lean
-    client costs a fraction of aiohttp's (docs/performance-log/gateway.md).
+
+class _Stream:
+    """A generate in flight: its task (until the response headers are in) and its response."""
+
+    __slots__ = ("task", "response", "aborted")
+
+    def __init__(self, task: asyncio.Task[Any] | None) -> None:
+        self.task = task
+        self.response: aiohttp.ClientResponse | None = None
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.response is not None:
+            self.response.content.set_exception(_Closing())
+        elif self.task is not None:
+            self.task.cancel()  # it waits for the response headers (``WorkerClient._post``)
+
+
+class WorkerClient:
+    """HTTP calls to workers over one pooled ``aiohttp.ClientSession`` (created on first use).
+
+    aiohttp rather than httpx: its C HTTP parser and connection pool cost a fraction of
+    httpcore's per request under hundreds of concurrent streams (httpcore's pool scanned
+    every connection per request: docs/performance-log/gateway.md).
+
+    A generate's deadlines come from the library: ``sock_connect`` (connect), ``sock_read``
+    (no response headers within ``first_byte_timeout_s``; once they are in, no gap between
+    received bytes longer than ``event_timeout_s``: workers send keep-alive comments while
+    they compute, so a silent one is frozen) and ``total`` (``request_timeout_s``).
     """
 
     def __init__(self, *, request_timeout_s: float, connect_timeout_s: float, max_connections: int = 4096,
@@ -127,27 +155,33 @@ class WorkerClient:
         # generate's deadlines besides the whole request's (None: only that one)
         self._first_byte_s = first_byte_timeout_s
         self._event_s = event_timeout_s
-        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+        self._generate_timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s,
+                                                       sock_read=first_byte_timeout_s)
         self._short = aiohttp.ClientTimeout(total=max(connect_timeout_s, 1.0) * 2, sock_connect=connect_timeout_s)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
-        self._streams = ConnectionPool(connect_timeout_s=connect_timeout_s, keepalive_s=4.0,
-                                       max_idle_per_host=max_connections, token=token)
+        self._streams: set[_Stream] = set()  # generates in flight (abort_streams ends them)
+        self._ending: set[asyncio.Task[None]] = set()  # replies left at [DONE] whose body is still ending
+        self._closing = False
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             # Idle connections are dropped before uvicorn's 5 s keep-alive closes them from its side.
             connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0, keepalive_timeout=4)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, auto_decompress=False,
-                                                  headers=self._headers)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._generate_timeout,
+                                                  auto_decompress=False, headers=self._headers,
+                                                  cookie_jar=aiohttp.DummyCookieJar())
         return self._session
 
     def abort_streams(self) -> None:
         """End every generate in flight now (``UpstreamError`` kind ``draining``), and refuse new ones."""
-        self._streams.abort_all()
+        self._closing = True
+        for stream in list(self._streams):
+            stream.abort()
 
     async def aclose(self) -> None:
-        self._streams.close()
+        for task in list(self._ending):
+            task.cancel()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -162,56 +196,106 @@ class WorkerClient:
         event (after the batch of events before it). Closing the iterator early
         closes the connection, which the worker takes as an abort.
         """
+        if self._closing:
+            raise UpstreamError("draining", "the gateway is shutting down", url=url)
         payload = encode_body(body)
-        deadline = asyncio.get_running_loop().time() + self._request_timeout_s
-        conn = None
+        record = REQUEST.get()
+        if record is not None and record.conversation is None:
+            record.conversation = body.get("conversation_key")
+        stream = _Stream(asyncio.current_task())
+        self._streams.add(stream)
+        response: aiohttp.ClientResponse | None = None
         finished = False  # read to [DONE] (or a refusal read whole): the connection may be reused
-        first_byte_s, idle_s = self._first_byte_s, self._event_s
         try:
             try:
-                conn = await self._streams.open(url)
-                status = await conn.request(GENERATE_PATH, payload, deadline=deadline, first_byte_s=first_byte_s, idle_s=idle_s)
-            except Reset:  # a kept-alive connection the worker closed meanwhile: it never saw the request
-                conn = await self._streams.open(url, fresh=True)
-                status = await conn.request(GENERATE_PATH, payload, deadline=deadline, first_byte_s=first_byte_s, idle_s=idle_s)
-            if status != 200:
-                text = bytearray()
-                while chunk := await conn.read():
-                    text += chunk
+                response = await self._post(url, payload, stream)
+                if response.status != 200:
+                    text = (await response.read()).decode(errors="replace")
+                    finished = True
+                    raise UpstreamError("status", _error_message(text, response.status), url=url,
+                                        status=response.status, code=_error_code(text))
+                connection = response.connection
+                if connection is not None and connection.protocol is not None:
+                    # from here on the read deadline is the gap allowed between events
+                    connection.protocol.read_timeout = self._event_s
+                    connection.protocol.start_timeout()
+                events = SSEEvents(url)
+                content = response.content
+                while not events.done:
+                    chunk = await content.readany()
+                    if not chunk:
+                        raise UpstreamError("stream", f"worker {url} closed the stream before [DONE]", url=url)
+                    batch = events.feed(chunk)
+                    if batch:
+                        if record is not None:
+                            _note(record, batch)
+                        yield batch
+                    if events.error is not None:
+                        raise events.error
                 finished = True
-                raise UpstreamError("status", _error_message(text.decode(errors="replace"), status), url=url, status=status,
-                                    code=_error_code(text.decode(errors="replace")))
-            events = SSEEvents(url)
-            while not events.done:
-                chunk = await conn.read()
-                if not chunk:
-                    raise UpstreamError("stream", f"worker {url} closed the stream before [DONE]", url=url)
-                batch = events.feed(chunk)
-                if batch:
-                    yield batch
-                if events.error is not None:
-                    raise events.error
-            finished = True
-        except ConnectFailed as exc:
-            raise UpstreamError("connect", f"cannot reach worker {url}: {exc}", url=url) from exc
-        except FirstByteTimeout as exc:
-            raise UpstreamError("first_byte_timeout", f"worker {url} did not answer within {first_byte_s:g} s",
-                                url=url) from exc
-        except EventTimeout as exc:
-            raise UpstreamError("event_timeout", f"worker {url} sent nothing for {idle_s:g} s", url=url) from exc
-        except Closing as exc:
-            raise UpstreamError("draining", "the gateway is shutting down", url=url) from exc
-        except asyncio.TimeoutError as exc:
-            raise UpstreamError("timeout", f"worker {url} timed out", url=url) from exc
-        except ConnectionError as exc:
-            raise UpstreamError("stream", f"worker {url} stream broke: {exc}", url=url) from exc
+            except _Closing as exc:
+                raise UpstreamError("draining", "the gateway is shutting down", url=url) from exc
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                raise UpstreamError("connect", f"cannot reach worker {url}: {exc}", url=url) from exc
+            except aiohttp.SocketTimeoutError as exc:
+                if response is None:
+                    raise UpstreamError("first_byte_timeout", f"worker {url} did not answer within "
+                                        f"{self._first_byte_s:g} s", url=url) from exc
+                raise UpstreamError("event_timeout", f"worker {url} sent nothing for {self._event_s:g} s",
+                                    url=url) from exc
+            except asyncio.TimeoutError as exc:
+                raise UpstreamError("timeout", f"worker {url} timed out", url=url) from exc
+            except (aiohttp.ClientError, ConnectionError) as exc:
+                raise UpstreamError("stream", f"worker {url} stream broke: {type(exc).__name__}: {exc}", url=url) from exc
         finally:
-            if conn is not None:
-                if finished:
-                    self._streams.release(conn)
-                else:  # closed early or broken: not back to the pool, the worker sees the disconnect (abort)
-                    conn.done()
-                    conn.close()
+            self._streams.discard(stream)
+            if response is not None:
+                if not finished:  # closed early or broken: the worker sees the disconnect (abort)
+                    response.close()
+                elif response.content.is_eof():
+                    response.release()
+                else:
+                    self._end_later(response)
+
+    async def _post(self, url: str, payload: bytes, stream: _Stream) -> aiohttp.ClientResponse:
+        """The response once its headers are in; a kept-alive connection the worker closed
+        meanwhile (it never saw the request) is retried once on a fresh one."""
+        session = self._http()
+        for attempt in (0, 1):
+            try:
+                response = await session.post(url + GENERATE_PATH, data=payload, headers=_JSON)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not stream.aborted or task is None:
+                    raise
+                task.uncancel()  # ended by abort_streams while waiting for the headers
+                raise _Closing from None
+            except aiohttp.ClientConnectorError:
+                raise
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                if attempt:
+                    raise
+                continue
+            stream.response = response
+            return response
+        raise AssertionError("unreachable")
+
+    def _end_later(self, response: aiohttp.ClientResponse) -> None:
+        """A reply left at [DONE] before its body ended (its last chunk usually follows at once):
+        back to the pool once it has, closed if it does not come (closing it instead, a closed
+        loop of requests opened a connection per request and overflowed the worker's accept queue)."""
+        async def end() -> None:
+            try:
+                async with asyncio.timeout(self._event_s or 5.0):
+                    while await response.content.readany():
+                        pass
+                response.release()
+            except (asyncio.TimeoutError, aiohttp.ClientError, _Closing):
+                response.close()
+
+        task = asyncio.get_running_loop().create_task(end())
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
 
     async def find_leases(self, url: str, *, conversation_key: str) -> list[dict[str, Any]]:
         async with self._http().get(f"{url}/internal/kv/leases", params={"conversation_key": conversation_key},
@@ -244,6 +328,17 @@ class WorkerClient:
             return False
 
 
+def _note(record: RequestRecord, batch: list[dict[str, Any]]) -> None:
+    """The first token's arrival and the first final event's prompt counts (a split turn's
+    prefill, else the one worker: where the prompt was computed)."""
+    if record.first_token_s is None and batch[0].get("token_ids"):
+        record.first_token_s = time.perf_counter()
+    usage = batch[-1].get("usage")
+    if record.computed_tokens is None and isinstance(usage, dict) and "computed_prompt_tokens" in usage:
+        record.prompt_tokens = usage.get("prompt_tokens")
+        record.computed_tokens = usage.get("computed_prompt_tokens")
+
+
 class SSEEvents:
     """Server-sent events from raw bytes: ``data: <json>`` events until ``data: [DONE]``.
 
@@ -251,7 +346,7 @@ class SSEEvents:
     returns the complete events in it; lines that are not ``data:`` (blank
     separators, comments, other fields) are skipped: a worker's ``: keep-alive``
     comment is no event, only a sign of life, which the connection's
-    between-events deadline sees (upstream.py). After ``[DONE]``, ``done``
+    between-events deadline sees (``sock_read``). After ``[DONE]``, ``done``
     is set and the rest is ignored; an ``error`` event (or a malformed one)
     stops the parse and is left in ``error`` for the caller to raise after the
     events before it.

@@ -29,6 +29,7 @@ file in the run directory (``INTERNAL_TOKEN_FILE``), named by the config's
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -40,8 +41,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -149,10 +148,18 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def http_ok(url: str, *, timeout_s: float = 1.0) -> bool:
+    """Whether ``url`` answers a GET with 200 within ``timeout_s`` (aiohttp, the package's one HTTP client)."""
+    return asyncio.run(_http_ok(url, timeout_s))
+
+
+async def _http_ok(url: str, timeout_s: float) -> bool:
+    import aiohttp
+
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 (loopback URL we built)
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session, \
+                session.get(url) as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return False
 
 

@@ -34,8 +34,10 @@ DASHBOARD_METRICS: tuple[tuple[str, str, str], ...] = (
 # variables, `kvserving` the target label the PodMonitor sets from the pods'
 # app.kubernetes.io/instance label.
 _SEL = 'namespace="$namespace", kvserving="$kvserving"'
+_API = 'route=~"/v1/.+"'
 PANELS: tuple[tuple[str, str, str], ...] = (
-    ("Requests / s", f"sum by (code) (rate(kvserving_gateway_requests_total{{{_SEL}}}[5m]))", "reqps"),
+    # API routes only: /metrics scrapes and /ready, /health probes are no requests of users
+    ("API requests / s", f"sum by (code) (rate(kvserving_gateway_requests_total{{{_SEL}, {_API}}}[5m]))", "reqps"),
     (
         "Time to first token p50, with and without KV reuse",
         f"histogram_quantile(0.5, sum by (le, reuse) (rate(kvserving_gateway_time_to_first_token_seconds_bucket{{{_SEL}}}[5m])))",

@@ -27,11 +27,14 @@ tests:
       # a: half of the requests fall back; b: 5 % do
       - series: 'kvserving_worker_kv_reuse_fallbacks_total{namespace="team",kvserving="a",reason="transfer_timeout",pod="a-decode-0"}'
         values: '0+60x30'
-      - series: 'kvserving_gateway_requests_total{namespace="team",kvserving="a",code="200",pod="a-gateway-0"}'
+      - series: 'kvserving_gateway_requests_total{namespace="team",kvserving="a",route="/v1/chat/completions",code="200",pod="a-gateway-0"}'
         values: '0+120x30'
+      # scrapes and probes are no requests: counted, a's ratio would fall under the threshold
+      - series: 'kvserving_gateway_requests_total{namespace="team",kvserving="a",route="/metrics",code="200",pod="a-gateway-0"}'
+        values: '0+600x30'
       - series: 'kvserving_worker_kv_reuse_fallbacks_total{namespace="team",kvserving="b",reason="lease_expired",pod="b-decode-0"}'
         values: '0+6x30'
-      - series: 'kvserving_gateway_requests_total{namespace="team",kvserving="b",code="200",pod="b-gateway-0"}'
+      - series: 'kvserving_gateway_requests_total{namespace="team",kvserving="b",route="/v1/completions",code="200",pod="b-gateway-0"}'
         values: '0+120x30'
       # a's decode pool is 97 % full; b's half
       - series: 'kvserving_worker_kv_cache_usage_ratio{namespace="team",kvserving="a",pod="a-decode-0"}'

@@ -72,6 +72,17 @@ def test_gateway_starts_from_the_operators_configmap(tmp_path: Path, tiny_model_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log.read_text()
+    # one startup line: the model, the workers, the config source
+    (start,) = [line for line in log.read_text().splitlines() if "kvserving.gateway.main: kvserving gateway on" in line]
+    assert (f"http://127.0.0.1:{port}: model {data['model']['served_name']} ({tiny_model_dir}, context " in start
+            and f"workers: prefill service {data['gateway']['prefill_service']}:" in start
+            and f"decode service {data['gateway']['decode_service']}:" in start and f"config {cfg};" in start), start
+    # one access-log line per API request, none for the probes at info
+    access = [line.split("kvserving.gateway.access: ", 1)[1] for line in log.read_text().splitlines()
+              if "kvserving.gateway.access: " in line]
+    assert [a.rsplit(" ms=", 1)[0] for a in access] == [
+        "GET /v1/models 200 conv=- prompt=- cached=- computed=- ttft_ms=-",
+        "POST /v1/chat/completions 503 conv=- prompt=- cached=- computed=- ttft_ms=-"], access
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -134,3 +145,37 @@ def test_api_keys_file_adds_its_keys_and_an_unreadable_or_empty_one_is_a_one_lin
                          capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONSAFEPATH="1"))
     assert out.returncode == 1
     assert out.stderr.strip() == f"kvserving gateway: error: security.api_keys_file {keys}: cannot read: No such file or directory"
+
+
+def gateway_cli(*argv: str, config: Path | None = None) -> subprocess.CompletedProcess[str]:
+    args = [sys.executable, "-m", "kvserving.cli", "gateway", *(("--config", str(config)) if config else ()), *argv]
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONSAFEPATH="1"))
+
+
+def test_port_and_worker_urls_are_checked_with_one_line(tmp_path: Path) -> None:
+    out = gateway_cli("--port", "70000", "--decode", "http://a:1")
+    assert (out.returncode, out.stderr.strip()) == (2, "kvserving gateway: error: argument --port: must be an integer in "
+                                                       "0..65535, got 70000 (see kvserving gateway --help)")
+    out = gateway_cli("--prefill", "notaurl", "--decode", "http://a:1")
+    assert (out.returncode, out.stderr.strip()) == (1, "kvserving gateway: error: --prefill: 'notaurl' is not a worker URL; "
+                                                       "give http://HOST:PORT")
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"gateway": {"decode_urls": ["http://d:8000", "https://d:99999/x"]}}))
+    out = gateway_cli(config=cfg)
+    assert (out.returncode, out.stderr.strip()) == (1, "kvserving gateway: error: gateway.decode_urls: 'https://d:99999/x' "
+                                                       "is not a worker URL; give http://HOST:PORT")
+    for good in ("http://10.0.0.1:8000", "http://[::1]:8000/", "http://decode-0.svc"):
+        load_config(parse("--decode", good))
+
+
+def test_without_the_workers_credential_the_gateway_refuses_to_start(tmp_path: Path) -> None:
+    out = gateway_cli("--decode", "http://127.0.0.1:1")
+    assert (out.returncode, out.stderr.strip()) == (
+        1, "kvserving gateway: error: security.internal_token_file is not set: workers serve /internal/* only to callers "
+           "with the deployment's credential (kvserving up and the operator provide one)")
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"security": {"internal_token_file": str(tmp_path / "missing")}}))
+    out = gateway_cli("--decode", "http://127.0.0.1:1", config=cfg)
+    assert (out.returncode, out.stderr.strip()) == (
+        1, f"kvserving gateway: error: security.internal_token_file {tmp_path / 'missing'}: cannot read it "
+           "(No such file or directory)")

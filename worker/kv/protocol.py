@@ -6,14 +6,18 @@ a hold compares is ``leases.lease_digest``."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
+    import aiohttp
+
     from kvserving.worker.engine import LLMEngine
 
 MAX_PAGES = 1 << 20
@@ -147,44 +151,77 @@ def layout_hash(engine: LLMEngine, *, weights_id: str | None = None) -> str:
 # --------------------------------------------------------------------------- HTTP defaults
 class PeerHttp:
     """The HTTP calls a puller makes to the worker it pulls from, over ONE pooled
-    client: building an ``httpx.Client`` per call cost ~21 ms each on the H200
-    machines (docs/performance-log/pd-gpu.md); a pull makes one (the hold), plus the agent fetch
-    once per sender incarnation and the hold's release after the READ.
-    httpx's sync client is safe to share between the server's pull threads.
+    ``aiohttp.ClientSession`` (the package's one HTTP client library): building a client per
+    call cost ~21 ms each on the H200 machines (docs/performance-log/pd-gpu.md); a pull makes
+    one (the hold), plus the agent fetch once per sender incarnation and the hold's release
+    after the READ. The session lives on an event loop of its own, in a daemon thread; the
+    server's pull threads call in through ``run_coroutine_threadsafe`` and wait.
 
     Every call carries the deployment's internal credential (``token``: the sender's
     ``/internal/*`` routes refuse calls without it) and ends within ``timeout_s`` per
-    phase (connect, each read, write): a frozen peer costs a bounded wait and the pull
+    phase (connect, each read): a frozen peer costs a bounded wait and the pull
     falls back to recomputing (``remote_unreachable``)."""
 
     def __init__(self, *, timeout_s: float = HTTP_TIMEOUT_S, token: str | None = None) -> None:
-        import httpx
+        import aiohttp  # noqa: F401 - loaded with the worker, not on its first pull
 
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s), headers=headers)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout_s = timeout_s
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="peer-http", daemon=True)
+        self._thread.start()
+        self._session: aiohttp.ClientSession | None = None
 
     def close(self) -> None:
-        self._client.close()
+        if self._loop.is_closed():
+            return
+        if self._session is not None:
+            asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self._loop.close()
 
     def fetch_agent_info(self, agent_url: str) -> dict[str, Any]:
-        r = self._client.get(f"{agent_url.rstrip('/')}/internal/kv/agent")
-        r.raise_for_status()
-        return cast(dict[str, Any], r.json())
+        status, body = self._call("GET", f"{agent_url.rstrip('/')}/internal/kv/agent")
+        self._raise_for(status, agent_url)
+        return cast(dict[str, Any], json.loads(body))
 
     def hold(self, agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
         """``POST .../hold``: the sender's answer (``KVTransfer.hold``), ``{"refused": "unknown_lease"}``
         on 404 and ``{"refused": "lease_mismatch"}`` on 409; raises for anything else."""
-        r = self._client.post(f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}/hold",
-                              json={"digest": digest, "hold_s": hold_s, "consume": consume})
-        if r.status_code in (404, 409):
-            return {"refused": "unknown_lease" if r.status_code == 404 else "lease_mismatch"}
-        r.raise_for_status()
-        return cast(dict[str, Any], r.json())
+        status, body = self._call("POST", f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}/hold",
+                                  {"digest": digest, "hold_s": hold_s, "consume": consume})
+        if status in (404, 409):
+            return {"refused": "unknown_lease" if status == 404 else "lease_mismatch"}
+        self._raise_for(status, agent_url)
+        return cast(dict[str, Any], json.loads(body))
 
     def release(self, agent_url: str, lease_id: str) -> None:
-        r = self._client.delete(f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}")
-        if r.status_code not in (200, 404):
-            r.raise_for_status()
+        status, _ = self._call("DELETE", f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}")
+        if status not in (200, 404):
+            self._raise_for(status, agent_url)
+
+    def _call(self, method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
+        """(status, body) of one call, made on the client's loop (RuntimeError once closed)."""
+        if self._loop.is_closed() or not self._thread.is_alive():
+            raise RuntimeError("the peer client is closed")
+        # every phase is bounded by the session's timeouts; this bound only guards a loop stopped mid-call
+        return asyncio.run_coroutine_threadsafe(self._request(method, url, body), self._loop).result(10 * self._timeout_s)
+
+    async def _request(self, method: str, url: str, body: dict[str, Any] | None) -> tuple[int, bytes]:
+        import aiohttp
+
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(sock_connect=self._timeout_s, sock_read=self._timeout_s)
+            self._session = aiohttp.ClientSession(timeout=timeout, headers=self._headers)
+        async with self._session.request(method, url, json=body) as response:
+            return response.status, await response.read()
+
+    @staticmethod
+    def _raise_for(status: int, url: str) -> None:
+        if not 200 <= status < 300:
+            raise ConnectionError(f"peer {url} answered HTTP {status}")
 
 
 def http_hold(

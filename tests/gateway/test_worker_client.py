@@ -1,6 +1,6 @@
-"""The lean worker client (upstream.py, through WorkerClient.generate) against a scripted
-HTTP/1.1 server on 127.0.0.1: kept-alive reuse, a reply left at [DONE], a connection
-the worker closed meanwhile (retried once, fresh), refusals, timeouts, aborts."""
+"""The worker client (WorkerClient.generate, on aiohttp) against a scripted HTTP/1.1 server
+on 127.0.0.1: kept-alive reuse, a reply left at [DONE], a connection the worker closed
+meanwhile (retried once, fresh), refusals, timeouts, aborts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from kvserving.gateway.upstream import ConnectionPool
 from kvserving.gateway.workers import UpstreamError, WorkerClient
 
 Reader, Writer = asyncio.StreamReader, asyncio.StreamWriter
@@ -257,14 +256,6 @@ def test_closing_the_stream_early_closes_the_connection() -> None:
     asyncio.run(run())
 
 
-def test_pool_refuses_urls_it_cannot_speak_to() -> None:
-    async def run() -> None:
-        with pytest.raises(ValueError, match="http://host"):
-            await ConnectionPool(connect_timeout_s=1.0).open("https://worker:8000")
-
-    asyncio.run(run())
-
-
 def chunk(frame: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(frame), frame)
 
@@ -295,7 +286,7 @@ def test_keep_alive_comments_keep_a_stream_alive_and_silence_past_the_gap_is_an_
             with pytest.raises(UpstreamError) as err:
                 async for batch in c.generate(url, {}):
                     got += batch
-            assert (err.value.kind, got) == ("event_timeout", EVENTS[:1])
+            assert (err.value.kind, got) == ("event_timeout", EVENTS[:1]), err.value.message
             assert 0.35 < asyncio.get_running_loop().time() - t0 < 3.0
         finally:
             await c.aclose()
@@ -347,6 +338,29 @@ def test_abort_streams_ends_every_request_in_flight_and_refuses_new_ones() -> No
                 assert err.value.kind == "draining"
             with pytest.raises(UpstreamError) as err:
                 await collect(c, url)
+            assert err.value.kind == "draining"
+        finally:
+            await c.aclose()
+            server.close()
+
+    asyncio.run(run())
+
+
+def test_abort_streams_ends_a_request_still_waiting_for_its_response_headers() -> None:
+    async def script(_: int, reader: Reader, writer: Writer) -> None:
+        await read_request(reader)
+        await reader.read()  # never answers
+
+    async def run() -> None:
+        server, url, _ = await serve(script)
+        c = WorkerClient(request_timeout_s=30.0, connect_timeout_s=1.0, first_byte_timeout_s=20.0, event_timeout_s=10.0)
+        try:
+            waiting = asyncio.ensure_future(collect(c, url))
+            await asyncio.sleep(0.3)  # the request is out, its headers are not in
+            assert not waiting.done()
+            c.abort_streams()
+            with pytest.raises(UpstreamError) as err:
+                await asyncio.wait_for(waiting, 5)
             assert err.value.kind == "draining"
         finally:
             await c.aclose()
