@@ -611,7 +611,7 @@ class Matrix:
         needs (401), made-up metadata (NIXL refuses to load it), a READ and a WRITE naming the
         victim's agent (its engine id is public on /health; the generation part of the agent name
         is random): nothing may be loaded or started, and the victim's turns stay ok."""
-        from kvserving.worker.nixl_io import import_nixl
+        from kvserving.worker.kv.nixl_io import import_nixl
 
         api = import_nixl()
         if isinstance(getattr(api, "logger", None), logging.Logger):

@@ -183,8 +183,10 @@ def test_up_refuses_a_busy_port_in_one_line(tmp_path: Path) -> None:
         port = busy.getsockname()[1]
         result = _up("--model", str(model), "--port", str(port), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 1
-    lines = result.stderr.strip().splitlines()
-    assert lines == [f"error: already in use on 127.0.0.1: gateway port {port} (choose other ports with --port)"]
+    (line,) = result.stderr.strip().splitlines()
+    # the workers' ports (the next ones up) may be taken by another process on a busy machine: they are named too
+    assert line.startswith(f"error: already in use on 127.0.0.1: gateway port {port}"), line
+    assert line.endswith(" (choose other ports with --port)"), line
 
 
 def test_gpus_map_one_per_worker_and_reach_the_child(tmp_path: Path) -> None:
