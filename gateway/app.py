@@ -215,7 +215,40 @@ async def _answer(request: Request, handler: Handler, headers: Mapping[str, str]
         watcher.cancel()  # from here on the response's own disconnect watch takes over
     if isinstance(result, dict):
         return JSONResponse(result)
-    return StreamingResponse(_frames(result), media_type="text/event-stream", headers=SSE_HEADERS)
+    return _EventStreamResponse(_frames(result), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+class _EventStreamResponse(StreamingResponse):
+    """``StreamingResponse`` with one task besides the request's: the watch for the client going
+    away, which cancels the sending task (that closes the frames, and so the worker stream);
+    Starlette's runs the sending and the watch in a task group of two more tasks per response."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async with aclosing(self.body_iterator) as frames:  # type: ignore[type-var]
+                async for frame in frames:
+                    await send({"type": "http.response.body", "body": frame, "more_body": True})
+            watcher.cancel()  # before the last byte: the server then answers `receive` with a disconnect
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise  # the server is shutting down
+            task.uncancel()  # the client went away: nobody listens
+        finally:
+            watcher.cancel()
 
 
 async def _read_json(request: Request, declared: str | None, max_body: int) -> Any:
