@@ -11,12 +11,12 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ("common", "gateway", "worker", "operator", "kernels")  # the package (pyproject's package-dir)
+SOURCE = ("common", "gateway", "worker", "operator", "kernels", "agents", "calibrate", "sim", "local")  # the package (pyproject's package-dir)
 CLIENT = "aiohttp"
 # client libraries and HTTP protocol code other than CLIENT
 OTHERS = ("httpx", "httpcore", "requests", "urllib3", "urllib.request", "http.client", "httptools", "h11", "h2",
           "pycurl", "tornado", "treq", "niquests", "openai")
-USERS_OF_THE_API = {"common/agent_demo.py": ["openai", "openai.OpenAI"]}  # the demo's agent: a client of the OpenAI API, as users are
+USERS_OF_THE_API = {"local/agent_demo.py": ["openai", "openai.OpenAI"]}  # the demo's agent: a client of the OpenAI API, as users are
 
 
 def imports_and_http_literals(source: str) -> tuple[set[str], list[str]]:
@@ -56,7 +56,7 @@ def test_the_package_uses_one_http_client_library() -> None:
                 users.add(str(path.relative_to(ROOT)))
     assert found == {}
     # every outbound caller is on the one library
-    assert {"gateway/workers.py", "worker/kv_wire.py", "common/stack.py", "operator/kv_sampler.py"} <= users
+    assert {"gateway/workers.py", "worker/kv/protocol.py", "local/stack.py", "operator/kv_sampler.py"} <= users
 
 
 def test_the_check_sees_a_second_client_and_hand_written_http() -> None:
