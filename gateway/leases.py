@@ -273,9 +273,12 @@ class LeaseKeeper:
         results = await asyncio.gather(
             *(self.client.release_lease(lease.worker_url, lease.lease_id) for lease in leases), return_exceptions=True
         )
-        released = sum(result is True for result in results)  # 404: the worker had already let it go
+        released = sum(result is True for result in results)
+        forgotten = sum(result is False for result in results)  # 404: the worker had already let it go (expired there)
         if released:
             self.events.lease_event("released", released)
+        if forgotten:
+            self.events.lease_event("expired", forgotten)
 
     def start(self) -> None:
         self._stop.clear()

@@ -104,7 +104,7 @@ class RecordingClient:
 
     async def release_lease(self, url: str, lease_id: str) -> bool:
         self.calls.append(("release", url, lease_id))
-        return True
+        return lease_id in self.known  # False: the worker answered 404 (it had let the lease go)
 
 
 def keeper(client: RecordingClient, now: list[float]) -> tuple[LeaseKeeper, GatewayMetrics]:
@@ -199,3 +199,22 @@ def test_the_keeper_releases_the_leases_of_evicted_records_and_the_gauge_counts_
     assert sample(m, "kvserving_gateway_lease_releases_total") == 1
     assert sample(m, "kvserving_gateway_lease_expiries_total") == 1
     assert sample(m, "kvserving_gateway_leases") == 1 and k.table.keys() == ["d"]
+
+
+def test_a_release_the_worker_no_longer_knows_counts_as_an_expiry() -> None:
+    client = RecordingClient({})
+    client.known = {"x"}
+    now = [0.0]
+    k, m = keeper(client, now)
+
+    async def scenario() -> None:
+        await k.record("a", worker_url=W1, params=params("x", expires_at=500.0))
+        await k.record("b", worker_url=W2, params=params("gone", expires_at=500.0))  # the worker dropped it already
+        now[0] = 11.0  # both idle past the 10 s TTL
+        await k.run_once()
+
+    asyncio.run(scenario())
+    assert sorted(c for c in client.calls if c[0] == "release") == [("release", W1, "x"), ("release", W2, "gone")]
+    assert k.table.keys() == []
+    assert sample(m, "kvserving_gateway_lease_releases_total") == 1
+    assert sample(m, "kvserving_gateway_lease_expiries_total") == 1
