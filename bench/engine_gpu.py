@@ -246,7 +246,6 @@ class Bench:
         """ms per step by kernel class over ``steps`` steps as the engine runs them (CUDA graphs, asynchronous
         decode: the profiler traces the replayed kernels one by one), ``host_gap``: the step's time the kernels do
         not fill, and the five most expensive kernels the classes do not name."""
-        engine.flush()
         table = profile_kernel_names(engine, steps=steps)
         if table is None:
             return None
@@ -431,30 +430,9 @@ def weights_read(args: ModelArgs, weight_format: str) -> int:
     return weight_bytes_per_step(args, weight_format)
 
 
-def profile_kernel_names(engine: LLMEngine, *, steps: int) -> dict[str, float] | None:
-    """ms per step of each GPU kernel name over ``steps`` engine steps."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    try:
-        sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                engine.step()
-            engine.flush()
-            sync()
-    except Exception as exc:  # noqa: BLE001 - the profiler is a measurement aid; report and go on
-        print(f"  profiler failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-        return None
-    out: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            out[e.name] = out.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / steps
-    return out
-
-
-def profile_kernels(engine: LLMEngine, *, steps: int) -> tuple[float | None, float]:
-    """(ms of GPU kernels and copies per step, their number per step) over ``steps`` engine steps."""
+def cuda_kernels(engine: LLMEngine, *, steps: int) -> list[tuple[str, float]] | None:
+    """(name, microseconds) of every GPU kernel and copy of ``steps`` engine steps, as the engine runs them;
+    None (and a line) when the profiler fails."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -466,12 +444,29 @@ def profile_kernels(engine: LLMEngine, *, steps: int) -> tuple[float | None, flo
                 engine.step()  # ``steps`` steps launched (asynchronous decode: the last one finishes in flush)
             engine.flush()
             sync()
-        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-        total_us = sum(e.time_range.elapsed_us() for e in events)
-        return total_us / 1e3 / steps, len(events) / steps
     except Exception as exc:  # noqa: BLE001 - the profiler is a measurement aid; report and go on
         print(f"  profiler failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return None
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+def profile_kernel_names(engine: LLMEngine, *, steps: int) -> dict[str, float] | None:
+    """ms per step of each GPU kernel name over ``steps`` engine steps."""
+    events = cuda_kernels(engine, steps=steps)
+    if events is None:
+        return None
+    out: dict[str, float] = {}
+    for name, us in events:
+        out[name] = out.get(name, 0.0) + us / 1e3 / steps
+    return out
+
+
+def profile_kernels(engine: LLMEngine, *, steps: int) -> tuple[float | None, float]:
+    """(ms of GPU kernels and copies per step, their number per step) over ``steps`` engine steps."""
+    events = cuda_kernels(engine, steps=steps)
+    if events is None:
         return None, 0.0
+    return sum(us for _, us in events) / 1e3 / steps, len(events) / steps
 
 
 def main() -> None:
