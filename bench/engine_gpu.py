@@ -423,13 +423,6 @@ def kv_bytes(engine: LLMEngine, seqs: list[Sequence]) -> int:
     return per_layer * engine.storage.buffers.shape[0]
 
 
-def weights_read(args: ModelArgs, weight_format: str) -> int:
-    """Bytes of weights a decode step reads (``worker.model.weight_bytes_per_step``): every linear layer at its
-    format (FP8 codes and their scales), norms, and the lm_head; not the embedding table (rows are gathered,
-    not streamed), which a tied lm_head reads whole."""
-    return weight_bytes_per_step(args, weight_format)
-
-
 def cuda_kernels(engine: LLMEngine, *, steps: int) -> list[tuple[str, float]] | None:
     """(name, microseconds) of every GPU kernel and copy of ``steps`` engine steps, as the engine runs them;
     None (and a line) when the profiler fails."""
@@ -501,7 +494,9 @@ def main() -> None:
     margs = qwen3_8b_shape(args.vocab, smoke=args.smoke)
     model = random_model(margs, seed=args.seed, weight_format=args.weights)
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    read = weights_read(margs, args.weights)
+    # weights a decode step reads: every linear layer at its format and the lm_head, not the embedding table
+    # (rows are gathered, not streamed)
+    read = weight_bytes_per_step(margs, args.weights)
     dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)"
     if DEVICE == "cuda":
         from decode_gpu import read_bandwidth  # bench/ beside this file
