@@ -63,7 +63,6 @@ from .gluon_fragments import (
     ASM_FP8_K,
     ASM_FP8_V,
     ASM_INT2_K,
-    ASM_INT2_K_BIASED,
     ASM_INT2_V,
     GL_FMT_INT2,
     GL_FMT_INT4,
@@ -398,7 +397,7 @@ def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: g
 @gluon.jit
 def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes, k_mul, FMT: gl.constexpr,
           P: gl.constexpr, PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, QF: gl.constexpr,
-          LV_UNPACK: gl.constexpr, E2M1_CVT: gl.constexpr = 0, KFOLD: gl.constexpr = 0):  # fmt: skip
+          LV_UNPACK: gl.constexpr, E2M1_CVT: gl.constexpr = 0):  # fmt: skip
     """One step of every warp: scores of its NT tokens, online softmax, O^T += V^T P^T -> (m_i, l_i, acc).
 
     l_i: the [W, 16, HP] accumulator of ones . P^T (_gl_split reduces it)."""
@@ -432,33 +431,16 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
         zq = gl.fma(z[2], q2, zq)
         zq = gl.fma(z[3], q3, zq)
         ones = gl.full([W, 16, 32], 1.0, gl.float16, A)
-        zt = mma_v2(ones, zq, gl.zeros([W, 16, HP], gl.float32, MMA))
+        sc = two_tiles(mma_v2(ones, zq, gl.zeros([W, 16, HP], gl.float32, MMA)), W, HP, MMA)
         # codes times q * 4^-k * s_c
         sk = crumbs(ks, B, W, HP)
-        b0 = q0 * sk[0]
-        b1 = q1 * (sk[1] * 0.25)
-        b2 = q2 * (sk[2] * 0.0625)
-        b3 = q3 * (sk[3] * 0.015625)
-        if KFOLD:
-            # codes enter as 1024 + c * 4^k (one lop3 a pair); the 1024 * sum_c b_c they add is taken off once per
-            # page by four small mmas with -1024 (exact products, fp32 sums) into the page's zero term
-            neg = gl.full([W, 16, 32], -1024.0, gl.float16, A)
-            zt = mma_v2(neg, b0, zt)
-            zt = mma_v2(neg, b1, zt)
-            zt = mma_v2(neg, b2, zt)
-            zt = mma_v2(neg, b3, zt)
-            k0, k1, k2, k3 = gl.inline_asm_elementwise(
-                ASM_INT2_K_BIASED, "=r,=r,=r,=r,=r,=r,=r,=r,r", [kb],
-                dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
-        else:
-            k0, k1, k2, k3 = gl.inline_asm_elementwise(
-                ASM_INT2_K, "=r,=r,=r,=r,=r,=r,=r,=r,r", [kb],
-                dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
-        sc = two_tiles(zt, W, HP, MMA)
-        sc = mma_v2(as_a_rows(k0, W, NT, KB, A), b0, sc)
-        sc = mma_v2(as_a_rows(k1, W, NT, KB, A), b1, sc)
-        sc = mma_v2(as_a_rows(k2, W, NT, KB, A), b2, sc)
-        sc = mma_v2(as_a_rows(k3, W, NT, KB, A), b3, sc)
+        k0, k1, k2, k3 = gl.inline_asm_elementwise(
+            ASM_INT2_K, "=r,=r,=r,=r,=r,=r,=r,=r,r", [kb],
+            dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
+        sc = mma_v2(as_a_rows(k0, W, NT, KB, A), q0 * sk[0], sc)
+        sc = mma_v2(as_a_rows(k1, W, NT, KB, A), q1 * (sk[1] * 0.25), sc)
+        sc = mma_v2(as_a_rows(k2, W, NT, KB, A), q2 * (sk[2] * 0.0625), sc)
+        sc = mma_v2(as_a_rows(k3, W, NT, KB, A), q3 * (sk[3] * 0.015625), sc)
     elif FMT == GL_FMT_FP8:
         k8 = gl.inline_asm_elementwise(ASM_FP8_K, "=r,=r,r", [kb], dtype=gl.float16, is_pure=True, pack=4)
         sc = mma_v2(fp8_as_a_rows(k8, W, NT, A), q0, gl.zeros([W, NT, HP], gl.float32, MMA))
@@ -519,8 +501,7 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
               FMT: gl.constexpr, G: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
               KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
               VZ_OFF: gl.constexpr, PPW: gl.constexpr, HP: gl.constexpr, LV_LOAD: gl.constexpr,
-              LV_UNPACK: gl.constexpr, STAGES: gl.constexpr, E2M1_CVT: gl.constexpr = 0,
-              KFOLD: gl.constexpr = 0):  # fmt: skip
+              LV_UNPACK: gl.constexpr, STAGES: gl.constexpr, E2M1_CVT: gl.constexpr = 0):  # fmt: skip
     """Pages [lo, hi) of one (sequence, kv head) in one format -> this split's rows of o and lse (if mine).
 
     A ring of STAGES shared-memory slots filled by cp.async STAGES - 1 steps ahead, so that many steps' bytes are
@@ -569,7 +550,7 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
                        LV_LOAD, LV_UNPACK)  # fmt: skip
         rd = gl.where(rd == STAGES - 1, 0, rd + 1)
         m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,
-                              k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK, E2M1_CVT, KFOLD)  # fmt: skip
+                              k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK, E2M1_CVT)  # fmt: skip
     async_copy.wait_group(0)  # the copies past the split (zero-fills) land before the epilogue reuses smem
 
     l_i = gl.max(l_i, axis=1)  # every row of ones . P^T is the sum
@@ -620,7 +601,6 @@ def _gl_decode_kernel(
     LV_LOAD2: gl.constexpr, LV_UNPACK2: gl.constexpr,
     STAGES: gl.constexpr,  # cp.async ring this many steps deep (>= 2)
     E2M1_CVT: gl.constexpr = 0,  # 1: nvfp4 unpacked by cvt.rn.f16x2.e2m1x2 (sm_100a / sm_120a: capability.TABLE)
-    KFOLD: gl.constexpr = 0,  # 1: INT2 key codes biased by 1024, the bias taken off per page (_step)
 ):
     s = gl.program_id(0)
     h = gl.program_id(1)
@@ -642,7 +622,7 @@ def _gl_decode_kernel(
             lo = s * PPS
             _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                       gl.minimum(lo + PPS, n2), s >= 0, GL_FMT_INT2, G, P2, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2,
-                      V_OFF2, VS_OFF2, VZ_OFF2, 1, HP, LV_LOAD2, LV_UNPACK2, STAGES, 0, KFOLD)  # fmt: skip
+                      V_OFF2, VS_OFF2, VZ_OFF2, 1, HP, LV_LOAD2, LV_UNPACK2, STAGES)  # fmt: skip
         else:
             lo = n2 + (s - c2) * PPS
             _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
@@ -781,7 +761,7 @@ def launch_decode(
         run.q, run.o, run.lse, kv.buffer, run.page_table, seq_lens, run.n2, sm_scale * LOG2E * k_fold, kv.total_bytes,
         run.page_table.stride(0), run.splits, run.pages_per_split, TRIAXIAL=int(kv.triaxial),
         H=run.kv_heads, G=run.group, HP=hp, STAGES=cfg["STAGES"], **args, **args2, **cap,
-        E2M1_CVT=int(layout.fmt == "nvfp4" and device_choice(q.device).e2m1 == "cvt"), KFOLD=cfg.get("KFOLD", 0),
+        E2M1_CVT=int(layout.fmt == "nvfp4" and device_choice(q.device).e2m1 == "cvt"),
     )  # fmt: skip
     return merge_splits(run, v_mul=v_fold), kernel
 
@@ -801,6 +781,5 @@ def compile_report_args(fmt: str, *, heads: int = 4, e2m1_cvt: bool = False) -> 
            "n2_ptr": "*i32", "k_mul": "fp32", "total_bytes": "i64", "pt_stride": "i32", "S": "i32", "PPS": "i32"}  # fmt: skip
     const = dict(TRIAXIAL=int(fmt == "triaxial"), H=8, G=heads, HP=8 if heads <= 8 else 16, STAGES=cfg["STAGES"],
                  **kernel_args(plain, lay, num_warps=cfg["num_warps"], ppw=cfg["PPW"]),
-                 **{k + "2": v for k, v in a2.items() if k in INT2_ARGS}, E2M1_CVT=int(e2m1_cvt and fmt == "nvfp4"),
-                 KFOLD=cfg.get("KFOLD", 0))  # fmt: skip
+                 **{k + "2": v for k, v in a2.items() if k in INT2_ARGS}, E2M1_CVT=int(e2m1_cvt and fmt == "nvfp4"))  # fmt: skip
     return sig, const

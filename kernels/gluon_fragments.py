@@ -124,24 +124,18 @@ def _asm_int2_values() -> str:
     return "\n".join(code)
 
 
-def _asm_int2_codes(biased: bool = False) -> str:
+def _asm_int2_codes() -> str:
     """K row bytes of one token: outputs c0..c3 (2 regs each: pairs b0/b2, b1/b3); input word $8.
 
     Codes only, as exact fp16 integers: crumb k sits at bit 2k of its byte, so (x & 3 << 2k) | 0x6400 is the fp16
     1024 + c * 4^k and one subtraction leaves c * 4^k (one shift serves the high bytes). The 4^-k, the
     per-channel key scale and the zero are folded into q (see _step), so a pair costs two instructions.
-
-    biased: the subtraction is left out, the outputs are the exact 1024 + c * 4^k, and the kernel subtracts
-    1024 times its scaled q once per page instead (_step's KFOLD), so a pair costs one instruction.
     """
     code = ["{ .reg .b32 t, u, magic; mov.b32 magic, 0x64006400; shr.b32 u, $8, 8;"]
     for k in range(4):
         for r, src in enumerate(("$8", "u")):
-            mask = f"{0x00030003 << (2 * k):#010x}"
-            if biased:
-                code.append(f"lop3.b32 ${2 * k + r}, {src}, {mask}, magic, 0xEA;")
-            else:
-                code.append(f"lop3.b32 t, {src}, {mask}, magic, 0xEA; sub.rn.f16x2 ${2 * k + r}, t, magic;")
+            code.append(f"lop3.b32 t, {src}, {0x00030003 << (2 * k):#010x}, magic, 0xEA;"
+                        f"sub.rn.f16x2 ${2 * k + r}, t, magic;")  # fmt: skip
     code.append("}")
     return "\n".join(code)
 
@@ -192,7 +186,6 @@ ASM_E2M1_V_CVT: gl.constexpr = gl.constexpr(_asm_e2m1_cvt(True))
 ASM_INT4_K: gl.constexpr = gl.constexpr(_asm_int4(False))
 ASM_INT4_V: gl.constexpr = gl.constexpr(_asm_int4(True))
 ASM_INT2_K: gl.constexpr = gl.constexpr(_asm_int2_codes())
-ASM_INT2_K_BIASED: gl.constexpr = gl.constexpr(_asm_int2_codes(biased=True))
 ASM_INT2_V: gl.constexpr = gl.constexpr(_asm_int2_values())
 
 # ----------------------------------------------------------------------------

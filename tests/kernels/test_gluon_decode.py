@@ -39,7 +39,6 @@ from kvserving.kernels import gluon_decode
 from kvserving.kernels.compile_report import loops, report
 fmt, heads = sys.argv[1], int(sys.argv[2])
 cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
-cfg.update(json.loads(sys.argv[3]))
 sig, const = gluon_decode.compile_report_args(fmt, heads=heads)
 warps = const.pop("num_warps")
 r = report(gluon_decode._gl_decode_kernel, sig, const, gluon=True, num_warps=warps, aligned=("total_bytes",),
@@ -49,10 +48,10 @@ print(json.dumps({"warps": warps, "local": r["local"], "stack": r["stack"], "sha
 """
 
 
-def _compile(fmt: str, heads: int = 4, tuning: dict[str, int] | None = None) -> dict[str, Any]:
+def _compile(fmt: str, heads: int = 4) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, fmt, str(heads), json.dumps(tuning or {})], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _COMPILE, fmt, str(heads)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
@@ -86,21 +85,6 @@ def test_gluon_decode_compiles_for_sm90_without_unpacked_values_in_shared_memory
     assert r["shared"] <= max(warps * 128 * 8 * 4, 2 * warps * 5 * 1024 * 2)
 
 
-@pytest.mark.parametrize("kfold", [0, 1])
-def test_gluon_decode_int2_keys_biased_by_1024_trade_a_subtraction_a_pair_for_four_mmas_a_page(kfold: int) -> None:
-    # KFOLD 1: the INT2 key codes stay 1024 + c * 4^k (one lop3 a pair of values), the bias leaves the page's zero
-    # term by four k=32 mmas with -1024; either way no spills at the triaxial register cap and the same residency
-    r = _compile("triaxial", tuning={"KFOLD": kfold})
-    assert r["local"] == 0 and r["stack"] == 0, "register spills"
-    int2 = 2 * 2 * 8 + 2 + 2 + (8 if kfold else 0)
-    hmma = sorted(c["HMMA.16816.F32"] for c in r["loops"])
-    assert int2 in hmma, hmma
-    ops = next(c for c in r["loops"] if c["HMMA.16816.F32"] == int2)
-    assert gluon_decode.GL_TUNING["int4"]["RES"] == resident_programs(regs=r["regs"], warps=r["warps"],
-                                                                     shared=r["shared"]), r  # fmt: skip
-    print(json.dumps({"kfold": kfold, "regs": r["regs"], "int2_loop_sass": sum(ops.values())}))
-
-
 @pytest.mark.parametrize("fmt", ["nvfp4", "triaxial", "fp8_e4m3"])
 def test_gluon_decode_residency_table_matches_the_compiled_kernel(fmt: str) -> None:
     # the split planner (plan_waves) plans on GL_TUNING's RES / RES16: the programs per SM the compiled kernel allows.
@@ -120,15 +104,6 @@ def test_gpu_gluon_decode_real_shapes(case: str) -> None:
     _check_decode(case, lens, device="cuda", d=128, h=8, g=4, p=p, kernel="gluon")
     _check_decode(case, [5, 700, 129], device="cuda", d=128, h=2, g=8, p=p, kernel="gluon")  # 8 per kv head
     _check_decode(case, [3, 400, 65], device="cuda", d=128, h=1, g=16, p=p, kernel="gluon")  # padded to 16
-
-
-@pytest.mark.gpu
-def test_gpu_gluon_decode_triaxial_with_biased_int2_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(gluon_decode.GL_TUNING, "int4", {**gluon_decode.GL_TUNING["int4"], "KFOLD": 1})
-    _check_decode("triaxial", [1, 32, 33, 1000, 2047, 4096, 333, 77], device="cuda", d=128, h=8, g=4, p=32,
-                  kernel="gluon")  # fmt: skip
-    _check_decode("triaxial", [3, 400, 65], device="cuda", d=128, h=1, g=16, p=32, kernel="gluon")
-    _check_decode("triaxial", [3, 1280, 549], device="cuda", d=128, h=8, g=4, p=32, splits=(40, 4), kernel="gluon")
 
 
 @pytest.mark.gpu

@@ -198,19 +198,6 @@ def test_int2_key_unpacker_gives_exact_codes_spread_by_4_to_the_crumb() -> None:
                     assert _halves(reg)[half] == (_byte(w, j) >> (2 * k) & 3) * 4**k, (w, k, r, half)
 
 
-def test_int2_biased_key_unpacker_gives_1024_plus_the_codes_spread_by_4_to_the_crumb() -> None:
-    rng = np.random.default_rng(4)
-    asm = gd._asm_int2_codes(biased=True)
-    assert "sub." not in asm  # one lop3 a pair of values
-    for w in [0, M32] + [int(x) for x in rng.integers(0, 1 << 32, 300)]:
-        out = run_ptx(asm, [0] * 8 + [w])
-        for k in range(4):
-            for r in range(2):
-                for half, j in enumerate(PAIRS[r]):
-                    want = 1024 + (_byte(w, j) >> (2 * k) & 3) * 4**k
-                    assert _halves(out[2 * k + r])[half] == want, (w, k, r, half)
-
-
 def test_int2_value_unpacker_gives_code_times_scale_plus_zero() -> None:
     rng = np.random.default_rng(4)
     asm = gd._asm_int2_values()
