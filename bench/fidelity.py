@@ -56,8 +56,7 @@
    fp8 and nvfp4 at global scale 1 and calibrated, triaxial at 2.5/2.7/3.0/3.5
    bits (``--budgets``: some of them, per context) with (a) the engine's
    default table (default priorities, budget counted
-   in stored pages on the agent pages of ``kvserving.agents.pages``; before
-   2026-12-01 on token shares), (b) "default@pages": the default
+   in stored pages on the agent pages of ``kvserving.agents.pages``), (b) "default@pages": the default
    priorities through the calibration's page-counted greedy rule on the same
    calibration data (the equal-cost baseline), (c) the calibrated table.
    ``bits`` is what the sequences actually stored: a page is INT2 only if all
