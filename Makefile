@@ -7,7 +7,7 @@ PY := PYTHONSAFEPATH=1 $(VENV)/bin/python
 # torch: the CPU build where no GPU is visible (never pull CUDA torch there).
 TORCH_PIN := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 'torch==2.13.0' || echo 'torch==2.13.0+cpu')
 
-.PHONY: venv install tools test demo lint clean
+.PHONY: venv install tools test demo lint fmt clean
 
 $(VENV)/.stamp-deps: requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,17 @@ tools:
 	@command -v promtool >/dev/null 2>&1 || { echo "installing Debian's prometheus package (promtool, prometheus)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
+# 1: `make lint` (and so `make test`) also fails on code `ruff format` would change.
+FORMAT_CHECK ?= 0
+
 lint: install
 	$(VENV)/bin/ruff check .
+ifeq ($(FORMAT_CHECK),1)
+	$(VENV)/bin/ruff format --check .
+endif
+
+fmt: install
+	$(VENV)/bin/ruff format .
 
 test: install tools lint
 	$(PY) -m mypy -p kvserving

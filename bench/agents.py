@@ -57,6 +57,7 @@ from typing import Any
 from kvserving.agents.load import REUSE_MODES, AgentSpec, Conversation, Dist, LoadSpec, agent, fixed, reuse_for_mode
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.local.stack import LocalStack, StackError, StackSpec, free_ports
+from kvserving.progress import add_quiet_argument, progress
 
 # bench name -> (kv_cache.dtype, bit budget)
 FORMATS: dict[str, tuple[str, float | None]] = {
@@ -555,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", type=Path, default=None, help="default: beside --json")
     ap.add_argument("--combine", type=Path, nargs="+", default=None,
                     help="write one result (--json, --png) from the JSON files of a sweep run in parts, and exit")
+    add_quiet_argument(ap)
     args = ap.parse_args(argv)
     if args.combine:
         if args.json is None:
@@ -613,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         current["stacks"] = stacks + [meta]
         args.json.write_text(json.dumps(_finite(current), indent=1, allow_nan=False) + "\n")
 
-    for fmt, mode, conc in runs:
+    for fmt, mode, conc in progress(runs, desc="stacks", quiet=args.quiet):
         pts, meta = run_stack(fmt, mode, conc, load, args, on_point=save)
         points += pts
         stacks.append(meta)

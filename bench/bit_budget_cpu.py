@@ -33,6 +33,7 @@ Results: docs/performance-log/bit-budget.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import time
@@ -48,6 +49,7 @@ from kvserving.gateway.prompt.chat_template import ChatTemplate
 from kvserving.gateway.prompt.tagger import ChatTagger
 from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.model_dir import tiny_model_dir
+from kvserving.progress import add_quiet_argument, progress
 from kvserving.worker.kv.cache import budget_controller
 from kvserving.worker.kv.manager import KVCacheManager
 from kvserving.worker.sampling import SamplingParams, make_generator
@@ -186,20 +188,20 @@ def main() -> None:
     ap.add_argument("--mixes", default=",".join(MIXES))
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     ap.add_argument("--json", type=Path)
+    add_quiet_argument(ap)
     args = ap.parse_args()
     root = tiny_model_dir()
     tagger = ChatTagger(TextTokenizer.from_dir(root), ChatTemplate.from_dir(root))
     cells = []
     print(f"{'mix':7} {'budget':>6} {'control':7} {'owned':>6} {'p5':>6} {'p95':>6} {'held':>6} "
           f"{'reused':>7} {'aged':>6} {'moves':>5}")
-    for mix in args.mixes.split(","):
-        for budget in (float(b) for b in args.budgets.split(",")):
-            for control in ("fixed", "hold"):
-                cell = run_cell(tagger, mix, budget, control, turns=args.turns, pool_pages=args.pool_pages)
-                cells.append(cell)
-                print(f"{mix:7} {budget:6.2f} {control:7} {cell.owned_mean:6.3f} {cell.owned_p5:6.2f} "
-                      f"{cell.owned_p95:6.2f} {cell.held_mean:6.3f} {cell.reused_share:7.3f} {cell.aged_pages:6d} "
-                      f"{cell.cut_moves:5d}", flush=True)
+    grid = list(itertools.product(args.mixes.split(","), (float(b) for b in args.budgets.split(",")), ("fixed", "hold")))
+    for mix, budget, control in progress(grid, desc="cells", quiet=args.quiet):
+        cell = run_cell(tagger, mix, budget, control, turns=args.turns, pool_pages=args.pool_pages)
+        cells.append(cell)
+        print(f"{mix:7} {budget:6.2f} {control:7} {cell.owned_mean:6.3f} {cell.owned_p5:6.2f} "
+              f"{cell.owned_p95:6.2f} {cell.held_mean:6.3f} {cell.reused_share:7.3f} {cell.aged_pages:6d} "
+              f"{cell.cut_moves:5d}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"turns": args.turns, "pool_pages": args.pool_pages, "in_flight": IN_FLIGHT,
                                          "cells": [asdict(c) for c in cells]}, indent=1) + "\n")

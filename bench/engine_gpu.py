@@ -62,6 +62,7 @@ import torch
 from kvserving.bits import MODAL_SHARE, SEMANTIC_SHARE, TEMPORAL_SHARE
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
+from kvserving.progress import add_quiet_argument, progress
 from kvserving.tags import encode_tag
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.model import DecoderModel, ModelArgs
@@ -464,6 +465,7 @@ def profile_kernels(engine: LLMEngine, *, steps: int) -> tuple[float | None, flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_quiet_argument(ap)
     ap.add_argument("--out", default="engine_gpu.json")
     ap.add_argument("--quick", action="store_true", help="batch 1 and 64 at 4K only, short loops")
     ap.add_argument("--formats", default=",".join(FORMATS))
@@ -524,7 +526,7 @@ def main() -> None:
         row["prefill_8k"] = bench.prefill(engine)
         print(f"  prefill {fmt}: {row['prefill_8k']['tok_s']:.0f} tok/s", flush=True)
         row["decode"] = []
-        for b, c in shapes:
+        for b, c in progress(shapes, desc=f"decode {fmt}", quiet=args.quiet):
             r = bench.decode(engine, b, c)
             if "skipped" not in r:
                 r["roofline_ms"] = (read + r["kv_bytes_read"]) / (bw_tb_s * 1e12) * 1e3

@@ -56,8 +56,7 @@
    fp8 and nvfp4 at global scale 1 and calibrated, triaxial at 2.5/2.7/3.0/3.5
    bits (``--budgets``: some of them, per context) with (a) the engine's
    default table (default priorities, budget counted
-   in stored pages on the agent pages of ``kvserving.agents.pages``; before
-   2026-12-01 on token shares), (b) "default@pages": the default
+   in stored pages on the agent pages of ``kvserving.agents.pages``), (b) "default@pages": the default
    priorities through the calibration's page-counted greedy rule on the same
    calibration data (the equal-cost baseline), (c) the calibrated table.
    ``bits`` is what the sequences actually stored: a page is INT2 only if all
@@ -106,6 +105,7 @@ from kvserving.worker.model import DecoderModel, ModelArgs, load_model
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import ScheduledChunk, Sequence
 from kvserving.tags import NUM_TAGS, SEMANTIC, decode_tag
+from kvserving.progress import add_quiet_argument, progress
 
 BUDGETS = (2.5, 2.7, 3.0, 3.5)
 
@@ -276,7 +276,7 @@ def held_out_loss(model: DecoderModel, s: Setup, val: torch.Tensor, *, device: t
 
 
 def train(s: Setup, cfg: dict[str, Any], ids: torch.Tensor, val: torch.Tensor, *, device: torch.device,
-          seed: int) -> tuple[DecoderModel, list[float], list[tuple[int, float]]]:
+          seed: int, quiet: bool = False) -> tuple[DecoderModel, list[float], list[tuple[int, float]]]:
     torch.manual_seed(seed)
     args = ModelArgs.from_config(cfg)
     model = DecoderModel(args).to(device)
@@ -298,7 +298,7 @@ def train(s: Setup, cfg: dict[str, Any], ids: torch.Tensor, val: torch.Tensor, *
     losses: list[float] = []
     val_losses: list[tuple[int, float]] = []
     warm = max(1, s.train_steps // 20)
-    for step in range(s.train_steps):
+    for step in progress(range(s.train_steps), desc="train", quiet=quiet):
         lr = s.lr * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / s.train_steps)))
         for g in opt.param_groups:
             g["lr"] = lr
@@ -490,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate-at-context", action="store_true",
                     help="also calibrate on the calibration text wrapped at each longer evaluation context (D_k "
                          "measured on prompts of that length, the budget on the same pages): rows 'calibrated@<ctx>'")
+    add_quiet_argument(ap)
     opts = ap.parse_args(argv)
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -545,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fidelity: {len(train_files)} training files ({len(ids)} tokens as conversations), {len(calib_files)} "
           f"calibration / {len(eval_files)} evaluation files held out; model {s.layers} layers x {s.hidden}, "
           f"{s.heads}/{s.kv_heads} heads x {HEAD_DIM}", file=sys.stderr, flush=True)
-    model, losses, val_losses = train(s, cfg, ids, val, device=device, seed=opts.seed)
+    model, losses, val_losses = train(s, cfg, ids, val, device=device, seed=opts.seed, quiet=opts.quiet)
     params = sum(p.numel() for p in model.parameters())
     t_train = time.time() - t0
 
@@ -652,7 +653,8 @@ def main(argv: list[str] | None = None) -> int:
                 out_path.write_text(json.dumps(results, indent=1) + "\n")
 
             partial({})
-            block = run_context(model_dir, specs, ccals["calibrated"], seqs, s, ctx, device, on_row=partial)
+            block = run_context(model_dir, specs, ccals["calibrated"], seqs, s, ctx, device, on_row=partial,
+                                quiet=opts.quiet)
             block["conversations"] = sources
             block["calibration_pages"] = {"context": ctx, "counted_on": "evaluation" if opts.count_on_evaluation
                                           else "calibration", **page_mix_summary(ccals["calibrated"])}
@@ -897,13 +899,13 @@ def comparisons(rows: dict[str, Any], *, budgets: tuple[float, ...] = BUDGETS) -
 
 def run_context(model_dir: Path, specs: dict[str, tuple[str, dict[str, Any]]], cal: Calibration, seqs: list[Any],
                 s: Setup, ctx: int, device: torch.device,
-                on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                on_row: Callable[[dict[str, Any]], None] | None = None, quiet: bool = False) -> dict[str, Any]:
     """Scores every row of ``specs`` on ``seqs``; ``on_row(rows so far)`` after each."""
     rows: dict[str, Any] = {}
     reference_out: list[list[int]] | None = None
     ref: list[list[torch.Tensor]] = [[] for _ in seqs]  # the bf16 run's log-probabilities per sequence and chunk
     scored: dict[str, str] = {}  # the same format and table score the same: row key -> the row that scored it
-    for name, (dtype, kw) in specs.items():
+    for name, (dtype, kw) in progress(specs.items(), desc=f"ctx {ctx} rows", total=len(specs), quiet=quiet):
         key = json.dumps([dtype, kw.get("table"), kw.get("scales"), kw.get("held")])
         if key in scored:
             rows[name] = {**rows[scored[key]], "same_table_as": scored[key], "seconds": 0.0}

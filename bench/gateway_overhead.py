@@ -79,6 +79,7 @@ from kvserving.gateway.prompt.tagger import ChatTagger
 from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.model_dir import resolve_model_dir
 from kvserving.local.stack import free_port
+from kvserving.progress import add_quiet_argument, progress
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "kvserving-tiny"
@@ -495,6 +496,7 @@ def main() -> int:
     parser.add_argument("--json", default=str(ROOT / "bench/results/gateway_overhead_cpu.json"), metavar="FILE",
                         help="the rows as JSON ('' for none)")
     parser.add_argument("--no-routers", action="store_true", help="leave out the vllm-router / sglang-router columns")
+    add_quiet_argument(parser)
     parser.add_argument("--relay", default=None, help=argparse.SUPPRESS)  # LISTEN:UPSTREAM: run as the null proxy
     parser.add_argument("--openai-backend", type=int, default=None, help=argparse.SUPPRESS)  # PORT: run as the fake OpenAI backend
     parser.add_argument("--reply", default="", help=argparse.SUPPRESS)  # the fake OpenAI backend's reply
@@ -568,7 +570,7 @@ def main() -> int:
         rows = [run_row(n, think, args, tagger=tagger, reply=reply, worker_url=worker_url, relay_url=relay_url, gw_url=gw_url,
                         gw_pid=procs[1].pid, worker_pid=procs[0].pid, idle_cpu_per_s=idle, floor_url=floor_url,
                         floor_pid=procs[3].pid, relay_pid=procs[2].pid, backend_url=backend_url, routers=routers)
-                for n, think in plan]
+                for n, think in progress(plan, desc="rows", quiet=args.quiet)]
         load_after = os.getloadavg()
         print(f"gateway overhead: TTFT through the gateway minus straight to the worker ({args.turns} turns per session, "
               f"fake worker answering instantly, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "

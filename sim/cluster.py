@@ -146,10 +146,10 @@ class Simulator(Sim):
         self._durls = [d.url for d in self.decode]
         for i, w in enumerate(self.prefill):
             w.on_done = self._prefill_done
-            w.bind_view(self._pviews, i)
+            w.bind_board(self._pviews, i)
         for i, d in enumerate(self.decode):
             d.on_done = self._decode_done
-            d.bind_load(self._dloads, i)
+            d.bind_board(self._dloads, i)
         g = cluster.gateway
         self.table = LeaseTable(lease_ttl_s=cluster.reuse.lease_ttl_s, heartbeat_s=g.lease_heartbeat_s, max_leases=g.max_leases)
         self._sweep_period = sweep_s if sweep_s is not None else min(g.lease_heartbeat_s, cluster.reuse.lease_ttl_s) / 4

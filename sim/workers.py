@@ -135,7 +135,7 @@ class Worker:
         self._reclaimable: list[tuple[float, str]] = []  # (expires_at, lease id) of reclaimable leases
         self._compact_at = 1024  # heap entries (both heaps) past which stale ones are dropped
         self._inflight = 0  # the gateway's count of this worker's open requests (``inflight``)
-        self._board: list[int] | None = None  # the simulator's list of decode loads, mirrored at ``_slot``
+        self._board: list[Any] | None = None  # the router's inputs, ``board_entry(inflight)`` mirrored at ``_slot``
         self._slot = 0
         self.waiting: deque[Req] = deque()
         self.stats = WorkerStats()
@@ -152,7 +152,40 @@ class Worker:
     def inflight(self, n: int) -> None:
         self._inflight = n
         if self._board is not None:
-            self._board[self._slot] = n
+            self._board[self._slot] = self.board_entry(n)
+
+    def board_entry(self, n: int) -> Any:
+        """What the router reads of this worker at load ``n``: the load itself."""
+        return n
+
+    def bind_board(self, board: list[Any], slot: int) -> None:
+        """Keep ``board[slot]`` equal to ``board_entry(inflight)`` from now on."""
+        self._board, self._slot = board, slot
+        self.inflight = self._inflight
+
+    # ------------------------------------------------------------------ arrivals
+    def arrive(self, req: Req, now: float) -> None:
+        self.waiting.append(req)
+        self._admit(now)
+
+    def on_freed(self, now: float) -> None:
+        """Pages came back: a request waiting for them may go."""
+        if self.waiting and not self._admitting:
+            self._admit(now)
+
+    def _admit(self, now: float) -> bool:
+        """Admit what fits; True when that rescheduled the role's next event. Never re-entered:
+        a release during admission calls ``on_freed``, which must not start a second one."""
+        if self._admitting:
+            return False
+        self._admitting = True
+        try:
+            return self._admit_waiting(now)
+        finally:
+            self._admitting = False
+
+    def _admit_waiting(self, now: float) -> bool:
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ leases
     def pin(
@@ -241,9 +274,6 @@ class Worker:
         while heap and (heap[0][1] not in self.leases or self.leases[heap[0][1]].expires_at != heap[0][0]):
             heapq.heappop(heap)
         return heap[0][0] if heap else float("inf")
-
-    def on_freed(self, now: float) -> None:
-        """Pages came back: a request waiting for them may go."""
 
     def wake_when_leases_expire(self, now: float) -> None:
         """The queue waits for pages that only an expiry frees: look again then."""
@@ -343,46 +373,22 @@ class PrefillWorker(Worker):
     ) -> None:
         super().__init__(url, sim=sim, pages=pages, page_size=page_size, dtype=dtype, costs=costs, reuse=reuse, sched=sched)
         self.running: list[_Prompt] = []
-        self._views: list[WorkerView] | None = None  # the router's view of every prefill worker, kept current
         self._view_by_load: dict[int, WorkerView] = {}
         self.busy = False
         self.gpu: Any = None  # a ``SharedGpu`` when the decode worker runs on the same GPU
         self.on_done: Callable[[Req, float], None] = lambda req, now: None
 
-    @property
-    def inflight(self) -> int:
-        return self._inflight
+    def board_entry(self, n: int) -> WorkerView:
+        """The router's view of this worker at load ``n``."""
+        view = self._view_by_load.get(n)
+        if view is None:  # immutable, so one per load value serves every routing
+            view = self._view_by_load[n] = WorkerView(self.url, True, n)
+        return view
 
-    @inflight.setter
-    def inflight(self, n: int) -> None:
-        self._inflight = n
-        if self._views is not None:
-            view = self._view_by_load.get(n)
-            if view is None:  # immutable, so one per load value serves every routing
-                view = self._view_by_load[n] = WorkerView(self.url, True, n)
-            self._views[self._slot] = view
-
-    def bind_view(self, views: list[WorkerView], slot: int) -> None:
-        """Keep ``views[slot]`` equal to ``WorkerView(url, True, inflight)`` from now on."""
-        self._views, self._slot = views, slot
-        self.inflight = self._inflight
-
-    def arrive(self, req: Req, now: float) -> None:
-        self.waiting.append(req)
-        self._kick(now)
-
-    def on_freed(self, now: float) -> None:
-        if self.waiting and not self._admitting:
-            self._kick(now)
-
-    def _kick(self, now: float) -> None:
-        if self.busy or self._admitting:
-            return
-        self._admitting = True
-        try:
+    def _admit_waiting(self, now: float) -> bool:
+        if not self.busy:
             self._start_step(now)
-        finally:
-            self._admitting = False
+        return False
 
     def _start_step(self, now: float) -> None:
         heap = self._expiry
@@ -439,7 +445,7 @@ class PrefillWorker(Worker):
             if item.left == 0:
                 self.running.remove(item)
                 self._finish(item.req, now)
-        self._kick(now)
+        self._admit(now)
 
     def _finish(self, req: Req, now: float) -> None:
         p = self.page_size
@@ -476,19 +482,6 @@ class DecodeWorker(Worker):
         self.gpu_share = 1.0  # step time multiplier while the shared GPU also runs a prefill step
         self.on_done: Callable[[Req, float], None] = lambda req, now: None
 
-    def bind_load(self, loads: list[int], slot: int) -> None:
-        """Keep ``loads[slot]`` equal to ``inflight`` from now on."""
-        self._board, self._slot = loads, slot
-        self.inflight = self._inflight
-
-    def arrive(self, req: Req, now: float) -> None:
-        self.waiting.append(req)
-        self._admit(now)
-
-    def on_freed(self, now: float) -> None:
-        if self.waiting and not self._admitting:
-            self._admit(now)
-
     def _advance(self, now: float) -> None:
         if self.batch and self.step_s > 0:
             self.steps += (now - self.t_steps) / self.step_s
@@ -506,17 +499,8 @@ class DecodeWorker(Worker):
         t = now + max(0.0, self.batch[0][0] - self.steps) * self.step_s
         self.sim.call_at(t, self._tick, self._version)
 
-    def _admit(self, now: float) -> bool:
-        """Admit what fits; True when that rescheduled the batch's next finish."""
-        if self._admitting:
-            return False
-        self._admitting = True
-        try:
-            return self._admit_waiting(now)
-        finally:
-            self._admitting = False
-
     def _admit_waiting(self, now: float) -> bool:
+        """Admit what fits; True when that rescheduled the batch's next finish."""
         heap = self._expiry
         if heap and heap[0][0] <= now:
             self.expire(now)

@@ -121,6 +121,10 @@ def render(file: str) -> tuple[str, ...]:
     return ("operator", "--render", file)
 
 
+def generate(model: str, *extra: str) -> tuple[str, ...]:
+    return ("generate", "--model", model, "--prompt", "x", *extra)
+
+
 CASES: dict[str, Case] = {
     # kvserving operator --render
     "render-missing": Case(render("missing.yaml"), 1, "error: missing.yaml does not exist"),
@@ -146,27 +150,27 @@ CASES: dict[str, Case] = {
     "render-calibrated-triaxial": Case(
         render("calibrated.yaml"), 1, "calibrated.yaml: spec.kvCache: globalScale calibrated needs dtype fp8_e4m3 or nvfp4"),
     # kvserving generate
-    "generate-kv-bytes-0": Case(("generate", "--model", "tiny", "--prompt", "x", "--kv-bytes", "0"), 2,
+    "generate-kv-bytes-0": Case(generate("tiny", "--kv-bytes", "0"), 2,
                                 "argument --kv-bytes: must be an integer >= 1, got 0"),
-    "generate-kv-bytes-negative": Case(("generate", "--model", "tiny", "--prompt", "x", "--kv-bytes", "-5"), 2,
+    "generate-kv-bytes-negative": Case(generate("tiny", "--kv-bytes", "-5"), 2,
                                        "argument --kv-bytes: must be an integer >= 1, got -5"),
-    "generate-chunk-size-0": Case(("generate", "--model", "tiny", "--prompt", "x", "--chunk-size", "0"), 2,
+    "generate-chunk-size-0": Case(generate("tiny", "--chunk-size", "0"), 2,
                                   "argument --chunk-size: must be an integer >= 1, got 0"),
-    "generate-chunk-size-negative": Case(("generate", "--model", "tiny", "--prompt", "x", "--chunk-size", "-1"), 2,
+    "generate-chunk-size-negative": Case(generate("tiny", "--chunk-size", "-1"), 2,
                                          "argument --chunk-size: must be an integer >= 1, got -1"),
-    "generate-missing-model": Case(("generate", "--model", "/nonexistent", "--prompt", "x"), 1,
+    "generate-missing-model": Case(generate("/nonexistent"), 1,
                                    "kvserving generate: error: model directory /nonexistent does not exist"),
-    "generate-model-is-a-file": Case(("generate", "--model", "a-file", "--prompt", "x"), 1,
+    "generate-model-is-a-file": Case(generate("a-file"), 1,
                                      "kvserving generate: error: model path a-file is not a directory"),
-    "generate-truncated-safetensors": Case(("generate", "--model", "truncated", "--prompt", "x"), 1,
+    "generate-truncated-safetensors": Case(generate("truncated"), 1,
                                            "truncated/model.safetensors is not a readable safetensors file (truncated or corrupt?)"),
-    "generate-chat-without-template": Case(("generate", "--model", "no-template", "--chat", "--prompt", "x"), 1,
+    "generate-chat-without-template": Case(generate("no-template", "--chat"), 1,
                                            "kvserving generate: error: the model in no-template has no chat template (needed for chat prompts)"),
-    "generate-broken-template": Case(("generate", "--model", "broken-template", "--chat", "--prompt", "x"), 1,
+    "generate-broken-template": Case(generate("broken-template", "--chat"), 1,
                                      "error: the chat template of the model in broken-template fails to render: No filter named 'nofilter'"),
     "demo-model-without-template": Case(("demo", "--model", "no-template"), 1,
                                         "kvserving demo: error: the model in no-template has no chat template (needed for chat prompts)"),
-    "generate-max-tokens-over-context": Case(("generate", "--model", "short", "--prompt", "x", "--max-tokens", "100000000000"), 0,
+    "generate-max-tokens-over-context": Case(generate("short", "--max-tokens", "100000000000"), 0,
                                              "note: --max-tokens 100000000000 is more than the context length allows: "
                                              "generation stops at 24 tokens (prompt included, at most 23 new)"),
     # kvserving demo
@@ -205,7 +209,7 @@ CASES: dict[str, Case] = {
                                       "kvserving calibrate: error: --out full is a directory, not a file"),
     "demo-plot-no-directory": Case(("demo", "--model", "tiny", "--plot", "nodir/ttft.png"), 1,
                                    "kvserving demo: error: --plot nodir/ttft.png: the directory nodir does not exist"),
-    "generate-kv-bytes-beyond-memory": Case(("generate", "--model", "tiny", "--prompt", "x", "--kv-bytes", "1000000000000000"), 1,
+    "generate-kv-bytes-beyond-memory": Case(generate("tiny", "--kv-bytes", "1000000000000000"), 1,
                                             "kvserving generate: error: --kv-bytes 1000000000000000 is more than "),
     # kvserving up
     "up-model-is-a-file": Case(("up", "--model", "a-file"), 1, "kvserving up: error: --model a-file is not a directory"),
@@ -408,10 +412,26 @@ def test_version_prints_the_package_version(tmp_path: Path) -> None:
     assert (result.code, result.stdout, result.stderr) == (0, f"kvserving {kvserving.__version__}\n", "")
 
 
+NVIDIA_SMI = "echo 'NVIDIA H200, 1980 MHz, 3201 MHz, 30'"  # what gpu_run.sh asks of the GPU
+
+
+def gpu_run(tmp_path: Path, step: str, fakes: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``bench/gpu_run.sh STEP`` with ``fakes`` (command name -> bash body) first on PATH: a stand-in GPU machine."""
+    path = "/usr/bin:/bin"
+    if fakes:
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        for name, body in fakes.items():
+            (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+            (bin_dir / name).chmod(0o755)
+        path = f"{bin_dir}:{path}"
+    env = {"PATH": path, "OUT": str(tmp_path / "out"), "KVPKG": str(tmp_path / "pkg"), "HOME": str(tmp_path)}
+    return subprocess.run(["bash", "bench/gpu_run.sh", step], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
 def test_gpu_run_fails_loudly_without_a_gpu(tmp_path: Path) -> None:
     # PATH without nvidia-smi: the script must refuse before running anything.
-    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "KVPKG": str(tmp_path / "pkg"), "HOME": str(tmp_path)}
-    proc = subprocess.run(["bash", "bench/gpu_run.sh", "all"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    proc = gpu_run(tmp_path, "all")
     assert proc.returncode == 1
     assert proc.stderr == "gpu_run.sh: error: no GPU: nvidia-smi not found (run this on the device machine)\n"
 
@@ -419,17 +439,10 @@ def test_gpu_run_fails_loudly_without_a_gpu(tmp_path: Path) -> None:
 def test_gpu_run_exits_non_zero_when_the_gpu_tests_fail(tmp_path: Path) -> None:
     # A stand-in GPU machine: nvidia-smi answers, python3 passes the device check,
     # the test run fails and the benchmark succeeds; the script must still fail.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fakes = {
-        "nvidia-smi": "echo 'NVIDIA H200, 1980 MHz, 3201 MHz, 30'",
+    proc = gpu_run(tmp_path, "all", {
+        "nvidia-smi": NVIDIA_SMI,
         "python3": 'case "$*" in *"-m pytest"*) echo "1 failed, 3 passed"; exit 1;; *) echo "python3 $*"; exit 0;; esac',
-    }
-    for name, body in fakes.items():
-        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "KVPKG": str(tmp_path / "pkg"), "HOME": str(tmp_path)}
-    proc = subprocess.run(["bash", "bench/gpu_run.sh", "all"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    })
     assert proc.returncode == 1
     assert "1 failed, 3 passed" in proc.stdout
     assert "python3 bench/decode_gpu.py" in proc.stdout  # the benchmark still ran
@@ -440,17 +453,7 @@ def test_gpu_run_exits_non_zero_when_the_gpu_tests_fail(tmp_path: Path) -> None:
 def test_gpu_run_tests_step_runs_every_file_with_a_gpu_test(tmp_path: Path) -> None:
     # the stand-in machine's python3 prints its pytest arguments: the default set is every test file holding a
     # gpu-marked test (the worker's included), and no file without one
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fakes = {
-        "nvidia-smi": "echo 'NVIDIA H200, 1980 MHz, 3201 MHz, 30'",
-        "python3": 'case "$*" in *"-m pytest"*) echo "PYTEST $*";; esac; exit 0',
-    }
-    for name, body in fakes.items():
-        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "KVPKG": str(tmp_path / "pkg"), "HOME": str(tmp_path)}
-    proc = subprocess.run(["bash", "bench/gpu_run.sh", "tests"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    proc = gpu_run(tmp_path, "tests", {"nvidia-smi": NVIDIA_SMI, "python3": 'case "$*" in *"-m pytest"*) echo "PYTEST $*";; esac; exit 0'})
     assert proc.returncode == 0, proc.stderr
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("PYTEST ")]
     ran = {a for a in line.split() if a.startswith("tests/")}
@@ -475,7 +478,7 @@ def test_the_packaged_crd_is_the_repositorys_and_admits_every_sample() -> None:
 def test_generate_shows_progress_on_a_terminal_only(workdir: Path) -> None:
     import pty
 
-    argv = ("generate", "--model", "short", "--prompt", "x", "--max-tokens", "3")
+    argv = generate("short", "--max-tokens", "3")
     primary, secondary = pty.openpty()
     try:
         try:

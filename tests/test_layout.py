@@ -2,6 +2,7 @@
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,11 @@ def test_every_top_level_folder_has_a_readme_line() -> None:
     readme = (ROOT / "README.md").read_text()
     for folder in ("kernels/", "worker/", "gateway/", "operator/", "agents/", "calibrate/", "sim/", "local/", "crds/", "manifests/", "tests/", "e2e/", "bench/"):
         assert f"`{folder}`" in readme, folder
+
+
+def test_every_result_file_is_quoted_on_the_results_page_and_every_quoted_one_exists() -> None:
+    page = (ROOT / "docs" / "results.md").read_text()
+    files = {p.name for p in (ROOT / "bench" / "results").iterdir() if p.is_file()}
+    assert sorted(f for f in files if f not in page) == []  # by path or, in a table, by name
+    quoted = set(re.findall(r"bench/results/([A-Za-z0-9_.-]+\.(?:json|png))", page))
+    assert sorted(quoted - files) == []

@@ -118,8 +118,9 @@ def sample(m: GatewayMetrics, name: str, labels: dict[str, str] | None = None) -
 
 
 def test_a_miss_asks_the_decode_workers_and_takes_the_latest_unexpired_lease() -> None:
-    entry = lambda lid, exp: {"lease_id": lid, "conversation_key": "k", "expires_at": exp,  # noqa: E731
-                              "kv_transfer_params": params(lid, exp)}
+    def entry(lid: str, exp: float) -> dict[str, object]:
+        return {"lease_id": lid, "conversation_key": "k", "expires_at": exp, "kv_transfer_params": params(lid, exp)}
+
     client = RecordingClient({W1: [entry("old", 50.0)], W2: [entry("new", 90.0), entry("gone", 5.0)]})
     now = [10.0]
     k, m = keeper(client, now)

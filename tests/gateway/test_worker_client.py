@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -62,6 +63,32 @@ def client(**kw: Any) -> WorkerClient:
     return WorkerClient(request_timeout_s=kw.pop("timeout", 5.0), connect_timeout_s=1.0, **kw)
 
 
+@dataclass
+class Served:
+    """What a check sees: the scripted server, its URL, its connections so far, a fresh client."""
+
+    server: asyncio.Server
+    url: str
+    conns: list[int]
+    client: WorkerClient
+
+
+def with_server(script: Script, check: Callable[[Served], Awaitable[None]], **client_kw: Any) -> None:
+    """Run ``check`` against a server running ``script`` and a client made by ``client(**client_kw)``;
+    both are closed after it, whatever it raised."""
+
+    async def run() -> None:
+        server, url, conns = await serve(script)
+        c = client(**client_kw)
+        try:
+            await check(Served(server, url, conns, c))
+        finally:
+            await c.aclose()
+            server.close()
+
+    asyncio.run(run())
+
+
 def test_kept_alive_connection_is_reused_and_chunks_are_dechunked() -> None:
     async def script(_: int, reader: Reader, writer: Writer) -> None:
         while await read_request(reader) is not None:
@@ -70,19 +97,13 @@ def test_kept_alive_connection_is_reused_and_chunks_are_dechunked() -> None:
                 await writer.drain()
             writer.write(b"0\r\n\r\n")
 
-    async def run() -> None:
-        server, url, conns = await serve(script)
-        c = client()
-        try:
-            for _ in range(3):
-                assert await collect(c, url) == EVENTS
-                await asyncio.sleep(0.01)  # the last chunk arrives
-            assert len(conns) == 1
-        finally:
-            await c.aclose()
-            server.close()
+    async def check(s: Served) -> None:
+        for _ in range(3):
+            assert await collect(s.client, s.url) == EVENTS
+            await asyncio.sleep(0.01)  # the last chunk arrives
+        assert len(s.conns) == 1
 
-    asyncio.run(run())
+    with_server(script, check)
 
 
 def test_reply_left_at_done_is_reused_once_its_last_chunk_arrived() -> None:
@@ -94,20 +115,14 @@ def test_reply_left_at_done_is_reused_once_its_last_chunk_arrived() -> None:
             await gate.wait()  # the end of the body comes later
             writer.write(b"0\r\n\r\n")
 
-    async def run() -> None:
-        server, url, conns = await serve(script)
-        c = client()
-        try:
-            assert await collect(c, url) == EVENTS  # returns at [DONE]
-            gate.set()
-            await asyncio.sleep(0.05)
-            assert await collect(c, url) == EVENTS
-            assert len(conns) == 1
-        finally:
-            await c.aclose()
-            server.close()
+    async def check(s: Served) -> None:
+        assert await collect(s.client, s.url) == EVENTS  # returns at [DONE]
+        gate.set()
+        await asyncio.sleep(0.05)
+        assert await collect(s.client, s.url) == EVENTS
+        assert len(s.conns) == 1
 
-    asyncio.run(run())
+    with_server(script, check)
 
 
 def test_a_reply_still_ending_is_parked_not_closed_when_the_next_request_comes() -> None:
@@ -126,23 +141,17 @@ def test_a_reply_still_ending_is_parked_not_closed_when_the_next_request_comes()
                 await gate.wait()  # the first reply's end comes late
             writer.write(b"0\r\n\r\n")
 
-    async def run() -> None:
-        server, url, conns = await serve(script)
-        c = client()
-        try:
-            assert await collect(c, url) == EVENTS  # connection 0, its reply not ended
-            assert await collect(c, url) == EVENTS  # connection 1
-            gate.set()
-            await asyncio.sleep(0.05)
-            for _ in range(3):
-                assert await collect(c, url) == EVENTS
-                await asyncio.sleep(0.01)
-            assert len(conns) == 2 and served[0] >= 2, (conns, served)
-        finally:
-            await c.aclose()
-            server.close()
+    async def check(s: Served) -> None:
+        assert await collect(s.client, s.url) == EVENTS  # connection 0, its reply not ended
+        assert await collect(s.client, s.url) == EVENTS  # connection 1
+        gate.set()
+        await asyncio.sleep(0.05)
+        for _ in range(3):
+            assert await collect(s.client, s.url) == EVENTS
+            await asyncio.sleep(0.01)
+        assert len(s.conns) == 2 and served[0] >= 2, (s.conns, served)
 
-    asyncio.run(run())
+    with_server(script, check)
 
 
 def test_a_reply_still_open_is_not_reused_a_fresh_connection_is() -> None:
@@ -150,18 +159,12 @@ def test_a_reply_still_open_is_not_reused_a_fresh_connection_is() -> None:
         while await read_request(reader) is not None:
             writer.write(b"".join(sse_reply(EVENTS)))  # never ends the body
 
-    async def run() -> None:
-        server, url, conns = await serve(script)
-        c = client()
-        try:
-            assert await collect(c, url) == EVENTS
-            assert await collect(c, url) == EVENTS
-            assert len(conns) == 2
-        finally:
-            await c.aclose()
-            server.close()
+    async def check(s: Served) -> None:
+        assert await collect(s.client, s.url) == EVENTS
+        assert await collect(s.client, s.url) == EVENTS
+        assert len(s.conns) == 2
 
-    asyncio.run(run())
+    with_server(script, check)
 
 
 def test_connection_closed_by_the_worker_before_answering_is_retried_once_fresh() -> None:
@@ -176,19 +179,13 @@ def test_connection_closed_by_the_worker_before_answering_is_retried_once_fresh(
         await writer.drain()
         await reader.read()
 
-    async def run() -> None:
-        server, url, conns = await serve(script)
-        c = client()
-        try:
-            assert await collect(c, url) == EVENTS
-            await asyncio.sleep(0.01)
-            assert await collect(c, url) == EVENTS
-            assert len(conns) == 2
-        finally:
-            await c.aclose()
-            server.close()
+    async def check(s: Served) -> None:
+        assert await collect(s.client, s.url) == EVENTS
+        await asyncio.sleep(0.01)
+        assert await collect(s.client, s.url) == EVENTS
+        assert len(s.conns) == 2
 
-    asyncio.run(run())
+    with_server(script, check)
 
 
 def test_refusal_broken_stream_timeout_and_unreachable_worker_are_upstream_errors() -> None:
@@ -205,30 +202,25 @@ def test_refusal_broken_stream_timeout_and_unreachable_worker_are_upstream_error
         else:
             await reader.read()  # never answers
 
-    async def run() -> None:
-        server, url, _ = await serve(script)
-        c = client(timeout=0.3)
-        try:
-            with pytest.raises(UpstreamError) as err:
-                await collect(c, url)
-            assert (err.value.kind, err.value.status) == ("status", 503) and "engine full" in err.value.message
-            got: list[Any] = []
-            with pytest.raises(UpstreamError) as err:
-                async for batch in c.generate(url, {}):
-                    got += batch
-            assert err.value.kind == "stream" and got == EVENTS[:1]
-            with pytest.raises(UpstreamError) as err:
-                await collect(c, url)
-            assert err.value.kind == "timeout"
-            server.close()
-            await server.wait_closed()
-            with pytest.raises(UpstreamError) as err:
-                await collect(c, url)
-            assert err.value.kind == "connect"
-        finally:
-            await c.aclose()
+    async def check(s: Served) -> None:
+        with pytest.raises(UpstreamError) as err:
+            await collect(s.client, s.url)
+        assert (err.value.kind, err.value.status) == ("status", 503) and "engine full" in err.value.message
+        got: list[Any] = []
+        with pytest.raises(UpstreamError) as err:
+            async for batch in s.client.generate(s.url, {}):
+                got += batch
+        assert err.value.kind == "stream" and got == EVENTS[:1]
+        with pytest.raises(UpstreamError) as err:
+            await collect(s.client, s.url)
+        assert err.value.kind == "timeout"
+        s.server.close()
+        await s.server.wait_closed()
+        with pytest.raises(UpstreamError) as err:
+            await collect(s.client, s.url)
+        assert err.value.kind == "connect"
 
-    asyncio.run(run())
+    with_server(script, check, timeout=0.3)
 
 
 def test_closing_the_stream_early_closes_the_connection() -> None:
@@ -241,19 +233,13 @@ def test_closing_the_stream_early_closes_the_connection() -> None:
         assert await reader.read() == b""  # EOF: the gateway hung up (the worker aborts)
         closed.set()
 
-    async def run() -> None:
-        server, url, conns = await serve(script)
-        c = client()
-        try:
-            stream = c.generate(url, {})
-            assert await anext(stream) == EVENTS[:1]
-            await stream.aclose()
-            await asyncio.wait_for(closed.wait(), 5)
-        finally:
-            await c.aclose()
-            server.close()
+    async def check(s: Served) -> None:
+        stream = s.client.generate(s.url, {})
+        assert await anext(stream) == EVENTS[:1]
+        await stream.aclose()
+        await asyncio.wait_for(closed.wait(), 5)
 
-    asyncio.run(run())
+    with_server(script, check)
 
 
 def chunk(frame: bytes) -> bytes:
@@ -276,23 +262,17 @@ def test_keep_alive_comments_keep_a_stream_alive_and_silence_past_the_gap_is_an_
         await writer.drain()
         await reader.read()
 
-    async def run() -> None:
-        server, url, _ = await serve(script)
-        c = WorkerClient(request_timeout_s=10.0, connect_timeout_s=1.0, first_byte_timeout_s=5.0, event_timeout_s=0.4)
-        try:
-            assert await collect(c, url) == EVENTS  # the comments are no events
-            got: list[Any] = []
-            t0 = asyncio.get_running_loop().time()
-            with pytest.raises(UpstreamError) as err:
-                async for batch in c.generate(url, {}):
-                    got += batch
-            assert (err.value.kind, got) == ("event_timeout", EVENTS[:1]), err.value.message
-            assert 0.35 < asyncio.get_running_loop().time() - t0 < 3.0
-        finally:
-            await c.aclose()
-            server.close()
+    async def check(s: Served) -> None:
+        assert await collect(s.client, s.url) == EVENTS  # the comments are no events
+        got: list[Any] = []
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(UpstreamError) as err:
+            async for batch in s.client.generate(s.url, {}):
+                got += batch
+        assert (err.value.kind, got) == ("event_timeout", EVENTS[:1]), err.value.message
+        assert 0.35 < asyncio.get_running_loop().time() - t0 < 3.0
 
-    asyncio.run(run())
+    with_server(script, check, timeout=10.0, first_byte_timeout_s=5.0, event_timeout_s=0.4)
 
 
 def test_no_response_headers_in_time_is_a_first_byte_timeout() -> None:
@@ -300,20 +280,14 @@ def test_no_response_headers_in_time_is_a_first_byte_timeout() -> None:
         await read_request(reader)
         await reader.read()  # accepted, never answered (a frozen process: the kernel still accepts)
 
-    async def run() -> None:
-        server, url, _ = await serve(script)
-        c = WorkerClient(request_timeout_s=30.0, connect_timeout_s=1.0, first_byte_timeout_s=0.3, event_timeout_s=10.0)
-        try:
-            t0 = asyncio.get_running_loop().time()
-            with pytest.raises(UpstreamError) as err:
-                await collect(c, url)
-            assert err.value.kind == "first_byte_timeout" and "did not answer within 0.3 s" in err.value.message
-            assert asyncio.get_running_loop().time() - t0 < 3.0
-        finally:
-            await c.aclose()
-            server.close()
+    async def check(s: Served) -> None:
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(UpstreamError) as err:
+            await collect(s.client, s.url)
+        assert err.value.kind == "first_byte_timeout" and "did not answer within 0.3 s" in err.value.message
+        assert asyncio.get_running_loop().time() - t0 < 3.0
 
-    asyncio.run(run())
+    with_server(script, check, timeout=30.0, first_byte_timeout_s=0.3, event_timeout_s=10.0)
 
 
 def test_abort_streams_ends_every_request_in_flight_and_refuses_new_ones() -> None:
@@ -324,26 +298,20 @@ def test_abort_streams_ends_every_request_in_flight_and_refuses_new_ones() -> No
         await writer.drain()
         await reader.read()  # the rest never comes
 
-    async def run() -> None:
-        server, url, _ = await serve(script)
-        c = client()
-        try:
-            streams = [c.generate(url, {}) for _ in range(2)]
-            for stream in streams:
-                assert await anext(stream) == EVENTS[:1]
-            c.abort_streams()
-            for stream in streams:
-                with pytest.raises(UpstreamError) as err:
-                    await anext(stream)
-                assert err.value.kind == "draining"
+    async def check(s: Served) -> None:
+        streams = [s.client.generate(s.url, {}) for _ in range(2)]
+        for stream in streams:
+            assert await anext(stream) == EVENTS[:1]
+        s.client.abort_streams()
+        for stream in streams:
             with pytest.raises(UpstreamError) as err:
-                await collect(c, url)
+                await anext(stream)
             assert err.value.kind == "draining"
-        finally:
-            await c.aclose()
-            server.close()
+        with pytest.raises(UpstreamError) as err:
+            await collect(s.client, s.url)
+        assert err.value.kind == "draining"
 
-    asyncio.run(run())
+    with_server(script, check)
 
 
 def test_abort_streams_ends_a_request_still_waiting_for_its_response_headers() -> None:
@@ -351,19 +319,13 @@ def test_abort_streams_ends_a_request_still_waiting_for_its_response_headers() -
         await read_request(reader)
         await reader.read()  # never answers
 
-    async def run() -> None:
-        server, url, _ = await serve(script)
-        c = WorkerClient(request_timeout_s=30.0, connect_timeout_s=1.0, first_byte_timeout_s=20.0, event_timeout_s=10.0)
-        try:
-            waiting = asyncio.ensure_future(collect(c, url))
-            await asyncio.sleep(0.3)  # the request is out, its headers are not in
-            assert not waiting.done()
-            c.abort_streams()
-            with pytest.raises(UpstreamError) as err:
-                await asyncio.wait_for(waiting, 5)
-            assert err.value.kind == "draining"
-        finally:
-            await c.aclose()
-            server.close()
+    async def check(s: Served) -> None:
+        waiting = asyncio.ensure_future(collect(s.client, s.url))
+        await asyncio.sleep(0.3)  # the request is out, its headers are not in
+        assert not waiting.done()
+        s.client.abort_streams()
+        with pytest.raises(UpstreamError) as err:
+            await asyncio.wait_for(waiting, 5)
+        assert err.value.kind == "draining"
 
-    asyncio.run(run())
+    with_server(script, check, timeout=30.0, first_byte_timeout_s=20.0, event_timeout_s=10.0)

@@ -1,0 +1,57 @@
+"""kvserving.progress: a tqdm bar on stderr only when stderr is a terminal and not --quiet."""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import io
+import os
+import pty
+import struct
+import sys
+import termios
+
+import pytest
+
+from kvserving.progress import add_quiet_argument, progress
+
+
+def _drain(fd: int) -> bytes:
+    out = b""
+    os.set_blocking(fd, False)
+    try:
+        while chunk := os.read(fd, 65536):
+            out += chunk
+    except (BlockingIOError, OSError):
+        pass
+    return out
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_bar_on_a_terminal_unless_quiet(monkeypatch: pytest.MonkeyPatch, quiet: bool) -> None:
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # rows, columns
+    with open(slave, "w", closefd=True) as tty:
+        monkeypatch.setattr(sys, "stderr", tty)
+        assert list(progress(range(3), desc="cells", quiet=quiet)) == [0, 1, 2]
+        tty.flush()
+        written = _drain(master)
+    os.close(master)
+    if quiet:
+        assert written == b""
+    else:
+        assert b"cells:" in written and b"0/3" in written
+
+
+def test_no_bar_off_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert list(progress(iter("abc"), desc="rows", total=3)) == ["a", "b", "c"]
+    assert err.getvalue() == ""
+
+
+def test_quiet_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_quiet_argument(parser)
+    assert parser.parse_args(["--quiet"]).quiet is True
+    assert parser.parse_args([]).quiet is False
