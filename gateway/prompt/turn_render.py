@@ -4,7 +4,7 @@ the turn it appends to, not the whole history again.
 Agents resend the whole history every turn, and the draft's marked render
 (normalize, mark, render every message) grows with it: ~2.7 of the ~6.8 ms a
 turn's draft took at turns 30-40 of a 30K-token agent session, in-process
-(docs/performance-log/gateway.md, seventh pass). When a request's messages start with
+(docs/performance-log/gateway.md). When a request's messages start with
 the messages of a kept render ``P`` (equal raw messages, the same tools and
 template options), the new request ``N = P + new`` is rendered as
 
