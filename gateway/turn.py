@@ -14,7 +14,8 @@ so time to first token is the prefill's alone. A seeded request that samples
 so the seed gives one token stream whatever the topology.
 
 A worker that fails the turn before anything of its stream was relayed
-(unreachable, no answer within ``gateway.first_byte_timeout_s``, silent for
+(unreachable, no answer within ``gateway.first_byte_timeout_s``, late headers
+and an unanswered ``/health`` probe (frozen: workers.py), silent for
 ``gateway.event_timeout_s``, a broken stream, 503 not ready or draining) leaves
 the rotation until ``/ready`` answers again, and that part of the turn is
 routed once more: the whole turn, or only the decode once the prefill's first
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = 2
 # Failures of a worker rather than of the request: retried on another worker while nothing of
 # that worker's stream has reached the client (and a 503: not ready, or draining).
-WORKER_LOST = frozenset({"connect", "first_byte_timeout", "event_timeout", "stream"})
+WORKER_LOST = frozenset({"connect", "first_byte_timeout", "unresponsive", "event_timeout", "stream"})
 # A prefill's pull from the lease holder that found it unreachable or frozen (usage.reuse_fallback).
 HOLDER_LOST = frozenset({"remote_unreachable", "transfer_timeout"})
 HOLDER_UNRESPONSIVE = "holder_unresponsive"  # kvserving_gateway_reuse_fallbacks_total{reason}

@@ -130,3 +130,56 @@ def test_encode_body_splices_raw_values_and_equals_the_plain_encoding() -> None:
     assert json.loads(encode_body(raw)) == plain
     assert json.loads(encode_body(plain)) == plain
     assert json.loads(encode_body({"tags": RawJson("[1,2]")})) == {"tags": [1, 2]}  # nothing but raw values
+
+
+def test_a_worker_leaves_the_rotation_after_ready_misses_in_a_row_or_at_once_on_a_refusal() -> None:
+    from kvserving.gateway.workers import READY_MISSES, WorkerState
+
+    assert READY_MISSES == 2
+    w = WorkerState("http://w", "decode")
+    seen = []
+    for outcome in (True, None, True, None, None, None, True, False, None, True):
+        w.polled(outcome)
+        seen.append((w.healthy, w.misses))
+    assert seen == [(True, 0), (True, 1), (True, 0), (True, 1), (False, 2), (False, 3), (True, 0), (False, 0),
+                    (False, 1), (True, 0)]
+
+
+def test_one_unanswered_ready_poll_keeps_a_worker_two_in_a_row_take_it_out_a_503_at_once() -> None:
+    """Against a real HTTP server whose /ready answers 200, then not in time (twice), then 200, then 503."""
+    plan = ["200", "hang", "hang", "200", "503"]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"GET /ready ")
+                step = plan.pop(0)
+                if step == "hang":
+                    await reader.read()  # a poll the gateway gives up on: it closes the connection
+                    return
+                status = b"200 OK" if step == "200" else b"503 Service Unavailable"
+                writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = WorkerClient(request_timeout_s=5, connect_timeout_s=0.5)
+        p = WorkerPool(GatewayConfig(decode_urls=(url,)), client)
+        seen = []
+        try:
+            for _ in range(5):
+                await p.refresh()
+                seen.append(p.workers[url].healthy)
+        finally:
+            await client.aclose()
+            server.close()
+        assert seen == [True, True, False, True, False]
+        assert plan == []
+
+    asyncio.run(scenario())
