@@ -162,7 +162,7 @@ class Turn:
                     if self.lease is not None and exc.url == self.lease.worker_url:
                         self._holder_unresponsive()
                     if self._prefilled is not None:  # the prefill's first token is out: the decode only
-                        decode = self.router.choose_decode(self.lease)
+                        decode = self.router.choose_decode(self.lease, self.request)
                         if decode is None:
                             raise error from exc
                         self._switch_decode(decode)
@@ -203,7 +203,7 @@ class Turn:
         # decodes elsewhere, but only the health poll takes the holder out of the rotation
         # (marking it here took every decode worker out under a burst of slow pulls).
         if self.decode.url == lease.worker_url:
-            decode = self.router.choose_decode(None)
+            decode = self.router.choose_decode(None, self.request)
             if decode is not None:
                 self._switch_decode(decode)
 
@@ -397,9 +397,12 @@ class Turns:
     def _decoders(self) -> list[WorkerState]:
         return [w for w in self.pool.workers.values() if w.role in ("decode", "both")]
 
-    def choose_decode(self, lease: Lease | None) -> WorkerState | None:
+    def choose_decode(self, lease: Lease | None, request: TurnRequest) -> WorkerState | None:
+        """The decode worker among those the request fits (their KV pool and context), or None."""
         held = self.keeper.table.per_worker
-        views = [WorkerView(w.url, w.healthy, w.inflight, held.get(w.url, 0)) for w in self._decoders()]
+        prompt, max_tokens = len(request.input_ids), int(request.sampling.get("max_tokens", 1))
+        views = [WorkerView(w.url, w.healthy, w.inflight, held.get(w.url, 0)) for w in self._decoders()
+                 if w.fits(prompt, max_tokens)]
         decision = choose_decode(views, lease_url=lease.worker_url if lease else None, max_inflight=self.max_inflight)
         if decision is None:
             return None
@@ -408,8 +411,9 @@ class Turns:
 
     def route(self, request: TurnRequest, lease: Lease | None) -> tuple[WorkerState, WorkerState | None]:
         """The decode worker and (split roles) the prefill worker; 503 when none can take it."""
-        decode = self.choose_decode(lease)
+        decode = self.choose_decode(lease, request)
         if decode is None:
+            self._refuse_if_too_large(request)
             raise service_unavailable("No healthy decode worker is available; retry shortly.", retry_after_s=RETRY_AFTER_S)
         if decode.role == "both":
             return decode, None
@@ -419,6 +423,23 @@ class Turns:
             raise service_unavailable("No healthy prefill worker is available; retry shortly.", retry_after_s=RETRY_AFTER_S)
         self.metrics.route("prefill", choice.reason)
         return decode, self.pool.workers[choice.url]
+
+    def _refuse_if_too_large(self, request: TurnRequest) -> None:
+        """400 ``context_length_exceeded`` (before any byte of a stream) when no healthy decode
+        worker's KV pool can hold the request, as their /ready answers say."""
+        healthy = [w for w in self._decoders() if w.healthy and w.capacity is not None]
+        prompt, max_tokens = len(request.input_ids), int(request.sampling.get("max_tokens", 1))
+        if not healthy or any(w.fits(prompt, max_tokens) for w in healthy):
+            return
+        largest = max(healthy, key=lambda w: w.capacity[1] if w.capacity else 0)
+        assert largest.capacity is not None
+        max_model_len, kv_tokens = largest.capacity
+        total = min(prompt + max_tokens, max_model_len)
+        raise GatewayError(
+            400, f"request needs {total} tokens of KV cache ({prompt} of prompt, {total - prompt} of completion) but "
+            f"the largest decode worker's KV pool holds {kv_tokens} tokens. Please reduce the length of the messages "
+            "or completion.", param="messages", code="context_length_exceeded")
+
 
 def _worker_lost(exc: UpstreamError) -> bool:
     """A failure of the worker (gone, frozen, broken, not ready or draining), not of the request."""

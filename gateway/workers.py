@@ -129,9 +129,25 @@ class WorkerState:
     healthy: bool = False
     inflight: int = 0
     misses: int = 0  # /ready polls in a row without an answer in time
+    # (max_model_len, kv_capacity_tokens) from its /ready answer; None until it told
+    capacity: tuple[int, int] | None = None
 
-    def polled(self, ready: bool | None) -> None:
-        """One /ready poll's outcome: True (200), False (another answer, or refused), None (no answer in time)."""
+    def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether the worker admits the request (its own check: worker/engine.py add_request);
+        a worker that has not told its capacity is assumed to."""
+        if self.capacity is None:
+            return True
+        max_model_len, kv_tokens = self.capacity
+        return prompt_tokens < max_model_len and min(prompt_tokens + max_tokens, max_model_len) <= kv_tokens
+
+    def polled(self, ready: bool | None, body: dict[str, Any] | None = None) -> None:
+        """One /ready poll's outcome: True (200), False (another answer, or refused), None (no
+        answer in time); ``body``: a 200's JSON (the worker's capacity)."""
+        if body is not None:
+            try:
+                self.capacity = (int(body["max_model_len"]), int(body["kv_capacity_tokens"]))
+            except (KeyError, TypeError, ValueError):
+                pass
         if ready is None:
             self.misses += 1
             if self.misses >= READY_MISSES:
@@ -420,15 +436,22 @@ class WorkerClient:
             response.raise_for_status()
             return True
 
-    async def ready(self, url: str) -> bool | None:
-        """Whether ``url`` is ready: True (200), False (another status, refused, broken), None (no answer in time)."""
+    async def ready(self, url: str) -> tuple[bool | None, dict[str, Any] | None]:
+        """Whether ``url`` is ready: True (200), False (another status, refused, broken), None (no
+        answer in time); and a 200's JSON body."""
         try:
             async with self._http().get(f"{url}/ready", timeout=self._short) as response:
-                return response.status == 200
+                if response.status != 200:
+                    return False, None
+                try:
+                    body = await response.json(content_type=None)
+                except ValueError:
+                    body = None
+                return True, body if isinstance(body, dict) else None
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
-            return None
+            return None, None
         except aiohttp.ClientError:
-            return False
+            return False, None
 
 
 def _note(record: RequestRecord, batch: list[dict[str, Any]]) -> None:
@@ -583,8 +606,8 @@ class WorkerPool:
             await self._resolve_members()
         states = list(self.workers.values())
         results = await asyncio.gather(*(self.client.ready(w.url) for w in states))
-        for state, ok in zip(states, results):
-            state.polled(ok)
+        for state, (ok, body) in zip(states, results):
+            state.polled(ok, body)
 
     async def _resolve_members(self) -> None:
         port = self.config.worker_port

@@ -183,3 +183,18 @@ def test_one_unanswered_ready_poll_keeps_a_worker_two_in_a_row_take_it_out_a_503
         assert plan == []
 
     asyncio.run(scenario())
+
+
+def test_a_worker_fits_a_request_by_the_capacity_its_ready_answer_told() -> None:
+    from kvserving.gateway.workers import WorkerState
+
+    w = WorkerState("http://w", "decode")
+    assert w.fits(10_000, 10_000)  # nothing told yet: assumed to fit (the worker's own check still runs)
+    w.polled(True, {"ready": True, "max_model_len": 1024, "kv_capacity_tokens": 400})
+    assert w.capacity == (1024, 400)
+    # the worker's admission check: prompt < max_model_len, min(prompt + max_tokens, max_model_len) <= pool
+    assert [w.fits(p, m) for p, m in ((392, 8), (393, 8), (1023, 1), (1024, 1))] == [True, False, False, False]
+    w.polled(True, {"ready": True, "max_model_len": 1024, "kv_capacity_tokens": 4096})
+    assert [w.fits(p, m) for p, m in ((636, 8), (1000, 5000), (1024, 1))] == [True, True, False]
+    w.polled(True, {"ready": True})  # an answer without the fields keeps what was told
+    assert w.capacity == (1024, 4096)
