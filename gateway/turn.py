@@ -15,7 +15,8 @@ so the seed gives one token stream whatever the topology.
 
 A worker that fails the turn before anything of its stream was relayed
 (unreachable, no answer within ``gateway.first_byte_timeout_s``, late headers
-and an unanswered ``/health`` probe (frozen: workers.py), silent for
+and an unanswered ``/health`` probe while another worker could take its part
+(frozen: workers.py), silent for
 ``gateway.event_timeout_s``, a broken stream, 503 not ready or draining) leaves
 the rotation until ``/ready`` answers again, and that part of the turn is
 routed once more: the whole turn, or only the decode once the prefill's first
@@ -253,7 +254,8 @@ class Turn:
         if request.tags is not None:
             body["tags"] = request.body_tags()
         # (the decode worker's load is counted by tokens() for the whole turn)
-        async with aclosing(self.router.client.generate(self.decode.url, body)) as batches:
+        probe = self.router.has_other(self.decode, ("decode", "both"))
+        async with aclosing(self.router.client.generate(self.decode.url, body, probe=probe)) as batches:
             async for events in batches:
                 tokens: list[list[int]] = []
                 end = None
@@ -306,7 +308,8 @@ class Turn:
     async def _stream(self, worker: WorkerState, body: dict[str, Any]) -> AsyncGenerator[list[dict[str, Any]], None]:
         worker.inflight += 1
         try:
-            async with aclosing(self.router.client.generate(worker.url, body)) as batches:
+            probe = self.router.has_other(worker, ("prefill", "both"))
+            async with aclosing(self.router.client.generate(worker.url, body, probe=probe)) as batches:
                 async for events in batches:
                     yield events
         finally:
@@ -393,6 +396,12 @@ class Turns:
             lease = await self.keeper.lookup(request.conversation_key, decode_urls=ask)
         decode, prefill = self.route(request, lease)
         return Turn(self, request, decode, prefill, lease)
+
+    def has_other(self, worker: WorkerState, roles: tuple[str, ...]) -> bool:
+        """Whether a healthy worker of ``roles`` other than ``worker`` could take its part of a
+        turn: only then is a worker whose headers are late probed and, unresponsive, left
+        (alone, it is waited for: a briefly frozen worker may come back)."""
+        return any(w is not worker and w.healthy and w.role in roles for w in self.pool.workers.values())
 
     def _decoders(self) -> list[WorkerState]:
         return [w for w in self.pool.workers.values() if w.role in ("decode", "both")]

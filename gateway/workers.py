@@ -16,7 +16,8 @@ request within ``request_timeout_s``; the rare lease and health calls end within
 twice the connect timeout.
 
 A worker sends a generate's headers once its KV pull is done, so late headers
-may be a busy worker or a frozen one. While they are late the client probes
+may be a busy worker or a frozen one. While they are late (and the caller has
+another worker to turn to: ``generate(probe=True)``) the client probes
 the worker's ``/health`` every ``PROBE_AFTER_S``: a worker that answers is
 alive and its headers are awaited (up to ``first_byte_timeout_s``); one that
 does not answer within ``PROBE_TIMEOUT_S`` is frozen, and the generate ends
@@ -261,14 +262,18 @@ class WorkerClient:
             await self._session.close()
             self._session = None
 
-    async def generate(self, url: str, body: dict[str, Any]) -> AsyncGenerator[list[dict[str, Any]], None]:
+    async def generate(self, url: str, body: dict[str, Any], *, probe: bool = False
+                       ) -> AsyncGenerator[list[dict[str, Any]], None]:
         """The events of one generate stream (token events, then the final one), in batches:
         every event that has arrived when the gateway reads the socket, so a reply that comes
         faster than the gateway relays it (a loaded gateway, a burst) is relayed in fewer,
         larger steps; a token is never held back waiting for the next.
 
         Raises UpstreamError on a refused request, a broken stream or an error
-        event (after the batch of events before it). Closing the iterator early
+        event (after the batch of events before it). ``probe``: while the headers are late,
+        probe the worker's /health and end the call ``unresponsive`` when it goes unanswered
+        (for a caller with another worker to turn to; without one, waiting out the first-byte
+        deadline gives a briefly frozen worker its chance). Closing the iterator early
         closes the connection, which the worker takes as an abort.
         """
         if self._closing:
@@ -283,7 +288,7 @@ class WorkerClient:
         finished = False  # read to [DONE] (or a refusal read whole): the connection may be reused
         try:
             try:
-                response = await self._post(url, payload, stream)
+                response = await self._post(url, payload, stream, probe=probe)
                 if response.status != 200:
                     text = (await response.read()).decode(errors="replace")
                     finished = True
@@ -335,13 +340,13 @@ class WorkerClient:
                 else:
                     self._end_later(response)
 
-    async def _post(self, url: str, payload: bytes, stream: _Stream) -> aiohttp.ClientResponse:
+    async def _post(self, url: str, payload: bytes, stream: _Stream, *, probe: bool) -> aiohttp.ClientResponse:
         """The response once its headers are in; a kept-alive connection the worker closed
         meanwhile (it never saw the request) is retried once on a fresh one."""
         session = self._http()
         for attempt in (0, 1):
             # a timer, not a task per request: most headers come before the first probe is due
-            watch = asyncio.get_running_loop().call_later(PROBE_AFTER_S, self._start_watch, url, stream)
+            watch = asyncio.get_running_loop().call_later(PROBE_AFTER_S, self._start_watch, url, stream) if probe else None
             connecting = _CONNECTING.set(stream)
             try:
                 response = await session.post(url + GENERATE_PATH, data=payload, headers=_JSON)
@@ -362,7 +367,8 @@ class WorkerClient:
                 continue
             finally:
                 _CONNECTING.reset(connecting)
-                watch.cancel()
+                if watch is not None:
+                    watch.cancel()
                 if stream.watch is not None:
                     stream.watch.cancel()
                     stream.watch = None

@@ -54,8 +54,8 @@ async def serve(script: Script) -> tuple[asyncio.Server, str, list[int]]:
     return server, f"http://127.0.0.1:{port}", conns
 
 
-async def collect(client: WorkerClient, url: str) -> list[dict[str, Any]]:
-    return [e async for batch in client.generate(url, {"request_id": "r"}) for e in batch]
+async def collect(client: WorkerClient, url: str, *, probe: bool = False) -> list[dict[str, Any]]:
+    return [e async for batch in client.generate(url, {"request_id": "r"}, probe=probe) for e in batch]
 
 
 def client(**kw: Any) -> WorkerClient:
@@ -397,7 +397,7 @@ def test_late_headers_from_a_worker_that_answers_health_are_awaited() -> None:
         server, url, _ = await serve(script)
         c = WorkerClient(request_timeout_s=30.0, connect_timeout_s=1.0, first_byte_timeout_s=20.0, event_timeout_s=10.0)
         try:
-            assert await collect(c, url) == EVENTS
+            assert await collect(c, url, probe=True) == EVENTS
             assert len(probes) >= 2  # probed while the headers were late, and alive every time
         finally:
             await c.aclose()
@@ -421,7 +421,7 @@ def test_late_headers_from_a_worker_that_does_not_answer_health_end_the_call_unr
         try:
             t0 = asyncio.get_running_loop().time()
             with pytest.raises(UpstreamError) as err:
-                await collect(c, url)
+                await collect(c, url, probe=True)
             took = asyncio.get_running_loop().time() - t0
             assert err.value.kind == "unresponsive" and err.value.url == url
             assert PROBE_AFTER_S + PROBE_TIMEOUT_S <= took < PROBE_AFTER_S + PROBE_TIMEOUT_S + 3.0
