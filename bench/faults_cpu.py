@@ -43,6 +43,11 @@ Faults (in this order; each run uses its own conversation ids):
   the same turns without the fault); then the prefill worker's part of a turn
   whose KV only the holder has, sent to the prefill directly, the holder alive
   and frozen (``reuse.peer_timeout_s`` bounds the frozen pull);
+- ``holder_sigstop_warm``: as ``holder_sigstop``, but the prefill worker
+  already holds every page of the turn (the same messages were sent once under
+  another conversation id): it has nothing to pull, so the decode request to
+  the frozen holder is what finds it frozen (no response headers, ``/health``
+  unanswered: ``unresponsive``) and moves before the first token is relayed;
 - ``gateway_sigterm``: the gateway SIGTERMed with long streams, a short one
   and a long request that is not streamed in flight (``gateway.drain_grace_s``
   = ``DRAIN_GRACE_S``): what finishes equals its reference, the rest ends with
@@ -51,7 +56,12 @@ Faults (in this order; each run uses its own conversation ids):
 - ``decode_sigkill``: the decode worker holding the first conversation's lease
   killed between its turns (the rest of the run has one decode worker);
 - ``transfer_timeout``: every worker restarted with
-  ``reuse.transfer_timeout_s`` = 1 us (each KV READ misses its deadline).
+  ``reuse.transfer_timeout_s`` = 1 us (each KV READ misses its deadline);
+- ``decode_pool_small``: every worker restarted, the decode workers with a KV
+  pool of ``SMALL_POOL_BYTES`` (the prefill's is 16 MiB); the conversations run
+  as before, and after every turn one prompt the prefill's pool holds but no
+  decode worker's does, streamed and not: each must be a 400
+  ``context_length_exceeded`` before any stream starts.
 
 Writes one JSON record per fault (sent, ok, failed_clear, failed_unclear,
 silently_wrong, fallback reasons seen in ``usage.kvserving.reuse_fallback``,
@@ -100,6 +110,8 @@ TRANSFER_TIMEOUT_S = 2.0  # reuse.transfer_timeout_s (the gateway's first-byte d
 TINY_TIMEOUT_S = 1e-6  # shorter than any READ (bench/up_gpu.py's `timeout` mode)
 PREFILL_STOP_S = 1.5
 PROBE_PROMPT_TOKENS = 300
+SMALL_POOL_BYTES = 2 << 20  # decode_pool_small: the decode workers' KV pool (512 tokens; the prefill's: 16 MiB, 4096)
+FILLER = "the quick brown fox jumps over the lazy dog "  # ~18 tokens a repeat
 DRAIN_GRACE_S = 1.0  # gateway.drain_grace_s: the long streams outlast it
 LONG_TOKENS = 200
 SHORT_TOKENS = 3  # a stream that ends within the grace
@@ -114,7 +126,7 @@ CONVERSATIONS = [  # (system prompt repeats, user turns, streamed)
          "Propose one change that makes it faster."], False),
 ]
 ALL_FAULTS = ("none", "malformed", "attacker", "nixl_attacker", "other_tenant", "prefill_sigstop", "holder_sigstop",
-              "gateway_sigterm", "decode_sigkill", "transfer_timeout")
+              "holder_sigstop_warm", "gateway_sigterm", "decode_sigkill", "transfer_timeout", "decode_pool_small")
 QUICK_FAULTS = ("attacker", "nixl_attacker", "holder_sigstop")
 CLASSES = ("ok", "failed_clear", "failed_unclear", "silently_wrong")
 
@@ -203,10 +215,10 @@ class Cluster:
     def workers(self) -> list[Proc]:
         return [self.prefill, *self.decoders]
 
-    def write_config(self, name: str, transfer_timeout_s: float) -> None:
+    def write_config(self, name: str, transfer_timeout_s: float, *, memory_bytes: int = 16 << 20) -> None:
         config = {
             "model": {"max_model_len": 1024, "served_name": MODEL},  # path empty: the built-in tiny model
-            "kv_cache": {"dtype": "bf16", "memory_bytes": 16 << 20},
+            "kv_cache": {"dtype": "bf16", "memory_bytes": memory_bytes},
             "reuse": {"recompute_threshold_tokens": 0, "transfer_timeout_s": transfer_timeout_s},
             "security": {"internal_token_file": str(self.tmp / "internal-token")},
             "gateway": {"prefill_urls": [self.prefill.url], "decode_urls": [d.url for d in self.decoders],
@@ -215,8 +227,14 @@ class Cluster:
         }
         (self.tmp / name).write_text(json.dumps(config))
 
-    def start_workers(self, transfer_timeout_s: float) -> None:
+    def start_workers(self, transfer_timeout_s: float, *, decode_memory_bytes: int | None = None) -> None:
         self.write_config("worker.json", transfer_timeout_s)
+        decode_config = self.tmp / "worker.json"
+        if decode_memory_bytes is not None:
+            self.write_config("worker-decode.json", transfer_timeout_s, memory_bytes=decode_memory_bytes)
+            decode_config = self.tmp / "worker-decode.json"
+        for d in self.decoders:
+            d.argv[d.argv.index("--config") + 1] = str(decode_config)
         for w in self.workers:
             w.start()
         for w in self.workers:
@@ -227,18 +245,19 @@ class Cluster:
         self.gateway.start()
         self.gateway.wait_ready()
 
-    def restart_workers(self, transfer_timeout_s: float) -> None:
+    def restart_workers(self, transfer_timeout_s: float, *, decode_memory_bytes: int | None = None) -> None:
         for w in self.workers:
             w.stop()
-        self.start_workers(transfer_timeout_s)
+        self.start_workers(transfer_timeout_s, decode_memory_bytes=decode_memory_bytes)
         self.all_healthy()
 
     def all_healthy(self, timeout: float = 60.0) -> None:
-        """Every worker answers /ready and the gateway routes to both decode workers again."""
+        """Every worker answers /ready and the gateway routes to every worker again."""
         for w in self.workers:
             w.wait_ready()
         deadline = time.monotonic() + timeout
-        while gauge(self.gateway_url, "kvserving_gateway_workers_healthy", role="decode") != 2:
+        while (gauge(self.gateway_url, "kvserving_gateway_workers_healthy", role="decode") != 2
+               or gauge(self.gateway_url, "kvserving_gateway_workers_healthy", role="prefill") != 1):
             if time.monotonic() > deadline:
                 raise RuntimeError("a decode worker did not come back into the gateway's rotation")
             time.sleep(0.2)
@@ -754,6 +773,79 @@ class Matrix:
         self.c.all_healthy()
         return run
 
+    def holder_sigstop_warm(self) -> Run:
+        frozen: list[Proc] = []
+        seconds: list[float] = []
+        warm: list[Result] = []
+        t0 = 0.0
+
+        def before(conv: int, turn: int) -> None:
+            nonlocal t0
+            if turn == 1:
+                self.c.all_healthy()
+                # the prefill computes (and caches) this very turn's prompt: it will have nothing to pull
+                warm.append(ask(self.client, self.history(conv, turn), f"holder_sigstop_warm-w{conv}",
+                                stream=False, reference=self.reference[conv][turn]))
+                holder = self.holder("holder_sigstop_warm", conv)
+                holder.send(signal.SIGSTOP)
+                frozen.append(holder)
+                t0 = time.monotonic()
+
+        def after(conv: int, turn: int) -> None:
+            if turn == 1:
+                seconds.append(round(time.monotonic() - t0, 2))
+                frozen[-1].send(signal.SIGCONT)
+
+        counters = gateway_counters(self.c.gateway_url)
+        try:
+            run = self.run("holder_sigstop_warm", before=before, after=after)
+        finally:
+            for p in frozen:
+                p.send(signal.SIGCONT)
+        moved = {k: int(v - counters.get(k, 0.0)) for k, v in gateway_counters(self.c.gateway_url).items()}
+        normal = self.turn_seconds.get("none") or self.turn_seconds["reference"]
+        run.extra["frozen_turn_s"] = seconds
+        run.extra["normal_turn_s"] = [normal[conv][1] for conv in range(len(self.conversations))]
+        run.extra["warm_up_requests"] = dict(Counter(r.kind for r in warm))
+        run.notes.append(f"the prefill warmed with each turn 2's messages, then the lease holder frozen before it "
+                         f"({len(frozen)} times); those turns took {seconds} s (without the fault: "
+                         f"{run.extra['normal_turn_s']} s); gateway upstream errors unresponsive "
+                         f"+{moved.get('upstream_errors{kind=unresponsive}', 0)}, holder_unresponsive "
+                         f"+{moved.get('reuse_fallbacks{reason=holder_unresponsive}', 0)}")
+        if any(r.kind != "ok" for r in warm):
+            run.violations.append(f"a warm-up request was not ok: {[r.detail for r in warm]}")
+        self.c.all_healthy()
+        return run
+
+    def decode_pool_small(self) -> Run:
+        self.c.restart_workers(TRANSFER_TIMEOUT_S, decode_memory_bytes=SMALL_POOL_BYTES)
+        decode_tokens = min(int(httpx.get(d.url + "/ready", timeout=10).json()["kv_capacity_tokens"]) for d in self.c.decoders)
+        prefill_tokens = int(httpx.get(self.c.prefill.url + "/ready", timeout=10).json()["kv_capacity_tokens"])
+        words = FILLER * ((decode_tokens + 40) // 18 + 1)  # a few dozen tokens over the decode pool
+        extra: list[Result] = []
+
+        def after(conv: int, turn: int) -> None:
+            for stream in (False, True):
+                got = ask(self.client, [{"role": "user", "content": words}], f"decode_pool_small-big{conv}-{turn}",
+                          stream=stream)
+                # a 400 before the stream (ask saw an HTTP status, not an error event) is the expected refusal
+                if got.kind == "failed_clear" and got.detail == "400 context_length_exceeded":
+                    extra.append(got)
+                else:
+                    extra.append(got if got.kind != "failed_clear" else Result("failed_unclear", detail=got.detail))
+
+        run = self.run("decode_pool_small", before=None, after=after)
+        victim = Counter(r.kind for r in run.results)
+        run.results += extra
+        run.extra["decode_kv_capacity_tokens"] = decode_tokens
+        run.extra["prefill_kv_capacity_tokens"] = prefill_tokens
+        run.notes.append(f"decode pools {decode_tokens} tokens, the prefill's {prefill_tokens}; victim turns {dict(victim)}; "
+                         f"{len(extra)} prompts over the decode pools ({len(words.split())} words), half streamed, "
+                         "each expected 400 context_length_exceeded before any stream")
+        if any(r.detail != "400 context_length_exceeded" for r in extra):
+            run.violations.append(f"a prompt over the decode pools was not a 400 before the stream: {[r.detail for r in extra]}")
+        return run
+
     def prefill_pull(self, holder: Proc, *, freeze: bool, seed: int) -> dict[str, Any]:
         """The prefill worker's part of a turn whose KV only ``holder`` has (what the gateway sends
         when its prefill lacks the prefix): the holder computes and retains a prompt the prefill
@@ -877,11 +969,11 @@ class Matrix:
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    head = f"{'fault':<17} {'sent':>4} {'ok':>4} {'failed_clear':>12} {'failed_unclear':>14} {'silently_wrong':>14}  fallbacks"
+    head = f"{'fault':<19} {'sent':>4} {'ok':>4} {'failed_clear':>12} {'failed_unclear':>14} {'silently_wrong':>14}  fallbacks"
     lines = [head, "-" * len(head)]
     for r in records:
         fb = ", ".join(f"{k} {v}" for k, v in r["fallback_reasons"].items()) or "-"
-        lines.append(f"{r['fault']:<17} {r['sent']:>4} {r['ok']:>4} {r['failed_clear']:>12} {r['failed_unclear']:>14} "
+        lines.append(f"{r['fault']:<19} {r['sent']:>4} {r['ok']:>4} {r['failed_clear']:>12} {r['failed_unclear']:>14} "
                      f"{r['silently_wrong']:>14}  {fb}")
     return "\n".join(lines)
 

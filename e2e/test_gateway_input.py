@@ -2,7 +2,9 @@
 `kvserving worker` whose KV pool is smaller than the context. A 7 MiB message is
 refused before the gateway renders or tokenizes it, for little memory, and the
 gateway's memory comes back; a prompt the pool cannot hold is a 400 the official
-`openai` client raises as `BadRequestError`, without retrying."""
+`openai` client raises as `BadRequestError`, without retrying; streamed, with a
+prefill worker whose pool holds it and a decode worker whose pool does not, the
+same 400 comes before the stream starts."""
 
 from __future__ import annotations
 
@@ -98,8 +100,42 @@ def test_a_prompt_the_kv_pool_cannot_hold_is_a_bad_request_not_retried(served: t
     assert (refused.value.code, refused.value.param, refused.value.type) == (
         "context_length_exceeded", "messages", "invalid_request_error")
     message = str(refused.value)
-    held = re.search(r"needs (\d+) tokens of KV cache \(\d+ of prompt, 8 of completion\) but this worker's bf16 KV pool "
-                     r"holds (\d+) tokens\. Please reduce", message)
+    # refused by the gateway before any worker request: the worker's /ready told its pool
+    held = re.search(r"needs (\d+) tokens of KV cache \(\d+ of prompt, 8 of completion\) but the largest decode worker's "
+                     r"KV pool holds (\d+) tokens\. Please reduce", message)
     assert held is not None and int(held[2]) < int(held[1]), message
     assert metric(gateway.url, "kvserving_gateway_requests_total", route=CHAT, code="400") == seen + 1  # no retry
     assert metric(gateway.url, "kvserving_gateway_requests_total", route=CHAT, code="502") == 0
+
+
+def test_a_streamed_prompt_the_prefill_pool_holds_but_no_decode_pool_does_is_a_400_before_the_stream(
+    workers: WorkerFactory, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    big = {**config(), "kv_cache": {"dtype": "bf16", "memory_bytes": 16 << 20}}
+    prefill = workers.start("prefill", big, wait=False)
+    decode = workers.start("decode", config(), wait=False)
+    prefill.wait_ready()
+    decode.wait_ready()
+    gateway = GatewayProc(tmp_path, tiny_model_dir, prefill=prefill.url, decode=[decode.url],
+                          token_file=workers.token_path, config=config())
+    try:
+        gateway.wait_ready()
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+        words = "the quick brown fox jumps over the lazy dog " * 35  # 636 tokens: the prefill's pool, not the decode's
+        seen = {code: metric(gateway.url, "kvserving_gateway_requests_total", route=CHAT, code=code) for code in ("200", "400")}
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words}], max_tokens=8,
+                                           stream=True)
+        assert (refused.value.code, refused.value.param, refused.value.type) == (
+            "context_length_exceeded", "messages", "invalid_request_error")
+        assert "the largest decode worker's KV pool holds" in str(refused.value)
+        assert metric(gateway.url, "kvserving_gateway_requests_total", route=CHAT, code="400") == seen["400"] + 1
+        assert metric(gateway.url, "kvserving_gateway_requests_total", route=CHAT, code="200") == seen["200"]
+        # what fits both pools streams as before
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4, stream=True))
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    finally:
+        gateway.stop()
+        prefill.kill()
+        decode.kill()

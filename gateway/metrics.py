@@ -17,7 +17,7 @@ DASHBOARD_METRICS, same name and type); the rest are for operators:
     kvserving_gateway_lease_releases_total                counter
     kvserving_gateway_lease_expiries_total                counter
     kvserving_gateway_routing_decisions_total{role,reason} counter
-    kvserving_gateway_upstream_errors_total{kind}         counter   connect | first_byte_timeout | event_timeout | timeout |
+    kvserving_gateway_upstream_errors_total{kind}         counter   connect | first_byte_timeout | unresponsive | event_timeout | timeout |
                                                                     status | stream | worker_error | draining
     kvserving_gateway_reuse_fallbacks_total{reason}       counter   holder_unresponsive: the lease holder was frozen or
                                                                     gone, the turn recomputed on another decode worker

@@ -14,7 +14,9 @@ so time to first token is the prefill's alone. A seeded request that samples
 so the seed gives one token stream whatever the topology.
 
 A worker that fails the turn before anything of its stream was relayed
-(unreachable, no answer within ``gateway.first_byte_timeout_s``, silent for
+(unreachable, no answer within ``gateway.first_byte_timeout_s``, late headers
+and an unanswered ``/health`` probe while another worker could take its part
+(frozen: workers.py), silent for
 ``gateway.event_timeout_s``, a broken stream, 503 not ready or draining) leaves
 the rotation until ``/ready`` answers again, and that part of the turn is
 routed once more: the whole turn, or only the decode once the prefill's first
@@ -53,7 +55,7 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = 2
 # Failures of a worker rather than of the request: retried on another worker while nothing of
 # that worker's stream has reached the client (and a 503: not ready, or draining).
-WORKER_LOST = frozenset({"connect", "first_byte_timeout", "event_timeout", "stream"})
+WORKER_LOST = frozenset({"connect", "first_byte_timeout", "unresponsive", "event_timeout", "stream"})
 # A prefill's pull from the lease holder that found it unreachable or frozen (usage.reuse_fallback).
 HOLDER_LOST = frozenset({"remote_unreachable", "transfer_timeout"})
 HOLDER_UNRESPONSIVE = "holder_unresponsive"  # kvserving_gateway_reuse_fallbacks_total{reason}
@@ -161,7 +163,7 @@ class Turn:
                     if self.lease is not None and exc.url == self.lease.worker_url:
                         self._holder_unresponsive()
                     if self._prefilled is not None:  # the prefill's first token is out: the decode only
-                        decode = self.router.choose_decode(self.lease)
+                        decode = self.router.choose_decode(self.lease, self.request)
                         if decode is None:
                             raise error from exc
                         self._switch_decode(decode)
@@ -202,7 +204,7 @@ class Turn:
         # decodes elsewhere, but only the health poll takes the holder out of the rotation
         # (marking it here took every decode worker out under a burst of slow pulls).
         if self.decode.url == lease.worker_url:
-            decode = self.router.choose_decode(None)
+            decode = self.router.choose_decode(None, self.request)
             if decode is not None:
                 self._switch_decode(decode)
 
@@ -252,7 +254,8 @@ class Turn:
         if request.tags is not None:
             body["tags"] = request.body_tags()
         # (the decode worker's load is counted by tokens() for the whole turn)
-        async with aclosing(self.router.client.generate(self.decode.url, body)) as batches:
+        probe = self.router.has_other(self.decode, ("decode", "both"))
+        async with aclosing(self.router.client.generate(self.decode.url, body, probe=probe)) as batches:
             async for events in batches:
                 tokens: list[list[int]] = []
                 end = None
@@ -305,7 +308,8 @@ class Turn:
     async def _stream(self, worker: WorkerState, body: dict[str, Any]) -> AsyncGenerator[list[dict[str, Any]], None]:
         worker.inflight += 1
         try:
-            async with aclosing(self.router.client.generate(worker.url, body)) as batches:
+            probe = self.router.has_other(worker, ("prefill", "both"))
+            async with aclosing(self.router.client.generate(worker.url, body, probe=probe)) as batches:
                 async for events in batches:
                     yield events
         finally:
@@ -393,12 +397,21 @@ class Turns:
         decode, prefill = self.route(request, lease)
         return Turn(self, request, decode, prefill, lease)
 
+    def has_other(self, worker: WorkerState, roles: tuple[str, ...]) -> bool:
+        """Whether a healthy worker of ``roles`` other than ``worker`` could take its part of a
+        turn: only then is a worker whose headers are late probed and, unresponsive, left
+        (alone, it is waited for: a briefly frozen worker may come back)."""
+        return any(w is not worker and w.healthy and w.role in roles for w in self.pool.workers.values())
+
     def _decoders(self) -> list[WorkerState]:
         return [w for w in self.pool.workers.values() if w.role in ("decode", "both")]
 
-    def choose_decode(self, lease: Lease | None) -> WorkerState | None:
+    def choose_decode(self, lease: Lease | None, request: TurnRequest) -> WorkerState | None:
+        """The decode worker among those the request fits (their KV pool and context), or None."""
         held = self.keeper.table.per_worker
-        views = [WorkerView(w.url, w.healthy, w.inflight, held.get(w.url, 0)) for w in self._decoders()]
+        prompt, max_tokens = len(request.input_ids), int(request.sampling.get("max_tokens", 1))
+        views = [WorkerView(w.url, w.healthy, w.inflight, held.get(w.url, 0)) for w in self._decoders()
+                 if w.fits(prompt, max_tokens)]
         decision = choose_decode(views, lease_url=lease.worker_url if lease else None, max_inflight=self.max_inflight)
         if decision is None:
             return None
@@ -407,8 +420,9 @@ class Turns:
 
     def route(self, request: TurnRequest, lease: Lease | None) -> tuple[WorkerState, WorkerState | None]:
         """The decode worker and (split roles) the prefill worker; 503 when none can take it."""
-        decode = self.choose_decode(lease)
+        decode = self.choose_decode(lease, request)
         if decode is None:
+            self._refuse_if_too_large(request)
             raise service_unavailable("No healthy decode worker is available; retry shortly.", retry_after_s=RETRY_AFTER_S)
         if decode.role == "both":
             return decode, None
@@ -418,6 +432,23 @@ class Turns:
             raise service_unavailable("No healthy prefill worker is available; retry shortly.", retry_after_s=RETRY_AFTER_S)
         self.metrics.route("prefill", choice.reason)
         return decode, self.pool.workers[choice.url]
+
+    def _refuse_if_too_large(self, request: TurnRequest) -> None:
+        """400 ``context_length_exceeded`` (before any byte of a stream) when no healthy decode
+        worker's KV pool can hold the request, as their /ready answers say."""
+        healthy = [w for w in self._decoders() if w.healthy and w.capacity is not None]
+        prompt, max_tokens = len(request.input_ids), int(request.sampling.get("max_tokens", 1))
+        if not healthy or any(w.fits(prompt, max_tokens) for w in healthy):
+            return
+        largest = max(healthy, key=lambda w: w.capacity[1] if w.capacity else 0)
+        assert largest.capacity is not None
+        max_model_len, kv_tokens = largest.capacity
+        total = min(prompt + max_tokens, max_model_len)
+        raise GatewayError(
+            400, f"request needs {total} tokens of KV cache ({prompt} of prompt, {total - prompt} of completion) but "
+            f"the largest decode worker's KV pool holds {kv_tokens} tokens. Please reduce the length of the messages "
+            "or completion.", param="messages", code="context_length_exceeded")
+
 
 def _worker_lost(exc: UpstreamError) -> bool:
     """A failure of the worker (gone, frozen, broken, not ready or draining), not of the request."""

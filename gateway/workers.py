@@ -15,12 +15,25 @@ Every generate is bounded (aiohttp's timeouts): connect, response headers within
 request within ``request_timeout_s``; the rare lease and health calls end within
 twice the connect timeout.
 
+A worker sends a generate's headers once its KV pull is done, so late headers
+may be a busy worker or a frozen one. While they are late (and the caller has
+another worker to turn to: ``generate(probe=True)``) the client probes
+the worker's ``/health`` every ``PROBE_AFTER_S``: a worker that answers is
+alive and its headers are awaited (up to ``first_byte_timeout_s``); one that
+does not answer within ``PROBE_TIMEOUT_S`` is frozen, and the generate ends
+``unresponsive``. The probe never cancels the request's task: it sets the
+error on the request's connection, which the header wait in the request's own
+task raises, so it cannot collide with the header deadline or an abort.
+
 Discovery: a static list of URLs (local mode) or the headless Services
 ``gateway.prefill_service`` / ``decode_service`` resolved by DNS every
 ``dns_refresh_s`` (cluster mode: one address per ready pod). A URL listed both
 as prefill and as decode is a ``both`` worker; decode workers with no prefill
 worker configured at all also take whole turns (``both``). A worker leaves the
-rotation when ``/ready`` fails or a request cannot reach it, and comes back
+rotation when ``/ready`` answers anything but 200, when its connection is
+refused, when a request cannot reach it, or after ``READY_MISSES`` polls in a
+row that got no answer in time (one slow poll, e.g. while the gateway's event
+loop tokenizes a long prompt, says nothing about the worker); it comes back
 when ``/ready`` answers 200 again.
 """
 
@@ -28,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import json.scanner
 import logging
@@ -47,6 +61,14 @@ from .router import WorkerView
 log = logging.getLogger(__name__)
 
 GENERATE_PATH = "/internal/generate"
+# Unanswered /ready polls in a row that take a worker out of the rotation (an answer other
+# than 200, or a refused connection, takes it out at once).
+READY_MISSES = 2
+# While a generate's response headers are late: /health probed this often, and a probe
+# unanswered this long ends the generate as ``unresponsive`` (a live worker's event loop
+# answers it while it pulls or queues: it sends a keep-alive every STREAM_KEEPALIVE_S too).
+PROBE_AFTER_S = 0.25
+PROBE_TIMEOUT_S = 1.0
 _JSON = {"Content-Type": "application/json"}
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps(.., separators=..) without an encoder per call
 
@@ -86,8 +108,9 @@ class UpstreamError(Exception):
 
     Kinds: ``connect`` (unreachable), ``first_byte_timeout`` (no response headers in time),
     ``event_timeout`` (its stream went silent: frozen), ``timeout`` (``request_timeout_s``),
-    ``status`` (an error status), ``stream`` (broken or malformed), ``worker_error`` (an error
-    event), ``draining`` (this gateway is shutting down)."""
+    ``unresponsive`` (headers late and ``/health`` unanswered: frozen), ``status`` (an error
+    status), ``stream`` (broken or malformed), ``worker_error`` (an error event), ``draining``
+    (this gateway is shutting down)."""
 
     def __init__(self, kind: str, message: str, *, url: str, status: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -106,6 +129,33 @@ class WorkerState:
     role: str  # "prefill" | "decode" | "both"
     healthy: bool = False
     inflight: int = 0
+    misses: int = 0  # /ready polls in a row without an answer in time
+    # (max_model_len, kv_capacity_tokens) from its /ready answer; None until it told
+    capacity: tuple[int, int] | None = None
+
+    def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether the worker admits the request (its own check: worker/engine.py add_request);
+        a worker that has not told its capacity is assumed to."""
+        if self.capacity is None:
+            return True
+        max_model_len, kv_tokens = self.capacity
+        return prompt_tokens < max_model_len and min(prompt_tokens + max_tokens, max_model_len) <= kv_tokens
+
+    def polled(self, ready: bool | None, body: dict[str, Any] | None = None) -> None:
+        """One /ready poll's outcome: True (200), False (another answer, or refused), None (no
+        answer in time); ``body``: a 200's JSON (the worker's capacity)."""
+        if body is not None:
+            try:
+                self.capacity = (int(body["max_model_len"]), int(body["kv_capacity_tokens"]))
+            except (KeyError, TypeError, ValueError):
+                pass
+        if ready is None:
+            self.misses += 1
+            if self.misses >= READY_MISSES:
+                self.healthy = False
+            return
+        self.misses = 0
+        self.healthy = ready
 
     def view(self) -> WorkerView:
         return WorkerView(self.url, self.healthy, self.inflight)
@@ -115,15 +165,23 @@ class _Closing(Exception):
     """The gateway is shutting down: the request was ended by ``WorkerClient.abort_streams``."""
 
 
-class _Stream:
-    """A generate in flight: its task (until the response headers are in) and its response."""
+class _Unresponsive(Exception):
+    """The worker's headers are late and it does not answer ``/health``: set on the request's connection."""
 
-    __slots__ = ("task", "response", "aborted")
+
+class _Stream:
+    """A generate in flight: its task (until the response headers are in), its connection
+    (once the connector gave it one) and its response."""
+
+    __slots__ = ("task", "response", "aborted", "connection", "unresponsive", "watch")
 
     def __init__(self, task: asyncio.Task[Any] | None) -> None:
         self.task = task
         self.response: aiohttp.ClientResponse | None = None
         self.aborted = False
+        self.connection: aiohttp.connector.Connection | None = None
+        self.unresponsive = False
+        self.watch: asyncio.Task[None] | None = None  # the /health prober, while the headers are late
 
     def abort(self) -> None:
         self.aborted = True
@@ -131,6 +189,24 @@ class _Stream:
             self.response.content.set_exception(_Closing())
         elif self.task is not None:
             self.task.cancel()  # it waits for the response headers (``WorkerClient._post``)
+
+
+# The generate whose connection the connector is handing out (set around ``session.post`` in
+# the request's own task, whose context the connector's ``connect`` runs in).
+_CONNECTING: contextvars.ContextVar[_Stream | None] = contextvars.ContextVar("kvserving_connecting", default=None)
+
+
+class _Connector(aiohttp.TCPConnector):
+    """A TCP connector that tells a generate which connection carries it (the prober ends a
+    frozen worker's request on it)."""
+
+    async def connect(self, req: aiohttp.ClientRequest, traces: list[Any], timeout: aiohttp.ClientTimeout
+                      ) -> aiohttp.connector.Connection:
+        connection = await super().connect(req, traces, timeout)
+        stream = _CONNECTING.get()
+        if stream is not None:
+            stream.connection = connection
+        return connection
 
 
 class WorkerClient:
@@ -167,7 +243,7 @@ class WorkerClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             # Idle connections are dropped before uvicorn's 5 s keep-alive closes them from its side.
-            connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0, keepalive_timeout=4)
+            connector = _Connector(limit=self._max_connections, limit_per_host=0, keepalive_timeout=4)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._generate_timeout,
                                                   auto_decompress=False, headers=self._headers,
                                                   cookie_jar=aiohttp.DummyCookieJar())
@@ -186,14 +262,18 @@ class WorkerClient:
             await self._session.close()
             self._session = None
 
-    async def generate(self, url: str, body: dict[str, Any]) -> AsyncGenerator[list[dict[str, Any]], None]:
+    async def generate(self, url: str, body: dict[str, Any], *, probe: bool = False
+                       ) -> AsyncGenerator[list[dict[str, Any]], None]:
         """The events of one generate stream (token events, then the final one), in batches:
         every event that has arrived when the gateway reads the socket, so a reply that comes
         faster than the gateway relays it (a loaded gateway, a burst) is relayed in fewer,
         larger steps; a token is never held back waiting for the next.
 
         Raises UpstreamError on a refused request, a broken stream or an error
-        event (after the batch of events before it). Closing the iterator early
+        event (after the batch of events before it). ``probe``: while the headers are late,
+        probe the worker's /health and end the call ``unresponsive`` when it goes unanswered
+        (for a caller with another worker to turn to; without one, waiting out the first-byte
+        deadline gives a briefly frozen worker its chance). Closing the iterator early
         closes the connection, which the worker takes as an abort.
         """
         if self._closing:
@@ -208,7 +288,7 @@ class WorkerClient:
         finished = False  # read to [DONE] (or a refusal read whole): the connection may be reused
         try:
             try:
-                response = await self._post(url, payload, stream)
+                response = await self._post(url, payload, stream, probe=probe)
                 if response.status != 200:
                     text = (await response.read()).decode(errors="replace")
                     finished = True
@@ -235,6 +315,9 @@ class WorkerClient:
                 finished = True
             except _Closing as exc:
                 raise UpstreamError("draining", "the gateway is shutting down", url=url) from exc
+            except _Unresponsive as exc:
+                raise UpstreamError("unresponsive", f"worker {url} sent no response headers and did not answer "
+                                    f"/health within {PROBE_TIMEOUT_S:g} s", url=url) from exc
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 raise UpstreamError("connect", f"cannot reach worker {url}: {exc}", url=url) from exc
             except aiohttp.SocketTimeoutError as exc:
@@ -257,13 +340,19 @@ class WorkerClient:
                 else:
                     self._end_later(response)
 
-    async def _post(self, url: str, payload: bytes, stream: _Stream) -> aiohttp.ClientResponse:
+    async def _post(self, url: str, payload: bytes, stream: _Stream, *, probe: bool) -> aiohttp.ClientResponse:
         """The response once its headers are in; a kept-alive connection the worker closed
         meanwhile (it never saw the request) is retried once on a fresh one."""
         session = self._http()
         for attempt in (0, 1):
+            # a timer, not a task per request: most headers come before the first probe is due
+            watch = asyncio.get_running_loop().call_later(PROBE_AFTER_S, self._start_watch, url, stream) if probe else None
+            connecting = _CONNECTING.set(stream)
             try:
                 response = await session.post(url + GENERATE_PATH, data=payload, headers=_JSON)
+                if stream.unresponsive:  # the headers came as the probe gave up: the connection is spoilt
+                    response.close()
+                    raise _Unresponsive
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if not stream.aborted or task is None:
@@ -276,9 +365,42 @@ class WorkerClient:
                 if attempt:
                     raise
                 continue
+            finally:
+                _CONNECTING.reset(connecting)
+                if watch is not None:
+                    watch.cancel()
+                if stream.watch is not None:
+                    stream.watch.cancel()
+                    stream.watch = None
             stream.response = response
             return response
         raise AssertionError("unreachable")
+
+    def _start_watch(self, url: str, stream: _Stream) -> None:
+        stream.watch = asyncio.get_running_loop().create_task(self._watch(url, stream))
+
+    async def _watch(self, url: str, stream: _Stream) -> None:
+        """Probe ``url``'s /health while the request's headers are late; the first unanswered
+        probe ends the request (``_Unresponsive`` on its connection). Cancelled once they are in."""
+        while True:
+            if await self._alive(url):
+                await asyncio.sleep(PROBE_AFTER_S)
+                continue
+            connection = stream.connection
+            if connection is None or connection.protocol is None:
+                continue  # still connecting: the connect deadline covers it
+            stream.unresponsive = True
+            connection.protocol.set_exception(_Unresponsive())
+            return
+
+    async def _alive(self, url: str) -> bool:
+        """Whether ``url``'s process answers /health (any status) within ``PROBE_TIMEOUT_S``."""
+        try:
+            async with self._http().get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as response:
+                await response.read()
+                return True
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
 
     def _end_later(self, response: aiohttp.ClientResponse) -> None:
         """A reply left at [DONE] before its body ended (its last chunk usually follows at once):
@@ -320,12 +442,22 @@ class WorkerClient:
             response.raise_for_status()
             return True
 
-    async def ready(self, url: str) -> bool:
+    async def ready(self, url: str) -> tuple[bool | None, dict[str, Any] | None]:
+        """Whether ``url`` is ready: True (200), False (another status, refused, broken), None (no
+        answer in time); and a 200's JSON body."""
         try:
             async with self._http().get(f"{url}/ready", timeout=self._short) as response:
-                return response.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return False
+                if response.status != 200:
+                    return False, None
+                try:
+                    body = await response.json(content_type=None)
+                except ValueError:
+                    body = None
+                return True, body if isinstance(body, dict) else None
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            return None, None
+        except aiohttp.ClientError:
+            return False, None
 
 
 def _note(record: RequestRecord, batch: list[dict[str, Any]]) -> None:
@@ -480,8 +612,8 @@ class WorkerPool:
             await self._resolve_members()
         states = list(self.workers.values())
         results = await asyncio.gather(*(self.client.ready(w.url) for w in states))
-        for state, ok in zip(states, results):
-            state.healthy = ok
+        for state, (ok, body) in zip(states, results):
+            state.polled(ok, body)
 
     async def _resolve_members(self) -> None:
         port = self.config.worker_port

@@ -186,7 +186,7 @@ def create_app(
     async def ready() -> Response:
         if not service.ready:
             return error_response(503, f"worker is {service.state}", type_="unavailable")
-        return JSONResponse({"ready": True, "role": service.role, "engine_id": service.engine_id})
+        return JSONResponse({"ready": True, "role": service.role, "engine_id": service.engine_id, **service.capacity()})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -99,6 +99,14 @@ class WorkerService:
     def ready(self) -> bool:
         return self.state == READY
 
+    def capacity(self) -> dict[str, int]:
+        """What a request may need (``LLMEngine.add_request``'s check), for /ready: the gateway
+        sends a decode only to a worker it fits, else answers 400 before streaming."""
+        assert self.engine is not None
+        engine = self.engine.engine
+        # worst case every page is 4-bit, as the admission check counts
+        return {"max_model_len": engine.max_model_len, "kv_capacity_tokens": engine.kv_cache.capacity_tokens_at(0.0)}
+
     async def drain(self, *, grace_s: float) -> int:
         """Stop admitting; wait up to ``grace_s`` for in-flight requests, then abort the rest.
 

@@ -55,8 +55,8 @@ async def serve(script: Script) -> tuple[asyncio.Server, str, list[int]]:
     return server, f"http://127.0.0.1:{port}", conns
 
 
-async def collect(client: WorkerClient, url: str) -> list[dict[str, Any]]:
-    return [e async for batch in client.generate(url, {"request_id": "r"}) for e in batch]
+async def collect(client: WorkerClient, url: str, *, probe: bool = False) -> list[dict[str, Any]]:
+    return [e async for batch in client.generate(url, {"request_id": "r"}, probe=probe) for e in batch]
 
 
 def client(**kw: Any) -> WorkerClient:
@@ -329,3 +329,67 @@ def test_abort_streams_ends_a_request_still_waiting_for_its_response_headers() -
         assert err.value.kind == "draining"
 
     with_server(script, check, timeout=30.0, first_byte_timeout_s=20.0, event_timeout_s=10.0)
+
+
+async def read_head(reader: Reader) -> bytes:
+    return await reader.readuntil(b"\r\n\r\n")
+
+
+def test_late_headers_from_a_worker_that_answers_health_are_awaited() -> None:
+    """A busy worker (its KV pull takes 2.5 s) answers its /health probes: its reply is read whole."""
+    probes: list[int] = []
+
+    async def script(_: int, reader: Reader, writer: Writer) -> None:
+        head = await read_head(reader)
+        while head.startswith(b"GET /health "):  # kept alive: the next probe comes on the same connection
+            probes.append(1)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 15\r\n\r\n{\"status\":\"ok\"}")
+            await writer.drain()
+            head = await read_head(reader)
+        length = next(int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        await asyncio.sleep(2.5)
+        for part in sse_reply(EVENTS):
+            writer.write(part)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def run() -> None:
+        server, url, _ = await serve(script)
+        c = WorkerClient(request_timeout_s=30.0, connect_timeout_s=1.0, first_byte_timeout_s=20.0, event_timeout_s=10.0)
+        try:
+            assert await collect(c, url, probe=True) == EVENTS
+            assert len(probes) >= 2  # probed while the headers were late, and alive every time
+        finally:
+            await c.aclose()
+            server.close()
+
+    asyncio.run(run())
+
+
+def test_late_headers_from_a_worker_that_does_not_answer_health_end_the_call_unresponsive() -> None:
+    """A frozen worker (the kernel still accepts, the process answers nothing): the call ends
+    ``unresponsive`` at the first unanswered probe, long before the first-byte deadline."""
+    async def script(_: int, reader: Reader, writer: Writer) -> None:
+        await read_head(reader)
+        await reader.read()  # accepted, never answered
+
+    async def run() -> None:
+        from kvserving.gateway.workers import PROBE_AFTER_S, PROBE_TIMEOUT_S
+
+        server, url, _ = await serve(script)
+        c = WorkerClient(request_timeout_s=30.0, connect_timeout_s=1.0, first_byte_timeout_s=20.0, event_timeout_s=10.0)
+        try:
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(UpstreamError) as err:
+                await collect(c, url, probe=True)
+            took = asyncio.get_running_loop().time() - t0
+            assert err.value.kind == "unresponsive" and err.value.url == url
+            assert PROBE_AFTER_S + PROBE_TIMEOUT_S <= took < PROBE_AFTER_S + PROBE_TIMEOUT_S + 3.0
+            assert not c._streams  # nothing left in flight
+        finally:
+            await c.aclose()
+            server.close()
+
+    asyncio.run(run())

@@ -130,3 +130,71 @@ def test_encode_body_splices_raw_values_and_equals_the_plain_encoding() -> None:
     assert json.loads(encode_body(raw)) == plain
     assert json.loads(encode_body(plain)) == plain
     assert json.loads(encode_body({"tags": RawJson("[1,2]")})) == {"tags": [1, 2]}  # nothing but raw values
+
+
+def test_a_worker_leaves_the_rotation_after_ready_misses_in_a_row_or_at_once_on_a_refusal() -> None:
+    from kvserving.gateway.workers import READY_MISSES, WorkerState
+
+    assert READY_MISSES == 2
+    w = WorkerState("http://w", "decode")
+    seen = []
+    for outcome in (True, None, True, None, None, None, True, False, None, True):
+        w.polled(outcome)
+        seen.append((w.healthy, w.misses))
+    assert seen == [(True, 0), (True, 1), (True, 0), (True, 1), (False, 2), (False, 3), (True, 0), (False, 0),
+                    (False, 1), (True, 0)]
+
+
+def test_one_unanswered_ready_poll_keeps_a_worker_two_in_a_row_take_it_out_a_503_at_once() -> None:
+    """Against a real HTTP server whose /ready answers 200, then not in time (twice), then 200, then 503."""
+    plan = ["200", "hang", "hang", "200", "503"]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"GET /ready ")
+                step = plan.pop(0)
+                if step == "hang":
+                    await reader.read()  # a poll the gateway gives up on: it closes the connection
+                    return
+                status = b"200 OK" if step == "200" else b"503 Service Unavailable"
+                writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = WorkerClient(request_timeout_s=5, connect_timeout_s=0.5)
+        p = WorkerPool(GatewayConfig(decode_urls=(url,)), client)
+        seen = []
+        try:
+            for _ in range(5):
+                await p.refresh()
+                seen.append(p.workers[url].healthy)
+        finally:
+            await client.aclose()
+            server.close()
+        assert seen == [True, True, False, True, False]
+        assert plan == []
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_fits_a_request_by_the_capacity_its_ready_answer_told() -> None:
+    from kvserving.gateway.workers import WorkerState
+
+    w = WorkerState("http://w", "decode")
+    assert w.fits(10_000, 10_000)  # nothing told yet: assumed to fit (the worker's own check still runs)
+    w.polled(True, {"ready": True, "max_model_len": 1024, "kv_capacity_tokens": 400})
+    assert w.capacity == (1024, 400)
+    # the worker's admission check: prompt < max_model_len, min(prompt + max_tokens, max_model_len) <= pool
+    assert [w.fits(p, m) for p, m in ((392, 8), (393, 8), (1023, 1), (1024, 1))] == [True, False, False, False]
+    w.polled(True, {"ready": True, "max_model_len": 1024, "kv_capacity_tokens": 4096})
+    assert [w.fits(p, m) for p, m in ((636, 8), (1000, 5000), (1024, 1))] == [True, True, False]
+    w.polled(True, {"ready": True})  # an answer without the fields keeps what was told
+    assert w.capacity == (1024, 4096)

@@ -350,9 +350,15 @@ def test_health_answers_while_the_model_loads_and_ready_waits_for_it(config: Ser
         assert "kvserving_worker_ready 0.0" in httpx.get(url + "/metrics", timeout=5).text
         loaded.set()
         deadline = time.monotonic() + 60
-        while httpx.get(url + "/ready", timeout=5).status_code != 200:
+        while (ready := httpx.get(url + "/ready", timeout=5)).status_code != 200:
             assert time.monotonic() < deadline, "never became ready"
             time.sleep(0.05)
+        # what a request may need, for the gateway's routing (the engine's admission check)
+        assert live.service.engine is not None
+        engine = live.service.engine.engine
+        told = ready.json()
+        assert (told["max_model_len"], told["kv_capacity_tokens"]) == (engine.max_model_len, engine.kv_cache.capacity_tokens_at(0.0))
+        assert told["max_model_len"] > 0 and told["kv_capacity_tokens"] > 0
         tokens, _ = generate(live, body("late", [1, 2], max_tokens=2))
         assert len(tokens) == 2
     finally:
