@@ -38,8 +38,11 @@ CONVERSATION = "conv-e2e"
 
 
 def worker_config(dtype: str) -> dict[str, Any]:
-    """``triaxial-hold``: triaxial with the bit-budget controller (kv_cache.bit_budget_control)."""
+    """``triaxial``: the bits table fixed; ``triaxial-hold``: the bit-budget controller
+    (kv_cache.bit_budget_control, the default)."""
     kv: dict[str, Any] = {"dtype": dtype, "memory_bytes": 16 << 20}
+    if dtype == "triaxial":
+        kv["bit_budget_control"] = "fixed"
     if dtype == "triaxial-hold":
         kv.update(dtype="triaxial", bit_budget_control="hold")
     return {
