@@ -205,6 +205,16 @@ def test_four_turn_conversation_pulls_both_ways_and_computes_only_new_tokens(
                 assert b_final["usage"]["remote_pulled_tokens"] == 0
             p_metrics = httpx.get(prefill.url + "/metrics", timeout=10).text
             assert metric(p_metrics, "kvserving_worker_kv_reuse_fallbacks_total", reason="bits_cut_mismatch") == 2
+            # the decode worker leads: a cut it carries on the same ranking becomes the prefill worker's cut
+            moved = control.cut + 1.5
+            m_tokens, m_final = stream_generate(prefill, {
+                "request_id": f"{dtype}-cut-moved", "input_ids": history, "tags": tags,
+                "sampling": {"max_tokens": 1, "ignore_eos": True}, "kv_transfer_params": dict(decode_params, bits_cut=moved),
+            })
+            assert m_tokens == want and m_final["usage"]["reuse_fallback"] is None
+            assert m_final["kv_transfer_params"]["bits_cut"] == moved
+            st = httpx.get(prefill.url + "/internal/kv/stats", headers=prefill.headers, timeout=10).json()["stored_bits"]
+            assert st["cut"] == moved
         assert metric(d_metrics, "kvserving_worker_kv_transfer_bytes_per_second") > 0
         assert metric(d_metrics, "kvserving_worker_kv_cache_usage_ratio") > 0  # the retained lease's pages
     finally:
