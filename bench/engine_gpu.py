@@ -113,8 +113,10 @@ def conversation_tags(n: int) -> list[int]:
 
 class Bench:
     def __init__(self, model: tuple[ModelArgs, DecoderModel], *, quick: bool, enforce_eager: bool,
-                 breakdown: bool = True) -> None:
+                 breakdown: bool = True, bit_budget: float | None = None, bit_budget_control: str = "fixed") -> None:
         self.model = model
+        self.bit_budget = bit_budget  # triaxial: kv_cache.bit_budget (None: the config's default)
+        self.bit_budget_control = bit_budget_control  # triaxial: kv_cache.bit_budget_control
         self.breakdown = breakdown and DEVICE == "cuda"
         self.quick = quick
         self.enforce_eager = enforce_eager
@@ -130,7 +132,9 @@ class Bench:
             margs = dataclasses.replace(margs, max_position_embeddings=max_len)
         config = ServingConfig(
             model=ModelConfig(served_name="qwen3-8b-shape"),
-            kv_cache=KVCacheConfig(dtype=fmt, memory_bytes=int(gib * GIB)),
+            kv_cache=KVCacheConfig(dtype=fmt, memory_bytes=int(gib * GIB),
+                                   **({"bit_budget": self.bit_budget, "bit_budget_control": self.bit_budget_control}
+                                      if fmt == "triaxial" else {})),
             scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=8192, chunk_size=8192),
         )
         return LLMEngine(config, device=DEVICE, dtype=torch.bfloat16, model=(margs, model), enforce_eager=self.enforce_eager)
@@ -149,6 +153,10 @@ class Bench:
             rid = f"s{self.counter}"
             prompt = [10 + self.counter % (self.vocab - 10)] + base[1:]  # distinct prefix hashes per sequence
             seq = Sequence(rid, prompt, params, make_generator(0, device=DEVICE), tags=tags)
+            if engine.kv.controller is not None:
+                # admission's path: the bit-budget controller counts the prompt's pages and moves its cut
+                # (the prefix is distinct: nothing matches)
+                engine.kv.match_prefix(seq)
             if not engine.kv.allocate_until(seq, prompt_len):
                 engine.kv.free(seq)
                 break
@@ -218,10 +226,17 @@ class Bench:
             "pool_capacity_tokens": engine.capacity_tokens, "bytes_per_token_int4": engine.storage.bytes_per_token,
             "int2_pages_stored": n2, "pages_stored": len(pages),
             "int2_share_stored": n2 / max(1, len(pages)), "int2_share_budget": engine.kv_cache.int2_share,
+            # nominal bits per value over the pages stored (4 / 2; metadata excluded), the budget, the controller's cut
+            "stored_bits": (4 * (len(pages) - n2) + 2 * n2) / max(1, len(pages)),
+            "bit_budget": engine.kv_cache.bit_budget, "bit_budget_control": self.bit_budget_control if fmt == "triaxial" else None,
+            "bits_cut": engine.kv.controller.cut if engine.kv.controller is not None else None,
             "seconds": time.perf_counter() - t0,
         }  # fmt: skip
         print(f"  capacity {fmt}: {len(seqs)} x 8K sequences in {gib:g} GiB (step ran {ran}); "
-              f"INT2 pages {row['int2_share_stored']:.3f} of stored (budget table {row['int2_share_budget']:.3f})", flush=True)  # fmt: skip
+              f"INT2 pages {row['int2_share_stored']:.3f} of stored (budget table {row['int2_share_budget']:.3f})"
+              + (f"; stored bits {row['stored_bits']:.3f} (budget {row['bit_budget']}, {row['bit_budget_control']}"
+                 + (f", cut {row['bits_cut']:.2f})" if row["bits_cut"] is not None else ")") if fmt == "triaxial" else ""),
+              flush=True)  # fmt: skip
         self.clear(engine)
         del engine
         release()
@@ -482,6 +497,9 @@ def main() -> None:
     ap.add_argument("--iso-kv-gib", type=float, default=100.0, help="KV memory of the iso comparison")
     ap.add_argument("--iso-contexts", default="32768,131072")
     ap.add_argument("--smoke", action="store_true", help="CPU, toy shape, tiny pools: checks the script, measures nothing")
+    ap.add_argument("--bit-budget", type=float, default=None, help="triaxial: kv_cache.bit_budget (default: the config's)")
+    ap.add_argument("--bit-budget-control", choices=("fixed", "hold"), default="fixed",
+                    help="triaxial: kv_cache.bit_budget_control (hold: the controller holds the stored bits at the budget)")
     args = ap.parse_args()
     global DEVICE
     if args.smoke:
@@ -510,7 +528,8 @@ def main() -> None:
           flush=True)
     print(f"device {dev}, torch {torch.__version__}; Qwen3-8B shape, vocab {args.vocab}, weights {weights / 1e9:.2f} GB "
           f"(random {args.weights}, seed {args.seed}); capacity pool {args.kv_gib:g} GiB, speed pool {args.speed_kv_gib:g} GiB", flush=True)  # fmt: skip
-    bench = Bench((margs, model), quick=args.quick, enforce_eager=args.enforce_eager, breakdown=not args.no_breakdown)
+    bench = Bench((margs, model), quick=args.quick, enforce_eager=args.enforce_eager, breakdown=not args.no_breakdown,
+                  bit_budget=args.bit_budget, bit_budget_control=args.bit_budget_control)
     results: dict[str, Any] = {}
     if args.iso:
         contexts = [512, 1024] if args.smoke else [int(c) for c in args.iso_contexts.split(",")]
@@ -557,7 +576,8 @@ def dump(args: argparse.Namespace, dev: str, weights: int, results: dict[str, An
          read: int, bw_tb_s: float) -> None:
     out = {"device": dev, "torch": torch.__version__, "model": f"Qwen3-8B shape, random {args.weights} weights", "weights": args.weights, "vocab": args.vocab,
            "weights_bytes": weights, "weights_read_bytes": read, "read_bandwidth_tb_s": bw_tb_s, "kv_gib": args.kv_gib, "speed_kv_gib": args.speed_kv_gib, "quick": args.quick,
-           "enforce_eager": args.enforce_eager, "seconds": seconds, "formats": results}  # fmt: skip
+           "enforce_eager": args.enforce_eager, "bit_budget": args.bit_budget, "bit_budget_control": args.bit_budget_control,
+           "seconds": seconds, "formats": results}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"  ({seconds:.0f} s so far, JSON written)", flush=True)
@@ -569,12 +589,13 @@ def report(results: dict[str, Any], shapes: list[tuple[int, int]]) -> None:
     def ratio(x: float | None, b: float | None) -> str:
         return f"({x / b:4.2f}x)" if x and b else "       "
 
-    print(f"\n{'format':<9} {'8K seqs':>14} {'INT2 pages':>16} {'prefill 8K tok/s':>24}")
+    print(f"\n{'format':<9} {'8K seqs':>14} {'INT2 pages, bits':>16} {'prefill 8K tok/s':>24}")
     for fmt, r in results.items():
         cap, pf = r["capacity"], r["prefill_8k"]
         b_cap = base["capacity"]["seqs"] if base else None
         b_pf = base["prefill_8k"]["tok_s"] if base else None
-        share = f"{cap['int2_share_stored']:.2f}/{cap['int2_share_budget']:.2f}" if fmt == "triaxial" else "-"
+        share = (f"{cap['int2_share_stored']:.2f}/{cap['int2_share_budget']:.2f} {cap.get('stored_bits', 0):.2f}b"
+                 if fmt == "triaxial" else "-")
         print(f"{fmt:<9} {cap['seqs']:>5} {ratio(cap['seqs'], b_cap)} {share:>16} {pf['tok_s']:>14.0f} {ratio(pf['tok_s'], b_pf)}")
     print(f"\n{'format':<9} " + " ".join(f"{f'{b}x{c // 1024}K TPOT ms':>22}" for b, c in shapes))
     for fmt, r in results.items():

@@ -38,8 +38,11 @@ CONVERSATION = "conv-e2e"
 
 
 def worker_config(dtype: str) -> dict[str, Any]:
-    """``triaxial-hold``: triaxial with the bit-budget controller (kv_cache.bit_budget_control)."""
+    """``triaxial``: the bits table fixed; ``triaxial-hold``: the bit-budget controller
+    (kv_cache.bit_budget_control, the default)."""
     kv: dict[str, Any] = {"dtype": dtype, "memory_bytes": 16 << 20}
+    if dtype == "triaxial":
+        kv["bit_budget_control"] = "fixed"
     if dtype == "triaxial-hold":
         kv.update(dtype="triaxial", bit_budget_control="hold")
     return {
@@ -183,6 +186,35 @@ def test_four_turn_conversation_pulls_both_ways_and_computes_only_new_tokens(
                 st = httpx.get(worker.url + "/internal/kv/stats", headers=worker.headers, timeout=10).json()["stored_bits"]
                 assert st["budget"] == 2.7 and st["cut"] == reference.kv.controller.cut  # type: ignore[union-attr]
                 assert 2.0 <= st["excluded"] <= 4.0 and st["included"] == pytest.approx(st["excluded"] + 1.0)
+            # one cut per deployment: it travels with the pages both ways, on the ranking both workers hold
+            control = reference.kv.controller
+            assert control is not None
+            for params in (p_params, decode_params):
+                assert (params["bits_cut"], params["bits_ranking"]) == (control.cut, control.ranking)
+            # a cut this worker cannot honour (another ranking), or none where it holds one: recomputed, counted
+            history = history + reply
+            tags = tag_history(segments + [(TURNS, "assistant", reply)], TURNS + 1)
+            want = reference.generate([history], SamplingParams(max_tokens=1, ignore_eos=True), tags=[tags])[0]
+            stripped = {k: v for k, v in decode_params.items() if k not in ("bits_cut", "bits_ranking")}
+            for i, bad in enumerate((dict(decode_params, bits_ranking="0" * 16), stripped)):
+                b_tokens, b_final = stream_generate(prefill, {
+                    "request_id": f"{dtype}-cut-{i}", "input_ids": history, "tags": tags,
+                    "sampling": {"max_tokens": 1, "ignore_eos": True}, "kv_transfer_params": bad,
+                })
+                assert b_tokens == want and b_final["usage"]["reuse_fallback"] == "bits_cut_mismatch"
+                assert b_final["usage"]["remote_pulled_tokens"] == 0
+            p_metrics = httpx.get(prefill.url + "/metrics", timeout=10).text
+            assert metric(p_metrics, "kvserving_worker_kv_reuse_fallbacks_total", reason="bits_cut_mismatch") == 2
+            # the decode worker leads: a cut it carries on the same ranking becomes the prefill worker's cut
+            moved = control.cut + 1.5
+            m_tokens, m_final = stream_generate(prefill, {
+                "request_id": f"{dtype}-cut-moved", "input_ids": history, "tags": tags,
+                "sampling": {"max_tokens": 1, "ignore_eos": True}, "kv_transfer_params": dict(decode_params, bits_cut=moved),
+            })
+            assert m_tokens == want and m_final["usage"]["reuse_fallback"] is None
+            assert m_final["kv_transfer_params"]["bits_cut"] == moved
+            st = httpx.get(prefill.url + "/internal/kv/stats", headers=prefill.headers, timeout=10).json()["stored_bits"]
+            assert st["cut"] == moved
         assert metric(d_metrics, "kvserving_worker_kv_transfer_bytes_per_second") > 0
         assert metric(d_metrics, "kvserving_worker_kv_cache_usage_ratio") > 0  # the retained lease's pages
     finally:

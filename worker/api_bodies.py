@@ -48,9 +48,13 @@ class KVTransferParamsBody(_Body):
     dtype: StrictStr
     layout_hash: StrictStr
     expires_at: Number
+    bits_cut: Number | None = Field(default=None, ge=0, le=56)
+    bits_ranking: StrictStr | None = Field(default=None, min_length=1, max_length=64)
 
     @model_validator(mode="after")
     def _pages_line_up(self) -> KVTransferParamsBody:
+        if (self.bits_cut is None) != (self.bits_ranking is None):
+            raise ValueError("bits_cut and bits_ranking come together or not at all")
         if len(self.page_ids) != len(self.page_hashes):
             raise ValueError(
                 f"page_ids has {len(self.page_ids)} entries but page_hashes has {len(self.page_hashes)}"

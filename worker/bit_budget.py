@@ -28,6 +28,13 @@ Two inputs set the cut:
 New pages aim at ``budget + (budget - held)`` (clamped to ``MAX_CORRECTION``), so
 the pool's error shrinks as its pages turn over, without an integral to wind up.
 
+One cut per deployment: the decode workers lead, the prefill workers follow. A
+leader moves its cut as below; a follower (``leader = False``) stores at the cut
+the last ``kv_transfer_params`` it pulled from carried (``adopt``), so the pages
+a conversation's two workers store for the same tokens have the same precision
+(docs/kv-cache.md, Where it lives). ``ranking_id`` names the ranking a carried
+cut is a position on: a cut on another ranking means nothing here.
+
 Hysteresis: every ``UPDATE_PAGES`` stored pages the controller looks; it moves
 the cut only when the held average is more than ``DEADBAND`` from the budget
 (or the window predicts that), and then only if the new cut differs by at least
@@ -37,6 +44,7 @@ alone and reuse keeps matching the precisions it stored.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 
@@ -60,6 +68,11 @@ def dither(page_index: int, first_token: int) -> float:
     step spreads one sequence's pages evenly; the token id decorrelates sequences whose
     boundary pages sit at the same indices (same template, same tool schemas)."""
     return ((page_index + 1) * _PHI + (first_token * _MIX % _MOD) / _MOD) % 1.0
+
+
+def ranking_id(order: Sequence[int]) -> str:
+    """Short hex digest of a ranking: a carried cut is honoured only on the same ranking."""
+    return hashlib.sha256(",".join(str(int(k)) for k in order).encode()).hexdigest()[:16]
 
 
 def rank_of(order: Sequence[int]) -> tuple[int, ...]:
@@ -126,6 +139,9 @@ class BitBudgetController:
         self.budget = budget
         self.order = tuple(order)
         self.rank = rank_of(self.order)
+        self.ranking = ranking_id(self.order)
+        self.leader = True  # False: the cut is only ever set by ``adopt`` (a prefill worker)
+        self.adopted = 0  # carried cuts taken, since start
         self.cut = cut
         self.page_size = page_size
         self.hist = [0.0] * NUM_TAGS  # recent full pages by best rank
@@ -175,9 +191,27 @@ class BitBudgetController:
         """Bits the pages requests hold average at the current cut on the recent class mix."""
         return mix_bits(self.hist, self.forced, self.cut, fixed2=self.fixed2)
 
+    def adopt(self, cut: float, ranking: str) -> None:
+        """Take the deployment's cut as carried in ``kv_transfer_params`` (``bits_cut`` on
+        ``bits_ranking``); ValueError for a cut out of range or on another ranking (the
+        caller recomputes and counts it). A leader keeps its own cut."""
+        if ranking != self.ranking:
+            raise ValueError(f"bits_ranking {ranking!r} is not this worker's ranking {self.ranking!r}")
+        if not (math.isfinite(cut) and 0.0 <= cut <= NUM_TAGS):
+            raise ValueError(f"bits_cut must be in [0, {NUM_TAGS}], got {cut}")
+        if self.leader:
+            return
+        if cut != self.cut:
+            self.moves += 1
+        self.cut = cut
+        self.adopted += 1
+
     def update(self, held: float | None) -> bool:
-        """Look at the pool (``held``: its stored average, None when empty); True if the cut moved."""
+        """Look at the pool (``held``: its stored average, None when empty); True if the cut moved.
+        A follower never moves its own cut."""
         self._since = 0
+        if not self.leader:
+            return False
         predicted = self.predicted()
         if predicted is None or self.window < WARM_PAGES:  # the starting cut stands until the mix is known
             return False

@@ -32,6 +32,7 @@ FALLBACK_REASONS = (
     "hash_mismatch",
     "stale_agent",
     "unknown_peer",
+    "bits_cut_mismatch",
 )
 # Where a prompt token's KV came from.
 TOKEN_SOURCES = ("local_cache", "remote_pull", "computed")

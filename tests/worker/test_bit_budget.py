@@ -310,3 +310,27 @@ def test_stats_and_metrics_report_the_bits_of_the_pages_held(tiny_model_dir: Pat
     assert page_ids_stored_bits(eng.kv_cache, cached) == (2.75, 3.75)
     assert page_ids_stored_bits(eng.kv_cache, [p for p in cached if p & INT2_PAGE_FLAG]) == (2.0, 3.0)
     assert page_ids_stored_bits(eng.kv_cache, []) == (None, None)
+
+
+def test_a_follower_stores_at_the_carried_cut_and_a_leader_keeps_its_own() -> None:
+    leader = BitBudgetController(2.7, ORDER, cut=4.0, page_size=P)
+    follower = BitBudgetController(2.7, ORDER, cut=4.0, page_size=P)
+    follower.leader = False
+    assert leader.ranking == follower.ranking == bit_budget.ranking_id(ORDER)
+    assert bit_budget.ranking_id(tuple(reversed(ORDER))) != leader.ranking
+    for k in range(8):  # a mix the leader moves on; the follower never moves by itself
+        for c in (leader, follower):
+            c.observe([k] * (80 * P), forced=0)
+    assert leader.update(2.7) and leader.cut == pytest.approx(2.8)
+    assert not follower.update(2.7) and follower.cut == 4.0
+    follower.adopt(leader.cut, leader.ranking)
+    assert (follower.cut, follower.adopted, follower.moves) == (leader.cut, 1, 1)
+    tags, ids = [k for k in range(8) for _ in range(P)], list(range(100, 100 + 8 * P))
+    assert follower.page_bits(tags, ids, 0) == leader.page_bits(tags, ids, 0)
+    leader.adopt(5.0, leader.ranking)  # the leader's own cut stands
+    assert leader.cut != 5.0 and leader.adopted == 0
+    with pytest.raises(ValueError, match="bits_ranking"):
+        follower.adopt(2.0, bit_budget.ranking_id(tuple(reversed(ORDER))))
+    with pytest.raises(ValueError, match="bits_cut"):
+        follower.adopt(57.0, follower.ranking)
+    assert follower.cut == leader.cut and follower.adopted == 1

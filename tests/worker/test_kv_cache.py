@@ -19,9 +19,11 @@ SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=64)
 MIB = 1 << 20
 
 
-def build(dtype: str = "triaxial", *, budget: float | None = None, table: list[int] | None = None) -> KVCache:
+def build(dtype: str = "triaxial", *, budget: float | None = None, table: list[int] | None = None,
+          control: str = "fixed") -> KVCache:
+    """A pool with the bits table fixed (``control``: kv_cache.bit_budget_control)."""
     return build_kv_cache(
-        KVCacheConfig(dtype=dtype, bit_budget=budget), SHAPE,
+        KVCacheConfig(dtype=dtype, bit_budget=budget, bit_budget_control=control), SHAPE,
         budget_bytes=MIB, device="cpu", model_dtype=torch.float32, bits_table=table,
     )
 
@@ -123,4 +125,6 @@ def test_hold_control_starts_at_the_cut_that_averages_the_budget_on_the_agent_pa
         assert c is not None and c.budget == budget and kv.stored_bits == budget
         # the whole classes above the cut store at most the budget on the agent pages
         assert pages_stored_bits(c.table(), d.PAGES, page_size=32, residual=d.RESIDUAL) <= budget + 1e-9
-    assert build(budget=2.7).controller is None  # "fixed" is the default
+    assert build(budget=2.7).controller is None  # "fixed": the table, no controller
+    assert KVCacheConfig(dtype="triaxial").bit_budget_control == "fixed"  # the default
+    assert build(budget=2.7, control="hold").controller is not None

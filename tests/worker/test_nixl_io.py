@@ -133,6 +133,26 @@ def test_params_round_trip_and_refusals() -> None:
         KVTransferParams.from_dict([1])
 
 
+def test_params_carry_the_bit_budget_cut_together_with_its_ranking() -> None:
+    from kvserving.worker.api_bodies import KVTransferParamsBody
+
+    plain = KVTransferParams.from_dict(_params())
+    assert (plain.bits_cut, plain.bits_ranking) == (None, None) and "bits_cut" not in plain.to_dict()
+    held = KVTransferParams.from_dict(_params(bits_cut=7.25, bits_ranking="ab12"))
+    assert (held.bits_cut, held.bits_ranking) == (7.25, "ab12")
+    assert KVTransferParams.from_dict(held.to_dict()) == held
+    body = KVTransferParamsBody.model_validate(_params(bits_cut=7, bits_ranking="ab12"))
+    assert KVTransferParams.from_dict(body.model_dump()) == KVTransferParams.from_dict(_params(bits_cut=7.0, bits_ranking="ab12"))
+    assert KVTransferParams.from_dict(KVTransferParamsBody.model_validate(_params()).model_dump()) == plain
+    for bad in ({"bits_cut": 7.0}, {"bits_ranking": "ab12"}, {"bits_cut": 57.0, "bits_ranking": "ab12"},
+                {"bits_cut": float("nan"), "bits_ranking": "ab12"}, {"bits_cut": True, "bits_ranking": "ab12"},
+                {"bits_cut": 7.0, "bits_ranking": ""}):
+        with pytest.raises(ValueError, match="bits_"):
+            KVTransferParams.from_dict(_params(**bad))
+        with pytest.raises(ValueError, match="bits_"):
+            KVTransferParamsBody.model_validate(_params(**bad))
+
+
 def test_recompute_threshold_accepts_auto() -> None:
     assert ReuseConfig(recompute_threshold_tokens="auto").recompute_threshold_tokens == "auto"
     for bad in (-1, "fast", True, 1.5):

@@ -40,6 +40,10 @@ class KVTransferParams:
     dtype: str
     layout_hash: str
     expires_at: float  # unix seconds
+    # the deployment's bit-budget cut and the ranking it is a position on (triaxial with
+    # bit_budget_control "hold"; both None otherwise): the leader's cut, carried with its pages
+    bits_cut: float | None = None
+    bits_ranking: str | None = None
 
     @classmethod
     def from_dict(cls, data: object) -> KVTransferParams:
@@ -50,7 +54,7 @@ class KVTransferParams:
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise ValueError(f"kv_transfer_params has unknown fields: {unknown}")
-        missing = [n for n in names if n not in data]
+        missing = [n for n in names if n not in data and n not in _OPTIONAL]
         if missing:
             raise ValueError(f"kv_transfer_params is missing fields: {missing}")
         for name in ("engine_id", "agent_url", "lease_id", "dtype", "layout_hash"):
@@ -64,6 +68,14 @@ class KVTransferParams:
         exp = data["expires_at"]
         if isinstance(exp, bool) or not isinstance(exp, (int, float)) or not math.isfinite(exp):
             raise ValueError("kv_transfer_params.expires_at must be a finite number (unix seconds)")
+        cut, ranking = data.get("bits_cut"), data.get("bits_ranking")
+        if (cut is None) != (ranking is None):
+            raise ValueError("kv_transfer_params.bits_cut and bits_ranking come together or not at all")
+        if cut is not None:
+            if isinstance(cut, bool) or not isinstance(cut, (int, float)) or not math.isfinite(cut) or not 0 <= cut <= 56:
+                raise ValueError("kv_transfer_params.bits_cut must be a number in [0, 56]")
+            if not isinstance(ranking, str) or not 1 <= len(ranking) <= 64:
+                raise ValueError("kv_transfer_params.bits_ranking must be a non-empty string of at most 64 characters")
         ids = _int_list(data["page_ids"], "page_ids", limit=1 << 31)
         hashes = _int_list(data["page_hashes"], "page_hashes", limit=_HASH_LIMIT)
         if len(hashes) != len(ids):
@@ -75,6 +87,7 @@ class KVTransferParams:
         return cls(
             data["engine_id"], data["agent_url"], data["lease_id"], ids, hashes, data["num_tokens"],
             data["page_size"], data["dtype"], data["layout_hash"], float(exp),
+            float(cut) if cut is not None else None, ranking,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,7 +96,10 @@ class KVTransferParams:
             "page_ids": list(self.page_ids), "page_hashes": list(self.page_hashes), "num_tokens": self.num_tokens,
             "page_size": self.page_size, "dtype": self.dtype, "layout_hash": self.layout_hash,
             "expires_at": self.expires_at,
-        }
+        } | ({"bits_cut": self.bits_cut, "bits_ranking": self.bits_ranking} if self.bits_cut is not None else {})
+
+
+_OPTIONAL = ("bits_cut", "bits_ranking")
 
 
 def _is_int(v: object) -> bool:

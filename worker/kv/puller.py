@@ -24,7 +24,10 @@ fallback): it is single use, and idle leases filling a small prefill pool stalle
 Any failure gives ``PullResult.fallback`` one of ``FALLBACK_REASONS`` and the request
 recomputes; a failed READ's pages are freed unregistered (never used). ``hash_mismatch``
 with ``pulled_tokens > 0`` means the histories diverged and only the common prefix was
-pulled. ``kv_transfer_params.agent_url`` is contacted only when it is this worker's own
+pulled. ``bits_cut_mismatch``: the params carry no bit-budget cut where this worker holds
+one, or one it cannot honour (another ranking, or this worker stores a fixed table); a
+follower (prefill) worker adopts a carried cut it can honour before it plans.
+``kv_transfer_params.agent_url`` is contacted only when it is this worker's own
 URL or one of the deployment's workers (``peers``); anything else is ``unknown_peer``.
 
 Threads: ``pull`` runs on a server thread, never the engine thread: it hops onto the
@@ -60,7 +63,7 @@ T = TypeVar("T")
 
 FALLBACK_REASONS = (
     "remote_unreachable", "transfer_timeout", "transfer_failed", "lease_expired",
-    "layout_mismatch", "hash_mismatch", "stale_agent", "unknown_peer",
+    "layout_mismatch", "hash_mismatch", "stale_agent", "unknown_peer", "bits_cut_mismatch",
 )
 HOLD_MARGIN_S = 2.0  # a hold outlives the puller's READ deadline by this much
 DEFAULT_THRESHOLD_TOKENS = 64  # "auto" before both rates are measured
@@ -259,6 +262,8 @@ class Puller:
             return self._fail("layout_mismatch")
         if params.expires_at <= time.time():
             return self._fail("lease_expired")
+        if not self._cut_agrees(params):
+            return self._fail("bits_cut_mismatch")
         named = parse_lease_id(params.lease_id)
         single_use = named is not None and named[0] is PinKind.TRANSFER
         # The sender's hold runs while this worker plans (``_contact``); the READ's deadline
@@ -304,6 +309,21 @@ class Puller:
         if done:
             self._on_engine(lambda: self.engine.pool.free(done))
         return len(done)
+
+    def _cut_agrees(self, params: KVTransferParams) -> bool:
+        """Whether the params' bit-budget cut is one this worker can honour; a follower adopts it.
+        A cut is carried exactly when its sender holds the budget (``bit_budget_control: hold``)."""
+        control = self.engine.kv.controller
+        if params.bits_cut is None or params.bits_ranking is None:
+            return control is None
+        if control is None:
+            return False
+        cut, ranking = params.bits_cut, params.bits_ranking
+        try:
+            self._on_engine(lambda: control.adopt(cut, ranking))
+        except ValueError:
+            return False
+        return True
 
     # -- plan
     def _plan(self, ids: list[int], tags: list[int], params: KVTransferParams, cache_salt: str | None = None) -> _Plan:

@@ -121,6 +121,10 @@ class KVTransfer:
         )
         # where kv_transfer_params may send this worker: its own URL and the deployment's
         # workers (``peers``; None: its own URL only)
+        if engine.kv.controller is not None:
+            # one cut per deployment: decode workers (the conversations' retained pages, generated
+            # pages and age-down live there) hold the budget; prefill workers adopt their cut on pull
+            engine.kv.controller.leader = role != "prefill"
         self.puller = Puller(
             engine, reuse, self.nixl, engine_id=engine_id, agent_url=agent_url, layout_hash=self.layout_hash,
             peers=peers if peers is not None else PeerSet(), run_on_engine=self._run,
@@ -176,9 +180,11 @@ class KVTransfer:
 
     def params_for(self, kept: RetainedKV) -> KVTransferParams:
         """The wire params of a lease (expiry in unix seconds)."""
+        control = self.engine.kv.controller  # the cut travels with the pages (read without the engine lock: one float)
         return KVTransferParams(
             self.engine_id, self.agent_url, kept.lease_id, kept.page_ids, kept.page_hashes, kept.num_tokens,
             self.page_size, self.dtype, self.layout_hash, self._unix(kept.expires_at),
+            control.cut if control is not None else None, control.ranking if control is not None else None,
         )
 
     def leases(self, conversation_key: str | None = None) -> list[dict[str, Any]]:
