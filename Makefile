@@ -7,7 +7,7 @@ PY := PYTHONSAFEPATH=1 $(VENV)/bin/python
 # torch: the CPU build where no GPU is visible (never pull CUDA torch there).
 TORCH_PIN := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 'torch==2.13.0' || echo 'torch==2.13.0+cpu')
 
-.PHONY: venv install tools test demo lint fmt clean
+.PHONY: venv install tools test demo lint fmt clean bench-peers
 
 $(VENV)/.stamp-deps: requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ test: install tools lint
 
 demo: install
 	$(PY) -m kvserving.cli demo
+
+# The Rust routers bench/gateway_overhead.py compares the gateway with, and
+# py-spy; bench extras, kept out of requirements.txt and `make test`.
+bench-peers: install
+	$(VENV)/bin/python -m pip install -q -r bench/requirements-peers.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -34,8 +34,9 @@ adds: tags, drafts, identity, exact history, leases, routing, metrics).
 
 Two optional columns: vllm-router and sglang-router (the Rust routers; they
 forward OpenAI JSON and tokenize nothing), each when installed (`vllm-router` on
-PATH, the `sglang_router` module importable; never installed by the bench: a
-line says which were skipped), in front of a fake OpenAI backend (this file,
+PATH or beside the interpreter, the `sglang_router` module importable;
+`make bench-peers` installs both, pinned, from bench/requirements-peers.txt;
+never installed by the bench: a line says which were skipped), in front of a fake OpenAI backend (this file,
 `--openai-backend`: a uvicorn app streaming the same reply as OpenAI chunks);
 their added TTFT is against that backend straight, and their CPU per request
 is read from /proc like the gateway's.
@@ -201,16 +202,20 @@ def router_commands(backend_url: str) -> tuple[dict[str, list[str]], list[str]]:
     """The routers installed here, each as the command that starts it on {port}; lines for the ones skipped."""
     found: dict[str, list[str]] = {}
     skipped: list[str] = []
-    binary = shutil.which("vllm-router")
+    # `make bench-peers` installs both into .venv, whose bin/ need not be on PATH
+    binary = shutil.which("vllm-router", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    # each its own metrics port: both default to 29000, which another process may hold
     if binary:
-        found["vllm-router"] = [binary, "--worker-urls", backend_url, "--host", "127.0.0.1", "--port", "{port}"]
+        found["vllm-router"] = [binary, "--worker-urls", backend_url, "--host", "127.0.0.1", "--port", "{port}",
+                                "--prometheus-host", "127.0.0.1", "--prometheus-port", "{metrics_port}", "--log-level", "warning"]
     else:
-        skipped.append("vllm-router: not installed (no vllm-router on PATH), column skipped")
+        skipped.append("vllm-router: not installed (`make bench-peers`), column skipped")
     if importlib.util.find_spec("sglang_router") is not None:
         found["sglang-router"] = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", backend_url,
-                                  "--host", "127.0.0.1", "--port", "{port}"]
+                                  "--host", "127.0.0.1", "--port", "{port}", "--prometheus-host", "127.0.0.1",
+                                  "--prometheus-port", "{metrics_port}", "--log-level", "warn"]
     else:
-        skipped.append("sglang-router: not installed (no sglang_router module), column skipped")
+        skipped.append("sglang-router: not installed (`make bench-peers`), column skipped")
     return found, skipped
 
 
@@ -548,9 +553,9 @@ def main() -> int:
         procs.append(spawn([sys.executable, __file__, "--openai-backend", str(backend_port), "--reply", reply],
                            tmp / "openai-backend.log"))
         for name, argv in router_commands(backend_url)[0].items():
-            port = free_port()
-            routers.append(Router(name, f"http://127.0.0.1:{port}",
-                                  spawn([a.replace("{port}", str(port)) for a in argv], tmp / f"{name}.log")))
+            port, metrics_port = free_port(), free_port()
+            argv = [a.replace("{port}", str(port)).replace("{metrics_port}", str(metrics_port)) for a in argv]
+            routers.append(Router(name, f"http://127.0.0.1:{port}", spawn(argv, tmp / f"{name}.log")))
             procs.append(routers[-1].proc)
     try:
         wait_ready(worker_url, procs[0], tmp / "worker.log")
