@@ -43,7 +43,8 @@ from kvserving.config import ReuseConfig
 DIST_KINDS = ("fixed", "uniform", "exponential", "lognormal")
 
 # One token each after a space in the tiny model's tokenizer (tests/test_agent_load.py).
-WORDS: tuple[str, ...] = tuple("""
+WORDS: tuple[str, ...] = tuple(
+    """
 the a an of to in is it for on with as by at or be this that from are not if can value file name list line
 return default error type data object string number first last each new text code result test read call key
 path function class method set get time should must will when then else only more same other all any one two
@@ -53,12 +54,23 @@ pattern parse print update remove add copy close open user version token message
 block cache length range flag local current next previous left right top second part parts entry entries tree
 child parent root base main we you they there here where how what which because but so also just still now use
 used using make need want see look find try keep change fix passed correct good
-""".split())
+""".split()
+)
 
 # Tool names agents are given (the first ``num_tools`` of a shuffled copy).
 TOOL_NAMES: tuple[str, ...] = (
-    "read_file", "list_files", "run_python", "grep_repo", "edit_file", "run_tests",
-    "web_search", "git_diff", "open_url", "ask_user", "write_file", "run_shell",
+    "read_file",
+    "list_files",
+    "run_python",
+    "grep_repo",
+    "edit_file",
+    "run_tests",
+    "web_search",
+    "git_diff",
+    "open_url",
+    "ask_user",
+    "write_file",
+    "run_shell",
 )
 
 
@@ -215,9 +227,16 @@ def _prefix(spec: LoadSpec, rng: random.Random) -> tuple[str, tuple[dict[str, An
     tokens = len(system.split()) + TEMPLATE_TOKENS + TOOLS_HEADER_TOKENS
     for name in names[: max(1, spec.num_tools.sample_int(rng))]:
         description = _text(rng, spec.tool_description_tokens.sample_int(rng))
-        tools.append({"type": "function", "function": {
-            "name": name, "description": description,
-            "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}, "required": ["arg"]}}})
+        tools.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "description": description,
+                    "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}, "required": ["arg"]},
+                },
+            }
+        )
         tokens += len(description.split()) + TOOL_SCHEMA_TOKENS
     return system, tuple(tools), tokens
 
@@ -258,13 +277,24 @@ def agent(spec: LoadSpec, i: int) -> AgentSpec:
         if prompt + output > spec.max_context_tokens:
             break
         history += new
-        turns.append(TurnSpec(index=k, user=user, tool_result=result, output_tokens=output, tool_call=call,
-                              think_time_s=think, new_tokens=new, history_tokens=prompt,
-                              call_tokens=call_tokens))
+        turns.append(
+            TurnSpec(
+                index=k,
+                user=user,
+                tool_result=result,
+                output_tokens=output,
+                tool_call=call,
+                think_time_s=think,
+                new_tokens=new,
+                history_tokens=prompt,
+                call_tokens=call_tokens,
+            )
+        )
         history += output + call_tokens + REPLY_TOKENS
         pending = (call, result_tokens) if call is not None else None
-    return AgentSpec(agent_id=i, session_id=f"agent-{spec.seed}-{i}", system=system, tools=tools,
-                     prefix_tokens=prefix_tokens, turns=tuple(turns))
+    return AgentSpec(
+        agent_id=i, session_id=f"agent-{spec.seed}-{i}", system=system, tools=tools, prefix_tokens=prefix_tokens, turns=tuple(turns)
+    )
 
 
 def iter_turns(spec: LoadSpec, i: int) -> Iterator[TurnSpec]:
@@ -312,8 +342,7 @@ class Conversation:
         assistant: dict[str, Any] = {"role": "assistant", "content": text}
         call = self._call = turn.tool_call
         if call is not None:
-            assistant["tool_calls"] = [{"id": call.id, "type": "function",
-                                        "function": {"name": call.name, "arguments": call.arguments}}]
+            assistant["tool_calls"] = [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]
         self.messages.append(assistant)
         self._next += 1
 

@@ -55,6 +55,7 @@ REASONING_TOKENS = Dist("uniform", 150, 100, 1)
 def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(max(n, 1)))
 
+
 Pages = tuple[tuple[int, PageMix], ...]
 
 

@@ -54,12 +54,19 @@ def make_engine(model: Path, age_down: bool) -> LLMEngine:
     )
 
 
-def run_request(kvt: KVTransfer, rid: str, ids: list[int], tags: list[int], max_tokens: int,
-                params: KVTransferParams | None) -> tuple[PullResult, RequestOutput, list[int]]:
+def run_request(
+    kvt: KVTransfer, rid: str, ids: list[int], tags: list[int], max_tokens: int, params: KVTransferParams | None
+) -> tuple[PullResult, RequestOutput, list[int]]:
     pull = kvt.pull(ids, tags, params)
     eng = kvt.engine
-    eng.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), tags=tags,
-                    retain=kvt.retain_spec(conversation_key="conv", input_ids=ids), admission_pin=pull.admission_pin)
+    eng.add_request(
+        rid,
+        ids,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        tags=tags,
+        retain=kvt.retain_spec(conversation_key="conv", input_ids=ids),
+        admission_pin=pull.admission_pin,
+    )
     tokens: list[int] = []
     while True:
         for out in eng.step():
@@ -133,9 +140,16 @@ class Conversation:
         full = len(ids) // P
         fresh = page_bits(tags[: full * P], table, P)
         row = TurnRow(
-            self.n + 1, len(ids), len(pids) * P, stored / (len(pids) * P), n2 / len(pids),
-            fresh.count(2) / max(1, len(fresh)), pp.num_bytes, pd.num_bytes,
-            pair.p.engine.kv.aged_pages - aged0[0], pair.d.engine.kv.aged_pages - aged0[1],
+            self.n + 1,
+            len(ids),
+            len(pids) * P,
+            stored / (len(pids) * P),
+            n2 / len(pids),
+            fresh.count(2) / max(1, len(fresh)),
+            pp.num_bytes,
+            pd.num_bytes,
+            pair.p.engine.kv.aged_pages - aged0[0],
+            pair.d.engine.kv.aged_pages - aged0[1],
         )
         self.add(0, "assistant", reply)  # the reply comes back as the assistant's text
         self.n += 1
@@ -227,8 +241,10 @@ def print_projection(results: dict[str, list[TurnRow]]) -> None:
     """The measured INT2 page shares at the Qwen3-8B KV shape (36 layers, 8 KV heads, 128 dims)."""
     b4, b2, nv = per_token("int4"), per_token("int2"), per_token("nvfp4")
     print()
-    print(f"# at the Qwen3-8B KV shape: INT4 {b4:.0f}, INT2 {b2:.0f}, nvfp4 {nv:.0f} B/token; "
-          "retained conversation at the measured INT2 page shares")
+    print(
+        f"# at the Qwen3-8B KV shape: INT4 {b4:.0f}, INT2 {b2:.0f}, nvfp4 {nv:.0f} B/token; "
+        "retained conversation at the measured INT2 page shares"
+    )
     head = ["turn", "B/token off", "B/token on", "on/nvfp4", "bits/value on (incl. metadata)"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -240,32 +256,72 @@ def print_projection(results: dict[str, list[TurnRow]]) -> None:
 
 
 def print_tables(results: dict[str, list[TurnRow]], fid: list[dict[str, float]], args: Any, nvfp4: float) -> None:
-    print(f"# age_down_cpu: triaxial (budget 2.7 default table), +{args.obs} tool-result tokens and {args.gen} "
-          f"generated per turn; decode worker's retained conversation; nvfp4 = {nvfp4:.0f} B/token")
-    head = ["turn", "prompt", "B/token off", "B/token on", "on/off", "on/nvfp4", "INT2 share off", "INT2 share on",
-            "fresh INT2 share", "KiB D->P off", "KiB D->P on", "KiB P->D off", "KiB P->D on",
-            "moved B/token off", "moved B/token on", "aged P", "aged D"]
+    print(
+        f"# age_down_cpu: triaxial (budget 2.7 default table), +{args.obs} tool-result tokens and {args.gen} "
+        f"generated per turn; decode worker's retained conversation; nvfp4 = {nvfp4:.0f} B/token"
+    )
+    head = [
+        "turn",
+        "prompt",
+        "B/token off",
+        "B/token on",
+        "on/off",
+        "on/nvfp4",
+        "INT2 share off",
+        "INT2 share on",
+        "fresh INT2 share",
+        "KiB D->P off",
+        "KiB D->P on",
+        "KiB P->D off",
+        "KiB P->D on",
+        "moved B/token off",
+        "moved B/token on",
+        "aged P",
+        "aged D",
+    ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for off, on in zip(results["off"], results["on"]):
-        row = [on.turn, on.prompt, f"{off.bytes_per_token:.0f}", f"{on.bytes_per_token:.0f}",
-               f"{on.bytes_per_token / off.bytes_per_token:.3f}", f"{on.bytes_per_token / nvfp4:.3f}",
-               f"{off.int2_share:.3f}", f"{on.int2_share:.3f}", f"{on.fresh_int2_share:.3f}",
-               f"{off.bytes_d_to_p / 1024:.0f}", f"{on.bytes_d_to_p / 1024:.0f}",
-               f"{off.bytes_p_to_d / 1024:.0f}", f"{on.bytes_p_to_d / 1024:.0f}",
-               f"{(off.bytes_d_to_p + off.bytes_p_to_d) / off.prompt:.0f}",
-               f"{(on.bytes_d_to_p + on.bytes_p_to_d) / on.prompt:.0f}", on.aged_p, on.aged_d]
+        row = [
+            on.turn,
+            on.prompt,
+            f"{off.bytes_per_token:.0f}",
+            f"{on.bytes_per_token:.0f}",
+            f"{on.bytes_per_token / off.bytes_per_token:.3f}",
+            f"{on.bytes_per_token / nvfp4:.3f}",
+            f"{off.int2_share:.3f}",
+            f"{on.int2_share:.3f}",
+            f"{on.fresh_int2_share:.3f}",
+            f"{off.bytes_d_to_p / 1024:.0f}",
+            f"{on.bytes_d_to_p / 1024:.0f}",
+            f"{off.bytes_p_to_d / 1024:.0f}",
+            f"{on.bytes_p_to_d / 1024:.0f}",
+            f"{(off.bytes_d_to_p + off.bytes_p_to_d) / off.prompt:.0f}",
+            f"{(on.bytes_d_to_p + on.bytes_p_to_d) / on.prompt:.0f}",
+            on.aged_p,
+            on.aged_d,
+        ]
         print("| " + " | ".join(str(c) for c in row) + " |")
     print()
-    print("# fidelity: attention-output MSE (mean over heads) on the tiny model's real q/k/v, all full pages but "
-          "the last stored at the named precision; aged = INT4 -> INT2")
-    head = ["layer", "INT4", "INT2 direct", "INT2 aged", "aged/direct", "max|dk| direct", "max|dk| aged",
-            "max|dv| direct", "max|dv| aged"]
+    print(
+        "# fidelity: attention-output MSE (mean over heads) on the tiny model's real q/k/v, all full pages but "
+        "the last stored at the named precision; aged = INT4 -> INT2"
+    )
+    head = ["layer", "INT4", "INT2 direct", "INT2 aged", "aged/direct", "max|dk| direct", "max|dk| aged", "max|dv| direct", "max|dv| aged"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in fid:
-        row = [int(r["layer"]), f"{r['int4']:.3e}", f"{r['int2']:.3e}", f"{r['aged']:.3e}", f"{r['aged'] / r['int2']:.3f}",
-               f"{r['int2_max_abs_k']:.3f}", f"{r['aged_max_abs_k']:.3f}", f"{r['int2_max_abs_v']:.3f}", f"{r['aged_max_abs_v']:.3f}"]
+        row = [
+            int(r["layer"]),
+            f"{r['int4']:.3e}",
+            f"{r['int2']:.3e}",
+            f"{r['aged']:.3e}",
+            f"{r['aged'] / r['int2']:.3f}",
+            f"{r['int2_max_abs_k']:.3f}",
+            f"{r['aged_max_abs_k']:.3f}",
+            f"{r['int2_max_abs_v']:.3f}",
+            f"{r['aged_max_abs_v']:.3f}",
+        ]
         print("| " + " | ".join(str(c) for c in row) + " |")
 
 

@@ -61,7 +61,10 @@ from kvserving.progress import add_quiet_argument, progress
 
 # bench name -> (kv_cache.dtype, bit budget)
 FORMATS: dict[str, tuple[str, float | None]] = {
-    "bf16": ("bf16", None), "fp8": ("fp8_e4m3", None), "nvfp4": ("nvfp4", None), "triaxial": ("triaxial", 2.7),
+    "bf16": ("bf16", None),
+    "fp8": ("fp8_e4m3", None),
+    "nvfp4": ("nvfp4", None),
+    "triaxial": ("triaxial", 2.7),
     "tri-hold": ("triaxial", 2.7),
 }
 # bench names whose workers hold the bit budget (kv_cache.bit_budget_control "hold"; the others: the fixed table)
@@ -116,8 +119,7 @@ def gpu_load(seed: int, *, think_s: float, turns: int | None = None) -> LoadSpec
     )
 
 
-def stack_spec(fmt: str, mode: str, *, kv_bytes: int, ttl_s: float, run_dir: Path | None,
-               gpu_model: Path | None = None) -> StackSpec:
+def stack_spec(fmt: str, mode: str, *, kv_bytes: int, ttl_s: float, run_dir: Path | None, gpu_model: Path | None = None) -> StackSpec:
     """The stack of one format and reuse mode: the built-in tiny model on CPU, or with
     ``gpu_model`` that directory's model (dummy weights) with both workers on GPU 0."""
     from kvserving.model_dir import tiny_model_dir
@@ -131,14 +133,21 @@ def stack_spec(fmt: str, mode: str, *, kv_bytes: int, ttl_s: float, run_dir: Pat
         scheduler = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192, chunk_size=4096)
     config = ServingConfig(
         model=model,
-        kv_cache=KVCacheConfig(dtype=dtype, bit_budget=budget, memory_bytes=kv_bytes,
-                               bit_budget_control="hold" if fmt in HELD else "fixed"),
+        kv_cache=KVCacheConfig(
+            dtype=dtype, bit_budget=budget, memory_bytes=kv_bytes, bit_budget_control="hold" if fmt in HELD else "fixed"
+        ),
         reuse=reuse_for_mode(mode, ttl_s=ttl_s),
         scheduler=scheduler,
     )
     gateway, prefill, decode = free_ports(3)
-    return StackSpec(config=config, gateway_port=gateway, prefill_port=prefill, decode_port=decode, run_dir=run_dir,
-                     gpus=("0",) if gpu_model is not None else ())
+    return StackSpec(
+        config=config,
+        gateway_port=gateway,
+        prefill_port=prefill,
+        decode_port=decode,
+        run_dir=run_dir,
+        gpus=("0",) if gpu_model is not None else (),
+    )
 
 
 # ------------------------------------------------------------------------------------- client
@@ -159,8 +168,7 @@ class Record:
     fallback: str | None
 
 
-async def run_agent(client: Any, model: str, spec: AgentSpec, *, delay_s: float, out: list[Record],
-                    errors: list[str]) -> None:
+async def run_agent(client: Any, model: str, spec: AgentSpec, *, delay_s: float, out: list[Record], errors: list[str]) -> None:
     """One agent's turns in order; an error answer ends the agent (recorded in ``errors``)."""
     from openai import APIError
 
@@ -181,9 +189,15 @@ async def _turns(client: Any, model: str, spec: AgentSpec, *, delay_s: float, ou
         parts: list[str] = []
         usage: Any = None
         stream = await client.chat.completions.create(
-            model=model, messages=messages, tools=conv.tools, stream=True,
-            stream_options={"include_usage": True}, max_tokens=turn.output_tokens, temperature=0.0,
-            extra_body={"ignore_eos": True}, extra_headers={"X-Session-ID": spec.session_id},
+            model=model,
+            messages=messages,
+            tools=conv.tools,
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=turn.output_tokens,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+            extra_headers={"X-Session-ID": spec.session_id},
         )
         async for chunk in stream:
             if chunk.choices and ttft is None:
@@ -197,18 +211,25 @@ async def _turns(client: Any, model: str, spec: AgentSpec, *, delay_s: float, ou
             raise RuntimeError(f"{spec.session_id} turn {turn.index}: the stream ended without tokens or usage")
         ext = (getattr(usage, "model_extra", None) or {}).get("kvserving") or {}
         details = usage.prompt_tokens_details
-        out.append(Record(
-            agent=spec.agent_id, turn=turn.index, prompt_tokens=usage.prompt_tokens,
-            cached_tokens=int(details.cached_tokens or 0) if details is not None else 0,
-            local_tokens=int(ext.get("local_cached_tokens", 0)), pulled_tokens=int(ext.get("remote_pulled_tokens", 0)),
-            computed_tokens=int(ext.get("computed_prompt_tokens", 0)), output_tokens=usage.completion_tokens,
-            ttft_s=ttft, latency_s=time.perf_counter() - start, fallback=ext.get("reuse_fallback"),
-        ))
+        out.append(
+            Record(
+                agent=spec.agent_id,
+                turn=turn.index,
+                prompt_tokens=usage.prompt_tokens,
+                cached_tokens=int(details.cached_tokens or 0) if details is not None else 0,
+                local_tokens=int(ext.get("local_cached_tokens", 0)),
+                pulled_tokens=int(ext.get("remote_pulled_tokens", 0)),
+                computed_tokens=int(ext.get("computed_prompt_tokens", 0)),
+                output_tokens=usage.completion_tokens,
+                ttft_s=ttft,
+                latency_s=time.perf_counter() - start,
+                fallback=ext.get("reuse_fallback"),
+            )
+        )
         conv.reply(turn, "".join(parts))
 
 
-async def run_point(base_url: str, model: str, load: LoadSpec, agents: range, *,
-                    timeout_s: float) -> tuple[list[Record], list[str], float]:
+async def run_point(base_url: str, model: str, load: LoadSpec, agents: range, *, timeout_s: float) -> tuple[list[Record], list[str], float]:
     """Run every agent in ``agents`` at once (starts spread over one mean think time); records,
     errors and wall time."""
     from openai import AsyncOpenAI
@@ -219,10 +240,12 @@ async def run_point(base_url: str, model: str, load: LoadSpec, agents: range, *,
     spread = load.think_time_s.mean
     start = time.perf_counter()
     try:
-        await asyncio.gather(*(
-            run_agent(client, model, agent(load, i), delay_s=spread * k / max(len(agents), 1), out=records, errors=errors)
-            for k, i in enumerate(agents)
-        ))
+        await asyncio.gather(
+            *(
+                run_agent(client, model, agent(load, i), delay_s=spread * k / max(len(agents), 1), out=records, errors=errors)
+                for k, i in enumerate(agents)
+            )
+        )
     finally:
         await client.close()
     return records, errors, time.perf_counter() - start
@@ -239,6 +262,7 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
     """Counters of one worker: evicted prefix-cache pages (from /metrics), preemptions, capacity."""
     stats = json.loads(_get(url + "/internal/kv/stats", headers=headers))
     text = _get(url + "/metrics").decode()
+
     def counter(name: str) -> float:
         m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
         return float(m.group(1)) if m else math.nan
@@ -248,15 +272,25 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
         "reclaimed_leases": counter("kvserving_worker_kv_leases_reclaimed_total"),
         "preemptions": float(stats.get("preemptions", 0)),
         # live (owned + cached) pages stored at 2 bits: triaxial's density depends on it
-        "int2_pages": float(sum(v for k, v in (stats.get("precisions", {}).get("int2") or {}).items()
-                                if k in ("owned_pages", "cached_pages"))),
-        "int4_pages": float(sum(v for name, p in stats.get("precisions", {}).items() if name != "int2"
-                                for k, v in p.items() if k in ("owned_pages", "cached_pages"))),
+        "int2_pages": float(
+            sum(v for k, v in (stats.get("precisions", {}).get("int2") or {}).items() if k in ("owned_pages", "cached_pages"))
+        ),
+        "int4_pages": float(
+            sum(
+                v
+                for name, p in stats.get("precisions", {}).items()
+                if name != "int2"
+                for k, v in p.items()
+                if k in ("owned_pages", "cached_pages")
+            )
+        ),
         "capacity_tokens": float(stats.get("capacity_tokens", 0)),
         "page_size": float(stats.get("page_size", 0)),
         # bits per value over the pages held (owned + cached) and over the owned ones (NaN: none held)
-        **{key: float(v) if isinstance(v := (stats.get("stored_bits") or {}).get(field), int | float) else math.nan
-           for key, field in (("stored_bits", "excluded"), ("owned_stored_bits", "owned"))},
+        **{
+            key: float(v) if isinstance(v := (stats.get("stored_bits") or {}).get(field), int | float) else math.nan
+            for key, field in (("stored_bits", "excluded"), ("owned_stored_bits", "owned"))
+        },
     }
 
 
@@ -353,8 +387,9 @@ def kv_bytes(args: argparse.Namespace) -> int:
     return int(args.kv_gib * 2**30) if args.gpu else args.kv_kib * 1024
 
 
-def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec, args: argparse.Namespace,
-              *, on_point: Any = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run_stack(
+    fmt: str, mode: str, concurrencies: list[int], load: LoadSpec, args: argparse.Namespace, *, on_point: Any = None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every point of one stack; ``on_point(points, meta)`` after each (partial results survive a
     time limit); points stop once ``args.budget_s`` has passed since the bench started."""
     points: list[dict[str, Any]] = []
@@ -362,31 +397,35 @@ def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec, arg
     with _started_stack(fmt, mode, args) as (spec, stack):
         workers, auth = stack.worker_urls, stack.internal_headers
         info = {role: worker_counters(url, auth) for role, url in workers.items()}
-        meta = {"format": fmt, "mode": mode, "start_s": time.perf_counter() - t0,
-                "capacity_tokens": {role: int(c["capacity_tokens"]) for role, c in info.items()},
-                "page_size": int(info["prefill"]["page_size"])}
+        meta = {
+            "format": fmt,
+            "mode": mode,
+            "start_s": time.perf_counter() - t0,
+            "capacity_tokens": {role: int(c["capacity_tokens"]) for role, c in info.items()},
+            "page_size": int(info["prefill"]["page_size"]),
+        }
         model = spec.config.model.served_name
         if args.warmup_agents:
             # first uses compile the kernels (Triton JIT on a GPU): outside every measured point
             warm_load = replace(load, turns=fixed(2))
             t_warm = time.perf_counter()
-            _, warm_errors, _ = asyncio.run(run_point(stack.openai_base_url, model, warm_load,
-                                                      range(10**6, 10**6 + args.warmup_agents),
-                                                      timeout_s=args.request_timeout))
+            _, warm_errors, _ = asyncio.run(
+                run_point(stack.openai_base_url, model, warm_load, range(10**6, 10**6 + args.warmup_agents), timeout_s=args.request_timeout)
+            )
             meta["warmup_s"] = time.perf_counter() - t_warm
             if warm_errors:
                 raise RuntimeError(f"warm-up failed: {warm_errors[0]}")
         for n in concurrencies:
             if args.budget_s is not None and time.perf_counter() - args.t0 > args.budget_s:
-                print(f"  {fmt} {mode}: --budget-s {args.budget_s:g} passed, points from N={n} not run",
-                      file=sys.stderr, flush=True)
+                print(f"  {fmt} {mode}: --budget-s {args.budget_s:g} passed, points from N={n} not run", file=sys.stderr, flush=True)
                 meta["skipped_points"] = [c for c in concurrencies if c >= n]
                 break
             for url in workers.values():
                 release_leases(url, auth)
             before = {role: worker_counters(url, auth) for role, url in workers.items()}
-            records, errors, wall = asyncio.run(run_point(stack.openai_base_url, model, load, point_agents(n),
-                                                          timeout_s=args.request_timeout))
+            records, errors, wall = asyncio.run(
+                run_point(stack.openai_base_url, model, load, point_agents(n), timeout_s=args.request_timeout)
+            )
             dead = stack.check()
             if dead is not None:
                 raise RuntimeError(stack.describe_death(dead))
@@ -402,19 +441,24 @@ def run_stack(fmt: str, mode: str, concurrencies: list[int], load: LoadSpec, arg
                 point[f"{role}_owned_stored_bits"] = after[role]["owned_stored_bits"]
             point["records"] = [asdict(r) for r in records] if args.records else []
             points.append(point)
-            print(f"  {fmt:>8} {mode:>5} N={n:>3}: hit {point['hit_rate']:.2f} (later {point['hit_rate_later_turns']:.2f}) "
-                  f"{point['req_per_s']:.2f} req/s  TTFT p50 {point['ttft_p50_ms']:.0f} ms  "
-                  f"evicted P/D {point['prefill_evicted_pages']}/{point['decode_evicted_pages']}  errors {len(errors)}  {wall:.1f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  {fmt:>8} {mode:>5} N={n:>3}: hit {point['hit_rate']:.2f} (later {point['hit_rate_later_turns']:.2f}) "
+                f"{point['req_per_s']:.2f} req/s  TTFT p50 {point['ttft_p50_ms']:.0f} ms  "
+                f"evicted P/D {point['prefill_evicted_pages']}/{point['decode_evicted_pages']}  errors {len(errors)}  {wall:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
             if on_point is not None:
                 on_point(points, meta)
     return points, meta
 
 
 def format_table(points: list[dict[str, Any]]) -> str:
-    head = (f"{'format':>8} {'mode':>5} {'N':>3} {'req':>4} {'hit':>5} {'hit2+':>5} {'local':>5} {'pulled':>6} "
-            f"{'evict P':>7} {'evict D':>7} {'reclaim':>7} {'preempt':>7} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>8} {'p99 ms':>7} "
-            f"{'TPOT p50':>8} {'p99 ms':>7} {'bits D':>6} {'owned':>5}")
+    head = (
+        f"{'format':>8} {'mode':>5} {'N':>3} {'req':>4} {'hit':>5} {'hit2+':>5} {'local':>5} {'pulled':>6} "
+        f"{'evict P':>7} {'evict D':>7} {'reclaim':>7} {'preempt':>7} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>8} {'p99 ms':>7} "
+        f"{'TPOT p50':>8} {'p99 ms':>7} {'bits D':>6} {'owned':>5}"
+    )
     lines = [head]
     for p in points:
         lines.append(
@@ -423,7 +467,8 @@ def format_table(points: list[dict[str, Any]]) -> str:
             f"{p['prefill_evicted_pages']:>7} {p['decode_evicted_pages']:>7} {p['decode_reclaimed_leases']:>7} "
             f"{p['prefill_preemptions'] + p['decode_preemptions']:>7} {p['req_per_s']:>6.2f} {p['output_tok_per_s']:>9.1f} "
             f"{p['ttft_p50_ms']:>8.0f} {p['ttft_p99_ms']:>7.0f} {p['tpot_p50_ms']:>8.1f} {p['tpot_p99_ms']:>7.1f} "
-            f"{p.get('decode_stored_bits', math.nan):>6.2f} {p.get('decode_owned_stored_bits', math.nan):>5.2f}")
+            f"{p.get('decode_stored_bits', math.nan):>6.2f} {p.get('decode_owned_stored_bits', math.nan):>5.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -496,6 +541,7 @@ def _csv_names(choices: tuple[str, ...]) -> Any:
         if bad or not names:
             raise argparse.ArgumentTypeError(f"expected names from {list(choices)}, got {text!r}")
         return names
+
     return parse
 
 
@@ -515,13 +561,21 @@ def combine(files: list[Path], json_out: Path, png_out: Path) -> dict[str, Any]:
         ran = {(p["format"], p["mode"]) for p in part["points"]}
         stacks += [{**s, "part": f.name} for s in part["stacks"] if (s["format"], s["mode"]) in ran]
     points = [by_point[k] for k in sorted(by_point, key=lambda k: (list(FORMATS).index(k[0]), k[1], k[2]))]
-    crossings = {f"{f}/{m}": crossing([p for p in points if (p["format"], p["mode"]) == (f, m)])
-                 for f, m in sorted({(p["format"], p["mode"]) for p in points})}
+    crossings = {
+        f"{f}/{m}": crossing([p for p in points if (p["format"], p["mode"]) == (f, m)])
+        for f, m in sorted({(p["format"], p["mode"]) for p in points})
+    }
     runs = sum(len(p.get("parts", [None])) for p in parts)  # a combined file counts its own parts
     what = re.sub(r" \(combined from \d+ runs\)$", "", parts[0]["what"]) + f" (combined from {runs} runs)"
-    result = {**parts[0], "what": what, "points": points,
-              "stacks": stacks, "crossing_50pct": crossings, "total_s": sum(p["total_s"] for p in parts),
-              "parts": [name for f, p in zip(files, parts) for name in p.get("parts", [f.name])]}
+    result = {
+        **parts[0],
+        "what": what,
+        "points": points,
+        "stacks": stacks,
+        "crossing_50pct": crossings,
+        "total_s": sum(p["total_s"] for p in parts),
+        "parts": [name for f, p in zip(files, parts) for name in p.get("parts", [f.name])],
+    }
     json_out.write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
     where = result["what"].split("(", 1)[-1].split(")", 1)[0]
     plot(points, png_out, title=f"{result['kv_per_worker']} KV per worker; {where}", seed_cliff=True)
@@ -531,31 +585,46 @@ def combine(files: list[Path], json_out: Path, png_out: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", type=_csv_names(tuple(FORMATS)), default=list(FORMATS))
-    ap.add_argument("--concurrency", type=_csv_ints, default=None,
-                    help="points (default: 1,2,4,6,8,11,16,22 on CPU; 1,4,8,12,16,24,32 with --gpu)")
-    ap.add_argument("--modes", type=_csv_names(MODES), default=list(MODES),
-                    help="reuse modes; modes other than 'lease' run on --mode-format only")
+    ap.add_argument(
+        "--concurrency", type=_csv_ints, default=None, help="points (default: 1,2,4,6,8,11,16,22 on CPU; 1,4,8,12,16,24,32 with --gpu)"
+    )
+    ap.add_argument(
+        "--modes", type=_csv_names(MODES), default=list(MODES), help="reuse modes; modes other than 'lease' run on --mode-format only"
+    )
     ap.add_argument("--mode-format", choices=tuple(FORMATS), default="fp8")
     ap.add_argument("--mode-concurrency", type=_csv_ints, default=[4, 8, 11], help="points for the other modes")
-    ap.add_argument("--gpu", action="store_true",
-                    help="the Qwen3-8B-shaped model (dummy weights) with prefill and decode worker on GPU 0, coding-agent load")
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="the Qwen3-8B-shaped model (dummy weights) with prefill and decode worker on GPU 0, coding-agent load",
+    )
     ap.add_argument("--kv-kib", type=int, default=3072, help="KV pool per worker, KiB (same for every format; CPU)")
     ap.add_argument("--kv-gib", type=float, default=8.0, help="KV pool per worker, GiB (same for every format; --gpu)")
     ap.add_argument("--ttl-s", type=float, default=3.0, help="retention of the 'ttl' mode, seconds")
     ap.add_argument("--think-s", type=float, default=None, help="mean think time between turns, seconds (default 0.5; 1.0 with --gpu)")
     ap.add_argument("--turns", type=int, default=None, help="every agent runs this many turns (default: the load's)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup-agents", type=int, default=None,
-                    help="agents of a 2-turn warm-up before each stack's first point, not recorded (default 2 with --gpu, else 0)")
+    ap.add_argument(
+        "--warmup-agents",
+        type=int,
+        default=None,
+        help="agents of a 2-turn warm-up before each stack's first point, not recorded (default 2 with --gpu, else 0)",
+    )
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--budget-s", type=float, default=None, help="start no point after this many seconds (results so far are kept)")
     ap.add_argument("--records", action="store_true", help="keep every request's record in the JSON")
     ap.add_argument("--run-dir", type=Path, default=None, help="keep each stack's logs and config here")
-    ap.add_argument("--json", type=Path, default=None,
-                    help="default: bench/results/agents_cpu.json, bench/results/agents_gpu_h200.json with --gpu")
+    ap.add_argument(
+        "--json", type=Path, default=None, help="default: bench/results/agents_cpu.json, bench/results/agents_gpu_h200.json with --gpu"
+    )
     ap.add_argument("--png", type=Path, default=None, help="default: beside --json")
-    ap.add_argument("--combine", type=Path, nargs="+", default=None,
-                    help="write one result (--json, --png) from the JSON files of a sweep run in parts, and exit")
+    ap.add_argument(
+        "--combine",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="write one result (--json, --png) from the JSON files of a sweep run in parts, and exit",
+    )
     add_quiet_argument(ap)
     args = ap.parse_args(argv)
     if args.combine:
@@ -593,8 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     runs += [(args.mode_format, m, args.mode_concurrency) for m in args.modes if m != "lease"]
     points: list[dict[str, Any]] = []
     stacks: list[dict[str, Any]] = []
-    where = ("Qwen3-8B shape (dummy bf16 weights, built-in tokenizer), prefill + decode worker on one GPU"
-             if args.gpu else "tiny model, CPU")
+    where = "Qwen3-8B shape (dummy bf16 weights, built-in tokenizer), prefill + decode worker on one GPU" if args.gpu else "tiny model, CPU"
     pool = f"{args.kv_gib:g} GiB" if args.gpu else f"{args.kv_kib} KiB"
 
     def result() -> dict[str, Any]:
@@ -604,8 +672,14 @@ def main(argv: list[str] | None = None) -> int:
             crossings[key] = crossing([p for p in points if p["format"] == fmt and p["mode"] == mode])
         return {
             "what": f"bench/agents.py: agent traffic on the local stack ({where})",
-            "kv_per_worker": pool, "think_s": think_s, "seed": args.seed, "ttl_s": args.ttl_s,
-            "load": asdict(load), "stacks": stacks, "points": points, "crossing_50pct": crossings,
+            "kv_per_worker": pool,
+            "think_s": think_s,
+            "seed": args.seed,
+            "ttl_s": args.ttl_s,
+            "load": asdict(load),
+            "stacks": stacks,
+            "points": points,
+            "crossing_50pct": crossings,
             "total_s": time.perf_counter() - args.t0,
         }
 
@@ -621,9 +695,12 @@ def main(argv: list[str] | None = None) -> int:
         stacks.append(meta)
     print(format_table(points))
     final = result()
-    print("concurrency where the hit rate drops below 50%: "
-          + ", ".join(f"{k} {'>' + str(max(args.concurrency)) if v is None else f'{v:.1f}'}"
-                      for k, v in sorted(final["crossing_50pct"].items())))
+    print(
+        "concurrency where the hit rate drops below 50%: "
+        + ", ".join(
+            f"{k} {'>' + str(max(args.concurrency)) if v is None else f'{v:.1f}'}" for k, v in sorted(final["crossing_50pct"].items())
+        )
+    )
     caps = {m["format"]: m["capacity_tokens"]["decode"] for m in stacks if m["mode"] == "lease"}
     print("pool capacity per worker, tokens: " + ", ".join(f"{k} {v}" for k, v in caps.items()))
     args.json.write_text(json.dumps(_finite(final), indent=1, allow_nan=False) + "\n")

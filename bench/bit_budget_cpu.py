@@ -129,8 +129,9 @@ def _percentile(xs: list[float], q: float) -> float:
 def run_cell(tagger: ChatTagger, mix: str, budget: float, control: str, *, turns: int, pool_pages: int) -> Cell:
     t0 = time.perf_counter()
     pool = TriaxialPagePool(pool_pages * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=P)
-    kv = KVCacheManager(pool, page_size=P, bits_table=bits_table_for_budget(budget),
-                        requantize=lambda src, dst: None)  # age-down on: values are not modelled
+    kv = KVCacheManager(
+        pool, page_size=P, bits_table=bits_table_for_budget(budget), requantize=lambda src, dst: None
+    )  # age-down on: values are not modelled
     if control == "hold":
         kv.controller = budget_controller(budget, None, page_size=P)
     convs: list[Iterator[Turn]] = [TRAFFIC[mix](c) for c in range(IN_FLIGHT)]
@@ -172,12 +173,19 @@ def run_cell(tagger: ChatTagger, mix: str, budget: float, control: str, *, turns
             every.append(h)
     ctl = kv.controller
     return Cell(
-        mix=mix, budget=budget, control=control,
-        owned_mean=round(sum(owned) / len(owned), 4), owned_p5=round(_percentile(owned, 0.05), 3),
-        owned_p95=round(_percentile(owned, 0.95), 3), held_mean=round(sum(every) / len(every), 4),
-        reused_share=round(reused / prompt, 4), aged_pages=kv.aged_pages,
-        cut_moves=ctl.moves if ctl else 0, final_cut=round(ctl.cut, 3) if ctl else None,
-        requests=turns, seconds=round(time.perf_counter() - t0, 1),
+        mix=mix,
+        budget=budget,
+        control=control,
+        owned_mean=round(sum(owned) / len(owned), 4),
+        owned_p5=round(_percentile(owned, 0.05), 3),
+        owned_p95=round(_percentile(owned, 0.95), 3),
+        held_mean=round(sum(every) / len(every), 4),
+        reused_share=round(reused / prompt, 4),
+        aged_pages=kv.aged_pages,
+        cut_moves=ctl.moves if ctl else 0,
+        final_cut=round(ctl.cut, 3) if ctl else None,
+        requests=turns,
+        seconds=round(time.perf_counter() - t0, 1),
     )
 
 
@@ -193,18 +201,24 @@ def main() -> None:
     root = tiny_model_dir()
     tagger = ChatTagger(TextTokenizer.from_dir(root), ChatTemplate.from_dir(root))
     cells = []
-    print(f"{'mix':7} {'budget':>6} {'control':7} {'owned':>6} {'p5':>6} {'p95':>6} {'held':>6} "
-          f"{'reused':>7} {'aged':>6} {'moves':>5}")
+    print(f"{'mix':7} {'budget':>6} {'control':7} {'owned':>6} {'p5':>6} {'p95':>6} {'held':>6} {'reused':>7} {'aged':>6} {'moves':>5}")
     grid = list(itertools.product(args.mixes.split(","), (float(b) for b in args.budgets.split(",")), ("fixed", "hold")))
     for mix, budget, control in progress(grid, desc="cells", quiet=args.quiet):
         cell = run_cell(tagger, mix, budget, control, turns=args.turns, pool_pages=args.pool_pages)
         cells.append(cell)
-        print(f"{mix:7} {budget:6.2f} {control:7} {cell.owned_mean:6.3f} {cell.owned_p5:6.2f} "
-              f"{cell.owned_p95:6.2f} {cell.held_mean:6.3f} {cell.reused_share:7.3f} {cell.aged_pages:6d} "
-              f"{cell.cut_moves:5d}", flush=True)
+        print(
+            f"{mix:7} {budget:6.2f} {control:7} {cell.owned_mean:6.3f} {cell.owned_p5:6.2f} "
+            f"{cell.owned_p95:6.2f} {cell.held_mean:6.3f} {cell.reused_share:7.3f} {cell.aged_pages:6d} "
+            f"{cell.cut_moves:5d}",
+            flush=True,
+        )
     if args.json:
-        args.json.write_text(json.dumps({"turns": args.turns, "pool_pages": args.pool_pages, "in_flight": IN_FLIGHT,
-                                         "cells": [asdict(c) for c in cells]}, indent=1) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {"turns": args.turns, "pool_pages": args.pool_pages, "in_flight": IN_FLIGHT, "cells": [asdict(c) for c in cells]}, indent=1
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

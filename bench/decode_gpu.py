@@ -239,8 +239,14 @@ def flashinfer_decode(pool: Pool, q: torch.Tensor) -> Callable[[], torch.Tensor]
 
 
 SWEEP = [  # (pages per iteration, INT2 pages per iteration, warps, pipeline stages, register cap)
-    (8, 8, 4, 2, 128), (8, 8, 4, 2, 144), (8, 8, 4, 3, 128), (4, 1, 4, 2, 0), (4, 2, 4, 2, 0), (4, 2, 4, 2, 128),
-    (8, 2, 4, 2, 128), (4, 1, 4, 3, 0),
+    (8, 8, 4, 2, 128),
+    (8, 8, 4, 2, 144),
+    (8, 8, 4, 3, 128),
+    (4, 1, 4, 2, 0),
+    (4, 2, 4, 2, 0),
+    (4, 2, 4, 2, 128),
+    (8, 2, 4, 2, 128),
+    (4, 1, 4, 3, 0),
 ]
 
 
@@ -312,7 +318,11 @@ def main() -> None:
                     record(shape, f"  {fmt} {name}", t, pool_bytes, tuning=cfg, rel_diff_vs_default=err,
                            resources=resources(pool))  # fmt: skip
                     print(f"      {resources(pool)}; vs default output rel diff {err:.2e}", flush=True)
-            if fmt in ("nvfp4", "triaxial", "fp8_e4m3") and not args.no_tl and paged_ops.decode_kernel(q, pool.kv, options=OPTIONS) == "gluon":
+            if (
+                fmt in ("nvfp4", "triaxial", "fp8_e4m3")
+                and not args.no_tl
+                and paged_ops.decode_kernel(q, pool.kv, options=OPTIONS) == "gluon"
+            ):
                 # the tl kernel (what CI's interpreter runs) next to the default Gluon one
                 t = time_ms(lambda: pool.decode(q, kernel="tl"))
                 err = float((pool.decode(q, kernel="tl").float() - outs[fmt]).norm() / outs[fmt].norm())
@@ -392,10 +402,14 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"device": dev, "read_tb_s": read_tbs, "read_tb_s_end": read_end, "read_runs": read_runs,
                    "copy_tb_s": copy_tbs, "copy_tb_s_end": copy_end, "yardstick": "read", "rows": rows}, f, indent=1)  # fmt: skip
-    print(f"\n% read = of the SM streaming-read yardstick {read_tbs:.2f} TB/s; % copy = of the graph-captured copy_ {copy_tbs:.2f} TB/s (reference)")
+    print(
+        f"\n% read = of the SM streaming-read yardstick {read_tbs:.2f} TB/s; % copy = of the graph-captured copy_ {copy_tbs:.2f} TB/s (reference)"
+    )
     print(f"{'shape':<10} {'impl':<26} {'ms':>8} {'TB/s':>6} {'%read':>6} {'%copy':>6}")
     for r in rows:
-        print(f"{r['batch']}x{r['context']:<7} {r['impl']:<26} {r['ms']:8.3f} {r['tb_s']:6.2f} {100 * r['of_read']:5.1f}% {100 * r['of_copy']:5.1f}%")
+        print(
+            f"{r['batch']}x{r['context']:<7} {r['impl']:<26} {r['ms']:8.3f} {r['tb_s']:6.2f} {100 * r['of_read']:5.1f}% {100 * r['of_copy']:5.1f}%"
+        )
     print(f"read {read_tbs:.2f} TB/s (yardstick), copy {copy_tbs:.2f} TB/s, on {dev}")
 
 

@@ -91,8 +91,10 @@ def main() -> None:
             results[fmt] = row
     base = results["bf16"]
     cols = [f"{k}_b{b}" for k in ("prefill", "decode") for b in BATCHES]
-    print(f"tiny model, prompt {args.prompt_len}, {args.new_tokens} new tokens, KV budget {args.budget_mib} MiB, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"tiny model, prompt {args.prompt_len}, {args.new_tokens} new tokens, KV budget {args.budget_mib} MiB, "
+        f"{torch.get_num_threads()} threads"
+    )
     head = f"{'format':<10}" + "".join(f"{c + ' tok/s':>18}" for c in cols) + f"{'pool tokens':>14}{'vs bf16':>9}"
     print(head)
     print("-" * len(head))

@@ -112,8 +112,16 @@ def conversation_tags(n: int) -> list[int]:
 
 
 class Bench:
-    def __init__(self, model: tuple[ModelArgs, DecoderModel], *, quick: bool, enforce_eager: bool,
-                 breakdown: bool = True, bit_budget: float | None = None, bit_budget_control: str = "fixed") -> None:
+    def __init__(
+        self,
+        model: tuple[ModelArgs, DecoderModel],
+        *,
+        quick: bool,
+        enforce_eager: bool,
+        breakdown: bool = True,
+        bit_budget: float | None = None,
+        bit_budget_control: str = "fixed",
+    ) -> None:
         self.model = model
         self.bit_budget = bit_budget  # triaxial: kv_cache.bit_budget (None: the config's default)
         self.bit_budget_control = bit_budget_control  # triaxial: kv_cache.bit_budget_control
@@ -132,9 +140,11 @@ class Bench:
             margs = dataclasses.replace(margs, max_position_embeddings=max_len)
         config = ServingConfig(
             model=ModelConfig(served_name="qwen3-8b-shape"),
-            kv_cache=KVCacheConfig(dtype=fmt, memory_bytes=int(gib * GIB),
-                                   **({"bit_budget": self.bit_budget, "bit_budget_control": self.bit_budget_control}
-                                      if fmt == "triaxial" else {})),
+            kv_cache=KVCacheConfig(
+                dtype=fmt,
+                memory_bytes=int(gib * GIB),
+                **({"bit_budget": self.bit_budget, "bit_budget_control": self.bit_budget_control} if fmt == "triaxial" else {}),
+            ),
             scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=8192, chunk_size=8192),
         )
         return LLMEngine(config, device=DEVICE, dtype=torch.bfloat16, model=(margs, model), enforce_eager=self.enforce_eager)
@@ -346,8 +356,9 @@ class Bench:
         return out
 
 
-def iso(bench: Bench, formats: list[str], gib: float, contexts: list[int], *, read: int, bw_tb_s: float,
-        base: str = "fp8_e4m3") -> dict[str, Any]:
+def iso(
+    bench: Bench, formats: list[str], gib: float, contexts: list[int], *, read: int, bw_tb_s: float, base: str = "fp8_e4m3"
+) -> dict[str, Any]:
     """Iso-capacity and iso-concurrency at long contexts (the seed's serving comparison): in the same KV memory,
     how many ``context``-token sequences each format decodes at once, the decode throughput at that
     concurrency (peak) and at ``base``'s concurrency."""
@@ -391,12 +402,15 @@ def iso_report(result: dict[str, Any]) -> None:
             peak = r.get("peak", {}).get("tok_s")
             bpeak = b.get("peak", {}).get("tok_s")
             at = r.get("at_base_concurrency", r.get("peak") if fmt == base else None) or {}
-            cells = [f"{n:>5} ({n / bn:4.2f}x)" if bn else f"{n:>14}",
-                     f"{peak:>9.0f} ({peak / bpeak:4.2f}x)" if peak and bpeak else f"{'-':>18}",
-                     f"{at['tok_s']:>13.0f} ({at['tok_s'] / bpeak:4.2f}x)" if at.get("tok_s") and bpeak else f"{'-':>22}"]
+            cells = [
+                f"{n:>5} ({n / bn:4.2f}x)" if bn else f"{n:>14}",
+                f"{peak:>9.0f} ({peak / bpeak:4.2f}x)" if peak and bpeak else f"{'-':>18}",
+                f"{at['tok_s']:>13.0f} ({at['tok_s'] / bpeak:4.2f}x)" if at.get("tok_s") and bpeak else f"{'-':>22}",
+            ]
             print(f"{int(ctx) // 1024:>7}K {fmt:<9} " + " ".join(cells))
-    print("seed (SGLang NVFP4 KV, FP8 weights, its card): 32K nvfp4 70 / fp8 44 sequences (1.59x), peak +37.4 %, "
-          "+26-30 % at iso-concurrency")
+    print(
+        "seed (SGLang NVFP4 KV, FP8 weights, its card): 32K nvfp4 70 / fp8 44 sequences (1.59x), peak +37.4 %, +26-30 % at iso-concurrency"
+    )
 
 
 def sync() -> None:
@@ -418,8 +432,14 @@ KERNEL_CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("attention", re.compile(r"decode|extend|attn|attention|_merge|flash", re.I)),
     ("norm_rotary", re.compile(r"rms|norm|rope|rotary", re.I)),
     ("activation", re.compile(r"silu|gelu|act_and_mul", re.I)),
-    ("sampling", re.compile(r"sampl|argmax|argmin|topk|top_k|sort|softmax|exponential|multinomial|cumsum|gumbel|"
-                            r"reduce_kernel|radix", re.I)),  # fmt: skip
+    (
+        "sampling",
+        re.compile(
+            r"sampl|argmax|argmin|topk|top_k|sort|softmax|exponential|multinomial|cumsum|gumbel|"
+            r"reduce_kernel|radix",
+            re.I,
+        ),
+    ),  # fmt: skip
 )
 
 
@@ -489,17 +509,26 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--weights", choices=("bf16", "fp8", "fp8_block"), default="bf16",
-                    help="the model's linear layers: bf16, or FP8 with per-channel / 128x128 block scales")
+    ap.add_argument(
+        "--weights",
+        choices=("bf16", "fp8", "fp8_block"),
+        default="bf16",
+        help="the model's linear layers: bf16, or FP8 with per-channel / 128x128 block scales",
+    )
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-shape kernel-class profile")
-    ap.add_argument("--iso", action="store_true",
-                    help="only the iso-capacity / iso-concurrency comparison at --iso-contexts in --iso-kv-gib")
+    ap.add_argument(
+        "--iso", action="store_true", help="only the iso-capacity / iso-concurrency comparison at --iso-contexts in --iso-kv-gib"
+    )
     ap.add_argument("--iso-kv-gib", type=float, default=100.0, help="KV memory of the iso comparison")
     ap.add_argument("--iso-contexts", default="32768,131072")
     ap.add_argument("--smoke", action="store_true", help="CPU, toy shape, tiny pools: checks the script, measures nothing")
     ap.add_argument("--bit-budget", type=float, default=None, help="triaxial: kv_cache.bit_budget (default: the config's)")
-    ap.add_argument("--bit-budget-control", choices=("fixed", "hold"), default="fixed",
-                    help="triaxial: kv_cache.bit_budget_control (hold: the controller holds the stored bits at the budget)")
+    ap.add_argument(
+        "--bit-budget-control",
+        choices=("fixed", "hold"),
+        default="fixed",
+        help="triaxial: kv_cache.bit_budget_control (hold: the controller holds the stored bits at the budget)",
+    )
     args = ap.parse_args()
     global DEVICE
     if args.smoke:
@@ -524,12 +553,17 @@ def main() -> None:
         bw_tb_s, _ = read_bandwidth()
     else:
         bw_tb_s = 0.05  # --smoke: a stand-in so the roofline columns are exercised (no meaning on CPU)
-    print(f"read bandwidth {bw_tb_s:.2f} TB/s (streaming read, this run); weights read per step {read / 1e9:.2f} GB",
-          flush=True)
+    print(f"read bandwidth {bw_tb_s:.2f} TB/s (streaming read, this run); weights read per step {read / 1e9:.2f} GB", flush=True)
     print(f"device {dev}, torch {torch.__version__}; Qwen3-8B shape, vocab {args.vocab}, weights {weights / 1e9:.2f} GB "
           f"(random {args.weights}, seed {args.seed}); capacity pool {args.kv_gib:g} GiB, speed pool {args.speed_kv_gib:g} GiB", flush=True)  # fmt: skip
-    bench = Bench((margs, model), quick=args.quick, enforce_eager=args.enforce_eager, breakdown=not args.no_breakdown,
-                  bit_budget=args.bit_budget, bit_budget_control=args.bit_budget_control)
+    bench = Bench(
+        (margs, model),
+        quick=args.quick,
+        enforce_eager=args.enforce_eager,
+        breakdown=not args.no_breakdown,
+        bit_budget=args.bit_budget,
+        bit_budget_control=args.bit_budget_control,
+    )
     results: dict[str, Any] = {}
     if args.iso:
         contexts = [512, 1024] if args.smoke else [int(c) for c in args.iso_contexts.split(",")]
@@ -568,12 +602,10 @@ def main() -> None:
 def breakdown_line(b: dict[str, Any] | None) -> str:
     if not b:
         return ""
-    return "; " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()
-                            if isinstance(v, float) and k != "kernels" and abs(v) >= 0.005)
+    return "; " + ", ".join(f"{k} {v:.2f}" for k, v in b.items() if isinstance(v, float) and k != "kernels" and abs(v) >= 0.005)
 
 
-def dump(args: argparse.Namespace, dev: str, weights: int, results: dict[str, Any], seconds: float, *,
-         read: int, bw_tb_s: float) -> None:
+def dump(args: argparse.Namespace, dev: str, weights: int, results: dict[str, Any], seconds: float, *, read: int, bw_tb_s: float) -> None:
     out = {"device": dev, "torch": torch.__version__, "model": f"Qwen3-8B shape, random {args.weights} weights", "weights": args.weights, "vocab": args.vocab,
            "weights_bytes": weights, "weights_read_bytes": read, "read_bandwidth_tb_s": bw_tb_s, "kv_gib": args.kv_gib, "speed_kv_gib": args.speed_kv_gib, "quick": args.quick,
            "enforce_eager": args.enforce_eager, "bit_budget": args.bit_budget, "bit_budget_control": args.bit_budget_control,
@@ -594,8 +626,9 @@ def report(results: dict[str, Any], shapes: list[tuple[int, int]]) -> None:
         cap, pf = r["capacity"], r["prefill_8k"]
         b_cap = base["capacity"]["seqs"] if base else None
         b_pf = base["prefill_8k"]["tok_s"] if base else None
-        share = (f"{cap['int2_share_stored']:.2f}/{cap['int2_share_budget']:.2f} {cap.get('stored_bits', 0):.2f}b"
-                 if fmt == "triaxial" else "-")
+        share = (
+            f"{cap['int2_share_stored']:.2f}/{cap['int2_share_budget']:.2f} {cap.get('stored_bits', 0):.2f}b" if fmt == "triaxial" else "-"
+        )
         print(f"{fmt:<9} {cap['seqs']:>5} {ratio(cap['seqs'], b_cap)} {share:>16} {pf['tok_s']:>14.0f} {ratio(pf['tok_s'], b_pf)}")
     print(f"\n{'format':<9} " + " ".join(f"{f'{b}x{c // 1024}K TPOT ms':>22}" for b, c in shapes))
     for fmt, r in results.items():

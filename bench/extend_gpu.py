@@ -64,7 +64,9 @@ def flops(n: int, prefix: int) -> float:
     return 4.0 * n * (prefix + (n + 1) / 2) * HQ * D
 
 
-def flashinfer_prefill(fmt: str, n: int, prefix: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[Callable[[], torch.Tensor], Pool]:
+def flashinfer_prefill(
+    fmt: str, n: int, prefix: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+) -> tuple[Callable[[], torch.Tensor], Pool]:
     """FlashInfer's paged prefill over bf16 / fp8 pages holding the prefix and the chunk (our page is its HND page)."""
     import flashinfer
 

@@ -118,15 +118,48 @@ SHORT_TOKENS = 3  # a stream that ends within the grace
 READY_S = 180.0
 SYSTEM = "You are a coding agent. Work step by step, use the tools, and report what you changed. "
 CONVERSATIONS = [  # (system prompt repeats, user turns, streamed)
-    (6, ["Find the failing test in the repository and explain it.", "Now look at the next file and report back.",
-         "Write the fix and run the tests again."], False),
-    (5, ["List the modules that import the config loader.", "Which of them read the retention setting?",
-         "Summarise the change in one paragraph."], True),
-    (7, ["Open the gateway log and find the slowest request.", "What did its worker do meanwhile?",
-         "Propose one change that makes it faster."], False),
+    (
+        6,
+        [
+            "Find the failing test in the repository and explain it.",
+            "Now look at the next file and report back.",
+            "Write the fix and run the tests again.",
+        ],
+        False,
+    ),
+    (
+        5,
+        [
+            "List the modules that import the config loader.",
+            "Which of them read the retention setting?",
+            "Summarise the change in one paragraph.",
+        ],
+        True,
+    ),
+    (
+        7,
+        [
+            "Open the gateway log and find the slowest request.",
+            "What did its worker do meanwhile?",
+            "Propose one change that makes it faster.",
+        ],
+        False,
+    ),
 ]
-ALL_FAULTS = ("none", "malformed", "attacker", "nixl_attacker", "other_tenant", "prefill_sigstop", "holder_sigstop",
-              "holder_sigstop_warm", "gateway_sigterm", "decode_sigkill", "transfer_timeout", "decode_pool_small")
+ALL_FAULTS = (
+    "none",
+    "malformed",
+    "attacker",
+    "nixl_attacker",
+    "other_tenant",
+    "prefill_sigstop",
+    "holder_sigstop",
+    "holder_sigstop_warm",
+    "gateway_sigterm",
+    "decode_sigkill",
+    "transfer_timeout",
+    "decode_pool_small",
+)
 QUICK_FAULTS = ("attacker", "nixl_attacker", "holder_sigstop")
 CLASSES = ("ok", "failed_clear", "failed_unclear", "silently_wrong")
 
@@ -141,11 +174,11 @@ class Proc:
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
 
     @property
     def pid(self) -> int:
@@ -200,15 +233,41 @@ class Cluster:
         self.gateway_url, prefill_url, *decode_urls = (f"http://127.0.0.1:{p}" for p in ports)
         self.prefill = self._worker("prefill", "prefill", prefill_url)
         self.decoders = [self._worker(f"decode-{i}", "decode", url) for i, url in enumerate(decode_urls)]
-        self.gateway = Proc("gateway", self.gateway_url, [sys.executable, "-m", "kvserving.cli", "gateway", "--config",
-                            str(tmp / "gateway.json"), "--host", "127.0.0.1", "--port", str(ports[0])],
-                            tmp / "gateway.log")
+        self.gateway = Proc(
+            "gateway",
+            self.gateway_url,
+            [
+                sys.executable,
+                "-m",
+                "kvserving.cli",
+                "gateway",
+                "--config",
+                str(tmp / "gateway.json"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(ports[0]),
+            ],
+            tmp / "gateway.log",
+        )
         self.write_config("gateway.json", TRANSFER_TIMEOUT_S)
 
     def _worker(self, name: str, role: str, url: str) -> Proc:
         port = url.rsplit(":", 1)[1]
-        argv = [sys.executable, "-m", "kvserving.cli", "worker", "--role", role, "--config",
-                str(self.tmp / "worker.json"), "--host", "127.0.0.1", "--port", port]
+        argv = [
+            sys.executable,
+            "-m",
+            "kvserving.cli",
+            "worker",
+            "--role",
+            role,
+            "--config",
+            str(self.tmp / "worker.json"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            port,
+        ]
         return Proc(name, url, argv, self.tmp / f"{name}.log")
 
     @property
@@ -221,9 +280,14 @@ class Cluster:
             "kv_cache": {"dtype": "bf16", "memory_bytes": memory_bytes},
             "reuse": {"recompute_threshold_tokens": 0, "transfer_timeout_s": transfer_timeout_s},
             "security": {"internal_token_file": str(self.tmp / "internal-token")},
-            "gateway": {"prefill_urls": [self.prefill.url], "decode_urls": [d.url for d in self.decoders],
-                        "first_byte_timeout_s": FIRST_BYTE_S, "event_timeout_s": FIRST_BYTE_S,
-                        "health_interval_s": 1.0, "drain_grace_s": DRAIN_GRACE_S},
+            "gateway": {
+                "prefill_urls": [self.prefill.url],
+                "decode_urls": [d.url for d in self.decoders],
+                "first_byte_timeout_s": FIRST_BYTE_S,
+                "event_timeout_s": FIRST_BYTE_S,
+                "health_interval_s": 1.0,
+                "drain_grace_s": DRAIN_GRACE_S,
+            },
         }
         (self.tmp / name).write_text(json.dumps(config))
 
@@ -256,8 +320,10 @@ class Cluster:
         for w in self.workers:
             w.wait_ready()
         deadline = time.monotonic() + timeout
-        while (gauge(self.gateway_url, "kvserving_gateway_workers_healthy", role="decode") != 2
-               or gauge(self.gateway_url, "kvserving_gateway_workers_healthy", role="prefill") != 1):
+        while (
+            gauge(self.gateway_url, "kvserving_gateway_workers_healthy", role="decode") != 2
+            or gauge(self.gateway_url, "kvserving_gateway_workers_healthy", role="prefill") != 1
+        ):
             if time.monotonic() > deadline:
                 raise RuntimeError("a decode worker did not come back into the gateway's rotation")
             time.sleep(0.2)
@@ -273,12 +339,19 @@ class Cluster:
 
 def gauge(url: str, name: str, *, timeout: float = 10.0, **labels: str) -> float:
     text = httpx.get(url + "/metrics", timeout=timeout).text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
-GATEWAY_COUNTERS = ("kvserving_gateway_reuse_fallbacks_total", "kvserving_gateway_upstream_errors_total",
-                    "kvserving_gateway_routing_decisions_total")
+GATEWAY_COUNTERS = (
+    "kvserving_gateway_reuse_fallbacks_total",
+    "kvserving_gateway_upstream_errors_total",
+    "kvserving_gateway_routing_decisions_total",
+)
 
 
 def gateway_counters(url: str) -> dict[str, float]:
@@ -313,13 +386,26 @@ class Result:
 
 
 def openai_shaped(body: object) -> bool:
-    return (isinstance(body, dict) and isinstance(body.get("message"), str) and isinstance(body.get("type"), str)
-            and "code" in body and "param" in body)
+    return (
+        isinstance(body, dict)
+        and isinstance(body.get("message"), str)
+        and isinstance(body.get("type"), str)
+        and "code" in body
+        and "param" in body
+    )
 
 
-def ask(client: openai.OpenAI, messages: list[dict[str, Any]], conversation_id: str, *, stream: bool,
-        salt: str | None = None, reference: str | None = None, max_tokens: int = MAX_TOKENS,
-        started: threading.Event | None = None) -> Result:
+def ask(
+    client: openai.OpenAI,
+    messages: list[dict[str, Any]],
+    conversation_id: str,
+    *,
+    stream: bool,
+    salt: str | None = None,
+    reference: str | None = None,
+    max_tokens: int = MAX_TOKENS,
+    started: threading.Event | None = None,
+) -> Result:
     """One request through the openai client, classified against ``reference``. ``started`` is
     set once a streamed reply's first chunk has arrived. A stream that ends with an error event
     keeps the text streamed before it (``Result.text``); one that ends with neither a
@@ -327,8 +413,14 @@ def ask(client: openai.OpenAI, messages: list[dict[str, Any]], conversation_id: 
     extra: dict[str, Any] = {"ignore_eos": True}
     if salt is not None:
         extra["cache_salt"] = salt
-    kw: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                          "extra_headers": {"X-Session-ID": conversation_id}, "extra_body": extra}
+    kw: dict[str, Any] = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "extra_headers": {"X-Session-ID": conversation_id},
+        "extra_body": extra,
+    }
     text: list[str] = []
     try:
         if stream:
@@ -359,8 +451,7 @@ def ask(client: openai.OpenAI, messages: list[dict[str, Any]], conversation_id: 
     cached = details.cached_tokens if details is not None else None
     whole = usage is not None and usage.completion_tokens == max_tokens and finish == "length"
     kind = "ok" if whole and (reference is None or reply == reference) else "silently_wrong"
-    return Result(kind, reply, extra_usage.get("reuse_fallback"), cached,
-                  "" if kind == "ok" else f"finish {finish}, usage {usage}")
+    return Result(kind, reply, extra_usage.get("reuse_fallback"), cached, "" if kind == "ok" else f"finish {finish}, usage {usage}")
 
 
 def raw_post(url: str, body: bytes) -> tuple[int, object]:
@@ -453,9 +544,15 @@ class Run:
         counts = Counter(r.kind for r in self.results)
         fallbacks = Counter(r.fallback for r in self.results if r.fallback)
         wrong = [r.detail for r in self.results if r.kind != "ok" and r.detail]
-        return {"fault": self.fault, "sent": len(self.results), **{k: counts.get(k, 0) for k in CLASSES},
-                "fallback_reasons": dict(sorted(fallbacks.items())), "violations": self.violations,
-                "notes": self.notes + ([f"not ok: {sorted(set(wrong))}"] if wrong else []), **self.extra}
+        return {
+            "fault": self.fault,
+            "sent": len(self.results),
+            **{k: counts.get(k, 0) for k in CLASSES},
+            "fallback_reasons": dict(sorted(fallbacks.items())),
+            "violations": self.violations,
+            "notes": self.notes + ([f"not ok: {sorted(set(wrong))}"] if wrong else []),
+            **self.extra,
+        }
 
 
 Hook = Callable[[int, int], None]  # (conversation, turn)
@@ -519,8 +616,9 @@ class Matrix:
         best: tuple[int, Proc] | None = None
         for d in self.c.decoders:
             with contextlib.suppress(httpx.TransportError, ValueError, KeyError):
-                leases = httpx.get(d.url + "/internal/kv/leases", params={"conversation_key": key},
-                                   headers=self.c.headers, timeout=10).json()["leases"]
+                leases = httpx.get(
+                    d.url + "/internal/kv/leases", params={"conversation_key": key}, headers=self.c.headers, timeout=10
+                ).json()["leases"]
                 for le in leases:
                     if best is None or le["num_tokens"] > best[0]:
                         best = (le["num_tokens"], d)
@@ -549,8 +647,10 @@ class Matrix:
         run = self.run("malformed", before=before)
         victim = Counter(r.kind for r in run.results)
         run.results += extra
-        run.notes.append(f"victim turns {dict(victim)}; malformed requests {len(extra)} "
-                         f"({', '.join(bodies)} before each later turn), each expected failed_clear (a 4xx)")
+        run.notes.append(
+            f"victim turns {dict(victim)}; malformed requests {len(extra)} "
+            f"({', '.join(bodies)} before each later turn), each expected failed_clear (a 4xx)"
+        )
         run.extra["expected"] = "victim turns ok, every malformed request failed_clear with a 4xx"
         if any(r.kind != "failed_clear" for r in extra):
             run.violations.append("a malformed request was not a clear 4xx")
@@ -570,15 +670,22 @@ class Matrix:
             lease_ids = []
             for w in self.c.decoders:  # the victim's real lease ids (the attacker cannot list them; it is given them)
                 with contextlib.suppress(httpx.TransportError, ValueError, KeyError):
-                    leases = httpx.get(w.url + "/internal/kv/leases", params={"conversation_key": key},
-                                       headers=self.c.headers, timeout=10).json()["leases"]
+                    leases = httpx.get(
+                        w.url + "/internal/kv/leases", params={"conversation_key": key}, headers=self.c.headers, timeout=10
+                    ).json()["leases"]
                     lease_ids += [le["lease_id"] for le in leases]
             lid = lease_ids[0] if lease_ids else "unknown"
-            evil = {"request_id": f"evil-{conv}", "input_ids": [5, 6, 7], "conversation_key": key, "retain": True,
-                    "sampling": {"max_tokens": 2, "ignore_eos": True},
-                    "kv_transfer_params": {"agent_url": trap.url, "engine_id": "evil", "lease_id": lid}}
+            evil = {
+                "request_id": f"evil-{conv}",
+                "input_ids": [5, 6, 7],
+                "conversation_key": key,
+                "retain": True,
+                "sampling": {"max_tokens": 2, "ignore_eos": True},
+                "kv_transfer_params": {"agent_url": trap.url, "engine_id": "evil", "lease_id": lid},
+            }
             calls: list[tuple[str, str, dict[str, Any] | None]] = [
-                ("GET", "/internal/kv/leases", None), ("GET", "/internal/kv/agent", None),
+                ("GET", "/internal/kv/leases", None),
+                ("GET", "/internal/kv/agent", None),
                 ("GET", "/internal/kv/stats", None),
                 ("POST", f"/internal/kv/leases/{lid}/hold", {"digest": "0" * 32, "hold_s": 120}),
                 ("POST", f"/internal/kv/leases/{lid}/renew", {"ttl_s": 1}),
@@ -593,15 +700,42 @@ class Matrix:
                         if r.status_code != 401:
                             answered.append(f"{w.name} {method} {path}: {r.status_code}")
             # a caller with the credential (past the gateway) naming the trap: recomputed, nothing contacted
-            insider.append(peer_generate(self.c.prefill.url, self.c.headers, {
-                "request_id": f"insider-{conv}", "input_ids": [5, 6, 7, 8], "sampling": {"max_tokens": 2, "ignore_eos": True},
-                "kv_transfer_params": {"engine_id": "evil", "agent_url": trap.url, "lease_id": lid, "page_ids": [0],
-                                       "page_hashes": [1], "num_tokens": 16, "page_size": 16, "dtype": "bf16",
-                                       "layout_hash": "0" * 16, "expires_at": time.time() + 60}}))
+            insider.append(
+                peer_generate(
+                    self.c.prefill.url,
+                    self.c.headers,
+                    {
+                        "request_id": f"insider-{conv}",
+                        "input_ids": [5, 6, 7, 8],
+                        "sampling": {"max_tokens": 2, "ignore_eos": True},
+                        "kv_transfer_params": {
+                            "engine_id": "evil",
+                            "agent_url": trap.url,
+                            "lease_id": lid,
+                            "page_ids": [0],
+                            "page_hashes": [1],
+                            "num_tokens": 16,
+                            "page_size": 16,
+                            "dtype": "bf16",
+                            "layout_hash": "0" * 16,
+                            "expires_at": time.time() + 60,
+                        },
+                    },
+                )
+            )
             # through the gateway: a client naming the trap as the KV source (an unknown field: ignored)
-            r = httpx.post(self.c.gateway_url + "/v1/chat/completions", timeout=60, json={
-                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                "kv_transfer_params": {"agent_url": trap.url, "lease_id": lid}, "conversation_key": key, "retain": True})
+            r = httpx.post(
+                self.c.gateway_url + "/v1/chat/completions",
+                timeout=60,
+                json={
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                    "kv_transfer_params": {"agent_url": trap.url, "lease_id": lid},
+                    "conversation_key": key,
+                    "retain": True,
+                },
+            )
             gateway_codes[r.status_code] += 1
 
         try:
@@ -609,15 +743,20 @@ class Matrix:
             time.sleep(0.5)  # a connection the trap would get arrives now at the latest
         finally:
             trap.close()
-        run.extra["probes"] = {"worker_calls_without_credential": sum(probes.values()), "answered_not_401": len(answered),
-                               "trap_connections": trap.connections, "gateway_requests_naming_the_trap":
-                               dict(gateway_codes), "credentialed_generates_naming_the_trap": insider}
-        run.notes.append(f"a credentialed worker generate naming the trap as agent_url, before each later turn: "
-                         f"reuse_fallback {insider}")
+        run.extra["probes"] = {
+            "worker_calls_without_credential": sum(probes.values()),
+            "answered_not_401": len(answered),
+            "trap_connections": trap.connections,
+            "gateway_requests_naming_the_trap": dict(gateway_codes),
+            "credentialed_generates_naming_the_trap": insider,
+        }
+        run.notes.append(f"a credentialed worker generate naming the trap as agent_url, before each later turn: reuse_fallback {insider}")
         if any(f != "unknown_peer" for f in insider):
             run.violations.append(f"a generate naming a foreign agent_url was not refused as unknown_peer: {insider}")
-        run.notes.append(f"every /internal route of 3 workers, no token and a guessed one, before each later turn: "
-                         f"{sum(probes.values())} calls, {len(answered)} not 401; trap connections {trap.connections}")
+        run.notes.append(
+            f"every /internal route of 3 workers, no token and a guessed one, before each later turn: "
+            f"{sum(probes.values())} calls, {len(answered)} not 401; trap connections {trap.connections}"
+        )
         if answered:
             run.violations.append(f"answered without the credential: {answered[:5]}")
         if trap.connections:
@@ -635,8 +774,7 @@ class Matrix:
         api = import_nixl()
         if isinstance(getattr(api, "logger", None), logging.Logger):
             api.logger.setLevel(logging.WARNING)  # its INFO lines go to stdout, where the table goes
-        agent = api.nixl_agent("attacker", api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                                                  backends=["UCX"]))
+        agent = api.nixl_agent("attacker", api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]))
         loot = bytearray(1 << 16)  # where a READ would land, what a WRITE would send
         base = ctypes.addressof((ctypes.c_char * len(loot)).from_buffer(loot))
         agent.register_memory([(base, len(loot), 0, "")], "DRAM")
@@ -689,17 +827,18 @@ class Matrix:
             salt, ref = f"intruder-c{conv}-t{turn}", self.reference[conv][turn]
             intruder.append(ask(self.client, self.history(conv, turn), salt, stream=stream, salt=salt, reference=ref))
             # the same prompt again from that tenant: its own pages are found (the probe can see a cache hit)
-            repeat.append(ask(self.client, self.history(conv, turn), salt + "-again", stream=stream, salt=salt,
-                              reference=ref))
+            repeat.append(ask(self.client, self.history(conv, turn), salt + "-again", stream=stream, salt=salt, reference=ref))
 
         run = self.run("other_tenant", after=after)
         cached = [r.cached_tokens for r in intruder]
         run.results += intruder + repeat
         run.extra["intruder_cached_tokens"] = cached
         run.extra["intruder_repeat_cached_tokens"] = [r.cached_tokens for r in repeat]
-        run.notes.append(f"a new tenant (cache_salt) sent each of the victim's {len(intruder)} prompts right after it: "
-                         f"cached_tokens {cached} (must be 0); the same tenant repeating it: "
-                         f"{[r.cached_tokens for r in repeat]}")
+        run.notes.append(
+            f"a new tenant (cache_salt) sent each of the victim's {len(intruder)} prompts right after it: "
+            f"cached_tokens {cached} (must be 0); the same tenant repeating it: "
+            f"{[r.cached_tokens for r in repeat]}"
+        )
         if any(c != 0 for c in cached):
             run.violations.append(f"another tenant saw cached tokens: {cached}")
         return run
@@ -755,20 +894,24 @@ class Matrix:
         normal = self.turn_seconds.get("none") or self.turn_seconds["reference"]
         run.extra["frozen_turn_s"] = seconds
         run.extra["normal_turn_s"] = [normal[conv][1] for conv in range(len(self.conversations))]
-        run.extra["frozen_turn_fallbacks"] = [run.results[sum(len(u) for _, u, _ in self.conversations[:conv]) + 1].fallback
-                                              for conv in range(len(self.conversations))]
-        run.notes.append(f"lease holder frozen before turn 2 of each conversation ({len(frozen)} times); those turns took "
-                         f"{seconds} s (without the fault: {run.extra['normal_turn_s']} s); gateway holder_unresponsive "
-                         f"+{int(moved)}")
+        run.extra["frozen_turn_fallbacks"] = [
+            run.results[sum(len(u) for _, u, _ in self.conversations[:conv]) + 1].fallback for conv in range(len(self.conversations))
+        ]
+        run.notes.append(
+            f"lease holder frozen before turn 2 of each conversation ({len(frozen)} times); those turns took "
+            f"{seconds} s (without the fault: {run.extra['normal_turn_s']} s); gateway holder_unresponsive "
+            f"+{int(moved)}"
+        )
         self.c.all_healthy()
         # The prefill's own bound: a turn whose KV only the (frozen) holder has
         pulls = [self.prefill_pull(self.c.decoders[0], freeze=f, seed=n) for n, f in enumerate((False, True, False, True))]
         run.extra["prefill_pull_from_holder"] = pulls
-        run.notes.append("prefill's part of a turn whose KV only the holder has, s: alive "
-                         f"{[p['seconds'] for p in pulls if not p['frozen']]}, frozen {[p['seconds'] for p in pulls if p['frozen']]} "
-                         f"(reuse.peer_timeout_s {ServingConfig().reuse.peer_timeout_s})")
-        if any(p["tokens"] != pulls[0]["tokens"] or p["fallback"] != ("remote_unreachable" if p["frozen"] else None)
-               for p in pulls):
+        run.notes.append(
+            "prefill's part of a turn whose KV only the holder has, s: alive "
+            f"{[p['seconds'] for p in pulls if not p['frozen']]}, frozen {[p['seconds'] for p in pulls if p['frozen']]} "
+            f"(reuse.peer_timeout_s {ServingConfig().reuse.peer_timeout_s})"
+        )
+        if any(p["tokens"] != pulls[0]["tokens"] or p["fallback"] != ("remote_unreachable" if p["frozen"] else None) for p in pulls):
             run.violations.append(f"a pull from a frozen holder did not recompute the alive run's token: {pulls}")
         self.c.all_healthy()
         return run
@@ -784,8 +927,15 @@ class Matrix:
             if turn == 1:
                 self.c.all_healthy()
                 # the prefill computes (and caches) this very turn's prompt: it will have nothing to pull
-                warm.append(ask(self.client, self.history(conv, turn), f"holder_sigstop_warm-w{conv}",
-                                stream=False, reference=self.reference[conv][turn]))
+                warm.append(
+                    ask(
+                        self.client,
+                        self.history(conv, turn),
+                        f"holder_sigstop_warm-w{conv}",
+                        stream=False,
+                        reference=self.reference[conv][turn],
+                    )
+                )
                 holder = self.holder("holder_sigstop_warm", conv)
                 holder.send(signal.SIGSTOP)
                 frozen.append(holder)
@@ -807,11 +957,13 @@ class Matrix:
         run.extra["frozen_turn_s"] = seconds
         run.extra["normal_turn_s"] = [normal[conv][1] for conv in range(len(self.conversations))]
         run.extra["warm_up_requests"] = dict(Counter(r.kind for r in warm))
-        run.notes.append(f"the prefill warmed with each turn 2's messages, then the lease holder frozen before it "
-                         f"({len(frozen)} times); those turns took {seconds} s (without the fault: "
-                         f"{run.extra['normal_turn_s']} s); gateway upstream errors unresponsive "
-                         f"+{moved.get('upstream_errors{kind=unresponsive}', 0)}, holder_unresponsive "
-                         f"+{moved.get('reuse_fallbacks{reason=holder_unresponsive}', 0)}")
+        run.notes.append(
+            f"the prefill warmed with each turn 2's messages, then the lease holder frozen before it "
+            f"({len(frozen)} times); those turns took {seconds} s (without the fault: "
+            f"{run.extra['normal_turn_s']} s); gateway upstream errors unresponsive "
+            f"+{moved.get('upstream_errors{kind=unresponsive}', 0)}, holder_unresponsive "
+            f"+{moved.get('reuse_fallbacks{reason=holder_unresponsive}', 0)}"
+        )
         if any(r.kind != "ok" for r in warm):
             run.violations.append(f"a warm-up request was not ok: {[r.detail for r in warm]}")
         self.c.all_healthy()
@@ -826,8 +978,7 @@ class Matrix:
 
         def after(conv: int, turn: int) -> None:
             for stream in (False, True):
-                got = ask(self.client, [{"role": "user", "content": words}], f"decode_pool_small-big{conv}-{turn}",
-                          stream=stream)
+                got = ask(self.client, [{"role": "user", "content": words}], f"decode_pool_small-big{conv}-{turn}", stream=stream)
                 # a 400 before the stream (ask saw an HTTP status, not an error event) is the expected refusal
                 if got.kind == "failed_clear" and got.detail == "400 context_length_exceeded":
                     extra.append(got)
@@ -839,9 +990,11 @@ class Matrix:
         run.results += extra
         run.extra["decode_kv_capacity_tokens"] = decode_tokens
         run.extra["prefill_kv_capacity_tokens"] = prefill_tokens
-        run.notes.append(f"decode pools {decode_tokens} tokens, the prefill's {prefill_tokens}; victim turns {dict(victim)}; "
-                         f"{len(extra)} prompts over the decode pools ({len(words.split())} words), half streamed, "
-                         "each expected 400 context_length_exceeded before any stream")
+        run.notes.append(
+            f"decode pools {decode_tokens} tokens, the prefill's {prefill_tokens}; victim turns {dict(victim)}; "
+            f"{len(extra)} prompts over the decode pools ({len(words.split())} words), half streamed, "
+            "each expected 400 context_length_exceeded before any stream"
+        )
         if any(r.detail != "400 context_length_exceeded" for r in extra):
             run.violations.append(f"a prompt over the decode pools was not a 400 before the stream: {[r.detail for r in extra]}")
         return run
@@ -853,10 +1006,8 @@ class Matrix:
         the holder frozen or not. Every probe sends the same tokens under its own ``cache_salt``
         (nothing cached from another probe is reused): the prefill's token is the same each time."""
         head = [(i * 37) % 3500 + 300 for i in range(PROBE_PROMPT_TOKENS)]
-        body = {"sampling": {"max_tokens": 8, "ignore_eos": True}, "conversation_key": f"probe-{seed}",
-                "cache_salt": f"probe-{seed}"}
-        got = worker_generate(holder.url, self.c.headers, {**body, "request_id": f"probe-{seed}-d", "input_ids": head,
-                                                          "retain": True})
+        body = {"sampling": {"max_tokens": 8, "ignore_eos": True}, "conversation_key": f"probe-{seed}", "cache_salt": f"probe-{seed}"}
+        got = worker_generate(holder.url, self.c.headers, {**body, "request_id": f"probe-{seed}-d", "input_ids": head, "retain": True})
         if isinstance(got, str):
             raise RuntimeError(f"the holder's turn failed: {got}")
         reply, final = got
@@ -865,9 +1016,17 @@ class Matrix:
             holder.send(signal.SIGSTOP)
         try:
             t0 = time.monotonic()
-            got = worker_generate(self.c.prefill.url, self.c.headers, {
-                **body, "request_id": f"probe-{seed}-p", "input_ids": nxt, "sampling": {"max_tokens": 1, "ignore_eos": True},
-                "kv_transfer_params": final["kv_transfer_params"]})
+            got = worker_generate(
+                self.c.prefill.url,
+                self.c.headers,
+                {
+                    **body,
+                    "request_id": f"probe-{seed}-p",
+                    "input_ids": nxt,
+                    "sampling": {"max_tokens": 1, "ignore_eos": True},
+                    "kv_transfer_params": final["kv_transfer_params"],
+                },
+            )
             seconds = time.monotonic() - t0
         finally:
             if freeze:
@@ -875,8 +1034,13 @@ class Matrix:
         if isinstance(got, str):
             raise RuntimeError(f"the prefill's turn failed: {got}")
         tokens, pf = got
-        return {"frozen": freeze, "seconds": round(seconds, 2), "tokens": tokens, "fallback": pf["usage"]["reuse_fallback"],
-                "pulled_tokens": pf["usage"]["remote_pulled_tokens"]}
+        return {
+            "frozen": freeze,
+            "seconds": round(seconds, 2),
+            "tokens": tokens,
+            "fallback": pf["usage"]["reuse_fallback"],
+            "pulled_tokens": pf["usage"]["remote_pulled_tokens"],
+        }
 
     def gateway_sigterm(self) -> Run:
         """The gateway SIGTERMed with streams in flight: one long stream per conversation (
@@ -896,8 +1060,15 @@ class Matrix:
 
             def one(i: int) -> None:
                 conv, turn, max_tokens, stream = jobs[i]
-                results[i] = ask(self.client, self.history(conv, turn), f"gateway_sigterm-{tag}-{i}", stream=stream,
-                                 reference=refs[i] if refs else None, max_tokens=max_tokens, started=started[i])
+                results[i] = ask(
+                    self.client,
+                    self.history(conv, turn),
+                    f"gateway_sigterm-{tag}-{i}",
+                    stream=stream,
+                    reference=refs[i] if refs else None,
+                    max_tokens=max_tokens,
+                    started=started[i],
+                )
                 ended[i] = time.monotonic()
 
             threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(jobs))]
@@ -926,22 +1097,28 @@ class Matrix:
         run = Run("gateway_sigterm")
         for (_, _, _, stream), result, ref in zip(jobs, results, refs, strict=True):
             if result.kind == "failed_clear" and stream and not ref.startswith(result.text):
-                result.kind, result.detail = "silently_wrong", f"streamed text before the error event is not the reference's: {result.detail}"
+                result.kind, result.detail = (
+                    "silently_wrong",
+                    f"streamed text before the error event is not the reference's: {result.detail}",
+                )
             run.results.append(result)
         self.c.gateway.start()
         self.c.gateway.wait_ready()
         self.c.all_healthy()
         run.extra["ended_after_sigterm_s"] = ended
-        run.extra["outcomes"] = [f"{'stream' if j[3] else 'whole'} {j[2]}: {r.kind} {r.detail}".strip()
-                                 for j, r in zip(jobs, results, strict=True)]
+        run.extra["outcomes"] = [
+            f"{'stream' if j[3] else 'whole'} {j[2]}: {r.kind} {r.detail}".strip() for j, r in zip(jobs, results, strict=True)
+        ]
         run.extra["gateway_exit_code"] = exit_code
         if exit_code != 0:
             run.violations.append(f"the gateway exited {exit_code} after SIGTERM")
         late = [e for e in ended if e > DRAIN_GRACE_S + 5]
         if late:
             run.violations.append(f"requests ended {late} s after SIGTERM (grace {DRAIN_GRACE_S} s)")
-        run.notes.append(f"gateway SIGTERM with {len(jobs)} requests in flight (grace {DRAIN_GRACE_S} s); ended "
-                         f"{ended} s after it; exit code {exit_code}; restarted")
+        run.notes.append(
+            f"gateway SIGTERM with {len(jobs)} requests in flight (grace {DRAIN_GRACE_S} s); ended "
+            f"{ended} s after it; exit code {exit_code}; restarted"
+        )
         return run
 
     def decode_sigkill(self) -> Run:
@@ -955,16 +1132,19 @@ class Matrix:
                 killed.append(holder.name)
 
         run = self.run("decode_sigkill", before=before)
-        run.notes.append(f"{killed} (the first conversation's lease holder) SIGKILLed before its turn 2; "
-                         "the rest of the run on the other decode worker")
+        run.notes.append(
+            f"{killed} (the first conversation's lease holder) SIGKILLed before its turn 2; the rest of the run on the other decode worker"
+        )
         return run
 
     def transfer_timeout(self) -> Run:
         self.c.restart_workers(TINY_TIMEOUT_S)
         run = self.run("transfer_timeout")
         run.notes.append(f"every worker restarted with reuse.transfer_timeout_s = {TINY_TIMEOUT_S:g}")
-        run.notes.append("a pull past its deadline moves that turn's decode to the other worker; only the health "
-                         "poll takes a worker out of the rotation, so slow pulls never leave a turn without a decode worker")
+        run.notes.append(
+            "a pull past its deadline moves that turn's decode to the other worker; only the health "
+            "poll takes a worker out of the rotation, so slow pulls never leave a turn without a decode worker"
+        )
         return run
 
 
@@ -973,8 +1153,10 @@ def table(records: list[dict[str, Any]]) -> str:
     lines = [head, "-" * len(head)]
     for r in records:
         fb = ", ".join(f"{k} {v}" for k, v in r["fallback_reasons"].items()) or "-"
-        lines.append(f"{r['fault']:<19} {r['sent']:>4} {r['ok']:>4} {r['failed_clear']:>12} {r['failed_unclear']:>14} "
-                     f"{r['silently_wrong']:>14}  {fb}")
+        lines.append(
+            f"{r['fault']:<19} {r['sent']:>4} {r['ok']:>4} {r['failed_clear']:>12} {r['failed_unclear']:>14} "
+            f"{r['silently_wrong']:>14}  {fb}"
+        )
     return "\n".join(lines)
 
 
@@ -1005,12 +1187,15 @@ def main(argv: list[str] | None = None) -> int:
                 after = gateway_counters(cluster.gateway_url)
                 if fault == "gateway_sigterm":  # a new gateway process: its counters start from zero
                     counters = {}
-                rec["gateway_counters"] = {k: int(v - counters.get(k, 0.0)) for k, v in sorted(after.items())
-                                           if v != counters.get(k, 0.0)}
+                rec["gateway_counters"] = {k: int(v - counters.get(k, 0.0)) for k, v in sorted(after.items()) if v != counters.get(k, 0.0)}
                 records.append(rec)
-                print(f"{fault}: {rec['sent']} sent, {rec['ok']} ok, {rec['failed_clear']} failed_clear, "
-                      f"{rec['failed_unclear']} failed_unclear, {rec['silently_wrong']} silently_wrong "
-                      f"({rec['seconds']} s)", file=sys.stderr, flush=True)
+                print(
+                    f"{fault}: {rec['sent']} sent, {rec['ok']} ok, {rec['failed_clear']} failed_clear, "
+                    f"{rec['failed_unclear']} failed_unclear, {rec['silently_wrong']} silently_wrong "
+                    f"({rec['seconds']} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         except BaseException:
             for p in (cluster.gateway, *cluster.workers):
                 print(f"--- {p.name}\n{tail(p.log_path)}", file=sys.stderr)
@@ -1018,14 +1203,22 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             cluster.close()
     out = {
-        "bench": "faults_cpu", "model": "built-in tiny (CPU)", "quick": args.quick,
-        "setup": {"conversations": len(conversations), "turns": [len(u) for _, u, _ in conversations],
-                  "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                  "streamed_conversations": [i for i, c in enumerate(conversations) if c[2]],
-                  "gateway_first_byte_timeout_s": FIRST_BYTE_S, "gateway_event_timeout_s": FIRST_BYTE_S,
-                  "gateway_drain_grace_s": DRAIN_GRACE_S,
-                  "reuse_transfer_timeout_s": TRANSFER_TIMEOUT_S,
-                  "reuse_peer_timeout_s": ServingConfig().reuse.peer_timeout_s},
+        "bench": "faults_cpu",
+        "model": "built-in tiny (CPU)",
+        "quick": args.quick,
+        "setup": {
+            "conversations": len(conversations),
+            "turns": [len(u) for _, u, _ in conversations],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "streamed_conversations": [i for i, c in enumerate(conversations) if c[2]],
+            "gateway_first_byte_timeout_s": FIRST_BYTE_S,
+            "gateway_event_timeout_s": FIRST_BYTE_S,
+            "gateway_drain_grace_s": DRAIN_GRACE_S,
+            "reuse_transfer_timeout_s": TRANSFER_TIMEOUT_S,
+            "reuse_peer_timeout_s": ServingConfig().reuse.peer_timeout_s,
+        },
         "seconds": {"start": round(t_ready, 1), "total": round(time.monotonic() - t_start, 1)},
         "faults": records,
     }

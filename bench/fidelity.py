@@ -137,23 +137,87 @@ class Setup:
 # Every held-out evaluation conversation (36) and 64K calibration tokens: with 8 conversations and 16K tokens
 # (Runs 4-7) the tables' KL differences stayed within noise, and the calibration's class mix was not the
 # evaluation's (docs/performance-log/fidelity.md, Run 7c). ~20 min on an idle 2-core machine.
-CPU = Setup(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, train_steps=300, train_len=512, batch=2,
-            lr=3e-3, contexts=(2048,), eval_seqs=36, generate=64, calib_tokens=65536, calib_len=2048, chunk=256,
-            dropout=0.0, train_chars=1_500_000)
+CPU = Setup(
+    layers=2,
+    hidden=256,
+    heads=4,
+    kv_heads=2,
+    intermediate=512,
+    train_steps=300,
+    train_len=512,
+    batch=2,
+    lr=3e-3,
+    contexts=(2048,),
+    eval_seqs=36,
+    generate=64,
+    calib_tokens=65536,
+    calib_len=2048,
+    chunk=256,
+    dropout=0.0,
+    train_chars=1_500_000,
+)
 # ~2 passes over the deep stdlib's sources as conversations (~5M tokens): more passes over-fit (held-out
 # perplexity rises while the training loss falls; the first GPU run's 8 passes reached 155 at 2K).
-GPU = Setup(layers=8, hidden=768, heads=6, kv_heads=2, intermediate=2048, train_steps=400, train_len=2048, batch=12,
-            lr=1.5e-3, contexts=(2048, 8192), eval_seqs=4, generate=256, calib_tokens=32768, calib_len=2048, chunk=512,
-            dropout=0.1, train_chars=12_000_000)
+GPU = Setup(
+    layers=8,
+    hidden=768,
+    heads=6,
+    kv_heads=2,
+    intermediate=2048,
+    train_steps=400,
+    train_len=2048,
+    batch=12,
+    lr=1.5e-3,
+    contexts=(2048, 8192),
+    eval_seqs=4,
+    generate=256,
+    calib_tokens=32768,
+    calib_len=2048,
+    chunk=512,
+    dropout=0.1,
+    train_chars=12_000_000,
+)
 # A larger CPU model (--size large, ~13M parameters, ~30 min on an idle 2-core machine): does a model
 # that has learned more spread the per-class sensitivities the calibration measures?
-CPU_LARGE = Setup(layers=4, hidden=512, heads=4, kv_heads=2, intermediate=1024, train_steps=400, train_len=1024,
-                  batch=4, lr=2e-3, contexts=(2048,), eval_seqs=8, generate=64, calib_tokens=16384, calib_len=2048,
-                  chunk=256, dropout=0.0, train_chars=3_000_000)
+CPU_LARGE = Setup(
+    layers=4,
+    hidden=512,
+    heads=4,
+    kv_heads=2,
+    intermediate=1024,
+    train_steps=400,
+    train_len=1024,
+    batch=4,
+    lr=2e-3,
+    contexts=(2048,),
+    eval_seqs=8,
+    generate=64,
+    calib_tokens=16384,
+    calib_len=2048,
+    chunk=256,
+    dropout=0.0,
+    train_chars=3_000_000,
+)
 # A minute-long end-to-end check of the harness itself (--smoke); its numbers mean nothing.
-SMOKE = Setup(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, train_steps=2, train_len=128, batch=2,
-              lr=3e-3, contexts=(256, 512), eval_seqs=1, generate=8, calib_tokens=512, calib_len=256, chunk=64,
-              train_chars=100_000, val_chars=50_000)  # 2 steps of 2 x 128 tokens: text for ~20 steps
+SMOKE = Setup(
+    layers=2,
+    hidden=256,
+    heads=4,
+    kv_heads=2,
+    intermediate=512,
+    train_steps=2,
+    train_len=128,
+    batch=2,
+    lr=3e-3,
+    contexts=(256, 512),
+    eval_seqs=1,
+    generate=8,
+    calib_tokens=512,
+    calib_len=256,
+    chunk=64,
+    train_chars=100_000,
+    val_chars=50_000,
+)  # 2 steps of 2 x 128 tokens: text for ~20 steps
 HEAD_DIM = 128
 
 
@@ -164,8 +228,9 @@ def stdlib_files(*, deep: bool = False) -> tuple[list[Path], list[Path]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     found = root.rglob("*.py") if deep else root.glob("*.py")
     skip = ("test", "tests", "site-packages", "idlelib", "lib2to3")
-    files = sorted(p for p in found if p.is_file() and p.stat().st_size > 2000
-                   and not any(part in skip for part in p.relative_to(root).parts[:-1]))
+    files = sorted(
+        p for p in found if p.is_file() and p.stat().st_size > 2000 and not any(part in skip for part in p.relative_to(root).parts[:-1])
+    )
     return [p for i, p in enumerate(files) if i % 10], [p for i, p in enumerate(files) if i % 10 == 0]
 
 
@@ -181,8 +246,12 @@ def extra_held_out_files() -> list[Path]:
     out = []
     for p in root.rglob("*.py"):
         parts = p.relative_to(root).parts[:-1]
-        if (any(part in held for part in parts) and not any(part in ("site-packages", "dist-packages") for part in parts)
-                and p.is_file() and p.stat().st_size > 2000):
+        if (
+            any(part in held for part in parts)
+            and not any(part in ("site-packages", "dist-packages") for part in parts)
+            and p.is_file()
+            and p.stat().st_size > 2000
+        ):
             out.append(p)
     return sorted(out)
 
@@ -225,19 +294,30 @@ def _conversation_piece(job: tuple[str, int, int, float]) -> list[int]:
     assert _TAGGER is not None
     ids: list[int] = []
     for req in agent_wrap(text, name="stdlib", chars_per_token=cpt, context_tokens=context, seed=seed):
-        rendered = _TAGGER.template.render(normalize_messages(req.messages), tools=normalize_tools(req.tools),
-                                           add_generation_prompt=False)
+        rendered = _TAGGER.template.render(normalize_messages(req.messages), tools=normalize_tools(req.tools), add_generation_prompt=False)
         ids += _TAGGER.tokenizer.encode_ids(rendered)
     return ids
 
 
 def model_config(s: Setup, vocab: int, eos: int, max_pos: int) -> dict[str, Any]:
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab,
-        "hidden_size": s.hidden, "intermediate_size": s.intermediate, "num_hidden_layers": s.layers,
-        "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads, "head_dim": HEAD_DIM,
-        "hidden_act": "silu", "max_position_embeddings": max_pos, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
-        "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": False, "eos_token_id": eos,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab,
+        "hidden_size": s.hidden,
+        "intermediate_size": s.intermediate,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_pos,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "eos_token_id": eos,
         "torch_dtype": "float32",
     }
 
@@ -275,8 +355,9 @@ def held_out_loss(model: DecoderModel, s: Setup, val: torch.Tensor, *, device: t
     return total / (len(starts) // s.batch)
 
 
-def train(s: Setup, cfg: dict[str, Any], ids: torch.Tensor, val: torch.Tensor, *, device: torch.device,
-          seed: int, quiet: bool = False) -> tuple[DecoderModel, list[float], list[tuple[int, float]]]:
+def train(
+    s: Setup, cfg: dict[str, Any], ids: torch.Tensor, val: torch.Tensor, *, device: torch.device, seed: int, quiet: bool = False
+) -> tuple[DecoderModel, list[float], list[tuple[int, float]]]:
     torch.manual_seed(seed)
     args = ModelArgs.from_config(cfg)
     model = DecoderModel(args).to(device)
@@ -286,10 +367,16 @@ def train(s: Setup, cfg: dict[str, Any], ids: torch.Tensor, val: torch.Tensor, *
     model.inv_freq = model.inv_freq.to(device)
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() != 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                            lr=s.lr, betas=(0.9, 0.95))
-    hooks = [m.register_forward_hook(lambda mod, inp, out: F.dropout(out, s.dropout, training=mod.training))
-             for name, m in model.named_modules() if name.endswith((".self_attn", ".mlp"))] if s.dropout > 0 else []
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
+    hooks = (
+        [
+            m.register_forward_hook(lambda mod, inp, out: F.dropout(out, s.dropout, training=mod.training))
+            for name, m in model.named_modules()
+            if name.endswith((".self_attn", ".mlp"))
+        ]
+        if s.dropout > 0
+        else []
+    )
     model.train()
     gen = torch.Generator().manual_seed(seed)
     attn = BatchCausal(s.batch)
@@ -375,8 +462,9 @@ class Score:
 
 
 @torch.inference_mode()
-def score(engine: LLMEngine, ids: list[int], tags: list[int], chunk: int, rec: LayerError, acc: Score,
-          ref: list[torch.Tensor] | None) -> float:
+def score(
+    engine: LLMEngine, ids: list[int], tags: list[int], chunk: int, rec: LayerError, acc: Score, ref: list[torch.Tensor] | None
+) -> float:
     """Adds ``ids``' scores through the engine's pool to ``acc``; returns the stored bits per value.
     ``ref``: the reference log-probabilities per chunk (an empty list: this run records them)."""
     seq = Sequence("score", list(ids), SamplingParams(max_tokens=1), make_generator(0), tags=list(tags))
@@ -433,12 +521,24 @@ def first_divergence(a: list[int], b: list[int]) -> int:
 
 
 # ---------------------------------------------------------------- the run
-def build_engine(model_dir: Path, dtype: str, *, device: torch.device, ctx: int, chunk: int,
-                 table: tuple[int, ...] | None = None, scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
-                 held: float | None = None) -> LLMEngine:
+def build_engine(
+    model_dir: Path,
+    dtype: str,
+    *,
+    device: torch.device,
+    ctx: int,
+    chunk: int,
+    table: tuple[int, ...] | None = None,
+    scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
+    held: float | None = None,
+) -> LLMEngine:
     """``held``: triaxial with the bit-budget controller holding that budget (the default ranking), no table."""
-    kv = KVCacheConfig(dtype=dtype, memory_bytes=(256 if device.type == "cpu" else 4096) * 2**20,
-                       bit_budget=held, bit_budget_control="hold" if held is not None else "fixed")
+    kv = KVCacheConfig(
+        dtype=dtype,
+        memory_bytes=(256 if device.type == "cpu" else 4096) * 2**20,
+        bit_budget=held,
+        bit_budget_control="hold" if held is not None else "fixed",
+    )
     cfg = ServingConfig(
         model=ModelConfig(path=str(model_dir), max_model_len=ctx + 64),
         kv_cache=kv,
@@ -456,40 +556,71 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="JSON output (default bench/results/fidelity_{device}.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-steps", type=int, default=None, help="override the config's training steps")
-    ap.add_argument("--generate", type=int, default=None,
-                    help="override the config's greedy tokens per conversation (the greedy-agreement column; "
-                         "0: no generation, the KL rows in less time)")
-    ap.add_argument("--eval-seqs", type=int, nargs="+", default=None,
-                    help="override the config's evaluation conversations per context (one number, or one per context)")
+    ap.add_argument(
+        "--generate",
+        type=int,
+        default=None,
+        help="override the config's greedy tokens per conversation (the greedy-agreement column; "
+        "0: no generation, the KL rows in less time)",
+    )
+    ap.add_argument(
+        "--eval-seqs",
+        type=int,
+        nargs="+",
+        default=None,
+        help="override the config's evaluation conversations per context (one number, or one per context)",
+    )
     ap.add_argument("--calib-tokens", type=int, default=None, help="override the config's calibration tokens")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--triaxial-only", action="store_true",
-                    help="score bf16 (the reference) and the triaxial rows only: more conversations in the same time")
+    ap.add_argument(
+        "--triaxial-only",
+        action="store_true",
+        help="score bf16 (the reference) and the triaxial rows only: more conversations in the same time",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the harness runs (numbers mean nothing)")
-    ap.add_argument("--size", choices=("default", "large"), default="default",
-                    help="large: the ~13M-parameter CPU model (CPU only)")
+    ap.add_argument("--size", choices=("default", "large"), default="default", help="large: the ~13M-parameter CPU model (CPU only)")
     ap.add_argument("--metric", choices=METRICS, default="kl", help="the calibrated table's D_k (kvserving calibrate --metric)")
-    ap.add_argument("--diagnose", action="store_true",
-                    help="also calibrate with the other metric (rows 'calibrated (<metric>)'), the attention-MSE 2.7 "
-                         "table with the system prompt swapped to 4 bits, and whole-table KL / attention MSE on the "
-                         "calibration prompts against the per-class sums (additivity)")
+    ap.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="also calibrate with the other metric (rows 'calibrated (<metric>)'), the attention-MSE 2.7 "
+        "table with the system prompt swapped to 4 bits, and whole-table KL / attention MSE on the "
+        "calibration prompts against the per-class sums (additivity)",
+    )
     ap.add_argument("--skip-default", action="store_true", help="leave out the engine default table's rows")
-    ap.add_argument("--select", action="store_true",
-                    help="calibrated = the least whole-table KL among three candidates (kvserving calibrate --select)")
-    ap.add_argument("--contexts", type=int, nargs="+", default=None,
-                    help="evaluate these of the config's contexts only (the model and the calibration are the same)")
-    ap.add_argument("--budgets", nargs="+", default=None, metavar="B[,B...]",
-                    help=f"score the triaxial rows at these of {','.join(f'{b:g}' for b in BUDGETS)} only: one "
-                         "comma-separated list for every context, or one per context (the calibration still "
-                         "writes every budget's table)")
-    ap.add_argument("--count-on-evaluation", action="store_true",
-                    help="count every table's budget (default@pages' too) on the pages of the evaluation conversations "
-                         "(their tags only: what the gateway knows of served traffic), so every table stores its budget "
-                         "on the scored text and the paired KL compares equal stored bits; the D_k are measured on the "
-                         "calibration text as always, and --select still scores on it")
-    ap.add_argument("--calibrate-at-context", action="store_true",
-                    help="also calibrate on the calibration text wrapped at each longer evaluation context (D_k "
-                         "measured on prompts of that length, the budget on the same pages): rows 'calibrated@<ctx>'")
+    ap.add_argument(
+        "--select", action="store_true", help="calibrated = the least whole-table KL among three candidates (kvserving calibrate --select)"
+    )
+    ap.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        default=None,
+        help="evaluate these of the config's contexts only (the model and the calibration are the same)",
+    )
+    ap.add_argument(
+        "--budgets",
+        nargs="+",
+        default=None,
+        metavar="B[,B...]",
+        help=f"score the triaxial rows at these of {','.join(f'{b:g}' for b in BUDGETS)} only: one "
+        "comma-separated list for every context, or one per context (the calibration still "
+        "writes every budget's table)",
+    )
+    ap.add_argument(
+        "--count-on-evaluation",
+        action="store_true",
+        help="count every table's budget (default@pages' too) on the pages of the evaluation conversations "
+        "(their tags only: what the gateway knows of served traffic), so every table stores its budget "
+        "on the scored text and the paired KL compares equal stored bits; the D_k are measured on the "
+        "calibration text as always, and --select still scores on it",
+    )
+    ap.add_argument(
+        "--calibrate-at-context",
+        action="store_true",
+        help="also calibrate on the calibration text wrapped at each longer evaluation context (D_k "
+        "measured on prompts of that length, the budget on the same pages): rows 'calibrated@<ctx>'",
+    )
     add_quiet_argument(ap)
     opts = ap.parse_args(argv)
     device = torch.device(opts.device)
@@ -537,15 +668,19 @@ def main(argv: list[str] | None = None) -> int:
     # held-out files: odd ones calibrate, even ones evaluate (neither is trained on)
     calib_files, eval_files = held_files[1::2], held_files[0::2]
     eval_text = joined_text(eval_files, 10**9)
-    ids = torch.tensor(conversation_ids(joined_text(train_files, s.train_chars), tagger, context=max(s.contexts),
-                                        seed=opts.seed), dtype=torch.long)
-    val = torch.tensor(conversation_ids(eval_text[: s.val_chars], tagger, context=max(s.contexts), seed=opts.seed + 1),
-                       dtype=torch.long)
+    ids = torch.tensor(
+        conversation_ids(joined_text(train_files, s.train_chars), tagger, context=max(s.contexts), seed=opts.seed), dtype=torch.long
+    )
+    val = torch.tensor(conversation_ids(eval_text[: s.val_chars], tagger, context=max(s.contexts), seed=opts.seed + 1), dtype=torch.long)
     eos = tokenizer.token_to_id("<|im_end|>") or 0
     cfg = model_config(s, tokenizer.vocab_size, eos, max(max(s.contexts) + 256, 4096))
-    print(f"fidelity: {len(train_files)} training files ({len(ids)} tokens as conversations), {len(calib_files)} "
-          f"calibration / {len(eval_files)} evaluation files held out; model {s.layers} layers x {s.hidden}, "
-          f"{s.heads}/{s.kv_heads} heads x {HEAD_DIM}", file=sys.stderr, flush=True)
+    print(
+        f"fidelity: {len(train_files)} training files ({len(ids)} tokens as conversations), {len(calib_files)} "
+        f"calibration / {len(eval_files)} evaluation files held out; model {s.layers} layers x {s.hidden}, "
+        f"{s.heads}/{s.kv_heads} heads x {HEAD_DIM}",
+        file=sys.stderr,
+        flush=True,
+    )
     model, losses, val_losses = train(s, cfg, ids, val, device=device, seed=opts.seed, quiet=opts.quiet)
     params = sum(p.numel() for p in model.parameters())
     t_train = time.time() - t0
@@ -566,48 +701,89 @@ def main(argv: list[str] | None = None) -> int:
         # --select at the calibration length only where that context is scored: every other context selects
         # again on its own pages (reselect), so a selection here would be discarded (and cost 3 whole-table
         # KL passes per budget)
-        cal = calibrate(model_dir, [calib_path], BUDGETS, seq_len=s.calib_len, max_tokens=s.calib_tokens,
-                        search=not opts.triaxial_only,
-                        frequency_source="data", device=opts.device, wrap="agent", metric=opts.metric, chunk=s.chunk,
-                        select=opts.select and s.calib_len in contexts and not opts.count_on_evaluation,
-                        selection=selection,
-                        attn_out=attn["calibrated"] if opts.select else None)
+        cal = calibrate(
+            model_dir,
+            [calib_path],
+            BUDGETS,
+            seq_len=s.calib_len,
+            max_tokens=s.calib_tokens,
+            search=not opts.triaxial_only,
+            frequency_source="data",
+            device=opts.device,
+            wrap="agent",
+            metric=opts.metric,
+            chunk=s.chunk,
+            select=opts.select and s.calib_len in contexts and not opts.count_on_evaluation,
+            selection=selection,
+            attn_out=attn["calibrated"] if opts.select else None,
+        )
         (work / "calibration.json").write_text(cal.to_json())
         t_cal = time.time() - t1
         cals = {"calibrated": cal}
         other = METRICS[1 - METRICS.index(opts.metric)]
         if opts.diagnose:  # the same prompts, the other D_k (no scale search: the scales come from ``cal``)
-            cals[f"calibrated ({other})"] = calibrate(model_dir, [calib_path], BUDGETS, seq_len=s.calib_len,
-                                                      max_tokens=s.calib_tokens, device=opts.device, wrap="agent",
-                                                      metric=other, show_progress=False, chunk=s.chunk)
+            cals[f"calibrated ({other})"] = calibrate(
+                model_dir,
+                [calib_path],
+                BUDGETS,
+                seq_len=s.calib_len,
+                max_tokens=s.calib_tokens,
+                device=opts.device,
+                wrap="agent",
+                metric=other,
+                show_progress=False,
+                chunk=s.chunk,
+            )
         t_other = time.time() - t1 - t_cal
         swap = ("calibrated" if opts.metric == "attn" else f"calibrated ({other})") if opts.diagnose else None
         tables = {}
         for b in BUDGETS:
             t = table_set(cals, b, swap=swap)
-            tables[f"{b:g}"] = {name: {"table": format_bits_table(tb), "stored_bits_calibration_data": cal.stored_bits(tb)}
-                                for name, tb in t.items()}
+            tables[f"{b:g}"] = {
+                name: {"table": format_bits_table(tb), "stored_bits_calibration_data": cal.stored_bits(tb)} for name, tb in t.items()
+            }
         results: dict[str, Any] = {
-            "device": opts.device, "seed": opts.seed, "params": params,
-            "config": {k: v for k, v in s.__dict__.items()}, "head_dim": HEAD_DIM,
-            "train": {"files": len(train_files), "tokens": len(ids), "loss_first": losses[0],
-                      "loss_last": sum(losses[-10:]) / min(10, len(losses)), "held_out_loss": val_losses,
-                      "held_out_ppl": math.exp(val_losses[-1][1]), "seconds": round(t_train, 1)},
-            "calibration": {"tokens": cal.tokens, "seconds": round(t_cal, 1), "metric": opts.metric, "tables": tables,
-                            # per budget: each candidate table's whole-table KL on the calibration prompts, the one kept
-                            "selection": selection,
-                            # per class seen: token share, measured per-token gain (D_k(2) - D_k(4)) / N_k, default s_k
-                            "classes": {"/".join(decode_tag(k)): {"share": cal.frequency[k], "gain": cal.priorities()[k],
-                                                                  "default": default_sensitivity()[k]}
-                                        for k in range(len(cal.frequency)) if cal.frequency[k] > 0},
-                            "scales": {d: {"k": sc.k, "v": sc.v, "method": sc.method} for d, sc in cal.scales.items()},
-                            # the whole calibration file (its pages and distortions): tables can be re-derived offline
-                            "file": cal.to_dict(),
-                            # --diagnose: the other metric's calibration of the same prompts
-                            "others": {name: {"seconds": round(t_other, 1), "file": c.to_dict(),
-                                              "gain": {"/".join(decode_tag(k)): c.priorities()[k]
-                                                       for k in range(NUM_TAGS) if c.frequency[k] > 0}}
-                                       for name, c in cals.items() if c is not cal}},
+            "device": opts.device,
+            "seed": opts.seed,
+            "params": params,
+            "config": {k: v for k, v in s.__dict__.items()},
+            "head_dim": HEAD_DIM,
+            "train": {
+                "files": len(train_files),
+                "tokens": len(ids),
+                "loss_first": losses[0],
+                "loss_last": sum(losses[-10:]) / min(10, len(losses)),
+                "held_out_loss": val_losses,
+                "held_out_ppl": math.exp(val_losses[-1][1]),
+                "seconds": round(t_train, 1),
+            },
+            "calibration": {
+                "tokens": cal.tokens,
+                "seconds": round(t_cal, 1),
+                "metric": opts.metric,
+                "tables": tables,
+                # per budget: each candidate table's whole-table KL on the calibration prompts, the one kept
+                "selection": selection,
+                # per class seen: token share, measured per-token gain (D_k(2) - D_k(4)) / N_k, default s_k
+                "classes": {
+                    "/".join(decode_tag(k)): {"share": cal.frequency[k], "gain": cal.priorities()[k], "default": default_sensitivity()[k]}
+                    for k in range(len(cal.frequency))
+                    if cal.frequency[k] > 0
+                },
+                "scales": {d: {"k": sc.k, "v": sc.v, "method": sc.method} for d, sc in cal.scales.items()},
+                # the whole calibration file (its pages and distortions): tables can be re-derived offline
+                "file": cal.to_dict(),
+                # --diagnose: the other metric's calibration of the same prompts
+                "others": {
+                    name: {
+                        "seconds": round(t_other, 1),
+                        "file": c.to_dict(),
+                        "gain": {"/".join(decode_tag(k)): c.priorities()[k] for k in range(NUM_TAGS) if c.frequency[k] > 0},
+                    }
+                    for name, c in cals.items()
+                    if c is not cal
+                },
+            },
             "calibration_files": [str(p.relative_to(p.parents[len(p.parents) - 1])) for p in calib_files][:3] + ["..."],
             "evaluation_files": len(eval_files),
             "contexts": {},
@@ -625,13 +801,26 @@ def main(argv: list[str] | None = None) -> int:
             if ctx != s.calib_len or opts.count_on_evaluation:
                 # the calibration text's pages at this context: what the budget is counted on, and what --select
                 # scores on (with --count-on-evaluation and no --select nothing reads them)
-                page_seqs = (load_data([calib_path], tagger, seq_len=ctx, max_tokens=2 * s.calib_tokens, wrap="agent")
-                             if opts.select or not opts.count_on_evaluation else [])
+                page_seqs = (
+                    load_data([calib_path], tagger, seq_len=ctx, max_tokens=2 * s.calib_tokens, wrap="agent")
+                    if opts.select or not opts.count_on_evaluation
+                    else []
+                )
                 if opts.calibrate_at_context and ctx != s.calib_len:  # the calibration text wrapped at this context
                     attn[f"calibrated@{ctx}"] = {}  # --select: measured here, the selection is made after with_pages
-                    at_ctx = calibrate(model_dir, [calib_path], BUDGETS, seq_len=ctx, max_tokens=s.calib_tokens,
-                                       device=opts.device, wrap="agent", metric=opts.metric, show_progress=False,
-                                       chunk=s.chunk, attn_out=attn[f"calibrated@{ctx}"] if opts.select else None)
+                    at_ctx = calibrate(
+                        model_dir,
+                        [calib_path],
+                        BUDGETS,
+                        seq_len=ctx,
+                        max_tokens=s.calib_tokens,
+                        device=opts.device,
+                        wrap="agent",
+                        metric=opts.metric,
+                        show_progress=False,
+                        chunk=s.chunk,
+                        attn_out=attn[f"calibrated@{ctx}"] if opts.select else None,
+                    )
                     ccals[f"calibrated@{ctx}"] = at_ctx
                 # --count-on-evaluation: the held-out text's page mix is not the calibration text's (its
                 # conversations run longer and hold fewer older tool calls: docs/performance-log/fidelity.md, "Why the
@@ -639,38 +828,47 @@ def main(argv: list[str] | None = None) -> int:
                 counted = seqs if opts.count_on_evaluation else page_seqs
                 ccals = {name: with_pages(c, counted) for name, c in ccals.items()}
                 if opts.select:  # with_pages dropped the selected tables: select again on this context's pages
-                    ccals, ctx_selection[ctx] = reselect(ccals, attn, model_dir, page_seqs, budgets=budgets[ctx],
-                                                         max_tokens=s.calib_tokens, device=device, chunk=s.chunk)
+                    ccals, ctx_selection[ctx] = reselect(
+                        ccals, attn, model_dir, page_seqs, budgets=budgets[ctx], max_tokens=s.calib_tokens, device=device, chunk=s.chunk
+                    )
             t_ctx_cal = time.time() - t_ctx
-            specs = variants(ccals, swap=swap, skip_default=opts.skip_default, triaxial_only=opts.triaxial_only,
-                             budgets=budgets[ctx])
+            specs = variants(ccals, swap=swap, skip_default=opts.skip_default, triaxial_only=opts.triaxial_only, budgets=budgets[ctx])
 
             def partial(rows: dict[str, Any], ctx: int = ctx, sources: dict[str, Any] = sources) -> None:
                 # each row as it completes: a run stopped by its time limit keeps the rows it finished (and the
                 # selection made at this context, written before the first row)
-                results["contexts"][str(ctx)] = {"partial": True, "conversations": sources, "rows": rows,
-                                                 **({"selection": ctx_selection[ctx]} if ctx in ctx_selection else {})}
+                results["contexts"][str(ctx)] = {
+                    "partial": True,
+                    "conversations": sources,
+                    "rows": rows,
+                    **({"selection": ctx_selection[ctx]} if ctx in ctx_selection else {}),
+                }
                 out_path.write_text(json.dumps(results, indent=1) + "\n")
 
             partial({})
-            block = run_context(model_dir, specs, ccals["calibrated"], seqs, s, ctx, device, on_row=partial,
-                                quiet=opts.quiet)
+            block = run_context(model_dir, specs, ccals["calibrated"], seqs, s, ctx, device, on_row=partial, quiet=opts.quiet)
             block["conversations"] = sources
-            block["calibration_pages"] = {"context": ctx, "counted_on": "evaluation" if opts.count_on_evaluation
-                                          else "calibration", **page_mix_summary(ccals["calibrated"])}
+            block["calibration_pages"] = {
+                "context": ctx,
+                "counted_on": "evaluation" if opts.count_on_evaluation else "calibration",
+                **page_mix_summary(ccals["calibrated"]),
+            }
             # the scored conversations' page mix, whatever the budget was counted on: tables re-count offline
             block["evaluation_pages"] = page_mix_summary(with_pages(ccals["calibrated"], seqs))
             if ctx in ctx_selection:  # --select at this context: per calibration, per budget, each candidate's KL
                 block["selection"] = ctx_selection[ctx]
             if at_ctx is not None:  # the file as measured (its own pages); the tables used are counted on the above
                 block["calibration_at_context"] = {
-                    "tokens": at_ctx.tokens, "seconds": round(t_ctx_cal, 1), "file": at_ctx.to_dict(),
-                    "gain": {"/".join(decode_tag(k)): at_ctx.priorities()[k] for k in range(NUM_TAGS) if at_ctx.frequency[k] > 0}}
+                    "tokens": at_ctx.tokens,
+                    "seconds": round(t_ctx_cal, 1),
+                    "file": at_ctx.to_dict(),
+                    "gain": {"/".join(decode_tag(k)): at_ctx.priorities()[k] for k in range(NUM_TAGS) if at_ctx.frequency[k] > 0},
+                }
             if opts.diagnose and ctx == s.calib_len:
-                calib_seqs = load_data([calib_path], tagger, seq_len=s.calib_len, max_tokens=min(s.calib_tokens, 32768),
-                                       wrap="agent")
-                block["diagnosis"] = diagnose(model_dir, cals, {n: sp[1]["table"] for n, sp in specs.items()
-                                                                if "table" in sp[1]}, calib_seqs, device, s.chunk)
+                calib_seqs = load_data([calib_path], tagger, seq_len=s.calib_len, max_tokens=min(s.calib_tokens, 32768), wrap="agent")
+                block["diagnosis"] = diagnose(
+                    model_dir, cals, {n: sp[1]["table"] for n, sp in specs.items() if "table" in sp[1]}, calib_seqs, device, s.chunk
+                )
             block["budgets"] = list(budgets[ctx])
             block["comparisons"] = comparisons(block["rows"], budgets=budgets[ctx])
             results["contexts"][str(ctx)] = block
@@ -703,8 +901,9 @@ def context_budgets(specs: list[str] | None, contexts: tuple[int, ...]) -> dict[
     return out
 
 
-def table_set(cals: dict[str, Calibration], budget: float, *, swap: str | None = None,
-              skip_default: bool = False) -> dict[str, tuple[int, ...]]:
+def table_set(
+    cals: dict[str, Calibration], budget: float, *, swap: str | None = None, skip_default: bool = False
+) -> dict[str, tuple[int, ...]]:
     """The triaxial tables compared at ``budget`` (module docstring): the engine default, the
     default priorities on the calibration pages, each calibration's table; with ``swap`` (the
     attention-MSE calibration's name), at 2.7 that table with the system prompt at 4 bits."""
@@ -750,26 +949,30 @@ def page_mix_summary(cal: Calibration, top: int = 8) -> dict[str, Any]:
     for n, mix in cal.pages:
         if len(mix) == 1:
             pure[mix[0][0]] += n
-    return {"tokens": cal.residual + cal.page_size * full, "full_pages": full, "residual_tokens": cal.residual,
-            "single_class_pages": {"/".join(decode_tag(c)): n / full for c, n in pure.most_common(top)} if full else {},
-            "mixed_pages": (full - sum(pure.values())) / full if full else 0.0,
-            # every page mix (n pages, [[tag, tokens], ...]): the tables can be re-counted offline
-            "counts": [[n, [list(ct) for ct in mix]] for n, mix in cal.pages]}
+    return {
+        "tokens": cal.residual + cal.page_size * full,
+        "full_pages": full,
+        "residual_tokens": cal.residual,
+        "single_class_pages": {"/".join(decode_tag(c)): n / full for c, n in pure.most_common(top)} if full else {},
+        "mixed_pages": (full - sum(pure.values())) / full if full else 0.0,
+        # every page mix (n pages, [[tag, tokens], ...]): the tables can be re-counted offline
+        "counts": [[n, [list(ct) for ct in mix]] for n, mix in cal.pages],
+    }
 
 
-def evaluation_conversations(eval_path: Path, extra_path: Path, tagger: ChatTagger, *, ctx: int,
-                             n: int) -> tuple[list[TaggedSeq], dict[str, Any]]:
+def evaluation_conversations(
+    eval_path: Path, extra_path: Path, tagger: ChatTagger, *, ctx: int, n: int
+) -> tuple[list[TaggedSeq], dict[str, Any]]:
     """The first ``n`` held-out conversations of at least ``ctx / 2`` tokens at context ``ctx``: from the
     evaluation files, then, only if they give fewer, from the standard library's sources that neither
     training nor calibration reads (``extra_held_out_files``; written to ``extra_path``). Returns the
     conversations and where they came from."""
+
     def long_enough(path: Path, max_tokens: int) -> list[TaggedSeq]:
-        return [q for q in load_data([path], tagger, seq_len=ctx, max_tokens=max_tokens, wrap="agent")
-                if len(q.ids) >= ctx // 2]
+        return [q for q in load_data([path], tagger, seq_len=ctx, max_tokens=max_tokens, wrap="agent") if len(q.ids) >= ctx // 2]
 
     seqs = long_enough(eval_path, 10**9)  # all of them: how many there are is part of the record
-    info: dict[str, Any] = {"available_in_evaluation_files": len(seqs), "from_evaluation_files": min(n, len(seqs)),
-                            "from_extra_files": 0}
+    info: dict[str, Any] = {"available_in_evaluation_files": len(seqs), "from_evaluation_files": min(n, len(seqs)), "from_extra_files": 0}
     if len(seqs) < n:
         files = extra_held_out_files()
         if files:
@@ -780,16 +983,27 @@ def evaluation_conversations(eval_path: Path, extra_path: Path, tagger: ChatTagg
             seqs += extra
         info["from_extra_files"] = min(n, len(seqs)) - info["from_evaluation_files"]
     if len(seqs) < n:
-        print(f"fidelity: warning: {len(seqs)} held-out conversations of >= {ctx // 2} tokens at {ctx}, {n} asked",
-              file=sys.stderr, flush=True)
+        print(
+            f"fidelity: warning: {len(seqs)} held-out conversations of >= {ctx // 2} tokens at {ctx}, {n} asked",
+            file=sys.stderr,
+            flush=True,
+        )
     if not seqs:
         raise RuntimeError(f"no held-out sequence of >= {ctx // 2} tokens")
     return seqs[:n], info
 
 
-def reselect(cals: dict[str, Calibration], attn: dict[str, dict[int, list[float]]], model_dir: Path,
-             seqs: list[TaggedSeq], *, budgets: tuple[float, ...], max_tokens: int, device: torch.device, chunk: int,
-             ) -> tuple[dict[str, Calibration], dict[str, dict[str, dict[str, float | str]]]]:
+def reselect(
+    cals: dict[str, Calibration],
+    attn: dict[str, dict[int, list[float]]],
+    model_dir: Path,
+    seqs: list[TaggedSeq],
+    *,
+    budgets: tuple[float, ...],
+    max_tokens: int,
+    device: torch.device,
+    chunk: int,
+) -> tuple[dict[str, Calibration], dict[str, dict[str, dict[str, float | str]]]]:
     """``--select`` at a context other than the calibration prompts': each calibration with attention-MSE
     D_k (``attn``) gets, per budget in ``budgets``, the candidate table (KL rule, attention-MSE rule, default
     sensitivities, all counted on that context's pages) with the least whole-table KL on the first
@@ -820,8 +1034,14 @@ def with_pages(cal: Calibration, seqs: list[TaggedSeq]) -> Calibration:
     return replace(cal, pages=page_records(counts), residual=residual, tables={})
 
 
-def variants(cals: dict[str, Calibration], *, swap: str | None = None, skip_default: bool = False,
-             triaxial_only: bool = False, budgets: tuple[float, ...] = BUDGETS) -> dict[str, tuple[str, dict[str, Any]]]:
+def variants(
+    cals: dict[str, Calibration],
+    *,
+    swap: str | None = None,
+    skip_default: bool = False,
+    triaxial_only: bool = False,
+    budgets: tuple[float, ...] = BUDGETS,
+) -> dict[str, tuple[str, dict[str, Any]]]:
     """row name -> (kv dtype, build_engine kwargs) for every format of the table (triaxial at ``budgets``)."""
     cal = cals["calibrated"]
     rows: dict[str, tuple[str, dict[str, Any]]] = {"bf16": ("bf16", {})}
@@ -838,8 +1058,14 @@ def variants(cals: dict[str, Calibration], *, swap: str | None = None, skip_defa
     return rows
 
 
-def diagnose(model_dir: Path, cals: dict[str, Calibration], tables: dict[str, tuple[int, ...]], seqs: list[TaggedSeq],
-             device: torch.device, chunk: int) -> dict[str, Any]:
+def diagnose(
+    model_dir: Path,
+    cals: dict[str, Calibration],
+    tables: dict[str, tuple[int, ...]],
+    seqs: list[TaggedSeq],
+    device: torch.device,
+    chunk: int,
+) -> dict[str, Any]:
     """Per table, on the calibration prompts (page rule): the summed next-token KL and attention-output MSE
     (max over heads, summed over layers, each layer's inputs exact) measured with the whole table applied,
     and what each calibration's per-class D_k predict for it (sum over tokens of D_c(b) / N_c). The KL is
@@ -876,8 +1102,12 @@ def comparisons(rows: dict[str, Any], *, budgets: tuple[float, ...] = BUDGETS) -
             if not name.startswith(f"triaxial {b:g} ") or r is base or name.endswith(" default"):
                 continue
             if r.get("table") is not None and r["table"] == base.get("table"):  # nothing to compare
-                block[name.removeprefix(f"triaxial {b:g} ")] = {"same_table": True, "paired_mean_pct": 0.0,
-                                                                 "paired_se_pct": None, "t": None}
+                block[name.removeprefix(f"triaxial {b:g} ")] = {
+                    "same_table": True,
+                    "paired_mean_pct": 0.0,
+                    "paired_se_pct": None,
+                    "t": None,
+                }
                 continue
             x, y = r["kl_per_sequence"], base["kl_per_sequence"]
             d = [a - c for a, c in zip(x, y)]
@@ -897,9 +1127,17 @@ def comparisons(rows: dict[str, Any], *, budgets: tuple[float, ...] = BUDGETS) -
     return out
 
 
-def run_context(model_dir: Path, specs: dict[str, tuple[str, dict[str, Any]]], cal: Calibration, seqs: list[Any],
-                s: Setup, ctx: int, device: torch.device,
-                on_row: Callable[[dict[str, Any]], None] | None = None, quiet: bool = False) -> dict[str, Any]:
+def run_context(
+    model_dir: Path,
+    specs: dict[str, tuple[str, dict[str, Any]]],
+    cal: Calibration,
+    seqs: list[Any],
+    s: Setup,
+    ctx: int,
+    device: torch.device,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+    quiet: bool = False,
+) -> dict[str, Any]:
     """Scores every row of ``specs`` on ``seqs``; ``on_row(rows so far)`` after each."""
     rows: dict[str, Any] = {}
     reference_out: list[list[int]] | None = None
@@ -953,8 +1191,12 @@ def run_context(model_dir: Path, specs: dict[str, tuple[str, dict[str, Any]]], c
             "attn_rel_err": [math.sqrt(e / r) if r > 0 else 0.0 for e, r in zip(rec.err, rec.ref)],
             "seconds": round(time.time() - t, 1),
         }
-        print(f"  ctx {ctx} {name}: bits {rows[name]['stored_bits']:.2f}, ppl {rows[name]['ppl']:.4f}, "
-              f"KL {rows[name]['kl_vs_bf16']:.2e}, first divergence {div}, {rows[name]['seconds']} s", file=sys.stderr, flush=True)
+        print(
+            f"  ctx {ctx} {name}: bits {rows[name]['stored_bits']:.2f}, ppl {rows[name]['ppl']:.4f}, "
+            f"KL {rows[name]['kl_vs_bf16']:.2e}, first divergence {div}, {rows[name]['seconds']} s",
+            file=sys.stderr,
+            flush=True,
+        )
         del engine
         if on_row is not None:
             on_row(rows)
@@ -973,17 +1215,23 @@ def agree(row: dict[str, Any]) -> str:
 
 def print_table(results: dict[str, Any]) -> None:
     tr = results["train"]
-    print(f"\nmodel {results['params'] / 1e6:.1f}M parameters, {results['device']}; training loss {tr['loss_last']:.3f}, "
-          f"held-out perplexity {tr['held_out_ppl']:.2f}")
+    print(
+        f"\nmodel {results['params'] / 1e6:.1f}M parameters, {results['device']}; training loss {tr['loss_last']:.3f}, "
+        f"held-out perplexity {tr['held_out_ppl']:.2f}"
+    )
     for ctx, block in results["contexts"].items():
         print(f"\ncontext {ctx} ({block['sequences']} held-out agent conversations, {sum(block['tokens_per_sequence'])} tokens)")
-        print(f"{'format':<30} {'bits':>5} {'ppl':>8} {'vs bf16':>8} {'replies':>8} {'KL':>8} {'top1':>6} {'agree':>7}"
-              f"  attn rel err per layer")
+        print(
+            f"{'format':<30} {'bits':>5} {'ppl':>8} {'vs bf16':>8} {'replies':>8} {'KL':>8} {'top1':>6} {'agree':>7}"
+            f"  attn rel err per layer"
+        )
         for name, r in block["rows"].items():
             errs = " ".join(f"{e:.3f}" for e in r["attn_rel_err"])
-            print(f"{name:<30} {r['stored_bits']:>5.2f} {r['ppl']:>8.3f} {r['ppl_vs_bf16_pct']:>+7.2f}% "
-                  f"{r['reply_ppl_vs_bf16_pct']:>+7.2f}% {r['kl_vs_bf16']:>8.2e} {100 * r['top1_vs_bf16']:>5.1f}% "
-                  f"{agree(r):>7} {errs}")
+            print(
+                f"{name:<30} {r['stored_bits']:>5.2f} {r['ppl']:>8.3f} {r['ppl_vs_bf16_pct']:>+7.2f}% "
+                f"{r['reply_ppl_vs_bf16_pct']:>+7.2f}% {r['kl_vs_bf16']:>8.2e} {100 * r['top1_vs_bf16']:>5.1f}% "
+                f"{agree(r):>7} {errs}"
+            )
         if block.get("comparisons"):
             print("KL against default@pages (pooled change; paired mean +- se as % of its KL, t; conversations lower/higher)")
             for b, comp in block["comparisons"].items():
@@ -992,9 +1240,11 @@ def print_table(results: dict[str, Any]) -> None:
                         print(f"  {b:>4} {name:<34} the same table as default@pages")
                     if c["paired_se_pct"] is None:
                         continue
-                    print(f"  {b:>4} {name:<34} {c['kl_change_pct']:+6.1f}%  {c['paired_mean_pct']:+6.1f} +- "
-                          f"{c['paired_se_pct']:4.1f}%  t {c['t'] if c['t'] is not None else 0:+5.1f}  "
-                          f"{c['lower_higher_equal'][0]}/{c['lower_higher_equal'][1]}  bits {c['stored_bits_minus_default_pages']:+.3f}")
+                    print(
+                        f"  {b:>4} {name:<34} {c['kl_change_pct']:+6.1f}%  {c['paired_mean_pct']:+6.1f} +- "
+                        f"{c['paired_se_pct']:4.1f}%  t {c['t'] if c['t'] is not None else 0:+5.1f}  "
+                        f"{c['lower_higher_equal'][0]}/{c['lower_higher_equal'][1]}  bits {c['stored_bits_minus_default_pages']:+.3f}"
+                    )
         diag = block.get("diagnosis")
         if diag:
             print(f"whole tables on {diag['prompts']} calibration prompts: measured vs per-class sums")

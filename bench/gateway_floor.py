@@ -44,8 +44,7 @@ from kvserving.gateway.workers import WorkerClient
 from kvserving.tags import encode_tag
 
 USER_TAG = encode_tag("current", "text", "user")
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
 class Floor:
@@ -86,12 +85,20 @@ class Floor:
         self.kept.keep_prefixes(self.kept.open(repr(request["messages"][:2]), scope=""), got.filed)
         ids = got.ids
         worker_body = {
-            "request_id": f"floor-{uuid.uuid4().hex}", "input_ids": ids, "tags": [USER_TAG] * len(ids),
-            "sampling": {"max_tokens": int(request.get("max_tokens") or 16), "temperature": 1.0, "top_p": 1.0,
-                         "top_k": 0, "seed": None, "stop_token_ids": self.stop_ids, "ignore_eos": False},
+            "request_id": f"floor-{uuid.uuid4().hex}",
+            "input_ids": ids,
+            "tags": [USER_TAG] * len(ids),
+            "sampling": {
+                "max_tokens": int(request.get("max_tokens") or 16),
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "top_k": 0,
+                "seed": None,
+                "stop_token_ids": self.stop_ids,
+                "ignore_eos": False,
+            },
         }
-        frames = ChatFrames(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.served_name,
-                            include_usage=False)
+        frames = ChatFrames(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.served_name, include_usage=False)
         detok = IncrementalDetokenizer(self.tokenizer, skip_ids=self.stop_ids)
         first = True
         finish = "stop"

@@ -144,8 +144,7 @@ def relay_main(listen_port: int, upstream_port: int) -> None:
 
     async def serve() -> None:
         tasks: set[asyncio.Task[None]] = set()
-        server = await asyncio.get_running_loop().create_server(
-            lambda: _Downstream(upstream_port, tasks), "127.0.0.1", listen_port)
+        server = await asyncio.get_running_loop().create_server(lambda: _Downstream(upstream_port, tasks), "127.0.0.1", listen_port)
         await server.serve_forever()
 
     uvloop.run(serve())
@@ -180,8 +179,7 @@ def openai_backend_main(port: int, reply: str) -> None:
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": b"{}"})
             return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
         for frame in frames[:-1]:
             await send({"type": "http.response.body", "body": frame, "more_body": True})
         await send({"type": "http.response.body", "body": frames[-1], "more_body": False})
@@ -206,14 +204,41 @@ def router_commands(backend_url: str) -> tuple[dict[str, list[str]], list[str]]:
     binary = shutil.which("vllm-router", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     # each its own metrics port: both default to 29000, which another process may hold
     if binary:
-        found["vllm-router"] = [binary, "--worker-urls", backend_url, "--host", "127.0.0.1", "--port", "{port}",
-                                "--prometheus-host", "127.0.0.1", "--prometheus-port", "{metrics_port}", "--log-level", "warning"]
+        found["vllm-router"] = [
+            binary,
+            "--worker-urls",
+            backend_url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            "{metrics_port}",
+            "--log-level",
+            "warning",
+        ]
     else:
         skipped.append("vllm-router: not installed (`make bench-peers`), column skipped")
     if importlib.util.find_spec("sglang_router") is not None:
-        found["sglang-router"] = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", backend_url,
-                                  "--host", "127.0.0.1", "--port", "{port}", "--prometheus-host", "127.0.0.1",
-                                  "--prometheus-port", "{metrics_port}", "--log-level", "warn"]
+        found["sglang-router"] = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--worker-urls",
+            backend_url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            "{metrics_port}",
+            "--log-level",
+            "warn",
+        ]
     else:
         skipped.append("sglang-router: not installed (`make bench-peers`), column skipped")
     return found, skipped
@@ -222,8 +247,7 @@ def router_commands(backend_url: str) -> tuple[dict[str, list[str]], list[str]]:
 def spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONSAFEPATH="1", OMP_NUM_THREADS="1")
     with open(log, "wb") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 60.0, *, path: str = "/ready") -> None:
@@ -283,8 +307,10 @@ def conversation(sid: int, turns: int, reply: str, *, tool_words: int = 0) -> li
         if tool_words:
             call = {"id": f"call{turn}", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "os.py"}'}}
             start = (sid * 7919 + turn * tool_words) % (len(words) - tool_words)
-            messages = messages + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                                   {"role": "tool", "tool_call_id": f"call{turn}", "content": " ".join(words[start:start + tool_words])}]
+            messages = messages + [
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": f"call{turn}", "content": " ".join(words[start : start + tool_words])},
+            ]
         messages = messages + [{"role": "assistant", "content": reply}]
     return out
 
@@ -306,8 +332,14 @@ def bodies(
                 body: dict[str, Any] = {"model": MODEL, "messages": messages, "stream": True, "max_tokens": max_tokens}
             else:
                 prompt = tagger.build(messages)
-                body = {"request_id": f"{run}-{sid}-{turn}", "input_ids": prompt.input_ids, "tags": prompt.tags,
-                        "sampling": {"max_tokens": max_tokens}, "conversation_key": f"{run}-{sid}", "retain": True}
+                body = {
+                    "request_id": f"{run}-{sid}-{turn}",
+                    "input_ids": prompt.input_ids,
+                    "tags": prompt.tags,
+                    "sampling": {"max_tokens": max_tokens},
+                    "conversation_key": f"{run}-{sid}",
+                    "retain": True,
+                }
             per_turn.append(json.dumps(body).encode())
         out.append(per_turn)
     return out
@@ -331,8 +363,7 @@ async def measure(target: str, plan: list[list[bytes]], waits: list[list[float]]
         headers = {"X-Session-ID": f"bench-{run}-{sid}"} if via_gateway else {}
         # idle connections dropped before uvicorn's 5 s keep-alive closes them (a think time can be longer)
         connector = aiohttp.TCPConnector(limit=1, keepalive_timeout=4)
-        async with aiohttp.ClientSession(connector=connector, headers=headers,
-                                         timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async with aiohttp.ClientSession(connector=connector, headers=headers, timeout=aiohttp.ClientTimeout(total=120)) as session:
             out = []
             for body, wait in zip(turns, waits[sid], strict=True):
                 if wait > 0:
@@ -373,9 +404,25 @@ class Row:
     routers: dict[str, tuple[list[float], float]] = field(default_factory=dict)  # name -> (TTFTs, CPU ms per request)
 
 
-def run_row(n: int, think_s: float, args: argparse.Namespace, *, tagger: ChatTagger, reply: str, worker_url: str,
-            relay_url: str, gw_url: str, gw_pid: int, worker_pid: int, idle_cpu_per_s: float, floor_url: str,
-            floor_pid: int, relay_pid: int, backend_url: str | None = None, routers: Sequence[Router] = ()) -> Row:
+def run_row(
+    n: int,
+    think_s: float,
+    args: argparse.Namespace,
+    *,
+    tagger: ChatTagger,
+    reply: str,
+    worker_url: str,
+    relay_url: str,
+    gw_url: str,
+    gw_pid: int,
+    worker_pid: int,
+    idle_cpu_per_s: float,
+    floor_url: str,
+    floor_pid: int,
+    relay_pid: int,
+    backend_url: str | None = None,
+    routers: Sequence[Router] = (),
+) -> Row:
     direct: list[float] = []
     relay: list[float] = []
     gateway: list[float] = []
@@ -411,26 +458,45 @@ def run_row(n: int, think_s: float, args: argparse.Namespace, *, tagger: ChatTag
                 before = cpu_s(router.proc.pid)
                 routed[router.name] += asyncio.run(measure(router.url, plan, waits, via_gateway=True))
                 routed_cpu[router.name] += cpu_s(router.proc.pid) - before
-    return Row(n, think_s, direct, relay, gateway, floor, 1e3 * gw_cpu / len(gateway), 1e3 * floor_cpu / len(floor),
-               1e3 * worker_cpu / len(direct), 1e3 * relay_cpu / len(relay), openai_direct,
-               {name: (times, 1e3 * routed_cpu[name] / len(times)) for name, times in routed.items()})
+    return Row(
+        n,
+        think_s,
+        direct,
+        relay,
+        gateway,
+        floor,
+        1e3 * gw_cpu / len(gateway),
+        1e3 * floor_cpu / len(floor),
+        1e3 * worker_cpu / len(direct),
+        1e3 * relay_cpu / len(relay),
+        openai_direct,
+        {name: (times, 1e3 * routed_cpu[name] / len(times)) for name, times in routed.items()},
+    )
 
 
 def row_json(row: Row) -> dict[str, Any]:
     """One row of the result file: p50 / p99 TTFT added over each path's direct reference, CPU per request."""
+
     def added(values: list[float], reference: list[float]) -> dict[str, float]:
         return {f"added_p{q}_ms": round(1e3 * (pct(values, q / 100) - pct(reference, q / 100)), 3) for q in (50, 99)}
 
     out: dict[str, Any] = {
-        "sessions": row.sessions, "think_s": row.think_s, "requests_per_path": len(row.gateway),
-        "direct": {"p50_ms": round(1e3 * pct(row.direct, 0.5), 3), "p99_ms": round(1e3 * pct(row.direct, 0.99), 3),
-                   "worker_cpu_ms_per_request": round(row.worker_cpu_ms, 3)},
+        "sessions": row.sessions,
+        "think_s": row.think_s,
+        "requests_per_path": len(row.gateway),
+        "direct": {
+            "p50_ms": round(1e3 * pct(row.direct, 0.5), 3),
+            "p99_ms": round(1e3 * pct(row.direct, 0.99), 3),
+            "worker_cpu_ms_per_request": round(row.worker_cpu_ms, 3),
+        },
         "kvserving": {**added(row.gateway, row.direct), "cpu_ms_per_request": round(row.cpu_ms, 3)},
         "floor": {**added(row.floor, row.direct), "cpu_ms_per_request": round(row.floor_cpu_ms, 3)},
         "null_relay": {**added(row.relay, row.direct), "cpu_ms_per_request": round(row.relay_cpu_ms, 3)},
-        "kvserving_minus_floor": {"p50_ms": round(1e3 * (pct(row.gateway, 0.5) - pct(row.floor, 0.5)), 3),
-                                  "p99_ms": round(1e3 * (pct(row.gateway, 0.99) - pct(row.floor, 0.99)), 3),
-                                  "cpu_ms_per_request": round(row.cpu_ms - row.floor_cpu_ms, 3)},
+        "kvserving_minus_floor": {
+            "p50_ms": round(1e3 * (pct(row.gateway, 0.5) - pct(row.floor, 0.5)), 3),
+            "p99_ms": round(1e3 * (pct(row.gateway, 0.99) - pct(row.floor, 0.99)), 3),
+            "cpu_ms_per_request": round(row.cpu_ms - row.floor_cpu_ms, 3),
+        },
     }
     for name, (times, cpu) in row.routers.items():
         out[name] = {**added(times, row.openai_direct), "cpu_ms_per_request": round(cpu, 3)}
@@ -446,8 +512,9 @@ class LongRow:
     cpu_ms: list[float]  # gateway CPU per request, per round
 
 
-def run_long(args: argparse.Namespace, *, tagger: ChatTagger, reply: str, worker_url: str, gw_url: str, gw_pid: int,
-             idle_cpu_per_s: float) -> LongRow:
+def run_long(
+    args: argparse.Namespace, *, tagger: ChatTagger, reply: str, worker_url: str, gw_url: str, gw_pid: int, idle_cpu_per_s: float
+) -> LongRow:
     """One agent session whose history grows by a tool result each turn, alone on the machine."""
     turns, words = args.long_turns, args.long_tool_words
     tokens = [len(tagger.build(m).input_ids) for m in conversation(0, turns, reply, tool_words=words)]
@@ -464,8 +531,10 @@ def run_long(args: argparse.Namespace, *, tagger: ChatTagger, reply: str, worker
 
 
 def print_long(row: LongRow) -> None:
-    print(f"\nlong agent session: 1 session, {row.turns} turns, a tool result of ~{row.prompt_tokens[1] - row.prompt_tokens[0]} "
-          f"tokens per turn, {len(row.direct)} rounds (median over rounds and the turns of each stretch)\n")
+    print(
+        f"\nlong agent session: 1 session, {row.turns} turns, a tool result of ~{row.prompt_tokens[1] - row.prompt_tokens[0]} "
+        f"tokens per turn, {len(row.direct)} rounds (median over rounds and the turns of each stretch)\n"
+    )
     print("| turns | prompt tokens | direct TTFT ms | gateway TTFT ms | added ms |")
     print("|---|---:|---:|---:|---:|")
     stretch = max(1, row.turns // 4)
@@ -485,21 +554,38 @@ def main() -> int:
     parser.add_argument("--think-s", type=float, default=1.0, help="mean think time before each turn (exponential)")
     parser.add_argument("--saturation", default="200", help="sessions of the rows with no think time ('' for none)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per reply (the fake worker's reply is 17)")
-    parser.add_argument("--reply-repeat", type=int, default=1,
-                        help="the fake worker's reply is its sentence this many times (17 tokens each; raise --max-tokens)")
-    parser.add_argument("--token-delay-ms", type=float, default=0.0,
-                        help="the fake worker waits this long before each token (tokens then reach the gateway one event at a time)")
+    parser.add_argument(
+        "--reply-repeat",
+        type=int,
+        default=1,
+        help="the fake worker's reply is its sentence this many times (17 tokens each; raise --max-tokens)",
+    )
+    parser.add_argument(
+        "--token-delay-ms",
+        type=float,
+        default=0.0,
+        help="the fake worker waits this long before each token (tokens then reach the gateway one event at a time)",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="alternating direct/gateway rounds per row")
     parser.add_argument("--min-requests", type=int, default=36, help="more rounds for a row with fewer requests per path")
     parser.add_argument("--profile", default=None, metavar="FILE", help="run the gateway under cProfile (CPU time), stats to FILE")
-    parser.add_argument("--timeline", default=None, metavar="FILE",
-                        help="stamp every request's stages (bench/gateway_timeline.py), print their percentiles at the end")
-    parser.add_argument("--cpu-samples", default=None, metavar="FILE",
-                        help="sample the gateway in CPU time (bench/gateway_timeline.py sample), print where its CPU went")
+    parser.add_argument(
+        "--timeline",
+        default=None,
+        metavar="FILE",
+        help="stamp every request's stages (bench/gateway_timeline.py), print their percentiles at the end",
+    )
+    parser.add_argument(
+        "--cpu-samples",
+        default=None,
+        metavar="FILE",
+        help="sample the gateway in CPU time (bench/gateway_timeline.py sample), print where its CPU went",
+    )
     parser.add_argument("--long-turns", type=int, default=40, help="turns of the long agent session (0: none)")
     parser.add_argument("--long-tool-words", type=int, default=300, help="words of the tool result each long-session turn adds")
-    parser.add_argument("--json", default=str(ROOT / "bench/results/gateway_overhead_cpu.json"), metavar="FILE",
-                        help="the rows as JSON ('' for none)")
+    parser.add_argument(
+        "--json", default=str(ROOT / "bench/results/gateway_overhead_cpu.json"), metavar="FILE", help="the rows as JSON ('' for none)"
+    )
     parser.add_argument("--no-routers", action="store_true", help="leave out the vllm-router / sglang-router columns")
     add_quiet_argument(parser)
     parser.add_argument("--relay", default=None, help=argparse.SUPPRESS)  # LISTEN:UPSTREAM: run as the null proxy
@@ -530,17 +616,58 @@ def main() -> int:
     # a context long enough for the long session (the fake worker holds no KV)
     # and the workers' credential, without which the gateway does not start
     (tmp / "internal-token").write_text(uuid.uuid4().hex)
-    (tmp / "config.json").write_text(json.dumps({"model": {"path": str(model_dir), "served_name": MODEL, "max_model_len": 131072},
-                                                 "security": {"internal_token_file": str(tmp / "internal-token")}}))
+    (tmp / "config.json").write_text(
+        json.dumps(
+            {
+                "model": {"path": str(model_dir), "served_name": MODEL, "max_model_len": 131072},
+                "security": {"internal_token_file": str(tmp / "internal-token")},
+            }
+        )
+    )
     procs = [
-        spawn([sys.executable, str(ROOT / "tests/gateway/fake_worker.py"), "--port", str(worker_port),
-               "--reply-ids", ",".join(map(str, reply_ids)), "--token-delay-ms", str(args.token_delay_ms)], tmp / "worker.log"),
-        spawn([sys.executable, *gateway_launcher(args), "gateway",
-               "--config", str(tmp / "config.json"), "--port", str(gw_port), "--decode", worker_url, "--log-level", "warning"],
-              tmp / "gateway.log"),
+        spawn(
+            [
+                sys.executable,
+                str(ROOT / "tests/gateway/fake_worker.py"),
+                "--port",
+                str(worker_port),
+                "--reply-ids",
+                ",".join(map(str, reply_ids)),
+                "--token-delay-ms",
+                str(args.token_delay_ms),
+            ],
+            tmp / "worker.log",
+        ),
+        spawn(
+            [
+                sys.executable,
+                *gateway_launcher(args),
+                "gateway",
+                "--config",
+                str(tmp / "config.json"),
+                "--port",
+                str(gw_port),
+                "--decode",
+                worker_url,
+                "--log-level",
+                "warning",
+            ],
+            tmp / "gateway.log",
+        ),
         spawn([sys.executable, __file__, "--relay", f"{relay_port}:{worker_port}"], tmp / "relay.log"),
-        spawn([sys.executable, str(Path(__file__).with_name("gateway_floor.py")), "--port", str(floor_port),
-               "--worker", worker_url, "--model-dir", str(model_dir)], tmp / "floor.log"),
+        spawn(
+            [
+                sys.executable,
+                str(Path(__file__).with_name("gateway_floor.py")),
+                "--port",
+                str(floor_port),
+                "--worker",
+                worker_url,
+                "--model-dir",
+                str(model_dir),
+            ],
+            tmp / "floor.log",
+        ),
     ]
     backend_url: str | None = None
     routers: list[Router] = []
@@ -550,8 +677,7 @@ def main() -> int:
     if commands:
         backend_port = free_port()
         backend_url = f"http://127.0.0.1:{backend_port}"
-        procs.append(spawn([sys.executable, __file__, "--openai-backend", str(backend_port), "--reply", reply],
-                           tmp / "openai-backend.log"))
+        procs.append(spawn([sys.executable, __file__, "--openai-backend", str(backend_port), "--reply", reply], tmp / "openai-backend.log"))
         for name, argv in router_commands(backend_url)[0].items():
             port, metrics_port = free_port(), free_port()
             argv = [a.replace("{port}", str(port)).replace("{metrics_port}", str(metrics_port)) for a in argv]
@@ -572,27 +698,51 @@ def main() -> int:
         idle = (cpu_s(procs[1].pid) - before) / 3.0
         plan = [(int(x), args.think_s) for x in args.sessions.split(",") if x]
         plan += [(int(x), 0.0) for x in args.saturation.split(",") if x]
-        rows = [run_row(n, think, args, tagger=tagger, reply=reply, worker_url=worker_url, relay_url=relay_url, gw_url=gw_url,
-                        gw_pid=procs[1].pid, worker_pid=procs[0].pid, idle_cpu_per_s=idle, floor_url=floor_url,
-                        floor_pid=procs[3].pid, relay_pid=procs[2].pid, backend_url=backend_url, routers=routers)
-                for n, think in progress(plan, desc="rows", quiet=args.quiet)]
+        rows = [
+            run_row(
+                n,
+                think,
+                args,
+                tagger=tagger,
+                reply=reply,
+                worker_url=worker_url,
+                relay_url=relay_url,
+                gw_url=gw_url,
+                gw_pid=procs[1].pid,
+                worker_pid=procs[0].pid,
+                idle_cpu_per_s=idle,
+                floor_url=floor_url,
+                floor_pid=procs[3].pid,
+                relay_pid=procs[2].pid,
+                backend_url=backend_url,
+                routers=routers,
+            )
+            for n, think in progress(plan, desc="rows", quiet=args.quiet)
+        ]
         load_after = os.getloadavg()
-        print(f"gateway overhead: TTFT through the gateway minus straight to the worker ({args.turns} turns per session, "
-              f"fake worker answering instantly, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
-              f"gateway idle CPU {1e3 * idle:.1f} ms/s subtracted)\n")
-        print("| think time | sessions | requests | direct p50 ms | direct p99 ms | gateway p50 ms | gateway p99 ms "
-              "| added p50 ms | added p99 ms | null proxy added p50 / p99 ms | floor added p50 / p99 ms "
-              "| gateway minus floor p50 / p99 ms | gateway CPU ms/request | floor CPU ms/request "
-              "| worker CPU ms/request (direct) |")
+        print(
+            f"gateway overhead: TTFT through the gateway minus straight to the worker ({args.turns} turns per session, "
+            f"fake worker answering instantly, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
+            f"gateway idle CPU {1e3 * idle:.1f} ms/s subtracted)\n"
+        )
+        print(
+            "| think time | sessions | requests | direct p50 ms | direct p99 ms | gateway p50 ms | gateway p99 ms "
+            "| added p50 ms | added p99 ms | null proxy added p50 / p99 ms | floor added p50 / p99 ms "
+            "| gateway minus floor p50 / p99 ms | gateway CPU ms/request | floor CPU ms/request "
+            "| worker CPU ms/request (direct) |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for row in rows:
-            d50, d99, r50, r99, g50, g99, f50, f99 = (1e3 * pct(v, q) for v in (row.direct, row.relay, row.gateway, row.floor)
-                                                      for q in (0.5, 0.99))
+            d50, d99, r50, r99, g50, g99, f50, f99 = (
+                1e3 * pct(v, q) for v in (row.direct, row.relay, row.gateway, row.floor) for q in (0.5, 0.99)
+            )
             load = f"exp. mean {row.think_s:g} s" if row.think_s > 0 else "none (saturation)"
-            print(f"| {load} | {row.sessions} | {len(row.gateway)} | {d50:.2f} | {d99:.2f} | {g50:.2f} | {g99:.2f} "
-                  f"| {g50 - d50:.2f} | {g99 - d99:.2f} | {r50 - d50:.2f} / {r99 - d99:.2f} "
-                  f"| {f50 - d50:.2f} / {f99 - d99:.2f} | {g50 - f50:.2f} / {g99 - f99:.2f} "
-                  f"| {row.cpu_ms:.2f} | {row.floor_cpu_ms:.2f} | {row.worker_cpu_ms:.2f} |")
+            print(
+                f"| {load} | {row.sessions} | {len(row.gateway)} | {d50:.2f} | {d99:.2f} | {g50:.2f} | {g99:.2f} "
+                f"| {g50 - d50:.2f} | {g99 - d99:.2f} | {r50 - d50:.2f} / {r99 - d99:.2f} "
+                f"| {f50 - d50:.2f} / {f99 - d99:.2f} | {g50 - f50:.2f} / {g99 - f99:.2f} "
+                f"| {row.cpu_ms:.2f} | {row.floor_cpu_ms:.2f} | {row.worker_cpu_ms:.2f} |"
+            )
         print("\nCPU per request and added TTFT p50 / p99 by path (routers against the fake OpenAI backend straight)\n")
         names = ["kvserving", "floor", "null_relay", *(r.name for r in routers)]
         print("| think time | sessions | " + " | ".join(f"{n} CPU ms | {n} added p50 / p99 ms" for n in names) + " |")
@@ -600,19 +750,34 @@ def main() -> int:
         results = [row_json(row) for row in rows]
         for row, result in zip(rows, results, strict=True):
             load = f"exp. mean {row.think_s:g} s" if row.think_s > 0 else "none (saturation)"
-            cells = [f"{result[n]['cpu_ms_per_request']:.2f} | {result[n]['added_p50_ms']:.2f} / {result[n]['added_p99_ms']:.2f}"
-                     for n in names]
+            cells = [
+                f"{result[n]['cpu_ms_per_request']:.2f} | {result[n]['added_p50_ms']:.2f} / {result[n]['added_p99_ms']:.2f}" for n in names
+            ]
             print(f"| {load} | {row.sessions} | " + " | ".join(cells) + " |")
         if args.json:
-            Path(args.json).write_text(json.dumps({
-                "bench": "bench/gateway_overhead.py", "turns": args.turns, "rounds": args.rounds, "max_tokens": args.max_tokens,
-                "cores": os.cpu_count(), "load_average_before": load_before, "load_average_after": list(load_after),
-                "gateway_idle_cpu_ms_per_s": round(1e3 * idle, 3), "routers_skipped": skipped,
-                "rows": results}, indent=1) + "\n")
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "bench": "bench/gateway_overhead.py",
+                        "turns": args.turns,
+                        "rounds": args.rounds,
+                        "max_tokens": args.max_tokens,
+                        "cores": os.cpu_count(),
+                        "load_average_before": load_before,
+                        "load_average_after": list(load_after),
+                        "gateway_idle_cpu_ms_per_s": round(1e3 * idle, 3),
+                        "routers_skipped": skipped,
+                        "rows": results,
+                    },
+                    indent=1,
+                )
+                + "\n"
+            )
             print(f"\nwritten: {args.json}")
         if args.long_turns > 0:
-            print_long(run_long(args, tagger=tagger, reply=reply, worker_url=worker_url, gw_url=gw_url,
-                                gw_pid=procs[1].pid, idle_cpu_per_s=idle))
+            print_long(
+                run_long(args, tagger=tagger, reply=reply, worker_url=worker_url, gw_url=gw_url, gw_pid=procs[1].pid, idle_cpu_per_s=idle)
+            )
     finally:
         for proc in procs:
             if proc.poll() is None:

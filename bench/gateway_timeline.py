@@ -57,9 +57,13 @@ from pathlib import Path
 from typing import Any
 
 STAGES = ("serve", "body", "draft_start", "draft", "worker_write", "confirm", "worker_first", "client_first", "end")
-GAPS = (("body_to_draft", "body", "draft_start"), ("draft_only", "draft_start", "draft"),
-        ("draft_to_write", "draft", "worker_write"), ("worker_to_client", "worker_first", "client_first"),
-        ("worker_leg", "worker_write", "worker_first"))
+GAPS = (
+    ("body_to_draft", "body", "draft_start"),
+    ("draft_only", "draft_start", "draft"),
+    ("draft_to_write", "draft", "worker_write"),
+    ("worker_to_client", "worker_first", "client_first"),
+    ("worker_leg", "worker_write", "worker_first"),
+)
 
 _now = time.perf_counter
 _stamps: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("gateway_timeline", default=None)
@@ -214,7 +218,9 @@ class _Stalls:
                     stack = []
                     while frame is not None:
                         code = frame.f_code
-                        stack.append(f"{code.co_name} ({code.co_filename.rsplit('/', 2)[-2]}/{code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})")
+                        stack.append(
+                            f"{code.co_name} ({code.co_filename.rsplit('/', 2)[-2]}/{code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})"
+                        )
                         frame = frame.f_back
                     self.stacks.append(" <- ".join(stack[:8]))
                     self._caught = True
@@ -270,9 +276,12 @@ def report_samples(path: Path, *, top: int = 40) -> str:
             within[frame] += count
     if not total:
         return f"{path}: no samples\n"
-    lines = [f"gateway CPU samples: {total}; each function's share of them (shares, not times: signals that\n"
-             "arrive while one is pending merge, so the count is below the CPU time / interval)\n",
-             "| function | self | inclusive |", "|---|---:|---:|"]
+    lines = [
+        f"gateway CPU samples: {total}; each function's share of them (shares, not times: signals that\n"
+        "arrive while one is pending merge, so the count is below the CPU time / interval)\n",
+        "| function | self | inclusive |",
+        "|---|---:|---:|",
+    ]
     for frame, _ in within.most_common(top):
         lines.append(f"| {frame} | {100 * own[frame] / total:.1f}% | {100 * within[frame] / total:.1f}% |")
     lines.append("\nBy self time:\n")
@@ -284,6 +293,7 @@ def report_samples(path: Path, *, top: int = 40) -> str:
 def report(path: Path) -> str:
     """The percentiles of every stage and gap over the streamed requests in ``path``."""
     from kvserving.sim.cluster import percentile as _pct  # nearest rank, as bench/agents.py
+
     every = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows = [r for r in every if "client_first" in r and "worker_first" in r]
     collector = next((r for r in every if "gc_seconds" in r), None)
@@ -292,11 +302,16 @@ def report(path: Path) -> str:
         return f"{path}: no streamed completion requests recorded\n"
     gc_line = ""
     if collector is not None:
-        per = ", ".join(f"gen{g} {n} x {1e3 * t / max(n, 1):.3f} ms" for g, (n, t) in
-                        enumerate(zip(collector["gc_collections"], collector["gc_seconds"], strict=True)))
+        per = ", ".join(
+            f"gen{g} {n} x {1e3 * t / max(n, 1):.3f} ms"
+            for g, (n, t) in enumerate(zip(collector["gc_collections"], collector["gc_seconds"], strict=True))
+        )
         gc_line = f" (cyclic GC while serving: {per}; {1e3 * sum(collector['gc_seconds']) / len(rows):.3f} ms per request)"
-    lines = [f"gateway timeline: {len(rows)} streamed requests, ms after the headers were parsed{gc_line}\n",
-             "| stage | p50 | p90 | p99 |", "|---|---:|---:|---:|"]
+    lines = [
+        f"gateway timeline: {len(rows)} streamed requests, ms after the headers were parsed{gc_line}\n",
+        "| stage | p50 | p90 | p99 |",
+        "|---|---:|---:|---:|",
+    ]
     for name in STAGES:
         got = [r[name] for r in rows if name in r]
         if got:
@@ -310,8 +325,10 @@ def report(path: Path) -> str:
         lines.append(f"| draft_cpu (the draft's own CPU time) | {_pct(got, 0.5):.3f} | {_pct(got, 0.9):.3f} | {_pct(got, 0.99):.3f} |")
     if stalled is not None:
         gaps = sorted(stalled["stalls"])
-        lines.append(f"\nevent-loop stalls over {1e3 * _Stalls.STALL_S:.0f} ms: {len(gaps)}"
-                     + (f", total {sum(gaps):.0f} ms, longest {', '.join(f'{g:.1f}' for g in gaps[-5:])} ms" if gaps else ""))
+        lines.append(
+            f"\nevent-loop stalls over {1e3 * _Stalls.STALL_S:.0f} ms: {len(gaps)}"
+            + (f", total {sum(gaps):.0f} ms, longest {', '.join(f'{g:.1f}' for g in gaps[-5:])} ms" if gaps else "")
+        )
         for stack, n in collections.Counter(stalled["stall_stacks"]).most_common(8):
             lines.append(f"  {n} x {stack}")
     return "\n".join(lines) + "\n"

@@ -85,13 +85,31 @@ INT2_SHARE = 0.65  # triaxial pages at INT2: 0.65 * 2 + 0.35 * 4 = 2.7 average c
 # that a gateway can render, tokenize and detokenize for this model; the LM head is then 4096
 # wide (runs only at sampled positions: no effect on prefill or transfer time).
 QWEN3_8B: dict[str, Any] = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 4096, "hidden_size": 4096,
-    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-    "rope_theta": 1_000_000.0, "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
-    "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
-    "initializer_range": 0.02, "use_cache": True, "torch_dtype": "bfloat16", "bos_token_id": None,
-    "eos_token_id": 1, "pad_token_id": 0,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 4096,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "initializer_range": 0.02,
+    "use_cache": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": None,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
 }
 TRANSPORTS = ("cuda_ipc", "cuda_copy", "gdr_copy", "rc_mlx5", "dc_mlx5", "ud_mlx5", "tcp", "sysv", "posix", "cma", "self")
 
@@ -191,8 +209,9 @@ def make_storage(fmt: str, max_pages: int, *, tiny: bool, device: torch.device) 
         per_layer = n4 * PageLayout.build("int4", **dims).page_bytes + n2 * PageLayout.build("int2", **dims).page_bytes + ALIGN
     else:
         per_layer = max_pages * PageLayout.build("fp32" if tiny and fmt == "bf16" else fmt, **dims).page_bytes
-    return KVStorage(fmt, KVShape(layers, heads, dim), page_size=ps, budget_bytes=layers * per_layer,
-                     device=device, model_dtype=model_dtype)
+    return KVStorage(
+        fmt, KVShape(layers, heads, dim), page_size=ps, budget_bytes=layers * per_layer, device=device, model_dtype=model_dtype
+    )
 
 
 def pattern(idx: torch.Tensor) -> torch.Tensor:
@@ -295,11 +314,21 @@ def bw_measure(io: Any, peer: Any, fmt: str, total: int, cfg: dict[str, Any], st
             times = [io.read(peer, local, remote, timeout_s=60.0).seconds for _ in range(reps)]
             ok = check_pages(st, local, remote, rng)
             med = statistics.median(times)
-            rows.append({
-                "pages": n, "scattered": scattered, "bytes": first.num_bytes, "regions": first.num_regions,
-                "first_s": first.seconds, "median_s": med, "min_s": min(times), "descriptor_build_s": desc_s,
-                "gb_per_s": first.num_bytes / med / 1e9, "bytes_checked": ok, "descs": len(ldesc),
-            })
+            rows.append(
+                {
+                    "pages": n,
+                    "scattered": scattered,
+                    "bytes": first.num_bytes,
+                    "regions": first.num_regions,
+                    "first_s": first.seconds,
+                    "median_s": med,
+                    "min_s": min(times),
+                    "descriptor_build_s": desc_s,
+                    "gb_per_s": first.num_bytes / med / 1e9,
+                    "bytes_checked": ok,
+                    "descs": len(ldesc),
+                }
+            )
             print(json.dumps({"fmt": fmt, **rows[-1]}), flush=True)
     return rows
 
@@ -326,8 +355,14 @@ def run_bw(plan: Plan) -> None:
     env = {"UCX_PROTO_INFO": "y"} if cuda else {}
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()  # the source's end, the reader's end
-    base = {"formats": plan.formats, "pages": plan.bw_pages, "scattered_max": plan.scattered_max, "cuda": cuda, "env": env,
-            "max_read_s": 15.0}
+    base = {
+        "formats": plan.formats,
+        "pages": plan.bw_pages,
+        "scattered_max": plan.scattered_max,
+        "cuda": cuda,
+        "env": env,
+        "max_read_s": 15.0,
+    }
     src = ctx.Process(target=bw_peer, args=("source", 1, a, {**base, "log": str(plan.work / "bw_source.log")}))
     rdr = ctx.Process(target=bw_peer, args=("reader", 0, b, {**base, "log": str(plan.work / "bw_reader.log")}))
     src.start()
@@ -463,11 +498,16 @@ def build_model(plan: Plan) -> Path:
         for i in range(s * per, min(layers, (s + 1) * per)):
             p = f"model.layers.{i}."
             w |= {
-                p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
-                p + "self_attn.q_proj.weight": normal(q * d, h), p + "self_attn.k_proj.weight": normal(kv * d, h),
-                p + "self_attn.v_proj.weight": normal(kv * d, h), p + "self_attn.o_proj.weight": normal(h, q * d),
-                p + "self_attn.q_norm.weight": ones(d), p + "self_attn.k_norm.weight": ones(d),
-                p + "mlp.gate_proj.weight": normal(inter, h), p + "mlp.up_proj.weight": normal(inter, h),
+                p + "input_layernorm.weight": ones(h),
+                p + "post_attention_layernorm.weight": ones(h),
+                p + "self_attn.q_proj.weight": normal(q * d, h),
+                p + "self_attn.k_proj.weight": normal(kv * d, h),
+                p + "self_attn.v_proj.weight": normal(kv * d, h),
+                p + "self_attn.o_proj.weight": normal(h, q * d),
+                p + "self_attn.q_norm.weight": ones(d),
+                p + "self_attn.k_norm.weight": ones(d),
+                p + "mlp.gate_proj.weight": normal(inter, h),
+                p + "mlp.up_proj.weight": normal(inter, h),
                 p + "mlp.down_proj.weight": normal(h, inter),
             }
         save_file(w, str(out / f"model-{s + 1:05d}-of-{shards:05d}.safetensors"), metadata={"format": "pt"})
@@ -490,8 +530,9 @@ class Worker:
 
     def start(self) -> None:
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self.env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, start_new_session=True
+            )
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -531,8 +572,26 @@ def make_worker(plan: Plan, model: Path, fmt: str, role: str, gpu: int) -> Worke
     path = plan.work / f"{name}.json"
     path.write_text(json.dumps(cfg))
     port = ports[0] if role == "prefill" else ports[1]
-    argv = [sys.executable, "-m", "kvserving.cli", "worker", "--role", role, "--config", str(path), "--model", str(model),
-            "--host", "127.0.0.1", "--port", str(port), "--engine-id", f"{name}-{uuid.uuid4().hex[:6]}", "--log-level", "warning"]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvserving.cli",
+        "worker",
+        "--role",
+        role,
+        "--config",
+        str(path),
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--engine-id",
+        f"{name}-{uuid.uuid4().hex[:6]}",
+        "--log-level",
+        "warning",
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1" if plan.tiny else "4")
     if not plan.tiny:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -543,9 +602,26 @@ def make_worker(plan: Plan, model: Path, fmt: str, role: str, gpu: int) -> Worke
 def make_gateway(plan: Plan, model: Path, fmt: str, prefill: Worker, decode: Worker) -> Worker:
     """``kvserving gateway`` in front of one pair, from the prefill worker's engine config (CPU only)."""
     port = free_port()
-    argv = [sys.executable, "-m", "kvserving.cli", "gateway", "--config", str(plan.work / f"prefill-{fmt}.json"),
-            "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--prefill", prefill.url,
-            "--decode", decode.url, "--log-level", "warning"]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvserving.cli",
+        "gateway",
+        "--config",
+        str(plan.work / f"prefill-{fmt}.json"),
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefill",
+        prefill.url,
+        "--decode",
+        decode.url,
+        "--log-level",
+        "warning",
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     return Worker(f"gateway-{fmt}", "gateway", -1, f"http://127.0.0.1:{port}", argv, env, plan.work / f"gateway-{fmt}.log")
 
@@ -580,11 +656,26 @@ class Gen:
     end: float
 
 
-def generate(client: Any, url: str, ids: list[int], *, max_tokens: int, params: dict[str, Any] | None = None,
-             key: str | None = None, retain: bool = False, output_ids: list[int] | None = None,
-             tags: list[int] | None = None) -> Gen:
-    body = {"request_id": uuid.uuid4().hex, "input_ids": ids, "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
-            "kv_transfer_params": params, "conversation_key": key, "retain": retain}
+def generate(
+    client: Any,
+    url: str,
+    ids: list[int],
+    *,
+    max_tokens: int,
+    params: dict[str, Any] | None = None,
+    key: str | None = None,
+    retain: bool = False,
+    output_ids: list[int] | None = None,
+    tags: list[int] | None = None,
+) -> Gen:
+    body = {
+        "request_id": uuid.uuid4().hex,
+        "input_ids": ids,
+        "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
+        "kv_transfer_params": params,
+        "conversation_key": key,
+        "retain": retain,
+    }
     if tags is not None:
         body["tags"] = tags
     if output_ids:
@@ -666,8 +757,16 @@ def rand_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 def gateway_turn(client: Any, url: str, ids: list[int], *, key: str, max_tokens: int) -> dict[str, Any]:
     """One streamed /v1/completions turn through the gateway (token-id prompt, prompt_cache_key
     as the conversation): client-side TTFT (first text chunk) and the usage it reports."""
-    body = {"model": "bench", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "prompt_cache_key": key}
+    body = {
+        "model": "bench",
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "prompt_cache_key": key,
+    }
     t0 = time.perf_counter()
     first = 0.0
     usage: dict[str, Any] = {}
@@ -701,8 +800,9 @@ def history_tags(n: int) -> list[int]:
     return [OLDER_USER if i % 1024 < 352 else OLDER_OBS for i in range(n)]
 
 
-def one_length(client: Any, p: Worker, d: Worker, L: int, plan: Plan, rng: random.Random, vocab: int,
-               gateway: str | None = None) -> dict[str, Any]:
+def one_length(
+    client: Any, p: Worker, d: Worker, L: int, plan: Plan, rng: random.Random, vocab: int, gateway: str | None = None
+) -> dict[str, Any]:
     """Setup, new-only, on and off for prompt length ``L`` (see the module docstring)."""
     key = uuid.uuid4().hex
     hist = rand_ids(rng, L - plan.new - plan.gen, vocab)
@@ -718,8 +818,7 @@ def one_length(client: Any, p: Worker, d: Worker, L: int, plan: Plan, rng: rando
     sp0, sd0 = xfer_seconds(client, p), xfer_seconds(client, d)
     # The prefill samples the first token (TTFT); the decode continues after it (output_ids)
     pon = generate(client, p.url, x_on, max_tokens=1, params=d_params, key=key, tags=tags)
-    don = generate(client, d.url, x_on, max_tokens=2, params=pon.final["kv_transfer_params"], key=key, output_ids=pon.tokens,
-                   tags=tags)
+    don = generate(client, d.url, x_on, max_tokens=2, params=pon.final["kv_transfer_params"], key=key, output_ids=pon.tokens, tags=tags)
     sp1, sd1 = xfer_seconds(client, p), xfer_seconds(client, d)
     rtt = sender_calls(client, d, d_params)  # the history's lease (still held: "on" did not retain on D)
     # new-only on P: the same prefill worker, now holding the history it pulled in its own prefix
@@ -733,24 +832,38 @@ def one_length(client: Any, p: Worker, d: Worker, L: int, plan: Plan, rng: rando
         poff = doff = Gen([], {"usage": {}}, 0.0, float("nan"), float("nan"))
     else:
         poff = generate(client, p.url, x_off, max_tokens=1, tags=tags)
-        doff = generate(client, d.url, x_off, max_tokens=2, params=poff.final["kv_transfer_params"], output_ids=poff.tokens,
-                        tags=tags)
+        doff = generate(client, d.url, x_off, max_tokens=2, params=poff.final["kv_transfer_params"], output_ids=poff.tokens, tags=tags)
     sp2, sd2 = xfer_seconds(client, p), xfer_seconds(client, d)
     release_all(client, p, d)
     pu, du = pon.final["usage"], don.final["usage"]
     row = {
-        "L": L, "setup_ms": (setup.end - setup.t0) * 1e3,
-        "new_only_ms": (base.first - base.t0) * 1e3, "new_only_usage": base.final["usage"],
-        "new_only_p_ms": (pl.first - pl.t0) * 1e3, "new_only_p_usage": pl.final["usage"], "sender_calls_ms": rtt,
-        "new_only_timings": base.final.get("timings"), "new_only_p_timings": pl.final.get("timings"),
-        "on_p_timings": pon.final.get("timings"), "on_d_timings": don.final.get("timings"),
-        "on_ms": (pon.first - pon.t0) * 1e3, "on_second_ms": (don.first - pon.t0) * 1e3,
-        "on_p_ms": (pon.end - pon.t0) * 1e3, "on_p_pull_ms": (sp1 - sp0) * 1e3,
-        "on_d_ms": (don.first - don.t0) * 1e3, "on_d_pull_ms": (sd1 - sd0) * 1e3, "on_p_usage": pu, "on_d_usage": du,
-        "off_ms": (poff.first - poff.t0) * 1e3, "off_second_ms": (doff.first - poff.t0) * 1e3,
-        "off_p_ms": (poff.end - poff.t0) * 1e3, "off_p_pull_ms": (sp2 - sp1) * 1e3,
-        "off_d_ms": (doff.first - doff.t0) * 1e3, "off_d_pull_ms": (sd2 - sd1) * 1e3,
-        "off_p_usage": poff.final["usage"], "off_d_usage": doff.final["usage"],
+        "L": L,
+        "setup_ms": (setup.end - setup.t0) * 1e3,
+        "new_only_ms": (base.first - base.t0) * 1e3,
+        "new_only_usage": base.final["usage"],
+        "new_only_p_ms": (pl.first - pl.t0) * 1e3,
+        "new_only_p_usage": pl.final["usage"],
+        "sender_calls_ms": rtt,
+        "new_only_timings": base.final.get("timings"),
+        "new_only_p_timings": pl.final.get("timings"),
+        "on_p_timings": pon.final.get("timings"),
+        "on_d_timings": don.final.get("timings"),
+        "on_ms": (pon.first - pon.t0) * 1e3,
+        "on_second_ms": (don.first - pon.t0) * 1e3,
+        "on_p_ms": (pon.end - pon.t0) * 1e3,
+        "on_p_pull_ms": (sp1 - sp0) * 1e3,
+        "on_d_ms": (don.first - don.t0) * 1e3,
+        "on_d_pull_ms": (sd1 - sd0) * 1e3,
+        "on_p_usage": pu,
+        "on_d_usage": du,
+        "off_ms": (poff.first - poff.t0) * 1e3,
+        "off_second_ms": (doff.first - poff.t0) * 1e3,
+        "off_p_ms": (poff.end - poff.t0) * 1e3,
+        "off_p_pull_ms": (sp2 - sp1) * 1e3,
+        "off_d_ms": (doff.first - doff.t0) * 1e3,
+        "off_d_pull_ms": (sd2 - sd1) * 1e3,
+        "off_p_usage": poff.final["usage"],
+        "off_d_usage": doff.final["usage"],
     }
     if gateway is not None and "gw" not in plan.skip:
         # the same "on" turn through the gateway: the decode holds the history under the
@@ -759,8 +872,7 @@ def one_length(client: Any, p: Worker, d: Worker, L: int, plan: Plan, rng: rando
         gkey = uuid.uuid4().hex
         # tagged as the gateway tags a prompt given as token ids (current user text: 4-bit), so
         # that the turn's own tags want no page at a higher precision than the decode stored
-        gsetup = generate(client, d.url, hist, max_tokens=plan.gen, key=f"cache:{gkey}", retain=True,
-                          tags=[NEW_TAG] * len(hist))
+        gsetup = generate(client, d.url, hist, max_tokens=plan.gen, key=f"cache:{gkey}", retain=True, tags=[NEW_TAG] * len(hist))
         x_gw = hist + gsetup.tokens + rand_ids(rng, plan.new, vocab)
         row["gw_on"] = gateway_turn(client, gateway, x_gw, key=gkey, max_tokens=plan.gen)
         release_all(client, p, d)
@@ -835,9 +947,30 @@ def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def print_seed_table(fmt: str, res: dict[str, Any]) -> None:
     print(f"\n# seed experiment, kv {fmt}: TTFT ms (fastest of reps), prefill split, bytes per reused token")
-    head = ["L", "off", "on", "new-only", "on/new", "off/on", "gw on", "gw/new", "gw cached", "2nd token on",
-            "P on", "P pull on", "P rest on", "D on", "D pull on",
-            "P off", "D off", "D pull off", "pulled D->P", "MiB D->P", "B/token", "regions D->P"]
+    head = [
+        "L",
+        "off",
+        "on",
+        "new-only",
+        "on/new",
+        "off/on",
+        "gw on",
+        "gw/new",
+        "gw cached",
+        "2nd token on",
+        "P on",
+        "P pull on",
+        "P rest on",
+        "D on",
+        "D pull on",
+        "P off",
+        "D off",
+        "D pull off",
+        "pulled D->P",
+        "MiB D->P",
+        "B/token",
+        "regions D->P",
+    ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for b in best_rows(res.get("rows", [])):
@@ -846,31 +979,67 @@ def print_seed_table(fmt: str, res: dict[str, Any]) -> None:
         pulled = pu["remote_pulled_tokens"]
         gws = [r["gw_on"] for r in res.get("rows", []) if r["L"] == b["L"] and "gw_on" in r]
         gw = min(gws, key=lambda g: g["ttft_ms"]) if gws else None
-        gw_cells = ([f"{gw['ttft_ms']:.1f}", f"{gw['ttft_ms'] / base['new_only_ms']:.2f}",
-                     (gw["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")] if gw else ["", "", ""])
-        row = [b["L"], f"{off['off_ms']:.1f}", f"{on['on_ms']:.1f}", f"{base['new_only_ms']:.1f}",
-               f"{on['on_ms'] / base['new_only_ms']:.2f}", f"{off['off_ms'] / on['on_ms']:.2f}", *gw_cells,
-               f"{on.get('on_second_ms', float('nan')):.1f}",
-               f"{on['on_p_ms']:.1f}", f"{on['on_p_pull_ms']:.1f}", f"{on['on_p_ms'] - on['on_p_pull_ms']:.1f}",
-               f"{on['on_d_ms']:.1f}", f"{on['on_d_pull_ms']:.1f}",
-               f"{off['off_p_ms']:.1f}", f"{off['off_d_ms']:.1f}", f"{off['off_d_pull_ms']:.1f}", pulled,
-               f"{pu['kv_bytes_pulled'] / 2**20:.1f}", f"{pu['kv_bytes_pulled'] / max(1, pulled):.0f}", pu["kv_regions_pulled"]]
+        gw_cells = (
+            [
+                f"{gw['ttft_ms']:.1f}",
+                f"{gw['ttft_ms'] / base['new_only_ms']:.2f}",
+                (gw["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"),
+            ]
+            if gw
+            else ["", "", ""]
+        )
+        row = [
+            b["L"],
+            f"{off['off_ms']:.1f}",
+            f"{on['on_ms']:.1f}",
+            f"{base['new_only_ms']:.1f}",
+            f"{on['on_ms'] / base['new_only_ms']:.2f}",
+            f"{off['off_ms'] / on['on_ms']:.2f}",
+            *gw_cells,
+            f"{on.get('on_second_ms', float('nan')):.1f}",
+            f"{on['on_p_ms']:.1f}",
+            f"{on['on_p_pull_ms']:.1f}",
+            f"{on['on_p_ms'] - on['on_p_pull_ms']:.1f}",
+            f"{on['on_d_ms']:.1f}",
+            f"{on['on_d_pull_ms']:.1f}",
+            f"{off['off_p_ms']:.1f}",
+            f"{off['off_d_ms']:.1f}",
+            f"{off['off_d_pull_ms']:.1f}",
+            pulled,
+            f"{pu['kv_bytes_pulled'] / 2**20:.1f}",
+            f"{pu['kv_bytes_pulled'] / max(1, pulled):.0f}",
+            pu["kv_regions_pulled"],
+        ]
         print("| " + " | ".join(str(c) for c in row) + " |")
     if res.get("error") or res.get("cut_short"):
         print(f"({res.get('error') or res.get('cut_short')})")
     print_phase_table(fmt, res)
     xf = (res.get("prefill_stats") or {}).get("transfer") or {}
-    print(f"prefill worker measured: {xf.get('prefill_tokens_per_s')} prefill tokens/s, {xf.get('transfer_bytes_per_s')} "
-          f"READ bytes/s; UCX transports in the worker logs: {res.get('transports')}")
+    print(
+        f"prefill worker measured: {xf.get('prefill_tokens_per_s')} prefill tokens/s, {xf.get('transfer_bytes_per_s')} "
+        f"READ bytes/s; UCX transports in the worker logs: {res.get('transports')}"
+    )
 
 
 # The prefill worker's own split of an "on" request, from admission to its first token (the final
 # event's ``timings``, worker/service.py): the pull's phases (``kv/puller.py`` PULL_PHASES; older
 # workers named theirs agent / lease_check / alloc / lease_recheck), then queueing, the wait for the
 # engine step and that step. "HTTP+parse" is the client's TTFT minus the worker's admit-to-token.
-PHASE_ORDER = ("pull_plan", "pull_agent", "pull_lease_check", "pull_alloc", "pull_descriptors", "pull_read",
-               "pull_lease_recheck", "pull_adopt", "pull_release", "pull_contact_agent", "pull_contact_hold",
-               "queue", "wait_step")
+PHASE_ORDER = (
+    "pull_plan",
+    "pull_agent",
+    "pull_lease_check",
+    "pull_alloc",
+    "pull_descriptors",
+    "pull_read",
+    "pull_lease_recheck",
+    "pull_adopt",
+    "pull_release",
+    "pull_contact_agent",
+    "pull_contact_hold",
+    "queue",
+    "wait_step",
+)
 
 
 def print_phase_table(fmt: str, res: dict[str, Any]) -> None:
@@ -880,12 +1049,27 @@ def print_phase_table(fmt: str, res: dict[str, Any]) -> None:
     if not rows:
         return
     keys = [k for k in PHASE_ORDER if any(k in r["on_p_timings"] for r in rows)]
-    print(f"\n# kv {fmt}: where the prefill worker's time goes on 'on', ms (TTFTs: fastest rep; phases: median, then "
-          f"minimum, of {max(Counter(r['L'] for r in rows).values())} reps; new-only P: the same prefill worker with the "
-          "history in its own cache)")
-    head = ["L", "stat", "on TTFT", "new-only P", "new-only D", "on/newP", "HTTP+parse", "pull total",
-            *(k.removeprefix("pull_") for k in keys), "first_step", "newP: queue", "newP: wait_step", "newP: first_step",
-            "regions"]
+    print(
+        f"\n# kv {fmt}: where the prefill worker's time goes on 'on', ms (TTFTs: fastest rep; phases: median, then "
+        f"minimum, of {max(Counter(r['L'] for r in rows).values())} reps; new-only P: the same prefill worker with the "
+        "history in its own cache)"
+    )
+    head = [
+        "L",
+        "stat",
+        "on TTFT",
+        "new-only P",
+        "new-only D",
+        "on/newP",
+        "HTTP+parse",
+        "pull total",
+        *(k.removeprefix("pull_") for k in keys),
+        "first_step",
+        "newP: queue",
+        "newP: wait_step",
+        "newP: first_step",
+        "regions",
+    ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for L, stat in ((L, stat) for L in sorted({r["L"] for r in rows}) for stat in ("median", "min")):
@@ -897,19 +1081,28 @@ def print_phase_table(fmt: str, res: dict[str, Any]) -> None:
 
         on = min(r["on_ms"] for r in rs)
         newp = min(r.get("new_only_p_ms", float("inf")) for r in rs)
-        cells = [L, stat, f"{on:.1f}", f"{newp:.1f}", f"{min(r['new_only_ms'] for r in rs):.1f}", f"{on / newp:.2f}",
-                 f"{med(lambda r: r['on_ms'] - r['on_p_timings']['admit_to_first_token']):.1f}",
-                 f"{med(lambda r: r['on_p_timings'].get('pull')):.2f}",
-                 *(f"{med(lambda r, k=k: r['on_p_timings'].get(k, 0.0)):.2f}" for k in keys),
-                 f"{med(lambda r: r['on_p_timings'].get('first_step')):.1f}",
-                 *(f"{med(lambda r, k=k: (r.get('new_only_p_timings') or {}).get(k)):.2f}" for k in ("queue", "wait_step")),
-                 f"{med(lambda r: (r.get('new_only_p_timings') or {}).get('first_step')):.1f}",
-                 "/".join(str(r["on_p_usage"]["kv_regions_pulled"]) for r in rs)]
+        cells = [
+            L,
+            stat,
+            f"{on:.1f}",
+            f"{newp:.1f}",
+            f"{min(r['new_only_ms'] for r in rs):.1f}",
+            f"{on / newp:.2f}",
+            f"{med(lambda r: r['on_ms'] - r['on_p_timings']['admit_to_first_token']):.1f}",
+            f"{med(lambda r: r['on_p_timings'].get('pull')):.2f}",
+            *(f"{med(lambda r, k=k: r['on_p_timings'].get(k, 0.0)):.2f}" for k in keys),
+            f"{med(lambda r: r['on_p_timings'].get('first_step')):.1f}",
+            *(f"{med(lambda r, k=k: (r.get('new_only_p_timings') or {}).get(k)):.2f}" for k in ("queue", "wait_step")),
+            f"{med(lambda r: (r.get('new_only_p_timings') or {}).get('first_step')):.1f}",
+            "/".join(str(r["on_p_usage"]["kv_regions_pulled"]) for r in rs),
+        ]
         print("| " + " | ".join(str(c) for c in cells) + " |")
     calls = [r["sender_calls_ms"] for r in rows if r.get("sender_calls_ms")]
     if calls:
-        print(f"\n# kv {fmt}: one round trip to the decode worker, from the bench client, ms (min / median of 8, "
-              "fastest rep), against the conversation's lease")
+        print(
+            f"\n# kv {fmt}: one round trip to the decode worker, from the bench client, ms (min / median of 8, "
+            "fastest rep), against the conversation's lease"
+        )
         print("| L | lease pages | GET agent | GET leases | POST renew | POST hold (+ DELETE after) | bytes agent/leases/renew/hold |")
         print("|---|---|---|---|---|---|---|")
         for L in sorted({r["L"] for r in rows}):
@@ -948,8 +1141,14 @@ def run_faults(plan: Plan, client: Any, pw: Worker, dw: Worker, model: Path) -> 
     finally:
         dw.signal(signal.SIGCONT)
     ref = generate(client, dw.url, x, max_tokens=n_tok)
-    out["frozen"] = {"usage": g.final["usage"], "ttft_ms": (g.first - g.t0) * 1e3, "tokens": g.tokens, "ref_tokens": ref.tokens,
-                     "same_tokens": g.tokens == ref.tokens, "ref_usage": ref.final["usage"]}
+    out["frozen"] = {
+        "usage": g.final["usage"],
+        "ttft_ms": (g.first - g.t0) * 1e3,
+        "tokens": g.tokens,
+        "ref_tokens": ref.tokens,
+        "same_tokens": g.tokens == ref.tokens,
+        "ref_usage": ref.final["usage"],
+    }
     plan.save()
     # 2. decode killed between turns; restarted, it computes the same prompt from scratch
     x, params = conversation()
@@ -966,9 +1165,11 @@ def run_faults(plan: Plan, client: Any, pw: Worker, dw: Worker, model: Path) -> 
     plan.save()
     for name in ("frozen", "killed"):
         r = out[name]
-        print(f"fault {name}: fallback {r['usage']['reuse_fallback']}, computed {r['usage']['computed_prompt_tokens']}"
-              f"/{r['usage']['prompt_tokens']}, TTFT {r['ttft_ms']:.0f} ms, same tokens as the decode worker's own run: "
-              f"{r.get('same_tokens')}")
+        print(
+            f"fault {name}: fallback {r['usage']['reuse_fallback']}, computed {r['usage']['computed_prompt_tokens']}"
+            f"/{r['usage']['prompt_tokens']}, TTFT {r['ttft_ms']:.0f} ms, same tokens as the decode worker's own run: "
+            f"{r.get('same_tokens')}"
+        )
 
 
 # ---------------------------------------------------------------------------------- main
@@ -976,7 +1177,20 @@ def print_bw_table(bw: dict[str, Any]) -> None:
     print("\n# NIXL READ between two worker-layout pools (one process per device) vs torch peer-to-peer")
     print(f"transports (UCX_PROTO_INFO lines, reader): {bw.get('transports', {}).get('counts')}; error: {bw.get('error')}")
     p2p = {(r["fmt"], r["pages"]): r for r in (bw.get("torch_p2p") or {}).get("rows", [])}
-    head = ["format", "pages", "MiB", "layout", "regions", "NIXL GB/s", "first ms", "median ms", "descr ms", "p2p GB/s", "NIXL/p2p", "bytes ok"]
+    head = [
+        "format",
+        "pages",
+        "MiB",
+        "layout",
+        "regions",
+        "NIXL GB/s",
+        "first ms",
+        "median ms",
+        "descr ms",
+        "p2p GB/s",
+        "NIXL/p2p",
+        "bytes ok",
+    ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for fmt, rows in (bw.get("nixl") or {}).items():
@@ -985,10 +1199,20 @@ def print_bw_table(bw: dict[str, Any]) -> None:
                 print(f"| {fmt} | {r['pages']} | | {'scattered' if r['scattered'] else 'contiguous'} | skipped: {r['skipped']} |")
                 continue
             t = p2p.get((fmt, r["pages"])) if not r["scattered"] else None
-            row = [fmt, r["pages"], f"{r['bytes'] / 2**20:.2f}", "scattered" if r["scattered"] else "contiguous", r["regions"],
-                   f"{r['gb_per_s']:.1f}", f"{r['first_s'] * 1e3:.2f}", f"{r['median_s'] * 1e3:.3f}",
-                   f"{r['descriptor_build_s'] * 1e3:.2f}", f"{t['gb_per_s']:.1f}" if t else "",
-                   f"{r['gb_per_s'] / t['gb_per_s']:.2f}" if t else "", r["bytes_checked"]]
+            row = [
+                fmt,
+                r["pages"],
+                f"{r['bytes'] / 2**20:.2f}",
+                "scattered" if r["scattered"] else "contiguous",
+                r["regions"],
+                f"{r['gb_per_s']:.1f}",
+                f"{r['first_s'] * 1e3:.2f}",
+                f"{r['median_s'] * 1e3:.3f}",
+                f"{r['descriptor_build_s'] * 1e3:.2f}",
+                f"{t['gb_per_s']:.1f}" if t else "",
+                f"{r['gb_per_s'] / t['gb_per_s']:.2f}" if t else "",
+                r["bytes_checked"],
+            ]
             print("| " + " | ".join(str(c) for c in row) + " |")
 
 
@@ -997,8 +1221,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, required=True, help="pd_gpu.json and logs.tgz go here")
     ap.add_argument("--work", type=Path, default=None, help="model, configs and logs (default: OUT/work)")
     ap.add_argument("--tiny", action="store_true", help="CPU: tiny model, CPU memory, small sizes")
-    ap.add_argument("--like-gpu", action="store_true",
-                    help="with --tiny: the GPU run's lengths (2K-24K), new/gen tokens and pool page counts (tiny model at 32K context)")
+    ap.add_argument(
+        "--like-gpu",
+        action="store_true",
+        help="with --tiny: the GPU run's lengths (2K-24K), new/gen tokens and pool page counts (tiny model at 32K context)",
+    )
     ap.add_argument("--phases", default="bw,seed,faults", help="comma-separated, of bw, seed, faults")
     ap.add_argument("--skip", default="", help="seed modes to leave out: off, gw (CPU runs of the pull's phases)")
     ap.add_argument("--tiny-layers", type=int, default=0, help="with --tiny: layers of the tiny model (default 4)")
@@ -1020,19 +1247,53 @@ def main(argv: list[str] | None = None) -> int:
     tiny = args.tiny
     small = tiny and not args.like_gpu
     lengths = [int(x) for x in args.lengths.split(",") if x] or (
-        [512, 1024, 2048] if small else [2048, 8192, 24576] if tiny else [2048, 4096, 8192, 12288, 16384, 20480, 24576])
-    plan = Plan(tiny=tiny, out=args.out, work=work, formats=[f for f in args.formats.split(",") if f], lengths=lengths,
-                new=args.new or (128 if small else 1024), gen=args.gen or (4 if small else 16), reps=args.reps,
-                bw_pages=[1, 64, 256] if tiny else [1, 64, 1024, 16384], scattered_max=256 if tiny else 1024,
-                pool_bytes=(48 << 20) if small else (8 << 30), deadline=start + args.budget_s, results={},
-                ctx=4096 if small else 32768, like_gpu=bool(args.like_gpu), tiny_layers=args.tiny_layers,
-                skip=frozenset(x for x in args.skip.split(",") if x))
+        [512, 1024, 2048] if small else [2048, 8192, 24576] if tiny else [2048, 4096, 8192, 12288, 16384, 20480, 24576]
+    )
+    plan = Plan(
+        tiny=tiny,
+        out=args.out,
+        work=work,
+        formats=[f for f in args.formats.split(",") if f],
+        lengths=lengths,
+        new=args.new or (128 if small else 1024),
+        gen=args.gen or (4 if small else 16),
+        reps=args.reps,
+        bw_pages=[1, 64, 256] if tiny else [1, 64, 1024, 16384],
+        scattered_max=256 if tiny else 1024,
+        pool_bytes=(48 << 20) if small else (8 << 30),
+        deadline=start + args.budget_s,
+        results={},
+        ctx=4096 if small else 32768,
+        like_gpu=bool(args.like_gpu),
+        tiny_layers=args.tiny_layers,
+        skip=frozenset(x for x in args.skip.split(",") if x),
+    )
     phases = set(args.phases.split(","))
-    plan.results["setup"] = {"tiny": tiny, "formats": plan.formats, "lengths": lengths, "new": plan.new, "gen": plan.gen,
-                             "reps": plan.reps, "model": "tiny" if tiny else {k: QWEN3_8B[k] for k in (
-                                 "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                                 "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")},
-                             "torch": torch.__version__, "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    plan.results["setup"] = {
+        "tiny": tiny,
+        "formats": plan.formats,
+        "lengths": lengths,
+        "new": plan.new,
+        "gen": plan.gen,
+        "reps": plan.reps,
+        "model": "tiny"
+        if tiny
+        else {
+            k: QWEN3_8B[k]
+            for k in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "vocab_size",
+                "max_position_embeddings",
+            )
+        },
+        "torch": torch.__version__,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
     plan.save()
     import httpx
 

@@ -60,8 +60,7 @@ def main() -> None:
             rows = kernel_table(engine, steps=3)
             total = sum(r[2] for r in rows)
             step_ms = 1e3 * sorted(times)[len(times) // 2]
-            print(f"{fmt} {len(seqs)}x{ctx}: step {step_ms:.2f} ms, kernels {total / 1e3:.2f} ms "
-                  f"({sum(r[1] for r in rows):.0f} per step)")
+            print(f"{fmt} {len(seqs)}x{ctx}: step {step_ms:.2f} ms, kernels {total / 1e3:.2f} ms ({sum(r[1] for r in rows):.0f} per step)")
             for name, n, t in rows[: args.top]:
                 print(f"  {t:9.1f} us {100 * t / max(total, 1e-9):5.1f}%  x{n:5.1f}  {name}")
             bench.clear(engine)

@@ -66,8 +66,13 @@ def run_request(kvt: KVTransfer, rid: str, ids: list[int], params: KVTransferPar
     """One prefill-only request (1 token) on ``kvt``'s engine, pulling first when ``params``."""
     pull = kvt.pull(ids, None, params)
     eng = kvt.engine
-    eng.add_request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True),
-                    retain=kvt.retain_spec(conversation_key=rid, input_ids=ids), admission_pin=pull.admission_pin)
+    eng.add_request(
+        rid,
+        ids,
+        SamplingParams(max_tokens=1, ignore_eos=True),
+        retain=kvt.retain_spec(conversation_key=rid, input_ids=ids),
+        admission_pin=pull.admission_pin,
+    )
     while True:
         for out in eng.step():
             if out.request_id == rid and out.finished:
@@ -117,8 +122,13 @@ def _run(model: Path, args: argparse.Namespace, policy: str) -> dict[str, Any]:
         pull = pair.d.pull(prompt, None, pair.p.params_for(po.retained))
         assert pull.fallback is None and pull.pulled_tokens, pull
         p_to_d_regions.append(pull.num_regions)
-        d.add_request(rid, prompt, SamplingParams(max_tokens=gen, ignore_eos=True),
-                      retain=pair.d.retain_spec(conversation_key=rid, input_ids=prompt), admission_pin=pull.admission_pin)
+        d.add_request(
+            rid,
+            prompt,
+            SamplingParams(max_tokens=gen, ignore_eos=True),
+            retain=pair.d.retain_spec(conversation_key=rid, input_ids=prompt),
+            admission_pin=pull.admission_pin,
+        )
         active[rid] = prompt
         flush_prefix_cache(pair.p)  # P keeps nothing: the history lives on D
 
@@ -137,9 +147,16 @@ def _run(model: Path, args: argparse.Namespace, policy: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         res = pair.p.pull(prompt + [7], None, retained[rid])
         assert res.fallback is None and res.pulled_tokens, res
-        pulls.append({"conversation": rid, "tokens": res.pulled_tokens, "regions": res.num_regions,
-                      "bytes": res.num_bytes, "pull_s": time.perf_counter() - t0,
-                      "h200_s": res.num_regions * US_PER_REGION_H200 + res.num_bytes / BYTES_PER_S_H200})
+        pulls.append(
+            {
+                "conversation": rid,
+                "tokens": res.pulled_tokens,
+                "regions": res.num_regions,
+                "bytes": res.num_bytes,
+                "pull_s": time.perf_counter() - t0,
+                "h200_s": res.num_regions * US_PER_REGION_H200 + res.num_bytes / BYTES_PER_S_H200,
+            }
+        )
         if res.admission_pin:
             pair.p.engine.pool.release(res.admission_pin)
 
@@ -162,8 +179,14 @@ def _run(model: Path, args: argparse.Namespace, policy: str) -> dict[str, Any]:
         pull_back(rid)
     pool = d.pool
     assert isinstance(pool, PagePool)
-    out = {"policy": policy, "pulls": pulls, "p_to_d_regions": p_to_d_regions, "d_pages": pool.num_pages,
-           "d_evicted": pool.evicted_pages, "d_reclaimed": pool.reclaimed_pins}
+    out = {
+        "policy": policy,
+        "pulls": pulls,
+        "p_to_d_regions": p_to_d_regions,
+        "d_pages": pool.num_pages,
+        "d_evicted": pool.evicted_pages,
+        "d_reclaimed": pool.reclaimed_pins,
+    }
     pair.close()
     return out
 
@@ -280,15 +303,30 @@ class Replay:
     def ids(self, n: int) -> list[int]:
         return [self.rng.randrange(10, 4000) for _ in range(n)]
 
-    def turn(self, kvt: KVTransfer, prompt: list[int], max_tokens: int, params: KVTransferParams | None = None, *,
-             retain: bool = False, key: str | None = None, output_ids: Sequence[int] = ()) -> tuple[Any, RequestOutput]:
+    def turn(
+        self,
+        kvt: KVTransfer,
+        prompt: list[int],
+        max_tokens: int,
+        params: KVTransferParams | None = None,
+        *,
+        retain: bool = False,
+        key: str | None = None,
+        output_ids: Sequence[int] = (),
+    ) -> tuple[Any, RequestOutput]:
         self.n += 1
         rid = f"r{self.n}"
         pull = kvt.pull(prompt, None, params)
         spec = kvt.retain_spec(conversation_key=key, input_ids=prompt) if kvt.role == "prefill" or retain else None
         eng = kvt.engine
-        eng.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), retain=spec,
-                        admission_pin=pull.admission_pin, output_ids=output_ids)
+        eng.add_request(
+            rid,
+            prompt,
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            retain=spec,
+            admission_pin=pull.admission_pin,
+            output_ids=output_ids,
+        )
         while True:
             for out in eng.step():
                 if out.request_id == rid and out.finished:
@@ -316,11 +354,19 @@ class Replay:
         assert pout.retained is not None
         first = pull.local_tokens // p.page_size
         n = pull.pulled_tokens // p.page_size
-        self.rows.append({"L": L, "mode": label, "pulled_tokens": pull.pulled_tokens, "regions": pull.num_regions,
-                          "layers": p.engine.storage.shape.num_layers, "fallback": pull.fallback,
-                          "remote_runs": runs_of(list(d_params.page_ids[first : first + n])),
-                          "local_runs": runs_of(list(pout.retained.page_ids[first : first + n])),
-                          "phases_ms": {k: round(v * 1e3, 3) for k, v in pull.phases.items()}})
+        self.rows.append(
+            {
+                "L": L,
+                "mode": label,
+                "pulled_tokens": pull.pulled_tokens,
+                "regions": pull.num_regions,
+                "layers": p.engine.storage.shape.num_layers,
+                "fallback": pull.fallback,
+                "remote_runs": runs_of(list(d_params.page_ids[first : first + n])),
+                "local_runs": runs_of(list(pout.retained.page_ids[first : first + n])),
+                "phases_ms": {k: round(v * 1e3, 3) for k, v in pull.phases.items()},
+            }
+        )
         d_pull, _ = self.turn(d, x, d_gen, p.params_for(pout.retained), retain=True, key=key, output_ids=[0])
         self.rows[-1]["p_to_d_regions"] = d_pull.num_regions
         return held
@@ -365,12 +411,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-pages", type=int, default=1024, help="pages per worker")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--pd-gpu", action="store_true", help="replay bench/pd_gpu.py's seed phase (GPU page counts, no "
-                    "compute): regions of each D->P pull and which side's pages are split")
+    ap.add_argument(
+        "--pd-gpu",
+        action="store_true",
+        help="replay bench/pd_gpu.py's seed phase (GPU page counts, no "
+        "compute): regions of each D->P pull and which side's pages are split",
+    )
     ap.add_argument("--lengths", default="2048,8192,24576", help="--pd-gpu: prompt lengths")
     ap.add_argument("--reps", type=int, default=2, help="--pd-gpu: repetitions per length")
-    ap.add_argument("--pool-bench", metavar="OLD_REV", help="only time the pool's calls per scheduler step, now and "
-                    "at git revision OLD_REV (e.g. the commit before runs placement)")
+    ap.add_argument(
+        "--pool-bench",
+        metavar="OLD_REV",
+        help="only time the pool's calls per scheduler step, now and at git revision OLD_REV (e.g. the commit before runs placement)",
+    )
     args = ap.parse_args(argv)
     if args.pool_bench:
         # CPU time of this thread, old and new interleaved, fastest of 3 each (a loaded machine)
@@ -397,19 +450,38 @@ def main(argv: list[str] | None = None) -> int:
         PAGE_BYTES[args.dtype] = (96 << 20) // probe.pool.num_pages
         del probe
         results = [run(model, args, policy) for policy in ("lowest", "runs")]
-    print(f"# regions_cpu: dtype {args.dtype}, page size {page_size}, {args.pool_pages} pages per worker, "
-          f"{args.conversations} conversations (64-{args.max_prompt} prompt tokens, {args.width} at once), "
-          f"then {args.long} of {args.long_tokens} pulled back D->P")
-    head = ["policy", "conversation", "tokens", "MiB", "regions", "pull ms (CPU)", "H200 READ ms (model)",
-            "P->D regions mean/max", "D evicted pages"]
+    print(
+        f"# regions_cpu: dtype {args.dtype}, page size {page_size}, {args.pool_pages} pages per worker, "
+        f"{args.conversations} conversations (64-{args.max_prompt} prompt tokens, {args.width} at once), "
+        f"then {args.long} of {args.long_tokens} pulled back D->P"
+    )
+    head = [
+        "policy",
+        "conversation",
+        "tokens",
+        "MiB",
+        "regions",
+        "pull ms (CPU)",
+        "H200 READ ms (model)",
+        "P->D regions mean/max",
+        "D evicted pages",
+    ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in results:
         pd = r["p_to_d_regions"]
         for p in r["pulls"]:
-            row = [r["policy"], p["conversation"], p["tokens"], f"{p['bytes'] / 2**20:.2f}", p["regions"],
-                   f"{p['pull_s'] * 1e3:.1f}", f"{p['h200_s'] * 1e3:.2f}", f"{sum(pd) / len(pd):.1f}/{max(pd)}",
-                   r["d_evicted"]]
+            row = [
+                r["policy"],
+                p["conversation"],
+                p["tokens"],
+                f"{p['bytes'] / 2**20:.2f}",
+                p["regions"],
+                f"{p['pull_s'] * 1e3:.1f}",
+                f"{p['h200_s'] * 1e3:.2f}",
+                f"{sum(pd) / len(pd):.1f}/{max(pd)}",
+                r["d_evicted"],
+            ]
             print("| " + " | ".join(str(c) for c in row) + " |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
@@ -433,16 +505,36 @@ def main_pd_gpu(args: argparse.Namespace) -> int:
                 results[policy] = replay_pd_gpu(model, args.dtype, lengths, args.reps, new=1024, gen=16, seed=args.seed)
             finally:
                 PagePool.allocate_next = saved  # type: ignore[method-assign]
-    print(f"# regions_cpu --pd-gpu: dtype {args.dtype}, {gpu_pages(args.dtype)} pages per worker (the H200 run's), "
-          "bench/pd_gpu.py's order of turns, no compute; runs = regions per layer buffer")
-    head = ["policy", "L", "turn", "pulled tokens", "D->P runs (regions/layer)", "runs on D (sender)",
-            "runs on P (receiver)", "P->D runs", "fallback"]
+    print(
+        f"# regions_cpu --pd-gpu: dtype {args.dtype}, {gpu_pages(args.dtype)} pages per worker (the H200 run's), "
+        "bench/pd_gpu.py's order of turns, no compute; runs = regions per layer buffer"
+    )
+    head = [
+        "policy",
+        "L",
+        "turn",
+        "pulled tokens",
+        "D->P runs (regions/layer)",
+        "runs on D (sender)",
+        "runs on P (receiver)",
+        "P->D runs",
+        "fallback",
+    ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for policy, rows in results.items():
         for r in rows:
-            row = [policy, r["L"], r["mode"], r["pulled_tokens"], r["regions"] // r["layers"], r["remote_runs"],
-                   r["local_runs"], r["p_to_d_regions"] // r["layers"], r["fallback"]]
+            row = [
+                policy,
+                r["L"],
+                r["mode"],
+                r["pulled_tokens"],
+                r["regions"] // r["layers"],
+                r["remote_runs"],
+                r["local_runs"],
+                r["p_to_d_regions"] // r["layers"],
+                r["fallback"],
+            ]
             print("| " + " | ".join(str(c) for c in row) + " |")
     # the pull's own steps (no HTTP here: the peer calls are direct), median over the D->P pulls
     rows = results["runs"]
@@ -461,8 +553,19 @@ def main_pd_gpu(args: argparse.Namespace) -> int:
 
 
 # phase names of kv/puller.py PULL_PHASES and of the pull before the hold (agent, lease_check, alloc, lease_recheck)
-PHASE_ORDER = ["plan", "agent", "lease_check", "alloc", "descriptors", "read", "lease_recheck", "adopt", "release",
-               "contact_agent", "contact_hold"]
+PHASE_ORDER = [
+    "plan",
+    "agent",
+    "lease_check",
+    "alloc",
+    "descriptors",
+    "read",
+    "lease_recheck",
+    "adopt",
+    "release",
+    "contact_agent",
+    "contact_hold",
+]
 
 
 if __name__ == "__main__":

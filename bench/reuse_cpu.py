@@ -59,12 +59,25 @@ def make_engine(model: Path, dtype: str, threshold: int | str) -> LLMEngine:
     )
 
 
-def run_request(kvt: KVTransfer, rid: str, ids: list[int], max_tokens: int, params: KVTransferParams | None,
-                *, key: str = "warm", first_token_at: list[tuple[float, float]] | None = None) -> tuple[PullResult, RequestOutput, list[int]]:
+def run_request(
+    kvt: KVTransfer,
+    rid: str,
+    ids: list[int],
+    max_tokens: int,
+    params: KVTransferParams | None,
+    *,
+    key: str = "warm",
+    first_token_at: list[tuple[float, float]] | None = None,
+) -> tuple[PullResult, RequestOutput, list[int]]:
     pull = kvt.pull(ids, None, params)
     eng = kvt.engine
-    eng.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                    retain=kvt.retain_spec(conversation_key=key, input_ids=ids), admission_pin=pull.admission_pin)
+    eng.add_request(
+        rid,
+        ids,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        retain=kvt.retain_spec(conversation_key=key, input_ids=ids),
+        admission_pin=pull.admission_pin,
+    )
     tokens: list[int] = []
     while True:
         for out in eng.step():
@@ -143,12 +156,20 @@ class Conversation:
         pp, po, _ = run_request(pair.p, f"{self.key}-p{self.n}", prompt, 1, params if self.reuse else None, key=self.key)
         assert po.retained is not None
         first_at: list[tuple[float, float]] = []
-        _, do, reply = run_request(pair.d, f"{self.key}-d{self.n}", prompt, self.gen, pair.p.params_for(po.retained),
-                                   key=self.key, first_token_at=first_at)
+        _, do, reply = run_request(
+            pair.d, f"{self.key}-d{self.n}", prompt, self.gen, pair.p.params_for(po.retained), key=self.key, first_token_at=first_at
+        )
         assert do.retained is not None
         self.d_params = pair.d.params_for(do.retained)
-        res = TurnResult(first_at[0][0] - t0, first_at[0][1] - c0, len(prompt) - po.num_cached_tokens, len(prompt) - do.num_cached_tokens,
-                         pp.num_bytes, pp.num_regions, pp.fallback)
+        res = TurnResult(
+            first_at[0][0] - t0,
+            first_at[0][1] - c0,
+            len(prompt) - po.num_cached_tokens,
+            len(prompt) - do.num_cached_tokens,
+            pp.num_bytes,
+            pp.num_regions,
+            pp.fallback,
+        )
         return res, reply
 
 
@@ -160,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen", type=int, default=16, help="tokens the decode worker generates per turn")
     ap.add_argument("--turns", type=int, default=0, help="default: as many as the context holds")
     ap.add_argument("--reps", type=int, default=3, help="conversations per mode; each turn's fastest TTFT is kept")
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                    help="cpu: TTFT as the driving thread's CPU time (on a shared, loaded machine)")
+    ap.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall", help="cpu: TTFT as the driving thread's CPU time (on a shared, loaded machine)"
+    )
     ap.add_argument("--json", type=Path, help="also write the raw numbers here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -187,11 +209,13 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in convs:
                     convs[mode][r].turn(new_ids[r][t])
         clock = "ttft_s" if args.clock == "wall" else "ttft_cpu_s"
-        results = {m: [min((c.results[t] for c in cs), key=lambda x: getattr(x, clock)) for t in range(turns)]
-                   for m, cs in convs.items()}
+        results = {m: [min((c.results[t] for c in cs), key=lambda x: getattr(x, clock)) for t in range(turns)] for m, cs in convs.items()}
         auto = pairs["on-auto"].p.puller
-        measured = {"prefill_tokens_per_s": auto.prefill_tokens_per_s, "transfer_bytes_per_s": auto.transfer_bytes_per_s,
-                    "pull_overhead_s": auto.pull_overhead_s}
+        measured = {
+            "prefill_tokens_per_s": auto.prefill_tokens_per_s,
+            "transfer_bytes_per_s": auto.transfer_bytes_per_s,
+            "pull_overhead_s": auto.pull_overhead_s,
+        }
         for p in pairs.values():
             p.close()
     print_table(results, args, measured)
@@ -201,10 +225,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(results: dict[str, list[TurnResult]], args: Any, measured: dict[str, Any]) -> None:
-    print(f"# reuse_cpu: dtype {args.dtype}, +{args.new} user tokens and {args.gen} generated per turn; "
-          f"TTFT in ms ({args.clock} clock, fastest of {args.reps} conversations)")
-    head = ["turn", "prompt", "off", "on-0", "on-64", "auto", "new-only", "off/new", "on-0/new", "auto/new",
-            "P computed off", "P computed on-0", "MiB D->P on-0", "regions"]
+    print(
+        f"# reuse_cpu: dtype {args.dtype}, +{args.new} user tokens and {args.gen} generated per turn; "
+        f"TTFT in ms ({args.clock} clock, fastest of {args.reps} conversations)"
+    )
+    head = [
+        "turn",
+        "prompt",
+        "off",
+        "on-0",
+        "on-64",
+        "auto",
+        "new-only",
+        "off/new",
+        "on-0/new",
+        "auto/new",
+        "P computed off",
+        "P computed on-0",
+        "MiB D->P on-0",
+        "regions",
+    ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     prompt = 0
@@ -212,9 +252,16 @@ def print_table(results: dict[str, list[TurnResult]], args: Any, measured: dict[
         prompt += args.new + (args.gen if t else 0)
         ms = {m: getattr(results[m][t], "ttft_s" if args.clock == "wall" else "ttft_cpu_s") * 1e3 for m in results}
         on0 = results["on-0"][t]
-        row = [t + 1, prompt, *(f"{ms[m]:.1f}" for m in ("off", "on-0", "on-64", "on-auto", "new-only")),
-               *(f"{ms[m] / ms['new-only']:.2f}" for m in ("off", "on-0", "on-auto")),
-               results["off"][t].p_computed, on0.p_computed, f"{on0.bytes_d_to_p / 2**20:.2f}", on0.regions_d_to_p]
+        row = [
+            t + 1,
+            prompt,
+            *(f"{ms[m]:.1f}" for m in ("off", "on-0", "on-64", "on-auto", "new-only")),
+            *(f"{ms[m] / ms['new-only']:.2f}" for m in ("off", "on-0", "on-auto")),
+            results["off"][t].p_computed,
+            on0.p_computed,
+            f"{on0.bytes_d_to_p / 2**20:.2f}",
+            on0.regions_d_to_p,
+        ]
         print("| " + " | ".join(str(c) for c in row) + " |")
     print(f"measured by the auto worker: {json.dumps({k: (round(v, 6) if v else v) for k, v in measured.items()})}")
 

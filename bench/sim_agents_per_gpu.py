@@ -52,9 +52,27 @@ def search(fmt: str, share: float, args: dict[str, Any]) -> dict[str, Any]:
     def point(agents: int) -> dict[str, Any]:
         pop = Population(agents, args["duration_s"], warmup_s=args["warmup_s"], ramp_s=args["ramp_s"], shapes=256)
         p = simulate_point(FORMATS[fmt], args["gpus"], costs=costs, load=load, pop=pop, prefill_share=share, shapes=shapes)
-        row = {"agents": agents, **{k: p[k] for k in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "latency_p99_ms", "output_tok_per_s", "req_per_s",
-                                                       "prefill_evicted_pages", "decode_evicted_pages", "unfinished",
-                                                       "turns_simulated", "prefill_workers", "decode_workers", "pool_tokens")}}
+        row = {
+            "agents": agents,
+            **{
+                k: p[k]
+                for k in (
+                    "hit_rate",
+                    "ttft_p50_ms",
+                    "ttft_p99_ms",
+                    "latency_p99_ms",
+                    "output_tok_per_s",
+                    "req_per_s",
+                    "prefill_evicted_pages",
+                    "decode_evicted_pages",
+                    "unfinished",
+                    "turns_simulated",
+                    "prefill_workers",
+                    "decode_workers",
+                    "pool_tokens",
+                )
+            },
+        }
         runs.append(row)
         return row
 
@@ -75,15 +93,23 @@ def search(fmt: str, share: float, args: dict[str, Any]) -> dict[str, Any]:
             lo, best = mid, row
         else:
             hi = mid
-    return {"format": fmt, "prefill_share": share, "agents": lo, "agents_per_gpu": lo / args["gpus"],
-            "at_answer": best, "first_failing_agents": hi, "runs": runs}
+    return {
+        "format": fmt,
+        "prefill_share": share,
+        "agents": lo,
+        "agents_per_gpu": lo / args["gpus"],
+        "at_answer": best,
+        "first_failing_agents": hi,
+        "runs": runs,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ttft-p99-ms", type=float, default=2000.0)
-    ap.add_argument("--turn-p99-ms", type=float, default=7000.0,
-                    help="and whole turns (48-token replies) within this at p99: TTFT + ~100 ms per token")
+    ap.add_argument(
+        "--turn-p99-ms", type=float, default=7000.0, help="and whole turns (48-token replies) within this at p99: TTFT + ~100 ms per token"
+    )
     ap.add_argument("--gpus", type=int, default=64)
     ap.add_argument("--kv-gib", type=float, default=90.0, help="KV pool per GPU (default: the engine benchmark's 90 GiB)")
     ap.add_argument("--prefill-shares", default="0.25,0.375,0.5")
@@ -96,8 +122,10 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--json", type=Path, default=HERE / "results" / "sim_agents_per_gpu_h200.json")
     args = ap.parse_args()
-    job = {k: getattr(args, k) for k in ("ttft_p99_ms", "turn_p99_ms", "gpus", "kv_gib", "duration_s", "warmup_s", "ramp_s",
-                                          "start_agents", "tolerance")}
+    job = {
+        k: getattr(args, k)
+        for k in ("ttft_p99_ms", "turn_p99_ms", "gpus", "kv_gib", "duration_s", "warmup_s", "ramp_s", "start_agents", "tolerance")
+    }
     formats = [f for f in args.formats.split(",") if f]
     shares = [float(s) for s in args.prefill_shares.split(",") if s]
     t0 = time.perf_counter()
@@ -105,22 +133,37 @@ def main() -> None:
         futures = [pool.submit(search, f, s, job) for f in formats for s in shares]
         results = [fut.result() for fut in futures]
     best = {f: max((r for r in results if r["format"] == f), key=lambda r: r["agents"]) for f in formats}
-    print(f"{args.gpus} H200s, KV {args.kv_gib:g} GiB per GPU, TTFT p99 <= {args.ttft_p99_ms:g} ms, turn p99 <= {args.turn_p99_ms:g} ms, "
-          f"load of bench/results/agents_gpu_h200.json, costs gpu-h200")
+    print(
+        f"{args.gpus} H200s, KV {args.kv_gib:g} GiB per GPU, TTFT p99 <= {args.ttft_p99_ms:g} ms, turn p99 <= {args.turn_p99_ms:g} ms, "
+        f"load of bench/results/agents_gpu_h200.json, costs gpu-h200"
+    )
     head = f"{'format':>9} {'P/D':>6} {'agents':>7} {'per GPU':>8} {'hit':>5} {'TTFT p50':>8} {'p99 ms':>7} {'turn p99':>8} {'out tok/s':>9} {'evicted P/D':>15}"
     print(head)
     for r in results:
         a = r["at_answer"] or {}
         mark = " *" if r is best[r["format"]] else ""
         pd = f"{a.get('prefill_workers', '-')}/{a.get('decode_workers', '-')}"
-        print(f"{r['format']:>9} {pd:>6} {r['agents']:>7} {r['agents_per_gpu']:>8.1f} {a.get('hit_rate', math.nan):>5.2f} "
-              f"{a.get('ttft_p50_ms', math.nan):>8.0f} {a.get('ttft_p99_ms', math.nan):>7.0f} {a.get('latency_p99_ms', math.nan):>8.0f} {a.get('output_tok_per_s', math.nan):>9.0f} "
-              f"{a.get('prefill_evicted_pages', 0):>7}/{a.get('decode_evicted_pages', 0):<7}{mark}")
+        print(
+            f"{r['format']:>9} {pd:>6} {r['agents']:>7} {r['agents_per_gpu']:>8.1f} {a.get('hit_rate', math.nan):>5.2f} "
+            f"{a.get('ttft_p50_ms', math.nan):>8.0f} {a.get('ttft_p99_ms', math.nan):>7.0f} {a.get('latency_p99_ms', math.nan):>8.0f} {a.get('output_tok_per_s', math.nan):>9.0f} "
+            f"{a.get('prefill_evicted_pages', 0):>7}/{a.get('decode_evicted_pages', 0):<7}{mark}"
+        )
     print(f"* the format's answer; simulated in {time.perf_counter() - t0:.0f} s")
-    args.json.write_text(json.dumps({"question": f"agents per GPU at TTFT p99 <= {args.ttft_p99_ms:g} ms (turn p99 <= {args.turn_p99_ms:g} ms) on {args.gpus} GPUs",
-                                     "args": job, "answer": {f: {"agents_per_gpu": r["agents_per_gpu"], "agents": r["agents"],
-                                                                 "prefill_share": r["prefill_share"]} for f, r in best.items()},
-                                     "results": results}, indent=1) + "\n")
+    args.json.write_text(
+        json.dumps(
+            {
+                "question": f"agents per GPU at TTFT p99 <= {args.ttft_p99_ms:g} ms (turn p99 <= {args.turn_p99_ms:g} ms) on {args.gpus} GPUs",
+                "args": job,
+                "answer": {
+                    f: {"agents_per_gpu": r["agents_per_gpu"], "agents": r["agents"], "prefill_share": r["prefill_share"]}
+                    for f, r in best.items()
+                },
+                "results": results,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {args.json}")
 
 

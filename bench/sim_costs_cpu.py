@@ -44,11 +44,13 @@ FORMATS = ("bf16", "fp8_e4m3", "nvfp4", "triaxial")
 
 
 def engine(model: Path, dtype: str) -> LLMEngine:
-    return LLMEngine(ServingConfig(
-        model=ModelConfig(path=str(model)),
-        kv_cache=KVCacheConfig(dtype=dtype, memory_bytes=64 << 20),
-        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024, chunk_size=512),
-    ))
+    return LLMEngine(
+        ServingConfig(
+            model=ModelConfig(path=str(model)),
+            kv_cache=KVCacheConfig(dtype=dtype, memory_bytes=64 << 20),
+            scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024, chunk_size=512),
+        )
+    )
 
 
 def _lstsq(rows: list[list[float]], ys: list[float], *, clamp: bool = True) -> list[float]:
@@ -89,7 +91,9 @@ def decode_points(eng: LLMEngine) -> list[tuple[int, int, float]]:
         for n in range(b):
             ids = torch.randint(10, eng.vocab_size, (300,), generator=g).tolist()
             eng.add_request(f"d{b}-{n}", ids, SamplingParams(max_tokens=12, ignore_eos=True))
-        while eng.stats.decode_tokens == 0 or any(s.num_computed < len(s.prompt_ids) for s in eng.scheduler.running) or eng.scheduler.waiting:
+        while (
+            eng.stats.decode_tokens == 0 or any(s.num_computed < len(s.prompt_ids) for s in eng.scheduler.running) or eng.scheduler.waiting
+        ):
             eng.step()
         times = []
         while eng.has_unfinished():

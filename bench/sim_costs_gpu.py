@@ -63,8 +63,7 @@ def _round(x: float, digits: int = 3) -> float:
 
 
 def fit_decode(engine: dict[str, Any]) -> tuple[float, float, dict[str, float], list[tuple[str, int, int, float, float]]]:
-    rows = [(f, r["batch"], r["context"], r["tpot_ms"] / 1e3)
-            for f in FORMATS for r in engine["formats"][f]["decode"] if "tpot_ms" in r]
+    rows = [(f, r["batch"], r["context"], r["tpot_ms"] / 1e3) for f in FORMATS for r in engine["formats"][f]["decode"] if "tpot_ms" in r]
     a = np.array([[1.0, b] + [b * c if g == f else 0.0 for g in FORMATS] for f, b, c, _ in rows])
     y = np.array([t for *_, t in rows])
     sol = np.linalg.lstsq(a, y, rcond=None)[0]
@@ -101,8 +100,9 @@ SERVE_GRID_S = [i * 1e-4 for i in range(0, 41)]  # 0 .. 4 ms per sequence per de
 REQUEST_GRID_S = [i * 0.02 for i in range(0, 26)]  # 0 .. 0.5 s per prefill request
 
 
-def _grid_fit(measured: dict[str, Any], costs: dict[str, Any], key: str, base: float, grid: list[float],
-              metric: str, clean: set[tuple[str, int]]) -> tuple[float, list[tuple[str, int, float, float]]]:
+def _grid_fit(
+    measured: dict[str, Any], costs: dict[str, Any], key: str, base: float, grid: list[float], metric: str, clean: set[tuple[str, int]]
+) -> tuple[float, list[tuple[str, int, float, float]]]:
     """The grid value (added to ``costs[key]``, which starts at ``base``) whose simulated
     ``metric`` is closest (squared log ratio) to the measured one over the ``clean`` points."""
     import math
@@ -128,16 +128,21 @@ def fit_serving(costs: dict[str, Any]) -> tuple[float, float, dict[str, list[tup
     decode step (on TPOT p50) and per prefill request (on TTFT p50); two rounds of one grid
     each. Returns (seconds per sequence per step, seconds per prefill request, residual rows)."""
     measured = _read("agents_gpu_h200.json")
-    clean = {(p["format"], p["concurrency"]) for p in measured["points"]
-             if p["mode"] == "lease" and p.get("prefill_preemptions", 0) + p.get("decode_preemptions", 0) == 0}
+    clean = {
+        (p["format"], p["concurrency"])
+        for p in measured["points"]
+        if p["mode"] == "lease" and p.get("prefill_preemptions", 0) + p.get("decode_preemptions", 0) == 0
+    }
     seq0, req0 = costs["decode_seq_s"], costs["prefill_request_s"]
     seq_x, req_x = 0.0, 0.0
     rows: dict[str, list[tuple[str, int, float, float]]] = {}
     for _ in range(2):
-        seq_x, rows["tpot_p50_ms"] = _grid_fit(measured, {**costs, "prefill_request_s": req0 + req_x},
-                                               "decode_seq_s", seq0, SERVE_GRID_S, "tpot_p50_ms", clean)
-        req_x, rows["ttft_p50_ms"] = _grid_fit(measured, {**costs, "decode_seq_s": seq0 + seq_x},
-                                               "prefill_request_s", req0, REQUEST_GRID_S, "ttft_p50_ms", clean)
+        seq_x, rows["tpot_p50_ms"] = _grid_fit(
+            measured, {**costs, "prefill_request_s": req0 + req_x}, "decode_seq_s", seq0, SERVE_GRID_S, "tpot_p50_ms", clean
+        )
+        req_x, rows["ttft_p50_ms"] = _grid_fit(
+            measured, {**costs, "decode_seq_s": seq0 + seq_x}, "prefill_request_s", req0, REQUEST_GRID_S, "ttft_p50_ms", clean
+        )
     return _round(seq_x, 2), _round(req_x, 2), rows
 
 
@@ -193,7 +198,9 @@ def fit(out: Path) -> dict[str, Any]:
 
     costs = {
         "name": "gpu-h200",
-        "layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "layers": LAYERS,
+        "kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
         "kv_bytes_per_worker": int(engine["speed_kv_gib"] * 2**30),
         "prefill_step_s": 0.0,
         "prefill_token_s": _round(token_s),
@@ -211,7 +218,7 @@ def fit(out: Path) -> dict[str, Any]:
         "decode_request_s": decode_request_s,
         "triaxial_bit_budget": 2.7,
         "source": "bench/sim_costs_gpu.py from bench/results/engine_gpu_h200.json, extend_gpu_h200.json, "
-                  "pd_gpu_h200x2.json, pd_gpu_h200x2_bandwidth.json; docs/performance-log/gateway.md (gateway_s)",
+        "pd_gpu_h200x2.json, pd_gpu_h200x2_bandwidth.json; docs/performance-log/gateway.md (gateway_s)",
         "notes": {
             "kv_bytes_per_worker": "the engine benchmark's 90 GiB pool on one H200 (speed_kv_gib); bench/agents.py --gpu ran 8 GiB per worker",
             "prefill_lengths": "every length: prefill_token_s per token + the extend kernel's per-format attention over what precedes it (8K fresh rate less its attention); chunked by the scheduler",
@@ -226,16 +233,20 @@ def fit(out: Path) -> dict[str, Any]:
     costs["notes"]["decode_seq_s"] = (
         f"{engine_seq_s:.3g} s per sequence per step from the engine table + {serve_seq_s:.3g} s of the serving loop, "
         "fitted to the agent bench (bench/sim_costs_gpu.py fit_serving): the engine bench times bare steps; the stack "
-        "also samples, detokenizes and streams every sequence's token through the gateway")
+        "also samples, detokenizes and streams every sequence's token through the gateway"
+    )
     costs["notes"]["prefill_request_s"] = (
         f"{pd_request_s:.2g} s from the two-H200 P/D rows + {serve_req_s:.2g} s fitted to the agent bench's TTFT p50 "
         "(bench/sim_costs_gpu.py fit_serving): the gateway renders and tokenizes the whole 5-25K-token history each turn, "
-        "where the P/D bench sent 2-24K-token prompts at one request at a time")
+        "where the P/D bench sent 2-24K-token prompts at one request at a time"
+    )
     CostModel.from_dict(costs)  # refuses a bad profile before writing it
     out.write_text(json.dumps(costs, indent=1, sort_keys=True) + "\n")
 
-    print(f"decode: step {step * 1e3:.2f} ms + {seq * 1e6:.1f} us/seq + per context token "
-          + ", ".join(f"{f} {v * 1e9:.2f} ns" for f, v in ctx.items()))
+    print(
+        f"decode: step {step * 1e3:.2f} ms + {seq * 1e6:.1f} us/seq + per context token "
+        + ", ".join(f"{f} {v * 1e9:.2f} ns" for f, v in ctx.items())
+    )
     print(f"{'format':>9} {'B':>4} {'ctx':>6} {'meas ms':>8} {'fit ms':>7} {'resid':>7}")
     for f, b, c, t, p in dec_rows:
         print(f"{f:>9} {b:>4} {c:>6} {t * 1e3:>8.2f} {p * 1e3:>7.2f} {(p - t) / t:>+7.1%}")
@@ -248,10 +259,15 @@ def fit(out: Path) -> dict[str, Any]:
             pk = v.get("peak") if isinstance(v, dict) else None
             if f in FORMATS and pk and "tpot_ms" in pk:
                 p = decode_s(f, pk["batch"], pk["batch"] * pk["context"])
-                print(f"{f:>9} {pk['batch']:>4} {pk['context']:>6} {pk['tpot_ms']:>8.2f} {p * 1e3:>7.2f} {(p - pk['tpot_ms'] / 1e3) / (pk['tpot_ms'] / 1e3):>+7.1%}")
-    print(f"prefill: {token_s * 1e6:.2f} us/token (8K rates less attention: "
-          + ", ".join(f"{x * 1e6:.2f}" for x in per_tok) + "); attention per token x context: "
-          + ", ".join(f"{f} {v * 1e9:.2f} ns" for f, v in attn.items()))
+                print(
+                    f"{f:>9} {pk['batch']:>4} {pk['context']:>6} {pk['tpot_ms']:>8.2f} {p * 1e3:>7.2f} {(p - pk['tpot_ms'] / 1e3) / (pk['tpot_ms'] / 1e3):>+7.1%}"
+                )
+    print(
+        f"prefill: {token_s * 1e6:.2f} us/token (8K rates less attention: "
+        + ", ".join(f"{x * 1e6:.2f}" for x in per_tok)
+        + "); attention per token x context: "
+        + ", ".join(f"{f} {v * 1e9:.2f} ns" for f, v in attn.items())
+    )
     ext_err = [abs(p - t) / t for *_, t, p in ext_rows]
     print(f"  extend fit: max |resid| {max(ext_err):.1%} over {len(ext_rows)} rows")
     print("  full prefill through HTTP (pd_gpu_h200x2 off_p, not fitted) vs formula:")
@@ -262,12 +278,18 @@ def fit(out: Path) -> dict[str, Any]:
     for f, reg, nb, t, p in bw_rows:
         print(f"{f:>9} {reg:>6} regions {nb / 2**20:>9.1f} MiB {t * 1e3:>8.3f} {p * 1e3:>8.3f} ms {(p - t) / t:>+7.1%}")
     print(f"  max |resid| {max(bw_err):.1%}")
-    print(f"prefill_request_s {prefill_request_s} (median of {len(pre_over)}: "
-          + ", ".join(f"{x * 1e3:.0f}" for x in sorted(pre_over)) + " ms)")
-    print(f"decode_request_s {decode_request_s} (median of {len(dec_over)}: "
-          + ", ".join(f"{x * 1e3:.0f}" for x in sorted(dec_over)) + " ms)")
-    print(f"fitted to the agent bench: {serve_seq_s * 1e3:.2f} ms per sequence per decode step, "
-          f"{serve_req_s * 1e3:.0f} ms per prefill request; sim / measured at the fitted values:")
+    print(
+        f"prefill_request_s {prefill_request_s} (median of {len(pre_over)}: "
+        + ", ".join(f"{x * 1e3:.0f}" for x in sorted(pre_over))
+        + " ms)"
+    )
+    print(
+        f"decode_request_s {decode_request_s} (median of {len(dec_over)}: " + ", ".join(f"{x * 1e3:.0f}" for x in sorted(dec_over)) + " ms)"
+    )
+    print(
+        f"fitted to the agent bench: {serve_seq_s * 1e3:.2f} ms per sequence per decode step, "
+        f"{serve_req_s * 1e3:.0f} ms per prefill request; sim / measured at the fitted values:"
+    )
     for metric, pairs in serve_rows.items():
         for fmt, n, sim_ms, meas_ms in pairs:
             print(f"  {metric:>11} {fmt:>9} N={n:>3} {sim_ms:>7.1f} {meas_ms:>7.1f} ms {(sim_ms - meas_ms) / meas_ms:>+7.1%}")

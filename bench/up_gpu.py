@@ -99,8 +99,7 @@ def run_mode(config: ServingConfig, mode: str, *, gpus: str | None, work: Path, 
     cfg = run_dir / "engine-config.json"
     cfg.write_text(mode_config(config, mode).to_json())
     port = consecutive_ports(3)
-    cmd = [sys.executable, "-m", "kvserving.cli", "up", "--config", str(cfg), "--port", str(port),
-           "--run-dir", str(run_dir / "stack")]
+    cmd = [sys.executable, "-m", "kvserving.cli", "up", "--config", str(cfg), "--port", str(port), "--run-dir", str(run_dir / "stack")]
     if gpus:
         cmd += ["--gpus", gpus]
     env = dict(os.environ, UCX_PROTO_INFO="y")
@@ -110,8 +109,7 @@ def run_mode(config: ServingConfig, mode: str, *, gpus: str | None, work: Path, 
     try:
         wait_ready(url, proc, timeout_s=300)
         start = time.perf_counter()
-        turns = run_conversation(url + "/v1", config.model.served_name, max_tokens=max_tokens,
-                                 session_id=f"up-gpu-{mode}", timeout_s=120)
+        turns = run_conversation(url + "/v1", config.model.served_name, max_tokens=max_tokens, session_id=f"up-gpu-{mode}", timeout_s=120)
         wall = time.perf_counter() - start
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -121,8 +119,7 @@ def run_mode(config: ServingConfig, mode: str, *, gpus: str | None, work: Path, 
             os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
         out.close()
-    return {"mode": mode, "turns": [asdict(t) for t in turns], "wall_s": wall, "up_exit": rc,
-            "transports": transports(run_dir)}
+    return {"mode": mode, "turns": [asdict(t) for t in turns], "wall_s": wall, "up_exit": rc, "transports": transports(run_dir)}
 
 
 def check(runs: dict[str, dict[str, Any]]) -> list[str]:
@@ -184,7 +181,9 @@ def main() -> int:
     ap.add_argument("--kv-dtype", default="nvfp4,bf16", help="comma-separated KV formats")
     ap.add_argument("--gpus", default="0,1", help="kvserving up --gpus (prefill first)")
     ap.add_argument("--kv-mib", type=int, default=512, help="KV pool per worker in MiB")
-    ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per assistant turn (>= the recompute threshold, 64, or nothing is pulled)")
+    ap.add_argument(
+        "--max-tokens", type=int, default=128, help="new tokens per assistant turn (>= the recompute threshold, 64, or nothing is pulled)"
+    )
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--cpu", action="store_true", help="no GPUs: the same stack on CPU memory")
     args = ap.parse_args()
@@ -197,8 +196,10 @@ def main() -> int:
     failures: list[str] = []
     for dtype in args.kv_dtype.split(","):
         base = ServingConfig(model=model, kv_cache=KVCacheConfig(dtype=dtype, memory_bytes=args.kv_mib * 2**20))
-        runs = {mode: run_mode(base, mode, gpus=None if args.cpu else args.gpus, work=args.out / dtype,
-                               max_tokens=args.max_tokens) for mode in modes}
+        runs = {
+            mode: run_mode(base, mode, gpus=None if args.cpu else args.gpus, work=args.out / dtype, max_tokens=args.max_tokens)
+            for mode in modes
+        }
         bad = check(runs)
         failures += [f"{dtype} {line}" for line in bad]
         result["formats"][dtype] = {"runs": runs, "failed": bad}

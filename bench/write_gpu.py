@@ -118,7 +118,9 @@ def main() -> int:
 
     def record(op: str, ms: float, nbytes: int, check: str) -> None:
         tbs = nbytes / ms / 1e9
-        rows.append({"op": op, "ms": ms, "bytes": nbytes, "tb_s": tbs, "of_copy": tbs / copy_tbs, "of_brief": tbs / BRIEF_COPY_TBS, "check": check})
+        rows.append(
+            {"op": op, "ms": ms, "bytes": nbytes, "tb_s": tbs, "of_copy": tbs / copy_tbs, "of_brief": tbs / BRIEF_COPY_TBS, "check": check}
+        )
         print(f"{op:<58} {ms:7.4f} ms {tbs:5.2f} TB/s {100 * tbs / copy_tbs:5.1f}% {100 * tbs / BRIEF_COPY_TBS:5.1f}%  {check}", flush=True)
 
     record("copy K and V (torch copy_, read + write)", copy_ms, 2 * in_bytes, "-")
@@ -176,7 +178,11 @@ def main() -> int:
         print(f"{r['op']:<58} | {r['ms']:7.4f} | {r['tb_s']:5.2f} | {100 * r['of_copy']:9.1f} | {100 * r['of_brief']:9.1f} | {r['check']}")
     print(f"copy of the same input bytes: {copy_tbs:.2f} TB/s on {dev}")
     with open(args.out, "w") as f:
-        json.dump({"device": dev, "copy_tb_s": copy_tbs, "tokens": T, "kv_heads": H, "head_dim": D, "int2_pages": INT2_PAGES, "rows": rows}, f, indent=1)
+        json.dump(
+            {"device": dev, "copy_tb_s": copy_tbs, "tokens": T, "kv_heads": H, "head_dim": D, "int2_pages": INT2_PAGES, "rows": rows},
+            f,
+            indent=1,
+        )
     return 1 if any(r["check"] == "MISMATCH" for r in rows) else 0
 
 

@@ -29,8 +29,7 @@ def qdq_groups(x: torch.Tensor, bits: int) -> torch.Tensor:
     return dequantize_groups(*quantize_groups(x, bits), bits, dtype=torch.float32)
 
 
-def quantize_positions(k: torch.Tensor, v: torch.Tensor, idx4: torch.Tensor,
-                       idx2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_positions(k: torch.Tensor, v: torch.Tensor, idx4: torch.Tensor, idx2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """k/v [T, H, D] fp32 with the positions ``idx4`` through INT4 and ``idx2`` through INT2 and back."""
     kq, vq = k.clone(), v.clone()
     if idx4.numel():

@@ -84,8 +84,7 @@ def agent_wrap(text: str, *, name: str, chars_per_token: float, context_tokens: 
     return list(iter_agent_wrap(text, name=name, chars_per_token=chars_per_token, context_tokens=context_tokens, seed=seed))
 
 
-def iter_agent_wrap(text: str, *, name: str, chars_per_token: float, context_tokens: int,
-                    seed: int = 0) -> Iterator[ChatRequest]:
+def iter_agent_wrap(text: str, *, name: str, chars_per_token: float, context_tokens: int, seed: int = 0) -> Iterator[ChatRequest]:
     """Plain text as agent conversations of ``kvserving.agents.load``'s shape (module docstring),
     each planned to fill about 85% of ``context_tokens``; the text is used once, in order.
 
@@ -100,16 +99,19 @@ def iter_agent_wrap(text: str, *, name: str, chars_per_token: float, context_tok
     return _agent_conversations(text, name=name, chars_per_token=chars_per_token, context_tokens=context_tokens, seed=seed)
 
 
-def _agent_conversations(text: str, *, name: str, chars_per_token: float, context_tokens: int,
-                         seed: int) -> Iterator[ChatRequest]:
+def _agent_conversations(text: str, *, name: str, chars_per_token: float, context_tokens: int, seed: int) -> Iterator[ChatRequest]:
     ctx = max(64, int(context_tokens * 0.85))
     # agent_load's default lengths (made for 4K+ contexts), scaled down for shorter ones
     f = min(1.0, ctx / 4096)
     spec = LoadSpec(
-        seed=seed, long_context=True, max_context_tokens=ctx,
-        system_tokens=Dist("uniform", 300 * f, 100 * f, 1), num_tools=Dist("uniform", 4, 2, 1, max(1, round(6 * f))),
+        seed=seed,
+        long_context=True,
+        max_context_tokens=ctx,
+        system_tokens=Dist("uniform", 300 * f, 100 * f, 1),
+        num_tools=Dist("uniform", 4, 2, 1, max(1, round(6 * f))),
         tool_description_tokens=Dist("uniform", 20 * f, 10 * f, 1),
-        user_tokens=Dist("lognormal", 60, 0.6, 4, 600 * f), tool_result_tokens=Dist("lognormal", 150, 0.8, 4, 2000 * f),
+        user_tokens=Dist("lognormal", 60, 0.6, 4, 600 * f),
+        tool_result_tokens=Dist("lognormal", 150, 0.8, 4, 2000 * f),
     )
     rng = random.Random(f"kvserving-calibrate:{seed}:{name}")
     pos = 0
@@ -151,23 +153,23 @@ def _agent_conversations(text: str, *, name: str, chars_per_token: float, contex
             if turn.tool_call is not None:
                 call_id = turn.tool_call.id
                 args = json.dumps({"arg": f"{name}:{pos}"})
-                reply["tool_calls"] = [{"id": call_id, "type": "function",
-                                        "function": {"name": turn.tool_call.name, "arguments": args}}]
+                reply["tool_calls"] = [{"id": call_id, "type": "function", "function": {"name": turn.tool_call.name, "arguments": args}}]
             messages.append(reply)
         if len(messages) > 1:
             given += 1
             yield ChatRequest(messages, list(a.tools))
 
 
-def read_requests(path: Path, *, piece_chars: int, wrap: str = "pieces", chars_per_token: float = 3.0,
-                  context_tokens: int = 2048) -> list[ChatRequest]:
+def read_requests(
+    path: Path, *, piece_chars: int, wrap: str = "pieces", chars_per_token: float = 3.0, context_tokens: int = 2048
+) -> list[ChatRequest]:
     """The chat requests of one data file (module docstring). OSError if unreadable; ValueError on bad JSONL."""
-    return list(iter_requests(path, piece_chars=piece_chars, wrap=wrap, chars_per_token=chars_per_token,
-                              context_tokens=context_tokens))
+    return list(iter_requests(path, piece_chars=piece_chars, wrap=wrap, chars_per_token=chars_per_token, context_tokens=context_tokens))
 
 
-def iter_requests(path: Path, *, piece_chars: int, wrap: str = "pieces", chars_per_token: float = 3.0,
-                  context_tokens: int = 2048) -> Iterator[ChatRequest]:
+def iter_requests(
+    path: Path, *, piece_chars: int, wrap: str = "pieces", chars_per_token: float = 3.0, context_tokens: int = 2048
+) -> Iterator[ChatRequest]:
     """``read_requests``' requests; agent-wrapped text is wrapped as the requests are asked for."""
     text = path.read_text(encoding="utf-8", errors="replace")
     if path.suffix != ".jsonl":
@@ -187,7 +189,7 @@ def iter_requests(path: Path, *, piece_chars: int, wrap: str = "pieces", chars_p
         if isinstance(obj, list):
             obj = {"messages": obj}
         if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
-            raise ValueError(f"{path}:{n}: expected {{\"messages\": [...]}} or a list of messages")
+            raise ValueError(f'{path}:{n}: expected {{"messages": [...]}} or a list of messages')
         out.append(ChatRequest(obj["messages"], obj.get("tools")))
     if not out:
         raise ValueError(f"data file {path} holds no chat requests")

@@ -76,8 +76,7 @@ class QuantizedKV:
 
 
 @torch.inference_mode()
-def log_probs(model: DecoderModel, ids: Sequence[int], bits: torch.Tensor | None, *, device: torch.device,
-              chunk: int = 0) -> torch.Tensor:
+def log_probs(model: DecoderModel, ids: Sequence[int], bits: torch.Tensor | None, *, device: torch.device, chunk: int = 0) -> torch.Tensor:
     """Next-token log-probabilities [T, V] (fp32) of one prompt with its K/V at ``bits`` (None: exact),
     prefilled in chunks of ``chunk`` (``QuantizedKV``)."""
     n = len(ids)
@@ -91,8 +90,9 @@ def kl_sum(ref: torch.Tensor, logp: torch.Tensor) -> float:
     return float((ref.exp() * (ref - logp)).sum())
 
 
-def class_kl(model: DecoderModel, ids: Sequence[int], tags: torch.Tensor, *, device: torch.device, chunk: int = 0,
-             ref: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+def class_kl(
+    model: DecoderModel, ids: Sequence[int], tags: torch.Tensor, *, device: torch.device, chunk: int = 0, ref: torch.Tensor | None = None
+) -> dict[int, torch.Tensor]:
     """bits -> D_k(bits) [56] for one prompt (module docstring): the summed KL with only class k at
     ``bits``, prefilled in chunks of ``chunk``. ``tags`` long [T] on ``device``; ``ref`` the exact
     log-probabilities if already known."""
@@ -122,8 +122,16 @@ def table_bits(tags: torch.Tensor, table: Sequence[int], *, page_size: int = PAG
     return out
 
 
-def table_kl(model: DecoderModel, ids: Sequence[int], tags: torch.Tensor, table: Sequence[int], *,
-             device: torch.device, chunk: int = 0, ref: torch.Tensor | None = None) -> float:
+def table_kl(
+    model: DecoderModel,
+    ids: Sequence[int],
+    tags: torch.Tensor,
+    table: Sequence[int],
+    *,
+    device: torch.device,
+    chunk: int = 0,
+    ref: torch.Tensor | None = None,
+) -> float:
     """Summed KL of one prompt stored under ``table`` (page rule) against exact K/V."""
     if ref is None:
         ref = log_probs(model, ids, None, device=device)
@@ -138,8 +146,7 @@ def table_attn_distortion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bit
     return float(head_mse(attend(q, kq, vq), attend(q, k, v)).max())
 
 
-def predicted(distortion: Mapping[int, Sequence[float]], counts: Sequence[float], tags: torch.Tensor,
-              bits: torch.Tensor) -> float:
+def predicted(distortion: Mapping[int, Sequence[float]], counts: Sequence[float], tags: torch.Tensor, bits: torch.Tensor) -> float:
     """The additive prediction of a prompt's distortion at ``bits``: each token adds its class's
     ``D_c(b) / N_c`` (``counts`` the calibration's tokens per class)."""
     total = 0.0

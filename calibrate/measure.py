@@ -92,6 +92,8 @@ FP8_MAX = 448.0
 E2M1_MAX = 6.0
 # Multiples of the amax scale that --scale-search tries (< 1 clips outliers, > 1 leaves headroom).
 SEARCH_FACTORS = (0.25, 0.35, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0)
+
+
 # ---------------------------------------------------------------- capture and measure
 class _Capture:
     """AttentionOp that keeps each layer's q, k, v (fp32, CPU) and attends densely."""
@@ -139,8 +141,9 @@ def scale_top(kv_dtype: str) -> float:
     return FP8_MAX if kv_dtype == "fp8_e4m3" else E2M1_MAX * FP8_MAX
 
 
-def scale_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_dtype: str, k_scales: Sequence[float],
-                 v_scales: Sequence[float]) -> tuple[list[float], list[float]]:
+def scale_errors(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_dtype: str, k_scales: Sequence[float], v_scales: Sequence[float]
+) -> tuple[list[float], list[float]]:
     """Attention-output MSE (max over heads) with only K (resp. only V) quantized at each candidate scale."""
     ref = attend(q, k, v)
     ek = [float(head_mse(attend(q, qdq_scaled(k, kv_dtype, s), v), ref).max()) for s in k_scales]
@@ -234,13 +237,28 @@ class Measurement:
     def empty(cls, args: ModelArgs) -> Measurement:
         n = args.num_layers
         zeros = {d: [[0.0] * len(SEARCH_FACTORS) for _ in range(n)] for d in SCALED_DTYPES}
-        return cls(args, [0] * NUM_TAGS, [0.0] * NUM_TAGS, [0.0] * NUM_TAGS, [0.0] * n, [0.0] * n,
-                   zeros, {d: [list(r) for r in rows] for d, rows in zeros.items()})
+        return cls(
+            args,
+            [0] * NUM_TAGS,
+            [0.0] * NUM_TAGS,
+            [0.0] * NUM_TAGS,
+            [0.0] * n,
+            [0.0] * n,
+            zeros,
+            {d: [list(r) for r in rows] for d, rows in zeros.items()},
+        )
 
 
 def measure(
-    model: DecoderModel, args: ModelArgs, seqs: Sequence[TaggedSeq], *, device: torch.device, search: bool,
-    progress: Callable[[str], None] | None = None, metric: str = "kl", chunk: int = DEFAULT_CHUNK,
+    model: DecoderModel,
+    args: ModelArgs,
+    seqs: Sequence[TaggedSeq],
+    *,
+    device: torch.device,
+    search: bool,
+    progress: Callable[[str], None] | None = None,
+    metric: str = "kl",
+    chunk: int = DEFAULT_CHUNK,
     also_attn: bool = False,
 ) -> Measurement:
     """Distortions (``metric``, see METRICS), token counts and K/V amax over ``seqs``; with
@@ -310,12 +328,18 @@ def build_calibration(m: Measurement, budgets: Sequence[float], *, search: bool,
         raise ValueError("the calibration data produced no tokens")
     a = m.args
     cal = Calibration(
-        num_layers=a.num_layers, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, tokens=total,
-        frequency=tuple(c / total for c in m.counts), frequency_source=frequency_source,
-        distortion={2: tuple(m.d2), 4: tuple(m.d4)}, tables={},
+        num_layers=a.num_layers,
+        num_kv_heads=a.num_kv_heads,
+        head_dim=a.head_dim,
+        tokens=total,
+        frequency=tuple(c / total for c in m.counts),
+        frequency_source=frequency_source,
+        distortion={2: tuple(m.d2), 4: tuple(m.d4)},
+        tables={},
         scales={d: _best_scales(m, d, search) for d in SCALED_DTYPES},
         pages=page_records(m.pages),
-        page_size=PAGE, residual=m.residual,
+        page_size=PAGE,
+        residual=m.residual,
     )
     for b in budgets:
         cal.tables[budget_key(b)] = cal.derive_table(b)
@@ -323,11 +347,24 @@ def build_calibration(m: Measurement, budgets: Sequence[float], *, search: bool,
 
 
 def calibrate(
-    model_dir: Path, data: Sequence[Path], budgets: Sequence[float], *, seq_len: int = 2048, max_tokens: int = 16384,
-    search: bool = False, frequency_source: str = "data", device: str | None = None, show_progress: bool = True,
-    wrap: str = "agent", metric: str = "kl", page_seq_lens: Sequence[int] = (), chunk: int = DEFAULT_CHUNK,
-    select: bool = False, selection: dict[str, dict[str, float | str]] | None = None,
-    attn_out: dict[int, list[float]] | None = None, page_data: Sequence[Path] = (),
+    model_dir: Path,
+    data: Sequence[Path],
+    budgets: Sequence[float],
+    *,
+    seq_len: int = 2048,
+    max_tokens: int = 16384,
+    search: bool = False,
+    frequency_source: str = "data",
+    device: str | None = None,
+    show_progress: bool = True,
+    wrap: str = "agent",
+    metric: str = "kl",
+    page_seq_lens: Sequence[int] = (),
+    chunk: int = DEFAULT_CHUNK,
+    select: bool = False,
+    selection: dict[str, dict[str, float | str]] | None = None,
+    attn_out: dict[int, list[float]] | None = None,
+    page_data: Sequence[Path] = (),
 ) -> Calibration:
     """The whole job (module docstring) as a library call. ``page_seq_lens``: count the budget's
     pages on the data wrapped at these context lengths (the lengths served; tagging only; as many
@@ -349,20 +386,30 @@ def calibrate(
     if not seqs:
         raise ValueError("the calibration data produced no prompt of 2 or more tokens")
     page_lens = list(page_seq_lens) or ([seq_len] if page_data else [])
-    page_groups = [load_data(page_data or data, tagger, seq_len=n, max_tokens=max(max_tokens, n), wrap=wrap)
-                   for n in page_lens]
+    page_groups = [load_data(page_data or data, tagger, seq_len=n, max_tokens=max(max_tokens, n), wrap=wrap) for n in page_lens]
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args, model = load_model(model_dir, dtype=torch.float32, device=dev)
     bar = Progress(len(seqs) * (2 if search else 1), "calibrate") if show_progress else None
     try:
-        m = measure(model, args, seqs, device=dev, search=search, progress=bar.step if bar else None, metric=metric,
-                    chunk=chunk, also_attn=(select or attn_out is not None) and metric == "kl")
+        m = measure(
+            model,
+            args,
+            seqs,
+            device=dev,
+            search=search,
+            progress=bar.step if bar else None,
+            metric=metric,
+            chunk=chunk,
+            also_attn=(select or attn_out is not None) and metric == "kl",
+        )
     finally:
         if bar is not None:
             bar.close()
     if not any(m.d2):
-        raise ValueError(f"no calibration prompt is longer than one prefill chunk ({chunk} tokens): nothing to measure "
-                         "(give longer prompts or a smaller --chunk)")
+        raise ValueError(
+            f"no calibration prompt is longer than one prefill chunk ({chunk} tokens): nothing to measure "
+            "(give longer prompts or a smaller --chunk)"
+        )
     if page_groups:
         m.set_pages(page_groups)
     cal = build_calibration(m, budgets, search=search, frequency_source=frequency_source)
@@ -376,8 +423,16 @@ def calibrate(
 CANDIDATES = ("kl", "attn", "default")
 
 
-def select_tables(cal: Calibration, attn: Mapping[int, Sequence[float]], model: DecoderModel, seqs: Sequence[TaggedSeq], *,
-                  device: torch.device, chunk: int, record: dict[str, dict[str, float | str]] | None = None) -> Calibration:
+def select_tables(
+    cal: Calibration,
+    attn: Mapping[int, Sequence[float]],
+    model: DecoderModel,
+    seqs: Sequence[TaggedSeq],
+    *,
+    device: torch.device,
+    chunk: int,
+    record: dict[str, dict[str, float | str]] | None = None,
+) -> Calibration:
     """Per budget in ``cal.tables``, the candidate table with the least KL measured whole (every class at
     its bits, the page rule, chunked prefill) on the calibration prompts: the page search's table over
     the KL D_k (``cal``'s own), over the attention-MSE D_k (``attn``: bits -> 56 sums) and over the default
@@ -390,9 +445,14 @@ def select_tables(cal: Calibration, attn: Mapping[int, Sequence[float]], model: 
     if not attn:
         raise ValueError("select_tables needs the attention-MSE measurements (measure(..., also_attn=True))")
     cal_attn = replace(cal, distortion={b: tuple(d) for b, d in attn.items()})
-    cands = {key: {"kl": table, "attn": cal_attn.derive_table(float(key)),
-                   "default": cal.derive_table(float(key), per_token=default_sensitivity())}
-             for key, table in cal.tables.items()}
+    cands = {
+        key: {
+            "kl": table,
+            "attn": cal_attn.derive_table(float(key)),
+            "default": cal.derive_table(float(key), per_token=default_sensitivity()),
+        }
+        for key, table in cal.tables.items()
+    }
     distinct = sorted({t for c in cands.values() for t in c.values()})
     kl = dict.fromkeys(distinct, 0.0)
     for seq in seqs:
@@ -432,34 +492,77 @@ def _positive(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="model directory (HF format); empty (the default): the built-in tiny model")
-    parser.add_argument("--data", type=Path, nargs="+", required=True,
-                        help="calibration files: .jsonl chat requests, or plain text wrapped as agent conversations")
-    parser.add_argument("--bit-budget", type=_budget, nargs="+", default=list(DEFAULT_BUDGETS), dest="bit_budgets",
-                        metavar="B", help="triaxial budgets to write tables for (default: 2.5 2.7 3.0 3.5)")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="calibration files: .jsonl chat requests, or plain text wrapped as agent conversations",
+    )
+    parser.add_argument(
+        "--bit-budget",
+        type=_budget,
+        nargs="+",
+        default=list(DEFAULT_BUDGETS),
+        dest="bit_budgets",
+        metavar="B",
+        help="triaxial budgets to write tables for (default: 2.5 2.7 3.0 3.5)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="calibration JSON to write")
     parser.add_argument("--seq-len", type=_positive, default=2048, help="tokens per calibration prompt")
     parser.add_argument("--max-tokens", type=_positive, default=16384, help="calibration tokens in all")
-    parser.add_argument("--scale-search", action="store_true",
-                        help="choose fp8/nvfp4 scales by attention-output error among multiples of the amax scale")
-    parser.add_argument("--frequencies", choices=("data", "agent"), default="data",
-                        help="class shares a budget is met under: the calibration data's, or the default agent-context shares")
-    parser.add_argument("--wrap", choices=WRAPS, default="agent",
-                        help="how plain text becomes conversations: agent-load shaped (default) or 17 equal pieces")
-    parser.add_argument("--metric", choices=METRICS, default="kl",
-                        help="D_k(b): next-token KL with class k at b bits through every layer (default), or "
-                             "DESIGN.md's per-layer attention-output MSE")
-    parser.add_argument("--select", action="store_true",
-                        help="--metric kl: per budget, keep the least whole-table KL (measured on the calibration prompts) "
-                             "among the KL search's table, the attention-MSE search's and the default sensitivities' "
-                             "(1.8x the calibration time on CPU; changed 1 of 8 tables on the bench's two models)")
-    parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
-                        help="--metric kl: prefill chunk in tokens (the engine's chunk_size; 0: every query on quantized KV)")
-    parser.add_argument("--page-seq-len", type=_positive, nargs="+", default=[], dest="page_seq_lens", metavar="N",
-                        help="count the budget's stored pages on the data wrapped at these context lengths (the lengths "
-                             "served) instead of --seq-len")
-    parser.add_argument("--page-data", type=Path, nargs="+", default=[], metavar="FILE",
-                        help="count the budget's stored pages on these files (e.g. a sample of the served traffic: "
-                             ".jsonl chat requests or plain text) instead of --data; the D_k are measured on --data")
+    parser.add_argument(
+        "--scale-search", action="store_true", help="choose fp8/nvfp4 scales by attention-output error among multiples of the amax scale"
+    )
+    parser.add_argument(
+        "--frequencies",
+        choices=("data", "agent"),
+        default="data",
+        help="class shares a budget is met under: the calibration data's, or the default agent-context shares",
+    )
+    parser.add_argument(
+        "--wrap",
+        choices=WRAPS,
+        default="agent",
+        help="how plain text becomes conversations: agent-load shaped (default) or 17 equal pieces",
+    )
+    parser.add_argument(
+        "--metric",
+        choices=METRICS,
+        default="kl",
+        help="D_k(b): next-token KL with class k at b bits through every layer (default), or DESIGN.md's per-layer attention-output MSE",
+    )
+    parser.add_argument(
+        "--select",
+        action="store_true",
+        help="--metric kl: per budget, keep the least whole-table KL (measured on the calibration prompts) "
+        "among the KL search's table, the attention-MSE search's and the default sensitivities' "
+        "(1.8x the calibration time on CPU; changed 1 of 8 tables on the bench's two models)",
+    )
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=DEFAULT_CHUNK,
+        help="--metric kl: prefill chunk in tokens (the engine's chunk_size; 0: every query on quantized KV)",
+    )
+    parser.add_argument(
+        "--page-seq-len",
+        type=_positive,
+        nargs="+",
+        default=[],
+        dest="page_seq_lens",
+        metavar="N",
+        help="count the budget's stored pages on the data wrapped at these context lengths (the lengths served) instead of --seq-len",
+    )
+    parser.add_argument(
+        "--page-data",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="count the budget's stored pages on these files (e.g. a sample of the served traffic: "
+        ".jsonl chat requests or plain text) instead of --data; the D_k are measured on --data",
+    )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 
 
@@ -469,9 +572,20 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(ModelConfig(path=args.model))
     selection: dict[str, dict[str, float | str]] = {}
     cal = calibrate(
-        model_dir, args.data, args.bit_budgets, seq_len=args.seq_len, max_tokens=args.max_tokens,
-        search=args.scale_search, frequency_source=args.frequencies, device=args.device, wrap=args.wrap,
-        metric=args.metric, page_seq_lens=args.page_seq_lens, chunk=args.chunk, select=args.select, selection=selection,
+        model_dir,
+        args.data,
+        args.bit_budgets,
+        seq_len=args.seq_len,
+        max_tokens=args.max_tokens,
+        search=args.scale_search,
+        frequency_source=args.frequencies,
+        device=args.device,
+        wrap=args.wrap,
+        metric=args.metric,
+        page_seq_lens=args.page_seq_lens,
+        chunk=args.chunk,
+        select=args.select,
+        selection=selection,
         page_data=args.page_data,
     )
     args.out.write_text(cal.to_json())

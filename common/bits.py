@@ -60,13 +60,25 @@ from kvserving.tags import MODAL, NUM_TAGS, SEMANTIC, TEMPORAL, decode_tag, vali
 
 TEMPORAL_SENSITIVITY = {"current": 8.0, "turn_m1": 4.0, "turn_m2": 2.0, "older": 1.0}
 SEMANTIC_SENSITIVITY = {
-    "inst": 8.0, "user": 4.0, "assistant": 2.0, "reasoning": 1.0, "tool_call": 4.0, "obs": 1.0, "delim": 8.0,
+    "inst": 8.0,
+    "user": 4.0,
+    "assistant": 2.0,
+    "reasoning": 1.0,
+    "tool_call": 4.0,
+    "obs": 1.0,
+    "delim": 8.0,
 }
 MODAL_SENSITIVITY = {"text": 1.0, "image": 0.5}
 
 TEMPORAL_SHARE = {"current": 0.10, "turn_m1": 0.15, "turn_m2": 0.15, "older": 0.60}
 SEMANTIC_SHARE = {
-    "inst": 0.10, "user": 0.05, "assistant": 0.10, "reasoning": 0.10, "tool_call": 0.05, "obs": 0.55, "delim": 0.05,
+    "inst": 0.10,
+    "user": 0.05,
+    "assistant": 0.10,
+    "reasoning": 0.10,
+    "tool_call": 0.05,
+    "obs": 0.55,
+    "delim": 0.05,
 }
 MODAL_SHARE = {"text": 0.95, "image": 0.05}
 
@@ -78,17 +90,13 @@ _EPS = 1e-9  # budgets are decimals like 2.7: compare averages with a little sla
 def default_sensitivity() -> tuple[float, ...]:
     """``s_k`` of each of the 56 classes (module docstring)."""
     return tuple(
-        TEMPORAL_SENSITIVITY[t] * MODAL_SENSITIVITY[m] * SEMANTIC_SENSITIVITY[s]
-        for t, m, s in (decode_tag(k) for k in range(NUM_TAGS))
+        TEMPORAL_SENSITIVITY[t] * MODAL_SENSITIVITY[m] * SEMANTIC_SENSITIVITY[s] for t, m, s in (decode_tag(k) for k in range(NUM_TAGS))
     )
 
 
 def default_frequency() -> tuple[float, ...]:
     """``N_k`` of each class as a share of the tokens (sums to 1)."""
-    return tuple(
-        TEMPORAL_SHARE[t] * MODAL_SHARE[m] * SEMANTIC_SHARE[s]
-        for t, m, s in (decode_tag(k) for k in range(NUM_TAGS))
-    )
+    return tuple(TEMPORAL_SHARE[t] * MODAL_SHARE[m] * SEMANTIC_SHARE[s] for t, m, s in (decode_tag(k) for k in range(NUM_TAGS)))
 
 
 def greedy_bits_table(budget: float, *, gain: Sequence[float], frequency: Sequence[float]) -> tuple[int, ...]:
@@ -131,8 +139,9 @@ def page_records(counts: Counter[PageMix]) -> tuple[tuple[int, PageMix], ...]:
     return tuple(sorted(((n, mix) for mix, n in counts.items()), key=lambda e: (-e[0], e[1])))
 
 
-def pages_stored_bits(table: Sequence[int], pages: Sequence[tuple[int, Sequence[tuple[int, int]]]], *, page_size: int,
-                      residual: int) -> float:
+def pages_stored_bits(
+    table: Sequence[int], pages: Sequence[tuple[int, Sequence[tuple[int, int]]]], *, page_size: int, residual: int
+) -> float:
     """Average stored bits per token: a full page is INT2 when every class in it is 2-bit, else INT4;
     residual tokens (partial pages) INT4."""
     total = residual + page_size * sum(n for n, _ in pages)
@@ -142,8 +151,16 @@ def pages_stored_bits(table: Sequence[int], pages: Sequence[tuple[int, Sequence[
     return bits / total
 
 
-def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence[tuple[int, Sequence[tuple[int, int]]]],
-                      *, page_size: int, residual: int, absent: str = "free", improve: bool = True) -> tuple[int, ...]:
+def page_greedy_table(
+    budget: float,
+    per_token: Sequence[float],
+    pages: Sequence[tuple[int, Sequence[tuple[int, int]]]],
+    *,
+    page_size: int,
+    residual: int,
+    absent: str = "free",
+    improve: bool = True,
+) -> tuple[int, ...]:
     """The greedy rule with the budget counted in stored pages (module docstring).
 
     Start every class at 2 bits; repeatedly upgrade the class whose upgrade turns
@@ -201,8 +218,7 @@ def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence
         for i in pages_of[best]:
             hot[i] = True
     if improve:
-        bought = swap_pass([k for k in range(NUM_TAGS) if table[k] == 4], pages_of, gain_of, bits_of,
-                           room=budget + _EPS - average)
+        bought = swap_pass([k for k in range(NUM_TAGS) if table[k] == 4], pages_of, gain_of, bits_of, room=budget + _EPS - average)
         # the most full pages that may be INT4: (4 r + 2 P s + 2 s W) / total <= budget
         capacity = math.floor(((budget + _EPS) * total - 4.0 * residual - 2.0 * page_size * n_pages) / (2.0 * page_size))
         bought = set(best_classes(bought, pages_of, gain_of, [n for n, _ in pages], capacity=capacity).chosen)
@@ -221,8 +237,7 @@ def page_greedy_table(budget: float, per_token: Sequence[float], pages: Sequence
     return tuple(table)
 
 
-def greedy_order(per_token: Sequence[float], pages: Sequence[tuple[int, Sequence[tuple[int, int]]]], *,
-                 page_size: int) -> tuple[int, ...]:
+def greedy_order(per_token: Sequence[float], pages: Sequence[tuple[int, Sequence[tuple[int, int]]]], *, page_size: int) -> tuple[int, ...]:
     """All 56 classes in the order ``page_greedy_table``'s walk upgrades them with no budget
     to stop it: the ranking a cut moves along (``worker/bit_budget.py``). Classes 4-bit to the
     walk are a prefix of it up to the first class the budget skips.
@@ -272,8 +287,7 @@ def default_order() -> tuple[int, ...]:
 def bits_table_for_budget(budget: float) -> tuple[int, ...]:
     """The bits table for ``budget`` under the default sensitivities, counted on the agent pages."""
     d = agent_pages_data
-    return page_greedy_table(budget, default_sensitivity(), d.PAGES, page_size=d.PAGE_SIZE, residual=d.RESIDUAL,
-                             absent="rank")
+    return page_greedy_table(budget, default_sensitivity(), d.PAGES, page_size=d.PAGE_SIZE, residual=d.RESIDUAL, absent="rank")
 
 
 def default_stored_bits(table: Sequence[int]) -> float:
@@ -303,8 +317,6 @@ def format_bits_table(table: Sequence[int]) -> str:
         cells = []
         for m, modal in enumerate(MODAL):
             first = (t * len(MODAL) + m) * len(SEMANTIC)
-            cells.append(modal + " " + "".join(
-                _LETTERS[s] if table[first + s] == 4 else "." for s in range(len(SEMANTIC))
-            ))
+            cells.append(modal + " " + "".join(_LETTERS[s] if table[first + s] == 4 else "." for s in range(len(SEMANTIC))))
         parts.append(f"{temporal} " + " ".join(cells))
     return "; ".join(parts)

@@ -160,8 +160,17 @@ class Calibration:
             "distortion": {str(b): list(d) for b, d in sorted(self.distortion.items())},
             "tables": {key: list(t) for key, t in self.tables.items()},
             "scales": {name: {"k": list(s.k), "v": list(s.v), "method": s.method} for name, s in sorted(self.scales.items())},
-            **({"pages": {"size": self.page_size, "residual": self.residual,
-                          "counts": [[n, [list(tc) for tc in mix]] for n, mix in self.pages]}} if self.pages else {}),
+            **(
+                {
+                    "pages": {
+                        "size": self.page_size,
+                        "residual": self.residual,
+                        "counts": [[n, [list(tc) for tc in mix]] for n, mix in self.pages],
+                    }
+                }
+                if self.pages
+                else {}
+            ),
         }
 
     def to_json(self) -> str:
@@ -187,7 +196,7 @@ class Calibration:
             raise ValueError(f"calibration.frequency_source must be one of {FREQUENCY_SOURCES}, got {source!r}")
         raw_d = data.get("distortion")
         if not isinstance(raw_d, Mapping) or set(raw_d) != {"2", "4"}:
-            raise ValueError("calibration.distortion must map \"2\" and \"4\" to 56 values each")
+            raise ValueError('calibration.distortion must map "2" and "4" to 56 values each')
         distortion = {int(b): _floats(raw_d[b], f"calibration.distortion.{b}", NUM_TAGS) for b in ("2", "4")}
         raw_t = data.get("tables", {})
         if not isinstance(raw_t, Mapping):
@@ -222,9 +231,18 @@ class Calibration:
             scales[name] = LayerScales(k, v, str(entry.get("method", "amax")))
         pages, page_size, residual = _pages(data.get("pages"), tokens)
         return cls(
-            num_layers=dims["num_layers"], num_kv_heads=dims["num_kv_heads"], head_dim=dims["head_dim"],
-            tokens=tokens, frequency=frequency, frequency_source=source, distortion=distortion,
-            tables=tables, scales=scales, pages=pages, page_size=page_size, residual=residual,
+            num_layers=dims["num_layers"],
+            num_kv_heads=dims["num_kv_heads"],
+            head_dim=dims["head_dim"],
+            tokens=tokens,
+            frequency=frequency,
+            frequency_source=source,
+            distortion=distortion,
+            tables=tables,
+            scales=scales,
+            pages=pages,
+            page_size=page_size,
+            residual=residual,
         )
 
     @classmethod
@@ -262,8 +280,13 @@ def _pages(raw: object, tokens: int) -> tuple[tuple[tuple[int, tuple[tuple[int, 
         n = _positive_int(entry[0], f"{where}[0]")
         mix = []
         for pair in entry[1]:
-            if (not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)
-                    or not 0 <= pair[0] < NUM_TAGS or pair[1] < 1):
+            if (
+                not isinstance(pair, list)
+                or len(pair) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)
+                or not 0 <= pair[0] < NUM_TAGS
+                or pair[1] < 1
+            ):
                 raise ValueError(f"{where}: each class entry must be [tag 0..{NUM_TAGS - 1}, tokens >= 1]")
             mix.append((pair[0], pair[1]))
         if sum(t for _, t in mix) != size:

@@ -90,9 +90,7 @@ class KVCacheConfig:
         if not isinstance(self.age_down, bool):
             raise ValueError(f"kv_cache.age_down must be true or false, got {self.age_down!r}")
         if self.bit_budget_control not in BIT_BUDGET_CONTROLS:
-            raise ValueError(
-                f"kv_cache.bit_budget_control must be one of {BIT_BUDGET_CONTROLS}, got {self.bit_budget_control!r}"
-            )
+            raise ValueError(f"kv_cache.bit_budget_control must be one of {BIT_BUDGET_CONTROLS}, got {self.bit_budget_control!r}")
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache.dtype must be one of {KV_DTYPES}, got {self.dtype!r}")
         if self.page_size is not None:
@@ -161,12 +159,10 @@ class ReuseConfig:
         if self.lease_ttl_s <= 0:
             raise ValueError(f"reuse.lease_ttl_s must be > 0, got {self.lease_ttl_s}")
         if self.lease_ttl_s >= self.retention_ttl_s:
-            raise ValueError(
-                f"reuse.lease_ttl_s ({self.lease_ttl_s}) must be < reuse.retention_ttl_s ({self.retention_ttl_s})"
-            )
+            raise ValueError(f"reuse.lease_ttl_s ({self.lease_ttl_s}) must be < reuse.retention_ttl_s ({self.retention_ttl_s})")
         t = self.recompute_threshold_tokens
         if t != "auto" and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
-            raise ValueError(f"reuse.recompute_threshold_tokens must be an integer >= 0 or \"auto\", got {t!r}")
+            raise ValueError(f'reuse.recompute_threshold_tokens must be an integer >= 0 or "auto", got {t!r}')
 
 
 @dataclass(slots=True, frozen=True)
@@ -224,13 +220,21 @@ class GatewayConfig:
         for name in ("max_body_bytes", "max_leases", "max_inflight_per_worker", "max_conversations", "max_kept_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"gateway.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("health_interval_s", "dns_refresh_s", "request_timeout_s", "connect_timeout_s", "lease_heartbeat_s",
-                     "first_byte_timeout_s"):
+        for name in (
+            "health_interval_s",
+            "dns_refresh_s",
+            "request_timeout_s",
+            "connect_timeout_s",
+            "lease_heartbeat_s",
+            "first_byte_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"gateway.{name} must be > 0, got {getattr(self, name)}")
         if not self.event_timeout_s >= 2 * STREAM_KEEPALIVE_S:
-            raise ValueError(f"gateway.event_timeout_s must be >= {2 * STREAM_KEEPALIVE_S:g} (workers send a keep-alive "
-                             f"every {STREAM_KEEPALIVE_S:g} s), got {self.event_timeout_s}")
+            raise ValueError(
+                f"gateway.event_timeout_s must be >= {2 * STREAM_KEEPALIVE_S:g} (workers send a keep-alive "
+                f"every {STREAM_KEEPALIVE_S:g} s), got {self.event_timeout_s}"
+            )
         if not self.drain_grace_s >= 0:
             raise ValueError(f"gateway.drain_grace_s must be >= 0, got {self.drain_grace_s}")
 
@@ -271,8 +275,10 @@ class SecurityConfig:
         try:
             token = Path(self.internal_token_file).read_text().strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"security.internal_token_file {self.internal_token_file}: cannot read it "
-                             f"({getattr(exc, 'strerror', None) or type(exc).__name__})") from None
+            raise ValueError(
+                f"security.internal_token_file {self.internal_token_file}: cannot read it "
+                f"({getattr(exc, 'strerror', None) or type(exc).__name__})"
+            ) from None
         if not token:
             raise ValueError(f"security.internal_token_file {self.internal_token_file}: the file is empty")
         return token
@@ -293,7 +299,8 @@ class ServingConfig:
         if self.gateway.first_byte_timeout_s <= self.reuse.transfer_timeout_s:
             raise ValueError(
                 f"gateway.first_byte_timeout_s ({self.gateway.first_byte_timeout_s}) must be > reuse.transfer_timeout_s "
-                f"({self.reuse.transfer_timeout_s}): a worker answers once its KV pull, bounded by it, is over")
+                f"({self.reuse.transfer_timeout_s}): a worker answers once its KV pull, bounded by it, is over"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -351,8 +358,12 @@ _SECTION_TYPES: dict[str, type] = {
 # What a field's annotation accepts from JSON, and how an error names it. A bool is not a
 # number here (JSON true is no count); an integral float is accepted where an int is declared.
 _KINDS = {
-    "int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
-    "tuple[str, ...]": "a list of strings", "None": "null",
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "bool": "true or false",
+    "tuple[str, ...]": "a list of strings",
+    "None": "null",
 }
 _FIELD_TYPES: dict[type, dict[str, str]] = {cls: {f.name: str(f.type) for f in fields(cls)} for cls in _SECTION_TYPES.values()}
 

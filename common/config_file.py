@@ -21,8 +21,14 @@ from kvserving.config import ServingConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="sets",
-                        help="change one field (VALUE as JSON, else as a string); repeatable")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        dest="sets",
+        help="change one field (VALUE as JSON, else as a string); repeatable",
+    )
     parser.add_argument("--out", type=Path, default=None, help="file to write (default: standard output)")
 
 

@@ -52,8 +52,15 @@ class Search:
     exact: bool
 
 
-def swap_pass(bought: Iterable[int], pages_of: Sequence[Sequence[int]], gain_of: Sequence[float],
-              bits_of: Sequence[float], *, room: float, rounds: int | None = None) -> set[int]:
+def swap_pass(
+    bought: Iterable[int],
+    pages_of: Sequence[Sequence[int]],
+    gain_of: Sequence[float],
+    bits_of: Sequence[float],
+    *,
+    room: float,
+    rounds: int | None = None,
+) -> set[int]:
     """Improve a bought set of classes: repeatedly apply the one change -- add a class,
     or swap a bought class for one not bought -- that raises the summed gain of the INT4
     pages most while the added stored bits fit in ``room``; stop when none does.
@@ -105,8 +112,15 @@ def swap_pass(bought: Iterable[int], pages_of: Sequence[Sequence[int]], gain_of:
     return chosen
 
 
-def best_classes(start: Iterable[int], pages_of: Sequence[Sequence[int]], gain_of: Sequence[float],
-                 weight_of: Sequence[int], *, capacity: int, max_nodes: int = MAX_NODES) -> Search:
+def best_classes(
+    start: Iterable[int],
+    pages_of: Sequence[Sequence[int]],
+    gain_of: Sequence[float],
+    weight_of: Sequence[int],
+    *,
+    capacity: int,
+    max_nodes: int = MAX_NODES,
+) -> Search:
     """The bought set with the most INT4-page gain whose INT4 pages weigh <= ``capacity``
     (module docstring). ``pages_of[k]``: the page records class k has tokens on;
     ``gain_of[i]`` >= 0 and ``weight_of[i]`` >= 1 per page record. ``start`` (assumed

@@ -50,15 +50,20 @@ TINY_CONFIG: dict[str, object] = {
 # Qwen3's 151,936, since ids past the tokenizer's would decode to nothing.
 # Weights are never written: workers build them with ``model.load_format: dummy``.
 QWEN3_8B_CONFIG: dict[str, object] = dict(
-    TINY_CONFIG, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, torch_dtype="bfloat16",
+    TINY_CONFIG,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    torch_dtype="bfloat16",
 )
 SHAPES: dict[str, dict[str, object]] = {"tiny": TINY_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG}
 
 
-def random_weights(
-    config: dict[str, object], *, seed: int = 0, std: float = 0.02, attn_std: float = 0.0675
-) -> dict[str, torch.Tensor]:
+def random_weights(config: dict[str, object], *, seed: int = 0, std: float = 0.02, attn_std: float = 0.0675) -> dict[str, torch.Tensor]:
     """Seeded random weights under Hugging Face's Qwen3 tensor names.
 
     Pure noise makes a poor test model: its next-token logits are nearly

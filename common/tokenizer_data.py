@@ -40,9 +40,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 )
 # Tokens that are markup inside text (the model may generate them) rather than
 # control tokens: `skip_special_tokens` must keep them when decoding.
-NON_SKIPPED_SPECIALS = frozenset(
-    {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
-)
+NON_SKIPPED_SPECIALS = frozenset({"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"})
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 
@@ -114,7 +112,7 @@ CHAT_TEMPLATE = (
     "{{- '# Tools\\n\\nYou can call the functions below; their JSON schemas are inside <tools></tools>:\\n<tools>' -}}"
     "{%- for tool in tools -%}{{- '\\n' ~ (tool | tojson) -}}{%- endfor -%}"
     "{{- '\\n</tools>\\n\\nTo call one, reply with its name and arguments as JSON inside <tool_call></tool_call>:\\n'"
-    " '<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>' -}}"
+    ' \'<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>\' -}}'
     "{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- endif -%}"
@@ -137,7 +135,7 @@ CHAT_TEMPLATE = (
     "{%- for call in (message.tool_calls or []) -%}"
     "{%- set fn = call.function if call.function is defined else call -%}"
     "{%- if content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
-    "{{- '<tool_call>\\n{\"name\": \"' ~ fn.name ~ '\", \"arguments\": ' -}}"
+    '{{- \'<tool_call>\\n{"name": "\' ~ fn.name ~ \'", "arguments": \' -}}'
     "{%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}"
     "{{- '}\\n</tool_call>' -}}"
     "{%- endfor -%}"

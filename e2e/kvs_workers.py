@@ -99,15 +99,26 @@ class WorkerFactory:
         log_path = self.tmp / f"worker-{n}-{role}.log"
         port = port or (self.ports[n] if n < len(self.ports) else free_port())
         argv = [
-            sys.executable, "-m", "kvserving.cli", "worker", "--role", role, "--config", str(cfg),
-            "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port), *args,
+            sys.executable,
+            "-m",
+            "kvserving.cli",
+            "worker",
+            "--role",
+            role,
+            "--config",
+            str(cfg),
+            "--model",
+            str(self.model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *args,
         ]
         # One torch thread per worker: several processes share 2 cores.
-        env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         worker = WorkerProc(role, f"http://127.0.0.1:{port}", proc, log_path, dict(self.headers))
         self.started.append(worker)
         if wait:

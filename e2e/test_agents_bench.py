@@ -22,9 +22,29 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "agents.py"
 def test_agents_bench_small_sweep(tmp_path: Path) -> None:
     out, png = tmp_path / "agents.json", tmp_path / "agents.png"
     # 768 KiB per worker: fp8 holds 768 tokens (one agent's <= 700-token history fits, three do not)
-    cmd = [sys.executable, str(BENCH), "--formats", "fp8,nvfp4", "--concurrency", "1,3", "--modes", "lease",
-           "--kv-kib", "768", "--turns", "3", "--think-s", "0.02", "--records",
-           "--json", str(out), "--png", str(png), "--run-dir", str(tmp_path / "run")]
+    cmd = [
+        sys.executable,
+        str(BENCH),
+        "--formats",
+        "fp8,nvfp4",
+        "--concurrency",
+        "1,3",
+        "--modes",
+        "lease",
+        "--kv-kib",
+        "768",
+        "--turns",
+        "3",
+        "--think-s",
+        "0.02",
+        "--records",
+        "--json",
+        str(out),
+        "--png",
+        str(png),
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -64,13 +84,21 @@ def test_agents_bench_small_sweep(tmp_path: Path) -> None:
     part["points"] = [p for p in part["points"] if p["format"] == "fp8"]
     first.write_text(json.dumps(part))
     combined = tmp_path / "combined.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--combine", str(first), str(out), "--json", str(combined)],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--combine", str(first), str(out), "--json", str(combined)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     merged = json.loads(combined.read_text())
     assert [(p["format"], p["concurrency"], p["part"]) for p in merged["points"]] == [
-        ("fp8", 1, "agents.json"), ("fp8", 3, "agents.json"), ("nvfp4", 1, "agents.json"), ("nvfp4", 3, "agents.json")]
-    assert {k: p["hit_rate"] for k, p in points.items()} == {(p["format"], p["concurrency"]): p["hit_rate"]
-                                                             for p in merged["points"]}
+        ("fp8", 1, "agents.json"),
+        ("fp8", 3, "agents.json"),
+        ("nvfp4", 1, "agents.json"),
+        ("nvfp4", 3, "agents.json"),
+    ]
+    assert {k: p["hit_rate"] for k, p in points.items()} == {(p["format"], p["concurrency"]): p["hit_rate"] for p in merged["points"]}
     assert merged["parts"] == ["part1.json", "agents.json"]
     assert combined.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -19,8 +19,9 @@ CLASSES = ("ok", "failed_clear", "failed_unclear", "silently_wrong")
 
 def test_fault_matrix_quick(tmp_path: Path) -> None:
     out = tmp_path / "faults.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--json", str(out)], capture_output=True, text=True,
-                          timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--json", str(out)], capture_output=True, text=True, timeout=300, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["setup"]["turns"] == [2]
@@ -36,8 +37,12 @@ def test_fault_matrix_quick(tmp_path: Path) -> None:
     assert probes["credentialed_generates_naming_the_trap"] == ["unknown_peer"]  # recomputed, nothing contacted
     # with a NIXL agent of its own: no metadata (401), made-up metadata refused, no READ / WRITE set up
     assert faults["nixl_attacker"]["probes"] == {
-        "agent_metadata_without_credential": 3, "made_up_metadata": 9, "made_up_metadata_refused": 9,
-        "transfers_naming_the_victims_agent": 6, "transfers_refused": 6}
+        "agent_metadata_without_credential": 3,
+        "made_up_metadata": 9,
+        "made_up_metadata_refused": 9,
+        "transfers_naming_the_victims_agent": 6,
+        "transfers_refused": 6,
+    }
     assert faults["holder_sigstop"]["gateway_counters"]["reuse_fallbacks{reason=holder_unresponsive}"] == 1
     # the prefill's part of a turn whose KV only the holder has: frozen, it gives up after reuse.peer_timeout_s
     # and recomputes the alive run's token

@@ -37,8 +37,9 @@ def config() -> dict[str, Any]:
 
 
 class GatewayProc:
-    def __init__(self, tmp: Path, model_dir: Path, *, prefill: str, decode: str | list[str], token_file: Path,
-                 config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, tmp: Path, model_dir: Path, *, prefill: str, decode: str | list[str], token_file: Path, config: dict[str, Any] | None = None
+    ) -> None:
         cfg = tmp / "gateway-config.json"
         data = dict(config or globals()["config"]())
         data["security"] = {"internal_token_file": str(token_file)}  # the workers' credential
@@ -46,13 +47,29 @@ class GatewayProc:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "gateway.log"
-        argv = [sys.executable, "-m", "kvserving.cli", "gateway", "--config", str(cfg), "--model", str(model_dir),
-                "--host", "127.0.0.1", "--port", str(self.port), "--prefill", prefill,
-                "--decode", *([decode] if isinstance(decode, str) else decode)]
+        argv = [
+            sys.executable,
+            "-m",
+            "kvserving.cli",
+            "gateway",
+            "--config",
+            str(cfg),
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--prefill",
+            prefill,
+            "--decode",
+            *([decode] if isinstance(decode, str) else decode),
+        ]
         env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -110,13 +127,20 @@ def test_three_turn_conversation_reuses_kv_through_the_gateway(stack: tuple[Gate
     ]
     cached = []
     for turn in range(3):
-        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,  # type: ignore[arg-type]
-                                             extra_headers={"X-Session-ID": "e2e-session"})
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=8,
+            temperature=0,  # type: ignore[arg-type]
+            extra_headers={"X-Session-ID": "e2e-session"},
+        )
         assert out.usage is not None and out.usage.completion_tokens == 8
         assert out.choices[0].finish_reason == "length"
         cached.append(out.usage.prompt_tokens_details.cached_tokens)  # type: ignore[union-attr]
-        messages += [{"role": "assistant", "content": out.choices[0].message.content},
-                     {"role": "user", "content": f"Turn {turn + 2}: now look at the next file and report back."}]
+        messages += [
+            {"role": "assistant", "content": out.choices[0].message.content},
+            {"role": "user", "content": f"Turn {turn + 2}: now look at the next file and report back."},
+        ]
     assert cached[0] == 0
     assert cached[1] > 0 and cached[2] > cached[1], cached
     # the workers know the conversation by its tenant digest only, never by the client's session id
@@ -126,9 +150,16 @@ def test_three_turn_conversation_reuses_kv_through_the_gateway(stack: tuple[Gate
     assert metric(gateway.url, "kvserving_gateway_kv_reused_tokens_total", source="remote") > 0
     assert metric(gateway.url, "kvserving_gateway_routing_decisions_total", role="decode", reason="lease") == 2
     # streaming through the same path
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True,  # type: ignore[arg-type]
-                                                 stream_options={"include_usage": True},
-                                                 extra_headers={"X-Session-ID": "e2e-session"}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=4,
+            stream=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True},
+            extra_headers={"X-Session-ID": "e2e-session"},
+        )
+    )
     assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens_details.cached_tokens > cached[2]  # type: ignore[union-attr]
     # a clean stop leaves the active conversation's KV with the decode worker (another replica may go on)
     assert gateway.stop() == 0
@@ -170,23 +201,32 @@ def test_soak_concurrent_sessions_through_real_workers(workers: WorkerFactory, t
     decode = workers.start("decode", worker_cfg, wait=False)
     prefill.wait_ready()
     decode.wait_ready()
-    gateway = GatewayProc(tmp_path, tiny_model_dir, prefill=prefill.url, decode=decode.url, token_file=workers.token_path,
-                          config=gateway_cfg)
+    gateway = GatewayProc(
+        tmp_path, tiny_model_dir, prefill=prefill.url, decode=decode.url, token_file=workers.token_path, config=gateway_cfg
+    )
     try:
         gateway.wait_ready()
 
         async def session(client: openai.AsyncOpenAI, wave: str, i: int) -> list[int]:
             messages: list[dict[str, Any]] = [
                 {"role": "system", "content": "You are a coding agent. Use the tools. " * 6},
-                {"role": "user", "content": f"Task {wave}{i}: " + "find the bug in the parser and fix it. " * 3}]
+                {"role": "user", "content": f"Task {wave}{i}: " + "find the bug in the parser and fix it. " * 3},
+            ]
             cached = []
             for turn in range(SOAK_TURNS):
-                out = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,  # type: ignore[arg-type]
-                                                           temperature=0, extra_headers={"X-Session-ID": f"soak-{wave}{i}"})
+                out = await client.chat.completions.create(
+                    model=MODEL,
+                    messages=messages,
+                    max_tokens=3,  # type: ignore[arg-type]
+                    temperature=0,
+                    extra_headers={"X-Session-ID": f"soak-{wave}{i}"},
+                )
                 assert out.usage is not None and out.usage.completion_tokens == 3
                 cached.append(out.usage.prompt_tokens_details.cached_tokens)  # type: ignore[union-attr]
-                messages += [{"role": "assistant", "content": out.choices[0].message.content},
-                             {"role": "user", "content": f"Step {turn}: " + "run the tests again and report. " * 3}]
+                messages += [
+                    {"role": "assistant", "content": out.choices[0].message.content},
+                    {"role": "user", "content": f"Step {turn}: " + "run the tests again and report. " * 3},
+                ]
             return cached
 
         async def main(wave: str, sessions: int) -> list[list[int]]:

@@ -38,14 +38,15 @@ WORKER: dict[str, Any] = {
 }
 FIRST_BYTE_S = 4.0  # > the prefill's pull from a frozen holder (the workers' 2 s peer deadline) with room for a loaded machine
 SYSTEM = {"role": "system", "content": "You are a coding agent. Work step by step and use the tools. " * 6}
-TURNS = [{"role": "user", "content": "Find the failing test in the repository and explain it."},
-         {"role": "user", "content": "Now look at the next file and report back."}]
+TURNS = [
+    {"role": "user", "content": "Find the failing test in the repository and explain it."},
+    {"role": "user", "content": "Now look at the next file and report back."},
+]
 
 
 def gateway_config(**gateway: Any) -> dict[str, Any]:
     # Health polls far apart: what the gateway learns of a fault here, it learns from the turn itself.
-    return {**WORKER, "gateway": {"first_byte_timeout_s": FIRST_BYTE_S, "event_timeout_s": 4.0,
-                                  "health_interval_s": 30.0, **gateway}}
+    return {**WORKER, "gateway": {"first_byte_timeout_s": FIRST_BYTE_S, "event_timeout_s": 4.0, "health_interval_s": 30.0, **gateway}}
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +59,13 @@ def pd(workers: WorkerFactory) -> tuple[WorkerProc, list[WorkerProc]]:
     return prefill, sorted(decoders, key=lambda w: w.url)
 
 
-def start_gateway(tmp: Path, model_dir: Path, prefill: WorkerProc, decoders: list[WorkerProc],
-                  **gateway: Any) -> GatewayProc:
+def start_gateway(tmp: Path, model_dir: Path, prefill: WorkerProc, decoders: list[WorkerProc], **gateway: Any) -> GatewayProc:
     tmp.mkdir(parents=True, exist_ok=True)
     token_file = tmp / "internal-token"  # the workers' credential, as their factory gave it to them
     token_file.write_text(prefill.headers["Authorization"].removeprefix("Bearer "))
-    gw = GatewayProc(tmp, model_dir, prefill=prefill.url, decode=[d.url for d in decoders], token_file=token_file,
-                     config=gateway_config(**gateway))
+    gw = GatewayProc(
+        tmp, model_dir, prefill=prefill.url, decode=[d.url for d in decoders], token_file=token_file, config=gateway_config(**gateway)
+    )
     gw.wait_ready()
     return gw
 
@@ -72,12 +73,12 @@ def start_gateway(tmp: Path, model_dir: Path, prefill: WorkerProc, decoders: lis
 def served(worker: WorkerProc) -> float:
     """Requests the worker has finished (any finish reason)."""
     text = httpx.get(worker.url + "/metrics", timeout=10).text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "kvserving_worker_requests_total")
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == "kvserving_worker_requests_total")
 
 
-def sse_lines(url: str, body: dict[str, Any], out: list[str], errors: list[BaseException], *,
-              started: threading.Event | None = None) -> None:
+def sse_lines(
+    url: str, body: dict[str, Any], out: list[str], errors: list[BaseException], *, started: threading.Event | None = None
+) -> None:
     """The `data:` lines of one streamed completion (into ``out``); a transport error (a bare close
     mid-body among them) into ``errors``."""
     try:
@@ -96,8 +97,9 @@ def sse_lines(url: str, body: dict[str, Any], out: list[str], errors: list[BaseE
 
 
 def content(lines: list[str]) -> str:
-    return "".join(json.loads(x)["choices"][0]["delta"].get("content") or "" for x in lines
-                   if x != "[DONE]" and json.loads(x).get("choices"))
+    return "".join(
+        json.loads(x)["choices"][0]["delta"].get("content") or "" for x in lines if x != "[DONE]" and json.loads(x).get("choices")
+    )
 
 
 def worker_metric(worker: WorkerProc, name: str, **labels: str) -> float:
@@ -136,8 +138,14 @@ def test_a_frozen_lease_holder_costs_the_turn_a_recompute_on_the_other_decode_wo
             before = [served(d) for d in decoders] if freeze and i == 0 else []
             messages.append(user)
             t0 = time.monotonic()
-            args: dict[str, Any] = dict(model=MODEL, messages=messages, max_tokens=24, temperature=0,
-                                        extra_headers={"X-Session-ID": session}, extra_body={"ignore_eos": True})
+            args: dict[str, Any] = dict(
+                model=MODEL,
+                messages=messages,
+                max_tokens=24,
+                temperature=0,
+                extra_headers={"X-Session-ID": session},
+                extra_body={"ignore_eos": True},
+            )
             if stream and i == 1:
                 chunks = list(client.chat.completions.create(stream=True, **args))
                 finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -174,8 +182,10 @@ def test_a_frozen_lease_holder_costs_the_turn_a_recompute_on_the_other_decode_wo
         assert metric(gw.url, "kvserving_gateway_upstream_errors_total", kind="unresponsive") == 1
         assert metric(gw.url, "kvserving_gateway_upstream_errors_total", kind="first_byte_timeout") == 0
         assert worker_metric(prefill, "kvserving_worker_kv_reuse_fallbacks_total", reason="remote_unreachable") == 1
-        print(f"turn 2: fault-free {normal:.2f} s; holder frozen: {t_pull:.2f} s (found by the prefill's pull), "
-              f"{t_decode:.2f} s (found by the decode's /health probe)")
+        print(
+            f"turn 2: fault-free {normal:.2f} s; holder frozen: {t_pull:.2f} s (found by the prefill's pull), "
+            f"{t_decode:.2f} s (found by the decode's /health probe)"
+        )
         assert at_pull == reference and at_decode == reference
         # Bound: the turn runs twice (its normal time, counted twice) plus the time to tell the
         # holder frozen: the prefill's pull gives up at the workers' peer deadline
@@ -231,21 +241,31 @@ def test_sigterm_lets_a_short_stream_finish_and_ends_long_ones_with_an_error_at_
     alive = [d for d in decoders if d.proc.poll() is None]
     gw = start_gateway(tmp_path / "gw", tiny_model_dir, prefill, alive, drain_grace_s=GRACE_S)
     try:
+
         def body(max_tokens: int) -> dict[str, Any]:
-            return {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "max_tokens": max_tokens,
-                    "ignore_eos": True, "temperature": 0, "stream": True}
+            return {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Count."}],
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+            }
 
         whole: list[httpx.Response] = []  # a long request that is not streamed: no byte before its end
-        whole_thread = threading.Thread(target=lambda: whole.append(httpx.post(
-            gw.url + "/v1/chat/completions", json={**body(950), "stream": False}, timeout=120)), daemon=True)
+        whole_thread = threading.Thread(
+            target=lambda: whole.append(httpx.post(gw.url + "/v1/chat/completions", json={**body(950), "stream": False}, timeout=120)),
+            daemon=True,
+        )
         whole_thread.start()
         runs: dict[str, tuple[list[str], list[BaseException], threading.Event, threading.Thread]] = {}
         for name, max_tokens in (("long", 950), ("short", 40)):
             lines: list[str] = []
             errors: list[BaseException] = []
             started = threading.Event()
-            thread = threading.Thread(target=sse_lines, args=(gw.url, body(max_tokens), lines, errors),
-                                      kwargs={"started": started}, daemon=True)
+            thread = threading.Thread(
+                target=sse_lines, args=(gw.url, body(max_tokens), lines, errors), kwargs={"started": started}, daemon=True
+            )
             thread.start()
             assert started.wait(60) and not errors, errors
             runs[name] = (lines, errors, started, thread)
@@ -269,9 +289,14 @@ def test_sigterm_lets_a_short_stream_finish_and_ends_long_ones_with_an_error_at_
         assert [json.loads(x)["choices"][0]["finish_reason"] for x in short[-2:-1]] == ["length"]
         long, long_errors = runs["long"][:2]
         assert not long_errors, long_errors  # the body ended properly: no bare close
-        assert json.loads(long[-1]) == {"error": {
-            "message": "The gateway is shutting down; send the request again.", "type": "service_unavailable_error",
-            "param": None, "code": "gateway_draining"}}
+        assert json.loads(long[-1]) == {
+            "error": {
+                "message": "The gateway is shutting down; send the request again.",
+                "type": "service_unavailable_error",
+                "param": None,
+                "code": "gateway_draining",
+            }
+        }
         assert "[DONE]" not in long and content(long)  # it had streamed text until the grace was over
         assert GRACE_S - 0.2 <= long_ended <= GRACE_S + 5, long_ended
         (r,) = whole

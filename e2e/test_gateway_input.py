@@ -35,11 +35,18 @@ def config() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def served(workers: WorkerFactory, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[tuple[GatewayProc, WorkerProc]]:
+def served(
+    workers: WorkerFactory, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[GatewayProc, WorkerProc]]:
     worker = workers.start("both", config())
-    gateway = GatewayProc(tmp_path_factory.mktemp("gateway"), tiny_model_dir, prefill=worker.url, decode=worker.url,
-                          token_file=workers.token_path, config=config())
+    gateway = GatewayProc(
+        tmp_path_factory.mktemp("gateway"),
+        tiny_model_dir,
+        prefill=worker.url,
+        decode=worker.url,
+        token_file=workers.token_path,
+        config=config(),
+    )
     try:
         gateway.wait_ready()
         yield gateway, worker
@@ -97,12 +104,14 @@ def test_a_prompt_the_kv_pool_cannot_hold_is_a_bad_request_not_retried(served: t
     words = "the quick brown fox jumps over the lazy dog " * 35  # 636 tokens: inside the context, over the pool
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words}], max_tokens=8)
-    assert (refused.value.code, refused.value.param, refused.value.type) == (
-        "context_length_exceeded", "messages", "invalid_request_error")
+    assert (refused.value.code, refused.value.param, refused.value.type) == ("context_length_exceeded", "messages", "invalid_request_error")
     message = str(refused.value)
     # refused by the gateway before any worker request: the worker's /ready told its pool
-    held = re.search(r"needs (\d+) tokens of KV cache \(\d+ of prompt, 8 of completion\) but the largest decode worker's "
-                     r"KV pool holds (\d+) tokens\. Please reduce", message)
+    held = re.search(
+        r"needs (\d+) tokens of KV cache \(\d+ of prompt, 8 of completion\) but the largest decode worker's "
+        r"KV pool holds (\d+) tokens\. Please reduce",
+        message,
+    )
     assert held is not None and int(held[2]) < int(held[1]), message
     assert metric(gateway.url, "kvserving_gateway_requests_total", route=CHAT, code="400") == seen + 1  # no retry
     assert metric(gateway.url, "kvserving_gateway_requests_total", route=CHAT, code="502") == 0
@@ -116,24 +125,26 @@ def test_a_streamed_prompt_the_prefill_pool_holds_but_no_decode_pool_does_is_a_4
     decode = workers.start("decode", config(), wait=False)
     prefill.wait_ready()
     decode.wait_ready()
-    gateway = GatewayProc(tmp_path, tiny_model_dir, prefill=prefill.url, decode=[decode.url],
-                          token_file=workers.token_path, config=config())
+    gateway = GatewayProc(
+        tmp_path, tiny_model_dir, prefill=prefill.url, decode=[decode.url], token_file=workers.token_path, config=config()
+    )
     try:
         gateway.wait_ready()
         client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
         words = "the quick brown fox jumps over the lazy dog " * 35  # 636 tokens: the prefill's pool, not the decode's
         seen = {code: metric(gateway.url, "kvserving_gateway_requests_total", route=CHAT, code=code) for code in ("200", "400")}
         with pytest.raises(openai.BadRequestError) as refused:
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words}], max_tokens=8,
-                                           stream=True)
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words}], max_tokens=8, stream=True)
         assert (refused.value.code, refused.value.param, refused.value.type) == (
-            "context_length_exceeded", "messages", "invalid_request_error")
+            "context_length_exceeded",
+            "messages",
+            "invalid_request_error",
+        )
         assert "the largest decode worker's KV pool holds" in str(refused.value)
         assert metric(gateway.url, "kvserving_gateway_requests_total", route=CHAT, code="400") == seen["400"] + 1
         assert metric(gateway.url, "kvserving_gateway_requests_total", route=CHAT, code="200") == seen["200"]
         # what fits both pools streams as before
-        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=4, stream=True))
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True))
         assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     finally:
         gateway.stop()

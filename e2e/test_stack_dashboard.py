@@ -24,8 +24,9 @@ from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
 from kvserving.operator.dashboard import PANELS
 from kvserving.local.stack import LocalStack, StackSpec, free_ports
 
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
-                                reason="prometheus not installed (`make test` installs Debian's package)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("prometheus") is None, reason="prometheus not installed (`make test` installs Debian's package)"
+)
 
 NAMESPACE = INSTANCE = "local"  # the labels LocalStack's scrape config gives every target
 
@@ -37,8 +38,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     model = resolve_model_dir(ModelConfig())
     gateway, prefill, decode, prom = free_ports(4)
     config = ServingConfig(model=ModelConfig(path=str(model)), kv_cache=KVCacheConfig(dtype="nvfp4", memory_bytes=16 * 2**20))
-    spec = StackSpec(config=config, gateway_port=gateway, prefill_port=prefill, decode_port=decode,
-                     prometheus_port=prom, run_dir=tmp_path_factory.mktemp("stack"))
+    spec = StackSpec(
+        config=config,
+        gateway_port=gateway,
+        prefill_port=prefill,
+        decode_port=decode,
+        prometheus_port=prom,
+        run_dir=tmp_path_factory.mktemp("stack"),
+    )
     with LocalStack(spec) as s:
         s.start()
         s.wait_ready(timeout_s=180)
@@ -63,8 +70,9 @@ def _wait_for_scrape(prom: str, expr: str, want: float, *, timeout_s: float = 30
 
 
 def test_every_dashboard_query_returns_finite_data(stack: LocalStack, tmp_path: Path) -> None:
-    results = run_conversation(stack.openai_base_url, stack.spec.config.model.served_name, max_tokens=16,
-                               session_id="dashboard-e2e", timeout_s=120)
+    results = run_conversation(
+        stack.openai_base_url, stack.spec.config.model.served_name, max_tokens=16, session_id="dashboard-e2e", timeout_s=120
+    )
     assert len(results) >= 3 and results[-1].cached_tokens > 0
     prom = stack.prometheus_url
     assert prom is not None

@@ -37,9 +37,10 @@ def gateways(workers: WorkerFactory, tiny_model_dir: Path, tmp_path: Path) -> It
     keyed_config["gateway"] = {"api_keys": list(KEYS)}
     (tmp_path / "keyed").mkdir()
     token = workers.token_path
-    started = [GatewayProc(tmp_path, tiny_model_dir, prefill=prefill.url, decode=decode.url, token_file=token),
-               GatewayProc(tmp_path / "keyed", tiny_model_dir, prefill=prefill.url, decode=decode.url, token_file=token,
-                           config=keyed_config)]
+    started = [
+        GatewayProc(tmp_path, tiny_model_dir, prefill=prefill.url, decode=decode.url, token_file=token),
+        GatewayProc(tmp_path / "keyed", tiny_model_dir, prefill=prefill.url, decode=decode.url, token_file=token, config=keyed_config),
+    ]
     try:
         for gateway in started:
             gateway.wait_ready()
@@ -55,8 +56,13 @@ def client(url: str, key: str = "none") -> openai.OpenAI:
 
 def ask(client: openai.OpenAI, messages: list[dict[str, Any]], salt: str | None = None) -> tuple[str, int, int]:
     """One turn as ``salt``'s tenant: (reply, prompt tokens, cached tokens)."""
-    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,  # type: ignore[arg-type]
-                                         extra_body={"cache_salt": salt} if salt else None)
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,  # type: ignore[arg-type]
+        extra_body={"cache_salt": salt} if salt else None,
+    )
     assert out.usage is not None and out.usage.prompt_tokens_details is not None
     return out.choices[0].message.content or "", out.usage.prompt_tokens, out.usage.prompt_tokens_details.cached_tokens or 0
 

@@ -38,9 +38,11 @@ def _start(tmp_path: Path, name: str) -> tuple[subprocess.Popen[str], Path, int]
     # port from the ephemeral range, where the next one may be a live connection's local port
     port = next(p for p in (free_ports(1)[0] for _ in range(50)) if port_is_free("127.0.0.1", p + 1))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserving.cli", "up", "--single", "--port", str(port), "--run-dir", str(run_dir),
-         "--kv-mib", "8"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONSAFEPATH="1"),
+        [sys.executable, "-m", "kvserving.cli", "up", "--single", "--port", str(port), "--run-dir", str(run_dir), "--kv-mib", "8"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONSAFEPATH="1"),
         start_new_session=True,
     )
     deadline = time.monotonic() + READY_S
@@ -78,8 +80,11 @@ def test_up_serves_then_stops_on_sigterm_and_when_a_child_dies(tmp_path: Path) -
 
     proc, run_dir, port = _start(tmp_path, "second")
     try:
-        worker = [p for p in _children_of(run_dir) if "worker --role both" in Path(f"/proc/{p}/cmdline").read_bytes()
-                  .replace(b"\0", b" ").decode()]
+        worker = [
+            p
+            for p in _children_of(run_dir)
+            if "worker --role both" in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        ]
         assert worker
         os.kill(worker[0], signal.SIGKILL)
         assert proc.wait(timeout=60) == 1

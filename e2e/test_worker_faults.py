@@ -34,17 +34,30 @@ REPLY = 6
 def prefill_turn(
     worker: WorkerProc, rid: str, ids: list[int], params: dict[str, Any] | None, *, max_tokens: int = 1
 ) -> tuple[list[int], dict[str, Any]]:
-    return stream_generate(worker, {
-        "request_id": rid, "input_ids": ids, "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
-        "kv_transfer_params": params, "conversation_key": rid,
-    })
+    return stream_generate(
+        worker,
+        {
+            "request_id": rid,
+            "input_ids": ids,
+            "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
+            "kv_transfer_params": params,
+            "conversation_key": rid,
+        },
+    )
 
 
 def decode_turn(worker: WorkerProc, rid: str, ids: list[int], params: dict[str, Any] | None) -> tuple[list[int], dict[str, Any]]:
-    return stream_generate(worker, {
-        "request_id": rid, "input_ids": ids, "sampling": {"max_tokens": REPLY, "ignore_eos": True},
-        "kv_transfer_params": params, "conversation_key": rid, "retain": True,
-    })
+    return stream_generate(
+        worker,
+        {
+            "request_id": rid,
+            "input_ids": ids,
+            "sampling": {"max_tokens": REPLY, "ignore_eos": True},
+            "kv_transfer_params": params,
+            "conversation_key": rid,
+            "retain": True,
+        },
+    )
 
 
 def test_each_reuse_fault_recomputes_the_same_tokens_and_is_counted(workers: WorkerFactory, tiny_model_dir: Path) -> None:

@@ -33,10 +33,17 @@ KEY = "user:victim@example.com"
 def turn(worker: WorkerProc, rid: str, ids: list[int], params: dict[str, Any] | None, *, retain: bool) -> tuple[list[int], dict[str, Any]]:
     """A prefill worker's part of a turn (its first token), or the decode's (the reply, retained)."""
     max_tokens = 1 if worker.role == "prefill" else REPLY
-    return stream_generate(worker, {
-        "request_id": rid, "input_ids": ids, "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
-        "kv_transfer_params": params, "conversation_key": KEY, "retain": retain,
-    })
+    return stream_generate(
+        worker,
+        {
+            "request_id": rid,
+            "input_ids": ids,
+            "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
+            "kv_transfer_params": params,
+            "conversation_key": KEY,
+            "retain": retain,
+        },
+    )
 
 
 def refused(method: str, url: str, **kw: Any) -> bool:
@@ -69,8 +76,11 @@ def test_without_the_credential_nothing_touches_the_victims_kv(workers: WorkerFa
     assert refused("POST", f"{decode.url}/internal/kv/leases/{lid}/hold", json={"digest": "0" * 32, "hold_s": 120})
     assert refused("POST", f"{decode.url}/internal/kv/leases/{lid}/renew", json={"ttl_s": 1})
     assert refused("DELETE", f"{decode.url}/internal/kv/leases/{lid}")
-    assert refused("POST", decode.url + "/internal/generate", json={
-        "request_id": "evil", "input_ids": [1, 2, 3], "conversation_key": KEY, "retain": True})
+    assert refused(
+        "POST",
+        decode.url + "/internal/generate",
+        json={"request_id": "evil", "input_ids": [1, 2, 3], "conversation_key": KEY, "retain": True},
+    )
 
     # a request (past the gateway) naming a machine outside the deployment: nothing connects there
     seen: list[socket.socket] = []
@@ -89,8 +99,10 @@ def test_without_the_credential_nothing_touches_the_victims_kv(workers: WorkerFa
     t.start()
     try:
         evil = {**p1["kv_transfer_params"], "agent_url": f"http://127.0.0.1:{trap.getsockname()[1]}", "engine_id": "evil"}
-        tokens, final = stream_generate(prefill, {"request_id": "ssrf", "input_ids": prompt1,
-                                                  "sampling": {"max_tokens": 2, "ignore_eos": True}, "kv_transfer_params": evil})
+        tokens, final = stream_generate(
+            prefill,
+            {"request_id": "ssrf", "input_ids": prompt1, "sampling": {"max_tokens": 2, "ignore_eos": True}, "kv_transfer_params": evil},
+        )
         assert final["usage"]["reuse_fallback"] == "unknown_peer" and len(tokens) == 2
         time.sleep(0.5)
     finally:
@@ -108,6 +120,7 @@ def test_without_the_credential_nothing_touches_the_victims_kv(workers: WorkerFa
     assert reply1 == reference.generate([prompt1], SamplingParams(max_tokens=REPLY, ignore_eos=True))[0]
     assert reply2 == reference.generate([prompt2], SamplingParams(max_tokens=REPLY, ignore_eos=True))[0]
     assert d2["usage"]["reuse_fallback"] is None
-    listed = httpx.get(decode.url + "/internal/kv/leases", params={"conversation_key": KEY}, headers=decode.headers,
-                       timeout=10).json()["leases"]
+    listed = httpx.get(decode.url + "/internal/kv/leases", params={"conversation_key": KEY}, headers=decode.headers, timeout=10).json()[
+        "leases"
+    ]
     assert [le["lease_id"] for le in listed] == [d2["kv_transfer_params"]["lease_id"]]  # its own turn replaced it

@@ -35,8 +35,9 @@ def test_probes_answer_within_their_deadline_while_long_prefills_run(workers: Wo
     def prefill(k: int) -> None:
         ids = [(j * 37 + k * 101) % 3500 + 300 for j in range(PROMPT_TOKENS)]
         try:
-            tokens, final = stream_generate(worker, {"request_id": f"long-{k}", "input_ids": ids,
-                                                     "sampling": {"max_tokens": 1, "ignore_eos": True}}, timeout=300)
+            tokens, final = stream_generate(
+                worker, {"request_id": f"long-{k}", "input_ids": ids, "sampling": {"max_tokens": 1, "ignore_eos": True}}, timeout=300
+            )
             finished.append(final["usage"]["computed_prompt_tokens"])
         except BaseException as exc:  # noqa: BLE001 (reported below)
             errors.append(exc)

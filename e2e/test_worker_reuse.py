@@ -116,11 +116,17 @@ def test_four_turn_conversation_pulls_both_ways_and_computes_only_new_tokens(
             want = reference.generate([history], SamplingParams(max_tokens=REPLY_TOKENS, ignore_eos=True), tags=[tags])[0]
 
             # prefill: its own cached pages of the last turn, the decode's retained pages pulled (D->P)
-            p_tokens, p_final = stream_generate(prefill, {
-                "request_id": f"{dtype}-prefill-{turn}", "input_ids": history, "tags": tags,
-                "sampling": {"max_tokens": 1, "ignore_eos": True},
-                "kv_transfer_params": decode_params, "conversation_key": CONVERSATION,
-            })
+            p_tokens, p_final = stream_generate(
+                prefill,
+                {
+                    "request_id": f"{dtype}-prefill-{turn}",
+                    "input_ids": history,
+                    "tags": tags,
+                    "sampling": {"max_tokens": 1, "ignore_eos": True},
+                    "kv_transfer_params": decode_params,
+                    "conversation_key": CONVERSATION,
+                },
+            )
             pu = p_final["usage"]
             assert p_tokens == want[:1], f"turn {turn}: prefill token"
             if turn == 1:
@@ -132,7 +138,10 @@ def test_four_turn_conversation_pulls_both_ways_and_computes_only_new_tokens(
                 local = min(prev_len // page, full) * page
                 covered = min(retained, full) * page
             assert (pu["local_cached_tokens"], pu["remote_pulled_tokens"], pu["computed_prompt_tokens"]) == (
-                local, covered - local, n - covered), f"turn {turn}: prefill usage {pu}"
+                local,
+                covered - local,
+                n - covered,
+            ), f"turn {turn}: prefill usage {pu}"
             assert pu["reuse_fallback"] is None
             if turn > 1:
                 # only the new user tokens and the reply's partial last page are computed
@@ -146,16 +155,26 @@ def test_four_turn_conversation_pulls_both_ways_and_computes_only_new_tokens(
             assert p_params["num_tokens"] == (n // page) * page and p_params["dtype"] == cfg["kv_cache"]["dtype"]
 
             # decode: its own retained pages locally, only the delta pulled from the prefill (P->D)
-            d_tokens, d_final = stream_generate(decode, {
-                "request_id": f"{dtype}-decode-{turn}", "input_ids": history, "tags": tags,
-                "sampling": {"max_tokens": REPLY_TOKENS, "ignore_eos": True},
-                "kv_transfer_params": p_params, "conversation_key": CONVERSATION, "retain": True,
-            })
+            d_tokens, d_final = stream_generate(
+                decode,
+                {
+                    "request_id": f"{dtype}-decode-{turn}",
+                    "input_ids": history,
+                    "tags": tags,
+                    "sampling": {"max_tokens": REPLY_TOKENS, "ignore_eos": True},
+                    "kv_transfer_params": p_params,
+                    "conversation_key": CONVERSATION,
+                    "retain": True,
+                },
+            )
             du = d_final["usage"]
             assert d_tokens == want, f"turn {turn}: decode tokens differ from the no-reuse reference"
             own = 0 if decode_params is None else min(decode_params["num_tokens"] // page, full) * page
             assert (du["local_cached_tokens"], du["remote_pulled_tokens"], du["computed_prompt_tokens"]) == (
-                own, full * page - own, n - full * page), f"turn {turn}: decode usage {du}"
+                own,
+                full * page - own,
+                n - full * page,
+            ), f"turn {turn}: decode usage {du}"
             assert du["reuse_fallback"] is None and du["kv_bytes_pulled"] > 0
             decode_params = d_final["kv_transfer_params"]
             assert decode_params is not None and decode_params["lease_id"].startswith("kv-")
@@ -197,20 +216,32 @@ def test_four_turn_conversation_pulls_both_ways_and_computes_only_new_tokens(
             want = reference.generate([history], SamplingParams(max_tokens=1, ignore_eos=True), tags=[tags])[0]
             stripped = {k: v for k, v in decode_params.items() if k not in ("bits_cut", "bits_ranking")}
             for i, bad in enumerate((dict(decode_params, bits_ranking="0" * 16), stripped)):
-                b_tokens, b_final = stream_generate(prefill, {
-                    "request_id": f"{dtype}-cut-{i}", "input_ids": history, "tags": tags,
-                    "sampling": {"max_tokens": 1, "ignore_eos": True}, "kv_transfer_params": bad,
-                })
+                b_tokens, b_final = stream_generate(
+                    prefill,
+                    {
+                        "request_id": f"{dtype}-cut-{i}",
+                        "input_ids": history,
+                        "tags": tags,
+                        "sampling": {"max_tokens": 1, "ignore_eos": True},
+                        "kv_transfer_params": bad,
+                    },
+                )
                 assert b_tokens == want and b_final["usage"]["reuse_fallback"] == "bits_cut_mismatch"
                 assert b_final["usage"]["remote_pulled_tokens"] == 0
             p_metrics = httpx.get(prefill.url + "/metrics", timeout=10).text
             assert metric(p_metrics, "kvserving_worker_kv_reuse_fallbacks_total", reason="bits_cut_mismatch") == 2
             # the decode worker leads: a cut it carries on the same ranking becomes the prefill worker's cut
             moved = control.cut + 1.5
-            m_tokens, m_final = stream_generate(prefill, {
-                "request_id": f"{dtype}-cut-moved", "input_ids": history, "tags": tags,
-                "sampling": {"max_tokens": 1, "ignore_eos": True}, "kv_transfer_params": dict(decode_params, bits_cut=moved),
-            })
+            m_tokens, m_final = stream_generate(
+                prefill,
+                {
+                    "request_id": f"{dtype}-cut-moved",
+                    "input_ids": history,
+                    "tags": tags,
+                    "sampling": {"max_tokens": 1, "ignore_eos": True},
+                    "kv_transfer_params": dict(decode_params, bits_cut=moved),
+                },
+            )
             assert m_tokens == want and m_final["usage"]["reuse_fallback"] is None
             assert m_final["kv_transfer_params"]["bits_cut"] == moved
             st = httpx.get(prefill.url + "/internal/kv/stats", headers=prefill.headers, timeout=10).json()["stored_bits"]

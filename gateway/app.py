@@ -84,21 +84,35 @@ def build_state(config: ServingConfig, *, model: ModelInfo, registry: CollectorR
     gw = config.gateway
     metrics = GatewayMetrics(registry)
     token = config.security.read_internal_token()
-    client = WorkerClient(request_timeout_s=gw.request_timeout_s, connect_timeout_s=gw.connect_timeout_s,
-                          first_byte_timeout_s=gw.first_byte_timeout_s, event_timeout_s=gw.event_timeout_s,
-                          token=token)
+    client = WorkerClient(
+        request_timeout_s=gw.request_timeout_s,
+        connect_timeout_s=gw.connect_timeout_s,
+        first_byte_timeout_s=gw.first_byte_timeout_s,
+        event_timeout_s=gw.event_timeout_s,
+        token=token,
+    )
     pool = WorkerPool(gw, client)
     conversations = build_conversations(config, model)  # one record per conversation: leases, held ids, kept prompts
-    table = LeaseTable(conversations, lease_ttl_s=config.reuse.lease_ttl_s, heartbeat_s=gw.lease_heartbeat_s,
-                       max_leases=gw.max_leases)
+    table = LeaseTable(conversations, lease_ttl_s=config.reuse.lease_ttl_s, heartbeat_s=gw.lease_heartbeat_s, max_leases=gw.max_leases)
     keeper = LeaseKeeper(table, client, retention_ttl_s=config.reuse.retention_ttl_s, events=metrics, clock=time.time)
-    turns = Turns(pool=pool, client=client, keeper=keeper, metrics=metrics,
-                  max_inflight_per_worker=gw.max_inflight_per_worker, bidirectional=config.reuse.bidirectional)
+    turns = Turns(
+        pool=pool,
+        client=client,
+        keeper=keeper,
+        metrics=metrics,
+        max_inflight_per_worker=gw.max_inflight_per_worker,
+        bidirectional=config.reuse.bidirectional,
+    )
     # Tenant ids are keyed with the internal credential: every replica of a deployment computes the same.
-    tenants = Tenants(keyed=bool(gw.api_keys), share=config.security.tenants_share_cache,
-                      secret=(token or "").encode())
-    completions = Completions(model=model, turns=turns, metrics=metrics, conversations=conversations, tenants=tenants,
-                              page_size=config.kv_cache.effective_page_size)
+    tenants = Tenants(keyed=bool(gw.api_keys), share=config.security.tenants_share_cache, secret=(token or "").encode())
+    completions = Completions(
+        model=model,
+        turns=turns,
+        metrics=metrics,
+        conversations=conversations,
+        tenants=tenants,
+        page_size=config.kv_cache.effective_page_size,
+    )
     registry.register(PromptReuse(model.tagger))
     return GatewayState(config, model, metrics, client, pool, keeper, completions)
 
@@ -149,8 +163,9 @@ def build_app(state: GatewayState) -> FastAPI:
     async def model(model: str) -> dict[str, Any]:
         if model != state.model.name:
             raise model_not_found(model)
-        entry: dict[str, Any] = oa.models_list(name=state.model.name, created=state.model.created,
-                                               max_model_len=state.model.max_model_len)["data"][0]
+        entry: dict[str, Any] = oa.models_list(name=state.model.name, created=state.model.created, max_model_len=state.model.max_model_len)[
+            "data"
+        ][0]
         return entry
 
     @app.get("/health")
@@ -189,8 +204,7 @@ async def _complete(request: Request, handler: Handler, max_body: int) -> Respon
         return JSONResponse(exc.to_body(), status_code=exc.status, headers=exc.headers or None)
 
 
-async def _answer(request: Request, handler: Handler, headers: Mapping[str, str], started: float,
-                  max_body: int) -> Response:
+async def _answer(request: Request, handler: Handler, headers: Mapping[str, str], started: float, max_body: int) -> Response:
     body = await _read_json(request, headers.get("content-length"), max_body)
     task = asyncio.current_task()
     assert task is not None
@@ -349,8 +363,10 @@ def access_line(method: str, path: str, status: int, record: RequestRecord, star
     prompt, computed = record.prompt_tokens, record.computed_tokens
     cached = prompt - computed if prompt is not None and computed is not None else None
     ttft = f"{1e3 * (record.first_token_s - started):.1f}" if record.first_token_s is not None else "-"
-    return (f"{method} {path} {status or '-'} conv={conv} prompt={_or_dash(prompt)} cached={_or_dash(cached)} "
-            f"computed={_or_dash(computed)} ttft_ms={ttft} ms={1e3 * (ended - started):.1f}")
+    return (
+        f"{method} {path} {status or '-'} conv={conv} prompt={_or_dash(prompt)} cached={_or_dash(cached)} "
+        f"computed={_or_dash(computed)} ttft_ms={ttft} ms={1e3 * (ended - started):.1f}"
+    )
 
 
 def _or_dash(value: int | None) -> str:
@@ -361,7 +377,7 @@ def api_key_ok(header: str | None, keys: tuple[bytes, ...]) -> bool:
     """`Authorization: Bearer <key>` with one of `keys` (compared in constant time)."""
     if not header or not header.startswith("Bearer "):
         return False
-    given = header[len("Bearer "):].strip().encode()
+    given = header[len("Bearer ") :].strip().encode()
     return any(hmac.compare_digest(given, key) for key in keys)
 
 

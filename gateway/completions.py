@@ -80,8 +80,17 @@ class _Unconfirmed(Exception):
 class Completions:
     """Chat and text completions: the stages in order (module docstring)."""
 
-    def __init__(self, *, model: ModelInfo, turns: Turns, metrics: GatewayMetrics, conversations: Conversations,
-                 tenants: Tenants, page_size: int, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        *,
+        model: ModelInfo,
+        turns: Turns,
+        metrics: GatewayMetrics,
+        conversations: Conversations,
+        tenants: Tenants,
+        page_size: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.model = model
         self.tenants = tenants  # whose reuse each request may share (tenants.py)
         self.turns = turns
@@ -95,16 +104,13 @@ class Completions:
         self.drafting = Drafting()
 
     # ----------------------------------------------------------------- chat
-    async def chat(
-        self, request: oa.ChatCompletionRequest, *, headers: Mapping[str, str], started: float
-    ) -> dict[str, Any] | EventStream:
+    async def chat(self, request: oa.ChatCompletionRequest, *, headers: Mapping[str, str], started: float) -> dict[str, Any] | EventStream:
         """A chat turn: its draft first when there is one, the plain prompt when the draft
         is refused or not confirmed (module docstring)."""
         self._check_model(request.model)
         tenant = self.tenants.of(authorization=headers.get("authorization"), cache_salt=request.cache_salt)
         tagger, drafts = self.model.tagger, self.metrics.prompt_drafts
-        kwargs: dict[str, Any] = {"tools": request.tools, "template_kwargs": request.chat_template_kwargs,
-                                  "scope": tenant.id}
+        kwargs: dict[str, Any] = {"tools": request.tools, "template_kwargs": request.chat_template_kwargs, "scope": tenant.id}
         draft = tagger.draft(request.messages, **kwargs) if self.drafting.on else None
         if draft is not None:
             self.drafting.drafts += 1
@@ -125,24 +131,40 @@ class Completions:
         return await self._chat(request, prompt, None, tenant, headers=headers, started=started)
 
     async def _chat(
-        self, request: oa.ChatCompletionRequest, prompt: TaggedPrompt, draft: Draft | None, tenant: Tenant, *,
-        headers: Mapping[str, str], started: float,
+        self,
+        request: oa.ChatCompletionRequest,
+        prompt: TaggedPrompt,
+        draft: Draft | None,
+        tenant: Tenant,
+        *,
+        headers: Mapping[str, str],
+        started: float,
     ) -> dict[str, Any] | EventStream:
         identified = self._identify_chat(request, prompt, draft, tenant, headers=headers)
         assert identified.sent is not None
         sent = identified.sent.prompt
         history = any(isinstance(m, dict) and m.get("role") in ("assistant", "tool") for m in request.messages)
-        turn_request = self._turn_request("chatcmpl", sent.input_ids, sent.tags, request, request.limit,
-                                          identified.conversation.key, tenant, has_history=history,
-                                          tag_runs=sent.tag_runs, ids_json=identified.sent.ids_json)
+        turn_request = self._turn_request(
+            "chatcmpl",
+            sent.input_ids,
+            sent.tags,
+            request,
+            request.limit,
+            identified.conversation.key,
+            tenant,
+            has_history=history,
+            tag_runs=sent.tag_runs,
+            ids_json=identified.sent.ids_json,
+        )
         items = self._run(turn_request, request.stop_strings(), started, route="chat", draft=draft, identified=identified)
         rid, name = turn_request.request_id, self.model.name
         if request.stream:
             return await first_then_rest(relay.chat_stream(items, id=rid, model=name, request=request))
         return await relay.chat_whole(items, id=rid, model=name, request=request)
 
-    def _identify_chat(self, request: oa.ChatCompletionRequest, prompt: TaggedPrompt, draft: Draft | None,
-                       tenant: Tenant, *, headers: Mapping[str, str]) -> Identified:
+    def _identify_chat(
+        self, request: oa.ChatCompletionRequest, prompt: TaggedPrompt, draft: Draft | None, tenant: Tenant, *, headers: Mapping[str, str]
+    ) -> Identified:
         """The conversation's record, with what the prompt stage kept filed on it, and the prompt
         to send: the previous turn's held ids + the rest when the text extends them."""
         identity = self.identities.identify(headers=headers, body=_id_fields(request), prompt=prompt, tenant=tenant)
@@ -161,9 +183,7 @@ class Completions:
         return Identified(conv, prompt.input_ids, sent, identity.chain)
 
     # ----------------------------------------------------------------- text
-    async def text(
-        self, request: oa.CompletionRequest, *, headers: Mapping[str, str], started: float
-    ) -> dict[str, Any] | EventStream:
+    async def text(self, request: oa.CompletionRequest, *, headers: Mapping[str, str], started: float) -> dict[str, Any] | EventStream:
         self._check_model(request.model)
         tenant = self.tenants.of(authorization=headers.get("authorization"), cache_salt=request.cache_salt)
         prompt = request.single_prompt()
@@ -184,8 +204,9 @@ class Completions:
         if identity is not None:
             self.metrics.identities.labels(identity.source).inc()
             identified = Identified(self.store.open(identity.key, scope=tenant.id), input_ids)
-        turn_request = self._turn_request("cmpl", input_ids, tags, request, request.limit,
-                                          identity.key if identity is not None else None, tenant)
+        turn_request = self._turn_request(
+            "cmpl", input_ids, tags, request, request.limit, identity.key if identity is not None else None, tenant
+        )
         items = self._run(turn_request, request.stop_strings(), started, route="completions", identified=identified)
         rid, name = turn_request.request_id, self.model.name
         if request.stream:
@@ -198,8 +219,17 @@ class Completions:
             raise model_not_found(model)
 
     def _turn_request(
-        self, prefix: str, input_ids: list[int], tags: list[int], request: oa._SamplingFields, limit: int | None,
-        key: str | None, tenant: Tenant, *, has_history: bool = True, tag_runs: tuple[tuple[int, int], ...] = (),
+        self,
+        prefix: str,
+        input_ids: list[int],
+        tags: list[int],
+        request: oa._SamplingFields,
+        limit: int | None,
+        key: str | None,
+        tenant: Tenant,
+        *,
+        has_history: bool = True,
+        tag_runs: tuple[tuple[int, int], ...] = (),
         ids_json: str | None = None,
     ) -> TurnRequest:
         n, context = len(input_ids), self.model.max_model_len
@@ -219,12 +249,26 @@ class Completions:
         }
         # runs that are not those of these tags leave the list to go out as it is
         tags_json = runs_json(tag_runs) if tag_runs and tag_runs[-1][0] == len(tags) else None
-        return TurnRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", input_ids=input_ids, tags=tags, sampling=sampling,
-                           conversation_key=key, has_history=has_history, ids_json=ids_json, tags_json=tags_json,
-                           cache_salt=tenant.cache_salt)
+        return TurnRequest(
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            input_ids=input_ids,
+            tags=tags,
+            sampling=sampling,
+            conversation_key=key,
+            has_history=has_history,
+            ids_json=ids_json,
+            tags_json=tags_json,
+            cache_salt=tenant.cache_salt,
+        )
 
     async def _run(
-        self, turn_request: TurnRequest, stops: list[str], started: float, *, route: str, draft: Draft | None = None,
+        self,
+        turn_request: TurnRequest,
+        stops: list[str],
+        started: float,
+        *,
+        route: str,
+        draft: Draft | None = None,
         identified: Identified | None = None,
     ) -> AsyncGenerator[Item, None]:
         """Route, execute and relay the turn: the relay's items; the conversation's record is
@@ -268,8 +312,9 @@ class Completions:
         output_ids = self.model.tokenizer.encode_ids(ended.text)
         tenant = Tenant(cache_salt or "")  # a tenant is its id, which the salt is
         canonical = identified.canonical
-        self.identities.remember(identified.conversation.key, canonical + output_ids, tenant=tenant,
-                                 prefix=len(canonical), prefix_chain=identified.chain)
+        self.identities.remember(
+            identified.conversation.key, canonical + output_ids, tenant=tenant, prefix=len(canonical), prefix_chain=identified.chain
+        )
         if identified.sent is not None:
             self.store.hold(identified.conversation, self.history.held_after(identified.sent, ended.ids, ended.text))
 
@@ -278,6 +323,7 @@ class Completions:
             if not draft.confirmed():
                 raise _Unconfirmed
             self.metrics.prompt_drafts.labels("confirmed").inc()
+
         return check
 
 

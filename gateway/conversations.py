@@ -83,7 +83,6 @@ class Lease:
         self.expires_at = float(expires_at or 0.0)
 
 
-
 @dataclass(slots=True, eq=False)
 class Conversation:
     """One conversation: everything kept between its turns (module docstring)."""

@@ -33,9 +33,7 @@ class Decoder(Protocol):
 class IncrementalDetokenizer:
     """Text deltas for a stream of generated token ids (one per request)."""
 
-    def __init__(
-        self, tokenizer: Decoder, *, skip_special_tokens: bool = True, skip_ids: Iterable[int] = ()
-    ) -> None:
+    def __init__(self, tokenizer: Decoder, *, skip_special_tokens: bool = True, skip_ids: Iterable[int] = ()) -> None:
         self._tok = tokenizer
         self._skip_special = skip_special_tokens
         self._skip_ids = frozenset(skip_ids)

@@ -110,9 +110,7 @@ def context_length_exceeded(*, prompt_tokens: int, max_tokens: int, context_leng
 
 def service_unavailable(message: str, *, retry_after_s: int = 1, code: str = "service_unavailable") -> GatewayError:
     """503 with Retry-After: no healthy worker for this request (or this gateway is draining)."""
-    return GatewayError(
-        503, message, type=SERVICE_UNAVAILABLE, code=code, headers={"Retry-After": str(retry_after_s)}
-    )
+    return GatewayError(503, message, type=SERVICE_UNAVAILABLE, code=code, headers={"Retry-After": str(retry_after_s)})
 
 
 def server_error(message: str, *, code: str | None = None) -> GatewayError:

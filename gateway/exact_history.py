@@ -114,7 +114,9 @@ class ExactHistory:
         if held is None or not prompt.text.startswith(held.text):
             return _as_rendered(prompt)
         n = len(held.ids)
-        if len(prompt.input_ids) >= n and array("i", prompt.input_ids[:n]) == held.ids:  # the rendered ids already extend what the workers hold
+        if (
+            len(prompt.input_ids) >= n and array("i", prompt.input_ids[:n]) == held.ids
+        ):  # the rendered ids already extend what the workers hold
             return Sent(prompt, spliced=False, ids_json=f"[{_joined_elements(held.ids_json, _elements(prompt.input_ids[n:]))}]")
         canon = self._char_starts(prompt)
         if len(canon) != len(prompt.tags):
@@ -181,8 +183,15 @@ def _retag(prompt: TaggedPrompt, ids: list[int], starts: Sequence[int], canon_st
         min(bisect.bisect_left(starts, canon_starts[t] if t < len(canon_starts) else len(prompt.text)), len(ids) - 1)
         for t in prompt.turn_starts
     )
-    return replace(prompt, input_ids=ids, tags=expand_runs(out_runs), turn_starts=turn_starts, char_starts=starts,
-                   tag_runs=tuple(out_runs), ids_json="")
+    return replace(
+        prompt,
+        input_ids=ids,
+        tags=expand_runs(out_runs),
+        turn_starts=turn_starts,
+        char_starts=starts,
+        tag_runs=tuple(out_runs),
+        ids_json="",
+    )
 
 
 def _runs_of(tags: list[int]) -> list[tuple[int, int]]:

@@ -114,8 +114,7 @@ class PromptLike(Protocol):
     def current_turn_start(self) -> int: ...
 
 
-def explicit_identity(headers: Mapping[str, str], body: Mapping[str, Any], *,
-                      tenant: Tenant | None = None) -> Identity | None:
+def explicit_identity(headers: Mapping[str, str], body: Mapping[str, Any], *, tenant: Tenant | None = None) -> Identity | None:
     """Sources 1-3 (session header, prompt_cache_key, user), or None; with ``tenant``,
     the key as that tenant's (``Tenant.scope``)."""
     lowered = {str(k).lower(): v for k, v in headers.items()}
@@ -186,8 +185,6 @@ def _filed_under(tenant: Tenant, chain_value: int) -> int:
     return hash((tenant.id, chain_value)) if tenant.id else chain_value
 
 
-
-
 class Identities:
     """Sources 1-5 against the conversation store's records."""
 
@@ -198,8 +195,7 @@ class Identities:
         self.page_size = page_size
         self._new_suffix = new_suffix or (lambda: uuid.uuid4().hex[:16])
 
-    def identify(self, *, headers: Mapping[str, str], body: Mapping[str, Any], prompt: PromptLike,
-                 tenant: Tenant) -> Identity:
+    def identify(self, *, headers: Mapping[str, str], body: Mapping[str, Any], prompt: PromptLike, tenant: Tenant) -> Identity:
         """Sources 1-5 in order (see the module doc), as ``tenant``'s; looks only, remembers nothing."""
         explicit = explicit_identity(headers, body, tenant=tenant)
         if explicit is not None:
@@ -276,8 +272,9 @@ class Identities:
                 break
         return max(first_content, last_before_turn)
 
-    def remember(self, key: str, ids: Sequence[int], *, tenant: Tenant, prefix: int | None = None,
-                 prefix_chain: Sequence[int] | None = None) -> None:
+    def remember(
+        self, key: str, ids: Sequence[int], *, tenant: Tenant, prefix: int | None = None, prefix_chain: Sequence[int] | None = None
+    ) -> None:
         """File a sequence of ``tenant``'s conversation `key` (a prompt, or prompt + output) on its record, and
         its first ``prefix`` tokens too when given (one chain serves both).
         ``prefix_chain``: the page chain of those first ``prefix`` tokens

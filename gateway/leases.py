@@ -54,8 +54,7 @@ class Sweep:
 class LeaseTable:
     """The leases of a conversation store's records, ordered by last activity (oldest first)."""
 
-    def __init__(self, store: Conversations | None = None, *, lease_ttl_s: float, heartbeat_s: float,
-                 max_leases: int) -> None:
+    def __init__(self, store: Conversations | None = None, *, lease_ttl_s: float, heartbeat_s: float, max_leases: int) -> None:
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
         if heartbeat_s <= 0:
@@ -214,9 +213,7 @@ class LeaseKeeper:
         lease = self.table.get(key)
         if lease is not None or not decode_urls:
             return lease
-        answers = await asyncio.gather(
-            *(self.client.find_leases(url, conversation_key=key) for url in decode_urls), return_exceptions=True
-        )
+        answers = await asyncio.gather(*(self.client.find_leases(url, conversation_key=key) for url in decode_urls), return_exceptions=True)
         best: tuple[float, str, dict[str, Any]] | None = None
         for url, answer in zip(decode_urls, answers):
             if isinstance(answer, BaseException):

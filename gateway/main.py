@@ -51,8 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", nargs="+", default=None, metavar="URL", help="prefill worker URLs (static list)")
     parser.add_argument("--decode", nargs="+", default=None, metavar="URL", help="decode worker URLs (static list)")
     parser.add_argument("--model", type=Path, default=None, metavar="DIR", help="model directory (tokenizer, template)")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                        help="log level; one access-log line per API request at info, per probe and scrape at debug")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="log level; one access-log line per API request at info, per probe and scrape at debug",
+    )
 
 
 API_KEYS_ENV = "KVSERVING_GATEWAY_API_KEYS"
@@ -102,8 +106,16 @@ def check_worker_url(url: str, where: str) -> None:
         port = parts.port
     except ValueError:
         parts, port = None, None
-    if (parts is None or parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or parts.query
-            or parts.fragment or parts.username or port == 0):
+    if (
+        parts is None
+        or parts.scheme != "http"
+        or not parts.hostname
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or parts.username
+        or port == 0
+    ):
         raise ValueError(f"{where}: {url!r} is not a worker URL; give http://HOST:PORT")
 
 
@@ -136,11 +148,17 @@ def run(args: argparse.Namespace) -> int:
     if not (config.gateway.prefill_urls or config.gateway.decode_urls or config.gateway.decode_service):
         raise SystemExit("kvserving gateway: no workers: give --decode URL (and --prefill URL) or gateway.decode_service")
     if config.security.read_internal_token() is None:
-        raise ValueError("security.internal_token_file is not set: workers serve /internal/* only to callers with "
-                         "the deployment's credential (kvserving up and the operator provide one)")
+        raise ValueError(
+            "security.internal_token_file is not set: workers serve /internal/* only to callers with "
+            "the deployment's credential (kvserving up and the operator provide one)"
+        )
     where = model_dir(config)
-    model = ModelInfo.load(where, served_name=config.model.served_name,
-                           max_model_len=config.model.max_model_len, max_kept_tokens=config.gateway.max_kept_tokens)
+    model = ModelInfo.load(
+        where,
+        served_name=config.model.served_name,
+        max_model_len=config.model.max_model_len,
+        max_kept_tokens=config.gateway.max_kept_tokens,
+    )
     log.info("%s", startup_line(config, args, model_name=model.name, max_model_len=model.max_model_len, model_dir=where))
     state = build_state(config, model=model, registry=CollectorRegistry())
     app = build_app(state)
@@ -157,15 +175,21 @@ def run(args: argparse.Namespace) -> int:
     # before). Measurements: docs/performance-log/gateway.md.
     gc.set_threshold(5_000, 80, 20)
     grace = config.gateway.drain_grace_s
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                               timeout_graceful_shutdown=math.ceil(grace + DRAIN_MARGIN_S), timeout_keep_alive=KEEP_ALIVE_S)
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=math.ceil(grace + DRAIN_MARGIN_S),
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
     server = _Server(uv_config, grace_s=grace, end_streams=state.client.abort_streams)
     server.run()
     return 0
 
 
-def startup_line(config: ServingConfig, args: argparse.Namespace, *, model_name: str, max_model_len: int,
-                 model_dir: Path) -> str:
+def startup_line(config: ServingConfig, args: argparse.Namespace, *, model_name: str, max_model_len: int, model_dir: Path) -> str:
     """What the gateway serves, from where, in front of which workers: one line (no keys)."""
     gw = config.gateway
     workers = []
@@ -175,8 +199,10 @@ def startup_line(config: ServingConfig, args: argparse.Namespace, *, model_name:
         if service:
             workers.append(f"{role} service {service}:{gw.worker_port}")
     keys = f"{len(gw.api_keys)} API key(s)" if gw.api_keys else "no API keys"
-    return (f"kvserving gateway on http://{args.host}:{args.port}: model {model_name} ({model_dir}, context "
-            f"{max_model_len}); workers: {'; '.join(workers)}; config {args.config or 'built-in defaults'}; {keys}")
+    return (
+        f"kvserving gateway on http://{args.host}:{args.port}: model {model_name} ({model_dir}, context "
+        f"{max_model_len}); workers: {'; '.join(workers)}; config {args.config or 'built-in defaults'}; {keys}"
+    )
 
 
 class _Server(uvicorn.Server):

@@ -58,24 +58,29 @@ class GatewayMetrics:
         p = "kvserving_gateway_"
         self.requests = Counter(p + "requests", "Requests by route and HTTP status code", ["route", "code"], registry=registry)
         self.ttft = Histogram(
-            p + "time_to_first_token_seconds", "Time from request to first streamed token, by whether the prompt reused KV",
+            p + "time_to_first_token_seconds",
+            "Time from request to first streamed token, by whether the prompt reused KV",
             ["route", "reuse"],
-            buckets=TTFT_BUCKETS, registry=registry,
+            buckets=TTFT_BUCKETS,
+            registry=registry,
         )
         for route in ("chat", "completions"):  # series exist from the start: a first observation is a rate, not a jump
             for reuse in ("yes", "no"):
                 self.ttft.labels(route, reuse)
         self.reused_tokens = Counter(
-            p + "kv_reused_tokens", "Prompt tokens served from reused KV instead of recompute, by source",
-            ["source"], registry=registry,
+            p + "kv_reused_tokens",
+            "Prompt tokens served from reused KV instead of recompute, by source",
+            ["source"],
+            registry=registry,
         )
         self.in_flight = Gauge(p + "requests_in_flight", "Requests being served", registry=registry)
-        self.itl = Histogram(
-            p + "inter_token_latency_seconds", "Time between streamed tokens", buckets=ITL_BUCKETS, registry=registry
-        )
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between streamed tokens", buckets=ITL_BUCKETS, registry=registry)
         self.duration = Histogram(
-            p + "request_duration_seconds", "Time from request to its last byte", ["route"],
-            buckets=DURATION_BUCKETS, registry=registry,
+            p + "request_duration_seconds",
+            "Time from request to its last byte",
+            ["route"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
         )
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of served requests", registry=registry)
         self.completion_tokens = Counter(p + "completion_tokens", "Tokens generated for clients", registry=registry)
@@ -86,27 +91,31 @@ class GatewayMetrics:
         self.lease_renewals = Counter(p + "lease_renewals", "Leases renewed on their worker", registry=registry)
         self.lease_releases = Counter(p + "lease_releases", "Leases released (idle or superseded)", registry=registry)
         self.lease_expiries = Counter(p + "lease_expiries", "Leases that expired or their worker forgot", registry=registry)
-        self.routing = Counter(
-            p + "routing_decisions", "Routing decisions by role and reason", ["role", "reason"], registry=registry
-        )
+        self.routing = Counter(p + "routing_decisions", "Routing decisions by role and reason", ["role", "reason"], registry=registry)
         self.upstream_errors = Counter(p + "upstream_errors", "Worker failures by kind", ["kind"], registry=registry)
         self.reuse_fallbacks = Counter(
-            p + "reuse_fallbacks", "Turns whose retained KV could not be used, by reason (the prompt was recomputed)",
-            ["reason"], registry=registry,
+            p + "reuse_fallbacks",
+            "Turns whose retained KV could not be used, by reason (the prompt was recomputed)",
+            ["reason"],
+            registry=registry,
         )
         self.reuse_fallbacks.labels("holder_unresponsive")  # the series exists from the start
         self.identities = Counter(
             p + "conversation_identities", "How each request's conversation was identified", ["source"], registry=registry
         )
         self.exact_history = Counter(
-            p + "exact_history", "Chat prompts that start with the previous turn's held ids (spliced) or as rendered",
-            ["result"], registry=registry,
+            p + "exact_history",
+            "Chat prompts that start with the previous turn's held ids (spliced) or as rendered",
+            ["result"],
+            registry=registry,
         )
         self.workers_healthy = Gauge(p + "workers_healthy", "Healthy workers by role", ["role"], registry=registry)
         self.prompt_drafts = Counter(
-            p + "prompt_drafts", "Chat prompts sent from the marked render before the real render confirmed them: "
+            p + "prompt_drafts",
+            "Chat prompts sent from the marked render before the real render confirmed them: "
             "confirmed, mismatch (aborted and sent again from the real render), none (no draft possible), off",
-            ["result"], registry=registry,
+            ["result"],
+            registry=registry,
         )
 
     # LeaseEvents (leases.LeaseKeeper)
@@ -159,9 +168,12 @@ class PromptReuse(Collector):
 
     def collect(self) -> Iterator[Metric]:
         parts, tokens = self.source.reuse_counts()
-        reuse = CounterMetricFamily("kvserving_gateway_prompt_reuse", "Chat prompts whose tokens, labels or marked-render "
-                                    "parse came from the previous turn's kept prefix (hit) or were done whole (miss)",
-                                    labels=["part", "result"])
+        reuse = CounterMetricFamily(
+            "kvserving_gateway_prompt_reuse",
+            "Chat prompts whose tokens, labels or marked-render "
+            "parse came from the previous turn's kept prefix (hit) or were done whole (miss)",
+            labels=["part", "result"],
+        )
         for part, (hits, misses) in parts.items():
             reuse.add_metric([part, "hit"], hits)
             reuse.add_metric([part, "miss"], misses)

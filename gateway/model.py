@@ -27,8 +27,9 @@ class ModelInfo:
     created: int
 
     @classmethod
-    def load(cls, model_dir: str | Path, *, served_name: str, max_kept_tokens: int | None = None,
-             max_model_len: int | None = None) -> ModelInfo:
+    def load(
+        cls, model_dir: str | Path, *, served_name: str, max_kept_tokens: int | None = None, max_model_len: int | None = None
+    ) -> ModelInfo:
         """Tokenizer, chat template, context length and EOS ids of a model directory. What is
         kept between turns is bounded by the conversation store (completions.build_conversations);
         ``max_kept_tokens`` is accepted for the callers that still pass it."""
@@ -45,9 +46,15 @@ class ModelInfo:
             stop_ids.append(tokenizer.eos_token_id)
         defaults = {k: generation[k] for k in ("temperature", "top_p", "top_k") if generation.get(k) is not None}
         tagger = ChatTagger(tokenizer, ChatTemplate.from_dir(root))
-        return cls(name=served_name, max_model_len=context, tokenizer=tokenizer, tagger=tagger,
-                   stop_token_ids=tuple(int(i) for i in stop_ids), defaults=defaults,
-                   created=int(root.stat().st_mtime))
+        return cls(
+            name=served_name,
+            max_model_len=context,
+            tokenizer=tokenizer,
+            tagger=tagger,
+            stop_token_ids=tuple(int(i) for i in stop_ids),
+            defaults=defaults,
+            created=int(root.stat().st_mtime),
+        )
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -105,8 +105,7 @@ class _SamplingFields(BaseModel):
         if self.top_logprobs:
             raise _unsupported("top_logprobs are not supported by this server (logprobs are not).", "top_logprobs")
         if self.stream_options is not None and not self.stream:
-            raise invalid_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
-                                  param="stream_options")
+            raise invalid_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.", param="stream_options")
         if len(self.stop_strings()) > 4:
             raise invalid_request("'stop' may hold at most 4 sequences.", param="stop")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -139,30 +138,41 @@ class ChatCompletionRequest(_SamplingFields):
     def check_supported(self) -> None:
         super().check_supported()
         if any(m != "text" for m in self.modalities or ()):
-            raise _unsupported("Only text output is supported by this server: 'modalities' may hold only 'text'.",
-                               "modalities")
+            raise _unsupported("Only text output is supported by this server: 'modalities' may hold only 'text'.", "modalities")
         if self.audio is not None:
             raise _unsupported("Audio output is not supported by this server.", "audio")
         if self.functions or self.function_call not in (None, "none", "auto"):
             name = "functions" if self.functions else "function_call"
-            raise _unsupported(f"The legacy '{name}' parameter is not supported by this server: send the functions "
-                               "as 'tools' (and 'tool_choice').", name)
+            raise _unsupported(
+                f"The legacy '{name}' parameter is not supported by this server: send the functions as 'tools' (and 'tool_choice').", name
+            )
         kind = None if self.response_format is None else self.response_format.get("type")
         if self.response_format is not None and kind != "text":
             if kind in ("json_object", "json_schema"):
-                raise _unsupported(f"response_format type '{kind}' is not supported by this server: nothing "
-                                   "constrains the output to JSON (only 'text').", "response_format")
-            raise invalid_request(f"Invalid value for 'response_format.type': {kind!r} (one of 'text', 'json_object', "
-                                  "'json_schema').", param="response_format.type", code="invalid_value")
+                raise _unsupported(
+                    f"response_format type '{kind}' is not supported by this server: nothing constrains the output to JSON (only 'text').",
+                    "response_format",
+                )
+            raise invalid_request(
+                f"Invalid value for 'response_format.type': {kind!r} (one of 'text', 'json_object', 'json_schema').",
+                param="response_format.type",
+                code="invalid_value",
+            )
         choice = self.tool_choice
         if choice is None or choice in ("auto", "none"):
             return
         if choice == "required" or isinstance(choice, dict):
-            raise _unsupported("tool_choice that forces a tool call ('required' or a named function) is not "
-                               "supported by this server: nothing forces the model to call one (use 'auto' or "
-                               "'none').", "tool_choice")
-        raise invalid_request(f"Invalid value for 'tool_choice': {choice!r} (one of 'none', 'auto', 'required' or a "
-                              "named function).", param="tool_choice", code="invalid_value")
+            raise _unsupported(
+                "tool_choice that forces a tool call ('required' or a named function) is not "
+                "supported by this server: nothing forces the model to call one (use 'auto' or "
+                "'none').",
+                "tool_choice",
+            )
+        raise invalid_request(
+            f"Invalid value for 'tool_choice': {choice!r} (one of 'none', 'auto', 'required' or a named function).",
+            param="tool_choice",
+            code="invalid_value",
+        )
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -227,8 +237,11 @@ def _validation_error(exc: ValidationError) -> GatewayError:
     if kind == "missing":
         message = f"Missing required parameter: '{where}'."
         return invalid_request(message, param=param, code="missing_required_parameter")
-    return invalid_request(f"Invalid value for '{where}': {first.get('msg', 'invalid')}.", param=param,
-                           code="invalid_value" if "type" not in kind else "invalid_type")
+    return invalid_request(
+        f"Invalid value for '{where}': {first.get('msg', 'invalid')}.",
+        param=param,
+        code="invalid_value" if "type" not in kind else "invalid_type",
+    )
 
 
 def decode_json(raw: bytes) -> Any:
@@ -256,8 +269,7 @@ def parse_chat_request(body: Any, *, limits: RequestLimits | None = None) -> Cha
         if message.get("role") == "tool" and not isinstance(message.get("tool_call_id"), str):
             param = f"messages[{i}].tool_call_id"
             if message.get("tool_call_id") is None:
-                raise invalid_request(f"Missing required parameter: '{param}'.", param=param,
-                                      code="missing_required_parameter")
+                raise invalid_request(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
             raise invalid_request(f"Invalid type for '{param}': expected a string.", param=param, code="invalid_type")
     request.check_supported()
     _check_size(chars, limits, param="messages")
@@ -286,8 +298,11 @@ def _check_body(body: Any, *, prompt_fields: tuple[str, ...]) -> int:
     for key, value in body.items():
         n, odd = _scan(value)
         if odd and (where := _surrogate_at(value, key)) is not None:
-            raise invalid_request(f"Invalid value for '{where}': the string holds an unpaired UTF-16 surrogate, "
-                                  "which is not a Unicode character.", param=where, code="invalid_value")
+            raise invalid_request(
+                f"Invalid value for '{where}': the string holds an unpaired UTF-16 surrogate, which is not a Unicode character.",
+                param=where,
+                code="invalid_value",
+            )
         if key in prompt_fields:
             chars += n
     return chars
@@ -338,13 +353,13 @@ def _surrogate_at(value: Any, where: str) -> str | None:
 
 def _check_size(chars: int, limits: RequestLimits | None, *, param: str) -> None:
     if limits is not None and chars > limits.max_prompt_chars:
-        raise context_length_exceeded_chars(chars=chars, context_length=limits.max_model_len,
-                                            max_token_chars=limits.max_token_chars, param=param)
+        raise context_length_exceeded_chars(
+            chars=chars, context_length=limits.max_model_len, max_token_chars=limits.max_token_chars, param=param
+        )
 
 
 def _too_deep() -> GatewayError:
-    return invalid_request(f"The JSON body of your request nests deeper than {MAX_JSON_DEPTH} levels.",
-                           code="invalid_json")
+    return invalid_request(f"The JSON body of your request nests deeper than {MAX_JSON_DEPTH} levels.", code="invalid_json")
 
 
 # ---------------------------------------------------------------- responses
@@ -361,9 +376,7 @@ def usage(*, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> 
     }
 
 
-def chat_message(
-    *, content: str | None, reasoning: str | None = None, tool_calls: list[dict[str, Any]] | None = None
-) -> dict[str, Any]:
+def chat_message(*, content: str | None, reasoning: str | None = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
@@ -373,7 +386,13 @@ def chat_message(
 
 
 def chat_completion(
-    *, id: str, created: int, model: str, message: dict[str, Any], finish_reason: str, usage: dict[str, Any]  # noqa: A002
+    *,
+    id: str,
+    created: int,
+    model: str,
+    message: dict[str, Any],
+    finish_reason: str,
+    usage: dict[str, Any],  # noqa: A002
 ) -> dict[str, Any]:
     return {
         "id": id,
@@ -387,15 +406,23 @@ def chat_completion(
 
 
 def chat_chunk(
-    *, id: str, created: int, model: str, delta: dict[str, Any] | None, finish_reason: str | None = None,  # noqa: A002
-    usage: dict[str, Any] | None = None, include_usage: bool = False,
+    *,
+    id: str,
+    created: int,
+    model: str,
+    delta: dict[str, Any] | None,
+    finish_reason: str | None = None,  # noqa: A002
+    usage: dict[str, Any] | None = None,
+    include_usage: bool = False,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk``; ``delta=None`` is the usage-only chunk (no choices)."""
     chunk: dict[str, Any] = {
-        "id": id, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": None,
-        "choices": [] if delta is None else [
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        ],
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
     }
     if include_usage:
         chunk["usage"] = usage
@@ -403,24 +430,42 @@ def chat_chunk(
 
 
 def completion(
-    *, id: str, created: int, model: str, text: str, finish_reason: str, usage: dict[str, Any]  # noqa: A002
+    *,
+    id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    usage: dict[str, Any],  # noqa: A002
 ) -> dict[str, Any]:
     return {
-        "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None,
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
         "usage": usage,
     }
 
 
 def completion_chunk(
-    *, id: str, created: int, model: str, text: str | None, finish_reason: str | None = None,  # noqa: A002
-    usage: dict[str, Any] | None = None, include_usage: bool = False,
+    *,
+    id: str,
+    created: int,
+    model: str,
+    text: str | None,
+    finish_reason: str | None = None,  # noqa: A002
+    usage: dict[str, Any] | None = None,
+    include_usage: bool = False,
 ) -> dict[str, Any]:
     chunk: dict[str, Any] = {
-        "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None,
-        "choices": [] if text is None else [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        ],
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
     }
     if include_usage:
         chunk["usage"] = usage

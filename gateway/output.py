@@ -108,12 +108,12 @@ class OutputParser:
             hits = [(i, m) for m in markers if (i := self.buffer.find(m)) >= 0]
             if not hits:
                 keep = 0 if final else _held_prefix(self.buffer, markers)
-                text, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                text, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
                 self._emit(text, deltas)
                 return deltas
             index, marker = min(hits)
             self._emit(self.buffer[:index], deltas)
-            self.buffer = self.buffer[index + len(marker):]
+            self.buffer = self.buffer[index + len(marker) :]
             self._switch(marker, deltas)
 
     def finish(self) -> list[dict[str, Any]]:
@@ -133,8 +133,7 @@ class OutputParser:
             call.pop("index", None)
         if calls:
             content = content.strip()
-        return Parsed(content=content or (None if calls else ""), reasoning=reasoning if has_reasoning else None,
-                      tool_calls=calls)
+        return Parsed(content=content or (None if calls else ""), reasoning=reasoning if has_reasoning else None, tool_calls=calls)
 
     def _emit(self, text: str, deltas: list[dict[str, Any]]) -> None:
         if self.strip_newline and text:  # the newlines the template puts after <think> and </think>

@@ -59,8 +59,9 @@ class Relay:
         self.stop_token_ids = tuple(stop_token_ids)
         self.metrics = metrics
 
-    async def items(self, turn: Turn, stops: list[str], started: float, *,
-                    check: Callable[[], None] | None = None) -> AsyncGenerator[Item, None]:
+    async def items(
+        self, turn: Turn, stops: list[str], started: float, *, check: Callable[[], None] | None = None
+    ) -> AsyncGenerator[Item, None]:
         """The turn's items; ``check`` runs before anything is relayed (a draft prompt's
         confirmation: raising there closes the worker stream)."""
         detok = IncrementalDetokenizer(self.tokenizer, skip_ids=self.stop_token_ids)
@@ -123,8 +124,7 @@ class Relay:
 
 # ----------------------------------------------------------------- bodies
 def usage_body(result: TurnResult) -> dict[str, Any]:
-    body = oa.usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
-                    cached_tokens=result.cached_tokens)
+    body = oa.usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens)
     # kvserving's own breakdown (clients ignore unknown usage fields; the demo prints it)
     body["kvserving"] = {
         "local_cached_tokens": result.local_cached_tokens,
@@ -148,24 +148,36 @@ async def _collect(items: AsyncIterator[Item]) -> tuple[str, Ended]:
     return "".join(pieces), ended
 
 
-async def chat_whole(items: AsyncIterator[Item], *, id: str, model: str,  # noqa: A002
-                     request: oa.ChatCompletionRequest) -> dict[str, Any]:
+async def chat_whole(
+    items: AsyncIterator[Item],
+    *,
+    id: str,
+    model: str,  # noqa: A002
+    request: oa.ChatCompletionRequest,
+) -> dict[str, Any]:
     text, ended = await _collect(items)
     parsed = OutputParser(tools=request.parses_tool_calls, max_calls=request.max_tool_calls).parse(text)
     finish = "tool_calls" if parsed.tool_calls and ended.finish == "stop" else ended.finish
     message = oa.chat_message(content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls)
-    return oa.chat_completion(id=id, created=int(time.time()), model=model, message=message, finish_reason=finish,
-                              usage=usage_body(ended.result))
+    return oa.chat_completion(
+        id=id, created=int(time.time()), model=model, message=message, finish_reason=finish, usage=usage_body(ended.result)
+    )
 
 
 async def text_whole(items: AsyncIterator[Item], *, id: str, model: str) -> dict[str, Any]:  # noqa: A002
     text, ended = await _collect(items)
-    return oa.completion(id=id, created=int(time.time()), model=model, text=text, finish_reason=ended.finish,
-                         usage=usage_body(ended.result))
+    return oa.completion(
+        id=id, created=int(time.time()), model=model, text=text, finish_reason=ended.finish, usage=usage_body(ended.result)
+    )
 
 
-async def chat_stream(items: AsyncIterator[Item], *, id: str, model: str,  # noqa: A002
-                      request: oa.ChatCompletionRequest) -> AsyncGenerator[bytes, None]:
+async def chat_stream(
+    items: AsyncIterator[Item],
+    *,
+    id: str,
+    model: str,  # noqa: A002
+    request: oa.ChatCompletionRequest,
+) -> AsyncGenerator[bytes, None]:
     """SSE frames; the frames of one batch of tokens go out as one write (the role frame
     with the first text; the last text with the finish and usage frames and ``[DONE]``,
     written once the turn's metrics are recorded)."""
@@ -199,13 +211,19 @@ async def chat_stream(items: AsyncIterator[Item], *, id: str, model: str,  # noq
         yield sse(exc.to_body())
 
 
-async def text_stream(items: AsyncIterator[Item], *, id: str, model: str,  # noqa: A002
-                      request: oa.CompletionRequest) -> AsyncGenerator[bytes, None]:
+async def text_stream(
+    items: AsyncIterator[Item],
+    *,
+    id: str,
+    model: str,  # noqa: A002
+    request: oa.CompletionRequest,
+) -> AsyncGenerator[bytes, None]:
     created, usage_on = int(time.time()), request.include_usage
 
     def chunk(text: str | None, finish: str | None = None, usage: dict[str, Any] | None = None) -> bytes:
-        return sse(oa.completion_chunk(id=id, created=created, model=model, text=text, finish_reason=finish,
-                                       usage=usage, include_usage=usage_on))
+        return sse(
+            oa.completion_chunk(id=id, created=created, model=model, text=text, finish_reason=finish, usage=usage, include_usage=usage_on)
+        )
 
     first = True
     tail = b""
@@ -246,13 +264,17 @@ class ChatFrames:
         self.id, self.created, self.model, self.include_usage = id, created, model, include_usage
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return sse(oa.chat_chunk(id=self.id, created=self.created, model=self.model, delta=delta, finish_reason=finish,
-                                 include_usage=self.include_usage))
+        return sse(
+            oa.chat_chunk(
+                id=self.id, created=self.created, model=self.model, delta=delta, finish_reason=finish, include_usage=self.include_usage
+            )
+        )
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         """The usage-only chunk (no choices)."""
-        return sse(oa.chat_chunk(id=self.id, created=self.created, model=self.model, delta=None, usage=usage,
-                                 include_usage=self.include_usage))
+        return sse(
+            oa.chat_chunk(id=self.id, created=self.created, model=self.model, delta=None, usage=usage, include_usage=self.include_usage)
+        )
 
 
 def sse(obj: dict[str, Any]) -> bytes:

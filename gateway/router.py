@@ -88,9 +88,7 @@ def _least_loaded(candidates: Sequence[WorkerView]) -> WorkerView:
     return min(candidates, key=lambda w: (w.inflight, w.leases, w.url))
 
 
-def choose_decode(
-    workers: Sequence[WorkerView], *, lease_url: str | None, max_inflight: int
-) -> Decision | None:
+def choose_decode(workers: Sequence[WorkerView], *, lease_url: str | None, max_inflight: int) -> Decision | None:
     """The lease holder if usable, else the least loaded healthy worker; None if none is healthy."""
     healthy = [w for w in workers if w.healthy]
     if not healthy:

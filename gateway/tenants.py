@@ -75,4 +75,4 @@ class Tenants:
 def _bearer(header: str | None) -> str | None:
     if not header or not header.startswith("Bearer "):
         return None
-    return header[len("Bearer "):].strip() or None
+    return header[len("Bearer ") :].strip() or None

@@ -130,11 +130,14 @@ class Turn:
         computed = int(self._prefill_usage.get("computed_prompt_tokens", prompt_tokens))
         streamed = len(self._prefilled[1]) if self._prefilled is not None else 0
         return TurnResult(
-            finish_reason="stop", prompt_tokens=prompt_tokens, completion_tokens=streamed,
+            finish_reason="stop",
+            prompt_tokens=prompt_tokens,
+            completion_tokens=streamed,
             cached_tokens=max(0, prompt_tokens - computed),
             local_cached_tokens=int(self._prefill_usage.get("local_cached_tokens", 0)),
             remote_pulled_tokens=int(self._prefill_usage.get("remote_pulled_tokens", 0)),
-            decode_url=self.decode.url, prefill_url=self.prefill.url if self.prefill is not None else None,
+            decode_url=self.decode.url,
+            prefill_url=self.prefill.url if self.prefill is not None else None,
         )
 
     async def tokens(self) -> AsyncGenerator[list[list[int]], None]:
@@ -322,15 +325,20 @@ class Turn:
         if _worker_lost(exc):
             self.router.pool.mark_unhealthy(exc.url)
         if exc.kind == "draining":
-            return service_unavailable("The gateway is shutting down; send the request again.",
-                                       retry_after_s=RETRY_AFTER_S, code=GATEWAY_DRAINING)
+            return service_unavailable(
+                "The gateway is shutting down; send the request again.", retry_after_s=RETRY_AFTER_S, code=GATEWAY_DRAINING
+            )
         if exc.kind == "status" and exc.status == 503:
             return service_unavailable(f"Worker not ready: {exc.message}", retry_after_s=RETRY_AFTER_S)
         if exc.kind == "status" and exc.status == 400 and exc.code == "context_length_exceeded":
             # the prompt (and max_tokens) need more than the worker's context or KV pool: the client's to shorten
             worker_said = exc.message.removeprefix("worker error (400): ")
-            return GatewayError(400, f"{worker_said}. Please reduce the length of the messages or completion.",
-                                param="messages", code="context_length_exceeded")
+            return GatewayError(
+                400,
+                f"{worker_said}. Please reduce the length of the messages or completion.",
+                param="messages",
+                code="context_length_exceeded",
+            )
         if exc.kind == "timeout":
             return upstream_error(exc.message, status=504, code="upstream_timeout")
         if exc.kind in WORKER_LOST:
@@ -410,8 +418,7 @@ class Turns:
         """The decode worker among those the request fits (their KV pool and context), or None."""
         held = self.keeper.table.per_worker
         prompt, max_tokens = len(request.input_ids), int(request.sampling.get("max_tokens", 1))
-        views = [WorkerView(w.url, w.healthy, w.inflight, held.get(w.url, 0)) for w in self._decoders()
-                 if w.fits(prompt, max_tokens)]
+        views = [WorkerView(w.url, w.healthy, w.inflight, held.get(w.url, 0)) for w in self._decoders() if w.fits(prompt, max_tokens)]
         decision = choose_decode(views, lease_url=lease.worker_url if lease else None, max_inflight=self.max_inflight)
         if decision is None:
             return None
@@ -445,9 +452,13 @@ class Turns:
         max_model_len, kv_tokens = largest.capacity
         total = min(prompt + max_tokens, max_model_len)
         raise GatewayError(
-            400, f"request needs {total} tokens of KV cache ({prompt} of prompt, {total - prompt} of completion) but "
+            400,
+            f"request needs {total} tokens of KV cache ({prompt} of prompt, {total - prompt} of completion) but "
             f"the largest decode worker's KV pool holds {kv_tokens} tokens. Please reduce the length of the messages "
-            "or completion.", param="messages", code="context_length_exceeded")
+            "or completion.",
+            param="messages",
+            code="context_length_exceeded",
+        )
 
 
 def _worker_lost(exc: UpstreamError) -> bool:

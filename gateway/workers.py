@@ -200,8 +200,7 @@ class _Connector(aiohttp.TCPConnector):
     """A TCP connector that tells a generate which connection carries it (the prober ends a
     frozen worker's request on it)."""
 
-    async def connect(self, req: aiohttp.ClientRequest, traces: list[Any], timeout: aiohttp.ClientTimeout
-                      ) -> aiohttp.connector.Connection:
+    async def connect(self, req: aiohttp.ClientRequest, traces: list[Any], timeout: aiohttp.ClientTimeout) -> aiohttp.connector.Connection:
         connection = await super().connect(req, traces, timeout)
         stream = _CONNECTING.get()
         if stream is not None:
@@ -222,17 +221,25 @@ class WorkerClient:
     they compute, so a silent one is frozen) and ``total`` (``request_timeout_s``).
     """
 
-    def __init__(self, *, request_timeout_s: float, connect_timeout_s: float, max_connections: int = 4096,
-                 first_byte_timeout_s: float | None = None, event_timeout_s: float | None = None,
-                 token: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        request_timeout_s: float,
+        connect_timeout_s: float,
+        max_connections: int = 4096,
+        first_byte_timeout_s: float | None = None,
+        event_timeout_s: float | None = None,
+        token: str | None = None,
+    ) -> None:
         # every call carries the workers' internal credential (``security.internal_token_file``)
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._request_timeout_s = request_timeout_s
         # generate's deadlines besides the whole request's (None: only that one)
         self._first_byte_s = first_byte_timeout_s
         self._event_s = event_timeout_s
-        self._generate_timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s,
-                                                       sock_read=first_byte_timeout_s)
+        self._generate_timeout = aiohttp.ClientTimeout(
+            total=request_timeout_s, sock_connect=connect_timeout_s, sock_read=first_byte_timeout_s
+        )
         self._short = aiohttp.ClientTimeout(total=max(connect_timeout_s, 1.0) * 2, sock_connect=connect_timeout_s)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
@@ -244,9 +251,13 @@ class WorkerClient:
         if self._session is None:
             # Idle connections are dropped before uvicorn's 5 s keep-alive closes them from its side.
             connector = _Connector(limit=self._max_connections, limit_per_host=0, keepalive_timeout=4)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self._generate_timeout,
-                                                  auto_decompress=False, headers=self._headers,
-                                                  cookie_jar=aiohttp.DummyCookieJar())
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=self._generate_timeout,
+                auto_decompress=False,
+                headers=self._headers,
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
         return self._session
 
     def abort_streams(self) -> None:
@@ -262,8 +273,7 @@ class WorkerClient:
             await self._session.close()
             self._session = None
 
-    async def generate(self, url: str, body: dict[str, Any], *, probe: bool = False
-                       ) -> AsyncGenerator[list[dict[str, Any]], None]:
+    async def generate(self, url: str, body: dict[str, Any], *, probe: bool = False) -> AsyncGenerator[list[dict[str, Any]], None]:
         """The events of one generate stream (token events, then the final one), in batches:
         every event that has arrived when the gateway reads the socket, so a reply that comes
         faster than the gateway relays it (a loaded gateway, a burst) is relayed in fewer,
@@ -292,8 +302,9 @@ class WorkerClient:
                 if response.status != 200:
                     text = (await response.read()).decode(errors="replace")
                     finished = True
-                    raise UpstreamError("status", _error_message(text, response.status), url=url,
-                                        status=response.status, code=_error_code(text))
+                    raise UpstreamError(
+                        "status", _error_message(text, response.status), url=url, status=response.status, code=_error_code(text)
+                    )
                 connection = response.connection
                 if connection is not None and connection.protocol is not None:
                     # from here on the read deadline is the gap allowed between events
@@ -316,16 +327,19 @@ class WorkerClient:
             except _Closing as exc:
                 raise UpstreamError("draining", "the gateway is shutting down", url=url) from exc
             except _Unresponsive as exc:
-                raise UpstreamError("unresponsive", f"worker {url} sent no response headers and did not answer "
-                                    f"/health within {PROBE_TIMEOUT_S:g} s", url=url) from exc
+                raise UpstreamError(
+                    "unresponsive",
+                    f"worker {url} sent no response headers and did not answer /health within {PROBE_TIMEOUT_S:g} s",
+                    url=url,
+                ) from exc
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 raise UpstreamError("connect", f"cannot reach worker {url}: {exc}", url=url) from exc
             except aiohttp.SocketTimeoutError as exc:
                 if response is None:
-                    raise UpstreamError("first_byte_timeout", f"worker {url} did not answer within "
-                                        f"{self._first_byte_s:g} s", url=url) from exc
-                raise UpstreamError("event_timeout", f"worker {url} sent nothing for {self._event_s:g} s",
-                                    url=url) from exc
+                    raise UpstreamError(
+                        "first_byte_timeout", f"worker {url} did not answer within {self._first_byte_s:g} s", url=url
+                    ) from exc
+                raise UpstreamError("event_timeout", f"worker {url} sent nothing for {self._event_s:g} s", url=url) from exc
             except asyncio.TimeoutError as exc:
                 raise UpstreamError("timeout", f"worker {url} timed out", url=url) from exc
             except (aiohttp.ClientError, ConnectionError) as exc:
@@ -406,6 +420,7 @@ class WorkerClient:
         """A reply left at [DONE] before its body ended (its last chunk usually follows at once):
         back to the pool once it has, closed if it does not come (closing it instead, a closed
         loop of requests opened a connection per request and overflowed the worker's accept queue)."""
+
         async def end() -> None:
             try:
                 async with asyncio.timeout(self._event_s or 5.0):
@@ -420,16 +435,16 @@ class WorkerClient:
         task.add_done_callback(self._ending.discard)
 
     async def find_leases(self, url: str, *, conversation_key: str) -> list[dict[str, Any]]:
-        async with self._http().get(f"{url}/internal/kv/leases", params={"conversation_key": conversation_key},
-                                    timeout=self._short) as response:
+        async with self._http().get(
+            f"{url}/internal/kv/leases", params={"conversation_key": conversation_key}, timeout=self._short
+        ) as response:
             response.raise_for_status()
             leases = (await response.json()).get("leases", [])
         return [entry for entry in leases if entry.get("conversation_key") == conversation_key]
 
     async def renew_lease(self, url: str, lease_id: str, *, ttl_s: float) -> float | None:
         """The new expiry, or None if the worker does not know the lease (404)."""
-        async with self._http().post(f"{url}/internal/kv/leases/{lease_id}/renew", json={"ttl_s": ttl_s},
-                                     timeout=self._short) as response:
+        async with self._http().post(f"{url}/internal/kv/leases/{lease_id}/renew", json={"ttl_s": ttl_s}, timeout=self._short) as response:
             if response.status == 404:
                 return None
             response.raise_for_status()
@@ -507,8 +522,7 @@ class SSEEvents:
                 break
             event = _event(data)
             if event is None:
-                self.error = UpstreamError("stream", f"worker {self.url} sent a malformed event: {data[:200]!r}",
-                                           url=self.url)
+                self.error = UpstreamError("stream", f"worker {self.url} sent a malformed event: {data[:200]!r}", url=self.url)
                 break
             if "error" in event:
                 self.error = UpstreamError("worker_error", _error_message(json.dumps(event), None), url=self.url)

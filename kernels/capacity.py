@@ -201,9 +201,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=8, help=f"KV heads per layer, 1..{MAX_KV_HEADS}")
     parser.add_argument("--head-dim", type=int, default=128, help=f"head dim, 1..{MAX_HEAD_DIM}")
     parser.add_argument("--bit-budget", type=float, default=2.7, help="triaxial average bits, 2..4")
-    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
-                        help="--gpu-gib is the GPU's memory, and the model's weights in this format (shape: the "
-                             "flags above and below) take their share first; unset: --gpu-gib is all KV")
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default=None,
+        help="--gpu-gib is the GPU's memory, and the model's weights in this format (shape: the "
+        "flags above and below) take their share first; unset: --gpu-gib is all KV",
+    )
     parser.add_argument("--hidden", type=int, default=4096, help="hidden size (with --weights)")
     parser.add_argument("--intermediate", type=int, default=12288, help="MLP intermediate size (with --weights)")
     parser.add_argument("--heads", type=int, default=32, help="query heads (with --weights)")
@@ -258,8 +262,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"KV cache per token: {args.layers} layers x {args.kv_heads} KV heads x head_dim {args.head_dim}, "
         f"K and V; tokens in {args.gpu_gib:g} GiB"
-        + ("" if args.weights is None else
-           f" less {weights / 2**30:.2f} GiB of {args.weights} weights ({kv_bytes / 2**30:.2f} GiB of KV)")
+        + ("" if args.weights is None else f" less {weights / 2**30:.2f} GiB of {args.weights} weights ({kv_bytes / 2**30:.2f} GiB of KV)")
     )
     print(format_table(rows))
     return 0

@@ -115,4 +115,3 @@ def loops(sass: str) -> list[collections.Counter[str]]:
             spans.append((int(t.group(1), 16), addr))
     inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
     return [collections.Counter(op for addr, op, _ in lines if a <= addr <= b) for a, b in sorted(set(inner))]
-

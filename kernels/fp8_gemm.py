@@ -234,8 +234,7 @@ def linear_cuda(
     GEMM: "auto" (cuBLASLt where it runs, else Triton), "cublas" or "triton"."""
     if backend not in BLOCK_BACKENDS:
         raise ValueError(f"backend must be one of {BLOCK_BACKENDS}, got {backend!r}")
-    use_cublas = scheme == "block" and (
-        backend == "cublas" or (backend == "auto" and cublas_block_supported(x.device.index or 0)))
+    use_cublas = scheme == "block" and (backend == "cublas" or (backend == "auto" and cublas_block_supported(x.device.index or 0)))
     qa, sa = quantize_activations(x, scheme=scheme, input_scale=input_scale, fused=True, column_major=use_cublas)
     if scheme == "rows":
         # Row-wise scaled GEMM (both operands per row): scale_a [M, 1], scale_b [1, N]; B column-major.

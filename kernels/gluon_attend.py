@@ -29,6 +29,7 @@ from .gluon_fragments import cp_async, rescale, warp_any
 # LAZY: a row's reference max moves only when the step's max passes it by more than TAU (base 2; decode's TAU)
 TAU: gl.constexpr = gl.constexpr(8.0)
 
+
 def chunk_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk's k, v [n, H, D] as fp16 quarter-major [n, H, 4, D/4] (channel 4j + i at i * D/4 + j: the ring's
     column order), one copy each."""
@@ -251,8 +252,19 @@ def _pp_chunk_rows(k_ptr, v_ptr, k_ring, v_ring, full, empty, first, n_new, k_s0
 
 
 @gluon.jit
-def _pp_setup(q_ptr, n_new, q_s0, q_s1, q_mul, G: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PPI: gl.constexpr,
-              BLOCK_T: gl.constexpr, SLOTS: gl.constexpr):
+def _pp_setup(
+    q_ptr,
+    n_new,
+    q_s0,
+    q_s1,
+    q_mul,
+    G: gl.constexpr,
+    D: gl.constexpr,
+    P: gl.constexpr,
+    PPI: gl.constexpr,
+    BLOCK_T: gl.constexpr,
+    SLOTS: gl.constexpr,
+):
     """The extend kernels' preamble (nvfp4 and triaxial producers alike): the program's chunk block ``qb`` (the
     last block first: it has the most causal keys, so the grid's tail is shorter) and KV head ``h``, each warpgroup's q tile (half the rows each), the K / V rings of SLOTS steps of
     PPI pages and their ``full`` / ``empty`` barriers (``empty`` counts the two consumers), initialised and fenced."""

@@ -590,15 +590,30 @@ def _gl_decode_kernel(
     PPS,  # pages per split
     FMT: gl.constexpr,  # GL_FMT_* of the plain (or triaxial INT4) pages
     TRIAXIAL: gl.constexpr,  # 0: plain pages; 1: triaxial rows (INT2 pages first), both kinds' splits in one launch
-    H: gl.constexpr, G: gl.constexpr, P: gl.constexpr,
-    PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr,
-    V_OFF: gl.constexpr, VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr,
+    H: gl.constexpr,
+    G: gl.constexpr,
+    P: gl.constexpr,
+    PAGE_BYTES: gl.constexpr,
+    K_OFF: gl.constexpr,
+    KS_OFF: gl.constexpr,
+    KZ_OFF: gl.constexpr,
+    V_OFF: gl.constexpr,
+    VS_OFF: gl.constexpr,
+    VZ_OFF: gl.constexpr,
     PPW: gl.constexpr,  # pages per warp per step
     HP: gl.constexpr,  # query heads padded (8 or 16)
-    LV_LOAD: gl.constexpr, LV_UNPACK: gl.constexpr,  # V byte layouts (v_layouts), for num_warps warps
-    P2: gl.constexpr, PAGE_BYTES2: gl.constexpr, K_OFF2: gl.constexpr, KS_OFF2: gl.constexpr,  # INT2 pages (triaxial)
-    KZ_OFF2: gl.constexpr, V_OFF2: gl.constexpr, VS_OFF2: gl.constexpr, VZ_OFF2: gl.constexpr,
-    LV_LOAD2: gl.constexpr, LV_UNPACK2: gl.constexpr,
+    LV_LOAD: gl.constexpr,
+    LV_UNPACK: gl.constexpr,  # V byte layouts (v_layouts), for num_warps warps
+    P2: gl.constexpr,
+    PAGE_BYTES2: gl.constexpr,
+    K_OFF2: gl.constexpr,
+    KS_OFF2: gl.constexpr,  # INT2 pages (triaxial)
+    KZ_OFF2: gl.constexpr,
+    V_OFF2: gl.constexpr,
+    VS_OFF2: gl.constexpr,
+    VZ_OFF2: gl.constexpr,
+    LV_LOAD2: gl.constexpr,
+    LV_UNPACK2: gl.constexpr,
     STAGES: gl.constexpr,  # cp.async ring this many steps deep (>= 2)
     E2M1_CVT: gl.constexpr = 0,  # 1: nvfp4 unpacked by cvt.rn.f16x2.e2m1x2 (sm_100a / sm_120a: capability.TABLE)
 ):

@@ -218,8 +218,7 @@ def _gl_extend_kernel(
     """The producer and the two consumer warpgroups (module docstring). The kernel's num_warps is the first
     warpgroup's (4)."""
     H2: gl.constexpr = BLOCK_T * G // 2
-    qb, h, q_0, q_1, k_ring, v_ring, full, empty = _pp_setup(q_ptr, n_new, q_s0, q_s1, q_mul, G, D, P, PPI, BLOCK_T,
-                                                             SLOTS)
+    qb, h, q_0, q_1, k_ring, v_ring, full, empty = _pp_setup(q_ptr, n_new, q_s0, q_s1, q_mul, G, D, P, PPI, BLOCK_T, SLOTS)
     gl.warp_specialize([
         (_pp_attend, (q_0, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, 0,
                       G, D, P, PPI, BLOCK_T, 1, 1)),

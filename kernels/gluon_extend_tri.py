@@ -53,8 +53,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from .capability import device_choice
-from .gluon_attend import (_as_type, _cta_barrier, _pp_attend, _pp_chunk_any, _pp_setup, chunk_rows,
-                           launch_io, launch_pages)
+from .gluon_attend import _as_type, _cta_barrier, _pp_attend, _pp_chunk_any, _pp_setup, chunk_rows, launch_io, launch_pages
 from .gluon_fragments import _MAGIC, idx3
 from .layout import PageLayout
 from .page_ids import INT2_PAGE_FLAG
@@ -351,8 +350,7 @@ def _key_fields(buf_ptr, pid, it, num_pages, h, total_bytes, PAGE_BYTES2: gl.con
     return s0, s1, s2, s3, z0, z1, z2, z3
 
 
-ASM_PREFETCH_L1: gl.constexpr = gl.constexpr(
-    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.b32 $0, 0; }")
+ASM_PREFETCH_L1: gl.constexpr = gl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.b32 $0, 0; }")
 
 
 @gluon.jit
@@ -477,8 +475,7 @@ def _gl_extend_tri_kernel(
     """gluon_extend._gl_extend_kernel (arguments as there; k, v as the caller holds them: chunk_rows) with the
     triaxial producer _tri_load (LOAD_WARPS = PPI: a warp per page of the step)."""
     H2: gl.constexpr = BLOCK_T * G // 2
-    qb, h, q_0, q_1, k_ring, v_ring, full, empty = _pp_setup(q_ptr, n_new, q_s0, q_s1, q_mul, G, D, P, PPI, BLOCK_T,
-                                                             SLOTS)
+    qb, h, q_0, q_1, k_ring, v_ring, full, empty = _pp_setup(q_ptr, n_new, q_s0, q_s1, q_mul, G, D, P, PPI, BLOCK_T, SLOTS)
     gl.warp_specialize([
         (_pp_attend, (q_0, k_ring, v_ring, full, empty, o_ptr, prefix_len, n_new, k_mul_new, v_div, o_s0, o_s1, qb, h, 0,
                       G, D, P, PPI, BLOCK_T, 0, 0)),
@@ -554,8 +551,9 @@ def _meta(lay: PageLayout, lay2: PageLayout) -> dict[str, Any]:
                 ATT_REGS=TUNING["ATT_REGS"], num_warps=TUNING["num_warps"], maxnreg=TUNING["maxnreg"])  # fmt: skip
 
 
-def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, prefix_pages: torch.Tensor,
-                     prefix_len: int, *, sm_scale: float) -> torch.Tensor:
+def extend_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, prefix_pages: torch.Tensor, prefix_len: int, *, sm_scale: float
+) -> torch.Tensor:
     """Launch the kernel (arguments checked by paged_ops; ``supported`` must hold) -> [n, Hq, D] in q.dtype, the
     prefix's INT2 pages listed first (int2_first; the partial last page is INT4 and stays last)."""
     if not supported(kv, q):

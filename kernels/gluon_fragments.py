@@ -41,6 +41,7 @@ GL_FMT_INT2: gl.constexpr = gl.constexpr(2)
 # scale (and zero) registers; each fp16 operand of pack=4 is two registers.
 # ----------------------------------------------------------------------------
 
+
 def _asm_e2m1(token_pairs: bool) -> str:
     """Outputs lo (2 regs: pairs of b0/b2, b1/b3), hi (2 regs); inputs word $4, scale $5 ($5 $6, or $5..$8).
 
@@ -93,8 +94,12 @@ def _asm_int4(token_pairs: bool) -> str:
     Each nibble is read in place by its magic (_MAGIC: lo 1024 + c, hi 64 + c), so the bytes b1 / b3 need the
     one shift: 13 instructions per word (shifting each nibble down to bit 0 took 15).
     """
-    code = ["{ .reg .b32 t, u, s, z, m0, m2;", f"mov.b32 m0, {_MAGIC[0] * 0x10001:#010x};",
-            f"mov.b32 m2, {_MAGIC[2] * 0x10001:#010x};", "shr.b32 u, $4, 8;"]
+    code = [
+        "{ .reg .b32 t, u, s, z, m0, m2;",
+        f"mov.b32 m0, {_MAGIC[0] * 0x10001:#010x};",
+        f"mov.b32 m2, {_MAGIC[2] * 0x10001:#010x};",
+        "shr.b32 u, $4, 8;",
+    ]
     code.append("mov.b32 s, $5; mov.b32 z, $9;" if token_pairs else "mov.b32 s, $5; mov.b32 z, $7;")
     for i, (src, mask, magic) in enumerate((("$4", 0x000F000F, "m0"), ("u", 0x000F000F, "m0"),
                                             ("$4", 0x00F000F0, "m2"), ("u", 0x00F000F0, "m2"))):  # fmt: skip
@@ -144,8 +149,7 @@ def _asm_fp8(token_pairs: bool) -> str:
     """fp8 E4M3 bytes -> fp16 pairs: outputs 2 regs, input word $2. K (one token, b0 b1 b2 b3): pairs (b0, b1),
     (b2, b3). V (token_pairs: a_x, a_x+1, b_x, b_x+1 of tokens a, b): pairs (a_x, b_x), (a_x+1, b_x+1)."""
     pair = "prmt.b32 t, $2, 0, 0x3120;" if token_pairs else "mov.b32 t, $2;"
-    return ("{ .reg .b16 lo, hi; .reg .b32 t; " + pair + " mov.b32 {lo, hi}, t;"
-            " cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
+    return "{ .reg .b16 lo, hi; .reg .b32 t; " + pair + " mov.b32 {lo, hi}, t; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
 
 
 def _asm_warp_any(n: int) -> str:
@@ -164,8 +168,7 @@ def _asm_rescale(n: int) -> str:
     """Outputs $0..$(n-1) (tied to the first n inputs, fp32) times the next n inputs (fp32) where the flag input
     ($3n, warp-uniform: ``warp_any``) is non-zero; one uniform branch skips the n multiplies otherwise."""
     mul = " ".join(f"mul.f32 ${i}, ${i}, ${2 * n + i};" for i in range(n))
-    return ("{ .reg .pred p; setp.eq.s32 p, $" + str(3 * n) + ", 0; @p bra.uni SKIP${:uid}; " + mul +
-            " SKIP${:uid}: }")
+    return "{ .reg .pred p; setp.eq.s32 p, $" + str(3 * n) + ", 0; @p bra.uni SKIP${:uid}; " + mul + " SKIP${:uid}: }"
 
 
 ASM_WARP_ANY2: gl.constexpr = gl.constexpr(_asm_warp_any(2))
@@ -237,6 +240,7 @@ def v_layouts(w: int, nt: int, groups: int, per_group: int, per_thread: int) -> 
 def pair_layout(unpack: Any) -> Any:
     """[W, NT/2, groups] layout of one word per V token pair (2c, 2c+1): V's unpack layout without the byte
     dimension and token bit 0 (the two tokens whose bytes share an unpacker word)."""
+
     def cut(b: list[int]) -> list[int]:
         return [b[0], b[1] // 2, b[2]]
 

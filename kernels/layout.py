@@ -155,4 +155,3 @@ class PageLayout:
                 stored = raw.view(pages.shape[0], *(f.shape[i] for i in f.storage))
                 out[f.name] = stored.permute(0, *(1 + f.storage.index(i) for i in range(len(f.shape))))
         return out
-

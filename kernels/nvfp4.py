@@ -54,9 +54,7 @@ E2M1_VALUES: tuple[float, ...] = E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNIT
 # Midpoints between neighbouring magnitudes with the direction a tie goes:
 # the index of |t| is the number of midpoints it has passed. Below the even
 # index i a tie rounds down (strict >), below an odd index it rounds up (>=).
-_MIDPOINTS = tuple(
-    (0.5 * (E2M1_MAGNITUDES[i] + E2M1_MAGNITUDES[i + 1]), i % 2 == 1) for i in range(len(E2M1_MAGNITUDES) - 1)
-)
+_MIDPOINTS = tuple((0.5 * (E2M1_MAGNITUDES[i] + E2M1_MAGNITUDES[i + 1]), i % 2 == 1) for i in range(len(E2M1_MAGNITUDES) - 1))
 
 
 def e2m1_codes(t: torch.Tensor) -> torch.Tensor:
@@ -109,9 +107,7 @@ def dequantize_nvfp4(
     if packed.dim() < 1 or scales.dim() != packed.dim() or packed.shape[:-1] != scales.shape[:-1]:
         raise ValueError(f"packed {list(packed.shape)} and scales {list(scales.shape)} must share leading dims")
     if packed.shape[-1] == 0 or packed.shape[-1] != scales.shape[-1] * (BLOCK // 2):
-        raise ValueError(
-            f"packed last dim must be 8 x scales last dim (> 0), got {packed.shape[-1]} and {scales.shape[-1]}"
-        )
+        raise ValueError(f"packed last dim must be 8 x scales last dim (> 0), got {packed.shape[-1]} and {scales.shape[-1]}")
     codes = unpack_int4(packed)  # [..., D]
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
     d = codes.shape[-1]

@@ -67,4 +67,3 @@ def page_byte_offsets(page_ids: Ids, *, page_bytes: int, int2_page_bytes: int = 
     index = page_ids & _INDEX_MASK
     # plain: index * page_bytes; INT2: total_bytes - (index + 1) * int2_page_bytes
     return index * page_bytes + int2 * (total_bytes - (index + 1) * int2_page_bytes - index * page_bytes)
-

@@ -74,14 +74,19 @@ def check_write_kv(kv: PagedKV, k: Tensor, v: Tensor, page_ids: Tensor, slots: T
     layout = kv.layout
     _need(k.dim() == 3, f"k must be [T, H, D], got {list(k.shape)}")
     t, h, d = k.shape
-    _need((h, d) == (layout.kv_heads, layout.head_dim), f"k heads/dim {h}, {d} do not match the layout's {layout.kv_heads}, {layout.head_dim}")
+    _need(
+        (h, d) == (layout.kv_heads, layout.head_dim), f"k heads/dim {h}, {d} do not match the layout's {layout.kv_heads}, {layout.head_dim}"
+    )
     _need(v.shape == k.shape, f"v shape {list(v.shape)} != k shape {list(k.shape)}")
     _check_floats(kv, k=k, v=v)
     _check_index(page_ids, "page_ids", (t,), kv.buffer.device)
     _check_index(slots, "slots", (t,), kv.buffer.device)
     if values and t:
         ids = page_ids.long().cpu()
-        _need(not bool((ids & INT2_PAGE_FLAG).any()), "write_kv writes INT4 / plain pages: an id carries INT2_PAGE_FLAG (INT2 pages: write_int2_pages)")
+        _need(
+            not bool((ids & INT2_PAGE_FLAG).any()),
+            "write_kv writes INT4 / plain pages: an id carries INT2_PAGE_FLAG (INT2 pages: write_int2_pages)",
+        )
         check_page_ids(ids, kv)
         s = slots.long().cpu()
         _need(bool(((s >= 0) & (s < layout.page_size)).all()), f"slots must be in 0..{layout.page_size - 1}")
@@ -135,17 +140,26 @@ def check_decode(q: Tensor, kv: PagedKV, page_table: Tensor, seq_lens: Tensor, *
             _need(bool(((n2 >= 0) & (n2 * p <= lens)).all()), "num_int2_pages must be in 0..seq_len // page_size")
             flagged = (pt & INT2_PAGE_FLAG) != 0
             want = cols[None, :] < n2[:, None]
-            _need(bool((flagged[mask] == want[mask]).all()), "each page_table row must list exactly its num_int2_pages INT2 pages first, then INT4 pages")
+            _need(
+                bool((flagged[mask] == want[mask]).all()),
+                "each page_table row must list exactly its num_int2_pages INT2 pages first, then INT4 pages",
+            )
 
 
 def check_gather(kv: PagedKV, page_ids: Tensor, num_tokens: int, out_k: Tensor, out_v: Tensor, *, values: bool) -> None:
     layout = kv.layout
     _need(page_ids.dim() == 1, f"page_ids must be [N], got {list(page_ids.shape)}")
     _check_index(page_ids, "page_ids", (page_ids.shape[0],), kv.buffer.device)
-    _need(0 <= num_tokens <= page_ids.shape[0] * layout.page_size, f"num_tokens={num_tokens} does not fit {page_ids.shape[0]} pages of {layout.page_size}")
+    _need(
+        0 <= num_tokens <= page_ids.shape[0] * layout.page_size,
+        f"num_tokens={num_tokens} does not fit {page_ids.shape[0]} pages of {layout.page_size}",
+    )
     _check_floats(kv, out_k=out_k, out_v=out_v)
     for name, x in (("out_k", out_k), ("out_v", out_v)):
-        _need(x.dim() == 3 and x.shape[0] >= num_tokens and tuple(x.shape[1:]) == (layout.kv_heads, layout.head_dim), f"{name} must be [>= {num_tokens}, {layout.kv_heads}, {layout.head_dim}], got {list(x.shape)}")
+        _need(
+            x.dim() == 3 and x.shape[0] >= num_tokens and tuple(x.shape[1:]) == (layout.kv_heads, layout.head_dim),
+            f"{name} must be [>= {num_tokens}, {layout.kv_heads}, {layout.head_dim}], got {list(x.shape)}",
+        )
     if values and num_tokens:
         used = (num_tokens + layout.page_size - 1) // layout.page_size
         check_page_ids(page_ids[:used], kv)
@@ -157,9 +171,15 @@ def check_extend(q: Tensor, k: Tensor, v: Tensor, kv: PagedKV, prefix_pages: Ten
     _need(q.dim() == 3 and k.dim() == 3, f"q must be [n, Hq, D] and k [n, H, D], got {list(q.shape)}, {list(k.shape)}")
     _check_floats(kv, q=q, k=k, v=v)
     n, hq, d = q.shape
-    _need(tuple(k.shape) == (n, layout.kv_heads, layout.head_dim), f"k must be [{n}, {layout.kv_heads}, {layout.head_dim}], got {list(k.shape)}")
+    _need(
+        tuple(k.shape) == (n, layout.kv_heads, layout.head_dim),
+        f"k must be [{n}, {layout.kv_heads}, {layout.head_dim}], got {list(k.shape)}",
+    )
     _need(v.shape == k.shape and v.dtype == k.dtype, f"v {v.dtype} {list(v.shape)} must match k {k.dtype} {list(k.shape)}")
-    _need(d == layout.head_dim and hq % layout.kv_heads == 0, f"q [n, Hq, D] = {list(q.shape)}: D must be {layout.head_dim}, Hq a multiple of {layout.kv_heads}")
+    _need(
+        d == layout.head_dim and hq % layout.kv_heads == 0,
+        f"q [n, Hq, D] = {list(q.shape)}: D must be {layout.head_dim}, Hq a multiple of {layout.kv_heads}",
+    )
     _need(prefix_pages.dim() == 1, f"prefix_pages must be [N], got {list(prefix_pages.shape)}")
     _check_index(prefix_pages, "prefix_pages", (prefix_pages.shape[0],), kv.buffer.device)
     cap = prefix_pages.shape[0] * layout.page_size

@@ -251,12 +251,7 @@ def _asm_int(bits: int) -> str:
                 f"shr.b32 t, {reg}, {bits * k}; and.b32 t, t, {mask2:#x}; or.b32 t, t, 0x64006400; "
                 f"sub.rn.f16x2 t, t, magic; fma.rn.f16x2 {dst}, t, {sc}, {zr};"
             )
-    return (
-        "{ .reg .b32 zz, lo01, lo23, t, magic; mov.b32 magic, 0x64006400;"
-        + _PRMT.replace("$IN", f"${ins}")
-        + "\n".join(out)
-        + "}"
-    )
+    return "{ .reg .b32 zz, lo01, lo23, t, magic; mov.b32 magic, 0x64006400;" + _PRMT.replace("$IN", f"${ins}") + "\n".join(out) + "}"
 
 
 def _asm_crumb_codes() -> str:
@@ -265,15 +260,9 @@ def _asm_crumb_codes() -> str:
     for pair, reg in ((0, "lo01"), (1, "lo23")):
         for k in range(4):
             out.append(
-                f"shr.b32 t, {reg}, {2 * k}; and.b32 t, t, 0x30003; or.b32 t, t, 0x64006400; "
-                f"sub.rn.f16x2 ${k * 2 + pair}, t, magic;"
+                f"shr.b32 t, {reg}, {2 * k}; and.b32 t, t, 0x30003; or.b32 t, t, 0x64006400; sub.rn.f16x2 ${k * 2 + pair}, t, magic;"
             )
-    return (
-        "{ .reg .b32 zz, lo01, lo23, t, magic; mov.b32 magic, 0x64006400;"
-        + _PRMT.replace("$IN", "$8")
-        + "\n".join(out)
-        + "}"
-    )
+    return "{ .reg .b32 zz, lo01, lo23, t, magic; mov.b32 magic, 0x64006400;" + _PRMT.replace("$IN", "$8") + "\n".join(out) + "}"
 
 
 ASM_E2M1: tl.constexpr = tl.constexpr(_asm_e2m1())

@@ -152,7 +152,6 @@ def plan_waves(batch_heads: int, max_pages: int, ppi: int, sms: int, *, resident
     return plans[best][1], plans[best][2]
 
 
-
 def busiest_sm_cost(batch_heads: int, max_pages: int, splits: int, sms: int, ppi: int, *, resident: int,
                     fill: float) -> float:  # fmt: skip
     """Modelled time (in pages of one program) of the busiest SM of a grid of batch_heads x splits programs: its
@@ -180,6 +179,7 @@ def pick_plan(batch_heads: int, max_pages: int, ppi: int, sms: int, *, wave: tup
     cost_old = busiest_sm_cost(batch_heads, max_pages, old[0], sms, ppi, resident=resident, fill=fill)
     cost_wave = busiest_sm_cost(batch_heads, max_pages, wave[0], sms, ppi, resident=resident, fill=fill)
     return old if cost_old < cost_wave else wave
+
 
 @dataclass(frozen=True, slots=True)
 class SplitLaunch:

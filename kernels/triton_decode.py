@@ -99,8 +99,9 @@ def _plain_decode(t0, t1, t2, t3, FMT: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _nibble_rows(rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr,
-                 FMT: tl.constexpr, D: tl.constexpr, TM: tl.constexpr):
+def _nibble_rows(
+    rows_ptr, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, TM: tl.constexpr
+):
     """nvfp4 / int4 rows, loads only: packed halves [N, D/4] u8 (16-byte vectors) and each half's scales (and zeros);
     TM: the int4 scale order (meta_index)."""
     Q: tl.constexpr = D // 4
@@ -203,8 +204,12 @@ def _split(
     D: tl.constexpr,
     P: tl.constexpr,  # tokens per page
     PAGE_BYTES: tl.constexpr,
-    K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,  # byte offsets of K fields in a page
-    V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,  # and of V fields
+    K_OFF: tl.constexpr,
+    KS_OFF: tl.constexpr,
+    KZ_OFF: tl.constexpr,  # byte offsets of K fields in a page
+    V_OFF: tl.constexpr,
+    VS_OFF: tl.constexpr,
+    VZ_OFF: tl.constexpr,  # and of V fields
     BLOCK_H: tl.constexpr,  # G rounded up to >= 16
     PPI: tl.constexpr,  # pages per loop iteration
     NUM_STAGES: tl.constexpr,
@@ -323,11 +328,24 @@ def _decode_kernel(
     PPS,  # pages per split
     FMT: tl.constexpr,  # page format of `layout` (FMT_*)
     PART: tl.constexpr,  # 0: plain pages; triaxial rows (INT2 pages first): 2 runs the INT2 splits, 4 the INT4 splits
-    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-    PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
-    V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,
-    PAGE_BYTES2: tl.constexpr, K_OFF2: tl.constexpr, KS_OFF2: tl.constexpr, KZ_OFF2: tl.constexpr,  # INT2 layout
-    V_OFF2: tl.constexpr, VS_OFF2: tl.constexpr, VZ_OFF2: tl.constexpr,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    P: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    K_OFF: tl.constexpr,
+    KS_OFF: tl.constexpr,
+    KZ_OFF: tl.constexpr,
+    V_OFF: tl.constexpr,
+    VS_OFF: tl.constexpr,
+    VZ_OFF: tl.constexpr,
+    PAGE_BYTES2: tl.constexpr,
+    K_OFF2: tl.constexpr,
+    KS_OFF2: tl.constexpr,
+    KZ_OFF2: tl.constexpr,  # INT2 layout
+    V_OFF2: tl.constexpr,
+    VS_OFF2: tl.constexpr,
+    VZ_OFF2: tl.constexpr,
     BLOCK_H: tl.constexpr,  # G padded to >= 16
     PPI: tl.constexpr,  # pages per loop iteration
     NUM_STAGES: tl.constexpr,
@@ -345,9 +363,35 @@ def _decode_kernel(
     pt_row = pt_ptr + b.to(tl.int64) * pt_stride
     if PART == 0:
         lo = s * PPS
-        _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, num_pages), num_tokens, h, total_bytes, k_mul,
-               S, FMT, G, D, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF,
-               BLOCK_H, PPI, NUM_STAGES, FAST)
+        _split(
+            q_row,
+            o_row,
+            lse_row,
+            buf_ptr,
+            pt_row,
+            lo,
+            tl.minimum(lo + PPS, num_pages),
+            num_tokens,
+            h,
+            total_bytes,
+            k_mul,
+            S,
+            FMT,
+            G,
+            D,
+            P,
+            PAGE_BYTES,
+            K_OFF,
+            KS_OFF,
+            KZ_OFF,
+            V_OFF,
+            VS_OFF,
+            VZ_OFF,
+            BLOCK_H,
+            PPI,
+            NUM_STAGES,
+            FAST,
+        )
     else:
         # triaxial: two launches over the same grid, each compiled for one precision (fewer registers)
         n2 = tl.load(n2_ptr + b)
@@ -355,15 +399,67 @@ def _decode_kernel(
         if PART == 2:
             if s < c2:
                 lo = s * PPS
-                _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, n2), num_tokens, h, total_bytes, k_mul,
-                       S, FMT_INT2, G, D, P, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2, V_OFF2, VS_OFF2, VZ_OFF2,
-                       BLOCK_H, PPI, NUM_STAGES, FAST)
+                _split(
+                    q_row,
+                    o_row,
+                    lse_row,
+                    buf_ptr,
+                    pt_row,
+                    lo,
+                    tl.minimum(lo + PPS, n2),
+                    num_tokens,
+                    h,
+                    total_bytes,
+                    k_mul,
+                    S,
+                    FMT_INT2,
+                    G,
+                    D,
+                    P,
+                    PAGE_BYTES2,
+                    K_OFF2,
+                    KS_OFF2,
+                    KZ_OFF2,
+                    V_OFF2,
+                    VS_OFF2,
+                    VZ_OFF2,
+                    BLOCK_H,
+                    PPI,
+                    NUM_STAGES,
+                    FAST,
+                )
         else:
             if s >= c2:
                 lo = n2 + (s - c2) * PPS
-                _split(q_row, o_row, lse_row, buf_ptr, pt_row, lo, tl.minimum(lo + PPS, num_pages), num_tokens, h, total_bytes,
-                       k_mul, S, FMT, G, D, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF,
-                       BLOCK_H, PPI, NUM_STAGES, FAST)
+                _split(
+                    q_row,
+                    o_row,
+                    lse_row,
+                    buf_ptr,
+                    pt_row,
+                    lo,
+                    tl.minimum(lo + PPS, num_pages),
+                    num_tokens,
+                    h,
+                    total_bytes,
+                    k_mul,
+                    S,
+                    FMT,
+                    G,
+                    D,
+                    P,
+                    PAGE_BYTES,
+                    K_OFF,
+                    KS_OFF,
+                    KZ_OFF,
+                    V_OFF,
+                    VS_OFF,
+                    VZ_OFF,
+                    BLOCK_H,
+                    PPI,
+                    NUM_STAGES,
+                    FAST,
+                )
 
 
 # Per format: pages per loop iteration, warps, pipeline stages, and programs per SM the split

@@ -39,8 +39,19 @@ def _interleave(lo, hi, SHAPE: tl.constexpr):
 
 
 @triton.jit
-def _dequant_rows(page, hrow, ok, scale, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: tl.constexpr,
-                  FMT: tl.constexpr, P: tl.constexpr, D: tl.constexpr, TM: tl.constexpr):
+def _dequant_rows(
+    page,
+    hrow,
+    ok,
+    scale,
+    OFF: tl.constexpr,
+    SOFF: tl.constexpr,
+    ZOFF: tl.constexpr,
+    FMT: tl.constexpr,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    TM: tl.constexpr,
+):
     """K or V of the P rows ``hrow`` of one page -> fp32 [P, D] (reference arithmetic); TM: see meta_index."""
     m = ok[:, None]
     if FMT == FMT_BF16:
@@ -102,17 +113,33 @@ def _int2_keys(page, h, hrow, ok, OFF: tl.constexpr, SOFF: tl.constexpr, ZOFF: t
 def _gather_kernel(
     buf_ptr,  # uint8 layer buffer
     page_ptr,  # int32 [N] page ids in token order (INT2 ids flagged)
-    out_k_ptr, out_v_ptr,  # [>= num_tokens, H, D] workspace
-    out_s0, out_s1,  # workspace strides (tokens, heads); the channel stride is 1
+    out_k_ptr,
+    out_v_ptr,  # [>= num_tokens, H, D] workspace
+    out_s0,
+    out_s1,  # workspace strides (tokens, heads); the channel stride is 1
     num_tokens,  # tokens to write (the last page may be partial)
-    k_scale, v_scale,  # fp32 per-layer scales (fp8 scale / nvfp4 global scale)
+    k_scale,
+    v_scale,  # fp32 per-layer scales (fp8 scale / nvfp4 global scale)
     total_bytes,  # layer buffer size (INT2 pages count down from it)
-    FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-    PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
-    V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,
+    FMT: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    P: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    K_OFF: tl.constexpr,
+    KS_OFF: tl.constexpr,
+    KZ_OFF: tl.constexpr,
+    V_OFF: tl.constexpr,
+    VS_OFF: tl.constexpr,
+    VZ_OFF: tl.constexpr,
     TRIAXIAL: tl.constexpr,  # INT2 pages may appear: second layout below
-    PAGE_BYTES2: tl.constexpr, K_OFF2: tl.constexpr, KS_OFF2: tl.constexpr, KZ_OFF2: tl.constexpr,
-    V_OFF2: tl.constexpr, VS_OFF2: tl.constexpr, VZ_OFF2: tl.constexpr,
+    PAGE_BYTES2: tl.constexpr,
+    K_OFF2: tl.constexpr,
+    KS_OFF2: tl.constexpr,
+    KZ_OFF2: tl.constexpr,
+    V_OFF2: tl.constexpr,
+    VS_OFF2: tl.constexpr,
+    VZ_OFF2: tl.constexpr,
 ):
     i = tl.program_id(0)
     h = tl.program_id(1)

@@ -100,7 +100,8 @@ def _prefix_loop(q, m_i, l_i, acc, buf_ptr, pt_ptr, page_lo, page_hi, prefix_len
 @triton.jit
 def _extend_kernel(
     q_ptr,  # [n, Hq, D] chunk queries (strides q_s0, q_s1, 1)
-    k_ptr, v_ptr,  # [n, H, D] the chunk's own K/V, unquantized (strides k_s0, k_s1, 1)
+    k_ptr,
+    v_ptr,  # [n, H, D] the chunk's own K/V, unquantized (strides k_s0, k_s1, 1)
     o_ptr,  # [n, Hq, D] output, q's dtype (strides o_s0, o_s1, 1)
     buf_ptr,  # uint8 layer buffer
     pt_ptr,  # int32 [N] prefix page ids (triaxial: INT2 pages first)
@@ -108,19 +109,35 @@ def _extend_kernel(
     n_new,  # chunk tokens
     prefix_len,  # cached tokens before the chunk
     total_bytes,  # layer buffer bytes (INT2 pages count down from here)
-    k_mul_pre, v_mul_pre,  # fp32: prefix score multiplier (sm_scale * log2 e * K fold) and V fold
+    k_mul_pre,
+    v_mul_pre,  # fp32: prefix score multiplier (sm_scale * log2 e * K fold) and V fold
     k_mul_new,  # fp32: chunk score multiplier (sm_scale * log2 e)
-    q_s0, q_s1, k_s0, k_s1, o_s0, o_s1,  # token and head strides
+    q_s0,
+    q_s1,
+    k_s0,
+    k_s1,
+    o_s0,
+    o_s1,  # token and head strides
     FMT: tl.constexpr,  # format of `layout` (FMT_*)
     TRIAXIAL: tl.constexpr,  # INT2 pages lead the list: a second layout below
     G: tl.constexpr,  # query heads per kv head
     GP: tl.constexpr,  # G padded to a power of two
     D: tl.constexpr,
     P: tl.constexpr,  # tokens per page
-    PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
-    V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,
-    PAGE_BYTES2: tl.constexpr, K_OFF2: tl.constexpr, KS_OFF2: tl.constexpr, KZ_OFF2: tl.constexpr,  # INT2 layout
-    V_OFF2: tl.constexpr, VS_OFF2: tl.constexpr, VZ_OFF2: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    K_OFF: tl.constexpr,
+    KS_OFF: tl.constexpr,
+    KZ_OFF: tl.constexpr,
+    V_OFF: tl.constexpr,
+    VS_OFF: tl.constexpr,
+    VZ_OFF: tl.constexpr,
+    PAGE_BYTES2: tl.constexpr,
+    K_OFF2: tl.constexpr,
+    KS_OFF2: tl.constexpr,
+    KZ_OFF2: tl.constexpr,  # INT2 layout
+    V_OFF2: tl.constexpr,
+    VS_OFF2: tl.constexpr,
+    VZ_OFF2: tl.constexpr,
     BLOCK_T: tl.constexpr,  # chunk tokens per program
     BLOCK_N: tl.constexpr,  # chunk keys per step
     PPI: tl.constexpr,  # prefix pages per step

@@ -156,14 +156,25 @@ def _write_rows(x_ptr, tok, tok_ok, h, rows_ptr, hrow, scale, OFF: tl.constexpr,
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr,  # [T, H, D] new keys / values (float, contiguous)
+    k_ptr,
+    v_ptr,  # [T, H, D] new keys / values (float, contiguous)
     buf_ptr,  # uint8 layer buffer
-    page_ptr, slot_ptr,  # int32 [T] destination page id and slot of each token
+    page_ptr,
+    slot_ptr,  # int32 [T] destination page id and slot of each token
     num_tokens,  # T
-    k_scale, v_scale,  # fp32 per-layer scales (fp8: divisor; nvfp4: global scale g)
-    FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-    PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
-    V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,
+    k_scale,
+    v_scale,  # fp32 per-layer scales (fp8: divisor; nvfp4: global scale g)
+    FMT: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    P: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    K_OFF: tl.constexpr,
+    KS_OFF: tl.constexpr,
+    KZ_OFF: tl.constexpr,
+    V_OFF: tl.constexpr,
+    VS_OFF: tl.constexpr,
+    VZ_OFF: tl.constexpr,
     BT: tl.constexpr,  # tokens per program
     GROUPS: tl.constexpr,  # 1: one 32-channel group per thread (int4); 0: token rows
 ):
@@ -223,8 +234,13 @@ def _write_int2_keys_kernel(
     buf_ptr,  # uint8 layer buffer
     page_ptr,  # int32 [N] INT2 page ids (with INT2_PAGE_FLAG)
     total_bytes,  # layer buffer size
-    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-    PAGE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KZ_OFF: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    P: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    K_OFF: tl.constexpr,
+    KS_OFF: tl.constexpr,
+    KZ_OFF: tl.constexpr,
     HB: tl.constexpr,  # kv heads per program
 ):
     """Keys of heads h0 .. h0+HB of page n: scale and zero per channel over the page's P tokens.
@@ -262,8 +278,13 @@ def _write_int2_values_kernel(
     page_ptr,  # int32 [N] INT2 page ids (with INT2_PAGE_FLAG)
     total_bytes,  # layer buffer size
     num_groups,  # N * P * H * D/32
-    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-    PAGE_BYTES: tl.constexpr, V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    P: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    V_OFF: tl.constexpr,
+    VS_OFF: tl.constexpr,
+    VZ_OFF: tl.constexpr,
     R: tl.constexpr,  # groups per program (one per thread)
 ):
     """Values: per token, groups of 32 channels, one group per thread; 8 bytes of codes a group.

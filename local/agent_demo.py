@@ -24,32 +24,54 @@ SYSTEM = (
 )
 
 TOOLS: list[dict[str, Any]] = [
-    {"type": "function", "function": {
-        "name": "list_files", "description": "List the files under a directory of the repository.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string", "description": "directory"}},
-                       "required": ["path"]}}},
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a text file of the repository.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"},
-                                                        "max_lines": {"type": "integer"}},
-                       "required": ["path"]}}},
-    {"type": "function", "function": {
-        "name": "run_python", "description": "Run a Python snippet and return its stdout and stderr.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "list_files",
+            "description": "List the files under a directory of the repository.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string", "description": "directory"}}, "required": ["path"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a text file of the repository.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "max_lines": {"type": "integer"}},
+                "required": ["path"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_python",
+            "description": "Run a Python snippet and return its stdout and stderr.",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        },
+    },
 ]
 
 # (what arrives this turn, the tool the agent calls after replying, that tool's result)
 TRACE: list[tuple[str, tuple[str, dict[str, Any]] | None, str | None]] = [
-    ("Find where the page pool evicts cached pages and tell me its policy.",
-     ("list_files", {"path": "worker"}),
-     "engine.py\nkv_cache.py\nkv_manager.py\npage_pool.py\nscheduler.py\nsequence.py\ntriaxial_pool.py"),
-    ("Good. Now read the eviction code.",
-     ("read_file", {"path": "worker/page_pool.py", "max_lines": 40}),
-     "def allocate(self, n):\n    # free pages first, then never-used space, then evict the least recently\n"
-     "    # used cached page (its hash leaves the map)\n    ...\n    return ids"),
-    ("Write a snippet that checks the LRU order on three pages.",
-     ("run_python", {"code": "pool = PagePool(3, page_size=16)\nprint(pool.allocate(3))"}),
-     "[0, 1, 2]"),
+    (
+        "Find where the page pool evicts cached pages and tell me its policy.",
+        ("list_files", {"path": "worker"}),
+        "engine.py\nkv_cache.py\nkv_manager.py\npage_pool.py\nscheduler.py\nsequence.py\ntriaxial_pool.py",
+    ),
+    (
+        "Good. Now read the eviction code.",
+        ("read_file", {"path": "worker/page_pool.py", "max_lines": 40}),
+        "def allocate(self, n):\n    # free pages first, then never-used space, then evict the least recently\n"
+        "    # used cached page (its hash leaves the map)\n    ...\n    return ids",
+    ),
+    (
+        "Write a snippet that checks the LRU order on three pages.",
+        ("run_python", {"code": "pool = PagePool(3, page_size=16)\nprint(pool.allocate(3))"}),
+        "[0, 1, 2]",
+    ),
     ("The output looks right. Explain why the tail of a conversation is evicted first.", None, None),
     ("Last question: what happens to leased pages when the lease expires?", None, None),
 ]
@@ -91,8 +113,14 @@ def run_conversation(base_url: str, model: str, *, max_tokens: int, session_id: 
         usage: Any = None
         # messages/tools are plain dicts in the wire shape (the SDK's TypedDicts are stricter)
         stream = client.chat.completions.create(  # type: ignore[call-overload]
-            model=model, messages=messages, tools=TOOLS, stream=True,
-            stream_options={"include_usage": True}, max_tokens=max_tokens, temperature=0.0, seed=n,
+            model=model,
+            messages=messages,
+            tools=TOOLS,
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=max_tokens,
+            temperature=0.0,
+            seed=n,
             extra_headers={"X-Session-ID": session_id},
         )
         for chunk in stream:
@@ -108,20 +136,26 @@ def run_conversation(base_url: str, model: str, *, max_tokens: int, session_id: 
         reply = "".join(parts)
         ext = _usage_extension(usage)
         details = usage.prompt_tokens_details
-        results.append(TurnResult(
-            turn=n, prompt_tokens=usage.prompt_tokens,
-            cached_tokens=int(details.cached_tokens or 0) if details is not None else 0,
-            local_tokens=ext.get("local_cached_tokens"), pulled_tokens=ext.get("remote_pulled_tokens"),
-            computed_tokens=ext.get("computed_prompt_tokens"), kv_bytes_pulled=ext.get("kv_bytes_moved"),
-            reuse_fallback=ext.get("reuse_fallback"),
-            completion_tokens=usage.completion_tokens, ttft_s=ttft, reply=reply,
-        ))
+        results.append(
+            TurnResult(
+                turn=n,
+                prompt_tokens=usage.prompt_tokens,
+                cached_tokens=int(details.cached_tokens or 0) if details is not None else 0,
+                local_tokens=ext.get("local_cached_tokens"),
+                pulled_tokens=ext.get("remote_pulled_tokens"),
+                computed_tokens=ext.get("computed_prompt_tokens"),
+                kv_bytes_pulled=ext.get("kv_bytes_moved"),
+                reuse_fallback=ext.get("reuse_fallback"),
+                completion_tokens=usage.completion_tokens,
+                ttft_s=ttft,
+                reply=reply,
+            )
+        )
         assistant: dict[str, Any] = {"role": "assistant", "content": reply}
         if tool is not None:
             name, arguments = tool
             call_id = f"call_{n}"
-            assistant["tool_calls"] = [{"id": call_id, "type": "function",
-                                        "function": {"name": name, "arguments": json.dumps(arguments)}}]
+            assistant["tool_calls"] = [{"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]
             messages.append(assistant)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": tool_result or ""})
         else:
@@ -160,8 +194,7 @@ def plot_ttft(runs: dict[str, list[TurnResult]], path: str) -> str:
     for k, (label, results) in enumerate(runs.items()):
         turns = [r.turn for r in results]
         left.plot(turns, [r.ttft_s * 1e3 for r in results], marker="o", label=label)
-        right.bar([t - 0.4 + width * (k + 0.5) for t in turns], [r.computed_tokens or 0 for r in results],
-                  width=width, label=label)
+        right.bar([t - 0.4 + width * (k + 0.5) for t in turns], [r.computed_tokens or 0 for r in results], width=width, label=label)
     for ax, ylabel in ((left, "time to first token (ms)"), (right, "prompt tokens computed")):
         ax.set_xlabel("turn of the agent conversation")
         ax.set_ylabel(ylabel)

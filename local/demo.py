@@ -29,15 +29,18 @@ DEMO_SESSION = "kvserving-demo"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpu-gib", type=float_in(0.0, 1 << 20, low_open=True), default=80.0,
-                        help="KV memory budget in GiB for the capacity table")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="local model directory, HF format (default: the built-in tiny model, generated locally)")
+    parser.add_argument(
+        "--gpu-gib", type=float_in(0.0, 1 << 20, low_open=True), default=80.0, help="KV memory budget in GiB for the capacity table"
+    )
+    parser.add_argument(
+        "--model", type=Path, default=None, help="local model directory, HF format (default: the built-in tiny model, generated locally)"
+    )
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="nvfp4", help="KV cache format of the workers")
     parser.add_argument("--max-tokens", type=int_in(1, 4096), default=128, help="new tokens per assistant turn")
     parser.add_argument("--kv-mib", type=int_in(1, 1 << 20), default=64, help="KV pool per worker in MiB")
-    parser.add_argument("--plot", type=Path, default=None,
-                        help="where the TTFT plot goes (default: kvserving-demo-ttft.png in the temp dir)")
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="where the TTFT plot goes (default: kvserving-demo-ttft.png in the temp dir)"
+    )
 
 
 def headline(model_dir: Path, *, builtin: bool, requests: int, max_tokens: int, kv_mib: int) -> str:
@@ -72,24 +75,30 @@ def run(args: argparse.Namespace) -> int:
     print(capacity.format_table(capacity.capacity_rows(gpu_bytes=int(args.gpu_gib * 2**30))))
     print()
     print(headline(model_dir, builtin=builtin, requests=len(TRACE), max_tokens=args.max_tokens, kv_mib=args.kv_mib))
-    base = ServingConfig(model=ModelConfig(path=str(model_dir)),
-                         kv_cache=KVCacheConfig(dtype=args.kv_dtype, memory_bytes=args.kv_mib * 2**20))
+    base = ServingConfig(
+        model=ModelConfig(path=str(model_dir)), kv_cache=KVCacheConfig(dtype=args.kv_dtype, memory_bytes=args.kv_mib * 2**20)
+    )
     start = time.perf_counter()
     runs = {}
     with tempfile.TemporaryDirectory(prefix="kvserving-demo-") as tmp:
         for label, bidirectional in (("reuse on", True), ("reuse off", False)):
             config = replace(base, reuse=replace(base.reuse, bidirectional=bidirectional))
             gateway, prefill, decode = free_ports(3)
-            spec = StackSpec(config=config, gateway_port=gateway, prefill_port=prefill, decode_port=decode,
-                             run_dir=Path(tmp) / label.replace(" ", "-"))
+            spec = StackSpec(
+                config=config, gateway_port=gateway, prefill_port=prefill, decode_port=decode, run_dir=Path(tmp) / label.replace(" ", "-")
+            )
             with LocalStack(spec) as stack:
                 stack.start()
                 stack.wait_ready(timeout_s=180)
-                runs[label] = run_conversation(stack.openai_base_url, config.model.served_name,
-                                               max_tokens=args.max_tokens, session_id=f"{DEMO_SESSION}-{label}")
+                runs[label] = run_conversation(
+                    stack.openai_base_url, config.model.served_name, max_tokens=args.max_tokens, session_id=f"{DEMO_SESSION}-{label}"
+                )
             print()
-            print(format_table(f"{args.kv_dtype} KV, bidirectional {label} (gateway + prefill + decode workers, "
-                               f"NIXL between them):", runs[label]))
+            print(
+                format_table(
+                    f"{args.kv_dtype} KV, bidirectional {label} (gateway + prefill + decode workers, NIXL between them):", runs[label]
+                )
+            )
         plot_path = args.plot or Path(tempfile.gettempdir()) / "kvserving-demo-ttft.png"
         plot_ttft(runs, str(plot_path))
     on, off = runs["reuse on"], runs["reuse off"]
@@ -99,10 +108,16 @@ def run(args: argparse.Namespace) -> int:
     computed_on = sum(r.computed_tokens or 0 for r in on[1:])
     computed_off = sum(r.computed_tokens or 0 for r in off[1:])
     print()
-    print(f"turns 2..{len(on)}: prompt tokens computed {computed_on:,} with reuse vs {computed_off:,} without "
-          f"({computed_off / max(computed_on, 1):.1f}x fewer); TTFT with reuse / without: {ttft_on / max(ttft_off, 1e-9):.2f}")
-    print("(on this tiny CPU model recomputing a 128-token reply takes milliseconds, about what pulling it costs;"
-          " the GPU numbers at real size are in docs/results.md)" if builtin else "")
+    print(
+        f"turns 2..{len(on)}: prompt tokens computed {computed_on:,} with reuse vs {computed_off:,} without "
+        f"({computed_off / max(computed_on, 1):.1f}x fewer); TTFT with reuse / without: {ttft_on / max(ttft_off, 1e-9):.2f}"
+    )
+    print(
+        "(on this tiny CPU model recomputing a 128-token reply takes milliseconds, about what pulling it costs;"
+        " the GPU numbers at real size are in docs/results.md)"
+        if builtin
+        else ""
+    )
     print(f"TTFT plot: {plot_path}")
     print(f"demo finished in {time.perf_counter() - start:.0f} s")
     return 0

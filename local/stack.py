@@ -156,8 +156,7 @@ async def _http_ok(url: str, timeout_s: float) -> bool:
     import aiohttp
 
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session, \
-                session.get(url) as resp:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session, session.get(url) as resp:
             return resp.status == 200
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return False
@@ -275,8 +274,11 @@ class LocalStack:
         py, cfg, host = self.spec.python, str(self.config_path), self.spec.host
         cli = [py, "-m", "kvserving.cli"]
         children = []
-        roles = [("both", self.spec.prefill_port)] if self.spec.single else [
-            ("prefill", self.spec.prefill_port), ("decode", self.spec.decode_port)]
+        roles = (
+            [("both", self.spec.prefill_port)]
+            if self.spec.single
+            else [("prefill", self.spec.prefill_port), ("decode", self.spec.decode_port)]
+        )
         for n, (role, port) in enumerate(roles):
             name = "worker" if role == "both" else role
             argv = cli + ["worker", "--role", role, "--config", cfg, "--host", host, "--port", str(port)]
@@ -297,7 +299,9 @@ class LocalStack:
         prom_cfg.write_text(scrape_config(targets))
         data = self.run_dir / "prometheus-data"
         argv = [
-            binary, f"--config.file={prom_cfg}", f"--storage.tsdb.path={data}",
+            binary,
+            f"--config.file={prom_cfg}",
+            f"--storage.tsdb.path={data}",
             f"--web.listen-address={self.spec.host}:{self.spec.prometheus_port}",
         ]
         return Child("prometheus", argv, f"{self.prometheus_url}/-/ready", self.run_dir / "prometheus.log")
@@ -311,8 +315,12 @@ class LocalStack:
         for child in self._plan():
             child.log_file = open(child.log_path, "wb")  # noqa: SIM115 (closed in stop)
             child.proc = subprocess.Popen(
-                child.argv, stdout=child.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**env, **(child.env or {})}, start_new_session=True,
+                child.argv,
+                stdout=child.log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**env, **(child.env or {})},
+                start_new_session=True,
             )
             self.children.append(child)
 
@@ -422,4 +430,3 @@ def _signal_group(child: Child, sig: signal.Signals) -> None:
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(child.proc.pid, sig)
-

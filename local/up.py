@@ -26,11 +26,16 @@ class _Interrupted(Exception):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=None,
-                        help="local model directory (default: the built-in tiny model, generated locally)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="local model directory (default: the built-in tiny model, generated locally)"
+    )
     parser.add_argument("--config", type=Path, default=None, help="engine-config JSON to start from (default: built-in defaults)")
-    parser.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
-                        help="'dummy': every worker builds the same seeded random weights from the model's config.json")
+    parser.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default=None,
+        help="'dummy': every worker builds the same seeded random weights from the model's config.json",
+    )
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help="KV cache format (default: the config's, bf16)")
     parser.add_argument("--bit-budget", type=float, default=None, help="average KV bits for triaxial, in [2, 4] (default: 2.7)")
     parser.add_argument("--kv-mib", type=int, default=None, help="KV pool size per worker in MiB (default: the config's)")
@@ -38,11 +43,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-reuse", action="store_true", help="turn bidirectional KV reuse off (every turn recomputes)")
     parser.add_argument("--host", default="127.0.0.1", help="address every part binds to")
     parser.add_argument("--port", type=int, default=8000, help="gateway port; workers take the next two, Prometheus the one after")
-    parser.add_argument("--prometheus", action="store_true",
-                        help="also start a real Prometheus scraping every part (installs the Debian package if missing)")
-    parser.add_argument("--gpus", default=None,
-                        help="GPU of each worker, comma-separated, prefill first (e.g. 0,1: prefill on GPU 0, decode on "
-                             "GPU 1; one index: every worker on it); default: the environment's CUDA_VISIBLE_DEVICES")
+    parser.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="also start a real Prometheus scraping every part (installs the Debian package if missing)",
+    )
+    parser.add_argument(
+        "--gpus",
+        default=None,
+        help="GPU of each worker, comma-separated, prefill first (e.g. 0,1: prefill on GPU 0, decode on "
+        "GPU 1; one index: every worker on it); default: the environment's CUDA_VISIBLE_DEVICES",
+    )
     parser.add_argument("--run-dir", type=Path, default=None, help="where logs and the config go (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for every part's /ready")
 
@@ -65,8 +76,9 @@ def build_config(args: argparse.Namespace) -> ServingConfig:
         config = replace(config, model=replace(config.model, path=str(resolve_model_dir(config.model))))
     kv = config.kv_cache
     if args.kv_dtype is not None:
-        kv = KVCacheConfig(dtype=args.kv_dtype, memory_fraction=kv.memory_fraction, memory_bytes=kv.memory_bytes,
-                           allow_emulation=kv.allow_emulation)
+        kv = KVCacheConfig(
+            dtype=args.kv_dtype, memory_fraction=kv.memory_fraction, memory_bytes=kv.memory_bytes, allow_emulation=kv.allow_emulation
+        )
     if args.bit_budget is not None:
         kv = replace(kv, bit_budget=args.bit_budget)
     if args.kv_mib is not None:
@@ -100,9 +112,14 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus:
         check_gpus(args.gpus)
     spec = StackSpec(
-        config=config, host=args.host, gateway_port=args.port, prefill_port=args.port + 1,
-        decode_port=args.port + 2, single=args.single,
-        prometheus_port=args.port + 3 if args.prometheus else None, run_dir=args.run_dir,
+        config=config,
+        host=args.host,
+        gateway_port=args.port,
+        prefill_port=args.port + 1,
+        decode_port=args.port + 2,
+        single=args.single,
+        prometheus_port=args.port + 3 if args.prometheus else None,
+        run_dir=args.run_dir,
         gpus=tuple(args.gpus.split(",")) if args.gpus else (),
     )
     stopping = False

@@ -93,9 +93,7 @@ class KubeApi:
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
 
-    async def _call(
-        self, verb: str, resource: Resource, path: str, *, subresource: str | None = None, **kwargs: Any
-    ) -> dict[str, Any]:
+    async def _call(self, verb: str, resource: Resource, path: str, *, subresource: str | None = None, **kwargs: Any) -> dict[str, Any]:
         plural = resource.plural if subresource is None else f"{resource.plural}/{subresource}"
         if (verb, resource.group, plural) not in API_CALLS:
             raise ValueError(f"undeclared API call {verb} {resource.group}/{plural}: add it to API_CALLS")
@@ -191,9 +189,7 @@ class KubeApi:
                 return None
             raise
 
-    async def patch_status(
-        self, namespace: str, name: str, status: dict[str, Any], *, resource_version: str | None = None
-    ) -> None:
+    async def patch_status(self, namespace: str, name: str, status: dict[str, Any], *, resource_version: str | None = None) -> None:
         """Merge-patch ``.status``. With ``resource_version`` the write happens only if
         the object is unchanged since it was read (else ApiError 409)."""
         body: dict[str, Any] = {"status": status}

@@ -89,9 +89,7 @@ async def refresh_kv(api: KubeApi, body: dict[str, Any], fetch: Fetch) -> dict[s
     return await refresh_status(api, body, now=utc_now(), kv=kv)
 
 
-async def run_sampler(
-    api: KubeApi, known: MutableSet[tuple[str, str]], fetch: Fetch, *, interval_s: float = INTERVAL_S
-) -> None:
+async def run_sampler(api: KubeApi, known: MutableSet[tuple[str, str]], fetch: Fetch, *, interval_s: float = INTERVAL_S) -> None:
     """Forever (until cancelled): refresh every known KVServing's KV health;
     one that no longer exists leaves ``known``."""
     while True:
@@ -135,4 +133,3 @@ class KVSampler:
         if self._session is not None:
             await self._session.close()
             self._session = None
-

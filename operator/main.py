@@ -31,10 +31,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable; default: all)")
     parser.add_argument("--liveness-port", type=int_in(0, 65535), default=8081, help="kopf's /healthz port (0: off)")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--render", metavar="FILE", type=Path, default=None,
-                        help="admit a KVServing manifest as the API server would, print the objects rendered for it and exit")
-    parser.add_argument("--print-rbac", action="store_true", help="print the RBAC objects the code needs (YAML) and exit: a ClusterRole and binding, "
-                        "or with --namespace a Role and RoleBinding per namespace")
+    parser.add_argument(
+        "--render",
+        metavar="FILE",
+        type=Path,
+        default=None,
+        help="admit a KVServing manifest as the API server would, print the objects rendered for it and exit",
+    )
+    parser.add_argument(
+        "--print-rbac",
+        action="store_true",
+        help="print the RBAC objects the code needs (YAML) and exit: a ClusterRole and binding, "
+        "or with --namespace a Role and RoleBinding per namespace",
+    )
 
 
 def load_crd() -> dict[str, Any]:
@@ -67,8 +76,10 @@ def render_file(path: Path) -> int:
         return 1
     meta = admission.body["metadata"]
     owner = Owner(name=meta["name"], namespace=meta.get("namespace", "default"), uid=meta.get("uid", "00000000-render"))
-    print(f"# Secret/{internal_secret_name(owner.name)} (key {INTERNAL_TOKEN_KEY!r}): made once by the operator with a random "
-          "value, mounted into the gateway and workers below; not printed")
+    print(
+        f"# Secret/{internal_secret_name(owner.name)} (key {INTERNAL_TOKEN_KEY!r}): made once by the operator with a random "
+        "value, mounted into the gateway and workers below; not printed"
+    )
     yaml.safe_dump_all(render(admission.body["spec"], owner=owner).objects, sys.stdout, sort_keys=False)
     return 0
 

@@ -64,8 +64,7 @@ def cluster_role_rules() -> list[dict[str, Any]]:
     for verb, group, resource in required_permissions():
         by_resource.setdefault((group, resource), set()).add(verb)
     return [
-        {"apiGroups": [group], "resources": [resource], "verbs": sorted(verbs)}
-        for (group, resource), verbs in sorted(by_resource.items())
+        {"apiGroups": [group], "resources": [resource], "verbs": sorted(verbs)} for (group, resource), verbs in sorted(by_resource.items())
     ]
 
 
@@ -75,20 +74,40 @@ def rbac_objects(namespaces: list[str]) -> list[dict[str, Any]]:
     the operator in kvserving-system. Namespaced: a Role and RoleBinding in each
     watched namespace, the operator (its ServiceAccount) in the first one."""
     home = namespaces[0] if namespaces else SYSTEM_NAMESPACE
-    account: dict[str, Any] = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": NAME, "namespace": home, "labels": dict(LABELS)}}
+    account: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": NAME, "namespace": home, "labels": dict(LABELS)},
+    }
     subject = [{"kind": "ServiceAccount", "name": NAME, "namespace": home}]
     if not namespaces:
         return [
             account,
-            {"apiVersion": f"{RBAC_API}/v1", "kind": "ClusterRole", "metadata": {"name": NAME, "labels": dict(LABELS)},
-             "rules": cluster_role_rules()},
-            {"apiVersion": f"{RBAC_API}/v1", "kind": "ClusterRoleBinding", "metadata": {"name": NAME, "labels": dict(LABELS)},
-             "roleRef": {"apiGroup": RBAC_API, "kind": "ClusterRole", "name": NAME}, "subjects": subject},
+            {
+                "apiVersion": f"{RBAC_API}/v1",
+                "kind": "ClusterRole",
+                "metadata": {"name": NAME, "labels": dict(LABELS)},
+                "rules": cluster_role_rules(),
+            },
+            {
+                "apiVersion": f"{RBAC_API}/v1",
+                "kind": "ClusterRoleBinding",
+                "metadata": {"name": NAME, "labels": dict(LABELS)},
+                "roleRef": {"apiGroup": RBAC_API, "kind": "ClusterRole", "name": NAME},
+                "subjects": subject,
+            },
         ]
     objects: list[dict[str, Any]] = [account]
     for namespace in namespaces:
         meta = {"name": NAME, "namespace": namespace, "labels": dict(LABELS)}
         objects.append({"apiVersion": f"{RBAC_API}/v1", "kind": "Role", "metadata": dict(meta), "rules": cluster_role_rules()})
-        objects.append({"apiVersion": f"{RBAC_API}/v1", "kind": "RoleBinding", "metadata": dict(meta),
-                        "roleRef": {"apiGroup": RBAC_API, "kind": "Role", "name": NAME}, "subjects": subject})
+        objects.append(
+            {
+                "apiVersion": f"{RBAC_API}/v1",
+                "kind": "RoleBinding",
+                "metadata": dict(meta),
+                "roleRef": {"apiGroup": RBAC_API, "kind": "Role", "name": NAME},
+                "subjects": subject,
+            }
+        )
     return objects

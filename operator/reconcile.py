@@ -136,9 +136,7 @@ async def reconcile(api: KubeApi, body: dict[str, Any], *, now: str) -> Outcome:
     return Outcome(status, events, error=error)
 
 
-async def refresh_status(
-    api: KubeApi, body: dict[str, Any], *, now: str, kv: dict[str, Any] | None = None
-) -> dict[str, Any] | None:
+async def refresh_status(api: KubeApi, body: dict[str, Any], *, now: str, kv: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Recompute the status from the owned Deployments (and ``kv``, the
     workers' KV health, when given); write it only if it changed and only if
     ``body`` is still the latest version (a reconcile that wrote meanwhile

@@ -123,8 +123,7 @@ def render(spec: dict[str, Any], *, owner: Owner) -> Rendered:
     if parsed.monitoring.enabled:
         objects.append(_pod_monitor(owner, parsed))
         if parsed.monitoring.dashboard:
-            dashboard = {f"kvserving-{owner.namespace}-{owner.name}.json": dashboard_json(
-                namespace=owner.namespace, instance=owner.name)}
+            dashboard = {f"kvserving-{owner.namespace}-{owner.name}.json": dashboard_json(namespace=owner.namespace, instance=owner.name)}
             labels = {"grafana_dashboard": "1", **parsed.monitoring.labels}
             objects.append(_config_map(owner, f"{owner.name}-dashboard", "dashboard", dashboard, labels))
     return Rendered(
@@ -169,9 +168,7 @@ def _metadata(owner: Owner, name: str, component: str, extra_labels: dict[str, s
         "labels": {**instance_labels(owner.name), LABEL_COMPONENT: component, **extra_labels},
         # No blockOwnerDeletion: it would need update on kvservings/finalizers,
         # and garbage collection deletes the children either way.
-        "ownerReferences": [
-            {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name, "uid": owner.uid, "controller": True}
-        ],
+        "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name, "uid": owner.uid, "controller": True}],
     }
 
 
@@ -328,8 +325,9 @@ def _tcp(*ports: int) -> list[dict[str, Any]]:
     return [{"protocol": "TCP", "port": port} for port in ports]
 
 
-def _network_policy(owner: Owner, spec: KVServingSpec, name: str, roles: tuple[str, ...], ingress: list[dict[str, Any]],
-                    egress: list[dict[str, Any]]) -> dict[str, Any]:
+def _network_policy(
+    owner: Owner, spec: KVServingSpec, name: str, roles: tuple[str, ...], ingress: list[dict[str, Any]], egress: list[dict[str, Any]]
+) -> dict[str, Any]:
     policy: dict[str, Any] = {"podSelector": _pods(owner, roles), "policyTypes": ["Ingress"], "ingress": ingress}
     if spec.egress.enabled:
         policy["policyTypes"] = ["Ingress", "Egress"]
@@ -362,10 +360,12 @@ def _worker_network_policy(owner: Owner, spec: KVServingSpec) -> dict[str, Any]:
     from the monitoring peers. /internal/* still needs the token."""
     peers: list[dict[str, Any]] = [{"podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}]
     if spec.operator_namespace != owner.namespace:
-        peers.append({
-            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": spec.operator_namespace}},
-            "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
-        })
+        peers.append(
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": spec.operator_namespace}},
+                "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
+            }
+        )
     ingress: list[dict[str, Any]] = [
         {"from": [{"podSelector": _pods(owner, WORKER_ROLES)}]},
         {"from": [{"podSelector": _pods(owner, ("gateway",))}, *peers], "ports": _tcp(WORKER_PORT)},

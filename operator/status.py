@@ -186,8 +186,9 @@ def compute_status(
     if apply_error is not None:
         degraded = _condition("Degraded", True, APPLY_FAILED, apply_error)
     elif failed:
-        degraded = _condition("Degraded", True, "RolloutFailed", "; ".join(
-            f"{r}: {c['message']}" for r, c in zip(ROLES, conditions[1:4]) if r in failed))
+        degraded = _condition(
+            "Degraded", True, "RolloutFailed", "; ".join(f"{r}: {c['message']}" for r, c in zip(ROLES, conditions[1:4]) if r in failed)
+        )
     elif unavailable:
         degraded = _condition("Degraded", True, "ReplicasUnavailable", "replicas lost after rollout: " + ", ".join(unavailable))
     elif kv_verdict is not None:

@@ -38,11 +38,25 @@ DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 MAX_LABEL = 63
 # ObjectMeta's fields: strict field validation refuses any other key under metadata.
-OBJECT_META_FIELDS = frozenset({
-    "name", "generateName", "namespace", "labels", "annotations", "uid", "resourceVersion", "generation",
-    "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "ownerReferences", "finalizers",
-    "managedFields", "selfLink",
-})
+OBJECT_META_FIELDS = frozenset(
+    {
+        "name",
+        "generateName",
+        "namespace",
+        "labels",
+        "annotations",
+        "uid",
+        "resourceVersion",
+        "generation",
+        "creationTimestamp",
+        "deletionTimestamp",
+        "deletionGracePeriodSeconds",
+        "ownerReferences",
+        "finalizers",
+        "managedFields",
+        "selfLink",
+    }
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -115,9 +129,7 @@ def metadata_problems(metadata: Any) -> list[str]:
     problems = [f"metadata.{key}: unknown field" for key in metadata if key not in OBJECT_META_FIELDS]
     for field in ("labels", "annotations"):
         value = metadata.get(field)
-        if value is not None and not (
-            isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
-        ):
+        if value is not None and not (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())):
             problems.append(f"metadata.{field}: must map strings to strings (quote numbers and booleans)")
     name = metadata["name"]
     if len(name) > MAX_LABEL or not DNS1035_LABEL.fullmatch(name):
@@ -126,9 +138,7 @@ def metadata_problems(metadata: Any) -> list[str]:
             f"letter, ending with a letter or digit, at most {MAX_LABEL} characters): the Services are named after it"
         )
     namespace = metadata.get("namespace")
-    if namespace is not None and (
-        not isinstance(namespace, str) or len(namespace) > MAX_LABEL or not DNS1123_LABEL.fullmatch(namespace)
-    ):
+    if namespace is not None and (not isinstance(namespace, str) or len(namespace) > MAX_LABEL or not DNS1123_LABEL.fullmatch(namespace)):
         problems.append(
             f"metadata.namespace: {namespace!r} is not a DNS-1123 label (lowercase letters, digits and '-', "
             f"starting and ending with a letter or digit, at most {MAX_LABEL} characters)"

@@ -114,9 +114,7 @@ class _Agent:
 class Simulator(Sim):
     """The event loop, the gateway and the agents over a ``ClusterSpec``."""
 
-    def __init__(
-        self, cluster: ClusterSpec, load: LoadSpec, *, bidirectional: bool | None = None, sweep_s: float | None = None
-    ) -> None:
+    def __init__(self, cluster: ClusterSpec, load: LoadSpec, *, bidirectional: bool | None = None, sweep_s: float | None = None) -> None:
         """``sweep_s``: the gateway's lease heartbeat period (default the real one, a quarter of
         min(heartbeat, lease TTL)); each beat walks the whole lease table, so a population of
         thousands of agents runs with a coarser beat (idle releases up to ``sweep_s`` late)."""
@@ -133,8 +131,9 @@ class Simulator(Sim):
         pages = cluster.pages_per_worker
         if pages < 1:
             raise ValueError(f"the KV budget holds no {cluster.dtype} page")
-        kw: dict[str, Any] = dict(sim=self, pages=pages, page_size=p, dtype=cluster.dtype, costs=costs,
-                                  reuse=cluster.reuse, sched=cluster.scheduler)
+        kw: dict[str, Any] = dict(
+            sim=self, pages=pages, page_size=p, dtype=cluster.dtype, costs=costs, reuse=cluster.reuse, sched=cluster.scheduler
+        )
         self.prefill = [PrefillWorker(f"http://prefill-{i:05d}", **kw) for i in range(cluster.prefill_workers)]
         self.decode = [DecodeWorker(f"http://decode-{i:05d}", **kw) for i in range(cluster.decode_workers)]
         self._by_url: dict[str, Worker] = {w.url: w for w in [*self.prefill, *self.decode]}
@@ -164,7 +163,7 @@ class Simulator(Sim):
         self._length_cache: dict[int, tuple[AgentSpec, list[tuple[int, int, int, int]]]] = {}
         self._active = 0
         self._ctx: dict[int, tuple[_Agent, DecodeWorker, Req]] = {}  # turns in flight
-        self.max_turn_tokens = (cluster.pages_per_worker * p)  # a request longer than the pool is refused
+        self.max_turn_tokens = cluster.pages_per_worker * p  # a request longer than the pool is refused
 
     # ------------------------------------------------------------------ event core
     def at(self, t: float, fn: Callable[[float], None]) -> None:
@@ -181,9 +180,7 @@ class Simulator(Sim):
         else:
             bucket.append((fn, arg))
 
-    def run(
-        self, *, until: float = math.inf, progress: Callable[[float], None] | None = None, agents_done: bool = False
-    ) -> None:
+    def run(self, *, until: float = math.inf, progress: Callable[[float], None] | None = None, agents_done: bool = False) -> None:
         """Process events in time order (ties in the order they were scheduled) up to ``until``,
         or (``agents_done``) until no agent is left; later events (sweeps, expiries) stay queued."""
         times, due = self._times, self._due
@@ -429,10 +426,21 @@ class Simulator(Sim):
         turn = ag.spec.turns[ag.next_turn]
         if not failed:
             first = req.first_token_at or now
-            self.records.append(TurnRecord(
-                ag.uid, turn.index, req.prompt, req.cached_tokens, req.local_tokens, req.remote_tokens,
-                req.output, req.sent_at, first - req.sent_at, now - req.sent_at, req.fallback,
-            ))
+            self.records.append(
+                TurnRecord(
+                    ag.uid,
+                    turn.index,
+                    req.prompt,
+                    req.cached_tokens,
+                    req.local_tokens,
+                    req.remote_tokens,
+                    req.output,
+                    req.sent_at,
+                    first - req.sent_at,
+                    now - req.sent_at,
+                    req.fallback,
+                )
+            )
         ag.next_turn += 1
         if failed or ag.next_turn >= len(ag.spec.turns):
             self._agent_done(ag, now)
@@ -584,8 +592,9 @@ class Population:
             raise ValueError(f"shapes must be >= 1, got {self.shapes}")
 
 
-def run_population(sim: Simulator, pop: Population, *, progress: Callable[[float], None] | None = None,
-                   shapes: dict[int, AgentSpec] | None = None) -> dict[str, Any]:
+def run_population(
+    sim: Simulator, pop: Population, *, progress: Callable[[float], None] | None = None, shapes: dict[int, AgentSpec] | None = None
+) -> dict[str, Any]:
     """Run ``pop`` on ``sim``; metrics over turns sent in [warmup_s, duration_s). ``shapes``:
     agents already drawn from ``sim.load`` (by index), reused across runs of the same load."""
     shapes = {} if shapes is None else shapes

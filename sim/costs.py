@@ -124,9 +124,7 @@ class CostModel:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"cost model has unknown keys: {unknown}")
-        missing = sorted(
-            f.name for f in fields(cls) if f.name not in data and f.default is MISSING and f.default_factory is MISSING
-        )
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.default is MISSING and f.default_factory is MISSING)
         if missing:
             raise ValueError(f"cost model lacks keys: {missing}")
         try:
@@ -178,11 +176,7 @@ class CostModel:
         return self.decode_step_s + self.decode_seq_s * batch + self.decode_ctx_s[dtype] * context_tokens
 
     def pull_s(self, nbytes: float) -> float:
-        return (
-            self.transfer_overhead_s
-            + self.layers * self.transfer_runs * self.transfer_region_s
-            + nbytes / self.transfer_bytes_per_s
-        )
+        return self.transfer_overhead_s + self.layers * self.transfer_runs * self.transfer_region_s + nbytes / self.transfer_bytes_per_s
 
     def server_tokens(self, nominal: int) -> int:
         """A nominal length (agent generator) as the server's token count."""
@@ -194,7 +188,9 @@ def _h200_8b() -> CostModel:
     docs/performance-log/pd-gpu.md)."""
     return CostModel(
         name="h200-8b",
-        layers=36, kv_heads=8, head_dim=128,
+        layers=36,
+        kv_heads=8,
+        head_dim=128,
         kv_bytes_per_worker=90 * 2**30,  # the engine benchmark's pool (speed_kv_gib)
         # engine_gpu prefill_8k: 8192 fresh tokens in 0.29 s in every format (fresh K/V attention is
         # unquantized) -> 3.4e-5 s/token; over a cached prefix the paged extend kernel costs, per

@@ -29,8 +29,16 @@ from kvserving.sim.cluster import ClusterSpec, Simulator, percentile, run_bench_
 GPU_SCHEDULER = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192, chunk_size=4096)
 HIT_TOL = 0.05
 TPUT_TOL = 0.15
-COMPARED = ("hit_rate", "output_tok_per_s", "req_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-            "prefill_evicted_pages", "decode_evicted_pages")
+COMPARED = (
+    "hit_rate",
+    "output_tok_per_s",
+    "req_per_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "tpot_p50_ms",
+    "prefill_evicted_pages",
+    "decode_evicted_pages",
+)
 
 
 def is_gpu_result(measured: dict[str, Any]) -> bool:
@@ -48,12 +56,12 @@ def kv_bytes(measured: dict[str, Any]) -> int:
 def bench_load(measured: dict[str, Any]) -> LoadSpec:
     """The ``LoadSpec`` of a bench/agents.py result; it writes an unbounded ``Dist.high`` (inf) as
     null (strict JSON)."""
-    return load_spec_from_dict({k: dict(v, high=math.inf) if isinstance(v, dict) and v.get("high", 0) is None else v
-                                for k, v in measured["load"].items()})
+    return load_spec_from_dict(
+        {k: dict(v, high=math.inf) if isinstance(v, dict) and v.get("high", 0) is None else v for k, v in measured["load"].items()}
+    )
 
 
-def reproduce(measured: dict[str, Any], costs: CostModel, *,
-              only: set[tuple[str, int]] | None = None) -> list[dict[str, Any]]:
+def reproduce(measured: dict[str, Any], costs: CostModel, *, only: set[tuple[str, int]] | None = None) -> list[dict[str, Any]]:
     """One row per measured point (``only``: the (format, N) pairs to run): the simulated and
     the measured metrics, whether each meets its target, and the simulator's counters."""
     try:
@@ -71,8 +79,7 @@ def reproduce(measured: dict[str, Any], costs: CostModel, *,
             continue
         key = (fmt, mode, str(p.get("part", "")))
         if key not in stacks:
-            cluster = ClusterSpec(BENCH_FORMATS[fmt], 1, 1, costs, reuse=reuse_for_mode(mode, ttl_s=ttl_s),
-                                  scheduler=GPU_SCHEDULER)
+            cluster = ClusterSpec(BENCH_FORMATS[fmt], 1, 1, costs, reuse=reuse_for_mode(mode, ttl_s=ttl_s), scheduler=GPU_SCHEDULER)
             sim = Simulator(cluster, load)
             stacks[key] = (sim, SharedGpu(sim, sim.prefill[0], sim.decode[0]))
         sim, gpu = stacks[key]
@@ -81,46 +88,82 @@ def reproduce(measured: dict[str, Any], costs: CostModel, *,
         before = gpu.counters(sim.now)
         point = run_bench_point(sim, range(1000 * n, 1000 * n + n))
         recs = sim.records[first:]
-        point["tpot_p50_ms"] = percentile([(r.latency_s - r.ttft_s) / (r.output_tokens - 1)
-                                           for r in recs if r.output_tokens > 1], 0.5) * 1e3
+        point["tpot_p50_ms"] = (
+            percentile([(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in recs if r.output_tokens > 1], 0.5) * 1e3
+        )
         after = gpu.counters(sim.now)
         wall = max(point["wall_s"], 1e-9)
         busy = {k: (after[k] - before[k]) / wall for k in after}
         sim_hit, meas_hit = point["hit_rate"], p["hit_rate"]
         sim_tp, meas_tp = point["output_tok_per_s"], p["output_tok_per_s"]
-        rows.append({
-            "format": fmt, "mode": mode, "concurrency": n, "part": p.get("part"),
-            "sim": {k: point.get(k) for k in COMPARED},
-            "measured": {k: p.get(k) for k in COMPARED},
-            "hit_ok": abs(sim_hit - meas_hit) <= HIT_TOL,
-            "tput_ok": abs(sim_tp - meas_tp) <= TPUT_TOL * meas_tp,
-            "tput_err": (sim_tp - meas_tp) / meas_tp if meas_tp else math.nan,
-            "sim_counters": {"gpu_busy_share": busy, "fallbacks": point["fallbacks"],
-                             "decode_reclaimed_leases": point["decode_reclaimed_leases"],
-                             "wall_s": point["wall_s"], "requests": point["requests"], "start_s": start},
-            "measured_counters": {"preemptions": p.get("prefill_preemptions", 0) + p.get("decode_preemptions", 0),
-                                  "fallbacks": p.get("fallbacks", {}), "wall_s": p.get("wall_s"),
-                                  "requests": p.get("requests")},
-        })
+        rows.append(
+            {
+                "format": fmt,
+                "mode": mode,
+                "concurrency": n,
+                "part": p.get("part"),
+                "sim": {k: point.get(k) for k in COMPARED},
+                "measured": {k: p.get(k) for k in COMPARED},
+                "hit_ok": abs(sim_hit - meas_hit) <= HIT_TOL,
+                "tput_ok": abs(sim_tp - meas_tp) <= TPUT_TOL * meas_tp,
+                "tput_err": (sim_tp - meas_tp) / meas_tp if meas_tp else math.nan,
+                "sim_counters": {
+                    "gpu_busy_share": busy,
+                    "fallbacks": point["fallbacks"],
+                    "decode_reclaimed_leases": point["decode_reclaimed_leases"],
+                    "wall_s": point["wall_s"],
+                    "requests": point["requests"],
+                    "start_s": start,
+                },
+                "measured_counters": {
+                    "preemptions": p.get("prefill_preemptions", 0) + p.get("decode_preemptions", 0),
+                    "fallbacks": p.get("fallbacks", {}),
+                    "wall_s": p.get("wall_s"),
+                    "requests": p.get("requests"),
+                },
+            }
+        )
     return rows
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    head = ["format", "mode", "N", "hit sim/meas", "ok", "out tok/s sim/meas", "err", "ok", "TTFT p50 sim/meas",
-            "p99 sim/meas", "TPOT p50 sim/meas", "evict P+D sim/meas", "GPU P/D/both", "preempt meas"]
+    head = [
+        "format",
+        "mode",
+        "N",
+        "hit sim/meas",
+        "ok",
+        "out tok/s sim/meas",
+        "err",
+        "ok",
+        "TTFT p50 sim/meas",
+        "p99 sim/meas",
+        "TPOT p50 sim/meas",
+        "evict P+D sim/meas",
+        "GPU P/D/both",
+        "preempt meas",
+    ]
     table = [head]
     for r in rows:
         s, m, c = r["sim"], r["measured"], r["sim_counters"]["gpu_busy_share"]
-        table.append([
-            r["format"], r["mode"], str(r["concurrency"]),
-            f"{s['hit_rate']:.2f} / {m['hit_rate']:.2f}", "yes" if r["hit_ok"] else "NO",
-            f"{s['output_tok_per_s']:.0f} / {m['output_tok_per_s']:.0f}", f"{r['tput_err']:+.0%}", "yes" if r["tput_ok"] else "NO",
-            f"{s['ttft_p50_ms']:.0f} / {m['ttft_p50_ms']:.0f}", f"{s['ttft_p99_ms']:.0f} / {m['ttft_p99_ms']:.0f}",
-            f"{s['tpot_p50_ms']:.1f} / {m['tpot_p50_ms']:.1f}",
-            f"{s['prefill_evicted_pages'] + s['decode_evicted_pages']} / {m['prefill_evicted_pages'] + m['decode_evicted_pages']}",
-            f"{c['prefill_only']:.2f}/{c['decode_only']:.2f}/{c['both']:.2f}",
-            str(r["measured_counters"]["preemptions"]),
-        ])
+        table.append(
+            [
+                r["format"],
+                r["mode"],
+                str(r["concurrency"]),
+                f"{s['hit_rate']:.2f} / {m['hit_rate']:.2f}",
+                "yes" if r["hit_ok"] else "NO",
+                f"{s['output_tok_per_s']:.0f} / {m['output_tok_per_s']:.0f}",
+                f"{r['tput_err']:+.0%}",
+                "yes" if r["tput_ok"] else "NO",
+                f"{s['ttft_p50_ms']:.0f} / {m['ttft_p50_ms']:.0f}",
+                f"{s['ttft_p99_ms']:.0f} / {m['ttft_p99_ms']:.0f}",
+                f"{s['tpot_p50_ms']:.1f} / {m['tpot_p50_ms']:.1f}",
+                f"{s['prefill_evicted_pages'] + s['decode_evicted_pages']} / {m['prefill_evicted_pages'] + m['decode_evicted_pages']}",
+                f"{c['prefill_only']:.2f}/{c['decode_only']:.2f}/{c['both']:.2f}",
+                str(r["measured_counters"]["preemptions"]),
+            ]
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -28,8 +28,9 @@ PROGRESS_LINES_S = 30.0
 
 
 # ---------------------------------------------------------------------------------- capacity planning
-def gpu_load(seed: int = 0, *, think_s: float = 30.0, output_tokens: int = 250, max_context: int = 32768,
-             shared_system_prompt: bool = True) -> LoadSpec:
+def gpu_load(
+    seed: int = 0, *, think_s: float = 30.0, output_tokens: int = 250, max_context: int = 32768, shared_system_prompt: bool = True
+) -> LoadSpec:
     """Coding-agent traffic at GPU scale: a 2K-token shared system prompt with 8 tools, turns of
     tool results ~1.5K tokens, replies ~``output_tokens``, ``think_s`` mean think time (tool runs)."""
     from kvserving.agents.load import Dist
@@ -59,21 +60,43 @@ def split_gpus(gpus: int, prefill_share: float) -> tuple[int, int]:
     return prefill, gpus - prefill
 
 
-def simulate_point(dtype: str, gpus: int, *, costs: CostModel, load: LoadSpec, pop: Population,
-                   prefill_share: float, reuse: ReuseConfig | None = None,
-                   progress: Callable[[float], None] | None = None,
-                   shapes: dict[int, AgentSpec] | None = None, engine: ModuleType = pure) -> dict[str, Any]:
+def simulate_point(
+    dtype: str,
+    gpus: int,
+    *,
+    costs: CostModel,
+    load: LoadSpec,
+    pop: Population,
+    prefill_share: float,
+    reuse: ReuseConfig | None = None,
+    progress: Callable[[float], None] | None = None,
+    shapes: dict[int, AgentSpec] | None = None,
+    engine: ModuleType = pure,
+) -> dict[str, Any]:
     """One population run. ``engine``: ``kvserving.sim.cluster`` or its compiled build
     (``sim_native.load()``); ``pop`` must be that module's ``Population``."""
     prefill, decode = split_gpus(gpus, prefill_share)
-    cluster = engine.ClusterSpec(dtype, prefill, decode, costs, reuse=reuse or ReuseConfig(),
-                                 scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, chunk_size=2048))
+    cluster = engine.ClusterSpec(
+        dtype,
+        prefill,
+        decode,
+        costs,
+        reuse=reuse or ReuseConfig(),
+        scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, chunk_size=2048),
+    )
     sweep_s = max(30.0, min(cluster.gateway.lease_heartbeat_s, cluster.reuse.lease_ttl_s) / 4)
     sim = engine.Simulator(cluster, load, sweep_s=sweep_s)
     point: dict[str, Any] = engine.run_population(sim, pop, progress=progress, shapes=shapes)
-    point.update({"dtype": dtype, "gpus": gpus, "prefill_workers": prefill, "decode_workers": decode,
-                  "pool_tokens": cluster.pages_per_worker * cluster.effective_page_size,
-                  "turns_simulated": len(sim.records)})
+    point.update(
+        {
+            "dtype": dtype,
+            "gpus": gpus,
+            "prefill_workers": prefill,
+            "decode_workers": decode,
+            "pool_tokens": cluster.pages_per_worker * cluster.effective_page_size,
+            "turns_simulated": len(sim.records),
+        }
+    )
     return point
 
 
@@ -137,8 +160,13 @@ def plan(dtype: str, args: dict[str, Any], *, show_progress: bool, lines_every_s
     from kvserving.sim.costs import CostModel
 
     costs = CostModel.from_dict(args["costs"])
-    load = gpu_load(args["seed"], think_s=args["think_s"], output_tokens=args["output_tokens"],
-                    max_context=args["max_context"], shared_system_prompt=args["shared"])
+    load = gpu_load(
+        args["seed"],
+        think_s=args["think_s"],
+        output_tokens=args["output_tokens"],
+        max_context=args["max_context"],
+        shared_system_prompt=args["shared"],
+    )
     engine = engine_for(args["native"])
     pop = engine.Population(args["agents"], args["duration_s"], warmup_s=args["warmup_s"], ramp_s=args["ramp_s"], shapes=args["shapes"])
     duration = args["duration_s"]
@@ -155,15 +183,28 @@ def plan(dtype: str, args: dict[str, Any], *, show_progress: bool, lines_every_s
             last = time.monotonic()  # off a terminal: a line now and then, so a long run is not silent
             print(f"{dtype}: {t:.0f} of {duration:g} s simulated", file=sys.stderr, flush=True)
 
-    kw: dict[str, Any] = dict(costs=costs, load=load, pop=pop, prefill_share=args["prefill_share"],
-                              reuse=ReuseConfig(bidirectional=args["reuse"]), progress=progress, shapes={}, engine=engine)
+    kw: dict[str, Any] = dict(
+        costs=costs,
+        load=load,
+        pop=pop,
+        prefill_share=args["prefill_share"],
+        reuse=ReuseConfig(bidirectional=args["reuse"]),
+        progress=progress,
+        shapes={},
+        engine=engine,
+    )
     if args["ttft_p99_ms"] is None:
         point = simulate_point(dtype, args["gpus"], **kw)
     else:
         probe = None
         if args["probe_s"] < duration:
-            probe = engine.Population(args["agents"], args["probe_s"], warmup_s=min(args["warmup_s"], args["probe_s"] / 2),
-                               ramp_s=args["ramp_s"], shapes=args["shapes"])
+            probe = engine.Population(
+                args["agents"],
+                args["probe_s"],
+                warmup_s=min(args["warmup_s"], args["probe_s"] / 2),
+                ramp_s=args["ramp_s"],
+                shapes=args["shapes"],
+            )
         need, point = fewest_gpus(dtype, args["gpus"], args["ttft_p99_ms"], probe=probe, **kw)
         point["gpus"] = need
         point["max_gpus"] = args["gpus"]
@@ -173,19 +214,32 @@ def plan(dtype: str, args: dict[str, Any], *, show_progress: bool, lines_every_s
 
 
 _COLUMNS = (
-    ("dtype", "dtype", "{}"), ("GPUs", "gpus", "{}"), ("P/D", "pd", "{}"), ("pool tok/GPU", "pool_tokens", "{:,}"),
-    ("hit", "hit_rate", "{:.3f}"), ("local", "local_share", "{:.3f}"), ("pulled", "pulled_share", "{:.3f}"),
-    ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"), ("p99 ms", "ttft_p99_ms", "{:.0f}"),
-    ("turn p99 s", "latency_p99_s", "{:.1f}"), ("req/s", "req_per_s", "{:.1f}"),
-    ("out tok/s", "output_tok_per_s", "{:,.0f}"), ("evicted P/D", "evicted", "{}"), ("turns", "turns_simulated", "{:,}"),
+    ("dtype", "dtype", "{}"),
+    ("GPUs", "gpus", "{}"),
+    ("P/D", "pd", "{}"),
+    ("pool tok/GPU", "pool_tokens", "{:,}"),
+    ("hit", "hit_rate", "{:.3f}"),
+    ("local", "local_share", "{:.3f}"),
+    ("pulled", "pulled_share", "{:.3f}"),
+    ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"),
+    ("p99 ms", "ttft_p99_ms", "{:.0f}"),
+    ("turn p99 s", "latency_p99_s", "{:.1f}"),
+    ("req/s", "req_per_s", "{:.1f}"),
+    ("out tok/s", "output_tok_per_s", "{:,.0f}"),
+    ("evicted P/D", "evicted", "{}"),
+    ("turns", "turns_simulated", "{:,}"),
 )
 
 
 def format_table(points: list[dict[str, Any]]) -> str:
     rows = [[title for title, _, _ in _COLUMNS]]
     for p in points:
-        q = dict(p, pd=f"{p['prefill_workers']}/{p['decode_workers']}", latency_p99_s=p.get("latency_p99_ms", math.nan) / 1e3,
-                 evicted=f"{p['prefill_evicted_pages']:,}/{p['decode_evicted_pages']:,}")
+        q = dict(
+            p,
+            pd=f"{p['prefill_workers']}/{p['decode_workers']}",
+            latency_p99_s=p.get("latency_p99_ms", math.nan) / 1e3,
+            evicted=f"{p['prefill_evicted_pages']:,}/{p['decode_evicted_pages']:,}",
+        )
         if q.get("gpus") is None:
             q["gpus"] = f">{p['max_gpus']}"
         rows.append([fmt.format(q[key]) if not isinstance(q[key], str) else q[key] for _, key, fmt in _COLUMNS])
@@ -198,13 +252,20 @@ def format_table(points: list[dict[str, Any]]) -> str:
 def add_arguments(parser: Any) -> None:
     from kvserving.argtypes import float_in, int_in
 
-    parser.add_argument("--agents", type=int_in(1, 10_000_000), default=10_000, help="concurrent agents (slots running agents back to back)")
+    parser.add_argument(
+        "--agents", type=int_in(1, 10_000_000), default=10_000, help="concurrent agents (slots running agents back to back)"
+    )
     parser.add_argument("--gpus", type=int_in(2, 100_000), default=64, help="GPUs (one worker each); with --ttft-p99-ms the most to try")
     parser.add_argument("--dtype", default="nvfp4,fp8", help="KV formats, comma-separated (bf16, fp8, nvfp4, triaxial)")
-    parser.add_argument("--ttft-p99-ms", type=float_in(0, 1e9, low_open=True), default=None,
-                        help="find the fewest GPUs whose TTFT p99 is within this")
-    parser.add_argument("--costs", default="h200-8b", help="cost profile: h200-8b, cpu-tiny, gpu-h200, or a JSON file (kvserving.sim.costs)")
-    parser.add_argument("--kv-gib", type=float_in(0, 1e6, low_open=True), default=None, help="KV memory per GPU, GiB (default: the profile's)")
+    parser.add_argument(
+        "--ttft-p99-ms", type=float_in(0, 1e9, low_open=True), default=None, help="find the fewest GPUs whose TTFT p99 is within this"
+    )
+    parser.add_argument(
+        "--costs", default="h200-8b", help="cost profile: h200-8b, cpu-tiny, gpu-h200, or a JSON file (kvserving.sim.costs)"
+    )
+    parser.add_argument(
+        "--kv-gib", type=float_in(0, 1e6, low_open=True), default=None, help="KV memory per GPU, GiB (default: the profile's)"
+    )
     parser.add_argument("--prefill-share", type=float_in(0, 1, low_open=True), default=0.25, help="share of the GPUs that prefill")
     parser.add_argument("--duration-s", type=float_in(0, 1e7, low_open=True), default=3600.0, help="simulated seconds")
     parser.add_argument("--warmup-s", type=float_in(0, 1e7), default=300.0, help="metrics ignore turns sent before this")
@@ -215,17 +276,28 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--per-agent-system-prompt", action="store_true", help="every agent its own system prompt (default: shared)")
     parser.add_argument("--no-reuse", action="store_true", help="bidirectional reuse off (the prefill's own prefix cache only)")
     parser.add_argument("--shapes", type=int_in(1, 1_000_000), default=128, help="distinct agent shapes drawn (see Population)")
-    parser.add_argument("--probe-s", type=float_in(0, 1e7, low_open=True), default=900.0,
-                        help="with --ttft-p99-ms: simulated seconds of each search step; the answer is confirmed over --duration-s")
+    parser.add_argument(
+        "--probe-s",
+        type=float_in(0, 1e7, low_open=True),
+        default=900.0,
+        help="with --ttft-p99-ms: simulated seconds of each search step; the answer is confirmed over --duration-s",
+    )
     parser.add_argument("--jobs", type=int_in(1, 256), default=2, help="formats simulated at once, one process each")
     parser.add_argument("--seed", type=int, default=0, help="agent population seed")
     parser.add_argument("--json", default=None, help="write the points as JSON here")
-    parser.add_argument("--build-native", action="store_true",
-                        help="compile the simulator core with mypyc (kvserving.sim.native; once per source version), then run")
+    parser.add_argument(
+        "--build-native",
+        action="store_true",
+        help="compile the simulator core with mypyc (kvserving.sim.native; once per source version), then run",
+    )
     parser.add_argument("--pure-python", action="store_true", help="run the pure-Python core even when a compiled one is built")
-    parser.add_argument("--validate", default=None, metavar="BENCH_JSON",
-                        help="instead: re-run bench/agents.py's points (its JSON) and print simulated vs measured "
-                             "(costs: cpu-tiny, or gpu-h200 for a --gpu result, unless --costs names another profile)")
+    parser.add_argument(
+        "--validate",
+        default=None,
+        metavar="BENCH_JSON",
+        help="instead: re-run bench/agents.py's points (its JSON) and print simulated vs measured "
+        "(costs: cpu-tiny, or gpu-h200 for a --gpu result, unless --costs names another profile)",
+    )
 
 
 def run(args: Any) -> int:
@@ -269,11 +341,25 @@ def run(args: Any) -> int:
         if not costs.supports(dtype):
             raise ValueError(f"cost profile {costs.name!r} has no decode cost for {dtype}")
     Population(args.agents, args.duration_s, warmup_s=args.warmup_s, ramp_s=args.ramp_s, shapes=args.shapes)
-    job = {"costs": costs.to_dict(), "seed": args.seed, "think_s": args.think_s, "output_tokens": args.output_tokens,
-           "max_context": args.max_context, "shared": not args.per_agent_system_prompt, "agents": args.agents,
-           "duration_s": args.duration_s, "warmup_s": args.warmup_s, "ramp_s": args.ramp_s, "shapes": args.shapes,
-           "prefill_share": args.prefill_share, "reuse": not args.no_reuse, "gpus": args.gpus,
-           "ttft_p99_ms": args.ttft_p99_ms, "probe_s": args.probe_s, "native": not args.pure_python}
+    job = {
+        "costs": costs.to_dict(),
+        "seed": args.seed,
+        "think_s": args.think_s,
+        "output_tokens": args.output_tokens,
+        "max_context": args.max_context,
+        "shared": not args.per_agent_system_prompt,
+        "agents": args.agents,
+        "duration_s": args.duration_s,
+        "warmup_s": args.warmup_s,
+        "ramp_s": args.ramp_s,
+        "shapes": args.shapes,
+        "prefill_share": args.prefill_share,
+        "reuse": not args.no_reuse,
+        "gpus": args.gpus,
+        "ttft_p99_ms": args.ttft_p99_ms,
+        "probe_s": args.probe_s,
+        "native": not args.pure_python,
+    }
     tty = sys.stderr.isatty()
     t0 = time.perf_counter()
     jobs = max(1, min(args.jobs, len(dtypes)))
@@ -283,8 +369,10 @@ def run(args: Any) -> int:
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(max_workers=jobs) as pool:  # one format per core
-            futures = [pool.submit(plan, d, job, show_progress=tty and i == 0, lines_every_s=PROGRESS_LINES_S if i == 0 else None)
-                       for i, d in enumerate(dtypes)]
+            futures = [
+                pool.submit(plan, d, job, show_progress=tty and i == 0, lines_every_s=PROGRESS_LINES_S if i == 0 else None)
+                for i, d in enumerate(dtypes)
+            ]
             points = [f.result() for f in futures]
     target = f", TTFT p99 <= {args.ttft_p99_ms:g} ms" if args.ttft_p99_ms is not None else ""
     print(f"{args.agents:,} agents, {args.duration_s:g} s simulated (metrics after {args.warmup_s:g} s), costs {costs.name}{target}")
@@ -293,14 +381,28 @@ def run(args: Any) -> int:
     print(f"simulated in {time.perf_counter() - t0:.1f} s ({core})")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "costs": costs.to_dict(),
-                       "points": points}, fh, indent=1, default=str)
+            json.dump(
+                {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "costs": costs.to_dict(), "points": points},
+                fh,
+                indent=1,
+                default=str,
+            )
     return 0
 
 
 # ---------------------------------------------------------------------------------- validation
-VALIDATED = ("hit_rate", "hit_rate_later_turns", "local_share", "pulled_share", "req_per_s", "output_tok_per_s",
-             "ttft_p50_ms", "ttft_p99_ms", "prefill_evicted_pages", "decode_evicted_pages")
+VALIDATED = (
+    "hit_rate",
+    "hit_rate_later_turns",
+    "local_share",
+    "pulled_share",
+    "req_per_s",
+    "output_tok_per_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "prefill_evicted_pages",
+    "decode_evicted_pages",
+)
 
 
 def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str, Any]]:
@@ -336,19 +438,34 @@ def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str
         first += n
         seen = {int(r["agent"]) for r in p.get("records") or []}
         if seen and not seen <= set(agents):
-            raise ValueError(f"point {fmt}/{mode} N={n} ran agents {min(seen)}..{max(seen)}, not {agents} "
-                             f"(set agent_index in the JSON: '1000n' or 'sequential')")
+            raise ValueError(
+                f"point {fmt}/{mode} N={n} ran agents {min(seen)}..{max(seen)}, not {agents} "
+                f"(set agent_index in the JSON: '1000n' or 'sequential')"
+            )
         sim_point = run_bench_point(sims[key], agents)
-        rows.append({"format": fmt, "mode": mode, "concurrency": n,
-                     "sim": {k: sim_point.get(k) for k in VALIDATED},
-                     "measured": {k: p.get(k) for k in VALIDATED}})
+        rows.append(
+            {
+                "format": fmt,
+                "mode": mode,
+                "concurrency": n,
+                "sim": {k: sim_point.get(k) for k in VALIDATED},
+                "measured": {k: p.get(k) for k in VALIDATED},
+            }
+        )
     return rows
 
 
 def format_validation(rows: list[dict[str, Any]]) -> str:
-    cols = (("hit", "hit_rate", "{:.2f}"), ("hit2+", "hit_rate_later_turns", "{:.2f}"), ("pulled", "pulled_share", "{:.2f}"),
-            ("req/s", "req_per_s", "{:.2f}"), ("TTFT p50", "ttft_p50_ms", "{:.0f}"), ("p99", "ttft_p99_ms", "{:.0f}"),
-            ("evict P", "prefill_evicted_pages", "{}"), ("evict D", "decode_evicted_pages", "{}"))
+    cols = (
+        ("hit", "hit_rate", "{:.2f}"),
+        ("hit2+", "hit_rate_later_turns", "{:.2f}"),
+        ("pulled", "pulled_share", "{:.2f}"),
+        ("req/s", "req_per_s", "{:.2f}"),
+        ("TTFT p50", "ttft_p50_ms", "{:.0f}"),
+        ("p99", "ttft_p99_ms", "{:.0f}"),
+        ("evict P", "prefill_evicted_pages", "{}"),
+        ("evict D", "decode_evicted_pages", "{}"),
+    )
     head = ["format", "mode", "N"] + [f"{t} sim/meas" for t, _, _ in cols]
     table = [head]
     for r in rows:

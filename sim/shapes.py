@@ -93,10 +93,19 @@ def agent_shape(spec: LoadSpec, i: int) -> AgentSpec:
         if prompt + output > spec.max_context_tokens:
             break
         history += new
-        turns.append(TurnSpec(index=k, user="" if pending is None else None, tool_result=None if pending is None else "",
-                              output_tokens=output, tool_call=None, think_time_s=think, new_tokens=new,
-                              history_tokens=prompt, call_tokens=call_tokens))
+        turns.append(
+            TurnSpec(
+                index=k,
+                user="" if pending is None else None,
+                tool_result=None if pending is None else "",
+                output_tokens=output,
+                tool_call=None,
+                think_time_s=think,
+                new_tokens=new,
+                history_tokens=prompt,
+                call_tokens=call_tokens,
+            )
+        )
         history += output + call_tokens + REPLY_TOKENS
         pending = result_tokens if called else None
-    return AgentSpec(agent_id=i, session_id=f"agent-{spec.seed}-{i}", system="", tools=(),
-                     prefix_tokens=prefix_tokens, turns=tuple(turns))
+    return AgentSpec(agent_id=i, session_id=f"agent-{spec.seed}-{i}", system="", tools=(), prefix_tokens=prefix_tokens, turns=tuple(turns))

@@ -114,8 +114,16 @@ class Worker:
     """What both roles share: the pool, leases (with expiry) and pulls."""
 
     def __init__(
-        self, url: str, *, sim: Sim, pages: int, page_size: int, dtype: str, costs: CostModel,
-        reuse: ReuseConfig, sched: SchedulerConfig,
+        self,
+        url: str,
+        *,
+        sim: Sim,
+        pages: int,
+        page_size: int,
+        dtype: str,
+        costs: CostModel,
+        reuse: ReuseConfig,
+        sched: SchedulerConfig,
     ) -> None:
         self.url = url
         self.sim = sim
@@ -189,7 +197,15 @@ class Worker:
 
     # ------------------------------------------------------------------ leases
     def pin(
-        self, hold: Hold, *, ttl_s: float, now: float, conv: str | None, pages: int, stable: int, prefix: str,
+        self,
+        hold: Hold,
+        *,
+        ttl_s: float,
+        now: float,
+        conv: str | None,
+        pages: int,
+        stable: int,
+        prefix: str,
         reclaimable: bool = False,
     ) -> WLease:
         self._lease_seq += 1
@@ -368,8 +384,16 @@ class PrefillWorker(Worker):
     """Engine steps over prompts; see the module docstring."""
 
     def __init__(
-        self, url: str, *, sim: Sim, pages: int, page_size: int, dtype: str, costs: CostModel,
-        reuse: ReuseConfig, sched: SchedulerConfig,
+        self,
+        url: str,
+        *,
+        sim: Sim,
+        pages: int,
+        page_size: int,
+        dtype: str,
+        costs: CostModel,
+        reuse: ReuseConfig,
+        sched: SchedulerConfig,
     ) -> None:
         super().__init__(url, sim=sim, pages=pages, page_size=page_size, dtype=dtype, costs=costs, reuse=reuse, sched=sched)
         self.running: list[_Prompt] = []
@@ -457,8 +481,13 @@ class PrefillWorker(Worker):
         hold.loose -= partial  # the partial last page is unhashed: freed now
         self.cache.used -= partial
         req.transfer_offer = self.pin(
-            hold, ttl_s=self.reuse.transfer_timeout_s, now=now, conv=None, pages=full,
-            stable=min(full, req.stable_prompt), prefix="xfer-",
+            hold,
+            ttl_s=self.reuse.transfer_timeout_s,
+            now=now,
+            conv=None,
+            pages=full,
+            stable=min(full, req.stable_prompt),
+            prefix="xfer-",
         )
         req.hold = None
         self.on_done(req, now)
@@ -468,8 +497,16 @@ class DecodeWorker(Worker):
     """Fluid decode batch; see the module docstring."""
 
     def __init__(
-        self, url: str, *, sim: Sim, pages: int, page_size: int, dtype: str, costs: CostModel,
-        reuse: ReuseConfig, sched: SchedulerConfig,
+        self,
+        url: str,
+        *,
+        sim: Sim,
+        pages: int,
+        page_size: int,
+        dtype: str,
+        costs: CostModel,
+        reuse: ReuseConfig,
+        sched: SchedulerConfig,
     ) -> None:
         super().__init__(url, sim=sim, pages=pages, page_size=page_size, dtype=dtype, costs=costs, reuse=reuse, sched=sched)
         self.steps = 0.0  # S: decode steps run so far (every running sequence gained one token per step)
@@ -565,8 +602,9 @@ class DecodeWorker(Worker):
         req.hold = None
         lease = None
         if self.sim.bidirectional:
-            lease = self.pin(hold, ttl_s=self.reuse.retention_ttl_s, now=now, conv=req.conv, pages=full,
-                             stable=keep, prefix="kv-", reclaimable=True)
+            lease = self.pin(
+                hold, ttl_s=self.reuse.retention_ttl_s, now=now, conv=req.conv, pages=full, stable=keep, prefix="kv-", reclaimable=True
+            )
             old = self.conv_lease.get(req.conv)
             self.conv_lease[req.conv] = lease.lease_id
             if old is not None:

@@ -96,8 +96,15 @@ def test_histories_stay_inside_the_context_and_long_context_fills_it() -> None:
     for i in range(50):
         for t in agent(short, i).turns:
             assert t.history_tokens + t.output_tokens <= 1024
-    long = replace(short, long_context=True, max_context_tokens=4096, user_tokens=fixed(50), tool_result_tokens=fixed(50),
-                   tool_args_tokens=fixed(5), output_tokens=fixed(10))
+    long = replace(
+        short,
+        long_context=True,
+        max_context_tokens=4096,
+        user_tokens=fixed(50),
+        tool_result_tokens=fixed(50),
+        tool_args_tokens=fixed(5),
+        output_tokens=fixed(10),
+    )
     for i in range(20):
         a = agent(long, i)
         last = a.turns[-1]
@@ -197,6 +204,6 @@ def test_nominal_prompt_lengths_match_the_tiny_models_rendered_prompts(tmp_path:
         for t in a.turns:
             rendered = len(tagger.build(conv.request(t), tools=conv.tools).input_ids)
             ratios.append(rendered / t.history_tokens)
-            conv.reply(t, " ".join(WORDS[:t.output_tokens]))
+            conv.reply(t, " ".join(WORDS[: t.output_tokens]))
     assert len(ratios) > 20
     assert 0.97 <= min(ratios) and max(ratios) <= 1.03

@@ -115,8 +115,7 @@ def test_absent_classes_are_placed_by_sensitivity_not_given_free() -> None:
         page_greedy_table(3.0, per_token, pages, page_size=32, residual=0, absent="maybe")
 
 
-def _int4_gain(table: tuple[int, ...], pages: tuple[tuple[int, tuple[tuple[int, int], ...]], ...],
-               per_token: list[float]) -> float:
+def _int4_gain(table: tuple[int, ...], pages: tuple[tuple[int, tuple[tuple[int, int], ...]], ...], per_token: list[float]) -> float:
     """Summed per-token gain of the pages ``table`` stores INT4 (any 4-bit class on them)."""
     return sum(n * sum(per_token[k] * t for k, t in mix) for n, mix in pages if any(table[k] == 4 for k, _ in mix))
 
@@ -145,8 +144,10 @@ def test_the_swap_pass_never_loses_gain_nor_breaks_the_budget() -> None:
     for _ in range(30):
         classes = rng.sample(range(NUM_TAGS), 10)
         pages = tuple(
-            (rng.randint(1, 30), tuple(sorted(zip(sorted(rng.sample(classes, 2)), (16, 16)))) if rng.random() < 0.3
-             else ((rng.choice(classes), 32),))
+            (
+                rng.randint(1, 30),
+                tuple(sorted(zip(sorted(rng.sample(classes, 2)), (16, 16)))) if rng.random() < 0.3 else ((rng.choice(classes), 32),),
+            )
             for _ in range(12)
         )
         per_token = [rng.random() * 10 for _ in range(NUM_TAGS)]

@@ -67,8 +67,9 @@ def test_distortion_of_a_class_is_the_codec_error_of_its_tokens_only() -> None:
 
 
 def _measurement(gains: dict[int, float], counts: dict[int, int]) -> Measurement:
-    args = ModelArgs(model_type="qwen3", vocab_size=16, hidden_size=64, intermediate_size=64, num_layers=4,
-                     num_heads=4, num_kv_heads=2, head_dim=64)
+    args = ModelArgs(
+        model_type="qwen3", vocab_size=16, hidden_size=64, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64
+    )
     m = Measurement.empty(args)
     for c, n in counts.items():
         m.counts[c] = n
@@ -103,8 +104,14 @@ def _calibration_file(tmp_path: Path, table: tuple[int, ...], *, scales: bool = 
     cal.tables["2.7"] = table
     if scales:
         cal.scales["fp8_e4m3"] = LayerScales((0.5, 0.25, 2.0, 1.0), (1.5, 1.0, 1.0, 0.125), "search")
-    cal = Calibration(**{**{f: getattr(cal, f) for f in Calibration.__slots__}, "num_layers": TINY_SHAPE[0],
-                         "num_kv_heads": TINY_SHAPE[1], "head_dim": TINY_SHAPE[2]})
+    cal = Calibration(
+        **{
+            **{f: getattr(cal, f) for f in Calibration.__slots__},
+            "num_layers": TINY_SHAPE[0],
+            "num_kv_heads": TINY_SHAPE[1],
+            "head_dim": TINY_SHAPE[2],
+        }
+    )
     path = tmp_path / "calibration.json"
     path.write_text(cal.to_json())
     return path
@@ -164,7 +171,10 @@ def test_the_engine_uses_the_calibrated_table(tmp_path: Path, caplog: pytest.Log
     # a budget the file has no table for is derived from its measurements
     derived = build_kv_cache(
         KVCacheConfig(dtype="triaxial", bit_budget=3.0, memory_bytes=2**20, calibration=str(path)),
-        KVShape(*TINY_SHAPE), budget_bytes=2**20, device="cpu", model_dtype=torch.float32,
+        KVShape(*TINY_SHAPE),
+        budget_bytes=2**20,
+        device="cpu",
+        model_dtype=torch.float32,
     )
     assert derived.table_source.startswith("calibrated (derived")
     assert derived.bits_table == Calibration.load(path).derive_table(3.0)
@@ -176,7 +186,10 @@ def test_calibrated_global_scales_reach_the_storage(tmp_path: Path) -> None:
     def cache(scale: str, dtype: str = "fp8_e4m3") -> tuple[list[float], list[float], str]:
         kv = build_kv_cache(
             KVCacheConfig(dtype=dtype, memory_bytes=2**20, global_scale=scale, calibration=str(path)),
-            KVShape(*TINY_SHAPE), budget_bytes=2**20, device="cpu", model_dtype=torch.float32,
+            KVShape(*TINY_SHAPE),
+            budget_bytes=2**20,
+            device="cpu",
+            model_dtype=torch.float32,
         )
         return kv.storage.k_scales, kv.storage.v_scales, kv.scales_source
 
@@ -191,8 +204,13 @@ def test_calibrated_global_scales_reach_the_storage(tmp_path: Path) -> None:
 def test_a_calibration_for_another_model_shape_is_refused(tmp_path: Path) -> None:
     path = _calibration_file(tmp_path, (4,) * NUM_TAGS)
     with pytest.raises(ValueError, match="is for 4 layers x 2 KV heads x 64, the model has 2 x 2 x 64"):
-        build_kv_cache(KVCacheConfig(dtype="triaxial", memory_bytes=2**20, calibration=str(path)),
-                       KVShape(2, 2, 64), budget_bytes=2**20, device="cpu", model_dtype=torch.float32)
+        build_kv_cache(
+            KVCacheConfig(dtype="triaxial", memory_bytes=2**20, calibration=str(path)),
+            KVShape(2, 2, 64),
+            budget_bytes=2**20,
+            device="cpu",
+            model_dtype=torch.float32,
+        )
 
 
 def test_plain_text_becomes_agent_conversations_and_jsonl_is_read_as_requests(tmp_path: Path) -> None:
@@ -201,8 +219,12 @@ def test_plain_text_becomes_agent_conversations_and_jsonl_is_read_as_requests(tm
     roles = [m["role"] for m in reqs[0].messages]
     assert roles == ["system"] + ["user", "assistant", "tool", "assistant"] * 4
     assert reqs[0].messages[2]["tool_calls"][0]["function"]["name"] == "read_file"
-    (tmp_path / "c.jsonl").write_text(json.dumps([{"role": "user", "content": "hi"}]) + "\n\n"
-                                      + json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": None}) + "\n")
+    (tmp_path / "c.jsonl").write_text(
+        json.dumps([{"role": "user", "content": "hi"}])
+        + "\n\n"
+        + json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": None})
+        + "\n"
+    )
     assert [r.messages[0]["content"] for r in read_requests(tmp_path / "c.jsonl", piece_chars=10)] == ["hi", "x"]
     (tmp_path / "bad.jsonl").write_text("{\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: not valid JSON"):
@@ -239,8 +261,9 @@ def test_progress_is_a_bar_on_a_terminal_and_periodic_lines_elsewhere() -> None:
         (["--data", "empty.txt"], 1, "kvserving calibrate: error: data file"),
     ],
 )
-def test_cli_errors_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-                                 argv: list[str], code: int, message: str) -> None:
+def test_cli_errors_are_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], code: int, message: str
+) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty.txt").write_text("  \n")
     try:
@@ -260,14 +283,23 @@ def test_the_engine_sizes_its_capacity_from_the_calibration_pages(tmp_path: Path
     cal = build_calibration(m, [], search=False)
     table = tuple(2 if c == USER else 4 for c in range(NUM_TAGS))
     cal.tables["2.7"] = table
-    cal = Calibration(**{**{f: getattr(cal, f) for f in Calibration.__slots__}, "num_layers": TINY_SHAPE[0],
-                         "num_kv_heads": TINY_SHAPE[1], "head_dim": TINY_SHAPE[2]})
+    cal = Calibration(
+        **{
+            **{f: getattr(cal, f) for f in Calibration.__slots__},
+            "num_layers": TINY_SHAPE[0],
+            "num_kv_heads": TINY_SHAPE[1],
+            "head_dim": TINY_SHAPE[2],
+        }
+    )
     assert cal.stored_bits(table) == 2.5
     path = tmp_path / "calibration.json"
     path.write_text(cal.to_json())
     kv = build_kv_cache(
         KVCacheConfig(dtype="triaxial", bit_budget=2.7, memory_bytes=2**20, calibration=str(path)),
-        KVShape(*TINY_SHAPE), budget_bytes=2**20, device="cpu", model_dtype=torch.float32,
+        KVShape(*TINY_SHAPE),
+        budget_bytes=2**20,
+        device="cpu",
+        model_dtype=torch.float32,
     )
     assert kv.bits_table == table and kv.stored_bits == 2.5 and kv.int2_share == 0.75
     assert default_stored_bits(table) > 3.5  # user text shares most agent pages with other classes
@@ -279,8 +311,26 @@ def test_calibrate_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixtu
     data = tmp_path / "notes.txt"
     data.write_text("def add(a, b):\n    return a + b  # adds two numbers\n" * 60)
     out = tmp_path / "cal.json"
-    rc = cli.main(["calibrate", "--data", str(data), "--bit-budget", "2.5", "3", "--seq-len", "160",
-                   "--max-tokens", "160", "--out", str(out), "--device", "cpu", "--chunk", "0"])
+    rc = cli.main(
+        [
+            "calibrate",
+            "--data",
+            str(data),
+            "--bit-budget",
+            "2.5",
+            "3",
+            "--seq-len",
+            "160",
+            "--max-tokens",
+            "160",
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--chunk",
+            "0",
+        ]
+    )
     assert rc == 0
     cal = Calibration.load(out)
     assert (cal.num_layers, cal.num_kv_heads, cal.head_dim) == TINY_SHAPE
@@ -310,13 +360,39 @@ def test_page_data_counts_the_budget_on_the_pages_of_other_data(tmp_path: Path) 
     data.write_text("def add(a, b):\n    return a + b  # adds two numbers\n" * 60)
     traffic = tmp_path / "traffic.jsonl"
     call = {"type": "function", "function": {"name": "read_file", "arguments": {"path": "x.py"}}}
-    messages = [{"role": "system", "content": "You read files."}, {"role": "user", "content": "What does x.py do?"},
-                {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "content": "import os\nprint(os.getcwd())\n" * 12}]
+    messages = [
+        {"role": "system", "content": "You read files."},
+        {"role": "user", "content": "What does x.py do?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "import os\nprint(os.getcwd())\n" * 12},
+    ]
     traffic.write_text(json.dumps({"messages": messages}) + "\n")
     out = tmp_path / "cal.json"
-    assert cli.main(["calibrate", "--data", str(data), "--page-data", str(traffic), "--bit-budget", "2.5", "3",
-                     "--seq-len", "160", "--max-tokens", "160", "--out", str(out), "--device", "cpu", "--chunk", "0"]) == 0
+    assert (
+        cli.main(
+            [
+                "calibrate",
+                "--data",
+                str(data),
+                "--page-data",
+                str(traffic),
+                "--bit-budget",
+                "2.5",
+                "3",
+                "--seq-len",
+                "160",
+                "--max-tokens",
+                "160",
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+                "--chunk",
+                "0",
+            ]
+        )
+        == 0
+    )
     cal = Calibration.load(out)
     d = tiny_model_dir()
     tagger = ChatTagger(TextTokenizer.from_dir(d), ChatTemplate.from_dir(d))
@@ -333,6 +409,7 @@ def test_page_data_counts_the_budget_on_the_pages_of_other_data(tmp_path: Path) 
     for key, table in cal.tables.items():
         stored = pages_stored_bits(table, page_records(pages), page_size=cal.page_size, residual=residual)
         assert stored == cal.stored_bits(table) <= float(key) + 1e-9
+
 
 def test_the_engine_keeps_the_calibration_files_scales(tmp_path: Path) -> None:
     from kvserving.worker.engine import LLMEngine

@@ -136,9 +136,11 @@ def test_table_kl_is_the_kl_of_the_engines_triaxial_path(tiny: tuple[Path, objec
     table = [4] * NUM_TAGS
     table[USER] = table[OBS] = 2
     chunk = 64
-    cfg = ServingConfig(model=ModelConfig(path=str(path), max_model_len=256),
-                        kv_cache=KVCacheConfig(dtype="triaxial", memory_bytes=8 * 2**20),
-                        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=chunk, chunk_size=chunk))
+    cfg = ServingConfig(
+        model=ModelConfig(path=str(path), max_model_len=256),
+        kv_cache=KVCacheConfig(dtype="triaxial", memory_bytes=8 * 2**20),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=chunk, chunk_size=chunk),
+    )
     engine = LLMEngine(cfg, device="cpu", bits_table=tuple(table))
     seq = Sequence("s", list(ids), SamplingParams(max_tokens=1), make_generator(0), tags=list(tags))
     assert engine.kv.allocate_until(seq, len(ids))
@@ -164,8 +166,7 @@ def test_table_kl_is_the_kl_of_the_engines_triaxial_path(tiny: tuple[Path, objec
 def test_cli_metrics_and_served_page_lengths(tmp_path: Path) -> None:
     data = tmp_path / "notes.txt"
     data.write_text("def add(a, b):\n    return a + b  # adds two numbers\n" * 400)
-    common = ["calibrate", "--data", str(data), "--bit-budget", "3", "--seq-len", "150", "--max-tokens", "300",
-              "--device", "cpu"]
+    common = ["calibrate", "--data", str(data), "--bit-budget", "3", "--seq-len", "150", "--max-tokens", "300", "--device", "cpu"]
     kl, attn, paged = tmp_path / "kl.json", tmp_path / "attn.json", tmp_path / "paged.json"
     assert cli.main([*common, "--out", str(kl), "--chunk", "64"]) == 0
     assert cli.main([*common, "--out", str(attn), "--metric", "attn"]) == 0
@@ -194,10 +195,10 @@ def test_select_keeps_the_candidate_with_the_least_whole_table_kl(tmp_path: Path
     data = tmp_path / "notes.txt"
     data.write_text("def add(a, b):\n    return a + b  # adds two numbers\n" * 400)
     record: dict[str, dict[str, float | str]] = {}
-    cal = calibrate(path, [data], (2.5, 3.0), seq_len=150, max_tokens=300, device="cpu", chunk=64, select=True,
-                    selection=record, show_progress=False)
-    plain = calibrate(path, [data], (2.5, 3.0), seq_len=150, max_tokens=300, device="cpu", chunk=64,
-                      show_progress=False)
+    cal = calibrate(
+        path, [data], (2.5, 3.0), seq_len=150, max_tokens=300, device="cpu", chunk=64, select=True, selection=record, show_progress=False
+    )
+    plain = calibrate(path, [data], (2.5, 3.0), seq_len=150, max_tokens=300, device="cpu", chunk=64, show_progress=False)
     assert cal.distortion == plain.distortion and sorted(record) == ["2.5", "3"]
     tagger = ChatTagger(TextTokenizer.from_dir(path), ChatTemplate.from_dir(path))
     seqs = load_data([data], tagger, seq_len=150, max_tokens=300)
@@ -206,8 +207,10 @@ def test_select_keeps_the_candidate_with_the_least_whole_table_kl(tmp_path: Path
         assert rec["chosen"] == min(CANDIDATES, key=lambda n: (kls[n], CANDIDATES.index(n)))
         assert cal.stored_bits(cal.tables[key]) <= float(key) + 1e-9
         # the recorded KL is the chosen table's, measured whole on the calibration prompts
-        measured = sum(table_kl(model, q.ids, torch.tensor(q.tags), cal.tables[key], device=CPU, chunk=64)  # type: ignore[arg-type,misc]
-                       for q in seqs)
+        measured = sum(
+            table_kl(model, q.ids, torch.tensor(q.tags), cal.tables[key], device=CPU, chunk=64)  # type: ignore[arg-type,misc]
+            for q in seqs
+        )
         assert measured == pytest.approx(kls[str(rec["chosen"])], rel=1e-9)
         if rec["chosen"] == "kl":
             assert cal.tables[key] == plain.tables[key]

@@ -65,8 +65,9 @@ def test_pure_pages_reduce_to_the_token_rule_and_budgets_hold() -> None:
 
 
 def _measured(tag_seqs: list[list[int]]) -> Measurement:
-    args = ModelArgs(model_type="qwen3", vocab_size=16, hidden_size=64, intermediate_size=64, num_layers=2,
-                     num_heads=2, num_kv_heads=1, head_dim=64)
+    args = ModelArgs(
+        model_type="qwen3", vocab_size=16, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64
+    )
     m = Measurement.empty(args)
     for tags in tag_seqs:
         for c, n in Counter(tags).items():

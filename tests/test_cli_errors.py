@@ -57,7 +57,11 @@ def cli_env(**extra: str) -> dict[str, str]:
 def run_cli(argv: tuple[str, ...], *, cwd: Path, env: dict[str, str] | None = None) -> Result:
     proc = subprocess.run(
         [sys.executable, "-m", "kvserving.cli", *argv],
-        cwd=cwd, env=env or cli_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+        cwd=cwd,
+        env=env or cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
     )
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
@@ -71,6 +75,7 @@ def assert_one_line(result: Result, case: Case) -> None:
 
 
 # ----------------------------------------------------------------- the inputs
+
 
 def _sample(name: str) -> dict[str, Any]:
     body: dict[str, Any] = yaml.safe_load((SAMPLES / f"{name}.yaml").read_text())
@@ -135,82 +140,134 @@ CASES: dict[str, Case] = {
     "render-list": Case(render("list.yaml"), 1, "error: list.yaml holds a YAML list, not a KVServing object"),
     "render-multi-document": Case(render("multi.yaml"), 1, "error: multi.yaml holds 2 YAML documents: expected one KVServing object"),
     "render-not-a-kvserving": Case(
-        render(str(ROOT / "manifests" / "operator.yaml")), 1,
-        "operator.yaml: the manifest is a Deployment (apps/v1), not a KVServing (kvserving.dev/v1alpha1)"),
+        render(str(ROOT / "manifests" / "operator.yaml")),
+        1,
+        "operator.yaml: the manifest is a Deployment (apps/v1), not a KVServing (kvserving.dev/v1alpha1)",
+    ),
     "render-misspelled-key": Case(render("kvcache.yaml"), 1, "error: kvcache.yaml: spec.kvcache: unknown field"),
     "render-invalid-name": Case(render("name.yaml"), 1, "name.yaml: metadata.name: 'Qwen3_NVFP4' is not a DNS-1035 label"),
     "render-unknown-metadata-field": Case(render("labelz.yaml"), 1, "error: labelz.yaml: metadata.labelz: unknown field"),
-    "render-number-label": Case(render("label-int.yaml"), 1,
-                                "label-int.yaml: metadata.labels: must map strings to strings (quote numbers and booleans)"),
-    "render-unknown-dtype": Case(render("dtype.yaml"), 1, "dtype.yaml: spec.kvCache.dtype: 'fp16' is not one of ['bf16', 'fp8_e4m3', 'nvfp4', 'triaxial']"),
+    "render-number-label": Case(
+        render("label-int.yaml"), 1, "label-int.yaml: metadata.labels: must map strings to strings (quote numbers and booleans)"
+    ),
+    "render-unknown-dtype": Case(
+        render("dtype.yaml"), 1, "dtype.yaml: spec.kvCache.dtype: 'fp16' is not one of ['bf16', 'fp8_e4m3', 'nvfp4', 'triaxial']"
+    ),
     "render-bit-budget-9": Case(render("budget.yaml"), 1, "budget.yaml: spec.kvCache.bitBudget: bitBudget must be within [2, 4]"),
     "render-negative-replicas": Case(render("replicas.yaml"), 1, "replicas.yaml: spec.decode.replicas: replicas must not be negative"),
     "render-triaxial-page-size-16": Case(render("pagesize.yaml"), 1, "pagesize.yaml: spec.kvCache: pageSize must be 32 for dtype triaxial"),
-    "render-lease-not-below-retention": Case(render("lease.yaml"), 1, "lease.yaml: spec.reuse: leaseTTLSeconds must be less than retentionTTLSeconds"),
+    "render-lease-not-below-retention": Case(
+        render("lease.yaml"), 1, "lease.yaml: spec.reuse: leaseTTLSeconds must be less than retentionTTLSeconds"
+    ),
     "render-calibrated-triaxial": Case(
-        render("calibrated.yaml"), 1, "calibrated.yaml: spec.kvCache: globalScale calibrated needs dtype fp8_e4m3 or nvfp4"),
+        render("calibrated.yaml"), 1, "calibrated.yaml: spec.kvCache: globalScale calibrated needs dtype fp8_e4m3 or nvfp4"
+    ),
     # kvserving generate
-    "generate-kv-bytes-0": Case(generate("tiny", "--kv-bytes", "0"), 2,
-                                "argument --kv-bytes: must be an integer >= 1, got 0"),
-    "generate-kv-bytes-negative": Case(generate("tiny", "--kv-bytes", "-5"), 2,
-                                       "argument --kv-bytes: must be an integer >= 1, got -5"),
-    "generate-chunk-size-0": Case(generate("tiny", "--chunk-size", "0"), 2,
-                                  "argument --chunk-size: must be an integer >= 1, got 0"),
-    "generate-chunk-size-negative": Case(generate("tiny", "--chunk-size", "-1"), 2,
-                                         "argument --chunk-size: must be an integer >= 1, got -1"),
-    "generate-missing-model": Case(generate("/nonexistent"), 1,
-                                   "kvserving generate: error: model directory /nonexistent does not exist"),
-    "generate-model-is-a-file": Case(generate("a-file"), 1,
-                                     "kvserving generate: error: model path a-file is not a directory"),
-    "generate-truncated-safetensors": Case(generate("truncated"), 1,
-                                           "truncated/model.safetensors is not a readable safetensors file (truncated or corrupt?)"),
-    "generate-chat-without-template": Case(generate("no-template", "--chat"), 1,
-                                           "kvserving generate: error: the model in no-template has no chat template (needed for chat prompts)"),
-    "generate-broken-template": Case(generate("broken-template", "--chat"), 1,
-                                     "error: the chat template of the model in broken-template fails to render: No filter named 'nofilter'"),
-    "demo-model-without-template": Case(("demo", "--model", "no-template"), 1,
-                                        "kvserving demo: error: the model in no-template has no chat template (needed for chat prompts)"),
-    "generate-max-tokens-over-context": Case(generate("short", "--max-tokens", "100000000000"), 0,
-                                             "note: --max-tokens 100000000000 is more than the context length allows: "
-                                             "generation stops at 24 tokens (prompt included, at most 23 new)"),
+    "generate-kv-bytes-0": Case(generate("tiny", "--kv-bytes", "0"), 2, "argument --kv-bytes: must be an integer >= 1, got 0"),
+    "generate-kv-bytes-negative": Case(generate("tiny", "--kv-bytes", "-5"), 2, "argument --kv-bytes: must be an integer >= 1, got -5"),
+    "generate-chunk-size-0": Case(generate("tiny", "--chunk-size", "0"), 2, "argument --chunk-size: must be an integer >= 1, got 0"),
+    "generate-chunk-size-negative": Case(
+        generate("tiny", "--chunk-size", "-1"), 2, "argument --chunk-size: must be an integer >= 1, got -1"
+    ),
+    "generate-missing-model": Case(generate("/nonexistent"), 1, "kvserving generate: error: model directory /nonexistent does not exist"),
+    "generate-model-is-a-file": Case(generate("a-file"), 1, "kvserving generate: error: model path a-file is not a directory"),
+    "generate-truncated-safetensors": Case(
+        generate("truncated"), 1, "truncated/model.safetensors is not a readable safetensors file (truncated or corrupt?)"
+    ),
+    "generate-chat-without-template": Case(
+        generate("no-template", "--chat"),
+        1,
+        "kvserving generate: error: the model in no-template has no chat template (needed for chat prompts)",
+    ),
+    "generate-broken-template": Case(
+        generate("broken-template", "--chat"),
+        1,
+        "error: the chat template of the model in broken-template fails to render: No filter named 'nofilter'",
+    ),
+    "demo-model-without-template": Case(
+        ("demo", "--model", "no-template"),
+        1,
+        "kvserving demo: error: the model in no-template has no chat template (needed for chat prompts)",
+    ),
+    "generate-max-tokens-over-context": Case(
+        generate("short", "--max-tokens", "100000000000"),
+        0,
+        "note: --max-tokens 100000000000 is more than the context length allows: "
+        "generation stops at 24 tokens (prompt included, at most 23 new)",
+    ),
     # kvserving demo
-    "demo-missing-model": Case(("demo", "--model", "/nonexistent"), 1, "kvserving demo: error: model directory /nonexistent does not exist"),
+    "demo-missing-model": Case(
+        ("demo", "--model", "/nonexistent"), 1, "kvserving demo: error: model directory /nonexistent does not exist"
+    ),
     "demo-max-tokens-0": Case(("demo", "--max-tokens", "0"), 2, "argument --max-tokens: must be an integer in 1..4096, got 0"),
     "demo-kv-mib-0": Case(("demo", "--kv-mib", "0"), 2, "argument --kv-mib: must be an integer in 1..1048576, got 0"),
     "demo-gpu-gib-negative": Case(("demo", "--gpu-gib", "-1"), 2, "argument --gpu-gib: must be a number in (0, 1.04858e+06], got -1"),
     # kvserving tiny-model
     "tiny-model-onto-a-file": Case(("tiny-model", "a-file"), 1, "kvserving tiny-model: error: a-file exists and is not a directory"),
-    "tiny-model-non-empty-dir": Case(("tiny-model", "full"), 1, "kvserving tiny-model: error: full already holds files; pass --force to overwrite"),
-    "tiny-model-over-a-model": Case(("tiny-model", "tiny"), 1, "kvserving tiny-model: error: tiny already holds a model; pass --force to overwrite"),
+    "tiny-model-non-empty-dir": Case(
+        ("tiny-model", "full"), 1, "kvserving tiny-model: error: full already holds files; pass --force to overwrite"
+    ),
+    "tiny-model-over-a-model": Case(
+        ("tiny-model", "tiny"), 1, "kvserving tiny-model: error: tiny already holds a model; pass --force to overwrite"
+    ),
     # kvserving capacity
-    "capacity-negative-gpu": Case(("capacity", "--gpu-gib", "-80"), 2, "kvserving capacity: error: --gpu-gib must be in (0, 1048576], got -80"),
-    "capacity-huge-gpu": Case(("capacity", "--gpu-gib", "1e30"), 2, "kvserving capacity: error: --gpu-gib must be in (0, 1048576], got 1e+30"),
-    "capacity-huge-layers": Case(("capacity", "--layers", "100000"), 2, "kvserving capacity: error: --layers must be in 1..1024, got 100000"),
-    "operator-bad-namespace": Case(("operator", "--namespace", "Team_A"), 1,
-                                   "kvserving operator: error: --namespace 'Team_A' is not a valid namespace name (a DNS-1123 label)"),
+    "capacity-negative-gpu": Case(
+        ("capacity", "--gpu-gib", "-80"), 2, "kvserving capacity: error: --gpu-gib must be in (0, 1048576], got -80"
+    ),
+    "capacity-huge-gpu": Case(
+        ("capacity", "--gpu-gib", "1e30"), 2, "kvserving capacity: error: --gpu-gib must be in (0, 1048576], got 1e+30"
+    ),
+    "capacity-huge-layers": Case(
+        ("capacity", "--layers", "100000"), 2, "kvserving capacity: error: --layers must be in 1..1024, got 100000"
+    ),
+    "operator-bad-namespace": Case(
+        ("operator", "--namespace", "Team_A"),
+        1,
+        "kvserving operator: error: --namespace 'Team_A' is not a valid namespace name (a DNS-1123 label)",
+    ),
     # the command itself
     "unknown-command": Case(("serve",), 2, "kvserving: error: argument COMMAND: invalid choice: 'serve'"),
     "unknown-flag": Case(("capacity", "--gpus", "8"), 2, "kvserving: error: unrecognized arguments: --gpus 8 (see kvserving --help)"),
     "unknown-flag-without-command": Case(("--bogus",), 2, "kvserving: error: unrecognized arguments: --bogus (see kvserving --help)"),
     # a wrong type in the engine config, for every command that reads one
-    **{f"{cmd}-config-wrong-type": Case((cmd, *extra, "--config", "wrong-type.json"), 1,
-                                        f'kvserving {cmd}: error: engine config scheduler.max_num_seqs must be an integer, got "many"')
-       for cmd, extra in (("worker", ("--role", "both")), ("gateway", ()), ("up", ()))},
-    "config-set-wrong-type": Case(("config", "--set", "scheduler.max_num_seqs=many"), 1,
-                                  'kvserving config: error: engine config scheduler.max_num_seqs must be an integer, got "many"'),
-    "config-set-unknown-key": Case(("config", "--set", "scheduler.max_seqs=4"), 1,
-                                   "kvserving config: error: --set 'scheduler.max_seqs=4': section 'scheduler' has no key 'max_seqs'"),
+    **{
+        f"{cmd}-config-wrong-type": Case(
+            (cmd, *extra, "--config", "wrong-type.json"),
+            1,
+            f'kvserving {cmd}: error: engine config scheduler.max_num_seqs must be an integer, got "many"',
+        )
+        for cmd, extra in (("worker", ("--role", "both")), ("gateway", ()), ("up", ()))
+    },
+    "config-set-wrong-type": Case(
+        ("config", "--set", "scheduler.max_num_seqs=many"),
+        1,
+        'kvserving config: error: engine config scheduler.max_num_seqs must be an integer, got "many"',
+    ),
+    "config-set-unknown-key": Case(
+        ("config", "--set", "scheduler.max_seqs=4"),
+        1,
+        "kvserving config: error: --set 'scheduler.max_seqs=4': section 'scheduler' has no key 'max_seqs'",
+    ),
     # a device, a memory budget or an output path that cannot work: refused before the work
-    "calibrate-device-not-here": Case(("calibrate", "--data", "a-file", "--device", "cuda:64", "--out", "c.json"), 1,
-                                      "kvserving calibrate: error: --device cuda:64: "),
-    "calibrate-out-no-directory": Case(("calibrate", "--data", "a-file", "--out", "nodir/c.json"), 1,
-                                       "kvserving calibrate: error: --out nodir/c.json: the directory nodir does not exist"),
-    "calibrate-out-a-directory": Case(("calibrate", "--data", "a-file", "--out", "full"), 1,
-                                      "kvserving calibrate: error: --out full is a directory, not a file"),
-    "demo-plot-no-directory": Case(("demo", "--model", "tiny", "--plot", "nodir/ttft.png"), 1,
-                                   "kvserving demo: error: --plot nodir/ttft.png: the directory nodir does not exist"),
-    "generate-kv-bytes-beyond-memory": Case(generate("tiny", "--kv-bytes", "1000000000000000"), 1,
-                                            "kvserving generate: error: --kv-bytes 1000000000000000 is more than "),
+    "calibrate-device-not-here": Case(
+        ("calibrate", "--data", "a-file", "--device", "cuda:64", "--out", "c.json"), 1, "kvserving calibrate: error: --device cuda:64: "
+    ),
+    "calibrate-out-no-directory": Case(
+        ("calibrate", "--data", "a-file", "--out", "nodir/c.json"),
+        1,
+        "kvserving calibrate: error: --out nodir/c.json: the directory nodir does not exist",
+    ),
+    "calibrate-out-a-directory": Case(
+        ("calibrate", "--data", "a-file", "--out", "full"), 1, "kvserving calibrate: error: --out full is a directory, not a file"
+    ),
+    "demo-plot-no-directory": Case(
+        ("demo", "--model", "tiny", "--plot", "nodir/ttft.png"),
+        1,
+        "kvserving demo: error: --plot nodir/ttft.png: the directory nodir does not exist",
+    ),
+    "generate-kv-bytes-beyond-memory": Case(
+        generate("tiny", "--kv-bytes", "1000000000000000"), 1, "kvserving generate: error: --kv-bytes 1000000000000000 is more than "
+    ),
     # kvserving up
     "up-model-is-a-file": Case(("up", "--model", "a-file"), 1, "kvserving up: error: --model a-file is not a directory"),
     "up-gpus-not-here": Case(("up", "--model", "tiny", "--gpus", "0,99"), 1, "kvserving up: error: --gpus 0,99: "),
@@ -335,10 +392,14 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize(("argv", "parts"), [
-    (("demo", "--model", "tiny", "--max-tokens", "4", "--kv-mib", "8"), 3),  # prefill, decode, gateway
-    (("up", "--model", "tiny", "--single", "--kv-mib", "8"), 2),  # worker, gateway
-], ids=["demo", "up"])
+@pytest.mark.parametrize(
+    ("argv", "parts"),
+    [
+        (("demo", "--model", "tiny", "--max-tokens", "4", "--kv-mib", "8"), 3),  # prefill, decode, gateway
+        (("up", "--model", "tiny", "--single", "--kv-mib", "8"), 2),  # worker, gateway
+    ],
+    ids=["demo", "up"],
+)
 def test_sigterm_ends_every_child_as_ctrl_c_does(workdir: Path, argv: tuple[str, ...], parts: int) -> None:
     import signal
     import time
@@ -350,8 +411,15 @@ def test_sigterm_ends_every_child_as_ctrl_c_does(workdir: Path, argv: tuple[str,
 
         port = next(p for p in (free_ports(1)[0] for _ in range(50)) if port_is_free("127.0.0.1", p + 1))
         argv = (*argv, "--port", str(port))
-    proc = subprocess.Popen([sys.executable, "-m", "kvserving.cli", *argv], cwd=workdir, env=cli_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvserving.cli", *argv],
+        cwd=workdir,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     children: list[int] = []
     try:
         deadline = time.monotonic() + TIMEOUT_S
@@ -380,10 +448,12 @@ def test_demo_calls_only_the_builtin_models_text_noise() -> None:
     from kvserving.local.demo import headline
 
     assert headline(Path("/models/qwen3"), builtin=False, requests=4, max_tokens=2, kv_mib=16) == (
-        "model /models/qwen3 serving 4 chat requests, 2 tokens each, KV budget 16 MiB")
+        "model /models/qwen3 serving 4 chat requests, 2 tokens each, KV budget 16 MiB"
+    )
     assert headline(Path("/tmp/x/tiny-model"), builtin=True, requests=4, max_tokens=2, kv_mib=16) == (
         "the built-in tiny model serving 4 chat requests, 2 tokens each, KV budget 16 MiB"
-        " (random weights: the text is noise, the mechanics are real)")
+        " (random weights: the text is noise, the mechanics are real)"
+    )
 
 
 def test_tiny_model_into_a_read_only_place(tmp_path: Path) -> None:
@@ -401,7 +471,9 @@ def test_tiny_model_into_a_read_only_place(tmp_path: Path) -> None:
 def test_operator_without_credentials_exits_at_once(tmp_path: Path) -> None:
     # HOME without ~/.kube/config and no KUBECONFIG: kopf would retry the login every minute.
     result = run_cli(("operator",), cwd=tmp_path, env=cli_env(HOME=str(tmp_path)))
-    assert_one_line(result, Case((), 1, "kvserving operator: error: no cluster credentials: no service account token and no kubeconfig found"))
+    assert_one_line(
+        result, Case((), 1, "kvserving operator: error: no cluster credentials: no service account token and no kubeconfig found")
+    )
     (tmp_path / "kubeconfig").write_text("current-context: prod\n")
     result = run_cli(("operator",), cwd=tmp_path, env=cli_env(HOME=str(tmp_path), KUBECONFIG=str(tmp_path / "kubeconfig")))
     assert_one_line(result, Case((), 1, "no cluster credentials: the kubeconfig names 'prod' but does not define it"))
@@ -439,10 +511,14 @@ def test_gpu_run_fails_loudly_without_a_gpu(tmp_path: Path) -> None:
 def test_gpu_run_exits_non_zero_when_the_gpu_tests_fail(tmp_path: Path) -> None:
     # A stand-in GPU machine: nvidia-smi answers, python3 passes the device check,
     # the test run fails and the benchmark succeeds; the script must still fail.
-    proc = gpu_run(tmp_path, "all", {
-        "nvidia-smi": NVIDIA_SMI,
-        "python3": 'case "$*" in *"-m pytest"*) echo "1 failed, 3 passed"; exit 1;; *) echo "python3 $*"; exit 0;; esac',
-    })
+    proc = gpu_run(
+        tmp_path,
+        "all",
+        {
+            "nvidia-smi": NVIDIA_SMI,
+            "python3": 'case "$*" in *"-m pytest"*) echo "1 failed, 3 passed"; exit 1;; *) echo "python3 $*"; exit 0;; esac',
+        },
+    )
     assert proc.returncode == 1
     assert "1 failed, 3 passed" in proc.stdout
     assert "python3 bench/decode_gpu.py" in proc.stdout  # the benchmark still ran
@@ -482,8 +558,15 @@ def test_generate_shows_progress_on_a_terminal_only(workdir: Path) -> None:
     primary, secondary = pty.openpty()
     try:
         try:
-            proc = subprocess.run([sys.executable, "-m", "kvserving.cli", *argv], cwd=workdir, env=cli_env(),
-                                  stdout=subprocess.PIPE, stderr=secondary, text=True, timeout=TIMEOUT_S)
+            proc = subprocess.run(
+                [sys.executable, "-m", "kvserving.cli", *argv],
+                cwd=workdir,
+                env=cli_env(),
+                stdout=subprocess.PIPE,
+                stderr=secondary,
+                text=True,
+                timeout=TIMEOUT_S,
+            )
         finally:
             os.close(secondary)
         chunks = []

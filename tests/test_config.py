@@ -67,15 +67,16 @@ def test_unknown_keys_are_errors() -> None:
 def test_security_section_round_trips_and_names_bad_fields() -> None:
     from kvserving.config import SecurityConfig
 
-    cfg = ServingConfig.from_dict({"security": {"internal_token_file": "/var/run/kvserving/internal/token",
-                                                "max_hold_s": 30}})
+    cfg = ServingConfig.from_dict({"security": {"internal_token_file": "/var/run/kvserving/internal/token", "max_hold_s": 30}})
     assert cfg.security == SecurityConfig(internal_token_file="/var/run/kvserving/internal/token", max_hold_s=30)
     assert ServingConfig.from_json(cfg.to_json()) == cfg
     assert ServingConfig().security.internal_token_file is None
-    for bad, field_name in (({"internal_token_file": ""}, "internal_token_file"),
-                            ({"api_keys_file": 3}, "api_keys_file"),
-                            ({"tenants_share_cache": "yes"}, "tenants_share_cache"),
-                            ({"max_hold_s": 0}, "max_hold_s")):
+    for bad, field_name in (
+        ({"internal_token_file": ""}, "internal_token_file"),
+        ({"api_keys_file": 3}, "api_keys_file"),
+        ({"tenants_share_cache": "yes"}, "tenants_share_cache"),
+        ({"max_hold_s": 0}, "max_hold_s"),
+    ):
         with pytest.raises(ValueError, match=f"security.{field_name}"):
             ServingConfig.from_dict({"security": bad})
 

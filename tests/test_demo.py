@@ -35,7 +35,10 @@ def test_demo_shows_reuse_on_and_off_with_a_plot(tmp_path: Path) -> None:
     plot = tmp_path / "ttft.png"
     result = subprocess.run(
         [sys.executable, "-m", "kvserving.cli", "demo", "--max-tokens", "96", "--plot", str(plot)],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONSAFEPATH="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONSAFEPATH="1"),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout

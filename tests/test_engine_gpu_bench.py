@@ -28,8 +28,7 @@ def test_triaxial_capacity_holds_the_bit_budget_and_reports_it(engine_gpu: Modul
     model = (margs, engine_gpu.random_model(margs, seed=0))
     rows = {}
     for control in ("fixed", "hold"):
-        bench = engine_gpu.Bench(model, quick=True, enforce_eager=True, breakdown=False, bit_budget=2.7,
-                                 bit_budget_control=control)
+        bench = engine_gpu.Bench(model, quick=True, enforce_eager=True, breakdown=False, bit_budget=2.7, bit_budget_control=control)
         rows[control] = bench.capacity("triaxial", 0.03)
     hold, fixed = rows["hold"], rows["fixed"]
     for row in (hold, fixed):

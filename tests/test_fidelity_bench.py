@@ -43,10 +43,20 @@ def _calibration(gains: dict[int, float], pages: tuple[tuple[int, tuple[tuple[in
             counts[c] += n * t
     d2 = tuple(gains.get(c, 0.0) * counts[c] for c in range(NUM_TAGS))  # per-token gain = D(2) / N (D(4) = 0)
     scales = LayerScales((1.0,), (1.0,))
-    return Calibration(num_layers=1, num_kv_heads=1, head_dim=64, tokens=tokens,
-                       frequency=tuple(n / tokens for n in counts), frequency_source="data",
-                       distortion={2: d2, 4: (0.0,) * NUM_TAGS}, tables={},
-                       scales={"fp8_e4m3": scales, "nvfp4": scales}, pages=pages, page_size=32, residual=0)
+    return Calibration(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=64,
+        tokens=tokens,
+        frequency=tuple(n / tokens for n in counts),
+        frequency_source="data",
+        distortion={2: d2, 4: (0.0,) * NUM_TAGS},
+        tables={},
+        scales={"fp8_e4m3": scales, "nvfp4": scales},
+        pages=pages,
+        page_size=32,
+        residual=0,
+    )
 
 
 def test_the_system_prompt_swap_keeps_inst_at_four_bits_within_the_budget(fidelity: ModuleType) -> None:
@@ -80,8 +90,11 @@ def test_paired_comparison_against_default_at_pages(fidelity: ModuleType) -> Non
     def row(kls: list[float], bits: float) -> dict[str, object]:
         return {"kl_per_sequence": kls, "kl_vs_bf16": sum(kls) / len(kls), "stored_bits": bits}
 
-    rows = {"triaxial 2.7 default@pages": row([4.0, 6.0, 8.0], 2.70), "triaxial 2.7 calibrated": row([3.0, 5.0, 6.0], 2.72),
-            "triaxial 2.7 default": row([1.0, 1.0, 1.0], 3.2)}
+    rows = {
+        "triaxial 2.7 default@pages": row([4.0, 6.0, 8.0], 2.70),
+        "triaxial 2.7 calibrated": row([3.0, 5.0, 6.0], 2.72),
+        "triaxial 2.7 default": row([1.0, 1.0, 1.0], 3.2),
+    }
     comp = fidelity.comparisons(rows)
     assert set(comp) == {"2.7"} and set(comp["2.7"]) == {"calibrated"}  # the engine default is not compared
     c = comp["2.7"]["calibrated"]
@@ -99,9 +112,11 @@ def test_a_table_equal_to_default_at_pages_is_reported_as_the_same_table(fidelit
     def row(kls: list[float], table: str) -> dict[str, object]:
         return {"kl_per_sequence": kls, "kl_vs_bf16": sum(kls) / len(kls), "stored_bits": 3.39, "table": table}
 
-    rows = {"triaxial 3.5 default@pages": row([4.0, 6.0], "older obs at 2"),
-            "triaxial 3.5 calibrated": row([4.0, 6.0], "older obs at 2"),
-            "triaxial 3.5 calibrated@8192": row([3.0, 5.0], "recent classes at 2")}
+    rows = {
+        "triaxial 3.5 default@pages": row([4.0, 6.0], "older obs at 2"),
+        "triaxial 3.5 calibrated": row([4.0, 6.0], "older obs at 2"),
+        "triaxial 3.5 calibrated@8192": row([3.0, 5.0], "recent classes at 2"),
+    }
     comp = fidelity.comparisons(rows)["3.5"]
     assert comp["calibrated"] == {"same_table": True, "paired_mean_pct": 0.0, "paired_se_pct": None, "t": None}
     assert "same_table" not in comp["calibrated@8192"] and comp["calibrated@8192"]["lower_higher_equal"] == [2, 0, 0]
@@ -109,8 +124,7 @@ def test_a_table_equal_to_default_at_pages_is_reported_as_the_same_table(fidelit
 
 def test_the_page_mix_summary_names_the_classes_that_fill_pages_alone(fidelity: ModuleType) -> None:
     pages = ((6, ((OBS, 32),)), (2, ((INST, 32),)), (2, ((USER, 16), (DELIM, 16))))
-    cal = Calibration(**{**{f: getattr(_calibration({}, pages), f) for f in Calibration.__dataclass_fields__},
-                         "residual": 5})
+    cal = Calibration(**{**{f: getattr(_calibration({}, pages), f) for f in Calibration.__dataclass_fields__}, "residual": 5})
     summary = fidelity.page_mix_summary(cal)
     assert summary["full_pages"] == 10 and summary["residual_tokens"] == 5 and summary["tokens"] == 325
     assert summary["single_class_pages"] == {"turn_m1/text/obs": 0.6, "current/text/inst": 0.2}
@@ -126,8 +140,9 @@ def test_extra_held_out_files_are_never_training_calibration_or_evaluation_files
     assert not any(part in ("site-packages", "dist-packages") for p in extra for part in p.parts)
 
 
-def test_evaluation_conversations_come_from_the_evaluation_files_first(fidelity: ModuleType, tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_evaluation_conversations_come_from_the_evaluation_files_first(
+    fidelity: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kvserving.gateway.prompt.chat_template import ChatTemplate
     from kvserving.gateway.prompt.tagger import ChatTagger
     from kvserving.gateway.prompt.tokenizer import TextTokenizer
@@ -166,7 +181,8 @@ def test_budgets_are_one_list_for_every_context_or_one_per_context(fidelity: Mod
 
 @pytest.mark.slow
 def test_a_smoke_run_writes_each_row_as_it_completes_and_reloadable_calibrations(
-        fidelity: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fidelity: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "fidelity.json"
     seen: list[tuple[list[str], bool]] = []  # after each row: the rows on disk, the context marked partial
     run_context = fidelity.run_context
@@ -177,14 +193,34 @@ def test_a_smoke_run_writes_each_row_as_it_completes_and_reloadable_calibrations
             on_row(rows)
             block = json.loads(out.read_text())["contexts"]["512"]
             seen.append((list(block["rows"]), bool(block.get("partial"))))
+
         return run_context(*args, on_row=on_disk, **kw)
 
     monkeypatch.setattr(fidelity, "run_context", recording)
-    assert fidelity.main(["--smoke", "--threads", "2", "--triaxial-only", "--skip-default", "--contexts", "512",
-                          "--calibrate-at-context", "--budgets", "3.5", "--generate", "2", "--eval-seqs", "1",
-                          "--out", str(out)]) == 0
-    rows = ["bf16", "triaxial 3.5 default@pages", "triaxial 3.5 calibrated", "triaxial 3.5 calibrated@512",
-            "triaxial 3.5 held"]
+    assert (
+        fidelity.main(
+            [
+                "--smoke",
+                "--threads",
+                "2",
+                "--triaxial-only",
+                "--skip-default",
+                "--contexts",
+                "512",
+                "--calibrate-at-context",
+                "--budgets",
+                "3.5",
+                "--generate",
+                "2",
+                "--eval-seqs",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    rows = ["bf16", "triaxial 3.5 default@pages", "triaxial 3.5 calibrated", "triaxial 3.5 calibrated@512", "triaxial 3.5 held"]
     assert seen == [(rows[: i + 1], True) for i in range(len(rows))]
     result = json.loads(out.read_text())
     block = result["contexts"]["512"]
@@ -200,8 +236,28 @@ def test_a_smoke_run_writes_each_row_as_it_completes_and_reloadable_calibrations
 @pytest.mark.slow
 def test_generate_zero_scores_every_row_without_the_greedy_column(fidelity: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "fidelity.json"
-    assert fidelity.main(["--smoke", "--threads", "2", "--triaxial-only", "--skip-default", "--contexts", "512",
-                          "--budgets", "2.7", "--generate", "0", "--eval-seqs", "2", "--out", str(out)]) == 0
+    assert (
+        fidelity.main(
+            [
+                "--smoke",
+                "--threads",
+                "2",
+                "--triaxial-only",
+                "--skip-default",
+                "--contexts",
+                "512",
+                "--budgets",
+                "2.7",
+                "--generate",
+                "0",
+                "--eval-seqs",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["contexts"]["512"]["rows"]
     assert list(rows) == ["bf16", "triaxial 2.7 default@pages", "triaxial 2.7 calibrated", "triaxial 2.7 held"]
     for r in rows.values():
@@ -213,7 +269,8 @@ def test_generate_zero_scores_every_row_without_the_greedy_column(fidelity: Modu
 
 @pytest.mark.slow
 def test_select_is_applied_again_at_a_context_other_than_the_calibration_length(
-        fidelity: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fidelity: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # with_pages drops the tables of the calibration length (256 in --smoke, not scored here: no selection is
     # made there); at 512 the selection runs over the tables counted on 512's pages, for the main calibration
     # and the one measured at 512
@@ -228,9 +285,30 @@ def test_select_is_applied_again_at_a_context_other_than_the_calibration_length(
 
     monkeypatch.setattr(fidelity, "select_tables", recording)
     out = tmp_path / "fidelity.json"
-    assert fidelity.main(["--smoke", "--threads", "2", "--triaxial-only", "--skip-default", "--contexts", "512",
-                          "--calibrate-at-context", "--select", "--budgets", "2.7", "--generate", "0",
-                          "--eval-seqs", "1", "--out", str(out)]) == 0
+    assert (
+        fidelity.main(
+            [
+                "--smoke",
+                "--threads",
+                "2",
+                "--triaxial-only",
+                "--skip-default",
+                "--contexts",
+                "512",
+                "--calibrate-at-context",
+                "--select",
+                "--budgets",
+                "2.7",
+                "--generate",
+                "0",
+                "--eval-seqs",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     # 256 is not scored: no selection there (its tables would be discarded), only at 512
     assert result["calibration"]["selection"] == {}
@@ -242,21 +320,39 @@ def test_select_is_applied_again_at_a_context_other_than_the_calibration_length(
         assert rec["2.7"]["chosen"] == min(kls, key=lambda n: (kls[n], ("kl", "attn", "default").index(n)))
     rows = block["rows"]
     # the rows score the tables the selection at 512 kept: one selection per calibration, in their order
-    assert [p["2.7"] for p in picked.values()] == [rows["triaxial 2.7 calibrated"]["table"],
-                                                 rows["triaxial 2.7 calibrated@512"]["table"]]
+    assert [p["2.7"] for p in picked.values()] == [rows["triaxial 2.7 calibrated"]["table"], rows["triaxial 2.7 calibrated@512"]["table"]]
     if block["selection"]["calibrated"]["2.7"]["chosen"] == "default":
         assert rows["triaxial 2.7 calibrated"]["table"] == rows["triaxial 2.7 default@pages"]["table"]
 
 
 @pytest.mark.slow
-def test_count_on_evaluation_holds_every_tables_budget_on_the_scored_conversations(
-        fidelity: ModuleType, tmp_path: Path) -> None:
+def test_count_on_evaluation_holds_every_tables_budget_on_the_scored_conversations(fidelity: ModuleType, tmp_path: Path) -> None:
     # the budget is counted on the evaluation conversations' pages: what the engine stored on them (token-weighted
     # over the conversations) is what the table was counted to store there, within the budget, for every table
     out = tmp_path / "fidelity.json"
-    assert fidelity.main(["--smoke", "--threads", "2", "--triaxial-only", "--skip-default", "--contexts", "512",
-                          "--count-on-evaluation", "--budgets", "2.7,3", "--generate", "0", "--eval-seqs", "2",
-                          "--out", str(out)]) == 0
+    assert (
+        fidelity.main(
+            [
+                "--smoke",
+                "--threads",
+                "2",
+                "--triaxial-only",
+                "--skip-default",
+                "--contexts",
+                "512",
+                "--count-on-evaluation",
+                "--budgets",
+                "2.7,3",
+                "--generate",
+                "0",
+                "--eval-seqs",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     block = json.loads(out.read_text())["contexts"]["512"]
     lengths = block["tokens_per_sequence"]
     assert block["calibration_pages"]["counted_on"] == "evaluation"

@@ -11,11 +11,35 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ("common", "gateway", "worker", "operator", "kernels", "agents", "calibrate", "sim", "local")  # the package (pyproject's package-dir)
+SOURCE = (
+    "common",
+    "gateway",
+    "worker",
+    "operator",
+    "kernels",
+    "agents",
+    "calibrate",
+    "sim",
+    "local",
+)  # the package (pyproject's package-dir)
 CLIENT = "aiohttp"
 # client libraries and HTTP protocol code other than CLIENT
-OTHERS = ("httpx", "httpcore", "requests", "urllib3", "urllib.request", "http.client", "httptools", "h11", "h2",
-          "pycurl", "tornado", "treq", "niquests", "openai")
+OTHERS = (
+    "httpx",
+    "httpcore",
+    "requests",
+    "urllib3",
+    "urllib.request",
+    "http.client",
+    "httptools",
+    "h11",
+    "h2",
+    "pycurl",
+    "tornado",
+    "treq",
+    "niquests",
+    "openai",
+)
 USERS_OF_THE_API = {"local/agent_demo.py": ["openai", "openai.OpenAI"]}  # the demo's agent: a client of the OpenAI API, as users are
 
 
@@ -61,6 +85,10 @@ def test_the_package_uses_one_http_client_library() -> None:
 
 def test_the_check_sees_a_second_client_and_hand_written_http() -> None:
     assert offenders("import httpx\nfrom urllib.request import urlopen\nimport httptools\n") == [
-        "httptools", "httpx", "urllib.request", "urllib.request.urlopen"]
+        "httptools",
+        "httpx",
+        "urllib.request",
+        "urllib.request.urlopen",
+    ]
     assert offenders('head = b"POST /x HTTP/1.1\\r\\nhost: w\\r\\n"') == ["HTTP head literal 'POST /x HTTP/1.1\\r\\nhost: w\\r\\n'"]
     assert offenders("import aiohttp\nimport socket\nfrom urllib.parse import urlsplit\n") == []

@@ -120,7 +120,7 @@ def folder_imports(folder: str) -> dict[str, set[str]]:
     modules = {n.removesuffix(".__init__") for n in names_of.values()}
 
     def module_of(name: str) -> str:
-        parts = name[len(prefix):].split(".")
+        parts = name[len(prefix) :].split(".")
         return next((m for k in range(len(parts), 0, -1) if (m := ".".join(parts[:k])) in modules), parts[0])
 
     graph: dict[str, set[str]] = {}
@@ -140,7 +140,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     def visit(node: str, path: list[str]) -> None:
         for dep in sorted(graph.get(node, ())):
             if dep in path:
-                cycles.append(path[path.index(dep):] + [dep])
+                cycles.append(path[path.index(dep) :] + [dep])
             elif dep not in done:
                 visit(dep, [*path, dep])
         done.add(node)
@@ -202,7 +202,9 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "x.py"
     bad.write_text("from ..worker import engine\nimport kvserving.gateway.app\n")
     assert imported_modules(bad, "kvserving.kernels") == {
-        "kvserving.worker", "kvserving.worker.engine", "kvserving.gateway.app",
+        "kvserving.worker",
+        "kvserving.worker.engine",
+        "kvserving.gateway.app",
     }
 
 
@@ -272,8 +274,7 @@ def cross_layer_imports(graph: dict[str, set[str]]) -> list[str]:
     for module in sorted(graph):
         for dep in sorted(graph[module]):
             if layer_of(dep, graph) > layer_of(module, graph):
-                bad.append(f"{module} ({LAYER_NAMES[layer_of(module, graph)]}) imports {dep} "
-                           f"({LAYER_NAMES[layer_of(dep, graph)]})")
+                bad.append(f"{module} ({LAYER_NAMES[layer_of(module, graph)]}) imports {dep} ({LAYER_NAMES[layer_of(dep, graph)]})")
     return bad
 
 
@@ -313,16 +314,19 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_the_package_checks_see_a_root_cycle_and_a_layer_break(tmp_path: Path) -> None:
-    root = _tree(tmp_path, {
-        "common/__init__.py": "",
-        "common/config.py": "from kvserving.model_dir import resolve\n",
-        "common/model_dir.py": "def f():\n    from kvserving import config\n",  # lazy, still an import
-        "worker/__init__.py": "",
-        "worker/engine.py": "from .model import M\nfrom kvserving.config import C\n",
-        "worker/model.py": "from ..sim.cluster import S\n",
-        "sim/__init__.py": "",
-        "sim/cluster.py": "from kvserving.worker.engine import E\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "common/__init__.py": "",
+            "common/config.py": "from kvserving.model_dir import resolve\n",
+            "common/model_dir.py": "def f():\n    from kvserving import config\n",  # lazy, still an import
+            "worker/__init__.py": "",
+            "worker/engine.py": "from .model import M\nfrom kvserving.config import C\n",
+            "worker/model.py": "from ..sim.cluster import S\n",
+            "sim/__init__.py": "",
+            "sim/cluster.py": "from kvserving.worker.engine import E\n",
+        },
+    )
     graph = package_graph(root)
     assert graph["kvserving.worker.model"] == {"kvserving.sim.cluster"}
     assert import_cycles(graph) == [
@@ -336,11 +340,14 @@ def test_the_package_checks_see_a_root_cycle_and_a_layer_break(tmp_path: Path) -
 
 
 def test_the_package_checks_pass_a_clean_tree(tmp_path: Path) -> None:
-    root = _tree(tmp_path, {
-        "common/config.py": "",
-        "worker/engine.py": "from kvserving.config import C\n",
-        "sim/cluster.py": "from kvserving.worker.engine import E\nfrom kvserving import config\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "common/config.py": "",
+            "worker/engine.py": "from kvserving.config import C\n",
+            "sim/cluster.py": "from kvserving.worker.engine import E\nfrom kvserving import config\n",
+        },
+    )
     graph = package_graph(root)
     assert graph["kvserving.sim.cluster"] == {"kvserving.worker.engine", "kvserving.config"}
     assert cross_layer_imports(graph) == [] and import_cycles(graph) == []

@@ -56,7 +56,21 @@ def test_makefile_and_ci_use_safe_path_and_make_test() -> None:
 
 def test_every_top_level_folder_has_a_readme_line() -> None:
     readme = (ROOT / "README.md").read_text()
-    for folder in ("kernels/", "worker/", "gateway/", "operator/", "agents/", "calibrate/", "sim/", "local/", "crds/", "manifests/", "tests/", "e2e/", "bench/"):
+    for folder in (
+        "kernels/",
+        "worker/",
+        "gateway/",
+        "operator/",
+        "agents/",
+        "calibrate/",
+        "sim/",
+        "local/",
+        "crds/",
+        "manifests/",
+        "tests/",
+        "e2e/",
+        "bench/",
+    ):
         assert f"`{folder}`" in readme, folder
 
 

@@ -64,9 +64,7 @@ def test_a_changed_recipe_builds_a_new_folder(cache: Path, builds: list[Path], m
     assert sorted(p.name for p in cache.iterdir()) == sorted([old.name, new.name])
 
 
-def test_a_builder_that_loses_the_race_uses_the_winners_copy(
-    cache: Path, builds: list[Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_builder_that_loses_the_race_uses_the_winners_copy(cache: Path, builds: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
     target = cache / f"tiny-model-{model_dir._recipe_hash()}"
     fake = tiny_model.build_tiny_model
 

@@ -33,8 +33,9 @@ def _int4_gain(table: Sequence[int], pages: Pages, per_token: Sequence[float]) -
     return sum(n * sum(per_token[k] * t for k, t in mix) for n, mix in pages if any(table[k] == 4 for k, _ in mix))
 
 
-def _arrays(pages: Pages, per_token: Sequence[float], page_size: int = 32,
-            residual: int = 0) -> tuple[list[list[int]], list[float], list[float], list[int]]:
+def _arrays(
+    pages: Pages, per_token: Sequence[float], page_size: int = 32, residual: int = 0
+) -> tuple[list[list[int]], list[float], list[float], list[int]]:
     """pages_of, gain_of, bits_of, weight_of as ``page_greedy_table`` builds them."""
     total = residual + page_size * sum(n for n, _ in pages)
     pages_of: list[list[int]] = [[] for _ in range(NUM_TAGS)]
@@ -141,8 +142,9 @@ def test_the_answer_does_not_depend_on_the_order_of_the_page_records() -> None:
         shuffled = list(pages)
         rng.shuffle(shuffled)
         for budget in (2.4, 3.0, 3.6):
-            assert page_greedy_table(budget, per, pages, page_size=32, residual=5) == \
-                page_greedy_table(budget, per, tuple(shuffled), page_size=32, residual=5)
+            assert page_greedy_table(budget, per, pages, page_size=32, residual=5) == page_greedy_table(
+                budget, per, tuple(shuffled), page_size=32, residual=5
+            )
 
 
 def test_a_node_cap_returns_the_best_set_found_never_less_than_the_start() -> None:

@@ -94,8 +94,7 @@ def _rules_file(tmp_path: Path) -> Path:
 
 
 def test_promtool_checks_the_rules(tmp_path: Path) -> None:
-    result = subprocess.run([_promtool(), "check", "rules", str(_rules_file(tmp_path))],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run([_promtool(), "check", "rules", str(_rules_file(tmp_path))], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS: 5 rules found" in result.stdout
 
@@ -104,8 +103,7 @@ def test_each_alert_fires_on_its_condition_only(tmp_path: Path) -> None:
     _rules_file(tmp_path)
     tests = tmp_path / "tests.yaml"
     tests.write_text(UNIT_TESTS)
-    result = subprocess.run([_promtool(), "test", "rules", str(tests)], capture_output=True, text=True,
-                            timeout=60, cwd=tmp_path)
+    result = subprocess.run([_promtool(), "test", "rules", str(tests)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

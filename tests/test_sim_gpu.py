@@ -29,7 +29,10 @@ def test_gpu_cost_file_loads_and_its_pools_match_the_bench_stacks() -> None:
     costs = load_costs("gpu-h200")
     raw = json.loads((RESULTS / "sim_costs_gpu_h200.json").read_text())
     assert costs.name == "gpu-h200" and (costs.layers, costs.kv_heads, costs.head_dim) == (36, 8, 128)
-    assert costs.decode_step("nvfp4", 16, 16 * 32768) == raw["decode_step_s"] + 16 * raw["decode_seq_s"] + raw["decode_ctx_s"]["nvfp4"] * 16 * 32768
+    assert (
+        costs.decode_step("nvfp4", 16, 16 * 32768)
+        == raw["decode_step_s"] + 16 * raw["decode_seq_s"] + raw["decode_ctx_s"]["nvfp4"] * 16 * 32768
+    )
     measured = _measured()
     kv = kv_bytes(measured)
     assert kv == 8 * 2**30
@@ -65,8 +68,14 @@ def test_replay_of_one_measured_point_is_what_the_simulator_computes() -> None:
     meas = next(p for p in measured["points"] if (p["format"], p["mode"], p["concurrency"]) == ("nvfp4", "lease", 4))
     assert row["measured"]["hit_rate"] == meas["hit_rate"] and row["measured"]["output_tok_per_s"] == meas["output_tok_per_s"]
     # the same point built by hand: one prefill and one decode worker on one shared GPU
-    cluster = ClusterSpec("nvfp4", 1, 1, replace(costs, kv_bytes_per_worker=8 * 2**30),
-                          reuse=reuse_for_mode("lease", ttl_s=measured["ttl_s"]), scheduler=GPU_SCHEDULER)
+    cluster = ClusterSpec(
+        "nvfp4",
+        1,
+        1,
+        replace(costs, kv_bytes_per_worker=8 * 2**30),
+        reuse=reuse_for_mode("lease", ttl_s=measured["ttl_s"]),
+        scheduler=GPU_SCHEDULER,
+    )
     sim = Simulator(cluster, _load())
     SharedGpu(sim, sim.prefill[0], sim.decode[0])
     point = run_bench_point(sim, range(4000, 4004))

@@ -22,8 +22,17 @@ MEASURED = ROOT / "bench" / "results" / "sim_costs_cpu_measured.json"
 
 
 def tiny_costs(**kw: object) -> CostModel:
-    base = dict(name="t", layers=1, kv_heads=1, head_dim=32, kv_bytes_per_worker=1 << 20, prefill_token_s=1e-4,
-                prefill_attn_s=0.0, decode_step_s=1e-3, decode_ctx_s={"bf16": 0.0, "fp8_e4m3": 0.0, "nvfp4": 0.0})
+    base = dict(
+        name="t",
+        layers=1,
+        kv_heads=1,
+        head_dim=32,
+        kv_bytes_per_worker=1 << 20,
+        prefill_token_s=1e-4,
+        prefill_attn_s=0.0,
+        decode_step_s=1e-3,
+        decode_ctx_s={"bf16": 0.0, "fp8_e4m3": 0.0, "nvfp4": 0.0},
+    )
     base.update(kw)
     return CostModel(**base)  # type: ignore[arg-type]
 
@@ -154,8 +163,7 @@ def test_routing_equals_the_real_router_on_every_worker(prefill: int) -> None:
         key = bytes(rng.randrange(256) for _ in range(16))
         lease_url = rng.choice([None, *[w.url for w in sim.decode]])
         dec, pre = sim.route(key, lease_url)
-        full_d = choose_decode([WorkerView(w.url, True, w.inflight, held[w.url]) for w in sim.decode],
-                               lease_url=lease_url, max_inflight=5)
+        full_d = choose_decode([WorkerView(w.url, True, w.inflight, held[w.url]) for w in sim.decode], lease_url=lease_url, max_inflight=5)
         full_p = choose_prefill([WorkerView(w.url, True, w.inflight) for w in sim.prefill], key=key)
         assert full_d is not None and full_p is not None
         assert (dec.url, pre.url) == (full_d.url, full_p.url)
@@ -178,8 +186,14 @@ def test_agent_shape_draws_the_same_lengths_and_think_times_as_agent_load() -> N
             a, b = agent(load, i), agent_shape(load, i)
             assert (a.agent_id, a.session_id, a.prefix_tokens, len(a.turns)) == (b.agent_id, b.session_id, b.prefix_tokens, len(b.turns))
             for x, y in zip(a.turns, b.turns):
-                assert (x.index, x.output_tokens, x.think_time_s, x.new_tokens, x.history_tokens, x.call_tokens) == \
-                    (y.index, y.output_tokens, y.think_time_s, y.new_tokens, y.history_tokens, y.call_tokens)
+                assert (x.index, x.output_tokens, x.think_time_s, x.new_tokens, x.history_tokens, x.call_tokens) == (
+                    y.index,
+                    y.output_tokens,
+                    y.think_time_s,
+                    y.new_tokens,
+                    y.history_tokens,
+                    y.call_tokens,
+                )
                 assert (x.user is None, x.tool_result is None) == (y.user is None, y.tool_result is None)
     with pytest.raises(ValueError, match="agent index"):
         agent_shape(LoadSpec(), -1)
@@ -190,8 +204,9 @@ def test_native_copies_import_each_other_and_the_rest_of_kvserving() -> None:
     from kvserving.sim.native import rewrite, source_key
 
     text = "from kvserving.sim.cache import Hold\nfrom kvserving.sim.costs import CostModel\nimport kvserving.sim.cluster\n"
-    assert rewrite(text) == ("from kvs_simnative.cache import Hold\nfrom kvserving.sim.costs import CostModel\n"
-                             "import kvs_simnative.cluster\n")
+    assert rewrite(text) == (
+        "from kvs_simnative.cache import Hold\nfrom kvserving.sim.costs import CostModel\nimport kvs_simnative.cluster\n"
+    )
     assert len(source_key()) == 20 and source_key() == source_key()
 
 
@@ -214,8 +229,17 @@ def test_the_compiled_core_gives_the_pure_python_results(tmp_path: Path, monkeyp
     points = []
     for engine in (pure, native):
         pop = engine.Population(40, 200.0, warmup_s=20.0, ramp_s=5.0, shapes=6)
-        points.append(simulate_point("fp8_e4m3", 3, costs=load_costs("h200-8b"), pop=pop, prefill_share=0.34,
-                                     load=gpu_load(1, think_s=5.0, output_tokens=40, max_context=8192), engine=engine))
+        points.append(
+            simulate_point(
+                "fp8_e4m3",
+                3,
+                costs=load_costs("h200-8b"),
+                pop=pop,
+                prefill_share=0.34,
+                load=gpu_load(1, think_s=5.0, output_tokens=40, max_context=8192),
+                engine=engine,
+            )
+        )
     assert points[0]["requests"] > 100 and points[0] == points[1]
 
 
@@ -263,9 +287,14 @@ def test_hit_rate_agrees_with_the_benchmark_on_the_cpu_stack() -> None:
 def test_a_small_population_runs_and_reuses_kv() -> None:
     from kvserving.sim.plan import gpu_load, simulate_point
 
-    point = simulate_point("nvfp4", 4, costs=load_costs("h200-8b"), load=gpu_load(0, think_s=5.0, output_tokens=50,
-                           max_context=8192), pop=Population(8, 120.0, warmup_s=20.0, ramp_s=5.0, shapes=4),
-                           prefill_share=0.5)
+    point = simulate_point(
+        "nvfp4",
+        4,
+        costs=load_costs("h200-8b"),
+        load=gpu_load(0, think_s=5.0, output_tokens=50, max_context=8192),
+        pop=Population(8, 120.0, warmup_s=20.0, ramp_s=5.0, shapes=4),
+        prefill_share=0.5,
+    )
     assert point["requests"] > 20 and 0.5 < point["hit_rate"] < 1.0
     assert point["local_share"] + point["pulled_share"] == pytest.approx(point["hit_rate"])
     assert point["ttft_p50_ms"] <= point["ttft_p99_ms"]
@@ -274,8 +303,29 @@ def test_a_small_population_runs_and_reuses_kv() -> None:
 def test_cli_prints_one_row_per_format_and_refuses_bad_input_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     from kvserving.cli import main
 
-    argv = ["simulate", "--agents", "6", "--gpus", "2", "--dtype", "nvfp4,fp8", "--duration-s", "90", "--warmup-s", "10",
-            "--shapes", "3", "--jobs", "1", "--think-s", "5", "--output-tokens", "20", "--max-context", "6000"]
+    argv = [
+        "simulate",
+        "--agents",
+        "6",
+        "--gpus",
+        "2",
+        "--dtype",
+        "nvfp4,fp8",
+        "--duration-s",
+        "90",
+        "--warmup-s",
+        "10",
+        "--shapes",
+        "3",
+        "--jobs",
+        "1",
+        "--think-s",
+        "5",
+        "--output-tokens",
+        "20",
+        "--max-context",
+        "6000",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("6 agents, 90 s simulated")

@@ -45,8 +45,12 @@ class FakeStack(LocalStack):
     def _plan(self) -> list[Child]:
         ports = {"prefill": self.spec.prefill_port, "decode": self.spec.decode_port, "gateway": self.spec.gateway_port}
         return [
-            Child(name, [sys.executable, str(self.script), str(port), str(self.delays.get(name, 0.0))],
-                  f"http://127.0.0.1:{port}/ready", self.run_dir / f"{name}.log")
+            Child(
+                name,
+                [sys.executable, str(self.script), str(port), str(self.delays.get(name, 0.0))],
+                f"http://127.0.0.1:{port}/ready",
+                self.run_dir / f"{name}.log",
+            )
             for name, port in ports.items()
         ]
 
@@ -161,12 +165,19 @@ def test_scrape_config_labels_targets_like_the_pod_monitor() -> None:
 
     cfg = json.loads(scrape_config({"gateway": "127.0.0.1:8000"}))
     (job,) = cfg["scrape_configs"]
-    assert job["static_configs"] == [{"targets": ["127.0.0.1:8000"], "labels": {"namespace": "local", "kvserving": "local", "pod": "gateway"}}]
+    assert job["static_configs"] == [
+        {"targets": ["127.0.0.1:8000"], "labels": {"namespace": "local", "kvserving": "local", "pod": "gateway"}}
+    ]
 
 
 def _up(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvserving.cli", "up", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, PYTHONSAFEPATH="1"))
+    return subprocess.run(
+        [sys.executable, "-m", "kvserving.cli", "up", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONSAFEPATH="1"),
+    )
 
 
 def test_up_refuses_a_missing_model_in_one_line() -> None:
@@ -191,8 +202,7 @@ def test_up_refuses_a_busy_port_in_one_line(tmp_path: Path) -> None:
 
 def test_gpus_map_one_per_worker_and_reach_the_child(tmp_path: Path) -> None:
     g, p, d = free_ports(3)
-    spec = StackSpec(config=ServingConfig(), gateway_port=g, prefill_port=p, decode_port=d, run_dir=tmp_path / "run",
-                     gpus=("0", "1"))
+    spec = StackSpec(config=ServingConfig(), gateway_port=g, prefill_port=p, decode_port=d, run_dir=tmp_path / "run", gpus=("0", "1"))
     plan = {c.name: c.env for c in LocalStack(spec)._plan()}
     assert plan == {"prefill": {"CUDA_VISIBLE_DEVICES": "0"}, "decode": {"CUDA_VISIBLE_DEVICES": "1"}, "gateway": None}
     one = StackSpec(config=ServingConfig(), gateway_port=g, prefill_port=p, decode_port=d, gpus=("2",))
@@ -203,8 +213,15 @@ def test_gpus_map_one_per_worker_and_reach_the_child(tmp_path: Path) -> None:
     class EnvStack(LocalStack):
         def _plan(self) -> list[Child]:
             script = "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('CUDA_VISIBLE_DEVICES', '-'))"
-            return [Child("w", [sys.executable, "-c", script, str(tmp_path / "seen")], None, self.run_dir / "w.log",
-                          env={"CUDA_VISIBLE_DEVICES": "1"})]
+            return [
+                Child(
+                    "w",
+                    [sys.executable, "-c", script, str(tmp_path / "seen")],
+                    None,
+                    self.run_dir / "w.log",
+                    env={"CUDA_VISIBLE_DEVICES": "1"},
+                )
+            ]
 
     with EnvStack(spec) as stack:
         stack.start()
@@ -214,9 +231,14 @@ def test_gpus_map_one_per_worker_and_reach_the_child(tmp_path: Path) -> None:
 
 def test_group_alive_sees_live_members_not_zombies() -> None:
     # a group whose leader starts a child, then the leader is killed alone: its child lives on in the group
-    leader = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
-                               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\ntime.sleep(600)"],
-                              start_new_session=True)
+    leader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\ntime.sleep(600)",
+        ],
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 10
         while len(group_members(leader.pid)) < 2 and time.monotonic() < deadline:

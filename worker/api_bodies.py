@@ -56,9 +56,7 @@ class KVTransferParamsBody(_Body):
         if (self.bits_cut is None) != (self.bits_ranking is None):
             raise ValueError("bits_cut and bits_ranking come together or not at all")
         if len(self.page_ids) != len(self.page_hashes):
-            raise ValueError(
-                f"page_ids has {len(self.page_ids)} entries but page_hashes has {len(self.page_hashes)}"
-            )
+            raise ValueError(f"page_ids has {len(self.page_ids)} entries but page_hashes has {len(self.page_hashes)}")
         if self.num_tokens > len(self.page_ids) * self.page_size:
             raise ValueError(f"num_tokens {self.num_tokens} is more than {len(self.page_ids)} pages hold")
         return self

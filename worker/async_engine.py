@@ -73,9 +73,7 @@ class RequestStream:
         if self.finished:
             return
         self._owner._submit_abort(self.request_id)
-        self.queue.put_nowait(
-            RequestOutput(self.request_id, [], True, "abort", self.num_prompt_tokens, 0, 0)
-        )
+        self.queue.put_nowait(RequestOutput(self.request_id, [], True, "abort", self.num_prompt_tokens, 0, 0))
 
 
 class AsyncEngine:
@@ -177,7 +175,13 @@ class AsyncEngine:
         try:
             await self.call(
                 lambda e: e.add_request(
-                    rid, prompt_ids, params, tags=tags, retain=retain, admission_pin=admission_pin, output_ids=output_ids,
+                    rid,
+                    prompt_ids,
+                    params,
+                    tags=tags,
+                    retain=retain,
+                    admission_pin=admission_pin,
+                    output_ids=output_ids,
                     cache_salt=cache_salt,
                 )
             )

@@ -113,8 +113,12 @@ class PagedAttention:
         if meta.decode_rows is not None and meta.decode_rows.numel():
             assert meta.page_table is not None and meta.seq_lens is not None
             out[meta.decode_rows] = st.decode(
-                layer, q[meta.decode_rows], meta.page_table, meta.seq_lens,
-                sm_scale=self.sm_scale, num_int2_pages=meta.num_int2_pages,
+                layer,
+                q[meta.decode_rows],
+                meta.page_table,
+                meta.seq_lens,
+                sm_scale=self.sm_scale,
+                num_int2_pages=meta.num_int2_pages,
             ).to(q.dtype)
         # 3./4. prefill and extend
         for span in meta.prefills:
@@ -126,7 +130,13 @@ class PagedAttention:
                 raise ValueError(f"extend of {s + n} tokens exceeds the engine's max_model_len ({self.max_tokens})")
             # the paged prefill kernel reads the packed prefix itself (GPU); the reference dequantizes it (CPU)
             out[r : r + n] = paged_ops.extend_attention(
-                q[r : r + n], k[r : r + n], v[r : r + n], st.layer(layer), span.prefix_pages, s,
-                sm_scale=self.sm_scale, options=st.options,
+                q[r : r + n],
+                k[r : r + n],
+                v[r : r + n],
+                st.layer(layer),
+                span.prefix_pages,
+                s,
+                sm_scale=self.sm_scale,
+                options=st.options,
             )
         return out

@@ -145,7 +145,9 @@ class LLMEngine:
                     model_dir, seed=config.model.seed, dtype=self.dtype, device=self.device, weight_format=config.model.weight_format
                 )
             else:
-                self.args, self.model = load_model(model_dir, dtype=self.dtype, device=self.device, weight_format=config.model.weight_format)
+                self.args, self.model = load_model(
+                    model_dir, dtype=self.dtype, device=self.device, weight_format=config.model.weight_format
+                )
         else:
             self.args, self.model = model
         args = self.args
@@ -172,9 +174,13 @@ class LLMEngine:
         opts = self.storage.options
         capturable = opts.backend != "reference" and not opts.check_values
         self.runner = ModelRunner(
-            self.model, self.attention, device=self.device,
+            self.model,
+            self.attention,
+            device=self.device,
             use_graphs=self.device.type == "cuda" and not enforce_eager and capturable,
-            max_batch=config.scheduler.max_num_seqs, max_model_len=self.max_model_len, pool=self.pool,
+            max_batch=config.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            pool=self.pool,
         )
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
@@ -283,8 +289,9 @@ class LLMEngine:
                 f"completion) but this worker's {self.kv_cache.dtype} KV pool holds {capacity} tokens{pages}"
             )
         gen = make_generator(params.seed, device=self.device)
-        seq = Sequence(request_id, prompt, params, gen, tags=tag_list, output_ids=generated,
-                       cache_salt=cache_salt.encode() if cache_salt else None)
+        seq = Sequence(
+            request_id, prompt, params, gen, tags=tag_list, output_ids=generated, cache_salt=cache_salt.encode() if cache_salt else None
+        )
         seq.retain, seq.admission_pin = retain, admission_pin
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -451,7 +458,11 @@ class LLMEngine:
     @staticmethod
     def _check_continuation(plan: SchedulerOutput, prev: _InFlight) -> None:
         live = [c.seq for c, ok in zip(prev.chunks, prev.live) if ok]
-        if plan.preempted or [c.seq for c in plan.chunks] != live or any(c.num_tokens != 1 or c.start != c.seq.num_computed for c in plan.chunks):
+        if (
+            plan.preempted
+            or [c.seq for c in plan.chunks] != live
+            or any(c.num_tokens != 1 or c.start != c.seq.num_computed for c in plan.chunks)
+        ):
             raise RuntimeError("internal error: the step after an asynchronous decode step is not its continuation")
 
     def _launch(self, chunks: list[ScheduledChunk], prev: _InFlight | None) -> _InFlight:

@@ -106,9 +106,7 @@ def set_backend(model: nn.Module, backend: str) -> int:
     return len(layers)
 
 
-def merge_scales(
-    weight_format: str, part_rows: Sequence[int], scales: Sequence[Tensor], *, name: str
-) -> Tensor:
+def merge_scales(weight_format: str, part_rows: Sequence[int], scales: Sequence[Tensor], *, name: str) -> Tensor:
     """The checkpoint parts' scales (per tensor: [] each; block: [rows_i/128, K/128] each) as the merged layer's."""
     if weight_format == "fp8":
         for s, what in zip(scales, part_rows, strict=True):

@@ -21,8 +21,12 @@ PROGRESS_EVERY_S = 0.5
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=Path, help="local model directory (HF format; never downloaded)")
-    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
-                        help="'dummy': seeded random weights from config.json alone (no weight file read)")
+    parser.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="'dummy': seeded random weights from config.json alone (no weight file read)",
+    )
     parser.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES, help="KV-cache format")
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn with the model's chat template")
@@ -56,8 +60,7 @@ def chat_prompts(model_dir: Path, prompts: list[str]) -> list[str]:
         raise ValueError(f"the model in {model_dir} has no chat template (needed for chat prompts)")
     try:
         return [
-            str(hf_tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True))
-            for p in prompts
+            str(hf_tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)) for p in prompts
         ]
     except TemplateError as exc:
         raise ValueError(f"the chat template of the model in {model_dir} fails to render: {exc}") from exc
@@ -80,9 +83,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache=KVCacheConfig(dtype=args.kv_dtype, memory_bytes=args.kv_bytes),
         scheduler=SchedulerConfig(chunk_size=args.chunk_size),
     )
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
-    )
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     engine = LLMEngine(config, enforce_eager=args.enforce_eager)
     ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
     longest = max(len(i) for i in ids)

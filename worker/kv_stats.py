@@ -84,9 +84,7 @@ def collect(engine: LLMEngine) -> KVStats:
         precisions[name] = PrecisionStats(cap, cap * page_size, owned, len(pages) - owned)
     usage = used_bytes / kv.storage.total_bytes
     held = {bits: sum(1 for p in live if page_id_bits(p.page_id) == bits) for bits in kv.page_bytes}
-    owned_by_bits = {
-        bits: sum(1 for p in live if page_id_bits(p.page_id) == bits and p.ref_count > 0) for bits in kv.page_bytes
-    }
+    owned_by_bits = {bits: sum(1 for p in live if page_id_bits(p.page_id) == bits and p.ref_count > 0) for bits in kv.page_bytes}
     # nominal bits of a value: triaxial's page precisions, else the format's element
     nominal = {bits: float(bits) for bits in kv.page_bytes} if len(kv.page_bytes) > 1 else {4: FORMAT_BITS[kv.dtype]}
     control = kv.manager.controller

@@ -44,15 +44,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", required=True, choices=ROLES, help="what this worker does in the KV flow")
     parser.add_argument("--config", type=Path, default=None, help="engine config JSON (the operator's ConfigMap); defaults if absent")
     parser.add_argument("--model", type=Path, default=None, help="model directory (HF format); overrides model.path")
-    parser.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
-                        help="'dummy': seeded random weights from config.json alone (real-shape benchmarks); overrides model.load_format")
+    parser.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default=None,
+        help="'dummy': seeded random weights from config.json alone (real-shape benchmarks); overrides model.load_format",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int_in(0, 65535), default=8000, help="port to bind")
-    parser.add_argument("--advertise-url", default=None,
-                        help="URL other workers reach this one at (kv_transfer_params.agent_url); default http://HOST:PORT")
+    parser.add_argument(
+        "--advertise-url", default=None, help="URL other workers reach this one at (kv_transfer_params.agent_url); default http://HOST:PORT"
+    )
     parser.add_argument("--engine-id", default=None, help="engine id in kv_transfer_params (default: unique per process start)")
-    parser.add_argument("--grace-period-s", type=float_in(0.0, 3600.0), default=25.0,
-                        help="on SIGTERM, how long requests in flight may run before they are aborted")
+    parser.add_argument(
+        "--grace-period-s",
+        type=float_in(0.0, 3600.0),
+        default=25.0,
+        help="on SIGTERM, how long requests in flight may run before they are aborted",
+    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (on CPU there are none)")
 
@@ -83,16 +92,22 @@ def run(args: argparse.Namespace) -> int:
     config = ServingConfig.load(args.config) if args.config is not None else ServingConfig()
     internal_token = config.security.read_internal_token()
     if internal_token is None:
-        raise ValueError("security.internal_token_file is not set: a worker serves /internal/* only to callers "
-                         "with the deployment's credential (kvserving up and the operator provide one)")
+        raise ValueError(
+            "security.internal_token_file is not set: a worker serves /internal/* only to callers "
+            "with the deployment's credential (kvserving up and the operator provide one)"
+        )
     config = resolve_model(config, args.model)
     if args.load_format is not None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, load_format=args.load_format))
     engine_id = args.engine_id or f"worker-{args.role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     registry = CollectorRegistry()
     service = WorkerService(
-        config, role=args.role, metrics=WorkerMetrics(registry, role=args.role), engine_id=engine_id,
-        advertise_url=advertise_url(args.host, args.port, args.advertise_url), internal_token=internal_token,
+        config,
+        role=args.role,
+        metrics=WorkerMetrics(registry, role=args.role),
+        engine_id=engine_id,
+        advertise_url=advertise_url(args.host, args.port, args.advertise_url),
+        internal_token=internal_token,
     )
     failed: list[BaseException] = []
     server: DrainingServer | None = None
@@ -111,8 +126,13 @@ def run(args: argparse.Namespace) -> int:
 
     app = create_app(service, registry=registry, internal_token=internal_token, startup=startup)
     uv_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-        timeout_graceful_shutdown=5, lifespan="on",
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
     )
     server = DrainingServer(uv_config, service=service, grace_s=args.grace_period_s)
     server.run()

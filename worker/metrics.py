@@ -50,12 +50,8 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry, *, role: str) -> None:
         r = registry
         # -- the dashboard's four (names and types fixed by DASHBOARD_METRICS) --
-        self.prompt_tokens = Counter(
-            "kvserving_worker_prompt_tokens_total", "prompt tokens a worker computed (prefill)", registry=r
-        )
-        self.generation_tokens = Counter(
-            "kvserving_worker_generation_tokens_total", "tokens a worker generated (decode)", registry=r
-        )
+        self.prompt_tokens = Counter("kvserving_worker_prompt_tokens_total", "prompt tokens a worker computed (prefill)", registry=r)
+        self.generation_tokens = Counter("kvserving_worker_generation_tokens_total", "tokens a worker generated (decode)", registry=r)
         self.kv_cache_usage = Gauge("kvserving_worker_kv_cache_usage_ratio", "used fraction of the KV pool", registry=r)
         self.kv_transfer_bytes = Counter(
             "kvserving_worker_kv_transfer_bytes_total", "KV bytes moved over NIXL, by direction", ["direction"], registry=r
@@ -100,12 +96,11 @@ class WorkerMetrics:
         self.preemptions = Counter(
             "kvserving_worker_preemptions_total", "sequences preempted (recomputed later) for lack of pages", registry=r
         )
-        self.kv_evicted_pages = Counter(
-            "kvserving_worker_kv_evicted_pages_total", "cached KV pages evicted (LRU) to make room", registry=r
-        )
+        self.kv_evicted_pages = Counter("kvserving_worker_kv_evicted_pages_total", "cached KV pages evicted (LRU) to make room", registry=r)
         self.kv_reclaimed_leases = Counter(
             "kvserving_worker_kv_leases_reclaimed_total",
-            "retained-KV leases released before expiry because live requests needed the pages", registry=r,
+            "retained-KV leases released before expiry because live requests needed the pages",
+            registry=r,
         )
         self.kv_aged_pages = Counter(
             "kvserving_worker_kv_pages_aged_total",
@@ -169,9 +164,7 @@ class WorkerMetrics:
         self.fallback_totals: dict[str, int] = {}
 
     # ------------------------------------------------------------------- events
-    def request_finished(
-        self, *, finish_reason: str, local_cached: int, remote_pulled: int, computed: int
-    ) -> None:
+    def request_finished(self, *, finish_reason: str, local_cached: int, remote_pulled: int, computed: int) -> None:
         self.requests.labels(finish_reason=finish_reason).inc()
         if finish_reason == "abort":
             return  # aborted before it finished: where its prompt came from is not known

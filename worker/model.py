@@ -100,8 +100,16 @@ class ModelArgs:
     def __post_init__(self) -> None:
         if self.model_type not in FAMILIES:
             raise ValueError(f"model_type {self.model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -454,7 +462,7 @@ def linear_parts(model: DecoderModel) -> dict[str, list[tuple[str, int]]]:
 
 
 def weight_format_of(model: DecoderModel) -> str:
-    """"fp8" / "fp8_block" when the model's linear layers are FP8, else "bf16" (the model dtype)."""
+    """ "fp8" / "fp8_block" when the model's linear layers are FP8, else "bf16" (the model dtype)."""
     fp8 = {m.weight_format for m in model.modules() if isinstance(m, Fp8Linear)}
     return fp8.pop() if len(fp8) == 1 else "bf16"
 

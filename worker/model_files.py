@@ -78,9 +78,11 @@ def _input_amax(model_dir: Path) -> dict[str, torch.Tensor]:
     amax: dict[str, torch.Tensor] = {}
     hooks = []
     for module, parts in linear_parts(model).items():
+
         def record(_: torch.nn.Module, inp: tuple[torch.Tensor, ...], parts: list[tuple[str, int]] = parts) -> None:
             for hf, _rows in parts:
                 amax[hf] = inp[0].abs().amax().float()
+
         hooks.append(model.get_submodule(module).register_forward_pre_hook(record))
     ids = torch.randint(0, args.vocab_size, (INPUT_SAMPLE_TOKENS,), generator=torch.Generator().manual_seed(0))
     model(ids, torch.arange(len(ids)), DenseCausalAttention())
@@ -93,13 +95,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="output directory (created if missing; must be empty unless --force)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--force", action="store_true", help="write into a non-empty directory, replacing the model files")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
-                        help="'qwen3-8b': config.json at that shape and the tokenizer, no weights (serve it with --load-format dummy)")
-    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16",
-                        help="'fp8' (a scale per tensor) or 'fp8_block' (per 128x128 tile): the linear layers as FP8 "
-                             "checkpoints store them (qwen3-8b: config.json's quantization_config only)")
-    parser.add_argument("--static-input-scales", action="store_true",
-                        help="with --weights fp8: write measured input_scale tensors (activation_scheme 'static')")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="tiny",
+        help="'qwen3-8b': config.json at that shape and the tokenizer, no weights (serve it with --load-format dummy)",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default="bf16",
+        help="'fp8' (a scale per tensor) or 'fp8_block' (per 128x128 tile): the linear layers as FP8 "
+        "checkpoints store them (qwen3-8b: config.json's quantization_config only)",
+    )
+    parser.add_argument(
+        "--static-input-scales",
+        action="store_true",
+        help="with --weights fp8: write measured input_scale tensors (activation_scheme 'static')",
+    )
 
 
 def check_output_dir(out: Path, *, force: bool) -> None:

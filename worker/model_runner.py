@@ -48,9 +48,7 @@ class ModelRunner:
             pad = pool.allocate([4] * pad_pages_needed(max_batch, self.page_size))
             if pad is None:
                 raise ValueError("the KV pool has no pages to spare for CUDA-graph padding rows")
-            self.graphs = DecodeGraphs(
-                model, attention, device=device, max_batch=max_batch, max_pages=self.max_pages, pad_pages=pad
-            )
+            self.graphs = DecodeGraphs(model, attention, device=device, max_batch=max_batch, max_pages=self.max_pages, pad_pages=pad)
 
     def _metadata(self, chunks: list[ScheduledChunk]) -> AttentionMetadata:
         p = self.page_size

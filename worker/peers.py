@@ -77,8 +77,11 @@ class PeerSet:
     @classmethod
     def from_config(cls, gateway: GatewayConfig, *, extra: Iterable[str] = ()) -> PeerSet:
         """The workers the engine config names (``extra``: more URLs, e.g. this worker's own)."""
-        return cls([*gateway.prefill_urls, *gateway.decode_urls, *extra],
-                   services=[s for s in (gateway.prefill_service, gateway.decode_service) if s], port=gateway.worker_port)
+        return cls(
+            [*gateway.prefill_urls, *gateway.decode_urls, *extra],
+            services=[s for s in (gateway.prefill_service, gateway.decode_service) if s],
+            port=gateway.worker_port,
+        )
 
     def allows(self, url: str) -> bool:
         """Whether ``url`` is one of the deployment's workers (a miss may re-resolve the Services)."""

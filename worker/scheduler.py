@@ -27,9 +27,7 @@ class Scheduler:
         if config.chunk_size % kv.page_size:
             # Chunks end on page boundaries, so a page (INT2 ones are written
             # whole) never straddles two steps.
-            raise ValueError(
-                f"scheduler.chunk_size ({config.chunk_size}) must be a multiple of the page size ({kv.page_size})"
-            )
+            raise ValueError(f"scheduler.chunk_size ({config.chunk_size}) must be a multiple of the page size ({kv.page_size})")
         if config.max_num_batched_tokens < kv.page_size:
             raise ValueError("scheduler.max_num_batched_tokens must be >= the page size")
         self.config = config

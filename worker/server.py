@@ -70,8 +70,9 @@ class EventStream(StreamingResponse):
     def __init__(self, service: WorkerService, admitted: Admitted) -> None:
         self.admitted = admitted
         self.service = service
-        super().__init__(self._events(service), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            self._events(service), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     async def _events(self, service: WorkerService) -> AsyncIterator[bytes]:
         async for event in service.events(self.admitted):

@@ -62,7 +62,13 @@ class Admitted:
 
 class WorkerService:
     def __init__(
-        self, config: ServingConfig, *, role: str, metrics: WorkerMetrics, engine_id: str, advertise_url: str,
+        self,
+        config: ServingConfig,
+        *,
+        role: str,
+        metrics: WorkerMetrics,
+        engine_id: str,
+        advertise_url: str,
         internal_token: str | None = None,
     ) -> None:
         self.config = config
@@ -84,16 +90,24 @@ class WorkerService:
         self.engine = async_engine
         if transfer:
             self.transfer = await asyncio.to_thread(
-                KVTransfer, engine, self.config.reuse, engine_id=self.engine_id, agent_url=self.advertise_url,
-                role=self.role, run_on_engine=async_engine.run_sync, internal_token=self.internal_token,
-                peers=PeerSet.from_config(self.config.gateway), max_hold_s=self.config.security.max_hold_s,
+                KVTransfer,
+                engine,
+                self.config.reuse,
+                engine_id=self.engine_id,
+                agent_url=self.advertise_url,
+                role=self.role,
+                run_on_engine=async_engine.run_sync,
+                internal_token=self.internal_token,
+                peers=PeerSet.from_config(self.config.gateway),
+                max_hold_s=self.config.security.max_hold_s,
             )
         if self.state != STARTING:  # a signal came while loading
             return
         self.state = READY
         self.metrics.ready.set(1)
-        log.info("worker %s ready: role %s, kv %s, pool %d tokens", self.engine_id, self.role,
-                 engine.storage.kv_dtype, engine.capacity_tokens)
+        log.info(
+            "worker %s ready: role %s, kv %s, pool %d tokens", self.engine_id, self.role, engine.storage.kv_dtype, engine.capacity_tokens
+        )
 
     @property
     def ready(self) -> bool:
@@ -180,8 +194,14 @@ class WorkerService:
             if kvt is not None and (self.role == "prefill" or body.retain):
                 retain = kvt.retain_spec(conversation_key=body.conversation_key, input_ids=body.input_ids)
             await engine.start(
-                stream, body.input_ids, params, tags=body.tags, retain=retain, admission_pin=pull.admission_pin,
-                output_ids=body.output_ids, cache_salt=body.cache_salt,
+                stream,
+                body.input_ids,
+                params,
+                tags=body.tags,
+                retain=retain,
+                admission_pin=pull.admission_pin,
+                output_ids=body.output_ids,
+                cache_salt=body.cache_salt,
             )
         except BaseException:
             stream.finished = True
@@ -202,9 +222,7 @@ class WorkerService:
             self.metrics.fallback(pull.fallback)
         if pull.num_bytes:
             direction = "prefill_to_decode" if self.role == "decode" else "decode_to_prefill"
-            self.metrics.transfer_done(
-                direction=direction, num_bytes=pull.num_bytes, seconds=pull.seconds, regions=pull.num_regions
-            )
+            self.metrics.transfer_done(direction=direction, num_bytes=pull.num_bytes, seconds=pull.seconds, regions=pull.num_regions)
 
     async def events(self, req: Admitted) -> AsyncIterator[dict[str, Any]]:
         """One event per generated token, then the final event (or an error event)."""
@@ -253,8 +271,11 @@ class WorkerService:
             ms["pull"] = sum(v for k, v in req.pull.phases.items() if not k.startswith("contact_")) * 1e3
             ms |= {f"pull_{k}": v * 1e3 for k, v in req.pull.phases.items()}
         step_at = out.first_step_at if out.first_step_at is not None else now
-        ms |= {"queue": (req.t_queued - req.t_pulled) * 1e3, "wait_step": (step_at - req.t_queued) * 1e3,
-               "first_step": (now - step_at) * 1e3}
+        ms |= {
+            "queue": (req.t_queued - req.t_pulled) * 1e3,
+            "wait_step": (step_at - req.t_queued) * 1e3,
+            "first_step": (now - step_at) * 1e3,
+        }
         return {k: round(v, 3) for k, v in ms.items()}
 
     def _usage(self, req: Admitted, out: RequestOutput) -> dict[str, Any]:
@@ -310,7 +331,9 @@ class WorkerService:
             "leases": xfer["leases"] if xfer is not None else 0,
             "leased_tokens": xfer["leased_tokens"] if xfer is not None else 0,
             "prompt_tokens": {
-                "local": totals["local_cache"], "remote": totals["remote_pull"], "computed": totals["computed"],
+                "local": totals["local_cache"],
+                "remote": totals["remote_pull"],
+                "computed": totals["computed"],
             },
             "fallbacks": dict(sorted(self.metrics.fallback_totals.items())),
             "transfer": xfer,
@@ -319,8 +342,13 @@ class WorkerService:
             "preemptions": st.preemptions,
             "aged_pages": st.aged_pages,  # triaxial age-down: 4-bit pages re-stored at 2 bits
             # bits per value over the pages held (None: none held); the budget they are held to
-            "stored_bits": {"excluded": st.stored_bits, "included": st.stored_bits_with_metadata,
-                            "owned": st.owned_stored_bits, "budget": st.bit_budget, "cut": st.bits_cut},
+            "stored_bits": {
+                "excluded": st.stored_bits,
+                "included": st.stored_bits_with_metadata,
+                "owned": st.owned_stored_bits,
+                "budget": st.bit_budget,
+                "cut": st.bits_cut,
+            },
             "in_flight": len(self.engine.in_flight) if self.engine is not None else 0,
         }
 
@@ -332,8 +360,10 @@ class WorkerService:
         self.metrics.observe(st)
         if xfer is not None:
             self.metrics.observe_transfer(
-                leases=xfer["leases"], leased_tokens=xfer["leased_tokens"],
-                prefill_tokens_per_s=xfer["prefill_tokens_per_s"], transfer_bytes_per_s=xfer["transfer_bytes_per_s"],
+                leases=xfer["leases"],
+                leased_tokens=xfer["leased_tokens"],
+                prefill_tokens_per_s=xfer["prefill_tokens_per_s"],
+                transfer_bytes_per_s=xfer["transfer_bytes_per_s"],
             )
 
     # ---------------------------------------------------------------- leases
@@ -360,8 +390,13 @@ class WorkerService:
             expires_at = kvt.renew(lease_id, ttl_s)
             (lease,) = [le for le in kvt.leases() if le["lease_id"] == lease_id]
             params = lease["kv_transfer_params"]
-            return {"lease_id": lease_id, "expires_at": expires_at, "page_ids": params["page_ids"],
-                    "page_hashes": params["page_hashes"], "num_tokens": params["num_tokens"]}
+            return {
+                "lease_id": lease_id,
+                "expires_at": expires_at,
+                "page_ids": params["page_ids"],
+                "page_hashes": params["page_hashes"],
+                "num_tokens": params["num_tokens"],
+            }
 
         try:
             return await asyncio.to_thread(renew_and_read)

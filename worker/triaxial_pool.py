@@ -83,9 +83,7 @@ class TriaxialPagePool(PagePoolBase):
     def byte_offset(self, page_id: int) -> int:
         """Start of the page in its layer buffer (equals kernels.layout.page_byte_offset)."""
         self._check_id(page_id)
-        return page_byte_offset(
-            page_id, page_bytes=self._bytes[4], int2_page_bytes=self._bytes[2], total_bytes=self.total_bytes
-        )
+        return page_byte_offset(page_id, page_bytes=self._bytes[4], int2_page_bytes=self._bytes[2], total_bytes=self.total_bytes)
 
     def high_water(self, *, bits: int) -> int:
         """Slots the ``bits`` end spans now (its live pages all lie below this index)."""

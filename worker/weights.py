@@ -43,8 +43,7 @@ class Fp8Scheme:
 
     def quantization_config(self) -> dict[str, object]:
         """The config.json entry that describes this scheme (what FP8 checkpoints publish)."""
-        out: dict[str, object] = {"quant_method": "fp8", "fmt": "e4m3",
-                                  "activation_scheme": "static" if self.static_input else "dynamic"}
+        out: dict[str, object] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static" if self.static_input else "dynamic"}
         if self.weight_format == "fp8_block":
             out["weight_block_size"] = list(FP8_BLOCK)
         return out
@@ -71,8 +70,10 @@ def read_quantization(config: dict[str, object]) -> Fp8Scheme | None:
     if block is not None and list(block) != FP8_BLOCK:  # type: ignore[call-overload]
         raise ValueError(f"quantization_config.weight_block_size {block!r} is not supported ({_SUPPORTED})")
     if block is not None and act == "static":
-        raise ValueError("quantization_config: activation_scheme 'static' with weight_block_size is not supported "
-                         f"({_SUPPORTED}; block scales take per-token activation scales)")
+        raise ValueError(
+            "quantization_config: activation_scheme 'static' with weight_block_size is not supported "
+            f"({_SUPPORTED}; block scales take per-token activation scales)"
+        )
     return Fp8Scheme("fp8" if block is None else "fp8_block", static_input=act == "static")
 
 

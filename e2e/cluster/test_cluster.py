@@ -97,8 +97,10 @@ def _sample(namespace: str) -> dict[str, Any]:
     body["metadata"]["namespace"] = namespace
     body["spec"]["kvCache"]["allowOtherGPUs"] = True
     for role in ("prefill", "decode"):  # no GPU node pool in a test cluster, and small nodes
-        body["spec"][role] = {"replicas": 1, "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
-                                                           "limits": {"cpu": "1", "memory": "2Gi", "nvidia.com/gpu": 0}}}
+        body["spec"][role] = {
+            "replicas": 1,
+            "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "2Gi", "nvidia.com/gpu": 0}},
+        }
     body["spec"]["model"].pop("pvcName")
     return body
 
@@ -138,13 +140,14 @@ def test_install_apply_scale_delete(namespace: str) -> None:
     assert refused.returncode != 0 and "bitBudget is only valid with dtype triaxial" in refused.stderr
 
     kubectl("patch", "kvs", name, "-n", namespace, "--type=merge", "-p", json.dumps({"spec": {"decode": {"replicas": 3}}}))
-    wait_for("decode Deployment scaled to 3",
-             lambda: get_json("deployment", f"{name}-decode", "-n", namespace)["spec"]["replicas"] == 3)
+    wait_for("decode Deployment scaled to 3", lambda: get_json("deployment", f"{name}-decode", "-n", namespace)["spec"]["replicas"] == 3)
     status = wait_for("status of generation 2", lambda: (s := status_observed()) and s["decode"]["replicas"] == 3 and s)
     assert status["decode"]["ready"].endswith("/3")
     printed = kubectl("get", "kvs", name, "-n", namespace).stdout
     assert "nvfp4" in printed and "/3" in printed
 
     kubectl("delete", "kvs", name, "-n", namespace, "--timeout=60s")
-    wait_for("children garbage-collected",
-             lambda: not get_json("deployments", "-n", namespace)["items"] and not get_json("services", "-n", namespace)["items"])
+    wait_for(
+        "children garbage-collected",
+        lambda: not get_json("deployments", "-n", namespace)["items"] and not get_json("services", "-n", namespace)["items"],
+    )

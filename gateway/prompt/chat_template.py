@@ -368,7 +368,9 @@ def _check_assistant(message: Message, param: str) -> None:
     if calls is None:
         if "content" not in message and not any(f in message for f in REASONING_FIELDS):
             raise invalid_request(
-                f"{param}: an assistant message needs 'content' or 'tool_calls'", param=f"{param}.content", code="missing_required_parameter"
+                f"{param}: an assistant message needs 'content' or 'tool_calls'",
+                param=f"{param}.content",
+                code="missing_required_parameter",
             )
         return
     if not isinstance(calls, list):

@@ -70,8 +70,14 @@ def merge_chunks(chunks: list[Chunk]) -> list[Chunk]:
 
 
 def label(
-    merged: list[Chunk], pieces: list[Piece], text: str, controls: Controls, num_messages: int,
-    *, resume: Resume = Resume(), rendered: AbstractSet[int] | None = None,
+    merged: list[Chunk],
+    pieces: list[Piece],
+    text: str,
+    controls: Controls,
+    num_messages: int,
+    *,
+    resume: Resume = Resume(),
+    rendered: AbstractSet[int] | None = None,
 ) -> tuple[list[Span], dict[int, int]]:
     """Spans covering `text` from merged chunk ``resume.index`` on, and where each
     message's header begins (the character where the template text before its first
@@ -350,7 +356,5 @@ def turn_starts(msgs: list[Message], headers: dict[int, int], token_starts: Sequ
     `<|im_start|>user`), found before its first piece (text or image); ``token_starts``:
     each token's first character."""
     return tuple(
-        max(0, bisect.bisect_right(token_starts, headers[i]) - 1)
-        for i, m in enumerate(msgs)
-        if m["role"] == "user" and i in headers
+        max(0, bisect.bisect_right(token_starts, headers[i]) - 1) for i, m in enumerate(msgs) if m["role"] == "user" and i in headers
     )

@@ -136,8 +136,9 @@ class Draft:
 
     __slots__ = ("prompt", "appended", "kept_render", "_confirm", "_result")
 
-    def __init__(self, prompt: TaggedPrompt, confirm: Callable[[], bool], *, appended: bool = False,
-                 kept_render: KeptRender | None = None) -> None:
+    def __init__(
+        self, prompt: TaggedPrompt, confirm: Callable[[], bool], *, appended: bool = False, kept_render: KeptRender | None = None
+    ) -> None:
         self.prompt = prompt
         self.appended = appended  # rendered by appending to a kept render (turn_render.py)
         # the marked render to keep for the conversation's next turn (Conversations.keep_render)
@@ -177,8 +178,9 @@ class Drafting:
 class ChatTagger:
     """Render, tokenize and tag chat requests for one model."""
 
-    def __init__(self, tokenizer: TextTokenizer, template: ChatTemplate, *, prefixes: TokenPrefixes | None = None,
-                 renders: TurnRenders | None = None) -> None:
+    def __init__(
+        self, tokenizer: TextTokenizer, template: ChatTemplate, *, prefixes: TokenPrefixes | None = None, renders: TurnRenders | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.template = template
         # Tokenized prefixes of recent prompts (token_prefixes.py): a turn tokenizes only its
@@ -266,16 +268,27 @@ class ChatTagger:
         prompt = self._tag(msgs, text, codec, marks, marked_text, scope)
         to_keep = None
         if renders is not None and raw is not None and not marks.images:
-            to_keep = KeptRender(raw=raw, tools=tools, options=options, norm=msgs, tool_list=tool_list,
-                                 marked_msgs=marked_msgs, marked_tools=marked_tools, pieces=marks.pieces,
-                                 marked=marked_text, last_user=_last_user(msgs),
-                                 heads=kept.heads if kept is not None else {}, scope=scope)
+            to_keep = KeptRender(
+                raw=raw,
+                tools=tools,
+                options=options,
+                norm=msgs,
+                tool_list=tool_list,
+                marked_msgs=marked_msgs,
+                marked_tools=marked_tools,
+                pieces=marks.pieces,
+                marked=marked_text,
+                last_user=_last_user(msgs),
+                heads=kept.heads if kept is not None else {},
+                scope=scope,
+            )
         appended = got is not None
 
         def confirm() -> bool:
             try:
-                real = self.template.render(msgs, tools=tool_list, add_generation_prompt=add_generation_prompt,
-                                            template_kwargs=template_kwargs)
+                real = self.template.render(
+                    msgs, tools=tool_list, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
+                )
             except GatewayError:
                 ok = False
             else:
@@ -286,8 +299,14 @@ class ChatTagger:
 
         return Draft(prompt, confirm, appended=appended, kept_render=to_keep)
 
-    def _append(self, kept: KeptRender, messages: list[Any], codec: tag_markers.MarkerCodec, add_generation_prompt: bool,
-                template_kwargs: Mapping[str, Any] | None) -> turn_render.Appended | None:
+    def _append(
+        self,
+        kept: KeptRender,
+        messages: list[Any],
+        codec: tag_markers.MarkerCodec,
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> turn_render.Appended | None:
         """The marked render of ``messages`` from the kept render they extend (None: render them whole)."""
 
         def render(msgs: list[Message], tools: list[dict[str, Any]] | None, generation: bool) -> str:
@@ -295,7 +314,11 @@ class ChatTagger:
 
         try:
             return turn_render.append(
-                kept, messages, normalize=self._normalize, render=render, codec=codec,
+                kept,
+                messages,
+                normalize=self._normalize,
+                render=render,
+                codec=codec,
                 mark=lambda m, i, marks: tag_markers.mark_message(m, i, codec, marks),
                 add_generation_prompt=add_generation_prompt,
             )
@@ -332,9 +355,14 @@ class ChatTagger:
             return {mark(k): self._as_text(v) for k, v in items}  # type: ignore[return-value]
         return value
 
-    def _marked(self, msgs: list[Message], tool_list: list[dict[str, Any]] | None, codec: tag_markers.MarkerCodec,
-                add_generation_prompt: bool, template_kwargs: Mapping[str, Any] | None
-                ) -> tuple[tag_markers.Marks, str, list[Message], list[dict[str, Any]] | None] | None:
+    def _marked(
+        self,
+        msgs: list[Message],
+        tool_list: list[dict[str, Any]] | None,
+        codec: tag_markers.MarkerCodec,
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[tag_markers.Marks, str, list[Message], list[dict[str, Any]] | None] | None:
         """The marks, the marked render, the marked messages and tools (None: the template
         refused marked content)."""
         marks = tag_markers.Marks()
@@ -351,8 +379,9 @@ class ChatTagger:
             return None
         return marks, marked, marked_msgs, marked_tools
 
-    def _tag(self, msgs: list[Message], text: str, codec: tag_markers.MarkerCodec, marks: tag_markers.Marks,
-             marked_text: str, scope: str) -> TaggedPrompt:
+    def _tag(
+        self, msgs: list[Message], text: str, codec: tag_markers.MarkerCodec, marks: tag_markers.Marks, marked_text: str, scope: str
+    ) -> TaggedPrompt:
         """Tokenize ``text`` (the real render) and tag it from the marked render."""
         got = self._tokens(text, scope)
         temporals = message_temporals(msgs)
@@ -376,8 +405,7 @@ class ChatTagger:
         first = prior.tokens if prior is not None else 0
         self.label_hits += prior is not None
         resume = prior.resume(pieces) if prior is not None else tag_spans.Resume()
-        spans, headers = tag_spans.label(merged, pieces, text, self._controls(got, first), len(msgs),
-                                         resume=resume, rendered=rendered)
+        spans, headers = tag_spans.label(merged, pieces, text, self._controls(got, first), len(msgs), resume=resume, rendered=rendered)
         runs = [*prior.runs, *tag_spans.token_runs(spans, got.starts, first)] if prior else tag_spans.token_runs(spans, got.starts)
         temporal_of = [TEMPORAL.index(t) for t in temporals]
         tag_runs = tag_spans.final_runs(runs, temporal_of)
@@ -394,17 +422,32 @@ class ChatTagger:
                 if entry.shared and isinstance(entry.labels, _Labels):
                     continue  # a first message's labels hold for every conversation that starts with it
                 entry.labels = _keep(entry.cut, merged, pieces, rendered, runs, headers, got.starts, marked_text, chunked)
-        return TaggedPrompt(text=text, input_ids=got.ids, tags=tags, turn_starts=starts, method=method,
-                            char_starts=char_starts, tag_runs=tag_runs, ids_json=got.ids_json,
-                            reused_prefix=got.reused, kept_prefixes=got.filed)
+        return TaggedPrompt(
+            text=text,
+            input_ids=got.ids,
+            tags=tags,
+            turn_starts=starts,
+            method=method,
+            char_starts=char_starts,
+            tag_runs=tag_runs,
+            ids_json=got.ids_json,
+            reused_prefix=got.reused,
+            kept_prefixes=got.filed,
+        )
 
     def reuse_counts(self) -> tuple[dict[str, tuple[int, int]], int]:
         """(hits, misses) of the kept prefixes per part, and the tokens they hold (for metrics)."""
         p, r = self.prefixes, self.renders
         tokens = (p.hits, p.misses) if p is not None else (0, self.builds)
-        return ({"tokens": tokens, "labels": (self.label_hits, self.builds - self.label_hits),
-                 "parse": (self.parse_hits, self.builds - self.parse_hits),
-                 "render": (r.hits, r.misses) if r is not None else (0, self.builds)}, p.tokens if p is not None else 0)
+        return (
+            {
+                "tokens": tokens,
+                "labels": (self.label_hits, self.builds - self.label_hits),
+                "parse": (self.parse_hits, self.builds - self.parse_hits),
+                "render": (r.hits, r.misses) if r is not None else (0, self.builds),
+            },
+            p.tokens if p is not None else 0,
+        )
 
     def _tokens(self, text: str, scope: str) -> Prefixed:
         if self.prefixes is not None:
@@ -436,8 +479,7 @@ class ChatTagger:
         (image placeholder tokens are current user image). Its client writes the whole
         prompt, markup included: special tokens' text in it is markup (no ``as_text``)."""
         enc = self.tokenizer.encode(text)
-        return TaggedPrompt(text=text, input_ids=enc.ids, tags=self.tag_ids(enc.ids), method="text",
-                            char_starts=_char_starts(enc.offsets))
+        return TaggedPrompt(text=text, input_ids=enc.ids, tags=self.tag_ids(enc.ids), method="text", char_starts=_char_starts(enc.offsets))
 
     def tag_ids(self, ids: Sequence[int]) -> list[int]:
         """Tags for a prompt given as token ids (`/v1/completions` with ids)."""
@@ -547,8 +589,17 @@ def _piece_key(pieces: list[Piece]) -> tuple[tuple[str, tuple[object, ...], int]
     return tuple((p.semantic, p.region, p.message) for p in pieces)
 
 
-def _keep(cut: int, merged: list[Chunk], pieces: list[Piece], rendered: AbstractSet[int], runs: list[tag_spans.Run],
-          headers: dict[int, int], starts: array[int], marked: str, chunked: _Chunked) -> _Labels | None:
+def _keep(
+    cut: int,
+    merged: list[Chunk],
+    pieces: list[Piece],
+    rendered: AbstractSet[int],
+    runs: list[tag_spans.Run],
+    headers: dict[int, int],
+    starts: array[int],
+    marked: str,
+    chunked: _Chunked,
+) -> _Labels | None:
     """The labels of this prompt up to its last piece that ends by ``cut``."""
     j = len(merged) - 1
     while j >= 0 and (merged[j][2] < 0 or merged[j][1] > cut):
@@ -586,8 +637,9 @@ def _labels_of(entry: object) -> _Labels | None:
     return labels if isinstance(labels, _Labels) else None
 
 
-def _reusable(labels: _Labels | None, merged: list[Chunk], pieces: list[Piece], rendered: AbstractSet[int], *,
-              same_chunks: bool) -> _Labels | None:
+def _reusable(
+    labels: _Labels | None, merged: list[Chunk], pieces: list[Piece], rendered: AbstractSet[int], *, same_chunks: bool
+) -> _Labels | None:
     """The kept labels, when they hold for this prompt (`_Labels`); ``same_chunks``: its
     chunks were taken from them (its marked render starts with theirs)."""
     if labels is None:

@@ -74,6 +74,7 @@ import orjson
 
 from .tokenizer import Encoded, TextTokenizer
 
+
 @dataclass(slots=True, eq=False)
 class PrefixEntry:
     key: tuple[int, int]  # where it is filed: (cut, hash of the scope and the text before the cut)
@@ -126,7 +127,8 @@ class TokenPrefixes:
         backend = tokenizer.backend
         added = backend.get_added_tokens_decoder()
         cuts = {
-            i: t.content for i, t in added.items()
+            i: t.content
+            for i, t in added.items()
             if t.special and not (t.lstrip or t.single_word or t.normalized) and t.content[:1].strip()
         }
         self.reach = max((len(t.content) for t in added.values()), default=0)
@@ -134,7 +136,9 @@ class TokenPrefixes:
         contents = sorted(set(cuts.values()), key=len, reverse=True)
         self._pattern = re.compile("|".join(re.escape(c) for c in contents)) if contents else None
         self.enabled = (
-            self._pattern is not None and backend.truncation is None and backend.padding is None
+            self._pattern is not None
+            and backend.truncation is None
+            and backend.padding is None
             and not getattr(backend.model, "dropout", None)
         )
         self.hits = 0
@@ -193,8 +197,7 @@ class TokenPrefixes:
                 return entry
         return None
 
-    def _keep(self, text: str, ids: array[int], starts: array[int], ends: array[int], ids_json: str,
-              scope: str) -> tuple[PrefixEntry, ...]:
+    def _keep(self, text: str, ids: array[int], starts: array[int], ends: array[int], ids_json: str, scope: str) -> tuple[PrefixEntry, ...]:
         """The entries for ``text``'s tokens before its last cut token that ends ``reach`` before the
         text does, and before its first message's closing token (shared)."""
         k = len(ids) - 1
@@ -204,8 +207,7 @@ class TokenPrefixes:
             return ()
         # the JSON of the ids before the cut: the prompt's minus its last len(ids) - k elements
         # (a few: the cut is near the end), split off from the right
-        filed = [self._file(text, ids, starts, ends, k, shared=False, ids_json=ids_json.rsplit(",", len(ids) - k)[0],
-                            scope=scope)]
+        filed = [self._file(text, ids, starts, ends, k, shared=False, ids_json=ids_json.rsplit(",", len(ids) - k)[0], scope=scope)]
         # The first message's prefix, for new conversations that share it (module docstring).
         assert self._pattern is not None
         match = self._pattern.search(text, 1)
@@ -215,13 +217,14 @@ class TokenPrefixes:
                 filed.append(self._file(text, ids, starts, ends, first, shared=True, ids_json=None, scope=scope))
         return tuple(e for e in filed if e is not None)
 
-    def _file(self, text: str, ids: array[int], starts: array[int], ends: array[int], k: int, *,
-              shared: bool, ids_json: str | None, scope: str) -> PrefixEntry | None:
+    def _file(
+        self, text: str, ids: array[int], starts: array[int], ends: array[int], k: int, *, shared: bool, ids_json: str | None, scope: str
+    ) -> PrefixEntry | None:
         """The entry of the tokens before token ``k`` (a cut token ending ``reach`` before the text
         does); ``ids_json``: their JSON elements (None: encoded here). A shared one already kept
         with the same text is that one."""
         cut = starts[k]
-        if text[cut:ends[k]] != self.tokenizer.added_tokens.get(ids[k]):
+        if text[cut : ends[k]] != self.tokenizer.added_tokens.get(ids[k]):
             return None  # the token's span is not its content (cannot happen for a cut token; stay safe)
         key = (cut, _prefix_hash(scope, text[:cut]))
         if shared:
@@ -231,8 +234,16 @@ class TokenPrefixes:
             if kept is not None:
                 return None  # another text under the same key: the first one keeps its place
         kept_ids = ids[:k]
-        return PrefixEntry(key=key, text=text[: cut + self.reach], ids=kept_ids, starts=starts[:k], ends=ends[:k], cut=cut,
-                           ids_json=ids_json if ids_json is not None else json_elements(kept_ids.tolist()), shared=shared)
+        return PrefixEntry(
+            key=key,
+            text=text[: cut + self.reach],
+            ids=kept_ids,
+            starts=starts[:k],
+            ends=ends[:k],
+            cut=cut,
+            ids_json=ids_json if ids_json is not None else json_elements(kept_ids.tolist()),
+            shared=shared,
+        )
 
 
 def _prefix_hash(scope: str, prefix: str) -> int:

@@ -122,8 +122,9 @@ class TurnRenders:
         self.drafts = 0  # appended drafts whose confirmation came back
         self.mismatches = 0
 
-    def find(self, raw: Sequence[Any], tools: object, options: tuple[bool, Mapping[str, Any] | None], *,
-             scope: str = "") -> KeptRender | None:
+    def find(
+        self, raw: Sequence[Any], tools: object, options: tuple[bool, Mapping[str, Any] | None], *, scope: str = ""
+    ) -> KeptRender | None:
         """The render kept for ``scope`` whose messages ``raw`` starts with (and has more of), same tools and options."""
         if not self.on:
             return None
@@ -184,7 +185,7 @@ def append(
     short = render(marked_msgs[:h] + marked_msgs[u:], kept.marked_tools, add_generation_prompt)
     if not short.startswith(head):
         return None
-    tail = short[len(head):]
+    tail = short[len(head) :]
     first = next((k for k, p in enumerate(kept.pieces) if p.message == u), None)
     if first is None:
         return None  # message u renders no content piece: nothing to align on
@@ -197,5 +198,4 @@ def append(
     shared_end = kept.marked.rfind(codec.close) + len(codec.close)
     if shared_end <= start or not tail.startswith(kept.marked[start:shared_end]):
         return None
-    return Appended(msgs=msgs, marked_msgs=marked_msgs, marked_tools=kept.marked_tools, marks=marks,
-                    marked=kept.marked[:start] + tail)
+    return Appended(msgs=msgs, marked_msgs=marked_msgs, marked_tools=kept.marked_tools, marks=marks, marked=kept.marked[:start] + tail)

@@ -12,6 +12,7 @@ from gw_harness import Stack
 from kvserving.gateway.prompt.chat_template import ChatTemplate
 from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
+
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir: Path) -> TextTokenizer:
     """The gateway's tokenizer of the tiny model (shared: tests must not change it)."""

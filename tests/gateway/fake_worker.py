@@ -45,8 +45,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from kvserving.local.stack import free_port
 
 PAGE_SIZE = 16
-GENERATE_FIELDS = {"request_id", "input_ids", "tags", "sampling", "kv_transfer_params", "conversation_key", "retain", "output_ids",
-                   "cache_salt"}
+GENERATE_FIELDS = {
+    "request_id",
+    "input_ids",
+    "tags",
+    "sampling",
+    "kv_transfer_params",
+    "conversation_key",
+    "retain",
+    "output_ids",
+    "cache_salt",
+}
 
 
 def page_hashes(ids: list[int], *, page_size: int = PAGE_SIZE) -> list[int]:
@@ -54,7 +63,7 @@ def page_hashes(ids: list[int], *, page_size: int = PAGE_SIZE) -> list[int]:
     out: list[int] = []
     prev = b""
     for start in range(0, len(ids) - len(ids) % page_size, page_size):
-        page = ",".join(map(str, ids[start:start + page_size])).encode()
+        page = ",".join(map(str, ids[start : start + page_size])).encode()
         digest = hashlib.blake2b(prev + page, digest_size=8).digest()
         out.append(int.from_bytes(digest, "big") >> 1)
         prev = digest
@@ -96,10 +105,16 @@ class FakeWorker:
     # -------------------------------------------------------------- helpers
     def params(self, lease: FakeLease) -> dict[str, Any]:
         return {
-            "engine_id": f"fake-{self.url}", "agent_url": self.url, "lease_id": lease.lease_id,
-            "page_ids": list(range(len(lease.hashes))), "page_hashes": list(lease.hashes),
-            "num_tokens": len(lease.hashes) * PAGE_SIZE, "page_size": PAGE_SIZE, "dtype": "bf16",
-            "layout_hash": "fake", "expires_at": lease.expires_at,
+            "engine_id": f"fake-{self.url}",
+            "agent_url": self.url,
+            "lease_id": lease.lease_id,
+            "page_ids": list(range(len(lease.hashes))),
+            "page_hashes": list(lease.hashes),
+            "num_tokens": len(lease.hashes) * PAGE_SIZE,
+            "page_size": PAGE_SIZE,
+            "dtype": "bf16",
+            "layout_hash": "fake",
+            "expires_at": lease.expires_at,
         }
 
     def _new_lease(self, key: str | None, hashes: list[int], ttl_s: float) -> FakeLease:
@@ -127,10 +142,14 @@ class FakeWorker:
                 remote = max(0, match - local)
         self.cache.update(hashes)  # matched, pulled and computed full pages alike
         usage = {
-            "prompt_tokens": len(ids), "completion_tokens": 0,
-            "local_cached_tokens": local * PAGE_SIZE, "remote_pulled_tokens": remote * PAGE_SIZE,
+            "prompt_tokens": len(ids),
+            "completion_tokens": 0,
+            "local_cached_tokens": local * PAGE_SIZE,
+            "remote_pulled_tokens": remote * PAGE_SIZE,
             "computed_prompt_tokens": len(ids) - (local + remote) * PAGE_SIZE,
-            "kv_bytes_pulled": remote * 1024, "kv_regions_pulled": 1 if remote else 0, "reuse_fallback": fallback,
+            "kv_bytes_pulled": remote * 1024,
+            "kv_regions_pulled": 1 if remote else 0,
+            "reuse_fallback": fallback,
         }
         return usage, hashes
 
@@ -154,9 +173,14 @@ class FakeWorker:
         async def list_leases(conversation_key: str | None = None) -> dict[str, Any]:
             now = time.time()
             leases = [
-                {"lease_id": lease.lease_id, "conversation_key": lease.conversation_key, "num_pages": len(lease.hashes),
-                 "num_tokens": len(lease.hashes) * PAGE_SIZE, "expires_at": lease.expires_at,
-                 "kv_transfer_params": self.params(lease)}
+                {
+                    "lease_id": lease.lease_id,
+                    "conversation_key": lease.conversation_key,
+                    "num_pages": len(lease.hashes),
+                    "num_tokens": len(lease.hashes) * PAGE_SIZE,
+                    "expires_at": lease.expires_at,
+                    "kv_transfer_params": self.params(lease),
+                }
                 for lease in self.leases.values()
                 if lease.expires_at > now and (conversation_key is None or lease.conversation_key == conversation_key)
             ]
@@ -229,8 +253,7 @@ class FakeWorker:
             usage["completion_tokens"] = len(given) + len(out)
             params = self._keep(body, ids + given + out, hashes)
             finished = True
-            yield _sse({"request_id": rid, "token_ids": [], "finish_reason": reason, "usage": usage,
-                        "kv_transfer_params": params})
+            yield _sse({"request_id": rid, "token_ids": [], "finish_reason": reason, "usage": usage, "kv_transfer_params": params})
             yield b"data: [DONE]\n\n"
         finally:
             self.inflight.discard(rid)
@@ -264,8 +287,9 @@ class ServerThread:
     def __init__(self, app: Any, *, port: int | None = None, timeout_keep_alive: int = 5) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
-                                timeout_keep_alive=timeout_keep_alive)
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", timeout_keep_alive=timeout_keep_alive
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

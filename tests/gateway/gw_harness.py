@@ -39,8 +39,14 @@ class Gateway:
 
 
 def start_gateway(
-    model_dir: Path, *, prefill: list[str] = (), decode: list[str] = (), reuse: ReuseConfig | None = None,  # type: ignore[assignment]
-    max_model_len: int | None = None, security: SecurityConfig | None = None, **gateway: Any,
+    model_dir: Path,
+    *,
+    prefill: list[str] = (),
+    decode: list[str] = (),
+    reuse: ReuseConfig | None = None,  # type: ignore[assignment]
+    max_model_len: int | None = None,
+    security: SecurityConfig | None = None,
+    **gateway: Any,
 ) -> Gateway:
     gateway.setdefault("health_interval_s", 0.2)
     config = ServingConfig(
@@ -49,8 +55,7 @@ def start_gateway(
         security=security or SecurityConfig(),
         gateway=GatewayConfig(prefill_urls=tuple(prefill), decode_urls=tuple(decode), **gateway),
     )
-    model = ModelInfo.load(model_dir, served_name=MODEL, max_model_len=max_model_len,
-                           max_kept_tokens=config.gateway.max_kept_tokens)
+    model = ModelInfo.load(model_dir, served_name=MODEL, max_model_len=max_model_len, max_kept_tokens=config.gateway.max_kept_tokens)
     state = build_state(config, model=model, registry=CollectorRegistry())
     # served as `kvserving gateway` serves it: idle client connections kept longer than clients keep them
     return Gateway(ServerThread(build_app(state), timeout_keep_alive=KEEP_ALIVE_S).start(), state)

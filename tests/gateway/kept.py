@@ -14,12 +14,14 @@ from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.gateway.prompt.turn_render import TurnRenders
 
 
-def kept_tagger(tokenizer: TextTokenizer, template: ChatTemplate, *, prefixes: bool = True, renders: bool = False,
-                store: Conversations | None = None) -> ChatTagger:
+def kept_tagger(
+    tokenizer: TextTokenizer, template: ChatTemplate, *, prefixes: bool = True, renders: bool = False, store: Conversations | None = None
+) -> ChatTagger:
     """A tagger that finds kept prefixes and/or renders in ``store`` (a new one by default)."""
     store = store if store is not None else Conversations()
-    return ChatTagger(tokenizer, template, prefixes=TokenPrefixes(tokenizer, store) if prefixes else None,
-                      renders=TurnRenders(store) if renders else None)
+    return ChatTagger(
+        tokenizer, template, prefixes=TokenPrefixes(tokenizer, store) if prefixes else None, renders=TurnRenders(store) if renders else None
+    )
 
 
 def store_of(tagger: ChatTagger) -> Conversations:

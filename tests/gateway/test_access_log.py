@@ -13,8 +13,10 @@ import openai
 import pytest
 from gw_harness import MODEL, Stack
 
-LINE = re.compile(r"^POST /v1/chat/completions 200 conv=([0-9a-f]{12}) prompt=(\d+) cached=(\d+) computed=(\d+) "
-                  r"ttft_ms=(\d+\.\d) ms=(\d+\.\d)$")
+LINE = re.compile(
+    r"^POST /v1/chat/completions 200 conv=([0-9a-f]{12}) prompt=(\d+) cached=(\d+) computed=(\d+) "
+    r"ttft_ms=(\d+\.\d) ms=(\d+\.\d)$"
+)
 SECRET = "the secret word is marmalade"
 
 
@@ -36,8 +38,13 @@ def test_one_line_per_request_with_its_tokens_and_no_content_or_key(stack: Stack
     messages = [{"role": "system", "content": SECRET * 20}, {"role": "user", "content": "hi"}]
     usages = []
     for turn in range(2):
-        out = client.chat.completions.create(model=MODEL, messages=messages, prompt_cache_key="agent-7", stream=turn == 1,
-                                             stream_options={"include_usage": True} if turn == 1 else openai.NOT_GIVEN)
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            prompt_cache_key="agent-7",
+            stream=turn == 1,
+            stream_options={"include_usage": True} if turn == 1 else openai.NOT_GIVEN,
+        )
         if turn == 0:
             usages.append(out.usage)
             messages += [{"role": "assistant", "content": out.choices[0].message.content}, {"role": "user", "content": "more"}]
@@ -45,8 +52,7 @@ def test_one_line_per_request_with_its_tokens_and_no_content_or_key(stack: Stack
             usages.append([c.usage for c in out if c.usage][0])
     assert httpx.get(gw.url + "/metrics", timeout=5).status_code == 200
     assert httpx.get(gw.url + "/v1/models", timeout=5).status_code == 401
-    assert httpx.get(gw.url + "/x%0AGET%20/v1/models", headers={"Authorization": "Bearer sk-access-log"},
-                     timeout=5).status_code == 404
+    assert httpx.get(gw.url + "/x%0AGET%20/v1/models", headers={"Authorization": "Bearer sk-access-log"}, timeout=5).status_code == 404
 
     info = lines(caplog, logging.INFO, 4)
     assert len(info) == 4, info

@@ -71,8 +71,7 @@ def test_max_tokens_cut_is_length_and_max_completion_tokens_wins(stack: Stack, t
     assert out.usage.completion_tokens == 3
     assert out.choices[0].message.content == tok.decode(reply[:3], skip_special_tokens=False)
     assert worker.received[-1]["sampling"]["max_tokens"] == 3
-    out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                    max_completion_tokens=5)
+    out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, max_completion_tokens=5)
     assert worker.received[-1]["sampling"]["max_tokens"] == 5
     assert out.usage.completion_tokens == 5
 
@@ -81,9 +80,11 @@ def test_streaming_chunks_join_to_the_reply_and_usage_comes_last(stack: Stack, t
     reply = tok.encode_ids(REPLY)
     worker = stack.worker(role="both", reply_ids=reply)
     gw = stack.gateway(decode=[worker.url])
-    chunks = list(client(gw).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "stream please"}], stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client(gw).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "stream please"}], stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == REPLY
@@ -101,8 +102,9 @@ def test_async_client_concurrent_requests(stack: Stack, tok: TextTokenizer) -> N
 
     async def main() -> list[str]:
         ac = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=20)
-        outs = await asyncio.gather(*(
-            ac.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}]) for i in range(8)))
+        outs = await asyncio.gather(
+            *(ac.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}]) for i in range(8))
+        )
         await ac.close()
         return [o.choices[0].message.content or "" for o in outs]
 
@@ -120,8 +122,7 @@ def test_multi_turn_reports_cached_tokens_of_the_previous_turn(stack: Stack, tok
     first = c.chat.completions.create(model=MODEL, messages=messages, extra_headers={"X-Session-ID": "s1"})
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert worker.received[-1]["conversation_key"] is not None and worker.received[-1]["retain"] is True
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "Now read main.py."}]
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Now read main.py."}]
     second = c.chat.completions.create(model=MODEL, messages=messages, extra_headers={"X-Session-ID": "s1"})
     # The fake keeps prompt + output of turn 1 as full pages; turn 2's prompt starts with them.
     turn1 = prompt_ids(tiny_model_dir, tok, messages[:2]) + reply
@@ -142,8 +143,7 @@ def test_a_plain_client_resending_the_history_is_recognised_by_prefix(stack: Sta
     messages = [{"role": "system", "content": "You are a coding agent. " * 8}, {"role": "user", "content": "List the files."}]
     first = c.chat.completions.create(model=MODEL, messages=messages)
     key = worker.received[-1]["conversation_key"]
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "Now read main.py."}]
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Now read main.py."}]
     second = c.chat.completions.create(model=MODEL, messages=messages)
     assert worker.received[-1]["conversation_key"] == key
     assert second.usage.prompt_tokens_details.cached_tokens > 0
@@ -170,8 +170,9 @@ def test_stream_stop_string_split_across_tokens(stack: Stack, tok: TextTokenizer
     reply = tok.encode_ids(REPLY)
     worker = stack.worker(role="both", reply_ids=reply)
     gw = stack.gateway(decode=[worker.url])
-    chunks = list(client(gw).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], stop="several words", stream=True))
+    chunks = list(
+        client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stop="several words", stream=True)
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "Hello from the fake worker, with "
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
@@ -193,7 +194,8 @@ def test_client_disconnect_before_the_first_token_aborts_too(stack: Stack, tok: 
     gw = stack.gateway(decode=[worker.url])
     with pytest.raises(openai.APITimeoutError):
         openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=0.5).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}])
+            model=MODEL, messages=[{"role": "user", "content": "x"}]
+        )
     wait_until(lambda: bool(worker.received) and worker.received[-1]["request_id"] in worker.aborted)
     wait_until(lambda: gw.metric("kvserving_gateway_requests_total", {"route": "/v1/chat/completions", "code": "499"}) == 1)
     wait_until(lambda: gw.metric("kvserving_gateway_requests_in_flight") == 0)
@@ -204,8 +206,16 @@ def test_tools_and_reasoning_multi_turn(stack: Stack, tok: TextTokenizer, tiny_m
     worker = stack.worker(role="both", reply_ids=tok.encode_ids(said))
     gw = stack.gateway(decode=[worker.url])
     c = client(gw)
-    tools = [{"type": "function", "function": {"name": "ls", "description": "list a directory",
-                                               "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "ls",
+                "description": "list a directory",
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+            },
+        }
+    ]
     messages: list[dict] = [{"role": "user", "content": "What is here?"}]
     out = c.chat.completions.create(model=MODEL, messages=messages, tools=tools, prompt_cache_key="agent-1")
     choice = out.choices[0]
@@ -215,12 +225,19 @@ def test_tools_and_reasoning_multi_turn(stack: Stack, tok: TextTokenizer, tiny_m
     call = choice.message.tool_calls[0]
     assert (call.function.name, call.function.arguments) == ("ls", '{"path": "."}')
     messages += [
-        {"role": "assistant", "content": None, "reasoning_content": "I should list the directory.",
-         "tool_calls": [{"id": call.id, "type": "function", "function": {"name": "ls", "arguments": call.function.arguments}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "I should list the directory.",
+            "tool_calls": [{"id": call.id, "type": "function", "function": {"name": "ls", "arguments": call.function.arguments}}],
+        },
         {"role": "tool", "tool_call_id": call.id, "content": "main.py\nREADME.md"},
     ]
-    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, tools=tools, prompt_cache_key="agent-1",
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        c.chat.completions.create(
+            model=MODEL, messages=messages, tools=tools, prompt_cache_key="agent-1", stream=True, stream_options={"include_usage": True}
+        )
+    )
     calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
     assert [(tc.index, tc.function.name, tc.function.arguments) for tc in calls] == [(0, "ls", '{"path": "."}')]
     reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices)
@@ -261,8 +278,7 @@ def test_concurrent_identical_first_turns_are_different_conversations(stack: Sta
 
     async def main() -> None:
         ac = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=20)
-        await asyncio.gather(*(ac.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "same"}])
-                               for _ in range(6)))
+        await asyncio.gather(*(ac.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "same"}]) for _ in range(6)))
         await ac.close()
 
     asyncio.run(main())
@@ -275,15 +291,16 @@ def test_tool_choice_none_leaves_tool_call_text_as_content(stack: Stack, tok: Te
     worker = stack.worker(role="both", reply_ids=tok.encode_ids(said))
     gw = stack.gateway(decode=[worker.url])
     tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}]
-    out = client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=tools,
-                                             tool_choice="none")
+    out = client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice="none")
     assert out.choices[0].finish_reason == "stop" and out.choices[0].message.tool_calls is None
     assert out.choices[0].message.content == said
 
 
 def test_parallel_tool_calls_false_returns_only_the_first_call(stack: Stack, tok: TextTokenizer) -> None:
-    said = ('<tool_call>\n{"name": "ls", "arguments": {"path": "a"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "ls", "arguments": {"path": "b"}}\n</tool_call>')
+    said = (
+        '<tool_call>\n{"name": "ls", "arguments": {"path": "a"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "ls", "arguments": {"path": "b"}}\n</tool_call>'
+    )
     worker = stack.worker(role="both", reply_ids=tok.encode_ids(said))
     gw = stack.gateway(decode=[worker.url])
     tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}]
@@ -318,13 +335,16 @@ def test_next_turn_sends_the_held_ids_the_workers_sampled(stack: Stack, tok: Tex
     held = sent1 + reply
     assert body["input_ids"][: len(held)] == held
     assert tok.decode(body["input_ids"], skip_special_tokens=False) == ChatTemplate.from_dir(tiny_model_dir).render(
-        normalize_messages(messages))
+        normalize_messages(messages)
+    )
     assert len(body["tags"]) == len(body["input_ids"]) == second.usage.prompt_tokens
 
 
 def test_the_config_bounds_what_the_gateway_keeps_between_turns(tiny_model_dir: Path) -> None:
-    config = ServingConfig(model=ModelConfig(path=str(tiny_model_dir), served_name=MODEL),
-                           gateway=GatewayConfig(decode_urls=("http://127.0.0.1:9",), max_conversations=7, max_kept_tokens=1000))
+    config = ServingConfig(
+        model=ModelConfig(path=str(tiny_model_dir), served_name=MODEL),
+        gateway=GatewayConfig(decode_urls=("http://127.0.0.1:9",), max_conversations=7, max_kept_tokens=1000),
+    )
     model = ModelInfo.load(tiny_model_dir, served_name=MODEL, max_kept_tokens=config.gateway.max_kept_tokens)
     state = build_state(config, model=model, registry=CollectorRegistry())
     store, tagger = state.completions.store, state.model.tagger

@@ -38,9 +38,11 @@ def text(tiny_model_dir: Path, reply: list[int]) -> str:
 
 def chat(gw: Gateway, messages: list[dict[str, Any]], session: str) -> str:
     client = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=30)
-    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=MODEL, messages=messages, stream=True, extra_headers={"X-Session-ID": session})  # type: ignore[arg-type]
-        if c.choices]
+    parts = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model=MODEL, messages=messages, stream=True, extra_headers={"X-Session-ID": session})  # type: ignore[arg-type]
+        if c.choices
+    ]
     messages.append({"role": "assistant", "content": "".join(parts)})
     return "".join(parts)
 
@@ -49,9 +51,7 @@ def by_url(workers: list[FakeWorker]) -> list[FakeWorker]:
     return sorted(workers, key=lambda w: w.url)  # the router breaks ties by URL
 
 
-def test_a_lease_holder_the_prefill_cannot_reach_loses_the_decode_before_the_first_token(
-    stack: Stack, reply: list[int], text: str
-) -> None:
+def test_a_lease_holder_the_prefill_cannot_reach_loses_the_decode_before_the_first_token(stack: Stack, reply: list[int], text: str) -> None:
     prefill = stack.worker(role="prefill", reply_ids=reply)
     decoders = [stack.worker(role="decode", reply_ids=reply) for _ in range(2)]
     gw = stack.gateway(prefill=[prefill.url], decode=[d.url for d in decoders], health_interval_s=60)
@@ -73,8 +73,13 @@ def test_a_decode_worker_that_does_not_answer_in_time_is_left_for_another(stack:
     prefill = stack.worker(role="prefill", reply_ids=reply)
     frozen, alive = by_url([stack.worker(role="decode", reply_ids=reply) for _ in range(2)])
     frozen.answer_after_s = 4.0  # long past the deadline (and short enough for the fake to stop soon)
-    gw = stack.gateway(prefill=[prefill.url], decode=[frozen.url, alive.url], health_interval_s=60,
-                       first_byte_timeout_s=1.0, reuse=ReuseConfig(transfer_timeout_s=0.5))
+    gw = stack.gateway(
+        prefill=[prefill.url],
+        decode=[frozen.url, alive.url],
+        health_interval_s=60,
+        first_byte_timeout_s=1.0,
+        reuse=ReuseConfig(transfer_timeout_s=0.5),
+    )
     t0 = time.monotonic()
     assert chat(gw, [SYSTEM, {"role": "user", "content": "Fix it."}], "f") == text  # whole, no error event
     assert time.monotonic() - t0 < 10
@@ -85,9 +90,7 @@ def test_a_decode_worker_that_does_not_answer_in_time_is_left_for_another(stack:
     assert gw.metric("kvserving_gateway_reuse_fallbacks_total", {"reason": "holder_unresponsive"}) == 0  # no lease yet
 
 
-def test_a_draining_decode_worker_before_its_first_byte_is_a_retry_not_an_error_event(
-    stack: Stack, reply: list[int], text: str
-) -> None:
+def test_a_draining_decode_worker_before_its_first_byte_is_a_retry_not_an_error_event(stack: Stack, reply: list[int], text: str) -> None:
     prefill = stack.worker(role="prefill", reply_ids=reply)
     draining, alive = by_url([stack.worker(role="decode", reply_ids=reply) for _ in range(2)])
     gw = stack.gateway(prefill=[prefill.url], decode=[draining.url, alive.url], health_interval_s=60)

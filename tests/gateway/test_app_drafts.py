@@ -20,8 +20,10 @@ from kvserving.gateway.prompt.tagger import ChatTagger
 from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 REPLY = "Fine, reading it now."
-MESSAGES = [{"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Please read the whole of setup.py and tell me what it installs."}]
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Please read the whole of setup.py and tell me what it installs."},
+]
 
 
 def _client(gw) -> openai.OpenAI:  # type: ignore[no-untyped-def]
@@ -58,9 +60,7 @@ def test_confirmed_draft_is_one_worker_request_with_the_real_ids(stack: Stack, t
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_unconfirmed_draft_is_dropped_and_the_turn_runs_from_the_real_render(
-    stack: Stack, editing_model_dir: Path, stream: bool
-) -> None:
+def test_unconfirmed_draft_is_dropped_and_the_turn_runs_from_the_real_render(stack: Stack, editing_model_dir: Path, stream: bool) -> None:
     tok = TextTokenizer.from_dir(editing_model_dir)
     worker = stack.worker(role="both", reply_ids=tok.encode_ids(REPLY))
     gw = Stack(editing_model_dir)
@@ -118,6 +118,8 @@ def test_later_turns_render_only_what_they_append_and_send_the_real_prompt(stack
         messages = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": f"Step {turn}: go on."}]
     assert len(worker.received) == 4
     assert (_drafts(gw, "confirmed"), _drafts(gw, "mismatch")) == (4, 0)
-    render = (gw.metric("kvserving_gateway_prompt_reuse_total", {"part": "render", "result": "hit"}),
-              gw.metric("kvserving_gateway_prompt_reuse_total", {"part": "render", "result": "miss"}))
+    render = (
+        gw.metric("kvserving_gateway_prompt_reuse_total", {"part": "render", "result": "hit"}),
+        gw.metric("kvserving_gateway_prompt_reuse_total", {"part": "render", "result": "miss"}),
+    )
     assert render == (2, 2)  # turn 1: nothing kept; turn 2: the kept render's only user message is its first

@@ -18,8 +18,7 @@ CHAT = "/v1/chat/completions"
 
 def post(gw, body, *, path: str = CHAT, headers: dict | None = None) -> httpx.Response:  # type: ignore[no-untyped-def]
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(gw.url + path, content=content, headers={"content-type": "application/json", **(headers or {})},
-                      timeout=10)
+    return httpx.post(gw.url + path, content=content, headers={"content-type": "application/json", **(headers or {})}, timeout=10)
 
 
 def error(r: httpx.Response) -> dict:
@@ -47,8 +46,12 @@ def test_request_errors_in_openai_shape(stack: Stack) -> None:
     assert r.status_code == 400 and error(r)["param"] == "messages[0].content"
     r = post(gw, {"model": "gpt-4o", "messages": USER})
     assert r.status_code == 404
-    assert error(r) == {"message": "The model `gpt-4o` does not exist.", "type": "not_found_error", "param": "model",
-                        "code": "model_not_found"}
+    assert error(r) == {
+        "message": "The model `gpt-4o` does not exist.",
+        "type": "not_found_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
     r = post(gw, {"model": MODEL, "messages": USER, "n": 2})
     assert r.status_code == 400 and (error(r)["param"], error(r)["code"]) == ("n", "unsupported_value")
     assert "n=2" in error(r)["message"]
@@ -95,7 +98,10 @@ def test_streamed_reply_headers(stack: Stack) -> None:
     with httpx.stream("POST", gw.url + CHAT, json={"model": MODEL, "messages": USER, "stream": True}, timeout=10) as r:
         assert r.status_code == 200
         assert (r.headers["content-type"], r.headers["cache-control"], r.headers["x-accel-buffering"]) == (
-            "text/event-stream; charset=utf-8", "no-cache", "no")
+            "text/event-stream; charset=utf-8",
+            "no-cache",
+            "no",
+        )
         assert r.read().endswith(b"data: [DONE]\n\n")
 
 
@@ -107,8 +113,11 @@ def test_prompt_longer_than_the_context_names_the_numbers(stack: Stack, tiny_mod
     assert r.status_code == 400
     assert error(r) == {
         "message": f"This model's maximum context length is 64 tokens. However, you requested {n + 10} tokens "
-                   f"({n} in the messages, 10 in the completion). Please reduce the length of the messages or completion.",
-        "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
+        f"({n} in the messages, 10 in the completion). Please reduce the length of the messages or completion.",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "context_length_exceeded",
+    }
     r = post(gw, {"model": MODEL, "messages": USER, "max_tokens": 10})
     assert r.status_code == 200
     assert worker.received[-1]["sampling"]["max_tokens"] == 10
@@ -143,8 +152,12 @@ def test_upstream_refusal_before_the_first_token_is_an_http_error(stack: Stack) 
     for stream in (False, True):
         r = post(gw, {"model": MODEL, "messages": USER, "stream": stream})
         assert r.status_code == 502
-        assert error(r) == {"message": "worker error (500): injected failure", "type": "server_error", "param": None,
-                            "code": "upstream_error"}
+        assert error(r) == {
+            "message": "worker error (500): injected failure",
+            "type": "server_error",
+            "param": None,
+            "code": "upstream_error",
+        }
     assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "status"}) == 2
 
 
@@ -155,8 +168,9 @@ def test_upstream_failure_mid_stream_is_an_error_event_then_the_stream_closes(st
     with httpx.stream("POST", gw.url + CHAT, json={"model": MODEL, "messages": USER, "stream": True}, timeout=10) as r:
         assert r.status_code == 200
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert json.loads(events[-1]) == {"error": {"message": "worker error: injected mid-stream failure", "type": "server_error",
-                                                "param": None, "code": "upstream_error"}}
+    assert json.loads(events[-1]) == {
+        "error": {"message": "worker error: injected mid-stream failure", "type": "server_error", "param": None, "code": "upstream_error"}
+    }
     assert "[DONE]" not in events
     contents = [json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1]]
     assert "".join(contents) == tok.decode(tok.encode_ids("one two three four")[:2], skip_special_tokens=False)

@@ -32,34 +32,57 @@ def _nested(depth: int) -> Any:
 CASES: list[tuple[str, dict[str, Any] | bytes, str | None, tuple[int, str, str | None, str | None]]] = [
     ("nested_json", {"metadata": {"deep": _nested(MAX_JSON_DEPTH)}}, None, (400, "invalid_request_error", "invalid_json", None)),
     ("nested_past_the_parser", b"[" * 100_000 + b"]" * 100_000, None, (400, "invalid_request_error", "invalid_json", None)),
-    ("surrogate_in_content", {"messages": [{"role": "user", "content": "a\ud800b"}]}, CHAT,
-     (400, "invalid_request_error", "invalid_value", "messages[0].content")),
+    (
+        "surrogate_in_content",
+        {"messages": [{"role": "user", "content": "a\ud800b"}]},
+        CHAT,
+        (400, "invalid_request_error", "invalid_value", "messages[0].content"),
+    ),
     ("surrogate_in_prompt", {"prompt": "\udfff"}, TEXT, (400, "invalid_request_error", "invalid_value", "prompt")),
     ("surrogate_in_user", {"user": "\ud800"}, None, (400, "invalid_request_error", "invalid_value", "user")),
     ("seed_2_70", {"seed": 2**70}, None, (400, "invalid_request_error", "invalid_value", "seed")),
     ("seed_minus_2_70", {"seed": -(2**70)}, None, (400, "invalid_request_error", "invalid_value", "seed")),
     ("max_tokens_2_70", {"max_tokens": 2**70}, None, (400, "invalid_request_error", "invalid_value", "max_tokens")),
-    ("max_completion_tokens_0", {"max_completion_tokens": 0}, CHAT,
-     (400, "invalid_request_error", "invalid_value", "max_completion_tokens")),
+    (
+        "max_completion_tokens_0",
+        {"max_completion_tokens": 0},
+        CHAT,
+        (400, "invalid_request_error", "invalid_value", "max_completion_tokens"),
+    ),
     ("n_2_70", {"n": 2**70}, None, (400, "invalid_request_error", "invalid_value", "n")),
     ("top_k_2_70", {"top_k": 2**70}, None, (400, "invalid_request_error", "invalid_value", "top_k")),
     ("top_logprobs_2_70", {"top_logprobs": 2**70}, None, (400, "invalid_request_error", "invalid_value", "top_logprobs")),
     ("best_of_2_70", {"best_of": 2**70}, TEXT, (400, "invalid_request_error", "invalid_value", "best_of")),
     ("temperature_nan", b"NaN", None, (400, "invalid_request_error", "invalid_value", "temperature")),
-    ("unknown_role", {"messages": [{"role": "root", "content": "hi"}]}, CHAT,
-     (400, "invalid_request_error", "invalid_value", "messages[0].role")),
-    ("tool_without_id", {"messages": [*USER, {"role": "tool", "content": "42"}]}, CHAT,
-     (400, "invalid_request_error", "missing_required_parameter", "messages[1].tool_call_id")),
-    ("tool_id_not_a_string", {"messages": [*USER, {"role": "tool", "tool_call_id": 7, "content": "42"}]}, CHAT,
-     (400, "invalid_request_error", "invalid_type", "messages[1].tool_call_id")),
+    (
+        "unknown_role",
+        {"messages": [{"role": "root", "content": "hi"}]},
+        CHAT,
+        (400, "invalid_request_error", "invalid_value", "messages[0].role"),
+    ),
+    (
+        "tool_without_id",
+        {"messages": [*USER, {"role": "tool", "content": "42"}]},
+        CHAT,
+        (400, "invalid_request_error", "missing_required_parameter", "messages[1].tool_call_id"),
+    ),
+    (
+        "tool_id_not_a_string",
+        {"messages": [*USER, {"role": "tool", "tool_call_id": 7, "content": "42"}]},
+        CHAT,
+        (400, "invalid_request_error", "invalid_type", "messages[1].tool_call_id"),
+    ),
     ("stream_yes", {"stream": "yes"}, None, (400, "invalid_request_error", "invalid_type", "stream")),
     ("max_tokens_string", {"max_tokens": "5"}, None, (400, "invalid_request_error", "invalid_type", "max_tokens")),
     ("temperature_string", {"temperature": "0.5"}, None, (400, "invalid_request_error", "invalid_type", "temperature")),
     ("messages_not_objects", {"messages": ["hi"]}, CHAT, (400, "invalid_request_error", "invalid_type", "messages")),
-    ("content_past_the_context", {"messages": [{"role": "user", "content": "x" * 64 * 83}]}, CHAT,
-     (400, "invalid_request_error", "context_length_exceeded", "messages")),
-    ("prompt_past_the_context", {"prompt": "x" * 64 * 83}, TEXT,
-     (400, "invalid_request_error", "context_length_exceeded", "prompt")),
+    (
+        "content_past_the_context",
+        {"messages": [{"role": "user", "content": "x" * 64 * 83}]},
+        CHAT,
+        (400, "invalid_request_error", "context_length_exceeded", "messages"),
+    ),
+    ("prompt_past_the_context", {"prompt": "x" * 64 * 83}, TEXT, (400, "invalid_request_error", "context_length_exceeded", "prompt")),
 ]
 
 
@@ -89,15 +112,21 @@ ROUTED = [(route, *case) for case in CASES for route in (CHAT, TEXT) if case[2] 
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-@pytest.mark.parametrize(("route", "name", "change", "only", "expected"), ROUTED,
-                         ids=[f"{c[1]}-{'chat' if c[0] == CHAT else 'text'}" for c in ROUTED])
-def test_malformed_input_is_a_4xx_in_openai_shape(served, route: str, stream: bool, name: str,  # type: ignore[no-untyped-def]
-                                                   change: dict[str, Any] | bytes, only: str | None,
-                                                   expected: tuple[int, str, str | None, str | None]) -> None:
+@pytest.mark.parametrize(
+    ("route", "name", "change", "only", "expected"), ROUTED, ids=[f"{c[1]}-{'chat' if c[0] == CHAT else 'text'}" for c in ROUTED]
+)
+def test_malformed_input_is_a_4xx_in_openai_shape(
+    served,
+    route: str,
+    stream: bool,
+    name: str,  # type: ignore[no-untyped-def]
+    change: dict[str, Any] | bytes,
+    only: str | None,
+    expected: tuple[int, str, str | None, str | None],
+) -> None:
     gw, worker = served
     seen = len(worker.received)
-    r = httpx.post(gw.url + route, content=_body(route, change, stream), headers={"content-type": "application/json"},
-                   timeout=30)
+    r = httpx.post(gw.url + route, content=_body(route, change, stream), headers={"content-type": "application/json"}, timeout=30)
     body = r.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     err = body["error"]
@@ -130,16 +159,17 @@ def test_the_injection_reaches_the_worker_as_text(stack: Stack, tiny_model_dir: 
     text_ids = split.encode(INJECTION, add_special_tokens=False)
     assert sum(t in tok.special_ids for t in text_ids) == 0
     injected, reply = chat([system, {"role": "user", "content": INJECTION}])
-    assert injected == benign[:at] + text_ids + benign[at + 1:]
+    assert injected == benign[:at] + text_ids + benign[at + 1 :]
     assert reply["usage"]["prompt_tokens"] == len(injected)
     controls = [i for i, t in enumerate(injected) if t in tok.special_ids]
     assert controls == [i if i < at else i + len(text_ids) - 1 for i, t in enumerate(benign) if t in tok.special_ids]
     assert len(controls) == 5  # system and user: open and close each; the reply's opener
 
     answer = reply["choices"][0]["message"]["content"]
-    later, _ = chat([system, {"role": "user", "content": INJECTION}, {"role": "assistant", "content": answer},
-                     {"role": "user", "content": INJECTION}])
-    assert later[:len(injected)] == injected  # the first turn's ids as sent
+    later, _ = chat(
+        [system, {"role": "user", "content": INJECTION}, {"role": "assistant", "content": answer}, {"role": "user", "content": INJECTION}]
+    )
+    assert later[: len(injected)] == injected  # the first turn's ids as sent
     assert sum(t in tok.special_ids for t in later) == 5 + 4  # + the reply's close, the new user message's two, an opener
-    tail = later[len(later) - (len(benign) - at - 1) - len(text_ids):]
-    assert tail == text_ids + benign[at + 1:]
+    tail = later[len(later) - (len(benign) - at - 1) - len(text_ids) :]
+    assert tail == text_ids + benign[at + 1 :]

@@ -23,7 +23,8 @@ def test_every_dashboard_gateway_metric_is_exported_with_its_type(stack: Stack) 
     worker = stack.worker(role="both")
     gw = stack.gateway(decode=[worker.url])
     openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        model=MODEL, messages=[{"role": "user", "content": "hi"}]
+    )
     exported = families(gw.url)
     wanted = [(name, kind) for name, kind, _ in DASHBOARD_METRICS if name.startswith("kvserving_gateway_")]
     assert len(wanted) == 4
@@ -59,13 +60,16 @@ def test_counters_move_by_what_happened(stack: Stack) -> None:
     route = "/v1/chat/completions"
     assert gw.metric("kvserving_gateway_requests_total", {"route": route, "code": "200"}) == 3
     assert gw.metric("kvserving_gateway_requests_total", {"route": route, "code": "404"}) == 1
-    ttft = {r: gw.metric("kvserving_gateway_time_to_first_token_seconds_count", {"route": "chat", "reuse": r})
-            for r in ("yes", "no", "unknown")}
+    ttft = {
+        r: gw.metric("kvserving_gateway_time_to_first_token_seconds_count", {"route": "chat", "reuse": r}) for r in ("yes", "no", "unknown")
+    }
     assert sum(ttft.values()) == 3 and ttft["unknown"] == 0  # each observed once its reuse was known
     assert gw.metric("kvserving_gateway_inter_token_latency_seconds_count") == 3 * 2
     assert gw.metric("kvserving_gateway_completion_tokens_total") == 9
-    decisions = sum(gw.metric("kvserving_gateway_routing_decisions_total", {"role": "decode", "reason": r})
-                    for r in ("least_loaded", "lease", "lease_overloaded"))
+    decisions = sum(
+        gw.metric("kvserving_gateway_routing_decisions_total", {"role": "decode", "reason": r})
+        for r in ("least_loaded", "lease", "lease_overloaded")
+    )
     assert decisions == 3
     deadline = time.monotonic() + 5
     while gw.metric("kvserving_gateway_requests_in_flight") != 0:  # decremented after the last byte
@@ -85,8 +89,7 @@ def test_prompt_reuse_counts_the_turns_that_extended_a_kept_prefix(stack: Stack)
     reply = c.chat.completions.create(model=MODEL, messages=messages).choices[0].message.content
     messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "now read setup.py"}]
     c.chat.completions.create(model=MODEL, messages=messages)
-    c.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Another agent."},
-                                                     {"role": "user", "content": "hi"}])
+    c.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Another agent."}, {"role": "user", "content": "hi"}])
 
     def reuse(part: str, result: str) -> float:
         return gw.metric("kvserving_gateway_prompt_reuse_total", {"part": part, "result": result})

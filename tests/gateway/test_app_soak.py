@@ -28,16 +28,23 @@ async def wave(base_url: str, tag: str) -> list[tuple[int, int]]:
     client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
 
     async def session(i: int) -> list[tuple[int, int]]:
-        messages: list[dict] = [{"role": "system", "content": "You are an agent. " * 20},
-                                {"role": "user", "content": f"{tag} task {i}: " + "read the logs and fix it; " * 6}]
+        messages: list[dict] = [
+            {"role": "system", "content": "You are an agent. " * 20},
+            {"role": "user", "content": f"{tag} task {i}: " + "read the logs and fix it; " * 6},
+        ]
         out = []
         for turn in range(TURNS):
-            r = await client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
-                                                     extra_headers={"X-Session-ID": f"{tag}-{i}"})
+            r = await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,  # type: ignore[arg-type]
+                extra_headers={"X-Session-ID": f"{tag}-{i}"},
+            )
             assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content
             out.append((turn, r.usage.prompt_tokens_details.cached_tokens))  # type: ignore[union-attr]
-            messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                         {"role": "user", "content": f"next step {turn}: " + "run the tests again; " * 6}]
+            messages += [
+                {"role": "assistant", "content": r.choices[0].message.content},
+                {"role": "user", "content": f"next step {turn}: " + "run the tests again; " * 6},
+            ]
         return out
 
     try:
@@ -53,9 +60,13 @@ def test_soak_200_sessions_no_loss_no_leaked_lease_flat_memory(tiny_model_dir: P
     try:
         prefill = stack.worker(role="prefill", reply_ids=[35, 339, 13, 568])
         decoders = [stack.worker(role="decode", reply_ids=[35, 339, 13, 568]) for _ in range(2)]
-        gw = stack.gateway(prefill=[prefill.url], decode=[d.url for d in decoders],
-                           reuse=ReuseConfig(lease_ttl_s=3.0, retention_ttl_s=60.0), lease_heartbeat_s=0.5,
-                           connect_timeout_s=30.0)  # one process (GIL) holds the fakes, the gateway and 200 clients
+        gw = stack.gateway(
+            prefill=[prefill.url],
+            decode=[d.url for d in decoders],
+            reuse=ReuseConfig(lease_ttl_s=3.0, retention_ttl_s=60.0),
+            lease_heartbeat_s=0.5,
+            connect_timeout_s=30.0,
+        )  # one process (GIL) holds the fakes, the gateway and 200 clients
         first = asyncio.run(wave(gw.base_url, "a"))
         gc.collect()
         before = rss_bytes()
@@ -65,13 +76,14 @@ def test_soak_200_sessions_no_loss_no_leaked_lease_flat_memory(tiny_model_dir: P
         for results in (first, second):
             assert len(results) == SESSIONS * TURNS
             for i in range(SESSIONS):  # each later turn reuses more than the shared system prompt
-                cached = [c for _, c in results[i * TURNS:(i + 1) * TURNS]]
+                cached = [c for _, c in results[i * TURNS : (i + 1) * TURNS]]
                 assert cached[0] < cached[1] < cached[2], cached
         assert gw.metric("kvserving_gateway_requests_total", {"route": "/v1/chat/completions", "code": "200"}) == 2 * SESSIONS * TURNS
         counts = [len(d.received) for d in decoders]
         assert sum(counts) == 2 * SESSIONS * TURNS, counts
         assert min(counts) > SESSIONS // 2, counts  # both decode workers took load
         assert grown < 128 << 20, f"RSS grew {grown >> 20} MiB over the second wave"
+
         def ended() -> float:  # leases the gateway saw end: released once idle, or expired on their worker first
             return gw.metric("kvserving_gateway_lease_releases_total") + gw.metric("kvserving_gateway_lease_expiries_total")
 
@@ -81,7 +93,8 @@ def test_soak_200_sessions_no_loss_no_leaked_lease_flat_memory(tiny_model_dir: P
         while any(d.leases for d in decoders) or len(gw.state.keeper.table) or ended() < 2 * SESSIONS:
             assert time.monotonic() < deadline, (
                 f"leases not released after the conversations went idle: workers hold "
-                f"{[len(d.leases) for d in decoders]}, the table {len(gw.state.keeper.table)}, {ended()} ended")
+                f"{[len(d.leases) for d in decoders]}, the table {len(gw.state.keeper.table)}, {ended()} ended"
+            )
             time.sleep(0.2)
         assert gw.metric("kvserving_gateway_requests_in_flight") == 0
         assert all(d.inflight == set() for d in decoders) and prefill.inflight == set()

@@ -24,7 +24,8 @@ SYSTEM = {"role": "system", "content": "You are a careful coding agent working i
 def reply(tiny_model_dir: Path) -> list[int]:
     # longer than a page: the decode's retained pages reach past what the prefill computed itself
     return TextTokenizer.from_dir(tiny_model_dir).encode_ids(
-        "Done. The tests pass now; I also fixed the flaky parser test and updated the changelog entry.")
+        "Done. The tests pass now; I also fixed the flaky parser test and updated the changelog entry."
+    )
 
 
 def client(gw: Gateway) -> openai.OpenAI:
@@ -151,8 +152,12 @@ def test_a_stop_string_in_a_split_turn_still_reports_what_the_prefill_reused(sta
     messages = [SYSTEM, {"role": "user", "content": "Fix the failing test."}]
     turn(gw, messages, "stop")
     messages.append({"role": "user", "content": "Again."})
-    out = client(gw).chat.completions.create(model=MODEL, messages=messages, stop=["tests"],  # type: ignore[arg-type]
-                                             extra_headers={"X-Session-ID": "stop"})
+    out = client(gw).chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        stop=["tests"],  # type: ignore[arg-type]
+        extra_headers={"X-Session-ID": "stop"},
+    )
     assert out.choices[0].message.content == "Done. The " and out.choices[0].finish_reason == "stop"
     rid = decode.received[-1]["request_id"]
     wait_until(lambda: rid in decode.aborted)

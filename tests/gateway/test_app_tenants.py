@@ -27,8 +27,7 @@ def test_each_api_key_is_a_tenant_on_the_wire(stack: Stack, tokenizer: TextToken
     first = [SYSTEM, {"role": "user", "content": "List the files."}]
     bodies = []
     for key in ("sk-alice", "sk-bob"):
-        client(gw.url, key).chat.completions.create(model=MODEL, messages=first,
-                                                    extra_headers={"X-Session-ID": "alice@example.com"})
+        client(gw.url, key).chat.completions.create(model=MODEL, messages=first, extra_headers={"X-Session-ID": "alice@example.com"})
         bodies.append(worker.received[-1])
     salts = [b["cache_salt"] for b in bodies]
     keys = [b["conversation_key"] for b in bodies]
@@ -53,8 +52,7 @@ def test_a_history_resent_by_another_tenant_is_not_its_conversation(stack: Stack
     first = client(gw.url).chat.completions.create(model=MODEL, messages=messages, extra_body={"cache_salt": "tenant-a"})
     body = worker.received[-1]
     assert re.fullmatch(r"[0-9a-f]{32}", body["cache_salt"])
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "Now read main.py."}]
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Now read main.py."}]
     # the whole history, word for word, from another tenant (another salt; no salt): a new conversation
     for salt in ("tenant-b", None):
         extra = {"cache_salt": salt} if salt else {}
@@ -75,8 +73,12 @@ def test_a_history_resent_by_another_tenant_is_not_its_conversation(stack: Stack
 def test_sharing_tenants_sends_no_salt(stack: Stack, tokenizer: TextTokenizer) -> None:
     worker = stack.worker(role="both", reply_ids=tokenizer.encode_ids("Done."))
     gw = stack.gateway(decode=[worker.url], api_keys=("sk-alice",), security=SecurityConfig(tenants_share_cache=True))
-    client(gw.url, "sk-alice").chat.completions.create(model=MODEL, messages=[SYSTEM, {"role": "user", "content": "hi"}],
-                                                       extra_headers={"X-Session-ID": "s"}, extra_body={"cache_salt": "x"})
+    client(gw.url, "sk-alice").chat.completions.create(
+        model=MODEL,
+        messages=[SYSTEM, {"role": "user", "content": "hi"}],
+        extra_headers={"X-Session-ID": "s"},
+        extra_body={"cache_salt": "x"},
+    )
     assert "cache_salt" not in worker.received[-1]
     assert worker.received[-1]["conversation_key"] == DEFAULT_TENANT.scope("session:s")
 
@@ -86,8 +88,7 @@ def test_a_bad_cache_salt_is_a_400_naming_it(stack: Stack, tokenizer: TextTokeni
     worker = stack.worker(role="both", reply_ids=tokenizer.encode_ids("Done."))
     gw = stack.gateway(decode=[worker.url])
     with pytest.raises(openai.BadRequestError) as err:
-        client(gw.url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                               extra_body={"cache_salt": salt})
+        client(gw.url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body={"cache_salt": salt})
     assert err.value.status_code == 400
     assert err.value.body["param"] == "cache_salt" and err.value.body["code"] == code  # type: ignore[index]
     assert worker.received == []

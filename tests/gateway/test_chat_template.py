@@ -25,7 +25,11 @@ TOOLS = [
     },
     {
         "type": "function",
-        "function": {"name": "list_files", "description": "List files <in> a directory & more", "parameters": {"type": "object", "properties": {}}},
+        "function": {
+            "name": "list_files",
+            "description": "List files <in> a directory & more",
+            "parameters": {"type": "object", "properties": {}},
+        },
     },
 ]
 
@@ -39,7 +43,13 @@ AGENT = [
     },
     {"role": "tool", "tool_call_id": "c1", "content": "18C and sunny"},
     {"role": "assistant", "content": "It is 18C and sunny in Paris."},
-    {"role": "user", "content": [{"type": "text", "text": "And what is in this picture?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "And what is in this picture?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        ],
+    },
 ]
 
 CONVERSATIONS: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any]]] = {
@@ -73,7 +83,11 @@ CONVERSATIONS: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]] | None
         {},
     ),
     "thinking_disabled": ([{"role": "user", "content": "Quick: capital of France?"}], None, {"enable_thinking": False}),
-    "unicode": ([{"role": "system", "content": "Réponds en français 🇫🇷."}, {"role": "user", "content": "日本語で説明して — naïve café ✓"}], None, {}),
+    "unicode": (
+        [{"role": "system", "content": "Réponds en français 🇫🇷."}, {"role": "user", "content": "日本語で説明して — naïve café ✓"}],
+        None,
+        {},
+    ),
 }
 
 
@@ -86,9 +100,7 @@ def _reference_ids(hf_tokenizer: Any, messages: list[dict[str, Any]], tools: Any
 
 
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
-def test_text_and_ids_equal_transformers(
-    name: str, template: ChatTemplate, tokenizer: TextTokenizer, hf_tokenizer: Any
-) -> None:
+def test_text_and_ids_equal_transformers(name: str, template: ChatTemplate, tokenizer: TextTokenizer, hf_tokenizer: Any) -> None:
     messages, tools, kwargs = CONVERSATIONS[name]
     text = template.render(normalize_messages(copy.deepcopy(messages)), tools=normalize_tools(tools), template_kwargs=kwargs)
     ref_text = hf_tokenizer.apply_chat_template(
@@ -108,14 +120,16 @@ def test_without_generation_prompt_equals_transformers(template: ChatTemplate, h
 def test_developer_role_renders_as_system(template: ChatTemplate, hf_tokenizer: Any) -> None:
     dev = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     sys_ = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    assert template.render(normalize_messages(dev)) == hf_tokenizer.apply_chat_template(
-        sys_, add_generation_prompt=True, tokenize=False
-    )
+    assert template.render(normalize_messages(dev)) == hf_tokenizer.apply_chat_template(sys_, add_generation_prompt=True, tokenize=False)
 
 
 def test_reasoning_aliases_reach_the_template(template: ChatTemplate) -> None:
     for field in ("reasoning_content", "reasoning", "thinking"):
-        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", field: "because"}, {"role": "user", "content": "q2"}]
+        messages = [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", field: "because"},
+            {"role": "user", "content": "q2"},
+        ]
         assert "<think>\nbecause\n</think>\n\na<|im_end|>" in template.render(normalize_messages(messages))
 
 
@@ -185,9 +199,11 @@ def test_dict_attribute_shortcut_answers_what_the_sandbox_answers() -> None:
 
     from kvserving.gateway.prompt.chat_template import compile_template
 
-    source = ("{% for m in messages %}[{{ m.role }}|{{ m.missing is defined }}|{{ m.missing }}|{{ m.get('role') }}"
-              "|{{ m.items is callable }}|{{ m['items'] }}|{{ m.keys() | list }}"
-              "|{{ m.content.upper() }}|{{ m.content.split is defined }}]{% endfor %}")
+    source = (
+        "{% for m in messages %}[{{ m.role }}|{{ m.missing is defined }}|{{ m.missing }}|{{ m.get('role') }}"
+        "|{{ m.items is callable }}|{{ m['items'] }}|{{ m.keys() | list }}"
+        "|{{ m.content.upper() }}|{{ m.content.split is defined }}]{% endfor %}"
+    )
     messages = [{"role": "user", "content": "ab", "items": "kept as an item"}, {"role": "tool", "content": "c"}]
     plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     assert compile_template(source).render(messages=messages) == plain.from_string(source).render(messages=messages)
@@ -196,7 +212,9 @@ def test_dict_attribute_shortcut_answers_what_the_sandbox_answers() -> None:
 
 
 def test_strftime_now_and_loopcontrols() -> None:
-    t = ChatTemplate("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}|{{ strftime_now('%Y') | length }}")
+    t = ChatTemplate(
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}|{{ strftime_now('%Y') | length }}"
+    )
     assert t.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "a|4"
 
 
@@ -221,13 +239,25 @@ def test_trim_and_lstrip_blocks_like_transformers() -> None:
         ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "messages[0].content[0].text", "invalid_type"),
         ([{"role": "user", "content": [{"type": "input_audio"}]}], "messages[0].content[0].type", "invalid_value"),
         ([{"role": "user", "content": ["bare string part"]}], "messages[0].content[0]", "invalid_type"),
-        ([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0].type", "invalid_value"),
+        (
+            [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "messages[0].content[0].type",
+            "invalid_value",
+        ),
         ([{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "a"}], "messages[1].content", "missing_required_parameter"),
         ([{"role": "user", "content": "x"}, {"role": "tool", "content": {"a": 1}}], "messages[1].content", "invalid_type"),
         ([{"role": "user", "content": "x"}, {"role": "assistant"}], "messages[1].content", "missing_required_parameter"),
         ([{"role": "assistant", "tool_calls": {"id": "a"}}], "messages[0].tool_calls", "invalid_type"),
-        ([{"role": "assistant", "tool_calls": [{"id": "a", "function": {"arguments": "{}"}}]}], "messages[0].tool_calls[0].function.name", None),
-        ([{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": 3}}]}], "messages[0].tool_calls[0].function.arguments", "invalid_type"),
+        (
+            [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"arguments": "{}"}}]}],
+            "messages[0].tool_calls[0].function.name",
+            None,
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": 3}}]}],
+            "messages[0].tool_calls[0].function.arguments",
+            "invalid_type",
+        ),
         ([{"role": "assistant", "content": "x", "reasoning_content": 1}], "messages[0].reasoning_content", "invalid_type"),
         ([{"role": "user", "content": "x", "name": 3}], "messages[0].name", "invalid_type"),
     ],
@@ -263,7 +293,15 @@ def test_no_tools_is_none_and_valid_tools_pass_unchanged() -> None:
 
 
 def test_assistant_with_only_tool_calls_is_valid() -> None:
-    out = normalize_messages([{"role": "assistant", "content": None, "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}])
+    out = normalize_messages(
+        [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            }
+        ]
+    )
     assert "content" not in out[0]
 
 
@@ -284,7 +322,9 @@ def test_template_files_pick_like_transformers(tiny_model_dir: Path, tmp_path: P
     config.pop("chat_template")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     (tmp_path / "tokenizer.json").write_text((tiny_model_dir / "tokenizer.json").read_text())
-    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
     (tmp_path / "additional_chat_templates").mkdir()
     (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n")
     hf = AutoTokenizer.from_pretrained(str(tmp_path))

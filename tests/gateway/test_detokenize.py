@@ -116,7 +116,9 @@ def test_piece_texts_only_for_local_whole_tokens(tokenizer: TextTokenizer) -> No
     assert split and tokenizer.piece_texts(ascii_ids + split[:1]) is None  # a token that splits a character
     eos = tokenizer.eos_token_id
     assert eos is not None
-    assert tokenizer.piece_texts([eos]) == [""] and tokenizer.piece_texts([eos], skip_special_tokens=False) == [tokenizer.decode([eos], skip_special_tokens=False)]
+    assert tokenizer.piece_texts([eos]) == [""] and tokenizer.piece_texts([eos], skip_special_tokens=False) == [
+        tokenizer.decode([eos], skip_special_tokens=False)
+    ]
     raw = Tokenizer(models.WordLevel({"▁Hello": 0, "▁world": 1}, unk_token="▁world"))
     raw.decoder = decoders.Metaspace()
     assert TextTokenizer(raw).piece_texts([0, 1]) is None  # not a byte-level decoder: its text depends on position
@@ -139,12 +141,14 @@ def test_piece_texts_deltas_equal_the_windowed_decode(tokenizer: TextTokenizer, 
             ids.append(rng.choice(specials))
         else:
             ids.append(rng.randrange(tokenizer.vocab_size))
-    fast, slow = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special), IncrementalDetokenizer(
-        _Windowed(tokenizer), skip_special_tokens=skip_special)
+    fast, slow = (
+        IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special),
+        IncrementalDetokenizer(_Windowed(tokenizer), skip_special_tokens=skip_special),
+    )
     pos = 0
     while pos < len(ids):
         n = rng.choice([1, 1, 1, 2, 3])
-        assert fast.add(ids[pos:pos + n]) == slow.add(ids[pos:pos + n])
+        assert fast.add(ids[pos : pos + n]) == slow.add(ids[pos : pos + n])
         pos += n
     assert fast.flush() == slow.flush()
     assert fast.text == slow.text

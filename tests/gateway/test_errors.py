@@ -10,7 +10,9 @@ from kvserving.gateway import errors
 def test_invalid_request_body_is_openai_shape() -> None:
     e = errors.invalid_request("bad role", param="messages[0].role", code="invalid_value")
     assert e.status == 400
-    assert e.to_body() == {"error": {"message": "bad role", "type": "invalid_request_error", "param": "messages[0].role", "code": "invalid_value"}}
+    assert e.to_body() == {
+        "error": {"message": "bad role", "type": "invalid_request_error", "param": "messages[0].role", "code": "invalid_value"}
+    }
     assert str(e) == "bad role"
 
 

@@ -20,8 +20,7 @@ from kvserving.gateway.prompt.token_prefixes import TokenPrefixes
 from kvserving.gateway.prompt.tokenizer import Encoded, TextTokenizer
 from kvserving.tags import decode_tag
 
-FIRST = [{"role": "system", "content": "You are a careful agent."},
-         {"role": "user", "content": "List the files, then read setup.py."}]
+FIRST = [{"role": "system", "content": "You are a careful agent."}, {"role": "user", "content": "List the files, then read setup.py."}]
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +59,7 @@ def _one_token_per_char(tok: TextTokenizer, text: str) -> list[int]:
 
 
 def _second_turn(reply_text: str) -> list[dict]:
-    return FIRST + [{"role": "assistant", "content": reply_text},
-                    {"role": "user", "content": "Now run the tests."}]
+    return FIRST + [{"role": "assistant", "content": reply_text}, {"role": "user", "content": "Now run the tests."}]
 
 
 def _play(tagger: ChatTagger, tok: TextTokenizer, reply_ids: list[int]) -> tuple[History, list[int], TaggedPrompt]:
@@ -87,7 +85,7 @@ def test_splice_keeps_the_sampled_ids_and_reads_the_same_text(tagger: ChatTagger
     assert spliced.input_ids[: len(held)] == held
     assert tok.decode(spliced.input_ids, skip_special_tokens=False) == canonical.text
     assert len(spliced.tags) == len(spliced.input_ids) == len(spliced.char_starts)
-    assert {decode_tag(t) for t in spliced.tags[len(held) - len(reply): len(held)]} == {("turn_m1", "text", "assistant")}
+    assert {decode_tag(t) for t in spliced.tags[len(held) - len(reply) : len(held)]} == {("turn_m1", "text", "assistant")}
     # user turns start at the same characters as in the canonical prompt, and tags after the reply agree
     assert len(spliced.turn_starts) == len(canonical.turn_starts) == 2
     assert spliced.turn_starts[0] == canonical.turn_starts[0]
@@ -109,8 +107,9 @@ def test_hidden_special_tokens_and_broken_utf8_stay_in_the_held_ids(tagger: Chat
     assert tok.decode(sent.prompt.input_ids) == tok.decode(canonical.input_ids)
     # and a third turn extends the second one's ids in turn
     history.record("conv", sent, tok.encode("Done.").ids, "Done.")
-    third = tagger.build(_second_turn(tok.decode(reply)) + [{"role": "assistant", "content": "Done."},
-                                                            {"role": "user", "content": "Thanks."}])
+    third = tagger.build(
+        _second_turn(tok.decode(reply)) + [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "Thanks."}]
+    )
     again = history.splice("conv", third)
     assert again.prompt.input_ids[: len(sent.prompt.input_ids)] == sent.prompt.input_ids
 
@@ -185,8 +184,7 @@ def test_retag_by_runs_equals_the_tag_of_the_covering_canonical_token() -> None:
             runs.append((end, tag))
         want = [tags[max(0, min(n - 1, bisect.bisect_right(canon, c) - 1))] for c in held]
         for tag_runs in ((), tuple(runs)):  # the tagger's runs, or none (one step per token)
-            prompt = TaggedPrompt(text="x" * 70, input_ids=list(range(n)), tags=tags, char_starts=tuple(canon),
-                                  tag_runs=tag_runs)
+            prompt = TaggedPrompt(text="x" * 70, input_ids=list(range(n)), tags=tags, char_starts=tuple(canon), tag_runs=tag_runs)
             got = _retag(prompt, list(range(len(held))), held, tuple(canon))
             assert got.tags == want
             expanded, lo = [], 0
@@ -224,8 +222,7 @@ def test_ids_json_is_the_json_of_the_ids_sent_in_every_case(tagger: ChatTagger, 
     history.record("conv", first, reply + tok.encode("<|im_end|>").ids, tok.decode(reply))
     second = splice("conv", tagger.build(_second_turn(tok.decode(reply))))
     history.record("conv", second, tok.encode("Done.").ids, "Done.")  # canonical: the next turn extends as rendered
-    third_messages = _second_turn(tok.decode(reply)) + [{"role": "assistant", "content": "Done."},
-                                                        {"role": "user", "content": "Thanks."}]
+    third_messages = _second_turn(tok.decode(reply)) + [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "Thanks."}]
     third = splice("conv", tagger.build(third_messages))
     history.record("conv", third, [], "")  # nothing came back
     splice("conv", tagger.build(third_messages + [{"role": "user", "content": "And?"}]))  # no generation prompt held: no extension

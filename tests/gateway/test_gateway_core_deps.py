@@ -7,9 +7,20 @@ import os
 import subprocess
 import sys
 
-MODULES = ("prompt.chat_template", "prompt.tagger", "prompt.tag_markers", "prompt.tag_spans", "prompt.tokenizer",
-           "prompt.token_prefixes", "prompt.turn_render", "conversations", "identity", "exact_history", "detokenize",
-           "errors")
+MODULES = (
+    "prompt.chat_template",
+    "prompt.tagger",
+    "prompt.tag_markers",
+    "prompt.tag_spans",
+    "prompt.tokenizer",
+    "prompt.token_prefixes",
+    "prompt.turn_render",
+    "conversations",
+    "identity",
+    "exact_history",
+    "detokenize",
+    "errors",
+)
 
 
 def test_core_modules_import_neither_transformers_nor_torch() -> None:

@@ -36,8 +36,9 @@ def fresh_index(store: Conversations | None = None, **kwargs: Any) -> Identities
 class Agent:
     """A client that resends its whole history each turn, like an OpenAI client."""
 
-    def __init__(self, tagger: ChatTagger, index: Identities, first: str, *, strip_reasoning: bool = False,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, tagger: ChatTagger, index: Identities, first: str, *, strip_reasoning: bool = False, headers: dict[str, str] | None = None
+    ) -> None:
         self.tagger, self.index = tagger, index
         self.messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": first}]
         self.strip_reasoning = strip_reasoning
@@ -50,8 +51,9 @@ class Agent:
         self.index.remember(ident.key, prompt.input_ids, tenant=DEFAULT_TENANT)
         return ident, prompt
 
-    def answer(self, ident: Identity, prompt: TaggedPrompt, reasoning: str, text: str, *, tool_call: str | None = None,
-               with_eos: bool = True) -> None:
+    def answer(
+        self, ident: Identity, prompt: TaggedPrompt, reasoning: str, text: str, *, tool_call: str | None = None, with_eos: bool = True
+    ) -> None:
         """The model's output: remembered as prompt + output ids; the client appends the message."""
         tok = self.tagger.tokenizer
         generated = f"<think>\n{reasoning}\n</think>\n\n{text}"
@@ -59,9 +61,11 @@ class Agent:
             generated += f'\n<tool_call>\n{{"name": "{tool_call}", "arguments": {{}}}}\n</tool_call>'
         eos = tok.eos_token_id
         assert eos is not None
-        self.index.remember(ident.key, prompt.input_ids + tok.encode_ids(generated) + ([eos] if with_eos else []),
-                            tenant=DEFAULT_TENANT)
-        message: dict[str, Any] = {"role": "assistant", "content": text if self.strip_reasoning else f"<think>\n{reasoning}\n</think>\n\n{text}"}
+        self.index.remember(ident.key, prompt.input_ids + tok.encode_ids(generated) + ([eos] if with_eos else []), tenant=DEFAULT_TENANT)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": text if self.strip_reasoning else f"<think>\n{reasoning}\n</think>\n\n{text}",
+        }
         if tool_call is not None:
             message["tool_calls"] = [{"id": "c", "type": "function", "function": {"name": tool_call, "arguments": "{}"}}]
         self.messages.append(message)
@@ -80,7 +84,9 @@ def test_header_order_and_case() -> None:
     headers = {"X-Claude-Code-Session-Id": "claude", "x-correlation-id": "corr", "X-SESSION-AFFINITY": "aff"}
     assert explicit_identity(headers, {}) == Identity("session:aff", "x-session-affinity")
     assert explicit_identity({**headers, "x-session-id": "sid"}, {"user": "u"}) == Identity("session:sid", "x-session-id")
-    assert explicit_identity({"X-Dynamo-Session-ID": "d", "x-claude-code-session-id": "c"}, {}) == Identity("session:d", "x-dynamo-session-id")
+    assert explicit_identity({"X-Dynamo-Session-ID": "d", "x-claude-code-session-id": "c"}, {}) == Identity(
+        "session:d", "x-dynamo-session-id"
+    )
     assert explicit_identity({"x-claude-code-session-id": "c"}, {}) == Identity("session:c", "x-claude-code-session-id")
 
 
@@ -317,17 +323,21 @@ def test_remembering_with_the_prompts_chain_files_the_same_records(tagger: ChatT
             output = agent.tagger.tokenizer.encode_ids(f"Step {turn} done.")
             if index is reused:
                 assert ident.chain is None or list(ident.chain) == page_chain(prompt.input_ids, index.page_size)
-                index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids), prefix_chain=ident.chain,
-                                tenant=DEFAULT_TENANT)
-                index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids), prefix_chain=[0, 1],
-                                tenant=DEFAULT_TENANT)
+                index.remember(
+                    ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids), prefix_chain=ident.chain, tenant=DEFAULT_TENANT
+                )
+                index.remember(
+                    ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids), prefix_chain=[0, 1], tenant=DEFAULT_TENANT
+                )
             else:
                 index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids), tenant=DEFAULT_TENANT)
                 index.remember(ident.key, prompt.input_ids + output, prefix=len(prompt.input_ids), tenant=DEFAULT_TENANT)
             agent.messages.append({"role": "assistant", "content": f"Step {turn} done."})
             agent.user(f"Now step {turn + 1}.")
         assert list(plain.store._sequence_owner.items()) == list(reused.store._sequence_owner.items())
-    assert reused.identify(tenant=DEFAULT_TENANT, headers={}, body={}, prompt=tagger.build(agents[1].messages, tools=TOOLS)).chain is not None
+    assert (
+        reused.identify(tenant=DEFAULT_TENANT, headers={}, body={}, prompt=tagger.build(agents[1].messages, tools=TOOLS)).chain is not None
+    )
 
 
 def test_the_chain_continues_from_the_kept_prefix_and_equals_the_whole_chain(tagger: ChatTagger) -> None:
@@ -384,8 +394,7 @@ def test_a_prefix_match_never_attaches_a_request_to_another_tenants_conversation
     i1 = index.identify(tenant=a, headers={}, body={}, prompt=p1)
     answered = p1.input_ids + tagger.tokenizer.encode_ids("The plan is simple.")
     index.remember(i1.key, answered, tenant=a, prefix=len(p1.input_ids))
-    later = tagger.build([*first, {"role": "assistant", "content": "The plan is simple."},
-                          {"role": "user", "content": "Go on."}])
+    later = tagger.build([*first, {"role": "assistant", "content": "The plan is simple."}, {"role": "user", "content": "Go on."}])
     assert index.identify(tenant=a, headers={}, body={}, prompt=later) == Identity(i1.key, "prefix", len(answered))
     # the same continuation from tenant b (a right guess of the whole history) matches nothing of a's
     assert index.match(later, tenant=b) is None

@@ -151,8 +151,11 @@ def test_heartbeat_renews_releases_and_counts() -> None:
 
     asyncio.run(scenario())
     assert client.calls == [
-        ("renew", W1, "x"), ("renew", W1, "y"), ("renew", W2, "z"),
-        ("release", W1, "y"), ("renew", W1, "x"),
+        ("renew", W1, "x"),
+        ("renew", W1, "y"),
+        ("renew", W2, "z"),
+        ("release", W1, "y"),
+        ("renew", W1, "x"),
     ]
     assert k.table.keys() == ["a"] and k.table.get("a").expires_at == 777.0  # type: ignore[union-attr]
     assert sample(m, "kvserving_gateway_lease_renewals_total") == 3

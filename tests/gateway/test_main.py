@@ -23,9 +23,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def rendered_config(tmp_path: Path) -> Path:
-    out = subprocess.run([sys.executable, "-m", "kvserving.cli", "operator", "--render",
-                          str(REPO / "manifests/samples/nvfp4.yaml")], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONSAFEPATH="1"), check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "kvserving.cli", "operator", "--render", str(REPO / "manifests/samples/nvfp4.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONSAFEPATH="1"),
+        check=True,
+    ).stdout
     (cm,) = [o for o in yaml.safe_load_all(out) if o and o["kind"] == "ConfigMap" and "config.json" in o.get("data", {})]
     data = json.loads(cm["data"]["config.json"])
     # The pod reads the credential from the operator's Secret mount; here a file stands in for it.
@@ -45,11 +50,24 @@ def test_gateway_starts_from_the_operators_configmap(tmp_path: Path, tiny_model_
     port = free_port()
     log = tmp_path / "gateway.log"
     # --model: the sample's /models path exists only in the pod (the operator mounts the model PVC there)
-    argv = [sys.executable, "-m", "kvserving.cli", "gateway", "--config", str(cfg), "--host", "127.0.0.1",
-            "--port", str(port), "--model", str(tiny_model_dir)]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvserving.cli",
+        "gateway",
+        "--config",
+        str(cfg),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        str(tiny_model_dir),
+    ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONSAFEPATH="1"),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONSAFEPATH="1"), start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -65,8 +83,11 @@ def test_gateway_starts_from_the_operators_configmap(tmp_path: Path, tiny_model_
         # the headless Services do not resolve here: alive, not ready, refusing with 503
         assert httpx.get(url + "/ready", timeout=5).status_code == 503
         assert httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"] == data["model"]["served_name"]
-        r = httpx.post(url + "/v1/chat/completions", json={"model": data["model"]["served_name"],
-                                                           "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": data["model"]["served_name"], "messages": [{"role": "user", "content": "hi"}]},
+            timeout=10,
+        )
         assert r.status_code == 503 and r.headers["retry-after"] == "2"
     finally:
         if proc.poll() is None:
@@ -74,15 +95,20 @@ def test_gateway_starts_from_the_operators_configmap(tmp_path: Path, tiny_model_
         assert proc.wait(timeout=30) == 0, log.read_text()
     # one startup line: the model, the workers, the config source
     (start,) = [line for line in log.read_text().splitlines() if "kvserving.gateway.main: kvserving gateway on" in line]
-    assert (f"http://127.0.0.1:{port}: model {data['model']['served_name']} ({tiny_model_dir}, context " in start
-            and f"workers: prefill service {data['gateway']['prefill_service']}:" in start
-            and f"decode service {data['gateway']['decode_service']}:" in start and f"config {cfg};" in start), start
+    assert (
+        f"http://127.0.0.1:{port}: model {data['model']['served_name']} ({tiny_model_dir}, context " in start
+        and f"workers: prefill service {data['gateway']['prefill_service']}:" in start
+        and f"decode service {data['gateway']['decode_service']}:" in start
+        and f"config {cfg};" in start
+    ), start
     # one access-log line per API request, none for the probes at info
-    access = [line.split("kvserving.gateway.access: ", 1)[1] for line in log.read_text().splitlines()
-              if "kvserving.gateway.access: " in line]
+    access = [
+        line.split("kvserving.gateway.access: ", 1)[1] for line in log.read_text().splitlines() if "kvserving.gateway.access: " in line
+    ]
     assert [a.rsplit(" ms=", 1)[0] for a in access] == [
         "GET /v1/models 200 conv=- prompt=- cached=- computed=- ttft_ms=-",
-        "POST /v1/chat/completions 503 conv=- prompt=- cached=- computed=- ttft_ms=-"], access
+        "POST /v1/chat/completions 503 conv=- prompt=- cached=- computed=- ttft_ms=-",
+    ], access
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -93,21 +119,30 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_static_urls_replace_the_services_and_model_replaces_the_path(tmp_path: Path) -> None:
     cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"gateway": {"prefill_service": "p.svc", "decode_service": "d.svc", "api_keys": ["k"]},
-                               "model": {"path": "/models/x"}}))
-    config = load_config(parse("--config", str(cfg), "--prefill", "http://a:1", "--decode", "http://b:2", "http://c:3",
-                               "--model", "/m"))
+    cfg.write_text(
+        json.dumps({"gateway": {"prefill_service": "p.svc", "decode_service": "d.svc", "api_keys": ["k"]}, "model": {"path": "/models/x"}})
+    )
+    config = load_config(parse("--config", str(cfg), "--prefill", "http://a:1", "--decode", "http://b:2", "http://c:3", "--model", "/m"))
     gw = config.gateway
     assert (gw.prefill_urls, gw.decode_urls, gw.prefill_service, gw.decode_service) == (
-        ("http://a:1",), ("http://b:2", "http://c:3"), None, None)
+        ("http://a:1",),
+        ("http://b:2", "http://c:3"),
+        None,
+        None,
+    )
     assert gw.api_keys == ("k",) and config.model.path == "/m"
     kept = load_config(parse("--config", str(cfg)))
     assert (kept.gateway.decode_service, kept.model.path) == ("d.svc", "/models/x")
 
 
 def test_no_worker_at_all_is_a_one_line_error(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "kvserving.cli", "gateway", "--port", str(free_port())],
-                         capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONSAFEPATH="1"))
+    out = subprocess.run(
+        [sys.executable, "-m", "kvserving.cli", "gateway", "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONSAFEPATH="1"),
+    )
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1].startswith("kvserving gateway: no workers")
 
@@ -141,8 +176,13 @@ def test_api_keys_file_adds_its_keys_and_an_unreadable_or_empty_one_is_a_one_lin
     with pytest.raises(ValueError, match=f"^security.api_keys_file {keys} holds no keys$"):
         load_config(parse("--config", str(cfg)), environ={})
     keys.unlink()
-    out = subprocess.run([sys.executable, "-m", "kvserving.cli", "gateway", "--config", str(cfg), "--decode", "http://a:1"],
-                         capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONSAFEPATH="1"))
+    out = subprocess.run(
+        [sys.executable, "-m", "kvserving.cli", "gateway", "--config", str(cfg), "--decode", "http://a:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONSAFEPATH="1"),
+    )
     assert out.returncode == 1
     assert out.stderr.strip() == f"kvserving gateway: error: security.api_keys_file {keys}: cannot read: No such file or directory"
 
@@ -154,16 +194,22 @@ def gateway_cli(*argv: str, config: Path | None = None) -> subprocess.CompletedP
 
 def test_port_and_worker_urls_are_checked_with_one_line(tmp_path: Path) -> None:
     out = gateway_cli("--port", "70000", "--decode", "http://a:1")
-    assert (out.returncode, out.stderr.strip()) == (2, "kvserving gateway: error: argument --port: must be an integer in "
-                                                       "0..65535, got 70000 (see kvserving gateway --help)")
+    assert (out.returncode, out.stderr.strip()) == (
+        2,
+        "kvserving gateway: error: argument --port: must be an integer in 0..65535, got 70000 (see kvserving gateway --help)",
+    )
     out = gateway_cli("--prefill", "notaurl", "--decode", "http://a:1")
-    assert (out.returncode, out.stderr.strip()) == (1, "kvserving gateway: error: --prefill: 'notaurl' is not a worker URL; "
-                                                       "give http://HOST:PORT")
+    assert (out.returncode, out.stderr.strip()) == (
+        1,
+        "kvserving gateway: error: --prefill: 'notaurl' is not a worker URL; give http://HOST:PORT",
+    )
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"gateway": {"decode_urls": ["http://d:8000", "https://d:99999/x"]}}))
     out = gateway_cli(config=cfg)
-    assert (out.returncode, out.stderr.strip()) == (1, "kvserving gateway: error: gateway.decode_urls: 'https://d:99999/x' "
-                                                       "is not a worker URL; give http://HOST:PORT")
+    assert (out.returncode, out.stderr.strip()) == (
+        1,
+        "kvserving gateway: error: gateway.decode_urls: 'https://d:99999/x' is not a worker URL; give http://HOST:PORT",
+    )
     for good in ("http://10.0.0.1:8000", "http://[::1]:8000/", "http://decode-0.svc"):
         load_config(parse("--decode", good))
 
@@ -171,11 +217,14 @@ def test_port_and_worker_urls_are_checked_with_one_line(tmp_path: Path) -> None:
 def test_without_the_workers_credential_the_gateway_refuses_to_start(tmp_path: Path) -> None:
     out = gateway_cli("--decode", "http://127.0.0.1:1")
     assert (out.returncode, out.stderr.strip()) == (
-        1, "kvserving gateway: error: security.internal_token_file is not set: workers serve /internal/* only to callers "
-           "with the deployment's credential (kvserving up and the operator provide one)")
+        1,
+        "kvserving gateway: error: security.internal_token_file is not set: workers serve /internal/* only to callers "
+        "with the deployment's credential (kvserving up and the operator provide one)",
+    )
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"security": {"internal_token_file": str(tmp_path / "missing")}}))
     out = gateway_cli("--decode", "http://127.0.0.1:1", config=cfg)
     assert (out.returncode, out.stderr.strip()) == (
-        1, f"kvserving gateway: error: security.internal_token_file {tmp_path / 'missing'}: cannot read it "
-           "(No such file or directory)")
+        1,
+        f"kvserving gateway: error: security.internal_token_file {tmp_path / 'missing'}: cannot read it (No such file or directory)",
+    )

@@ -13,26 +13,37 @@ BASE: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
 
 
-@pytest.mark.parametrize(("extra", "param", "code", "words"), [
-    ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_value", "only 0"),
-    ({"frequency_penalty": -1}, "frequency_penalty", "unsupported_value", "only 0"),
-    ({"frequency_penalty": 3}, "frequency_penalty", "invalid_value", "less than or equal to 2"),
-    ({"logit_bias": {"50256": -100}}, "logit_bias", "unsupported_value", "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_value", "'json_object'"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format",
-     "unsupported_value", "'json_schema'"),
-    ({"response_format": {"type": "yaml"}}, "response_format.type", "invalid_value", "'yaml'"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "unsupported_value", "forces a tool call"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "read_file"}}}, "tool_choice",
-     "unsupported_value", "forces a tool call"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "invalid_value", "'sometimes'"),
-    ({"top_logprobs": 2}, "top_logprobs", "unsupported_value", "top_logprobs"),
-    ({"top_logprobs": 21}, "top_logprobs", "invalid_value", "less than or equal to 20"),
-    ({"modalities": ["text", "audio"]}, "modalities", "unsupported_value", "only 'text'"),
-    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "unsupported_value", "Audio output"),
-    ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "unsupported_value", "as 'tools'"),
-    ({"function_call": {"name": "f"}}, "function_call", "unsupported_value", "as 'tools'"),
-])
+@pytest.mark.parametrize(
+    ("extra", "param", "code", "words"),
+    [
+        ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_value", "only 0"),
+        ({"frequency_penalty": -1}, "frequency_penalty", "unsupported_value", "only 0"),
+        ({"frequency_penalty": 3}, "frequency_penalty", "invalid_value", "less than or equal to 2"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias", "unsupported_value", "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_value", "'json_object'"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+            "response_format",
+            "unsupported_value",
+            "'json_schema'",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "invalid_value", "'yaml'"),
+        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "unsupported_value", "forces a tool call"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "read_file"}}},
+            "tool_choice",
+            "unsupported_value",
+            "forces a tool call",
+        ),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "invalid_value", "'sometimes'"),
+        ({"top_logprobs": 2}, "top_logprobs", "unsupported_value", "top_logprobs"),
+        ({"top_logprobs": 21}, "top_logprobs", "invalid_value", "less than or equal to 20"),
+        ({"modalities": ["text", "audio"]}, "modalities", "unsupported_value", "only 'text'"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "unsupported_value", "Audio output"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "unsupported_value", "as 'tools'"),
+        ({"function_call": {"name": "f"}}, "function_call", "unsupported_value", "as 'tools'"),
+    ],
+)
 def test_chat_refuses_what_it_cannot_honour(extra: dict[str, Any], param: str, code: str, words: str) -> None:
     with pytest.raises(GatewayError) as got:
         parse_chat_request({**BASE, **extra})
@@ -41,15 +52,18 @@ def test_chat_refuses_what_it_cannot_honour(extra: dict[str, Any], param: str, c
     assert words in err["message"]
 
 
-@pytest.mark.parametrize("extra", [
-    {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}},
-    {"response_format": {"type": "text"}},
-    {"tools": TOOLS, "tool_choice": "auto"},
-    {"tools": TOOLS, "tool_choice": "none"},
-    {"metadata": {"a": "b"}, "store": False, "parallel_tool_calls": True, "service_tier": "auto"},
-    {"top_logprobs": 0, "modalities": ["text"], "functions": [], "function_call": "auto"},
-    {"prediction": {"type": "content", "content": "x"}},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}},
+        {"response_format": {"type": "text"}},
+        {"tools": TOOLS, "tool_choice": "auto"},
+        {"tools": TOOLS, "tool_choice": "none"},
+        {"metadata": {"a": "b"}, "store": False, "parallel_tool_calls": True, "service_tier": "auto"},
+        {"top_logprobs": 0, "modalities": ["text"], "functions": [], "function_call": "auto"},
+        {"prediction": {"type": "content", "content": "x"}},
+    ],
+)
 def test_chat_accepts_neutral_values(extra: dict[str, Any]) -> None:
     request = parse_chat_request({**BASE, **extra})
     assert request.messages == BASE["messages"]
@@ -58,8 +72,13 @@ def test_chat_accepts_neutral_values(extra: dict[str, Any]) -> None:
 def test_completions_refuse_what_they_cannot_honour() -> None:
     body = {"model": "m", "prompt": "hello"}
     assert parse_completion_request({**body, "presence_penalty": 0, "echo": False, "best_of": 1}).prompt == "hello"
-    for extra, param in (({"presence_penalty": 1}, "presence_penalty"), ({"logit_bias": {"1": 5}}, "logit_bias"),
-                         ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 2}, "best_of")):
+    for extra, param in (
+        ({"presence_penalty": 1}, "presence_penalty"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"echo": True}, "echo"),
+        ({"suffix": "x"}, "suffix"),
+        ({"best_of": 2}, "best_of"),
+    ):
         with pytest.raises(GatewayError) as got:
             parse_completion_request({**body, **extra})
         err = got.value.to_body()["error"]

@@ -24,7 +24,7 @@ def streamed(text: str, rng: random.Random, *, max_calls: int | None = None, max
     pos = 0
     while pos < len(text):
         step = rng.randint(1, max_step)
-        deltas += parser.feed(text[pos:pos + step])
+        deltas += parser.feed(text[pos : pos + step])
         pos += step
     deltas += parser.finish()
     calls = [(c["function"]["name"], c["function"]["arguments"]) for d in deltas for c in d.get("tool_calls", [])]
@@ -50,8 +50,10 @@ def test_any_split_streams_what_the_whole_text_parses_to() -> None:
 
 
 def test_max_calls_drops_the_calls_past_the_limit_whatever_the_split() -> None:
-    two = ('<tool_call>\n{"name": "ls", "arguments": {"path": "a"}}\n</tool_call>\n'
-           '<tool_call>\n{"name": "cat", "arguments": {"path": "b"}}\n</tool_call>')
+    two = (
+        '<tool_call>\n{"name": "ls", "arguments": {"path": "a"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "cat", "arguments": {"path": "b"}}\n</tool_call>'
+    )
     parsed = OutputParser(tools=True, max_calls=1).parse(two)
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls] == [("ls", '{"path": "a"}')]
     assert parsed.content is None

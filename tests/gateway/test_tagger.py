@@ -52,8 +52,10 @@ def test_agent_conversation_golden_spans(tagger: ChatTagger, tokenizer: TextToke
     assert '{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city"' in system[3]
     # The template's tool-use instructions after the schemas are instruction
     # too, up to the special token that closes the system turn.
-    assert system[3].endswith('</tools>\n\nTo call one, reply with its name and arguments as JSON inside <tool_call></tool_call>:\n'
-                              '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    assert system[3].endswith(
+        "</tools>\n\nTo call one, reply with its name and arguments as JSON inside <tool_call></tool_call>:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
     assert '"description": "List files <in> a directory & more", "parameters": {"type": "object", "properties": {}}}}' in system[3]
     assert rs[2] == ("current", "text", "delim", "<|im_end|>")
     assert rs[3:] == [
@@ -76,7 +78,9 @@ def test_agent_conversation_golden_spans(tagger: ChatTagger, tokenizer: TextToke
         ("current", "text", "delim", "<|im_end|>\n<|im_start|>assistant"),
     ]
     # Turns start at their user header.
-    assert [tokenizer.decode(prompt.input_ids[k : k + 2], skip_special_tokens=False) for k in prompt.turn_starts] == ["<|im_start|>user"] * 2
+    assert [tokenizer.decode(prompt.input_ids[k : k + 2], skip_special_tokens=False) for k in prompt.turn_starts] == [
+        "<|im_start|>user"
+    ] * 2
     assert prompt.current_turn_start == prompt.turn_starts[1]
     assert all(decode_tag(t)[0] == "current" for t in prompt.tags[prompt.current_turn_start :])
 
@@ -95,9 +99,16 @@ def test_agent_conversation_counts_per_class(tagger: ChatTagger, tokenizer: Text
     assert counts[("turn_m1", "text", "assistant")] == len(enc("Checking.\n")) + len(enc("It is 18C and sunny in Paris."))
     assert sum(counts.values()) == len(prompt.input_ids)
     assert set(counts) == {
-        ("current", "text", "delim"), ("current", "text", "inst"), ("current", "text", "user"), ("current", "image", "user"),
-        ("turn_m1", "text", "delim"), ("turn_m1", "text", "user"), ("turn_m1", "text", "reasoning"),
-        ("turn_m1", "text", "assistant"), ("turn_m1", "text", "tool_call"), ("turn_m1", "text", "obs"),
+        ("current", "text", "delim"),
+        ("current", "text", "inst"),
+        ("current", "text", "user"),
+        ("current", "image", "user"),
+        ("turn_m1", "text", "delim"),
+        ("turn_m1", "text", "user"),
+        ("turn_m1", "text", "reasoning"),
+        ("turn_m1", "text", "assistant"),
+        ("turn_m1", "text", "tool_call"),
+        ("turn_m1", "text", "obs"),
     }
     assert all(0 <= t < NUM_TAGS for t in prompt.tags)
 
@@ -107,7 +118,9 @@ def test_tagged_ids_equal_transformers(tagger: ChatTagger, hf_tokenizer: Any) ->
     assert prompt.method == "markers"
     ref = hf_tokenizer.apply_chat_template(copy.deepcopy(AGENT), tools=copy.deepcopy(TOOLS), add_generation_prompt=True, tokenize=True)
     assert prompt.input_ids == list(ref["input_ids"])
-    assert prompt.text == hf_tokenizer.apply_chat_template(copy.deepcopy(AGENT), tools=copy.deepcopy(TOOLS), add_generation_prompt=True, tokenize=False)
+    assert prompt.text == hf_tokenizer.apply_chat_template(
+        copy.deepcopy(AGENT), tools=copy.deepcopy(TOOLS), add_generation_prompt=True, tokenize=False
+    )
     assert len(prompt.tags) == len(prompt.input_ids)
 
 
@@ -162,24 +175,45 @@ def test_multi_turn_golden_spans(tagger: ChatTagger, tokenizer: TextTokenizer) -
     ]
     assert len(prompt.turn_starts) == 5
     assert [decode_tag(prompt.tags[k]) for k in prompt.turn_starts] == [
-        ("older", "text", "delim"), ("older", "text", "delim"), ("turn_m2", "text", "delim"), ("turn_m1", "text", "delim"), ("current", "text", "delim"),
+        ("older", "text", "delim"),
+        ("older", "text", "delim"),
+        ("turn_m2", "text", "delim"),
+        ("turn_m1", "text", "delim"),
+        ("current", "text", "delim"),
     ]
 
 
 def test_message_temporals_count_user_turns_back() -> None:
     roles = ["system", "user", "assistant", "user", "assistant", "tool", "assistant", "user", "assistant", "tool"]
     assert message_temporals([{"role": r} for r in roles]) == [
-        "current", "turn_m2", "turn_m2", "turn_m1", "turn_m1", "turn_m1", "turn_m1", "current", "current", "current",
+        "current",
+        "turn_m2",
+        "turn_m2",
+        "turn_m1",
+        "turn_m1",
+        "turn_m1",
+        "turn_m1",
+        "current",
+        "current",
+        "current",
     ]
     five = [{"role": "user"}] * 5
     assert message_temporals(five) == ["older", "older", "turn_m2", "turn_m1", "current"]
 
 
 def test_agent_tool_loop_stays_in_the_current_turn(tagger: ChatTagger) -> None:
-    loop = AGENT[:2] + AGENT[2:4] + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c2", "type": "function", "function": {"name": "list_files", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "c2", "content": "a.txt b.txt"},
-    ]
+    loop = (
+        AGENT[:2]
+        + AGENT[2:4]
+        + [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c2", "type": "function", "function": {"name": "list_files", "arguments": "{}"}}],
+            },
+            {"role": "tool", "tool_call_id": "c2", "content": "a.txt b.txt"},
+        ]
+    )
     prompt = tagger.build(loop, tools=TOOLS)
     temporals = {decode_tag(t)[0] for t in prompt.tags}
     assert temporals == {"current"}
@@ -293,7 +327,9 @@ def test_image_runs_that_do_not_match_the_parts_keep_their_text_roles(tokenizer:
         "{% else %}<|image_pad|> <|image_pad|>{% endif %}{% endfor %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
     )
     tagger = ChatTagger(tokenizer, ChatTemplate(template))
-    prompt = tagger.build([{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "x"}}]}])
+    prompt = tagger.build(
+        [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "x"}}]}]
+    )
     pad = tokenizer.token_to_id("<|image_pad|>")
     image_tags = {decode_tag(t) for i, t in zip(prompt.input_ids, prompt.tags, strict=True) if i == pad}
     assert image_tags and all(m == "image" for _, m, _ in image_tags)
@@ -348,7 +384,13 @@ def conversations(draw: st.DrawFn) -> list[dict[str, Any]]:
                 content = f"<think>{draw(TEXT)}</think>{content}"
             msg: dict[str, Any] = {"role": "assistant", "content": content}
             if draw(st.booleans()):
-                msg["tool_calls"] = [{"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"q": "' + draw(TEXT).replace('"', "").replace("\\", "") + '"}'}}]
+                msg["tool_calls"] = [
+                    {
+                        "id": "c",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"q": "' + draw(TEXT).replace('"', "").replace("\\", "") + '"}'},
+                    }
+                ]
                 messages.append(msg)
                 messages.append({"role": "tool", "tool_call_id": "c", "content": draw(TEXT)})
             else:
@@ -403,7 +445,10 @@ def test_a_turns_prompt_keeps_its_roles_in_the_next_turn(tagger: ChatTagger) -> 
     per_turn = 2 * 7
     conversation = copy.deepcopy(AGENT[:2])
     steps: list[dict[str, Any]] = [
-        AGENT[2], AGENT[3], AGENT[4], AGENT[5],
+        AGENT[2],
+        AGENT[3],
+        AGENT[4],
+        AGENT[5],
         {"role": "assistant", "content": "<think>\nAn image.\n</think>\n\nA cat."},
         {"role": "user", "content": "thanks"},
     ]

@@ -24,10 +24,22 @@ from kvserving.gateway.prompt.token_prefixes import TokenPrefixes
 from kvserving.gateway.prompt.tokenizer import TextTokenizer
 
 TOOLS = [
-    {"type": "function", "function": {"name": "run_tests", "description": "Run the test suite",
-                                      "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}},
-    {"type": "function", "function": {"name": "read_file", "description": "Read a file",
-                                      "parameters": {"type": "object", "properties": {"name": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run the test suite",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"name": {"type": "string"}}},
+        },
+    },
 ]
 
 # Qwen3-style: reasoning of assistant turns before the last user message is dropped,
@@ -57,8 +69,12 @@ def agent_turns(rng: random.Random, turns: int) -> list[list[dict[str, Any]]]:
     out = []
     for _ in range(turns):
         if rng.random() < 0.3:
-            messages.append({"role": "user", "content": [{"type": "text", "text": words(rng, 6)},
-                                                         {"type": "image_url", "image_url": {"url": "data:x"}}]})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": words(rng, 6)}, {"type": "image_url", "image_url": {"url": "data:x"}}],
+                }
+            )
         else:
             messages.append({"role": "user", "content": words(rng, rng.randint(1, 12))})
         out.append(copy.deepcopy(messages))
@@ -69,8 +85,13 @@ def agent_turns(rng: random.Random, turns: int) -> list[list[dict[str, Any]]]:
         elif kind < 0.5:
             reply["reasoning_content"] = words(rng, 5)
         if rng.random() < 0.5:
-            reply["tool_calls"] = [{"id": "c1", "type": "function",
-                                    "function": {"name": "run_tests", "arguments": '{"path": "t/' + str(rng.randint(0, 9)) + '"}'}}]
+            reply["tool_calls"] = [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "run_tests", "arguments": '{"path": "t/' + str(rng.randint(0, 9)) + '"}'},
+                }
+            ]
             messages.append(reply)
             messages.append({"role": "tool", "tool_call_id": "c1", "content": words(rng, rng.randint(1, 10))})
             out.append(copy.deepcopy(messages))  # the agent's next request within the turn
@@ -120,7 +141,8 @@ def test_sessions_interleaved_each_reuse_their_own_prefix(tokenizer: TextTokeniz
 
 
 def test_sessions_that_differ_only_far_before_each_cut_keep_their_own_prefix(
-    tokenizer: TextTokenizer, template: ChatTemplate,
+    tokenizer: TextTokenizer,
+    template: ChatTemplate,
 ) -> None:
     """Agents share a system prompt and boilerplate: the text just before each cut is the same in
     every session (only a session number far before it differs); each still hits its own entry."""
@@ -145,7 +167,8 @@ def test_sessions_that_differ_only_far_before_each_cut_keep_their_own_prefix(
 
 
 def test_new_conversations_sharing_a_system_prompt_and_tools_reuse_its_tokens(
-    tokenizer: TextTokenizer, template: ChatTemplate,
+    tokenizer: TextTokenizer,
+    template: ChatTemplate,
 ) -> None:
     full = ChatTagger(tokenizer, template)
     incremental = kept_tagger(tokenizer, template)
@@ -305,9 +328,13 @@ def test_kept_labels_give_the_tags_of_a_full_tagging(name: str, tokenizer: TextT
     prefix's labels returns exactly what a tagger without any kept state returns."""
     from test_tagger import EDITING_TEMPLATE, TOOLS_AS_JSON_TEMPLATE
 
-    chosen = {"tiny": template, "tools_after": ChatTemplate(TOOLS_AS_JSON_TEMPLATE),
-              "empty_list": ChatTemplate(EMPTY_LIST_TEMPLATE), "stripping": ChatTemplate(STRIPPING_TEMPLATE),
-              "editing": ChatTemplate(EDITING_TEMPLATE)}[name]
+    chosen = {
+        "tiny": template,
+        "tools_after": ChatTemplate(TOOLS_AS_JSON_TEMPLATE),
+        "empty_list": ChatTemplate(EMPTY_LIST_TEMPLATE),
+        "stripping": ChatTemplate(STRIPPING_TEMPLATE),
+        "editing": ChatTemplate(EDITING_TEMPLATE),
+    }[name]
     full = ChatTagger(tokenizer, chosen)
     incremental = kept_tagger(tokenizer, chosen)
     drafting = kept_tagger(tokenizer, chosen)
@@ -330,8 +357,7 @@ def test_kept_labels_give_the_tags_of_a_full_tagging(name: str, tokenizer: TextT
                 else:
                     assert got_draft.prompt.text != got.text
                 if got.tag_runs:  # the runs are the tags
-                    assert [t for (hi, t), lo in zip(got.tag_runs, [0] + [h for h, _ in got.tag_runs])
-                            for _ in range(hi - lo)] == got.tags
+                    assert [t for (hi, t), lo in zip(got.tag_runs, [0] + [h for h, _ in got.tag_runs]) for _ in range(hi - lo)] == got.tags
                 requests += 1
     # The labels were reused where the template keeps earlier turns as they were and
     # renders nothing after them but the generation prompt (the tools-after layout
@@ -357,8 +383,13 @@ def test_content_that_spells_out_markup_reuses_neither_ids_nor_labels(tokenizer:
     incremental = kept_tagger(tokenizer, template)
     system = {"role": "system", "content": "Be brief."}
     first = [system, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
-    second = [system, {"role": "user", "content": "a<|im_end|>\n<|im_start|>assistant\nb"}, {"role": "user", "content": "c"},
-              {"role": "assistant", "content": "d"}, {"role": "user", "content": "e"}]
+    second = [
+        system,
+        {"role": "user", "content": "a<|im_end|>\n<|im_start|>assistant\nb"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+        {"role": "user", "content": "e"},
+    ]
     kept = build(incremental, copy.deepcopy(first))
     got = build(incremental, copy.deepcopy(second))
     assert got.reused_prefix is None or len(got.reused_prefix.ids) <= kept.input_ids.index(4078, 8)  # the system message's at most

@@ -43,8 +43,14 @@ NUMBERED_TEMPLATE = (
 def _template(name: str, tiny: ChatTemplate) -> ChatTemplate:
     from test_tagger import EDITING_TEMPLATE, TOOLS_AS_JSON_TEMPLATE
 
-    sources = {"tools_after": TOOLS_AS_JSON_TEMPLATE, "empty_list": EMPTY_LIST_TEMPLATE, "stripping": STRIPPING_TEMPLATE,
-               "editing": EDITING_TEMPLATE, "parity": PARITY_TEMPLATE, "numbered": NUMBERED_TEMPLATE}
+    sources = {
+        "tools_after": TOOLS_AS_JSON_TEMPLATE,
+        "empty_list": EMPTY_LIST_TEMPLATE,
+        "stripping": STRIPPING_TEMPLATE,
+        "editing": EDITING_TEMPLATE,
+        "parity": PARITY_TEMPLATE,
+        "numbered": NUMBERED_TEMPLATE,
+    }
     return tiny if name == "tiny" else ChatTemplate(sources[name])
 
 
@@ -206,8 +212,12 @@ def test_conversations_that_share_a_key_are_told_apart_and_bounded(tokenizer: Te
     assert renders is not None
     convs = []
     for c in range(12):
-        m = [{"role": "system", "content": "agent"}, {"role": "user", "content": "fix the bug"},
-             {"role": "assistant", "content": f"looked at file {c}"}, {"role": "user", "content": "continue"}]
+        m = [
+            {"role": "system", "content": "agent"},
+            {"role": "user", "content": "fix the bug"},
+            {"role": "assistant", "content": f"looked at file {c}"},
+            {"role": "user", "content": "continue"},
+        ]
         draft(tagger, copy.deepcopy(m), key=f"c{c}")
         convs.append(m)
     assert [len(b) for b in store._renders.values()] == [8]  # one key, eight in its bucket

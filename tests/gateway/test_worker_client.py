@@ -193,8 +193,10 @@ def test_refusal_broken_stream_timeout_and_unreachable_worker_are_upstream_error
         await read_request(reader)
         if n == 0:
             body = json.dumps({"error": {"message": "engine full"}}).encode()
-            writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            writer.write(
+                b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
             await writer.drain()  # and closes: the next request needs a new connection
         elif n == 1:
             writer.write(sse_reply(EVENTS[:1], done=False)[0] + sse_reply(EVENTS[:1], done=False)[1])
@@ -343,7 +345,7 @@ def test_late_headers_from_a_worker_that_answers_health_are_awaited() -> None:
         head = await read_head(reader)
         while head.startswith(b"GET /health "):  # kept alive: the next probe comes on the same connection
             probes.append(1)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 15\r\n\r\n{\"status\":\"ok\"}")
+            writer.write(b'HTTP/1.1 200 OK\r\ncontent-length: 15\r\n\r\n{"status":"ok"}')
             await writer.drain()
             head = await read_head(reader)
         length = next(int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length"))
@@ -371,6 +373,7 @@ def test_late_headers_from_a_worker_that_answers_health_are_awaited() -> None:
 def test_late_headers_from_a_worker_that_does_not_answer_health_end_the_call_unresponsive() -> None:
     """A frozen worker (the kernel still accepts, the process answers nothing): the call ends
     ``unresponsive`` at the first unanswered probe, long before the first-byte deadline."""
+
     async def script(_: int, reader: Reader, writer: Writer) -> None:
         await read_head(reader)
         await reader.read()  # accepted, never answered

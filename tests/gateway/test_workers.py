@@ -49,7 +49,10 @@ def test_services_are_resolved_and_re_resolved_keeping_known_workers_state() -> 
     async def scenario() -> None:
         await p._resolve_members()
         assert {u: w.role for u, w in p.workers.items()} == {
-            "http://10.0.0.1:8000": "prefill", "http://10.0.0.2:8000": "decode", "http://10.0.0.3:8000": "decode"}
+            "http://10.0.0.1:8000": "prefill",
+            "http://10.0.0.2:8000": "decode",
+            "http://10.0.0.3:8000": "decode",
+        }
         p.workers["http://10.0.0.2:8000"].inflight = 3
         answers["dec.svc"] = ["http://10.0.0.2:8000", "http://10.0.0.4:8000"]  # a pod went, one came
         await p._resolve_members()
@@ -85,12 +88,15 @@ def _collect(*lines: str) -> list[dict]:
 
 
 def test_sse_events_until_done_errors_raise() -> None:
-    assert _collect('data: {"token_ids": [1]}', "", ": comment", 'data: {"token_ids": []}', "data: [DONE]",
-                    'data: {"never": 1}') == [{"token_ids": [1]}, {"token_ids": []}]
+    assert _collect('data: {"token_ids": [1]}', "", ": comment", 'data: {"token_ids": []}', "data: [DONE]", 'data: {"never": 1}') == [
+        {"token_ids": [1]},
+        {"token_ids": []},
+    ]
     assert _collect('data: {"token_ids": [1]}\r', "\r", "data:[DONE]") == [{"token_ids": [1]}]  # CRLF, no space
     events = SSEEvents("http://w")
     assert events.feed(b'data: {"token_ids": [1]}\n\ndata: {"error": {"message": "oom", "type": "server_error"}}\n') == [
-        {"token_ids": [1]}]  # the events before an error are delivered; the error is left to raise
+        {"token_ids": [1]}
+    ]  # the events before an error are delivered; the error is left to raise
     assert events.error is not None and events.error.kind == "worker_error" and "oom" in events.error.message
     with pytest.raises(UpstreamError) as err:
         _collect('data: {"token_ids": [1]}', 'data: {"error": {"message": "oom", "type": "server_error"}}')
@@ -105,7 +111,8 @@ def test_sse_events_until_done_errors_raise() -> None:
 def test_sse_event_that_is_not_exactly_one_object_is_malformed(data: str) -> None:
     events = SSEEvents("http://w")
     assert events.feed(f'data: {{"token_ids": [7]}}\ndata: {data}\ndata: {{"token_ids": [8]}}\n'.encode()) == [
-        {"token_ids": [7]}]  # the events before it are delivered, none after
+        {"token_ids": [7]}
+    ]  # the events before it are delivered, none after
     assert events.error is not None and events.error.kind == "stream" and "malformed" in events.error.message
 
 
@@ -141,8 +148,7 @@ def test_a_worker_leaves_the_rotation_after_ready_misses_in_a_row_or_at_once_on_
     for outcome in (True, None, True, None, None, None, True, False, None, True):
         w.polled(outcome)
         seen.append((w.healthy, w.misses))
-    assert seen == [(True, 0), (True, 1), (True, 0), (True, 1), (False, 2), (False, 3), (True, 0), (False, 0),
-                    (False, 1), (True, 0)]
+    assert seen == [(True, 0), (True, 1), (True, 0), (True, 1), (False, 2), (False, 3), (True, 0), (False, 0), (False, 1), (True, 0)]
 
 
 def test_one_unanswered_ready_poll_keeps_a_worker_two_in_a_row_take_it_out_a_503_at_once() -> None:

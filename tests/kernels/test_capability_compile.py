@@ -71,9 +71,7 @@ def _expected(sm: int) -> set[str]:
 
 
 @pytest.mark.parametrize("sm", TARGETS)
-def test_every_dispatchable_kernel_compiles_for_blackwell_within_its_shared_memory(
-    sm: int, compiled: dict[int, dict[str, Any]]
-) -> None:
+def test_every_dispatchable_kernel_compiles_for_blackwell_within_its_shared_memory(sm: int, compiled: dict[int, dict[str, Any]]) -> None:
     got = compiled[sm]
     assert set(got) == _expected(sm), sorted(set(got) ^ _expected(sm))
     failed = {name: r["error"] for name, r in got.items() if not r["ok"]}

@@ -197,7 +197,10 @@ def test_chunk_rows_reads_packed_rows_in_place_and_copies_the_rest() -> None:
     kv = torch.randn(3, 2 * 2 * 16 + 8)  # one projection's rows: k and v side by side, a token stride of 72
     k2, v2 = kv[:, :32].view(3, 2, 16), kv[:, 32:64].view(3, 2, 16)
     assert all(a is b for a, b in zip(chunk_rows(k2, v2), (k2, v2), strict=True))
-    for kk, vv in ((k.transpose(1, 2).contiguous().transpose(1, 2), v), (k, v[:, :, :8].repeat(1, 1, 2)),
-                   (k, torch.randn(3, 4, 16)[:, ::2])):  # channels strided; v's token stride not k's; heads strided
+    for kk, vv in (
+        (k.transpose(1, 2).contiguous().transpose(1, 2), v),
+        (k, v[:, :, :8].repeat(1, 1, 2)),
+        (k, torch.randn(3, 4, 16)[:, ::2]),
+    ):  # channels strided; v's token stride not k's; heads strided
         k3, v3 = chunk_rows(kk, vv)
         assert k3.is_contiguous() and v3.is_contiguous() and torch.equal(k3, kk) and torch.equal(v3, vv)

@@ -86,6 +86,7 @@ def check_keys(k: torch.Tensor) -> None:
 
 def sweep_groups(n: int, gen: torch.Generator) -> torch.Tensor:
     """fp32 [n, 32]: n groups of eight kinds (by row % 8) over many scales and offsets, all within +-65504."""
+
     def u(*shape: int) -> torch.Tensor:
         return torch.rand(*shape, generator=gen)
 

@@ -110,13 +110,24 @@ def test_page_ids_is_torch_free_at_run_time() -> None:
 def test_paged_ops_loads_kernels_only_on_first_use() -> None:
     top = _ours(_imports(_tree("paged_ops"), top_level_only=True))
     assert top & TRITON_MODULES == set(), top
-    assert _ours(_imports(_tree("paged_ops"))) >= {"triton_write", "triton_gather", "triton_decode", "gluon_decode", "gluon_extend",
-                                                         "gluon_extend_tri"}
+    assert _ours(_imports(_tree("paged_ops"))) >= {
+        "triton_write",
+        "triton_gather",
+        "triton_decode",
+        "gluon_decode",
+        "gluon_extend",
+        "gluon_extend_tri",
+    }
 
 
 def _reads_environment(tree: ast.AST) -> bool:
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and isinstance(node.value, ast.Name) and node.value.id == "os":
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in ("environ", "getenv")
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "os"
+        ):
             return True
     return False
 

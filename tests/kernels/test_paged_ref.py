@@ -271,13 +271,17 @@ def test_bad_inputs_raise_value_errors_naming_the_problem() -> None:
     with pytest.raises(ValueError, match="slots"):
         paged_ref.write_kv(kv, k, k, torch.tensor([1, 1], dtype=torch.int32), torch.tensor([2, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match="heads/dim"):
-        paged_ref.write_kv(kv, torch.randn(2, 2, 64), torch.randn(2, 2, 64), torch.zeros(2, dtype=torch.int32), torch.arange(2, dtype=torch.int32))
+        paged_ref.write_kv(
+            kv, torch.randn(2, 2, 64), torch.randn(2, 2, 64), torch.zeros(2, dtype=torch.int32), torch.arange(2, dtype=torch.int32)
+        )
     with pytest.raises(ValueError, match="does not fit"):
         paged_ref.gather_kv(kv, filled.page_table[0, :2], 9, torch.empty(9, 2, 32), torch.empty(9, 2, 32))
     with pytest.raises(ValueError, match="backend"):
         paged_ops.decode_attention(q, kv, filled.page_table, filled.seq_lens, sm_scale=1.0, backend="cuda")
     with pytest.raises(ValueError, match="needs a triaxial KV"):
-        paged_ref.write_int2_pages(kv, torch.randn(1, 4, 2, 32), torch.randn(1, 4, 2, 32), torch.tensor([INT2_PAGE_FLAG], dtype=torch.int32))
+        paged_ref.write_int2_pages(
+            kv, torch.randn(1, 4, 2, 32), torch.randn(1, 4, 2, 32), torch.tensor([INT2_PAGE_FLAG], dtype=torch.int32)
+        )
 
 
 def test_paged_kv_checks_itself_and_answers_triaxial() -> None:
@@ -314,4 +318,10 @@ def test_triaxial_page_order_is_checked() -> None:
     with pytest.raises(ValueError, match="INT2_PAGE_FLAG"):
         paged_ref.write_int2_pages(pool.kv(), torch.randn(1, 8, 1, 32), torch.randn(1, 8, 1, 32), torch.zeros(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="INT2_PAGE_FLAG"):  # write_kv writes INT4 pages only
-        paged_ref.write_kv(pool.kv(), torch.randn(1, 1, 32), torch.randn(1, 1, 32), torch.tensor([INT2_PAGE_FLAG], dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+        paged_ref.write_kv(
+            pool.kv(),
+            torch.randn(1, 1, 32),
+            torch.randn(1, 1, 32),
+            torch.tensor([INT2_PAGE_FLAG], dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32),
+        )

@@ -223,7 +223,9 @@ def test_paged_ops_dispatches_to_triton_when_asked() -> None:
     ref = paged_ops.decode_attention(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1)
     tri = paged_ops.decode_attention(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1, backend="triton")
     assert rel_err(tri, ref) < 3e-3 and not torch.equal(tri, ref)  # two implementations, one answer
-    via_options = paged_ops.decode_attention(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1, options=KernelOptions(backend="triton"))
+    via_options = paged_ops.decode_attention(
+        q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1, options=KernelOptions(backend="triton")
+    )
     assert torch.equal(via_options, tri)
     with pytest.raises(ValueError, match="out of range"):
         bad = filled.page_table.clone()
@@ -247,7 +249,9 @@ def test_paged_ops_is_the_one_place_that_picks_the_decode_kernel() -> None:
 def test_kernel_options_read_the_environment_once_and_refuse_bad_values() -> None:
     env = {"KVSERVING_PAGED_BACKEND": "triton", "KVSERVING_CHECK_VALUES": "1", "KVSERVING_DECODE_KERNEL": "tl",
            "KVSERVING_TRITON_FAST": "0", "TRITON_INTERPRET": "1"}  # fmt: skip
-    assert KernelOptions.from_env(env) == KernelOptions(backend="triton", check_values=True, decode_kernel="tl", triton_fast=False, interpret=True)
+    assert KernelOptions.from_env(env) == KernelOptions(
+        backend="triton", check_values=True, decode_kernel="tl", triton_fast=False, interpret=True
+    )
     assert KernelOptions.from_env({}) == KernelOptions()
     gpu = torch.device("cuda")
     assert KernelOptions().fast_decoders(gpu) and not KernelOptions(interpret=True).fast_decoders(gpu)

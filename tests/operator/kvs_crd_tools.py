@@ -14,8 +14,20 @@ import yaml
 # The package's admission code (what `kvserving operator --render` runs) is the one implementation.
 from kvserving.operator.validate import apply_defaults, cel_failures, openapi_errors, to_cel, unknown_fields
 
-__all__ = ["REPO", "CRD_PATH", "SAMPLES", "load_crd", "root_schema", "load_sample", "admit",
-           "apply_defaults", "cel_failures", "openapi_errors", "to_cel", "unknown_fields"]
+__all__ = [
+    "REPO",
+    "CRD_PATH",
+    "SAMPLES",
+    "load_crd",
+    "root_schema",
+    "load_sample",
+    "admit",
+    "apply_defaults",
+    "cel_failures",
+    "openapi_errors",
+    "to_cel",
+    "unknown_fields",
+]
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "kvserving.yaml"

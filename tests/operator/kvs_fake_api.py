@@ -48,7 +48,8 @@ class FakeApiServer:
         if verb == "list":
             wanted = dict(pair.split("=", 1) for pair in (params or {}).get("labelSelector", "").split(",") if pair)
             items = [
-                copy.deepcopy(o) for (g, p, n, _), o in sorted(self.objects.items())
+                copy.deepcopy(o)
+                for (g, p, n, _), o in sorted(self.objects.items())
                 if (g, p, n) == (group, plural, ns) and wanted.items() <= o["metadata"].get("labels", {}).items()
             ]
             for item in items:  # list items come without apiVersion/kind

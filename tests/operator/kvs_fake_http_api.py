@@ -45,7 +45,9 @@ def _discovery() -> dict[str, Any]:
             for plural, kind, ns, verbs in resources
         ]
         if group == "kvserving.dev":
-            listing.append({"name": "kvservings/status", "singularName": "", "namespaced": True, "kind": "KVServing", "verbs": ["get", "patch"]})
+            listing.append(
+                {"name": "kvservings/status", "singularName": "", "namespaced": True, "kind": "KVServing", "verbs": ["get", "patch"]}
+            )
         docs[f"/api/{version}" if not group else f"/apis/{group}/{version}"] = {"resources": listing}
         if group:
             gv = {"groupVersion": f"{group}/{version}", "version": version}
@@ -120,6 +122,7 @@ class FakeHttpApi:
             for queues in self._watchers.values():
                 for q in queues:
                     q.put_nowait({})  # ends the stream
+
         self._loop.call_soon_threadsafe(end)
         if self._runner is not None:
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
@@ -141,6 +144,7 @@ class FakeHttpApi:
         def put() -> None:
             self._put(group, plural, obj)
             done.set()
+
         self._loop.call_soon_threadsafe(put)
         assert done.wait(10)
 
@@ -171,6 +175,7 @@ class FakeHttpApi:
                     del self.objects[key]
                     self._emit(key[0], key[1], "DELETED", obj)
             done.set()
+
         self._loop.call_soon_threadsafe(delete)
         assert done.wait(10)
 
@@ -245,8 +250,13 @@ class FakeHttpApi:
         new["metadata"].update(generation=generation, resourceVersion=self._next_rv(), uid=f"uid-{self._rv}")
         if plural == "deployments":  # the pods come up at once
             n = new["spec"]["replicas"]
-            new["status"] = {"observedGeneration": generation, "replicas": n, "updatedReplicas": n, "readyReplicas": n,
-                             "conditions": [{"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}]}
+            new["status"] = {
+                "observedGeneration": generation,
+                "replicas": n,
+                "updatedReplicas": n,
+                "readyReplicas": n,
+                "conditions": [{"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}],
+            }
         self.objects[key] = new
         self._emit(group, plural, "MODIFIED" if old else "ADDED", new)
         return new
@@ -254,7 +264,8 @@ class FakeHttpApi:
     async def _list(self, request: web.Request, group: str, plural: str, namespace: str | None) -> web.Response:
         selector = dict(p.split("=", 1) for p in request.query.get("labelSelector", "").split(",") if p)
         items = [
-            o for (g, p, ns, _), o in self.objects.items()
+            o
+            for (g, p, ns, _), o in self.objects.items()
             if (g, p) == (group, plural) and namespace in (None, ns) and selector.items() <= o["metadata"].get("labels", {}).items()
         ]
         return web.json_response({"metadata": {"resourceVersion": str(self._rv)}, "items": items})

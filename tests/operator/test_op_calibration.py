@@ -67,8 +67,11 @@ def test_changing_the_reference_rolls_the_workers() -> None:
         ("triaxial", {}, "default bits table for bitBudget 2.7 (no calibration ConfigMap)"),
         ("fp8_e4m3", {"globalScale": "static"}, "global scales 1.0"),
         ("fp8_e4m3", {"globalScale": "calibrated"}, "global scales measured at worker start (no calibration ConfigMap)"),
-        ("fp8_e4m3", {"calibration": {"configMap": "c"}, "globalScale": "static"},
-         "global scales 1.0 (ConfigMap c's scales unused: globalScale is static)"),
+        (
+            "fp8_e4m3",
+            {"calibration": {"configMap": "c"}, "globalScale": "static"},
+            "global scales 1.0 (ConfigMap c's scales unused: globalScale is static)",
+        ),
     ],
 )
 def test_without_calibration_the_status_says_what_is_used(sample: str, kv: dict[str, Any], line: str) -> None:
@@ -78,10 +81,17 @@ def test_without_calibration_the_status_says_what_is_used(sample: str, kv: dict[
         assert _engine_config(rendered).kv_cache.calibration is None
         pods = [o for o in rendered.objects if o["kind"] == "Deployment"]
         assert all(v["name"] != "calibration" for p in pods for v in p["spec"]["template"]["spec"]["volumes"])
-    desired = Desired(generation=1, replicas={"prefill": 1, "decode": 1, "gateway": 1}, config_hash="h",
-                      endpoint="http://x", kv_bits=rendered.kv_bits, kv_calibration=rendered.kv_calibration)
-    status = compute_status(name="x", desired=desired, observed={}, observed_generation=None, previous={},
-                            apply_error=None, now="2026-11-30T00:00:00Z")
+    desired = Desired(
+        generation=1,
+        replicas={"prefill": 1, "decode": 1, "gateway": 1},
+        config_hash="h",
+        endpoint="http://x",
+        kv_bits=rendered.kv_bits,
+        kv_calibration=rendered.kv_calibration,
+    )
+    status = compute_status(
+        name="x", desired=desired, observed={}, observed_generation=None, previous={}, apply_error=None, now="2026-11-30T00:00:00Z"
+    )
     assert status["kvCalibration"] == line
 
 

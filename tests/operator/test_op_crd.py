@@ -72,7 +72,11 @@ def test_every_spec_field_has_a_type_and_description() -> None:
 
 # Fields left unset on purpose: their default depends on other fields or is "none".
 OPTIONAL = {
-    "spec.model.maxModelLen", "spec.model.pvcName", "spec.kvCache.bitBudget", "spec.kvCache.pageSize", "spec.kvCache.calibration",
+    "spec.model.maxModelLen",
+    "spec.model.pvcName",
+    "spec.kvCache.bitBudget",
+    "spec.kvCache.pageSize",
+    "spec.kvCache.calibration",
     "spec.gateway.apiKeysSecret",
     "spec.kvCache.allowEmulation",  # deprecated alias of allowOtherGPUs: only its presence is read (and logged)
 }
@@ -91,21 +95,35 @@ def test_design_defaults() -> None:
     defaulted, errors = admit({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": "d"}})
     assert errors == []
     spec = defaulted["spec"]
-    assert spec["reuse"] == {"bidirectional": True, "retentionTTLSeconds": 480, "leaseTTLSeconds": 420, "recomputeThresholdTokens": 64,
-                             "tenantsShareCache": False, "peerTimeoutSeconds": 1}
-    assert parse_spec(spec).serving.reuse.peer_timeout_s == ReuseConfig().peer_timeout_s
-    assert spec["kvCache"] == {
-        "dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowOtherGPUs": False, "ageDown": True
+    assert spec["reuse"] == {
+        "bidirectional": True,
+        "retentionTTLSeconds": 480,
+        "leaseTTLSeconds": 420,
+        "recomputeThresholdTokens": 64,
+        "tenantsShareCache": False,
+        "peerTimeoutSeconds": 1,
     }
-    assert spec["prefill"]["resources"] == {"requests": {"cpu": "4", "memory": "32Gi"},
-                                            "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1}}
+    assert parse_spec(spec).serving.reuse.peer_timeout_s == ReuseConfig().peer_timeout_s
+    assert spec["kvCache"] == {"dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowOtherGPUs": False, "ageDown": True}
+    assert spec["prefill"]["resources"] == {
+        "requests": {"cpu": "4", "memory": "32Gi"},
+        "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1},
+    }
     assert spec["prefill"]["resources"] == WORKER_RESOURCES and spec["gateway"]["resources"] == GATEWAY_RESOURCES
-    assert spec["networkPolicy"] == {"enabled": True, "operatorNamespace": "kvserving-system",
-                                     "egress": {"enabled": True, "dnsTo": [], "allowTo": []}}
+    assert spec["networkPolicy"] == {
+        "enabled": True,
+        "operatorNamespace": "kvserving-system",
+        "egress": {"enabled": True, "dnsTo": [], "allowTo": []},
+    }
     assert spec["gateway"]["allowFrom"] == []
     assert "apiKeysSecret" not in spec["gateway"]
-    assert spec["monitoring"] == {"enabled": True, "dashboard": True, "scrapeInterval": "30s", "labels": {},
-                                  "allowFrom": [DEFAULT_MONITORING_PEER]}
+    assert spec["monitoring"] == {
+        "enabled": True,
+        "dashboard": True,
+        "scrapeInterval": "30s",
+        "labels": {},
+        "allowFrom": [DEFAULT_MONITORING_PEER],
+    }
 
 
 @pytest.mark.parametrize("sample", sorted(SAMPLES))
@@ -161,25 +179,47 @@ INVALID = [
     ("negative decode replicas", _with("spec.decode.replicas", -2), "spec.decode.replicas: replicas must not be negative"),
     ("negative gateway replicas", _with("spec.gateway.replicas", -1), "spec.gateway.replicas: replicas must not be negative"),
     ("page size not a power of two", _with("spec.kvCache.pageSize", 24), "spec.kvCache.pageSize: pageSize must be a power of two"),
-    ("triaxial page size not 32", _with("spec.kvCache.pageSize", 16, base="triaxial"), "spec.kvCache: pageSize must be 32 for dtype triaxial"),
+    (
+        "triaxial page size not 32",
+        _with("spec.kvCache.pageSize", 16, base="triaxial"),
+        "spec.kvCache: pageSize must be 32 for dtype triaxial",
+    ),
     (
         "calibrated scale without one",
         _with("spec.kvCache.globalScale", "calibrated", base="triaxial"),
         "spec.kvCache: globalScale calibrated needs dtype fp8_e4m3 or nvfp4",
     ),
-    ("calibration with bf16", _with("spec.kvCache", {"dtype": "bf16", "calibration": {"configMap": "cal"}}),
-     "spec.kvCache: calibration needs dtype triaxial, fp8_e4m3 or nvfp4"),
-    ("calibration key ..", _with("spec.kvCache.calibration", {"configMap": "cal", "key": ".."}, base="triaxial"),
-     "spec.kvCache.calibration.key: key must be a file name"),
+    (
+        "calibration with bf16",
+        _with("spec.kvCache", {"dtype": "bf16", "calibration": {"configMap": "cal"}}),
+        "spec.kvCache: calibration needs dtype triaxial, fp8_e4m3 or nvfp4",
+    ),
+    (
+        "calibration key ..",
+        _with("spec.kvCache.calibration", {"configMap": "cal", "key": ".."}, base="triaxial"),
+        "spec.kvCache.calibration.key: key must be a file name",
+    ),
     ("zero peer timeout", _with("spec.reuse.peerTimeoutSeconds", 0), "spec.reuse.peerTimeoutSeconds: peerTimeoutSeconds must be positive"),
-    ("negative recompute threshold", _with("spec.reuse.recomputeThresholdTokens", -3),
-     'spec.reuse.recomputeThresholdTokens: recomputeThresholdTokens must be an integer >= 0 or "auto"'),
-    ("recompute threshold neither integer nor auto", _with("spec.reuse.recomputeThresholdTokens", "sometimes"),
-     'spec.reuse.recomputeThresholdTokens: recomputeThresholdTokens must be an integer >= 0 or "auto"'),
-    ("a GPU for the gateway", _with("spec.gateway.resources", {"limits": {"nvidia.com/gpu": 1}}),
-     "spec.gateway.resources: the gateway uses no GPU: remove nvidia.com/gpu from spec.gateway.resources.limits"),
-    ("API keys key ..", _with("spec.gateway.apiKeysSecret", {"name": "keys", "key": ".."}),
-     "spec.gateway.apiKeysSecret.key: key must be a file name"),
+    (
+        "negative recompute threshold",
+        _with("spec.reuse.recomputeThresholdTokens", -3),
+        'spec.reuse.recomputeThresholdTokens: recomputeThresholdTokens must be an integer >= 0 or "auto"',
+    ),
+    (
+        "recompute threshold neither integer nor auto",
+        _with("spec.reuse.recomputeThresholdTokens", "sometimes"),
+        'spec.reuse.recomputeThresholdTokens: recomputeThresholdTokens must be an integer >= 0 or "auto"',
+    ),
+    (
+        "a GPU for the gateway",
+        _with("spec.gateway.resources", {"limits": {"nvidia.com/gpu": 1}}),
+        "spec.gateway.resources: the gateway uses no GPU: remove nvidia.com/gpu from spec.gateway.resources.limits",
+    ),
+    (
+        "API keys key ..",
+        _with("spec.gateway.apiKeysSecret", {"name": "keys", "key": ".."}),
+        "spec.gateway.apiKeysSecret.key: key must be a file name",
+    ),
 ]
 
 # Refused by the CRD alone (the renderer copies NetworkPolicy peers as given).
@@ -250,8 +290,16 @@ def test_engine_config_refuses_what_the_crd_refuses(case: str, body: dict[str, A
         ("spec.networkPolicy", {"enabled": False}, "fp8_e4m3"),
         ("spec.networkPolicy.egress", {"enabled": False}, "fp8_e4m3"),
         ("spec.reuse.peerTimeoutSeconds", 0.25, "fp8_e4m3"),
-        ("spec.networkPolicy.egress.allowTo", [{"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}],
-                                               "ports": [{"port": 4317}, {"protocol": "UDP", "port": 9000, "endPort": 9100}]}], "fp8_e4m3"),
+        (
+            "spec.networkPolicy.egress.allowTo",
+            [
+                {
+                    "to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}],
+                    "ports": [{"port": 4317}, {"protocol": "UDP", "port": 9000, "endPort": 9100}],
+                }
+            ],
+            "fp8_e4m3",
+        ),
     ],
 )
 def test_boundary_values_are_admitted(path: str, value: Any, base: str) -> None:

@@ -39,12 +39,16 @@ def _granted(path: Path = REPO / "manifests" / "rbac.yaml", kind: str = "Cluster
 
 def _kubeconfig(tmp_path: Path, url: str) -> Path:
     config = tmp_path / "kubeconfig"
-    config.write_text(yaml.safe_dump({
-        "current-context": "t",
-        "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}],
-        "clusters": [{"name": "c", "cluster": {"server": url}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "current-context": "t",
+                "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}],
+                "clusters": [{"name": "c", "cluster": {"server": url}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+            }
+        )
+    )
     return config
 
 
@@ -62,8 +66,9 @@ async def _until(what: str, predicate: Any, timeout: float = 20.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sample: str,
-                           **scope: Any) -> AsyncIterator[tuple[FakeHttpApi, str]]:
+async def running_operator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sample: str, **scope: Any
+) -> AsyncIterator[tuple[FakeHttpApi, str]]:
     """kopf running the operator's handlers against a fake API server that holds one defaulted
     KVServing of ``sample``; ``scope``: kopf.operator's clusterwide/namespaces. Stops both on exit."""
     body = apply_defaults(root_schema(), load_sample(sample))
@@ -101,14 +106,20 @@ def test_kopf_operator_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
             assert token is not None and len(token) == 43
             secret = api.get("", "secrets", "default", f"{name}-internal")
             assert secret is not None and secret["metadata"]["ownerReferences"] == [
-                {"apiVersion": "kvserving.dev/v1alpha1", "kind": "KVServing", "name": name, "uid": "kvs-uid", "controller": True}]
+                {"apiVersion": "kvserving.dev/v1alpha1", "kind": "KVServing", "name": name, "uid": "kvs-uid", "controller": True}
+            ]
 
             changed = copy.deepcopy(kvs())
             changed["spec"]["decode"]["replicas"] = 3
             api.put("kvserving.dev", "kvservings", changed)
-            await _until("Ready at generation 2 with 3 decode workers",
-                         lambda: status().get("observedGeneration") == 2 and status().get("decode", {}).get("ready") == "3/3"
-                         and status().get("phase") == "Ready")
+            await _until(
+                "Ready at generation 2 with 3 decode workers",
+                lambda: (
+                    status().get("observedGeneration") == 2
+                    and status().get("decode", {}).get("ready") == "3/3"
+                    and status().get("phase") == "Ready"
+                ),
+            )
             assert api.get("apps", "deployments", "default", f"{name}-decode")["spec"]["replicas"] == 3
             assert not kvs()["metadata"].get("finalizers")  # deletion is left to garbage collection
             assert _token(api, name) == token  # kept across reconciles and the spec change
@@ -127,15 +138,22 @@ def test_kopf_operator_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     granted = _granted()
     assert api.calls - granted == set(), "the operator made calls its ClusterRole does not grant"
     # kopf's own calls were seen, not just ours
-    assert {("watch", "kvserving.dev", "kvservings"), ("watch", "apps", "deployments"), ("patch", "kvserving.dev", "kvservings"),
-            ("patch", "kvserving.dev", "kvservings/status"), ("create", "apps", "deployments")} <= api.calls
+    assert {
+        ("watch", "kvserving.dev", "kvservings"),
+        ("watch", "apps", "deployments"),
+        ("patch", "kvserving.dev", "kvservings"),
+        ("patch", "kvserving.dev", "kvservings/status"),
+        ("create", "apps", "deployments"),
+    } <= api.calls
 
 
 def test_kopf_operator_watching_one_namespace_needs_only_the_namespaced_role(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario() -> FakeHttpApi:
         async with running_operator(tmp_path, monkeypatch, "triaxial", clusterwide=False, namespaces=["default"]) as (api, name):
-            await _until("Ready", lambda: ((api.get("kvserving.dev", "kvservings", "default", name) or {}).get("status") or {})
-                         .get("phase") == "Ready")
+            await _until(
+                "Ready",
+                lambda: ((api.get("kvserving.dev", "kvservings", "default", name) or {}).get("status") or {}).get("phase") == "Ready",
+            )
             assert _token(api, name) is not None
             assert api.get("networking.k8s.io", "networkpolicies", "default", f"{name}-workers") is not None
         return api

@@ -24,12 +24,16 @@ pytestmark = pytest.mark.skipif(
 
 
 def _kubeconfig(path: Path, server: str, token: str) -> None:
-    path.write_text(yaml.safe_dump({
-        "current-context": "test",
-        "contexts": [{"name": "test", "context": {"cluster": "c", "user": "u"}}],
-        "clusters": [{"name": "c", "cluster": {"server": server}}],
-        "users": [{"name": "u", "user": {"token": token}}],
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "current-context": "test",
+                "contexts": [{"name": "test", "context": {"cluster": "c", "user": "u"}}],
+                "clusters": [{"name": "c", "cluster": {"server": server}}],
+                "users": [{"name": "u", "user": {"token": token}}],
+            }
+        )
+    )
 
 
 def test_transport_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,9 +42,16 @@ def test_transport_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("KUBECONFIG", str(config))
 
     async def handler(request: web.Request) -> web.Response:
-        seen.append({"method": request.method, "path": request.path, "query": dict(request.query),
-                     "auth": request.headers.get("Authorization"), "type": request.headers.get("Content-Type"),
-                     "body": await request.text()})
+        seen.append(
+            {
+                "method": request.method,
+                "path": request.path,
+                "query": dict(request.query),
+                "auth": request.headers.get("Authorization"),
+                "type": request.headers.get("Content-Type"),
+                "body": await request.text(),
+            }
+        )
         if request.headers.get("Authorization") == "Bearer old":
             _kubeconfig(config, str(request.url.origin()), "new")  # the token was rotated on disk
             return web.json_response({"kind": "Status", "message": "Unauthorized"}, status=401)
@@ -81,7 +92,10 @@ def test_transport_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert seen[2]["query"] == {"fieldManager": "kvserving-operator", "force": "true"}
     assert seen[2]["type"] == "application/apply-patch+yaml"
     assert seen[3]["method"] == "DELETE" and json.loads(seen[3]["body"]) == {
-        "apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        "apiVersion": "v1",
+        "kind": "DeleteOptions",
+        "propagationPolicy": "Background",
+    }
 
 
 def test_no_credentials_is_a_login_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

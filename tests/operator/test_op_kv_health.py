@@ -20,22 +20,42 @@ from kvserving.operator.kv_sampler import http_fetcher, pod_stats_url, refresh_k
 from kvserving.operator.reconcile import reconcile
 
 
-def _stats(*, capacity: int = 1000, used: float = 0.25, leases: int = 1, leased: int = 64,
-           local: int = 0, remote: int = 0, computed: int = 0, fallbacks: dict[str, int] | None = None) -> dict[str, Any]:
+def _stats(
+    *,
+    capacity: int = 1000,
+    used: float = 0.25,
+    leases: int = 1,
+    leased: int = 64,
+    local: int = 0,
+    remote: int = 0,
+    computed: int = 0,
+    fallbacks: dict[str, int] | None = None,
+) -> dict[str, Any]:
     return {
-        "engine_id": "w", "role": "decode", "dtype": "nvfp4", "page_size": 16,
-        "capacity_tokens": capacity, "used_ratio": used,
-        "pages": {"total": 62, "free": 40, "cached": 6, "owned": 16}, "pages_by_bits": {"4": 62, "2": 0},
-        "leases": leases, "leased_tokens": leased,
+        "engine_id": "w",
+        "role": "decode",
+        "dtype": "nvfp4",
+        "page_size": 16,
+        "capacity_tokens": capacity,
+        "used_ratio": used,
+        "pages": {"total": 62, "free": 40, "cached": 6, "owned": 16},
+        "pages_by_bits": {"4": 62, "2": 0},
+        "leases": leases,
+        "leased_tokens": leased,
         "prompt_tokens": {"local": local, "remote": remote, "computed": computed},
-        "fallbacks": fallbacks or {}, "running": 0, "waiting": 0, "preemptions": 0,
+        "fallbacks": fallbacks or {},
+        "running": 0,
+        "waiting": 0,
+        "preemptions": 0,
     }
 
 
 def test_summary_sums_capacity_and_leases_and_takes_the_fullest_pod() -> None:
     kv = summarize(
-        {"prefill": [_stats(capacity=500, used=0.1)],
-         "decode": [_stats(capacity=1000, used=0.5, leases=2, leased=128), _stats(capacity=1000, used=0.75), None]},
+        {
+            "prefill": [_stats(capacity=500, used=0.1)],
+            "decode": [_stats(capacity=1000, used=0.5, leases=2, leased=128), _stats(capacity=1000, used=0.75), None],
+        },
         previous=None,
     )
     assert kv["prefill"] == {"pods": 1, "reporting": 1, "capacityTokens": 500, "usedRatio": 0.1}
@@ -56,13 +76,13 @@ def test_reuse_ratio_is_over_the_window_and_restarts_with_a_pod() -> None:
 def test_verdicts_pool_full_then_fallbacks_dominate() -> None:
     full = summarize({"prefill": [], "decode": [_stats(used=0.99)]}, previous=None)
     assert kv_degraded(full) is not None and kv_degraded(full)[0] == "KVPoolFull"  # type: ignore[index]
-    failing = summarize({"prefill": [_stats(computed=1000, fallbacks={"transfer_timeout": 2, "lease_expired": 1})],
-                         "decode": []}, previous=None)
+    failing = summarize(
+        {"prefill": [_stats(computed=1000, fallbacks={"transfer_timeout": 2, "lease_expired": 1})], "decode": []}, previous=None
+    )
     assert failing["fallbacks"] == {"lease_expired": 1, "transfer_timeout": 2}
     verdict = kv_degraded(failing)
     assert verdict is not None and verdict[0] == "ReuseFallbacksDominate"
-    healthy = summarize({"prefill": [_stats(remote=900, computed=100, fallbacks={"hash_mismatch": 5})], "decode": []},
-                        previous=None)
+    healthy = summarize({"prefill": [_stats(remote=900, computed=100, fallbacks={"hash_mismatch": 5})], "decode": []}, previous=None)
     assert kv_degraded(healthy) is None  # fallbacks, but most prompt tokens still reused
 
 
@@ -74,9 +94,13 @@ def _body() -> dict[str, Any]:
 
 def _pod(name: str, role: str, port: int, *, ready: bool = True) -> dict[str, Any]:
     return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default",
-                     "labels": {"app.kubernetes.io/instance": "qwen3-nvfp4", "app.kubernetes.io/component": role}},
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "default",
+            "labels": {"app.kubernetes.io/instance": "qwen3-nvfp4", "app.kubernetes.io/component": role},
+        },
         "spec": {"containers": [{"name": "worker", "ports": [{"name": "http", "containerPort": port}]}]},
         "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
     }
@@ -133,9 +157,13 @@ def test_sampler_writes_kv_status_from_real_endpoints_within_its_timeout() -> No
             assert token["value"]
             fake.settle_deployments()
             stored = fake.put_kvserving(body)
-            for pod in (_pod("d0", "decode", decode_port), _pod("d1", "decode", frozen_port),
-                        _pod("p0", "prefill", prefill_port), _pod("p1", "prefill", dead_port),
-                        _pod("p2", "prefill", prefill_port, ready=False)):
+            for pod in (
+                _pod("d0", "decode", decode_port),
+                _pod("d1", "decode", frozen_port),
+                _pod("p0", "prefill", prefill_port),
+                _pod("p1", "prefill", dead_port),
+                _pod("p2", "prefill", prefill_port, ready=False),
+            ):
                 fake.objects[("", "pods", "default", pod["metadata"]["name"])] = pod
             async with aiohttp.ClientSession() as session:
                 start = time.monotonic()

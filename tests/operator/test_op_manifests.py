@@ -54,7 +54,15 @@ def test_kubectl_kustomize_builds_valid_objects() -> None:
     out = subprocess.run(["kubectl", "kustomize", str(MANIFESTS)], capture_output=True, text=True, check=True, timeout=60).stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     by_kind = {d["kind"]: d for d in docs}
-    assert sorted(by_kind) == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "CustomResourceDefinition", "Deployment", "Namespace", "ServiceAccount"]
+    assert sorted(by_kind) == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ConfigMap",
+        "CustomResourceDefinition",
+        "Deployment",
+        "Namespace",
+        "ServiceAccount",
+    ]
     for doc in docs:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     dashboard = by_kind["ConfigMap"]
@@ -147,7 +155,9 @@ def test_render_shows_the_secret_mounts_the_limits_and_the_network_policies(caps
     docs = {f"{d['kind']}/{d['metadata']['name']}": d for d in yaml.safe_load_all(out)}
     for role in ("prefill", "decode", "gateway"):
         pod = docs[f"Deployment/qwen3-triaxial-{role}"]["spec"]["template"]["spec"]
-        assert {"name": "internal-token", "mountPath": "/var/run/kvserving/internal", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+        assert {"name": "internal-token", "mountPath": "/var/run/kvserving/internal", "readOnly": True} in pod["containers"][0][
+            "volumeMounts"
+        ]
         limits = pod["containers"][0]["resources"]["limits"]
         assert {"cpu", "memory"} <= limits.keys()
     gateway = docs["Deployment/qwen3-triaxial-gateway"]["spec"]["template"]["spec"]

@@ -60,11 +60,16 @@ def _exercise_every_call() -> set[tuple[str, str, str]]:
     # Children an older rendering left behind (owned, labelled, no longer rendered) are deleted.
     for plural, group in (("services", ""), ("deployments", "apps")):
         stale = server.objects[(group, plural, "default", "qwen3-nvfp4-prefill")]
-        server.objects[(group, plural, "default", "qwen3-nvfp4-old")] = {**stale, "metadata": {**stale["metadata"], "name": "qwen3-nvfp4-old"}}
+        server.objects[(group, plural, "default", "qwen3-nvfp4-old")] = {
+            **stale,
+            "metadata": {**stale["metadata"], "name": "qwen3-nvfp4-old"},
+        }
     server.writes.clear()
     asyncio.run(reconcile(api, body, now="2026-11-29T10:00:03Z"))
     assert sorted(w for w in server.writes if w[0] == "delete") == [
-        ("delete", "deployments", "qwen3-nvfp4-old"), ("delete", "services", "qwen3-nvfp4-old")]
+        ("delete", "deployments", "qwen3-nvfp4-old"),
+        ("delete", "services", "qwen3-nvfp4-old"),
+    ]
     asyncio.run(api.delete("Deployment", "default", "gone"))  # already gone: not an error
     asyncio.run(api.list_pods("default", {"app.kubernetes.io/instance": "qwen3-nvfp4"}))  # the KV-health sampler
     assert asyncio.run(api.read_secret("default", "qwen3-nvfp4-internal", "token"))  # ... and its credential
@@ -129,15 +134,27 @@ def test_namespaced_role_grants_the_same_rules_in_its_namespace_only() -> None:
 def test_rbac_objects_per_watched_namespace() -> None:
     objs = rbac.rbac_objects(["team-a", "team-b"])
     assert [(o["kind"], o["metadata"].get("namespace")) for o in objs] == [
-        ("ServiceAccount", "team-a"), ("Role", "team-a"), ("RoleBinding", "team-a"), ("Role", "team-b"), ("RoleBinding", "team-b")]
-    assert all(o["subjects"] == [{"kind": "ServiceAccount", "name": "kvserving-operator", "namespace": "team-a"}]
-               for o in objs if o["kind"] == "RoleBinding")
+        ("ServiceAccount", "team-a"),
+        ("Role", "team-a"),
+        ("RoleBinding", "team-a"),
+        ("Role", "team-b"),
+        ("RoleBinding", "team-b"),
+    ]
+    assert all(
+        o["subjects"] == [{"kind": "ServiceAccount", "name": "kvserving-operator", "namespace": "team-a"}]
+        for o in objs
+        if o["kind"] == "RoleBinding"
+    )
 
 
 def test_binding_ties_the_role_to_the_operators_service_account() -> None:
     binding = _manifest("ClusterRoleBinding")
     sa = _manifest("ServiceAccount")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": _manifest("ClusterRole")["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": _manifest("ClusterRole")["metadata"]["name"],
+    }
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": sa["metadata"]["namespace"]}]
     (deployment,) = [d for d in yaml.safe_load_all((REPO / "manifests" / "operator.yaml").read_text())]
     pod = deployment["spec"]["template"]["spec"]

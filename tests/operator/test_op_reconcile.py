@@ -85,7 +85,8 @@ def test_internal_secret_is_created_once_and_kept_across_reconciles_and_spec_cha
     assert secret["type"] == "Opaque" and set(secret["data"]) == {"token"}
     # owned by the KVServing: garbage collection deletes it with the KVServing
     assert secret["metadata"]["ownerReferences"] == [
-        {"apiVersion": "kvserving.dev/v1alpha1", "kind": "KVServing", "name": "qwen3-fp8", "uid": "kvs-uid-1", "controller": True}]
+        {"apiVersion": "kvserving.dev/v1alpha1", "kind": "KVServing", "name": "qwen3-fp8", "uid": "kvs-uid-1", "controller": True}
+    ]
     server.settle_deployments()
     for generation, change in ((1, {}), (2, {"decode": {"replicas": 3}}), (3, {"reuse": {"retentionTTLSeconds": 900}})):
         outcome = _run(reconcile(api, _with_status(_body(generation=generation, **change), server), now=T1))
@@ -150,8 +151,10 @@ def test_monitoring_off_deletes_monitor_and_dashboard() -> None:
     _run(reconcile(api, _body(), now=T0))
     server.writes.clear()
     _run(reconcile(api, _body(generation=2, monitoring={"enabled": False}), now=T1))
-    assert sorted(w for w in server.writes if w[0] == "delete") == [("delete", "configmaps", "qwen3-fp8-dashboard"),
-                                                                     ("delete", "podmonitors", "qwen3-fp8")]
+    assert sorted(w for w in server.writes if w[0] == "delete") == [
+        ("delete", "configmaps", "qwen3-fp8-dashboard"),
+        ("delete", "podmonitors", "qwen3-fp8"),
+    ]
     assert server.names("podmonitors") == []
     assert server.names("configmaps") == ["qwen3-fp8-config"]
 

@@ -104,25 +104,45 @@ def test_worker_and_gateway_containers_follow_the_command_line() -> None:
         pod = objs[f"Deployment/qwen3-fp8-{role}"]["spec"]["template"]["spec"]
         (c,) = pod["containers"]
         assert c["command"] + c["args"] == [
-            "kvserving", "worker", "--role", role, "--config", "/etc/kvserving/config.json", "--host", "0.0.0.0", "--port", "8000",
+            "kvserving",
+            "worker",
+            "--role",
+            role,
+            "--config",
+            "/etc/kvserving/config.json",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "8000",
         ]
-        assert c["resources"] == {"requests": {"cpu": "4", "memory": "32Gi"},
-                                  "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1}}
+        assert c["resources"] == {"requests": {"cpu": "4", "memory": "32Gi"}, "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1}}
         assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
         assert {v["name"]: v for v in pod["volumes"]}["model"]["persistentVolumeClaim"] == {
-            "claimName": "qwen3-8b-weights", "readOnly": True}
+            "claimName": "qwen3-8b-weights",
+            "readOnly": True,
+        }
     gw = objs["Deployment/qwen3-fp8-gateway"]["spec"]["template"]["spec"]
     (c,) = gw["containers"]
     assert c["command"] + c["args"] == [
-        "kvserving", "gateway", "--config", "/etc/kvserving/config.json", "--host", "0.0.0.0", "--port", "8080",
+        "kvserving",
+        "gateway",
+        "--config",
+        "/etc/kvserving/config.json",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8080",
     ]
     assert c["resources"] == {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}}
     assert objs["Service/qwen3-fp8-gateway"]["spec"]["ports"][0]["port"] == 8080
     for role in ("prefill", "decode"):
         svc = objs[f"Service/qwen3-fp8-{role}"]["spec"]
         assert svc["clusterIP"] == "None"
-        assert svc["selector"] == {"app.kubernetes.io/name": "kvserving", "app.kubernetes.io/instance": "qwen3-fp8",
-                                   "app.kubernetes.io/component": role}
+        assert svc["selector"] == {
+            "app.kubernetes.io/name": "kvserving",
+            "app.kubernetes.io/instance": "qwen3-fp8",
+            "app.kubernetes.io/component": role,
+        }
     assert "clusterIP" not in objs["Service/qwen3-fp8-gateway"]["spec"]
 
 
@@ -137,7 +157,11 @@ def test_probes_and_security_context() -> None:
         assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] == 1000
-        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+        assert c["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
         assert pod["automountServiceAccountToken"] is False
         # the pod selector matches the template's labels
         assert obj["spec"]["selector"]["matchLabels"].items() <= obj["spec"]["template"]["metadata"]["labels"].items()
@@ -146,8 +170,9 @@ def test_probes_and_security_context() -> None:
 SUPPORTED_GPUS = {
     "nodeAffinity": {
         "requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [{"matchExpressions": [{"key": "nvidia.com/gpu.compute.major", "operator": "In",
-                                                         "values": ["9", "10", "12"]}]}]  # fmt: skip
+            "nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "nvidia.com/gpu.compute.major", "operator": "In", "values": ["9", "10", "12"]}]}
+            ]  # fmt: skip
         }
     }
 }
@@ -242,7 +267,10 @@ def test_monitoring_objects() -> None:
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("http", "/metrics", "30s")
-    assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "kvserving", "app.kubernetes.io/instance": "qwen3-nvfp4"}
+    assert monitor["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "kvserving",
+        "app.kubernetes.io/instance": "qwen3-nvfp4",
+    }
     dash = objs["ConfigMap/qwen3-nvfp4-dashboard"]
     assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
     board = json.loads(dash["data"]["kvserving-default-qwen3-nvfp4.json"])
@@ -270,7 +298,10 @@ POD_MONITOR_SCHEMA = {
                         "properties": {
                             "port": {"type": "string"},
                             "path": {"type": "string"},
-                            "interval": {"type": "string", "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
+                            "interval": {
+                                "type": "string",
+                                "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+                            },
                             "relabelings": {"type": "array"},
                         },
                     },
@@ -364,7 +395,10 @@ def test_api_keys_secret_is_mounted_in_the_gateway_only() -> None:
     assert cfg.security.api_keys_file == "/var/run/kvserving/api-keys/keys.txt"
     gw = _pod(rendered, "qwen3-fp8-gateway")
     assert {v["name"]: v for v in gw["volumes"]}["api-keys"]["secret"] == {
-        "secretName": "gw-keys", "items": [{"key": "keys.txt", "path": "keys.txt"}], "defaultMode": 0o440}
+        "secretName": "gw-keys",
+        "items": [{"key": "keys.txt", "path": "keys.txt"}],
+        "defaultMode": 0o440,
+    }
     assert {"name": "api-keys", "mountPath": "/var/run/kvserving/api-keys", "readOnly": True} in gw["containers"][0]["volumeMounts"]
     for role in ("prefill", "decode"):
         assert "api-keys" not in {v["name"] for v in _pod(rendered, f"qwen3-fp8-{role}")["volumes"]}
@@ -382,8 +416,10 @@ def test_tenants_share_cache_reaches_the_engine_config_and_rolls_the_pods() -> N
 
 
 WORKERS = {"app.kubernetes.io/name": "kvserving", "app.kubernetes.io/instance": "qwen3-fp8"}
-WORKER_PODS = {"matchLabels": WORKERS,
-               "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": ["prefill", "decode"]}]}
+WORKER_PODS = {
+    "matchLabels": WORKERS,
+    "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": ["prefill", "decode"]}],
+}
 GATEWAY_PODS = {"matchLabels": {**WORKERS, "app.kubernetes.io/component": "gateway"}}
 OPERATOR_HERE = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvserving-operator"}}}
 OPERATOR_SYSTEM = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvserving-system"}}, **OPERATOR_HERE}
@@ -437,7 +473,9 @@ def test_monitoring_selector_is_configurable_and_can_be_closed() -> None:
     mine = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}, "podSelector": {}}
     rendered = _render_sample("fp8_e4m3", lambda s: s["monitoring"].update(allowFrom=[mine]))
     assert _by_key(rendered)["NetworkPolicy/qwen3-fp8-workers"]["spec"]["ingress"][2] == {
-        "from": [mine], "ports": [{"protocol": "TCP", "port": 8000}]}
+        "from": [mine],
+        "ports": [{"protocol": "TCP", "port": 8000}],
+    }
     closed = _render_sample("fp8_e4m3", lambda s: s["monitoring"].update(allowFrom=[]))
     assert len(_by_key(closed)["NetworkPolicy/qwen3-fp8-workers"]["spec"]["ingress"]) == 2
 
@@ -457,17 +495,22 @@ def test_workers_connect_only_to_their_own_workers_and_dns() -> None:
     # another KVServing's workers are not this one's peers
     spec = apply_defaults(root_schema(), load_sample("fp8_e4m3"))["spec"]
     other = _by_key(render(spec, owner=Owner(name="other", namespace="default", uid=UID)))
-    assert other["NetworkPolicy/other-workers"]["spec"]["egress"][0]["to"][0]["podSelector"]["matchLabels"][
-        "app.kubernetes.io/instance"] == "other"
+    assert (
+        other["NetworkPolicy/other-workers"]["spec"]["egress"][0]["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"]
+        == "other"
+    )
 
 
 def test_extra_egress_and_dns_peers_are_configurable() -> None:
     otlp = {"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}], "ports": [{"port": 4317}]}
     store = {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "storage"}}}]}
-    kube_dns = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
-                "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
-    rendered = _by_key(_render_sample("fp8_e4m3", lambda s: s.update(
-        networkPolicy={"egress": {"allowTo": [otlp, store], "dnsTo": [kube_dns]}})))
+    kube_dns = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+        "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+    }
+    rendered = _by_key(
+        _render_sample("fp8_e4m3", lambda s: s.update(networkPolicy={"egress": {"allowTo": [otlp, store], "dnsTo": [kube_dns]}}))
+    )
     for name in ("workers", "gateway"):
         assert rendered[f"NetworkPolicy/qwen3-fp8-{name}"]["spec"]["egress"][1:] == [
             {"to": [kube_dns], **DNS_ANYWHERE},
@@ -494,23 +537,28 @@ def test_network_policies_can_be_turned_off() -> None:
 
 
 def test_resources_override_key_by_key() -> None:
-    rendered = _render_sample("fp8_e4m3", lambda s: s["decode"].update(
-        resources={"limits": {"memory": "128Gi", "nvidia.com/gpu": 2}, "requests": {"cpu": "6"}}))
+    rendered = _render_sample(
+        "fp8_e4m3", lambda s: s["decode"].update(resources={"limits": {"memory": "128Gi", "nvidia.com/gpu": 2}, "requests": {"cpu": "6"}})
+    )
     (c,) = _pod(rendered, "qwen3-fp8-decode")["containers"]
-    assert c["resources"] == {"requests": {"cpu": "6", "memory": "32Gi"},
-                              "limits": {"cpu": "8", "memory": "128Gi", "nvidia.com/gpu": 2}}
+    assert c["resources"] == {"requests": {"cpu": "6", "memory": "32Gi"}, "limits": {"cpu": "8", "memory": "128Gi", "nvidia.com/gpu": 2}}
     # a lone limit below the default request lowers the request to it (as Kubernetes pairs a lone limit)
     small = _render_sample("fp8_e4m3", lambda s: s["gateway"].update(resources={"limits": {"cpu": "250m"}}))
     (c,) = _pod(small, "qwen3-fp8-gateway")["containers"]
     assert c["resources"] == {"requests": {"cpu": "250m", "memory": "1Gi"}, "limits": {"cpu": "250m", "memory": "4Gi"}}
 
 
-@pytest.mark.parametrize(("resources", "message"), [
-    ({"requests": {"memory": "80Gi"}}, "spec.decode.resources.limits.memory: 64Gi is below the request 80Gi"),
-    ({"requests": {"cpu": "8500m"}}, "spec.decode.resources.limits.cpu: 8 is below the request 8500m"),
-    ({"requests": {"cpu": "2", "memory": "1G"}, "limits": {"cpu": "1500m", "memory": "1Gi"}},
-     "spec.decode.resources.limits.cpu: 1500m is below the request 2"),
-])
+@pytest.mark.parametrize(
+    ("resources", "message"),
+    [
+        ({"requests": {"memory": "80Gi"}}, "spec.decode.resources.limits.memory: 64Gi is below the request 80Gi"),
+        ({"requests": {"cpu": "8500m"}}, "spec.decode.resources.limits.cpu: 8 is below the request 8500m"),
+        (
+            {"requests": {"cpu": "2", "memory": "1G"}, "limits": {"cpu": "1500m", "memory": "1Gi"}},
+            "spec.decode.resources.limits.cpu: 1500m is below the request 2",
+        ),
+    ],
+)
 def test_a_limit_below_its_request_is_refused(resources: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError) as exc:
         _render_sample("fp8_e4m3", lambda s: s["decode"].update(resources=resources))
@@ -532,9 +580,13 @@ def test_quantities_compare_across_suffixes() -> None:
 
 def test_security_options_and_the_secret_validate() -> None:
     def configure(spec: dict[str, Any]) -> None:
-        spec["gateway"].update(apiKeysSecret={"name": "gw-keys", "key": "api-keys"},
-                               allowFrom=[{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.9.0.0/16"]}},
-                                          {"namespaceSelector": {"matchLabels": {"team": "a"}}, "podSelector": {}}])
+        spec["gateway"].update(
+            apiKeysSecret={"name": "gw-keys", "key": "api-keys"},
+            allowFrom=[
+                {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.9.0.0/16"]}},
+                {"namespaceSelector": {"matchLabels": {"team": "a"}}, "podSelector": {}},
+            ],
+        )
         spec["decode"].update(resources={"limits": {"memory": "100Gi"}})
 
     for obj in _render_sample("fp8_e4m3", configure).objects:

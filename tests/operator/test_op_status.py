@@ -121,13 +121,20 @@ def test_applied_hash_ignores_server_fields() -> None:
 # --- observe_deployment --------------------------------------------------------
 
 
-def _deployment(*, replicas: int, ready: int, updated: int, generation: int = 2, observed: int = 2,
-                config_hash: str = "cfg-a", conditions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def _deployment(
+    *,
+    replicas: int,
+    ready: int,
+    updated: int,
+    generation: int = 2,
+    observed: int = 2,
+    config_hash: str = "cfg-a",
+    conditions: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     return {
         "metadata": {"name": "demo-decode", "generation": generation},
         "spec": {"replicas": replicas, "template": {"metadata": {"annotations": {"kvserving.dev/config-hash": config_hash}}}},
-        "status": {"observedGeneration": observed, "readyReplicas": ready, "updatedReplicas": updated,
-                   "conditions": conditions or []},
+        "status": {"observedGeneration": observed, "readyReplicas": ready, "updatedReplicas": updated, "conditions": conditions or []},
     }
 
 
@@ -135,12 +142,27 @@ def test_observe_deployment_reads_counts_hash_and_failure() -> None:
     assert observe_deployment(None) == MISSING
     obs = observe_deployment(_deployment(replicas=2, ready=1, updated=2, generation=5, observed=4))
     assert obs == RoleObservation(exists=True, replicas=2, ready=1, updated=2, config_hash="cfg-a", settled=False, failure=None)
-    done = observe_deployment(_deployment(replicas=2, ready=2, updated=2, conditions=[
-        {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}]))
+    done = observe_deployment(
+        _deployment(
+            replicas=2, ready=2, updated=2, conditions=[{"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}]
+        )
+    )
     assert (done.complete, done.settled, done.failure) == (True, True, None)
-    failed = observe_deployment(_deployment(replicas=2, ready=0, updated=1, conditions=[
-        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
-         "message": 'ReplicaSet "demo-decode-5d9" has timed out progressing.'}]))
+    failed = observe_deployment(
+        _deployment(
+            replicas=2,
+            ready=0,
+            updated=1,
+            conditions=[
+                {
+                    "type": "Progressing",
+                    "status": "False",
+                    "reason": "ProgressDeadlineExceeded",
+                    "message": 'ReplicaSet "demo-decode-5d9" has timed out progressing.',
+                }
+            ],
+        )
+    )
     assert failed.failure == 'ReplicaSet "demo-decode-5d9" has timed out progressing.'
     fresh = observe_deployment({"metadata": {"name": "x", "generation": 1}, "spec": {"replicas": 1}})
     assert (fresh.ready, fresh.updated, fresh.settled, fresh.config_hash) == (0, 0, False, None)
@@ -204,8 +226,9 @@ def test_lost_replicas_after_rollout_are_degraded() -> None:
 
 
 def test_failed_rollout() -> None:
-    decode = RoleObservation(exists=True, replicas=2, ready=0, updated=1, config_hash="cfg-a", settled=True,
-                             failure="ReplicaSet has timed out progressing.")
+    decode = RoleObservation(
+        exists=True, replicas=2, ready=0, updated=1, config_hash="cfg-a", settled=True, failure="ReplicaSet has timed out progressing."
+    )
     status = _status({"prefill": _ready(1), "decode": decode, "gateway": _ready(1)})
     assert status["phase"] == "Degraded"
     conds = _conds(status)
@@ -253,8 +276,11 @@ def test_scaled_to_zero_is_ready() -> None:
 
 
 def test_apply_error_is_degraded_and_keeps_the_last_observed_generation() -> None:
-    status = _status({"prefill": _ready(1), "decode": _ready(2), "gateway": _ready(1)},
-                     apply_error="applying children failed: HTTP 403: forbidden", observed_generation=2)
+    status = _status(
+        {"prefill": _ready(1), "decode": _ready(2), "gateway": _ready(1)},
+        apply_error="applying children failed: HTTP 403: forbidden",
+        observed_generation=2,
+    )
     assert status["phase"] == "Degraded"
     assert status["observedGeneration"] == 2
     conds = _conds(status)

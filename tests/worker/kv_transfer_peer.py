@@ -65,8 +65,13 @@ class Worker:
         self.engine = LLMEngine(cfg)
         kvt_kwargs.setdefault("peers", LoopbackPeers())
         self.kvt = KVTransfer(
-            self.engine, cfg.reuse, engine_id=spec["engine_id"], agent_url=url, role=spec.get("role", "both"),
-            run_on_engine=self._locked, **kvt_kwargs,
+            self.engine,
+            cfg.reuse,
+            engine_id=spec["engine_id"],
+            agent_url=url,
+            role=spec.get("role", "both"),
+            run_on_engine=self._locked,
+            **kvt_kwargs,
         )
 
     def _locked(self, fn: Any) -> Any:
@@ -80,8 +85,14 @@ class Worker:
         spec = self.kvt.retain_spec(conversation_key=cmd.get("conversation_key"), input_ids=ids) if cmd.get("retain") else None
         rid = cmd["request_id"]
         with self.lock:
-            self.engine.add_request(rid, ids, SamplingParams(max_tokens=cmd["max_tokens"], ignore_eos=True),
-                                    tags=tags, retain=spec, admission_pin=res.admission_pin)
+            self.engine.add_request(
+                rid,
+                ids,
+                SamplingParams(max_tokens=cmd["max_tokens"], ignore_eos=True),
+                tags=tags,
+                retain=spec,
+                admission_pin=res.admission_pin,
+            )
         tokens: list[int] = []
         while True:
             with self.lock:
@@ -152,8 +163,9 @@ class Host:
                 body = json.loads(self.rfile.read(length) or b"{}")
                 try:
                     if r[1][-1] == "hold":
-                        self._reply(200, r[0].kvt.hold(r[1][3], digest=body["digest"], hold_s=body["hold_s"],
-                                                       consume=body.get("consume", False)))
+                        self._reply(
+                            200, r[0].kvt.hold(r[1][3], digest=body["digest"], hold_s=body["hold_s"], consume=body.get("consume", False))
+                        )
                     else:
                         self._reply(200, {"lease_id": r[1][3], "expires_at": r[0].kvt.renew(r[1][3])})
                 except KeyError:

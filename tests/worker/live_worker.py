@@ -21,6 +21,7 @@ from kvserving.worker.metrics import WorkerMetrics
 from kvserving.worker.server import create_app
 from kvserving.worker.service import WorkerService
 
+
 @dataclass
 class Live:
     url: str
@@ -51,8 +52,9 @@ def start_live(
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     registry = CollectorRegistry()
     token = secrets.token_urlsafe(16)
-    service = WorkerService(config, role=role, metrics=WorkerMetrics(registry, role=role), engine_id=f"test-{role}",
-                            advertise_url=url, internal_token=token)
+    service = WorkerService(
+        config, role=role, metrics=WorkerMetrics(registry, role=role), engine_id=f"test-{role}", advertise_url=url, internal_token=token
+    )
     if startup is None:
         engine = LLMEngine(config)
 

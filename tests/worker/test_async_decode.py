@@ -106,7 +106,7 @@ def held_pages_checked(engine: LLMEngine, seen: list[int]) -> Hook:
         inflight = engine._inflight
         if not out.finished:
             return
-        for page in (inflight.held if inflight is not None else []):
+        for page in inflight.held if inflight is not None else []:
             assert pool.page(page) is not None and pool.page(page).hash is None  # type: ignore[union-attr]
             assert pool.ref_count(page) == 1  # the hold only: the sequence's own ref is gone
             assert all(page not in pool.pin_pages(lease) for lease in pool.pin_ids())

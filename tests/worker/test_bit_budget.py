@@ -145,8 +145,7 @@ def test_a_page_held_at_the_other_precision_is_found_by_its_twin_hash() -> None:
 def test_under_the_controller_age_down_leaves_pages_another_holder_keeps() -> None:
     pool = TriaxialPagePool(64 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=P)
     copies: list[tuple[list[int], list[int]]] = []
-    kv = KVCacheManager(pool, page_size=P, bits_table=(4,) * NUM_TAGS,
-                        requantize=lambda src, dst: copies.append((src, dst)))
+    kv = KVCacheManager(pool, page_size=P, bits_table=(4,) * NUM_TAGS, requantize=lambda src, dst: copies.append((src, dst)))
     kv.controller = BitBudgetController(2.7, ORDER, cut=6.0, page_size=P)
     tokens = list(range(100, 165))
     ids = _cached(kv, [5] * 65, tokens)  # two full INT4 pages at cut 6
@@ -211,8 +210,7 @@ def _run(kind: str, budget: float, *, control: bool, turns: int = 600, seed: int
     rng = random.Random(seed)
     pool = TriaxialPagePool(8000 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=P)
     order = default_order()
-    kv = KVCacheManager(pool, page_size=P, bits_table=tuple(4 if r < 10 else 2 for r in rank_of(order)),
-                        requantize=lambda src, dst: None)
+    kv = KVCacheManager(pool, page_size=P, bits_table=tuple(4 if r < 10 else 2 for r in rank_of(order)), requantize=lambda src, dst: None)
     if control:
         kv.controller = BitBudgetController(budget, order, cut=10.0, page_size=P)
     convs = [_Conversation(kind, rng, c * 1_000_000) for c in range(24)]
@@ -274,6 +272,7 @@ def test_held_pages_count_both_ends_of_the_pool() -> None:
 
 
 # -- what a worker reports ------------------------------------------------------------------
+
 
 def test_stats_and_metrics_report_the_bits_of_the_pages_held(tiny_model_dir: Path) -> None:
     old, now = encode_tag("turn_m2", "text", "obs"), encode_tag("current", "text", "obs")

@@ -47,8 +47,9 @@ def weightless_dir(tiny_model_dir: Path, dest: Path) -> Path:
 
 def child_logits_digest(model_dir: Path, seed: int, device: str) -> str:
     script = _LOGITS_SCRIPT.format(prompt=PROMPT)
-    out = subprocess.run([sys.executable, "-c", script, str(model_dir), str(seed), device],
-                         capture_output=True, text=True, timeout=600, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(model_dir), str(seed), device], capture_output=True, text=True, timeout=600, check=True
+    )
     return out.stdout.strip().splitlines()[-1]
 
 
@@ -108,8 +109,7 @@ def test_cli_writes_a_weightless_qwen3_8b_directory(tmp_path: Path, capsys: pyte
     assert cli.main(["tiny-model", str(out), "--shape", "qwen3-8b"]) == 0
     assert "--load-format dummy" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim"):
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
         assert config[key] == QWEN3_8B_CONFIG[key]
     assert (config["num_hidden_layers"], config["hidden_size"], config["num_key_value_heads"]) == (36, 4096, 8)
     assert (out / "tokenizer.json").is_file() and not list(out.glob("*.safetensors"))
@@ -135,26 +135,37 @@ def test_one_gpu_stack_serves_the_8b_shape_and_pulls_back(tmp_path: Path) -> Non
     from kvserving.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "q8b", shape="qwen3-8b")
-    config = ServingConfig(model=ModelConfig(path=str(model_dir), load_format="dummy"),
-                           kv_cache=KVCacheConfig(dtype="nvfp4", memory_bytes=4 << 30))
+    config = ServingConfig(
+        model=ModelConfig(path=str(model_dir), load_format="dummy"), kv_cache=KVCacheConfig(dtype="nvfp4", memory_bytes=4 << 30)
+    )
     gateway, prefill, decode = free_ports(3)
-    spec = StackSpec(config=config, gateway_port=gateway, prefill_port=prefill, decode_port=decode,
-                     run_dir=tmp_path / "run", gpus=("0",))
+    spec = StackSpec(config=config, gateway_port=gateway, prefill_port=prefill, decode_port=decode, run_dir=tmp_path / "run", gpus=("0",))
     with LocalStack(spec) as stack:
         stack.start()
         stack.wait_ready(timeout_s=600)
         client = OpenAI(base_url=stack.openai_base_url, api_key="unused", max_retries=0, timeout=300)
-        messages = [{"role": "system", "content": "You review code. " * 200},
-                    {"role": "user", "content": "Find the bug in this function. " * 20}]
-        first = client.chat.completions.create(model=config.model.served_name, messages=messages, max_tokens=128,
-                                               temperature=0.0, extra_body={"ignore_eos": True},
-                                               extra_headers={"X-Session-ID": "gpu-stack"})
+        messages = [
+            {"role": "system", "content": "You review code. " * 200},
+            {"role": "user", "content": "Find the bug in this function. " * 20},
+        ]
+        first = client.chat.completions.create(
+            model=config.model.served_name,
+            messages=messages,
+            max_tokens=128,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+            extra_headers={"X-Session-ID": "gpu-stack"},
+        )
         assert first.usage is not None and first.usage.completion_tokens == 128
-        messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
-                     {"role": "user", "content": "Now fix it."}]
-        second = client.chat.completions.create(model=config.model.served_name, messages=messages, max_tokens=8,
-                                                temperature=0.0, extra_body={"ignore_eos": True},
-                                                extra_headers={"X-Session-ID": "gpu-stack"})
+        messages += [{"role": "assistant", "content": first.choices[0].message.content or ""}, {"role": "user", "content": "Now fix it."}]
+        second = client.chat.completions.create(
+            model=config.model.served_name,
+            messages=messages,
+            max_tokens=8,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+            extra_headers={"X-Session-ID": "gpu-stack"},
+        )
         assert second.usage is not None
         ext = (second.usage.model_extra or {}).get("kvserving") or {}
         # The history (prompt and reply of turn 1) comes back from the decode worker, not recomputed.

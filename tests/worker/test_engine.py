@@ -218,7 +218,9 @@ def test_stop_tokens_and_seeded_sampling(tiny_model_dir: Path) -> None:
 # that leave nothing to generate.
 
 
-def run_with_output_ids(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, output_ids: tuple[int, ...] = ()) -> tuple[list[int], int]:
+def run_with_output_ids(
+    engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, output_ids: tuple[int, ...] = ()
+) -> tuple[list[int], int]:
     engine.add_request(rid, prompt, params, output_ids=output_ids)
     tokens: list[int] = []
     num_output = -1

@@ -53,9 +53,7 @@ def cpu_engine(config: ServingConfig, model_dir: Path) -> LLMEngine:
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.stem)
-def test_each_sample_builds_an_engine_that_honours_its_config(
-    sample: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_each_sample_builds_an_engine_that_honours_its_config(sample: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     spec, config = rendered_config(sample)
     kv_spec, reuse_spec = spec["kvCache"], spec.get("reuse", {})
     with caplog.at_level(logging.INFO, logger="kvserving.worker"):
@@ -71,9 +69,7 @@ def test_each_sample_builds_an_engine_that_honours_its_config(
         assert engine.kv_cache.bits_table is None and engine.pool.precisions == (4,)
     assert engine.storage.buffers.numel() <= CPU_KV_BYTES
     # without memory_bytes, memory_fraction sizes the pool (of the CPU default here)
-    assert kv_budget_bytes(config.kv_cache, device=torch.device("cpu")) == int(
-        DEFAULT_CPU_KV_BYTES * kv_spec.get("memoryFraction", 0.9)
-    )
+    assert kv_budget_bytes(config.kv_cache, device=torch.device("cpu")) == int(DEFAULT_CPU_KV_BYTES * kv_spec.get("memoryFraction", 0.9))
     calibrated = kv_spec.get("globalScale") == "calibrated"
     assert (engine.storage.k_scales != [1.0] * engine.args.num_layers) == calibrated
     # scheduler limits, context length, reuse settings, served name

@@ -149,9 +149,7 @@ def test_tiny_model_writes_the_published_fp8_layout(fp8_dirs: dict[tuple[str, bo
 
 
 @pytest.mark.parametrize(("fmt", "static"), VARIANTS, ids=IDS)
-def test_fp8_checkpoint_logits_equal_the_dequantized_reference(
-    fp8_dirs: dict[tuple[str, bool], Path], fmt: str, static: bool
-) -> None:
+def test_fp8_checkpoint_logits_equal_the_dequantized_reference(fp8_dirs: dict[tuple[str, bool], Path], fmt: str, static: bool) -> None:
     args, model = load_model(fp8_dirs[(fmt, static)])
     assert weight_format_of(model) == fmt
     qkv = model.layers[0].self_attn.qkv_proj
@@ -198,9 +196,7 @@ def test_a_weight_format_against_the_checkpoints_is_refused(fp8_dirs: dict[tuple
     assert ServingConfig.from_json(config.to_json()).model.weight_format == "fp8_block"
 
 
-def test_fp8_weights_cost_little_against_the_unquantized_model(
-    tiny_model_dir: Path, fp8_dirs: dict[tuple[str, bool], Path]
-) -> None:
+def test_fp8_weights_cost_little_against_the_unquantized_model(tiny_model_dir: Path, fp8_dirs: dict[tuple[str, bool], Path]) -> None:
     """Measured on the tiny model (random weights), 40 positions: max |logit difference| 0.135 (per tensor)
     and 0.107 (block) of logits up to 3.6; argmax equal at 39 and 40 of 40 positions."""
     _, base = load_model(tiny_model_dir)
@@ -410,9 +406,7 @@ def test_gpu_engine_serves_the_8b_fp8_dummy_model(tmp_path: Path, fmt: str) -> N
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("fmt", "static"), VARIANTS, ids=IDS)
-def test_gpu_fp8_graphs_on_and_off_give_the_same_tokens(
-    fp8_dirs: dict[tuple[str, bool], Path], fmt: str, static: bool
-) -> None:
+def test_gpu_fp8_graphs_on_and_off_give_the_same_tokens(fp8_dirs: dict[tuple[str, bool], Path], fmt: str, static: bool) -> None:
     """FP8 layers inside captured decode graphs (activation quantization, scaled GEMMs) decode as eager steps do."""
     from kvserving.worker.engine import LLMEngine
     from kvserving.worker.sampling import SamplingParams

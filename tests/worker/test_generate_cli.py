@@ -15,10 +15,24 @@ def run_cli(monkeypatch: pytest.MonkeyPatch, *argv: str) -> int:
     return cli.main()
 
 
-def test_generate_prints_each_prompt_and_a_summary(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_generate_prints_each_prompt_and_a_summary(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = run_cli(
-        monkeypatch, "generate", "--model", str(tiny_model_dir), "--kv-dtype", "nvfp4",
-        "--prompt", "def main():", "--prompt", "import os", "--max-tokens", "5", "--kv-bytes", str(8 << 20),
+        monkeypatch,
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--kv-dtype",
+        "nvfp4",
+        "--prompt",
+        "def main():",
+        "--prompt",
+        "import os",
+        "--max-tokens",
+        "5",
+        "--kv-bytes",
+        str(8 << 20),
     )
     out = capsys.readouterr().out
     assert code == 0

@@ -31,8 +31,7 @@ from kvserving.worker.kv.page_pool import chain_hashes
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.service import WorkerService
 
-UNAUTHORIZED = {"error": {"message": "missing or invalid internal credential", "type": "authentication_error",
-                          "code": "unauthorized"}}
+UNAUTHORIZED = {"error": {"message": "missing or invalid internal credential", "type": "authentication_error", "code": "unauthorized"}}
 MAX_HOLD_S = 5.0
 PEER_TIMEOUT_S = 0.5  # reuse.peer_timeout_s: half the default
 
@@ -112,7 +111,13 @@ def fallbacks(live: Live, reason: str) -> float:
 
 # (method, path template, path, JSON body, status with the right token)
 ROUTES: list[tuple[str, str, str, Any, int]] = [
-    ("POST", "/internal/generate", "/internal/generate", {"request_id": "auth", "input_ids": [1, 2, 3], "sampling": {"max_tokens": 2}}, 200),
+    (
+        "POST",
+        "/internal/generate",
+        "/internal/generate",
+        {"request_id": "auth", "input_ids": [1, 2, 3], "sampling": {"max_tokens": 2}},
+        200,
+    ),
     ("GET", "/internal/kv/stats", "/internal/kv/stats", None, 200),
     ("GET", "/internal/kv/agent", "/internal/kv/agent", None, 200),
     ("GET", "/internal/kv/leases", "/internal/kv/leases", None, 200),
@@ -152,8 +157,16 @@ def test_every_internal_route_is_401_without_the_token_and_answers_with_it(
 
 
 def test_probes_and_metrics_stay_open_and_name_no_conversation_or_user(live: Live) -> None:
-    _, final = stream(live, {"request_id": "alice-1", "input_ids": list(range(100, 150)), "retain": True,
-                             "conversation_key": "user:alice@example.com", "sampling": {"max_tokens": 3}})
+    _, final = stream(
+        live,
+        {
+            "request_id": "alice-1",
+            "input_ids": list(range(100, 150)),
+            "retain": True,
+            "conversation_key": "user:alice@example.com",
+            "sampling": {"max_tokens": 3},
+        },
+    )
     lease = final["kv_transfer_params"]["lease_id"]
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(live.url + path, timeout=10).status_code == 200, path
@@ -167,9 +180,18 @@ def _params(live: Live, prompt: list[int], *, agent_url: str, engine_id: str) ->
     """kv_transfer_params of a lease on ``agent_url`` holding ``prompt``'s first 5 pages, worth
     pulling (this pool's layout, matching hashes, 80 tokens over the 64-token threshold)."""
     agent = httpx.get(live.url + "/internal/kv/agent", headers=live.headers, timeout=10).json()
-    return {"engine_id": engine_id, "agent_url": agent_url, "lease_id": "kv-1-0123456789abcdef", "page_ids": [0, 1, 2, 3, 4],
-            "page_hashes": chain_hashes(prompt[:80], 16), "num_tokens": 80, "page_size": 16, "dtype": "bf16",
-            "layout_hash": agent["layout_hash"], "expires_at": time.time() + 60}
+    return {
+        "engine_id": engine_id,
+        "agent_url": agent_url,
+        "lease_id": "kv-1-0123456789abcdef",
+        "page_ids": [0, 1, 2, 3, 4],
+        "page_hashes": chain_hashes(prompt[:80], 16),
+        "num_tokens": 80,
+        "page_size": 16,
+        "dtype": "bf16",
+        "layout_hash": agent["layout_hash"],
+        "expires_at": time.time() + 60,
+    }
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
@@ -182,8 +204,15 @@ def test_an_agent_url_outside_the_deployment_is_never_contacted(live: Live, conf
         want = LLMEngine(config).generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0]
         before = fallbacks(live, "unknown_peer")
         url = target.url.replace("127.0.0.1", host)
-        tokens, final = stream(live, {"request_id": f"ssrf-{host}", "input_ids": prompt, "sampling": {"max_tokens": 4, "ignore_eos": True},
-                                      "kv_transfer_params": _params(live, prompt, agent_url=url, engine_id="w-elsewhere")})
+        tokens, final = stream(
+            live,
+            {
+                "request_id": f"ssrf-{host}",
+                "input_ids": prompt,
+                "sampling": {"max_tokens": 4, "ignore_eos": True},
+                "kv_transfer_params": _params(live, prompt, agent_url=url, engine_id="w-elsewhere"),
+            },
+        )
         assert tokens == want
         u = final["usage"]
         assert (u["reuse_fallback"], u["remote_pulled_tokens"], u["computed_prompt_tokens"]) == ("unknown_peer", 0, 100)
@@ -202,8 +231,15 @@ def test_a_frozen_peer_costs_a_bounded_wait_then_a_recompute(live: Live, config:
     want = LLMEngine(config).generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     before = fallbacks(live, "remote_unreachable")
     t0 = time.monotonic()
-    tokens, final = stream(live, {"request_id": "frozen", "input_ids": prompt, "sampling": {"max_tokens": 4, "ignore_eos": True},
-                                  "kv_transfer_params": _params(live, prompt, agent_url=frozen.url, engine_id="w-frozen")})
+    tokens, final = stream(
+        live,
+        {
+            "request_id": "frozen",
+            "input_ids": prompt,
+            "sampling": {"max_tokens": 4, "ignore_eos": True},
+            "kv_transfer_params": _params(live, prompt, agent_url=frozen.url, engine_id="w-frozen"),
+        },
+    )
     wall = time.monotonic() - t0
     assert tokens == want and final["usage"]["reuse_fallback"] == "remote_unreachable"
     assert fallbacks(live, "remote_unreachable") == before + 1
@@ -215,13 +251,22 @@ def test_a_frozen_peer_costs_a_bounded_wait_then_a_recompute(live: Live, config:
 
 
 def test_a_hold_is_capped_by_max_hold_s(live: Live) -> None:
-    _, final = stream(live, {"request_id": "hold-1", "input_ids": list(range(600, 650)), "retain": True,
-                             "conversation_key": "hold", "sampling": {"max_tokens": 2}})
+    _, final = stream(
+        live,
+        {
+            "request_id": "hold-1",
+            "input_ids": list(range(600, 650)),
+            "retain": True,
+            "conversation_key": "hold",
+            "sampling": {"max_tokens": 2},
+        },
+    )
     p = final["kv_transfer_params"]
     digest = lease_digest(p["page_ids"], p["page_hashes"], p["num_tokens"])
     t0 = time.time()
-    r = httpx.post(f"{live.url}/internal/kv/leases/{p['lease_id']}/hold", json={"digest": digest, "hold_s": 3600},
-                   headers=live.headers, timeout=10)
+    r = httpx.post(
+        f"{live.url}/internal/kv/leases/{p['lease_id']}/hold", json={"digest": digest, "hold_s": 3600}, headers=live.headers, timeout=10
+    )
     assert r.status_code == 200, r.text
     assert t0 + MAX_HOLD_S - 1 < r.json()["expires_at"] <= time.time() + MAX_HOLD_S + 0.5
     for lid in (r.json()["hold_id"], p["lease_id"]):
@@ -245,8 +290,10 @@ def small_body(config: ServingConfig) -> Iterator[Live]:
 def test_a_chunked_body_over_the_limit_gets_413_before_its_end_and_the_connection_closes(small_body: Live) -> None:
     host, port = small_body.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /internal/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer " + small_body.token.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+        sock.sendall(
+            b"POST /internal/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + small_body.token.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
         for _ in range(2):  # 1,600 bytes, and the body never ends (no last chunk)
             sock.sendall(b"320\r\n" + b" " * 800 + b"\r\n")
         reply = b""
@@ -264,8 +311,12 @@ def test_a_chunked_body_under_the_limit_reaches_the_route_and_one_without_the_to
         yield body[:200]
         yield body[200:]
 
-    r = httpx.post(small_body.url + "/internal/generate", content=chunks(), timeout=10,
-                   headers={"content-type": "application/json", **small_body.headers})
+    r = httpx.post(
+        small_body.url + "/internal/generate",
+        content=chunks(),
+        timeout=10,
+        headers={"content-type": "application/json", **small_body.headers},
+    )
     assert r.request.headers["transfer-encoding"] == "chunked"
     assert (r.status_code, r.json()["error"]["message"]) == (503, "worker is starting")  # the route's own answer
     r = httpx.post(small_body.url + "/internal/generate", content=chunks(), headers={"content-type": "application/json"}, timeout=10)

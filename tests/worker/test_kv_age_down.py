@@ -274,6 +274,7 @@ def test_an_aged_page_stays_within_the_bound_of_int4_then_int2() -> None:
 
 # ---------------------------------------------------------------- the engine on the tiny model
 
+
 def engine(model_dir: Path, *, age_down: bool) -> LLMEngine:
     return LLMEngine(
         ServingConfig(
@@ -325,6 +326,7 @@ def test_aged_attention_error_is_close_to_direct_int2_on_real_kv(tiny_model_dir:
     cap = capture_qkv(model, ids, device=torch.device("cpu"))
     q, k, v = cap.q[layer], cap.k[layer], cap.v[layer]
     n = 192  # six pages of old tokens, the rest kept exact
+
     def stored(k4_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
         kq, vq = k.clone(), v.clone()
         for s in range(0, n, P):
@@ -334,6 +336,7 @@ def test_aged_attention_error_is_close_to_direct_int2_on_real_kv(tiny_model_dir:
                 vp = dequantize_groups(*quantize_groups(vp, 4), 4, dtype=torch.float32)
             kq[s : s + P], vq[s : s + P] = int2_of(kp, vp)
         return kq, vq
+
     scale = 1.0 / q.shape[-1] ** 0.5
     ref = causal_attention(q, k, v, q_offset=0, sm_scale=scale)
     direct = float(head_mse(causal_attention(q, *stored(False), q_offset=0, sm_scale=scale), ref).mean())

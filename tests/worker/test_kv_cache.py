@@ -19,12 +19,15 @@ SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=64)
 MIB = 1 << 20
 
 
-def build(dtype: str = "triaxial", *, budget: float | None = None, table: list[int] | None = None,
-          control: str = "fixed") -> KVCache:
+def build(dtype: str = "triaxial", *, budget: float | None = None, table: list[int] | None = None, control: str = "fixed") -> KVCache:
     """A pool with the bits table fixed (``control``: kv_cache.bit_budget_control)."""
     return build_kv_cache(
-        KVCacheConfig(dtype=dtype, bit_budget=budget, bit_budget_control=control), SHAPE,
-        budget_bytes=MIB, device="cpu", model_dtype=torch.float32, bits_table=table,
+        KVCacheConfig(dtype=dtype, bit_budget=budget, bit_budget_control=control),
+        SHAPE,
+        budget_bytes=MIB,
+        device="cpu",
+        model_dtype=torch.float32,
+        bits_table=table,
     )
 
 
@@ -36,9 +39,7 @@ def test_plain_formats_get_a_one_precision_pool() -> None:
     assert kv.page_bytes == {4: 2304}
     assert kv.num_pages == {4: (MIB // 2) // 2304} == {4: 227}
     assert kv.capacity_tokens == 227 * 16 == kv.capacity_tokens_at(0.0)
-    assert kv.describe() == (
-        "kv cache nvfp4: page 16 tokens, 2 layers x 523008 B (2304 B per page per layer), capacity 3632 tokens"
-    )
+    assert kv.describe() == ("kv cache nvfp4: page 16 tokens, 2 layers x 523008 B (2304 B per page per layer), capacity 3632 tokens")
     with pytest.raises(ValueError, match="bits_table is only used by kv_cache.dtype 'triaxial', got 'nvfp4'"):
         build("nvfp4", table=[4] * NUM_TAGS)
 
@@ -118,8 +119,11 @@ def test_hold_control_starts_at_the_cut_that_averages_the_budget_on_the_agent_pa
 
     for budget in (2.5, 2.7, 3.0):
         kv = build_kv_cache(
-            KVCacheConfig(dtype="triaxial", bit_budget=budget, bit_budget_control="hold"), SHAPE,
-            budget_bytes=MIB, device="cpu", model_dtype=torch.float32,
+            KVCacheConfig(dtype="triaxial", bit_budget=budget, bit_budget_control="hold"),
+            SHAPE,
+            budget_bytes=MIB,
+            device="cpu",
+            model_dtype=torch.float32,
         )
         c = kv.controller
         assert c is not None and c.budget == budget and kv.stored_bits == budget

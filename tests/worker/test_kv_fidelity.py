@@ -69,7 +69,11 @@ def decode_error(args: object, rec: Recorder, kv_dtype: str, *, int2: bool = Fal
             ids = torch.arange(n_pages, dtype=torch.int32)
             st.write(layer, k, v, ids.repeat_interleave(page), torch.arange(SEQ, dtype=torch.int32) % page)
         out = st.decode(
-            layer, q[-1:], ids.view(1, -1), torch.tensor([SEQ], dtype=torch.int32), sm_scale=sm,
+            layer,
+            q[-1:],
+            ids.view(1, -1),
+            torch.tensor([SEQ], dtype=torch.int32),
+            sm_scale=sm,
             num_int2_pages=torch.tensor([n_pages if int2 else 0], dtype=torch.int32),
         )
         ref = dense_causal_attention(q[-1:], k, v)

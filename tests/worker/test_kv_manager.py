@@ -96,8 +96,9 @@ def test_triaxial_pages_match_whatever_roles_the_tokens_come_back_with() -> None
     # tool_call text of an older turn: same tokens, same stored precision, same KV.
     kv = triaxial_manager()
     ids = run_and_cache(kv, seq("a", [encode_tag("current", "text", "assistant")] * 65))
-    retagged = seq("b", [encode_tag("turn_m1", "text", s) for s in ("reasoning", "tool_call")] * 32
-                   + [encode_tag("current", "text", "user")])
+    retagged = seq(
+        "b", [encode_tag("turn_m1", "text", s) for s in ("reasoning", "tool_call")] * 32 + [encode_tag("current", "text", "user")]
+    )
     assert kv.match_prefix(retagged) == 64
     assert retagged.page_ids == ids[:2]
 

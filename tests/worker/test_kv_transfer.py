@@ -44,8 +44,12 @@ class Peer:
     def __init__(self, port: int = 0) -> None:
         env = dict(os.environ, PYTHONSAFEPATH="1")
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, text=True, env=env,
+            [sys.executable, str(PEER), str(port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
         )
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -55,7 +59,7 @@ class Peer:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(peer_mod.REPLY):
-                self._lines.put(line[len(peer_mod.REPLY):])
+                self._lines.put(line[len(peer_mod.REPLY) :])
 
     def _read(self) -> dict[str, Any]:
         try:
@@ -118,7 +122,11 @@ def _fresh(model: Path, dtype: str, prompt: list[int], gen: int) -> list[int]:
 
 # Triaxial tags: the first 96 tokens are an old tool observation (2 bits: INT2 pages), the rest
 # this turn's user text (4 bits); generated tokens are assistant text.
-OLD_OBS, M1_USER, CUR_USER = encode_tag("older", "text", "obs"), encode_tag("turn_m1", "text", "user"), encode_tag("current", "text", "user")
+OLD_OBS, M1_USER, CUR_USER = (
+    encode_tag("older", "text", "obs"),
+    encode_tag("turn_m1", "text", "user"),
+    encode_tag("current", "text", "user"),
+)
 M1_ASSISTANT = encode_tag("turn_m1", "text", "assistant")
 
 
@@ -136,8 +144,17 @@ def test_conversation_p_to_d_and_back(tiny_model_dir: Path, host: Any, peer: Pee
     tags1 = [OLD_OBS] * 96 + [CUR_USER] * (n1 - 96) if dtype == "triaxial" else None
 
     def decode(rid: str, ids: list[int], tags: list[int] | None, params: dict[str, Any]) -> dict[str, Any]:
-        return peer.call("generate", name=f"d-{dtype}", request_id=rid, input_ids=ids, tags=tags, max_tokens=gen,
-                         params=params, retain=True, conversation_key="c1")
+        return peer.call(
+            "generate",
+            name=f"d-{dtype}",
+            request_id=rid,
+            input_ids=ids,
+            tags=tags,
+            max_tokens=gen,
+            params=params,
+            retain=True,
+            conversation_key="c1",
+        )
 
     p1 = P.generate({"request_id": "t1p", "input_ids": prompt1, "tags": tags1, "max_tokens": 1, "retain": True})
     assert p1["computed"] == n1 and p1["params"]["num_tokens"] == n1 // ps * ps
@@ -147,7 +164,8 @@ def test_conversation_p_to_d_and_back(tiny_model_dir: Path, host: Any, peer: Pee
     pulled1 = (n1 - 1) // ps * ps  # every full prompt page (one token is always computed)
     assert (d1["pulled"], d1["cached"], d1["computed"], d1["fallback"]) == (pulled1, pulled1, n1 - pulled1, None)
     assert d1["bytes"] == pulled1 // ps * 4 * P.kvt.geometry.page_bytes - (
-        (96 // ps) * 4 * (P.kvt.geometry.page_bytes - P.kvt.geometry.int2_page_bytes) if dtype == "triaxial" else 0)
+        (96 // ps) * 4 * (P.kvt.geometry.page_bytes - P.kvt.geometry.int2_page_bytes) if dtype == "triaxial" else 0
+    )
     assert d1["regions"] == (8 if dtype == "triaxial" else 4)  # per layer: one run (+ one INT2 run)
     assert P.kvt.leases() == []  # the decode worker released P's transfer lease after its pull
 
@@ -197,8 +215,16 @@ def _turn1(P: Any, peer: Peer, seed: int, *, gen: int = 20, name: str = "d-f") -
     """Turn 1 through P and the peer's decode worker; returns the prompt and D's result."""
     prompt = _prompt(150, seed)
     p1 = P.generate({"request_id": f"f{seed}p", "input_ids": prompt, "max_tokens": 1, "retain": True})
-    d1 = peer.call("generate", name=name, request_id=f"f{seed}d", input_ids=prompt, max_tokens=gen,
-                   params=p1["params"], retain=True, conversation_key=f"c{seed}")
+    d1 = peer.call(
+        "generate",
+        name=name,
+        request_id=f"f{seed}d",
+        input_ids=prompt,
+        max_tokens=gen,
+        params=p1["params"],
+        retain=True,
+        conversation_key=f"c{seed}",
+    )
     assert d1["pulled"] == 144 and d1["fallback"] is None
     return prompt, d1
 
@@ -270,8 +296,9 @@ def test_concurrent_pulls_from_one_peer(tiny_model_dir: Path, host: Any) -> None
     P = host.open("p-conc", _spec(tiny_model_dir, "bf16", "p-conc-1", role="prefill"))
     D = host.open("d-conc", _spec(tiny_model_dir, "bf16", "d-conc-1", role="decode"))
     prompts = [_prompt(100 + 20 * k, 40 + k) for k in range(4)]
-    params = [P.generate({"request_id": f"c{k}", "input_ids": ids, "max_tokens": 1, "retain": True})["params"]
-              for k, ids in enumerate(prompts)]
+    params = [
+        P.generate({"request_id": f"c{k}", "input_ids": ids, "max_tokens": 1, "retain": True})["params"] for k, ids in enumerate(prompts)
+    ]
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda k: D.kvt.pull(prompts[k], None, KVTransferParams.from_dict(params[k])), range(4)))
     assert [r.pulled_tokens for r in results] == [(len(ids) - 1) // 16 * 16 for ids in prompts]
@@ -317,8 +344,7 @@ def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer:
             os.kill(child.proc.pid, signal.SIGSTOP)  # frozen between the hold and the READ
             return held
 
-        frozen = host.open("p-frozen", _spec(tiny_model_dir, "bf16", "p-frozen-1", transfer_timeout_s=1.0),
-                           hold_remote=hold_then_freeze)
+        frozen = host.open("p-frozen", _spec(tiny_model_dir, "bf16", "p-frozen-1", transfer_timeout_s=1.0), hold_remote=hold_then_freeze)
         t0 = time.monotonic()
         r = _turn2(frozen, "frozen", prompt2, d1["params"])
         assert time.monotonic() - t0 < 10.0
@@ -361,4 +387,3 @@ def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer:
     finally:
         if restarted is not None:
             restarted.stop()
-

@@ -26,8 +26,11 @@ from kvserving.worker.sampling import SamplingParams
 
 
 def _engine(model: Path, **reuse: Any) -> LLMEngine:
-    cfg = ServingConfig(model=ModelConfig(path=str(model)), kv_cache=KVCacheConfig(memory_bytes=2 << 20),
-                        reuse=ReuseConfig(retention_ttl_s=60.0, lease_ttl_s=50.0, recompute_threshold_tokens=0, **reuse))
+    cfg = ServingConfig(
+        model=ModelConfig(path=str(model)),
+        kv_cache=KVCacheConfig(memory_bytes=2 << 20),
+        reuse=ReuseConfig(retention_ttl_s=60.0, lease_ttl_s=50.0, recompute_threshold_tokens=0, **reuse),
+    )
     return LLMEngine(cfg)
 
 
@@ -35,11 +38,16 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(10, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _run(kvt: KVTransfer, rid: str, ids: list[int], gen: int, *, retain: bool = True, pull: PullResult | None = None,
-         key: str | None = None) -> RequestOutput:
-    kvt.engine.add_request(rid, ids, SamplingParams(max_tokens=gen, ignore_eos=True),
-                           retain=kvt.retain_spec(conversation_key=key, input_ids=ids) if retain else None,
-                           admission_pin=pull.admission_pin if pull else None)
+def _run(
+    kvt: KVTransfer, rid: str, ids: list[int], gen: int, *, retain: bool = True, pull: PullResult | None = None, key: str | None = None
+) -> RequestOutput:
+    kvt.engine.add_request(
+        rid,
+        ids,
+        SamplingParams(max_tokens=gen, ignore_eos=True),
+        retain=kvt.retain_spec(conversation_key=key, input_ids=ids) if retain else None,
+        admission_pin=pull.admission_pin if pull else None,
+    )
     while True:
         for out in kvt.engine.step():
             if out.request_id == rid and out.finished:
@@ -58,8 +66,14 @@ class Pair:
         for role in ("prefill", "decode"):
             eng = _engine(model, **reuse)
             self.w[f"local://{role}"] = KVTransfer(
-                eng, eng.config.reuse, engine_id=f"{role}-hold", agent_url=f"local://{role}", role=role,
-                fetch_agent_info=self._agent, hold_remote=self._hold, release_remote=self._release,
+                eng,
+                eng.config.reuse,
+                engine_id=f"{role}-hold",
+                agent_url=f"local://{role}",
+                role=role,
+                fetch_agent_info=self._agent,
+                hold_remote=self._hold,
+                release_remote=self._release,
                 peers=PeerSet(["local://prefill", "local://decode"]),
             )
         self.p, self.d = self.w["local://prefill"], self.w["local://decode"]
@@ -118,9 +132,11 @@ def test_hold_checks_the_offered_pages_and_pins_them(pair: Pair) -> None:
     assert kept is not None and len(kept.page_ids) == 7
     digest = lease_digest(kept.page_ids, kept.page_hashes, kept.num_tokens)
     # other pages (a client's made-up ids), other hashes or another token count: refused
-    forged = [lease_digest(tuple(p + 1 for p in kept.page_ids), kept.page_hashes, kept.num_tokens),
-              lease_digest(kept.page_ids, (1,) + kept.page_hashes[1:], kept.num_tokens),
-              lease_digest(kept.page_ids, kept.page_hashes, kept.num_tokens - 16)]
+    forged = [
+        lease_digest(tuple(p + 1 for p in kept.page_ids), kept.page_hashes, kept.num_tokens),
+        lease_digest(kept.page_ids, (1,) + kept.page_hashes[1:], kept.num_tokens),
+        lease_digest(kept.page_ids, kept.page_hashes, kept.num_tokens - 16),
+    ]
     for bad in forged:
         with pytest.raises(LeaseMismatchError):
             d.hold(kept.lease_id, digest=bad, hold_s=5.0)

@@ -22,8 +22,11 @@ from kvserving.worker.sampling import SamplingParams
 
 
 def _kvt(model: Path, role: str, **reuse: Any) -> KVTransfer:
-    cfg = ServingConfig(model=ModelConfig(path=str(model)), kv_cache=KVCacheConfig(memory_bytes=2 << 20),
-                        reuse=ReuseConfig(retention_ttl_s=60.0, lease_ttl_s=50.0, **reuse))
+    cfg = ServingConfig(
+        model=ModelConfig(path=str(model)),
+        kv_cache=KVCacheConfig(memory_bytes=2 << 20),
+        reuse=ReuseConfig(retention_ttl_s=60.0, lease_ttl_s=50.0, **reuse),
+    )
     eng = LLMEngine(cfg)
     return KVTransfer(eng, cfg.reuse, engine_id=f"{role}-test", agent_url="http://127.0.0.1:1", role=role)
 
@@ -86,7 +89,7 @@ def test_release_and_newer_turn_send_pages_to_the_lru(decode: KVTransfer) -> Non
     assert second.retained is not None
     assert [le["lease_id"] for le in decode.leases()] == [second.retained.lease_id]  # the continuation replaces it
     # the superseded lease's pages live on in the newer one (its leading pages)
-    assert second.retained.page_ids[:len(first.retained.page_ids)] == first.retained.page_ids
+    assert second.retained.page_ids[: len(first.retained.page_ids)] == first.retained.page_ids
     decode.release(second.retained.lease_id)
     assert decode.leases() == [] and pool.num_owned == 0
     assert pool.num_cached >= len(second.retained.page_ids)

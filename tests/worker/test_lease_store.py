@@ -5,8 +5,19 @@ from __future__ import annotations
 import pytest
 
 from kvserving.worker.kv.leases import (
-    AdmissionRecord, HoldRecord, LeaseMismatchError, LeaseRecord, LeaseStore, PinKind, RetainSpec, lease_digest,
-    new_pin_id, parse_lease_id, pin_for_admission, release_admission, retain,
+    AdmissionRecord,
+    HoldRecord,
+    LeaseMismatchError,
+    LeaseRecord,
+    LeaseStore,
+    PinKind,
+    RetainSpec,
+    lease_digest,
+    new_pin_id,
+    parse_lease_id,
+    pin_for_admission,
+    release_admission,
+    retain,
 )
 from kvserving.worker.kv.page_pool import RECLAIM_FIRST, RECLAIM_LAST, RECLAIM_NEVER, PagePool
 
@@ -134,8 +145,7 @@ def test_a_hold_leaves_a_retained_lease_in_place() -> None:
     pages, hashes = finished(pool, 1)
     kept = retain(pool, store.retain_spec(), pages, hashes, 4)
     assert kept is not None
-    hold_id, _ = store.hold(kept.lease_id, digest=lease_digest(kept.page_ids, kept.page_hashes, 4), hold_s=1.0,
-                            consume=True)
+    hold_id, _ = store.hold(kept.lease_id, digest=lease_digest(kept.page_ids, kept.page_hashes, 4), hold_s=1.0, consume=True)
     assert [le.lease_id for le in store.leases()] == [kept.lease_id] and pool.pin_ids() == [kept.lease_id, hold_id]
 
 

@@ -83,13 +83,19 @@ FAMILY_CASES = {
         "llama",
         {
             "tie_word_embeddings": True,
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
             "max_position_embeddings": 512,
         },
     ),
     "llama-biases-linear-rope": (
-        "llama", {"attention_bias": True, "mlp_bias": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+        "llama",
+        {"attention_bias": True, "mlp_bias": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
     ),
     "qwen2-qkv-bias": ("qwen2", {}),
 }
@@ -103,8 +109,15 @@ def test_other_families_match_transformers(tmp_path: Path, case: str) -> None:
     config_cls, model_cls = classes[model_type]
     torch.manual_seed(0)
     config = config_cls(
-        vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0, **extra,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        **extra,
     )
     hf = model_cls(config).eval()
     with torch.no_grad():  # HF zero-inits biases and ones-inits norms: make them matter
@@ -131,7 +144,9 @@ def test_dense_causal_attention_matches_sdpa() -> None:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(10, h, 16, generator=g) for h in (8, 2, 2))
     ref = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(4, 1).transpose(0, 1), v.repeat_interleave(4, 1).transpose(0, 1),
+        q.transpose(0, 1),
+        k.repeat_interleave(4, 1).transpose(0, 1),
+        v.repeat_interleave(4, 1).transpose(0, 1),
         is_causal=True,
     ).transpose(0, 1)
     assert (dense_causal_attention(q, k, v) - ref).abs().max().item() < 1e-5
@@ -208,20 +223,31 @@ def test_shape_mismatch_is_named(tiny_model_dir: Path, tmp_path: Path) -> None:
 def test_missing_config_or_weights(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no config.json"):
         load_model(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 8,
-                                                      "intermediate_size": 8, "num_hidden_layers": 1,
-                                                      "num_attention_heads": 2}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3",
+                "vocab_size": 8,
+                "hidden_size": 8,
+                "intermediate_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+            }
+        )
+    )
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         load_model(tmp_path)
 
 
 def test_model_args_validate_themselves() -> None:
     with pytest.raises(ValueError, match="head_dim"):
-        ModelArgs(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
-                  num_heads=2, num_kv_heads=1, head_dim=3)
+        ModelArgs(
+            model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=3
+        )
     with pytest.raises(ValueError, match="num_layers"):
-        ModelArgs(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=0,
-                  num_heads=2, num_kv_heads=1, head_dim=4)
+        ModelArgs(
+            model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=0, num_heads=2, num_kv_heads=1, head_dim=4
+        )
 
 
 def test_hf_state_dict_gives_back_the_checkpoint(tiny_model_dir: Path) -> None:

@@ -102,9 +102,18 @@ def test_read_from_a_forgotten_agent_fails(agents: Any) -> None:
 
 # ----------------------------------------------------------------------------- wire params
 def _params(**kw: Any) -> dict[str, Any]:
-    d = {"engine_id": "w-1", "agent_url": "http://127.0.0.1:1", "lease_id": "kv-1", "page_ids": [4, 5],
-         "page_hashes": [11, 12], "num_tokens": 32, "page_size": 16, "dtype": "bf16", "layout_hash": "ab",
-         "expires_at": 1.5}
+    d = {
+        "engine_id": "w-1",
+        "agent_url": "http://127.0.0.1:1",
+        "lease_id": "kv-1",
+        "page_ids": [4, 5],
+        "page_hashes": [11, 12],
+        "num_tokens": 32,
+        "page_size": 16,
+        "dtype": "bf16",
+        "layout_hash": "ab",
+        "expires_at": 1.5,
+    }
     d.update(kw)
     return d
 
@@ -144,9 +153,14 @@ def test_params_carry_the_bit_budget_cut_together_with_its_ranking() -> None:
     body = KVTransferParamsBody.model_validate(_params(bits_cut=7, bits_ranking="ab12"))
     assert KVTransferParams.from_dict(body.model_dump()) == KVTransferParams.from_dict(_params(bits_cut=7.0, bits_ranking="ab12"))
     assert KVTransferParams.from_dict(KVTransferParamsBody.model_validate(_params()).model_dump()) == plain
-    for bad in ({"bits_cut": 7.0}, {"bits_ranking": "ab12"}, {"bits_cut": 57.0, "bits_ranking": "ab12"},
-                {"bits_cut": float("nan"), "bits_ranking": "ab12"}, {"bits_cut": True, "bits_ranking": "ab12"},
-                {"bits_cut": 7.0, "bits_ranking": ""}):
+    for bad in (
+        {"bits_cut": 7.0},
+        {"bits_ranking": "ab12"},
+        {"bits_cut": 57.0, "bits_ranking": "ab12"},
+        {"bits_cut": float("nan"), "bits_ranking": "ab12"},
+        {"bits_cut": True, "bits_ranking": "ab12"},
+        {"bits_cut": 7.0, "bits_ranking": ""},
+    ):
         with pytest.raises(ValueError, match="bits_"):
             KVTransferParams.from_dict(_params(**bad))
         with pytest.raises(ValueError, match="bits_"):
@@ -162,8 +176,11 @@ def test_recompute_threshold_accepts_auto() -> None:
 
 # ----------------------------------------------------------------------------- layout identity
 def _engine(model: Path, dtype: str = "bf16", **reuse: Any) -> LLMEngine:
-    return LLMEngine(ServingConfig(model=ModelConfig(path=str(model)), kv_cache=KVCacheConfig(dtype=dtype, memory_bytes=1 << 20),
-                                   reuse=ReuseConfig(**reuse)))
+    return LLMEngine(
+        ServingConfig(
+            model=ModelConfig(path=str(model)), kv_cache=KVCacheConfig(dtype=dtype, memory_bytes=1 << 20), reuse=ReuseConfig(**reuse)
+        )
+    )
 
 
 def test_layout_hash_covers_format_scales_and_weights(tiny_model_dir: Path, tmp_path: Path) -> None:

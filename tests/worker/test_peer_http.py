@@ -41,14 +41,15 @@ class Peer:
                 self.seen.append((method, path, fields.get("authorization"), body))
                 if path.endswith("/frozen/hold"):
                     await asyncio.sleep(30)
-                status, reply = {"/internal/kv/agent": (200, {"agent": "meta"}),
-                                 "/internal/kv/leases/ok/hold": (200, {"held": True}),
-                                 "/internal/kv/leases/gone/hold": (404, {}),
-                                 "/internal/kv/leases/other/hold": (409, {}),
-                                 "/internal/kv/leases/bad/hold": (500, {})}.get(path, (200, {}))
+                status, reply = {
+                    "/internal/kv/agent": (200, {"agent": "meta"}),
+                    "/internal/kv/leases/ok/hold": (200, {"held": True}),
+                    "/internal/kv/leases/gone/hold": (404, {}),
+                    "/internal/kv/leases/other/hold": (409, {}),
+                    "/internal/kv/leases/bad/hold": (500, {}),
+                }.get(path, (200, {}))
                 data = json.dumps(reply).encode()
-                writer.write(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                             % (status, len(data), data))
+                writer.write(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (status, len(data), data))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass

@@ -18,8 +18,14 @@ def test_urls_compare_by_scheme_host_and_port() -> None:
 def test_static_lists_name_the_peers_and_nothing_else() -> None:
     peers = PeerSet.from_config(GatewayConfig(prefill_urls=("http://10.0.0.1:8000",), decode_urls=("http://10.0.0.2:8000/",)))
     assert peers.allows("http://10.0.0.1:8000") and peers.allows("http://10.0.0.2:8000/internal/kv/agent")
-    for other in ("http://10.0.0.1:8001", "http://10.0.0.3:8000", "https://10.0.0.1:8000", "http://169.254.169.254",
-                  "file:///etc/passwd", "not a url"):
+    for other in (
+        "http://10.0.0.1:8001",
+        "http://10.0.0.3:8000",
+        "https://10.0.0.1:8000",
+        "http://169.254.169.254",
+        "file:///etc/passwd",
+        "not a url",
+    ):
         assert not peers.allows(other), other
     assert not PeerSet().allows("http://127.0.0.1:8000")  # no config: nobody
 

@@ -50,7 +50,7 @@ def generate(live: Live, body: dict[str, Any], *, timeout: float = 60) -> tuple[
             if not line or line.startswith(":"):  # a blank separator or a keep-alive comment
                 continue
             assert line.startswith("data: "), line
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 done = True
                 break
@@ -76,8 +76,14 @@ def test_stream_equals_offline_engine_and_usage_counts_the_prefix_cache(live: Li
     assert final["finish_reason"] == "length"
     assert final["kv_transfer_params"] is None
     assert final["usage"] == {
-        "prompt_tokens": 70, "completion_tokens": 8, "local_cached_tokens": 0, "remote_pulled_tokens": 0,
-        "computed_prompt_tokens": 70, "kv_bytes_pulled": 0, "kv_regions_pulled": 0, "reuse_fallback": None,
+        "prompt_tokens": 70,
+        "completion_tokens": 8,
+        "local_cached_tokens": 0,
+        "remote_pulled_tokens": 0,
+        "computed_prompt_tokens": 70,
+        "kv_bytes_pulled": 0,
+        "kv_regions_pulled": 0,
+        "reuse_fallback": None,
     }
     # the same prompt again: its 4 full pages come from the prefix cache
     tokens, final = generate(live, body("second", prompt))
@@ -94,8 +100,11 @@ def test_concurrent_streams_are_batched_and_each_equals_its_offline_output(live:
     results: dict[int, list[int]] = {}
 
     def run(k: int) -> None:
-        sampling = {"max_tokens": 12, "ignore_eos": True} if k % 2 == 0 else {
-            "max_tokens": 12, "temperature": 0.8, "top_k": 50, "seed": 7, "ignore_eos": True}
+        sampling = (
+            {"max_tokens": 12, "ignore_eos": True}
+            if k % 2 == 0
+            else {"max_tokens": 12, "temperature": 0.8, "top_k": 50, "seed": 7, "ignore_eos": True}
+        )
         results[k] = generate(live, {"request_id": f"conc-{k}", "input_ids": prompts[k], "sampling": sampling})[0]
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
@@ -116,22 +125,68 @@ BAD_BODIES: list[tuple[str, Any, int, str]] = [
     ("id outside vocab", {"request_id": "x", "input_ids": [1, 4096]}, 400, "input_ids outside the vocabulary [0, 4096): [4096]"),
     ("tag 56", {"request_id": "x", "input_ids": [1, 2], "tags": [0, 56]}, 422, "tags.1: Input should be less than or equal to 55"),
     ("tags length", {"request_id": "x", "input_ids": [1, 2], "tags": [0]}, 422, "tags has 1 entries for 2 input_ids"),
-    ("prompt too long", {"request_id": "x", "input_ids": [5] * MAX_LEN}, 400,
-     f"prompt of {MAX_LEN} tokens does not fit the context length {MAX_LEN}"),
-    ("max_tokens 0", {"request_id": "x", "input_ids": [1], "sampling": {"max_tokens": 0}}, 422,
-     "sampling.max_tokens: Input should be greater than or equal to 1"),
+    (
+        "prompt too long",
+        {"request_id": "x", "input_ids": [5] * MAX_LEN},
+        400,
+        f"prompt of {MAX_LEN} tokens does not fit the context length {MAX_LEN}",
+    ),
+    (
+        "max_tokens 0",
+        {"request_id": "x", "input_ids": [1], "sampling": {"max_tokens": 0}},
+        422,
+        "sampling.max_tokens: Input should be greater than or equal to 1",
+    ),
     ("temperature nan", b'{"request_id": "x", "input_ids": [1], "sampling": {"temperature": NaN}}', 422, "sampling.temperature"),
     ("no request id", {"input_ids": [1]}, 422, "request_id: Field required"),
-    ("kv params page ids as strings", {"request_id": "x", "input_ids": [1], "kv_transfer_params": {
-        "engine_id": "e", "agent_url": "http://a", "lease_id": "l", "page_ids": ["0"], "page_hashes": [1],
-        "num_tokens": 16, "page_size": 16, "dtype": "bf16", "layout_hash": "h", "expires_at": 1.0}}, 422,
-     "kv_transfer_params.page_ids.0: Input should be a valid integer"),
-    ("kv params lengths", {"request_id": "x", "input_ids": [1], "kv_transfer_params": {
-        "engine_id": "e", "agent_url": "http://a", "lease_id": "l", "page_ids": [0, 1], "page_hashes": [1],
-        "num_tokens": 16, "page_size": 16, "dtype": "bf16", "layout_hash": "h", "expires_at": 1.0}}, 422,
-     "page_ids has 2 entries but page_hashes has 1"),
-    ("kv params missing", {"request_id": "x", "input_ids": [1], "kv_transfer_params": {"engine_id": "e"}}, 422,
-     "kv_transfer_params.agent_url: Field required"),
+    (
+        "kv params page ids as strings",
+        {
+            "request_id": "x",
+            "input_ids": [1],
+            "kv_transfer_params": {
+                "engine_id": "e",
+                "agent_url": "http://a",
+                "lease_id": "l",
+                "page_ids": ["0"],
+                "page_hashes": [1],
+                "num_tokens": 16,
+                "page_size": 16,
+                "dtype": "bf16",
+                "layout_hash": "h",
+                "expires_at": 1.0,
+            },
+        },
+        422,
+        "kv_transfer_params.page_ids.0: Input should be a valid integer",
+    ),
+    (
+        "kv params lengths",
+        {
+            "request_id": "x",
+            "input_ids": [1],
+            "kv_transfer_params": {
+                "engine_id": "e",
+                "agent_url": "http://a",
+                "lease_id": "l",
+                "page_ids": [0, 1],
+                "page_hashes": [1],
+                "num_tokens": 16,
+                "page_size": 16,
+                "dtype": "bf16",
+                "layout_hash": "h",
+                "expires_at": 1.0,
+            },
+        },
+        422,
+        "page_ids has 2 entries but page_hashes has 1",
+    ),
+    (
+        "kv params missing",
+        {"request_id": "x", "input_ids": [1], "kv_transfer_params": {"engine_id": "e"}},
+        422,
+        "kv_transfer_params.agent_url: Field required",
+    ),
     ("body not an object", [1, 2], 422, "Input should be a valid dictionary"),
 ]
 
@@ -139,7 +194,9 @@ BAD_BODIES: list[tuple[str, Any, int, str]] = [
 @pytest.mark.parametrize(("case", "payload", "status", "message"), BAD_BODIES, ids=[c[0] for c in BAD_BODIES])
 def test_malformed_requests_get_a_one_line_4xx(live: Live, case: str, payload: Any, status: int, message: str) -> None:
     content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    r = httpx.post(live.url + "/internal/generate", content=content, headers={"content-type": "application/json", **live.headers}, timeout=30)
+    r = httpx.post(
+        live.url + "/internal/generate", content=content, headers={"content-type": "application/json", **live.headers}, timeout=30
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert message in err["message"]
@@ -151,8 +208,10 @@ def test_malformed_requests_get_a_one_line_4xx(live: Live, case: str, payload: A
 def test_a_body_over_the_limit_is_refused_before_it_is_read(live: Live) -> None:
     host, port = live.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /internal/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer " + live.token.encode() + b"\r\nContent-Length: 100000000\r\n\r\n{")
+        sock.sendall(
+            b"POST /internal/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + live.token.encode() + b"\r\nContent-Length: 100000000\r\n\r\n{"
+        )
         reply = b""
         while b"bytes" not in reply and len(reply) < 65536:
             chunk = sock.recv(65536)
@@ -212,15 +271,19 @@ def _wait_idle(live: Live, *, timeout: float = 30) -> dict[str, Any]:
 
 def test_duplicate_in_flight_id_is_409_and_a_disconnect_frees_the_pages(live: Live) -> None:
     prompt = list(range(100, 140))
-    with httpx.stream("POST", live.url + "/internal/generate", json=body("dup", prompt, max_tokens=400), headers=live.headers, timeout=60) as r:
+    with httpx.stream(
+        "POST", live.url + "/internal/generate", json=body("dup", prompt, max_tokens=400), headers=live.headers, timeout=60
+    ) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         first = next(line for line in lines if line and not line.startswith(":"))
-        assert json.loads(first[len("data: "):])["token_ids"]
+        assert json.loads(first[len("data: ") :])["token_ids"]
         again = httpx.post(live.url + "/internal/generate", json=body("dup", [1, 2, 3]), headers=live.headers, timeout=30)
         assert again.status_code == 409
         assert again.json()["error"] == {
-            "message": "request_id 'dup' is already in flight", "type": "conflict", "code": "duplicate_request_id",
+            "message": "request_id 'dup' is already in flight",
+            "type": "conflict",
+            "code": "duplicate_request_id",
         }
         busy = _kv_stats(live)
         assert busy["in_flight"] == 1 and busy["pages"]["owned"] >= 3
@@ -270,8 +333,10 @@ def test_metrics_export_every_worker_metric_with_values(live: Live) -> None:
     assert value("kvserving_worker_queue_depth", state="waiting") == 0
     assert value("kvserving_worker_ready") == 1
     for name, kind in [
-        ("kvserving_worker_kv_transfer_seconds", "histogram"), ("kvserving_worker_kv_transfer_regions", "histogram"),
-        ("kvserving_worker_preemptions", "counter"), ("kvserving_worker_kv_leases", "gauge"),
+        ("kvserving_worker_kv_transfer_seconds", "histogram"),
+        ("kvserving_worker_kv_transfer_regions", "histogram"),
+        ("kvserving_worker_preemptions", "counter"),
+        ("kvserving_worker_kv_leases", "gauge"),
         ("kvserving_worker_kv_leased_tokens", "gauge"),
     ]:
         assert families[name].type == kind, name
@@ -285,7 +350,9 @@ def test_both_worker_retains_under_a_lease_and_reuses_its_own_kv(live: Live, con
     assert params["agent_url"] == live.url
     assert params["num_tokens"] == (100 + 8 - 1) // PAGE * PAGE  # prompt + reply with KV, full pages
     assert len(params["page_ids"]) == len(params["page_hashes"]) == 6
-    listed = httpx.get(live.url + "/internal/kv/leases", params={"conversation_key": "c1"}, headers=live.headers, timeout=10).json()["leases"]
+    listed = httpx.get(live.url + "/internal/kv/leases", params={"conversation_key": "c1"}, headers=live.headers, timeout=10).json()[
+        "leases"
+    ]
     assert [(le["lease_id"], le["num_pages"], le["num_tokens"]) for le in listed] == [(params["lease_id"], 6, 96)]
     assert listed[0]["kv_transfer_params"]["page_ids"] == params["page_ids"]
 
@@ -307,12 +374,19 @@ def test_both_worker_retains_under_a_lease_and_reuses_its_own_kv(live: Live, con
     assert r.status_code == 200
     assert now + 470 < r.json()["expires_at"] <= time.time() + 480 + 0.5
     assert {k: v for k, v in r.json().items() if k != "expires_at"} == {
-        "lease_id": new["lease_id"], "page_ids": new["page_ids"], "page_hashes": new["page_hashes"],
+        "lease_id": new["lease_id"],
+        "page_ids": new["page_ids"],
+        "page_hashes": new["page_hashes"],
         "num_tokens": new["num_tokens"],
     }
     r = httpx.post(live.url + f"/internal/kv/leases/{new['lease_id']}/renew", json={"ttl_s": 5}, headers=live.headers, timeout=10)
     assert now + 4 < r.json()["expires_at"] <= time.time() + 5.5
-    assert httpx.post(live.url + f"/internal/kv/leases/{new['lease_id']}/renew", json={"ttl_s": -1}, headers=live.headers, timeout=10).status_code == 422
+    assert (
+        httpx.post(
+            live.url + f"/internal/kv/leases/{new['lease_id']}/renew", json={"ttl_s": -1}, headers=live.headers, timeout=10
+        ).status_code
+        == 422
+    )
     held = _kv_stats(live)
     assert held["leases"] == 1 and held["leased_tokens"] == new["num_tokens"] and held["pages"]["owned"] == 8
     r = httpx.delete(live.url + f"/internal/kv/leases/{new['lease_id']}", headers=live.headers, timeout=10)
@@ -383,8 +457,9 @@ def test_a_long_step_is_covered_by_keep_alive_comments_so_the_gateway_sees_a_bus
         return real(*args, **kwargs)
 
     runner.execute = slow  # type: ignore[method-assign]
-    with httpx.stream("POST", live.url + "/internal/generate", json=body("slow", prompt, max_tokens=3), headers=live.headers,
-                      timeout=60) as r:
+    with httpx.stream(
+        "POST", live.url + "/internal/generate", json=body("slow", prompt, max_tokens=3), headers=live.headers, timeout=60
+    ) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line]
     first_event = next(i for i, line in enumerate(lines) if line.startswith("data: "))

@@ -40,8 +40,9 @@ def rendered(sample: Path) -> tuple[dict[str, list[str]], str]:
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.stem)
-def test_each_sample_renders_worker_args_that_start_a_worker(sample: Path, tmp_path: Path, tiny_model_dir: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_sample_renders_worker_args_that_start_a_worker(
+    sample: Path, tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     args, config_json = rendered(sample)
     assert sorted(args) == ["decode", "prefill"]
     cfg_path = tmp_path / "engine.json"
@@ -75,8 +76,13 @@ def test_each_sample_renders_worker_args_that_start_a_worker(sample: Path, tmp_p
 
 
 def run_worker(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvserving.cli", "worker", *args], capture_output=True, text=True,
-                          timeout=120, env={"PYTHONSAFEPATH": "1", "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [sys.executable, "-m", "kvserving.cli", "worker", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONSAFEPATH": "1", "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_startup_errors_are_one_line(tmp_path: Path) -> None:
@@ -101,7 +107,8 @@ def test_startup_errors_are_one_line(tmp_path: Path) -> None:
         cfg.write_text(json.dumps({"security": {"internal_token_file": str(token_file)}}))
         r = run_worker("--role", "decode", "--config", str(cfg))
         assert r.returncode == 1 and r.stderr.strip().splitlines() == [
-            f"kvserving worker: error: security.internal_token_file {token_file}: {says}"], r.stderr
+            f"kvserving worker: error: security.internal_token_file {token_file}: {says}"
+        ], r.stderr
     (tmp_path / "token").write_text("s3cret\n")
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps({"security": {"internal_token_file": str(tmp_path / "token")}}))

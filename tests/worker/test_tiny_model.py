@@ -121,8 +121,11 @@ def test_chat_template_groups_tool_results_and_can_skip_thinking(tiny_model_dir:
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     messages = [
         {"role": "user", "content": "go"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"function": {"name": "a", "arguments": "{}"}}, {"function": {"name": "b", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"function": {"name": "a", "arguments": "{}"}}, {"function": {"name": "b", "arguments": "{}"}}],
+        },
         {"role": "tool", "content": "1"},
         {"role": "tool", "content": "2"},
     ]

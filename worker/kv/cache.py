@@ -195,12 +195,18 @@ def build_kv_cache(
     """
     page_size = kv_config.effective_page_size
     storage = KVStorage(
-        kv_config.dtype, model_shape, page_size=page_size, budget_bytes=budget_bytes,
-        device=device, model_dtype=model_dtype,
+        kv_config.dtype,
+        model_shape,
+        page_size=page_size,
+        budget_bytes=budget_bytes,
+        device=device,
+        model_dtype=model_dtype,
     )
     calibration = Calibration.load(kv_config.calibration) if kv_config.calibration else None
     if calibration is not None and (calibration.num_layers, calibration.num_kv_heads, calibration.head_dim) != (
-        model_shape.num_layers, model_shape.num_kv_heads, model_shape.head_dim
+        model_shape.num_layers,
+        model_shape.num_kv_heads,
+        model_shape.head_dim,
     ):
         raise ValueError(
             f"calibration {kv_config.calibration} is for {calibration.num_layers} layers x {calibration.num_kv_heads} "
@@ -241,7 +247,9 @@ def build_kv_cache(
         page_size=page_size,
     )
     manager = KVCacheManager(
-        pool, page_size=page_size, bits_table=table,
+        pool,
+        page_size=page_size,
+        bits_table=table,
         requantize=storage.requantize_to_int2 if kv_config.age_down else None,
     )
     manager.controller = controller
@@ -262,8 +270,7 @@ def budget_controller(budget: float, calibration: Calibration | None, *, page_si
     the cut that averages ``budget`` on those pages."""
     d = agent_pages_data
     gain = calibration.priorities() if calibration is not None else default_sensitivity()
-    pages, residual = (calibration.pages, calibration.residual) if calibration is not None and calibration.pages \
-        else (d.PAGES, d.RESIDUAL)
+    pages, residual = (calibration.pages, calibration.residual) if calibration is not None and calibration.pages else (d.PAGES, d.RESIDUAL)
     order = greedy_order(gain, pages, page_size=page_size)
     rank = rank_of(order)
     hist = [0.0] * NUM_TAGS

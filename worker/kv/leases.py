@@ -156,9 +156,7 @@ class RetainSpec:
 
 
 # --------------------------------------------------------------------------- the engine's side
-def retain(
-    pool: PagePoolBase, spec: RetainSpec, page_ids: list[int], page_hashes: list[int], page_size: int
-) -> RetainedKV | None:
+def retain(pool: PagePoolBase, spec: RetainSpec, page_ids: list[int], page_hashes: list[int], page_size: int) -> RetainedKV | None:
     """Pin the leading full, published pages ``page_ids`` (with their ``page_hashes``) under
     ``spec``'s lease; call before the sequence frees its pages. None when no page is full.
 
@@ -181,16 +179,23 @@ def retain(
                 length, digest = rec.prompt
                 if length <= len(prompt) and prompt_digest(prompt[:length]) == digest:
                     pool.release(pin.pin_id)
-    record = LeaseRecord(spec.kind, tuple(page_hashes[:n]), n * page_size, spec.ttl_s, key,
-                         (len(prompt), prompt_digest(prompt)) if key is not None and prompt else None)
+    record = LeaseRecord(
+        spec.kind,
+        tuple(page_hashes[:n]),
+        n * page_size,
+        spec.ttl_s,
+        key,
+        (len(prompt), prompt_digest(prompt)) if key is not None and prompt else None,
+    )
     pool.pin(spec.lease_id, page_ids[:n], ttl_s=spec.ttl_s, reclaim=spec.reclaim, record=record)
     kept = pool.get_pin(spec.lease_id)
     assert kept is not None
     return RetainedKV.of(kept)
 
 
-def pin_for_admission(pool: PagePoolBase, page_ids: Sequence[int], *, pulled: Sequence[int], ttl_s: float,
-                      reclaim: int = RECLAIM_LAST) -> str:
+def pin_for_admission(
+    pool: PagePoolBase, page_ids: Sequence[int], *, pulled: Sequence[int], ttl_s: float, reclaim: int = RECLAIM_LAST
+) -> str:
     """Pin pages for a request not yet admitted (``pulled``: those READ for it); its id."""
     pin_id = new_pin_id(PinKind.ADMISSION)
     pool.pin(pin_id, page_ids, ttl_s=ttl_s, reclaim=reclaim, record=AdmissionRecord(frozenset(pulled)))
@@ -216,8 +221,9 @@ class LeaseStore:
     ``role`` picks the kind a ``retain_spec`` makes (prefill: TRANSFER, else RETAINED);
     ``retention_ttl_s`` caps every renewal; ``max_hold_s`` caps every hold."""
 
-    def __init__(self, pool: PagePoolBase, *, role: str, generation: int, transfer_ttl_s: float,
-                 retention_ttl_s: float, max_hold_s: float) -> None:
+    def __init__(
+        self, pool: PagePoolBase, *, role: str, generation: int, transfer_ttl_s: float, retention_ttl_s: float, max_hold_s: float
+    ) -> None:
         self.pool = pool
         self.role = role
         self.generation = generation
@@ -229,12 +235,17 @@ class LeaseStore:
         """A new lease for a request's pages when it finishes. Pure: safe on any thread."""
         if self.role == "prefill":
             kind = PinKind.TRANSFER
-            return RetainSpec(new_pin_id(kind, generation=self.generation), self.transfer_ttl_s, conversation_key,
-                              tuple(input_ids), kind)
+            return RetainSpec(new_pin_id(kind, generation=self.generation), self.transfer_ttl_s, conversation_key, tuple(input_ids), kind)
         # a retained conversation yields its pages to live requests when the pool runs out
         kind = PinKind.RETAINED
-        return RetainSpec(new_pin_id(kind, generation=self.generation), self.retention_ttl_s, conversation_key,
-                          tuple(input_ids), kind, reclaim=RECLAIM_FIRST)
+        return RetainSpec(
+            new_pin_id(kind, generation=self.generation),
+            self.retention_ttl_s,
+            conversation_key,
+            tuple(input_ids),
+            kind,
+            reclaim=RECLAIM_FIRST,
+        )
 
     def _lease(self, lease_id: str) -> tuple[Pin, LeaseRecord]:
         pin = self.pool.get_pin(lease_id)
@@ -246,9 +257,9 @@ class LeaseStore:
         """Every live lease, optionally of one conversation, oldest first."""
         self.pool.expire_pins()
         return [
-            RetainedKV.of(pin) for pin in self.pool.pins()
-            if isinstance(pin.record, LeaseRecord)
-            and (conversation_key is None or pin.record.conversation_key == conversation_key)
+            RetainedKV.of(pin)
+            for pin in self.pool.pins()
+            if isinstance(pin.record, LeaseRecord) and (conversation_key is None or pin.record.conversation_key == conversation_key)
         ]
 
     def renew(self, lease_id: str, ttl_s: float | None = None) -> float:
@@ -279,8 +290,7 @@ class LeaseStore:
         if digest != rec.digest:
             raise LeaseMismatchError(f"lease {lease_id!r} holds other pages than the ones offered")
         hold_id = new_pin_id(PinKind.HOLD)
-        expires = self.pool.pin(hold_id, pin.page_ids, ttl_s=min(float(hold_s), self.max_hold_s),
-                                record=HoldRecord(lease_id))
+        expires = self.pool.pin(hold_id, pin.page_ids, ttl_s=min(float(hold_s), self.max_hold_s), record=HoldRecord(lease_id))
         if consume and rec.kind is PinKind.TRANSFER:
             self.pool.release(lease_id)
         return hold_id, expires

@@ -22,9 +22,15 @@ class LocalPair:
         for role, eng in (("prefill", prefill), ("decode", decode)):
             url = urls[role]
             self.workers[url] = KVTransfer(
-                eng, eng.config.reuse, engine_id=f"{name}-{role}", agent_url=url, role=role,
-                fetch_agent_info=lambda u: self.workers[u].agent_info(), hold_remote=self._hold,
-                release_remote=self._release, peers=PeerSet(urls.values()),
+                eng,
+                eng.config.reuse,
+                engine_id=f"{name}-{role}",
+                agent_url=url,
+                role=role,
+                fetch_agent_info=lambda u: self.workers[u].agent_info(),
+                hold_remote=self._hold,
+                release_remote=self._release,
+                peers=PeerSet(urls.values()),
             )
         self.p, self.d = self.workers[f"local://{name}-prefill"], self.workers[f"local://{name}-decode"]
 

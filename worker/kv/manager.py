@@ -33,8 +33,7 @@ from kvserving.worker.triaxial_pool import TriaxialPagePool
 # Triaxial page hash = token chain hash XOR the mark of the stored precision (``_page_hashes``):
 # fixed 63-bit constants (blake2b of "int4" / "int2"), so every worker computes the same keys.
 _PRECISION_MARK = {
-    b: int.from_bytes(hashlib.blake2b(f"int{b}".encode(), digest_size=8).digest(), "little") & ((1 << 63) - 1)
-    for b in (2, 4)
+    b: int.from_bytes(hashlib.blake2b(f"int{b}".encode(), digest_size=8).digest(), "little") & ((1 << 63) - 1) for b in (2, 4)
 }
 
 
@@ -52,9 +51,7 @@ class KVCacheManager:
         requantize: Callable[[list[int], list[int]], None] | None = None,
     ) -> None:
         if (bits_table is not None) != (2 in pool.precisions):
-            raise ValueError(
-                f"bits_table must be given exactly when the pool stores INT2 pages (pool precisions {pool.precisions})"
-            )
+            raise ValueError(f"bits_table must be given exactly when the pool stores INT2 pages (pool precisions {pool.precisions})")
         if page_size != pool.page_size:
             raise ValueError(f"page_size {page_size} differs from the pool's {pool.page_size}")
         self.pool = pool
@@ -148,8 +145,7 @@ class KVCacheManager:
         parent: int | None = None
         p = self.page_size
         for i, want in enumerate(wanted):
-            chain = self.pool.chain_hashes(seq.token_ids(i * p, (i + 1) * p), p, None, parent=parent,
-                                          salt=seq.cache_salt)[0]
+            chain = self.pool.chain_hashes(seq.token_ids(i * p, (i + 1) * p), p, None, parent=parent, salt=seq.cache_salt)[0]
             found = None
             for bits in ((2, 4) if self.age_down else (4, 2)) if want == 2 else self._four_bit_matches:
                 h = chain ^ _PRECISION_MARK[bits] if self.triaxial else chain
@@ -296,8 +292,7 @@ class KVCacheManager:
         p = self.page_size
         full = len(seq.prompt_ids) // p
         two = [i for i, pid in enumerate(matched) if page_id_bits(pid) == 2]
-        follow = [t for i in range(full) if i >= len(matched) or page_id_bits(matched[i]) == 4
-                  for t in seq.tags[i * p : (i + 1) * p]]
+        follow = [t for i in range(full) if i >= len(matched) or page_id_bits(matched[i]) == 4 for t in seq.tags[i * p : (i + 1) * p]]
         self._observe(follow, forced=int(len(seq.prompt_ids) % p > 0), fixed2=len(two))
 
     def _observe(self, tags: Seq[int], forced: int, fixed2: int = 0) -> None:

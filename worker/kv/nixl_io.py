@@ -76,9 +76,7 @@ class PageGeometry:
 
     def span(self, page_id: int) -> tuple[int, int]:
         """(byte offset, length) of ``page_id`` in a layer buffer."""
-        off = page_byte_offset(
-            page_id, page_bytes=self.page_bytes, int2_page_bytes=self.int2_page_bytes, total_bytes=self.total_bytes
-        )
+        off = page_byte_offset(page_id, page_bytes=self.page_bytes, int2_page_bytes=self.int2_page_bytes, total_bytes=self.total_bytes)
         length = self.int2_page_bytes if page_id & (1 << 30) else self.page_bytes
         if off < 0 or off + length > self.total_bytes:
             raise ValueError(f"page id {page_id} lies outside a layer buffer of {self.total_bytes} bytes")
@@ -239,9 +237,7 @@ class NixlIO:
         remote = [(base + ro, n, peer.device_id) for base in peer.addrs for _, ro, n in merged]
         return local, remote
 
-    def read(
-        self, peer: RemoteBuffers, local_pages: Sequence[int], remote_pages: Sequence[int], *, timeout_s: float
-    ) -> ReadStats:
+    def read(self, peer: RemoteBuffers, local_pages: Sequence[int], remote_pages: Sequence[int], *, timeout_s: float) -> ReadStats:
         """READ ``remote_pages`` of ``peer`` into ``local_pages`` (all layers); bounded by ``timeout_s``.
 
         Raises TransferError; then every page in ``local_pages`` is invalid.
@@ -265,9 +261,7 @@ class NixlIO:
                 if time.monotonic() >= deadline:
                     released = self._abandon(handle, local_pages)
                     handle = None
-                    raise TransferError(
-                        "transfer_timeout", f"READ of {nbytes} bytes not done after {timeout_s:g} s", pages_safe=released
-                    )
+                    raise TransferError("transfer_timeout", f"READ of {nbytes} bytes not done after {timeout_s:g} s", pages_safe=released)
                 polls += 1
                 if polls > 200:
                     time.sleep(0.0002)

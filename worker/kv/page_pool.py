@@ -519,7 +519,12 @@ class PagePoolBase:
         return pin
 
     def pin(
-        self, pin_id: str, page_ids: Sequence[int], *, ttl_s: float, reclaim: int = RECLAIM_NEVER,
+        self,
+        pin_id: str,
+        page_ids: Sequence[int],
+        *,
+        ttl_s: float,
+        reclaim: int = RECLAIM_NEVER,
         record: object = None,
     ) -> float:
         """Pin ``page_ids`` under a new pin (one ref each) until ``ttl_s`` from now; returns expires_at.

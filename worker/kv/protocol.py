@@ -81,20 +81,33 @@ class KVTransferParams:
         if len(hashes) != len(ids):
             raise ValueError(f"kv_transfer_params.page_hashes has {len(hashes)} entries for {len(ids)} page_ids")
         if data["num_tokens"] > len(ids) * data["page_size"]:
-            raise ValueError(
-                f"kv_transfer_params.num_tokens ({data['num_tokens']}) exceeds {len(ids)} pages of {data['page_size']}"
-            )
+            raise ValueError(f"kv_transfer_params.num_tokens ({data['num_tokens']}) exceeds {len(ids)} pages of {data['page_size']}")
         return cls(
-            data["engine_id"], data["agent_url"], data["lease_id"], ids, hashes, data["num_tokens"],
-            data["page_size"], data["dtype"], data["layout_hash"], float(exp),
-            float(cut) if cut is not None else None, ranking,
+            data["engine_id"],
+            data["agent_url"],
+            data["lease_id"],
+            ids,
+            hashes,
+            data["num_tokens"],
+            data["page_size"],
+            data["dtype"],
+            data["layout_hash"],
+            float(exp),
+            float(cut) if cut is not None else None,
+            ranking,
         )
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "engine_id": self.engine_id, "agent_url": self.agent_url, "lease_id": self.lease_id,
-            "page_ids": list(self.page_ids), "page_hashes": list(self.page_hashes), "num_tokens": self.num_tokens,
-            "page_size": self.page_size, "dtype": self.dtype, "layout_hash": self.layout_hash,
+            "engine_id": self.engine_id,
+            "agent_url": self.agent_url,
+            "lease_id": self.lease_id,
+            "page_ids": list(self.page_ids),
+            "page_hashes": list(self.page_hashes),
+            "num_tokens": self.num_tokens,
+            "page_size": self.page_size,
+            "dtype": self.dtype,
+            "layout_hash": self.layout_hash,
             "expires_at": self.expires_at,
         } | ({"bits_cut": self.bits_cut, "bits_ranking": self.bits_ranking} if self.bits_cut is not None else {})
 
@@ -146,8 +159,7 @@ def layout_info(engine: LLMEngine) -> dict[str, Any]:
         "int2_page_bytes": st.int2_layout.page_bytes if st.int2_layout is not None else 0,
         "total_bytes": st.total_bytes,
         "fields": [
-            [lay.fmt, [[f.name, str(f.dtype), list(f.shape), f.offset, list(f.storage or ())] for f in lay.fields]]
-            for lay in layouts
+            [lay.fmt, [[f.name, str(f.dtype), list(f.shape), f.offset, list(f.storage or ())] for f in lay.fields]] for lay in layouts
         ],
         "k_scales": list(st.k_scales),
         "v_scales": list(st.v_scales),
@@ -206,8 +218,9 @@ class PeerHttp:
     def hold(self, agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
         """``POST .../hold``: the sender's answer (``KVTransfer.hold``), ``{"refused": "unknown_lease"}``
         on 404 and ``{"refused": "lease_mismatch"}`` on 409; raises for anything else."""
-        status, body = self._call("POST", f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}/hold",
-                                  {"digest": digest, "hold_s": hold_s, "consume": consume})
+        status, body = self._call(
+            "POST", f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}/hold", {"digest": digest, "hold_s": hold_s, "consume": consume}
+        )
         if status in (404, 409):
             return {"refused": "unknown_lease" if status == 404 else "lease_mismatch"}
         self._raise_for(status, agent_url)
@@ -240,9 +253,7 @@ class PeerHttp:
             raise ConnectionError(f"peer {url} answered HTTP {status}")
 
 
-def http_hold(
-    agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool, *, token: str | None = None
-) -> dict[str, Any]:
+def http_hold(agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool, *, token: str | None = None) -> dict[str, Any]:
     """One-off ``PeerHttp.hold`` (tests and tools)."""
     http = PeerHttp(token=token)
     try:

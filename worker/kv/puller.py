@@ -50,7 +50,11 @@ from kvserving.config import ReuseConfig
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.kv.leases import (
-    PinKind, lease_digest, parse_lease_id, pin_for_admission, release_admission,
+    PinKind,
+    lease_digest,
+    parse_lease_id,
+    pin_for_admission,
+    release_admission,
 )
 from kvserving.worker.kv.nixl_io import NixlIO, PageGeometry, ReadStats, RemoteBuffers, TransferError
 from kvserving.worker.kv.page_pool import RECLAIM_NEVER
@@ -62,8 +66,15 @@ from kvserving.worker.sequence import Sequence as EngineSequence
 T = TypeVar("T")
 
 FALLBACK_REASONS = (
-    "remote_unreachable", "transfer_timeout", "transfer_failed", "lease_expired",
-    "layout_mismatch", "hash_mismatch", "stale_agent", "unknown_peer", "bits_cut_mismatch",
+    "remote_unreachable",
+    "transfer_timeout",
+    "transfer_failed",
+    "lease_expired",
+    "layout_mismatch",
+    "hash_mismatch",
+    "stale_agent",
+    "unknown_peer",
+    "bits_cut_mismatch",
 )
 HOLD_MARGIN_S = 2.0  # a hold outlives the puller's READ deadline by this much
 DEFAULT_THRESHOLD_TOKENS = 64  # "auto" before both rates are measured
@@ -240,7 +251,11 @@ class Puller:
 
     # ------------------------------------------------------------------ pull
     def pull(
-        self, input_ids: Sequence[int], tags: Sequence[int] | None, params: KVTransferParams | None, *,
+        self,
+        input_ids: Sequence[int],
+        tags: Sequence[int] | None,
+        params: KVTransferParams | None,
+        *,
         cache_salt: str | None = None,
     ) -> PullResult:
         """Pull what ``params`` offers of this prompt's KV: plan -> hold -> READ -> adopt. Never
@@ -331,8 +346,9 @@ class Puller:
         local prefix cache holds (pinned while the pull runs), pick the pages to pull, decide
         whether they are worth it and allocate them (one hop onto the engine thread)."""
         kv, pool, p = self.engine.kv, self.engine.pool, self.page_size
-        seq = EngineSequence("kv-pull", ids, SamplingParams(), make_generator(0), tags=tags,
-                             cache_salt=cache_salt.encode() if cache_salt else None)
+        seq = EngineSequence(
+            "kv-pull", ids, SamplingParams(), make_generator(0), tags=tags, cache_salt=cache_salt.encode() if cache_salt else None
+        )
         usable = max(0, min(len(params.page_ids), params.num_tokens // p, (len(ids) - 1) // p))
         bits = [page_id_bits(pid) for pid in params.page_ids[:usable]]
         if kv.bits_table is not None and kv.controller is None:
@@ -364,8 +380,7 @@ class Puller:
             plan.skipped = "below_threshold"
         if plan.local_pids:
             # held only while the pull runs, and never reclaimed: ``_adopt`` re-pins these pages
-            plan.local_pin = pin_for_admission(pool, plan.local_pids, pulled=(), ttl_s=self._pin_ttl(),
-                                               reclaim=RECLAIM_NEVER)
+            plan.local_pin = pin_for_admission(pool, plan.local_pids, pulled=(), ttl_s=self._pin_ttl(), reclaim=RECLAIM_NEVER)
         if plan.skipped is None and params.engine_id != self.engine_id:
             plan.local = self.allocate_for_pull([page_id_bits(pid) for pid in plan.remote_pids])
         return plan
@@ -429,8 +444,13 @@ class Puller:
             with self._counts_lock:
                 self.fallbacks[fallback] += 1
         return PullResult(
-            pulled_tokens=len(local) * p, num_bytes=stats.num_bytes, num_regions=stats.num_regions,
-            seconds=time.monotonic() - t_send, fallback=fallback, admission_pin=pin, **base,
+            pulled_tokens=len(local) * p,
+            num_bytes=stats.num_bytes,
+            num_regions=stats.num_regions,
+            seconds=time.monotonic() - t_send,
+            fallback=fallback,
+            admission_pin=pin,
+            **base,
         )
 
     def _contact(self, params: KVTransferParams) -> _Contact:
@@ -452,8 +472,7 @@ class Puller:
         digest = lease_digest(params.page_ids, params.page_hashes, params.num_tokens)
         consume = named is not None and named[0] is PinKind.TRANSFER  # a prefill's lease is single use
         try:
-            reply = self._hold_remote(params.agent_url, params.lease_id, digest,
-                                      self.reuse.transfer_timeout_s + HOLD_MARGIN_S, consume)
+            reply = self._hold_remote(params.agent_url, params.lease_id, digest, self.reuse.transfer_timeout_s + HOLD_MARGIN_S, consume)
             c.hold_s = time.perf_counter() - t1
             refused = reply.get("refused")
             if refused is not None:
@@ -499,8 +518,12 @@ class Puller:
             peer = self.nixl.remote(engine_id, generation)
             if peer is None:
                 peer = self.nixl.add_remote(
-                    engine_id, generation, base64.b64decode(info["metadata"]),
-                    addrs=[int(a) for a in lay["buffer_addrs"]], device_id=int(lay.get("device_id", 0)), geometry=geometry,
+                    engine_id,
+                    generation,
+                    base64.b64decode(info["metadata"]),
+                    addrs=[int(a) for a in lay["buffer_addrs"]],
+                    device_id=int(lay.get("device_id", 0)),
+                    geometry=geometry,
                 )
         except Exception:  # noqa: BLE001 - metadata NIXL cannot load
             self.nixl.forget_remote(engine_id)
@@ -508,7 +531,12 @@ class Puller:
         return peer
 
     def _read(
-        self, peer: RemoteBuffers, params: KVTransferParams, local: list[int], remote_pids: list[int], t_send: float,
+        self,
+        peer: RemoteBuffers,
+        params: KVTransferParams,
+        local: list[int],
+        remote_pids: list[int],
+        t_send: float,
         ph: _Phases,
     ) -> tuple[str | None, ReadStats | None]:
         """READ while the sender's hold pins the pages: it lasts ``transfer_timeout_s +

@@ -40,9 +40,7 @@ def calibration_ids(vocab_size: int, n: int = CALIBRATION_TOKENS, *, seed: int =
 
 
 @torch.inference_mode()
-def measure_kv_amax(
-    model: torch.nn.Module, num_layers: int, ids: Seq[int], *, device: torch.device
-) -> tuple[list[float], list[float]]:
+def measure_kv_amax(model: torch.nn.Module, num_layers: int, ids: Seq[int], *, device: torch.device) -> tuple[list[float], list[float]]:
     """Per-layer max |K| and max |V| over one forward pass of ``ids``."""
     if not ids:
         raise ValueError("calibration needs at least one token")

@@ -173,8 +173,6 @@ class KVStorage:
             q, self._layers[layer], page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=n2, options=self.options,
         )  # fmt: skip
 
-    def gather(
-        self, layer: int, page_ids: torch.Tensor, num_tokens: int, out_k: torch.Tensor, out_v: torch.Tensor
-    ) -> None:
+    def gather(self, layer: int, page_ids: torch.Tensor, num_tokens: int, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
         """Dequantize the first ``num_tokens`` tokens of ``page_ids`` into out_k/out_v [>=num_tokens, H, D]."""
         paged_ops.gather_kv(self._layers[layer], page_ids, num_tokens, out_k, out_v, options=self.options)

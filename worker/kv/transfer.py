@@ -109,15 +109,17 @@ class KVTransfer:
         self.dtype = st.kv_dtype
         self.layout = layout_info(engine)
         self.layout_hash = layout_hash(engine, weights_id=weights_id)
-        self.geometry = PageGeometry(
-            st.layout.page_bytes, st.int2_layout.page_bytes if st.int2_layout is not None else 0, st.total_bytes
-        )
+        self.geometry = PageGeometry(st.layout.page_bytes, st.int2_layout.page_bytes if st.int2_layout is not None else 0, st.total_bytes)
         self.nixl = NixlIO(f"{engine_id}-{self.generation:x}", st.buffers, geometry=self.geometry, poll_interval_s=poll_interval_s)
         self.nixl.start_progress()
         self._metadata_b64 = base64.b64encode(self.nixl.metadata()).decode()
         self.store = LeaseStore(
-            engine.pool, role=role, generation=self.generation, transfer_ttl_s=reuse.transfer_timeout_s,
-            retention_ttl_s=reuse.retention_ttl_s, max_hold_s=max_hold_s,
+            engine.pool,
+            role=role,
+            generation=self.generation,
+            transfer_ttl_s=reuse.transfer_timeout_s,
+            retention_ttl_s=reuse.retention_ttl_s,
+            max_hold_s=max_hold_s,
         )
         # where kv_transfer_params may send this worker: its own URL and the deployment's
         # workers (``peers``; None: its own URL only)
@@ -126,10 +128,17 @@ class KVTransfer:
             # pages and age-down live there) hold the budget; prefill workers adopt their cut on pull
             engine.kv.controller.leader = role != "prefill"
         self.puller = Puller(
-            engine, reuse, self.nixl, engine_id=engine_id, agent_url=agent_url, layout_hash=self.layout_hash,
-            peers=peers if peers is not None else PeerSet(), run_on_engine=self._run,
+            engine,
+            reuse,
+            self.nixl,
+            engine_id=engine_id,
+            agent_url=agent_url,
+            layout_hash=self.layout_hash,
+            peers=peers if peers is not None else PeerSet(),
+            run_on_engine=self._run,
             fetch_agent_info=fetch_agent_info or self._http.fetch_agent_info,
-            hold_remote=hold_remote or self._http.hold, release_remote=release_remote or self._http.release,
+            hold_remote=hold_remote or self._http.hold,
+            release_remote=release_remote or self._http.release,
         )
 
     def _run_locked(self, fn: Callable[[], Any]) -> Any:
@@ -159,7 +168,11 @@ class KVTransfer:
 
     # ------------------------------------------------------------------ pulling
     def pull(
-        self, input_ids: Sequence[int], tags: Sequence[int] | None, params: KVTransferParams | None, *,
+        self,
+        input_ids: Sequence[int],
+        tags: Sequence[int] | None,
+        params: KVTransferParams | None,
+        *,
         cache_salt: str | None = None,
     ) -> PullResult:
         """``Puller.pull``: plan -> hold -> READ -> adopt."""
@@ -182,9 +195,18 @@ class KVTransfer:
         """The wire params of a lease (expiry in unix seconds)."""
         control = self.engine.kv.controller  # the cut travels with the pages (read without the engine lock: one float)
         return KVTransferParams(
-            self.engine_id, self.agent_url, kept.lease_id, kept.page_ids, kept.page_hashes, kept.num_tokens,
-            self.page_size, self.dtype, self.layout_hash, self._unix(kept.expires_at),
-            control.cut if control is not None else None, control.ranking if control is not None else None,
+            self.engine_id,
+            self.agent_url,
+            kept.lease_id,
+            kept.page_ids,
+            kept.page_hashes,
+            kept.num_tokens,
+            self.page_size,
+            self.dtype,
+            self.layout_hash,
+            self._unix(kept.expires_at),
+            control.cut if control is not None else None,
+            control.ranking if control is not None else None,
         )
 
     def leases(self, conversation_key: str | None = None) -> list[dict[str, Any]]:
@@ -193,9 +215,12 @@ class KVTransfer:
         def listing() -> list[dict[str, Any]]:
             return [
                 {
-                    "lease_id": le.lease_id, "conversation_key": le.conversation_key,
-                    "num_pages": len(le.page_ids), "num_tokens": le.num_tokens,
-                    "expires_at": self._unix(le.expires_at), "kv_transfer_params": self.params_for(le).to_dict(),
+                    "lease_id": le.lease_id,
+                    "conversation_key": le.conversation_key,
+                    "num_pages": len(le.page_ids),
+                    "num_tokens": le.num_tokens,
+                    "expires_at": self._unix(le.expires_at),
+                    "kv_transfer_params": self.params_for(le).to_dict(),
                 }
                 for le in self.store.leases(conversation_key)
             ]
@@ -213,8 +238,13 @@ class KVTransfer:
 
         def go() -> dict[str, Any]:
             hold_id, expires = self.store.hold(lease_id, digest=digest, hold_s=hold_s, consume=consume)
-            return {"lease_id": lease_id, "hold_id": hold_id, "expires_at": self._unix(expires),
-                    "engine_id": self.engine_id, "generation": self.generation}
+            return {
+                "lease_id": lease_id,
+                "hold_id": hold_id,
+                "expires_at": self._unix(expires),
+                "engine_id": self.engine_id,
+                "generation": self.generation,
+            }
 
         return self._on_engine(go)
 
