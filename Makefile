@@ -28,7 +28,7 @@ tools:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 # 1: `make lint` (and so `make test`) also fails on code `ruff format` would change.
-FORMAT_CHECK ?= 0
+FORMAT_CHECK ?= 1
 
 lint: install
 	$(VENV)/bin/ruff check .
