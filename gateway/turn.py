@@ -185,9 +185,14 @@ class Turn:
         self.decode = decode
 
     def _holder_unresponsive(self) -> None:
-        """The lease holder is frozen or gone: out of the rotation, the turn counted once."""
+        """The lease holder is frozen or gone: out of the rotation, the turn counted once. A
+        holder that is the last healthy decode worker stays in: a pull that timed out on a busy
+        worker says little, and without it every turn would be refused (503) until /ready answers
+        again; its decode is bounded by the deadlines instead."""
         assert self.lease is not None
-        self.router.pool.mark_unhealthy(self.lease.worker_url)
+        holder = self.router.pool.get(self.lease.worker_url)
+        if holder is not None and self.router.has_other(holder, ("decode", "both")):
+            self.router.pool.mark_unhealthy(holder.url)
         if not self._holder_lost:
             self._holder_lost = True
             self.router.metrics.reuse_fallback(HOLDER_UNRESPONSIVE)

@@ -69,6 +69,25 @@ def test_a_lease_holder_the_prefill_cannot_reach_loses_the_decode_before_the_fir
     assert gw.state.keeper.table.get(DEFAULT_TENANT.scope("session:s")).worker_url == other.url  # type: ignore[union-attr]
 
 
+def test_a_lone_lease_holder_the_prefill_cannot_reach_stays_in_the_rotation(stack: Stack, reply: list[int], text: str) -> None:
+    """With no other decode worker, a pull that timed out is no reason to refuse every turn: the
+    turn recomputes (counted) and decodes on the holder, which stays healthy."""
+    prefill = stack.worker(role="prefill", reply_ids=reply)
+    holder = stack.worker(role="decode", reply_ids=reply)
+    gw = stack.gateway(prefill=[prefill.url], decode=[holder.url], health_interval_s=60)
+    messages = [SYSTEM, {"role": "user", "content": "Fix the failing test."}]
+    assert chat(gw, messages, "lone") == text
+    prefill.pull_fallback = "remote_unreachable"  # the holder was too busy to answer the prefill's hold in time
+    messages.append({"role": "user", "content": "Run them again."})
+    assert chat(gw, messages, "lone") == text
+    assert len(holder.received) == 2
+    assert gw.metric("kvserving_gateway_reuse_fallbacks_total", {"reason": "holder_unresponsive"}) == 1
+    assert gw.state.pool.workers[holder.url].healthy  # still in the rotation: the next turn is served
+    messages.append({"role": "user", "content": "And once more."})
+    assert chat(gw, messages, "lone") == text
+    assert len(holder.received) == 3
+
+
 def test_a_decode_worker_that_does_not_answer_in_time_is_left_for_another(stack: Stack, reply: list[int], text: str) -> None:
     prefill = stack.worker(role="prefill", reply_ids=reply)
     frozen, alive = by_url([stack.worker(role="decode", reply_ids=reply) for _ in range(2)])
