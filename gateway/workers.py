@@ -402,7 +402,8 @@ class WorkerClient:
                 continue
             connection = stream.connection
             if connection is None or connection.protocol is None:
-                continue  # still connecting: the connect deadline covers it
+                await asyncio.sleep(PROBE_AFTER_S)  # still connecting: the connect deadline covers it
+                continue
             stream.unresponsive = True
             connection.protocol.set_exception(_Unresponsive())
             return
