@@ -80,6 +80,10 @@ class TurnRequest:
     tags_json: str | None = None
     cache_salt: str | None = None  # the tenant's (tenants.py): its pages match only its own requests'
 
+    @property
+    def max_tokens(self) -> int:
+        return int(self.sampling.get("max_tokens", 1))
+
     def body_ids(self) -> list[int] | RawJson:
         return RawJson(self.ids_json) if self.ids_json is not None else self.input_ids
 
@@ -237,7 +241,7 @@ class Turn:
                 self._prefilled = (params, sampled)
                 if sampled:
                     yield [sampled]
-                    if prefill_final.get("finish_reason") != "length" or int(request.sampling.get("max_tokens", 1)) <= 1:
+                    if prefill_final.get("finish_reason") != "length" or request.max_tokens <= 1:
                         # The reply ended with its first token (an end-of-sequence or stop
                         # token, or max_tokens 1): no decode request. The prefill's pages
                         # are under a short transfer hold, not a conversation lease.
@@ -422,8 +426,10 @@ class Turns:
     def choose_decode(self, lease: Lease | None, request: TurnRequest) -> WorkerState | None:
         """The decode worker among those the request fits (their KV pool and context), or None."""
         held = self.keeper.table.per_worker
-        prompt, max_tokens = len(request.input_ids), int(request.sampling.get("max_tokens", 1))
-        views = [WorkerView(w.url, w.healthy, w.inflight, held.get(w.url, 0)) for w in self._decoders() if w.fits(prompt, max_tokens)]
+        prompt = len(request.input_ids)
+        views = [
+            WorkerView(w.url, w.healthy, w.inflight, held.get(w.url, 0)) for w in self._decoders() if w.fits(prompt, request.max_tokens)
+        ]
         decision = choose_decode(views, lease_url=lease.worker_url if lease else None, max_inflight=self.max_inflight)
         if decision is None:
             return None
@@ -449,7 +455,7 @@ class Turns:
         """400 ``context_length_exceeded`` (before any byte of a stream) when no healthy decode
         worker's KV pool can hold the request, as their /ready answers say."""
         healthy = [w for w in self._decoders() if w.healthy and w.capacity is not None]
-        prompt, max_tokens = len(request.input_ids), int(request.sampling.get("max_tokens", 1))
+        prompt, max_tokens = len(request.input_ids), request.max_tokens
         if not healthy or any(w.fits(prompt, max_tokens) for w in healthy):
             return
         largest = max(healthy, key=lambda w: w.capacity[1] if w.capacity else 0)

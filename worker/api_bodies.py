@@ -48,7 +48,7 @@ class KVTransferParamsBody(_Body):
     dtype: StrictStr
     layout_hash: StrictStr
     expires_at: Number
-    bits_cut: Number | None = Field(default=None, ge=0, le=56)
+    bits_cut: Number | None = Field(default=None, ge=0, le=NUM_TAGS)
     bits_ranking: StrictStr | None = Field(default=None, min_length=1, max_length=64)
 
     @model_validator(mode="after")

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from kvserving.tags import NUM_TAGS
+
 if TYPE_CHECKING:
     import aiohttp
 
@@ -72,8 +74,8 @@ class KVTransferParams:
         if (cut is None) != (ranking is None):
             raise ValueError("kv_transfer_params.bits_cut and bits_ranking come together or not at all")
         if cut is not None:
-            if isinstance(cut, bool) or not isinstance(cut, (int, float)) or not math.isfinite(cut) or not 0 <= cut <= 56:
-                raise ValueError("kv_transfer_params.bits_cut must be a number in [0, 56]")
+            if isinstance(cut, bool) or not isinstance(cut, (int, float)) or not math.isfinite(cut) or not 0 <= cut <= NUM_TAGS:
+                raise ValueError(f"kv_transfer_params.bits_cut must be a number in [0, {NUM_TAGS}]")
             if not isinstance(ranking, str) or not 1 <= len(ranking) <= 64:
                 raise ValueError("kv_transfer_params.bits_ranking must be a non-empty string of at most 64 characters")
         ids = _int_list(data["page_ids"], "page_ids", limit=1 << 31)
