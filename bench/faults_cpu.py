@@ -863,7 +863,10 @@ class Matrix:
         run.notes.append(f"prefill frozen {PREFILL_STOP_S} s as turn 2 of each conversation was sent ({stops} times)")
         return run
 
-    def holder_sigstop(self) -> Run:
+    def _holder_frozen_at_turn_2(self, name: str, *, warm_up: Callable[[int, int], None] | None = None) -> Run:
+        """Run ``name`` with each conversation's lease holder SIGSTOPped just before its turn 2
+        (after ``warm_up(conv, turn)``, when given) and continued once that turn ended; the run's
+        extra holds those turns' seconds and the same turns' seconds without the fault."""
         frozen: list[Proc] = []
         seconds: list[float] = []
         t0 = 0.0
@@ -872,7 +875,9 @@ class Matrix:
             nonlocal t0
             if turn == 1:
                 self.c.all_healthy()
-                holder = self.holder("holder_sigstop", conv)
+                if warm_up is not None:
+                    warm_up(conv, turn)
+                holder = self.holder(name, conv)
                 holder.send(signal.SIGSTOP)
                 frozen.append(holder)
                 t0 = time.monotonic()
@@ -882,23 +887,28 @@ class Matrix:
                 seconds.append(round(time.monotonic() - t0, 2))
                 frozen[-1].send(signal.SIGCONT)
 
-        before_fb = gauge(self.c.gateway_url, "kvserving_gateway_reuse_fallbacks_total", reason="holder_unresponsive")
         try:
-            run = self.run("holder_sigstop", before=before, after=after)
+            run = self.run(name, before=before, after=after)
         finally:
             for p in frozen:
                 p.send(signal.SIGCONT)
-        moved = gauge(self.c.gateway_url, "kvserving_gateway_reuse_fallbacks_total", reason="holder_unresponsive") - before_fb
-        run.extra["gateway_holder_unresponsive"] = int(moved)
         # the same turns without a fault (the "none" run when it ran: the same prompts, caches as warm)
         normal = self.turn_seconds.get("none") or self.turn_seconds["reference"]
         run.extra["frozen_turn_s"] = seconds
         run.extra["normal_turn_s"] = [normal[conv][1] for conv in range(len(self.conversations))]
+        return run
+
+    def holder_sigstop(self) -> Run:
+        before_fb = gauge(self.c.gateway_url, "kvserving_gateway_reuse_fallbacks_total", reason="holder_unresponsive")
+        run = self._holder_frozen_at_turn_2("holder_sigstop")
+        moved = gauge(self.c.gateway_url, "kvserving_gateway_reuse_fallbacks_total", reason="holder_unresponsive") - before_fb
+        run.extra["gateway_holder_unresponsive"] = int(moved)
         run.extra["frozen_turn_fallbacks"] = [
             run.results[sum(len(u) for _, u, _ in self.conversations[:conv]) + 1].fallback for conv in range(len(self.conversations))
         ]
+        seconds = run.extra["frozen_turn_s"]
         run.notes.append(
-            f"lease holder frozen before turn 2 of each conversation ({len(frozen)} times); those turns took "
+            f"lease holder frozen before turn 2 of each conversation ({len(seconds)} times); those turns took "
             f"{seconds} s (without the fault: {run.extra['normal_turn_s']} s); gateway holder_unresponsive "
             f"+{int(moved)}"
         )
@@ -917,49 +927,28 @@ class Matrix:
         return run
 
     def holder_sigstop_warm(self) -> Run:
-        frozen: list[Proc] = []
-        seconds: list[float] = []
         warm: list[Result] = []
-        t0 = 0.0
 
-        def before(conv: int, turn: int) -> None:
-            nonlocal t0
-            if turn == 1:
-                self.c.all_healthy()
-                # the prefill computes (and caches) this very turn's prompt: it will have nothing to pull
-                warm.append(
-                    ask(
-                        self.client,
-                        self.history(conv, turn),
-                        f"holder_sigstop_warm-w{conv}",
-                        stream=False,
-                        reference=self.reference[conv][turn],
-                    )
+        def warm_up(conv: int, turn: int) -> None:
+            # the prefill computes (and caches) this very turn's prompt: it will have nothing to pull
+            warm.append(
+                ask(
+                    self.client,
+                    self.history(conv, turn),
+                    f"holder_sigstop_warm-w{conv}",
+                    stream=False,
+                    reference=self.reference[conv][turn],
                 )
-                holder = self.holder("holder_sigstop_warm", conv)
-                holder.send(signal.SIGSTOP)
-                frozen.append(holder)
-                t0 = time.monotonic()
-
-        def after(conv: int, turn: int) -> None:
-            if turn == 1:
-                seconds.append(round(time.monotonic() - t0, 2))
-                frozen[-1].send(signal.SIGCONT)
+            )
 
         counters = gateway_counters(self.c.gateway_url)
-        try:
-            run = self.run("holder_sigstop_warm", before=before, after=after)
-        finally:
-            for p in frozen:
-                p.send(signal.SIGCONT)
+        run = self._holder_frozen_at_turn_2("holder_sigstop_warm", warm_up=warm_up)
         moved = {k: int(v - counters.get(k, 0.0)) for k, v in gateway_counters(self.c.gateway_url).items()}
-        normal = self.turn_seconds.get("none") or self.turn_seconds["reference"]
-        run.extra["frozen_turn_s"] = seconds
-        run.extra["normal_turn_s"] = [normal[conv][1] for conv in range(len(self.conversations))]
+        seconds = run.extra["frozen_turn_s"]
         run.extra["warm_up_requests"] = dict(Counter(r.kind for r in warm))
         run.notes.append(
             f"the prefill warmed with each turn 2's messages, then the lease holder frozen before it "
-            f"({len(frozen)} times); those turns took {seconds} s (without the fault: "
+            f"({len(seconds)} times); those turns took {seconds} s (without the fault: "
             f"{run.extra['normal_turn_s']} s); gateway upstream errors unresponsive "
             f"+{moved.get('upstream_errors{kind=unresponsive}', 0)}, holder_unresponsive "
             f"+{moved.get('reuse_fallbacks{reason=holder_unresponsive}', 0)}"
