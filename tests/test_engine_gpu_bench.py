@@ -3,22 +3,15 @@ bit budget the controller holds and reports the stored bits beside the fixed tab
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def engine_gpu() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "bench" / "engine_gpu.py"
-    spec = importlib.util.spec_from_file_location("engine_gpu_bench", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["engine_gpu_bench"] = module
-    spec.loader.exec_module(module)
+    module = load_bench("engine_gpu")
     module.DEVICE = "cpu"  # what --smoke sets
     return module
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_module import load_bench
 
 from kvserving.calibrate.data import TaggedSeq
 from kvserving.calibration import Calibration, LayerScales
@@ -26,13 +26,7 @@ DELIM = encode_tag("current", "text", "delim")
 
 @pytest.fixture(scope="module")
 def fidelity() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "bench" / "fidelity.py"
-    spec = importlib.util.spec_from_file_location("fidelity_bench", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fidelity_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("fidelity")
 
 
 def _calibration(gains: dict[int, float], pages: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]) -> Calibration:

@@ -7,13 +7,11 @@ sm_90 SM; and the benchmark's forced plans (bench/decode_gpu.py forced_plan).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
+from bench_module import load_bench
 import torch
 
 from kvserving.kernels import gluon_decode, triton_common
@@ -165,13 +163,7 @@ def _plan(fmt: str, batch: int, ctx: int, planner: Any) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
     """bench/decode_gpu.py (its forced_plan: the plans the benchmark times beside the planners')."""
-    path = Path(__file__).resolve().parents[2] / "bench" / "decode_gpu.py"
-    spec = importlib.util.spec_from_file_location("decode_gpu_bench", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["decode_gpu_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("decode_gpu")
 
 
 def _forced(bench: ModuleType, fmt: str, ctx: int, splits: int) -> tuple[int, int]:
