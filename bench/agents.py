@@ -168,21 +168,26 @@ class Record:
     fallback: str | None
 
 
-async def run_agent(client: Any, model: str, spec: AgentSpec, *, delay_s: float, out: list[Record], errors: list[str]) -> None:
-    """One agent's turns in order; an error answer ends the agent (recorded in ``errors``)."""
+async def run_agent(
+    client: Any, model: str, spec: AgentSpec, *, delay_s: float, out: list[Record], errors: list[str], stop_at: float = math.inf
+) -> None:
+    """One agent's turns in order; an error answer ends the agent (recorded in ``errors``); no turn
+    starts after ``stop_at`` (a ``time.perf_counter()`` value)."""
     from openai import APIError
 
     try:
-        await _turns(client, model, spec, delay_s=delay_s, out=out)
+        await _turns(client, model, spec, delay_s=delay_s, out=out, stop_at=stop_at)
     except APIError as exc:
         errors.append(f"{spec.session_id}: {exc}")
 
 
-async def _turns(client: Any, model: str, spec: AgentSpec, *, delay_s: float, out: list[Record]) -> None:
+async def _turns(client: Any, model: str, spec: AgentSpec, *, delay_s: float, out: list[Record], stop_at: float) -> None:
     conv = Conversation(spec)
     await asyncio.sleep(delay_s)
     for turn in spec.turns:
         await asyncio.sleep(turn.think_time_s)
+        if time.perf_counter() > stop_at:
+            return
         messages = conv.request(turn)
         start = time.perf_counter()
         ttft: float | None = None
@@ -229,9 +234,12 @@ async def _turns(client: Any, model: str, spec: AgentSpec, *, delay_s: float, ou
         conv.reply(turn, "".join(parts))
 
 
-async def run_point(base_url: str, model: str, load: LoadSpec, agents: range, *, timeout_s: float) -> tuple[list[Record], list[str], float]:
+async def run_point(
+    base_url: str, model: str, load: LoadSpec, agents: range, *, timeout_s: float, window_s: float | None = None
+) -> tuple[list[Record], list[str], float]:
     """Run every agent in ``agents`` at once (starts spread over one mean think time); records,
-    errors and wall time."""
+    errors and wall time. With ``window_s`` no turn starts after that many seconds (the turns in
+    flight finish and count), as the seed's agent harness runs each point for a fixed time."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key="unused-locally", timeout=timeout_s, max_retries=0)
@@ -239,10 +247,13 @@ async def run_point(base_url: str, model: str, load: LoadSpec, agents: range, *,
     errors: list[str] = []
     spread = load.think_time_s.mean
     start = time.perf_counter()
+    stop_at = math.inf if window_s is None else start + window_s
     try:
         await asyncio.gather(
             *(
-                run_agent(client, model, agent(load, i), delay_s=spread * k / max(len(agents), 1), out=records, errors=errors)
+                run_agent(
+                    client, model, agent(load, i), delay_s=spread * k / max(len(agents), 1), out=records, errors=errors, stop_at=stop_at
+                )
                 for k, i in enumerate(agents)
             )
         )
@@ -424,13 +435,13 @@ def run_stack(
                 release_leases(url, auth)
             before = {role: worker_counters(url, auth) for role, url in workers.items()}
             records, errors, wall = asyncio.run(
-                run_point(stack.openai_base_url, model, load, point_agents(n), timeout_s=args.request_timeout)
+                run_point(stack.openai_base_url, model, load, point_agents(n), timeout_s=args.request_timeout, window_s=args.point_s)
             )
             dead = stack.check()
             if dead is not None:
                 raise RuntimeError(stack.describe_death(dead))
             after = {role: worker_counters(url, auth) for role, url in workers.items()}
-            point = {"format": fmt, "mode": mode, "concurrency": n, **summarize(records, wall), "errors": errors}
+            point = {"format": fmt, "mode": mode, "concurrency": n, **summarize(records, wall), "errors": errors, "window_s": args.point_s}
             for role in workers:
                 for key in ("evicted_pages", "preemptions", "reclaimed_leases"):
                     point[f"{role}_{key}"] = int(after[role][key] - before[role][key])
@@ -612,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--budget-s", type=float, default=None, help="start no point after this many seconds (results so far are kept)")
+    ap.add_argument(
+        "--point-s", type=float, default=None, help="start no turn after this many seconds of a point (default: every agent runs all its turns)"
+    )
     ap.add_argument("--records", action="store_true", help="keep every request's record in the JSON")
     ap.add_argument("--run-dir", type=Path, default=None, help="keep each stack's logs and config here")
     ap.add_argument(
@@ -637,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--kv-kib must be >= 64, got {args.kv_kib}")
     if args.kv_gib <= 0:
         ap.error(f"--kv-gib must be > 0, got {args.kv_gib}")
+    if args.point_s is not None and args.point_s <= 0:
+        ap.error(f"--point-s must be > 0, got {args.point_s}")
     if args.turns is not None and args.turns < 1:
         ap.error(f"--turns must be >= 1, got {args.turns}")
     args.warmup_agents = args.warmup_agents if args.warmup_agents is not None else (2 if args.gpu else 0)
