@@ -624,7 +624,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--budget-s", type=float, default=None, help="start no point after this many seconds (results so far are kept)")
     ap.add_argument(
-        "--point-s", type=float, default=None, help="start no turn after this many seconds of a point (default: every agent runs all its turns)"
+        "--point-s",
+        type=float,
+        default=None,
+        help="start no turn after this many seconds of a point (default: every agent runs all its turns)",
     )
     ap.add_argument("--records", action="store_true", help="keep every request's record in the JSON")
     ap.add_argument("--run-dir", type=Path, default=None, help="keep each stack's logs and config here")
