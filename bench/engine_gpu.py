@@ -3,6 +3,13 @@
 Run on the device machine (docs/performance-log/engine-gpu.md)::
 
     python bench/engine_gpu.py --out $OUT/engine_gpu.json [--quick] [--formats bf16,nvfp4]
+    python bench/engine_gpu.py --combine bench/results/engine_gpu_h200.json $OUT/engine_gpu.json \
+        --out bench/results/engine_gpu_h200.json
+
+The result file holds one section per configuration (``bench/results_file.py``): ``default`` (every
+format), ``iso`` (``--iso``), ``hold_2.7`` (``--bit-budget 2.7 --bit-budget-control hold``); a run
+rewrites its own section of ``--out`` and keeps the others, ``--combine`` joins files of runs made
+elsewhere.
 
 Model: Qwen3-8B's shape (36 layers, hidden 4096, 32 query / 8 KV heads,
 head_dim 128, intermediate 12288, vocab 151936, q/k-norm), random bf16
@@ -55,6 +62,7 @@ import json
 import re
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -501,7 +509,11 @@ def profile_kernels(engine: LLMEngine, *, steps: int) -> tuple[float | None, flo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_quiet_argument(ap)
-    ap.add_argument("--out", default="engine_gpu.json")
+    ap.add_argument("--out", default="engine_gpu.json", help="the result file; this run writes its section of it")
+    ap.add_argument("--section", default=None, help="the run's section (default: default, iso or hold_<budget>, from the options)")
+    ap.add_argument(
+        "--combine", nargs="+", default=None, metavar="FILE", help="join the sections of these result files into --out, and exit"
+    )
     ap.add_argument("--quick", action="store_true", help="batch 1 and 64 at 4K only, short loops")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--kv-gib", type=float, default=40.0, help="KV budget of the capacity measurement")
@@ -530,6 +542,12 @@ def main() -> None:
         help="triaxial: kv_cache.bit_budget_control (hold: the controller holds the stored bits at the budget)",
     )
     args = ap.parse_args()
+    if args.combine:
+        from results_file import combine  # bench/ beside this file
+
+        doc = combine([Path(f) for f in args.combine], Path(args.out), what=WHAT, name_of=section_name)
+        print(f"wrote {args.out}: sections {', '.join(doc['sections'])}")
+        return
     global DEVICE
     if args.smoke:
         DEVICE = "cpu"
@@ -605,14 +623,28 @@ def breakdown_line(b: dict[str, Any] | None) -> str:
     return "; " + ", ".join(f"{k} {v:.2f}" for k, v in b.items() if isinstance(v, float) and k != "kernels" and abs(v) >= 0.005)
 
 
+WHAT = "bench/engine_gpu.py: the engine at the Qwen3-8B shape per KV format; one section per configuration"
+
+
+def section_name(run: dict[str, Any]) -> str:
+    """A run's section, from its options: ``iso``, ``hold_<budget>`` or ``default``."""
+    if "iso" in run["formats"]:
+        return "iso"
+    if run.get("bit_budget_control") == "hold":
+        return f"hold_{run['bit_budget']:g}"
+    return "default"
+
+
 def dump(args: argparse.Namespace, dev: str, weights: int, results: dict[str, Any], seconds: float, *, read: int, bw_tb_s: float) -> None:
+    from results_file import write_section  # bench/ beside this file
+
     out = {"device": dev, "torch": torch.__version__, "model": f"Qwen3-8B shape, random {args.weights} weights", "weights": args.weights, "vocab": args.vocab,
            "weights_bytes": weights, "weights_read_bytes": read, "read_bandwidth_tb_s": bw_tb_s, "kv_gib": args.kv_gib, "speed_kv_gib": args.speed_kv_gib, "quick": args.quick,
            "enforce_eager": args.enforce_eager, "bit_budget": args.bit_budget, "bit_budget_control": args.bit_budget_control,
            "seconds": seconds, "formats": results}  # fmt: skip
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"  ({seconds:.0f} s so far, JSON written)", flush=True)
+    name = args.section or section_name(out)
+    write_section(Path(args.out), name, out, what=WHAT, name_of=section_name)
+    print(f"  ({seconds:.0f} s so far, section {name} of {args.out} written)", flush=True)
 
 
 def report(results: dict[str, Any], shapes: list[tuple[int, int]]) -> None:

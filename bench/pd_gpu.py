@@ -7,6 +7,8 @@ Run on a two-GPU device machine (docs/performance-log/pd-gpu.md gives the comman
     # CPU, the GPU run's lengths and pool page counts (1-layer tiny model at 32K context; "off" and
     # the gateway turn left out: minutes of CPU prefill), for the pull's per-phase split:
     python3 bench/pd_gpu.py --tiny --like-gpu --tiny-layers 1 --skip off,gw --phases seed --formats bf16 --new 64 --reps 5
+    # one result file per machine: each phase from the last of these runs that holds it
+    python3 bench/pd_gpu.py --combine bench/results/pd_gpu_h200x2.json DIR/pd_gpu.json --out bench/results/pd_gpu_h200x2.json
 
 Phases (in this order; each one is skipped when the time budget cannot hold it, and the
 JSON is rewritten after every step, so a run cut short still leaves its numbers):
@@ -1216,9 +1218,40 @@ def print_bw_table(bw: dict[str, Any]) -> None:
             print("| " + " | ".join(str(c) for c in row) + " |")
 
 
+# a phase's keys in the result (``ucx_transport``: the transports UCX chose, noted beside a bw run)
+PHASE_KEYS = {"bw": ("bw", "ucx_transport"), "seed": ("seed",), "faults": ("faults", "faults_error")}
+PART_KEYS = ("what", "machine", "runs", "setup", "elapsed_s")
+
+
+def combine(files: list[Path], out: Path) -> dict[str, Any]:
+    """One result from runs of some phases each: every phase from the last file holding it; each
+    file's header (setup, machine, notes) kept in ``parts``, ``phases`` says which part each phase
+    came from, ``setup`` is the seed phase's."""
+    doc: dict[str, Any] = {"what": "bench/pd_gpu.py: each phase from the run named in phases", "parts": [], "phases": {}}
+    for path in files:
+        run = json.loads(path.read_text())
+        inner = run.get("parts") or [{k: run[k] for k in PART_KEYS if k in run} | {"file": path.name}]
+        offset = len(doc["parts"])
+        doc["parts"] += inner
+        held = run.get("phases") or {phase: 0 for phase in PHASE_KEYS if phase in run}
+        for phase, index in held.items():
+            for key in PHASE_KEYS[phase]:
+                doc.pop(key, None)
+                if key in run:
+                    doc[key] = run[key]
+            doc["phases"][phase] = offset + index
+    if "seed" in doc["phases"]:
+        doc["setup"] = doc["parts"][doc["phases"]["seed"]].get("setup")
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="pd_gpu.json and logs.tgz go here")
+    ap.add_argument("--out", type=Path, required=True, help="pd_gpu.json and logs.tgz go here (with --combine: the result file)")
+    ap.add_argument(
+        "--combine", type=Path, nargs="+", default=None, metavar="FILE", help="join these results phase by phase into --out, and exit"
+    )
     ap.add_argument("--work", type=Path, default=None, help="model, configs and logs (default: OUT/work)")
     ap.add_argument("--tiny", action="store_true", help="CPU: tiny model, CPU memory, small sizes")
     ap.add_argument(
@@ -1240,6 +1273,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.combine:
+        doc = combine(args.combine, args.out)
+        print(f"wrote {args.out}: " + ", ".join(f"{phase} from {doc['parts'][i]['file']}" for phase, i in doc["phases"].items()))
+        return 0
     start = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or args.out / "work"

@@ -1,10 +1,12 @@
 """Agents per GPU at a TTFT p99 target on a 64-GPU cluster, per KV format, from the simulator
 with the H200 cost profile (``gpu-h200``, bench/sim_costs_gpu.py) and the agent load the GPU
 bench measured (bench/results/agents_gpu_h200.json ``load``; its replay: ``kvserving simulate
---validate bench/results/agents_gpu_h200.json``). Writes bench/results/sim_agents_per_gpu_h200.json.
+--validate bench/results/agents_gpu_h200.json``). Writes its section of bench/results/sim_agents_per_gpu_h200.json,
+one per KV pool size (``kv_90gib``, ``kv_8gib``; bench/results_file.py), keeping the others.
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/sim_agents_per_gpu.py [--ttft-p99-ms 2000] [--gpus 64]
         [--kv-gib 90] [--prefill-shares 0.125,0.25,0.375] [--formats fp8,nvfp4,triaxial]
+    PYTHONSAFEPATH=1 .venv/bin/python bench/sim_agents_per_gpu.py --combine A.json B.json [--json OUT]
 
 Per format and P/D split (one GPU per worker, ``sim_plan.split_gpus``): a population of A agents
 (each slot runs agents back to back; each agent runs its 8-12 turns) for ``--duration-s``, the
@@ -21,12 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from results_file import combine, write_section  # noqa: E402
+
+WHAT = "bench/sim_agents_per_gpu.py: agents per H200 at a TTFT p99 target, simulated; one section per KV pool size"
 FORMATS = {"bf16": "bf16", "fp8": "fp8_e4m3", "nvfp4": "nvfp4", "triaxial": "triaxial"}
 
 
@@ -104,6 +112,11 @@ def search(fmt: str, share: float, args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def section_name(run: dict[str, Any]) -> str:
+    """A run's section: its KV pool per GPU (``kv_90gib``)."""
+    return f"kv_{run['args']['kv_gib']:g}gib"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ttft-p99-ms", type=float, default=2000.0)
@@ -120,8 +133,20 @@ def main() -> None:
     ap.add_argument("--start-agents", type=int, default=512)
     ap.add_argument("--tolerance", type=float, default=0.03, help="bisection stops within this share of the answer")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--json", type=Path, default=HERE / "results" / "sim_agents_per_gpu_h200.json")
+    ap.add_argument("--json", type=Path, default=HERE / "results" / "sim_agents_per_gpu_h200.json", help="this run writes its section")
+    ap.add_argument(
+        "--combine",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="join the sections of these result files into --json, and exit",
+    )
     args = ap.parse_args()
+    if args.combine:
+        doc = combine(args.combine, args.json, what=WHAT, name_of=section_name)
+        print(f"wrote {args.json}: sections {', '.join(doc['sections'])}")
+        return
     job = {
         k: getattr(args, k)
         for k in ("ttft_p99_ms", "turn_p99_ms", "gpus", "kv_gib", "duration_s", "warmup_s", "ramp_s", "start_agents", "tolerance")
@@ -149,22 +174,16 @@ def main() -> None:
             f"{a.get('prefill_evicted_pages', 0):>7}/{a.get('decode_evicted_pages', 0):<7}{mark}"
         )
     print(f"* the format's answer; simulated in {time.perf_counter() - t0:.0f} s")
-    args.json.write_text(
-        json.dumps(
-            {
-                "question": f"agents per GPU at TTFT p99 <= {args.ttft_p99_ms:g} ms (turn p99 <= {args.turn_p99_ms:g} ms) on {args.gpus} GPUs",
-                "args": job,
-                "answer": {
-                    f: {"agents_per_gpu": r["agents_per_gpu"], "agents": r["agents"], "prefill_share": r["prefill_share"]}
-                    for f, r in best.items()
-                },
-                "results": results,
-            },
-            indent=1,
-        )
-        + "\n"
-    )
-    print(f"wrote {args.json}")
+    run = {
+        "question": f"agents per GPU at TTFT p99 <= {args.ttft_p99_ms:g} ms (turn p99 <= {args.turn_p99_ms:g} ms) on {args.gpus} GPUs",
+        "args": job,
+        "answer": {
+            f: {"agents_per_gpu": r["agents_per_gpu"], "agents": r["agents"], "prefill_share": r["prefill_share"]} for f, r in best.items()
+        },
+        "results": results,
+    }
+    write_section(args.json, section_name(run), run, what=WHAT, name_of=section_name)
+    print(f"wrote section {section_name(run)} of {args.json}")
 
 
 if __name__ == "__main__":

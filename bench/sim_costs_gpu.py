@@ -6,20 +6,20 @@ residuals. Nothing runs on a GPU here: it reads JSON.
 
 Sources and formulas (``kvserving.sim.costs`` docstring):
 
-- decode step: bench/results/engine_gpu_h200.json ``decode`` rows (batch 1..256 x context 4K/32K,
+- decode step: bench/results/engine_gpu_h200.json section ``default``, its ``decode`` rows (batch 1..256 x context 4K/32K,
   CUDA graphs, 25 rows over four formats): one least squares of ``step + seq_s * B +
   ctx_s[dtype] * B * context`` (step and per-sequence shared, per-context-token per format);
-  bench/results/engine_gpu_h200_iso.json's peak rows (32K/128K at each format's largest batch)
+  the same file's ``iso`` section, its peak rows (32K/128K at each format's largest batch)
   are held out and printed as a check.
 - prefill attention over a cached prefix: bench/results/extend_gpu_h200.json (the paged extend
   kernel, one layer, new tokens 512/2048 over prefixes 8K/32K/128K), per format, through the
   origin: ``attn_s[dtype] * new * (prefix + new / 2)`` x 36 layers.
-- prefill per token: engine_gpu_h200.json ``prefill_8k`` (8192 fresh tokens in one step), less
+- prefill per token: engine_gpu_h200.json ``default`` ``prefill_8k`` (8192 fresh tokens in one step), less
   that step's attention (``attn_s * 8192 * 4096``), averaged over formats. Other lengths are
   assumed to follow the same linear + attention formula (chunked at the scheduler's chunk size);
   the two-H200 full prefills at 2K/8K/24K (bench/results/pd_gpu_h200x2.json ``off_p_ms``,
   through HTTP) are printed beside the formula as a check, not fitted.
-- KV pull: bench/results/pd_gpu_h200x2_bandwidth.json ``bw.nixl`` rows (NIXL READ between two
+- KV pull: bench/results/pd_gpu_h200x2.json ``bw.nixl`` rows (NIXL READ between two
   H200s, 1..16384 pages, contiguous and scattered): least squares (relative errors) of
   ``overhead + regions * region_s + bytes / bandwidth``. The agent bench pulls on the same device; assumed no slower.
 - request overheads from pd_gpu_h200x2.json's seed rows: ``prefill_request_s`` = median of the
@@ -42,12 +42,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from results_file import read_section  # noqa: E402
+
 RESULTS = HERE / "results"
 FORMATS = ("bf16", "fp8_e4m3", "nvfp4", "triaxial")
 LAYERS, KV_HEADS, HEAD_DIM = 36, 8, 128
@@ -150,16 +155,17 @@ def fit(out: Path) -> dict[str, Any]:
     from kvserving.kernels.capacity import bytes_per_token
     from kvserving.sim.costs import CostModel
 
-    engine = _read("engine_gpu_h200.json")
+    engine = read_section(RESULTS / "engine_gpu_h200.json", "default")
     step, seq, ctx, dec_rows = fit_decode(engine)
     attn, ext_rows = fit_extend(_read("extend_gpu_h200.json"))
+    pd = _read("pd_gpu_h200x2.json")
     per_tok = []
     for f in FORMATS:
         p8 = engine["formats"][f]["prefill_8k"]
         n = p8["tokens"]
         per_tok.append((p8["seconds"] - attn[f] * n * (n / 2)) / n)
     token_s = statistics.mean(per_tok)
-    overhead, region_s, bw_bps, bw_rows = fit_transfer(_read("pd_gpu_h200x2_bandwidth.json"))
+    overhead, region_s, bw_bps, bw_rows = fit_transfer(pd)
 
     def prefill_s(f: str, computed: int, prefix: int, chunk: int = 2048) -> float:
         t, pos, left = 0.0, prefix, computed
@@ -173,7 +179,6 @@ def fit(out: Path) -> dict[str, Any]:
     def decode_s(f: str, batch: int, ctx_tokens: float) -> float:
         return step + seq * batch + ctx[f] * ctx_tokens
 
-    pd = _read("pd_gpu_h200x2.json")
     pre_over, dec_over, full_rows = [], [], []
     for f, v in pd["seed"]["formats"].items():
         if f not in FORMATS:
@@ -218,7 +223,7 @@ def fit(out: Path) -> dict[str, Any]:
         "decode_request_s": decode_request_s,
         "triaxial_bit_budget": 2.7,
         "source": "bench/sim_costs_gpu.py from bench/results/engine_gpu_h200.json, extend_gpu_h200.json, "
-        "pd_gpu_h200x2.json, pd_gpu_h200x2_bandwidth.json; docs/performance-log/gateway.md (gateway_s)",
+        "pd_gpu_h200x2.json; docs/performance-log/gateway.md (gateway_s)",
         "notes": {
             "kv_bytes_per_worker": "the engine benchmark's 90 GiB pool on one H200 (speed_kv_gib); bench/agents.py --gpu ran 8 GiB per worker",
             "prefill_lengths": "every length: prefill_token_s per token + the extend kernel's per-format attention over what precedes it (8K fresh rate less its attention); chunked by the scheduler",
@@ -252,8 +257,8 @@ def fit(out: Path) -> dict[str, Any]:
         print(f"{f:>9} {b:>4} {c:>6} {t * 1e3:>8.2f} {p * 1e3:>7.2f} {(p - t) / t:>+7.1%}")
     errs = [abs(p - t) / t for *_, t, p in dec_rows]
     print(f"  max |resid| {max(errs):.1%}, mean {statistics.mean(errs):.1%}")
-    print("held out (engine_gpu_h200_iso.json peak rows):")
-    iso = _read("engine_gpu_h200_iso.json")["formats"]["iso"]["contexts"]
+    print("held out (engine_gpu_h200.json iso peak rows):")
+    iso = read_section(RESULTS / "engine_gpu_h200.json", "iso")["formats"]["iso"]["contexts"]
     for length, per in iso.items():
         for f, v in per.items():
             pk = v.get("peak") if isinstance(v, dict) else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvserving.agents.load import Dist, LoadSpec
@@ -10,10 +11,13 @@ BENCH_FORMATS = {"bf16": "bf16", "fp8": "fp8_e4m3", "nvfp4": "nvfp4", "triaxial"
 
 
 def load_spec_from_dict(data: dict[str, Any]) -> LoadSpec:
-    """The ``LoadSpec`` bench/agents.py wrote with ``dataclasses.asdict``."""
+    """The ``LoadSpec`` bench/agents.py wrote with ``dataclasses.asdict``; it writes an unbounded
+    ``Dist.high`` (inf) as null (strict JSON)."""
     if not isinstance(data, dict):
         raise ValueError("the benchmark JSON has no 'load' object")
-    fields: dict[str, Any] = {k: Dist(**v) if isinstance(v, dict) else v for k, v in data.items()}
+    fields: dict[str, Any] = {
+        k: Dist(**(dict(v, high=math.inf) if v.get("high", 0) is None else v)) if isinstance(v, dict) else v for k, v in data.items()
+    }
     try:
         return LoadSpec(**fields)
     except TypeError as exc:

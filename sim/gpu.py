@@ -54,11 +54,8 @@ def kv_bytes(measured: dict[str, Any]) -> int:
 
 
 def bench_load(measured: dict[str, Any]) -> LoadSpec:
-    """The ``LoadSpec`` of a bench/agents.py result; it writes an unbounded ``Dist.high`` (inf) as
-    null (strict JSON)."""
-    return load_spec_from_dict(
-        {k: dict(v, high=math.inf) if isinstance(v, dict) and v.get("high", 0) is None else v for k, v in measured["load"].items()}
-    )
+    """The ``LoadSpec`` of a bench/agents.py result."""
+    return load_spec_from_dict(measured["load"])
 
 
 def reproduce(measured: dict[str, Any], costs: CostModel, *, only: set[tuple[str, int]] | None = None) -> list[dict[str, Any]]:

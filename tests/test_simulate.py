@@ -1,6 +1,6 @@
 """The cluster simulator (kvserving.sim.cluster): its page cache, leases and event core by name,
 routing against the real router, the cost model's input checks, and the hit rate against the
-benchmark's measured numbers (bench/results/sim_costs_cpu_measured.json)."""
+benchmark's measured numbers (bench/results/agents_cpu.json)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from kvserving.sim.plan import split_gpus, validate_points
 from kvserving.sim.cluster import ClusterSpec, Population, Simulator
 
 ROOT = Path(__file__).resolve().parents[1]
-MEASURED = ROOT / "bench" / "results" / "sim_costs_cpu_measured.json"
+MEASURED = ROOT / "bench" / "results" / "agents_cpu.json"
+# absolute hit rate, simulated vs measured: the worst point (a knee) and the mean over all points
+HIT_RATE_TOLERANCE, HIT_RATE_MEAN_TOLERANCE = 0.15, 0.03
 
 
 def tiny_costs(**kw: object) -> CostModel:
@@ -280,8 +282,8 @@ def test_hit_rate_agrees_with_the_benchmark_on_the_cpu_stack() -> None:
     assert len(rows) == len(measured["points"]) >= 30  # 4 formats x 8 points + the ttl and off modes
     errors = [abs(row["sim"]["hit_rate"] - row["measured"]["hit_rate"]) for row in rows]
     for row, err in zip(rows, errors):
-        assert err <= measured["tolerance"]["hit_rate"], row
-    assert sum(errors) / len(errors) <= measured["tolerance"]["hit_rate_mean_abs"]
+        assert err <= HIT_RATE_TOLERANCE, row
+    assert sum(errors) / len(errors) <= HIT_RATE_MEAN_TOLERANCE
 
 
 def test_a_small_population_runs_and_reuses_kv() -> None:
