@@ -56,13 +56,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TextIO
 
 import torch
 
@@ -78,6 +75,7 @@ from kvserving.gateway.prompt.tagger import ChatTagger
 from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.kernels.fp8 import dequantize_fp8, quantize_fp8
 from kvserving.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from kvserving.progress import Steps, add_quiet_argument
 from kvserving.model_dir import resolve_model_dir
 from kvserving.tags import NUM_TAGS
 from kvserving.worker.model import DecoderModel, ModelArgs, load_model
@@ -149,35 +147,6 @@ def scale_errors(
     ek = [float(head_mse(attend(q, qdq_scaled(k, kv_dtype, s), v), ref).max()) for s in k_scales]
     ev = [float(head_mse(attend(q, k, qdq_scaled(v, kv_dtype, s)), ref).max()) for s in v_scales]
     return ek, ev
-
-
-class Progress:
-    """Progress on stderr: a one-line bar on a terminal; elsewhere (a log, a pipe) a line every
-    ``every_s`` seconds of work, so a long run is never silent and a short one adds nothing."""
-
-    def __init__(self, total: int, label: str, *, stream: TextIO | None = None, every_s: float = 30.0) -> None:
-        self.total, self.label, self.done = max(1, total), label, 0
-        self.stream = stream if stream is not None else sys.stderr
-        self.on = self.stream.isatty()
-        self.every_s = every_s
-        self.last = time.monotonic()
-
-    def step(self, note: str = "") -> None:
-        self.done += 1
-        if self.on:
-            width = 30
-            fill = width * self.done // self.total
-            self.stream.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} {note:<24}")
-            self.stream.flush()
-        elif time.monotonic() - self.last >= self.every_s:
-            self.last = time.monotonic()
-            self.stream.write(f"{self.label}: {self.done}/{self.total} {note}".rstrip() + "\n")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.on:
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 @dataclass(slots=True)
@@ -389,22 +358,18 @@ def calibrate(
     page_groups = [load_data(page_data or data, tagger, seq_len=n, max_tokens=max(max_tokens, n), wrap=wrap) for n in page_lens]
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args, model = load_model(model_dir, dtype=torch.float32, device=dev)
-    bar = Progress(len(seqs) * (2 if search else 1), "calibrate") if show_progress else None
-    try:
+    with Steps(len(seqs) * (2 if search else 1), desc="calibrate", quiet=not show_progress, leave=True) as steps:
         m = measure(
             model,
             args,
             seqs,
             device=dev,
             search=search,
-            progress=bar.step if bar else None,
+            progress=steps.step,
             metric=metric,
             chunk=chunk,
             also_attn=(select or attn_out is not None) and metric == "kl",
         )
-    finally:
-        if bar is not None:
-            bar.close()
     if not any(m.d2):
         raise ValueError(
             f"no calibration prompt is longer than one prefill chunk ({chunk} tokens): nothing to measure "
@@ -564,6 +529,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ".jsonl chat requests or plain text) instead of --data; the D_k are measured on --data",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    add_quiet_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -587,6 +553,7 @@ def run(args: argparse.Namespace) -> int:
         select=args.select,
         selection=selection,
         page_data=args.page_data,
+        show_progress=not args.quiet,
     )
     args.out.write_text(cal.to_json())
     from kvserving.bits import format_bits_table

@@ -5,7 +5,6 @@ on the tiny model."""
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 from collections import Counter
@@ -17,7 +16,7 @@ import torch
 from kvserving import cli
 from kvserving.bits import average_bits, bits_table_for_budget, default_stored_bits
 from kvserving.calibrate.codecs import attend, head_mse, qdq_groups, qdq_int2_keys
-from kvserving.calibrate.measure import Measurement, Progress, build_calibration, class_distortion
+from kvserving.calibrate.measure import Measurement, build_calibration, class_distortion
 from kvserving.calibrate.data import read_requests, wrap_text
 from kvserving.calibration import Calibration, LayerScales
 from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
@@ -229,27 +228,6 @@ def test_plain_text_becomes_agent_conversations_and_jsonl_is_read_as_requests(tm
     (tmp_path / "bad.jsonl").write_text("{\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: not valid JSON"):
         read_requests(tmp_path / "bad.jsonl", piece_chars=10)
-
-
-def test_progress_is_a_bar_on_a_terminal_and_periodic_lines_elsewhere() -> None:
-    class Tty(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    tty, pipe = Tty(), io.StringIO()
-    for stream in (tty, pipe):
-        bar = Progress(2, "calibrate", stream=stream)
-        bar.step("x")
-        bar.step("y")
-        bar.close()
-    assert pipe.getvalue() == ""  # a short run off a terminal adds nothing
-    assert "2/2" in tty.getvalue() and tty.getvalue().endswith("\n")
-    log = io.StringIO()
-    bar = Progress(3, "calibrate", stream=log, every_s=0.0)  # a long run: a line per interval
-    bar.step("x")
-    bar.step()
-    bar.close()
-    assert log.getvalue() == "calibrate: 1/3 x\ncalibrate: 2/3\n"
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""kvserving.progress: a tqdm bar on stderr only when stderr is a terminal and not --quiet."""
+"""kvserving.progress: a tqdm bar on stderr when it is a terminal, periodic lines when it is not, nothing with --quiet."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import termios
 
 import pytest
 
-from kvserving.progress import add_quiet_argument, progress
+from kvserving.progress import Steps, add_quiet_argument, progress
 
 
 def _drain(fd: int) -> bytes:
@@ -43,11 +43,23 @@ def test_bar_on_a_terminal_unless_quiet(monkeypatch: pytest.MonkeyPatch, quiet: 
         assert b"cells:" in written and b"0/3" in written
 
 
-def test_no_bar_off_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_short_run_off_a_terminal_writes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
     assert list(progress(iter("abc"), desc="rows", total=3)) == ["a", "b", "c"]
     assert err.getvalue() == ""
+
+
+def test_a_long_run_off_a_terminal_writes_a_line_per_interval_unless_quiet() -> None:
+    log = io.StringIO()
+    with Steps(3, desc="calibrate", stream=log, every_s=0.0) as steps:  # every step is past the interval
+        steps.step("distortion")
+        steps.step()
+    assert log.getvalue() == "calibrate: 1/3 distortion\ncalibrate: 2/3\n"
+    quiet = io.StringIO()
+    with Steps(3, desc="calibrate", stream=quiet, every_s=0.0, quiet=True) as steps:
+        steps.step("distortion")
+    assert quiet.getvalue() == ""
 
 
 def test_quiet_flag() -> None:
