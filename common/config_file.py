@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvserving.argtypes import check_output_file
 from kvserving.config import ServingConfig
 
 
@@ -53,6 +54,8 @@ def with_sets(sets: list[str]) -> ServingConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out is not None:
+        check_output_file(args.out, "--out")
     text = with_sets(args.sets).to_json() + "\n"
     if args.out is None:
         sys.stdout.write(text)

@@ -7,7 +7,16 @@ from typing import Any
 
 from kvserving.agents.load import Dist, LoadSpec
 
-BENCH_FORMATS = {"bf16": "bf16", "fp8": "fp8_e4m3", "nvfp4": "nvfp4", "triaxial": "triaxial"}  # bench/agents.py's names -> KV dtypes
+# bench/agents.py's names -> KV dtypes; the simulator stores triaxial at its budget's page mix, which is what
+# tri-hold (the controller holding the budget) stores
+BENCH_FORMATS = {"bf16": "bf16", "fp8": "fp8_e4m3", "nvfp4": "nvfp4", "triaxial": "triaxial", "tri-hold": "triaxial"}
+
+
+def bench_dtype(name: str) -> str:
+    """The KV dtype the simulator runs for one of bench/agents.py's format names."""
+    if name not in BENCH_FORMATS:
+        raise ValueError(f"bench format {name!r} is not one the simulator models ({', '.join(BENCH_FORMATS)})")
+    return BENCH_FORMATS[name]
 
 
 def load_spec_from_dict(data: dict[str, Any]) -> LoadSpec:

@@ -21,7 +21,7 @@ from typing import Any
 from kvserving.agents.load import LoadSpec, reuse_for_mode
 from kvserving.config import SchedulerConfig
 from kvserving.sim.costs import CostModel
-from kvserving.sim.bench_results import BENCH_FORMATS, load_spec_from_dict
+from kvserving.sim.bench_results import bench_dtype, load_spec_from_dict
 from kvserving.sim.shared_gpu import SharedGpu
 from kvserving.sim.cluster import ClusterSpec, Simulator, percentile, run_bench_point
 
@@ -76,7 +76,7 @@ def reproduce(measured: dict[str, Any], costs: CostModel, *, only: set[tuple[str
             continue
         key = (fmt, mode, str(p.get("part", "")))
         if key not in stacks:
-            cluster = ClusterSpec(BENCH_FORMATS[fmt], 1, 1, costs, reuse=reuse_for_mode(mode, ttl_s=ttl_s), scheduler=GPU_SCHEDULER)
+            cluster = ClusterSpec(bench_dtype(fmt), 1, 1, costs, reuse=reuse_for_mode(mode, ttl_s=ttl_s), scheduler=GPU_SCHEDULER)
             sim = Simulator(cluster, load)
             stacks[key] = (sim, SharedGpu(sim, sim.prefill[0], sim.decode[0]))
         sim, gpu = stacks[key]

@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from kvserving.agents.load import AgentSpec, LoadSpec, reuse_for_mode
 from kvserving.config import ReuseConfig, SchedulerConfig
-from kvserving.sim.bench_results import BENCH_FORMATS, load_spec_from_dict
+from kvserving.sim.bench_results import bench_dtype, load_spec_from_dict
 from kvserving.sim.costs import CostModel
 from kvserving.sim import cluster as pure
 from kvserving.sim.cluster import ClusterSpec, Population, Simulator, run_bench_point
@@ -304,8 +305,11 @@ def run(args: Any) -> int:
     import json
     import sys
 
+    from kvserving.argtypes import check_output_file
     from kvserving.sim.costs import canonical_dtype, load_costs
 
+    if args.json:
+        check_output_file(Path(args.json), "--json")  # before the simulation, not after
     if args.build_native:
         from kvserving.sim.native import build
 
@@ -430,7 +434,7 @@ def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str
         fmt, mode, n = p["format"], p["mode"], int(p["concurrency"])
         key = (fmt, mode)
         if key not in sims:
-            cluster = ClusterSpec(BENCH_FORMATS[fmt], 1, 1, costs, reuse=reuse_for_mode(mode, ttl_s=ttl_s), scheduler=sched)
+            cluster = ClusterSpec(bench_dtype(fmt), 1, 1, costs, reuse=reuse_for_mode(mode, ttl_s=ttl_s), scheduler=sched)
             sims[key] = Simulator(cluster, load)
         # which agents the point ran: bench/agents.py's point_agents (1000 N .. 1000 N + N - 1),
         # or (its first cut) indices in run order

@@ -265,6 +265,14 @@ CASES: dict[str, Case] = {
         1,
         "kvserving demo: error: --plot nodir/ttft.png: the directory nodir does not exist",
     ),
+    "config-out-no-directory": Case(
+        ("config", "--out", "nodir/engine.json"), 1, "kvserving config: error: --out nodir/engine.json: the directory nodir does not exist"
+    ),
+    "simulate-json-no-directory": Case(
+        ("simulate", "--agents", "10", "--gpus", "2", "--json", "nodir/sim.json"),
+        1,
+        "kvserving simulate: error: --json nodir/sim.json: the directory nodir does not exist",
+    ),
     "generate-kv-bytes-beyond-memory": Case(
         generate("tiny", "--kv-bytes", "1000000000000000"), 1, "kvserving generate: error: --kv-bytes 1000000000000000 is more than "
     ),
