@@ -1,11 +1,16 @@
 """Guards of the repository layout and packaging (DESIGN.md, Repository layout)."""
 
 import importlib
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
+from bench_module import load_bench
 
 import kvserving
 
@@ -99,3 +104,44 @@ def test_one_result_file_per_bench_and_machine() -> None:
     # no bench of a machine is another's name plus a configuration (engine_gpu_iso beside engine_gpu)
     for bench, machine in runs:
         assert [b for b, m in runs if m == machine and b.startswith(bench + "_")] == [], (bench, machine)
+
+
+@pytest.mark.parametrize(
+    ("script", "result", "argv"),
+    [
+        ("engine_gpu", "engine_gpu_h200.json", ["--out"]),
+        ("sim_agents_per_gpu", "sim_agents_per_gpu_h200.json", ["--json"]),
+        ("pd_gpu", "pd_gpu_h200x2.json", ["--out"]),
+    ],
+)
+def test_a_committed_result_is_what_its_bench_combine_writes(
+    script: str, result: str, argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # joining the one file with nothing else gives it back: its shape is the bench's, not edited by hand
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    bench = load_bench(script)
+    committed = ROOT / "bench" / "results" / result
+    out = tmp_path / result
+    monkeypatch.setattr(sys, "argv", [script, "--combine", str(committed), *argv, str(out)])
+    bench.main()
+    assert json.loads(out.read_text()) == json.loads(committed.read_text())
+
+
+def test_a_run_writes_its_section_and_keeps_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    results_file = load_bench("results_file")
+
+    def name_of(run: dict[str, Any]) -> str:
+        return str(run["kind"])
+
+    path = tmp_path / "x_cpu.json"
+    results_file.write_section(path, "a", {"kind": "a", "v": 1}, what="w", name_of=name_of)
+    results_file.write_section(path, "b", {"kind": "b", "v": 2}, what="w", name_of=name_of)
+    results_file.write_section(path, "a", {"kind": "a", "v": 3}, what="w", name_of=name_of)
+    assert json.loads(path.read_text()) == {"what": "w", "sections": {"a": {"kind": "a", "v": 3}, "b": {"kind": "b", "v": 2}}}
+    single = tmp_path / "run.json"  # one run written before the sections: named by name_of
+    single.write_text(json.dumps({"kind": "c", "v": 4}))
+    doc = results_file.combine([path, single], tmp_path / "all.json", what="w", name_of=name_of)
+    assert list(doc["sections"]) == ["a", "b", "c"] and results_file.read_section(tmp_path / "all.json", "c")["v"] == 4
+    with pytest.raises(KeyError, match="has no section 'd' \\(it has: a, b, c\\)"):
+        results_file.read_section(tmp_path / "all.json", "d")
