@@ -31,32 +31,40 @@ class Steps:
 
     def __init__(
         self,
-        total: int | None,
+        total: float | None,
         *,
         desc: str,
         quiet: bool = False,
         stream: TextIO | None = None,
         every_s: float = EVERY_S,
         leave: bool = False,
+        unit: str = "it",
     ) -> None:
         self.stream = stream if stream is not None else sys.stderr
-        self.total, self.desc, self.done = total, desc, 0
+        self.total, self.desc, self.unit = total, desc, unit
+        self.done: float = 0
         self.lines = not quiet and not self.stream.isatty()
         self.every_s, self.last = every_s, time.monotonic()
         on_tty = not quiet and not self.lines
-        self.bar = tqdm(total=total, desc=desc, file=self.stream, leave=leave, dynamic_ncols=True) if on_tty else None
+        self.bar = tqdm(total=total, desc=desc, file=self.stream, leave=leave, dynamic_ncols=True, unit=unit) if on_tty else None
 
     def step(self, note: str = "") -> None:
-        self.done += 1
+        """One more step done."""
+        self.at(self.done + 1, note)
+
+    def at(self, done: float, note: str = "") -> None:
+        """``done`` of ``total`` done (a job counted in something other than steps, e.g. simulated seconds)."""
         if self.bar is not None:
             if note:
                 self.bar.set_postfix_str(note, refresh=False)
-            self.bar.update(1)
+            self.bar.update(done - self.done)
         elif self.lines and time.monotonic() - self.last >= self.every_s:
             self.last = time.monotonic()
-            of = f"/{self.total}" if self.total is not None else ""
-            self.stream.write(f"{self.desc}: {self.done}{of} {note}".rstrip() + "\n")
+            of = f"/{self.total:g}" if self.total is not None else ""
+            unit = f" {self.unit}" if self.unit != "it" else ""
+            self.stream.write(f"{self.desc}: {done:g}{of}{unit} {note}".rstrip() + "\n")
             self.stream.flush()
+        self.done = done
 
     def close(self) -> None:
         if self.bar is not None:

@@ -24,9 +24,6 @@ from kvserving.sim.costs import CostModel
 from kvserving.sim import cluster as pure
 from kvserving.sim.cluster import ClusterSpec, Population, Simulator, run_bench_point
 
-# Off a terminal a long run prints where it is this often (a terminal gets a bar).
-PROGRESS_LINES_S = 30.0
-
 
 # ---------------------------------------------------------------------------------- capacity planning
 def gpu_load(
@@ -154,10 +151,9 @@ def engine_for(native: bool) -> ModuleType:
     return pure
 
 
-def plan(dtype: str, args: dict[str, Any], *, show_progress: bool, lines_every_s: float | None = None) -> dict[str, Any]:
+def plan(dtype: str, args: dict[str, Any], *, quiet: bool = False) -> dict[str, Any]:
     """One format's answer for ``kvserving simulate`` (a process-pool job: plain arguments)."""
-    import sys
-
+    from kvserving.progress import Steps
     from kvserving.sim.costs import CostModel
 
     costs = CostModel.from_dict(args["costs"])
@@ -172,17 +168,11 @@ def plan(dtype: str, args: dict[str, Any], *, show_progress: bool, lines_every_s
     pop = engine.Population(args["agents"], args["duration_s"], warmup_s=args["warmup_s"], ramp_s=args["ramp_s"], shapes=args["shapes"])
     duration = args["duration_s"]
 
-    last = time.monotonic()
+    # simulated seconds; a search for the fewest GPUs runs the population again, from 0
+    steps = Steps(round(duration), desc=dtype, quiet=quiet, unit="s simulated")
 
     def progress(t: float) -> None:
-        nonlocal last
-        if show_progress:
-            done = int(30 * min(1.0, t / duration))
-            sys.stderr.write(f"\r{dtype:>9} [{'#' * done}{'.' * (30 - done)}] {t:6.0f} s simulated")
-            sys.stderr.flush()
-        elif lines_every_s is not None and time.monotonic() - last >= lines_every_s:
-            last = time.monotonic()  # off a terminal: a line now and then, so a long run is not silent
-            print(f"{dtype}: {t:.0f} of {duration:g} s simulated", file=sys.stderr, flush=True)
+        steps.at(round(min(t, duration)))
 
     kw: dict[str, Any] = dict(
         costs=costs,
@@ -209,8 +199,7 @@ def plan(dtype: str, args: dict[str, Any], *, show_progress: bool, lines_every_s
         need, point = fewest_gpus(dtype, args["gpus"], args["ttft_p99_ms"], probe=probe, **kw)
         point["gpus"] = need
         point["max_gpus"] = args["gpus"]
-    if show_progress:
-        sys.stderr.write("\r" + " " * 60 + "\r")
+    steps.close()
     return point
 
 
@@ -303,7 +292,6 @@ def add_arguments(parser: Any) -> None:
 
 def run(args: Any) -> int:
     import json
-    import sys
 
     from kvserving.argtypes import check_output_file
     from kvserving.sim.costs import canonical_dtype, load_costs
@@ -364,19 +352,15 @@ def run(args: Any) -> int:
         "probe_s": args.probe_s,
         "native": not args.pure_python,
     }
-    tty = sys.stderr.isatty()
     t0 = time.perf_counter()
     jobs = max(1, min(args.jobs, len(dtypes)))
     if jobs == 1:
-        points = [plan(d, job, show_progress=tty, lines_every_s=PROGRESS_LINES_S) for d in dtypes]
+        points = [plan(d, job) for d in dtypes]
     else:
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(max_workers=jobs) as pool:  # one format per core
-            futures = [
-                pool.submit(plan, d, job, show_progress=tty and i == 0, lines_every_s=PROGRESS_LINES_S if i == 0 else None)
-                for i, d in enumerate(dtypes)
-            ]
+            futures = [pool.submit(plan, d, job, quiet=i > 0) for i, d in enumerate(dtypes)]  # the first format shows progress
             points = [f.result() for f in futures]
     target = f", TTFT p99 <= {args.ttft_p99_ms:g} ms" if args.ttft_p99_ms is not None else ""
     print(f"{args.agents:,} agents, {args.duration_s:g} s simulated (metrics after {args.warmup_s:g} s), costs {costs.name}{target}")

@@ -62,6 +62,14 @@ def test_a_long_run_off_a_terminal_writes_a_line_per_interval_unless_quiet() -> 
     assert quiet.getvalue() == ""
 
 
+def test_a_job_counted_in_its_own_unit_reports_where_it_is() -> None:
+    log = io.StringIO()  # kvserving simulate: simulated seconds, and a search starts its population again from 0
+    with Steps(600, desc="nvfp4", stream=log, every_s=0.0, unit="s simulated") as steps:
+        steps.at(120)
+        steps.at(0)
+    assert log.getvalue() == "nvfp4: 120/600 s simulated\nnvfp4: 0/600 s simulated\n"
+
+
 def test_quiet_flag() -> None:
     parser = argparse.ArgumentParser()
     add_quiet_argument(parser)
