@@ -303,8 +303,13 @@ def run(args: Any) -> int:
 
         build()
     if args.validate is not None:
-        with open(args.validate) as fh:
-            measured = json.load(fh)
+        path = Path(args.validate)
+        if not path.is_file():
+            raise ValueError(f"--validate {path}: no such file (a bench/agents.py result, e.g. bench/results/agents_cpu.json)")
+        try:
+            measured = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--validate {path} is not a bench/agents.py result: not JSON ({exc})") from exc
         from kvserving.sim.gpu import is_gpu_result
 
         if is_gpu_result(measured):  # bench/agents.py --gpu: one GPU shared by both workers (kvserving.sim.gpu)

@@ -273,6 +273,16 @@ CASES: dict[str, Case] = {
         1,
         "kvserving simulate: error: --json nodir/sim.json: the directory nodir does not exist",
     ),
+    "simulate-validate-missing": Case(
+        ("simulate", "--validate", "nothere.json"),
+        1,
+        "kvserving simulate: error: --validate nothere.json: no such file (a bench/agents.py result, e.g. bench/results/agents_cpu.json)",
+    ),
+    "simulate-validate-not-json": Case(
+        ("simulate", "--validate", "a-file"),
+        1,
+        "kvserving simulate: error: --validate a-file is not a bench/agents.py result: not JSON (",
+    ),
     "generate-kv-bytes-beyond-memory": Case(
         generate("tiny", "--kv-bytes", "1000000000000000"), 1, "kvserving generate: error: --kv-bytes 1000000000000000 is more than "
     ),
