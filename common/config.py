@@ -342,7 +342,15 @@ class ServingConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> ServingConfig:
-        return cls.from_json(Path(path).read_text())
+        """The engine config in the JSON file ``path`` (``kvserving config`` writes one); a ValueError names the file."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"engine config {path}: no such file (kvserving config writes one)")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"engine config {path} is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
 
 
 _SECTION_TYPES: dict[str, type] = {

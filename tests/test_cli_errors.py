@@ -238,6 +238,17 @@ CASES: dict[str, Case] = {
         )
         for cmd, extra in (("worker", ("--role", "both")), ("gateway", ()), ("up", ()))
     },
+    **{
+        f"{cmd}-config-missing": Case(
+            (cmd, *extra, "--config", "missing.json"),
+            1,
+            f"kvserving {cmd}: error: engine config missing.json: no such file (kvserving config writes one)",
+        )
+        for cmd, extra in (("worker", ("--role", "both")), ("gateway", ()), ("up", ()))
+    },
+    "gateway-config-not-json": Case(
+        ("gateway", "--config", "a-file"), 1, "kvserving gateway: error: engine config a-file is not valid JSON: Expecting value"
+    ),
     "config-set-wrong-type": Case(
         ("config", "--set", "scheduler.max_num_seqs=many"),
         1,
