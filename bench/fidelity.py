@@ -1,7 +1,12 @@
 """What each KV format costs in model quality, on a model trained here (no downloads).
 
-    .venv/bin/python bench/fidelity.py                      # CPU config, writes bench/results/fidelity_cpu.json
+    .venv/bin/python bench/fidelity.py --section NAME       # CPU config, section NAME of bench/results/fidelity_cpu.json
     python bench/fidelity.py --device cuda --out X.json     # GPU config (~57M parameters, 2K and 8K context)
+    .venv/bin/python bench/fidelity.py --merge NAME=X.json --out bench/results/fidelity_gpu_h200.json
+
+One result file per machine: each run is a named section of it (``--section``, default
+``main``; the other sections stay), and ``--merge`` puts a run made elsewhere (a device
+machine's ``$OUT``) into it.
 
 1. Trains, with a seed, a small Qwen3-style decoder (GQA, head_dim 128, RoPE,
    q/k-norm) with the worker's own model code on agent conversations built from
@@ -58,7 +63,14 @@
    default table (default priorities, budget counted
    in stored pages on the agent pages of ``kvserving.agents.pages``), (b) "default@pages": the default
    priorities through the calibration's page-counted greedy rule on the same
-   calibration data (the equal-cost baseline), (c) the calibrated table.
+   calibration data (the equal-cost baseline), (c) the calibrated table, and
+   (d) "held": no table, the bit-budget controller (``bit_budget_control: hold``,
+   the default ranking) holding the budget on the scored text. Its engine is
+   warmed first on the scored conversations' tags, as a deployment that has
+   served this traffic (``warm_up``: admitted and released without computing
+   K/V until one whole pass stores within +-0.05 bits of the budget); every
+   scored sequence is admitted as the scheduler admits a prompt (``admit``), so
+   the controller keeps counting while the row is scored.
    ``bits`` is what the sequences actually stored: a page is INT2 only if all
    of its 32 tokens are 2-bit (DESIGN.md).
 
@@ -100,6 +112,7 @@ from kvserving.gateway.prompt.tagger import ChatTagger
 from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.model_dir import tiny_model_dir
 from kvserving.worker.attention import causal_attention
+from kvserving.worker.bit_budget import WINDOW_PAGES
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.model import DecoderModel, ModelArgs, load_model
 from kvserving.worker.sampling import SamplingParams, make_generator
@@ -467,9 +480,7 @@ def score(
 ) -> float:
     """Adds ``ids``' scores through the engine's pool to ``acc``; returns the stored bits per value.
     ``ref``: the reference log-probabilities per chunk (an empty list: this run records them)."""
-    seq = Sequence("score", list(ids), SamplingParams(max_tokens=1), make_generator(0), tags=list(tags))
-    if not engine.kv.allocate_until(seq, len(ids)):
-        raise RuntimeError("the KV pool is too small for one scored sequence")
+    seq = admit(engine, ids, tags)
     rec.reset()
     record = ref is not None and not ref
     dev = engine.device
@@ -502,6 +513,56 @@ def score(
     finally:
         engine.kv.free(seq)
     return bits
+
+
+def admit(engine: LLMEngine, ids: list[int], tags: list[int]) -> Sequence:
+    """A sequence for ``ids`` with pages for all of it, taken as the scheduler admits a prompt:
+    ``match_prefix``, then ``allocate_until``. Under the bit-budget controller ``match_prefix`` is
+    where the prompt's class mix is counted, so the controller sees the scored traffic as it sees
+    served traffic. Nothing matches: the bench never registers a page, so every token is computed."""
+    seq = Sequence("score", list(ids), SamplingParams(max_tokens=1), make_generator(0), tags=list(tags))
+    if engine.kv.match_prefix(seq):
+        raise RuntimeError("a scored sequence matched cached pages: the bench registers none")
+    if not engine.kv.allocate_until(seq, len(ids)):
+        raise RuntimeError("the KV pool is too small for one scored sequence")
+    return seq
+
+
+WARM_TOLERANCE = 0.05  # bits: a held row is scored once a whole warm-up pass stored within budget +- this
+WARM_WINDOWS = 4  # the warm-up stops after this many of the controller's windows of pages, reached or not
+
+
+def warm_up(engine: LLMEngine, seqs: list[TaggedSeq], budget: float) -> dict[str, Any]:
+    """Warms the bit-budget controller of ``engine`` on ``seqs`` (the scored conversations' tags, as
+    a deployment that has served this traffic): pass after pass, each conversation admitted
+    (``admit``: the controller counts its class mix and looks at the pool) and released, until one
+    whole pass stored within ``WARM_TOLERANCE`` of ``budget`` (mean over its conversations, as a row's bits).
+    No K/V is computed: the controller reads tags and page precisions only. Returns each pass's
+    stored bits, whether the tolerance was reached, and the controller's cut and moves."""
+    controller = engine.kv.controller
+    assert controller is not None, "warm_up needs an engine with bit_budget_control 'hold'"
+    passes: list[float] = []
+    pages = 0
+    while pages < WARM_WINDOWS * WINDOW_PAGES:
+        bits = []
+        for q in seqs:
+            seq = admit(engine, q.ids, q.tags)
+            bits.append(stored_bits(engine, seq.page_ids, len(q.ids)))
+            pages += len(seq.page_ids)
+            engine.kv.free(seq)
+        passes.append(sum(bits) / len(bits))
+        if abs(passes[-1] - budget) <= WARM_TOLERANCE:
+            break
+    return {
+        "passes": passes if len(passes) <= 8 else passes[:4] + passes[-4:],  # a long warm-up: its first and last passes
+        "pass_count": len(passes),
+        "pages": pages,
+        "conversations": len(seqs),
+        "reached": abs(passes[-1] - budget) <= WARM_TOLERANCE,
+        "tolerance": WARM_TOLERANCE,
+        "cut": controller.cut,
+        "moves": controller.moves,
+    }
 
 
 def stored_bits(engine: LLMEngine, page_ids: list[int], num_tokens: int) -> float:
@@ -621,9 +682,28 @@ def main(argv: list[str] | None = None) -> int:
         help="also calibrate on the calibration text wrapped at each longer evaluation context (D_k "
         "measured on prompts of that length, the budget on the same pages): rows 'calibrated@<ctx>'",
     )
+    ap.add_argument(
+        "--section",
+        default="main",
+        help="the name this run's results take in --out, beside the sections already there (one file per machine)",
+    )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="NAME=FILE",
+        help="run nothing: put each FILE's run (a run's JSON, or the section NAME of a sectioned file) into --out "
+        "as section NAME (runs made elsewhere, e.g. on a device machine, join the machine's result file)",
+    )
     add_quiet_argument(ap)
     opts = ap.parse_args(argv)
     device = torch.device(opts.device)
+    out_path = opts.out or Path(__file__).parent / "results" / f"fidelity_{device.type}.json"
+    if opts.merge is not None:
+        return merge(out_path, opts.merge)
+    if read_sections(out_path) is None:
+        print(f"fidelity: error: {out_path} is not a result file of named sections (--merge NAME={out_path} into another)", file=sys.stderr)
+        return 2
     if device.type == "cuda" and not torch.cuda.is_available():
         print("fidelity: error: --device cuda but torch sees no GPU", file=sys.stderr)
         return 1
@@ -658,7 +738,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"fidelity: error: --{field.replace('_', '-')} must be >= {least}, got {value}", file=sys.stderr)
                 return 2
             s = Setup(**{**s.__dict__, field: value})
-    out_path = opts.out or Path(__file__).parent / "results" / f"fidelity_{device.type}.json"
     t0 = time.time()
 
     tok_dir = tiny_model_dir()
@@ -843,7 +922,7 @@ def main(argv: list[str] | None = None) -> int:
                     "rows": rows,
                     **({"selection": ctx_selection[ctx]} if ctx in ctx_selection else {}),
                 }
-                out_path.write_text(json.dumps(results, indent=1) + "\n")
+                write_section(out_path, opts.section, results)
 
             partial({})
             block = run_context(model_dir, specs, ccals["calibrated"], seqs, s, ctx, device, on_row=partial, quiet=opts.quiet)
@@ -872,13 +951,52 @@ def main(argv: list[str] | None = None) -> int:
             block["budgets"] = list(budgets[ctx])
             block["comparisons"] = comparisons(block["rows"], budgets=budgets[ctx])
             results["contexts"][str(ctx)] = block
-            out_path.write_text(json.dumps(results, indent=1) + "\n")  # each context as it completes
+            write_section(out_path, opts.section, results)  # each context as it completes
         results["seconds"] = round(time.time() - t0, 1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    out_path.write_text(json.dumps(results, indent=1) + "\n")
+    write_section(out_path, opts.section, results)
     print_table(results)
-    print(f"wrote {out_path}")
+    print(f"wrote section {opts.section!r} of {out_path}")
+    return 0
+
+
+def read_sections(path: Path) -> dict[str, Any] | None:
+    """The named sections of a result file ({} when it does not exist yet; None when it is not one)."""
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    return data["sections"] if isinstance(data, dict) and isinstance(data.get("sections"), dict) else None
+
+
+def write_section(path: Path, name: str, results: dict[str, Any]) -> None:
+    """``results`` as section ``name`` of the result file ``path`` (the other sections kept, in order)."""
+    sections = read_sections(path)
+    if sections is None:
+        raise ValueError(f"{path} is not a result file of named sections")
+    sections[name] = results
+    path.write_text(json.dumps({"sections": sections}, indent=1) + "\n")
+
+
+def merge(out: Path, specs: list[str]) -> int:
+    """``--merge``: each ``NAME=FILE`` into ``out`` as section NAME; 2 with one line on bad input."""
+    parts = []
+    for spec in specs:
+        name, sep, file = spec.partition("=")
+        if not sep or not name or not file:
+            print(f"fidelity: error: --merge takes NAME=FILE, got {spec!r}", file=sys.stderr)
+            return 2
+        sections = read_sections(Path(file))
+        if not Path(file).exists() or (sections is not None and name not in sections):
+            print(f"fidelity: error: --merge: {file} has no run {name!r}", file=sys.stderr)
+            return 2
+        parts.append((name, sections[name] if sections is not None else json.loads(Path(file).read_text())))
+    if read_sections(out) is None:
+        print(f"fidelity: error: {out} is not a result file of named sections", file=sys.stderr)
+        return 2
+    for name, run in parts:
+        write_section(out, name, run)
+    print(f"wrote sections {', '.join(name for name, _ in parts)} of {out}")
     return 0
 
 
@@ -1154,6 +1272,7 @@ def run_context(
         scored[key] = name
         t = time.time()
         engine = build_engine(model_dir, dtype, device=device, ctx=ctx, chunk=s.chunk, **kw)
+        warm = warm_up(engine, seqs, kw["held"]) if kw.get("held") is not None else None
         rec = LayerError(engine.attention, engine.args.num_layers)
         acc = Score()
         bits, kl_seq = [], []
@@ -1189,11 +1308,13 @@ def run_context(
             "mean_first_divergence": sum(div) / len(div) if div else None,
             "generated": gen_n,
             "attn_rel_err": [math.sqrt(e / r) if r > 0 else 0.0 for e, r in zip(rec.err, rec.ref)],
+            # a held row: the warm-up on the scored conversations before it was scored (warm_up)
+            **({"warm_up": warm} if warm is not None else {}),
             "seconds": round(time.time() - t, 1),
         }
         print(
             f"  ctx {ctx} {name}: bits {rows[name]['stored_bits']:.2f}, ppl {rows[name]['ppl']:.4f}, "
-            f"KL {rows[name]['kl_vs_bf16']:.2e}, first divergence {div}, {rows[name]['seconds']} s",
+            f"KL {rows[name]['kl_vs_bf16']:.2e}, first divergence {div}, {rows[name]['seconds']} s{warm_note(warm)}",
             file=sys.stderr,
             flush=True,
         )
@@ -1205,6 +1326,14 @@ def run_context(
         r["ppl_vs_bf16_pct"] = 100.0 * (r["ppl"] / base - 1.0)
         r["reply_ppl_vs_bf16_pct"] = 100.0 * (r["reply_ppl"] / rbase - 1.0) if rbase else None
     return {"sequences": len(seqs), "tokens_per_sequence": [len(q.ids) for q in seqs], "rows": rows}
+
+
+def warm_note(warm: dict[str, Any] | None) -> str:
+    """A held row's warm-up, for its progress line ("" for a table's row)."""
+    if warm is None:
+        return ""
+    within = "" if warm["reached"] else f" (not within +-{warm['tolerance']:g} of the budget)"
+    return f", warmed in {warm['pass_count']} passes to {warm['passes'][-1]:.3f} bits{within}"
 
 
 def agree(row: dict[str, Any]) -> str:

@@ -185,7 +185,7 @@ def test_a_smoke_run_writes_each_row_as_it_completes_and_reloadable_calibrations
         def on_disk(rows: dict[str, object]) -> None:
             assert callable(on_row)
             on_row(rows)
-            block = json.loads(out.read_text())["contexts"]["512"]
+            block = json.loads(out.read_text())["sections"]["main"]["contexts"]["512"]
             seen.append((list(block["rows"]), bool(block.get("partial"))))
 
         return run_context(*args, on_row=on_disk, **kw)
@@ -216,7 +216,7 @@ def test_a_smoke_run_writes_each_row_as_it_completes_and_reloadable_calibrations
     )
     rows = ["bf16", "triaxial 3.5 default@pages", "triaxial 3.5 calibrated", "triaxial 3.5 calibrated@512", "triaxial 3.5 held"]
     assert seen == [(rows[: i + 1], True) for i in range(len(rows))]
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text())["sections"]["main"]
     block = result["contexts"]["512"]
     assert "partial" not in block and list(block["rows"]) == rows and block["budgets"] == [3.5]
     assert set(block["comparisons"]) == {"3.5"} and block["rows"]["bf16"]["generated"] == 2
@@ -252,7 +252,7 @@ def test_generate_zero_scores_every_row_without_the_greedy_column(fidelity: Modu
         )
         == 0
     )
-    rows = json.loads(out.read_text())["contexts"]["512"]["rows"]
+    rows = json.loads(out.read_text())["sections"]["main"]["contexts"]["512"]["rows"]
     assert list(rows) == ["bf16", "triaxial 2.7 default@pages", "triaxial 2.7 calibrated", "triaxial 2.7 held"]
     for r in rows.values():
         assert r["generated"] == 0 and r["first_divergence"] == [] and r["mean_first_divergence"] is None
@@ -303,7 +303,7 @@ def test_select_is_applied_again_at_a_context_other_than_the_calibration_length(
         )
         == 0
     )
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text())["sections"]["main"]
     # 256 is not scored: no selection there (its tables would be discarded), only at 512
     assert result["calibration"]["selection"] == {}
     block = result["contexts"]["512"]
@@ -347,7 +347,7 @@ def test_count_on_evaluation_holds_every_tables_budget_on_the_scored_conversatio
         )
         == 0
     )
-    block = json.loads(out.read_text())["contexts"]["512"]
+    block = json.loads(out.read_text())["sections"]["main"]["contexts"]["512"]
     lengths = block["tokens_per_sequence"]
     assert block["calibration_pages"]["counted_on"] == "evaluation"
     assert block["calibration_pages"]["tokens"] == block["evaluation_pages"]["tokens"] == sum(lengths)
@@ -362,3 +362,49 @@ def test_count_on_evaluation_holds_every_tables_budget_on_the_scored_conversatio
         stored = sum(b * n for b, n in zip(r["stored_bits_per_sequence"], lengths)) / sum(lengths)
         assert math.isclose(stored, r["stored_bits_calibration_data"], abs_tol=1e-9), name
         assert stored <= budget + 1e-9, name
+
+
+def test_a_held_row_is_warmed_on_the_scored_conversations_until_it_stores_its_budget(fidelity: ModuleType, tmp_path: Path) -> None:
+    import torch
+
+    from kvserving.gateway.prompt.chat_template import ChatTemplate
+    from kvserving.gateway.prompt.tagger import ChatTagger
+    from kvserving.gateway.prompt.tokenizer import TextTokenizer
+    from kvserving.model_dir import tiny_model_dir
+
+    tok_dir = tiny_model_dir()
+    tagger = ChatTagger(TextTokenizer.from_dir(tok_dir), ChatTemplate.from_dir(tok_dir))
+    eval_path = tmp_path / "evaluation.py"
+    eval_path.write_text(fidelity.joined_text(fidelity.stdlib_files()[1][0::2], 10**9))
+    seqs, _ = fidelity.evaluation_conversations(eval_path, tmp_path / "extra.py", tagger, ctx=2048, n=12)
+    engine = fidelity.build_engine(tok_dir, "triaxial", device=torch.device("cpu"), ctx=2048, chunk=256, held=2.7)
+    controller = engine.kv.controller
+    # admitting a scored sequence counts its class mix, as the scheduler's admission does (no page matches)
+    seq = fidelity.admit(engine, seqs[0].ids, seqs[0].tags)
+    assert controller.window == len(seqs[0].ids) // 32 + 1 and seq.num_computed == 0  # full pages + the partial one
+    engine.kv.free(seq)
+    warm = fidelity.warm_up(engine, seqs, 2.7)
+    assert warm["reached"] and abs(warm["passes"][-1] - 2.7) <= 0.05 and warm["cut"] == controller.cut
+    assert warm["pass_count"] == len(warm["passes"]) >= 2 and warm["pages"] >= 512  # it first moves at WARM_PAGES
+    # the next pass stores what the last warm-up pass stored: inside the dead band the cut stays
+    bits = []
+    for q in seqs:
+        seq = fidelity.admit(engine, q.ids, q.tags)
+        bits.append(fidelity.stored_bits(engine, seq.page_ids, len(q.ids)))
+        engine.kv.free(seq)
+    assert sum(bits) / len(bits) == pytest.approx(warm["passes"][-1]) and controller.cut == warm["cut"]
+
+
+def test_runs_are_named_sections_of_one_file_per_machine(fidelity: ModuleType, tmp_path: Path) -> None:
+    out, legacy, other = tmp_path / "fidelity_cpu.json", tmp_path / "run.json", tmp_path / "device.json"
+    legacy.write_text(json.dumps({"seed": 0, "contexts": {}}))  # one run's JSON, as written before sections
+    fidelity.write_section(other, "seed1", {"seed": 1})
+    fidelity.write_section(other, "seed2", {"seed": 2})
+    assert fidelity.main(["--merge", f"formats={legacy}", f"seed1={other}", "--out", str(out)]) == 0
+    fidelity.write_section(out, "formats", {"seed": 3})  # a section written again keeps its place
+    assert json.loads(out.read_text()) == {"sections": {"formats": {"seed": 3}, "seed1": {"seed": 1}}}
+    for bad in (["formats"], [f"seed9={other}"], [f"x={tmp_path / 'none.json'}"], [f"x={out}", "=y"]):
+        assert fidelity.main(["--merge", *bad, "--out", str(out)]) == 2
+    assert fidelity.main(["--merge", f"x={out}", "--out", str(legacy)]) == 2  # not a file of sections
+    assert fidelity.main(["--smoke", "--out", str(legacy)]) == 2  # refused before any training
+    assert json.loads(out.read_text())["sections"].keys() == {"formats", "seed1"}

@@ -145,3 +145,13 @@ def test_a_run_writes_its_section_and_keeps_the_others(tmp_path: Path, monkeypat
     assert list(doc["sections"]) == ["a", "b", "c"] and results_file.read_section(tmp_path / "all.json", "c")["v"] == 4
     with pytest.raises(KeyError, match="has no section 'd' \\(it has: a, b, c\\)"):
         results_file.read_section(tmp_path / "all.json", "d")
+
+
+def test_every_section_of_a_result_file_of_sections_is_named_on_the_results_page() -> None:
+    # each configuration a bench runs is a section of its one file per machine (bench/results_file.py)
+    page = (ROOT / "docs" / "results.md").read_text()
+    for path in sorted((ROOT / "bench" / "results").glob("*.json")):
+        data = json.loads(path.read_text())
+        sections = data.get("sections") if isinstance(data, dict) else None
+        if isinstance(sections, dict):
+            assert sorted(name for name in sections if f"`{name}`" not in page) == [], path.name
