@@ -74,7 +74,7 @@ machine's ``$OUT``) into it.
    ``bits`` is what the sequences actually stored: a page is INT2 only if all
    of its 32 tokens are 2-bit (DESIGN.md).
 
-Writes JSON (``--out``) after each scored row (a context still running is marked
+Writes its section of ``--out`` after each scored row (a context still running is marked
 ``partial``: a run stopped by a time limit keeps what it finished) and prints one table.
 """
 
