@@ -2,11 +2,12 @@
 
     .venv/bin/python bench/fidelity.py --section NAME       # CPU config, section NAME of bench/results/fidelity_cpu.json
     python bench/fidelity.py --device cuda --out X.json     # GPU config (~57M parameters, 2K and 8K context)
-    .venv/bin/python bench/fidelity.py --merge NAME=X.json --out bench/results/fidelity_gpu_h200.json
+    .venv/bin/python bench/fidelity.py --combine bench/results/fidelity_gpu_h200.json X.json \
+        --out bench/results/fidelity_gpu_h200.json
 
-One result file per machine: each run is a named section of it (``--section``, default
-``main``; the other sections stay), and ``--merge`` puts a run made elsewhere (a device
-machine's ``$OUT``) into it.
+One result file per machine (``bench/results_file.py``): each run is a named section of it
+(``--section``, default ``main``; the other sections stay), and ``--combine`` joins a run made
+elsewhere (a device machine's ``$OUT``) into it.
 
 1. Trains, with a seed, a small Qwen3-style decoder (GQA, head_dim 128, RoPE,
    q/k-norm) with the worker's own model code on agent conversations built from
@@ -100,6 +101,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import combine, write_section  # noqa: E402  (bench/ beside this file)
 
 from kvserving.bits import bits_table_for_budget, count_page_mixes, default_sensitivity, format_bits_table, page_records
 from kvserving.calibrate.data import TaggedSeq, agent_wrap, chars_per_token, load_data
@@ -688,22 +692,24 @@ def main(argv: list[str] | None = None) -> int:
         help="the name this run's results take in --out, beside the sections already there (one file per machine)",
     )
     ap.add_argument(
-        "--merge",
+        "--combine",
         nargs="+",
         default=None,
-        metavar="NAME=FILE",
-        help="run nothing: put each FILE's run (a run's JSON, or the section NAME of a sectioned file) into --out "
-        "as section NAME (runs made elsewhere, e.g. on a device machine, join the machine's result file)",
+        metavar="FILE",
+        help="run nothing: join the sections of these result files (a device machine's run, the committed file) into --out",
     )
     add_quiet_argument(ap)
     opts = ap.parse_args(argv)
     device = torch.device(opts.device)
     out_path = opts.out or Path(__file__).parent / "results" / f"fidelity_{device.type}.json"
-    if opts.merge is not None:
-        return merge(out_path, opts.merge)
-    if read_sections(out_path) is None:
-        print(f"fidelity: error: {out_path} is not a result file of named sections (--merge NAME={out_path} into another)", file=sys.stderr)
-        return 2
+    if opts.combine is not None:
+        missing = [f for f in opts.combine if not Path(f).is_file()]
+        if missing:
+            print(f"fidelity: error: --combine: no file {missing[0]}", file=sys.stderr)
+            return 2
+        doc = combine([Path(f) for f in opts.combine], out_path, what=WHAT, name_of=section_of)
+        print(f"wrote {out_path}: sections {', '.join(doc['sections'])}")
+        return 0
     if device.type == "cuda" and not torch.cuda.is_available():
         print("fidelity: error: --device cuda but torch sees no GPU", file=sys.stderr)
         return 1
@@ -822,6 +828,7 @@ def main(argv: list[str] | None = None) -> int:
                 name: {"table": format_bits_table(tb), "stored_bits_calibration_data": cal.stored_bits(tb)} for name, tb in t.items()
             }
         results: dict[str, Any] = {
+            "section": opts.section,
             "device": opts.device,
             "seed": opts.seed,
             "params": params,
@@ -922,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
                     "rows": rows,
                     **({"selection": ctx_selection[ctx]} if ctx in ctx_selection else {}),
                 }
-                write_section(out_path, opts.section, results)
+                write_section(out_path, opts.section, results, what=WHAT, name_of=section_of)
 
             partial({})
             block = run_context(model_dir, specs, ccals["calibrated"], seqs, s, ctx, device, on_row=partial, quiet=opts.quiet)
@@ -951,53 +958,22 @@ def main(argv: list[str] | None = None) -> int:
             block["budgets"] = list(budgets[ctx])
             block["comparisons"] = comparisons(block["rows"], budgets=budgets[ctx])
             results["contexts"][str(ctx)] = block
-            write_section(out_path, opts.section, results)  # each context as it completes
+            write_section(out_path, opts.section, results, what=WHAT, name_of=section_of)  # each context as it completes
         results["seconds"] = round(time.time() - t0, 1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    write_section(out_path, opts.section, results)
+    write_section(out_path, opts.section, results, what=WHAT, name_of=section_of)
     print_table(results)
     print(f"wrote section {opts.section!r} of {out_path}")
     return 0
 
 
-def read_sections(path: Path) -> dict[str, Any] | None:
-    """The named sections of a result file ({} when it does not exist yet; None when it is not one)."""
-    if not path.exists():
-        return {}
-    data = json.loads(path.read_text())
-    return data["sections"] if isinstance(data, dict) and isinstance(data.get("sections"), dict) else None
+WHAT = "bench/fidelity.py: what each KV format costs in model quality on a model trained here; one section per configuration"
 
 
-def write_section(path: Path, name: str, results: dict[str, Any]) -> None:
-    """``results`` as section ``name`` of the result file ``path`` (the other sections kept, in order)."""
-    sections = read_sections(path)
-    if sections is None:
-        raise ValueError(f"{path} is not a result file of named sections")
-    sections[name] = results
-    path.write_text(json.dumps({"sections": sections}, indent=1) + "\n")
-
-
-def merge(out: Path, specs: list[str]) -> int:
-    """``--merge``: each ``NAME=FILE`` into ``out`` as section NAME; 2 with one line on bad input."""
-    parts = []
-    for spec in specs:
-        name, sep, file = spec.partition("=")
-        if not sep or not name or not file:
-            print(f"fidelity: error: --merge takes NAME=FILE, got {spec!r}", file=sys.stderr)
-            return 2
-        sections = read_sections(Path(file))
-        if not Path(file).exists() or (sections is not None and name not in sections):
-            print(f"fidelity: error: --merge: {file} has no run {name!r}", file=sys.stderr)
-            return 2
-        parts.append((name, sections[name] if sections is not None else json.loads(Path(file).read_text())))
-    if read_sections(out) is None:
-        print(f"fidelity: error: {out} is not a result file of named sections", file=sys.stderr)
-        return 2
-    for name, run in parts:
-        write_section(out, name, run)
-    print(f"wrote sections {', '.join(name for name, _ in parts)} of {out}")
-    return 0
+def section_of(run: dict[str, Any]) -> str:
+    """A run's section: the ``--section`` it was run with (``main`` for a run that names none)."""
+    return str(run.get("section", "main"))
 
 
 def context_budgets(specs: list[str] | None, contexts: tuple[int, ...]) -> dict[int, tuple[float, ...]] | str:

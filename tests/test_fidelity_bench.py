@@ -396,15 +396,13 @@ def test_a_held_row_is_warmed_on_the_scored_conversations_until_it_stores_its_bu
 
 
 def test_runs_are_named_sections_of_one_file_per_machine(fidelity: ModuleType, tmp_path: Path) -> None:
-    out, legacy, other = tmp_path / "fidelity_cpu.json", tmp_path / "run.json", tmp_path / "device.json"
-    legacy.write_text(json.dumps({"seed": 0, "contexts": {}}))  # one run's JSON, as written before sections
-    fidelity.write_section(other, "seed1", {"seed": 1})
-    fidelity.write_section(other, "seed2", {"seed": 2})
-    assert fidelity.main(["--merge", f"formats={legacy}", f"seed1={other}", "--out", str(out)]) == 0
-    fidelity.write_section(out, "formats", {"seed": 3})  # a section written again keeps its place
-    assert json.loads(out.read_text()) == {"sections": {"formats": {"seed": 3}, "seed1": {"seed": 1}}}
-    for bad in (["formats"], [f"seed9={other}"], [f"x={tmp_path / 'none.json'}"], [f"x={out}", "=y"]):
-        assert fidelity.main(["--merge", *bad, "--out", str(out)]) == 2
-    assert fidelity.main(["--merge", f"x={out}", "--out", str(legacy)]) == 2  # not a file of sections
-    assert fidelity.main(["--smoke", "--out", str(legacy)]) == 2  # refused before any training
-    assert json.loads(out.read_text())["sections"].keys() == {"formats", "seed1"}
+    out, device, committed = tmp_path / "fidelity_cpu.json", tmp_path / "device.json", tmp_path / "committed.json"
+    fidelity.write_section(committed, "formats", {"section": "formats", "seed": 0}, what=fidelity.WHAT, name_of=fidelity.section_of)
+    fidelity.write_section(committed, "held", {"section": "held", "seed": 0}, what=fidelity.WHAT, name_of=fidelity.section_of)
+    device.write_text(json.dumps({"section": "seed1", "seed": 1}))  # one run, as a device machine's --out holds it
+    assert fidelity.main(["--combine", str(committed), str(device), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["what"] == fidelity.WHAT and list(doc["sections"]) == ["formats", "held", "seed1"]
+    assert doc["sections"]["seed1"] == {"section": "seed1", "seed": 1}
+    assert fidelity.main(["--combine", str(tmp_path / "none.json"), "--out", str(out)]) == 2  # one line, nothing written
+    assert json.loads(out.read_text()) == doc
