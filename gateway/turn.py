@@ -194,9 +194,7 @@ class Turn:
         worker says little, and without it every turn would be refused (503) until /ready answers
         again; its decode is bounded by the deadlines instead."""
         assert self.lease is not None
-        holder = self.router.pool.get(self.lease.worker_url)
-        if holder is not None and self.router.has_other(holder, ("decode", "both")):
-            self.router.pool.mark_unhealthy(holder.url)
+        self.router.pool.take_out(self.lease.worker_url, refused=False)
         if not self._holder_lost:
             self._holder_lost = True
             self.router.metrics.reuse_fallback(HOLDER_UNRESPONSIVE)
@@ -328,11 +326,12 @@ class Turn:
             worker.inflight -= 1
 
     def _upstream(self, exc: UpstreamError) -> GatewayError:
-        """Count the failure, take a lost worker out of the rotation (until /ready answers again),
-        and the client's error (codes: docs/gateway-errors.md)."""
+        """Count the failure, take a lost worker out of the rotation (until /ready answers again;
+        a silent one only while another can do its part: ``WorkerPool.take_out``), and the
+        client's error (codes: docs/gateway-errors.md)."""
         self.router.metrics.upstream_error(exc.kind)
         if _worker_lost(exc):
-            self.router.pool.mark_unhealthy(exc.url)
+            self.router.pool.take_out(exc.url, refused=_worker_refused(exc))
         if exc.kind == "draining":
             return service_unavailable(
                 "The gateway is shutting down; send the request again.", retry_after_s=RETRY_AFTER_S, code=GATEWAY_DRAINING
@@ -470,6 +469,12 @@ class Turns:
             param="messages",
             code="context_length_exceeded",
         )
+
+
+def _worker_refused(exc: UpstreamError) -> bool:
+    """The worker said it cannot serve (connection refused, not ready, draining), as opposed to
+    staying silent past a deadline (busy or frozen: ``WorkerPool.take_out``)."""
+    return exc.kind == "connect" or (exc.kind == "status" and exc.status == 503)
 
 
 def _worker_lost(exc: UpstreamError) -> bool:

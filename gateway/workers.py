@@ -30,11 +30,15 @@ Discovery: a static list of URLs (local mode) or the headless Services
 ``dns_refresh_s`` (cluster mode: one address per ready pod). A URL listed both
 as prefill and as decode is a ``both`` worker; decode workers with no prefill
 worker configured at all also take whole turns (``both``). A worker leaves the
-rotation when ``/ready`` answers anything but 200, when its connection is
-refused, when a request cannot reach it, or after ``READY_MISSES`` polls in a
-row that got no answer in time (one slow poll, e.g. while the gateway's event
-loop tokenizes a long prompt, says nothing about the worker); it comes back
-when ``/ready`` answers 200 again.
+rotation when ``/ready`` answers anything but 200 or its connection is
+refused (it says it cannot serve), and on silence — ``READY_MISSES`` polls in a
+row without an answer in time, or a request it left unanswered past a deadline —
+only while another healthy worker can do its part: one slow poll (e.g. while the
+gateway's event loop tokenizes a long prompt) says nothing about the worker, and
+the last worker of a role that is slow is busy more often than frozen (a
+saturated GPU worker misses deadlines); taken out, every turn would be a 503
+until it answered again, while kept, its turns are bounded by the deadlines. It
+comes back when ``/ready`` answers 200 again.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ GENERATE_PATH = "/internal/generate"
 # Unanswered /ready polls in a row that take a worker out of the rotation (an answer other
 # than 200, or a refused connection, takes it out at once).
 READY_MISSES = 2
+# the roles that can do a worker's part of a turn (the silent-worker rule)
+SAME_PART = {"prefill": ("prefill", "both"), "decode": ("decode", "both"), "both": ("both",)}
 # While a generate's response headers are late: /health probed this often, and a probe
 # unanswered this long ends the generate as ``unresponsive`` (a live worker's event loop
 # answers it while it pulls or queues: it sends a keep-alive every STREAM_KEEPALIVE_S too).
@@ -614,10 +620,20 @@ class WorkerPool:
     def get(self, url: str) -> WorkerState | None:
         return self.workers.get(url)
 
-    def mark_unhealthy(self, url: str) -> None:
+    def has_other(self, worker: WorkerState) -> bool:
+        """Whether another healthy worker can do ``worker``'s part of a turn."""
+        roles = SAME_PART[worker.role]
+        return any(w is not worker and w.healthy and w.role in roles for w in self.workers.values())
+
+    def take_out(self, url: str, *, refused: bool) -> bool:
+        """Take ``url`` out of the rotation (until ``/ready`` answers 200): always when it
+        ``refused`` (connection refused, not ready, draining), and when it was only silent
+        (a deadline passed) while another healthy worker can do its part. Whether it left."""
         state = self.workers.get(url)
-        if state is not None:
-            state.healthy = False
+        if state is None or not (refused or self.has_other(state)):
+            return False
+        state.healthy = False
+        return True
 
     async def refresh(self) -> None:
         """Re-resolve the Services (when due) and poll every worker's /ready once."""
@@ -627,8 +643,14 @@ class WorkerPool:
             await self._resolve_members()
         states = list(self.workers.values())
         results = await asyncio.gather(*(self.client.ready(w.url) for w in states))
+        was = [w.healthy for w in states]
         for state, (ok, body) in zip(states, results):
             state.polled(ok, body)
+        # silence takes a worker out only while another of its part is healthy: of several
+        # silent ones, the first in the list stays (module docstring)
+        for state, (ok, _), healthy in zip(states, results, was):
+            if healthy and ok is None and not state.healthy and not self.has_other(state):
+                state.healthy = True
 
     async def _resolve_members(self) -> None:
         port = self.config.worker_port

@@ -151,9 +151,9 @@ def test_a_worker_leaves_the_rotation_after_ready_misses_in_a_row_or_at_once_on_
     assert seen == [(True, 0), (True, 1), (True, 0), (True, 1), (False, 2), (False, 3), (True, 0), (False, 0), (False, 1), (True, 0)]
 
 
-def test_one_unanswered_ready_poll_keeps_a_worker_two_in_a_row_take_it_out_a_503_at_once() -> None:
-    """Against a real HTTP server whose /ready answers 200, then not in time (twice), then 200, then 503."""
-    plan = ["200", "hang", "hang", "200", "503"]
+def ready_server(plan: list[str]):  # type: ignore[no-untyped-def]
+    """A handler for ``asyncio.start_server`` whose /ready answers by ``plan``, one step per poll:
+    "200", "503", or "hang" (no answer: the gateway gives up on the poll)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -172,23 +172,55 @@ def test_one_unanswered_ready_poll_keeps_a_worker_two_in_a_row_take_it_out_a_503
         finally:
             writer.close()
 
-    async def scenario() -> None:
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        client = WorkerClient(request_timeout_s=5, connect_timeout_s=0.5)
-        p = WorkerPool(GatewayConfig(decode_urls=(url,)), client)
-        seen = []
-        try:
-            for _ in range(5):
-                await p.refresh()
-                seen.append(p.workers[url].healthy)
-        finally:
-            await client.aclose()
-            server.close()
-        assert seen == [True, True, False, True, False]
-        assert plan == []
+    return handle
 
-    asyncio.run(scenario())
+
+async def poll_servers(plans: list[list[str]], rounds: int) -> list[list[bool]]:
+    """Decode workers whose /ready answers by ``plans`` (one each), polled ``rounds`` times:
+    each worker's health after each round."""
+    servers = [await asyncio.start_server(ready_server(plan), "127.0.0.1", 0) for plan in plans]
+    urls = [f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers]
+    client = WorkerClient(request_timeout_s=5, connect_timeout_s=0.5)
+    p = WorkerPool(GatewayConfig(decode_urls=tuple(urls)), client)
+    seen: list[list[bool]] = [[] for _ in urls]
+    try:
+        for _ in range(rounds):
+            await p.refresh()
+            for i, url in enumerate(urls):
+                seen[i].append(p.workers[url].healthy)
+    finally:
+        await client.aclose()
+        for s in servers:
+            s.close()
+    assert all(plan == [] for plan in plans)
+    return seen
+
+
+def test_one_unanswered_ready_poll_keeps_a_worker_two_in_a_row_take_it_out_a_503_at_once() -> None:
+    """Two workers on real HTTP servers; the first answers 200, then not in time (twice), then 200,
+    then 503, while the second answers every poll."""
+    seen = asyncio.run(poll_servers([["200", "hang", "hang", "200", "503"], ["200"] * 5], 5))
+    assert seen == [[True, True, False, True, False], [True] * 5]
+
+
+def test_the_last_worker_of_a_role_stays_in_the_rotation_while_silent_but_not_when_it_refuses() -> None:
+    """A lone worker that misses polls (busy: a saturated GPU worker answers late) stays routable;
+    its 503 still takes it out. Of two silent workers, one stays."""
+    assert asyncio.run(poll_servers([["200", "hang", "hang", "hang", "200", "503"]], 6)) == [[True, True, True, True, True, False]]
+    both_silent = asyncio.run(poll_servers([["200", "hang", "hang"], ["200", "hang", "hang"]], 3))
+    assert [s[:2] for s in both_silent] == [[True, True]] * 2 and sorted(s[2] for s in both_silent) == [False, True]
+
+
+def test_a_deadline_takes_a_worker_out_only_while_another_can_do_its_part() -> None:
+    p = pool(GatewayConfig(prefill_urls=("http://p1", "http://p2"), decode_urls=("http://d",)))
+    for w in p.workers.values():
+        w.healthy = True
+    assert p.take_out("http://d", refused=False) is False and p.workers["http://d"].healthy  # the lone decode worker
+    assert p.take_out("http://p1", refused=False) is True and not p.workers["http://p1"].healthy
+    assert p.take_out("http://p2", refused=False) is False and p.workers["http://p2"].healthy  # now the last prefill
+    assert p.take_out("http://p2", refused=True) is True and not p.workers["http://p2"].healthy  # it said it cannot serve
+    assert p.take_out("http://d", refused=True) is True
+    assert p.take_out("http://unknown", refused=True) is False
 
 
 def test_a_worker_fits_a_request_by_the_capacity_its_ready_answer_told() -> None:
