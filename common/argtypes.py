@@ -4,10 +4,12 @@ checks a command makes on its output files and device before its work starts."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -41,6 +43,18 @@ def float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[st
         return value
 
     return parse
+
+
+def read_json_file(path: str | Path, label: str, *, missing: str) -> Any:
+    """The JSON in ``path``; a ValueError that starts with ``label`` and the path when the file is
+    not there (``missing``: what belongs there, in parentheses) or is not JSON."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{label} {path}: no such file ({missing})")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{label} {path} is not valid JSON: {exc}") from exc
 
 
 def check_output_file(path: Path, flag: str) -> None:

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kvserving.argtypes import read_json_file
+
 KV_DTYPES = ("bf16", "fp8_e4m3", "nvfp4", "triaxial")
 ROLES = ("prefill", "decode", "both")
 LOAD_FORMATS = ("auto", "dummy")
@@ -343,14 +345,7 @@ class ServingConfig:
     @classmethod
     def load(cls, path: str | Path) -> ServingConfig:
         """The engine config in the JSON file ``path`` (``kvserving config`` writes one); a ValueError names the file."""
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"engine config {path}: no such file (kvserving config writes one)")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"engine config {path} is not valid JSON: {exc}") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(read_json_file(path, "engine config", missing="kvserving config writes one"))
 
 
 _SECTION_TYPES: dict[str, type] = {

@@ -293,7 +293,7 @@ def add_arguments(parser: Any) -> None:
 def run(args: Any) -> int:
     import json
 
-    from kvserving.argtypes import check_output_file
+    from kvserving.argtypes import check_output_file, read_json_file
     from kvserving.sim.costs import canonical_dtype, load_costs
 
     if args.json:
@@ -303,13 +303,7 @@ def run(args: Any) -> int:
 
         build()
     if args.validate is not None:
-        path = Path(args.validate)
-        if not path.is_file():
-            raise ValueError(f"--validate {path}: no such file (a bench/agents.py result, e.g. bench/results/agents_cpu.json)")
-        try:
-            measured = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--validate {path} is not a bench/agents.py result: not JSON ({exc})") from exc
+        measured = read_json_file(args.validate, "--validate", missing="a bench/agents.py result, e.g. bench/results/agents_cpu.json")
         from kvserving.sim.gpu import is_gpu_result
 
         if is_gpu_result(measured):  # bench/agents.py --gpu: one GPU shared by both workers (kvserving.sim.gpu)

@@ -292,7 +292,7 @@ CASES: dict[str, Case] = {
     "simulate-validate-not-json": Case(
         ("simulate", "--validate", "a-file"),
         1,
-        "kvserving simulate: error: --validate a-file is not a bench/agents.py result: not JSON (",
+        "kvserving simulate: error: --validate a-file is not valid JSON: ",
     ),
     "generate-kv-bytes-beyond-memory": Case(
         generate("tiny", "--kv-bytes", "1000000000000000"), 1, "kvserving generate: error: --kv-bytes 1000000000000000 is more than "
