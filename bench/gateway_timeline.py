@@ -312,7 +312,9 @@ def report(path: Path) -> str:
             lines.append(f"| {name} | {_pct(got, 0.5):.3f} | {_pct(got, 0.9):.3f} | {_pct(got, 0.99):.3f} |")
     got = [r["prompt_cpu"] for r in rows if "prompt_cpu" in r]
     if got:
-        lines.append(f"| prompt_cpu (the prompt stage's own CPU time) | {_pct(got, 0.5):.3f} | {_pct(got, 0.9):.3f} | {_pct(got, 0.99):.3f} |")
+        lines.append(
+            f"| prompt_cpu (the prompt stage's own CPU time) | {_pct(got, 0.5):.3f} | {_pct(got, 0.9):.3f} | {_pct(got, 0.99):.3f} |"
+        )
     if stalled is not None:
         gaps = sorted(stalled["stalls"])
         lines.append(

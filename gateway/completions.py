@@ -16,7 +16,8 @@ with is filed on the conversation's record (``_file``).
 A chat prompt whose request holds more than ``OFF_LOOP_CHARS`` characters is prepared
 (rendered, tokenized, tagged) on a worker thread, so that one huge prompt does not hold
 every other stream's frames back for the time it takes; shorter ones, most of them, are
-prepared on the event loop (a thread hand-off costs more than their prompt work).
+prepared on the event loop (their prompt work is a fraction of a millisecond, the stall
+a thread would spare costs its hand-off in CPU).
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def build_conversations(config: ServingConfig, model: ModelInfo) -> Conversation
 
 # Characters of a chat request's messages and tools above which its prompt is prepared on a
 # worker thread: ~100K characters (~25K tokens) take ~10 ms of prompt work here, a stall
-# every other stream would see; below it the hand-off costs more than it spares.
+# every other stream would see; below it the hand-off costs more than it spares. The thread
+# only reads the conversation store (this loop files what the prompt kept, afterwards); the
+# tagger's reuse counters are plain ints, so a build there and one here at the same moment
+# may lose an increment of those metrics.
 OFF_LOOP_CHARS = 100_000
 
 
