@@ -13,8 +13,8 @@ worker can skip, each with the product's own code:
     write the worker request                             WorkerClient.generate (the gateway's client, aiohttp)
     relay the reply as OpenAI chunks                     SSEEvents, IncrementalDetokenizer, ChatFrames
 
-and nothing else: no tags (every token gets the same tag), no draft and
-confirmation, no conversation identity, exact history, leases, routing, metrics,
+and nothing else: no tags (every token gets the same tag, no marked render), no
+conversation identity, exact history, leases, routing, metrics,
 disconnect watch or request checks beyond the JSON. `bench/gateway_overhead.py`
 runs it as its "floor" column: TTFT through this process minus TTFT straight to
 the worker is what a gateway costs before it does anything kvserving adds, on

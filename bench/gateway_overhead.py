@@ -30,7 +30,7 @@ hop) and the floor (bench/gateway_floor.py: the gateway's chat requests served
 by only the steps no gateway can skip -- parse, render the chat template,
 tokenize, write the worker request, relay the reply as OpenAI chunks -- with the
 product's own code on the same server; "gateway minus floor" is what kvserving
-adds: tags, drafts, identity, exact history, leases, routing, metrics).
+adds: tags, identity, exact history, leases, routing, metrics).
 
 Two optional columns: vllm-router and sglang-router (the Rust routers; they
 forward OpenAI JSON and tokenize nothing), each when installed (`vllm-router` on

@@ -21,19 +21,18 @@ parsed the request's headers (``arrive``):
 
     serve         the request reaches the gateway's middleware (app.Requests): the event loop's queue
     body          the body is read and parsed (json.loads)
-    draft_start   ChatTagger.draft called (request checks, conversation identity before it)
-    draft         ChatTagger.draft returned (render with markers, tokenize, tag)
+    prompt_start  ChatTagger.build called (request checks before it)
+    prompt        ChatTagger.build returned (render, render with markers, tokenize, tag)
     worker_write  the worker request is sent (workers.WorkerClient._post)
-    confirm       the plain render confirmed the draft (the loop's next pass)
     worker_first  the worker's response headers arrived
     client_first  the first body frame went to the client (TTFT, gateway side)
     end           the response ended
 
-and ``draft_cpu``, the draft's own CPU time (thread time): the rest of
-``draft_only`` is time the gateway was runnable but not running (the other
+and ``prompt_cpu``, the prompt stage's own CPU time (thread time): the rest of
+``prompt_only`` is time the gateway was runnable but not running (the other
 processes on the cores) or blocked.
 
-Also the gaps the gateway adds around the worker: ``draft_to_write`` (routing,
+Also the gaps the gateway adds around the worker: ``prompt_to_write`` (identity, routing,
 worker body) and ``worker_to_client`` (first worker bytes to the first frame:
 parsing, detokenizing, framing and the loop's queue). The stamps are taken
 with `time.perf_counter` by wrappers installed before the gateway starts; the
@@ -56,11 +55,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-STAGES = ("serve", "body", "draft_start", "draft", "worker_write", "confirm", "worker_first", "client_first", "end")
+STAGES = ("serve", "body", "prompt_start", "prompt", "worker_write", "worker_first", "client_first", "end")
 GAPS = (
-    ("body_to_draft", "body", "draft_start"),
-    ("draft_only", "draft_start", "draft"),
-    ("draft_to_write", "draft", "worker_write"),
+    ("body_to_prompt", "body", "prompt_start"),
+    ("prompt_only", "prompt_start", "prompt"),
+    ("prompt_to_write", "prompt", "worker_write"),
     ("worker_to_client", "worker_first", "client_first"),
     ("worker_leg", "worker_write", "worker_first"),
 )
@@ -152,28 +151,19 @@ def install(out: Path) -> None:
 
     app.Requests.__call__ = serve_stamped  # type: ignore[method-assign]
 
-    draft = tagger.ChatTagger.draft
+    build = tagger.ChatTagger.build
 
-    def draft_stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _stamp("draft_start")
+    def build_stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _stamp("prompt_start")
         cpu = time.thread_time()
-        out = draft(self, *args, **kwargs)
-        _stamp("draft")
+        out = build(self, *args, **kwargs)
+        _stamp("prompt")
         got = _stamps.get()
-        if got is not None:  # a duration, not a stage: "draft_cpu" minus "draft_only" is time without the CPU
-            got["draft_cpu"] = got["arrive"] + (time.thread_time() - cpu)
+        if got is not None:  # a duration, not a stage: "prompt_cpu" minus "prompt_only" is time without the CPU
+            got["prompt_cpu"] = got["arrive"] + (time.thread_time() - cpu)
         return out
 
-    tagger.ChatTagger.draft = draft_stamped  # type: ignore[method-assign]
-
-    confirmed = tagger.Draft.confirmed
-
-    def confirmed_stamped(self: Any) -> bool:
-        ok = confirmed(self)
-        _stamp("confirm")
-        return ok
-
-    tagger.Draft.confirmed = confirmed_stamped  # type: ignore[method-assign]
+    tagger.ChatTagger.build = build_stamped  # type: ignore[method-assign]
 
     post = workers.WorkerClient._post
 
@@ -320,9 +310,11 @@ def report(path: Path) -> str:
         got = [r[b] - r[a] for r in rows if a in r and b in r]
         if got:
             lines.append(f"| {name} | {_pct(got, 0.5):.3f} | {_pct(got, 0.9):.3f} | {_pct(got, 0.99):.3f} |")
-    got = [r["draft_cpu"] for r in rows if "draft_cpu" in r]
+    got = [r["prompt_cpu"] for r in rows if "prompt_cpu" in r]
     if got:
-        lines.append(f"| draft_cpu (the draft's own CPU time) | {_pct(got, 0.5):.3f} | {_pct(got, 0.9):.3f} | {_pct(got, 0.99):.3f} |")
+        lines.append(
+            f"| prompt_cpu (the prompt stage's own CPU time) | {_pct(got, 0.5):.3f} | {_pct(got, 0.9):.3f} | {_pct(got, 0.99):.3f} |"
+        )
     if stalled is not None:
         gaps = sorted(stalled["stalls"])
         lines.append(

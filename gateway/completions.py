@@ -1,7 +1,7 @@
 """One OpenAI request through the gateway's stages, each handing the next a typed value:
 
     parse     openai_types.py       the request, checked               -> ChatCompletionRequest
-    prompt    prompt/               render, tokenize, tag              -> TaggedPrompt (a Draft's)
+    prompt    prompt/               render, tokenize, tag              -> TaggedPrompt
     identify  identity.py           the conversation's record          -> Identified
               conversations.py      (exact_history.py splices the prompt onto the ids its workers hold)
     route     turn.Turns.start      the lease, decode and prefill workers -> Turn
@@ -13,17 +13,17 @@ body (``stream`` false) or an ``EventStream`` of SSE frames (relay.py says when 
 error is a status and when an event). When the turn ends, what the next turn starts
 with is filed on the conversation's record (``_file``).
 
-A chat prompt goes out as a draft when it can (``ChatTagger.draft``: the marked render
-without markers, the plain render leaves the critical path); the plain render confirms
-it while the worker computes, before the first token is relayed. A mismatch (a template
-that inspects content) aborts that worker request and the turn starts again from the
-plain render (``_Unconfirmed``); so does an error before the first token that an
-unconfirmed draft may have caused. What it pays: docs/performance-log/gateway.md.
+A chat prompt whose request holds more than ``OFF_LOOP_CHARS`` characters is prepared
+(rendered, tokenized, tagged) on a worker thread, so that one huge prompt does not hold
+every other stream's frames back for the time it takes; shorter ones, most of them, are
+prepared on the event loop (their prompt work is a fraction of a millisecond, the stall
+a thread would spare costs its hand-off in CPU).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
@@ -36,12 +36,12 @@ from kvserving.config import ServingConfig
 from . import openai_types as oa
 from . import relay
 from .conversations import Conversation, Conversations
-from .errors import GatewayError, context_length_exceeded, invalid_request, model_not_found
+from .errors import context_length_exceeded, invalid_request, model_not_found
 from .exact_history import ExactHistory, Sent
 from .identity import Identities, explicit_identity
 from .metrics import GatewayMetrics
 from .model import ModelInfo as ModelInfo  # the routes' and the entry point's import
-from .prompt.tagger import Draft, Drafting, TaggedPrompt
+from .prompt.tagger import TaggedPrompt
 from .prompt.token_prefixes import TokenPrefixes
 from .prompt.turn_render import TurnRenders
 from .relay import SSE_DONE as SSE_DONE  # the routes' import
@@ -61,6 +61,15 @@ def build_conversations(config: ServingConfig, model: ModelInfo) -> Conversation
     return store
 
 
+# Characters of a chat request's messages and tools above which its prompt is prepared on a
+# worker thread: ~100K characters (~25K tokens) take ~10 ms of prompt work here, a stall
+# every other stream would see; below it the hand-off costs more than it spares. The thread
+# only reads the conversation store (this loop files what the prompt kept, afterwards); the
+# tagger's reuse counters are plain ints, so a build there and one here at the same moment
+# may lose an increment of those metrics.
+OFF_LOOP_CHARS = 100_000
+
+
 @dataclass(slots=True, frozen=True)
 class Identified:
     """The identify stage's hand-off: the conversation's record, and what its turn files on it
@@ -71,10 +80,6 @@ class Identified:
     canonical: list[int]
     sent: Sent | None = None
     chain: Sequence[int] | None = None
-
-
-class _Unconfirmed(Exception):
-    """A draft prompt's real render differs: the turn starts again from the real render."""
 
 
 class Completions:
@@ -101,46 +106,17 @@ class Completions:
         self.history = ExactHistory(model.tokenizer)  # splices a prompt onto the ids the workers hold
         self.relay = Relay(model.tokenizer, stop_token_ids=model.stop_token_ids, metrics=metrics)
         self.clock = clock
-        self.drafting = Drafting()
 
     # ----------------------------------------------------------------- chat
     async def chat(self, request: oa.ChatCompletionRequest, *, headers: Mapping[str, str], started: float) -> dict[str, Any] | EventStream:
-        """A chat turn: its draft first when there is one, the plain prompt when the draft
-        is refused or not confirmed (module docstring)."""
+        """A chat turn (module docstring)."""
         self._check_model(request.model)
         tenant = self.tenants.of(authorization=headers.get("authorization"), cache_salt=request.cache_salt)
-        tagger, drafts = self.model.tagger, self.metrics.prompt_drafts
-        kwargs: dict[str, Any] = {"tools": request.tools, "template_kwargs": request.chat_template_kwargs, "scope": tenant.id}
-        draft = tagger.draft(request.messages, **kwargs) if self.drafting.on else None
-        if draft is not None:
-            self.drafting.drafts += 1
-            try:
-                return await self._chat(request, draft.prompt, draft, tenant, headers=headers, started=started)
-            except _Unconfirmed:
-                pass
-            except GatewayError:
-                if draft.confirmed():
-                    drafts.labels("confirmed").inc()
-                    raise
-            drafts.labels("mismatch").inc()
-            if not draft.appended:  # an appended draft's mismatches are counted by the tagger's TurnRenders
-                self.drafting.mismatch()
-        else:
-            drafts.labels("off" if not self.drafting.on else "none").inc()
-        prompt = tagger.build(request.messages, **kwargs)
-        return await self._chat(request, prompt, None, tenant, headers=headers, started=started)
-
-    async def _chat(
-        self,
-        request: oa.ChatCompletionRequest,
-        prompt: TaggedPrompt,
-        draft: Draft | None,
-        tenant: Tenant,
-        *,
-        headers: Mapping[str, str],
-        started: float,
-    ) -> dict[str, Any] | EventStream:
-        identified = self._identify_chat(request, prompt, draft, tenant, headers=headers)
+        build = functools.partial(
+            self.model.tagger.build, request.messages, tools=request.tools, template_kwargs=request.chat_template_kwargs, scope=tenant.id
+        )
+        prompt = await asyncio.to_thread(build) if request.prompt_chars > OFF_LOOP_CHARS else build()
+        identified = self._identify_chat(request, prompt, tenant, headers=headers)
         assert identified.sent is not None
         sent = identified.sent.prompt
         history = any(isinstance(m, dict) and m.get("role") in ("assistant", "tool") for m in request.messages)
@@ -156,14 +132,14 @@ class Completions:
             tag_runs=sent.tag_runs,
             ids_json=identified.sent.ids_json,
         )
-        items = self._run(turn_request, request.stop_strings(), started, route="chat", draft=draft, identified=identified)
+        items = self._run(turn_request, request.stop_strings(), started, route="chat", identified=identified)
         rid, name = turn_request.request_id, self.model.name
         if request.stream:
             return await first_then_rest(relay.chat_stream(items, id=rid, model=name, request=request))
         return await relay.chat_whole(items, id=rid, model=name, request=request)
 
     def _identify_chat(
-        self, request: oa.ChatCompletionRequest, prompt: TaggedPrompt, draft: Draft | None, tenant: Tenant, *, headers: Mapping[str, str]
+        self, request: oa.ChatCompletionRequest, prompt: TaggedPrompt, tenant: Tenant, *, headers: Mapping[str, str]
     ) -> Identified:
         """The conversation's record, with what the prompt stage kept filed on it, and the prompt
         to send: the previous turn's held ids + the rest when the text extends them."""
@@ -176,8 +152,8 @@ class Completions:
             key = f"{key}-{uuid.uuid4().hex[:16]}"
         conv = self.store.open(key, scope=tenant.id)
         self.store.keep_prefixes(conv, prompt.kept_prefixes)
-        if draft is not None and draft.kept_render is not None:
-            self.store.keep_render(conv, draft.kept_render)
+        if prompt.kept_render is not None:
+            self.store.keep_render(conv, prompt.kept_render)
         sent = self.history.splice(conv.held, prompt)
         self.metrics.exact_history.labels("spliced" if sent.spliced else "as_rendered").inc()
         return Identified(conv, prompt.input_ids, sent, identity.chain)
@@ -188,7 +164,8 @@ class Completions:
         tenant = self.tenants.of(authorization=headers.get("authorization"), cache_salt=request.cache_salt)
         prompt = request.single_prompt()
         if isinstance(prompt, str):
-            tagged = self.model.tagger.tag_text(prompt)
+            tag_text = self.model.tagger.tag_text
+            tagged = await asyncio.to_thread(tag_text, prompt) if len(prompt) > OFF_LOOP_CHARS else tag_text(prompt)
             input_ids, tags = tagged.input_ids, tagged.tags
         else:
             vocab = self.model.tokenizer.vocab_size
@@ -268,7 +245,6 @@ class Completions:
         started: float,
         *,
         route: str,
-        draft: Draft | None = None,
         identified: Identified | None = None,
     ) -> AsyncGenerator[Item, None]:
         """Route, execute and relay the turn: the relay's items; the conversation's record is
@@ -282,13 +258,7 @@ class Completions:
         reuse = "unknown"
         try:
             turn = await self.turns.start(turn_request)
-            check = None
-            if draft is not None:
-                # Confirmed on the loop's next pass: once this task waits for the worker,
-                # which has the request by then (or is being connected to).
-                asyncio.get_running_loop().call_soon(draft.confirmed)
-                check = self._confirmation(draft)
-            async with aclosing(self.relay.items(turn, stops, started, check=check)) as items:
+            async with aclosing(self.relay.items(turn, stops, started)) as items:
                 async for item in items:
                     if item[0] == "first":
                         ttft = item[1]
@@ -317,14 +287,6 @@ class Completions:
         )
         if identified.sent is not None:
             self.store.hold(identified.conversation, self.history.held_after(identified.sent, ended.ids, ended.text))
-
-    def _confirmation(self, draft: Draft) -> Callable[[], None]:
-        def check() -> None:
-            if not draft.confirmed():
-                raise _Unconfirmed
-            self.metrics.prompt_drafts.labels("confirmed").inc()
-
-        return check
 
 
 def _id_fields(request: oa.ChatCompletionRequest | oa.CompletionRequest) -> dict[str, Any]:

@@ -28,21 +28,23 @@ DASHBOARD_METRICS, same name and type); the rest are for operators:
 
 The last two are read at scrape time from the tagger (`PromptReuse`): how much
 of each chat prompt's tokenization, labels and marked-render parse came from
-the previous turn's kept prefix, and how many drafts rendered only the turn they
-append (`render`, turn_render.py); a template that rewrites earlier turns shows
+the previous turn's kept prefix, and how many prompts were marked only in the turn
+they append (`render`, turn_render.py); a template that rewrites earlier turns shows
 up as misses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import bisect
+from collections.abc import Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 # Seconds; dense below 50 ms where the gateway's own overhead lives.
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -74,7 +76,9 @@ class GatewayMetrics:
             registry=registry,
         )
         self.in_flight = Gauge(p + "requests_in_flight", "Requests being served", registry=registry)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between streamed tokens", buckets=ITL_BUCKETS, registry=registry)
+        self.itl = BatchedHistogram(
+            p + "inter_token_latency_seconds", "Time between streamed tokens", buckets=ITL_BUCKETS, registry=registry
+        )
         self.duration = Histogram(
             p + "request_duration_seconds",
             "Time from request to its last byte",
@@ -110,13 +114,6 @@ class GatewayMetrics:
             registry=registry,
         )
         self.workers_healthy = Gauge(p + "workers_healthy", "Healthy workers by role", ["role"], registry=registry)
-        self.prompt_drafts = Counter(
-            p + "prompt_drafts",
-            "Chat prompts sent from the marked render before the real render confirmed them: "
-            "confirmed, mismatch (aborted and sent again from the real render), none (no draft possible), off",
-            ["result"],
-            registry=registry,
-        )
 
     # LeaseEvents (leases.LeaseKeeper)
     def lease_event(self, kind: str, n: int = 1) -> None:
@@ -179,3 +176,38 @@ class PromptReuse(Collector):
             reuse.add_metric([part, "miss"], misses)
         yield reuse
         yield GaugeMetricFamily("kvserving_gateway_prompt_prefix_tokens", "Tokens the kept prompt prefixes hold", value=tokens)
+
+
+class BatchedHistogram(Collector):
+    """A histogram without labels that takes a stream's values in one call (``observe_many``):
+    the relay reports a response's inter-token gaps when it ends, not one ``observe`` per token
+    (prometheus_client's costs a lock and a few us each). Exposed as a ``Histogram`` with the
+    same buckets is: ``_bucket``, ``_count`` and ``_sum`` series. One event loop feeds it."""
+
+    def __init__(self, name: str, documentation: str, *, buckets: Sequence[float], registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = [float(b) for b in buckets]
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf only)
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe_many(self, values: Iterable[float], *, zeros: int = 0) -> None:
+        """Observe ``values`` and ``zeros`` more observations of 0.0."""
+        bounds, counts = self.bounds, self.counts
+        total = 0.0
+        for v in values:
+            counts[bisect.bisect_left(bounds, v)] += 1  # the first bucket whose bound is >= v, as prometheus_client
+            total += v
+        if zeros:
+            counts[bisect.bisect_left(bounds, 0.0)] += zeros
+        self.sum += total
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self.name, self.documentation)
+
+    def collect(self) -> Iterator[Metric]:
+        buckets, seen = [], 0
+        for bound, n in zip([*self.bounds, float("inf")], self.counts, strict=True):
+            seen += n
+            buckets.append((floatToGoString(bound), seen))
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=self.sum)

@@ -3,6 +3,7 @@
     Relay.items        token batches -> ("first", seconds to the first token),
                        ("text", [str, ...]) per batch, ("end", Ended): detokenized,
                        cut at stop strings, inter-token latency observed
+                       (once, when the response ends)
     chat_whole,        items -> the OpenAI body, or its SSE frames (``EventStream``)
     chat_stream, ...
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -59,67 +60,63 @@ class Relay:
         self.stop_token_ids = tuple(stop_token_ids)
         self.metrics = metrics
 
-    async def items(
-        self, turn: Turn, stops: list[str], started: float, *, check: Callable[[], None] | None = None
-    ) -> AsyncGenerator[Item, None]:
-        """The turn's items; ``check`` runs before anything is relayed (a draft prompt's
-        confirmation: raising there closes the worker stream)."""
+    async def items(self, turn: Turn, stops: list[str], started: float) -> AsyncGenerator[Item, None]:
+        """The turn's items (module docstring)."""
         detok = IncrementalDetokenizer(self.tokenizer, skip_ids=self.stop_token_ids)
         matcher = StopMatcher(stops)
         last = None
         finish: str | None = None
-        itl = self.metrics.itl
-        async with aclosing(turn.tokens()) as batches:
-            async for batch in batches:
-                if check is not None:
-                    check()
-                    check = None
-                now = time.perf_counter()
-                if last is None:
-                    yield "first", now - started
-                else:
-                    itl.observe(now - last)
-                for _ in range(len(batch) - 1):
-                    itl.observe(0.0)  # the events of one batch arrived together
-                last = now
-                if not matcher.stops:
-                    # No stop string can cut the batch: its ids are detokenized in one step
-                    # (a batch is what queued while the gateway was busy: the cost per batch,
-                    # not per token, is what keeps it from falling further behind).
-                    text = detok.add([t for token_ids in batch for t in token_ids])
-                    if text:
-                        yield "text", [text]
-                    continue
-                pieces: list[str] = []
-                for token_ids in batch:
-                    emit, stopped = matcher.feed(detok.add(token_ids))
-                    if emit:
-                        pieces.append(emit)
-                    if stopped:
-                        finish = "stop"
-                        break
-                if pieces:
-                    yield "text", pieces
-                if finish is not None:
-                    break  # leaving the `async with` closes the worker stream: abort upstream
-        if check is not None:  # the turn ended without a token
-            check()
-        if finish is None:
-            rest = matcher.flush(detok.flush())
-            if rest:
-                yield "text", [rest]
-            result = turn.result
-            if result is None or result.finish_reason not in ("stop", "length"):
-                raise upstream_error(f"worker ended the request with finish_reason={getattr(result, 'finish_reason', None)!r}")
-            finish = result.finish_reason
-            completion_tokens = result.completion_tokens
-        else:
-            completion_tokens = detok.count
-        final = turn.result or turn.ended_early()
-        final.completion_tokens = completion_tokens
-        self.metrics.prompt_tokens.inc(final.prompt_tokens)
-        self.metrics.completion_tokens.inc(completion_tokens)
-        yield "end", Ended(finish, final, detok.text, detok.ids)
+        # Inter-token gaps, observed when the response ends (one call, not one per token).
+        gaps: list[float] = []
+        zeros = 0
+        try:
+            async with aclosing(turn.tokens()) as batches:
+                async for batch in batches:
+                    now = time.perf_counter()
+                    if last is None:
+                        yield "first", now - started
+                    else:
+                        gaps.append(now - last)
+                    zeros += len(batch) - 1  # the events of one batch arrived together
+                    last = now
+                    if not matcher.stops:
+                        # No stop string can cut the batch: its ids are detokenized in one step
+                        # (a batch is what queued while the gateway was busy: the cost per batch,
+                        # not per token, is what keeps it from falling further behind).
+                        text = detok.add([t for token_ids in batch for t in token_ids])
+                        if text:
+                            yield "text", [text]
+                        continue
+                    pieces: list[str] = []
+                    for token_ids in batch:
+                        emit, stopped = matcher.feed(detok.add(token_ids))
+                        if emit:
+                            pieces.append(emit)
+                        if stopped:
+                            finish = "stop"
+                            break
+                    if pieces:
+                        yield "text", pieces
+                    if finish is not None:
+                        break  # leaving the `async with` closes the worker stream: abort upstream
+            if finish is None:
+                rest = matcher.flush(detok.flush())
+                if rest:
+                    yield "text", [rest]
+                result = turn.result
+                if result is None or result.finish_reason not in ("stop", "length"):
+                    raise upstream_error(f"worker ended the request with finish_reason={getattr(result, 'finish_reason', None)!r}")
+                finish = result.finish_reason
+                completion_tokens = result.completion_tokens
+            else:
+                completion_tokens = detok.count
+            final = turn.result or turn.ended_early()
+            final.completion_tokens = completion_tokens
+            self.metrics.prompt_tokens.inc(final.prompt_tokens)
+            self.metrics.completion_tokens.inc(completion_tokens)
+            yield "end", Ended(finish, final, detok.text, detok.ids)
+        finally:
+            self.metrics.itl.observe_many(gaps, zeros=zeros)
 
 
 # ----------------------------------------------------------------- bodies

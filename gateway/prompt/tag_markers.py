@@ -82,14 +82,8 @@ def pick_codec(text: str) -> MarkerCodec | None:
 
 
 def first_codec() -> MarkerCodec:
-    """The alphabet a draft marks with (before the real render is known; `ChatTagger.draft`)."""
+    """The alphabet kept renders mark with (an appended turn is marked before the real render is known; `ChatTagger.build`)."""
     return _codec(MARKER_BASES[0])
-
-
-def no_markers(text: str) -> bool:
-    """Whether ``text`` holds no character of any marker alphabet (a C scan when it has no
-    private-use character at all, the common case)."""
-    return _no_private_use(text) or not any(_codec(b).any_char.search(text) for b in MARKER_BASES)
 
 
 def _no_private_use(text: str) -> bool:

@@ -71,9 +71,9 @@ from __future__ import annotations
 import bisect
 import operator
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from kvserving.tags import TEMPORAL, encode_tag
@@ -124,55 +124,13 @@ class TaggedPrompt:
     # page chain of an entry's ids on it.
     reused_prefix: object = field(default=None, compare=False, repr=False)
     kept_prefixes: tuple[PrefixEntry, ...] = field(default=(), compare=False, repr=False)
+    # The marked render to keep for the conversation's next turn (Conversations.keep_render;
+    # turn_render.py), when the tagger keeps renders and this one was exact.
+    kept_render: KeptRender | None = field(default=None, compare=False, repr=False)
 
     @property
     def current_turn_start(self) -> int:
         return self.turn_starts[-1] if self.turn_starts else 0
-
-
-class Draft:
-    """A prompt tagged from the marked render alone (``ChatTagger.draft``), and its check
-    against the real render (run once, remembered; never raises)."""
-
-    __slots__ = ("prompt", "appended", "kept_render", "_confirm", "_result")
-
-    def __init__(
-        self, prompt: TaggedPrompt, confirm: Callable[[], bool], *, appended: bool = False, kept_render: KeptRender | None = None
-    ) -> None:
-        self.prompt = prompt
-        self.appended = appended  # rendered by appending to a kept render (turn_render.py)
-        # the marked render to keep for the conversation's next turn (Conversations.keep_render)
-        self.kept_render = kept_render
-        self._confirm: Callable[[], bool] | None = confirm
-        self._result = False
-
-    def confirmed(self) -> bool:
-        """Whether the real render equals the draft's text."""
-        if self._confirm is not None:
-            confirm, self._confirm = self._confirm, None
-            try:
-                self._result = confirm()
-            except Exception:  # a template error surfaces on the real path; the draft is just not confirmed
-                self._result = False
-        return self._result
-
-
-class Drafting:
-    """Whether chat prompts go out as drafts: on until mismatches pass 8 and a tenth of the
-    drafts (a template that inspects content in most requests would pay a second worker
-    request for each; a few odd requests cost one each and leave it on)."""
-
-    __slots__ = ("on", "drafts", "mismatches")
-
-    def __init__(self) -> None:
-        self.on = True
-        self.drafts = 0
-        self.mismatches = 0
-
-    def mismatch(self) -> None:
-        self.mismatches += 1
-        if self.mismatches > 8 and self.mismatches * 10 > self.drafts:
-            self.on = False
 
 
 class ChatTagger:
@@ -186,7 +144,7 @@ class ChatTagger:
         # Tokenized prefixes of recent prompts (token_prefixes.py): a turn tokenizes only its
         # new text; ids and offsets are those of a full tokenization either way.
         self.prefixes = prefixes
-        # Kept marked renders (turn_render.py): a draft renders only the turn it appends.
+        # Kept marked renders (turn_render.py): a turn renders with markers only the messages it appends.
         self.renders = renders
         self._control_ids = frozenset(tokenizer.added_tokens)
         self.builds = 0  # chat prompts tagged
@@ -203,101 +161,68 @@ class ChatTagger:
         scope: str = "",
     ) -> TaggedPrompt:
         """Check (400 `GatewayError` on bad input), render, tokenize and tag a chat request.
-        ``scope``: the tenant (tenants.py) whose kept prefixes it may reuse and keeps its own under.
+        ``scope``: the tenant (tenants.py) whose kept prefixes and renders it may reuse and keeps its own under.
+
+        The token ids are always those of the real render. The marked render that tags them
+        comes, with ``renders``, from the render kept for the request's previous turn when
+        the request appends messages to it (turn_render.py: only the current turn is rendered
+        with markers); it is used when it is the real render with markers (else the whole
+        request is rendered with markers, and the mismatch counted). ``TaggedPrompt.kept_render``
+        is the render to keep for the next turn.
 
         With `prefixes`, a turn that extends a kept prompt reuses that prompt's token
         labels up to its last piece before the kept cut (`_Labels`: valid when the
         marked render has the same chunks and pieces up to there), so its work on the
         shared history is array copies and one template render pair, not a pass over
         every token; the result equals a tagging from scratch (tests hold it so)."""
-        msgs = self._normalize(messages)
-        tool_list = self._as_text(normalize_tools(tools))
-        template_kwargs = self._as_text(template_kwargs)
-        text = self.template.render(msgs, tools=tool_list, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
-        self.builds += 1
-        codec = tag_markers.pick_codec(text)
-        marked = None if codec is None else self._marked(msgs, tool_list, codec, add_generation_prompt, template_kwargs)
-        if codec is None or marked is None:  # the request uses every marker alphabet, or the template refused markers
-            got = self._tokens(text, scope)
-            return self._coarse(text, got.ids, got.offsets())
-        return self._tag(msgs, text, codec, marked[0], marked[1], scope)
-
-    def draft(
-        self,
-        messages: object,
-        *,
-        tools: object = None,
-        add_generation_prompt: bool = True,
-        template_kwargs: Mapping[str, Any] | None = None,
-        scope: str = "",
-    ) -> Draft | None:
-        """``build`` from the marked render alone: its text is that render without markers,
-        which is the real render unless the template inspects content (a macro that tests
-        what a message starts with sees the markers). ``Draft.confirmed()`` renders the
-        real text and compares; the caller sends the draft's ids first and confirms while
-        the worker computes, so one template render leaves the critical path. None when no
-        draft can be made (the marked render refused, content with private-use
-        characters): ``build`` then. Bad input raises as in ``build``.
-
-        With ``renders``, a request that appends messages to a kept render renders only
-        its current turn (turn_render.py); ``Draft.appended`` says so, and ``Draft.kept_render``
-        is the render to keep for the next turn. ``scope`` as in ``build``."""
-        codec = tag_markers.first_codec()
         template_kwargs = self._as_text(template_kwargs)
         options = (add_generation_prompt, template_kwargs)
         renders = self.renders
         raw = messages if isinstance(messages, list) and messages else None
         kept = renders.find(raw, tools, options, scope=scope) if renders is not None and raw is not None else None
-        got = self._append(kept, raw, codec, add_generation_prompt, template_kwargs) if kept is not None and raw is not None else None
+        first = tag_markers.first_codec()
+        got = self._append(kept, raw, first, add_generation_prompt, template_kwargs) if kept is not None and raw is not None else None
         if got is not None and kept is not None:
-            msgs, tool_list, marks, marked_text = got.msgs, kept.tool_list, got.marks, got.marked
-            marked_msgs, marked_tools = got.marked_msgs, got.marked_tools
+            msgs, tool_list = got.msgs, kept.tool_list
         else:
             msgs = self._normalize(messages)
             tool_list = self._as_text(normalize_tools(tools))
-            whole = self._marked(msgs, tool_list, codec, add_generation_prompt, template_kwargs)
-            if whole is None:
-                return None
-            marks, marked_text, marked_msgs, marked_tools = whole
-        if renders is not None:
-            renders.count(appended=got is not None)
-        text = codec.strip(marked_text)
-        if not tag_markers.no_markers(text):
-            return None  # the request holds private-use characters: pick_codec must see the real render
+        text = self.template.render(msgs, tools=tool_list, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
         self.builds += 1
+        codec: tag_markers.MarkerCodec | None = first
+        marked: tuple[tag_markers.Marks, str, list[Message], list[dict[str, Any]] | None] | None = None
+        if got is not None and renders is not None:
+            ok = first.strip(got.marked) == text  # a template that inspects content renders the short list otherwise
+            renders.checked(ok)
+            if ok:
+                marked = got.marks, got.marked, got.marked_msgs, got.marked_tools
+        if renders is not None:
+            renders.count(appended=marked is not None)
+        if marked is None:
+            codec = tag_markers.pick_codec(text)
+            marked = None if codec is None else self._marked(msgs, tool_list, codec, add_generation_prompt, template_kwargs)
+        if codec is None or marked is None:  # the request uses every marker alphabet, or the template refused markers
+            tokens = self._tokens(text, scope)
+            return self._coarse(text, tokens.ids, tokens.offsets())
+        marks, marked_text, marked_msgs, marked_tools = marked
         prompt = self._tag(msgs, text, codec, marks, marked_text, scope)
-        to_keep = None
-        if renders is not None and raw is not None and not marks.images:
-            to_keep = KeptRender(
-                raw=raw,
-                tools=tools,
-                options=options,
-                norm=msgs,
-                tool_list=tool_list,
-                marked_msgs=marked_msgs,
-                marked_tools=marked_tools,
-                pieces=marks.pieces,
-                marked=marked_text,
-                last_user=_last_user(msgs),
-                heads=kept.heads if kept is not None else {},
-                scope=scope,
-            )
-        appended = got is not None
-
-        def confirm() -> bool:
-            try:
-                real = self.template.render(
-                    msgs, tools=tool_list, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
-                )
-            except GatewayError:
-                ok = False
-            else:
-                ok = real == text
-            if appended and renders is not None:
-                renders.confirmed(ok)
-            return ok
-
-        return Draft(prompt, confirm, appended=appended, kept_render=to_keep)
+        if renders is None or raw is None or marks.images or codec is not first or prompt.method != "markers":
+            return prompt
+        to_keep = KeptRender(
+            raw=raw,
+            tools=tools,
+            options=options,
+            norm=msgs,
+            tool_list=tool_list,
+            marked_msgs=marked_msgs,
+            marked_tools=marked_tools,
+            pieces=marks.pieces,
+            marked=marked_text,
+            last_user=_last_user(msgs),
+            heads=kept.heads if kept is not None else {},
+            scope=scope,
+        )
+        return replace(prompt, kept_render=to_keep)
 
     def _append(
         self,

@@ -1,9 +1,9 @@
 """A conversation's last marked render, kept so that its next turn renders only
 the turn it appends to, not the whole history again.
 
-Agents resend the whole history every turn, and the draft's marked render
-(normalize, mark, render every message) grows with it: ~2.7 of the ~6.8 ms a
-turn's draft took at turns 30-40 of a 30K-token agent session, in-process
+Agents resend the whole history every turn, and the marked render (normalize,
+mark, render every message) grows with it: ~2.7 of the ~6.8 ms a turn's tagging
+took at turns 30-40 of a 30K-token agent session, in-process
 (docs/performance-log/gateway.md). When a request's messages start with
 the messages of a kept render ``P`` (equal raw messages, the same tools and
 template options), the new request ``N = P + new`` is rendered as
@@ -25,11 +25,11 @@ whole conversation): the short render starts with the head's render; its text
 before message ``u``'s first marker equals the kept render's text there; and it
 reproduces the kept render from there through P's last content piece (the
 messages both renders share). Requests with image parts are never appended
-(templates number images across the conversation). The draft built from it is
-confirmed by the real render like every draft (tagger.py ``Draft``), so a
-template that renders the appended messages differently in the short list
-costs a re-sent turn, never a wrong prompt; ``TurnRenders`` stops appending
-when such mismatches pass 8 and a tenth of its drafts.
+(templates number images across the conversation). The tagger uses the result
+only when it equals the real render with markers (tagger.py ``ChatTagger.build``),
+so a template that renders the appended messages differently in the short list
+costs a whole marked render, never a wrong tag; ``TurnRenders`` stops appending
+when such mismatches pass 8 and a tenth of its checks.
 
 Scoped: a request finds only the renders kept for its own ``scope`` (its
 tenant's id, tenants.py).
@@ -112,14 +112,14 @@ class TurnRenders:
     """Finds a request's kept render by (message count, fingerprints of the last and the second
     message); the conversations that share such a key share a bucket, and the comparison of
     the messages picks the one a request extends. Counts what it finds, and stops appending
-    when appended drafts' mismatches pass 8 and a tenth of them."""
+    when appended renders' mismatches with the real render pass 8 and a tenth of them."""
 
     def __init__(self, kept: KeptRenders) -> None:
         self.kept = kept
         self.on = True
         self.hits = 0  # requests rendered by appending
         self.misses = 0  # requests rendered whole (no kept render, or a check failed)
-        self.drafts = 0  # appended drafts whose confirmation came back
+        self.checks = 0  # appended renders compared with the real render
         self.mismatches = 0
 
     def find(
@@ -142,12 +142,12 @@ class TurnRenders:
         else:
             self.misses += 1
 
-    def confirmed(self, ok: bool) -> None:
-        """An appended draft's check against the real render came back."""
-        self.drafts += 1
+    def checked(self, ok: bool) -> None:
+        """An appended render was compared with the real render (``ok``: it is that render with markers)."""
+        self.checks += 1
         if not ok:
             self.mismatches += 1
-            if self.mismatches > 8 and self.mismatches * 10 > self.drafts:
+            if self.mismatches > 8 and self.mismatches * 10 > self.checks:
                 self.on = False
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvserving.gateway.conversations import Conversations
 from kvserving.gateway.prompt.chat_template import ChatTemplate
-from kvserving.gateway.prompt.tagger import ChatTagger, Draft, TaggedPrompt
+from kvserving.gateway.prompt.tagger import ChatTagger, TaggedPrompt
 from kvserving.gateway.prompt.token_prefixes import Prefixed, TokenPrefixes
 from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.gateway.prompt.turn_render import TurnRenders
@@ -31,23 +31,14 @@ def store_of(tagger: ChatTagger) -> Conversations:
 
 
 def build(tagger: ChatTagger, messages: Any, *, key: str = "c", scope: str = "", **kw: Any) -> TaggedPrompt:
-    """``tagger.build``, its prefixes filed on conversation ``key``'s record."""
+    """``tagger.build``, its prefixes and render filed on conversation ``key``'s record."""
     prompt = tagger.build(messages, scope=scope, **kw)
     store = store_of(tagger)
-    store.keep_prefixes(store.open(key, scope=scope), prompt.kept_prefixes)
+    conv = store.open(key, scope=scope)
+    store.keep_prefixes(conv, prompt.kept_prefixes)
+    if prompt.kept_render is not None:
+        store.keep_render(conv, prompt.kept_render)
     return prompt
-
-
-def draft(tagger: ChatTagger, messages: Any, *, key: str = "c", scope: str = "", **kw: Any) -> Draft | None:
-    """``tagger.draft``, its prefixes and render filed on conversation ``key``'s record."""
-    got = tagger.draft(messages, scope=scope, **kw)
-    if got is not None:
-        store = store_of(tagger)
-        conv = store.open(key, scope=scope)
-        store.keep_prefixes(conv, got.prompt.kept_prefixes)
-        if got.kept_render is not None:
-            store.keep_render(conv, got.kept_render)
-    return got
 
 
 def encode(prefixes: TokenPrefixes, text: str, *, key: str = "c", scope: str = "") -> Prefixed:

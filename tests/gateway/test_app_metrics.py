@@ -9,8 +9,10 @@ import httpx
 import openai
 import pytest
 from gw_harness import MODEL, Stack
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserving.gateway.metrics import ITL_BUCKETS, BatchedHistogram
 from kvserving.operator.dashboard import DASHBOARD_METRICS
 
 
@@ -97,3 +99,25 @@ def test_prompt_reuse_counts_the_turns_that_extended_a_kept_prefix(stack: Stack)
     for part in ("tokens", "labels", "parse"):
         assert (reuse(part, "hit"), reuse(part, "miss")) == (1, 2), part
     assert gw.metric("kvserving_gateway_prompt_prefix_tokens") > 0
+
+
+def test_a_batched_histogram_exports_what_a_histogram_fed_one_value_at_a_time_exports() -> None:
+    """The relay's inter-token histogram takes a response's gaps in one call: its exposition
+    (buckets, count, sum) equals prometheus_client's Histogram observing each value, zeros too."""
+    values = [0.0004, 0.0005, 0.0007, 0.001, 0.02, 0.3, 2.5, 7.0]
+    batched_registry, reference_registry = CollectorRegistry(), CollectorRegistry()
+    batched = BatchedHistogram("itl_seconds", "gaps", buckets=ITL_BUCKETS, registry=batched_registry)
+    reference = Histogram("itl_seconds", "gaps", buckets=ITL_BUCKETS, registry=reference_registry)
+    batched.observe_many(values[:3], zeros=2)
+    batched.observe_many(values[3:])
+    for v in [*values, 0.0, 0.0]:
+        reference.observe(v)
+
+    def samples(registry: CollectorRegistry) -> list[tuple[str, dict[str, str], float]]:
+        text = generate_latest(registry).decode()
+        return [
+            (s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples if not s.name.endswith("_created")
+        ]
+
+    assert samples(batched_registry) == samples(reference_registry)
+    assert batched_registry.get_sample_value("itl_seconds_count") == len(values) + 2

@@ -1,9 +1,9 @@
-"""Appended renders (turn_render.py): a draft that renders only the turn its
-request appends to a kept render gets exactly the prompt a whole render gets, on
+"""Appended renders (turn_render.py): a prompt marked only in the turn its request
+appends to a kept render gets exactly the prompt a whole render gets, on
 interleaved multi-turn agent conversations and templates that strip earlier
 reasoning, number or alternate messages, render tools after the conversation
 or edit content; a template the short list would misrender is caught before
-the draft goes out; bad new messages get the whole path's 400."""
+its tags are used; bad new messages get the whole path's 400."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from test_token_prefixes import EMPTY_LIST_TEMPLATE, STRIPPING_TEMPLATE, TOOLS, text_turns
 
-from kept import draft, kept_tagger, store_of
+from kept import build, kept_tagger, store_of
 
 from kvserving.gateway.conversations import Conversations
 from kvserving.gateway.prompt.chat_template import ChatTemplate
@@ -55,10 +55,11 @@ def _template(name: str, tiny: ChatTemplate) -> ChatTemplate:
 
 
 @pytest.mark.parametrize("name", ["tiny", "stripping", "parity", "empty_list", "tools_after", "editing", "numbered"])
-def test_appended_drafts_equal_whole_ones(name: str, tokenizer: TextTokenizer, template: ChatTemplate) -> None:
-    """Every turn of interleaved conversations: the draft of a tagger that appends to kept
-    renders equals the draft of one that renders every request whole (prompt and
-    confirmation), and a confirmed draft is the full tagging."""
+def test_appended_renders_tag_as_whole_ones(name: str, tokenizer: TextTokenizer, template: ChatTemplate) -> None:
+    """Every turn of interleaved conversations: the prompt of a tagger that appends to kept
+    renders equals the prompt of one that renders every request whole, and a tagging from
+    scratch; an appended render is refused exactly where the whole marked render is not
+    the real one either (content the template edits)."""
     chosen = _template(name, template)
     full = ChatTagger(tokenizer, chosen)
     whole = kept_tagger(tokenizer, chosen)
@@ -67,30 +68,30 @@ def test_appended_drafts_equal_whole_ones(name: str, tokenizer: TextTokenizer, t
     assert renders is not None
     rng = random.Random(5)
     sessions = [(text_turns(rng, rng.randint(3, 8)), TOOLS if rng.random() < 0.5 else None) for _ in range(8)]
-    requests = appended = unconfirmed = 0
+    requests = appended = 0
     while any(t for t, _ in sessions):
         for sid, (t, tools) in enumerate(sessions):
             if not t:
                 continue
             messages = t.pop(0)
-            expected = draft(whole, copy.deepcopy(messages), tools=copy.deepcopy(tools), key=f"s{sid}")
-            got = draft(appending, copy.deepcopy(messages), tools=copy.deepcopy(tools), key=f"s{sid}")
-            assert expected is not None and got is not None
-            assert got.prompt == expected.prompt
-            assert got.confirmed() == expected.confirmed()
-            if got.confirmed():
-                assert got.prompt == full.build(copy.deepcopy(messages), tools=copy.deepcopy(tools))
-            appended += got.appended
-            unconfirmed += got.appended and not expected.confirmed()
+            hits, mismatches = renders.hits, renders.mismatches
+            expected = build(whole, copy.deepcopy(messages), tools=copy.deepcopy(tools), key=f"s{sid}")
+            got = build(appending, copy.deepcopy(messages), tools=copy.deepcopy(tools), key=f"s{sid}")
+            assert got == expected == full.build(copy.deepcopy(messages), tools=copy.deepcopy(tools))
+            if renders.mismatches > mismatches:
+                assert expected.method == "aligned"  # appending adds no mismatch of its own
+            appended += renders.hits - hits
             requests += 1
     assert renders.hits == appended and renders.hits + renders.misses == requests
-    # appending adds no mismatch: its drafts fail exactly where whole drafts fail (content the template edits)
-    assert renders.mismatches == unconfirmed and renders.drafts == appended
+    assert renders.checks == appended + renders.mismatches
     if name == "numbered":
         assert appended == 0  # the short list numbers its messages differently: caught before use
-    elif name in ("tools_after", "editing"):
-        # tools rendered after the conversation: only tool-less conversations append; user text cut
-        # at 12 characters: only where the cut keeps the user's marker
+    elif name == "editing":
+        # user text cut at 12 characters, markers included: the marked render is not the real
+        # one with markers (tags aligned), and such a render is not kept to append to
+        assert appended == 0 and renders.mismatches == 0
+    elif name == "tools_after":
+        # tools rendered after the conversation: only tool-less conversations append
         assert 0 < appended < requests // 2, (appended, requests)
     elif name == "tiny":
         # requests render whole when there is no kept render (a conversation's first) or its last
@@ -127,12 +128,12 @@ def test_a_long_conversation_renders_only_its_last_turn(tokenizer: TextTokenizer
     tagger.template = type("T", (), {"render": staticmethod(counting)})()  # type: ignore[assignment]
     for k, messages in enumerate(_conversation(12)):
         rendered.clear()
-        got = draft(tagger, copy.deepcopy(messages))
-        assert got is not None and got.confirmed()
-        assert got.prompt == full.build(copy.deepcopy(messages))
-        assert got.appended == (k >= 2)
+        hits = renders.hits
+        got = build(tagger, copy.deepcopy(messages))
+        assert got == full.build(copy.deepcopy(messages))
+        assert renders.hits - hits == (k >= 2)
         if k >= 3:
-            # the short list (system + the last turn's user, assistant, new user) and the confirmation, whole
+            # the short list with markers (system + the last turn's user, assistant, new user), the real render whole
             assert rendered == [4, len(messages)], rendered
     # the conversation's record holds its last render, the only one kept
     assert renders.hits == 10 and renders.misses == 2 and sum(len(b) for b in store._renders.values()) == 1
@@ -146,25 +147,26 @@ def test_an_edited_history_renders_whole(tokenizer: TextTokenizer, template: Cha
     assert renders is not None
     turns = _conversation(5)
     for messages in turns[:4]:
-        draft(tagger, copy.deepcopy(messages))
+        build(tagger, copy.deepcopy(messages))
     hits = renders.hits
     edited = copy.deepcopy(turns[4])
     edited[2]["content"] = "something else"  # the client rewrote an earlier assistant reply
-    got = draft(tagger, edited)
-    assert got is not None and not got.appended and renders.hits == hits
-    assert got.prompt == ChatTagger(tokenizer, template).build(copy.deepcopy(edited))
+    got = build(tagger, edited)
+    assert renders.hits == hits
+    assert got == ChatTagger(tokenizer, template).build(copy.deepcopy(edited))
 
 
 def test_a_bad_new_message_gets_the_whole_paths_error(tokenizer: TextTokenizer, template: ChatTemplate) -> None:
     tagger = kept_tagger(tokenizer, template, renders=True)
     turns = _conversation(4)
     for messages in turns:
-        draft(tagger, copy.deepcopy(messages))
+        build(tagger, copy.deepcopy(messages))
     bad = [*copy.deepcopy(turns[-1]), {"role": "assistant", "content": "x"}, {"role": "wizard", "content": "y"}]
+    assert tagger.renders is not None and tagger.renders.find(bad, None, (True, None)) is not None  # the appending path is taken
     with pytest.raises(GatewayError) as appended:
-        tagger.draft(copy.deepcopy(bad))
+        tagger.build(copy.deepcopy(bad))
     with pytest.raises(GatewayError) as whole:
-        ChatTagger(tokenizer, template).draft(copy.deepcopy(bad))
+        ChatTagger(tokenizer, template).build(copy.deepcopy(bad))
     assert appended.value.to_body() == whole.value.to_body()
     assert appended.value.param == f"messages[{len(bad) - 1}].role"
 
@@ -175,7 +177,7 @@ def test_kept_renders_go_with_their_conversation_records(tokenizer: TextTokenize
     sessions = [[[{"role": "system", "content": f"agent {s}"}, *m[1:]] for m in _conversation(4)] for s in range(5)]
     for step in range(4):
         for sid, s in enumerate(sessions):
-            draft(tagger, copy.deepcopy(s[step]), key=f"s{sid}")
+            build(tagger, copy.deepcopy(s[step]), key=f"s{sid}")
         # one per conversation (its new render replaced the one it extended), least recently used out
         assert [c.key for c in store] == ["s2", "s3", "s4"]
         assert sorted(id(k) for b in store._renders.values() for k in b) == sorted(id(c.render) for c in store)
@@ -185,21 +187,21 @@ def test_kept_renders_go_with_their_conversation_records(tokenizer: TextTokenize
     small = Conversations(max_tokens=charged // 3)
     tagger = kept_tagger(tokenizer, template, prefixes=False, renders=True, store=small)
     for sid, s in enumerate(sessions):
-        draft(tagger, copy.deepcopy(s[3]), key=f"s{sid}")
+        build(tagger, copy.deepcopy(s[3]), key=f"s{sid}")
     assert small.tokens <= charged // 3 and [c.key for c in small][-1] == "s4"
 
 
-def test_appending_stops_when_its_drafts_keep_mismatching() -> None:
+def test_appending_stops_when_its_renders_keep_mismatching() -> None:
     renders = TurnRenders(Conversations())
     for _ in range(8):
-        renders.confirmed(False)
+        renders.checked(False)
     assert renders.on  # eight odd requests leave it on
     for _ in range(100):
-        renders.confirmed(True)
-    renders.confirmed(False)
+        renders.checked(True)
+    renders.checked(False)
     assert renders.on  # 9 of 109: under a tenth
     for _ in range(4):
-        renders.confirmed(False)
+        renders.checked(False)
     assert not renders.on and renders.find([{"role": "user", "content": "x"}, {}], None, (True, None)) is None
 
 
@@ -218,7 +220,7 @@ def test_conversations_that_share_a_key_are_told_apart_and_bounded(tokenizer: Te
             {"role": "assistant", "content": f"looked at file {c}"},
             {"role": "user", "content": "continue"},
         ]
-        draft(tagger, copy.deepcopy(m), key=f"c{c}")
+        build(tagger, copy.deepcopy(m), key=f"c{c}")
         convs.append(m)
     assert [len(b) for b in store._renders.values()] == [8]  # one key, eight in its bucket
     for c, m in enumerate(convs):
@@ -236,11 +238,36 @@ def test_kept_renders_are_found_only_by_their_own_scope(tokenizer: TextTokenizer
     assert renders is not None
     turns = _conversation(4)
     for messages in turns[:3]:
-        draft(tagger, copy.deepcopy(messages), scope="a", key="a")
+        build(tagger, copy.deepcopy(messages), scope="a", key="a")
     hits = renders.hits
     for scope in ("b", ""):
-        got = draft(tagger, copy.deepcopy(turns[3]), scope=scope, key=f"{scope}-c")
-        assert got is not None and not got.appended
+        build(tagger, copy.deepcopy(turns[3]), scope=scope, key=f"{scope}-c")
     assert renders.hits == hits
-    got = draft(tagger, copy.deepcopy(turns[3]), scope="a", key="a")
-    assert got is not None and got.appended and renders.hits == hits + 1
+    build(tagger, copy.deepcopy(turns[3]), scope="a", key="a")
+    assert renders.hits == hits + 1
+
+
+# Prefixes a user message that starts with "!" (it inspects content: the marked message
+# starts with its marker, so the marked render never shows the prefix).
+LOUD_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content.startswith('!') %}LOUD {% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_an_appended_render_that_is_not_the_real_one_is_refused(tokenizer: TextTokenizer) -> None:
+    """The third turn appends a message the template inspects: its appended render is compared
+    with the real one, refused and counted, and the prompt is what a tagger without kept
+    renders gives (the whole marked render, tags aligned to the real text)."""
+    chosen = ChatTemplate(LOUD_TEMPLATE)
+    tagger = kept_tagger(tokenizer, chosen, renders=True)
+    renders = tagger.renders
+    assert renders is not None
+    turns = _conversation(3)
+    for messages in turns[:2]:
+        assert build(tagger, copy.deepcopy(messages)).method == "markers"
+    loud = [*turns[2][:-1], {"role": "user", "content": "!stop the run"}]
+    got = build(tagger, copy.deepcopy(loud))
+    assert (renders.checks, renders.mismatches, renders.hits) == (1, 1, 0)
+    assert got == ChatTagger(tokenizer, chosen).build(copy.deepcopy(loud))
+    assert got.method == "aligned" and "LOUD !stop the run" in got.text
