@@ -199,8 +199,8 @@ class GatewayConfig:
     request_timeout_s: float = 600.0  # one upstream request, end to end
     connect_timeout_s: float = 2.0
     # Deadlines of one worker request (docs/gateway-errors.md): its response headers, which a
-    # worker sends once its KV pull is done (so longer than ``reuse.transfer_timeout_s``), and
-    # the longest gap between two of its stream's events, keep-alive comments included.
+    # worker sends when it admits the request (before its KV pull), and the longest gap between
+    # two of its stream's events, keep-alive comments included.
     first_byte_timeout_s: float = 20.0
     event_timeout_s: float = 15.0
     # On SIGTERM: how long streams in flight may still run before each ends with an error event.
@@ -296,13 +296,6 @@ class ServingConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
-
-    def __post_init__(self) -> None:
-        if self.gateway.first_byte_timeout_s <= self.reuse.transfer_timeout_s:
-            raise ValueError(
-                f"gateway.first_byte_timeout_s ({self.gateway.first_byte_timeout_s}) must be > reuse.transfer_timeout_s "
-                f"({self.reuse.transfer_timeout_s}): a worker answers once its KV pull, bounded by it, is over"
-            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

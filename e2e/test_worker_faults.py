@@ -11,7 +11,11 @@ transfer level (tests/worker/test_kv_transfer.py).
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -120,4 +124,63 @@ def test_each_reuse_fault_recomputes_the_same_tokens_and_is_counted(workers: Wor
         assert f'kvserving_worker_kv_reuse_fallbacks_total{{reason="{reason}"}} {float(count)}' in text, reason
     assert 'kvserving_worker_kv_reuse_fallbacks_total{reason="transfer_timeout"} 0.0' in text
     restarted.kill()
+    prefill.kill()
+
+
+def test_a_worker_answers_at_once_and_keeps_the_stream_alive_while_its_pull_waits_on_a_frozen_peer(
+    workers: WorkerFactory, tiny_model_dir: Path
+) -> None:
+    """The response opens when the request is admitted, before the pull: while the decode worker
+    holding the pages is frozen (SIGSTOP), the prefill worker's headers and keep-alive comments
+    still flow, so a gateway tells this busy worker from a frozen one; the pull then gives up and
+    the tokens are a recompute's."""
+    # the pull waits on the frozen peer for its contact deadline (peer_timeout_s) before giving up
+    config = {**CONFIG, "reuse": {**CONFIG["reuse"], "transfer_timeout_s": 4.0, "peer_timeout_s": 2.5}}
+    prefill = workers.start("prefill", config, wait=False)
+    decode = workers.start("decode", config, wait=False)
+    reference = LLMEngine(ServingConfig.from_dict({**config, "model": {**config["model"], "path": str(tiny_model_dir)}}))
+    prefill.wait_ready()
+    decode.wait_ready()
+    rng = random.Random(12)
+    first = [rng.randrange(300, 4000) for _ in range(125)]
+    _, p1 = prefill_turn(prefill, "frozen-p", first, None)
+    reply, d1 = decode_turn(decode, "frozen", first, p1["kv_transfer_params"])
+    history = first + reply + [rng.randrange(300, 4000) for _ in range(50)]
+    body = {
+        "request_id": "frozen-2",
+        "input_ids": history,
+        "sampling": {"max_tokens": REPLY, "ignore_eos": True},
+        "kv_transfer_params": d1["kv_transfer_params"],
+        "conversation_key": "frozen",
+    }
+    tokens: list[int] = []
+    final: dict[str, Any] = {}
+    comments = 0  # keep-alive comments before the first token
+    os.kill(decode.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with httpx.stream("POST", prefill.url + "/internal/generate", json=body, headers=prefill.headers, timeout=60) as r:
+            headers_at = time.monotonic() - t0
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith(":"):
+                    comments += not tokens
+                    continue
+                data = line.removeprefix("data: ")
+                if not line or data == "[DONE]":
+                    continue
+                event = json.loads(data)
+                assert "error" not in event, event
+                tokens.extend(event["token_ids"])
+                final = event if "finish_reason" in event else final
+        ended_at = time.monotonic() - t0
+    finally:
+        os.kill(decode.proc.pid, signal.SIGCONT)
+    # the pull waited out the frozen peer (its 2.5 s contact deadline) after the
+    # headers; the old order (pull, then headers) put the headers at the end of that wait
+    assert ended_at - headers_at >= 1.5, (headers_at, ended_at)
+    assert comments >= 1
+    assert final["usage"]["reuse_fallback"] in ("transfer_timeout", "remote_unreachable"), final["usage"]
+    assert tokens == reference.generate([history], SamplingParams(max_tokens=REPLY, ignore_eos=True))[0]
+    decode.kill()
     prefill.kill()

@@ -15,8 +15,9 @@ Every generate is bounded (aiohttp's timeouts): connect, response headers within
 request within ``request_timeout_s``; the rare lease and health calls end within
 twice the connect timeout.
 
-A worker sends a generate's headers once its KV pull is done, so late headers
-may be a busy worker or a frozen one. While they are late (and the caller has
+A worker sends a generate's headers when it admits the request (its KV pull
+runs behind them, with keep-alive comments), so late headers are a worker whose
+event loop is stalled or frozen. While they are late (and the caller has
 another worker to turn to: ``generate(probe=True)``) the client probes
 the worker's ``/health`` every ``PROBE_AFTER_S``: a worker that answers is
 alive and its headers are awaited (up to ``first_byte_timeout_s``); one that

@@ -92,12 +92,9 @@ def test_gateway_deadlines_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="gateway.drain_grace_s must be >= 0, got -1"):
         GatewayConfig(drain_grace_s=-1)
     assert GatewayConfig(drain_grace_s=0).drain_grace_s == 0
-    # a worker answers a generate once its KV pull is over, which reuse.transfer_timeout_s bounds
-    with pytest.raises(ValueError, match=r"gateway.first_byte_timeout_s \(10.0\) must be > reuse.transfer_timeout_s \(10.0\)"):
-        ServingConfig(gateway=GatewayConfig(first_byte_timeout_s=10.0))
-    with pytest.raises(ValueError, match="first_byte_timeout_s"):
-        ServingConfig.from_dict({"reuse": {"transfer_timeout_s": 30.0}})
-    ok = ServingConfig(reuse=ReuseConfig(transfer_timeout_s=2.0), gateway=GatewayConfig(first_byte_timeout_s=3.0))
+    # a worker opens a generate's response before its KV pull: the header deadline does not
+    # depend on the pull's (reuse.transfer_timeout_s)
+    ok = ServingConfig(reuse=ReuseConfig(transfer_timeout_s=30.0), gateway=GatewayConfig(first_byte_timeout_s=3.0))
     assert ServingConfig.from_json(ok.to_json()) == ok
 
 

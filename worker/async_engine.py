@@ -95,6 +95,16 @@ class AsyncEngine:
             raise RuntimeError("engine is closed")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, self.engine)
 
+    def check(self, prompt_ids: Seq[int], params: SamplingParams, *, tags: Seq[int] | None = None, output_ids: Seq[int] = ()) -> None:
+        """Raise the engine's ``ValueError`` for a request it could not run (``LLMEngine.check_request``:
+        it reads only what does not change while the engine runs, so it runs here, not on its thread)."""
+        self.engine.check_request(prompt_ids, params, tags=tags, output_ids=output_ids)
+
+    def submit(self, fn: Callable[[LLMEngine], object]) -> None:
+        """Run ``fn(engine)`` on the engine thread after every call queued before it, without waiting."""
+        if not self._closed:
+            self._executor.submit(fn, self.engine)
+
     def _submit_abort(self, request_id: str) -> None:
         if not self._closed:
             self._executor.submit(self.engine.abort, request_id)

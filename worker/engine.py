@@ -225,32 +225,13 @@ class LLMEngine:
         """Tokens the KV cache holds (triaxial: at the expected INT2 share, see ``KVCache``)."""
         return self.kv_cache.capacity_tokens
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_ids: Seq[int],
-        params: SamplingParams,
-        *,
-        tags: Seq[int] | None = None,
-        retain: RetainSpec | None = None,
-        admission_pin: str | None = None,
-        output_ids: Seq[int] = (),
-        cache_salt: str | None = None,
-    ) -> None:
-        """Queue a request; raises ValueError (and queues nothing) on bad input.
-
-        ``retain``: when it finishes, its full pages stay pinned under that lease
-        (``RequestOutput.retained``). ``admission_pin``: the pin holding pages pulled
-        for it (``KVTransfer.pull``), released once it is admitted.
-        ``output_ids``: tokens already generated for this request elsewhere (the
-        prefill worker samples the first token and the gateway streams it at
-        once): their KV is computed with the prompt, they count toward
-        ``max_tokens``, and sampling continues after them.
-        ``cache_salt``: its tenant; its pages match only requests with the same salt
-        (``page_pool.chain_hashes``).
-        """
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+    def check_request(
+        self, prompt_ids: Seq[int], params: SamplingParams, *, tags: Seq[int] | None = None, output_ids: Seq[int] = ()
+    ) -> tuple[list[int], list[int], list[int]]:
+        """The prompt, its tags and the output ids already generated, as lists; a ValueError
+        (``ContextLengthError`` for what cannot fit) when the request cannot run here. Reads only
+        what does not change while the engine runs, so the server checks a request before it
+        opens the response (``add_request`` checks again)."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt is empty: at least one input token is needed")
@@ -288,6 +269,35 @@ class LLMEngine:
                 f"request needs {total} tokens of KV cache ({len(prompt)} of prompt, {total - len(prompt)} of "
                 f"completion) but this worker's {self.kv_cache.dtype} KV pool holds {capacity} tokens{pages}"
             )
+        return prompt, tag_list, generated
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        tags: Seq[int] | None = None,
+        retain: RetainSpec | None = None,
+        admission_pin: str | None = None,
+        output_ids: Seq[int] = (),
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request; raises ValueError (and queues nothing) on bad input.
+
+        ``retain``: when it finishes, its full pages stay pinned under that lease
+        (``RequestOutput.retained``). ``admission_pin``: the pin holding pages pulled
+        for it (``KVTransfer.pull``), released once it is admitted.
+        ``output_ids``: tokens already generated for this request elsewhere (the
+        prefill worker samples the first token and the gateway streams it at
+        once): their KV is computed with the prompt, they count toward
+        ``max_tokens``, and sampling continues after them.
+        ``cache_salt``: its tenant; its pages match only requests with the same salt
+        (``page_pool.chain_hashes``).
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt, tag_list, generated = self.check_request(prompt_ids, params, tags=tags, output_ids=output_ids)
         gen = make_generator(params.seed, device=self.device)
         seq = Sequence(
             request_id, prompt, params, gen, tags=tag_list, output_ids=generated, cache_salt=cache_salt.encode() if cache_salt else None

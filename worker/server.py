@@ -170,7 +170,7 @@ def create_app(
     @app.post("/internal/generate", response_model=None)
     async def generate(body: GenerateBody) -> Response:
         try:
-            admitted = await service.admit(body)
+            admitted = service.admit(body)
         except NotReadyError as exc:
             return error_response(503, str(exc), type_="unavailable")
         except DuplicateRequestError as exc:

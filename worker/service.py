@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvserving.config import ServingConfig
@@ -53,7 +53,9 @@ class Admitted:
 
     body: GenerateBody
     stream: RequestStream
-    pull: PullResult
+    params: SamplingParams
+    remote: KVTransferParams | None  # what the request may pull (``kv_transfer_params``)
+    pull: PullResult = field(default_factory=PullResult)
     # perf_counter marks: admit entered, the pull over, the request queued on the engine (``timings``)
     t_admit: float = 0.0
     t_pulled: float = 0.0
@@ -161,12 +163,11 @@ class WorkerService:
         return self.engine
 
     # -------------------------------------------------------------- generate
-    async def admit(self, body: GenerateBody) -> Admitted:
-        """Pull what ``kv_transfer_params`` offers, then queue ``body`` on the engine.
-
-        Raises before anything streams if the request cannot run; a pull that
-        fails is not an error (the request recomputes; ``usage.reuse_fallback``).
-        """
+    def admit(self, body: GenerateBody) -> Admitted:
+        """Claim ``body``'s request id and check that the engine can run it: the errors a client
+        gets before any response (503 not ready, 409 duplicate id, 400 bad request). The pull and
+        the queueing (``queue``) run once the response is open, so its headers and keep-alive
+        comments flow while they take: a busy worker is told from a frozen one."""
         t_admit = time.perf_counter()
         engine = self._engine()
         s = body.sampling
@@ -182,34 +183,68 @@ class WorkerService:
         remote = None
         if body.kv_transfer_params is not None:
             remote = KVTransferParams.from_dict(body.kv_transfer_params.model_dump())
-        stream = engine.reserve(body.request_id, len(body.input_ids))  # 409 before any pull
+        engine.check(body.input_ids, params, tags=body.tags, output_ids=body.output_ids)
+        stream = engine.reserve(body.request_id, len(body.input_ids))
+        return Admitted(body, stream, params, remote, t_admit=t_admit)
+
+    async def queue(self, req: Admitted) -> None:
+        """Pull what ``kv_transfer_params`` offers, then queue the request on the engine; a pull
+        that fails is not an error (the request recomputes; ``usage.reuse_fallback``). A client
+        that leaves meanwhile leaves nothing behind: a pull in flight drops its pin when it ends,
+        a request being queued is aborted after it (or its pin dropped if it never was)."""
+        body, stream = req.body, req.stream
+        engine = self.engine  # admitted: it runs to the end, through a drain too
+        assert engine is not None
         kvt = self.transfer
         pull = PullResult()
         try:
-            if kvt is not None and remote is not None:
-                pull = await asyncio.to_thread(kvt.pull, body.input_ids, body.tags, remote, cache_salt=body.cache_salt)
+            if kvt is not None and req.remote is not None:
+                pull = await self._pull(kvt, body, req.remote)
                 self._count_pull(pull)
-            t_pulled = time.perf_counter()
+            req.pull, req.t_pulled = pull, time.perf_counter()
             retain = None
             if kvt is not None and (self.role == "prefill" or body.retain):
                 retain = kvt.retain_spec(conversation_key=body.conversation_key, input_ids=body.input_ids)
             await engine.start(
                 stream,
                 body.input_ids,
-                params,
+                req.params,
                 tags=body.tags,
                 retain=retain,
                 admission_pin=pull.admission_pin,
                 output_ids=body.output_ids,
                 cache_salt=body.cache_salt,
             )
+            req.t_queued = time.perf_counter()
+        except asyncio.CancelledError:
+            stream.finished = True
+            stream.close()
+            if pull.admission_pin is not None and kvt is not None:
+                rid, held = body.request_id, pull
+                engine.submit(lambda e: e.abort(rid) if rid in e.requests else kvt.drop_admission(held))
+            raise
         except BaseException:
             stream.finished = True
             stream.close()
             if kvt is not None and pull.admission_pin is not None:
                 await asyncio.to_thread(kvt.drop_admission, pull)
             raise
-        return Admitted(body, stream, pull, t_admit, t_pulled, time.perf_counter())
+
+    async def _pull(self, kvt: KVTransfer, body: GenerateBody, remote: KVTransferParams) -> PullResult:
+        """``kvt.pull`` on a thread; cancelled while it runs, the pull finishes there and its pin
+        is dropped when it does."""
+        task = asyncio.ensure_future(asyncio.to_thread(kvt.pull, body.input_ids, body.tags, remote, cache_salt=body.cache_salt))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+
+            def drop(done: asyncio.Future[PullResult]) -> None:
+                if not done.cancelled() and done.exception() is None and done.result().admission_pin is not None:
+                    # the executor holds the call: nothing here needs to keep the future
+                    asyncio.get_running_loop().run_in_executor(None, kvt.drop_admission, done.result())
+
+            task.add_done_callback(drop)
+            raise
 
     def close_stream(self, req: Admitted) -> None:
         """The response is over (sent, or the client went away): abort the request unless it finished."""
@@ -229,6 +264,7 @@ class WorkerService:
         rid = req.body.request_id
         timings: dict[str, float] | None = None
         try:
+            await self.queue(req)
             async for out in req.stream:
                 if timings is None and (out.new_token_ids or out.finished):
                     timings = self._timings(req, out)
