@@ -169,13 +169,18 @@ class Turn:
                         raise error from exc
                     if self.lease is not None and exc.url == self.lease.worker_url:
                         self._holder_unresponsive()
+                    # once, on another worker: the one that just failed (kept in the rotation when
+                    # it is the last of its role) would only make the client wait twice
                     if self._prefilled is not None:  # the prefill's first token is out: the decode only
                         decode = self.router.choose_decode(self.lease, self.request)
-                        if decode is None:
+                        if decode is None or decode.url == exc.url:
                             raise error from exc
                         self._switch_decode(decode)
                     else:
-                        decode, self.prefill = self.router.route(self.request, self.lease)
+                        decode, prefill = self.router.route(self.request, self.lease)
+                        if exc.url in (decode.url, prefill.url if prefill is not None else None):
+                            raise error from exc
+                        self.prefill = prefill
                         self._switch_decode(decode)
                     self.router.metrics.route("retry", exc.kind)
         finally:

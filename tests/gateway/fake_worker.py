@@ -22,7 +22,8 @@ What it does, exactly:
 - failure injection: ``fail_status`` (refuse before streaming),
   ``fail_after_tokens`` (an error event mid-stream), ``ready`` False (503),
   ``pull_fallback`` (every pull fails with that ``usage.reuse_fallback``),
-  ``answer_after_s`` (response headers that late: a frozen worker), ``keepalive_s``
+  ``answer_after_s`` (response headers that late: a frozen worker), ``ready_delay_s``
+  (``/ready`` answered that late: a busy one), ``keepalive_s``
   (a ``: keep-alive`` comment every so often before each token, for ``token_delay_s``),
   ``stall_after_tokens`` (silent after that many tokens, connection open: frozen mid-stream).
 """
@@ -90,6 +91,7 @@ class FakeWorker:
     ready: bool = True
     pull_fallback: str | None = None
     answer_after_s: float = 0.0
+    ready_delay_s: float = 0.0
     keepalive_s: float = 0.0
     stall_after_tokens: int | None = None
     url: str = ""
@@ -163,6 +165,8 @@ class FakeWorker:
 
         @app.get("/ready")
         async def ready() -> JSONResponse:
+            if self.ready_delay_s:
+                await asyncio.sleep(self.ready_delay_s)
             return JSONResponse({"ready": self.ready}, status_code=200 if self.ready else 503)
 
         @app.get("/metrics")

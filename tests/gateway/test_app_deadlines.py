@@ -88,6 +88,46 @@ def test_a_lone_lease_holder_the_prefill_cannot_reach_stays_in_the_rotation(stac
     assert len(holder.received) == 3
 
 
+def test_a_lone_decode_worker_past_its_deadline_stays_in_the_rotation_and_serves_the_next_turn(
+    stack: Stack, reply: list[int], text: str
+) -> None:
+    """Late headers from the only decode worker fail that turn (nothing to turn to), but it is
+    not taken out: the next turns are served, not refused with 503 until /ready answers again."""
+    prefill = stack.worker(role="prefill", reply_ids=reply)
+    lone = stack.worker(role="decode", reply_ids=reply)
+    gw = stack.gateway(
+        prefill=[prefill.url], decode=[lone.url], health_interval_s=60, first_byte_timeout_s=1.0, reuse=ReuseConfig(transfer_timeout_s=0.5)
+    )
+    lone.answer_after_s = 2.0
+    client = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=30)
+    with pytest.raises(openai.APIStatusError) as failed:
+        client.chat.completions.create(model=MODEL, messages=[SYSTEM, {"role": "user", "content": "Fix it."}])  # type: ignore[list-item]
+    assert failed.value.status_code == 502 and "did not answer within 1 s" in failed.value.message
+    assert gw.state.pool.workers[lone.url].healthy
+    lone.answer_after_s = 0.0
+    for n in range(3):
+        assert chat(gw, [SYSTEM, {"role": "user", "content": f"Fix it, take {n}."}], f"lone-{n}") == text
+    assert len(lone.received) == 4
+    assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "first_byte_timeout"}) == 1
+
+
+def test_a_lone_worker_that_misses_its_ready_polls_stays_in_the_rotation(stack: Stack, reply: list[int], text: str) -> None:
+    worker = stack.worker(role="both", reply_ids=reply)
+    gw = stack.gateway(decode=[worker.url], health_interval_s=0.1, connect_timeout_s=0.25)
+    state = gw.state.pool.workers[worker.url]
+    deadline = time.monotonic() + 10
+    while not state.healthy:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    worker.ready_delay_s = 3.0  # past the poll deadline (2 s): busy, every poll missed
+    while state.misses < 3:
+        assert time.monotonic() < deadline + 20, state.misses
+        time.sleep(0.05)
+    assert state.healthy
+    assert chat(gw, [SYSTEM, {"role": "user", "content": "Fix it."}], "busy") == text
+    assert gw.metric("kvserving_gateway_requests_total", {"route": CHAT, "code": "503"}) == 0
+
+
 def test_a_decode_worker_that_does_not_answer_in_time_is_left_for_another(stack: Stack, reply: list[int], text: str) -> None:
     prefill = stack.worker(role="prefill", reply_ids=reply)
     frozen, alive = by_url([stack.worker(role="decode", reply_ids=reply) for _ in range(2)])

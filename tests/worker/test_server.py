@@ -467,3 +467,33 @@ def test_a_long_step_is_covered_by_keep_alive_comments_so_the_gateway_sees_a_bus
     events = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
     assert [t for e in events for t in e["token_ids"]] == expected
     assert lines[-1] == "data: [DONE]"
+
+
+def test_headers_go_out_at_once_and_keep_alive_comments_while_the_engine_thread_is_busy(live: Live) -> None:
+    """A request that waits for the engine thread (a long step) is answered at once: its
+    response headers, then a ``: keep-alive`` comment about every ``STREAM_KEEPALIVE_S``
+    until it is queued and runs; the gateway's first-byte deadline sees a busy worker, not a
+    frozen one. The tokens are those of an unhindered run."""
+    from kvserving.config import STREAM_KEEPALIVE_S
+
+    engine = live.service.engine
+    assert engine is not None
+    prompt = list(range(400, 440))
+    expected, _ = generate(live, body("quick", prompt, max_tokens=3))
+    busy = threading.Thread(target=engine.run_sync, args=(lambda: time.sleep(2.5),))
+    busy.start()
+    try:
+        t0 = time.monotonic()
+        with httpx.stream(
+            "POST", live.url + "/internal/generate", json=body("waits", prompt, max_tokens=3), headers=live.headers, timeout=60
+        ) as r:
+            headers_s = time.monotonic() - t0
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line]
+    finally:
+        busy.join()
+    assert headers_s < 1.0, headers_s
+    first_event = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    assert lines[:first_event] == [": keep-alive"] * first_event and first_event >= 2.5 / STREAM_KEEPALIVE_S - 1
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    assert [t for e in events for t in e["token_ids"]] == expected
