@@ -271,6 +271,12 @@ CASES: dict[str, Case] = {
     "calibrate-out-a-directory": Case(
         ("calibrate", "--data", "a-file", "--out", "full"), 1, "kvserving calibrate: error: --out full is a directory, not a file"
     ),
+    "up-ready-timeout-negative": Case(
+        ("up", "--model", "tiny", "--ready-timeout", "-1"), 2, "argument --ready-timeout: must be a number in [0, 1e+06], got -1"
+    ),
+    "up-host-not-an-address-here": Case(
+        ("up", "--model", "tiny", "--host", "999.1.1.1"), 1, "kvserving up: error: --host 999.1.1.1: cannot listen on that address"
+    ),
     "demo-plot-no-directory": Case(
         ("demo", "--model", "tiny", "--plot", "nodir/ttft.png"),
         1,
