@@ -227,7 +227,9 @@ CASES: dict[str, Case] = {
     ),
     # the command itself
     "unknown-command": Case(("serve",), 2, "kvserving: error: argument COMMAND: invalid choice: 'serve'"),
-    "unknown-flag": Case(("capacity", "--gpus", "8"), 2, "kvserving: error: unrecognized arguments: --gpus 8 (see kvserving --help)"),
+    "unknown-flag": Case(
+        ("capacity", "--gpus", "8"), 2, "kvserving capacity: error: unrecognized arguments: --gpus 8 (see kvserving capacity --help)"
+    ),
     "unknown-flag-without-command": Case(("--bogus",), 2, "kvserving: error: unrecognized arguments: --bogus (see kvserving --help)"),
     # a wrong type in the engine config, for every command that reads one
     **{
