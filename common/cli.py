@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Mapping
 from typing import NoReturn
 
 import kvserving
@@ -51,11 +52,13 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 class OneLineParser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage block)."""
 
+    commands: Mapping[str, argparse.ArgumentParser]  # the top-level parser's subcommand parsers, by name
+
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> OneLineParser:
     """The full parser; only ``command``'s module is imported to declare its arguments."""
     formatter = DefaultsHelpFormatter  # every flag's help shows its default
     summary = (kvserving.__doc__ or "kvserving").splitlines()[0]
@@ -69,6 +72,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         # only for the subcommand actually named on the command line.
         if name == command:
             importlib.import_module(module_name).add_arguments(sub_parser)
+    parser.commands = sub.choices
     return parser
 
 
@@ -89,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [a for a in argv if a not in ("-h", "--help", "--version")]
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the command whose flags they are not, with that command's help
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         module = importlib.import_module(args._module)
         return int(module.run(args) or 0)

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
+from kvserving.argtypes import float_in
 from kvserving.config import KV_DTYPES, LOAD_FORMATS, KVCacheConfig, ReuseConfig, ServingConfig
 
 
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "GPU 1; one index: every worker on it); default: the environment's CUDA_VISIBLE_DEVICES",
     )
     parser.add_argument("--run-dir", type=Path, default=None, help="where logs and the config go (default: a temp dir)")
-    parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for every part's /ready")
+    parser.add_argument("--ready-timeout", type=float_in(0, 1e6), default=180.0, help="seconds to wait for every part's /ready")
 
 
 def build_config(args: argparse.Namespace) -> ServingConfig:
@@ -103,12 +104,25 @@ def check_gpus(gpus: str) -> None:
         raise ValueError(f"--gpus {gpus}: this machine has {count} GPU(s), indices 0..{count - 1}")
 
 
+def check_host(host: str) -> None:
+    """``--host`` is an address of this machine to listen on (a port taken there is the stack's own check)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+    except (OSError, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"--host {host}: cannot listen on that address ({reason})") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from kvserving.local.stack import LocalStack, StackError, StackSpec
 
     config = build_config(args)
     if not 1 <= args.port <= 65532:
         raise ValueError(f"--port must be in 1..65532 (the next three ports are used too), got {args.port}")
+    check_host(args.host)
     if args.gpus:
         check_gpus(args.gpus)
     spec = StackSpec(

@@ -227,7 +227,9 @@ CASES: dict[str, Case] = {
     ),
     # the command itself
     "unknown-command": Case(("serve",), 2, "kvserving: error: argument COMMAND: invalid choice: 'serve'"),
-    "unknown-flag": Case(("capacity", "--gpus", "8"), 2, "kvserving: error: unrecognized arguments: --gpus 8 (see kvserving --help)"),
+    "unknown-flag": Case(
+        ("capacity", "--gpus", "8"), 2, "kvserving capacity: error: unrecognized arguments: --gpus 8 (see kvserving capacity --help)"
+    ),
     "unknown-flag-without-command": Case(("--bogus",), 2, "kvserving: error: unrecognized arguments: --bogus (see kvserving --help)"),
     # a wrong type in the engine config, for every command that reads one
     **{
@@ -270,6 +272,12 @@ CASES: dict[str, Case] = {
     ),
     "calibrate-out-a-directory": Case(
         ("calibrate", "--data", "a-file", "--out", "full"), 1, "kvserving calibrate: error: --out full is a directory, not a file"
+    ),
+    "up-ready-timeout-negative": Case(
+        ("up", "--model", "tiny", "--ready-timeout", "-1"), 2, "argument --ready-timeout: must be a number in [0, 1e+06], got -1"
+    ),
+    "up-host-not-an-address-here": Case(
+        ("up", "--model", "tiny", "--host", "999.1.1.1"), 1, "kvserving up: error: --host 999.1.1.1: cannot listen on that address"
     ),
     "demo-plot-no-directory": Case(
         ("demo", "--model", "tiny", "--plot", "nodir/ttft.png"),
