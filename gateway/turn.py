@@ -436,7 +436,11 @@ class Turns:
         ]
         decision = choose_decode(views, lease_url=lease.worker_url if lease else None, max_inflight=self.max_inflight)
         if decision is None:
-            return None
+            fallback = None if any(w.healthy for w in self._decoders()) else self.pool.fallback(("decode", "both"))
+            if fallback is None or not fallback.fits(prompt, request.max_tokens):
+                return None
+            self.metrics.route("decode", "last_answered")  # every decode worker is out: WorkerPool.fallback
+            return fallback
         self.metrics.route("decode", decision.reason)
         return self.pool.workers[decision.url]
 
@@ -450,6 +454,9 @@ class Turns:
             return decode, None
         prefillers = [w.view() for w in self.pool.workers.values() if w.role in ("prefill", "both")]
         choice = choose_prefill(prefillers, key=prefix_key(request.input_ids))
+        if choice is None and (fallback := self.pool.fallback(("prefill", "both"))) is not None:
+            self.metrics.route("prefill", "last_answered")
+            return decode, fallback
         if choice is None:
             raise service_unavailable("No healthy prefill worker is available; retry shortly.", retry_after_s=RETRY_AFTER_S)
         self.metrics.route("prefill", choice.reason)

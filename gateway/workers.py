@@ -17,12 +17,16 @@ twice the connect timeout.
 
 A worker sends a generate's headers when it admits the request (its KV pull
 runs behind them, with keep-alive comments), so late headers are a worker whose
-event loop is stalled or frozen. While they are late (and the caller has
-another worker to turn to: ``generate(probe=True)``) the client probes
-the worker's ``/health`` every ``PROBE_AFTER_S``: a worker that answers is
-alive and its headers are awaited (up to ``first_byte_timeout_s``); one that
-does not answer within ``PROBE_TIMEOUT_S`` is frozen, and the generate ends
-``unresponsive``. The probe never cancels the request's task: it sets the
+event loop is stalled or frozen. While they are late the client probes the
+worker's ``/health`` every ``PROBE_AFTER_S``; one that does not answer within
+``PROBE_TIMEOUT_S`` is frozen. With another worker to turn to
+(``generate(probe=True)``) a frozen worker's generate ends ``unresponsive``
+and a live one's headers are awaited up to ``first_byte_timeout_s``; a lone
+worker is waited for while it answers (each answer restarts the first-byte
+deadline: it measures liveness, not load) and runs the deadline out once it
+stops answering. With every worker of a role out of the rotation, a turn goes
+to the one whose ``/ready`` answered 200 last (``WorkerPool.fallback``): a 503
+only when none is reachable. The probe never cancels the request's task: it sets the
 error on the request's connection, which the header wait in the request's own
 task raises, so it cannot collide with the header deadline or an abort.
 
@@ -137,6 +141,8 @@ class WorkerState:
     healthy: bool = False
     inflight: int = 0
     misses: int = 0  # /ready polls in a row without an answer in time
+    answered_at: float | None = None  # monotonic time of its last 200 from /ready
+    refused: bool = False  # it said it cannot serve since (refused connection, not ready, draining)
     # (max_model_len, kv_capacity_tokens) from its /ready answer; None until it told
     capacity: tuple[int, int] | None = None
 
@@ -163,6 +169,9 @@ class WorkerState:
             return
         self.misses = 0
         self.healthy = ready
+        self.refused = not ready
+        if ready:
+            self.answered_at = time.monotonic()
 
     def view(self) -> WorkerView:
         return WorkerView(self.url, self.healthy, self.inflight)
@@ -287,10 +296,11 @@ class WorkerClient:
         larger steps; a token is never held back waiting for the next.
 
         Raises UpstreamError on a refused request, a broken stream or an error
-        event (after the batch of events before it). ``probe``: while the headers are late,
-        probe the worker's /health and end the call ``unresponsive`` when it goes unanswered
-        (for a caller with another worker to turn to; without one, waiting out the first-byte
-        deadline gives a briefly frozen worker its chance). Closing the iterator early
+        event (after the batch of events before it). While the headers are late the worker's
+        /health is probed. ``probe``: end the call ``unresponsive`` when a probe goes
+        unanswered (for a caller with another worker to turn to); without it each answered
+        probe restarts the first-byte deadline (a lone busy worker is waited for) and an
+        unanswered one lets it run out (a briefly frozen worker gets its chance). Closing the iterator early
         closes the connection, which the worker takes as an abort.
         """
         if self._closing:
@@ -367,7 +377,7 @@ class WorkerClient:
         session = self._http()
         for attempt in (0, 1):
             # a timer, not a task per request: most headers come before the first probe is due
-            watch = asyncio.get_running_loop().call_later(PROBE_AFTER_S, self._start_watch, url, stream) if probe else None
+            watch = asyncio.get_running_loop().call_later(PROBE_AFTER_S, self._start_watch, url, stream, probe)
             connecting = _CONNECTING.set(stream)
             try:
                 response = await session.post(url + GENERATE_PATH, data=payload, headers=_JSON)
@@ -397,19 +407,24 @@ class WorkerClient:
             return response
         raise AssertionError("unreachable")
 
-    def _start_watch(self, url: str, stream: _Stream) -> None:
-        stream.watch = asyncio.get_running_loop().create_task(self._watch(url, stream))
+    def _start_watch(self, url: str, stream: _Stream, leave: bool) -> None:
+        stream.watch = asyncio.get_running_loop().create_task(self._watch(url, stream, leave))
 
-    async def _watch(self, url: str, stream: _Stream) -> None:
-        """Probe ``url``'s /health while the request's headers are late; the first unanswered
-        probe ends the request (``_Unresponsive`` on its connection). Cancelled once they are in."""
+    async def _watch(self, url: str, stream: _Stream, leave: bool) -> None:
+        """Probe ``url``'s /health while the request's headers are late. With ``leave`` (the
+        caller has another worker) the first unanswered probe ends the request
+        (``_Unresponsive`` on its connection); without, each answered probe restarts the
+        first-byte deadline (a lone worker that answers is busy, not frozen) and a frozen one
+        runs it out. Cancelled once the headers are in."""
         while True:
+            connection = stream.connection
             if await self._alive(url):
+                if not leave and connection is not None and connection.protocol is not None:
+                    connection.protocol.start_timeout()
                 await asyncio.sleep(PROBE_AFTER_S)
                 continue
-            connection = stream.connection
-            if connection is None or connection.protocol is None:
-                await asyncio.sleep(PROBE_AFTER_S)  # still connecting: the connect deadline covers it
+            if not leave or connection is None or connection.protocol is None:
+                await asyncio.sleep(PROBE_AFTER_S)  # alone, or still connecting: the deadlines cover it
                 continue
             stream.unresponsive = True
             connection.protocol.set_exception(_Unresponsive())
@@ -634,7 +649,16 @@ class WorkerPool:
         if state is None or not (refused or self.has_other(state)):
             return False
         state.healthy = False
+        state.refused = refused
         return True
+
+    def fallback(self, roles: tuple[str, ...]) -> WorkerState | None:
+        """For a turn when no worker of ``roles`` is healthy: the one whose /ready answered 200
+        most recently and that has not refused since (out only for silence: busy more often
+        than frozen, and its turns stay bounded by the deadlines); None when none is
+        reachable (each refused its connection or answered not ready): then a 503."""
+        candidates = [w for w in self.workers.values() if w.role in roles and not w.refused and w.answered_at is not None]
+        return max(candidates, key=lambda w: w.answered_at or 0.0, default=None)
 
     async def refresh(self) -> None:
         """Re-resolve the Services (when due) and poll every worker's /ready once."""

@@ -184,3 +184,42 @@ def test_keep_alive_comments_hold_a_slow_stream_open_past_the_event_deadline(sta
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])  # type: ignore[arg-type]
     assert out.usage is not None and out.usage.completion_tokens == 1
     assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "event_timeout"}) == 0
+
+
+def test_a_lone_busy_decode_worker_whose_headers_come_late_still_serves_the_turn(stack: Stack, reply: list[int], text: str) -> None:
+    """The only decode worker sends its headers past the first-byte deadline but answers /health
+    all along (a queue, a long pull): busy, not frozen. The turn waits for it and completes."""
+    prefill = stack.worker(role="prefill", reply_ids=reply)
+    busy = stack.worker(role="decode", reply_ids=reply)
+    busy.answer_after_s = 2.5  # past the 1 s deadline
+    gw = stack.gateway(
+        prefill=[prefill.url], decode=[busy.url], health_interval_s=60, first_byte_timeout_s=1.0, reuse=ReuseConfig(transfer_timeout_s=0.5)
+    )
+    messages = [SYSTEM, {"role": "user", "content": "Fix it."}]
+    assert chat(gw, messages, "busy") == text  # whole, no error event
+    messages.append({"role": "user", "content": "Again."})
+    assert chat(gw, messages, "busy") == text
+    assert len(busy.received) == 2
+    assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "first_byte_timeout"}) == 0
+    assert gw.state.pool.workers[busy.url].healthy
+
+
+def test_with_every_worker_of_a_role_out_of_the_rotation_the_turn_goes_to_the_one_that_answered_last(
+    stack: Stack, reply: list[int], text: str
+) -> None:
+    """Every worker marked out (slow polls, failed requests) is no reason for a 503 while one of
+    them is reachable: the one whose /ready answered 200 last takes the turn."""
+    prefill = stack.worker(role="prefill", reply_ids=reply)
+    first, second = by_url([stack.worker(role="decode", reply_ids=reply) for _ in range(2)])
+    gw = stack.gateway(prefill=[prefill.url], decode=[first.url, second.url], health_interval_s=60)
+    pool = gw.state.pool
+    assert chat(gw, [SYSTEM, {"role": "user", "content": "Fix it."}], "a") == text
+    assert len(first.received) == 1  # the tie between idle workers goes to the first URL
+    pool.workers[second.url].answered_at = time.monotonic()  # second answered /ready last
+    for w in pool.workers.values():
+        w.healthy = False
+    assert chat(gw, [SYSTEM, {"role": "user", "content": "Fix that."}], "b") == text
+    assert len(prefill.received) == 2
+    assert len(first.received) == 1 and len(second.received) == 1
+    assert gw.metric("kvserving_gateway_routing_decisions_total", {"role": "decode", "reason": "last_answered"}) == 1
+    assert gw.metric("kvserving_gateway_routing_decisions_total", {"role": "prefill", "reason": "last_answered"}) == 1

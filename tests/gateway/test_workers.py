@@ -236,3 +236,19 @@ def test_a_worker_fits_a_request_by_the_capacity_its_ready_answer_told() -> None
     assert [w.fits(p, m) for p, m in ((636, 8), (1000, 5000), (1024, 1))] == [True, True, False]
     w.polled(True, {"ready": True})  # an answer without the fields keeps what was told
     assert w.capacity == (1024, 4096)
+
+
+def test_with_every_worker_of_a_role_out_the_one_that_answered_last_is_the_fallback() -> None:
+    p = pool(GatewayConfig(prefill_urls=("http://p",), decode_urls=("http://d1", "http://d2")))
+    assert p.fallback(("decode", "both")) is None  # nothing ever answered
+    for url in ("http://p", "http://d2", "http://d1"):  # d1 answers last
+        p.workers[url].polled(True)
+    for w in p.workers.values():
+        w.healthy = False  # out for silence
+    assert [p.fallback(("decode", "both")), p.fallback(("prefill", "both"))] == [p.workers["http://d1"], p.workers["http://p"]]
+    assert p.take_out("http://d1", refused=True)  # refused its connection: not reachable
+    assert p.fallback(("decode", "both")) == p.workers["http://d2"]
+    p.workers["http://d2"].polled(False)  # answered not ready
+    assert p.fallback(("decode", "both")) is None
+    p.workers["http://d1"].polled(True)  # back
+    assert p.fallback(("decode", "both")) == p.workers["http://d1"]
