@@ -23,7 +23,8 @@ What it does, exactly:
   ``fail_after_tokens`` (an error event mid-stream), ``ready`` False (503),
   ``pull_fallback`` (every pull fails with that ``usage.reuse_fallback``),
   ``answer_after_s`` (response headers that late: a frozen worker), ``ready_delay_s``
-  (``/ready`` answered that late: a busy one), ``keepalive_s``
+  (``/ready`` answered that late: a busy one), ``health_delay_s`` (``/health``
+  answered that late: frozen to the gateway's probe), ``keepalive_s``
   (a ``: keep-alive`` comment every so often before each token, for ``token_delay_s``),
   ``stall_after_tokens`` (silent after that many tokens, connection open: frozen mid-stream).
 """
@@ -92,6 +93,7 @@ class FakeWorker:
     pull_fallback: str | None = None
     answer_after_s: float = 0.0
     ready_delay_s: float = 0.0
+    health_delay_s: float = 0.0
     keepalive_s: float = 0.0
     stall_after_tokens: int | None = None
     url: str = ""
@@ -161,6 +163,8 @@ class FakeWorker:
 
         @app.get("/health")
         async def health() -> dict[str, str]:
+            if self.health_delay_s:
+                await asyncio.sleep(self.health_delay_s)
             return {"status": "ok"}
 
         @app.get("/ready")

@@ -88,23 +88,22 @@ def test_a_lone_lease_holder_the_prefill_cannot_reach_stays_in_the_rotation(stac
     assert len(holder.received) == 3
 
 
-def test_a_lone_decode_worker_past_its_deadline_stays_in_the_rotation_and_serves_the_next_turn(
+def test_a_lone_frozen_decode_worker_fails_its_turn_once_stays_in_the_rotation_and_serves_the_next(
     stack: Stack, reply: list[int], text: str
 ) -> None:
-    """Late headers from the only decode worker fail that turn (nothing to turn to), but it is
-    not taken out: the next turns are served, not refused with 503 until /ready answers again."""
+    """Late headers and unanswered /health probes from the only decode worker: its first-byte
+    deadline runs out (no probe answer restarts it) and the turn fails without a retry on that same worker (the client would wait twice), and the worker is not
+    taken out: once it answers again the next turns are served, not refused with 503."""
     prefill = stack.worker(role="prefill", reply_ids=reply)
     lone = stack.worker(role="decode", reply_ids=reply)
-    gw = stack.gateway(
-        prefill=[prefill.url], decode=[lone.url], health_interval_s=60, first_byte_timeout_s=1.0, reuse=ReuseConfig(transfer_timeout_s=0.5)
-    )
-    lone.answer_after_s = 2.0
+    gw = stack.gateway(prefill=[prefill.url], decode=[lone.url], health_interval_s=60, first_byte_timeout_s=1.0)
+    lone.answer_after_s, lone.health_delay_s = 5.0, 5.0
     client = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=30)
     with pytest.raises(openai.APIStatusError) as failed:
         client.chat.completions.create(model=MODEL, messages=[SYSTEM, {"role": "user", "content": "Fix it."}])  # type: ignore[list-item]
     assert failed.value.status_code == 502 and "did not answer within 1 s" in failed.value.message
     assert gw.state.pool.workers[lone.url].healthy
-    lone.answer_after_s = 0.0
+    lone.answer_after_s, lone.health_delay_s = 0.0, 0.0
     for n in range(3):
         assert chat(gw, [SYSTEM, {"role": "user", "content": f"Fix it, take {n}."}], f"lone-{n}") == text
     assert len(lone.received) == 4
