@@ -422,7 +422,7 @@ class Turns:
         """Whether a healthy worker of ``roles`` other than ``worker`` could take its part of a
         turn: only then is a worker whose headers are late probed and, unresponsive, left
         (alone, it is waited for: a briefly frozen worker may come back)."""
-        return any(w is not worker and w.healthy and w.role in roles for w in self.pool.workers.values())
+        return self.pool.has_other(worker, roles)
 
     def _decoders(self) -> list[WorkerState]:
         return [w for w in self.pool.workers.values() if w.role in ("decode", "both")]

@@ -636,9 +636,10 @@ class WorkerPool:
     def get(self, url: str) -> WorkerState | None:
         return self.workers.get(url)
 
-    def has_other(self, worker: WorkerState) -> bool:
-        """Whether another healthy worker can do ``worker``'s part of a turn."""
-        roles = SAME_PART[worker.role]
+    def has_other(self, worker: WorkerState, roles: tuple[str, ...] | None = None) -> bool:
+        """Whether another healthy worker of ``roles`` (default: those that can do ``worker``'s
+        part of a turn, ``SAME_PART``) is in the rotation."""
+        roles = roles or SAME_PART[worker.role]
         return any(w is not worker and w.healthy and w.role in roles for w in self.workers.values())
 
     def take_out(self, url: str, *, refused: bool) -> bool:

@@ -216,18 +216,14 @@ class WorkerService:
                 cache_salt=body.cache_salt,
             )
             req.t_queued = time.perf_counter()
-        except asyncio.CancelledError:
-            stream.finished = True
-            stream.close()
-            if pull.admission_pin is not None and kvt is not None:
-                rid, held = body.request_id, pull
-                engine.submit(lambda e: e.abort(rid) if rid in e.requests else kvt.drop_admission(held))
-            raise
         except BaseException:
             stream.finished = True
             stream.close()
             if kvt is not None and pull.admission_pin is not None:
-                await asyncio.to_thread(kvt.drop_admission, pull)
+                # on the engine thread, after the add if it was queued (a cancelled start may
+                # still run it): abort the request, whose abort drops the pin, or drop the pin
+                rid, held = body.request_id, pull
+                engine.submit(lambda e: e.abort(rid) if rid in e.requests else kvt.drop_admission(held))
             raise
 
     async def _pull(self, kvt: KVTransfer, body: GenerateBody, remote: KVTransferParams) -> PullResult:
