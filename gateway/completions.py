@@ -29,7 +29,7 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvserving.config import ServingConfig
 
@@ -68,6 +68,7 @@ def build_conversations(config: ServingConfig, model: ModelInfo) -> Conversation
 # tagger's reuse counters are plain ints, so a build there and one here at the same moment
 # may lose an increment of those metrics.
 OFF_LOOP_CHARS = 100_000
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True, frozen=True)
@@ -115,7 +116,7 @@ class Completions:
         build = functools.partial(
             self.model.tagger.build, request.messages, tools=request.tools, template_kwargs=request.chat_template_kwargs, scope=tenant.id
         )
-        prompt = await asyncio.to_thread(build) if request.prompt_chars > OFF_LOOP_CHARS else build()
+        prompt = await _prepare(build, request.prompt_chars)
         identified = self._identify_chat(request, prompt, tenant, headers=headers)
         assert identified.sent is not None
         sent = identified.sent.prompt
@@ -164,8 +165,7 @@ class Completions:
         tenant = self.tenants.of(authorization=headers.get("authorization"), cache_salt=request.cache_salt)
         prompt = request.single_prompt()
         if isinstance(prompt, str):
-            tag_text = self.model.tagger.tag_text
-            tagged = await asyncio.to_thread(tag_text, prompt) if len(prompt) > OFF_LOOP_CHARS else tag_text(prompt)
+            tagged = await _prepare(functools.partial(self.model.tagger.tag_text, prompt), len(prompt))
             input_ids, tags = tagged.input_ids, tagged.tags
         else:
             vocab = self.model.tokenizer.vocab_size
@@ -287,6 +287,12 @@ class Completions:
         )
         if identified.sent is not None:
             self.store.hold(identified.conversation, self.history.held_after(identified.sent, ended.ids, ended.text))
+
+
+async def _prepare(work: Callable[[], _T], chars: int) -> _T:
+    """``work()`` (a prompt's render, tokenize, tag) on a worker thread for a request of more than
+    ``OFF_LOOP_CHARS`` characters, on the event loop otherwise."""
+    return await asyncio.to_thread(work) if chars > OFF_LOOP_CHARS else work()
 
 
 def _id_fields(request: oa.ChatCompletionRequest | oa.CompletionRequest) -> dict[str, Any]:
