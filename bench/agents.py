@@ -588,7 +588,8 @@ def combine(files: list[Path], json_out: Path, png_out: Path) -> dict[str, Any]:
         "parts": [name for f, p in zip(files, parts) for name in p.get("parts", [f.name])],
     }
     json_out.write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
-    where = result["what"].split("(", 1)[-1].split(")", 1)[0]
+    # "bench/agents.py: agent traffic on the local stack (WHERE) (combined from N runs)": WHERE may hold parentheses
+    where = what.split(" (", 1)[-1].rsplit(") (combined", 1)[0]
     plot(points, png_out, title=f"{result['kv_per_worker']} KV per worker; {where}", seed_cliff=True)
     return result
 
