@@ -4,12 +4,16 @@ refused before the gateway renders or tokenizes it, for little memory, and the
 gateway's memory comes back; a prompt the pool cannot hold is a 400 the official
 `openai` client raises as `BadRequestError`, without retrying; streamed, with a
 prefill worker whose pool holds it and a decode worker whose pool does not, the
-same 400 comes before the stream starts."""
+same 400 comes before the stream starts. Every malformed input of the in-process
+app test (tests/gateway/malformed_inputs.py) is refused by the real gateway
+process in OpenAI's shape before any worker request."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +28,20 @@ from kvs_workers import WorkerFactory, WorkerProc
 
 MODEL = "kvserving-tiny"
 CHAT = "/v1/chat/completions"
+
+
+def _malformed_inputs():  # type: ignore[no-untyped-def]
+    """The case list the in-process app test uses (tests/gateway/malformed_inputs.py), loaded by path."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "gateway" / "malformed_inputs.py"
+    spec = importlib.util.spec_from_file_location("malformed_inputs", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("malformed_inputs", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+MALFORMED = _malformed_inputs()
 
 
 def config() -> dict[str, Any]:
@@ -52,6 +70,60 @@ def served(
         yield gateway, worker
     finally:
         gateway.stop()
+
+
+@pytest.fixture(scope="module")
+def narrow(
+    served: tuple[GatewayProc, WorkerProc], workers: WorkerFactory, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProc]:
+    """A second real gateway in front of the same worker, with the 64-token context the cases assume."""
+    _, worker = served
+    short = {**config(), "model": {**config()["model"], "max_model_len": 64}}
+    gateway = GatewayProc(
+        tmp_path_factory.mktemp("narrow"),
+        tiny_model_dir,
+        prefill=worker.url,
+        decode=worker.url,
+        token_file=workers.token_path,
+        config=short,
+    )
+    try:
+        gateway.wait_ready()
+        yield gateway
+    finally:
+        gateway.stop()
+
+
+def _finished(url: str) -> float:
+    """Generate requests the worker finished, every finish reason."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
+    return sum(s.value for fam in families for s in fam.samples if s.name == "kvserving_worker_requests_total")
+
+
+def test_every_malformed_input_is_a_4xx_from_the_real_gateway_before_the_worker(
+    narrow: GatewayProc, served: tuple[GatewayProc, WorkerProc]
+) -> None:
+    """Each case of the in-process list, whole and streamed, on both routes: the error's shape and
+    fields, one 4xx counted per request on its route, and no generate reached the worker."""
+    _, worker = served
+    finished = _finished(worker.url)
+    routes = {c[0] for c in MALFORMED.ROUTED}
+    before = {(r, s): metric(narrow.url, "kvserving_gateway_requests_total", route=r, code=s) for r in routes for s in ("400", "413")}
+    sent: dict[tuple[str, str], int] = {}
+    with httpx.Client(base_url=narrow.url, timeout=30) as client:
+        for (route, name, change, _only, expected), stream in [(case, stream) for case in MALFORMED.ROUTED for stream in (False, True)]:
+            r = client.post(route, content=MALFORMED.request_body(route, change, stream), headers={"content-type": "application/json"})
+            body = r.json()
+            assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, (name, body)
+            err = body["error"]
+            assert (r.status_code, err["type"], err["code"], err["param"]) == expected, (name, route, stream, err["message"])
+            sent[(route, str(r.status_code))] = sent.get((route, str(r.status_code)), 0) + 1
+    assert sum(sent.values()) == 2 * len(MALFORMED.ROUTED)
+    for key, n in sent.items():
+        assert metric(narrow.url, "kvserving_gateway_requests_total", route=key[0], code=key[1]) == before[key] + n, key
+    assert _finished(worker.url) == finished  # no generate reached the worker
 
 
 def _memory_mib(pid: int) -> dict[str, float]:
