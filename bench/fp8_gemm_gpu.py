@@ -134,6 +134,15 @@ def _read_table(rows: list[dict[str, Any]], peak: float) -> str:
     return "\n".join(lines)
 
 
+def _write(opts: argparse.Namespace, peak: float, read_runs: list[dict[str, Any]], cublas: bool, results: list[dict[str, Any]],
+           t0: float) -> None:  # fmt: skip
+    with open(opts.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "read_tb_s": peak, "read_runs": read_runs, "cublas_block": cublas, "rotate_mb": opts.rotate_mb,
+                   "tokens": opts.tokens, "tiles": [t.label for t in opts.tiles], "rows": results,
+                   "wall_s": time.monotonic() - t0}, f, indent=1)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="fp8_gemm_gpu.json")
@@ -210,6 +219,7 @@ def main() -> None:
                   f"({time.monotonic() - t0:.0f} s)", flush=True)  # fmt: skip
         del bf16_w, rows_w, block_w
         torch.cuda.empty_cache()
+        _write(opts, peak, read_runs, cublas, results, t0)  # each shape's rows as soon as they are measured
     names = [p for p in results[0]["paths"] if not p.startswith("triton:")]
     names += ["triton:default"] + [f"triton:{t.label}" for t in opts.tiles]
     tables = []
@@ -223,11 +233,7 @@ def main() -> None:
     print("\n\n".join(tables), flush=True)
     print(f"\nweight bytes read per second (share of the {peak:.2f} TB/s streaming read)\n")
     print(_read_table(results, peak), flush=True)
-    with open(opts.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                   "read_tb_s": peak, "read_runs": read_runs, "cublas_block": cublas, "rotate_mb": opts.rotate_mb,
-                   "tokens": opts.tokens, "tiles": [t.label for t in opts.tiles], "rows": results,
-                   "wall_s": time.monotonic() - t0}, f, indent=1)  # fmt: skip
+    _write(opts, peak, read_runs, cublas, results, t0)
     print(f"wrote {opts.out} ({time.monotonic() - t0:.0f} s)")
 
 
