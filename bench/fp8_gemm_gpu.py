@@ -1,82 +1,240 @@
-"""FP8 weight GEMMs against bf16 at the Qwen3-8B projection shapes, each path timed in the same run.
+"""FP8 weight GEMMs against bf16 at the Qwen3-8B projection shapes: the block GEMM's tile shapes side by side, one run.
 
-    python bench/fp8_gemm_gpu.py --out $OUT/fp8_gemm_gpu.json
+    python bench/fp8_gemm_gpu.py --out $OUT/fp8_gemm_gpu.json [--tokens 1,4,16] [--tiles 16x32w4s3k1,16x64w4s4k2]
 
-For M (tokens) in {1, 16, 64, 256, 4096} and each projection (N x K: merged q/k/v, o, merged
-gate/up, down), the median of CUDA-graph replays (``decode_gpu.time_ms``) of:
+For M (tokens) in ``--tokens`` and each projection (N x K: merged q/k/v, o, merged gate/up,
+down), the median of CUDA-graph replays (``decode_gpu.time_ms``) of:
 
-    bf16        F.linear (cuBLAS)
-    fp8         per-token activation quantization + torch._scaled_mm, row-wise scales
-    block       per-token-per-128 activation quantization + cuBLASLt's 1x128 x 128x128 block scaling
-    triton      the same quantization + our Triton block GEMM (kernels/triton_fp8_gemm.py)
+    bf16            F.linear (cuBLAS)
+    rows            per-token activation quantization + torch._scaled_mm, row-wise scales
+    rows_gemm       torch._scaled_mm alone (activation quantized beforehand)
+    block           per-token-per-128 quantization + cuBLASLt's 1x128 x 128x128 scaling (where torch has it)
+    quant           the per-token-per-128 quantizer alone (a part of every triton path)
+    triton:default  the quantizer + our block GEMM at ``tile_config``'s launch shape for (M, N, K)
+    triton:<tiles>  the same at each ``--tiles`` shape (``Tiles.label``: BMxBN, warps, stages, K splits),
+                    handed to the launch through ``tiles_override``
 
-Each row gives ms, the weight bytes read over time (TB/s: decode-sized M is bound by reading the
-weight) against the chip's streaming read measured in the same run, and the speed-up over bf16.
-Outputs are checked against ``fp8_gemm.gemm_error_bound`` once per shape before timing.
+Each call reads its weight from HBM: the weights rotate over copies whose total passes
+``--rotate-mb`` (L2 is 50-60 MB; a decode step's layers never find their weight there).
+Each path's output is checked once per shape against ``fp8_gemm.gemm_error_bound``; a path
+outside it, or one that does not compile, is reported and left out of the ranking.
+Printed: per M a table of us and speed-up over bf16, the weight bytes read per second against
+the chip's streaming read measured in the same run, and the one-layer sums; JSON holds all.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import triton
 from decode_gpu import read_bandwidth, time_ms
+from triton.errors import TritonError
 
 from kvserving.kernels import fp8_gemm
+from kvserving.kernels.triton_fp8_gemm import Tiles, tile_config, tiles_override
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-TOKENS = (1, 16, 64, 256, 4096)
+# The former fixed decode shape first, then more stages, wider column tiles, K splits.
+CANDIDATES = (
+    "16x32w4s3k1", "16x32w4s4k1", "16x32w4s6k1", "16x64w4s4k1", "16x64w4s6k1",
+    "16x32w4s4k2", "16x64w4s4k2", "16x64w4s4k4", "16x128w4s4k1",
+)  # fmt: skip
+
+
+def _tiles_list(text: str) -> list[Tiles]:
+    try:
+        return [Tiles.parse(t) for t in text.split(",") if t.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _tokens(text: str) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens {text!r}: expected comma-separated integers") from None
+    if not tokens or min(tokens) < 1:
+        raise argparse.ArgumentTypeError(f"--tokens {text!r}: every M must be >= 1")
+    return tokens
+
+
+def _rotating(copies: list[Any], call: Callable[[Any], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """fn() calling ``call`` on the next copy each time (a CUDA graph of n calls reads n different copies)."""
+    state = [0]
+
+    def fn() -> torch.Tensor:
+        state[0] += 1
+        return call(copies[state[0] % len(copies)])
+
+    return fn
+
+
+def _copies(tensors: tuple[torch.Tensor, ...], rotate_bytes: int) -> list[tuple[torch.Tensor, ...]]:
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    n = max(1, math.ceil(rotate_bytes / size))
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(n - 1)]
+
+
+def _triton_path(x: torch.Tensor, tiles: Tiles | None) -> Callable[[tuple[torch.Tensor, ...]], torch.Tensor]:
+    def call(w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if tiles is None:
+            return fp8_gemm.linear_cuda(x, w[0], w[1], scheme="block", backend="triton")
+        with tiles_override(tiles):
+            return fp8_gemm.linear_cuda(x, w[0], w[1], scheme="block", backend="triton")
+
+    return call
+
+
+def _table(m: int, rows: list[dict[str, Any]], names: list[str], peak: float) -> str:
+    head = "| shape (M = %d) | " % m + " | ".join(names) + " | best triton |"
+    lines = [head, "|---|" + "---:|" * (len(names) + 1)]
+    layer: dict[str, float] = {}
+    for row in rows:
+        cells = []
+        for p in names:
+            r = row["paths"].get(p, {})
+            if "ms" in r and p == "quant":  # a part of the triton paths, not a GEMM: no ratio
+                cells.append(f"{r['ms'] * 1e3:.1f}")
+                layer[p] = layer.get(p, 0.0) + r["ms"]
+            elif "ms" in r:
+                cells.append(f"{r['ms'] * 1e3:.1f} ({r['speedup_vs_bf16']:.2f}x)")
+                layer[p] = layer.get(p, 0.0) + r["ms"]
+            else:
+                cells.append(r.get("error", "-")[:12])
+        best = row.get("best_triton")
+        b = row["paths"].get(best, {}) if best else {}
+        cells.append(f"{best.removeprefix('triton:')} {b['speedup_vs_bf16']:.2f}x, {b['weight_tb_s'] / peak:.0%} read" if b else "-")
+        layer["best"] = layer.get("best", 0.0) + (b["ms"] if b else math.nan)
+        lines.append(f"| {row['shape']} | " + " | ".join(cells) + " |")
+    bf16 = layer.get("bf16", math.nan)
+    cells = [f"{layer[p] * 1e3:.1f}" + ("" if p == "quant" else f" ({bf16 / layer[p]:.2f}x)") if p in layer else "-"
+             for p in names + ["best"]]  # fmt: skip
+    lines.append("| one layer | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _read_table(rows: list[dict[str, Any]], peak: float) -> str:
+    """Weight bytes read per second as a share of the streaming read, per shape and M."""
+    paths = ["bf16", "rows", "block", "triton:default", "best"]
+    lines = ["| shape | M | " + " | ".join(paths) + " | default tiles |", "|---|---:|" + "---:|" * (len(paths) + 1)]
+    for row in rows:
+        cells = []
+        for p in paths:
+            r = row["paths"].get(row["best_triton"] if p == "best" else p, {})
+            cells.append(f"{r['weight_tb_s']:.2f} TB/s ({r['weight_tb_s'] / peak:.0%})" if "ms" in r else "-")
+        lines.append(f"| {row['shape']} | {row['m']} | " + " | ".join(cells) + f" | {row['default_tiles']} |")
+    return "\n".join(lines)
+
+
+def _write(opts: argparse.Namespace, peak: float, read_runs: list[dict[str, Any]], cublas: bool, results: list[dict[str, Any]],
+           t0: float) -> None:  # fmt: skip
+    with open(opts.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "read_tb_s": peak, "read_runs": read_runs, "cublas_block": cublas, "rotate_mb": opts.rotate_mb,
+                   "tokens": opts.tokens, "tiles": [t.label for t in opts.tiles], "rows": results,
+                   "wall_s": time.monotonic() - t0}, f, indent=1)  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="fp8_gemm_gpu.json")
+    ap.add_argument("--tokens", type=_tokens, default=[1, 4, 16], help="M values, comma-separated")
+    ap.add_argument("--tiles", type=_tiles_list, default=[Tiles.parse(t) for t in CANDIDATES],
+                    help="block GEMM launch shapes to time beside tile_config's, e.g. 16x32w4s3k1,16x64w4s4k2")  # fmt: skip
+    ap.add_argument("--rotate-mb", type=int, default=512, help="weights rotate over copies of at least this many MB")
     opts = ap.parse_args()
-    peak, _ = read_bandwidth()
+    if not torch.cuda.is_available():
+        sys.exit("fp8_gemm_gpu: no CUDA GPU visible (run it on the device machine)")
+
+    t0 = time.monotonic()
+    peak, read_runs = read_bandwidth()
     cublas = fp8_gemm.cublas_block_supported(0)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: streaming read {peak:.2f} TB/s; "
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}: streaming read {peak:.2f} TB/s; "
           f"cuBLASLt block scaling {'available' if cublas else 'not available'}", flush=True)  # fmt: skip
-    rows: list[dict[str, Any]] = []
+    rotate = opts.rotate_mb << 20
+    results: list[dict[str, Any]] = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, generator=g, device="cuda") * 0.02
-        wb = w.to(torch.bfloat16)
         rq, rs = fp8_gemm.quantize_tensor(w)
         rs = rs.expand(n).contiguous()
         bq, bs = fp8_gemm.quantize_blocks(w)
-        bs_cublas = fp8_gemm.cublas_block_scales(bs)
+        bf16_w = _copies((w.to(torch.bfloat16),), rotate)
+        rows_w = _copies((rq, rs), rotate)
+        block_w = _copies((bq, bs, fp8_gemm.cublas_block_scales(bs)), rotate)
         del w
-        for m in TOKENS:
+        fp8_bytes = n * k + 4 * bs.numel()
+        for m in opts.tokens:
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-            paths = {
-                "bf16": (lambda: F.linear(x, wb), n * k * 2),
-                "fp8": (lambda: fp8_gemm.linear_cuda(x, rq, rs, scheme="rows"), n * k + 4 * n),
-                "triton": (lambda: fp8_gemm.linear_cuda(x, bq, bs, scheme="block", backend="triton"), n * k + 4 * bs.numel()),
+            xq_rows = fp8_gemm.quantize_activations(x, scheme="rows", fused=True)
+            paths: dict[str, tuple[Callable[[], torch.Tensor], int, str | None]] = {  # fn, weight bytes, scheme checked
+                "bf16": (_rotating(bf16_w, lambda w: F.linear(x, w[0])), 2 * n * k, None),
+                "rows": (_rotating(rows_w, lambda w: fp8_gemm.linear_cuda(x, w[0], w[1], scheme="rows")), n * k + 4 * n, "rows"),
+                "rows_gemm": (_rotating(rows_w, lambda w: torch._scaled_mm(xq_rows[0], w[0].t(), scale_a=xq_rows[1],
+                                                                           scale_b=w[1].view(1, -1), out_dtype=torch.bfloat16)),
+                              n * k + 4 * n, "rows"),
+                "quant": (lambda: fp8_gemm.quantize_activations(x, scheme="block", fused=True)[0], 0, None),
             }  # fmt: skip
             if cublas:
-                paths["block"] = (lambda: fp8_gemm.linear_cuda(x, bq, bs, scheme="block", scale_cublas=bs_cublas,
-                                                               backend="cublas"), n * k + 4 * bs.numel())  # fmt: skip
-            for path in ("fp8", "block", "triton"):
-                if path in paths:
-                    codes, scale, scheme = (rq, rs, "rows") if path == "fp8" else (bq, bs, "block")
-                    err = (paths[path][0]().float() - fp8_gemm.linear_ref(x.float(), codes, scale, scheme=scheme)).abs()
-                    assert (err <= fp8_gemm.gemm_error_bound(x.float(), codes, scale, scheme=scheme)).all(), (name, m, path)
-            row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m}
-            for path, (fn, weight_bytes) in paths.items():
-                ms = time_ms(fn)
-                row[path] = {"ms": ms, "weight_tb_s": weight_bytes / ms / 1e9}
-            for path in paths:
-                row[path]["speedup_vs_bf16"] = row["bf16"]["ms"] / row[path]["ms"]
-            rows.append(row)
-            print(f"  {name:<8} M={m:<5} " + "  ".join(
-                f"{p} {row[p]['ms'] * 1e3:7.1f} us ({row[p]['weight_tb_s']:.2f} TB/s, {row[p]['speedup_vs_bf16']:.2f}x)"
-                for p in paths), flush=True)  # fmt: skip
-    with open(opts.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "read_tb_s": peak,
-                   "cublas_block": cublas, "rows": rows}, f, indent=1)  # fmt: skip
+                paths["block"] = (_rotating(block_w, lambda w: fp8_gemm.linear_cuda(x, w[0], w[1], scheme="block", scale_cublas=w[2],
+                                                                                    backend="cublas")), fp8_bytes, "block")  # fmt: skip
+            default = tile_config(m, n, k)
+            paths[f"triton:default={default.label}"] = (_rotating(block_w, _triton_path(x, None)), fp8_bytes, "block")
+            for tiles in opts.tiles:
+                paths[f"triton:{tiles.label}"] = (_rotating(block_w, _triton_path(x, tiles)), fp8_bytes, "block")
+            ref = {s: fp8_gemm.linear_ref(x.float(), *((rq, rs) if s == "rows" else (bq, bs)), scheme=s) for s in ("rows", "block")}
+            bound = {s: fp8_gemm.gemm_error_bound(x.float(), *((rq, rs) if s == "rows" else (bq, bs)), scheme=s) for s in ("rows", "block")}
+            row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "default_tiles": default.label, "paths": {}}
+            for path, (fn, weight_bytes, scheme) in paths.items():
+                try:
+                    if scheme is not None:
+                        excess = ((fn().float() - ref[scheme]).abs() - bound[scheme]).max().item()
+                        if excess > 0:
+                            print(f"  ERROR {name} M={m} {path}: outside the error bound by {excess:.3g}", flush=True)
+                            row["paths"][path] = {"error": "outside bound", "excess": excess}
+                            continue
+                    ms = time_ms(fn)
+                except (RuntimeError, TritonError) as exc:  # a shape that does not compile or launch on this GPU
+                    print(f"  ERROR {name} M={m} {path}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    row["paths"][path] = {"error": type(exc).__name__, "message": str(exc)[:400]}
+                    continue
+                row["paths"][path] = {"ms": ms, "weight_tb_s": weight_bytes / ms / 1e9, "read_frac": weight_bytes / ms / 1e9 / peak}
+            base = row["paths"]["bf16"]["ms"]
+            for r in row["paths"].values():
+                if "ms" in r:
+                    r["speedup_vs_bf16"] = base / r["ms"]
+            timed = [p for p, r in row["paths"].items() if p.startswith("triton:") and "ms" in r]
+            row["best_triton"] = min(timed, key=lambda p: row["paths"][p]["ms"]) if timed else None
+            results.append(row)
+            print(f"  {name:<8} M={m:<3} bf16 {base * 1e3:6.1f} us; best triton {row['best_triton']} "
+                  f"{row['paths'][row['best_triton']]['ms'] * 1e3 if timed else math.nan:6.1f} us "
+                  f"({time.monotonic() - t0:.0f} s)", flush=True)  # fmt: skip
+        del bf16_w, rows_w, block_w
+        torch.cuda.empty_cache()
+        _write(opts, peak, read_runs, cublas, results, t0)  # each shape's rows as soon as they are measured
+    names = [p for p in results[0]["paths"] if not p.startswith("triton:")]
+    names += ["triton:default"] + [f"triton:{t.label}" for t in opts.tiles]
+    tables = []
+    for m in opts.tokens:
+        rows = [r for r in results if r["m"] == m]
+        for r in rows:  # one column for tile_config's pick, whatever it is at each shape
+            key = next(p for p in r["paths"] if p.startswith("triton:default="))
+            r["paths"]["triton:default"] = dict(r["paths"][key], tiles=r["default_tiles"])
+        tables.append(_table(m, rows, names, peak))
+    print(f"\nus per call (speed-up over bf16 cuBLAS); streaming read {peak:.2f} TB/s; triton:default = tile_config's pick\n")
+    print("\n\n".join(tables), flush=True)
+    print(f"\nweight bytes read per second (share of the {peak:.2f} TB/s streaming read)\n")
+    print(_read_table(results, peak), flush=True)
+    _write(opts, peak, read_runs, cublas, results, t0)
+    print(f"wrote {opts.out} ({time.monotonic() - t0:.0f} s)")
 
 
 if __name__ == "__main__":

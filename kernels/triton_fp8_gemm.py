@@ -14,11 +14,20 @@ divides 128, so a program's columns lie in one 128-row weight tile). The spec is
 ``fp8_gemm.linear_quantized_ref``; the wrapper checks shapes, dtypes and strides.
 
 Decode steps multiply a few tokens by a large weight, so the step reads the weight once
-and the grid must cover the GPU: small M takes narrow column tiles (BLOCK_N 32: N/32
-programs, 128 for N = 4096) and every program streams its 32 rows of the weight.
+and the grid must keep enough weight bytes in flight on every SM: ``tile_config`` picks the
+tile per (M, N, K) (``Tiles``: BLOCK_M x BLOCK_N, warps, pipeline stages, K splits). A split
+K writes fp32 partials [S, M, N], summed in a fixed order by a second launch, so the output
+does not depend on scheduling. ``tiles_override`` launches every GEMM inside it with given
+tiles (benches time candidate shapes through it).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import re
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -34,7 +43,7 @@ def _block_gemm_kernel(
     sa_ptr,  # [M, K/128] fp32 activation scales (row-major)
     w_ptr,  # [N, K] e4m3 weight codes (row-major: K contiguous, what the dot's B wants)
     sw_ptr,  # [N/128, K/128] fp32 weight tile scales (row-major)
-    c_ptr,  # [M, N] output (bf16 or fp32)
+    c_ptr,  # [M, N] output (bf16 or fp32); with SPLIT_K > 1: [SPLIT_K, M, N] fp32 partials
     m,  # rows of a and c
     n,  # rows of w, columns of c
     k,  # columns of a and w, a multiple of 128
@@ -43,12 +52,15 @@ def _block_gemm_kernel(
     stride_wn,
     stride_swn,
     stride_cm,
+    stride_cs,  # c's stride between K splits (unused at SPLIT_K 1)
     BLOCK_M: tl.constexpr,  # output rows per program (>= 16: the dot's smallest M)
     BLOCK_N: tl.constexpr,  # output columns per program, divides 128
     BLOCK_K: tl.constexpr,  # = 128, one scale group per step
+    SPLIT_K: tl.constexpr,  # programs along K: split s takes a contiguous run of the K/128 groups
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -59,15 +71,33 @@ def _block_gemm_kernel(
     sa_row = sa_ptr + rows.to(tl.int64) * stride_sam  # [BLOCK_M]
     sw_tile = sw_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_swn  # this program's weight tile row
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(k, BLOCK_K)):
+    groups = tl.cdiv(k, BLOCK_K)
+    per_split = tl.cdiv(groups, SPLIT_K)
+    for kb in range(pid_k * per_split, tl.minimum(groups, (pid_k + 1) * per_split)):
         kk = kb * BLOCK_K + ks
         a = tl.load(a_row + kk[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_col + kk[:, None], mask=col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         sa = tl.load(sa_row + kb, mask=row_ok, other=0.0)  # [BLOCK_M]
         sw = tl.load(sw_tile + kb)
         acc += tl.dot(a, w, out_dtype=tl.float32) * (sa[:, None] * sw)
-    c = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    c = c_ptr + pid_k.to(tl.int64) * stride_cs + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(
+    p_ptr,  # [SPLIT_K, total] fp32 partials (contiguous)
+    c_ptr,  # [total] output (bf16 or fp32)
+    total,  # M * N
+    SPLIT_K: tl.constexpr,  # partials per element, summed in order 0, 1, ... (deterministic)
+    BLOCK: tl.constexpr,  # elements per program
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(p_ptr + s * total + offs, mask=ok, other=0.0)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -83,28 +113,57 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _encode(x, s):
+    """fp32 values ``x`` over scale ``s`` -> E4M3 values in fp32, bit for bit as torch's division and cast (a value
+    that rounds to zero keeps its sign). A zero numerator is divided as ``s`` instead and its zero put back: the
+    IEEE division's operand check sends exponent-field-0 numerators to its slow path."""
+    zero = x == 0.0
+    q = _round_e4m3(tl.clamp(tl.math.div_rn(tl.where(zero, s, x), s), -448.0, 448.0))
+    signed_zero = (x.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
+    return tl.where(zero | (q == 0.0), signed_zero, q)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr,  # [M, K] activations (bf16 or fp32, row-major)
     q_ptr,  # [M, K] e4m3 codes out
-    s_ptr,  # [M, K / GROUP] fp32 scales out (GROUP = K: one per row)
-    k,  # row width K
+    s_ptr,  # [M, K / width] fp32 scales out (width = K: one per row)
+    width,  # values per scale: 128, or K (per token)
     stride_xm,  # row strides, in elements
     stride_qm,
     stride_sm,  # scales: row and group strides (row- or column-major)
     stride_sg,
-    GROUP: tl.constexpr,  # values per scale: 128, or the row padded to a power of two (per token)
-    BLOCK: tl.constexpr,  # next power of two >= GROUP
+    CHUNK: tl.constexpr,  # values a step reads: a power of two >= 128
+    ONE_STEP: tl.constexpr,  # CHUNK == width: the group is read once and kept in registers
 ):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    cols = g * GROUP + tl.arange(0, BLOCK)
-    mask = (tl.arange(0, BLOCK) < GROUP) & (cols < k)
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    s = tl.max(tl.abs(x), axis=0) / 448.0
-    s = tl.where(s > 1e-12, s, 1.0)  # an all-zero group: scale 1, codes 0
-    q = _round_e4m3(tl.clamp(tl.math.div_rn(x, s), -448.0, 448.0))
-    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    lanes = tl.arange(0, CHUNK)
+    x_row = x_ptr + row * stride_xm + g * width
+    q_row = q_ptr + row * stride_qm + g * width
+    if ONE_STEP:
+        x = tl.load(x_row + lanes).to(tl.float32)
+        s = tl.max(tl.abs(x), axis=0) / 448.0
+        s = tl.where(s > 1e-12, s, 1.0)  # an all-zero group: scale 1, codes 0
+        tl.store(q_row + lanes, _encode(x, s).to(q_ptr.dtype.element_ty))
+    else:  # two passes over the row in CHUNK steps (amax, then codes); only a last partial step is masked
+        amax = tl.zeros((CHUNK,), dtype=tl.float32)
+        for c in range(0, width, CHUNK):
+            x = tl.load(x_row + c + lanes, mask=c + lanes < width, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        s = tl.max(amax, axis=0) / 448.0
+        s = tl.where(s > 1e-12, s, 1.0)
+        for c in range(0, width, CHUNK):
+            ok = c + lanes < width
+            x = tl.load(x_row + c + lanes, mask=ok, other=0.0).to(tl.float32)
+            tl.store(q_row + c + lanes, _encode(x, s).to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + row * stride_sm + g * stride_sg, s)
+
+
+def quantize_chunk(width: int) -> int:
+    """Values per step of the quantizer over groups of ``width``: the largest power of two dividing it, from 128
+    to 4096 (K 12,288 in three steps, 4,096 in one; no lane past the row), 128 when none of those does."""
+    return max(128, min(4096, width & -width))
 
 
 def quantize(x: Tensor, *, group: int | None, column_major: bool = False) -> tuple[Tensor, Tensor]:
@@ -113,8 +172,8 @@ def quantize(x: Tensor, *, group: int | None, column_major: bool = False) -> tup
     if x.dim() != 2:
         raise ValueError(f"quantize: x must be [M, K], got {tuple(x.shape)}")
     m, k = x.shape
-    if group is not None and k % group:
-        raise ValueError(f"quantize: K = {k} must be a multiple of the group {group}")
+    if group is not None and (k % group or group & (group - 1) or group < 128):
+        raise ValueError(f"quantize: the group {group} must be a power of two >= 128 dividing K = {k}")
     x = x if x.stride(1) == 1 else x.contiguous()
     groups = 1 if group is None else k // group
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
@@ -122,24 +181,89 @@ def quantize(x: Tensor, *, group: int | None, column_major: bool = False) -> tup
         s = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
     else:
         s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
-    if m:
+    if m and k:
         width = k if group is None else group
-        block = triton.next_power_of_2(width)
+        chunk = quantize_chunk(width)
         _quantize_kernel[(m, groups)](
-            x, q, s, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-            GROUP=width, BLOCK=block, num_warps=max(1, min(8, block // 512)),
+            x, q, s, width, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+            CHUNK=chunk, ONE_STEP=chunk == width, num_warps=max(1, min(8, chunk // 512)),
         )  # fmt: skip
     return q, s
 
 
-def _tiles(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for M rows: narrow column tiles for decode-sized M (enough programs to
-    stream the weight from every SM), square tiles for prefill."""
-    if m <= 16:
-        return 16, 32, 4
-    if m <= 64:
-        return 64, 64, 4
-    return 128, 128, 8
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tiles:
+    """One launch shape of the block GEMM: BLOCK_M x BLOCK_N output tiles, warps, software-pipeline stages
+    (K steps of 128 in flight per program), and K splits (programs along K; > 1 adds the partials' sum)."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (16, 32, 64, 128):
+            raise ValueError(f"Tiles.block_m must be 16, 32, 64 or 128, got {self.block_m}")
+        if self.block_n not in (16, 32, 64, 128):
+            raise ValueError(f"Tiles.block_n must be 16, 32, 64 or 128 (a divisor of the 128-row weight tile), got {self.block_n}")
+        if self.warps not in (1, 2, 4, 8):
+            raise ValueError(f"Tiles.warps must be 1, 2, 4 or 8, got {self.warps}")
+        if not 1 <= self.stages <= 8:
+            raise ValueError(f"Tiles.stages must be 1..8, got {self.stages}")
+        if not 1 <= self.split_k <= 16:
+            raise ValueError(f"Tiles.split_k must be 1..16, got {self.split_k}")
+
+    @property
+    def label(self) -> str:
+        """``16x32w4s3k1``: BLOCK_M x BLOCK_N, warps, stages, K splits (``parse`` reads it back)."""
+        return f"{self.block_m}x{self.block_n}w{self.warps}s{self.stages}k{self.split_k}"
+
+    @classmethod
+    def parse(cls, text: str) -> Tiles:
+        found = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)k(\d+)", text.strip())
+        if found is None:
+            raise ValueError(f"tiles {text!r}: expected BMxBNwWARPSsSTAGESkSPLITS, e.g. 16x32w4s3k1")
+        return cls(*(int(v) for v in found.groups()))
+
+
+# Programs a decode-sized GEMM aims for: two per SM on a 132-SM H100/H200, so each SM keeps two programs' weight
+# stream in flight (one 4-warp program an SM holds too few bytes in flight for the chip's read rate).
+DECODE_PROGRAMS = 264
+
+
+def tile_config(m: int, n: int, k: int) -> Tiles:
+    """The block GEMM's launch shape for an [M, K] x [N, K]^T product.
+
+    - M > 16: square tiles (prefill: the tensor cores bind, not the weight stream).
+    - M <= 16: BLOCK_M 16 (the dot's smallest); BLOCK_N 32 at M = 1 (masked rows are not read), 64 at M >= 2 (each
+      program re-reads its BLOCK_M activation rows: 64 columns halve those bytes per weight byte); 4 stages;
+      K split while the column tiles alone give fewer than DECODE_PROGRAMS programs and each split keeps >= 16
+      K steps (the down projection, 4096 x 12288: 64 column tiles x 4 splits)."""
+    if m > 64:
+        return Tiles(128, 128, 8, 3)
+    if m > 16:
+        return Tiles(64, 64, 4, 3)
+    block_n = 32 if m == 1 else 64
+    tiles = triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, GROUP)
+    split = 1
+    while tiles * split * 2 <= DECODE_PROGRAMS and steps // (split * 2) >= 16:
+        split *= 2
+    return Tiles(16, block_n, 4, 4, split)
+
+
+_OVERRIDE: contextvars.ContextVar[Tiles | None] = contextvars.ContextVar("fp8_block_gemm_tiles", default=None)
+
+
+@contextlib.contextmanager
+def tiles_override(tiles: Tiles) -> Iterator[None]:
+    """Every ``block_gemm`` launched inside the block uses ``tiles`` instead of ``tile_config``'s choice."""
+    token = _OVERRIDE.set(tiles)
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
 
 
 def block_gemm(qa: Tensor, sa: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
@@ -161,11 +285,16 @@ def block_gemm(qa: Tensor, sa: Tensor, codes: Tensor, scale: Tensor, *, out_dtyp
     out = torch.empty((m, n), dtype=out_dtype, device=qa.device)
     if m == 0 or n == 0:
         return out
-    bm, bn, warps = _tiles(m)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    t = _OVERRIDE.get() or tile_config(m, n, k)
+    # c: the output, or [S, M, N] fp32 partials that the second launch sums in split order
+    c = out if t.split_k == 1 else torch.empty((t.split_k, m, n), dtype=torch.float32, device=qa.device)
+    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
     _block_gemm_kernel[grid](
-        qa, sa, codes, scale, out, m, n, k,
-        qa.stride(0), sa.stride(0), codes.stride(0), scale.stride(0), out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=GROUP, num_warps=warps,
+        qa, sa, codes, scale, c, m, n, k,
+        qa.stride(0), sa.stride(0), codes.stride(0), scale.stride(0), c.stride(-2), c.stride(0) if t.split_k > 1 else 0,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=GROUP, SPLIT_K=t.split_k, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
+    if t.split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](c, out, m * n, SPLIT_K=t.split_k, BLOCK=block, num_warps=4)
     return out

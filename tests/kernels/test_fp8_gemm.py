@@ -122,10 +122,85 @@ def test_triton_quantizers_equal_the_torch_quantizers(m: int, k: int, dtype: tor
         q, s = quantize(x, group=group)
         rq, rs = fp8_gemm.quantize_rows(x) if group is None else fp8_gemm.quantize_groups(x)
         assert torch.equal(s, rs)
-        assert torch.equal(q.float(), rq.float())  # the same values (a zero's sign may differ)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))  # the same codes, bit for bit
         assert (q.float().abs() < 2.0**-6).any() and (q.float().abs() >= 1).any()
         q_cm, s_cm = quantize(x, group=group, column_major=True)
-        assert s_cm.stride() == (1, m) and torch.equal(s_cm, rs) and torch.equal(q_cm.float(), rq.float())
+        assert s_cm.stride() == (1, m) and torch.equal(s_cm, rs) and torch.equal(q_cm.view(torch.uint8), rq.view(torch.uint8))
+
+
+@interpreter_only
+@pytest.mark.parametrize("m", [1, 2, 4, 16])
+@pytest.mark.parametrize("k", [4096, 12288, 4096 + 384])
+def test_triton_quantizers_equal_the_torch_quantizers_bit_for_bit_at_model_widths(m: int, k: int) -> None:
+    """K 4096 (one step), 12288 (three 4096 steps: the width is no power of two) and 4480 (35 steps of 128):
+    per token and per 128, with signed zeros and an all-zero row among the values."""
+    from kvserving.kernels.triton_fp8_gemm import quantize, quantize_chunk
+
+    assert (quantize_chunk(4096), quantize_chunk(12288), quantize_chunk(4480), quantize_chunk(300)) == (4096, 4096, 128, 128)
+    g = torch.Generator().manual_seed(m + k)
+    x = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-12, 4, (m, k), generator=g).float())).to(torch.bfloat16)
+    x[:, ::7] = 0.0
+    x[:, 3::11] = -0.0
+    x[-1] = 0.0 if m > 1 else x[-1]
+    for group in (None, 128) if m <= 4 else (None,):  # per 128 at M 16: M x K/128 programs, slow in the interpreter
+        q, s = quantize(x, group=group)
+        rq, rs = fp8_gemm.quantize_rows(x) if group is None else fp8_gemm.quantize_groups(x)
+        assert torch.equal(s, rs)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+        assert (q.view(torch.uint8) == 0x80).any()  # negative zeros kept
+
+
+def test_tile_config_at_the_qwen3_8b_shapes() -> None:
+    from kvserving.kernels.triton_fp8_gemm import Tiles, tile_config
+
+    got = {(n, k): [tile_config(m, n, k).label for m in (1, 2, 4, 16, 17, 64, 65)] for n, k in QWEN3_8B_SHAPES[:4]}
+    prefill = ["64x64w4s3k1", "64x64w4s3k1", "128x128w8s3k1"]
+    assert got == {
+        (6144, 4096): ["16x32w4s4k1"] + ["16x64w4s4k2"] * 3 + prefill,  # 192 / 96 column tiles
+        (4096, 4096): ["16x32w4s4k2"] + ["16x64w4s4k2"] * 3 + prefill,  # 128 / 64: 32 K steps, 16 a split
+        (24576, 4096): ["16x32w4s4k1"] + ["16x64w4s4k1"] * 3 + prefill,  # 768 / 384: the grid is full
+        (4096, 12288): ["16x32w4s4k2"] + ["16x64w4s4k4"] * 3 + prefill,  # 96 K steps
+    }
+    assert Tiles.parse(" 16x64w2s6k3") == Tiles(16, 64, 2, 6, 3) and Tiles.parse("16x64w2s6k3").label == "16x64w2s6k3"
+    for bad in ("16x48w4s4k1", "16x32w3s4k1", "16x32w4s9k1", "16x32w4s4k0", "16x32"):
+        with pytest.raises(ValueError):
+            Tiles.parse(bad)
+
+
+@interpreter_only
+@pytest.mark.parametrize("m", [1, 2, 4, 16])
+@pytest.mark.parametrize(("n", "k"), QWEN3_8B_SHAPES[:4])
+def test_triton_block_gemm_at_the_tiles_chosen_for_qwen3_8b_shapes(m: int, n: int, k: int) -> None:
+    """The launch shape ``tile_config`` picks at each full shape, run on a 192-row slice of such a weight (the
+    interpreter is slow): every K split, the partials' sum, a last column tile half full."""
+    from kvserving.kernels.triton_fp8_gemm import block_gemm, tile_config, tiles_override
+
+    x = _acts(m, k, seed=n)
+    codes, scale = fp8_gemm.quantize_blocks(_weight(192, k, seed=m))
+    qa, sa = fp8_gemm.quantize_groups(x)
+    ref = fp8_gemm.linear_quantized_ref(x, codes, scale, scheme="block")
+    with tiles_override(tile_config(m, n, k)):
+        out = block_gemm(qa, sa, codes, scale, out_dtype=torch.float32)
+        out_bf16 = block_gemm(qa, sa, codes, scale)
+    top = ref.abs().max().item()
+    assert (out - ref).abs().max().item() <= 1e-5 * top
+    assert (out_bf16.float() - ref).abs().max().item() <= 2.0**-7 * top
+
+
+@interpreter_only
+@pytest.mark.parametrize("label", ["16x32w4s3k1", "16x64w4s4k3", "16x128w8s6k1", "16x32w2s2k5", "32x64w4s3k2"])
+def test_triton_block_gemm_matches_its_torch_reference_under_every_tile_shape(label: str) -> None:
+    """Splits that do not divide the K steps (5 splits of 3 steps: two are empty and write zeros)."""
+    from kvserving.kernels.triton_fp8_gemm import Tiles, block_gemm, tiles_override
+
+    for m, n, k in ((1, 256, 384), (3, 200, 384), (16, 128, 640)):
+        x = _acts(m, k, seed=n)
+        codes, scale = fp8_gemm.quantize_blocks(_weight(n, k, seed=m))
+        qa, sa = fp8_gemm.quantize_groups(x)
+        ref = fp8_gemm.linear_quantized_ref(x, codes, scale, scheme="block")
+        with tiles_override(Tiles.parse(label)):
+            out = block_gemm(qa, sa, codes, scale, out_dtype=torch.float32)
+        assert out.shape == (m, n) and (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
 
 def test_triton_block_gemm_refuses_bad_operands() -> None:
@@ -170,7 +245,7 @@ def test_cuda_per_tensor_gemm_within_bound_at_qwen3_8b_shapes(m: int, n: int, k:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64, 256, 1000])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 256, 1000])
 @pytest.mark.parametrize(("n", "k"), QWEN3_8B_SHAPES)
 @pytest.mark.parametrize("backend", ["triton", "cublas", "auto"])
 def test_cuda_block_gemm_within_bound_at_qwen3_8b_shapes(m: int, n: int, k: int, backend: str) -> None:
