@@ -7,7 +7,8 @@ Run on the device machine (docs/performance-log/engine-gpu.md)::
         --out bench/results/engine_gpu_h200.json
 
 The result file holds one section per configuration (``bench/results_file.py``): ``default`` (every
-format), ``iso`` (``--iso``), ``hold_2.7`` (``--bit-budget 2.7 --bit-budget-control hold``); a run
+format), ``iso`` (``--iso``), ``hold_2.7`` (``--bit-budget 2.7 --bit-budget-control hold``),
+``weights_fp8_block`` (``--weights fp8_block``), with ``_quick`` after a ``--quick`` run's name; a run
 rewrites its own section of ``--out`` and keeps the others, ``--combine`` joins files of runs made
 elsewhere.
 
@@ -627,12 +628,17 @@ WHAT = "bench/engine_gpu.py: the engine at the Qwen3-8B shape per KV format; one
 
 
 def section_name(run: dict[str, Any]) -> str:
-    """A run's section, from its options: ``iso``, ``hold_<budget>`` or ``default``."""
+    """A run's section, from its options: ``iso``, ``hold_<budget>`` or ``default``; ``weights_<format>`` for
+    a run of FP8 weights, and ``_quick`` after a ``--quick`` run's name (neither replaces the full bf16 run)."""
     if "iso" in run["formats"]:
-        return "iso"
-    if run.get("bit_budget_control") == "hold":
-        return f"hold_{run['bit_budget']:g}"
-    return "default"
+        name = "iso"
+    elif run.get("bit_budget_control") == "hold":
+        name = f"hold_{run['bit_budget']:g}"
+    else:
+        name = "default"
+    if run.get("weights", "bf16") != "bf16":
+        name = f"weights_{run['weights']}" if name == "default" else f"{name}_weights_{run['weights']}"
+    return f"{name}_quick" if run.get("quick") else name
 
 
 def dump(args: argparse.Namespace, dev: str, weights: int, results: dict[str, Any], seconds: float, *, read: int, bw_tb_s: float) -> None:

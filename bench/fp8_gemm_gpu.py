@@ -42,10 +42,11 @@ from kvserving.kernels import fp8_gemm
 from kvserving.kernels.triton_fp8_gemm import Tiles, tile_config, tiles_override
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-# The former fixed decode shape first, then more stages, wider column tiles, K splits.
+# The former fixed decode shape first, then narrower tiles and fewer splits than tile_config's picks, more splits,
+# stages, warps and wider column tiles around them.
 CANDIDATES = (
-    "16x32w4s3k1", "16x32w4s4k1", "16x32w4s6k1", "16x64w4s4k1", "16x64w4s6k1",
-    "16x32w4s4k2", "16x64w4s4k2", "16x64w4s4k4", "16x128w4s4k1",
+    "16x32w4s3k1", "16x32w4s4k2", "16x64w4s4k1", "16x64w4s4k2", "16x64w4s4k4",
+    "16x64w4s4k8", "16x64w4s6k4", "16x64w8s4k4", "16x128w4s4k4",
 )  # fmt: skip
 
 

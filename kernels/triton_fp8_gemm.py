@@ -227,30 +227,35 @@ class Tiles:
         return cls(*(int(v) for v in found.groups()))
 
 
-# Programs a decode-sized GEMM aims for: two per SM on a 132-SM H100/H200, so each SM keeps two programs' weight
-# stream in flight (one 4-warp program an SM holds too few bytes in flight for the chip's read rate).
-DECODE_PROGRAMS = 264
+# Programs a decode-sized GEMM aims for: three per SM on a 132-SM H100/H200, so each SM keeps three programs' weight
+# stream in flight (one 4-warp program an SM holds too few bytes in flight for the chip's read rate; on the H200 the
+# Qwen3-8B shapes run fastest at 256-384 programs: docs/results.md, FP8 weights).
+DECODE_PROGRAMS = 396
 
 
 def tile_config(m: int, n: int, k: int) -> Tiles:
     """The block GEMM's launch shape for an [M, K] x [N, K]^T product.
 
-    - M > 16: square tiles (prefill: the tensor cores bind, not the weight stream).
-    - M <= 16: BLOCK_M 16 (the dot's smallest); BLOCK_N 32 at M = 1 (masked rows are not read), 64 at M >= 2 (each
-      program re-reads its BLOCK_M activation rows: 64 columns halve those bytes per weight byte); 4 stages;
-      K split while the column tiles alone give fewer than DECODE_PROGRAMS programs and each split keeps >= 16
-      K steps (the down projection, 4096 x 12288: 64 column tiles x 4 splits)."""
-    if m > 64:
+    - M <= 64 (decode batches): the weight stream binds. BLOCK_M 16 up to M = 16 (the dot's smallest), 64 above
+      (one row tile: every further row tile would stream the whole weight again); BLOCK_N 64 (each program
+      re-reads its BLOCK_M activation rows: 64 columns halve those bytes per weight byte, and at M = 1 the wider
+      tile streams more weight per program); 4 stages; K split in powers of two while the grid stays within
+      DECODE_PROGRAMS and each split keeps >= 8 K steps (qkv, o and down: 4 splits; gate_up's 384 column tiles
+      fill the grid alone).
+    - 64 < M <= 128: 64 x 64 tiles, no split (the row tiles fill the grid; a split re-reads the weight).
+    - M > 128 (prefill): 128 x 128 tiles, 8 warps (the tensor cores bind, not the weight stream)."""
+    if m > 128:
         return Tiles(128, 128, 8, 3)
-    if m > 16:
-        return Tiles(64, 64, 4, 3)
-    block_n = 32 if m == 1 else 64
+    if m > 64:
+        return Tiles(64, 64, 4, 4)
+    block_m = 16 if m <= 16 else 64
+    block_n = 64
     tiles = triton.cdiv(n, block_n)
     steps = triton.cdiv(k, GROUP)
     split = 1
-    while tiles * split * 2 <= DECODE_PROGRAMS and steps // (split * 2) >= 16:
+    while tiles * split * 2 <= DECODE_PROGRAMS and steps // (split * 2) >= 8:
         split *= 2
-    return Tiles(16, block_n, 4, 4, split)
+    return Tiles(block_m, block_n, 4, 4, split)
 
 
 _OVERRIDE: contextvars.ContextVar[Tiles | None] = contextvars.ContextVar("fp8_block_gemm_tiles", default=None)

@@ -153,13 +153,13 @@ def test_triton_quantizers_equal_the_torch_quantizers_bit_for_bit_at_model_width
 def test_tile_config_at_the_qwen3_8b_shapes() -> None:
     from kvserving.kernels.triton_fp8_gemm import Tiles, tile_config
 
-    got = {(n, k): [tile_config(m, n, k).label for m in (1, 2, 4, 16, 17, 64, 65)] for n, k in QWEN3_8B_SHAPES[:4]}
-    prefill = ["64x64w4s3k1", "64x64w4s3k1", "128x128w8s3k1"]
+    got = {(n, k): [tile_config(m, n, k).label for m in (1, 2, 4, 16, 17, 64, 65, 128, 129)] for n, k in QWEN3_8B_SHAPES[:4]}
+    large = ["64x64w4s4k1", "64x64w4s4k1", "128x128w8s3k1"]
     assert got == {
-        (6144, 4096): ["16x32w4s4k1"] + ["16x64w4s4k2"] * 3 + prefill,  # 192 / 96 column tiles
-        (4096, 4096): ["16x32w4s4k2"] + ["16x64w4s4k2"] * 3 + prefill,  # 128 / 64: 32 K steps, 16 a split
-        (24576, 4096): ["16x32w4s4k1"] + ["16x64w4s4k1"] * 3 + prefill,  # 768 / 384: the grid is full
-        (4096, 12288): ["16x32w4s4k2"] + ["16x64w4s4k4"] * 3 + prefill,  # 96 K steps
+        (6144, 4096): ["16x64w4s4k4"] * 4 + ["64x64w4s4k4"] * 2 + large,  # 96 column tiles x 4 = 384 programs; 8 K steps a split
+        (4096, 4096): ["16x64w4s4k4"] * 4 + ["64x64w4s4k4"] * 2 + large,  # 64 x 4 = 256 (x 8 = 512 is past the grid)
+        (24576, 4096): ["16x64w4s4k1"] * 4 + ["64x64w4s4k1"] * 2 + large,  # 384 column tiles: the grid is full
+        (4096, 12288): ["16x64w4s4k4"] * 4 + ["64x64w4s4k4"] * 2 + large,  # 96 K steps, 24 a split
     }
     assert Tiles.parse(" 16x64w2s6k3") == Tiles(16, 64, 2, 6, 3) and Tiles.parse("16x64w2s6k3").label == "16x64w2s6k3"
     for bad in ("16x48w4s4k1", "16x32w3s4k1", "16x32w4s9k1", "16x32w4s4k0", "16x32"):
@@ -168,7 +168,7 @@ def test_tile_config_at_the_qwen3_8b_shapes() -> None:
 
 
 @interpreter_only
-@pytest.mark.parametrize("m", [1, 2, 4, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 16, 64])
 @pytest.mark.parametrize(("n", "k"), QWEN3_8B_SHAPES[:4])
 def test_triton_block_gemm_at_the_tiles_chosen_for_qwen3_8b_shapes(m: int, n: int, k: int) -> None:
     """The launch shape ``tile_config`` picks at each full shape, run on a 192-row slice of such a weight (the
