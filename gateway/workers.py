@@ -30,11 +30,12 @@ to, a stream silent for ``EVENTS_LATE_S`` (a keep-alive is late) gets the same
 probe, and an unanswered one ends it ``unresponsive`` too: a worker frozen
 after its headers (before its first token, or mid-reply) is found within
 ``EVENTS_LATE_S + PROBE_TIMEOUT_S`` (2.25 s), not ``event_timeout_s``; a lone
-worker's stream is bounded by ``event_timeout_s`` alone. With every worker of a role out of the rotation, a turn goes
-to the one whose ``/ready`` answered 200 last (``WorkerPool.fallback``): a 503
-only when none is reachable. The probe never cancels the request's task: it sets the
-error on the request's connection (on its body once the headers are in), which the
-request's own task raises where it waits, so it cannot collide with a deadline or an abort.
+worker's stream is bounded by ``event_timeout_s`` alone. With every worker of a
+role out of the rotation, a turn goes to the one whose ``/ready`` answered 200
+last (``WorkerPool.fallback``): a 503 only when none is reachable. The probe
+never cancels the request's task: it sets the error on the request's connection
+(on its body once the headers are in), which the request's own task raises
+where it waits, so it cannot collide with a deadline or an abort.
 
 Discovery: a static list of URLs (local mode) or the headless Services
 ``gateway.prefill_service`` / ``decode_service`` resolved by DNS every
