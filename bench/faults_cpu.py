@@ -15,6 +15,7 @@ then once per fault. Every request is classified:
   malformed request: any 200).
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/faults_cpu.py [--quick] [--json bench/results/faults_cpu.json]
+    PYTHONSAFEPATH=1 .venv/bin/python bench/faults_cpu.py --faults busy_lone_decode --json bench/results/faults_cpu.json --update
 
 Faults (in this order; each run uses its own conversation ids):
 
@@ -53,6 +54,12 @@ Faults (in this order; each run uses its own conversation ids):
   = ``DRAIN_GRACE_S``): what finishes equals its reference, the rest ends with
   an error event (text so far a prefix of the reference) or a 503, never a
   bare close; the gateway is started again;
+- ``busy_lone_decode``: one prefill and one decode worker (the other decode
+  worker stopped), the decode worker's engine kept busy by ``LOAD_STREAMS``
+  long generate requests sent to it directly (their KV about its pool) while
+  the turns arrive: every turn must complete with the reference reply, waited
+  for (the lone worker is not probed out; it sends keep-alives while it
+  computes), not a 503 nor a deadline; the stopped worker is started again;
 - ``decode_sigkill``: the decode worker holding the first conversation's lease
   killed between its turns (the rest of the run has one decode worker);
 - ``transfer_timeout``: every worker restarted with
@@ -115,6 +122,11 @@ FILLER = "the quick brown fox jumps over the lazy dog "  # ~18 tokens a repeat
 DRAIN_GRACE_S = 1.0  # gateway.drain_grace_s: the long streams outlast it
 LONG_TOKENS = 200
 SHORT_TOKENS = 3  # a stream that ends within the grace
+# busy_lone_decode: long requests sent to the decode worker at once, each a LOAD_PROMPT_TOKENS
+# prompt and LOAD_TOKENS generated: 8 x 500 tokens of KV, about the decode pool (4096 tokens)
+LOAD_STREAMS = 8
+LOAD_PROMPT_TOKENS = 200
+LOAD_TOKENS = 300
 READY_S = 180.0
 SYSTEM = "You are a coding agent. Work step by step, use the tools, and report what you changed. "
 CONVERSATIONS = [  # (system prompt repeats, user turns, streamed)
@@ -156,6 +168,7 @@ ALL_FAULTS = (
     "holder_sigstop",
     "holder_sigstop_warm",
     "gateway_sigterm",
+    "busy_lone_decode",
     "decode_sigkill",
     "transfer_timeout",
     "decode_pool_small",
@@ -1110,6 +1123,86 @@ class Matrix:
         )
         return run
 
+    def busy_lone_decode(self) -> Run:
+        spare, busy = self.c.decoders[1], self.c.decoders[0]
+        spare.stop()
+        deadline = time.monotonic() + 30
+        while gauge(self.c.gateway_url, "kvserving_gateway_workers_healthy", role="decode") != 1:  # the refusal takes it out
+            if time.monotonic() > deadline:
+                raise RuntimeError("the stopped decode worker did not leave the gateway's rotation")
+            time.sleep(0.2)
+        stop = threading.Event()
+        load: list[str] = []  # each load request's outcome
+        depth: list[tuple[float, float]] = []  # (running, waiting) on the busy worker before each turn
+
+        def keep_busy(i: int) -> None:
+            """Long requests to the busy worker, one after another, until ``stop`` (which closes
+            the one in flight: the worker aborts it)."""
+            n = 0
+            while not stop.is_set():
+                ids = [(i * 131 + n * 17 + k * 7) % 3500 + 300 for k in range(LOAD_PROMPT_TOKENS)]
+                body = {"request_id": f"busy-{i}-{n}", "input_ids": ids, "sampling": {"max_tokens": LOAD_TOKENS, "ignore_eos": True}}
+                outcome = "cut"  # closed at the end of the run
+                try:
+                    with httpx.stream("POST", busy.url + "/internal/generate", json=body, headers=self.c.headers, timeout=60) as r:
+                        outcome = "refused" if r.status_code != 200 else outcome
+                        for line in r.iter_lines():
+                            if stop.is_set():
+                                break
+                            if line.startswith('data: {"error"'):
+                                outcome = "error"
+                            elif line == "data: [DONE]":
+                                outcome = "ok"
+                except httpx.HTTPError as exc:
+                    outcome = f"error {type(exc).__name__}"
+                load.append(outcome)
+                n += 1
+
+        def before(conv: int, turn: int) -> None:
+            depth.append(
+                (
+                    gauge(busy.url, "kvserving_worker_queue_depth", state="running"),
+                    gauge(busy.url, "kvserving_worker_queue_depth", state="waiting"),
+                )
+            )
+
+        preempted = gauge(busy.url, "kvserving_worker_preemptions_total")
+        refused = gauge(self.c.gateway_url, "kvserving_gateway_requests_total", code="503")
+        threads = [threading.Thread(target=keep_busy, args=(i,), daemon=True) for i in range(LOAD_STREAMS)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while sum(gauge(busy.url, "kvserving_worker_queue_depth", state=q) for q in ("running", "waiting")) < LOAD_STREAMS:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the decode worker never took the load")
+            time.sleep(0.1)
+        try:
+            run = self.run("busy_lone_decode", before=before)
+            preempted = gauge(busy.url, "kvserving_worker_preemptions_total") - preempted
+            refused = gauge(self.c.gateway_url, "kvserving_gateway_requests_total", code="503") - refused
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=120)
+            spare.start()
+            self.c.all_healthy()
+        if refused:
+            run.violations.append(f"the gateway answered {int(refused)} requests 503 while its lone decode worker was busy")
+        normal = self.turn_seconds.get("none") or self.turn_seconds["reference"]
+        run.extra["busy_turn_s"] = [r.seconds for r in run.results]
+        run.extra["normal_turn_s"] = [s for conv in normal for s in conv]
+        run.extra["busy_worker_running_waiting"] = depth
+        run.extra["load_requests"] = dict(Counter(load))
+        run.extra["busy_worker_preemptions"] = int(preempted)
+        run.extra["gateway_503"] = int(refused)
+        run.notes.append(
+            f"decode worker alone, {LOAD_STREAMS} requests of {LOAD_PROMPT_TOKENS}+{LOAD_TOKENS} tokens kept in flight on it "
+            f"(running/waiting before each turn: {[(int(a), int(b)) for a, b in depth]}; {int(preempted)} preemptions); "
+            f"turns took {run.extra['busy_turn_s']} s (without the load: {run.extra['normal_turn_s']} s); gateway 503s "
+            f"{int(refused)}; load requests {run.extra['load_requests']} (cut: closed at the end of the run)"
+        )
+        return run
+
     def decode_sigkill(self) -> Run:
         killed: list[str] = []
 
@@ -1154,7 +1247,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"one two-turn conversation and the faults {QUICK_FAULTS}")
     ap.add_argument("--faults", nargs="+", choices=ALL_FAULTS, help="the faults to run (default: all)")
     ap.add_argument("--json", type=Path, help="write the records here")
+    ap.add_argument(
+        "--update", action="store_true", help="with --json: replace the records of the faults run in that file, keep the others"
+    )
     args = ap.parse_args(argv)
+    if args.update and (args.json is None or not args.json.exists()):
+        ap.error("--update needs an existing --json file")
     conversations = [(r, users[:2], s) for r, users, s in CONVERSATIONS[:1]] if args.quick else CONVERSATIONS
     faults = args.faults or (QUICK_FAULTS if args.quick else ALL_FAULTS)
     t_start = time.monotonic()
@@ -1213,6 +1311,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(table(records))
     print(f"started in {out['seconds']['start']} s, {out['seconds']['total']} s in all")
+    if args.update:
+        old = json.loads(args.json.read_text())
+        if old["quick"] != args.quick or old["setup"] != out["setup"]:
+            print("--update: the file's setup differs from this run's; not merged", file=sys.stderr)
+            return 1
+        merged = {r["fault"]: r for r in old["faults"]} | {r["fault"]: r for r in records}
+        out["faults"] = [merged[f] for f in ALL_FAULTS if f in merged]
+        out["seconds"] = old["seconds"]  # the whole matrix's; this run's rows carry their own
+        out["updated"] = {
+            "faults": [r["fault"] for r in records],
+            "seconds": {"start": round(t_ready, 1), "total": round(time.monotonic() - t_start, 1)},
+        }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")

@@ -1,7 +1,7 @@
 """One OpenAI request through the gateway's stages, each handing the next a typed value:
 
     parse     openai_types.py       the request, checked               -> ChatCompletionRequest
-    prompt    prompt/               render, tokenize, tag              -> TaggedPrompt
+    prompt    prompt/, prepare.py   render, tokenize, tag              -> TaggedPrompt
     identify  identity.py           the conversation's record          -> Identified
               conversations.py      (exact_history.py splices the prompt onto the ids its workers hold)
     route     turn.Turns.start      the lease, decode and prefill workers -> Turn
@@ -13,23 +13,21 @@ body (``stream`` false) or an ``EventStream`` of SSE frames (relay.py says when 
 error is a status and when an event). When the turn ends, what the next turn starts
 with is filed on the conversation's record (``_file``).
 
-A chat prompt whose request holds more than ``OFF_LOOP_CHARS`` characters is prepared
-(rendered, tokenized, tagged) on a worker thread, so that one huge prompt does not hold
-every other stream's frames back for the time it takes; shorter ones, most of them, are
-prepared on the event loop (their prompt work is a fraction of a millisecond, the stall
-a thread would spare costs its hand-off in CPU).
+A prompt whose request holds more than ``OFF_LOOP_CHARS`` characters is prepared
+(rendered, tokenized, tagged) on a worker thread, its reads of the conversation store made
+on the event loop (prepare.py); shorter ones, most of them, are prepared on the event loop
+(their prompt work is a fraction of a millisecond, the stall a thread would spare costs its
+hand-off in CPU).
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from kvserving.config import ServingConfig
 
@@ -41,6 +39,8 @@ from .exact_history import ExactHistory, Sent
 from .identity import Identities, explicit_identity
 from .metrics import GatewayMetrics
 from .model import ModelInfo as ModelInfo  # the routes' and the entry point's import
+from .prepare import OFF_LOOP_CHARS as OFF_LOOP_CHARS  # the tests' import
+from .prepare import prepare_chat, prepare_text
 from .prompt.tagger import TaggedPrompt
 from .prompt.token_prefixes import TokenPrefixes
 from .prompt.turn_render import TurnRenders
@@ -59,16 +59,6 @@ def build_conversations(config: ServingConfig, model: ModelInfo) -> Conversation
     model.tagger.prefixes = TokenPrefixes(model.tokenizer, store)
     model.tagger.renders = TurnRenders(store)
     return store
-
-
-# Characters of a chat request's messages and tools above which its prompt is prepared on a
-# worker thread: ~100K characters (~25K tokens) take ~10 ms of prompt work here, a stall
-# every other stream would see; below it the hand-off costs more than it spares. The thread
-# only reads the conversation store (this loop files what the prompt kept, afterwards); the
-# tagger's reuse counters are plain ints, so a build there and one here at the same moment
-# may lose an increment of those metrics.
-OFF_LOOP_CHARS = 100_000
-_T = TypeVar("_T")
 
 
 @dataclass(slots=True, frozen=True)
@@ -113,10 +103,14 @@ class Completions:
         """A chat turn (module docstring)."""
         self._check_model(request.model)
         tenant = self.tenants.of(authorization=headers.get("authorization"), cache_salt=request.cache_salt)
-        build = functools.partial(
-            self.model.tagger.build, request.messages, tools=request.tools, template_kwargs=request.chat_template_kwargs, scope=tenant.id
+        prompt = await prepare_chat(
+            self.model.tagger,
+            request.messages,
+            tools=request.tools,
+            template_kwargs=request.chat_template_kwargs,
+            scope=tenant.id,
+            chars=request.prompt_chars,
         )
-        prompt = await _prepare(build, request.prompt_chars)
         identified = self._identify_chat(request, prompt, tenant, headers=headers)
         assert identified.sent is not None
         sent = identified.sent.prompt
@@ -165,7 +159,7 @@ class Completions:
         tenant = self.tenants.of(authorization=headers.get("authorization"), cache_salt=request.cache_salt)
         prompt = request.single_prompt()
         if isinstance(prompt, str):
-            tagged = await _prepare(functools.partial(self.model.tagger.tag_text, prompt), len(prompt))
+            tagged = await prepare_text(self.model.tagger, prompt)
             input_ids, tags = tagged.input_ids, tagged.tags
         else:
             vocab = self.model.tokenizer.vocab_size
@@ -287,12 +281,6 @@ class Completions:
         )
         if identified.sent is not None:
             self.store.hold(identified.conversation, self.history.held_after(identified.sent, ended.ids, ended.text))
-
-
-async def _prepare(work: Callable[[], _T], chars: int) -> _T:
-    """``work()`` (a prompt's render, tokenize, tag) on a worker thread for a request of more than
-    ``OFF_LOOP_CHARS`` characters, on the event loop otherwise."""
-    return await asyncio.to_thread(work) if chars > OFF_LOOP_CHARS else work()
 
 
 def _id_fields(request: oa.ChatCompletionRequest | oa.CompletionRequest) -> dict[str, Any]:

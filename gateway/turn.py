@@ -15,8 +15,8 @@ so the seed gives one token stream whatever the topology.
 
 A worker that fails the turn before anything of its stream was relayed
 (unreachable, no answer within ``gateway.first_byte_timeout_s``, late headers
-and an unanswered ``/health`` probe while another worker could take its part
-(frozen: workers.py), silent for
+or a late keep-alive and an unanswered ``/health`` probe while another worker
+could take its part (frozen: workers.py), silent for
 ``gateway.event_timeout_s``, a broken stream, 503 not ready or draining) leaves
 the rotation until ``/ready`` answers again, and that part of the turn is
 routed once more: the whole turn, or only the decode once the prefill's first

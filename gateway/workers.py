@@ -24,11 +24,18 @@ worker's ``/health`` every ``PROBE_AFTER_S``; one that does not answer within
 and a live one's headers are awaited up to ``first_byte_timeout_s``; a lone
 worker is waited for while it answers (each answer restarts the first-byte
 deadline: it measures liveness, not load) and runs the deadline out once it
-stops answering. With every worker of a role out of the rotation, a turn goes
-to the one whose ``/ready`` answered 200 last (``WorkerPool.fallback``): a 503
-only when none is reachable. The probe never cancels the request's task: it sets the
-error on the request's connection, which the header wait in the request's own
-task raises, so it cannot collide with the header deadline or an abort.
+stops answering. Once the headers are in, the stream carries an event or a
+keep-alive at least every ``STREAM_KEEPALIVE_S``; with another worker to turn
+to, a stream silent for ``EVENTS_LATE_S`` (a keep-alive is late) gets the same
+probe, and an unanswered one ends it ``unresponsive`` too: a worker frozen
+after its headers (before its first token, or mid-reply) is found within
+``EVENTS_LATE_S + PROBE_TIMEOUT_S`` (2.25 s), not ``event_timeout_s``; a lone
+worker's stream is bounded by ``event_timeout_s`` alone. With every worker of a
+role out of the rotation, a turn goes to the one whose ``/ready`` answered 200
+last (``WorkerPool.fallback``): a 503 only when none is reachable. The probe
+never cancels the request's task: it sets the error on the request's connection
+(on its body once the headers are in), which the request's own task raises
+where it waits, so it cannot collide with a deadline or an abort.
 
 Discovery: a static list of URLs (local mode) or the headless Services
 ``gateway.prefill_service`` / ``decode_service`` resolved by DNS every
@@ -62,7 +69,7 @@ from typing import Any
 
 import aiohttp
 
-from kvserving.config import GatewayConfig
+from kvserving.config import STREAM_KEEPALIVE_S, GatewayConfig
 
 from .metrics import REQUEST, RequestRecord
 from .router import WorkerView
@@ -80,6 +87,9 @@ SAME_PART = {"prefill": ("prefill", "both"), "decode": ("decode", "both"), "both
 # answers it while it pulls or queues: it sends a keep-alive every STREAM_KEEPALIVE_S too).
 PROBE_AFTER_S = 0.25
 PROBE_TIMEOUT_S = 1.0
+# Silence of a started stream after which its keep-alive is late and, with another worker to
+# turn to, /health is probed (a live worker sends one every STREAM_KEEPALIVE_S).
+EVENTS_LATE_S = STREAM_KEEPALIVE_S + PROBE_AFTER_S
 _JSON = {"Content-Type": "application/json"}
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps(.., separators=..) without an encoder per call
 
@@ -189,7 +199,7 @@ class _Stream:
     """A generate in flight: its task (until the response headers are in), its connection
     (once the connector gave it one) and its response."""
 
-    __slots__ = ("task", "response", "aborted", "connection", "unresponsive", "watch")
+    __slots__ = ("task", "response", "aborted", "connection", "unresponsive", "watch", "last", "timer")
 
     def __init__(self, task: asyncio.Task[Any] | None) -> None:
         self.task = task
@@ -197,7 +207,17 @@ class _Stream:
         self.aborted = False
         self.connection: aiohttp.connector.Connection | None = None
         self.unresponsive = False
-        self.watch: asyncio.Task[None] | None = None  # the /health prober, while the headers are late
+        self.watch: asyncio.Task[None] | None = None  # the /health prober, while the headers or events are late
+        self.last = 0.0  # loop time the last bytes of its body came (once the headers are in)
+        self.timer: asyncio.TimerHandle | None = None  # when its events are next due (``WorkerClient._events_due``)
+
+    def stop_watching(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.watch is not None:
+            self.watch.cancel()
+            self.watch = None
 
     def abort(self) -> None:
         self.aborted = True
@@ -327,10 +347,15 @@ class WorkerClient:
                     # from here on the read deadline is the gap allowed between events
                     connection.protocol.read_timeout = self._event_s
                     connection.protocol.start_timeout()
+                loop = asyncio.get_running_loop()
+                if probe:  # late events are probed (module docstring): a timer, moved lazily
+                    stream.last = loop.time()
+                    stream.timer = loop.call_at(stream.last + EVENTS_LATE_S, self._events_due, url, stream)
                 events = SSEEvents(url)
                 content = response.content
                 while not events.done:
                     chunk = await content.readany()
+                    stream.last = loop.time()
                     if not chunk:
                         raise UpstreamError("stream", f"worker {url} closed the stream before [DONE]", url=url)
                     batch = events.feed(chunk)
@@ -344,10 +369,9 @@ class WorkerClient:
             except _Closing as exc:
                 raise UpstreamError("draining", "the gateway is shutting down", url=url) from exc
             except _Unresponsive as exc:
+                silent = "no response headers" if response is None else f"nothing for {EVENTS_LATE_S:g} s"
                 raise UpstreamError(
-                    "unresponsive",
-                    f"worker {url} sent no response headers and did not answer /health within {PROBE_TIMEOUT_S:g} s",
-                    url=url,
+                    "unresponsive", f"worker {url} sent {silent} and did not answer /health within {PROBE_TIMEOUT_S:g} s", url=url
                 ) from exc
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 raise UpstreamError("connect", f"cannot reach worker {url}: {exc}", url=url) from exc
@@ -363,6 +387,7 @@ class WorkerClient:
                 raise UpstreamError("stream", f"worker {url} stream broke: {type(exc).__name__}: {exc}", url=url) from exc
         finally:
             self._streams.discard(stream)
+            stream.stop_watching()
             if response is not None:
                 if not finished:  # closed early or broken: the worker sees the disconnect (abort)
                     response.close()
@@ -429,6 +454,34 @@ class WorkerClient:
             stream.unresponsive = True
             connection.protocol.set_exception(_Unresponsive())
             return
+
+    def _events_due(self, url: str, stream: _Stream) -> None:
+        """A started stream's events are due: silent for ``EVENTS_LATE_S``, its worker is probed
+        (``_watch_events``); else the check moves to when they are due next."""
+        stream.timer = None
+        loop = asyncio.get_running_loop()
+        due = stream.last + EVENTS_LATE_S
+        if loop.time() < due:
+            stream.timer = loop.call_at(due, self._events_due, url, stream)
+        elif stream.watch is None:
+            stream.watch = loop.create_task(self._watch_events(url, stream))
+
+    async def _watch_events(self, url: str, stream: _Stream) -> None:
+        """Probe ``url``'s /health for a stream whose events are late: unanswered while the stream
+        stayed silent, the stream ends ``unresponsive`` (``_Unresponsive`` on its body); answered,
+        or bytes came meanwhile, the next check is when its events are due again."""
+        last = stream.last
+        alive = await self._alive(url)
+        stream.watch = None
+        response = stream.response
+        if response is None or stream.aborted:
+            return
+        if alive or stream.last != last:
+            loop = asyncio.get_running_loop()
+            stream.timer = loop.call_at(max(stream.last + EVENTS_LATE_S, loop.time() + PROBE_AFTER_S), self._events_due, url, stream)
+            return
+        stream.unresponsive = True
+        response.content.set_exception(_Unresponsive())
 
     async def _alive(self, url: str) -> bool:
         """Whether ``url``'s process answers /health (any status) within ``PROBE_TIMEOUT_S``."""

@@ -18,6 +18,7 @@ from fake_worker import FakeWorker
 from gw_harness import MODEL, Gateway, Stack
 
 from kvserving.gateway.tenants import DEFAULT_TENANT
+from kvserving.gateway.workers import EVENTS_LATE_S, PROBE_TIMEOUT_S
 
 from kvserving.config import ReuseConfig
 from kvserving.gateway.prompt.tokenizer import TextTokenizer
@@ -222,3 +223,61 @@ def test_with_every_worker_of_a_role_out_of_the_rotation_the_turn_goes_to_the_on
     assert len(first.received) == 1 and len(second.received) == 1
     assert gw.metric("kvserving_gateway_routing_decisions_total", {"role": "decode", "reason": "last_answered"}) == 1
     assert gw.metric("kvserving_gateway_routing_decisions_total", {"role": "prefill", "reason": "last_answered"}) == 1
+
+
+def test_a_lease_holder_frozen_after_its_headers_loses_the_decode_at_the_probe_deadline(stack: Stack, reply: list[int], text: str) -> None:
+    """The decode worker holding the conversation's lease sends its headers, then nothing (no
+    keep-alive, no token) and leaves /health unanswered: frozen. Its keep-alive is late after
+    EVENTS_LATE_S, the probe gives up after PROBE_TIMEOUT_S, and the decode moves to the other
+    worker before any of its tokens reached the client, long before the event deadline."""
+    prefill = stack.worker(role="prefill", reply_ids=reply)
+    holder, other = by_url([stack.worker(role="decode", reply_ids=reply) for _ in range(2)])
+    gw = stack.gateway(prefill=[prefill.url], decode=[holder.url, other.url], health_interval_s=60, event_timeout_s=8.0)
+    messages = [SYSTEM, {"role": "user", "content": "Fix the failing test."}]
+    assert chat(gw, messages, "s") == text
+    assert holder.leases and not other.leases  # the tie between idle workers went to the first URL
+    holder.stall_after_tokens, holder.health_delay_s = 0, 5.0
+    messages.append({"role": "user", "content": "Run them again."})
+    t0 = time.monotonic()
+    assert chat(gw, messages, "s") == text  # whole, no error event
+    elapsed = time.monotonic() - t0
+    assert EVENTS_LATE_S + PROBE_TIMEOUT_S - 0.1 < elapsed < EVENTS_LATE_S + PROBE_TIMEOUT_S + 2.0, elapsed
+    assert len(holder.received) == 2 and len(other.received) == 1
+    assert other.received[0]["output_ids"] == reply[:1]  # the decode only: the prefill's token was out already
+    assert holder.received[1]["request_id"] in holder.aborted
+    assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "unresponsive"}) == 1
+    assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "event_timeout"}) == 0
+    assert gw.metric("kvserving_gateway_routing_decisions_total", {"role": "retry", "reason": "unresponsive"}) == 1
+    assert gw.metric("kvserving_gateway_reuse_fallbacks_total", {"reason": "holder_unresponsive"}) == 1
+    assert not gw.state.pool.workers[holder.url].healthy  # out of the rotation until /ready answers
+    assert gw.state.keeper.table.get(DEFAULT_TENANT.scope("session:s")).worker_url == other.url  # type: ignore[union-attr]
+
+
+def test_a_worker_frozen_mid_reply_ends_the_stream_with_an_error_event_at_the_probe_deadline(stack: Stack, reply: list[int]) -> None:
+    frozen, spare = by_url([stack.worker(role="both", reply_ids=reply) for _ in range(2)])
+    frozen.stall_after_tokens, frozen.health_delay_s = 1, 5.0
+    gw = stack.gateway(decode=[frozen.url, spare.url], health_interval_s=60, event_timeout_s=8.0)
+    t0 = time.monotonic()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream("POST", gw.url + CHAT, json=body, timeout=30) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert time.monotonic() - t0 < EVENTS_LATE_S + PROBE_TIMEOUT_S + 2.0
+    error = json.loads(events[-1])["error"]
+    assert (error["type"], error["code"]) == ("server_error", "worker_unavailable")
+    assert f"did not answer /health within {PROBE_TIMEOUT_S:g} s" in error["message"]
+    assert not spare.received  # a token was out: no retry
+    assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "unresponsive"}) == 1
+
+
+def test_a_silent_stream_whose_worker_answers_health_is_waited_for(stack: Stack, reply: list[int]) -> None:
+    """No keep-alive for 2.5 s but /health answers: busy, not frozen; the token comes and the
+    turn completes on the same worker."""
+    slow, spare = by_url([stack.worker(role="both", reply_ids=reply[:1]) for _ in range(2)])
+    slow.token_delay_s = 2.5
+    gw = stack.gateway(decode=[slow.url, spare.url], health_interval_s=60, event_timeout_s=8.0)
+    client = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=30)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])  # type: ignore[arg-type]
+    assert out.usage is not None and out.usage.completion_tokens == 1
+    assert len(slow.received) == 1 and not spare.received
+    assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "unresponsive"}) == 0
