@@ -376,9 +376,10 @@ GEMV_PROGRAMS = 264
 
 def gemv_split(tiles: int, steps: int) -> int:
     """K splits for a GEMV grid of ``tiles`` column tiles and ``steps`` K steps: powers of two until the grid reaches
-    ``GEMV_PROGRAMS``, while each split keeps >= 2 steps (a split's partials cost M x N x 4 bytes, its sum a launch)."""
+    ``GEMV_PROGRAMS``, while each split keeps >= 2 steps (a split's partials cost M x N x 4 bytes, its sum a launch),
+    16 at most."""
     split = 1
-    while tiles * split < GEMV_PROGRAMS and steps // (split * 2) >= 2:
+    while split < 16 and tiles * split < GEMV_PROGRAMS and steps // (split * 2) >= 2:
         split *= 2
     return split
 
@@ -393,7 +394,7 @@ def gemv_config(m: int, n: int, k: int) -> Gemv:
       program's stream never waits on its own arithmetic; sm_90: 96 / 167 registers at M = 1 / 4, 19-22 KiB
       shared, three programs an SM hold ~96 KiB in flight);
     - K split by ``gemv_split`` (Qwen3-8B: qkv 2, o 4, down 4, gate_up 1: 384 / 512 / 512 / 768 programs)."""
-    block_k = next(b for b in (512, 256, 128) if k % b == 0)
+    block_k = next((b for b in (512, 256) if k % b == 0), GROUP)
     block_n = 32
     return Gemv(block_n, block_k, 4, 2, gemv_split(triton.cdiv(n, block_n), k // block_k))
 
