@@ -353,8 +353,9 @@ def _check_cuda_gemm(m: int, n: int, k: int, scheme: str, backend: str, static: 
         # the GEMV: activations not quantized, only fp32 sums and the bf16 output round (one ulp at most on the GPU)
         from kvserving.kernels.triton_fp8_gemm import gemv_config
 
-        gemv_bound = _gemv_bound(x.cpu(), codes.cpu(), scale.cpu(), gemv_config(m, n, k), torch.float32).to(out.device)
-        assert ((out.double() - ref.double()).abs() <= gemv_bound + 2.0**-8 * (ref.double().abs() + gemv_bound)).all()
+        exact = x.double() @ fp8_gemm.dequantize(codes, scale, scheme="block").double().t()
+        e32 = _gemv_bound(x, codes, scale, gemv_config(m, n, k), torch.float32)
+        assert ((out.double() - exact).abs() <= e32 + 2.0**-8 * (exact.abs() + e32)).all()
         return
     # and the same arithmetic as the torch spec of the quantized product, up to output rounding and sum order
     spec = fp8_gemm.linear_quantized_ref(x, codes, scale, scheme=scheme, input_scale=input_scale)
