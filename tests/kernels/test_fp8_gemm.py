@@ -350,7 +350,7 @@ def _check_cuda_gemm(m: int, n: int, k: int, scheme: str, backend: str, static: 
     err = (out.float() - ref).abs()
     assert (err <= bound).all(), f"worst excess {(err - bound).max().item()} at {m}x{n}x{k}"
     if scheme == "block" and backend != "cublas" and fp8_gemm.uses_gemv(m, n, k):
-        # the GEMV: activations not quantized, only fp32 sums and the bf16 output round (one ulp at most on the GPU)
+        # the GEMV: activations not quantized, only the fp32 sums and the bf16 output round (to nearest on the GPU: 2^-8)
         from kvserving.kernels.triton_fp8_gemm import gemv_config
 
         exact = x.double() @ fp8_gemm.dequantize(codes, scale, scheme="block").double().t()
