@@ -130,7 +130,7 @@ def _gemv_kernel(
     stride_swn,
     stride_cm,
     stride_cs,  # c's stride between K splits (unused at SPLIT_K 1)
-    ROWS: tl.constexpr,  # M, 1..4: one fp32 accumulator [BLOCK_N] per activation row
+    ROWS: tl.constexpr,  # M, 1..4: one fp32 accumulator [BLOCK_N, BLOCK_K / 16] per activation row
     BLOCK_N: tl.constexpr,  # weight rows per program, divides 128 (one tile scale per 128 columns of a step)
     BLOCK_K: tl.constexpr,  # weight columns per step, a multiple of 128 dividing K
     SPLIT_K: tl.constexpr,  # programs along K: split s takes a contiguous run of the K / BLOCK_K steps
