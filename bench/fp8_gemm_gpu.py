@@ -1,6 +1,7 @@
 """FP8 weight GEMMs against bf16 at the Qwen3-8B projection shapes: the block GEMM's tile shapes side by side, one run.
 
-    python bench/fp8_gemm_gpu.py --out $OUT/fp8_gemm_gpu.json [--tokens 1,4,16] [--tiles 16x32w4s3k1,16x64w4s4k2]
+    python bench/fp8_gemm_gpu.py --out $OUT/fp8_gemm_gpu.json [--tokens 1,2,4,16] [--tiles 16x32w4s3k1,16x64w4s4k2]
+                                 [--gemv g32x512w4s1,g16x512w4s2k1]
 
 For M (tokens) in ``--tokens`` and each projection (N x K: merged q/k/v, o, merged gate/up,
 down), the median of CUDA-graph replays (``decode_gpu.time_ms``) of:
@@ -13,6 +14,11 @@ down), the median of CUDA-graph replays (``decode_gpu.time_ms``) of:
     triton:default  the quantizer + our block GEMM at ``tile_config``'s launch shape for (M, N, K)
     triton:<tiles>  the same at each ``--tiles`` shape (``Tiles.label``: BMxBN, warps, stages, K splits),
                     handed to the launch through ``tiles_override``
+    gemv:default    (M <= 4) our GEMV on the bf16 activations at ``gemv_config``'s launch shape
+    gemv:<launch>   the same at each ``--gemv`` shape (``Gemv.label``: gBNxBK, warps, stages, K splits; without
+                    ``k<S>`` the splits follow ``gemv_split`` at each shape)
+    dispatch        ``linear_cuda`` as the engine calls it (backend "triton": ``launch_config``'s kernel;
+                    at M <= 4 the same launch as gemv:default, so the two differ by the noise)
 
 Each call reads its weight from HBM: the weights rotate over copies whose total passes
 ``--rotate-mb`` (L2 is 50-60 MB; a decode step's layers never find their weight there).
@@ -39,7 +45,7 @@ from decode_gpu import read_bandwidth, time_ms
 from triton.errors import TritonError
 
 from kvserving.kernels import fp8_gemm
-from kvserving.kernels.triton_fp8_gemm import Tiles, tile_config, tiles_override
+from kvserving.kernels.triton_fp8_gemm import GEMV_ROWS, Gemv, Tiles, gemv_config, gemv_split, tile_config, tiles_override
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 # The former fixed decode shape first, then narrower tiles and fewer splits than tile_config's picks, more splits,
@@ -48,6 +54,29 @@ CANDIDATES = (
     "16x32w4s3k1", "16x32w4s4k2", "16x64w4s4k1", "16x64w4s4k2", "16x64w4s4k4",
     "16x64w4s4k8", "16x64w4s6k4", "16x64w8s4k4", "16x128w4s4k4",
 )  # fmt: skip
+# GEMV shapes around gemv_config's g32x512w4s2: no pipelining, deeper, narrower and wider tiles, 8 warps, and 16-row
+# tiles with no split (no partials' sum launch; o and down then run 256 programs).
+GEMV_CANDIDATES = ("g32x512w4s1", "g32x512w4s3", "g16x512w4s2", "g64x256w4s2", "g32x256w4s2", "g32x512w8s2", "g16x512w4s2k1",
+                   "g16x1024w4s2")  # fmt: skip
+
+
+def _gemv_list(text: str) -> list[str]:
+    """Labels with or without ``k<S>`` (without: ``gemv_split`` per shape), checked here."""
+    labels = [t.strip() for t in text.split(",") if t.strip()]
+    for t in labels:
+        try:
+            Gemv.parse(t if "k" in t else t + "k1")
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return labels
+
+
+def _gemv_at(label: str, n: int, k: int) -> Gemv:
+    """A ``--gemv`` label at one shape: its splits, or ``gemv_split``'s for its tile."""
+    if "k" in label:
+        return Gemv.parse(label)
+    g = Gemv.parse(label + "k1")
+    return Gemv(g.block_n, g.block_k, g.warps, g.stages, gemv_split(triton.cdiv(n, g.block_n), k // g.block_k))
 
 
 def _tiles_list(text: str) -> list[Tiles]:
@@ -84,11 +113,11 @@ def _copies(tensors: tuple[torch.Tensor, ...], rotate_bytes: int) -> list[tuple[
     return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(n - 1)]
 
 
-def _triton_path(x: torch.Tensor, tiles: Tiles | None) -> Callable[[tuple[torch.Tensor, ...]], torch.Tensor]:
+def _triton_path(x: torch.Tensor, launch: Tiles | Gemv | None) -> Callable[[tuple[torch.Tensor, ...]], torch.Tensor]:
     def call(w: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        if tiles is None:
+        if launch is None:
             return fp8_gemm.linear_cuda(x, w[0], w[1], scheme="block", backend="triton")
-        with tiles_override(tiles):
+        with tiles_override(launch):
             return fp8_gemm.linear_cuda(x, w[0], w[1], scheme="block", backend="triton")
 
     return call
@@ -112,7 +141,7 @@ def _table(m: int, rows: list[dict[str, Any]], names: list[str], peak: float) ->
                 cells.append(r.get("error", "-")[:12])
         best = row.get("best_triton")
         b = row["paths"].get(best, {}) if best else {}
-        cells.append(f"{best.removeprefix('triton:')} {b['speedup_vs_bf16']:.2f}x, {b['weight_tb_s'] / peak:.0%} read" if b else "-")
+        cells.append(f"{best.split(':', 1)[1]} {b['speedup_vs_bf16']:.2f}x, {b['weight_tb_s'] / peak:.0%} read" if b else "-")
         layer["best"] = layer.get("best", 0.0) + (b["ms"] if b else math.nan)
         lines.append(f"| {row['shape']} | " + " | ".join(cells) + " |")
     bf16 = layer.get("bf16", math.nan)
@@ -124,7 +153,7 @@ def _table(m: int, rows: list[dict[str, Any]], names: list[str], peak: float) ->
 
 def _read_table(rows: list[dict[str, Any]], peak: float) -> str:
     """Weight bytes read per second as a share of the streaming read, per shape and M."""
-    paths = ["bf16", "rows", "block", "triton:default", "best"]
+    paths = ["bf16", "rows", "block", "triton:default", "gemv:default", "dispatch", "best"]
     lines = ["| shape | M | " + " | ".join(paths) + " | default tiles |", "|---|---:|" + "---:|" * (len(paths) + 1)]
     for row in rows:
         cells = []
@@ -135,12 +164,31 @@ def _read_table(rows: list[dict[str, Any]], peak: float) -> str:
     return "\n".join(lines)
 
 
+def _verdict(results: list[dict[str, Any]], tokens: list[int]) -> str:
+    """Per M <= 4: one layer (the four shapes) with the GEMV and with the block GEMM at their default launches, the
+    best GEMV candidate per shape, and whether the GEMV keeps the dispatch (it wins the layer and every shape)."""
+    lines = []
+    for m in (t for t in tokens if t <= GEMV_ROWS):
+        rows = [r for r in results if r["m"] == m]
+        ms = {p: sum(r["paths"].get(p, {}).get("ms", math.nan) for r in rows) for p in ("bf16", "triton:default", "gemv:default")}
+        shapes = {r["shape"]: r["paths"].get("gemv:default", {}).get("ms", math.nan) < r["paths"].get("triton:default", {}).get("ms", math.nan)
+                  for r in rows}  # fmt: skip
+        best = {r["shape"]: min((p for p in r["paths"] if p.startswith("gemv:") and "ms" in r["paths"][p] and "=" not in p),
+                                key=lambda p, r=r: r["paths"][p]["ms"], default="-") for r in rows}  # fmt: skip
+        keep = ms["gemv:default"] < ms["triton:default"] and all(shapes.values())
+        lines.append(f"M = {m}: one layer bf16 {ms['bf16'] * 1e3:.1f} us, block GEMM {ms['triton:default'] * 1e3:.1f} us "
+                     f"({ms['bf16'] / ms['triton:default']:.2f}x), GEMV {ms['gemv:default'] * 1e3:.1f} us "
+                     f"({ms['bf16'] / ms['gemv:default']:.2f}x); GEMV faster on {[s for s, w in shapes.items() if w]}; "
+                     f"best GEMV per shape {best}; GEMV keeps M = {m}: {'yes' if keep else 'NO'}")  # fmt: skip
+    return "\n".join(lines)
+
+
 def _write(opts: argparse.Namespace, peak: float, read_runs: list[dict[str, Any]], cublas: bool, results: list[dict[str, Any]],
            t0: float) -> None:  # fmt: skip
     with open(opts.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                    "read_tb_s": peak, "read_runs": read_runs, "cublas_block": cublas, "rotate_mb": opts.rotate_mb,
-                   "tokens": opts.tokens, "tiles": [t.label for t in opts.tiles], "rows": results,
+                   "tokens": opts.tokens, "tiles": [t.label for t in opts.tiles], "gemv": opts.gemv, "rows": results,
                    "wall_s": time.monotonic() - t0}, f, indent=1)  # fmt: skip
 
 
@@ -150,6 +198,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=_tokens, default=[1, 4, 16], help="M values, comma-separated")
     ap.add_argument("--tiles", type=_tiles_list, default=[Tiles.parse(t) for t in CANDIDATES],
                     help="block GEMM launch shapes to time beside tile_config's, e.g. 16x32w4s3k1,16x64w4s4k2")  # fmt: skip
+    ap.add_argument("--gemv", type=_gemv_list, default=list(GEMV_CANDIDATES),
+                    help="GEMV launch shapes to time beside gemv_config's at M <= 4, e.g. g32x512w4s1,g16x512w4s2k1")  # fmt: skip
     ap.add_argument("--rotate-mb", type=int, default=512, help="weights rotate over copies of at least this many MB")
     opts = ap.parse_args()
     if not torch.cuda.is_available():
@@ -188,12 +238,19 @@ def main() -> None:
                 paths["block"] = (_rotating(block_w, lambda w: fp8_gemm.linear_cuda(x, w[0], w[1], scheme="block", scale_cublas=w[2],
                                                                                     backend="cublas")), fp8_bytes, "block")  # fmt: skip
             default = tile_config(m, n, k)
-            paths[f"triton:default={default.label}"] = (_rotating(block_w, _triton_path(x, None)), fp8_bytes, "block")
+            paths[f"triton:default={default.label}"] = (_rotating(block_w, _triton_path(x, default)), fp8_bytes, "block")
             for tiles in opts.tiles:
                 paths[f"triton:{tiles.label}"] = (_rotating(block_w, _triton_path(x, tiles)), fp8_bytes, "block")
+            if m <= GEMV_ROWS:
+                gemv_default = gemv_config(m, n, k)
+                paths[f"gemv:default={gemv_default.label}"] = (_rotating(block_w, _triton_path(x, gemv_default)), fp8_bytes, "block")
+                for label in opts.gemv:
+                    paths[f"gemv:{label}"] = (_rotating(block_w, _triton_path(x, _gemv_at(label, n, k))), fp8_bytes, "block")
+            paths["dispatch"] = (_rotating(block_w, _triton_path(x, None)), fp8_bytes, "block")
             ref = {s: fp8_gemm.linear_ref(x.float(), *((rq, rs) if s == "rows" else (bq, bs)), scheme=s) for s in ("rows", "block")}
             bound = {s: fp8_gemm.gemm_error_bound(x.float(), *((rq, rs) if s == "rows" else (bq, bs)), scheme=s) for s in ("rows", "block")}
-            row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "default_tiles": default.label, "paths": {}}
+            row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "default_tiles": default.label, "paths": {},
+                                   "gemv_default": gemv_config(m, n, k).label if m <= GEMV_ROWS else None}  # fmt: skip
             for path, (fn, weight_bytes, scheme) in paths.items():
                 try:
                     if scheme is not None:
@@ -212,7 +269,7 @@ def main() -> None:
             for r in row["paths"].values():
                 if "ms" in r:
                     r["speedup_vs_bf16"] = base / r["ms"]
-            timed = [p for p, r in row["paths"].items() if p.startswith("triton:") and "ms" in r]
+            timed = [p for p, r in row["paths"].items() if p.startswith(("triton:", "gemv:")) and "ms" in r]
             row["best_triton"] = min(timed, key=lambda p: row["paths"][p]["ms"]) if timed else None
             results.append(row)
             print(f"  {name:<8} M={m:<3} bf16 {base * 1e3:6.1f} us; best triton {row['best_triton']} "
@@ -221,17 +278,23 @@ def main() -> None:
         del bf16_w, rows_w, block_w
         torch.cuda.empty_cache()
         _write(opts, peak, read_runs, cublas, results, t0)  # each shape's rows as soon as they are measured
-    names = [p for p in results[0]["paths"] if not p.startswith("triton:")]
-    names += ["triton:default"] + [f"triton:{t.label}" for t in opts.tiles]
     tables = []
     for m in opts.tokens:
         rows = [r for r in results if r["m"] == m]
-        for r in rows:  # one column for tile_config's pick, whatever it is at each shape
-            key = next(p for p in r["paths"] if p.startswith("triton:default="))
-            r["paths"]["triton:default"] = dict(r["paths"][key], tiles=r["default_tiles"])
+        names = [p for p in rows[0]["paths"] if not p.startswith(("triton:", "gemv:", "dispatch"))]
+        names += ["triton:default"] + [f"triton:{t.label}" for t in opts.tiles]
+        names += ["gemv:default"] + [f"gemv:{g}" for g in opts.gemv] if m <= GEMV_ROWS else []
+        names += ["dispatch"]
+        for r in rows:  # one column for each default pick, whatever it is at each shape
+            for kind, pick in (("triton", r["default_tiles"]), ("gemv", r["gemv_default"])):
+                key = next((p for p in r["paths"] if p.startswith(f"{kind}:default=")), None)
+                if key is not None:
+                    r["paths"][f"{kind}:default"] = dict(r["paths"][key], tiles=pick)
         tables.append(_table(m, rows, names, peak))
-    print(f"\nus per call (speed-up over bf16 cuBLAS); streaming read {peak:.2f} TB/s; triton:default = tile_config's pick\n")
+    print(f"\nus per call (speed-up over bf16 cuBLAS); streaming read {peak:.2f} TB/s; triton:default = tile_config's pick, "
+          f"gemv:default = gemv_config's, dispatch = launch_config's kernel (the engine's)\n")  # fmt: skip
     print("\n\n".join(tables), flush=True)
+    print("\n" + _verdict(results, opts.tokens), flush=True)
     print(f"\nweight bytes read per second (share of the {peak:.2f} TB/s streaming read)\n")
     print(_read_table(results, peak), flush=True)
     _write(opts, peak, read_runs, cublas, results, t0)

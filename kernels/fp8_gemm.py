@@ -34,9 +34,11 @@ plus, with a static ``input_scale``, all of the excess of a value past 448 * s (
 - ``linear_quantized_ref``: the GPU paths' arithmetic in fp32 torch (activations quantized
   the same way): the spec the kernels are tested against at tiny sizes;
 - ``linear_cuda``: rows through ``torch._scaled_mm`` (row-wise scales, CUTLASS); block
-  through ``torch.nn.functional.scaled_mm`` with BlockWise1x128 x BlockWise128x128 scales
-  (cuBLASLt >= 12.9, sm_90 only) or our Triton kernel (``triton_fp8_gemm``; every other GPU,
-  and on request).
+  at M <= 4 (decode at small batch) through our Triton GEMV, which reads the bf16 activations
+  as they are (``uses_gemv``: no activation quantization, so only the fp32 sums and the bf16
+  output round), else through ``torch.nn.functional.scaled_mm`` with BlockWise1x128 x
+  BlockWise128x128 scales (cuBLASLt >= 12.9, sm_90 only) or our Triton block GEMM
+  (``triton_fp8_gemm``; every other GPU, and on request).
 """
 
 from __future__ import annotations
@@ -231,18 +233,24 @@ def linear_cuda(
 ) -> Tensor:  # fmt: skip
     """x [M, K] bf16 (CUDA) -> [M, N] bf16. ``scale``: rows [N] or block [N/128, K/128] fp32;
     ``scale_cublas``: ``cublas_block_scales(scale)`` (block, built once at load); ``backend`` picks the block
-    GEMM: "auto" (cuBLASLt where it runs, else Triton), "cublas" or "triton"."""
+    GEMM: "auto" (the Triton GEMV where ``uses_gemv``, else cuBLASLt where it runs, else Triton's block GEMM),
+    "cublas" or "triton" (the GEMV or the block GEMM, as ``uses_gemv`` says)."""
     if backend not in BLOCK_BACKENDS:
         raise ValueError(f"backend must be one of {BLOCK_BACKENDS}, got {backend!r}")
-    use_cublas = scheme == "block" and (backend == "cublas" or (backend == "auto" and cublas_block_supported(x.device.index or 0)))
-    qa, sa = quantize_activations(x, scheme=scheme, input_scale=input_scale, fused=True, column_major=use_cublas)
     if scheme == "rows":
+        qa, sa = quantize_activations(x, scheme=scheme, input_scale=input_scale, fused=True)
         # Row-wise scaled GEMM (both operands per row): scale_a [M, 1], scale_b [1, N]; B column-major.
         return torch._scaled_mm(qa, codes.t(), scale_a=sa, scale_b=scale.view(1, -1), bias=bias, out_dtype=x.dtype)
-    if use_cublas:
-        if scale_cublas is None:
-            scale_cublas = cublas_block_scales(scale)
-        out = _block_cublas(qa, sa, codes, scale_cublas, x.dtype)
+    if backend == "cublas" or (backend == "auto" and not uses_gemv(x.shape[0], codes.shape[0], x.shape[1])
+                               and cublas_block_supported(x.device.index or 0)):  # fmt: skip
+        qa, sa = quantize_activations(x, scheme=scheme, fused=True, column_major=True)
+        out = _block_cublas(qa, sa, codes, cublas_block_scales(scale) if scale_cublas is None else scale_cublas, x.dtype)
     else:
-        out = _triton_gemm().block_gemm(qa, sa, codes, scale, out_dtype=x.dtype)
+        out = _triton_gemm().linear(x, codes, scale, out_dtype=x.dtype)  # the GEMV or the quantizer + block GEMM
     return out if bias is None else out + bias
+
+
+def uses_gemv(m: int, n: int, k: int) -> bool:
+    """Whether the block-scaled product of M tokens by an [N, K] weight runs the Triton GEMV (x unquantized) rather
+    than an MMA GEMM on quantized activations: ``triton_fp8_gemm.launch_config``'s dispatch (M <= 4)."""
+    return isinstance(_triton_gemm().launch_config(m, n, k), _triton_gemm().Gemv)

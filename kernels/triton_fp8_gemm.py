@@ -17,8 +17,19 @@ Decode steps multiply a few tokens by a large weight, so the step reads the weig
 and the grid must keep enough weight bytes in flight on every SM: ``tile_config`` picks the
 tile per (M, N, K) (``Tiles``: BLOCK_M x BLOCK_N, warps, pipeline stages, K splits). A split
 K writes fp32 partials [S, M, N], summed in a fixed order by a second launch, so the output
-does not depend on scheduling. ``tiles_override`` launches every GEMM inside it with given
-tiles (benches time candidate shapes through it).
+does not depend on scheduling.
+
+At M <= 4 (``GEMV_ROWS``) ``linear`` takes the GEMV instead: no activation quantization and
+no tensor cores. A program streams a [BLOCK_N, BLOCK_K] tile of the E4M3 weight per step,
+converts it to fp32 in registers and reduces it along K against each activation row, the
+row scaled by the step's weight tile scales first (one multiply per activation value, not per
+weight value)::
+
+    y[m, n] = sum_k  qw[n, k] * (x[m, k] * sw[n // 128, k // 128])      (fp32, x unquantized)
+
+``launch_config(m, n, k)`` is the dispatch: a ``Gemv`` (``gemv_config``) at M <= 4, else a
+``Tiles`` (``tile_config``). ``tiles_override`` launches every GEMM inside it with a given
+``Tiles`` or ``Gemv`` (benches time candidate shapes and the other kernel through it).
 """
 
 from __future__ import annotations
@@ -98,6 +109,68 @@ def _sum_splits_kernel(
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(p_ptr + s * total + offs, mask=ok, other=0.0)
     tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _lane_sums(p, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """p [BLOCK_N, BLOCK_K] -> [BLOCK_N, BLOCK_K / 16]: each run of 16 columns summed (within a thread)."""
+    return tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // 16, 16)), axis=2)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K] activations (bf16 or fp32, row-major), M <= 4: read as they are, never quantized
+    w_ptr,  # [N, K] e4m3 weight codes (row-major: a program streams BLOCK_N rows, K contiguous)
+    sw_ptr,  # [ceil(N/128), K/128] fp32 weight tile scales (row-major)
+    c_ptr,  # [M, N] output (bf16 or fp32); with SPLIT_K > 1: [SPLIT_K, M, N] fp32 partials
+    n,  # rows of w, columns of c
+    k,  # columns of x and w, a multiple of BLOCK_K
+    stride_xm,  # row strides, in elements
+    stride_wn,
+    stride_swn,
+    stride_cm,
+    stride_cs,  # c's stride between K splits (unused at SPLIT_K 1)
+    ROWS: tl.constexpr,  # M, 1..4: one fp32 accumulator [BLOCK_N, BLOCK_K / 16] per activation row
+    BLOCK_N: tl.constexpr,  # weight rows per program, divides 128 (one tile scale per 128 columns of a step)
+    BLOCK_K: tl.constexpr,  # weight columns per step, a multiple of 128 dividing K
+    SPLIT_K: tl.constexpr,  # programs along K: split s takes a contiguous run of the K / BLOCK_K steps
+    STAGES: tl.constexpr,  # steps whose weight loads the compiler issues ahead of their use (1: none)
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < n
+    w_tile = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]: a step's tile
+    sw_row = sw_ptr + (pid_n * BLOCK_N // 128) * stride_swn  # this program's row of tile scales
+    # per row and 16-column lane: partial sums kept across steps (16 codes = one 16-byte load a thread), so a step
+    # sums within each thread and the sum across lanes runs once, after the loop
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
+    steps = k // BLOCK_K
+    per_split = tl.cdiv(steps, SPLIT_K)
+    for step in tl.range(pid_k * per_split, tl.minimum(steps, (pid_k + 1) * per_split), num_stages=STAGES):
+        kk = step * BLOCK_K + ks  # [BLOCK_K]
+        w = tl.load(w_tile + step * BLOCK_K, mask=row_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        sw = tl.load(sw_row + kk // 128)  # [BLOCK_K]: each column's tile scale (BLOCK_K / 128 distinct values)
+        # each row: x[m, kk] * sw (the tile scale moved onto the activation), then the dot along K
+        acc0 += _lane_sums(w * (tl.load(x_ptr + kk).to(tl.float32) * sw)[None, :], BLOCK_N, BLOCK_K)
+        if ROWS > 1:
+            acc1 += _lane_sums(w * (tl.load(x_ptr + stride_xm + kk).to(tl.float32) * sw)[None, :], BLOCK_N, BLOCK_K)
+        if ROWS > 2:
+            acc2 += _lane_sums(w * (tl.load(x_ptr + 2 * stride_xm + kk).to(tl.float32) * sw)[None, :], BLOCK_N, BLOCK_K)
+        if ROWS > 3:
+            acc3 += _lane_sums(w * (tl.load(x_ptr + 3 * stride_xm + kk).to(tl.float32) * sw)[None, :], BLOCK_N, BLOCK_K)
+    c = c_ptr + pid_k.to(tl.int64) * stride_cs + rows
+    tl.store(c, tl.sum(acc0, axis=1).to(c_ptr.dtype.element_ty), mask=row_ok)
+    if ROWS > 1:
+        tl.store(c + stride_cm, tl.sum(acc1, axis=1).to(c_ptr.dtype.element_ty), mask=row_ok)
+    if ROWS > 2:
+        tl.store(c + 2 * stride_cm, tl.sum(acc2, axis=1).to(c_ptr.dtype.element_ty), mask=row_ok)
+    if ROWS > 3:
+        tl.store(c + 3 * stride_cm, tl.sum(acc3, axis=1).to(c_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -258,13 +331,88 @@ def tile_config(m: int, n: int, k: int) -> Tiles:
     return Tiles(block_m, block_n, 4, 4, split)
 
 
-_OVERRIDE: contextvars.ContextVar[Tiles | None] = contextvars.ContextVar("fp8_block_gemm_tiles", default=None)
+@dataclasses.dataclass(frozen=True, slots=True)
+class Gemv:
+    """One launch shape of the GEMV (M <= 4): BLOCK_N weight rows x BLOCK_K columns a step, warps, pipeline stages
+    (steps whose weight loads run ahead of their use; 1: none), and K splits (> 1 adds the partials' sum)."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int = 1
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        if self.block_n not in (4, 8, 16, 32, 64, 128):
+            raise ValueError(f"Gemv.block_n must be 4, 8, 16, 32, 64 or 128 (a divisor of the 128-row weight tile), got {self.block_n}")
+        if self.block_k not in (128, 256, 512, 1024, 2048):
+            raise ValueError(f"Gemv.block_k must be 128, 256, 512, 1024 or 2048, got {self.block_k}")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"Gemv.warps must be 1, 2, 4, 8 or 16, got {self.warps}")
+        if not 1 <= self.stages <= 8:
+            raise ValueError(f"Gemv.stages must be 1..8, got {self.stages}")
+        if not 1 <= self.split_k <= 16:
+            raise ValueError(f"Gemv.split_k must be 1..16, got {self.split_k}")
+
+    @property
+    def label(self) -> str:
+        """``g32x512w4s1k2``: BLOCK_N x BLOCK_K, warps, stages, K splits (``parse`` reads it back)."""
+        return f"g{self.block_n}x{self.block_k}w{self.warps}s{self.stages}k{self.split_k}"
+
+    @classmethod
+    def parse(cls, text: str) -> Gemv:
+        found = re.fullmatch(r"g(\d+)x(\d+)w(\d+)s(\d+)k(\d+)", text.strip())
+        if found is None:
+            raise ValueError(f"gemv {text!r}: expected gBNxBKwWARPSsSTAGESkSPLITS, e.g. g32x512w4s1k2")
+        return cls(*(int(v) for v in found.groups()))
+
+
+GEMV_ROWS = 4  # the GEMV's largest M: one fp32 accumulator per activation row, each weight value used M times
+# Programs the GEMV's K split aims for: at least two per SM on a 132-SM H100/H200, so a power-of-two split lands at
+# 2-4 an SM, each with a 16 KiB weight tile in flight (Little's law at the H200's ~4.5 TB/s and ~0.8 us loaded
+# latency asks ~28 KiB an SM).
+GEMV_PROGRAMS = 264
+
+
+def gemv_split(tiles: int, steps: int) -> int:
+    """K splits for a GEMV grid of ``tiles`` column tiles and ``steps`` K steps: powers of two until the grid reaches
+    ``GEMV_PROGRAMS``, while each split keeps >= 2 steps (a split's partials cost M x N x 4 bytes, its sum a launch),
+    16 at most."""
+    split = 1
+    while split < 16 and tiles * split < GEMV_PROGRAMS and steps // (split * 2) >= 2:
+        split *= 2
+    return split
+
+
+def gemv_config(m: int, n: int, k: int) -> Gemv:
+    """The GEMV's launch shape for an [M, K] x [N, K]^T product, M <= 4.
+
+    - BLOCK_K 512 where it divides K (a warp's 32 lanes x 16-byte loads: one 512-byte run of each row a step,
+      whole 128-byte lines), else 256 or 128;
+    - BLOCK_N 32 (16 KiB of weight a step: 128 bytes a thread at 4 warps);
+    - 4 warps, 2 stages (the next step's tile lands in shared memory by cp.async while this one is summed: a
+      program's stream never waits on its own arithmetic; sm_90: 96 / 167 registers at M = 1 / 4, 19-22 KiB
+      shared, three programs an SM hold ~96 KiB in flight);
+    - K split by ``gemv_split`` (Qwen3-8B: qkv 2, o 4, down 4, gate_up 1: 384 / 512 / 512 / 768 programs)."""
+    block_k = next((b for b in (512, 256) if k % b == 0), GROUP)
+    block_n = 32
+    return Gemv(block_n, block_k, 4, 2, gemv_split(triton.cdiv(n, block_n), k // block_k))
+
+
+def launch_config(m: int, n: int, k: int) -> Tiles | Gemv:
+    """The dispatch: the GEMV at M <= ``GEMV_ROWS`` (decode at small batch: the weight stream binds, and no
+    activation quantization or padded MMA rows stand in its way), else the block GEMM at ``tile_config``'s tiles."""
+    return gemv_config(m, n, k) if m <= GEMV_ROWS else tile_config(m, n, k)
+
+
+_OVERRIDE: contextvars.ContextVar[Tiles | Gemv | None] = contextvars.ContextVar("fp8_block_gemm_tiles", default=None)
 
 
 @contextlib.contextmanager
-def tiles_override(tiles: Tiles) -> Iterator[None]:
-    """Every ``block_gemm`` launched inside the block uses ``tiles`` instead of ``tile_config``'s choice."""
-    token = _OVERRIDE.set(tiles)
+def tiles_override(launch: Tiles | Gemv) -> Iterator[None]:
+    """Every GEMM launched inside the block uses ``launch`` instead of the dispatch's choice: ``linear`` runs that
+    kernel (a ``Gemv`` needs M <= 4), ``block_gemm`` and ``gemv`` take it when it is theirs."""
+    token = _OVERRIDE.set(launch)
     try:
         yield
     finally:
@@ -290,7 +438,8 @@ def block_gemm(qa: Tensor, sa: Tensor, codes: Tensor, scale: Tensor, *, out_dtyp
     out = torch.empty((m, n), dtype=out_dtype, device=qa.device)
     if m == 0 or n == 0:
         return out
-    t = _OVERRIDE.get() or tile_config(m, n, k)
+    o = _OVERRIDE.get()
+    t = o if isinstance(o, Tiles) else tile_config(m, n, k)
     # c: the output, or [S, M, N] fp32 partials that the second launch sums in split order
     c = out if t.split_k == 1 else torch.empty((t.split_k, m, n), dtype=torch.float32, device=qa.device)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
@@ -300,6 +449,65 @@ def block_gemm(qa: Tensor, sa: Tensor, codes: Tensor, scale: Tensor, *, out_dtyp
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=GROUP, SPLIT_K=t.split_k, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     if t.split_k > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](c, out, m * n, SPLIT_K=t.split_k, BLOCK=block, num_warps=4)
+        _sum_splits(c, out)
     return out
+
+
+def _sum_splits(partials: Tensor, out: Tensor) -> None:
+    """out [M, N] = partials [S, M, N] (fp32, contiguous) summed over S in split order."""
+    block = 1024
+    total = out.numel()
+    _sum_splits_kernel[(triton.cdiv(total, block),)](partials, out, total, SPLIT_K=partials.shape[0], BLOCK=block, num_warps=4)
+
+
+def _check_weight(name: str, k: int, codes: Tensor, scale: Tensor) -> None:
+    if codes.dim() != 2 or codes.shape[1] != k:
+        raise ValueError(f"{name}: codes {tuple(codes.shape)} must be [N, K] with K = {k}")
+    n = codes.shape[0]
+    if codes.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name}: codes must be float8_e4m3fn, got {codes.dtype}")
+    if scale.shape != ((n + GROUP - 1) // GROUP, k // GROUP) or scale.dtype != torch.float32:
+        raise ValueError(f"{name}: scale {tuple(scale.shape)} {scale.dtype} must be float32 {((n + GROUP - 1) // GROUP, k // GROUP)}")
+
+
+def gemv(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """x [M, K] bf16 or fp32 (M <= 4, K a multiple of 128), codes [N, K] e4m3, scale [ceil(N/128), K/128] fp32
+    -> [M, N] ``out_dtype``: the product with x as it is (no activation quantization), fp32 sums."""
+    if x.dim() != 2 or x.shape[0] > GEMV_ROWS:
+        raise ValueError(f"gemv: x {tuple(x.shape)} must be [M, K] with M <= {GEMV_ROWS}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"gemv: x must be bfloat16 or float32, got {x.dtype}")
+    m, k = x.shape
+    if k % GROUP:
+        raise ValueError(f"gemv: K = {k} must be a multiple of {GROUP}")
+    _check_weight("gemv", k, codes, scale)
+    n = codes.shape[0]
+    o = _OVERRIDE.get()
+    g = o if isinstance(o, Gemv) else gemv_config(m, n, k)
+    if k % g.block_k:
+        raise ValueError(f"gemv: BLOCK_K {g.block_k} must divide K = {k}")
+    x, codes, scale = (t if t.stride(1) == 1 else t.contiguous() for t in (x, codes, scale))
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    # c: the output, or [S, M, N] fp32 partials that the second launch sums in split order
+    c = out if g.split_k == 1 else torch.empty((g.split_k, m, n), dtype=torch.float32, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, g.block_n), g.split_k)](
+        x, codes, scale, c, n, k, x.stride(0), codes.stride(0), scale.stride(0), c.stride(-2), c.stride(0) if g.split_k > 1 else 0,
+        ROWS=m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, STAGES=g.stages, num_warps=g.warps,
+    )  # fmt: skip
+    if g.split_k > 1:
+        _sum_splits(c, out)
+    return out
+
+
+def linear(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """x [M, K] bf16 -> [M, N] ``out_dtype`` through the kernel ``launch_config`` (or ``tiles_override``) picks: the
+    GEMV on x as it is, or the per-128 quantizer and the block GEMM."""
+    if x.dim() != 2:
+        raise ValueError(f"linear: x must be [M, K], got {tuple(x.shape)}")
+    launch = _OVERRIDE.get() or launch_config(x.shape[0], codes.shape[0], x.shape[1])
+    if isinstance(launch, Gemv):
+        return gemv(x, codes, scale, out_dtype=out_dtype)
+    qa, sa = quantize(x, group=GROUP)
+    return block_gemm(qa, sa, codes, scale, out_dtype=out_dtype)

@@ -7,7 +7,10 @@ Bounds:
   per-128 scaling, fp32 sums in another order): 1e-5 of the output's largest magnitude in fp32,
   one bf16 ulp of it (2^-7, the interpreter truncates) in bf16;
 - the GPU GEMMs against ``linear_ref`` (exact weights, unquantized activations, fp32):
-  ``gemm_error_bound`` per element (the activation quantization, bf16 output rounding, fp32 sums).
+  ``gemm_error_bound`` per element (the activation quantization, bf16 output rounding, fp32 sums);
+- the GEMV (M <= 4, activations not quantized) against the dequantized weight times the
+  activations in float64 (exact): ``_gemv_bound`` per element, fp32 rounding only (each term
+  rounded at most twice, sums of bounded depth) and one bf16 ulp of the output in bf16.
 
 On CPU the kernel runs under TRITON_INTERPRET=1 at tiny sizes; the ``gpu`` tests run the
 Qwen3-8B projection shapes through torch._scaled_mm, cuBLASLt's block scaling and Triton.
@@ -203,6 +206,121 @@ def test_triton_block_gemm_matches_its_torch_reference_under_every_tile_shape(la
         assert out.shape == (m, n) and (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
 
+def _gemv_bound(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, launch: object, out_dtype: torch.dtype) -> torch.Tensor:
+    """Per-element bound [M, N] on |gemv - x @ W^T| (W = the dequantized weight; the reference in float64 is exact).
+    Each term x_k * s * q_k rounds at most twice in fp32 (x * s, then the product unless fused) and the fp32 sums
+    form a tree of depth at most BLOCK_K (a step's terms, in any order) + K / BLOCK_K (the steps) + SPLIT_K (the
+    partials' sum), so by Higham's bound for summation trees the fp32 result is within gamma_(depth + 2) *
+    sum_k |x_k W_nk|; a bf16 output adds one bf16 ulp (2^-7 of the value: the interpreter truncates)."""
+    k = x.shape[1]
+    depth = launch.block_k + k // launch.block_k + launch.split_k + 2  # type: ignore[attr-defined]
+    u = 2.0**-24
+    w = fp8_gemm.dequantize(codes, scale, scheme="block").double()
+    e32 = depth * u / (1 - depth * u) * (x.double().abs() @ w.abs().t())
+    if out_dtype == torch.float32:
+        return e32
+    return e32 + 2.0**-7 * ((x.double() @ w.t()).abs() + e32)
+
+
+def _check_gemv(m: int, n: int, k: int, launch: object, *, seed: int, out_dtype: torch.dtype = torch.float32,
+                x_dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
+    from kvserving.kernels.triton_fp8_gemm import gemv, tiles_override
+
+    x = _acts(m, k, seed=seed).to(x_dtype)
+    codes, scale = fp8_gemm.quantize_blocks(_weight(n, k, seed=seed + m))
+    with tiles_override(launch):  # type: ignore[arg-type]
+        out = gemv(x, codes, scale, out_dtype=out_dtype)
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    ref = x.double() @ fp8_gemm.dequantize(codes, scale, scheme="block").double().t()
+    err = (out.double() - ref).abs()
+    bound = _gemv_bound(x, codes, scale, launch, out_dtype)
+    assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g} at M {m}, N {n}, K {k}, {launch}"
+    if out_dtype == torch.float32:  # and tight: a lost or doubled 128-column group moves outputs by ~10 %
+        assert bound.max().item() < 2e-3 * ref.abs().max().item()
+
+
+@interpreter_only
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "k"), QWEN3_8B_SHAPES[:4])
+def test_gemv_equals_the_dequantized_product_at_the_launch_chosen_for_qwen3_8b_shapes(m: int, n: int, k: int) -> None:
+    """``gemv_config``'s launch at each full shape (K splits 2, 4, 1 and 4) on a 128-row slice of such a weight."""
+    from kvserving.kernels.triton_fp8_gemm import gemv_config
+
+    _check_gemv(m, 128, k, gemv_config(m, n, k), seed=n + k)
+
+
+@interpreter_only
+@pytest.mark.parametrize("label", ["g32x512w4s2k1", "g32x256w4s1k3", "g16x128w2s3k5", "g8x1024w8s2k2", "g64x128w4s1k16"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_equals_the_dequantized_product_at_uneven_n_under_every_split(label: str, m: int) -> None:
+    """N 200 (a last tile of 8 rows in a half-used 128-row scale tile) and 72; K 1024 in 2-8 steps, split 1-16 ways
+    (3, 5 and 16 splits do not divide the steps: some splits hold one step less, some none and write zeros);
+    bf16 and fp32 outputs, bf16 and fp32 activations."""
+    from kvserving.kernels.triton_fp8_gemm import Gemv
+
+    launch = Gemv.parse(label)
+    _check_gemv(m, 200, 1024, launch, seed=m, out_dtype=torch.bfloat16)
+    _check_gemv(m, 72, 1024, launch, seed=m + 7, x_dtype=torch.float32)
+
+
+def test_the_dispatch_takes_the_gemv_at_m_up_to_4_at_the_qwen3_8b_shapes() -> None:
+    from kvserving.kernels.triton_fp8_gemm import Gemv, Tiles, gemv_split, launch_config, tile_config
+
+    got = {(n, k): [launch_config(m, n, k).label for m in (1, 2, 3, 4)] for n, k in QWEN3_8B_SHAPES[:4]}
+    assert got == {
+        (6144, 4096): ["g32x512w4s2k2"] * 4,  # 192 tiles x 2 = 384 programs, 4 steps a split
+        (4096, 4096): ["g32x512w4s2k4"] * 4,  # 128 x 4 = 512 (x 2 = 256 is short of two an SM); 2 steps a split
+        (24576, 4096): ["g32x512w4s2k1"] * 4,  # 768 tiles fill the grid alone
+        (4096, 12288): ["g32x512w4s2k4"] * 4,  # 24 steps, 6 a split
+    }
+    for n, k in QWEN3_8B_SHAPES[:4]:
+        assert launch_config(5, n, k) == tile_config(5, n, k) and isinstance(launch_config(5, n, k), Tiles)
+        assert fp8_gemm.uses_gemv(4, n, k) and not fp8_gemm.uses_gemv(5, n, k)
+    assert launch_config(1, 512, 384).label == "g32x128w4s2k1"  # K 384: steps of 128; 16 tiles, 3 steps: no split
+    assert isinstance(launch_config(1, 256, 1024), Gemv) and gemv_split(8, 3) == 1 and gemv_split(8, 64) == 16 and gemv_split(8, 16) == 8
+    assert Gemv.parse(" g16x256w8s3k5") == Gemv(16, 256, 8, 3, 5) and Gemv(16, 256, 8, 3, 5).label == "g16x256w8s3k5"
+    for bad in ("g24x512w4s2k1", "g32x384w4s2k1", "g32x512w3s2k1", "g32x512w4s9k1", "g32x512w4s2k0", "32x512w4s2k1"):
+        with pytest.raises(ValueError):
+            Gemv.parse(bad)
+
+
+@interpreter_only
+def test_linear_runs_the_dispatched_kernel_and_the_override_picks_the_other() -> None:
+    """M 2: the GEMV (x unquantized); under a ``Tiles`` override the quantizer and the block GEMM (x quantized per
+    128: the quantized reference); M 5: the block GEMM."""
+    from kvserving.kernels.triton_fp8_gemm import Tiles, linear, tiles_override
+
+    codes, scale = fp8_gemm.quantize_blocks(_weight(128, 512, seed=3))
+    for m in (2, 5):
+        x = _acts(m, 512, seed=m).to(torch.bfloat16)
+        exact = x.double() @ fp8_gemm.dequantize(codes, scale, scheme="block").double().t()
+        spec = fp8_gemm.linear_quantized_ref(x, codes, scale, scheme="block").double()
+        top = exact.abs().max().item()
+        out = linear(x, codes, scale, out_dtype=torch.float32).double()
+        if m == 2:
+            assert (out - exact).abs().max().item() <= 1e-5 * top < (spec - exact).abs().max().item()
+            with tiles_override(Tiles(16, 64, 4, 4, 1)):
+                out = linear(x, codes, scale, out_dtype=torch.float32).double()
+        assert (out - spec).abs().max().item() <= 1e-5 * top < (out - exact).abs().max().item()
+
+
+def test_gemv_refuses_bad_operands() -> None:
+    from kvserving.kernels.triton_fp8_gemm import Gemv, gemv, tiles_override
+
+    codes, scale = fp8_gemm.quantize_blocks(torch.randn(128, 256))
+    with pytest.raises(ValueError, match="M <= 4"):
+        gemv(torch.zeros(5, 256), codes, scale)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        gemv(torch.zeros(2, 256, dtype=torch.float16), codes, scale)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        gemv(torch.zeros(2, 256), codes.float(), scale)
+    with pytest.raises(ValueError, match="scale"):
+        gemv(torch.zeros(2, 256), codes, scale[:, :1])
+    with pytest.raises(ValueError, match="BLOCK_K 512 must divide K = 256"), tiles_override(Gemv(32, 512, 4)):
+        gemv(torch.zeros(2, 256), codes, scale)
+    assert gemv(torch.zeros(0, 256), codes, scale).shape == (0, 128)
+
+
 def test_triton_block_gemm_refuses_bad_operands() -> None:
     from kvserving.kernels.triton_fp8_gemm import block_gemm
 
@@ -231,6 +349,14 @@ def _check_cuda_gemm(m: int, n: int, k: int, scheme: str, backend: str, static: 
     bound = fp8_gemm.gemm_error_bound(x.float(), codes, scale, scheme=scheme, input_scale=input_scale)
     err = (out.float() - ref).abs()
     assert (err <= bound).all(), f"worst excess {(err - bound).max().item()} at {m}x{n}x{k}"
+    if scheme == "block" and backend != "cublas" and fp8_gemm.uses_gemv(m, n, k):
+        # the GEMV: activations not quantized, only the fp32 sums and the bf16 output round (to nearest on the GPU: 2^-8)
+        from kvserving.kernels.triton_fp8_gemm import gemv_config
+
+        exact = x.double() @ fp8_gemm.dequantize(codes, scale, scheme="block").double().t()
+        e32 = _gemv_bound(x, codes, scale, gemv_config(m, n, k), torch.float32)
+        assert ((out.double() - exact).abs() <= e32 + 2.0**-8 * (exact.abs() + e32)).all()
+        return
     # and the same arithmetic as the torch spec of the quantized product, up to output rounding and sum order
     spec = fp8_gemm.linear_quantized_ref(x, codes, scale, scheme=scheme, input_scale=input_scale)
     assert (out.float() - spec).abs().max().item() <= 2.0**-7 * spec.abs().max().item()
@@ -245,7 +371,7 @@ def test_cuda_per_tensor_gemm_within_bound_at_qwen3_8b_shapes(m: int, n: int, k:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 16, 64, 256, 1000])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 64, 256, 1000])
 @pytest.mark.parametrize(("n", "k"), QWEN3_8B_SHAPES)
 @pytest.mark.parametrize("backend", ["triton", "cublas", "auto"])
 def test_cuda_block_gemm_within_bound_at_qwen3_8b_shapes(m: int, n: int, k: int, backend: str) -> None:
