@@ -19,16 +19,17 @@ tile per (M, N, K) (``Tiles``: BLOCK_M x BLOCK_N, warps, pipeline stages, K spli
 K writes fp32 partials [S, M, N], summed in a fixed order by a second launch, so the output
 does not depend on scheduling.
 
-At M <= 4 (``GEMV_ROWS``) ``linear`` takes the GEMV instead: no activation quantization and
-no tensor cores. A program streams a [BLOCK_N, BLOCK_K] tile of the E4M3 weight per step,
+At M <= 2, where the block GEMM splits K (its column tiles alone do not fill the grid),
+``linear`` takes the GEMV instead (it runs M <= 4, ``GEMV_ROWS``): no activation quantization
+and no tensor cores. A program streams a [BLOCK_N, BLOCK_K] tile of the E4M3 weight per step,
 converts it to fp32 in registers and reduces it along K against each activation row, the
 row scaled by the step's weight tile scales first (one multiply per activation value, not per
 weight value)::
 
     y[m, n] = sum_k  qw[n, k] * (x[m, k] * sw[n // 128, k // 128])      (fp32, x unquantized)
 
-``launch_config(m, n, k)`` is the dispatch: a ``Gemv`` (``gemv_config``) at M <= 4, else a
-``Tiles`` (``tile_config``). ``tiles_override`` launches every GEMM inside it with a given
+``launch_config(m, n, k)`` is the dispatch: a ``Gemv`` (``gemv_config``) or a ``Tiles``
+(``tile_config``). ``tiles_override`` launches every GEMM inside it with a given
 ``Tiles`` or ``Gemv`` (benches time candidate shapes and the other kernel through it).
 """
 
@@ -368,6 +369,7 @@ class Gemv:
 
 
 GEMV_ROWS = 4  # the GEMV's largest M: one fp32 accumulator per activation row, each weight value used M times
+GEMV_DISPATCH_ROWS = 2  # the largest M the dispatch gives the GEMV (at M = 4 the block GEMM was faster on every shape)
 # Programs the GEMV's K split aims for: at least two per SM on a 132-SM H100/H200, so a power-of-two split lands at
 # 2-4 an SM, each with a 16 KiB weight tile in flight (Little's law at the H200's ~4.5 TB/s and ~0.8 us loaded
 # latency asks ~28 KiB an SM).
@@ -390,19 +392,24 @@ def gemv_config(m: int, n: int, k: int) -> Gemv:
     - BLOCK_K 512 where it divides K (a warp's 32 lanes x 16-byte loads: one 512-byte run of each row a step,
       whole 128-byte lines), else 256 or 128;
     - BLOCK_N 32 (16 KiB of weight a step: 128 bytes a thread at 4 warps);
-    - 4 warps, 2 stages (the next step's tile lands in shared memory by cp.async while this one is summed: a
-      program's stream never waits on its own arithmetic; sm_90: 96 / 167 registers at M = 1 / 4, 19-22 KiB
-      shared, three programs an SM hold ~96 KiB in flight);
+    - 4 warps, 1 stage (plain loads into registers: on the H200 staging the next tile in shared memory by
+      cp.async, 2 or 3 stages, was 25-35 % slower at M = 1 and 2);
     - K split by ``gemv_split`` (Qwen3-8B: qkv 2, o 4, down 4, gate_up 1: 384 / 512 / 512 / 768 programs)."""
     block_k = next((b for b in (512, 256) if k % b == 0), GROUP)
     block_n = 32
-    return Gemv(block_n, block_k, 4, 2, gemv_split(triton.cdiv(n, block_n), k // block_k))
+    return Gemv(block_n, block_k, 4, 1, gemv_split(triton.cdiv(n, block_n), k // block_k))
 
 
 def launch_config(m: int, n: int, k: int) -> Tiles | Gemv:
-    """The dispatch: the GEMV at M <= ``GEMV_ROWS`` (decode at small batch: the weight stream binds, and no
-    activation quantization or padded MMA rows stand in its way), else the block GEMM at ``tile_config``'s tiles."""
-    return gemv_config(m, n, k) if m <= GEMV_ROWS else tile_config(m, n, k)
+    """The dispatch: the GEMV at M <= ``GEMV_DISPATCH_ROWS`` where the block GEMM would split K (qkv, o and down of
+    the Qwen3-8B shape: no activation quantization, no padded MMA rows, no split sum of 16-row tiles), else the
+    block GEMM at ``tile_config``'s tiles. Measured on the H200 at M = 1 / 2 (us, block GEMM -> GEMV): qkv 12.1 ->
+    10.6 / 12.2 -> 11.6, o 10.2 -> 8.0 / 10.4 -> 9.4, down 19.9 -> 16.3 / 20.0 -> 18.5; gate_up, whose 384 column
+    tiles fill the grid, 28.6 against 29.5 and M = 4 on every shape favour the block GEMM."""
+    tiles = tile_config(m, n, k)
+    if m <= GEMV_DISPATCH_ROWS and tiles.split_k > 1:
+        return gemv_config(m, n, k)
+    return tiles
 
 
 _OVERRIDE: contextvars.ContextVar[Tiles | Gemv | None] = contextvars.ContextVar("fp8_block_gemm_tiles", default=None)

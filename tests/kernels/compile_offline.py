@@ -134,8 +134,8 @@ def _engine_kernels() -> None:
     cos, sin = torch.ones(4, 128), torch.zeros(4, 128)
     wd = torch.ones(128, dtype=torch.bfloat16)
     triton_norm.qk_norm_rope(qkv, cos, sin, num_heads=32, num_kv_heads=8, head_dim=128, q_weight=wd, k_weight=wd)
-    # FP8 weights: the block-scaled GEMM (its tile shape follows M), and the GEMV at M <= 4 (x unquantized; M 1 and 4,
-    # its smallest and largest accumulator sets) as linear_cuda dispatches it
+    # FP8 weights: the block-scaled GEMM (its tile shape follows M), and the GEMV at M 1 and 2 (x unquantized; the
+    # dispatch's two GEMV sizes, where the block GEMM would split K) as linear_cuda dispatches it
     from kvserving.kernels import fp8_gemm, triton_fp8_gemm
 
     _label[0] = "fp8"
@@ -143,7 +143,7 @@ def _engine_kernels() -> None:
     for m in (16, 64, 256):
         qa, sa = fp8_gemm.quantize_groups(torch.randn(m, 4096))
         triton_fp8_gemm.block_gemm(qa, sa, blocks_q, blocks)
-    for m in (1, 4):
+    for m in (1, 2):
         triton_fp8_gemm.linear(torch.randn(m, 4096, dtype=torch.bfloat16), blocks_q, blocks)
 
 

@@ -62,7 +62,7 @@ def _expected(sm: int) -> set[str]:
     names |= {"bf16:_merge_kernel", "fp8_e4m3:_merge_kernel"}
     names |= {"triaxial:_write_int2_keys_kernel", "triaxial:_write_int2_values_kernel", "triaxial:_decode_kernel#2"}
     # FP8 weights: the block GEMM per tile shape (M 16, 64, 256); M 16 splits K, so its partials' sum too (the GEMV's
-    # 4 splits at M 1 and 4 reuse that specialization); the GEMV at M 1 and 4
+    # 4 splits at M 1 and 2 reuse that specialization); the GEMV at M 1 and 2
     names |= {"fp8:_block_gemm_kernel", "fp8:_block_gemm_kernel#2", "fp8:_block_gemm_kernel#3", "fp8:_sum_splits_kernel"}
     names |= {"fp8:_gemv_kernel", "fp8:_gemv_kernel#2"}
     if row.e2m1 == "cvt":

@@ -263,21 +263,22 @@ def test_gemv_equals_the_dequantized_product_at_uneven_n_under_every_split(label
     _check_gemv(m, 72, 1024, launch, seed=m + 7, x_dtype=torch.float32)
 
 
-def test_the_dispatch_takes_the_gemv_at_m_up_to_4_at_the_qwen3_8b_shapes() -> None:
-    from kvserving.kernels.triton_fp8_gemm import Gemv, Tiles, gemv_split, launch_config, tile_config
+def test_the_dispatch_takes_the_gemv_at_m_up_to_2_where_the_block_gemm_splits_k() -> None:
+    from kvserving.kernels.triton_fp8_gemm import Gemv, Tiles, gemv_config, gemv_split, launch_config, tile_config
 
     got = {(n, k): [launch_config(m, n, k).label for m in (1, 2, 3, 4)] for n, k in QWEN3_8B_SHAPES[:4]}
     assert got == {
-        (6144, 4096): ["g32x512w4s2k2"] * 4,  # 192 tiles x 2 = 384 programs, 4 steps a split
-        (4096, 4096): ["g32x512w4s2k4"] * 4,  # 128 x 4 = 512 (x 2 = 256 is short of two an SM); 2 steps a split
-        (24576, 4096): ["g32x512w4s2k1"] * 4,  # 768 tiles fill the grid alone
-        (4096, 12288): ["g32x512w4s2k4"] * 4,  # 24 steps, 6 a split
+        (6144, 4096): ["g32x512w4s1k2"] * 2 + ["16x64w4s4k4"] * 2,  # 192 tiles x 2 = 384 programs, 4 steps a split
+        (4096, 4096): ["g32x512w4s1k4"] * 2 + ["16x64w4s4k4"] * 2,  # 128 x 4 = 512; 2 steps a split
+        (24576, 4096): ["16x64w4s4k1"] * 4,  # the block GEMM's 384 column tiles fill the grid: no split, no GEMV
+        (4096, 12288): ["g32x512w4s1k4"] * 2 + ["16x64w4s4k4"] * 2,  # 24 steps, 6 a split
     }
     for n, k in QWEN3_8B_SHAPES[:4]:
         assert launch_config(5, n, k) == tile_config(5, n, k) and isinstance(launch_config(5, n, k), Tiles)
-        assert fp8_gemm.uses_gemv(4, n, k) and not fp8_gemm.uses_gemv(5, n, k)
-    assert launch_config(1, 512, 384).label == "g32x128w4s2k1"  # K 384: steps of 128; 16 tiles, 3 steps: no split
-    assert isinstance(launch_config(1, 256, 1024), Gemv) and gemv_split(8, 3) == 1 and gemv_split(8, 64) == 16 and gemv_split(8, 16) == 8
+        assert not fp8_gemm.uses_gemv(3, n, k) and fp8_gemm.uses_gemv(2, n, k) == (n != 24576)
+    assert gemv_config(1, 512, 384).label == "g32x128w4s1k1"  # K 384: steps of 128; 16 tiles, 3 steps: no split
+    assert isinstance(launch_config(1, 256, 4096), Gemv) and isinstance(launch_config(1, 256, 1024), Tiles)  # split 4 / none
+    assert gemv_split(8, 3) == 1 and gemv_split(8, 64) == 16 and gemv_split(8, 16) == 8
     assert Gemv.parse(" g16x256w8s3k5") == Gemv(16, 256, 8, 3, 5) and Gemv(16, 256, 8, 3, 5).label == "g16x256w8s3k5"
     for bad in ("g24x512w4s2k1", "g32x384w4s2k1", "g32x512w3s2k1", "g32x512w4s9k1", "g32x512w4s2k0", "32x512w4s2k1"):
         with pytest.raises(ValueError):
@@ -286,13 +287,14 @@ def test_the_dispatch_takes_the_gemv_at_m_up_to_4_at_the_qwen3_8b_shapes() -> No
 
 @interpreter_only
 def test_linear_runs_the_dispatched_kernel_and_the_override_picks_the_other() -> None:
-    """M 2: the GEMV (x unquantized); under a ``Tiles`` override the quantizer and the block GEMM (x quantized per
-    128: the quantized reference); M 5: the block GEMM."""
-    from kvserving.kernels.triton_fp8_gemm import Tiles, linear, tiles_override
+    """M 2 at K 2048 (the block GEMM would split K): the GEMV (x unquantized); under a ``Tiles`` override the
+    quantizer and the block GEMM (x quantized per 128: the quantized reference); M 5: the block GEMM."""
+    from kvserving.kernels.triton_fp8_gemm import Gemv, Tiles, launch_config, linear, tiles_override
 
-    codes, scale = fp8_gemm.quantize_blocks(_weight(128, 512, seed=3))
+    codes, scale = fp8_gemm.quantize_blocks(_weight(128, 2048, seed=3))
+    assert isinstance(launch_config(2, 128, 2048), Gemv) and isinstance(launch_config(5, 128, 2048), Tiles)
     for m in (2, 5):
-        x = _acts(m, 512, seed=m).to(torch.bfloat16)
+        x = _acts(m, 2048, seed=m).to(torch.bfloat16)
         exact = x.double() @ fp8_gemm.dequantize(codes, scale, scheme="block").double().t()
         spec = fp8_gemm.linear_quantized_ref(x, codes, scale, scheme="block").double()
         top = exact.abs().max().item()
