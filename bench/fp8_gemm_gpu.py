@@ -18,13 +18,14 @@ Outputs are checked against ``fp8_gemm.gemm_error_bound`` once per shape before 
 from __future__ import annotations
 
 import argparse
-import json
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from decode_gpu import read_bandwidth, time_ms
 
+from kvserving import jsonfmt
 from kvserving.kernels import fp8_gemm
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -74,9 +75,8 @@ def main() -> None:
             print(f"  {name:<8} M={m:<5} " + "  ".join(
                 f"{p} {row[p]['ms'] * 1e3:7.1f} us ({row[p]['weight_tb_s']:.2f} TB/s, {row[p]['speedup_vs_bf16']:.2f}x)"
                 for p in paths), flush=True)  # fmt: skip
-    with open(opts.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "read_tb_s": peak,
-                   "cublas_block": cublas, "rows": rows}, f, indent=1)  # fmt: skip
+    Path(opts.out).write_text(jsonfmt.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "read_tb_s": peak,
+                                             "cublas_block": cublas, "rows": rows}))  # fmt: skip
 
 
 if __name__ == "__main__":

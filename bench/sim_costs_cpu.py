@@ -35,6 +35,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from kvserving import jsonfmt  # noqa: E402
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig  # noqa: E402
 from kvserving.model_dir import tiny_model_dir  # noqa: E402
 from kvserving.worker.engine import LLMEngine  # noqa: E402
@@ -196,7 +197,7 @@ def main() -> None:
     from kvserving.sim.costs import CostModel
 
     CostModel.from_dict(costs)  # refuses a bad profile before writing it
-    args.out.write_text(json.dumps(costs, indent=1, sort_keys=True) + "\n")
+    args.out.write_text(jsonfmt.dumps(costs, sort_keys=True))
     print(json.dumps({k: v for k, v in costs.items() if k != "notes"}, indent=1))
     print(costs["notes"])
 
