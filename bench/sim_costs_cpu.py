@@ -14,7 +14,7 @@ Measured here (the engine in this process, ``torch.set_num_threads(1)``, medians
   and whether each prompt starts with the previous prompt plus the reply (tokens lost at the
   reply's end: ``reply_lost_tokens``).
 
-Not measured here, taken from committed notes: the gateway's CPU per request (3.3 ms,
+Not measured here, taken from the pages that hold them: the gateway's CPU per request (3.3 ms,
 docs/performance-log/gateway.md) and a CPU NIXL descriptor (1.4 us, DESIGN.md Worker). The worker
 requests' HTTP and lease round trips (``prefill_request_s``, ``decode_request_s``,
 ``transfer_overhead_s``) are set from the bench's own measurements when bench/results/agents_cpu.json
