@@ -38,7 +38,7 @@ def test_lists_of_scalars_and_table_rows_stay_on_one_line_and_the_rest_is_indent
 
 
 def test_what_it_writes_loads_back_as_json_dumps_would() -> None:
-    doc = {"b": (1, 2), 3: {"nested": [{"a": [1.5, None, True]}] * 30}, "s": "é\n\"q\""}
+    doc = {"b": (1, 2), 3: {"nested": [{"a": [1.5, None, True]}] * 30}, "s": 'é\n"q"'}
     text = dumps(doc)
     assert json.loads(text) == json.loads(json.dumps(doc))
     assert dumps(json.loads(text)) == text  # stable: a rewritten file is unchanged
