@@ -91,10 +91,10 @@ def check_device(device: str | None, flag: str = "--device") -> None:
             raise ValueError(f"{flag} {device}: only {count} CUDA device(s) are visible")
 
 
-def check_memory_bytes(nbytes: int, flag: str) -> None:
+def check_memory_bytes(nbytes: int, flag: str, *, given: str | None = None) -> None:
     """Refuse (ValueError naming ``flag``) a memory budget larger than the whole device the
     engine puts it on (the GPU when one is visible, else this machine's RAM): one line, not
-    an allocator's traceback."""
+    an allocator's traceback. ``given``: the value as the user wrote it (default: ``nbytes``)."""
     import torch
 
     if torch.cuda.is_available():
@@ -102,7 +102,7 @@ def check_memory_bytes(nbytes: int, flag: str) -> None:
     else:
         total, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
     if nbytes > total:
-        raise ValueError(f"{flag} {nbytes} is more than {where} ({total / 2**30:.1f} GiB)")
+        raise ValueError(f"{flag} {given or nbytes} is more than {where} ({total / 2**30:.1f} GiB)")
 
 
 def check_listen_address(host: str, port: int, *, host_flag: str = "--host", port_flag: str = "--port") -> None:

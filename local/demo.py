@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
-from kvserving.argtypes import check_output_file, float_in, int_in
+from kvserving.argtypes import check_memory_bytes, check_output_file, float_in, int_in
 from kvserving.config import KV_DTYPES, KVCacheConfig, ModelConfig, ServingConfig
 
 DEMO_SESSION = "kvserving-demo"
@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.plot is not None:
         check_output_file(args.plot, "--plot")  # before the two runs, not after
+    check_memory_bytes(args.kv_mib * 2**20, "--kv-mib", given=str(args.kv_mib))  # each worker's pool
     # SIGTERM ends the demo as Ctrl-C does: the stack's context stops every child on the way out.
     signal.signal(signal.SIGTERM, _interrupt)
     builtin = args.model is None

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
-from kvserving.argtypes import check_listen_address, float_in
+from kvserving.argtypes import check_listen_address, check_memory_bytes, float_in
 from kvserving.config import KV_DTYPES, LOAD_FORMATS, KVCacheConfig, ReuseConfig, ServingConfig
 
 
@@ -111,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.port <= 65532:
         raise ValueError(f"--port must be in 1..65532 (the next three ports are used too), got {args.port}")
     check_listen_address(args.host, 0)  # the ports are the stack's own check, all at once
+    if config.kv_cache.memory_bytes is not None:  # each worker's pool: refused here, not by each worker's allocator
+        flag, given = ("--kv-mib", str(args.kv_mib)) if args.kv_mib is not None else ("kv_cache.memory_bytes", None)
+        check_memory_bytes(config.kv_cache.memory_bytes, flag, given=given)
     if args.run_dir is not None:
         existing = next(p for p in (args.run_dir, *args.run_dir.parents) if p.exists())
         if not existing.is_dir():

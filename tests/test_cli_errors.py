@@ -311,6 +311,12 @@ CASES: dict[str, Case] = {
     "up-run-dir-a-file": Case(
         ("up", "--model", "tiny", "--run-dir", "a-file/logs"), 1, "kvserving up: error: --run-dir a-file/logs: a-file is not a directory"
     ),
+    "up-kv-mib-beyond-memory": Case(
+        ("up", "--model", "tiny", "--kv-mib", "100000000"), 1, "kvserving up: error: --kv-mib 100000000 is more than "
+    ),
+    "demo-kv-mib-beyond-memory": Case(
+        ("demo", "--model", "tiny", "--kv-mib", "1048576"), 1, "kvserving demo: error: --kv-mib 1048576 is more than "
+    ),
     # kvserving gateway and worker: refused before the tokenizer or the model loads
     "gateway-no-workers": Case(
         ("gateway",), 1, "kvserving gateway: error: no workers: give --decode URL (and --prefill URL) or gateway.decode_service"
@@ -458,7 +464,9 @@ def test_a_part_that_dies_while_starting_is_named_with_its_error_and_its_logs_ar
         first, *tail = up.stderr.splitlines()  # then the log's last lines
         assert re.fullmatch(rf"kvserving up: error: (prefill|decode) {re.escape(REFUSED)}\S+\.log\)", first), first
         assert tail[0] == "its last lines:" and any("could not start the engine" in line for line in tail)
-        assert_one_line(demo, Case((), 1, f"kvserving demo: error: the reuse on stack: prefill {REFUSED}"))
+        assert (demo.code, "Traceback" in demo.stderr) == (1, False), demo.stderr
+        (line,) = demo.stderr.splitlines()  # the first worker to die (both load the model) is named
+        assert re.fullmatch(rf"kvserving demo: error: the reuse on stack: (prefill|decode) {re.escape(REFUSED)}\S+\.log\)", line), line
         assert len(logs) == 2 and all(log.is_file() for log in logs)  # kept for the user to read
     finally:
         for log in logs:
