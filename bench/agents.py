@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvserving import jsonfmt
 from kvserving.agents.load import REUSE_MODES, AgentSpec, Conversation, Dist, LoadSpec, agent, fixed, reuse_for_mode
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.local.stack import LocalStack, StackError, StackSpec, free_ports
@@ -587,7 +588,7 @@ def combine(files: list[Path], json_out: Path, png_out: Path) -> dict[str, Any]:
         "total_s": sum(p["total_s"] for p in parts),
         "parts": [name for f, p in zip(files, parts) for name in p.get("parts", [f.name])],
     }
-    json_out.write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
+    json_out.write_text(jsonfmt.dumps(_finite(result), allow_nan=False))
     # "bench/agents.py: agent traffic on the local stack (WHERE) (combined from N runs)": WHERE may hold parentheses
     where = what.split(" (", 1)[-1].rsplit(") (combined", 1)[0]
     plot(points, png_out, title=f"{result['kv_per_worker']} KV per worker; {where}", seed_cliff=True)
@@ -707,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         current = result()
         current["points"] = points + done_points
         current["stacks"] = stacks + [meta]
-        args.json.write_text(json.dumps(_finite(current), indent=1, allow_nan=False) + "\n")
+        args.json.write_text(jsonfmt.dumps(_finite(current), allow_nan=False))
 
     for fmt, mode, conc in progress(runs, desc="stacks", quiet=args.quiet):
         pts, meta = run_stack(fmt, mode, conc, load, args, on_point=save)
@@ -723,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     caps = {m["format"]: m["capacity_tokens"]["decode"] for m in stacks if m["mode"] == "lease"}
     print("pool capacity per worker, tokens: " + ", ".join(f"{k} {v}" for k, v in caps.items()))
-    args.json.write_text(json.dumps(_finite(final), indent=1, allow_nan=False) + "\n")
+    args.json.write_text(jsonfmt.dumps(_finite(final), allow_nan=False))
     plot(points, args.png, title=f"{pool} KV per worker, {where}, {len(points)} points", seed_cliff=args.gpu)
     print(f"wrote {args.json} and {args.png} ({final['total_s']:.0f} s)")
     return 0

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -42,6 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvserving import jsonfmt
 from kvserving.agents.load import WORDS, Conversation, agent
 from kvserving.agents.pages import SPEC as AGENT_SPEC
 from kvserving.bits import bits_table_for_budget
@@ -214,10 +214,7 @@ def main() -> None:
         )
     if args.json:
         args.json.write_text(
-            json.dumps(
-                {"turns": args.turns, "pool_pages": args.pool_pages, "in_flight": IN_FLIGHT, "cells": [asdict(c) for c in cells]}, indent=1
-            )
-            + "\n"
+            jsonfmt.dumps({"turns": args.turns, "pool_pages": args.pool_pages, "in_flight": IN_FLIGHT, "cells": [asdict(c) for c in cells]})
         )
 
 

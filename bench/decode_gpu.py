@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserving import jsonfmt
 from kvserving.kernels import paged_ops, triton_decode, triton_gather, triton_write
 from kvserving.kernels.layout import PageLayout
 from kvserving.kernels.options import KernelOptions
@@ -389,9 +391,9 @@ def main() -> None:
                 record(shape, f"gather_kv {fmt} ({ctx} tok)", t, gbytes)
             del pool
             torch.cuda.empty_cache()
-        with open(args.out, "w") as f:  # after every shape: a run cut short by its time limit keeps its rows
-            json.dump({"device": dev, "read_tb_s": read_tbs, "read_runs": read_runs, "copy_tb_s": copy_tbs, "yardstick": "read",
-                       "rows": rows, "partial": True}, f, indent=1)  # fmt: skip
+        # after every shape: a run cut short by its time limit keeps its rows
+        Path(args.out).write_text(jsonfmt.dumps({"device": dev, "read_tb_s": read_tbs, "read_runs": read_runs, "copy_tb_s": copy_tbs,
+                                                 "yardstick": "read", "rows": rows, "partial": True}))  # fmt: skip
         if "bf16" in outs:
             for fmt, o in outs.items():
                 if fmt not in ("bf16", "triaxial"):
@@ -399,9 +401,8 @@ def main() -> None:
     copy_end = copy_bandwidth()
     read_end, _ = read_bandwidth(sizes_gib=(2,), ppsm=(8, 16))
     print(f"copy bandwidth at the start {copy_tbs:.2f}, at the end {copy_end:.2f} TB/s; read {read_tbs:.2f} / {read_end:.2f}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump({"device": dev, "read_tb_s": read_tbs, "read_tb_s_end": read_end, "read_runs": read_runs,
-                   "copy_tb_s": copy_tbs, "copy_tb_s_end": copy_end, "yardstick": "read", "rows": rows}, f, indent=1)  # fmt: skip
+    Path(args.out).write_text(jsonfmt.dumps({"device": dev, "read_tb_s": read_tbs, "read_tb_s_end": read_end, "read_runs": read_runs,
+                                             "copy_tb_s": copy_tbs, "copy_tb_s_end": copy_end, "yardstick": "read", "rows": rows}))  # fmt: skip
     print(
         f"\n% read = of the SM streaming-read yardstick {read_tbs:.2f} TB/s; % copy = of the graph-captured copy_ {copy_tbs:.2f} TB/s (reference)"
     )

@@ -25,14 +25,15 @@ Timings replay CUDA graphs (decode_gpu.time_ms).
 from __future__ import annotations
 
 import argparse
-import json
 import os
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from decode_gpu import HQ, D, H, Pool, read_bandwidth, time_ms
 
+from kvserving import jsonfmt
 from kvserving.kernels import paged_ops, triton_gather, triton_prefill
 from kvserving.kernels.options import KernelOptions
 from kvserving.worker.attention import causal_attention
@@ -194,14 +195,13 @@ def main() -> None:
                 del ws_k, ws_v
             del pool
             torch.cuda.empty_cache()
-            with open(args.out, "w") as f:  # after every format: a step cut short by its time limit keeps its rows
-                json.dump({"device": dev, "read_tb_s": read_tbs, "rows": rows}, f, indent=1)
+            # after every format: a step cut short by its time limit keeps its rows
+            Path(args.out).write_text(jsonfmt.dumps({"device": dev, "read_tb_s": read_tbs, "rows": rows}))
     fi_bf16 = {(r["new"], r["prefix"]): r["ms"] for r in rows if r["impl"] == "flashinfer bf16"}
     for r in rows:
         if (r["new"], r["prefix"]) in fi_bf16:
             r["x_fi_bf16"] = fi_bf16[(r["new"], r["prefix"])] / r["ms"]
-    with open(args.out, "w") as f:
-        json.dump({"device": dev, "read_tb_s": read_tbs, "rows": rows}, f, indent=1)
+    Path(args.out).write_text(jsonfmt.dumps({"device": dev, "read_tb_s": read_tbs, "rows": rows}))
     print(f"\n{'format':<9} {'new':>5} {'prefix':>7} {'impl':<30} {'ms':>8} {'TFLOP/s':>8} {'x fi bf16':>9} {'ms/1K ctx':>9}")
     for r in rows:
         x = f"{r['x_fi_bf16']:.2f}" if "x_fi_bf16" in r else "-"

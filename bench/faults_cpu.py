@@ -106,6 +106,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserving import jsonfmt
 from kvserving.config import ServingConfig
 from kvserving.gateway.tenants import DEFAULT_TENANT
 from kvserving.local.stack import free_ports, new_token_file
@@ -1325,7 +1326,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        args.json.write_text(jsonfmt.dumps(out))
     bad = [r["fault"] for r in records if r["silently_wrong"] or r["violations"]]
     for r in records:
         for v in r["violations"]:

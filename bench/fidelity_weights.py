@@ -15,7 +15,6 @@ activations quantized per token, or per token per 128 channels, as on the GPU).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import sys
@@ -28,6 +27,7 @@ import torch
 from fidelity import CPU, LayerError, Score, conversation_ids, evaluation_conversations, joined_text, model_config
 from fidelity import save_model, score, stdlib_files, train
 
+from kvserving import jsonfmt
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.gateway.chat_template import ChatTemplate
 from kvserving.gateway.tagger import ChatTagger
@@ -103,7 +103,7 @@ def main() -> int:
                      "held_out_loss": val_losses[-1][1]},
            "context": ctx, "sequences": len(seqs), "seed": opts.seed, "seconds": round(time.time() - t0, 1),
            "rows": rows}  # fmt: skip
-    opts.out.write_text(json.dumps(out, indent=1) + "\n")
+    opts.out.write_text(jsonfmt.dumps(out))
     print(f"\n{'weights':<10} {'KV':<10} {'ppl':>8} {'vs base':>8} {'KL':>9} {'top-1':>6}")
     for r in rows.values():
         print(f"{r['weights']:<10} {r['kv']:<10} {r['ppl']:8.4f} {r['ppl_vs_base_pct']:+7.2f}% {r['kl']:9.2e} {r['top1']:6.3f}")

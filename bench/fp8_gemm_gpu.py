@@ -31,11 +31,11 @@ the chip's streaming read measured in the same run, and the one-layer sums; JSON
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ import triton
 from decode_gpu import read_bandwidth, time_ms
 from triton.errors import TritonError
 
+from kvserving import jsonfmt
 from kvserving.kernels import fp8_gemm
 from kvserving.kernels.triton_fp8_gemm import GEMV_ROWS, Gemv, Tiles, gemv_config, gemv_split, tile_config, tiles_override
 
@@ -185,11 +186,10 @@ def _verdict(results: list[dict[str, Any]], tokens: list[int]) -> str:
 
 def _write(opts: argparse.Namespace, peak: float, read_runs: list[dict[str, Any]], cublas: bool, results: list[dict[str, Any]],
            t0: float) -> None:  # fmt: skip
-    with open(opts.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                   "read_tb_s": peak, "read_runs": read_runs, "cublas_block": cublas, "rotate_mb": opts.rotate_mb,
-                   "tokens": opts.tokens, "tiles": [t.label for t in opts.tiles], "gemv": opts.gemv, "rows": results,
-                   "wall_s": time.monotonic() - t0}, f, indent=1)  # fmt: skip
+    Path(opts.out).write_text(jsonfmt.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "triton": triton.__version__, "read_tb_s": peak, "read_runs": read_runs, "cublas_block": cublas,
+                   "rotate_mb": opts.rotate_mb, "tokens": opts.tokens, "tiles": [t.label for t in opts.tiles],
+                   "gemv": opts.gemv, "rows": results, "wall_s": time.monotonic() - t0}))  # fmt: skip
 
 
 def main() -> None:

@@ -74,6 +74,7 @@ from typing import Any, cast
 import aiohttp
 import httpx
 
+from kvserving import jsonfmt
 from kvserving.config import ServingConfig
 from kvserving.gateway.prompt.chat_template import ChatTemplate
 from kvserving.gateway.prompt.tagger import ChatTagger
@@ -756,7 +757,7 @@ def main() -> int:
             print(f"| {load} | {row.sessions} | " + " | ".join(cells) + " |")
         if args.json:
             Path(args.json).write_text(
-                json.dumps(
+                jsonfmt.dumps(
                     {
                         "bench": "bench/gateway_overhead.py",
                         "turns": args.turns,
@@ -768,10 +769,8 @@ def main() -> int:
                         "gateway_idle_cpu_ms_per_s": round(1e3 * idle, 3),
                         "routers_skipped": skipped,
                         "rows": results,
-                    },
-                    indent=1,
+                    }
                 )
-                + "\n"
             )
             print(f"\nwritten: {args.json}")
         if args.long_turns > 0:

@@ -78,6 +78,7 @@ from typing import Any
 
 import torch
 
+from kvserving import jsonfmt
 from kvserving.local.stack import free_port, free_ports, new_token_file
 from kvserving.tags import encode_tag
 
@@ -171,7 +172,7 @@ class Plan:
         return self.deadline - time.monotonic()
 
     def save(self) -> None:
-        (self.out / "pd_gpu.json").write_text(json.dumps(self.results, indent=1))
+        (self.out / "pd_gpu.json").write_text(jsonfmt.dumps(self.results))
 
 
 def log(msg: str) -> None:
@@ -1242,7 +1243,7 @@ def combine(files: list[Path], out: Path) -> dict[str, Any]:
             doc["phases"][phase] = offset + index
     if "seed" in doc["phases"]:
         doc["setup"] = doc["parts"][doc["phases"]["seed"]].get("setup")
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    out.write_text(jsonfmt.dumps(doc))
     return doc
 
 

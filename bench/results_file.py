@@ -6,6 +6,9 @@ A run writes (or rewrites) its own section and keeps the others; ``combine`` joi
 one bench and machine (runs made elsewhere, e.g. on the device machine, or files written before
 the sections) into one. A file without ``sections`` is one run: its section is named by the
 bench's ``name_of``.
+
+Every result file is written by ``kvserving.jsonfmt.dumps``: a row of scalars and a list of numbers
+stay on one line each, so a file reads row by row and a diff names the rows that changed.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from kvserving.jsonfmt import dumps
 
 
 def sections(doc: dict[str, Any], name_of: Callable[[dict[str, Any]], str]) -> dict[str, dict[str, Any]]:
@@ -51,5 +56,5 @@ def combine(files: list[Path], out: Path, *, what: str, name_of: Callable[[dict[
 
 def _write(path: Path, what: str, held: dict[str, dict[str, Any]]) -> dict[str, Any]:
     doc = {"what": what, "sections": held}
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    path.write_text(dumps(doc))
     return doc

@@ -14,7 +14,7 @@ Measured here (the engine in this process, ``torch.set_num_threads(1)``, medians
   and whether each prompt starts with the previous prompt plus the reply (tokens lost at the
   reply's end: ``reply_lost_tokens``).
 
-Not measured here, taken from committed notes: the gateway's CPU per request (3.3 ms,
+Not measured here, taken from the pages that hold them: the gateway's CPU per request (3.3 ms,
 docs/performance-log/gateway.md) and a CPU NIXL descriptor (1.4 us, DESIGN.md Worker). The worker
 requests' HTTP and lease round trips (``prefill_request_s``, ``decode_request_s``,
 ``transfer_overhead_s``) are set from the bench's own measurements when bench/results/agents_cpu.json
@@ -35,6 +35,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from kvserving import jsonfmt  # noqa: E402
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig  # noqa: E402
 from kvserving.model_dir import tiny_model_dir  # noqa: E402
 from kvserving.worker.engine import LLMEngine  # noqa: E402
@@ -196,7 +197,7 @@ def main() -> None:
     from kvserving.sim.costs import CostModel
 
     CostModel.from_dict(costs)  # refuses a bad profile before writing it
-    args.out.write_text(json.dumps(costs, indent=1, sort_keys=True) + "\n")
+    args.out.write_text(jsonfmt.dumps(costs, sort_keys=True))
     print(json.dumps({k: v for k, v in costs.items() if k != "notes"}, indent=1))
     print(costs["notes"])
 

@@ -52,6 +52,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from results_file import read_section  # noqa: E402
+from kvserving import jsonfmt  # noqa: E402
 
 RESULTS = HERE / "results"
 FORMATS = ("bf16", "fp8_e4m3", "nvfp4", "triaxial")
@@ -246,7 +247,7 @@ def fit(out: Path) -> dict[str, Any]:
         "where the P/D bench sent 2-24K-token prompts at one request at a time"
     )
     CostModel.from_dict(costs)  # refuses a bad profile before writing it
-    out.write_text(json.dumps(costs, indent=1, sort_keys=True) + "\n")
+    out.write_text(jsonfmt.dumps(costs, sort_keys=True))
 
     print(
         f"decode: step {step * 1e3:.2f} ms + {seq * 1e6:.1f} us/seq + per context token "

@@ -39,6 +39,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from kvserving import jsonfmt
 from kvserving.local.agent_demo import run_conversation
 from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
 from kvserving.local.stack import free_port, port_is_free
@@ -204,7 +205,7 @@ def main() -> int:
         failures += [f"{dtype} {line}" for line in bad]
         result["formats"][dtype] = {"runs": runs, "failed": bad}
         print(table(dtype, runs), flush=True)
-        out_json.write_text(json.dumps(result, indent=1))
+        out_json.write_text(jsonfmt.dumps(result))
     for line in failures:
         print(f"FAILED: {line}")
     return 1 if failures else 0

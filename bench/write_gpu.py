@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 import triton
 
+from kvserving import jsonfmt
 from kvserving.kernels import paged_ref, triton_write
 from kvserving.kernels.layout import PageLayout
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
@@ -177,12 +177,11 @@ def main() -> int:
     for r in rows:
         print(f"{r['op']:<58} | {r['ms']:7.4f} | {r['tb_s']:5.2f} | {100 * r['of_copy']:9.1f} | {100 * r['of_brief']:9.1f} | {r['check']}")
     print(f"copy of the same input bytes: {copy_tbs:.2f} TB/s on {dev}")
-    with open(args.out, "w") as f:
-        json.dump(
-            {"device": dev, "copy_tb_s": copy_tbs, "tokens": T, "kv_heads": H, "head_dim": D, "int2_pages": INT2_PAGES, "rows": rows},
-            f,
-            indent=1,
+    Path(args.out).write_text(
+        jsonfmt.dumps(
+            {"device": dev, "copy_tb_s": copy_tbs, "tokens": T, "kv_heads": H, "head_dim": D, "int2_pages": INT2_PAGES, "rows": rows}
         )
+    )
     return 1 if any(r["check"] == "MISMATCH" for r in rows) else 0
 
 

@@ -63,7 +63,7 @@ from pathlib import Path
 
 import torch
 
-from kvserving.argtypes import check_device, check_output_file
+from kvserving.argtypes import check_device, check_output_file, int_in
 from kvserving.bits import PageMix, count_page_mixes, default_sensitivity, page_records
 from kvserving.calibrate.codecs import PAGE, attend, head_mse, quantize_positions
 from kvserving.calibrate.data import WRAPS, TaggedSeq, load_data
@@ -506,7 +506,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--chunk",
-        type=int,
+        type=int_in(0),
         default=DEFAULT_CHUNK,
         help="--metric kl: prefill chunk in tokens (the engine's chunk_size; 0: every query on quantized KV)",
     )

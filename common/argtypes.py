@@ -1,15 +1,18 @@
 """argparse value types that refuse out-of-range numbers with a message naming the bound, and the
-checks a command makes on its output files and device before its work starts."""
+checks a command makes on its output files, device, listen address and worker URLs before its work starts."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -62,6 +65,8 @@ def check_output_file(path: Path, flag: str) -> None:
     if path.is_dir():
         raise ValueError(f"{flag} {path} is a directory, not a file")
     parent = path.parent
+    if parent.exists() and not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is not a directory")
     if not parent.is_dir():
         raise ValueError(f"{flag} {path}: the directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
@@ -86,10 +91,10 @@ def check_device(device: str | None, flag: str = "--device") -> None:
             raise ValueError(f"{flag} {device}: only {count} CUDA device(s) are visible")
 
 
-def check_memory_bytes(nbytes: int, flag: str) -> None:
+def check_memory_bytes(nbytes: int, flag: str, *, given: str | None = None) -> None:
     """Refuse (ValueError naming ``flag``) a memory budget larger than the whole device the
     engine puts it on (the GPU when one is visible, else this machine's RAM): one line, not
-    an allocator's traceback."""
+    an allocator's traceback. ``given``: the value as the user wrote it (default: ``nbytes``)."""
     import torch
 
     if torch.cuda.is_available():
@@ -97,4 +102,42 @@ def check_memory_bytes(nbytes: int, flag: str) -> None:
     else:
         total, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
     if nbytes > total:
-        raise ValueError(f"{flag} {nbytes} is more than {where} ({total / 2**30:.1f} GiB)")
+        raise ValueError(f"{flag} {given or nbytes} is more than {where} ({total / 2**30:.1f} GiB)")
+
+
+def check_listen_address(host: str, port: int, *, host_flag: str = "--host", port_flag: str = "--port") -> None:
+    """Refuse (ValueError naming the flag) an address this machine cannot listen on, or a port taken
+    there, before the work that precedes the server's own bind (a model load, other processes).
+    Port 0 (any free port) checks the address only."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: a closed port's TIME_WAIT is free
+            sock.bind(address)
+    except (OSError, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"{port_flag} {port}: already in use on {host}") from None
+        raise ValueError(f"{host_flag} {host}: cannot listen on that address ({reason})") from None
+
+
+def check_base_url(url: str, where: str) -> None:
+    """Refuse (ValueError naming ``where``) anything but ``http://HOST[:PORT]``: the base URL of a
+    worker, which peers and the gateway extend with their own paths."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if (
+        parts is None
+        or parts.scheme != "http"
+        or not parts.hostname
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or parts.username
+        or port == 0
+    ):
+        raise ValueError(f"{where}: {url!r} is not a worker URL; give http://HOST:PORT")

@@ -78,14 +78,20 @@ def test_every_dashboard_query_returns_finite_data(stack: LocalStack, tmp_path: 
     assert prom is not None
     # every request counted by the gateway, scraped at least twice after the load (rates need two samples)
     _wait_for_scrape(prom, f'sum(kvserving_gateway_requests_total{{namespace="{NAMESPACE}"}})', len(results))
-    time.sleep(2.5)
-    empty, nonfinite = [], []
-    for title, expr, _unit in PANELS:
-        filled = expr.replace("$namespace", NAMESPACE).replace("$kvserving", INSTANCE)
-        assert "$" not in re.sub(r"\{\{.*?\}\}", "", filled), filled
-        series = _query(prom, filled)
-        if not series:
-            empty.append(title)
-        elif not any(math.isfinite(float(s["value"][1])) for s in series):
-            nonfinite.append((title, [s["value"][1] for s in series]))
+    # a rate needs a second scrape after the load: look until every panel has data (one scrape a
+    # second; a loaded machine may scrape late, never wrongly)
+    deadline = time.monotonic() + 60
+    while True:
+        empty, nonfinite = [], []
+        for title, expr, _unit in PANELS:
+            filled = expr.replace("$namespace", NAMESPACE).replace("$kvserving", INSTANCE)
+            assert "$" not in re.sub(r"\{\{.*?\}\}", "", filled), filled
+            series = _query(prom, filled)
+            if not series:
+                empty.append(title)
+            elif not any(math.isfinite(float(s["value"][1])) for s in series):
+                nonfinite.append((title, [s["value"][1] for s in series]))
+        if (empty == [] and nonfinite == []) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert empty == [] and nonfinite == [], (empty, nonfinite)

@@ -89,7 +89,9 @@ def test_up_serves_then_stops_on_sigterm_and_when_a_child_dies(tmp_path: Path) -
         os.kill(worker[0], signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
         assert proc.stderr is not None
-        assert re.search(r"^error: worker exited with code -9; last lines of .*worker\.log:", proc.stderr.read(), re.M)
+        assert re.search(
+            r"^kvserving up: error: worker exited with code -9 \(log: \S+worker\.log\)\nits last lines:", proc.stderr.read(), re.M
+        )
         assert _children_of(run_dir) == []
     finally:
         _stop_all(proc)

@@ -33,13 +33,12 @@ import math
 import os
 import socket
 from collections.abc import Callable, Mapping
-from urllib.parse import urlsplit
 from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
-from kvserving.argtypes import int_in
+from kvserving.argtypes import check_base_url, check_listen_address, int_in
 from kvserving.config import ServingConfig
 from kvserving.model_dir import resolve_model_dir
 
@@ -68,8 +67,8 @@ log = logging.getLogger(__name__)
 
 # Seconds an idle client connection is kept open. Longer than clients keep theirs (httpx, and so
 # the openai SDK: 5 s; load balancers: 60 s): a server that closes an idle connection at the moment
-# the client reuses it fails that request (uvicorn's default, 5 s, raced the openai client's 5 s
-# under load: a 200-session soak lost a request to it about one run in two).
+# the client reuses it fails that request (uvicorn's default, 5 s, races the openai client's 5 s
+# under load: a 200-session soak loses a request to it about one run in two).
 KEEP_ALIVE_S = 75
 
 
@@ -95,28 +94,8 @@ def load_config(args: argparse.Namespace, *, environ: Mapping[str, str] = os.env
     for flag, field, urls in (("--prefill", "prefill_urls", args.prefill), ("--decode", "decode_urls", args.decode)):
         where = flag if urls is not None else f"gateway.{field}"
         for url in getattr(gateway, field):
-            check_worker_url(url, where)
+            check_base_url(url, where)
     return dataclasses.replace(config, gateway=gateway, model=model)
-
-
-def check_worker_url(url: str, where: str) -> None:
-    """ValueError, one line naming ``where``, unless ``url`` is ``http://HOST[:PORT]`` (a worker's base URL)."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        parts, port = None, None
-    if (
-        parts is None
-        or parts.scheme != "http"
-        or not parts.hostname
-        or parts.path not in ("", "/")
-        or parts.query
-        or parts.fragment
-        or parts.username
-        or port == 0
-    ):
-        raise ValueError(f"{where}: {url!r} is not a worker URL; give http://HOST:PORT")
 
 
 def read_api_keys(path: str) -> tuple[str, ...]:
@@ -146,13 +125,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args)
     if not (config.gateway.prefill_urls or config.gateway.decode_urls or config.gateway.decode_service):
-        raise SystemExit("kvserving gateway: no workers: give --decode URL (and --prefill URL) or gateway.decode_service")
+        raise ValueError("no workers: give --decode URL (and --prefill URL) or gateway.decode_service")
     if config.security.read_internal_token() is None:
         raise ValueError(
             "security.internal_token_file is not set: workers serve /internal/* only to callers with "
             "the deployment's credential (kvserving up and the operator provide one)"
         )
     where = model_dir(config)
+    check_listen_address(args.host, args.port)  # before the tokenizer loads, not after
     model = ModelInfo.load(
         where,
         served_name=config.model.served_name,
@@ -164,15 +144,14 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(state)
     # Everything built so far (imports, the app, the tokenizer) lives as long as the process:
     # out of the cyclic GC's reach, a collection scans only what requests allocate
-    # (the template renders were paying for the whole heap: docs/performance-log/gateway.md).
+    # (otherwise the collections a template render triggers scan the whole heap).
     gc.collect()
     gc.freeze()
     # Young collections every 5,000 net allocations instead of 700: a request allocates thousands of
-    # short-lived containers (renders, tag lists), so most young collections found nothing to free
-    # (CPU per request -3..-7 % at 20,000 in A/B runs). Not more: what a young collection scans is
-    # what the conversations kept since the last one, and at 20,000 each took 9-21 ms with 200
-    # sessions, a stall for every request in flight (4 ms at 5,000; older collections as often as
-    # before). Measurements: docs/performance-log/gateway.md.
+    # short-lived containers (renders, tag lists), so most young collections find nothing to free.
+    # Not more: what a young collection scans is what the conversations kept since the last one, so
+    # a larger threshold makes each collection a longer stall for every request in flight (9-21 ms
+    # at 20,000 with 200 sessions, 4 ms at 5,000). Measurements: docs/performance-log/gateway.md.
     gc.set_threshold(5_000, 80, 20)
     grace = config.gateway.drain_grace_s
     uv_config = uvicorn.Config(

@@ -217,7 +217,7 @@ class Turn:
             self._holder_unresponsive()
         # A READ past its deadline may be a slow transfer, not a frozen holder: this turn
         # decodes elsewhere, but only the health poll takes the holder out of the rotation
-        # (marking it here took every decode worker out under a burst of slow pulls).
+        # (marking it here takes every decode worker out under a burst of slow pulls).
         if self.decode.url == lease.worker_url:
             decode = self.router.choose_decode(None, self.request)
             if decode is not None:

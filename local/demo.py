@@ -15,6 +15,7 @@ agent conversation whose later turns reuse the KV of earlier ones.
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import tempfile
 import time
@@ -22,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
-from kvserving.argtypes import check_output_file, float_in, int_in
+from kvserving.argtypes import check_memory_bytes, check_output_file, float_in, int_in
 from kvserving.config import KV_DTYPES, KVCacheConfig, ModelConfig, ServingConfig
 
 DEMO_SESSION = "kvserving-demo"
@@ -58,10 +59,11 @@ def run(args: argparse.Namespace) -> int:
     from kvserving.local.agent_demo import TRACE, format_table, plot_ttft, run_conversation
     from kvserving.kernels import capacity
     from kvserving.model_dir import resolve_model_dir
-    from kvserving.local.stack import LocalStack, StackSpec, free_ports
+    from kvserving.local.stack import LocalStack, StackError, StackSpec, free_ports
 
     if args.plot is not None:
         check_output_file(args.plot, "--plot")  # before the two runs, not after
+    check_memory_bytes(args.kv_mib * 2**20, "--kv-mib", given=str(args.kv_mib))  # each worker's pool
     # SIGTERM ends the demo as Ctrl-C does: the stack's context stops every child on the way out.
     signal.signal(signal.SIGTERM, _interrupt)
     builtin = args.model is None
@@ -80,27 +82,37 @@ def run(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     runs = {}
-    with tempfile.TemporaryDirectory(prefix="kvserving-demo-") as tmp:
+    tmp = Path(tempfile.mkdtemp(prefix="kvserving-demo-"))  # the stacks' logs: removed unless a stack fails
+    failed = False
+    try:
         for label, bidirectional in (("reuse on", True), ("reuse off", False)):
             config = replace(base, reuse=replace(base.reuse, bidirectional=bidirectional))
             gateway, prefill, decode = free_ports(3)
             spec = StackSpec(
-                config=config, gateway_port=gateway, prefill_port=prefill, decode_port=decode, run_dir=Path(tmp) / label.replace(" ", "-")
+                config=config, gateway_port=gateway, prefill_port=prefill, decode_port=decode, run_dir=tmp / label.replace(" ", "-")
             )
-            with LocalStack(spec) as stack:
-                stack.start()
-                stack.wait_ready(timeout_s=180)
-                runs[label] = run_conversation(
-                    stack.openai_base_url, config.model.served_name, max_tokens=args.max_tokens, session_id=f"{DEMO_SESSION}-{label}"
-                )
+            try:
+                with LocalStack(spec) as stack:
+                    stack.start()
+                    stack.wait_ready(timeout_s=180)
+                    runs[label] = run_conversation(
+                        stack.openai_base_url, config.model.served_name, max_tokens=args.max_tokens, session_id=f"{DEMO_SESSION}-{label}"
+                    )
+            except StackError as exc:
+                failed = True
+                where = "" if str(tmp) in exc.summary else f" (logs in {tmp})"
+                raise ValueError(f"the {label} stack: {exc.summary}{where}") from None
             print()
             print(
                 format_table(
                     f"{args.kv_dtype} KV, bidirectional {label} (gateway + prefill + decode workers, NIXL between them):", runs[label]
                 )
             )
-        plot_path = args.plot or Path(tempfile.gettempdir()) / "kvserving-demo-ttft.png"
-        plot_ttft(runs, str(plot_path))
+    finally:
+        if not failed:
+            shutil.rmtree(tmp, ignore_errors=True)
+    plot_path = args.plot or Path(tempfile.gettempdir()) / "kvserving-demo-ttft.png"
+    plot_ttft(runs, str(plot_path))
     on, off = runs["reuse on"], runs["reuse off"]
     later = range(1, len(on))
     ttft_on = sum(on[i].ttft_s for i in later)

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -47,12 +48,19 @@ from pathlib import Path
 from kvserving.config import ServingConfig
 
 LOG_TAIL_LINES = 15
+# A log line that states an error: logging's " ERROR name: " prefix, or a Python exception's last line.
+_ERROR_LINE = re.compile(r"^.*? ERROR [\w.]+: |^(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception): ")
 INTERNAL_TOKEN_FILE = "internal-token"
 GROUP_EXIT_S = 5.0  # how long stop() waits for a killed process group to be gone
 
 
 class StackError(RuntimeError):
-    """A part of the stack could not start or died; the message is one line per fact."""
+    """A part of the stack could not start or died: ``summary`` is one line; the message may add the
+    last lines of the log of the part that died."""
+
+    def __init__(self, summary: str, detail: str = "") -> None:
+        super().__init__(f"{summary}\n{detail}" if detail else summary)
+        self.summary = summary
 
 
 @dataclass(slots=True, frozen=True)
@@ -331,10 +339,17 @@ class LocalStack:
                 return child
         return None
 
-    def describe_death(self, child: Child) -> str:
+    def death(self, child: Child) -> StackError:
+        """Who exited, with which code, and the error its log names last (a Python error's last
+        line, or a line logged at ERROR); the log's last lines as the detail."""
         code = child.proc.returncode if child.proc is not None else None
         tail = child.log_tail()
-        return f"{child.name} exited with code {code}; last lines of {child.log_path}:\n{tail}"
+        reason = next((ln.strip() for ln in reversed(tail.splitlines()) if _ERROR_LINE.search(ln)), "")
+        said = f": {_ERROR_LINE.sub('', reason, count=1).strip()}" if reason else ""
+        return StackError(f"{child.name} exited with code {code}{said} (log: {child.log_path})", f"its last lines:\n{tail}")
+
+    def describe_death(self, child: Child) -> str:
+        return str(self.death(child))
 
     def wait_ready(self, *, timeout_s: float = 120.0, poll_s: float = 0.25) -> None:
         deadline = time.monotonic() + timeout_s
@@ -342,7 +357,7 @@ class LocalStack:
         while pending:
             dead = self.check()
             if dead is not None:
-                raise StackError(self.describe_death(dead))
+                raise self.death(dead)
             pending = [c for c in pending if not http_ok(c.ready_url or "")]
             if not pending:
                 return

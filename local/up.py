@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
-from kvserving.argtypes import float_in
+from kvserving.argtypes import check_listen_address, check_memory_bytes, float_in
 from kvserving.config import KV_DTYPES, LOAD_FORMATS, KVCacheConfig, ReuseConfig, ServingConfig
 
 
@@ -104,25 +104,20 @@ def check_gpus(gpus: str) -> None:
         raise ValueError(f"--gpus {gpus}: this machine has {count} GPU(s), indices 0..{count - 1}")
 
 
-def check_host(host: str) -> None:
-    """``--host`` is an address of this machine to listen on (a port taken there is the stack's own check)."""
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-    except (OSError, UnicodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ValueError(f"--host {host}: cannot listen on that address ({reason})") from None
-
-
 def run(args: argparse.Namespace) -> int:
     from kvserving.local.stack import LocalStack, StackError, StackSpec
 
     config = build_config(args)
     if not 1 <= args.port <= 65532:
         raise ValueError(f"--port must be in 1..65532 (the next three ports are used too), got {args.port}")
-    check_host(args.host)
+    check_listen_address(args.host, 0)  # the ports are the stack's own check, all at once
+    if config.kv_cache.memory_bytes is not None:  # each worker's pool: refused here, not by each worker's allocator
+        flag, given = ("--kv-mib", str(args.kv_mib)) if args.kv_mib is not None else ("kv_cache.memory_bytes", None)
+        check_memory_bytes(config.kv_cache.memory_bytes, flag, given=given)
+    if args.run_dir is not None:
+        existing = next(p for p in (args.run_dir, *args.run_dir.parents) if p.exists())
+        if not existing.is_dir():
+            raise ValueError(f"--run-dir {args.run_dir}: {existing} is not a directory")
     if args.gpus:
         check_gpus(args.gpus)
     spec = StackSpec(
@@ -161,18 +156,19 @@ def run(args: argparse.Namespace) -> int:
             dead = stack.check()
             if dead is not None:
                 failed = True
-                print(f"error: {stack.describe_death(dead)}", file=sys.stderr)
+                print(f"kvserving up: error: {stack.describe_death(dead)}", file=sys.stderr)
                 return 1
             time.sleep(0.25)
         print("stopping", flush=True)
         return 0
     except _Interrupted:
-        print("interrupted while starting: stopping", file=sys.stderr)
+        print("kvserving up: interrupted while starting: stopping", file=sys.stderr)
         return 0
     except StackError as exc:
-        failed = any(stack.run_dir.glob("*.log"))  # a child ran: its log says why
-        where = f" (logs in {stack.run_dir})" if failed and str(stack.run_dir) not in str(exc) else ""
-        print(f"error: {exc}{where}", file=sys.stderr)
+        failed = any(stack.run_dir.glob("*.log"))  # a child ran: its log says why, and stays
+        where = f" (logs in {stack.run_dir})" if failed and str(stack.run_dir) not in exc.summary else ""
+        detail = str(exc).removeprefix(exc.summary)  # a child's death: its log's last lines
+        print(f"kvserving up: error: {exc.summary}{where}{detail}", file=sys.stderr)
         return 1
     finally:
         stack.close(keep_logs=failed)  # a failure's logs are what the user reads next

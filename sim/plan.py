@@ -291,8 +291,7 @@ def add_arguments(parser: Any) -> None:
 
 
 def run(args: Any) -> int:
-    import json
-
+    from kvserving import jsonfmt
     from kvserving.argtypes import check_output_file, read_json_file
     from kvserving.sim.costs import canonical_dtype, load_costs
 
@@ -303,7 +302,10 @@ def run(args: Any) -> int:
 
         build()
     if args.validate is not None:
-        measured = read_json_file(args.validate, "--validate", missing="a bench/agents.py result, e.g. bench/results/agents_cpu.json")
+        example = "a bench/agents.py result, e.g. bench/results/agents_cpu.json"
+        measured = read_json_file(args.validate, "--validate", missing=example)
+        if not isinstance(measured, dict):
+            raise ValueError(f"--validate {args.validate} holds a JSON {type(measured).__name__}, not {example}")
         from kvserving.sim.gpu import is_gpu_result
 
         if is_gpu_result(measured):  # bench/agents.py --gpu: one GPU shared by both workers (kvserving.sim.gpu)
@@ -312,8 +314,7 @@ def run(args: Any) -> int:
             rows = reproduce(measured, load_costs(args.costs if args.costs != "h200-8b" else "gpu-h200"))
             print(format_rows(rows))
             if args.json:
-                with open(args.json, "w") as fh:
-                    json.dump({"validate": args.validate, "rows": rows}, fh, indent=1)
+                Path(args.json).write_text(jsonfmt.dumps({"validate": args.validate, "rows": rows}))
             return 0
         costs_name = args.costs if args.costs != "h200-8b" else "cpu-tiny"
         print(format_validation(validate_points(measured, load_costs(costs_name))))
@@ -367,13 +368,12 @@ def run(args: Any) -> int:
     core = "compiled core" if engine_for(job["native"]) is not pure else "pure Python; --build-native compiles the core"
     print(f"simulated in {time.perf_counter() - t0:.1f} s ({core})")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(
+        Path(args.json).write_text(
+            jsonfmt.dumps(
                 {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "costs": costs.to_dict(), "points": points},
-                fh,
-                indent=1,
                 default=str,
             )
+        )
     return 0
 
 

@@ -308,6 +308,46 @@ CASES: dict[str, Case] = {
     # kvserving up
     "up-model-is-a-file": Case(("up", "--model", "a-file"), 1, "kvserving up: error: --model a-file is not a directory"),
     "up-gpus-not-here": Case(("up", "--model", "tiny", "--gpus", "0,99"), 1, "kvserving up: error: --gpus 0,99: "),
+    "up-run-dir-a-file": Case(
+        ("up", "--model", "tiny", "--run-dir", "a-file/logs"), 1, "kvserving up: error: --run-dir a-file/logs: a-file is not a directory"
+    ),
+    "up-kv-mib-beyond-memory": Case(
+        ("up", "--model", "tiny", "--kv-mib", "100000000"), 1, "kvserving up: error: --kv-mib 100000000 is more than "
+    ),
+    "demo-kv-mib-beyond-memory": Case(
+        ("demo", "--model", "tiny", "--kv-mib", "1048576"), 1, "kvserving demo: error: --kv-mib 1048576 is more than "
+    ),
+    # kvserving gateway and worker: refused before the tokenizer or the model loads
+    "gateway-no-workers": Case(
+        ("gateway",), 1, "kvserving gateway: error: no workers: give --decode URL (and --prefill URL) or gateway.decode_service"
+    ),
+    "gateway-host-not-an-address-here": Case(
+        ("gateway", "--config", "token.json", "--decode", "http://127.0.0.1:9", "--host", "999.1.1.1"),
+        1,
+        "kvserving gateway: error: --host 999.1.1.1: cannot listen on that address",
+    ),
+    "worker-host-not-an-address-here": Case(
+        ("worker", "--role", "both", "--config", "token.json", "--host", "999.1.1.1"),
+        1,
+        "kvserving worker: error: --host 999.1.1.1: cannot listen on that address",
+    ),
+    "worker-advertise-url-not-a-url": Case(
+        ("worker", "--role", "both", "--config", "token.json", "--advertise-url", "worker-0:8000"),
+        1,
+        "kvserving worker: error: --advertise-url: 'worker-0:8000' is not a worker URL; give http://HOST:PORT",
+    ),
+    # more outputs and inputs of the wrong kind
+    "config-out-under-a-file": Case(
+        ("config", "--out", "a-file/engine.json"), 1, "kvserving config: error: --out a-file/engine.json: a-file is not a directory"
+    ),
+    "simulate-validate-a-list": Case(
+        ("simulate", "--validate", "list.json"),
+        1,
+        "kvserving simulate: error: --validate list.json holds a JSON list, not a bench/agents.py result",
+    ),
+    "calibrate-chunk-negative": Case(
+        ("calibrate", "--data", "a-file", "--out", "c.json", "--chunk", "-1"), 2, "argument --chunk: must be an integer >= 0, got -1"
+    ),
 }
 
 
@@ -336,6 +376,14 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (short / "config.json").write_text(json.dumps(model_config))
     (work / "a-file").write_text("not a directory\n")
     (work / "wrong-type.json").write_text('{"scheduler": {"max_num_seqs": "many"}}')
+    (work / "list.json").write_text("[1, 2]\n")
+    (work / "token").write_text("not-a-secret\n")
+    (work / "token.json").write_text(json.dumps({"security": {"internal_token_file": str(work / "token")}}))
+    # a model whose config the engine refuses (not the CLI's own checks): the worker exits on it
+    odd = shutil.copytree(tiny, work / "odd-activation")
+    model_config = json.loads((odd / "config.json").read_text())
+    model_config["hidden_act"] = "gelu_tanh"
+    (odd / "config.json").write_text(json.dumps(model_config))
     (work / "binary.yaml").write_bytes(bytes(range(128, 256)))
     (work / "full").mkdir()
     (work / "full" / "notes.txt").write_text("keep me\n")
@@ -391,13 +439,64 @@ def test_up_keeps_its_logs_when_it_fails_and_says_where(workdir: Path) -> None:
     result = run_cli(("up", "--model", "tiny", "--single", "--kv-mib", "8", "--port", str(port), "--ready-timeout", "0"), cwd=workdir)
     assert result.code == 1
     (line,) = result.stderr.splitlines()
-    assert line.startswith("error: not ready after 0 s: worker, gateway (logs in ")
+    assert line.startswith("kvserving up: error: not ready after 0 s: worker, gateway (logs in ")
     run_dir = Path(line.rsplit("(logs in ", 1)[1].rstrip(")"))
     try:
         assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "gateway.log", "worker.log"]  # the credential went
         assert _processes_naming(run_dir) == []
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+REFUSED = "exited with code 1: could not start the engine: hidden_act 'gelu_tanh' is not supported (only silu / SwiGLU) (log: "
+
+
+def test_a_part_that_dies_while_starting_is_named_with_its_error_and_its_logs_are_kept(workdir: Path) -> None:
+    # the engine, not the CLI's own checks, refuses the model: the stack's failure names the part, its error and its log
+    from kvserving.local.stack import free_ports, port_is_free
+
+    port = next(p for p in (free_ports(1)[0] for _ in range(50)) if all(port_is_free("127.0.0.1", p + i) for i in (1, 2)))
+    up = run_cli(("up", "--model", "odd-activation", "--kv-mib", "8", "--port", str(port)), cwd=workdir)
+    demo = run_cli(("demo", "--model", "odd-activation", "--max-tokens", "2", "--kv-mib", "8"), cwd=workdir)
+    logs = [Path(r.stderr.split("(log: ", 1)[1].split(")", 1)[0]) for r in (up, demo) if "(log: " in r.stderr]
+    try:
+        assert up.code == 1 and "Traceback" not in up.stderr, up.stderr
+        first, *tail = up.stderr.splitlines()  # then the log's last lines
+        assert re.fullmatch(rf"kvserving up: error: (prefill|decode) {re.escape(REFUSED)}\S+\.log\)", first), first
+        assert tail[0] == "its last lines:" and any("could not start the engine" in line for line in tail)
+        assert (demo.code, "Traceback" in demo.stderr) == (1, False), demo.stderr
+        (line,) = demo.stderr.splitlines()  # the first worker to die (both load the model) is named
+        assert re.fullmatch(rf"kvserving demo: error: the reuse on stack: (prefill|decode) {re.escape(REFUSED)}\S+\.log\)", line), line
+        assert len(logs) == 2 and all(log.is_file() for log in logs)  # kept for the user to read
+    finally:
+        for log in logs:
+            shutil.rmtree(log.parent.parent if log.parent.name == "reuse-on" else log.parent, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ("up", "--model", "tiny"),
+            "kvserving up: error: already in use on 127.0.0.1: gateway port {port} (choose other ports with --port)",
+        ),
+        (
+            ("gateway", "--config", "token.json", "--decode", "http://127.0.0.1:9"),
+            "kvserving gateway: error: --port {port}: already in use on 127.0.0.1",
+        ),
+        (("worker", "--role", "both", "--config", "token.json"), "kvserving worker: error: --port {port}: already in use on 127.0.0.1"),
+    ],
+    ids=["up", "gateway", "worker"],
+)
+def test_a_port_in_use_is_refused_before_the_model_loads(workdir: Path, argv: tuple[str, ...], message: str) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli((*argv, "--port", str(port)), cwd=workdir)
+    assert (result.code, result.stderr) == (1, message.format(port=port) + "\n")
 
 
 def _processes_naming(text: Path) -> list[int]:

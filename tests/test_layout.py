@@ -125,7 +125,16 @@ def test_a_committed_result_is_what_its_bench_combine_writes(
     out = tmp_path / result
     monkeypatch.setattr(sys, "argv", [script, "--combine", str(committed), *argv, str(out)])
     bench.main()
-    assert json.loads(out.read_text()) == json.loads(committed.read_text())
+    assert out.read_text() == committed.read_text()  # the same values, laid out as the bench writes them
+
+
+def test_every_result_file_is_laid_out_as_the_benches_write_it() -> None:
+    # kvserving.jsonfmt: a list of numbers or a table row on one line, so a result reads (and diffs) row by row
+    from kvserving.jsonfmt import dumps
+
+    for path in sorted((ROOT / "bench" / "results").glob("*.json")):
+        text = path.read_text()
+        assert dumps(json.loads(text)) == text, f"{path.name}: write it with kvserving.jsonfmt.dumps"
 
 
 def test_a_run_writes_its_section_and_keeps_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

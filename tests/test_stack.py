@@ -16,6 +16,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from kvs_poll import wait_until
+
 import pytest
 
 from kvserving.config import ServingConfig
@@ -79,8 +81,7 @@ def test_stack_waits_for_every_ready_and_stops_whole_process_groups(tmp_path: Pa
         assert time.monotonic() - t0 >= 1.0  # decode answered 503 for its first second
         assert stack.check() is None
         pgids = [c.proc.pid for c in stack.children if c.proc is not None]
-        time.sleep(0.3)  # let each server start its grandchild
-        assert all(len(group_members(g)) == 2 for g in pgids)
+        wait_until(lambda: all(len(group_members(g)) == 2 for g in pgids), what="each server's grandchild in its group")
     finally:
         stack.close()
     assert all(group_members(g) == [] for g in pgids)
@@ -107,7 +108,7 @@ def test_a_child_that_exits_during_start_fails_the_start(tmp_path: Path) -> None
     script = tmp_path / "crash.py"
     script.write_text("import sys\nprint('model directory /nope does not exist')\nsys.exit(3)\n")
     stack = FakeStack(_spec(tmp_path), script, {})
-    with stack, pytest.raises(StackError, match=r"exited with code 3;[\s\S]*model directory /nope does not exist"):
+    with stack, pytest.raises(StackError, match=r"exited with code 3 \(log: \S+\.log\)\nits last lines:\n[\s\S]*model directory /nope"):
         stack.start()
         stack.wait_ready(timeout_s=30)
 
@@ -196,7 +197,7 @@ def test_up_refuses_a_busy_port_in_one_line(tmp_path: Path) -> None:
     assert result.returncode == 1
     (line,) = result.stderr.strip().splitlines()
     # the workers' ports (the next ones up) may be taken by another process on a busy machine: they are named too
-    assert line.startswith(f"error: already in use on 127.0.0.1: gateway port {port}"), line
+    assert line.startswith(f"kvserving up: error: already in use on 127.0.0.1: gateway port {port}"), line
     assert line.endswith(" (choose other ports with --port)"), line
 
 

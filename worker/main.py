@@ -30,7 +30,7 @@ from types import FrameType
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from kvserving.argtypes import float_in, int_in
+from kvserving.argtypes import check_base_url, check_listen_address, float_in, int_in
 from kvserving.config import LOAD_FORMATS, ROLES, ServingConfig
 from kvserving.model_dir import resolve_model_dir
 from kvserving.worker.metrics import WorkerMetrics
@@ -96,7 +96,10 @@ def run(args: argparse.Namespace) -> int:
             "security.internal_token_file is not set: a worker serves /internal/* only to callers "
             "with the deployment's credential (kvserving up and the operator provide one)"
         )
+    if args.advertise_url is not None:
+        check_base_url(args.advertise_url, "--advertise-url")
     config = resolve_model(config, args.model)
+    check_listen_address(args.host, args.port)  # before the model loads, not after
     if args.load_format is not None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, load_format=args.load_format))
     engine_id = args.engine_id or f"worker-{args.role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"

@@ -29,7 +29,7 @@ messages both renders share). Requests with image parts are never appended
 only when it equals the real render with markers (tagger.py ``ChatTagger.build``),
 so a template that renders the appended messages differently in the short list
 costs a whole marked render, never a wrong tag; ``TurnRenders`` stops appending
-when such mismatches pass 8 and a tenth of its checks.
+when such mismatches exceed 8 and a tenth of its checks.
 
 Scoped: a request finds only the renders kept for its own ``scope`` (its
 tenant's id, tenants.py).
@@ -112,7 +112,7 @@ class TurnRenders:
     """Finds a request's kept render by (message count, fingerprints of the last and the second
     message); the conversations that share such a key share a bucket, and the comparison of
     the messages picks the one a request extends. Counts what it finds, and stops appending
-    when appended renders' mismatches with the real render pass 8 and a tenth of them."""
+    when appended renders' mismatches with the real render exceed 8 and a tenth of them."""
 
     def __init__(self, kept: KeptRenders) -> None:
         self.kept = kept

@@ -131,11 +131,13 @@ def test_gateway_shutdown_leaves_active_leases_and_releases_idle_ones(tiny_model
     stack = Stack(tiny_model_dir)
     try:
         decode = stack.worker(role="both", reply_ids=reply)
-        reuse = ReuseConfig(lease_ttl_s=0.5, retention_ttl_s=60.0)
+        # the TTL bounds how long the second turn and the stop may take on a loaded machine (the recent
+        # lease must still be active at the stop): seconds, not a fraction of one
+        reuse = ReuseConfig(lease_ttl_s=3.0, retention_ttl_s=60.0)
         gw = stack.gateway(decode=[decode.url], reuse=reuse, lease_heartbeat_s=60)  # no beat before the stop
         turn(gw, [SYSTEM, {"role": "user", "content": "first"}], "old")
         (old,) = decode.leases
-        time.sleep(0.6)
+        time.sleep(3.1)  # the old lease idle past the TTL (a lower bound: a slow machine only sleeps longer)
         turn(gw, [SYSTEM, {"role": "user", "content": "second"}], "recent")
         (recent,) = set(decode.leases) - {old}
         gw.stop()

@@ -143,8 +143,10 @@ def test_no_worker_at_all_is_a_one_line_error(tmp_path: Path) -> None:
         timeout=60,
         env=dict(os.environ, PYTHONSAFEPATH="1"),
     )
-    assert out.returncode != 0
-    assert out.stderr.strip().splitlines()[-1].startswith("kvserving gateway: no workers")
+    assert (out.returncode, out.stderr) == (
+        1,
+        "kvserving gateway: error: no workers: give --decode URL (and --prefill URL) or gateway.decode_service\n",
+    )
 
 
 @pytest.mark.parametrize("bad", [{"gateway": {"max_body_bytes": 0}}, {"gateway": {"health_interval_s": -1}}])

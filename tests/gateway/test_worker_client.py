@@ -59,6 +59,14 @@ async def collect(client: WorkerClient, url: str, *, probe: bool = False) -> lis
     return [e async for batch in client.generate(url, {"request_id": "r"}, probe=probe) for e in batch]
 
 
+async def ended(client: WorkerClient, timeout_s: float = 10.0) -> None:
+    """Until every reply left at [DONE] has ended and its connection is back in the pool (no fixed sleep:
+    on a loaded machine the last chunk's arrival may take longer than any chosen pause)."""
+    async with asyncio.timeout(timeout_s):
+        while client._ending:
+            await asyncio.sleep(0.005)
+
+
 def client(**kw: Any) -> WorkerClient:
     return WorkerClient(request_timeout_s=kw.pop("timeout", 5.0), connect_timeout_s=1.0, **kw)
 
@@ -118,7 +126,7 @@ def test_reply_left_at_done_is_reused_once_its_last_chunk_arrived() -> None:
     async def check(s: Served) -> None:
         assert await collect(s.client, s.url) == EVENTS  # returns at [DONE]
         gate.set()
-        await asyncio.sleep(0.05)
+        await ended(s.client)
         assert await collect(s.client, s.url) == EVENTS
         assert len(s.conns) == 1
 
@@ -145,10 +153,10 @@ def test_a_reply_still_ending_is_parked_not_closed_when_the_next_request_comes()
         assert await collect(s.client, s.url) == EVENTS  # connection 0, its reply not ended
         assert await collect(s.client, s.url) == EVENTS  # connection 1
         gate.set()
-        await asyncio.sleep(0.05)
+        await ended(s.client)
         for _ in range(3):
             assert await collect(s.client, s.url) == EVENTS
-            await asyncio.sleep(0.01)
+            await ended(s.client)
         assert len(s.conns) == 2 and served[0] >= 2, (s.conns, served)
 
     with_server(script, check)
@@ -317,13 +325,16 @@ def test_abort_streams_ends_every_request_in_flight_and_refuses_new_ones() -> No
 
 
 def test_abort_streams_ends_a_request_still_waiting_for_its_response_headers() -> None:
+    asked = asyncio.Event()
+
     async def script(_: int, reader: Reader, writer: Writer) -> None:
         await read_request(reader)
+        asked.set()
         await reader.read()  # never answers
 
     async def check(s: Served) -> None:
         waiting = asyncio.ensure_future(collect(s.client, s.url))
-        await asyncio.sleep(0.3)  # the request is out, its headers are not in
+        await asyncio.wait_for(asked.wait(), 10)  # the request is out, its headers are not in
         assert not waiting.done()
         s.client.abort_streams()
         with pytest.raises(UpstreamError) as err:

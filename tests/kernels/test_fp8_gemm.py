@@ -337,6 +337,23 @@ def test_triton_block_gemm_refuses_bad_operands() -> None:
         block_gemm(torch.zeros(2, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 3), codes, scale)
 
 
+def test_cublas_block_scales_are_the_layout_cublaslt_reads() -> None:
+    # the CPU part of the cuBLASLt path (the GEMM itself needs a Hopper GPU): tile scales [N/128, K/128] ->
+    # [round_up(K/128, 4), N/128], column-major, the pad rows zero
+    scale = torch.arange(1.0, 16.0).reshape(3, 5)
+    out = fp8_gemm.cublas_block_scales(scale)
+    assert out.shape == (8, 3) and out.stride() == (1, 8) and out.dtype == torch.float32
+    assert torch.equal(out[:5], scale.t()) and torch.equal(out[5:], torch.zeros(3, 3))
+
+
+def test_the_cuda_gemm_refuses_an_unknown_backend_and_cpu_tensors_take_the_torch_path() -> None:
+    x = torch.ones(2, 128, dtype=torch.bfloat16)
+    assert not fp8_gemm.cuda_supported(x)  # worker/fp8_linear.py then runs the torch reference
+    codes, scale = fp8_gemm.quantize_blocks(torch.ones(128, 128))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        fp8_gemm.linear_cuda(x, codes, scale, scheme="block", backend="cutlass")
+
+
 # -- GPU ----------------------------------------------------------------------------------------------
 def _check_cuda_gemm(m: int, n: int, k: int, scheme: str, backend: str, static: bool = False) -> None:
     x = _acts(m, k, seed=n, device="cuda").to(torch.bfloat16)
@@ -387,6 +404,6 @@ def test_cublas_block_scaling_runs_on_hopper() -> None:
     """On an H100/H200 the library path is there (torch 2.13 + cuBLASLt 12.9): the engine's default."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("not a Hopper GPU")
-    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
-        pytest.skip(f"torch {torch.__version__}: the block-wise scaled_mm arrives in 2.13 (the GEMMs use Triton)")
-    assert fp8_gemm.cublas_block_supported(0)
+    if not hasattr(torch.nn.functional, "ScalingType"):  # the API itself, not a version number
+        pytest.skip(f"torch {torch.__version__} has no block-wise scaled_mm (torch.nn.functional.ScalingType; the GEMMs use Triton)")
+    assert fp8_gemm.cublas_block_supported(0)  # a wrong product is a failure here, not a skip of the cublas cases
