@@ -40,7 +40,7 @@ conversation in place of its previous lease (the least recently active lease
 yields when pages run out). Every agent's turns run round robin in a seeded
 order; ``--warm-points`` earlier points of other agents warm the pools and the
 controller first. Reported per control: the hit rate (prompt tokens the prefill
-did not compute, turn 1 on), the decode worker's owned bits (mean over the
+did not compute, from each agent's second turn), the decode worker's owned bits (mean over the
 point's turns), evictions, age-down copies and leases reclaimed per worker,
 mean over ``--seeds`` traffic seeds.
 Results: docs/performance-log/bit-budget.md.
@@ -74,6 +74,8 @@ from kvserving.worker.kv.manager import KVCacheManager
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence
 from kvserving.worker.triaxial_pool import TriaxialPagePool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/agents.py (--pd) beside this file
 
 P = 32
 BUDGETS = (2.5, 2.7, 3.0)
@@ -307,7 +309,6 @@ class PDRun:
 
 
 def run_pd(tagger: ChatTagger, control: str, seed: int, *, agents: int, kv_kib: int, warm_points: int, budget: float = 2.7) -> PDRun:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from agents import cpu_load, point_agents  # bench/agents.py: the agent bench's CPU traffic and agents
 
     pre = PDWorker(control, budget, kv_kib, leader=False)
