@@ -67,8 +67,8 @@ elsewhere (a device machine's ``$OUT``) into it.
    calibration data (the equal-cost baseline), (c) the calibrated table, and
    (d) "held": no table, the bit-budget controller (``bit_budget_control: hold``,
    the default ranking) holding the budget on the scored text, and (e) "held
-   calibrated": the same controller on the calibrated ranking (the engine given
-   the calibration file: the greedy gain-per-bit order of its priorities on its
+   calibrated": the same controller on the calibrated ranking (as an engine
+   given the calibration file builds it: the greedy gain-per-bit order of its priorities on its
    pages, ``kvserving.worker.kv.cache.budget_controller``). A held row's engine is
    warmed first on the scored conversations' tags, as a deployment that has
    served this traffic (``warm_up``: admitted and released without computing
@@ -121,6 +121,7 @@ from kvserving.model_dir import tiny_model_dir
 from kvserving.worker.attention import causal_attention
 from kvserving.worker.bit_budget import WINDOW_PAGES
 from kvserving.worker.engine import LLMEngine
+from kvserving.worker.kv.cache import budget_controller
 from kvserving.worker.model import DecoderModel, ModelArgs, load_model
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import ScheduledChunk, Sequence
@@ -599,16 +600,16 @@ def build_engine(
     table: tuple[int, ...] | None = None,
     scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
     held: float | None = None,
-    calibration: Path | None = None,
+    calibration: Calibration | None = None,
 ) -> LLMEngine:
     """``held``: triaxial with the bit-budget controller holding that budget, no table: on the ranking of
-    ``calibration`` (a calibration file) when given, else the default ranking."""
+    ``calibration`` when given (the controller an engine given that calibration file builds), else the
+    default ranking."""
     kv = KVCacheConfig(
         dtype=dtype,
         memory_bytes=(256 if device.type == "cpu" else 4096) * 2**20,
         bit_budget=held,
         bit_budget_control="hold" if held is not None else "fixed",
-        calibration=str(calibration) if calibration is not None else None,
     )
     cfg = ServingConfig(
         model=ModelConfig(path=str(model_dir), max_model_len=ctx + 64),
@@ -618,6 +619,9 @@ def build_engine(
     engine = LLMEngine(cfg, device=device, bits_table=table)
     if scales is not None:  # before any page is written: pages keep the scale they were written with
         engine.storage.k_scales, engine.storage.v_scales = list(scales[0]), list(scales[1])
+    if held is not None and calibration is not None:  # before any page is written, as build_kv_cache does
+        # (a calibration counted at another context is no file: its pages are not its tokens')
+        engine.kv.controller = budget_controller(held, calibration, page_size=engine.storage.page_size)
     return engine
 
 
@@ -1262,10 +1266,8 @@ def run_context(
     quiet: bool = False,
 ) -> dict[str, Any]:
     """Scores every row of ``specs`` on ``seqs``; ``on_row(rows so far)`` after each. A held row on the
-    calibrated ranking reads ``cal`` from a file written beside ``model_dir``."""
+    calibrated ranking walks ``cal``'s."""
     rows: dict[str, Any] = {}
-    cal_path = model_dir.parent / f"calibration_{ctx}.json"
-    cal_path.write_text(cal.to_json())
     reference_out: list[list[int]] | None = None
     ref: list[list[torch.Tensor]] = [[] for _ in seqs]  # the bf16 run's log-probabilities per sequence and chunk
     scored: dict[str, str] = {}  # the same format and table score the same: row key -> the row that scored it
@@ -1281,7 +1283,7 @@ def run_context(
         t = time.time()
         engine_kw = {k: v for k, v in kw.items() if k != "ranking"}
         if kw.get("ranking") == "calibrated":
-            engine_kw["calibration"] = cal_path
+            engine_kw["calibration"] = cal
         engine = build_engine(model_dir, dtype, device=device, ctx=ctx, chunk=s.chunk, **engine_kw)
         warm = warm_up(engine, seqs, kw["held"]) if kw.get("held") is not None else None
         rec = LayerError(engine.attention, engine.args.num_layers)

@@ -423,26 +423,19 @@ def test_runs_are_named_sections_of_one_file_per_machine(fidelity: ModuleType, t
     assert json.loads(out.read_text()) == doc
 
 
-def test_a_held_calibrated_row_walks_the_calibrations_ranking(fidelity: ModuleType, tmp_path: Path) -> None:
-    import dataclasses
-
+def test_a_held_calibrated_row_walks_the_calibrations_ranking(fidelity: ModuleType) -> None:
     import torch
 
-    from kvserving.calibration import Calibration
     from kvserving.model_dir import tiny_model_dir
     from kvserving.worker.kv.cache import budget_controller
 
     committed = json.loads((Path(fidelity.__file__).parent / "results" / "fidelity_cpu.json").read_text())
     cal = Calibration.from_dict(committed["sections"]["held"]["calibration"]["file"])
-    cal = dataclasses.replace(cal, num_layers=4, num_kv_heads=2, head_dim=64, scales={})  # the tiny model's shape
-    path = tmp_path / "calibration.json"
-    path.write_text(cal.to_json())
     specs = fidelity.variants({"calibrated": cal}, triaxial_only=True, budgets=(2.7,))
     assert specs["triaxial 2.7 held"] == ("triaxial", {"held": 2.7})
     assert specs["triaxial 2.7 held calibrated"] == ("triaxial", {"held": 2.7, "ranking": "calibrated"})
-    engine = fidelity.build_engine(
-        tiny_model_dir(), "triaxial", device=torch.device("cpu"), ctx=2048, chunk=256, held=2.7, calibration=path
-    )
+    engine = fidelity.build_engine(tiny_model_dir(), "triaxial", device=torch.device("cpu"), ctx=2048, chunk=256, held=2.7, calibration=cal)
     calibrated, default = budget_controller(2.7, cal, page_size=32), budget_controller(2.7, None, page_size=32)
     assert engine.kv.controller.order == calibrated.order != default.order
     assert engine.kv.controller.cut == calibrated.cut  # the cut that averages 2.7 on the calibration's pages
+    assert engine.kv.controller.window == 0  # nothing counted yet: set before any page
