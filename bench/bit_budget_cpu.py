@@ -27,6 +27,22 @@ Reported per cell after a warm-up of a third of the turns: the average bits of
 the pages owned (what the controller holds; mean, p5, p95) and of all held pages
 (owned + cached: ``kvserving_worker_kv_stored_bits``), the prompt tokens reused
 from the prefix cache (reuse must not suffer), the cut's moves.
+
+``--pd``: P/D reuse at the capacity cliff instead, deterministic (``run_pd``): the
+agent bench's CPU traffic (``bench/agents.py``'s ``cpu_load``, 6 turns) through a
+prefill and a decode worker's page policy, each over the pool the tiny model gets
+in ``--kv-kib`` (the agent bench's 2.5 MiB: 128 INT4 pages), with the bench's
+reuse steps: the prefill pulls what the decode worker's lease offers (D->P,
+adopting its carried cut), matches its prefix cache and computes the rest; the
+decode worker pulls the prompt pages (P->D), is admitted (``match_prefix`` while
+the admission pin holds the pulled pages), allocates the reply, and retains the
+conversation in place of its previous lease (the least recently active lease
+yields when pages run out). Every agent's turns run round robin in a seeded
+order; ``--warm-points`` earlier points of other agents warm the pools and the
+controller first. Reported per control: the hit rate (prompt tokens the prefill
+did not compute, from each agent's second turn), the decode worker's owned bits (mean over the
+point's turns), evictions, age-down copies and leases reclaimed per worker,
+mean over ``--seeds`` traffic seeds.
 Results: docs/performance-log/bit-budget.md.
 """
 
@@ -34,7 +50,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import random
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -50,11 +68,15 @@ from kvserving.gateway.prompt.tagger import ChatTagger
 from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.model_dir import tiny_model_dir
 from kvserving.progress import add_quiet_argument, progress
+from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.kv.cache import budget_controller
+from kvserving.worker.kv.leases import pin_for_admission, release_admission
 from kvserving.worker.kv.manager import KVCacheManager
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence
 from kvserving.worker.triaxial_pool import TriaxialPagePool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/agents.py (--pd) beside this file
 
 P = 32
 BUDGETS = (2.5, 2.7, 3.0)
@@ -189,8 +211,237 @@ def run_cell(tagger: ChatTagger, mix: str, budget: float, control: str, *, turns
     )
 
 
+# ---------------------------------------------------------------------- P/D at the cliff (--pd)
+# The tiny model's triaxial pages (4 layers x 2 KV heads x 64): INT4 5120 B, INT2 3072 B per page per layer.
+TINY_LAYERS, TINY_INT4, TINY_INT2 = 4, 5120, 3072
+THRESHOLD_TOKENS = 64  # reuse.recompute_threshold_tokens: a pull of fewer tokens is not made
+
+
+class PDWorker:
+    """One worker's page policy: pool, manager (age-down on), controller, retained leases (LRU first)."""
+
+    def __init__(self, control: str, budget: float, kv_kib: int, *, leader: bool) -> None:
+        self.pool = TriaxialPagePool(kv_kib * 1024 // TINY_LAYERS, int4_page_bytes=TINY_INT4, int2_page_bytes=TINY_INT2, page_size=P)
+        self.kv = KVCacheManager(self.pool, page_size=P, bits_table=bits_table_for_budget(budget), requantize=lambda src, dst: None)
+        if control == "hold":
+            self.kv.controller = budget_controller(budget, None, page_size=P)
+            self.kv.controller.leader = leader
+        self.leases: dict[int, tuple[Sequence, float | None]] = {}  # conversation -> (its pages, the cut carried)
+        self.reclaimed = 0
+        self.pulled_pages = 0
+
+    def _yield_lease(self) -> bool:
+        if not self.leases:
+            return False
+        self.kv.free(self.leases.pop(next(iter(self.leases)))[0])
+        self.reclaimed += 1
+        return True
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        while not self.kv.allocate_until(seq, num_tokens):
+            if not self._yield_lease():
+                return False
+        return True
+
+    def pull(self, seq: Sequence, offered: Sequence, cut: float | None) -> str | None:
+        """The puller's plan and adopt for ``seq`` from ``offered``'s full pages (a peer's lease):
+        the leading pages whose hashes equal this prompt's at the sender's precision; those held
+        here (under the controller: at either precision) are pinned, the rest copied in; every
+        page under one admission pin (its id; None: nothing pulled)."""
+        kv, pool = self.kv, self.pool
+        if kv.controller is not None and cut is not None:
+            kv.controller.adopt(cut, kv.controller.ranking)
+        n = offered.num_registered_pages
+        usable = min(n, (seq.num_tokens - 1) // P)
+        bits = [page_id_bits(pid) for pid in offered.page_ids[:usable]]
+        if kv.controller is None:  # a 2-bit page never serves a request that wants 4 (a fixed table)
+            wanted = kv.page_bits_for(seq, 0, usable)
+            usable = next((i for i, (b, w) in enumerate(zip(bits, wanted)) if b == 2 and w == 4), usable)
+            bits = bits[:usable]
+        mine = kv.page_hashes(seq, bits) if usable else []
+        matched = 0
+        while matched < usable and mine[matched] == offered.page_hashes[matched]:
+            matched += 1
+        held = kv.held_page if kv.controller is not None else pool.lookup
+        if kv.controller is None:
+            kv.age_cached([h for h, b in zip(mine[:matched], bits) if b == 2])
+        local = [pid for h in mine[:matched] if (pid := held(h)) is not None]
+        want = [j for j in range(matched) if held(mine[j]) is None]
+        if not want or len(want) * P < THRESHOLD_TOKENS:
+            return None
+        pool.incref(local)  # held while the pull runs: an allocation may evict cached pages
+        got = pool.allocate([bits[j] for j in want])
+        while got is None and self._yield_lease():
+            got = pool.allocate([bits[j] for j in want])
+        if got is None:
+            pool.free(local)
+            return None
+        for pid, j in zip(got, want):
+            pool.register(pid, mine[j])
+        pin = pin_for_admission(pool, local + got, pulled=got, ttl_s=60.0)
+        pool.free(local + got)  # the pin holds them now
+        self.pulled_pages += len(got)
+        return pin
+
+    def admit(self, seq: Sequence, pin: str | None) -> int:
+        """``match_prefix`` with the admission pin still held (as the engine's scheduler), then the pin goes."""
+        seq.admission_pin = pin
+        hit = self.kv.match_prefix(seq)
+        if pin is not None:
+            release_admission(self.pool, pin, seq.page_ids)
+            seq.admission_pin = None
+        return hit
+
+
+@dataclass
+class PDRun:
+    control: str
+    seed: int
+    warm_points: int
+    hit_rate: float  # prompt tokens not computed by the prefill / prompt tokens, turns 1+
+    decode_owned_bits: float  # the decode worker's owned pages, mean over the point's turns
+    evicted: tuple[int, int]  # prefill, decode
+    aged: tuple[int, int]
+    reclaimed: int  # decode leases that yielded their pages
+    pulled_pages: tuple[int, int]  # D->P (into the prefill), P->D
+    preempted: int  # requests that found no pages with their matched prefix held (recomputed from nothing)
+    cut: float | None
+    cut_moves: int
+
+
+def run_pd(tagger: ChatTagger, control: str, seed: int, *, agents: int, kv_kib: int, warm_points: int, budget: float = 2.7) -> PDRun:
+    from agents import cpu_load, point_agents  # bench/agents.py: the agent bench's CPU traffic and agents
+
+    pre = PDWorker(control, budget, kv_kib, leader=False)
+    dec = PDWorker(control, budget, kv_kib, leader=True)
+    load = cpu_load(seed, think_s=0.05, turns=6)
+    rng = random.Random(f"pd:{seed}")
+    owned: list[float] = []
+    prompt = cached = preempted = 0
+    base: tuple[int, ...] = ()
+    for point in range(warm_points + 1):
+        measured = point == warm_points
+        for seq, _ in dec.leases.values():  # a point starts with every lease released (bench/agents.py)
+            dec.kv.free(seq)
+        dec.leases.clear()
+        if measured:
+            base = (pre.pool.evicted_pages, dec.pool.evicted_pages, pre.kv.aged_pages, dec.kv.aged_pages, dec.reclaimed)
+            base += (pre.pulled_pages, dec.pulled_pages)
+        ids_range = point_agents(agents) if measured else range(100_000 * (point + 1), 100_000 * (point + 1) + agents)
+        convs = {i: (spec, Conversation(spec)) for i in ids_range for spec in [agent(load, i)]}
+        for t in range(max(len(spec.turns) for spec, _ in convs.values())):
+            order = [c for c in convs if t < len(convs[c][0].turns)]
+            rng.shuffle(order)
+            for c in order:
+                spec, conv = convs[c]
+                turn = spec.turns[t]
+                built = tagger.build(conv.request(turn), tools=list(conv.tools) or None, add_generation_prompt=True)
+                ids, tags = built.input_ids, built.tags
+                # prefill: pull what the decode worker retains, match, compute the rest
+                s = Sequence(f"p{c}.{t}", ids, SamplingParams(), make_generator(0), tags=tags)
+                lease = dec.leases.get(c)
+                hit = pre.admit(s, pre.pull(s, lease[0], lease[1]) if lease is not None else None)
+                if not pre.allocate(s, len(ids)):  # its held prefix strands the pool: recompute from nothing
+                    pre.kv.free(s)
+                    preempted += 1
+                    hit = 0
+                    if not pre.allocate(s, len(ids)):
+                        raise RuntimeError(f"a prefill pool of {kv_kib} KiB cannot hold one prompt of {len(ids)} tokens")
+                s.num_computed = len(ids)
+                pre.kv.publish_full_pages(s)
+                # decode: pull the prompt's pages, admit, reply, retain in place of the last lease
+                d = Sequence(f"d{c}.{t}", ids, SamplingParams(), make_generator(0), tags=tags)
+                dec.admit(d, dec.pull(d, s, pre.kv.controller.cut if pre.kv.controller is not None else None))
+                pre.kv.free(s)  # the prefill's transfer lease is single use
+                if c in dec.leases:
+                    dec.kv.free(dec.leases.pop(c)[0])
+                if not dec.allocate(d, len(ids) + turn.output_tokens):  # as the prefill's above
+                    dec.kv.free(d)
+                    preempted += 1
+                    if not dec.allocate(d, len(ids) + turn.output_tokens):
+                        raise RuntimeError(f"a decode pool of {kv_kib} KiB cannot hold one conversation of {len(ids)} tokens")
+                d.num_computed = len(ids)
+                dec.kv.publish_full_pages(d)
+                dec.leases[c] = (d, dec.kv.controller.cut if dec.kv.controller is not None else None)
+                conv.reply(turn, _words(rng, turn.output_tokens // 2))
+                if measured:
+                    if t > 0:
+                        prompt += len(ids)
+                        cached += hit
+                    bits = dec.kv.held_bits(cached=False)
+                    if bits is not None:
+                        owned.append(bits)
+    ctl = dec.kv.controller
+    return PDRun(
+        control=control,
+        seed=seed,
+        warm_points=warm_points,
+        hit_rate=cached / prompt,
+        decode_owned_bits=sum(owned) / len(owned),
+        evicted=(pre.pool.evicted_pages - base[0], dec.pool.evicted_pages - base[1]),
+        aged=(pre.kv.aged_pages - base[2], dec.kv.aged_pages - base[3]),
+        reclaimed=dec.reclaimed - base[4],
+        pulled_pages=(pre.pulled_pages - base[5], dec.pulled_pages - base[6]),
+        preempted=preempted,
+        cut=round(ctl.cut, 3) if ctl else None,
+        cut_moves=ctl.moves if ctl else 0,
+    )
+
+
+def main_pd(args: argparse.Namespace, tagger: ChatTagger) -> dict[str, Any]:
+    runs: list[PDRun] = []
+    grid = list(itertools.product(args.warm_points, ("fixed", "hold"), range(args.seeds)))
+    for warm, control, seed in progress(grid, desc="runs", quiet=args.quiet):
+        runs.append(run_pd(tagger, control, seed, agents=args.agents, kv_kib=args.kv_kib, warm_points=warm))
+    summary = []
+    print(
+        f"{'warm':>4} {'control':7} {'hit':>6} {'(min-max)':>11} {'owned D':>7} {'evict P/D':>9} {'aged P/D':>8} {'reclaim':>7} {'pulled D->P / P->D':>18}"
+    )
+    for warm, control in itertools.product(args.warm_points, ("fixed", "hold")):
+        rs = [r for r in runs if r.warm_points == warm and r.control == control]
+        hits = [r.hit_rate for r in rs]
+
+        def mean(xs: list[float]) -> float:
+            return sum(xs) / len(xs)
+
+        row = {
+            "warm_points": warm,
+            "control": control,
+            "hit_rate": round(mean(hits), 4),
+            "hit_rate_min": round(min(hits), 4),
+            "hit_rate_max": round(max(hits), 4),
+            "decode_owned_bits": round(mean([r.decode_owned_bits for r in rs]), 3),
+            "evicted": [round(mean([r.evicted[i] for r in rs]), 1) for i in (0, 1)],
+            "aged": [round(mean([r.aged[i] for r in rs]), 1) for i in (0, 1)],
+            "reclaimed": round(mean([r.reclaimed for r in rs]), 1),
+            "pulled_pages": [round(mean([r.pulled_pages[i] for r in rs]), 1) for i in (0, 1)],
+        }
+        summary.append(row)
+        print(
+            f"{warm:>4} {control:7} {row['hit_rate']:6.3f} ({row['hit_rate_min']:.2f}-{row['hit_rate_max']:.2f}) "
+            f"{row['decode_owned_bits']:7.2f} {row['evicted'][0]:>4.0f}/{row['evicted'][1]:<4.0f} "
+            f"{row['aged'][0]:>3.0f}/{row['aged'][1]:<4.0f} {row['reclaimed']:7.1f} {row['pulled_pages'][0]:>8.0f} / {row['pulled_pages'][1]:<8.0f}",
+            flush=True,
+        )
+    return {
+        "agents": args.agents,
+        "kv_kib": args.kv_kib,
+        "seeds": args.seeds,
+        "budget": 2.7,
+        "summary": summary,
+        "runs": [asdict(r) for r in runs],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pd", action="store_true", help="P/D reuse at the capacity cliff, fixed table vs hold at 2.7 (run_pd)")
+    ap.add_argument("--agents", type=int, default=10, help="--pd: concurrent agents")
+    ap.add_argument("--kv-kib", type=int, default=2560, help="--pd: KV pool per worker, KiB (the tiny model's pages)")
+    ap.add_argument("--seeds", type=int, default=8, help="--pd: traffic seeds per control")
+    ap.add_argument(
+        "--warm-points", type=lambda v: [int(x) for x in v.split(",")], default=[0, 2], help="--pd: points before the measured one"
+    )
     ap.add_argument("--turns", type=int, default=900)
     ap.add_argument("--pool-pages", type=int, default=12000)
     ap.add_argument("--mixes", default=",".join(MIXES))
@@ -200,6 +451,13 @@ def main() -> None:
     args = ap.parse_args()
     root = tiny_model_dir()
     tagger = ChatTagger(TextTokenizer.from_dir(root), ChatTemplate.from_dir(root))
+    if args.pd:
+        pd = main_pd(args, tagger)
+        if args.json:  # its own key of the result file, beside the cells
+            doc = json.loads(args.json.read_text()) if args.json.is_file() else {}
+            doc["pd"] = pd
+            args.json.write_text(jsonfmt.dumps(doc))
+        return
     cells = []
     print(f"{'mix':7} {'budget':>6} {'control':7} {'owned':>6} {'p5':>6} {'p95':>6} {'held':>6} {'reused':>7} {'aged':>6} {'moves':>5}")
     grid = list(itertools.product(args.mixes.split(","), (float(b) for b in args.budgets.split(",")), ("fixed", "hold")))
@@ -213,9 +471,9 @@ def main() -> None:
             flush=True,
         )
     if args.json:
-        args.json.write_text(
-            jsonfmt.dumps({"turns": args.turns, "pool_pages": args.pool_pages, "in_flight": IN_FLIGHT, "cells": [asdict(c) for c in cells]})
-        )
+        doc = json.loads(args.json.read_text()) if args.json.is_file() else {}
+        doc.update({"turns": args.turns, "pool_pages": args.pool_pages, "in_flight": IN_FLIGHT, "cells": [asdict(c) for c in cells]})
+        args.json.write_text(jsonfmt.dumps(doc))
 
 
 if __name__ == "__main__":

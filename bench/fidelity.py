@@ -66,7 +66,10 @@ elsewhere (a device machine's ``$OUT``) into it.
    priorities through the calibration's page-counted greedy rule on the same
    calibration data (the equal-cost baseline), (c) the calibrated table, and
    (d) "held": no table, the bit-budget controller (``bit_budget_control: hold``,
-   the default ranking) holding the budget on the scored text. Its engine is
+   the default ranking) holding the budget on the scored text, and (e) "held
+   calibrated": the same controller on the calibrated ranking (as an engine
+   given the calibration file builds it: the greedy gain-per-bit order of its priorities on its
+   pages, ``kvserving.worker.kv.cache.budget_controller``). A held row's engine is
    warmed first on the scored conversations' tags, as a deployment that has
    served this traffic (``warm_up``: admitted and released without computing
    K/V until one whole pass stores within +-0.05 bits of the budget); every
@@ -118,6 +121,7 @@ from kvserving.model_dir import tiny_model_dir
 from kvserving.worker.attention import causal_attention
 from kvserving.worker.bit_budget import WINDOW_PAGES
 from kvserving.worker.engine import LLMEngine
+from kvserving.worker.kv.cache import budget_controller
 from kvserving.worker.model import DecoderModel, ModelArgs, load_model
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import ScheduledChunk, Sequence
@@ -596,8 +600,11 @@ def build_engine(
     table: tuple[int, ...] | None = None,
     scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
     held: float | None = None,
+    calibration: Calibration | None = None,
 ) -> LLMEngine:
-    """``held``: triaxial with the bit-budget controller holding that budget (the default ranking), no table."""
+    """``held``: triaxial with the bit-budget controller holding that budget, no table: on the ranking of
+    ``calibration`` when given (the controller an engine given that calibration file builds), else the
+    default ranking."""
     kv = KVCacheConfig(
         dtype=dtype,
         memory_bytes=(256 if device.type == "cpu" else 4096) * 2**20,
@@ -612,6 +619,9 @@ def build_engine(
     engine = LLMEngine(cfg, device=device, bits_table=table)
     if scales is not None:  # before any page is written: pages keep the scale they were written with
         engine.storage.k_scales, engine.storage.v_scales = list(scales[0]), list(scales[1])
+    if held is not None and calibration is not None:  # before any page is written, as build_kv_cache does
+        # (a calibration counted at another context is no file: its pages are not its tokens')
+        engine.kv.controller = budget_controller(held, calibration, page_size=engine.storage.page_size)
     return engine
 
 
@@ -687,6 +697,15 @@ def main(argv: list[str] | None = None) -> int:
         "measured on prompts of that length, the budget on the same pages): rows 'calibrated@<ctx>'",
     )
     ap.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="read the calibration from FILE (a kvserving calibrate file; a section's calibration.file) instead of "
+        "measuring it: only for the model FILE was measured on (the same seed and config; training is deterministic "
+        "on one machine), to score more rows without the calibration's time",
+    )
+    ap.add_argument(
         "--section",
         default="main",
         help="the name this run's results take in --out, beside the sections already there (one file per machine)",
@@ -710,6 +729,13 @@ def main(argv: list[str] | None = None) -> int:
         doc = combine([Path(f) for f in opts.combine], out_path, what=WHAT, name_of=section_of)
         print(f"wrote {out_path}: sections {', '.join(doc['sections'])}")
         return 0
+    if opts.calibration is not None:
+        if not opts.calibration.is_file():
+            print(f"fidelity: error: --calibration: no file {opts.calibration}", file=sys.stderr)
+            return 2
+        if opts.select or opts.diagnose:
+            print("fidelity: error: --calibration reads a calibration; --select and --diagnose measure one", file=sys.stderr)
+            return 2
     if device.type == "cuda" and not torch.cuda.is_available():
         print("fidelity: error: --device cuda but torch sees no GPU", file=sys.stderr)
         return 1
@@ -786,21 +812,25 @@ def main(argv: list[str] | None = None) -> int:
         # --select at the calibration length only where that context is scored: every other context selects
         # again on its own pages (reselect), so a selection here would be discarded (and cost 3 whole-table
         # KL passes per budget)
-        cal = calibrate(
-            model_dir,
-            [calib_path],
-            BUDGETS,
-            seq_len=s.calib_len,
-            max_tokens=s.calib_tokens,
-            search=not opts.triaxial_only,
-            frequency_source="data",
-            device=opts.device,
-            wrap="agent",
-            metric=opts.metric,
-            chunk=s.chunk,
-            select=opts.select and s.calib_len in contexts and not opts.count_on_evaluation,
-            selection=selection,
-            attn_out=attn["calibrated"] if opts.select else None,
+        cal = (
+            Calibration.load(opts.calibration)
+            if opts.calibration is not None
+            else calibrate(
+                model_dir,
+                [calib_path],
+                BUDGETS,
+                seq_len=s.calib_len,
+                max_tokens=s.calib_tokens,
+                search=not opts.triaxial_only,
+                frequency_source="data",
+                device=opts.device,
+                wrap="agent",
+                metric=opts.metric,
+                chunk=s.chunk,
+                select=opts.select and s.calib_len in contexts and not opts.count_on_evaluation,
+                selection=selection,
+                attn_out=attn["calibrated"] if opts.select else None,
+            )
         )
         (work / "calibration.json").write_text(cal.to_json())
         t_cal = time.time() - t1
@@ -846,6 +876,8 @@ def main(argv: list[str] | None = None) -> int:
             "calibration": {
                 "tokens": cal.tokens,
                 "seconds": round(t_cal, 1),
+                # --calibration: the file read instead of measuring (its model: this seed's, trained the same way)
+                **({"loaded_from": str(opts.calibration)} if opts.calibration is not None else {}),
                 "metric": opts.metric,
                 "tables": tables,
                 # per budget: each candidate table's whole-table KL on the calibration prompts, the one kept
@@ -1147,8 +1179,9 @@ def variants(
     for b in budgets:
         for name, table in table_set(cals, b, swap=swap, skip_default=skip_default).items():
             rows[f"triaxial {b:g} {name}"] = ("triaxial", {"table": table})
-        # the bit-budget controller on the default ranking: the budget held on the scored text
+        # the bit-budget controller on the default and on the calibrated ranking: the budget held on the scored text
         rows[f"triaxial {b:g} held"] = ("triaxial", {"held": b})
+        rows[f"triaxial {b:g} held calibrated"] = ("triaxial", {"held": b, "ranking": "calibrated"})
     return rows
 
 
@@ -1232,13 +1265,14 @@ def run_context(
     on_row: Callable[[dict[str, Any]], None] | None = None,
     quiet: bool = False,
 ) -> dict[str, Any]:
-    """Scores every row of ``specs`` on ``seqs``; ``on_row(rows so far)`` after each."""
+    """Scores every row of ``specs`` on ``seqs``; ``on_row(rows so far)`` after each. A held row on the
+    calibrated ranking walks ``cal``'s."""
     rows: dict[str, Any] = {}
     reference_out: list[list[int]] | None = None
     ref: list[list[torch.Tensor]] = [[] for _ in seqs]  # the bf16 run's log-probabilities per sequence and chunk
     scored: dict[str, str] = {}  # the same format and table score the same: row key -> the row that scored it
     for name, (dtype, kw) in progress(specs.items(), desc=f"ctx {ctx} rows", total=len(specs), quiet=quiet):
-        key = json.dumps([dtype, kw.get("table"), kw.get("scales"), kw.get("held")])
+        key = json.dumps([dtype, kw.get("table"), kw.get("scales"), kw.get("held"), kw.get("ranking")])
         if key in scored:
             rows[name] = {**rows[scored[key]], "same_table_as": scored[key], "seconds": 0.0}
             print(f"  ctx {ctx} {name}: the same table as {scored[key]}", file=sys.stderr, flush=True)
@@ -1247,7 +1281,10 @@ def run_context(
             continue
         scored[key] = name
         t = time.time()
-        engine = build_engine(model_dir, dtype, device=device, ctx=ctx, chunk=s.chunk, **kw)
+        engine_kw = {k: v for k, v in kw.items() if k != "ranking"}
+        if kw.get("ranking") == "calibrated":
+            engine_kw["calibration"] = cal
+        engine = build_engine(model_dir, dtype, device=device, ctx=ctx, chunk=s.chunk, **engine_kw)
         warm = warm_up(engine, seqs, kw["held"]) if kw.get("held") is not None else None
         rec = LayerError(engine.attention, engine.args.num_layers)
         acc = Score()

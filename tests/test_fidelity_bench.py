@@ -214,7 +214,14 @@ def test_a_smoke_run_writes_each_row_as_it_completes_and_reloadable_calibrations
         )
         == 0
     )
-    rows = ["bf16", "triaxial 3.5 default@pages", "triaxial 3.5 calibrated", "triaxial 3.5 calibrated@512", "triaxial 3.5 held"]
+    rows = [
+        "bf16",
+        "triaxial 3.5 default@pages",
+        "triaxial 3.5 calibrated",
+        "triaxial 3.5 calibrated@512",
+        "triaxial 3.5 held",
+        "triaxial 3.5 held calibrated",
+    ]
     assert seen == [(rows[: i + 1], True) for i in range(len(rows))]
     result = json.loads(out.read_text())["sections"]["main"]
     block = result["contexts"]["512"]
@@ -253,7 +260,13 @@ def test_generate_zero_scores_every_row_without_the_greedy_column(fidelity: Modu
         == 0
     )
     rows = json.loads(out.read_text())["sections"]["main"]["contexts"]["512"]["rows"]
-    assert list(rows) == ["bf16", "triaxial 2.7 default@pages", "triaxial 2.7 calibrated", "triaxial 2.7 held"]
+    assert list(rows) == [
+        "bf16",
+        "triaxial 2.7 default@pages",
+        "triaxial 2.7 calibrated",
+        "triaxial 2.7 held",
+        "triaxial 2.7 held calibrated",
+    ]
     for r in rows.values():
         assert r["generated"] == 0 and r["first_divergence"] == [] and r["mean_first_divergence"] is None
         assert len(r["kl_per_sequence"]) == 2 and len(r["stored_bits_per_sequence"]) == 2
@@ -354,9 +367,11 @@ def test_count_on_evaluation_holds_every_tables_budget_on_the_scored_conversatio
     assert block["calibration_pages"]["counts"] == block["evaluation_pages"]["counts"]
     # the counted tables (default and calibrated at each budget); the "held" rows store what the bit-budget
     # controller chooses, not a table's count
-    triaxial = {name: r for name, r in block["rows"].items() if name.startswith("triaxial") and not name.endswith(" held")}
+    triaxial = {name: r for name, r in block["rows"].items() if name.startswith("triaxial") and " held" not in name}
     assert len(triaxial) == 4
-    assert {name for name in block["rows"] if name.endswith(" held")} == {"triaxial 2.7 held", "triaxial 3 held"}
+    assert {name for name in block["rows"] if " held" in name} == {
+        f"triaxial {b} held{ranking}" for b in ("2.7", "3") for ranking in ("", " calibrated")
+    }
     for name, r in triaxial.items():
         budget = float(name.split()[1])
         stored = sum(b * n for b, n in zip(r["stored_bits_per_sequence"], lengths)) / sum(lengths)
@@ -406,3 +421,21 @@ def test_runs_are_named_sections_of_one_file_per_machine(fidelity: ModuleType, t
     assert doc["sections"]["seed1"] == {"section": "seed1", "seed": 1}
     assert fidelity.main(["--combine", str(tmp_path / "none.json"), "--out", str(out)]) == 2  # one line, nothing written
     assert json.loads(out.read_text()) == doc
+
+
+def test_a_held_calibrated_row_walks_the_calibrations_ranking(fidelity: ModuleType) -> None:
+    import torch
+
+    from kvserving.model_dir import tiny_model_dir
+    from kvserving.worker.kv.cache import budget_controller
+
+    committed = json.loads((Path(fidelity.__file__).parent / "results" / "fidelity_cpu.json").read_text())
+    cal = Calibration.from_dict(committed["sections"]["held"]["calibration"]["file"])
+    specs = fidelity.variants({"calibrated": cal}, triaxial_only=True, budgets=(2.7,))
+    assert specs["triaxial 2.7 held"] == ("triaxial", {"held": 2.7})
+    assert specs["triaxial 2.7 held calibrated"] == ("triaxial", {"held": 2.7, "ranking": "calibrated"})
+    engine = fidelity.build_engine(tiny_model_dir(), "triaxial", device=torch.device("cpu"), ctx=2048, chunk=256, held=2.7, calibration=cal)
+    calibrated, default = budget_controller(2.7, cal, page_size=32), budget_controller(2.7, None, page_size=32)
+    assert engine.kv.controller.order == calibrated.order != default.order
+    assert engine.kv.controller.cut == calibrated.cut  # the cut that averages 2.7 on the calibration's pages
+    assert engine.kv.controller.window == 0  # nothing counted yet: set before any page

@@ -23,10 +23,14 @@ Two inputs set the cut:
   reduced to its best rank, plus the pages that are INT4 anyway), over a
   window of ``WINDOW_PAGES`` recent pages: for any cut it gives the bits new
   pages would average;
-- feedback: the stored average of the pages the pool holds now (owned and
-  cached; aged-down pages, pulled pages and generated pages included).
-New pages aim at ``budget + (budget - held)`` (clamped to ``MAX_CORRECTION``), so
-the pool's error shrinks as its pages turn over, without an integral to wind up.
+- feedback: the stored average of the pages owned now (running requests and
+  retained leases; aged-down, pulled and generated pages included), smoothed
+  over looks.
+New pages aim at ``budget + offset``: each look outside the band adds
+``INTEGRAL_GAIN`` of the pool's error to the offset (clamped to ``MAX_CORRECTION``),
+a lasting difference between the mix and the pool. After a cold start whose
+pages the pool keeps long after (retained conversations), the offset summed then
+aims off the budget for a while (docs/kv-cache.md, At the capacity cliff).
 
 One cut per deployment: the decode workers lead, the prefill workers follow. A
 leader moves its cut as below; a follower (``leader = False``) stores at the cut

@@ -23,10 +23,14 @@ Policy that keeps the two ends from deadlocking each other:
   all-or-nothing across the two ends (one sequence's new pages at once: two
   separate calls could fail where one placement of both kinds fits). For each
   precision ``b`` it takes, in order: free slots of precision ``b`` below its
-  mark, then the gap, then evicts cached pages of precision ``b`` (LRU first),
-  and only then evicts the *other* end's innermost cached pages to pull its
-  mark back (never past a page someone owns). ``num_free_pages(bits=b)``
-  counts exactly what a one-precision request can get.
+  mark, then the gap, then evicts cached pages, the least recently used of two
+  candidates first: its own end's LRU page, or the *other* end's innermost
+  cached pages (as many as free one slot of ``b``), whose mark then moves back
+  (never past a page someone owns); on a tie its own. Without the second
+  candidate a pool whose mix of precisions shifts (a bit-budget cut that moved,
+  docs/kv-cache.md) would evict the newest pages of the growing end while stale
+  pages of the other end stay cached. ``num_free_pages(bits=b)`` counts exactly
+  what a one-precision request can get.
 
 What can still strand space: an owned page deep inside one end keeps that end's
 mark above it; free slots below it serve only its own precision.
@@ -174,7 +178,7 @@ class TriaxialPagePool(PagePoolBase):
         if e2 * self._bytes[2] + e4 * self._bytes[4] > self.total_bytes:
             return None
         cap2 = (self.total_bytes - e4 * self._bytes[4]) // self._bytes[2]
-        int2 = iter(self._own(self._take(n2, 2, cap=cap2)))
+        int2 = iter(self._own(self._take(n2, 2, cap=cap2, floor=e4)))
         int4 = iter(self._own(self._take(n4, 4, cap=None)))
         return [next(int2) if b == 2 else next(int4) for b in page_bits]
 
@@ -198,10 +202,11 @@ class TriaxialPagePool(PagePoolBase):
                 self._evict(region.flag | index)
         region.truncate(mark)
 
-    def _take(self, n: int, bits: int, *, cap: int | None) -> list[int]:
+    def _take(self, n: int, bits: int, *, cap: int | None, floor: int = 0) -> list[int]:
         """``n`` slots of precision ``bits`` (the caller checked they exist), keeping that end
-        within ``cap`` slots when given: free slots, the gap, own LRU evictions, then the
-        other end's innermost cached pages."""
+        within ``cap`` slots and the other end's mark at ``floor`` or above when given: free
+        slots, the gap, evictions by age (``_by_age``), then the other end's innermost cached
+        pages."""
         mine, other = self._r[bits], self._r[6 - bits]
         b_mine, b_other = self._bytes[bits], self._bytes[6 - bits]
         if cap is not None and mine.hwm > cap:
@@ -209,13 +214,46 @@ class TriaxialPagePool(PagePoolBase):
         room = (self.total_bytes - mine.hwm * b_mine - other.hwm * b_other) // b_mine
         if cap is not None:
             room = min(room, cap - mine.hwm)
-        ids = self._fill(mine, n, room=room)
+        ids = self._fill(mine, n, room=room, evict=False)
+        ids += self._by_age(bits, n - len(ids), cap=cap, floor=floor)
         short = n - len(ids)
         if short:
             # Pull the other end's mark back just far enough for ``short`` more slots.
             self._shrink(other, (self.total_bytes - (mine.hwm + short) * b_mine) // b_other)
             ids += self._fill(mine, short, room=short)
         assert len(ids) == n
+        return ids
+
+    def _by_age(self, bits: int, n: int, *, cap: int | None, floor: int) -> list[int]:
+        """Up to ``n`` slots of precision ``bits`` by eviction, free slots and the gap being used:
+        each time the older of its own end's LRU page and the other end's innermost cached pages
+        (as many as free one slot here; the other mark stays >= ``floor``, this end <= ``cap``)."""
+        mine, other = self._r[bits], self._r[6 - bits]
+        b_mine, b_other = self._bytes[bits], self._bytes[6 - bits]
+        ids: list[int] = []
+        while len(ids) < n:
+            head = next(iter(mine.lru), None)
+            gap = self.total_bytes - mine.hwm * b_mine - other.hwm * b_other
+            if gap >= b_mine and (cap is None or mine.hwm < cap):  # left by an earlier move of the other mark
+                ids.append(mine.flag | mine.grow())
+                continue
+            k = max(0, -(-(b_mine - gap) // b_other))  # innermost pages of the other end that free one slot
+            inner = [other.flag | i for i in range(other.hwm - k, other.hwm)]
+            movable = (
+                k > 0
+                and other.hwm - k >= floor
+                and (cap is None or mine.hwm < cap)
+                and all(pid in other.lru for pid in inner)
+                and (head is None or max(self._pages[pid].last_used for pid in inner) < self._pages[head].last_used)
+            )
+            if movable:
+                self._shrink(other, other.hwm - k)
+                ids.append(mine.flag | mine.grow())
+            elif head is not None:
+                self._evict(head)
+                ids.append(head)
+            else:
+                break
         return ids
 
 

@@ -158,6 +158,47 @@ def test_under_the_controller_age_down_leaves_pages_another_holder_keeps() -> No
     assert copies == [([ids[1]], [later.page_ids[1]])] and kv.aged_pages == 1
 
 
+def test_under_the_controller_the_requests_own_admission_pin_is_no_other_holder() -> None:
+    """Pages pulled for a request wait under its admission pin until it is admitted: they are
+    aged at admission (the pin goes right after, the 4-bit page with it); a lease's page is not."""
+    from kvserving.worker.kv.leases import pin_for_admission, release_admission
+
+    pool = TriaxialPagePool(64 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=P)
+    copies: list[tuple[list[int], list[int]]] = []
+    kv = KVCacheManager(pool, page_size=P, bits_table=(4,) * NUM_TAGS, requantize=lambda src, dst: copies.append((src, dst)))
+    kv.controller = BitBudgetController(2.7, ORDER, cut=6.0, page_size=P)
+    tokens = list(range(100, 165))
+    ids = _cached(kv, [5] * 65, tokens)  # two full INT4 pages (pulled, say)
+    pool.pin("lease-a", ids[:1], ttl_s=60.0)  # a retained conversation keeps page 0
+    pin = pin_for_admission(pool, ids[:2], pulled=ids[:2], ttl_s=60.0)
+    kv.controller.cut = 5.0  # class 5 now wants 2 bits
+    later = Sequence("l", tokens, SamplingParams(), make_generator(0), tags=[5] * 65)
+    later.admission_pin = pin
+    assert kv.match_prefix(later) == 64
+    assert later.page_ids[0] == ids[0] and later.page_ids[1] & INT2_PAGE_FLAG
+    assert copies == [([ids[1]], [later.page_ids[1]])] and kv.aged_pages == 1
+    release_admission(pool, pin, later.page_ids)
+    assert pool.page(ids[1]) is None  # the retired 4-bit page is free once the pin is gone
+
+
+def test_a_follower_never_ages_down_a_page_its_leader_holds_the_budget_with() -> None:
+    """A prefill worker's pool is a cache of the pages its decode workers keep: a copy it ages
+    takes a page of a full pool and changes nothing the decode worker stores."""
+    aged = {}
+    for leader in (True, False):
+        pool = TriaxialPagePool(64 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=P)
+        kv = KVCacheManager(pool, page_size=P, bits_table=(4,) * NUM_TAGS, requantize=lambda src, dst: None)
+        kv.controller = BitBudgetController(2.7, ORDER, cut=6.0, page_size=P)
+        kv.controller.leader = leader
+        tokens = list(range(100, 165))
+        ids = _cached(kv, [5] * 65, tokens)
+        kv.controller.cut = 5.0  # class 5 now wants 2 bits
+        later = Sequence("l", tokens, SamplingParams(), make_generator(0), tags=[5] * 65)
+        assert kv.match_prefix(later) == 64
+        aged[leader] = (kv.aged_pages, later.page_ids[:2] == ids[:2])
+    assert aged == {True: (2, False), False: (0, True)}
+
+
 # -- a pool held on traffic -----------------------------------------------------------------
 
 SYS = encode_tag("current", "text", "inst")

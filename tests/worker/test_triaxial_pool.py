@@ -138,6 +138,32 @@ def test_cached_pages_of_the_other_end_are_evicted_only_after_own() -> None:
     live_ranges(pool, [0, 1, 2, 3, 4])
 
 
+def test_eviction_takes_the_older_of_own_lru_and_the_other_ends_innermost_pages() -> None:
+    """A mix that shifts to INT2 (a bit-budget cut that moved) must not evict the newest INT2
+    pages while stale INT4 pages fill the other end."""
+    pool, clock = make_pool()
+    assert pool.allocate([4] * 4) == [0, 1, 2, 3]  # stale INT4 pages, cached at t = 0
+    for pid in (0, 1, 2, 3):
+        pool.register(pid, 40 + pid)
+    pool.free([0, 1, 2, 3])
+    clock.t = 1.0
+    assert pool.allocate([2, 2]) == [F | 0, F | 1]  # the gap: 20 bytes
+    pool.register(F | 0, 20)
+    pool.register(F | 1, 21)
+    pool.free([F | 0, F | 1])
+    clock.t = 2.0
+    # no free slot, no gap: page 3 (innermost INT4, last used at 0) is older than INT2's LRU page (1)
+    assert pool.allocate([2, 2]) == [F | 2, F | 3]
+    assert pool.high_water(bits=4) == 3 and pool.lookup(43) is None
+    assert pool.lookup(20) == F | 0 and pool.lookup(21) == F | 1
+    clock.t = 3.0
+    pool.incref([2])  # the innermost INT4 page used again at 3: newer than INT2's LRU page
+    pool.free([2])
+    assert pool.allocate([2]) == [F | 1]  # own LRU page (F|1, freed tail first, used at 1) goes
+    assert pool.lookup(21) is None and pool.lookup(20) == F | 0 and pool.lookup(42) == 2
+    live_ranges(pool, [0, 1, 2, F | 0, F | 1, F | 2, F | 3])
+
+
 def test_int2_evicts_the_int4_ends_cached_pages() -> None:
     pool, _ = make_pool()
     assert pool.allocate([4] * 5) == [0, 1, 2, 3, 4]

@@ -20,6 +20,7 @@ pages the sender offers at 2 bits that this worker holds at 4.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
@@ -136,7 +137,11 @@ class KVCacheManager:
         was stored: the cut that chose it moves, and the worker that stored it
         may hold another cut (docs/kv-cache.md, Holding the bit budget).
         With age-down a 2-bit copy is preferred, and matched 4-bit pages this
-        request wants at 2 bits are re-stored at 2 (``_age_down``).
+        request wants at 2 bits are re-stored at 2 (``_age_down``), except on a
+        follower of the controller (a prefill worker): its pool is a cache of the
+        pages its decode workers store, and a copy it makes there takes a page of
+        a full pool without changing what the decode worker keeps (a pull takes
+        the twin held there, ``held_page``).
         """
         assert not seq.page_ids and seq.num_computed == 0
         max_pages = (seq.num_tokens - 1) // self.page_size
@@ -164,7 +169,7 @@ class KVCacheManager:
         seq.page_ids = matched
         seq.num_registered_pages = len(matched)
         seq.num_computed = len(matched) * self.page_size
-        if self.age_down:
+        if self.age_down and (self.controller is None or self.controller.leader):
             self._age_down(seq, wanted)
         return seq.num_computed
 
@@ -180,9 +185,15 @@ class KVCacheManager:
         pool = self.pool
         cands = [i for i, pid in enumerate(seq.page_ids) if wanted[i] == 2 and page_id_bits(pid) == 4]
         if self.controller is not None:
-            # under the controller only pages this request alone holds: a copy beside a page a lease or a
-            # transfer hold keeps takes a second page until that holder lets go
-            cands = [i for i in cands if pool.ref_count(seq.page_ids[i]) == 1]
+            # under the controller only pages no other holder keeps: a copy beside a page a lease or a
+            # transfer hold keeps takes a second page until that holder lets go. The request's own admission
+            # pin (pages pulled for it) is no other holder: it goes as the request is admitted, the old page with it
+            own = (
+                Counter(pool.pin_pages(seq.admission_pin))
+                if seq.admission_pin is not None and pool.get_pin(seq.admission_pin)
+                else Counter()
+            )
+            cands = [i for i in cands if pool.ref_count(seq.page_ids[i]) - own[seq.page_ids[i]] == 1]
         fresh: list[int] = []
         for _ in cands:  # one at a time: as many as fit, no lease reclaimed for this
             got = pool.allocate([2])

@@ -463,16 +463,16 @@ class PagePoolBase:
         del self._by_hash[page.hash]
         self.evicted_pages += 1
 
-    def _fill(self, region: _Region, n: int, room: int) -> list[int]:
+    def _fill(self, region: _Region, n: int, room: int, *, evict: bool = True) -> list[int]:
         """Up to ``n`` page ids of ``region``: free slots (lowest first), then up to ``room``
-        new slots above its high-water mark, then evicted cached pages (LRU first)."""
+        new slots above its high-water mark, then (``evict``) evicted cached pages (LRU first)."""
         ids: list[int] = []
         while len(ids) < n and (index := region.take_free()) is not None:
             ids.append(region.flag | index)
         while len(ids) < n and room > 0:
             ids.append(region.flag | region.grow())
             room -= 1
-        while len(ids) < n and region.lru:
+        while evict and len(ids) < n and region.lru:
             pid = next(iter(region.lru))
             self._evict(pid)
             ids.append(pid)
