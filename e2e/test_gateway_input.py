@@ -10,6 +10,7 @@ process in OpenAI's shape before any worker request."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import re
@@ -52,24 +53,24 @@ def config() -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def _gateway(tmp: Path, model_dir: Path, worker: WorkerProc, workers: WorkerFactory, cfg: dict[str, Any]) -> Iterator[GatewayProc]:
+    """A real gateway in front of one `both` worker, stopped at the end."""
+    gateway = GatewayProc(tmp, model_dir, prefill=worker.url, decode=worker.url, token_file=workers.token_path, config=cfg)
+    try:
+        gateway.wait_ready()
+        yield gateway
+    finally:
+        gateway.stop()
+
+
 @pytest.fixture(scope="module")
 def served(
     workers: WorkerFactory, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[GatewayProc, WorkerProc]]:
     worker = workers.start("both", config())
-    gateway = GatewayProc(
-        tmp_path_factory.mktemp("gateway"),
-        tiny_model_dir,
-        prefill=worker.url,
-        decode=worker.url,
-        token_file=workers.token_path,
-        config=config(),
-    )
-    try:
-        gateway.wait_ready()
+    with _gateway(tmp_path_factory.mktemp("gateway"), tiny_model_dir, worker, workers, config()) as gateway:
         yield gateway, worker
-    finally:
-        gateway.stop()
 
 
 @pytest.fixture(scope="module")
@@ -77,21 +78,9 @@ def narrow(
     served: tuple[GatewayProc, WorkerProc], workers: WorkerFactory, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayProc]:
     """A second real gateway in front of the same worker, with the 64-token context the cases assume."""
-    _, worker = served
     short = {**config(), "model": {**config()["model"], "max_model_len": 64}}
-    gateway = GatewayProc(
-        tmp_path_factory.mktemp("narrow"),
-        tiny_model_dir,
-        prefill=worker.url,
-        decode=worker.url,
-        token_file=workers.token_path,
-        config=short,
-    )
-    try:
-        gateway.wait_ready()
+    with _gateway(tmp_path_factory.mktemp("narrow"), tiny_model_dir, served[1], workers, short) as gateway:
         yield gateway
-    finally:
-        gateway.stop()
 
 
 def _finished(url: str) -> float:
