@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import GatewayError, context_length_exceeded_chars, invalid_request
 
@@ -89,13 +89,16 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     # vLLM's: requests share reused KV only with requests of the same salt (tenants.py); "" or longer: 400
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
-    # characters of the prompt's strings (messages and tools, or prompt), counted by the parse
-    _prompt_chars: int = PrivateAttr(default=0)
+    # Characters of the prompt's strings (messages and tools, or prompt), counted by the parse: a
+    # slot, not a pydantic private attribute (those cost every instance a post-init step and every
+    # read a trip through ``BaseModel.__getattr__``); no body field can set it.
+    __slots__ = ("_prompt_chars",)
 
     @property
     def prompt_chars(self) -> int:
         """Characters of the prompt's strings (keys too), as the parse counted them (0 when not parsed by it)."""
-        return self._prompt_chars
+        chars: int = getattr(self, "_prompt_chars", 0)
+        return chars
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -280,7 +283,7 @@ def parse_chat_request(body: Any, *, limits: RequestLimits | None = None) -> Cha
             raise invalid_request(f"Invalid type for '{param}': expected a string.", param=param, code="invalid_type")
     request.check_supported()
     _check_size(chars, limits, param="messages")
-    request._prompt_chars = chars
+    object.__setattr__(request, "_prompt_chars", chars)  # a slot (see _SamplingFields), past pydantic's field checks
     return request
 
 
