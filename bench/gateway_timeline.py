@@ -86,37 +86,26 @@ def install(out: Path) -> None:
     gc_count = [0, 0, 0]
     gc_start = [0.0]
     serving = [False]  # from the first request on: the start-up collection (gateway/main.py) is not counted
-
-    gc_each: list[tuple[int, float, float, int, int]] = []
+    gc_each: list[tuple[int, float, float, int]] = []  # per collection: generation, wall ms, CPU ms, collected
     gc_cpu = [0.0]
-    gc_young = [0, 0]
-    gc_types: list[Any] = []
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
         if not serving[0]:
             return
         if phase == "start":
-            young = gc.get_objects(0)
-            gc_young[0] = len(young)
-            gc_young[1] = sum(len(gc.get_referents(o)) for o in young)
-            if len(gc_types) < 6:
-                gc_types.append(collections.Counter(type(o).__qualname__ for o in young).most_common(25))
-            del young
             gc_start[0] = _now()
             gc_cpu[0] = time.thread_time()
         else:
             wall = _now() - gc_start[0]
             gc_time[info["generation"]] += wall
             gc_count[info["generation"]] += 1
-            gc_each.append(
-                (info["generation"], 1e3 * wall, 1e3 * (time.thread_time() - gc_cpu[0]), info["collected"], gc_young[0], gc_young[1])
-            )
+            gc_each.append((info["generation"], 1e3 * wall, 1e3 * (time.thread_time() - gc_cpu[0]), info["collected"]))
 
     gc.callbacks.append(on_gc)
 
     def write() -> None:
         lines = [json.dumps(r) + "\n" for r in records]
-        lines.append(json.dumps({"gc_seconds": gc_time, "gc_collections": gc_count, "gc_each": gc_each, "gc_types": gc_types}) + "\n")
+        lines.append(json.dumps({"gc_seconds": gc_time, "gc_collections": gc_count, "gc_each": gc_each}) + "\n")
         lines.append(json.dumps({"stalls": stalls.gaps, "stall_stacks": stalls.stacks}) + "\n")
         out.write_text("".join(lines))
 
@@ -312,7 +301,9 @@ def report(path: Path) -> str:
             f"gen{g} {n} x {1e3 * t / max(n, 1):.3f} ms"
             for g, (n, t) in enumerate(zip(collector["gc_collections"], collector["gc_seconds"], strict=True))
         )
-        gc_line = f" (cyclic GC while serving: {per}; {1e3 * sum(collector['gc_seconds']) / len(rows):.3f} ms per request)"
+        each = sorted(e[2] for e in collector.get("gc_each", []))
+        longest = f"; longest pauses (CPU ms) {', '.join(f'{c:.1f}' for c in each[-3:])}" if each else ""
+        gc_line = f" (cyclic GC while serving: {per}; {1e3 * sum(collector['gc_seconds']) / len(rows):.3f} ms per request{longest})"
     lines = [
         f"gateway timeline: {len(rows)} streamed requests, ms after the headers were parsed{gc_line}\n",
         "| stage | p50 | p90 | p99 |",
