@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from itertools import chain, compress, islice
+from itertools import chain, compress, islice, repeat
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -267,12 +267,11 @@ def final_runs(runs: Sequence[Run], temporal_of: Sequence[int]) -> tuple[tuple[i
 
 def expand_runs(runs: Sequence[tuple[int, int]]) -> list[int]:
     """One tag per token from (end token, tag) runs."""
-    out: list[int] = []
-    lo = 0
-    for hi, tag in runs:
-        out += [tag] * (hi - lo)
-        lo = hi
-    return out
+    if not runs:
+        return []
+    ends, tags = zip(*runs, strict=True)
+    lengths = map(operator.sub, ends, chain((0,), ends))  # each run's tokens
+    return list(chain.from_iterable(map(repeat, tags, lengths)))
 
 
 def runs_before(runs: Sequence[Run], end: int) -> tuple[Run, ...]:
