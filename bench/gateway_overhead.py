@@ -4,6 +4,7 @@ worker (tests/gateway/fake_worker.py) that answers instantly.
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/gateway_overhead.py [--turns 6] [--sessions 1,50,200]
         [--think-s 1.0] [--saturation 200] [--rounds 2] [--json bench/results/gateway_overhead_cpu.json]
+        [--baseline DIR]   # A/B: another revision's kvserving package tree (DIR/kvserving) as a second gateway
 
 Processes on loopback: the fake worker, `kvserving gateway` (role
 `both`: one worker request per turn), the two reference paths below, and this client (asyncio + aiohttp, each
