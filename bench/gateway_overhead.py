@@ -4,6 +4,7 @@ worker (tests/gateway/fake_worker.py) that answers instantly.
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/gateway_overhead.py [--turns 6] [--sessions 1,50,200]
         [--think-s 1.0] [--saturation 200] [--rounds 2] [--json bench/results/gateway_overhead_cpu.json]
+        [--baseline DIR]   # A/B: another revision's kvserving package tree (DIR/kvserving) as a second gateway
 
 Processes on loopback: the fake worker, `kvserving gateway` (role
 `both`: one worker request per turn), the two reference paths below, and this client (asyncio + aiohttp, each
@@ -245,8 +246,10 @@ def router_commands(backend_url: str) -> tuple[dict[str, list[str]], list[str]]:
     return found, skipped
 
 
-def spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+def spawn(argv: list[str], log: Path, *, pythonpath: str | None = None) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONSAFEPATH="1", OMP_NUM_THREADS="1")
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
     with open(log, "wb") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
@@ -403,6 +406,8 @@ class Row:
     relay_cpu_ms: float = 0.0  # the null proxy's CPU per request
     openai_direct: list[float] = field(default_factory=list)  # the chat requests straight to the fake OpenAI backend
     routers: dict[str, tuple[list[float], float]] = field(default_factory=dict)  # name -> (TTFTs, CPU ms per request)
+    baseline: list[float] = field(default_factory=list)  # the chat requests through the --baseline gateway
+    baseline_cpu_ms: float = 0.0
 
 
 def run_row(
@@ -423,6 +428,7 @@ def run_row(
     relay_pid: int,
     backend_url: str | None = None,
     routers: Sequence[Router] = (),
+    baseline: tuple[str, int, float] | None = None,
 ) -> Row:
     direct: list[float] = []
     relay: list[float] = []
@@ -431,7 +437,8 @@ def run_row(
     openai_direct: list[float] = []
     routed: dict[str, list[float]] = {r.name: [] for r in routers}
     routed_cpu = {r.name: 0.0 for r in routers}
-    gw_cpu = worker_cpu = floor_cpu = relay_cpu = 0.0
+    gw_cpu = worker_cpu = floor_cpu = relay_cpu = base_cpu = 0.0
+    base_times: list[float] = []
     rounds = max(args.rounds, -(-args.min_requests // (n * args.turns)))
     for r in range(rounds):  # interleave so drift on a shared machine hits every path alike
         waits = think_times(n, args.turns, think_s, seed=r)
@@ -447,10 +454,21 @@ def run_row(
         before = cpu_s(floor_pid)
         floor += asyncio.run(measure(floor_url, plan, waits, via_gateway=True))
         floor_cpu += cpu_s(floor_pid) - before
-        plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
-        before, t0 = cpu_s(gw_pid), time.monotonic()
-        gateway += asyncio.run(measure(gw_url, plan, waits, via_gateway=True))
-        gw_cpu += cpu_s(gw_pid) - before - idle_cpu_per_s * (time.monotonic() - t0)
+        # the gateway and the baseline gateway (--baseline) in alternating order, round by round
+        for which in ("gateway", "baseline") if r % 2 == 0 else ("baseline", "gateway"):
+            if which == "baseline" and baseline is None:
+                continue
+            url, pid, idle_s = (gw_url, gw_pid, idle_cpu_per_s) if which == "gateway" else baseline  # type: ignore[misc]
+            plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
+            before, t0 = cpu_s(pid), time.monotonic()
+            got = asyncio.run(measure(url, plan, waits, via_gateway=True))
+            used = cpu_s(pid) - before - idle_s * (time.monotonic() - t0)
+            if which == "gateway":
+                gateway += got
+                gw_cpu += used
+            else:
+                base_times += got
+                base_cpu += used
         if backend_url is not None and routers:
             plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
             openai_direct += asyncio.run(measure(backend_url, plan, waits, via_gateway=True))
@@ -472,6 +490,8 @@ def run_row(
         1e3 * relay_cpu / len(relay),
         openai_direct,
         {name: (times, 1e3 * routed_cpu[name] / len(times)) for name, times in routed.items()},
+        base_times,
+        1e3 * base_cpu / max(len(base_times), 1),
     )
 
 
@@ -501,6 +521,8 @@ def row_json(row: Row) -> dict[str, Any]:
     }
     for name, (times, cpu) in row.routers.items():
         out[name] = {**added(times, row.openai_direct), "cpu_ms_per_request": round(cpu, 3)}
+    if row.baseline:
+        out["baseline"] = {**added(row.baseline, row.direct), "cpu_ms_per_request": round(row.baseline_cpu_ms, 3)}
     return out
 
 
@@ -588,6 +610,13 @@ def main() -> int:
         "--json", default=str(ROOT / "bench/results/gateway_overhead_cpu.json"), metavar="FILE", help="the rows as JSON ('' for none)"
     )
     parser.add_argument("--no-routers", action="store_true", help="leave out the vllm-router / sglang-router columns")
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="DIR",
+        help="A/B: a second gateway, the kvserving package found in DIR (its PYTHONPATH: DIR/kvserving), measured in every "
+        "round beside this checkout's, the two in alternating order (column 'baseline')",
+    )
     add_quiet_argument(parser)
     parser.add_argument("--relay", default=None, help=argparse.SUPPRESS)  # LISTEN:UPSTREAM: run as the null proxy
     parser.add_argument("--openai-backend", type=int, default=None, help=argparse.SUPPRESS)  # PORT: run as the fake OpenAI backend
@@ -670,6 +699,16 @@ def main() -> int:
             tmp / "floor.log",
         ),
     ]
+    baseline_port = free_port()
+    baseline_url = f"http://127.0.0.1:{baseline_port}"
+    baseline_proc: subprocess.Popen[bytes] | None = None
+    if args.baseline:
+        if not (Path(args.baseline) / "kvserving" / "gateway").is_dir():
+            raise SystemExit(f"--baseline {args.baseline}: no kvserving/gateway package there")
+        gw_argv = procs[1].args[procs[1].args.index("gateway") :]  # type: ignore[union-attr]
+        gw_argv[gw_argv.index("--port") + 1] = str(baseline_port)
+        baseline_proc = spawn([sys.executable, "-m", "kvserving.cli", *gw_argv], tmp / "baseline.log", pythonpath=args.baseline)
+        procs.append(baseline_proc)
     backend_url: str | None = None
     routers: list[Router] = []
     commands, skipped = router_commands("http://127.0.0.1:0") if not args.no_routers else ({}, ["routers: left out (--no-routers)"])
@@ -689,14 +728,20 @@ def main() -> int:
         wait_ready(gw_url, procs[1], tmp / "gateway.log")
         wait_ready(relay_url, procs[2], tmp / "relay.log")  # the worker's /ready, through the relay
         wait_ready(floor_url, procs[3], tmp / "floor.log")
+        if baseline_proc is not None:
+            wait_ready(baseline_url, baseline_proc, tmp / "baseline.log")
         if backend_url is not None:
-            wait_ready(backend_url, procs[4], tmp / "openai-backend.log", path="/health")
+            wait_ready(backend_url, procs[-1 - len(routers)], tmp / "openai-backend.log", path="/health")
         for router in routers:
             wait_ready(router.url, router.proc, tmp / f"{router.name}.log", timeout_s=120, path="/health")
         load_before = list(os.getloadavg())
         before = cpu_s(procs[1].pid)
+        base_before = cpu_s(baseline_proc.pid) if baseline_proc is not None else 0.0
         time.sleep(3.0)  # the gateway's background work (health polls, lease beats) while idle
         idle = (cpu_s(procs[1].pid) - before) / 3.0
+        baseline = None
+        if baseline_proc is not None:
+            baseline = (baseline_url, baseline_proc.pid, (cpu_s(baseline_proc.pid) - base_before) / 3.0)
         plan = [(int(x), args.think_s) for x in args.sessions.split(",") if x]
         plan += [(int(x), 0.0) for x in args.saturation.split(",") if x]
         rows = [
@@ -717,6 +762,7 @@ def main() -> int:
                 relay_pid=procs[2].pid,
                 backend_url=backend_url,
                 routers=routers,
+                baseline=baseline,
             )
             for n, think in progress(plan, desc="rows", quiet=args.quiet)
         ]
@@ -745,7 +791,7 @@ def main() -> int:
                 f"| {row.cpu_ms:.2f} | {row.floor_cpu_ms:.2f} | {row.worker_cpu_ms:.2f} |"
             )
         print("\nCPU per request and added TTFT p50 / p99 by path (routers against the fake OpenAI backend straight)\n")
-        names = ["kvserving", "floor", "null_relay", *(r.name for r in routers)]
+        names = ["kvserving", *(["baseline"] if args.baseline else []), "floor", "null_relay", *(r.name for r in routers)]
         print("| think time | sessions | " + " | ".join(f"{n} CPU ms | {n} added p50 / p99 ms" for n in names) + " |")
         print("|---|---:|" + "---:|---:|" * len(names))
         results = [row_json(row) for row in rows]

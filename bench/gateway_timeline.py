@@ -78,28 +78,34 @@ def install(out: Path) -> None:
     """Wrap the gateway's stage functions; write one JSON line per completion request at exit."""
     from uvicorn.protocols.http import httptools_impl
 
-    from kvserving.gateway import app, openai_types, tagger, workers
+    from kvserving.gateway import app, openai_types, workers
+    from kvserving.gateway.prompt import tagger
 
     records: list[dict[str, float]] = []
     gc_time = [0.0, 0.0, 0.0]  # seconds in the cyclic collector per generation
     gc_count = [0, 0, 0]
     gc_start = [0.0]
     serving = [False]  # from the first request on: the start-up collection (gateway/main.py) is not counted
+    gc_each: list[tuple[int, float, float, int]] = []  # per collection: generation, wall ms, CPU ms, collected
+    gc_cpu = [0.0]
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
         if not serving[0]:
             return
         if phase == "start":
             gc_start[0] = _now()
+            gc_cpu[0] = time.thread_time()
         else:
-            gc_time[info["generation"]] += _now() - gc_start[0]
+            wall = _now() - gc_start[0]
+            gc_time[info["generation"]] += wall
             gc_count[info["generation"]] += 1
+            gc_each.append((info["generation"], 1e3 * wall, 1e3 * (time.thread_time() - gc_cpu[0]), info["collected"]))
 
     gc.callbacks.append(on_gc)
 
     def write() -> None:
         lines = [json.dumps(r) + "\n" for r in records]
-        lines.append(json.dumps({"gc_seconds": gc_time, "gc_collections": gc_count}) + "\n")
+        lines.append(json.dumps({"gc_seconds": gc_time, "gc_collections": gc_count, "gc_each": gc_each}) + "\n")
         lines.append(json.dumps({"stalls": stalls.gaps, "stall_stacks": stalls.stacks}) + "\n")
         out.write_text("".join(lines))
 
@@ -167,9 +173,9 @@ def install(out: Path) -> None:
 
     post = workers.WorkerClient._post
 
-    async def post_stamped(self: Any, url: str, payload: bytes, stream: Any) -> Any:
+    async def post_stamped(self: Any, url: str, payload: bytes, stream: Any, **kwargs: Any) -> Any:
         _stamp("worker_write")  # just before the request: the wrapper's own cost is not the worker's
-        response = await post(self, url, payload, stream)
+        response = await post(self, url, payload, stream, **kwargs)
         _stamp("worker_first")
         return response
 
@@ -208,9 +214,8 @@ class _Stalls:
                     stack = []
                     while frame is not None:
                         code = frame.f_code
-                        stack.append(
-                            f"{code.co_name} ({code.co_filename.rsplit('/', 2)[-2]}/{code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})"
-                        )
+                        where = "/".join(code.co_filename.rsplit("/", 2)[-2:])
+                        stack.append(f"{code.co_name} ({where}:{frame.f_lineno})")
                         frame = frame.f_back
                     self.stacks.append(" <- ".join(stack[:8]))
                     self._caught = True
@@ -296,7 +301,9 @@ def report(path: Path) -> str:
             f"gen{g} {n} x {1e3 * t / max(n, 1):.3f} ms"
             for g, (n, t) in enumerate(zip(collector["gc_collections"], collector["gc_seconds"], strict=True))
         )
-        gc_line = f" (cyclic GC while serving: {per}; {1e3 * sum(collector['gc_seconds']) / len(rows):.3f} ms per request)"
+        each = sorted(e[2] for e in collector.get("gc_each", []))
+        longest = f"; longest pauses (CPU ms) {', '.join(f'{c:.1f}' for c in each[-3:])}" if each else ""
+        gc_line = f" (cyclic GC while serving: {per}; {1e3 * sum(collector['gc_seconds']) / len(rows):.3f} ms per request{longest})"
     lines = [
         f"gateway timeline: {len(rows)} streamed requests, ms after the headers were parsed{gc_line}\n",
         "| stage | p50 | p90 | p99 |",

@@ -40,6 +40,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.telemetry import TelemetryConfig
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -130,7 +131,10 @@ def build_app(state: GatewayState) -> FastAPI:
             await state.pool.stop()
             await state.client.aclose()
 
-    app = FastAPI(title="kvserving gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # The gateway's telemetry is its own (Prometheus metrics, the access log): FastAPI's native
+    # OpenTelemetry stays off rather than asking the OpenTelemetry API for providers on every request.
+    telemetry: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
+    app = FastAPI(title="kvserving gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None, telemetry=telemetry)
     app.state.gateway = state
     _install_errors(app)
     app.add_middleware(Requests, api_keys=state.config.gateway.api_keys, metrics=state.metrics)
@@ -206,63 +210,72 @@ async def _complete(request: Request, handler: Handler, max_body: int) -> Respon
 
 async def _answer(request: Request, handler: Handler, headers: Mapping[str, str], started: float, max_body: int) -> Response:
     body = await _read_json(request, headers.get("content-length"), max_body)
-    task = asyncio.current_task()
-    assert task is not None
-    gone = False
-
-    async def watch() -> None:
-        nonlocal gone
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        gone = True
-        task.cancel()
-
-    watcher = asyncio.ensure_future(watch())
+    watch = _Disconnect(request.receive)
     try:
         result = await handler(body, headers, started)
     except asyncio.CancelledError:
-        if not gone:
+        watch.stop()
+        if not watch.gone:
             raise  # the server is shutting down
-        task.uncancel()  # the client went away: nobody listens, the worker stream is closed
+        watch.task.uncancel()  # the client went away: nobody listens, the worker stream is closed
         raise ClientDisconnect() from None
-    finally:
-        watcher.cancel()  # from here on the response's own disconnect watch takes over
+    except BaseException:
+        watch.stop()
+        raise
     if isinstance(result, dict):
+        watch.stop()
         return JSONResponse(result)
-    return _EventStreamResponse(_frames(result), media_type="text/event-stream", headers=SSE_HEADERS)
+    # the same watch goes on through the stream (one task per request, not one per phase)
+    return _EventStreamResponse(_frames(result), watch, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+class _Disconnect:
+    """The watch for the client going away while its request is served: a task reading the
+    request's ASGI messages that cancels the serving task at the first ``http.disconnect``
+    (then ``gone``). One per completion request, from the body read to the last frame."""
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.gone = False
+        self._receive = receive
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        self.task.cancel()
+
+    def stop(self) -> None:
+        self._watcher.cancel()
 
 
 class _EventStreamResponse(StreamingResponse):
-    """``StreamingResponse`` with one task besides the request's: the watch for the client going
-    away, which cancels the sending task (that closes the frames, and so the worker stream);
-    Starlette's runs the sending and the watch in a task group of two more tasks per response."""
+    """``StreamingResponse`` whose client-gone watch is the request's (``_Disconnect``): it cancels
+    the sending task, which closes the frames, and so the worker stream; Starlette's own runs the
+    sending and a watch in a task group of two more tasks per response."""
+
+    def __init__(self, content: AsyncGenerator[bytes, None], watch: _Disconnect, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.watch = watch
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            task.cancel()
-
-        watcher = asyncio.ensure_future(watch())
+        watch = self.watch
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async with aclosing(self.body_iterator) as frames:  # type: ignore[type-var]
                 async for frame in frames:
                     await send({"type": "http.response.body", "body": frame, "more_body": True})
-            watcher.cancel()  # before the last byte: the server then answers `receive` with a disconnect
+            watch.stop()  # before the last byte: the server then answers `receive` with a disconnect
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not gone:
+            if not watch.gone:
                 raise  # the server is shutting down
-            task.uncancel()  # the client went away: nobody listens
+            watch.task.uncancel()  # the client went away: nobody listens
         finally:
-            watcher.cancel()
+            watch.stop()
 
 
 async def _read_json(request: Request, declared: str | None, max_body: int) -> Any:

@@ -38,6 +38,7 @@ import bisect
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Protocol
 
 from .prompt.tag_spans import expand_runs
@@ -104,7 +105,7 @@ class ExactHistory:
             output_ids.pop()
         cut = len(sent.prompt.text)
         starts = array("i", self._char_starts(sent.prompt))
-        starts.extend(cut + s for s in self._visible_starts(output_ids, output_text))
+        starts.extend(self._visible_starts(output_ids, output_text, shift=cut))
         ids = array("i", sent.prompt.input_ids)
         ids.extend(output_ids)
         return Held(ids, starts, sent.prompt.text + output_text, _joined_elements(sent.ids_json[1:-1], _elements(output_ids)))
@@ -134,20 +135,22 @@ class ExactHistory:
             return prompt.char_starts
         return array("i", [a for a, _ in self.tokenizer.encode(prompt.text).offsets])
 
-    def _visible_starts(self, ids: list[int], text: str) -> list[int]:
-        """First character of each sampled id in the text the client got (hidden specials: no width).
+    def _visible_starts(self, ids: list[int], text: str, *, shift: int = 0) -> list[int]:
+        """First character of each sampled id in the text the client got (hidden specials: no width),
+        plus ``shift``.
 
         Decoding restarts from a checkpoint once the text so far ends on a whole
         character, so a long reply costs O(n) decodes of a few tokens each; none when
         each id is whole characters and decoding is local (``piece_texts``): then the
-        text before id i is the texts of the ids before it.
+        text before id i is the texts of the ids before it (running sums in C).
         """
         texts = self.tokenizer.piece_texts(ids)
         if texts is not None:
-            out, pos, end = [], 0, len(text)
-            for piece in texts:
-                out.append(min(pos, end))
-                pos += len(piece)
+            out = list(accumulate(map(len, texts), initial=shift))
+            out.pop()  # the end of the last piece
+            end = shift + len(text)
+            if out and out[-1] > end:  # the pieces run past the text: starts stop at its end
+                out = [min(pos, end) for pos in out]
             return out
         starts: list[int] = []
         mark, mark_pos, last = 0, 0, 0
@@ -158,7 +161,7 @@ class ExactHistory:
             starts.append(last)
             if i - mark >= 8 and piece and not piece.endswith("\ufffd"):
                 mark, mark_pos = i, pos
-        return starts
+        return [shift + a for a in starts] if shift else starts
 
 
 def _retag(prompt: TaggedPrompt, ids: list[int], starts: Sequence[int], canon_starts: Sequence[int]) -> TaggedPrompt:

@@ -199,7 +199,8 @@ class Identities:
         """Sources 1-5 in order (see the module doc), as ``tenant``'s; looks only, remembers nothing."""
         explicit = explicit_identity(headers, body, tenant=tenant)
         if explicit is not None:
-            return explicit
+            # the prompt's page chain, continued from its kept prefix's: `remember` files the turn with it
+            return Identity(key=explicit.key, source=explicit.source, chain=self._chain(prompt))
         match, chain = self._match(prompt, tenant)
         if match is not None:
             return match

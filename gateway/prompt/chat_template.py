@@ -240,9 +240,14 @@ def compile_template(source: str) -> jinja2.Template:
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
     try:
-        return env.from_string(source)
+        template = env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"chat_template: not a valid jinja template: {exc}") from exc
+    # jinja layers the template's globals over the environment's in a ChainMap, which every render
+    # copies key by key in Python (`runtime.new_context`); the two are final here, so one plain dict
+    # holds the same names and is copied in C
+    template.globals = dict(template.globals)
+    return template
 
 
 # -- request checks -----------------------------------------------------------

@@ -10,6 +10,8 @@ tokenizer. Pure: lists in, lists out.
 from __future__ import annotations
 
 import bisect
+import operator
+from itertools import chain, compress, islice, repeat
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -248,38 +250,42 @@ def _extend(runs: list[Run], end: int, owner: int, base: int) -> None:
 
 def final_runs(runs: Sequence[Run], temporal_of: Sequence[int]) -> tuple[tuple[int, int], ...]:
     """The tags of ``runs`` as runs of (end token, tag), neighbours with one tag joined: each
-    run's owner gives its temporal index (``temporal_of[message]``)."""
+    run's owner gives its temporal index (``temporal_of[message]``). In C passes (map, compress),
+    not a Python step per run: a conversation's runs grow with its history."""
+    if not runs:
+        return ()
     width = 2 * len(SEMANTIC)  # tag = (temporal * 2 + modal) * 7 + semantic = temporal * 14 + base
-    out: list[tuple[int, int]] = []
-    for hi, owner, base in runs:
-        tag = (temporal_of[owner] if owner >= 0 else 0) * width + base
-        if out and out[-1][1] == tag:
-            out[-1] = (hi, tag)
-        else:
-            out.append((hi, tag))
-    return tuple(out)
+    # the tag offset of each owner; ALWAYS_CURRENT (-1) reads the last entry: current, offset 0
+    offset = [t * width for t in temporal_of]
+    offset.append(0)
+    ends, owners, bases = zip(*runs, strict=True)
+    tags = list(map(operator.add, map(offset.__getitem__, owners), bases))
+    # a run ends where the next one's tag differs (the last one always ends)
+    last = map(operator.ne, tags, islice(tags, 1, None))
+    return tuple(compress(zip(ends, tags), chain(last, (True,))))
 
 
 def expand_runs(runs: Sequence[tuple[int, int]]) -> list[int]:
     """One tag per token from (end token, tag) runs."""
-    out: list[int] = []
-    lo = 0
-    for hi, tag in runs:
-        out += [tag] * (hi - lo)
-        lo = hi
-    return out
+    if not runs:
+        return []
+    ends, tags = zip(*runs, strict=True)
+    lengths = map(operator.sub, ends, chain((0,), ends))  # each run's tokens
+    return list(chain.from_iterable(map(repeat, tags, lengths)))
 
 
 def runs_before(runs: Sequence[Run], end: int) -> tuple[Run, ...]:
-    """The runs of the tokens before token ``end``."""
-    out: list[Run] = []
+    """The runs of the tokens before token ``end`` (runs end in increasing order: one bisection)."""
     if end <= 0:
         return ()
-    for hi, owner, base in runs:
-        out.append((min(hi, end), owner, base))
-        if hi >= end:
-            break
-    return tuple(out)
+    k = bisect.bisect_left(runs, end, key=_END)  # the first run that reaches ``end``
+    if k >= len(runs):
+        return tuple(runs)
+    _, owner, base = runs[k]
+    return (*runs[:k], (end, owner, base))
+
+
+_END = operator.itemgetter(0)
 
 
 # -- images and turns ---------------------------------------------------------

@@ -31,6 +31,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ IMAGE_TOKEN_PATTERN = re.compile(r"image|vision|img|video|patch", re.IGNORECASE)
 
 # Breaks a special token's text inside content (module docstring); the normalizer removes it.
 TEXT_MARK = "\ufdd0"
+_UNSEEN: Any = object()  # `piece_texts`: an id whose text is not cached yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,17 +135,15 @@ class TextTokenizer:
         if not self._local:
             return None
         cache = self._pieces[skip_special_tokens]  # at most the vocabulary, twice
-        out = []
-        for t in ids:
-            try:
-                text = cache[t]
-            except KeyError:
-                alone = self.decode([t], skip_special_tokens=skip_special_tokens)
-                text = cache[t] = None if "\ufffd" in alone else alone
-            if text is None:
-                return None
-            out.append(text)
-        return out
+        out = list(map(cache.get, ids, repeat(_UNSEEN, len(ids))))  # one C pass; a Python step only per id not seen yet
+        if _UNSEEN in out:
+            for k, t in enumerate(ids):
+                if out[k] is _UNSEEN:
+                    alone = self.decode([t], skip_special_tokens=skip_special_tokens)
+                    out[k] = cache[t] = None if "\ufffd" in alone else alone
+        if None in out:
+            return None
+        return out  # type: ignore[return-value]  # no None, no _UNSEEN left
 
     def token_to_id(self, token: str) -> int | None:
         value = self._tok.token_to_id(token)

@@ -75,12 +75,13 @@ class KeptRender:
     last_user: int  # index of the last user message (-1: none)
     heads: dict[int, str] = field(default_factory=dict)  # h -> the marked render of the first h messages, no generation prompt
     scope: str = ""  # the tenant whose request it was: found only by that tenant's requests
+    # (scope, message count, fingerprint of the last message, of the second one when it is not the
+    # last): its place in the store's index, computed once (the store files and drops it by it)
+    key: RenderKey = field(init=False)
 
-    @property
-    def key(self) -> RenderKey:
-        """(scope, message count, fingerprint of the last message, of the second one when it is not the last)."""
+    def __post_init__(self) -> None:
         raw = self.raw
-        return self.scope, len(raw), _fingerprint(raw[-1]), _fingerprint(raw[1]) if len(raw) > 1 else None
+        self.key = self.scope, len(raw), _fingerprint(raw[-1]), _fingerprint(raw[1]) if len(raw) > 1 else None
 
 
 @dataclass(frozen=True, slots=True)
