@@ -14,8 +14,10 @@ Sources and formulas (``kvserving.sim.costs`` docstring):
 - prefill attention over a cached prefix: bench/results/extend_gpu_h200.json (the paged extend
   kernel, one layer, new tokens 512/2048 over prefixes 8K/32K/128K), per format, through the
   origin: ``attn_s[dtype] * new * (prefix + new / 2)`` x 36 layers.
-- prefill per token: engine_gpu_h200.json ``default`` ``prefill_8k`` (8192 fresh tokens in one step), less
-  that step's attention (``attn_s * 8192 * 4096``), averaged over formats. Other lengths are
+- prefill step: a step that computes prompt tokens runs the model eagerly (no CUDA graph), so it
+  costs the eager step's host overhead (engine_gpu_h200.json ``overhead_b64_4k``: the eager step
+  less its kernels) once, plus per token: ``prefill_8k`` (8192 fresh tokens in one step), less
+  that overhead and the step's attention (``attn_s * 8192 * 4096``), averaged over formats. Other lengths are
   assumed to follow the same linear + attention formula (chunked at the scheduler's chunk size);
   the two-H200 full prefills at 2K/8K/24K (bench/results/pd_gpu_h200x2.json ``off_p_ms``,
   through HTTP) are printed beside the formula as a check, not fitted.
@@ -29,10 +31,12 @@ Sources and formulas (``kvserving.sim.costs`` docstring):
   per request (3.4 ms) is docs/performance-log/gateway.md's figure. These are medians of few
   noisy rows: two significant digits are kept.
 - two global parameters of the serving loop, fitted once to the agent bench
-  (bench/results/agents_gpu_h200.json, its points without preemptions; grids, two rounds):
+  (bench/results/agents_gpu_h200.json, its points without preemptions; line searches, two rounds):
   per sequence per decode step (sampling, detokenizing, streaming each token through the
   gateway, outside the engine bench's bare steps) on TPOT p50, added to ``decode_seq_s``; and
   per prefill request on TTFT p50, added to ``prefill_request_s``. Nothing else is fitted to it.
+- one GPU under both workers: bench/results/sim_shared_gpu_h200.json (bench/sim_shared_gpu.py on
+  the device machine), the share of its speed each process keeps while both run steps.
 - KV bytes per token: the format arithmetic at 36 layers, 8 KV heads, head_dim 128
   (``kvserving.kernels.capacity``), checked against the engine's ``bytes_per_token_int4``.
 """
@@ -102,37 +106,58 @@ def fit_transfer(bw: dict[str, Any]) -> tuple[float, float, float, list[tuple[st
     return float(sol[0]), float(sol[1]), 1.0 / float(sol[2]), [(f, reg, nb, t, float(p)) for (f, reg, nb, t), p in zip(rows, pred)]
 
 
-SERVE_GRID_S = [i * 1e-4 for i in range(0, 41)]  # 0 .. 4 ms per sequence per decode step
-REQUEST_GRID_S = [i * 0.02 for i in range(0, 26)]  # 0 .. 0.5 s per prefill request
+SERVE_RANGE_S = (0.0, 4e-3, 5e-5)  # per sequence per decode step: low, high, resolution
+REQUEST_RANGE_S = (0.0, 0.5, 5e-3)  # per prefill request
 
 
-def _grid_fit(
-    measured: dict[str, Any], costs: dict[str, Any], key: str, base: float, grid: list[float], metric: str, clean: set[tuple[str, int]]
+def _line_fit(
+    measured: dict[str, Any],
+    costs: dict[str, Any],
+    key: str,
+    base: float,
+    span: tuple[float, float, float],
+    metric: str,
+    clean: set[tuple[str, int]],
 ) -> tuple[float, list[tuple[str, int, float, float]]]:
-    """The grid value (added to ``costs[key]``, which starts at ``base``) whose simulated
-    ``metric`` is closest (squared log ratio) to the measured one over the ``clean`` points."""
+    """The value (added to ``costs[key]``, which starts at ``base``) in ``span`` whose simulated
+    ``metric`` is closest (squared log ratio) to the measured one over the ``clean`` points:
+    golden-section search down to the span's resolution (the error is unimodal in either
+    parameter: more per-step or per-request cost only lengthens every simulated time)."""
     import math
 
     from kvserving.sim.costs import CostModel
     from kvserving.sim.gpu import reproduce
 
-    best: tuple[float, float, list[tuple[str, int, float, float]]] | None = None
-    for extra in grid:
-        model = CostModel.from_dict({**costs, key: base + extra})
-        rows = [r for r in reproduce(measured, model, only=clean) if r["mode"] == "lease"]
-        pairs = [(r["format"], r["concurrency"], r["sim"][metric], r["measured"][metric]) for r in rows]
-        err = sum(math.log(s / m) ** 2 for _, _, s, m in pairs)
-        if best is None or err < best[0]:
-            best = (err, extra, pairs)
-    assert best is not None
-    return best[1], best[2]
+    seen: dict[float, tuple[float, list[tuple[str, int, float, float]]]] = {}
+
+    def err(extra: float) -> float:
+        if extra not in seen:
+            model = CostModel.from_dict({**costs, key: base + extra})
+            rows = [r for r in reproduce(measured, model, only=clean) if r["mode"] == "lease"]
+            pairs = [(r["format"], r["concurrency"], r["sim"][metric], r["measured"][metric]) for r in rows]
+            seen[extra] = (sum(math.log(s / m) ** 2 for _, _, s, m in pairs), pairs)
+        return seen[extra][0]
+
+    lo, hi, resolution = span
+    ratio = (math.sqrt(5) - 1) / 2
+    x1, x2 = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+    while hi - lo > resolution:
+        if err(x1) <= err(x2):
+            hi, x2 = x2, x1
+            x1 = hi - ratio * (hi - lo)
+        else:
+            lo, x1 = x1, x2
+            x2 = lo + ratio * (hi - lo)
+    best = min(seen, key=lambda x: seen[x][0])
+    return best, seen[best][1]
 
 
 def fit_serving(costs: dict[str, Any]) -> tuple[float, float, dict[str, list[tuple[str, int, float, float]]]]:
     """The two serving-loop parameters, one value each for every point, fitted on the agent
-    bench's points without preemptions (the simulator does not preempt): per sequence per
-    decode step (on TPOT p50) and per prefill request (on TTFT p50); two rounds of one grid
-    each. Returns (seconds per sequence per step, seconds per prefill request, residual rows)."""
+    bench's points without measured preemptions (there the serving loop is what the step costs
+    leave unknown; the cliff points add the pool's dynamics): per sequence per decode step (on
+    TPOT p50) and per prefill request (on TTFT p50); two rounds of one line search each.
+    Returns (seconds per sequence per step, seconds per prefill request, residual rows)."""
     measured = _read("agents_gpu_h200.json")
     clean = {
         (p["format"], p["concurrency"])
@@ -143,11 +168,11 @@ def fit_serving(costs: dict[str, Any]) -> tuple[float, float, dict[str, list[tup
     seq_x, req_x = 0.0, 0.0
     rows: dict[str, list[tuple[str, int, float, float]]] = {}
     for _ in range(2):
-        seq_x, rows["tpot_p50_ms"] = _grid_fit(
-            measured, {**costs, "prefill_request_s": req0 + req_x}, "decode_seq_s", seq0, SERVE_GRID_S, "tpot_p50_ms", clean
+        seq_x, rows["tpot_p50_ms"] = _line_fit(
+            measured, {**costs, "prefill_request_s": req0 + req_x}, "decode_seq_s", seq0, SERVE_RANGE_S, "tpot_p50_ms", clean
         )
-        req_x, rows["ttft_p50_ms"] = _grid_fit(
-            measured, {**costs, "decode_seq_s": seq0 + seq_x}, "prefill_request_s", req0, REQUEST_GRID_S, "ttft_p50_ms", clean
+        req_x, rows["ttft_p50_ms"] = _line_fit(
+            measured, {**costs, "decode_seq_s": seq0 + seq_x}, "prefill_request_s", req0, REQUEST_RANGE_S, "ttft_p50_ms", clean
         )
     return _round(seq_x, 2), _round(req_x, 2), rows
 
@@ -160,19 +185,24 @@ def fit(out: Path) -> dict[str, Any]:
     step, seq, ctx, dec_rows = fit_decode(engine)
     attn, ext_rows = fit_extend(_read("extend_gpu_h200.json"))
     pd = _read("pd_gpu_h200x2.json")
+    # a step that computes prompt tokens runs the model eagerly (no CUDA graph): the host's
+    # launches cost what the eager decode step at batch 64 / 4K takes beyond its kernels
+    eager = engine["formats"]["fp8_e4m3"]["overhead_b64_4k"]["eager"]
+    eager_s = eager["overhead_ms"] / 1e3
     per_tok = []
     for f in FORMATS:
         p8 = engine["formats"][f]["prefill_8k"]
         n = p8["tokens"]
-        per_tok.append((p8["seconds"] - attn[f] * n * (n / 2)) / n)
+        per_tok.append((p8["seconds"] - eager_s - attn[f] * n * (n / 2)) / n)
     token_s = statistics.mean(per_tok)
     overhead, region_s, bw_bps, bw_rows = fit_transfer(pd)
+    shared = _read("sim_shared_gpu_h200.json")
 
     def prefill_s(f: str, computed: int, prefix: int, chunk: int = 2048) -> float:
         t, pos, left = 0.0, prefix, computed
         while left > 0:
             n = min(chunk, left)
-            t += token_s * n + attn[f] * n * (pos + n / 2)
+            t += eager_s + token_s * n + attn[f] * n * (pos + n / 2)
             pos += n
             left -= n
         return t
@@ -208,7 +238,7 @@ def fit(out: Path) -> dict[str, Any]:
         "kv_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
         "kv_bytes_per_worker": int(engine["speed_kv_gib"] * 2**30),
-        "prefill_step_s": 0.0,
+        "prefill_step_s": _round(eager_s),
         "prefill_token_s": _round(token_s),
         "prefill_attn_s": _round(attn["bf16"]),
         "prefill_attn_dtype_s": {f: _round(v) for f, v in attn.items()},
@@ -223,12 +253,18 @@ def fit(out: Path) -> dict[str, Any]:
         "prefill_request_s": prefill_request_s,
         "decode_request_s": decode_request_s,
         "triaxial_bit_budget": 2.7,
+        "shared_gpu_prefill_share": _round(shared["share"]["prefill"], 2),
+        "shared_gpu_decode_share": _round(shared["share"]["decode"], 2),
         "source": "bench/sim_costs_gpu.py from bench/results/engine_gpu_h200.json, extend_gpu_h200.json, "
-        "pd_gpu_h200x2.json; docs/performance-log/gateway.md (gateway_s)",
+        "pd_gpu_h200x2.json, sim_shared_gpu_h200.json; docs/performance-log/gateway.md (gateway_s)",
         "notes": {
             "kv_bytes_per_worker": "the engine benchmark's 90 GiB pool on one H200 (speed_kv_gib); bench/agents.py --gpu ran 8 GiB per worker",
             "prefill_lengths": "every length: prefill_token_s per token + the extend kernel's per-format attention over what precedes it (8K fresh rate less its attention); chunked by the scheduler",
             "transfer": "two H200s over NVLink (cuda_ipc); the one-GPU agent stack pulls on the same device, assumed no slower",
+            "prefill_step_s": "a step with prompt tokens runs eagerly: engine_gpu_h200.json overhead_b64_4k, the eager step "
+            "less its kernels (fp8, batch 64 at 4K); a step with prompt chunks and decodes costs both formulas",
+            "shared_gpu": "bench/sim_shared_gpu.py: a prefill-shaped and a decode-shaped process time-slicing one H200, "
+            "each one's steps per second together over alone",
             "bytes_per_token": json.dumps({f: int(b) for f, b in bpt.items()}) + "; triaxial: the 2.7-bit budget's INT2/INT4 page mix",
         },
     }

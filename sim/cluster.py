@@ -57,6 +57,7 @@ class ClusterSpec:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     kv_bytes_per_worker: int | None = None  # None: the cost model's
+    pull_reclaims: bool = True  # a KV pull's pages reclaim retained conversations (False: the worker before eb82190)
 
     def __post_init__(self) -> None:
         if self.dtype not in DEFAULT_PAGE_SIZE:
@@ -132,7 +133,14 @@ class Simulator(Sim):
         if pages < 1:
             raise ValueError(f"the KV budget holds no {cluster.dtype} page")
         kw: dict[str, Any] = dict(
-            sim=self, pages=pages, page_size=p, dtype=cluster.dtype, costs=costs, reuse=cluster.reuse, sched=cluster.scheduler
+            sim=self,
+            pages=pages,
+            page_size=p,
+            dtype=cluster.dtype,
+            costs=costs,
+            reuse=cluster.reuse,
+            sched=cluster.scheduler,
+            pull_reclaims=cluster.pull_reclaims,
         )
         self.prefill = [PrefillWorker(f"http://prefill-{i:05d}", **kw) for i in range(cluster.prefill_workers)]
         self.decode = [DecodeWorker(f"http://decode-{i:05d}", **kw) for i in range(cluster.decode_workers)]
@@ -164,6 +172,7 @@ class Simulator(Sim):
         self._active = 0
         self._ctx: dict[int, tuple[_Agent, DecodeWorker, Req]] = {}  # turns in flight
         self.max_turn_tokens = cluster.pages_per_worker * p  # a request longer than the pool is refused
+        self.stop_at = math.inf  # no turn starts after this (the benchmark's point window)
 
     # ------------------------------------------------------------------ event core
     def at(self, t: float, fn: Callable[[float], None]) -> None:
@@ -291,6 +300,9 @@ class Simulator(Sim):
         return prompt, out, stable_prompt, stable_stream
 
     def _send(self, ag: _Agent, now: float) -> None:
+        if now > self.stop_at:  # the window closed while the agent thought: it stops here
+            self._agent_done(ag, now)
+            return
         k = ag.next_turn
         prompt, out, sp, ss = self._lengths(ag, k)
         self._turn_seq += 1
@@ -463,6 +475,12 @@ class Simulator(Sim):
     def reclaimed_leases(self) -> int:
         return sum(w.stats.leases_reclaimed for w in self.decode)
 
+    def preemptions(self) -> dict[str, int]:
+        return {
+            "prefill": sum(w.stats.preemptions for w in self.prefill),
+            "decode": sum(w.stats.preemptions for w in self.decode),
+        }
+
     def evicted_pages(self) -> dict[str, int]:
         return {
             "prefill": sum(w.cache.evicted for w in self.prefill),
@@ -540,13 +558,17 @@ def summarize(records: list[TurnRecord], wall_s: float, *, waiting_ttfts: list[f
 
 
 # ---------------------------------------------------------------------------------- scenarios
-def run_bench_point(sim: Simulator, agent_ids: range) -> dict[str, Any]:
+def run_bench_point(sim: Simulator, agent_ids: range, *, window_s: float | None = None) -> dict[str, Any]:
     """One point of bench/agents.py: every agent in ``agent_ids`` runs all its turns, starts
-    spread over one mean think time; returns the point's metrics (evictions included)."""
+    spread over one mean think time; returns the point's metrics (evictions and preemptions
+    included). ``window_s``: no turn starts that long after the point's start (those in flight
+    finish and count), as the benchmark's ``--point-s``."""
     sim.release_all_leases()
     before = sim.evicted_pages()
     reclaimed = sim.reclaimed_leases()
+    preempted = sim.preemptions()
     start = sim.now
+    sim.stop_at = math.inf if window_s is None else start + window_s
     first_record = len(sim.records)
     n = len(agent_ids)
     spread = sim.load.think_time_s.mean
@@ -560,7 +582,10 @@ def run_bench_point(sim: Simulator, agent_ids: range) -> dict[str, Any]:
     point["prefill_evicted_pages"] = after["prefill"] - before["prefill"]
     point["decode_evicted_pages"] = after["decode"] - before["decode"]
     point["decode_reclaimed_leases"] = sim.reclaimed_leases() - reclaimed
+    for role, count in sim.preemptions().items():
+        point[f"{role}_preemptions"] = count - preempted[role]
     point["concurrency"] = n
+    sim.stop_at = math.inf
     return point
 
 

@@ -8,8 +8,12 @@ Every cost is a small formula over what the simulator knows of an operation::
                    (T tokens in the step; chunk i has n_i tokens over a mean context ctx_i;
                    attn_s is prefill_attn_dtype_s[dtype], else prefill_attn_s)
     decode step    decode_step_s + decode_seq_s * B + decode_ctx_s[dtype] * sum(ctx)   (B sequences)
+                   (a step with prompt chunks and decodes costs both: on a GPU only a step of decodes
+                   alone replays a CUDA graph; prefill_step_s is the eager step's host overhead)
     KV pull        transfer_overhead_s + regions * transfer_region_s + bytes / transfer_bytes_per_s
                    (regions = layers * transfer_runs: NIXL merges adjacent pages, DESIGN.md Worker)
+    shared GPU     a prefill and a decode worker on one GPU run their steps at shared_gpu_prefill_share /
+                   shared_gpu_decode_share of their speed while both run one (time-slicing, measured)
     a turn         gateway_s (tagging, routing) + prefill_request_s and decode_request_s
                    (HTTP and per-request work outside the engine loop) on top of queueing and steps
 
@@ -75,6 +79,9 @@ class CostModel:
     reply_lost_tokens: int = 0
     triaxial_bit_budget: float = 2.7
     triaxial_int2_share: float | None = None  # share of pages stored INT2; None: what the bit budget gives
+    # two workers' processes time-slicing one GPU: the rate each gets while both run (kvserving.sim.shared_gpu)
+    shared_gpu_prefill_share: float = 0.5
+    shared_gpu_decode_share: float = 0.5
     source: str = ""
     notes: dict[str, str] = field(default_factory=dict)
 
@@ -93,6 +100,9 @@ class CostModel:
                 raise ValueError(f"costs.{f.name} must be a finite number >= 0, got {value!r}")
         if self.transfer_bytes_per_s <= 0:
             raise ValueError(f"costs.transfer_bytes_per_s must be > 0, got {self.transfer_bytes_per_s}")
+        for key in ("shared_gpu_prefill_share", "shared_gpu_decode_share"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ValueError(f"costs.{key} must be in (0, 1], got {getattr(self, key)}")
         if self.prompt_token_scale <= 0:
             raise ValueError(f"costs.prompt_token_scale must be > 0, got {self.prompt_token_scale}")
         if not isinstance(self.reply_lost_tokens, int) or self.reply_lost_tokens < 0:

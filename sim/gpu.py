@@ -9,6 +9,8 @@ the bench started (points in the order they ran). No per-point setting: the cost
 fitted once from the engine, extend, NIXL and P/D measurements (bench/sim_costs_gpu.py).
 
 Targets: hit rate within ``HIT_TOL`` (absolute), output tokens/s within ``TPUT_TOL`` (relative).
+The summary counts them over every point and again without the points whose measurement shows a
+first-use kernel compile (``first_use_compile``): the simulator has no compile cost.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from kvserving.sim.cluster import ClusterSpec, Simulator, percentile, run_bench_
 GPU_SCHEDULER = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192, chunk_size=4096)
 HIT_TOL = 0.05
 TPUT_TOL = 0.15
+# A first-use Triton compile stalls one request for seconds; queueing alone, without a
+# preemption, kept every measured TTFT p99 under this at these loads (the simulator's own
+# p99 at those points: 0.3-2.4 s)
+COMPILE_TTFT_P99_MS = 4000.0
 COMPARED = (
     "hit_rate",
     "output_tok_per_s",
@@ -36,6 +42,7 @@ COMPARED = (
     "ttft_p50_ms",
     "ttft_p99_ms",
     "tpot_p50_ms",
+    "requests",
     "prefill_evicted_pages",
     "decode_evicted_pages",
 )
@@ -51,6 +58,13 @@ def kv_bytes(measured: dict[str, Any]) -> int:
     if m is None:
         raise ValueError(f"kv_per_worker must read like '8 GiB', got {measured.get('kv_per_worker')!r}")
     return int(float(m.group(1)) * 2**30)
+
+
+def first_use_compile(point: dict[str, Any]) -> bool:
+    """Whether a measured point shows a first-use kernel compile: a TTFT p99 of seconds that no
+    preemption explains (the sign of a request that waited for Triton, not for the pool)."""
+    preempted = point.get("prefill_preemptions", 0) + point.get("decode_preemptions", 0)
+    return not preempted and float(point.get("ttft_p99_ms", 0.0)) >= COMPILE_TTFT_P99_MS
 
 
 def bench_load(measured: dict[str, Any]) -> LoadSpec:
@@ -83,7 +97,7 @@ def reproduce(measured: dict[str, Any], costs: CostModel, *, only: set[tuple[str
         first = len(sim.records)
         start = sim.now
         before = gpu.counters(sim.now)
-        point = run_bench_point(sim, range(1000 * n, 1000 * n + n))
+        point = run_bench_point(sim, range(1000 * n, 1000 * n + n), window_s=p.get("window_s"))
         recs = sim.records[first:]
         point["tpot_p50_ms"] = (
             percentile([(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in recs if r.output_tokens > 1], 0.5) * 1e3
@@ -101,6 +115,7 @@ def reproduce(measured: dict[str, Any], costs: CostModel, *, only: set[tuple[str
                 "part": p.get("part"),
                 "sim": {k: point.get(k) for k in COMPARED},
                 "measured": {k: p.get(k) for k in COMPARED},
+                "first_use_compile": first_use_compile(p),
                 "hit_ok": abs(sim_hit - meas_hit) <= HIT_TOL,
                 "tput_ok": abs(sim_tp - meas_tp) <= TPUT_TOL * meas_tp,
                 "tput_err": (sim_tp - meas_tp) / meas_tp if meas_tp else math.nan,
@@ -108,6 +123,9 @@ def reproduce(measured: dict[str, Any], costs: CostModel, *, only: set[tuple[str
                     "gpu_busy_share": busy,
                     "fallbacks": point["fallbacks"],
                     "decode_reclaimed_leases": point["decode_reclaimed_leases"],
+                    "preemptions": point["prefill_preemptions"] + point["decode_preemptions"],
+                    "prefill_preemptions": point["prefill_preemptions"],
+                    "decode_preemptions": point["decode_preemptions"],
                     "wall_s": point["wall_s"],
                     "requests": point["requests"],
                     "start_s": start,
@@ -128,6 +146,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         "format",
         "mode",
         "N",
+        "req sim/meas",
         "hit sim/meas",
         "ok",
         "out tok/s sim/meas",
@@ -138,7 +157,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         "TPOT p50 sim/meas",
         "evict P+D sim/meas",
         "GPU P/D/both",
-        "preempt meas",
+        "preempt sim/meas",
     ]
     table = [head]
     for r in rows:
@@ -147,7 +166,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             [
                 r["format"],
                 r["mode"],
-                str(r["concurrency"]),
+                str(r["concurrency"]) + ("*" if r["first_use_compile"] else ""),
+                f"{s['requests']} / {m['requests']}",
                 f"{s['hit_rate']:.2f} / {m['hit_rate']:.2f}",
                 "yes" if r["hit_ok"] else "NO",
                 f"{s['output_tok_per_s']:.0f} / {m['output_tok_per_s']:.0f}",
@@ -158,13 +178,24 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                 f"{s['tpot_p50_ms']:.1f} / {m['tpot_p50_ms']:.1f}",
                 f"{s['prefill_evicted_pages'] + s['decode_evicted_pages']} / {m['prefill_evicted_pages'] + m['decode_evicted_pages']}",
                 f"{c['prefill_only']:.2f}/{c['decode_only']:.2f}/{c['both']:.2f}",
-                str(r["measured_counters"]["preemptions"]),
+                f"{r['sim_counters']['preemptions']} / {r['measured_counters']['preemptions']}",
             ]
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    hit = sum(r["hit_ok"] for r in rows)
-    tput = sum(r["tput_ok"] for r in rows)
-    lines.append(f"hit rate within {HIT_TOL}: {hit}/{len(rows)}; output tok/s within {TPUT_TOL:.0%}: {tput}/{len(rows)}")
+    lines.append(summary(rows))
     return "\n".join(lines)
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """The two targets met, over every point and over the points without a first-use compile (*)."""
+    clean = [r for r in rows if not r["first_use_compile"]]
+
+    def count(subset: list[dict[str, Any]]) -> str:
+        hit = sum(r["hit_ok"] for r in subset)
+        tput = sum(r["tput_ok"] for r in subset)
+        return f"hit rate within {HIT_TOL}: {hit}/{len(subset)}; output tok/s within {TPUT_TOL:.0%}: {tput}/{len(subset)}"
+
+    rule = f"first-use compile: TTFT p99 >= {COMPILE_TTFT_P99_MS / 1e3:.0f} s, no preemption"
+    return f"all points: {count(rows)}\nwithout the * points ({rule}): {count(clean)}"

@@ -392,6 +392,11 @@ VALIDATED = (
 )
 
 
+# bench/results/agents_cpu.json was measured on the worker before a KV pull reclaimed retained
+# conversations (commit eb82190): its pulls were refused on a pool full of them
+CPU_SWEEP_PULL_RECLAIMS = False
+
+
 def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str, Any]]:
     """Re-run bench/agents.py's points (same agents, KV budget, scheduler, reuse mode, one
     stack per format and mode, points in the order they ran) in the simulator; one row per
@@ -417,7 +422,15 @@ def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str
         fmt, mode, n = p["format"], p["mode"], int(p["concurrency"])
         key = (fmt, mode)
         if key not in sims:
-            cluster = ClusterSpec(bench_dtype(fmt), 1, 1, costs, reuse=reuse_for_mode(mode, ttl_s=ttl_s), scheduler=sched)
+            cluster = ClusterSpec(
+                bench_dtype(fmt),
+                1,
+                1,
+                costs,
+                reuse=reuse_for_mode(mode, ttl_s=ttl_s),
+                scheduler=sched,
+                pull_reclaims=CPU_SWEEP_PULL_RECLAIMS,
+            )
             sims[key] = Simulator(cluster, load)
         # which agents the point ran: bench/agents.py's point_agents (1000 N .. 1000 N + N - 1),
         # or (its first cut) indices in run order

@@ -3,30 +3,36 @@ loop's timing, the KV pool (``sim_cache.PageCache``), leases and NIXL pulls,
 with the policies of ``worker/engine.py``, ``worker/scheduler.py`` and
 ``worker/kv/transfer.py``.
 
-- A **prefill worker** runs engine steps: running prompts continue, then
-  waiting ones are admitted FIFO while the token budget, ``max_num_seqs`` and
-  free pages allow (the head of the queue waits for pages: nothing overtakes
-  it); one step costs ``CostModel.prefill_step``. A finished prompt's full
-  pages stay pinned under a transfer lease until the decode worker pulls them
-  (then released) or ``transfer_timeout_s`` passes.
-- A **decode worker** is fluid: every running sequence gains one token per
-  step, so one step counter ``S`` advances at 1 / step time (``decode_step`` of
-  the batch and its context) and a sequence ends when ``S`` reaches its target.
-  The prefill worker's sampled token is the reply's first (gateway/turn.py:
-  TTFT is the prefill's); the decode computes it and the few prompt tokens it
-  neither holds nor pulled (stalling the batch that long), then runs
-  ``output - 1`` steps; a one-token reply skips the decode. Admission takes
-  pages for the prompt and the first token; the reply's pages are taken when
-  it ends (with reclaim; no preemption is modelled, so a reply that finds no
-  pages keeps only what it holds). Pages for the prompt and the whole reply are
-  taken at admission (no preemption); when it ends, its full pages are
+Both roles run the worker's scheduler step by step (``Worker._plan`` is
+``Scheduler.schedule``): running sequences first, oldest first, each one
+token (decode) or one chunk (prompt) within ``max_num_batched_tokens``; then
+waiting requests FIFO while the budget, ``max_num_seqs`` and pages for their
+first chunk allow (the head of the queue waits: nothing overtakes it). Pages
+come as a sequence grows, with retained conversations reclaimed first
+(``KVCacheManager.allocate_until``); when a running sequence still finds none,
+the most recently admitted one is **preempted**: its computed full pages join
+the prefix cache (evictable), the rest are freed, and it goes back to the
+front of the queue with the tokens it sampled; readmitted, it recomputes
+whatever the cache no longer holds. A step costs ``CostModel.decode_step`` for
+its one-token decodes plus ``CostModel.prefill_step`` for its prompt chunks.
+
+- A **prefill worker** computes the prompt and samples the reply's first
+  token (gateway/turn.py: TTFT is the prefill's); the prompt's full pages stay
+  pinned under a transfer lease until the decode worker pulls them (then
+  released) or ``transfer_timeout_s`` passes.
+- A **decode worker** computes what it neither holds nor pulled of the prompt
+  and the prefill's token, then decodes one token per step until the reply
+  ends; a one-token reply skips it. The full pages of prompt + reply are
   retained under a lease for ``retention_ttl_s`` (the conversation's older
   lease on the worker is released).
 - **Pulls** follow ``KVTransfer.pull``: match the offered pages against the
   prompt, skip what the local cache holds, READ the rest when it is at least
-  ``recompute_threshold_tokens`` and the sender still holds the lease; the
-  pulled pages are pinned until the request is admitted. A prefill worker's
-  transfer hold is released once the decode's pull is over, read or not.
+  ``recompute_threshold_tokens`` and the sender still holds the lease, into
+  pages allocated with reclaim (``allocate_for_pull``; ``pull_reclaims=False``:
+  the worker before it, which refused a pull on a pool full of retained
+  conversations and recomputed the prompt); the pulled pages are
+  pinned until the request is admitted. A prefill worker's transfer hold is
+  released once the decode's pull is over, read or not.
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ class Req:
     first_token_at: float = 0.0
     done_at: float = 0.0
     transfer_offer: WLease | None = None  # the prefill's transfer lease (P->D)
+    sampled: int = 0  # reply tokens sampled so far (the decode worker starts with the prefill's)
+    preemptions: int = 0  # on the worker running it now
 
 
 @dataclass(slots=True, eq=False)
@@ -108,6 +116,8 @@ class WorkerStats:
     fallbacks: dict[str, int] = field(default_factory=dict)
     leases_expired: int = 0
     leases_reclaimed: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0  # tokens computed again after a preemption
 
 
 class Worker:
@@ -124,8 +134,10 @@ class Worker:
         costs: CostModel,
         reuse: ReuseConfig,
         sched: SchedulerConfig,
+        pull_reclaims: bool = True,
     ) -> None:
         self.url = url
+        self.pull_reclaims = pull_reclaims  # ``allocate_for_pull``: retained conversations yield to a pull
         self.sim = sim
         self.cache = PageCache(pages)
         self.page_size = page_size
@@ -149,7 +161,12 @@ class Worker:
         self.stats = WorkerStats()
         self._lease_seq = 0
         self._wake_at = float("inf")
-        self._admitting = False  # releases during admission must not re-enter it
+        self.running: list[_Seq] = []  # in admission order
+        self.busy = False  # a step runs
+        self._planning = False  # a step is being planned: releases must not start another
+        self._arrivals = 0
+        self.gpu: Any = None  # a ``SharedGpu`` when the other role runs on the same GPU
+        self.on_done: Callable[[Req, float], None] = lambda req, now: None
 
     @property
     def inflight(self) -> int:
@@ -171,29 +188,192 @@ class Worker:
         self._board, self._slot = board, slot
         self.inflight = self._inflight
 
-    # ------------------------------------------------------------------ arrivals
+    # ------------------------------------------------------------------ engine steps
     def arrive(self, req: Req, now: float) -> None:
         self.waiting.append(req)
-        self._admit(now)
+        self._kick(now)
 
     def on_freed(self, now: float) -> None:
         """Pages came back: a request waiting for them may go."""
-        if self.waiting and not self._admitting:
-            self._admit(now)
+        if self.waiting:
+            self._kick(now)
 
-    def _admit(self, now: float) -> bool:
-        """Admit what fits; True when that rescheduled the role's next event. Never re-entered:
-        a release during admission calls ``on_freed``, which must not start a second one."""
-        if self._admitting:
-            return False
-        self._admitting = True
+    def _kick(self, now: float) -> None:
+        """Start a step unless one runs or is being planned (a release while planning lands here)."""
+        if not self.busy and not self._planning:
+            self._start_step(now)
+
+    def _start_step(self, now: float) -> None:
+        self._planning = True
         try:
-            return self._admit_waiting(now)
+            heap = self._expiry
+            if heap and heap[0][0] <= now:
+                self.expire(now)
+            plan = self._plan(now)
         finally:
-            self._admitting = False
+            self._planning = False
+        if not plan:
+            if self.waiting:
+                self.wake_when_leases_expire(now)
+            return
+        self.busy = True
+        dt = self._step_seconds(plan)
+        if self.gpu is not None:  # a GPU shared with the other role times the step (kvserving.sim.shared_gpu)
+            self.gpu.start(self, now, dt, plan)
+            return
+        self.sim.call_at(now + dt, self._step_done, plan)
 
-    def _admit_waiting(self, now: float) -> bool:
+    def _plan(self, now: float) -> list[tuple[_Seq, int]]:
+        """``Scheduler.schedule``: the chunks of the next step, as ``(sequence, tokens)``."""
+        sched = self.sched
+        budget = sched.max_num_batched_tokens
+        chunk = sched.chunk_size
+        p = self.page_size
+        plan: list[tuple[_Seq, int]] = []
+        running = self.running
+        for seq in list(running):  # oldest first; a page shortage preempts the newest
+            if budget == 0:
+                break
+            if not seq.active:
+                continue
+            left = seq.tokens - seq.computed
+            n = min(left, chunk, budget)
+            if n < left:
+                n -= n % p  # a non-final chunk ends on a page boundary
+            if n <= 0:
+                continue
+            need = -(-(seq.computed + n) // p) - seq.pages
+            if need > 0:
+                hold = seq.req.hold
+                assert hold is not None
+                while not self.allocate(hold, need, now):
+                    if self._preempt_newest(plan) is seq:
+                        break
+                if not seq.active:
+                    continue
+                seq.pages += need
+            plan.append((seq, n))
+            budget -= n
+        waiting = self.waiting
+        while waiting and budget > 0 and len(running) < sched.max_num_seqs:
+            admitted = self._admit_head(budget, now)
+            if admitted is None:
+                break  # the head waits for pages (or budget); nothing overtakes it
+            seq, n = admitted
+            waiting.popleft()
+            running.append(seq)
+            plan.append((seq, n))
+            budget -= n
+        return plan
+
+    def _admit_head(self, budget: int, now: float) -> tuple[_Seq, int] | None:
+        """``Scheduler._admit`` for the queue's head: its cached prefix, pages for its first chunk
+        (all or nothing); the pull pin goes once it holds its own refs."""
+        req = self.waiting[0]
+        p = self.page_size
+        tokens = self._tokens(req)
+        cache = self.cache
+        h = cache.match(req.segs, (tokens - 1) // p)
+        while True:  # with the cached prefix, then (when that does not fit) from scratch
+            left = tokens - h * p
+            n = min(left, self.sched.chunk_size, budget)
+            if n < left:
+                n -= n % p
+            if n <= 0:
+                return None
+            hold = cache.new_hold()
+            cache.ref(hold, req.segs, h)
+            need = -(-(h * p + n) // p) - h
+            if self.allocate(hold, need, now):
+                break
+            cache.release(hold)  # the prefix goes back to the cache, evictable like any other
+            if h == 0:
+                return None
+            h = 0
+        req.hold = hold
+        if not req.preemptions:  # the first admission: what the prompt found cached (usage.cached_tokens)
+            req.hit_pages = h
+            a, b = req.pulled
+            req.remote_pages = max(0, min(b, h) - a) if req.pin is not None and req.pin.alive(now) else 0
+        if req.pin is not None:
+            self.release(req.pin.lease_id, now)
+            req.pin = None
+        self._arrivals += 1
+        return _Seq(req, tokens, h * p, h + need, h), n
+
+    def _preempt_newest(self, plan: list[tuple[_Seq, int]]) -> _Seq:
+        """``Scheduler._preempt_latest``: the most recently admitted sequence lets go of its pages
+        (its computed full pages stay cached) and goes back to the front of the queue."""
+        victim = self.running.pop()
+        victim.active = False
+        plan[:] = [entry for entry in plan if entry[0] is not victim]
+        req = victim.req
+        self._let_go(victim)
+        req.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)
+        return victim
+
+    def _let_go(self, seq: _Seq) -> None:
+        """Publish ``seq``'s computed full pages that later prompts repeat, then free its hold."""
+        req = seq.req
+        hold = req.hold
+        assert hold is not None
+        end = min(seq.computed // self.page_size, self._stable(req))
+        if end > seq.start:
+            self.cache.publish(hold, req.segs, seq.start, end)
+        self.cache.release(hold)
+        req.hold = None
+
+    def _step_seconds(self, plan: list[tuple[_Seq, int]]) -> float:
+        """One step: its one-token decodes at the decode step's cost, its prompt chunks at the
+        prefill step's; a step with both pays both (on a GPU the decodes replay a CUDA graph
+        only in a step of decodes alone: a step with prompt tokens runs eagerly, whose host
+        overhead is ``prefill_step_s``)."""
+        batch = 0
+        context = 0
+        tokens = 0
+        work = 0.0
+        for seq, n in plan:
+            if n == 1 and seq.computed >= seq.req.prompt:
+                batch += 1
+                context += seq.computed + 1
+            else:
+                tokens += n
+                work += n * (seq.computed + n / 2)
+        costs = self.costs
+        if not tokens:
+            return costs.decode_step(self.dtype, batch, context)
+        dt = costs.prefill_step(self.dtype, tokens, work)
+        if batch:
+            dt += costs.decode_step(self.dtype, batch, context)
+        return dt
+
+    def _step_done(self, plan: list[tuple[_Seq, int]], now: float) -> None:
+        for seq, n in plan:  # still busy: releases on the way must not plan a step in between
+            if seq.req.preemptions and not (n == 1 and seq.computed >= seq.req.prompt):
+                self.stats.recomputed_tokens += n
+            seq.computed += n
+            if seq.computed >= seq.tokens:
+                self._sampled(seq, now)
+        self.busy = False
+        self._kick(now)
+
+    def _tokens(self, req: Req) -> int:
+        """Tokens whose KV ``req`` needs before it samples its next token."""
         raise NotImplementedError
+
+    def _stable(self, req: Req) -> int:
+        """Leading pages of ``req``'s stream that later prompts repeat (the ones worth caching)."""
+        raise NotImplementedError
+
+    def _sampled(self, seq: _Seq, now: float) -> None:
+        """``seq`` computed all it needed and sampled a token."""
+        raise NotImplementedError
+
+    def _leave(self, seq: _Seq) -> None:
+        seq.active = False
+        self.running.remove(seq)
 
     # ------------------------------------------------------------------ leases
     def pin(
@@ -322,7 +502,7 @@ class Worker:
             return self._fail("lease_expired")
         hold = self.cache.new_hold()
         self.cache.ref(hold, req.segs, local)
-        if not self.cache.allocate(hold, want):
+        if not (self.allocate(hold, want, now) if self.pull_reclaims else self.cache.allocate(hold, want)):
             self.cache.release(hold)
             return _NO_PULL  # skipped: no_free_pages
         self.cache.publish(hold, req.segs, local, matched)
@@ -344,26 +524,6 @@ class Worker:
     def _fail(self, reason: str) -> PullOutcome:
         return PullOutcome(fallback=self._count(reason))
 
-    # ------------------------------------------------------------------ admission
-    def admit_pages(self, req: Req, total_pages: int) -> bool:
-        """Match the prefix, take refs, allocate the rest (all or nothing); drop the pull pin."""
-        limit = (req.prompt - 1) // self.page_size
-        cache = self.cache
-        h = cache.match(req.segs, limit)
-        hold = cache.new_hold()
-        cache.ref(hold, req.segs, h)
-        if not self.allocate(hold, total_pages - h, self.sim.now):
-            cache.release(hold)
-            return False
-        req.hold = hold
-        req.hit_pages = h
-        a, b = req.pulled
-        req.remote_pages = max(0, min(b, h) - a) if req.pin is not None and req.pin.alive(self.sim.now) else 0
-        if req.pin is not None:
-            self.release(req.pin.lease_id, self.sim.now)
-            req.pin = None
-        return True
-
 
 def _threshold_pages(reuse: ReuseConfig, page_size: int) -> int:
     t = reuse.recompute_threshold_tokens
@@ -372,16 +532,21 @@ def _threshold_pages(reuse: ReuseConfig, page_size: int) -> int:
 
 
 @dataclass(slots=True, eq=False)
-class _Prompt:
-    """A prompt the prefill engine is computing: tokens left, position reached."""
+class _Seq:
+    """A request the engine runs: KV for ``tokens`` tokens is needed before it samples next,
+    ``computed`` have it, ``pages`` pages cover the first ``pages * page_size``; ``start``
+    pages came from the cache at its admission."""
 
     req: Req
-    left: int
-    pos: int
+    tokens: int
+    computed: int
+    pages: int
+    start: int
+    active: bool = True
 
 
 class PrefillWorker(Worker):
-    """Engine steps over prompts; see the module docstring."""
+    """Prompt steps; see the module docstring."""
 
     def __init__(
         self,
@@ -394,13 +559,12 @@ class PrefillWorker(Worker):
         costs: CostModel,
         reuse: ReuseConfig,
         sched: SchedulerConfig,
+        pull_reclaims: bool = True,
     ) -> None:
-        super().__init__(url, sim=sim, pages=pages, page_size=page_size, dtype=dtype, costs=costs, reuse=reuse, sched=sched)
-        self.running: list[_Prompt] = []
+        super().__init__(
+            url, sim=sim, pages=pages, page_size=page_size, dtype=dtype, costs=costs, reuse=reuse, sched=sched, pull_reclaims=pull_reclaims
+        )
         self._view_by_load: dict[int, WorkerView] = {}
-        self.busy = False
-        self.gpu: Any = None  # a ``SharedGpu`` when the decode worker runs on the same GPU
-        self.on_done: Callable[[Req, float], None] = lambda req, now: None
 
     def board_entry(self, n: int) -> WorkerView:
         """The router's view of this worker at load ``n``."""
@@ -409,75 +573,22 @@ class PrefillWorker(Worker):
             view = self._view_by_load[n] = WorkerView(self.url, True, n)
         return view
 
-    def _admit_waiting(self, now: float) -> bool:
-        if not self.busy:
-            self._start_step(now)
-        return False
+    def _tokens(self, req: Req) -> int:
+        return req.prompt
 
-    def _start_step(self, now: float) -> None:
-        heap = self._expiry
-        if heap and heap[0][0] <= now:
-            self.expire(now)
-        sched = self.sched
-        budget = sched.max_num_batched_tokens
-        chunk = sched.chunk_size
-        steps: list[tuple[_Prompt, int]] = []
-        tokens = 0
-        work = 0.0
-        for item in self.running:
-            n = item.left
-            if chunk < n:
-                n = chunk
-            if budget < n:
-                n = budget
-            if n <= 0:
-                break
-            steps.append((item, n))
-            budget -= n
-            tokens += n
-            work += n * (item.pos + n / 2)
-        p = self.page_size
-        waiting, running = self.waiting, self.running
-        while waiting and budget > 0 and len(running) < sched.max_num_seqs:
-            req = waiting[0]
-            if not self.admit_pages(req, -(-req.prompt // p)):
-                self.wake_when_leases_expire(now)
-                break
-            waiting.popleft()
-            start = req.hit_pages * p
-            item = _Prompt(req, req.prompt - start, start)
-            running.append(item)
-            n = min(chunk, req.prompt - start, budget)
-            steps.append((item, n))
-            budget -= n
-            tokens += n
-            work += n * (start + n / 2)
-        if not steps:
-            return
-        self.busy = True
-        dt = self.costs.prefill_step(self.dtype, tokens, work)
-        if self.gpu is not None:  # a GPU shared with a decode worker times the step (kvserving.sim.shared_gpu)
-            self.gpu.start_prefill(now, dt, steps)
-            return
-        self.sim.call_at(now + dt, self._step_done, steps)
+    def _stable(self, req: Req) -> int:
+        return req.stable_prompt
 
-    def _step_done(self, steps: list[tuple[_Prompt, int]], now: float) -> None:
-        self.busy = False
-        for item, n in steps:
-            item.left -= n
-            item.pos += n
-            if item.left == 0:
-                self.running.remove(item)
-                self._finish(item.req, now)
-        self._admit(now)
-
-    def _finish(self, req: Req, now: float) -> None:
+    def _sampled(self, seq: _Seq, now: float) -> None:
+        """The prompt is computed and the reply's first token sampled: the request ends here."""
+        self._leave(seq)
+        req = seq.req
         p = self.page_size
         full = req.prompt // p
         hold = req.hold
         assert hold is not None
-        self.cache.publish(hold, req.segs, req.hit_pages, min(full, req.stable_prompt))
-        partial = -(-req.prompt // p) - full
+        self.cache.publish(hold, req.segs, seq.start, min(full, req.stable_prompt))
+        partial = seq.pages - full
         hold.loose -= partial  # the partial last page is unhashed: freed now
         self.cache.used -= partial
         req.transfer_offer = self.pin(
@@ -494,107 +605,33 @@ class PrefillWorker(Worker):
 
 
 class DecodeWorker(Worker):
-    """Fluid decode batch; see the module docstring."""
+    """Decode steps; see the module docstring."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        sim: Sim,
-        pages: int,
-        page_size: int,
-        dtype: str,
-        costs: CostModel,
-        reuse: ReuseConfig,
-        sched: SchedulerConfig,
-    ) -> None:
-        super().__init__(url, sim=sim, pages=pages, page_size=page_size, dtype=dtype, costs=costs, reuse=reuse, sched=sched)
-        self.steps = 0.0  # S: decode steps run so far (every running sequence gained one token per step)
-        self.t_steps = 0.0
-        self.step_s = 0.0
-        self.batch: list[tuple[float, int, Req]] = []  # (target S, turn id, req): a heap
-        self.ctx_base = 0.0  # sum over the batch of (context at admission - S at admission)
-        self._version = 0
-        self.gpu: Any = None  # a ``SharedGpu`` when the prefill worker runs on the same GPU
-        self.gpu_share = 1.0  # step time multiplier while the shared GPU also runs a prefill step
-        self.on_done: Callable[[Req, float], None] = lambda req, now: None
+    def _tokens(self, req: Req) -> int:
+        return req.prompt + max(1, req.sampled)  # the prompt and every token sampled (the prefill's first)
 
-    def _advance(self, now: float) -> None:
-        if self.batch and self.step_s > 0:
-            self.steps += (now - self.t_steps) / self.step_s
-        self.t_steps = now
+    def _stable(self, req: Req) -> int:
+        return req.stable_stream
 
-    def _reschedule(self, now: float) -> None:
-        b = len(self.batch)
-        self._version += 1
-        if self.gpu is not None:
-            self.gpu.decode_busy(now, b > 0)
-        if not b:
-            self.step_s = 0.0
+    def _sampled(self, seq: _Seq, now: float) -> None:
+        req = seq.req
+        req.sampled = max(1, req.sampled) + 1
+        if req.sampled < req.output:
+            seq.tokens += 1  # the token just sampled: its KV comes with the next step
             return
-        self.step_s = self.costs.decode_step(self.dtype, b, self.ctx_base + b * self.steps) * self.gpu_share
-        t = now + max(0.0, self.batch[0][0] - self.steps) * self.step_s
-        self.sim.call_at(t, self._tick, self._version)
+        self._leave(seq)
+        self._finish(seq, now)
 
-    def _admit_waiting(self, now: float) -> bool:
-        """Admit what fits; True when that rescheduled the batch's next finish."""
-        heap = self._expiry
-        if heap and heap[0][0] <= now:
-            self.expire(now)
-        p = self.page_size
-        token_s, attn_s = self.costs.prefill_token_s, self.attn_s
-        admitted: list[tuple[Req, float]] = []
-        while self.waiting and len(self.batch) + len(admitted) < self.sched.max_num_seqs:
-            req = self.waiting[0]
-            if not self.admit_pages(req, -(-(req.prompt + 1) // p)):  # the reply's pages come as it grows
-                self.wake_when_leases_expire(now)
-                break
-            self.waiting.popleft()
-            c = req.prompt + 1 - req.hit_pages * p  # prompt + the prefill's first token, less what it holds
-            stall = token_s * c + attn_s * c * (req.prompt - c / 2)
-            admitted.append((req, stall))
-        if not admitted:
-            return False
-        self._advance(now)
-        stall = 0.0
-        for _, s in admitted:
-            stall += s
-        for req, _ in admitted:
-            # the first token came from the prefill worker: output - 1 steps here
-            heapq.heappush(self.batch, (self.steps + req.output - 1, req.turn_id, req))
-            self.ctx_base += req.prompt + 1 - self.steps
-        b = len(self.batch)
-        step_s = self.costs.decode_step(self.dtype, b, self.ctx_base + b * self.steps)
-        self.steps -= stall / step_s  # every sequence waits for the admitted prompts' compute
-        self._reschedule(now)
-        return True
-
-    def _tick(self, version: int, now: float) -> None:
-        if version != self._version:
-            return
-        self._advance(now)
-        done: list[Req] = []
-        while self.batch and self.batch[0][0] <= self.steps + 1e-6:
-            target, _, req = heapq.heappop(self.batch)
-            self.ctx_base -= req.prompt + 1 - (target - req.output + 1)
-            done.append(req)
-        for req in done:
-            self._finish(req, now)
-        if not self._admit(now):  # an admission already rescheduled (the same time, one event fewer)
-            self._reschedule(now)
-
-    def _finish(self, req: Req, now: float) -> None:
+    def _finish(self, seq: _Seq, now: float) -> None:
+        req = seq.req
         p = self.page_size
         hold = req.hold
         assert hold is not None
-        held = -(-(req.prompt + 1) // p)
-        grow = -(-(req.prompt + req.output) // p) - held  # the reply's pages, taken as it grew
-        if grow > 0 and self.allocate(hold, grow, now):
-            held += grow
-        # (a reply that found no pages would have been preempted and recomputed: keep what is held)
+        held = seq.pages
         full = min((req.prompt + req.output - 1) // p, held)  # the last sampled token has no KV
         keep = min(full, req.stable_stream)
-        self.cache.publish(hold, req.segs, req.hit_pages, keep)
+        if keep > seq.start:
+            self.cache.publish(hold, req.segs, seq.start, keep)
         extra = held - full  # partial last page: freed
         hold.loose -= extra
         self.cache.used -= extra

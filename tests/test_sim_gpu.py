@@ -43,20 +43,23 @@ def test_gpu_cost_file_loads_and_its_pools_match_the_bench_stacks() -> None:
             assert pages * stack["page_size"] == stack["capacity_tokens"]["decode"]
 
 
-def test_shared_gpu_halves_a_prefill_step_while_the_decode_runs() -> None:
+def test_shared_gpu_runs_each_step_at_its_measured_share_while_both_run_one() -> None:
     costs = load_costs("gpu-h200")
+    # bench/results/sim_shared_gpu_h200.json: the prefill-shaped process kept 0.50, the decode-shaped 0.45
+    assert (costs.shared_gpu_prefill_share, costs.shared_gpu_decode_share) == (0.5, 0.45)
     sim = Simulator(ClusterSpec("nvfp4", 1, 1, costs, scheduler=GPU_SCHEDULER), _load())
-    gpu = SharedGpu(sim, sim.prefill[0], sim.decode[0])
-    sim.prefill[0].busy = True
-    gpu.start_prefill(0.0, 1.0, [])
-    sim.at(0.5, lambda t: gpu.decode_busy(t, True))
+    pre, dec = sim.prefill[0], sim.decode[0]
+    gpu = SharedGpu(sim, pre, dec)
+    pre.busy = dec.busy = True
+    gpu.start(pre, 0.0, 1.0, [])
+    sim.at(0.5, lambda t: gpu.start(dec, t, 1.0, []))
     sim.run(until=10.0)
     busy = gpu.counters(10.0)
-    # 0.5 s alone, then the remaining 0.5 GPU-seconds at half speed: done at 1.5 s
+    # the prefill step: 0.5 s alone, then its remaining 0.5 GPU-seconds at 0.5 (ends at 1.5); the
+    # decode step: 0.45 GPU-seconds by then, the other 0.55 alone (ends at 2.05)
     assert math.isclose(busy["prefill_only"], 0.5) and math.isclose(busy["both"], 1.0)
-    assert not sim.prefill[0].busy
-    # the step's end reschedules the decode worker, whose empty batch reports it idle
-    assert busy["decode_only"] == 0.0 and not gpu.decode_busy_now
+    assert math.isclose(busy["decode_only"], 0.55)
+    assert not pre.busy and not dec.busy  # each step's end went back to its worker
 
 
 def test_replay_of_one_measured_point_is_what_the_simulator_computes() -> None:

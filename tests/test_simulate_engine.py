@@ -1,0 +1,88 @@
+"""The simulated workers' engine steps (kvserving.sim.workers): pages as sequences grow, the
+newest running sequence preempted when none are left (``worker/scheduler.py``), its cached
+pages reused when it is readmitted, a prefix dropped when only a fresh placement fits, and the
+benchmark's point window."""
+
+from __future__ import annotations
+
+from kvserving.agents.load import LoadSpec
+from kvserving.config import SchedulerConfig
+from kvserving.sim.cluster import ClusterSpec, Simulator, run_bench_point
+from kvserving.sim.costs import CostModel
+from kvserving.sim.workers import Req
+
+PAGE = 16
+BIG = 1 << 40
+
+
+def _costs(pages: int) -> CostModel:
+    # fp8 at 1 layer x 1 head x head_dim 32: 64 bytes per token, 1 KiB per page of 16
+    return CostModel(
+        name="t",
+        layers=1,
+        kv_heads=1,
+        head_dim=32,
+        kv_bytes_per_worker=pages * 1024,
+        prefill_token_s=1e-4,
+        prefill_attn_s=0.0,
+        decode_step_s=1e-3,
+        decode_ctx_s={"fp8_e4m3": 0.0},
+    )
+
+
+def _sim(pages: int, sched: SchedulerConfig) -> Simulator:
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, _costs(pages), scheduler=sched), LoadSpec())
+    assert sim.cluster.pages_per_worker == pages
+    return sim
+
+
+def _req(i: int, prompt: int, output: int) -> Req:
+    # a conversation of its own; every page of prompt and reply is one the next prompt repeats
+    return Req(i, f"c{i}", [(i, BIG)], prompt, output, prompt // PAGE, (prompt + output) // PAGE, 0.0)
+
+
+def test_a_decode_pool_that_runs_out_preempts_the_newest_which_drops_its_prefix_while_the_pool_is_full() -> None:
+    sim = _sim(9, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, chunk_size=64))
+    dec = sim.decode[0]
+    done: list[int] = []
+    dec.on_done = lambda req, now: done.append(req.turn_id)
+    a, b = _req(1, 60, 20), _req(2, 60, 20)
+    dec.arrive(a, 0.0)  # step 1: a computes 61 tokens (prompt + the prefill's token) in 4 pages
+    dec.arrive(b, 0.0)  # waits for step 2: 4 pages more, 8 of 9; from then on a is one token ahead
+    sim.run()
+    # Step 5: a needs a fifth page for its 65th token and takes the last free one. Step 6: b
+    # needs its fifth, finds none (nothing cached, nothing retained) and is preempted -- the
+    # newest, itself; its 4 computed full pages stay cached. Readmitted in the same step, the
+    # prefix leaves no page for its next token, so (Scheduler._admit) it is placed from scratch,
+    # evicting its own 4 pages, and recomputes 64 tokens -- and is preempted again next step.
+    # That repeats every step until a ends after step 19 (its 20th token) and frees a page:
+    # steps 6..19, 14 preemptions of 64 recomputed tokens each.
+    assert (dec.stats.preemptions, sim.prefill[0].stats.preemptions) == (14, 0)
+    assert (a.preemptions, b.preemptions) == (0, 14)
+    assert dec.stats.recomputed_tokens == 14 * 64
+    assert b.hit_pages == 0  # its first admission's count: a readmission is not a prefix hit
+    assert done == [1, 2] and a.sampled == b.sampled == 20
+    assert not dec.running and not dec.waiting and dec.cache.used <= 9
+
+
+def test_a_pool_with_room_preempts_nothing() -> None:
+    sim = _sim(10, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, chunk_size=64))
+    dec = sim.decode[0]
+    dec.on_done = lambda req, now: None
+    a, b = _req(1, 60, 20), _req(2, 60, 20)
+    dec.arrive(a, 0.0)
+    dec.arrive(b, 0.0)
+    sim.run()
+    # 5 pages each at the end (79 tokens): 10 fit, so both grow without a preemption
+    assert dec.stats.preemptions == 0 and dec.stats.recomputed_tokens == 0
+    assert a.sampled == b.sampled == 20
+
+
+def test_no_turn_starts_after_the_window() -> None:
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, _costs(4096)), LoadSpec())
+    whole = run_bench_point(Simulator(ClusterSpec("fp8_e4m3", 1, 1, _costs(4096)), LoadSpec()), range(2))
+    cut = run_bench_point(sim, range(2), window_s=2.0)
+    assert 0 < cut["requests"] < whole["requests"]
+    starts = [r.sent_at for r in sim.records]
+    assert max(starts) <= 2.0
+    assert cut["prefill_preemptions"] == cut["decode_preemptions"] == 0
