@@ -48,6 +48,13 @@ def float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[st
     return parse
 
 
+def path_arg(text: str) -> Path:
+    """A path given on the command line; an empty one is refused (``Path("")`` would mean the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be a path, got an empty string")
+    return Path(text)
+
+
 def read_json_file(path: str | Path, label: str, *, missing: str) -> Any:
     """The JSON in ``path``; a ValueError that starts with ``label`` and the path when the file is
     not there (``missing``: what belongs there, in parentheses) or is not JSON."""

@@ -207,6 +207,7 @@ CASES: dict[str, Case] = {
     "tiny-model-non-empty-dir": Case(
         ("tiny-model", "full"), 1, "kvserving tiny-model: error: full already holds files; pass --force to overwrite"
     ),
+    "tiny-model-empty-dir": Case(("tiny-model", ""), 2, "argument dir: must be a path, got an empty string"),
     "tiny-model-over-a-model": Case(
         ("tiny-model", "tiny"), 1, "kvserving tiny-model: error: tiny already holds a model; pass --force to overwrite"
     ),

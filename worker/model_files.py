@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from kvserving.argtypes import path_arg
 from kvserving.kernels import fp8_gemm
 from kvserving.tiny_model import SHAPES, build_tiny_model
 from kvserving.worker.weights import WEIGHT_FORMATS, Fp8Scheme
@@ -92,7 +93,7 @@ def _input_amax(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", type=Path, help="output directory (created if missing; must be empty unless --force)")
+    parser.add_argument("dir", type=path_arg, help="output directory (created if missing; must be empty unless --force)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--force", action="store_true", help="write into a non-empty directory, replacing the model files")
     parser.add_argument(
