@@ -120,17 +120,20 @@ def gpu_load(seed: int, *, think_s: float, turns: int | None = None) -> LoadSpec
     )
 
 
-def stack_spec(fmt: str, mode: str, *, kv_bytes: int, ttl_s: float, run_dir: Path | None, gpu_model: Path | None = None) -> StackSpec:
+def stack_spec(
+    fmt: str, mode: str, *, kv_bytes: int, ttl_s: float, run_dir: Path | None, gpu_model: Path | None = None, weights: str = "auto"
+) -> StackSpec:
     """The stack of one format and reuse mode: the built-in tiny model on CPU, or with
-    ``gpu_model`` that directory's model (dummy weights) with both workers on GPU 0."""
+    ``gpu_model`` that directory's model (dummy weights) with both workers on GPU 0; ``weights``
+    is ``model.weight_format`` (an FP8 format quantizes the weights at load)."""
     from kvserving.model_dir import tiny_model_dir
 
     dtype, budget = FORMATS[fmt]
     if gpu_model is None:
-        model = ModelConfig(path=str(tiny_model_dir()))
+        model = ModelConfig(path=str(tiny_model_dir()), weight_format=weights)
         scheduler = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024, chunk_size=512)
     else:
-        model = ModelConfig(path=str(gpu_model), served_name="qwen3-8b-shape", load_format="dummy")
+        model = ModelConfig(path=str(gpu_model), served_name="qwen3-8b-shape", load_format="dummy", weight_format=weights)
         scheduler = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192, chunk_size=4096)
     config = ServingConfig(
         model=model,
@@ -374,7 +377,9 @@ def _started_stack(fmt: str, mode: str, args: argparse.Namespace) -> Iterator[tu
     retried twice on fresh ports."""
     for attempt in range(3):
         run_dir = args.run_dir / f"{fmt}-{mode}-{attempt}" if args.run_dir else None
-        spec = stack_spec(fmt, mode, kv_bytes=kv_bytes(args), ttl_s=args.ttl_s, run_dir=run_dir, gpu_model=args.gpu_model)
+        spec = stack_spec(
+            fmt, mode, kv_bytes=kv_bytes(args), ttl_s=args.ttl_s, run_dir=run_dir, gpu_model=args.gpu_model, weights=args.weights
+        )
         stack = LocalStack(spec)
         try:
             stack.start()
@@ -611,6 +616,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the Qwen3-8B-shaped model (dummy weights) with prefill and decode worker on GPU 0, coding-agent load",
     )
+    ap.add_argument(
+        "--weights",
+        choices=("auto", "fp8", "fp8_block"),
+        default="auto",
+        help="the model's linear layers: as built (bf16), or FP8 per channel / per 128x128 block, quantized at load",
+    )
     ap.add_argument("--kv-kib", type=int, default=3072, help="KV pool per worker, KiB (same for every format; CPU)")
     ap.add_argument("--kv-gib", type=float, default=8.0, help="KV pool per worker, GiB (same for every format; --gpu)")
     ap.add_argument("--ttl-s", type=float, default=3.0, help="retention of the 'ttl' mode, seconds")
@@ -683,7 +694,12 @@ def main(argv: list[str] | None = None) -> int:
     runs += [(args.mode_format, m, args.mode_concurrency) for m in args.modes if m != "lease"]
     points: list[dict[str, Any]] = []
     stacks: list[dict[str, Any]] = []
-    where = "Qwen3-8B shape (dummy bf16 weights, built-in tokenizer), prefill + decode worker on one GPU" if args.gpu else "tiny model, CPU"
+    weights = "bf16" if args.weights == "auto" else args.weights
+    where = (
+        f"Qwen3-8B shape (dummy {weights} weights, built-in tokenizer), prefill + decode worker on one GPU"
+        if args.gpu
+        else f"tiny model ({weights} weights), CPU"
+    )
     pool = f"{args.kv_gib:g} GiB" if args.gpu else f"{args.kv_kib} KiB"
 
     def result() -> dict[str, Any]:

@@ -34,7 +34,7 @@ plus, with a static ``input_scale``, all of the excess of a value past 448 * s (
 - ``linear_quantized_ref``: the GPU paths' arithmetic in fp32 torch (activations quantized
   the same way): the spec the kernels are tested against at tiny sizes;
 - ``linear_cuda``: rows through ``torch._scaled_mm`` (row-wise scales, CUTLASS); block
-  at M <= 2 on weights whose column tiles do not fill the GPU (``launch_config``) through our Triton GEMV, which reads the bf16 activations
+  at M = 1, and at M = 2 on weights whose column tiles do not fill the GPU (``launch_config``), through our Triton GEMV, which reads the bf16 activations
   as they are (``uses_gemv``: no activation quantization, so only the fp32 sums and the bf16
   output round), else through ``torch.nn.functional.scaled_mm`` with BlockWise1x128 x
   BlockWise128x128 scales (cuBLASLt >= 12.9, sm_90 only) or our Triton block GEMM

@@ -19,7 +19,7 @@ tile per (M, N, K) (``Tiles``: BLOCK_M x BLOCK_N, warps, pipeline stages, K spli
 K writes fp32 partials [S, M, N], summed in a fixed order by a second launch, so the output
 does not depend on scheduling.
 
-At M <= 2, where the block GEMM splits K (its column tiles alone do not fill the grid),
+At M = 1, and at M = 2 where the block GEMM splits K (its column tiles alone do not fill the grid),
 ``linear`` takes the GEMV instead (it runs M <= 4, ``GEMV_ROWS``): no activation quantization
 and no tensor cores. A program streams a [BLOCK_N, BLOCK_K] tile of the E4M3 weight per step,
 converts it to fp32 in registers and reduces it along K against each activation row, the
@@ -389,25 +389,31 @@ def gemv_split(tiles: int, steps: int) -> int:
 def gemv_config(m: int, n: int, k: int) -> Gemv:
     """The GEMV's launch shape for an [M, K] x [N, K]^T product, M <= 4.
 
-    - BLOCK_K 512 where it divides K (a warp's 32 lanes x 16-byte loads: one 512-byte run of each row a step,
-      whole 128-byte lines), else 256 or 128;
-    - BLOCK_N 32 (16 KiB of weight a step: 128 bytes a thread at 4 warps);
+    - BLOCK_N 8 at M <= 2 (8 KiB of weight a step at BLOCK_K 1024: the Qwen3-8B shapes' 512-3,072 column tiles
+      fill the grid with no K split and no partials' sum), 32 at M 3-4 (each row's fp32 sums cost registers);
+    - BLOCK_K 2048 at M = 1 on weights of at most 4,096 rows (o and down of the Qwen3-8B shape: 512 column tiles,
+      so each program keeps 16 KiB in flight; o 7.0 -> 6.4 us, down 15.7 -> 14.4 on the H200, while qkv's 768
+      tiles ran 8.5 -> 9.2), 1024 at M <= 2, 512 above, where it divides K (a warp's 32 lanes x 16-byte loads:
+      whole 128-byte lines), else the largest of 512, 256, 128 that does;
     - 4 warps, 1 stage (plain loads into registers: on the H200 staging the next tile in shared memory by
       cp.async, 2 or 3 stages, was 25-35 % slower at M = 1 and 2);
-    - K split by ``gemv_split`` (Qwen3-8B: qkv 2, o 4, down 4, gate_up 1: 384 / 512 / 512 / 768 programs)."""
-    block_k = next((b for b in (512, 256) if k % b == 0), GROUP)
-    block_n = 32
+    - K split by ``gemv_split`` where the column tiles alone leave the grid short (none at the Qwen3-8B shape at
+      M <= 2)."""
+    block_n = 8 if m <= 2 else 32
+    widths = (2048, 1024, 512, 256) if m == 1 and n <= 4096 else (1024, 512, 256) if m <= 2 else (512, 256)
+    block_k = next((b for b in widths if k % b == 0), GROUP)
     return Gemv(block_n, block_k, 4, 1, gemv_split(triton.cdiv(n, block_n), k // block_k))
 
 
 def launch_config(m: int, n: int, k: int) -> Tiles | Gemv:
-    """The dispatch: the GEMV at M <= ``GEMV_DISPATCH_ROWS`` where the block GEMM would split K (qkv, o and down of
-    the Qwen3-8B shape: no activation quantization, no padded MMA rows, no split sum of 16-row tiles), else the
-    block GEMM at ``tile_config``'s tiles. Measured on the H200 at M = 1 / 2 (us, block GEMM -> GEMV): qkv 12.1 ->
-    10.6 / 12.2 -> 11.6, o 10.2 -> 8.0 / 10.4 -> 9.4, down 19.9 -> 16.3 / 20.0 -> 18.5; gate_up, whose 384 column
-    tiles fill the grid, 28.6 against 29.5 and M = 4 on every shape favour the block GEMM."""
+    """The dispatch: the GEMV at M = 1, and at M = 2 where the block GEMM would split K (qkv, o and down of the
+    Qwen3-8B shape): no activation quantization, no padded MMA rows, no split sum of 16-row tiles; else the block
+    GEMM at ``tile_config``'s tiles. Measured on the H200 (us, block GEMM -> GEMV at ``gemv_config``): M = 1 qkv
+    12.0 -> 8.5, o 10.1 -> 6.4, gate_up 28.0 -> 25.5, down 19.8 -> 14.4 (one layer 70.0 -> 54.8); M = 2 qkv 12.2
+    -> 10.2, o 10.3 -> 8.6, down 20.0 -> 19.8, while gate_up (384 column tiles of the block GEMM fill the grid)
+    stays on the block GEMM, 28.3 against 31.7, as M = 4 does on every shape."""
     tiles = tile_config(m, n, k)
-    if m <= GEMV_DISPATCH_ROWS and tiles.split_k > 1:
+    if m == 1 or (m <= GEMV_DISPATCH_ROWS and tiles.split_k > 1):
         return gemv_config(m, n, k)
     return tiles
 

@@ -263,21 +263,24 @@ def test_gemv_equals_the_dequantized_product_at_uneven_n_under_every_split(label
     _check_gemv(m, 72, 1024, launch, seed=m + 7, x_dtype=torch.float32)
 
 
-def test_the_dispatch_takes_the_gemv_at_m_up_to_2_where_the_block_gemm_splits_k() -> None:
+def test_the_dispatch_takes_the_gemv_at_m_1_and_at_m_2_where_the_block_gemm_splits_k() -> None:
     from kvserving.kernels.triton_fp8_gemm import Gemv, Tiles, gemv_config, gemv_split, launch_config, tile_config
 
     got = {(n, k): [launch_config(m, n, k).label for m in (1, 2, 3, 4)] for n, k in QWEN3_8B_SHAPES[:4]}
     assert got == {
-        (6144, 4096): ["g32x512w4s1k2"] * 2 + ["16x64w4s4k4"] * 2,  # 192 tiles x 2 = 384 programs, 4 steps a split
-        (4096, 4096): ["g32x512w4s1k4"] * 2 + ["16x64w4s4k4"] * 2,  # 128 x 4 = 512; 2 steps a split
-        (24576, 4096): ["16x64w4s4k1"] * 4,  # the block GEMM's 384 column tiles fill the grid: no split, no GEMV
-        (4096, 12288): ["g32x512w4s1k4"] * 2 + ["16x64w4s4k4"] * 2,  # 24 steps, 6 a split
+        (6144, 4096): ["g8x1024w4s1k1"] * 2 + ["16x64w4s4k4"] * 2,  # 768 column tiles of 8 rows: no K split
+        (4096, 4096): ["g8x2048w4s1k1", "g8x1024w4s1k1"] + ["16x64w4s4k4"] * 2,  # 512 tiles: 2048-wide steps at M 1
+        (24576, 4096): ["g8x1024w4s1k1"] + ["16x64w4s4k1"] * 3,  # at M 2 the block GEMM's 384 column tiles fill the grid
+        (4096, 12288): ["g8x2048w4s1k1", "g8x1024w4s1k1"] + ["16x64w4s4k4"] * 2,  # 512 tiles, 6 / 12 steps
     }
     for n, k in QWEN3_8B_SHAPES[:4]:
         assert launch_config(5, n, k) == tile_config(5, n, k) and isinstance(launch_config(5, n, k), Tiles)
-        assert not fp8_gemm.uses_gemv(3, n, k) and fp8_gemm.uses_gemv(2, n, k) == (n != 24576)
-    assert gemv_config(1, 512, 384).label == "g32x128w4s1k1"  # K 384: steps of 128; 16 tiles, 3 steps: no split
-    assert isinstance(launch_config(1, 256, 4096), Gemv) and isinstance(launch_config(1, 256, 1024), Tiles)  # split 4 / none
+        assert not fp8_gemm.uses_gemv(3, n, k) and fp8_gemm.uses_gemv(2, n, k) == (n != 24576) and fp8_gemm.uses_gemv(1, n, k)
+    assert gemv_config(1, 512, 384).label == "g8x128w4s1k1"  # K 384: steps of 128; 64 tiles, 3 steps: no split
+    assert gemv_config(1, 256, 4096).label == "g8x2048w4s1k1"  # 32 tiles, 2 steps: too few to split
+    assert gemv_config(2, 256, 4096).label == "g8x1024w4s1k2"  # 32 tiles, 4 steps: split in two
+    assert gemv_config(3, 6144, 4096).label == "g32x512w4s1k2"  # M 3-4: 32-row tiles
+    assert isinstance(launch_config(2, 256, 4096), Gemv) and isinstance(launch_config(2, 256, 1024), Tiles)  # split 4 / none
     assert gemv_split(8, 3) == 1 and gemv_split(8, 64) == 16 and gemv_split(8, 16) == 8
     assert Gemv.parse(" g16x256w8s3k5") == Gemv(16, 256, 8, 3, 5) and Gemv(16, 256, 8, 3, 5).label == "g16x256w8s3k5"
     for bad in ("g24x512w4s2k1", "g32x384w4s2k1", "g32x512w3s2k1", "g32x512w4s9k1", "g32x512w4s2k0", "32x512w4s2k1"):
@@ -406,4 +409,13 @@ def test_cublas_block_scaling_runs_on_hopper() -> None:
         pytest.skip("not a Hopper GPU")
     if not hasattr(torch.nn.functional, "ScalingType"):  # the API itself, not a version number
         pytest.skip(f"torch {torch.__version__} has no block-wise scaled_mm (torch.nn.functional.ScalingType; the GEMMs use Triton)")
-    assert fp8_gemm.cublas_block_supported(0)  # a wrong product is a failure here, not a skip of the cublas cases
+    x = torch.ones(3, 256, device="cuda", dtype=torch.bfloat16)
+    codes, scale = fp8_gemm.quantize_blocks(torch.ones(256, 256, device="cuda"))
+    qa, sa = fp8_gemm.quantize_groups(x)
+    try:
+        out = fp8_gemm._block_cublas(qa, sa, codes, fp8_gemm.cublas_block_scales(scale), torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as exc:  # a library that refuses the call: the GEMMs use Triton
+        pytest.skip(f"torch {torch.__version__} refuses block-wise scaled_mm here: {str(exc).splitlines()[0][:160]}")
+    # a library that runs the call must get it right: a wrong product is a failure, not a skip of the cublas cases
+    assert torch.equal(out.float(), torch.full((3, 256), 256.0, device="cuda"))
+    assert fp8_gemm.cublas_block_supported(0)

@@ -68,17 +68,25 @@ def _clone(pool: Pool) -> Pool:
 @interpreter_only
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_write_kv_bytes_equal_reference(fmt: str) -> None:
-    pool = make_pool(fmt, num_pages=5, page_size=8, kv_heads=2, head_dim=64)
-    ref = _clone(pool)
-    t = 21
-    k, v = edge_tokens(t, 2, 64), edge_tokens(t, 2, 64).flip(0)
-    dst = torch.randperm(5 * 8)[:t]  # scattered (page, slot) pairs, pages out of order
-    pages, slots = (dst // 8).int(), (dst % 8).int()
-    ks, vs = SCALES[fmt], SCALES[fmt] * 3
-    for dtype in (torch.float32, torch.bfloat16):
-        triton_write.write_kv(pool.kv(ks, vs), k.to(dtype), v.to(dtype), pages, slots)
-        paged_ref.write_kv(ref.kv(ks, vs), k.to(dtype), v.to(dtype), pages, slots)
-        assert torch.equal(pool.buffer, ref.buffer)  # written bytes equal, untouched bytes untouched
+    # 21 tokens: several 16-row programs; 3 and 1: a decode step's rows (write_shape cuts the program to them)
+    for t in (21, 3, 1):
+        pool = make_pool(fmt, num_pages=5, page_size=8, kv_heads=2, head_dim=64)
+        ref = _clone(pool)
+        k, v = edge_tokens(21, 2, 64)[:t], edge_tokens(21, 2, 64).flip(0)[:t]  # corner rows first (k), random rows (v)
+        dst = torch.randperm(5 * 8)[:t]  # scattered (page, slot) pairs, pages out of order
+        pages, slots = (dst // 8).int(), (dst % 8).int()
+        ks, vs = SCALES[fmt], SCALES[fmt] * 3
+        for dtype in (torch.float32, torch.bfloat16):
+            triton_write.write_kv(pool.kv(ks, vs), k.to(dtype), v.to(dtype), pages, slots)
+            paged_ref.write_kv(ref.kv(ks, vs), k.to(dtype), v.to(dtype), pages, slots)
+            assert torch.equal(pool.buffer, ref.buffer), (t, dtype)  # written bytes equal, untouched bytes untouched
+
+
+def test_write_shape_cuts_token_rows_to_the_tokens_written() -> None:
+    assert triton_write.write_shape("nvfp4", 1) == (1, 1)
+    assert triton_write.write_shape("fp8_e4m3", 3) == (4, 4)
+    assert triton_write.write_shape("bf16", 64) == (4, 16)
+    assert triton_write.write_shape("int4", 1) == (triton_write.WRITE_TUNING["int4"]["num_warps"], 0)  # int4 groups keep their shape
 
 
 @interpreter_only
@@ -311,14 +319,14 @@ def test_gpu_write_and_gather_equal_reference(case: str) -> None:
 def test_gpu_write_kv_bytes_equal_reference(fmt: str) -> None:
     pool = make_pool(fmt, num_pages=300, page_size=16, kv_heads=8, head_dim=128, device="cuda")
     ref = pool.buffer.cpu()
-    t = 3000
-    k, v = edge_tokens(t, 8, 128), torch.randn(t, 8, 128) * 5
-    dst = torch.randperm(300 * 16)[:t]
-    pages, slots = (dst // 16).int(), (dst % 16).int()
-    ks, vs = SCALES[fmt], SCALES[fmt] * 3
-    triton_write.write_kv(pool.kv(ks, vs), k.cuda().bfloat16(), v.cuda().bfloat16(), pages.cuda(), slots.cuda())
-    paged_ref.write_kv(PagedKV(ref, pool.layout, ks, vs), k.bfloat16(), v.bfloat16(), pages, slots)
-    assert torch.equal(pool.buffer.cpu(), ref)
+    for t in (3000, 5, 1):  # prefill-sized and decode-sized writes (write_shape)
+        k, v = edge_tokens(max(t, 5), 8, 128)[:t], torch.randn(t, 8, 128) * 5  # edge_tokens' corner rows need 5
+        dst = torch.randperm(300 * 16)[:t]
+        pages, slots = (dst // 16).int(), (dst % 16).int()
+        ks, vs = SCALES[fmt], SCALES[fmt] * 3
+        triton_write.write_kv(pool.kv(ks, vs), k.cuda().bfloat16(), v.cuda().bfloat16(), pages.cuda(), slots.cuda())
+        paged_ref.write_kv(PagedKV(ref, pool.layout, ks, vs), k.bfloat16(), v.bfloat16(), pages, slots)
+        assert torch.equal(pool.buffer.cpu(), ref), t
 
 
 @pytest.mark.gpu
