@@ -12,8 +12,8 @@ come as a sequence grows, with retained conversations reclaimed first
 (``KVCacheManager.allocate_until``); when a running sequence still finds none,
 the most recently admitted one is **preempted**: its computed full pages join
 the prefix cache (evictable), the rest are freed, and it goes back to the
-front of the queue with the tokens it sampled; readmitted, it recomputes
-whatever the cache no longer holds. A step costs ``CostModel.decode_step`` for
+front of the queue with the tokens it sampled (a step that preempted admits
+nothing); readmitted, it recomputes whatever the cache no longer holds. A step costs ``CostModel.decode_step`` for
 its one-token decodes plus ``CostModel.prefill_step`` for its prompt chunks.
 
 - A **prefill worker** computes the prompt and samples the reply's first
@@ -231,6 +231,7 @@ class Worker:
         p = self.page_size
         plan: list[tuple[_Seq, int]] = []
         running = self.running
+        preempted = self.stats.preemptions
         for seq in list(running):  # oldest first; a page shortage preempts the newest
             if budget == 0:
                 break
@@ -255,7 +256,8 @@ class Worker:
             plan.append((seq, n))
             budget -= n
         waiting = self.waiting
-        while waiting and budget > 0 and len(running) < sched.max_num_seqs:
+        # a step that preempted admits nothing (Scheduler.schedule)
+        while waiting and budget > 0 and len(running) < sched.max_num_seqs and self.stats.preemptions == preempted:
             admitted = self._admit_head(budget, now)
             if admitted is None:
                 break  # the head waits for pages (or budget); nothing overtakes it

@@ -52,14 +52,15 @@ def test_a_decode_pool_that_runs_out_preempts_the_newest_which_drops_its_prefix_
     sim.run()
     # Step 5: a needs a fifth page for its 65th token and takes the last free one. Step 6: b
     # needs its fifth, finds none (nothing cached, nothing retained) and is preempted -- the
-    # newest, itself; its 4 computed full pages stay cached. Readmitted in the same step, the
-    # prefix leaves no page for its next token, so (Scheduler._admit) it is placed from scratch,
-    # evicting its own 4 pages, and recomputes 64 tokens -- and is preempted again next step.
-    # That repeats every step until a ends after step 19 (its 20th token) and frees a page:
-    # steps 6..19, 14 preemptions of 64 recomputed tokens each.
-    assert (dec.stats.preemptions, sim.prefill[0].stats.preemptions) == (14, 0)
-    assert (a.preemptions, b.preemptions) == (0, 14)
-    assert dec.stats.recomputed_tokens == 14 * 64
+    # newest, itself; its 4 computed full pages stay cached, and the step admits nothing. Step
+    # 7: readmitted, the prefix leaves no page for its next token, so (Scheduler._admit) it is
+    # placed from scratch for its first 64-token chunk, evicting its own 4 pages; step 8 its
+    # 65th token finds no page and it is preempted again. That repeats every other step until
+    # a ends after step 19 (its 20th token) and frees its pages: steps 6, 8, .., 18, 7
+    # preemptions of 64 recomputed tokens each (admitting in the preempting step too made it 14).
+    assert (dec.stats.preemptions, sim.prefill[0].stats.preemptions) == (7, 0)
+    assert (a.preemptions, b.preemptions) == (0, 7)
+    assert dec.stats.recomputed_tokens == 7 * 64
     assert b.hit_pages == 0  # its first admission's count: a readmission is not a prefix hit
     assert done == [1, 2] and a.sampled == b.sampled == 20
     assert not dec.running and not dec.waiting and dec.cache.used <= 9

@@ -5,7 +5,8 @@ Order each step: running decodes first (one token each), then running
 prefills continue, then waiting sequences are admitted FIFO. When a decode
 cannot get a page, the most recently admitted running sequence is preempted:
 its pages go back to the pool and it re-enters the queue front, to be
-recomputed later (its sampled tokens are kept, so its output is unchanged).
+recomputed later (its sampled tokens are kept, so its output is unchanged);
+a step that preempted admits no waiting sequence.
 """
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
 
-        # 2. admit waiting sequences in order while pages and budget last
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # 2. admit waiting sequences in order while pages and budget last; none in a step that preempted: the
+        # victim waits at the queue's front for pages a running sequence just lacked, and admitted at once (or
+        # another in its place) it would recompute a chunk that the next step's growth preempts again
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = self._admit(seq, budget)
             if n == 0:
