@@ -94,7 +94,7 @@ def test_the_offset_is_the_pools_gap_from_the_mix_averaged_over_looks() -> None:
     # new pages aim at 2.7 (the pool at 3.0), as close as the smallest move allows: MIN_STEP of a class
     # that holds a quarter of the pages, 2 bits apart
     assert c.predicted() == pytest.approx(2.7, abs=bit_budget.MIN_STEP * 0.25 * 2)
-    assert c.cut == pytest.approx(1.4, abs=bit_budget.MIN_STEP) and c.moves <= 3  # steps of a quarter class at least
+    assert c.cut == pytest.approx(1.4, abs=bit_budget.MIN_STEP) and c.moves <= 6  # steps of MIN_STEP at least, 0.6 classes in all
     # the gap ends (the pool follows the mix): the offset goes back to 0, the cut to 2
     for _ in range(60):
         c.update(c.predicted())
@@ -328,11 +328,11 @@ def test_owned_average_is_held_within_005_of_the_budget_on_any_traffic(kind: str
     after = held[200:]  # warm-up: ~8 turns of each of the 24 conversations
     mean = sum(after) / len(after)
     assert abs(mean - budget) <= 0.05, (kind, budget, mean)
-    # no flapping: the cut follows the mix in small steps, at most once per ~6 turns (measured: 3-84 moves
-    # in 600), and seldom turns back (measured: 1-12 reversals of direction)
+    # no flapping: the cut follows the mix in small steps, at most once per ~4 turns (measured: 46-147 moves
+    # in 600), and seldom turns back (measured: 5-14 reversals of direction)
     steps = [b - a for a, b in zip(cuts, cuts[1:])]
     reversals = sum(1 for a, b in zip(steps, steps[1:]) if a * b < 0)
-    assert len(cuts) <= 100 and reversals <= 15, (len(cuts), reversals)
+    assert len(cuts) <= 160 and reversals <= 20, (len(cuts), reversals)
 
 
 def test_a_fixed_table_misses_the_budget_on_the_same_traffic() -> None:
