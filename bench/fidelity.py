@@ -544,7 +544,8 @@ def warm_up(engine: LLMEngine, seqs: list[TaggedSeq], budget: float) -> dict[str
     """Warms the bit-budget controller of ``engine`` on ``seqs`` (the scored conversations' tags, as
     a deployment that has served this traffic): pass after pass, each conversation admitted
     (``admit``: the controller counts its class mix and looks at the pool) and released, until one
-    whole pass stored within ``WARM_TOLERANCE`` of ``budget`` (mean over its conversations, as a row's bits).
+    whole pass stored within ``WARM_TOLERANCE`` of ``budget`` (mean over its conversations, as a row's bits)
+    and left the cut where it found it (the scored pass then stores what that pass stored).
     No K/V is computed: the controller reads tags and page precisions only. Returns each pass's
     stored bits, whether the tolerance was reached, and the controller's cut and moves."""
     controller = engine.kv.controller
@@ -553,13 +554,14 @@ def warm_up(engine: LLMEngine, seqs: list[TaggedSeq], budget: float) -> dict[str
     pages = 0
     while pages < WARM_WINDOWS * WINDOW_PAGES:
         bits = []
+        moves = controller.moves
         for q in seqs:
             seq = admit(engine, q.ids, q.tags)
             bits.append(stored_bits(engine, seq.page_ids, len(q.ids)))
             pages += len(seq.page_ids)
             engine.kv.free(seq)
         passes.append(sum(bits) / len(bits))
-        if abs(passes[-1] - budget) <= WARM_TOLERANCE:
+        if abs(passes[-1] - budget) <= WARM_TOLERANCE and controller.moves == moves:
             break
     return {
         "passes": passes if len(passes) <= 8 else passes[:4] + passes[-4:],  # a long warm-up: its first and last passes

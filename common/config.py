@@ -84,9 +84,10 @@ class KVCacheConfig:
     # Triaxial: re-store a cached 4-bit page at 2 bits when a later request's tags want 2
     # (kv_manager age-down; docs/kv-cache.md). Ignored by the one-precision formats.
     age_down: bool = True
-    # Triaxial: "fixed" stores what the bits table for bit_budget gives on any traffic;
-    # "hold" moves the table's cut so the pages held average bit_budget (worker/bit_budget.py).
-    bit_budget_control: str = "fixed"
+    # Triaxial: "hold" (the default) moves the table's cut so the pages held average bit_budget
+    # (worker/bit_budget.py); "fixed" stores what the bits table for bit_budget gives on any traffic.
+    # Ignored by the one-precision formats.
+    bit_budget_control: str = "hold"
 
     def __post_init__(self) -> None:
         if not isinstance(self.age_down, bool):

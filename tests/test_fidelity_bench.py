@@ -400,7 +400,8 @@ def test_a_held_row_is_warmed_on_the_scored_conversations_until_it_stores_its_bu
     engine.kv.free(seq)
     warm = fidelity.warm_up(engine, seqs, 2.7)
     assert warm["reached"] and abs(warm["passes"][-1] - 2.7) <= 0.05 and warm["cut"] == controller.cut
-    assert warm["pass_count"] == len(warm["passes"]) >= 2 and warm["pages"] >= 512  # it first moves at WARM_PAGES
+    # it moves from the first conversation on (WARM_PAGES); the last pass left the cut where it was
+    assert warm["pass_count"] == len(warm["passes"]) >= 2 and warm["moves"] >= 1
     # the next pass stores what the last warm-up pass stored: inside the dead band the cut stays
     bits = []
     for q in seqs:

@@ -24,13 +24,23 @@ Two inputs set the cut:
   window of ``WINDOW_PAGES`` recent pages: for any cut it gives the bits new
   pages would average;
 - feedback: the stored average of the pages owned now (running requests and
-  retained leases; aged-down, pulled and generated pages included), smoothed
-  over looks.
-New pages aim at ``budget + offset``: each look outside the band adds
-``INTEGRAL_GAIN`` of the pool's error to the offset (clamped to ``MAX_CORRECTION``),
-a lasting difference between the mix and the pool. After a cold start whose
-pages the pool keeps long after (retained conversations), the offset summed then
-aims off the budget for a while (docs/kv-cache.md, At the capacity cliff).
+  retained leases; aged-down, pulled and generated pages included), against what
+  the mix predicts at the cut in force. New pages aim at ``budget + offset``; the
+  offset follows the pool's gap from the mix (``predicted - held``, a moving
+  average of ``FEEDBACK_WEIGHT`` per look, clamped to ``MAX_CORRECTION``): what the
+  mix does not see (residency: a pool of conversations that start together holds
+  their system prompts' pages longer than the traffic counts them; eviction;
+  age-down that found no INT2 room). A gap, not a sum of the pool's error: after
+  the cut moves the pool keeps pages of the old cut for a while; a sum of that
+  transient would aim off the budget long after the pool turned over, the gap's
+  average forgets it.
+
+The first look comes as soon as the mix has counted ``WARM_PAGES`` pages (the
+first request's), the next every ``UPDATE_PAGES``: the starting cut is the
+reference pages', and the pages a conversation stores at its first turn stay at
+that precision for as long as its lease keeps them (a page another holder keeps
+is never aged), so a cut that waits to see the traffic stores its first
+conversations at the reference traffic's bits.
 
 One cut per deployment: the decode workers lead, the prefill workers follow. A
 leader moves its cut as below; a follower (``leader = False``) stores at the cut
@@ -39,9 +49,8 @@ a conversation's two workers store for the same tokens have the same precision
 (docs/kv-cache.md, Where it lives). ``ranking_id`` names the ranking a carried
 cut is a position on: a cut on another ranking means nothing here.
 
-Hysteresis: every ``UPDATE_PAGES`` stored pages the controller looks; it moves
-the cut only when the held average is more than ``DEADBAND`` from the budget
-(or the window predicts that), and then only if the new cut differs by at least
+Hysteresis: the controller moves the cut only when the mix's prediction is more
+than ``DEADBAND`` from its aim, and then only if the new cut differs by at least
 ``MIN_STEP``. Inside the band nothing moves, so steady traffic leaves the table
 alone and reuse keeps matching the precisions it stored.
 """
@@ -55,13 +64,12 @@ from collections.abc import Sequence
 from kvserving.tags import NUM_TAGS
 
 WINDOW_PAGES = 4096  # the class mix halves its counts past this many pages
-UPDATE_PAGES = 64  # stored pages between two looks at the pool
-WARM_PAGES = 512  # the cut first moves once the class mix has counted this many pages
-DEADBAND = 0.03  # bits: inside budget +- this the cut stays
-MIN_STEP = 0.25  # classes: a smaller move of the cut is not made
+UPDATE_PAGES = 32  # stored pages between two looks at the pool
+WARM_PAGES = 8  # the first look: once the class mix has counted this many pages (a first request)
+DEADBAND = 0.03  # bits: a prediction inside the aim +- this leaves the cut
+MIN_STEP = 0.1  # classes: a smaller move of the cut is not made
 MAX_CORRECTION = 0.5  # bits: new pages aim at most this far from the budget
-SMOOTHING = 0.2  # weight of the newest look in the smoothed pool average
-INTEGRAL_GAIN = 0.05  # share of the pool's error added to the standing offset per look
+FEEDBACK_WEIGHT = 0.1  # weight of the newest look in the offset: the pool's gap from the mix
 _PHI = (math.sqrt(5.0) - 1.0) / 2.0
 _MIX, _MOD = 2654435761, 1 << 32  # Knuth's multiplicative hash of a token id
 
@@ -151,9 +159,9 @@ class BitBudgetController:
         self.hist = [0.0] * NUM_TAGS  # recent full pages by best rank
         self.forced = 0.0  # recent pages INT4 whatever the cut (partial, generated)
         self.fixed2 = 0.0  # recent pages INT2 whatever the cut (reused as stored at 2 bits)
-        self.held: float | None = None  # the pool's stored average, smoothed over looks
-        self.offset = 0.0  # bits: the pool's lasting error, summed (INTEGRAL_GAIN per look outside the band)
+        self.offset = 0.0  # bits: the pool's gap from the mix, averaged over looks (FEEDBACK_WEIGHT)
         self.moves = 0  # times the cut moved, since start
+        self.looks = 0  # looks at the pool (``update``), since start
         self._since = 0  # pages stored since the last look
 
     # -- precision -------------------------------------------------------------------------
@@ -184,7 +192,7 @@ class BitBudgetController:
             self.hist = [h / 2.0 for h in self.hist]
             self.forced /= 2.0
             self.fixed2 /= 2.0
-        return self._since >= UPDATE_PAGES
+        return self._since >= (UPDATE_PAGES if self.looks else WARM_PAGES)
 
     @property
     def window(self) -> float:
@@ -219,11 +227,9 @@ class BitBudgetController:
         predicted = self.predicted()
         if predicted is None or self.window < WARM_PAGES:  # the starting cut stands until the mix is known
             return False
-        if held is not None:  # smoothed: one conversation starting or ending moves a small pool a lot
-            self.held = held if self.held is None else self.held + SMOOTHING * (held - self.held)
-        error = 0.0 if self.held is None else self.budget - self.held
-        if abs(error) > DEADBAND:  # a lasting error of the pool: new pages aim off the budget by it
-            self.offset = _clamp(self.offset + INTEGRAL_GAIN * error, MAX_CORRECTION)
+        self.looks += 1
+        if held is not None:  # what the mix does not see: new pages aim off the budget by the pool's gap from it
+            self.offset = _clamp(self.offset + FEEDBACK_WEIGHT * (predicted - held - self.offset), MAX_CORRECTION)
         target = min(4.0, max(2.0, self.budget + self.offset))
         if abs(predicted - target) <= DEADBAND:
             return False

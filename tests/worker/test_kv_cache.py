@@ -130,5 +130,11 @@ def test_hold_control_starts_at_the_cut_that_averages_the_budget_on_the_agent_pa
         # the whole classes above the cut store at most the budget on the agent pages
         assert pages_stored_bits(c.table(), d.PAGES, page_size=32, residual=d.RESIDUAL) <= budget + 1e-9
     assert build(budget=2.7).controller is None  # "fixed": the table, no controller
-    assert KVCacheConfig(dtype="triaxial").bit_budget_control == "fixed"  # the default
+    assert KVCacheConfig(dtype="triaxial").bit_budget_control == "hold"  # the default: the budget is what is stored
+    assert (
+        build_kv_cache(KVCacheConfig(dtype="triaxial"), SHAPE, budget_bytes=MIB, device="cpu", model_dtype=torch.float32).controller
+        is not None
+    )
+    # an explicit table is no budget: nothing to hold
+    assert build(table=[4] * NUM_TAGS, control="hold").controller is None
     assert build(budget=2.7, control="hold").controller is not None

@@ -297,14 +297,29 @@ class KVCacheManager:
         return stored_bits({b: pool.held_pages(bits=b, cached=cached) for b in (2, 4)}, {2: 2.0, 4: 4.0})
 
     def _observe_prompt(self, seq: Sequence, matched: Seq[int]) -> None:
-        """Every prompt page a request will hold: 2-bit pages it reuses stay 2-bit (taken as
-        stored); the others follow the cut (computed at it, or held at 4 bits and aged down
-        when it says 2); the partial last page is INT4."""
+        """Every prompt page a request will hold: pages it reuses stay as stored where nothing
+        re-stores them (2-bit pages; 4-bit pages another holder keeps, or that this worker
+        never ages: age-down off, a follower), INT4 or INT2 whatever the cut; the others
+        follow it (computed at it, or held at 4 bits and aged down when it says 2); the
+        partial last page is INT4. Called before the request takes its refs on ``matched``."""
         p = self.page_size
+        pool = self.pool
         full = len(seq.prompt_ids) // p
-        two = [i for i, pid in enumerate(matched) if page_id_bits(pid) == 2]
-        follow = [t for i in range(full) if i >= len(matched) or page_id_bits(matched[i]) == 4 for t in seq.tags[i * p : (i + 1) * p]]
-        self._observe(follow, forced=int(len(seq.prompt_ids) % p > 0), fixed2=len(two))
+        ages = self.age_down and self.controller is not None and self.controller.leader
+        own = Counter(pool.pin_pages(seq.admission_pin)) if seq.admission_pin is not None and pool.get_pin(seq.admission_pin) else Counter()
+        two = four = 0
+        follow: list[int] = []
+        for i in range(full):
+            if i < len(matched):
+                pid = matched[i]
+                if page_id_bits(pid) == 2:
+                    two += 1
+                    continue
+                if not ages or pool.ref_count(pid) > own[pid]:  # as ``_age_down``: held elsewhere, kept at 4
+                    four += 1
+                    continue
+            follow += seq.tags[i * p : (i + 1) * p]
+        self._observe(follow, forced=four + int(len(seq.prompt_ids) % p > 0), fixed2=two)
 
     def _observe(self, tags: Seq[int], forced: int, fixed2: int = 0) -> None:
         """Tell the controller about pages a sequence holds; let it look at the pool when due."""
