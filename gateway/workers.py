@@ -87,6 +87,14 @@ SAME_PART = {"prefill": ("prefill", "both"), "decode": ("decode", "both"), "both
 # answers it while it pulls or queues: it sends a keep-alive every STREAM_KEEPALIVE_S too).
 PROBE_AFTER_S = 0.25
 PROBE_TIMEOUT_S = 1.0
+# The holder check (``WorkerClient.frozen``): a worker is frozen when a peer answered /health
+# after p seconds and it had not after max(FROZEN_FLOOR_S, FROZEN_RATIO * p). A worker answers
+# /health on its event loop while its engine steps on another thread: under the fault matrix's
+# busy_lone_decode load (8 long requests on one CPU decode worker) within 14 ms at most, 2 ms
+# at the median, against 1-11 ms idle (bench/faults_cpu.py's ``health_s``): the floor is 7x
+# that; the ratio covers a gateway or machine that answers everything late (both probes late).
+FROZEN_FLOOR_S = 0.1
+FROZEN_RATIO = 4.0
 # Silence of a started stream after which its keep-alive is late and, with another worker to
 # turn to, /health is probed (a live worker sends one every STREAM_KEEPALIVE_S).
 EVENTS_LATE_S = STREAM_KEEPALIVE_S + PROBE_AFTER_S
@@ -485,12 +493,47 @@ class WorkerClient:
 
     async def _alive(self, url: str) -> bool:
         """Whether ``url``'s process answers /health (any status) within ``PROBE_TIMEOUT_S``."""
+        return await self._health(url) is True
+
+    async def _health(self, url: str) -> bool | None:
+        """``url``'s /health: True answered (any status), False refused or broken (gone), None no
+        answer within ``PROBE_TIMEOUT_S``."""
         try:
             async with self._http().get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as response:
                 await response.read()
                 return True
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except asyncio.TimeoutError:  # aiohttp's ServerTimeoutError is one too
+            return None
+        except aiohttp.ClientError:
             return False
+
+    async def frozen(self, url: str, *, peer: str) -> bool | None:
+        """Whether ``url`` is frozen or gone, told against ``peer``, a worker that could do its part
+        (module docstring, the holder check): /health of both at once; True when ``url`` refused
+        the connection, or when ``peer`` answered after ``p`` seconds and ``url`` had not answered
+        ``max(FROZEN_FLOOR_S, FROZEN_RATIO * p)`` after the probes went out; False when ``url``
+        answered first; None (no verdict) when neither answered within ``PROBE_TIMEOUT_S`` (this
+        gateway, or the machine, is what stalls) or ``peer`` is gone."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        suspect = loop.create_task(self._health(url))
+        witness = loop.create_task(self._health(peer))
+        deadline = t0 + PROBE_TIMEOUT_S
+        try:
+            pending = {suspect, witness}
+            while not suspect.done() and (wait := deadline - loop.time()) > 0:
+                await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                if witness in pending and witness.done():
+                    pending.discard(witness)
+                    if witness.result() is True:  # the time it took: what this gateway and machine show now
+                        deadline = min(deadline, t0 + max(FROZEN_FLOOR_S, FROZEN_RATIO * (loop.time() - t0)))
+            peer_answered = witness.done() and witness.result() is True
+            if suspect.done() and suspect.result() is not None:
+                return not suspect.result()
+            return True if peer_answered else None
+        finally:
+            suspect.cancel()
+            witness.cancel()
 
     def _end_later(self, response: aiohttp.ClientResponse) -> None:
         """A reply left at [DONE] before its body ended (its last chunk usually follows at once):
@@ -694,6 +737,12 @@ class WorkerPool:
         part of a turn, ``SAME_PART``) is in the rotation."""
         roles = roles or SAME_PART[worker.role]
         return any(w is not worker and w.healthy and w.role in roles for w in self.workers.values())
+
+    def peer(self, worker: WorkerState) -> WorkerState | None:
+        """The least loaded other healthy worker that can do ``worker``'s part (``SAME_PART``), or None."""
+        roles = SAME_PART[worker.role]
+        others = [w for w in self.workers.values() if w is not worker and w.healthy and w.role in roles]
+        return min(others, key=lambda w: w.inflight, default=None)
 
     def take_out(self, url: str, *, refused: bool) -> bool:
         """Take ``url`` out of the rotation (until ``/ready`` answers 200): always when it
