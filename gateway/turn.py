@@ -25,6 +25,13 @@ the prefill's pull from it (``usage.reuse_fallback`` ``remote_unreachable`` /
 ``transfer_timeout``), moves the decode to another worker before the first
 token is relayed; the prompt is recomputed and the turn counted in
 ``kvserving_gateway_reuse_fallbacks_total{reason="holder_unresponsive"}``.
+The gateway's own test is the holder check (workers.py), started when the turn
+is routed while another worker could take the holder's part: it runs beside
+the prefill, and its verdict of frozen or gone ends a prefill still pulling
+from the holder (sent again without the lease: the recompute starts at the
+verdict, not at the worker's peer deadline) and is awaited before the decode
+would be sent to the holder, which it then never is. A prefill that pulled
+from the holder proves it alive, whatever the check says.
 Codes of the errors that remain: docs/gateway-errors.md.
 
 ``Turns.start`` routes and returns a ``Turn`` or raises ``GatewayError`` (503

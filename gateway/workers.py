@@ -37,6 +37,21 @@ never cancels the request's task: it sets the error on the request's connection
 (on its body once the headers are in), which the request's own task raises
 where it waits, so it cannot collide with a deadline or an abort.
 
+The holder check (``WorkerClient.frozen``, started by turn.py when a turn is
+routed, beside its prefill): a conversation's lease holder is frozen when a
+live peer of its part, probed at the same moment, answered ``/health`` after
+``p`` seconds and the holder had not after ``max(FROZEN_FLOOR_S, FROZEN_RATIO
+* p)``; gone when its connection is refused; alive when it answered. The
+deadline is relative to what this gateway and machine show right now: a
+stalled gateway event loop or a loaded machine makes the peer late too, and
+the holder is given ``FROZEN_RATIO`` times as long; the floor is set above how
+late a worker whose engine is saturated answers ``/health`` (its event loop
+answers while the engine steps on another thread). No verdict (neither
+answered within ``PROBE_TIMEOUT_S``) leaves the turn to the probe above. A
+frozen holder is found 0.1 s after the turn was routed, not 1.25 s after its
+decode was sent, and its turn recomputes on the peer within twice its
+fault-free time.
+
 Discovery: a static list of URLs (local mode) or the headless Services
 ``gateway.prefill_service`` / ``decode_service`` resolved by DNS every
 ``dns_refresh_s`` (cluster mode: one address per ready pod). A URL listed both
