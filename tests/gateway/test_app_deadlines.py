@@ -284,17 +284,22 @@ def test_a_silent_stream_whose_worker_answers_health_is_waited_for(stack: Stack,
 
 
 def holder_and_other(
-    stack: Stack, reply: list[int], **gateway: Any
+    stack: Stack, reply: list[int], *, warm: bool = False
 ) -> tuple[FakeWorker, FakeWorker, FakeWorker, Gateway, list[dict[str, Any]]]:
     """A prefill and two decode workers, a conversation's first turn served: (prefill, its lease
-    holder, the other decode worker, the gateway, the messages so far)."""
+    holder, the other decode worker, the gateway, the messages of turn 2). ``warm``: turn 2's
+    messages sent once under another conversation (decoded by the other worker), so that the
+    prefill has every page of turn 2 and nothing to pull."""
     prefill = stack.worker(role="prefill", reply_ids=reply)
     holder, other = by_url([stack.worker(role="decode", reply_ids=reply) for _ in range(2)])
-    gw = stack.gateway(prefill=[prefill.url], decode=[holder.url, other.url], health_interval_s=60, **gateway)
+    gw = stack.gateway(prefill=[prefill.url], decode=[holder.url, other.url], health_interval_s=60)
     messages = [SYSTEM, {"role": "user", "content": "Fix the failing test."}]
     chat(gw, messages, "s")
     assert holder.leases and not other.leases  # the tie between idle workers went to the first URL
     messages.append({"role": "user", "content": "Run them again."})
+    if warm:
+        chat(gw, list(messages), "warm-up")
+        assert len(other.received) == 1  # (the worker with fewer leases)
     return prefill, holder, other, gw, messages
 
 
@@ -303,15 +308,16 @@ def test_a_frozen_lease_holder_loses_the_decode_before_it_is_sent(stack: Stack, 
     answers /health at once: the holder check tells it frozen at FROZEN_FLOOR_S, beside the
     prefill, and the decode goes to the other worker, never to the holder (no late headers to wait
     for: not PROBE_AFTER_S + PROBE_TIMEOUT_S)."""
-    prefill, holder, other, gw, messages = holder_and_other(stack, reply)
+    prefill, holder, other, gw, messages = holder_and_other(stack, reply, warm=True)
     holder.answer_after_s, holder.health_delay_s = 5.0, 5.0
     t0 = time.monotonic()
     assert chat(gw, messages, "s") == text
     elapsed = time.monotonic() - t0
     assert FROZEN_FLOOR_S < elapsed < FROZEN_FLOOR_S + 0.5, elapsed
-    assert len(holder.received) == 1 and len(other.received) == 1
-    assert other.received[0]["output_ids"] == reply[:1]  # the prefill's token, then the decode elsewhere
-    assert other.received[0]["kv_transfer_params"]["agent_url"] == prefill.url
+    assert prefill.received[-1]["kv_transfer_params"]["agent_url"] == holder.url and not prefill.aborted  # nothing to pull
+    assert len(holder.received) == 1 and len(other.received) == 2
+    assert other.received[1]["output_ids"] == reply[:1]  # the prefill's token, then the decode elsewhere
+    assert other.received[1]["kv_transfer_params"]["agent_url"] == prefill.url
     assert gw.metric("kvserving_gateway_reuse_fallbacks_total", {"reason": "holder_unresponsive"}) == 1
     assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "unresponsive"}) == 0
     assert not gw.state.pool.workers[holder.url].healthy  # out of the rotation until /ready answers
@@ -363,11 +369,11 @@ def test_a_lease_holder_that_answers_health_late_but_in_time_keeps_the_turn(
 def test_a_lease_holder_slower_than_its_ratio_to_a_slow_peer_is_frozen(stack: Stack, reply: list[int], text: str) -> None:
     """The peer answers in 0.1 s: the holder is frozen once FROZEN_RATIO x that has passed without
     its answer, not at FROZEN_FLOOR_S."""
-    prefill, holder, other, gw, messages = holder_and_other(stack, reply)
+    prefill, holder, other, gw, messages = holder_and_other(stack, reply, warm=True)
     holder.answer_after_s, holder.health_delay_s, other.health_delay_s = 5.0, 5.0, 0.1
     t0 = time.monotonic()
     assert chat(gw, messages, "s") == text
     elapsed = time.monotonic() - t0
     assert FROZEN_RATIO * 0.1 < elapsed < FROZEN_RATIO * 0.1 + 0.5, elapsed
-    assert len(holder.received) == 1 and len(other.received) == 1
+    assert len(holder.received) == 1 and len(other.received) == 2
     assert gw.metric("kvserving_gateway_reuse_fallbacks_total", {"reason": "holder_unresponsive"}) == 1
