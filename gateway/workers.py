@@ -41,7 +41,9 @@ The holder check (``WorkerClient.frozen``, started by turn.py when a turn is
 routed, beside its prefill): a conversation's lease holder is frozen when a
 live peer of its part, probed at the same moment, answered ``/health`` after
 ``p`` seconds and the holder had not after ``max(FROZEN_FLOOR_S, FROZEN_RATIO
-* p)``; gone when its connection is refused; alive when it answered. The
+* p)``; gone when its connection is refused; alive when it answered, or when
+bytes of any of its streams reached this gateway since the probes went out (a
+worker busy with streams of this gateway is told alive by them). The
 deadline is relative to what this gateway and machine show right now: a
 stalled gateway event loop or a loaded machine makes the peer late too, and
 the holder is given ``FROZEN_RATIO`` times as long; the floor is set above how
@@ -110,6 +112,7 @@ PROBE_TIMEOUT_S = 1.0
 # that; the ratio covers a gateway or machine that answers everything late (both probes late).
 FROZEN_FLOOR_S = 0.1
 FROZEN_RATIO = 4.0
+HEARD_POLL_S = 0.01  # while its /health answer is late, how often the holder check looks for its streams' bytes
 # Silence of a started stream after which its keep-alive is late and, with another worker to
 # turn to, /health is probed (a live worker sends one every STREAM_KEEPALIVE_S).
 EVENTS_LATE_S = STREAM_KEEPALIVE_S + PROBE_AFTER_S
@@ -305,6 +308,9 @@ class WorkerClient:
         self._streams: set[_Stream] = set()  # generates in flight (abort_streams ends them)
         self._ending: set[asyncio.Task[None]] = set()  # replies left at [DONE] whose body is still ending
         self._closing = False
+        # loop time of the last bytes each worker sent a generate (the holder check: a process that
+        # sends is not frozen, however late its /health answer)
+        self._heard: dict[str, float] = {}
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -371,6 +377,7 @@ class WorkerClient:
                     connection.protocol.read_timeout = self._event_s
                     connection.protocol.start_timeout()
                 loop = asyncio.get_running_loop()
+                self._heard[url] = loop.time()
                 if probe:  # late events are probed (module docstring): a timer, moved lazily
                     stream.last = loop.time()
                     stream.timer = loop.call_at(stream.last + EVENTS_LATE_S, self._events_due, url, stream)
@@ -378,7 +385,7 @@ class WorkerClient:
                 content = response.content
                 while not events.done:
                     chunk = await content.readany()
-                    stream.last = loop.time()
+                    stream.last = self._heard[url] = loop.time()
                     if not chunk:
                         raise UpstreamError("stream", f"worker {url} closed the stream before [DONE]", url=url)
                     batch = events.feed(chunk)
@@ -527,8 +534,9 @@ class WorkerClient:
         (module docstring, the holder check): /health of both at once; True when ``url`` refused
         the connection, or when ``peer`` answered after ``p`` seconds and ``url`` had not answered
         ``max(FROZEN_FLOOR_S, FROZEN_RATIO * p)`` after the probes went out; False when ``url``
-        answered first; None (no verdict) when neither answered within ``PROBE_TIMEOUT_S`` (this
-        gateway, or the machine, is what stalls) or ``peer`` is gone."""
+        answered, or sent bytes of a stream since the probes went out; None (no verdict) when
+        neither answered within ``PROBE_TIMEOUT_S`` (this gateway, or the machine, is what
+        stalls) or ``peer`` is gone."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         suspect = loop.create_task(self._health(url))
@@ -537,15 +545,18 @@ class WorkerClient:
         try:
             pending = {suspect, witness}
             while not suspect.done() and (wait := deadline - loop.time()) > 0:
-                await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                if self._heard.get(url, t0) > t0:
+                    return False  # it sent a stream's bytes since the probes went out: busy, not frozen
+                await asyncio.wait(pending, timeout=min(wait, HEARD_POLL_S), return_when=asyncio.FIRST_COMPLETED)
                 if witness in pending and witness.done():
                     pending.discard(witness)
                     if witness.result() is True:  # the time it took: what this gateway and machine show now
                         deadline = min(deadline, t0 + max(FROZEN_FLOOR_S, FROZEN_RATIO * (loop.time() - t0)))
-            peer_answered = witness.done() and witness.result() is True
             if suspect.done() and suspect.result() is not None:
                 return not suspect.result()
-            return True if peer_answered else None
+            if self._heard.get(url, t0) > t0:
+                return False
+            return True if witness.done() and witness.result() is True else None
         finally:
             suspect.cancel()
             witness.cancel()
