@@ -915,8 +915,9 @@ class Matrix:
         finally:
             for p in frozen:
                 p.send(signal.SIGCONT)
-        # the same turns without a fault (the "none" run when it ran: the same prompts, caches as warm)
-        normal = self.turn_seconds.get("none") or self.turn_seconds["reference"]
+        # the same turns without a fault: cold (a salt of its own) -> the reference run's, the first
+        # with these prompts; else the "none" run's when it ran (the same prompts, caches as warm)
+        normal = (None if salt is not None else self.turn_seconds.get("none")) or self.turn_seconds["reference"]
         run.extra["frozen_turn_s"] = seconds
         run.extra["normal_turn_s"] = [normal[conv][1] for conv in range(len(self.conversations))]
         run.extra["frozen_over_normal"] = [round(f / n, 2) for f, n in zip(seconds, run.extra["normal_turn_s"], strict=True)]
@@ -933,7 +934,7 @@ class Matrix:
         seconds = run.extra["frozen_turn_s"]
         run.notes.append(
             f"lease holder frozen before turn 2 of each conversation ({len(seconds)} times), the prefill pulling from it; "
-            f"those turns took {seconds} s (without the fault, warm: {run.extra['normal_turn_s']} s; "
+            f"those turns took {seconds} s (without the fault, cold as they: {run.extra['normal_turn_s']} s; "
             f"ratio {run.extra['frozen_over_normal']}); gateway holder_unresponsive +{int(moved)}"
         )
         self.c.all_healthy()
