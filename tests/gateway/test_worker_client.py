@@ -441,25 +441,28 @@ def health_server(delay_s: float | None) -> Script:
 def test_the_holder_check_tells_frozen_from_busy_against_a_peer(
     suspect_s: float | str | None, peer_s: float | None, verdict: bool | None, took_s: tuple[float, float]
 ) -> None:
-    """``WorkerClient.frozen``: the suspect is frozen when the peer answered after p and it had
-    not after max(FROZEN_FLOOR_S, FROZEN_RATIO x p); the bounds (plus 0.1 s for scheduling) follow."""
-    from kvserving.gateway.workers import FROZEN_FLOOR_S, FROZEN_RATIO, PROBE_TIMEOUT_S
+    """``WorkerClient.frozen``: the peer is asked once the suspect's answer is WITNESS_AFTER_S
+    late; the suspect is frozen when the peer answered after p and it had not after
+    max(FROZEN_FLOOR_S, FROZEN_RATIO x p) from then; the bounds (plus 0.1 s for scheduling) follow."""
+    from kvserving.gateway.workers import FROZEN_FLOOR_S, FROZEN_RATIO, PROBE_TIMEOUT_S, WITNESS_AFTER_S
 
-    assert (FROZEN_FLOOR_S, FROZEN_RATIO, PROBE_TIMEOUT_S) == (0.1, 4.0, 1.0)  # the table's numbers
+    assert (FROZEN_FLOOR_S, FROZEN_RATIO, PROBE_TIMEOUT_S, WITNESS_AFTER_S) == (0.1, 4.0, 1.0, 0.01)  # the table's numbers
 
     async def run() -> None:
         servers = []
         urls = []
+        asked: list[list[int]] = []  # each server's connections
         for delay in (suspect_s, peer_s):
             if delay == "refused":
-                server, url, _ = await serve(health_server(None))
+                server, url, conns = await serve(health_server(None))
                 server.close()
                 await server.wait_closed()
             else:
                 assert not isinstance(delay, str)
-                server, url, _ = await serve(health_server(delay))
+                server, url, conns = await serve(health_server(delay))
                 servers.append(server)
             urls.append(url)
+            asked.append(conns)
         c = WorkerClient(request_timeout_s=30.0, connect_timeout_s=1.0)
         try:
             loop = asyncio.get_running_loop()
@@ -467,6 +470,8 @@ def test_the_holder_check_tells_frozen_from_busy_against_a_peer(
             assert await c.frozen(urls[0], peer=urls[1]) is verdict
             took = loop.time() - t0
             assert took_s[0] <= took < took_s[1], took
+            # the peer is asked only about a suspect late by WITNESS_AFTER_S
+            assert len(asked[1]) == (0 if suspect_s == 0.0 or suspect_s == "refused" else 1), asked
         finally:
             await c.aclose()
             for server in servers:
