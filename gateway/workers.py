@@ -109,9 +109,9 @@ PROBE_TIMEOUT_S = 1.0
 # after p seconds and it had not after max(FROZEN_FLOOR_S, FROZEN_RATIO * p). A worker answers
 # /health on its event loop while its engine steps on another thread: with its engine saturated
 # (the fault matrix's busy_lone_decode row, 8 long requests on one CPU decode worker of a 2-core
-# machine) 1.2 ms at the median, 17 ms at p99, 61 ms at most over 180 calls, as timed by a
-# client that itself reads the load's streams (``busy_worker_health_ms``), against 1-11 ms
-# idle; the floor stays under the 0.17-0.3 s of a CPU turn, so that a frozen holder costs less
+# machine) 0.8-1.2 ms at the median, 10-17 ms at p99, 11-61 ms at most over 180 calls (two runs),
+# as timed by a client that itself reads the load's streams (``busy_worker_health_ms``), against
+# 1-11 ms idle; the floor stays under the 0.17-0.3 s of a CPU turn, so that a frozen holder costs less
 # than the turn itself. The ratio covers a gateway or machine that answers everything late.
 FROZEN_FLOOR_S = 0.1
 FROZEN_RATIO = 4.0
