@@ -225,7 +225,7 @@ class Turn:
         """The holder check found the lease holder frozen or gone: counted, out of the rotation, and
         the decode moved to another worker (if there is one) before it was sent."""
         assert self.lease is not None
-        log.warning("lease holder %s did not answer /health while a peer did: recomputing elsewhere", self.lease.worker_url)
+        log.warning("lease holder %s frozen or gone (the holder check): recomputing elsewhere", self.lease.worker_url)
         self._holder_unresponsive()
         if self.decode.url == self.lease.worker_url:
             decode = self.router.choose_decode(None, self.request)
