@@ -41,14 +41,18 @@ Faults (in this order; each run uses its own conversation ids):
   later turn is sent;
 - ``holder_sigstop``: the decode worker holding the conversation's lease
   frozen before its second turn, thawed after it (those turns' seconds beside
-  the same turns without the fault); then the prefill worker's part of a turn
-  whose KV only the holder has, sent to the prefill directly, the holder alive
-  and frozen (``reuse.peer_timeout_s`` bounds the frozen pull);
+  the same turns without the fault, and their ratio: the issue asks for 2x at
+  most); the conversations under a ``cache_salt`` of their own, so the
+  prefill lacks turn 1's reply and pulls it from the frozen holder: the
+  gateway's holder check (gateway/workers.py) ends that prefill at its verdict
+  and sends it again without the lease. Then the prefill worker's part of a
+  turn whose KV only the holder has, sent to the prefill directly, the holder
+  alive and frozen (``reuse.peer_timeout_s`` bounds the frozen pull);
 - ``holder_sigstop_warm``: as ``holder_sigstop``, but the prefill worker
   already holds every page of the turn (the same messages were sent once under
-  another conversation id): it has nothing to pull, so the decode request to
-  the frozen holder is what finds it frozen (no response headers, ``/health``
-  unanswered: ``unresponsive``) and moves before the first token is relayed;
+  another conversation id): it has nothing to pull, and the holder check's
+  verdict, in during the prefill, sends the decode to the other worker, never
+  to the frozen holder;
 - ``gateway_sigterm``: the gateway SIGTERMed with long streams, a short one
   and a long request that is not streamed in flight (``gateway.drain_grace_s``
   = ``DRAIN_GRACE_S``): what finishes equals its reference, the rest ends with
@@ -59,7 +63,9 @@ Faults (in this order; each run uses its own conversation ids):
   long generate requests sent to it directly (their KV about its pool) while
   the turns arrive: every turn must complete with the reference reply, waited
   for (the lone worker is not probed out; it sends keep-alives while it
-  computes), not a 503 nor a deadline; the stopped worker is started again;
+  computes), not a 503 nor a deadline; how late the busy worker answers
+  ``/health`` is recorded (the holder check's floor stands on it); the stopped
+  worker is started again;
 - ``decode_sigkill``: the decode worker holding the first conversation's lease
   killed between its turns (the rest of the run has one decode worker);
 - ``transfer_timeout``: every worker restarted with
@@ -128,6 +134,7 @@ SHORT_TOKENS = 3  # a stream that ends within the grace
 LOAD_STREAMS = 8
 LOAD_PROMPT_TOKENS = 200
 LOAD_TOKENS = 300
+HEALTH_PROBES = 20  # /health calls to the busy worker before each turn (how late it answers)
 READY_S = 180.0
 SYSTEM = "You are a coding agent. Work step by step, use the tools, and report what you changed. "
 CONVERSATIONS = [  # (system prompt repeats, user turns, streamed)
@@ -593,7 +600,7 @@ class Matrix:
     def conversation_id(self, fault: str, conv: int) -> str:
         return f"{fault}-c{conv}"
 
-    def run(self, fault: str, *, before: Hook | None = None, after: Hook | None = None) -> Run:
+    def run(self, fault: str, *, before: Hook | None = None, after: Hook | None = None, salt: str | None = None) -> Run:
         run = Run(fault)
         for conv, (_, users, stream) in enumerate(self.conversations):
             for turn in range(len(users)):
@@ -603,7 +610,9 @@ class Matrix:
                 building = len(self.reference[conv]) == turn  # the reference run: replies become the history
                 ref = None if building else self.reference[conv][turn]
                 t0 = time.monotonic()
-                result = ask(self.client, self.history(conv, turn), self.conversation_id(fault, conv), stream=stream, reference=ref)
+                result = ask(
+                    self.client, self.history(conv, turn), self.conversation_id(fault, conv), stream=stream, reference=ref, salt=salt
+                )
                 result.seconds = round(time.monotonic() - t0, 2)
                 run.results.append(result)
                 if building:
@@ -877,7 +886,7 @@ class Matrix:
         run.notes.append(f"prefill frozen {PREFILL_STOP_S} s as turn 2 of each conversation was sent ({stops} times)")
         return run
 
-    def _holder_frozen_at_turn_2(self, name: str, *, warm_up: Callable[[int, int], None] | None = None) -> Run:
+    def _holder_frozen_at_turn_2(self, name: str, *, warm_up: Callable[[int, int], None] | None = None, salt: str | None = None) -> Run:
         """Run ``name`` with each conversation's lease holder SIGSTOPped just before its turn 2
         (after ``warm_up(conv, turn)``, when given) and continued once that turn ended; the run's
         extra holds those turns' seconds and the same turns' seconds without the fault."""
@@ -902,19 +911,21 @@ class Matrix:
                 frozen[-1].send(signal.SIGCONT)
 
         try:
-            run = self.run(name, before=before, after=after)
+            run = self.run(name, before=before, after=after, salt=salt)
         finally:
             for p in frozen:
                 p.send(signal.SIGCONT)
-        # the same turns without a fault (the "none" run when it ran: the same prompts, caches as warm)
-        normal = self.turn_seconds.get("none") or self.turn_seconds["reference"]
+        # the same turns without a fault: cold (a salt of its own) -> the reference run's, the first
+        # with these prompts; else the "none" run's when it ran (the same prompts, caches as warm)
+        normal = (None if salt is not None else self.turn_seconds.get("none")) or self.turn_seconds["reference"]
         run.extra["frozen_turn_s"] = seconds
         run.extra["normal_turn_s"] = [normal[conv][1] for conv in range(len(self.conversations))]
+        run.extra["frozen_over_normal"] = [round(f / n, 2) for f, n in zip(seconds, run.extra["normal_turn_s"], strict=True)]
         return run
 
     def holder_sigstop(self) -> Run:
         before_fb = gauge(self.c.gateway_url, "kvserving_gateway_reuse_fallbacks_total", reason="holder_unresponsive")
-        run = self._holder_frozen_at_turn_2("holder_sigstop")
+        run = self._holder_frozen_at_turn_2("holder_sigstop", salt="holder_sigstop")  # a cold cache: the prefill pulls
         moved = gauge(self.c.gateway_url, "kvserving_gateway_reuse_fallbacks_total", reason="holder_unresponsive") - before_fb
         run.extra["gateway_holder_unresponsive"] = int(moved)
         run.extra["frozen_turn_fallbacks"] = [
@@ -922,9 +933,9 @@ class Matrix:
         ]
         seconds = run.extra["frozen_turn_s"]
         run.notes.append(
-            f"lease holder frozen before turn 2 of each conversation ({len(seconds)} times); those turns took "
-            f"{seconds} s (without the fault: {run.extra['normal_turn_s']} s); gateway holder_unresponsive "
-            f"+{int(moved)}"
+            f"lease holder frozen before turn 2 of each conversation ({len(seconds)} times), the prefill pulling from it; "
+            f"those turns took {seconds} s (without the fault, cold as they: {run.extra['normal_turn_s']} s; "
+            f"ratio {run.extra['frozen_over_normal']}); gateway holder_unresponsive +{int(moved)}"
         )
         self.c.all_healthy()
         # The prefill's own bound: a turn whose KV only the (frozen) holder has
@@ -963,7 +974,7 @@ class Matrix:
         run.notes.append(
             f"the prefill warmed with each turn 2's messages, then the lease holder frozen before it "
             f"({len(seconds)} times); those turns took {seconds} s (without the fault: "
-            f"{run.extra['normal_turn_s']} s); gateway upstream errors unresponsive "
+            f"{run.extra['normal_turn_s']} s; ratio {run.extra['frozen_over_normal']}); gateway upstream errors unresponsive "
             f"+{moved.get('upstream_errors{kind=unresponsive}', 0)}, holder_unresponsive "
             f"+{moved.get('reuse_fallbacks{reason=holder_unresponsive}', 0)}"
         )
@@ -1159,6 +1170,9 @@ class Matrix:
                 load.append(outcome)
                 n += 1
 
+        health_s: list[float] = []  # the busy worker's /health answers (kept-alive connection)
+        probe = httpx.Client(timeout=10)
+
         def before(conv: int, turn: int) -> None:
             depth.append(
                 (
@@ -1166,6 +1180,10 @@ class Matrix:
                     gauge(busy.url, "kvserving_worker_queue_depth", state="waiting"),
                 )
             )
+            for _ in range(HEALTH_PROBES):
+                t0 = time.perf_counter()
+                probe.get(busy.url + "/health")
+                health_s.append(time.perf_counter() - t0)
 
         preempted = gauge(busy.url, "kvserving_worker_preemptions_total")
         refused = gauge(self.c.gateway_url, "kvserving_gateway_requests_total", code="503")
@@ -1182,6 +1200,7 @@ class Matrix:
             preempted = gauge(busy.url, "kvserving_worker_preemptions_total") - preempted
             refused = gauge(self.c.gateway_url, "kvserving_gateway_requests_total", code="503") - refused
         finally:
+            probe.close()
             stop.set()
             for t in threads:
                 t.join(timeout=120)
@@ -1196,11 +1215,20 @@ class Matrix:
         run.extra["load_requests"] = dict(Counter(load))
         run.extra["busy_worker_preemptions"] = int(preempted)
         run.extra["gateway_503"] = int(refused)
+        health_s.sort()
+        run.extra["busy_worker_health_ms"] = {
+            "probes": len(health_s),
+            "p50": round(health_s[len(health_s) // 2] * 1e3, 1),
+            "p99": round(health_s[int(len(health_s) * 0.99)] * 1e3, 1),
+            "max": round(health_s[-1] * 1e3, 1),
+        }
         run.notes.append(
             f"decode worker alone, {LOAD_STREAMS} requests of {LOAD_PROMPT_TOKENS}+{LOAD_TOKENS} tokens kept in flight on it "
             f"(running/waiting before each turn: {[(int(a), int(b)) for a, b in depth]}; {int(preempted)} preemptions); "
             f"turns took {run.extra['busy_turn_s']} s (without the load: {run.extra['normal_turn_s']} s); gateway 503s "
-            f"{int(refused)}; load requests {run.extra['load_requests']} (cut: closed at the end of the run)"
+            f"{int(refused)}; load requests {run.extra['load_requests']} (cut: closed at the end of the run); "
+            f"/health answered in {run.extra['busy_worker_health_ms']} ms (from this process, which reads the load "
+            "streams on threads beside it: an upper bound)"
         )
         return run
 

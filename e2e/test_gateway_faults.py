@@ -4,7 +4,9 @@ the built-in tiny model), driven by the official `openai` client and raw SSE:
 
 - a lease holder frozen (SIGSTOP) before a conversation's second turn costs
   that turn a recompute on the other decode worker, with the tokens of a
-  fault-free run, in bounded time, counted once as ``holder_unresponsive``;
+  fault-free run, within twice its fault-free time, counted once as
+  ``holder_unresponsive``; a busy holder is not taken for frozen: its turn
+  keeps its reuse (the cached tokens of a run without the load);
 - a decode worker killed before its part of a turn is retried on the other
   one before its first byte: the client sees one whole, clean stream;
 - SIGTERM: no new connection, a short stream finishes, a long one ends with an
@@ -27,7 +29,6 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserving.gateway.workers import PROBE_AFTER_S, PROBE_TIMEOUT_S
 from kvs_workers import WorkerFactory, WorkerProc
 from test_gateway_e2e import MODEL, GatewayProc, metric
 
@@ -36,6 +37,7 @@ WORKER: dict[str, Any] = {
     "kv_cache": {"dtype": "bf16", "memory_bytes": 16 << 20},
     "reuse": {"recompute_threshold_tokens": 0, "transfer_timeout_s": 2.0},
 }
+NOISE_S = 0.05  # a turn's time varies this much between runs on the shared CPU machine
 FIRST_BYTE_S = 4.0  # > the prefill's pull from a frozen holder (the workers' 2 s peer deadline) with room for a loaded machine
 SYSTEM = {"role": "system", "content": "You are a coding agent. Work step by step and use the tools. " * 6}
 TURNS = [
@@ -106,14 +108,25 @@ def worker_metric(worker: WorkerProc, name: str, **labels: str) -> float:
     return metric(worker.url, name, **labels)
 
 
+def upstream_errors(url: str) -> float:
+    """The gateway's failed worker calls, every kind."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(
+        s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == "kvserving_gateway_upstream_errors_total"
+    )
+
+
 def test_a_frozen_lease_holder_costs_the_turn_a_recompute_on_the_other_decode_worker(
     pd: tuple[WorkerProc, list[WorkerProc]], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """The same two-turn conversation three times: its holder frozen before turn 2 while the
-    prefill still lacks the turn's pages (its pull from the holder fails: the decode moves
-    before the first token), fault-free, and frozen again once the prefill holds every page
-    (nothing to pull: the decode request to the holder gets no headers, its /health probe no
-    answer, and the decode moves: the client sees the tokens of the fault-free run)."""
+    """The same two-turn conversation four times: fault-free with a cold cache (turn 2's prefill
+    pulls turn 1's reply from the holder); with its holder frozen before turn 2 and a cold cache
+    of its own (``cache_salt``): the prefill's pull from the holder waits, and the holder
+    check's verdict ends that prefill and sends it again without the lease; fault-free again
+    with the first run's cache (warm: the prefill holds every page, nothing to pull); frozen
+    again, warm: the verdict, in during the prefill, sends the decode to the other worker,
+    never to the holder. Each frozen turn gives the client the tokens of the fault-free run
+    within twice the time of the same turn without the fault (cold, warm)."""
     prefill, decoders = pd
     # health polls every second: a holder thawed between the runs is back in the rotation soon
     gw = start_gateway(tmp_path / "gw", tiny_model_dir, prefill, decoders, health_interval_s=1.0)
@@ -126,10 +139,10 @@ def test_a_frozen_lease_holder_costs_the_turn_a_recompute_on_the_other_decode_wo
             assert time.monotonic() < deadline, "a decode worker did not come back into the rotation"
             time.sleep(0.2)
 
-    def conversation(session: str, *, freeze: bool = False, stream: bool = False) -> tuple[list[str], float]:
-        """Two greedy turns (24 tokens: the reply fills a page the prefill did not compute);
-        the replies and the second turn's seconds; ``stream``: the second turn streamed, its
-        reply the concatenation of its deltas (a token relayed twice would show)."""
+    def conversation(session: str, salt: str, *, freeze: bool = False, stream: bool = False) -> tuple[list[str], float]:
+        """Two greedy turns (24 tokens: the reply fills a page the prefill did not compute) under
+        ``cache_salt`` ``salt``; the replies and the second turn's seconds; ``stream``: the second
+        turn streamed, its reply the concatenation of its deltas (a token relayed twice would show)."""
         nonlocal frozen
         all_healthy()
         messages: list[dict[str, Any]] = [SYSTEM]
@@ -144,7 +157,7 @@ def test_a_frozen_lease_holder_costs_the_turn_a_recompute_on_the_other_decode_wo
                 max_tokens=24,
                 temperature=0,
                 extra_headers={"X-Session-ID": session},
-                extra_body={"ignore_eos": True},
+                extra_body={"ignore_eos": True, "cache_salt": salt},
             )
             if stream and i == 1:
                 chunks = list(client.chat.completions.create(stream=True, **args))
@@ -168,36 +181,125 @@ def test_a_frozen_lease_holder_costs_the_turn_a_recompute_on_the_other_decode_wo
         return metric(gw.url, "kvserving_gateway_reuse_fallbacks_total", reason="holder_unresponsive")
 
     try:
-        # 1. the prefill's pull finds the holder frozen
-        before = fallbacks()
-        at_pull, t_pull = conversation("frozen-at-pull", freeze=True)
-        assert fallbacks() == before + 1
-        assert worker_metric(prefill, "kvserving_worker_kv_reuse_fallbacks_total", reason="remote_unreachable") == 1
-        # 2. fault-free: the reference
-        reference, normal = conversation("fault-free")
-        # 3. the prefill holds every page now: the decode request finds the holder frozen
-        before = fallbacks()
-        at_decode, t_decode = conversation("frozen-at-decode", freeze=True, stream=True)
-        assert fallbacks() == before + 1
-        assert metric(gw.url, "kvserving_gateway_upstream_errors_total", kind="unresponsive") == 1
-        assert metric(gw.url, "kvserving_gateway_upstream_errors_total", kind="first_byte_timeout") == 0
-        assert worker_metric(prefill, "kvserving_worker_kv_reuse_fallbacks_total", reason="remote_unreachable") == 1
+        # 1. fault-free, cold: the reference
+        reference, normal_cold = conversation("fault-free-cold", "a")
+        # 2. cold: the prefill's pull waits on the frozen holder; the holder check's verdict ends it first
+        at_pull, t_pull = conversation("frozen-at-pull", "b", freeze=True)
+        assert fallbacks() == 1
+        # (the pull was dropped at the verdict, not ended by the worker's peer deadline)
+        assert worker_metric(prefill, "kvserving_worker_kv_reuse_fallbacks_total", reason="remote_unreachable") == 0
+        # 3. fault-free, warm (run 1's cache: the prefill holds every page)
+        warm, normal = conversation("fault-free-warm", "a")
+        assert warm == reference
+        # 4. warm: the prefill has nothing to pull; the verdict sends the decode elsewhere
+        at_decode, t_decode = conversation("frozen-at-decode", "a", freeze=True, stream=True)
+        assert fallbacks() == 2
+        assert upstream_errors(gw.url) == 0  # the decode never went to the holder
+        assert worker_metric(prefill, "kvserving_worker_kv_reuse_fallbacks_total", reason="remote_unreachable") == 0
         print(
-            f"turn 2: fault-free {normal:.2f} s; holder frozen: {t_pull:.2f} s (found by the prefill's pull), "
-            f"{t_decode:.2f} s (found by the decode's /health probe)"
+            f"turn 2: holder frozen, the prefill pulling from it: {t_pull:.2f} s against {normal_cold:.2f} s fault-free; "
+            f"holder frozen, the prefill holding every page: {t_decode:.2f} s against {normal:.2f} s fault-free"
         )
         assert at_pull == reference and at_decode == reference
-        # Bound: the turn runs twice (its normal time, counted twice) plus the time to tell the
-        # holder frozen: the prefill's pull gives up at the workers' peer deadline
-        # (reuse.transfer_timeout_s); a decode sent to it, at its first unanswered /health probe
-        # (PROBE_AFTER_S + PROBE_TIMEOUT_S, not the first-byte deadline); and 1 s for timers and
-        # scheduling on a loaded 2-core machine. (Unbounded, the issue's case hung until the
-        # client gave up, 102 s.)
-        assert t_pull <= WORKER["reuse"]["transfer_timeout_s"] + 2 * normal + 1.0, (t_pull, normal)
-        assert t_decode <= PROBE_AFTER_S + PROBE_TIMEOUT_S + 2 * normal + 1.0, (t_decode, normal)
+        # The issue's bound: twice the fault-free turn (the verdict takes FROZEN_FLOOR_S, mostly
+        # beside the prefill; then the turn's prefill or decode runs again), plus NOISE_S: the
+        # reference is one turn's time on a shared 2-core machine, where a turn varies by tens of
+        # ms from one run to the next. (Unbounded, the issue's case hung until the client gave
+        # up, 102 s; with a fixed 1 s /health deadline it took 1.42-1.51 s against 0.17-0.21 s.)
+        assert t_pull <= 2 * normal_cold + NOISE_S, (t_pull, normal_cold)
+        assert t_decode <= 2 * normal + NOISE_S, (t_decode, normal)
     finally:
         if frozen is not None:
             os.kill(frozen.proc.pid, signal.SIGCONT)
+        gw.stop()
+
+
+# Long requests kept in flight on a busy holder, each a LOAD_PROMPT_TOKENS prompt and LOAD_TOKENS
+# generated (4 x 500 tokens of KV: half its pool): its engine thread is never idle.
+LOAD_STREAMS = 4
+LOAD_PROMPT_TOKENS, LOAD_TOKENS = 200, 300
+
+
+def test_a_busy_lease_holder_is_not_taken_for_frozen_and_keeps_its_reuse(
+    pd: tuple[WorkerProc, list[WorkerProc]], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The holder of a conversation's lease kept busy (LOAD_STREAMS long requests sent to it
+    directly) answers /health late, but within the holder check's floor: turn 2 pulls its KV and
+    decodes on it, with the replies and cached tokens of the same conversation without the load
+    (under another ``cache_salt``: a cache of its own, as cold)."""
+    prefill, decoders = pd
+    gw = start_gateway(tmp_path / "gw", tiny_model_dir, prefill, decoders)
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def turn(messages: list[dict[str, Any]], salt: str) -> tuple[str, int]:
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=24,
+            temperature=0,
+            extra_headers={"X-Session-ID": salt},
+            extra_body={"ignore_eos": True, "cache_salt": salt},
+        )
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        reply = out.choices[0].message.content or ""
+        messages.append({"role": "assistant", "content": reply})
+        return reply, out.usage.prompt_tokens_details.cached_tokens or 0
+
+    def keep_busy(worker: WorkerProc, i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            ids = [(i * 131 + n * 17 + k * 7) % 3500 + 300 for k in range(LOAD_PROMPT_TOKENS)]
+            body = {"request_id": f"busy-{i}-{n}", "input_ids": ids, "sampling": {"max_tokens": LOAD_TOKENS, "ignore_eos": True}}
+            with httpx.stream("POST", worker.url + "/internal/generate", json=body, headers=worker.headers, timeout=120) as r:
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        break
+            n += 1
+
+    try:
+        deadline = time.monotonic() + 30
+        while metric(gw.url, "kvserving_gateway_workers_healthy", role="decode") != 2:
+            assert time.monotonic() < deadline, "a decode worker is not in the rotation"
+            time.sleep(0.2)
+        reference: list[tuple[str, int]] = []
+        messages: list[dict[str, Any]] = [SYSTEM, TURNS[0]]
+        reference.append(turn(messages, "fault-free"))
+        messages.append(TURNS[1])
+        reference.append(turn(messages, "fault-free"))
+
+        before = [served(d) for d in decoders]
+        messages = [SYSTEM, TURNS[0]]
+        busy = [turn(messages, "busy")]
+        (holder,) = [d for d, n in zip(decoders, before) if served(d) > n]
+        (other,) = [d for d in decoders if d is not holder]
+        threads += [threading.Thread(target=keep_busy, args=(holder, i), daemon=True) for i in range(LOAD_STREAMS)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while worker_metric(holder, "kvserving_worker_queue_depth", state="running") < LOAD_STREAMS:
+            assert time.monotonic() < deadline, "the holder never took the load"
+            time.sleep(0.1)
+        health_s = []
+        with httpx.Client(timeout=10) as probe:  # how late the busy holder answers /health (for the record)
+            for _ in range(20):
+                t0 = time.perf_counter()
+                probe.get(holder.url + "/health")
+                health_s.append(time.perf_counter() - t0)
+        other_served = served(other)
+        messages.append(TURNS[1])
+        busy.append(turn(messages, "busy"))
+        assert served(other) == other_served  # the decode stayed on the holder
+        print(f"busy holder: /health {min(health_s) * 1e3:.1f}-{max(health_s) * 1e3:.1f} ms; turns (reply, cached): {busy}")
+        assert busy == reference, (busy, reference)
+        assert reference[1][1] > reference[0][1]  # turn 2 reused turn 1 and its reply (pulled from the holder)
+        assert metric(gw.url, "kvserving_gateway_reuse_fallbacks_total", reason="holder_unresponsive") == 0
+        assert upstream_errors(gw.url) == 0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
         gw.stop()
 
 

@@ -25,6 +25,13 @@ the prefill's pull from it (``usage.reuse_fallback`` ``remote_unreachable`` /
 ``transfer_timeout``), moves the decode to another worker before the first
 token is relayed; the prompt is recomputed and the turn counted in
 ``kvserving_gateway_reuse_fallbacks_total{reason="holder_unresponsive"}``.
+The gateway's own test is the holder check (workers.py), started when the turn
+is routed while another worker could take the holder's part: it runs beside
+the prefill, and its verdict of frozen or gone ends a prefill still pulling
+from the holder (sent again without the lease: the recompute starts at the
+verdict, not at the worker's peer deadline) and is awaited before the decode
+would be sent to the holder, which it then never is. A prefill that pulled
+from the holder proves it alive, whatever the check says.
 Codes of the errors that remain: docs/gateway-errors.md.
 
 ``Turns.start`` routes and returns a ``Turn`` or raises ``GatewayError`` (503
@@ -37,6 +44,7 @@ matched) closes the worker connection, which aborts the request upstream.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -126,6 +134,7 @@ class Turn:
     _prefilled: tuple[dict[str, Any] | None, list[int]] | None = None
     _decode_relayed: bool = False  # a token of the decode's own stream was yielded
     _holder_lost: bool = False  # the lease holder was found frozen or gone (counted once)
+    _holder_check: asyncio.Task[bool | None] | None = None  # WorkerClient.frozen on the lease holder
 
     def ended_early(self) -> TurnResult:
         """The result of a turn the gateway stopped (a stop string) before the worker's final
@@ -154,6 +163,7 @@ class Turn:
         # turn's end, prefill included: counted only while its own request ran, a burst of new
         # conversations all saw every decode worker idle and all went to the first.
         self.decode.inflight += 1
+        self._start_holder_check()
         try:
             for attempt in range(2):
                 try:
@@ -184,6 +194,8 @@ class Turn:
                         self._switch_decode(decode)
                     self.router.metrics.route("retry", exc.kind)
         finally:
+            if self._holder_check is not None:
+                self._holder_check.cancel()
             self.decode.inflight -= 1
             if key is not None:
                 await self.router.keeper.record(key, worker_url=self.decode.url, params=final.get("kv_transfer_params"))
@@ -192,6 +204,66 @@ class Turn:
         self.decode.inflight -= 1
         decode.inflight += 1
         self.decode = decode
+
+    def _start_holder_check(self) -> None:
+        """The holder check (module docstring): the lease holder's /health against a peer's
+        (``WorkerClient.frozen``), from the routing decision on, beside the prefill. Only with a
+        peer to turn to: a lone holder is waited for (its turns are bounded by the deadlines)."""
+        lease = self.lease
+        holder = self.router.pool.get(lease.worker_url) if lease is not None else None
+        peer = self.router.pool.peer(holder) if holder is not None else None
+        if holder is None or peer is None:
+            return
+        self._holder_check = asyncio.get_running_loop().create_task(self.router.client.frozen(holder.url, peer=peer.url))
+
+    def _holder_frozen(self) -> bool:
+        """Whether the holder check has found the holder frozen or gone (it has ended)."""
+        check = self._holder_check
+        return check is not None and check.done() and not check.cancelled() and check.exception() is None and check.result() is True
+
+    def _leave_holder(self) -> None:
+        """The holder check found the lease holder frozen or gone: counted, out of the rotation, and
+        the decode moved to another worker (if there is one) before it was sent."""
+        assert self.lease is not None
+        log.warning("lease holder %s frozen or gone (the holder check): recomputing elsewhere", self.lease.worker_url)
+        self._holder_unresponsive()
+        if self.decode.url == self.lease.worker_url:
+            decode = self.router.choose_decode(None, self.request)
+            if decode is not None and decode.url != self.lease.worker_url:
+                self._switch_decode(decode)
+
+    async def _await_holder_check(self) -> None:
+        """Before the decode is sent to the lease holder: the holder check's verdict (the wait is
+        bounded by ``PROBE_TIMEOUT_S``; a live holder's usually came during the prefill)."""
+        check = self._holder_check
+        if check is None or self._holder_lost or self.lease is None or self.decode.url != self.lease.worker_url:
+            return
+        await asyncio.wait((check,))
+        if self._holder_frozen():
+            self._leave_holder()
+
+    async def _prefill_beside_check(self, pull_params: dict[str, Any] | None) -> dict[str, Any]:
+        """The prefill. One that pulls from the lease holder runs beside the holder check: a verdict
+        of frozen or gone while it runs ends it (the worker drops the pull) and sends it again
+        without the holder's params, so the recompute starts at the verdict, not at the worker's
+        peer deadline (``reuse.peer_timeout_s``)."""
+        check = self._holder_check
+        if pull_params is None or check is None or check.done():
+            return await self._prefill(pull_params)
+        prefill = asyncio.ensure_future(self._prefill(pull_params))
+        try:
+            await asyncio.wait((prefill, check), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            prefill.cancel()
+            raise
+        if prefill.done() or not self._holder_frozen():
+            return await prefill
+        prefill.cancel()
+        await asyncio.wait((prefill,))  # the connection closed: the worker aborts the request and drops its pull
+        if not prefill.cancelled():
+            prefill.exception()  # (an error that came first is moot: the prefill is sent again)
+        self._leave_holder()
+        return await self._prefill(None, attempt="-recompute")  # a new id: the first may still be in flight there
 
     def _holder_unresponsive(self) -> None:
         """The lease holder is frozen or gone: out of the rotation, the turn counted once. A
@@ -208,8 +280,12 @@ class Turn:
         """After a prefill that pulled from the lease holder: a pull that found the holder
         unreachable or frozen moves the decode to another worker (if there is one) before
         the prefill's token is relayed; the prefill recomputed what the holder kept."""
-        fallback = (prefill_final.get("usage") or {}).get("reuse_fallback")
+        usage = prefill_final.get("usage") or {}
+        fallback = usage.get("reuse_fallback")
         lease = self.lease
+        if fallback is None and int(usage.get("remote_pulled_tokens") or 0) > 0 and self._holder_check is not None:
+            self._holder_check.cancel()  # the holder served the pull: alive, whatever its /health probe says
+            self._holder_check = None
         if fallback not in HOLDER_LOST or lease is None:
             return
         log.warning("lease holder %s unresponsive to the prefill's pull (%s): decoding elsewhere", lease.worker_url, fallback)
@@ -230,12 +306,15 @@ class Turn:
 
     async def _attempt(self, final: dict[str, Any]) -> AsyncGenerator[list[list[int]], None]:
         request = self.request
-        pull_params = self.lease.params if self.lease is not None and self.router.bidirectional else None
+        if self._holder_frozen() and not self._holder_lost:
+            self._leave_holder()
+        lease = self.lease if not self._holder_lost else None  # a frozen holder's KV is not offered
+        pull_params = lease.params if lease is not None and self.router.bidirectional else None
         first: list[int] = []
         if self.prefill is not None:
             if self._prefilled is None:
-                prefill_final = await self._prefill(pull_params)
-                if pull_params is not None:
+                prefill_final = await self._prefill_beside_check(pull_params)
+                if pull_params is not None and not self._holder_lost:
                     self._check_holder(prefill_final)
                 params = prefill_final.get("kv_transfer_params")
                 sampled = list(prefill_final.get("output_ids") or [])
@@ -252,8 +331,11 @@ class Turn:
                         self.result = self._result(prefill_final, prefill_only=True)
                         return
             pull_params, first = self._prefilled
-        elif self.lease is not None and self.lease.worker_url == self.decode.url:
-            pull_params = None  # a both worker finds its own retained KV in its prefix cache
+            await self._await_holder_check()
+        else:
+            await self._await_holder_check()
+            if self._holder_lost or (self.lease is not None and self.lease.worker_url == self.decode.url):
+                pull_params = None  # a both worker finds its own retained KV in its prefix cache
         body: dict[str, Any] = {
             "request_id": request.request_id,
             "input_ids": request.body_ids(),
@@ -288,13 +370,13 @@ class Turn:
         if self.result is None:
             raise UpstreamError("stream", "worker ended the stream without a final event", url=self.decode.url)
 
-    async def _prefill(self, lease_params: dict[str, Any] | None) -> dict[str, Any]:
+    async def _prefill(self, lease_params: dict[str, Any] | None, *, attempt: str = "") -> dict[str, Any]:
         """The prefill's final event, with the token ids it streamed under ``output_ids``."""
         assert self.prefill is not None
         request = self.request
         sampling = dict(request.sampling, max_tokens=1)
         body: dict[str, Any] = {
-            "request_id": f"{request.request_id}-prefill",
+            "request_id": f"{request.request_id}-prefill{attempt}",
             "input_ids": request.body_ids(),
             "sampling": sampling,
             "kv_transfer_params": lease_params,

@@ -37,6 +37,24 @@ never cancels the request's task: it sets the error on the request's connection
 (on its body once the headers are in), which the request's own task raises
 where it waits, so it cannot collide with a deadline or an abort.
 
+The holder check (``WorkerClient.frozen``, started by turn.py when a turn is
+routed, beside its prefill): the lease holder's ``/health`` is asked, and a
+live peer's of its part too once the holder's answer is ``WITNESS_AFTER_S``
+late; the holder is frozen when the peer answered after ``p`` seconds and the
+holder had not after ``max(FROZEN_FLOOR_S, FROZEN_RATIO * p)`` from then; gone
+when its connection is refused; alive when it answered, or when bytes of any
+of its streams reached this gateway since it was asked (a worker busy with
+streams of this gateway is told alive by them). The
+deadline is relative to what this gateway and machine show right now: a
+stalled gateway event loop or a loaded machine makes the peer late too, and
+the holder is given ``FROZEN_RATIO`` times as long; the floor is set above how
+late a worker whose engine is saturated answers ``/health`` (its event loop
+answers while the engine steps on another thread). No verdict (neither
+answered within ``PROBE_TIMEOUT_S``) leaves the turn to the probe above. A
+frozen holder is found 0.11 s after the turn was routed, not 1.25 s after its
+decode was sent, and its turn recomputes on the peer within twice its
+fault-free time.
+
 Discovery: a static list of URLs (local mode) or the headless Services
 ``gateway.prefill_service`` / ``decode_service`` resolved by DNS every
 ``dns_refresh_s`` (cluster mode: one address per ready pod). A URL listed both
@@ -87,6 +105,20 @@ SAME_PART = {"prefill": ("prefill", "both"), "decode": ("decode", "both"), "both
 # answers it while it pulls or queues: it sends a keep-alive every STREAM_KEEPALIVE_S too).
 PROBE_AFTER_S = 0.25
 PROBE_TIMEOUT_S = 1.0
+# The holder check (``WorkerClient.frozen``): a worker is frozen when a peer answered /health
+# after p seconds and it had not after max(FROZEN_FLOOR_S, FROZEN_RATIO * p). A worker answers
+# /health on its event loop while its engine steps on another thread: with its engine saturated
+# (the fault matrix's busy_lone_decode row, 8 long requests on one CPU decode worker of a 2-core
+# machine) 0.8-1.2 ms at the median, 10-17 ms at p99, 11-61 ms at most over 180 calls (two runs),
+# as timed by a client that itself reads the load's streams (``busy_worker_health_ms``), against
+# 1-11 ms idle; the floor stays under the 0.17-0.3 s of a CPU turn, so that a frozen holder costs less
+# than the turn itself. The ratio covers a gateway or machine that answers everything late.
+FROZEN_FLOOR_S = 0.1
+FROZEN_RATIO = 4.0
+HEARD_POLL_S = 0.01  # while its /health answer is late, how often the holder check looks for its streams' bytes
+# The peer is asked only once the holder's answer is this late (about the median of a busy
+# worker's, ten times an idle one's): most checks cost one call, not two.
+WITNESS_AFTER_S = 0.01
 # Silence of a started stream after which its keep-alive is late and, with another worker to
 # turn to, /health is probed (a live worker sends one every STREAM_KEEPALIVE_S).
 EVENTS_LATE_S = STREAM_KEEPALIVE_S + PROBE_AFTER_S
@@ -282,6 +314,9 @@ class WorkerClient:
         self._streams: set[_Stream] = set()  # generates in flight (abort_streams ends them)
         self._ending: set[asyncio.Task[None]] = set()  # replies left at [DONE] whose body is still ending
         self._closing = False
+        # loop time of the last bytes each worker sent a generate (the holder check: a process that
+        # sends is not frozen, however late its /health answer)
+        self._heard: dict[str, float] = {}
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -348,6 +383,7 @@ class WorkerClient:
                     connection.protocol.read_timeout = self._event_s
                     connection.protocol.start_timeout()
                 loop = asyncio.get_running_loop()
+                self._heard[url] = loop.time()
                 if probe:  # late events are probed (module docstring): a timer, moved lazily
                     stream.last = loop.time()
                     stream.timer = loop.call_at(stream.last + EVENTS_LATE_S, self._events_due, url, stream)
@@ -355,7 +391,7 @@ class WorkerClient:
                 content = response.content
                 while not events.done:
                     chunk = await content.readany()
-                    stream.last = loop.time()
+                    stream.last = self._heard[url] = loop.time()
                     if not chunk:
                         raise UpstreamError("stream", f"worker {url} closed the stream before [DONE]", url=url)
                     batch = events.feed(chunk)
@@ -485,12 +521,58 @@ class WorkerClient:
 
     async def _alive(self, url: str) -> bool:
         """Whether ``url``'s process answers /health (any status) within ``PROBE_TIMEOUT_S``."""
+        return await self._health(url) is True
+
+    async def _health(self, url: str) -> bool | None:
+        """``url``'s /health: True answered (any status), False refused or broken (gone), None no
+        answer within ``PROBE_TIMEOUT_S``."""
         try:
             async with self._http().get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as response:
                 await response.read()
                 return True
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except asyncio.TimeoutError:  # aiohttp's ServerTimeoutError is one too
+            return None
+        except aiohttp.ClientError:
             return False
+
+    async def frozen(self, url: str, *, peer: str) -> bool | None:
+        """Whether ``url`` is frozen or gone, told against ``peer``, a worker that could do its part
+        (module docstring, the holder check): /health of ``url``, and of ``peer`` too once
+        ``url``'s answer is ``WITNESS_AFTER_S`` late; True when ``url`` refused the connection, or
+        when ``peer`` answered after ``p`` seconds and ``url`` had not answered ``max(FROZEN_FLOOR_S,
+        FROZEN_RATIO * p)`` after ``peer`` was asked; False when ``url`` answered, or sent bytes of
+        a stream since it was asked; None (no verdict) when neither answered within
+        ``PROBE_TIMEOUT_S`` (this gateway, or the machine, is what stalls) or ``peer`` is gone."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        suspect = loop.create_task(self._health(url))
+        witness: asyncio.Task[bool | None] | None = None
+        deadline = t0 + PROBE_TIMEOUT_S
+        try:
+            # most answers come sooner: the peer's call is spent only on a holder that is late
+            await asyncio.wait((suspect,), timeout=WITNESS_AFTER_S)
+            pending: set[asyncio.Task[bool | None]] = {suspect}
+            if not suspect.done():
+                w0 = loop.time()
+                witness = loop.create_task(self._health(peer))
+                pending.add(witness)
+            while not suspect.done() and (wait := deadline - loop.time()) > 0:
+                if self._heard.get(url, t0) > t0:
+                    return False  # it sent a stream's bytes since it was asked: busy, not frozen
+                await asyncio.wait(pending, timeout=min(wait, HEARD_POLL_S), return_when=asyncio.FIRST_COMPLETED)
+                if witness is not None and witness in pending and witness.done():
+                    pending.discard(witness)
+                    if witness.result() is True:  # the time it took: what this gateway and machine show now
+                        deadline = min(deadline, w0 + max(FROZEN_FLOOR_S, FROZEN_RATIO * (loop.time() - w0)))
+            if suspect.done() and suspect.result() is not None:
+                return not suspect.result()
+            if self._heard.get(url, t0) > t0:
+                return False
+            return True if witness is not None and witness.done() and witness.result() is True else None
+        finally:
+            suspect.cancel()
+            if witness is not None:
+                witness.cancel()
 
     def _end_later(self, response: aiohttp.ClientResponse) -> None:
         """A reply left at [DONE] before its body ended (its last chunk usually follows at once):
@@ -694,6 +776,12 @@ class WorkerPool:
         part of a turn, ``SAME_PART``) is in the rotation."""
         roles = roles or SAME_PART[worker.role]
         return any(w is not worker and w.healthy and w.role in roles for w in self.workers.values())
+
+    def peer(self, worker: WorkerState) -> WorkerState | None:
+        """The least loaded other healthy worker that can do ``worker``'s part (``SAME_PART``), or None."""
+        roles = SAME_PART[worker.role]
+        others = [w for w in self.workers.values() if w is not worker and w.healthy and w.role in roles]
+        return min(others, key=lambda w: w.inflight, default=None)
 
     def take_out(self, url: str, *, refused: bool) -> bool:
         """Take ``url`` out of the rotation (until ``/ready`` answers 200): always when it

@@ -22,11 +22,13 @@ What it does, exactly:
 - failure injection: ``fail_status`` (refuse before streaming),
   ``fail_after_tokens`` (an error event mid-stream), ``ready`` False (503),
   ``pull_fallback`` (every pull fails with that ``usage.reuse_fallback``),
+  ``pull_delay_s`` (a pull takes that long behind the headers: one from a frozen holder),
   ``answer_after_s`` (response headers that late: a frozen worker), ``ready_delay_s``
   (``/ready`` answered that late: a busy one), ``health_delay_s`` (``/health``
   answered that late: frozen to the gateway's probe), ``keepalive_s``
   (a ``: keep-alive`` comment every so often before each token, for ``token_delay_s``),
-  ``stall_after_tokens`` (silent after that many tokens, connection open: frozen mid-stream).
+  ``stall_after_tokens`` (silent after that many tokens, connection open, and ``/health``
+  unanswered from then on: frozen mid-stream).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class FakeWorker:
     fail_after_tokens: int | None = None
     ready: bool = True
     pull_fallback: str | None = None
+    pull_delay_s: float = 0.0
     answer_after_s: float = 0.0
     ready_delay_s: float = 0.0
     health_delay_s: float = 0.0
@@ -239,6 +242,8 @@ class FakeWorker:
         max_tokens = int(sampling.get("max_tokens") or 16)
         finished = False
         try:
+            if self.pull_delay_s and body.get("kv_transfer_params"):
+                await asyncio.sleep(self.pull_delay_s)
             usage, hashes = self._usage(ids, body.get("kv_transfer_params"))
             given = list(body.get("output_ids") or [])  # the prefill's first token, already streamed
             out = self.reply_ids[len(given) : max_tokens]
@@ -248,6 +253,7 @@ class FakeWorker:
                     yield _sse({"error": {"message": "injected mid-stream failure", "type": "server_error", "code": None}})
                     return
                 if self.stall_after_tokens is not None and i == self.stall_after_tokens:
+                    self.health_delay_s = max(self.health_delay_s, 5.0)  # the whole process is frozen
                     await asyncio.sleep(3600)
                 waited = 0.0
                 while self.keepalive_s and waited + self.keepalive_s < self.token_delay_s:

@@ -18,7 +18,7 @@ from fake_worker import FakeWorker
 from gw_harness import MODEL, Gateway, Stack
 
 from kvserving.gateway.tenants import DEFAULT_TENANT
-from kvserving.gateway.workers import EVENTS_LATE_S, PROBE_TIMEOUT_S
+from kvserving.gateway.workers import EVENTS_LATE_S, FROZEN_FLOOR_S, FROZEN_RATIO, PROBE_TIMEOUT_S
 
 from kvserving.config import ReuseConfig
 from kvserving.gateway.prompt.tokenizer import TextTokenizer
@@ -236,7 +236,7 @@ def test_a_lease_holder_frozen_after_its_headers_loses_the_decode_at_the_probe_d
     messages = [SYSTEM, {"role": "user", "content": "Fix the failing test."}]
     assert chat(gw, messages, "s") == text
     assert holder.leases and not other.leases  # the tie between idle workers went to the first URL
-    holder.stall_after_tokens, holder.health_delay_s = 0, 5.0
+    holder.stall_after_tokens = 0  # /health answered until its stream stalls: the holder check finds it alive
     messages.append({"role": "user", "content": "Run them again."})
     t0 = time.monotonic()
     assert chat(gw, messages, "s") == text  # whole, no error event
@@ -281,3 +281,99 @@ def test_a_silent_stream_whose_worker_answers_health_is_waited_for(stack: Stack,
     assert out.usage is not None and out.usage.completion_tokens == 1
     assert len(slow.received) == 1 and not spare.received
     assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "unresponsive"}) == 0
+
+
+def holder_and_other(
+    stack: Stack, reply: list[int], *, warm: bool = False
+) -> tuple[FakeWorker, FakeWorker, FakeWorker, Gateway, list[dict[str, Any]]]:
+    """A prefill and two decode workers, a conversation's first turn served: (prefill, its lease
+    holder, the other decode worker, the gateway, the messages of turn 2). ``warm``: turn 2's
+    messages sent once under another conversation (decoded by the other worker), so that the
+    prefill has every page of turn 2 and nothing to pull."""
+    prefill = stack.worker(role="prefill", reply_ids=reply)
+    holder, other = by_url([stack.worker(role="decode", reply_ids=reply) for _ in range(2)])
+    gw = stack.gateway(prefill=[prefill.url], decode=[holder.url, other.url], health_interval_s=60)
+    messages = [SYSTEM, {"role": "user", "content": "Fix the failing test."}]
+    chat(gw, messages, "s")
+    assert holder.leases and not other.leases  # the tie between idle workers went to the first URL
+    messages.append({"role": "user", "content": "Run them again."})
+    if warm:
+        chat(gw, list(messages), "warm-up")
+        assert len(other.received) == 1  # (the worker with fewer leases)
+    return prefill, holder, other, gw, messages
+
+
+def test_a_frozen_lease_holder_loses_the_decode_before_it_is_sent(stack: Stack, reply: list[int], text: str) -> None:
+    """The holder answers neither /health nor a generate (frozen) while the other decode worker
+    answers /health at once: the holder check tells it frozen at FROZEN_FLOOR_S, beside the
+    prefill, and the decode goes to the other worker, never to the holder (no late headers to wait
+    for: not PROBE_AFTER_S + PROBE_TIMEOUT_S)."""
+    prefill, holder, other, gw, messages = holder_and_other(stack, reply, warm=True)
+    holder.answer_after_s, holder.health_delay_s = 5.0, 5.0
+    t0 = time.monotonic()
+    assert chat(gw, messages, "s") == text
+    elapsed = time.monotonic() - t0
+    assert FROZEN_FLOOR_S < elapsed < FROZEN_FLOOR_S + 0.5, elapsed
+    assert prefill.received[-1]["kv_transfer_params"]["agent_url"] == holder.url and not prefill.aborted  # nothing to pull
+    assert len(holder.received) == 1 and len(other.received) == 2
+    assert other.received[1]["output_ids"] == reply[:1]  # the prefill's token, then the decode elsewhere
+    assert other.received[1]["kv_transfer_params"]["agent_url"] == prefill.url
+    assert gw.metric("kvserving_gateway_reuse_fallbacks_total", {"reason": "holder_unresponsive"}) == 1
+    assert gw.metric("kvserving_gateway_upstream_errors_total", {"kind": "unresponsive"}) == 0
+    assert not gw.state.pool.workers[holder.url].healthy  # out of the rotation until /ready answers
+    assert gw.state.keeper.table.get(DEFAULT_TENANT.scope("session:s")).worker_url == other.url  # type: ignore[union-attr]
+
+
+def test_a_prefill_pulling_from_a_frozen_holder_is_sent_again_without_its_lease_at_the_verdict(
+    stack: Stack, reply: list[int], text: str
+) -> None:
+    """The prefill's pull from a frozen holder would wait for the worker's peer deadline (here 3 s):
+    at the holder check's verdict the gateway closes that prefill (the worker aborts it) and sends
+    it again without the holder's params; the turn recomputes on the other decode worker."""
+    prefill, holder, other, gw, messages = holder_and_other(stack, reply)
+    holder.answer_after_s, holder.health_delay_s = 5.0, 5.0
+    prefill.pull_delay_s = 3.0
+    t0 = time.monotonic()
+    assert chat(gw, messages, "s") == text
+    elapsed = time.monotonic() - t0
+    assert FROZEN_FLOOR_S < elapsed < FROZEN_FLOOR_S + 0.5, elapsed
+    pulled, recomputed = prefill.received[1:]
+    assert pulled["kv_transfer_params"]["agent_url"] == holder.url and pulled["request_id"] in prefill.aborted
+    assert recomputed["kv_transfer_params"] is None and recomputed["request_id"] == pulled["request_id"] + "-recompute"
+    assert len(holder.received) == 1 and len(other.received) == 1
+    assert gw.metric("kvserving_gateway_reuse_fallbacks_total", {"reason": "holder_unresponsive"}) == 1
+
+
+@pytest.mark.parametrize(
+    ("holder_s", "other_s"),
+    [(0.05, 0.0), (0.3, 0.1)],
+    ids=["busy-holder-idle-peer", "everything-slow-holder-slowest"],
+)
+def test_a_lease_holder_that_answers_health_late_but_in_time_keeps_the_turn(
+    stack: Stack, reply: list[int], text: str, holder_s: float, other_s: float
+) -> None:
+    """Busy, not frozen: /health answered within FROZEN_FLOOR_S, or (everything slow: the peer
+    itself answers in 0.1 s) within FROZEN_RATIO x the peer's time. The decode goes to the holder and
+    the prefill pulls its KV (no recompute)."""
+    prefill, holder, other, gw, messages = holder_and_other(stack, reply)
+    assert holder_s < max(FROZEN_FLOOR_S, FROZEN_RATIO * other_s)
+    holder.health_delay_s, other.health_delay_s = holder_s, other_s
+    prefill.pull_delay_s = 0.5  # the verdict comes while the prefill pulls
+    assert chat(gw, messages, "s") == text
+    assert len(holder.received) == 2 and not other.received
+    assert prefill.received[-1]["kv_transfer_params"]["agent_url"] == holder.url and not prefill.aborted
+    assert gw.metric("kvserving_gateway_reuse_fallbacks_total", {"reason": "holder_unresponsive"}) == 0
+    assert gw.state.pool.workers[holder.url].healthy
+
+
+def test_a_lease_holder_slower_than_its_ratio_to_a_slow_peer_is_frozen(stack: Stack, reply: list[int], text: str) -> None:
+    """The peer answers in 0.1 s: the holder is frozen once FROZEN_RATIO x that has passed without
+    its answer, not at FROZEN_FLOOR_S."""
+    prefill, holder, other, gw, messages = holder_and_other(stack, reply, warm=True)
+    holder.answer_after_s, holder.health_delay_s, other.health_delay_s = 5.0, 5.0, 0.1
+    t0 = time.monotonic()
+    assert chat(gw, messages, "s") == text
+    elapsed = time.monotonic() - t0
+    assert FROZEN_RATIO * 0.1 < elapsed < FROZEN_RATIO * 0.1 + 0.5, elapsed
+    assert len(holder.received) == 1 and len(other.received) == 2
+    assert gw.metric("kvserving_gateway_reuse_fallbacks_total", {"reason": "holder_unresponsive"}) == 1

@@ -407,3 +407,120 @@ def test_late_headers_from_a_worker_that_does_not_answer_health_end_the_call_unr
             server.close()
 
     asyncio.run(run())
+
+
+def health_server(delay_s: float | None) -> Script:
+    """A worker whose /health answers after ``delay_s`` (None: never, the process is frozen)."""
+
+    async def script(_: int, reader: Reader, writer: Writer) -> None:
+        while True:
+            await read_head(reader)
+            if delay_s is None:
+                await reader.read()
+                return
+            await asyncio.sleep(delay_s)
+            writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n{"status":"ok"}')
+            await writer.drain()
+
+    return script
+
+
+@pytest.mark.parametrize(
+    ("suspect_s", "peer_s", "verdict", "took_s"),
+    [
+        (0.0, 0.0, False, (0.0, 0.1)),  # answered: alive, at once
+        (0.06, 0.0, False, (0.06, 0.16)),  # busy: answered within the floor
+        (None, 0.0, True, (0.1, 0.2)),  # frozen: the peer answered, the floor passed
+        (0.3, 0.1, False, (0.3, 0.4)),  # everything late (a stalled gateway): the ratio applies
+        (None, 0.1, True, (0.4, 0.6)),  # frozen, told at FROZEN_RATIO x the peer's 0.1 s
+        (None, None, None, (1.0, 1.1)),  # neither answers: no verdict at PROBE_TIMEOUT_S
+        ("refused", None, True, (0.0, 0.1)),  # gone: its connection refused
+    ],
+    ids=["alive", "busy", "frozen", "all-late", "frozen-slow-peer", "no-verdict", "gone"],
+)
+def test_the_holder_check_tells_frozen_from_busy_against_a_peer(
+    suspect_s: float | str | None, peer_s: float | None, verdict: bool | None, took_s: tuple[float, float]
+) -> None:
+    """``WorkerClient.frozen``: the peer is asked once the suspect's answer is WITNESS_AFTER_S
+    late; the suspect is frozen when the peer answered after p and it had not after
+    max(FROZEN_FLOOR_S, FROZEN_RATIO x p) from then; the bounds (plus 0.1 s for scheduling) follow."""
+    from kvserving.gateway.workers import FROZEN_FLOOR_S, FROZEN_RATIO, PROBE_TIMEOUT_S, WITNESS_AFTER_S
+
+    assert (FROZEN_FLOOR_S, FROZEN_RATIO, PROBE_TIMEOUT_S, WITNESS_AFTER_S) == (0.1, 4.0, 1.0, 0.01)  # the table's numbers
+
+    async def run() -> None:
+        servers = []
+        urls = []
+        asked: list[list[int]] = []  # each server's connections
+        for delay in (suspect_s, peer_s):
+            if delay == "refused":
+                server, url, conns = await serve(health_server(None))
+                server.close()
+                await server.wait_closed()
+            else:
+                assert not isinstance(delay, str)
+                server, url, conns = await serve(health_server(delay))
+                servers.append(server)
+            urls.append(url)
+            asked.append(conns)
+        c = WorkerClient(request_timeout_s=30.0, connect_timeout_s=1.0)
+        try:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            assert await c.frozen(urls[0], peer=urls[1]) is verdict
+            took = loop.time() - t0
+            assert took_s[0] <= took < took_s[1], took
+            # the peer is asked only about a suspect late by WITNESS_AFTER_S
+            assert len(asked[1]) == (0 if suspect_s == 0.0 or suspect_s == "refused" else 1), asked
+        finally:
+            await c.aclose()
+            for server in servers:
+                server.close()
+
+    asyncio.run(run())
+
+
+def test_the_holder_check_takes_a_worker_whose_stream_is_flowing_for_alive() -> None:
+    """/health unanswered (its event loop is slow to it) but a stream of this gateway's keeps
+    bringing its bytes: a process that sends is not frozen; told alive by the first bytes that
+    came after the probes went out, not at the floor."""
+
+    async def script(_: int, reader: Reader, writer: Writer) -> None:
+        head = await read_head(reader)
+        if head.startswith(b"GET /health"):
+            await reader.read()  # never answered
+            return
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        for chunk in sse_reply([{"token_ids": [i]} for i in range(200)]):
+            writer.write(chunk)
+            await writer.drain()
+            await asyncio.sleep(0.02)
+
+    async def run() -> None:
+        from kvserving.gateway.workers import FROZEN_FLOOR_S
+
+        server, url, _ = await serve(script)
+        peer_server, peer, _ = await serve(health_server(0.0))
+        c = WorkerClient(request_timeout_s=30.0, connect_timeout_s=1.0, first_byte_timeout_s=5.0, event_timeout_s=5.0)
+        flowing = asyncio.Event()
+
+        async def read_stream() -> None:
+            async for _ in c.generate(url, {"request_id": "r"}):
+                flowing.set()
+
+        loop = asyncio.get_running_loop()
+        reader = loop.create_task(read_stream())
+        try:
+            await flowing.wait()
+            t0 = loop.time()
+            assert await c.frozen(url, peer=peer) is False
+            assert loop.time() - t0 < FROZEN_FLOOR_S
+        finally:
+            reader.cancel()
+            await asyncio.wait((reader,))
+            await c.aclose()
+            server.close()
+            peer_server.close()
+
+    asyncio.run(run())
