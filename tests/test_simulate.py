@@ -221,16 +221,16 @@ def test_the_compiled_core_gives_the_pure_python_results(tmp_path: Path, monkeyp
     from kvserving.sim.plan import gpu_load, simulate_point
 
     native = load()
-    if native is None:  # build it here (~20 s of CPU) rather than leave the compiled core unchecked
+    if native is None:  # build it here (C at -O0: the results, not the speed) rather than leave the core unchecked
         if shutil.which("cc") is None or not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
             pytest.skip("no C compiler or Python headers: the compiled core cannot be built on this machine")
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-        build(log=False)
+        build(log=False, opt_level=0)
         native = load()
     assert native is not None
     points = []
     for engine in (pure, native):
-        pop = engine.Population(40, 200.0, warmup_s=20.0, ramp_s=5.0, shapes=6)
+        pop = engine.Population(16, 80.0, warmup_s=10.0, ramp_s=5.0, shapes=4)
         points.append(
             simulate_point(
                 "fp8_e4m3",
@@ -242,7 +242,7 @@ def test_the_compiled_core_gives_the_pure_python_results(tmp_path: Path, monkeyp
                 engine=engine,
             )
         )
-    assert points[0]["requests"] > 100 and points[0] == points[1]
+    assert points[0]["requests"] > 40 and points[0] == points[1]
 
 
 # ----------------------------------------------------------------------------- inputs
