@@ -154,7 +154,8 @@ def test_the_engine_uses_the_calibrated_table(tmp_path: Path, caplog: pytest.Log
     path = _calibration_file(tmp_path, table)
     cfg = ServingConfig(
         model=ModelConfig(max_model_len=256),
-        kv_cache=KVCacheConfig(dtype="triaxial", bit_budget=2.7, memory_bytes=8 * 2**20, calibration=str(path)),
+        # the fixed table: the file's table as it is (the held control moves the cut from the traffic)
+        kv_cache=KVCacheConfig(dtype="triaxial", bit_budget=2.7, memory_bytes=8 * 2**20, calibration=str(path), bit_budget_control="fixed"),
     )
     with caplog.at_level(logging.INFO, logger="kvserving.worker"):
         engine = LLMEngine(cfg, device="cpu")
@@ -273,7 +274,7 @@ def test_the_engine_sizes_its_capacity_from_the_calibration_pages(tmp_path: Path
     path = tmp_path / "calibration.json"
     path.write_text(cal.to_json())
     kv = build_kv_cache(
-        KVCacheConfig(dtype="triaxial", bit_budget=2.7, memory_bytes=2**20, calibration=str(path)),
+        KVCacheConfig(dtype="triaxial", bit_budget=2.7, memory_bytes=2**20, calibration=str(path), bit_budget_control="fixed"),
         KVShape(*TINY_SHAPE),
         budget_bytes=2**20,
         device="cpu",
