@@ -41,7 +41,7 @@ fmt: install
 
 test: install tools lint
 	$(PY) -m mypy -p kvserving
-	$(PY) -m pytest -q -p no:cacheprovider tests e2e
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests e2e
 
 demo: install
 	$(PY) -m kvserving.cli demo
