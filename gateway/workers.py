@@ -81,7 +81,7 @@ import json.scanner
 import logging
 import socket
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -771,17 +771,19 @@ class WorkerPool:
     def get(self, url: str) -> WorkerState | None:
         return self.workers.get(url)
 
-    def has_other(self, worker: WorkerState, roles: tuple[str, ...] | None = None) -> bool:
-        """Whether another healthy worker of ``roles`` (default: those that can do ``worker``'s
-        part of a turn, ``SAME_PART``) is in the rotation."""
+    def _others(self, worker: WorkerState, roles: tuple[str, ...] | None = None) -> Iterator[WorkerState]:
+        """The other healthy workers of ``roles`` (default: those that can do ``worker``'s part of a
+        turn, ``SAME_PART``) in the rotation."""
         roles = roles or SAME_PART[worker.role]
-        return any(w is not worker and w.healthy and w.role in roles for w in self.workers.values())
+        return (w for w in self.workers.values() if w is not worker and w.healthy and w.role in roles)
+
+    def has_other(self, worker: WorkerState, roles: tuple[str, ...] | None = None) -> bool:
+        """Whether another healthy worker of ``roles`` (default: ``SAME_PART``) is in the rotation."""
+        return next(self._others(worker, roles), None) is not None
 
     def peer(self, worker: WorkerState) -> WorkerState | None:
         """The least loaded other healthy worker that can do ``worker``'s part (``SAME_PART``), or None."""
-        roles = SAME_PART[worker.role]
-        others = [w for w in self.workers.values() if w is not worker and w.healthy and w.role in roles]
-        return min(others, key=lambda w: w.inflight, default=None)
+        return min(self._others(worker), key=lambda w: w.inflight, default=None)
 
     def take_out(self, url: str, *, refused: bool) -> bool:
         """Take ``url`` out of the rotation (until ``/ready`` answers 200): always when it
