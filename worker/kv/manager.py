@@ -173,6 +173,11 @@ class KVCacheManager:
             self._age_down(seq, wanted)
         return seq.num_computed
 
+    def _admission_pages(self, seq: Sequence) -> Counter[int]:
+        """The refs ``seq``'s own admission pin (pages pulled for it) holds, by page: no other holder's."""
+        pin = seq.admission_pin
+        return Counter(self.pool.pin_pages(pin)) if pin is not None and self.pool.get_pin(pin) else Counter()
+
     def _age_down(self, seq: Sequence, wanted: Seq[int]) -> int:
         """Re-store ``seq``'s matched 4-bit pages that ``wanted`` puts at 2 bits as INT2 pages,
         in prefix order while INT2 pages can be had; returns how many were aged.
@@ -188,11 +193,7 @@ class KVCacheManager:
             # under the controller only pages no other holder keeps: a copy beside a page a lease or a
             # transfer hold keeps takes a second page until that holder lets go. The request's own admission
             # pin (pages pulled for it) is no other holder: it goes as the request is admitted, the old page with it
-            own = (
-                Counter(pool.pin_pages(seq.admission_pin))
-                if seq.admission_pin is not None and pool.get_pin(seq.admission_pin)
-                else Counter()
-            )
+            own = self._admission_pages(seq)
             cands = [i for i in cands if pool.ref_count(seq.page_ids[i]) - own[seq.page_ids[i]] == 1]
         fresh: list[int] = []
         for _ in cands:  # one at a time: as many as fit, no lease reclaimed for this
@@ -306,7 +307,7 @@ class KVCacheManager:
         pool = self.pool
         full = len(seq.prompt_ids) // p
         ages = self.age_down and self.controller is not None and self.controller.leader
-        own = Counter(pool.pin_pages(seq.admission_pin)) if seq.admission_pin is not None and pool.get_pin(seq.admission_pin) else Counter()
+        own = self._admission_pages(seq)
         two = four = 0
         follow: list[int] = []
         for i in range(full):
