@@ -209,17 +209,22 @@ def _block_cublas(qa: Tensor, sa: Tensor, codes: Tensor, scale_cublas: Tensor, o
 def cublas_block_supported(device_index: int) -> bool:
     """Whether torch's cuBLASLt 1x128 x 128x128 scaled GEMM runs on this GPU (sm_90, cuBLASLt >= 12.9): one
     small GEMM tried eagerly, never inside a CUDA graph capture (the first FP8 forward is an eager warm-up)."""
-    dev = torch.device("cuda", device_index)
-    if torch.cuda.get_device_capability(dev)[0] != 9:
+    if torch.cuda.get_device_capability(torch.device("cuda", device_index))[0] != 9:
         return False
     try:
-        x = torch.ones(3, 256, device=dev, dtype=torch.bfloat16)
-        codes, scale = quantize_blocks(torch.ones(256, 256, device=dev))
-        qa, sa = quantize_groups(x)
-        out = _block_cublas(qa, sa, codes, cublas_block_scales(scale), torch.bfloat16)
+        out = cublas_block_probe(device_index)
         return bool(torch.allclose(out.float(), torch.full_like(out, 256.0, dtype=torch.float32)))
     except (RuntimeError, NotImplementedError, ValueError):
         return False
+
+
+def cublas_block_probe(device_index: int) -> Tensor:
+    """The call ``cublas_block_supported`` tries: ones [3, 256] x ones [256, 256] through cuBLASLt's
+    1x128 x 128x128 scaling (every output 256), raising what the library raises."""
+    dev = torch.device("cuda", device_index)
+    codes, scale = quantize_blocks(torch.ones(256, 256, device=dev))
+    qa, sa = quantize_groups(torch.ones(3, 256, device=dev, dtype=torch.bfloat16))
+    return _block_cublas(qa, sa, codes, cublas_block_scales(scale), torch.bfloat16)
 
 
 def cuda_supported(x: Tensor) -> bool:
