@@ -286,6 +286,10 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
         "evicted_pages": counter("kvserving_worker_kv_evicted_pages_total"),
         "reclaimed_leases": counter("kvserving_worker_kv_leases_reclaimed_total"),
         "preemptions": float(stats.get("preemptions", 0)),
+        # prompt tokens the engine computed (on the decode worker: recompute after a preemption or a failed pull)
+        "computed_tokens": counter("kvserving_worker_prompt_tokens_total"),
+        **{f"{kind}_steps": float(v["count"]) for kind, v in stats.get("steps", {}).items()},
+        **{f"{kind}_step_s": float(v["seconds"]) for kind, v in stats.get("steps", {}).items()},
         # live (owned + cached) pages stored at 2 bits: triaxial's density depends on it
         "int2_pages": float(
             sum(v for k, v in (stats.get("precisions", {}).get("int2") or {}).items() if k in ("owned_pages", "cached_pages"))
@@ -449,8 +453,13 @@ def run_stack(
             after = {role: worker_counters(url, auth) for role, url in workers.items()}
             point = {"format": fmt, "mode": mode, "concurrency": n, **summarize(records, wall), "errors": errors, "window_s": args.point_s}
             for role in workers:
-                for key in ("evicted_pages", "preemptions", "reclaimed_leases"):
+                for key in ("evicted_pages", "preemptions", "reclaimed_leases", "computed_tokens"):
                     point[f"{role}_{key}"] = int(after[role][key] - before[role][key])
+                for kind in ("decode", "mixed"):  # the engine's steps in the window: how many, mean wall time
+                    steps = after[role].get(f"{kind}_steps", 0.0) - before[role].get(f"{kind}_steps", 0.0)
+                    seconds = after[role].get(f"{kind}_step_s", 0.0) - before[role].get(f"{kind}_step_s", 0.0)
+                    point[f"{role}_{kind}_steps"] = int(steps)
+                    point[f"{role}_{kind}_step_ms"] = round(1e3 * seconds / steps, 3) if steps else 0.0
             live = after["decode"]["int2_pages"] + after["decode"]["int4_pages"]
             point["decode_int2_page_share"] = after["decode"]["int2_pages"] / live if live else 0.0
             for role in workers:  # what each pool stores at the end of the point
@@ -461,7 +470,10 @@ def run_stack(
             print(
                 f"  {fmt:>8} {mode:>5} N={n:>3}: hit {point['hit_rate']:.2f} (later {point['hit_rate_later_turns']:.2f}) "
                 f"{point['req_per_s']:.2f} req/s  TTFT p50 {point['ttft_p50_ms']:.0f} ms  "
-                f"evicted P/D {point['prefill_evicted_pages']}/{point['decode_evicted_pages']}  errors {len(errors)}  {wall:.1f} s",
+                f"evicted P/D {point['prefill_evicted_pages']}/{point['decode_evicted_pages']}  "
+                f"D steps decode {point['decode_decode_steps']} x {point['decode_decode_step_ms']:.1f} ms, "
+                f"mixed {point['decode_mixed_steps']} x {point['decode_mixed_step_ms']:.1f} ms, "
+                f"computed {point['decode_computed_tokens']}  errors {len(errors)}  {wall:.1f} s",
                 file=sys.stderr,
                 flush=True,
             )

@@ -156,7 +156,10 @@ class Bench:
             ),
             scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=8192, chunk_size=8192),
         )
-        return LLMEngine(config, device=DEVICE, dtype=torch.bfloat16, model=(margs, model), enforce_eager=self.enforce_eager)
+        # graphs captured on first use: each shape's first step is a warm-up step here
+        return LLMEngine(
+            config, device=DEVICE, dtype=torch.bfloat16, model=(margs, model), enforce_eager=self.enforce_eager, warm_graphs=False
+        )
 
     # -- sequences placed in the running set, their pages filled by the write kernels --------------------
     def place(self, engine: LLMEngine, n: int, prompt_len: int, *, computed: int) -> list[Sequence]:

@@ -1,4 +1,4 @@
-"""CUDA graphs of decode steps: one graph per (batch bucket, page-table width bucket), captured on first use.
+"""CUDA graphs of decode steps: one graph per (batch bucket, page-table width bucket), captured before serving.
 
 A decode step (every sequence adds one token after its cached prefix) is the
 same few hundred kernel launches every time; replaying them from a graph takes
@@ -26,6 +26,11 @@ the device, so one graph serves every length up to W pages.
 Logits land in one static fp32 buffer shared by all graphs (a graph keeps no
 output of its own, so all of them share one memory pool). Prefill and mixed
 steps stay eager. CUDA only: the runner builds this only on a CUDA device.
+
+``warm_up`` captures every shape a decode step can take (``graph_shapes``),
+widest first so the smaller graphs reuse the pool's memory, before the worker
+serves: a shape met for the first time would otherwise cost its Triton
+compiles and its capture (up to seconds) inside a running decode batch.
 """
 
 from __future__ import annotations
@@ -62,6 +67,15 @@ def table_width(num_pages: int, max_pages: int) -> int:
     while w < num_pages:
         w = w * 3 // 2 if w & (w - 1) == 0 else w * 4 // 3  # 16, 24, 32, 48, 64, 96, ...
     return max(num_pages, min(w, max_pages))
+
+
+def graph_shapes(max_batch: int, max_pages: int) -> list[tuple[int, int]]:
+    """Every (batch bucket, width bucket) a decode step of at most ``max_batch`` rows and ``max_pages`` pages
+    runs in, narrowest first."""
+    widths = [table_width(1, max_pages)]
+    while widths[-1] < max_pages:
+        widths.append(table_width(widths[-1] + 1, max_pages))
+    return [(b, w) for b in BATCH_BUCKETS if b <= max_batch for w in widths]
 
 
 def pad_pages_needed(max_batch: int, page_size: int) -> int:
@@ -203,6 +217,36 @@ class DecodeGraphs:
             live = {c.seq.request_id for c in chunks}
             self.rows = {k: v for k, v in self.rows.items() if k in live}
         return width
+
+    def _fill_padding(self, b: int, width: int) -> None:
+        """Metadata of a step whose ``b`` rows are all padding rows (length 0, writes to the padding pages), copied
+        to the device: what ``warm_up`` captures with. A graph reads lengths and the table on the device, so the
+        capture serves every later step of its shape."""
+        self.mirror ^= 1
+        if self.copied is not None:
+            self.copied[self.mirror].synchronize()
+        h = self.host_nps[self.mirror]
+        for i in (0, 1, 2, 3, 6):
+            h[self._field(i, b)] = 0
+        h[self._field(4, b)] = self.pad_write_pages[:b]
+        h[self._field(5, b)] = self.pad_write_slots[:b]
+        used = self.table_offset + b * width
+        h[self.table_offset : used] = 0
+        self.dev[:used].copy_(self.hosts[self.mirror][:used], non_blocking=True)
+        if self.copied is not None:
+            self.copied[self.mirror].record()
+
+    def warm_up(self) -> int:
+        """Capture the graph of every shape in ``graph_shapes`` not captured yet (without capture, on CPU in
+        tests: run each once), widest first; returns how many. Only padding pages are written."""
+        shapes = [s for s in reversed(graph_shapes(self.max_batch, self.max_pages)) if s not in self.graphs]
+        for b, width in shapes:
+            self._fill_padding(b, width)
+            if self.capture:
+                self._capture(b, width)
+            else:
+                self._forward(b, width)
+        return len(shapes)
 
     def _meta(self, b: int, width: int) -> AttentionMetadata:
         """Metadata of views into the static device buffer for bucket (b, width)."""

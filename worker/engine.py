@@ -23,6 +23,7 @@ from kvserving.worker.kv.scales import CALIBRATION_TOKENS, calibration_ids, meas
 from kvserving.worker.kv.storage import KVShape, KVStorage
 from kvserving.worker.kv.leases import RetainedKV, RetainSpec, release_admission, retain
 from kvserving.worker.model import DecoderModel, ModelArgs, load_dummy_model, load_model
+from kvserving.worker.cuda_graphs import is_decode_step
 from kvserving.worker.model_runner import ModelRunner
 from kvserving.worker.kv.page_pool import PagePoolBase
 from kvserving.worker.sampling import SamplingParams, make_generator, sample_tokens
@@ -55,6 +56,9 @@ class RequestOutput:
     first_step_at: float | None = None  # perf_counter when a step first ran this request (latency split)
 
 
+STEP_KINDS = ("decode", "mixed")
+
+
 @dataclass(slots=True)
 class EngineStats:
     steps: int = 0
@@ -64,6 +68,10 @@ class EngineStats:
     prefill_seconds: float = 0.0  # model time spent on prompt tokens (prefill tokens/s for reuse "auto")
     wait_seconds: float = 0.0  # asynchronous decode: time the host waited for a step's sampled ids
     overlapped_steps: int = 0  # decode steps launched before the previous step's ids were back
+    # wall time of ``step`` calls by what they ran: "decode" (every row one token after its prompt) or "mixed"
+    # (prompt chunks, alone or beside decode rows); an overlapped decode call lasts about one device step
+    step_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
+    step_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
 
 
 # A launched step's output token until its id is back from the device (never an input id: the
@@ -125,6 +133,7 @@ class LLMEngine:
         enforce_eager: bool = False,
         model: tuple[ModelArgs, DecoderModel] | None = None,
         async_decode: bool = True,
+        warm_graphs: bool = True,
     ) -> None:
         """Load the model and build the KV cache, scheduler and runner that ``config`` asks for.
 
@@ -133,7 +142,8 @@ class LLMEngine:
         never on CPU). ``model``: an already built model on ``device`` in ``dtype`` instead of
         loading ``config.model`` (benchmarks with generated weights). ``async_decode``: steady
         decode steps on the graphs overlap the host's work with the device (``step``); off: every
-        step waits for its sampled ids.
+        step waits for its sampled ids. ``warm_graphs``: capture every decode graph now (see
+        ``cuda_graphs.warm_up``) rather than each on its first step.
         """
         self.config = config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -193,6 +203,10 @@ class LLMEngine:
         if config.kv_cache.global_scale == "calibrated" and self.kv_cache.scales_source == "static":
             # no calibration file gave the scales: measure them on a calibration prompt at start
             self.calibrate_scales(calibration_ids(self.vocab_size, min(CALIBRATION_TOKENS, self.max_model_len)))
+        if self.runner.graphs is not None and warm_graphs:  # after the scales: a graph keeps the tensors it read
+            start = time.perf_counter()
+            n = self.runner.graphs.warm_up()
+            logger.info("decode graphs: %d shapes captured in %.1f s", n, time.perf_counter() - start)
 
     @property
     def storage(self) -> KVStorage:
@@ -348,19 +362,28 @@ class LLMEngine:
         steady decode batch (``_continues``) waits for the step in flight first
         and runs as before. Tokens and their order are the same either way.
         """
+        start = time.perf_counter()
+        outputs, kind = self._step()
+        if kind is not None:
+            self.stats.step_counts[kind] += 1
+            self.stats.step_seconds[kind] += time.perf_counter() - start
+        return outputs
+
+    def _step(self) -> tuple[list[RequestOutput], str | None]:
+        """``step``'s outputs and the kind of step it ran (None: none ran)."""
         self.pool.expire_pins()
         prev = self._inflight
         if prev is not None and self._continues(prev):
-            return self._step_overlapped(prev)
+            return self._step_overlapped(prev), "decode"
         outputs = self.flush()
         plan = self._schedule()
         if not plan.chunks:
-            return outputs  # nothing can run: every free page is pinned until its pin expires
+            return outputs, None  # nothing can run: every free page is pinned until its pin expires
         if self.async_decode and self.runner.graphs_fit(plan.chunks):
             self._inflight = self._launch(plan.chunks, None)
-            return outputs
+            return outputs, "decode"
         tokens = self._run(plan)
-        return outputs + self._postprocess(plan, tokens)
+        return outputs + self._postprocess(plan, tokens), "decode" if is_decode_step(plan.chunks) else "mixed"
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's plan for this step; its requests admitted (their admission pins go:

@@ -47,6 +47,8 @@ class KVStats:
     prompt_tokens_computed: int
     decode_tokens: int
     preemptions: int
+    step_counts: dict[str, int]  # engine steps by kind ("decode", "mixed"), since start
+    step_seconds: dict[str, float]  # their wall time
     evicted_pages: int  # cached pages evicted to make room, since start
     reclaimed_leases: int  # retained conversations released before expiry to make room, since start
     capacity_tokens: int  # triaxial: at the expected INT2 share (KVCache.capacity_tokens)
@@ -105,6 +107,8 @@ def collect(engine: LLMEngine) -> KVStats:
         prompt_tokens_computed=stats.prompt_tokens_computed,
         decode_tokens=stats.decode_tokens,
         preemptions=stats.preemptions,
+        step_counts=dict(stats.step_counts),
+        step_seconds=dict(stats.step_seconds),
         evicted_pages=pool.evicted_pages,
         reclaimed_leases=pool.reclaimed_pins,
         capacity_tokens=engine.capacity_tokens,

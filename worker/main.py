@@ -118,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
     async def startup() -> None:
         try:
             engine = await asyncio.get_running_loop().run_in_executor(
-                None, functools.partial(LLMEngine, config, enforce_eager=args.enforce_eager)
+                # a prefill worker's requests end at their first token: its decode graphs are captured only if used
+                None,
+                functools.partial(LLMEngine, config, enforce_eager=args.enforce_eager, warm_graphs=args.role != "prefill"),
             )
             await service.start(engine)
         except Exception as exc:  # a model that cannot load ends the process with one line

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvserving.worker.engine import STEP_KINDS
 from kvserving.worker.kv_stats import KVStats
 
 # Why a reuse fell back to recompute (docs/worker-api.md). Every reason is
@@ -107,6 +108,15 @@ class WorkerMetrics:
             "triaxial KV pages re-stored from 4 to 2 bits because a later request's tags wanted 2 (age-down)",
             registry=r,
         )
+        self.steps = Counter(
+            "kvserving_worker_steps_total", "engine steps by kind: decode (one token a row) or mixed (prompt chunks)", ["kind"], registry=r
+        )
+        self.step_seconds = Counter(
+            "kvserving_worker_step_seconds_total",
+            "wall time of engine steps by kind (over steps_total: the mean step)",
+            ["kind"],
+            registry=r,
+        )
         self.queue_depth = Gauge("kvserving_worker_queue_depth", "sequences in the scheduler, by state", ["state"], registry=r)
         self.kv_leases = Gauge("kvserving_worker_kv_leases", "KV leases held now", registry=r)
         self.kv_leased_tokens = Gauge("kvserving_worker_kv_leased_tokens", "tokens of KV pinned by leases now", registry=r)
@@ -159,6 +169,10 @@ class WorkerMetrics:
         self._seen_evictions = 0
         self._seen_reclaims = 0
         self._seen_aged = 0
+        self._seen_steps: dict[str, tuple[int, float]] = {}
+        for kind in STEP_KINDS:
+            self.steps.labels(kind=kind)
+            self.step_seconds.labels(kind=kind)
         # the same counts as plain numbers, for GET /internal/kv/stats
         self.prompt_token_totals = dict.fromkeys(TOKEN_SOURCES, 0)
         self.fallback_totals: dict[str, int] = {}
@@ -198,6 +212,11 @@ class WorkerMetrics:
         self._seen_reclaims = max(self._seen_reclaims, stats.reclaimed_leases)
         self.kv_aged_pages.inc(max(0, stats.aged_pages - self._seen_aged))
         self._seen_aged = max(self._seen_aged, stats.aged_pages)
+        for kind, count in stats.step_counts.items():
+            seen_count, seen_seconds = self._seen_steps.get(kind, (0, 0.0))
+            self.steps.labels(kind=kind).inc(max(0, count - seen_count))
+            self.step_seconds.labels(kind=kind).inc(max(0.0, stats.step_seconds[kind] - seen_seconds))
+            self._seen_steps[kind] = (max(seen_count, count), max(seen_seconds, stats.step_seconds[kind]))
         self.kv_cache_usage.set(stats.usage_ratio)
         self.queue_depth.labels(state="running").set(stats.running)
         self.queue_depth.labels(state="waiting").set(stats.waiting)

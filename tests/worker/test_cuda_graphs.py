@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
-from kvserving.worker.cuda_graphs import BATCH_BUCKETS, batch_bucket, table_width
+from kvserving.worker.cuda_graphs import BATCH_BUCKETS, batch_bucket, graph_shapes, table_width
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.model_runner import ModelRunner
 from kvserving.worker.sampling import SamplingParams
@@ -29,6 +29,14 @@ def test_buckets() -> None:
     assert BATCH_BUCKETS[-1] == 256
     assert [table_width(n, 4096) for n in (1, 16, 17, 25, 33, 100, 257, 4096)] == [16, 16, 24, 32, 48, 128, 384, 4096]
     assert table_width(3, 8) == 8 and table_width(300, 300) == 300 and table_width(33, 40) == 40
+
+
+def test_graph_shapes_are_every_bucket_pair_a_step_can_take() -> None:
+    widths = [16, 24, 32, 48, 64, 96, 100]
+    assert graph_shapes(4, 100) == [(b, w) for b in (1, 2, 4) for w in widths]
+    assert graph_shapes(1, 10) == [(1, 10)]
+    # every width a step of 1..max_pages pages is given is in the list
+    assert {table_width(n, 100) for n in range(1, 101)} == set(widths)
 
 
 def test_cpu_engine_has_no_graphs_and_still_decodes(tiny_model_dir: Path) -> None:
@@ -53,6 +61,8 @@ def test_static_buffer_decode_equals_eager_on_cpu(tiny_model_dir: Path, dtype: s
                 engine.model, engine.attention, device=torch.device("cpu"), max_batch=8,
                 max_pages=engine.runner.max_pages, pad_pages=pad, capture=False,
             )  # fmt: skip
+            # every shape run once before serving, as the CUDA engine captures them: only padding pages are written
+            assert engine.runner.graphs.warm_up() == len(graph_shapes(8, engine.runner.max_pages))
         g = torch.Generator().manual_seed(3)
         prompts = [torch.randint(10, engine.vocab_size, (n,), generator=g).tolist() for n in (40, 70, 9)]
         return engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True)), engine
@@ -101,7 +111,8 @@ def test_graphs_on_and_off_give_the_same_tokens(tiny_model_dir: Path, dtype: str
     graphed, engine = run(tiny_model_dir, dtype, eager=False)
     assert eager_engine.runner.graphs is None
     assert engine.runner.graphs is not None and engine.runner.graphs.replays > 20
-    assert {b for b, _ in engine.runner.graphs.graphs} >= {1, 2, 4}
+    # every shape was captured before serving; the steps added none
+    assert set(engine.runner.graphs.graphs) == set(graph_shapes(engine.runner.graphs.max_batch, engine.runner.max_pages))
     assert graphed == eager
 
 

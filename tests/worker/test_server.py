@@ -299,10 +299,8 @@ def test_duplicate_in_flight_id_is_409_and_a_disconnect_frees_the_pages(live: Li
 
 
 def test_metrics_export_every_worker_metric_with_values(live: Live) -> None:
-    generate(live, body("metrics-a", list(range(200, 250)), max_tokens=4))
-    generate(live, body("metrics-b", list(range(200, 250)), max_tokens=4))  # 3 pages from the cache
-    text = httpx.get(live.url + "/metrics", timeout=10).text
-    families = {f.name: f for f in text_string_to_metric_families(text)}
+    def scrape() -> dict[str, Any]:
+        return {f.name: f for f in text_string_to_metric_families(httpx.get(live.url + "/metrics", timeout=10).text)}
 
     def value(name: str, **labels: str) -> float:
         fam = families[name]
@@ -310,6 +308,16 @@ def test_metrics_export_every_worker_metric_with_values(live: Live) -> None:
             if s.name in (name, name + "_total") and all(s.labels.get(k) == v for k, v in labels.items()):
                 return float(s.value)
         raise AssertionError(f"no sample {name}{labels}")
+
+    families = scrape()
+    steps_before = {kind: value("kvserving_worker_steps", kind=kind) for kind in ("decode", "mixed")}
+    generate(live, body("metrics-a", list(range(200, 250)), max_tokens=4))
+    generate(live, body("metrics-b", list(range(200, 250)), max_tokens=4))  # 3 pages from the cache
+    families = scrape()
+    # each request: one step with its prompt chunk (its first token), three decode steps
+    assert value("kvserving_worker_steps", kind="mixed") - steps_before["mixed"] == 2
+    assert value("kvserving_worker_steps", kind="decode") - steps_before["decode"] == 6
+    assert value("kvserving_worker_step_seconds", kind="decode") > 0
 
     worker_metrics = [(n, t) for n, t, _ in DASHBOARD_METRICS if n.startswith("kvserving_worker_")]
     assert len(worker_metrics) == 7
