@@ -269,7 +269,7 @@ class Worker:
         return plan
 
     def _admit_head(self, budget: int, now: float) -> tuple[_Seq, int] | None:
-        """``Scheduler._admit`` for the queue's head: its cached prefix, pages for its first chunk
+        """``Scheduler._admit`` for the queue's head: its cached prefix, pages for all its known tokens
         (all or nothing); the pull pin goes once it holds its own refs."""
         req = self.waiting[0]
         p = self.page_size
@@ -285,7 +285,7 @@ class Worker:
                 return None
             hold = cache.new_hold()
             cache.ref(hold, req.segs, h)
-            need = -(-(h * p + n) // p) - h
+            need = -(-tokens // p) - h
             if self.allocate(hold, need, now):
                 break
             cache.release(hold)  # the prefix goes back to the cache, evictable like any other

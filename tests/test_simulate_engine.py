@@ -41,7 +41,7 @@ def _req(i: int, prompt: int, output: int) -> Req:
     return Req(i, f"c{i}", [(i, BIG)], prompt, output, prompt // PAGE, (prompt + output) // PAGE, 0.0)
 
 
-def test_a_decode_pool_that_runs_out_preempts_the_newest_which_drops_its_prefix_while_the_pool_is_full() -> None:
+def test_a_decode_pool_that_runs_out_preempts_the_newest_which_waits_for_all_its_pages() -> None:
     sim = _sim(9, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, chunk_size=64))
     dec = sim.decode[0]
     done: list[int] = []
@@ -52,15 +52,15 @@ def test_a_decode_pool_that_runs_out_preempts_the_newest_which_drops_its_prefix_
     sim.run()
     # Step 5: a needs a fifth page for its 65th token and takes the last free one. Step 6: b
     # needs its fifth, finds none (nothing cached, nothing retained) and is preempted -- the
-    # newest, itself; its 4 computed full pages stay cached, and the step admits nothing. Step
-    # 7: readmitted, the prefix leaves no page for its next token, so (Scheduler._admit) it is
-    # placed from scratch for its first 64-token chunk, evicting its own 4 pages; step 8 its
-    # 65th token finds no page and it is preempted again. That repeats every other step until
-    # a ends after step 19 (its 20th token) and frees its pages: steps 6, 8, .., 18, 7
-    # preemptions of 64 recomputed tokens each (admitting in the preempting step too made it 14).
-    assert (dec.stats.preemptions, sim.prefill[0].stats.preemptions) == (7, 0)
-    assert (a.preemptions, b.preemptions) == (0, 7)
-    assert dec.stats.recomputed_tokens == 7 * 64
+    # newest, itself; its 4 computed full pages stay cached, and the step admits nothing. It comes
+    # back only with pages for every token it knows (Scheduler._admit: its prefix and 5 pages in
+    # all), which a's growth leaves no room for until a ends after step 19 and frees its pages;
+    # then its 4 cached pages are matched and nothing is recomputed. Admitted with its first
+    # chunk's pages alone, b was placed from scratch and preempted again every other step (7
+    # preemptions of 64 recomputed tokens each; 14 when the preempting step admitted too).
+    assert (dec.stats.preemptions, sim.prefill[0].stats.preemptions) == (1, 0)
+    assert (a.preemptions, b.preemptions) == (0, 1)
+    assert dec.stats.recomputed_tokens == 0
     assert b.hit_pages == 0  # its first admission's count: a readmission is not a prefix hit
     assert done == [1, 2] and a.sampled == b.sampled == 20
     assert not dec.running and not dec.waiting and dec.cache.used <= 9

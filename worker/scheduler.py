@@ -2,8 +2,12 @@
 which sequences run, within the token budget and the free pages.
 
 Order each step: running decodes first (one token each), then running
-prefills continue, then waiting sequences are admitted FIFO. When a decode
-cannot get a page, the most recently admitted running sequence is preempted:
+prefills continue, then waiting sequences are admitted FIFO. A sequence is
+admitted with pages for every token it knows (its prompt, and on a return
+after preemption what it generated), not just its first chunk: a long prompt
+that does not fit waits in the queue instead of being preempted, and its
+computed chunks lost, by the growth of the prompts admitted beside it. When a
+decode cannot get a page, the most recently admitted running sequence is preempted:
 its pages go back to the pool and it re-enters the queue front, to be
 recomputed later (its sampled tokens are kept, so its output is unchanged);
 a step that preempted admits no waiting sequence.
@@ -76,7 +80,8 @@ class Scheduler:
         return victim
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        """Give a waiting ``seq`` pages for its first chunk; returns the chunk length (0: not now).
+        """Give a waiting ``seq`` pages for all its known tokens and schedule its first chunk; returns the chunk
+        length (0: not now).
 
         First with its cached prefix, then, if that placement does not fit,
         from scratch: matched pages can sit deep inside one end of a triaxial
@@ -86,7 +91,7 @@ class Scheduler:
         for use_prefix in (True, False):
             hit = self.kv.match_prefix(seq) if use_prefix else 0
             n = self._chunk_len(seq, budget)
-            if n and self.kv.allocate_until(seq, seq.num_computed + n):
+            if n and self.kv.allocate_until(seq, seq.num_tokens):
                 if seq.num_preemptions == 0:  # first admission (output_ids may be given: the prefill's token)
                     seq.num_cached_prompt = min(hit, len(seq.prompt_ids))
                 return n

@@ -1,6 +1,7 @@
 """The scheduler under page pressure, driven step by step against the real KV manager and pool:
-the newest running sequence is preempted, and a step that preempted admits no waiting sequence
-(admitted at once, the victim would recompute a chunk the next step's growth preempts again)."""
+the newest running sequence is preempted, a step that preempted admits no waiting sequence, and a
+sequence is admitted only with pages for all its known tokens (admitted with less, the victim would
+recompute a chunk the next growth preempts again)."""
 
 from __future__ import annotations
 
@@ -45,12 +46,36 @@ def test_a_step_that_preempts_admits_nothing_and_the_victim_waits_for_pages() ->
         assert len(preempted) < 100, "the two sequences never finished"
     # Step 1 computes both prompts (4 pages each) and samples; a reaches 64 tokens first and takes the
     # ninth page at step 5; at step 6 b needs a fifth page, finds none and is preempted, and that step
-    # admits nothing. Readmitted, b is placed from scratch for a 64-token chunk (its cached prefix
-    # leaves no page for the rest) and preempted again when it needs its fifth page: every other step
-    # until a samples its 20th token at step 20 and frees its pages; b ends at step 35. Admitting in
-    # the preempting step as well preempted b at every step from 6 to 20 (15 times, the same 35 steps).
+    # admits nothing. b comes back only with pages for all it knows (60 prompt + 6 sampled tokens: 5
+    # pages), which a's growth leaves it only when a samples its 20th token at step 20; b then recomputes
+    # and ends at step 35. Admitted with its first chunk's pages alone, b was readmitted and preempted
+    # again every other step (8 times, the same 35 steps); admitted in the preempting step as well, at
+    # every step from 6 to 20 (15 times).
     steps = [i + 1 for i, p in enumerate(preempted) if p]
     assert all(preempted[i - 1] == ["b"] for i in steps)
-    assert steps == [6, 8, 10, 12, 14, 16, 18, 20] and len(preempted) == 35
+    assert steps == [6] and len(preempted) == 35
     assert a.output_ids == b.output_ids == [1000 + i for i in range(20)]
     assert kv.pool.num_free == 9  # every page back (cached pages count as free: evictable)
+
+
+def test_long_prompts_wait_for_their_pages_instead_of_preempting_each_other() -> None:
+    """A prefill worker's load (one token each): three 150-token prompts, 10 pages each, in a pool of 12."""
+    kv = KVCacheManager(PagePool(12, page_size=PAGE), page_size=PAGE)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, chunk_size=64), kv)
+    seqs = [
+        Sequence(name, list(range(k, k + 150)), SamplingParams(max_tokens=1), torch.Generator())
+        for k, name in ((0, "a"), (200, "b"), (400, "c"))
+    ]
+    for seq in seqs:
+        sched.add(seq)
+    preempted: list[list[str]] = []
+    while sched.has_work():
+        preempted.append(_advance(sched, 1))
+        assert len(preempted) < 100, "the prompts never finished"
+    # Each prompt takes 3 steps of chunks (64, 64, 22 tokens) alone in the pool: a in steps 1-3, b in
+    # 4-6, c in 7-9, none preempted. Admitted with its first chunk's pages, b came in beside a at step 1
+    # and a's growth preempted it at step 2, then b's growth preempted c at step 5: 80 prompt tokens
+    # computed twice (8 steps, some with two prompts' chunks).
+    assert preempted == [[]] * 9
+    assert [s.output_ids for s in seqs] == [[1000]] * 3
+    assert kv.pool.num_free == 12
