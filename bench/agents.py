@@ -282,7 +282,13 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
         m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
         return float(m.group(1)) if m else math.nan
 
+    # recompute fallbacks of the worker's own pulls by reason (a decode worker's: P -> D READs)
+    fallbacks = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'^kvserving_worker_kv_reuse_fallbacks_total\{reason="([a-z_]+)"\} ([0-9.e+]+)$', text, re.M)
+    }
     return {
+        **{f"fallback_{reason}": n for reason, n in fallbacks.items()},
         "evicted_pages": counter("kvserving_worker_kv_evicted_pages_total"),
         "reclaimed_leases": counter("kvserving_worker_kv_leases_reclaimed_total"),
         "preemptions": float(stats.get("preemptions", 0)),
@@ -455,6 +461,11 @@ def run_stack(
             for role in workers:
                 for key in ("evicted_pages", "preemptions", "reclaimed_leases", "computed_tokens"):
                     point[f"{role}_{key}"] = int(after[role][key] - before[role][key])
+                point[f"{role}_fallbacks"] = {
+                    key.removeprefix("fallback_"): int(v - before[role].get(key, 0.0))
+                    for key, v in after[role].items()
+                    if key.startswith("fallback_") and v > before[role].get(key, 0.0)
+                }
                 for kind in ("decode", "mixed"):  # the engine's steps in the window: how many, mean wall time
                     steps = after[role].get(f"{kind}_steps", 0.0) - before[role].get(f"{kind}_steps", 0.0)
                     seconds = after[role].get(f"{kind}_step_s", 0.0) - before[role].get(f"{kind}_step_s", 0.0)
@@ -473,7 +484,7 @@ def run_stack(
                 f"evicted P/D {point['prefill_evicted_pages']}/{point['decode_evicted_pages']}  "
                 f"D steps decode {point['decode_decode_steps']} x {point['decode_decode_step_ms']:.1f} ms, "
                 f"mixed {point['decode_mixed_steps']} x {point['decode_mixed_step_ms']:.1f} ms, "
-                f"computed {point['decode_computed_tokens']}  errors {len(errors)}  {wall:.1f} s",
+                f"computed {point['decode_computed_tokens']}, fallbacks {point['decode_fallbacks']}  errors {len(errors)}  {wall:.1f} s",
                 file=sys.stderr,
                 flush=True,
             )
