@@ -6,6 +6,7 @@ retained conversation."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -180,3 +181,25 @@ def test_a_pull_reclaims_retained_conversations_when_the_pool_is_full(decode: KV
     assert reclaimed >= 1
     held = {le["lease_id"] for le in decode.leases()}
     assert held == set(leases[reclaimed:])  # the oldest retained conversations went first
+
+
+def test_a_pull_into_a_full_pool_waits_for_pages_until_its_deadline(decode: KVTransfer) -> None:
+    # Every page owned by running requests: the pull's pages come when one of them ends, not a
+    # recompute that would need as many pages; with none ending, it gives up at its deadline.
+    pool = decode.engine.pool
+    taken = pool.allocate([4] * pool.num_free_pages(bits=4))
+    assert taken is not None and pool.num_free_pages(bits=4) == 0
+    assert decode.puller.allocate_for_pull([4] * 3) is None
+    start = time.monotonic()
+    assert decode.puller.wait_for_pages([4] * 3, until=start + 0.3) is None
+    assert time.monotonic() - start >= 0.25  # waited (polls of 20 ms) until the deadline's last poll
+    got: list[list[int] | None] = []
+    waiter = threading.Thread(target=lambda: got.append(decode.puller.wait_for_pages([4] * 3, until=time.monotonic() + 30.0)))
+    waiter.start()
+    time.sleep(0.1)
+    assert waiter.is_alive() and not got  # still waiting: nothing was freed
+    pool.free(taken[:5])  # a request ended
+    waiter.join(timeout=30.0)
+    assert got and got[0] is not None and len(got[0]) == 3 and set(got[0]) <= set(taken[:5])  # the freed pages
+    pool.free(got[0])
+    pool.free(taken[5:])

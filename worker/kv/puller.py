@@ -5,6 +5,7 @@ Worker: kv_transfer_params; docs/worker-api.md)::
             sender's stored precision, from its page ids' INT2 flag); keep the leading
             remote pages whose hashes equal them; skip the ones the local prefix cache
             holds (pinned meanwhile); decide whether the rest is worth a READ; allocate
+            (a full pool: wait for pages while the READ can still meet its deadline)
     hold    the sender compares a digest of the offered page ids, hashes and token count
             with its own record of the lease and pins those pages (``LeaseStore.hold``);
             sent before ``plan``, so the round trip overlaps it
@@ -77,6 +78,10 @@ FALLBACK_REASONS = (
     "bits_cut_mismatch",
 )
 HOLD_MARGIN_S = 2.0  # a hold outlives the puller's READ deadline by this much
+# A pull that finds no free pages waits for them this share of ``transfer_timeout_s`` (the READ keeps the
+# rest: milliseconds at GPU rates), asking again every PAGE_WAIT_POLL_S.
+PAGE_WAIT_SHARE = 0.5
+PAGE_WAIT_POLL_S = 0.02
 DEFAULT_THRESHOLD_TOKENS = 64  # "auto" before both rates are measured
 # ``PullResult.phases``, on the request's path in this order: hash and match the prompt and
 # allocate (one engine-thread hop), wait for the sender's hold (sent before planning), build the
@@ -399,6 +404,18 @@ class Puller:
             got = pool.allocate(bits)
         return got
 
+    def wait_for_pages(self, bits: list[int], *, until: float) -> list[int] | None:
+        """``allocate_for_pull`` again at most every ``PAGE_WAIT_POLL_S`` (one hop onto the engine thread: once
+        per engine step at most) until it gives pages or ``until`` (monotonic) passes. A full pool frees pages
+        as its running requests end; recomputing instead would need as many pages and the prompt's compute
+        too (on a busy GPU, steps of hundreds of ms for each long prompt)."""
+        while time.monotonic() + PAGE_WAIT_POLL_S < until:
+            time.sleep(PAGE_WAIT_POLL_S)
+            got = self._on_engine(lambda: self.allocate_for_pull(bits))
+            if got is not None:
+                return got
+        return None
+
     def _pin_ttl(self) -> float:
         return max(60.0, 2 * self.reuse.transfer_timeout_s)
 
@@ -416,6 +433,10 @@ class Puller:
         if plan.skipped is not None:
             return self._fail("hash_mismatch", **base) if diverged else PullResult(skipped=plan.skipped, **base)
         local = plan.local
+        if local is None:
+            bits = [page_id_bits(pid) for pid in plan.remote_pids]
+            local = self.wait_for_pages(bits, until=t_send + PAGE_WAIT_SHARE * self.reuse.transfer_timeout_s)
+            ph.mark("plan")
         if local is None:
             return PullResult(skipped="no_free_pages", **base)
         assert contact is not None
