@@ -38,6 +38,7 @@ its one-token decodes plus ``CostModel.prefill_step`` for its prompt chunks.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -166,6 +167,9 @@ class Worker:
         self._planning = False  # a step is being planned: releases must not start another
         self._arrivals = 0
         self.gpu: Any = None  # a ``SharedGpu`` when the other role runs on the same GPU
+        self.merge_steps = True  # a run of identical decode steps advances in one event (``_Run``)
+        self._run: _Run | None = None
+        self._run_version = 0  # the live run's end event carries it; a cut or a GPU hand-over voids older ones
         self.on_done: Callable[[Req, float], None] = lambda req, now: None
 
     @property
@@ -190,6 +194,11 @@ class Worker:
 
     # ------------------------------------------------------------------ engine steps
     def arrive(self, req: Req, now: float) -> None:
+        run = self._run
+        if run is not None:
+            m = self._settle(now)
+            if run.admits:  # the next step admits it
+                self._cut(m)
         self.waiting.append(req)
         self._kick(now)
 
@@ -218,6 +227,8 @@ class Worker:
             return
         self.busy = True
         dt = self._step_seconds(plan)
+        if self.merge_steps and self._start_run(plan, now, dt):
+            return
         if self.gpu is not None:  # a GPU shared with the other role times the step (kvserving.sim.shared_gpu)
             self.gpu.start(self, now, dt, plan)
             return
@@ -361,6 +372,163 @@ class Worker:
         self.busy = False
         self._kick(now)
 
+    # ------------------------------------------------------------------ runs of decode steps
+    def _start_run(self, plan: list[tuple[_Seq, int]], now: float, dt: float) -> bool:
+        """Run ``plan`` (step 0, ``dt`` seconds, its pages allocated) and the identical steps after
+        it as one event, when there are at least two (see ``_Run``); False: step it alone."""
+        sched = self.sched
+        admits = len(plan) < sched.max_num_batched_tokens and len(self.running) < sched.max_num_seqs
+        if admits and self.waiting:
+            return False  # the next step tries the queue's head
+        gpu = self.gpu
+        if gpu is not None and not gpu.alone(self):
+            return False  # the other role's step sets this one's rate
+        steps = _MAX_RUN
+        for seq, n in plan:
+            req = seq.req
+            if n != 1 or seq.computed < req.prompt:
+                return False  # a prompt chunk
+            left = req.output - max(1, req.sampled)  # steps until its reply ends, that one included
+            if left < steps:
+                steps = left
+        if steps < 2:
+            return False
+        p = self.page_size
+        ctx = 0
+        firsts: list[int] = []
+        due: dict[int, int] = {}  # step -> sequences whose first new page it allocates
+        for seq, _ in plan:
+            c = seq.computed
+            ctx += c + 1
+            first = seq.pages * p - c  # the first step whose token starts a page it lacks
+            firsts.append(first)
+            due[first] = due.get(first, 0) + 1
+        ctx0 = ctx
+        batch = len(plan)
+        a, c_s = self.costs.decode_step_parts(self.dtype, batch)
+        expiry = self.next_expiry()
+        free = self.cache.free  # allocations up to this many never reclaim a lease nor fail
+        phase = [0] * p  # sequences allocating every p steps, by step % p
+        times = [now]
+        t = now
+        j = 0
+        while True:
+            end = t + dt
+            if gpu is not None and dt - (end - t) > 1e-9:
+                break  # the shared GPU would not end step j there (SharedGpu._done): it goes alone
+            times.append(end)
+            t = end
+            j += 1
+            if j >= steps or t >= expiry:
+                break  # step j - 1 ends a reply, or step j expires a lease
+            r = j % p
+            if j in due:
+                phase[r] += due.pop(j)
+            need = phase[r]
+            if need > free:
+                break
+            free -= need
+            ctx += batch
+            dt = a + c_s * ctx
+        if len(times) < 3:
+            return False
+        self._run_version += 1
+        self._run = _Run(plan, times, firsts, admits, a, c_s, ctx0, self._run_version)
+        if gpu is not None:
+            gpu.start_run(self, now)
+        self.sim.call_at(times[-1], self._run_end, self._run_version)
+        return True
+
+    def _settle(self, now: float) -> int:
+        """Allocate the pages of the run's steps planned by ``now`` (before anything else touches
+        the pool); the step in progress at ``now``."""
+        run = self._run
+        assert run is not None
+        times = run.times
+        m = bisect_right(times, now) - 1
+        if m > len(times) - 2:
+            m = len(times) - 2
+        if m > run.planned:
+            self._run_pages(run, m)
+        return m
+
+    def _run_pages(self, run: _Run, upto: int) -> None:
+        """The pages steps ``run.planned + 1 .. upto`` allocate. With no other pool operation in
+        between (every one settles first) and none failing, allocating them per sequence at once
+        leaves the pool as step-by-step allocation would: pages are counted, not named, and
+        eviction takes the same LRU pages whichever hold asks."""
+        p = self.page_size
+        lo = run.planned
+        cache = self.cache
+        for (seq, _), first in zip(run.plan, run.firsts):
+            if upto < first:
+                continue
+            n = (upto - first) // p + 1
+            if lo >= first:
+                n -= (lo - first) // p + 1
+            if n:
+                hold = seq.req.hold
+                assert hold is not None
+                if not cache.allocate(hold, n):
+                    raise AssertionError("a run's pages were counted free")
+                seq.pages += n
+        run.planned = upto
+
+    def _cut(self, m: int) -> None:
+        """The run ends with step ``m`` (in progress): the next step is planned as usual."""
+        run = self._run
+        assert run is not None
+        times = run.times
+        if m + 2 < len(times):
+            del times[m + 2 :]
+            self._run_version += 1
+            run.version = self._run_version
+            self.sim.call_at(times[-1], self._run_end, run.version)
+
+    def _advance(self, run: _Run, upto: int) -> None:
+        """Steps ``run.advanced .. upto - 1`` are over (none ended a reply): what ``_step_done`` did for each."""
+        d = upto - run.advanced
+        if d <= 0:
+            return
+        run.advanced = upto
+        for seq, _ in run.plan:
+            seq.computed += d
+            seq.tokens += d
+            req = seq.req
+            req.sampled = max(1, req.sampled) + d
+
+    def _run_end(self, version: int, now: float) -> None:
+        run = self._run
+        if run is None or run.version != version:
+            return  # cut shorter, or handed to the shared GPU
+        last = len(run.times) - 2  # the run's last step
+        if last > run.planned:
+            self._run_pages(run, last)
+        self._run = None
+        self._advance(run, last)
+        if self.gpu is not None:
+            self.gpu.end_run(self, run.times)
+        self._step_done(run.plan, now)
+
+    def hand_run_to_gpu(self, now: float) -> None:
+        """The other role starts a step (or the GPU's counters are read) during a run: the steps
+        before ``now`` are over and the one in progress becomes a GPU job, as if stepped alone."""
+        run = self._run
+        assert run is not None
+        m = self._settle(now)
+        self._run = None
+        self._run_version += 1
+        self._advance(run, m)
+        seconds = run.a + run.c * (run.ctx0 + m * len(run.plan))
+        self.gpu.resume(self, run.times, m, seconds, run.plan)
+
+    def catch_up(self, now: float) -> None:
+        """Bring the pool and the sequences up to ``now`` (the run's steps planned by then
+        allocated, those over counted), as stepping leaves them: before they are read."""
+        run = self._run
+        if run is not None:
+            self._advance(run, self._settle(now))
+
     def _tokens(self, req: Req) -> int:
         """Tokens whose KV ``req`` needs before it samples its next token."""
         raise NotImplementedError
@@ -390,6 +558,11 @@ class Worker:
         prefix: str,
         reclaimable: bool = False,
     ) -> WLease:
+        run = self._run
+        if run is not None:
+            m = self._settle(now)
+            if now + ttl_s <= run.times[-2]:
+                self._cut(m)  # a later step of the run would expire it
         self._lease_seq += 1
         lease = WLease(f"{prefix}{self.url}-{self._lease_seq}", self, hold, now + ttl_s, conv, pages, stable, reclaimable)
         self.leases[lease.lease_id] = lease
@@ -440,6 +613,8 @@ class Worker:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return False
+        if self._run is not None:
+            self._settle(now)
         lease.gone = True
         self.cache.release(lease.hold)
         if lease.conv is not None and self.conv_lease.get(lease.conv) == lease_id:
@@ -490,6 +665,8 @@ class Worker:
         """``KVTransfer.pull`` against ``offer`` (the sender's lease as the receiver knows it)."""
         if offer is None:
             return _NO_PULL
+        if self._run is not None:
+            self._cut(self._settle(now))  # the pull takes pages the run counted on
         if offer.expires_at <= now:
             return self._fail("lease_expired")
         limit = (req.prompt - 1) // self.page_size
@@ -533,6 +710,36 @@ def _threshold_pages(reuse: ReuseConfig, page_size: int) -> int:
     return -(-tokens // page_size) if tokens > 0 else 1
 
 
+_MAX_RUN = 512  # steps one run event covers at most (a bound on the times computed ahead)
+
+
+@dataclass(slots=True, eq=False)
+class _Run:
+    """Decode steps of one plan advanced in one event (``Worker.merge_steps``).
+
+    While no admission can happen, no reply ends, no lease expires and the shared GPU (if any)
+    runs nothing else, every step repeats the plan: one token per sequence, a step time that
+    only grows with the context. Step ``j`` runs ``[times[j], times[j + 1])`` with the time
+    ``_step_seconds`` gives it and ``times[j + 1] = times[j] + dt`` as a stepped run adds it.
+    A sequence needing a page does not end the run: while the run's pages fit in the pool's
+    free and evictable pages, none fails or reclaims, so they are allocated lazily (``_settle``,
+    before any other pool operation). An arrival that the next step would admit, a pull or a
+    lease that a later step would expire cuts the run after the step in progress; the shared
+    GPU's other role starting a step turns that step into a GPU job (``hand_run_to_gpu``).
+    Results equal stepping one event per step (tests/sim/test_merged_steps.py)."""
+
+    plan: list[tuple[_Seq, int]]
+    times: list[float]
+    firsts: list[int]  # per plan entry: the step allocating its next page (then every page_size steps)
+    admits: bool  # the plan leaves room for the queue's head (an arrival cuts the run)
+    a: float  # a step's seconds: a + c * context tokens (CostModel.decode_step_parts)
+    c: float
+    ctx0: int  # context tokens of step 0 (each step adds one per sequence)
+    version: int
+    planned: int = 0  # steps whose pages are allocated
+    advanced: int = 0  # steps counted in the sequences
+
+
 @dataclass(slots=True, eq=False)
 class _Seq:
     """A request the engine runs: KV for ``tokens`` tokens is needed before it samples next,
@@ -567,6 +774,7 @@ class PrefillWorker(Worker):
             url, sim=sim, pages=pages, page_size=page_size, dtype=dtype, costs=costs, reuse=reuse, sched=sched, pull_reclaims=pull_reclaims
         )
         self._view_by_load: dict[int, WorkerView] = {}
+        self.merge_steps = False  # its steps are prompt chunks
 
     def board_entry(self, n: int) -> WorkerView:
         """The router's view of this worker at load ``n``."""
