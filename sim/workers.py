@@ -170,6 +170,7 @@ class Worker:
         self.merge_steps = True  # a run of identical decode steps advances in one event (``_Run``)
         self._run: _Run | None = None
         self._run_version = 0  # the live run's end event carries it; a cut or a GPU hand-over voids older ones
+        self._scratch = Hold(0)  # takes a run's pages in one allocation, then hands them to their holds
         self.on_done: Callable[[Req, float], None] = lambda req, now: None
 
     @property
@@ -383,61 +384,85 @@ class Worker:
         gpu = self.gpu
         if gpu is not None and not gpu.alone(self):
             return False  # the other role's step sets this one's rate
-        steps = _MAX_RUN
+        p = self.page_size
+        steps = 1 << 62
+        ctx = 0
+        firsts: list[int] = []
+        phase = [0] * p
+        due: dict[int, int] = {}  # step -> sequences whose first new page comes after step p
         for seq, n in plan:
             req = seq.req
-            if n != 1 or seq.computed < req.prompt:
+            c = seq.computed
+            if n != 1 or c < req.prompt:
                 return False  # a prompt chunk
             left = req.output - max(1, req.sampled)  # steps until its reply ends, that one included
             if left < steps:
+                if left < 2:
+                    return False
                 steps = left
-        if steps < 2:
-            return False
-        p = self.page_size
-        ctx = 0
-        firsts: list[int] = []
-        due: dict[int, int] = {}  # step -> sequences whose first new page it allocates
-        for seq, _ in plan:
-            c = seq.computed
             ctx += c + 1
             first = seq.pages * p - c  # the first step whose token starts a page it lacks
             firsts.append(first)
-            due[first] = due.get(first, 0) + 1
-        ctx0 = ctx
-        batch = len(plan)
-        a, c_s = self.costs.decode_step_parts(self.dtype, batch)
-        expiry = self.next_expiry()
-        free = self.cache.free  # allocations up to this many never reclaim a lease nor fail
-        phase = [0] * p  # sequences allocating every p steps, by step % p
-        times = [now]
-        t = now
-        j = 0
-        while True:
-            end = t + dt
-            if gpu is not None and dt - (end - t) > 1e-9:
-                break  # the shared GPU would not end step j there (SharedGpu._done): it goes alone
-            times.append(end)
-            t = end
-            j += 1
-            if j >= steps or t >= expiry:
-                break  # step j - 1 ends a reply, or step j expires a lease
-            r = j % p
-            if j in due:
-                phase[r] += due.pop(j)
-            need = phase[r]
-            if need > free:
-                break
-            free -= need
-            ctx += batch
-            dt = a + c_s * ctx
-        if len(times) < 3:
+            if first <= p:  # then every step j >= 1 with j = first mod p
+                phase[first % p] += 1
+            else:
+                due[first] = due.get(first, 0) + 1
+        a, c_s = self.costs.decode_step_parts(self.dtype, len(plan))
+        run = _Run(plan, [now], firsts, admits, a, c_s, ctx, 0, steps, self.next_expiry(), self.cache.free, due, phase, dt, ctx)
+        self._extend(run)
+        if len(run.times) < 3:
             return False
         self._run_version += 1
-        self._run = _Run(plan, times, firsts, admits, a, c_s, ctx0, self._run_version)
+        run.version = self._run_version
+        self._run = run
         if gpu is not None:
             gpu.start_run(self, now)
-        self.sim.call_at(times[-1], self._run_end, self._run_version)
+        self.sim.call_at(run.times[-1], self._run_end, run.version)
         return True
+
+    def _extend(self, run: _Run) -> bool:
+        """Time up to ``_RUN_CHUNK`` more steps of an open run (fewer where one would end a reply,
+        expire a lease or lack pages: the run closes there); whether any were added."""
+        times = run.times
+        t = times[-1]
+        j = len(times) - 1  # the step that would start at t
+        dt = run.dt  # step 0's: planned, timed and given its pages by ``_start_step``
+        if j and (j >= run.steps or t >= run.expiry):
+            run.open = False  # step j - 1 ends a reply, or step j expires a lease
+            return False
+        p = self.page_size
+        phase, due, batch, a, c = run.phase, run.due, len(run.plan), run.a, run.c
+        gpu = self.gpu
+        free, ctx = run.free, run.ctx
+        stop = j + _RUN_CHUNK
+        added = False
+        while True:
+            if j:
+                r = j % p
+                if due and j in due:
+                    phase[r] += due.pop(j)
+                need = phase[r]
+                if need > free:
+                    run.open = False  # step j's pages might need a lease reclaimed or a preemption
+                    break
+                free -= need
+                ctx += batch
+                dt = a + c * ctx
+            end = t + dt
+            if gpu is not None and dt - (end - t) > 1e-9:
+                run.open = False  # the shared GPU would not end step j there (SharedGpu._done)
+                break
+            times.append(end)
+            added = True
+            t = end
+            j += 1
+            if j >= run.steps or t >= run.expiry:
+                run.open = False
+                break
+            if j >= stop:
+                break
+        run.free, run.ctx = free, ctx
+        return added
 
     def _settle(self, now: float) -> int:
         """Allocate the pages of the run's steps planned by ``now`` (before anything else touches
@@ -454,12 +479,13 @@ class Worker:
 
     def _run_pages(self, run: _Run, upto: int) -> None:
         """The pages steps ``run.planned + 1 .. upto`` allocate. With no other pool operation in
-        between (every one settles first) and none failing, allocating them per sequence at once
-        leaves the pool as step-by-step allocation would: pages are counted, not named, and
-        eviction takes the same LRU pages whichever hold asks."""
+        between (every one settles first) and none failing, allocating them all at once leaves
+        the pool as step-by-step allocation would: pages are counted, not named, and eviction
+        takes the same LRU pages in the same order whichever hold asks."""
         p = self.page_size
         lo = run.planned
-        cache = self.cache
+        grown: list[tuple[_Seq, int]] = []
+        total = 0
         for (seq, _), first in zip(run.plan, run.firsts):
             if upto < first:
                 continue
@@ -467,17 +493,24 @@ class Worker:
             if lo >= first:
                 n -= (lo - first) // p + 1
             if n:
-                hold = seq.req.hold
-                assert hold is not None
-                if not cache.allocate(hold, n):
-                    raise AssertionError("a run's pages were counted free")
-                seq.pages += n
+                grown.append((seq, n))
+                total += n
         run.planned = upto
+        scratch = self._scratch
+        if not self.cache.allocate(scratch, total):
+            raise AssertionError("a run's pages were counted free")
+        scratch.loose = 0
+        for seq, n in grown:
+            hold = seq.req.hold
+            assert hold is not None
+            hold.loose += n
+            seq.pages += n
 
     def _cut(self, m: int) -> None:
         """The run ends with step ``m`` (in progress): the next step is planned as usual."""
         run = self._run
         assert run is not None
+        run.open = False
         times = run.times
         if m + 2 < len(times):
             del times[m + 2 :]
@@ -498,17 +531,33 @@ class Worker:
             req.sampled = max(1, req.sampled) + d
 
     def _run_end(self, version: int, now: float) -> None:
+        """The run's last timed step is over: time more, or end it as ``_step_done`` ends a step."""
         run = self._run
         if run is None or run.version != version:
             return  # cut shorter, or handed to the shared GPU
+        if run.open and self._extend(run):
+            self.sim.call_at(run.times[-1], self._run_end, version)
+            return
         last = len(run.times) - 2  # the run's last step
         if last > run.planned:
             self._run_pages(run, last)
         self._run = None
-        self._advance(run, last)
         if self.gpu is not None:
             self.gpu.end_run(self, run.times)
-        self._step_done(run.plan, now)
+        d = last + 1 - run.advanced  # steps still to count, the last included
+        for seq, _ in run.plan:
+            req = seq.req
+            s = max(1, req.sampled) + d
+            seq.computed += d
+            if s < req.output:
+                req.sampled = s
+                seq.tokens += d
+            else:  # its reply ends with the last step
+                req.sampled = s - 1
+                seq.tokens += d - 1
+                self._sampled(seq, now)
+        self.busy = False
+        self._kick(now)
 
     def hand_run_to_gpu(self, now: float) -> None:
         """The other role starts a step (or the GPU's counters are read) during a run: the steps
@@ -563,6 +612,8 @@ class Worker:
             m = self._settle(now)
             if now + ttl_s <= run.times[-2]:
                 self._cut(m)  # a later step of the run would expire it
+            elif now + ttl_s < run.expiry:
+                run.expiry = now + ttl_s  # nor may a step timed later
         self._lease_seq += 1
         lease = WLease(f"{prefix}{self.url}-{self._lease_seq}", self, hold, now + ttl_s, conv, pages, stable, reclaimable)
         self.leases[lease.lease_id] = lease
@@ -710,7 +761,7 @@ def _threshold_pages(reuse: ReuseConfig, page_size: int) -> int:
     return -(-tokens // page_size) if tokens > 0 else 1
 
 
-_MAX_RUN = 512  # steps one run event covers at most (a bound on the times computed ahead)
+_RUN_CHUNK = 16  # steps a run times ahead at a time (most runs are cut within a few)
 
 
 @dataclass(slots=True, eq=False)
@@ -720,13 +771,14 @@ class _Run:
     While no admission can happen, no reply ends, no lease expires and the shared GPU (if any)
     runs nothing else, every step repeats the plan: one token per sequence, a step time that
     only grows with the context. Step ``j`` runs ``[times[j], times[j + 1])`` with the time
-    ``_step_seconds`` gives it and ``times[j + 1] = times[j] + dt`` as a stepped run adds it.
-    A sequence needing a page does not end the run: while the run's pages fit in the pool's
-    free and evictable pages, none fails or reclaims, so they are allocated lazily (``_settle``,
-    before any other pool operation). An arrival that the next step would admit, a pull or a
-    lease that a later step would expire cuts the run after the step in progress; the shared
-    GPU's other role starting a step turns that step into a GPU job (``hand_run_to_gpu``).
-    Results equal stepping one event per step (tests/sim/test_merged_steps.py)."""
+    ``_step_seconds`` gives it and ``times[j + 1] = times[j] + dt`` as stepping adds it; the
+    steps are timed ``_RUN_CHUNK`` at a time (``_extend``), the run's event sits at the end of
+    the last one timed. A sequence needing a page does not end the run: while the run's pages
+    fit in the pool's free and evictable pages, none fails or reclaims, so they are allocated
+    lazily (``_settle``, before any other pool operation). An arrival that the next step would
+    admit, a pull or a lease that a later step would expire cuts the run after the step in
+    progress; the shared GPU's other role starting a step turns that step into a GPU job
+    (``hand_run_to_gpu``). Results equal stepping one event per step (tests/sim/test_merged_steps.py)."""
 
     plan: list[tuple[_Seq, int]]
     times: list[float]
@@ -736,6 +788,14 @@ class _Run:
     c: float
     ctx0: int  # context tokens of step 0 (each step adds one per sequence)
     version: int
+    steps: int  # the run's steps at most: its first reply ends with the last
+    expiry: float  # no step may start at or after it (the first lease to expire)
+    free: int  # pages the pool could still give the steps timed next without reclaiming
+    due: dict[int, int]  # step -> sequences whose first page it allocates (not yet timed)
+    phase: list[int]  # sequences allocating at every step j with j % page_size == index
+    dt: float  # step 0's seconds
+    ctx: int  # context tokens of the last step timed
+    open: bool = True  # more steps may be timed
     planned: int = 0  # steps whose pages are allocated
     advanced: int = 0  # steps counted in the sequences
 
