@@ -14,7 +14,8 @@ the most recently admitted one is **preempted**: its computed full pages join
 the prefix cache (evictable), the rest are freed, and it goes back to the
 front of the queue with the tokens it sampled (a step that preempted admits
 nothing); readmitted, it recomputes whatever the cache no longer holds. A step costs ``CostModel.decode_step`` for
-its one-token decodes plus ``CostModel.prefill_step`` for its prompt chunks.
+its one-token decodes plus ``CostModel.prefill_step`` for its prompt chunks. A run of identical decode steps
+advances in one event (``_Run``) with the results of stepping each.
 
 - A **prefill worker** computes the prompt and samples the reply's first
   token (gateway/turn.py: TTFT is the prefill's); the prompt's full pages stay
