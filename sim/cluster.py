@@ -115,10 +115,20 @@ class _Agent:
 class Simulator(Sim):
     """The event loop, the gateway and the agents over a ``ClusterSpec``."""
 
-    def __init__(self, cluster: ClusterSpec, load: LoadSpec, *, bidirectional: bool | None = None, sweep_s: float | None = None) -> None:
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        load: LoadSpec,
+        *,
+        bidirectional: bool | None = None,
+        sweep_s: float | None = None,
+        merge_steps: bool = True,
+    ) -> None:
         """``sweep_s``: the gateway's lease heartbeat period (default the real one, a quarter of
         min(heartbeat, lease TTL)); each beat walks the whole lease table, so a population of
-        thousands of agents runs with a coarser beat (idle releases up to ``sweep_s`` late)."""
+        thousands of agents runs with a coarser beat (idle releases up to ``sweep_s`` late).
+        ``merge_steps``: a run of identical decode steps advances in one event (same results,
+        fewer events; ``workers._Run``); False steps every one."""
         self.cluster = cluster
         self.load = load
         self.now = 0.0
@@ -157,6 +167,7 @@ class Simulator(Sim):
         for i, d in enumerate(self.decode):
             d.on_done = self._decode_done
             d.bind_board(self._dloads, i)
+            d.merge_steps = merge_steps
         g = cluster.gateway
         self.table = LeaseTable(lease_ttl_s=cluster.reuse.lease_ttl_s, heartbeat_s=g.lease_heartbeat_s, max_leases=g.max_leases)
         self._sweep_period = sweep_s if sweep_s is not None else min(g.lease_heartbeat_s, cluster.reuse.lease_ttl_s) / 4
@@ -226,6 +237,8 @@ class Simulator(Sim):
             if collect:
                 gc.enable()
         self.now = max(self.now, until) if until != math.inf else self.now
+        for d in self.decode:  # pools as stepping leaves them at the stop (their pages, evictions)
+            d.catch_up(self.now)
 
     def _ensure_sweep(self) -> None:
         if not self._sweeping:

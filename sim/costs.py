@@ -185,6 +185,12 @@ class CostModel:
     def decode_step(self, dtype: str, batch: int, context_tokens: float) -> float:
         return self.decode_step_s + self.decode_seq_s * batch + self.decode_ctx_s[dtype] * context_tokens
 
+    def decode_step_parts(self, dtype: str, batch: int) -> tuple[float, float]:
+        """``(a, c)`` with ``decode_step(dtype, batch, ctx) == a + c * ctx`` bit for bit (the same
+        float operations in the same order): a run of decode steps of one batch times each step
+        from its context alone."""
+        return self.decode_step_s + self.decode_seq_s * batch, self.decode_ctx_s[dtype]
+
     def pull_s(self, nbytes: float) -> float:
         return self.transfer_overhead_s + self.layers * self.transfer_runs * self.transfer_region_s + nbytes / self.transfer_bytes_per_s
 

@@ -8,6 +8,10 @@ bench/sim_shared_gpu.py: 0.50 / 0.45 on an H200, so the switches cost ~5 %); alo
 speed. A step's remaining GPU time is tracked and its end rescheduled whenever the other
 worker's step starts or ends. Counters: seconds with only the prefill, only the decode, or
 both busy.
+
+A worker alone on the GPU may run identical decode steps as one event (``workers._Run``): the
+GPU then only books their busy time, step by step as stepping would, when the run ends; when the
+other role starts a step meanwhile, the step in progress becomes a GPU job (``resume``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class SharedGpu:
         costs = decode.costs
         self._share = {prefill: costs.shared_gpu_prefill_share, decode: costs.shared_gpu_decode_share}  # rates while both run
         self.busy_s = {"prefill_only": 0.0, "decode_only": 0.0, "both": 0.0}
+        self._run: Worker | None = None  # a worker running merged steps alone
 
     def _progress(self, now: float) -> None:
         """Advance the running steps to ``now`` and count the busy time."""
@@ -51,6 +56,8 @@ class SharedGpu:
 
     def start(self, worker: Worker, now: float, seconds: float, plan: Any) -> None:
         """``worker`` starts a step of ``seconds`` alone on the GPU; it ends with ``worker._step_done(plan)``."""
+        if self._run is not None:
+            self._run.hand_run_to_gpu(now)
         self._progress(now)
         self._jobs[worker] = [seconds, plan]
         self._schedule(now)
@@ -74,6 +81,40 @@ class SharedGpu:
         for w, plan in finished:
             w._step_done(plan, now)
 
+    def alone(self, worker: Worker) -> bool:
+        """Whether no other step runs: ``worker``'s next steps take their full time."""
+        return not self._jobs
+
+    def start_run(self, worker: Worker, now: float) -> None:
+        """``worker`` runs merged steps from ``now``, alone until ``end_run`` or ``resume``."""
+        self._progress(now)
+        self._run = worker
+
+    def end_run(self, worker: Worker, times: list[float]) -> None:
+        """The run's steps ``[times[j], times[j + 1])`` are over: their busy time, step by step."""
+        self._book(worker, times, len(times) - 1)
+        self._mark = times[-1]
+        self._run = None
+        self._version += 1
+
+    def resume(self, worker: Worker, times: list[float], m: int, seconds: float, plan: Any) -> None:
+        """Step ``m`` of the run, started at ``times[m]``, is a job of ``seconds`` from now on."""
+        self._book(worker, times, m)
+        self._mark = times[m]
+        self._run = None
+        self._jobs[worker] = [seconds, plan]
+        self._version += 1
+        self.sim.call_at(times[m] + max(0.0, seconds), self._done, self._version)
+
+    def _book(self, worker: Worker, times: list[float], steps: int) -> None:
+        key = "prefill_only" if worker is self.prefill else "decode_only"
+        busy = self.busy_s[key]
+        for j in range(steps):
+            busy += times[j + 1] - times[j]
+        self.busy_s[key] = busy
+
     def counters(self, now: float) -> dict[str, float]:
+        if self._run is not None:
+            self._run.hand_run_to_gpu(now)
         self._progress(now)
         return dict(self.busy_s)

@@ -14,7 +14,8 @@ the most recently admitted one is **preempted**: its computed full pages join
 the prefix cache (evictable), the rest are freed, and it goes back to the
 front of the queue with the tokens it sampled (a step that preempted admits
 nothing); readmitted, it recomputes whatever the cache no longer holds. A step costs ``CostModel.decode_step`` for
-its one-token decodes plus ``CostModel.prefill_step`` for its prompt chunks.
+its one-token decodes plus ``CostModel.prefill_step`` for its prompt chunks. A run of identical decode steps
+advances in one event (``_Run``) with the results of stepping each.
 
 - A **prefill worker** computes the prompt and samples the reply's first
   token (gateway/turn.py: TTFT is the prefill's); the prompt's full pages stay
@@ -38,6 +39,7 @@ its one-token decodes plus ``CostModel.prefill_step`` for its prompt chunks.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -166,6 +168,10 @@ class Worker:
         self._planning = False  # a step is being planned: releases must not start another
         self._arrivals = 0
         self.gpu: Any = None  # a ``SharedGpu`` when the other role runs on the same GPU
+        self.merge_steps = True  # a run of identical decode steps advances in one event (``_Run``)
+        self._run: _Run | None = None
+        self._run_version = 0  # the live run's end event carries it; a cut or a GPU hand-over voids older ones
+        self._scratch = Hold(0)  # takes a run's pages in one allocation, then hands them to their holds
         self.on_done: Callable[[Req, float], None] = lambda req, now: None
 
     @property
@@ -190,6 +196,11 @@ class Worker:
 
     # ------------------------------------------------------------------ engine steps
     def arrive(self, req: Req, now: float) -> None:
+        run = self._run
+        if run is not None:
+            m = self._settle(now)
+            if run.admits:  # the next step admits it
+                self._cut(m)
         self.waiting.append(req)
         self._kick(now)
 
@@ -218,6 +229,8 @@ class Worker:
             return
         self.busy = True
         dt = self._step_seconds(plan)
+        if self.merge_steps and self._start_run(plan, now, dt):
+            return
         if self.gpu is not None:  # a GPU shared with the other role times the step (kvserving.sim.shared_gpu)
             self.gpu.start(self, now, dt, plan)
             return
@@ -361,6 +374,211 @@ class Worker:
         self.busy = False
         self._kick(now)
 
+    # ------------------------------------------------------------------ runs of decode steps
+    def _start_run(self, plan: list[tuple[_Seq, int]], now: float, dt: float) -> bool:
+        """Run ``plan`` (step 0, ``dt`` seconds, its pages allocated) and the identical steps after
+        it as one event, when there are at least two (see ``_Run``); False: step it alone."""
+        sched = self.sched
+        admits = len(plan) < sched.max_num_batched_tokens and len(self.running) < sched.max_num_seqs
+        if admits and self.waiting:
+            return False  # the next step tries the queue's head
+        gpu = self.gpu
+        if gpu is not None and not gpu.alone(self):
+            return False  # the other role's step sets this one's rate
+        p = self.page_size
+        steps = 1 << 62
+        ctx = 0
+        firsts: list[int] = []
+        phase = [0] * p
+        due: dict[int, int] = {}  # step -> sequences whose first new page comes after step p
+        for seq, n in plan:
+            req = seq.req
+            c = seq.computed
+            if n != 1 or c < req.prompt:
+                return False  # a prompt chunk
+            left = req.output - max(1, req.sampled)  # steps until its reply ends, that one included
+            if left < steps:
+                if left < 2:
+                    return False
+                steps = left
+            ctx += c + 1
+            first = seq.pages * p - c  # the first step whose token starts a page it lacks
+            firsts.append(first)
+            if first <= p:  # then every step j >= 1 with j = first mod p
+                phase[first % p] += 1
+            else:
+                due[first] = due.get(first, 0) + 1
+        a, c_s = self.costs.decode_step_parts(self.dtype, len(plan))
+        run = _Run(plan, [now], firsts, admits, a, c_s, ctx, 0, steps, self.next_expiry(), self.cache.free, due, phase, dt, ctx)
+        self._extend(run)
+        if len(run.times) < 3:
+            return False
+        self._run_version += 1
+        run.version = self._run_version
+        self._run = run
+        if gpu is not None:
+            gpu.start_run(self, now)
+        self.sim.call_at(run.times[-1], self._run_end, run.version)
+        return True
+
+    def _extend(self, run: _Run) -> bool:
+        """Time up to ``_RUN_CHUNK`` more steps of an open run (fewer where one would end a reply,
+        expire a lease or lack pages: the run closes there); whether any were added."""
+        times = run.times
+        t = times[-1]
+        j = len(times) - 1  # the step that would start at t
+        dt = run.dt  # step 0's: planned, timed and given its pages by ``_start_step``
+        if j and (j >= run.steps or t >= run.expiry):
+            run.open = False  # step j - 1 ends a reply, or step j expires a lease
+            return False
+        p = self.page_size
+        phase, due, batch, a, c = run.phase, run.due, len(run.plan), run.a, run.c
+        gpu = self.gpu
+        free, ctx = run.free, run.ctx
+        stop = j + _RUN_CHUNK
+        added = False
+        while True:
+            if j:
+                r = j % p
+                if due and j in due:
+                    phase[r] += due.pop(j)
+                need = phase[r]
+                if need > free:
+                    run.open = False  # step j's pages might need a lease reclaimed or a preemption
+                    break
+                free -= need
+                ctx += batch
+                dt = a + c * ctx
+            end = t + dt
+            if gpu is not None and dt - (end - t) > 1e-9:
+                run.open = False  # the shared GPU would not end step j there (SharedGpu._done)
+                break
+            times.append(end)
+            added = True
+            t = end
+            j += 1
+            if j >= run.steps or t >= run.expiry:
+                run.open = False
+                break
+            if j >= stop:
+                break
+        run.free, run.ctx = free, ctx
+        return added
+
+    def _settle(self, now: float) -> int:
+        """Allocate the pages of the run's steps planned by ``now`` (before anything else touches
+        the pool); the step in progress at ``now``."""
+        run = self._run
+        assert run is not None
+        times = run.times
+        m = bisect_right(times, now) - 1
+        if m > len(times) - 2:
+            m = len(times) - 2
+        if m > run.planned:
+            self._run_pages(run, m)
+        return m
+
+    def _run_pages(self, run: _Run, upto: int) -> None:
+        """The pages steps ``run.planned + 1 .. upto`` allocate. With no other pool operation in
+        between (every one settles first) and none failing, allocating them all at once leaves
+        the pool as step-by-step allocation would: pages are counted, not named, and eviction
+        takes the same LRU pages in the same order whichever hold asks."""
+        p = self.page_size
+        lo = run.planned
+        grown: list[tuple[_Seq, int]] = []
+        total = 0
+        for (seq, _), first in zip(run.plan, run.firsts):
+            if upto < first:
+                continue
+            n = (upto - first) // p + 1
+            if lo >= first:
+                n -= (lo - first) // p + 1
+            if n:
+                grown.append((seq, n))
+                total += n
+        run.planned = upto
+        scratch = self._scratch
+        if not self.cache.allocate(scratch, total):
+            raise AssertionError("a run's pages were counted free")
+        scratch.loose = 0
+        for seq, n in grown:
+            hold = seq.req.hold
+            assert hold is not None
+            hold.loose += n
+            seq.pages += n
+
+    def _cut(self, m: int) -> None:
+        """The run ends with step ``m`` (in progress): the next step is planned as usual."""
+        run = self._run
+        assert run is not None
+        run.open = False
+        times = run.times
+        if m + 2 < len(times):
+            del times[m + 2 :]
+            self._run_version += 1
+            run.version = self._run_version
+            self.sim.call_at(times[-1], self._run_end, run.version)
+
+    def _advance(self, run: _Run, upto: int) -> None:
+        """Steps ``run.advanced .. upto - 1`` are over (none ended a reply): what ``_step_done`` did for each."""
+        d = upto - run.advanced
+        if d <= 0:
+            return
+        run.advanced = upto
+        for seq, _ in run.plan:
+            seq.computed += d
+            seq.tokens += d
+            req = seq.req
+            req.sampled = max(1, req.sampled) + d
+
+    def _run_end(self, version: int, now: float) -> None:
+        """The run's last timed step is over: time more, or end it as ``_step_done`` ends a step."""
+        run = self._run
+        if run is None or run.version != version:
+            return  # cut shorter, or handed to the shared GPU
+        if run.open and self._extend(run):
+            self.sim.call_at(run.times[-1], self._run_end, version)
+            return
+        last = len(run.times) - 2  # the run's last step
+        if last > run.planned:
+            self._run_pages(run, last)
+        self._run = None
+        if self.gpu is not None:
+            self.gpu.end_run(self, run.times)
+        d = last + 1 - run.advanced  # steps still to count, the last included
+        for seq, _ in run.plan:
+            req = seq.req
+            s = max(1, req.sampled) + d
+            seq.computed += d
+            if s < req.output:
+                req.sampled = s
+                seq.tokens += d
+            else:  # its reply ends with the last step
+                req.sampled = s - 1
+                seq.tokens += d - 1
+                self._sampled(seq, now)
+        self.busy = False
+        self._kick(now)
+
+    def hand_run_to_gpu(self, now: float) -> None:
+        """The other role starts a step (or the GPU's counters are read) during a run: the steps
+        before ``now`` are over and the one in progress becomes a GPU job, as if stepped alone."""
+        run = self._run
+        assert run is not None
+        m = self._settle(now)
+        self._run = None
+        self._run_version += 1
+        self._advance(run, m)
+        seconds = run.a + run.c * (run.ctx0 + m * len(run.plan))
+        self.gpu.resume(self, run.times, m, seconds, run.plan)
+
+    def catch_up(self, now: float) -> None:
+        """Bring the pool and the sequences up to ``now`` (the run's steps planned by then
+        allocated, those over counted), as stepping leaves them: before they are read."""
+        run = self._run
+        if run is not None:
+            self._advance(run, self._settle(now))
+
     def _tokens(self, req: Req) -> int:
         """Tokens whose KV ``req`` needs before it samples its next token."""
         raise NotImplementedError
@@ -390,6 +608,13 @@ class Worker:
         prefix: str,
         reclaimable: bool = False,
     ) -> WLease:
+        run = self._run
+        if run is not None:
+            m = self._settle(now)
+            if now + ttl_s <= run.times[-2]:
+                self._cut(m)  # a later step of the run would expire it
+            elif now + ttl_s < run.expiry:
+                run.expiry = now + ttl_s  # nor may a step timed later
         self._lease_seq += 1
         lease = WLease(f"{prefix}{self.url}-{self._lease_seq}", self, hold, now + ttl_s, conv, pages, stable, reclaimable)
         self.leases[lease.lease_id] = lease
@@ -440,6 +665,8 @@ class Worker:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return False
+        if self._run is not None:
+            self._settle(now)
         lease.gone = True
         self.cache.release(lease.hold)
         if lease.conv is not None and self.conv_lease.get(lease.conv) == lease_id:
@@ -490,6 +717,8 @@ class Worker:
         """``KVTransfer.pull`` against ``offer`` (the sender's lease as the receiver knows it)."""
         if offer is None:
             return _NO_PULL
+        if self._run is not None:
+            self._cut(self._settle(now))  # the pull takes pages the run counted on
         if offer.expires_at <= now:
             return self._fail("lease_expired")
         limit = (req.prompt - 1) // self.page_size
@@ -533,6 +762,45 @@ def _threshold_pages(reuse: ReuseConfig, page_size: int) -> int:
     return -(-tokens // page_size) if tokens > 0 else 1
 
 
+_RUN_CHUNK = 16  # steps a run times ahead at a time (most runs are cut within a few)
+
+
+@dataclass(slots=True, eq=False)
+class _Run:
+    """Decode steps of one plan advanced in one event (``Worker.merge_steps``).
+
+    While no admission can happen, no reply ends, no lease expires and the shared GPU (if any)
+    runs nothing else, every step repeats the plan: one token per sequence, a step time that
+    only grows with the context. Step ``j`` runs ``[times[j], times[j + 1])`` with the time
+    ``_step_seconds`` gives it and ``times[j + 1] = times[j] + dt`` as stepping adds it; the
+    steps are timed ``_RUN_CHUNK`` at a time (``_extend``), the run's event sits at the end of
+    the last one timed. A sequence needing a page does not end the run: while the run's pages
+    fit in the pool's free and evictable pages, none fails or reclaims, so they are allocated
+    lazily (``_settle``, before any other pool operation). An arrival that the next step would
+    admit, a pull or a lease that a later step would expire cuts the run after the step in
+    progress; the shared GPU's other role starting a step turns that step into a GPU job
+    (``hand_run_to_gpu``). Results equal stepping one event per step (tests/sim/test_merged_steps.py)."""
+
+    plan: list[tuple[_Seq, int]]
+    times: list[float]
+    firsts: list[int]  # per plan entry: the step allocating its next page (then every page_size steps)
+    admits: bool  # the plan leaves room for the queue's head (an arrival cuts the run)
+    a: float  # a step's seconds: a + c * context tokens (CostModel.decode_step_parts)
+    c: float
+    ctx0: int  # context tokens of step 0 (each step adds one per sequence)
+    version: int
+    steps: int  # the run's steps at most: its first reply ends with the last
+    expiry: float  # no step may start at or after it (the first lease to expire)
+    free: int  # pages the pool could still give the steps timed next without reclaiming
+    due: dict[int, int]  # step -> sequences whose first page it allocates (not yet timed)
+    phase: list[int]  # sequences allocating at every step j with j % page_size == index
+    dt: float  # step 0's seconds
+    ctx: int  # context tokens of the last step timed
+    open: bool = True  # more steps may be timed
+    planned: int = 0  # steps whose pages are allocated
+    advanced: int = 0  # steps counted in the sequences
+
+
 @dataclass(slots=True, eq=False)
 class _Seq:
     """A request the engine runs: KV for ``tokens`` tokens is needed before it samples next,
@@ -567,6 +835,7 @@ class PrefillWorker(Worker):
             url, sim=sim, pages=pages, page_size=page_size, dtype=dtype, costs=costs, reuse=reuse, sched=sched, pull_reclaims=pull_reclaims
         )
         self._view_by_load: dict[int, WorkerView] = {}
+        self.merge_steps = False  # its steps are prompt chunks
 
     def board_entry(self, n: int) -> WorkerView:
         """The router's view of this worker at load ``n``."""
