@@ -779,7 +779,7 @@ class _Run:
     lazily (``_settle``, before any other pool operation). An arrival that the next step would
     admit, a pull or a lease that a later step would expire cuts the run after the step in
     progress; the shared GPU's other role starting a step turns that step into a GPU job
-    (``hand_run_to_gpu``). Results equal stepping one event per step (tests/sim/test_merged_steps.py)."""
+    (``hand_run_to_gpu``). Results equal stepping one event per step (tests/test_sim_merged_steps.py)."""
 
     plan: list[tuple[_Seq, int]]
     times: list[float]

@@ -8,30 +8,16 @@ from __future__ import annotations
 from kvserving.agents.load import LoadSpec
 from kvserving.config import SchedulerConfig
 from kvserving.sim.cluster import ClusterSpec, Simulator, run_bench_point
-from kvserving.sim.costs import CostModel
 from kvserving.sim.workers import Req
+
+from sim_costs import tiny_costs
 
 PAGE = 16
 BIG = 1 << 40
 
 
-def _costs(pages: int) -> CostModel:
-    # fp8 at 1 layer x 1 head x head_dim 32: 64 bytes per token, 1 KiB per page of 16
-    return CostModel(
-        name="t",
-        layers=1,
-        kv_heads=1,
-        head_dim=32,
-        kv_bytes_per_worker=pages * 1024,
-        prefill_token_s=1e-4,
-        prefill_attn_s=0.0,
-        decode_step_s=1e-3,
-        decode_ctx_s={"fp8_e4m3": 0.0},
-    )
-
-
 def _sim(pages: int, sched: SchedulerConfig) -> Simulator:
-    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, _costs(pages), scheduler=sched), LoadSpec())
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(pages), scheduler=sched), LoadSpec())
     assert sim.cluster.pages_per_worker == pages
     return sim
 
@@ -80,8 +66,8 @@ def test_a_pool_with_room_preempts_nothing() -> None:
 
 
 def test_no_turn_starts_after_the_window() -> None:
-    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, _costs(4096)), LoadSpec())
-    whole = run_bench_point(Simulator(ClusterSpec("fp8_e4m3", 1, 1, _costs(4096)), LoadSpec()), range(2))
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(4096)), LoadSpec())
+    whole = run_bench_point(Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(4096)), LoadSpec()), range(2))
     cut = run_bench_point(sim, range(2), window_s=2.0)
     assert 0 < cut["requests"] < whole["requests"]
     starts = [r.sent_at for r in sim.records]

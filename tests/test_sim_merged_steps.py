@@ -18,12 +18,14 @@ import pytest
 from kvserving.agents.load import Dist, LoadSpec, reuse_for_mode
 from kvserving.config import ReuseConfig, SchedulerConfig
 from kvserving.sim.cluster import ClusterSpec, Population, Simulator, run_bench_point, run_population
-from kvserving.sim.costs import CostModel, load_costs
+from kvserving.sim.costs import load_costs
 from kvserving.sim.gpu import GPU_SCHEDULER, bench_dtype, bench_load, kv_bytes
 from kvserving.sim.shared_gpu import SharedGpu
 from kvserving.sim.workers import Req, Worker
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+from sim_costs import tiny_costs
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 LONG_REPLIES = LoadSpec(output_tokens=Dist("uniform", 160, 120, 1), think_time_s=Dist("exponential", 3.0, 0.0, 0.0, 20.0))
 
 
@@ -143,21 +145,6 @@ def test_merged_decode_steps_replay_measured_points_on_a_shared_gpu_as_stepping_
     assert calls["_run_end"] >= runs and calls["hand_run_to_gpu"] >= handed
 
 
-def _tiny_costs(pages: int) -> CostModel:
-    # fp8 at 1 layer x 1 head x head_dim 32: 64 bytes per token, 1 KiB per page of 16
-    return CostModel(
-        name="t",
-        layers=1,
-        kv_heads=1,
-        head_dim=32,
-        kv_bytes_per_worker=pages * 1024,
-        prefill_token_s=1e-4,
-        prefill_attn_s=0.0,
-        decode_step_s=1e-3,
-        decode_ctx_s={"fp8_e4m3": 0.0},
-    )
-
-
 def _release_during_a_run(merge: bool) -> tuple[int, int, int]:
     """A decode pool of 9 pages: chain X (4 pages, the first 2 held by a retained lease, the last
     2 cached at the LRU's front), chain Y (2 cached pages) and one request whose 3 pages fill it.
@@ -165,7 +152,7 @@ def _release_during_a_run(merge: bool) -> tuple[int, int, int]:
     the lease goes at 13 ms, moving X behind Y, while the merged run (to the reply's end) has
     not counted that page in the pool yet: settled first, the run evicts as stepping did. The
     24th step's 5th page then comes from Y, now at the front."""
-    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, _tiny_costs(9)), LoadSpec(), merge_steps=merge)
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(9)), LoadSpec(), merge_steps=merge)
     dec = sim.decode[0]
     seen_workers.clear()
     seen_workers.update(sim.decode if merge else ())
