@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         scheduler=SchedulerConfig(chunk_size=args.chunk_size),
     )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    engine = LLMEngine(config, enforce_eager=args.enforce_eager)
+    # one batch of prompts: each decode shape is captured when it is first met, not all of them up front
+    engine = LLMEngine(config, enforce_eager=args.enforce_eager, warm_graphs=False)
     ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
     longest = max(len(i) for i in ids)
     if longest + args.max_tokens > engine.max_model_len:
