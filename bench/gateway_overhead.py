@@ -5,6 +5,7 @@ worker (tests/gateway/fake_worker.py) that answers instantly.
     PYTHONSAFEPATH=1 .venv/bin/python bench/gateway_overhead.py [--turns 6] [--sessions 1,50,200]
         [--think-s 1.0] [--saturation 200] [--rounds 2] [--json bench/results/gateway_overhead_cpu.json]
         [--baseline DIR]   # A/B: another revision's kvserving package tree (DIR/kvserving) as a second gateway
+        [--timeline FILE | --cpu-samples FILE | --garbage FILE] [--requests-log FILE]   # where the time goes
 
 Processes on loopback: the fake worker, `kvserving gateway` (role
 `both`: one worker request per turn), the two reference paths below, and this client (asyncio + aiohttp, each
@@ -41,6 +42,12 @@ never installed by the bench: a line says which were skipped), in front of a fak
 `--openai-backend`: a uvicorn app streaming the same reply as OpenAI chunks);
 their added TTFT is against that backend straight, and their CPU per request
 is read from /proc like the gateway's.
+
+A last table says where each path's slowest 1 % came from: the share of them sent in bursts
+(five or more within 100 ms in one round: requests slowed together by a stall of a process on
+their path or of the machine, not by their own work) and each round's p99. `--requests-log`
+writes every request (when it was sent, on the monotonic clock the gateway's timeline also
+stamps, and its TTFT) to place them against `--timeline`'s collections and loop stalls.
 
 The table gives p50 and p99 of each and their difference (goal at 200
 sessions: p50 added <= 2 ms, p99 added <= 10 ms), and the gateway's CPU per
@@ -362,10 +369,10 @@ async def _measure(
     target: str, plan: list[list[bytes]], waits: list[list[float]], *, via_gateway: bool, sent: list[float] | None = None
 ) -> list[float]:
     """Run every session concurrently (each its own connection, like separate agents); TTFT of every turn
-    (and, into ``sent``, when each was sent: seconds after the sessions started, in the same order)."""
+    (and, into ``sent``, when each was sent: ``time.perf_counter``, the system's monotonic clock, which
+    the gateway's timeline stamps too; in the same order)."""
     path = "/v1/chat/completions" if via_gateway else "/internal/generate"
     run = uuid.uuid4().hex[:8]
-    t0 = time.perf_counter()
     when: dict[int, list[float]] = {}
 
     async def one(sid: int, turns: list[bytes]) -> list[float]:
@@ -377,7 +384,7 @@ async def _measure(
             for body, wait in zip(turns, waits[sid], strict=True):
                 if wait > 0:
                     await asyncio.sleep(wait)
-                when.setdefault(sid, []).append(time.perf_counter() - t0)
+                when.setdefault(sid, []).append(time.perf_counter())
                 out.append(await first_token_time(session, target + path, body, openai=via_gateway))
             return out
 
@@ -515,6 +522,44 @@ def run_row(
     )
 
 
+def tails(requests_log: list[dict[str, Any]], *, window_s: float = 0.1, burst: int = 5) -> str:
+    """Where each path's slowest 1 % came from, per row: how many of them were sent within
+    ``window_s`` of at least ``burst - 1`` others of them in the same round (requests slowed
+    together: a stall of a process on their path or of the machine, not one request's own work),
+    and each round's p99."""
+    lines = [
+        f"Each path's slowest 1 % (TTFT at or over its p99): the share sent in bursts ({burst} or more of them within "
+        f"{1e3 * window_s:.0f} ms of each other, in one round), and each round's p99\n",
+        "| think time | sessions | path | p99 ms | slowest 1 % in bursts | p99 per round, ms |",
+        "|---|---:|---|---:|---:|---|",
+    ]
+    rows: dict[tuple[int, float], dict[str, list[dict[str, Any]]]] = {}
+    for entry in requests_log:
+        rows.setdefault((entry["sessions"], entry["think_s"]), {}).setdefault(entry["path"], []).append(entry)
+    for (sessions, think_s), paths in rows.items():
+        load = f"exp. mean {think_s:g} s" if think_s > 0 else "none (saturation)"
+        for name, runs in paths.items():
+            every = [t for run in runs for t in run["ttft_s"]]
+            cut = pct(every, 0.99)
+            slow = 0
+            together = 0
+            for run in runs:
+                sent = sorted(s for s, t in zip(run["sent_s"], run["ttft_s"], strict=True) if t >= cut)
+                slow += len(sent)
+                # a request is in a burst when a window of `window_s` around it holds `burst` of them
+                lo = 0
+                marked = [False] * len(sent)
+                for hi in range(len(sent)):
+                    while sent[hi] - sent[lo] > window_s:
+                        lo += 1
+                    if hi - lo + 1 >= burst:
+                        marked[lo : hi + 1] = [True] * (hi - lo + 1)
+                together += sum(marked)
+            per_round = ", ".join(f"{1e3 * pct(run['ttft_s'], 0.99):.1f}" for run in runs)
+            lines.append(f"| {load} | {sessions} | {name} | {1e3 * cut:.2f} | {together} / {slow} | {per_round} |")
+    return "\n".join(lines) + "\n"
+
+
 def row_json(row: Row) -> dict[str, Any]:
     """One row of the result file: p50 / p99 TTFT added over each path's direct reference, CPU per request."""
 
@@ -635,7 +680,7 @@ def main() -> int:
         "--requests-log",
         default=None,
         metavar="FILE",
-        help="every request of every path as JSON: when it was sent in its round and its TTFT (where a percentile comes from)",
+        help="every request of every path as JSON: when it was sent (time.perf_counter) and its TTFT (where a percentile comes from)",
     )
     parser.add_argument("--long-turns", type=int, default=40, help="turns of the long agent session (0: none)")
     parser.add_argument("--long-tool-words", type=int, default=300, help="words of the tool result each long-session turn adds")
@@ -775,7 +820,7 @@ def main() -> int:
         baseline = None
         if baseline_proc is not None:
             baseline = (baseline_url, baseline_proc.pid, (cpu_s(baseline_proc.pid) - base_before) / 3.0)
-        requests_log: list[dict[str, Any]] | None = [] if args.requests_log else None
+        requests_log: list[dict[str, Any]] = []
         plan = [(int(x), args.think_s) for x in args.sessions.split(",") if x]
         plan += [(int(x), 0.0) for x in args.saturation.split(",") if x]
         rows = [
@@ -838,6 +883,7 @@ def main() -> int:
                 f"{result[n]['cpu_ms_per_request']:.2f} | {result[n]['added_p50_ms']:.2f} / {result[n]['added_p99_ms']:.2f}" for n in names
             ]
             print(f"| {load} | {row.sessions} | " + " | ".join(cells) + " |")
+        print("\n" + tails(requests_log))
         if args.json:
             Path(args.json).write_text(
                 jsonfmt.dumps(

@@ -7,9 +7,18 @@ the gateway sampled in CPU time, and where its CPU goes.
     python bench/gateway_timeline.py sample OUT.txt gateway --config ...    # the gateway under a CPU-time sampler
     python bench/gateway_timeline.py report-samples OUT.txt                 # self and inclusive shares per function
     python bench/gateway_timeline.py garbage OUT.json gateway --config ...  # what the cyclic collector finds, by kind
+    python bench/gateway_timeline.py report-garbage OUT.json                # per request, and what the young objects are
 
-`bench/gateway_overhead.py --timeline OUT.jsonl` (or `--cpu-samples OUT.txt`)
+`bench/gateway_overhead.py --timeline OUT.jsonl` (or `--cpu-samples OUT.txt`, `--garbage OUT.json`)
 spawns the gateway this way and prints the table after its rows.
+
+The stamped run also records each young collection (its start, wall and CPU time, what it freed,
+how many objects it scanned), the event-loop stalls over 5 ms and each request's arrival on the
+monotonic clock, and the table ends with the slowest 1 % of requests: each gap's median among
+them against all requests', and how many overlapped a collection, a loop stall, or opened a new
+connection to the worker. The stall watchdog is a thread that wakes every millisecond and a loop
+callback as often: the stamped gateway spends more CPU than the plain one (read its shares, not
+its CPU per request).
 
 The sampler: a SIGPROF timer (``ITIMER_PROF``, every 0.5 ms of the process's
 user + system CPU) records the Python stack it interrupts; signals that arrive
@@ -91,11 +100,17 @@ def install(out: Path) -> None:
     # per collection: generation, wall ms, CPU ms, objects collected, start (perf_counter s)
     gc_each: list[tuple[int, float, float, int, float]] = []
     gc_cpu = [0.0]
+    gc_young: list[tuple[int, int]] = []  # per young collection: objects it scans, references they hold
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
         if not serving[0]:
             return
         if phase == "start":
+            if info["generation"] == 0:
+                # what the collection scans, and the largest of it by references held (its traversal)
+                young = gc.get_objects(0)
+                gc_young.append((len(young), sum(len(gc.get_referents(o)) for o in young)))
+                del young
             gc_start[0] = _now()
             gc_cpu[0] = time.thread_time()
         else:
@@ -109,7 +124,7 @@ def install(out: Path) -> None:
 
     def write() -> None:
         lines = [json.dumps(r) + "\n" for r in records]
-        lines.append(json.dumps({"gc_seconds": gc_time, "gc_collections": gc_count, "gc_each": gc_each}) + "\n")
+        lines.append(json.dumps({"gc_seconds": gc_time, "gc_collections": gc_count, "gc_each": gc_each, "gc_young": gc_young}) + "\n")
         lines.append(json.dumps({"stalls": stalls.gaps, "stall_ends": stalls.ends, "stall_stacks": stalls.stacks}) + "\n")
         out.write_text("".join(lines))
 
@@ -420,6 +435,9 @@ def report(path: Path) -> str:
         )
         each = sorted(e[2] for e in collector.get("gc_each", []))
         longest = f"; longest pauses (CPU ms) {', '.join(f'{c:.1f}' for c in each[-3:])}" if each else ""
+        scanned = sorted(n for n, _ in collector.get("gc_young", []))
+        if scanned:
+            longest += f"; objects a young collection scanned: median {scanned[len(scanned) // 2]}, most {scanned[-1]}"
         gc_line = f" (cyclic GC while serving: {per}; {1e3 * sum(collector['gc_seconds']) / len(rows):.3f} ms per request{longest})"
     lines = [
         f"gateway timeline: {len(rows)} streamed requests, ms after the headers were parsed{gc_line}\n",
