@@ -5,6 +5,7 @@ worker (tests/gateway/fake_worker.py) that answers instantly.
     PYTHONSAFEPATH=1 .venv/bin/python bench/gateway_overhead.py [--turns 6] [--sessions 1,50,200]
         [--think-s 1.0] [--saturation 200] [--rounds 2] [--json bench/results/gateway_overhead_cpu.json]
         [--baseline DIR]   # A/B: another revision's kvserving package tree (DIR/kvserving) as a second gateway
+        [--timeline FILE | --cpu-samples FILE | --garbage FILE] [--requests-log FILE]   # where the time goes
 
 Processes on loopback: the fake worker, `kvserving gateway` (role
 `both`: one worker request per turn), the two reference paths below, and this client (asyncio + aiohttp, each
@@ -41,6 +42,12 @@ never installed by the bench: a line says which were skipped), in front of a fak
 `--openai-backend`: a uvicorn app streaming the same reply as OpenAI chunks);
 their added TTFT is against that backend straight, and their CPU per request
 is read from /proc like the gateway's.
+
+A last table says where each path's slowest 1 % came from: the share of them sent in bursts
+(five or more within 100 ms in one round: requests slowed together by a stall of a process on
+their path or of the machine, not by their own work) and each round's p99. `--requests-log`
+writes every request (when it was sent, on the monotonic clock the gateway's timeline also
+stamps, and its TTFT) to place them against `--timeline`'s collections and loop stalls.
 
 The table gives p50 and p99 of each and their difference (goal at 200
 sessions: p50 added <= 2 ms, p99 added <= 10 ms), and the gateway's CPU per
@@ -358,10 +365,15 @@ def think_times(sessions: int, turns: int, mean_s: float, *, seed: int) -> list[
     return out
 
 
-async def measure(target: str, plan: list[list[bytes]], waits: list[list[float]], *, via_gateway: bool) -> list[float]:
-    """Run every session concurrently (each its own connection, like separate agents); TTFT of every turn."""
+async def _measure(
+    target: str, plan: list[list[bytes]], waits: list[list[float]], *, via_gateway: bool, sent: list[float] | None = None
+) -> list[float]:
+    """Run every session concurrently (each its own connection, like separate agents); TTFT of every turn
+    (and, into ``sent``, when each was sent: ``time.perf_counter``, the system's monotonic clock, which
+    the gateway's timeline stamps too; in the same order)."""
     path = "/v1/chat/completions" if via_gateway else "/internal/generate"
     run = uuid.uuid4().hex[:8]
+    when: dict[int, list[float]] = {}
 
     async def one(sid: int, turns: list[bytes]) -> list[float]:
         headers = {"X-Session-ID": f"bench-{run}-{sid}"} if via_gateway else {}
@@ -372,12 +384,15 @@ async def measure(target: str, plan: list[list[bytes]], waits: list[list[float]]
             for body, wait in zip(turns, waits[sid], strict=True):
                 if wait > 0:
                     await asyncio.sleep(wait)
+                when.setdefault(sid, []).append(time.perf_counter())
                 out.append(await first_token_time(session, target + path, body, openai=via_gateway))
             return out
 
     results: list[float] = []
-    for times in await asyncio.gather(*(one(sid, turns) for sid, turns in enumerate(plan))):
+    for sid, times in enumerate(await asyncio.gather(*(one(sid, turns) for sid, turns in enumerate(plan)))):
         results.extend(times)
+        if sent is not None:
+            sent.extend(when.get(sid, []))
     return results
 
 
@@ -429,6 +444,7 @@ def run_row(
     backend_url: str | None = None,
     routers: Sequence[Router] = (),
     baseline: tuple[str, int, float] | None = None,
+    requests_log: list[dict[str, Any]] | None = None,
 ) -> Row:
     direct: list[float] = []
     relay: list[float] = []
@@ -440,19 +456,30 @@ def run_row(
     gw_cpu = worker_cpu = floor_cpu = relay_cpu = base_cpu = 0.0
     base_times: list[float] = []
     rounds = max(args.rounds, -(-args.min_requests // (n * args.turns)))
+    r = 0
+
+    def measure(target: str, plan: list[list[bytes]], waits: list[list[float]], *, via_gateway: bool, name: str) -> list[float]:
+        """One path's run of round ``r``, recorded request by request in ``requests_log`` when given."""
+        sent: list[float] = []
+        got = asyncio.run(_measure(target, plan, waits, via_gateway=via_gateway, sent=sent))
+        if requests_log is not None:
+            requests_log.append({"sessions": n, "think_s": think_s, "round": r, "path": name, "sent_s": sent, "ttft_s": got})
+        return got
+
     for r in range(rounds):  # interleave so drift on a shared machine hits every path alike
         waits = think_times(n, args.turns, think_s, seed=r)
+
         plan = bodies(n, args.turns, reply, tagger, via_gateway=False, max_tokens=args.max_tokens)
         before = cpu_s(worker_pid)
-        direct += asyncio.run(measure(worker_url, plan, waits, via_gateway=False))
+        direct += measure(worker_url, plan, waits, via_gateway=False, name="direct")
         worker_cpu += cpu_s(worker_pid) - before
         plan = bodies(n, args.turns, reply, tagger, via_gateway=False, max_tokens=args.max_tokens)
         before = cpu_s(relay_pid)
-        relay += asyncio.run(measure(relay_url, plan, waits, via_gateway=False))
+        relay += measure(relay_url, plan, waits, via_gateway=False, name="null_relay")
         relay_cpu += cpu_s(relay_pid) - before
         plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
         before = cpu_s(floor_pid)
-        floor += asyncio.run(measure(floor_url, plan, waits, via_gateway=True))
+        floor += measure(floor_url, plan, waits, via_gateway=True, name="floor")
         floor_cpu += cpu_s(floor_pid) - before
         # the gateway and the baseline gateway (--baseline) in alternating order, round by round
         for which in ("gateway", "baseline") if r % 2 == 0 else ("baseline", "gateway"):
@@ -461,7 +488,7 @@ def run_row(
             url, pid, idle_s = (gw_url, gw_pid, idle_cpu_per_s) if which == "gateway" else baseline  # type: ignore[misc]
             plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
             before, t0 = cpu_s(pid), time.monotonic()
-            got = asyncio.run(measure(url, plan, waits, via_gateway=True))
+            got = measure(url, plan, waits, via_gateway=True, name="kvserving" if which == "gateway" else "baseline")
             used = cpu_s(pid) - before - idle_s * (time.monotonic() - t0)
             if which == "gateway":
                 gateway += got
@@ -471,11 +498,11 @@ def run_row(
                 base_cpu += used
         if backend_url is not None and routers:
             plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
-            openai_direct += asyncio.run(measure(backend_url, plan, waits, via_gateway=True))
+            openai_direct += measure(backend_url, plan, waits, via_gateway=True, name="openai_direct")
             for router in routers:
                 plan = bodies(n, args.turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens)
                 before = cpu_s(router.proc.pid)
-                routed[router.name] += asyncio.run(measure(router.url, plan, waits, via_gateway=True))
+                routed[router.name] += measure(router.url, plan, waits, via_gateway=True, name=router.name)
                 routed_cpu[router.name] += cpu_s(router.proc.pid) - before
     return Row(
         n,
@@ -493,6 +520,44 @@ def run_row(
         base_times,
         1e3 * base_cpu / max(len(base_times), 1),
     )
+
+
+def tails(requests_log: list[dict[str, Any]], *, window_s: float = 0.1, burst: int = 5) -> str:
+    """Where each path's slowest 1 % came from, per row: how many of them were sent within
+    ``window_s`` of at least ``burst - 1`` others of them in the same round (requests slowed
+    together: a stall of a process on their path or of the machine, not one request's own work),
+    and each round's p99."""
+    lines = [
+        f"Each path's slowest 1 % (TTFT at or over its p99): the share sent in bursts ({burst} or more of them within "
+        f"{1e3 * window_s:.0f} ms of each other, in one round), and each round's p99\n",
+        "| think time | sessions | path | p99 ms | slowest 1 % in bursts | p99 per round, ms |",
+        "|---|---:|---|---:|---:|---|",
+    ]
+    rows: dict[tuple[int, float], dict[str, list[dict[str, Any]]]] = {}
+    for entry in requests_log:
+        rows.setdefault((entry["sessions"], entry["think_s"]), {}).setdefault(entry["path"], []).append(entry)
+    for (sessions, think_s), paths in rows.items():
+        load = f"exp. mean {think_s:g} s" if think_s > 0 else "none (saturation)"
+        for name, runs in paths.items():
+            every = [t for run in runs for t in run["ttft_s"]]
+            cut = pct(every, 0.99)
+            slow = 0
+            together = 0
+            for run in runs:
+                sent = sorted(s for s, t in zip(run["sent_s"], run["ttft_s"], strict=True) if t >= cut)
+                slow += len(sent)
+                # a request is in a burst when a window of `window_s` around it holds `burst` of them
+                lo = 0
+                marked = [False] * len(sent)
+                for hi in range(len(sent)):
+                    while sent[hi] - sent[lo] > window_s:
+                        lo += 1
+                    if hi - lo + 1 >= burst:
+                        marked[lo : hi + 1] = [True] * (hi - lo + 1)
+                together += sum(marked)
+            per_round = ", ".join(f"{1e3 * pct(run['ttft_s'], 0.99):.1f}" for run in runs)
+            lines.append(f"| {load} | {sessions} | {name} | {1e3 * cut:.2f} | {together} / {slow} | {per_round} |")
+    return "\n".join(lines) + "\n"
 
 
 def row_json(row: Row) -> dict[str, Any]:
@@ -545,10 +610,10 @@ def run_long(
     for r in range(args.rounds):
         waits = [[0.05] * turns]  # a short pause: each turn starts on an idle event loop
         plan = bodies(1, turns, reply, tagger, via_gateway=False, max_tokens=args.max_tokens, tool_words=words)
-        row.direct.append(asyncio.run(measure(worker_url, plan, waits, via_gateway=False)))
+        row.direct.append(asyncio.run(_measure(worker_url, plan, waits, via_gateway=False)))
         plan = bodies(1, turns, reply, tagger, via_gateway=True, max_tokens=args.max_tokens, tool_words=words)
         before, t0 = cpu_s(gw_pid), time.monotonic()
-        row.gateway.append(asyncio.run(measure(gw_url, plan, waits, via_gateway=True)))
+        row.gateway.append(asyncio.run(_measure(gw_url, plan, waits, via_gateway=True)))
         row.cpu_ms.append(1e3 * (cpu_s(gw_pid) - before - idle_cpu_per_s * (time.monotonic() - t0)) / turns)
     return row
 
@@ -603,6 +668,19 @@ def main() -> int:
         default=None,
         metavar="FILE",
         help="sample the gateway in CPU time (bench/gateway_timeline.py sample), print where its CPU went",
+    )
+    parser.add_argument(
+        "--garbage",
+        default=None,
+        metavar="FILE",
+        help="count what the gateway's cyclic collector frees, per request and by kind (bench/gateway_timeline.py garbage; "
+        "it changes when garbage is freed: a diagnostic run)",
+    )
+    parser.add_argument(
+        "--requests-log",
+        default=None,
+        metavar="FILE",
+        help="every request of every path as JSON: when it was sent (time.perf_counter) and its TTFT (where a percentile comes from)",
     )
     parser.add_argument("--long-turns", type=int, default=40, help="turns of the long agent session (0: none)")
     parser.add_argument("--long-tool-words", type=int, default=300, help="words of the tool result each long-session turn adds")
@@ -742,6 +820,7 @@ def main() -> int:
         baseline = None
         if baseline_proc is not None:
             baseline = (baseline_url, baseline_proc.pid, (cpu_s(baseline_proc.pid) - base_before) / 3.0)
+        requests_log: list[dict[str, Any]] = []
         plan = [(int(x), args.think_s) for x in args.sessions.split(",") if x]
         plan += [(int(x), 0.0) for x in args.saturation.split(",") if x]
         rows = [
@@ -763,9 +842,12 @@ def main() -> int:
                 backend_url=backend_url,
                 routers=routers,
                 baseline=baseline,
+                requests_log=requests_log,
             )
             for n, think in progress(plan, desc="rows", quiet=args.quiet)
         ]
+        if args.requests_log:
+            Path(args.requests_log).write_text(json.dumps(requests_log))
         load_after = os.getloadavg()
         print(
             f"gateway overhead: TTFT through the gateway minus straight to the worker ({args.turns} turns per session, "
@@ -801,6 +883,7 @@ def main() -> int:
                 f"{result[n]['cpu_ms_per_request']:.2f} | {result[n]['added_p50_ms']:.2f} / {result[n]['added_p99_ms']:.2f}" for n in names
             ]
             print(f"| {load} | {row.sessions} | " + " | ".join(cells) + " |")
+        print("\n" + tails(requests_log))
         if args.json:
             Path(args.json).write_text(
                 jsonfmt.dumps(
@@ -833,7 +916,7 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
     tool = str(Path(__file__).with_name("gateway_timeline.py"))
-    for what, path in (("report", args.timeline), ("report-samples", args.cpu_samples)):
+    for what, path in (("report", args.timeline), ("report-samples", args.cpu_samples), ("report-garbage", args.garbage)):
         if path:
             print(flush=True)
             subprocess.run([sys.executable, tool, what, path], check=True)
@@ -841,7 +924,7 @@ def main() -> int:
 
 
 def gateway_launcher(args: argparse.Namespace) -> list[str]:
-    """How the gateway process starts: plain, under cProfile, stamped or sampled by bench/gateway_timeline.py."""
+    """How the gateway process starts: plain, under cProfile, stamped, sampled or its garbage counted by bench/gateway_timeline.py."""
     if args.profile:
         return ["-c", PROFILED, args.profile]
     tool = str(Path(__file__).with_name("gateway_timeline.py"))
@@ -849,6 +932,8 @@ def gateway_launcher(args: argparse.Namespace) -> list[str]:
         return [tool, "run", args.timeline]
     if args.cpu_samples:
         return [tool, "sample", args.cpu_samples]
+    if args.garbage:
+        return [tool, "garbage", args.garbage]
     return ["-m", "kvserving.cli"]
 
 

@@ -6,9 +6,19 @@ the gateway sampled in CPU time, and where its CPU goes.
     python bench/gateway_timeline.py report OUT.jsonl                       # the table
     python bench/gateway_timeline.py sample OUT.txt gateway --config ...    # the gateway under a CPU-time sampler
     python bench/gateway_timeline.py report-samples OUT.txt                 # self and inclusive shares per function
+    python bench/gateway_timeline.py garbage OUT.json gateway --config ...  # what the cyclic collector finds, by kind
+    python bench/gateway_timeline.py report-garbage OUT.json                # per request, and what the young objects are
 
-`bench/gateway_overhead.py --timeline OUT.jsonl` (or `--cpu-samples OUT.txt`)
+`bench/gateway_overhead.py --timeline OUT.jsonl` (or `--cpu-samples OUT.txt`, `--garbage OUT.json`)
 spawns the gateway this way and prints the table after its rows.
+
+The stamped run also records each young collection (its start, wall and CPU time, what it freed,
+how many objects it scanned), the event-loop stalls over 5 ms and each request's arrival on the
+monotonic clock, and the table ends with the slowest 1 % of requests: each gap's median among
+them against all requests', and how many overlapped a collection, a loop stall, or opened a new
+connection to the worker. The stall watchdog is a thread that wakes every millisecond and a loop
+callback as often: the stamped gateway spends more CPU than the plain one (read its shares, not
+its CPU per request).
 
 The sampler: a SIGPROF timer (``ITIMER_PROF``, every 0.5 ms of the process's
 user + system CPU) records the Python stack it interrupts; signals that arrive
@@ -52,6 +62,7 @@ import signal
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -86,27 +97,35 @@ def install(out: Path) -> None:
     gc_count = [0, 0, 0]
     gc_start = [0.0]
     serving = [False]  # from the first request on: the start-up collection (gateway/main.py) is not counted
-    gc_each: list[tuple[int, float, float, int]] = []  # per collection: generation, wall ms, CPU ms, collected
+    # per collection: generation, wall ms, CPU ms, objects collected, start (perf_counter s)
+    gc_each: list[tuple[int, float, float, int, float]] = []
     gc_cpu = [0.0]
+    gc_young: list[tuple[int, int]] = []  # per young collection: objects it scans, references they hold
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
         if not serving[0]:
             return
         if phase == "start":
+            if info["generation"] == 0:
+                # what the collection scans, and the largest of it by references held (its traversal)
+                young = gc.get_objects(0)
+                gc_young.append((len(young), sum(len(gc.get_referents(o)) for o in young)))
+                del young
             gc_start[0] = _now()
             gc_cpu[0] = time.thread_time()
         else:
             wall = _now() - gc_start[0]
             gc_time[info["generation"]] += wall
             gc_count[info["generation"]] += 1
-            gc_each.append((info["generation"], 1e3 * wall, 1e3 * (time.thread_time() - gc_cpu[0]), info["collected"]))
+            cpu = 1e3 * (time.thread_time() - gc_cpu[0])
+            gc_each.append((info["generation"], 1e3 * wall, cpu, info["collected"], gc_start[0]))
 
     gc.callbacks.append(on_gc)
 
     def write() -> None:
         lines = [json.dumps(r) + "\n" for r in records]
-        lines.append(json.dumps({"gc_seconds": gc_time, "gc_collections": gc_count, "gc_each": gc_each}) + "\n")
-        lines.append(json.dumps({"stalls": stalls.gaps, "stall_stacks": stalls.stacks}) + "\n")
+        lines.append(json.dumps({"gc_seconds": gc_time, "gc_collections": gc_count, "gc_each": gc_each, "gc_young": gc_young}) + "\n")
+        lines.append(json.dumps({"stalls": stalls.gaps, "stall_ends": stalls.ends, "stall_stacks": stalls.stacks}) + "\n")
         out.write_text("".join(lines))
 
     atexit.register(write)
@@ -153,7 +172,9 @@ def install(out: Path) -> None:
             await serve(self, scope, receive, send)
         finally:
             got["end"] = _now()
-            records.append({k: 1e3 * (v - got["arrive"]) for k, v in got.items() if k != "arrive"})
+            record = {k: 1e3 * (v - got["arrive"]) for k, v in got.items() if k != "arrive"}
+            record["at"] = got["arrive"]  # perf_counter seconds: placed against collections and stalls
+            records.append(record)
 
     app.Requests.__call__ = serve_stamped  # type: ignore[method-assign]
 
@@ -181,6 +202,18 @@ def install(out: Path) -> None:
 
     workers.WorkerClient._post = post_stamped  # type: ignore[method-assign]
 
+    import aiohttp
+
+    create = aiohttp.TCPConnector._create_connection
+
+    async def create_stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _stamp("connect")  # a new connection to the worker (none: a pooled one was reused)
+        out = await create(self, *args, **kwargs)
+        _stamp("connected")
+        return out
+
+    aiohttp.TCPConnector._create_connection = create_stamped  # type: ignore[method-assign]
+
 
 class _Stalls:
     """Event-loop stalls: a callback every millisecond stamps the loop; a watchdog thread that
@@ -191,6 +224,7 @@ class _Stalls:
 
     def __init__(self) -> None:
         self.gaps: list[float] = []  # ms between two stamps, for gaps over STALL_S
+        self.ends: list[float] = []  # perf_counter seconds at each such gap's end
         self.stacks: list[str] = []  # the loop thread's stack, innermost last, during each stall caught
         self._last = 0.0
         self._caught = False
@@ -203,6 +237,7 @@ class _Stalls:
             now = _now()
             if now - self._last > self.STALL_S:
                 self.gaps.append(1e3 * (now - self._last))
+                self.ends.append(now)
             self._last, self._caught = now, False
             loop.call_later(0.001, beat)
 
@@ -254,6 +289,103 @@ def sample(out: Path, *, interval_s: float = 0.0005) -> None:
     atexit.register(write)
 
 
+def garbage(out: Path, *, every_s: float = 1.0) -> None:
+    """Count what the cyclic collector frees: automatic collections off, and every ``every_s``
+    one collection of the young generation whose garbage is kept (``gc.DEBUG_SAVEALL``),
+    counted by kind (the code of a frame, coroutine or function; an exception's class;
+    otherwise the type), then freed. Written to ``out`` at exit, with the number of completion
+    requests served, so the counts read per request. A development tool: it changes when
+    garbage is freed, so its run measures nothing else."""
+
+    found: collections.Counter[str] = collections.Counter()
+    tracked: collections.Counter[str] = collections.Counter()  # every young object, freed or not
+    tuple_holders: collections.Counter[str] = collections.Counter()  # young tuples by the kind of object holding them
+    requests = [0]
+    rounds = [0]
+
+    def kind(obj: Any) -> str:
+        name = type(obj).__name__
+        code = None
+        if isinstance(obj, (types.FrameType, types.CoroutineType, types.GeneratorType, types.AsyncGeneratorType, types.FunctionType)):
+            code = getattr(obj, "f_code", None) or getattr(obj, "cr_code", None) or getattr(obj, "gi_code", None)
+            code = code or getattr(obj, "ag_code", None) or getattr(obj, "__code__", None)
+        if isinstance(code, types.CodeType):
+            return f"{name} {code.co_qualname} ({'/'.join(code.co_filename.rsplit('/', 2)[-2:])})"
+        if isinstance(obj, BaseException):
+            return f"exception {name}"
+        if name == "method":
+            return f"method {getattr(obj, '__qualname__', '?')}"
+        return name
+
+    def tick() -> None:
+        gc.disable()
+        while True:
+            time.sleep(every_s)
+            young = gc.get_objects(0)
+            tracked.update(kind(o) for o in young)
+            # who holds the young tuples (the most numerous young objects): their holders' kinds
+            ids = {id(o) for o in young if type(o) is tuple}
+            for o in young:
+                if type(o) is not tuple:
+                    held = sum(1 for r in gc.get_referents(o) if id(r) in ids)
+                    if held:
+                        tuple_holders[kind(o)] += held
+            del young, ids
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect(0)
+            gc.set_debug(0)
+            found.update(kind(o) for o in gc.garbage)
+            gc.garbage.clear()
+            gc.collect(1)  # what was kept is unreachable again: freed now
+            rounds[0] += 1
+
+    from kvserving.gateway import app
+
+    serve = app.Requests.__call__
+
+    async def serve_counted(self: Any, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") == "http" and scope["path"].endswith("completions"):
+            requests[0] += 1
+        await serve(self, scope, receive, send)
+
+    app.Requests.__call__ = serve_counted  # type: ignore[method-assign]
+
+    def write() -> None:
+        out.write_text(
+            json.dumps(
+                {
+                    "requests": requests[0],
+                    "collections": rounds[0],
+                    "garbage": found.most_common(),
+                    "young": tracked.most_common(60),
+                    "tuple_holders": tuple_holders.most_common(30),
+                },
+                indent=0,
+            )
+        )
+
+    atexit.register(write)
+    threading.Thread(target=tick, name="garbage-count", daemon=True).start()
+
+
+def report_garbage(path: Path, *, top: int = 40) -> str:
+    """The garbage per request by kind (``garbage``'s file)."""
+    got = json.loads(path.read_text())
+    n = max(got["requests"], 1)
+    total = sum(c for _, c in got["garbage"])
+    lines = [
+        f"cyclic garbage: {total} objects over {got['requests']} completion requests ({total / n:.1f} per request)\n",
+        "| kind | per request |",
+        "|---|---:|",
+    ]
+    lines += [f"| {k} | {c / n:.2f} |" for k, c in got["garbage"][:top]]
+    lines += ["\nYoung objects seen at each count (freed or not), per request:\n", "| kind | per request |", "|---|---:|"]
+    lines += [f"| {k} | {c / n:.2f} |" for k, c in got["young"][:top]]
+    lines += ["\nThe young tuples by what holds them, per request:\n", "| holder | per request |", "|---|---:|"]
+    lines += [f"| {k} | {c / n:.2f} |" for k, c in got.get("tuple_holders", [])[:top]]
+    return "\n".join(lines) + "\n"
+
+
 def report_samples(path: Path, *, top: int = 40) -> str:
     """Self and inclusive shares of the sampled CPU per function (collapsed stacks in ``path``)."""
 
@@ -303,6 +435,9 @@ def report(path: Path) -> str:
         )
         each = sorted(e[2] for e in collector.get("gc_each", []))
         longest = f"; longest pauses (CPU ms) {', '.join(f'{c:.1f}' for c in each[-3:])}" if each else ""
+        scanned = sorted(n for n, _ in collector.get("gc_young", []))
+        if scanned:
+            longest += f"; objects a young collection scanned: median {scanned[len(scanned) // 2]}, most {scanned[-1]}"
         gc_line = f" (cyclic GC while serving: {per}; {1e3 * sum(collector['gc_seconds']) / len(rows):.3f} ms per request{longest})"
     lines = [
         f"gateway timeline: {len(rows)} streamed requests, ms after the headers were parsed{gc_line}\n",
@@ -322,6 +457,7 @@ def report(path: Path) -> str:
         lines.append(
             f"| prompt_cpu (the prompt stage's own CPU time) | {_pct(got, 0.5):.3f} | {_pct(got, 0.9):.3f} | {_pct(got, 0.99):.3f} |"
         )
+    lines += _slowest(rows, collector, stalled)
     if stalled is not None:
         gaps = sorted(stalled["stalls"])
         lines.append(
@@ -333,6 +469,56 @@ def report(path: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _slowest(
+    rows: list[dict[str, Any]], collector: dict[str, Any] | None, stalled: dict[str, Any] | None, *, share: float = 0.01
+) -> list[str]:
+    """Where the slowest ``share`` of requests (by the time to their first frame) lost it: each gap's
+    median among them against all requests', and how many overlapped a cyclic collection, an
+    event-loop stall, or opened a new connection to the worker."""
+    timed = [r for r in rows if "at" in r]
+    if len(timed) < 100:
+        return []
+    timed.sort(key=lambda r: r["client_first"])
+    slow = timed[-max(1, int(len(timed) * share)) :]
+    collections = [(e[4], e[4] + e[1] / 1e3) for e in (collector or {}).get("gc_each", []) if len(e) > 4]
+    stalls = [(end - gap / 1e3, end) for gap, end in zip((stalled or {}).get("stalls", []), (stalled or {}).get("stall_ends", []))]
+
+    def overlap(r: dict[str, Any], spans: list[tuple[float, float]]) -> float:
+        start, end = r["at"], r["at"] + r["client_first"] / 1e3
+        return 1e3 * sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans)
+
+    def median(values: list[float]) -> float:
+        ordered = sorted(values)
+        return ordered[len(ordered) // 2] if ordered else float("nan")
+
+    gaps = [("arrive_to_serve", None, "serve"), *GAPS[:2], ("prompt_to_write", "prompt", "worker_write"), GAPS[4], GAPS[3]]
+    lines = [
+        f"\nthe slowest {100 * share:g} % ({len(slow)} requests, first frame after {slow[0]['client_first']:.1f} ms or more): "
+        "median of each gap, ms\n",
+        "| gap | all requests | the slowest |",
+        "|---|---:|---:|",
+    ]
+    for name, a, b in gaps:
+        every = [r[b] - (r[a] if a else 0.0) for r in timed if b in r and (a is None or a in r)]
+        worst = [r[b] - (r[a] if a else 0.0) for r in slow if b in r and (a is None or a in r)]
+        lines.append(f"| {name} | {median(every):.3f} | {median(worst):.3f} |")
+    for label, key in (("the first frame (client_first)", "client_first"), ("the prompt stage's CPU", "prompt_cpu")):
+        lines.append(f"| {label} | {median([r[key] for r in timed if key in r]):.3f} | {median([r[key] for r in slow if key in r]):.3f} |")
+    in_gc = [overlap(r, collections) for r in slow]
+    in_stall = [overlap(r, stalls) for r in slow]
+    fresh = [r["connected"] - r["connect"] for r in slow if "connected" in r and "connect" in r]
+    fresh_all = sum(1 for r in timed if "connect" in r)
+    lines += [
+        f"\nof the slowest: {sum(1 for x in in_gc if x > 0)} overlapped a cyclic collection "
+        f"(its pause inside their wait: median {median([x for x in in_gc if x > 0] or [0.0]):.1f} ms); "
+        f"{sum(1 for x in in_stall if x > 0)} an event-loop stall over {1e3 * _Stalls.STALL_S:.0f} ms "
+        f"(median {median([x for x in in_stall if x > 0] or [0.0]):.1f} ms inside their wait); "
+        f"{len(fresh)} opened a new connection to the worker (median {median(fresh or [0.0]):.1f} ms to connect; "
+        f"{fresh_all} of all {len(timed)} requests opened one)"
+    ]
+    return lines
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "report":
         print(report(Path(argv[1])), end="")
@@ -340,9 +526,14 @@ def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "report-samples":
         print(report_samples(Path(argv[1])), end="")
         return 0
-    if len(argv) >= 3 and argv[0] in ("run", "sample"):
+    if len(argv) >= 2 and argv[0] == "report-garbage":
+        print(report_garbage(Path(argv[1])), end="")
+        return 0
+    if len(argv) >= 3 and argv[0] in ("run", "sample", "garbage"):
         if argv[0] == "run":
             install(Path(argv[1]))
+        elif argv[0] == "garbage":
+            garbage(Path(argv[1]))
         else:
             sample(Path(argv[1]))
         from kvserving.cli import main as cli_main

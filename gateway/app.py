@@ -243,8 +243,14 @@ class _Disconnect:
         self._watcher = asyncio.ensure_future(self._watch())
 
     async def _watch(self) -> None:
-        while (await self._receive())["type"] != "http.disconnect":
-            pass
+        try:
+            while (await self._receive())["type"] != "http.disconnect":
+                pass
+        except asyncio.CancelledError:
+            # ``stop``: the watch ends here rather than with the error. A task that ends cancelled
+            # keeps its CancelledError, whose traceback holds this frame, which holds the watch
+            # and so the task: a reference cycle per request, left to the cyclic collector.
+            return
         self.gone = True
         self.task.cancel()
 
