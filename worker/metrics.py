@@ -164,12 +164,7 @@ class WorkerMetrics:
             self.kv_transfer_bytes.labels(direction=direction)
         for reason in FINISH_REASONS:
             self.requests.labels(finish_reason=reason)
-        self._seen_prompt_tokens = 0
-        self._seen_preemptions = 0
-        self._seen_evictions = 0
-        self._seen_reclaims = 0
-        self._seen_aged = 0
-        self._seen_steps: dict[str, tuple[int, float]] = {}
+        self._seen: dict[object, float] = {}  # each engine counter's value at the last ``observe`` (by child)
         for kind in STEP_KINDS:
             self.steps.labels(kind=kind)
             self.step_seconds.labels(kind=kind)
@@ -202,21 +197,14 @@ class WorkerMetrics:
     # ------------------------------------------------------------ engine state
     def observe(self, stats: KVStats) -> None:
         """Copy an engine snapshot into the gauges; move the engine's counters by their growth."""
-        self.prompt_tokens.inc(max(0, stats.prompt_tokens_computed - self._seen_prompt_tokens))
-        self._seen_prompt_tokens = max(self._seen_prompt_tokens, stats.prompt_tokens_computed)
-        self.preemptions.inc(max(0, stats.preemptions - self._seen_preemptions))
-        self._seen_preemptions = max(self._seen_preemptions, stats.preemptions)
-        self.kv_evicted_pages.inc(max(0, stats.evicted_pages - self._seen_evictions))
-        self._seen_evictions = max(self._seen_evictions, stats.evicted_pages)
-        self.kv_reclaimed_leases.inc(max(0, stats.reclaimed_leases - self._seen_reclaims))
-        self._seen_reclaims = max(self._seen_reclaims, stats.reclaimed_leases)
-        self.kv_aged_pages.inc(max(0, stats.aged_pages - self._seen_aged))
-        self._seen_aged = max(self._seen_aged, stats.aged_pages)
+        self._grow(self.prompt_tokens, stats.prompt_tokens_computed)
+        self._grow(self.preemptions, stats.preemptions)
+        self._grow(self.kv_evicted_pages, stats.evicted_pages)
+        self._grow(self.kv_reclaimed_leases, stats.reclaimed_leases)
+        self._grow(self.kv_aged_pages, stats.aged_pages)
         for kind, count in stats.step_counts.items():
-            seen_count, seen_seconds = self._seen_steps.get(kind, (0, 0.0))
-            self.steps.labels(kind=kind).inc(max(0, count - seen_count))
-            self.step_seconds.labels(kind=kind).inc(max(0.0, stats.step_seconds[kind] - seen_seconds))
-            self._seen_steps[kind] = (max(seen_count, count), max(seen_seconds, stats.step_seconds[kind]))
+            self._grow(self.steps.labels(kind=kind), count)
+            self._grow(self.step_seconds.labels(kind=kind), stats.step_seconds[kind])
         self.kv_cache_usage.set(stats.usage_ratio)
         self.queue_depth.labels(state="running").set(stats.running)
         self.queue_depth.labels(state="waiting").set(stats.waiting)
@@ -233,6 +221,12 @@ class WorkerMetrics:
             self.kv_pool_pages.labels(precision=name, state="capacity").set(p.capacity_pages)
             self.kv_pool_pages.labels(precision=name, state="owned").set(p.owned_pages)
             self.kv_pool_pages.labels(precision=name, state="cached").set(p.cached_pages)
+
+    def _grow(self, counter: Counter, value: float) -> None:
+        """Move ``counter`` by what the engine's own count ``value`` grew since the last look (never back)."""
+        seen = self._seen.get(counter, 0)
+        counter.inc(max(0, value - seen))
+        self._seen[counter] = max(seen, value)
 
     def observe_transfer(
         self, *, leases: int, leased_tokens: int, prefill_tokens_per_s: float | None, transfer_bytes_per_s: float | None
