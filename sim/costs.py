@@ -183,12 +183,12 @@ class CostModel:
         return self.prefill_step_s + self.prefill_token_s * tokens + self.attn_s(dtype) * attn_work
 
     def decode_step(self, dtype: str, batch: int, context_tokens: float) -> float:
-        return self.decode_step_s + self.decode_seq_s * batch + self.decode_ctx_s[dtype] * context_tokens
+        a, c = self.decode_step_parts(dtype, batch)
+        return a + c * context_tokens
 
     def decode_step_parts(self, dtype: str, batch: int) -> tuple[float, float]:
-        """``(a, c)`` with ``decode_step(dtype, batch, ctx) == a + c * ctx`` bit for bit (the same
-        float operations in the same order): a run of decode steps of one batch times each step
-        from its context alone."""
+        """``(a, c)`` with ``decode_step(dtype, batch, ctx) == a + c * ctx``: a run of decode steps of
+        one batch times each step from its context alone, bit for bit as ``decode_step`` does."""
         return self.decode_step_s + self.decode_seq_s * batch, self.decode_ctx_s[dtype]
 
     def pull_s(self, nbytes: float) -> float:

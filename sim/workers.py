@@ -409,7 +409,10 @@ class Worker:
             else:
                 due[first] = due.get(first, 0) + 1
         a, c_s = self.costs.decode_step_parts(self.dtype, len(plan))
-        run = _Run(plan, [now], firsts, admits, a, c_s, ctx, 0, steps, self.next_expiry(), self.cache.free, due, phase, dt, ctx)
+        run = _Run(
+            plan=plan, times=[now], firsts=firsts, admits=admits, a=a, c=c_s, ctx0=ctx, version=0, steps=steps,
+            expiry=self.next_expiry(), free=self.cache.free, due=due, phase=phase, dt=dt, ctx=ctx,
+        )  # fmt: skip
         self._extend(run)
         if len(run.times) < 3:
             return False
