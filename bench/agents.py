@@ -287,8 +287,16 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
         m.group(1): float(m.group(2))
         for m in re.finditer(r'^kvserving_worker_kv_reuse_fallbacks_total\{reason="([a-z_]+)"\} ([0-9.e+]+)$', text, re.M)
     }
+    xfer = stats.get("transfer") or {}
     return {
         **{f"fallback_{reason}": n for reason, n in fallbacks.items()},
+        # the worker's own pulls: made, skipped by reason, the tokens each skip or fallback left to compute
+        "pulls": float(xfer.get("pulls", 0)),
+        "pulled_tokens": float(xfer.get("pulled_tokens", 0)),
+        **{f"skip_{reason}": float(n) for reason, n in (xfer.get("skips") or {}).items()},
+        **{f"missed_{reason}": float(n) for reason, n in (xfer.get("missed_tokens") or {}).items()},
+        "page_waits": float(xfer.get("page_waits", 0)),
+        "page_wait_s": float(xfer.get("page_wait_seconds", 0.0)),
         "evicted_pages": counter("kvserving_worker_kv_evicted_pages_total"),
         "reclaimed_leases": counter("kvserving_worker_kv_leases_reclaimed_total"),
         "preemptions": float(stats.get("preemptions", 0)),
@@ -459,13 +467,15 @@ def run_stack(
             after = {role: worker_counters(url, auth) for role, url in workers.items()}
             point = {"format": fmt, "mode": mode, "concurrency": n, **summarize(records, wall), "errors": errors, "window_s": args.point_s}
             for role in workers:
-                for key in ("evicted_pages", "preemptions", "reclaimed_leases", "computed_tokens"):
+                for key in ("evicted_pages", "preemptions", "reclaimed_leases", "computed_tokens", "pulls", "pulled_tokens", "page_waits"):
                     point[f"{role}_{key}"] = int(after[role][key] - before[role][key])
-                point[f"{role}_fallbacks"] = {
-                    key.removeprefix("fallback_"): int(v - before[role].get(key, 0.0))
-                    for key, v in after[role].items()
-                    if key.startswith("fallback_") and v > before[role].get(key, 0.0)
-                }
+                point[f"{role}_page_wait_s"] = round(after[role]["page_wait_s"] - before[role]["page_wait_s"], 3)
+                for prefix, name in (("fallback_", "fallbacks"), ("skip_", "skips"), ("missed_", "missed_tokens")):
+                    point[f"{role}_{name}"] = {  # by reason, the ones that moved
+                        key.removeprefix(prefix): int(v - before[role].get(key, 0.0))
+                        for key, v in after[role].items()
+                        if key.startswith(prefix) and v > before[role].get(key, 0.0)
+                    }
                 for kind in ("decode", "mixed"):  # the engine's steps in the window: how many, mean wall time
                     steps = after[role].get(f"{kind}_steps", 0.0) - before[role].get(f"{kind}_steps", 0.0)
                     seconds = after[role].get(f"{kind}_step_s", 0.0) - before[role].get(f"{kind}_step_s", 0.0)
@@ -484,7 +494,8 @@ def run_stack(
                 f"evicted P/D {point['prefill_evicted_pages']}/{point['decode_evicted_pages']}  "
                 f"D steps decode {point['decode_decode_steps']} x {point['decode_decode_step_ms']:.1f} ms, "
                 f"mixed {point['decode_mixed_steps']} x {point['decode_mixed_step_ms']:.1f} ms, "
-                f"computed {point['decode_computed_tokens']}, fallbacks {point['decode_fallbacks']}  errors {len(errors)}  {wall:.1f} s",
+                f"computed {point['decode_computed_tokens']}, pulls {point['decode_pulls']}, skips {point['decode_skips']}, "
+                f"missed {point['decode_missed_tokens']}, fallbacks {point['decode_fallbacks']}  errors {len(errors)}  {wall:.1f} s",
                 file=sys.stderr,
                 flush=True,
             )

@@ -12,29 +12,21 @@ Two kinds of updates:
 - engine state, copied from a ``KVStats`` snapshot when ``/metrics`` is
   scraped (pool use and capacity, leases, queue depth, and the engine's own
   counters: prompt tokens computed, preemptions, evicted pages, reclaimed leases, aged pages;
+  the puller's: pulls skipped, tokens they missed, waits for free pages;
   stored bits per value with and without metadata, the bit budget and the controller's cut).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvserving.worker.engine import STEP_KINDS
+from kvserving.worker.kv.puller import FALLBACK_REASONS, SKIP_REASONS
 from kvserving.worker.kv_stats import KVStats
 
-# Why a reuse fell back to recompute (docs/worker-api.md). Every reason is
-# exported from the start (at 0) so a rate() over it never sees a gap.
-FALLBACK_REASONS = (
-    "remote_unreachable",
-    "transfer_timeout",
-    "transfer_failed",
-    "lease_expired",
-    "layout_mismatch",
-    "hash_mismatch",
-    "stale_agent",
-    "unknown_peer",
-    "bits_cut_mismatch",
-)
 # Where a prompt token's KV came from.
 TOKEN_SOURCES = ("local_cache", "remote_pull", "computed")
 # A pull runs toward the worker that issues the NIXL READ.
@@ -63,6 +55,21 @@ class WorkerMetrics:
             "KV reuses that fell back to recompute, by reason",
             ["reason"],
             registry=r,
+        )
+        self.pull_skips = Counter(
+            "kvserving_worker_kv_pull_skips_total", "pulls that brought nothing without a fault, by reason", ["reason"], registry=r
+        )
+        self.pull_missed_tokens = Counter(
+            "kvserving_worker_kv_pull_missed_tokens_total",
+            "prompt tokens a pull planned and did not bring (computed instead), by skip or fallback reason",
+            ["reason"],
+            registry=r,
+        )
+        self.pull_page_waits = Counter(
+            "kvserving_worker_kv_pull_page_waits_total", "pulls that found no free pages to READ into at once and waited", registry=r
+        )
+        self.pull_page_wait_seconds = Counter(
+            "kvserving_worker_kv_pull_page_wait_seconds_total", "seconds pulls waited for free pages to READ into", registry=r
         )
         self.prompt_tokens_by_source = Counter(
             "kvserving_worker_prompt_tokens_by_source_total",
@@ -158,6 +165,10 @@ class WorkerMetrics:
         self.ready = Gauge("kvserving_worker_ready", "1 while the worker admits requests", registry=r)
         for reason in FALLBACK_REASONS:
             self.reuse_fallbacks.labels(reason=reason)
+        for reason in SKIP_REASONS:
+            self.pull_skips.labels(reason=reason)
+        for reason in (*SKIP_REASONS, *FALLBACK_REASONS):
+            self.pull_missed_tokens.labels(reason=reason)
         for source in TOKEN_SOURCES:
             self.prompt_tokens_by_source.labels(source=source)
         for direction in DIRECTIONS:
@@ -228,11 +239,16 @@ class WorkerMetrics:
         counter.inc(max(0, value - seen))
         self._seen[counter] = max(seen, value)
 
-    def observe_transfer(
-        self, *, leases: int, leased_tokens: int, prefill_tokens_per_s: float | None, transfer_bytes_per_s: float | None
-    ) -> None:
-        """Leases and the two "auto" threshold measurements (0 until measured)."""
-        self.kv_leases.set(leases)
-        self.kv_leased_tokens.set(leased_tokens)
-        self.prefill_tokens_per_second.set(prefill_tokens_per_s or 0.0)
-        self.kv_transfer_bytes_per_second.set(transfer_bytes_per_s or 0.0)
+    def observe_transfer(self, counters: Mapping[str, Any]) -> None:
+        """Copy ``KVTransfer.stats()`` in: leases, the two "auto" threshold measurements (0 until
+        measured); move the pull skip, missed-token and page-wait counters by their growth."""
+        self.kv_leases.set(counters["leases"])
+        self.kv_leased_tokens.set(counters["leased_tokens"])
+        self.prefill_tokens_per_second.set(counters["prefill_tokens_per_s"] or 0.0)
+        self.kv_transfer_bytes_per_second.set(counters["transfer_bytes_per_s"] or 0.0)
+        for reason, n in counters["skips"].items():
+            self._grow(self.pull_skips.labels(reason=reason), n)
+        for reason, n in counters["missed_tokens"].items():
+            self._grow(self.pull_missed_tokens.labels(reason=reason), n)
+        self._grow(self.pull_page_waits, counters["page_waits"])
+        self._grow(self.pull_page_wait_seconds, counters["page_wait_seconds"])

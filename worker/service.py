@@ -392,12 +392,7 @@ class WorkerService:
         st, xfer = await self.snapshot()
         self.metrics.observe(st)
         if xfer is not None:
-            self.metrics.observe_transfer(
-                leases=xfer["leases"],
-                leased_tokens=xfer["leased_tokens"],
-                prefill_tokens_per_s=xfer["prefill_tokens_per_s"],
-                transfer_bytes_per_s=xfer["transfer_bytes_per_s"],
-            )
+            self.metrics.observe_transfer(xfer)
 
     # ---------------------------------------------------------------- leases
     def _transfer(self) -> KVTransfer:

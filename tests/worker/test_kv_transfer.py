@@ -326,6 +326,66 @@ def test_concurrent_pulls_from_one_peer(tiny_model_dir: Path, host: Any) -> None
     assert P.kvt.leases() == []
 
 
+def test_a_pull_into_a_full_pool_waits_then_skips_and_counts_the_tokens_it_missed(tiny_model_dir: Path, host: Any) -> None:
+    """A decode worker (transfer_timeout_s 1.0: it waits for pages up to PAGE_WAIT_SHARE of it)
+    whose pool is taken whole by running requests. A 150-token prompt offers (150 - 1) // 16 = 9
+    full pages: the pull waits its 0.5 s, skips (``no_free_pages``) and counts the 144 tokens it
+    missed; pages freed while the next pull waits give it its 144 tokens. The counters reach
+    /metrics by their growth."""
+    from prometheus_client import CollectorRegistry
+
+    from kvserving.worker.kv.puller import PAGE_WAIT_SHARE
+    from kvserving.worker.metrics import WorkerMetrics
+
+    P = host.open("p-full", _spec(tiny_model_dir, "bf16", "p-full-1", role="prefill"))
+    D = host.open("d-full", _spec(tiny_model_dir, "bf16", "d-full-1", role="decode", transfer_timeout_s=1.0))
+    ids = _prompt(150, 61)
+
+    def offer(rid: str) -> KVTransferParams:
+        return KVTransferParams.from_dict(P.generate({"request_id": rid, "input_ids": ids, "max_tokens": 1, "retain": True})["params"])
+
+    pool = D.engine.pool
+    with D.lock:
+        taken = pool.allocate([4] * pool.num_free_pages(bits=4))
+    assert taken is not None
+    t0 = time.monotonic()
+    skipped = D.kvt.pull(ids, None, offer("full-1"))
+    waited = time.monotonic() - t0
+    assert (skipped.skipped, skipped.missed_tokens, skipped.pulled_tokens, skipped.admission_pin) == ("no_free_pages", 144, 0, None)
+    assert waited >= PAGE_WAIT_SHARE * 1.0 - 0.1  # the wait's last poll starts within one poll of its end
+    c = D.kvt.stats()
+    assert c["skips"] == {"nothing_to_pull": 0, "below_threshold": 0, "no_free_pages": 1}
+    assert c["missed_tokens"]["no_free_pages"] == 144 and sum(c["missed_tokens"].values()) == 144
+    assert c["page_waits"] == 1 and 0.35 <= c["page_wait_seconds"] <= waited
+
+    def free_soon() -> None:
+        time.sleep(0.2)
+        with D.lock:
+            pool.free(taken[:20])  # a request ended
+
+    threading.Thread(target=free_soon).start()
+    got = D.kvt.pull(ids, None, offer("full-2"))
+    assert (got.skipped, got.missed_tokens, got.pulled_tokens) == (None, 0, 144)
+    D.kvt.drop_admission(got)
+    with D.lock:
+        pool.free(taken[20:])
+    c = D.kvt.stats()
+    assert c["page_waits"] == 2 and c["skips"]["no_free_pages"] == 1 and c["pulls"] == 1
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, role="decode")
+    metrics.observe_transfer(c)
+    metrics.observe_transfer(c)  # the same counts again: nothing moves twice
+    values = {
+        (s.name, s.labels.get("reason")): s.value
+        for fam in registry.collect()
+        for s in fam.samples
+        if s.name.startswith("kvserving_worker_kv_pull_") and s.name.endswith("_total")
+    }
+    assert values[("kvserving_worker_kv_pull_skips_total", "no_free_pages")] == 1
+    assert values[("kvserving_worker_kv_pull_missed_tokens_total", "no_free_pages")] == 144
+    assert values[("kvserving_worker_kv_pull_page_waits_total", None)] == 2
+
+
 def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer: Peer) -> None:
     """The peer frozen mid-pull (SIGSTOP: our deadline fires), then killed, then restarted on
     the same port and engine id: each pull recomputes with its reason. (Last in the

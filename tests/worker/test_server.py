@@ -22,7 +22,7 @@ from live_worker import Live, start_live, stop_live
 from kvserving.config import KVCacheConfig, ModelConfig, ServingConfig
 from kvserving.operator.dashboard import DASHBOARD_METRICS
 from kvserving.worker.engine import LLMEngine
-from kvserving.worker.metrics import FALLBACK_REASONS
+from kvserving.worker.kv.puller import FALLBACK_REASONS
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.service import WorkerService
 

@@ -77,6 +77,10 @@ FALLBACK_REASONS = (
     "unknown_peer",
     "bits_cut_mismatch",
 )
+# Why a pull brought nothing without a fault (``PullResult.skipped``): every matched page is held here
+# already; too few pages to be worth a READ (``recompute_threshold_tokens``); no pages to READ into
+# before the wait for them ended.
+SKIP_REASONS = ("nothing_to_pull", "below_threshold", "no_free_pages")
 HOLD_MARGIN_S = 2.0  # a hold outlives the puller's READ deadline by this much
 # A pull that finds no free pages waits for them this share of ``transfer_timeout_s`` (the READ keeps the
 # rest: milliseconds at GPU rates), asking again every PAGE_WAIT_POLL_S.
@@ -84,11 +88,11 @@ PAGE_WAIT_SHARE = 0.5
 PAGE_WAIT_POLL_S = 0.02
 DEFAULT_THRESHOLD_TOKENS = 64  # "auto" before both rates are measured
 # ``PullResult.phases``, on the request's path in this order: hash and match the prompt and
-# allocate (one engine-thread hop), wait for the sender's hold (sent before planning), build the
+# allocate (one engine-thread hop), wait for free pages (a full pool only), wait for the sender's hold (sent before planning), build the
 # READ's descriptors, the READ itself, register and pin the pages (one hop), wait for a hold that
 # ended in no READ. ``contact_agent`` / ``contact_hold``: the agent fetch (first pull from an
 # incarnation only) and the hold's round trip, on a peer-call thread beside the planning.
-PULL_PHASES = ("plan", "lease_check", "descriptors", "read", "adopt", "release", "contact_agent", "contact_hold")
+PULL_PHASES = ("plan", "page_wait", "lease_check", "descriptors", "read", "adopt", "release", "contact_agent", "contact_hold")
 
 FetchAgent = Callable[[str], dict[str, Any]]  # agent_url -> GET /internal/kv/agent's body
 HoldRemote = Callable[[str, str, str, float, bool], dict[str, Any]]  # url, lease, digest, hold_s, consume
@@ -107,7 +111,8 @@ class PullResult:
     admission_pin: str | None = None  # pass to LLMEngine.add_request(admission_pin=...)
     matched_tokens: int = 0  # leading remote tokens whose hashes equal this prompt's
     local_tokens: int = 0  # of those, already in the local prefix cache
-    skipped: str | None = None  # why nothing was pulled without a fault ("below_threshold", "no_free_pages", ...)
+    skipped: str | None = None  # why nothing was pulled without a fault (one of SKIP_REASONS)
+    missed_tokens: int = 0  # tokens the plan wanted to pull and did not (skipped or failed): the engine computes them
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds per phase (``PULL_PHASES``)
 
 
@@ -193,6 +198,10 @@ class Puller:
         self._calls = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvserving-kv-peer")
         self._counts_lock = threading.Lock()  # pulls run on several server threads at once
         self.fallbacks: Counter[str] = Counter()
+        self.skips: Counter[str] = Counter()
+        self.missed_tokens: Counter[str] = Counter()  # by skip or fallback reason
+        self.page_waits = 0  # pulls that found no free pages at once and waited
+        self.page_wait_seconds_total = 0.0
         self.pulls = 0
         self.pulled_tokens_total = 0
         self.pulled_bytes_total = 0
@@ -249,6 +258,10 @@ class Puller:
                 "pulled_regions": self.pulled_regions_total,
                 "transfer_seconds": self.transfer_seconds_total,
                 "fallbacks": {r: self.fallbacks.get(r, 0) for r in FALLBACK_REASONS},
+                "skips": {r: self.skips.get(r, 0) for r in SKIP_REASONS},
+                "missed_tokens": {r: self.missed_tokens.get(r, 0) for r in (*SKIP_REASONS, *FALLBACK_REASONS)},
+                "page_waits": self.page_waits,
+                "page_wait_seconds": self.page_wait_seconds_total,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s,
                 "transfer_bytes_per_s": self.transfer_bytes_per_s,
                 "stuck_transfers": self.nixl.num_stuck,
@@ -427,18 +440,25 @@ class Puller:
         p = self.page_size
         diverged = plan.matched < plan.usable
         base: dict[str, Any] = {"matched_tokens": plan.matched * p, "local_tokens": len(plan.local_pids) * p}
+        missed = len(plan.want) * p
         if plan.skipped is None and contact is None:
             # our own lease would have kept these pages in the local cache: it is gone
-            return self._fail("lease_expired", **base)
+            return self._fail("lease_expired", missed=missed, **base)
         if plan.skipped is not None:
-            return self._fail("hash_mismatch", **base) if diverged else PullResult(skipped=plan.skipped, **base)
+            if diverged:
+                return self._fail("hash_mismatch", missed=missed, **base)
+            return self._skip(plan.skipped, missed, **base)
         local = plan.local
         if local is None:
+            t_wait = time.monotonic()
             bits = [page_id_bits(pid) for pid in plan.remote_pids]
             local = self.wait_for_pages(bits, until=t_send + PAGE_WAIT_SHARE * self.reuse.transfer_timeout_s)
-            ph.mark("plan")
+            ph.mark("page_wait")
+            with self._counts_lock:
+                self.page_waits += 1
+                self.page_wait_seconds_total += time.monotonic() - t_wait
         if local is None:
-            return PullResult(skipped="no_free_pages", **base)
+            return self._skip("no_free_pages", missed, **base)
         assert contact is not None
         try:
             c = contact.result()  # the sender's hold, asked for before ``_plan``
@@ -449,10 +469,10 @@ class Puller:
         ph.add("contact_hold", c.hold_s)
         if c.fallback is not None or c.peer is None:
             self._discard(local, safe=True)
-            return self._fail(c.fallback or "transfer_failed", **base)
+            return self._fail(c.fallback or "transfer_failed", missed=missed, **base)
         reason, stats = self._read(c.peer, params, local, plan.remote_pids, t_send, ph)
         if stats is None:
-            return self._fail(reason or "transfer_failed", **base)
+            return self._fail(reason or "transfer_failed", missed=missed, **base)
         overhead = max(0.0, time.monotonic() - t_send - stats.seconds)  # hold, allocation, planning
         hashes = [plan.hashes[i] for i in plan.want]
         local_pids, local_pin = list(plan.local_pids), plan.local_pin
@@ -636,8 +656,17 @@ class Puller:
             self.pulled_regions_total += stats.num_regions
             self.transfer_seconds_total += stats.seconds
 
-    def _fail(self, reason: str, **kw: Any) -> PullResult:
+    def _fail(self, reason: str, *, missed: int = 0, **kw: Any) -> PullResult:
+        """A fallback; ``missed``: the tokens the plan wanted (none when it failed before planning)."""
         assert reason in FALLBACK_REASONS, reason
         with self._counts_lock:
             self.fallbacks[reason] += 1
-        return PullResult(fallback=reason, **kw)
+            self.missed_tokens[reason] += missed
+        return PullResult(fallback=reason, missed_tokens=missed, **kw)
+
+    def _skip(self, reason: str, missed: int, **kw: Any) -> PullResult:
+        assert reason in SKIP_REASONS, reason
+        with self._counts_lock:
+            self.skips[reason] += 1
+            self.missed_tokens[reason] += missed
+        return PullResult(skipped=reason, missed_tokens=missed, **kw)
