@@ -296,6 +296,8 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
         **{f"skip_{reason}": float(n) for reason, n in (xfer.get("skips") or {}).items()},
         **{f"missed_{reason}": float(n) for reason, n in (xfer.get("missed_tokens") or {}).items()},
         "page_waits": float(xfer.get("page_waits", 0)),
+        # tokens a pull had in place that its request no longer found at admission (computed instead)
+        "lost_tokens": float((stats.get("prompt_tokens") or {}).get("lost_before_admission", 0)),
         "page_wait_s": float(xfer.get("page_wait_seconds", 0.0)),
         "evicted_pages": counter("kvserving_worker_kv_evicted_pages_total"),
         "reclaimed_leases": counter("kvserving_worker_kv_leases_reclaimed_total"),
@@ -467,7 +469,16 @@ def run_stack(
             after = {role: worker_counters(url, auth) for role, url in workers.items()}
             point = {"format": fmt, "mode": mode, "concurrency": n, **summarize(records, wall), "errors": errors, "window_s": args.point_s}
             for role in workers:
-                for key in ("evicted_pages", "preemptions", "reclaimed_leases", "computed_tokens", "pulls", "pulled_tokens", "page_waits"):
+                for key in (
+                    "evicted_pages",
+                    "preemptions",
+                    "reclaimed_leases",
+                    "computed_tokens",
+                    "pulls",
+                    "pulled_tokens",
+                    "page_waits",
+                    "lost_tokens",
+                ):
                     point[f"{role}_{key}"] = int(after[role][key] - before[role][key])
                 point[f"{role}_page_wait_s"] = round(after[role]["page_wait_s"] - before[role]["page_wait_s"], 3)
                 for prefix, name in (("fallback_", "fallbacks"), ("skip_", "skips"), ("missed_", "missed_tokens")):
@@ -495,7 +506,7 @@ def run_stack(
                 f"D steps decode {point['decode_decode_steps']} x {point['decode_decode_step_ms']:.1f} ms, "
                 f"mixed {point['decode_mixed_steps']} x {point['decode_mixed_step_ms']:.1f} ms, "
                 f"computed {point['decode_computed_tokens']}, pulls {point['decode_pulls']}, skips {point['decode_skips']}, "
-                f"missed {point['decode_missed_tokens']}, fallbacks {point['decode_fallbacks']}  errors {len(errors)}  {wall:.1f} s",
+                f"missed {point['decode_missed_tokens']}, lost {point['decode_lost_tokens']}, fallbacks {point['decode_fallbacks']}  errors {len(errors)}  {wall:.1f} s",
                 file=sys.stderr,
                 flush=True,
             )

@@ -65,6 +65,12 @@ class WorkerMetrics:
             ["reason"],
             registry=r,
         )
+        self.pulled_tokens_lost = Counter(
+            "kvserving_worker_kv_pulled_tokens_lost_total",
+            "prompt tokens a pull had in place (held or READ) and its request no longer found at admission "
+            "(the admission pin yielded to pressure and the pages were evicted): computed instead",
+            registry=r,
+        )
         self.pull_page_waits = Counter(
             "kvserving_worker_kv_pull_page_waits_total", "pulls that found no free pages to READ into at once and waited", registry=r
         )
@@ -182,12 +188,16 @@ class WorkerMetrics:
         # the same counts as plain numbers, for GET /internal/kv/stats
         self.prompt_token_totals = dict.fromkeys(TOKEN_SOURCES, 0)
         self.fallback_totals: dict[str, int] = {}
+        self.lost_before_admission_total = 0
 
     # ------------------------------------------------------------------- events
-    def request_finished(self, *, finish_reason: str, local_cached: int, remote_pulled: int, computed: int) -> None:
+    def request_finished(self, *, finish_reason: str, local_cached: int, remote_pulled: int, computed: int, lost: int = 0) -> None:
+        """``lost``: prompt tokens the request's pull had in place that were gone at its admission (computed)."""
         self.requests.labels(finish_reason=finish_reason).inc()
         if finish_reason == "abort":
             return  # aborted before it finished: where its prompt came from is not known
+        self.pulled_tokens_lost.inc(lost)
+        self.lost_before_admission_total += lost
         for source, n in zip(TOKEN_SOURCES, (local_cached, remote_pulled, computed)):
             self.prompt_tokens_by_source.labels(source=source).inc(n)
             self.prompt_token_totals[source] += n

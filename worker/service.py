@@ -277,6 +277,9 @@ class WorkerService:
                         local_cached=usage["local_cached_tokens"],
                         remote_pulled=usage["remote_pulled_tokens"],
                         computed=usage["computed_prompt_tokens"],
+                        # what the pull had in place (held here or READ) and the request no longer
+                        # found at admission: its pin yielded under pressure and the pages went
+                        lost=max(0, req.pull.matched_tokens - req.pull.missed_tokens - out.num_cached_tokens),
                     )
                     yield {
                         "request_id": rid,
@@ -366,6 +369,7 @@ class WorkerService:
                 "local": totals["local_cache"],
                 "remote": totals["remote_pull"],
                 "computed": totals["computed"],
+                "lost_before_admission": self.metrics.lost_before_admission_total,
             },
             "fallbacks": dict(sorted(self.metrics.fallback_totals.items())),
             "transfer": xfer,
