@@ -717,7 +717,8 @@ def main() -> int:
     reply_ids = tok.encode_ids(" ".join(["I ran the tests; two failed in test_parser.py. Next I will read it."] * args.reply_repeat))
     reply = tok.decode(reply_ids)
 
-    tmp = Path(tempfile.mkdtemp(prefix="gw-bench-"))
+    tmp = Path(tempfile.mkdtemp(prefix="gw-bench-"))  # the processes' logs: removed after a run that finished
+    finished = False
     worker_port, gw_port, relay_port, floor_port = free_port(), free_port(), free_port(), free_port()
     worker_url, gw_url = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{gw_port}"
     relay_url, floor_url = f"http://127.0.0.1:{relay_port}", f"http://127.0.0.1:{floor_port}"
@@ -906,6 +907,7 @@ def main() -> int:
             print_long(
                 run_long(args, tagger=tagger, reply=reply, worker_url=worker_url, gw_url=gw_url, gw_pid=procs[1].pid, idle_cpu_per_s=idle)
             )
+        finished = True
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -915,6 +917,10 @@ def main() -> int:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+        if finished:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"the processes' logs: {tmp}", file=sys.stderr)
     tool = str(Path(__file__).with_name("gateway_timeline.py"))
     for what, path in (("report", args.timeline), ("report-samples", args.cpu_samples), ("report-garbage", args.garbage)):
         if path:
