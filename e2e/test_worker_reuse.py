@@ -194,6 +194,11 @@ def test_four_turn_conversation_pulls_both_ways_and_computes_only_new_tokens(
         assert metric(p_metrics, "kvserving_worker_kv_transfer_bytes_total", direction="decode_to_prefill") > 0
         assert metric(p_metrics, "kvserving_worker_kv_transfer_seconds_count", direction="decode_to_prefill") == prefill_pulls
         assert metric(d_metrics, "kvserving_worker_prompt_tokens_by_source_total", source="remote_pull") > 0
+        # every pull's pages were there at admission, and none was skipped for want of pages
+        for m in (d_metrics, p_metrics):
+            assert metric(m, "kvserving_worker_kv_pulled_tokens_lost_total") == 0
+            assert metric(m, "kvserving_worker_kv_pull_skips_total", reason="no_free_pages") == 0
+            assert metric(m, "kvserving_worker_kv_pull_missed_tokens_total", reason="no_free_pages") == 0
         assert metric(d_metrics, "kvserving_worker_prompt_tokens_by_source_total", source="local_cache") > 0
         assert metric(d_metrics, "kvserving_worker_kv_leases") == 1
         assert metric(d_metrics, "kvserving_worker_kv_leased_tokens") == decode_params["num_tokens"]

@@ -20,6 +20,7 @@ from operator import attrgetter
 
 from kvserving.config import SchedulerConfig
 from kvserving.worker.kv.manager import KVCacheManager
+from kvserving.worker.kv.page_pool import RECLAIM_FIRST, RECLAIM_LAST
 from kvserving.worker.sequence import ScheduledChunk, SchedulerOutput, Sequence, SeqStatus
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
@@ -86,12 +87,16 @@ class Scheduler:
         First with its cached prefix, then, if that placement does not fit,
         from scratch: matched pages can sit deep inside one end of a triaxial
         buffer and block the other end, while a fresh placement (evicting
-        those cached pages) fits.
+        those cached pages) fits. Pulled pages pinned for the requests waiting
+        (this one's included) yield to an admission only while nothing runs:
+        taken, their requests compute them again, and a running sequence frees
+        pages when it ends.
         """
+        reclaim = RECLAIM_FIRST if self.running else RECLAIM_LAST
         for use_prefix in (True, False):
             hit = self.kv.match_prefix(seq) if use_prefix else 0
             n = self._chunk_len(seq, budget)
-            if n and self.kv.allocate_until(seq, seq.num_tokens):
+            if n and self.kv.allocate_until(seq, seq.num_tokens, reclaim_up_to=reclaim):
                 if seq.num_preemptions == 0:  # first admission (output_ids may be given: the prefill's token)
                     seq.num_cached_prompt = min(hit, len(seq.prompt_ids))
                 return n

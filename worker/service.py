@@ -36,6 +36,13 @@ log = logging.getLogger(__name__)
 STARTING, READY, DRAINING, STOPPED = "starting", "ready", "draining", "stopped"
 
 
+def lost_before_admission(pull: PullResult, cached_tokens: int) -> int:
+    """Prompt tokens ``pull`` had in place (held here or READ: matched, less what it missed) that
+    its request, admitted with ``cached_tokens`` from the prefix cache, no longer found: the
+    admission pin yielded under pressure and the pages were evicted before the request ran."""
+    return max(0, pull.matched_tokens - pull.missed_tokens - cached_tokens)
+
+
 class NotReadyError(RuntimeError):
     """The worker does not admit requests now (loading or draining)."""
 
@@ -277,9 +284,7 @@ class WorkerService:
                         local_cached=usage["local_cached_tokens"],
                         remote_pulled=usage["remote_pulled_tokens"],
                         computed=usage["computed_prompt_tokens"],
-                        # what the pull had in place (held here or READ) and the request no longer
-                        # found at admission: its pin yielded under pressure and the pages went
-                        lost=max(0, req.pull.matched_tokens - req.pull.missed_tokens - out.num_cached_tokens),
+                        lost=lost_before_admission(req.pull, out.num_cached_tokens),
                     )
                     yield {
                         "request_id": rid,

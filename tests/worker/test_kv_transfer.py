@@ -330,12 +330,13 @@ def test_a_pull_into_a_full_pool_waits_then_skips_and_counts_the_tokens_it_misse
     """A decode worker (transfer_timeout_s 1.0: it waits for pages up to PAGE_WAIT_SHARE of it)
     whose pool is taken whole by running requests. A 150-token prompt offers (150 - 1) // 16 = 9
     full pages: the pull waits its 0.5 s, skips (``no_free_pages``) and counts the 144 tokens it
-    missed; pages freed while the next pull waits give it its 144 tokens. The counters reach
-    /metrics by their growth."""
+    missed; pages freed while the next pull waits give it its 144 tokens. A prefill worker's pull
+    skips at once. The counters reach /metrics by their growth."""
     from prometheus_client import CollectorRegistry
 
     from kvserving.worker.kv.puller import PAGE_WAIT_SHARE
     from kvserving.worker.metrics import WorkerMetrics
+    from kvserving.worker.service import lost_before_admission
 
     P = host.open("p-full", _spec(tiny_model_dir, "bf16", "p-full-1", role="prefill"))
     D = host.open("d-full", _spec(tiny_model_dir, "bf16", "d-full-1", role="decode", transfer_timeout_s=1.0))
@@ -366,6 +367,9 @@ def test_a_pull_into_a_full_pool_waits_then_skips_and_counts_the_tokens_it_misse
     threading.Thread(target=free_soon).start()
     got = D.kvt.pull(ids, None, offer("full-2"))
     assert (got.skipped, got.missed_tokens, got.pulled_tokens) == (None, 0, 144)
+    # admitted with all 144 from the cache nothing was lost; with 96 (its pin yielded, 3 pages
+    # evicted) 48 were; a skipped pull had nothing in place to lose
+    assert [lost_before_admission(got, 144), lost_before_admission(got, 96), lost_before_admission(skipped, 0)] == [0, 48, 0]
     D.kvt.drop_admission(got)
     with D.lock:
         pool.free(taken[20:])
@@ -373,6 +377,17 @@ def test_a_pull_into_a_full_pool_waits_then_skips_and_counts_the_tokens_it_misse
     assert c["page_waits"] == 2 and c["skips"]["no_free_pages"] == 1 and c["pulls"] == 1
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, role="decode")
+    # a prefill worker's pull does not wait (its waits would be the turn's TTFT): it skips at once
+    P2 = host.open("p-full-2", _spec(tiny_model_dir, "bf16", "p-full-2", role="prefill", transfer_timeout_s=1.0))
+    with P2.lock:
+        full = P2.engine.pool.allocate([4] * P2.engine.pool.num_free_pages(bits=4))
+    assert full is not None
+    t0 = time.monotonic()
+    at_once = P2.kvt.pull(ids, None, offer("full-3"))
+    assert (at_once.skipped, at_once.missed_tokens) == ("no_free_pages", 144) and time.monotonic() - t0 < PAGE_WAIT_SHARE * 1.0
+    assert P2.kvt.stats()["page_waits"] == 0
+    with P2.lock:
+        P2.engine.pool.free(full)
     metrics.observe_transfer(c)
     metrics.observe_transfer(c)  # the same counts again: nothing moves twice
     values = {

@@ -18,7 +18,8 @@ import torch
 from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, ServingConfig
 from kvserving.worker.engine import LLMEngine, RequestOutput
 from kvserving.worker.kv.transfer import KVTransfer
-from kvserving.worker.kv.leases import RetainSpec, pin_for_admission
+from kvserving.worker.kv.leases import RetainSpec, pin_for_admission, release_admission
+from kvserving.worker.sequence import Sequence
 from kvserving.worker.sampling import SamplingParams
 
 
@@ -50,6 +51,10 @@ def _run(kvt: KVTransfer, rid: str, ids: list[int], gen: int, spec: RetainSpec |
             _tokens[out.request_id].extend(out.new_token_ids)
             if out.request_id == rid and out.finished:
                 return out
+
+
+def _seq(ids: list[int]) -> Sequence:
+    return Sequence("hashes", ids, SamplingParams(), torch.Generator())
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -181,6 +186,30 @@ def test_a_pull_reclaims_retained_conversations_when_the_pool_is_full(decode: KV
     assert reclaimed >= 1
     held = {le["lease_id"] for le in decode.leases()}
     assert held == set(leases[reclaimed:])  # the oldest retained conversations went first
+
+
+def test_a_pull_does_not_take_the_pages_pulled_for_a_request_waiting_to_be_admitted(decode: KVTransfer) -> None:
+    # Pages pulled for a request not yet admitted stay pinned against another pull: taken, that
+    # request would compute them again (the pull waits for pages instead). A retained conversation
+    # still yields.
+    pool = decode.engine.pool
+    retained = _run(decode, "kept", _ids(100, 7), 20, decode.retain_spec(conversation_key="kept", input_ids=_ids(100, 7))).retained
+    pulled = _run(decode, "pulled", _ids(100, 8), 1, None)
+    assert retained is not None and pulled.retained is None
+    seq_pages = [pool.lookup(h) for h in decode.engine.kv.page_hashes(_seq(_ids(100, 8)), [4] * 6)]
+    pages = [p for p in seq_pages if p is not None]
+    assert len(pages) == 6  # (100 - 1) // 16 full pages cached
+    pin = pin_for_admission(pool, pages, pulled=pages, ttl_s=60.0)
+    taken = pool.allocate([4] * (pool.num_free_pages(bits=4) - 7))  # the free list and the cache, but 7 pages
+    assert taken is not None
+    # 7 free + the retained conversation's 7 pages: 14 at most without the admission pin's 6
+    assert decode.puller.allocate_for_pull([4] * 15) is None
+    assert pool.get_pin(pin) is not None and decode.leases() == []  # the retained conversation yielded, the pin did not
+    got = decode.puller.allocate_for_pull([4] * 14)
+    assert got is not None and pool.get_pin(pin) is not None
+    pool.free(got)
+    pool.free(taken)
+    release_admission(pool, pin, ())
 
 
 def test_a_pull_into_a_full_pool_waits_for_pages_until_its_deadline(decode: KVTransfer) -> None:

@@ -8,11 +8,13 @@ from __future__ import annotations
 import torch
 
 from kvserving.config import SchedulerConfig
+from kvserving.kernels.page_ids import page_id_bits
+from kvserving.worker.kv.leases import pin_for_admission
 from kvserving.worker.kv.manager import KVCacheManager
 from kvserving.worker.kv.page_pool import PagePool
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.scheduler import Scheduler
-from kvserving.worker.sequence import Sequence
+from kvserving.worker.sequence import Sequence, SeqStatus
 
 PAGE = 16
 
@@ -79,3 +81,47 @@ def test_long_prompts_wait_for_their_pages_instead_of_preempting_each_other() ->
     assert preempted == [[]] * 9
     assert [s.output_ids for s in seqs] == [[1000]] * 3
     assert kv.pool.num_free == 12
+
+
+def _pulled(kv: KVCacheManager, sched: Scheduler, prompt: list[int]) -> tuple[Sequence, str]:
+    """``prompt``'s full pages in the prefix cache, pinned for admission as a pull leaves them
+    (``Puller._adopt``), and the request waiting for them."""
+    seed = Sequence("seed", prompt, SamplingParams(max_tokens=1), torch.Generator())
+    sched.add(seed)
+    while sched.has_work():
+        _advance(sched, 1)
+    pages = [kv.pool.lookup(h) for h in kv.page_hashes(seed, [page_id_bits(0)] * (len(prompt) // PAGE))]
+    assert None not in pages
+    pin = pin_for_admission(kv.pool, [p for p in pages if p is not None], pulled=[p for p in pages if p is not None], ttl_s=60.0)
+    return Sequence("pulled", prompt, SamplingParams(max_tokens=4), torch.Generator()), pin
+
+
+def test_pages_pulled_for_a_waiting_request_yield_to_the_admission_ahead_of_it_only_when_nothing_runs() -> None:
+    """10 pages; a request's 4 pulled pages pinned while it waits behind another prompt.
+
+    A sequence running (32 + 30 tokens: 2 pages, growing to 4) leaves 2 free pages to a 5-page
+    prompt ahead of the pulled request: the prompt waits for the running sequence's end (6 free)
+    instead of taking the pulled pages (taken, the request behind computes its 64 tokens again),
+    and the pulled request, admitted when the prompt ends, finds all 64. With nothing running
+    nothing would free pages: a 7-page prompt ahead (6 free) takes them."""
+    for running in (True, False):
+        kv = KVCacheManager(PagePool(10, page_size=PAGE), page_size=PAGE)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, chunk_size=128), kv)
+        waiting, pin = _pulled(kv, sched, list(range(500, 565)))  # 65 tokens: 4 full pages
+        if running:
+            sched.add(Sequence("run", list(range(32)), SamplingParams(max_tokens=30), torch.Generator()))
+            _advance(sched, 30)
+        head = Sequence("head", list(range(1000, 1080 if running else 1100)), SamplingParams(max_tokens=4), torch.Generator())
+        sched.add(head)
+        sched.add(waiting)
+        for _ in range(200):
+            if waiting.status is not SeqStatus.WAITING:
+                break
+            _advance(sched, 30 if running else 4)
+        assert head.num_cached_prompt == 0 and waiting.status is not SeqStatus.WAITING
+        if running:
+            assert kv.pool.get_pin(pin) is not None  # never reclaimed: the running sequence's end made room
+            assert waiting.num_cached_prompt == 64
+        else:
+            assert kv.pool.get_pin(pin) is None  # reclaimed for the prompt ahead: nothing else could free pages
+            assert waiting.num_cached_prompt < 64

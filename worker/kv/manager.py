@@ -26,7 +26,7 @@ from collections.abc import Sequence as Seq
 
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.bit_budget import BitBudgetController
-from kvserving.worker.kv.page_pool import PagePoolBase
+from kvserving.worker.kv.page_pool import RECLAIM_LAST, PagePoolBase
 from kvserving.worker.precision import page_bits, stored_bits
 from kvserving.worker.sequence import Sequence
 from kvserving.worker.triaxial_pool import TriaxialPagePool
@@ -328,8 +328,9 @@ class KVCacheManager:
         if self.controller.observe(tags, forced=forced, fixed2=fixed2):
             self.controller.update(self.held_bits(cached=False))
 
-    def allocate_until(self, seq: Sequence, num_tokens: int) -> bool:
-        """Make sure pages cover the first ``num_tokens`` tokens; all or nothing."""
+    def allocate_until(self, seq: Sequence, num_tokens: int, *, reclaim_up_to: int = RECLAIM_LAST) -> bool:
+        """Make sure pages cover the first ``num_tokens`` tokens; all or nothing. Reclaimable pins
+        of a class up to ``reclaim_up_to`` yield first (``PagePoolBase.reclaim_one``)."""
         need = -(-num_tokens // self.page_size) - len(seq.page_ids)
         if need <= 0:
             return True
@@ -341,7 +342,7 @@ class KVCacheManager:
         expect = -(-seq.num_tokens // self.page_size) - first
         got = self.pool.allocate_next(bits, after=after, expect=expect)
         # retained conversations yield to live requests, least recently active first
-        while got is None and self.pool.reclaim_one() is not None:
+        while got is None and self.pool.reclaim_one(reclaim_up_to) is not None:
             got = self.pool.allocate_next(bits, after=after, expect=expect)
         if got is None:
             return False

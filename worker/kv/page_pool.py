@@ -77,7 +77,11 @@ each end of its buffer, see ``_Region``):
   conversation), and the KV manager calls it when an allocation fails, before
   it gives up or preempts. Retained KV and pulled pages are bets on a next
   step; they must never starve the requests that can run now (else a pool
-  full of them admits nothing until they expire). Released pages stay in the
+  full of them admits nothing until they expire). Pulled pages yield to the
+  growth of running sequences, and to an admission or a pull only while
+  nothing runs (``up_to``): a waiting request's pulled pages taken for the one
+  ahead of it make it compute them again, and running sequences free pages as
+  they end. Released pages stay in the
   prefix cache (their hashes are kept), so a request whose pin went may still
   match them; a peer reading a released lease finds it gone and recomputes.
 """
@@ -570,10 +574,10 @@ class PagePoolBase:
             self.release(pin.pin_id)
         return [pin.pin_id for pin in expired]
 
-    def reclaim_one(self) -> str | None:
-        """Release the reclaimable pin of the lowest ``reclaim`` class, earliest expiry first;
-        its id, or None if there is none."""
-        candidates = [pin for pin in self._pins.values() if pin.reclaim != RECLAIM_NEVER]
+    def reclaim_one(self, up_to: int = RECLAIM_LAST) -> str | None:
+        """Release the reclaimable pin of the lowest ``reclaim`` class (at most ``up_to``), earliest
+        expiry first; its id, or None if there is none."""
+        candidates = [pin for pin in self._pins.values() if pin.reclaim != RECLAIM_NEVER and pin.reclaim <= up_to]
         if not candidates:
             return None
         pin = min(candidates, key=lambda pin: (pin.reclaim, pin.expires_at))

@@ -58,7 +58,7 @@ from kvserving.worker.kv.leases import (
     release_admission,
 )
 from kvserving.worker.kv.nixl_io import NixlIO, PageGeometry, ReadStats, RemoteBuffers, TransferError
-from kvserving.worker.kv.page_pool import RECLAIM_NEVER
+from kvserving.worker.kv.page_pool import RECLAIM_FIRST, RECLAIM_NEVER
 from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.peers import PeerSet, url_key
 from kvserving.worker.sampling import SamplingParams, make_generator
@@ -82,8 +82,9 @@ FALLBACK_REASONS = (
 # before the wait for them ended.
 SKIP_REASONS = ("nothing_to_pull", "below_threshold", "no_free_pages")
 HOLD_MARGIN_S = 2.0  # a hold outlives the puller's READ deadline by this much
-# A pull that finds no free pages waits for them this share of ``transfer_timeout_s`` (the READ keeps the
-# rest: milliseconds at GPU rates), asking again every PAGE_WAIT_POLL_S.
+# A decode worker's pull that finds no free pages waits for them this share of ``transfer_timeout_s`` (the
+# READ keeps the rest: milliseconds at GPU rates), asking again every PAGE_WAIT_POLL_S; a prefill worker's
+# does not wait (``KVTransfer``).
 PAGE_WAIT_SHARE = 0.5
 PAGE_WAIT_POLL_S = 0.02
 DEFAULT_THRESHOLD_TOKENS = 64  # "auto" before both rates are measured
@@ -177,7 +178,10 @@ class Puller:
         fetch_agent_info: FetchAgent,
         hold_remote: HoldRemote,
         release_remote: ReleaseRemote,
+        page_wait_share: float = PAGE_WAIT_SHARE,
     ) -> None:
+        """``page_wait_share``: of ``reuse.transfer_timeout_s``, how long a pull waits for free pages
+        to READ into (0: it skips at once)."""
         self.engine = engine
         self.reuse = reuse
         self.nixl = nixl
@@ -197,6 +201,7 @@ class Puller:
         # releases after the READ leave the request's path
         self._calls = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvserving-kv-peer")
         self._counts_lock = threading.Lock()  # pulls run on several server threads at once
+        self.page_wait_share = page_wait_share
         self.fallbacks: Counter[str] = Counter()
         self.skips: Counter[str] = Counter()
         self.missed_tokens: Counter[str] = Counter()  # by skip or fallback reason
@@ -409,11 +414,13 @@ class Puller:
         A pull serves a live request, so retained conversations yield to it as they do
         to a request's own allocation (least recently active first): a pool full of
         retained KV would otherwise refuse the pull and make the request recompute.
+        Pages pulled for requests waiting to be admitted do not (their requests would
+        compute them again); the pull waits for pages instead (``wait_for_pages``).
         Placed as one new sequence (a run where one is free), so the READ stays few regions.
         """
         pool = self.engine.pool
         got = pool.allocate(bits)
-        while got is None and pool.reclaim_one() is not None:
+        while got is None and pool.reclaim_one(RECLAIM_FIRST) is not None:
             got = pool.allocate(bits)
         return got
 
@@ -449,10 +456,10 @@ class Puller:
                 return self._fail("hash_mismatch", missed=missed, **base)
             return self._skip(plan.skipped, missed, **base)
         local = plan.local
-        if local is None:
+        if local is None and self.page_wait_share > 0:
             t_wait = time.monotonic()
             bits = [page_id_bits(pid) for pid in plan.remote_pids]
-            local = self.wait_for_pages(bits, until=t_send + PAGE_WAIT_SHARE * self.reuse.transfer_timeout_s)
+            local = self.wait_for_pages(bits, until=t_send + self.page_wait_share * self.reuse.transfer_timeout_s)
             ph.mark("page_wait")
             with self._counts_lock:
                 self.page_waits += 1

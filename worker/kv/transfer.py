@@ -64,7 +64,7 @@ from kvserving.worker.engine import LLMEngine
 from kvserving.worker.kv.leases import LeaseStore, RetainedKV, RetainSpec
 from kvserving.worker.kv.nixl_io import NixlIO, PageGeometry
 from kvserving.worker.kv.protocol import KVTransferParams, PeerHttp, layout_hash, layout_info
-from kvserving.worker.kv.puller import FetchAgent, HoldRemote, PullResult, Puller, ReleaseRemote
+from kvserving.worker.kv.puller import PAGE_WAIT_SHARE, FetchAgent, HoldRemote, PullResult, Puller, ReleaseRemote
 from kvserving.worker.peers import PeerSet
 
 T = TypeVar("T")
@@ -139,6 +139,9 @@ class KVTransfer:
             fetch_agent_info=fetch_agent_info or self._http.fetch_agent_info,
             hold_remote=hold_remote or self._http.hold,
             release_remote=release_remote or self._http.release,
+            # a prefill worker's pages free only as decode workers pull its transfer holds, and its
+            # pulls' waits are the turn's TTFT: it recomputes instead
+            page_wait_share=0.0 if role == "prefill" else PAGE_WAIT_SHARE,
         )
 
     def _run_locked(self, fn: Callable[[], Any]) -> Any:
