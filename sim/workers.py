@@ -32,7 +32,8 @@ advances in one event (``_Run``) with the results of stepping each.
   pages allocated with reclaim (``allocate_for_pull``; ``pull_reclaims=False``:
   the worker before it, which refused a pull on a pool full of retained
   conversations and recomputed the prompt); the pulled pages are
-  pinned until the request is admitted. A prefill worker's transfer hold is
+  pinned until the request is admitted (yielding, after retained conversations,
+  to an allocation that finds no page). A prefill worker's transfer hold is
   released once the decode's pull is over, read or not.
 - A pull that finds no pages **waits for them** (``Puller.wait_for_pages``):
   it tries again where pages come back -- at the end of an engine step that
@@ -196,6 +197,7 @@ class Worker:
         self.conv_lease: dict[str, str] = {}
         self._expiry: list[tuple[float, str]] = []
         self._reclaimable: list[tuple[float, str]] = []  # (expires_at, lease id) of reclaimable leases
+        self._yielding: list[tuple[float, str]] = []  # the same for pulls' admission pins: reclaimed after those
         self._compact_at = 1024  # heap entries (both heaps) past which stale ones are dropped
         self._inflight = 0  # the gateway's count of this worker's open requests (``inflight``)
         self._board: list[Any] | None = None  # the router's inputs, ``board_entry(inflight)`` mirrored at ``_slot``
@@ -670,7 +672,11 @@ class Worker:
         stable: int,
         prefix: str,
         reclaimable: bool = False,
+        yields: bool = False,
     ) -> WLease:
+        """A lease on ``hold``'s pages. ``reclaimable``: a retained conversation, released early when
+        pages run out (``RECLAIM_FIRST``); ``yields``: pulled pages waiting for their request's
+        admission, released early only when no retained conversation is left (``RECLAIM_LAST``)."""
         run = self._run
         if run is not None:
             m = self._settle(now)
@@ -684,7 +690,9 @@ class Worker:
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
         if reclaimable:
             heapq.heappush(self._reclaimable, (lease.expires_at, lease.lease_id))
-        if len(self._expiry) + len(self._reclaimable) > self._compact_at:
+        elif yields:
+            heapq.heappush(self._yielding, (lease.expires_at, lease.lease_id))
+        if len(self._expiry) + len(self._reclaimable) + len(self._yielding) > self._compact_at:
             self._compact()
         return lease
 
@@ -693,7 +701,7 @@ class Worker:
         skip them anyway; the live ones pop in the same order), once they outnumber the live."""
         leases = self.leases
         live = 0
-        for heap in (self._expiry, self._reclaimable):
+        for heap in (self._expiry, self._reclaimable, self._yielding):
             kept = []
             for entry in heap:
                 lease = leases.get(entry[1])
@@ -705,16 +713,17 @@ class Worker:
         self._compact_at = 2 * live + 1024
 
     def reclaim_one(self, now: float) -> bool:
-        """``PagePoolBase.reclaim_one``: release the reclaimable lease with the earliest expiry."""
-        heap = self._reclaimable
-        while heap:
-            expires, lease_id = heapq.heappop(heap)
-            lease = self.leases.get(lease_id)
-            if lease is None or lease.expires_at != expires:
-                continue  # released, or renewed (a newer entry is in the heap)
-            self.stats.leases_reclaimed += 1
-            self.release(lease_id, now)
-            return True
+        """``PagePoolBase.reclaim_one``: release the reclaimable lease with the earliest expiry, a
+        retained conversation before a pull's admission pin (whose pages stay cached)."""
+        for heap in (self._reclaimable, self._yielding):
+            while heap:
+                expires, lease_id = heapq.heappop(heap)
+                lease = self.leases.get(lease_id)
+                if lease is None or lease.expires_at != expires:
+                    continue  # released, or renewed (a newer entry is in the heap)
+                self.stats.leases_reclaimed += 1
+                self.release(lease_id, now)
+                return True
         return False
 
     def allocate(self, hold: Hold, n: int, now: float) -> bool:
@@ -844,7 +853,7 @@ class Worker:
     def _pulled(self, req: Req, offer: WLease, hold: Hold, local: int, matched: int, diverged: bool, now: float) -> PullOutcome:
         """The pull's pages are allocated (``hold``, after the local prefix): the READ and its pin."""
         self.cache.publish(hold, req.segs, local, matched)
-        req.pin = self.pin(hold, ttl_s=self.pull_ttl_s, now=now, conv=None, pages=0, stable=0, prefix="pull-")
+        req.pin = self.pin(hold, ttl_s=self.pull_ttl_s, now=now, conv=None, pages=0, stable=0, prefix="pull-", yields=True)
         req.pulled = (local, matched)
         want = matched - local
         nbytes = want * offer.worker.page_bytes

@@ -128,3 +128,30 @@ def test_a_decode_pull_without_free_pages_waits_for_the_running_reply_instead_of
     assert [t for t, _ in old_done] == [t for t, _ in new_done] == [1, 2]
     assert math.isclose(old_done[0][1], new_done[0][1]) and math.isclose(old_done[1][1] - new_done[1][1], 4.8e-3, abs_tol=0.01e-3)
     assert not old.prefill[0].leases and not new.prefill[0].leases  # each hold went when its pull was over
+
+
+def test_pulled_pages_waiting_for_admission_yield_to_an_allocation_after_retained_conversations() -> None:
+    """``pin_for_admission``'s RECLAIM_LAST: a 6-page decode pool holds a retained conversation R
+    (1 page, reclaimable), pulled pages P pinned for a queued request (3 pages) and 2 free pages.
+    Allocating 3 pages releases R (3 free); 3 more release P, whose pages stay cached until evicted."""
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(6), reuse=ReuseConfig(recompute_threshold_tokens=32)), LoadSpec())
+    pre, dec = sim.prefill[0], sim.decode[0]
+    cache = dec.cache
+    r_hold = cache.new_hold()
+    assert cache.allocate(r_hold, 1)
+    retained = dec.pin(r_hold, ttl_s=100.0, now=0.0, conv="r", pages=1, stable=1, prefix="kv-", reclaimable=True)
+    req = _req(1, 64, 4)
+    hold = pre.cache.new_hold()
+    assert pre.cache.allocate(hold, 3)
+    pre.cache.publish(hold, req.segs, 0, 3)
+    offer = pre.pin(hold, ttl_s=10.0, now=0.0, conv=None, pages=3, stable=3, prefix="xfer-")
+    pulled: list[float] = []
+    dec.pull(req, offer, 0.0, lambda r, out, now: pulled.append(out.seconds))
+    assert len(pulled) == 1 and pulled[0] > 0 and req.pin is not None and cache.free == 2
+    first, second = cache.new_hold(), cache.new_hold()
+    assert dec.allocate(first, 3, 0.0)
+    assert retained.gone and req.pin.alive(0.0) and dec.stats.leases_reclaimed == 1
+    assert cache.present(1) == 3  # P's pages, pinned
+    assert dec.allocate(second, 3, 0.0)
+    assert not req.pin.alive(0.0) and dec.stats.leases_reclaimed == 2
+    assert cache.present(1) == 0 and cache.evicted == 3
