@@ -505,8 +505,9 @@ class Simulator(Sim):
         }
 
     def pull_counters(self) -> dict[str, dict[str, Any]]:
-        """Per role, summed over its workers: prompt tokens computed, pulls skipped by reason and the
-        prompt tokens each left to compute, pulls that waited for pages and their wait (``WorkerStats``)."""
+        """Per role, summed over its workers: prompt tokens computed, its own pulls' fallbacks by reason,
+        pulls skipped by reason and the prompt tokens each left to compute, pulls that waited for pages
+        and their wait (``WorkerStats``)."""
         out: dict[str, dict[str, Any]] = {}
         for role, workers in (("prefill", self.prefill), ("decode", self.decode)):
             skipped = dict.fromkeys(SKIP_REASONS, 0)
@@ -515,8 +516,13 @@ class Simulator(Sim):
                 for reason in SKIP_REASONS:
                     skipped[reason] += w.stats.skipped[reason]
                     skipped_tokens[reason] += w.stats.skipped_tokens[reason]
+            fallbacks: dict[str, int] = {}
+            for w in workers:
+                for reason, n in w.stats.fallbacks.items():
+                    fallbacks[reason] = fallbacks.get(reason, 0) + n
             out[role] = {
                 "computed_tokens": sum(w.stats.computed_tokens for w in workers),
+                "pull_fallbacks": fallbacks,
                 "pull_skipped": skipped,
                 "pull_skipped_tokens": skipped_tokens,
                 "page_waits": sum(w.stats.page_waits for w in workers),

@@ -38,7 +38,8 @@ HIT_TOL = 0.05
 TPUT_TOL = 0.15
 # A measured TTFT p99 at or past this with no preemption marks a point (``long_ttft_p99``)
 LONG_TTFT_P99_MS = 4000.0
-PULL_COUNTERS = ("computed_tokens", "pull_skipped", "pull_skipped_tokens", "page_waits", "page_wait_s")  # Simulator.pull_counters
+# Simulator.pull_counters
+PULL_COUNTERS = ("computed_tokens", "pull_fallbacks", "pull_skipped", "pull_skipped_tokens", "page_waits", "page_wait_s")
 COMPARED = (
     "hit_rate",
     "output_tok_per_s",
@@ -148,6 +149,7 @@ def reproduce(
                 "measured_counters": {
                     "preemptions": p.get("prefill_preemptions", 0) + p.get("decode_preemptions", 0),
                     "fallbacks": p.get("fallbacks", {}),
+                    "decode_fallbacks": p.get("decode_fallbacks"),  # the decode worker's own pulls (newer benches)
                     "wall_s": p.get("wall_s"),
                     "requests": p.get("requests"),
                 },
