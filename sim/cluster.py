@@ -39,7 +39,7 @@ from kvserving.gateway.leases import LeaseTable
 from kvserving.gateway.router import WorkerView, choose_decode, choose_prefill, prefix_key
 from kvserving.sim.costs import CostModel
 from kvserving.sim.shapes import agent_shape
-from kvserving.sim.workers import DecodeWorker, PrefillWorker, Req, Sim, WLease, Worker
+from kvserving.sim.workers import SKIP_REASONS, DecodeWorker, PrefillWorker, PullOutcome, Req, Sim, WLease, Worker
 
 _BIG = 1 << 40  # pages of a conversation chain: bounded by the prompt, never by this
 
@@ -58,6 +58,7 @@ class ClusterSpec:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     kv_bytes_per_worker: int | None = None  # None: the cost model's
     pull_reclaims: bool = True  # a KV pull's pages reclaim retained conversations (False: the worker before eb82190)
+    pull_waits: bool = True  # a KV pull without free pages waits for them (False: the worker before it, which skipped at once)
 
     def __post_init__(self) -> None:
         if self.dtype not in DEFAULT_PAGE_SIZE:
@@ -151,6 +152,7 @@ class Simulator(Sim):
             reuse=cluster.reuse,
             sched=cluster.scheduler,
             pull_reclaims=cluster.pull_reclaims,
+            pull_waits=cluster.pull_waits,
         )
         self.prefill = [PrefillWorker(f"http://prefill-{i:05d}", **kw) for i in range(cluster.prefill_workers)]
         self.decode = [DecodeWorker(f"http://decode-{i:05d}", **kw) for i in range(cluster.decode_workers)]
@@ -397,9 +399,13 @@ class Simulator(Sim):
             holder = offer.worker
             if holder._expiry and holder._expiry[0][0] <= now:
                 holder.expire(now)
-        out = pre.pull(req, offer, now)
-        req.fallback = out.fallback
         self._ctx[req.turn_id] = (ag, dec, req)
+        pre.pull(req, offer, now, self._prefill_pulled)
+
+    def _prefill_pulled(self, req: Req, out: PullOutcome, now: float) -> None:
+        """The prefill's pull is over (at once, or after waiting for pages): on to its engine queue."""
+        req.fallback = out.fallback
+        pre = self._prefill_by_url[req.prefill_url]
         if out.seconds > 0:
             self.call_at(now + out.seconds, pre.arrive, req)
         else:  # nothing pulled: straight on to the engine queue (one event fewer)
@@ -428,12 +434,16 @@ class Simulator(Sim):
         req, dec = turn
         if dec._expiry and dec._expiry[0][0] <= now:
             dec.expire(now)
+        dec.pull(req, req.transfer_offer, now, self._decode_pulled)
+
+    def _decode_pulled(self, req: Req, out: PullOutcome, now: float) -> None:
+        """The decode's pull is over, read or not (at once, or after waiting for pages): the
+        prefill's hold goes, the request joins the decode's engine queue once its pages are read."""
         offer = req.transfer_offer
-        out = dec.pull(req, offer, now)
         if offer is not None and offer.alive(now):
-            offer.worker.release(offer.lease_id, now)  # the pull is over, read or not: the hold goes
+            offer.worker.release(offer.lease_id, now)
         req.transfer_offer = None
-        self.call_at(now + out.seconds, dec.arrive, req)
+        self.call_at(now + out.seconds, self._decode_by_url[req.decode_url].arrive, req)
 
     def _decode_done(self, req: Req, now: float) -> None:
         ag, dec, _ = self._ctx.pop(req.turn_id)
@@ -493,6 +503,32 @@ class Simulator(Sim):
             "prefill": sum(w.stats.preemptions for w in self.prefill),
             "decode": sum(w.stats.preemptions for w in self.decode),
         }
+
+    def pull_counters(self) -> dict[str, dict[str, Any]]:
+        """Per role, summed over its workers: prompt tokens computed, its own pulls' fallbacks by reason,
+        pulls skipped by reason and the prompt tokens each left to compute, pulls that waited for pages
+        and their wait (``WorkerStats``)."""
+        out: dict[str, dict[str, Any]] = {}
+        for role, workers in (("prefill", self.prefill), ("decode", self.decode)):
+            skipped = dict.fromkeys(SKIP_REASONS, 0)
+            skipped_tokens = dict.fromkeys(SKIP_REASONS, 0)
+            for w in workers:
+                for reason in SKIP_REASONS:
+                    skipped[reason] += w.stats.skipped[reason]
+                    skipped_tokens[reason] += w.stats.skipped_tokens[reason]
+            fallbacks: dict[str, int] = {}
+            for w in workers:
+                for reason, n in w.stats.fallbacks.items():
+                    fallbacks[reason] = fallbacks.get(reason, 0) + n
+            out[role] = {
+                "computed_tokens": sum(w.stats.computed_tokens for w in workers),
+                "pull_fallbacks": fallbacks,
+                "pull_skipped": skipped,
+                "pull_skipped_tokens": skipped_tokens,
+                "page_waits": sum(w.stats.page_waits for w in workers),
+                "page_wait_s": sum(w.stats.page_wait_s for w in workers),
+            }
+        return out
 
     def evicted_pages(self) -> dict[str, int]:
         return {
@@ -580,6 +616,7 @@ def run_bench_point(sim: Simulator, agent_ids: range, *, window_s: float | None 
     before = sim.evicted_pages()
     reclaimed = sim.reclaimed_leases()
     preempted = sim.preemptions()
+    pulls = sim.pull_counters()
     start = sim.now
     sim.stop_at = math.inf if window_s is None else start + window_s
     first_record = len(sim.records)
@@ -597,6 +634,8 @@ def run_bench_point(sim: Simulator, agent_ids: range, *, window_s: float | None 
     point["decode_reclaimed_leases"] = sim.reclaimed_leases() - reclaimed
     for role, count in sim.preemptions().items():
         point[f"{role}_preemptions"] = count - preempted[role]
+    for role, counts in sim.pull_counters().items():
+        point.update({f"{role}_{k}": _minus(v, pulls[role][k]) for k, v in counts.items()})
     point["concurrency"] = n
     sim.stop_at = math.inf
     return point
@@ -660,5 +699,14 @@ def run_population(
     point = summarize(records, window, waiting_ttfts=waiting)
     point.update({f"{k}_evicted_pages": v for k, v in sim.evicted_pages().items()})
     point["decode_reclaimed_leases"] = sim.reclaimed_leases()
+    for role, counts in sim.pull_counters().items():
+        point.update({f"{role}_{k}": v for k, v in counts.items()})
     point["unfinished"] = len(waiting)
     return point
+
+
+def _minus(after: Any, before: Any) -> Any:
+    """A counter's growth: a number, or a dict of numbers by key."""
+    if isinstance(after, dict):
+        return {k: after[k] - before.get(k, 0) for k in after}
+    return after - before

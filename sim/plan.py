@@ -70,9 +70,11 @@ def simulate_point(
     progress: Callable[[float], None] | None = None,
     shapes: dict[int, AgentSpec] | None = None,
     engine: ModuleType = pure,
+    pull_waits: bool = True,
 ) -> dict[str, Any]:
     """One population run. ``engine``: ``kvserving.sim.cluster`` or its compiled build
-    (``sim_native.load()``); ``pop`` must be that module's ``Population``."""
+    (``sim_native.load()``); ``pop`` must be that module's ``Population``. ``pull_waits``:
+    ``ClusterSpec.pull_waits``."""
     prefill, decode = split_gpus(gpus, prefill_share)
     cluster = engine.ClusterSpec(
         dtype,
@@ -81,6 +83,7 @@ def simulate_point(
         costs,
         reuse=reuse or ReuseConfig(),
         scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, chunk_size=2048),
+        pull_waits=pull_waits,
     )
     sweep_s = max(30.0, min(cluster.gateway.lease_heartbeat_s, cluster.reuse.lease_ttl_s) / 4)
     sim = engine.Simulator(cluster, load, sweep_s=sweep_s)
@@ -183,6 +186,7 @@ def plan(dtype: str, args: dict[str, Any], *, quiet: bool = False) -> dict[str, 
         progress=progress,
         shapes={},
         engine=engine,
+        pull_waits=args.get("pull_waits", True),
     )
     if args["ttft_p99_ms"] is None:
         point = simulate_point(dtype, args["gpus"], **kw)
@@ -288,6 +292,12 @@ def add_arguments(parser: Any) -> None:
         help="instead: re-run bench/agents.py's points (its JSON) and print simulated vs measured "
         "(costs: cpu-tiny, or gpu-h200 for a --gpu result, unless --costs names another profile)",
     )
+    parser.add_argument(
+        "--no-pull-wait",
+        action="store_true",
+        help="a KV pull that finds no free page skips at once (the worker before its pulls waited for pages: "
+        "to replay points measured with it); the CPU sweep's replay always does",
+    )
 
 
 def run(args: Any) -> int:
@@ -311,7 +321,7 @@ def run(args: Any) -> int:
         if is_gpu_result(measured):  # bench/agents.py --gpu: one GPU shared by both workers (kvserving.sim.gpu)
             from kvserving.sim.gpu import format_rows, reproduce
 
-            rows = reproduce(measured, load_costs(args.costs if args.costs != "h200-8b" else "gpu-h200"))
+            rows = reproduce(measured, load_costs(args.costs if args.costs != "h200-8b" else "gpu-h200"), pull_waits=not args.no_pull_wait)
             print(format_rows(rows))
             if args.json:
                 Path(args.json).write_text(jsonfmt.dumps({"validate": args.validate, "rows": rows}))
@@ -351,6 +361,7 @@ def run(args: Any) -> int:
         "ttft_p99_ms": args.ttft_p99_ms,
         "probe_s": args.probe_s,
         "native": not args.pure_python,
+        "pull_waits": not args.no_pull_wait,
     }
     t0 = time.perf_counter()
     jobs = max(1, min(args.jobs, len(dtypes)))
@@ -393,8 +404,10 @@ VALIDATED = (
 
 
 # bench/results/agents_cpu.json was measured on the worker before a KV pull reclaimed retained
-# conversations (commit eb82190): its pulls were refused on a pool full of them
+# conversations (commit eb82190): its pulls were refused on a pool full of them, at once (a pull
+# waits for pages only since later still)
 CPU_SWEEP_PULL_RECLAIMS = False
+CPU_SWEEP_PULL_WAITS = False
 
 
 def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str, Any]]:
@@ -430,6 +443,7 @@ def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str
                 reuse=reuse_for_mode(mode, ttl_s=ttl_s),
                 scheduler=sched,
                 pull_reclaims=CPU_SWEEP_PULL_RECLAIMS,
+                pull_waits=CPU_SWEEP_PULL_WAITS,
             )
             sims[key] = Simulator(cluster, load)
         # which agents the point ran: bench/agents.py's point_agents (1000 N .. 1000 N + N - 1),

@@ -32,8 +32,18 @@ advances in one event (``_Run``) with the results of stepping each.
   pages allocated with reclaim (``allocate_for_pull``; ``pull_reclaims=False``:
   the worker before it, which refused a pull on a pool full of retained
   conversations and recomputed the prompt); the pulled pages are
-  pinned until the request is admitted. A prefill worker's transfer hold is
+  pinned until the request is admitted (yielding, after retained conversations,
+  to an allocation that finds no page). A prefill worker's transfer hold is
   released once the decode's pull is over, read or not.
+- A pull that finds no pages **waits for them** (``Puller.wait_for_pages``):
+  it tries again where pages come back -- at the end of an engine step that
+  ended sequences, preempted or released leases, or at a release or expiry
+  while the engine is idle, at most once per ``PAGE_WAIT_POLL_S`` -- until
+  ``PAGE_WAIT_SHARE * transfer_timeout_s`` after it was sent, then skips
+  (``no_free_pages``) and the request recomputes. Meanwhile the request is
+  not queued, the local prefix it matched stays pinned, and the sender's
+  transfer hold stays (``pull_waits=False``: the worker before the wait,
+  which skipped at once).
 """
 
 from __future__ import annotations
@@ -49,6 +59,9 @@ from kvserving.config import ReuseConfig, SchedulerConfig
 from kvserving.gateway.router import WorkerView
 from kvserving.sim.cache import Hold, Key, PageCache
 from kvserving.sim.costs import CostModel
+from kvserving.worker.kv.puller import HOLD_MARGIN_S, PAGE_WAIT_POLL_S, PAGE_WAIT_SHARE
+
+SKIP_REASONS = ("nothing_to_pull", "below_threshold", "no_free_pages")  # ``PullResult.skipped``: nothing pulled, no fault
 
 
 @dataclass(slots=True, eq=False)
@@ -116,10 +129,34 @@ class WorkerStats:
     pulled_pages: int = 0
     pulled_bytes: float = 0.0
     fallbacks: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))  # pulls skipped, by reason
+    skipped_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))  # prompt tokens they left to compute
+    page_waits: int = 0  # pulls that found no free page and waited for one
+    page_wait_s: float = 0.0  # their waits, in all
     leases_expired: int = 0
     leases_reclaimed: int = 0
     preemptions: int = 0
+    computed_tokens: int = 0  # prompt tokens computed (chunks starting inside the prompt: the worker's prompt_tokens_total)
     recomputed_tokens: int = 0  # tokens computed again after a preemption
+
+
+@dataclass(slots=True, eq=False)
+class _PullWait:
+    """A pull waiting for pages (``Worker.pull``): what it would READ, and whom to tell."""
+
+    req: Req
+    offer: WLease
+    hold: Hold  # the local prefix it matched, pinned while it waits (``_Plan.local_pin``)
+    local: int
+    matched: int
+    want: int
+    diverged: bool
+    sent: float
+    until: float  # it skips at this time unless pages came by then
+    tried: float  # its last try
+    then: Callable[[Req, PullOutcome, float], None]
+    freed: bool = False  # pages came back since its last try
+    over: bool = False
 
 
 class Worker:
@@ -137,9 +174,14 @@ class Worker:
         reuse: ReuseConfig,
         sched: SchedulerConfig,
         pull_reclaims: bool = True,
+        pull_waits: bool = True,
     ) -> None:
         self.url = url
         self.pull_reclaims = pull_reclaims  # ``allocate_for_pull``: retained conversations yield to a pull
+        self.pull_waits = pull_waits  # ``Puller.wait_for_pages``: a pull without pages waits for them (False: skips at once)
+        self.page_wait_s = PAGE_WAIT_SHARE * reuse.transfer_timeout_s
+        self._pulls: list[_PullWait] = []  # pulls waiting for pages, oldest first
+        self._retrying = False
         self.sim = sim
         self.cache = PageCache(pages)
         self.page_size = page_size
@@ -155,6 +197,7 @@ class Worker:
         self.conv_lease: dict[str, str] = {}
         self._expiry: list[tuple[float, str]] = []
         self._reclaimable: list[tuple[float, str]] = []  # (expires_at, lease id) of reclaimable leases
+        self._yielding: list[tuple[float, str]] = []  # the same for pulls' admission pins: reclaimed after those
         self._compact_at = 1024  # heap entries (both heaps) past which stale ones are dropped
         self._inflight = 0  # the gateway's count of this worker's open requests (``inflight``)
         self._board: list[Any] | None = None  # the router's inputs, ``board_entry(inflight)`` mirrored at ``_slot``
@@ -205,9 +248,14 @@ class Worker:
         self._kick(now)
 
     def on_freed(self, now: float) -> None:
-        """Pages came back: a request waiting for them may go."""
+        """Pages came back: a request waiting for them may go, and a pull waiting for them tries
+        again after the step in progress (at once when none runs or starts)."""
+        if self._pulls:
+            self._pages_back(now)
         if self.waiting:
             self._kick(now)
+        if self._pulls and not self.busy and not self._planning:
+            self._retry_pulls(now)
 
     def _kick(self, now: float) -> None:
         """Start a step unless one runs or is being planned (a release while planning lands here)."""
@@ -224,7 +272,7 @@ class Worker:
         finally:
             self._planning = False
         if not plan:
-            if self.waiting:
+            if self.waiting or self._pulls:
                 self.wake_when_leases_expire(now)
             return
         self.busy = True
@@ -302,6 +350,7 @@ class Worker:
             if self.allocate(hold, need, now):
                 break
             cache.release(hold)  # the prefix goes back to the cache, evictable like any other
+            self._mark_freed()
             if h == 0:
                 return None
             h = 0
@@ -339,6 +388,7 @@ class Worker:
             self.cache.publish(hold, req.segs, seq.start, end)
         self.cache.release(hold)
         req.hold = None
+        self._mark_freed()
 
     def _step_seconds(self, plan: list[tuple[_Seq, int]]) -> float:
         """One step: its one-token decodes at the decode step's cost, its prompt chunks at the
@@ -365,12 +415,18 @@ class Worker:
         return dt
 
     def _step_done(self, plan: list[tuple[_Seq, int]], now: float) -> None:
+        stats = self.stats
         for seq, n in plan:  # still busy: releases on the way must not plan a step in between
-            if seq.req.preemptions and not (n == 1 and seq.computed >= seq.req.prompt):
-                self.stats.recomputed_tokens += n
+            req = seq.req
+            if seq.computed < req.prompt:
+                stats.computed_tokens += n
+            if req.preemptions and not (n == 1 and seq.computed >= req.prompt):
+                stats.recomputed_tokens += n
             seq.computed += n
             if seq.computed >= seq.tokens:
                 self._sampled(seq, now)
+        if self._pulls:
+            self._retry_pulls(now)  # between this step and the next (Puller.wait_for_pages' engine call)
         self.busy = False
         self._kick(now)
 
@@ -382,6 +438,9 @@ class Worker:
         admits = len(plan) < sched.max_num_batched_tokens and len(self.running) < sched.max_num_seqs
         if admits and self.waiting:
             return False  # the next step tries the queue's head
+        for w in self._pulls:
+            if w.freed:
+                return False  # a waiting pull tries again at the end of a step to come
         gpu = self.gpu
         if gpu is not None and not gpu.alone(self):
             return False  # the other role's step sets this one's rate
@@ -560,6 +619,8 @@ class Worker:
                 req.sampled = s - 1
                 seq.tokens += d - 1
                 self._sampled(seq, now)
+        if self._pulls:
+            self._retry_pulls(now)
         self.busy = False
         self._kick(now)
 
@@ -597,6 +658,7 @@ class Worker:
     def _leave(self, seq: _Seq) -> None:
         seq.active = False
         self.running.remove(seq)
+        self._mark_freed()
 
     # ------------------------------------------------------------------ leases
     def pin(
@@ -610,7 +672,11 @@ class Worker:
         stable: int,
         prefix: str,
         reclaimable: bool = False,
+        yields: bool = False,
     ) -> WLease:
+        """A lease on ``hold``'s pages. ``reclaimable``: a retained conversation, released early when
+        pages run out (``RECLAIM_FIRST``); ``yields``: pulled pages waiting for their request's
+        admission, released early only when no retained conversation is left (``RECLAIM_LAST``)."""
         run = self._run
         if run is not None:
             m = self._settle(now)
@@ -624,7 +690,9 @@ class Worker:
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
         if reclaimable:
             heapq.heappush(self._reclaimable, (lease.expires_at, lease.lease_id))
-        if len(self._expiry) + len(self._reclaimable) > self._compact_at:
+        elif yields:
+            heapq.heappush(self._yielding, (lease.expires_at, lease.lease_id))
+        if len(self._expiry) + len(self._reclaimable) + len(self._yielding) > self._compact_at:
             self._compact()
         return lease
 
@@ -633,7 +701,7 @@ class Worker:
         skip them anyway; the live ones pop in the same order), once they outnumber the live."""
         leases = self.leases
         live = 0
-        for heap in (self._expiry, self._reclaimable):
+        for heap in (self._expiry, self._reclaimable, self._yielding):
             kept = []
             for entry in heap:
                 lease = leases.get(entry[1])
@@ -645,16 +713,17 @@ class Worker:
         self._compact_at = 2 * live + 1024
 
     def reclaim_one(self, now: float) -> bool:
-        """``PagePoolBase.reclaim_one``: release the reclaimable lease with the earliest expiry."""
-        heap = self._reclaimable
-        while heap:
-            expires, lease_id = heapq.heappop(heap)
-            lease = self.leases.get(lease_id)
-            if lease is None or lease.expires_at != expires:
-                continue  # released, or renewed (a newer entry is in the heap)
-            self.stats.leases_reclaimed += 1
-            self.release(lease_id, now)
-            return True
+        """``PagePoolBase.reclaim_one``: release the reclaimable lease with the earliest expiry, a
+        retained conversation before a pull's admission pin (whose pages stay cached)."""
+        for heap in (self._reclaimable, self._yielding):
+            while heap:
+                expires, lease_id = heapq.heappop(heap)
+                lease = self.leases.get(lease_id)
+                if lease is None or lease.expires_at != expires:
+                    continue  # released, or renewed (a newer entry is in the heap)
+                self.stats.leases_reclaimed += 1
+                self.release(lease_id, now)
+                return True
         return False
 
     def allocate(self, hold: Hold, n: int, now: float) -> bool:
@@ -716,32 +785,77 @@ class Worker:
         self.on_freed(now)
 
     # ------------------------------------------------------------------ pulls
-    def pull(self, req: Req, offer: WLease | None, now: float) -> PullOutcome:
-        """``KVTransfer.pull`` against ``offer`` (the sender's lease as the receiver knows it)."""
+    def pull(self, req: Req, offer: WLease | None, now: float, then: Callable[[Req, PullOutcome, float], None]) -> None:
+        """``KVTransfer.pull`` against ``offer`` (the sender's lease as the receiver knows it);
+        ``then(req, outcome, t)`` when it is over: now, or when a pull waiting for pages got them
+        or gave up (``Puller.wait_for_pages``)."""
         if offer is None:
-            return _NO_PULL
+            then(req, _NO_PULL, now)
+            return
         if self._run is not None:
             self._cut(self._settle(now))  # the pull takes pages the run counted on
         if offer.expires_at <= now:
-            return self._fail("lease_expired")
-        limit = (req.prompt - 1) // self.page_size
+            then(req, self._fail("lease_expired"), now)
+            return
+        p = self.page_size
+        limit = (req.prompt - 1) // p
         usable = min(offer.pages, limit)
         matched = min(usable, offer.stable)
         diverged = matched < usable
         local = self.cache.match(req.segs, matched)
         want = matched - local
         if want <= 0 or want < self.threshold_pages:
-            return self._fail("hash_mismatch") if diverged else _NO_PULL
+            if diverged:
+                then(req, self._fail("hash_mismatch"), now)
+            else:
+                self._skip("nothing_to_pull" if want <= 0 else "below_threshold", req.prompt - local * p)
+                then(req, _NO_PULL, now)
+            return
         if not offer.alive(now):
-            return self._fail("lease_expired")
+            then(req, self._fail("lease_expired"), now)
+            return
         hold = self.cache.new_hold()
         self.cache.ref(hold, req.segs, local)
-        if not (self.allocate(hold, want, now) if self.pull_reclaims else self.cache.allocate(hold, want)):
+        if self._allocate_for_pull(hold, want, now):
+            then(req, self._pulled(req, offer, hold, local, matched, diverged, now), now)
+            return
+        if not self.pull_waits:
             self.cache.release(hold)
-            return _NO_PULL  # skipped: no_free_pages
+            self._skip("no_free_pages", req.prompt - local * p)
+            self._mark_freed()
+            then(req, _NO_PULL, now)
+            return
+        wait = _PullWait(req, offer, hold, local, matched, want, diverged, now, now + self.page_wait_s, now, then)
+        self._pulls.append(wait)
+        self.stats.page_waits += 1
+        if not offer.reclaimable:  # a prefill's transfer lease: the hold (taken as the pull was sent) keeps its pages
+            offer.worker.hold_pages(offer, now + self.reuse.transfer_timeout_s + HOLD_MARGIN_S)
+        self.sim.call_at(wait.until, self._give_up, wait)
+        if not self.busy:
+            self.wake_when_leases_expire(now)
+
+    def _allocate_for_pull(self, hold: Hold, n: int, now: float) -> bool:
+        """``allocate_for_pull``: one call on the engine thread, so no step starts inside it (a
+        reclaimed lease's pages go to the pull); the queue may take what is left afterwards."""
+        if not self.pull_reclaims:
+            return self.cache.allocate(hold, n)
+        planning = self._planning
+        reclaimed = self.stats.leases_reclaimed
+        self._planning = True
+        try:
+            got = self.allocate(hold, n, now)
+        finally:
+            self._planning = planning
+        if self.stats.leases_reclaimed != reclaimed and self.waiting and not planning:
+            self._kick(now)  # what the pull left of the reclaimed pages
+        return got
+
+    def _pulled(self, req: Req, offer: WLease, hold: Hold, local: int, matched: int, diverged: bool, now: float) -> PullOutcome:
+        """The pull's pages are allocated (``hold``, after the local prefix): the READ and its pin."""
         self.cache.publish(hold, req.segs, local, matched)
-        req.pin = self.pin(hold, ttl_s=self.pull_ttl_s, now=now, conv=None, pages=0, stable=0, prefix="pull-")
+        req.pin = self.pin(hold, ttl_s=self.pull_ttl_s, now=now, conv=None, pages=0, stable=0, prefix="pull-", yields=True)
         req.pulled = (local, matched)
+        want = matched - local
         nbytes = want * offer.worker.page_bytes
         self.stats.pulls += 1
         self.stats.pulled_pages += want
@@ -750,6 +864,75 @@ class Worker:
         if diverged:
             out.fallback = self._count("hash_mismatch")
         return out
+
+    def _mark_freed(self) -> None:
+        """Pages came back (or may have): every waiting pull tries again at its next chance."""
+        for w in self._pulls:
+            w.freed = True
+
+    def _pages_back(self, now: float) -> None:
+        """``_mark_freed`` outside a step: a run of decode steps ends after the step in progress, so
+        that the pulls try at its end as they would after stepping it."""
+        self._mark_freed()
+        if self._run is not None:
+            self._cut(self._settle(now))
+
+    def _retry_pulls(self, now: float) -> None:
+        """Between engine steps (or with none running): each waiting pull whose pages may have come
+        back tries ``allocate_for_pull`` again, oldest first, once per ``PAGE_WAIT_POLL_S`` at most."""
+        if self._retrying:
+            return  # a lease a try reclaimed came back to ``on_freed``
+        self._retrying = True
+        try:
+            poll_at = float("inf")
+            for w in list(self._pulls):
+                if not w.freed or w.over or now >= w.until:
+                    continue  # nothing came back since its last try, or it gives up now (``_give_up``)
+                if now < w.tried + PAGE_WAIT_POLL_S:
+                    poll_at = min(poll_at, w.tried + PAGE_WAIT_POLL_S)
+                    continue
+                w.freed = False
+                w.tried = now
+                if self._allocate_for_pull(w.hold, w.want, now):
+                    w.over = True
+                    self._pulls.remove(w)
+                    self.stats.page_wait_s += now - w.sent
+                    w.then(w.req, self._pulled(w.req, w.offer, w.hold, w.local, w.matched, w.diverged, now), now)
+        finally:
+            self._retrying = False
+        if poll_at < float("inf"):
+            self.sim.at(poll_at, self._poll)  # with a step running then, its end tries instead
+
+    def _poll(self, now: float) -> None:
+        """A waiting pull's next try came due with no step running (one running tries at its end)."""
+        if self._pulls and not self.busy and not self._planning:
+            self._retry_pulls(now)
+
+    def _give_up(self, w: _PullWait, now: float) -> None:
+        """``PAGE_WAIT_SHARE`` of the transfer timeout passed without pages: skip, the request recomputes."""
+        if w.over:
+            return
+        w.over = True
+        self._pulls.remove(w)
+        if self._run is not None:
+            self._settle(now)  # the prefix's pin goes: a pool operation
+        self.stats.page_wait_s += now - w.sent
+        self.cache.release(w.hold)
+        self._skip("no_free_pages", w.req.prompt - w.local * self.page_size)
+        w.then(w.req, _NO_PULL, now)
+        self.on_freed(now)
+
+    def hold_pages(self, lease: WLease, until: float) -> None:
+        """A puller's hold on a transfer lease's pages: they stay until ``until`` unless released first."""
+        if lease.gone or lease.expires_at >= until:
+            return
+        lease.expires_at = until
+        heapq.heappush(self._expiry, (until, lease.lease_id))
+
+    def _skip(self, reason: str, tokens: int) -> None:
+        stats = self.stats
+        stats.skipped[reason] += 1
+        stats.skipped_tokens[reason] += tokens
 
     def _count(self, reason: str) -> str:
         self.stats.fallbacks[reason] = self.stats.fallbacks.get(reason, 0) + 1
@@ -833,9 +1016,19 @@ class PrefillWorker(Worker):
         reuse: ReuseConfig,
         sched: SchedulerConfig,
         pull_reclaims: bool = True,
+        pull_waits: bool = True,
     ) -> None:
         super().__init__(
-            url, sim=sim, pages=pages, page_size=page_size, dtype=dtype, costs=costs, reuse=reuse, sched=sched, pull_reclaims=pull_reclaims
+            url,
+            sim=sim,
+            pages=pages,
+            page_size=page_size,
+            dtype=dtype,
+            costs=costs,
+            reuse=reuse,
+            sched=sched,
+            pull_reclaims=pull_reclaims,
+            pull_waits=pull_waits,
         )
         self._view_by_load: dict[int, WorkerView] = {}
         self.merge_steps = False  # its steps are prompt chunks

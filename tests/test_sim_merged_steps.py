@@ -107,17 +107,22 @@ def test_merged_decode_steps_leave_a_pd_population_with_evictions_and_expiring_l
     assert calls["_step_done"] < p0["output_tokens"] / 2
 
 
-def test_merged_decode_steps_leave_a_preempting_decode_pool_as_stepping_does(calls: Counter[str]) -> None:
+def test_merged_decode_steps_leave_a_preempting_decode_pool_with_waiting_pulls_as_stepping_does(calls: Counter[str]) -> None:
     costs = load_costs("h200-8b")
     sched = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096, chunk_size=1024)
-    # 1P/1D, a decode pool of ~14K tokens: replies of up to 280 tokens outgrow it and preempt
-    cluster = ClusterSpec("fp8_e4m3", 1, 1, costs, scheduler=sched, kv_bytes_per_worker=2 * 2**30)
-    pop = Population(40, 60.0, warmup_s=5.0, ramp_s=5.0, shapes=40)
+    # 1P/1D, a decode pool of ~14K tokens: replies of up to 280 tokens outgrow it and preempt, and
+    # the decode's pulls find no free page: they wait (runs cut where pages come back) for 1 s at
+    # most (a 2 s transfer timeout); most get pages, some give up
+    reuse = ReuseConfig(transfer_timeout_s=2.0)
+    cluster = ClusterSpec("fp8_e4m3", 1, 1, costs, scheduler=sched, reuse=reuse, kv_bytes_per_worker=2 * 2**30)
+    pop = Population(48, 60.0, warmup_s=5.0, ramp_s=5.0, shapes=40)
     (s0, p0), (s1, p1) = _both(lambda merge: _population(merge, cluster=cluster, load=LONG_REPLIES, pop=pop))
     assert s1 == s0
     assert json.dumps(p1, default=str) == json.dumps(p0, default=str)
-    assert json.loads(s0)["workers"][1]["stats"]["preemptions"] > 10
-    assert calls["_run_end"] > 10
+    stats = json.loads(s0)["workers"][1]["stats"]
+    assert stats["preemptions"] > 10
+    assert stats["page_waits"] > 100 and 10 < stats["skipped"]["no_free_pages"] < stats["page_waits"] / 2
+    assert calls["_run_end"] > 10 and calls["_cut"] > 10
 
 
 def _replay(merge: bool, fmt: str, n: int) -> str:
@@ -181,3 +186,43 @@ def test_a_lease_released_during_a_merged_run_comes_after_the_pages_the_run_allo
     assert _release_during_a_run(False) == (3, 1, 2)
     assert _release_during_a_run(True) == (3, 1, 2)
     assert calls["_run_pages"] >= 1 and calls["_step_done"] < 10
+
+
+def _pull_waiting_through_a_run(merge: bool) -> tuple[str, float]:
+    """A decode pool of 9 pages: a lease holds 2 until 20 ms; request A (64-token prompt, 30-token
+    reply, 3 pages pulled) runs in 5 pages, 6 from 16.7 ms; B's pull (3 pages) finds 2 free at 5 ms
+    and waits. The lease's release at 20 ms, inside A's run, frees what B needs: the run ends after
+    the step in progress, B's pull tries again at the first step end 20 ms after its last try
+    (25.7 ms) and gets its pages; B is admitted when A's reply ends (29.7 ms) and its lease is reclaimed."""
+    reuse = ReuseConfig(recompute_threshold_tokens=32)
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(9), reuse=reuse), LoadSpec(), merge_steps=merge)
+    pre, dec = sim.prefill[0], sim.decode[0]
+    seen_workers.clear()
+    seen_workers.update(sim.decode if merge else ())
+    big = 1 << 40
+    lease_hold = dec.cache.new_hold()
+    assert dec.cache.allocate(lease_hold, 2)
+    lease = dec.pin(lease_hold, ttl_s=100.0, now=0.0, conv=None, pages=2, stable=0, prefix="kv-")
+    dec.on_done = lambda req, now: None
+    reqs = [Req(i, f"c{i}", [(i, big)], 64, out, 4, 4, 0.0) for i, out in ((1, 30), (2, 10))]
+    for r in reqs:
+        hold = pre.cache.new_hold()
+        assert pre.cache.allocate(hold, 3)
+        pre.cache.publish(hold, r.segs, 0, 3)
+        r.transfer_offer = pre.pin(hold, ttl_s=reuse.transfer_timeout_s, now=0.0, conv=None, pages=3, stable=3, prefix="xfer-")
+        r.decode_url = dec.url
+    sim.call_at(0.0, sim._at_decode, (reqs[0], dec))
+    sim.call_at(5e-3, sim._at_decode, (reqs[1], dec))
+    sim.at(20e-3, lambda now: dec.release(lease.lease_id, now))
+    sim.run()
+    assert all(r.sampled == r.output for r in reqs)
+    return _state(sim, None), dec.stats.page_wait_s
+
+
+def test_a_pull_waiting_for_pages_cuts_a_run_where_a_release_frees_them(calls: Counter[str]) -> None:
+    stepped, merged = _pull_waiting_through_a_run(False), _pull_waiting_through_a_run(True)
+    assert merged == stepped
+    stats = json.loads(stepped[0])["workers"][1]["stats"]
+    assert (stats["pulled_pages"], stats["page_waits"], stats["skipped"]["no_free_pages"]) == (6, 1, 0)
+    assert abs(stepped[1] - (25.7e-3 - 5e-3)) < 0.01e-3
+    assert calls["_cut"] >= 2 and calls["_run_end"] >= 2

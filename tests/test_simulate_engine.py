@@ -1,12 +1,14 @@
 """The simulated workers' engine steps (kvserving.sim.workers): pages as sequences grow, the
 newest running sequence preempted when none are left (``worker/scheduler.py``), its cached
-pages reused when it is readmitted, a prefix dropped when only a fresh placement fits, and the
-benchmark's point window."""
+pages reused when it is readmitted, a prefix dropped when only a fresh placement fits, a pull
+waiting for pages (``worker/kv/puller.py``), and the benchmark's point window."""
 
 from __future__ import annotations
 
+import math
+
 from kvserving.agents.load import LoadSpec
-from kvserving.config import SchedulerConfig
+from kvserving.config import ReuseConfig, SchedulerConfig
 from kvserving.sim.cluster import ClusterSpec, Simulator, run_bench_point
 from kvserving.sim.workers import Req
 
@@ -73,3 +75,83 @@ def test_no_turn_starts_after_the_window() -> None:
     starts = [r.sent_at for r in sim.records]
     assert max(starts) <= 2.0
     assert cut["prefill_preemptions"] == cut["decode_preemptions"] == 0
+
+
+def _two_pulled_prompts(*, waits: bool) -> tuple[Simulator, list[tuple[int, float]], list[bool]]:
+    """A 7-page decode pool; prompts A (64 tokens, 40 reply) and B (64, 10) each offered by the
+    prefill's transfer lease on 3 pages (a threshold of 2 pages makes them worth a READ); A's pull
+    at 0 s, B's at 5 ms. Returns the simulator, (turn, end) per reply, and whether B's offer was
+    still held at 30 ms."""
+    reuse = ReuseConfig(recompute_threshold_tokens=32)
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(7), reuse=reuse, pull_waits=waits), LoadSpec())
+    pre, dec = sim.prefill[0], sim.decode[0]
+    done: list[tuple[int, float]] = []
+    dec.on_done = lambda req, now: done.append((req.turn_id, now))
+    a, b = _req(1, 64, 40), _req(2, 64, 10)
+    for r in (a, b):
+        hold = pre.cache.new_hold()
+        assert pre.cache.allocate(hold, 3)
+        pre.cache.publish(hold, r.segs, 0, 3)
+        r.transfer_offer = pre.pin(hold, ttl_s=reuse.transfer_timeout_s, now=0.0, conv=None, pages=3, stable=3, prefix="xfer-")
+        r.decode_url = dec.url
+    b_offer = b.transfer_offer
+    held: list[bool] = []
+    sim.call_at(0.0, sim._at_decode, (a, dec))
+    sim.call_at(5e-3, sim._at_decode, (b, dec))
+    sim.at(30e-3, lambda now: held.append(not b_offer.gone))
+    sim.run()
+    return sim, done, held
+
+
+def test_a_decode_pull_without_free_pages_waits_for_the_running_reply_instead_of_recomputing() -> None:
+    """A pulls 3 pages (63 // 16 = 3 usable) and computes the rest of its prompt with the prefill's
+    token: 16 + 1 = 17 tokens in 5 pages; it grows to 7 pages (103 tokens) by its last step, so the
+    pool never has the 3 pages B's pull needs while A runs. A's reply ends 39.7 ms after its pull
+    (a 7 us READ, one 17-token chunk at 0.1 ms a token, 38 decode steps of 1 ms); its pages are
+    retained under a reclaimable lease.
+
+    Skipping at once (the worker before the wait): B's pull finds no page at 5 ms, B queues and
+    computes its whole prompt and token, 65 tokens, once A's lease is reclaimed: the decode computes
+    17 + 65 = 82 prompt tokens and pulls 3 pages. Waiting: B's pull tries again where A's end frees
+    pages (39.7 ms, 34.7 ms after it was sent; the prefill still holds B's pages at 30 ms), reclaims
+    A's lease, pulls its 3 pages and computes 17 tokens: 34 computed, 6 pulled, B's reply 4.8 ms
+    sooner (the 48 prompt tokens it no longer computes, less its 7 us READ)."""
+    old, old_done, _ = _two_pulled_prompts(waits=False)
+    new, new_done, held = _two_pulled_prompts(waits=True)
+    d0, d1 = old.decode[0].stats, new.decode[0].stats
+    assert (d0.pulled_pages, d0.computed_tokens) == (3, 82)
+    assert (d0.skipped["no_free_pages"], d0.skipped_tokens["no_free_pages"], d0.page_waits) == (1, 64, 0)
+    assert (d1.pulled_pages, d1.computed_tokens) == (6, 34)
+    assert (d1.skipped["no_free_pages"], d1.page_waits) == (0, 1) and held == [True]
+    assert math.isclose(d1.page_wait_s, 34.7e-3, abs_tol=0.05e-3)
+    assert d0.leases_reclaimed == d1.leases_reclaimed == 1 and d0.preemptions == d1.preemptions == 0
+    assert [t for t, _ in old_done] == [t for t, _ in new_done] == [1, 2]
+    assert math.isclose(old_done[0][1], new_done[0][1]) and math.isclose(old_done[1][1] - new_done[1][1], 4.8e-3, abs_tol=0.01e-3)
+    assert not old.prefill[0].leases and not new.prefill[0].leases  # each hold went when its pull was over
+
+
+def test_pulled_pages_waiting_for_admission_yield_to_an_allocation_after_retained_conversations() -> None:
+    """``pin_for_admission``'s RECLAIM_LAST: a 6-page decode pool holds a retained conversation R
+    (1 page, reclaimable), pulled pages P pinned for a queued request (3 pages) and 2 free pages.
+    Allocating 3 pages releases R (3 free); 3 more release P, whose pages stay cached until evicted."""
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(6), reuse=ReuseConfig(recompute_threshold_tokens=32)), LoadSpec())
+    pre, dec = sim.prefill[0], sim.decode[0]
+    cache = dec.cache
+    r_hold = cache.new_hold()
+    assert cache.allocate(r_hold, 1)
+    retained = dec.pin(r_hold, ttl_s=100.0, now=0.0, conv="r", pages=1, stable=1, prefix="kv-", reclaimable=True)
+    req = _req(1, 64, 4)
+    hold = pre.cache.new_hold()
+    assert pre.cache.allocate(hold, 3)
+    pre.cache.publish(hold, req.segs, 0, 3)
+    offer = pre.pin(hold, ttl_s=10.0, now=0.0, conv=None, pages=3, stable=3, prefix="xfer-")
+    pulled: list[float] = []
+    dec.pull(req, offer, 0.0, lambda r, out, now: pulled.append(out.seconds))
+    assert len(pulled) == 1 and pulled[0] > 0 and req.pin is not None and cache.free == 2
+    first, second = cache.new_hold(), cache.new_hold()
+    assert dec.allocate(first, 3, 0.0)
+    assert retained.gone and req.pin.alive(0.0) and dec.stats.leases_reclaimed == 1
+    assert cache.present(1) == 3  # P's pages, pinned
+    assert dec.allocate(second, 3, 0.0)
+    assert not req.pin.alive(0.0) and dec.stats.leases_reclaimed == 2
+    assert cache.present(1) == 0 and cache.evicted == 3
