@@ -411,6 +411,8 @@ VALIDATED = (
     "ttft_p99_ms",
     "prefill_evicted_pages",
     "decode_evicted_pages",
+    "prefill_computed_tokens",
+    "decode_computed_tokens",
 )
 
 
@@ -423,10 +425,18 @@ CPU_SWEEP_PULL_WAITS = False
 CPU_SWEEP_PINS_YIELD_ALWAYS = True
 
 
-def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str, Any]]:
+def validate_points(
+    measured: dict[str, Any],
+    costs: CostModel,
+    *,
+    pull_reclaims: bool = CPU_SWEEP_PULL_RECLAIMS,
+    pull_waits: bool = CPU_SWEEP_PULL_WAITS,
+    pins_yield_always: bool = CPU_SWEEP_PINS_YIELD_ALWAYS,
+) -> list[dict[str, Any]]:
     """Re-run bench/agents.py's points (same agents, KV budget, scheduler, reuse mode, one
     stack per format and mode, points in the order they ran) in the simulator; one row per
-    point with the simulated and the measured metrics."""
+    point with the simulated and the measured metrics. The pull and pin rules are
+    ``ClusterSpec``'s, by default the worker that measured bench/results/agents_cpu.json."""
     from dataclasses import replace
 
     try:
@@ -455,9 +465,9 @@ def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str
                 costs,
                 reuse=reuse_for_mode(mode, ttl_s=ttl_s),
                 scheduler=sched,
-                pull_reclaims=CPU_SWEEP_PULL_RECLAIMS,
-                pull_waits=CPU_SWEEP_PULL_WAITS,
-                pins_yield_always=CPU_SWEEP_PINS_YIELD_ALWAYS,
+                pull_reclaims=pull_reclaims,
+                pull_waits=pull_waits,
+                pins_yield_always=pins_yield_always,
             )
             sims[key] = Simulator(cluster, load)
         # which agents the point ran: bench/agents.py's point_agents (1000 N .. 1000 N + N - 1),
