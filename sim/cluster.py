@@ -58,7 +58,12 @@ class ClusterSpec:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     kv_bytes_per_worker: int | None = None  # None: the cost model's
     pull_reclaims: bool = True  # a KV pull's pages reclaim retained conversations (False: the worker before eb82190)
-    pull_waits: bool = True  # a KV pull without free pages waits for them (False: the worker before it, which skipped at once)
+    # a decode worker's KV pull without free pages waits for them (False: the worker before it, which skipped at once;
+    # a prefill worker's never waits)
+    pull_waits: bool = True
+    # pulled pages' admission pins yield to every allocation (the worker before a310ad2; else to a running sequence's
+    # growth, and to an admission only while nothing runs)
+    pins_yield_always: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DEFAULT_PAGE_SIZE:
@@ -152,10 +157,10 @@ class Simulator(Sim):
             reuse=cluster.reuse,
             sched=cluster.scheduler,
             pull_reclaims=cluster.pull_reclaims,
-            pull_waits=cluster.pull_waits,
+            pins_yield_always=cluster.pins_yield_always,
         )
         self.prefill = [PrefillWorker(f"http://prefill-{i:05d}", **kw) for i in range(cluster.prefill_workers)]
-        self.decode = [DecodeWorker(f"http://decode-{i:05d}", **kw) for i in range(cluster.decode_workers)]
+        self.decode = [DecodeWorker(f"http://decode-{i:05d}", pull_waits=cluster.pull_waits, **kw) for i in range(cluster.decode_workers)]
         self._by_url: dict[str, Worker] = {w.url: w for w in [*self.prefill, *self.decode]}
         self._prefill_by_url = {w.url: w for w in self.prefill}
         self._decode_by_url = {w.url: w for w in self.decode}

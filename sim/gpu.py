@@ -16,6 +16,10 @@ behind the decode worker's prompt computation, which the simulator does not repr
 
 ``pull_waits=False`` replays the worker before its pulls waited for pages (points measured
 before it): a pull that finds no free page skips at once and the request recomputes.
+``pins_yield_always=True`` replays the worker before pulled pages' admission pins held against
+admissions while sequences run (every point of bench/results/agents_gpu_h200.json and of
+docs/performance-log/data/agents_gpu/ ran it, and skipped pulls at once): the queue's head that
+fails to fit, or a pull, takes the pulled pages of the requests waiting behind it.
 """
 
 from __future__ import annotations
@@ -83,11 +87,16 @@ def bench_load(measured: dict[str, Any]) -> LoadSpec:
 
 
 def reproduce(
-    measured: dict[str, Any], costs: CostModel, *, only: set[tuple[str, int]] | None = None, pull_waits: bool = True
+    measured: dict[str, Any],
+    costs: CostModel,
+    *,
+    only: set[tuple[str, int]] | None = None,
+    pull_waits: bool = True,
+    pins_yield_always: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per measured point (``only``: the (format, N) pairs to run): the simulated and
     the measured metrics, whether each meets its target, and the simulator's counters.
-    ``pull_waits``: the workers' pulls wait for pages (False: the worker before the wait)."""
+    ``pull_waits``, ``pins_yield_always``: ``ClusterSpec``'s (the worker before each rule)."""
     try:
         load = bench_load(measured)
         points = list(measured["points"])
@@ -104,7 +113,14 @@ def reproduce(
         key = (fmt, mode, str(p.get("part", "")))
         if key not in stacks:
             cluster = ClusterSpec(
-                bench_dtype(fmt), 1, 1, costs, reuse=reuse_for_mode(mode, ttl_s=ttl_s), scheduler=GPU_SCHEDULER, pull_waits=pull_waits
+                bench_dtype(fmt),
+                1,
+                1,
+                costs,
+                reuse=reuse_for_mode(mode, ttl_s=ttl_s),
+                scheduler=GPU_SCHEDULER,
+                pull_waits=pull_waits,
+                pins_yield_always=pins_yield_always,
             )
             sim = Simulator(cluster, load)
             stacks[key] = (sim, SharedGpu(sim, sim.prefill[0], sim.decode[0]))

@@ -298,6 +298,12 @@ def add_arguments(parser: Any) -> None:
         help="a KV pull that finds no free page skips at once (the worker before its pulls waited for pages: "
         "to replay points measured with it); the CPU sweep's replay always does",
     )
+    parser.add_argument(
+        "--pins-yield-always",
+        action="store_true",
+        help="pages pulled for a waiting request yield to any allocation, not only to a running sequence's growth "
+        "(the worker before that rule: to replay points measured with it); the CPU sweep's replay always does",
+    )
 
 
 def run(args: Any) -> int:
@@ -321,7 +327,12 @@ def run(args: Any) -> int:
         if is_gpu_result(measured):  # bench/agents.py --gpu: one GPU shared by both workers (kvserving.sim.gpu)
             from kvserving.sim.gpu import format_rows, reproduce
 
-            rows = reproduce(measured, load_costs(args.costs if args.costs != "h200-8b" else "gpu-h200"), pull_waits=not args.no_pull_wait)
+            rows = reproduce(
+                measured,
+                load_costs(args.costs if args.costs != "h200-8b" else "gpu-h200"),
+                pull_waits=not args.no_pull_wait,
+                pins_yield_always=args.pins_yield_always,
+            )
             print(format_rows(rows))
             if args.json:
                 Path(args.json).write_text(jsonfmt.dumps({"validate": args.validate, "rows": rows}))
@@ -400,20 +411,32 @@ VALIDATED = (
     "ttft_p99_ms",
     "prefill_evicted_pages",
     "decode_evicted_pages",
+    "prefill_computed_tokens",
+    "decode_computed_tokens",
 )
 
 
 # bench/results/agents_cpu.json was measured on the worker before a KV pull reclaimed retained
 # conversations (commit eb82190): its pulls were refused on a pool full of them, at once (a pull
-# waits for pages only since later still)
+# waits for pages only since later still), and pulled pages' admission pins did not yet hold
+# against admissions while sequences ran (a310ad2)
 CPU_SWEEP_PULL_RECLAIMS = False
 CPU_SWEEP_PULL_WAITS = False
+CPU_SWEEP_PINS_YIELD_ALWAYS = True
 
 
-def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str, Any]]:
+def validate_points(
+    measured: dict[str, Any],
+    costs: CostModel,
+    *,
+    pull_reclaims: bool = CPU_SWEEP_PULL_RECLAIMS,
+    pull_waits: bool = CPU_SWEEP_PULL_WAITS,
+    pins_yield_always: bool = CPU_SWEEP_PINS_YIELD_ALWAYS,
+) -> list[dict[str, Any]]:
     """Re-run bench/agents.py's points (same agents, KV budget, scheduler, reuse mode, one
     stack per format and mode, points in the order they ran) in the simulator; one row per
-    point with the simulated and the measured metrics."""
+    point with the simulated and the measured metrics. The pull and pin rules are
+    ``ClusterSpec``'s, by default the worker that measured bench/results/agents_cpu.json."""
     from dataclasses import replace
 
     try:
@@ -442,8 +465,9 @@ def validate_points(measured: dict[str, Any], costs: CostModel) -> list[dict[str
                 costs,
                 reuse=reuse_for_mode(mode, ttl_s=ttl_s),
                 scheduler=sched,
-                pull_reclaims=CPU_SWEEP_PULL_RECLAIMS,
-                pull_waits=CPU_SWEEP_PULL_WAITS,
+                pull_reclaims=pull_reclaims,
+                pull_waits=pull_waits,
+                pins_yield_always=pins_yield_always,
             )
             sims[key] = Simulator(cluster, load)
         # which agents the point ran: bench/agents.py's point_agents (1000 N .. 1000 N + N - 1),

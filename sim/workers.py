@@ -32,10 +32,14 @@ advances in one event (``_Run``) with the results of stepping each.
   pages allocated with reclaim (``allocate_for_pull``; ``pull_reclaims=False``:
   the worker before it, which refused a pull on a pool full of retained
   conversations and recomputed the prompt); the pulled pages are
-  pinned until the request is admitted (yielding, after retained conversations,
-  to an allocation that finds no page). A prefill worker's transfer hold is
-  released once the decode's pull is over, read or not.
-- A pull that finds no pages **waits for them** (``Puller.wait_for_pages``):
+  pinned until the request is admitted. Those **admission pins** yield, after
+  retained conversations, to a running sequence's growth, and to the queue
+  head's admission only while no sequence runs; never to a pull (taken, their
+  request would compute the pages again; a running sequence frees pages as it
+  ends: ``PagePoolBase.reclaim_one(up_to)``). ``pins_yield_always=True``: the
+  worker before that, whose pins yielded to every allocation. A prefill
+  worker's transfer hold is released once the decode's pull is over, read or not.
+- A decode worker's pull that finds no pages **waits for them** (``Puller.wait_for_pages``):
   it tries again where pages come back -- at the end of an engine step that
   ended sequences, preempted or released leases, or at a release or expiry
   while the engine is idle, at most once per ``PAGE_WAIT_POLL_S`` -- until
@@ -43,7 +47,8 @@ advances in one event (``_Run``) with the results of stepping each.
   (``no_free_pages``) and the request recomputes. Meanwhile the request is
   not queued, the local prefix it matched stays pinned, and the sender's
   transfer hold stays (``pull_waits=False``: the worker before the wait,
-  which skipped at once).
+  which skipped at once). A prefill worker's pull skips at once (its wait
+  would be the turn's TTFT; ``KVTransfer``).
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ from kvserving.config import ReuseConfig, SchedulerConfig
 from kvserving.gateway.router import WorkerView
 from kvserving.sim.cache import Hold, Key, PageCache
 from kvserving.sim.costs import CostModel
-from kvserving.worker.kv.puller import HOLD_MARGIN_S, PAGE_WAIT_POLL_S, PAGE_WAIT_SHARE
+from kvserving.worker.kv.leases import HOLD_MARGIN_S
+from kvserving.worker.kv.page_pool import PAGE_WAIT_POLL_S, PAGE_WAIT_SHARE
 
 SKIP_REASONS = ("nothing_to_pull", "below_threshold", "no_free_pages")  # ``PullResult.skipped``: nothing pulled, no fault
 
@@ -175,10 +181,12 @@ class Worker:
         sched: SchedulerConfig,
         pull_reclaims: bool = True,
         pull_waits: bool = True,
+        pins_yield_always: bool = False,
     ) -> None:
         self.url = url
         self.pull_reclaims = pull_reclaims  # ``allocate_for_pull``: retained conversations yield to a pull
         self.pull_waits = pull_waits  # ``Puller.wait_for_pages``: a pull without pages waits for them (False: skips at once)
+        self.pins_yield_always = pins_yield_always  # admission pins yield to admissions and pulls while sequences run
         self.page_wait_s = PAGE_WAIT_SHARE * reuse.transfer_timeout_s
         self._pulls: list[_PullWait] = []  # pulls waiting for pages, oldest first
         self._retrying = False
@@ -331,12 +339,14 @@ class Worker:
 
     def _admit_head(self, budget: int, now: float) -> tuple[_Seq, int] | None:
         """``Scheduler._admit`` for the queue's head: its cached prefix, pages for all its known tokens
-        (all or nothing); the pull pin goes once it holds its own refs."""
+        (all or nothing); the pull pin goes once it holds its own refs. Admission pins (its own and
+        those of the requests behind it) yield to it only while no sequence runs."""
         req = self.waiting[0]
         p = self.page_size
         tokens = self._tokens(req)
         cache = self.cache
         h = cache.match(req.segs, (tokens - 1) // p)
+        pins = self.pins_yield_always or not self.running  # the waiting requests' admission pins yield only while nothing runs
         while True:  # with the cached prefix, then (when that does not fit) from scratch
             left = tokens - h * p
             n = min(left, self.sched.chunk_size, budget)
@@ -347,7 +357,7 @@ class Worker:
             hold = cache.new_hold()
             cache.ref(hold, req.segs, h)
             need = -(-tokens // p) - h
-            if self.allocate(hold, need, now):
+            if self.allocate(hold, need, now, pins=pins):
                 break
             cache.release(hold)  # the prefix goes back to the cache, evictable like any other
             self._mark_freed()
@@ -712,10 +722,11 @@ class Worker:
             live += len(kept)
         self._compact_at = 2 * live + 1024
 
-    def reclaim_one(self, now: float) -> bool:
+    def reclaim_one(self, now: float, *, pins: bool = True) -> bool:
         """``PagePoolBase.reclaim_one``: release the reclaimable lease with the earliest expiry, a
-        retained conversation before a pull's admission pin (whose pages stay cached)."""
-        for heap in (self._reclaimable, self._yielding):
+        retained conversation before a pull's admission pin (whose pages stay cached); ``pins``:
+        admission pins may go (``up_to=RECLAIM_LAST``), else retained conversations only."""
+        for heap in (self._reclaimable, self._yielding) if pins else (self._reclaimable,):
             while heap:
                 expires, lease_id = heapq.heappop(heap)
                 lease = self.leases.get(lease_id)
@@ -726,10 +737,11 @@ class Worker:
                 return True
         return False
 
-    def allocate(self, hold: Hold, n: int, now: float) -> bool:
-        """``KVCacheManager.allocate_until``: retained conversations yield to live requests."""
+    def allocate(self, hold: Hold, n: int, now: float, *, pins: bool = True) -> bool:
+        """``KVCacheManager.allocate_until``: retained conversations yield to live requests, then
+        (``pins``) admission pins."""
         while not self.cache.allocate(hold, n):
-            if not self.reclaim_one(now):
+            if not self.reclaim_one(now, pins=pins):
                 return False
         return True
 
@@ -836,14 +848,15 @@ class Worker:
 
     def _allocate_for_pull(self, hold: Hold, n: int, now: float) -> bool:
         """``allocate_for_pull``: one call on the engine thread, so no step starts inside it (a
-        reclaimed lease's pages go to the pull); the queue may take what is left afterwards."""
+        reclaimed lease's pages go to the pull); the queue may take what is left afterwards.
+        Retained conversations yield to it, admission pins do not (``pins_yield_always``: they did)."""
         if not self.pull_reclaims:
             return self.cache.allocate(hold, n)
         planning = self._planning
         reclaimed = self.stats.leases_reclaimed
         self._planning = True
         try:
-            got = self.allocate(hold, n, now)
+            got = self.allocate(hold, n, now, pins=self.pins_yield_always)
         finally:
             self._planning = planning
         if self.stats.leases_reclaimed != reclaimed and self.waiting and not planning:
@@ -1016,7 +1029,7 @@ class PrefillWorker(Worker):
         reuse: ReuseConfig,
         sched: SchedulerConfig,
         pull_reclaims: bool = True,
-        pull_waits: bool = True,
+        pins_yield_always: bool = False,
     ) -> None:
         super().__init__(
             url,
@@ -1028,7 +1041,8 @@ class PrefillWorker(Worker):
             reuse=reuse,
             sched=sched,
             pull_reclaims=pull_reclaims,
-            pull_waits=pull_waits,
+            pull_waits=False,  # its pages free only as decode workers pull its transfer leases, and its waits are TTFT
+            pins_yield_always=pins_yield_always,
         )
         self._view_by_load: dict[int, WorkerView] = {}
         self.merge_steps = False  # its steps are prompt chunks

@@ -1,7 +1,8 @@
 """The simulated workers' engine steps (kvserving.sim.workers): pages as sequences grow, the
 newest running sequence preempted when none are left (``worker/scheduler.py``), its cached
 pages reused when it is readmitted, a prefix dropped when only a fresh placement fits, a pull
-waiting for pages (``worker/kv/puller.py``), and the benchmark's point window."""
+waiting for pages (``worker/kv/puller.py``; a prefill worker's does not), pulled pages pinned until
+admission (held against the queue head's admission while a sequence runs), and the benchmark's point window."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import math
 from kvserving.agents.load import LoadSpec
 from kvserving.config import ReuseConfig, SchedulerConfig
 from kvserving.sim.cluster import ClusterSpec, Simulator, run_bench_point
-from kvserving.sim.workers import Req
+from kvserving.sim.workers import Req, WLease, Worker
+from kvserving.worker.kv.page_pool import PAGE_WAIT_SHARE
 
 from sim_costs import tiny_costs
 
@@ -155,3 +157,91 @@ def test_pulled_pages_waiting_for_admission_yield_to_an_allocation_after_retaine
     assert dec.allocate(second, 3, 0.0)
     assert not req.pin.alive(0.0) and dec.stats.leases_reclaimed == 2
     assert cache.present(1) == 0 and cache.evicted == 3
+
+
+def _offer(worker: Worker, req: Req, pages: int, *, retained: bool) -> WLease:
+    """``req``'s first ``pages`` prompt pages held on ``worker`` under a lease a peer's pull reads:
+    a decode worker's retained conversation or a prefill worker's transfer lease."""
+    hold = worker.cache.new_hold()
+    assert worker.cache.allocate(hold, pages)
+    worker.cache.publish(hold, req.segs, 0, pages)
+    prefix = "kv-" if retained else "xfer-"
+    return worker.pin(hold, ttl_s=10.0, now=0.0, conv=req.conv, pages=pages, stable=pages, prefix=prefix, reclaimable=retained)
+
+
+def _queue_behind_a_pulled_prompt(*, running: bool, pins_yield_always: bool) -> tuple[Simulator, Req, Req, list[int]]:
+    """An 8-page decode pool. W's pull READs 3 pages ((64 - 1) // 16 usable), pinned until W is
+    admitted; W queues behind H, whose 41 tokens need 3 pages where 2 are free. ``running``: A
+    (60-token prompt, 20-token reply) runs in the other 3 pages and grows into 5; else a hold that
+    no sequence owns keeps them. Returns the simulator, H, W and the replies' turns in
+    the order they ended."""
+    reuse = ReuseConfig(recompute_threshold_tokens=32)
+    cluster = ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(8), reuse=reuse, pins_yield_always=pins_yield_always)
+    sim = Simulator(cluster, LoadSpec())
+    pre, dec = sim.prefill[0], sim.decode[0]
+    done: list[int] = []
+    dec.on_done = lambda req, now: done.append(req.turn_id)
+    if running:
+        dec.arrive(_req(1, 44, 20), 0.0)  # 45 tokens: 3 pages, 4 at its 49th token, 5 at its 65th
+    else:
+        assert dec.cache.allocate(dec.cache.new_hold(), 3)
+    w, h = _req(3, 64, 4), _req(2, 40, 4)
+    pulled: list[float] = []
+    dec.pull(w, _offer(pre, w, 3, retained=False), 0.0, lambda r, out, now: pulled.append(out.seconds))
+    assert len(pulled) == 1 and pulled[0] > 0 and w.pin is not None and dec.cache.free == 2
+    dec.arrive(h, 0.0)
+    dec.arrive(w, 0.0)
+    sim.run()
+    return sim, h, w, done
+
+
+def test_a_waiting_requests_pulled_pages_are_not_taken_by_the_queue_heads_admission_while_a_sequence_runs() -> None:
+    """``Scheduler._admit``: pulled pages pinned for a waiting request yield to an admission only
+    while nothing runs (``reclaim_one(RECLAIM_FIRST)`` else).
+
+    A runs: H waits (2 free pages, W's 3 pinned) while A grows into them; when A ends its 4 full
+    pages are retained, and H, with nothing running, takes that lease (not W's pin): W is admitted
+    with its 3 pulled pages and computes 17 tokens. With pins that yield to every allocation (the
+    worker before), H takes W's pin at once and evicts one of its pages: W, admitted with the 2
+    left, computes 33. Nothing runs: H takes W's pin at once either way."""
+    sim, h, w, done = _queue_behind_a_pulled_prompt(running=True, pins_yield_always=False)
+    dec = sim.decode[0]
+    assert (w.remote_pages, w.hit_pages) == (3, 3)
+    assert dec.stats.leases_reclaimed == 1  # A's retained conversation, not W's pin
+    assert dec.stats.computed_tokens == 45 + 41 + 17 and dec.stats.preemptions == 0
+    assert done == [1, 2, 3]  # A, then H before W: nothing overtakes the queue's head
+
+    old, _, w0, _ = _queue_behind_a_pulled_prompt(running=True, pins_yield_always=True)
+    assert (w0.remote_pages, w0.hit_pages, old.decode[0].stats.computed_tokens) == (0, 2, 45 + 41 + 33)
+
+    for pins_yield_always in (False, True):
+        idle, hi, wi, _ = _queue_behind_a_pulled_prompt(running=False, pins_yield_always=pins_yield_always)
+        d = idle.decode[0]
+        # W's pin went to H (one of its pages evicted), then H's retained conversation to W
+        assert d.stats.leases_reclaimed == 2 and (wi.remote_pages, wi.hit_pages) == (0, 2)
+        assert hi.done_at < wi.done_at  # H ran at once, W after it
+        assert d.stats.computed_tokens == 41 + 33
+
+
+def test_a_prefill_workers_pull_without_free_pages_skips_at_once_where_a_decode_workers_waits() -> None:
+    """``KVTransfer``: a prefill worker's pull does not wait for pages (``page_wait_share=0``), a
+    decode worker's waits ``PAGE_WAIT_SHARE`` of ``transfer_timeout_s`` (2 s here) for them, then
+    skips. Both pools are full of pages no allocation may take (the decode's retained conversation,
+    offered to the prefill's pull, is released before the decode's pull)."""
+    reuse = ReuseConfig(recompute_threshold_tokens=32, transfer_timeout_s=2.0)
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(6), reuse=reuse), LoadSpec())
+    pre, dec = sim.prefill[0], sim.decode[0]
+    a, b = _req(1, 64, 4), _req(2, 64, 4)
+    d_to_p = _offer(dec, a, 3, retained=True)  # A's previous turn, retained on the decode worker
+    p_to_d = _offer(pre, b, 3, retained=False)  # B's prompt, computed on the prefill worker
+    assert pre.cache.allocate(pre.cache.new_hold(), 3) and pre.cache.free == 0
+    outcomes: list[tuple[str, float]] = []
+    pre.pull(a, d_to_p, 0.0, lambda r, out, now: outcomes.append(("prefill", now)))
+    assert outcomes == [("prefill", 0.0)]
+    assert (pre.stats.skipped["no_free_pages"], pre.stats.skipped_tokens["no_free_pages"], pre.stats.page_waits) == (1, 64, 0)
+    assert dec.release(d_to_p.lease_id, 0.0) and dec.cache.allocate(dec.cache.new_hold(), 6) and dec.cache.free == 0
+    dec.pull(b, p_to_d, 0.0, lambda r, out, now: outcomes.append(("decode", now)))
+    assert len(outcomes) == 1 and dec.stats.page_waits == 1
+    sim.run()
+    assert outcomes[1][0] == "decode" and math.isclose(outcomes[1][1], PAGE_WAIT_SHARE * 2.0)
+    assert (dec.stats.skipped["no_free_pages"], dec.stats.pulls) == (1, 0)

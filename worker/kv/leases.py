@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 from kvserving.worker.kv.page_pool import RECLAIM_FIRST, RECLAIM_LAST, RECLAIM_NEVER, PagePoolBase, Pin
 
+HOLD_MARGIN_S = 2.0  # a puller's hold outlives its READ deadline by this much
+
 
 class PinKind(enum.Enum):
     """What a pin of the pool keeps pages for; the value is its id's prefix on the wire."""

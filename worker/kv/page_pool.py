@@ -103,6 +103,12 @@ RECLAIM_FIRST = 1  # retained conversations (a bet on a next turn)
 RECLAIM_LAST = 2  # pulled pages pinned until their request is admitted
 RECLAIM_CLASSES = (RECLAIM_NEVER, RECLAIM_FIRST, RECLAIM_LAST)
 
+# A decode worker's pull that finds no free pages waits for them this share of ``transfer_timeout_s`` (the
+# READ keeps the rest: milliseconds at GPU rates), asking again every PAGE_WAIT_POLL_S; a prefill worker's
+# does not wait (``KVTransfer``). Here, not in the puller, so that the simulator reads them without torch.
+PAGE_WAIT_SHARE = 0.5
+PAGE_WAIT_POLL_S = 0.02
+
 HASH_BITS = 63  # hashes fit a signed int64 (tensors, JSON readers) without a sign bit
 _HASH_MASK = (1 << HASH_BITS) - 1
 _HASH_PERSON = b"kvserving.page1"  # blake2b personalisation: version of the hash recipe

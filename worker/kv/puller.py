@@ -51,6 +51,7 @@ from kvserving.config import ReuseConfig
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.kv.leases import (
+    HOLD_MARGIN_S,
     PinKind,
     lease_digest,
     parse_lease_id,
@@ -58,7 +59,7 @@ from kvserving.worker.kv.leases import (
     release_admission,
 )
 from kvserving.worker.kv.nixl_io import NixlIO, PageGeometry, ReadStats, RemoteBuffers, TransferError
-from kvserving.worker.kv.page_pool import RECLAIM_FIRST, RECLAIM_NEVER
+from kvserving.worker.kv.page_pool import PAGE_WAIT_POLL_S, PAGE_WAIT_SHARE, RECLAIM_FIRST, RECLAIM_NEVER
 from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.peers import PeerSet, url_key
 from kvserving.worker.sampling import SamplingParams, make_generator
@@ -81,12 +82,6 @@ FALLBACK_REASONS = (
 # already; too few pages to be worth a READ (``recompute_threshold_tokens``); no pages to READ into
 # before the wait for them ended.
 SKIP_REASONS = ("nothing_to_pull", "below_threshold", "no_free_pages")
-HOLD_MARGIN_S = 2.0  # a hold outlives the puller's READ deadline by this much
-# A decode worker's pull that finds no free pages waits for them this share of ``transfer_timeout_s`` (the
-# READ keeps the rest: milliseconds at GPU rates), asking again every PAGE_WAIT_POLL_S; a prefill worker's
-# does not wait (``KVTransfer``).
-PAGE_WAIT_SHARE = 0.5
-PAGE_WAIT_POLL_S = 0.02
 DEFAULT_THRESHOLD_TOKENS = 64  # "auto" before both rates are measured
 # ``PullResult.phases``, on the request's path in this order: hash and match the prompt and
 # allocate (one engine-thread hop), wait for free pages (a full pool only), wait for the sender's hold (sent before planning), build the

@@ -63,8 +63,9 @@ from kvserving.config import ROLES, ReuseConfig
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.kv.leases import LeaseStore, RetainedKV, RetainSpec
 from kvserving.worker.kv.nixl_io import NixlIO, PageGeometry
+from kvserving.worker.kv.page_pool import PAGE_WAIT_SHARE
 from kvserving.worker.kv.protocol import KVTransferParams, PeerHttp, layout_hash, layout_info
-from kvserving.worker.kv.puller import PAGE_WAIT_SHARE, FetchAgent, HoldRemote, PullResult, Puller, ReleaseRemote
+from kvserving.worker.kv.puller import FetchAgent, HoldRemote, PullResult, Puller, ReleaseRemote
 from kvserving.worker.peers import PeerSet
 
 T = TypeVar("T")
