@@ -425,6 +425,18 @@ CPU_SWEEP_PULL_WAITS = False
 CPU_SWEEP_PINS_YIELD_ALWAYS = True
 
 
+def kv_bytes_per_worker(measured: dict[str, Any]) -> int:
+    """The KV bytes per worker of a bench/agents.py result: ``kv_per_worker`` ("3072 KiB", "8 GiB"),
+    or ``kv_kib_per_worker`` in results written before it."""
+    if "kv_kib_per_worker" in measured:
+        return int(measured["kv_kib_per_worker"]) * 1024
+    number, unit = str(measured["kv_per_worker"]).split()
+    scale = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    if unit not in scale:
+        raise ValueError(f"kv_per_worker {measured['kv_per_worker']!r}: the unit must be one of {sorted(scale)}")
+    return int(float(number) * scale[unit])
+
+
 def validate_points(
     measured: dict[str, Any],
     costs: CostModel,
@@ -442,9 +454,9 @@ def validate_points(
     try:
         load = load_spec_from_dict(measured["load"])
         points = list(measured["points"])
-        kv_bytes = int(measured["kv_kib_per_worker"]) * 1024
+        kv_bytes = kv_bytes_per_worker(measured)
         ttl_s = float(measured.get("ttl_s", 3.0))
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a bench/agents.py result: {exc}") from exc
     sched = SchedulerConfig(**measured.get("scheduler", {"max_num_seqs": 32, "max_num_batched_tokens": 1024, "chunk_size": 512}))
     costs = replace(costs, kv_bytes_per_worker=kv_bytes)

@@ -335,3 +335,16 @@ def test_cli_prints_one_row_per_format_and_refuses_bad_input_in_one_line(capsys:
     assert main(["simulate", "--dtype", "fp6"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown KV dtype 'fp6'" in err
+
+
+def test_the_kv_size_of_a_bench_result_is_read_in_both_of_its_spellings() -> None:
+    from kvserving.sim.plan import kv_bytes_per_worker
+
+    assert kv_bytes_per_worker({"kv_per_worker": "3072 KiB"}) == 3072 * 1024
+    assert kv_bytes_per_worker({"kv_per_worker": "8 GiB"}) == 8 << 30
+    assert kv_bytes_per_worker({"kv_kib_per_worker": 3072}) == 3072 * 1024  # results written before "kv_per_worker"
+    with pytest.raises(ValueError, match="unit must be one of"):
+        kv_bytes_per_worker({"kv_per_worker": "3 TB"})
+    measured = {k: v for k, v in json.loads(MEASURED.read_text()).items() if k != "kv_kib_per_worker"}
+    with pytest.raises(ValueError, match="not a bench/agents.py result: kv_per_worker '3 parsecs'"):
+        validate_points({**measured, "kv_per_worker": "3 parsecs"}, load_costs("cpu-tiny"))
