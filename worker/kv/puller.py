@@ -84,9 +84,9 @@ FALLBACK_REASONS = (
 SKIP_REASONS = ("nothing_to_pull", "below_threshold", "no_free_pages")
 DEFAULT_THRESHOLD_TOKENS = 64  # "auto" before both rates are measured
 # ``PullResult.phases``, on the request's path in this order: hash and match the prompt and
-# allocate (one engine-thread hop), wait for free pages (a full pool only), wait for the sender's hold (sent before planning), build the
-# READ's descriptors, the READ itself, register and pin the pages (one hop), wait for a hold that
-# ended in no READ. ``contact_agent`` / ``contact_hold``: the agent fetch (first pull from an
+# allocate (one engine-thread hop), wait for free pages (a full pool only), wait for the sender's
+# hold (sent before planning), build the READ's descriptors, the READ itself, register and pin the
+# pages (one hop), wait for a hold that ended in no READ. ``contact_agent`` / ``contact_hold``: the agent fetch (first pull from an
 # incarnation only) and the hold's round trip, on a peer-call thread beside the planning.
 PULL_PHASES = ("plan", "page_wait", "lease_check", "descriptors", "read", "adopt", "release", "contact_agent", "contact_hold")
 
