@@ -29,7 +29,7 @@ import gc
 import heapq
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -340,7 +340,7 @@ class Simulator(Sim):
         req.prefill_url, req.decode_url = pre.url, dec.url
         if lease is not None and self.bidirectional:
             holder = self._by_url[lease.worker_url]
-            req.lease_offer = holder.leases.get(lease.lease_id) or _expired_offer(holder, lease.expires_at)
+            req.lease_offer = holder.leases.get(lease.lease_id) or _expired_offer(holder, lease.params)
         self.table.begin_turn(key, now=now)
         pre.inflight += 1
         dec.inflight += 1
@@ -527,9 +527,14 @@ class Simulator(Sim):
                     fallbacks[reason] = fallbacks.get(reason, 0) + n
             out[role] = {
                 "computed_tokens": sum(w.stats.computed_tokens for w in workers),
+                "pulls": sum(w.stats.pulls for w in workers),
+                "pulled_tokens": sum(w.stats.pulled_pages for w in workers) * self.page_size,
                 "pull_fallbacks": fallbacks,
                 "pull_skipped": skipped,
                 "pull_skipped_tokens": skipped_tokens,
+                "missed_tokens": _sum_counts(w.stats.missed_tokens for w in workers),
+                "mixed_steps": sum(w.stats.prompt_steps for w in workers),
+                "mixed_step_s": sum(w.stats.prompt_step_s for w in workers),
                 "page_waits": sum(w.stats.page_waits for w in workers),
                 "page_wait_s": sum(w.stats.page_wait_s for w in workers),
             }
@@ -549,13 +554,28 @@ def _call(fn: Callable[[float], None], t: float) -> None:
     fn(t)
 
 
+def _sum_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 def _params(lease: WLease) -> dict[str, Any]:
-    return {"lease_id": lease.lease_id, "expires_at": lease.expires_at}
+    """The lease's kv_transfer_params as the gateway keeps them: its id, expiry and pages (the
+    worker's page_ids and page_hashes, as counts)."""
+    return {"lease_id": lease.lease_id, "expires_at": lease.expires_at, "pages": lease.pages, "stable": lease.stable}
 
 
-def _expired_offer(worker: Worker, expires_at: float) -> WLease | None:
-    """A lease the gateway still lists but its worker no longer holds: pulls of it fail."""
-    return WLease("gone", worker, worker.cache.new_hold(), expires_at, None, 0, 0, gone=True) if expires_at else None
+def _expired_offer(worker: Worker, params: dict[str, Any]) -> WLease | None:
+    """A lease the gateway still lists but its worker no longer holds: pulls of it fail, after the
+    receiver planned them against the pages the params name (``Worker.pull``)."""
+    expires_at = float(params.get("expires_at") or 0.0)
+    if not expires_at:
+        return None
+    pages, stable = int(params.get("pages", 0)), int(params.get("stable", 0))
+    return WLease("gone", worker, worker.cache.new_hold(), expires_at, None, pages, stable, gone=True)
 
 
 def _synthetic_key(name: str) -> bytes:

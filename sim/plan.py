@@ -414,6 +414,28 @@ VALIDATED = (
     "prefill_computed_tokens",
     "decode_computed_tokens",
 )
+# each role's pull counters, under bench/agents.py's names (rows' "counters")
+ROLE_COUNTERS = ("computed_tokens", "pulls", "pulled_tokens", "skips", "missed_tokens", "fallbacks", "page_waits", "reclaimed_leases")
+
+
+def role_counters(point: dict[str, Any], *, simulated: bool) -> dict[str, Any]:
+    """A point's per-role counters under bench/agents.py's names, and each role's prompt seconds
+    per computed prompt token (its mixed steps' time: the time axis the hit rate past a cliff
+    depends on, the pages a waiting prompt loses while earlier ones run). Counts of zero left out."""
+    out: dict[str, Any] = {}
+    for role in ("prefill", "decode"):
+        alias = {"skips": "pull_skipped", "fallbacks": "pull_fallbacks"} if simulated else {}
+        for k in ROLE_COUNTERS:
+            v = point.get(f"{role}_{alias.get(k, k)}")
+            out[f"{role}_{k}"] = {r: n for r, n in v.items() if n} if isinstance(v, dict) else v
+        steps_s = (
+            point.get(f"{role}_mixed_step_s")
+            if simulated
+            else (point.get(f"{role}_mixed_steps") or 0) * (point.get(f"{role}_mixed_step_ms") or 0.0) / 1e3
+        )
+        computed = point.get(f"{role}_computed_tokens") or 0
+        out[f"{role}_ms_per_prompt_token"] = 1e3 * steps_s / computed if steps_s is not None and computed else None
+    return out
 
 
 # bench/results/agents_cpu.json was measured on the worker before a KV pull reclaimed retained
@@ -500,6 +522,7 @@ def validate_points(
                 "concurrency": n,
                 "sim": {k: sim_point.get(k) for k in VALIDATED},
                 "measured": {k: p.get(k) for k in VALIDATED},
+                "counters": {"sim": role_counters(sim_point, simulated=True), "measured": role_counters(p, simulated=False)},
             }
         )
     return rows

@@ -137,6 +137,9 @@ class WorkerStats:
     fallbacks: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))  # pulls skipped, by reason
     skipped_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))  # prompt tokens they left to compute
+    missed_tokens: dict[str, int] = field(
+        default_factory=dict
+    )  # by skip or fallback reason: the tokens it would have pulled (PullResult.missed_tokens)
     page_waits: int = 0  # pulls that found no free page and waited for one
     page_wait_s: float = 0.0  # their waits, in all
     leases_expired: int = 0
@@ -144,6 +147,8 @@ class WorkerStats:
     preemptions: int = 0
     computed_tokens: int = 0  # prompt tokens computed (chunks starting inside the prompt: the worker's prompt_tokens_total)
     recomputed_tokens: int = 0  # tokens computed again after a preemption
+    prompt_steps: int = 0  # steps with prompt tokens (the worker's "mixed" steps) and their seconds as costed
+    prompt_step_s: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -285,6 +290,9 @@ class Worker:
             return
         self.busy = True
         dt = self._step_seconds(plan)
+        if any(seq.computed < seq.req.prompt for seq, _ in plan):
+            self.stats.prompt_steps += 1
+            self.stats.prompt_step_s += dt
         if self.merge_steps and self._start_run(plan, now, dt):
             return
         if self.gpu is not None:  # a GPU shared with the other role times the step (kvserving.sim.shared_gpu)
@@ -818,22 +826,33 @@ class Worker:
         want = matched - local
         if want <= 0 or want < self.threshold_pages:
             if diverged:
-                then(req, self._fail("hash_mismatch"), now)
+                then(req, self._fail("hash_mismatch", max(0, want) * p), now)
             else:
-                self._skip("nothing_to_pull" if want <= 0 else "below_threshold", req.prompt - local * p)
+                self._skip("nothing_to_pull" if want <= 0 else "below_threshold", req.prompt - local * p, max(0, want) * p)
                 then(req, _NO_PULL, now)
-            return
-        if not offer.alive(now):
-            then(req, self._fail("lease_expired"), now)
             return
         hold = self.cache.new_hold()
         self.cache.ref(hold, req.segs, local)
+        if not offer.alive(now):
+            # released since the gateway listed it (reclaimed): the receiver plans and allocates the
+            # pages (``Puller._plan``) before the holder answers that it no longer knows the lease;
+            # they go back free, what they evicted stays evicted. Without pages a prefill's pull skips
+            # before that answer counts (a decode's, which would wait for pages first, fails at once)
+            got = self._allocate_for_pull(hold, want, now)
+            self.cache.release(hold)
+            self._mark_freed()
+            if got or self.pull_waits:
+                then(req, self._fail("lease_expired", want * p), now)
+            else:
+                self._skip("no_free_pages", req.prompt - local * p, want * p)
+                then(req, _NO_PULL, now)
+            return
         if self._allocate_for_pull(hold, want, now):
             then(req, self._pulled(req, offer, hold, local, matched, diverged, now), now)
             return
         if not self.pull_waits:
             self.cache.release(hold)
-            self._skip("no_free_pages", req.prompt - local * p)
+            self._skip("no_free_pages", req.prompt - local * p, want * p)
             self._mark_freed()
             then(req, _NO_PULL, now)
             return
@@ -931,7 +950,7 @@ class Worker:
             self._settle(now)  # the prefix's pin goes: a pool operation
         self.stats.page_wait_s += now - w.sent
         self.cache.release(w.hold)
-        self._skip("no_free_pages", w.req.prompt - w.local * self.page_size)
+        self._skip("no_free_pages", w.req.prompt - w.local * self.page_size, w.want * self.page_size)
         w.then(w.req, _NO_PULL, now)
         self.on_freed(now)
 
@@ -942,16 +961,20 @@ class Worker:
         lease.expires_at = until
         heapq.heappush(self._expiry, (until, lease.lease_id))
 
-    def _skip(self, reason: str, tokens: int) -> None:
+    def _skip(self, reason: str, tokens: int, missed: int) -> None:
         stats = self.stats
         stats.skipped[reason] += 1
         stats.skipped_tokens[reason] += tokens
+        if missed:
+            stats.missed_tokens[reason] = stats.missed_tokens.get(reason, 0) + missed
 
     def _count(self, reason: str) -> str:
         self.stats.fallbacks[reason] = self.stats.fallbacks.get(reason, 0) + 1
         return reason
 
-    def _fail(self, reason: str) -> PullOutcome:
+    def _fail(self, reason: str, missed: int = 0) -> PullOutcome:
+        if missed:
+            self.stats.missed_tokens[reason] = self.stats.missed_tokens.get(reason, 0) + missed
         return PullOutcome(fallback=self._count(reason))
 
 

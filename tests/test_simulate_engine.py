@@ -245,3 +245,30 @@ def test_a_prefill_workers_pull_without_free_pages_skips_at_once_where_a_decode_
     sim.run()
     assert outcomes[1][0] == "decode" and math.isclose(outcomes[1][1], PAGE_WAIT_SHARE * 2.0)
     assert (dec.stats.skipped["no_free_pages"], dec.stats.pulls) == (1, 0)
+
+
+def test_a_pull_of_a_lease_its_holder_released_plans_and_allocates_before_it_fails() -> None:
+    """``Puller.pull`` on params the gateway still lists (a retained conversation the decode worker
+    has reclaimed since): the receiver matches the params' pages, allocates the ones it lacks
+    (evicting cached pages if it must), and only then hears from the holder that the lease is
+    unknown: fallback ``lease_expired``, the pages it would have pulled counted as missed, the
+    allocated pages back on the free list and the pages they evicted gone."""
+    from kvserving.sim.cluster import _expired_offer, _params
+
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(6), reuse=ReuseConfig(recompute_threshold_tokens=32)), LoadSpec())
+    pre, dec = sim.prefill[0], sim.decode[0]
+    a, c = _req(1, 80, 4), _req(3, 48, 4)
+    listed = _params(_offer(dec, a, 4, retained=True))  # A's previous turn, as the gateway keeps its params
+    cached = pre.cache.new_hold()  # C's 3 pages, cached on the prefill worker: 3 pages free
+    assert pre.cache.allocate(cached, 3)
+    pre.cache.publish(cached, c.segs, 0, 3)
+    pre.cache.release(cached)
+    assert dec.release(listed["lease_id"], 0.0)  # reclaimed: the holder no longer knows it
+    offer = _expired_offer(dec, listed)
+    assert offer is not None and (offer.pages, offer.stable, offer.alive(0.0)) == (4, 4, False)
+    outcomes: list[str | None] = []
+    pre.pull(a, offer, 0.0, lambda r, out, now: outcomes.append(out.fallback))
+    assert outcomes == ["lease_expired"]
+    assert pre.stats.missed_tokens == {"lease_expired": 4 * PAGE} and pre.stats.pulls == 0
+    assert pre.cache.match(c.segs, 3) == 2 and pre.cache.free == 6  # one of C's pages evicted for the 4 allocated
+    assert pre.cache.evicted == 1
