@@ -415,7 +415,17 @@ VALIDATED = (
     "decode_computed_tokens",
 )
 # each role's pull counters, under bench/agents.py's names (rows' "counters")
-ROLE_COUNTERS = ("computed_tokens", "pulls", "pulled_tokens", "skips", "missed_tokens", "fallbacks", "page_waits", "reclaimed_leases")
+ROLE_COUNTERS = (
+    "computed_tokens",
+    "lost_tokens",
+    "pulls",
+    "pulled_tokens",
+    "skips",
+    "missed_tokens",
+    "fallbacks",
+    "page_waits",
+    "reclaimed_leases",
+)
 
 
 def role_counters(point: dict[str, Any], *, simulated: bool) -> dict[str, Any]:

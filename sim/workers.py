@@ -87,6 +87,7 @@ class Req:
     hold: Hold | None = None
     pin: WLease | None = None
     pulled: tuple[int, int] = (0, 0)  # pulled page range [a, b) pinned for this request
+    in_place: int = 0  # pages its last pull found or put in place (matched, less what it missed): lost_before_admission
     hit_pages: int = 0
     remote_pages: int = 0
     fallback: str | None = None
@@ -147,6 +148,7 @@ class WorkerStats:
     preemptions: int = 0
     computed_tokens: int = 0  # prompt tokens computed (chunks starting inside the prompt: the worker's prompt_tokens_total)
     recomputed_tokens: int = 0  # tokens computed again after a preemption
+    lost_tokens: int = 0  # prompt tokens a pull had in place that the first admission no longer found (lost_before_admission)
     prompt_steps: int = 0  # steps with prompt tokens (the worker's "mixed" steps) and their seconds as costed
     prompt_step_s: float = 0.0
 
@@ -375,6 +377,7 @@ class Worker:
         req.hold = hold
         if not req.preemptions:  # the first admission: what the prompt found cached (usage.cached_tokens)
             req.hit_pages = h
+            self.stats.lost_tokens += max(0, req.in_place - h) * p
             a, b = req.pulled
             req.remote_pages = max(0, min(b, h) - a) if req.pin is not None and req.pin.alive(now) else 0
         if req.pin is not None:
@@ -809,6 +812,7 @@ class Worker:
         """``KVTransfer.pull`` against ``offer`` (the sender's lease as the receiver knows it);
         ``then(req, outcome, t)`` when it is over: now, or when a pull waiting for pages got them
         or gave up (``Puller.wait_for_pages``)."""
+        req.in_place = 0
         if offer is None:
             then(req, _NO_PULL, now)
             return
@@ -824,6 +828,7 @@ class Worker:
         diverged = matched < usable
         local = self.cache.match(req.segs, matched)
         want = matched - local
+        req.in_place = local  # what a skip or a fallback leaves (PullResult: matched less missed)
         if want <= 0 or want < self.threshold_pages:
             if diverged:
                 then(req, self._fail("hash_mismatch", max(0, want) * p), now)
@@ -887,6 +892,7 @@ class Worker:
         self.cache.publish(hold, req.segs, local, matched)
         req.pin = self.pin(hold, ttl_s=self.pull_ttl_s, now=now, conv=None, pages=0, stable=0, prefix="pull-", yields=True)
         req.pulled = (local, matched)
+        req.in_place = matched
         want = matched - local
         nbytes = want * offer.worker.page_bytes
         self.stats.pulls += 1

@@ -272,3 +272,15 @@ def test_a_pull_of_a_lease_its_holder_released_plans_and_allocates_before_it_fai
     assert pre.stats.missed_tokens == {"lease_expired": 4 * PAGE} and pre.stats.pulls == 0
     assert pre.cache.match(c.segs, 3) == 2 and pre.cache.free == 6  # one of C's pages evicted for the 4 allocated
     assert pre.cache.evicted == 1
+
+
+def test_pulled_pages_evicted_before_admission_count_as_lost() -> None:
+    """``lost_before_admission``: W's pull put 3 pages in place; where the queue head took W's pin and
+    evicted one of them (pins that yield to every allocation), W's admission found 2: 16 tokens lost.
+    Held pins lose none."""
+    old, _, w_old, _ = _queue_behind_a_pulled_prompt(running=True, pins_yield_always=True)
+    assert (w_old.in_place, w_old.hit_pages, old.decode[0].stats.lost_tokens) == (3, 2, PAGE)
+    new, _, w_new, _ = _queue_behind_a_pulled_prompt(running=True, pins_yield_always=False)
+    assert (w_new.hit_pages, new.decode[0].stats.lost_tokens) == (3, 0)
+    counters = new.pull_counters()
+    assert (counters["decode"]["lost_tokens"], counters["prefill"]["lost_tokens"]) == (0, 0)
