@@ -138,9 +138,8 @@ class WorkerStats:
     fallbacks: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))  # pulls skipped, by reason
     skipped_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))  # prompt tokens they left to compute
-    missed_tokens: dict[str, int] = field(
-        default_factory=dict
-    )  # by skip or fallback reason: the tokens it would have pulled (PullResult.missed_tokens)
+    # by skip or fallback reason: the tokens it would have pulled (PullResult.missed_tokens)
+    missed_tokens: dict[str, int] = field(default_factory=dict)
     page_waits: int = 0  # pulls that found no free page and waited for one
     page_wait_s: float = 0.0  # their waits, in all
     leases_expired: int = 0
