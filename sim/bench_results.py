@@ -31,3 +31,15 @@ def load_spec_from_dict(data: dict[str, Any]) -> LoadSpec:
         return LoadSpec(**fields)
     except TypeError as exc:
         raise ValueError(f"bad 'load' in the benchmark JSON: {exc}") from exc
+
+
+def kv_bytes_per_worker(measured: dict[str, Any]) -> int:
+    """The KV bytes per worker of a bench/agents.py result: ``kv_per_worker`` ("3072 KiB", "8 GiB"),
+    or ``kv_kib_per_worker`` in results written before it."""
+    if "kv_kib_per_worker" in measured:
+        return int(measured["kv_kib_per_worker"]) * 1024
+    number, unit = str(measured["kv_per_worker"]).split()
+    scale = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    if unit not in scale:
+        raise ValueError(f"kv_per_worker {measured['kv_per_worker']!r}: the unit must be one of {sorted(scale)}")
+    return int(float(number) * scale[unit])

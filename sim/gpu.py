@@ -25,14 +25,13 @@ fails to fit, or a pull, takes the pulled pages of the requests waiting behind i
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import replace
 from typing import Any
 
 from kvserving.agents.load import LoadSpec, reuse_for_mode
 from kvserving.config import SchedulerConfig
 from kvserving.sim.costs import CostModel
-from kvserving.sim.bench_results import bench_dtype, load_spec_from_dict
+from kvserving.sim.bench_results import bench_dtype, kv_bytes_per_worker, load_spec_from_dict
 from kvserving.sim.shared_gpu import SharedGpu
 from kvserving.sim.cluster import ClusterSpec, Simulator, percentile, run_bench_point
 
@@ -61,13 +60,6 @@ COMPARED = (
 def is_gpu_result(measured: dict[str, Any]) -> bool:
     """A ``bench/agents.py --gpu`` result (KV per worker in GiB) rather than a CPU one (KiB)."""
     return "kv_kib_per_worker" not in measured and isinstance(measured.get("kv_per_worker"), str)
-
-
-def kv_bytes(measured: dict[str, Any]) -> int:
-    m = re.fullmatch(r"\s*([0-9.]+)\s*GiB\s*", str(measured.get("kv_per_worker", "")))
-    if m is None:
-        raise ValueError(f"kv_per_worker must read like '8 GiB', got {measured.get('kv_per_worker')!r}")
-    return int(float(m.group(1)) * 2**30)
 
 
 def long_ttft_p99(point: dict[str, Any]) -> bool:
@@ -103,7 +95,7 @@ def reproduce(
         ttl_s = float(measured.get("ttl_s", 3.0))
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a bench/agents.py --gpu result: {exc}") from exc
-    costs = replace(costs, kv_bytes_per_worker=kv_bytes(measured))
+    costs = replace(costs, kv_bytes_per_worker=kv_bytes_per_worker(measured))
     stacks: dict[tuple[str, str, str], tuple[Simulator, SharedGpu]] = {}
     rows = []
     for p in points:

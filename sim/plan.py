@@ -19,7 +19,7 @@ from typing import Any
 
 from kvserving.agents.load import AgentSpec, LoadSpec, reuse_for_mode
 from kvserving.config import ReuseConfig, SchedulerConfig
-from kvserving.sim.bench_results import bench_dtype, load_spec_from_dict
+from kvserving.sim.bench_results import bench_dtype, kv_bytes_per_worker, load_spec_from_dict
 from kvserving.sim.costs import CostModel
 from kvserving.sim import cluster as pure
 from kvserving.sim.cluster import ClusterSpec, Population, Simulator, run_bench_point
@@ -455,18 +455,6 @@ def role_counters(point: dict[str, Any], *, simulated: bool) -> dict[str, Any]:
 CPU_SWEEP_PULL_RECLAIMS = False
 CPU_SWEEP_PULL_WAITS = False
 CPU_SWEEP_PINS_YIELD_ALWAYS = True
-
-
-def kv_bytes_per_worker(measured: dict[str, Any]) -> int:
-    """The KV bytes per worker of a bench/agents.py result: ``kv_per_worker`` ("3072 KiB", "8 GiB"),
-    or ``kv_kib_per_worker`` in results written before it."""
-    if "kv_kib_per_worker" in measured:
-        return int(measured["kv_kib_per_worker"]) * 1024
-    number, unit = str(measured["kv_per_worker"]).split()
-    scale = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    if unit not in scale:
-        raise ValueError(f"kv_per_worker {measured['kv_per_worker']!r}: the unit must be one of {sorted(scale)}")
-    return int(float(number) * scale[unit])
 
 
 def validate_points(

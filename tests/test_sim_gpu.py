@@ -10,7 +10,8 @@ from pathlib import Path
 
 from kvserving.agents.load import LoadSpec, reuse_for_mode
 from kvserving.sim.costs import load_costs
-from kvserving.sim.gpu import GPU_SCHEDULER, HIT_TOL, TPUT_TOL, bench_load, kv_bytes, reproduce
+from kvserving.sim.bench_results import kv_bytes_per_worker
+from kvserving.sim.gpu import GPU_SCHEDULER, HIT_TOL, TPUT_TOL, bench_load, reproduce
 from kvserving.sim.shared_gpu import SharedGpu
 from kvserving.sim.cluster import ClusterSpec, Simulator, run_bench_point
 
@@ -34,7 +35,7 @@ def test_gpu_cost_file_loads_and_its_pools_match_the_bench_stacks() -> None:
         == raw["decode_step_s"] + 16 * raw["decode_seq_s"] + raw["decode_ctx_s"]["nvfp4"] * 16 * 32768
     )
     measured = _measured()
-    kv = kv_bytes(measured)
+    kv = kv_bytes_per_worker(measured)
     assert kv == 8 * 2**30
     formats = {"fp8": "fp8_e4m3", "nvfp4": "nvfp4"}
     for stack in measured["stacks"]:

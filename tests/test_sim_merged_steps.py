@@ -19,7 +19,8 @@ from kvserving.agents.load import Dist, LoadSpec, reuse_for_mode
 from kvserving.config import ReuseConfig, SchedulerConfig
 from kvserving.sim.cluster import ClusterSpec, Population, Simulator, run_bench_point, run_population
 from kvserving.sim.costs import load_costs
-from kvserving.sim.gpu import GPU_SCHEDULER, bench_dtype, bench_load, kv_bytes
+from kvserving.sim.bench_results import kv_bytes_per_worker
+from kvserving.sim.gpu import GPU_SCHEDULER, bench_dtype, bench_load
 from kvserving.sim.shared_gpu import SharedGpu
 from kvserving.sim.workers import Req, Worker
 
@@ -135,7 +136,7 @@ def test_merged_decode_steps_leave_a_preempting_decode_pool_with_waiting_pulls_a
 def _replay(merge: bool, fmt: str, n: int) -> str:
     measured = json.loads((RESULTS / "agents_gpu_h200.json").read_text())
     point = next(p for p in measured["points"] if (p["format"], p["mode"], int(p["concurrency"])) == (fmt, "lease", n))
-    costs = replace(load_costs("gpu-h200"), kv_bytes_per_worker=kv_bytes(measured))
+    costs = replace(load_costs("gpu-h200"), kv_bytes_per_worker=kv_bytes_per_worker(measured))
     reuse = reuse_for_mode("lease", ttl_s=float(measured.get("ttl_s", 3.0)))
     cluster = ClusterSpec(bench_dtype(fmt), 1, 1, costs, reuse=reuse, scheduler=GPU_SCHEDULER)
     sim = Simulator(cluster, bench_load(measured), merge_steps=merge)

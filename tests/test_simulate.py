@@ -338,7 +338,7 @@ def test_cli_prints_one_row_per_format_and_refuses_bad_input_in_one_line(capsys:
 
 
 def test_the_kv_size_of_a_bench_result_is_read_in_both_of_its_spellings() -> None:
-    from kvserving.sim.plan import kv_bytes_per_worker
+    from kvserving.sim.bench_results import kv_bytes_per_worker
 
     assert kv_bytes_per_worker({"kv_per_worker": "3072 KiB"}) == 3072 * 1024
     assert kv_bytes_per_worker({"kv_per_worker": "8 GiB"}) == 8 << 30
