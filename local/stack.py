@@ -141,15 +141,43 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+# Ports are picked below the OS's ephemeral range: outgoing connections (HTTP clients, NIXL's sockets)
+# take their source ports from that range and could take a picked port before its server binds it.
+PICK_LOW = 10000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the OS's ephemeral range (Linux's default where it does not say)."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports that were free a moment ago (the OS picks them)."""
+    """``n`` distinct ports that were free a moment ago, picked at random below the ephemeral range
+    (``PICK_LOW`` up; the OS picks them where that range leaves too few)."""
+    low = _ephemeral_low()
+    picked: list[int] = []
+    if low - PICK_LOW >= 64 * n:
+        rng = secrets.SystemRandom()
+        for port in rng.sample(range(PICK_LOW, low), min(low - PICK_LOW, 16 * n)):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue  # taken
+            picked.append(port)
+            if len(picked) == n:
+                return picked
     socks = []
     try:
-        for _ in range(n):
+        for _ in range(n - len(picked)):
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind((host, 0))
             socks.append(sock)
-        return [s.getsockname()[1] for s in socks]
+        return picked + [s.getsockname()[1] for s in socks]
     finally:
         for sock in socks:
             sock.close()

@@ -255,3 +255,22 @@ def test_group_alive_sees_live_members_not_zombies() -> None:
     while group_alive(leader.pid) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not group_alive(leader.pid) and group_members(leader.pid) == []
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
+    """Outgoing connections take source ports from the ephemeral range: a port picked there could be
+    taken before its server binds it (a worker of the e2e tests once exited 'already in use')."""
+    from kvserving.local.stack import PICK_LOW, _ephemeral_low
+
+    ports = free_ports(16)
+    assert len(set(ports)) == 16
+    assert all(PICK_LOW <= p < _ephemeral_low() for p in ports)
+    held = []
+    try:
+        for p in ports:  # each is free: a server can bind it now
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", p))
+            held.append(sock)
+    finally:
+        for sock in held:
+            sock.close()
