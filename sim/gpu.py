@@ -58,8 +58,9 @@ COMPARED = (
 
 
 def is_gpu_result(measured: dict[str, Any]) -> bool:
-    """A ``bench/agents.py --gpu`` result (KV per worker in GiB) rather than a CPU one (KiB)."""
-    return "kv_kib_per_worker" not in measured and isinstance(measured.get("kv_per_worker"), str)
+    """A ``bench/agents.py --gpu`` result (KV per worker in GiB: ``--kv-gib``) rather than a CPU one
+    (``--kv-kib``: "3072 KiB", or ``kv_kib_per_worker`` in results written before)."""
+    return str(measured.get("kv_per_worker", "")).endswith("GiB")
 
 
 def long_ttft_p99(point: dict[str, Any]) -> bool:

@@ -339,10 +339,17 @@ def test_cli_prints_one_row_per_format_and_refuses_bad_input_in_one_line(capsys:
 
 def test_the_kv_size_of_a_bench_result_is_read_in_both_of_its_spellings() -> None:
     from kvserving.sim.bench_results import kv_bytes_per_worker
+    from kvserving.sim.gpu import is_gpu_result
 
     assert kv_bytes_per_worker({"kv_per_worker": "3072 KiB"}) == 3072 * 1024
     assert kv_bytes_per_worker({"kv_per_worker": "8 GiB"}) == 8 << 30
     assert kv_bytes_per_worker({"kv_kib_per_worker": 3072}) == 3072 * 1024  # results written before "kv_per_worker"
+    # a CPU result ("KiB", in either spelling) is replayed on the CPU profile, a --gpu one ("GiB") on the shared GPU
+    assert [is_gpu_result(m) for m in ({"kv_per_worker": "3072 KiB"}, {"kv_kib_per_worker": 3072}, {"kv_per_worker": "8 GiB"})] == [
+        False,
+        False,
+        True,
+    ]
     with pytest.raises(ValueError, match="unit must be one of"):
         kv_bytes_per_worker({"kv_per_worker": "3 TB"})
     measured = {k: v for k, v in json.loads(MEASURED.read_text()).items() if k != "kv_kib_per_worker"}
