@@ -187,7 +187,6 @@ class WorkerMetrics:
             self.step_seconds.labels(kind=kind)
         # the same counts as plain numbers, for GET /internal/kv/stats
         self.prompt_token_totals = dict.fromkeys(TOKEN_SOURCES, 0)
-        self.fallback_totals: dict[str, int] = {}
         self.lost_before_admission_total = 0
 
     # ------------------------------------------------------------------- events
@@ -208,12 +207,6 @@ class WorkerMetrics:
         self.kv_transfer_bytes.labels(direction=direction).inc(num_bytes)
         self.kv_transfer_seconds.labels(direction=direction).observe(seconds)
         self.kv_transfer_regions.labels(direction=direction).observe(regions)
-
-    def fallback(self, reason: str) -> None:
-        if reason not in FALLBACK_REASONS:
-            raise ValueError(f"reason must be one of {FALLBACK_REASONS}, got {reason!r}")
-        self.reuse_fallbacks.labels(reason=reason).inc()
-        self.fallback_totals[reason] = self.fallback_totals.get(reason, 0) + 1
 
     # ------------------------------------------------------------ engine state
     def observe(self, stats: KVStats) -> None:
@@ -251,11 +244,13 @@ class WorkerMetrics:
 
     def observe_transfer(self, counters: Mapping[str, Any]) -> None:
         """Copy ``KVTransfer.stats()`` in: leases, the two "auto" threshold measurements (0 until
-        measured); move the pull skip, missed-token and page-wait counters by their growth."""
+        measured); move the pull fallback, skip, missed-token and page-wait counters by their growth."""
         self.kv_leases.set(counters["leases"])
         self.kv_leased_tokens.set(counters["leased_tokens"])
         self.prefill_tokens_per_second.set(counters["prefill_tokens_per_s"] or 0.0)
         self.kv_transfer_bytes_per_second.set(counters["transfer_bytes_per_s"] or 0.0)
+        for reason, n in counters["fallbacks"].items():
+            self._grow(self.reuse_fallbacks.labels(reason=reason), n)
         for reason, n in counters["skips"].items():
             self._grow(self.pull_skips.labels(reason=reason), n)
         for reason, n in counters["missed_tokens"].items():

@@ -256,8 +256,6 @@ class WorkerService:
         req.stream.close()
 
     def _count_pull(self, pull: PullResult) -> None:
-        if pull.fallback is not None:
-            self.metrics.fallback(pull.fallback)
         if pull.num_bytes:
             direction = "prefill_to_decode" if self.role == "decode" else "decode_to_prefill"
             self.metrics.transfer_done(direction=direction, num_bytes=pull.num_bytes, seconds=pull.seconds, regions=pull.num_regions)
@@ -376,7 +374,8 @@ class WorkerService:
                 "computed": totals["computed"],
                 "lost_before_admission": self.metrics.lost_before_admission_total,
             },
-            "fallbacks": dict(sorted(self.metrics.fallback_totals.items())),
+            # the reasons pulls fell back for so far (those that never happened left out)
+            "fallbacks": {r: n for r, n in sorted(xfer["fallbacks"].items()) if n} if xfer is not None else {},
             "transfer": xfer,
             "running": st.running,
             "waiting": st.waiting,
