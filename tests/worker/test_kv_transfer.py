@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from kvserving.worker.engine import LLMEngine
+from kvserving.worker.kv.leases import parse_lease_id
 from kvserving.worker.kv.protocol import KVTransferParams, http_hold
 from kvserving.tags import encode_tag
 from kvserving.worker.sampling import SamplingParams
@@ -425,6 +426,9 @@ def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer:
         assert time.monotonic() - t0 < 10.0
         assert (r["fallback"], r["pulled"], r["computed"], r["tokens"]) == ("transfer_timeout", 0, len(prompt2), expected)
         assert frozen.kvt.puller.fallbacks["transfer_timeout"] == 1
+        named = parse_lease_id(d1["params"]["lease_id"])
+        assert named is not None  # a slow peer keeps its agent (dropping it would fail other pulls' READs from it)
+        assert frozen.kvt.nixl.remote(d1["params"]["engine_id"], named[1]) is not None
         os.kill(child.proc.pid, signal.SIGCONT)
         # no page leaks: a READ NIXL could not cancel keeps its pages out of use until it ends
         deadline = time.monotonic() + 10.0

@@ -4,6 +4,8 @@ the wire params' validation, layout identity and the "auto" recompute threshold.
 from __future__ import annotations
 
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,31 @@ def test_read_from_a_forgotten_agent_fails(agents: Any) -> None:
     # a new generation of the same engine id loads fresh metadata and works again
     peer2 = a.add_remote("src", 2, b.metadata(), addrs=b.addrs, device_id=0, geometry=GEO)
     assert a.read(peer2, [0], [1], timeout_s=10.0).num_regions == 2
+
+
+def test_a_peer_is_not_forgotten_while_another_read_from_it_is_in_flight(agents: Any) -> None:
+    """Removing an agent fails every READ in flight from it: a pull that drops a failed peer
+    asks ``unless_reading`` and leaves it to the READs still running."""
+    a, b, src, dst = agents
+    b.close()  # the side being read stops progressing: a READ over TCP stays in flight
+    b2 = NixlIO("test-src2", src, geometry=GEO)
+    try:
+        peer = a.add_remote("src2", 1, b2.metadata(), addrs=b2.addrs, device_id=0, geometry=GEO)
+        done: dict[str, Any] = {}
+        reader = threading.Thread(target=lambda: done.update(stats=a.read(peer, [0, 1], [3, 4], timeout_s=30.0)))
+        reader.start()
+        deadline = time.monotonic() + 10.0
+        while a.reads_in_flight("src2") == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a.reads_in_flight("src2") == 1
+        assert a.forget_remote("src2", unless_reading=True) is False and a.remote("src2", 1) is peer
+        b2.start_progress()
+        reader.join(timeout=30.0)
+        assert done["stats"].num_regions == 2 and torch.equal(dst[:, :512], src[:, 768:1280])
+        assert a.reads_in_flight("src2") == 0
+        assert a.forget_remote("src2", unless_reading=True) is True and a.remote("src2", 1) is None
+    finally:
+        b2.close()
 
 
 # ----------------------------------------------------------------------------- wire params

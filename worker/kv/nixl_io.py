@@ -20,7 +20,11 @@ transfer cannot be cancelled, ``TransferError.pages_safe`` is False and the
 destination pages must not be reused until ``reap`` says the transfer is over.
 
 Remote agents are cached by engine id and metadata generation: new metadata
-for a known engine id (a restarted peer) removes the old agent first.
+for a known engine id (a restarted peer) removes the old agent first. Removing
+an agent fails every READ in flight from it (NIXL: "invalidated or
+re-registered during transfer"), so a caller that drops a peer after a failed
+READ asks for ``forget_remote(..., unless_reading=True)``: other pulls' READs
+from the same peer must not fail with it.
 
 Thread-safety: every call into the NIXL agent holds ``NixlIO``'s own lock
 (the agent runs with NIXL's thread sync off).
@@ -183,6 +187,7 @@ class NixlIO:
         self._reg = self._agent.register_memory(regions, self.mem_type)
         self._remotes: dict[str, tuple[int, RemoteBuffers]] = {}  # engine id -> (generation, buffers)
         self._stuck: list[tuple[Any, tuple[int, ...]]] = []  # un-cancellable transfers, their local pages
+        self._reading: dict[str, int] = {}  # agent name -> READs from it in flight
         self._poll_interval_s = poll_interval_s
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
@@ -212,16 +217,21 @@ class NixlIO:
             self._remotes[engine_id] = (generation, peer)
             return peer
 
-    def forget_remote(self, engine_id: str) -> None:
-        """Drop a peer's cached metadata (next use loads it fresh)."""
+    def forget_remote(self, engine_id: str, *, unless_reading: bool = False) -> bool:
+        """Drop a peer's cached metadata (next use loads it fresh); False, and nothing dropped,
+        when ``unless_reading`` and a READ from that peer is in flight (dropping would fail it)."""
         with self._lock:
-            cached = self._remotes.pop(engine_id, None)
+            cached = self._remotes.get(engine_id)
             if cached is None:
-                return
+                return True
+            if unless_reading and self._reading.get(cached[1].agent_name, 0):
+                return False
+            del self._remotes[engine_id]
             try:
                 self._agent.remove_remote_agent(cached[1].agent_name)
             except Exception:  # noqa: BLE001 - a dead peer may already be gone from NIXL's view
                 pass
+            return True
 
     # -- transfers --------------------------------------------------------------------------
     def descriptors(
@@ -250,6 +260,8 @@ class NixlIO:
         nbytes = sum(n for _, n, _ in local)
         deadline = time.monotonic() + timeout_s
         handle = None
+        with self._lock:
+            self._reading[peer.agent_name] = self._reading.get(peer.agent_name, 0) + 1
         try:
             with self._lock:
                 ldesc = self._agent.get_xfer_descs(local, self.mem_type)
@@ -277,6 +289,13 @@ class NixlIO:
             safe = handle is None or self._abandon(handle, local_pages)
             reason = "remote_unreachable" if "DISCONNECT" in str(exc).upper() or "Disconnect" in type(exc).__name__ else "transfer_failed"
             raise TransferError(reason, f"{type(exc).__name__}: {exc}", pages_safe=safe) from exc
+        finally:
+            with self._lock:
+                left = self._reading[peer.agent_name] - 1
+                if left:
+                    self._reading[peer.agent_name] = left
+                else:
+                    del self._reading[peer.agent_name]
         with self._lock:
             handle.release()
         return ReadStats(nbytes, len(local), time.perf_counter() - t0, t_desc)
@@ -317,6 +336,12 @@ class NixlIO:
     @property
     def num_stuck(self) -> int:
         return len(self._stuck)
+
+    def reads_in_flight(self, engine_id: str) -> int:
+        """READs from the cached peer ``engine_id`` not yet ended (0 for a peer not cached)."""
+        with self._lock:
+            cached = self._remotes.get(engine_id)
+            return self._reading.get(cached[1].agent_name, 0) if cached is not None else 0
 
     # -- progress ---------------------------------------------------------------------------
     def progress(self) -> None:

@@ -39,6 +39,7 @@ engine thread through ``run_on_engine`` for ``plan`` and ``adopt``, and its peer
 from __future__ import annotations
 
 import base64
+import logging
 import threading
 import time
 from collections import Counter
@@ -64,6 +65,8 @@ from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.peers import PeerSet, url_key
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence as EngineSequence
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -465,6 +468,7 @@ class Puller:
         try:
             c = contact.result()  # the sender's hold, asked for before ``_plan``
         except Exception:  # noqa: BLE001 - a bug in the contact must not leak the pages
+            log.exception("contact for lease %s at %s failed", params.lease_id, params.agent_url)
             c = _Contact(fallback="transfer_failed")
         ph.mark("lease_check")
         ph.add("contact_agent", c.agent_s)
@@ -523,8 +527,9 @@ class Puller:
                 return c
             c.hold_id = str(reply["hold_id"])
             engine_id, generation = str(reply["engine_id"]), int(reply["generation"])
-        except Exception:  # noqa: BLE001 - connection refused, timeout, bad JSON: all unreachable
-            self.nixl.forget_remote(params.engine_id)
+        except Exception as exc:  # noqa: BLE001 - connection refused, timeout, bad JSON: all unreachable
+            log.warning("hold of lease %s at %s failed: %s: %s", params.lease_id, params.agent_url, type(exc).__name__, exc)
+            self.nixl.forget_remote(params.engine_id, unless_reading=True)
             c.fallback = "remote_unreachable"
             return c
         if engine_id != params.engine_id:
@@ -547,8 +552,9 @@ class Puller:
             info = self._fetch(params.agent_url)
             engine_id, generation = str(info["engine_id"]), int(info["generation"])
             lay = info["layout"]
-        except Exception:  # noqa: BLE001 - connection refused, timeout, bad JSON: all unreachable
-            self.nixl.forget_remote(params.engine_id)
+        except Exception as exc:  # noqa: BLE001 - connection refused, timeout, bad JSON: all unreachable
+            log.warning("agent info of %s failed: %s: %s", params.agent_url, type(exc).__name__, exc)
+            self.nixl.forget_remote(params.engine_id, unless_reading=True)
             return "remote_unreachable"
         named = parse_lease_id(params.lease_id)
         if engine_id != params.engine_id or (named is not None and named[1] != generation):
@@ -593,7 +599,11 @@ class Puller:
         try:
             stats = self.nixl.read(peer, local, remote_pids, timeout_s=left)
         except TransferError as exc:
-            self.nixl.forget_remote(params.engine_id)
+            log.warning("READ of %d pages of lease %s from %s failed: %s", len(local), params.lease_id, params.agent_url, exc)
+            if exc.reason != "transfer_timeout":
+                # a slow peer keeps its agent; a failed one is loaded fresh next time, unless
+                # other pulls are reading from it (dropping the agent would fail their READs too)
+                self.nixl.forget_remote(params.engine_id, unless_reading=True)
             self._discard(local, safe=exc.pages_safe)
             return exc.reason, None
         except ValueError:  # page ids outside the sender's buffers, or sizes that differ: not its layout
