@@ -594,12 +594,25 @@ class Puller:
         failure the local pages are discarded unregistered and the reason returned."""
         left = self.reuse.transfer_timeout_s - (time.monotonic() - t_send)
         if left <= 0:
+            log.warning(
+                "pull of lease %s from %s: no time left for the READ (ms spent: %s)",
+                params.lease_id,
+                params.agent_url,
+                {k: round(v * 1e3, 1) for k, v in ph.seconds.items()},
+            )
             self._discard(local, safe=True)
             return "transfer_timeout", None
         try:
             stats = self.nixl.read(peer, local, remote_pids, timeout_s=left)
         except TransferError as exc:
-            log.warning("READ of %d pages of lease %s from %s failed: %s", len(local), params.lease_id, params.agent_url, exc)
+            log.warning(
+                "READ of %d pages of lease %s from %s failed: %s (ms before it: %s)",
+                len(local),
+                params.lease_id,
+                params.agent_url,
+                exc,
+                {k: round(v * 1e3, 1) for k, v in ph.seconds.items()},
+            )
             if exc.reason != "transfer_timeout":
                 # a slow peer keeps its agent; a failed one is loaded fresh next time, unless
                 # other pulls are reading from it (dropping the agent would fail their READs too)
