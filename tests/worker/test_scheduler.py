@@ -96,32 +96,25 @@ def _pulled(kv: KVCacheManager, sched: Scheduler, prompt: list[int]) -> tuple[Se
     return Sequence("pulled", prompt, SamplingParams(max_tokens=4), torch.Generator()), pin
 
 
-def test_pages_pulled_for_a_waiting_request_yield_to_the_admission_ahead_of_it_only_when_nothing_runs() -> None:
+def test_pages_pulled_for_a_waiting_request_never_yield_to_the_admission_ahead_of_it_while_a_sequence_runs() -> None:
     """10 pages; a request's 4 pulled pages pinned while it waits behind another prompt.
 
     A sequence running (32 + 30 tokens: 2 pages, growing to 4) leaves 2 free pages to a 5-page
     prompt ahead of the pulled request: the prompt waits for the running sequence's end (6 free)
     instead of taking the pulled pages (taken, the request behind computes its 64 tokens again),
-    and the pulled request, admitted when the prompt ends, finds all 64. With nothing running
-    nothing would free pages: a 7-page prompt ahead (6 free) takes them."""
-    for running in (True, False):
-        kv = KVCacheManager(PagePool(10, page_size=PAGE), page_size=PAGE)
-        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, chunk_size=128), kv)
-        waiting, pin = _pulled(kv, sched, list(range(500, 565)))  # 65 tokens: 4 full pages
-        if running:
-            sched.add(Sequence("run", list(range(32)), SamplingParams(max_tokens=30), torch.Generator()))
-            _advance(sched, 30)
-        head = Sequence("head", list(range(1000, 1080 if running else 1100)), SamplingParams(max_tokens=4), torch.Generator())
-        sched.add(head)
-        sched.add(waiting)
-        for _ in range(200):
-            if waiting.status is not SeqStatus.WAITING:
-                break
-            _advance(sched, 30 if running else 4)
-        assert head.num_cached_prompt == 0 and waiting.status is not SeqStatus.WAITING
-        if running:
-            assert kv.pool.get_pin(pin) is not None  # never reclaimed: the running sequence's end made room
-            assert waiting.num_cached_prompt == 64
-        else:
-            assert kv.pool.get_pin(pin) is None  # reclaimed for the prompt ahead: nothing else could free pages
-            assert waiting.num_cached_prompt < 64
+    and the pulled request, admitted when the prompt ends, finds all 64."""
+    kv = KVCacheManager(PagePool(10, page_size=PAGE), page_size=PAGE)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, chunk_size=128), kv)
+    waiting, pin = _pulled(kv, sched, list(range(500, 565)))  # 65 tokens: 4 full pages
+    sched.add(Sequence("run", list(range(32)), SamplingParams(max_tokens=30), torch.Generator()))
+    _advance(sched, 30)
+    head = Sequence("head", list(range(1000, 1080)), SamplingParams(max_tokens=4), torch.Generator())
+    sched.add(head)
+    sched.add(waiting)
+    for _ in range(200):
+        if waiting.status is not SeqStatus.WAITING:
+            break
+        _advance(sched, 30)
+    assert head.num_cached_prompt == 0 and waiting.status is not SeqStatus.WAITING
+    assert kv.pool.get_pin(pin) is not None  # never reclaimed: the running sequence's end made room
+    assert waiting.num_cached_prompt == 64
