@@ -64,6 +64,9 @@ class ClusterSpec:
     # pulled pages' admission pins yield to every allocation (the worker before a310ad2; else to a running sequence's
     # growth, and to an admission only while nothing runs)
     pins_yield_always: bool = False
+    # nothing running and the queue's head does not fit without pins: the requests queued before it was held up that
+    # fit without them run first (False: the worker before, whose head took the pins at once)
+    idle_overtakes: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DEFAULT_PAGE_SIZE:
@@ -158,6 +161,7 @@ class Simulator(Sim):
             sched=cluster.scheduler,
             pull_reclaims=cluster.pull_reclaims,
             pins_yield_always=cluster.pins_yield_always,
+            idle_overtakes=cluster.idle_overtakes,
         )
         self.prefill = [PrefillWorker(f"http://prefill-{i:05d}", **kw) for i in range(cluster.prefill_workers)]
         self.decode = [DecodeWorker(f"http://decode-{i:05d}", pull_waits=cluster.pull_waits, **kw) for i in range(cluster.decode_workers)]

@@ -33,11 +33,15 @@ advances in one event (``_Run``) with the results of stepping each.
   the worker before it, which refused a pull on a pool full of retained
   conversations and recomputed the prompt); the pulled pages are
   pinned until the request is admitted. Those **admission pins** yield, after
-  retained conversations, to a running sequence's growth, and to the queue
-  head's admission only while no sequence runs; never to a pull (taken, their
-  request would compute the pages again; a running sequence frees pages as it
-  ends: ``PagePoolBase.reclaim_one(up_to)``). ``pins_yield_always=True``: the
-  worker before that, whose pins yielded to every allocation. A prefill
+  retained conversations, to a running sequence's growth, never to a pull
+  (taken, their request would compute the pages again; a running sequence
+  frees pages as it ends: ``PagePoolBase.reclaim_one(up_to)``), and to the
+  queue head's admission only while no sequence runs and no waiting request
+  queued before the head was held up fits without them: those are admitted
+  ahead of the head first, in queue order (``Scheduler._overtake``).
+  ``idle_overtakes=False``: the worker before that, whose idle head took the
+  pins at once; ``pins_yield_always=True``: the worker before both, whose pins
+  yielded to every allocation. A prefill
   worker's transfer hold is released once the decode's pull is over, read or not.
 - A decode worker's pull that finds no pages **waits for them** (``Puller.wait_for_pages``):
   it tries again where pages come back -- at the end of an engine step that
@@ -101,6 +105,7 @@ class Req:
     transfer_offer: WLease | None = None  # the prefill's transfer lease (P->D)
     sampled: int = 0  # reply tokens sampled so far (the decode worker starts with the prefill's)
     preemptions: int = 0  # on the worker running it now
+    queued: int = 0  # its place in the worker's queue order (``Sequence.queued``)
 
 
 @dataclass(slots=True, eq=False)
@@ -188,11 +193,16 @@ class Worker:
         pull_reclaims: bool = True,
         pull_waits: bool = True,
         pins_yield_always: bool = False,
+        idle_overtakes: bool = True,
     ) -> None:
         self.url = url
         self.pull_reclaims = pull_reclaims  # ``allocate_for_pull``: retained conversations yield to a pull
         self.pull_waits = pull_waits  # ``Puller.wait_for_pages``: a pull without pages waits for them (False: skips at once)
         self.pins_yield_always = pins_yield_always  # admission pins yield to admissions and pulls while sequences run
+        # an idle queue's head lets the requests queued before it was held up that fit without pins go first
+        self.idle_overtakes = idle_overtakes and not pins_yield_always
+        self._queued = 0  # requests ever queued (``Req.queued``)
+        self._held_up: tuple[Req, int] | None = None  # ``Scheduler._held_up``
         self.page_wait_s = PAGE_WAIT_SHARE * reuse.transfer_timeout_s
         self._pulls: list[_PullWait] = []  # pulls waiting for pages, oldest first
         self._retrying = False
@@ -258,6 +268,8 @@ class Worker:
             m = self._settle(now)
             if run.admits:  # the next step admits it
                 self._cut(m)
+        self._queued += 1
+        req.queued = self._queued
         self.waiting.append(req)
         self._kick(now)
 
@@ -334,28 +346,62 @@ class Worker:
             plan.append((seq, n))
             budget -= n
         waiting = self.waiting
+        idle = not running
         # a step that preempted admits nothing (Scheduler.schedule)
         while waiting and budget > 0 and len(running) < sched.max_num_seqs and self.stats.preemptions == preempted:
-            admitted = self._admit_head(budget, now)
+            head = waiting[0]
+            pins = self.pins_yield_always or (not self.idle_overtakes and not running)
+            admitted = self._admit(head, budget, now, pins=pins)
             if admitted is None:
-                break  # the head waits for pages (or budget); nothing overtakes it
-            seq, n = admitted
-            waiting.popleft()
-            running.append(seq)
-            plan.append((seq, n))
-            budget -= n
+                if idle and self.idle_overtakes:
+                    budget = self._overtake(plan, budget, now)
+                break  # the head waits for pages (or budget)
+            self._start(admitted, plan)
+            budget -= admitted[1]
         return plan
 
-    def _admit_head(self, budget: int, now: float) -> tuple[_Seq, int] | None:
-        """``Scheduler._admit`` for the queue's head: its cached prefix, pages for all its known tokens
-        (all or nothing); the pull pin goes once it holds its own refs. Admission pins (its own and
-        those of the requests behind it) yield to it only while no sequence runs."""
-        req = self.waiting[0]
+    def _start(self, admitted: tuple[_Seq, int], plan: list[tuple[_Seq, int]]) -> None:
+        """``Scheduler._start``: an admitted request leaves the queue and runs its first chunk."""
+        seq, n = admitted
+        req = seq.req
+        if req is self.waiting[0]:
+            self.waiting.popleft()
+            self._held_up = None
+        else:
+            self.waiting.remove(req)
+        self.running.append(seq)
+        plan.append((seq, n))
+
+    def _overtake(self, plan: list[tuple[_Seq, int]], budget: int, now: float) -> int:
+        """``Scheduler._overtake``: a step begun with nothing running, and the queue's head does not fit
+        without pins: the requests queued before the head was first held up that fit without pins run
+        first, in queue order; if none did and still nothing runs, the head takes pins. The budget left."""
+        head = self.waiting[0]
+        if self._held_up is None or self._held_up[0] is not head:
+            self._held_up = (head, self._queued)
+        last = self._held_up[1]
+        for req in [r for r in self.waiting if r is not head and r.queued <= last]:
+            if budget == 0 or len(self.running) >= self.sched.max_num_seqs:
+                return budget
+            admitted = self._admit(req, budget, now, pins=False)
+            if admitted is not None:
+                self._start(admitted, plan)
+                budget -= admitted[1]
+        if not self.running:
+            admitted = self._admit(head, budget, now, pins=True)
+            if admitted is not None:
+                self._start(admitted, plan)
+                budget -= admitted[1]
+        return budget
+
+    def _admit(self, req: Req, budget: int, now: float, *, pins: bool) -> tuple[_Seq, int] | None:
+        """``Scheduler._admit`` for a waiting ``req``: its cached prefix, pages for all its known tokens
+        (all or nothing); the pull pin goes once it holds its own refs. ``pins``: the waiting requests'
+        admission pins (its own included) may yield to it."""
         p = self.page_size
         tokens = self._tokens(req)
         cache = self.cache
         h = cache.match(req.segs, (tokens - 1) // p)
-        pins = self.pins_yield_always or not self.running  # the waiting requests' admission pins yield only while nothing runs
         while True:  # with the cached prefix, then (when that does not fit) from scratch
             left = tokens - h * p
             n = min(left, self.sched.chunk_size, budget)
@@ -1058,6 +1104,7 @@ class PrefillWorker(Worker):
         sched: SchedulerConfig,
         pull_reclaims: bool = True,
         pins_yield_always: bool = False,
+        idle_overtakes: bool = True,
     ) -> None:
         super().__init__(
             url,
@@ -1071,6 +1118,7 @@ class PrefillWorker(Worker):
             pull_reclaims=pull_reclaims,
             pull_waits=False,  # its pages free only as decode workers pull its transfer leases, and its waits are TTFT
             pins_yield_always=pins_yield_always,
+            idle_overtakes=idle_overtakes,
         )
         self._view_by_load: dict[int, WorkerView] = {}
         self.merge_steps = False  # its steps are prompt chunks

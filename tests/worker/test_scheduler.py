@@ -9,7 +9,7 @@ import torch
 
 from kvserving.config import SchedulerConfig
 from kvserving.kernels.page_ids import page_id_bits
-from kvserving.worker.kv.leases import pin_for_admission
+from kvserving.worker.kv.leases import pin_for_admission, release_admission
 from kvserving.worker.kv.manager import KVCacheManager
 from kvserving.worker.kv.page_pool import PagePool
 from kvserving.worker.sampling import SamplingParams
@@ -118,3 +118,105 @@ def test_pages_pulled_for_a_waiting_request_never_yield_to_the_admission_ahead_o
     assert head.num_cached_prompt == 0 and waiting.status is not SeqStatus.WAITING
     assert kv.pool.get_pin(pin) is not None  # never reclaimed: the running sequence's end made room
     assert waiting.num_cached_prompt == 64
+
+
+def _step(sched: Scheduler) -> list[tuple[str, list[int]]]:
+    """``_advance`` as ``LLMEngine`` runs it for requests with pulled pages (each ends at its own
+    ``max_tokens``): a request's admission pin
+    goes at its admission (``release_admission``; it holds its own refs then). Returns the requests the
+    step admitted, each with its pages at admission."""
+    waiting = list(sched.waiting)
+    out = sched.schedule()
+    admitted = [(seq.request_id, list(seq.page_ids)) for seq in waiting if seq.status is SeqStatus.RUNNING]
+    for c in out.chunks:
+        seq = c.seq
+        if seq.admission_pin is not None:
+            used = release_admission(sched.kv.pool, seq.admission_pin, seq.page_ids[: seq.num_computed // PAGE])
+            seq.num_pulled_prompt = used * PAGE
+            seq.admission_pin = None
+        seq.num_computed = c.start + c.num_tokens
+        sched.kv.publish_full_pages(seq)
+        if c.samples:
+            seq.output_ids.append(1000 + len(seq.output_ids))
+            if len(seq.output_ids) == seq.params.max_tokens:
+                sched.finish(seq, "length")
+    return admitted
+
+
+def _pulled_request(kv: KVCacheManager, sched: Scheduler, name: str, prefix: list[int], rest: list[int]) -> Sequence:
+    """A request ``prefix`` (64 tokens) + ``rest`` whose first 4 pages were pulled: the prefix computed
+    here (a seed of 65 tokens), its 4 full pages pinned for the request's admission (``Puller._adopt``)."""
+    seed = Sequence(f"seed-{name}", [*prefix, 0], SamplingParams(max_tokens=1), torch.Generator())
+    sched.add(seed)
+    while sched.has_work():
+        _advance(sched, 1)
+    pages = [kv.pool.lookup(h) for h in kv.page_hashes(seed, [page_id_bits(0)] * 4)]
+    held = [p for p in pages if p is not None]
+    assert len(held) == 4
+    seq = Sequence(name, [*prefix, *rest], SamplingParams(max_tokens=2), torch.Generator())
+    seq.admission_pin = pin_for_admission(kv.pool, held, pulled=held, ttl_s=60.0)
+    return seq
+
+
+def _idle_queue(num_pages: int, pulled: list[tuple[str, int, int]]) -> tuple[KVCacheManager, Scheduler, dict[str, Sequence]]:
+    """A pool of ``num_pages`` with nothing running; per ``(name, first token, new tokens)`` a request of
+    64 pulled tokens (4 pages pinned for its admission, in the order given) + that many new ones."""
+    kv = KVCacheManager(PagePool(num_pages, page_size=PAGE), page_size=PAGE)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, chunk_size=256), kv)
+    reqs = {name: _pulled_request(kv, sched, name, list(range(k, k + 64)), list(range(k + 5000, k + 5000 + r))) for name, k, r in pulled}
+    return kv, sched, reqs
+
+
+def _prompt(n: int) -> Sequence:
+    return Sequence("head", list(range(3000, 3000 + n)), SamplingParams(max_tokens=1), torch.Generator())
+
+
+def test_an_idle_queue_runs_a_pulled_request_that_fits_before_the_head_that_would_take_its_pages() -> None:
+    """10 pages, nothing running: a request's 4 pulled pages (0-3) pinned, 6 free, and ahead of it a
+    100-token prompt (7 pages) that fits only by taking them. The pulled request (65 tokens: one new
+    page) runs first, with all 64 of its pulled tokens; it ends a step later (2 tokens) and the head
+    takes its pages, cached now. Before, the head took the pin at step 1 (nothing ran to free pages)
+    and the pulled request computed its 64 tokens again."""
+    kv, sched, reqs = _idle_queue(10, [("a", 500, 1)])
+    a = reqs["a"]
+    assert kv.pool.num_free == 6 and [pin.page_ids for pin in kv.pool.pins()] == [(0, 1, 2, 3)]
+    head = _prompt(100)
+    sched.add(head)
+    sched.add(a)
+    steps = []
+    while sched.has_work():
+        steps.append(_step(sched))
+        assert len(steps) < 20
+    assert steps == [[("a", [0, 1, 2, 3, 4])], [], [("head", [0, 1, 2, 3, 4, 5, 6])]]
+    assert (a.num_cached_prompt, a.num_pulled_prompt) == (64, 64)
+    assert kv.pool.pins() == [] and kv.pool.num_free == 10
+
+
+def test_an_idle_queue_that_nothing_else_moves_takes_the_pins_and_runs_to_the_end() -> None:
+    """12 pages, nothing running: b's pulled pages 0-3 and c's 4-7 pinned, 4 free (8-11); b and c
+    (64 pulled + 80 new tokens: 9 pages, 5 new each) wait behind a 100-token prompt (7 pages). None
+    fits without someone's pins and nothing runs that would free pages, so the head takes the
+    earliest pin (b's) and runs (no deadlock); c's pin survives. At step 2 nothing runs again and b,
+    now the head, would fit only with c's pages: c (5 new pages, its own 4 pulled) runs ahead of it
+    with all 64 pulled tokens, and b, its pages taken at step 1, computes its prompt at step 4.
+    Before, b took c's pin at step 2 as well (c computed its 64 tokens again)."""
+    kv, sched, reqs = _idle_queue(12, [("b", 500, 80), ("c", 700, 80)])
+    b, c = reqs["b"], reqs["c"]
+    assert kv.pool.num_free == 4 and [pin.page_ids for pin in kv.pool.pins()] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    head = _prompt(100)
+    for seq in (head, b, c):
+        sched.add(seq)
+    steps = []
+    while sched.has_work():
+        steps.append(_step(sched))
+        assert len(steps) < 20, "the queue never drained"
+    assert steps == [
+        [("head", [0, 1, 2, 3, 8, 9, 10])],
+        [("c", [4, 5, 6, 7, 8, 9, 10, 11, 1])],
+        [],
+        [("b", [5, 6, 7, 8, 9, 10, 11, 0, 1])],
+        [],
+    ]
+    assert (c.num_cached_prompt, c.num_pulled_prompt) == (64, 64)
+    assert (b.num_cached_prompt, b.num_pulled_prompt) == (0, 0)
+    assert kv.pool.pins() == [] and kv.pool.num_free == 12
