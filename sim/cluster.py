@@ -62,7 +62,7 @@ class ClusterSpec:
     # a prefill worker's never waits)
     pull_waits: bool = True
     # pulled pages' admission pins yield to every allocation (the worker before a310ad2; else to a running sequence's
-    # growth, and to an admission only while nothing runs)
+    # growth, and to an admission only while nothing runs: see idle_overtakes)
     pins_yield_always: bool = False
     # nothing running and the queue's head does not fit without pins: the requests queued before it was held up that
     # fit without them run first (False: the worker before, whose head took the pins at once)

@@ -220,3 +220,32 @@ def test_an_idle_queue_that_nothing_else_moves_takes_the_pins_and_runs_to_the_en
     assert (c.num_cached_prompt, c.num_pulled_prompt) == (64, 64)
     assert (b.num_cached_prompt, b.num_pulled_prompt) == (0, 0)
     assert kv.pool.pins() == [] and kv.pool.num_free == 12
+
+
+def test_only_requests_queued_before_the_head_was_held_up_overtake_it() -> None:
+    """12 pages, nothing running: b's pulled pages 0-3 and c's 4-7 pinned, 4 free. At step 1 a
+    140-token prompt (9 pages) is held up and b (64 pulled + 40 new tokens: 3 new pages), queued
+    before that, runs ahead of it. c (64 + 20: 2 new pages) is queued only after step 1: when b ends
+    (step 2) and nothing runs, c would fit without pins but may not overtake the head, which takes
+    c's pin (8 pages free or cached, 9 needed) at step 3; c then finds one of its pulled pages still
+    cached. Without the bound a stream of late requests that fit could hold the head up forever."""
+    kv, sched, reqs = _idle_queue(12, [("b", 500, 40), ("c", 700, 20)])
+    b, c = reqs["b"], reqs["c"]
+    head = _prompt(140)
+    sched.add(head)
+    sched.add(b)
+    steps = [_step(sched)]
+    sched.add(c)
+    while sched.has_work():
+        steps.append(_step(sched))
+        assert len(steps) < 20
+    assert steps == [
+        [("b", [0, 1, 2, 3, 8, 9, 10])],
+        [],
+        [("head", [5, 6, 7, 8, 9, 10, 11, 0, 1])],
+        [("c", [4, 0, 1, 2, 3, 8])],
+        [],
+    ]
+    assert (b.num_cached_prompt, b.num_pulled_prompt) == (64, 64)
+    assert (c.num_cached_prompt, c.num_pulled_prompt) == (16, 0)
+    assert kv.pool.pins() == [] and kv.pool.num_free == 12
