@@ -16,15 +16,16 @@ Pages pulled from another worker for a waiting request are pinned until it is
 admitted (``kv/leases.py``, admission pins). An admission takes them only when
 nothing else can make progress: while a sequence runs, the head of the queue
 waits for it to end (it frees pages) and leaves the pins alone. When nothing
-runs and the head does not fit without pins, the first waiting request (in
-queue order) that fits without anyone's pins is admitted ahead of it -- a
-request whose pages were pulled needs few new ones, and the head can take
-them as it ends -- and only when none fits does the head take the pins
+runs and the head does not fit without pins, the waiting requests that fit
+without anyone's pins are admitted ahead of it, in queue order -- a request
+whose pages were pulled needs few new ones, and their pages come back as
+they end -- and only when none fits does the head take the pins
 (taken, their requests compute those tokens again). Only requests already
 queued when the head was first held up may overtake it, so it waits for a
-bounded number of them. A queue with no other way to progress still takes the
-pins: a prefill worker's pool is often held by transfer leases and pins with
-nothing running, and none of them would free pages before it expires.
+bounded number of them. A queue with no other way forward takes the pins
+rather than wait for a prefill worker's transfer leases to be pulled (its
+pool is often held by them and by pins with nothing running): that wait
+would be the turn's time to first token, and no deadlock is possible.
 """
 
 from __future__ import annotations
