@@ -67,6 +67,9 @@ class ClusterSpec:
     # nothing running and the queue's head does not fit without pins: the requests queued before it was held up that
     # fit without them run first (False: the worker before, whose head took the pins at once)
     idle_overtakes: bool = True
+    # a KV pull that reads nothing keeps the local prefix it matched pinned for its request's admission (False: the
+    # worker before, which left those pages to the LRU)
+    pull_pins_local: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DEFAULT_PAGE_SIZE:
@@ -162,6 +165,7 @@ class Simulator(Sim):
             pull_reclaims=cluster.pull_reclaims,
             pins_yield_always=cluster.pins_yield_always,
             idle_overtakes=cluster.idle_overtakes,
+            pull_pins_local=cluster.pull_pins_local,
         )
         self.prefill = [PrefillWorker(f"http://prefill-{i:05d}", **kw) for i in range(cluster.prefill_workers)]
         self.decode = [DecodeWorker(f"http://decode-{i:05d}", pull_waits=cluster.pull_waits, **kw) for i in range(cluster.decode_workers)]

@@ -310,6 +310,12 @@ def add_arguments(parser: Any) -> None:
         help="with nothing running, the queue's head that fits only with pulled pages' pins takes them at once, instead of "
         "letting the waiting requests that fit without them run first (the worker before that rule)",
     )
+    parser.add_argument(
+        "--no-pull-pins-local",
+        action="store_true",
+        help="a KV pull that reads nothing leaves the local prefix it matched to the LRU instead of pinning it for the "
+        "request's admission (the worker before that rule)",
+    )
 
 
 def run(args: Any) -> int:
@@ -339,6 +345,7 @@ def run(args: Any) -> int:
                 pull_waits=not args.no_pull_wait,
                 pins_yield_always=args.pins_yield_always,
                 idle_overtakes=not args.no_idle_overtakes,
+                pull_pins_local=not args.no_pull_pins_local,
             )
             print(format_rows(rows))
             if args.json:
@@ -472,6 +479,7 @@ def validate_points(
     pull_waits: bool = CPU_SWEEP_PULL_WAITS,
     pins_yield_always: bool = CPU_SWEEP_PINS_YIELD_ALWAYS,
     idle_overtakes: bool = True,
+    pull_pins_local: bool = True,
 ) -> list[dict[str, Any]]:
     """Re-run bench/agents.py's points (same agents, KV budget, scheduler, reuse mode, one
     stack per format and mode, points in the order they ran) in the simulator; one row per
@@ -509,6 +517,7 @@ def validate_points(
                 pull_waits=pull_waits,
                 pins_yield_always=pins_yield_always,
                 idle_overtakes=idle_overtakes,
+                pull_pins_local=pull_pins_local,
             )
             sims[key] = Simulator(cluster, load)
         # which agents the point ran: bench/agents.py's point_agents (1000 N .. 1000 N + N - 1),

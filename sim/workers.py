@@ -32,7 +32,9 @@ advances in one event (``_Run``) with the results of stepping each.
   pages allocated with reclaim (``allocate_for_pull``; ``pull_reclaims=False``:
   the worker before it, which refused a pull on a pool full of retained
   conversations and recomputed the prompt); the pulled pages are
-  pinned until the request is admitted. Those **admission pins** yield, after
+  pinned until the request is admitted, with the local prefix the pull matched
+  (a pull that reads nothing pins that prefix alone; ``pull_pins_local=False``:
+  the worker before, which left it to the LRU). Those **admission pins** yield, after
   retained conversations, to a running sequence's growth, never to a pull
   (taken, their request would compute the pages again; a running sequence
   frees pages as it ends: ``PagePoolBase.reclaim_one(up_to)``), and to the
@@ -40,8 +42,8 @@ advances in one event (``_Run``) with the results of stepping each.
   queued before the head was held up fits without them: those are admitted
   ahead of the head first, in queue order (``Scheduler._overtake``).
   ``idle_overtakes=False``: the worker before that, whose idle head took the
-  pins at once; ``pins_yield_always=True``: the worker before both, whose pins
-  yielded to every allocation. A prefill
+  pins at once; ``pins_yield_always=True``: the worker before these rules (and
+  before ``pull_pins_local``), whose pins yielded to every allocation. A prefill
   worker's transfer hold is released once the decode's pull is over, read or not.
 - A decode worker's pull that finds no pages **waits for them** (``Puller.wait_for_pages``):
   it tries again where pages come back -- at the end of an engine step that
@@ -194,6 +196,7 @@ class Worker:
         pull_waits: bool = True,
         pins_yield_always: bool = False,
         idle_overtakes: bool = True,
+        pull_pins_local: bool = True,
     ) -> None:
         self.url = url
         self.pull_reclaims = pull_reclaims  # ``allocate_for_pull``: retained conversations yield to a pull
@@ -202,6 +205,8 @@ class Worker:
         # an idle queue's head lets the requests queued before it was held up that fit without pins go first
         self.idle_overtakes = idle_overtakes and not pins_yield_always
         self._queued = 0  # requests ever queued (``Req.queued``)
+        # a pull that read nothing pins its local prefix for admission (not in the worker before held pins)
+        self.pull_pins_local = pull_pins_local and not pins_yield_always
         self._held_up: tuple[Req, int] | None = None  # ``Scheduler._held_up``
         self.page_wait_s = PAGE_WAIT_SHARE * reuse.transfer_timeout_s
         self._pulls: list[_PullWait] = []  # pulls waiting for pages, oldest first
@@ -876,10 +881,12 @@ class Worker:
         req.in_place = local  # what a skip or a fallback leaves (PullResult: matched less missed)
         if want <= 0 or want < self.threshold_pages:
             if diverged:
-                then(req, self._fail("hash_mismatch", max(0, want) * p), now)
+                out = self._fail("hash_mismatch", max(0, want) * p)
             else:
                 self._skip("nothing_to_pull" if want <= 0 else "below_threshold", req.prompt - local * p, max(0, want) * p)
-                then(req, _NO_PULL, now)
+                out = _NO_PULL
+            self._pin_local(req, local, now)
+            then(req, out, now)
             return
         hold = self.cache.new_hold()
         self.cache.ref(hold, req.segs, local)
@@ -892,10 +899,12 @@ class Worker:
             self.cache.release(hold)
             self._mark_freed()
             if got or self.pull_waits:
-                then(req, self._fail("lease_expired", want * p), now)
+                out = self._fail("lease_expired", want * p)
             else:
                 self._skip("no_free_pages", req.prompt - local * p, want * p)
-                then(req, _NO_PULL, now)
+                out = _NO_PULL
+            self._pin_local(req, local, now)
+            then(req, out, now)
             return
         if self._allocate_for_pull(hold, want, now):
             then(req, self._pulled(req, offer, hold, local, matched, diverged, now), now)
@@ -904,6 +913,7 @@ class Worker:
             self.cache.release(hold)
             self._skip("no_free_pages", req.prompt - local * p, want * p)
             self._mark_freed()
+            self._pin_local(req, local, now)
             then(req, _NO_PULL, now)
             return
         wait = _PullWait(req, offer, hold, local, matched, want, diverged, now, now + self.page_wait_s, now, then)
@@ -914,6 +924,17 @@ class Worker:
         self.sim.call_at(wait.until, self._give_up, wait)
         if not self.busy:
             self.wake_when_leases_expire(now)
+
+    def _pin_local(self, req: Req, local: int, now: float) -> None:
+        """``Puller.pull`` that read nothing: the ``local`` prefix pages it matched wait for the request
+        under an admission pin, as pulled pages do (``pull_pins_local=False``: the worker before, which
+        left them to the LRU)."""
+        if local <= 0 or not self.pull_pins_local:
+            return
+        hold = self.cache.new_hold()
+        self.cache.ref(hold, req.segs, local)
+        req.pin = self.pin(hold, ttl_s=self.pull_ttl_s, now=now, conv=None, pages=0, stable=0, prefix="pull-", yields=True)
+        req.pulled = (local, local)
 
     def _allocate_for_pull(self, hold: Hold, n: int, now: float) -> bool:
         """``allocate_for_pull``: one call on the engine thread, so no step starts inside it (a
@@ -1002,6 +1023,7 @@ class Worker:
         self.stats.page_wait_s += now - w.sent
         self.cache.release(w.hold)
         self._skip("no_free_pages", w.req.prompt - w.local * self.page_size, w.want * self.page_size)
+        self._pin_local(w.req, w.local, now)
         w.then(w.req, _NO_PULL, now)
         self.on_freed(now)
 
@@ -1105,6 +1127,7 @@ class PrefillWorker(Worker):
         pull_reclaims: bool = True,
         pins_yield_always: bool = False,
         idle_overtakes: bool = True,
+        pull_pins_local: bool = True,
     ) -> None:
         super().__init__(
             url,
@@ -1119,6 +1142,7 @@ class PrefillWorker(Worker):
             pull_waits=False,  # its pages free only as decode workers pull its transfer leases, and its waits are TTFT
             pins_yield_always=pins_yield_always,
             idle_overtakes=idle_overtakes,
+            pull_pins_local=pull_pins_local,
         )
         self._view_by_load: dict[int, WorkerView] = {}
         self.merge_steps = False  # its steps are prompt chunks

@@ -256,6 +256,34 @@ def test_an_idle_worker_runs_a_pulled_request_that_fits_before_the_queue_head_th
             assert (st.leases_reclaimed, st.computed_tokens, st.lost_tokens) == (2, 41 + 33, PAGE)
 
 
+def test_a_pull_that_reads_nothing_keeps_the_local_prefix_it_matched_for_the_admission() -> None:
+    """``Puller.pull``: a prefill worker (6 pages) holds A's 3 prompt pages cached; the decode worker
+    offers the same 3 (nothing to pull). The pull pins the 3 for A's admission: an allocation of 4
+    pages (3 free) evicts none of them and fails, and A's admission finds all 48 tokens.
+    ``pull_pins_local=False`` (the worker before): the 3 stay ordinary LRU pages, the allocation
+    evicts one, and A computes tokens it had in place (``lost_tokens``)."""
+    for pins_local in (True, False):
+        reuse = ReuseConfig(recompute_threshold_tokens=32)
+        sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(6), reuse=reuse, pull_pins_local=pins_local), LoadSpec())
+        pre, dec = sim.prefill[0], sim.decode[0]
+        pre.on_done = lambda req, now: None
+        a = _req(1, 64, 4)
+        cached = pre.cache.new_hold()
+        assert pre.cache.allocate(cached, 3)
+        pre.cache.publish(cached, a.segs, 0, 3)
+        pre.cache.release(cached)
+        outcomes: list[str | None] = []
+        pre.pull(a, _offer(dec, a, 3, retained=True), 0.0, lambda r, out, now: outcomes.append(out.fallback))
+        assert outcomes == [None] and pre.stats.skipped["nothing_to_pull"] == 1 and a.in_place == 3
+        assert (a.pin is not None) is pins_local
+        other = pre.cache.new_hold()
+        assert pre.allocate(other, 4, 0.0, pins=False) is not pins_local
+        pre.cache.release(other)  # back free: an evicted page stays evicted
+        pre.arrive(a, 0.0)
+        sim.run()
+        assert (a.hit_pages, pre.stats.lost_tokens) == ((3, 0) if pins_local else (2, PAGE))
+
+
 def test_a_prefill_workers_pull_without_free_pages_skips_at_once_where_a_decode_workers_waits() -> None:
     """``KVTransfer``: a prefill worker's pull does not wait for pages (``page_wait_share=0``), a
     decode worker's waits ``PAGE_WAIT_SHARE`` of ``transfer_timeout_s`` (2 s here) for them, then
