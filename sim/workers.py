@@ -6,8 +6,9 @@ with the policies of ``worker/engine.py``, ``worker/scheduler.py`` and
 Both roles run the worker's scheduler step by step (``Worker._plan`` is
 ``Scheduler.schedule``): running sequences first, oldest first, each one
 token (decode) or one chunk (prompt) within ``max_num_batched_tokens``; then
-waiting requests FIFO while the budget, ``max_num_seqs`` and pages for their
-first chunk allow (the head of the queue waits: nothing overtakes it). Pages
+waiting requests FIFO while the budget, ``max_num_seqs`` and pages for all
+their known tokens allow (the head of the queue waits: nothing overtakes it,
+except in a step begun with nothing running, below: admission pins). Pages
 come as a sequence grows, with retained conversations reclaimed first
 (``KVCacheManager.allocate_until``); when a running sequence still finds none,
 the most recently admitted one is **preempted**: its computed full pages join
