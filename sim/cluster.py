@@ -62,8 +62,14 @@ class ClusterSpec:
     # a prefill worker's never waits)
     pull_waits: bool = True
     # pulled pages' admission pins yield to every allocation (the worker before a310ad2; else to a running sequence's
-    # growth, and to an admission only while nothing runs)
+    # growth, and to an admission only while nothing runs: see idle_overtakes)
     pins_yield_always: bool = False
+    # nothing running and the queue's head does not fit without pins: the requests queued before it was held up that
+    # fit without them run first (False: the worker before, whose head took the pins at once)
+    idle_overtakes: bool = True
+    # a KV pull that reads nothing keeps the local prefix it matched pinned for its request's admission (False: the
+    # worker before, which left those pages to the LRU)
+    pull_pins_local: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DEFAULT_PAGE_SIZE:
@@ -158,6 +164,8 @@ class Simulator(Sim):
             sched=cluster.scheduler,
             pull_reclaims=cluster.pull_reclaims,
             pins_yield_always=cluster.pins_yield_always,
+            idle_overtakes=cluster.idle_overtakes,
+            pull_pins_local=cluster.pull_pins_local,
         )
         self.prefill = [PrefillWorker(f"http://prefill-{i:05d}", **kw) for i in range(cluster.prefill_workers)]
         self.decode = [DecodeWorker(f"http://decode-{i:05d}", pull_waits=cluster.pull_waits, **kw) for i in range(cluster.decode_workers)]

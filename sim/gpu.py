@@ -86,10 +86,13 @@ def reproduce(
     only: set[tuple[str, int]] | None = None,
     pull_waits: bool = True,
     pins_yield_always: bool = False,
+    idle_overtakes: bool = True,
+    pull_pins_local: bool = True,
 ) -> list[dict[str, Any]]:
     """One row per measured point (``only``: the (format, N) pairs to run): the simulated and
     the measured metrics, whether each meets its target, and the simulator's counters.
-    ``pull_waits``, ``pins_yield_always``: ``ClusterSpec``'s (the worker before each rule)."""
+    ``pull_waits``, ``pins_yield_always``, ``idle_overtakes``, ``pull_pins_local``: ``ClusterSpec``'s (the worker
+    before each rule)."""
     try:
         load = bench_load(measured)
         points = list(measured["points"])
@@ -114,6 +117,8 @@ def reproduce(
                 scheduler=GPU_SCHEDULER,
                 pull_waits=pull_waits,
                 pins_yield_always=pins_yield_always,
+                idle_overtakes=idle_overtakes,
+                pull_pins_local=pull_pins_local,
             )
             sim = Simulator(cluster, load)
             stacks[key] = (sim, SharedGpu(sim, sim.prefill[0], sim.decode[0]))

@@ -304,6 +304,18 @@ def add_arguments(parser: Any) -> None:
         help="pages pulled for a waiting request yield to any allocation, not only to a running sequence's growth "
         "(the worker before that rule: to replay points measured with it); the CPU sweep's replay always does",
     )
+    parser.add_argument(
+        "--no-idle-overtakes",
+        action="store_true",
+        help="with nothing running, the queue's head that fits only with pulled pages' pins takes them at once, instead of "
+        "letting the waiting requests that fit without them run first (the worker before that rule)",
+    )
+    parser.add_argument(
+        "--no-pull-pins-local",
+        action="store_true",
+        help="a KV pull that reads nothing leaves the local prefix it matched to the LRU instead of pinning it for the "
+        "request's admission (the worker before that rule)",
+    )
 
 
 def run(args: Any) -> int:
@@ -332,6 +344,8 @@ def run(args: Any) -> int:
                 load_costs(args.costs if args.costs != "h200-8b" else "gpu-h200"),
                 pull_waits=not args.no_pull_wait,
                 pins_yield_always=args.pins_yield_always,
+                idle_overtakes=not args.no_idle_overtakes,
+                pull_pins_local=not args.no_pull_pins_local,
             )
             print(format_rows(rows))
             if args.json:
@@ -464,6 +478,8 @@ def validate_points(
     pull_reclaims: bool = CPU_SWEEP_PULL_RECLAIMS,
     pull_waits: bool = CPU_SWEEP_PULL_WAITS,
     pins_yield_always: bool = CPU_SWEEP_PINS_YIELD_ALWAYS,
+    idle_overtakes: bool = True,
+    pull_pins_local: bool = True,
 ) -> list[dict[str, Any]]:
     """Re-run bench/agents.py's points (same agents, KV budget, scheduler, reuse mode, one
     stack per format and mode, points in the order they ran) in the simulator; one row per
@@ -500,6 +516,8 @@ def validate_points(
                 pull_reclaims=pull_reclaims,
                 pull_waits=pull_waits,
                 pins_yield_always=pins_yield_always,
+                idle_overtakes=idle_overtakes,
+                pull_pins_local=pull_pins_local,
             )
             sims[key] = Simulator(cluster, load)
         # which agents the point ran: bench/agents.py's point_agents (1000 N .. 1000 N + N - 1),

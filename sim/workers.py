@@ -6,8 +6,9 @@ with the policies of ``worker/engine.py``, ``worker/scheduler.py`` and
 Both roles run the worker's scheduler step by step (``Worker._plan`` is
 ``Scheduler.schedule``): running sequences first, oldest first, each one
 token (decode) or one chunk (prompt) within ``max_num_batched_tokens``; then
-waiting requests FIFO while the budget, ``max_num_seqs`` and pages for their
-first chunk allow (the head of the queue waits: nothing overtakes it). Pages
+waiting requests FIFO while the budget, ``max_num_seqs`` and pages for all
+their known tokens allow (the head of the queue waits: nothing overtakes it,
+except in a step begun with nothing running, below: admission pins). Pages
 come as a sequence grows, with retained conversations reclaimed first
 (``KVCacheManager.allocate_until``); when a running sequence still finds none,
 the most recently admitted one is **preempted**: its computed full pages join
@@ -32,12 +33,18 @@ advances in one event (``_Run``) with the results of stepping each.
   pages allocated with reclaim (``allocate_for_pull``; ``pull_reclaims=False``:
   the worker before it, which refused a pull on a pool full of retained
   conversations and recomputed the prompt); the pulled pages are
-  pinned until the request is admitted. Those **admission pins** yield, after
-  retained conversations, to a running sequence's growth, and to the queue
-  head's admission only while no sequence runs; never to a pull (taken, their
-  request would compute the pages again; a running sequence frees pages as it
-  ends: ``PagePoolBase.reclaim_one(up_to)``). ``pins_yield_always=True``: the
-  worker before that, whose pins yielded to every allocation. A prefill
+  pinned until the request is admitted, with the local prefix the pull matched
+  (a pull that reads nothing pins that prefix alone; ``pull_pins_local=False``:
+  the worker before, which left it to the LRU). Those **admission pins** yield, after
+  retained conversations, to a running sequence's growth, never to a pull
+  (taken, their request would compute the pages again; a running sequence
+  frees pages as it ends: ``PagePoolBase.reclaim_one(up_to)``), and to the
+  queue head's admission only while no sequence runs and no waiting request
+  queued before the head was held up fits without them: those are admitted
+  ahead of the head first, in queue order (``Scheduler._overtake``).
+  ``idle_overtakes=False``: the worker before that, whose idle head took the
+  pins at once; ``pins_yield_always=True``: the worker before these rules (and
+  before ``pull_pins_local``), whose pins yielded to every allocation. A prefill
   worker's transfer hold is released once the decode's pull is over, read or not.
 - A decode worker's pull that finds no pages **waits for them** (``Puller.wait_for_pages``):
   it tries again where pages come back -- at the end of an engine step that
@@ -101,6 +108,7 @@ class Req:
     transfer_offer: WLease | None = None  # the prefill's transfer lease (P->D)
     sampled: int = 0  # reply tokens sampled so far (the decode worker starts with the prefill's)
     preemptions: int = 0  # on the worker running it now
+    queued: int = 0  # its place in the worker's queue order (``Sequence.queued``)
 
 
 @dataclass(slots=True, eq=False)
@@ -188,11 +196,19 @@ class Worker:
         pull_reclaims: bool = True,
         pull_waits: bool = True,
         pins_yield_always: bool = False,
+        idle_overtakes: bool = True,
+        pull_pins_local: bool = True,
     ) -> None:
         self.url = url
         self.pull_reclaims = pull_reclaims  # ``allocate_for_pull``: retained conversations yield to a pull
         self.pull_waits = pull_waits  # ``Puller.wait_for_pages``: a pull without pages waits for them (False: skips at once)
         self.pins_yield_always = pins_yield_always  # admission pins yield to admissions and pulls while sequences run
+        # an idle queue's head lets the requests queued before it was held up that fit without pins go first
+        self.idle_overtakes = idle_overtakes and not pins_yield_always
+        self._queued = 0  # requests ever queued (``Req.queued``)
+        # a pull that read nothing pins its local prefix for admission (not in the worker before held pins)
+        self.pull_pins_local = pull_pins_local and not pins_yield_always
+        self._held_up: tuple[Req, int] | None = None  # ``Scheduler._held_up``
         self.page_wait_s = PAGE_WAIT_SHARE * reuse.transfer_timeout_s
         self._pulls: list[_PullWait] = []  # pulls waiting for pages, oldest first
         self._retrying = False
@@ -258,6 +274,8 @@ class Worker:
             m = self._settle(now)
             if run.admits:  # the next step admits it
                 self._cut(m)
+        self._queued += 1
+        req.queued = self._queued
         self.waiting.append(req)
         self._kick(now)
 
@@ -334,28 +352,62 @@ class Worker:
             plan.append((seq, n))
             budget -= n
         waiting = self.waiting
+        idle = not running
         # a step that preempted admits nothing (Scheduler.schedule)
         while waiting and budget > 0 and len(running) < sched.max_num_seqs and self.stats.preemptions == preempted:
-            admitted = self._admit_head(budget, now)
+            head = waiting[0]
+            pins = self.pins_yield_always or (not self.idle_overtakes and not running)
+            admitted = self._admit(head, budget, now, pins=pins)
             if admitted is None:
-                break  # the head waits for pages (or budget); nothing overtakes it
-            seq, n = admitted
-            waiting.popleft()
-            running.append(seq)
-            plan.append((seq, n))
-            budget -= n
+                if idle and self.idle_overtakes:
+                    budget = self._overtake(plan, budget, now)
+                break  # the head waits for pages (or budget)
+            self._start(admitted, plan)
+            budget -= admitted[1]
         return plan
 
-    def _admit_head(self, budget: int, now: float) -> tuple[_Seq, int] | None:
-        """``Scheduler._admit`` for the queue's head: its cached prefix, pages for all its known tokens
-        (all or nothing); the pull pin goes once it holds its own refs. Admission pins (its own and
-        those of the requests behind it) yield to it only while no sequence runs."""
-        req = self.waiting[0]
+    def _start(self, admitted: tuple[_Seq, int], plan: list[tuple[_Seq, int]]) -> None:
+        """``Scheduler._start``: an admitted request leaves the queue and runs its first chunk."""
+        seq, n = admitted
+        req = seq.req
+        if req is self.waiting[0]:
+            self.waiting.popleft()
+            self._held_up = None
+        else:
+            self.waiting.remove(req)
+        self.running.append(seq)
+        plan.append((seq, n))
+
+    def _overtake(self, plan: list[tuple[_Seq, int]], budget: int, now: float) -> int:
+        """``Scheduler._overtake``: a step begun with nothing running, and the queue's head does not fit
+        without pins: the requests queued before the head was first held up that fit without pins run
+        first, in queue order; if none did and still nothing runs, the head takes pins. The budget left."""
+        head = self.waiting[0]
+        if self._held_up is None or self._held_up[0] is not head:
+            self._held_up = (head, self._queued)
+        last = self._held_up[1]
+        for req in [r for r in self.waiting if r is not head and r.queued <= last]:
+            if budget == 0 or len(self.running) >= self.sched.max_num_seqs:
+                return budget
+            admitted = self._admit(req, budget, now, pins=False)
+            if admitted is not None:
+                self._start(admitted, plan)
+                budget -= admitted[1]
+        if not self.running:
+            admitted = self._admit(head, budget, now, pins=True)
+            if admitted is not None:
+                self._start(admitted, plan)
+                budget -= admitted[1]
+        return budget
+
+    def _admit(self, req: Req, budget: int, now: float, *, pins: bool) -> tuple[_Seq, int] | None:
+        """``Scheduler._admit`` for a waiting ``req``: its cached prefix, pages for all its known tokens
+        (all or nothing); the pull pin goes once it holds its own refs. ``pins``: the waiting requests'
+        admission pins (its own included) may yield to it."""
         p = self.page_size
         tokens = self._tokens(req)
         cache = self.cache
         h = cache.match(req.segs, (tokens - 1) // p)
-        pins = self.pins_yield_always or not self.running  # the waiting requests' admission pins yield only while nothing runs
         while True:  # with the cached prefix, then (when that does not fit) from scratch
             left = tokens - h * p
             n = min(left, self.sched.chunk_size, budget)
@@ -830,10 +882,12 @@ class Worker:
         req.in_place = local  # what a skip or a fallback leaves (PullResult: matched less missed)
         if want <= 0 or want < self.threshold_pages:
             if diverged:
-                then(req, self._fail("hash_mismatch", max(0, want) * p), now)
+                out = self._fail("hash_mismatch", max(0, want) * p)
             else:
                 self._skip("nothing_to_pull" if want <= 0 else "below_threshold", req.prompt - local * p, max(0, want) * p)
-                then(req, _NO_PULL, now)
+                out = _NO_PULL
+            self._pin_local(req, local, now)
+            then(req, out, now)
             return
         hold = self.cache.new_hold()
         self.cache.ref(hold, req.segs, local)
@@ -846,10 +900,12 @@ class Worker:
             self.cache.release(hold)
             self._mark_freed()
             if got or self.pull_waits:
-                then(req, self._fail("lease_expired", want * p), now)
+                out = self._fail("lease_expired", want * p)
             else:
                 self._skip("no_free_pages", req.prompt - local * p, want * p)
-                then(req, _NO_PULL, now)
+                out = _NO_PULL
+            self._pin_local(req, local, now)
+            then(req, out, now)
             return
         if self._allocate_for_pull(hold, want, now):
             then(req, self._pulled(req, offer, hold, local, matched, diverged, now), now)
@@ -858,6 +914,7 @@ class Worker:
             self.cache.release(hold)
             self._skip("no_free_pages", req.prompt - local * p, want * p)
             self._mark_freed()
+            self._pin_local(req, local, now)
             then(req, _NO_PULL, now)
             return
         wait = _PullWait(req, offer, hold, local, matched, want, diverged, now, now + self.page_wait_s, now, then)
@@ -868,6 +925,17 @@ class Worker:
         self.sim.call_at(wait.until, self._give_up, wait)
         if not self.busy:
             self.wake_when_leases_expire(now)
+
+    def _pin_local(self, req: Req, local: int, now: float) -> None:
+        """``Puller.pull`` that read nothing: the ``local`` prefix pages it matched wait for the request
+        under an admission pin, as pulled pages do (``pull_pins_local=False``: the worker before, which
+        left them to the LRU)."""
+        if local <= 0 or not self.pull_pins_local:
+            return
+        hold = self.cache.new_hold()
+        self.cache.ref(hold, req.segs, local)
+        req.pin = self.pin(hold, ttl_s=self.pull_ttl_s, now=now, conv=None, pages=0, stable=0, prefix="pull-", yields=True)
+        req.pulled = (local, local)
 
     def _allocate_for_pull(self, hold: Hold, n: int, now: float) -> bool:
         """``allocate_for_pull``: one call on the engine thread, so no step starts inside it (a
@@ -956,6 +1024,7 @@ class Worker:
         self.stats.page_wait_s += now - w.sent
         self.cache.release(w.hold)
         self._skip("no_free_pages", w.req.prompt - w.local * self.page_size, w.want * self.page_size)
+        self._pin_local(w.req, w.local, now)
         w.then(w.req, _NO_PULL, now)
         self.on_freed(now)
 
@@ -1058,6 +1127,8 @@ class PrefillWorker(Worker):
         sched: SchedulerConfig,
         pull_reclaims: bool = True,
         pins_yield_always: bool = False,
+        idle_overtakes: bool = True,
+        pull_pins_local: bool = True,
     ) -> None:
         super().__init__(
             url,
@@ -1071,6 +1142,8 @@ class PrefillWorker(Worker):
             pull_reclaims=pull_reclaims,
             pull_waits=False,  # its pages free only as decode workers pull its transfer leases, and its waits are TTFT
             pins_yield_always=pins_yield_always,
+            idle_overtakes=idle_overtakes,
+            pull_pins_local=pull_pins_local,
         )
         self._view_by_load: dict[int, WorkerView] = {}
         self.merge_steps = False  # its steps are prompt chunks

@@ -203,7 +203,8 @@ def test_a_waiting_requests_pulled_pages_are_not_taken_by_the_queue_heads_admiss
     pages are retained, and H, with nothing running, takes that lease (not W's pin): W is admitted
     with its 3 pulled pages and computes 17 tokens. With pins that yield to every allocation (the
     worker before), H takes W's pin at once and evicts one of its pages: W, admitted with the 2
-    left, computes 33. Nothing runs: H takes W's pin at once either way."""
+    left, computes 33. Nothing runs (and W is not queued yet: nothing can overtake H): H takes W's pin at
+    once either way."""
     sim, h, w, done = _queue_behind_a_pulled_prompt(running=True, pins_yield_always=False)
     dec = sim.decode[0]
     assert (w.remote_pages, w.hit_pages) == (3, 3)
@@ -221,6 +222,66 @@ def test_a_waiting_requests_pulled_pages_are_not_taken_by_the_queue_heads_admiss
         assert d.stats.leases_reclaimed == 2 and (wi.remote_pages, wi.hit_pages) == (0, 2)
         assert hi.done_at < wi.done_at  # H ran at once, W after it
         assert d.stats.computed_tokens == 41 + 33
+
+
+def test_an_idle_worker_runs_a_pulled_request_that_fits_before_the_queue_head_that_would_take_its_pin() -> None:
+    """``Scheduler._overtake``: an 8-page decode pool, nothing running, a hold no sequence owns on 3
+    pages; W's pull READs 3 pages, pinned, 2 free. H (41 tokens: 3 pages) and W (65: 5 pages, 2 new)
+    queue before the next step. H fits only with W's pin, W without anyone's: W runs first with its 3
+    pulled pages and computes 17 tokens; at its end H takes its retained conversation (a lease that
+    yields first) and computes 41. ``idle_overtakes=False`` (the worker before): H takes W's pin
+    and evicts one of its pages, W computes 33 and loses 16 pulled tokens."""
+    for idle_overtakes in (True, False):
+        reuse = ReuseConfig(recompute_threshold_tokens=32)
+        sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(8), reuse=reuse, idle_overtakes=idle_overtakes), LoadSpec())
+        pre, dec = sim.prefill[0], sim.decode[0]
+        done: list[int] = []
+        dec.on_done = lambda req, now: done.append(req.turn_id)
+        assert dec.cache.allocate(dec.cache.new_hold(), 3)
+        w, h = _req(3, 64, 4), _req(2, 40, 4)
+        dec.pull(w, _offer(pre, w, 3, retained=False), 0.0, lambda r, out, now: None)
+        assert w.pin is not None and dec.cache.free == 2
+        dec.busy = True  # a step in flight: both queue before the next one is planned
+        dec.arrive(h, 0.0)
+        dec.arrive(w, 0.0)
+        dec.busy = False
+        dec.on_freed(0.0)
+        sim.run()
+        st = dec.stats
+        if idle_overtakes:
+            assert done == [3, 2] and (w.remote_pages, w.hit_pages) == (3, 3)
+            assert (st.leases_reclaimed, st.computed_tokens, st.lost_tokens) == (1, 17 + 41, 0)
+        else:
+            assert done == [2, 3] and (w.remote_pages, w.hit_pages) == (0, 2)
+            assert (st.leases_reclaimed, st.computed_tokens, st.lost_tokens) == (2, 41 + 33, PAGE)
+
+
+def test_a_pull_that_reads_nothing_keeps_the_local_prefix_it_matched_for_the_admission() -> None:
+    """``Puller.pull``: a prefill worker (6 pages) holds A's 3 prompt pages cached; the decode worker
+    offers the same 3 (nothing to pull). The pull pins the 3 for A's admission: an allocation of 4
+    pages (3 free) evicts none of them and fails, and A's admission finds all 48 tokens.
+    ``pull_pins_local=False`` (the worker before): the 3 stay ordinary LRU pages, the allocation
+    evicts one, and A computes tokens it had in place (``lost_tokens``)."""
+    for pins_local in (True, False):
+        reuse = ReuseConfig(recompute_threshold_tokens=32)
+        sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(6), reuse=reuse, pull_pins_local=pins_local), LoadSpec())
+        pre, dec = sim.prefill[0], sim.decode[0]
+        pre.on_done = lambda req, now: None
+        a = _req(1, 64, 4)
+        cached = pre.cache.new_hold()
+        assert pre.cache.allocate(cached, 3)
+        pre.cache.publish(cached, a.segs, 0, 3)
+        pre.cache.release(cached)
+        outcomes: list[str | None] = []
+        pre.pull(a, _offer(dec, a, 3, retained=True), 0.0, lambda r, out, now: outcomes.append(out.fallback))
+        assert outcomes == [None] and pre.stats.skipped["nothing_to_pull"] == 1 and a.in_place == 3
+        assert (a.pin is not None) is pins_local
+        other = pre.cache.new_hold()
+        assert pre.allocate(other, 4, 0.0, pins=False) is not pins_local
+        pre.cache.release(other)  # back free: an evicted page stays evicted
+        pre.arrive(a, 0.0)
+        sim.run()
+        assert (a.hit_pages, pre.stats.lost_tokens) == ((3, 0) if pins_local else (2, PAGE))
 
 
 def test_a_prefill_workers_pull_without_free_pages_skips_at_once_where_a_decode_workers_waits() -> None:

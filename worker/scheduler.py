@@ -11,6 +11,21 @@ decode cannot get a page, the most recently admitted running sequence is preempt
 its pages go back to the pool and it re-enters the queue front, to be
 recomputed later (its sampled tokens are kept, so its output is unchanged);
 a step that preempted admits no waiting sequence.
+
+Pages pulled from another worker for a waiting request are pinned until it is
+admitted (``kv/leases.py``, admission pins). An admission takes them only when
+nothing else can make progress: while a sequence runs, the head of the queue
+waits for it to end (it frees pages) and leaves the pins alone. When nothing
+runs and the head does not fit without pins, the waiting requests that fit
+without anyone's pins are admitted ahead of it, in queue order -- a request
+whose pages were pulled needs few new ones, and their pages come back as
+they end -- and only when none fits does the head take the pins
+(taken, their requests compute those tokens again). Only requests already
+queued when the head was first held up may overtake it, so it waits for a
+bounded number of them. A queue with no other way forward takes the pins
+rather than wait for a prefill worker's transfer leases to be pulled (its
+pool is often held by them and by pins with nothing running): that wait
+would be the turn's time to first token, and no deadlock is possible.
 """
 
 from __future__ import annotations
@@ -41,9 +56,15 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._arrivals = 0
+        self._queued = 0  # requests ever added: each one's place in queue order (Sequence.queued)
+        # (the queue's head, the last ``queued`` that may overtake it): set when an idle step first found
+        # the head unable to fit without pins (``_overtake``)
+        self._held_up: tuple[Sequence, int] | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
+        self._queued += 1
+        seq.queued = self._queued
         self.waiting.append(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -80,19 +101,16 @@ class Scheduler:
         out.chunks = [c for c in out.chunks if c.seq is not victim]
         return victim
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
+    def _admit(self, seq: Sequence, budget: int, *, reclaim: int) -> int:
         """Give a waiting ``seq`` pages for all its known tokens and schedule its first chunk; returns the chunk
-        length (0: not now).
+        length (0: not now). ``reclaim``: the reclaimable pins that may yield (``RECLAIM_FIRST``: retained
+        conversations only; ``RECLAIM_LAST``: the waiting requests' admission pins too).
 
         First with its cached prefix, then, if that placement does not fit,
         from scratch: matched pages can sit deep inside one end of a triaxial
         buffer and block the other end, while a fresh placement (evicting
-        those cached pages) fits. Pulled pages pinned for the requests waiting
-        (this one's included) yield to an admission only while nothing runs:
-        taken, their requests compute them again, and a running sequence frees
-        pages when it ends.
+        those cached pages) fits.
         """
-        reclaim = RECLAIM_FIRST if self.running else RECLAIM_LAST
         for use_prefix in (True, False):
             hit = self.kv.match_prefix(seq) if use_prefix else 0
             n = self._chunk_len(seq, budget)
@@ -104,6 +122,42 @@ class Scheduler:
             if hit == 0:
                 break
         return 0
+
+    def _start(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        """Move an admitted ``seq`` from the queue to the running sequences, its first chunk ``n`` tokens."""
+        if seq is self.waiting[0]:
+            self.waiting.popleft()
+            self._held_up = None
+        else:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self._arrivals += 1
+        seq.arrival = self._arrivals
+        self.running.append(seq)
+        out.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+
+    def _overtake(self, budget: int, out: SchedulerOutput) -> int:
+        """A step that began with nothing running, and the queue's head does not fit without pins: admit, in
+        queue order, the waiting requests that fit without anyone's pins (only those queued before the head
+        was first held up: it is overtaken a bounded number of times); if none did and still nothing runs,
+        the head, taking pins. Returns the budget left."""
+        head = self.waiting[0]
+        if self._held_up is None or self._held_up[0] is not head:
+            self._held_up = (head, self._queued)
+        last = self._held_up[1]
+        for seq in [s for s in self.waiting if s is not head and s.queued <= last]:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                return budget
+            n = self._admit(seq, budget, reclaim=RECLAIM_FIRST)
+            if n:
+                self._start(seq, n, out)
+                budget -= n
+        if not self.running:
+            n = self._admit(head, budget, reclaim=RECLAIM_LAST)
+            if n:
+                self._start(head, n, out)
+                budget -= n
+        return budget
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -134,17 +188,16 @@ class Scheduler:
 
         # 2. admit waiting sequences in order while pages and budget last; none in a step that preempted: the
         # victim waits at the queue's front for pages a running sequence just lacked, and admitted at once (or
-        # another in its place) it would recompute a chunk that the next step's growth preempts again
+        # another in its place) it would recompute a chunk that the next step's growth preempts again. The
+        # waiting requests' admission pins yield only when nothing runs and no other request fits (``_overtake``).
+        idle = not self.running
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = self._admit(seq, budget)
+            n = self._admit(seq, budget, reclaim=RECLAIM_FIRST)
             if n == 0:
+                if idle:
+                    budget = self._overtake(budget, out)
                 break  # retry next step, when pages or budget free up
-            self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            self._arrivals += 1
-            seq.arrival = self._arrivals
-            self.running.append(seq)
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            self._start(seq, n, out)
             budget -= n
         return out

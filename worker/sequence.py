@@ -45,6 +45,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     arrival: int = 0  # admission order, for choosing whom to preempt
+    queued: int = 0  # queue order (Scheduler.add), for how many may overtake an idle queue's head
     num_preemptions: int = 0
     # KV reuse (worker/kv/transfer.py): keep the full pages under a lease when finished;
     # the pin holding this request's pulled pages until admission; how many prompt tokens it pulled

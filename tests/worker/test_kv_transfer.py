@@ -319,12 +319,20 @@ def test_concurrent_pulls_from_one_peer(tiny_model_dir: Path, host: Any) -> None
     assert [pulled[f"r{k}"] for k in range(4)] == [r.pulled_tokens for r in results]
     assert [outs[f"r{k}"] for k in range(4)] == [_fresh(tiny_model_dir, "bf16", ids, 6) for ids in prompts]
     assert P.kvt.leases() == []  # every transfer hold released by its puller
-    # a new hold of a prompt D caches already: nothing to read, and the hold is released all the same
+    # a new hold of a prompt D caches already: nothing to read, and the hold is released all the same;
+    # the 6 pages D holds wait for the request under its admission pin (none of them pulled), as pulled ones do
     again = P.generate({"request_id": "c0-again", "input_ids": prompts[0], "max_tokens": 1, "retain": True})["params"]
     assert len(P.kvt.leases()) == 1
     skip = D.kvt.pull(prompts[0], None, KVTransferParams.from_dict(again))
-    assert (skip.pulled_tokens, skip.skipped, skip.admission_pin) == (0, "nothing_to_pull", None)
+    assert (skip.pulled_tokens, skip.skipped) == (0, "nothing_to_pull") and skip.admission_pin is not None
     assert P.kvt.leases() == []
+    with D.lock:
+        pin = D.engine.pool.get_pin(skip.admission_pin)
+        assert pin is not None and len(pin.page_ids) == (len(prompts[0]) - 1) // 16
+        assert [D.engine.pool.lookup(h) for h in again["page_hashes"][:6]] == list(pin.page_ids)
+    D.kvt.drop_admission(skip)  # its request never came
+    with D.lock:
+        assert D.engine.pool.get_pin(skip.admission_pin) is None
 
 
 def test_a_pull_into_a_full_pool_waits_then_skips_and_counts_the_tokens_it_missed(tiny_model_dir: Path, host: Any) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from kvserving.config import SchedulerConfig
 from kvserving.kernels.page_ids import page_id_bits
-from kvserving.worker.kv.leases import pin_for_admission
+from kvserving.worker.kv.leases import pin_for_admission, release_admission
 from kvserving.worker.kv.manager import KVCacheManager
 from kvserving.worker.kv.page_pool import PagePool
 from kvserving.worker.sampling import SamplingParams
@@ -96,32 +96,156 @@ def _pulled(kv: KVCacheManager, sched: Scheduler, prompt: list[int]) -> tuple[Se
     return Sequence("pulled", prompt, SamplingParams(max_tokens=4), torch.Generator()), pin
 
 
-def test_pages_pulled_for_a_waiting_request_yield_to_the_admission_ahead_of_it_only_when_nothing_runs() -> None:
+def test_pages_pulled_for_a_waiting_request_never_yield_to_the_admission_ahead_of_it_while_a_sequence_runs() -> None:
     """10 pages; a request's 4 pulled pages pinned while it waits behind another prompt.
 
     A sequence running (32 + 30 tokens: 2 pages, growing to 4) leaves 2 free pages to a 5-page
     prompt ahead of the pulled request: the prompt waits for the running sequence's end (6 free)
     instead of taking the pulled pages (taken, the request behind computes its 64 tokens again),
-    and the pulled request, admitted when the prompt ends, finds all 64. With nothing running
-    nothing would free pages: a 7-page prompt ahead (6 free) takes them."""
-    for running in (True, False):
-        kv = KVCacheManager(PagePool(10, page_size=PAGE), page_size=PAGE)
-        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, chunk_size=128), kv)
-        waiting, pin = _pulled(kv, sched, list(range(500, 565)))  # 65 tokens: 4 full pages
-        if running:
-            sched.add(Sequence("run", list(range(32)), SamplingParams(max_tokens=30), torch.Generator()))
-            _advance(sched, 30)
-        head = Sequence("head", list(range(1000, 1080 if running else 1100)), SamplingParams(max_tokens=4), torch.Generator())
-        sched.add(head)
-        sched.add(waiting)
-        for _ in range(200):
-            if waiting.status is not SeqStatus.WAITING:
-                break
-            _advance(sched, 30 if running else 4)
-        assert head.num_cached_prompt == 0 and waiting.status is not SeqStatus.WAITING
-        if running:
-            assert kv.pool.get_pin(pin) is not None  # never reclaimed: the running sequence's end made room
-            assert waiting.num_cached_prompt == 64
-        else:
-            assert kv.pool.get_pin(pin) is None  # reclaimed for the prompt ahead: nothing else could free pages
-            assert waiting.num_cached_prompt < 64
+    and the pulled request, admitted when the prompt ends, finds all 64."""
+    kv = KVCacheManager(PagePool(10, page_size=PAGE), page_size=PAGE)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, chunk_size=128), kv)
+    waiting, pin = _pulled(kv, sched, list(range(500, 565)))  # 65 tokens: 4 full pages
+    sched.add(Sequence("run", list(range(32)), SamplingParams(max_tokens=30), torch.Generator()))
+    _advance(sched, 30)
+    head = Sequence("head", list(range(1000, 1080)), SamplingParams(max_tokens=4), torch.Generator())
+    sched.add(head)
+    sched.add(waiting)
+    for _ in range(200):
+        if waiting.status is not SeqStatus.WAITING:
+            break
+        _advance(sched, 30)
+    assert head.num_cached_prompt == 0 and waiting.status is not SeqStatus.WAITING
+    assert kv.pool.get_pin(pin) is not None  # never reclaimed: the running sequence's end made room
+    assert waiting.num_cached_prompt == 64
+
+
+def _step(sched: Scheduler) -> list[tuple[str, list[int]]]:
+    """``_advance`` as ``LLMEngine`` runs it for requests with pulled pages (each ends at its own
+    ``max_tokens``): a request's admission pin
+    goes at its admission (``release_admission``; it holds its own refs then). Returns the requests the
+    step admitted, each with its pages at admission."""
+    waiting = list(sched.waiting)
+    out = sched.schedule()
+    admitted = [(seq.request_id, list(seq.page_ids)) for seq in waiting if seq.status is SeqStatus.RUNNING]
+    for c in out.chunks:
+        seq = c.seq
+        if seq.admission_pin is not None:
+            used = release_admission(sched.kv.pool, seq.admission_pin, seq.page_ids[: seq.num_computed // PAGE])
+            seq.num_pulled_prompt = used * PAGE
+            seq.admission_pin = None
+        seq.num_computed = c.start + c.num_tokens
+        sched.kv.publish_full_pages(seq)
+        if c.samples:
+            seq.output_ids.append(1000 + len(seq.output_ids))
+            if len(seq.output_ids) == seq.params.max_tokens:
+                sched.finish(seq, "length")
+    return admitted
+
+
+def _pulled_request(kv: KVCacheManager, sched: Scheduler, name: str, prefix: list[int], rest: list[int]) -> Sequence:
+    """A request ``prefix`` (64 tokens) + ``rest`` whose first 4 pages were pulled: the prefix computed
+    here (a seed of 65 tokens), its 4 full pages pinned for the request's admission (``Puller._adopt``)."""
+    seed = Sequence(f"seed-{name}", [*prefix, 0], SamplingParams(max_tokens=1), torch.Generator())
+    sched.add(seed)
+    while sched.has_work():
+        _advance(sched, 1)
+    pages = [kv.pool.lookup(h) for h in kv.page_hashes(seed, [page_id_bits(0)] * 4)]
+    held = [p for p in pages if p is not None]
+    assert len(held) == 4
+    seq = Sequence(name, [*prefix, *rest], SamplingParams(max_tokens=2), torch.Generator())
+    seq.admission_pin = pin_for_admission(kv.pool, held, pulled=held, ttl_s=60.0)
+    return seq
+
+
+def _idle_queue(num_pages: int, pulled: list[tuple[str, int, int]]) -> tuple[KVCacheManager, Scheduler, dict[str, Sequence]]:
+    """A pool of ``num_pages`` with nothing running; per ``(name, first token, new tokens)`` a request of
+    64 pulled tokens (4 pages pinned for its admission, in the order given) + that many new ones."""
+    kv = KVCacheManager(PagePool(num_pages, page_size=PAGE), page_size=PAGE)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, chunk_size=256), kv)
+    reqs = {name: _pulled_request(kv, sched, name, list(range(k, k + 64)), list(range(k + 5000, k + 5000 + r))) for name, k, r in pulled}
+    return kv, sched, reqs
+
+
+def _prompt(n: int) -> Sequence:
+    return Sequence("head", list(range(3000, 3000 + n)), SamplingParams(max_tokens=1), torch.Generator())
+
+
+def test_an_idle_queue_runs_a_pulled_request_that_fits_before_the_head_that_would_take_its_pages() -> None:
+    """10 pages, nothing running: a request's 4 pulled pages (0-3) pinned, 6 free, and ahead of it a
+    100-token prompt (7 pages) that fits only by taking them. The pulled request (65 tokens: one new
+    page) runs first, with all 64 of its pulled tokens; it ends a step later (2 tokens) and the head
+    takes its pages, cached now. Before, the head took the pin at step 1 (nothing ran to free pages)
+    and the pulled request computed its 64 tokens again."""
+    kv, sched, reqs = _idle_queue(10, [("a", 500, 1)])
+    a = reqs["a"]
+    assert kv.pool.num_free == 6 and [pin.page_ids for pin in kv.pool.pins()] == [(0, 1, 2, 3)]
+    head = _prompt(100)
+    sched.add(head)
+    sched.add(a)
+    steps = []
+    while sched.has_work():
+        steps.append(_step(sched))
+        assert len(steps) < 20
+    assert steps == [[("a", [0, 1, 2, 3, 4])], [], [("head", [0, 1, 2, 3, 4, 5, 6])]]
+    assert (a.num_cached_prompt, a.num_pulled_prompt) == (64, 64)
+    assert kv.pool.pins() == [] and kv.pool.num_free == 10
+
+
+def test_an_idle_queue_that_nothing_else_moves_takes_the_pins_and_runs_to_the_end() -> None:
+    """12 pages, nothing running: b's pulled pages 0-3 and c's 4-7 pinned, 4 free (8-11); b and c
+    (64 pulled + 80 new tokens: 9 pages, 5 new each) wait behind a 100-token prompt (7 pages). None
+    fits without someone's pins and nothing runs that would free pages, so the head takes the
+    earliest pin (b's) and runs (no deadlock); c's pin survives. At step 2 nothing runs again and b,
+    now the head, would fit only with c's pages: c (5 new pages, its own 4 pulled) runs ahead of it
+    with all 64 pulled tokens, and b, its pages taken at step 1, computes its prompt at step 4.
+    Before, b took c's pin at step 2 as well (c computed its 64 tokens again)."""
+    kv, sched, reqs = _idle_queue(12, [("b", 500, 80), ("c", 700, 80)])
+    b, c = reqs["b"], reqs["c"]
+    assert kv.pool.num_free == 4 and [pin.page_ids for pin in kv.pool.pins()] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    head = _prompt(100)
+    for seq in (head, b, c):
+        sched.add(seq)
+    steps = []
+    while sched.has_work():
+        steps.append(_step(sched))
+        assert len(steps) < 20, "the queue never drained"
+    assert steps == [
+        [("head", [0, 1, 2, 3, 8, 9, 10])],
+        [("c", [4, 5, 6, 7, 8, 9, 10, 11, 1])],
+        [],
+        [("b", [5, 6, 7, 8, 9, 10, 11, 0, 1])],
+        [],
+    ]
+    assert (c.num_cached_prompt, c.num_pulled_prompt) == (64, 64)
+    assert (b.num_cached_prompt, b.num_pulled_prompt) == (0, 0)
+    assert kv.pool.pins() == [] and kv.pool.num_free == 12
+
+
+def test_only_requests_queued_before_the_head_was_held_up_overtake_it() -> None:
+    """12 pages, nothing running: b's pulled pages 0-3 and c's 4-7 pinned, 4 free. At step 1 a
+    140-token prompt (9 pages) is held up and b (64 pulled + 40 new tokens: 3 new pages), queued
+    before that, runs ahead of it. c (64 + 20: 2 new pages) is queued only after step 1: when b ends
+    (step 2) and nothing runs, c would fit without pins but may not overtake the head, which takes
+    c's pin (8 pages free or cached, 9 needed) at step 3; c then finds one of its pulled pages still
+    cached. Without the bound a stream of late requests that fit could hold the head up forever."""
+    kv, sched, reqs = _idle_queue(12, [("b", 500, 40), ("c", 700, 20)])
+    b, c = reqs["b"], reqs["c"]
+    head = _prompt(140)
+    sched.add(head)
+    sched.add(b)
+    steps = [_step(sched)]
+    sched.add(c)
+    while sched.has_work():
+        steps.append(_step(sched))
+        assert len(steps) < 20
+    assert steps == [
+        [("b", [0, 1, 2, 3, 8, 9, 10])],
+        [],
+        [("head", [5, 6, 7, 8, 9, 10, 11, 0, 1])],
+        [("c", [4, 0, 1, 2, 3, 8])],
+        [],
+    ]
+    assert (b.num_cached_prompt, b.num_pulled_prompt) == (64, 64)
+    assert (c.num_cached_prompt, c.num_pulled_prompt) == (16, 0)
+    assert kv.pool.pins() == [] and kv.pool.num_free == 12

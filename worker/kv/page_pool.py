@@ -78,10 +78,11 @@ each end of its buffer, see ``_Region``):
   it gives up or preempts. Retained KV and pulled pages are bets on a next
   step; they must never starve the requests that can run now (else a pool
   full of them admits nothing until they expire). Pulled pages yield to the
-  growth of running sequences, to an admission only while nothing runs, and
-  never to a pull (``up_to``): a waiting request's pulled pages taken for
-  another request make it compute them again, and running sequences free
-  pages as they end. Released pages stay in the
+  growth of running sequences, never to a pull (``up_to``), and to an
+  admission only when nothing runs and no other waiting request fits
+  without them (``Scheduler._overtake``): a waiting request's pulled pages
+  taken for another request make it compute them again, and running
+  sequences free pages as they end. Released pages stay in the
   prefix cache (their hashes are kept), so a request whose pin went may still
   match them; a peer reading a released lease finds it gone and recomputes.
 """

@@ -12,7 +12,9 @@ Worker: kv_transfer_params; docs/worker-api.md)::
     READ    NIXL moves the pages, within ``transfer_timeout_s`` of the request for the
             hold, which lasts ``HOLD_MARGIN_S`` longer: the pages cannot change under it
     adopt   register the pages in the prefix cache and pin them, with the local prefix,
-            under an admission pin until the engine admits the request
+            under an admission pin until the engine admits the request; a pull that
+            reads nothing (skipped, or a fallback) pins its local prefix the same way
+            (taken from a waiting request, those pages are computed again just the same)
 
 Worth a READ: at least ``reuse.recompute_threshold_tokens``, or for "auto", when the
 measured transfer is predicted faster than the measured prefill. NIXL reads any page of a
@@ -45,7 +47,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
 from kvserving.config import ReuseConfig
@@ -308,24 +310,33 @@ class Puller:
         contact = self._calls.submit(self._contact, params) if params.engine_id != self.engine_id else None
         plan: _Plan | None = None
         result = PullResult()
+        read = False  # pages READ and adopted under an admission pin
         try:
             plan = self._on_engine(lambda: self._plan(ids, tag_list, params, cache_salt))
             ph.mark("plan")
             result = self._hold_read_adopt(plan, params, contact, t_send, ph)
+            read = result.admission_pin is not None
+            if not read and plan.local_pin is not None:
+                # nothing read: the local prefix it matched waits for the request as pulled pages do
+                local_pids, local_pin = list(plan.local_pids), plan.local_pin
+                pin = self._on_engine(lambda: self._adopt([], [], local_pids, local_pin))
+                plan.local_pin = None
+                result = replace(result, admission_pin=pin)
+                ph.mark("adopt")
         finally:
             if plan is not None and plan.local_pin is not None and result.admission_pin is None:
                 pin = plan.local_pin
                 self._on_engine(lambda: release_admission(self.engine.pool, pin, ()))
                 ph.mark("adopt")
             if contact is not None:
-                if result.admission_pin is None and single_use:
+                if not read and single_use:
                     # nothing read: wait for the hold (it consumes a prefill's single-use lease), so
                     # that pull returns with the sender's transfer lease already gone
                     wait([contact], timeout=self.reuse.peer_timeout_s + 1.0)
                     ph.mark("release")
                 # the hold is over once the READ is: let the sender free it, off the request's path
                 contact.add_done_callback(lambda f: self._later(self._release_contact, params, f))
-            elif result.admission_pin is None and single_use:
+            elif not read and single_use:
                 # nothing read and nobody asked (our own id): a prefill worker's single-use lease
                 # is no use to anyone now; free its pages at once rather than at its timeout
                 self._release_quietly(params.agent_url, params.lease_id)
@@ -400,7 +411,7 @@ class Puller:
         elif not self.worth_pulling(len(plan.want) * p, self.page_nbytes(plan.remote_pids)):
             plan.skipped = "below_threshold"
         if plan.local_pids:
-            # held only while the pull runs, and never reclaimed: ``_adopt`` re-pins these pages
+            # never reclaimed while the pull runs: ``_adopt`` re-pins these pages for the admission, read or not
             plan.local_pin = pin_for_admission(pool, plan.local_pids, pulled=(), ttl_s=self._pin_ttl(), reclaim=RECLAIM_NEVER)
         if plan.skipped is None and params.engine_id != self.engine_id:
             plan.local = self.allocate_for_pull([page_id_bits(pid) for pid in plan.remote_pids])
