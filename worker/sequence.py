@@ -41,6 +41,9 @@ class Sequence:
     num_computed: int = 0
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache at first admission
     page_hashes: list[int] = field(default_factory=list)  # chained hashes of the leading full pages
+    # the token chain (page_pool.chain_hashes) of the leading full pages, hashed once per request: the
+    # prefix-cache keys before a precision mark (KVCacheManager._token_chain_upto)
+    token_chain: list[int] = field(default_factory=list)
     num_registered_pages: int = 0  # leading full pages already published to the prefix cache
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None

@@ -128,3 +128,26 @@ def test_a_pool_full_of_retained_conversations_yields_to_a_new_request() -> None
     big = seq("big", [NOW] * 192, tokens=list(range(1000, 1192)))  # 6 pages: more than any reclaim frees
     assert not kv.allocate_until(big, big.num_tokens)
     assert pool.pin_ids() == ["xfer-hold"] and big.page_ids == []
+
+
+def test_a_waiting_request_is_hashed_once_however_often_its_admission_is_tried() -> None:
+    """A queue head that does not fit tries its admission every step: its pages' chain hashes are computed
+    once (``Sequence.token_chain``), equal to hashing them afresh, and its matches are unchanged."""
+    from kvserving.worker.kv.page_pool import chain_hashes
+
+    kv = KVCacheManager(PagePool(16, page_size=16), page_size=16)
+    tokens = list(range(300, 397))  # six full pages and one token
+    ids = run_and_cache(kv, seq("first", [NOW] * 97, tokens))
+    calls: list[int] = []
+
+    def counted(token_ids: list[int], page_size: int, tags: object = None, **kw: object) -> list[int]:
+        calls.append(len(token_ids) // page_size)
+        return chain_hashes(token_ids, page_size, None, **kw)  # type: ignore[arg-type]
+
+    kv.pool.chain_hashes = counted  # type: ignore[method-assign]
+    waiting = seq("waiting", [NOW] * 97, tokens)
+    for _ in range(5):  # matched, then given back as an admission that does not fit would
+        assert kv.match_prefix(waiting) == 96 and waiting.page_ids == ids[:6]
+        kv.free(waiting)
+    assert sum(calls) == 6  # each of the six full pages hashed once
+    assert waiting.token_chain == chain_hashes(tokens[:96], 16)

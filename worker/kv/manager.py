@@ -94,12 +94,27 @@ class KVCacheManager:
         them assistant, and the temporal part ages every turn; either would
         make retained pages miss.
         """
-        p = self.page_size
-        lo, hi = first * p, (first + len(bits)) * p
-        chain = self.pool.chain_hashes(seq.token_ids(lo, hi), p, None, parent=parent, salt=seq.cache_salt)
+        end = first + len(bits)
+        if len(seq.token_chain) >= first:  # the request's own chain: the same hashes, computed once
+            chain = self._token_chain_upto(seq, end)[first:end]
+        else:
+            p = self.page_size
+            chain = self.pool.chain_hashes(seq.token_ids(first * p, end * p), p, None, parent=parent, salt=seq.cache_salt)
         if not self.triaxial:
             return chain
         return [h ^ _PRECISION_MARK[b] for h, b in zip(chain, bits)]
+
+    def _token_chain_upto(self, seq: Sequence, num_pages: int) -> list[int]:
+        """``seq.token_chain`` grown to at least ``num_pages`` full pages (a page's tokens never change:
+        the chain is hashed once per request, not at every admission attempt of a waiting one)."""
+        have = len(seq.token_chain)
+        if have < num_pages:
+            p = self.page_size
+            parent = seq.token_chain[-1] if have else None
+            seq.token_chain.extend(
+                self.pool.chain_hashes(seq.token_ids(have * p, num_pages * p), p, None, parent=parent, salt=seq.cache_salt)
+            )
+        return seq.token_chain
 
     def held_page(self, page_hash: int) -> int | None:
         """The page cached under a triaxial ``page_hash`` or under its twin at the other precision
@@ -147,10 +162,11 @@ class KVCacheManager:
         max_pages = (seq.num_tokens - 1) // self.page_size
         wanted = self.page_bits_for(seq, 0, max_pages)
         matched: list[int] = []
-        parent: int | None = None
-        p = self.page_size
+        chains = seq.token_chain
         for i, want in enumerate(wanted):
-            chain = self.pool.chain_hashes(seq.token_ids(i * p, (i + 1) * p), p, None, parent=parent, salt=seq.cache_salt)[0]
+            if i == len(chains):  # hashed as far as the match goes, in growing runs
+                chains = self._token_chain_upto(seq, min(max_pages, 2 * i + 8))
+            chain = chains[i]
             found = None
             for bits in ((2, 4) if self.age_down else (4, 2)) if want == 2 else self._four_bit_matches:
                 h = chain ^ _PRECISION_MARK[bits] if self.triaxial else chain
@@ -160,7 +176,6 @@ class KVCacheManager:
                     break
             if found is None:
                 break
-            parent = chain
             seq.page_hashes.append(found[0])
             matched.append(found[1])
         if self.controller is not None:
