@@ -78,9 +78,9 @@ class KVCacheManager:
     def age_down(self) -> bool:
         return self._requantize is not None
 
-    def _page_hashes(self, seq: Sequence, first: int, bits: Seq[int], parent: int | None) -> list[int]:
-        """Hashes of pages [first, first + len(bits)) of ``seq`` stored at ``bits``; ``parent`` is
-        the token chain hash of page ``first - 1`` (``_token_chain``), None for page 0.
+    def _page_hashes(self, seq: Sequence, first: int, bits: Seq[int]) -> list[int]:
+        """Hashes of pages [first, first + len(bits)) of ``seq`` stored at ``bits`` (from the
+        request's token chain, ``_token_chain_upto``).
 
         A page's identity is its tokens (chained over the whole prefix) and the
         precision it is stored at: ``token chain hash XOR mark(bits)``, the mark
@@ -95,11 +95,7 @@ class KVCacheManager:
         make retained pages miss.
         """
         end = first + len(bits)
-        if len(seq.token_chain) >= first:  # the request's own chain: the same hashes, computed once
-            chain = self._token_chain_upto(seq, end)[first:end]
-        else:
-            p = self.page_size
-            chain = self.pool.chain_hashes(seq.token_ids(first * p, end * p), p, None, parent=parent, salt=seq.cache_salt)
+        chain = self._token_chain_upto(seq, end)[first:end]
         if not self.triaxial:
             return chain
         return [h ^ _PRECISION_MARK[b] for h, b in zip(chain, bits)]
@@ -124,14 +120,10 @@ class KVCacheManager:
             pid = self.pool.lookup(page_hash ^ _PRECISION_MARK[2] ^ _PRECISION_MARK[4])
         return pid
 
-    def _token_chain(self, page_hash: int, page_id: int) -> int:
-        """The token chain hash under a held page's stored hash (the parent of the next page)."""
-        return page_hash ^ _PRECISION_MARK[page_id_bits(page_id)] if self.triaxial else page_hash
-
     def page_hashes(self, seq: Sequence, bits: Seq[int]) -> list[int]:
         """Chained hashes of ``seq``'s leading ``len(bits)`` pages stored at ``bits``: the keys
         the prefix cache holds them under (KV transfer matches a sender's pages with these)."""
-        return self._page_hashes(seq, 0, bits, None)
+        return self._page_hashes(seq, 0, bits)
 
     def _extend_hashes(self, seq: Sequence, num_full_pages: int) -> None:
         """Hashes of the held pages up to ``num_full_pages``, at their stored precision."""
@@ -139,8 +131,7 @@ class KVCacheManager:
         if num_full_pages <= have:
             return
         bits = [page_id_bits(pid) for pid in seq.page_ids[have:num_full_pages]]
-        parent = self._token_chain(seq.page_hashes[-1], seq.page_ids[have - 1]) if have else None
-        seq.page_hashes.extend(self._page_hashes(seq, have, bits, parent))
+        seq.page_hashes.extend(self._page_hashes(seq, have, bits))
 
     def match_prefix(self, seq: Sequence) -> int:
         """Reuse cached pages for the longest known prefix; returns tokens reused.
