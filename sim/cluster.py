@@ -39,7 +39,7 @@ from kvserving.gateway.leases import LeaseTable
 from kvserving.gateway.router import WorkerView, choose_decode, choose_prefill, prefix_key
 from kvserving.sim.costs import CostModel
 from kvserving.sim.shapes import agent_shape
-from kvserving.sim.workers import SKIP_REASONS, DecodeWorker, PrefillWorker, PullOutcome, Req, Sim, WLease, Worker
+from kvserving.sim.workers import SKIP_REASONS, DecodeWorker, PrefillWorker, PullOutcome, PullRules, Req, Sim, WLease, Worker
 
 _BIG = 1 << 40  # pages of a conversation chain: bounded by the prompt, never by this
 
@@ -57,19 +57,7 @@ class ClusterSpec:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     kv_bytes_per_worker: int | None = None  # None: the cost model's
-    pull_reclaims: bool = True  # a KV pull's pages reclaim retained conversations (False: the worker before eb82190)
-    # a decode worker's KV pull without free pages waits for them (False: the worker before it, which skipped at once;
-    # a prefill worker's never waits)
-    pull_waits: bool = True
-    # pulled pages' admission pins yield to every allocation (the worker before a310ad2; else to a running sequence's
-    # growth, and to an admission only while nothing runs: see idle_overtakes)
-    pins_yield_always: bool = False
-    # nothing running and the queue's head does not fit without pins: the requests queued before it was held up that
-    # fit without them run first (False: the worker before, whose head took the pins at once)
-    idle_overtakes: bool = True
-    # a KV pull that reads nothing keeps the local prefix it matched pinned for its request's admission (False: the
-    # worker before, which left those pages to the LRU)
-    pull_pins_local: bool = True
+    rules: PullRules = PullRules()  # the workers' KV pull and admission-pin rules (the worker before each, to replay it)
 
     def __post_init__(self) -> None:
         if self.dtype not in DEFAULT_PAGE_SIZE:
@@ -162,13 +150,10 @@ class Simulator(Sim):
             costs=costs,
             reuse=cluster.reuse,
             sched=cluster.scheduler,
-            pull_reclaims=cluster.pull_reclaims,
-            pins_yield_always=cluster.pins_yield_always,
-            idle_overtakes=cluster.idle_overtakes,
-            pull_pins_local=cluster.pull_pins_local,
+            rules=cluster.rules,
         )
         self.prefill = [PrefillWorker(f"http://prefill-{i:05d}", **kw) for i in range(cluster.prefill_workers)]
-        self.decode = [DecodeWorker(f"http://decode-{i:05d}", pull_waits=cluster.pull_waits, **kw) for i in range(cluster.decode_workers)]
+        self.decode = [DecodeWorker(f"http://decode-{i:05d}", **kw) for i in range(cluster.decode_workers)]
         self._by_url: dict[str, Worker] = {w.url: w for w in [*self.prefill, *self.decode]}
         self._prefill_by_url = {w.url: w for w in self.prefill}
         self._decode_by_url = {w.url: w for w in self.decode}

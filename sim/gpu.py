@@ -14,9 +14,9 @@ p99 without a preemption (``long_ttft_p99``). The mark once stood for a first-us
 the stacks now capture every decode graph at start, and such a tail comes from requests queued
 behind the decode worker's prompt computation, which the simulator does not reproduce either.
 
-``pull_waits=False`` replays the worker before its pulls waited for pages (points measured
+``PullRules(pull_waits=False)`` replays the worker before its pulls waited for pages (points measured
 before it): a pull that finds no free page skips at once and the request recomputes.
-``pins_yield_always=True`` replays the worker before pulled pages' admission pins held against
+``PullRules(pins_yield_always=True)`` replays the worker before pulled pages' admission pins held against
 admissions while sequences run (every point of bench/results/agents_gpu_h200.json and of
 docs/performance-log/data/agents_gpu/ ran it, and skipped pulls at once): the queue's head that
 fails to fit, or a pull, takes the pulled pages of the requests waiting behind it.
@@ -34,6 +34,7 @@ from kvserving.sim.costs import CostModel
 from kvserving.sim.bench_results import bench_dtype, kv_bytes_per_worker, load_spec_from_dict
 from kvserving.sim.shared_gpu import SharedGpu
 from kvserving.sim.cluster import ClusterSpec, Simulator, percentile, run_bench_point
+from kvserving.sim.workers import PullRules
 
 # bench/agents.py stack_spec with a GPU model
 GPU_SCHEDULER = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192, chunk_size=4096)
@@ -84,15 +85,11 @@ def reproduce(
     costs: CostModel,
     *,
     only: set[tuple[str, int]] | None = None,
-    pull_waits: bool = True,
-    pins_yield_always: bool = False,
-    idle_overtakes: bool = True,
-    pull_pins_local: bool = True,
+    rules: PullRules = PullRules(),
 ) -> list[dict[str, Any]]:
     """One row per measured point (``only``: the (format, N) pairs to run): the simulated and
     the measured metrics, whether each meets its target, and the simulator's counters.
-    ``pull_waits``, ``pins_yield_always``, ``idle_overtakes``, ``pull_pins_local``: ``ClusterSpec``'s (the worker
-    before each rule)."""
+    ``rules``: the workers' pull and pin rules (the worker before a rule, to replay its points)."""
     try:
         load = bench_load(measured)
         points = list(measured["points"])
@@ -115,10 +112,7 @@ def reproduce(
                 costs,
                 reuse=reuse_for_mode(mode, ttl_s=ttl_s),
                 scheduler=GPU_SCHEDULER,
-                pull_waits=pull_waits,
-                pins_yield_always=pins_yield_always,
-                idle_overtakes=idle_overtakes,
-                pull_pins_local=pull_pins_local,
+                rules=rules,
             )
             sim = Simulator(cluster, load)
             stacks[key] = (sim, SharedGpu(sim, sim.prefill[0], sim.decode[0]))

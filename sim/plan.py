@@ -23,6 +23,7 @@ from kvserving.sim.bench_results import bench_dtype, kv_bytes_per_worker, load_s
 from kvserving.sim.costs import CostModel
 from kvserving.sim import cluster as pure
 from kvserving.sim.cluster import ClusterSpec, Population, Simulator, run_bench_point
+from kvserving.sim.workers import PullRules
 
 
 # ---------------------------------------------------------------------------------- capacity planning
@@ -74,7 +75,7 @@ def simulate_point(
 ) -> dict[str, Any]:
     """One population run. ``engine``: ``kvserving.sim.cluster`` or its compiled build
     (``sim_native.load()``); ``pop`` must be that module's ``Population``. ``pull_waits``:
-    ``ClusterSpec.pull_waits``."""
+    ``PullRules.pull_waits``."""
     prefill, decode = split_gpus(gpus, prefill_share)
     cluster = engine.ClusterSpec(
         dtype,
@@ -83,7 +84,7 @@ def simulate_point(
         costs,
         reuse=reuse or ReuseConfig(),
         scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, chunk_size=2048),
-        pull_waits=pull_waits,
+        rules=engine.PullRules(pull_waits=pull_waits),
     )
     sweep_s = max(30.0, min(cluster.gateway.lease_heartbeat_s, cluster.reuse.lease_ttl_s) / 4)
     sim = engine.Simulator(cluster, load, sweep_s=sweep_s)
@@ -342,10 +343,12 @@ def run(args: Any) -> int:
             rows = reproduce(
                 measured,
                 load_costs(args.costs if args.costs != "h200-8b" else "gpu-h200"),
-                pull_waits=not args.no_pull_wait,
-                pins_yield_always=args.pins_yield_always,
-                idle_overtakes=not args.no_idle_overtakes,
-                pull_pins_local=not args.no_pull_pins_local,
+                rules=PullRules(
+                    pull_waits=not args.no_pull_wait,
+                    pins_yield_always=args.pins_yield_always,
+                    idle_overtakes=not args.no_idle_overtakes,
+                    pull_pins_local=not args.no_pull_pins_local,
+                ),
             )
             print(format_rows(rows))
             if args.json:
@@ -466,25 +469,19 @@ def role_counters(point: dict[str, Any], *, simulated: bool) -> dict[str, Any]:
 # conversations (commit eb82190): its pulls were refused on a pool full of them, at once (a pull
 # waits for pages only since later still), and pulled pages' admission pins did not yet hold
 # against admissions while sequences ran (a310ad2)
-CPU_SWEEP_PULL_RECLAIMS = False
-CPU_SWEEP_PULL_WAITS = False
-CPU_SWEEP_PINS_YIELD_ALWAYS = True
+CPU_SWEEP_RULES = PullRules(pull_reclaims=False, pull_waits=False, pins_yield_always=True)
 
 
 def validate_points(
     measured: dict[str, Any],
     costs: CostModel,
     *,
-    pull_reclaims: bool = CPU_SWEEP_PULL_RECLAIMS,
-    pull_waits: bool = CPU_SWEEP_PULL_WAITS,
-    pins_yield_always: bool = CPU_SWEEP_PINS_YIELD_ALWAYS,
-    idle_overtakes: bool = True,
-    pull_pins_local: bool = True,
+    rules: PullRules = CPU_SWEEP_RULES,
 ) -> list[dict[str, Any]]:
     """Re-run bench/agents.py's points (same agents, KV budget, scheduler, reuse mode, one
     stack per format and mode, points in the order they ran) in the simulator; one row per
-    point with the simulated and the measured metrics. The pull and pin rules are
-    ``ClusterSpec``'s, by default the worker that measured bench/results/agents_cpu.json."""
+    point with the simulated and the measured metrics. ``rules``: the workers' pull and pin rules,
+    by default those of the worker that measured bench/results/agents_cpu.json."""
     from dataclasses import replace
 
     try:
@@ -513,11 +510,7 @@ def validate_points(
                 costs,
                 reuse=reuse_for_mode(mode, ttl_s=ttl_s),
                 scheduler=sched,
-                pull_reclaims=pull_reclaims,
-                pull_waits=pull_waits,
-                pins_yield_always=pins_yield_always,
-                idle_overtakes=idle_overtakes,
-                pull_pins_local=pull_pins_local,
+                rules=rules,
             )
             sims[key] = Simulator(cluster, load)
         # which agents the point ran: bench/agents.py's point_agents (1000 N .. 1000 N + N - 1),

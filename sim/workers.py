@@ -64,7 +64,7 @@ import heapq
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvserving.config import ReuseConfig, SchedulerConfig
@@ -75,6 +75,18 @@ from kvserving.worker.kv.leases import HOLD_MARGIN_S
 from kvserving.worker.kv.page_pool import PAGE_WAIT_POLL_S, PAGE_WAIT_SHARE
 
 SKIP_REASONS = ("nothing_to_pull", "below_threshold", "no_free_pages")  # ``PullResult.skipped``: nothing pulled, no fault
+
+
+@dataclass(slots=True, frozen=True)
+class PullRules:
+    """The KV pull and admission-pin rules a simulated worker follows: the current worker's by
+    default; each one turned off replays the worker before it, for points measured on that worker."""
+
+    pull_reclaims: bool = True  # a pull's pages reclaim retained conversations (``allocate_for_pull``)
+    pull_waits: bool = True  # a decode worker's pull without free pages waits for them (a prefill worker's never does)
+    pins_yield_always: bool = False  # admission pins yield to every allocation (the worker before the two rules below)
+    idle_overtakes: bool = True  # an idle queue's held-up head lets requests that fit without pins run first
+    pull_pins_local: bool = True  # a pull that reads nothing keeps the local prefix it matched pinned for admission
 
 
 @dataclass(slots=True, eq=False)
@@ -193,21 +205,17 @@ class Worker:
         costs: CostModel,
         reuse: ReuseConfig,
         sched: SchedulerConfig,
-        pull_reclaims: bool = True,
-        pull_waits: bool = True,
-        pins_yield_always: bool = False,
-        idle_overtakes: bool = True,
-        pull_pins_local: bool = True,
+        rules: PullRules = PullRules(),
     ) -> None:
         self.url = url
-        self.pull_reclaims = pull_reclaims  # ``allocate_for_pull``: retained conversations yield to a pull
-        self.pull_waits = pull_waits  # ``Puller.wait_for_pages``: a pull without pages waits for them (False: skips at once)
-        self.pins_yield_always = pins_yield_always  # admission pins yield to admissions and pulls while sequences run
+        self.pull_reclaims = rules.pull_reclaims  # ``allocate_for_pull``: retained conversations yield to a pull
+        self.pull_waits = rules.pull_waits  # ``Puller.wait_for_pages``: a pull without pages waits for them (False: skips at once)
+        self.pins_yield_always = rules.pins_yield_always  # admission pins yield to admissions and pulls while sequences run
         # an idle queue's head lets the requests queued before it was held up that fit without pins go first
-        self.idle_overtakes = idle_overtakes and not pins_yield_always
+        self.idle_overtakes = rules.idle_overtakes and not rules.pins_yield_always
         self._queued = 0  # requests ever queued (``Req.queued``)
         # a pull that read nothing pins its local prefix for admission (not in the worker before held pins)
-        self.pull_pins_local = pull_pins_local and not pins_yield_always
+        self.pull_pins_local = rules.pull_pins_local and not rules.pins_yield_always
         self._held_up: tuple[Req, int] | None = None  # ``Scheduler._held_up``
         self.page_wait_s = PAGE_WAIT_SHARE * reuse.transfer_timeout_s
         self._pulls: list[_PullWait] = []  # pulls waiting for pages, oldest first
@@ -1125,10 +1133,7 @@ class PrefillWorker(Worker):
         costs: CostModel,
         reuse: ReuseConfig,
         sched: SchedulerConfig,
-        pull_reclaims: bool = True,
-        pins_yield_always: bool = False,
-        idle_overtakes: bool = True,
-        pull_pins_local: bool = True,
+        rules: PullRules = PullRules(),
     ) -> None:
         super().__init__(
             url,
@@ -1139,11 +1144,8 @@ class PrefillWorker(Worker):
             costs=costs,
             reuse=reuse,
             sched=sched,
-            pull_reclaims=pull_reclaims,
-            pull_waits=False,  # its pages free only as decode workers pull its transfer leases, and its waits are TTFT
-            pins_yield_always=pins_yield_always,
-            idle_overtakes=idle_overtakes,
-            pull_pins_local=pull_pins_local,
+            # its pages free only as decode workers pull its transfer leases, and its waits are TTFT
+            rules=replace(rules, pull_waits=False),
         )
         self._view_by_load: dict[int, WorkerView] = {}
         self.merge_steps = False  # its steps are prompt chunks

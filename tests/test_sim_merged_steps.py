@@ -22,7 +22,7 @@ from kvserving.sim.costs import load_costs
 from kvserving.sim.bench_results import kv_bytes_per_worker
 from kvserving.sim.gpu import GPU_SCHEDULER, bench_dtype, bench_load
 from kvserving.sim.shared_gpu import SharedGpu
-from kvserving.sim.workers import Req, Worker
+from kvserving.sim.workers import PullRules, Req, Worker
 
 from sim_costs import tiny_costs
 
@@ -121,7 +121,14 @@ def test_merged_decode_steps_leave_a_preempting_decode_pool_with_waiting_pulls_a
     # (5 against 18) while more pulls give up (43 of 107 against 19 of 212).
     reuse = ReuseConfig(transfer_timeout_s=2.0)
     cluster = ClusterSpec(
-        "fp8_e4m3", 1, 1, costs, scheduler=sched, reuse=reuse, kv_bytes_per_worker=2 * 2**30, pins_yield_always=pins_yield_always
+        "fp8_e4m3",
+        1,
+        1,
+        costs,
+        scheduler=sched,
+        reuse=reuse,
+        kv_bytes_per_worker=2 * 2**30,
+        rules=PullRules(pins_yield_always=pins_yield_always),
     )
     pop = Population(48, 60.0, warmup_s=5.0, ramp_s=5.0, shapes=40)
     (s0, p0), (s1, p1) = _both(lambda merge: _population(merge, cluster=cluster, load=LONG_REPLIES, pop=pop))

@@ -11,7 +11,7 @@ import math
 from kvserving.agents.load import LoadSpec
 from kvserving.config import ReuseConfig, SchedulerConfig
 from kvserving.sim.cluster import ClusterSpec, Simulator, run_bench_point
-from kvserving.sim.workers import Req, WLease, Worker
+from kvserving.sim.workers import PullRules, Req, WLease, Worker
 from kvserving.worker.kv.page_pool import PAGE_WAIT_SHARE
 
 from sim_costs import tiny_costs
@@ -85,7 +85,7 @@ def _two_pulled_prompts(*, waits: bool) -> tuple[Simulator, list[tuple[int, floa
     at 0 s, B's at 5 ms. Returns the simulator, (turn, end) per reply, and whether B's offer was
     still held at 30 ms."""
     reuse = ReuseConfig(recompute_threshold_tokens=32)
-    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(7), reuse=reuse, pull_waits=waits), LoadSpec())
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(7), reuse=reuse, rules=PullRules(pull_waits=waits)), LoadSpec())
     pre, dec = sim.prefill[0], sim.decode[0]
     done: list[tuple[int, float]] = []
     dec.on_done = lambda req, now: done.append((req.turn_id, now))
@@ -176,7 +176,7 @@ def _queue_behind_a_pulled_prompt(*, running: bool, pins_yield_always: bool) -> 
     no sequence owns keeps them. Returns the simulator, H, W and the replies' turns in
     the order they ended."""
     reuse = ReuseConfig(recompute_threshold_tokens=32)
-    cluster = ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(8), reuse=reuse, pins_yield_always=pins_yield_always)
+    cluster = ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(8), reuse=reuse, rules=PullRules(pins_yield_always=pins_yield_always))
     sim = Simulator(cluster, LoadSpec())
     pre, dec = sim.prefill[0], sim.decode[0]
     done: list[int] = []
@@ -233,7 +233,9 @@ def test_an_idle_worker_runs_a_pulled_request_that_fits_before_the_queue_head_th
     and evicts one of its pages, W computes 33 and loses 16 pulled tokens."""
     for idle_overtakes in (True, False):
         reuse = ReuseConfig(recompute_threshold_tokens=32)
-        sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(8), reuse=reuse, idle_overtakes=idle_overtakes), LoadSpec())
+        sim = Simulator(
+            ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(8), reuse=reuse, rules=PullRules(idle_overtakes=idle_overtakes)), LoadSpec()
+        )
         pre, dec = sim.prefill[0], sim.decode[0]
         done: list[int] = []
         dec.on_done = lambda req, now: done.append(req.turn_id)
@@ -264,7 +266,7 @@ def test_a_pull_that_reads_nothing_keeps_the_local_prefix_it_matched_for_the_adm
     evicts one, and A computes tokens it had in place (``lost_tokens``)."""
     for pins_local in (True, False):
         reuse = ReuseConfig(recompute_threshold_tokens=32)
-        sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(6), reuse=reuse, pull_pins_local=pins_local), LoadSpec())
+        sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(6), reuse=reuse, rules=PullRules(pull_pins_local=pins_local)), LoadSpec())
         pre, dec = sim.prefill[0], sim.decode[0]
         pre.on_done = lambda req, now: None
         a = _req(1, 64, 4)
