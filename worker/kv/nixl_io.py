@@ -37,6 +37,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -187,7 +188,7 @@ class NixlIO:
         self._reg = self._agent.register_memory(regions, self.mem_type)
         self._remotes: dict[str, tuple[int, RemoteBuffers]] = {}  # engine id -> (generation, buffers)
         self._stuck: list[tuple[Any, tuple[int, ...]]] = []  # un-cancellable transfers, their local pages
-        self._reading: dict[str, int] = {}  # agent name -> READs from it in flight
+        self._reading: Counter[str] = Counter()  # agent name -> READs from it in flight
         self._poll_interval_s = poll_interval_s
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
@@ -224,7 +225,7 @@ class NixlIO:
             cached = self._remotes.get(engine_id)
             if cached is None:
                 return True
-            if unless_reading and self._reading.get(cached[1].agent_name, 0):
+            if unless_reading and self._reading[cached[1].agent_name]:
                 return False
             del self._remotes[engine_id]
             try:
@@ -261,7 +262,7 @@ class NixlIO:
         deadline = time.monotonic() + timeout_s
         handle = None
         with self._lock:
-            self._reading[peer.agent_name] = self._reading.get(peer.agent_name, 0) + 1
+            self._reading[peer.agent_name] += 1
         try:
             with self._lock:
                 ldesc = self._agent.get_xfer_descs(local, self.mem_type)
@@ -291,11 +292,7 @@ class NixlIO:
             raise TransferError(reason, f"{type(exc).__name__}: {exc}", pages_safe=safe) from exc
         finally:
             with self._lock:
-                left = self._reading[peer.agent_name] - 1
-                if left:
-                    self._reading[peer.agent_name] = left
-                else:
-                    del self._reading[peer.agent_name]
+                self._reading[peer.agent_name] -= 1
         with self._lock:
             handle.release()
         return ReadStats(nbytes, len(local), time.perf_counter() - t0, t_desc)
@@ -341,7 +338,7 @@ class NixlIO:
         """READs from the cached peer ``engine_id`` not yet ended (0 for a peer not cached)."""
         with self._lock:
             cached = self._remotes.get(engine_id)
-            return self._reading.get(cached[1].agent_name, 0) if cached is not None else 0
+            return self._reading[cached[1].agent_name] if cached is not None else 0
 
     # -- progress ---------------------------------------------------------------------------
     def progress(self) -> None:
