@@ -135,6 +135,10 @@ class _Phases:
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
+    def ms(self) -> dict[str, float]:
+        """The phases so far in milliseconds, rounded (for a log line)."""
+        return {k: round(v * 1e3, 1) for k, v in self.seconds.items()}
+
 
 @dataclass(slots=True)
 class _Plan:
@@ -609,7 +613,7 @@ class Puller:
                 "pull of lease %s from %s: no time left for the READ (ms spent: %s)",
                 params.lease_id,
                 params.agent_url,
-                {k: round(v * 1e3, 1) for k, v in ph.seconds.items()},
+                ph.ms(),
             )
             self._discard(local, safe=True)
             return "transfer_timeout", None
@@ -622,7 +626,7 @@ class Puller:
                 params.lease_id,
                 params.agent_url,
                 exc,
-                {k: round(v * 1e3, 1) for k, v in ph.seconds.items()},
+                ph.ms(),
             )
             if exc.reason != "transfer_timeout":
                 # a slow peer keeps its agent; a failed one is loaded fresh next time, unless
