@@ -299,6 +299,9 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
         # tokens a pull had in place that its request no longer found at admission (computed instead)
         "lost_tokens": float((stats.get("prompt_tokens") or {}).get("lost_before_admission", 0)),
         "page_wait_s": float(xfer.get("page_wait_seconds", 0.0)),
+        # bytes the worker's successful READs moved and their wall time: the transport's rate
+        "pulled_bytes": float(xfer.get("pulled_bytes", 0)),
+        "transfer_s": float(xfer.get("transfer_seconds", 0.0)),
         "evicted_pages": counter("kvserving_worker_kv_evicted_pages_total"),
         "reclaimed_leases": counter("kvserving_worker_kv_leases_reclaimed_total"),
         "preemptions": float(stats.get("preemptions", 0)),
@@ -481,6 +484,9 @@ def run_stack(
                 ):
                     point[f"{role}_{key}"] = int(after[role][key] - before[role][key])
                 point[f"{role}_page_wait_s"] = round(after[role]["page_wait_s"] - before[role]["page_wait_s"], 3)
+                read_bytes = after[role]["pulled_bytes"] - before[role]["pulled_bytes"]
+                read_s = after[role]["transfer_s"] - before[role]["transfer_s"]
+                point[f"{role}_read_gbs"] = round(read_bytes / read_s / 1e9, 2) if read_s > 0 else 0.0  # the READs that ended
                 for prefix, name in (("fallback_", "fallbacks"), ("skip_", "skips"), ("missed_", "missed_tokens")):
                     point[f"{role}_{name}"] = {  # by reason, the ones that moved
                         key.removeprefix(prefix): int(v - before[role].get(key, 0.0))
@@ -506,7 +512,7 @@ def run_stack(
                 f"D steps decode {point['decode_decode_steps']} x {point['decode_decode_step_ms']:.1f} ms, "
                 f"mixed {point['decode_mixed_steps']} x {point['decode_mixed_step_ms']:.1f} ms, "
                 f"computed {point['decode_computed_tokens']}, pulls {point['decode_pulls']}, skips {point['decode_skips']}, "
-                f"missed {point['decode_missed_tokens']}, lost {point['decode_lost_tokens']}, fallbacks {point['decode_fallbacks']}  errors {len(errors)}  {wall:.1f} s",
+                f"READ {point['decode_read_gbs']:.1f} GB/s, missed {point['decode_missed_tokens']}, lost {point['decode_lost_tokens']}, fallbacks {point['decode_fallbacks']}  errors {len(errors)}  {wall:.1f} s",
                 file=sys.stderr,
                 flush=True,
             )

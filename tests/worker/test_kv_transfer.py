@@ -434,6 +434,10 @@ def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer:
         assert time.monotonic() - t0 < 10.0
         assert (r["fallback"], r["pulled"], r["computed"], r["tokens"]) == ("transfer_timeout", 0, len(prompt2), expected)
         assert frozen.kvt.puller.fallbacks["transfer_timeout"] == 1
+        # "auto" learned a rate from the timed-out READ alone: its bytes over at most the 1 s it had
+        rate, tokens = frozen.kvt.puller.transfer_bytes_per_s, frozen.kvt.puller.missed_tokens["transfer_timeout"]
+        assert rate is not None and tokens > 0
+        assert rate >= frozen.kvt.puller.page_nbytes([0] * (tokens // frozen.kvt.puller.page_size)) / 1.0
         named = parse_lease_id(d1["params"]["lease_id"])
         assert named is not None  # a slow peer keeps its agent (dropping it would fail other pulls' READs from it)
         assert frozen.kvt.nixl.remote(d1["params"]["engine_id"], named[1]) is not None

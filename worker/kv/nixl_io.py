@@ -26,6 +26,13 @@ re-registered during transfer"), so a caller that drops a peer after a failed
 READ asks for ``forget_remote(..., unless_reading=True)``: other pulls' READs
 from the same peer must not fail with it.
 
+GPU buffers: UCX's ``cuda_ipc`` transport turns GET off ("auto") on GPUs
+without NVLink, and a READ is a GET: between two processes on one GPU, or
+GPUs linked only over PCIe, every READ then ran as TCP software emulation
+through host memory (0.5 GB/s on one H100, and stalled while the sender
+computed). A worker with VRAM buffers sets ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on``
+before its agent starts, unless the environment sets it (``ucx_defaults``).
+
 Thread-safety: every call into the NIXL agent holds ``NixlIO``'s own lock
 (the agent runs with NIXL's thread sync off).
 """
@@ -38,7 +45,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -47,7 +54,25 @@ import torch
 
 from kvserving.kernels.page_ids import page_byte_offset
 
+log = logging.getLogger(__name__)
+
 REASONS = ("remote_unreachable", "transfer_timeout", "transfer_failed")
+# UCX settings a worker with GPU buffers needs (module docstring); the environment's own value wins
+UCX_GPU_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+# a READ's wait: busy polls first (most READs end within them), then sleeps growing to the longest,
+# so READs waiting on a slow peer do not keep the engine thread from the interpreter
+POLL_SPINS = 200
+POLL_SLEEP_FIRST_S, POLL_SLEEP_MAX_S = 0.0002, 0.002
+
+
+def ucx_defaults(mem_type: str, environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Set in ``environ`` the UCX settings an agent over ``mem_type`` buffers needs and the
+    environment does not set; what was set."""
+    if mem_type != "VRAM":
+        return {}
+    applied = {k: v for k, v in UCX_GPU_DEFAULTS.items() if k not in environ}
+    environ.update(applied)
+    return applied
 
 
 def import_nixl() -> ModuleType:
@@ -180,6 +205,9 @@ class NixlIO:
         self.device_id = buffers.get_device() if buffers.is_cuda else 0
         self.addrs = tuple(int(buffers[layer].data_ptr()) for layer in range(buffers.shape[0]))
         self._lock = threading.RLock()
+        applied = ucx_defaults(self.mem_type)  # UCX reads its environment when the agent starts
+        if applied:
+            log.info("UCX settings for GPU buffers: %s", " ".join(f"{k}={v}" for k, v in applied.items()))
         config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
         self._agent: Any = api.nixl_agent(name, config)
         if "UCX" not in self._agent.backends:
@@ -269,15 +297,16 @@ class NixlIO:
                 rdesc = self._agent.get_xfer_descs(remote, self.mem_type)
                 handle = self._agent.initialize_xfer("READ", ldesc, rdesc, peer.agent_name)
                 state = self._agent.transfer(handle)
-            polls = 0
+            polls, nap = 0, POLL_SLEEP_FIRST_S
             while state == "PROC":
                 if time.monotonic() >= deadline:
                     released = self._abandon(handle, local_pages)
                     handle = None
                     raise TransferError("transfer_timeout", f"READ of {nbytes} bytes not done after {timeout_s:g} s", pages_safe=released)
                 polls += 1
-                if polls > 200:
-                    time.sleep(0.0002)
+                if polls > POLL_SPINS:
+                    time.sleep(min(nap, max(0.0, deadline - time.monotonic())))
+                    nap = min(2 * nap, POLL_SLEEP_MAX_S)
                 with self._lock:
                     state = self._agent.check_xfer_state(handle)
             if state != "DONE":

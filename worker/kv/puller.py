@@ -250,13 +250,15 @@ class Puller:
             return num_tokens >= DEFAULT_THRESHOLD_TOKENS
         return overhead + num_bytes / bw < num_tokens / tps
 
-    def measure(self, read_bytes: int, read_s: float, overhead_s: float) -> None:
-        """Fold one READ's rate and one pull's overhead into the "auto" measurements."""
+    def measure(self, read_bytes: int, read_s: float, overhead_s: float | None) -> None:
+        """Fold one READ's rate and one pull's overhead into the "auto" measurements (a READ that
+        timed out folds in its bytes over the time it had, a rate it did not reach, and no overhead)."""
         a = 0.3
         if read_s > 0 and read_bytes > 0:
             rate = read_bytes / read_s
             self.transfer_bytes_per_s = rate if self.transfer_bytes_per_s is None else (1 - a) * self.transfer_bytes_per_s + a * rate
-        self.pull_overhead_s = overhead_s if self.pull_overhead_s is None else (1 - a) * self.pull_overhead_s + a * overhead_s
+        if overhead_s is not None:
+            self.pull_overhead_s = overhead_s if self.pull_overhead_s is None else (1 - a) * self.pull_overhead_s + a * overhead_s
 
     def counters(self) -> dict[str, Any]:
         with self._counts_lock:
@@ -628,7 +630,10 @@ class Puller:
                 exc,
                 ph.ms(),
             )
-            if exc.reason != "transfer_timeout":
+            if exc.reason == "transfer_timeout":
+                with self._counts_lock:  # "auto" learns the transport is slower than this
+                    self.measure(self.page_nbytes(remote_pids), left, None)
+            else:
                 # a slow peer keeps its agent; a failed one is loaded fresh next time, unless
                 # other pulls are reading from it (dropping the agent would fail their READs too)
                 self.nixl.forget_remote(params.engine_id, unless_reading=True)
