@@ -2,7 +2,9 @@
 # Device-machine entry: make the repo importable as `kvserving` without installing,
 # carry FlashInfer wheels if present, run the gpu tests, then the benchmark.
 # Usage (repo root): bash bench/gpu_run.sh [STEPS] [bench args...]
-#   STEPS: comma-separated tests, bench (decode_gpu.py), extend (extend_gpu.py), all (= tests,bench), ncu (one decode
+#   STEPS: comma-separated tests, bench (decode_gpu.py), extend (extend_gpu.py), nixl (nixl_read_gpu.py: the READ
+#   between two processes on the GPU and the transport UCX chose), agents (agents.py --gpu with AGENTS_ARGS, default
+#   fp8 at 12,16,24 agents; its stacks' logs tarred into $OUT), all (= tests,bench), ncu (one decode
 #   launch per format named in the bench args) or ncux (the extend launches of profile_extend.py's NCUX_ARGS, default
 #   'nvfp4 tri fi': nvfp4, triaxial, FlashInfer bf16); NCU_METRICS=m1,m2 (ncu --metrics, regex: allowed) adds metrics to both.
 #   TESTS=paths limits the gpu tests (default: every test file under tests/ that holds a gpu-marked test, so the
@@ -19,7 +21,7 @@ set -uo pipefail
 what=${1:-all}; shift || true
 [ "$what" = all ] && what=tests,bench
 for step in ${what//,/ }; do
-  case "$step" in tests|bench|extend|ncu|ncux) ;; *) echo "gpu_run.sh: error: unknown step '$step' (tests, bench, extend, all, ncu or ncux)" >&2; exit 2;; esac
+  case "$step" in tests|bench|extend|nixl|agents|ncu|ncux) ;; *) echo "gpu_run.sh: error: unknown step '$step' (tests, bench, extend, nixl, agents, all, ncu or ncux)" >&2; exit 2;; esac
 done
 has() { [[ ",$what," == *",$1,"* ]]; }
 fail() { echo "gpu_run.sh: error: $*" >&2; exit 1; }
@@ -82,6 +84,17 @@ if has extend; then
   [ -n "$warm" ] && { wait $warm; cat $OUT/warm_fi.log; warm=""; }
   timeout ${T_EXTEND:-600} python3 bench/extend_gpu.py --out $OUT/extend_gpu.json ${EXTEND_ARGS:-} 2>&1 | tee $OUT/extend.log
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: extend benchmark failed (exit $rc, log in $OUT/extend.log)" >&2; status=1; }
+fi
+if has nixl; then
+  timeout ${T_NIXL:-240} python3 bench/nixl_read_gpu.py --out $OUT/nixl_read_gpu.json 2>&1 | grep -v '^\[' | tee $OUT/nixl.log
+  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: nixl_read_gpu.py failed (exit $rc, log in $OUT/nixl.log)" >&2; status=1; }
+fi
+if has agents; then
+  (cd bench && timeout ${T_AGENTS:-560} python3 agents.py --gpu ${AGENTS_ARGS:---formats fp8 --modes lease --concurrency 12,16,24 --point-s 110} \
+    --json $OUT/agents_gpu.json --run-dir /tmp/agents_run > $OUT/agents.log 2>&1)
+  rc=$?; tail -12 $OUT/agents.log
+  [ -d /tmp/agents_run ] && tar czf $OUT/agents_run.tgz -C /tmp agents_run
+  [ "$rc" = 0 ] || { echo "gpu_run.sh: error: agents.py failed (exit $rc, log in $OUT/agents.log)" >&2; status=1; }
 fi
 NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section WarpStateStats --section InstructionStats
   --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats ${NCU_METRICS:+--metrics $NCU_METRICS}"

@@ -676,6 +676,20 @@ def test_gpu_run_tests_step_runs_every_file_with_a_gpu_test(tmp_path: Path) -> N
     assert "tests/worker/test_server.py" not in ran  # no gpu test: its imports stay off the device's collection
 
 
+def test_gpu_run_nixl_and_agents_steps_run_their_benches_and_fail_with_them(tmp_path: Path) -> None:
+    # the stand-in python3 prints its arguments; the agents bench fails: the script says so and exits 1
+    fake = 'case "$*" in *agents.py*) echo "python3 $*"; exit 3;; *) echo "python3 $*"; exit 0;; esac'
+    proc = gpu_run(tmp_path, "nixl,agents", {"nvidia-smi": NVIDIA_SMI, "python3": fake})
+    out = tmp_path / "out"
+    assert proc.returncode == 1
+    assert f"python3 bench/nixl_read_gpu.py --out {out}/nixl_read_gpu.json" in proc.stdout
+    agents = (out / "agents.log").read_text()
+    assert (
+        f"python3 agents.py --gpu --formats fp8 --modes lease --concurrency 12,16,24 --point-s 110 --json {out}/agents_gpu.json" in agents
+    )
+    assert proc.stderr == f"gpu_run.sh: error: agents.py failed (exit 3, log in {out}/agents.log)\n"
+
+
 def test_the_packaged_crd_is_the_repositorys_and_admits_every_sample() -> None:
     from kvserving.operator.main import load_crd
     from kvserving.operator.validate import admit
