@@ -449,6 +449,26 @@ def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer:
             time.sleep(0.05)
         assert frozen.kvt.nixl.num_stuck == 0 and frozen.engine.pool.num_owned == 0
 
+        # once a prefill is measured, a READ runs at most as long as recomputing its tokens is predicted
+        # to take (+ 1 s), not the whole transfer_timeout_s (30 s here)
+        bounded = host.open(
+            "p-bounded", _spec(tiny_model_dir, "bf16", "p-bounded-1", transfer_timeout_s=30.0), hold_remote=hold_then_freeze
+        )
+        _turn2(bounded, "warm", _prompt(200, 23), None)
+        tps = bounded.kvt.puller.prefill_tokens_per_s
+        assert tps is not None
+        t0 = time.monotonic()
+        r = _turn2(bounded, "bounded", prompt2, d1["params"])
+        took = time.monotonic() - t0
+        os.kill(child.proc.pid, signal.SIGCONT)
+        assert (r["fallback"], r["pulled"], r["tokens"]) == ("transfer_timeout", 0, expected)
+        assert took < 10.0, took  # the bound (~1 s at the tiny model's prefill rate) ended the READ, not the 30 s
+        deadline = time.monotonic() + 10.0
+        while bounded.kvt.nixl.num_stuck and time.monotonic() < deadline:
+            bounded.kvt.puller.reap()
+            time.sleep(0.05)
+        assert bounded.kvt.nixl.num_stuck == 0
+
         def hold_then_kill(url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
             held = http_hold(url, lease_id, digest, hold_s, consume)
             child.proc.kill()  # dies between the hold and the READ

@@ -10,7 +10,10 @@ Worker: kv_transfer_params; docs/worker-api.md)::
             with its own record of the lease and pins those pages (``LeaseStore.hold``);
             sent before ``plan``, so the round trip overlaps it
     READ    NIXL moves the pages, within ``transfer_timeout_s`` of the request for the
-            hold, which lasts ``HOLD_MARGIN_S`` longer: the pages cannot change under it
+            hold, which lasts ``HOLD_MARGIN_S`` longer: the pages cannot change under it;
+            and, once a prefill is measured, within the time recomputing the pages' tokens
+            is predicted to take (``read_bound_s``): a slow transport costs a turn at most
+            twice the recompute, not the whole timeout
     adopt   register the pages in the prefix cache and pin them, with the local prefix,
             under an admission pin until the engine admits the request; a pull that
             reads nothing (skipped, or a fallback) pins its local prefix the same way
@@ -88,6 +91,8 @@ FALLBACK_REASONS = (
 # before the wait for them ended.
 SKIP_REASONS = ("nothing_to_pull", "below_threshold", "no_free_pages")
 DEFAULT_THRESHOLD_TOKENS = 64  # "auto" before both rates are measured
+# a READ runs at most as long as recomputing its tokens is predicted to take, plus this (``Puller.read_bound_s``)
+READ_BOUND_SLACK_S = 1.0
 # ``PullResult.phases``, on the request's path in this order: hash and match the prompt and
 # allocate (one engine-thread hop), wait for free pages (a full pool only), wait for the sender's
 # hold (sent before planning), build the READ's descriptors, the READ itself, register and pin the
@@ -249,6 +254,14 @@ class Puller:
         if tps is None or bw is None or overhead is None:
             return num_tokens >= DEFAULT_THRESHOLD_TOKENS
         return overhead + num_bytes / bw < num_tokens / tps
+
+    def read_bound_s(self, num_tokens: int) -> float | None:
+        """How long a READ of ``num_tokens`` may run before it is abandoned for recomputing them: the
+        measured prefill's time for those tokens plus ``READ_BOUND_SLACK_S`` (waiting longer than the
+        alternative costs bounds a pull at twice it, whatever the transport does); None before a
+        prefill is measured (``transfer_timeout_s`` alone bounds the READ)."""
+        tps = self.prefill_tokens_per_s
+        return None if tps is None else num_tokens / tps + READ_BOUND_SLACK_S
 
     def measure(self, read_bytes: int, read_s: float, overhead_s: float | None) -> None:
         """Fold one READ's rate and one pull's overhead into the "auto" measurements (a READ that
@@ -610,6 +623,9 @@ class Puller:
         ``transfer_timeout_s`` of the same instant, so the pages cannot change under it. On any
         failure the local pages are discarded unregistered and the reason returned."""
         left = self.reuse.transfer_timeout_s - (time.monotonic() - t_send)
+        bound = self.read_bound_s(len(local) * self.page_size)
+        if bound is not None and bound < left:
+            left = bound
         if left <= 0:
             log.warning(
                 "pull of lease %s from %s: no time left for the READ (ms spent: %s)",
