@@ -188,16 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as work:
         sender = _Sender(args.device, args.pages, Path(work))  # started before UCX_PROTO_INFO is set here
-        proto_info = os.environ.setdefault("UCX_PROTO_INFO", "y")  # the reader's protocol table
+        had_proto_info = "UCX_PROTO_INFO" in os.environ
+        os.environ.setdefault("UCX_PROTO_INFO", "y")  # the reader's protocol table
         try:
             transport = _measure(args, sender, rows)
         finally:
             sender.close()
+            if not had_proto_info:
+                del os.environ["UCX_PROTO_INFO"]
     doc = {
         "what": "bench/nixl_read_gpu.py: NixlIO READ between two processes on one device vs torch's copy of the same bytes",
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "transport": transport,
-        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_") and not (k == "UCX_PROTO_INFO" and v == proto_info)},
+        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "layers": LAYERS,
         "page_bytes": PAGE_BYTES,
         "read_pages": args.read_pages,
