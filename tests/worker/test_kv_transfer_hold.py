@@ -5,6 +5,7 @@ is fetched once per incarnation. Two engines in one process, real NIXL (UCX over
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -183,7 +184,7 @@ def test_a_pull_takes_one_hold_and_fetches_the_agent_once(pair: Pair) -> None:
     assert p.leases() == []
     # one agent fetch for this sender incarnation, one hold per pull, no other call before a READ
     assert (pair.calls["agent"], pair.calls["hold"]) == (1, 2)
-    assert {"plan", "lease_check", "descriptors", "read", "adopt", "contact_hold"} <= set(first.phases)
+    assert {"engine_wait", "plan", "lease_check", "descriptors", "read", "adopt", "contact_hold"} <= set(first.phases)
     assert first.phases["contact_agent"] > 0 and second.phases["contact_agent"] == 0.0
     _wait_no_holds(p)  # each hold released after its READ
     assert p.engine.pool.num_owned == 0
@@ -233,3 +234,27 @@ def test_forged_params_read_nothing(pair: Pair) -> None:
     res = p.pull(_ids(150, 6)[:144] + [5], None, forged)
     assert (res.fallback, res.pulled_tokens, res.admission_pin) == ("hash_mismatch", 0, None)
     assert p.engine.pool.num_owned == 0 and _holds(d) == []
+
+
+def test_a_pulls_wait_for_the_engine_thread_is_its_own_phase(pair: Pair) -> None:
+    """The plan's hop onto the engine thread: the wait for it (a step in flight, calls queued before) is
+    ``engine_wait``, the planning on it ``plan``."""
+    p, d = pair.p, pair.d
+    po = _run(p, "p0", _ids(150, 10), 1)
+    assert po.retained is not None
+    params = p.params_for(po.retained)
+    busy = threading.Event()
+
+    def engine_busy() -> None:  # a 0.3 s step on the decode's engine thread (its private lock here)
+        with d._lock:
+            busy.set()
+            time.sleep(0.3)
+
+    step = threading.Thread(target=engine_busy)
+    step.start()
+    busy.wait(5.0)
+    result = d.pull(_ids(150, 10), None, params)
+    step.join()
+    assert (result.pulled_tokens, result.fallback) == (144, None)
+    assert result.phases["engine_wait"] >= 0.2, result.phases
+    assert result.phases["plan"] < 0.2, result.phases

@@ -93,12 +93,24 @@ SKIP_REASONS = ("nothing_to_pull", "below_threshold", "no_free_pages")
 DEFAULT_THRESHOLD_TOKENS = 64  # "auto" before both rates are measured
 # a READ runs at most as long as recomputing its tokens is predicted to take, plus this (``Puller.read_bound_s``)
 READ_BOUND_SLACK_S = 1.0
-# ``PullResult.phases``, on the request's path in this order: hash and match the prompt and
-# allocate (one engine-thread hop), wait for free pages (a full pool only), wait for the sender's
-# hold (sent before planning), build the READ's descriptors, the READ itself, register and pin the
-# pages (one hop), wait for a hold that ended in no READ. ``contact_agent`` / ``contact_hold``: the agent fetch (first pull from an
-# incarnation only) and the hold's round trip, on a peer-call thread beside the planning.
-PULL_PHASES = ("plan", "page_wait", "lease_check", "descriptors", "read", "adopt", "release", "contact_agent", "contact_hold")
+# ``PullResult.phases``, on the request's path in this order: wait for the engine thread (the step
+# in flight and the calls queued before), hash and match the prompt and allocate (on it), wait for
+# free pages (a full pool only), wait for the sender's hold (sent before planning), build the READ's
+# descriptors, the READ itself, register and pin the pages (one hop), wait for a hold that ended in
+# no READ. ``contact_agent`` / ``contact_hold``: the agent fetch (first pull from an incarnation
+# only) and the hold's round trip, on a peer-call thread beside the planning.
+PULL_PHASES = (
+    "engine_wait",
+    "plan",
+    "page_wait",
+    "lease_check",
+    "descriptors",
+    "read",
+    "adopt",
+    "release",
+    "contact_agent",
+    "contact_hold",
+)
 
 FetchAgent = Callable[[str], dict[str, Any]]  # agent_url -> GET /internal/kv/agent's body
 HoldRemote = Callable[[str, str, str, float, bool], dict[str, Any]]  # url, lease, digest, hold_s, consume
@@ -331,8 +343,17 @@ class Puller:
         result = PullResult()
         read = False  # pages READ and adopted under an admission pin
         try:
-            plan = self._on_engine(lambda: self._plan(ids, tag_list, params, cache_salt))
+            queued = time.perf_counter()
+            started: list[float] = []
+
+            def plan_on_engine() -> _Plan:
+                started.append(time.perf_counter())
+                return self._plan(ids, tag_list, params, cache_salt)
+
+            plan = self._on_engine(plan_on_engine)
             ph.mark("plan")
+            ph.add("plan", queued - started[0])  # of it, the wait for the engine thread (the step in flight, hops before)
+            ph.add("engine_wait", started[0] - queued)
             result = self._hold_read_adopt(plan, params, contact, t_send, ph)
             read = result.admission_pin is not None
             if not read and plan.local_pin is not None:
