@@ -191,6 +191,27 @@ class PageCache:
         hold.loose += n
         return True
 
+    def could_fit_after_release(self, holds: Sequence[Hold], n: int) -> bool:
+        """Whether ``allocate(n)`` could succeed once every hold in ``holds`` let go
+        (``PagePoolBase.could_fit_after_reclaim``): their loose pages, and the chain pages no
+        other holder keeps, would be free or cached."""
+        if n <= self.free:
+            return True
+        freed = 0
+        gone: dict[Key, dict[int, int]] = {}
+        for hold in holds:
+            freed += hold.loose
+            for key, extent in hold.extents.items():
+                counts = gone.setdefault(key, {})
+                counts[extent] = counts.get(extent, 0) + 1
+        for key, counts in gone.items():
+            chain = self._chains.get(key)
+            if chain is None:
+                continue
+            kept = [e for e, holders in chain.extents.items() if holders > counts.get(e, 0)]
+            freed += chain.owned - (max(kept) if kept else 0)
+        return n <= self.free + freed
+
     def publish(self, hold: Hold, segments: Segments, start: int, end: int) -> None:
         """Pages ``[start, end)`` of ``segments``, which ``hold`` owns as loose pages, join their
         chains where they extend them (``hold`` keeps refs on the chain up to ``end``); the

@@ -135,6 +135,7 @@ class WLease:
     pages: int  # full pages it holds (num_tokens // page_size)
     stable: int  # of those, the leading pages later prompts repeat (the hashes that match)
     reclaimable: bool = False  # a retained conversation: released early when pages run out
+    yields: bool = False  # pulled pages waiting for admission: released early after retained conversations
     gone: bool = False  # released (no longer in its worker's ``leases``)
 
     def alive(self, now: float) -> bool:
@@ -765,7 +766,7 @@ class Worker:
             elif now + ttl_s < run.expiry:
                 run.expiry = now + ttl_s  # nor may a step timed later
         self._lease_seq += 1
-        lease = WLease(f"{prefix}{self.url}-{self._lease_seq}", self, hold, now + ttl_s, conv, pages, stable, reclaimable)
+        lease = WLease(f"{prefix}{self.url}-{self._lease_seq}", self, hold, now + ttl_s, conv, pages, stable, reclaimable, yields)
         self.leases[lease.lease_id] = lease
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
         if reclaimable:
@@ -809,8 +810,14 @@ class Worker:
 
     def allocate(self, hold: Hold, n: int, now: float, *, pins: bool = True) -> bool:
         """``KVCacheManager.allocate_until``: retained conversations yield to live requests, then
-        (``pins``) admission pins."""
-        while not self.cache.allocate(hold, n):
+        (``pins``) admission pins; none yields when all of them together would not make room."""
+        cache = self.cache
+        if cache.allocate(hold, n):
+            return True
+        yielding = [lease.hold for lease in self.leases.values() if lease.reclaimable or (pins and lease.yields)]
+        if not cache.could_fit_after_release(yielding, n):
+            return False
+        while not cache.allocate(hold, n):
             if not self.reclaim_one(now, pins=pins):
                 return False
         return True

@@ -97,6 +97,28 @@ def test_publish_keeps_the_first_copy_and_frees_duplicates_on_release() -> None:
     assert cache.used == 3 and cache.owned("sys") == 3
 
 
+def test_could_fit_after_release_counts_only_pages_no_other_holder_keeps() -> None:
+    """``PagePoolBase.could_fit_after_reclaim``'s mirror: what the yielding holds alone keep, and their
+    loose pages, would be free; a chain page another holder also holds would not."""
+    cache = PageCache(10)
+    conv, running, lease = cache.new_hold(), cache.new_hold(), cache.new_hold()
+    assert cache.allocate(conv, 4)
+    cache.publish(conv, [("c", 10)], 0, 4)  # conv holds c[0, 4)
+    cache.ref(running, [("c", 10)], 2)  # a running request shares c[0, 2)
+    assert cache.allocate(lease, 3)  # 3 loose pages
+    assert cache.allocate(cache.new_hold(), 2)  # 1 page free now
+    assert cache.free == 1
+    assert cache.could_fit_after_release([], 1) and not cache.could_fit_after_release([], 2)
+    # conv letting go frees c[2, 4) only (running keeps c[0, 2)): 1 + 2 pages
+    assert cache.could_fit_after_release([conv], 3) and not cache.could_fit_after_release([conv], 4)
+    # both: 1 + 2 + 3 loose
+    assert cache.could_fit_after_release([conv, lease], 6) and not cache.could_fit_after_release([conv, lease], 7)
+    cache.release(conv)
+    cache.release(lease)
+    other = cache.new_hold()
+    assert cache.allocate(other, 6) and not cache.allocate(cache.new_hold(), 1)  # the check was exact
+
+
 def test_shared_prefix_segments_match_across_chains() -> None:
     cache = PageCache(20)
     h = cache.new_hold()

@@ -126,6 +126,15 @@ class TriaxialPagePool(PagePoolBase):
         region = self._r[_check_bits(bits)]
         return region.hwm - region.num_free - (0 if cached else len(region.lru))
 
+    def _room_of(self, bits: int) -> int:
+        return self._bytes[bits]  # bytes
+
+    def _room_referenced(self) -> int:
+        return sum(self.held_pages(bits=b, cached=False) * self._bytes[b] for b in BITS)
+
+    def _room_total(self) -> int:
+        return self.total_bytes
+
     @property
     def num_free(self) -> int:
         """Pages allocatable at either precision (the smaller of the two counts)."""

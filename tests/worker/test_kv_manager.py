@@ -127,7 +127,36 @@ def test_a_pool_full_of_retained_conversations_yields_to_a_new_request() -> None
     kv.free(new)
     big = seq("big", [NOW] * 192, tokens=list(range(1000, 1192)))  # 6 pages: more than any reclaim frees
     assert not kv.allocate_until(big, big.num_tokens)
-    assert pool.pin_ids() == ["xfer-hold"] and big.page_ids == []
+    # nothing yields for a request that would not fit even then (conv-other's pages stay protected)
+    assert pool.pin_ids() == ["xfer-hold", "conv-other"] and big.page_ids == [] and pool.reclaimed_pins == 1
+    five = seq("five", [NOW] * 160, tokens=list(range(2000, 2160)))  # 5 pages: fits once conv-other yields
+    assert kv.allocate_until(five, five.num_tokens)
+    assert pool.pin_ids() == ["xfer-hold"] and pool.reclaimed_pins == 2
+
+
+def test_a_triaxial_pool_releases_no_pin_for_a_request_that_would_not_fit_in_bytes() -> None:
+    """The room check counts bytes where INT4 and INT2 pages share one buffer: pins yield only when the
+    pages left referenced and the request's pages fit the buffer together."""
+    pool = TriaxialPagePool(8 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=32)
+    kv = KVCacheManager(pool, page_size=32, bits_table=TABLE)
+    held = seq("held", [NOW] * 96, tokens=list(range(100, 196)))  # 3 INT4 pages
+    assert kv.allocate_until(held, held.num_tokens)
+    held.num_computed = held.num_tokens
+    kv.publish_full_pages(held)
+    pool.pin("conv", held.page_ids[:2], ttl_s=100, reclaim=RECLAIM_FIRST)
+    pool.pin("hold", held.page_ids[2:], ttl_s=100)  # a hard pin: never yields
+    kv.free(held)
+    filler = seq("filler", [OLD] * 160, tokens=list(range(300, 460)))  # 5 INT2 pages (2.5 KiB) stay owned
+    assert kv.allocate_until(filler, filler.num_tokens)
+    # 8 KiB: 3 KiB pinned (2 of it yields), 2.5 KiB owned; 5 INT4 pages (5 KiB) need the conversation's 2 KiB
+    # and still do not fit (1 KiB + 2.5 KiB + 5 KiB > 8 KiB): nothing is released
+    wide = seq("wide", [NOW] * 160, tokens=list(range(600, 760)))
+    assert not kv.allocate_until(wide, wide.num_tokens)
+    assert pool.pin_ids() == ["conv", "hold"] and pool.reclaimed_pins == 0
+    # 4 INT4 pages (4 KiB) fit once the conversation yields: it does
+    four = seq("four", [NOW] * 128, tokens=list(range(800, 928)))
+    assert kv.allocate_until(four, four.num_tokens)
+    assert pool.pin_ids() == ["hold"] and pool.reclaimed_pins == 1
 
 
 def test_a_waiting_request_is_hashed_once_however_often_its_admission_is_tried() -> None:

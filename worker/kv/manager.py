@@ -347,9 +347,11 @@ class KVCacheManager:
         after = seq.page_ids[-1] if seq.page_ids else None
         expect = -(-seq.num_tokens // self.page_size) - first
         got = self.pool.allocate_next(bits, after=after, expect=expect)
-        # retained conversations yield to live requests, least recently active first
-        while got is None and self.pool.reclaim_one(reclaim_up_to) is not None:
-            got = self.pool.allocate_next(bits, after=after, expect=expect)
+        # retained conversations yield to live requests, least recently active first (none yields
+        # when all of them together would not make room)
+        if got is None and self.pool.could_fit_after_reclaim(bits, reclaim_up_to):
+            while got is None and self.pool.reclaim_one(reclaim_up_to) is not None:
+                got = self.pool.allocate_next(bits, after=after, expect=expect)
         if got is None:
             return False
         seq.page_ids.extend(got)

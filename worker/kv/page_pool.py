@@ -98,6 +98,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvserving.kernels.page_ids import page_id_bits
+
 # Which pins ``reclaim_one`` may release before they expire, lowest class first.
 RECLAIM_NEVER = 0  # transfer holds a peer is about to READ, tests' pins
 RECLAIM_FIRST = 1  # retained conversations (a bet on a next turn)
@@ -581,6 +583,27 @@ class PagePoolBase:
             self.release(pin.pin_id)
         return [pin.pin_id for pin in expired]
 
+    def could_fit_after_reclaim(self, page_bits: Sequence[int], up_to: int = RECLAIM_LAST) -> bool:
+        """Whether ``allocate(page_bits)`` could succeed once every reclaimable pin of a class up to
+        ``up_to`` yielded: the room the pages still referenced then leave holds them (a necessary
+        condition, exact for ``PagePool``). False means reclaiming would release pins for nothing."""
+        yielding = Counter(
+            pid for pin in self._pins.values() if pin.reclaim != RECLAIM_NEVER and pin.reclaim <= up_to for pid in pin.page_ids
+        )
+        freed = sum(self._room_of(page_id_bits(pid)) for pid, n in yielding.items() if self._pages[pid].ref_count == n)
+        return self._room_referenced() - freed + sum(self._room_of(b) for b in page_bits) <= self._room_total()
+
+    def _room_of(self, bits: int) -> int:
+        """Room one page of ``bits`` takes (in ``_room_total``'s units)."""
+        raise NotImplementedError
+
+    def _room_referenced(self) -> int:
+        """Room the pages with a ref (owned or pinned) take now."""
+        raise NotImplementedError
+
+    def _room_total(self) -> int:
+        raise NotImplementedError
+
     def reclaim_one(self, up_to: int = RECLAIM_LAST) -> str | None:
         """Release the reclaimable pin of the lowest ``reclaim`` class (at most ``up_to``), earliest
         expiry first; its id, or None if there is none."""
@@ -638,6 +661,15 @@ class PagePool(PagePoolBase):
     def num_free_pages(self, *, bits: int) -> int:
         _check_plain_bits([bits])
         return self.num_free
+
+    def _room_of(self, bits: int) -> int:
+        return 1  # pages
+
+    def _room_referenced(self) -> int:
+        return self.num_pages - self.num_free
+
+    def _room_total(self) -> int:
+        return self.num_pages
 
     def free_runs(self) -> list[tuple[int, int]]:
         """Free (never cached) pages as runs ``(start, length)``, by start."""

@@ -469,8 +469,9 @@ class Puller:
         """
         pool = self.engine.pool
         got = pool.allocate(bits)
-        while got is None and pool.reclaim_one(RECLAIM_FIRST) is not None:
-            got = pool.allocate(bits)
+        if got is None and pool.could_fit_after_reclaim(bits, RECLAIM_FIRST):
+            while got is None and pool.reclaim_one(RECLAIM_FIRST) is not None:
+                got = pool.allocate(bits)
         return got
 
     def wait_for_pages(self, bits: list[int], *, until: float) -> list[int] | None:
