@@ -85,11 +85,14 @@ if has extend; then
   timeout ${T_EXTEND:-600} python3 bench/extend_gpu.py --out $OUT/extend_gpu.json ${EXTEND_ARGS:-} 2>&1 | tee $OUT/extend.log
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: extend benchmark failed (exit $rc, log in $OUT/extend.log)" >&2; status=1; }
 fi
-if has nixl; then
-  timeout ${T_NIXL:-240} python3 bench/nixl_read_gpu.py --out $OUT/nixl_read_gpu.json 2>&1 | grep -v '^\[' | tee $OUT/nixl.log
-  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: nixl_read_gpu.py failed (exit $rc, log in $OUT/nixl.log)" >&2; status=1; }
+nixl_ok=1
+if has nixl; then  # the READ between two processes on the GPU must go over CUDA IPC, or the agent points measure TCP
+  timeout ${T_NIXL:-240} python3 bench/nixl_read_gpu.py --require-transport cuda_ipc --out $OUT/nixl_read_gpu.json 2>&1 | grep -v '^\[' | tee $OUT/nixl.log
+  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: nixl_read_gpu.py failed (exit $rc, log in $OUT/nixl.log)" >&2; status=1; nixl_ok=0; }
 fi
-if has agents; then
+if has agents && [ "$nixl_ok" = 0 ]; then
+  echo "gpu_run.sh: error: agents step skipped: the READ between two processes on the GPU is not over CUDA IPC" >&2
+elif has agents; then
   (cd bench && timeout ${T_AGENTS:-560} python3 agents.py --gpu ${AGENTS_ARGS:---formats fp8 --modes lease --concurrency 12,16,24 --point-s 110} \
     --json $OUT/agents_gpu.json --run-dir /tmp/agents_run > $OUT/agents.log 2>&1)
   rc=$?; tail -12 $OUT/agents.log

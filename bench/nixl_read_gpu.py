@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout-s", type=float, default=20.0, help="one READ's deadline")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--require-transport", default=None, help="exit 1 (after writing --out) unless UCX's READ transport names this, e.g. cuda_ipc"
+    )
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the sender process
     ap.add_argument("--meta", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -210,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.write_text(dumps(doc))
         print(f"wrote {args.out}")
+    if args.require_transport and args.require_transport not in transport:
+        print(f"nixl_read_gpu.py: error: the READ ran over {transport!r}, not {args.require_transport}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -682,12 +682,23 @@ def test_gpu_run_nixl_and_agents_steps_run_their_benches_and_fail_with_them(tmp_
     proc = gpu_run(tmp_path, "nixl,agents", {"nvidia-smi": NVIDIA_SMI, "python3": fake})
     out = tmp_path / "out"
     assert proc.returncode == 1
-    assert f"python3 bench/nixl_read_gpu.py --out {out}/nixl_read_gpu.json" in proc.stdout
+    assert f"python3 bench/nixl_read_gpu.py --require-transport cuda_ipc --out {out}/nixl_read_gpu.json" in proc.stdout
     agents = (out / "agents.log").read_text()
     assert (
         f"python3 agents.py --gpu --formats fp8 --modes lease --concurrency 12,16,24 --point-s 110 --json {out}/agents_gpu.json" in agents
     )
     assert proc.stderr == f"gpu_run.sh: error: agents.py failed (exit 3, log in {out}/agents.log)\n"
+
+
+def test_gpu_run_skips_the_agents_step_when_the_read_is_not_over_cuda_ipc(tmp_path: Path) -> None:
+    fake = 'case "$*" in *nixl_read_gpu.py*) echo "python3 $*"; exit 1;; *) echo "python3 $*"; exit 0;; esac'
+    proc = gpu_run(tmp_path, "nixl,agents", {"nvidia-smi": NVIDIA_SMI, "python3": fake})
+    out = tmp_path / "out"
+    assert proc.returncode == 1 and not (out / "agents.log").exists()
+    assert proc.stderr == (
+        f"gpu_run.sh: error: nixl_read_gpu.py failed (exit 1, log in {out}/nixl.log)\n"
+        "gpu_run.sh: error: agents step skipped: the READ between two processes on the GPU is not over CUDA IPC\n"
+    )
 
 
 def test_the_packaged_crd_is_the_repositorys_and_admits_every_sample() -> None:
