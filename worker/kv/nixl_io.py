@@ -28,9 +28,9 @@ from the same peer must not fail with it.
 
 GPU buffers: UCX's ``cuda_ipc`` transport turns GET off ("auto") on GPUs
 without NVLink, and a READ is a GET: between two processes on one GPU, or
-GPUs linked only over PCIe, every READ then ran as TCP software emulation
-through host memory (0.5 GB/s on one H100, and stalled while the sender
-computed). A worker with VRAM buffers sets ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on``
+GPUs linked only over PCIe, every READ then runs as TCP software emulation
+through host memory (0.5 GB/s on one H100, stalling while the sender
+computes). A worker with VRAM buffers sets ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on``
 before its agent starts, unless the environment sets it (``ucx_defaults``).
 
 Thread-safety: every call into the NIXL agent holds ``NixlIO``'s own lock
