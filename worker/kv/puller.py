@@ -92,7 +92,7 @@ FALLBACK_REASONS = (
 SKIP_REASONS = ("nothing_to_pull", "below_threshold", "no_free_pages")
 DEFAULT_THRESHOLD_TOKENS = 64  # "auto" before both rates are measured
 # a READ runs at most as long as recomputing its tokens is predicted to take, plus this (``Puller.read_bound_s``)
-READ_BOUND_SLACK_S = 1.0
+READ_BOUND_SLACK_S = 2.0  # room for a loaded host; still far under the 10 s default timeout
 # ``PullResult.phases``, on the request's path in this order: wait for the engine thread (the step
 # in flight and the calls queued before), hash and match the prompt and allocate (on it), wait for
 # free pages (a full pool only), wait for the sender's hold (sent before planning), build the READ's
