@@ -336,7 +336,7 @@ class KVCacheManager:
 
     def allocate_until(self, seq: Sequence, num_tokens: int, *, reclaim_up_to: int = RECLAIM_LAST) -> bool:
         """Make sure pages cover the first ``num_tokens`` tokens; all or nothing. Reclaimable pins
-        of a class up to ``reclaim_up_to`` yield first (``PagePoolBase.reclaim_one``)."""
+        of a class up to ``reclaim_up_to`` yield first, when that can help (``PagePoolBase.allocate_reclaiming``)."""
         need = -(-num_tokens // self.page_size) - len(seq.page_ids)
         if need <= 0:
             return True
@@ -346,12 +346,8 @@ class KVCacheManager:
         # placement hints: extend the sequence's last page in place, room for all its known tokens
         after = seq.page_ids[-1] if seq.page_ids else None
         expect = -(-seq.num_tokens // self.page_size) - first
-        got = self.pool.allocate_next(bits, after=after, expect=expect)
-        # retained conversations yield to live requests, least recently active first (none yields
-        # when all of them together would not make room)
-        if got is None and self.pool.could_fit_after_reclaim(bits, reclaim_up_to):
-            while got is None and self.pool.reclaim_one(reclaim_up_to) is not None:
-                got = self.pool.allocate_next(bits, after=after, expect=expect)
+        # retained conversations yield to live requests, least recently active first
+        got = self.pool.allocate_reclaiming(bits, up_to=reclaim_up_to, after=after, expect=expect)
         if got is None:
             return False
         seq.page_ids.extend(got)

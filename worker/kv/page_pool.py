@@ -583,13 +583,25 @@ class PagePoolBase:
             self.release(pin.pin_id)
         return [pin.pin_id for pin in expired]
 
+    def allocate_reclaiming(self, page_bits: Sequence[int], *, up_to: int, after: int | None = None, expect: int = 0) -> list[int] | None:
+        """``allocate_next``; when the pages do not fit, reclaimable pins of a class up to ``up_to``
+        yield one at a time (``reclaim_one``) until they do, none when all of them together would
+        not make room (``could_fit_after_reclaim``)."""
+        got = self.allocate_next(page_bits, after=after, expect=expect)
+        if got is None and self.could_fit_after_reclaim(page_bits, up_to):
+            while got is None and self.reclaim_one(up_to) is not None:
+                got = self.allocate_next(page_bits, after=after, expect=expect)
+        return got
+
+    def _reclaimable(self, up_to: int) -> list[Pin]:
+        """The pins ``reclaim_one(up_to)`` may release."""
+        return [pin for pin in self._pins.values() if pin.reclaim != RECLAIM_NEVER and pin.reclaim <= up_to]
+
     def could_fit_after_reclaim(self, page_bits: Sequence[int], up_to: int = RECLAIM_LAST) -> bool:
         """Whether ``allocate(page_bits)`` could succeed once every reclaimable pin of a class up to
         ``up_to`` yielded: the room the pages still referenced then leave holds them (a necessary
         condition, exact for ``PagePool``). False means reclaiming would release pins for nothing."""
-        yielding = Counter(
-            pid for pin in self._pins.values() if pin.reclaim != RECLAIM_NEVER and pin.reclaim <= up_to for pid in pin.page_ids
-        )
+        yielding = Counter(pid for pin in self._reclaimable(up_to) for pid in pin.page_ids)
         freed = sum(self._room_of(page_id_bits(pid)) for pid, n in yielding.items() if self._pages[pid].ref_count == n)
         return self._room_referenced() - freed + sum(self._room_of(b) for b in page_bits) <= self._room_total()
 
@@ -607,7 +619,7 @@ class PagePoolBase:
     def reclaim_one(self, up_to: int = RECLAIM_LAST) -> str | None:
         """Release the reclaimable pin of the lowest ``reclaim`` class (at most ``up_to``), earliest
         expiry first; its id, or None if there is none."""
-        candidates = [pin for pin in self._pins.values() if pin.reclaim != RECLAIM_NEVER and pin.reclaim <= up_to]
+        candidates = self._reclaimable(up_to)
         if not candidates:
             return None
         pin = min(candidates, key=lambda pin: (pin.reclaim, pin.expires_at))

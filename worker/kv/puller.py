@@ -467,12 +467,7 @@ class Puller:
         compute them again); the pull waits for pages instead (``wait_for_pages``).
         Placed as one new sequence (a run where one is free), so the READ stays few regions.
         """
-        pool = self.engine.pool
-        got = pool.allocate(bits)
-        if got is None and pool.could_fit_after_reclaim(bits, RECLAIM_FIRST):
-            while got is None and pool.reclaim_one(RECLAIM_FIRST) is not None:
-                got = pool.allocate(bits)
-        return got
+        return self.engine.pool.allocate_reclaiming(bits, up_to=RECLAIM_FIRST)
 
     def wait_for_pages(self, bits: list[int], *, until: float) -> list[int] | None:
         """``allocate_for_pull`` again at most every ``PAGE_WAIT_POLL_S`` (one hop onto the engine thread: once
