@@ -342,18 +342,14 @@ class Puller:
         plan: _Plan | None = None
         result = PullResult()
         read = False  # pages READ and adopted under an admission pin
+
+        def plan_on_engine() -> _Plan:
+            ph.mark("engine_wait")  # the step in flight and the calls queued before (this thread waits meanwhile)
+            return self._plan(ids, tag_list, params, cache_salt)
+
         try:
-            queued = time.perf_counter()
-            started: list[float] = []
-
-            def plan_on_engine() -> _Plan:
-                started.append(time.perf_counter())
-                return self._plan(ids, tag_list, params, cache_salt)
-
             plan = self._on_engine(plan_on_engine)
             ph.mark("plan")
-            ph.add("plan", queued - started[0])  # of it, the wait for the engine thread (the step in flight, hops before)
-            ph.add("engine_wait", started[0] - queued)
             result = self._hold_read_adopt(plan, params, contact, t_send, ph)
             read = result.admission_pin is not None
             if not read and plan.local_pin is not None:
