@@ -303,6 +303,9 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
         "pulled_bytes": float(xfer.get("pulled_bytes", 0)),
         "transfer_s": float(xfer.get("transfer_seconds", 0.0)),
         "evicted_pages": counter("kvserving_worker_kv_evicted_pages_total"),
+        # GPU kernels compiled inside served steps (each one stalled its step) and their seconds
+        "compiles": counter('kvserving_worker_kernel_compiles_total\\{phase="serving"\\}'),
+        "compile_s": counter('kvserving_worker_kernel_compile_seconds_total\\{phase="serving"\\}'),
         "reclaimed_leases": counter("kvserving_worker_kv_leases_reclaimed_total"),
         "preemptions": float(stats.get("preemptions", 0)),
         # prompt tokens the engine computed (on the decode worker: recompute after a preemption or a failed pull)
@@ -446,7 +449,7 @@ def run_stack(
         }
         model = spec.config.model.served_name
         if args.warmup_agents:
-            # first uses compile the kernels (Triton JIT on a GPU): outside every measured point
+            # a conversation outside every measured point (the gateway's and workers' first requests)
             warm_load = replace(load, turns=fixed(2))
             t_warm = time.perf_counter()
             _, warm_errors, _ = asyncio.run(
@@ -481,8 +484,10 @@ def run_stack(
                     "pulled_tokens",
                     "page_waits",
                     "lost_tokens",
+                    "compiles",
                 ):
                     point[f"{role}_{key}"] = int(after[role][key] - before[role][key])
+                point[f"{role}_compile_s"] = round(after[role]["compile_s"] - before[role]["compile_s"], 2)
                 point[f"{role}_page_wait_s"] = round(after[role]["page_wait_s"] - before[role]["page_wait_s"], 3)
                 read_bytes = after[role]["pulled_bytes"] - before[role]["pulled_bytes"]
                 read_s = after[role]["transfer_s"] - before[role]["transfer_s"]
@@ -512,7 +517,8 @@ def run_stack(
                 f"D steps decode {point['decode_decode_steps']} x {point['decode_decode_step_ms']:.1f} ms, "
                 f"mixed {point['decode_mixed_steps']} x {point['decode_mixed_step_ms']:.1f} ms, "
                 f"computed {point['decode_computed_tokens']}, pulls {point['decode_pulls']}, skips {point['decode_skips']}, "
-                f"READ {point['decode_read_gbs']:.1f} GB/s, missed {point['decode_missed_tokens']}, lost {point['decode_lost_tokens']}, fallbacks {point['decode_fallbacks']}  errors {len(errors)}  {wall:.1f} s",
+                f"READ {point['decode_read_gbs']:.1f} GB/s, missed {point['decode_missed_tokens']}, lost {point['decode_lost_tokens']}, fallbacks {point['decode_fallbacks']}, "
+                f"compiles P/D {point['prefill_compiles']}/{point['decode_compiles']}  errors {len(errors)}  {wall:.1f} s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -682,8 +688,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--warmup-agents",
         type=int,
-        default=None,
-        help="agents of a 2-turn warm-up before each stack's first point, not recorded (default 2 with --gpu, else 0)",
+        default=0,
+        help="agents of a 2-turn conversation before each stack's first point, not recorded (default 0: the workers "
+        "warm up before they say ready, and each point counts the kernels still compiled in it, {role}_compiles)",
     )
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--budget-s", type=float, default=None, help="start no point after this many seconds (results so far are kept)")
@@ -722,7 +729,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--point-s must be > 0, got {args.point_s}")
     if args.turns is not None and args.turns < 1:
         ap.error(f"--turns must be >= 1, got {args.turns}")
-    args.warmup_agents = args.warmup_agents if args.warmup_agents is not None else (2 if args.gpu else 0)
     if args.warmup_agents < 0:
         ap.error(f"--warmup-agents must be >= 0, got {args.warmup_agents}")
     think_s = args.think_s if args.think_s is not None else (1.0 if args.gpu else 0.5)

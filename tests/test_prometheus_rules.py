@@ -50,6 +50,13 @@ tests:
         values: '0x30'
       - series: 'up{namespace="team",kvserving="b",component="decode",pod="b-decode-1"}'
         values: '1x30'
+      # a's prefill worker compiled a kernel in a served step at minute 10; b's compiled only before ready
+      - series: 'kvserving_worker_kernel_compiles_total{namespace="team",kvserving="a",phase="serving",pod="a-prefill-0"}'
+        values: '0x10 1x20'
+      - series: 'kvserving_worker_kernel_compiles_total{namespace="team",kvserving="b",phase="serving",pod="b-prefill-0"}'
+        values: '0x30'
+      - series: 'kvserving_worker_kernel_compiles_total{namespace="team",kvserving="b",phase="start",pod="b-prefill-0"}'
+        values: '40x30'
     alert_rule_test:
       - eval_time: 20m
         alertname: KVServingReuseFallbacksHigh
@@ -75,6 +82,16 @@ tests:
             exp_annotations:
               summary: "team/a: no decode worker is up"
               description: Every decode worker of this KVServing is down or unreachable; requests get 503.
+      - eval_time: 9m
+        alertname: KVServingKernelCompiledWhileServing
+        exp_alerts: []
+      - eval_time: 12m
+        alertname: KVServingKernelCompiledWhileServing
+        exp_alerts:
+          - exp_labels: {severity: info, namespace: team, kvserving: a, pod: a-prefill-0}
+            exp_annotations:
+              summary: "team/a a-prefill-0: kernels compiled while serving (1 in 15 min)"
+              description: Served turns waited for GPU kernel compiles that the warm-up did not cover; the worker's log names each kernel ("compiled while serving").
 """
 
 
@@ -96,7 +113,7 @@ def _rules_file(tmp_path: Path) -> Path:
 def test_promtool_checks_the_rules(tmp_path: Path) -> None:
     result = subprocess.run([_promtool(), "check", "rules", str(_rules_file(tmp_path))], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 5 rules found" in result.stdout
+    assert "SUCCESS: 6 rules found" in result.stdout
 
 
 def test_each_alert_fires_on_its_condition_only(tmp_path: Path) -> None:
@@ -109,5 +126,5 @@ def test_each_alert_fires_on_its_condition_only(tmp_path: Path) -> None:
 
 def test_rules_use_exported_metric_names() -> None:
     names = set(re.findall(r"\bkvserving_(?:worker|gateway)_[a-z_]+", RULES.read_text()))
-    known = {name for name, _, _ in DASHBOARD_METRICS} | {"kvserving_worker_kv_reuse_fallbacks_total"}
+    known = {name for name, _, _ in DASHBOARD_METRICS} | {"kvserving_worker_kv_reuse_fallbacks_total", "kvserving_worker_kernel_compiles_total"}
     assert names and names <= known, names - known

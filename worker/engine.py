@@ -6,8 +6,11 @@ directly); ``async_engine.AsyncEngine`` streams tokens on top of it.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -29,6 +32,8 @@ from kvserving.worker.kv.page_pool import PagePoolBase
 from kvserving.worker.sampling import SamplingParams, make_generator, sample_tokens
 from kvserving.worker.scheduler import Scheduler
 from kvserving.worker.sequence import ScheduledChunk, SchedulerOutput, Sequence, SeqStatus
+from kvserving.worker import warm_up
+from kvserving.worker.warm_up import WarmUpReport
 
 logger = logging.getLogger("kvserving.worker")
 
@@ -579,6 +584,51 @@ class LLMEngine:
     def step_in_flight(self) -> bool:
         """A decode step runs on the device whose outputs the next ``step`` (or ``flush``) returns."""
         return self._inflight is not None
+
+    @contextlib.contextmanager
+    def state_kept(self) -> Iterator[None]:
+        """Requests run inside leave no trace: the pool (pages, prefix cache, pins), the KV manager (with the
+        bit-budget controller), the scheduler and the counters are put back from a copy taken on entry. The pages'
+        bytes are not (a free page's bytes are never read). Only on an idle engine (a ValueError otherwise)."""
+        if self.requests or self.has_unfinished():
+            raise ValueError("state_kept needs an idle engine: requests are queued or running")
+        kept = (self.kv_cache.pool, self.kv_cache.manager, self.scheduler, self.stats)
+        saved = copy.deepcopy(kept, {id(self.storage): self.storage})  # the storage (tensors) is shared, not copied
+        try:
+            yield
+        finally:
+            self.flush()
+            self.requests.clear()
+            self.kv_cache.pool, self.kv_cache.manager, self.scheduler, self.stats = saved
+
+    def warm_up(self, *, decode: bool) -> WarmUpReport:
+        """Run every step shape this engine's requests can reach once (``warm_up.py``), so that their kernels compile
+        now and not in a served turn, and leave the engine as it was (``state_kept``). ``decode``: the worker runs
+        decode steps (roles decode and both; a prefill worker's requests end at their first token)."""
+        sc = self.config.scheduler
+        gen = 8  # the longest warm-up completion, with room to spare
+        cap = self.kv_cache.capacity_tokens_at(0.0)
+        warm = warm_up.plan(
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            chunk_size=sc.chunk_size,
+            max_num_seqs=sc.max_num_seqs,
+            page_size=self.storage.page_size,
+            max_prompt=min(self.max_model_len - gen, cap // 4, warm_up.LONGEST_PROMPT),
+            decode=decode,
+        )
+        with self.state_kept():
+            return warm_up.run(self, warm, tags_table=self._tag_bits())
+
+    def _tag_bits(self) -> list[int] | None:
+        """Tag -> bits a full page of that tag is stored at (triaxial; None otherwise): the bit-budget controller's cut
+        where it holds the budget, else the bits table."""
+        manager = self.kv
+        if manager.bits_table is None:
+            return None
+        c = manager.controller
+        if c is None:
+            return list(manager.bits_table)
+        return [4 if c.rank[t] < c.cut else 2 for t in range(len(manager.bits_table))]
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams, *, tags: Seq[Seq[int]] | None = None) -> list[list[int]]:
         """Offline batch: run all prompts to completion, return their output ids."""

@@ -4,7 +4,8 @@ worker HTTP API on uvicorn, the engine in the same process.
 Start-up: the config, the internal credential and the model directory are
 checked before anything binds (one-line errors); the server then answers
 ``/health`` at once while the model loads on a thread, and ``/ready`` turns 200
-when it has loaded. A worker never starts without the deployment's internal
+when it has loaded and, on a GPU, run its warm-up (``build_engine``). Kernel
+compiles are counted by phase from the start (``compiles.CompileWatch``). A worker never starts without the deployment's internal
 credential (``security.internal_token_file``): its ``/internal/*`` routes move
 and pin KV, and nothing unauthenticated may reach them.
 
@@ -26,6 +27,7 @@ import socket
 import uuid
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 from prometheus_client import CollectorRegistry
@@ -33,9 +35,13 @@ from prometheus_client import CollectorRegistry
 from kvserving.argtypes import check_base_url, check_listen_address, float_in, int_in
 from kvserving.config import LOAD_FORMATS, ROLES, ServingConfig
 from kvserving.model_dir import resolve_model_dir
+from kvserving.worker.compiles import CompileWatch
 from kvserving.worker.metrics import WorkerMetrics
 from kvserving.worker.server import create_app
 from kvserving.worker.service import WorkerService
+
+if TYPE_CHECKING:
+    from kvserving.worker.engine import LLMEngine
 
 log = logging.getLogger("kvserving.worker")
 
@@ -85,9 +91,21 @@ def advertise_url(host: str, port: int, explicit: str | None) -> str:
     return f"http://{host}:{port}"
 
 
-def run(args: argparse.Namespace) -> int:
+def build_engine(config: ServingConfig, *, role: str, enforce_eager: bool) -> LLMEngine:
+    """The worker's engine, with its decode graphs captured (roles that decode: a prefill worker's requests end at
+    their first token) and, on a GPU, warmed up: every step shape its requests can reach run once, so their kernels
+    compile before /ready and not in a served turn (``warm_up.py``; on a CPU nothing compiles)."""
     from kvserving.worker.engine import LLMEngine
 
+    decode = role != "prefill"
+    engine = LLMEngine(config, enforce_eager=enforce_eager, warm_graphs=decode)
+    if engine.device.type == "cuda":
+        report = engine.warm_up(decode=decode)
+        log.info("warm-up: %d requests in %d steps, %.1f s", report.requests, report.steps, report.seconds)
+    return engine
+
+
+def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServingConfig.load(args.config) if args.config is not None else ServingConfig()
     internal_token = config.security.read_internal_token()
@@ -104,10 +122,13 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, load_format=args.load_format))
     engine_id = args.engine_id or f"worker-{args.role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, role=args.role)
+    watch = CompileWatch(metrics.kernel_compiled)  # kernel compiles, by phase: before ready, or in a served step
+    watch.install()
     service = WorkerService(
         config,
         role=args.role,
-        metrics=WorkerMetrics(registry, role=args.role),
+        metrics=metrics,
         engine_id=engine_id,
         advertise_url=advertise_url(args.host, args.port, args.advertise_url),
         internal_token=internal_token,
@@ -118,11 +139,10 @@ def run(args: argparse.Namespace) -> int:
     async def startup() -> None:
         try:
             engine = await asyncio.get_running_loop().run_in_executor(
-                # a prefill worker's requests end at their first token: its decode graphs are captured only if used
-                None,
-                functools.partial(LLMEngine, config, enforce_eager=args.enforce_eager, warm_graphs=args.role != "prefill"),
+                None, functools.partial(build_engine, config, role=args.role, enforce_eager=args.enforce_eager)
             )
             await service.start(engine)
+            watch.serving()
         except Exception as exc:  # a model that cannot load ends the process with one line
             log.error("could not start the engine: %s", " ".join(str(exc).split()) or type(exc).__name__)
             failed.append(exc)
@@ -140,7 +160,10 @@ def run(args: argparse.Namespace) -> int:
         lifespan="on",
     )
     server = DrainingServer(uv_config, service=service, grace_s=args.grace_period_s)
-    server.run()
+    try:
+        server.run()
+    finally:
+        watch.uninstall()
     return 1 if failed else 0
 
 

@@ -14,6 +14,8 @@ Two kinds of updates:
   counters: prompt tokens computed, preemptions, evicted pages, reclaimed leases, aged pages;
   the puller's: pulls skipped, tokens they missed, waits for free pages;
   stored bits per value with and without metadata, the bit budget and the controller's cut).
+
+Kernel compiles are events too (``kernel_compiled``, from ``compiles.CompileWatch``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvserving.worker.compiles import PHASES, CompileEvent
 from kvserving.worker.engine import STEP_KINDS
 from kvserving.worker.kv.puller import FALLBACK_REASONS, SKIP_REASONS
 from kvserving.worker.kv_stats import KVStats
@@ -130,6 +133,16 @@ class WorkerMetrics:
             ["kind"],
             registry=r,
         )
+        self.kernel_compiles = Counter(
+            "kvserving_worker_kernel_compiles_total",
+            "GPU kernel specializations compiled (or loaded from Triton's disk cache), by phase: start (before "
+            "ready, the warm-up included) or serving (a served step waited for it)",
+            ["phase"],
+            registry=r,
+        )
+        self.kernel_compile_seconds = Counter(
+            "kvserving_worker_kernel_compile_seconds_total", "seconds spent in those compiles, by phase", ["phase"], registry=r
+        )
         self.queue_depth = Gauge("kvserving_worker_queue_depth", "sequences in the scheduler, by state", ["state"], registry=r)
         self.kv_leases = Gauge("kvserving_worker_kv_leases", "KV leases held now", registry=r)
         self.kv_leased_tokens = Gauge("kvserving_worker_kv_leased_tokens", "tokens of KV pinned by leases now", registry=r)
@@ -182,6 +195,9 @@ class WorkerMetrics:
         for reason in FINISH_REASONS:
             self.requests.labels(finish_reason=reason)
         self._seen: dict[object, float] = {}  # each engine counter's value at the last ``observe`` (by child)
+        for phase in PHASES:
+            self.kernel_compiles.labels(phase=phase)
+            self.kernel_compile_seconds.labels(phase=phase)
         for kind in STEP_KINDS:
             self.steps.labels(kind=kind)
             self.step_seconds.labels(kind=kind)
@@ -200,6 +216,11 @@ class WorkerMetrics:
         for source, n in zip(TOKEN_SOURCES, (local_cached, remote_pulled, computed)):
             self.prompt_tokens_by_source.labels(source=source).inc(n)
             self.prompt_token_totals[source] += n
+
+    def kernel_compiled(self, event: CompileEvent) -> None:
+        """``CompileWatch``'s report: one compile, in its phase."""
+        self.kernel_compiles.labels(phase=event.phase).inc()
+        self.kernel_compile_seconds.labels(phase=event.phase).inc(event.seconds)
 
     def transfer_done(self, *, direction: str, num_bytes: int, seconds: float, regions: int) -> None:
         if direction not in DIRECTIONS:
