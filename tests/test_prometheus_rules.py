@@ -126,5 +126,8 @@ def test_each_alert_fires_on_its_condition_only(tmp_path: Path) -> None:
 
 def test_rules_use_exported_metric_names() -> None:
     names = set(re.findall(r"\bkvserving_(?:worker|gateway)_[a-z_]+", RULES.read_text()))
-    known = {name for name, _, _ in DASHBOARD_METRICS} | {"kvserving_worker_kv_reuse_fallbacks_total", "kvserving_worker_kernel_compiles_total"}
+    known = {name for name, _, _ in DASHBOARD_METRICS} | {
+        "kvserving_worker_kv_reuse_fallbacks_total",
+        "kvserving_worker_kernel_compiles_total",
+    }
     assert names and names <= known, names - known

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
@@ -601,34 +602,39 @@ class LLMEngine:
             self.requests.clear()
             self.kv_cache.pool, self.kv_cache.manager, self.scheduler, self.stats = saved
 
-    def warm_up(self, *, decode: bool) -> WarmUpReport:
-        """Run every step shape this engine's requests can reach once (``warm_up.py``), so that their kernels compile
-        now and not in a served turn, and leave the engine as it was (``state_kept``). ``decode``: the worker runs
-        decode steps (roles decode and both; a prefill worker's requests end at their first token)."""
+    def warm_up_plan(self, *, decode: bool) -> warm_up.WarmUpPlan:
+        """The warm-up for this engine's limits (``warm_up.plan``): prompts of at most a quarter of the pool, the
+        context length less 8 tokens and ``warm_up.LONGEST_PROMPT``."""
         sc = self.config.scheduler
-        gen = 8  # the longest warm-up completion, with room to spare
         cap = self.kv_cache.capacity_tokens_at(0.0)
-        warm = warm_up.plan(
+        return warm_up.plan(
             max_num_batched_tokens=sc.max_num_batched_tokens,
             chunk_size=sc.chunk_size,
             max_num_seqs=sc.max_num_seqs,
             page_size=self.storage.page_size,
-            max_prompt=min(self.max_model_len - gen, cap // 4, warm_up.LONGEST_PROMPT),
+            max_prompt=min(self.max_model_len - 8, cap // 4, warm_up.LONGEST_PROMPT),  # 8: room for what it generates
             decode=decode,
         )
+
+    def warm_up(self, *, decode: bool) -> WarmUpReport:
+        """Run every step shape this engine's requests can reach once (``warm_up.py``), so that their kernels compile
+        now and not in a served turn, and leave the engine as it was (``state_kept``). ``decode``: the worker runs
+        decode steps (roles decode and both; a prefill worker's requests end at their first token)."""
+        warm = self.warm_up_plan(decode=decode)
         with self.state_kept():
             return warm_up.run(self, warm, tags_table=self._tag_bits())
 
     def _tag_bits(self) -> list[int] | None:
-        """Tag -> bits a full page of that tag is stored at (triaxial; None otherwise): the bit-budget controller's cut
-        where it holds the budget, else the bits table."""
+        """Tag -> bits a full page of that tag is stored at (triaxial; None otherwise): the bits table, or where the
+        bit-budget controller holds the budget its cut (0 for the class at the cut, whose pages are dithered)."""
         manager = self.kv
         if manager.bits_table is None:
             return None
         c = manager.controller
         if c is None:
             return list(manager.bits_table)
-        return [4 if c.rank[t] < c.cut else 2 for t in range(len(manager.bits_table))]
+        n = math.floor(c.cut)
+        return [4 if c.rank[t] < n else 2 if c.rank[t] > n else 0 for t in range(len(manager.bits_table))]
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams, *, tags: Seq[Seq[int]] | None = None) -> list[list[int]]:
         """Offline batch: run all prompts to completion, return their output ids."""

@@ -154,8 +154,8 @@ def prompts_of(warm: WarmUpPlan, *, vocab_size: int) -> list[list[list[int]]]:
 
 
 def tags_of(prompt_len: int, *, page_size: int, bits_table: Seq[int] | None) -> list[int] | None:
-    """Triaxial (``bits_table`` given): a 2-bit tag on every token but the last page's (INT2 pages, then INT4),
-    where the table has a 2-bit and a 4-bit tag; None (untagged) otherwise."""
+    """Triaxial (``bits_table``: tag -> 2 or 4 bits, 0 where either): a 2-bit tag on every token but the last
+    page's (INT2 pages, then INT4), where the table has a 2-bit and a 4-bit tag; None (untagged) otherwise."""
     if bits_table is None:
         return None
     two = next((t for t, b in enumerate(bits_table) if b == 2), None)

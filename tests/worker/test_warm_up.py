@@ -106,10 +106,10 @@ class StepLog:
         monkeypatch.setattr(engine.runner, "execute", logged)
 
 
-def engine_for(model_dir: Path, dtype: str) -> LLMEngine:
+def engine_for(model_dir: Path, dtype: str, **kv: Any) -> LLMEngine:
     config = ServingConfig(
         model=ModelConfig(path=str(model_dir)),
-        kv_cache=KVCacheConfig(dtype=dtype, memory_bytes=4 << 20),
+        kv_cache=KVCacheConfig(dtype=dtype, memory_bytes=4 << 20, **kv),
         scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=128, chunk_size=64),
     )
     return LLMEngine(config)
@@ -145,7 +145,7 @@ def test_warm_up_runs_every_row_count_and_leaves_the_engine_as_it_was(
     assert all(start % page == 0 for step in log.steps for start, _, prompt in step if prompt)
     mixed = {sum(1 for _, _, prompt in step if not prompt) for step in log.steps if any(p for _, _, p in step)}
     assert set(warm_up.row_counts(5)) <= mixed  # decode rows beside a prompt chunk, every batch size below max_num_seqs
-    assert report.steps == len(log.steps) and report.requests == small_requests(engine)
+    assert report.steps == len(log.steps) and report.requests == engine.warm_up_plan(decode=True).num_turns
 
     # nothing of it is left: pool, prefix cache, counters, scheduler
     assert pool_state(engine) == before and engine.pool.num_cached == 0
@@ -156,22 +156,10 @@ def test_warm_up_runs_every_row_count_and_leaves_the_engine_as_it_was(
     assert pool_state(engine) == pool_state(fresh)
 
 
-def small_requests(engine: LLMEngine) -> int:
-    sc = engine.config.scheduler
-    cap = engine.kv_cache.capacity_tokens_at(0.0)
-    warm = warm_up.plan(
-        max_num_batched_tokens=sc.max_num_batched_tokens,
-        chunk_size=sc.chunk_size,
-        max_num_seqs=sc.max_num_seqs,
-        page_size=engine.storage.page_size,
-        max_prompt=min(engine.max_model_len - 8, cap // 4, warm_up.LONGEST_PROMPT),
-        decode=True,
-    )
-    return warm.num_turns
-
-
-def test_triaxial_warm_up_writes_int2_pages(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = engine_for(tiny_model_dir, "triaxial")
+@pytest.mark.parametrize("control", ["hold", "fixed"])
+def test_triaxial_warm_up_writes_int2_pages(tiny_model_dir: Path, control: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = engine_for(tiny_model_dir, "triaxial", bit_budget_control=control)
+    assert (engine.kv.controller is not None) == (control == "hold")
     written: list[int] = []
     write = engine.storage.write_int2_pages
 
