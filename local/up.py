@@ -56,7 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "GPU 1; one index: every worker on it); default: the environment's CUDA_VISIBLE_DEVICES",
     )
     parser.add_argument("--run-dir", type=Path, default=None, help="where logs and the config go (default: a temp dir)")
-    parser.add_argument("--ready-timeout", type=float_in(0, 1e6), default=180.0, help="seconds to wait for every part's /ready")
+    parser.add_argument(
+        "--ready-timeout",
+        type=float_in(0, 1e6),
+        default=600.0,
+        help="seconds to wait for every part's /ready (a GPU worker loads the model, captures its decode graphs and "
+        "compiles its kernels first; a part that dies ends the wait at once)",
+    )
 
 
 def build_config(args: argparse.Namespace) -> ServingConfig:
