@@ -103,10 +103,8 @@ def plan(
     """The groups for an engine with these limits. ``max_prompt``: the longest prompt the warm-up may send (the
     context length and the pool, less the tokens it generates); ``decode``: the worker runs decode steps (roles
     decode and both)."""
-    if min(max_num_batched_tokens, chunk_size, max_num_seqs, page_size) < 1:
+    if min(max_num_batched_tokens, chunk_size, max_num_seqs, page_size, max_prompt) < 1:
         raise ValueError("every limit must be >= 1")
-    if max_prompt < 2 * page_size + 2:
-        raise ValueError(f"max_prompt {max_prompt} leaves no room for a cached prefix and a chunk after it")
     out = WarmUpPlan()
     chunk = min(chunk_size, max_prompt)
     budget = min(max_num_batched_tokens, chunk * max_num_seqs)
@@ -114,9 +112,10 @@ def plan(
     for rows in row_counts(budget):
         out.groups.append(Group(f"fresh {rows}", tuple(Turn(n) for n in split_rows(rows, chunk))))
     # 2. chunks after a cached prefix of `base` tokens (whole pages): the base prompt first, then the extensions
+    # (none where a prompt cannot hold a page and a token after it)
     base = page_size * max(1, min(4, (max_prompt - chunk) // page_size))
     room = min(chunk, max_prompt - base)
-    for rows in row_counts(min(budget, room * max_num_seqs)):
+    for rows in row_counts(min(budget, room * max_num_seqs)) if room >= 1 else []:
         parts = split_rows(rows, room)
         turns = (Turn(base + 1), *(Turn(base + n, extends=0, waits=True) for n in parts))
         out.groups.append(Group(f"extend {rows}", turns))
@@ -125,13 +124,16 @@ def plan(
     # 3. decode rows beside a new prompt's chunk: short contexts (one page) at every batch size, then a few rows with
     # contexts of many pages (a page table of 17 columns, and the longest prompt: several splits)
     gen = 4
+    joiner = Turn(min(page_size + 5, max_prompt), waits=True)
     for batch in row_counts(max_num_seqs - 1) if max_num_seqs > 1 else []:
-        turns = (*(Turn(3, max_tokens=gen) for _ in range(batch)), Turn(page_size + 5, waits=True))
+        turns = (*(Turn(min(3, max_prompt), max_tokens=gen) for _ in range(batch)), joiner)
         out.groups.append(Group(f"decode {batch} short", turns))
     for length in sorted({min(17 * page_size + 1, max_prompt - gen), max_prompt - gen}):
+        if length <= page_size:
+            continue  # no longer than the short contexts above
         for batch in (1, 2, 3):
             if batch < max_num_seqs:
-                turns = (*(Turn(length, max_tokens=gen) for _ in range(batch)), Turn(page_size + 5, waits=True))
+                turns = (*(Turn(length, max_tokens=gen) for _ in range(batch)), joiner)
                 out.groups.append(Group(f"decode {batch} x {length}", turns))
     return out
 

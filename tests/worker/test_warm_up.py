@@ -61,9 +61,13 @@ def test_plan_for_a_decoding_worker_adds_decode_rows_beside_a_new_chunk() -> Non
         assert all(t.max_tokens == 4 and not t.waits for t in rows) and joiner.waits and joiner.max_tokens == 1
 
 
-def test_plan_refuses_limits_that_leave_no_room() -> None:
-    with pytest.raises(ValueError, match="max_prompt"):
-        warm_up.plan(max_num_batched_tokens=64, chunk_size=32, max_num_seqs=4, page_size=16, max_prompt=20, decode=True)
+def test_plan_leaves_out_what_a_short_context_cannot_hold() -> None:
+    # a prompt of at most 16 tokens (one page): no cached prefix with a chunk after it, no long contexts
+    warm = warm_up.plan(max_num_batched_tokens=64, chunk_size=32, max_num_seqs=4, page_size=16, max_prompt=16, decode=True)
+    fresh = [f"fresh {n}" for n in warm_up.row_counts(64)]
+    decode = [f"decode {b} short" for b in (1, 2, 3)]  # 16 - 4 generated: no context longer than a page
+    assert [g.name for g in warm.groups] == fresh + decode
+    assert all(t.prompt_len <= 16 for g in warm.groups for t in g.turns)
     with pytest.raises(ValueError, match=">= 1"):
         warm_up.plan(max_num_batched_tokens=0, chunk_size=32, max_num_seqs=4, page_size=16, max_prompt=200, decode=True)
 
