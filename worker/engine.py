@@ -33,8 +33,7 @@ from kvserving.worker.kv.page_pool import PagePoolBase
 from kvserving.worker.sampling import SamplingParams, make_generator, sample_tokens
 from kvserving.worker.scheduler import Scheduler
 from kvserving.worker.sequence import ScheduledChunk, SchedulerOutput, Sequence, SeqStatus
-from kvserving.worker import warm_up
-from kvserving.worker.warm_up import WarmUpReport
+from kvserving.worker.warm_up import LONGEST_PROMPT, WarmUpPlan, WarmUpReport, due, plan_warm_up, prompts_of, tags_of
 
 logger = logging.getLogger("kvserving.worker")
 
@@ -602,18 +601,19 @@ class LLMEngine:
             self.requests.clear()
             self.kv_cache.pool, self.kv_cache.manager, self.scheduler, self.stats = saved
 
-    def warm_up_plan(self, *, decode: bool) -> warm_up.WarmUpPlan:
-        """The warm-up for this engine's limits (``warm_up.plan``): prompts of at most a quarter of the pool, the
-        context length less 8 tokens and ``warm_up.LONGEST_PROMPT``."""
+    def warm_up_plan(self, *, decode: bool) -> WarmUpPlan:
+        """The warm-up for this engine's limits (``warm_up.plan_warm_up``): prompts of at most a quarter of the pool, the
+        context length less 8 tokens and ``LONGEST_PROMPT``."""
         sc = self.config.scheduler
         cap = self.kv_cache.capacity_tokens_at(0.0)
-        return warm_up.plan(
+        return plan_warm_up(
             max_num_batched_tokens=sc.max_num_batched_tokens,
             chunk_size=sc.chunk_size,
             max_num_seqs=sc.max_num_seqs,
             page_size=self.storage.page_size,
-            max_prompt=min(self.max_model_len - 8, cap // 4, warm_up.LONGEST_PROMPT),  # 8: room for what it generates
+            max_prompt=min(self.max_model_len - 8, cap // 4, LONGEST_PROMPT),  # 8: room for what it generates
             decode=decode,
+            age_down=self.kv.age_down,
         )
 
     def warm_up(self, *, decode: bool) -> WarmUpReport:
@@ -622,7 +622,35 @@ class LLMEngine:
         decode steps (roles decode and both; a prefill worker's requests end at their first token)."""
         warm = self.warm_up_plan(decode=decode)
         with self.state_kept():
-            return warm_up.run(self, warm, tags_table=self._tag_bits())
+            return self._run_groups(warm, tags_table=self._tag_bits())
+
+    def _run_groups(self, warm: WarmUpPlan, *, tags_table: Seq[int] | None, max_steps: int = 100_000) -> WarmUpReport:
+        """Run ``warm``'s groups one after the other, each to completion. ``tags_table``: tag -> bits a full page of
+        that tag is stored at (triaxial)."""
+        start = time.perf_counter()
+        steps = requests = 0
+        for g, (group, prompts) in enumerate(zip(warm.groups, prompts_of(warm, vocab_size=self.vocab_size))):
+            ids = [f"warm-up-{g}-{i}" for i in range(len(group.turns))]
+            started = [False] * len(group.turns)
+            added = 0
+            while True:
+                while due(group, added, started):
+                    turn = group.turns[added]
+                    params = SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
+                    page = self.storage.page_size
+                    tags = tags_of(turn.prompt_len, page_size=page, bits_table=tags_table, four_bit=turn.four_bit)
+                    self.add_request(ids[added], prompts[added], params, tags=tags)
+                    added += 1
+                    requests += 1
+                if not self.has_unfinished():
+                    break
+                if steps >= max_steps:
+                    raise RuntimeError(f"the warm-up's group {group.name!r} did not finish in {max_steps} engine steps")
+                for out in self.step():
+                    if out.new_token_ids:
+                        started[ids.index(out.request_id)] = True
+                steps += 1
+        return WarmUpReport(groups=len(warm.groups), requests=requests, steps=steps, seconds=time.perf_counter() - start)
 
     def _tag_bits(self) -> list[int] | None:
         """Tag -> bits a full page of that tag is stored at (triaxial; None otherwise): the bits table, or where the

@@ -9,7 +9,8 @@ every non-final chunk on a page boundary), the decode rows' page-table width
 and split plan; they pick constexpr tiles by row-count classes (powers of two,
 the FP8 GEMM's 16 / 64 / 128 bounds). The warm-up meets each class with
 requests of its own, run through ``LLMEngine.step`` as any request is, so what
-compiles is exactly what a served step of that shape would compile:
+compiles is exactly what a served step of that shape would compile
+(``LLMEngine.warm_up`` runs the plan made here):
 
 1. **fresh** -- prompts whose chunks fill one step with each row count of
    ``row_counts(max_num_batched_tokens)``: 1, 2, 3 and, per power of two
@@ -23,7 +24,8 @@ compiles is exactly what a served step of that shape would compile:
    graphs), with one-page contexts and with contexts of many pages and splits.
 
 Triaxial prompts carry a 2-bit tag on their tokens but the last page's, so INT2
-pages are written, read by decode and extended too. Prompts are random ids from
+pages are written, read by decode and extended too; with age-down one prompt's
+4-bit pages are wanted at 2 bits by the next (the re-store's kernels). Prompts are random ids from
 a fixed seed: they never match a served prompt (a page's hash chains over its
 tokens), and the engine is put back afterwards anyway (``LLMEngine.warm_up``).
 """
@@ -31,15 +33,8 @@ tokens), and the engine is put back afterwards anyway (``LLMEngine.warm_up``).
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from kvserving.worker.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from kvserving.worker.engine import LLMEngine
 
 SEED = 20261205
 LONGEST_PROMPT = 16384  # the long-context decode rows' prompts: enough pages for several splits
@@ -66,6 +61,7 @@ class Turn:
     max_tokens: int = 1
     extends: int | None = None  # index (in its group) of the turn whose prompt this one's starts with
     waits: bool = False  # added once every earlier turn of its group that does not wait has its first token
+    four_bit: bool = False  # triaxial: every token at a 4-bit tag (else 2-bit but the last page's, ``tags_of``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +87,7 @@ def split_rows(total: int, chunk: int) -> list[int]:
     return [chunk] * full + ([rest] if rest else [])
 
 
-def plan(
+def plan_warm_up(
     *,
     max_num_batched_tokens: int,
     chunk_size: int,
@@ -99,10 +95,12 @@ def plan(
     page_size: int,
     max_prompt: int,
     decode: bool,
+    age_down: bool = False,
 ) -> WarmUpPlan:
     """The groups for an engine with these limits. ``max_prompt``: the longest prompt the warm-up may send (the
     context length and the pool, less the tokens it generates); ``decode``: the worker runs decode steps (roles
-    decode and both)."""
+    decode and both); ``age_down``: its triaxial pool re-stores 4-bit pages at 2 bits for a request that wants 2
+    (one group: a 4-bit prompt, then the same tokens wanted at 2 bits)."""
     if min(max_num_batched_tokens, chunk_size, max_num_seqs, page_size, max_prompt) < 1:
         raise ValueError("every limit must be >= 1")
     out = WarmUpPlan()
@@ -119,6 +117,8 @@ def plan(
         parts = split_rows(rows, room)
         turns = (Turn(base + 1), *(Turn(base + n, extends=0, waits=True) for n in parts))
         out.groups.append(Group(f"extend {rows}", turns))
+    if age_down and room >= 1:
+        out.groups.append(Group("age down", (Turn(base + 1, four_bit=True), Turn(base + room, extends=0, waits=True))))
     if not decode:
         return out
     # 3. decode rows beside a new prompt's chunk: short contexts (one page) at every batch size, then a few rows with
@@ -155,16 +155,17 @@ def prompts_of(warm: WarmUpPlan, *, vocab_size: int) -> list[list[list[int]]]:
     return out
 
 
-def tags_of(prompt_len: int, *, page_size: int, bits_table: Seq[int] | None) -> list[int] | None:
+def tags_of(prompt_len: int, *, page_size: int, bits_table: Seq[int] | None, four_bit: bool = False) -> list[int] | None:
     """Triaxial (``bits_table``: tag -> 2 or 4 bits, 0 where either): a 2-bit tag on every token but the last
-    page's (INT2 pages, then INT4), where the table has a 2-bit and a 4-bit tag; None (untagged) otherwise."""
+    page's (INT2 pages, then INT4), or a 4-bit tag on every token (``four_bit``), where the table has a 2-bit and a
+    4-bit tag; None (untagged) otherwise."""
     if bits_table is None:
         return None
     two = next((t for t, b in enumerate(bits_table) if b == 2), None)
     four = next((t for t, b in enumerate(bits_table) if b == 4), None)
     if two is None or four is None:
         return None
-    cut = max(0, prompt_len - page_size)
+    cut = 0 if four_bit else max(0, prompt_len - page_size)
     return [two] * cut + [four] * (prompt_len - cut)
 
 
@@ -176,34 +177,9 @@ class WarmUpReport:
     seconds: float
 
 
-def run(engine: LLMEngine, warm: WarmUpPlan, *, tags_table: Seq[int] | None, max_steps: int = 100_000) -> WarmUpReport:
-    """Run ``warm``'s groups on ``engine``, one after the other, each to completion (the engine's state is the
-    caller's to keep: ``LLMEngine.warm_up``). ``tags_table``: tag -> bits the pool stores a full page at (triaxial)."""
-    start = time.perf_counter()
-    page = engine.storage.page_size
-    steps = requests = 0
-    for g, (group, prompts) in enumerate(zip(warm.groups, prompts_of(warm, vocab_size=engine.vocab_size))):
-        ids = [f"warm-up-{g}-{i}" for i in range(len(group.turns))]
-        first: set[str] = set()
-        added = 0
-        while True:
-            # add the turns whose time has come, in order: a waiting one once every turn before it that does not
-            # wait has its first token
-            while added < len(group.turns) and (
-                not group.turns[added].waits or all(r in first for r, t in zip(ids[:added], group.turns) if not t.waits)
-            ):
-                turn = group.turns[added]
-                params = SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
-                tags = tags_of(turn.prompt_len, page_size=page, bits_table=tags_table)
-                engine.add_request(ids[added], prompts[added], params, tags=tags)
-                added += 1
-                requests += 1
-            if not engine.has_unfinished():
-                break
-            if steps >= max_steps:
-                raise RuntimeError(f"the warm-up's group {group.name!r} did not finish in {max_steps} engine steps")
-            for out in engine.step():
-                if out.new_token_ids:
-                    first.add(out.request_id)
-            steps += 1
-    return WarmUpReport(groups=len(warm.groups), requests=requests, steps=steps, seconds=time.perf_counter() - start)
+def due(group: Group, added: int, started: Seq[bool]) -> bool:
+    """Whether turn ``added`` of ``group`` joins now (the turns before it added; ``started[i]``: turn i has its first
+    token): a turn that does not wait joins at once, a waiting one once every earlier turn that does not wait started."""
+    if added >= len(group.turns):
+        return False
+    return not group.turns[added].waits or all(started[i] for i in range(added) if not group.turns[i].waits)

@@ -30,7 +30,7 @@ def test_row_counts_hold_a_one_a_multiple_of_16_and_neither_in_every_power_of_tw
 
 
 def small_plan(*, decode: bool) -> warm_up.WarmUpPlan:
-    return warm_up.plan(max_num_batched_tokens=64, chunk_size=32, max_num_seqs=4, page_size=16, max_prompt=200, decode=decode)
+    return warm_up.plan_warm_up(max_num_batched_tokens=64, chunk_size=32, max_num_seqs=4, page_size=16, max_prompt=200, decode=decode)
 
 
 def test_plan_fills_one_step_with_each_row_count_then_extends_a_cached_prefix() -> None:
@@ -63,13 +63,22 @@ def test_plan_for_a_decoding_worker_adds_decode_rows_beside_a_new_chunk() -> Non
 
 def test_plan_leaves_out_what_a_short_context_cannot_hold() -> None:
     # a prompt of at most 16 tokens (one page): no cached prefix with a chunk after it, no long contexts
-    warm = warm_up.plan(max_num_batched_tokens=64, chunk_size=32, max_num_seqs=4, page_size=16, max_prompt=16, decode=True)
+    warm = warm_up.plan_warm_up(max_num_batched_tokens=64, chunk_size=32, max_num_seqs=4, page_size=16, max_prompt=16, decode=True)
     fresh = [f"fresh {n}" for n in warm_up.row_counts(64)]
     decode = [f"decode {b} short" for b in (1, 2, 3)]  # 16 - 4 generated: no context longer than a page
     assert [g.name for g in warm.groups] == fresh + decode
     assert all(t.prompt_len <= 16 for g in warm.groups for t in g.turns)
     with pytest.raises(ValueError, match=">= 1"):
-        warm_up.plan(max_num_batched_tokens=0, chunk_size=32, max_num_seqs=4, page_size=16, max_prompt=200, decode=True)
+        warm_up.plan_warm_up(max_num_batched_tokens=0, chunk_size=32, max_num_seqs=4, page_size=16, max_prompt=200, decode=True)
+
+
+def test_a_waiting_turn_joins_once_the_turns_before_it_that_do_not_wait_started() -> None:
+    group = warm_up.Group("g", (warm_up.Turn(3), warm_up.Turn(3), warm_up.Turn(20, waits=True), warm_up.Turn(21, waits=True)))
+    assert warm_up.due(group, 0, [False] * 4) and warm_up.due(group, 1, [False] * 4)
+    assert not warm_up.due(group, 2, [True, False, False, False])
+    assert warm_up.due(group, 2, [True, True, False, False])
+    assert warm_up.due(group, 3, [True, True, False, False])  # the waiting turn before it is not waited for
+    assert not warm_up.due(group, 4, [True] * 4)  # every turn added
 
 
 def test_prompts_are_seeded_and_an_extension_starts_with_the_prompt_it_extends() -> None:
@@ -94,6 +103,7 @@ def test_triaxial_prompts_are_two_bit_but_their_last_page() -> None:
     assert warm_up.tags_of(20, page_size=32, bits_table=table) == [0] * 20
     assert warm_up.tags_of(40, page_size=32, bits_table=None) is None
     assert warm_up.tags_of(40, page_size=32, bits_table=[4] * 56) is None  # no 2-bit tag: untagged
+    assert warm_up.tags_of(40, page_size=32, bits_table=table, four_bit=True) == [0] * 40
 
 
 class StepLog:
@@ -172,9 +182,19 @@ def test_triaxial_warm_up_writes_int2_pages(tiny_model_dir: Path, control: str, 
         write(layer, k, v, page_ids)
 
     monkeypatch.setattr(engine.storage, "write_int2_pages", spy)
+    aged: list[int] = []
+    requantize = engine.kv._requantize
+    assert requantize is not None  # age-down is on by default
+
+    def aging(src: list[int], dst: list[int]) -> None:
+        aged.extend(src)
+        requantize(src, dst)
+
+    monkeypatch.setattr(engine.kv, "_requantize", aging)
     engine.warm_up(decode=False)
     assert sum(written) > 0
-    assert engine.pool.num_owned == 0 and engine.pool.num_cached == 0
+    assert len(aged) >= 4  # the "age down" group: a 4-page prefix stored at 4 bits, then wanted at 2
+    assert engine.pool.num_owned == 0 and engine.pool.num_cached == 0 and engine.kv.aged_pages == 0
 
 
 def test_state_kept_refuses_a_busy_engine(tiny_model_dir: Path) -> None:
