@@ -33,7 +33,7 @@ from kvserving.worker.kv.page_pool import PagePoolBase
 from kvserving.worker.sampling import SamplingParams, make_generator, sample_tokens
 from kvserving.worker.scheduler import Scheduler
 from kvserving.worker.sequence import ScheduledChunk, SchedulerOutput, Sequence, SeqStatus
-from kvserving.worker.warm_up import LONGEST_PROMPT, WarmUpPlan, WarmUpReport, due, plan_warm_up, prompts_of, tags_of
+from kvserving.worker.warm_up import WarmUpPlan, WarmUpReport, due, plan_warm_up, prompts_of, tags_of
 
 logger = logging.getLogger("kvserving.worker")
 
@@ -602,8 +602,8 @@ class LLMEngine:
             self.kv_cache.pool, self.kv_cache.manager, self.scheduler, self.stats = saved
 
     def warm_up_plan(self, *, decode: bool) -> WarmUpPlan:
-        """The warm-up for this engine's limits (``warm_up.plan_warm_up``): prompts of at most a quarter of the pool, the
-        context length less 8 tokens and ``LONGEST_PROMPT``."""
+        """The warm-up for this engine's limits (``warm_up.plan_warm_up``): prompts of at most a quarter of the pool and
+        the context length less 8 tokens."""
         sc = self.config.scheduler
         cap = self.kv_cache.capacity_tokens_at(0.0)
         return plan_warm_up(
@@ -611,7 +611,7 @@ class LLMEngine:
             chunk_size=sc.chunk_size,
             max_num_seqs=sc.max_num_seqs,
             page_size=self.storage.page_size,
-            max_prompt=min(self.max_model_len - 8, cap // 4, LONGEST_PROMPT),  # 8: room for what it generates
+            max_prompt=min(self.max_model_len - 8, cap // 4),  # 8: room for what it generates
             decode=decode,
             age_down=self.kv.age_down,
         )

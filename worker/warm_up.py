@@ -18,6 +18,8 @@ compiles is exactly what a served step of that shape would compile
    of 16, neither);
 2. **extend** -- the same totals as chunks after a cached prefix (a prompt of
    the first group extended), chunk lengths of 1, page multiples and others;
+   and the longest prompt, chunk after chunk (prefixes of every length class
+   the kernels size their launches by, up to the context length);
 3. **decode** (workers that decode) -- for each batch size of
    ``row_counts(max_num_seqs)``, that many sequences decoding beside a new
    prompt's chunk (a mixed step: decode rows run eagerly, outside the CUDA
@@ -37,7 +39,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 SEED = 20261205
-LONGEST_PROMPT = 16384  # the long-context decode rows' prompts: enough pages for several splits
+LONG_DECODE = 16384  # the long-context decode rows' prompts (at most): pages for several splits
 FIRST_TOKEN = 10  # ids below are left out (a tokenizer's special and control ids sit low)
 
 
@@ -117,6 +119,8 @@ def plan_warm_up(
         parts = split_rows(rows, room)
         turns = (Turn(base + 1), *(Turn(base + n, extends=0, waits=True) for n in parts))
         out.groups.append(Group(f"extend {rows}", turns))
+    if max_prompt > chunk:  # a long prompt, chunk after chunk: prefixes of every page count class up to the longest
+        out.groups.append(Group(f"long {max_prompt}", (Turn(max_prompt),)))
     if age_down and room >= 1:
         out.groups.append(Group("age down", (Turn(base + 1, four_bit=True), Turn(base + room, extends=0, waits=True))))
     if not decode:
@@ -128,7 +132,8 @@ def plan_warm_up(
     for batch in row_counts(max_num_seqs - 1) if max_num_seqs > 1 else []:
         turns = (*(Turn(min(3, max_prompt), max_tokens=gen) for _ in range(batch)), joiner)
         out.groups.append(Group(f"decode {batch} short", turns))
-    for length in sorted({min(17 * page_size + 1, max_prompt - gen), max_prompt - gen}):
+    longest = min(max_prompt, LONG_DECODE) - gen
+    for length in sorted({min(17 * page_size + 1, longest), longest}):
         if length <= page_size:
             continue  # no longer than the short contexts above
         for batch in (1, 2, 3):

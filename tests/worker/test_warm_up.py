@@ -47,6 +47,7 @@ def test_plan_fills_one_step_with_each_row_count_then_extends_a_cached_prefix() 
         assert head == warm_up.Turn(base + 1)
         assert all(t.extends == 0 and t.waits and t.prompt_len - base <= 32 for t in rest)
         assert sum(t.prompt_len - base for t in rest) == int(g.name.split()[1])
+    assert [g.name for g in warm.groups if g.name.startswith("long")] == ["long 200"]  # chunks at 0, 32, .., 192
     assert not any(g.name.startswith("decode") for g in warm.groups)
 
 
@@ -157,6 +158,10 @@ def test_warm_up_runs_every_row_count_and_leaves_the_engine_as_it_was(
     extend_rows = {sum(n for start, n, prompt in step if prompt and start > 0) for step in log.steps}
     assert set(warm_up.row_counts(128)) <= extend_rows  # chunks after a cached prefix, one or several a step
     assert all(start % page == 0 for step in log.steps for start, _, prompt in step if prompt)
+    longest = engine.warm_up_plan(decode=True).groups  # the long prompt ran chunk after chunk: prefixes of every length
+    n = next(g.turns[0].prompt_len for g in longest if g.name.startswith("long"))
+    starts = {start for step in log.steps for start, _, prompt in step if prompt}
+    assert set(range(64, n, 64)) <= starts
     mixed = {sum(1 for _, _, prompt in step if not prompt) for step in log.steps if any(p for _, _, p in step)}
     assert set(warm_up.row_counts(5)) <= mixed  # decode rows beside a prompt chunk, every batch size below max_num_seqs
     assert report.steps == len(log.steps) and report.requests == engine.warm_up_plan(decode=True).num_turns
