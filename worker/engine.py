@@ -629,6 +629,7 @@ class LLMEngine:
         that tag is stored at (triaxial)."""
         start = time.perf_counter()
         steps = requests = 0
+        page = self.storage.page_size
         for g, (group, prompts) in enumerate(zip(warm.groups, prompts_of(warm, vocab_size=self.vocab_size))):
             ids = [f"warm-up-{g}-{i}" for i in range(len(group.turns))]
             started = [False] * len(group.turns)
@@ -637,7 +638,6 @@ class LLMEngine:
                 while due(group, added, started):
                     turn = group.turns[added]
                     params = SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
-                    page = self.storage.page_size
                     tags = tags_of(turn.prompt_len, page_size=page, bits_table=tags_table, four_bit=turn.four_bit)
                     self.add_request(ids[added], prompts[added], params, tags=tags)
                     added += 1

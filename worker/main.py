@@ -4,10 +4,11 @@ worker HTTP API on uvicorn, the engine in the same process.
 Start-up: the config, the internal credential and the model directory are
 checked before anything binds (one-line errors); the server then answers
 ``/health`` at once while the model loads on a thread, and ``/ready`` turns 200
-when it has loaded and, on a GPU, run its warm-up (``build_engine``). Kernel
-compiles are counted by phase from the start (``compiles.CompileWatch``). A worker never starts without the deployment's internal
-credential (``security.internal_token_file``): its ``/internal/*`` routes move
-and pin KV, and nothing unauthenticated may reach them.
+when it has loaded and, on a GPU, run its warm-up (``build_engine``); kernel
+compiles are counted by phase from the start (``compiles.CompileWatch``). A
+worker never starts without the deployment's internal credential
+(``security.internal_token_file``): its ``/internal/*`` routes move and pin KV,
+and nothing unauthenticated may reach them.
 
 Shutdown (SIGTERM or SIGINT): ``/ready`` and new requests get 503 at once,
 requests in flight get ``--grace-period-s`` to finish and are aborted after
