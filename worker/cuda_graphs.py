@@ -69,12 +69,18 @@ def table_width(num_pages: int, max_pages: int) -> int:
     return max(num_pages, min(w, max_pages))
 
 
-def graph_shapes(max_batch: int, max_pages: int) -> list[tuple[int, int]]:
-    """Every (batch bucket, width bucket) a decode step of at most ``max_batch`` rows and ``max_pages`` pages
-    runs in, narrowest first."""
+def table_widths(max_pages: int) -> list[int]:
+    """Every page-table width ``table_width`` gives for rows of at most ``max_pages`` pages, narrowest first."""
     widths = [table_width(1, max_pages)]
     while widths[-1] < max_pages:
         widths.append(table_width(widths[-1] + 1, max_pages))
+    return widths
+
+
+def graph_shapes(max_batch: int, max_pages: int) -> list[tuple[int, int]]:
+    """Every (batch bucket, width bucket) a decode step of at most ``max_batch`` rows and ``max_pages`` pages
+    runs in, narrowest first."""
+    widths = table_widths(max_pages)
     return [(b, w) for b in BATCH_BUCKETS if b <= max_batch for w in widths]
 
 

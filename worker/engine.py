@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import math
 import time
@@ -27,7 +28,7 @@ from kvserving.worker.kv.scales import CALIBRATION_TOKENS, calibration_ids, meas
 from kvserving.worker.kv.storage import KVShape, KVStorage
 from kvserving.worker.kv.leases import RetainedKV, RetainSpec, release_admission, retain
 from kvserving.worker.model import DecoderModel, ModelArgs, load_dummy_model, load_model
-from kvserving.worker.cuda_graphs import is_decode_step
+from kvserving.worker.cuda_graphs import is_decode_step, table_widths
 from kvserving.worker.model_runner import ModelRunner
 from kvserving.worker.kv.page_pool import PagePoolBase
 from kvserving.worker.sampling import SamplingParams, make_generator, sample_tokens
@@ -620,9 +621,38 @@ class LLMEngine:
         """Run every step shape this engine's requests can reach once (``warm_up.py``), so that their kernels compile
         now and not in a served turn, and leave the engine as it was (``state_kept``). ``decode``: the worker runs
         decode steps (roles decode and both; a prefill worker's requests end at their first token)."""
+        start = time.perf_counter()
         warm = self.warm_up_plan(decode=decode)
         with self.state_kept():
-            return self._run_groups(warm, tags_table=self._tag_bits())
+            report = self._run_groups(warm, tags_table=self._tag_bits())
+        shapes = self._sweep_decode_shapes() if decode else 0
+        return dataclasses.replace(report, decode_shapes=shapes, seconds=time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def _sweep_decode_shapes(self) -> int:
+        """Launch the decode attention once at every (rows, page-table width) a step outside the CUDA graphs gives
+        it (decode rows beside prompt chunks: 1 .. max_num_seqs rows, every ``table_widths`` width), on one layer's
+        pages (every layer runs the same kernels); returns the launches. The split plan, and with it the launch's
+        integer arguments, follows from the rows and the width alone, so this is every specialization those steps
+        can meet. The rows read the same few free pages over and over, written with zeros first (a free page's
+        bytes are never read by a request)."""
+        args = self.args
+        page = self.storage.page_size
+        free = [i for i in range(self.pool.capacity_tokens() // page) if self.pool.page(i) is None][:64]
+        ids = torch.tensor(free, dtype=torch.int32, device=self.device)
+        zeros = torch.zeros(len(free) * page, args.num_kv_heads, args.head_dim, dtype=self.dtype, device=self.device)
+        slots = torch.arange(page, dtype=torch.int32, device=self.device).repeat(len(free))
+        self.storage.write(0, zeros, zeros, ids.repeat_interleave(page), slots)
+        launches = 0
+        for width in table_widths(self.runner.max_pages):
+            for rows in range(1, self.config.scheduler.max_num_seqs + 1):
+                q = torch.randn(rows, args.num_heads, args.head_dim, dtype=self.dtype, device=self.device)
+                table = ids[torch.arange(rows * width, device=self.device) % len(free)].view(rows, width)
+                lens = torch.full((rows,), width * page, dtype=torch.int32, device=self.device)
+                n2 = torch.zeros(rows, dtype=torch.int32, device=self.device)
+                self.storage.decode(0, q, table, lens, sm_scale=args.head_dim**-0.5, num_int2_pages=n2)
+                launches += 1
+        return launches
 
     def _run_groups(self, warm: WarmUpPlan, *, tags_table: Seq[int] | None, max_steps: int = 100_000) -> WarmUpReport:
         """Run ``warm``'s groups one after the other, each to completion. ``tags_table``: tag -> bits a full page of

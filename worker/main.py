@@ -102,7 +102,13 @@ def build_engine(config: ServingConfig, *, role: str, enforce_eager: bool) -> LL
     engine = LLMEngine(config, enforce_eager=enforce_eager, warm_graphs=decode)
     if engine.device.type == "cuda":
         report = engine.warm_up(decode=decode)
-        log.info("warm-up: %d requests in %d steps, %.1f s", report.requests, report.steps, report.seconds)
+        log.info(
+            "warm-up: %d requests in %d steps, %d decode shapes, %.1f s",
+            report.requests,
+            report.steps,
+            report.decode_shapes,
+            report.seconds,
+        )
     return engine
 
 

@@ -180,6 +180,7 @@ class WarmUpReport:
     requests: int
     steps: int
     seconds: float
+    decode_shapes: int = 0  # decode attention launches at every (rows, page-table width) of an eager step
 
 
 def due(group: Group, added: int, started: Seq[bool]) -> bool:

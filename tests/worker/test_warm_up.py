@@ -11,6 +11,7 @@ import pytest
 
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.worker import warm_up
+from kvserving.worker.cuda_graphs import table_widths
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.sequence import ScheduledChunk
@@ -149,7 +150,20 @@ def test_warm_up_runs_every_row_count_and_leaves_the_engine_as_it_was(
     fresh = engine_for(tiny_model_dir, dtype)
     before = pool_state(engine)
     log = StepLog(engine, monkeypatch)
+    decoded: list[tuple[int, int]] = []
+    decode = engine.storage.decode
+
+    def logged_decode(layer: int, q: Any, table: Any, lens: Any, **kw: Any) -> Any:
+        decoded.append(tuple(table.shape))
+        return decode(layer, q, table, lens, **kw)
+
+    monkeypatch.setattr(engine.storage, "decode", logged_decode)
     report = engine.warm_up(decode=True)
+
+    # every (rows, page-table width) a step outside the graphs can decode with, rows 1 .. max_num_seqs
+    widths = table_widths(engine.runner.max_pages)
+    assert set(decoded) >= {(b, w) for b in range(1, 7) for w in widths}
+    assert report.decode_shapes == 6 * len(widths)
 
     page = engine.storage.page_size
     budget = 128
