@@ -604,7 +604,8 @@ class LLMEngine:
 
     def warm_up_plan(self, *, decode: bool) -> WarmUpPlan:
         """The warm-up for this engine's limits (``warm_up.plan_warm_up``): prompts of at most a quarter of the pool and
-        the context length less 8 tokens."""
+        the context length less 8 tokens (room for what they generate), the long one alone of up to the pool less
+        two chunks."""
         sc = self.config.scheduler
         cap = self.kv_cache.capacity_tokens_at(0.0)
         return plan_warm_up(
@@ -612,9 +613,10 @@ class LLMEngine:
             chunk_size=sc.chunk_size,
             max_num_seqs=sc.max_num_seqs,
             page_size=self.storage.page_size,
-            max_prompt=min(self.max_model_len - 8, cap // 4),  # 8: room for what it generates
+            max_prompt=min(self.max_model_len - 8, cap // 4),
             decode=decode,
             age_down=self.kv.age_down,
+            longest=min(self.max_model_len - 8, cap - 2 * sc.chunk_size),
         )
 
     def warm_up(self, *, decode: bool) -> WarmUpReport:

@@ -98,9 +98,11 @@ def plan_warm_up(
     max_prompt: int,
     decode: bool,
     age_down: bool = False,
+    longest: int | None = None,
 ) -> WarmUpPlan:
-    """The groups for an engine with these limits. ``max_prompt``: the longest prompt the warm-up may send (the
-    context length and the pool, less the tokens it generates); ``decode``: the worker runs decode steps (roles
+    """The groups for an engine with these limits. ``max_prompt``: the longest prompt the warm-up sends beside
+    others (the context length and a share of the pool, less the tokens it generates); ``longest``: the one long
+    prompt, alone in the pool (default ``max_prompt``); ``decode``: the worker runs decode steps (roles
     decode and both); ``age_down``: its triaxial pool re-stores 4-bit pages at 2 bits for a request that wants 2
     (one group: a 4-bit prompt, then the same tokens wanted at 2 bits)."""
     if min(max_num_batched_tokens, chunk_size, max_num_seqs, page_size, max_prompt) < 1:
@@ -119,8 +121,9 @@ def plan_warm_up(
         parts = split_rows(rows, room)
         turns = (Turn(base + 1), *(Turn(base + n, extends=0, waits=True) for n in parts))
         out.groups.append(Group(f"extend {rows}", turns))
-    if max_prompt > chunk:  # a long prompt, chunk after chunk: prefixes of every page count class up to the longest
-        out.groups.append(Group(f"long {max_prompt}", (Turn(max_prompt),)))
+    longest = max(max_prompt, longest or 0)
+    if longest > chunk:  # a long prompt, chunk after chunk: prefixes of every page count class up to the longest
+        out.groups.append(Group(f"long {longest}", (Turn(longest),)))
     if age_down and room >= 1:
         out.groups.append(Group("age down", (Turn(base + 1, four_bit=True), Turn(base + room, extends=0, waits=True))))
     if not decode:

@@ -49,6 +49,10 @@ def test_plan_fills_one_step_with_each_row_count_then_extends_a_cached_prefix() 
         assert all(t.extends == 0 and t.waits and t.prompt_len - base <= 32 for t in rest)
         assert sum(t.prompt_len - base for t in rest) == int(g.name.split()[1])
     assert [g.name for g in warm.groups if g.name.startswith("long")] == ["long 200"]  # chunks at 0, 32, .., 192
+    alone = warm_up.plan_warm_up(
+        max_num_batched_tokens=64, chunk_size=32, max_num_seqs=4, page_size=16, max_prompt=200, decode=False, longest=1000
+    )
+    assert [g.name for g in alone.groups if g.name.startswith("long")] == ["long 1000"]
     assert not any(g.name.startswith("decode") for g in warm.groups)
 
 
