@@ -28,6 +28,7 @@ DASHBOARD_METRICS: tuple[tuple[str, str, str], ...] = (
     ("kvserving_worker_kv_reuse_fallbacks_total", "counter", "KV reuses that fell back to recompute, by reason"),
     ("kvserving_worker_kv_leases", "gauge", "conversation KV leases a worker holds"),
     ("kvserving_worker_kv_pool_capacity_tokens", "gauge", "tokens a worker's KV pool holds, by precision"),
+    ("kvserving_worker_kernel_compiles_total", "counter", "GPU kernels compiled, by phase: start (before ready) or serving"),
 )
 
 # (title, PromQL expression, unit); `$namespace` and `$kvserving` are dashboard
@@ -65,6 +66,12 @@ PANELS: tuple[tuple[str, str, str], ...] = (
     ("Reuse fallbacks / s by reason", f"sum by (reason) (rate(kvserving_worker_kv_reuse_fallbacks_total{{{_SEL}}}[5m]))", "short"),
     ("Active KV leases", f"sum by (pod) (kvserving_worker_kv_leases{{{_SEL}}})", "short"),
     ("KV capacity by precision (tokens)", f"sum by (precision) (kvserving_worker_kv_pool_capacity_tokens{{{_SEL}}})", "short"),
+    # each one stalled a served step (the warm-up before /ready is meant to leave none)
+    (
+        "Kernels compiled while serving (per 15 min)",
+        f'sum by (pod) (increase(kvserving_worker_kernel_compiles_total{{{_SEL}, phase="serving"}}[15m]))',
+        "short",
+    ),
 )
 
 

@@ -320,7 +320,7 @@ def test_metrics_export_every_worker_metric_with_values(live: Live) -> None:
     assert value("kvserving_worker_step_seconds", kind="decode") > 0
 
     worker_metrics = [(n, t) for n, t, _ in DASHBOARD_METRICS if n.startswith("kvserving_worker_")]
-    assert len(worker_metrics) == 7
+    assert len(worker_metrics) == 8
     for name, kind in worker_metrics:
         base = name.removesuffix("_total") if kind == "counter" else name
         assert base in families, name
@@ -335,6 +335,7 @@ def test_metrics_export_every_worker_metric_with_values(live: Live) -> None:
     for reason in FALLBACK_REASONS:
         assert value("kvserving_worker_kv_reuse_fallbacks", reason=reason) == 0
     assert value("kvserving_worker_requests", finish_reason="length") >= 2
+    assert value("kvserving_worker_kernel_compiles", phase="serving") == 0  # nothing compiles on a CPU
     assert value("kvserving_worker_kv_pool_capacity_tokens", precision="bf16") == live.service.engine.engine.capacity_tokens  # type: ignore[union-attr]
     assert value("kvserving_worker_kv_pool_pages", precision="bf16", state="capacity") > 0
     assert value("kvserving_worker_queue_depth", state="running") == 0
