@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,15 +139,13 @@ def pool_state(engine: LLMEngine) -> tuple[Any, ...]:
     return (pool.num_free, pool.num_owned, pool.num_cached, pool.live_page_ids(), pool.pin_ids(), pool.evicted_pages)
 
 
-@pytest.fixture
-def served(tiny_model_dir: Path) -> Iterator[list[list[int]]]:
-    """Prompts a served turn might send after the warm-up (two share a prefix)."""
-    yield [list(range(20, 20 + n)) for n in (5, 70, 70)] + [list(range(20, 90)) + [7, 8, 9]]
+# prompts served after the warm-up (the last three share a prefix)
+SERVED = [list(range(20, 20 + n)) for n in (5, 70, 70)] + [list(range(20, 90)) + [7, 8, 9]]
 
 
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "triaxial"])
 def test_warm_up_runs_every_row_count_and_leaves_the_engine_as_it_was(
-    tiny_model_dir: Path, dtype: str, served: list[list[int]], monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = engine_for(tiny_model_dir, dtype)
     fresh = engine_for(tiny_model_dir, dtype)
@@ -176,8 +173,9 @@ def test_warm_up_runs_every_row_count_and_leaves_the_engine_as_it_was(
     extend_rows = {sum(n for start, n, prompt in step if prompt and start > 0) for step in log.steps}
     assert set(warm_up.row_counts(128)) <= extend_rows  # chunks after a cached prefix, one or several a step
     assert all(start % page == 0 for step in log.steps for start, _, prompt in step if prompt)
-    longest = engine.warm_up_plan(decode=True).groups  # the long prompt ran chunk after chunk: prefixes of every length
-    n = next(g.turns[0].prompt_len for g in longest if g.name.startswith("long"))
+    # the long prompt ran chunk after chunk: prefixes of every length up to it
+    groups = engine.warm_up_plan(decode=True).groups
+    n = next(g.turns[0].prompt_len for g in groups if g.name.startswith("long"))
     starts = {start for step in log.steps for start, _, prompt in step if prompt}
     assert set(range(64, n, 64)) <= starts
     mixed = {sum(1 for _, _, prompt in step if not prompt) for step in log.steps if any(p for _, _, p in step)}
@@ -189,7 +187,7 @@ def test_warm_up_runs_every_row_count_and_leaves_the_engine_as_it_was(
     assert engine.stats.steps == 0 and engine.stats.prompt_tokens_computed == 0 and engine.stats.prefill_seconds == 0
     assert not engine.requests and not engine.scheduler.has_work()
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    assert engine.generate(served, params) == fresh.generate(served, params)
+    assert engine.generate(SERVED, params) == fresh.generate(SERVED, params)
     assert pool_state(engine) == pool_state(fresh)
 
 
