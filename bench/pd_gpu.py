@@ -894,7 +894,7 @@ def run_seed(plan: Plan, client: Any, model: Path) -> dict[str, tuple[Worker, Wo
     for gw in gateways.values():
         gw.start()
     everyone = [w for pair in pairs.values() for w in pair] + list(gateways.values())
-    errors = wait_ready(client, everyone, time.monotonic() + min(300, plan.left() - 60))
+    errors = wait_ready(client, everyone, time.monotonic() + min(600, plan.left() - 60))  # workers warm up before /ready
     seed: dict[str, Any] = {"start_s": time.monotonic() - t0, "errors": errors, "formats": {}}
     plan.results["seed"] = seed
     plan.save()
@@ -1158,7 +1158,7 @@ def run_faults(plan: Plan, client: Any, pw: Worker, dw: Worker, model: Path) -> 
     dw.kill()
     g = generate(client, pw.url, x, max_tokens=n_tok, params=params)
     dw.start()
-    errs = wait_ready(client, [dw], time.monotonic() + min(180, plan.left() - 10))
+    errs = wait_ready(client, [dw], time.monotonic() + min(600, plan.left() - 10))
     rec: dict[str, Any] = {"usage": g.final["usage"], "ttft_ms": (g.first - g.t0) * 1e3, "tokens": g.tokens, "restart_errors": errs}
     if not errs:
         ref = generate(client, dw.url, x, max_tokens=n_tok)

@@ -108,7 +108,7 @@ def run_mode(config: ServingConfig, mode: str, *, gpus: str | None, work: Path, 
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, proc, timeout_s=300)
+        wait_ready(url, proc, timeout_s=600)  # the workers capture their decode graphs and warm up first
         start = time.perf_counter()
         turns = run_conversation(url + "/v1", config.model.served_name, max_tokens=max_tokens, session_id=f"up-gpu-{mode}", timeout_s=120)
         wall = time.perf_counter() - start
