@@ -55,10 +55,6 @@ class CompileWatch:
         self._prior: tuple[Any, Any] | None = None
         self._runtime: Any = None
 
-    @property
-    def phase(self) -> str:
-        return self._phase
-
     def serving(self) -> None:
         """Every compile from now on counts as one in a served request."""
         self._phase = "serving"
@@ -74,8 +70,6 @@ class CompileWatch:
         runtime = knobs.runtime
         if not hasattr(runtime, "jit_cache_hook") or not hasattr(runtime, "jit_post_compile_hook"):
             return False
-        if getattr(runtime.jit_cache_hook, "__self__", None) is self:
-            raise ValueError("this CompileWatch is already installed")
         self._runtime = runtime
         self._prior = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
         runtime.jit_cache_hook = self._before
