@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -640,7 +641,8 @@ class LLMEngine:
         bytes are never read by a request)."""
         args = self.args
         page = self.storage.page_size
-        free = [i for i in range(self.pool.capacity_tokens() // page) if self.pool.page(i) is None][:64]
+        ids_in_pool = range(self.pool.capacity_tokens() // page)
+        free = list(itertools.islice((i for i in ids_in_pool if self.pool.page(i) is None), 64))  # the first 64 free
         ids = torch.tensor(free, dtype=torch.int32, device=self.device)
         zeros = torch.zeros(len(free) * page, args.num_kv_heads, args.head_dim, dtype=self.dtype, device=self.device)
         slots = torch.arange(page, dtype=torch.int32, device=self.device).repeat(len(free))
