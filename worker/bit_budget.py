@@ -103,12 +103,19 @@ def page_ranks(tags: Sequence[int], rank: Sequence[int], page_size: int) -> list
     return [min(rank[t] for t in tags[s : s + page_size]) for s in range(0, full, page_size)]
 
 
+def class_bits_at_cut(rank: int, cut: float) -> int:
+    """Precision of every full page whose best class rank is ``rank`` at cut ``cut``: 4 below the cut's class, 2 above
+    it, 0 at it (that class's pages are dithered between the two, page by page)."""
+    n = math.floor(cut)
+    return 4 if rank < n else 2 if rank > n else 0
+
+
 def bits_at_cut(best_rank: int, page_index: int, first_token: int, cut: float) -> int:
     """Precision of a full page whose best class rank is ``best_rank`` at cut ``cut``."""
-    n = math.floor(cut)
-    if best_rank < n or (best_rank == n and dither(page_index, first_token) < cut - n):
-        return 4
-    return 2
+    fixed = class_bits_at_cut(best_rank, cut)
+    if fixed:
+        return fixed
+    return 4 if dither(page_index, first_token) < cut - math.floor(cut) else 2
 
 
 def mix_bits(hist: Sequence[float], forced: float, cut: float, *, fixed2: float = 0.0) -> float | None:

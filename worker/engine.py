@@ -11,7 +11,6 @@ import copy
 import dataclasses
 import itertools
 import logging
-import math
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
@@ -23,6 +22,7 @@ from kvserving.config import ServingConfig
 from kvserving.model_dir import resolve_model_dir
 from kvserving.tags import NUM_TAGS
 from kvserving.worker.attention import PagedAttention
+from kvserving.worker.bit_budget import class_bits_at_cut
 from kvserving.worker.kv.cache import KVCache, build_kv_cache, kv_budget_bytes
 from kvserving.worker.kv.manager import KVCacheManager
 from kvserving.worker.kv.scales import CALIBRATION_TOKENS, calibration_ids, measure_kv_amax, scales_from_amax
@@ -695,8 +695,7 @@ class LLMEngine:
         c = manager.controller
         if c is None:
             return list(manager.bits_table)
-        n = math.floor(c.cut)
-        return [4 if c.rank[t] < n else 2 if c.rank[t] > n else 0 for t in range(len(manager.bits_table))]
+        return [class_bits_at_cut(c.rank[t], c.cut) for t in range(len(manager.bits_table))]
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams, *, tags: Seq[Seq[int]] | None = None) -> list[list[int]]:
         """Offline batch: run all prompts to completion, return their output ids."""

@@ -14,7 +14,7 @@ from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, Servin
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.tags import NUM_TAGS, encode_tag
 from kvserving.worker import bit_budget
-from kvserving.worker.bit_budget import BitBudgetController, bits_at_cut, cut_for, dither, mix_bits, rank_of
+from kvserving.worker.bit_budget import BitBudgetController, bits_at_cut, class_bits_at_cut, cut_for, dither, mix_bits, rank_of
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.kv.manager import KVCacheManager
 from kvserving.worker.kv_stats import collect, page_ids_stored_bits
@@ -45,6 +45,14 @@ def test_fractional_cut_puts_its_share_of_boundary_pages_at_four_bits() -> None:
     # across sequences: pages at one index, first tokens 0..999, a quarter INT4 (+-5 %)
     assert abs(sum(bits_at_cut(3, 5, t, 3.25) == 4 for t in range(1000)) - 250) <= 50
     assert all(0.0 <= dither(i, 3 * i) < 1.0 for i in range(1000))
+
+
+def test_a_class_away_from_the_cut_has_one_precision_and_the_class_at_it_is_dithered() -> None:
+    # cut 3.25: ranks 0-2 INT4 on every page, 4+ INT2 on every page, rank 3 (0) both, page by page
+    assert [class_bits_at_cut(r, 3.25) for r in range(6)] == [4, 4, 4, 0, 2, 2]
+    for rank in range(6):
+        seen = {bits_at_cut(rank, i, 11, 3.25) for i in range(200)}
+        assert seen == ({2, 4} if rank == 3 else {class_bits_at_cut(rank, 3.25)}), rank
 
 
 def test_mix_bits_and_cut_for_are_inverse_on_exact_counts() -> None:
