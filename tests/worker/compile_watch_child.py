@@ -1,0 +1,92 @@
+"""Real Triton compiles through CompileWatch without a GPU: ``python compile_watch_child.py``.
+
+Launches a Triton kernel and a Gluon kernel that takes a layout constexpr through Triton's
+JIT, under a driver that reports an sm_90 target and launches nothing (Triton compiles
+each new specialization for sm_90, as it would on the device), with the watch installed;
+prints one JSON list of the events (kernel, phase, cache_hit, seconds, signature). Run
+without TRITON_INTERPRET (kernels must be JIT functions) and with TRITON_CACHE_DIR set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any
+
+import torch
+import triton
+import triton.compiler
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.runtime import driver
+
+from kvserving.worker.compiles import CompileEvent, CompileWatch
+
+
+class _OfflineDriver:
+    def get_current_device(self) -> str:
+        return "offline-sm90"
+
+    def get_current_stream(self, device: Any = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+
+class _NotLaunched:
+    function = None
+    packed_metadata = None
+
+    def launch_metadata(self, *args: Any) -> None:
+        return None
+
+    def run(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_compile = triton.compiler.compile
+
+
+def _compile_only(src: Any, target: Any = None, options: Any = None, **kw: Any) -> _NotLaunched:
+    _compile(src, target=target, options=options, **kw)  # the real compile: it calls the listener
+    return _NotLaunched()
+
+
+@triton.jit
+def _scale_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(x_ptr + offs, x * 2.0, mask=offs < n)
+
+
+@gluon.jit
+def _fill_kernel(out_ptr, n, layout: gl.constexpr):
+    offs = gl.arange(0, 128, layout=layout)
+    gl.store(out_ptr + offs, offs.to(gl.float32), mask=offs < n)
+
+
+def main() -> None:
+    driver.set_active(_OfflineDriver())  # type: ignore[arg-type]
+    triton.compiler.compile = _compile_only
+    events: list[CompileEvent] = []
+    watch = CompileWatch(events.append)
+    assert watch.install()
+    x = torch.zeros(128)
+    _scale_kernel[(1,)](x, 100, BLOCK=128)  # n specialized as neither 1 nor a multiple of 16
+    _scale_kernel[(1,)](x, 101, BLOCK=128)  # the same specialization: no compile
+    _scale_kernel[(1,)](x, 96, BLOCK=128)  # n divisible by 16: a second one
+    watch.serving()
+    layout = gl.BlockedLayout([1], [32], [4], [0])
+    _fill_kernel[(1,)](x, 100, layout, num_warps=4)
+    _fill_kernel[(1,)](x, 100, layout, num_warps=4)
+    watch.uninstall()
+    _scale_kernel[(1,)](x, 1, BLOCK=128)  # compiled, not reported: the watch is gone
+    json.dump([dataclasses.asdict(e) for e in events], sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
