@@ -498,7 +498,7 @@ TUNING: dict[str, int] = {"BLOCK_T": 32, "PPI": 4, "SLOTS": 2, "LOAD_WARPS": 4, 
                           "ATT_REGS": 176, "num_warps": 4}  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # one compile for every prefix length (a served prefix has any page count)
 def _int2_first_kernel(src_ptr, dst_ptr, n, FLAG_BIT: tl.constexpr, BLOCK: tl.constexpr):
     """dst[:n] = src's n page ids, the INT2 ones (bit FLAG_BIT set) first, each kind in its listed order (a stable
     partition, one program): a first loop counts the INT2 ids, a second writes each id at its kind's running count."""
@@ -520,14 +520,15 @@ def _int2_first_kernel(src_ptr, dst_ptr, n, FLAG_BIT: tl.constexpr, BLOCK: tl.co
         c4 += tl.sum(f4, axis=0)
 
 
-def int2_first(pages: torch.Tensor, *, block: int = 4096) -> torch.Tensor:
+def int2_first(pages: torch.Tensor, *, block: int = 1024) -> torch.Tensor:
     """The page ids [N] (int32) with the INT2 pages first, each kind's order kept (at most one step of the kernel
-    mixes the kinds), in one launch (torch's stable argsort is several kernels and the gather another)."""
+    mixes the kinds), in one launch (torch's stable argsort is several kernels and the gather another). ``block``
+    ids per loop step whatever N, so one specialization serves every prefix: a block sized by N compiled a kernel
+    per power of two, and the warm-up (chunk-aligned prefixes) could not meet them all before serving."""
     out = torch.empty_like(pages)
     n = pages.numel()
     if n:
-        blk = max(16, min(block, triton.next_power_of_2(n)))
-        _int2_first_kernel[(1,)](pages, out, n, FLAG_BIT=INT2_PAGE_FLAG.bit_length() - 1, BLOCK=blk, num_warps=4)
+        _int2_first_kernel[(1,)](pages, out, n, FLAG_BIT=INT2_PAGE_FLAG.bit_length() - 1, BLOCK=block, num_warps=4)
     return out
 
 

@@ -36,9 +36,10 @@ def bare_listener() -> Iterator[None]:
     knobs.compilation.listener = saved
 
 
-def _child(cache_dir: Path) -> list[dict[str, Any]]:
+def _child(cache_dir: Path, case: str = "watch") -> list[dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(cache_dir)}
-    proc = subprocess.run([sys.executable, str(HERE / "compile_watch_child.py")], env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, str(HERE / "compile_watch_child.py"), case]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events: list[dict[str, Any]] = json.loads(proc.stdout)
     return events
@@ -60,6 +61,14 @@ def test_real_compiles_are_reported_by_phase_once_per_specialization_gluon_layou
     again = _child(tmp_path)
     assert [(e["kernel"], e["phase"], e["signature"]) for e in again] == [(e["kernel"], e["phase"], e["signature"]) for e in first]
     assert [e["cache_hit"] for e in again] == [True] * 3
+
+
+def test_the_triaxial_page_listing_compiles_once_for_every_prefix_length(tmp_path: Path) -> None:
+    # the warm-up's prefixes (4 pages, and chunk-aligned ones: 128) and then served ones of any page count (1, 137,
+    # 16, 1000, up to a 128K context's 4,096): the device saw a compile per power of two of the page count in served
+    # turns when the listing's block followed the count
+    events = _child(tmp_path, "int2_first")
+    assert [(e["kernel"], e["phase"]) for e in events] == [("_int2_first_kernel", "start")], events
 
 
 def triton_compiled(name: str, *, micros: int = 0, cache_hit: bool = False) -> None:
