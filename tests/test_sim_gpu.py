@@ -66,10 +66,10 @@ def test_shared_gpu_runs_each_step_at_its_measured_share_while_both_run_one() ->
 def test_replay_of_one_measured_point_is_what_the_simulator_computes() -> None:
     measured = _measured()
     costs = load_costs("gpu-h200")
-    rows = reproduce(measured, costs, only={("nvfp4", 4)})
-    assert [(r["format"], r["mode"], r["concurrency"]) for r in rows] == [("nvfp4", "lease", 4)]
+    rows = reproduce(measured, costs, only={("nvfp4", 16)})
+    assert [(r["format"], r["mode"], r["concurrency"]) for r in rows] == [("nvfp4", "lease", 16)]
     row = rows[0]
-    meas = next(p for p in measured["points"] if (p["format"], p["mode"], p["concurrency"]) == ("nvfp4", "lease", 4))
+    meas = next(p for p in measured["points"] if (p["format"], p["mode"], p["concurrency"]) == ("nvfp4", "lease", 16))
     assert row["measured"]["hit_rate"] == meas["hit_rate"] and row["measured"]["output_tok_per_s"] == meas["output_tok_per_s"]
     # the same point built by hand: one prefill and one decode worker on one shared GPU
     cluster = ClusterSpec(
@@ -82,7 +82,7 @@ def test_replay_of_one_measured_point_is_what_the_simulator_computes() -> None:
     )
     sim = Simulator(cluster, _load())
     SharedGpu(sim, sim.prefill[0], sim.decode[0])
-    point = run_bench_point(sim, range(4000, 4004))
+    point = run_bench_point(sim, range(16000, 16016), window_s=meas.get("window_s"))
     assert point["requests"] == meas["requests"]  # the same agents and turns as the bench ran
     assert row["sim"]["hit_rate"] == point["hit_rate"]
     assert row["sim"]["output_tok_per_s"] == point["output_tok_per_s"]
