@@ -28,7 +28,9 @@ import triton.compiler
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_paged_ref's pool helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_paged_ref's pool helpers, offline_driver
+
+from offline_driver import NotLaunched, OfflineDriver  # noqa: E402
 
 SM = int(sys.argv[1])
 RESULTS: dict[str, dict[str, Any]] = {}
@@ -36,33 +38,7 @@ _compile = triton.compiler.compile
 _label = ["?"]
 
 
-class _OfflineDriver:
-    """What the JIT asks a driver before it compiles: a device key, a stream, the target."""
-
-    def get_current_device(self) -> str:
-        return f"offline-sm{SM}"
-
-    def get_current_stream(self, device: Any = None) -> int:
-        return 0
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", SM, 32)
-
-
-class _NotLaunched:
-    """Stands in for the compiled kernel: the JIT's launch becomes a no-op."""
-
-    function = None
-    packed_metadata = None
-
-    def launch_metadata(self, *args: Any) -> None:
-        return None
-
-    def run(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-def _compile_offline(src: Any, target: Any = None, options: Any = None, **kw: Any) -> _NotLaunched:
+def _compile_offline(src: Any, target: Any = None, options: Any = None, **kw: Any) -> NotLaunched:
     name = f"{_label[0]}:{src.fn.__name__}"
     name += f"#{sum(k.startswith(name) for k in RESULTS) + 1}" if name in RESULTS else ""
     try:
@@ -70,7 +46,7 @@ def _compile_offline(src: Any, target: Any = None, options: Any = None, **kw: An
         RESULTS[name] = {"ok": True, "shared": int(kernel.metadata.shared)}
     except Exception as exc:  # noqa: BLE001 -- reported per kernel
         RESULTS[name] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[-400:]}"}
-    return _NotLaunched()
+    return NotLaunched()
 
 
 def _source(kernel: Any, sig: dict[str, str], const: dict[str, Any]) -> Any:
@@ -169,7 +145,7 @@ def _gluon_decode() -> None:
 
 
 if __name__ == "__main__":
-    driver.set_active(_OfflineDriver())  # type: ignore[arg-type]
+    driver.set_active(OfflineDriver(SM))  # type: ignore[arg-type]
     triton.compiler.compile = _compile_offline
     _engine_kernels()
     _gluon_decode()

@@ -1,7 +1,7 @@
 """CompileWatch as Triton's compilation listener: each compile reported once, timed, in its phase; a listener found kept.
 
 The first test compiles real kernels (a Triton one and a Gluon one with a layout constexpr) through Triton's JIT
-for sm_90 without a GPU (compile_watch_child.py, in a child process: this session runs under
+for sm_90 without a GPU (tests/kernels/compile_watch_child.py, in a child process: this session runs under
 TRITON_INTERPRET=1); the others call the listener the way ``triton.compiler.compile`` does (keyword
 arguments only). tests/worker/test_warm_up.py's gpu test runs the worker's own kernels through the watch.
 """
@@ -38,7 +38,7 @@ def bare_listener() -> Iterator[None]:
 
 def _child(cache_dir: Path, case: str = "watch") -> list[dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(cache_dir)}
-    cmd = [sys.executable, str(HERE / "compile_watch_child.py"), case]
+    cmd = [sys.executable, str(HERE.parent / "kernels" / "compile_watch_child.py"), case]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events: list[dict[str, Any]] = json.loads(proc.stdout)

@@ -14,48 +14,29 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 import triton
 import triton.compiler
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.runtime import driver
 
 from kvserving.worker.compiles import CompileEvent, CompileWatch
 
-
-class _OfflineDriver:
-    def get_current_device(self) -> str:
-        return "offline-sm90"
-
-    def get_current_stream(self, device: Any = None) -> int:
-        return 0
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
-
-
-class _NotLaunched:
-    function = None
-    packed_metadata = None
-
-    def launch_metadata(self, *args: Any) -> None:
-        return None
-
-    def run(self, *args: Any, **kwargs: Any) -> None:
-        return None
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offline_driver import NotLaunched, OfflineDriver  # noqa: E402
 
 
 _compile = triton.compiler.compile
 
 
-def _compile_only(src: Any, target: Any = None, options: Any = None, **kw: Any) -> _NotLaunched:
+def _compile_only(src: Any, target: Any = None, options: Any = None, **kw: Any) -> NotLaunched:
     _compile(src, target=target, options=options, **kw)  # the real compile: it calls the listener
-    return _NotLaunched()
+    return NotLaunched()
 
 
 @triton.jit
@@ -95,7 +76,7 @@ def int2_first_case(events: list[CompileEvent], watch: CompileWatch) -> None:
 
 
 def main() -> None:
-    driver.set_active(_OfflineDriver())  # type: ignore[arg-type]
+    driver.set_active(OfflineDriver(90))  # type: ignore[arg-type]
     triton.compiler.compile = _compile_only
     events: list[CompileEvent] = []
     watch = CompileWatch(events.append)
