@@ -296,6 +296,9 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
         **{f"skip_{reason}": float(n) for reason, n in (xfer.get("skips") or {}).items()},
         **{f"missed_{reason}": float(n) for reason, n in (xfer.get("missed_tokens") or {}).items()},
         "page_waits": float(xfer.get("page_waits", 0)),
+        # pulls whose allocation found no room, and what held the pool's pages each time (summed)
+        "no_room": float(xfer.get("no_room", 0)),
+        **{f"held_{key}": float(n) for key, n in (xfer.get("no_room_held_pages") or {}).items()},
         # tokens a pull had in place that its request no longer found at admission (computed instead)
         "lost_tokens": float((stats.get("prompt_tokens") or {}).get("lost_before_admission", 0)),
         "page_wait_s": float(xfer.get("page_wait_seconds", 0.0)),
@@ -498,6 +501,13 @@ def run_stack(
                         for key, v in after[role].items()
                         if key.startswith(prefix) and v > before[role].get(key, 0.0)
                     }
+                no_room = after[role]["no_room"] - before[role]["no_room"]
+                point[f"{role}_no_room"] = int(no_room)
+                point[f"{role}_no_room_held_pages"] = {  # per pull that found no room: the pool's pages held, by holder
+                    key.removeprefix("held_"): round((v - before[role].get(key, 0.0)) / no_room) if no_room else 0
+                    for key, v in after[role].items()
+                    if key.startswith("held_")
+                }
                 for kind in ("decode", "mixed"):  # the engine's steps in the window: how many, mean wall time
                     steps = after[role].get(f"{kind}_steps", 0.0) - before[role].get(f"{kind}_steps", 0.0)
                     seconds = after[role].get(f"{kind}_step_s", 0.0) - before[role].get(f"{kind}_step_s", 0.0)

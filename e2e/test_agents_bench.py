@@ -68,6 +68,12 @@ def test_agents_bench_small_sweep(tmp_path: Path) -> None:
                 assert r["cached_tokens"] > 0  # one agent fits: every later turn reuses its history
         assert p["req_per_s"] > 0 and p["ttft_p99_ms"] >= p["ttft_p50_ms"] > 0
         assert p["tpot_p99_ms"] >= p["tpot_p50_ms"] > 0
+        for role in ("prefill", "decode"):
+            # a pull skipped for no free pages first found no room; per such pull, the pool's held pages by holder
+            assert p[f"{role}_no_room"] >= p[f"{role}_skips"].get("no_free_pages", 0)
+            held = p[f"{role}_no_room_held_pages"]
+            assert set(held) == {"requests", "pins_never", "pins_retained", "pins_pulled"}
+            assert 0 <= sum(held.values()) <= 768 // 16 * 16 / 9 + 1  # at most the larger (nvfp4) pool's pages
     # three agents overflow 768 fp8 tokens: fewer hits than one agent, pages evicted
     one, three = points[("fp8", 1)], points[("fp8", 3)]
     assert three["hit_rate"] < one["hit_rate"]

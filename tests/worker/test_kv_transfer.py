@@ -367,6 +367,9 @@ def test_a_pull_into_a_full_pool_waits_then_skips_and_counts_the_tokens_it_misse
     assert c["skips"] == {"nothing_to_pull": 0, "below_threshold": 0, "no_free_pages": 1}
     assert c["missed_tokens"]["no_free_pages"] == 144 and sum(c["missed_tokens"].values()) == 144
     assert c["page_waits"] == 1 and 0.35 <= c["page_wait_seconds"] <= waited
+    # what held the pool when the pull's allocation found no room: every page a request's
+    held = {"requests": pool.capacity_tokens() // 16, "pins_never": 0, "pins_retained": 0, "pins_pulled": 0}
+    assert (c["no_room"], c["no_room_held_pages"]) == (1, held)
 
     def free_soon() -> None:
         time.sleep(0.2)
@@ -394,7 +397,7 @@ def test_a_pull_into_a_full_pool_waits_then_skips_and_counts_the_tokens_it_misse
     t0 = time.monotonic()
     at_once = P2.kvt.pull(ids, None, offer("full-3"))
     assert (at_once.skipped, at_once.missed_tokens) == ("no_free_pages", 144) and time.monotonic() - t0 < PAGE_WAIT_SHARE * 1.0
-    assert P2.kvt.stats()["page_waits"] == 0
+    assert P2.kvt.stats()["page_waits"] == 0 and P2.kvt.stats()["no_room"] == 1
     with P2.lock:
         P2.engine.pool.free(full)
     metrics.observe_transfer(c)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from kvserving.worker.kv.page_pool import HASH_BITS, RECLAIM_FIRST, RECLAIM_LAST, PagePool, chain_hashes
+from kvserving.worker.kv.page_pool import HASH_BITS, RECLAIM_FIRST, RECLAIM_LAST, RECLAIM_NEVER, PagePool, chain_hashes
 
 
 class FakeClock:
@@ -333,6 +333,22 @@ def test_pinned_pages_are_never_evicted_until_expiry() -> None:
     assert pool.page(0).pins == []
     assert pool.pin_ids() == []
     assert pool.allocate([4] * 1) == [1]  # now evictable
+
+
+def test_page_holders_names_what_keeps_each_referenced_page() -> None:
+    pool, _ = make_pool(12)
+    ids = pool.allocate([4] * 10)
+    assert ids is not None
+    for pid in ids:
+        pool.register(pid, 100 + pid)
+    pool.pin("hold", [0, 1], ttl_s=5)  # a transfer hold
+    pool.pin("conv", [2, 3, 4], ttl_s=5, reclaim=RECLAIM_FIRST)  # a retained conversation
+    pool.pin("pulled", [4, 5], ttl_s=5, reclaim=RECLAIM_LAST)  # page 4 in two pins: the least reclaimable names it
+    pool.pin("prefix", [5], ttl_s=5, reclaim=RECLAIM_NEVER)  # and page 5: never beats pulled
+    pool.free(ids[:6] + ids[8:])  # pages 6 and 7 stay a request's; 8 and 9 become cached; 10 and 11 are free
+    assert pool.page_holders() == {"requests": 2, "pins_never": 3, "pins_retained": 3, "pins_pulled": 0}
+    pool.pin("again", [6], ttl_s=5, reclaim=RECLAIM_LAST)  # a request's page pinned too stays the request's
+    assert pool.page_holders()["requests"] == 2 and sum(pool.page_holders().values()) == 8
 
 
 def test_reclaim_one_releases_retained_conversations_first_then_admission_pins_earliest_expiry_first() -> None:

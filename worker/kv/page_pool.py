@@ -105,6 +105,8 @@ RECLAIM_NEVER = 0  # transfer holds a peer is about to READ, tests' pins
 RECLAIM_FIRST = 1  # retained conversations (a bet on a next turn)
 RECLAIM_LAST = 2  # pulled pages pinned until their request is admitted
 RECLAIM_CLASSES = (RECLAIM_NEVER, RECLAIM_FIRST, RECLAIM_LAST)
+HELD_BY = ("requests", "pins_never", "pins_retained", "pins_pulled")  # ``page_holders``' keys
+_PIN_HOLDER = {RECLAIM_NEVER: "pins_never", RECLAIM_FIRST: "pins_retained", RECLAIM_LAST: "pins_pulled"}
 
 # A decode worker's pull that finds no free pages waits for them this share of ``transfer_timeout_s`` (the
 # READ keeps the rest: milliseconds at GPU rates), asking again every PAGE_WAIT_POLL_S; a prefill worker's
@@ -403,6 +405,22 @@ class PagePoolBase:
     @property
     def num_owned(self) -> int:
         return len(self._pages) - self.num_cached
+
+    def page_holders(self) -> dict[str, int]:
+        """What keeps the referenced pages from being allocated, page by page (``HELD_BY``): ``requests``
+        where a request's own ref is among its refs, else the least reclaimable of its pins: ``pins_never``
+        (transfer holds, prefixes pinned while a pull runs), ``pins_retained`` (retained conversations),
+        ``pins_pulled`` (pulled pages waiting for their request's admission). Cached and free pages are not
+        held. O(live pages): for diagnostics, not the hot path."""
+        out = dict.fromkeys(HELD_BY, 0)
+        for page in self._pages.values():
+            if page.ref_count == 0:
+                continue
+            if page.ref_count > len(page.pins):
+                out["requests"] += 1
+            else:
+                out[_PIN_HOLDER[min(self._pins[pin_id].reclaim for pin_id in page.pins)]] += 1
+        return out
 
     def ref_count(self, page_id: int) -> int:
         self._check_id(page_id)

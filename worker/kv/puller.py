@@ -65,7 +65,7 @@ from kvserving.worker.kv.leases import (
     release_admission,
 )
 from kvserving.worker.kv.nixl_io import NixlIO, PageGeometry, ReadStats, RemoteBuffers, TransferError
-from kvserving.worker.kv.page_pool import PAGE_WAIT_POLL_S, PAGE_WAIT_SHARE, RECLAIM_FIRST, RECLAIM_NEVER
+from kvserving.worker.kv.page_pool import HELD_BY, PAGE_WAIT_POLL_S, PAGE_WAIT_SHARE, RECLAIM_FIRST, RECLAIM_NEVER
 from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.peers import PeerSet, url_key
 from kvserving.worker.sampling import SamplingParams, make_generator
@@ -227,6 +227,8 @@ class Puller:
         self.skips: Counter[str] = Counter()
         self.missed_tokens: Counter[str] = Counter()  # by skip or fallback reason
         self.page_waits = 0  # pulls that found no free pages at once and waited
+        self.no_room = 0  # pulls whose first allocation found no room (they waited or skipped)
+        self.no_room_held = dict.fromkeys(HELD_BY, 0)  # summed over those: what held the pool's pages then
         self.page_wait_seconds_total = 0.0
         self.pulls = 0
         self.pulled_tokens_total = 0
@@ -298,6 +300,8 @@ class Puller:
                 "missed_tokens": {r: self.missed_tokens.get(r, 0) for r in (*SKIP_REASONS, *FALLBACK_REASONS)},
                 "page_waits": self.page_waits,
                 "page_wait_seconds": self.page_wait_seconds_total,
+                "no_room": self.no_room,
+                "no_room_held_pages": dict(self.no_room_held),
                 "prefill_tokens_per_s": self.prefill_tokens_per_s,
                 "transfer_bytes_per_s": self.transfer_bytes_per_s,
                 "stuck_transfers": self.nixl.num_stuck,
@@ -451,6 +455,12 @@ class Puller:
             plan.local_pin = pin_for_admission(pool, plan.local_pids, pulled=(), ttl_s=self._pin_ttl(), reclaim=RECLAIM_NEVER)
         if plan.skipped is None and params.engine_id != self.engine_id:
             plan.local = self.allocate_for_pull([page_id_bits(pid) for pid in plan.remote_pids])
+            if plan.local is None:
+                holders = pool.page_holders()
+                with self._counts_lock:
+                    self.no_room += 1
+                    for key, n in holders.items():
+                        self.no_room_held[key] += n
         return plan
 
     def allocate_for_pull(self, bits: list[int]) -> list[int] | None:
