@@ -304,6 +304,7 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
         "page_wait_s": float(xfer.get("page_wait_seconds", 0.0)),
         # bytes the worker's successful READs moved and their wall time: the transport's rate
         "pulled_bytes": float(xfer.get("pulled_bytes", 0)),
+        "pulled_regions": float(xfer.get("pulled_regions", 0)),  # NIXL descriptors the READs moved (runs x layers)
         "transfer_s": float(xfer.get("transfer_seconds", 0.0)),
         "evicted_pages": counter("kvserving_worker_kv_evicted_pages_total"),
         # GPU kernels compiled inside served steps (each one stalled its step) and their seconds
@@ -495,6 +496,9 @@ def run_stack(
                 read_bytes = after[role]["pulled_bytes"] - before[role]["pulled_bytes"]
                 read_s = after[role]["transfer_s"] - before[role]["transfer_s"]
                 point[f"{role}_read_gbs"] = round(read_bytes / read_s / 1e9, 2) if read_s > 0 else 0.0  # the READs that ended
+                pulls = after[role]["pulls"] - before[role]["pulls"]
+                regions = after[role]["pulled_regions"] - before[role]["pulled_regions"]
+                point[f"{role}_regions_per_pull"] = round(regions / pulls, 1) if pulls else 0.0  # page runs x layers
                 for prefix, name in (("fallback_", "fallbacks"), ("skip_", "skips"), ("missed_", "missed_tokens")):
                     point[f"{role}_{name}"] = {  # by reason, the ones that moved
                         key.removeprefix(prefix): int(v - before[role].get(key, 0.0))

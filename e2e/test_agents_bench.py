@@ -74,6 +74,9 @@ def test_agents_bench_small_sweep(tmp_path: Path) -> None:
             held = p[f"{role}_no_room_held_pages"]
             assert set(held) == {"requests", "pins_never", "pins_retained", "pins_pulled"}
             assert 0 <= sum(held.values()) <= 768 // 16 * 16 / 9 + 1  # at most the larger (nvfp4) pool's pages
+            # a READ moves at least one region per layer of the tiny model (4 layers), at most one per page and layer
+            if p[f"{role}_pulls"]:
+                assert 4 <= p[f"{role}_regions_per_pull"] <= 4 * p[f"{role}_pulled_tokens"] / 16 / p[f"{role}_pulls"]
     # three agents overflow 768 fp8 tokens: fewer hits than one agent, pages evicted
     one, three = points[("fp8", 1)], points[("fp8", 3)]
     assert three["hit_rate"] < one["hit_rate"]
