@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import itertools
 import logging
 import time
@@ -627,9 +626,11 @@ class LLMEngine:
         start = time.perf_counter()
         warm = self.warm_up_plan(decode=decode)
         with self.state_kept():
-            report = self._run_groups(warm, tags_table=self._tag_bits())
+            requests, steps = self._run_groups(warm, tags_table=self._tag_bits())
         shapes = self._sweep_decode_shapes() if decode else 0
-        return dataclasses.replace(report, decode_shapes=shapes, seconds=time.perf_counter() - start)
+        return WarmUpReport(
+            groups=len(warm.groups), requests=requests, steps=steps, seconds=time.perf_counter() - start, decode_shapes=shapes
+        )
 
     @torch.inference_mode()
     def _sweep_decode_shapes(self) -> int:
@@ -658,10 +659,9 @@ class LLMEngine:
                 launches += 1
         return launches
 
-    def _run_groups(self, warm: WarmUpPlan, *, tags_table: Seq[int] | None, max_steps: int = 100_000) -> WarmUpReport:
-        """Run ``warm``'s groups one after the other, each to completion. ``tags_table``: tag -> bits a full page of
-        that tag is stored at (triaxial)."""
-        start = time.perf_counter()
+    def _run_groups(self, warm: WarmUpPlan, *, tags_table: Seq[int] | None, max_steps: int = 100_000) -> tuple[int, int]:
+        """Run ``warm``'s groups one after the other, each to completion; returns the requests added and the engine
+        steps run. ``tags_table``: tag -> bits a full page of that tag is stored at (triaxial)."""
         steps = requests = 0
         page = self.storage.page_size
         for g, (group, prompts) in enumerate(zip(warm.groups, prompts_of(warm, vocab_size=self.vocab_size))):
@@ -684,7 +684,7 @@ class LLMEngine:
                     if out.new_token_ids:
                         started[ids.index(out.request_id)] = True
                 steps += 1
-        return WarmUpReport(groups=len(warm.groups), requests=requests, steps=steps, seconds=time.perf_counter() - start)
+        return requests, steps
 
     def _tag_bits(self) -> list[int] | None:
         """Tag -> bits a full page of that tag is stored at (triaxial; None otherwise): the bits table, or where the
