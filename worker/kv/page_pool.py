@@ -105,8 +105,8 @@ RECLAIM_NEVER = 0  # transfer holds a peer is about to READ, tests' pins
 RECLAIM_FIRST = 1  # retained conversations (a bet on a next turn)
 RECLAIM_LAST = 2  # pulled pages pinned until their request is admitted
 RECLAIM_CLASSES = (RECLAIM_NEVER, RECLAIM_FIRST, RECLAIM_LAST)
-HELD_BY = ("requests", "pins_never", "pins_retained", "pins_pulled")  # ``page_holders``' keys
 _PIN_HOLDER = {RECLAIM_NEVER: "pins_never", RECLAIM_FIRST: "pins_retained", RECLAIM_LAST: "pins_pulled"}
+HELD_BY = ("requests", *_PIN_HOLDER.values())  # ``page_holders``' keys
 
 # A decode worker's pull that finds no free pages waits for them this share of ``transfer_timeout_s`` (the
 # READ keeps the rest: milliseconds at GPU rates), asking again every PAGE_WAIT_POLL_S; a prefill worker's
