@@ -15,7 +15,9 @@ the largest A whose TTFT p99 meets the target and whose whole turns (48-token re
 within ``--turn-p99-ms`` at p99 (agents wait for their replies, so a saturated decode pool slows
 them instead of queueing prompts: the TTFT alone would not see it), by doubling then bisection
 to ``--tolerance``.
-More agents never lower the TTFT p99, the search assumes. The answer per format is its best split.
+More agents never lower the TTFT p99, the search assumes. The answer per format is its best split;
+a best split at the edge of ``--prefill-shares`` extends the search past that edge by
+``--share-step`` until the best split is inside what was searched.
 """
 
 from __future__ import annotations
@@ -112,6 +114,27 @@ def search(fmt: str, share: float, args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def edge_shares(results: list[dict[str, Any]], formats: list[str], *, step: float, gpus: int) -> list[tuple[str, float]]:
+    """(format, share) searches still to run: a format whose best split is at the edge of the
+    shares searched so far gets the next share past that edge (by ``step``), while that share
+    still leaves a worker of each role and splits the GPUs differently; an answer at an edge
+    would otherwise be the search's limit, not the cluster's."""
+    from kvserving.sim.plan import split_gpus
+
+    more = []
+    for fmt in formats:
+        rows = [r for r in results if r["format"] == fmt]
+        best = max(rows, key=lambda r: r["agents"])
+        if best["agents"] == 0:
+            continue
+        tried = sorted(r["prefill_share"] for r in rows)
+        splits = {split_gpus(gpus, s) for s in tried}
+        for edge, nxt in ((tried[-1], tried[-1] + step), (tried[0], tried[0] - step)):
+            if best["prefill_share"] == edge and 0 < nxt < 1 and split_gpus(gpus, nxt) not in splits:
+                more.append((fmt, round(nxt, 6)))
+    return more
+
+
 def section_name(run: dict[str, Any]) -> str:
     """A run's section: its KV pool per GPU (``kv_90gib``)."""
     return f"kv_{run['args']['kv_gib']:g}gib"
@@ -126,6 +149,9 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=64)
     ap.add_argument("--kv-gib", type=float, default=90.0, help="KV pool per GPU (default: the engine benchmark's 90 GiB)")
     ap.add_argument("--prefill-shares", default="0.25,0.375,0.5")
+    ap.add_argument(
+        "--share-step", type=float, default=0.125, help="a best split at the edge of the shares searched extends them by this"
+    )
     ap.add_argument("--formats", default="fp8,nvfp4,triaxial")
     ap.add_argument("--duration-s", type=float, default=240.0)
     ap.add_argument("--warmup-s", type=float, default=60.0)
@@ -155,8 +181,10 @@ def main() -> None:
     shares = [float(s) for s in args.prefill_shares.split(",") if s]
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(search, f, s, job) for f in formats for s in shares]
-        results = [fut.result() for fut in futures]
+        results = [fut.result() for fut in [pool.submit(search, f, s, job) for f in formats for s in shares]]
+        while more := edge_shares(results, formats, step=args.share_step, gpus=args.gpus):
+            results += [fut.result() for fut in [pool.submit(search, f, s, job) for f, s in more]]
+    results.sort(key=lambda r: (formats.index(r["format"]), r["prefill_share"]))
     best = {f: max((r for r in results if r["format"] == f), key=lambda r: r["agents"]) for f in formats}
     print(
         f"{args.gpus} H200s, KV {args.kv_gib:g} GiB per GPU, TTFT p99 <= {args.ttft_p99_ms:g} ms, turn p99 <= {args.turn_p99_ms:g} ms, "
