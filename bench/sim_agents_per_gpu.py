@@ -149,9 +149,7 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=64)
     ap.add_argument("--kv-gib", type=float, default=90.0, help="KV pool per GPU (default: the engine benchmark's 90 GiB)")
     ap.add_argument("--prefill-shares", default="0.25,0.375,0.5")
-    ap.add_argument(
-        "--share-step", type=float, default=0.125, help="a best split at the edge of the shares searched extends them by this"
-    )
+    ap.add_argument("--share-step", type=float, default=0.125, help="a best split at the edge of the shares searched extends them by this")
     ap.add_argument("--formats", default="fp8,nvfp4,triaxial")
     ap.add_argument("--duration-s", type=float, default=240.0)
     ap.add_argument("--warmup-s", type=float, default=60.0)
