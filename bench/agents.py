@@ -46,6 +46,7 @@ import contextlib
 import json
 import math
 import re
+import subprocess
 import sys
 import time
 import urllib.request
@@ -312,6 +313,8 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
         "compile_s": counter('kvserving_worker_kernel_compile_seconds_total\\{phase="serving"\\}'),
         "reclaimed_leases": counter("kvserving_worker_kv_leases_reclaimed_total"),
         "preemptions": float(stats.get("preemptions", 0)),
+        # admissions whose pulled pages' pin had expired or yielded first (lost_tokens with the pin alive: another cause)
+        "admission_pins_gone": float(stats.get("admission_pins_gone", 0)),
         # prompt tokens the engine computed (on the decode worker: recompute after a preemption or a failed pull)
         "computed_tokens": counter("kvserving_worker_prompt_tokens_total"),
         **{f"{kind}_steps": float(v["count"]) for kind, v in stats.get("steps", {}).items()},
@@ -488,6 +491,7 @@ def run_stack(
                     "pulled_tokens",
                     "page_waits",
                     "lost_tokens",
+                    "admission_pins_gone",
                     "compiles",
                 ):
                     point[f"{role}_{key}"] = int(after[role][key] - before[role][key])
@@ -638,9 +642,9 @@ def combine(files: list[Path], json_out: Path, png_out: Path) -> dict[str, Any]:
     device calls): every point, a later file's point replacing an earlier one of the same
     format, mode and concurrency; the stacks that ran points; crossings recomputed."""
     parts = [json.loads(f.read_text()) for f in files]
-    for key in ("load", "kv_per_worker", "think_s", "seed"):
-        if any(p[key] != parts[0][key] for p in parts):
-            raise ValueError(f"--combine: the files differ in {key!r}; only parts of one sweep combine")
+    for key in ("load", "kv_per_worker", "think_s", "seed", "device"):
+        if any(p.get(key) != parts[0].get(key) for p in parts):
+            raise ValueError(f"--combine: the files differ in {key!r}; only parts of one sweep (one machine) combine")
     by_point: dict[tuple[str, str, int], dict[str, Any]] = {}
     stacks = []
     for f, part in zip(files, parts):
@@ -667,8 +671,24 @@ def combine(files: list[Path], json_out: Path, png_out: Path) -> dict[str, Any]:
     json_out.write_text(jsonfmt.dumps(_finite(result), allow_nan=False))
     # "bench/agents.py: agent traffic on the local stack (WHERE) (combined from N runs)": WHERE may hold parentheses
     where = what.split(" (", 1)[-1].rsplit(") (combined", 1)[0]
-    plot(points, png_out, title=f"{result['kv_per_worker']} KV per worker; {where}", seed_cliff=True)
+    plot(points, png_out, title=_title(result, where), seed_cliff=True)
     return result
+
+
+def _title(result: dict[str, Any], where: str) -> str:
+    on = f" ({result['device']})" if result.get("device") not in (None, "CPU") else ""
+    return f"{result['kv_per_worker']} KV per worker; {where}{on}"
+
+
+def gpu_name() -> str:
+    """GPU 0's name as nvidia-smi says it (the bench process never touches CUDA: the workers hold the GPU)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"], capture_output=True, text=True, timeout=30, check=True
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise SystemExit(f"agents.py: error: --gpu: nvidia-smi could not name GPU 0 ({exc})") from exc
+    return out.stdout.strip().splitlines()[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -732,7 +752,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.combine:
         if args.json is None:
             ap.error("--combine needs --json")
-        result = combine(args.combine, args.json, args.png or args.json.with_suffix(".png"))
+        try:
+            result = combine(args.combine, args.json, args.png or args.json.with_suffix(".png"))
+        except ValueError as exc:
+            ap.error(str(exc))
         print(format_table(result["points"]))
         return 0
     if args.kv_kib < 64:
@@ -766,6 +789,7 @@ def main(argv: list[str] | None = None) -> int:
     points: list[dict[str, Any]] = []
     stacks: list[dict[str, Any]] = []
     weights = "bf16" if args.weights == "auto" else args.weights
+    device = gpu_name() if args.gpu else "CPU"
     where = (
         f"Qwen3-8B shape (dummy {weights} weights, built-in tokenizer), prefill + decode worker on one GPU"
         if args.gpu
@@ -781,6 +805,7 @@ def main(argv: list[str] | None = None) -> int:
         return {
             "what": f"bench/agents.py: agent traffic on the local stack ({where})",
             "kv_per_worker": pool,
+            "device": device,
             "think_s": think_s,
             "seed": args.seed,
             "ttl_s": args.ttl_s,
@@ -812,7 +837,8 @@ def main(argv: list[str] | None = None) -> int:
     caps = {m["format"]: m["capacity_tokens"]["decode"] for m in stacks if m["mode"] == "lease"}
     print("pool capacity per worker, tokens: " + ", ".join(f"{k} {v}" for k, v in caps.items()))
     args.json.write_text(jsonfmt.dumps(_finite(final), allow_nan=False))
-    plot(points, args.png, title=f"{pool} KV per worker, {where}, {len(points)} points", seed_cliff=args.gpu)
+    on = f" ({device})" if args.gpu else ""
+    plot(points, args.png, title=f"{pool} KV per worker, {where}{on}, {len(points)} points", seed_cliff=args.gpu)
     print(f"wrote {args.json} and {args.png} ({final['total_s']:.0f} s)")
     return 0
 

@@ -111,3 +111,16 @@ def test_agents_bench_small_sweep(tmp_path: Path) -> None:
     assert {k: p["hit_rate"] for k, p in points.items()} == {(p["format"], p["concurrency"]): p["hit_rate"] for p in merged["points"]}
     assert merged["parts"] == ["part1.json", "agents.json"]
     assert combined.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert merged["device"] == "CPU"
+    # parts measured on different machines are not one sweep
+    other = tmp_path / "other_machine.json"
+    other.write_text(json.dumps({**part, "device": "NVIDIA H100 80GB HBM3"}))
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--combine", str(first), str(other), "--json", str(tmp_path / "mixed.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2 and "the files differ in 'device'" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "mixed.json").exists()
