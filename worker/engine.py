@@ -71,6 +71,9 @@ class EngineStats:
     prompt_tokens_computed: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
+    # requests admitted after their admission pin (pages pulled for them) had expired or yielded: their pulled
+    # pages were cached then, and the ones evicted before admission were computed again
+    admission_pins_gone: int = 0
     prefill_seconds: float = 0.0  # model time spent on prompt tokens (prefill tokens/s for reuse "auto")
     wait_seconds: float = 0.0  # asynchronous decode: time the host waited for a step's sampled ids
     overlapped_steps: int = 0  # decode steps launched before the previous step's ids were back
@@ -401,6 +404,8 @@ class LLMEngine:
         for c in plan.chunks:
             seq = c.seq
             if seq.admission_pin is not None:
+                if self.pool.get_pin(seq.admission_pin) is None:
+                    self.stats.admission_pins_gone += 1
                 used = release_admission(self.pool, seq.admission_pin, seq.page_ids[: seq.num_computed // p])
                 seq.num_pulled_prompt = used * p
                 seq.admission_pin = None

@@ -47,6 +47,7 @@ class KVStats:
     prompt_tokens_computed: int
     decode_tokens: int
     preemptions: int
+    admission_pins_gone: int  # requests admitted after their pulled pages' pin expired or yielded, since start
     step_counts: dict[str, int]  # engine steps by kind ("decode", "mixed"), since start
     step_seconds: dict[str, float]  # their wall time
     evicted_pages: int  # cached pages evicted to make room, since start
@@ -107,6 +108,7 @@ def collect(engine: LLMEngine) -> KVStats:
         prompt_tokens_computed=stats.prompt_tokens_computed,
         decode_tokens=stats.decode_tokens,
         preemptions=stats.preemptions,
+        admission_pins_gone=stats.admission_pins_gone,
         step_counts=dict(stats.step_counts),
         step_seconds=dict(stats.step_seconds),
         evicted_pages=pool.evicted_pages,

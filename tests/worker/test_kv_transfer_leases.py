@@ -166,6 +166,24 @@ def test_admission_pin_is_released_on_abort(decode: KVTransfer) -> None:
     assert pool.pin_ids() == [] and pool.num_owned == 0
 
 
+def test_an_admission_whose_pin_went_first_is_counted(decode: KVTransfer) -> None:
+    # a request whose pulled pages' pin expired or yielded before it ran: counted once, at its admission
+    pool, stats = decode.engine.pool, decode.engine.stats
+    before = stats.admission_pins_gone
+    for rid, seed, yielded in (("kept", 9, False), ("gone", 10, True)):
+        pages = pool.allocate([4, 4])
+        assert pages is not None
+        pin = pin_for_admission(pool, pages, pulled=pages, ttl_s=30.0)
+        pool.free(pages)
+        if yielded:
+            pool.release(pin)
+        decode.engine.add_request(rid, _ids(40, seed), SamplingParams(max_tokens=1), admission_pin=pin)
+        while decode.engine.has_unfinished():
+            decode.engine.step()
+        assert stats.admission_pins_gone - before == int(yielded), rid
+    assert pool.pin_ids() == []
+
+
 def test_a_pull_reclaims_retained_conversations_when_the_pool_is_full(decode: KVTransfer) -> None:
     # Fill the pool with retained conversations, then ask for pages to READ a pulled prompt into:
     # the retained leases yield, least recently active first, instead of the pull being refused.
