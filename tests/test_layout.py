@@ -88,7 +88,7 @@ def test_every_result_file_is_quoted_on_the_results_page_and_every_quoted_one_ex
 
 
 # a result file is named <bench>_<machine>: the machine a CPU run or the device kind it ran on
-RESULT_NAME = re.compile(r"(?P<bench>[a-z0-9_]+?)_(?P<machine>cpu|h200(?:x\d+)?)\.(?P<ext>json|png)")
+RESULT_NAME = re.compile(r"(?P<bench>[a-z0-9_]+?)_(?P<machine>cpu|h[12]00(?:x\d+)?)\.(?P<ext>json|png)")
 
 
 def test_one_result_file_per_bench_and_machine() -> None:
