@@ -106,7 +106,7 @@ class Req:
     hold: Hold | None = None
     pin: WLease | None = None
     pulled: tuple[int, int] = (0, 0)  # pulled page range [a, b) pinned for this request
-    in_place: int = 0  # pages its last pull found or put in place (matched, less what it missed): lost_before_admission
+    in_place: int = 0  # pages its last pull found or put in place (lost_before_admission)
     hit_pages: int = 0
     remote_pages: int = 0
     fallback: str | None = None
@@ -894,7 +894,7 @@ class Worker:
         diverged = matched < usable
         local = self.cache.match(req.segs, matched)
         want = matched - local
-        req.in_place = local  # what a skip or a fallback leaves (PullResult: matched less missed)
+        req.in_place = local  # what a skip or a fallback leaves (lost_before_admission: the leading local pages)
         if want <= 0 or want < self.threshold_pages:
             if diverged:
                 out = self._fail("hash_mismatch", max(0, want) * p)

@@ -37,10 +37,12 @@ STARTING, READY, DRAINING, STOPPED = "starting", "ready", "draining", "stopped"
 
 
 def lost_before_admission(pull: PullResult, cached_tokens: int) -> int:
-    """Prompt tokens ``pull`` had in place (held here or READ: matched, less what it missed) that
-    its request, admitted with ``cached_tokens`` from the prefix cache, no longer found: the
-    admission pin yielded under pressure and the pages were evicted before the request ran."""
-    return max(0, pull.matched_tokens - pull.missed_tokens - cached_tokens)
+    """Prompt tokens ``pull`` had in place that its request, admitted with ``cached_tokens`` from the
+    prefix cache, no longer found: the admission pin yielded under pressure and the pages were
+    evicted before the request ran. In place: every matched page it did not miss when it READ
+    pages; the leading pages held here when it read none (the match ends at the first page missing)."""
+    in_place = pull.matched_tokens - pull.missed_tokens if pull.pulled_tokens else pull.local_tokens
+    return max(0, in_place - cached_tokens)
 
 
 class NotReadyError(RuntimeError):

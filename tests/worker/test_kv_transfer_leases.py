@@ -19,6 +19,7 @@ from kvserving.config import KVCacheConfig, ModelConfig, ReuseConfig, ServingCon
 from kvserving.worker.engine import LLMEngine, RequestOutput
 from kvserving.worker.kv.transfer import KVTransfer
 from kvserving.worker.kv.leases import RetainSpec, pin_for_admission, release_admission
+from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.sequence import Sequence
 from kvserving.worker.sampling import SamplingParams
 
@@ -184,6 +185,52 @@ def test_an_admission_whose_pin_went_first_is_counted(decode: KVTransfer) -> Non
     assert pool.pin_ids() == []
 
 
+def test_a_pull_pins_the_pages_held_here_past_the_first_one_it_pulls(tiny_model_dir: Path) -> None:
+    # the prompt's pages 0-5 are cached here but page 2 was evicted: a pull READs page 2 only, and
+    # pages 3-5 must stay until the request is admitted, else its match ends at 3 and the READ is wasted
+    decode = _kvt(tiny_model_dir, "decode", recompute_threshold_tokens=0)
+    try:
+        _pull_past_a_missing_page(decode)
+    finally:
+        decode.close()
+
+
+def _pull_past_a_missing_page(decode: KVTransfer) -> None:
+    pool, kv = decode.engine.pool, decode.engine.kv
+    ids = _ids(100, 11)
+    _run(decode, "cached", ids, 1, None)
+    hashes = kv.page_hashes(_seq(ids), [4] * 6)
+    pids = [pool.lookup(h) for h in hashes]
+    assert None not in pids and pool.num_owned == 0
+    # evict page 2 alone: pages 3-5 pinned, the free pages taken, then one allocation evicts the LRU's
+    # head (a sequence's pages queue last page first: 2, then 1, 0)
+    hold = pin_for_admission(pool, pids[3:], pulled=(), ttl_s=30.0)
+    filler = pool.allocate([4] * sum(n for _, n in pool.free_runs()))
+    extra = pool.allocate([4])
+    assert filler is not None and extra is not None and pool.lookup(hashes[2]) is None
+    release_admission(pool, hold, ())
+    pool.free(filler + extra)
+    params = KVTransferParams(
+        engine_id="sender",
+        agent_url="http://127.0.0.1:1",
+        lease_id="lease",
+        page_ids=tuple(range(500, 506)),
+        page_hashes=tuple(hashes),
+        num_tokens=100,
+        page_size=16,
+        dtype=decode.dtype,
+        layout_hash=decode.layout_hash,
+        expires_at=time.time() + 60,
+    )
+    plan = decode.puller._plan(ids, [], params)
+    assert (plan.local_pids, plan.want, plan.held_between) == (pids[:2], [2], pids[3:])
+    assert plan.local_pin is not None and sorted(pool.pin_pages(plan.local_pin)) == sorted(pids[:2] + pids[3:])
+    assert plan.local is not None and len(plan.local) == 1  # the page to READ page 2 into
+    # every other page of the pool taken: the kept pages stay cached under their hashes
+    pool.allocate([4] * pool.num_free_pages(bits=4))
+    assert [pool.lookup(h) for h in hashes[:2] + hashes[3:]] == pids[:2] + pids[3:]
+
+
 def test_a_pull_reclaims_retained_conversations_when_the_pool_is_full(decode: KVTransfer) -> None:
     # Fill the pool with retained conversations, then ask for pages to READ a pulled prompt into:
     # the retained leases yield, least recently active first, instead of the pull being refused.
@@ -252,3 +299,15 @@ def test_a_pull_into_a_full_pool_waits_for_pages_until_its_deadline(decode: KVTr
     assert got and got[0] is not None and len(got[0]) == 3 and set(got[0]) <= set(taken[:5])  # the freed pages
     pool.free(got[0])
     pool.free(taken[5:])
+
+
+def test_a_pull_that_read_nothing_had_only_its_leading_local_pages_in_place() -> None:
+    from kvserving.worker.kv.puller import PullResult
+    from kvserving.worker.service import lost_before_admission
+
+    # 6 pages matched: 2 leading ones held here, page 2 to pull (skipped), pages 3-5 held here past it:
+    # the request's match ends at page 2, so only the 2 leading pages were in place
+    skipped = PullResult(matched_tokens=96, local_tokens=32, missed_tokens=16, skipped="below_threshold")
+    assert [lost_before_admission(skipped, 32), lost_before_admission(skipped, 16)] == [0, 16]
+    read = PullResult(pulled_tokens=16, matched_tokens=96, local_tokens=32)
+    assert [lost_before_admission(read, 96), lost_before_admission(read, 48)] == [0, 48]

@@ -128,7 +128,7 @@ class PullResult:
     fallback: str | None = None  # one of FALLBACK_REASONS, or None
     admission_pin: str | None = None  # pass to LLMEngine.add_request(admission_pin=...)
     matched_tokens: int = 0  # leading remote tokens whose hashes equal this prompt's
-    local_tokens: int = 0  # of those, already in the local prefix cache
+    local_tokens: int = 0  # of those, the leading ones already in the local prefix cache
     skipped: str | None = None  # why nothing was pulled without a fault (one of SKIP_REASONS)
     missed_tokens: int = 0  # tokens the plan wanted to pull and did not (skipped or failed): the engine computes them
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds per phase (``PULL_PHASES``)
@@ -161,13 +161,20 @@ class _Phases:
 class _Plan:
     matched: int = 0  # leading pages equal to the remote's
     usable: int = 0  # remote pages this prompt could use at most
-    local_pids: list[int] = field(default_factory=list)
+    local_pids: list[int] = field(default_factory=list)  # the leading matched pages held here
+    held_between: list[int] = field(default_factory=list)  # matched pages held here past the first one pulled
     want: list[int] = field(default_factory=list)  # page indices to pull
     hashes: list[int] = field(default_factory=list)
-    local_pin: str | None = None  # admission pin of ``local_pids`` while the pull runs
+    local_pin: str | None = None  # admission pin of ``local_pids`` and ``held_between`` while the pull runs
     remote_pids: list[int] = field(default_factory=list)  # the sender's ids of ``want``
     skipped: str | None = None  # nothing to pull ("nothing_to_pull", "below_threshold")
     local: list[int] | None = None  # pages allocated to READ into (None: none free, or skipped)
+
+    @property
+    def kept(self) -> list[int]:
+        """The matched pages held here, pinned with the pulled ones for the request: not pulled again,
+        and evicted before admission one would end the request's match there (the pages after it wasted)."""
+        return self.local_pids + self.held_between
 
 
 @dataclass(slots=True)
@@ -444,15 +451,20 @@ class Puller:
         while i < plan.matched and (pid := held(plan.hashes[i])) is not None:
             plan.local_pids.append(pid)
             i += 1
-        plan.want = [j for j in range(i, plan.matched) if held(plan.hashes[j]) is None]
+        for j in range(i, plan.matched):
+            if (pid := held(plan.hashes[j])) is None:
+                plan.want.append(j)
+            else:
+                plan.held_between.append(pid)
         plan.remote_pids = [params.page_ids[j] for j in plan.want]
         if not plan.want:
             plan.skipped = "nothing_to_pull"
         elif not self.worth_pulling(len(plan.want) * p, self.page_nbytes(plan.remote_pids)):
             plan.skipped = "below_threshold"
-        if plan.local_pids:
-            # never reclaimed while the pull runs: ``_adopt`` re-pins these pages for the admission, read or not
-            plan.local_pin = pin_for_admission(pool, plan.local_pids, pulled=(), ttl_s=self._pin_ttl(), reclaim=RECLAIM_NEVER)
+        if plan.local_pids or plan.held_between:
+            # never reclaimed while the pull runs: ``_adopt`` re-pins these pages for the admission (the prefix
+            # alone when nothing was read: the request's match ends at the first page not pulled)
+            plan.local_pin = pin_for_admission(pool, plan.kept, pulled=(), ttl_s=self._pin_ttl(), reclaim=RECLAIM_NEVER)
         if plan.skipped is None and params.engine_id != self.engine_id:
             plan.local = self.allocate_for_pull([page_id_bits(pid) for pid in plan.remote_pids])
             if plan.local is None:
@@ -534,7 +546,7 @@ class Puller:
             return self._fail(reason or "transfer_failed", missed=missed, **base)
         overhead = max(0.0, time.monotonic() - t_send - stats.seconds)  # hold, allocation, planning
         hashes = [plan.hashes[i] for i in plan.want]
-        local_pids, local_pin = list(plan.local_pids), plan.local_pin
+        local_pids, local_pin = plan.kept, plan.local_pin
         pin = self._on_engine(lambda: self._adopt(local, hashes, local_pids, local_pin))
         ph.mark("adopt")
         self._count(stats, len(local) * p, overhead)
