@@ -212,6 +212,28 @@ class PageCache:
             freed += chain.owned - (max(kept) if kept else 0)
         return n <= self.free + freed
 
+    @staticmethod
+    def holders(classes: Sequence[Sequence[Hold]]) -> list[int]:
+        """Pages held, by the first class (in ``classes``' order) whose holds cover them: a page
+        of a chain goes to the first class with a hold over it, a hold's loose pages to its own
+        class (``PagePoolBase.page_holders``: requests before the pins, the least reclaimable pin
+        first). For diagnostics: O(holds x chains they touch)."""
+        counts = [0] * len(classes)
+        reach: dict[Key, list[int]] = {}  # chain -> the longest extent of each class
+        for c, holds in enumerate(classes):
+            for hold in holds:
+                counts[c] += hold.loose
+                for key, extent in hold.extents.items():
+                    row = reach.setdefault(key, [0] * len(classes))
+                    row[c] = max(row[c], extent)
+        for row in reach.values():
+            covered = 0
+            for c, extent in enumerate(row):
+                if extent > covered:
+                    counts[c] += extent - covered
+                    covered = extent
+        return counts
+
     def publish(self, hold: Hold, segments: Segments, start: int, end: int) -> None:
         """Pages ``[start, end)`` of ``segments``, which ``hold`` owns as loose pages, join their
         chains where they extend them (``hold`` keeps refs on the chain up to ``end``); the

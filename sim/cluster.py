@@ -531,6 +531,8 @@ class Simulator(Sim):
                 "mixed_step_s": sum(w.stats.prompt_step_s for w in workers),
                 "page_waits": sum(w.stats.page_waits for w in workers),
                 "page_wait_s": sum(w.stats.page_wait_s for w in workers),
+                "no_room": sum(w.stats.no_room for w in workers),
+                "no_room_held": _sum_counts(w.stats.no_room_held for w in workers),  # summed over those pulls
             }
         return out
 
@@ -655,6 +657,7 @@ def run_bench_point(sim: Simulator, agent_ids: range, *, window_s: float | None 
         point[f"{role}_preemptions"] = count - preempted[role]
     for role, counts in sim.pull_counters().items():
         point.update({f"{role}_{k}": _minus(v, pulls[role][k]) for k, v in counts.items()})
+    _held_per_pull(point)
     point["concurrency"] = n
     sim.stop_at = math.inf
     return point
@@ -720,8 +723,17 @@ def run_population(
     point["decode_reclaimed_leases"] = sim.reclaimed_leases()
     for role, counts in sim.pull_counters().items():
         point.update({f"{role}_{k}": v for k, v in counts.items()})
+    _held_per_pull(point)
     point["unfinished"] = len(waiting)
     return point
+
+
+def _held_per_pull(point: dict[str, Any]) -> None:
+    """``{role}_no_room_held_pages``: the pool's pages by holder per pull that found no room, as
+    bench/agents.py reports it (from the summed ``{role}_no_room_held``)."""
+    for role in ("prefill", "decode"):
+        n, held = point[f"{role}_no_room"], point[f"{role}_no_room_held"]
+        point[f"{role}_no_room_held_pages"] = {k: round(v / n) if n else 0 for k, v in held.items()}
 
 
 def _minus(after: Any, before: Any) -> Any:

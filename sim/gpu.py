@@ -43,7 +43,16 @@ TPUT_TOL = 0.15
 # A measured TTFT p99 at or past this with no preemption marks a point (``long_ttft_p99``)
 LONG_TTFT_P99_MS = 4000.0
 # Simulator.pull_counters
-PULL_COUNTERS = ("computed_tokens", "pull_fallbacks", "pull_skipped", "pull_skipped_tokens", "page_waits", "page_wait_s")
+PULL_COUNTERS = (
+    "computed_tokens",
+    "pull_fallbacks",
+    "pull_skipped",
+    "pull_skipped_tokens",
+    "page_waits",
+    "page_wait_s",
+    "no_room",
+    "no_room_held_pages",
+)
 COMPARED = (
     "hit_rate",
     "output_tok_per_s",
@@ -158,6 +167,8 @@ def reproduce(
                     "preemptions": p.get("prefill_preemptions", 0) + p.get("decode_preemptions", 0),
                     "fallbacks": p.get("fallbacks", {}),
                     "decode_fallbacks": p.get("decode_fallbacks"),  # the decode worker's own pulls (newer benches)
+                    # pulls that found no room and the pool's pages by holder then (newer benches)
+                    **{f"{role}_{k}": p.get(f"{role}_{k}") for role in ("prefill", "decode") for k in ("no_room", "no_room_held_pages")},
                     "wall_s": p.get("wall_s"),
                     "requests": p.get("requests"),
                 },

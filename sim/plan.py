@@ -442,6 +442,8 @@ ROLE_COUNTERS = (
     "fallbacks",
     "page_waits",
     "reclaimed_leases",
+    "no_room",
+    "no_room_held_pages",
 )
 
 

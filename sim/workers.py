@@ -72,7 +72,7 @@ from kvserving.gateway.router import WorkerView
 from kvserving.sim.cache import Hold, Key, PageCache
 from kvserving.sim.costs import CostModel
 from kvserving.worker.kv.leases import HOLD_MARGIN_S
-from kvserving.worker.kv.page_pool import PAGE_WAIT_POLL_S, PAGE_WAIT_SHARE
+from kvserving.worker.kv.page_pool import HELD_BY, PAGE_WAIT_POLL_S, PAGE_WAIT_SHARE
 
 SKIP_REASONS = ("nothing_to_pull", "below_threshold", "no_free_pages")  # ``PullResult.skipped``: nothing pulled, no fault
 
@@ -162,6 +162,9 @@ class WorkerStats:
     # by skip or fallback reason: the tokens it would have pulled (PullResult.missed_tokens)
     missed_tokens: dict[str, int] = field(default_factory=dict)
     page_waits: int = 0  # pulls that found no free page and waited for one
+    no_room: int = 0  # pulls whose first allocation found no room (they waited or skipped)
+    # summed over those: the pool's pages by holder then (``Worker.page_holders``, HELD_BY)
+    no_room_held: dict[str, int] = field(default_factory=lambda: dict.fromkeys(HELD_BY, 0))
     page_wait_s: float = 0.0  # their waits, in all
     leases_expired: int = 0
     leases_reclaimed: int = 0
@@ -912,6 +915,8 @@ class Worker:
             # they go back free, what they evicted stays evicted. Without pages a prefill's pull skips
             # before that answer counts (a decode's, which would wait for pages first, fails at once)
             got = self._allocate_for_pull(hold, want, now)
+            if not got:
+                self._count_no_room(hold)
             self.cache.release(hold)
             self._mark_freed()
             if got or self.pull_waits:
@@ -925,6 +930,7 @@ class Worker:
         if self._allocate_for_pull(hold, want, now):
             then(req, self._pulled(req, offer, hold, local, matched, diverged, now), now)
             return
+        self._count_no_room(hold)
         if not self.pull_waits:
             self.cache.release(hold)
             self._skip("no_free_pages", req.prompt - local * p, want * p)
@@ -940,6 +946,22 @@ class Worker:
         self.sim.call_at(wait.until, self._give_up, wait)
         if not self.busy:
             self.wake_when_leases_expire(now)
+
+    def page_holders(self, pulling: Hold) -> dict[str, int]:
+        """``PagePoolBase.page_holders``: the pool's pages by holder (HELD_BY), ``pulling`` the
+        local prefix of the pull asking now (the worker pins it while the pull runs)."""
+        classes: dict[str, list[Hold]] = {name: [] for name in HELD_BY}
+        classes["requests"] = [s.req.hold for s in self.running if s.req.hold is not None]
+        classes["pins_never"] = [pulling] + [w.hold for w in self._pulls]
+        for lease in self.leases.values():
+            kind = "pins_retained" if lease.reclaimable else "pins_pulled" if lease.yields else "pins_never"
+            classes[kind].append(lease.hold)
+        return dict(zip(HELD_BY, self.cache.holders([classes[name] for name in HELD_BY])))
+
+    def _count_no_room(self, pulling: Hold) -> None:
+        self.stats.no_room += 1
+        for name, n in self.page_holders(pulling).items():
+            self.stats.no_room_held[name] += n
 
     def _pin_local(self, req: Req, local: int, now: float) -> None:
         """``Puller.pull`` that read nothing: the ``local`` prefix pages it matched wait for the request

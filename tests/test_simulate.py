@@ -58,6 +58,22 @@ def test_lru_evicts_least_recent_chain_first_and_its_tail_first() -> None:
     assert cache.present("a") == 0 and cache.present("b") == 3 and cache.lru_keys() == ["b"]
 
 
+def test_holders_give_each_page_to_the_first_class_over_it() -> None:
+    # PagePoolBase.page_holders: a request's ref first, then the least reclaimable pin; loose pages to their holder
+    cache = PageCache(20)
+    writer = cache.new_hold()
+    assert cache.allocate(writer, 6)
+    cache.publish(writer, [("x", 100)], 0, 6)
+    request, hold, pulled, retained = (cache.new_hold() for _ in range(4))
+    cache.ref(request, [("x", 100)], 2)
+    cache.ref(hold, [("x", 100)], 4)
+    cache.ref(pulled, [("x", 100)], 6)
+    assert cache.allocate(retained, 3)  # unhashed pages of its own
+    cache.release(writer)
+    assert cache.holders([[request], [hold], [retained], [pulled]]) == [2, 2, 3, 2]
+    assert cache.holders([[], [hold, pulled], [], [request]]) == [0, 6, 0, 0]  # the first class wins a page
+
+
 def test_matching_a_chain_takes_its_pages_out_of_the_lru_and_release_moves_it_to_the_end() -> None:
     cache = PageCache(8)
     h = cache.new_hold()
