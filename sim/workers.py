@@ -71,8 +71,8 @@ from kvserving.config import ReuseConfig, SchedulerConfig
 from kvserving.gateway.router import WorkerView
 from kvserving.sim.cache import Hold, Key, PageCache
 from kvserving.sim.costs import CostModel
-from kvserving.worker.kv.leases import HOLD_MARGIN_S
-from kvserving.worker.kv.page_pool import HELD_BY, PAGE_WAIT_POLL_S, PAGE_WAIT_SHARE
+from kvserving.worker.kv.leases import HOLD_MARGIN_S, NO_ROOM_HOLDERS
+from kvserving.worker.kv.page_pool import PAGE_WAIT_POLL_S, PAGE_WAIT_SHARE
 
 SKIP_REASONS = ("nothing_to_pull", "below_threshold", "no_free_pages")  # ``PullResult.skipped``: nothing pulled, no fault
 
@@ -163,8 +163,8 @@ class WorkerStats:
     missed_tokens: dict[str, int] = field(default_factory=dict)
     page_waits: int = 0  # pulls that found no free page and waited for one
     no_room: int = 0  # pulls whose first allocation found no room (they waited or skipped)
-    # summed over those: the pool's pages by holder then (``Worker.page_holders``, HELD_BY)
-    no_room_held: dict[str, int] = field(default_factory=lambda: dict.fromkeys(HELD_BY, 0))
+    # summed over those: the pool's pages by holder then (``Worker.page_holders``, NO_ROOM_HOLDERS)
+    no_room_held: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NO_ROOM_HOLDERS, 0))
     page_wait_s: float = 0.0  # their waits, in all
     leases_expired: int = 0
     leases_reclaimed: int = 0
@@ -948,15 +948,16 @@ class Worker:
             self.wake_when_leases_expire(now)
 
     def page_holders(self, pulling: Hold) -> dict[str, int]:
-        """``PagePoolBase.page_holders``: the pool's pages by holder (HELD_BY), ``pulling`` the
-        local prefix of the pull asking now (the worker pins it while the pull runs)."""
-        classes: dict[str, list[Hold]] = {name: [] for name in HELD_BY}
+        """``PagePoolBase.page_holders`` by ``NO_ROOM_HOLDERS`` (the puller's split of never-reclaimed pins):
+        running requests, transfer leases, the local prefixes of pulls in progress (``pulling``: the one
+        asking now), retained conversations, pulled pages waiting for admission."""
+        classes: dict[str, list[Hold]] = {name: [] for name in NO_ROOM_HOLDERS}
         classes["requests"] = [s.req.hold for s in self.running if s.req.hold is not None]
-        classes["pins_never"] = [pulling] + [w.hold for w in self._pulls]
+        classes["pins_pulling"] = [pulling] + [w.hold for w in self._pulls]
         for lease in self.leases.values():
-            kind = "pins_retained" if lease.reclaimable else "pins_pulled" if lease.yields else "pins_never"
+            kind = "pins_retained" if lease.reclaimable else "pins_pulled" if lease.yields else "pins_transfer"
             classes[kind].append(lease.hold)
-        return dict(zip(HELD_BY, self.cache.holders([classes[name] for name in HELD_BY])))
+        return dict(zip(NO_ROOM_HOLDERS, self.cache.holders([classes[name] for name in NO_ROOM_HOLDERS])))
 
     def _count_no_room(self, pulling: Hold) -> None:
         self.stats.no_room += 1

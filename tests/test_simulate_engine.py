@@ -304,7 +304,8 @@ def test_a_prefill_workers_pull_without_free_pages_skips_at_once_where_a_decode_
     assert (pre.stats.skipped["no_free_pages"], pre.stats.skipped_tokens["no_free_pages"], pre.stats.page_waits) == (1, 64, 0)
     # what held the prefill's pool then (PagePoolBase.page_holders): B's transfer lease; the other 3 pages'
     # holder is neither a running request nor a pin, so no class counts them
-    assert (pre.stats.no_room, pre.stats.no_room_held) == (1, {"requests": 0, "pins_never": 3, "pins_retained": 0, "pins_pulled": 0})
+    held = {"requests": 0, "pins_transfer": 3, "pins_pulling": 0, "pins_retained": 0, "pins_pulled": 0}
+    assert (pre.stats.no_room, pre.stats.no_room_held) == (1, held)
     assert dec.release(d_to_p.lease_id, 0.0) and dec.cache.allocate(dec.cache.new_hold(), 6) and dec.cache.free == 0
     dec.pull(b, p_to_d, 0.0, lambda r, out, now: outcomes.append(("decode", now)))
     assert len(outcomes) == 1 and dec.stats.page_waits == 1

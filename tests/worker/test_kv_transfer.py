@@ -368,7 +368,7 @@ def test_a_pull_into_a_full_pool_waits_then_skips_and_counts_the_tokens_it_misse
     assert c["missed_tokens"]["no_free_pages"] == 144 and sum(c["missed_tokens"].values()) == 144
     assert c["page_waits"] == 1 and 0.35 <= c["page_wait_seconds"] <= waited
     # what held the pool when the pull's allocation found no room: every page a request's
-    held = {"requests": pool.capacity_tokens() // 16, "pins_never": 0, "pins_retained": 0, "pins_pulled": 0}
+    held = {"requests": pool.capacity_tokens() // 16, "pins_transfer": 0, "pins_pulling": 0, "pins_retained": 0, "pins_pulled": 0}
     assert (c["no_room"], c["no_room_held_pages"]) == (1, held)
 
     def free_soon() -> None:

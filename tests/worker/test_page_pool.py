@@ -349,6 +349,9 @@ def test_page_holders_names_what_keeps_each_referenced_page() -> None:
     assert pool.page_holders() == {"requests": 2, "pins_never": 3, "pins_retained": 3, "pins_pulled": 0}
     pool.pin("again", [6], ttl_s=5, reclaim=RECLAIM_LAST)  # a request's page pinned too stays the request's
     assert pool.page_holders()["requests"] == 2 and sum(pool.page_holders().values()) == 8
+    # the caller names never-reclaimed pins by what it keeps with them (the pool never reads a record)
+    named = pool.page_holders(kind_of=lambda pin: f"pins_{pin.pin_id}")
+    assert named == {"requests": 2, "pins_retained": 3, "pins_pulled": 0, "pins_hold": 2, "pins_prefix": 1}
 
 
 def test_reclaim_one_releases_retained_conversations_first_then_admission_pins_earliest_expiry_first() -> None:

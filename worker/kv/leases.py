@@ -116,6 +116,18 @@ class AdmissionRecord:
     kind: PinKind = PinKind.ADMISSION
 
 
+# A pool's pages by holder where a pull finds no room (``Puller``; the simulator counts the same): the
+# never-reclaimed pins split by kind (``never_pin_kind``)
+NO_ROOM_HOLDERS = ("requests", "pins_transfer", "pins_pulling", "pins_retained", "pins_pulled")
+
+
+def never_pin_kind(pin: Pin) -> str:
+    """``PagePoolBase.page_holders``' name of a never-reclaimed pin: ``pins_pulling`` for the pages a
+    pull in progress pinned (its request's local prefix), else ``pins_transfer`` (a prefill's transfer
+    lease waiting for the decode's READ, and the peers' READ holds)."""
+    return "pins_pulling" if isinstance(pin.record, AdmissionRecord) else "pins_transfer"
+
+
 @dataclass(slots=True, frozen=True)
 class RetainedKV:
     """A lease's pages: token order, chained hashes (``RequestOutput.retained``, listings)."""

@@ -406,20 +406,23 @@ class PagePoolBase:
     def num_owned(self) -> int:
         return len(self._pages) - self.num_cached
 
-    def page_holders(self) -> dict[str, int]:
+    def page_holders(self, kind_of: Callable[[Pin], str] | None = None) -> dict[str, int]:
         """What keeps the referenced pages from being allocated, page by page (``HELD_BY``): ``requests``
         where a request's own ref is among its refs, else the least reclaimable of its pins: ``pins_never``
         (transfer holds, prefixes pinned while a pull runs), ``pins_retained`` (retained conversations),
-        ``pins_pulled`` (pulled pages waiting for their request's admission). Cached and free pages are not
-        held. O(live pages): for diagnostics, not the hot path."""
-        out = dict.fromkeys(HELD_BY, 0)
+        ``pins_pulled`` (pulled pages waiting for their request's admission); ``kind_of(pin)`` names a
+        never-reclaimed pin's holder instead of ``pins_never`` (the pool never reads a pin's record; its
+        caller can). Cached and free pages are not held. O(live pages): for diagnostics, not the hot path."""
+        out = dict.fromkeys((n for n in HELD_BY if kind_of is None or n != "pins_never"), 0)
         for page in self._pages.values():
             if page.ref_count == 0:
                 continue
             if page.ref_count > len(page.pins):
                 out["requests"] += 1
-            else:
-                out[_PIN_HOLDER[min(self._pins[pin_id].reclaim for pin_id in page.pins)]] += 1
+                continue
+            pin = min((self._pins[pin_id] for pin_id in page.pins), key=lambda p: p.reclaim)
+            name = kind_of(pin) if kind_of is not None and pin.reclaim == RECLAIM_NEVER else _PIN_HOLDER[pin.reclaim]
+            out[name] = out.get(name, 0) + 1
         return out
 
     def ref_count(self, page_id: int) -> int:

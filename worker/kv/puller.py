@@ -58,14 +58,16 @@ from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.kv.leases import (
     HOLD_MARGIN_S,
+    NO_ROOM_HOLDERS,
     PinKind,
     lease_digest,
+    never_pin_kind,
     parse_lease_id,
     pin_for_admission,
     release_admission,
 )
 from kvserving.worker.kv.nixl_io import NixlIO, PageGeometry, ReadStats, RemoteBuffers, TransferError
-from kvserving.worker.kv.page_pool import HELD_BY, PAGE_WAIT_POLL_S, PAGE_WAIT_SHARE, RECLAIM_FIRST, RECLAIM_NEVER
+from kvserving.worker.kv.page_pool import PAGE_WAIT_POLL_S, PAGE_WAIT_SHARE, RECLAIM_FIRST, RECLAIM_NEVER
 from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.peers import PeerSet, url_key
 from kvserving.worker.sampling import SamplingParams, make_generator
@@ -235,7 +237,7 @@ class Puller:
         self.missed_tokens: Counter[str] = Counter()  # by skip or fallback reason
         self.page_waits = 0  # pulls that found no free pages at once and waited
         self.no_room = 0  # pulls whose first allocation found no room (they waited or skipped)
-        self.no_room_held = dict.fromkeys(HELD_BY, 0)  # summed over those: what held the pool's pages then
+        self.no_room_held = dict.fromkeys(NO_ROOM_HOLDERS, 0)  # summed over those: what held the pool's pages then
         self.page_wait_seconds_total = 0.0
         self.pulls = 0
         self.pulled_tokens_total = 0
@@ -468,7 +470,7 @@ class Puller:
         if plan.skipped is None and params.engine_id != self.engine_id:
             plan.local = self.allocate_for_pull([page_id_bits(pid) for pid in plan.remote_pids])
             if plan.local is None:
-                holders = pool.page_holders()
+                holders = pool.page_holders(kind_of=never_pin_kind)
                 with self._counts_lock:
                     self.no_room += 1
                     for key, n in holders.items():
