@@ -300,6 +300,9 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
         # pulls whose allocation found no room, and what held the pool's pages each time (summed)
         "no_room": float(xfer.get("no_room", 0)),
         **{f"held_{key}": float(n) for key, n in (xfer.get("no_room_held_pages") or {}).items()},
+        # a prefill worker's transfer leases by how they ended, and the seconds they held pages
+        **{f"xfer_ended_{end}": float(n) for end, n in (xfer.get("transfer_leases_ended") or {}).items()},
+        **{f"xfer_s_{end}": float(v) for end, v in (xfer.get("transfer_lease_seconds") or {}).items()},
         # tokens a pull had in place that its request no longer found at admission (computed instead)
         "lost_tokens": float((stats.get("prompt_tokens") or {}).get("lost_before_admission", 0)),
         "page_wait_s": float(xfer.get("page_wait_seconds", 0.0)),
@@ -515,6 +518,16 @@ def run_stack(
                     key.removeprefix("held_"): round((v - before[role].get(key, 0.0)) / no_room) if no_room else 0
                     for key, v in after[role].items()
                     if key.startswith("held_")
+                }
+                ended = {  # transfer leases that ended in the window, by how, and their mean lifetime
+                    key.removeprefix("xfer_ended_"): v - before[role].get(key, 0.0)
+                    for key, v in after[role].items()
+                    if key.startswith("xfer_ended_")
+                }
+                point[f"{role}_transfer_leases"] = {end: int(n) for end, n in ended.items()}
+                point[f"{role}_transfer_lease_s"] = {
+                    end: round((after[role][f"xfer_s_{end}"] - before[role].get(f"xfer_s_{end}", 0.0)) / n, 3) if n else 0.0
+                    for end, n in ended.items()
                 }
                 for kind in ("decode", "mixed"):  # the engine's steps in the window: how many, mean wall time
                     steps = after[role].get(f"{kind}_steps", 0.0) - before[role].get(f"{kind}_steps", 0.0)

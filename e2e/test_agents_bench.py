@@ -68,6 +68,9 @@ def test_agents_bench_small_sweep(tmp_path: Path) -> None:
                 assert r["cached_tokens"] > 0  # one agent fits: every later turn reuses its history
         assert p["req_per_s"] > 0 and p["ttft_p99_ms"] >= p["ttft_p50_ms"] > 0
         assert p["tpot_p99_ms"] >= p["tpot_p50_ms"] > 0
+        # every turn's prefill KV goes to the decode worker under a transfer lease that its READ hold consumes
+        assert p["prefill_transfer_leases"]["consumed"] > 0 and min(p["prefill_transfer_lease_s"].values()) >= 0
+        assert sum(p["decode_transfer_leases"].values()) == 0  # a decode worker makes none
         for role in ("prefill", "decode"):
             # a pull skipped for no free pages first found no room; per such pull, the pool's held pages by holder
             assert p[f"{role}_no_room"] >= p[f"{role}_skips"].get("no_free_pages", 0)

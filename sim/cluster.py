@@ -29,7 +29,7 @@ import gc
 import heapq
 import math
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -533,6 +533,8 @@ class Simulator(Sim):
                 "page_wait_s": sum(w.stats.page_wait_s for w in workers),
                 "no_room": sum(w.stats.no_room for w in workers),
                 "no_room_held": _sum_counts(w.stats.no_room_held for w in workers),  # summed over those pulls
+                "transfer_leases": _sum_counts(w.stats.transfer_leases_ended for w in workers),
+                "transfer_lease_seconds": _sum_counts(w.stats.transfer_lease_seconds for w in workers),
             }
         return out
 
@@ -550,8 +552,8 @@ def _call(fn: Callable[[float], None], t: float) -> None:
     fn(t)
 
 
-def _sum_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
-    out: dict[str, int] = {}
+def _sum_counts(counts: Iterable[Mapping[str, float]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for c in counts:
         for k, v in c.items():
             out[k] = out.get(k, 0) + v
@@ -729,11 +731,14 @@ def run_population(
 
 
 def _held_per_pull(point: dict[str, Any]) -> None:
-    """``{role}_no_room_held_pages``: the pool's pages by holder per pull that found no room, as
-    bench/agents.py reports it (from the summed ``{role}_no_room_held``)."""
+    """Means as bench/agents.py reports them, from the summed counters: ``{role}_no_room_held_pages``,
+    the pool's pages by holder per pull that found no room; ``{role}_transfer_lease_s``, the seconds a
+    transfer lease held its pages, by how it ended."""
     for role in ("prefill", "decode"):
         n, held = point[f"{role}_no_room"], point[f"{role}_no_room_held"]
         point[f"{role}_no_room_held_pages"] = {k: round(v / n) if n else 0 for k, v in held.items()}
+        ended, seconds = point[f"{role}_transfer_leases"], point[f"{role}_transfer_lease_seconds"]
+        point[f"{role}_transfer_lease_s"] = {k: round(seconds[k] / c, 3) if c else 0.0 for k, c in ended.items()}
 
 
 def _minus(after: Any, before: Any) -> Any:

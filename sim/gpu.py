@@ -52,6 +52,8 @@ PULL_COUNTERS = (
     "page_wait_s",
     "no_room",
     "no_room_held_pages",
+    "transfer_leases",
+    "transfer_lease_s",
 )
 COMPARED = (
     "hit_rate",
@@ -168,7 +170,11 @@ def reproduce(
                     "fallbacks": p.get("fallbacks", {}),
                     "decode_fallbacks": p.get("decode_fallbacks"),  # the decode worker's own pulls (newer benches)
                     # pulls that found no room and the pool's pages by holder then (newer benches)
-                    **{f"{role}_{k}": p.get(f"{role}_{k}") for role in ("prefill", "decode") for k in ("no_room", "no_room_held_pages")},
+                    **{
+                        f"{role}_{k}": p.get(f"{role}_{k}")
+                        for role in ("prefill", "decode")
+                        for k in ("no_room", "no_room_held_pages", "transfer_leases", "transfer_lease_s")
+                    },
                     "wall_s": p.get("wall_s"),
                     "requests": p.get("requests"),
                 },

@@ -137,6 +137,7 @@ class WLease:
     reclaimable: bool = False  # a retained conversation: released early when pages run out
     yields: bool = False  # pulled pages waiting for admission: released early after retained conversations
     gone: bool = False  # released (no longer in its worker's ``leases``)
+    created_at: float = 0.0
 
     def alive(self, now: float) -> bool:
         return not self.gone and self.expires_at > now
@@ -165,6 +166,10 @@ class WorkerStats:
     no_room: int = 0  # pulls whose first allocation found no room (they waited or skipped)
     # summed over those: the pool's pages by holder then (``Worker.page_holders``, NO_ROOM_HOLDERS)
     no_room_held: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NO_ROOM_HOLDERS, 0))
+    # a prefill's transfer leases by how they ended (``released``: the decode's pull is over; ``expired``)
+    # and the seconds they held their pages (the worker's ``TransferLifetimes``: lease and READ hold together)
+    transfer_leases_ended: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("released", "expired"), 0))
+    transfer_lease_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("released", "expired"), 0.0))
     page_wait_s: float = 0.0  # their waits, in all
     leases_expired: int = 0
     leases_reclaimed: int = 0
@@ -769,7 +774,9 @@ class Worker:
             elif now + ttl_s < run.expiry:
                 run.expiry = now + ttl_s  # nor may a step timed later
         self._lease_seq += 1
-        lease = WLease(f"{prefix}{self.url}-{self._lease_seq}", self, hold, now + ttl_s, conv, pages, stable, reclaimable, yields)
+        lease = WLease(
+            f"{prefix}{self.url}-{self._lease_seq}", self, hold, now + ttl_s, conv, pages, stable, reclaimable, yields, created_at=now
+        )
         self.leases[lease.lease_id] = lease
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
         if reclaimable:
@@ -832,6 +839,10 @@ class Worker:
         if self._run is not None:
             self._settle(now)
         lease.gone = True
+        if not lease.reclaimable and not lease.yields:  # a prefill's transfer lease
+            end = "expired" if lease.expires_at <= now else "released"
+            self.stats.transfer_leases_ended[end] += 1
+            self.stats.transfer_lease_seconds[end] += now - lease.created_at
         self.cache.release(lease.hold)
         if lease.conv is not None and self.conv_lease.get(lease.conv) == lease_id:
             del self.conv_lease[lease.conv]

@@ -126,6 +126,12 @@ def test_a_decode_pull_without_free_pages_waits_for_the_running_reply_instead_of
     assert (d1.pulled_pages, d1.computed_tokens) == (6, 34)
     assert (d1.skipped["no_free_pages"], d1.page_waits) == (0, 1) and held == [True]
     assert math.isclose(d1.page_wait_s, 34.7e-3, abs_tol=0.05e-3)
+    # the prefill's transfer leases (both made at 0 s) go when the decode's pull is over: A's at once, B's
+    # at its skip (5 ms) or after its wait and READ (39.7 ms)
+    p0, p1 = old.prefill[0].stats, new.prefill[0].stats
+    assert p0.transfer_leases_ended == p1.transfer_leases_ended == {"released": 2, "expired": 0}
+    assert math.isclose(p0.transfer_lease_seconds["released"], 5e-3, abs_tol=0.05e-3)
+    assert math.isclose(p1.transfer_lease_seconds["released"], 39.7e-3, abs_tol=0.05e-3)
     assert d0.leases_reclaimed == d1.leases_reclaimed == 1 and d0.preemptions == d1.preemptions == 0
     assert [t for t, _ in old_done] == [t for t, _ in new_done] == [1, 2]
     assert math.isclose(old_done[0][1], new_done[0][1]) and math.isclose(old_done[1][1] - new_done[1][1], 4.8e-3, abs_tol=0.01e-3)

@@ -160,3 +160,41 @@ def test_an_admission_pin_counts_the_pulled_pages_its_request_took() -> None:
         store.release(pin_id)  # not a lease nor a hold: a peer cannot drop it
     assert release_admission(pool, pin_id, local + pulled[:1]) == 1
     assert pool.get_pin(pin_id) is None and release_admission(pool, pin_id, pulled) == 0
+
+
+def test_a_prefill_worker_counts_how_its_transfer_leases_ended_and_how_long_they_held() -> None:
+    pool, store, clock = make("prefill")
+    leases = []
+    for i in range(3):
+        pages, hashes = finished(pool, 2, first_hash=2000 + 10 * i)
+        kept = retain(pool, store.retain_spec(), pages, hashes, 4)
+        assert kept is not None
+        pool.free(pages)
+        leases.append(kept)
+    clock.t += 1.5  # a READ hold takes the first over (single use): it held its pages 1.5 s
+    store.hold(
+        leases[0].lease_id, digest=lease_digest(leases[0].page_ids, leases[0].page_hashes, leases[0].num_tokens), hold_s=5.0, consume=True
+    )
+    clock.t += 0.5
+    store.release(leases[1].lease_id)  # let go unread after 2 s
+    clock.t += 4.5  # the third is past its 5 s TTL; the first's READ hold (5 s from 101.5) expires now
+    pool.expire_pins()
+    life = store.transfer_lifetimes
+    assert life.ended == {"consumed": 1, "released": 1, "expired": 1, "hold_released": 0, "hold_expired": 1}
+    assert life.seconds == pytest.approx({"consumed": 1.5, "released": 2.0, "expired": 6.5, "hold_released": 0.0, "hold_expired": 5.0})
+    pages, hashes = finished(pool, 2, first_hash=3000)
+    kept = retain(pool, store.retain_spec(), pages, hashes, 4)
+    assert kept is not None
+    hold_id, _ = store.hold(kept.lease_id, digest=lease_digest(kept.page_ids, kept.page_hashes, kept.num_tokens), hold_s=5.0, consume=True)
+    clock.t += 0.25
+    store.release(hold_id)  # the reader let go after its READ
+    assert (life.ended["hold_released"], life.seconds["hold_released"]) == (1, pytest.approx(0.25))
+
+
+def test_a_decode_worker_counts_no_transfer_lease() -> None:
+    pool, store, clock = make("decode")
+    pages, hashes = finished(pool, 2)
+    kept = retain(pool, store.retain_spec(), pages, hashes, 4)
+    assert kept is not None and pool.on_release is None
+    store.release(kept.lease_id)
+    assert sum(store.transfer_lifetimes.ended.values()) == 0

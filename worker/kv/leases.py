@@ -102,6 +102,7 @@ class LeaseRecord:
     conversation_key: str | None = None
     prompt: tuple[int, str] | None = None  # (length, ``prompt_digest``) of the prompt that made it
     digest: str | None = None  # ``lease_digest`` of its pages, computed at the first hold
+    consumed: bool = False  # a single-use (TRANSFER) lease a READ hold took over (``LeaseStore.hold``)
 
 
 @dataclass(slots=True, frozen=True)
@@ -229,6 +230,33 @@ def release_admission(pool: PagePoolBase, pin_id: str, held_page_ids: Sequence[i
 
 
 # --------------------------------------------------------------------------- the store
+TRANSFER_ENDS = ("consumed", "released", "expired", "hold_released", "hold_expired")
+
+
+class TransferLifetimes:
+    """How a prefill worker's transfer leases ended and how long they held their pages: ``consumed``
+    (a decode worker's READ hold took them over), ``released`` (let go unread), ``expired``; and the
+    READ holds that took them over, ``hold_released`` (the reader let go) or ``hold_expired``. A
+    consumed lease's pages stay pinned for its lifetime plus its hold's. Fed by the pool's
+    ``on_release``; the seconds are on the pool's clock."""
+
+    def __init__(self) -> None:
+        self.ended = dict.fromkeys(TRANSFER_ENDS, 0)
+        self.seconds = dict.fromkeys(TRANSFER_ENDS, 0.0)
+
+    def __call__(self, pin: Pin, now: float) -> None:
+        rec = pin.record
+        expired = pin.expires_at <= now
+        if isinstance(rec, HoldRecord):
+            end = "hold_expired" if expired else "hold_released"
+        elif isinstance(rec, LeaseRecord) and rec.kind is PinKind.TRANSFER:
+            end = "consumed" if rec.consumed else "expired" if expired else "released"
+        else:
+            return
+        self.ended[end] += 1
+        self.seconds[end] += now - pin.created_at
+
+
 class LeaseStore:
     """A worker's leases and the holds on them, over ``pool``'s pin table (engine thread only).
 
@@ -244,6 +272,9 @@ class LeaseStore:
         self.transfer_ttl_s = transfer_ttl_s
         self.retention_ttl_s = retention_ttl_s
         self.max_hold_s = max_hold_s
+        self.transfer_lifetimes = TransferLifetimes()
+        if role == "prefill":
+            pool.on_release = self.transfer_lifetimes
 
     def retain_spec(self, *, conversation_key: str | None = None, input_ids: Sequence[int] = ()) -> RetainSpec:
         """A new lease for a request's pages when it finishes. Pure: safe on any thread."""
@@ -306,6 +337,7 @@ class LeaseStore:
         hold_id = new_pin_id(PinKind.HOLD)
         expires = self.pool.pin(hold_id, pin.page_ids, ttl_s=min(float(hold_s), self.max_hold_s), record=HoldRecord(lease_id))
         if consume and rec.kind is PinKind.TRANSFER:
+            rec.consumed = True
             self.pool.release(lease_id)
         return hold_id, expires
 

@@ -140,6 +140,7 @@ class Pin:
     expires_at: float
     reclaim: int = 0  # RECLAIM_*: may be released before expiry when pages run out (and in which order)
     record: object = None
+    created_at: float = 0.0  # on the pool's clock
 
 
 def chain_hashes(
@@ -361,6 +362,9 @@ class PagePoolBase:
         self._regions: tuple[_Region, ...] = ()
         self.evicted_pages = 0  # cached pages forgotten to make room, ever (a counter)
         self.reclaimed_pins = 0  # reclaimable pins released early to make room (a counter)
+        # called with each pin as it goes (released, reclaimed or expired) and the clock then: for the
+        # layer that made it (the pool never reads a pin's record)
+        self.on_release: Callable[[Pin, float], None] | None = None
 
     chain_hashes = staticmethod(chain_hashes)
 
@@ -571,8 +575,9 @@ class PagePoolBase:
         if pin_id in self._pins:
             raise ValueError(f"pin {pin_id!r} already exists; renew it instead")
         self.incref(page_ids)
-        expires_at = self._clock() + ttl_s
-        self._pins[pin_id] = Pin(pin_id, tuple(page_ids), expires_at, reclaim, record)
+        now = self._clock()
+        expires_at = now + ttl_s
+        self._pins[pin_id] = Pin(pin_id, tuple(page_ids), expires_at, reclaim, record, now)
         for pid in page_ids:
             self._pages[pid].pins.append(pin_id)
         return expires_at
@@ -595,6 +600,8 @@ class PagePoolBase:
         for pid in pin.page_ids:
             self._pages[pid].pins.remove(pin_id)
         self.free(pin.page_ids)
+        if self.on_release is not None:
+            self.on_release(pin, self._clock())
 
     def expire_pins(self) -> list[str]:
         """Release every pin with ``expires_at <= clock()``; their ids, earliest expiry first."""

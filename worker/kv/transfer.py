@@ -261,6 +261,14 @@ class KVTransfer:
 
         def go() -> dict[str, Any]:
             leases, tokens = self.store.totals()
-            return {"leases": leases, "leased_tokens": tokens, **self.puller.counters()}
+            life = self.store.transfer_lifetimes
+            return {
+                "leases": leases,
+                "leased_tokens": tokens,
+                # a prefill worker's transfer leases by how they ended, and the seconds they held pages
+                "transfer_leases_ended": dict(life.ended),
+                "transfer_lease_seconds": {end: round(s, 6) for end, s in life.seconds.items()},
+                **self.puller.counters(),
+            }
 
         return self._on_engine(go)
