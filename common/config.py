@@ -149,7 +149,9 @@ class ReuseConfig:
     # holder costs a pull this long, then a counted recompute
     # (``remote_unreachable``). A busy peer answers a hold after its engine
     # step: p50 30 ms, p99 0.7 s on a loaded 2-core CPU machine with four
-    # 1.5-4K-token conversations in flight (docs/security.md).
+    # 1.5-4K-token conversations in flight (docs/security.md). The hold's answer
+    # is waited for longer once a prefill is measured, as long as recomputing
+    # the offered tokens is predicted to take (``Puller.hold_wait_s``).
     peer_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:

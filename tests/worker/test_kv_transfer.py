@@ -426,8 +426,8 @@ def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer:
         prompt2 = prompt1 + d1["tokens"] + _prompt(30, 22)
         expected = _fresh(tiny_model_dir, "bf16", prompt2, 8)
 
-        def hold_then_freeze(url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
-            held = http_hold(url, lease_id, digest, hold_s, consume)
+        def hold_then_freeze(url: str, lease_id: str, digest: str, hold_s: float, consume: bool, wait_s: float) -> dict[str, Any]:
+            held = http_hold(url, lease_id, digest, hold_s, consume, wait_s)
             os.kill(child.proc.pid, signal.SIGSTOP)  # frozen between the hold and the READ
             return held
 
@@ -472,8 +472,8 @@ def test_frozen_killed_and_restarted_peer(tiny_model_dir: Path, host: Any, peer:
             time.sleep(0.05)
         assert bounded.kvt.nixl.num_stuck == 0
 
-        def hold_then_kill(url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
-            held = http_hold(url, lease_id, digest, hold_s, consume)
+        def hold_then_kill(url: str, lease_id: str, digest: str, hold_s: float, consume: bool, wait_s: float) -> dict[str, Any]:
+            held = http_hold(url, lease_id, digest, hold_s, consume, wait_s)
             child.proc.kill()  # dies between the hold and the READ
             child.proc.wait(timeout=10)
             return held

@@ -83,7 +83,7 @@ class Pair:
         self.calls["agent"] += 1
         return self.w[url].agent_info()
 
-    def _hold(self, url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
+    def _hold(self, url: str, lease_id: str, digest: str, hold_s: float, consume: bool, wait_s: float) -> dict[str, Any]:
         self.calls["hold"] += 1
         time.sleep(self.slow_hold_s)
         try:

@@ -311,3 +311,10 @@ def test_a_pull_that_read_nothing_had_only_its_leading_local_pages_in_place() ->
     assert [lost_before_admission(skipped, 32), lost_before_admission(skipped, 16)] == [0, 16]
     read = PullResult(pulled_tokens=16, matched_tokens=96, local_tokens=32)
     assert [lost_before_admission(read, 96), lost_before_admission(read, 48)] == [0, 48]
+
+
+def test_a_pull_waits_for_the_senders_hold_as_long_as_recomputing_would_take(decode: KVTransfer) -> None:
+    puller, stats = decode.puller, decode.engine.stats
+    assert puller.prefill_tokens_per_s is None and puller.hold_wait_s(10_000) == decode.reuse.peer_timeout_s == 1.0
+    stats.prompt_tokens_computed, stats.prefill_seconds = 4_000, 2.0  # a measured prefill: 2,000 tokens/s
+    assert [puller.hold_wait_s(n) for n in (500, 2_000, 6_000)] == [1.0, 1.0, 3.0]

@@ -41,9 +41,12 @@ class Peer:
                 self.seen.append((method, path, fields.get("authorization"), body))
                 if path.endswith("/frozen/hold"):
                     await asyncio.sleep(30)
+                if path.endswith("/busy/hold"):  # a sender answering after an engine step of 1.2 s
+                    await asyncio.sleep(1.2)
                 status, reply = {
                     "/internal/kv/agent": (200, {"agent": "meta"}),
                     "/internal/kv/leases/ok/hold": (200, {"held": True}),
+                    "/internal/kv/leases/busy/hold": (200, {"held": True}),
                     "/internal/kv/leases/gone/hold": (404, {}),
                     "/internal/kv/leases/other/hold": (409, {}),
                     "/internal/kv/leases/bad/hold": (500, {}),
@@ -105,5 +108,21 @@ def test_a_frozen_peer_costs_a_bounded_wait(peer: Peer) -> None:
         with pytest.raises(Exception):  # noqa: B017 - a timeout of the client's own kind: the puller catches them all
             http.hold(peer.url, "frozen", "d", 1.5, False)
         assert time.monotonic() - t0 < 5.0
+    finally:
+        http.close()
+
+
+def test_a_hold_waits_longer_than_the_session_deadline_only_when_asked(peer: Peer) -> None:
+    # the puller asks for as long as recomputing the offered tokens would take (``Puller.hold_wait_s``)
+    http = PeerHttp(token=TOKEN, timeout_s=0.5)
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - the session's 0.5 s: the busy sender's 1.2 s answer is too late
+            http.hold(peer.url, "busy", "d", 1.5, True)
+        assert http.hold(peer.url, "busy", "d", 1.5, True, 3.0) == {"held": True}
+        t0 = time.monotonic()
+        with pytest.raises(Exception):  # noqa: B017 - a frozen sender still costs at most the wait asked for
+            http.hold(peer.url, "frozen", "d", 1.5, False, 1.0)
+        assert time.monotonic() - t0 < 5.0
+        assert http.hold(peer.url, "ok", "d", 1.5, True, 0.1) == {"held": True}  # shorter than the session's: the session's
     finally:
         http.close()

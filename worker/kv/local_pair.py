@@ -34,8 +34,8 @@ class LocalPair:
             )
         self.p, self.d = self.workers[f"local://{name}-prefill"], self.workers[f"local://{name}-decode"]
 
-    def _hold(self, url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
-        """What ``POST .../hold`` answers (``PeerHttp.hold``): the hold, or why it was refused."""
+    def _hold(self, url: str, lease_id: str, digest: str, hold_s: float, consume: bool, wait_s: float) -> dict[str, Any]:
+        """What ``POST .../hold`` answers (``PeerHttp.hold``): the hold, or why it was refused (in process: no wait)."""
         try:
             return self.workers[url].hold(lease_id, digest=digest, hold_s=hold_s, consume=consume)
         except KeyError:

@@ -217,11 +217,16 @@ class PeerHttp:
         self._raise_for(status, agent_url)
         return cast(dict[str, Any], json.loads(body))
 
-    def hold(self, agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool) -> dict[str, Any]:
+    def hold(self, agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool, wait_s: float | None = None) -> dict[str, Any]:
         """``POST .../hold``: the sender's answer (``KVTransfer.hold``), ``{"refused": "unknown_lease"}``
-        on 404 and ``{"refused": "lease_mismatch"}`` on 409; raises for anything else."""
+        on 404 and ``{"refused": "lease_mismatch"}`` on 409; raises for anything else. ``wait_s``: how
+        long to wait for the answer, when longer than ``timeout_s`` (the sender answers after its
+        engine step)."""
         status, body = self._call(
-            "POST", f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}/hold", {"digest": digest, "hold_s": hold_s, "consume": consume}
+            "POST",
+            f"{agent_url.rstrip('/')}/internal/kv/leases/{lease_id}/hold",
+            {"digest": digest, "hold_s": hold_s, "consume": consume},
+            read_s=wait_s,
         )
         if status in (404, 409):
             return {"refused": "unknown_lease" if status == 404 else "lease_mismatch"}
@@ -233,20 +238,26 @@ class PeerHttp:
         if status not in (200, 404):
             self._raise_for(status, agent_url)
 
-    def _call(self, method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
-        """(status, body) of one call, made on the client's loop (RuntimeError once closed)."""
+    def _call(self, method: str, url: str, body: dict[str, Any] | None = None, *, read_s: float | None = None) -> tuple[int, bytes]:
+        """(status, body) of one call, made on the client's loop (RuntimeError once closed); ``read_s``:
+        each read's deadline when longer than the session's."""
         if self._loop.is_closed() or not self._thread.is_alive():
             raise RuntimeError("the peer client is closed")
+        read = max(self._timeout_s, read_s or 0.0)
         # every phase is bounded by the session's timeouts; this bound only guards a loop stopped mid-call
-        return asyncio.run_coroutine_threadsafe(self._request(method, url, body), self._loop).result(10 * self._timeout_s)
+        return asyncio.run_coroutine_threadsafe(self._request(method, url, body, read), self._loop).result(10 * read)
 
-    async def _request(self, method: str, url: str, body: dict[str, Any] | None) -> tuple[int, bytes]:
+    async def _request(self, method: str, url: str, body: dict[str, Any] | None, read_s: float) -> tuple[int, bytes]:
         import aiohttp
 
         if self._session is None:
             timeout = aiohttp.ClientTimeout(sock_connect=self._timeout_s, sock_read=self._timeout_s)
             self._session = aiohttp.ClientSession(timeout=timeout, headers=self._headers)
-        async with self._session.request(method, url, json=body) as response:
+        # the session's timeouts unless this call reads longer
+        timeout = (
+            aiohttp.ClientTimeout(sock_connect=self._timeout_s, sock_read=read_s) if read_s > self._timeout_s else self._session.timeout
+        )
+        async with self._session.request(method, url, json=body, timeout=timeout) as response:
             return response.status, await response.read()
 
     @staticmethod
@@ -255,10 +266,12 @@ class PeerHttp:
             raise ConnectionError(f"peer {url} answered HTTP {status}")
 
 
-def http_hold(agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool, *, token: str | None = None) -> dict[str, Any]:
+def http_hold(
+    agent_url: str, lease_id: str, digest: str, hold_s: float, consume: bool, wait_s: float | None = None, *, token: str | None = None
+) -> dict[str, Any]:
     """One-off ``PeerHttp.hold`` (tests and tools)."""
     http = PeerHttp(token=token)
     try:
-        return http.hold(agent_url, lease_id, digest, hold_s, consume)
+        return http.hold(agent_url, lease_id, digest, hold_s, consume, wait_s)
     finally:
         http.close()

@@ -8,7 +8,8 @@ Worker: kv_transfer_params; docs/worker-api.md)::
             (a full pool: wait for pages while the READ can still meet its deadline)
     hold    the sender compares a digest of the offered page ids, hashes and token count
             with its own record of the lease and pins those pages (``LeaseStore.hold``);
-            sent before ``plan``, so the round trip overlaps it
+            sent before ``plan``, so the round trip overlaps it; its answer, which comes
+            after the sender's engine step, is waited for ``hold_wait_s``
     READ    NIXL moves the pages, within ``transfer_timeout_s`` of the request for the
             hold, which lasts ``HOLD_MARGIN_S`` longer: the pages cannot change under it;
             and, once a prefill is measured, within the time recomputing the pages' tokens
@@ -115,7 +116,7 @@ PULL_PHASES = (
 )
 
 FetchAgent = Callable[[str], dict[str, Any]]  # agent_url -> GET /internal/kv/agent's body
-HoldRemote = Callable[[str, str, str, float, bool], dict[str, Any]]  # url, lease, digest, hold_s, consume
+HoldRemote = Callable[[str, str, str, float, bool, float], dict[str, Any]]  # url, lease, digest, hold_s, consume, wait_s
 ReleaseRemote = Callable[[str, str], None]  # url, lease or hold id
 
 
@@ -285,6 +286,15 @@ class Puller:
         prefill is measured (``transfer_timeout_s`` alone bounds the READ)."""
         tps = self.prefill_tokens_per_s
         return None if tps is None else num_tokens / tps + READ_BOUND_SLACK_S
+
+    def hold_wait_s(self, num_tokens: int) -> float:
+        """How long a pull waits for the sender's answer to its hold: ``reuse.peer_timeout_s``, or, once a
+        prefill is measured, as long as recomputing the offered ``num_tokens`` is predicted to take if that
+        is longer. A busy sender answers after its engine step (long prompt chunks take seconds on a loaded
+        GPU), and giving up earlier than the recompute it leads to costs more than it saves; a frozen
+        sender costs a pull at most that long."""
+        tps = self.prefill_tokens_per_s
+        return max(self.reuse.peer_timeout_s, num_tokens / tps if tps else 0.0)
 
     def measure(self, read_bytes: int, read_s: float, overhead_s: float | None) -> None:
         """Fold one READ's rate and one pull's overhead into the "auto" measurements (a READ that
@@ -586,7 +596,8 @@ class Puller:
         digest = lease_digest(params.page_ids, params.page_hashes, params.num_tokens)
         consume = named is not None and named[0] is PinKind.TRANSFER  # a prefill's lease is single use
         try:
-            reply = self._hold_remote(params.agent_url, params.lease_id, digest, self.reuse.transfer_timeout_s + HOLD_MARGIN_S, consume)
+            hold_s, wait_s = self.reuse.transfer_timeout_s + HOLD_MARGIN_S, self.hold_wait_s(params.num_tokens)
+            reply = self._hold_remote(params.agent_url, params.lease_id, digest, hold_s, consume, wait_s)
             c.hold_s = time.perf_counter() - t1
             refused = reply.get("refused")
             if refused is not None:
