@@ -48,6 +48,7 @@ import math
 import re
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -611,7 +612,7 @@ def plot(points: list[dict[str, Any]], path: Path, *, title: str, seed_cliff: bo
         ax.grid(alpha=0.3)
         ax.legend()
     left.set_ylim(0, 1)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 120), fontsize=10)  # a long title wraps instead of running off the figure
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
