@@ -274,18 +274,23 @@ class Puller:
         threshold = self.reuse.recompute_threshold_tokens
         if threshold != "auto":
             return num_tokens >= int(threshold)
-        tps, bw, overhead = self.prefill_tokens_per_s, self.transfer_bytes_per_s, self.pull_overhead_s
-        if tps is None or bw is None or overhead is None:
+        recompute, bw, overhead = self.recompute_s(num_tokens), self.transfer_bytes_per_s, self.pull_overhead_s
+        if recompute is None or bw is None or overhead is None:
             return num_tokens >= DEFAULT_THRESHOLD_TOKENS
-        return overhead + num_bytes / bw < num_tokens / tps
+        return overhead + num_bytes / bw < recompute
+
+    def recompute_s(self, num_tokens: int) -> float | None:
+        """The measured prefill's time for ``num_tokens`` (None before a prefill is measured)."""
+        tps = self.prefill_tokens_per_s
+        return None if tps is None else num_tokens / tps
 
     def read_bound_s(self, num_tokens: int) -> float | None:
         """How long a READ of ``num_tokens`` may run before it is abandoned for recomputing them: the
         measured prefill's time for those tokens plus ``READ_BOUND_SLACK_S`` (waiting longer than the
         alternative costs bounds a pull at twice it, whatever the transport does); None before a
         prefill is measured (``transfer_timeout_s`` alone bounds the READ)."""
-        tps = self.prefill_tokens_per_s
-        return None if tps is None else num_tokens / tps + READ_BOUND_SLACK_S
+        recompute = self.recompute_s(num_tokens)
+        return None if recompute is None else recompute + READ_BOUND_SLACK_S
 
     def hold_wait_s(self, num_tokens: int) -> float:
         """How long a pull waits for the sender's answer to its hold: ``reuse.peer_timeout_s``, or, once a
@@ -293,8 +298,7 @@ class Puller:
         is longer. A busy sender answers after its engine step (long prompt chunks take seconds on a loaded
         GPU), and giving up earlier than the recompute it leads to costs more than it saves; a frozen
         sender costs a pull at most that long."""
-        tps = self.prefill_tokens_per_s
-        return max(self.reuse.peer_timeout_s, num_tokens / tps if tps else 0.0)
+        return max(self.reuse.peer_timeout_s, self.recompute_s(num_tokens) or 0.0)
 
     def measure(self, read_bytes: int, read_s: float, overhead_s: float | None) -> None:
         """Fold one READ's rate and one pull's overhead into the "auto" measurements (a READ that
