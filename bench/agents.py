@@ -507,29 +507,23 @@ def run_stack(
                 pulls = after[role]["pulls"] - before[role]["pulls"]
                 regions = after[role]["pulled_regions"] - before[role]["pulled_regions"]
                 point[f"{role}_regions_per_pull"] = round(regions / pulls, 1) if pulls else 0.0  # page runs x layers
-                for prefix, name in (("fallback_", "fallbacks"), ("skip_", "skips"), ("missed_", "missed_tokens")):
-                    point[f"{role}_{name}"] = {  # by reason, the ones that moved
-                        key.removeprefix(prefix): int(v - before[role].get(key, 0.0))
-                        for key, v in after[role].items()
-                        if key.startswith(prefix) and v > before[role].get(key, 0.0)
+
+                def grown(prefix: str) -> dict[str, float]:  # the counters named prefix + key, their growth by key
+                    return {
+                        key.removeprefix(prefix): v - before[role].get(key, 0.0) for key, v in after[role].items() if key.startswith(prefix)
                     }
+
+                for prefix, name in (("fallback_", "fallbacks"), ("skip_", "skips"), ("missed_", "missed_tokens")):
+                    point[f"{role}_{name}"] = {k: int(v) for k, v in grown(prefix).items() if v > 0}  # by reason, the ones that moved
                 no_room = after[role]["no_room"] - before[role]["no_room"]
                 point[f"{role}_no_room"] = int(no_room)
                 point[f"{role}_no_room_held_pages"] = {  # per pull that found no room: the pool's pages held, by holder
-                    key.removeprefix("held_"): round((v - before[role].get(key, 0.0)) / no_room) if no_room else 0
-                    for key, v in after[role].items()
-                    if key.startswith("held_")
+                    k: round(v / no_room) if no_room else 0 for k, v in grown("held_").items()
                 }
-                ended = {  # transfer leases that ended in the window, by how, and their mean lifetime
-                    key.removeprefix("xfer_ended_"): v - before[role].get(key, 0.0)
-                    for key, v in after[role].items()
-                    if key.startswith("xfer_ended_")
-                }
+                # transfer leases that ended in the window, by how, and their mean lifetime
+                ended, seconds = grown("xfer_ended_"), grown("xfer_s_")
                 point[f"{role}_transfer_leases"] = {end: int(n) for end, n in ended.items()}
-                point[f"{role}_transfer_lease_s"] = {
-                    end: round((after[role][f"xfer_s_{end}"] - before[role].get(f"xfer_s_{end}", 0.0)) / n, 3) if n else 0.0
-                    for end, n in ended.items()
-                }
+                point[f"{role}_transfer_lease_s"] = {end: round(seconds[end] / n, 3) if n else 0.0 for end, n in ended.items()}
                 for kind in ("decode", "mixed"):  # the engine's steps in the window: how many, mean wall time
                     steps = after[role].get(f"{kind}_steps", 0.0) - before[role].get(f"{kind}_steps", 0.0)
                     seconds = after[role].get(f"{kind}_step_s", 0.0) - before[role].get(f"{kind}_step_s", 0.0)
