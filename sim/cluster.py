@@ -659,7 +659,7 @@ def run_bench_point(sim: Simulator, agent_ids: range, *, window_s: float | None 
         point[f"{role}_preemptions"] = count - preempted[role]
     for role, counts in sim.pull_counters().items():
         point.update({f"{role}_{k}": _minus(v, pulls[role][k]) for k, v in counts.items()})
-    _held_per_pull(point)
+    _means_per_event(point)
     point["concurrency"] = n
     sim.stop_at = math.inf
     return point
@@ -725,12 +725,12 @@ def run_population(
     point["decode_reclaimed_leases"] = sim.reclaimed_leases()
     for role, counts in sim.pull_counters().items():
         point.update({f"{role}_{k}": v for k, v in counts.items()})
-    _held_per_pull(point)
+    _means_per_event(point)
     point["unfinished"] = len(waiting)
     return point
 
 
-def _held_per_pull(point: dict[str, Any]) -> None:
+def _means_per_event(point: dict[str, Any]) -> None:
     """Means as bench/agents.py reports them, from the summed counters: ``{role}_no_room_held_pages``,
     the pool's pages by holder per pull that found no room; ``{role}_transfer_lease_s``, the seconds a
     transfer lease held its pages, by how it ended."""
