@@ -251,12 +251,8 @@ class PeerHttp:
         import aiohttp
 
         if self._session is None:
-            timeout = aiohttp.ClientTimeout(sock_connect=self._timeout_s, sock_read=self._timeout_s)
-            self._session = aiohttp.ClientSession(timeout=timeout, headers=self._headers)
-        # the session's timeouts unless this call reads longer
-        timeout = (
-            aiohttp.ClientTimeout(sock_connect=self._timeout_s, sock_read=read_s) if read_s > self._timeout_s else self._session.timeout
-        )
+            self._session = aiohttp.ClientSession(headers=self._headers)
+        timeout = aiohttp.ClientTimeout(sock_connect=self._timeout_s, sock_read=read_s)  # read_s: at least timeout_s (``_call``)
         async with self._session.request(method, url, json=body, timeout=timeout) as response:
             return response.status, await response.read()
 
