@@ -604,7 +604,7 @@ def plot(points: list[dict[str, Any]], path: Path, *, title: str, seed_cliff: bo
         ax.set_xlabel("concurrent agents")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)  # small: the lines past 12 agents run under it
     left.set_ylim(0, 1)
     fig.suptitle(textwrap.fill(title, 120), fontsize=10)  # a long title wraps instead of running off the figure
     fig.tight_layout()

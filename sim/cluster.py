@@ -429,6 +429,15 @@ class Simulator(Sim):
         self.call_at(now + self.cluster.costs.decode_request_s, self._at_decode, (req, dec))
 
     def _at_decode(self, turn: tuple[Req, DecodeWorker], now: float) -> None:
+        """The decode request arrives: its pull starts once the prefill has answered the hold of
+        its transfer lease, an engine call there (between the prefill's steps)."""
+        offer = turn[0].transfer_offer
+        if offer is not None and offer.alive(now) and offer.worker is not turn[1]:
+            offer.worker.engine_call(self._decode_pull, turn, now)
+        else:
+            self._decode_pull(turn, now)
+
+    def _decode_pull(self, turn: tuple[Req, DecodeWorker], now: float) -> None:
         req, dec = turn
         if dec._expiry and dec._expiry[0][0] <= now:
             dec.expire(now)
@@ -436,12 +445,16 @@ class Simulator(Sim):
 
     def _decode_pulled(self, req: Req, out: PullOutcome, now: float) -> None:
         """The decode's pull is over, read or not (at once, or after waiting for pages): the
-        prefill's hold goes, the request joins the decode's engine queue once its pages are read."""
+        prefill's hold goes once the READ is over, the request joins the decode's engine queue."""
         offer = req.transfer_offer
-        if offer is not None and offer.alive(now):
-            offer.worker.release(offer.lease_id, now)
         req.transfer_offer = None
+        if offer is not None:
+            self.call_at(now + out.seconds, self._release_offer, offer)
         self.call_at(now + out.seconds, self._decode_by_url[req.decode_url].arrive, req)
+
+    def _release_offer(self, offer: WLease, now: float) -> None:
+        if offer.alive(now):
+            offer.worker.release(offer.lease_id, now)
 
     def _decode_done(self, req: Req, now: float) -> None:
         ag, dec, _ = self._ctx.pop(req.turn_id)

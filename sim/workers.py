@@ -46,6 +46,9 @@ advances in one event (``_Run``) with the results of stepping each.
   pins at once; ``pins_yield_always=True``: the worker before these rules (and
   before ``pull_pins_local``), whose pins yielded to every allocation. A prefill
   worker's transfer hold is released once the decode's pull is over, read or not.
+  The hold is an **engine call** on the sender (``engine_call``): answered between
+  its steps, so a busy prefill keeps a finished prompt's pages through the
+  planning of its next step (its steps of long prompt chunks: hundreds of ms).
 - A decode worker's pull that finds no pages **waits for them** (``Puller.wait_for_pages``):
   it tries again where pages come back -- at the end of an engine step that
   ended sequences, preempted or released leases, or at a release or expiry
@@ -263,6 +266,7 @@ class Worker:
         self._run: _Run | None = None
         self._run_version = 0  # the live run's end event carries it; a cut or a GPU hand-over voids older ones
         self._scratch = Hold(0)  # takes a run's pages in one allocation, then hands them to their holds
+        self._calls: list[tuple[Callable[[Any, float], None], Any]] = []  # engine calls waiting for the step to end
         self.on_done: Callable[[Req, float], None] = lambda req, now: None
 
     @property
@@ -286,6 +290,22 @@ class Worker:
         self.inflight = self._inflight
 
     # ------------------------------------------------------------------ engine steps
+    def engine_call(self, fn: Callable[[Any, float], None], arg: Any, now: float) -> None:
+        """Run ``fn(arg, t)`` where the worker's engine thread runs a call from its server (a
+        transfer lease's hold, ``KVTransfer.hold``): between steps, so at once when no step
+        runs, else when the step in progress ends, before the next one is planned."""
+        if not self.busy:
+            fn(arg, now)
+        elif self._run is not None:  # a run's steps end at its times: the step in progress ends at the next
+            self.sim.call_at(self._run.times[self._settle(now) + 1], fn, arg)
+        else:
+            self._calls.append((fn, arg))
+
+    def _run_calls(self, now: float) -> None:
+        calls, self._calls = self._calls, []
+        for fn, arg in calls:
+            fn(arg, now)
+
     def arrive(self, req: Req, now: float) -> None:
         run = self._run
         if run is not None:
@@ -518,6 +538,8 @@ class Worker:
         if self._pulls:
             self._retry_pulls(now)  # between this step and the next (Puller.wait_for_pages' engine call)
         self.busy = False
+        if self._calls:
+            self._run_calls(now)
         self._kick(now)
 
     # ------------------------------------------------------------------ runs of decode steps
@@ -712,6 +734,8 @@ class Worker:
         if self._pulls:
             self._retry_pulls(now)
         self.busy = False
+        if self._calls:
+            self._run_calls(now)
         self._kick(now)
 
     def hand_run_to_gpu(self, now: float) -> None:

@@ -358,3 +358,20 @@ def test_pulled_pages_evicted_before_admission_count_as_lost() -> None:
     assert (w_new.hit_pages, new.decode[0].stats.lost_tokens) == (3, 0)
     counters = new.pull_counters()
     assert (counters["decode"]["lost_tokens"], counters["prefill"]["lost_tokens"]) == (0, 0)
+
+
+def test_an_engine_call_runs_at_once_on_an_idle_worker_and_after_the_step_in_progress_on_a_busy_one() -> None:
+    # A transfer lease's hold is such a call (KVTransfer.hold runs on the prefill's engine
+    # thread): a busy prefill answers it only once its step of prompt chunks is over.
+    sim = _sim(16, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, chunk_size=64))
+    pre = sim.prefill[0]
+    pre.on_done = lambda req, now: None
+    calls: list[tuple[str, float]] = []
+    pre.engine_call(lambda arg, t: calls.append((arg, t)), "idle", 0.0)
+    pre.arrive(_req(1, 60, 20), 0.0)  # one step computes the whole prompt
+    assert pre.busy
+    pre.engine_call(lambda arg, t: calls.append((arg, t)), "busy", 0.0)
+    assert calls == [("idle", 0.0)]
+    sim.run()
+    assert pre.stats.prompt_steps == 1 and pre.stats.prompt_step_s > 0
+    assert calls == [("idle", 0.0), ("busy", pre.stats.prompt_step_s)]
