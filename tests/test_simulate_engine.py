@@ -375,3 +375,24 @@ def test_an_engine_call_runs_at_once_on_an_idle_worker_and_after_the_step_in_pro
     sim.run()
     assert pre.stats.prompt_steps == 1 and pre.stats.prompt_step_s > 0
     assert calls == [("idle", 0.0), ("busy", pre.stats.prompt_step_s)]
+
+
+def test_an_engine_call_during_a_run_of_decode_steps_runs_when_the_step_in_progress_ends() -> None:
+    sim = _sim(16, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, chunk_size=64))
+    dec = sim.decode[0]
+    dec.on_done = lambda req, now: None
+    calls: list[float] = []
+    times: list[float] = []
+
+    def in_run(_: object, now: float) -> None:  # the reply's decode steps advance as one run
+        assert dec._run is not None and dec.busy
+        times.extend(dec._run.times)
+        dec.sim.call_at((times[4] + times[5]) / 2, lambda _, t: dec.engine_call(lambda a, t2: calls.append(t2), None, t), None)
+
+    def after_prompt(_: object, now: float) -> None:  # step 0 (the prompt) is over; the run starts at once
+        dec.sim.call_at(now + 1e-9, in_run, None)
+
+    dec.arrive(_req(1, 60, 20), 0.0)  # step 0 computes the prompt, then one token a step
+    dec.engine_call(after_prompt, None, 0.0)
+    sim.run()
+    assert len(times) > 6 and calls == [times[5]]
