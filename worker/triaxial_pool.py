@@ -33,7 +33,12 @@ Policy that keeps the two ends from deadlocking each other:
   what a one-precision request can get.
 
 What can still strand space: an owned page deep inside one end keeps that end's
-mark above it; free slots below it serve only its own precision.
+mark above it; free slots below it serve only its own precision. And a cached
+innermost page used more recently than the other end's oldest (a live
+conversation's system prompt, matched every turn) keeps the stale cached pages
+below it from the other precision: under agent load the INT4 end keeps the size
+its first turns gave it and the pool stores more bits than the table's mix
+(docs/performance-log/bit-budget.md, the two-ended buffer).
 
 Age-down (``KVCacheManager``, docs/kv-cache.md) adds ``retire``: the INT4 page
 an aged INT2 copy replaces forgets its hash at once (no new request matches
