@@ -43,6 +43,13 @@ controller first. Reported per control: the hit rate (prompt tokens the prefill
 did not compute, from each agent's second turn), the decode worker's owned bits (mean over the
 point's turns), evictions, age-down copies and leases reclaimed per worker,
 mean over ``--seeds`` traffic seeds.
+
+``--pd --layout``: the same replay twice per seed, on the product's two-ended
+INT4 / INT2 pool and on ``NoLayoutPool`` (any page fits while the bytes do, the
+oldest cached page of either precision goes first: the bound a layout can
+reach), with each worker's stored bits over every page it holds. With ``--load
+gpu --int4-pages 7900 --agents 24 --controls fixed`` it is the GPU agent sweep's
+load and pool (the tiny model's pages, as many as a GPU worker's 8 GiB holds).
 Results: docs/performance-log/bit-budget.md.
 """
 
@@ -55,6 +62,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Sequence_
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -217,11 +225,44 @@ TINY_LAYERS, TINY_INT4, TINY_INT2 = 4, 5120, 3072
 THRESHOLD_TOKENS = 64  # reuse.recompute_threshold_tokens: a pull of fewer tokens is not made
 
 
+class NoLayoutPool(TriaxialPagePool):
+    """The bound for the two-ended layout (``--layout``): an allocation succeeds while the owned
+    pages' bytes leave room for it, and evicts the oldest cached page of either precision first.
+    Its pages of the two precisions may overlap in bytes: only the page policy is replayed."""
+
+    def _held_bytes(self, *, cached: bool) -> int:
+        return sum(self.held_pages(bits=b, cached=cached) * self._bytes[b] for b in (2, 4))
+
+    def num_free_pages(self, *, bits: int) -> int:
+        return (self.total_bytes - self._held_bytes(cached=False)) // self._bytes[bits]
+
+    def allocate(self, page_bits: Sequence_[int]) -> list[int] | None:
+        need = sum(self._bytes[b] for b in page_bits)
+        if self._held_bytes(cached=False) + need > self.total_bytes:
+            return None
+        held = self._held_bytes(cached=True)
+        while held + need > self.total_bytes:  # evict the older of the two LRU heads
+            heads = [(self._pages[next(iter(r.lru))].last_used, b) for b, r in self._r.items() if r.lru]
+            bits = min(heads)[1]
+            region = self._r[bits]
+            pid = next(iter(region.lru))
+            self._evict(pid)
+            region.put_free(pid & ~region.flag)
+            held -= self._bytes[bits]
+        ids = []
+        for b in page_bits:
+            region = self._r[b]
+            index = region.take_free()
+            ids.append(region.flag | (region.grow() if index is None else index))
+        return self._own(ids)
+
+
 class PDWorker:
     """One worker's page policy: pool, manager (age-down on), controller, retained leases (LRU first)."""
 
-    def __init__(self, control: str, budget: float, kv_kib: int, *, leader: bool) -> None:
-        self.pool = TriaxialPagePool(kv_kib * 1024 // TINY_LAYERS, int4_page_bytes=TINY_INT4, int2_page_bytes=TINY_INT2, page_size=P)
+    def __init__(self, control: str, budget: float, kv_kib: int, *, leader: bool, no_layout: bool = False) -> None:
+        pool_cls = NoLayoutPool if no_layout else TriaxialPagePool
+        self.pool = pool_cls(kv_kib * 1024 // TINY_LAYERS, int4_page_bytes=TINY_INT4, int2_page_bytes=TINY_INT2, page_size=P)
         self.kv = KVCacheManager(self.pool, page_size=P, bits_table=bits_table_for_budget(budget), requantize=lambda src, dst: None)
         if control == "hold":
             self.kv.controller = budget_controller(budget, None, page_size=P)
@@ -300,6 +341,7 @@ class PDRun:
     warm_points: int
     hit_rate: float  # prompt tokens not computed by the prefill / prompt tokens, turns 1+
     decode_owned_bits: float  # the decode worker's owned pages, mean over the point's turns
+    stored_bits: tuple[float, float]  # prefill, decode: every page held (owned and cached), mean over the point's turns
     evicted: tuple[int, int]  # prefill, decode
     aged: tuple[int, int]
     reclaimed: int  # decode leases that yielded their pages
@@ -307,16 +349,31 @@ class PDRun:
     preempted: int  # requests that found no pages with their matched prefix held (recomputed from nothing)
     cut: float | None
     cut_moves: int
+    no_layout: bool = False  # both workers on NoLayoutPool
 
 
-def run_pd(tagger: ChatTagger, control: str, seed: int, *, agents: int, kv_kib: int, warm_points: int, budget: float = 2.7) -> PDRun:
-    from agents import cpu_load, point_agents  # bench/agents.py: the agent bench's CPU traffic and agents
+def run_pd(
+    tagger: ChatTagger,
+    control: str,
+    seed: int,
+    *,
+    agents: int,
+    kv_kib: int,
+    warm_points: int,
+    budget: float = 2.7,
+    load: str = "cpu",
+    no_layout: bool = False,
+) -> PDRun:
+    """``load``: the agent bench's CPU traffic (6 turns) or its GPU traffic (``gpu_load``, whole
+    conversations); ``no_layout``: both workers on ``NoLayoutPool``."""
+    from agents import cpu_load, gpu_load, point_agents  # bench/agents.py: the agent bench's traffic and agents
 
-    pre = PDWorker(control, budget, kv_kib, leader=False)
-    dec = PDWorker(control, budget, kv_kib, leader=True)
-    load = cpu_load(seed, think_s=0.05, turns=6)
+    pre = PDWorker(control, budget, kv_kib, leader=False, no_layout=no_layout)
+    dec = PDWorker(control, budget, kv_kib, leader=True, no_layout=no_layout)
+    spec = cpu_load(seed, think_s=0.05, turns=6) if load == "cpu" else gpu_load(seed, think_s=1.0)
     rng = random.Random(f"pd:{seed}")
     owned: list[float] = []
+    stored: tuple[list[float], list[float]] = ([], [])
     prompt = cached = preempted = 0
     base: tuple[int, ...] = ()
     for point in range(warm_points + 1):
@@ -328,13 +385,13 @@ def run_pd(tagger: ChatTagger, control: str, seed: int, *, agents: int, kv_kib: 
             base = (pre.pool.evicted_pages, dec.pool.evicted_pages, pre.kv.aged_pages, dec.kv.aged_pages, dec.reclaimed)
             base += (pre.pulled_pages, dec.pulled_pages)
         ids_range = point_agents(agents) if measured else range(100_000 * (point + 1), 100_000 * (point + 1) + agents)
-        convs = {i: (spec, Conversation(spec)) for i in ids_range for spec in [agent(load, i)]}
-        for t in range(max(len(spec.turns) for spec, _ in convs.values())):
+        convs = {i: (a, Conversation(a)) for i in ids_range for a in [agent(spec, i)]}
+        for t in range(max(len(a.turns) for a, _ in convs.values())):
             order = [c for c in convs if t < len(convs[c][0].turns)]
             rng.shuffle(order)
             for c in order:
-                spec, conv = convs[c]
-                turn = spec.turns[t]
+                a, conv = convs[c]
+                turn = a.turns[t]
                 built = tagger.build(conv.request(turn), tools=list(conv.tools) or None, add_generation_prompt=True)
                 ids, tags = built.input_ids, built.tags
                 # prefill: pull what the decode worker retains, match, compute the rest
@@ -371,6 +428,9 @@ def run_pd(tagger: ChatTagger, control: str, seed: int, *, agents: int, kv_kib: 
                     bits = dec.kv.held_bits(cached=False)
                     if bits is not None:
                         owned.append(bits)
+                    for into, w in zip(stored, (pre, dec)):
+                        if (bits := w.kv.held_bits()) is not None:
+                            into.append(bits)
     ctl = dec.kv.controller
     return PDRun(
         control=control,
@@ -378,6 +438,7 @@ def run_pd(tagger: ChatTagger, control: str, seed: int, *, agents: int, kv_kib: 
         warm_points=warm_points,
         hit_rate=cached / prompt,
         decode_owned_bits=sum(owned) / len(owned),
+        stored_bits=(sum(stored[0]) / len(stored[0]), sum(stored[1]) / len(stored[1])),
         evicted=(pre.pool.evicted_pages - base[0], dec.pool.evicted_pages - base[1]),
         aged=(pre.kv.aged_pages - base[2], dec.kv.aged_pages - base[3]),
         reclaimed=dec.reclaimed - base[4],
@@ -385,32 +446,40 @@ def run_pd(tagger: ChatTagger, control: str, seed: int, *, agents: int, kv_kib: 
         preempted=preempted,
         cut=round(ctl.cut, 3) if ctl else None,
         cut_moves=ctl.moves if ctl else 0,
+        no_layout=no_layout,
     )
 
 
 def main_pd(args: argparse.Namespace, tagger: ChatTagger) -> dict[str, Any]:
     runs: list[PDRun] = []
-    grid = list(itertools.product(args.warm_points, ("fixed", "hold"), range(args.seeds)))
-    for warm, control, seed in progress(grid, desc="runs", quiet=args.quiet):
-        runs.append(run_pd(tagger, control, seed, agents=args.agents, kv_kib=args.kv_kib, warm_points=warm))
+    layouts = (False, True) if args.layout else (False,)
+    cells = list(itertools.product(args.warm_points, args.controls, layouts))
+    grid = [(*cell, seed) for cell in cells for seed in range(args.seeds)]
+    for warm, control, no_layout, seed in progress(grid, desc="runs", quiet=args.quiet):
+        runs.append(
+            run_pd(tagger, control, seed, agents=args.agents, kv_kib=args.kv_kib, warm_points=warm, load=args.load, no_layout=no_layout)
+        )
     summary = []
     print(
-        f"{'warm':>4} {'control':7} {'hit':>6} {'(min-max)':>11} {'owned D':>7} {'evict P/D':>9} {'aged P/D':>8} {'reclaim':>7} {'pulled D->P / P->D':>18}"
+        f"{'warm':>4} {'control':7} {'pool':9} {'hit':>6} {'(min-max)':>11} {'owned D':>7} {'stored P/D':>10} {'evict P/D':>11} "
+        f"{'aged P/D':>9} {'reclaim':>7} {'pulled D->P / P->D':>18}"
     )
-    for warm, control in itertools.product(args.warm_points, ("fixed", "hold")):
-        rs = [r for r in runs if r.warm_points == warm and r.control == control]
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs)
+
+    for warm, control, no_layout in cells:
+        rs = [r for r in runs if (r.warm_points, r.control, r.no_layout) == (warm, control, no_layout)]
         hits = [r.hit_rate for r in rs]
-
-        def mean(xs: list[float]) -> float:
-            return sum(xs) / len(xs)
-
         row = {
             "warm_points": warm,
             "control": control,
+            "pool": "no_layout" if no_layout else "two_ended",
             "hit_rate": round(mean(hits), 4),
             "hit_rate_min": round(min(hits), 4),
             "hit_rate_max": round(max(hits), 4),
             "decode_owned_bits": round(mean([r.decode_owned_bits for r in rs]), 3),
+            "stored_bits": [round(mean([r.stored_bits[i] for r in rs]), 3) for i in (0, 1)],
             "evicted": [round(mean([r.evicted[i] for r in rs]), 1) for i in (0, 1)],
             "aged": [round(mean([r.aged[i] for r in rs]), 1) for i in (0, 1)],
             "reclaimed": round(mean([r.reclaimed for r in rs]), 1),
@@ -418,14 +487,16 @@ def main_pd(args: argparse.Namespace, tagger: ChatTagger) -> dict[str, Any]:
         }
         summary.append(row)
         print(
-            f"{warm:>4} {control:7} {row['hit_rate']:6.3f} ({row['hit_rate_min']:.2f}-{row['hit_rate_max']:.2f}) "
-            f"{row['decode_owned_bits']:7.2f} {row['evicted'][0]:>4.0f}/{row['evicted'][1]:<4.0f} "
-            f"{row['aged'][0]:>3.0f}/{row['aged'][1]:<4.0f} {row['reclaimed']:7.1f} {row['pulled_pages'][0]:>8.0f} / {row['pulled_pages'][1]:<8.0f}",
+            f"{warm:>4} {control:7} {row['pool']:9} {row['hit_rate']:6.3f} ({row['hit_rate_min']:.2f}-{row['hit_rate_max']:.2f}) "
+            f"{row['decode_owned_bits']:7.2f} {row['stored_bits'][0]:>4.2f}/{row['stored_bits'][1]:<5.2f} "
+            f"{row['evicted'][0]:>5.0f}/{row['evicted'][1]:<5.0f} {row['aged'][0]:>4.0f}/{row['aged'][1]:<4.0f} "
+            f"{row['reclaimed']:7.1f} {row['pulled_pages'][0]:>8.0f} / {row['pulled_pages'][1]:<8.0f}",
             flush=True,
         )
     return {
         "agents": args.agents,
         "kv_kib": args.kv_kib,
+        "load": args.load,
         "seeds": args.seeds,
         "budget": 2.7,
         "summary": summary,
@@ -438,6 +509,10 @@ def main() -> None:
     ap.add_argument("--pd", action="store_true", help="P/D reuse at the capacity cliff, fixed table vs hold at 2.7 (run_pd)")
     ap.add_argument("--agents", type=int, default=10, help="--pd: concurrent agents")
     ap.add_argument("--kv-kib", type=int, default=2560, help="--pd: KV pool per worker, KiB (the tiny model's pages)")
+    ap.add_argument("--int4-pages", type=int, default=None, help="--pd: KV pool per worker in INT4 pages (instead of --kv-kib)")
+    ap.add_argument("--load", choices=("cpu", "gpu"), default="cpu", help="--pd: the agent bench's CPU or GPU traffic")
+    ap.add_argument("--controls", type=lambda v: v.split(","), default=["fixed", "hold"], help="--pd: fixed and / or hold")
+    ap.add_argument("--layout", action="store_true", help="--pd: each run also on NoLayoutPool (the layout's bound)")
     ap.add_argument("--seeds", type=int, default=8, help="--pd: traffic seeds per control")
     ap.add_argument(
         "--warm-points", type=lambda v: [int(x) for x in v.split(",")], default=[0, 2], help="--pd: points before the measured one"
@@ -452,6 +527,10 @@ def main() -> None:
     root = tiny_model_dir()
     tagger = ChatTagger(TextTokenizer.from_dir(root), ChatTemplate.from_dir(root))
     if args.pd:
+        if args.int4_pages is not None:
+            args.kv_kib = args.int4_pages * TINY_INT4 * TINY_LAYERS // 1024
+        if any(c not in ("fixed", "hold") for c in args.controls):
+            ap.error(f"--controls: fixed and / or hold, got {','.join(args.controls)}")
         pd = main_pd(args, tagger)
         if args.json:  # its own key of the result file, beside the cells
             doc = json.loads(args.json.read_text()) if args.json.is_file() else {}

@@ -51,3 +51,35 @@ def test_at_the_cliff_hold_stores_its_budget_from_a_cold_start_and_reuses_more_t
     hold = bench.run_pd(tagger, "hold", 0, agents=10, kv_kib=2560, warm_points=0)
     assert abs(hold.decode_owned_bits - 2.7) <= 0.05, hold
     assert hold.hit_rate >= 0.98 * fixed.hit_rate, (hold.hit_rate, fixed.hit_rate)
+
+
+def test_the_layouts_bound_evicts_the_oldest_page_where_the_two_ended_pool_keeps_old_int4_pages(bench: ModuleType) -> None:
+    # 50 bytes: INT4 pages of 5, INT2 of 3. Five INT4 pages cached at t=0, six INT2 pages at t=1,
+    # and the innermost INT4 page at t=2 (a system prompt matched every turn). An INT2 page needs
+    # an eviction: the two-ended pool can only take the other end's innermost page (the newest
+    # here), so it evicts an INT2 page of t=1 and the five INT4 pages of t=0 stay; the bound
+    # evicts the oldest page of either precision.
+    from kvserving.kernels.page_ids import page_id_bits
+
+    def filled(cls: type) -> tuple[object, list[int], list[int]]:
+        now = [0.0]
+        pool = cls(50, int4_page_bytes=5, int2_page_bytes=3, page_size=32, clock=lambda: now[0])
+        four, two = pool.allocate([4] * 6), pool.allocate([2] * 6)
+        for i, pid in enumerate(four + two):
+            pool.register(pid, 100 + i)
+        for pages in (four[:5], two, four[5:]):
+            pool.free(pages)
+            now[0] += 1.0
+        return pool, four, two
+
+    two_ended, four, two = filled(bench.TriaxialPagePool)
+    (got,) = two_ended.allocate([2])
+    assert page_id_bits(got) == 2 and two_ended.evicted_pages == 1
+    assert two_ended.held_pages(bits=4) == 6 and two_ended.lookup(100) == four[0]  # the INT4 pages of t=0 stay
+
+    bound, four, two = filled(bench.NoLayoutPool)
+    (got,) = bound.allocate([2])
+    assert page_id_bits(got) == 2 and bound.evicted_pages == 1
+    assert bound.held_pages(bits=4) == 5 and bound.held_pages(bits=2) == 7
+    assert bound.lookup(104) is None  # the INT4 page freed last at t=0 went first (a chain's tail first)
+    assert all(bound.lookup(100 + i) == pid for i, pid in enumerate(four[:4]))
