@@ -153,6 +153,10 @@ def test_a_draining_decode_worker_before_its_first_byte_is_a_retry_not_an_error_
     prefill = stack.worker(role="prefill", reply_ids=reply)
     draining, alive = by_url([stack.worker(role="decode", reply_ids=reply) for _ in range(2)])
     gw = stack.gateway(prefill=[prefill.url], decode=[draining.url, alive.url], health_interval_s=60)
+    deadline = time.monotonic() + 10  # the gateway's first poll sees both ready (on a loaded machine it may come late)
+    while not all(gw.state.pool.workers[w.url].healthy for w in (draining, alive)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     draining.ready = False  # answers 503 now; the gateway's last poll saw it ready
     assert chat(gw, [SYSTEM, {"role": "user", "content": "Fix it."}], "d") == text
     assert len(draining.received) == 1 and len(alive.received) == 1

@@ -371,13 +371,16 @@ def test_a_pull_into_a_full_pool_waits_then_skips_and_counts_the_tokens_it_misse
     held = {"requests": pool.capacity_tokens() // 16, "pins_transfer": 0, "pins_pulling": 0, "pins_retained": 0, "pins_pulled": 0}
     assert (c["no_room"], c["no_room_held_pages"]) == (1, held)
 
-    def free_soon() -> None:
-        time.sleep(0.2)
+    def free_soon() -> None:  # a request ends while the pull waits: once its allocation found no room
+        deadline = time.monotonic() + 30.0
+        while D.kvt.stats()["no_room"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
         with D.lock:
-            pool.free(taken[:20])  # a request ended
+            pool.free(taken[:20])
 
+    second = offer("full-2")  # the prefill's turn first: on a loaded machine it may outlast any fixed sleep
     threading.Thread(target=free_soon).start()
-    got = D.kvt.pull(ids, None, offer("full-2"))
+    got = D.kvt.pull(ids, None, second)
     assert (got.skipped, got.missed_tokens, got.pulled_tokens) == (None, 0, 144)
     # admitted with all 144 from the cache nothing was lost; with 96 (its pin yielded, 3 pages
     # evicted) 48 were; a skipped pull had nothing in place to lose
