@@ -779,6 +779,10 @@ def main(argv: list[str] | None = None) -> int:
     think_s = args.think_s if args.think_s is not None else (1.0 if args.gpu else 0.5)
     if think_s <= 0:
         ap.error(f"--think-s must be > 0, got {think_s}")
+    if args.concurrency is not None and "lease" not in args.modes:  # its points would be silently the defaults
+        ap.error(
+            f"--concurrency sets mode lease's points and --modes {','.join(args.modes)} runs no lease; the other modes take --mode-concurrency"
+        )
     args.concurrency = args.concurrency or ([1, 4, 8, 12, 16, 24, 32] if args.gpu else [1, 2, 4, 6, 8, 11, 16, 22])
     args.json = args.json or HERE / "results" / ("agents_gpu_h200.json" if args.gpu else "agents_cpu.json")
     args.png = args.png or args.json.with_suffix(".png")
