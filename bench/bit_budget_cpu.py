@@ -48,8 +48,9 @@ mean over ``--seeds`` traffic seeds.
 INT4 / INT2 pool and on ``NoLayoutPool`` (any page fits while the bytes do, the
 oldest cached page of either precision goes first: the bound a layout can
 reach), with each worker's stored bits over every page it holds. With ``--load
-gpu --int4-pages 7900 --agents 24 --controls fixed`` it is the GPU agent sweep's
-load and pool (the tiny model's pages, as many as a GPU worker's 8 GiB holds).
+gpu --int4-pages 5824 --agents 24 --controls fixed`` it is the GPU agent sweep's
+load and pool (the tiny model's pages, as many INT4 pages as a GPU worker's 8 GiB holds at the
+Qwen3-8B shape: 40,960 bytes per page per layer).
 Results: docs/performance-log/bit-budget.md.
 """
 
@@ -230,17 +231,14 @@ class NoLayoutPool(TriaxialPagePool):
     pages' bytes leave room for it, and evicts the oldest cached page of either precision first.
     Its pages of the two precisions may overlap in bytes: only the page policy is replayed."""
 
-    def _held_bytes(self, *, cached: bool) -> int:
-        return sum(self.held_pages(bits=b, cached=cached) * self._bytes[b] for b in (2, 4))
-
     def num_free_pages(self, *, bits: int) -> int:
-        return (self.total_bytes - self._held_bytes(cached=False)) // self._bytes[bits]
+        return (self.total_bytes - self._room_referenced()) // self._bytes[bits]
 
     def allocate(self, page_bits: Sequence_[int]) -> list[int] | None:
         need = sum(self._bytes[b] for b in page_bits)
-        if self._held_bytes(cached=False) + need > self.total_bytes:
+        if self._room_referenced() + need > self.total_bytes:
             return None
-        held = self._held_bytes(cached=True)
+        held = sum(self.held_pages(bits=b) * self._bytes[b] for b in (2, 4))  # owned and cached
         while held + need > self.total_bytes:  # evict the older of the two LRU heads
             heads = [(self._pages[next(iter(r.lru))].last_used, b) for b, r in self._r.items() if r.lru]
             bits = min(heads)[1]
