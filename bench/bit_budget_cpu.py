@@ -44,13 +44,13 @@ did not compute, from each agent's second turn), the decode worker's owned bits 
 point's turns), evictions, age-down copies and leases reclaimed per worker,
 mean over ``--seeds`` traffic seeds.
 
-``--pd --layout``: the same replay twice per seed, on the product's two-ended
-INT4 / INT2 pool and on ``NoLayoutPool`` (any page fits while the bytes do, the
-oldest cached page of either precision goes first: the bound a layout can
+``--pd --layout``: the same replay twice per seed, on the product's slab pool
+(``TriaxialPagePool``) and on ``NoLayoutPool`` (any page fits while the bytes do,
+the oldest cached page of either precision goes first: the bound a layout can
 reach), with each worker's stored bits over every page it holds. With ``--load
 gpu --int4-pages 5824 --agents 24 --controls fixed`` it is the GPU agent sweep's
 load and pool (the tiny model's pages, as many INT4 pages as a GPU worker's 8 GiB holds at the
-Qwen3-8B shape: 40,960 bytes per page per layer).
+Qwen3-8B shape: 40,960 bytes per page per layer; whole slabs of 3 INT4 pages, so 5,823).
 Results: docs/performance-log/bit-budget.md.
 """
 
@@ -77,7 +77,7 @@ from kvserving.gateway.prompt.tagger import ChatTagger
 from kvserving.gateway.prompt.tokenizer import TextTokenizer
 from kvserving.model_dir import tiny_model_dir
 from kvserving.progress import add_quiet_argument, progress
-from kvserving.kernels.page_ids import page_id_bits
+from kvserving.kernels.page_ids import page_id_bits, slab_bytes
 from kvserving.worker.kv.cache import budget_controller
 from kvserving.worker.kv.leases import pin_for_admission, release_admission
 from kvserving.worker.kv.manager import KVCacheManager
@@ -227,32 +227,36 @@ THRESHOLD_TOKENS = 64  # reuse.recompute_threshold_tokens: a pull of fewer token
 
 
 class NoLayoutPool(TriaxialPagePool):
-    """The bound for the two-ended layout (``--layout``): an allocation succeeds while the owned
-    pages' bytes leave room for it, and evicts the oldest cached page of either precision first.
-    Its pages of the two precisions may overlap in bytes: only the page policy is replayed."""
+    """The bound for the slab layout (``--layout``): an allocation succeeds while the owned pages'
+    bytes leave room for it, and evicts the oldest cached page of either precision first. Its
+    pages sit in a buffer of one slab per page ``total_bytes_per_layer`` can hold (plus one), so
+    they never compete for slabs: only the page policy is replayed, not the bytes."""
+
+    def __init__(self, total_bytes_per_layer: int, *, int4_page_bytes: int, int2_page_bytes: int, **kw: Any) -> None:
+        slab = slab_bytes(int4_page_bytes, int2_page_bytes)
+        most = total_bytes_per_layer // min(int4_page_bytes, int2_page_bytes)
+        super().__init__((most + 1) * slab, int4_page_bytes=int4_page_bytes, int2_page_bytes=int2_page_bytes, **kw)
+        self.budget_bytes = total_bytes_per_layer
+
+    def _room_total(self) -> int:
+        return self.budget_bytes
 
     def num_free_pages(self, *, bits: int) -> int:
-        return (self.total_bytes - self._room_referenced()) // self._bytes[bits]
+        return (self.budget_bytes - self._room_referenced()) // self._bytes[bits]
 
     def allocate(self, page_bits: Sequence_[int]) -> list[int] | None:
-        need = sum(self._bytes[b] for b in page_bits)
-        if self._room_referenced() + need > self.total_bytes:
+        need = sum(self.page_bytes(bits=b) for b in page_bits)
+        if self._room_referenced() + need > self.budget_bytes:
             return None
         held = sum(self.held_pages(bits=b) * self._bytes[b] for b in (2, 4))  # owned and cached
-        while held + need > self.total_bytes:  # evict the older of the two LRU heads
+        while held + need > self.budget_bytes:  # evict the older of the two LRU heads, its slot free
             heads = [(self._pages[next(iter(r.lru))].last_used, b) for b, r in self._r.items() if r.lru]
             bits = min(heads)[1]
-            region = self._r[bits]
-            pid = next(iter(region.lru))
+            pid = next(iter(self._r[bits].lru))
             self._evict(pid)
-            region.put_free(pid & ~region.flag)
+            self._open_slot(*self.slabs.locate(pid), bits)
             held -= self._bytes[bits]
-        ids = []
-        for b in page_bits:
-            region = self._r[b]
-            index = region.take_free()
-            ids.append(region.flag | (region.grow() if index is None else index))
-        return self._own(ids)
+        return super().allocate(page_bits)  # a free slab is always left: no eviction there
 
 
 class PDWorker:
@@ -260,7 +264,9 @@ class PDWorker:
 
     def __init__(self, control: str, budget: float, kv_kib: int, *, leader: bool, no_layout: bool = False) -> None:
         pool_cls = NoLayoutPool if no_layout else TriaxialPagePool
-        self.pool = pool_cls(kv_kib * 1024 // TINY_LAYERS, int4_page_bytes=TINY_INT4, int2_page_bytes=TINY_INT2, page_size=P)
+        slab = slab_bytes(TINY_INT4, TINY_INT2)
+        per_layer = kv_kib * 1024 // TINY_LAYERS // slab * slab  # whole slabs, as the storage rounds (both pools)
+        self.pool = pool_cls(per_layer, int4_page_bytes=TINY_INT4, int2_page_bytes=TINY_INT2, page_size=P)
         self.kv = KVCacheManager(self.pool, page_size=P, bits_table=bits_table_for_budget(budget), requantize=lambda src, dst: None)
         if control == "hold":
             self.kv.controller = budget_controller(budget, None, page_size=P)
@@ -472,7 +478,7 @@ def main_pd(args: argparse.Namespace, tagger: ChatTagger) -> dict[str, Any]:
         row = {
             "warm_points": warm,
             "control": control,
-            "pool": "no_layout" if no_layout else "two_ended",
+            "pool": "no_layout" if no_layout else "slab",
             "hit_rate": round(mean(hits), 4),
             "hit_rate_min": round(min(hits), 4),
             "hit_rate_max": round(max(hits), 4),

@@ -24,11 +24,14 @@ thread that holds two adjacent tokens' value bytes loads both tokens' scale (and
 Heads-major inside a page (HND): a decode kernel reads one head's page as one
 contiguous [P, D] tile.
 
-Triaxial keeps INT4 and INT2 pages in the same buffer, growing from its two
-ends (no fixed split)::
+Triaxial keeps INT4 and INT2 pages in the same buffer, INT4 indices counting
+up from byte 0 and INT2 indices down from the top (no fixed split); the pool
+cuts it into slabs of ``lcm(int4, int2 page bytes)``, each holding pages of one
+precision (page_ids.Slabs)::
 
-    byte 0                                                             total
-    | int4 page 0 | int4 page 1 | ...  free space ... | int2 page 1 | int2 page 0 |
+    byte 0                                                                  total
+    | int4 page 0 | int4 page 1 | int4 page 2 | ... | int2 page 1 | int2 page 0 |
+     '---------------- slab 0 ----------------'      '----- top of slab N-1 ----'
 
 A page id is an index with ``INT2_PAGE_FLAG`` set for INT2 pages; the flag is
 bit 30 so page tables stay non-negative int32. Ids and their byte offsets are

@@ -53,33 +53,34 @@ def test_at_the_cliff_hold_stores_its_budget_from_a_cold_start_and_reuses_more_t
     assert hold.hit_rate >= 0.98 * fixed.hit_rate, (hold.hit_rate, fixed.hit_rate)
 
 
-def test_the_layouts_bound_evicts_the_oldest_page_where_the_two_ended_pool_keeps_old_int4_pages(bench: ModuleType) -> None:
-    # 50 bytes: INT4 pages of 5, INT2 of 3. Five INT4 pages cached at t=0, six INT2 pages at t=1,
-    # and the innermost INT4 page at t=2 (a system prompt matched every turn). An INT2 page needs
-    # an eviction: the two-ended pool can only take the other end's innermost page (the newest
-    # here), so it evicts an INT2 page of t=1 and the five INT4 pages of t=0 stay; the bound
-    # evicts the oldest page of either precision.
-    from kvserving.kernels.page_ids import page_id_bits
+def test_the_slab_pool_converts_the_stalest_int4_slab_where_the_bound_evicts_one_page(bench: ModuleType) -> None:
+    # 60 bytes: 4 slabs of 15 (3 INT4 pages of 5 or 5 INT2 pages of 3). INT4 slab 0 cached at t=0,
+    # INT2 slabs 3 and 2 at t=1, INT4 slab 1 at t=2 (a system prompt matched every turn). An INT2
+    # page needs an eviction: the slab pool converts slab 0 (its newest page, t=0, is older than
+    # INT2's oldest) and evicts its three pages, keeping slab 1; the bound, whose pages may share
+    # bytes, evicts only the oldest page of either precision.
+    from kvserving.kernels.page_ids import INT2_PAGE_FLAG, page_id_bits
 
     def filled(cls: type) -> tuple[object, list[int], list[int]]:
         now = [0.0]
-        pool = cls(50, int4_page_bytes=5, int2_page_bytes=3, page_size=32, clock=lambda: now[0])
-        four, two = pool.allocate([4] * 6), pool.allocate([2] * 6)
+        pool = cls(60, int4_page_bytes=5, int2_page_bytes=3, page_size=32, clock=lambda: now[0])
+        four, two = pool.allocate([4] * 6), pool.allocate([2] * 10)
         for i, pid in enumerate(four + two):
             pool.register(pid, 100 + i)
-        for pages in (four[:5], two, four[5:]):
+        for pages in (four[:3], two, four[3:]):
             pool.free(pages)
             now[0] += 1.0
         return pool, four, two
 
-    two_ended, four, two = filled(bench.TriaxialPagePool)
-    (got,) = two_ended.allocate([2])
-    assert page_id_bits(got) == 2 and two_ended.evicted_pages == 1
-    assert two_ended.held_pages(bits=4) == 6 and two_ended.lookup(100) == four[0]  # the INT4 pages of t=0 stay
+    slab, four, two = filled(bench.TriaxialPagePool)
+    assert four == [0, 1, 2, 3, 4, 5] and two == [INT2_PAGE_FLAG | i for i in range(10)]
+    assert slab.allocate([2]) == [INT2_PAGE_FLAG | 15] and slab.evicted_pages == 3  # slab 0, now INT2 (indices 15..19)
+    assert slab.held_pages(bits=4) == 3 and slab.held_pages(bits=2) == 11
+    assert all(slab.lookup(100 + i) is None for i in range(3)) and all(slab.lookup(103 + i) == 3 + i for i in range(3))
 
     bound, four, two = filled(bench.NoLayoutPool)
     (got,) = bound.allocate([2])
     assert page_id_bits(got) == 2 and bound.evicted_pages == 1
-    assert bound.held_pages(bits=4) == 5 and bound.held_pages(bits=2) == 7
-    assert bound.lookup(104) is None  # the INT4 page freed last at t=0 went first (a chain's tail first)
-    assert all(bound.lookup(100 + i) == pid for i, pid in enumerate(four[:4]))
+    assert bound.held_pages(bits=4) == 5 and bound.held_pages(bits=2) == 11
+    assert bound.lookup(102) is None  # the INT4 page freed last at t=0 went first (a chain's tail first)
+    assert all(bound.lookup(100 + i) == pid for i, pid in enumerate(four[:2]))

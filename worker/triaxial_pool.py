@@ -1,44 +1,53 @@
-"""The triaxial page pool: INT4 and INT2 pages in ONE byte buffer per layer,
-growing from its two ends (DESIGN.md, KV formats: triaxial; kernels/layout.py).
-Pure Python: ids and byte offsets; the storage layer owns the bytes.
+"""The triaxial page pool: INT4 and INT2 pages in ONE byte buffer per layer, cut into
+slabs that each hold pages of one precision (DESIGN.md, KV formats: triaxial;
+kernels/page_ids.py). Pure Python: ids and byte offsets; the storage layer owns the bytes.
 
-    byte 0                                                                  total
-    | int4 0 | int4 1 | ... | int4 h4-1 |   gap   | int2 h2-1 | ... | int2 1 | int2 0 |
-    '------------ h4 * B4 -------------'          '------------- h2 * B2 ------------'
+A slab is ``S = lcm(B4, B2)`` bytes, ``a4 = S/B4`` INT4 pages or ``a2 = S/B2`` INT2
+pages (122,880 B, 3 or 5 pages at the Qwen3-8B shape); the buffer is ``N = total/S``
+slabs. Slab ``k`` holds INT4 indices ``a4*k ..`` or INT2 indices ``a2*(N-1-k) ..``
+(``kernels.page_ids.Slabs``), so a page's bytes are where the one offset formula puts
+them (INT4 page i at ``i*B4``, INT2 page j at ``total-(j+1)*B2``) and no page crosses
+a slab. Five slabs, a4 = 3, a2 = 5 (numbers: live pages, owned or cached; ``.``: free)::
 
-INT4 page i occupies ``[i*B4, (i+1)*B4)``; INT2 page j occupies
-``[total-(j+1)*B2, total-j*B2)``; its page id is ``j | INT2_PAGE_FLAG``
-(ids and offsets: ``kvserving.kernels.page_ids``, torch-free).
+    0              S              2S             3S             4S             5S = total
+    |  0 |  1 |  2 |  3 |  . |  5 |              | 9| .| 7| 6| 5| 4| 3| 2| 1| 0|
+     '-slab 0 INT4-''-slab 1 INT4-''-slab 2 free-''-slab 3 INT2-''-slab 4 INT2-'
 
-No static split: an allocation succeeds while ``h4*B4 + h2*B2 <= total``, so an
-INT4-only workload can fill the whole buffer (every decode-generated token is
-INT4; a fixed split ran a public TriAxialKV reproduction out of memory).
+Policies, exact so tests can assert them:
 
-Policy that keeps the two ends from deadlocking each other:
+- **A slab is free, INT4 or INT2**; one with no live page (owned or cached) is free again at
+  once, for either precision.
+- **Placement.** ``allocate`` places each page of precision ``b``, cheapest first:
 
-- each end hands out its lowest free index first, so live pages stay packed at
-  its outer end, and its high-water mark ``h`` drops as soon as its innermost
-  page is freed -- the bytes go back to the gap for either precision;
-- ``allocate(page_bits)`` places one page per entry (2 or 4) and is
-  all-or-nothing across the two ends (one sequence's new pages at once: two
-  separate calls could fail where one placement of both kinds fits). For each
-  precision ``b`` it takes, in order: free slots of precision ``b`` below its
-  mark, then the gap, then evicts cached pages, the least recently used of two
-  candidates first: its own end's LRU page, or the *other* end's innermost
-  cached pages (as many as free one slot of ``b``), whose mark then moves back
-  (never past a page someone owns); on a tie its own. Without the second
-  candidate a pool whose mix of precisions shifts (a bit-budget cut that moved,
-  docs/kv-cache.md) would evict the newest pages of the growing end while stale
-  pages of the other end stay cached. ``num_free_pages(bits=b)`` counts exactly
-  what a one-precision request can get.
+  1. a free slot in a slab of ``b``: in slabs that hold an owned page first, then in the others
+     (a slab with no owned page can still change precision: it stays whole while another slot
+     serves); the lowest index first -- INT4 slabs from the bottom, INT2 slabs from the top,
+     and in a slab its lowest index -- so a sequence's pages form runs of consecutive ids
+     (one NIXL descriptor per run) and the precisions stay apart;
+  2. a free slab: INT4 takes the lowest, INT2 the highest;
+  3. an eviction by age, the older of (a) the least recently used cached page of ``b`` (its
+     slot is reused) and (b) the slab of the other precision with no owned page whose newest
+     cached page is the oldest of such slabs: its cached pages are evicted and it becomes a
+     slab of ``b`` with ``a_b`` free slots. Ties go to (a). Without (b) a pool whose mix of
+     precisions shifts (a bit-budget cut that moved, docs/kv-cache.md) would evict the newest
+     pages of the growing precision while stale pages of the other stay cached; judging a
+     slab by its newest page keeps a hot page (a system prompt matched every turn) cached.
 
-What can still strand space: an owned page deep inside one end keeps that end's
-mark above it; free slots below it serve only its own precision. And a cached
-innermost page used more recently than the other end's oldest (a live
-conversation's system prompt, matched every turn) keeps the stale cached pages
-below it from the other precision: under agent load the INT4 end keeps the size
-its first turns gave it and the pool stores more bits than the table's mix
-(docs/performance-log/bit-budget.md, the two-ended buffer).
+- **All or nothing, both precisions at once.** ``allocate(page_bits)`` gets one sequence's new
+  pages in one call (two calls could fail where one placement fits). With ``O_b`` the free and
+  cached slots of ``b`` in slabs that hold an owned page, ``U_b`` the slabs of ``b`` with no
+  owned page and ``F`` the free slabs, ``n4`` INT4 and ``n2`` INT2 pages fit iff
+  ``ceil(max(0, n4-O4)/a4) + ceil(max(0, n2-O2)/a2) <= F + U4 + U2``. INT2 is placed first
+  and binds at most ``F + U4 + U2`` less INT4's share of slabs that hold no owned page; past
+  that it evicts only in slabs that hold one (least recently used first).
+- ``num_free_pages(bits=b)`` is exactly what a request of ``b`` alone can get: free slots and
+  cached pages of ``b``, plus ``a_b`` per free slab and per slab of the other precision with
+  no owned page (counters, O(1)).
+
+What can still strand space: an owned page pins its slab to its precision, so up to
+``a_b - 1`` free slots per such slab serve only ``b``; and a slab of the other precision
+with one recently used cached page is not converted while that page is newer than ``b``'s
+least recently used one (its older pages leave through their own precision's LRU).
 
 Age-down (``KVCacheManager``, docs/kv-cache.md) adds ``retire``: the INT4 page
 an aged INT2 copy replaces forgets its hash at once (no new request matches
@@ -49,18 +58,41 @@ it lets go.
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections.abc import Callable, Sequence
+from bisect import bisect_left, insort
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 
-from kvserving.kernels.page_ids import INT2_PAGE_FLAG, page_byte_offset, page_id_bits, page_index
+from kvserving.kernels.page_ids import INT2_PAGE_FLAG, Slabs, page_byte_offset, page_id_bits, page_index, slab_bytes
 
 from kvserving.worker.kv.page_pool import PagePoolBase, _Region
 
 BITS = (2, 4)
+FREE = 0  # the precision of a slab that holds no page
+
+# Where a slab is filed (``_refile``): its precision (or FREE), whether it holds an owned page,
+# whether it has a free slot.
+_Key = tuple[int, bool, bool]
+
+
+class _Side(_Region):
+    """One precision as ``PagePoolBase`` sees it: the id flag and the LRU of its cached pages;
+    ``put_free`` (an owned page without a hash lost its last ref) gives the slot back to its slab."""
+
+    __slots__ = ("_release",)
+
+    def __init__(self, flag: int, release: Callable[[int], None]) -> None:
+        super().__init__(flag)
+        self._release = release
+
+    def put_free(self, index: int) -> None:
+        self._release(self.flag | index)
 
 
 class TriaxialPagePool(PagePoolBase):
-    """Dual INT4/INT2 page pool over a ``total_bytes_per_layer`` buffer (same bytes in every layer)."""
+    """Dual INT4/INT2 page pool over a ``total_bytes_per_layer`` buffer (same bytes in every layer),
+    a whole number of slabs (``kernels.page_ids.slab_bytes``)."""
 
     precisions = BITS
 
@@ -78,12 +110,35 @@ class TriaxialPagePool(PagePoolBase):
             raise ValueError(f"page bytes must be >= 1, got int4 {int4_page_bytes}, int2 {int2_page_bytes}")
         if total_bytes_per_layer < max(int4_page_bytes, int2_page_bytes):
             raise ValueError(f"total_bytes_per_layer {total_bytes_per_layer} holds no page")
+        size = slab_bytes(int4_page_bytes, int2_page_bytes)
+        if total_bytes_per_layer % size:
+            raise ValueError(
+                f"total_bytes_per_layer {total_bytes_per_layer} is not a whole number of slabs of {size} bytes "
+                f"(the least common multiple of the page sizes {int4_page_bytes} and {int2_page_bytes})"
+            )
         if total_bytes_per_layer // min(int4_page_bytes, int2_page_bytes) >= INT2_PAGE_FLAG:
             raise ValueError("too many pages: indices must stay below INT2_PAGE_FLAG")
         self.total_bytes = total_bytes_per_layer
+        self.slabs = Slabs(int4_page_bytes, int2_page_bytes, total_bytes_per_layer // size)
         self._bytes = {4: int4_page_bytes, 2: int2_page_bytes}
-        self._r = {4: _Region(flag=0), 2: _Region(flag=INT2_PAGE_FLAG)}
+        self._per = {4: self.slabs.int4_per_slab, 2: self.slabs.int2_per_slab}  # a4, a2
+        self._r = {4: _Side(0, self._slot_released), 2: _Side(INT2_PAGE_FLAG, self._slot_released)}
         self._regions = (self._r[4], self._r[2])
+        n = self.slabs.num_slabs
+        # per slab
+        self._kind = [FREE] * n  # FREE, 4 or 2
+        self._slab_live = [0] * n  # owned + cached pages
+        self._slab_owned = [0] * n  # pages with a ref
+        self._free_slots = [0] * n  # bit s set: slot s is free (in a slab of a precision)
+        self._newest = [0.0] * n  # newest last_used of its cached pages; kept while it holds no owned page
+        self._filed: list[_Key] = [(FREE, False, False)] * n
+        # the slabs by where they are filed (sorted lists: INT4 takes the lowest, INT2 the highest)
+        self._empty = list(range(n))  # free slabs
+        self._unowned: dict[int, set[int]] = {4: set(), 2: set()}  # U_b: live pages, none owned
+        self._open: dict[tuple[int, bool], list[int]] = {(b, o): [] for b in BITS for o in (True, False)}  # a free slot; o: owned
+        # per precision
+        self._num_free_slots = {4: 0, 2: 0}
+        self._num_owned = {4: 0, 2: 0}
 
     # -- ids and bytes ------------------------------------------------------------------------
     def page_bytes(self, *, bits: int) -> int:
@@ -94,9 +149,9 @@ class TriaxialPagePool(PagePoolBase):
         self._check_id(page_id)
         return page_byte_offset(page_id, page_bytes=self._bytes[4], int2_page_bytes=self._bytes[2], total_bytes=self.total_bytes)
 
-    def high_water(self, *, bits: int) -> int:
-        """Slots the ``bits`` end spans now (its live pages all lie below this index)."""
-        return self._r[_check_bits(bits)].hwm
+    def slab_precision(self, slab: int) -> int:
+        """4 or 2 for a slab holding pages of that precision, 0 for a free slab."""
+        return self._kind[slab]
 
     def _region_of(self, page_id: int) -> _Region:
         return self._r[page_id_bits(page_id)]
@@ -109,33 +164,21 @@ class TriaxialPagePool(PagePoolBase):
             raise ValueError(f"INT{bits} page index must be in 0..{limit - 1}, got page id {page_id}")
 
     # -- capacity -----------------------------------------------------------------------------
-    def _min_mark(self, region: _Region) -> int:
-        """How low ``region``'s mark can go by evicting its innermost cached pages."""
-        index = region.hwm
-        while index:
-            page = self._pages.get(region.flag | (index - 1))
-            if page is not None and page.ref_count > 0:
-                break
-            index -= 1
-        return index
-
     def num_free_pages(self, *, bits: int) -> int:
-        """Exactly how many ``bits`` pages ``allocate`` can give now (free, gap, evictable)."""
-        mine, other = self._r[_check_bits(bits)], self._r[6 - bits]
-        gap = self.total_bytes - mine.hwm * self._bytes[bits] - self._min_mark(other) * self._bytes[6 - bits]
-        return mine.num_free + len(mine.lru) + gap // self._bytes[bits]
+        """Exactly how many ``bits`` pages ``allocate`` can give now (module docstring)."""
+        other = 6 - _check_bits(bits)
+        spare = len(self._empty) + len(self._unowned[other])
+        return self._num_free_slots[bits] + len(self._r[bits].lru) + self._per[bits] * spare
 
     def held_pages(self, *, bits: int, cached: bool = True) -> int:
-        """Pages of precision ``bits`` held now: owned, and cached unless ``cached`` is False
-        (every slot below the mark is owned, cached or free)."""
-        region = self._r[_check_bits(bits)]
-        return region.hwm - region.num_free - (0 if cached else len(region.lru))
+        """Pages of precision ``bits`` held now: owned, and cached unless ``cached`` is False."""
+        return self._num_owned[_check_bits(bits)] + (len(self._r[bits].lru) if cached else 0)
 
     def _room_of(self, bits: int) -> int:
         return self._bytes[bits]  # bytes
 
     def _room_referenced(self) -> int:
-        return sum(self.held_pages(bits=b, cached=False) * self._bytes[b] for b in BITS)
+        return sum(self._num_owned[b] * self._bytes[b] for b in BITS)
 
     def _room_total(self) -> int:
         return self.total_bytes
@@ -146,18 +189,83 @@ class TriaxialPagePool(PagePoolBase):
         return min(self.num_free_pages(bits=b) for b in BITS)
 
     def capacity_tokens(self, frac_int2: float = 0.0) -> int:
-        """Tokens the whole buffer holds when ``frac_int2`` of its pages are INT2:
-        the most pages n with round(frac_int2*n) INT2 and the rest INT4 that fit."""
+        """Tokens the whole buffer holds when ``frac_int2`` of its pages are INT2: the most pages n
+        with round(frac_int2*n) INT2 and the rest INT4 whose slabs, ceil(n4/a4) + ceil(n2/a2), fit."""
         if not 0.0 <= frac_int2 <= 1.0:
             raise ValueError(f"frac_int2 must be in [0, 1], got {frac_int2}")
-        b4, b2 = self._bytes[4], self._bytes[2]
-        n = int(self.total_bytes / (frac_int2 * b2 + (1.0 - frac_int2) * b4)) + 1
+        a4, a2, num = self._per[4], self._per[2], self.slabs.num_slabs
+        # n4/a4 + n2/a2 is within 1/2 of n * (slabs per page), so no n above this start fits
+        n = int((num + 0.5) / (frac_int2 / a2 + (1.0 - frac_int2) / a4)) + 1
         while n > 0:
             n2 = round(frac_int2 * n)
-            if n2 * b2 + (n - n2) * b4 <= self.total_bytes:
+            if -(-(n - n2) // a4) - (-n2 // a2) <= num:
                 break
             n -= 1
         return n * self.page_size
+
+    # -- refs: per-slab counts of live and owned pages ------------------------------------------
+    def incref(self, page_ids: Iterable[int]) -> None:
+        ids = list(page_ids)
+        cached = {pid for pid in ids if (page := self._pages.get(pid)) is not None and page.ref_count == 0}
+        super().incref(ids)
+        for pid in cached:
+            self._hold(self.slabs.locate(pid)[0], page_id_bits(pid))
+
+    def free(self, page_ids: Sequence[int]) -> None:
+        last = [pid for pid, n in Counter(page_ids).items() if (page := self._pages.get(pid)) is not None and page.ref_count == n]
+        super().free(page_ids)  # a page without a hash comes back through ``_slot_released``
+        for pid in last:
+            if pid in self._pages:  # cached now
+                k = self.slabs.locate(pid)[0]
+                self._slab_owned[k] -= 1
+                self._num_owned[page_id_bits(pid)] -= 1
+                self._refile(k)
+
+    def _slot_released(self, page_id: int) -> None:
+        """An owned page went without being cached: its slot is free."""
+        k, slot = self.slabs.locate(page_id)
+        self._slab_owned[k] -= 1
+        self._num_owned[page_id_bits(page_id)] -= 1
+        self._open_slot(k, slot, page_id_bits(page_id))
+
+    def _open_slot(self, k: int, slot: int, bits: int) -> None:
+        self._slab_live[k] -= 1
+        self._free_slots[k] |= 1 << slot
+        self._num_free_slots[bits] += 1
+        self._refile(k)
+
+    def _hold(self, k: int, bits: int) -> None:
+        """One more owned page in slab ``k`` (a taken slot or a cached page with a ref again)."""
+        self._slab_owned[k] += 1
+        self._num_owned[bits] += 1
+        self._refile(k)
+
+    def _refile(self, k: int) -> None:
+        """File slab ``k`` where its counts say (free again when it holds no live page)."""
+        kind = self._kind[k]
+        if kind != FREE and not self._slab_live[k]:
+            self._num_free_slots[kind] -= self._free_slots[k].bit_count()
+            self._kind[k] = kind = FREE
+            self._free_slots[k] = 0
+        owned = self._slab_owned[k] > 0
+        if kind != FREE and not owned:
+            first = self.slabs.page_id(k, 0, bits=kind)
+            pages = (self._pages.get(pid) for pid in range(first, first + self._per[kind]))
+            self._newest[k] = max(page.last_used for page in pages if page is not None)
+        key = (kind, owned, self._free_slots[k] != 0)
+        old = self._filed[k]
+        if key == old:
+            return
+        for file, add in ((old, False), (key, True)):
+            kind_, owned_, has_free = file
+            if kind_ == FREE:
+                _sorted_set(self._empty, k, add)
+                continue
+            if not owned_:
+                (self._unowned[kind_].add if add else self._unowned[kind_].remove)(k)
+            if has_free:
+                _sorted_set(self._open[kind_, owned_], k, add)
+        self._filed[k] = key
 
     # -- age-down: retired pages ----------------------------------------------------
     def retire(self, page_id: int) -> None:
@@ -167,108 +275,123 @@ class TriaxialPagePool(PagePoolBase):
         if page.hash is not None:
             del self._by_hash[page.hash]
             page.hash = None
-        if page.ref_count == 0:  # cached: off the LRU, slot back to the free list
-            region = self._region_of(page_id)
-            region.lru.pop(page_id)
+        if page.ref_count == 0:  # cached: off the LRU, its slot free
+            self._r[page_id_bits(page_id)].lru.pop(page_id)
             del self._pages[page_id]
-            region.put_free(page_id & ~region.flag)
-        # else: with no hash, ``free`` puts it on the free list when its last ref goes
+            k, slot = self.slabs.locate(page_id)
+            self._open_slot(k, slot, page_id_bits(page_id))
+        # else: with no hash, ``free`` frees its slot when its last ref goes
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self, page_bits: Sequence[int]) -> list[int] | None:
         """One page per entry of ``page_bits`` (2 or 4 each), in that order, ref 1 each;
-        None, changing nothing, if they do not all fit (policy in the module docstring).
-
-        Both kinds are checked at once: it succeeds iff extents
-        ``e2 = max(min_mark2, owned2 + n2)`` and ``e4`` likewise fit in the buffer.
-        INT2 goes first, capped at the extent that still leaves INT4 its ``e4``."""
+        None, changing nothing, if they do not all fit (policy in the module docstring)."""
         n2 = sum(1 for b in page_bits if _check_bits(b) == 2)
         n4 = len(page_bits) - n2
         if not n2 or not n4:
-            return self._allocate_one_kind(len(page_bits), bits=2 if n2 else 4)
-        r2, r4 = self._r[2], self._r[4]
-        e2 = max(self._min_mark(r2), self._num_owned_in(r2) + n2)
-        e4 = max(self._min_mark(r4), self._num_owned_in(r4) + n4)
-        if e2 * self._bytes[2] + e4 * self._bytes[4] > self.total_bytes:
+            bits = 2 if n2 else 4
+            if len(page_bits) > self.num_free_pages(bits=bits):
+                return None
+            return self._own(self._place(len(page_bits), bits))
+        spare = len(self._empty) + len(self._unowned[4]) + len(self._unowned[2])
+        need4 = self._slabs_needed(n4, 4)
+        if need4 + self._slabs_needed(n2, 2) > spare:
             return None
-        cap2 = (self.total_bytes - e4 * self._bytes[4]) // self._bytes[2]
-        int2 = iter(self._own(self._take(n2, 2, cap=cap2, floor=e4)))
-        int4 = iter(self._own(self._take(n4, 4, cap=None)))
-        return [next(int2) if b == 2 else next(int4) for b in page_bits]
+        int2 = self._place(n2, 2, slabs=spare - need4)
+        int4 = self._place(n4, 4)
+        self._own(int2 + int4)
+        by_bits = {2: iter(int2), 4: iter(int4)}
+        return [next(by_bits[b]) for b in page_bits]
 
-    def _allocate_one_kind(self, n: int, *, bits: int) -> list[int] | None:
-        mine, other = self._r[bits], self._r[6 - bits]
-        gap = (self.total_bytes - mine.hwm * self._bytes[bits] - other.hwm * self._bytes[6 - bits]) // self._bytes[bits]
-        # Fast path first: scanning the other end (num_free_pages) is needed only when short.
-        if n > mine.num_free + gap + len(mine.lru) and n > self.num_free_pages(bits=bits):
-            return None
-        return self._own(self._take(n, bits, cap=None))
+    def _slabs_needed(self, n: int, bits: int) -> int:
+        """Slabs with no owned page that ``n`` pages of ``bits`` need beyond ``O_b`` (docstring)."""
+        per = self._per[bits]
+        in_owned = self._num_free_slots[bits] + len(self._r[bits].lru) - per * len(self._unowned[bits])
+        return -(-max(0, n - in_owned) // per)
 
-    def _num_owned_in(self, region: _Region) -> int:
-        # every slot below the mark is owned, free or cached (evicted slots are reused at once)
-        return region.hwm - region.num_free - len(region.lru)
-
-    def _shrink(self, region: _Region, mark: int) -> None:
-        """Lower ``region``'s mark to ``mark``, evicting its cached pages from there up
-        (the caller checked that nobody owns one)."""
-        for index in range(mark, region.hwm):
-            if region.flag | index in region.lru:
-                self._evict(region.flag | index)
-        region.truncate(mark)
-
-    def _take(self, n: int, bits: int, *, cap: int | None, floor: int = 0) -> list[int]:
-        """``n`` slots of precision ``bits`` (the caller checked they exist), keeping that end
-        within ``cap`` slots and the other end's mark at ``floor`` or above when given: free
-        slots, the gap, evictions by age (``_by_age``), then the other end's innermost cached
-        pages."""
-        mine, other = self._r[bits], self._r[6 - bits]
-        b_mine, b_other = self._bytes[bits], self._bytes[6 - bits]
-        if cap is not None and mine.hwm > cap:
-            self._shrink(mine, cap)
-        room = (self.total_bytes - mine.hwm * b_mine - other.hwm * b_other) // b_mine
-        if cap is not None:
-            room = min(room, cap - mine.hwm)
-        ids = self._fill(mine, n, room=room, evict=False)
-        ids += self._by_age(bits, n - len(ids), cap=cap, floor=floor)
-        short = n - len(ids)
-        if short:
-            # Pull the other end's mark back just far enough for ``short`` more slots.
-            self._shrink(other, (self.total_bytes - (mine.hwm + short) * b_mine) // b_other)
-            ids += self._fill(mine, short, room=short)
-        assert len(ids) == n
-        return ids
-
-    def _by_age(self, bits: int, n: int, *, cap: int | None, floor: int) -> list[int]:
-        """Up to ``n`` slots of precision ``bits`` by eviction, free slots and the gap being used:
-        each time the older of its own end's LRU page and the other end's innermost cached pages
-        (as many as free one slot here; the other mark stays >= ``floor``, this end <= ``cap``)."""
-        mine, other = self._r[bits], self._r[6 - bits]
-        b_mine, b_other = self._bytes[bits], self._bytes[6 - bits]
+    def _place(self, n: int, bits: int, *, slabs: int | None = None) -> list[int]:
+        """``n`` slots of ``bits`` in placement order (the caller checked they exist), at most
+        ``slabs`` of them (None: any) in slabs that held no owned page."""
+        low = bits == 4  # INT4 takes the lowest slab, INT2 the highest
+        other = 6 - bits
+        owned_open, spare_open = self._open[bits, True], self._open[bits, False]
+        lru = self._r[bits].lru
+        convertible: list[tuple[float, int]] | None = None  # (newest, +-slab) of the other precision's
         ids: list[int] = []
         while len(ids) < n:
-            head = next(iter(mine.lru), None)
-            gap = self.total_bytes - mine.hwm * b_mine - other.hwm * b_other
-            if gap >= b_mine and (cap is None or mine.hwm < cap):  # left by an earlier move of the other mark
-                ids.append(mine.flag | mine.grow())
+            if owned_open:  # 1. a free slot in a slab that holds an owned page
+                ids.append(self._take_slot(owned_open[0] if low else owned_open[-1], bits))
                 continue
-            k = max(0, -(-(b_mine - gap) // b_other))  # innermost pages of the other end that free one slot
-            inner = [other.flag | i for i in range(other.hwm - k, other.hwm)]
-            movable = (
-                k > 0
-                and other.hwm - k >= floor
-                and (cap is None or mine.hwm < cap)
-                and all(pid in other.lru for pid in inner)
-                and (head is None or max(self._pages[pid].last_used for pid in inner) < self._pages[head].last_used)
-            )
-            if movable:
-                self._shrink(other, other.hwm - k)
-                ids.append(mine.flag | mine.grow())
-            elif head is not None:
-                self._evict(head)
-                ids.append(head)
-            else:
-                break
+            if slabs == 0:  # no slab left to bind: evict in slabs that hold an owned page
+                ids.append(self._evict_in_owned_slab(bits))
+                continue
+            binds = True  # whether this step binds a slab that holds no owned page
+            if spare_open:  # 1. a free slot in a slab of ``bits`` with no owned page
+                ids.append(self._take_slot(spare_open[0] if low else spare_open[-1], bits))
+            elif self._empty:  # 2. a free slab
+                ids.append(self._take_slab(self._empty[0] if low else self._empty[-1], bits))
+            else:  # 3. by age: own LRU page, or the other precision's stalest slab with no owned page
+                if convertible is None:  # ages do not change inside one call: one scan
+                    convertible = [(self._newest[k], k if low else -k) for k in self._unowned[other]]
+                    heapq.heapify(convertible)
+                while convertible and abs(convertible[0][1]) not in self._unowned[other]:
+                    heapq.heappop(convertible)  # converted earlier in this call
+                head = next(iter(lru), None)
+                if convertible and (head is None or convertible[0][0] < self._pages[head].last_used):
+                    ids.append(self._convert(abs(heapq.heappop(convertible)[1]), bits))
+                else:
+                    assert head is not None, "the caller checked the pages fit"
+                    k = self.slabs.locate(head)[0]
+                    binds = self._slab_owned[k] == 0
+                    self._evict(head)
+                    self._hold(k, bits)
+                    ids.append(head)
+            if binds and slabs is not None:
+                slabs -= 1
         return ids
+
+    def _take_slot(self, k: int, bits: int) -> int:
+        """The lowest free slot of slab ``k`` (of ``bits``), owned from now."""
+        mask = self._free_slots[k]
+        slot = (mask & -mask).bit_length() - 1
+        self._free_slots[k] = mask & (mask - 1)
+        self._num_free_slots[bits] -= 1
+        self._slab_live[k] += 1
+        self._hold(k, bits)
+        return self.slabs.page_id(k, slot, bits=bits)
+
+    def _take_slab(self, k: int, bits: int) -> int:
+        """Slab ``k`` (holding no live page) becomes one of ``bits``; its first slot, owned."""
+        self._kind[k] = bits
+        self._free_slots[k] = (1 << self._per[bits]) - 1
+        self._num_free_slots[bits] += self._per[bits]
+        return self._take_slot(k, bits)
+
+    def _convert(self, k: int, bits: int) -> int:
+        """Evict every (cached) page of slab ``k``, which holds no owned page, and take it for ``bits``."""
+        kind = self._kind[k]
+        first = self.slabs.page_id(k, 0, bits=kind)
+        for pid in range(first, first + self._per[kind]):
+            if pid in self._pages:
+                self._evict(pid)
+        self._num_free_slots[kind] -= self._free_slots[k].bit_count()
+        self._slab_live[k] = 0
+        return self._take_slab(k, bits)
+
+    def _evict_in_owned_slab(self, bits: int) -> int:
+        """Evict the least recently used cached page of ``bits`` in a slab that holds an owned page."""
+        pid = next(pid for pid in self._r[bits].lru if self._slab_owned[self.slabs.locate(pid)[0]])
+        self._evict(pid)
+        self._hold(self.slabs.locate(pid)[0], bits)
+        return pid
+
+
+def _sorted_set(items: list[int], k: int, add: bool) -> None:
+    """Insert ``k`` into, or remove it from, the sorted list ``items``."""
+    if add:
+        insort(items, k)
+    else:
+        del items[bisect_left(items, k)]
 
 
 def _check_bits(bits: int) -> int:

@@ -111,7 +111,7 @@ def test_pages_of_an_older_tool_result_are_aged_on_the_next_request() -> None:
     assert mgr.aged_pages == 2
     assert [pool.ref_count(p) for p in later.page_ids] == [1, 1, 1]
     assert pool.page(0) is None and pool.page(1) is None  # the INT4 originals: straight back to the free list
-    assert pool.high_water(bits=4) == 3 and pool.high_water(bits=2) == 2
+    assert pool.held_pages(bits=4) == 1 and pool.held_pages(bits=2) == 2  # INT4 slots 0 and 1 are free again
     # hashes: the 2-bit chain a fresh computation would give, the INT4 page 2 aliased under it
     assert later.page_hashes == mgr.page_hashes(later, [2, 2, 4])
     assert [pool.lookup(h) for h in later.page_hashes] == [F | 0, F | 1, 2]
@@ -196,20 +196,19 @@ def test_no_int2_room_skips_age_down_and_partial_room_ages_in_prefix_order() -> 
     mgr.match_prefix(first)
     compute(kv, first)
     mgr.free(first)
-    # the rest of the buffer held by others: INT4 pages, then INT2 pages in what is left
+    # the rest of the buffer held by others: every other slab full of INT4 pages. INT2 pages could
+    # take slab 0 (cached pages only), but not while a request holds its pages
     filler4 = pool.allocate([4] * (pool.num_free_pages(bits=4) - 3))  # 3: the cached pages 0..2
-    assert filler4 is not None
-    filler2 = pool.allocate([2] * pool.num_free_pages(bits=2))
-    assert filler2 is not None and pool.num_free_pages(bits=2) == 0
+    assert filler4 is not None and pool.num_free_pages(bits=2) == pool.slabs.int2_per_slab
     hashes = mgr.page_hashes(seq("x", [NOW] * 97), [4, 4, 4])
     full = turn(kv, "t3", [OLD] * 64 + [NOW] * 33)
     assert full.page_ids == [0, 1, 2] and mgr.aged_pages == 0 and full.page_hashes == hashes
     mgr.free(full)
-    pool.free(filler4[-1:])  # the innermost INT4 page goes: room for INT2 pages, all but one taken
-    extra = pool.allocate([2] * (pool.num_free_pages(bits=2) - 1))
-    assert extra is not None and pool.num_free_pages(bits=2) == 1
+    pool.free(filler4[-pool.slabs.int4_per_slab :])  # the top INT4 slab goes: room for INT2 pages, all but one taken
+    extra = pool.allocate([2] * (pool.slabs.int2_per_slab - 1))
+    assert extra is not None
     part = turn(kv, "t4", [OLD] * 64 + [NOW] * 33)
-    assert part.page_ids == [F | (len(filler2) + len(extra)), 1, 2] and mgr.aged_pages == 1
+    assert part.page_ids == [F | len(extra), 1, 2] and mgr.aged_pages == 1
     assert part.page_hashes == mgr.page_hashes(part, [2, 4, 4])
     assert pool.page(0) is None
 

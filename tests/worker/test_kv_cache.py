@@ -55,7 +55,8 @@ def test_triaxial_table_and_capacity_follow_the_budget() -> None:
     assert low.stored_bits == pytest.approx(default_stored_bits(low.bits_table)) == pytest.approx(2.496, abs=5e-4)
     assert low.int2_share == pytest.approx((4 - low.stored_bits) / 2)
     assert high.int2_share == pytest.approx((4 - 3.462) / 2, abs=5e-4)
-    assert (low.capacity_tokens, high.capacity_tokens, low.capacity_tokens_at(0.0)) == (4672, 3648, 3264)
+    # whole slabs per precision: 83 INT4 pages (28 slabs) + 30 INT2 (6) at 3.5 bits
+    assert (low.capacity_tokens, high.capacity_tokens, low.capacity_tokens_at(0.0)) == (4672, 3616, 3264)
     assert low.capacity_tokens == low.pool.capacity_tokens(low.int2_share)
     assert build().bits_table == bits_table_for_budget(2.7)  # the config's default budget
     assert "bit budget 2.5 -> 2.50 stored bits; bits table: current text IU..C.. image .......;" in low.describe()

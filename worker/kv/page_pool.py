@@ -14,8 +14,8 @@ A page is in one of three states::
                             (ref 0, hashed: evictable)
 
 Policies, exact so tests can assert them (the triaxial pool shares all but
-the placement through ``PagePoolBase``; it keeps lowest-id-first placement at
-each end of its buffer, see ``_Region``):
+the placement through ``PagePoolBase``; it places pages in slabs of its buffer,
+see ``worker/triaxial_pool.py``):
 
 - **Placement: sequences in long runs** (plain pool). A KV READ costs ~7 us
   per contiguous region on GPUs (DESIGN.md "Worker"), and page ids are
@@ -90,7 +90,6 @@ each end of its buffer, see ``_Region``):
 from __future__ import annotations
 
 import hashlib
-import heapq
 from bisect import bisect_left, insort
 import struct
 import time
@@ -194,57 +193,22 @@ def chain_hashes(
 
 
 class _Region:
-    """Page slots ``index < hwm`` of one contiguous region (the triaxial pool's two ends; the
-    plain pool uses ``_Runs``); slots above ``hwm`` were never used (or were given back).
-    Free slots below ``hwm`` wait in a min-heap; the top slot is never free (``put_free``
-    lowers ``hwm`` past free slots), so ``hwm`` is exactly the extent in use."""
+    """What ``PagePoolBase`` keeps per region of page ids: the flag or'ed into an index to make
+    a page id, the LRU of the region's cached pages, and ``put_free`` (an owned page's slot is
+    free again). The plain pool's is ``_Runs``; the triaxial pool has one per precision."""
 
-    __slots__ = ("flag", "hwm", "_free", "_heap", "lru")
+    __slots__ = ("flag", "lru")
 
     def __init__(self, flag: int) -> None:
         self.flag = flag  # or'ed into an index to make a page id
-        self.hwm = 0
-        self._free: set[int] = set()
-        self._heap: list[int] = []  # may hold stale entries; ``_free`` is the truth
         self.lru: OrderedDict[int, None] = OrderedDict()  # cached page ids, least recently used first
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def take_free(self) -> int | None:
-        while self._heap:
-            index = heapq.heappop(self._heap)
-            if index in self._free:
-                self._free.remove(index)
-                return index
-        return None
-
-    def grow(self) -> int:
-        self.hwm += 1
-        return self.hwm - 1
-
     def put_free(self, index: int) -> None:
-        self._free.add(index)
-        heapq.heappush(self._heap, index)
-        self._lower_mark()
-
-    def truncate(self, hwm: int) -> None:
-        """Give back slots ``hwm..`` (the caller has evicted every live page there)."""
-        for index in range(hwm, self.hwm):
-            self._free.discard(index)
-        self.hwm = min(self.hwm, hwm)
-        self._lower_mark()
-
-    def _lower_mark(self) -> None:
-        while self.hwm and self.hwm - 1 in self._free:
-            self._free.remove(self.hwm - 1)
-            self.hwm -= 1
+        raise NotImplementedError
 
 
 class _Runs(_Region):
-    """The plain pool's one region: every slot ``0..num_pages-1`` exists (``hwm`` is fixed)
-    and the free ones are kept as maximal runs of consecutive ids::
+    """The plain pool's one region: every slot ``0..num_pages-1`` exists and the free ones are kept as maximal runs of consecutive ids::
 
         ids   0 1 2 3 4 5 6 7 8 9
               # # . . . # . . # #     # live, . free
@@ -257,7 +221,6 @@ class _Runs(_Region):
 
     def __init__(self, num_pages: int) -> None:
         super().__init__(flag=0)
-        self.hwm = num_pages
         self._len: dict[int, int] = {}  # run start -> length
         self._end: dict[int, int] = {}  # run end (exclusive) -> start
         self._by_len: list[tuple[int, int]] = []  # (length, start), sorted
@@ -500,21 +463,6 @@ class PagePoolBase:
         assert page.hash is not None and page.ref_count == 0
         del self._by_hash[page.hash]
         self.evicted_pages += 1
-
-    def _fill(self, region: _Region, n: int, room: int, *, evict: bool = True) -> list[int]:
-        """Up to ``n`` page ids of ``region``: free slots (lowest first), then up to ``room``
-        new slots above its high-water mark, then (``evict``) evicted cached pages (LRU first)."""
-        ids: list[int] = []
-        while len(ids) < n and (index := region.take_free()) is not None:
-            ids.append(region.flag | index)
-        while len(ids) < n and room > 0:
-            ids.append(region.flag | region.grow())
-            room -= 1
-        while evict and len(ids) < n and region.lru:
-            pid = next(iter(region.lru))
-            self._evict(pid)
-            ids.append(pid)
-        return ids
 
     # -- prefix cache -----------------------------------------------------------------------
     def register(self, page_id: int, page_hash: int) -> None:

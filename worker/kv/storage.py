@@ -1,8 +1,9 @@
 """KV bytes: one flat uint8 buffer per layer in the page layout of the format,
 plus per-layer global scales; reads and writes go through the paged ops.
 
-Sizes come from a byte budget. For triaxial, each layer's buffer holds INT4
-pages from the bottom and INT2 pages from the top (kernels.layout). Each
+Sizes come from a byte budget. For triaxial, each layer's buffer is a whole
+number of slabs, each holding INT4 or INT2 pages (kernels.page_ids.Slabs;
+the pool places them, worker/triaxial_pool.py). Each
 layer is handed to the ops as one ``PagedKV`` (buffer, layouts, scales), built
 once and rebuilt only when the scales change; the kernel options
 (environment overrides) are read once, when the storage is built.
@@ -15,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from kvserving.kernels import paged_ops
-from kvserving.kernels.layout import ALIGN, PageLayout
+from kvserving.kernels.layout import PageLayout
 from kvserving.kernels.options import KernelOptions
+from kvserving.kernels.page_ids import slab_bytes
 from kvserving.kernels.paged_kv import PagedKV
 
 # kv dtype -> page formats of its layout and of its INT2 layout (triaxial only)
@@ -64,16 +66,16 @@ class KVStorage:
         self.layout = PageLayout.build(fmt, **dims)
         self.int2_layout = PageLayout.build(int2_fmt, **dims) if int2_fmt else None
         per_layer = budget_bytes // shape.num_layers
-        if self.int2_layout is not None:  # INT4 and INT2 pages share the bytes: no whole-page rounding
-            self.total_bytes = per_layer // ALIGN * ALIGN
-            self.num_pages = self.total_bytes // self.layout.page_bytes  # in INT4 pages
-        else:
-            self.num_pages = per_layer // self.layout.page_bytes
-            self.total_bytes = self.num_pages * self.layout.page_bytes
-        if self.num_pages < 1:
+        # triaxial: whole slabs (the pool's total_bytes, from which INT2 offsets count)
+        unit, name = self.layout.page_bytes, "page"
+        if self.int2_layout is not None:
+            unit, name = slab_bytes(self.layout.page_bytes, self.int2_layout.page_bytes), "slab"
+        self.total_bytes = per_layer // unit * unit
+        self.num_pages = self.total_bytes // self.layout.page_bytes  # triaxial: in INT4 pages
+        if self.total_bytes < 1:
             raise ValueError(
-                f"KV budget of {budget_bytes} bytes holds no {kv_dtype} page "
-                f"({self.layout.page_bytes} bytes per page per layer x {shape.num_layers} layers)"
+                f"KV budget of {budget_bytes} bytes holds no {kv_dtype} {name} "
+                f"({unit} bytes per {name} per layer x {shape.num_layers} layers)"
             )
         self.buffers = torch.zeros(shape.num_layers, self.total_bytes, dtype=torch.uint8, device=self.device)
         self.options = KernelOptions.from_env() if options is None else options
