@@ -656,10 +656,10 @@ def combine(files: list[Path], json_out: Path, png_out: Path) -> dict[str, Any]:
     by_point: dict[tuple[str, str, int], dict[str, Any]] = {}
     stacks = []
     for f, part in zip(files, parts):
-        for p in part["points"]:
-            by_point[(p["format"], p["mode"], p["concurrency"])] = {**p, "part": f.name}
+        for p in part["points"]:  # a combined file keeps its parts' names
+            by_point[(p["format"], p["mode"], p["concurrency"])] = {**p, "part": p.get("part", f.name)}
         ran = {(p["format"], p["mode"]) for p in part["points"]}
-        stacks += [{**s, "part": f.name} for s in part["stacks"] if (s["format"], s["mode"]) in ran]
+        stacks += [{**s, "part": s.get("part", f.name)} for s in part["stacks"] if (s["format"], s["mode"]) in ran]
     points = [by_point[k] for k in sorted(by_point, key=lambda k: (list(FORMATS).index(k[0]), k[1], k[2]))]
     crossings = {
         f"{f}/{m}": crossing([p for p in points if (p["format"], p["mode"]) == (f, m)])

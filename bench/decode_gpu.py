@@ -273,6 +273,8 @@ def main() -> None:
     gl_variants: list[dict[str, Any]] = json.loads(args.variants) if args.variants else []
     shapes = [(int(s.split("x")[0]), int(s.split("x")[1])) for s in args.shapes.split(",")]
     formats = args.formats.split(",")
+    if unknown := [f for f in formats if f not in FORMATS]:
+        ap.error(f"--formats: unknown {', '.join(unknown)}; expected some of {', '.join(FORMATS)}")
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
     copy_tbs = copy_bandwidth()

@@ -558,6 +558,8 @@ def main() -> None:
         args.kv_gib, args.speed_kv_gib, args.vocab = 0.03, 0.6, 1024
     t_start = time.perf_counter()
     formats = args.formats.split(",")
+    if unknown := [f for f in formats if f not in FORMATS]:
+        ap.error(f"--formats: unknown {', '.join(unknown)}; expected some of {', '.join(FORMATS)}")
     shapes = [(1, 4096), (64, 4096)] if args.quick else [(b, c) for c in CONTEXTS for b in BATCHES]
     over = (64, 4096)
     if args.smoke:
@@ -568,6 +570,8 @@ def main() -> None:
     # weights a decode step reads: every linear layer at its format and the lm_head, not the embedding table
     # (rows are gathered, not streamed)
     read = weight_bytes_per_step(margs, args.weights)
+    if DEVICE == "cuda" and (need := max(args.speed_kv_gib, args.kv_gib) * 2**30) > (free := torch.cuda.mem_get_info()[0]):
+        ap.error(f"--speed-kv-gib / --kv-gib: {need / 2**30:g} GiB of KV does not fit the {free / 2**30:.1f} GiB free beside the weights")
     dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)"
     if DEVICE == "cuda":
         from decode_gpu import read_bandwidth  # bench/ beside this file

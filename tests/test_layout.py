@@ -109,6 +109,9 @@ def test_one_result_file_per_bench_and_machine() -> None:
     ("script", "result", "argv"),
     [
         ("engine_gpu", "engine_gpu_h200.json", ["--out"]),
+        ("engine_gpu", "engine_gpu_h100.json", ["--out"]),
+        ("agents", "agents_gpu_h100.json", ["--json"]),
+        ("agents", "agents_gpu_h200.json", ["--json"]),
         ("sim_agents_per_gpu", "sim_agents_per_gpu_h200.json", ["--json"]),
         ("pd_gpu", "pd_gpu_h200x2.json", ["--out"]),
         ("fidelity", "fidelity_cpu.json", ["--out"]),
