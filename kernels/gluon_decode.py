@@ -40,6 +40,14 @@ every thread's bytes contiguous:
 
 How packed bytes become fragments (PTX unpackers, register relabelling): ``gluon_fragments.py``.
 
+The tuning key LEAN (off by default) shrinks what a step holds in registers, so that the triaxial kernel compiles
+under a cap of 128 registers without spills (4 programs of 4 warps an SM where the default's 168 allow 3): the
+score mma takes the nibbles / crumbs of each unpacked K word one k-step after the other (``weave_a``), so a word's
+pieces die together instead of three of four waiting for the first piece's whole mma chain; the V bytes and
+scales are read from the ring after the softmax instead of with K; and the token masks compare each register's
+constant part with a per-thread limit (``_before``) instead of holding every element's token index across the
+loop. LEAN 2 also reloads the q pieces from shared memory each step. The same sums, in another k order.
+
 Supported (``supported``): head_dim 128, up to 16 query heads per kv head,
 page size 16 (nvfp4, fp8) or 32 (triaxial); for anything else, and in the
 interpreter, ``paged_ops`` (the one dispatch point) runs ``triton_decode``.
@@ -84,6 +92,8 @@ from .gluon_fragments import (
     unpack_nibbles,
     v_layouts,
     warp_any,
+    weave_a,
+    weave_b,
 )
 from .layout import PageLayout
 from .page_ids import INT2_PAGE_FLAG
@@ -164,6 +174,18 @@ def _limit(base, page_hi, num_tokens, P: gl.constexpr):
 
 
 @gluon.jit
+def _before(lim, w, n, NT: gl.constexpr, LANES: gl.constexpr, LEAN: gl.constexpr):
+    """w * NT + n < lim for token n of warp w's step. LEAN: as (n & ~LANES) < lim - w * NT - (n & LANES), with LANES
+    the bits of n that the lanes hold, so a thread keeps one lane-dependent value and compares each register's
+    constant part, where w * NT + n keeps one register per element across the loop."""
+    if LEAN:
+        ok = (n & ~LANES) < lim - w * NT - (n & LANES)
+    else:
+        ok = w * NT + n < lim
+    return ok
+
+
+@gluon.jit
 def _int2_page(pt_row_ptr, pidx, page_hi, h, buf_ptr, total_bytes, PAGE_BYTES: gl.constexpr, FIELD: gl.constexpr):
     """fp16 pointer to kv head h's row of a per-channel field of INT2 page pidx (page ids grow from the top)."""
     pid = gl.load(pt_row_ptr + pidx, mask=pidx < page_hi, other=0)
@@ -231,7 +253,7 @@ def _rings(FMT: gl.constexpr, NT: gl.constexpr, HP: gl.constexpr, STAGES: gl.con
 def _stage_step(rings, slot, pt_row, base, hi, num_tokens, h, buf_ptr, total_bytes, FMT: gl.constexpr,
                 P: gl.constexpr, PPW: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
                 KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
-                VZ_OFF: gl.constexpr, LV_LOAD: gl.constexpr):  # fmt: skip
+                VZ_OFF: gl.constexpr, LV_LOAD: gl.constexpr, LEAN: gl.constexpr = 0):  # fmt: skip
     """Start the cp.async copies of one step's bytes (pages base + w*PPW .. of warp w) into ring slot ``slot``;
     tokens past the split or the sequence are zero-filled, so they read as 0. A step whose
     tokens are all valid (every step of a split but its last) copies without masks (_stage_copies)."""
@@ -239,17 +261,17 @@ def _stage_step(rings, slot, pt_row, base, hi, num_tokens, h, buf_ptr, total_byt
     lim = _limit(base, hi, num_tokens, P)
     if lim >= W * PPW * P:
         _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, FMT, P, PPW, PAGE_BYTES, K_OFF,
-                      KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, False)  # fmt: skip
+                      KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, False, LEAN)  # fmt: skip
     else:
         _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, FMT, P, PPW, PAGE_BYTES, K_OFF,
-                      KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, True)  # fmt: skip
+                      KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, True, LEAN)  # fmt: skip
 
 
 @gluon.jit
 def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, FMT: gl.constexpr, P: gl.constexpr,
                   PPW: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr,
                   KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr,
-                  LV_LOAD: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
+                  LV_LOAD: gl.constexpr, MASKED: gl.constexpr, LEAN: gl.constexpr = 0):  # fmt: skip
     """_stage_step's copies with each address = its page's pointer (_page) + a loop-invariant int32 offset; masked
     (zero-fill past ``lim`` valid tokens of the step, see _limit) only where MASKED: a step whose pages are all
     inside the split and the sequence (every step but a split's last) runs the copies without masks or size
@@ -276,8 +298,8 @@ def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, F
     vp = _page(pt_row, base + vw * PPW + vn // P, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
     vp = (vp + (V_OFF + (h * P + (vn & 6)) * KB + vb // VT * VT)) + ((vn & ~6) % P * KB + vb % VT)
     if MASKED:
-        cp_async(kr.index(slot), kp, mask=kw * NT + kn < lim)
-        cp_async(vr.index(slot), vp, mask=vw * NT + vn < lim)
+        cp_async(kr.index(slot), kp, mask=_before(lim, kw, kn, NT, 7, LEAN))
+        cp_async(vr.index(slot), vp, mask=_before(lim, vw, vn, NT, 6, LEAN))
     else:
         cp_async(kr.index(slot), kp)
         cp_async(vr.index(slot), vp)
@@ -289,7 +311,7 @@ def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, F
         sp = _page(pt_row, base + sw * PPW + sn // P, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
         sp = sp + ((h * P + sn % P) * (D // 16) + sj)
         if MASKED:
-            sok = sw * NT + sn < lim
+            sok = _before(lim, sw, sn, NT, 31, LEAN)
             cp_async(ksr.index(slot), sp + KS_OFF, mask=sok)
             cp_async(vsr.index(slot), sp + VS_OFF, mask=sok)
         else:
@@ -303,7 +325,7 @@ def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, F
         prow = h * P + (2 * pn) % P
         pp = pp.to(gl.pointer_type(gl.int32), bitcast=True) + ((prow // P) * NGR + pg) * (P // 2) + (prow % P) // 2
         if MASKED:
-            pok = pw * NT + 2 * pn < lim
+            pok = _before(lim, pw, 2 * pn, NT, 28, LEAN)
             cp_async(vsr.index(slot), pp + VS_OFF // 4, mask=pok)
             cp_async(vzr.index(slot), pp + VZ_OFF // 4, mask=pok)
         else:
@@ -329,7 +351,7 @@ def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, F
             sp = _page(pt_row, base + sw * PPW + sn // P, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
             sp = sp.to(gl.pointer_type(gl.float16), bitcast=True) + ((h * P + sn % P) * NGR + sj)
             if MASKED:
-                sok = sw * NT + sn < lim
+                sok = _before(lim, sw, sn, NT, 31, LEAN)
                 cp_async(ksr.index(slot), sp + KS_OFF // 2, mask=sok)
                 cp_async(kzr.index(slot), sp + KZ_OFF // 2, mask=sok)
             else:
@@ -342,32 +364,92 @@ def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: g
                PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, LV_LOAD: gl.constexpr,
                LV_UNPACK: gl.constexpr):  # fmt: skip
     """One staged step from ring slot ``slot`` into registers, raw: (K bytes, V bytes, K scales, K zeros, V scales,
-    V zeros), in the layouts _step unpacks.
+    V zeros), in the layouts _step unpacks."""
+    kb = _read_kb(rings, slot, FMT, PPW * P)
+    vb = rings[1].index(slot).load(LV_LOAD)
+    # the order of the loads steers ptxas's schedule: nvfp4 reads K scales first, INT4 / INT2 V scales first
+    if FMT == GL_FMT_NVFP4:
+        ks, kz = _read_kscales(rings, slot, kb, FMT, HP)
+        vs, vz = _read_vscales(rings, slot, vb, base, hi, num_tokens, FMT, P, PPW, LV_UNPACK)
+    else:
+        vs, vz = _read_vscales(rings, slot, vb, base, hi, num_tokens, FMT, P, PPW, LV_UNPACK)
+        ks, kz = _read_kscales(rings, slot, kb, FMT, HP)
+    return kb, vb, ks, kz, vs, vz
 
-    The V scale / zero pairs of INT4 / INT2 pages are masked in every step: masking them only in a split's last
-    step (behind a uniform test) takes more registers and is slower."""
-    D: gl.constexpr = 128
+
+@gluon.constexpr_function
+def _k_layout(fmt: int, w: int) -> Any:
+    """Layout [W, NT, groups, per group] of a step's K bytes as _step unpacks them (one scale group a row of 4th
+    dim; INT2 / fp8 keep the copy's [W, NT, KB] layout)."""
+    kb = _kb(fmt)
+    kg = 8 if fmt == 0 else (16 if fmt == 1 else kb // 4)
+    return gl.BlockedLayout([1, 1, (kb // 4) // kg, kg], [1, 8, 4, 1], [w, 1, 1, 1], [3, 2, 1, 0])
+
+
+@gluon.jit
+def _read_kb(rings, slot, FMT: gl.constexpr, NT: gl.constexpr):
+    """A staged step's K bytes from ring slot ``slot``."""
     W: gl.constexpr = gl.num_warps()
-    NT: gl.constexpr = PPW * P
-    INT2: gl.constexpr = FMT == GL_FMT_INT2
     KB: gl.constexpr = _kb(FMT)
     KG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else (16 if FMT == GL_FMT_INT4 else KB // 4)
-    kr, vr, ksr, kzr, vsr, vzr = rings
-    LK: gl.constexpr = gl.BlockedLayout([1, 1, (KB // 4) // KG, KG], [1, 8, 4, 1], [W, 1, 1, 1], [3, 2, 1, 0])
     LK3: gl.constexpr = gl.BlockedLayout([1, 1, KB // 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
-    kb = kr.index(slot).load(LK3)
+    kb = rings[0].index(slot).load(LK3)
     if FMT == GL_FMT_NVFP4 or FMT == GL_FMT_INT4:
-        kb = gl.convert_layout(gl.reshape(kb, [W, NT, KB // KG, KG]), LK, assert_trivial=True)
-    vb = vr.index(slot).load(LV_LOAD)
+        kb = gl.convert_layout(gl.reshape(kb, [W, NT, KB // KG, KG]), _k_layout(FMT, W), assert_trivial=True)
+    return kb
+
+
+@gluon.jit
+def _read_kscales(rings, slot, kb, FMT: gl.constexpr, HP: gl.constexpr):
+    """A staged step's K scales and zeros from ring slot ``slot`` (kb: the step's K bytes, which fp8 returns in
+    their place)."""
+    D: gl.constexpr = 128
+    W: gl.constexpr = gl.num_warps()
+    INT2: gl.constexpr = FMT == GL_FMT_INT2
+    kr, vr, ksr, kzr, vsr, vzr = rings
+    LK: gl.constexpr = _k_layout(FMT, W)
     if FMT == GL_FMT_FP8:
         ks = kb
         kz = kb
+    elif FMT == GL_FMT_NVFP4:
+        ks = ksr.index(slot).load(gl.SliceLayout(3, LK))
+        kz = ks
+    elif INT2:
+        CL: gl.constexpr = chan_layout(W, HP)
+        full = gl.zeros([W, D, HP], gl.float16, CL)
+        ks = gl.broadcast(gl.expand_dims(ksr.index(slot).load(gl.SliceLayout(2, CL)), 2), full)[0]
+        kz = gl.broadcast(gl.expand_dims(kzr.index(slot).load(gl.SliceLayout(2, CL)), 2), full)[0]
+    else:
+        ks = ksr.index(slot).load(gl.SliceLayout(3, LK))
+        kz = kzr.index(slot).load(gl.SliceLayout(3, LK))
+    return ks, kz
+
+
+@gluon.jit
+def _read_v(rings, slot, base, hi, num_tokens, FMT: gl.constexpr, P: gl.constexpr, PPW: gl.constexpr,
+            LV_LOAD: gl.constexpr, LV_UNPACK: gl.constexpr, LEAN: gl.constexpr = 0):  # fmt: skip
+    """A staged step's V side from ring slot ``slot``: (V bytes, V scales, V zeros)."""
+    vb = rings[1].index(slot).load(LV_LOAD)
+    vs, vz = _read_vscales(rings, slot, vb, base, hi, num_tokens, FMT, P, PPW, LV_UNPACK, LEAN)
+    return vb, vs, vz
+
+
+@gluon.jit
+def _read_vscales(rings, slot, vb, base, hi, num_tokens, FMT: gl.constexpr, P: gl.constexpr, PPW: gl.constexpr,
+                  LV_UNPACK: gl.constexpr, LEAN: gl.constexpr = 0):  # fmt: skip
+    """A staged step's V scales and zeros from ring slot ``slot`` (vb: the step's V bytes, which fp8 returns in
+    their place).
+
+    The V scale / zero pairs of INT4 / INT2 pages are masked in every step: masking them only in a split's last
+    step (behind a uniform test) takes more registers and is slower."""
+    W: gl.constexpr = gl.num_warps()
+    NT: gl.constexpr = PPW * P
+    kr, vr, ksr, kzr, vsr, vzr = rings
+    if FMT == GL_FMT_FP8:
         vs = vb
         vz = vb
     elif FMT == GL_FMT_NVFP4:
-        ks = ksr.index(slot).load(gl.SliceLayout(3, LK))
         vs = vsr.index(slot).load(gl.SliceLayout(3, LV_UNPACK))
-        kz = ks
         vz = vs
     else:
         LVP: gl.constexpr = pair_layout(LV_UNPACK)
@@ -375,18 +457,14 @@ def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: g
         lim = _limit(base, hi, num_tokens, P)
         vs = vsr.index(slot).permute([0, 2, 1]).load(LVP)
         vz = vzr.index(slot).permute([0, 2, 1]).load(LVP)
-        keep = gl.where(pw * NT + 2 * pn + 1 < lim, -1, 0xFFFF)  # the second token of a pair past the
+        if LEAN:
+            second = _before(lim - 1, pw, 2 * pn, NT, 6, LEAN)
+        else:
+            second = pw * NT + 2 * pn + 1 < lim
+        keep = gl.where(second, -1, 0xFFFF)  # the second token of a pair past the
         vs = vs & keep  # sequence reads 0 (its bytes may be any stale fp16, inf or NaN)
         vz = vz & keep
-        if INT2:
-            CL: gl.constexpr = chan_layout(W, HP)
-            full = gl.zeros([W, D, HP], gl.float16, CL)
-            ks = gl.broadcast(gl.expand_dims(ksr.index(slot).load(gl.SliceLayout(2, CL)), 2), full)[0]
-            kz = gl.broadcast(gl.expand_dims(kzr.index(slot).load(gl.SliceLayout(2, CL)), 2), full)[0]
-        else:
-            ks = ksr.index(slot).load(gl.SliceLayout(3, LK))
-            kz = kzr.index(slot).load(gl.SliceLayout(3, LK))
-    return kb, vb, ks, kz, vs, vz
+    return vs, vz
 
 
 # ----------------------------------------------------------------------------
@@ -397,7 +475,8 @@ def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: g
 @gluon.jit
 def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes, k_mul, FMT: gl.constexpr,
           P: gl.constexpr, PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, QF: gl.constexpr,
-          LV_UNPACK: gl.constexpr, E2M1_CVT: gl.constexpr = 0):  # fmt: skip
+          LV_UNPACK: gl.constexpr, E2M1_CVT: gl.constexpr = 0, rings=None, slot=0, LV_LOAD: gl.constexpr = None,
+          LEAN: gl.constexpr = 0):  # fmt: skip
     """One step of every warp: scores of its NT tokens, online softmax, O^T += V^T P^T -> (m_i, l_i, acc).
 
     l_i: the [W, 16, HP] accumulator of ones . P^T (_gl_split reduces it)."""
@@ -417,7 +496,7 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
         vs = vs.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0
         kz = ks  # unused: nvfp4 has no zero point
         vz = vs
-    else:
+    elif not LEAN:
         vs = pairs_to_tokens(vs, W, NT, gl.SliceLayout(3, LV_UNPACK))
         vz = pairs_to_tokens(vz, W, NT, gl.SliceLayout(3, LV_UNPACK))
 
@@ -437,18 +516,30 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
         k0, k1, k2, k3 = gl.inline_asm_elementwise(
             ASM_INT2_K, "=r,=r,=r,=r,=r,=r,=r,=r,r", [kb],
             dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=4)  # fmt: skip
-        sc = mma_v2(as_a_rows(k0, W, NT, KB, A), q0 * sk[0], sc)
-        sc = mma_v2(as_a_rows(k1, W, NT, KB, A), q1 * (sk[1] * 0.25), sc)
-        sc = mma_v2(as_a_rows(k2, W, NT, KB, A), q2 * (sk[2] * 0.0625), sc)
-        sc = mma_v2(as_a_rows(k3, W, NT, KB, A), q3 * (sk[3] * 0.015625), sc)
+        if LEAN:
+            # the four crumbs of a word one k-step after the other (weave_a): one word's codes die together
+            a4 = weave_a((as_a_rows(k0, W, NT, KB, A), as_a_rows(k1, W, NT, KB, A), as_a_rows(k2, W, NT, KB, A),
+                          as_a_rows(k3, W, NT, KB, A)), A)  # fmt: skip
+            b4 = weave_b((q0 * sk[0], q1 * (sk[1] * 0.25), q2 * (sk[2] * 0.0625), q3 * (sk[3] * 0.015625)), B)
+            sc = mma_v2(a4, b4, sc)
+        else:
+            sc = mma_v2(as_a_rows(k0, W, NT, KB, A), q0 * sk[0], sc)
+            sc = mma_v2(as_a_rows(k1, W, NT, KB, A), q1 * (sk[1] * 0.25), sc)
+            sc = mma_v2(as_a_rows(k2, W, NT, KB, A), q2 * (sk[2] * 0.0625), sc)
+            sc = mma_v2(as_a_rows(k3, W, NT, KB, A), q3 * (sk[3] * 0.015625), sc)
     elif FMT == GL_FMT_FP8:
         k8 = gl.inline_asm_elementwise(ASM_FP8_K, "=r,=r,r", [kb], dtype=gl.float16, is_pure=True, pack=4)
         sc = mma_v2(fp8_as_a_rows(k8, W, NT, A), q0, gl.zeros([W, NT, HP], gl.float32, MMA))
     else:
         sc = gl.zeros([W, NT, HP], gl.float32, MMA)
         klo, khi = unpack_nibbles(kb, ks, kz, FMT, False, E2M1_CVT)
-        sc = mma_v2(as_a_rows(gl.reshape(klo, [W, NT, KB]), W, NT, KB, A), q0, sc)
-        sc = mma_v2(as_a_rows(gl.reshape(khi, [W, NT, KB]), W, NT, KB, A), q1, sc)
+        alo = as_a_rows(gl.reshape(klo, [W, NT, KB]), W, NT, KB, A)
+        ahi = as_a_rows(gl.reshape(khi, [W, NT, KB]), W, NT, KB, A)
+        if LEAN:
+            sc = mma_v2(weave_a((alo, ahi), A), weave_b((q0, q1), B), sc)  # a word's two nibbles one after the other
+        else:
+            sc = mma_v2(alo, q0, sc)
+            sc = mma_v2(ahi, q1, sc)
 
     # ---- online softmax over the warp's tokens (base 2) ----
     mw, mn, mh = idx3(MMA, W, NT, HP)
@@ -459,7 +550,7 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
     # they stay raw: k_mul (> 0) scales the row max and enters p's exponent in one fma.
     lim = _limit(base, hi, num_tokens, P)
     if lim < W * NT:
-        sc = gl.where((mw * NT + mn < lim) & (mh >= 0), sc, float("-inf"))
+        sc = gl.where(_before(lim, mw, mn, NT, 7, LEAN) & (mh >= 0), sc, float("-inf"))
     top = gl.max(sc, axis=1) * k_mul
     grow = top > m_i + TAU
     m_new = gl.where(grow, top, m_i)
@@ -474,6 +565,10 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
     l_i = mma_v2(gl.full([W, 16, NT], 1.0, gl.float16, A), pt, l_i)
 
     # ---- O^T += V^T . P^T ----
+    if LEAN:
+        vb, vs, vz = _read_v(rings, slot, base, hi, num_tokens, FMT, P, PPW, LV_LOAD, LV_UNPACK, LEAN)
+        vs = pairs_to_tokens(vs, W, NT, gl.SliceLayout(3, LV_UNPACK))
+        vz = pairs_to_tokens(vz, W, NT, gl.SliceLayout(3, LV_UNPACK))
     vb = gl.convert_layout(vb, LV_UNPACK, assert_trivial=True)
     if INT2:
         v0, v1, v2, v3 = gl.inline_asm_elementwise(
@@ -501,7 +596,8 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
               FMT: gl.constexpr, G: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
               KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
               VZ_OFF: gl.constexpr, PPW: gl.constexpr, HP: gl.constexpr, LV_LOAD: gl.constexpr,
-              LV_UNPACK: gl.constexpr, STAGES: gl.constexpr, E2M1_CVT: gl.constexpr = 0):  # fmt: skip
+              LV_UNPACK: gl.constexpr, STAGES: gl.constexpr, E2M1_CVT: gl.constexpr = 0,
+              LEAN: gl.constexpr = 0):  # fmt: skip
     """Pages [lo, hi) of one (sequence, kv head) in one format -> this split's rows of o and lse (if mine).
 
     A ring of STAGES shared-memory slots filled by cp.async STAGES - 1 steps ahead, so that many steps' bytes are
@@ -528,6 +624,13 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
     if INT2:
         q2 = _load_q_piece(q_row, G, KB, PER, 2, W, HP, B, QF)
         q3 = _load_q_piece(q_row, G, KB, PER, 3, W, HP, B, QF)
+    if LEAN == 2:  # the q pieces stay in shared memory; each step reloads them (_gl_decode_kernel's LEAN)
+        qsm = gl.allocate_shared_memory(gl.float16, [4 if INT2 else 2, W, KB, HP], _ring_layout(3))
+        qsm.index(0).store(q0)
+        qsm.index(1).store(q1)
+        if INT2:
+            qsm.index(2).store(q2)
+            qsm.index(3).store(q3)
 
     m_i = gl.full([W, HP], float("-inf"), gl.float32, gl.SliceLayout(1, MMA))
     l_i = gl.zeros([W, 16, HP], gl.float32, MMA)
@@ -536,21 +639,36 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
     rings = _rings(FMT, NT, HP, STAGES, LV_LOAD)
     for i in gl.static_range(STAGES - 1):
         _stage_step(rings, i, pt_row, lo + i * STEP, hi, num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW,
-                    PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD)  # fmt: skip
+                    PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, LEAN)  # fmt: skip
         async_copy.commit_group()
     rd = 0  # the ring slot this step reads; the copies go to the one before it (read by the step before)
     for j in range(0, gl.cdiv(hi - lo, STEP)):
         _stage_step(rings, gl.where(rd == 0, STAGES - 1, rd - 1), pt_row, lo + (j + STAGES - 1) * STEP, hi,
                     num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
-                    VS_OFF, VZ_OFF, LV_LOAD)  # fmt: skip
+                    VS_OFF, VZ_OFF, LV_LOAD, LEAN)  # fmt: skip
         async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
         base = lo + j * STEP
-        d = _read_step(rings, rd, pt_row, base, hi, num_tokens, h, total_bytes, FMT, P, PPW, HP, PAGE_BYTES,
-                       LV_LOAD, LV_UNPACK)  # fmt: skip
+        if LEAN:
+            kb = _read_kb(rings, rd, FMT, NT)
+            ks, kz = _read_kscales(rings, rd, kb, FMT, HP)
+            d = (kb, kb, ks, kz, ks, kz)  # V is read inside _step
+        else:
+            d = _read_step(rings, rd, pt_row, base, hi, num_tokens, h, total_bytes, FMT, P, PPW, HP, PAGE_BYTES,
+                           LV_LOAD, LV_UNPACK)  # fmt: skip
+        cur = rd
         rd = gl.where(rd == STAGES - 1, 0, rd + 1)
+        if LEAN == 2:
+            q0 = qsm.index(0).load(B)
+            q1 = qsm.index(1).load(B)
+            q2 = q0
+            q3 = q0
+            if INT2:
+                q2 = qsm.index(2).load(B)
+                q3 = qsm.index(3).load(B)
         m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,
-                              k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK, E2M1_CVT)  # fmt: skip
+                              k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK, E2M1_CVT, rings, cur, LV_LOAD,
+                              LEAN)  # fmt: skip
     async_copy.wait_group(0)  # the copies past the split (zero-fills) land before the epilogue reuses smem
 
     l_i = gl.max(l_i, axis=1)  # every row of ones . P^T is the sum
@@ -616,6 +734,7 @@ def _gl_decode_kernel(
     LV_UNPACK2: gl.constexpr,
     STAGES: gl.constexpr,  # cp.async ring this many steps deep (>= 2)
     E2M1_CVT: gl.constexpr = 0,  # 1: nvfp4 unpacked by cvt.rn.f16x2.e2m1x2 (sm_100a / sm_120a: capability.TABLE)
+    LEAN: gl.constexpr = 0,  # 1: a step's live state cut to fit 128 registers (module docstring); 2: and q reloaded
 ):
     s = gl.program_id(0)
     h = gl.program_id(1)
@@ -637,12 +756,12 @@ def _gl_decode_kernel(
             lo = s * PPS
             _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                       gl.minimum(lo + PPS, n2), s >= 0, GL_FMT_INT2, G, P2, PAGE_BYTES2, K_OFF2, KS_OFF2, KZ_OFF2,
-                      V_OFF2, VS_OFF2, VZ_OFF2, 1, HP, LV_LOAD2, LV_UNPACK2, STAGES)  # fmt: skip
+                      V_OFF2, VS_OFF2, VZ_OFF2, 1, HP, LV_LOAD2, LV_UNPACK2, STAGES, 0, LEAN)  # fmt: skip
         else:
             lo = n2 + (s - c2) * PPS
             _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                       gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
-                      VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, E2M1_CVT)  # fmt: skip
+                      VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, E2M1_CVT, LEAN)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------
@@ -658,11 +777,15 @@ INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", 
 # allows with 4 (RES) or 16 (RES16) query heads per kv head (triton_common.resident_programs of the device's
 # compile, held by tests/kernels/test_gluon_decode.py: a tuning that changes warps, STAGES or maxnreg sets RES
 # too). FILLW: the warps of fill a wave costs in pick_plan (fp8 0: 3 programs an SM already saturate its reads).
+# LEAN: _gl_decode_kernel's LEAN (0 unless a tuning sets it; LEAN_TUNING is the triaxial one).
 GL_TUNING: dict[str, dict[str, int]] = {
     "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128, "RES": 8, "RES16": 5},
     "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 168, "STAGES": 2, "RES": 3, "RES16": 2},  # triaxial
     "fp8_e4m3": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128, "RES": 6, "RES16": 5, "FILLW": 0},
 }
+# the triaxial decode with LEAN: 128 registers without spills, so 4 programs of 4 warps an SM at up to 8 query heads
+# per kv head (16 heads run uncapped: 202 registers, still 2 programs).
+LEAN_TUNING: dict[str, int] = {"LEAN": 1, "maxnreg": 128, "RES": 4}
 # the min-length planner's splits: at least SPLIT_MIN_TOKENS tokens, unless that leaves fewer than SPLIT_MIN_FILL
 # programs per SM
 SPLIT_MIN_TOKENS = 1536
@@ -776,7 +899,7 @@ def launch_decode(
         run.q, run.o, run.lse, kv.buffer, run.page_table, seq_lens, run.n2, sm_scale * LOG2E * k_fold, kv.total_bytes,
         run.page_table.stride(0), run.splits, run.pages_per_split, TRIAXIAL=int(kv.triaxial),
         H=run.kv_heads, G=run.group, HP=hp, STAGES=cfg["STAGES"], **args, **args2, **cap,
-        E2M1_CVT=int(layout.fmt == "nvfp4" and device_choice(q.device).e2m1 == "cvt"),
+        E2M1_CVT=int(layout.fmt == "nvfp4" and device_choice(q.device).e2m1 == "cvt"), LEAN=cfg.get("LEAN", 0),
     )  # fmt: skip
     return merge_splits(run, v_mul=v_fold), kernel
 
@@ -796,5 +919,6 @@ def compile_report_args(fmt: str, *, heads: int = 4, e2m1_cvt: bool = False) -> 
            "n2_ptr": "*i32", "k_mul": "fp32", "total_bytes": "i64", "pt_stride": "i32", "S": "i32", "PPS": "i32"}  # fmt: skip
     const = dict(TRIAXIAL=int(fmt == "triaxial"), H=8, G=heads, HP=8 if heads <= 8 else 16, STAGES=cfg["STAGES"],
                  **kernel_args(plain, lay, num_warps=cfg["num_warps"], ppw=cfg["PPW"]),
-                 **{k + "2": v for k, v in a2.items() if k in INT2_ARGS}, E2M1_CVT=int(e2m1_cvt and fmt == "nvfp4"))  # fmt: skip
+                 **{k + "2": v for k, v in a2.items() if k in INT2_ARGS}, E2M1_CVT=int(e2m1_cvt and fmt == "nvfp4"),
+                 LEAN=cfg.get("LEAN", 0))  # fmt: skip
     return sig, const

@@ -433,3 +433,38 @@ def rescale(acc, alpha, flag, PACK: gl.constexpr):
     else:
         return gl.inline_asm_elementwise(ASM_RESCALE4, CONS_RESCALE4, [acc, alpha, flag], dtype=gl.float32,
                                          is_pure=True, pack=4)  # fmt: skip
+
+
+@gluon.jit
+def weave_a(xs, A: gl.constexpr):
+    """A tuple of 2 or 4 A operands [W, M, K] -> one A operand [W, M, n*K] whose k-step s*n + i is k-step s of
+    xs[i]: an mma over it takes the n pieces of one unpacked word (the nibbles or crumbs that one unpacker call
+    makes) one after the other, so the pieces of a word die together instead of waiting for a whole operand's
+    mma chain."""
+    N: gl.constexpr = len(xs)
+    W: gl.constexpr = xs[0].shape[0]
+    M: gl.constexpr = xs[0].shape[1]
+    K: gl.constexpr = xs[0].shape[2]
+    if N == 2:
+        y = gl.reshape(gl.join(xs[0], xs[1]), [W, M, K // 16, 16, 2])
+        y = gl.permute(y, [0, 1, 2, 4, 3])
+    else:
+        y = gl.reshape(gl.join(gl.join(xs[0], xs[1]), gl.join(xs[2], xs[3])), [W, M, K // 16, 16, 2, 2])
+        y = gl.permute(y, [0, 1, 2, 5, 4, 3])
+    return gl.convert_layout(gl.reshape(y, [W, M, N * K]), A, assert_trivial=True)
+
+
+@gluon.jit
+def weave_b(xs, B: gl.constexpr):
+    """A tuple of 2 or 4 B operands [W, K, HP] -> one B operand [W, n*K, HP] in weave_a's k order."""
+    N: gl.constexpr = len(xs)
+    W: gl.constexpr = xs[0].shape[0]
+    K: gl.constexpr = xs[0].shape[1]
+    HP: gl.constexpr = xs[0].shape[2]
+    if N == 2:
+        y = gl.reshape(gl.join(xs[0], xs[1]), [W, K // 16, 16, HP, 2])
+        y = gl.permute(y, [0, 1, 4, 2, 3])
+    else:
+        y = gl.reshape(gl.join(gl.join(xs[0], xs[1]), gl.join(xs[2], xs[3])), [W, K // 16, 16, HP, 2, 2])
+        y = gl.permute(y, [0, 1, 5, 4, 2, 3])
+    return gl.convert_layout(gl.reshape(y, [W, N * K, HP]), B, assert_trivial=True)
