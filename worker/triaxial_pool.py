@@ -38,8 +38,9 @@ Policies, exact so tests can assert them:
   cached slots of ``b`` in slabs that hold an owned page, ``U_b`` the slabs of ``b`` with no
   owned page and ``F`` the free slabs, ``n4`` INT4 and ``n2`` INT2 pages fit iff
   ``ceil(max(0, n4-O4)/a4) + ceil(max(0, n2-O2)/a2) <= F + U4 + U2``. INT2 is placed first
-  and binds at most ``F + U4 + U2`` less INT4's share of slabs that hold no owned page; past
-  that it evicts only in slabs that hold one (least recently used first).
+  and takes at most ``F + U4 + U2 - ceil(max(0, n4-O4)/a4)`` slabs that hold no owned page
+  (past that it evicts only in slabs that hold one, least recently used first), which leaves
+  INT4 its slabs.
 - ``num_free_pages(bits=b)`` is exactly what a request of ``b`` alone can get: free slots and
   cached pages of ``b``, plus ``a_b`` per free slab and per slab of the other precision with
   no owned page (counters, O(1)).
