@@ -40,13 +40,13 @@ every thread's bytes contiguous:
 
 How packed bytes become fragments (PTX unpackers, register relabelling): ``gluon_fragments.py``.
 
-The tuning key LEAN (off by default) shrinks what a step holds in registers, so that the triaxial kernel compiles
-under a cap of 128 registers without spills (4 programs of 4 warps an SM where the default's 168 allow 3): the
-score mma takes the nibbles / crumbs of each unpacked K word one k-step after the other (``weave_a``), so a word's
-pieces die together instead of three of four waiting for the first piece's whole mma chain; the V bytes and
-scales are read from the ring after the softmax instead of with K; and the token masks compare each register's
-constant part with a per-thread limit (``_before``) instead of holding every element's token index across the
-loop. LEAN 2 also reloads the q pieces from shared memory each step. The same sums, in another k order.
+The triaxial tuning sets LEAN, which shrinks what a step holds in registers so that the kernel compiles under a
+cap of 128 registers without spills (4 programs of 4 warps an SM where 168 allowed 3): the score mma takes the
+nibbles / crumbs of each unpacked K word one k-step after the other (``weave_a``), so a word's pieces die together
+instead of three of four waiting for the first piece's whole mma chain; the V bytes and scales are read from the
+ring after the softmax instead of with K; and the token masks compare each register's constant part with a
+per-thread limit (``_before``) instead of holding every element's token index across the loop. The same sums, in
+another k order. nvfp4 and fp8 keep LEAN 0 (their steps fit their caps as they are).
 
 Supported (``supported``): head_dim 128, up to 16 query heads per kv head,
 page size 16 (nvfp4, fp8) or 32 (triaxial); for anything else, and in the
@@ -624,13 +624,6 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
     if INT2:
         q2 = _load_q_piece(q_row, G, KB, PER, 2, W, HP, B, QF)
         q3 = _load_q_piece(q_row, G, KB, PER, 3, W, HP, B, QF)
-    if LEAN == 2:  # the q pieces stay in shared memory; each step reloads them (_gl_decode_kernel's LEAN)
-        qsm = gl.allocate_shared_memory(gl.float16, [4 if INT2 else 2, W, KB, HP], _ring_layout(3))
-        qsm.index(0).store(q0)
-        qsm.index(1).store(q1)
-        if INT2:
-            qsm.index(2).store(q2)
-            qsm.index(3).store(q3)
 
     m_i = gl.full([W, HP], float("-inf"), gl.float32, gl.SliceLayout(1, MMA))
     l_i = gl.zeros([W, 16, HP], gl.float32, MMA)
@@ -658,14 +651,6 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
                            LV_LOAD, LV_UNPACK)  # fmt: skip
         cur = rd
         rd = gl.where(rd == STAGES - 1, 0, rd + 1)
-        if LEAN == 2:
-            q0 = qsm.index(0).load(B)
-            q1 = qsm.index(1).load(B)
-            q2 = q0
-            q3 = q0
-            if INT2:
-                q2 = qsm.index(2).load(B)
-                q3 = qsm.index(3).load(B)
         m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,
                               k_mul / QF, FMT, P, PPW, HP, PAGE_BYTES, QF, LV_UNPACK, E2M1_CVT, rings, cur, LV_LOAD,
                               LEAN)  # fmt: skip
@@ -734,7 +719,7 @@ def _gl_decode_kernel(
     LV_UNPACK2: gl.constexpr,
     STAGES: gl.constexpr,  # cp.async ring this many steps deep (>= 2)
     E2M1_CVT: gl.constexpr = 0,  # 1: nvfp4 unpacked by cvt.rn.f16x2.e2m1x2 (sm_100a / sm_120a: capability.TABLE)
-    LEAN: gl.constexpr = 0,  # 1: a step's live state cut to fit 128 registers (module docstring); 2: and q reloaded
+    LEAN: gl.constexpr = 0,  # 1: a step's live state cut to fit 128 registers (module docstring)
 ):
     s = gl.program_id(0)
     h = gl.program_id(1)
@@ -772,20 +757,18 @@ GL_FMT = {"nvfp4": 0, "int4": 1, "int2": 2, "fp8_e4m3": 3}
 INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", "VZ_OFF", "LV_LOAD", "LV_UNPACK")
 # Per format: warps per program, pages per warp per step (PPW), the programs per SM the min-length planner aims
 # for (PPSM), the cp.async ring's depth (STAGES: 2 is the fastest; deeper rings take shared memory and programs),
-# the register cap (nvfp4 / fp8 128: 16 warps per SM without spills; triaxial 168: 3 programs of 4 warps per SM
-# with both kinds' branches; 16 query heads per kv head run uncapped), and the programs per SM the compiled kernel
+# the register cap (nvfp4 / fp8 128: 16 warps per SM without spills; triaxial 128 with LEAN: 4 programs of 4 warps
+# per SM with both kinds' branches; 16 query heads per kv head run uncapped), and the programs per SM the compiled kernel
 # allows with 4 (RES) or 16 (RES16) query heads per kv head (triton_common.resident_programs of the device's
 # compile, held by tests/kernels/test_gluon_decode.py: a tuning that changes warps, STAGES or maxnreg sets RES
 # too). FILLW: the warps of fill a wave costs in pick_plan (fp8 0: 3 programs an SM already saturate its reads).
-# LEAN: _gl_decode_kernel's LEAN (0 unless a tuning sets it; LEAN_TUNING is the triaxial one).
+# LEAN: _gl_decode_kernel's LEAN (triaxial 1: 128 registers without spills, so 4 programs of 4 warps an SM at up to 8
+# query heads per kv head; 16 heads run uncapped, 202 registers, 2 programs; the other formats 0).
 GL_TUNING: dict[str, dict[str, int]] = {
     "nvfp4": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128, "RES": 8, "RES16": 5},
-    "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 168, "STAGES": 2, "RES": 3, "RES16": 2},  # triaxial
+    "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 128, "STAGES": 2, "RES": 4, "RES16": 2, "LEAN": 1},  # triaxial
     "fp8_e4m3": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128, "RES": 6, "RES16": 5, "FILLW": 0},
 }
-# the triaxial decode with LEAN: 128 registers without spills, so 4 programs of 4 warps an SM at up to 8 query heads
-# per kv head (16 heads run uncapped: 202 registers, still 2 programs).
-LEAN_TUNING: dict[str, int] = {"LEAN": 1, "maxnreg": 128, "RES": 4}
 # the min-length planner's splits: at least SPLIT_MIN_TOKENS tokens, unless that leaves fewer than SPLIT_MIN_FILL
 # programs per SM
 SPLIT_MIN_TOKENS = 1536
@@ -894,7 +877,8 @@ def launch_decode(
     if kv.triaxial:  # both precisions' splits in one launch
         a2 = kernel_args("int2", kv.int2, num_warps=cfg["num_warps"], ppw=1)
         args2 = {k + "2": v for k, v in a2.items() if k in INT2_ARGS}
-    cap = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and hp == 8 else {}  # 16 heads need more registers
+    reg_cap = register_cap("triaxial" if kv.triaxial else layout.fmt, cfg, heads=run.group)
+    cap = {"maxnreg": reg_cap} if reg_cap else {}
     kernel = _gl_decode_kernel[run.grid](
         run.q, run.o, run.lse, kv.buffer, run.page_table, seq_lens, run.n2, sm_scale * LOG2E * k_fold, kv.total_bytes,
         run.page_table.stride(0), run.splits, run.pages_per_split, TRIAXIAL=int(kv.triaxial),
@@ -904,11 +888,21 @@ def launch_decode(
     return merge_splits(run, v_mul=v_fold), kernel
 
 
+def register_cap(fmt: str, cfg: dict[str, int], *, heads: int) -> int | None:
+    """The register cap of a launch of ``fmt`` ("triaxial", or a plain page format) with tuning ``cfg`` and ``heads``
+    query heads per kv head: ``cfg``'s maxnreg up to 8 heads; none at 16 (they need more), and none for plain INT4
+    pages under LEAN (a layout only tests build: LEAN's step fits 128 registers with both of triaxial's branches,
+    the INT4 branch alone spills under it)."""
+    if not cfg.get("maxnreg") or heads > 8 or (fmt == "int4" and cfg.get("LEAN")):
+        return None
+    return cfg["maxnreg"]
+
+
 def compile_report_args(fmt: str, *, heads: int = 4, e2m1_cvt: bool = False) -> tuple[dict[str, str], dict[str, Any]]:
     """(signature, constexprs incl. num_warps) to compile ``_gl_decode_kernel`` as launched (GL_TUNING) without a
     GPU (compile_report.py, tests): fmt "nvfp4", "fp8_e4m3", "int4" (plain INT4 pages) or "triaxial"; ``heads``
     query heads per kv head; ``e2m1_cvt``: nvfp4 unpacked by cvt (the launch on a capability whose
-    capability.TABLE row says e2m1 "cvt"). The launch caps the registers at GL_TUNING's maxnreg for up to 8 heads."""
+    capability.TABLE row says e2m1 "cvt"). The launch caps the registers at ``register_cap``."""
     plain = "int4" if fmt == "triaxial" else fmt
     cfg = GL_TUNING[plain]
     p = 32 if plain == "int4" else 16

@@ -69,7 +69,7 @@ def _expected(sm: int) -> set[str]:
     if row.e2m1 == "cvt":
         names.add("nvfp4-cvt:_decode_kernel")
     if row.decode == "gluon":
-        names |= {f"gluon-{fmt}:_gl_decode_kernel" for fmt in ("nvfp4", "int4", "triaxial", "fp8_e4m3", "triaxial-lean")}
+        names |= {f"gluon-{fmt}:_gl_decode_kernel" for fmt in ("nvfp4", "int4", "triaxial", "fp8_e4m3")}
     return names
 
 
@@ -83,9 +83,9 @@ def test_every_dispatchable_kernel_compiles_for_blackwell_within_its_shared_memo
     assert too_big == {}, f"shared memory over sm_{sm}a's {SHARED_LIMIT[sm]} bytes per block: {too_big}"
     spills = {name: r["local"] for name, r in got.items() if r.get("local")}
     assert spills == {}, spills
-    # the triaxial LEAN variant fits its cap of 128 registers with no stack either (its point: 4 programs an SM)
-    lean = got.get("gluon-triaxial-lean:_gl_decode_kernel", {"stack": 0, "regs": 0})
-    assert lean["stack"] == 0 and lean["regs"] <= 128, lean
+    # the triaxial decode (LEAN) fits its cap of 128 registers with no stack either (its point: 4 programs an SM)
+    tri = got.get("gluon-triaxial:_gl_decode_kernel", {"stack": 0, "regs": 0})
+    assert tri["stack"] == 0 and tri["regs"] <= 128, tri
     # the Gluon decode of nvfp4 pages unpacks with the native conversion where the table says so (SASS
     # F2FP.F16.E2M1.UNPACK_B, one per byte: 128 in the kernel), and only there
     gl = got["gluon-nvfp4:_gl_decode_kernel"]

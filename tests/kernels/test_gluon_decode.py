@@ -43,7 +43,7 @@ gluon_decode.GL_TUNING[key] = cfg = {**gluon_decode.GL_TUNING[key], **json.loads
 sig, const = gluon_decode.compile_report_args(fmt, heads=heads)
 warps = const.pop("num_warps")
 r = report(gluon_decode._gl_decode_kernel, sig, const, gluon=True, num_warps=warps, aligned=("total_bytes",),
-           maxnreg=cfg["maxnreg"] if heads <= 8 else None)
+           maxnreg=gluon_decode.register_cap(fmt, cfg, heads=heads))
 print(json.dumps({"warps": warps, "local": r["local"], "stack": r["stack"], "shared": r["shared"], "regs": r["regs"],
                   "loops": [dict(c) for c in loops(r["sass"]) if any(op.startswith("HMMA") for op in c)]}))
 """
@@ -57,9 +57,9 @@ def _compile(fmt: str, heads: int = 4, tuning: dict[str, int] | None = None) -> 
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-# (format, tuning over GL_TUNING's): every format as launched, and the triaxial LEAN variant
-KERNELS = [("nvfp4", {}), ("int4", {}), ("triaxial", {}), ("fp8_e4m3", {}), ("triaxial", gluon_decode.LEAN_TUNING)]
-KERNEL_IDS = ["nvfp4", "int4", "triaxial", "fp8_e4m3", "triaxial-lean"]
+# (format, tuning over GL_TUNING's): every format as launched
+KERNELS = [("nvfp4", {}), ("int4", {}), ("triaxial", {}), ("fp8_e4m3", {})]
+KERNEL_IDS = ["nvfp4", "int4", "triaxial", "fp8_e4m3"]
 
 
 @pytest.mark.parametrize(("fmt", "tuning"), KERNELS, ids=KERNEL_IDS)
@@ -87,19 +87,16 @@ def test_gluon_decode_compiles_for_sm90_without_unpacked_values_in_shared_memory
         cp = "LDGSTS.E.BYPASS.128" if kind != "int2" else "LDGSTS.E.64"
         assert ops[cp] >= 4 and ops["LDS." + wide] >= 4, ops
         assert sum(v for op, v in ops.items() if op.startswith("BAR")) <= 3, ops
-    # the epilogue merges the warps through shared memory ([W, D, HP] fp32 at most), the ring is 2 steps (LEAN 2:
-    # plus the q pieces, 4 KB a warp)
-    q_pieces = warps * 4096 if tuning.get("LEAN") == 2 else 0
-    assert r["shared"] <= max(warps * 128 * 8 * 4, 2 * warps * 5 * 1024 * 2) + q_pieces
+    # the epilogue merges the warps through shared memory ([W, D, HP] fp32 at most), the ring is 2 steps
+    assert r["shared"] <= max(warps * 128 * 8 * 4, 2 * warps * 5 * 1024 * 2)
 
 
-@pytest.mark.parametrize("lean", [1, 2])
-def test_gluon_decode_lean_triaxial_fits_128_registers_so_4_programs_share_an_sm(lean: int) -> None:
-    # LEAN cuts the step's live state (woven K pieces, V read after the softmax, lane-relative masks; 2: q reloaded
-    # from shared memory), so the cap of 128 registers spills nothing and LEAN_TUNING's RES 4 holds; the tensor-core
-    # work per step is the default's
-    tuning = {**gluon_decode.LEAN_TUNING, "LEAN": lean}
-    r = _compile("triaxial", tuning=tuning)
+def test_gluon_decode_triaxial_fits_128_registers_so_4_programs_share_an_sm() -> None:
+    # LEAN cuts the step's live state (woven K pieces, V read after the softmax, lane-relative masks), so the cap of
+    # 128 registers spills nothing and RES 4 holds; the tensor-core work per step is what it was without LEAN
+    tuning = gluon_decode.GL_TUNING["int4"]
+    assert tuning["LEAN"] == 1 and tuning["maxnreg"] == 128
+    r = _compile("triaxial")
     assert r["regs"] <= 128 and r["local"] == 0 and r["stack"] == 0, r
     assert resident_programs(regs=r["regs"], warps=r["warps"], shared=r["shared"]) == tuning["RES"] == 4
     assert sorted(c["HMMA.16816.F32"] for c in r["loops"]) == [34, 36], r["loops"]
@@ -116,18 +113,9 @@ def test_gluon_decode_residency_table_matches_the_compiled_kernel(fmt: str, tuni
     assert cfg["RES"] == resident_programs(regs=r["regs"], warps=r["warps"], shared=r["shared"]), r
 
 
-@pytest.fixture
-def lean_triaxial(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The triaxial decode launched with LEAN_TUNING (the variant) instead of GL_TUNING's default."""
-    monkeypatch.setitem(gluon_decode.GL_TUNING, "int4", {**gluon_decode.GL_TUNING["int4"], **gluon_decode.LEAN_TUNING})
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["nvfp4", "int4", "triaxial", "fp8_e4m3", "triaxial-lean"])
-def test_gpu_gluon_decode_real_shapes(case: str, request: pytest.FixtureRequest) -> None:
-    if case.endswith("-lean"):
-        request.getfixturevalue("lean_triaxial")
-        case = case.removesuffix("-lean")
+@pytest.mark.parametrize("case", ["nvfp4", "int4", "triaxial", "fp8_e4m3"])
+def test_gpu_gluon_decode_real_shapes(case: str) -> None:
     p = 32 if case in ("int4", "triaxial") else 16
     lens = [1, p, p + 1, 1000, 2047, 4096, 333, 77]
     _check_decode(case, lens, device="cuda", d=128, h=8, g=4, p=p, kernel="gluon")
@@ -136,11 +124,8 @@ def test_gpu_gluon_decode_real_shapes(case: str, request: pytest.FixtureRequest)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["nvfp4", "triaxial", "fp8_e4m3", "triaxial-lean"])
-def test_gpu_gluon_decode_many_splits_including_empty_ones(case: str, request: pytest.FixtureRequest) -> None:
-    if case.endswith("-lean"):
-        request.getfixturevalue("lean_triaxial")
-        case = case.removesuffix("-lean")
+@pytest.mark.parametrize("case", ["nvfp4", "triaxial", "fp8_e4m3"])
+def test_gpu_gluon_decode_many_splits_including_empty_ones(case: str) -> None:
     p = 32 if case == "triaxial" else 16
     step = 4 if case == "triaxial" else 2 * gluon_decode.GL_TUNING[case]["PPW"]  # warps x pages per warp
     _check_decode(case, [3, 40 * p, 17 * p + 5], device="cuda", d=128, h=8, g=4, p=p, splits=(40, step), kernel="gluon")
@@ -148,14 +133,10 @@ def test_gpu_gluon_decode_many_splits_including_empty_ones(case: str, request: p
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [4, 16])
-@pytest.mark.parametrize("case", ["nvfp4", "triaxial", "fp8_e4m3", "triaxial-lean"])
-def test_gpu_gluon_decode_residency_table_matches_the_launched_kernel(case: str, heads: int,
-                                                                      request: pytest.FixtureRequest) -> None:  # fmt: skip
+@pytest.mark.parametrize("case", ["nvfp4", "triaxial", "fp8_e4m3"])
+def test_gpu_gluon_decode_residency_table_matches_the_launched_kernel(case: str, heads: int) -> None:
     from test_triton_paged import _filled_pool
 
-    if case.endswith("-lean"):
-        request.getfixturevalue("lean_triaxial")
-        case = case.removesuffix("-lean")
     p = 32 if case == "triaxial" else 16
     pool, filled, scale = _filled_pool(case, [300, 77], device="cuda", d=128, h=2, p=p)
     q = torch.randn(2, 2 * heads, 128, device="cuda", dtype=torch.bfloat16)
