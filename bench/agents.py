@@ -319,6 +319,8 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
         "preemptions": float(stats.get("preemptions", 0)),
         # admissions whose pulled pages' pin had expired or yielded first (lost_tokens with the pin alive: another cause)
         "admission_pins_gone": float(stats.get("admission_pins_gone", 0)),
+        # pages those pins gave up from their tails to live requests (the pin stays with the rest)
+        "admission_pages_trimmed": float(stats.get("admission_pages_trimmed", 0)),
         # prompt tokens the engine computed (on the decode worker: recompute after a preemption or a failed pull)
         "computed_tokens": counter("kvserving_worker_prompt_tokens_total"),
         **{f"{kind}_steps": float(v["count"]) for kind, v in stats.get("steps", {}).items()},
@@ -496,6 +498,7 @@ def run_stack(
                     "page_waits",
                     "lost_tokens",
                     "admission_pins_gone",
+                    "admission_pages_trimmed",
                     "compiles",
                 ):
                     point[f"{role}_{key}"] = int(after[role][key] - before[role][key])

@@ -28,7 +28,9 @@ Policies (as in the real pool, tested by name in tests/test_simulate.py):
   they extend it; pages the chain already has stay loose (the first copy is the
   cached one) and are freed when the holder lets go.
 - **Holds** (a request's pages, a lease pin) take refs on leading pages of one
-  or more chains; a lease is a hold with an expiry the worker enforces.
+  or more chains; a lease is a hold with an expiry the worker enforces. A hold
+  may let go of its tail only (``trim``: an admission pin yielding to a
+  running sequence).
 """
 
 from __future__ import annotations
@@ -303,6 +305,38 @@ class PageCache:
         hold.extents.clear()
         self.used -= hold.loose
         hold.loose = 0
+
+    @staticmethod
+    def held(hold: Hold) -> int:
+        """Pages ``hold`` has refs on: its chains' leading pages and its loose pages."""
+        return sum(hold.extents.values()) + hold.loose
+
+    def trim(self, hold: Hold, k: int) -> int:
+        """``hold`` lets go of its last ``k`` pages (``PagePoolBase.trim_pin``): its last chain's
+        (in the order it took them) from the end, then the chain before, and its loose pages
+        last (duplicates of chain pages, with no place in the order here); chain pages become
+        cached (or stay owned by others), the chain newest in the LRU. How many it let go."""
+        chains, extents = self._chains, hold.extents
+        left = k
+        for key in reversed(list(extents)):
+            if left <= 0:
+                break
+            extent = extents[key]
+            n = min(left, extent)
+            left -= n
+            chain = chains[key]
+            old = chain.present - chain.owned
+            chain.remove(extent)
+            if extent > n:
+                chain.add(extent - n)
+                extents[key] = extent - n
+            else:
+                del extents[key]
+            self._sync(key, chain, old, touched=True)
+        n = min(max(left, 0), hold.loose)
+        hold.loose -= n
+        self.used -= n
+        return k - left + n
 
     def drop_tail(self, key: Key, keep: int) -> int:
         """Forget cached pages of ``key`` past ``keep`` (content no future prompt has: a stream

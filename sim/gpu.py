@@ -20,6 +20,9 @@ before it): a pull that finds no free page skips at once and the request recompu
 admissions while sequences run (every point of bench/results/agents_gpu_h200.json and of
 docs/performance-log/data/agents_gpu/ ran it, and skipped pulls at once): the queue's head that
 fails to fit, or a pull, takes the pulled pages of the requests waiting behind it.
+``PullRules(pins_trim=False)`` (``--no-pin-trim``) replays the worker whose admission pins yielded whole
+(every point of bench/results/agents_gpu_h200.json and agents_gpu_h100.json ran it); the current
+worker's give up only the pages an allocation lacks, from their tails.
 """
 
 from __future__ import annotations

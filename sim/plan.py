@@ -317,6 +317,12 @@ def add_arguments(parser: Any) -> None:
         help="a KV pull that reads nothing leaves the local prefix it matched to the LRU instead of pinning it for the "
         "request's admission (the worker before that rule)",
     )
+    parser.add_argument(
+        "--no-pin-trim",
+        action="store_true",
+        help="pages pulled for a waiting request yield to a running sequence's growth whole, not only the pages it lacks "
+        "from their tail (the worker before that rule)",
+    )
 
 
 def run(args: Any) -> int:
@@ -348,6 +354,7 @@ def run(args: Any) -> int:
                     pins_yield_always=args.pins_yield_always,
                     idle_overtakes=not args.no_idle_overtakes,
                     pull_pins_local=not args.no_pull_pins_local,
+                    pins_trim=not args.no_pin_trim,
                 ),
             )
             print(format_rows(rows))

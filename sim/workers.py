@@ -38,7 +38,9 @@ advances in one event (``_Run``) with the results of stepping each.
   the worker before, which left it to the LRU). Those **admission pins** yield, after
   retained conversations, to a running sequence's growth, never to a pull
   (taken, their request would compute the pages again; a running sequence
-  frees pages as it ends: ``PagePoolBase.reclaim_one(up_to)``), and to the
+  frees pages as it ends: ``PagePoolBase.allocate_reclaiming(up_to)``), giving up only
+  the pages the allocation lacks, from the pin's tail (its request keeps the rest;
+  ``pins_trim=False``: the worker before, whose pins yielded whole), and to the
   queue head's admission only while no sequence runs and no waiting request
   queued before the head was held up fits without them: those are admitted
   ahead of the head first, in queue order (``Scheduler._overtake``).
@@ -91,6 +93,7 @@ class PullRules:
     pins_yield_always: bool = False  # admission pins yield to every allocation (the worker before the two rules below)
     idle_overtakes: bool = True  # an idle queue's held-up head lets requests that fit without pins run first
     pull_pins_local: bool = True  # a pull that reads nothing keeps the local prefix it matched pinned for admission
+    pins_trim: bool = True  # an admission pin gives an allocation only the pages it lacks, from its tail (after idle_overtakes)
 
 
 @dataclass(slots=True, eq=False)
@@ -176,7 +179,8 @@ class WorkerStats:
     transfer_lease_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TRANSFER_ENDS, 0.0))
     page_wait_s: float = 0.0  # their waits, in all
     leases_expired: int = 0
-    leases_reclaimed: int = 0
+    leases_reclaimed: int = 0  # leases and admission pins released early, trimmed to nothing included
+    pages_trimmed: int = 0  # pages admission pins gave up from their tails (``PagePoolBase.trimmed_pages``)
     preemptions: int = 0
     computed_tokens: int = 0  # prompt tokens computed (chunks starting inside the prompt: the worker's prompt_tokens_total)
     recomputed_tokens: int = 0  # tokens computed again after a preemption
@@ -229,6 +233,8 @@ class Worker:
         self._queued = 0  # requests ever queued (``Req.queued``)
         # a pull that read nothing pins its local prefix for admission (not in the worker before held pins)
         self.pull_pins_local = rules.pull_pins_local and not rules.pins_yield_always
+        # an admission pin yields only the pages an allocation lacks, from its tail (not in the workers before idle overtakes)
+        self.pins_trim = rules.pins_trim and self.idle_overtakes
         self._held_up: tuple[Req, int] | None = None  # ``Scheduler._held_up``
         self.page_wait_s = PAGE_WAIT_SHARE * reuse.transfer_timeout_s
         self._pulls: list[_PullWait] = []  # pulls waiting for pages, oldest first
@@ -828,24 +834,50 @@ class Worker:
             live += len(kept)
         self._compact_at = 2 * live + 1024
 
+    def _next_in(self, heap: list[tuple[float, str]]) -> WLease | None:
+        """The live lease at the top of ``heap`` (entries of released or renewed leases dropped)."""
+        while heap:
+            expires, lease_id = heap[0]
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.expires_at == expires:
+                return lease
+            heapq.heappop(heap)  # released, or renewed (a newer entry is in the heap)
+        return None
+
     def reclaim_one(self, now: float, *, pins: bool = True) -> bool:
-        """``PagePoolBase.reclaim_one``: release the reclaimable lease with the earliest expiry, a
+        """``PagePoolBase.reclaim_one``: release the reclaimable lease with the earliest expiry, whole, a
         retained conversation before a pull's admission pin (whose pages stay cached); ``pins``:
         admission pins may go (``up_to=RECLAIM_LAST``), else retained conversations only."""
         for heap in (self._reclaimable, self._yielding) if pins else (self._reclaimable,):
-            while heap:
-                expires, lease_id = heapq.heappop(heap)
-                lease = self.leases.get(lease_id)
-                if lease is None or lease.expires_at != expires:
-                    continue  # released, or renewed (a newer entry is in the heap)
+            lease = self._next_in(heap)
+            if lease is not None:
+                heapq.heappop(heap)
+                if lease.yields and self.pins_trim:  # trimmed to nothing at once
+                    self.stats.pages_trimmed += self.cache.held(lease.hold)
                 self.stats.leases_reclaimed += 1
-                self.release(lease_id, now)
+                self.release(lease.lease_id, now)
                 return True
         return False
 
+    def _yield_one(self, n: int, now: float, *, pins: bool) -> bool:
+        """``PagePoolBase._yield_one`` for ``n`` pages: a retained conversation goes whole; with none
+        left, the earliest admission pin (``pins``) gives up the pages the allocation lacks from its
+        tail (``pins_trim``; whole when that is all it holds, else always whole)."""
+        if self.pins_trim and pins and self._next_in(self._reclaimable) is None:
+            lease = self._next_in(self._yielding)
+            short = max(1, n - self.cache.free)
+            if lease is not None and short < self.cache.held(lease.hold):
+                if self._run is not None:
+                    self._settle(now)
+                self.stats.pages_trimmed += self.cache.trim(lease.hold, short)
+                self.on_freed(now)
+                return True
+        return self.reclaim_one(now, pins=pins)
+
     def allocate(self, hold: Hold, n: int, now: float, *, pins: bool = True) -> bool:
         """``KVCacheManager.allocate_until``: retained conversations yield to live requests, then
-        (``pins``) admission pins; none yields when all of them together would not make room."""
+        (``pins``) admission pins, their tails first; none yields when all of them together would not
+        make room."""
         cache = self.cache
         if cache.allocate(hold, n):
             return True
@@ -853,7 +885,7 @@ class Worker:
         if not cache.could_fit_after_release(yielding, n):
             return False
         while not cache.allocate(hold, n):
-            if not self.reclaim_one(now, pins=pins):
+            if not self._yield_one(n, now, pins=pins):
                 return False
         return True
 

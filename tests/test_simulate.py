@@ -113,6 +113,23 @@ def test_publish_keeps_the_first_copy_and_frees_duplicates_on_release() -> None:
     assert cache.used == 3 and cache.owned("sys") == 3
 
 
+def test_trim_lets_go_of_a_holds_last_chain_pages_first_then_earlier_chains_then_loose_pages() -> None:
+    """``PagePoolBase.trim_pin``'s mirror: the tail of the last chain the hold took, then the chain before;
+    trimmed pages are cached (evictable, the chain newest in the LRU) unless another holder keeps them."""
+    cache = PageCache(12)
+    pin, other = cache.new_hold(), cache.new_hold()
+    assert cache.allocate(pin, 7)
+    cache.publish(pin, [("sys", 2), ("c", 4)], 0, 6)  # sys[0, 2) then c[0, 4); one page stays loose
+    assert (pin.extents, pin.loose, cache.held(pin)) == ({"sys": 2, "c": 4}, 1, 7)
+    cache.ref(other, [("sys", 2), ("c", 4)], 3)  # another holder keeps sys and c[0, 1)
+    assert cache.allocate(cache.new_hold(), 5) and cache.free == 0
+    assert cache.trim(pin, 1) == 1 and pin.extents == {"sys": 2, "c": 3}
+    assert (cache.owned("c"), cache.free, cache.lru_keys()) == (3, 1, ["c"])
+    assert cache.trim(pin, 4) == 4 and pin.extents == {"sys": 1}  # c's other 3 (c[0, 1) kept by other), then sys's last
+    assert (cache.owned("c"), cache.owned("sys"), cache.free) == (1, 2, 3)
+    assert cache.trim(pin, 5) == 2 and (pin.extents, pin.loose, cache.free) == ({}, 0, 4)  # sys[0, 1) and the loose page
+
+
 def test_could_fit_after_release_counts_only_pages_no_other_holder_keeps() -> None:
     """``PagePoolBase.could_fit_after_reclaim``'s mirror: what the yielding holds alone keep, and their
     loose pages, would be free; a chain page another holder also holds would not."""

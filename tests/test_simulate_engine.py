@@ -165,6 +165,35 @@ def test_pulled_pages_waiting_for_admission_yield_to_an_allocation_after_retaine
     assert cache.present(1) == 0 and cache.evicted == 3
 
 
+def test_an_admission_pin_gives_a_running_sequence_only_the_pages_it_lacks_from_its_tail() -> None:
+    """``PagePoolBase.allocate_reclaiming`` for RECLAIM_LAST: a 10-page decode pool, W's pull READs 8 pages
+    (pinned for its admission), a running sequence holds the other 2. Its next page takes the pin's last
+    page only: the pin keeps 7, a pull cannot take them, and W's admission matches 7 pages.
+    ``pins_trim=False`` (the worker before): the whole pin goes, its pages cached for any allocation."""
+    for trim in (True, False):
+        reuse = ReuseConfig(recompute_threshold_tokens=32)
+        sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(10), reuse=reuse, rules=PullRules(pins_trim=trim)), LoadSpec())
+        pre, dec = sim.prefill[0], sim.decode[0]
+        cache = dec.cache
+        w = _req(1, 160, 4)
+        hold = pre.cache.new_hold()
+        assert pre.cache.allocate(hold, 8)
+        pre.cache.publish(hold, w.segs, 0, 8)
+        offer = pre.pin(hold, ttl_s=10.0, now=0.0, conv=None, pages=8, stable=8, prefix="xfer-")
+        dec.pull(w, offer, 0.0, lambda r, out, now: None)
+        assert w.pin is not None and cache.owned(1) == 8 and cache.free == 2
+        assert dec.allocate(cache.new_hold(), 2, 0.0) and cache.free == 0  # the running sequence
+        assert dec.allocate(cache.new_hold(), 1, 0.0)  # its next page
+        if trim:
+            assert w.pin.alive(0.0) and cache.owned(1) == 7 and cache.evicted == 1
+            assert (dec.stats.pages_trimmed, dec.stats.leases_reclaimed) == (1, 0)
+            assert not dec._allocate_for_pull(cache.new_hold(), 1, 0.0) and cache.owned(1) == 7
+            assert cache.match(w.segs, 9) == 7
+        else:
+            assert not w.pin.alive(0.0) and cache.owned(1) == 0 and dec.stats.leases_reclaimed == 1
+            assert dec._allocate_for_pull(cache.new_hold(), 1, 0.0) and cache.match(w.segs, 9) == 6
+
+
 def _offer(worker: Worker, req: Req, pages: int, *, retained: bool) -> WLease:
     """``req``'s first ``pages`` prompt pages held on ``worker`` under a lease a peer's pull reads:
     a decode worker's retained conversation or a prefill worker's transfer lease."""
@@ -209,8 +238,9 @@ def test_a_waiting_requests_pulled_pages_are_not_taken_by_the_queue_heads_admiss
     pages are retained, and H, with nothing running, takes that lease (not W's pin): W is admitted
     with its 3 pulled pages and computes 17 tokens. With pins that yield to every allocation (the
     worker before), H takes W's pin at once and evicts one of its pages: W, admitted with the 2
-    left, computes 33. Nothing runs (and W is not queued yet: nothing can overtake H): H takes W's pin at
-    once either way."""
+    left, computes 33. Nothing runs (and W is not queued yet: nothing can overtake H): H takes the
+    page it lacks from W's pin at once either way, its last page (``PagePoolBase.trim_pin``: W's
+    pin keeps the other 2 and W finds them pulled), or the whole pin before that rule."""
     sim, h, w, done = _queue_behind_a_pulled_prompt(running=True, pins_yield_always=False)
     dec = sim.decode[0]
     assert (w.remote_pages, w.hit_pages) == (3, 3)
@@ -224,8 +254,11 @@ def test_a_waiting_requests_pulled_pages_are_not_taken_by_the_queue_heads_admiss
     for pins_yield_always in (False, True):
         idle, hi, wi, _ = _queue_behind_a_pulled_prompt(running=False, pins_yield_always=pins_yield_always)
         d = idle.decode[0]
-        # W's pin went to H (one of its pages evicted), then H's retained conversation to W
-        assert d.stats.leases_reclaimed == 2 and (wi.remote_pages, wi.hit_pages) == (0, 2)
+        # W's pin's last page (or the whole pin, before) went to H, then H's retained conversation to W
+        if pins_yield_always:
+            assert (d.stats.leases_reclaimed, d.stats.pages_trimmed) == (2, 0) and (wi.remote_pages, wi.hit_pages) == (0, 2)
+        else:
+            assert (d.stats.leases_reclaimed, d.stats.pages_trimmed) == (1, 1) and (wi.remote_pages, wi.hit_pages) == (2, 2)
         assert hi.done_at < wi.done_at  # H ran at once, W after it
         assert d.stats.computed_tokens == 41 + 33
 

@@ -71,8 +71,9 @@ class EngineStats:
     prompt_tokens_computed: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
-    # requests admitted after their admission pin (pages pulled for them) had expired or yielded: their pulled
-    # pages were cached then, and the ones evicted before admission were computed again
+    # requests admitted after their admission pin (pages pulled for them) had expired or yielded whole (trimmed to
+    # nothing): their pulled pages were cached then, and the ones evicted before admission were computed again; a
+    # pin that gave up only its tail is not gone (``PagePoolBase.trimmed_pages`` counts those pages)
     admission_pins_gone: int = 0
     prefill_seconds: float = 0.0  # model time spent on prompt tokens (prefill tokens/s for reuse "auto")
     wait_seconds: float = 0.0  # asynchronous decode: time the host waited for a step's sampled ids

@@ -51,7 +51,8 @@ class KVStats:
     step_counts: dict[str, int]  # engine steps by kind ("decode", "mixed"), since start
     step_seconds: dict[str, float]  # their wall time
     evicted_pages: int  # cached pages evicted to make room, since start
-    reclaimed_leases: int  # retained conversations released before expiry to make room, since start
+    reclaimed_leases: int  # reclaimable pins released before expiry to make room, since start
+    admission_pages_trimmed: int  # pages admission pins gave up from their tails to make room, since start
     capacity_tokens: int  # triaxial: at the expected INT2 share (KVCache.capacity_tokens)
     aged_pages: int = 0  # triaxial: 4-bit pages re-stored at 2 bits (age-down), since start
     # Average bits per KV value over the pages held now (owned and cached, each page whole):
@@ -113,6 +114,7 @@ def collect(engine: LLMEngine) -> KVStats:
         step_seconds=dict(stats.step_seconds),
         evicted_pages=pool.evicted_pages,
         reclaimed_leases=pool.reclaimed_pins,
+        admission_pages_trimmed=pool.trimmed_pages,
         capacity_tokens=engine.capacity_tokens,
         aged_pages=engine.kv.aged_pages,
         stored_bits=stored_bits(held, nominal),

@@ -119,6 +119,11 @@ class WorkerMetrics:
             "retained-KV leases released before expiry because live requests needed the pages",
             registry=r,
         )
+        self.kv_admission_pages_trimmed = Counter(
+            "kvserving_worker_kv_admission_pages_trimmed_total",
+            "pulled KV pages whose admission pin gave them up (its tail) because a live request needed the pages",
+            registry=r,
+        )
         self.kv_aged_pages = Counter(
             "kvserving_worker_kv_pages_aged_total",
             "triaxial KV pages re-stored from 4 to 2 bits because a later request's tags wanted 2 (age-down)",
@@ -236,6 +241,7 @@ class WorkerMetrics:
         self._grow(self.preemptions, stats.preemptions)
         self._grow(self.kv_evicted_pages, stats.evicted_pages)
         self._grow(self.kv_reclaimed_leases, stats.reclaimed_leases)
+        self._grow(self.kv_admission_pages_trimmed, stats.admission_pages_trimmed)
         self._grow(self.kv_aged_pages, stats.aged_pages)
         for kind, count in stats.step_counts.items():
             self._grow(self.steps.labels(kind=kind), count)

@@ -383,6 +383,7 @@ class WorkerService:
             "waiting": st.waiting,
             "preemptions": st.preemptions,
             "admission_pins_gone": st.admission_pins_gone,
+            "admission_pages_trimmed": st.admission_pages_trimmed,
             "steps": {kind: {"count": st.step_counts[kind], "seconds": round(st.step_seconds[kind], 6)} for kind in st.step_counts},
             "aged_pages": st.aged_pages,  # triaxial age-down: 4-bit pages re-stored at 2 bits
             # bits per value over the pages held (None: none held); the budget they are held to

@@ -381,6 +381,83 @@ def test_reclaim_one_releases_retained_conversations_first_then_admission_pins_e
         pool.pin("bad", [0], ttl_s=1, reclaim=3)
 
 
+def _full_pool_with_an_admission_pin(num_pages: int, pinned: int) -> tuple[PagePool, str, list[int]]:
+    """``pinned`` hashed pages (0..pinned-1) under an admission pin (RECLAIM_LAST) and nothing else
+    holding them; the rest owned by a running sequence: nothing free or cached."""
+    pool, _ = make_pool(num_pages)
+    ids = pool.allocate([4] * pinned)
+    assert ids == list(range(pinned))
+    for pid in ids:
+        pool.register(pid, 10 + pid)
+    pool.pin("pull-a", ids, ttl_s=60, reclaim=RECLAIM_LAST)
+    pool.free(ids)
+    running = pool.allocate([4] * (num_pages - pinned))
+    assert running is not None and pool.num_free == 0
+    return pool, "pull-a", running
+
+
+def test_an_admission_pin_gives_a_running_sequence_only_the_pages_it_lacks_from_its_tail() -> None:
+    pool, pin, running = _full_pool_with_an_admission_pin(10, 8)
+    assert running == [8, 9]
+    # the running sequence needs one page more: the pin's last page (7) only, re-allocated to it
+    assert pool.allocate_reclaiming([4], up_to=RECLAIM_LAST, after=9) == [7]
+    assert pool.pin_pages(pin) == [0, 1, 2, 3, 4, 5, 6]
+    assert refs(pool) == [1] * 10 and pool.num_free == 0
+    assert pool.lookup(17) is None and pool.lookup(16) == 6  # page 7 evicted, the pinned prefix still matches
+    assert (pool.trimmed_pages, pool.reclaimed_pins) == (1, 0)
+    # a pull never takes them (``up_to=RECLAIM_FIRST``): the 7 stay pinned
+    assert pool.allocate_reclaiming([4], up_to=RECLAIM_FIRST) is None
+    assert pool.pin_pages(pin) == [0, 1, 2, 3, 4, 5, 6] and pool.trimmed_pages == 1
+    # the request admitted now matches the 7 pinned pages
+    assert pool.match_prefix([10 + i for i in range(8)]) == [0, 1, 2, 3, 4, 5, 6]
+
+
+def test_an_admission_pin_gives_up_as_many_tail_pages_as_the_allocation_lacks_in_one_trim() -> None:
+    pool, pin, _ = _full_pool_with_an_admission_pin(10, 8)
+    pool.free([9])  # one free page: 3 more are lacking for 4
+    assert pool.allocate_reclaiming([4] * 4, up_to=RECLAIM_LAST) is not None
+    assert pool.pin_pages(pin) == [0, 1, 2, 3, 4] and (pool.trimmed_pages, pool.reclaimed_pins) == (3, 0)
+
+
+def test_retained_conversations_still_yield_whole_and_before_an_admission_pin_is_trimmed() -> None:
+    pool, clock = make_pool(8)
+    ids = pool.allocate([4] * 6)
+    assert ids == [0, 1, 2, 3, 4, 5]
+    for pid in ids:
+        pool.register(pid, 10 + pid)
+    pool.pin("pull", [0, 1, 2, 3], ttl_s=2, reclaim=RECLAIM_LAST)  # expires first: still after the conversation
+    pool.pin("conv", [4, 5], ttl_s=60, reclaim=RECLAIM_FIRST)
+    pool.free(ids)
+    assert pool.allocate([4, 4]) == [6, 7] and pool.num_free == 0
+    # one page: the conversation goes whole (both pages cached, its tail 5 evicted first)
+    assert pool.allocate_reclaiming([4], up_to=RECLAIM_LAST) == [5]
+    assert pool.pin_ids() == ["pull"] and pool.cached_page_ids() == [4]
+    assert (pool.reclaimed_pins, pool.trimmed_pages) == (1, 0)
+    # two more: the conversation's cached page 4, then the admission pin's last page
+    assert pool.allocate_reclaiming([4, 4], up_to=RECLAIM_LAST) == [3, 4]
+    assert pool.pin_pages("pull") == [0, 1, 2] and (pool.reclaimed_pins, pool.trimmed_pages) == (1, 1)
+
+
+def test_an_admission_pin_trimmed_to_nothing_is_released_once() -> None:
+    pool, pin, _ = _full_pool_with_an_admission_pin(4, 2)
+    released: list[str] = []
+    pool.on_release = lambda p, _now: released.append(p.pin_id)
+    assert pool.allocate_reclaiming([4, 4, 4], up_to=RECLAIM_LAST) is None  # more than the pin holds: nothing yields
+    assert pool.pin_pages(pin) == [0, 1] and released == []
+    assert pool.allocate_reclaiming([4, 4], up_to=RECLAIM_LAST) == [0, 1]  # all it holds: released whole
+    assert pool.get_pin(pin) is None and released == [pin]
+    assert (pool.reclaimed_pins, pool.trimmed_pages) == (1, 2)
+    # trimmed one page at a time, the last trim releases it
+    pool, pin, _ = _full_pool_with_an_admission_pin(4, 2)
+    pool.on_release = lambda p, _now: released.append(p.pin_id)
+    pool.trim_pin(pin, 1)
+    assert pool.pin_pages(pin) == [0] and pool.cached_page_ids() == [1] and released == [pin]
+    pool.trim_pin(pin, 1)
+    assert pool.get_pin(pin) is None and pool.cached_page_ids() == [1, 0] and released == [pin, pin]
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        pool.trim_pin("none", 0)
+
+
 def test_unhashed_pinned_pages_return_to_the_free_list_on_release() -> None:
     pool, _ = make_pool(4)
     assert pool.allocate([4] * 2) == [0, 1]

@@ -195,11 +195,12 @@ def test_an_idle_queue_runs_a_pulled_request_that_fits_before_the_head_that_woul
 def test_an_idle_queue_that_nothing_else_moves_takes_the_pins_and_runs_to_the_end() -> None:
     """12 pages, nothing running: b's pulled pages 0-3 and c's 4-7 pinned, 4 free (8-11); b and c
     (64 pulled + 80 new tokens: 9 pages, 5 new each) wait behind a 100-token prompt (7 pages). None
-    fits without someone's pins and nothing runs that would free pages, so the head takes the
-    earliest pin (b's) and runs (no deadlock); c's pin survives. At step 2 nothing runs again and b,
-    now the head, would fit only with c's pages: c (5 new pages, its own 4 pulled) runs ahead of it
-    with all 64 pulled tokens, and b, its pages taken at step 1, computes its prompt at step 4.
-    Before, b took c's pin at step 2 as well (c computed its 64 tokens again)."""
+    fits without someone's pins and nothing runs that would free pages, so the head takes the 3 pages
+    it lacks from the tail of the earliest pin (b's: pages 3, 2, 1) and runs (no deadlock); b keeps
+    page 0 pinned and c's pin survives. At step 2 nothing runs again and b, now the head, would fit
+    only with c's pages: c (5 new pages, its own 4 pulled) runs ahead of it with all 64 pulled tokens,
+    and b computes at step 4 all but the pulled page its pin kept. Before, b took c's pin at step 2
+    as well (c computed its 64 tokens again), and the head took b's whole pin (b computed all 64)."""
     kv, sched, reqs = _idle_queue(12, [("b", 500, 80), ("c", 700, 80)])
     b, c = reqs["b"], reqs["c"]
     assert kv.pool.num_free == 4 and [pin.page_ids for pin in kv.pool.pins()] == [(0, 1, 2, 3), (4, 5, 6, 7)]
@@ -211,14 +212,15 @@ def test_an_idle_queue_that_nothing_else_moves_takes_the_pins_and_runs_to_the_en
         steps.append(_step(sched))
         assert len(steps) < 20, "the queue never drained"
     assert steps == [
-        [("head", [0, 1, 2, 3, 8, 9, 10])],
-        [("c", [4, 5, 6, 7, 8, 9, 10, 11, 1])],
+        [("head", [8, 9, 10, 11, 1, 2, 3])],
+        [("c", [4, 5, 6, 7, 1, 2, 3, 9, 10])],
         [],
-        [("b", [5, 6, 7, 8, 9, 10, 11, 0, 1])],
+        [("b", [0, 1, 2, 3, 6, 7, 8, 9, 10])],
         [],
     ]
     assert (c.num_cached_prompt, c.num_pulled_prompt) == (64, 64)
-    assert (b.num_cached_prompt, b.num_pulled_prompt) == (0, 0)
+    assert (b.num_cached_prompt, b.num_pulled_prompt) == (16, 16)
+    assert (kv.pool.trimmed_pages, kv.pool.reclaimed_pins) == (3, 0)
     assert kv.pool.pins() == [] and kv.pool.num_free == 12
 
 
@@ -227,8 +229,9 @@ def test_only_requests_queued_before_the_head_was_held_up_overtake_it() -> None:
     140-token prompt (9 pages) is held up and b (64 pulled + 40 new tokens: 3 new pages), queued
     before that, runs ahead of it. c (64 + 20: 2 new pages) is queued only after step 1: when b ends
     (step 2) and nothing runs, c would fit without pins but may not overtake the head, which takes
-    c's pin (8 pages free or cached, 9 needed) at step 3; c then finds one of its pulled pages still
-    cached. Without the bound a stream of late requests that fit could hold the head up forever."""
+    the one page it lacks (8 pages free or cached, 9 needed) from the tail of c's pin at step 3; c
+    then finds the 3 pulled pages its pin kept. Without the bound a stream of late requests that fit
+    could hold the head up forever."""
     kv, sched, reqs = _idle_queue(12, [("b", 500, 40), ("c", 700, 20)])
     b, c = reqs["b"], reqs["c"]
     head = _prompt(140)
@@ -242,10 +245,46 @@ def test_only_requests_queued_before_the_head_was_held_up_overtake_it() -> None:
     assert steps == [
         [("b", [0, 1, 2, 3, 8, 9, 10])],
         [],
-        [("head", [5, 6, 7, 8, 9, 10, 11, 0, 1])],
-        [("c", [4, 0, 1, 2, 3, 8])],
+        [("head", [7, 8, 9, 10, 11, 0, 1, 2, 3])],
+        [("c", [4, 5, 6, 0, 1, 2])],
         [],
     ]
     assert (b.num_cached_prompt, b.num_pulled_prompt) == (64, 64)
-    assert (c.num_cached_prompt, c.num_pulled_prompt) == (16, 0)
+    assert (c.num_cached_prompt, c.num_pulled_prompt) == (48, 48)
+    assert kv.pool.pins() == [] and kv.pool.num_free == 12
+
+
+def test_a_running_sequence_takes_only_the_last_page_of_an_admission_pin_and_the_request_keeps_the_rest() -> None:
+    """12 pages: a request's 8 pulled pages (0-7) pinned for its admission; it needs one new page and waits
+    while a running sequence (49 + 20 tokens) holds the other 4 (8-11). When that sequence grows past
+    64 tokens the pool is full: it takes the pin's last page (7) only, the pin keeps pages 0-6, and the
+    request, admitted when the sequence ends, finds all 7 (112 tokens) pulled. Before, the whole pin
+    yielded, every later allocation could evict its pages, and the request computed what it lost."""
+    kv = KVCacheManager(PagePool(12, page_size=PAGE), page_size=PAGE)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, chunk_size=256), kv)
+    seed = Sequence("seed", list(range(500, 629)), SamplingParams(max_tokens=1), torch.Generator())
+    sched.add(seed)
+    while sched.has_work():
+        _step(sched)
+    pages = [kv.pool.lookup(h) for h in kv.page_hashes(seed, [page_id_bits(0)] * 8)]
+    assert pages == list(range(8))
+    waiting = Sequence("pulled", list(range(500, 629)), SamplingParams(max_tokens=2), torch.Generator())
+    waiting.admission_pin = pin = pin_for_admission(kv.pool, list(range(8)), pulled=list(range(8)), ttl_s=60.0)
+    run = Sequence("run", list(range(49)), SamplingParams(max_tokens=20), torch.Generator())
+    sched.add(run)
+    sched.add(waiting)
+    steps = []
+    trimmed_at = None
+    while sched.has_work():
+        steps.append(_step(sched))
+        if trimmed_at is None and len(run.page_ids) == 5:
+            trimmed_at = len(steps)
+            assert run.page_ids == [8, 9, 10, 11, 7]
+            assert kv.pool.pin_pages(pin) == [0, 1, 2, 3, 4, 5, 6] and kv.pool.pin_ids() == [pin]
+        assert len(steps) < 50
+    assert trimmed_at == 17  # the step whose token is run's 65th
+    assert [i for i, s in enumerate(steps) if s] == [0, 20]
+    assert steps[20] == [("pulled", [0, 1, 2, 3, 4, 5, 6, 7, 10])]  # page 7 free again when run ended
+    assert (waiting.num_cached_prompt, waiting.num_pulled_prompt) == (112, 112)
+    assert (kv.pool.trimmed_pages, kv.pool.reclaimed_pins) == (1, 0)
     assert kv.pool.pins() == [] and kv.pool.num_free == 12

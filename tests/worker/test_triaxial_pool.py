@@ -15,6 +15,7 @@ import pytest
 
 from kvserving.kernels import layout, page_ids
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG, page_id_bits
+from kvserving.worker.kv.page_pool import RECLAIM_LAST
 from kvserving.worker.triaxial_pool import TriaxialPagePool
 
 F = INT2_PAGE_FLAG
@@ -251,6 +252,26 @@ def test_prefix_cache_and_pins_work_on_int2_pages() -> None:
     pool.free(ids)
     assert pool.allocate([4] * 12) == list(range(12))  # slab 3's cached pages converted
     assert pool.match_prefix(hashes) == []
+
+
+def test_an_admission_pin_yields_its_tail_one_page_at_a_time_until_the_allocation_fits() -> None:
+    # INT4 pages 0-5 (slabs 0 and 1) pinned for an admission, 6-11 a running sequence's: the buffer is full
+    pool, _ = make_pool()
+    ids = pool.allocate([4] * 12)
+    assert ids == list(range(12))
+    for pid in ids[:6]:
+        pool.register(pid, 10 + pid)
+    pool.pin("pull", ids[:6], ttl_s=60, reclaim=RECLAIM_LAST)
+    pool.free(ids[:6])
+    assert free_counts(pool) == (0, 0)
+    # one INT4 page: the pin's last page is enough
+    assert pool.allocate_reclaiming([4], up_to=RECLAIM_LAST) == [5]
+    assert pool.pin_pages("pull") == [0, 1, 2, 3, 4] and pool.trimmed_pages == 1
+    # the sequence lets page 5 go; one INT2 page: slab 1 converts only once none of its pages is owned,
+    # so the pin gives up page 4, then page 3, one at a time (a page's room is not a page there)
+    pool.free([5])
+    assert pool.allocate_reclaiming([2], up_to=RECLAIM_LAST) == [F | 10]
+    assert pool.pin_pages("pull") == [0, 1, 2] and (pool.trimmed_pages, pool.reclaimed_pins) == (3, 0)
 
 
 def test_retire_frees_a_cached_page_at_once_and_an_owned_one_at_its_last_ref() -> None:

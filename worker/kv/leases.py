@@ -219,7 +219,8 @@ def pin_for_admission(
 
 def release_admission(pool: PagePoolBase, pin_id: str, held_page_ids: Sequence[int]) -> int:
     """Drop admission pin ``pin_id`` once its request holds its own refs; how many of the
-    pulled pages the request took. A pin that expired or yielded counts 0."""
+    pulled pages the request took. A pin that expired or yielded whole counts 0; one trimmed
+    (``PagePoolBase.trim_pin``) counts the pulled pages the request holds all the same."""
     pin = pool.get_pin(pin_id)
     if pin is None:
         return 0

@@ -72,19 +72,26 @@ see ``worker/triaxial_pool.py``):
 - **Reclaimable pins yield to live requests.** A pin made with
   ``reclaim=RECLAIM_FIRST`` (a decode worker's retained conversation) or
   ``RECLAIM_LAST`` (pulled pages waiting for their request's admission) may
-  be released before it expires: ``reclaim_one`` drops the reclaimable pin
-  of the lowest class, earliest expiry first (the least recently active
-  conversation), and the KV manager calls it when an allocation fails, before
-  it gives up or preempts. Retained KV and pulled pages are bets on a next
+  yield before it expires: when an allocation fails, ``allocate_reclaiming``
+  (the KV manager's, before it gives up or preempts) takes the reclaimable
+  pin of the lowest class, earliest expiry first (the least recently active
+  conversation), and retries, until the pages fit or no pin is left. A
+  ``RECLAIM_FIRST`` pin is released whole (``reclaim_one``); a ``RECLAIM_LAST``
+  pin gives up only the pages the allocation still lacks, from its tail
+  (``trim_pin``; one page at a time where a page's room is not one page:
+  the triaxial pool), and is released once trimmed to nothing: its request
+  still matches the pinned prefix, and the pages a chained hash needs last
+  are the ones it loses. Retained KV and pulled pages are bets on a next
   step; they must never starve the requests that can run now (else a pool
   full of them admits nothing until they expire). Pulled pages yield to the
   growth of running sequences, never to a pull (``up_to``), and to an
   admission only when nothing runs and no other waiting request fits
   without them (``Scheduler._overtake``): a waiting request's pulled pages
   taken for another request make it compute them again, and running
-  sequences free pages as they end. Released pages stay in the
-  prefix cache (their hashes are kept), so a request whose pin went may still
-  match them; a peer reading a released lease finds it gone and recomputes.
+  sequences free pages as they end. Released and trimmed pages stay in the
+  prefix cache (their hashes are kept; trimmed ones are queued tail first,
+  as ``free`` does), so a request whose pin went may still match them; a
+  peer reading a released lease finds it gone and recomputes.
 """
 
 from __future__ import annotations
@@ -324,7 +331,8 @@ class PagePoolBase:
         self._pins: dict[str, Pin] = {}
         self._regions: tuple[_Region, ...] = ()
         self.evicted_pages = 0  # cached pages forgotten to make room, ever (a counter)
-        self.reclaimed_pins = 0  # reclaimable pins released early to make room (a counter)
+        self.reclaimed_pins = 0  # reclaimable pins released early to make room, trimmed to nothing included (a counter)
+        self.trimmed_pages = 0  # pages RECLAIM_LAST pins gave up from their tails to make room (a counter)
         # called with each pin as it goes (released, reclaimed or expired) and the clock then: for the
         # layer that made it (the pool never reads a pin's record)
         self.on_release: Callable[[Pin, float], None] | None = None
@@ -561,13 +569,50 @@ class PagePoolBase:
 
     def allocate_reclaiming(self, page_bits: Sequence[int], *, up_to: int, after: int | None = None, expect: int = 0) -> list[int] | None:
         """``allocate_next``; when the pages do not fit, reclaimable pins of a class up to ``up_to``
-        yield one at a time (``reclaim_one``) until they do, none when all of them together would
-        not make room (``could_fit_after_reclaim``)."""
+        yield (``_yield_one``) until they do, none when all of them together would not make room
+        (``could_fit_after_reclaim``)."""
         got = self.allocate_next(page_bits, after=after, expect=expect)
         if got is None and self.could_fit_after_reclaim(page_bits, up_to):
-            while got is None and self.reclaim_one(up_to) is not None:
+            while got is None and self._yield_one(page_bits, up_to):
                 got = self.allocate_next(page_bits, after=after, expect=expect)
         return got
+
+    def _yield_one(self, page_bits: Sequence[int], up_to: int) -> bool:
+        """One yield for ``allocate(page_bits)``: the next pin ``reclaim_one(up_to)`` would take goes whole,
+        or, of class ``RECLAIM_LAST``, gives up the last pages the allocation lacks (``_pages_short``) and
+        goes only once none is left (module docstring). False when no pin may yield."""
+        pin = self._next_to_reclaim(up_to)
+        if pin is None:
+            return False
+        if pin.reclaim == RECLAIM_LAST:
+            k = min(self._pages_short(page_bits), len(pin.page_ids))
+            self.trimmed_pages += k
+            if k < len(pin.page_ids):
+                self.trim_pin(pin.pin_id, k)
+                return True
+        self.release(pin.pin_id)
+        self.reclaimed_pins += 1
+        return True
+
+    def _pages_short(self, page_bits: Sequence[int]) -> int:
+        """Pages a pin gives up per yield to ``allocate(page_bits)``: one (a pool whose pages take
+        different room); ``PagePool`` counts what the allocation lacks."""
+        return 1
+
+    def trim_pin(self, pin_id: str, k: int) -> None:
+        """Drop pin ``pin_id``'s refs on its last ``k`` pages (tail first into the LRU, as ``free``);
+        ``k`` at least its length releases it (``release``)."""
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        pin = self._pin(pin_id)
+        if k >= len(pin.page_ids):
+            self.release(pin_id)
+            return
+        tail = pin.page_ids[-k:]
+        pin.page_ids = pin.page_ids[:-k]
+        for pid in tail:
+            self._pages[pid].pins.remove(pin_id)
+        self.free(tail)
 
     def _reclaimable(self, up_to: int) -> list[Pin]:
         """The pins ``reclaim_one(up_to)`` may release."""
@@ -592,13 +637,17 @@ class PagePoolBase:
     def _room_total(self) -> int:
         raise NotImplementedError
 
+    def _next_to_reclaim(self, up_to: int) -> Pin | None:
+        """The reclaimable pin of the lowest ``reclaim`` class (at most ``up_to``), earliest expiry first."""
+        candidates = self._reclaimable(up_to)
+        return min(candidates, key=lambda pin: (pin.reclaim, pin.expires_at)) if candidates else None
+
     def reclaim_one(self, up_to: int = RECLAIM_LAST) -> str | None:
         """Release the reclaimable pin of the lowest ``reclaim`` class (at most ``up_to``), earliest
-        expiry first; its id, or None if there is none."""
-        candidates = self._reclaimable(up_to)
-        if not candidates:
+        expiry first, whole; its id, or None if there is none."""
+        pin = self._next_to_reclaim(up_to)
+        if pin is None:
             return None
-        pin = min(candidates, key=lambda pin: (pin.reclaim, pin.expires_at))
         self.release(pin.pin_id)
         self.reclaimed_pins += 1
         return pin.pin_id
@@ -655,6 +704,10 @@ class PagePool(PagePoolBase):
 
     def _room_referenced(self) -> int:
         return self.num_pages - self.num_free
+
+    def _pages_short(self, page_bits: Sequence[int]) -> int:
+        """What ``allocate(page_bits)`` lacks: it fits once free plus cached pages cover it."""
+        return max(1, len(page_bits) - self.num_free)
 
     def _room_total(self) -> int:
         return self.num_pages
