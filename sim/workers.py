@@ -79,7 +79,8 @@ from kvserving.sim.costs import CostModel
 from kvserving.worker.kv.leases import HOLD_MARGIN_S, NO_ROOM_HOLDERS
 from kvserving.worker.kv.page_pool import PAGE_WAIT_POLL_S, PAGE_WAIT_SHARE
 
-TRANSFER_ENDS = ("released", "expired")  # how a prefill's transfer lease ends here (``WorkerStats``)
+# how a prefill's transfer lease ends in the replay (``WorkerStats``; the worker's five: kv.leases.TRANSFER_ENDS)
+SIM_TRANSFER_ENDS = ("released", "expired")
 SKIP_REASONS = ("nothing_to_pull", "below_threshold", "no_free_pages")  # ``PullResult.skipped``: nothing pulled, no fault
 
 
@@ -175,8 +176,8 @@ class WorkerStats:
     no_room_held: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NO_ROOM_HOLDERS, 0))
     # a prefill's transfer leases by how they ended (``released``: the decode's pull is over; ``expired``)
     # and the seconds they held their pages (the worker's ``TransferLifetimes``: lease and READ hold together)
-    transfer_leases_ended: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRANSFER_ENDS, 0))
-    transfer_lease_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TRANSFER_ENDS, 0.0))
+    transfer_leases_ended: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SIM_TRANSFER_ENDS, 0))
+    transfer_lease_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SIM_TRANSFER_ENDS, 0.0))
     page_wait_s: float = 0.0  # their waits, in all
     leases_expired: int = 0
     leases_reclaimed: int = 0  # leases and admission pins released early, trimmed to nothing included
