@@ -32,3 +32,29 @@ def test_triaxial_capacity_holds_the_bit_budget_and_reports_it(engine_gpu: Modul
     assert hold["bits_cut"] is not None and abs(hold["stored_bits"] - 2.7) <= 0.05
     # the bench's class mix is not the one the default table was walked on: the fixed table misses the budget
     assert abs(fixed["stored_bits"] - 2.7) > 0.05, fixed["stored_bits"]
+
+
+def test_an_unknown_format_is_refused_in_one_line_before_any_work(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "fp8" is the agent bench's name; the engine bench takes the engine config's (fp8_e4m3)
+    module = load_bench("engine_gpu")
+    monkeypatch.setattr("sys.argv", ["engine_gpu.py", "--smoke", "--formats", "nvfp4,fp8"])
+    with pytest.raises(SystemExit) as exc:
+        module.main()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "engine_gpu.py: error: --formats: unknown fp8; expected some of bf16, fp8_e4m3, nvfp4, triaxial"
+
+
+def test_the_decode_bench_refuses_an_unknown_format_the_same_way(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = load_bench("decode_gpu")
+    monkeypatch.setattr("sys.argv", ["decode_gpu.py", "--formats", "fp8"])
+    with pytest.raises(SystemExit) as exc:
+        module.main()
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "decode_gpu.py: error: --formats: unknown fp8; expected some of bf16, fp8_e4m3, nvfp4, triaxial"
+    )

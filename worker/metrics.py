@@ -116,7 +116,7 @@ class WorkerMetrics:
         self.kv_evicted_pages = Counter("kvserving_worker_kv_evicted_pages_total", "cached KV pages evicted (LRU) to make room", registry=r)
         self.kv_reclaimed_leases = Counter(
             "kvserving_worker_kv_leases_reclaimed_total",
-            "retained-KV leases released before expiry because live requests needed the pages",
+            "reclaimable pins (retained-KV leases; admission pins trimmed to nothing) released before expiry because live requests needed the pages",
             registry=r,
         )
         self.kv_admission_pages_trimmed = Counter(
