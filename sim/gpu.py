@@ -48,6 +48,7 @@ LONG_TTFT_P99_MS = 4000.0
 # Simulator.pull_counters
 PULL_COUNTERS = (
     "computed_tokens",
+    "lost_tokens",  # pulled tokens in place that the request's admission no longer found
     "pull_fallbacks",
     "pull_skipped",
     "pull_skipped_tokens",
@@ -176,7 +177,7 @@ def reproduce(
                     **{
                         f"{role}_{k}": p.get(f"{role}_{k}")
                         for role in ("prefill", "decode")
-                        for k in ("no_room", "no_room_held_pages", "transfer_leases", "transfer_lease_s")
+                        for k in ("no_room", "no_room_held_pages", "transfer_leases", "transfer_lease_s", "lost_tokens")
                     },
                     "wall_s": p.get("wall_s"),
                     "requests": p.get("requests"),
@@ -202,6 +203,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         "TPOT p50 sim/meas",
         "evict P+D sim/meas",
         "D computed sim/meas",
+        "D lost sim/meas",
         "GPU P/D/both",
         "preempt sim/meas",
     ]
@@ -224,6 +226,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                 f"{s['tpot_p50_ms']:.1f} / {m['tpot_p50_ms']:.1f}",
                 f"{s['prefill_evicted_pages'] + s['decode_evicted_pages']} / {m['prefill_evicted_pages'] + m['decode_evicted_pages']}",
                 f"{_count(s.get('decode_computed_tokens'))} / {_count(m.get('decode_computed_tokens'))}",
+                f"{_count(r['sim_counters'].get('decode_lost_tokens'))} / {_count(r['measured_counters'].get('decode_lost_tokens'))}",
                 f"{c['prefill_only']:.2f}/{c['decode_only']:.2f}/{c['both']:.2f}",
                 f"{r['sim_counters']['preemptions']} / {r['measured_counters']['preemptions']}",
             ]
