@@ -154,5 +154,6 @@ class Slabs:
         return per * slab + slot
 
     def page_ids(self, slab: int, *, bits: int) -> list[int]:
-        """Every id of ``slab`` at ``bits``, slot 0 first."""
-        return [self.page_id(slab, slot, bits=bits) for slot in range(self.pages_per_slab(bits=bits))]
+        """Every id of ``slab`` at ``bits``, slot 0 first (a slab's ids are consecutive at either precision)."""
+        first = self.page_id(slab, 0, bits=bits)
+        return list(range(first, first + self.pages_per_slab(bits=bits)))

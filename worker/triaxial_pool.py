@@ -250,8 +250,7 @@ class TriaxialPagePool(PagePoolBase):
             self._free_slots[k] = 0
         owned = self._slab_owned[k] > 0
         if kind != FREE and not owned:
-            first = self.slabs.page_id(k, 0, bits=kind)
-            pages = (self._pages.get(pid) for pid in range(first, first + self._per[kind]))
+            pages = (self._pages.get(pid) for pid in self.slabs.page_ids(k, bits=kind))
             self._newest[k] = max(page.last_used for page in pages if page is not None)
         key = (kind, owned, self._free_slots[k] != 0)
         old = self._filed[k]
@@ -371,8 +370,7 @@ class TriaxialPagePool(PagePoolBase):
     def _convert(self, k: int, bits: int) -> int:
         """Evict every (cached) page of slab ``k``, which holds no owned page, and take it for ``bits``."""
         kind = self._kind[k]
-        first = self.slabs.page_id(k, 0, bits=kind)
-        for pid in range(first, first + self._per[kind]):
+        for pid in self.slabs.page_ids(k, bits=kind):
             if pid in self._pages:
                 self._evict(pid)
         self._num_free_slots[kind] -= self._free_slots[k].bit_count()

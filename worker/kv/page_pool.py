@@ -590,8 +590,7 @@ class PagePoolBase:
             if k < len(pin.page_ids):
                 self.trim_pin(pin.pin_id, k)
                 return True
-        self.release(pin.pin_id)
-        self.reclaimed_pins += 1
+        self._reclaim(pin)
         return True
 
     def _pages_short(self, page_bits: Sequence[int]) -> int:
@@ -648,9 +647,13 @@ class PagePoolBase:
         pin = self._next_to_reclaim(up_to)
         if pin is None:
             return None
+        self._reclaim(pin)
+        return pin.pin_id
+
+    def _reclaim(self, pin: Pin) -> None:
+        """Release ``pin`` before its expiry to make room, counted."""
         self.release(pin.pin_id)
         self.reclaimed_pins += 1
-        return pin.pin_id
 
     def get_pin(self, pin_id: str) -> Pin | None:
         """The live pin (read it, don't change it); None when there is none of that id."""
