@@ -3,16 +3,16 @@
 ``paged_ops`` and the kernels' ``supported`` checks read this table and
 nothing else about the device, so what a GPU runs is stated once:
 
-=========  ========================  =======  =======================  =====  =======
-capability  GPUs                     decode   extend                   write  E2M1
-=========  ========================  =======  =======================  =====  =======
-8.0 - 8.8  A100, A10, RTX 30         tl       tl                       tl     bits
-8.9        L4, L40S, RTX 40          gluon    tl                       tl     bits
-9.0        H100, H200, GH200         gluon    gluon (wgmma)            tl     bits
-10.0       B200, GB200               gluon    tl                       tl     cvt
-12.0       RTX PRO 6000, RTX 50      gluon    tl                       tl     cvt
-other      (older or newer majors)   tl       tl                       tl     bits
-=========  ========================  =======  =======================  =====  =======
+=========  ========================  =======  =======================  =====  =======  ===
+capability  GPUs                     decode   extend                   write  E2M1     PDL
+=========  ========================  =======  =======================  =====  =======  ===
+8.0 - 8.8  A100, A10, RTX 30         tl       tl                       tl     bits     no
+8.9        L4, L40S, RTX 40          gluon    tl                       tl     bits     no
+9.0        H100, H200, GH200         gluon    gluon (wgmma)            tl     bits     yes
+10.0       B200, GB200               gluon    tl                       tl     cvt      yes
+12.0       RTX PRO 6000, RTX 50      gluon    tl                       tl     cvt      yes
+other      (older or newer majors)   tl       tl                       tl     bits     no
+=========  ========================  =======  =======================  =====  =======  ===
 
 - decode ``gluon``: gluon_decode (mma.sync, cp.async; e4m3 conversion needs
   8.9); ``tl``: triton_decode.
@@ -26,6 +26,11 @@ other      (older or newer majors)   tl       tl                       tl     bi
   ``lop3`` (gluon_fragments._asm_e2m1_cvt, triton_codec.nibbles_e2m1), the
   same values bit for bit. The instruction exists on the arch-specific
   targets only, so only the exact capabilities compiled in CI get it.
+- PDL: programmatic dependent launch (sm_90 and later). The decode step's
+  small Triton kernels (norms, RoPE, SiLU, the KV write, the split merge)
+  may then launch while the kernel before them drains, read their weights,
+  and wait (``griddepcontrol.wait``) before anything that kernel writes;
+  used where ``KernelOptions.pdl`` asks for it (``KernelOptions.overlaps``).
 
 A capability missing from the table runs the row of its major with the
 highest minor at or below it (bits for E2M1), and a major missing altogether
@@ -51,6 +56,7 @@ class KernelChoice:
     extend: str  # "gluon" (gluon_extend, gluon_extend_tri) or "tl" (triton_prefill)
     write: str  # "tl" (triton_write) on every GPU
     e2m1: str  # "cvt" (cvt.rn.f16x2.e2m1x2) or "bits" (bit placement) in the decodes' nvfp4 unpackers
+    pdl: bool = False  # programmatic dependent launch (griddepcontrol) exists
 
     def __post_init__(self) -> None:
         for name, allowed in (("decode", ("gluon", "tl")), ("extend", ("gluon", "tl")), ("write", ("tl",)),
@@ -64,9 +70,9 @@ PORTABLE = KernelChoice(decode="tl", extend="tl", write="tl", e2m1="bits")
 TABLE: dict[tuple[int, int], KernelChoice] = {
     (8, 0): PORTABLE,
     (8, 9): KernelChoice(decode="gluon", extend="tl", write="tl", e2m1="bits"),
-    (9, 0): KernelChoice(decode="gluon", extend="gluon", write="tl", e2m1="bits"),
-    (10, 0): KernelChoice(decode="gluon", extend="tl", write="tl", e2m1="cvt"),
-    (12, 0): KernelChoice(decode="gluon", extend="tl", write="tl", e2m1="cvt"),
+    (9, 0): KernelChoice(decode="gluon", extend="gluon", write="tl", e2m1="bits", pdl=True),
+    (10, 0): KernelChoice(decode="gluon", extend="tl", write="tl", e2m1="cvt", pdl=True),
+    (12, 0): KernelChoice(decode="gluon", extend="tl", write="tl", e2m1="cvt", pdl=True),
 }
 
 # compiled offline in CI (Triton's arch names: sm_90a, sm_100a, sm_120a)

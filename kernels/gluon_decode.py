@@ -813,13 +813,14 @@ def decode_attention(
     *,
     sm_scale: float,
     num_int2_pages: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Launch the Gluon decode (arguments checked by paged_ops; ``supported`` must hold) -> [B, Hq, D] in q.dtype:
-    GL_TUNING's kernel on split_plan's splits."""
+    GL_TUNING's kernel on split_plan's splits; ``pdl``: the split merge with programmatic dependent launch."""
     cfg = GL_TUNING[kv.layout.fmt]
     plan = split_plan(q, kv, page_table, cfg)
     out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages, cfg=cfg,
-                           plan=plan)  # fmt: skip
+                           plan=plan, pdl=pdl)  # fmt: skip
     return out
 
 
@@ -860,6 +861,7 @@ def launch_decode(
     num_int2_pages: torch.Tensor | None,
     cfg: dict[str, int],
     plan: tuple[int, int],
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, Any]:
     """The launch of ``decode_attention`` with its tuning ``cfg`` and split plan (splits, pages per split) given
     -> (output, the compiled kernel). decode_attention passes GL_TUNING's and split_plan's; tests and benchmarks
@@ -885,7 +887,7 @@ def launch_decode(
         H=run.kv_heads, G=run.group, HP=hp, STAGES=cfg["STAGES"], **args, **args2, **cap,
         E2M1_CVT=int(layout.fmt == "nvfp4" and device_choice(q.device).e2m1 == "cvt"), LEAN=cfg.get("LEAN", 0),
     )  # fmt: skip
-    return merge_splits(run, v_mul=v_fold), kernel
+    return merge_splits(run, v_mul=v_fold, pdl=pdl), kernel
 
 
 def register_cap(fmt: str, cfg: dict[str, int], *, heads: int) -> int | None:

@@ -18,6 +18,9 @@ KVSERVING_DECODE_KERNEL     decode_kernel   ``auto`` (Gluon where it is supporte
                                             ``gluon`` (refuse a call Gluon cannot run) or ``tl``
 KVSERVING_TRITON_FAST=0/1   triton_fast     force the ``tl`` decode's inline-assembly (1) or
                                             portable (0) decoders (unset: assembly on a GPU)
+KVSERVING_PDL=1             pdl             the decode step's small kernels launch with
+                                            programmatic dependent launch where the GPU has it
+                                            (``capability``'s PDL column; unset: off)
 TRITON_INTERPRET=1          interpret       kernels run in Triton's interpreter (no assembly)
 ==========================  ==============  ===================================================
 """
@@ -29,6 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+from .capability import device_choice
 
 BACKENDS = ("reference", "triton")
 DECODE_KERNELS = ("auto", "gluon", "tl")
@@ -42,6 +47,7 @@ class KernelOptions:
     check_values: bool = False  # value checks on CUDA tensors too (CPU tensors are always checked)
     decode_kernel: str = "auto"
     triton_fast: bool | None = None  # None: inline-assembly decoders on a real GPU
+    pdl: bool = False  # programmatic dependent launch where the device has it (``overlaps``)
     interpret: bool = False
 
     def __post_init__(self) -> None:
@@ -64,11 +70,15 @@ class KernelOptions:
         fast = env.get("KVSERVING_TRITON_FAST") or None
         if fast not in (None, "0", "1"):
             raise ValueError(f"KVSERVING_TRITON_FAST={fast!r}; expected 0 or 1 (or unset)")
+        pdl = env.get("KVSERVING_PDL") or "0"
+        if pdl not in ("0", "1"):
+            raise ValueError(f"KVSERVING_PDL={pdl!r}; expected 0 or 1 (or unset)")
         return cls(
             backend=backend,
             check_values=env.get("KVSERVING_CHECK_VALUES") == "1",
             decode_kernel=kernel,
             triton_fast=None if fast is None else fast == "1",
+            pdl=pdl == "1",
             interpret=env.get("TRITON_INTERPRET") == "1",
         )
 
@@ -77,3 +87,8 @@ class KernelOptions:
         if self.triton_fast is not None:
             return self.triton_fast
         return device.type == "cuda" and not self.interpret
+
+    def overlaps(self, device: torch.device) -> bool:
+        """Whether the kernels that support it launch on ``device`` with programmatic dependent launch: asked for
+        (``pdl``), a GPU whose capability row has it, and not the interpreter (it has no ``griddepcontrol``)."""
+        return self.pdl and not self.interpret and device_choice(device).pdl

@@ -96,7 +96,7 @@ def write_kv(
     paged_ref.check_write_kv(kv, k, v, page_ids, slots, values=_values(kv, check_values, opts))
     from . import triton_write
 
-    triton_write.write_kv(kv, k, v, page_ids, slots)
+    triton_write.write_kv(kv, k, v, page_ids, slots, pdl=opts.overlaps(k.device))
 
 
 def write_int2_pages(
@@ -144,13 +144,14 @@ def decode_attention(
     if which == "gluon":
         from . import gluon_decode
 
-        return gluon_decode.decode_attention(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages)
+        return gluon_decode.decode_attention(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages,
+                                             pdl=opts.overlaps(q.device))  # fmt: skip
     from . import triton_decode
 
     fast = opts.fast_decoders(q.device)
     cvt = device_choice(q.device).e2m1 == "cvt"
     return triton_decode.decode_attention(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages, fast=fast,
-                                          e2m1_cvt=cvt)  # fmt: skip
+                                          e2m1_cvt=cvt, pdl=opts.overlaps(q.device))  # fmt: skip
 
 
 def gather_kv(

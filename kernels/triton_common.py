@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_pdl
 from .layout import PageLayout
 from .paged_kv import PagedKV
 
@@ -235,9 +236,12 @@ def _merge_kernel(
     BLOCK_S: tl.constexpr,  # splits per step
     D: tl.constexpr,
     ONE: tl.constexpr,  # S <= BLOCK_S: one step, lse and o loaded together (one round trip instead of two)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): wait before any access
 ):
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
+    triton_pdl.start(PDL)
+    triton_pdl.wait(PDL)
     if ONE:
         s = tl.arange(0, BLOCK_S)
         lse = tl.load(lse_ptr + row * S + s, mask=s < S, other=float("-inf"))
@@ -271,13 +275,13 @@ def merge_block(splits: int) -> int:
     return min(128, max(16, triton.next_power_of_2(splits)))
 
 
-def merge_splits(launch: SplitLaunch, *, v_mul: float) -> torch.Tensor:
+def merge_splits(launch: SplitLaunch, *, v_mul: float, pdl: bool = False) -> torch.Tensor:
     """Merge the splits' partial outputs by log-sum-exp -> [B, Hq, D] in q's dtype, times ``v_mul`` (one step up to
-    merge_block's 128 splits, the two-loop merge beyond)."""
+    merge_block's 128 splits, the two-loop merge beyond); ``pdl``: with programmatic dependent launch."""
     b, hq, d = launch.q.shape
     out = torch.empty(b, hq, d, dtype=launch.q.dtype, device=launch.q.device)
     bs = merge_block(launch.splits)
     one = launch.splits <= bs
-    _merge_kernel[(b * hq,)](launch.o, launch.lse, out, v_mul, launch.splits, BLOCK_S=bs, D=d, ONE=one,
-                             num_warps=4 if bs <= 32 else 8)  # fmt: skip
+    _merge_kernel[(b * hq,)](launch.o, launch.lse, out, v_mul, launch.splits, BLOCK_S=bs, D=d, ONE=one, PDL=pdl,
+                             num_warps=4 if bs <= 32 else 8, **triton_pdl.launch_args(pdl))  # fmt: skip
     return out

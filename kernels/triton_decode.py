@@ -483,14 +483,16 @@ def decode_attention(
     num_int2_pages: torch.Tensor | None = None,
     fast: bool,
     e2m1_cvt: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Launch the tl decode (arguments checked by paged_ops) -> [B, Hq, D] in q.dtype: TUNING's kernel on the
     planner's splits. fast: inline-assembly decoders (KernelOptions.fast_decoders); e2m1_cvt: with fast, nvfp4
-    nibbles by Blackwell's cvt.rn.f16x2.e2m1x2 (capability.TABLE's e2m1 "cvt")."""
+    nibbles by Blackwell's cvt.rn.f16x2.e2m1x2 (capability.TABLE's e2m1 "cvt"); pdl: the split merge with
+    programmatic dependent launch."""
     if kv.layout.fmt not in TUNING:
         raise ValueError(f"no Triton decode for {kv.layout.fmt!r} pages (fp32 pages run on the reference path)")
     out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages, fast=fast,
-                           e2m1_cvt=e2m1_cvt, cfg=TUNING[kv.layout.fmt])  # fmt: skip
+                           e2m1_cvt=e2m1_cvt, cfg=TUNING[kv.layout.fmt], pdl=pdl)  # fmt: skip
     return out
 
 
@@ -506,6 +508,7 @@ def launch_decode(
     cfg: dict[str, int],
     plan: tuple[int, int] | None = None,
     e2m1_cvt: bool = False,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, Any]:
     """The launch of ``decode_attention`` with its tuning ``cfg`` given and, optionally, its split plan (splits,
     pages per split; None: triton_common.plan_splits') -> (output, the last compiled kernel). decode_attention
@@ -533,4 +536,4 @@ def launch_decode(
             PPI=ppi2 if part == 2 else cfg["PPI"], NUM_STAGES=cfg["NUM_STAGES"],
             FAST=2 if fast and e2m1_cvt else int(fast), num_warps=cfg["num_warps"], **extra,
         )  # fmt: skip
-    return merge_splits(run, v_mul=v_fold), kernel
+    return merge_splits(run, v_mul=v_fold, pdl=pdl), kernel

@@ -46,6 +46,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import triton_pdl
+
 GROUP = 128  # the scale group along K and the weight tile edge
 
 
@@ -103,9 +105,12 @@ def _sum_splits_kernel(
     total,  # M * N
     SPLIT_K: tl.constexpr,  # partials per element, summed in order 0, 1, ... (deterministic)
     BLOCK: tl.constexpr,  # elements per program
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): wait before any access
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
+    triton_pdl.start(PDL)
+    triton_pdl.wait(PDL)
     acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(p_ptr + s * total + offs, mask=ok, other=0.0)
@@ -136,6 +141,8 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,  # weight columns per step, a multiple of 128 dividing K
     SPLIT_K: tl.constexpr,  # programs along K: split s takes a contiguous run of the K / BLOCK_K steps
     STAGES: tl.constexpr,  # steps whose weight loads the compiler issues ahead of their use (1: none)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): the first step's weights are
+    # loaded before the wait (no kernel of the step writes them), x after it
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -152,10 +159,14 @@ def _gemv_kernel(
     acc3 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
     steps = k // BLOCK_K
     per_split = tl.cdiv(steps, SPLIT_K)
-    for step in tl.range(pid_k * per_split, tl.minimum(steps, (pid_k + 1) * per_split), num_stages=STAGES):
+    first = pid_k * per_split
+    triton_pdl.start(PDL)
+    for step in tl.range(first, tl.minimum(steps, (pid_k + 1) * per_split), num_stages=STAGES):
         kk = step * BLOCK_K + ks  # [BLOCK_K]
         w = tl.load(w_tile + step * BLOCK_K, mask=row_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
         sw = tl.load(sw_row + kk // 128)  # [BLOCK_K]: each column's tile scale (BLOCK_K / 128 distinct values)
+        if step == first:
+            triton_pdl.wait(PDL)
         # each row: x[m, kk] * sw (the tile scale moved onto the activation), then the dot along K
         acc0 += _lane_sums(w * (tl.load(x_ptr + kk).to(tl.float32) * sw)[None, :], BLOCK_N, BLOCK_K)
         if ROWS > 1:
@@ -164,6 +175,7 @@ def _gemv_kernel(
             acc2 += _lane_sums(w * (tl.load(x_ptr + 2 * stride_xm + kk).to(tl.float32) * sw)[None, :], BLOCK_N, BLOCK_K)
         if ROWS > 3:
             acc3 += _lane_sums(w * (tl.load(x_ptr + 3 * stride_xm + kk).to(tl.float32) * sw)[None, :], BLOCK_N, BLOCK_K)
+    triton_pdl.wait(PDL)  # before any store (a program with no step has not waited yet)
     c = c_ptr + pid_k.to(tl.int64) * stride_cs + rows
     tl.store(c, tl.sum(acc0, axis=1).to(c_ptr.dtype.element_ty), mask=row_ok)
     if ROWS > 1:
@@ -466,11 +478,12 @@ def block_gemm(qa: Tensor, sa: Tensor, codes: Tensor, scale: Tensor, *, out_dtyp
     return out
 
 
-def _sum_splits(partials: Tensor, out: Tensor) -> None:
+def _sum_splits(partials: Tensor, out: Tensor, *, pdl: bool = False) -> None:
     """out [M, N] = partials [S, M, N] (fp32, contiguous) summed over S in split order."""
     block = 1024
     total = out.numel()
-    _sum_splits_kernel[(triton.cdiv(total, block),)](partials, out, total, SPLIT_K=partials.shape[0], BLOCK=block, num_warps=4)
+    _sum_splits_kernel[(triton.cdiv(total, block),)](partials, out, total, SPLIT_K=partials.shape[0], BLOCK=block, PDL=pdl,
+                                                     num_warps=4, **triton_pdl.launch_args(pdl))  # fmt: skip
 
 
 def _check_weight(name: str, k: int, codes: Tensor, scale: Tensor) -> None:
@@ -483,9 +496,10 @@ def _check_weight(name: str, k: int, codes: Tensor, scale: Tensor) -> None:
         raise ValueError(f"{name}: scale {tuple(scale.shape)} {scale.dtype} must be float32 {((n + GROUP - 1) // GROUP, k // GROUP)}")
 
 
-def gemv(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+def gemv(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = torch.bfloat16, pdl: bool | None = None) -> Tensor:
     """x [M, K] bf16 or fp32 (M <= 4, K a multiple of 128), codes [N, K] e4m3, scale [ceil(N/128), K/128] fp32
-    -> [M, N] ``out_dtype``: the product with x as it is (no activation quantization), fp32 sums."""
+    -> [M, N] ``out_dtype``: the product with x as it is (no activation quantization), fp32 sums. ``pdl``: with
+    programmatic dependent launch (None: ``triton_pdl.resolve``'s choice)."""
     if x.dim() != 2 or x.shape[0] > GEMV_ROWS:
         raise ValueError(f"gemv: x {tuple(x.shape)} must be [M, K] with M <= {GEMV_ROWS}")
     if x.dtype not in (torch.bfloat16, torch.float32):
@@ -505,12 +519,14 @@ def gemv(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = to
         return out
     # c: the output, or [S, M, N] fp32 partials that the second launch sums in split order
     c = out if g.split_k == 1 else torch.empty((g.split_k, m, n), dtype=torch.float32, device=x.device)
+    on = triton_pdl.resolve(pdl, x.device)
     _gemv_kernel[(triton.cdiv(n, g.block_n), g.split_k)](
         x, codes, scale, c, n, k, x.stride(0), codes.stride(0), scale.stride(0), c.stride(-2), c.stride(0) if g.split_k > 1 else 0,
-        ROWS=m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, STAGES=g.stages, num_warps=g.warps,
+        ROWS=m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, STAGES=g.stages, PDL=on, num_warps=g.warps,
+        **triton_pdl.launch_args(on),
     )  # fmt: skip
     if g.split_k > 1:
-        _sum_splits(c, out)
+        _sum_splits(c, out, pdl=on)
     return out
 
 

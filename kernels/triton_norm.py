@@ -10,7 +10,9 @@ of the sum of squares and the last bit of ``rsqrt`` / ``exp``)::
     qk_norm_rope   qkv [T, (H + 2 Hkv) * D]  -> q [T, H, D], k [T, Hkv, D] (per head: norm, then rotate), v copied
     silu_mul       gate_up [T, 2 I]          -> round(silu(gate)) * up  [T, I]
 
-Shapes are static per call and nothing reads back to the host, so the kernels run inside CUDA graphs.
+Shapes are static per call and nothing reads back to the host, so the kernels run inside CUDA graphs. Each
+takes ``pdl``: launched with programmatic dependent launch (``triton_pdl``), it reads its weights while the
+kernel before it drains; ``None`` asks the environment (``triton_pdl.resolve``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from . import triton_pdl
 
 MAX_NORM_WIDTH = 65536  # one program normalises one whole row in registers
 
@@ -50,10 +54,14 @@ def _rms_norm_kernel(
     eps,  # float: added to the mean square
     HAS_RES: tl.constexpr,  # add the residual first and write the sum
     BLOCK: tl.constexpr,  # next power of two >= N
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl)
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
+    triton_pdl.start(PDL)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: no kernel of the step writes it
+    triton_pdl.wait(PDL)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
@@ -62,7 +70,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
     normed = _rounded(xf * inv, x.dtype)  # rounded to the activation dtype, as the reference
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dt_out = out_ptr.dtype.element_ty
     tl.store(out_ptr + row * out_stride + cols, _rounded(w * normed, dt_out).to(dt_out), mask=mask)
 
@@ -100,12 +107,20 @@ def _qk_norm_rope_kernel(
     D: tl.constexpr,  # head_dim (even)
     HAS_NORM: tl.constexpr,  # Qwen3's per-head RMSNorm of q and k before RoPE
     BLOCK: tl.constexpr,  # next power of two >= D / 2
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl)
 ):
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # 0..H-1 q, H..H+HKV-1 k, then v
+    is_q = head < H
     HALF: tl.constexpr = D // 2
     offs = tl.arange(0, BLOCK)
     mask = offs < HALF
+    triton_pdl.start(PDL)
+    if HAS_NORM:  # the q- or k-norm weight, read before the wait: no kernel of the step writes it
+        w1 = tl.where(is_q, tl.load(qw_ptr + offs, mask=mask, other=0.0), tl.load(kw_ptr + offs, mask=mask, other=0.0))
+        w2 = tl.where(is_q, tl.load(qw_ptr + HALF + offs, mask=mask, other=0.0),
+                      tl.load(kw_ptr + HALF + offs, mask=mask, other=0.0))  # fmt: skip
+    triton_pdl.wait(PDL)
     src = qkv_ptr + t * qkv_stride + head * D
     x1 = tl.load(src + offs, mask=mask, other=0.0)
     x2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
@@ -114,20 +129,13 @@ def _qk_norm_rope_kernel(
         tl.store(dst + offs, x1, mask=mask)
         tl.store(dst + HALF + offs, x2, mask=mask)
     else:
-        is_q = head < H
         if HAS_NORM:
             f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
             inv = tl.math.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
-            wq1 = tl.load(qw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            wq2 = tl.load(qw_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-            wk1 = tl.load(kw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            wk2 = tl.load(kw_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-            w1 = tl.where(is_q, wq1, wk1)
-            w2 = tl.where(is_q, wq2, wk2)
             # weight * round(x / rms), rounded: the reference's bf16 product
             dt = x1.dtype
-            x1 = _rounded(w1 * _rounded(f1 * inv, dt), dt).to(dt)
-            x2 = _rounded(w2 * _rounded(f2 * inv, dt), dt).to(dt)
+            x1 = _rounded(w1.to(tl.float32) * _rounded(f1 * inv, dt), dt).to(dt)
+            x2 = _rounded(w2.to(tl.float32) * _rounded(f2 * inv, dt), dt).to(dt)
         o1, o2 = _rope_half(x1, x2, cos_ptr + t * cs_stride, sin_ptr + t * cs_stride, offs, mask, HALF)
         if is_q:
             dst = q_ptr + (t * H + head) * D
@@ -145,10 +153,13 @@ def _silu_mul_kernel(
     out_stride,
     inter,  # I
     BLOCK: tl.constexpr,  # columns per program
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl)
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
+    triton_pdl.start(PDL)
+    triton_pdl.wait(PDL)
     g = tl.load(gu_ptr + t * gu_stride + cols, mask=mask, other=0.0)
     u = tl.load(gu_ptr + t * gu_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
     gf = g.to(tl.float32)
@@ -176,21 +187,21 @@ def _norm_width(fn: str, x: Tensor, weight: Tensor) -> int:
     return n
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, pdl: bool | None = None) -> Tensor:
     """x: [..., N], weight: [N] -> [..., N] in the dtype of ``weight * x``."""
     n = _norm_width("rms_norm", x, weight)
     x2 = _rows(x, "x")
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if x2.shape[0]:
-        block = triton.next_power_of_2(n)
+        block, on = triton.next_power_of_2(n), triton_pdl.resolve(pdl, x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, x2, weight, out, out, x2.stride(0), x2.stride(0), out.stride(0), out.stride(0), n, float(eps),
-            HAS_RES=False, BLOCK=block, num_warps=_warps(block),
+            HAS_RES=False, BLOCK=block, PDL=on, num_warps=_warps(block), **triton_pdl.launch_args(on),
         )  # fmt: skip
     return out.view(x.shape)
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, pdl: bool | None = None) -> tuple[Tensor, Tensor]:
     """(rms_norm(residual + x), residual + x); x and residual [..., N] of one dtype, weight [N]."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
@@ -199,10 +210,10 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     h = torch.empty_like(x2)
     if x2.shape[0]:
-        block = triton.next_power_of_2(n)
+        block, on = triton.next_power_of_2(n), triton_pdl.resolve(pdl, x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, h, x2.stride(0), r2.stride(0), out.stride(0), h.stride(0), n, float(eps),
-            HAS_RES=True, BLOCK=block, num_warps=_warps(block),
+            HAS_RES=True, BLOCK=block, PDL=on, num_warps=_warps(block), **triton_pdl.launch_args(on),
         )  # fmt: skip
     return out.view(x.shape), h.view(x.shape)
 
@@ -218,6 +229,7 @@ def qk_norm_rope(
     q_weight: Tensor | None = None,
     k_weight: Tensor | None = None,
     eps: float = 1e-6,
+    pdl: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """qkv: [T, (H + 2 Hkv) * D] -> contiguous q [T, H, D], k [T, Hkv, D] (normalised per head when both
     weights [D] are given, then rotated by cos/sin [T, D]) and v [T, Hkv, D]."""
@@ -237,16 +249,17 @@ def qk_norm_rope(
     k = torch.empty((t, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     v = torch.empty_like(k)
     if t:
-        block = triton.next_power_of_2(head_dim // 2)
+        block, on = triton.next_power_of_2(head_dim // 2), triton_pdl.resolve(pdl, qkv.device)
         _qk_norm_rope_kernel[(t, num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, q_weight if has_norm else qkv, k_weight if has_norm else qkv, q, k, v,
             qkv.stride(0), cos.stride(0), float(eps),
-            H=num_heads, HKV=num_kv_heads, D=head_dim, HAS_NORM=has_norm, BLOCK=block, num_warps=1,
+            H=num_heads, HKV=num_kv_heads, D=head_dim, HAS_NORM=has_norm, BLOCK=block, PDL=on, num_warps=1,
+            **triton_pdl.launch_args(on),
         )  # fmt: skip
     return q, k, v
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
+def silu_mul(gate_up: Tensor, *, pdl: bool | None = None) -> Tensor:
     """gate_up: [T, 2 I] (gate, then up) -> silu(gate) * up [T, I]."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"silu_mul: gate_up must be [T, 2 I], got {tuple(gate_up.shape)}")
@@ -255,5 +268,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     out = torch.empty((t, inter), dtype=gu.dtype, device=gu.device)
     if t:
         block = min(1024, triton.next_power_of_2(inter))
-        _silu_mul_kernel[(t, triton.cdiv(inter, block))](gu, out, gu.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+        on = triton_pdl.resolve(pdl, gu.device)
+        _silu_mul_kernel[(t, triton.cdiv(inter, block))](gu, out, gu.stride(0), out.stride(0), inter, BLOCK=block, PDL=on,
+                                                         num_warps=4, **triton_pdl.launch_args(on))  # fmt: skip
     return out

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .page_ids import INT2_PAGE_FLAG
+from . import triton_pdl
 from .paged_kv import PagedKV
 from .triton_codec import e2m1_codes, e4m3_bits, e4m3_value, int_codes, int_stats, meta_index, to_bf16
 from .triton_common import FMT_BF16, FMT_CODES, FMT_NVFP4, field_offsets
@@ -177,8 +178,11 @@ def _write_kv_kernel(
     VZ_OFF: tl.constexpr,
     BT: tl.constexpr,  # tokens per program
     GROUPS: tl.constexpr,  # 1: one 32-channel group per thread (int4); 0: token rows
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): wait before any access
 ):
     h = tl.program_id(1)
+    triton_pdl.start(PDL)
+    triton_pdl.wait(PDL)
     if GROUPS:
         NG: tl.constexpr = D // 32
         r = tl.arange(0, BT * NG)  # the program's groups, token-major: lanes 4i..4i+3 share a token (D = 128)
@@ -340,16 +344,18 @@ def write_shape(fmt: str, tokens: int) -> tuple[int, int]:
     return min(tuning["num_warps"], bt), bt
 
 
-def write_kv(kv: PagedKV, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor, slots: torch.Tensor) -> None:
-    """Launch quantize-on-write (arguments checked by paged_ops) with ``write_shape``'s launch shape."""
+def write_kv(kv: PagedKV, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor, slots: torch.Tensor, *,
+             pdl: bool = False) -> None:  # fmt: skip
+    """Launch quantize-on-write (arguments checked by paged_ops) with ``write_shape``'s launch shape; ``pdl``:
+    with programmatic dependent launch (triton_pdl)."""
     if kv.layout.fmt not in WRITE_TUNING:
         raise ValueError(f"no Triton write for {kv.layout.fmt!r} pages (fp32 pages run on the reference path)")
     num_warps, bt = write_shape(kv.layout.fmt, k.shape[0])
-    launch_write_kv(kv, k, v, page_ids, slots, num_warps=num_warps, bt=bt)
+    launch_write_kv(kv, k, v, page_ids, slots, num_warps=num_warps, bt=bt, pdl=pdl)
 
 
 def launch_write_kv(kv: PagedKV, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor, slots: torch.Tensor, *,
-                    num_warps: int, bt: int) -> None:  # fmt: skip
+                    num_warps: int, bt: int, pdl: bool = False) -> None:  # fmt: skip
     """write_kv with its launch shape given (tests and benchmarks time others): ``num_warps`` warps a program and,
     for token rows, ``bt`` tokens a program (int4 groups: as many tokens as one group a thread makes)."""
     layout = kv.layout
@@ -367,7 +373,7 @@ def launch_write_kv(kv: PagedKV, k: torch.Tensor, v: torch.Tensor, page_ids: tor
         k.contiguous(), v.contiguous(), kv.buffer, page_ids, slots, t, float(kv.k_scale), float(kv.v_scale),
         FMT=FMT_CODES[layout.fmt], H=h, D=d, P=layout.page_size,
         PAGE_BYTES=pb, K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, V_OFF=vo, VS_OFF=vso, VZ_OFF=vzo,
-        BT=bt, GROUPS=int(groups), num_warps=num_warps,
+        BT=bt, GROUPS=int(groups), PDL=pdl, num_warps=num_warps, **triton_pdl.launch_args(pdl),
     )  # fmt: skip
 
 

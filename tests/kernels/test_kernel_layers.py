@@ -2,7 +2,7 @@
 
     page_ids, options                   torch-free ids / no kernel imports; only options reads the environment
     layout, paged_kv, codecs, paged_ref, norm_ref  references in torch: import no Triton and no Triton module of ours
-    triton_common                       what the kernels share; imports no kernel module
+    triton_common, triton_pdl           what the kernels share; import no kernel module
     gluon_fragments, gluon_attend       what the Gluon kernels share (device code)
     triton_write/_gather/_decode/_norm/_prefill, gluon_decode/_extend/_extend_tri   kernels: import each other never
     paged_ops                           the dispatch point: imports kernel modules only inside functions
@@ -23,7 +23,7 @@ PKG = "kvserving.kernels"
 # modules that hold Triton or Gluon kernels (or only make sense next to them)
 TRITON_MODULES = {"triton_codec", "triton_common", "triton_decode", "triton_gather", "triton_write", "triton_prefill",
                   "triton_norm", "gluon_decode", "gluon_extend", "gluon_extend_tri", "gluon_fragments", "gluon_attend",
-                  "compile_report", "triton_fp8_gemm", "fp8_gemm"}  # fmt: skip
+                  "compile_report", "triton_fp8_gemm", "fp8_gemm", "triton_pdl"}  # fmt: skip
 KERNEL_MODULES = {"triton_decode", "triton_gather", "triton_write", "triton_prefill", "triton_norm", "gluon_decode",
                   "gluon_extend", "gluon_extend_tri", "triton_fp8_gemm"}  # fmt: skip
 REFERENCES = {"page_ids", "options", "layout", "paged_kv", "fp8", "nvfp4", "intquant", "quant_checks", "paged_ref", "capacity", "capability",

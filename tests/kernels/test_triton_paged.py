@@ -261,6 +261,7 @@ def test_kernel_options_read_the_environment_once_and_refuse_bad_values() -> Non
         backend="triton", check_values=True, decode_kernel="tl", triton_fast=False, interpret=True
     )
     assert KernelOptions.from_env({}) == KernelOptions()
+    assert KernelOptions.from_env({"KVSERVING_PDL": "1"}) == KernelOptions(pdl=True)
     gpu = torch.device("cuda")
     assert KernelOptions().fast_decoders(gpu) and not KernelOptions(interpret=True).fast_decoders(gpu)
     assert not KernelOptions(triton_fast=False).fast_decoders(gpu) and KernelOptions(triton_fast=True).fast_decoders(torch.device("cpu"))

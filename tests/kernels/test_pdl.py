@@ -1,0 +1,245 @@
+"""Programmatic dependent launch (triton_pdl): where it is used, that the kernels compile with it, and that they
+give the same bytes with it as without, eagerly and inside a CUDA graph (``gpu``).
+
+With PDL a kernel may start before the one it follows has finished; it is correct only if it reads and writes
+nothing of the step's before ``griddepcontrol.wait``. A kernel that touched its input early would read the
+previous step's values in a graph replayed with new inputs: the GPU tests replay graphs with new inputs and compare
+every output with the plain launch bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserving.kernels import options as options_mod
+from kvserving.kernels.capability import choose
+from kvserving.kernels.options import KernelOptions
+
+HERE = Path(__file__).resolve().parent
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_pdl_rows_of_the_capability_table() -> None:
+    assert [choose(c).pdl for c in ((8, 0), (8, 9), (9, 0), (10, 0), (12, 0))] == [False, False, True, True, True]
+    assert choose((9, 1)).pdl and choose((10, 3)).pdl  # an untested minor keeps its major's launch features
+    assert not choose((7, 5)).pdl and not choose((13, 0)).pdl  # unknown majors run the portable row
+
+
+def test_overlaps_needs_the_option_a_gpu_with_pdl_and_no_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = torch.device("cuda", 0)
+    rows = {90: choose((9, 0)), 89: choose((8, 9))}
+    sm = [90]
+    monkeypatch.setattr(options_mod, "device_choice", lambda device: choose((0, 0)) if device.type != "cuda" else rows[sm[0]])
+    assert KernelOptions(pdl=True).overlaps(gpu)
+    assert not KernelOptions().overlaps(gpu)  # off unless asked for
+    assert not KernelOptions(pdl=True, interpret=True).overlaps(gpu)
+    assert not KernelOptions(pdl=True).overlaps(torch.device("cpu"))
+    sm[0] = 89
+    assert not KernelOptions(pdl=True).overlaps(gpu)
+    assert KernelOptions.from_env({"KVSERVING_PDL": "1"}).pdl and not KernelOptions.from_env({}).pdl
+    with pytest.raises(ValueError, match="KVSERVING_PDL='yes'"):
+        KernelOptions.from_env({"KVSERVING_PDL": "yes"})
+
+
+# compiled for sm_90a without a GPU (offline_driver), TRITON_INTERPRET unset: each kernel PDL may launch, on and off
+_COMPILE = r"""
+import json, sys
+import torch
+import triton.compiler
+from triton.runtime import driver
+sys.path.insert(0, sys.argv[1])
+from offline_driver import NotLaunched, OfflineDriver
+from test_paged_ref import fill_sequences, make_pool
+from kvserving.kernels import fp8_gemm, triton_decode, triton_fp8_gemm, triton_norm, triton_write
+
+out, label, _compile = {}, ["?"], triton.compiler.compile
+
+def compile_offline(src, target=None, options=None, **kw):
+    kernel = _compile(src, target=target, options=options, **kw)
+    ptx = kernel.asm["ptx"]
+    out[f"{label[0]}:{src.fn.__name__}"] = {"launch_pdl": bool(kernel.metadata.launch_pdl),
+        "wait": ptx.count("griddepcontrol.wait"), "launch": ptx.count("griddepcontrol.launch_dependents")}
+    return NotLaunched()
+
+driver.set_active(OfflineDriver(90))
+triton.compiler.compile = compile_offline
+for pdl in (False, True):
+    label[0] = "pdl" if pdl else "plain"
+    x = torch.randn(1, 4096, dtype=torch.bfloat16)
+    w = torch.ones(4096, dtype=torch.bfloat16)
+    triton_norm.rms_norm(x, w, 1e-6, pdl=pdl)
+    triton_norm.add_rms_norm(x, x.clone(), w, 1e-6, pdl=pdl)
+    triton_norm.silu_mul(torch.randn(1, 2 * 1024, dtype=torch.bfloat16), pdl=pdl)
+    qkv = torch.randn(1, 48 * 128, dtype=torch.bfloat16)
+    wd = torch.ones(128, dtype=torch.bfloat16)
+    triton_norm.qk_norm_rope(qkv, torch.ones(1, 128), torch.zeros(1, 128), num_heads=32, num_kv_heads=8,
+                             head_dim=128, q_weight=wd, k_weight=wd, pdl=pdl)
+    pool = make_pool("nvfp4", num_pages=6, page_size=16, kv_heads=8, head_dim=128)
+    filled = fill_sequences(pool, [19, 37])
+    kv = pool.kv(1.0, 1.0)
+    t = torch.randn(1, 8, 128, dtype=torch.bfloat16)
+    triton_write.write_kv(kv, t, t, filled.page_table[1, 1:2], torch.zeros(1, dtype=torch.int32), pdl=pdl)
+    q = torch.randn(2, 32, 128, dtype=torch.bfloat16)
+    triton_decode.decode_attention(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1, fast=True, pdl=pdl)
+    codes, scale = fp8_gemm.quantize_blocks(torch.randn(1024, 4096))
+    triton_fp8_gemm.gemv(torch.randn(2, 4096, dtype=torch.bfloat16), codes, scale, pdl=pdl)  # M 2: K split, summed
+print(json.dumps(out))
+"""
+
+# kernel: its griddepcontrol.wait instructions (the GEMV waits after its first step's weight loads, and again
+# before its stores for a program with no step)
+KERNELS = {"_rms_norm_kernel": 1, "_silu_mul_kernel": 1, "_qk_norm_rope_kernel": 1, "_write_kv_kernel": 1,
+           "_merge_kernel": 1, "_gemv_kernel": 2, "_sum_splits_kernel": 1}  # fmt: skip
+
+
+def test_the_kernels_compile_for_sm90_with_griddepcontrol_only_when_launched_with_pdl() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, str(HERE)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, waits in KERNELS.items():
+        # the waits and one early launch of the next kernel a program, and the launch attribute, with PDL only
+        assert got[f"pdl:{name}"] == {"launch_pdl": True, "wait": waits, "launch": 1}, (name, got[f"pdl:{name}"])
+        assert got[f"plain:{name}"] == {"launch_pdl": False, "wait": 0, "launch": 0}, (name, got[f"plain:{name}"])
+    # the decode itself launches as before (the JIT reuses the plain pass's compile); its merge overlaps
+    assert got["plain:_decode_kernel"]["launch_pdl"] is False and "pdl:_decode_kernel" not in got
+
+
+# ----------------------------------------------------------------------------
+# GPU: the decode step's chain with and without PDL, eager and in a CUDA graph
+# ----------------------------------------------------------------------------
+
+
+def _pdl_gpu() -> None:
+    if not choose(torch.cuda.get_device_capability()).pdl:
+        pytest.skip("the GPU has no programmatic dependent launch")
+
+
+def _layer(x: torch.Tensor, wts: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, *, pdl: bool) -> list[torch.Tensor]:
+    """One decoder layer's non-attention chain as the model runs it (cuBLAS GEMMs between the fused kernels)."""
+    from kvserving.kernels import triton_norm
+
+    xn = triton_norm.rms_norm(x, wts["n1"], 1e-6, pdl=pdl)
+    qkv = xn @ wts["qkv"]
+    q, k, v = triton_norm.qk_norm_rope(qkv, cos, sin, num_heads=32, num_kv_heads=8, head_dim=128, q_weight=wts["qn"],
+                                       k_weight=wts["kn"], eps=1e-6, pdl=pdl)  # fmt: skip
+    o = q.reshape(x.shape[0], -1) @ wts["o"]
+    h2, h = triton_norm.add_rms_norm(o, x, wts["n2"], 1e-6, pdl=pdl)
+    act = triton_norm.silu_mul(h2 @ wts["gu"], pdl=pdl)
+    out, h3 = triton_norm.add_rms_norm(act @ wts["down"], h, wts["n1"], 1e-6, pdl=pdl)
+    return [q, k, v, out, h3]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_norm_kernels_with_pdl_equal_plain_eager_and_in_a_replayed_graph() -> None:
+    _pdl_gpu()
+    g = torch.Generator(device="cuda").manual_seed(5)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).bfloat16()
+
+    wts = {"n1": rand(4096) + 1, "n2": rand(4096) + 1, "qn": rand(128) + 1, "kn": rand(128) + 1,
+           "qkv": rand(4096, 48 * 128, scale=0.02), "o": rand(4096, 4096, scale=0.02),
+           "gu": rand(4096, 2 * 12288, scale=0.02), "down": rand(12288, 4096, scale=0.02)}  # fmt: skip
+    inputs = [(rand(2, 4096), rand(2, 128), rand(2, 128)) for _ in range(4)]
+    for x, cos, sin in inputs[:2]:
+        for a, b in zip(_layer(x, wts, cos, sin, pdl=True), _layer(x, wts, cos, sin, pdl=False), strict=True):
+            assert torch.equal(a, b)
+    sx, scos, ssin = (t.clone() for t in inputs[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _layer(sx, wts, scos, ssin, pdl=True)  # compile before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = _layer(sx, wts, scos, ssin, pdl=True)
+    for x, cos, sin in inputs[1:]:  # new inputs each replay: an early read would see the last replay's values
+        sx.copy_(x), scos.copy_(cos), ssin.copy_(sin)
+        graph.replay()
+        for a, b in zip(outs, _layer(x, wts, cos, sin, pdl=False), strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "nvfp4", "triaxial"])
+def test_gpu_write_and_decode_with_pdl_equal_plain_in_a_replayed_graph(fmt: str) -> None:
+    """A decode step's attention: the token's K/V written (PDL), the decode, its split merge (PDL)."""
+    from test_paged_ref import fill_sequences, make_pool
+
+    from kvserving.kernels import paged_ops
+
+    _pdl_gpu()
+    p = 32 if fmt == "triaxial" else 16
+    plain, over = KernelOptions(backend="triton"), KernelOptions(backend="triton", pdl=True)
+    page_fmt = "int4" if fmt == "triaxial" else fmt
+    pools = [make_pool(page_fmt, num_pages=400, page_size=p, kv_heads=8, head_dim=128, device="cuda",
+                       num_int2_pages=40 if fmt == "triaxial" else 0) for _ in range(2)]  # fmt: skip
+    lens = [3000, 777]
+    filled = fill_sequences(pools[0], lens, int2_pages=[20, 5] if fmt == "triaxial" else None)
+    pools[1].buffer.copy_(pools[0].buffer)
+    n2 = filled.num_int2 if fmt == "triaxial" else None
+    # the next token of each sequence goes to the slot after its last (its page has room: lens are not page multiples)
+    pages = filled.page_table.cpu()[torch.arange(2), torch.tensor(lens) // p].int().cuda()
+    slots = (torch.tensor(lens) % p).int().cuda()
+    seq = (torch.tensor(lens) + 1).int().cuda()
+    g = torch.Generator(device="cuda").manual_seed(9)
+    steps = [tuple(torch.randn(2, n, 128, generator=g, device="cuda").bfloat16() for n in (8, 8, 32)) for _ in range(3)]
+
+    def step(i: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, opts: KernelOptions) -> torch.Tensor:
+        kv = pools[i].kv(1.0, 1.0)
+        paged_ops.write_kv(kv, k, v, pages, slots, options=opts)
+        return paged_ops.decode_attention(q, kv, filled.page_table.cuda(), seq, sm_scale=0.088, num_int2_pages=n2, options=opts)
+
+    sk, sv, sq = (t.clone() for t in steps[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(1, sk, sv, sq, over)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(1, sk, sv, sq, over)
+    for k, v, q in steps:
+        sk.copy_(k), sv.copy_(v), sq.copy_(q)
+        graph.replay()
+        ref = step(0, k, v, q, plain)
+        assert torch.equal(out, ref)
+        assert torch.equal(pools[1].buffer, pools[0].buffer)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 2])
+def test_gpu_fp8_gemv_with_pdl_equals_plain_after_a_gemm_in_a_replayed_graph(m: int) -> None:
+    """The GEMV loads its first weights before the wait and x after it: in a graph replayed with new x (made by
+    the GEMM before it) it equals the plain launch."""
+    from kvserving.kernels import fp8_gemm, triton_fp8_gemm
+
+    _pdl_gpu()
+    g = torch.Generator(device="cuda").manual_seed(m)
+    codes, scale = fp8_gemm.quantize_blocks(torch.randn(4096, 4096, generator=g, device="cuda"))
+    a = (torch.randn(4096, 4096, generator=g, device="cuda") * 0.02).bfloat16()
+    xs = [torch.randn(m, 4096, generator=g, device="cuda").bfloat16() for _ in range(3)]
+    sx = xs[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        triton_fp8_gemm.gemv(sx @ a, codes, scale, pdl=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_fp8_gemm.gemv(sx @ a, codes, scale, pdl=True)
+    for x in xs:
+        sx.copy_(x)
+        graph.replay()
+        assert torch.equal(out, triton_fp8_gemm.gemv(x @ a, codes, scale, pdl=False))
