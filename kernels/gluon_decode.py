@@ -65,6 +65,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .capability import device_choice
 from .gluon_fragments import (
@@ -97,6 +98,7 @@ from .gluon_fragments import (
 )
 from .layout import PageLayout
 from .page_ids import INT2_PAGE_FLAG
+from . import triton_pdl
 from .paged_kv import PagedKV
 from .triton_common import (
     LOG2E,
@@ -720,10 +722,14 @@ def _gl_decode_kernel(
     STAGES: gl.constexpr,  # cp.async ring this many steps deep (>= 2)
     E2M1_CVT: gl.constexpr = 0,  # 1: nvfp4 unpacked by cvt.rn.f16x2.e2m1x2 (sm_100a / sm_120a: capability.TABLE)
     LEAN: gl.constexpr = 0,  # 1: a step's live state cut to fit 128 registers (module docstring)
+    PDL: gl.constexpr = 0,  # 1: launched with programmatic dependent launch (triton_pdl): wait before any access
 ):
     s = gl.program_id(0)
     h = gl.program_id(1)
     b = gl.program_id(2)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     num_tokens = gl.load(lens_ptr + b)
     num_pages = gl.cdiv(num_tokens, P)
     head0 = b * (H * G) + h * G
@@ -816,7 +822,7 @@ def decode_attention(
     pdl: bool = False,
 ) -> torch.Tensor:
     """Launch the Gluon decode (arguments checked by paged_ops; ``supported`` must hold) -> [B, Hq, D] in q.dtype:
-    GL_TUNING's kernel on split_plan's splits; ``pdl``: the split merge with programmatic dependent launch."""
+    GL_TUNING's kernel on split_plan's splits; ``pdl``: it and the split merge with programmatic dependent launch."""
     cfg = GL_TUNING[kv.layout.fmt]
     plan = split_plan(q, kv, page_table, cfg)
     out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages, cfg=cfg,
@@ -886,6 +892,7 @@ def launch_decode(
         run.page_table.stride(0), run.splits, run.pages_per_split, TRIAXIAL=int(kv.triaxial),
         H=run.kv_heads, G=run.group, HP=hp, STAGES=cfg["STAGES"], **args, **args2, **cap,
         E2M1_CVT=int(layout.fmt == "nvfp4" and device_choice(q.device).e2m1 == "cvt"), LEAN=cfg.get("LEAN", 0),
+        PDL=int(pdl), **triton_pdl.launch_args(pdl),
     )  # fmt: skip
     return merge_splits(run, v_mul=v_fold, pdl=pdl), kernel
 
@@ -916,5 +923,5 @@ def compile_report_args(fmt: str, *, heads: int = 4, e2m1_cvt: bool = False) -> 
     const = dict(TRIAXIAL=int(fmt == "triaxial"), H=8, G=heads, HP=8 if heads <= 8 else 16, STAGES=cfg["STAGES"],
                  **kernel_args(plain, lay, num_warps=cfg["num_warps"], ppw=cfg["PPW"]),
                  **{k + "2": v for k, v in a2.items() if k in INT2_ARGS}, E2M1_CVT=int(e2m1_cvt and fmt == "nvfp4"),
-                 LEAN=cfg.get("LEAN", 0))  # fmt: skip
+                 LEAN=cfg.get("LEAN", 0), PDL=0)  # fmt: skip
     return sig, const

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_pdl
 from .page_ids import INT2_PAGE_FLAG
 from .paged_kv import PagedKV
 from .triton_codec import crumb_codes, crumbs_int2, e4m3_to_f16, meta_index, nibbles_e2m1, nibbles_int4
@@ -350,10 +351,13 @@ def _decode_kernel(
     PPI: tl.constexpr,  # pages per loop iteration
     NUM_STAGES: tl.constexpr,
     FAST: tl.constexpr,  # 0 portable arithmetic, 1 inline-assembly decoders (GPU), 2 and E2M1 by cvt (Blackwell)
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (triton_pdl): wait before any access
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
+    triton_pdl.start(PDL)
+    triton_pdl.wait(PDL)
     num_tokens = tl.load(lens_ptr + b)
     num_pages = tl.cdiv(num_tokens, P)
     head0 = b * (H * G) + h * G  # first query head of this kv head
@@ -487,8 +491,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """Launch the tl decode (arguments checked by paged_ops) -> [B, Hq, D] in q.dtype: TUNING's kernel on the
     planner's splits. fast: inline-assembly decoders (KernelOptions.fast_decoders); e2m1_cvt: with fast, nvfp4
-    nibbles by Blackwell's cvt.rn.f16x2.e2m1x2 (capability.TABLE's e2m1 "cvt"); pdl: the split merge with
-    programmatic dependent launch."""
+    nibbles by Blackwell's cvt.rn.f16x2.e2m1x2 (capability.TABLE's e2m1 "cvt"); pdl: the decode and the split
+    merge with programmatic dependent launch."""
     if kv.layout.fmt not in TUNING:
         raise ValueError(f"no Triton decode for {kv.layout.fmt!r} pages (fp32 pages run on the reference path)")
     out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages, fast=fast,
@@ -534,6 +538,7 @@ def launch_decode(
             PAGE_BYTES2=lay2[0], K_OFF2=lay2[1], KS_OFF2=lay2[2], KZ_OFF2=lay2[3], V_OFF2=lay2[4], VS_OFF2=lay2[5],
             VZ_OFF2=lay2[6], BLOCK_H=max(16, triton.next_power_of_2(run.group)),
             PPI=ppi2 if part == 2 else cfg["PPI"], NUM_STAGES=cfg["NUM_STAGES"],
-            FAST=2 if fast and e2m1_cvt else int(fast), num_warps=cfg["num_warps"], **extra,
+            FAST=2 if fast and e2m1_cvt else int(fast), PDL=pdl, num_warps=cfg["num_warps"], **extra,
+            **triton_pdl.launch_args(pdl),
         )  # fmt: skip
     return merge_splits(run, v_mul=v_fold, pdl=pdl), kernel

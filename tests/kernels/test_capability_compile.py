@@ -69,7 +69,7 @@ def _expected(sm: int) -> set[str]:
     if row.e2m1 == "cvt":
         names.add("nvfp4-cvt:_decode_kernel")
     if row.decode == "gluon":
-        names |= {f"gluon-{fmt}:_gl_decode_kernel" for fmt in ("nvfp4", "int4", "triaxial", "fp8_e4m3")}
+        names |= {f"gluon-{fmt}:_gl_decode_kernel" for fmt in ("nvfp4", "int4", "triaxial", "fp8_e4m3", "nvfp4-pdl", "triaxial-pdl")}
     return names
 
 
@@ -92,6 +92,12 @@ def test_every_dispatchable_kernel_compiles_for_blackwell_within_its_shared_memo
     cvt = choose((sm // 10, sm % 10)).e2m1 == "cvt"
     assert gl["e2m1_cvt"] == int(cvt) and (gl["e2m1_sass"] > 0) == cvt, gl
     assert all(r["e2m1_sass"] == 0 for name, r in got.items() if name.startswith("gluon-") and "nvfp4" not in name)
+    # launched with programmatic dependent launch (triton_pdl): one griddepcontrol.wait (SASS ACQBULK), the same
+    # registers and stack as without
+    for fmt in ("nvfp4", "triaxial"):
+        plain, pdl = got[f"gluon-{fmt}:_gl_decode_kernel"], got[f"gluon-{fmt}-pdl:_gl_decode_kernel"]
+        assert (plain["griddep_wait"], pdl["griddep_wait"]) == (0, 1), fmt
+        assert (pdl["regs"], pdl["stack"], pdl["local"]) == (plain["regs"], plain["stack"], plain["local"]), fmt
 
 
 # compiled in a child process each: LLVM aborts the process on an instruction the target lacks

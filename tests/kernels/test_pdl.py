@@ -96,7 +96,7 @@ print(json.dumps(out))
 # kernel: its griddepcontrol.wait instructions (the GEMV waits after its first step's weight loads, and again
 # before its stores for a program with no step)
 KERNELS = {"_rms_norm_kernel": 1, "_silu_mul_kernel": 1, "_qk_norm_rope_kernel": 1, "_write_kv_kernel": 1,
-           "_merge_kernel": 1, "_gemv_kernel": 2, "_sum_splits_kernel": 1}  # fmt: skip
+           "_merge_kernel": 1, "_decode_kernel": 1, "_gemv_kernel": 2, "_sum_splits_kernel": 1}  # fmt: skip
 
 
 def test_the_kernels_compile_for_sm90_with_griddepcontrol_only_when_launched_with_pdl() -> None:
@@ -108,8 +108,22 @@ def test_the_kernels_compile_for_sm90_with_griddepcontrol_only_when_launched_wit
         # the waits and one early launch of the next kernel a program, and the launch attribute, with PDL only
         assert got[f"pdl:{name}"] == {"launch_pdl": True, "wait": waits, "launch": 1}, (name, got[f"pdl:{name}"])
         assert got[f"plain:{name}"] == {"launch_pdl": False, "wait": 0, "launch": 0}, (name, got[f"plain:{name}"])
-    # the decode itself launches as before (the JIT reuses the plain pass's compile); its merge overlaps
-    assert got["plain:_decode_kernel"]["launch_pdl"] is False and "pdl:_decode_kernel" not in got
+
+
+def test_the_gluon_decode_waits_once_with_pdl_and_keeps_its_registers() -> None:
+    """sm_90 here; sm_100a / sm_120a in test_capability_compile (compile_offline.py's "-pdl" launches)."""
+    from kvserving.kernels import gluon_decode
+    from kvserving.kernels.compile_report import report
+
+    for fmt in ("nvfp4", "triaxial"):
+        cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
+        sig, const = gluon_decode.compile_report_args(fmt, heads=4)
+        assert const["PDL"] == 0  # as the launch without PDL compiles it
+        warps = const.pop("num_warps")
+        runs = [report(gluon_decode._gl_decode_kernel, sig, const | {"PDL": pdl}, gluon=True, num_warps=warps, sm=90,
+                       aligned=("total_bytes",), maxnreg=gluon_decode.register_cap(fmt, cfg, heads=4)) for pdl in (0, 1)]  # fmt: skip
+        assert [r["ops"].get("ACQBULK", 0) for r in runs] == [0, 1], fmt  # griddepcontrol.wait's SASS
+        assert (runs[1]["regs"], runs[1]["stack"]) == (runs[0]["regs"], runs[0]["stack"]), fmt
 
 
 # ----------------------------------------------------------------------------
@@ -171,9 +185,10 @@ def test_gpu_norm_kernels_with_pdl_equal_plain_eager_and_in_a_replayed_graph() -
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "nvfp4", "triaxial"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "nvfp4", "triaxial"])
 def test_gpu_write_and_decode_with_pdl_equal_plain_in_a_replayed_graph(fmt: str) -> None:
-    """A decode step's attention: the token's K/V written (PDL), the decode, its split merge (PDL)."""
+    """A decode step's attention: the token's K/V written, the decode (Gluon, or tl for bf16), its split merge:
+    all three with PDL."""
     from test_paged_ref import fill_sequences, make_pool
 
     from kvserving.kernels import paged_ops
