@@ -70,6 +70,7 @@ import torch
 
 from kvserving.bits import MODAL_SHARE, SEMANTIC_SHARE, TEMPORAL_SHARE
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
+from kvserving.kernels.options import KernelOptions
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.progress import add_quiet_argument, progress
 from kvserving.tags import encode_tag
@@ -654,7 +655,7 @@ def dump(args: argparse.Namespace, dev: str, weights: int, results: dict[str, An
     out = {"device": dev, "torch": torch.__version__, "model": f"Qwen3-8B shape, random {args.weights} weights", "weights": args.weights, "vocab": args.vocab,
            "weights_bytes": weights, "weights_read_bytes": read, "read_bandwidth_tb_s": bw_tb_s, "kv_gib": args.kv_gib, "speed_kv_gib": args.speed_kv_gib, "quick": args.quick,
            "enforce_eager": args.enforce_eager, "bit_budget": args.bit_budget, "bit_budget_control": args.bit_budget_control,
-           "seconds": seconds, "formats": results}  # fmt: skip
+           "pdl": KernelOptions.from_env().pdl, "seconds": seconds, "formats": results}  # fmt: skip
     name = args.section or section_name(out)
     write_section(Path(args.out), name, out, what=WHAT, name_of=section_name)
     print(f"  ({seconds:.0f} s so far, section {name} of {args.out} written)", flush=True)
