@@ -48,6 +48,7 @@ LONG_TTFT_P99_MS = 4000.0
 # Simulator.pull_counters
 PULL_COUNTERS = (
     "computed_tokens",
+    "pulls",
     "lost_tokens",  # pulled tokens in place that the request's admission no longer found
     "pull_fallbacks",
     "pull_skipped",
@@ -168,6 +169,11 @@ def reproduce(
                     "requests": point["requests"],
                     "start_s": start,
                     **{f"{role}_{k}": point[f"{role}_{k}"] for role in ("prefill", "decode") for k in PULL_COUNTERS},
+                    # NIXL regions the replay prices a pull at (costs.pull_s): page runs x layers
+                    **{
+                        f"{role}_regions_per_pull": costs.layers * costs.transfer_runs if point[f"{role}_pulls"] else 0
+                        for role in ("prefill", "decode")
+                    },  # fmt: skip
                 },
                 "measured_counters": {
                     "preemptions": p.get("prefill_preemptions", 0) + p.get("decode_preemptions", 0),
@@ -177,7 +183,16 @@ def reproduce(
                     **{
                         f"{role}_{k}": p.get(f"{role}_{k}")
                         for role in ("prefill", "decode")
-                        for k in ("no_room", "no_room_held_pages", "transfer_leases", "transfer_lease_s", "lost_tokens")
+                        for k in (
+                            "no_room",
+                            "no_room_held_pages",
+                            "transfer_leases",
+                            "transfer_lease_s",
+                            "lost_tokens",
+                            "pulls",
+                            "regions_per_pull",
+                            "read_gbs",
+                        )  # fmt: skip
                     },
                     "wall_s": p.get("wall_s"),
                     "requests": p.get("requests"),
@@ -204,6 +219,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         "evict P+D sim/meas",
         "D computed sim/meas",
         "D lost sim/meas",
+        "D regions/pull sim/meas",
         "GPU P/D/both",
         "preempt sim/meas",
     ]
@@ -227,6 +243,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                 f"{s['prefill_evicted_pages'] + s['decode_evicted_pages']} / {m['prefill_evicted_pages'] + m['decode_evicted_pages']}",
                 f"{_count(s.get('decode_computed_tokens'))} / {_count(m.get('decode_computed_tokens'))}",
                 f"{_count(r['sim_counters'].get('decode_lost_tokens'))} / {_count(r['measured_counters'].get('decode_lost_tokens'))}",
+                f"{_count(r['sim_counters'].get('decode_regions_per_pull'))} / {_count(r['measured_counters'].get('decode_regions_per_pull'))}",
                 f"{c['prefill_only']:.2f}/{c['decode_only']:.2f}/{c['both']:.2f}",
                 f"{r['sim_counters']['preemptions']} / {r['measured_counters']['preemptions']}",
             ]
@@ -252,4 +269,4 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 
 def _count(n: Any) -> str:
-    return "-" if n is None else str(n)
+    return "-" if n is None else str(round(n))

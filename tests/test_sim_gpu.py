@@ -11,7 +11,7 @@ from pathlib import Path
 from kvserving.agents.load import LoadSpec, reuse_for_mode
 from kvserving.sim.costs import load_costs
 from kvserving.sim.bench_results import kv_bytes_per_worker
-from kvserving.sim.gpu import GPU_SCHEDULER, HIT_TOL, TPUT_TOL, bench_load, reproduce
+from kvserving.sim.gpu import GPU_SCHEDULER, HIT_TOL, TPUT_TOL, bench_load, format_rows, reproduce
 from kvserving.sim.shared_gpu import SharedGpu
 from kvserving.sim.cluster import ClusterSpec, Simulator, run_bench_point
 
@@ -90,3 +90,14 @@ def test_replay_of_one_measured_point_is_what_the_simulator_computes() -> None:
     assert row["tput_ok"] == (abs(point["output_tok_per_s"] - meas["output_tok_per_s"]) <= TPUT_TOL * meas["output_tok_per_s"])
     shares = row["sim_counters"]["gpu_busy_share"]
     assert set(shares) == {"prefill_only", "decode_only", "both"} and 0 < sum(shares.values()) <= 1 + 1e-9
+    # NIXL regions a pull: what the replay prices (one run per layer) beside what the bench measured
+    assert row["sim_counters"]["decode_pulls"] == point["decode_pulls"] > 0
+    assert row["sim_counters"]["decode_regions_per_pull"] == costs.layers * costs.transfer_runs == 36
+    assert row["measured_counters"]["decode_regions_per_pull"] == meas.get("decode_regions_per_pull")
+    table = format_rows(rows).splitlines()
+    col = table[0].index("D regions/pull sim/meas")
+    assert table[2][col:].split()[:3] == [
+        "36",
+        "/",
+        "-" if meas.get("decode_regions_per_pull") is None else str(round(meas["decode_regions_per_pull"])),
+    ]
