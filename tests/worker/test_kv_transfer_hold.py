@@ -5,6 +5,8 @@ is fetched once per incarnation. Two engines in one process, real NIXL (UCX over
 
 from __future__ import annotations
 
+import math
+
 import threading
 import time
 from collections import Counter
@@ -186,6 +188,11 @@ def test_a_pull_takes_one_hold_and_fetches_the_agent_once(pair: Pair) -> None:
     assert (pair.calls["agent"], pair.calls["hold"]) == (1, 2)
     assert {"engine_wait", "plan", "lease_check", "descriptors", "read", "adopt", "contact_hold"} <= set(first.phases)
     assert first.phases["contact_agent"] > 0 and second.phases["contact_agent"] == 0.0
+    # the counters the agent bench reads: both READs' seconds, of which the descriptor lists built in Python
+    counts = d.puller.counters()
+    assert counts["pulls"] == 2 and counts["pulled_regions"] > 0
+    assert math.isclose(counts["descriptor_seconds"], first.phases["descriptors"] + second.phases["descriptors"])
+    assert 0 < counts["descriptor_seconds"] < counts["transfer_seconds"]
     _wait_no_holds(p)  # each hold released after its READ
     assert p.engine.pool.num_owned == 0
     # the pulled pages serve their requests
