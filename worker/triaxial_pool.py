@@ -33,6 +33,10 @@ Policies, exact so tests can assert them:
      pages of the growing precision while stale pages of the other stay cached; judging a
      slab by its newest page keeps a hot page (a system prompt matched every turn) cached.
 
+  The slots chosen go to the sequence in ascending id order, not in the order chosen: the
+  LRU hands a freed conversation's pages back last page first, and in that order no two of
+  a sequence's pages would follow each other (a NIXL region each, per layer).
+
 - **All or nothing, both precisions at once.** ``allocate(page_bits)`` gets one sequence's new
   pages in one call (two calls could fail where one placement fits). With ``O_b`` the free and
   cached slots of ``b`` in slabs that hold an owned page, ``U_b`` the slabs of ``b`` with no
@@ -310,8 +314,8 @@ class TriaxialPagePool(PagePoolBase):
         return -(-max(0, n - in_owned) // per)
 
     def _place(self, n: int, bits: int, *, slabs: int | None = None) -> list[int]:
-        """``n`` slots of ``bits`` in placement order (the caller checked they exist), at most
-        ``slabs`` of them (None: any) in slabs that held no owned page."""
+        """``n`` slots of ``bits`` (the caller checked they exist), chosen in placement order and returned
+        in ascending id order, at most ``slabs`` of them (None: any) in slabs that held no owned page."""
         low = bits == 4  # INT4 takes the lowest slab, INT2 the highest
         other = 6 - bits
         owned_open, spare_open = self._open[bits, True], self._open[bits, False]
@@ -348,7 +352,7 @@ class TriaxialPagePool(PagePoolBase):
                     ids.append(head)
             if binds and slabs is not None:
                 slabs -= 1
-        return ids
+        return sorted(ids)
 
     def _take_slot(self, k: int, bits: int) -> int:
         """The lowest free slot of slab ``k`` (of ``bits``), owned from now."""

@@ -177,6 +177,28 @@ def test_a_slab_of_the_other_precision_newer_than_own_lru_stays() -> None:
     assert pool2.allocate([2]) == [F | 14] and kinds(pool2) == [4, 2, 2, 2]
 
 
+def test_pages_evicted_tail_first_go_to_the_next_sequence_in_ascending_ids() -> None:
+    """The LRU gives a freed conversation's pages back last page first (F|14, F|13, ...); the sequence that
+    evicts them gets them in ascending ids, i.e. in runs (one NIXL region a run and layer, not a page)."""
+    pool, clock = make_pool()
+    int4 = pool.allocate([4] * 12)
+    assert int4 == list(range(12))
+    cache(pool, int4, 100)  # LRU order: 11, 10, ..., 0
+    clock.t = 1.0
+    got = pool.allocate([4] * 5)  # chosen 11, 10, 9, 8, 7 (LRU order)
+    assert got == [7, 8, 9, 10, 11] and pool.evicted_pages == 5
+    assert all(pool.lookup(100 + i) == i for i in range(7))  # the older half of the LRU stays cached
+    # both precisions in one call: each in ascending ids, in the order of page_bits
+    pool2, _ = make_pool()
+    assert pool2.allocate([4] * 3) == [0, 1, 2]  # slab 0, kept owned
+    int2 = pool2.allocate([2] * 15)  # slabs 3, 2, 1
+    cache(pool2, int2, 0)  # LRU: F|14 first
+    # INT2: its LRU's F|14, F|13, F|12 (slab 1); INT4: slab 2 converted (the lowest of the stalest), slot 6
+    assert pool2.allocate([2, 2, 4, 2]) == [F | 12, F | 13, 6, F | 14]
+    assert kinds(pool2) == [4, 2, 4, 2] and pool2.evicted_pages == 3 + 5
+    live_ranges(pool2, [0, 1, 2, 6, F | 12, F | 13, F | 14] + [F | i for i in range(5)])
+
+
 def test_an_owned_page_pins_its_slab_to_its_precision() -> None:
     pool, clock = make_pool()
     assert pool.allocate([4] * 3) == [0, 1, 2]
