@@ -312,6 +312,7 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
         "pulled_regions": float(xfer.get("pulled_regions", 0)),  # NIXL descriptors the READs moved (runs x layers)
         "transfer_s": float(xfer.get("transfer_seconds", 0.0)),
         "descriptor_s": float(xfer.get("descriptor_seconds", 0.0)),  # of transfer_s: the descriptor lists built in Python
+        "post_s": float(xfer.get("post_seconds", 0.0)),  # of transfer_s: NIXL taking those lists and posting the READ
         "evicted_pages": counter("kvserving_worker_kv_evicted_pages_total"),
         # GPU kernels compiled inside served steps (each one stalled its step) and their seconds
         "compiles": counter('kvserving_worker_kernel_compiles_total\\{phase="serving"\\}'),
@@ -511,9 +512,10 @@ def run_stack(
                 pulls = after[role]["pulls"] - before[role]["pulls"]
                 regions = after[role]["pulled_regions"] - before[role]["pulled_regions"]
                 point[f"{role}_regions_per_pull"] = round(regions / pulls, 1) if pulls else 0.0  # page runs x layers
-                descriptors = after[role]["descriptor_s"] - before[role]["descriptor_s"]
                 point[f"{role}_read_ms_per_pull"] = round(1e3 * read_s / pulls, 2) if pulls else 0.0  # a READ, its whole time
-                point[f"{role}_descriptor_ms_per_pull"] = round(1e3 * descriptors / pulls, 2) if pulls else 0.0  # of it
+                for part in ("descriptor", "post"):  # of it: the lists built in Python, NIXL taking them and posting
+                    seconds = after[role][f"{part}_s"] - before[role][f"{part}_s"]
+                    point[f"{role}_{part}_ms_per_pull"] = round(1e3 * seconds / pulls, 2) if pulls else 0.0
 
                 def grown(prefix: str) -> dict[str, float]:  # the counters named prefix + key, their growth by key
                     return {

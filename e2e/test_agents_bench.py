@@ -82,6 +82,7 @@ def test_agents_bench_small_sweep(tmp_path: Path) -> None:
                 assert 4 <= p[f"{role}_regions_per_pull"] <= 4 * p[f"{role}_pulled_tokens"] / 16 / p[f"{role}_pulls"]
                 # a READ's mean time, of which its descriptor lists: both measured, the part below the whole
                 assert 0 < p[f"{role}_descriptor_ms_per_pull"] < p[f"{role}_read_ms_per_pull"]
+                assert 0 < p[f"{role}_post_ms_per_pull"] < p[f"{role}_read_ms_per_pull"]
     # three agents overflow 768 fp8 tokens: fewer hits than one agent, pages evicted
     one, three = points[("fp8", 1)], points[("fp8", 3)]
     assert three["hit_rate"] < one["hit_rate"]

@@ -193,6 +193,7 @@ def test_a_pull_takes_one_hold_and_fetches_the_agent_once(pair: Pair) -> None:
     assert counts["pulls"] == 2 and counts["pulled_regions"] > 0
     assert math.isclose(counts["descriptor_seconds"], first.phases["descriptors"] + second.phases["descriptors"])
     assert 0 < counts["descriptor_seconds"] < counts["transfer_seconds"]
+    assert 0 < counts["post_seconds"] < counts["transfer_seconds"] - counts["descriptor_seconds"]
     _wait_no_holds(p)  # each hold released after its READ
     assert p.engine.pool.num_owned == 0
     # the pulled pages serve their requests

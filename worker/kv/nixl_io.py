@@ -129,6 +129,7 @@ class ReadStats:
     num_regions: int
     seconds: float  # the whole READ: descriptors, NIXL prep, transfer, polling
     descriptor_seconds: float = 0.0  # of ``seconds``: building the (merged) descriptor lists in Python
+    post_seconds: float = 0.0  # of ``seconds``: NIXL taking the lists and posting the READ (under the agent's lock)
 
 
 def merge_spans(pairs: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -292,11 +293,13 @@ class NixlIO:
         with self._lock:
             self._reading[peer.agent_name] += 1
         try:
+            t1 = time.perf_counter()
             with self._lock:
                 ldesc = self._agent.get_xfer_descs(local, self.mem_type)
                 rdesc = self._agent.get_xfer_descs(remote, self.mem_type)
                 handle = self._agent.initialize_xfer("READ", ldesc, rdesc, peer.agent_name)
                 state = self._agent.transfer(handle)
+            t_post = time.perf_counter() - t1
             polls, nap = 0, POLL_SLEEP_FIRST_S
             while state == "PROC":
                 if time.monotonic() >= deadline:
@@ -324,7 +327,7 @@ class NixlIO:
                 self._reading[peer.agent_name] -= 1
         with self._lock:
             handle.release()
-        return ReadStats(nbytes, len(local), time.perf_counter() - t0, t_desc)
+        return ReadStats(nbytes, len(local), time.perf_counter() - t0, t_desc, t_post)
 
     def _abandon(self, handle: Any, local_pages: Sequence[int]) -> bool:
         """Release a transfer that did not finish (True); one NIXL cannot cancel is parked in

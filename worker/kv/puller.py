@@ -246,6 +246,7 @@ class Puller:
         self.pulled_regions_total = 0
         self.transfer_seconds_total = 0.0
         self.descriptor_seconds_total = 0.0  # of transfer_seconds_total: building the descriptor lists in Python
+        self.post_seconds_total = 0.0  # of transfer_seconds_total: NIXL taking the lists and posting the READ
         self.transfer_bytes_per_s: float | None = None  # NIXL READ rate achieved (EWMA)
         self.pull_overhead_s: float | None = None  # per pull: agent fetch + hold (EWMA)
 
@@ -320,6 +321,7 @@ class Puller:
                 "pulled_regions": self.pulled_regions_total,
                 "transfer_seconds": self.transfer_seconds_total,
                 "descriptor_seconds": self.descriptor_seconds_total,
+                "post_seconds": self.post_seconds_total,
                 "fallbacks": {r: self.fallbacks.get(r, 0) for r in FALLBACK_REASONS},
                 "skips": {r: self.skips.get(r, 0) for r in SKIP_REASONS},
                 "missed_tokens": {r: self.missed_tokens.get(r, 0) for r in (*SKIP_REASONS, *FALLBACK_REASONS)},
@@ -771,6 +773,7 @@ class Puller:
             self.pulled_regions_total += stats.num_regions
             self.transfer_seconds_total += stats.seconds
             self.descriptor_seconds_total += stats.descriptor_seconds
+            self.post_seconds_total += stats.post_seconds
 
     def _fail(self, reason: str, *, missed: int = 0, **kw: Any) -> PullResult:
         """A fallback; ``missed``: the tokens the plan wanted (none when it failed before planning)."""
