@@ -4,7 +4,9 @@
 # Usage (repo root): bash bench/gpu_run.sh [STEPS] [bench args...]
 #   STEPS: comma-separated tests, bench (decode_gpu.py), extend (extend_gpu.py), nixl (nixl_read_gpu.py: the READ
 #   between two processes on the GPU and the transport UCX chose), agents (agents.py --gpu with AGENTS_ARGS, default
-#   fp8 at 12,16,24 agents; its stacks' logs tarred into $OUT), all (= tests,bench), ncu (one decode
+#   fp8 at 12,16,24 agents; its stacks' logs tarred into $OUT), pdl (engine_gpu.py with KVSERVING_PDL=0, 1, 0, 1:
+#   programmatic dependent launch off and on, twice, sections pdl<P>_<i> of $OUT/engine_pdl.json; ENGINE_ARGS, default
+#   '--quick --no-breakdown --speed-kv-gib 40', fits an H100), all (= tests,bench), ncu (one decode
 #   launch per format named in the bench args) or ncux (the extend launches of profile_extend.py's NCUX_ARGS, default
 #   'nvfp4 tri fi': nvfp4, triaxial, FlashInfer bf16); NCU_METRICS=m1,m2 (ncu --metrics, regex: allowed) adds metrics to both.
 #   TESTS=paths limits the gpu tests (default: every test file under tests/ that holds a gpu-marked test, so the
@@ -21,7 +23,7 @@ set -uo pipefail
 what=${1:-all}; shift || true
 [ "$what" = all ] && what=tests,bench
 for step in ${what//,/ }; do
-  case "$step" in tests|bench|extend|nixl|agents|ncu|ncux) ;; *) echo "gpu_run.sh: error: unknown step '$step' (tests, bench, extend, nixl, agents, all, ncu or ncux)" >&2; exit 2;; esac
+  case "$step" in tests|bench|extend|nixl|agents|pdl|ncu|ncux) ;; *) echo "gpu_run.sh: error: unknown step '$step' (tests, bench, extend, nixl, agents, pdl, all, ncu or ncux)" >&2; exit 2;; esac
 done
 has() { [[ ",$what," == *",$1,"* ]]; }
 fail() { echo "gpu_run.sh: error: $*" >&2; exit 1; }
@@ -98,6 +100,16 @@ elif has agents; then
   rc=$?; tail -12 $OUT/agents.log
   [ -d /tmp/agents_run ] && tar czf $OUT/agents_run.tgz -C /tmp agents_run
   [ "$rc" = 0 ] || { echo "gpu_run.sh: error: agents.py failed (exit $rc, log in $OUT/agents.log)" >&2; status=1; }
+fi
+if has pdl; then  # the engine step with PDL off and on, alternated twice (one machine, one run: METHOD.md)
+  for i in 1 2; do
+    for p in 0 1; do
+      KVSERVING_PDL=$p timeout ${T_PDL:-280} python3 bench/engine_gpu.py ${ENGINE_ARGS:---quick --no-breakdown --speed-kv-gib 40} \
+        --section pdl${p}_$i --out $OUT/engine_pdl.json > $OUT/engine_pdl${p}_$i.log 2>&1
+      rc=$?; echo "== KVSERVING_PDL=$p, run $i (exit $rc)"; grep -E "decode |% of roofline|^(bf16|fp8|nvfp4|triax)" $OUT/engine_pdl${p}_$i.log
+      [ "$rc" = 0 ] || { echo "gpu_run.sh: error: engine_gpu.py failed with KVSERVING_PDL=$p (exit $rc, log in $OUT/engine_pdl${p}_$i.log)" >&2; status=1; }
+    done
+  done
 fi
 NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section WarpStateStats --section InstructionStats
   --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats ${NCU_METRICS:+--metrics $NCU_METRICS}"

@@ -690,6 +690,24 @@ def test_gpu_run_nixl_and_agents_steps_run_their_benches_and_fail_with_them(tmp_
     assert proc.stderr == f"gpu_run.sh: error: agents.py failed (exit 3, log in {out}/agents.log)\n"
 
 
+def test_gpu_run_pdl_step_alternates_the_engine_bench_off_and_on_twice(tmp_path: Path) -> None:
+    # the stand-in python3 prints KVSERVING_PDL and its arguments; the second run with PDL on fails
+    fake = 'echo "PDL=$KVSERVING_PDL python3 $*"; case "$KVSERVING_PDL $*" in "1 "*pdl1_2*) exit 4;; esac; exit 0'
+    proc = gpu_run(tmp_path, "pdl", {"nvidia-smi": NVIDIA_SMI, "python3": fake})
+    out = tmp_path / "out"
+    runs = [(out / f"engine_pdl{p}_{i}.log").read_text().splitlines()[-1] for i in (1, 2) for p in (0, 1)]
+    assert runs == [
+        f"PDL={p} python3 bench/engine_gpu.py --quick --no-breakdown --speed-kv-gib 40 --section pdl{p}_{i} --out {out}/engine_pdl.json"
+        for i in (1, 2) for p in (0, 1)
+    ]  # fmt: skip
+    assert [ln for ln in proc.stdout.splitlines() if ln.startswith("== ")] == [
+        "== KVSERVING_PDL=0, run 1 (exit 0)", "== KVSERVING_PDL=1, run 1 (exit 0)",
+        "== KVSERVING_PDL=0, run 2 (exit 0)", "== KVSERVING_PDL=1, run 2 (exit 4)",
+    ]  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr == f"gpu_run.sh: error: engine_gpu.py failed with KVSERVING_PDL=1 (exit 4, log in {out}/engine_pdl1_2.log)\n"
+
+
 def test_gpu_run_skips_the_agents_step_when_the_read_is_not_over_cuda_ipc(tmp_path: Path) -> None:
     fake = 'case "$*" in *nixl_read_gpu.py*) echo "python3 $*"; exit 1;; *) echo "python3 $*"; exit 0;; esac'
     proc = gpu_run(tmp_path, "nixl,agents", {"nvidia-smi": NVIDIA_SMI, "python3": fake})
