@@ -61,6 +61,7 @@ from kvserving.agents.load import REUSE_MODES, AgentSpec, Conversation, Dist, Lo
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.local.stack import LocalStack, StackError, StackSpec, free_ports
 from kvserving.progress import add_quiet_argument, progress
+from kvserving.sim.cluster import means_per_event
 
 # bench name -> (kv_cache.dtype, bit budget)
 FORMATS: dict[str, tuple[str, float | None]] = {
@@ -524,20 +525,18 @@ def run_stack(
 
                 for prefix, name in (("fallback_", "fallbacks"), ("skip_", "skips"), ("missed_", "missed_tokens")):
                     point[f"{role}_{name}"] = {k: int(v) for k, v in grown(prefix).items() if v > 0}  # by reason, the ones that moved
-                no_room = after[role]["no_room"] - before[role]["no_room"]
-                point[f"{role}_no_room"] = int(no_room)
-                point[f"{role}_no_room_held_pages"] = {  # per pull that found no room: the pool's pages held, by holder
-                    k: round(v / no_room) if no_room else 0 for k, v in grown("held_").items()
-                }
-                # transfer leases that ended in the window, by how, and their mean lifetime
-                ended, seconds = grown("xfer_ended_"), grown("xfer_s_")
-                point[f"{role}_transfer_leases"] = {end: int(n) for end, n in ended.items()}
-                point[f"{role}_transfer_lease_s"] = {end: round(seconds[end] / n, 3) if n else 0.0 for end, n in ended.items()}
+                # pulls that found no room and the pool's pages held then, by holder (summed); transfer leases that
+                # ended in the window, by how, and their seconds (summed): means_per_event divides them
+                point[f"{role}_no_room"] = int(after[role]["no_room"] - before[role]["no_room"])
+                point[f"{role}_no_room_held"] = grown("held_")
+                point[f"{role}_transfer_leases"] = {end: int(n) for end, n in grown("xfer_ended_").items()}
+                point[f"{role}_transfer_lease_seconds"] = grown("xfer_s_")
                 for kind in ("decode", "mixed"):  # the engine's steps in the window: how many, mean wall time
                     steps = after[role].get(f"{kind}_steps", 0.0) - before[role].get(f"{kind}_steps", 0.0)
                     seconds = after[role].get(f"{kind}_step_s", 0.0) - before[role].get(f"{kind}_step_s", 0.0)
                     point[f"{role}_{kind}_steps"] = int(steps)
                     point[f"{role}_{kind}_step_ms"] = round(1e3 * seconds / steps, 3) if steps else 0.0
+            means_per_event(point)  # no-room pulls' held pages, transfer leases' seconds: as the replay reports them
             live = after["decode"]["int2_pages"] + after["decode"]["int4_pages"]
             point["decode_int2_page_share"] = after["decode"]["int2_pages"] / live if live else 0.0
             for role in workers:  # what each pool stores at the end of the point

@@ -672,7 +672,7 @@ def run_bench_point(sim: Simulator, agent_ids: range, *, window_s: float | None 
         point[f"{role}_preemptions"] = count - preempted[role]
     for role, counts in sim.pull_counters().items():
         point.update({f"{role}_{k}": _minus(v, pulls[role][k]) for k, v in counts.items()})
-    _means_per_event(point)
+    means_per_event(point)
     point["concurrency"] = n
     sim.stop_at = math.inf
     return point
@@ -738,15 +738,16 @@ def run_population(
     point["decode_reclaimed_leases"] = sim.reclaimed_leases()
     for role, counts in sim.pull_counters().items():
         point.update({f"{role}_{k}": v for k, v in counts.items()})
-    _means_per_event(point)
+    means_per_event(point)
     point["unfinished"] = len(waiting)
     return point
 
 
-def _means_per_event(point: dict[str, Any]) -> None:
-    """Means as bench/agents.py reports them, from the summed counters: ``{role}_no_room_held_pages``,
-    the pool's pages by holder per pull that found no room; ``{role}_transfer_lease_s``, the seconds a
-    transfer lease held its pages, by how it ended."""
+def means_per_event(point: dict[str, Any]) -> None:
+    """The per-event means of a point, from its summed counters (bench/agents.py's points and the replay's
+    alike): ``{role}_no_room_held_pages``, the pool's pages by holder per pull that found no room
+    (``{role}_no_room``, ``{role}_no_room_held``); ``{role}_transfer_lease_s``, the seconds a transfer
+    lease held its pages, by how it ended (``{role}_transfer_leases``, ``{role}_transfer_lease_seconds``)."""
     for role in ("prefill", "decode"):
         n, held = point[f"{role}_no_room"], point[f"{role}_no_room_held"]
         point[f"{role}_no_room_held_pages"] = {k: round(v / n) if n else 0 for k, v in held.items()}
