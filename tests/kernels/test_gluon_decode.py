@@ -38,8 +38,7 @@ import json, sys
 from kvserving.kernels import gluon_decode
 from kvserving.kernels.compile_report import loops, report
 fmt, heads = sys.argv[1], int(sys.argv[2])
-key = "int4" if fmt == "triaxial" else fmt
-gluon_decode.GL_TUNING[key] = cfg = {**gluon_decode.GL_TUNING[key], **json.loads(sys.argv[3])}
+cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
 sig, const = gluon_decode.compile_report_args(fmt, heads=heads)
 warps = const.pop("num_warps")
 r = report(gluon_decode._gl_decode_kernel, sig, const, gluon=True, num_warps=warps, aligned=("total_bytes",),
@@ -49,22 +48,17 @@ print(json.dumps({"warps": warps, "local": r["local"], "stack": r["stack"], "sha
 """
 
 
-def _compile(fmt: str, heads: int = 4, tuning: dict[str, int] | None = None) -> dict[str, Any]:
+def _compile(fmt: str, heads: int = 4) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, fmt, str(heads), json.dumps(tuning or {})], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _COMPILE, fmt, str(heads)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-# (format, tuning over GL_TUNING's): every format as launched
-KERNELS = [("nvfp4", {}), ("int4", {}), ("triaxial", {}), ("fp8_e4m3", {})]
-KERNEL_IDS = ["nvfp4", "int4", "triaxial", "fp8_e4m3"]
-
-
-@pytest.mark.parametrize(("fmt", "tuning"), KERNELS, ids=KERNEL_IDS)
-def test_gluon_decode_compiles_for_sm90_without_unpacked_values_in_shared_memory(fmt: str, tuning: dict[str, int]) -> None:
-    r = _compile(fmt, tuning=tuning)
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4", "triaxial", "fp8_e4m3"])
+def test_gluon_decode_compiles_for_sm90_without_unpacked_values_in_shared_memory(fmt: str) -> None:
+    r = _compile(fmt)
     warps = r["warps"]
     assert r["local"] == 0 and r["stack"] == 0, "register spills"
     # one loop over the split's steps per kind of page: triaxial rows run an INT2 loop and an INT4 one
@@ -102,13 +96,13 @@ def test_gluon_decode_triaxial_fits_128_registers_so_4_programs_share_an_sm() ->
     assert sorted(c["HMMA.16816.F32"] for c in r["loops"]) == [34, 36], r["loops"]
 
 
-@pytest.mark.parametrize(("fmt", "tuning"), [k for k in KERNELS if k[0] != "int4"], ids=[i for i in KERNEL_IDS if i != "int4"])
-def test_gluon_decode_residency_table_matches_the_compiled_kernel(fmt: str, tuning: dict[str, int]) -> None:
+@pytest.mark.parametrize("fmt", ["nvfp4", "triaxial", "fp8_e4m3"])
+def test_gluon_decode_residency_table_matches_the_compiled_kernel(fmt: str) -> None:
     # the split planner (plan_waves) plans on GL_TUNING's RES / RES16: the programs per SM the compiled kernel allows.
     # RES16 (16 heads, uncapped) is the device's Triton 3.6 (196 / 200 / 229 registers); the pinned 3.9 gives nvfp4
     # and fp8 209 / 204 (4 programs, not 5): only the gpu test below holds RES16
-    r = _compile(fmt, tuning=tuning)
-    cfg = {**gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt], **tuning}
+    r = _compile(fmt)
+    cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
     assert r["local"] == 0
     assert cfg["RES"] == resident_programs(regs=r["regs"], warps=r["warps"], shared=r["shared"]), r
 
