@@ -65,6 +65,10 @@ class ModelConfig:
 
 
 BIT_BUDGET_CONTROLS = ("fixed", "hold")
+# Where a page's bytes lie in KV memory: "layer_major", one buffer per layer (a page's layers far apart: a KV
+# transfer moves one NIXL region per run of pages per layer), or "page_major", one buffer whose pages hold every
+# layer's bytes together (one region per run of pages). Workers with different layouts never share pages.
+KV_LAYOUTS = ("layer_major", "page_major")
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,8 +92,11 @@ class KVCacheConfig:
     # (worker/bit_budget.py); "fixed" stores what the bits table for bit_budget gives on any traffic.
     # Ignored by the one-precision formats.
     bit_budget_control: str = "hold"
+    layout: str = "layer_major"  # KV_LAYOUTS
 
     def __post_init__(self) -> None:
+        if self.layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_cache.layout must be one of {KV_LAYOUTS}, got {self.layout!r}")
         if not isinstance(self.age_down, bool):
             raise ValueError(f"kv_cache.age_down must be true or false, got {self.age_down!r}")
         if self.bit_budget_control not in BIT_BUDGET_CONTROLS:

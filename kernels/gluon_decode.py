@@ -798,15 +798,16 @@ def supported(kv: PagedKV, q: torch.Tensor) -> bool:
     return layout.page_size == want_p and (kv.int2_layout is None or kv.int2_layout.page_size == 32)
 
 
-def kernel_args(fmt: str, layout: PageLayout, *, num_warps: int, ppw: int) -> dict[str, Any]:
-    """Constexpr arguments of one launch for page format ``fmt`` (its layout's field offsets included)."""
+def kernel_args(fmt: str, layout: PageLayout, *, num_warps: int, ppw: int, stride: int = 0) -> dict[str, Any]:
+    """Constexpr arguments of one launch for page format ``fmt`` (its layout's field offsets included; ``stride``:
+    triton_common.field_offsets')."""
     p = layout.page_size
     nt = ppw * p
     kb = {"int2": 32, "fp8_e4m3": 128}.get(fmt, 64)
     vg = {"nvfp4": 8, "fp8_e4m3": 16}.get(fmt, kb // 4)
     per_thread = kb // 8
     lv_load, lv_unpack = v_layouts(num_warps, nt, kb // vg, vg, per_thread)
-    pb, ko, kso, kzo, vo, vso, vzo = field_offsets(layout)
+    pb, ko, kso, kzo, vo, vso, vzo = field_offsets(layout, stride=stride)
     return dict(FMT=GL_FMT[fmt], P=p, PAGE_BYTES=pb, K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, V_OFF=vo, VS_OFF=vso,
                 VZ_OFF=vzo, PPW=ppw, LV_LOAD=lv_load, LV_UNPACK=lv_unpack, num_warps=num_warps)  # fmt: skip
 
@@ -880,15 +881,15 @@ def launch_decode(
         raise ValueError(f"pages per split ({run.pages_per_split}) must be a multiple of pages per step ({ppi})")
     k_fold, v_fold = folded_scales(kv)
     hp = 8 if run.group <= 8 else 16
-    args = kernel_args(layout.fmt, layout, num_warps=cfg["num_warps"], ppw=cfg["PPW"])
+    args = kernel_args(layout.fmt, layout, num_warps=cfg["num_warps"], ppw=cfg["PPW"], stride=kv.page_stride)
     args2 = {k + "2": v for k, v in args.items() if k in INT2_ARGS}
     if kv.triaxial:  # both precisions' splits in one launch
-        a2 = kernel_args("int2", kv.int2, num_warps=cfg["num_warps"], ppw=1)
+        a2 = kernel_args("int2", kv.int2, num_warps=cfg["num_warps"], ppw=1, stride=kv.int2_stride)
         args2 = {k + "2": v for k, v in a2.items() if k in INT2_ARGS}
     reg_cap = register_cap("triaxial" if kv.triaxial else layout.fmt, cfg, heads=run.group)
     cap = {"maxnreg": reg_cap} if reg_cap else {}
     kernel = _gl_decode_kernel[run.grid](
-        run.q, run.o, run.lse, kv.buffer, run.page_table, seq_lens, run.n2, sm_scale * LOG2E * k_fold, kv.total_bytes,
+        run.q, run.o, run.lse, kv.base, run.page_table, seq_lens, run.n2, sm_scale * LOG2E * k_fold, kv.int2_top,
         run.page_table.stride(0), run.splits, run.pages_per_split, TRIAXIAL=int(kv.triaxial),
         H=run.kv_heads, G=run.group, HP=hp, STAGES=cfg["STAGES"], **args, **args2, **cap,
         E2M1_CVT=int(layout.fmt == "nvfp4" and device_choice(q.device).e2m1 == "cvt"), LEAN=cfg.get("LEAN", 0),

@@ -271,10 +271,10 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
     k_fold, v_fold = folded_scales(kv)
     k_mul_pre = sm_scale * LOG2E * k_fold
     k_in, v_in = chunk_kv(k, v)  # q is read as it is (the kernel scales and permutes it)
-    a = field_offsets(lay)
+    a = field_offsets(lay, stride=kv.page_stride)
     grid = (triton.cdiv(n, TUNING["BLOCK_T"]), h)
     _gl_extend_kernel[grid](
-        q, k_in, v_in, out, kv.buffer, pages, n, prefix_len, k_mul_pre, sm_scale * LOG2E / k_mul_pre, 1.0 / v_fold,
+        q, k_in, v_in, out, kv.base, pages, n, prefix_len, k_mul_pre, sm_scale * LOG2E / k_mul_pre, 1.0 / v_fold,
         q.stride(0), q.stride(1), k_in.stride(0), out.stride(0), out.stride(1),
         G=hq // h, D=d, P=p, PAGE_BYTES=a[0], K_OFF=a[1], KS_OFF=a[2], V_OFF=a[4], VS_OFF=a[5], **_launch_meta(TUNING),
     )  # fmt: skip

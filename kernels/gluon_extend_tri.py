@@ -542,9 +542,10 @@ def supported(kv: PagedKV, q: torch.Tensor) -> bool:
     return device_choice(q.device).extend == "gluon"  # capability.TABLE: wgmma is Hopper's
 
 
-def _meta(lay: PageLayout, lay2: PageLayout) -> dict[str, Any]:
-    """The kernel's constexprs and launch options (TUNING) for the two page layouts."""
-    a, a2 = field_offsets(lay), field_offsets(lay2)
+def _meta(lay: PageLayout, lay2: PageLayout, *, stride: int = 0, stride2: int = 0) -> dict[str, Any]:
+    """The kernel's constexprs and launch options (TUNING) for the two page layouts (``stride``, ``stride2``: the
+    page strides, triton_common.field_offsets')."""
+    a, a2 = field_offsets(lay, stride=stride), field_offsets(lay2, stride=stride2)
     return dict(D=lay.head_dim, P=lay.page_size, PAGE_BYTES=a[0], K_OFF=a[1], KS_OFF=a[2], KZ_OFF=a[3], V_OFF=a[4],
                 VS_OFF=a[5], VZ_OFF=a[6], PAGE_BYTES2=a2[0], K_OFF2=a2[1], KS_OFF2=a2[2], KZ_OFF2=a2[3],
                 V_OFF2=a2[4], VS_OFF2=a2[5], VZ_OFF2=a2[6], BLOCK_T=TUNING["BLOCK_T"], PPI=TUNING["PPI"],
@@ -579,8 +580,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, pages
     k_in, v_in = chunk_rows(k, v)
     grid = (triton.cdiv(n, TUNING["BLOCK_T"]), h)
     _gl_extend_tri_kernel[grid](
-        q, k_in, v_in, out, kv.buffer, pages, n, prefix_len, kv.total_bytes, q_mul, 1.0, 1.0, q.stride(0), q.stride(1),
-        k_in.stride(0), out.stride(0), out.stride(1), G=hq // h, **_meta(lay, kv.int2),
+        q, k_in, v_in, out, kv.base, pages, n, prefix_len, kv.int2_top, q_mul, 1.0, 1.0, q.stride(0), q.stride(1),
+        k_in.stride(0), out.stride(0), out.stride(1), G=hq // h, **_meta(lay, kv.int2, stride=kv.page_stride, stride2=kv.int2_stride),
     )  # fmt: skip
     return out
 

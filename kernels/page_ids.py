@@ -11,6 +11,18 @@ from the bottom, INT2 indices down from the top::
     | page 0 | page 1 | ...                       ... | int2 page 1 | int2 page 0 |
     '--- i * page_bytes ---'                        '- total - (j+1) * int2_bytes
 
+A buffer may hold every layer's pages *page-major* (``layers`` > 1): slot
+``i`` is then one block of ``layers * page_bytes`` bytes, layer ``l``'s page
+at ``l * page_bytes`` inside it, so a run of slots is one run of bytes for the
+whole model (one NIXL region instead of one per layer)::
+
+    byte 0                                                                   total
+    | slot 0: layer 0 | layer 1 | ... | slot 1: layer 0 | ...   ... | int2 slot 0: layer 0 | layer 1 | ... |
+
+The formulas above then hold with ``page_bytes`` and ``int2_page_bytes``
+times ``layers`` (the page strides) plus ``l`` times the page's own bytes;
+``layers`` = 1 is the layer-major buffer of one layer.
+
 Which indices are in use is the pool's policy. The triaxial pool cuts the
 buffer into slabs of ``lcm(page_bytes, int2_page_bytes)`` bytes (``Slabs``),
 each holding whole pages of one precision; the formula above puts every slot
@@ -61,20 +73,30 @@ def make_page_id(index: int, *, bits: int) -> int:
     return index | INT2_PAGE_FLAG if bits == 2 else index
 
 
-def page_byte_offset(page_id: int, *, page_bytes: int, int2_page_bytes: int = 0, total_bytes: int = 0) -> int:
-    """Byte offset of a page in its layer buffer (INT2 pages count down from the top)."""
+def page_byte_offset(
+    page_id: int, *, page_bytes: int, int2_page_bytes: int = 0, total_bytes: int = 0, layers: int = 1, layer: int = 0
+) -> int:
+    """Byte offset of layer ``layer``'s page in a buffer of ``layers`` layers, page-major (1: a layer
+    buffer); INT2 pages count down from the top."""
     if page_id & INT2_PAGE_FLAG and (int2_page_bytes <= 0 or total_bytes <= 0):
         raise ValueError(f"page id {page_id} is an INT2 page but the buffer has no INT2 layout")
-    return page_byte_offsets(page_id, page_bytes=page_bytes, int2_page_bytes=int2_page_bytes, total_bytes=total_bytes)
+    if not 0 <= layer < layers:
+        raise ValueError(f"layer must be in 0..{layers - 1}, got {layer}")
+    return page_byte_offsets(
+        page_id, page_bytes=page_bytes, int2_page_bytes=int2_page_bytes, total_bytes=total_bytes, layers=layers, layer=layer
+    )
 
 
-def page_byte_offsets(page_ids: Ids, *, page_bytes: int, int2_page_bytes: int = 0, total_bytes: int = 0) -> Ids:
+def page_byte_offsets(
+    page_ids: Ids, *, page_bytes: int, int2_page_bytes: int = 0, total_bytes: int = 0, layers: int = 1, layer: int = 0
+) -> Ids:
     """``page_byte_offset`` of an id or, elementwise, of an int64 tensor of ids (no branch, so no check:
     callers of the tensor form have refused INT2 ids without an INT2 layout)."""
     int2 = (page_ids >> _FLAG_BIT) & 1  # 1 for INT2 ids
     index = page_ids & _INDEX_MASK
-    # plain: index * page_bytes; INT2: total_bytes - (index + 1) * int2_page_bytes
-    return index * page_bytes + int2 * (total_bytes - (index + 1) * int2_page_bytes - index * page_bytes)
+    # plain: (index * layers + layer) * page_bytes; INT2: total_bytes - (index * layers + layers - layer) * int2_page_bytes
+    plain = (index * layers + layer) * page_bytes
+    return plain + int2 * (total_bytes - (index * layers + layers - layer) * int2_page_bytes - plain)
 
 
 # The largest slab a triaxial buffer accepts, in pages of the larger size: real page shapes give 3 or 5.

@@ -45,15 +45,24 @@ VFOLD_MIN = 1e-3
 MAX_SPLITS = 256
 
 
-def field_offsets(layout: PageLayout | None) -> tuple[int, int, int, int, int, int, int]:
-    """(page_bytes, k, k_scale, k_zero, v, v_scale, v_zero) byte offsets; 0 for fields a format lacks.
+def field_offsets(layout: PageLayout | None, *, stride: int = 0) -> tuple[int, int, int, int, int, int, int]:
+    """(page stride, k, k_scale, k_zero, v, v_scale, v_zero) byte offsets; 0 for fields a format lacks. The
+    kernels' PAGE_BYTES constexprs take the first: the bytes from one page id to the next, ``stride`` (a
+    ``PagedKV``'s ``page_stride`` / ``int2_stride``) or, 0, the page's own bytes (one layer a buffer).
 
     ``None`` (no INT2 layout): placeholders for the INT2 constexprs of a launch that has no INT2 pages."""
     if layout is None:
         return (16, 0, 0, 0, 0, 0, 0)
     at = {f.name: f.offset for f in layout.fields}
     get = at.get
-    return (layout.page_bytes, get("k", 0), get("k_scale", 0), get("k_zero", 0), get("v", 0), get("v_scale", 0), get("v_zero", 0))
+    return (stride or layout.page_bytes, get("k", 0), get("k_scale", 0), get("k_zero", 0), get("v", 0), get("v_scale", 0),
+            get("v_zero", 0))  # fmt: skip
+
+
+def kv_field_offsets(kv: PagedKV) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``field_offsets`` of ``kv``'s layout and INT2 layout with its page strides: what a launch on ``kv``
+    passes with ``kv.base`` and ``kv.int2_top``."""
+    return field_offsets(kv.layout, stride=kv.page_stride), field_offsets(kv.int2_layout, stride=kv.int2_stride)
 
 
 def folded_scales(kv: PagedKV) -> tuple[float, float]:

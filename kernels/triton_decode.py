@@ -50,7 +50,7 @@ from .triton_common import (
     FMT_INT4,
     FMT_NVFP4,
     LOG2E,
-    field_offsets,
+    kv_field_offsets,
     folded_scales,
     merge_splits,
     prepare_splits,
@@ -524,15 +524,15 @@ def launch_decode(
     run = prepare_splits(q, kv, page_table, seq_lens, num_int2_pages, pages_per_iter=cfg["PPI"],
                          programs_per_sm=cfg["PPSM"], splits=plan)  # fmt: skip
     k_fold, v_fold = folded_scales(kv)
-    lay, lay2 = field_offsets(layout), field_offsets(kv.int2_layout)
+    lay, lay2 = kv_field_offsets(kv)
     # triaxial: two launches over the same grid, the INT2 splits' (PART 2) and the INT4 splits' (PART 4)
     parts = (2, 4) if kv.triaxial else (0,)
     extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
     kernel = None
     for part in parts:
         kernel = _decode_kernel[run.grid](
-            run.q, run.o, run.lse, kv.buffer, run.page_table, seq_lens, run.n2,
-            sm_scale * LOG2E * k_fold, kv.total_bytes, run.page_table.stride(0), run.splits, run.pages_per_split,
+            run.q, run.o, run.lse, kv.base, run.page_table, seq_lens, run.n2,
+            sm_scale * LOG2E * k_fold, kv.int2_top, run.page_table.stride(0), run.splits, run.pages_per_split,
             FMT=FMT_CODES[layout.fmt], PART=part, H=run.kv_heads, G=run.group, D=layout.head_dim, P=layout.page_size,
             PAGE_BYTES=lay[0], K_OFF=lay[1], KS_OFF=lay[2], KZ_OFF=lay[3], V_OFF=lay[4], VS_OFF=lay[5], VZ_OFF=lay[6],
             PAGE_BYTES2=lay2[0], K_OFF2=lay2[1], KS_OFF2=lay2[2], KZ_OFF2=lay2[3], V_OFF2=lay2[4], VS_OFF2=lay2[5],

@@ -17,7 +17,7 @@ import triton.language as tl
 from .page_ids import INT2_PAGE_FLAG
 from .paged_kv import PagedKV
 from .triton_codec import e4m3_value, meta_index, to_bf16
-from .triton_common import FMT_BF16, FMT_CODES, FMT_FP8, FMT_INT4, FMT_NVFP4, field_offsets
+from .triton_common import FMT_BF16, FMT_CODES, FMT_FP8, FMT_INT4, FMT_NVFP4, kv_field_offsets
 
 FLAG: tl.constexpr = tl.constexpr(INT2_PAGE_FLAG)
 
@@ -184,11 +184,10 @@ def gather_kv(
         raise ValueError("out_k and out_v must share strides with a unit channel stride")
     p = layout.page_size
     used = triton.cdiv(num_tokens, p)
-    pb, ko, kso, kzo, vo, vso, vzo = field_offsets(layout)
-    pb2, ko2, kso2, kzo2, vo2, vso2, vzo2 = field_offsets(kv.int2_layout)
+    (pb, ko, kso, kzo, vo, vso, vzo), (pb2, ko2, kso2, kzo2, vo2, vso2, vzo2) = kv_field_offsets(kv)
     _gather_kernel[(used, layout.kv_heads)](
-        kv.buffer, page_ids, out_k, out_v, out_k.stride(0), out_k.stride(1), num_tokens,
-        float(kv.k_scale), float(kv.v_scale), kv.total_bytes,
+        kv.base, page_ids, out_k, out_v, out_k.stride(0), out_k.stride(1), num_tokens,
+        float(kv.k_scale), float(kv.v_scale), kv.int2_top,
         FMT=FMT_CODES[layout.fmt], H=layout.kv_heads, D=layout.head_dim, P=p,
         PAGE_BYTES=pb, K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, V_OFF=vo, VS_OFF=vso, VZ_OFF=vzo,
         TRIAXIAL=kv.triaxial,

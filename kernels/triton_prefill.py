@@ -44,7 +44,7 @@ from .layout import PageLayout
 from .page_ids import INT2_PAGE_FLAG
 from .paged_kv import PagedKV
 from .triton_codec import asm_quarters, e4m3_to_f16, meta_index
-from .triton_common import FMT_BF16, FMT_CODES, FMT_INT2, FMT_NVFP4, LOG2E, VFOLD_MIN, field_offsets, folded_scales
+from .triton_common import FMT_BF16, FMT_CODES, FMT_INT2, FMT_NVFP4, LOG2E, VFOLD_MIN, field_offsets, folded_scales, kv_field_offsets
 
 FLAG: tl.constexpr = tl.constexpr(INT2_PAGE_FLAG)
 
@@ -538,7 +538,7 @@ def launch_extend(
     if pages.numel() == 0:
         pages = torch.zeros(1, dtype=torch.int32, device=q.device)  # never read (prefix_len 0), but a valid pointer
     k_fold, v_fold = folded_scales(kv)
-    lay, lay2 = field_offsets(layout), field_offsets(kv.int2_layout)
+    lay, lay2 = kv_field_offsets(kv)
     group = hq // h
     interpret = q.device.type == "cpu"
     dt = tl.float16 if layout.fmt != "bf16" else (tl.float32 if interpret else tl.bfloat16)
@@ -558,7 +558,7 @@ def launch_extend(
         vfold = int(v_fold >= VFOLD_MIN)  # the chunk's probabilities times 1 / fold must stay in fp16's range
         if vfold:
             v_mul_pre = 1.0 / v_fold
-    args = (q_in, k, v, out, kv.buffer, pages, n2, n, prefix_len, kv.total_bytes, k_mul_pre, v_mul_pre, k_mul_new,
+    args = (q_in, k, v, out, kv.base, pages, n2, n, prefix_len, kv.int2_top, k_mul_pre, v_mul_pre, k_mul_new,
             q_in.stride(0), q_in.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1))  # fmt: skip
     meta = dict(
         FMT=FMT_CODES[layout.fmt], TRIAXIAL=kv.triaxial, G=group, GP=triton.next_power_of_2(group), D=d, P=p,

@@ -368,9 +368,9 @@ def launch_write_kv(kv: PagedKV, k: torch.Tensor, v: torch.Tensor, page_ids: tor
     # one group per thread: 32 * num_warps groups of D/32 per token (Triton gives each thread a whole 8-value chunk
     # only when the tile has 8 values per thread)
     bt = max(1, 32 * num_warps // (d // 32)) if groups else bt
-    pb, ko, kso, kzo, vo, vso, vzo = field_offsets(layout)
+    pb, ko, kso, kzo, vo, vso, vzo = field_offsets(layout, stride=kv.page_stride)
     _write_kv_kernel[(triton.cdiv(t, bt), h)](
-        k.contiguous(), v.contiguous(), kv.buffer, page_ids, slots, t, float(kv.k_scale), float(kv.v_scale),
+        k.contiguous(), v.contiguous(), kv.base, page_ids, slots, t, float(kv.k_scale), float(kv.v_scale),
         FMT=FMT_CODES[layout.fmt], H=h, D=d, P=layout.page_size,
         PAGE_BYTES=pb, K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, V_OFF=vo, VS_OFF=vso, VZ_OFF=vzo,
         BT=bt, GROUPS=int(groups), PDL=pdl, num_warps=num_warps, **triton_pdl.launch_args(pdl),
@@ -397,9 +397,9 @@ def launch_int2_keys(kv: PagedKV, k: torch.Tensor, page_ids: torch.Tensor, *, he
     """The keys half of write_int2_pages with its launch shape given (tests and benchmarks time others)."""
     n, p, h, d = k.shape
     hb = _int2_heads(h, heads)
-    pb, ko, kso, kzo, _, _, _ = field_offsets(kv.int2)
+    pb, ko, kso, kzo, _, _, _ = field_offsets(kv.int2, stride=kv.int2_stride)
     _write_int2_keys_kernel[(n, h // hb)](
-        k.contiguous(), kv.buffer, page_ids, kv.total_bytes,
+        k.contiguous(), kv.base, page_ids, kv.int2_top,
         H=h, D=d, P=p, PAGE_BYTES=pb, K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, HB=hb, num_warps=num_warps,
     )  # fmt: skip
 
@@ -407,10 +407,10 @@ def launch_int2_keys(kv: PagedKV, k: torch.Tensor, page_ids: torch.Tensor, *, he
 def launch_int2_values(kv: PagedKV, v: torch.Tensor, page_ids: torch.Tensor, *, num_warps: int) -> None:
     """The values half of write_int2_pages with its launch shape given."""
     n, p, h, d = v.shape
-    pb, _, _, _, vo, vso, vzo = field_offsets(kv.int2)
+    pb, _, _, _, vo, vso, vzo = field_offsets(kv.int2, stride=kv.int2_stride)
     groups = n * p * h * (d // 32)
     r = 32 * num_warps
     _write_int2_values_kernel[(triton.cdiv(groups, r),)](
-        v.contiguous(), kv.buffer, page_ids, kv.total_bytes, groups,
+        v.contiguous(), kv.base, page_ids, kv.int2_top, groups,
         H=h, D=d, P=p, PAGE_BYTES=pb, V_OFF=vo, VS_OFF=vso, VZ_OFF=vzo, R=r, num_warps=num_warps,
     )  # fmt: skip

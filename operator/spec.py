@@ -25,6 +25,8 @@ GATEWAY_PORT = 8080
 NOMINAL_BITS = {"bf16": 16.0, "fp8_e4m3": 8.0, "nvfp4": 4.0}
 # Where a worker sees the calibration ConfigMap (kvCache.calibration), mounted read-only.
 CALIBRATION_DIR = "/etc/kvserving/calibration"
+# spec.kvCache.layout -> kv_cache.layout
+_KV_LAYOUTS = {"layerMajor": "layer_major", "pageMajor": "page_major"}
 CALIBRATION_KEY = "calibration.json"
 # Secrets are files, never environment variables: the internal credential
 # (Secret NAME-internal, key "token", made by the operator) in the gateway and
@@ -184,6 +186,9 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
     key = (calibration or {}).get("key", CALIBRATION_KEY)
     if calibration is not None and (not calibration.get("configMap") or key in (".", "..") or "/" in key):
         raise ValueError("spec.kvCache.calibration needs a configMap name and a file-name key")
+    layout = kv.get("layout", "layerMajor")
+    if layout not in _KV_LAYOUTS:
+        raise ValueError(f"spec.kvCache.layout must be one of {sorted(_KV_LAYOUTS)}, got {layout!r}")
     serving = ServingConfig(
         model=ModelConfig(
             path=model.get("path", ""),
@@ -199,6 +204,7 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
             global_scale=kv.get("globalScale", "static"),
             calibration=f"{CALIBRATION_DIR}/{key}" if calibration is not None else None,
             age_down=bool(kv.get("ageDown", True)),
+            layout=_KV_LAYOUTS[layout],
         ),
         reuse=ReuseConfig(
             bidirectional=bool(reuse.get("bidirectional", True)),

@@ -67,3 +67,42 @@ def test_options_are_read_once_when_the_storage_is_built(monkeypatch: pytest.Mon
     out_tri = tri.decode(0, q, table, lens, sm_scale=0.125)
     out_ref = ref.decode(0, q, table, lens, sm_scale=0.125, num_int2_pages=lens)  # not triaxial: num_int2_pages is ignored
     assert not torch.equal(out_tri, out_ref) and rel_err(out_tri, out_ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "nvfp4", "triaxial"])
+def test_page_major_storage_holds_each_layers_pages_where_layer_major_does_in_one_region(dtype: str) -> None:
+    """The same writes into both layouts: every page of every layer has the same bytes, each layer's decode the same
+    output; the page-major storage is one region whose pages hold all layers (a run of pages is one span)."""
+    lm, pm = _storage(dtype), _storage(dtype, page_major=True)
+    n = SHAPE.num_layers
+    assert lm.buffers.shape == (n, lm.total_bytes) and pm.buffers.shape == (1, n * pm.total_bytes)
+    pb = lm.layout.page_bytes
+    two = lm.int2_layout.page_bytes if lm.int2_layout is not None else 0
+    assert lm.region_geometry() == (pb, two, lm.total_bytes)
+    assert pm.region_geometry() == (n * pb, n * two, n * pm.total_bytes)
+    p = lm.page_size
+    g = torch.Generator().manual_seed(0)
+    ids = [0, 1, 3]  # a run, then a gap
+    int2 = [make_page_id(0, bits=2), make_page_id(1, bits=2)] if lm.triaxial else []
+    for st in (lm, pm):
+        g.manual_seed(0)
+        for layer in range(n):
+            k, v = torch.randn(3 * p, 2, 64, generator=g), torch.randn(3 * p, 2, 64, generator=g)
+            st.write(layer, k, v, torch.tensor(ids, dtype=torch.int32).repeat_interleave(p), torch.arange(p, dtype=torch.int32).repeat(3))
+            if int2:
+                k2, v2 = torch.randn(2, p, 2, 64, generator=g), torch.randn(2, p, 2, 64, generator=g)
+                st.write_int2_pages(layer, k2, v2, torch.tensor(int2, dtype=torch.int32))
+    for layer in range(n):
+        a, b = lm.layer(layer), pm.layer(layer)
+        for pid in ids + int2:
+            size = two if pid in int2 else pb
+            lo, po = a.page_offset(pid), b.page_offset(pid)
+            assert torch.equal(a.buffer[lo : lo + size], b.buffer[po : po + size]), (layer, pid)
+        table = torch.tensor([int2 + ids], dtype=torch.int32)
+        q = torch.randn(1, 4, 64, generator=g)
+        lens, n2 = torch.tensor([table.shape[1] * p], dtype=torch.int32), torch.tensor([len(int2)], dtype=torch.int32)
+        assert torch.equal(lm.decode(layer, q, table, lens, sm_scale=0.125, num_int2_pages=n2),
+                           pm.decode(layer, q, table, lens, sm_scale=0.125, num_int2_pages=n2))  # fmt: skip
+    # pages 0 and 1 of every layer: one span of the buffer
+    spans = sorted(pm.layer(layer).page_offset(pid) for layer in range(n) for pid in (0, 1))
+    assert spans == [i * pb for i in range(2 * n)]

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 from kvs_crd_tools import SAMPLES, admit, apply_defaults, load_crd, load_sample, root_schema
 
-from kvserving.config import ReuseConfig
+from kvserving.config import KVCacheConfig, ReuseConfig
 from kvserving.operator.names import CRD_NAME, GROUP, KIND, PLURAL, SHORT_NAME, VERSION
 from kvserving.operator.render import Owner, render
 from kvserving.operator.spec import DEFAULT_MONITORING_PEER, GATEWAY_RESOURCES, WORKER_RESOURCES, parse_spec
@@ -104,7 +104,10 @@ def test_design_defaults() -> None:
         "peerTimeoutSeconds": 1,
     }
     assert parse_spec(spec).serving.reuse.peer_timeout_s == ReuseConfig().peer_timeout_s
-    assert spec["kvCache"] == {"dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowOtherGPUs": False, "ageDown": True}
+    assert spec["kvCache"] == {
+        "dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowOtherGPUs": False, "ageDown": True, "layout": "layerMajor",
+    }  # fmt: skip
+    assert parse_spec(spec).serving.kv_cache.layout == KVCacheConfig().layout
     assert spec["prefill"]["resources"] == {
         "requests": {"cpu": "4", "memory": "32Gi"},
         "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1},
@@ -290,6 +293,7 @@ def test_engine_config_refuses_what_the_crd_refuses(case: str, body: dict[str, A
         ("spec.networkPolicy", {"enabled": False}, "fp8_e4m3"),
         ("spec.networkPolicy.egress", {"enabled": False}, "fp8_e4m3"),
         ("spec.reuse.peerTimeoutSeconds", 0.25, "fp8_e4m3"),
+        ("spec.kvCache.layout", "pageMajor", "triaxial"),
         (
             "spec.networkPolicy.egress.allowTo",
             [
@@ -310,12 +314,22 @@ def test_boundary_values_are_admitted(path: str, value: Any, base: str) -> None:
 def test_other_schema_errors_are_refused() -> None:
     _, errors = admit(_with("spec.kvCache.dtype", "int3"))
     assert any("kvCache.dtype" in e for e in errors)
+    _, errors = admit(_with("spec.kvCache.layout", "page_major"))  # the engine config's spelling, not the CRD's
+    assert any("kvCache.layout" in e for e in errors)
+    with pytest.raises(ValueError, match="spec.kvCache.layout must be one of"):
+        parse_spec(_with("spec.kvCache.layout", "page_major")["spec"])
     _, errors = admit(_with("spec.kvCache.memoryFraction", 1.5))
     assert errors == ["spec.kvCache.memoryFraction: memoryFraction must be in (0, 1]"]
     _, errors = admit(_with("spec.kvCache.bitsBudget", 3.0))
     assert errors == ["spec.kvCache.bitsBudget: unknown field"]
     _, errors = admit(_with("metadata.name", "n" * 51))
     assert errors == ["<root>: metadata.name must be at most 50 characters (child Services append -prefill, -decode, -gateway)"]
+
+
+def test_the_kv_layout_reaches_the_engine_config() -> None:
+    defaulted, errors = admit(_with("spec.kvCache.layout", "pageMajor", base="triaxial"))
+    assert errors == []
+    assert parse_spec(defaulted["spec"]).serving.kv_cache.layout == "page_major"
 
 
 def test_auto_recompute_threshold_reaches_the_engine_config() -> None:

@@ -41,7 +41,9 @@ def serving_config(spec: dict[str, Any]) -> ServingConfig:
     )
     return ServingConfig(
         model=ModelConfig(path=spec["model"]),
-        kv_cache=KVCacheConfig(dtype=spec["dtype"], memory_bytes=spec.get("memory_bytes", 4 << 20)),
+        kv_cache=KVCacheConfig(
+            dtype=spec["dtype"], memory_bytes=spec.get("memory_bytes", 4 << 20), layout=spec.get("layout", "layer_major")
+        ),
         reuse=reuse,
         scheduler=SchedulerConfig(chunk_size=512, max_num_batched_tokens=512),
     )

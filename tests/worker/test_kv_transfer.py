@@ -131,15 +131,23 @@ OLD_OBS, M1_USER, CUR_USER = (
 M1_ASSISTANT = encode_tag("turn_m1", "text", "assistant")
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "nvfp4", "triaxial"])
-def test_conversation_p_to_d_and_back(tiny_model_dir: Path, host: Any, peer: Peer, dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "layout"),
+    [("bf16", "layer_major"), ("fp8_e4m3", "layer_major"), ("nvfp4", "layer_major"), ("triaxial", "layer_major"),
+     ("nvfp4", "page_major"), ("triaxial", "page_major")],
+)  # fmt: skip
+def test_conversation_p_to_d_and_back(tiny_model_dir: Path, host: Any, peer: Peer, dtype: str, layout: str) -> None:
     """Turn 1: P computes the prompt, D pulls P's prompt pages and generates. Turn 2: P pulls
     D's retained conversation (prompt + reply) and computes only the new tokens; D pulls only
-    the pages P computed this turn. Token counts are exact; tokens equal the reference."""
+    the pages P computed this turn. Token counts are exact; tokens equal the reference. With
+    ``kv_cache.layout: page_major`` a run of pages is one NIXL region for all layers."""
     ps = 32 if dtype == "triaxial" else 16
-    P = host.open(f"p-{dtype}", _spec(tiny_model_dir, dtype, f"p-{dtype}-1", role="prefill"))
+    name = f"{dtype}-{layout}"
+    P = host.open(f"p-{name}", _spec(tiny_model_dir, dtype, f"p-{name}-1", role="prefill", layout=layout))
     # a different pool size: page offsets differ between the two workers (INT2 pages count from the top)
-    peer.call("open", name=f"d-{dtype}", spec=_spec(tiny_model_dir, dtype, f"d-{dtype}-1", role="decode", memory_bytes=6 << 20))
+    peer.call(
+        "open", name=f"d-{name}", spec=_spec(tiny_model_dir, dtype, f"d-{name}-1", role="decode", memory_bytes=6 << 20, layout=layout)
+    )
     n1, gen, new = 150, 20, 70
     prompt1 = _prompt(n1, 1)
     tags1 = [OLD_OBS] * 96 + [CUR_USER] * (n1 - 96) if dtype == "triaxial" else None
@@ -147,7 +155,7 @@ def test_conversation_p_to_d_and_back(tiny_model_dir: Path, host: Any, peer: Pee
     def decode(rid: str, ids: list[int], tags: list[int] | None, params: dict[str, Any]) -> dict[str, Any]:
         return peer.call(
             "generate",
-            name=f"d-{dtype}",
+            name=f"d-{name}",
             request_id=rid,
             input_ids=ids,
             tags=tags,
@@ -164,10 +172,11 @@ def test_conversation_p_to_d_and_back(tiny_model_dir: Path, host: Any, peer: Pee
     d1 = decode("t1d", prompt1, tags1, p1["params"])
     pulled1 = (n1 - 1) // ps * ps  # every full prompt page (one token is always computed)
     assert (d1["pulled"], d1["cached"], d1["computed"], d1["fallback"]) == (pulled1, pulled1, n1 - pulled1, None)
-    assert d1["bytes"] == pulled1 // ps * 4 * P.kvt.geometry.page_bytes - (
-        (96 // ps) * 4 * (P.kvt.geometry.page_bytes - P.kvt.geometry.int2_page_bytes) if dtype == "triaxial" else 0
-    )
-    assert d1["regions"] == (8 if dtype == "triaxial" else 4)  # per layer: one run (+ one INT2 run)
+    rows = 1 if layout == "page_major" else 4  # NIXL regions per run: the tiny model's 4 layers, or one for all
+    st = P.engine.storage
+    pb, ib = st.layout.page_bytes, st.int2_layout.page_bytes if st.int2_layout is not None else 0
+    assert d1["bytes"] == 4 * (pulled1 // ps * pb - ((96 // ps) * (pb - ib) if dtype == "triaxial" else 0))
+    assert d1["regions"] == rows * (2 if dtype == "triaxial" else 1)  # one run (+ one INT2 run) per region row
     assert P.kvt.leases() == []  # the decode worker released P's transfer lease after its pull
 
     prompt2 = prompt1 + d1["tokens"] + _prompt(new, 2)
@@ -182,7 +191,7 @@ def test_conversation_p_to_d_and_back(tiny_model_dir: Path, host: Any, peer: Pee
     d2 = decode("t2d", prompt2, tags2, p2["params"])
     tail = (n2 - 1) // ps * ps
     assert (d2["cached"] - d2["pulled"], d2["pulled"], d2["computed"]) == (kept, tail - kept, n2 - tail)
-    leases = peer.call("leases", name=f"d-{dtype}")["leases"]  # one lease per conversation: turn 2's
+    leases = peer.call("leases", name=f"d-{name}")["leases"]  # one lease per conversation: turn 2's
     assert [le["lease_id"] for le in leases] == [d2["params"]["lease_id"]]
     assert leases[0]["num_tokens"] == (n2 + gen - 1) // ps * ps
 
@@ -275,6 +284,19 @@ def test_other_weights_are_a_layout_mismatch(tiny_model_dir: Path, tmp_path: Pat
     assert r["tokens"] == _fresh(tiny_model_dir, "bf16", prompt2, 8)
     bad = dict(d1["params"], layout_hash=pf.kvt.layout_hash, dtype="nvfp4")
     assert _turn2(pf, "dtype", prompt2, bad)["fallback"] == "layout_mismatch"
+
+
+def test_another_kv_layout_is_a_layout_mismatch(tiny_model_dir: Path, pf: Any, peer: Peer) -> None:
+    """A page-major decode worker's pages hold every layer of a page together; a layer-major prefill worker would read
+    them as one layer's: refused before any READ, recomputed."""
+    peer.call("open", name="d-pm", spec=_spec(tiny_model_dir, "bf16", "d-pm-1", role="decode", layout="page_major"))
+    prompt1 = _prompt(150, 17)
+    d1 = peer.call("generate", name="d-pm", request_id="pm1", input_ids=prompt1, max_tokens=20, retain=True)
+    assert d1["params"]["layout_hash"] != pf.kvt.layout_hash
+    prompt2 = prompt1 + d1["tokens"] + _prompt(30, 18)
+    r = _turn2(pf, "page-major", prompt2, d1["params"])
+    assert (r["fallback"], r["pulled"], r["computed"]) == ("layout_mismatch", 0, len(prompt2))
+    assert r["tokens"] == _fresh(tiny_model_dir, "bf16", prompt2, 8)
 
 
 def test_forged_page_ids_are_refused(tiny_model_dir: Path, pf: Any, peer: Peer) -> None:

@@ -201,6 +201,7 @@ def build_kv_cache(
         budget_bytes=budget_bytes,
         device=device,
         model_dtype=model_dtype,
+        page_major=kv_config.layout == "page_major",
     )
     calibration = Calibration.load(kv_config.calibration) if kv_config.calibration else None
     if calibration is not None and (calibration.num_layers, calibration.num_kv_heads, calibration.head_dim) != (

@@ -160,6 +160,9 @@ def layout_info(engine: LLMEngine) -> dict[str, Any]:
         "page_bytes": st.layout.page_bytes,
         "int2_page_bytes": st.int2_layout.page_bytes if st.int2_layout is not None else 0,
         "total_bytes": st.total_bytes,
+        "layout": "page_major" if st.page_major else "layer_major",
+        # (page bytes, INT2 page bytes, total bytes) of each registered region (KVStorage.region_geometry)
+        "region_geometry": list(st.region_geometry()),
         "fields": [
             [lay.fmt, [[f.name, str(f.dtype), list(f.shape), f.offset, list(f.storage or ())] for f in lay.fields]] for lay in layouts
         ],
@@ -171,8 +174,8 @@ def layout_info(engine: LLMEngine) -> dict[str, Any]:
 def layout_hash(engine: LLMEngine, *, weights_id: str | None = None) -> str:
     """Hash of everything that must agree for a page to mean the same on two workers:
     dtype, page size, page layout (fields with scales and zeros), global scales,
-    model shape and weights identity (buffer size is not in it: it is per worker)."""
-    info = {k: v for k, v in layout_info(engine).items() if k != "total_bytes"}
+    model shape, KV layout and weights identity (buffer size is not in it: it is per worker)."""
+    info = {k: v for k, v in layout_info(engine).items() if k not in ("total_bytes", "region_geometry")}
     info["weights"] = weights_id if weights_id is not None else weights_identity(engine.config.model.path)
     info["bits_table"] = list(engine.kv.bits_table) if engine.kv.bits_table is not None else None
     return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:32]

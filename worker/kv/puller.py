@@ -649,7 +649,7 @@ class Puller:
         if info.get("layout_hash") != self.layout_hash:
             return "layout_mismatch"
         try:
-            geometry = PageGeometry(int(lay["page_bytes"]), int(lay["int2_page_bytes"]), int(lay["total_bytes"]))
+            geometry = PageGeometry(*(int(x) for x in lay["region_geometry"]))
             peer = self.nixl.remote(engine_id, generation)
             if peer is None:
                 peer = self.nixl.add_remote(

@@ -1,5 +1,15 @@
-"""KV bytes: one flat uint8 buffer per layer in the page layout of the format,
-plus per-layer global scales; reads and writes go through the paged ops.
+"""KV bytes: flat uint8 buffers in the page layout of the format, plus per-layer
+global scales; reads and writes go through the paged ops.
+
+Two layouts (``kv_cache.layout``)::
+
+    layer_major  buffers [layers, total_bytes]      row l: page 0 of layer l | page 1 of layer l | ...
+    page_major   buffers [1, layers * total_bytes]  page 0 of layers 0, 1, ... | page 1 of layers 0, 1, ... | ...
+
+Each row of ``buffers`` is one NIXL region; a run of consecutive pages is one
+contiguous span per row (``region_geometry``), so a transfer moves one region
+per run in ``page_major`` and one per run per layer in ``layer_major``. Page ids
+and the pools are the same in both (kernels/page_ids.py: the page-major offsets).
 
 Sizes come from a byte budget. For triaxial, each layer's buffer is a whole
 number of slabs, each holding INT4 or INT2 pages (kernels.page_ids.Slabs;
@@ -50,6 +60,7 @@ class KVStorage:
         device: torch.device | str = "cpu",
         model_dtype: torch.dtype = torch.bfloat16,
         options: KernelOptions | None = None,
+        page_major: bool = False,
     ) -> None:
         if kv_dtype not in _PAGE_FORMATS:
             raise ValueError(f"unknown kv dtype {kv_dtype!r}; expected one of {sorted(_PAGE_FORMATS)}")
@@ -77,7 +88,9 @@ class KVStorage:
                 f"KV budget of {budget_bytes} bytes holds no {kv_dtype} {name} "
                 f"({unit} bytes per {name} per layer x {shape.num_layers} layers)"
             )
-        self.buffers = torch.zeros(shape.num_layers, self.total_bytes, dtype=torch.uint8, device=self.device)
+        self.page_major = page_major
+        rows = (1, shape.num_layers * self.total_bytes) if page_major else (shape.num_layers, self.total_bytes)
+        self.buffers = torch.zeros(*rows, dtype=torch.uint8, device=self.device)  # one NIXL region a row
         self.options = KernelOptions.from_env() if options is None else options
         # Per-layer global scales (fp8: tensor scale; nvfp4: FP32 global scale g), set through the properties.
         self._k_scales = [1.0] * shape.num_layers
@@ -85,10 +98,24 @@ class KVStorage:
         self._layers = self._build_layers()
 
     def _build_layers(self) -> list[PagedKV]:
+        n = self.shape.num_layers
+        if self.page_major:
+            whole = self.buffers[0]
+            return [
+                PagedKV(whole, self.layout, self._k_scales[i], self._v_scales[i], self.int2_layout, whole.numel(), layers=n, layer=i)
+                for i in range(n)
+            ]
         return [
             PagedKV(self.buffers[i], self.layout, self._k_scales[i], self._v_scales[i], self.int2_layout, self.total_bytes)
-            for i in range(self.shape.num_layers)
+            for i in range(n)
         ]
+
+    def region_geometry(self) -> tuple[int, int, int]:
+        """(bytes of one page, of one INT2 page (0 unless triaxial), total) in each row of ``buffers``: the
+        page's bytes of every layer in ``page_major``, of one layer in ``layer_major``."""
+        rows_layers = self.shape.num_layers if self.page_major else 1
+        two = self.int2_layout.page_bytes if self.int2_layout is not None else 0
+        return self.layout.page_bytes * rows_layers, two * rows_layers, self.total_bytes * rows_layers
 
     @property
     def k_scales(self) -> list[float]:

@@ -110,7 +110,7 @@ class KVTransfer:
         self.dtype = st.kv_dtype
         self.layout = layout_info(engine)
         self.layout_hash = layout_hash(engine, weights_id=weights_id)
-        self.geometry = PageGeometry(st.layout.page_bytes, st.int2_layout.page_bytes if st.int2_layout is not None else 0, st.total_bytes)
+        self.geometry = PageGeometry(*st.region_geometry())
         self.nixl = NixlIO(f"{engine_id}-{self.generation:x}", st.buffers, geometry=self.geometry, poll_interval_s=poll_interval_s)
         self.nixl.start_progress()
         self._metadata_b64 = base64.b64encode(self.nixl.metadata()).decode()
