@@ -58,7 +58,7 @@ from typing import Any
 
 from kvserving import jsonfmt
 from kvserving.agents.load import REUSE_MODES, AgentSpec, Conversation, Dist, LoadSpec, agent, fixed, reuse_for_mode
-from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
+from kvserving.config import KV_LAYOUTS, KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.local.stack import LocalStack, StackError, StackSpec, free_ports
 from kvserving.progress import add_quiet_argument, progress
 from kvserving.sim.cluster import means_per_event
@@ -124,11 +124,20 @@ def gpu_load(seed: int, *, think_s: float, turns: int | None = None) -> LoadSpec
 
 
 def stack_spec(
-    fmt: str, mode: str, *, kv_bytes: int, ttl_s: float, run_dir: Path | None, gpu_model: Path | None = None, weights: str = "auto"
+    fmt: str,
+    mode: str,
+    *,
+    kv_bytes: int,
+    ttl_s: float,
+    run_dir: Path | None,
+    gpu_model: Path | None = None,
+    weights: str = "auto",
+    kv_layout: str = "layer_major",
 ) -> StackSpec:
     """The stack of one format and reuse mode: the built-in tiny model on CPU, or with
     ``gpu_model`` that directory's model (dummy weights) with both workers on GPU 0; ``weights``
-    is ``model.weight_format`` (an FP8 format quantizes the weights at load)."""
+    is ``model.weight_format`` (an FP8 format quantizes the weights at load), ``kv_layout`` the
+    workers' ``kv_cache.layout``."""
     from kvserving.model_dir import tiny_model_dir
 
     dtype, budget = FORMATS[fmt]
@@ -141,7 +150,11 @@ def stack_spec(
     config = ServingConfig(
         model=model,
         kv_cache=KVCacheConfig(
-            dtype=dtype, bit_budget=budget, memory_bytes=kv_bytes, bit_budget_control="hold" if fmt in HELD else "fixed"
+            dtype=dtype,
+            bit_budget=budget,
+            memory_bytes=kv_bytes,
+            bit_budget_control="hold" if fmt in HELD else "fixed",
+            layout=kv_layout,
         ),
         reuse=reuse_for_mode(mode, ttl_s=ttl_s),
         scheduler=scheduler,
@@ -420,7 +433,14 @@ def _started_stack(fmt: str, mode: str, args: argparse.Namespace) -> Iterator[tu
     for attempt in range(3):
         run_dir = args.run_dir / f"{fmt}-{mode}-{attempt}" if args.run_dir else None
         spec = stack_spec(
-            fmt, mode, kv_bytes=kv_bytes(args), ttl_s=args.ttl_s, run_dir=run_dir, gpu_model=args.gpu_model, weights=args.weights
+            fmt,
+            mode,
+            kv_bytes=kv_bytes(args),
+            ttl_s=args.ttl_s,
+            run_dir=run_dir,
+            gpu_model=args.gpu_model,
+            weights=args.weights,
+            kv_layout=args.kv_layout,
         )
         stack = LocalStack(spec)
         try:
@@ -658,8 +678,9 @@ def combine(files: list[Path], json_out: Path, png_out: Path) -> dict[str, Any]:
     device calls): every point, a later file's point replacing an earlier one of the same
     format, mode and concurrency; the stacks that ran points; crossings recomputed."""
     parts = [json.loads(f.read_text()) for f in files]
-    for key in ("load", "kv_per_worker", "think_s", "seed", "device"):
-        if any(p.get(key) != parts[0].get(key) for p in parts):
+    for key in ("load", "kv_per_worker", "think_s", "seed", "device", "kv_layout"):
+        default = "layer_major" if key == "kv_layout" else None  # parts from before the layout was recorded
+        if any(p.get(key, default) != parts[0].get(key, default) for p in parts):
             raise ValueError(f"--combine: the files differ in {key!r}; only parts of one sweep (one machine) combine")
     by_point: dict[tuple[str, str, int], dict[str, Any]] = {}
     stacks = []
@@ -722,6 +743,12 @@ def main(argv: list[str] | None = None) -> int:
         "--gpu",
         action="store_true",
         help="the Qwen3-8B-shaped model (dummy weights) with prefill and decode worker on GPU 0, coding-agent load",
+    )
+    ap.add_argument(
+        "--kv-layout",
+        choices=KV_LAYOUTS,
+        default="layer_major",
+        help="the workers' kv_cache.layout (page_major: a run of pages is one NIXL region for every layer)",
     )
     ap.add_argument(
         "--weights",
@@ -829,6 +856,7 @@ def main(argv: list[str] | None = None) -> int:
             "think_s": think_s,
             "seed": args.seed,
             "ttl_s": args.ttl_s,
+            "kv_layout": args.kv_layout,
             "load": asdict(load),
             "stacks": stacks,
             "points": points,

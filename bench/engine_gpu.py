@@ -69,7 +69,7 @@ from typing import Any
 import torch
 
 from kvserving.bits import MODAL_SHARE, SEMANTIC_SHARE, TEMPORAL_SHARE
-from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
+from kvserving.config import KV_LAYOUTS, KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.kernels.options import KernelOptions
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.progress import add_quiet_argument, progress
@@ -131,8 +131,10 @@ class Bench:
         breakdown: bool = True,
         bit_budget: float | None = None,
         bit_budget_control: str = "fixed",
+        kv_layout: str = "layer_major",
     ) -> None:
         self.model = model
+        self.kv_layout = kv_layout  # kv_cache.layout
         self.bit_budget = bit_budget  # triaxial: kv_cache.bit_budget (None: the config's default)
         self.bit_budget_control = bit_budget_control  # triaxial: kv_cache.bit_budget_control
         self.breakdown = breakdown and DEVICE == "cuda"
@@ -153,6 +155,7 @@ class Bench:
             kv_cache=KVCacheConfig(
                 dtype=fmt,
                 memory_bytes=int(gib * GIB),
+                layout=self.kv_layout,
                 **({"bit_budget": self.bit_budget, "bit_budget_control": self.bit_budget_control} if fmt == "triaxial" else {}),
             ),
             scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=8192, chunk_size=8192),
@@ -194,7 +197,8 @@ class Bench:
 
     @torch.no_grad()
     def fill(self, engine: LLMEngine, seqs: list[Sequence]) -> None:
-        """Random K/V into every page of ``seqs`` through the write kernels (layer 0, copied to all layers)."""
+        """Random K/V into every page of ``seqs`` through the write kernels (layer 0, copied to all layers; a
+        page-major storage is one buffer: every layer is written)."""
         st = engine.storage
         p = st.page_size
         pages4 = [pid for s in seqs for pid in s.page_ids if not pid & INT2_PAGE_FLAG]
@@ -207,15 +211,17 @@ class Bench:
         k, v = self.kv_chunk
         ids4 = torch.tensor(pages4, dtype=torch.int32, device=DEVICE).repeat_interleave(p)
         slots4 = torch.arange(p, dtype=torch.int32, device=DEVICE).repeat(len(pages4))
-        for t0 in range(0, ids4.numel(), chunk):
-            n = min(chunk, ids4.numel() - t0)
-            st.write(0, k[:n], v[:n], ids4[t0 : t0 + n], slots4[t0 : t0 + n])
         per = chunk // p
         ids2 = torch.tensor(pages2, dtype=torch.int32, device=DEVICE)
-        for i0 in range(0, ids2.numel(), per):
-            n = min(per, ids2.numel() - i0)
-            st.write_int2_pages(0, k[: n * p].view(n, p, h, d), v[: n * p].view(n, p, h, d), ids2[i0 : i0 + n])
-        st.buffers[1:].copy_(st.buffers[0].expand(st.buffers.shape[0] - 1, -1))
+        for layer in range(st.shape.num_layers if st.page_major else 1):
+            for t0 in range(0, ids4.numel(), chunk):
+                n = min(chunk, ids4.numel() - t0)
+                st.write(layer, k[:n], v[:n], ids4[t0 : t0 + n], slots4[t0 : t0 + n])
+            for i0 in range(0, ids2.numel(), per):
+                n = min(per, ids2.numel() - i0)
+                st.write_int2_pages(layer, k[: n * p].view(n, p, h, d), v[: n * p].view(n, p, h, d), ids2[i0 : i0 + n])
+        if not st.page_major:
+            st.buffers[1:].copy_(st.buffers[0].expand(st.buffers.shape[0] - 1, -1))
         sync()
 
     @staticmethod
@@ -522,6 +528,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="batch 1 and 64 at 4K only, short loops")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--kv-gib", type=float, default=40.0, help="KV budget of the capacity measurement")
+    ap.add_argument("--kv-layout", choices=KV_LAYOUTS, default="layer_major", help="kv_cache.layout of every engine")
     ap.add_argument("--speed-kv-gib", type=float, default=90.0, help="KV budget of the decode and prefill runs")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--seed", type=int, default=0)
@@ -590,6 +597,7 @@ def main() -> None:
         breakdown=not args.no_breakdown,
         bit_budget=args.bit_budget,
         bit_budget_control=args.bit_budget_control,
+        kv_layout=args.kv_layout,
     )
     results: dict[str, Any] = {}
     if args.iso:
@@ -646,6 +654,8 @@ def section_name(run: dict[str, Any]) -> str:
         name = "default"
     if run.get("weights", "bf16") != "bf16":
         name = f"weights_{run['weights']}" if name == "default" else f"{name}_weights_{run['weights']}"
+    if run.get("kv_layout", "layer_major") != "layer_major":
+        name = f"{name}_{run['kv_layout']}"
     return f"{name}_quick" if run.get("quick") else name
 
 
@@ -655,7 +665,7 @@ def dump(args: argparse.Namespace, dev: str, weights: int, results: dict[str, An
     out = {"device": dev, "torch": torch.__version__, "model": f"Qwen3-8B shape, random {args.weights} weights", "weights": args.weights, "vocab": args.vocab,
            "weights_bytes": weights, "weights_read_bytes": read, "read_bandwidth_tb_s": bw_tb_s, "kv_gib": args.kv_gib, "speed_kv_gib": args.speed_kv_gib, "quick": args.quick,
            "enforce_eager": args.enforce_eager, "bit_budget": args.bit_budget, "bit_budget_control": args.bit_budget_control,
-           "pdl": KernelOptions.from_env().pdl, "seconds": seconds, "formats": results}  # fmt: skip
+           "pdl": KernelOptions.from_env().pdl, "kv_layout": args.kv_layout, "seconds": seconds, "formats": results}  # fmt: skip
     name = args.section or section_name(out)
     write_section(Path(args.out), name, out, what=WHAT, name_of=section_name)
     print(f"  ({seconds:.0f} s so far, section {name} of {args.out} written)", flush=True)

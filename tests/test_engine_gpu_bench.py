@@ -58,3 +58,22 @@ def test_the_decode_bench_refuses_an_unknown_format_the_same_way(
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "decode_gpu.py: error: --formats: unknown fp8; expected some of bf16, fp8_e4m3, nvfp4, triaxial"
     )
+
+
+def test_a_page_major_run_fills_every_layer_and_names_its_section(engine_gpu: ModuleType) -> None:
+    """--kv-layout page_major: the engines store KV page-major, the fill writes each layer (one buffer: nothing is copied
+    between layer rows), and the run's section says the layout."""
+    margs = engine_gpu.qwen3_8b_shape(1024, smoke=True)
+    model = (margs, engine_gpu.random_model(margs, seed=0))
+    bench = engine_gpu.Bench(model, quick=True, enforce_eager=True, breakdown=False, kv_layout="page_major")
+    engine = bench.engine("nvfp4", 0.01)
+    st = engine.storage
+    assert st.page_major and st.buffers.shape[0] == 1
+    seqs = bench.place(engine, 2, 64, computed=64)
+    bench.fill(engine, seqs)
+    pid = seqs[0].page_ids[0]
+    pb = st.layout.page_bytes
+    pages = [st.layer(layer).buffer[(o := st.layer(layer).page_offset(pid)) : o + pb] for layer in range(margs.num_layers)]
+    assert all(bool(page.any()) for page in pages)  # every layer's page was written, not only layer 0's
+    assert engine_gpu.section_name({"formats": {}, "kv_layout": "page_major", "quick": True}) == "default_page_major_quick"
+    assert engine_gpu.section_name({"formats": {}, "kv_layout": "layer_major"}) == "default"
