@@ -290,10 +290,10 @@ def test_another_kv_layout_is_a_layout_mismatch(tiny_model_dir: Path, pf: Any, p
     """A page-major decode worker's pages hold every layer of a page together; a layer-major prefill worker would read
     them as one layer's: refused before any READ, recomputed."""
     peer.call("open", name="d-pm", spec=_spec(tiny_model_dir, "bf16", "d-pm-1", role="decode", layout="page_major"))
-    prompt1 = _prompt(150, 17)
+    prompt1 = _prompt(150, 51)  # a prompt no other test of the module sends (pf would hold its pages)
     d1 = peer.call("generate", name="d-pm", request_id="pm1", input_ids=prompt1, max_tokens=20, retain=True)
     assert d1["params"]["layout_hash"] != pf.kvt.layout_hash
-    prompt2 = prompt1 + d1["tokens"] + _prompt(30, 18)
+    prompt2 = prompt1 + d1["tokens"] + _prompt(30, 52)
     r = _turn2(pf, "page-major", prompt2, d1["params"])
     assert (r["fallback"], r["pulled"], r["computed"]) == ("layout_mismatch", 0, len(prompt2))
     assert r["tokens"] == _fresh(tiny_model_dir, "bf16", prompt2, 8)
