@@ -269,34 +269,28 @@ def test_expired_or_released_lease_recomputes(tiny_model_dir: Path, pf: Any, pee
         assert r["tokens"] == _fresh(tiny_model_dir, "bf16", prompt2, 8)
 
 
-def test_other_weights_are_a_layout_mismatch(tiny_model_dir: Path, tmp_path: Path, pf: Any, peer: Peer) -> None:
-    """Same shapes and dtype, different weights: the pages would read fine and mean nothing."""
+@pytest.mark.parametrize("case", ["other weights", "page-major KV"])
+def test_a_decode_worker_of_other_weights_or_kv_layout_is_a_layout_mismatch(
+    tiny_model_dir: Path, tmp_path: Path, pf: Any, peer: Peer, case: str
+) -> None:
+    """Other weights (same shapes and dtype: the pages would read fine and mean nothing), or every layer's bytes of a page
+    together where this worker keeps a buffer per layer: refused before any READ, recomputed."""
     from kvserving.tiny_model import build_tiny_model
 
-    other = build_tiny_model(tmp_path / "other", seed=1)
-    peer.call("open", name="d-other", spec=_spec(other, "bf16", "d-other-1", role="decode"))
-    prompt1 = _prompt(150, 15)
-    d1 = peer.call("generate", name="d-other", request_id="o1", input_ids=prompt1, max_tokens=20, retain=True)
+    if case == "other weights":
+        name, seed, spec = "d-other", 15, _spec(build_tiny_model(tmp_path / "other", seed=1), "bf16", "d-other-1", role="decode")
+    else:
+        name, seed, spec = "d-pm", 51, _spec(tiny_model_dir, "bf16", "d-pm-1", role="decode", layout="page_major")
+    peer.call("open", name=name, spec=spec)
+    prompt1 = _prompt(150, seed)  # prompts no other test of the module sends (pf would hold their pages)
+    d1 = peer.call("generate", name=name, request_id=f"{name}1", input_ids=prompt1, max_tokens=20, retain=True)
     assert d1["params"]["layout_hash"] != pf.kvt.layout_hash
-    prompt2 = prompt1 + d1["tokens"] + _prompt(30, 16)
-    r = _turn2(pf, "other", prompt2, d1["params"])
+    prompt2 = prompt1 + d1["tokens"] + _prompt(30, seed + 1)
+    r = _turn2(pf, name, prompt2, d1["params"])
     assert (r["fallback"], r["pulled"], r["computed"]) == ("layout_mismatch", 0, len(prompt2))
     assert r["tokens"] == _fresh(tiny_model_dir, "bf16", prompt2, 8)
     bad = dict(d1["params"], layout_hash=pf.kvt.layout_hash, dtype="nvfp4")
-    assert _turn2(pf, "dtype", prompt2, bad)["fallback"] == "layout_mismatch"
-
-
-def test_another_kv_layout_is_a_layout_mismatch(tiny_model_dir: Path, pf: Any, peer: Peer) -> None:
-    """A page-major decode worker's pages hold every layer of a page together; a layer-major prefill worker would read
-    them as one layer's: refused before any READ, recomputed."""
-    peer.call("open", name="d-pm", spec=_spec(tiny_model_dir, "bf16", "d-pm-1", role="decode", layout="page_major"))
-    prompt1 = _prompt(150, 51)  # a prompt no other test of the module sends (pf would hold its pages)
-    d1 = peer.call("generate", name="d-pm", request_id="pm1", input_ids=prompt1, max_tokens=20, retain=True)
-    assert d1["params"]["layout_hash"] != pf.kvt.layout_hash
-    prompt2 = prompt1 + d1["tokens"] + _prompt(30, 52)
-    r = _turn2(pf, "page-major", prompt2, d1["params"])
-    assert (r["fallback"], r["pulled"], r["computed"]) == ("layout_mismatch", 0, len(prompt2))
-    assert r["tokens"] == _fresh(tiny_model_dir, "bf16", prompt2, 8)
+    assert _turn2(pf, f"{name}-dtype", prompt2, bad)["fallback"] == "layout_mismatch"
 
 
 def test_forged_page_ids_are_refused(tiny_model_dir: Path, pf: Any, peer: Peer) -> None:
