@@ -14,7 +14,10 @@ instead of the stride, or ignored the layer, lands in another layer's bytes.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -240,3 +243,46 @@ def test_gpu_extend_kernels_address_pages_at_page_byte_offset(case: str, layers:
     want = paged_ref.extend_attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), _on_cpu(kv), table.cpu(), len(ids) * p,
                                       sm_scale=128**-0.5)  # fmt: skip
     assert rel_err(out.cpu().float(), want) < 1e-2
+
+
+# compiled for sm_90 in a child process (the test session runs with TRITON_INTERPRET=1)
+_COMPILE_STRIDES = r"""
+import json
+from kvserving.kernels import gluon_decode, gluon_extend, gluon_extend_tri
+from kvserving.kernels.compile_report import report
+
+def summary(kernel, sig, const, mult, **kw):
+    c = dict(const, PAGE_BYTES=const["PAGE_BYTES"] * mult)
+    if "PAGE_BYTES2" in c:
+        c["PAGE_BYTES2"] = const["PAGE_BYTES2"] * mult
+    r = report(kernel, sig, c, gluon=True, sm=90, **kw)
+    return [r["regs"], r["stack"], r["local"], sum(r["ops"].values())]
+
+out = {}
+for fmt in ("nvfp4", "triaxial", "fp8_e4m3"):
+    sig, const = gluon_decode.compile_report_args(fmt, heads=4)
+    warps = const.pop("num_warps")
+    cap = gluon_decode.register_cap(fmt, gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt], heads=4)
+    out[fmt] = [summary(gluon_decode._gl_decode_kernel, sig, const, m, num_warps=warps, maxnreg=cap, aligned=("total_bytes",))
+                for m in (1, 36)]
+for name, mod, aligned in (("extend nvfp4", gluon_extend, ("q_s0", "k_s0", "o_s0", "o_s1")),
+                           ("extend triaxial", gluon_extend_tri, ("total_bytes", "q_s0", "k_s0", "o_s0", "o_s1"))):
+    kernel, sig, const = mod.compile_report_args()
+    warps, cap = const.pop("num_warps"), const.pop("maxnreg", None)
+    out[name] = [summary(kernel, sig, const, m, num_warps=warps, maxnreg=cap, aligned=aligned) for m in (1, 36)]
+print(json.dumps(out))
+"""
+
+
+def test_the_gluon_kernels_compile_alike_with_a_page_major_stride() -> None:
+    """The Gluon decode and extends (which the interpreter cannot run) with the page stride of a 36-layer page-major
+    buffer: the same registers, stack and instruction count on sm_90 as with a layer's own page bytes (the stride is
+    one 64-bit multiply's constant). Their page-major addressing itself is the gpu test's above."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_STRIDES], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(got) == {"nvfp4", "triaxial", "fp8_e4m3", "extend nvfp4", "extend triaxial"}
+    for name, (layer_major, page_major) in got.items():
+        assert page_major == layer_major, (name, layer_major, page_major)
+        assert layer_major[2] == 0, name  # no local memory
