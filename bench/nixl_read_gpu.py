@@ -7,6 +7,8 @@ a pull does (contiguous runs and every other page), while the sender idles and w
 Beside each READ: the same bytes copied inside the reader's device by torch (the limit a transfer
 on one device can approach), and the transport UCX chose for the READ (its protocol table:
 ``zero-copy cuda_ipc/cuda`` on a GPU, ``software emulation tcp/...`` when GET over CUDA IPC is off).
+``--kv-layout page_major`` registers the same bytes as one region whose pages hold all 36 layers
+(``kv_cache.layout``): a run of pages is then one region instead of 36.
 
     python3 bench/nixl_read_gpu.py --out bench/results/nixl_read_gpu_h100.json   # device machine
     python3 bench/nixl_read_gpu.py --device cpu --pages 256 --out /tmp/nixl_read_cpu.json
@@ -38,21 +40,28 @@ LAYERS = 36  # Qwen3-8B
 PAGE_BYTES = 32768  # fp8, 16 tokens, 8 KV heads x 128 x K and V
 
 
-def geometry(pages: int) -> PageGeometry:
-    return PageGeometry(page_bytes=PAGE_BYTES, int2_page_bytes=PAGE_BYTES // 2, total_bytes=PAGE_BYTES * pages)
+def rows_of(layout: str) -> int:
+    """Layers one registered region (one row of the buffers) holds: all of them page-major."""
+    return LAYERS if layout == "page_major" else 1
 
 
-def sender_buffers(device: str, pages: int) -> torch.Tensor:
-    """The sender's layer buffers: seeded, so the reader can check every byte it READ."""
+def geometry(pages: int, layout: str = "layer_major") -> PageGeometry:
+    k = rows_of(layout)
+    return PageGeometry(page_bytes=k * PAGE_BYTES, int2_page_bytes=k * PAGE_BYTES // 2, total_bytes=k * PAGE_BYTES * pages)
+
+
+def sender_buffers(device: str, pages: int, layout: str = "layer_major") -> torch.Tensor:
+    """The sender's buffers, one row per registered region: seeded, so the reader can check every byte it READ."""
     gen = torch.Generator(device=device).manual_seed(0)
-    return torch.randint(0, 256, (LAYERS, PAGE_BYTES * pages), dtype=torch.uint8, device=device, generator=gen)
+    k = rows_of(layout)
+    return torch.randint(0, 256, (LAYERS // k, k * PAGE_BYTES * pages), dtype=torch.uint8, device=device, generator=gen)
 
 
-def serve(device: str, pages: int, meta_path: Path) -> None:
+def serve(device: str, pages: int, meta_path: Path, layout: str = "layer_major") -> None:
     """The sender process: its agent's metadata to ``meta_path``, then commands on stdin, one a line:
     busy (compute), idle, quit."""
-    buf = sender_buffers(device, pages)
-    io = NixlIO("bench-sender", buf, geometry=geometry(pages))
+    buf = sender_buffers(device, pages, layout)
+    io = NixlIO("bench-sender", buf, geometry=geometry(pages, layout))
     io.start_progress()
     meta_path.write_bytes(pickle.dumps((io.metadata(), io.addrs, io.device_id)))
     print("ready", flush=True)
@@ -91,9 +100,10 @@ def serve(device: str, pages: int, meta_path: Path) -> None:
 class _Sender:
     """``serve`` in a child process (this script run with --serve), driven over its stdin."""
 
-    def __init__(self, device: str, pages: int, work: Path) -> None:
+    def __init__(self, device: str, pages: int, work: Path, layout: str = "layer_major") -> None:
         self.meta_path = work / "sender.meta"
         cmd = [sys.executable, __file__, "--serve", "--device", device, "--pages", str(pages), "--meta", str(self.meta_path)]
+        cmd += ["--kv-layout", layout]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._expect("ready", 300.0)
 
@@ -175,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout-s", type=float, default=20.0, help="one READ's deadline")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--kv-layout", choices=("layer_major", "page_major"), default="layer_major", help="a region per layer, or one")
     ap.add_argument(
         "--require-transport", default=None, help="exit 1 (after writing --out) unless UCX's READ transport names this, e.g. cuda_ipc"
     )
@@ -184,13 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no GPU visible to torch")
     if args.serve:
-        serve(args.device, args.pages, args.meta)
+        serve(args.device, args.pages, args.meta, args.kv_layout)
         return 0
     if args.read_pages * 2 > args.pages:
         ap.error(f"--read-pages {args.read_pages} needs --pages >= {2 * args.read_pages} (every other page is read too)")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as work:
-        sender = _Sender(args.device, args.pages, Path(work))  # started before UCX_PROTO_INFO is set here
+        sender = _Sender(args.device, args.pages, Path(work), args.kv_layout)  # started before UCX_PROTO_INFO is set here
         had_proto_info = "UCX_PROTO_INFO" in os.environ
         os.environ.setdefault("UCX_PROTO_INFO", "y")  # the reader's protocol table
         try:
@@ -205,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "transport": transport,
         "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "layers": LAYERS,
+        "kv_layout": args.kv_layout,
         "page_bytes": PAGE_BYTES,
         "read_pages": args.read_pages,
         "rows": rows,
@@ -222,13 +234,14 @@ def main(argv: list[str] | None = None) -> int:
 def _measure(args: argparse.Namespace, sender: _Sender, rows: list[dict[str, Any]]) -> str:
     """Every case's row into ``rows``; the transport UCX chose for the first READ."""
     metadata, addrs, device_id = sender.metadata()
-    dst = torch.zeros(LAYERS, PAGE_BYTES * args.pages, dtype=torch.uint8, device=args.device)
-    expected = sender_buffers(args.device, args.pages)
+    expected = sender_buffers(args.device, args.pages, args.kv_layout)
+    dst = torch.zeros_like(expected)
+    geo = geometry(args.pages, args.kv_layout)
     with _Stdout():  # UCX's tables for the agent's own endpoint and the connection: not printed
-        io = NixlIO("bench-reader", dst, geometry=geometry(args.pages))
+        io = NixlIO("bench-reader", dst, geometry=geo)
     try:
         with _Stdout():
-            peer = io.add_remote("sender", 1, metadata, addrs=addrs, device_id=device_id, geometry=geometry(args.pages))
+            peer = io.add_remote("sender", 1, metadata, addrs=addrs, device_id=device_id, geometry=geo)
         n = args.read_pages
         cases = {"contiguous": (list(range(n)), list(range(n))), "every other page": (list(range(n)), list(range(1, 2 * n, 2)))}
         transport = "?"
@@ -249,7 +262,7 @@ def _measure(args: argparse.Namespace, sender: _Sender, rows: list[dict[str, Any
                     except TransferError as exc:
                         failed = f"{exc.reason}: {exc}"
                         break
-                if secs and not _equal(dst, expected, local, remote):
+                if secs and not _equal(dst, expected, local, remote, geo.page_bytes):
                     failed = "the pages READ differ from the sender's"
                 dst.zero_()
                 nbytes = LAYERS * n * PAGE_BYTES
@@ -268,11 +281,13 @@ def _measure(args: argparse.Namespace, sender: _Sender, rows: list[dict[str, Any
         io.close()
 
 
-def _equal(dst: torch.Tensor, src: torch.Tensor, local: list[int], remote: list[int]) -> bool:
-    """Every layer's ``local`` pages of ``dst`` equal the ``remote`` pages of ``src``."""
+def _equal(dst: torch.Tensor, src: torch.Tensor, local: list[int], remote: list[int], page_bytes: int) -> bool:
+    """Every row's ``local`` pages of ``dst`` (``page_bytes`` each: one layer's, or all layers') equal the ``remote``
+    pages of ``src``."""
     lo = torch.tensor(local, device=dst.device)
     ro = torch.tensor(remote, device=dst.device)
-    return torch.equal(dst.view(LAYERS, -1, PAGE_BYTES)[:, lo], src.view(LAYERS, -1, PAGE_BYTES)[:, ro])
+    rows = dst.shape[0]
+    return torch.equal(dst.view(rows, -1, page_bytes)[:, lo], src.view(rows, -1, page_bytes)[:, ro])
 
 
 def _copy_rate(dst: torch.Tensor, nbytes: int) -> float:

@@ -284,6 +284,15 @@ def test_read_bench_moves_the_senders_bytes_between_two_processes(tmp_path: Path
     for row in doc["rows"]:
         assert "failed" not in row and row["mb"] == round(36 * 32 * 32768 / 1e6, 1), row
     assert [r["regions"] for r in doc["rows"]] == [36, 36 * 32, 36, 36 * 32]
+    # the same bytes registered page-major (one region, pages of all 36 layers): a run is one region
+    pm = tmp_path / "read_pm.json"
+    assert (
+        bench.main(["--device", "cpu", "--pages", "64", "--read-pages", "32", "--reps", "1", "--kv-layout", "page_major", "--out", str(pm)])
+        == 0
+    )
+    doc = json.loads(pm.read_text())
+    assert doc["kv_layout"] == "page_major" and all("failed" not in r and r["mb"] == round(36 * 32 * 32768 / 1e6, 1) for r in doc["rows"])
+    assert [r["regions"] for r in doc["rows"]] == [1, 32, 1, 32]
     # host memory never goes over CUDA IPC: asked for it, the bench fails (gpu_run.sh then skips the agent points)
     args = ["--device", "cpu", "--pages", "64", "--read-pages", "32", "--reps", "1", "--require-transport", "cuda_ipc"]
     assert bench.main(args) == 1
