@@ -160,7 +160,7 @@ def layout_info(engine: LLMEngine) -> dict[str, Any]:
         "page_bytes": st.layout.page_bytes,
         "int2_page_bytes": st.int2_layout.page_bytes if st.int2_layout is not None else 0,
         "total_bytes": st.total_bytes,
-        "layout": "page_major" if st.page_major else "layer_major",
+        "kv_layout": "page_major" if st.page_major else "layer_major",
         # (page bytes, INT2 page bytes, total bytes) of each registered region (KVStorage.region_geometry)
         "region_geometry": list(st.region_geometry()),
         "fields": [
