@@ -6,7 +6,10 @@
 #   between two processes on the GPU and the transport UCX chose), agents (agents.py --gpu with AGENTS_ARGS, default
 #   fp8 at 12,16,24 agents; its stacks' logs tarred into $OUT), pdl (engine_gpu.py with KVSERVING_PDL=0, 1, 0, 1:
 #   programmatic dependent launch off and on, twice, sections pdl<P>_<i> of $OUT/engine_pdl.json; ENGINE_ARGS, default
-#   '--quick --no-breakdown --speed-kv-gib 40', fits an H100), all (= tests,bench), ncu (one decode
+#   '--quick --no-breakdown --speed-kv-gib 40', fits an H100), layout (kv_cache.layout layer_major vs page_major: the
+#   READ bench with each, $OUT/nixl_read_<layout>.json, then the engine bench alternated twice, sections <layout>_<i> of
+#   $OUT/engine_layout.json; LAYOUT_ARGS, default '--quick --no-breakdown --speed-kv-gib 40 --formats nvfp4,triaxial'),
+#   all (= tests,bench), ncu (one decode
 #   launch per format named in the bench args) or ncux (the extend launches of profile_extend.py's NCUX_ARGS, default
 #   'nvfp4 tri fi': nvfp4, triaxial, FlashInfer bf16); NCU_METRICS=m1,m2 (ncu --metrics, regex: allowed) adds metrics to both.
 #   TESTS=paths limits the gpu tests (default: every test file under tests/ that holds a gpu-marked test, so the
@@ -23,7 +26,7 @@ set -uo pipefail
 what=${1:-all}; shift || true
 [ "$what" = all ] && what=tests,bench
 for step in ${what//,/ }; do
-  case "$step" in tests|bench|extend|nixl|agents|pdl|ncu|ncux) ;; *) echo "gpu_run.sh: error: unknown step '$step' (tests, bench, extend, nixl, agents, pdl, all, ncu or ncux)" >&2; exit 2;; esac
+  case "$step" in tests|bench|extend|nixl|agents|pdl|layout|ncu|ncux) ;; *) echo "gpu_run.sh: error: unknown step '$step' (tests, bench, extend, nixl, agents, pdl, layout, all, ncu or ncux)" >&2; exit 2;; esac
 done
 has() { [[ ",$what," == *",$1,"* ]]; }
 fail() { echo "gpu_run.sh: error: $*" >&2; exit 1; }
@@ -108,6 +111,21 @@ if has pdl; then  # the engine step with PDL off and on, alternated twice (one m
         --section pdl${p}_$i --out $OUT/engine_pdl.json > $OUT/engine_pdl${p}_$i.log 2>&1
       rc=$?; echo "== KVSERVING_PDL=$p, run $i (exit $rc)"; grep -E "decode |% of roofline|^(bf16|fp8|nvfp4|triax)" $OUT/engine_pdl${p}_$i.log
       [ "$rc" = 0 ] || { echo "gpu_run.sh: error: engine_gpu.py failed with KVSERVING_PDL=$p (exit $rc, log in $OUT/engine_pdl${p}_$i.log)" >&2; status=1; }
+    done
+  done
+fi
+if has layout; then  # the KV layouts: READs of the same pages, then the engine bench alternated (one machine, one run)
+  for lay in layer_major page_major; do
+    timeout ${T_NIXL:-240} python3 bench/nixl_read_gpu.py --kv-layout $lay --out $OUT/nixl_read_$lay.json > $OUT/nixl_read_$lay.log 2>&1
+    rc=$?; echo "== READ, kv_cache.layout $lay (exit $rc)"; grep -E " regions " $OUT/nixl_read_$lay.log
+    [ "$rc" = 0 ] || { echo "gpu_run.sh: error: nixl_read_gpu.py failed with --kv-layout $lay (exit $rc, log in $OUT/nixl_read_$lay.log)" >&2; status=1; }
+  done
+  for i in 1 2; do
+    for lay in layer_major page_major; do
+      timeout ${T_LAYOUT:-240} python3 bench/engine_gpu.py ${LAYOUT_ARGS:---quick --no-breakdown --speed-kv-gib 40 --formats nvfp4,triaxial} \
+        --kv-layout $lay --section ${lay}_$i --out $OUT/engine_layout.json > $OUT/engine_${lay}_$i.log 2>&1
+      rc=$?; echo "== engine, kv_cache.layout $lay, run $i (exit $rc)"; grep -E "decode |% of roofline|^(bf16|fp8|nvfp4|triax)" $OUT/engine_${lay}_$i.log
+      [ "$rc" = 0 ] || { echo "gpu_run.sh: error: engine_gpu.py failed with --kv-layout $lay (exit $rc, log in $OUT/engine_${lay}_$i.log)" >&2; status=1; }
     done
   done
 fi

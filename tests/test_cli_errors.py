@@ -803,3 +803,30 @@ def test_render_prints_one_line_per_problem(tmp_path: Path) -> None:
         "kvserving operator: error: three.yaml: spec.reuse: leaseTTLSeconds must be less than retentionTTLSeconds "
         "(a gateway lease must expire before the worker drops the KV)",
     ]
+
+
+def test_gpu_run_layout_step_reads_and_runs_the_engine_with_each_kv_layout(tmp_path: Path) -> None:
+    # the stand-in python3 prints its arguments; the second page-major engine run fails
+    fake = 'echo "python3 $*"; case "$*" in *page_major_2*) exit 5;; esac; exit 0'
+    proc = gpu_run(tmp_path, "layout", {"nvidia-smi": NVIDIA_SMI, "python3": fake})
+    out = tmp_path / "out"
+    reads = [(out / f"nixl_read_{lay}.log").read_text().strip() for lay in ("layer_major", "page_major")]
+    assert reads == [
+        f"python3 bench/nixl_read_gpu.py --kv-layout {lay} --out {out}/nixl_read_{lay}.json" for lay in ("layer_major", "page_major")
+    ]
+    runs = [(out / f"engine_{lay}_{i}.log").read_text().strip() for i in (1, 2) for lay in ("layer_major", "page_major")]
+    assert runs == [
+        f"python3 bench/engine_gpu.py --quick --no-breakdown --speed-kv-gib 40 --formats nvfp4,triaxial --kv-layout {lay} "
+        f"--section {lay}_{i} --out {out}/engine_layout.json"
+        for i in (1, 2) for lay in ("layer_major", "page_major")
+    ]  # fmt: skip
+    assert [ln for ln in proc.stdout.splitlines() if ln.startswith("== ")] == [
+        "== READ, kv_cache.layout layer_major (exit 0)", "== READ, kv_cache.layout page_major (exit 0)",
+        "== engine, kv_cache.layout layer_major, run 1 (exit 0)", "== engine, kv_cache.layout page_major, run 1 (exit 0)",
+        "== engine, kv_cache.layout layer_major, run 2 (exit 0)", "== engine, kv_cache.layout page_major, run 2 (exit 5)",
+    ]  # fmt: skip
+    assert proc.returncode == 1
+    assert (
+        proc.stderr
+        == f"gpu_run.sh: error: engine_gpu.py failed with --kv-layout page_major (exit 5, log in {out}/engine_page_major_2.log)\n"
+    )
