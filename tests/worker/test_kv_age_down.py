@@ -274,11 +274,11 @@ def test_an_aged_page_stays_within_the_bound_of_int4_then_int2() -> None:
 # ---------------------------------------------------------------- the engine on the tiny model
 
 
-def engine(model_dir: Path, *, age_down: bool) -> LLMEngine:
+def engine(model_dir: Path, *, age_down: bool, layout: str = "layer_major") -> LLMEngine:
     return LLMEngine(
         ServingConfig(
             model=ModelConfig(path=str(model_dir)),
-            kv_cache=KVCacheConfig(dtype="triaxial", memory_bytes=8 << 20, age_down=age_down),
+            kv_cache=KVCacheConfig(dtype="triaxial", memory_bytes=8 << 20, age_down=age_down, layout=layout),
             scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024, chunk_size=512),
         ),
         device="cpu",
@@ -361,3 +361,24 @@ def test_requantize_on_gpu_writes_the_bytes_of_the_reference() -> None:
         stores[device] = kv
     for pid in (F | 0, F | 1):
         assert torch.equal(page_bytes(stores["cuda"], pid).cpu(), page_bytes(stores["cpu"], pid))
+
+
+def test_age_down_on_page_major_kv_writes_the_layer_major_bytes(tiny_model_dir: Path) -> None:
+    """kv_cache.layout page_major: the aged INT2 pages of every layer hold the bytes they hold layer-major (the
+    requantize reads and writes through each layer's strided view), and the tokens are the same."""
+    g = torch.Generator().manual_seed(4)
+    history = torch.randint(5, 200, (160,), generator=g).tolist()
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    runs = {}
+    for layout in ("layer_major", "page_major"):
+        eng = engine(tiny_model_dir, age_down=True, layout=layout)
+        eng.generate([history + [7]], params, tags=[[NOW] * 161])
+        out = eng.generate([history + [7, 8, 9, 10]], params, tags=[[OLD] * 160 + [NOW] * 4])[0]
+        st = eng.storage
+        aged = sorted(p for p in eng.pool.cached_page_ids() if p & F)
+        two = st.int2_layout.page_bytes
+        pages = [st.layer(i).buffer[(o := st.layer(i).page_offset(p)) : o + two].clone() for p in aged for i in range(st.shape.num_layers)]
+        runs[layout] = (out, aged, pages, eng.kv.aged_pages)
+    (lm_out, lm_aged, lm_pages, lm_n), (pm_out, pm_aged, pm_pages, pm_n) = runs["layer_major"], runs["page_major"]
+    assert lm_n == pm_n == 5 and lm_aged == pm_aged and pm_out == lm_out
+    assert all(torch.equal(a, b) for a, b in zip(lm_pages, pm_pages))
