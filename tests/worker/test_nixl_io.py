@@ -312,3 +312,17 @@ def test_two_workers_on_one_gpu_read_over_cuda_ipc(tmp_path: Path) -> None:
     assert all("failed" not in r for r in rows.values()), rows
     assert rows["contiguous", "idle"]["read_gbs"] > 20, rows
     assert rows["contiguous", "busy"]["read_gbs"] > 20, rows
+
+
+@pytest.mark.gpu
+def test_page_major_reads_between_two_gpu_processes_move_a_run_in_one_region(tmp_path: Path) -> None:
+    """The same pages of all 36 layers registered page-major (kv_cache.layout page_major): READ over CUDA IPC, every
+    byte checked by the bench, a run of pages one region and every other page one region each."""
+    bench = load_bench("nixl_read_gpu")
+    out = tmp_path / "read_pm.json"
+    args = ["--device", "cuda", "--pages", "512", "--read-pages", "256", "--reps", "2", "--kv-layout", "page_major", "--out", str(out)]
+    assert bench.main(args) == 0
+    doc = json.loads(out.read_text())
+    assert "cuda_ipc" in doc["transport"] and doc["kv_layout"] == "page_major", doc["transport"]
+    assert all("failed" not in r for r in doc["rows"]), doc["rows"]
+    assert [r["regions"] for r in doc["rows"]] == [1, 256, 1, 256]
