@@ -11,7 +11,8 @@ Every cost is a small formula over what the simulator knows of an operation::
                    (a step with prompt chunks and decodes costs both: on a GPU only a step of decodes
                    alone replays a CUDA graph; prefill_step_s is the eager step's host overhead)
     KV pull        transfer_overhead_s + regions * transfer_region_s + bytes / transfer_bytes_per_s
-                   (regions = layers * transfer_runs: NIXL merges adjacent pages, DESIGN.md Worker)
+                   (regions = layers * transfer_runs: NIXL merges adjacent pages, DESIGN.md Worker;
+                   page_major, kv_cache.layout's: transfer_runs, a run of pages one region for every layer)
     shared GPU     a prefill and a decode worker on one GPU run their steps at shared_gpu_prefill_share /
                    shared_gpu_decode_share of their speed while both run one (time-slicing, measured)
     a turn         gateway_s (tagging, routing) + prefill_request_s and decode_request_s
@@ -71,6 +72,7 @@ class CostModel:
     transfer_bytes_per_s: float = 330e9
     transfer_overhead_s: float = 0.0
     transfer_runs: int = 1
+    page_major: bool = False  # the workers' kv_cache.layout is page_major (regions_per_pull)
     gateway_s: float = 0.0
     prefill_request_s: float = 0.0
     decode_request_s: float = 0.0
@@ -98,6 +100,8 @@ class CostModel:
                 not isinstance(value, (int, float)) or not math.isfinite(value) or (value < 0 and f.name != "prompt_token_offset")
             ):
                 raise ValueError(f"costs.{f.name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.page_major, bool):
+            raise ValueError(f"costs.page_major must be true or false, got {self.page_major!r}")
         if self.transfer_bytes_per_s <= 0:
             raise ValueError(f"costs.transfer_bytes_per_s must be > 0, got {self.transfer_bytes_per_s}")
         for key in ("shared_gpu_prefill_share", "shared_gpu_decode_share"):
@@ -191,8 +195,12 @@ class CostModel:
         one batch times each step from its context alone, bit for bit as ``decode_step`` does."""
         return self.decode_step_s + self.decode_seq_s * batch, self.decode_ctx_s[dtype]
 
+    def regions_per_pull(self) -> int:
+        """NIXL regions a pull moves: a region per run of pages per layer buffer, one buffer page-major."""
+        return (1 if self.page_major else self.layers) * self.transfer_runs
+
     def pull_s(self, nbytes: float) -> float:
-        return self.transfer_overhead_s + self.layers * self.transfer_runs * self.transfer_region_s + nbytes / self.transfer_bytes_per_s
+        return self.transfer_overhead_s + self.regions_per_pull() * self.transfer_region_s + nbytes / self.transfer_bytes_per_s
 
     def server_tokens(self, nominal: int) -> int:
         """A nominal length (agent generator) as the server's token count."""

@@ -112,7 +112,8 @@ def reproduce(
         ttl_s = float(measured.get("ttl_s", 3.0))
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a bench/agents.py --gpu result: {exc}") from exc
-    costs = replace(costs, kv_bytes_per_worker=kv_bytes_per_worker(measured))
+    # the workers' KV layout as the bench ran them (a part without it ran layer-major)
+    costs = replace(costs, kv_bytes_per_worker=kv_bytes_per_worker(measured), page_major=measured.get("kv_layout") == "page_major")
     stacks: dict[tuple[str, str, str], tuple[Simulator, SharedGpu]] = {}
     rows = []
     for p in points:
@@ -169,9 +170,9 @@ def reproduce(
                     "requests": point["requests"],
                     "start_s": start,
                     **{f"{role}_{k}": point[f"{role}_{k}"] for role in ("prefill", "decode") for k in PULL_COUNTERS},
-                    # NIXL regions the replay prices a pull at (costs.pull_s): page runs x layers
+                    # NIXL regions the replay prices a pull at (costs.pull_s)
                     **{
-                        f"{role}_regions_per_pull": costs.layers * costs.transfer_runs if point[f"{role}_pulls"] else 0
+                        f"{role}_regions_per_pull": costs.regions_per_pull() if point[f"{role}_pulls"] else 0
                         for role in ("prefill", "decode")
                     },  # fmt: skip
                 },

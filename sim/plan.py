@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from kvserving.agents.load import AgentSpec, LoadSpec, reuse_for_mode
-from kvserving.config import ReuseConfig, SchedulerConfig
+from kvserving.config import KV_LAYOUTS, ReuseConfig, SchedulerConfig
 from kvserving.sim.bench_results import bench_dtype, kv_bytes_per_worker, load_spec_from_dict
 from kvserving.sim.costs import CostModel
 from kvserving.sim import cluster as pure
@@ -261,6 +261,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--kv-gib", type=float_in(0, 1e6, low_open=True), default=None, help="KV memory per GPU, GiB (default: the profile's)"
     )
+    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default=None, help="the workers' kv_cache.layout (default: the profile's)")
     parser.add_argument("--prefill-share", type=float_in(0, 1, low_open=True), default=0.25, help="share of the GPUs that prefill")
     parser.add_argument("--duration-s", type=float_in(0, 1e7, low_open=True), default=3600.0, help="simulated seconds")
     parser.add_argument("--warmup-s", type=float_in(0, 1e7), default=300.0, help="metrics ignore turns sent before this")
@@ -370,10 +371,13 @@ def run(args: Any) -> int:
     if args.warmup_s >= args.duration_s:
         raise ValueError(f"--warmup-s ({args.warmup_s}) must be < --duration-s ({args.duration_s})")
     costs = load_costs(args.costs)
-    if args.kv_gib is not None:
+    if args.kv_gib is not None or args.kv_layout is not None:
         from dataclasses import replace
 
-        costs = replace(costs, kv_bytes_per_worker=int(args.kv_gib * 2**30))
+        if args.kv_gib is not None:
+            costs = replace(costs, kv_bytes_per_worker=int(args.kv_gib * 2**30))
+        if args.kv_layout is not None:
+            costs = replace(costs, page_major=args.kv_layout == "page_major")
     for dtype in dtypes:
         if not costs.supports(dtype):
             raise ValueError(f"cost profile {costs.name!r} has no decode cost for {dtype}")

@@ -8,6 +8,8 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from kvserving.agents.load import LoadSpec, reuse_for_mode
 from kvserving.sim.costs import load_costs
 from kvserving.sim.bench_results import kv_bytes_per_worker
@@ -101,3 +103,18 @@ def test_replay_of_one_measured_point_is_what_the_simulator_computes() -> None:
         "/",
         "-" if meas.get("decode_regions_per_pull") is None else str(round(meas["decode_regions_per_pull"])),
     ]
+
+
+def test_a_page_major_bench_is_replayed_with_a_region_per_run() -> None:
+    """kv_cache.layout page_major: a pull's run of pages is one NIXL region for every layer; the replay prices it so
+    when the measured file says the workers ran page-major (a file without the key ran layer-major)."""
+    costs = load_costs("gpu-h200")
+    pm = replace(costs, page_major=True)
+    assert (costs.regions_per_pull(), pm.regions_per_pull()) == (36, 1)
+    nbytes = 2**20
+    assert math.isclose(costs.pull_s(nbytes) - pm.pull_s(nbytes), 35 * costs.transfer_region_s)
+    measured = dict(_measured(), kv_layout="page_major")
+    (row,) = reproduce(measured, costs, only={("nvfp4", 16)})
+    assert row["sim_counters"]["decode_pulls"] > 0 and row["sim_counters"]["decode_regions_per_pull"] == 1
+    with pytest.raises(ValueError, match="costs.page_major must be true or false"):
+        replace(costs, page_major="yes")
