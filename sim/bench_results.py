@@ -43,3 +43,9 @@ def kv_bytes_per_worker(measured: dict[str, Any]) -> int:
     if unit not in scale:
         raise ValueError(f"kv_per_worker {measured['kv_per_worker']!r}: the unit must be one of {sorted(scale)}")
     return int(float(number) * scale[unit])
+
+
+def page_major(measured: dict[str, Any]) -> bool:
+    """Whether the workers of a bench/agents.py result kept page-major KV (``kv_layout``; a result written before
+    it was recorded ran layer-major)."""
+    return measured.get("kv_layout", "layer_major") == "page_major"

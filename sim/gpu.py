@@ -34,7 +34,7 @@ from typing import Any
 from kvserving.agents.load import LoadSpec, reuse_for_mode
 from kvserving.config import SchedulerConfig
 from kvserving.sim.costs import CostModel
-from kvserving.sim.bench_results import bench_dtype, kv_bytes_per_worker, load_spec_from_dict
+from kvserving.sim.bench_results import bench_dtype, kv_bytes_per_worker, load_spec_from_dict, page_major
 from kvserving.sim.shared_gpu import SharedGpu
 from kvserving.sim.cluster import ClusterSpec, Simulator, percentile, run_bench_point
 from kvserving.sim.workers import PullRules
@@ -112,8 +112,7 @@ def reproduce(
         ttl_s = float(measured.get("ttl_s", 3.0))
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a bench/agents.py --gpu result: {exc}") from exc
-    # the workers' KV layout as the bench ran them (a part without it ran layer-major)
-    costs = replace(costs, kv_bytes_per_worker=kv_bytes_per_worker(measured), page_major=measured.get("kv_layout") == "page_major")
+    costs = replace(costs, kv_bytes_per_worker=kv_bytes_per_worker(measured), page_major=page_major(measured))
     stacks: dict[tuple[str, str, str], tuple[Simulator, SharedGpu]] = {}
     rows = []
     for p in points:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from kvserving.agents.load import AgentSpec, LoadSpec, reuse_for_mode
 from kvserving.config import KV_LAYOUTS, ReuseConfig, SchedulerConfig
-from kvserving.sim.bench_results import bench_dtype, kv_bytes_per_worker, load_spec_from_dict
+from kvserving.sim.bench_results import bench_dtype, kv_bytes_per_worker, load_spec_from_dict, page_major
 from kvserving.sim.costs import CostModel
 from kvserving.sim import cluster as pure
 from kvserving.sim.cluster import ClusterSpec, Population, Simulator, run_bench_point
@@ -371,13 +372,10 @@ def run(args: Any) -> int:
     if args.warmup_s >= args.duration_s:
         raise ValueError(f"--warmup-s ({args.warmup_s}) must be < --duration-s ({args.duration_s})")
     costs = load_costs(args.costs)
-    if args.kv_gib is not None or args.kv_layout is not None:
-        from dataclasses import replace
-
-        if args.kv_gib is not None:
-            costs = replace(costs, kv_bytes_per_worker=int(args.kv_gib * 2**30))
-        if args.kv_layout is not None:
-            costs = replace(costs, page_major=args.kv_layout == "page_major")
+    if args.kv_gib is not None:
+        costs = replace(costs, kv_bytes_per_worker=int(args.kv_gib * 2**30))
+    if args.kv_layout is not None:
+        costs = replace(costs, page_major=args.kv_layout == "page_major")
     for dtype in dtypes:
         if not costs.supports(dtype):
             raise ValueError(f"cost profile {costs.name!r} has no decode cost for {dtype}")
@@ -495,8 +493,6 @@ def validate_points(
     stack per format and mode, points in the order they ran) in the simulator; one row per
     point with the simulated and the measured metrics. ``rules``: the workers' pull and pin rules,
     by default those of the worker that measured bench/results/agents_cpu.json."""
-    from dataclasses import replace
-
     try:
         load = load_spec_from_dict(measured["load"])
         points = list(measured["points"])
@@ -505,7 +501,7 @@ def validate_points(
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a bench/agents.py result: {exc}") from exc
     sched = SchedulerConfig(**measured.get("scheduler", {"max_num_seqs": 32, "max_num_batched_tokens": 1024, "chunk_size": 512}))
-    costs = replace(costs, kv_bytes_per_worker=kv_bytes)
+    costs = replace(costs, kv_bytes_per_worker=kv_bytes, page_major=page_major(measured))
     scheme = measured.get("agent_index", "1000n")
     if scheme not in ("1000n", "sequential"):
         raise ValueError(f"agent_index must be '1000n' or 'sequential', got {scheme!r}")

@@ -112,10 +112,9 @@ class KVStorage:
 
     def region_geometry(self) -> tuple[int, int, int]:
         """(bytes of one page, of one INT2 page (0 unless triaxial), total) in each row of ``buffers``: the
-        page's bytes of every layer in ``page_major``, of one layer in ``layer_major``."""
-        rows_layers = self.shape.num_layers if self.page_major else 1
-        two = self.int2_layout.page_bytes if self.int2_layout is not None else 0
-        return self.layout.page_bytes * rows_layers, two * rows_layers, self.total_bytes * rows_layers
+        page's bytes of every layer in ``page_major``, of one layer in ``layer_major`` (a layer's strides)."""
+        kv = self._layers[0]
+        return kv.page_stride, kv.int2_stride, kv.total_bytes
 
     @property
     def k_scales(self) -> list[float]:
