@@ -19,6 +19,9 @@ down), the median of CUDA-graph replays (``decode_gpu.time_ms``) of:
                     ``k<S>`` the splits follow ``gemv_split`` at each shape)
     dispatch        ``linear_cuda`` as the engine calls it (backend "triton": ``launch_config``'s kernel;
                     at M <= 4 the same launch as gemv:default, so the two differ by the noise)
+    bf16_gemv:default  (M <= 4) the same GEMV on the bf16 weight, unscaled, at ``gemv_config``'s launch shape
+                    (what ``worker.model.product`` runs at M <= 2 with ``KVSERVING_BF16_GEMV=1``)
+    bf16_gemv:<launch> the same at each ``--bf16-gemv`` shape
 
 Each call reads its weight from HBM: the weights rotate over copies whose total passes
 ``--rotate-mb`` (L2 is 50-60 MB; a decode step's layers never find their weight there).
@@ -45,7 +48,7 @@ from decode_gpu import read_bandwidth, time_ms
 from triton.errors import TritonError
 
 from kvserving import jsonfmt
-from kvserving.kernels import fp8_gemm
+from kvserving.kernels import fp8_gemm, triton_fp8_gemm
 from kvserving.kernels.triton_fp8_gemm import GEMV_ROWS, Gemv, Tiles, gemv_config, gemv_split, tile_config, tiles_override
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -59,6 +62,12 @@ CANDIDATES = (
 # tiles with no split (no partials' sum launch; o and down then run 256 programs).
 GEMV_CANDIDATES = ("g32x512w4s1", "g32x512w4s3", "g16x512w4s2", "g64x256w4s2", "g32x256w4s2", "g32x512w8s2", "g16x512w4s2k1",
                    "g16x1024w4s2")  # fmt: skip
+
+
+# bf16 GEMV shapes around gemv_config's (8-row tiles, 1024-2048 wide steps, no split at these shapes): a bf16 step
+# holds twice the fp8 one's bytes, so narrower steps and tiles, and more warps, are the neighbours worth timing.
+BF16_GEMV_CANDIDATES = ("g8x2048w4s1k1", "g8x1024w4s1k1", "g4x2048w4s1k1", "g4x1024w4s1k1", "g8x512w4s1k1", "g16x1024w4s1k1",
+                        "g8x2048w8s1k1", "g16x2048w8s1k1")  # fmt: skip
 
 
 def _gemv_list(text: str) -> list[str]:
@@ -124,6 +133,14 @@ def _triton_path(x: torch.Tensor, launch: Tiles | Gemv | None) -> Callable[[tupl
     return call
 
 
+def _bf16_gemv_path(x: torch.Tensor, launch: Gemv) -> Callable[[tuple[torch.Tensor, ...]], torch.Tensor]:
+    def call(w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        with tiles_override(launch):
+            return triton_fp8_gemm.gemv(x, w[0], None)
+
+    return call
+
+
 def _table(m: int, rows: list[dict[str, Any]], names: list[str], peak: float) -> str:
     head = "| shape (M = %d) | " % m + " | ".join(names) + " | best triton |"
     lines = [head, "|---|" + "---:|" * (len(names) + 1)]
@@ -154,7 +171,7 @@ def _table(m: int, rows: list[dict[str, Any]], names: list[str], peak: float) ->
 
 def _read_table(rows: list[dict[str, Any]], peak: float) -> str:
     """Weight bytes read per second as a share of the streaming read, per shape and M."""
-    paths = ["bf16", "rows", "block", "triton:default", "gemv:default", "dispatch", "best"]
+    paths = ["bf16", "bf16_gemv:default", "rows", "block", "triton:default", "gemv:default", "dispatch", "best"]
     lines = ["| shape | M | " + " | ".join(paths) + " | default tiles |", "|---|---:|" + "---:|" * (len(paths) + 1)]
     for row in rows:
         cells = []
@@ -181,6 +198,12 @@ def _verdict(results: list[dict[str, Any]], tokens: list[int]) -> str:
                      f"({ms['bf16'] / ms['triton:default']:.2f}x), GEMV {ms['gemv:default'] * 1e3:.1f} us "
                      f"({ms['bf16'] / ms['gemv:default']:.2f}x); GEMV faster on {[s for s, w in shapes.items() if w]}; "
                      f"best GEMV per shape {best}; GEMV keeps M = {m}: {'yes' if keep else 'NO'}")  # fmt: skip
+        gemv16 = sum(r["paths"].get("bf16_gemv:default", {}).get("ms", math.nan) for r in rows)
+        faster = [r["shape"] for r in rows if r["paths"].get("bf16_gemv:default", {}).get("ms", math.inf) < r["paths"]["bf16"]["ms"]]
+        best16 = {r["shape"]: min((p for p in r["paths"] if p.startswith("bf16_gemv:") and "ms" in r["paths"][p] and "=" not in p),
+                                  key=lambda p, r=r: r["paths"][p]["ms"], default="-") for r in rows}  # fmt: skip
+        lines.append(f"M = {m}, bf16 weights: one layer cuBLAS {ms['bf16'] * 1e3:.1f} us, GEMV {gemv16 * 1e3:.1f} us "
+                     f"({ms['bf16'] / gemv16:.2f}x); GEMV faster on {faster}; best bf16 GEMV per shape {best16}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -189,7 +212,7 @@ def _write(opts: argparse.Namespace, peak: float, read_runs: list[dict[str, Any]
     Path(opts.out).write_text(jsonfmt.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "triton": triton.__version__, "read_tb_s": peak, "read_runs": read_runs, "cublas_block": cublas,
                    "rotate_mb": opts.rotate_mb, "tokens": opts.tokens, "tiles": [t.label for t in opts.tiles],
-                   "gemv": opts.gemv, "rows": results, "wall_s": time.monotonic() - t0}))  # fmt: skip
+                   "gemv": opts.gemv, "bf16_gemv": opts.bf16_gemv, "rows": results, "wall_s": time.monotonic() - t0}))  # fmt: skip
 
 
 def main() -> None:
@@ -200,6 +223,8 @@ def main() -> None:
                     help="block GEMM launch shapes to time beside tile_config's, e.g. 16x32w4s3k1,16x64w4s4k2")  # fmt: skip
     ap.add_argument("--gemv", type=_gemv_list, default=list(GEMV_CANDIDATES),
                     help="GEMV launch shapes to time beside gemv_config's at M <= 4, e.g. g32x512w4s1,g16x512w4s2k1")  # fmt: skip
+    ap.add_argument("--bf16-gemv", type=_gemv_list, default=list(BF16_GEMV_CANDIDATES),
+                    help="GEMV launch shapes to time on the bf16 weight at M <= 4, e.g. g8x2048w4s1k1")  # fmt: skip
     ap.add_argument("--rotate-mb", type=int, default=512, help="weights rotate over copies of at least this many MB")
     opts = ap.parse_args()
     if not torch.cuda.is_available():
@@ -246,9 +271,17 @@ def main() -> None:
                 paths[f"gemv:default={gemv_default.label}"] = (_rotating(block_w, _triton_path(x, gemv_default)), fp8_bytes, "block")
                 for label in opts.gemv:
                     paths[f"gemv:{label}"] = (_rotating(block_w, _triton_path(x, _gemv_at(label, n, k))), fp8_bytes, "block")
+                paths[f"bf16_gemv:default={gemv_default.label}"] = (_rotating(bf16_w, _bf16_gemv_path(x, gemv_default)), 2 * n * k, "bf16")
+                for label in opts.bf16_gemv:
+                    paths[f"bf16_gemv:{label}"] = (_rotating(bf16_w, _bf16_gemv_path(x, _gemv_at(label, n, k))), 2 * n * k, "bf16")
             paths["dispatch"] = (_rotating(block_w, _triton_path(x, None)), fp8_bytes, "block")
             ref = {s: fp8_gemm.linear_ref(x.float(), *((rq, rs) if s == "rows" else (bq, bs)), scheme=s) for s in ("rows", "block")}
             bound = {s: fp8_gemm.gemm_error_bound(x.float(), *((rq, rs) if s == "rows" else (bq, bs)), scheme=s) for s in ("rows", "block")}
+            # bf16 weight: the exact product in float64; fp32 sums (K terms: K u of sum |x w|) and the bf16 output (2^-8)
+            w64 = bf16_w[0][0].double()
+            ref["bf16"] = (x.double() @ w64.t()).float()
+            bound["bf16"] = (2.0**-8 * ref["bf16"].abs() + k * 2.0**-24 * (x.double().abs() @ w64.abs().t())).float()
+            del w64
             row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "default_tiles": default.label, "paths": {},
                                    "gemv_default": gemv_config(m, n, k).label if m <= GEMV_ROWS else None}  # fmt: skip
             for path, (fn, weight_bytes, scheme) in paths.items():
@@ -284,9 +317,10 @@ def main() -> None:
         names = [p for p in rows[0]["paths"] if not p.startswith(("triton:", "gemv:", "dispatch"))]
         names += ["triton:default"] + [f"triton:{t.label}" for t in opts.tiles]
         names += ["gemv:default"] + [f"gemv:{g}" for g in opts.gemv] if m <= GEMV_ROWS else []
+        names += ["bf16_gemv:default"] + [f"bf16_gemv:{g}" for g in opts.bf16_gemv] if m <= GEMV_ROWS else []
         names += ["dispatch"]
         for r in rows:  # one column for each default pick, whatever it is at each shape
-            for kind, pick in (("triton", r["default_tiles"]), ("gemv", r["gemv_default"])):
+            for kind, pick in (("triton", r["default_tiles"]), ("gemv", r["gemv_default"]), ("bf16_gemv", r["gemv_default"])):
                 key = next((p for p in r["paths"] if p.startswith(f"{kind}:default=")), None)
                 if key is not None:
                     r["paths"][f"{kind}:default"] = dict(r["paths"][key], tiles=pick)

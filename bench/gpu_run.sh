@@ -6,7 +6,9 @@
 #   between two processes on the GPU and the transport UCX chose), agents (agents.py --gpu with AGENTS_ARGS, default
 #   fp8 at 12,16,24 agents; its stacks' logs tarred into $OUT), pdl (engine_gpu.py with KVSERVING_PDL=0, 1, 0, 1:
 #   programmatic dependent launch off and on, twice, sections pdl<P>_<i> of $OUT/engine_pdl.json; ENGINE_ARGS, default
-#   '--quick --no-breakdown --speed-kv-gib 40', fits an H100), layout (kv_cache.layout layer_major vs page_major: the
+#   '--quick --no-breakdown --speed-kv-gib 40', fits an H100; T_AB caps each run), gemv (bf16 weights at 1-2 tokens:
+#   fp8_gemm_gpu.py --tokens 1,2, its bf16_gemv paths against cuBLAS, then the engine bench with KVSERVING_BF16_GEMV=0,
+#   1, 0, 1 as the pdl step runs it, sections gemv<V>_<i> of $OUT/engine_gemv.json), layout (kv_cache.layout layer_major vs page_major: the
 #   READ bench with each, $OUT/nixl_read_<layout>.json, then the engine bench alternated twice, sections <layout>_<i> of
 #   $OUT/engine_layout.json; LAYOUT_ARGS, default '--quick --no-breakdown --speed-kv-gib 40 --formats nvfp4,triaxial'),
 #   all (= tests,bench), ncu (one decode
@@ -26,7 +28,7 @@ set -uo pipefail
 what=${1:-all}; shift || true
 [ "$what" = all ] && what=tests,bench
 for step in ${what//,/ }; do
-  case "$step" in tests|bench|extend|nixl|agents|pdl|layout|ncu|ncux) ;; *) echo "gpu_run.sh: error: unknown step '$step' (tests, bench, extend, nixl, agents, pdl, layout, all, ncu or ncux)" >&2; exit 2;; esac
+  case "$step" in tests|bench|extend|nixl|agents|pdl|gemv|layout|ncu|ncux) ;; *) echo "gpu_run.sh: error: unknown step '$step' (tests, bench, extend, nixl, agents, pdl, gemv, layout, all, ncu or ncux)" >&2; exit 2;; esac
 done
 has() { [[ ",$what," == *",$1,"* ]]; }
 fail() { echo "gpu_run.sh: error: $*" >&2; exit 1; }
@@ -104,15 +106,24 @@ elif has agents; then
   [ -d /tmp/agents_run ] && tar czf $OUT/agents_run.tgz -C /tmp agents_run
   [ "$rc" = 0 ] || { echo "gpu_run.sh: error: agents.py failed (exit $rc, log in $OUT/agents.log)" >&2; status=1; }
 fi
-if has pdl; then  # the engine step with PDL off and on, alternated twice (one machine, one run: METHOD.md)
+engine_ab() {  # the engine bench with environment variable $1 at 0 and 1, alternated twice (one machine, one run:
+  # METHOD.md), sections $2<0|1>_<run> of $OUT/engine_$2.json
   for i in 1 2; do
-    for p in 0 1; do
-      KVSERVING_PDL=$p timeout ${T_PDL:-280} python3 bench/engine_gpu.py ${ENGINE_ARGS:---quick --no-breakdown --speed-kv-gib 40} \
-        --section pdl${p}_$i --out $OUT/engine_pdl.json > $OUT/engine_pdl${p}_$i.log 2>&1
-      rc=$?; echo "== KVSERVING_PDL=$p, run $i (exit $rc)"; grep -E "decode |% of roofline|^(bf16|fp8|nvfp4|triax)" $OUT/engine_pdl${p}_$i.log
-      [ "$rc" = 0 ] || { echo "gpu_run.sh: error: engine_gpu.py failed with KVSERVING_PDL=$p (exit $rc, log in $OUT/engine_pdl${p}_$i.log)" >&2; status=1; }
+    for v in 0 1; do
+      env $1=$v timeout ${T_AB:-280} python3 bench/engine_gpu.py ${ENGINE_ARGS:---quick --no-breakdown --speed-kv-gib 40} \
+        --section $2${v}_$i --out $OUT/engine_$2.json > $OUT/engine_$2${v}_$i.log 2>&1
+      rc=$?; echo "== $1=$v, run $i (exit $rc)"; grep -E "decode |% of roofline|^(bf16|fp8|nvfp4|triax)" $OUT/engine_$2${v}_$i.log
+      [ "$rc" = 0 ] || { echo "gpu_run.sh: error: engine_gpu.py failed with $1=$v (exit $rc, log in $OUT/engine_$2${v}_$i.log)" >&2; status=1; }
     done
   done
+}
+if has pdl; then engine_ab KVSERVING_PDL pdl; fi  # programmatic dependent launch off and on
+if has gemv; then  # bf16 weights at 1-2 tokens: cuBLAS against the Triton GEMV, per projection, then in the engine
+  timeout ${T_GEMM:-240} python3 bench/fp8_gemm_gpu.py --tokens 1,2 --tiles 16x64w4s4k4 --gemv g8x2048w4s1k1 \
+    --out $OUT/fp8_gemm_gpu.json > $OUT/gemm.log 2>&1
+  rc=$?; sed -n '/^us per call/,$p' $OUT/gemm.log | grep -E "^M = |bf16 weights|one layer"
+  [ "$rc" = 0 ] || { echo "gpu_run.sh: error: fp8_gemm_gpu.py failed (exit $rc, log in $OUT/gemm.log)" >&2; status=1; }
+  engine_ab KVSERVING_BF16_GEMV gemv
 fi
 if has layout; then  # the KV layouts: READs of the same pages, then the engine bench alternated (one machine, one run)
   for lay in layer_major page_major; do

@@ -28,6 +28,10 @@ weight value)::
 
     y[m, n] = sum_k  qw[n, k] * (x[m, k] * sw[n // 128, k // 128])      (fp32, x unquantized)
 
+The same kernel multiplies by a bf16 weight (no scales): ``bf16_gemv`` is a bf16 model's linear layer at M <= 2
+where ``KVSERVING_BF16_GEMV=1`` asks for it (``worker.model``), instead of cuBLAS, which reads a bf16 weight
+at 54-90 % of the chip's streaming read at M = 1 (H200, Qwen3-8B projections).
+
 ``launch_config(m, n, k)`` is the dispatch: a ``Gemv`` (``gemv_config``) or a ``Tiles``
 (``tile_config``). ``tiles_override`` launches every GEMM inside it with a given
 ``Tiles`` or ``Gemv`` (benches time candidate shapes and the other kernel through it).
@@ -124,10 +128,19 @@ def _lane_sums(p, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _row(x_ptr, kk, sw, SCALED: tl.constexpr):
+    """One activation row's columns ``kk`` in fp32, times their weight tile scales ``sw`` when the weight is scaled."""
+    x = tl.load(x_ptr + kk).to(tl.float32)
+    if SCALED:
+        x = x * sw
+    return x
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K] activations (bf16 or fp32, row-major), M <= 4: read as they are, never quantized
-    w_ptr,  # [N, K] e4m3 weight codes (row-major: a program streams BLOCK_N rows, K contiguous)
-    sw_ptr,  # [ceil(N/128), K/128] fp32 weight tile scales (row-major)
+    w_ptr,  # [N, K] weight (row-major: a program streams BLOCK_N rows, K contiguous): e4m3 codes, or bf16 values
+    sw_ptr,  # [ceil(N/128), K/128] fp32 weight tile scales (row-major); unused when not SCALED
     c_ptr,  # [M, N] output (bf16 or fp32); with SPLIT_K > 1: [SPLIT_K, M, N] fp32 partials
     n,  # rows of w, columns of c
     k,  # columns of x and w, a multiple of BLOCK_K
@@ -141,6 +154,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,  # weight columns per step, a multiple of 128 dividing K
     SPLIT_K: tl.constexpr,  # programs along K: split s takes a contiguous run of the K / BLOCK_K steps
     STAGES: tl.constexpr,  # steps whose weight loads the compiler issues ahead of their use (1: none)
+    SCALED: tl.constexpr,  # w holds e4m3 codes scaled per 128x128 tile by sw; False: w holds bf16 values
     PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): the first step's weights are
     # loaded before the wait (no kernel of the step writes them), x after it
 ):
@@ -164,17 +178,20 @@ def _gemv_kernel(
     for step in tl.range(first, tl.minimum(steps, (pid_k + 1) * per_split), num_stages=STAGES):
         kk = step * BLOCK_K + ks  # [BLOCK_K]
         w = tl.load(w_tile + step * BLOCK_K, mask=row_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        sw = tl.load(sw_row + kk // 128)  # [BLOCK_K]: each column's tile scale (BLOCK_K / 128 distinct values)
+        if SCALED:
+            sw = tl.load(sw_row + kk // 128)  # [BLOCK_K]: each column's tile scale (BLOCK_K / 128 distinct values)
+        else:
+            sw = 1.0
         if step == first:
             triton_pdl.wait(PDL)
         # each row: x[m, kk] * sw (the tile scale moved onto the activation), then the dot along K
-        acc0 += _lane_sums(w * (tl.load(x_ptr + kk).to(tl.float32) * sw)[None, :], BLOCK_N, BLOCK_K)
+        acc0 += _lane_sums(w * _row(x_ptr, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K)
         if ROWS > 1:
-            acc1 += _lane_sums(w * (tl.load(x_ptr + stride_xm + kk).to(tl.float32) * sw)[None, :], BLOCK_N, BLOCK_K)
+            acc1 += _lane_sums(w * _row(x_ptr + stride_xm, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K)
         if ROWS > 2:
-            acc2 += _lane_sums(w * (tl.load(x_ptr + 2 * stride_xm + kk).to(tl.float32) * sw)[None, :], BLOCK_N, BLOCK_K)
+            acc2 += _lane_sums(w * _row(x_ptr + 2 * stride_xm, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K)
         if ROWS > 3:
-            acc3 += _lane_sums(w * (tl.load(x_ptr + 3 * stride_xm + kk).to(tl.float32) * sw)[None, :], BLOCK_N, BLOCK_K)
+            acc3 += _lane_sums(w * _row(x_ptr + 3 * stride_xm, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K)
     triton_pdl.wait(PDL)  # before any store (a program with no step has not waited yet)
     c = c_ptr + pid_k.to(tl.int64) * stride_cs + rows
     tl.store(c, tl.sum(acc0, axis=1).to(c_ptr.dtype.element_ty), mask=row_ok)
@@ -496,10 +513,12 @@ def _check_weight(name: str, k: int, codes: Tensor, scale: Tensor) -> None:
         raise ValueError(f"{name}: scale {tuple(scale.shape)} {scale.dtype} must be float32 {((n + GROUP - 1) // GROUP, k // GROUP)}")
 
 
-def gemv(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = torch.bfloat16, pdl: bool | None = None) -> Tensor:
-    """x [M, K] bf16 or fp32 (M <= 4, K a multiple of 128), codes [N, K] e4m3, scale [ceil(N/128), K/128] fp32
-    -> [M, N] ``out_dtype``: the product with x as it is (no activation quantization), fp32 sums. ``pdl``: with
-    programmatic dependent launch (None: ``triton_pdl.resolve``'s choice)."""
+def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, *, out_dtype: torch.dtype = torch.bfloat16,
+         pdl: bool | None = None) -> Tensor:  # fmt: skip
+    """x [M, K] bf16 or fp32 (M <= 4, K a multiple of 128) times an [N, K] weight -> [M, N] ``out_dtype``: the
+    product with x as it is (no activation quantization), fp32 sums. The weight is e4m3 codes with ``scale``
+    [ceil(N/128), K/128] fp32, or bf16 values with ``scale`` None. ``pdl``: with programmatic dependent launch
+    (None: ``triton_pdl.resolve``'s choice)."""
     if x.dim() != 2 or x.shape[0] > GEMV_ROWS:
         raise ValueError(f"gemv: x {tuple(x.shape)} must be [M, K] with M <= {GEMV_ROWS}")
     if x.dtype not in (torch.bfloat16, torch.float32):
@@ -507,13 +526,19 @@ def gemv(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = to
     m, k = x.shape
     if k % GROUP:
         raise ValueError(f"gemv: K = {k} must be a multiple of {GROUP}")
-    _check_weight("gemv", k, codes, scale)
-    n = codes.shape[0]
+    if scale is None:
+        if weight.dim() != 2 or weight.shape[1] != k or weight.dtype != torch.bfloat16:
+            raise ValueError(f"gemv: an unscaled weight must be bfloat16 [N, K] with K = {k}, got {weight.dtype} {tuple(weight.shape)}")
+    else:
+        _check_weight("gemv", k, weight, scale)
+    n = weight.shape[0]
     o = _OVERRIDE.get()
     g = o if isinstance(o, Gemv) else gemv_config(m, n, k)
     if k % g.block_k:
         raise ValueError(f"gemv: BLOCK_K {g.block_k} must divide K = {k}")
-    x, codes, scale = (t if t.stride(1) == 1 else t.contiguous() for t in (x, codes, scale))
+    x, weight = (t if t.stride(1) == 1 else t.contiguous() for t in (x, weight))
+    scaled = scale is not None
+    sw = weight if scale is None else scale if scale.stride(1) == 1 else scale.contiguous()  # unscaled: never read
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -521,9 +546,9 @@ def gemv(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = to
     c = out if g.split_k == 1 else torch.empty((g.split_k, m, n), dtype=torch.float32, device=x.device)
     on = triton_pdl.resolve(pdl, x.device)
     _gemv_kernel[(triton.cdiv(n, g.block_n), g.split_k)](
-        x, codes, scale, c, n, k, x.stride(0), codes.stride(0), scale.stride(0), c.stride(-2), c.stride(0) if g.split_k > 1 else 0,
-        ROWS=m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, STAGES=g.stages, PDL=on, num_warps=g.warps,
-        **triton_pdl.launch_args(on),
+        x, weight, sw, c, n, k, x.stride(0), weight.stride(0), sw.stride(0), c.stride(-2), c.stride(0) if g.split_k > 1 else 0,
+        ROWS=m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, STAGES=g.stages, SCALED=scaled,
+        PDL=on, num_warps=g.warps, **triton_pdl.launch_args(on),
     )  # fmt: skip
     if g.split_k > 1:
         _sum_splits(c, out, pdl=on)

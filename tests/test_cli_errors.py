@@ -690,22 +690,25 @@ def test_gpu_run_nixl_and_agents_steps_run_their_benches_and_fail_with_them(tmp_
     assert proc.stderr == f"gpu_run.sh: error: agents.py failed (exit 3, log in {out}/agents.log)\n"
 
 
-def test_gpu_run_pdl_step_alternates_the_engine_bench_off_and_on_twice(tmp_path: Path) -> None:
-    # the stand-in python3 prints KVSERVING_PDL and its arguments; the second run with PDL on fails
-    fake = 'echo "PDL=$KVSERVING_PDL python3 $*"; case "$KVSERVING_PDL $*" in "1 "*pdl1_2*) exit 4;; esac; exit 0'
-    proc = gpu_run(tmp_path, "pdl", {"nvidia-smi": NVIDIA_SMI, "python3": fake})
+@pytest.mark.parametrize(("step", "var"), [("pdl", "KVSERVING_PDL"), ("gemv", "KVSERVING_BF16_GEMV")])
+def test_gpu_run_ab_steps_alternate_the_engine_bench_off_and_on_twice(tmp_path: Path, step: str, var: str) -> None:
+    # the stand-in python3 prints the step's variable and its arguments; the second run with it on fails
+    fake = f'echo "{var}=${var} python3 $*"; case "${var} $*" in "1 "*{step}1_2*) exit 4;; esac; exit 0'
+    proc = gpu_run(tmp_path, step, {"nvidia-smi": NVIDIA_SMI, "python3": fake})
     out = tmp_path / "out"
-    runs = [(out / f"engine_pdl{p}_{i}.log").read_text().splitlines()[-1] for i in (1, 2) for p in (0, 1)]
+    runs = [(out / f"engine_{step}{v}_{i}.log").read_text().splitlines()[-1] for i in (1, 2) for v in (0, 1)]
     assert runs == [
-        f"PDL={p} python3 bench/engine_gpu.py --quick --no-breakdown --speed-kv-gib 40 --section pdl{p}_{i} --out {out}/engine_pdl.json"
-        for i in (1, 2) for p in (0, 1)
+        f"{var}={v} python3 bench/engine_gpu.py --quick --no-breakdown --speed-kv-gib 40 --section {step}{v}_{i} --out {out}/engine_{step}.json"
+        for i in (1, 2) for v in (0, 1)
     ]  # fmt: skip
     assert [ln for ln in proc.stdout.splitlines() if ln.startswith("== ")] == [
-        "== KVSERVING_PDL=0, run 1 (exit 0)", "== KVSERVING_PDL=1, run 1 (exit 0)",
-        "== KVSERVING_PDL=0, run 2 (exit 0)", "== KVSERVING_PDL=1, run 2 (exit 4)",
+        f"== {var}=0, run 1 (exit 0)", f"== {var}=1, run 1 (exit 0)", f"== {var}=0, run 2 (exit 0)", f"== {var}=1, run 2 (exit 4)",
     ]  # fmt: skip
+    if step == "gemv":  # the projections' sweep first, with the variable unset
+        assert (out / "gemm.log").read_text() == (f"{var}= python3 bench/fp8_gemm_gpu.py --tokens 1,2 --tiles 16x64w4s4k4 "
+                                                  f"--gemv g8x2048w4s1k1 --out {out}/fp8_gemm_gpu.json\n")  # fmt: skip
     assert proc.returncode == 1
-    assert proc.stderr == f"gpu_run.sh: error: engine_gpu.py failed with KVSERVING_PDL=1 (exit 4, log in {out}/engine_pdl1_2.log)\n"
+    assert proc.stderr == f"gpu_run.sh: error: engine_gpu.py failed with {var}=1 (exit 4, log in {out}/engine_{step}1_2.log)\n"
 
 
 def test_gpu_run_skips_the_agents_step_when_the_read_is_not_over_cuda_ipc(tmp_path: Path) -> None:

@@ -19,7 +19,9 @@ projections are merged (q/k/v into one `qkv_proj`, gate/up into one
 separate tensors) and, on CUDA, the elementwise steps are fused Triton
 kernels (`kernels.triton_norm`): RMSNorm with the residual add, q/k-norm +
 RoPE, SiLU * up. On CPU, and where autograd needs gradients, the same steps
-run as the torch references (`kernels.norm_ref`).
+run as the torch references (`kernels.norm_ref`). The bf16 projections and the
+logits run cuBLAS, or at 1-2 tokens the Triton GEMV where `KVSERVING_BF16_GEMV=1`
+asks for it (`product`).
 
 Weights are the model dtype's, or FP8 (`weight_format` "fp8": a scale per
 tensor, "fp8_block": a scale per 128x128 tile; `worker.fp8_linear`): an FP8
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserving.kernels.capacity import decode_weight_bytes
+from kvserving.kernels.options import KernelOptions
 from kvserving.kernels.norm_ref import add_rms_norm_ref, qk_norm_rope_ref, rms_norm_ref, silu_mul_ref
 from kvserving.worker.fp8_linear import Fp8Linear, checkpoint_fp8_layers, checkpoint_fp8_state, quantize_layers
 from kvserving.worker.weights import (
@@ -290,6 +293,38 @@ def _fused(x: Tensor, *others: Tensor | None) -> ModuleType | None:
     return _triton_norm()
 
 
+@functools.cache
+def _gemv_kernels(device: torch.device) -> ModuleType | None:
+    """``kernels.triton_fp8_gemm`` when a bf16 weight's product at 1-2 tokens runs its GEMV on ``device`` (asked for
+    by ``KVSERVING_BF16_GEMV=1``; the environment read once per device), else None (cuBLAS)."""
+    if not KernelOptions.from_env().bf16_gemv or device.type != "cuda":
+        return None
+    from kvserving.kernels import triton_fp8_gemm  # Triton loads on first CUDA use only
+
+    return triton_fp8_gemm
+
+
+BF16_GEMV_ROWS = 2  # the most tokens a bf16 product gives the GEMV (its fp32 sums per row grow with M)
+
+
+def product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N]: the Triton GEMV where it runs this call (CUDA, bf16, T <= 2,
+    K a multiple of 128, no gradient, ``_gemv_kernels``), else ``F.linear`` (cuBLAS)."""
+    k = _gemv_kernels(x.device) if x.is_cuda else None
+    if (k is None or x.dim() != 2 or x.shape[0] > BF16_GEMV_ROWS or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
+            or x.shape[1] % k.GROUP or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # fmt: skip
+        return F.linear(x, weight, bias)
+    out = k.gemv(x, weight, None, out_dtype=x.dtype)
+    return out if bias is None else out + bias
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` through ``product``: the decoder's projections (cuBLAS, or the GEMV at 1-2 tokens)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return product(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -316,8 +351,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, d
         self.eps = args.rms_norm_eps
         # q, k, v stacked: one GEMM -> [T, (H + 2 Hkv) * D]
-        self.qkv_proj = nn.Linear(h, (args.num_heads + 2 * args.num_kv_heads) * d, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(args.num_heads * d, h, bias=args.o_bias)
+        self.qkv_proj = Linear(h, (args.num_heads + 2 * args.num_kv_heads) * d, bias=args.qkv_bias)
+        self.o_proj = Linear(args.num_heads * d, h, bias=args.o_bias)
         self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
 
@@ -340,8 +375,8 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         h, i, b = args.hidden_size, args.intermediate_size, args.mlp_bias
-        self.gate_up_proj = nn.Linear(h, 2 * i, bias=b)  # gate and up stacked: one GEMM -> [T, 2 I]
-        self.down_proj = nn.Linear(i, h, bias=b)
+        self.gate_up_proj = Linear(h, 2 * i, bias=b)  # gate and up stacked: one GEMM -> [T, 2 I]
+        self.down_proj = Linear(i, h, bias=b)
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
@@ -378,7 +413,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
     @staticmethod
@@ -428,7 +463,7 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [N, hidden] (from `forward`) -> logits [N, vocab] in fp32."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return product(hidden, weight).float()
 
 
 def resolve_weight_format(requested: str, stored: Fp8Scheme | None, *, where: str | Path) -> str:

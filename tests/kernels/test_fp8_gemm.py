@@ -206,16 +206,16 @@ def test_triton_block_gemm_matches_its_torch_reference_under_every_tile_shape(la
         assert out.shape == (m, n) and (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
 
-def _gemv_bound(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, launch: object, out_dtype: torch.dtype) -> torch.Tensor:
-    """Per-element bound [M, N] on |gemv - x @ W^T| (W = the dequantized weight; the reference in float64 is exact).
-    Each term x_k * s * q_k rounds at most twice in fp32 (x * s, then the product unless fused) and the fp32 sums
-    form a tree of depth at most BLOCK_K (a step's terms, in any order) + K / BLOCK_K (the steps) + SPLIT_K (the
-    partials' sum), so by Higham's bound for summation trees the fp32 result is within gamma_(depth + 2) *
-    sum_k |x_k W_nk|; a bf16 output adds one bf16 ulp (2^-7 of the value: the interpreter truncates)."""
+def _gemv_bound(x: torch.Tensor, w: torch.Tensor, launch: object, out_dtype: torch.dtype) -> torch.Tensor:
+    """Per-element bound [M, N] on |gemv - x @ w^T| (w [N, K] float64: the weight the codes and scales stand for, or
+    the bf16 weight; the reference in float64 is exact). Each term x_k * s * q_k rounds at most twice in fp32 (x * s,
+    then the product unless fused) and the fp32 sums form a tree of depth at most BLOCK_K (a step's terms, in any
+    order) + K / BLOCK_K (the steps) + SPLIT_K (the partials' sum), so by Higham's bound for summation trees the
+    fp32 result is within gamma_(depth + 2) * sum_k |x_k w_nk|; a bf16 output adds one bf16 ulp (2^-7 of the value:
+    the interpreter truncates)."""
     k = x.shape[1]
     depth = launch.block_k + k // launch.block_k + launch.split_k + 2  # type: ignore[attr-defined]
     u = 2.0**-24
-    w = fp8_gemm.dequantize(codes, scale, scheme="block").double()
     e32 = depth * u / (1 - depth * u) * (x.double().abs() @ w.abs().t())
     if out_dtype == torch.float32:
         return e32
@@ -223,17 +223,23 @@ def _gemv_bound(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, launc
 
 
 def _check_gemv(m: int, n: int, k: int, launch: object, *, seed: int, out_dtype: torch.dtype = torch.float32,
-                x_dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
+                x_dtype: torch.dtype = torch.bfloat16, weight: str = "fp8") -> None:  # fmt: skip
+    """The GEMV on an fp8 block-scaled weight (``weight`` "fp8") or a bf16 one ("bf16", no scales)."""
     from kvserving.kernels.triton_fp8_gemm import gemv, tiles_override
 
     x = _acts(m, k, seed=seed).to(x_dtype)
-    codes, scale = fp8_gemm.quantize_blocks(_weight(n, k, seed=seed + m))
+    if weight == "fp8":
+        codes, scale = fp8_gemm.quantize_blocks(_weight(n, k, seed=seed + m))
+        exact = fp8_gemm.dequantize(codes, scale, scheme="block").double()
+    else:
+        codes, scale = _weight(n, k, seed=seed + m).to(torch.bfloat16), None
+        exact = codes.double()
     with tiles_override(launch):  # type: ignore[arg-type]
         out = gemv(x, codes, scale, out_dtype=out_dtype)
     assert out.shape == (m, n) and out.dtype == out_dtype
-    ref = x.double() @ fp8_gemm.dequantize(codes, scale, scheme="block").double().t()
+    ref = x.double() @ exact.t()
     err = (out.double() - ref).abs()
-    bound = _gemv_bound(x, codes, scale, launch, out_dtype)
+    bound = _gemv_bound(x, exact, launch, out_dtype)
     assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g} at M {m}, N {n}, K {k}, {launch}"
     if out_dtype == torch.float32:  # and tight: a lost or doubled 128-column group moves outputs by ~10 %
         assert bound.max().item() < 2e-3 * ref.abs().max().item()
@@ -261,6 +267,21 @@ def test_gemv_equals_the_dequantized_product_at_uneven_n_under_every_split(label
     launch = Gemv.parse(label)
     _check_gemv(m, 200, 1024, launch, seed=m, out_dtype=torch.bfloat16)
     _check_gemv(m, 72, 1024, launch, seed=m + 7, x_dtype=torch.float32)
+
+
+@interpreter_only
+@pytest.mark.parametrize("label", ["g8x2048w4s1k1", "g8x1024w4s1k2", "g32x256w4s1k3", "g16x128w2s3k5"])
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_gemv_on_a_bf16_weight_equals_the_exact_product(label: str, m: int) -> None:
+    """The unscaled GEMV (bf16 weight, no tile scales: what a bf16 model's projections run at 1-2 tokens) at the
+    dispatch's M = 1 and 2 shapes and uneven splits; N 200 and 72 (last tiles part-used), K 2048 and 4096; bf16 and
+    fp32 outputs and activations. A weight read through the scaled path (a tile scale taken from the weight's own
+    bytes) would miss the bound by orders of magnitude."""
+    from kvserving.kernels.triton_fp8_gemm import Gemv
+
+    launch = Gemv.parse(label)
+    _check_gemv(m, 200, 4096, launch, seed=m, out_dtype=torch.bfloat16, weight="bf16")
+    _check_gemv(m, 72, 2048, launch, seed=m + 7, x_dtype=torch.float32, weight="bf16")
 
 
 def test_the_dispatch_takes_the_gemv_at_m_1_and_at_m_2_where_the_block_gemm_splits_k() -> None:
@@ -324,6 +345,12 @@ def test_gemv_refuses_bad_operands() -> None:
     with pytest.raises(ValueError, match="BLOCK_K 512 must divide K = 256"), tiles_override(Gemv(32, 512, 4)):
         gemv(torch.zeros(2, 256), codes, scale)
     assert gemv(torch.zeros(0, 256), codes, scale).shape == (0, 128)
+    with pytest.raises(ValueError, match="unscaled weight must be bfloat16"):  # codes without their scales
+        gemv(torch.zeros(2, 256), codes, None)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):  # a bf16 weight with scales
+        gemv(torch.zeros(2, 256), codes.to(torch.bfloat16), scale)
+    with pytest.raises(ValueError, match="unscaled weight must be bfloat16"):
+        gemv(torch.zeros(2, 256), torch.zeros(128, 384, dtype=torch.bfloat16), None)
 
 
 def test_triton_block_gemm_refuses_bad_operands() -> None:
@@ -375,8 +402,9 @@ def _check_cuda_gemm(m: int, n: int, k: int, scheme: str, backend: str, static: 
         # the GEMV: activations not quantized, only the fp32 sums and the bf16 output round (to nearest on the GPU: 2^-8)
         from kvserving.kernels.triton_fp8_gemm import gemv_config
 
-        exact = x.double() @ fp8_gemm.dequantize(codes, scale, scheme="block").double().t()
-        e32 = _gemv_bound(x, codes, scale, gemv_config(m, n, k), torch.float32)
+        w64 = fp8_gemm.dequantize(codes, scale, scheme="block").double()
+        exact = x.double() @ w64.t()
+        e32 = _gemv_bound(x, w64, gemv_config(m, n, k), torch.float32)
         assert ((out.double() - exact).abs() <= e32 + 2.0**-8 * (exact.abs() + e32)).all()
         return
     # and the same arithmetic as the torch spec of the quantized product, up to output rounding and sum order
@@ -416,3 +444,35 @@ def test_cublas_block_scaling_runs_on_hopper() -> None:
     # a library that runs the call must get it right: a wrong product is a failure, not a skip of the cublas cases
     assert torch.equal(out.float(), torch.full((3, 256), 256.0, device="cuda"))
     assert fp8_gemm.cublas_block_supported(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize(("n", "k"), QWEN3_8B_SHAPES[:4] + [(151936, 4096)])
+def test_gpu_bf16_product_runs_the_gemv_at_one_or_two_tokens_within_fp32_rounding(
+    m: int, n: int, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``model.product`` with ``KVSERVING_BF16_GEMV=1`` at the Qwen3-8B projections and its logits' weight: the GEMV
+    at M <= 2 (fp32 sums; the bf16 output rounds to nearest, 2^-8), cuBLAS at M 3 (bit-equal to ``F.linear``)."""
+    import torch.nn.functional as F
+
+    from kvserving.worker import model
+
+    monkeypatch.setenv("KVSERVING_BF16_GEMV", "1")
+    model._gemv_kernels.cache_clear()
+    try:
+        x = _acts(m, k, seed=n, device="cuda").to(torch.bfloat16)
+        w = _weight(n, k, seed=m, device="cuda").to(torch.bfloat16)
+        out = model.product(x, w)
+        assert out.shape == (m, n) and out.dtype == torch.bfloat16
+        if m > model.BF16_GEMV_ROWS:
+            assert torch.equal(out, F.linear(x, w))
+            return
+        from kvserving.kernels.triton_fp8_gemm import gemv_config
+
+        exact = x.double() @ w.double().t()
+        e32 = _gemv_bound(x, w.double(), gemv_config(m, n, k), torch.float32)
+        assert ((out.double() - exact).abs() <= e32 + 2.0**-8 * (exact.abs() + e32)).all()
+        assert not torch.equal(out, F.linear(x, w))  # not cuBLAS's sum order: the GEMV ran
+    finally:
+        model._gemv_kernels.cache_clear()

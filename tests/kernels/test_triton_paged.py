@@ -262,6 +262,9 @@ def test_kernel_options_read_the_environment_once_and_refuse_bad_values() -> Non
     )
     assert KernelOptions.from_env({}) == KernelOptions()
     assert KernelOptions.from_env({"KVSERVING_PDL": "1"}) == KernelOptions(pdl=True)
+    assert KernelOptions.from_env({"KVSERVING_BF16_GEMV": "1"}) == KernelOptions(bf16_gemv=True)
+    with pytest.raises(ValueError, match="KVSERVING_BF16_GEMV='on'"):
+        KernelOptions.from_env({"KVSERVING_BF16_GEMV": "on"})
     gpu = torch.device("cuda")
     assert KernelOptions().fast_decoders(gpu) and not KernelOptions(interpret=True).fast_decoders(gpu)
     assert not KernelOptions(triton_fast=False).fast_decoders(gpu) and KernelOptions(triton_fast=True).fast_decoders(torch.device("cpu"))
