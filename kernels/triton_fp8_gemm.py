@@ -122,9 +122,9 @@ def _sum_splits_kernel(
 
 
 @triton.jit
-def _lane_sums(p, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """p [BLOCK_N, BLOCK_K] -> [BLOCK_N, BLOCK_K / 16]: each run of 16 columns summed (within a thread)."""
-    return tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // 16, 16)), axis=2)
+def _lane_sums(p, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LANE: tl.constexpr):
+    """p [BLOCK_N, BLOCK_K] -> [BLOCK_N, BLOCK_K / LANE]: each run of LANE columns summed (within a thread)."""
+    return tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // LANE, LANE)), axis=2)
 
 
 @triton.jit
@@ -155,6 +155,7 @@ def _gemv_kernel(
     SPLIT_K: tl.constexpr,  # programs along K: split s takes a contiguous run of the K / BLOCK_K steps
     STAGES: tl.constexpr,  # steps whose weight loads the compiler issues ahead of their use (1: none)
     SCALED: tl.constexpr,  # w holds e4m3 codes scaled per 128x128 tile by sw; False: w holds bf16 values
+    LANE: tl.constexpr,  # weight values a thread loads at once (16 bytes: 16 codes, 8 bf16), summed in the thread
     PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): the first step's weights are
     # loaded before the wait (no kernel of the step writes them), x after it
 ):
@@ -165,12 +166,12 @@ def _gemv_kernel(
     row_ok = rows < n
     w_tile = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]: a step's tile
     sw_row = sw_ptr + (pid_n * BLOCK_N // 128) * stride_swn  # this program's row of tile scales
-    # per row and 16-column lane: partial sums kept across steps (16 codes = one 16-byte load a thread), so a step
+    # per row and LANE-column lane: partial sums kept across steps (a lane = one 16-byte load a thread), so a step
     # sums within each thread and the sum across lanes runs once, after the loop
-    acc0 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K // LANE), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K // LANE), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K // LANE), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K // LANE), dtype=tl.float32)
     steps = k // BLOCK_K
     per_split = tl.cdiv(steps, SPLIT_K)
     first = pid_k * per_split
@@ -185,13 +186,13 @@ def _gemv_kernel(
         if step == first:
             triton_pdl.wait(PDL)
         # each row: x[m, kk] * sw (the tile scale moved onto the activation), then the dot along K
-        acc0 += _lane_sums(w * _row(x_ptr, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K)
+        acc0 += _lane_sums(w * _row(x_ptr, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K, LANE)
         if ROWS > 1:
-            acc1 += _lane_sums(w * _row(x_ptr + stride_xm, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K)
+            acc1 += _lane_sums(w * _row(x_ptr + stride_xm, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K, LANE)
         if ROWS > 2:
-            acc2 += _lane_sums(w * _row(x_ptr + 2 * stride_xm, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K)
+            acc2 += _lane_sums(w * _row(x_ptr + 2 * stride_xm, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K, LANE)
         if ROWS > 3:
-            acc3 += _lane_sums(w * _row(x_ptr + 3 * stride_xm, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K)
+            acc3 += _lane_sums(w * _row(x_ptr + 3 * stride_xm, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K, LANE)
     triton_pdl.wait(PDL)  # before any store (a program with no step has not waited yet)
     c = c_ptr + pid_k.to(tl.int64) * stride_cs + rows
     tl.store(c, tl.sum(acc0, axis=1).to(c_ptr.dtype.element_ty), mask=row_ok)
@@ -547,7 +548,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, *, out_dtype: torch.dt
     on = triton_pdl.resolve(pdl, x.device)
     _gemv_kernel[(triton.cdiv(n, g.block_n), g.split_k)](
         x, weight, sw, c, n, k, x.stride(0), weight.stride(0), sw.stride(0), c.stride(-2), c.stride(0) if g.split_k > 1 else 0,
-        ROWS=m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, STAGES=g.stages, SCALED=scaled,
+        ROWS=m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, STAGES=g.stages, SCALED=scaled, LANE=16 // weight.element_size(),
         PDL=on, num_warps=g.warps, **triton_pdl.launch_args(on),
     )  # fmt: skip
     if g.split_k > 1:
