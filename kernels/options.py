@@ -21,8 +21,8 @@ KVSERVING_TRITON_FAST=0/1   triton_fast     force the ``tl`` decode's inline-ass
 KVSERVING_PDL=1             pdl             the decode step's small kernels launch with
                                             programmatic dependent launch where the GPU has it
                                             (``capability``'s PDL column; unset: off)
-KVSERVING_BF16_GEMV=1       bf16_gemv       a bf16 model's projections and logits at 1-2 tokens
-                                            run the Triton GEMV instead of cuBLAS
+KVSERVING_BF16_GEMV=1       bf16_gemv       a bf16 model's projections at 1-2 tokens run the
+                                            Triton GEMV instead of cuBLAS
                                             (``worker.model.product``; unset: off)
 TRITON_INTERPRET=1          interpret       kernels run in Triton's interpreter (no assembly)
 ==========================  ==============  ===================================================

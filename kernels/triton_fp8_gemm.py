@@ -28,9 +28,9 @@ weight value)::
 
     y[m, n] = sum_k  qw[n, k] * (x[m, k] * sw[n // 128, k // 128])      (fp32, x unquantized)
 
-The same kernel multiplies by a bf16 weight (no scales): ``bf16_gemv`` is a bf16 model's linear layer at M <= 2
-where ``KVSERVING_BF16_GEMV=1`` asks for it (``worker.model``), instead of cuBLAS, which reads a bf16 weight
-at 54-90 % of the chip's streaming read at M = 1 (H200, Qwen3-8B projections).
+The same kernel multiplies by a bf16 weight (``gemv(x, weight, None)``: no scales): a bf16 model's projections at
+M <= 2 where ``KVSERVING_BF16_GEMV=1`` asks for it (``worker.model.product``), instead of cuBLAS, which reads such a
+weight at 54-90 % of the chip's streaming read at M = 1 (H200, Qwen3-8B projections).
 
 ``launch_config(m, n, k)`` is the dispatch: a ``Gemv`` (``gemv_config``) or a ``Tiles``
 (``tile_config``). ``tiles_override`` launches every GEMM inside it with a given
