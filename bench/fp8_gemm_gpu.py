@@ -314,7 +314,7 @@ def main() -> None:
     tables = []
     for m in opts.tokens:
         rows = [r for r in results if r["m"] == m]
-        names = [p for p in rows[0]["paths"] if not p.startswith(("triton:", "gemv:", "dispatch"))]
+        names = [p for p in rows[0]["paths"] if not p.startswith(("triton:", "gemv:", "bf16_gemv:", "dispatch"))]
         names += ["triton:default"] + [f"triton:{t.label}" for t in opts.tiles]
         names += ["gemv:default"] + [f"gemv:{g}" for g in opts.gemv] if m <= GEMV_ROWS else []
         names += ["bf16_gemv:default"] + [f"bf16_gemv:{g}" for g in opts.bf16_gemv] if m <= GEMV_ROWS else []
