@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import triton_pdl
+from . import triton_norm, triton_pdl
 
 GROUP = 128  # the scale group along K and the weight tile edge
 
@@ -128,9 +128,13 @@ def _lane_sums(p, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LANE: tl.constex
 
 
 @triton.jit
-def _row(x_ptr, kk, sw, SCALED: tl.constexpr):
-    """One activation row's columns ``kk`` in fp32, times their weight tile scales ``sw`` when the weight is scaled."""
-    x = tl.load(x_ptr + kk).to(tl.float32)
+def _row(x_ptr, kk, sw, k, SCALED: tl.constexpr, GATED: tl.constexpr):
+    """One activation row's columns ``kk`` in fp32 -- with GATED, silu(gate) * up of a [gate | up] row of 2 K, as
+    ``triton_norm.silu_mul`` would have stored it -- times their weight tile scales ``sw`` when the weight is scaled."""
+    if GATED:
+        x = triton_norm.silu_mul_values(tl.load(x_ptr + kk), tl.load(x_ptr + k + kk), x_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + kk).to(tl.float32)
     if SCALED:
         x = x * sw
     return x
@@ -138,7 +142,8 @@ def _row(x_ptr, kk, sw, SCALED: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr,  # [M, K] activations (bf16 or fp32, row-major), M <= 4: read as they are, never quantized
+    x_ptr,  # [M, K] activations (bf16 or fp32, row-major), M <= 4: read as they are, never quantized; with GATED
+    # [M, 2 K]: gate then up columns, the product's input silu(gate) * up formed in registers
     w_ptr,  # [N, K] weight (row-major: a program streams BLOCK_N rows, K contiguous): e4m3 codes, or bf16 values
     sw_ptr,  # [ceil(N/128), K/128] fp32 weight tile scales (row-major); unused when not SCALED
     c_ptr,  # [M, N] output (bf16 or fp32); with SPLIT_K > 1: [SPLIT_K, M, N] fp32 partials
@@ -156,6 +161,7 @@ def _gemv_kernel(
     STAGES: tl.constexpr,  # steps whose weight loads the compiler issues ahead of their use (1: none)
     SCALED: tl.constexpr,  # w holds e4m3 codes scaled per 128x128 tile by sw; False: w holds bf16 values
     LANE: tl.constexpr,  # weight values a thread loads at once (16 bytes: 16 codes, 8 bf16), summed in the thread
+    GATED: tl.constexpr,  # x is [gate | up]: SwiGLU's silu_mul runs inside the product (one launch less a layer)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): the first step's weights are
     # loaded before the wait (no kernel of the step writes them), x after it
 ):
@@ -186,13 +192,13 @@ def _gemv_kernel(
         if step == first:
             triton_pdl.wait(PDL)
         # each row: x[m, kk] * sw (the tile scale moved onto the activation), then the dot along K
-        acc0 += _lane_sums(w * _row(x_ptr, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K, LANE)
+        acc0 += _lane_sums(w * _row(x_ptr, kk, sw, k, SCALED, GATED)[None, :], BLOCK_N, BLOCK_K, LANE)
         if ROWS > 1:
-            acc1 += _lane_sums(w * _row(x_ptr + stride_xm, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K, LANE)
+            acc1 += _lane_sums(w * _row(x_ptr + stride_xm, kk, sw, k, SCALED, GATED)[None, :], BLOCK_N, BLOCK_K, LANE)
         if ROWS > 2:
-            acc2 += _lane_sums(w * _row(x_ptr + 2 * stride_xm, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K, LANE)
+            acc2 += _lane_sums(w * _row(x_ptr + 2 * stride_xm, kk, sw, k, SCALED, GATED)[None, :], BLOCK_N, BLOCK_K, LANE)
         if ROWS > 3:
-            acc3 += _lane_sums(w * _row(x_ptr + 3 * stride_xm, kk, sw, SCALED)[None, :], BLOCK_N, BLOCK_K, LANE)
+            acc3 += _lane_sums(w * _row(x_ptr + 3 * stride_xm, kk, sw, k, SCALED, GATED)[None, :], BLOCK_N, BLOCK_K, LANE)
     triton_pdl.wait(PDL)  # before any store (a program with no step has not waited yet)
     c = c_ptr + pid_k.to(tl.int64) * stride_cs + rows
     tl.store(c, tl.sum(acc0, axis=1).to(c_ptr.dtype.element_ty), mask=row_ok)
@@ -515,16 +521,19 @@ def _check_weight(name: str, k: int, codes: Tensor, scale: Tensor) -> None:
 
 
 def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, *, out_dtype: torch.dtype = torch.bfloat16,
-         pdl: bool | None = None) -> Tensor:  # fmt: skip
+         gated: bool = False, pdl: bool | None = None) -> Tensor:  # fmt: skip
     """x [M, K] bf16 or fp32 (M <= 4, K a multiple of 128) times an [N, K] weight -> [M, N] ``out_dtype``: the
     product with x as it is (no activation quantization), fp32 sums. The weight is e4m3 codes with ``scale``
-    [ceil(N/128), K/128] fp32, or bf16 values with ``scale`` None. ``pdl``: with programmatic dependent launch
-    (None: ``triton_pdl.resolve``'s choice)."""
+    [ceil(N/128), K/128] fp32, or bf16 values with ``scale`` None. ``gated``: x is SwiGLU's [M, 2 K] gate and up,
+    and the product's input is ``triton_norm.silu_mul(x)`` (formed in registers, equal to it bit for bit).
+    ``pdl``: with programmatic dependent launch (None: ``triton_pdl.resolve``'s choice)."""
     if x.dim() != 2 or x.shape[0] > GEMV_ROWS:
         raise ValueError(f"gemv: x {tuple(x.shape)} must be [M, K] with M <= {GEMV_ROWS}")
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"gemv: x must be bfloat16 or float32, got {x.dtype}")
-    m, k = x.shape
+    if gated and x.shape[1] % 2:
+        raise ValueError(f"gemv: a gated x must be [M, 2 K] (gate, then up), got {tuple(x.shape)}")
+    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     if k % GROUP:
         raise ValueError(f"gemv: K = {k} must be a multiple of {GROUP}")
     if scale is None:
@@ -549,7 +558,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, *, out_dtype: torch.dt
     _gemv_kernel[(triton.cdiv(n, g.block_n), g.split_k)](
         x, weight, sw, c, n, k, x.stride(0), weight.stride(0), sw.stride(0), c.stride(-2), c.stride(0) if g.split_k > 1 else 0,
         ROWS=m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, STAGES=g.stages, SCALED=scaled, LANE=16 // weight.element_size(),
-        PDL=on, num_warps=g.warps, **triton_pdl.launch_args(on),
+        GATED=gated, PDL=on, num_warps=g.warps, **triton_pdl.launch_args(on),
     )  # fmt: skip
     if g.split_k > 1:
         _sum_splits(c, out, pdl=on)

@@ -161,11 +161,18 @@ def _silu_mul_kernel(
     triton_pdl.start(PDL)
     triton_pdl.wait(PDL)
     g = tl.load(gu_ptr + t * gu_stride + cols, mask=mask, other=0.0)
-    u = tl.load(gu_ptr + t * gu_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    gf = g.to(tl.float32)
-    s = _rounded(gf / (1.0 + tl.exp(-gf)), g.dtype)  # silu, rounded like F.silu's output
+    u = tl.load(gu_ptr + t * gu_stride + inter + cols, mask=mask, other=0.0)
     dt_out = out_ptr.dtype.element_ty
-    tl.store(out_ptr + t * out_stride + cols, _rounded(s * u, dt_out).to(dt_out), mask=mask)
+    tl.store(out_ptr + t * out_stride + cols, silu_mul_values(g, u, dt_out).to(dt_out), mask=mask)
+
+
+@triton.jit
+def silu_mul_values(g, u, OUT: tl.constexpr):
+    """silu(g) * u as ``silu_mul`` stores it in ``OUT`` (kept in fp32): silu rounded to g's dtype like F.silu's
+    output, the product rounded to OUT. The FP8 / bf16 GEMV computes its gated input with it, equal bit for bit."""
+    gf = g.to(tl.float32)
+    s = _rounded(gf / (1.0 + tl.exp(-gf)), g.dtype)
+    return _rounded(s * u.to(tl.float32), OUT)
 
 
 def _rows(x: Tensor, what: str) -> Tensor:

@@ -21,7 +21,7 @@ kernels (`kernels.triton_norm`): RMSNorm with the residual add, q/k-norm +
 RoPE, SiLU * up. On CPU, and where autograd needs gradients, the same steps
 run as the torch references (`kernels.norm_ref`). The bf16 projections run
 cuBLAS, or at 1-2 tokens the Triton GEMV where `KVSERVING_BF16_GEMV=1` asks for
-it (`product`).
+it (`product`; the down projection then forms SiLU * up itself, `gated_product`).
 
 Weights are the model dtype's, or FP8 (`weight_format` "fp8": a scale per
 tensor, "fp8_block": a scale per 128x128 tile; `worker.fp8_linear`): an FP8
@@ -307,14 +307,33 @@ def _gemv_kernels(device: torch.device) -> ModuleType | None:
 BF16_GEMV_ROWS = 2  # the most tokens a bf16 product gives the GEMV (its fp32 sums per row grow with M)
 
 
-def product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N]: the Triton GEMV where it runs this call (CUDA, bf16, T <= 2,
-    K a multiple of 128, no gradient, ``_gemv_kernels``), else ``F.linear`` (cuBLAS)."""
+def _gemv_for(x: Tensor, weight: Tensor) -> ModuleType | None:
+    """The GEMV's module when it runs ``x`` [T, *] times ``weight`` [N, K]: CUDA, bf16, T <= 2, K a multiple of 128,
+    no gradient, and ``_gemv_kernels`` says so."""
     k = _gemv_kernels(x.device) if x.is_cuda else None
     if (k is None or x.dim() != 2 or x.shape[0] > BF16_GEMV_ROWS or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-            or x.shape[1] % k.GROUP or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # fmt: skip
+            or weight.shape[1] % k.GROUP or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # fmt: skip
+        return None
+    return k
+
+
+def product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N]: the Triton GEMV where it runs this call (``_gemv_for``), else
+    ``F.linear`` (cuBLAS)."""
+    k = _gemv_for(x, weight)
+    if k is None:
         return F.linear(x, weight, bias)
     out = k.gemv(x, weight, None, out_dtype=x.dtype)
+    return out if bias is None else out + bias
+
+
+def gated_product(gate_up: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor | None:
+    """silu(gate) * up @ weight^T (+ bias) for gate_up [T, 2 I], weight [N, I], in one GEMV launch (the SwiGLU
+    product formed in its registers, equal to ``silu_mul``'s bit for bit) where the GEMV runs it; else None."""
+    k = _gemv_for(gate_up, weight)
+    if k is None or gate_up.shape[1] != 2 * weight.shape[1]:
+        return None
+    out = k.gemv(gate_up, weight, None, out_dtype=gate_up.dtype, gated=True)
     return out if bias is None else out + bias
 
 
@@ -380,6 +399,10 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
+        down = self.down_proj
+        fused = gated_product(gate_up, down.weight, down.bias) if isinstance(down, Linear) else None
+        if fused is not None:  # the GEMV formed silu(gate) * up itself
+            return fused
         k = _fused(gate_up)
         return self.down_proj(silu_mul_ref(gate_up) if k is None else k.silu_mul(gate_up))  # SwiGLU
 

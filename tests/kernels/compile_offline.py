@@ -125,6 +125,8 @@ def _engine_kernels() -> None:
     _label[0] = "bf16w"
     for m in (1, 2):
         triton_fp8_gemm.gemv(torch.randn(m, 4096, dtype=torch.bfloat16), torch.randn(4096, 4096, dtype=torch.bfloat16), None)
+    # and the down projection's, SwiGLU formed inside (model.gated_product)
+    triton_fp8_gemm.gemv(torch.randn(1, 2 * 4096, dtype=torch.bfloat16), torch.randn(4096, 4096, dtype=torch.bfloat16), None, gated=True)
 
 
 def _gluon_decode() -> None:

@@ -284,6 +284,31 @@ def test_gemv_on_a_bf16_weight_equals_the_exact_product(label: str, m: int) -> N
     _check_gemv(m, 72, 2048, launch, seed=m + 7, x_dtype=torch.float32, weight="bf16")
 
 
+@interpreter_only
+@pytest.mark.parametrize("weight", ["fp8", "bf16"])
+@pytest.mark.parametrize(("m", "label"), [(1, "g8x1024w4s1k1"), (2, "g8x512w4s1k2"), (3, "g32x256w4s1k3")])
+def test_the_gated_gemv_equals_the_gemv_of_silu_mul_bit_for_bit(weight: str, m: int, label: str) -> None:
+    """``gated``: x is SwiGLU's [gate | up] and the GEMV forms silu(gate) * up itself, rounded as ``silu_mul`` stores
+    it, so the output equals the GEMV of ``silu_mul``'s output exactly (same inputs, same sum order); a gate and up
+    taken the other way round, or the product left unrounded, changes it."""
+    from kvserving.kernels import triton_norm
+    from kvserving.kernels.triton_fp8_gemm import Gemv, gemv, tiles_override
+
+    k = 1024
+    gate_up = (torch.randn(m, 2 * k, generator=torch.Generator().manual_seed(m)) * 3).to(torch.bfloat16)
+    if weight == "fp8":
+        w, scale = fp8_gemm.quantize_blocks(_weight(72, k, seed=m))
+    else:
+        w, scale = _weight(72, k, seed=m).to(torch.bfloat16), None
+    with tiles_override(Gemv.parse(label)):
+        fused = gemv(gate_up, w, scale, out_dtype=torch.float32, gated=True)
+        plain = gemv(triton_norm.silu_mul(gate_up), w, scale, out_dtype=torch.float32)
+        swapped = gemv(triton_norm.silu_mul(gate_up.roll(k, dims=1)), w, scale, out_dtype=torch.float32)
+    assert fused.shape == (m, 72) and torch.equal(fused, plain) and not torch.equal(fused, swapped)
+    with pytest.raises(ValueError, match=r"gated x must be \[M, 2 K\]"):
+        gemv(gate_up[:, 1:], w, scale, gated=True)
+
+
 def test_the_dispatch_takes_the_gemv_at_m_1_and_at_m_2_where_the_block_gemm_splits_k() -> None:
     from kvserving.kernels.triton_fp8_gemm import Gemv, Tiles, gemv_config, gemv_split, launch_config, tile_config
 
@@ -474,5 +499,11 @@ def test_gpu_bf16_product_runs_the_gemv_at_one_or_two_tokens_within_fp32_roundin
         e32 = _gemv_bound(x, w.double(), gemv_config(m, n, k), torch.float32)
         assert ((out.double() - exact).abs() <= e32 + 2.0**-8 * (exact.abs() + e32)).all()
         assert not torch.equal(out, F.linear(x, w))  # not cuBLAS's sum order: the GEMV ran
+        if n == 4096:  # the down projection's shape (and o's): SwiGLU formed inside, equal to the unfused pair
+            gate_up = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16)
+            from kvserving.kernels import triton_norm
+
+            fused = model.gated_product(gate_up, w)
+            assert fused is not None and torch.equal(fused, model.product(triton_norm.silu_mul(gate_up), w))
     finally:
         model._gemv_kernels.cache_clear()

@@ -49,6 +49,35 @@ def test_engine_on_gpu_matches_reference_ops(tiny_model_dir: Path, dtype: str, m
     assert agree >= 0.75
 
 
+def test_engine_on_gpu_with_the_bf16_gemv_matches_cublas(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVSERVING_BF16_GEMV=1: the decode steps' projections run the GEMV (the down projection gated), every other
+    row count cuBLAS; the first decode logits agree within the bf16 model's rounding noise and the tokens mostly."""
+    from kvserving.kernels import triton_fp8_gemm
+    from kvserving.worker import model
+
+    cublas_out, cublas_logits = run(tiny_model_dir, "bf16", monkeypatch, "triton")
+    calls = {"plain": 0, "gated": 0}
+    gemv = triton_fp8_gemm.gemv
+
+    def counted(*args: object, gated: bool = False, **kw: object) -> torch.Tensor:
+        calls["gated" if gated else "plain"] += 1
+        return gemv(*args, gated=gated, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_fp8_gemm, "gemv", counted)
+    monkeypatch.setenv("KVSERVING_BF16_GEMV", "1")
+    model._gemv_kernels.cache_clear()
+    try:
+        gemv_out, gemv_logits = run(tiny_model_dir, "bf16", monkeypatch, "triton")
+    finally:
+        model._gemv_kernels.cache_clear()
+    assert calls["plain"] > 0 and calls["gated"] > 0, calls  # qkv, o, gate_up plain; down gated
+    for a, b, ra, rb in zip(cublas_out, gemv_out, cublas_logits, gemv_logits):
+        if a[0] == b[0]:
+            assert (ra - rb).abs().max() < 0.1 * ra.abs().max()
+    agree = sum(x == y for a, b in zip(cublas_out, gemv_out) for x, y in zip(a, b)) / sum(map(len, cublas_out))
+    assert agree >= 0.75
+
+
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "nvfp4", "triaxial"])
 def test_engine_on_gpu_generates_the_same_with_page_major_kv(tiny_model_dir: Path, dtype: str) -> None:
     """kv_cache.layout page_major: the same kernels address each layer's pages by stride in one buffer; the same prompts
