@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import triton_norm, triton_pdl
+from . import triton_elementwise, triton_pdl
 
 GROUP = 128  # the scale group along K and the weight tile edge
 
@@ -132,7 +132,7 @@ def _row(x_ptr, kk, sw, k, SCALED: tl.constexpr, GATED: tl.constexpr):
     """One activation row's columns ``kk`` in fp32 -- with GATED, silu(gate) * up of a [gate | up] row of 2 K, as
     ``triton_norm.silu_mul`` would have stored it -- times their weight tile scales ``sw`` when the weight is scaled."""
     if GATED:
-        x = triton_norm.silu_mul_values(tl.load(x_ptr + kk), tl.load(x_ptr + k + kk), x_ptr.dtype.element_ty)
+        x = triton_elementwise.silu_mul(tl.load(x_ptr + kk), tl.load(x_ptr + k + kk), x_ptr.dtype.element_ty)
     else:
         x = tl.load(x_ptr + kk).to(tl.float32)
     if SCALED:

@@ -22,21 +22,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import triton_pdl
+from . import triton_elementwise, triton_pdl
+from .triton_elementwise import rounded
 
 MAX_NORM_WIDTH = 65536  # one program normalises one whole row in registers
-
-
-@triton.jit
-def _rounded(x, dt: tl.constexpr):
-    """fp32 ``x`` rounded to nearest-even in ``dt``, kept in fp32. bf16 by hand: Triton's interpreter truncates
-    fp32 -> bf16 casts, the GPU rounds; the bit trick rounds the same on both."""
-    if dt == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(dt).to(tl.float32)
 
 
 @triton.jit
@@ -65,13 +54,13 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
-        x = _rounded(r.to(tl.float32) + x.to(tl.float32), x.dtype).to(x.dtype)  # h = residual + x, rounded
+        x = rounded(r.to(tl.float32) + x.to(tl.float32), x.dtype).to(x.dtype)  # h = residual + x, rounded
         tl.store(res_out_ptr + row * res_out_stride + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
-    normed = _rounded(xf * inv, x.dtype)  # rounded to the activation dtype, as the reference
+    normed = rounded(xf * inv, x.dtype)  # rounded to the activation dtype, as the reference
     dt_out = out_ptr.dtype.element_ty
-    tl.store(out_ptr + row * out_stride + cols, _rounded(w * normed, dt_out).to(dt_out), mask=mask)
+    tl.store(out_ptr + row * out_stride + cols, rounded(w * normed, dt_out).to(dt_out), mask=mask)
 
 
 @triton.jit
@@ -82,11 +71,11 @@ def _rope_half(x1, x2, c_ptr, s_ptr, offs, mask, HALF: tl.constexpr):
     c2 = tl.load(c_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(s_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    a1 = _rounded(x1.to(tl.float32) * c1, dt)
-    b1 = _rounded(-(x2.to(tl.float32)) * s1, dt)
-    a2 = _rounded(x2.to(tl.float32) * c2, dt)
-    b2 = _rounded(x1.to(tl.float32) * s2, dt)
-    return _rounded(a1 + b1, dt).to(dt), _rounded(a2 + b2, dt).to(dt)
+    a1 = rounded(x1.to(tl.float32) * c1, dt)
+    b1 = rounded(-(x2.to(tl.float32)) * s1, dt)
+    a2 = rounded(x2.to(tl.float32) * c2, dt)
+    b2 = rounded(x1.to(tl.float32) * s2, dt)
+    return rounded(a1 + b1, dt).to(dt), rounded(a2 + b2, dt).to(dt)
 
 
 @triton.jit
@@ -134,8 +123,8 @@ def _qk_norm_rope_kernel(
             inv = tl.math.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
             # weight * round(x / rms), rounded: the reference's bf16 product
             dt = x1.dtype
-            x1 = _rounded(w1.to(tl.float32) * _rounded(f1 * inv, dt), dt).to(dt)
-            x2 = _rounded(w2.to(tl.float32) * _rounded(f2 * inv, dt), dt).to(dt)
+            x1 = rounded(w1.to(tl.float32) * rounded(f1 * inv, dt), dt).to(dt)
+            x2 = rounded(w2.to(tl.float32) * rounded(f2 * inv, dt), dt).to(dt)
         o1, o2 = _rope_half(x1, x2, cos_ptr + t * cs_stride, sin_ptr + t * cs_stride, offs, mask, HALF)
         if is_q:
             dst = q_ptr + (t * H + head) * D
@@ -163,16 +152,7 @@ def _silu_mul_kernel(
     g = tl.load(gu_ptr + t * gu_stride + cols, mask=mask, other=0.0)
     u = tl.load(gu_ptr + t * gu_stride + inter + cols, mask=mask, other=0.0)
     dt_out = out_ptr.dtype.element_ty
-    tl.store(out_ptr + t * out_stride + cols, silu_mul_values(g, u, dt_out).to(dt_out), mask=mask)
-
-
-@triton.jit
-def silu_mul_values(g, u, OUT: tl.constexpr):
-    """silu(g) * u as ``silu_mul`` stores it in ``OUT`` (kept in fp32): silu rounded to g's dtype like F.silu's
-    output, the product rounded to OUT. The FP8 / bf16 GEMV computes its gated input with it, equal bit for bit."""
-    gf = g.to(tl.float32)
-    s = _rounded(gf / (1.0 + tl.exp(-gf)), g.dtype)
-    return _rounded(s * u.to(tl.float32), OUT)
+    tl.store(out_ptr + t * out_stride + cols, triton_elementwise.silu_mul(g, u, dt_out).to(dt_out), mask=mask)
 
 
 def _rows(x: Tensor, what: str) -> Tensor:

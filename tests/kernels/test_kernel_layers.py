@@ -23,7 +23,7 @@ PKG = "kvserving.kernels"
 # modules that hold Triton or Gluon kernels (or only make sense next to them)
 TRITON_MODULES = {"triton_codec", "triton_common", "triton_decode", "triton_gather", "triton_write", "triton_prefill",
                   "triton_norm", "gluon_decode", "gluon_extend", "gluon_extend_tri", "gluon_fragments", "gluon_attend",
-                  "compile_report", "triton_fp8_gemm", "fp8_gemm", "triton_pdl"}  # fmt: skip
+                  "compile_report", "triton_fp8_gemm", "fp8_gemm", "triton_pdl", "triton_elementwise"}  # fmt: skip
 KERNEL_MODULES = {"triton_decode", "triton_gather", "triton_write", "triton_prefill", "triton_norm", "gluon_decode",
                   "gluon_extend", "gluon_extend_tri", "triton_fp8_gemm"}  # fmt: skip
 REFERENCES = {"page_ids", "options", "layout", "paged_kv", "fp8", "nvfp4", "intquant", "quant_checks", "paged_ref", "capacity", "capability",
