@@ -20,7 +20,7 @@ down), the median of CUDA-graph replays (``decode_gpu.time_ms``) of:
     dispatch        ``linear_cuda`` as the engine calls it (backend "triton": ``launch_config``'s kernel;
                     at M <= 4 the same launch as gemv:default, so the two differ by the noise)
     bf16_gemv:default  (M <= 4) the same GEMV on the bf16 weight, unscaled, at ``gemv_config``'s launch shape
-                    (what ``worker.model.product`` runs at M <= 2 with ``KVSERVING_BF16_GEMV=1``)
+                    (what ``worker.model.product`` runs at M <= 2 unless ``KVSERVING_BF16_GEMV=0``)
     bf16_gemv:<launch> the same at each ``--bf16-gemv`` shape
 
 Each call reads its weight from HBM: the weights rotate over copies whose total passes

@@ -21,9 +21,9 @@ KVSERVING_TRITON_FAST=0/1   triton_fast     force the ``tl`` decode's inline-ass
 KVSERVING_PDL=1             pdl             the decode step's small kernels launch with
                                             programmatic dependent launch where the GPU has it
                                             (``capability``'s PDL column; unset: off)
-KVSERVING_BF16_GEMV=1       bf16_gemv       a bf16 model's projections at 1-2 tokens run the
-                                            Triton GEMV instead of cuBLAS
-                                            (``worker.model.product``; unset: off)
+KVSERVING_BF16_GEMV=0       bf16_gemv       a bf16 model's projections at 1-2 tokens run cuBLAS
+                                            instead of the Triton GEMV
+                                            (``worker.model.product``; unset: the GEMV)
 TRITON_INTERPRET=1          interpret       kernels run in Triton's interpreter (no assembly)
 ==========================  ==============  ===================================================
 """
@@ -51,7 +51,7 @@ class KernelOptions:
     decode_kernel: str = "auto"
     triton_fast: bool | None = None  # None: inline-assembly decoders on a real GPU
     pdl: bool = False  # programmatic dependent launch where the device has it (``overlaps``)
-    bf16_gemv: bool = False  # bf16 products at 1-2 tokens through the Triton GEMV (``worker.model.product``)
+    bf16_gemv: bool = True  # bf16 products at 1-2 tokens through the Triton GEMV (``worker.model.product``)
     interpret: bool = False
 
     def __post_init__(self) -> None:
@@ -77,7 +77,7 @@ class KernelOptions:
         pdl = env.get("KVSERVING_PDL") or "0"
         if pdl not in ("0", "1"):
             raise ValueError(f"KVSERVING_PDL={pdl!r}; expected 0 or 1 (or unset)")
-        gemv = env.get("KVSERVING_BF16_GEMV") or "0"
+        gemv = env.get("KVSERVING_BF16_GEMV") or "1"
         if gemv not in ("0", "1"):
             raise ValueError(f"KVSERVING_BF16_GEMV={gemv!r}; expected 0 or 1 (or unset)")
         return cls(

@@ -20,8 +20,9 @@ separate tensors) and, on CUDA, the elementwise steps are fused Triton
 kernels (`kernels.triton_norm`): RMSNorm with the residual add, q/k-norm +
 RoPE, SiLU * up. On CPU, and where autograd needs gradients, the same steps
 run as the torch references (`kernels.norm_ref`). The bf16 projections run
-cuBLAS, or at 1-2 tokens the Triton GEMV where `KVSERVING_BF16_GEMV=1` asks for
-it (`product`; the down projection then forms SiLU * up itself, `gated_product`).
+cuBLAS, or at 1-2 tokens the Triton GEMV (`product`; the down projection forms
+SiLU * up itself, `gated_product`; `KVSERVING_BF16_GEMV=0` keeps cuBLAS): on an
+H100 the 1 x 4K step 6.78 -> 6.21 ms.
 
 Weights are the model dtype's, or FP8 (`weight_format` "fp8": a scale per
 tensor, "fp8_block": a scale per 128x128 tile; `worker.fp8_linear`): an FP8
@@ -295,8 +296,8 @@ def _fused(x: Tensor, *others: Tensor | None) -> ModuleType | None:
 
 @functools.cache
 def _gemv_kernels(device: torch.device) -> ModuleType | None:
-    """``kernels.triton_fp8_gemm`` when a bf16 weight's product at 1-2 tokens runs its GEMV on ``device`` (asked for
-    by ``KVSERVING_BF16_GEMV=1``; the environment read once per device), else None (cuBLAS)."""
+    """``kernels.triton_fp8_gemm`` when a bf16 weight's product at 1-2 tokens runs its GEMV on ``device`` (unless
+    ``KVSERVING_BF16_GEMV=0``; the environment read once per device), else None (cuBLAS)."""
     if not KernelOptions.from_env().bf16_gemv or device.type != "cuda":
         return None
     from kvserving.kernels import triton_fp8_gemm  # Triton loads on first CUDA use only

@@ -121,7 +121,7 @@ def _engine_kernels() -> None:
         triton_fp8_gemm.block_gemm(qa, sa, blocks_q, blocks)
     for m in (1, 2):
         triton_fp8_gemm.linear(torch.randn(m, 4096, dtype=torch.bfloat16), blocks_q, blocks)
-    # bf16 weights: the same GEMV unscaled at M 1 and 2 (model.product with KVSERVING_BF16_GEMV=1)
+    # bf16 weights: the same GEMV unscaled at M 1 and 2 (model.product, the default)
     _label[0] = "bf16w"
     for m in (1, 2):
         triton_fp8_gemm.gemv(torch.randn(m, 4096, dtype=torch.bfloat16), torch.randn(4096, 4096, dtype=torch.bfloat16), None)

@@ -477,7 +477,7 @@ def test_cublas_block_scaling_runs_on_hopper() -> None:
 def test_gpu_bf16_product_runs_the_gemv_at_one_or_two_tokens_within_fp32_rounding(
     m: int, n: int, k: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``model.product`` with ``KVSERVING_BF16_GEMV=1`` at the Qwen3-8B projections and its logits' weight: the GEMV
+    """``model.product`` (``KVSERVING_BF16_GEMV=1``, the default) at the Qwen3-8B projections and a 151,936-row weight: the GEMV
     at M <= 2 (fp32 sums; the bf16 output rounds to nearest, 2^-8), cuBLAS at M 3 (bit-equal to ``F.linear``)."""
     import torch.nn.functional as F
 

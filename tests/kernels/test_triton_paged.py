@@ -262,7 +262,7 @@ def test_kernel_options_read_the_environment_once_and_refuse_bad_values() -> Non
     )
     assert KernelOptions.from_env({}) == KernelOptions()
     assert KernelOptions.from_env({"KVSERVING_PDL": "1"}) == KernelOptions(pdl=True)
-    assert KernelOptions.from_env({"KVSERVING_BF16_GEMV": "1"}) == KernelOptions(bf16_gemv=True)
+    assert KernelOptions().bf16_gemv and KernelOptions.from_env({"KVSERVING_BF16_GEMV": "0"}) == KernelOptions(bf16_gemv=False)
     with pytest.raises(ValueError, match="KVSERVING_BF16_GEMV='on'"):
         KernelOptions.from_env({"KVSERVING_BF16_GEMV": "on"})
     gpu = torch.device("cuda")

@@ -50,11 +50,14 @@ def test_engine_on_gpu_matches_reference_ops(tiny_model_dir: Path, dtype: str, m
 
 
 def test_engine_on_gpu_with_the_bf16_gemv_matches_cublas(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """KVSERVING_BF16_GEMV=1: the decode steps' projections run the GEMV (the down projection gated), every other
-    row count cuBLAS; the first decode logits agree within the bf16 model's rounding noise and the tokens mostly."""
+    """The bf16 GEMV (the default): the decode steps' projections run it (the down projection gated), every other row
+    count cuBLAS; against KVSERVING_BF16_GEMV=0 (cuBLAS everywhere) the first decode logits agree within the bf16
+    model's rounding noise and the tokens mostly."""
     from kvserving.kernels import triton_fp8_gemm
     from kvserving.worker import model
 
+    monkeypatch.setenv("KVSERVING_BF16_GEMV", "0")
+    model._gemv_kernels.cache_clear()
     cublas_out, cublas_logits = run(tiny_model_dir, "bf16", monkeypatch, "triton")
     calls = {"plain": 0, "gated": 0}
     gemv = triton_fp8_gemm.gemv
