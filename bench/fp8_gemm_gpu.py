@@ -182,6 +182,12 @@ def _read_table(rows: list[dict[str, Any]], peak: float) -> str:
     return "\n".join(lines)
 
 
+def _best_per_shape(rows: list[dict[str, Any]], prefix: str) -> dict[str, str]:
+    """Each shape's fastest timed path among those named ``prefix<launch>`` (the default's ``=`` copy left out)."""
+    return {r["shape"]: min((p for p in r["paths"] if p.startswith(prefix) and "ms" in r["paths"][p] and "=" not in p),
+                            key=lambda p, r=r: r["paths"][p]["ms"], default="-") for r in rows}  # fmt: skip
+
+
 def _verdict(results: list[dict[str, Any]], tokens: list[int]) -> str:
     """Per M <= 4: one layer (the four shapes) with the GEMV and with the block GEMM at their default launches, the
     best GEMV candidate per shape, and whether the GEMV keeps the dispatch (it wins the layer and every shape)."""
@@ -191,8 +197,7 @@ def _verdict(results: list[dict[str, Any]], tokens: list[int]) -> str:
         ms = {p: sum(r["paths"].get(p, {}).get("ms", math.nan) for r in rows) for p in ("bf16", "triton:default", "gemv:default")}
         shapes = {r["shape"]: r["paths"].get("gemv:default", {}).get("ms", math.nan) < r["paths"].get("triton:default", {}).get("ms", math.nan)
                   for r in rows}  # fmt: skip
-        best = {r["shape"]: min((p for p in r["paths"] if p.startswith("gemv:") and "ms" in r["paths"][p] and "=" not in p),
-                                key=lambda p, r=r: r["paths"][p]["ms"], default="-") for r in rows}  # fmt: skip
+        best = _best_per_shape(rows, "gemv:")
         keep = ms["gemv:default"] < ms["triton:default"] and all(shapes.values())
         lines.append(f"M = {m}: one layer bf16 {ms['bf16'] * 1e3:.1f} us, block GEMM {ms['triton:default'] * 1e3:.1f} us "
                      f"({ms['bf16'] / ms['triton:default']:.2f}x), GEMV {ms['gemv:default'] * 1e3:.1f} us "
@@ -200,8 +205,7 @@ def _verdict(results: list[dict[str, Any]], tokens: list[int]) -> str:
                      f"best GEMV per shape {best}; GEMV keeps M = {m}: {'yes' if keep else 'NO'}")  # fmt: skip
         gemv16 = sum(r["paths"].get("bf16_gemv:default", {}).get("ms", math.nan) for r in rows)
         faster = [r["shape"] for r in rows if r["paths"].get("bf16_gemv:default", {}).get("ms", math.inf) < r["paths"]["bf16"]["ms"]]
-        best16 = {r["shape"]: min((p for p in r["paths"] if p.startswith("bf16_gemv:") and "ms" in r["paths"][p] and "=" not in p),
-                                  key=lambda p, r=r: r["paths"][p]["ms"], default="-") for r in rows}  # fmt: skip
+        best16 = _best_per_shape(rows, "bf16_gemv:")
         lines.append(f"M = {m}, bf16 weights: one layer cuBLAS {ms['bf16'] * 1e3:.1f} us, GEMV {gemv16 * 1e3:.1f} us "
                      f"({ms['bf16'] / gemv16:.2f}x); GEMV faster on {faster}; best bf16 GEMV per shape {best16}")  # fmt: skip
     return "\n".join(lines)
@@ -277,11 +281,12 @@ def main() -> None:
             paths["dispatch"] = (_rotating(block_w, _triton_path(x, None)), fp8_bytes, "block")
             ref = {s: fp8_gemm.linear_ref(x.float(), *((rq, rs) if s == "rows" else (bq, bs)), scheme=s) for s in ("rows", "block")}
             bound = {s: fp8_gemm.gemm_error_bound(x.float(), *((rq, rs) if s == "rows" else (bq, bs)), scheme=s) for s in ("rows", "block")}
-            # bf16 weight: the exact product in float64; fp32 sums (K terms: K u of sum |x w|) and the bf16 output (2^-8)
-            w64 = bf16_w[0][0].double()
-            ref["bf16"] = (x.double() @ w64.t()).float()
-            bound["bf16"] = (2.0**-8 * ref["bf16"].abs() + k * 2.0**-24 * (x.double().abs() @ w64.abs().t())).float()
-            del w64
+            if m <= GEMV_ROWS:  # the bf16 GEMV's paths: the exact product in float64; fp32 sums (K terms: K u of
+                # sum |x w|) and the bf16 output (2^-8)
+                w64 = bf16_w[0][0].double()
+                ref["bf16"] = (x.double() @ w64.t()).float()
+                bound["bf16"] = (2.0**-8 * ref["bf16"].abs() + k * 2.0**-24 * (x.double().abs() @ w64.abs().t())).float()
+                del w64
             row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "default_tiles": default.label, "paths": {},
                                    "gemv_default": gemv_config(m, n, k).label if m <= GEMV_ROWS else None}  # fmt: skip
             for path, (fn, weight_bytes, scheme) in paths.items():
