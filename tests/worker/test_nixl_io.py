@@ -93,6 +93,47 @@ def test_read_pages_between_two_agents(agents: Any) -> None:
         a.read(peer, [0], [INT2_PAGE_FLAG | 0], timeout_s=1.0)  # an INT4 page cannot take an INT2 one
 
 
+def test_descriptor_lists_are_built_without_the_agents_lock(agents: Any) -> None:
+    """Building a READ's descriptor lists (thousands of regions from a scattered pull) leaves the lock free:
+    the progress poller and other READs go on; posting the transfer takes it."""
+    a, b, src, dst = agents
+    peer = a.add_remote("src", 1, b.metadata(), addrs=b.addrs, device_id=0, geometry=GEO)
+    agent, seen = a._agent, []
+
+    def free_elsewhere() -> bool:  # the lock is re-entrant: only another thread can tell whether it is held
+        got: list[bool] = []
+
+        def probe() -> None:
+            got.append(a._lock.acquire(timeout=1.0))
+            if got[0]:
+                a._lock.release()
+
+        thread = threading.Thread(target=probe)
+        thread.start()
+        thread.join()
+        return got[0]
+
+    class Watch:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(agent, name)
+
+        def get_xfer_descs(self, descs: Any, mem_type: str) -> Any:
+            seen.append(("descs", free_elsewhere()))
+            return agent.get_xfer_descs(descs, mem_type)
+
+        def initialize_xfer(self, *args: Any) -> Any:
+            seen.append(("post", free_elsewhere()))
+            return agent.initialize_xfer(*args)
+
+    a._agent = Watch()
+    try:
+        assert a.read(peer, [0, 1], [3, 4], timeout_s=10.0).num_regions == 2
+    finally:
+        a._agent = agent
+    assert seen == [("descs", True), ("descs", True), ("post", False)]
+    assert torch.equal(dst[:, :512], src[:, 768:1280])
+
+
 def test_read_from_a_forgotten_agent_fails(agents: Any) -> None:
     a, b, _, dst = agents
     peer = a.add_remote("src", 1, b.metadata(), addrs=b.addrs, device_id=0, geometry=GEO)

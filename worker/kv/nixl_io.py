@@ -294,9 +294,11 @@ class NixlIO:
             self._reading[peer.agent_name] += 1
         try:
             t1 = time.perf_counter()
+            # building the descriptor lists touches no agent state (thousands of regions take milliseconds):
+            # outside the lock, so the progress poller and other READs go on meanwhile
+            ldesc = self._agent.get_xfer_descs(local, self.mem_type)
+            rdesc = self._agent.get_xfer_descs(remote, self.mem_type)
             with self._lock:
-                ldesc = self._agent.get_xfer_descs(local, self.mem_type)
-                rdesc = self._agent.get_xfer_descs(remote, self.mem_type)
                 handle = self._agent.initialize_xfer("READ", ldesc, rdesc, peer.agent_name)
                 state = self._agent.transfer(handle)
             t_post = time.perf_counter() - t1
