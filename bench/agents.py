@@ -132,7 +132,7 @@ def stack_spec(
     run_dir: Path | None,
     gpu_model: Path | None = None,
     weights: str = "auto",
-    kv_layout: str = "layer_major",
+    kv_layout: str = "page_major",
 ) -> StackSpec:
     """The stack of one format and reuse mode: the built-in tiny model on CPU, or with
     ``gpu_model`` that directory's model (dummy weights) with both workers on GPU 0; ``weights``
@@ -747,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--kv-layout",
         choices=KV_LAYOUTS,
-        default="layer_major",
+        default=KVCacheConfig().layout,
         help="the workers' kv_cache.layout (page_major: a run of pages is one NIXL region for every layer)",
     )
     ap.add_argument(

@@ -475,7 +475,7 @@ def kv_bytes(engine: LLMEngine, seqs: list[Sequence]) -> int:
     pages = [pid for s in seqs for pid in s.page_ids]
     n2 = sum(1 for pid in pages if pid & INT2_PAGE_FLAG)
     per_layer = (len(pages) - n2) * sizes[4] + n2 * sizes.get(2, 0)
-    return per_layer * engine.storage.buffers.shape[0]
+    return per_layer * engine.storage.shape.num_layers  # not the rows of `buffers`: one row in page_major
 
 
 def cuda_kernels(engine: LLMEngine, *, steps: int) -> list[tuple[str, float]] | None:
@@ -528,7 +528,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="batch 1 and 64 at 4K only, short loops")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--kv-gib", type=float, default=40.0, help="KV budget of the capacity measurement")
-    ap.add_argument("--kv-layout", choices=KV_LAYOUTS, default="layer_major", help="kv_cache.layout of every engine")
+    ap.add_argument("--kv-layout", choices=KV_LAYOUTS, default=KVCacheConfig().layout, help="kv_cache.layout of every engine")
     ap.add_argument("--speed-kv-gib", type=float, default=90.0, help="KV budget of the decode and prefill runs")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--seed", type=int, default=0)

@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout-s", type=float, default=20.0, help="one READ's deadline")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--kv-layout", choices=("layer_major", "page_major"), default="layer_major", help="a region per layer, or one")
+    ap.add_argument("--kv-layout", choices=("layer_major", "page_major"), default="page_major", help="a region per layer, or one")
     ap.add_argument(
         "--require-transport", default=None, help="exit 1 (after writing --out) unless UCX's READ transport names this, e.g. cuda_ipc"
     )

@@ -65,9 +65,10 @@ class ModelConfig:
 
 
 BIT_BUDGET_CONTROLS = ("fixed", "hold")
-# Where a page's bytes lie in KV memory: "layer_major", one buffer per layer (a page's layers far apart: a KV
-# transfer moves one NIXL region per run of pages per layer), or "page_major", one buffer whose pages hold every
-# layer's bytes together (one region per run of pages). Workers with different layouts never share pages.
+# Where a page's bytes lie in KV memory: "page_major" (the default), one buffer whose pages hold every layer's
+# bytes together (a KV transfer moves one NIXL region per run of pages), or "layer_major", one buffer per layer (a
+# page's layers far apart: one region per run of pages per layer; a pull of scattered pages at load is thousands).
+# Workers with different layouts never share pages.
 KV_LAYOUTS = ("layer_major", "page_major")
 
 
@@ -92,7 +93,7 @@ class KVCacheConfig:
     # (worker/bit_budget.py); "fixed" stores what the bits table for bit_budget gives on any traffic.
     # Ignored by the one-precision formats.
     bit_budget_control: str = "hold"
-    layout: str = "layer_major"  # KV_LAYOUTS
+    layout: str = "page_major"  # KV_LAYOUTS
 
     def __post_init__(self) -> None:
         if self.layout not in KV_LAYOUTS:

@@ -186,7 +186,7 @@ def parse_spec(spec: dict[str, Any]) -> KVServingSpec:
     key = (calibration or {}).get("key", CALIBRATION_KEY)
     if calibration is not None and (not calibration.get("configMap") or key in (".", "..") or "/" in key):
         raise ValueError("spec.kvCache.calibration needs a configMap name and a file-name key")
-    layout = kv.get("layout", "layerMajor")
+    layout = kv.get("layout", "pageMajor")
     if layout not in _KV_LAYOUTS:
         raise ValueError(f"spec.kvCache.layout must be one of {sorted(_KV_LAYOUTS)}, got {layout!r}")
     serving = ServingConfig(

@@ -19,9 +19,9 @@ def test_stack_spec_carries_the_weight_format_to_the_model_config(tmp_path: Path
 
 def test_stack_spec_carries_the_kv_layout_and_combine_keeps_layouts_apart(tmp_path: Path) -> None:
     agents = load_bench("agents")
-    pm = agents.stack_spec("triaxial", "lease", kv_bytes=1 << 20, ttl_s=3.0, run_dir=None, kv_layout="page_major")
-    assert pm.config.kv_cache.layout == "page_major"
-    assert agents.stack_spec("fp8", "lease", kv_bytes=1 << 20, ttl_s=3.0, run_dir=None).config.kv_cache.layout == "layer_major"
+    lm = agents.stack_spec("triaxial", "lease", kv_bytes=1 << 20, ttl_s=3.0, run_dir=None, kv_layout="layer_major")
+    assert lm.config.kv_cache.layout == "layer_major"
+    assert agents.stack_spec("fp8", "lease", kv_bytes=1 << 20, ttl_s=3.0, run_dir=None).config.kv_cache.layout == "page_major"
     base = {"what": "bench/agents.py: agent traffic on the local stack (x)", "kv_per_worker": "1 GiB", "think_s": 1.0, "seed": 0,
             "device": "GPU", "load": {}, "stacks": [], "total_s": 1.0,
             "points": [{"format": "fp8", "mode": "lease", "concurrency": 1, "output_tok_per_s": 1.0, "hit_rate": 0.5}]}  # fmt: skip

@@ -75,5 +75,8 @@ def test_a_page_major_run_fills_every_layer_and_names_its_section(engine_gpu: Mo
     pb = st.layout.page_bytes
     pages = [st.layer(layer).buffer[(o := st.layer(layer).page_offset(pid)) : o + pb] for layer in range(margs.num_layers)]
     assert all(bool(page.any()) for page in pages)  # every layer's page was written, not only layer 0's
+    # the roofline reads every page of every layer, whichever the layout
+    n_pages = sum(len(s.page_ids) for s in seqs)
+    assert engine_gpu.kv_bytes(engine, seqs) == n_pages * pb * margs.num_layers
     assert engine_gpu.section_name({"formats": {}, "kv_layout": "page_major", "quick": True}) == "default_page_major_quick"
     assert engine_gpu.section_name({"formats": {}, "kv_layout": "layer_major"}) == "default"

@@ -105,7 +105,7 @@ def test_design_defaults() -> None:
     }
     assert parse_spec(spec).serving.reuse.peer_timeout_s == ReuseConfig().peer_timeout_s
     assert spec["kvCache"] == {
-        "dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowOtherGPUs": False, "ageDown": True, "layout": "layerMajor",
+        "dtype": "bf16", "memoryFraction": 0.9, "globalScale": "static", "allowOtherGPUs": False, "ageDown": True, "layout": "pageMajor",
     }  # fmt: skip
     assert parse_spec(spec).serving.kv_cache.layout == KVCacheConfig().layout
     assert spec["prefill"]["resources"] == {
