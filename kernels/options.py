@@ -18,9 +18,9 @@ KVSERVING_DECODE_KERNEL     decode_kernel   ``auto`` (Gluon where it is supporte
                                             ``gluon`` (refuse a call Gluon cannot run) or ``tl``
 KVSERVING_TRITON_FAST=0/1   triton_fast     force the ``tl`` decode's inline-assembly (1) or
                                             portable (0) decoders (unset: assembly on a GPU)
-KVSERVING_PDL=1             pdl             the decode step's small kernels launch with
-                                            programmatic dependent launch where the GPU has it
-                                            (``capability``'s PDL column; unset: off)
+KVSERVING_PDL=0             pdl             the decode step's kernels launch without
+                                            programmatic dependent launch (unset: with it,
+                                            where ``capability``'s PDL column has it)
 KVSERVING_BF16_GEMV=0       bf16_gemv       a bf16 model's projections at 1-2 tokens run cuBLAS
                                             instead of the Triton GEMV
                                             (``worker.model.product``; unset: the GEMV)
@@ -50,7 +50,7 @@ class KernelOptions:
     check_values: bool = False  # value checks on CUDA tensors too (CPU tensors are always checked)
     decode_kernel: str = "auto"
     triton_fast: bool | None = None  # None: inline-assembly decoders on a real GPU
-    pdl: bool = False  # programmatic dependent launch where the device has it (``overlaps``)
+    pdl: bool = True  # programmatic dependent launch where the device has it (``overlaps``)
     bf16_gemv: bool = True  # bf16 products at 1-2 tokens through the Triton GEMV (``worker.model.product``)
     interpret: bool = False
 
@@ -74,7 +74,7 @@ class KernelOptions:
         fast = env.get("KVSERVING_TRITON_FAST") or None
         if fast not in (None, "0", "1"):
             raise ValueError(f"KVSERVING_TRITON_FAST={fast!r}; expected 0 or 1 (or unset)")
-        pdl = env.get("KVSERVING_PDL") or "0"
+        pdl = env.get("KVSERVING_PDL") or "1"
         if pdl not in ("0", "1"):
             raise ValueError(f"KVSERVING_PDL={pdl!r}; expected 0 or 1 (or unset)")
         gemv = env.get("KVSERVING_BF16_GEMV") or "1"

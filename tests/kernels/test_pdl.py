@@ -37,13 +37,13 @@ def test_overlaps_needs_the_option_a_gpu_with_pdl_and_no_interpreter(monkeypatch
     rows = {90: choose((9, 0)), 89: choose((8, 9))}
     sm = [90]
     monkeypatch.setattr(options_mod, "device_choice", lambda device: choose((0, 0)) if device.type != "cuda" else rows[sm[0]])
-    assert KernelOptions(pdl=True).overlaps(gpu)
-    assert not KernelOptions().overlaps(gpu)  # off unless asked for
+    assert KernelOptions().overlaps(gpu)  # on unless turned off
+    assert not KernelOptions(pdl=False).overlaps(gpu)
     assert not KernelOptions(pdl=True, interpret=True).overlaps(gpu)
     assert not KernelOptions(pdl=True).overlaps(torch.device("cpu"))
     sm[0] = 89
     assert not KernelOptions(pdl=True).overlaps(gpu)
-    assert KernelOptions.from_env({"KVSERVING_PDL": "1"}).pdl and not KernelOptions.from_env({}).pdl
+    assert KernelOptions.from_env({}).pdl and not KernelOptions.from_env({"KVSERVING_PDL": "0"}).pdl
     with pytest.raises(ValueError, match="KVSERVING_PDL='yes'"):
         KernelOptions.from_env({"KVSERVING_PDL": "yes"})
 
