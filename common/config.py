@@ -30,6 +30,11 @@ TRIAXIAL_PAGE_SIZE = 32
 # often once its response has started (docs/worker-api.md): a longer silence means the worker
 # is frozen, not busy (``gateway.event_timeout_s``).
 STREAM_KEEPALIVE_S = 1.0
+# A worker's HTTP server closes a connection idle this long; every client of the workers (the gateway, a worker
+# pulling from another) drops its own idle connections sooner: a request sent on a connection the server is
+# closing at that moment fails (aiohttp: ServerDisconnectedError), which a pull counts as an unreachable peer.
+WORKER_KEEP_ALIVE_S = 5
+WORKER_CLIENT_IDLE_S = WORKER_KEEP_ALIVE_S - 1
 
 
 def _is_power_of_two(n: int) -> bool:

@@ -87,7 +87,7 @@ from typing import Any
 
 import aiohttp
 
-from kvserving.config import STREAM_KEEPALIVE_S, GatewayConfig
+from kvserving.config import STREAM_KEEPALIVE_S, WORKER_CLIENT_IDLE_S, GatewayConfig
 
 from .metrics import REQUEST, RequestRecord
 from .router import WorkerView
@@ -320,8 +320,8 @@ class WorkerClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            # Idle connections are dropped before uvicorn's 5 s keep-alive closes them from its side.
-            connector = _Connector(limit=self._max_connections, limit_per_host=0, keepalive_timeout=4)
+            # idle connections are dropped before the worker's server closes them (WORKER_KEEP_ALIVE_S)
+            connector = _Connector(limit=self._max_connections, limit_per_host=0, keepalive_timeout=WORKER_CLIENT_IDLE_S)
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=self._generate_timeout,

@@ -34,7 +34,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from kvserving.argtypes import check_base_url, check_listen_address, float_in, int_in
-from kvserving.config import LOAD_FORMATS, ROLES, ServingConfig
+from kvserving.config import LOAD_FORMATS, ROLES, WORKER_KEEP_ALIVE_S, ServingConfig
 from kvserving.model_dir import resolve_model_dir
 from kvserving.worker.compiles import CompileWatch
 from kvserving.worker.metrics import WorkerMetrics
@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=WORKER_KEEP_ALIVE_S,
         lifespan="on",
     )
     server = DrainingServer(uv_config, service=service, grace_s=args.grace_period_s)

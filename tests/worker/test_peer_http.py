@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from kvserving.config import WORKER_CLIENT_IDLE_S, WORKER_KEEP_ALIVE_S
+from kvserving.worker.kv import protocol
 from kvserving.worker.kv.protocol import PeerHttp
 
 TOKEN = "peer-token"
@@ -24,6 +26,7 @@ class Peer:
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, str, str | None, Any]] = []
+        self.ports: list[int] = []  # the client's port of each request's connection
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -39,6 +42,7 @@ class Peer:
                 raw = await reader.readexactly(int(fields.get("content-length", 0)))
                 body = json.loads(raw) if raw else None
                 self.seen.append((method, path, fields.get("authorization"), body))
+                self.ports.append(writer.get_extra_info("peername")[1])
                 if path.endswith("/frozen/hold"):
                     await asyncio.sleep(30)
                 if path.endswith("/busy/hold"):  # a sender answering after an engine step of 1.2 s
@@ -99,6 +103,22 @@ def test_calls_from_many_threads_carry_the_credential_and_map_the_answers(peer: 
     assert peer.seen[-1][:2] == ("DELETE", "/internal/kv/leases/ok")
     with pytest.raises(RuntimeError):
         http.hold(peer.url, "ok", "d", 1.5, False)  # closed: refused at once, never waits
+
+
+def test_an_idle_connection_is_not_reused_past_the_clients_idle_time(peer: Peer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's server closes a connection idle WORKER_KEEP_ALIVE_S; the client must not send on one that old
+    (a hold sent as the server closed it failed with ServerDisconnectedError: a recomputed pull). Here the idle
+    time is 0.3 s: two holds back to back share a connection, a third after 0.6 s opens a new one."""
+    assert WORKER_CLIENT_IDLE_S < WORKER_KEEP_ALIVE_S
+    monkeypatch.setattr(protocol, "WORKER_CLIENT_IDLE_S", 0.3)
+    http = PeerHttp(token=TOKEN, timeout_s=2.0)
+    try:
+        for pause in (0.0, 0.0, 0.6):
+            time.sleep(pause)
+            assert http.hold(peer.url, "ok", "d", 1.5, False) == {"held": True}
+    finally:
+        http.close()
+    assert peer.ports[0] == peer.ports[1] != peer.ports[2]
 
 
 def test_a_frozen_peer_costs_a_bounded_wait(peer: Peer) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from kvserving.config import WORKER_CLIENT_IDLE_S
 from kvserving.tags import NUM_TAGS
 
 if TYPE_CHECKING:
@@ -254,7 +255,10 @@ class PeerHttp:
         import aiohttp
 
         if self._session is None:
-            self._session = aiohttp.ClientSession(headers=self._headers)
+            # idle connections are dropped before the peer's server closes them (WORKER_KEEP_ALIVE_S): reusing
+            # one it is closing failed a hold under agent load (ServerDisconnectedError, a recomputed pull)
+            connector = aiohttp.TCPConnector(keepalive_timeout=WORKER_CLIENT_IDLE_S)
+            self._session = aiohttp.ClientSession(headers=self._headers, connector=connector)
         timeout = aiohttp.ClientTimeout(sock_connect=self._timeout_s, sock_read=read_s)  # read_s: at least timeout_s (``_call``)
         async with self._session.request(method, url, json=body, timeout=timeout) as response:
             return response.status, await response.read()
