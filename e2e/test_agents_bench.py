@@ -77,9 +77,9 @@ def test_agents_bench_small_sweep(tmp_path: Path) -> None:
             held = p[f"{role}_no_room_held_pages"]
             assert set(held) == {"requests", "pins_transfer", "pins_pulling", "pins_retained", "pins_pulled"}
             assert 0 <= sum(held.values()) <= 768 // 16 * 16 / 9 + 1  # at most the larger (nvfp4) pool's pages
-            # a READ moves at least one region per layer of the tiny model (4 layers), at most one per page and layer
+            # page-major KV (the default): a READ moves one region per run of pages for all layers, at most one a page
             if p[f"{role}_pulls"]:
-                assert 4 <= p[f"{role}_regions_per_pull"] <= 4 * p[f"{role}_pulled_tokens"] / 16 / p[f"{role}_pulls"]
+                assert 1 <= p[f"{role}_regions_per_pull"] <= p[f"{role}_pulled_tokens"] / 16 / p[f"{role}_pulls"]
                 # a READ's mean time, of which its descriptor lists: both measured, the part below the whole
                 assert 0 < p[f"{role}_descriptor_ms_per_pull"] < p[f"{role}_read_ms_per_pull"]
                 assert 0 < p[f"{role}_post_ms_per_pull"] < p[f"{role}_read_ms_per_pull"]
