@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device-machine entry: make the repo importable as `kvserving` without installing,
+# Device-machine entry: make the repo importable as `kvserving` without installing (bench/device_env.sh),
 # carry FlashInfer wheels if present, run the gpu tests, then the benchmark.
 # Usage (repo root): bash bench/gpu_run.sh [STEPS] [bench args...]
 #   STEPS: comma-separated tests, bench (decode_gpu.py), extend (extend_gpu.py), nixl (nixl_read_gpu.py: the READ
@@ -34,15 +34,7 @@ has() { [[ ",$what," == *",$1,"* ]]; }
 fail() { echo "gpu_run.sh: error: $*" >&2; exit 1; }
 command -v nvidia-smi >/dev/null 2>&1 || fail "no GPU: nvidia-smi not found (run this on the device machine)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader || fail "no GPU: nvidia-smi failed"
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PKG=${KVPKG:-/tmp/kvpkg}; rm -rf "$PKG"; mkdir -p $PKG/kvserving
-cp -r common/. $PKG/kvserving/
-for sub in kernels worker gateway operator agents calibrate sim local crds; do ln -s "$PWD/$sub" $PKG/kvserving/$sub; done
-export PYTHONPATH=$PKG
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PKG:/tmp/site
-fi
-export PYTHONUNBUFFERED=1
+source bench/device_env.sh  # $OUT, the package on PYTHONPATH, the carried wheels
 # the gpu suite: every test file with a gpu-marked test (collecting a whole folder would import files with no gpu
 # test, and their imports, too)
 GPU_TESTS=$(grep -rlE --include='test_*.py' 'mark\.gpu|pytestmark.*gpu' tests | sort | tr '\n' ' ')
