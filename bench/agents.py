@@ -132,7 +132,7 @@ def stack_spec(
     run_dir: Path | None,
     gpu_model: Path | None = None,
     weights: str = "auto",
-    kv_layout: str = "page_major",
+    kv_layout: str = KVCacheConfig().layout,
 ) -> StackSpec:
     """The stack of one format and reuse mode: the built-in tiny model on CPU, or with
     ``gpu_model`` that directory's model (dummy weights) with both workers on GPU 0; ``weights``

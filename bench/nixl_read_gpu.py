@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kvserving.config import KV_LAYOUTS, KVCacheConfig
 from kvserving.jsonfmt import dumps
 from kvserving.worker.kv.nixl_io import NixlIO, PageGeometry, TransferError
 
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout-s", type=float, default=20.0, help="one READ's deadline")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--kv-layout", choices=("layer_major", "page_major"), default="page_major", help="a region per layer, or one")
+    ap.add_argument("--kv-layout", choices=KV_LAYOUTS, default=KVCacheConfig().layout, help="a region per layer, or one")
     ap.add_argument(
         "--require-transport", default=None, help="exit 1 (after writing --out) unless UCX's READ transport names this, e.g. cuda_ipc"
     )

@@ -21,8 +21,9 @@ kernels (`kernels.triton_norm`): RMSNorm with the residual add, q/k-norm +
 RoPE, SiLU * up. On CPU, and where autograd needs gradients, the same steps
 run as the torch references (`kernels.norm_ref`). The bf16 projections run
 cuBLAS, or at 1-2 tokens the Triton GEMV (`product`; the down projection forms
-SiLU * up itself, `gated_product`; `KVSERVING_BF16_GEMV=0` keeps cuBLAS): on an
-H100 the 1 x 4K step 6.78 -> 6.21 ms.
+SiLU * up itself, `gated_product`; `KVSERVING_BF16_GEMV=0` keeps cuBLAS): it
+reads those weights closer to the memory's limit than cuBLAS does at that size
+(docs/results.md).
 
 Weights are the model dtype's, or FP8 (`weight_format` "fp8": a scale per
 tensor, "fp8_block": a scale per 128x128 tile; `worker.fp8_linear`): an FP8
