@@ -42,8 +42,10 @@ sequence at their stored precision) divided by the chip's read bandwidth
 measured in the same run by a streaming-read kernel (``decode_gpu.read_bandwidth``);
 the table prints measured / roofline. Where the step's time goes: the kernels
 of three steps of the same shape as the engine runs them (CUDA graphs; torch.profiler
-traces the replayed kernels) summed by class (GEMMs, attention, KV writes, norms
-and rotary, activation, sampling, other); the step's wall time minus their sum
+traces the replayed kernels; a kernel that starts while the one before it runs,
+as PDL launches them, is charged from that one's end) summed by class (GEMMs,
+attention, KV writes, norms and rotary, activation, sampling, other); the step's
+wall time minus their sum
 is ``host_gap`` (launch gaps, host work the device waits for).
 Step overhead at batch 64 / 4K: step time minus the sum of the step's kernel
 times (torch.profiler), with CUDA graphs and asynchronous decode (the default:
@@ -131,7 +133,7 @@ class Bench:
         breakdown: bool = True,
         bit_budget: float | None = None,
         bit_budget_control: str = "fixed",
-        kv_layout: str = "layer_major",
+        kv_layout: str = KVCacheConfig().layout,
     ) -> None:
         self.model = model
         self.kv_layout = kv_layout  # kv_cache.layout
@@ -479,8 +481,8 @@ def kv_bytes(engine: LLMEngine, seqs: list[Sequence]) -> int:
 
 
 def cuda_kernels(engine: LLMEngine, *, steps: int) -> list[tuple[str, float]] | None:
-    """(name, microseconds) of every GPU kernel and copy of ``steps`` engine steps, as the engine runs them;
-    None (and a line) when the profiler fails."""
+    """(name, microseconds charged: ``charged_us``) of every GPU kernel and copy of ``steps`` engine steps, as the
+    engine runs them; None (and a line) when the profiler fails."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -495,7 +497,21 @@ def cuda_kernels(engine: LLMEngine, *, steps: int) -> list[tuple[str, float]] | 
     except Exception as exc:  # noqa: BLE001 - the profiler is a measurement aid; report and go on
         print(f"  profiler failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         return None
-    return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return charged_us([(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA])
+
+
+def charged_us(spans: list[tuple[str, float, float]]) -> list[tuple[str, float]]:
+    """(name, microseconds charged) of GPU activities given as (name, start, end): each is charged the time from the
+    later of its start and the end of everything that started before it, to its end (nothing when that is earlier).
+    With programmatic dependent launch a kernel starts while the one before it runs and waits for it; charged whole,
+    that wait would be counted twice and the classes' sum would exceed the step. The charges add up to the time the
+    GPU was busy; without overlap each is the activity's own duration."""
+    out: list[tuple[str, float]] = []
+    busy_until = float("-inf")
+    for name, start, end in sorted(spans, key=lambda s: (s[1], s[2])):
+        out.append((name, max(0.0, end - max(start, busy_until))))
+        busy_until = max(busy_until, end)
+    return out
 
 
 def profile_kernel_names(engine: LLMEngine, *, steps: int) -> dict[str, float] | None:
@@ -645,7 +661,9 @@ WHAT = "bench/engine_gpu.py: the engine at the Qwen3-8B shape per KV format; one
 
 def section_name(run: dict[str, Any]) -> str:
     """A run's section, from its options: ``iso``, ``hold_<budget>`` or ``default``; ``weights_<format>`` for
-    a run of FP8 weights, and ``_quick`` after a ``--quick`` run's name (neither replaces the full bf16 run)."""
+    a run of FP8 weights, ``_<layout>`` after a run of a KV layout other than the default, and ``_quick`` after a
+    ``--quick`` run's name (none of them replaces the full bf16 run). A run that does not record its layout ran
+    layer-major (the layout before it was recorded)."""
     if "iso" in run["formats"]:
         name = "iso"
     elif run.get("bit_budget_control") == "hold":
@@ -654,8 +672,9 @@ def section_name(run: dict[str, Any]) -> str:
         name = "default"
     if run.get("weights", "bf16") != "bf16":
         name = f"weights_{run['weights']}" if name == "default" else f"{name}_weights_{run['weights']}"
-    if run.get("kv_layout", "layer_major") != "layer_major":
-        name = f"{name}_{run['kv_layout']}"
+    layout = run.get("kv_layout", "layer_major")
+    if layout != KVCacheConfig().layout:
+        name = f"{name}_{layout}"
     return f"{name}_quick" if run.get("quick") else name
 
 

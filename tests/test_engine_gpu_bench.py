@@ -62,7 +62,7 @@ def test_the_decode_bench_refuses_an_unknown_format_the_same_way(
 
 def test_a_page_major_run_fills_every_layer_and_names_its_section(engine_gpu: ModuleType) -> None:
     """--kv-layout page_major: the engines store KV page-major, the fill writes each layer (one buffer: nothing is copied
-    between layer rows), and the run's section says the layout."""
+    between layer rows), and the run's section names a layout only when it is not the default."""
     margs = engine_gpu.qwen3_8b_shape(1024, smoke=True)
     model = (margs, engine_gpu.random_model(margs, seed=0))
     bench = engine_gpu.Bench(model, quick=True, enforce_eager=True, breakdown=False, kv_layout="page_major")
@@ -78,5 +78,18 @@ def test_a_page_major_run_fills_every_layer_and_names_its_section(engine_gpu: Mo
     # the roofline reads every page of every layer, whichever the layout
     n_pages = sum(len(s.page_ids) for s in seqs)
     assert engine_gpu.kv_bytes(engine, seqs) == n_pages * pb * margs.num_layers
-    assert engine_gpu.section_name({"formats": {}, "kv_layout": "page_major", "quick": True}) == "default_page_major_quick"
-    assert engine_gpu.section_name({"formats": {}, "kv_layout": "layer_major"}) == "default"
+    # page-major is the default layout: its run is the plain section; layer-major (or a run from before the layout
+    # was recorded) names itself
+    assert engine_gpu.section_name({"formats": {}, "kv_layout": "page_major", "quick": True}) == "default_quick"
+    assert engine_gpu.section_name({"formats": {}, "kv_layout": "layer_major"}) == "default_layer_major"
+    assert engine_gpu.section_name({"formats": {}, "weights": "fp8_block"}) == "weights_fp8_block_layer_major"
+
+
+def test_overlapping_kernels_are_charged_the_busy_time_once(engine_gpu: ModuleType) -> None:
+    """With PDL a kernel starts while the one before it runs: each is charged from the end of what ran before it, so
+    the charges add up to the busy time (here 0-10 and 12-15 us: 13 us), not to the summed durations (20 us)."""
+    spans = [("b", 4.0, 9.0), ("a", 0.0, 5.0), ("c", 5.0, 10.0), ("inside", 6.0, 8.0), ("d", 12.0, 15.0)]
+    assert engine_gpu.charged_us(spans) == [("a", 5.0), ("b", 4.0), ("c", 1.0), ("inside", 0.0), ("d", 3.0)]
+    assert sum(us for _, us in engine_gpu.charged_us(spans)) == 13.0
+    # without overlap each activity keeps its own duration
+    assert engine_gpu.charged_us([("x", 0.0, 2.0), ("y", 3.0, 7.5)]) == [("x", 2.0), ("y", 4.5)]
