@@ -66,6 +66,7 @@ import re
 import statistics
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,7 +76,7 @@ from kvserving.config import KV_LAYOUTS, KVCacheConfig, ModelConfig, SchedulerCo
 from kvserving.kernels.options import KernelOptions
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG
 from kvserving.progress import add_quiet_argument, progress
-from kvserving.tags import encode_tag
+from kvserving.tags import TEMPORAL, decode_tag, encode_tag
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.model import DecoderModel, ModelArgs
 from kvserving.worker.model import random_model as worker_random_model
@@ -121,6 +122,17 @@ def conversation_tags(n: int) -> list[int]:
     tags += [encode_tag("current", "text", "user")] * (n - len(tags))
     # the newest tokens are the current instruction (4 bits in every table): the page decode writes into is INT4
     return tags[: max(0, n - 64)] + [encode_tag("current", "text", "inst")] * min(n, 64)
+
+
+# (cached prefix, new tokens) of --extend: an agent's next turn over a history of 8K and 16K tokens (the agent
+# bench's histories end at 12-25K), a tool result of 2K tokens
+EXTEND_SHAPES = ((8192, 2048), (16384, 2048))
+
+
+def older_tag(tag: int) -> int:
+    """``tag`` one turn older (current -> turn_m1 -> turn_m2 -> older), as the next turn's rendering tags it."""
+    temporal, modal, semantic = decode_tag(tag)
+    return encode_tag(TEMPORAL[min(TEMPORAL.index(temporal) + 1, len(TEMPORAL) - 1)], modal, semantic)
 
 
 class Bench:
@@ -332,6 +344,64 @@ class Bench:
             row["profile_top"] = table
         return row
 
+    def extend(self, engine: LLMEngine, prefix: int, new: int) -> dict[str, Any]:
+        """An agent's next turn on a prefill worker: a conversation of ``prefix`` tokens computed and cached, then
+        the same tokens and ``new`` more (the earlier ones a turn older in the tags, as the gateway tags the next
+        turn), computed over the cached prefix. The second request's wall time (best of the runs after the first,
+        which compiles), the prompt tokens it computed, and on a GPU its kernels by class (``host_gap``: the wall
+        time they do not fill)."""
+        g = torch.Generator().manual_seed(prefix + new)
+        tri = engine.storage.triaxial
+        turn = [encode_tag("current", "text", "obs")] * max(0, new - 64) + [encode_tag("current", "text", "inst")] * min(new, 64)
+        tags1 = conversation_tags(prefix) if tri else None
+        tags2 = [older_tag(t) for t in conversation_tags(prefix)] + turn if tri else None
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+        spans: list[tuple[str, float]] | None = None
+
+        def next_turn(name: str, *, profiled: bool = False) -> tuple[float, int]:
+            nonlocal spans
+            first = [21 + len(name)] + torch.randint(10, self.vocab, (prefix - 1,), generator=g).tolist()
+            engine.add_request(f"{name}-1", first, params, tags=tags1)
+            while engine.has_unfinished():
+                engine.step()
+            second = first + torch.randint(10, self.vocab, (new,), generator=g).tolist()
+            computed0 = engine.stats.prompt_tokens_computed
+            sync()
+            t0 = time.perf_counter()
+            engine.add_request(f"{name}-2", second, params, tags=tags2)
+
+            def finish() -> None:
+                while engine.has_unfinished():
+                    engine.step()
+
+            if profiled:
+                spans = gpu_spans(finish)
+            else:
+                finish()
+            sync()
+            return time.perf_counter() - t0, engine.stats.prompt_tokens_computed - computed0
+
+        runs = [next_turn("x" * (i + 1)) for i in range(2 if self.quick else 3)]
+        seconds, computed = min(runs[1:])
+        row: dict[str, Any] = {
+            "prefix": prefix,
+            "new": new,
+            "seconds": seconds,
+            "computed": computed,
+            "ms_per_1k_new": 1e3 * seconds / (new / 1024),
+        }
+        if self.breakdown:
+            profiled_s, _ = next_turn("profiled", profiled=True)
+            if spans is not None:
+                classes: dict[str, float] = dict.fromkeys([name for name, _ in KERNEL_CLASSES] + ["other"], 0.0)
+                for name, us in spans:
+                    classes[kernel_class(name)] += us / 1e3
+                classes["kernels"] = sum(classes.values())
+                classes["host_gap"] = 1e3 * profiled_s - classes["kernels"]
+                row["breakdown_ms"] = classes  # the profiled run's (the profiler slows its host side)
+        return row
+
     def overhead(self, engine: LLMEngine, batch: int = 64, ctx: int = 4096) -> dict[str, Any]:
         """Step time minus the kernels' time, with graphs (if the engine has them) and eager."""
         seqs = self.place(engine, batch, ctx - HEADROOM, computed=ctx - HEADROOM - 1)
@@ -483,16 +553,26 @@ def kv_bytes(engine: LLMEngine, seqs: list[Sequence]) -> int:
 def cuda_kernels(engine: LLMEngine, *, steps: int) -> list[tuple[str, float]] | None:
     """(name, microseconds charged: ``charged_us``) of every GPU kernel and copy of ``steps`` engine steps, as the
     engine runs them; None (and a line) when the profiler fails."""
+    engine.flush()  # no step launched before the profile runs inside it
+    sync()
+
+    def steps_run() -> None:
+        for _ in range(steps):
+            engine.step()  # ``steps`` steps launched (asynchronous decode: the last one finishes in flush)
+        engine.flush()
+
+    return gpu_spans(steps_run)
+
+
+def gpu_spans(run: Callable[[], object]) -> list[tuple[str, float]] | None:
+    """(name, microseconds charged: ``charged_us``) of every GPU kernel and copy ``run`` launches; None (and a
+    line) when the profiler fails."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     try:
-        engine.flush()  # no step launched before the profile runs inside it
-        sync()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                engine.step()  # ``steps`` steps launched (asynchronous decode: the last one finishes in flush)
-            engine.flush()
+            run()
             sync()
     except Exception as exc:  # noqa: BLE001 - the profiler is a measurement aid; report and go on
         print(f"  profiler failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
@@ -537,7 +617,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_quiet_argument(ap)
     ap.add_argument("--out", default="engine_gpu.json", help="the result file; this run writes its section of it")
-    ap.add_argument("--section", default=None, help="the run's section (default: default, iso or hold_<budget>, from the options)")
+    ap.add_argument("--section", default=None, help="the run's section (default: default, iso, extend or hold_<budget>, from the options)")
     ap.add_argument(
         "--combine", nargs="+", default=None, metavar="FILE", help="join the sections of these result files into --out, and exit"
     )
@@ -558,6 +638,11 @@ def main() -> None:
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-shape kernel-class profile")
     ap.add_argument(
         "--iso", action="store_true", help="only the iso-capacity / iso-concurrency comparison at --iso-contexts in --iso-kv-gib"
+    )
+    ap.add_argument(
+        "--extend",
+        action="store_true",
+        help="only an agent's next turn on a prefill worker: new tokens over a cached prefix (EXTEND_SHAPES)",
     )
     ap.add_argument("--iso-kv-gib", type=float, default=100.0, help="KV memory of the iso comparison")
     ap.add_argument("--iso-contexts", default="32768,131072")
@@ -623,6 +708,19 @@ def main() -> None:
         iso_report(results["iso"])
         dump(args, dev, weights, results, time.perf_counter() - t_start, read=read, bw_tb_s=bw_tb_s)
         return
+    if args.extend:
+        results["extend"] = {}
+        for fmt in formats:
+            engine = bench.engine(fmt, args.speed_kv_gib)
+            shapes_x = [(256, 64)] if args.smoke else EXTEND_SHAPES
+            results["extend"][fmt] = [bench.extend(engine, prefix, new) for prefix, new in shapes_x]
+            for r in results["extend"][fmt]:
+                print(f"  extend {fmt} {r['new']} on {r['prefix']}: {1e3 * r['seconds']:.1f} ms ({r['ms_per_1k_new']:.1f} ms per 1K new), "
+                      f"{r['computed']} computed" + breakdown_line(r.get("breakdown_ms")), flush=True)  # fmt: skip
+            del engine
+            release()
+        dump(args, dev, weights, results, time.perf_counter() - t_start, read=read, bw_tb_s=bw_tb_s)
+        return
     for fmt in formats:
         t0 = time.perf_counter()
         row: dict[str, Any] = {"capacity": bench.capacity(fmt, args.kv_gib)}
@@ -660,12 +758,14 @@ WHAT = "bench/engine_gpu.py: the engine at the Qwen3-8B shape per KV format; one
 
 
 def section_name(run: dict[str, Any]) -> str:
-    """A run's section, from its options: ``iso``, ``hold_<budget>`` or ``default``; ``weights_<format>`` for
+    """A run's section, from its options: ``iso``, ``extend``, ``hold_<budget>`` or ``default``; ``weights_<format>`` for
     a run of FP8 weights, ``_<layout>`` after a run of a KV layout other than the default, and ``_quick`` after a
     ``--quick`` run's name (none of them replaces the full bf16 run). A run that does not record its layout ran
     layer-major (the layout before it was recorded)."""
     if "iso" in run["formats"]:
         name = "iso"
+    elif "extend" in run["formats"]:
+        name = "extend"
     elif run.get("bit_budget_control") == "hold":
         name = f"hold_{run['bit_budget']:g}"
     else:

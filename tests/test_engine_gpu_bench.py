@@ -93,3 +93,18 @@ def test_overlapping_kernels_are_charged_the_busy_time_once(engine_gpu: ModuleTy
     assert sum(us for _, us in engine_gpu.charged_us(spans)) == 13.0
     # without overlap each activity keeps its own duration
     assert engine_gpu.charged_us([("x", 0.0, 2.0), ("y", 3.0, 7.5)]) == [("x", 2.0), ("y", 4.5)]
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "triaxial"])
+def test_the_next_turn_computes_only_its_new_tokens_over_the_cached_prefix(engine_gpu: ModuleType, fmt: str) -> None:
+    """--extend: the second request of a conversation finds the first one's pages (triaxial: though the earlier
+    tokens are tagged a turn older) and computes the new tokens alone."""
+    margs = engine_gpu.qwen3_8b_shape(1024, smoke=True)
+    bench = engine_gpu.Bench((margs, engine_gpu.random_model(margs, seed=0)), quick=True, enforce_eager=True, breakdown=False)
+    row = bench.extend(bench.engine(fmt, 0.05), 256, 64)
+    assert (row["prefix"], row["new"], row["computed"]) == (256, 64, 64)
+    assert row["seconds"] > 0 and row["ms_per_1k_new"] == pytest.approx(1e3 * row["seconds"] * 16)
+    tags = engine_gpu
+    assert [tags.decode_tag(tags.older_tag(tags.encode_tag(t, "text", "obs")))[0] for t in tags.TEMPORAL] == [
+        "turn_m1", "turn_m2", "older", "older"
+    ]  # fmt: skip
