@@ -45,7 +45,10 @@ class AttentionMetadata:
     write_rows: torch.Tensor  # long [W]: batch rows written token by token
     write_pages: torch.Tensor  # int32 [W]
     write_slots: torch.Tensor  # int32 [W]
-    int2_pages: list[tuple[int, int]] = field(default_factory=list)  # (first row, page id): P rows, one page
+    # triaxial: whole INT2 pages a prompt chunk writes, built once a step (a tensor made from a list in every layer
+    # would copy to the device and wait for it there, 36 times a step)
+    int2_rows: torch.Tensor | None = None  # long [N * P]: batch rows of the N pages, page by page
+    int2_page_ids: torch.Tensor | None = None  # int32 [N]
     decode_rows: torch.Tensor | None = None  # long [B]
     page_table: torch.Tensor | None = None  # int32 [B, max_pages]
     seq_lens: torch.Tensor | None = None  # int32 [B]
@@ -101,12 +104,13 @@ class PagedAttention:
         if meta.write_rows.numel():
             rows = meta.write_rows
             st.write(layer, k[rows], v[rows], meta.write_pages, meta.write_slots)
-        if meta.int2_pages:
-            p = st.page_size
-            ks = torch.stack([k[r : r + p] for r, _ in meta.int2_pages])
-            vs = torch.stack([v[r : r + p] for r, _ in meta.int2_pages])
-            ids = torch.tensor([pid for _, pid in meta.int2_pages], dtype=torch.int32, device=k.device)
-            st.write_int2_pages(layer, ks, vs, ids)
+        if meta.int2_page_ids is not None:
+            assert meta.int2_rows is not None
+            pages = (meta.int2_page_ids.numel(), st.page_size)
+            # k, v rows of each page -> [N, P, H, D]
+            ks = k[meta.int2_rows].view(*pages, *k.shape[1:])
+            vs = v[meta.int2_rows].view(*pages, *v.shape[1:])
+            st.write_int2_pages(layer, ks, vs, meta.int2_page_ids)
 
         out = torch.empty_like(q)
         # 2. decode over the paged pool

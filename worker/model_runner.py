@@ -55,7 +55,8 @@ class ModelRunner:
         write_rows: list[int] = []
         write_pages: list[int] = []
         write_slots: list[int] = []
-        int2_pages: list[tuple[int, int]] = []
+        int2_rows: list[int] = []
+        int2_ids: list[int] = []
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -70,7 +71,8 @@ class ModelRunner:
                 if is_int2(page):
                     # chunks end on page boundaries, so an INT2 page is whole here
                     assert pos % p == 0 and pos + p <= c.start + c.num_tokens
-                    int2_pages.append((row + pos - c.start, page))
+                    int2_rows.extend(range(row + pos - c.start, row + pos - c.start + p))
+                    int2_ids.append(page)
                     pos += p
                     continue
                 write_rows.append(row + pos - c.start)
@@ -95,9 +97,11 @@ class ModelRunner:
             write_rows=t(write_rows, torch.long),
             write_pages=t(write_pages, torch.int32),
             write_slots=t(write_slots, torch.int32),
-            int2_pages=int2_pages,
             prefills=prefills,
         )
+        if int2_ids:
+            meta.int2_rows = t(int2_rows, torch.long)
+            meta.int2_page_ids = t(int2_ids, torch.int32)
         if decode_rows:
             # the width CUDA graphs use for these rows: eager and graph steps plan the same decode splits
             width = table_width(max(len(x) for x in decode_tables), self.max_pages)

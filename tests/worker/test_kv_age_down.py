@@ -382,3 +382,33 @@ def test_age_down_on_page_major_kv_writes_the_layer_major_bytes(tiny_model_dir: 
     (lm_out, lm_aged, lm_pages, lm_n), (pm_out, pm_aged, pm_pages, pm_n) = runs["layer_major"], runs["page_major"]
     assert lm_n == pm_n == 5 and lm_aged == pm_aged and pm_out == lm_out
     assert all(torch.equal(a, b) for a, b in zip(lm_pages, pm_pages))
+
+
+def test_a_chunks_int2_pages_are_written_without_a_host_copy_in_any_layer(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt chunk of whole 2-bit pages is written as INT2 pages from index tensors the step builds once: the
+    attention op makes no tensor from a Python list in any layer (on a GPU each such tensor is a copy the host
+    waits for, once per layer)."""
+    from kvserving.worker import attention
+
+    eng = engine(tiny_model_dir, age_down=False)
+    made = torch.tensor
+    in_attention = [False]
+
+    def tensor(*args: object, **kwargs: object) -> torch.Tensor:
+        assert not in_attention[0], "torch.tensor inside the attention op"
+        return made(*args, **kwargs)  # type: ignore[arg-type]
+
+    call = attention.PagedAttention.__call__
+
+    def watched(self: attention.PagedAttention, *args: torch.Tensor) -> torch.Tensor:
+        in_attention[0] = True
+        try:
+            return call(self, *args)  # type: ignore[arg-type]
+        finally:
+            in_attention[0] = False
+
+    monkeypatch.setattr(torch, "tensor", tensor)
+    monkeypatch.setattr(attention.PagedAttention, "__call__", watched)
+    history = torch.randint(5, 200, (160,), generator=torch.Generator().manual_seed(4)).tolist()
+    eng.generate([history + [7]], SamplingParams(max_tokens=2, temperature=0.0), tags=[[OLD] * 160 + [NOW]])
+    assert sum(1 for p in eng.pool.cached_page_ids() if p & F) == 5  # the five 2-bit pages stored INT2 at prefill
