@@ -186,7 +186,7 @@ def main() -> None:
         "prompt_token_offset": offset,
         "reply_lost_tokens": lost,
         "triaxial_bit_budget": 2.7,
-        "source": "bench/sim_costs_cpu.py on the dev machine (2 shared cores), " + time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "source": "bench/sim_costs_cpu.py on the dev machine (2 shared cores): PYTHONSAFEPATH=1 .venv/bin/python bench/sim_costs_cpu.py --out bench/results/sim_costs_cpu.json",
         "notes": {
             "prefill_points": json.dumps([[n, c, round(t * 1e3, 3)] for n, c, t in pre]),
             "decode_points": json.dumps({k: [[b, c, round(t * 1e3, 3)] for b, c, t in v] for k, v in dec_rows.items()}),
