@@ -8,7 +8,8 @@ Run on the device machine (docs/performance-log/engine-gpu.md)::
 
 The result file holds one section per configuration (``bench/results_file.py``): ``default`` (every
 format), ``iso`` (``--iso``), ``hold_2.7`` (``--bit-budget 2.7 --bit-budget-control hold``),
-``weights_fp8_block`` (``--weights fp8_block``), with ``_quick`` after a ``--quick`` run's name; a run
+``weights_fp8_block`` (``--weights fp8_block``), ``extend`` (``--extend``: an agent's next turn on a prefill
+worker, ``EXTEND_SHAPES``), with ``_quick`` after a ``--quick`` run's name; a run
 rewrites its own section of ``--out`` and keeps the others, ``--combine`` joins files of runs made
 elsewhere.
 
