@@ -144,6 +144,10 @@ def reproduce(
         after = gpu.counters(sim.now)
         wall = max(point["wall_s"], 1e-9)
         busy = {k: (after[k] - before[k]) / wall for k in after}
+        # prompt tokens a second of the prefill worker's steps computed, sharing included: the stack's steps are wall
+        # time beside the decode worker's too (its mixed steps: a prefill worker runs no other kind)
+        prefill_busy_s = (busy["prefill_only"] + busy["both"]) * wall
+        measured_steps_s = p.get("prefill_mixed_steps", 0) * p.get("prefill_mixed_step_ms", 0.0) / 1e3
         sim_hit, meas_hit = point["hit_rate"], p["hit_rate"]
         sim_tp, meas_tp = point["output_tok_per_s"], p["output_tok_per_s"]
         rows.append(
@@ -160,6 +164,7 @@ def reproduce(
                 "tput_err": (sim_tp - meas_tp) / meas_tp if meas_tp else math.nan,
                 "sim_counters": {
                     "gpu_busy_share": busy,
+                    "prefill_tok_s": point["prefill_computed_tokens"] / prefill_busy_s if prefill_busy_s > 0 else None,
                     "fallbacks": point["fallbacks"],
                     "decode_reclaimed_leases": point["decode_reclaimed_leases"],
                     "preemptions": point["prefill_preemptions"] + point["decode_preemptions"],
@@ -196,6 +201,7 @@ def reproduce(
                     },
                     "wall_s": p.get("wall_s"),
                     "requests": p.get("requests"),
+                    "prefill_tok_s": p["prefill_computed_tokens"] / measured_steps_s if measured_steps_s > 0 else None,
                 },
             }
         )
@@ -220,6 +226,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         "D computed sim/meas",
         "D lost sim/meas",
         "D regions/pull sim/meas",
+        "P tok/s sim/meas",
         "GPU P/D/both",
         "preempt sim/meas",
     ]
@@ -244,6 +251,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                 f"{_count(s.get('decode_computed_tokens'))} / {_count(m.get('decode_computed_tokens'))}",
                 f"{_count(r['sim_counters'].get('decode_lost_tokens'))} / {_count(r['measured_counters'].get('decode_lost_tokens'))}",
                 f"{_count(r['sim_counters'].get('decode_regions_per_pull'))} / {_count(r['measured_counters'].get('decode_regions_per_pull'))}",
+                f"{_count(r['sim_counters'].get('prefill_tok_s'))} / {_count(r['measured_counters'].get('prefill_tok_s'))}",
                 f"{c['prefill_only']:.2f}/{c['decode_only']:.2f}/{c['both']:.2f}",
                 f"{r['sim_counters']['preemptions']} / {r['measured_counters']['preemptions']}",
             ]

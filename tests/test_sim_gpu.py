@@ -96,7 +96,21 @@ def test_replay_of_one_measured_point_is_what_the_simulator_computes() -> None:
     assert row["sim_counters"]["decode_pulls"] == point["decode_pulls"] > 0
     assert row["sim_counters"]["decode_regions_per_pull"] == costs.layers * costs.transfer_runs == 36
     assert row["measured_counters"]["decode_regions_per_pull"] == meas.get("decode_regions_per_pull")
+    # prompt tokens a second of the prefill worker's steps: the replay's over its GPU time (alone or shared), the
+    # stack's over its mixed steps
+    wall = row["sim_counters"]["wall_s"]
+    assert math.isclose(
+        row["sim_counters"]["prefill_tok_s"], point["prefill_computed_tokens"] / ((shares["prefill_only"] + shares["both"]) * wall)
+    )
+    steps_s = meas["prefill_mixed_steps"] * meas["prefill_mixed_step_ms"] / 1e3
+    assert math.isclose(row["measured_counters"]["prefill_tok_s"], meas["prefill_computed_tokens"] / steps_s)
     table = format_rows(rows).splitlines()
+    col = table[0].index("P tok/s sim/meas")
+    assert table[2][col:].split()[:3] == [
+        str(round(row["sim_counters"]["prefill_tok_s"])),
+        "/",
+        str(round(row["measured_counters"]["prefill_tok_s"])),
+    ]
     col = table[0].index("D regions/pull sim/meas")
     assert table[2][col:].split()[:3] == [
         "36",
