@@ -201,7 +201,9 @@ def reproduce(
                     },
                     "wall_s": p.get("wall_s"),
                     "requests": p.get("requests"),
-                    "prefill_tok_s": p["prefill_computed_tokens"] / measured_steps_s if measured_steps_s > 0 else None,
+                    "prefill_tok_s": p["prefill_computed_tokens"] / measured_steps_s
+                    if measured_steps_s > 0 and "prefill_computed_tokens" in p
+                    else None,
                 },
             }
         )
