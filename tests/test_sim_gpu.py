@@ -24,6 +24,10 @@ def _measured() -> dict:
     return json.loads((RESULTS / "agents_gpu_h200.json").read_text())
 
 
+def _count_text(n: float | None) -> str:
+    return "-" if n is None else str(round(n))
+
+
 def _load() -> LoadSpec:
     return bench_load(_measured())
 
@@ -110,6 +114,13 @@ def test_replay_of_one_measured_point_is_what_the_simulator_computes() -> None:
         str(round(row["sim_counters"]["prefill_tok_s"])),
         "/",
         str(round(row["measured_counters"]["prefill_tok_s"])),
+    ]
+    # pulled tokens the prefill lost before admission, replay / stack
+    col = table[0].index("P lost sim/meas")
+    assert table[2][col:].split()[:3] == [
+        str(row["sim_counters"]["prefill_lost_tokens"]),
+        "/",
+        _count_text(meas.get("prefill_lost_tokens")),
     ]
     col = table[0].index("D regions/pull sim/meas")
     assert table[2][col:].split()[:3] == [
