@@ -307,16 +307,7 @@ class Bench:
         decode: the profiler traces the replayed kernels one by one), ``host_gap``: the step's time the kernels do
         not fill, and the five most expensive kernels the classes do not name."""
         table = profile_kernel_names(engine, steps=steps)
-        if table is None:
-            return None
-        out: dict[str, Any] = dict.fromkeys([name for name, _ in KERNEL_CLASSES] + ["other"], 0.0)
-        for name, ms in table.items():
-            out[kernel_class(name)] += ms
-        out["kernels"] = sum(out.values())
-        out["host_gap"] = tpot_ms - out["kernels"]
-        others = sorted(((ms, name) for name, ms in table.items() if kernel_class(name) == "other"), reverse=True)
-        out["top_other"] = [[name[:120], round(ms, 4)] for ms, name in others[:5]]
-        return out
+        return None if table is None else class_breakdown(table, wall_ms=tpot_ms)
 
     def prefill(self, engine: LLMEngine, n: int = 8192) -> dict[str, Any]:
         g = torch.Generator().manual_seed(1)
@@ -355,7 +346,7 @@ class Bench:
         tri = engine.storage.triaxial
         turn = [encode_tag("current", "text", "obs")] * max(0, new - 64) + [encode_tag("current", "text", "inst")] * min(new, 64)
         tags1 = conversation_tags(prefix) if tri else None
-        tags2 = [older_tag(t) for t in conversation_tags(prefix)] + turn if tri else None
+        tags2 = [older_tag(t) for t in tags1] + turn if tags1 is not None else None
         params = SamplingParams(max_tokens=1, ignore_eos=True)
 
         spans: list[tuple[str, float]] | None = None
@@ -394,13 +385,8 @@ class Bench:
         }
         if self.breakdown:
             profiled_s, _ = next_turn("profiled", profiled=True)
-            if spans is not None:
-                classes: dict[str, float] = dict.fromkeys([name for name, _ in KERNEL_CLASSES] + ["other"], 0.0)
-                for name, us in spans:
-                    classes[kernel_class(name)] += us / 1e3
-                classes["kernels"] = sum(classes.values())
-                classes["host_gap"] = 1e3 * profiled_s - classes["kernels"]
-                row["breakdown_ms"] = classes  # the profiled run's (the profiler slows its host side)
+            if spans is not None:  # the profiled run's (the profiler slows its host side)
+                row["breakdown_ms"] = class_breakdown(ms_by_name(spans), wall_ms=1e3 * profiled_s)
         return row
 
     def overhead(self, engine: LLMEngine, batch: int = 64, ctx: int = 4096) -> dict[str, Any]:
@@ -598,11 +584,27 @@ def charged_us(spans: list[tuple[str, float, float]]) -> list[tuple[str, float]]
 def profile_kernel_names(engine: LLMEngine, *, steps: int) -> dict[str, float] | None:
     """ms per step of each GPU kernel name over ``steps`` engine steps."""
     events = cuda_kernels(engine, steps=steps)
-    if events is None:
-        return None
+    return None if events is None else ms_by_name(events, steps=steps)
+
+
+def ms_by_name(events: list[tuple[str, float]], *, steps: int = 1) -> dict[str, float]:
+    """ms per step of each kernel name in (name, microseconds) ``events`` of ``steps`` steps."""
     out: dict[str, float] = {}
     for name, us in events:
         out[name] = out.get(name, 0.0) + us / 1e3 / steps
+    return out
+
+
+def class_breakdown(table: dict[str, float], *, wall_ms: float) -> dict[str, Any]:
+    """ms by kernel class of a (kernel name -> ms) ``table``, their sum (``kernels``), ``host_gap``: the wall time
+    they do not fill, and the five most expensive kernels the classes do not name."""
+    out: dict[str, Any] = dict.fromkeys([name for name, _ in KERNEL_CLASSES] + ["other"], 0.0)
+    for name, ms in table.items():
+        out[kernel_class(name)] += ms
+    out["kernels"] = sum(out.values())
+    out["host_gap"] = wall_ms - out["kernels"]
+    others = sorted(((ms, name) for name, ms in table.items() if kernel_class(name) == "other"), reverse=True)
+    out["top_other"] = [[name[:120], round(ms, 4)] for ms, name in others[:5]]
     return out
 
 
@@ -711,10 +713,10 @@ def main() -> None:
         return
     if args.extend:
         results["extend"] = {}
+        extend_shapes = [(256, 64)] if args.smoke else EXTEND_SHAPES
         for fmt in formats:
             engine = bench.engine(fmt, args.speed_kv_gib)
-            shapes_x = [(256, 64)] if args.smoke else EXTEND_SHAPES
-            results["extend"][fmt] = [bench.extend(engine, prefix, new) for prefix, new in shapes_x]
+            results["extend"][fmt] = [bench.extend(engine, prefix, new) for prefix, new in extend_shapes]
             for r in results["extend"][fmt]:
                 print(f"  extend {fmt} {r['new']} on {r['prefix']}: {1e3 * r['seconds']:.1f} ms ({r['ms_per_1k_new']:.1f} ms per 1K new), "
                       f"{r['computed']} computed" + breakdown_line(r.get("breakdown_ms")), flush=True)  # fmt: skip

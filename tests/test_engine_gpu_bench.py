@@ -108,3 +108,14 @@ def test_the_next_turn_computes_only_its_new_tokens_over_the_cached_prefix(engin
     assert [tags.decode_tag(tags.older_tag(tags.encode_tag(t, "text", "obs")))[0] for t in tags.TEMPORAL] == [
         "turn_m1", "turn_m2", "older", "older"
     ]  # fmt: skip
+
+
+def test_kernels_are_summed_by_class_per_step_with_the_wall_time_they_leave(engine_gpu: ModuleType) -> None:
+    """Profiled (name, us) events of two steps -> ms per step by name, then by class; host_gap is the wall time left."""
+    events = [("cublas_gemm", 600.0), ("decode_attention", 300.0), ("cublas_gemm", 600.0), ("mystery", 100.0)]
+    table = engine_gpu.ms_by_name(events, steps=2)
+    assert table == {"cublas_gemm": 0.6, "decode_attention": 0.15, "mystery": 0.05}
+    out = engine_gpu.class_breakdown(table, wall_ms=1.0)
+    assert (out["gemm"], out["attention"], out["other"], out["kv_write"]) == (0.6, 0.15, 0.05, 0.0)
+    assert out["kernels"] == pytest.approx(0.8) and out["host_gap"] == pytest.approx(0.2)
+    assert out["top_other"] == [["mystery", 0.05]]
