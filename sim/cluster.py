@@ -540,6 +540,7 @@ class Simulator(Sim):
                 "pull_skipped_tokens": skipped_tokens,
                 "missed_tokens": _sum_counts(w.stats.missed_tokens for w in workers),
                 "lost_tokens": sum(w.stats.lost_tokens for w in workers),
+                "pages_trimmed": sum(w.stats.pages_trimmed for w in workers),
                 "mixed_steps": sum(w.stats.prompt_steps for w in workers),
                 "mixed_step_s": sum(w.stats.prompt_step_s for w in workers),
                 "page_waits": sum(w.stats.page_waits for w in workers),

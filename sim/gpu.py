@@ -50,6 +50,7 @@ PULL_COUNTERS = (
     "computed_tokens",
     "pulls",
     "lost_tokens",  # pulled tokens in place that the request's admission no longer found
+    "pages_trimmed",  # pages admission pins gave up from their tails (the way pulled pages leave before admission)
     "pull_fallbacks",
     "pull_skipped",
     "pull_skipped_tokens",
@@ -62,6 +63,8 @@ PULL_COUNTERS = (
 )
 COMPARED = (
     "hit_rate",
+    "local_share",  # the hit rate's two parts: prompt tokens the prefill found in its own cache, and those it pulled
+    "pulled_share",
     "output_tok_per_s",
     "req_per_s",
     "ttft_p50_ms",
@@ -199,6 +202,8 @@ def reproduce(
                             "read_gbs",
                         )  # fmt: skip
                     },
+                    # the stack's name for the pages its admission pins gave up (``pages_trimmed`` in the replay)
+                    **{f"{role}_pages_trimmed": p.get(f"{role}_admission_pages_trimmed") for role in ("prefill", "decode")},
                     "wall_s": p.get("wall_s"),
                     "requests": p.get("requests"),
                     "prefill_tok_s": p["prefill_computed_tokens"] / measured_steps_s
@@ -218,6 +223,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         "req sim/meas",
         "hit sim/meas",
         "ok",
+        "local sim/meas",
+        "pulled sim/meas",
         "out tok/s sim/meas",
         "err",
         "ok",
@@ -228,6 +235,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         "D computed sim/meas",
         "D lost sim/meas",
         "P lost sim/meas",
+        "P trimmed pages sim/meas",
         "D regions/pull sim/meas",
         "P tok/s sim/meas",
         "GPU P/D/both",
@@ -244,6 +252,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                 f"{s['requests']} / {m['requests']}",
                 f"{s['hit_rate']:.2f} / {m['hit_rate']:.2f}",
                 "yes" if r["hit_ok"] else "NO",
+                f"{_share(s.get('local_share'))} / {_share(m.get('local_share'))}",
+                f"{_share(s.get('pulled_share'))} / {_share(m.get('pulled_share'))}",
                 f"{s['output_tok_per_s']:.0f} / {m['output_tok_per_s']:.0f}",
                 f"{r['tput_err']:+.0%}",
                 "yes" if r["tput_ok"] else "NO",
@@ -254,6 +264,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                 f"{_count(s.get('decode_computed_tokens'))} / {_count(m.get('decode_computed_tokens'))}",
                 f"{_count(r['sim_counters'].get('decode_lost_tokens'))} / {_count(r['measured_counters'].get('decode_lost_tokens'))}",
                 f"{_count(r['sim_counters'].get('prefill_lost_tokens'))} / {_count(r['measured_counters'].get('prefill_lost_tokens'))}",
+                f"{_count(r['sim_counters'].get('prefill_pages_trimmed'))} / {_count(r['measured_counters'].get('prefill_pages_trimmed'))}",
                 f"{_count(r['sim_counters'].get('decode_regions_per_pull'))} / {_count(r['measured_counters'].get('decode_regions_per_pull'))}",
                 f"{_count(r['sim_counters'].get('prefill_tok_s'))} / {_count(r['measured_counters'].get('prefill_tok_s'))}",
                 f"{c['prefill_only']:.2f}/{c['decode_only']:.2f}/{c['both']:.2f}",
@@ -282,3 +293,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 def _count(n: Any) -> str:
     return "-" if n is None else str(round(n))
+
+
+def _share(x: Any) -> str:
+    return "-" if x is None else f"{x:.2f}"

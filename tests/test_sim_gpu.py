@@ -122,6 +122,23 @@ def test_replay_of_one_measured_point_is_what_the_simulator_computes() -> None:
         "/",
         _count_text(meas.get("prefill_lost_tokens")),
     ]
+    # the hit rate's parts, replay / stack: prompt tokens the prefill found in its own cache, and those it pulled
+    for name in ("local", "pulled"):
+        col = table[0].index(f"{name} sim/meas")
+        assert table[2][col:].split()[:3] == [
+            f"{point[f'{name}_share']:.2f}",
+            "/",
+            "-" if meas.get(f"{name}_share") is None else f"{meas[f'{name}_share']:.2f}",
+        ]
+    # pages the prefill's admission pins gave up from their tails, replay / stack (the stack's admission_pages_trimmed)
+    assert row["sim_counters"]["prefill_pages_trimmed"] == point["prefill_pages_trimmed"]
+    assert row["measured_counters"]["prefill_pages_trimmed"] == meas.get("prefill_admission_pages_trimmed")
+    col = table[0].index("P trimmed pages sim/meas")
+    assert table[2][col:].split()[:3] == [
+        str(point["prefill_pages_trimmed"]),
+        "/",
+        _count_text(meas.get("prefill_admission_pages_trimmed")),
+    ]
     col = table[0].index("D regions/pull sim/meas")
     assert table[2][col:].split()[:3] == [
         "36",
