@@ -22,6 +22,10 @@ down), the median of CUDA-graph replays (``decode_gpu.time_ms``) of:
     bf16_gemv:default  (M <= 4) the same GEMV on the bf16 weight, unscaled, at ``gemv_config``'s launch shape
                     (what ``worker.model.product`` runs at M <= 2 unless ``KVSERVING_BF16_GEMV=0``)
     bf16_gemv:<launch> the same at each ``--bf16-gemv`` shape
+    bf16_tiles:default  (M > 2) the block GEMM on the bf16 weight and activations, unscaled, at ``bf16_tile_config``'s
+                    launch (the candidate for a bf16 model's projections at decode batch sizes, beside cuBLAS)
+    bf16_tiles:<launch> the same at each ``--bf16-tiles`` shape (a Tiles label without its BLOCK_M, which is the
+                    row tile holding M: ``64w4s4k4``, ``128w8s3k2b64``)
 
 Each call reads its weight from HBM: the weights rotate over copies whose total passes
 ``--rotate-mb`` (L2 is 50-60 MB; a decode step's layers never find their weight there).
@@ -49,7 +53,16 @@ from triton.errors import TritonError
 
 from kvserving import jsonfmt
 from kvserving.kernels import fp8_gemm, triton_fp8_gemm
-from kvserving.kernels.triton_fp8_gemm import GEMV_ROWS, Gemv, Tiles, gemv_config, gemv_split, tile_config, tiles_override
+from kvserving.kernels.triton_fp8_gemm import (
+    GEMV_ROWS,
+    Gemv,
+    Tiles,
+    bf16_tile_config,
+    gemv_config,
+    gemv_split,
+    tile_config,
+    tiles_override,
+)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 # The former fixed decode shape first, then narrower tiles and fewer splits than tile_config's picks, more splits,
@@ -68,6 +81,27 @@ GEMV_CANDIDATES = ("g32x512w4s1", "g32x512w4s3", "g16x512w4s2", "g64x256w4s2", "
 # holds twice the fp8 one's bytes, so narrower steps and tiles, and more warps, are the neighbours worth timing.
 BF16_GEMV_CANDIDATES = ("g8x2048w4s1k1", "g8x1024w4s1k1", "g4x2048w4s1k1", "g4x1024w4s1k1", "g8x512w4s1k1", "g16x1024w4s1k1",
                         "g8x2048w8s1k1", "g16x2048w8s1k1")  # fmt: skip
+
+
+# bf16 block GEMM shapes around bf16_tile_config's (64 columns, 4 stages of 128, K split to ~396 programs): other
+# splits, wider column tiles, 8 warps, 64-wide K steps and deeper pipelines.
+BF16_TILE_CANDIDATES = ("64w4s4k2", "64w4s4k8", "128w4s4k4", "128w8s4k4", "128w8s4k2", "128w4s3k8", "64w4s4k4b64",
+                        "64w4s6k4b64", "64w8s4k4", "32w4s4k8", "64w4s5k4", "128w8s4k4b64")  # fmt: skip
+
+
+def _bf16_tiles_list(text: str) -> list[str]:
+    labels = [t.strip() for t in text.split(",") if t.strip()]
+    for t in labels:
+        try:
+            Tiles.parse("16x" + t)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return labels
+
+
+def _bf16_tiles_at(label: str, m: int) -> Tiles:
+    """A ``--bf16-tiles`` label at M: its BLOCK_M is ``bf16_tile_config``'s row tile for M."""
+    return Tiles.parse(f"{bf16_tile_config(m, 128, 128).block_m}x{label}")
 
 
 def _gemv_list(text: str) -> list[str]:
@@ -169,6 +203,38 @@ def _table(m: int, rows: list[dict[str, Any]], names: list[str], peak: float) ->
     return "\n".join(lines)
 
 
+def _bf16_tiles_path(x: torch.Tensor, launch: Tiles) -> Callable[[tuple[torch.Tensor, ...]], torch.Tensor]:
+    def call(w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        with tiles_override(launch):
+            return triton_fp8_gemm.bf16_gemm(x, w[0])
+
+    return call
+
+
+def _bf16_tiles_table(rows: list[dict[str, Any]], peak: float) -> str:
+    """Per shape and M > 2: cuBLAS, the bf16 block GEMM's default and its fastest launch, as us and share of the
+    streaming read; then one layer per M."""
+    lines = ["| shape | M | cuBLAS | bf16_tiles:default | best bf16_tiles |", "|---|---:|---:|---:|---|"]
+    layer: dict[int, list[float]] = {}
+    for row in rows:
+        paths = row["paths"]
+        default = next((p for p in paths if p.startswith("bf16_tiles:default=") and "ms" in paths[p]), None)
+        timed = [p for p in paths if p.startswith("bf16_tiles:") and "ms" in paths[p]]
+        if default is None or not timed:
+            continue
+        best = min(timed, key=lambda p: paths[p]["ms"])
+        cell = lambda p: f"{paths[p]['ms'] * 1e3:.1f} us ({paths[p]['weight_tb_s'] / peak:.0%})"  # noqa: E731
+        lines.append(f"| {row['shape']} | {row['m']} | {cell('bf16')} | {cell(default)} | {best.split(':', 1)[1]} {cell(best)} |")
+        sums = layer.setdefault(row["m"], [0.0, 0.0, 0.0])
+        for i, p in enumerate(("bf16", default, best)):
+            sums[i] += paths[p]["ms"]
+    for m, (cub, dflt, best) in layer.items():
+        lines.append(
+            f"| one layer | {m} | {cub * 1e3:.1f} us | {dflt * 1e3:.1f} us ({cub / dflt:.2f}x) | {best * 1e3:.1f} us ({cub / best:.2f}x) |"
+        )
+    return "\n".join(lines)
+
+
 def _read_table(rows: list[dict[str, Any]], peak: float) -> str:
     """Weight bytes read per second as a share of the streaming read, per shape and M."""
     paths = ["bf16", "bf16_gemv:default", "rows", "block", "triton:default", "gemv:default", "dispatch", "best"]
@@ -216,7 +282,7 @@ def _write(opts: argparse.Namespace, peak: float, read_runs: list[dict[str, Any]
     Path(opts.out).write_text(jsonfmt.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "triton": triton.__version__, "read_tb_s": peak, "read_runs": read_runs, "cublas_block": cublas,
                    "rotate_mb": opts.rotate_mb, "tokens": opts.tokens, "tiles": [t.label for t in opts.tiles],
-                   "gemv": opts.gemv, "bf16_gemv": opts.bf16_gemv, "rows": results, "wall_s": time.monotonic() - t0}))  # fmt: skip
+                   "gemv": opts.gemv, "bf16_gemv": opts.bf16_gemv, "bf16_tiles": opts.bf16_tiles, "rows": results, "wall_s": time.monotonic() - t0}))  # fmt: skip
 
 
 def main() -> None:
@@ -229,6 +295,8 @@ def main() -> None:
                     help="GEMV launch shapes to time beside gemv_config's at M <= 4, e.g. g32x512w4s1,g16x512w4s2k1")  # fmt: skip
     ap.add_argument("--bf16-gemv", type=_gemv_list, default=list(BF16_GEMV_CANDIDATES),
                     help="GEMV launch shapes to time on the bf16 weight at M <= 4, e.g. g8x2048w4s1k1")  # fmt: skip
+    ap.add_argument("--bf16-tiles", type=_bf16_tiles_list, default=list(BF16_TILE_CANDIDATES),
+                    help="bf16 block GEMM launch shapes (no BLOCK_M) to time at M > 2, e.g. 64w4s4k4,128w8s3k2b64")  # fmt: skip
     ap.add_argument("--rotate-mb", type=int, default=512, help="weights rotate over copies of at least this many MB")
     opts = ap.parse_args()
     if not torch.cuda.is_available():
@@ -278,17 +346,27 @@ def main() -> None:
                 paths[f"bf16_gemv:default={gemv_default.label}"] = (_rotating(bf16_w, _bf16_gemv_path(x, gemv_default)), 2 * n * k, "bf16")
                 for label in opts.bf16_gemv:
                     paths[f"bf16_gemv:{label}"] = (_rotating(bf16_w, _bf16_gemv_path(x, _gemv_at(label, n, k))), 2 * n * k, "bf16")
+            else:
+                bf16_default = bf16_tile_config(m, n, k)
+                paths[f"bf16_tiles:default={bf16_default.label}"] = (
+                    _rotating(bf16_w, _bf16_tiles_path(x, bf16_default)),
+                    2 * n * k,
+                    "bf16",
+                )
+                for label in opts.bf16_tiles:
+                    paths[f"bf16_tiles:{label}"] = (_rotating(bf16_w, _bf16_tiles_path(x, _bf16_tiles_at(label, m))), 2 * n * k, "bf16")
             paths["dispatch"] = (_rotating(block_w, _triton_path(x, None)), fp8_bytes, "block")
             ref = {s: fp8_gemm.linear_ref(x.float(), *((rq, rs) if s == "rows" else (bq, bs)), scheme=s) for s in ("rows", "block")}
             bound = {s: fp8_gemm.gemm_error_bound(x.float(), *((rq, rs) if s == "rows" else (bq, bs)), scheme=s) for s in ("rows", "block")}
-            if m <= GEMV_ROWS:  # the bf16 GEMV's paths: the exact product in float64; fp32 sums (K terms: K u of
-                # sum |x w|) and the bf16 output (2^-8)
-                w64 = bf16_w[0][0].double()
-                ref["bf16"] = (x.double() @ w64.t()).float()
-                bound["bf16"] = (2.0**-8 * ref["bf16"].abs() + k * 2.0**-24 * (x.double().abs() @ w64.abs().t())).float()
-                del w64
+            # the bf16 GEMV's and block GEMM's paths: the exact product in float64; fp32 sums (K terms: K u of sum
+            # |x w|) and the bf16 output (2^-8)
+            w64 = bf16_w[0][0].double()
+            ref["bf16"] = (x.double() @ w64.t()).float()
+            bound["bf16"] = (2.0**-8 * ref["bf16"].abs() + k * 2.0**-24 * (x.double().abs() @ w64.abs().t())).float()
+            del w64
             row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "default_tiles": default.label, "paths": {},
-                                   "gemv_default": gemv_config(m, n, k).label if m <= GEMV_ROWS else None}  # fmt: skip
+                                   "gemv_default": gemv_config(m, n, k).label if m <= GEMV_ROWS else None,
+                                   "bf16_tiles_default": bf16_tile_config(m, n, k).label if m > GEMV_ROWS else None}  # fmt: skip
             for path, (fn, weight_bytes, scheme) in paths.items():
                 try:
                     if scheme is not None:
@@ -324,8 +402,10 @@ def main() -> None:
         names += ["gemv:default"] + [f"gemv:{g}" for g in opts.gemv] if m <= GEMV_ROWS else []
         names += ["bf16_gemv:default"] + [f"bf16_gemv:{g}" for g in opts.bf16_gemv] if m <= GEMV_ROWS else []
         names += ["dispatch"]
+        names += ["bf16_tiles:default"] if m > GEMV_ROWS else []
         for r in rows:  # one column for each default pick, whatever it is at each shape
-            for kind, pick in (("triton", r["default_tiles"]), ("gemv", r["gemv_default"]), ("bf16_gemv", r["gemv_default"])):
+            for kind, pick in (("triton", r["default_tiles"]), ("gemv", r["gemv_default"]), ("bf16_gemv", r["gemv_default"]),
+                               ("bf16_tiles", r.get("bf16_tiles_default"))):  # fmt: skip
                 key = next((p for p in r["paths"] if p.startswith(f"{kind}:default=")), None)
                 if key is not None:
                     r["paths"][f"{kind}:default"] = dict(r["paths"][key], tiles=pick)
@@ -336,6 +416,8 @@ def main() -> None:
     print("\n" + _verdict(results, opts.tokens), flush=True)
     print(f"\nweight bytes read per second (share of the {peak:.2f} TB/s streaming read)\n")
     print(_read_table(results, peak), flush=True)
+    print(f"\nbf16 weights at M > {GEMV_ROWS}: cuBLAS against the bf16 block GEMM (us, share of the {peak:.2f} TB/s read)\n")
+    print(_bf16_tiles_table(results, peak), flush=True)
     _write(opts, peak, read_runs, cublas, results, t0)
     print(f"wrote {opts.out} ({time.monotonic() - t0:.0f} s)")
 

@@ -6,8 +6,8 @@
 #   between two processes on the GPU and the transport UCX chose), agents (agents.py --gpu with AGENTS_ARGS, default
 #   fp8 at 12,16,24 agents; its stacks' logs tarred into $OUT), pdl (engine_gpu.py with KVSERVING_PDL=0, 1, 0, 1:
 #   programmatic dependent launch off and on, twice, sections pdl<P>_<i> of $OUT/engine_pdl.json; ENGINE_ARGS, default
-#   '--quick --no-breakdown --speed-kv-gib 40', fits an H100; T_AB caps each run), gemv (bf16 weights at 1-2 tokens:
-#   fp8_gemm_gpu.py --tokens 1,2, its bf16_gemv paths against cuBLAS, then the engine bench with KVSERVING_BF16_GEMV=0,
+#   '--quick --no-breakdown --speed-kv-gib 40', fits an H100; T_AB caps each run), gemv (bf16 weights at 1-16 tokens:
+#   fp8_gemm_gpu.py --tokens 1,2,8,16, its bf16_gemv and bf16_tiles paths against cuBLAS, then the engine bench with KVSERVING_BF16_GEMV=0,
 #   1, 0, 1 as the pdl step runs it, sections gemv<V>_<i> of $OUT/engine_gemv.json), layout (kv_cache.layout layer_major vs page_major: the
 #   READ bench with each, $OUT/nixl_read_<layout>.json, then the engine bench alternated twice, sections <layout>_<i> of
 #   $OUT/engine_layout.json; LAYOUT_ARGS, default '--quick --no-breakdown --speed-kv-gib 40 --formats nvfp4,triaxial'),
@@ -110,10 +110,10 @@ engine_ab() {  # the engine bench with environment variable $1 at 0 and 1, alter
   done
 }
 if has pdl; then engine_ab KVSERVING_PDL pdl; fi  # programmatic dependent launch off and on
-if has gemv; then  # bf16 weights at 1-2 tokens: cuBLAS against the Triton GEMV, per projection, then in the engine
-  timeout ${T_GEMM:-240} python3 bench/fp8_gemm_gpu.py --tokens 1,2 --tiles 16x64w4s4k4 --gemv g8x2048w4s1k1 \
-    --out $OUT/fp8_gemm_gpu.json > $OUT/gemm.log 2>&1
-  rc=$?; sed -n '/^us per call/,$p' $OUT/gemm.log | grep -E "^M = |bf16 weights|one layer"
+if has gemv; then  # bf16 weights at 1-16 tokens: cuBLAS against the Triton GEMV and block GEMM, per projection, then in the engine
+  timeout ${T_GEMM:-240} python3 bench/fp8_gemm_gpu.py --tokens 1,2,8,16 --tiles 16x64w4s4k4 --gemv g8x2048w4s1k1 \
+    --bf16-tiles 64w4s4k2,128w8s4k2 --out $OUT/fp8_gemm_gpu.json > $OUT/gemm.log 2>&1
+  rc=$?; sed -n '/^us per call/,$p' $OUT/gemm.log | grep -E "^M = |bf16 weights|one layer|^\| (qkv|o|gate_up|down) \| [0-9]+ \| [0-9.]+ us"
   [ "$rc" = 0 ] || { echo "gpu_run.sh: error: fp8_gemm_gpu.py failed (exit $rc, log in $OUT/gemm.log)" >&2; status=1; }
   engine_ab KVSERVING_BF16_GEMV gemv
 fi

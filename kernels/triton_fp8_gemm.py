@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import re
 from collections.abc import Iterator
 
@@ -51,20 +52,21 @@ import triton.language as tl
 from torch import Tensor
 
 from . import triton_elementwise, triton_pdl
+from .options import KernelOptions
 
 GROUP = 128  # the scale group along K and the weight tile edge
 
 
 @triton.jit
 def _block_gemm_kernel(
-    a_ptr,  # [M, K] e4m3 activation codes (row-major)
-    sa_ptr,  # [M, K/128] fp32 activation scales (row-major)
-    w_ptr,  # [N, K] e4m3 weight codes (row-major: K contiguous, what the dot's B wants)
-    sw_ptr,  # [N/128, K/128] fp32 weight tile scales (row-major)
+    a_ptr,  # [M, K] activations (row-major): e4m3 codes, or bf16 values when not SCALED
+    sa_ptr,  # [M, K/128] fp32 activation scales (row-major); unused when not SCALED
+    w_ptr,  # [N, K] weight (row-major: K contiguous, what the dot's B wants): e4m3 codes, or bf16 values
+    sw_ptr,  # [N/128, K/128] fp32 weight tile scales (row-major); unused when not SCALED
     c_ptr,  # [M, N] output (bf16 or fp32); with SPLIT_K > 1: [SPLIT_K, M, N] fp32 partials
     m,  # rows of a and c
     n,  # rows of w, columns of c
-    k,  # columns of a and w, a multiple of 128
+    k,  # columns of a and w, a multiple of BLOCK_K
     stride_am,  # row strides, in elements
     stride_sam,
     stride_wn,
@@ -73,8 +75,12 @@ def _block_gemm_kernel(
     stride_cs,  # c's stride between K splits (unused at SPLIT_K 1)
     BLOCK_M: tl.constexpr,  # output rows per program (>= 16: the dot's smallest M)
     BLOCK_N: tl.constexpr,  # output columns per program, divides 128
-    BLOCK_K: tl.constexpr,  # = 128, one scale group per step
-    SPLIT_K: tl.constexpr,  # programs along K: split s takes a contiguous run of the K/128 groups
+    BLOCK_K: tl.constexpr,  # K per step: 128 (one scale group) when SCALED
+    SPLIT_K: tl.constexpr,  # programs along K: split s takes a contiguous run of the K / BLOCK_K steps
+    SCALED: tl.constexpr,  # a and w hold e4m3 codes with per-row-group / per-tile scales; False: bf16 values
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): wait before any access
+    NATIVE: tl.constexpr,  # bf16 values enter the dot as they are; 0 in the interpreter, whose bf16 dot is wrong
+    # (numpy has no bf16): they enter as fp32 there, where bf16 values and their products are exact
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -87,17 +93,24 @@ def _block_gemm_kernel(
     a_row = a_ptr + rows.to(tl.int64)[:, None] * stride_am  # [BLOCK_M, 1]
     w_col = w_ptr + cols.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]
     sa_row = sa_ptr + rows.to(tl.int64) * stride_sam  # [BLOCK_M]
-    sw_tile = sw_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_swn  # this program's weight tile row
+    sw_tile = sw_ptr + (pid_n * BLOCK_N // 128) * stride_swn  # this program's weight tile row
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    groups = tl.cdiv(k, BLOCK_K)
-    per_split = tl.cdiv(groups, SPLIT_K)
-    for kb in range(pid_k * per_split, tl.minimum(groups, (pid_k + 1) * per_split)):
+    steps = tl.cdiv(k, BLOCK_K)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    triton_pdl.start(PDL)
+    triton_pdl.wait(PDL)
+    for kb in range(pid_k * per_split, tl.minimum(steps, (pid_k + 1) * per_split)):
         kk = kb * BLOCK_K + ks
         a = tl.load(a_row + kk[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_col + kk[:, None], mask=col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        sa = tl.load(sa_row + kb, mask=row_ok, other=0.0)  # [BLOCK_M]
-        sw = tl.load(sw_tile + kb)
-        acc += tl.dot(a, w, out_dtype=tl.float32) * (sa[:, None] * sw)
+        if SCALED:
+            sa = tl.load(sa_row + kb, mask=row_ok, other=0.0)  # [BLOCK_M]
+            sw = tl.load(sw_tile + kb)
+            acc += tl.dot(a, w, out_dtype=tl.float32) * (sa[:, None] * sw)
+        elif NATIVE:
+            acc = tl.dot(a, w, acc, out_dtype=tl.float32)
+        else:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee", out_dtype=tl.float32)
     c = c_ptr + pid_k.to(tl.int64) * stride_cs + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -304,13 +317,15 @@ def quantize(x: Tensor, *, group: int | None, column_major: bool = False) -> tup
 @dataclasses.dataclass(frozen=True, slots=True)
 class Tiles:
     """One launch shape of the block GEMM: BLOCK_M x BLOCK_N output tiles, warps, software-pipeline stages
-    (K steps of 128 in flight per program), and K splits (programs along K; > 1 adds the partials' sum)."""
+    (K steps in flight per program), K splits (programs along K; > 1 adds the partials' sum), and the K of a step
+    (128, one scale group, for FP8 weights; bf16 weights may take 64)."""
 
     block_m: int
     block_n: int
     warps: int
     stages: int
     split_k: int = 1
+    block_k: int = GROUP
 
     def __post_init__(self) -> None:
         if self.block_m not in (16, 32, 64, 128):
@@ -323,18 +338,22 @@ class Tiles:
             raise ValueError(f"Tiles.stages must be 1..8, got {self.stages}")
         if not 1 <= self.split_k <= 16:
             raise ValueError(f"Tiles.split_k must be 1..16, got {self.split_k}")
+        if self.block_k not in (32, 64, 128):
+            raise ValueError(f"Tiles.block_k must be 32, 64 or 128, got {self.block_k}")
 
     @property
     def label(self) -> str:
-        """``16x32w4s3k1``: BLOCK_M x BLOCK_N, warps, stages, K splits (``parse`` reads it back)."""
-        return f"{self.block_m}x{self.block_n}w{self.warps}s{self.stages}k{self.split_k}"
+        """``16x32w4s3k1``: BLOCK_M x BLOCK_N, warps, stages, K splits, then ``b64`` where a step's K is not 128
+        (``parse`` reads it back)."""
+        tail = "" if self.block_k == GROUP else f"b{self.block_k}"
+        return f"{self.block_m}x{self.block_n}w{self.warps}s{self.stages}k{self.split_k}{tail}"
 
     @classmethod
     def parse(cls, text: str) -> Tiles:
-        found = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)k(\d+)", text.strip())
+        found = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)k(\d+)(?:b(\d+))?", text.strip())
         if found is None:
-            raise ValueError(f"tiles {text!r}: expected BMxBNwWARPSsSTAGESkSPLITS, e.g. 16x32w4s3k1")
-        return cls(*(int(v) for v in found.groups()))
+            raise ValueError(f"tiles {text!r}: expected BMxBNwWARPSsSTAGESkSPLITS[bBLOCK_K], e.g. 16x32w4s3k1")
+        return cls(*(int(v) for v in found.groups() if v is not None))
 
 
 # Programs a decode-sized GEMM aims for: three per SM on a 132-SM H100/H200, so each SM keeps three programs' weight
@@ -366,6 +385,37 @@ def tile_config(m: int, n: int, k: int) -> Tiles:
     while tiles * split * 2 <= DECODE_PROGRAMS and steps // (split * 2) >= 8:
         split *= 2
     return Tiles(block_m, block_n, 4, 4, split)
+
+
+# Programs the bf16 block GEMM aims for at decode sizes: one per SM of a 132-SM H100/H200, each with four 16 KiB
+# weight tiles in flight (on an H100, o and down at M = 8-16 ran 13.8 / 36.8 us at 128 programs against 15.5 /
+# 40.4 at 256: more programs each with a shorter K run pay the pipeline's fill and the partials' sum more often).
+BF16_PROGRAMS = 132
+
+
+def bf16_tile_config(m: int, n: int, k: int) -> Tiles:
+    """The bf16 block GEMM's launch shape for an [M, K] x [N, K]^T product at decode sizes: the weight stream
+    binds, so one row tile (BLOCK_M the least of 16, 32, 64, 128 that holds M: every further row tile streams the
+    whole weight again), 64 columns, 4 warps, 4 stages of 128-wide K steps, and K split in powers of two while the
+    grid stays within BF16_PROGRAMS and each split keeps >= 8 steps (Qwen3-8B: o and down 2 splits, qkv and
+    gate_up none)."""
+    block_m = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
+    block_n = 64
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    steps = triton.cdiv(k, GROUP)
+    split = 1
+    while tiles * split * 2 <= BF16_PROGRAMS and steps // (split * 2) >= 8:
+        split *= 2
+    return Tiles(block_m, block_n, 4, 4, split)
+
+
+def bf16_launch(m: int, n: int, k: int) -> Tiles | None:
+    """``bf16_tile_config``'s launch where its grid keeps the SMs busy (at least 7/8 of BF16_PROGRAMS programs), else
+    None: cuBLAS streams such a weight faster (Qwen3-8B qkv at 8-16 tokens: 96 programs of 64 columns, 23.3 us
+    against cuBLAS's 20.5 on an H100; with 2 splits its 192 programs are 1.45 waves)."""
+    t = bf16_tile_config(m, n, k)
+    programs = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) * t.split_k
+    return t if programs * 8 >= BF16_PROGRAMS * 7 else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -489,16 +539,59 @@ def block_gemm(qa: Tensor, sa: Tensor, codes: Tensor, scale: Tensor, *, out_dtyp
         return out
     o = _OVERRIDE.get()
     t = o if isinstance(o, Tiles) else tile_config(m, n, k)
+    if t.block_k != GROUP:
+        raise ValueError(f"block_gemm: FP8 weights step K by their scale group, {GROUP}; tiles {t.label} say {t.block_k}")
     # c: the output, or [S, M, N] fp32 partials that the second launch sums in split order
     c = out if t.split_k == 1 else torch.empty((t.split_k, m, n), dtype=torch.float32, device=qa.device)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
     _block_gemm_kernel[grid](
         qa, sa, codes, scale, c, m, n, k,
         qa.stride(0), sa.stride(0), codes.stride(0), scale.stride(0), c.stride(-2), c.stride(0) if t.split_k > 1 else 0,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=GROUP, SPLIT_K=t.split_k, num_warps=t.warps, num_stages=t.stages,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=GROUP, SPLIT_K=t.split_k, SCALED=True, PDL=False, NATIVE=True,
+        num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     if t.split_k > 1:
         _sum_splits(c, out)
+    return out
+
+
+@functools.cache
+def _native_dot(device: torch.device) -> bool:
+    """bf16 values enter the block GEMM's dot as they are: a CUDA device not under the interpreter (the environment
+    read once per device)."""
+    return device.type == "cuda" and not KernelOptions.from_env().interpret
+
+
+def bf16_gemm(x: Tensor, weight: Tensor, *, out_dtype: torch.dtype = torch.bfloat16, pdl: bool | None = None) -> Tensor:
+    """x [M, K] bf16 times a bf16 weight [N, K] -> [M, N] ``out_dtype``: the block GEMM's tiles on unscaled values,
+    fp32 sums (tensor cores), at ``bf16_tile_config``'s launch (or ``tiles_override``'s). ``pdl``: with programmatic
+    dependent launch (None: ``triton_pdl.resolve``'s choice)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"bf16_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"bf16_gemm: x and weight must be bfloat16, got {x.dtype} and {weight.dtype}")
+    m, k = x.shape
+    n = weight.shape[0]
+    o = _OVERRIDE.get()
+    t = o if isinstance(o, Tiles) else bf16_tile_config(m, n, k)
+    if k % t.block_k:
+        raise ValueError(f"bf16_gemm: BLOCK_K {t.block_k} must divide K = {k}")
+    x, weight = (v if v.stride(1) == 1 else v.contiguous() for v in (x, weight))
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    # c: the output, or [S, M, N] fp32 partials that the second launch sums in split order
+    c = out if t.split_k == 1 else torch.empty((t.split_k, m, n), dtype=torch.float32, device=x.device)
+    on = triton_pdl.resolve(pdl, x.device)
+    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
+    _block_gemm_kernel[grid](
+        x, x, weight, weight, c, m, n, k,
+        x.stride(0), 0, weight.stride(0), 0, c.stride(-2), c.stride(0) if t.split_k > 1 else 0,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, SCALED=False, PDL=on,
+        NATIVE=_native_dot(x.device), num_warps=t.warps, num_stages=t.stages, **triton_pdl.launch_args(on),
+    )  # fmt: skip
+    if t.split_k > 1:
+        _sum_splits(c, out, pdl=on)
     return out
 
 

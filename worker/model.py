@@ -21,9 +21,9 @@ kernels (`kernels.triton_norm`): RMSNorm with the residual add, q/k-norm +
 RoPE, SiLU * up. On CPU, and where autograd needs gradients, the same steps
 run as the torch references (`kernels.norm_ref`). The bf16 projections run
 cuBLAS, or at 1-2 tokens the Triton GEMV (`product`; the down projection forms
-SiLU * up itself, `gated_product`; `KVSERVING_BF16_GEMV=0` keeps cuBLAS): it
-reads those weights closer to the memory's limit than cuBLAS does at that size
-(docs/results.md).
+SiLU * up itself, `gated_product`) and at 3-16 tokens the Triton block GEMM
+(`KVSERVING_BF16_GEMV=0` keeps cuBLAS): they read those weights closer to the
+memory's limit than cuBLAS does at those sizes (docs/results.md).
 
 Weights are the model dtype's, or FP8 (`weight_format` "fp8": a scale per
 tensor, "fp8_block": a scale per 128x128 tile; `worker.fp8_linear`): an FP8
@@ -297,7 +297,7 @@ def _fused(x: Tensor, *others: Tensor | None) -> ModuleType | None:
 
 @functools.cache
 def _gemv_kernels(device: torch.device) -> ModuleType | None:
-    """``kernels.triton_fp8_gemm`` when a bf16 weight's product at 1-2 tokens runs its GEMV on ``device`` (unless
+    """``kernels.triton_fp8_gemm`` when a bf16 weight's product at 1-16 tokens runs its kernels on ``device`` (unless
     ``KVSERVING_BF16_GEMV=0``; the environment read once per device), else None (cuBLAS)."""
     if not KernelOptions.from_env().bf16_gemv or device.type != "cuda":
         return None
@@ -307,25 +307,34 @@ def _gemv_kernels(device: torch.device) -> ModuleType | None:
 
 
 BF16_GEMV_ROWS = 2  # the most tokens a bf16 product gives the GEMV (its fp32 sums per row grow with M)
+# the most tokens a bf16 product gives the Triton block GEMM (bf16_tile_config's one program an SM): on an H100 it
+# read the Qwen3-8B projections faster than cuBLAS at 8-16 tokens (one layer 1.06x), not at 32-64 (docs/results.md)
+BF16_BLOCK_ROWS = 16
 
 
 def _gemv_for(x: Tensor, weight: Tensor) -> ModuleType | None:
-    """The GEMV's module when it runs ``x`` [T, *] times ``weight`` [N, K]: CUDA, bf16, T <= 2, K a multiple of 128,
-    no gradient, and ``_gemv_kernels`` says so."""
+    """The Triton kernels' module when they run ``x`` [T, *] times ``weight`` [N, K]: CUDA, bf16, T <= 16, K a
+    multiple of 128, no gradient, and ``_gemv_kernels`` says so."""
     k = _gemv_kernels(x.device) if x.is_cuda else None
-    if (k is None or x.dim() != 2 or x.shape[0] > BF16_GEMV_ROWS or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
+    if (k is None or x.dim() != 2 or x.shape[0] > BF16_BLOCK_ROWS or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
             or weight.shape[1] % k.GROUP or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # fmt: skip
         return None
     return k
 
 
 def product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N]: the Triton GEMV where it runs this call (``_gemv_for``), else
+    """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N]: where the Triton kernels run this call (``_gemv_for``) the GEMV
+    at T <= 2 and at 3-16 tokens the bf16 block GEMM where its grid fills the SMs (``bf16_launch``), else
     ``F.linear`` (cuBLAS)."""
     k = _gemv_for(x, weight)
     if k is None:
         return F.linear(x, weight, bias)
-    out = k.gemv(x, weight, None, out_dtype=x.dtype)
+    if x.shape[0] <= BF16_GEMV_ROWS:
+        out = k.gemv(x, weight, None, out_dtype=x.dtype)
+    elif k.bf16_launch(x.shape[0], weight.shape[0], weight.shape[1]) is not None:
+        out = k.bf16_gemm(x, weight, out_dtype=x.dtype)
+    else:
+        return F.linear(x, weight, bias)
     return out if bias is None else out + bias
 
 
@@ -333,14 +342,14 @@ def gated_product(gate_up: Tensor, weight: Tensor, bias: Tensor | None = None) -
     """silu(gate) * up @ weight^T (+ bias) for gate_up [T, 2 I], weight [N, I], in one GEMV launch (the SwiGLU
     product formed in its registers, equal to ``silu_mul``'s bit for bit) where the GEMV runs it; else None."""
     k = _gemv_for(gate_up, weight)
-    if k is None or gate_up.shape[1] != 2 * weight.shape[1]:
+    if k is None or gate_up.shape[0] > BF16_GEMV_ROWS or gate_up.shape[1] != 2 * weight.shape[1]:
         return None
     out = k.gemv(gate_up, weight, None, out_dtype=gate_up.dtype, gated=True)
     return out if bias is None else out + bias
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` through ``product``: the decoder's projections (cuBLAS, or the GEMV at 1-2 tokens)."""
+    """``nn.Linear`` through ``product``: the decoder's projections (cuBLAS, or the Triton kernels at 1-16 tokens)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return product(x, self.weight, self.bias)

@@ -285,6 +285,78 @@ def test_gemv_on_a_bf16_weight_equals_the_exact_product(label: str, m: int) -> N
 
 
 @interpreter_only
+@pytest.mark.parametrize("label", ["16x64w4s4k1", "32x64w4s3k3", "64x32w4s4k2b64", "16x128w8s2k5b32"])
+@pytest.mark.parametrize("m", [3, 17, 64])
+def test_bf16_block_gemm_equals_the_exact_product_under_every_tile_shape(label: str, m: int) -> None:
+    """The block GEMM on bf16 values (no scales: a bf16 model's projections at decode batch sizes): N 200 (a last
+    column tile part-used), K 1024 in 128-, 64- and 32-wide steps, split 1-5 ways (3 and 5 do not divide the
+    steps: some splits hold one step less, some none and write zeros), M 3 to 64 in row tiles of 16 to 64; bf16
+    and fp32 outputs. Fp32 sums: the GEMV's bound (``_gemv_bound``, depth from the steps and splits)."""
+    from kvserving.kernels.triton_fp8_gemm import Tiles, bf16_gemm, tiles_override
+
+    launch = Tiles.parse(label)
+    for out_dtype, n, seed in ((torch.bfloat16, 200, m), (torch.float32, 72, m + 7)):
+        x = _acts(m, 1024, seed=seed).to(torch.bfloat16)
+        w = _weight(n, 1024, seed=seed + m).to(torch.bfloat16)
+        with tiles_override(launch):
+            out = bf16_gemm(x, w, out_dtype=out_dtype)
+        assert out.shape == (m, n) and out.dtype == out_dtype
+        ref = x.double() @ w.double().t()
+        err = (out.double() - ref).abs()
+        bound = _gemv_bound(x, w.double(), launch, out_dtype)
+        assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g} at M {m}, N {n}, {label}"
+        if out_dtype == torch.float32:  # and tight: a lost or doubled K step moves outputs by ~10 %
+            assert bound.max().item() < 2e-3 * ref.abs().max().item()
+
+
+def test_bf16_tile_config_takes_one_row_tile_and_splits_k_to_one_program_an_sm() -> None:
+    """One row tile holds M (16, 32, 64, 128); 64 columns; K split in powers of two while the grid stays within
+    BF16_PROGRAMS (132) with >= 8 steps a split: at the Qwen3-8B shapes qkv none (96 column tiles), o 2 (64 x 2 =
+    128 programs), gate_up none (384 column tiles), down 2."""
+    from kvserving.kernels.triton_fp8_gemm import bf16_tile_config
+
+    got = {(n, k): [bf16_tile_config(m, n, k).label for m in (3, 16, 17, 64, 100)] for n, k in QWEN3_8B_SHAPES[:4]}
+    assert got == {
+        (6144, 4096): ["16x64w4s4k1", "16x64w4s4k1", "32x64w4s4k1", "64x64w4s4k1", "128x64w4s4k1"],
+        (4096, 4096): ["16x64w4s4k2", "16x64w4s4k2", "32x64w4s4k2", "64x64w4s4k2", "128x64w4s4k2"],
+        (24576, 4096): ["16x64w4s4k1", "16x64w4s4k1", "32x64w4s4k1", "64x64w4s4k1", "128x64w4s4k1"],
+        (4096, 12288): ["16x64w4s4k2", "16x64w4s4k2", "32x64w4s4k2", "64x64w4s4k2", "128x64w4s4k2"],
+    }
+
+
+def test_bf16_launch_leaves_a_grid_that_idles_sms_to_cublas() -> None:
+    """At 3-16 tokens the block GEMM takes o, gate_up and down of the Qwen3-8B shape (128, 384 and 128 programs) and
+    leaves qkv (96 programs: 36 of 132 SMs idle) to cuBLAS."""
+    from kvserving.kernels.triton_fp8_gemm import bf16_launch
+
+    got = {(n, k): [getattr(bf16_launch(m, n, k), "label", None) for m in (3, 16)] for n, k in QWEN3_8B_SHAPES[:4]}
+    assert got == {
+        (6144, 4096): [None, None],
+        (4096, 4096): ["16x64w4s4k2", "16x64w4s4k2"],
+        (24576, 4096): ["16x64w4s4k1", "16x64w4s4k1"],
+        (4096, 12288): ["16x64w4s4k2", "16x64w4s4k2"],
+    }
+
+
+def test_block_gemm_refuses_a_k_step_other_than_its_scale_group() -> None:
+    from kvserving.kernels.triton_fp8_gemm import Tiles, block_gemm, tiles_override
+
+    codes, scale = fp8_gemm.quantize_blocks(_weight(128, 256, seed=0))
+    qa, sa = fp8_gemm.quantize_activations(_acts(2, 256, seed=1), scheme="block")
+    with tiles_override(Tiles.parse("16x64w4s4k1b64")), pytest.raises(ValueError, match="scale group, 128"):
+        block_gemm(qa, sa, codes, scale)
+
+
+def test_tiles_labels_read_back_with_and_without_a_k_step() -> None:
+    from kvserving.kernels.triton_fp8_gemm import Tiles
+
+    assert Tiles.parse("64x64w4s4k2b64") == Tiles(64, 64, 4, 4, 2, 64) and Tiles(64, 64, 4, 4, 2, 64).label == "64x64w4s4k2b64"
+    assert Tiles(16, 64, 4, 4, 1).label == "16x64w4s4k1"
+    with pytest.raises(ValueError, match="block_k"):
+        Tiles(16, 64, 4, 4, 1, 48)
+
+
+@interpreter_only
 @pytest.mark.parametrize("weight", ["fp8", "bf16"])
 @pytest.mark.parametrize(("m", "label"), [(1, "g8x1024w4s1k1"), (2, "g8x512w4s1k2"), (3, "g32x256w4s1k3")])
 def test_the_gated_gemv_equals_the_gemv_of_silu_mul_bit_for_bit(weight: str, m: int, label: str) -> None:
@@ -472,17 +544,30 @@ def test_cublas_block_scaling_runs_on_hopper() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 17])
 @pytest.mark.parametrize(("n", "k"), QWEN3_8B_SHAPES[:4] + [(151936, 4096)])
-def test_gpu_bf16_product_runs_the_gemv_at_one_or_two_tokens_within_fp32_rounding(
+def test_gpu_bf16_product_runs_triton_at_up_to_sixteen_tokens_within_fp32_rounding(
     m: int, n: int, k: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``model.product`` (``KVSERVING_BF16_GEMV=1``, the default) at the Qwen3-8B projections and a 151,936-row weight: the GEMV
-    at M <= 2 (fp32 sums; the bf16 output rounds to nearest, 2^-8), cuBLAS at M 3 (bit-equal to ``F.linear``)."""
+    """``model.product`` (``KVSERVING_BF16_GEMV=1``, the default) at the Qwen3-8B projections and a 151,936-row weight:
+    the GEMV at M <= 2, the bf16 block GEMM at 3-16 where ``bf16_launch`` has a launch (fp32 sums; the bf16 output
+    rounds to nearest, 2^-8), cuBLAS elsewhere and at M 17 (bit-equal to ``F.linear``). Which kernel ran is counted:
+    at M >= 3 the block GEMM's bf16 output often equals cuBLAS's bit for bit (both sum on the tensor cores)."""
     import torch.nn.functional as F
 
+    from kvserving.kernels import triton_fp8_gemm
+    from kvserving.kernels.triton_fp8_gemm import bf16_launch, gemv_config
     from kvserving.worker import model
 
+    calls = {"gemv": 0, "bf16_gemm": 0}
+    for name in calls:
+        kernel = getattr(triton_fp8_gemm, name)
+
+        def counted(*args: object, _name: str = name, _kernel: object = kernel, **kw: object) -> torch.Tensor:
+            calls[_name] += 1
+            return _kernel(*args, **kw)  # type: ignore[operator,no-any-return]
+
+        monkeypatch.setattr(triton_fp8_gemm, name, counted)
     monkeypatch.setenv("KVSERVING_BF16_GEMV", "1")
     model._gemv_kernels.cache_clear()
     try:
@@ -490,20 +575,40 @@ def test_gpu_bf16_product_runs_the_gemv_at_one_or_two_tokens_within_fp32_roundin
         w = _weight(n, k, seed=m, device="cuda").to(torch.bfloat16)
         out = model.product(x, w)
         assert out.shape == (m, n) and out.dtype == torch.bfloat16
-        if m > model.BF16_GEMV_ROWS:
-            assert torch.equal(out, F.linear(x, w))
+        launch = gemv_config(m, n, k) if m <= model.BF16_GEMV_ROWS else bf16_launch(m, n, k)
+        if m > model.BF16_BLOCK_ROWS or launch is None:
+            assert calls == {"gemv": 0, "bf16_gemm": 0} and torch.equal(out, F.linear(x, w))
             return
-        from kvserving.kernels.triton_fp8_gemm import gemv_config
-
+        assert calls == ({"gemv": 1, "bf16_gemm": 0} if m <= model.BF16_GEMV_ROWS else {"gemv": 0, "bf16_gemm": 1})
         exact = x.double() @ w.double().t()
-        e32 = _gemv_bound(x, w.double(), gemv_config(m, n, k), torch.float32)
+        e32 = _gemv_bound(x, w.double(), launch, torch.float32)
         assert ((out.double() - exact).abs() <= e32 + 2.0**-8 * (exact.abs() + e32)).all()
-        assert not torch.equal(out, F.linear(x, w))  # not cuBLAS's sum order: the GEMV ran
-        if n == 4096:  # the down projection's shape (and o's): SwiGLU formed inside, equal to the unfused pair
+        if n == 4096:  # the down projection's shape (and o's): SwiGLU formed inside at M <= 2, equal to the unfused pair
             gate_up = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16)
             from kvserving.kernels import triton_norm
 
             fused = model.gated_product(gate_up, w)
-            assert fused is not None and torch.equal(fused, model.product(triton_norm.silu_mul(gate_up), w))
+            if m > model.BF16_GEMV_ROWS:
+                assert fused is None
+            else:
+                assert fused is not None and torch.equal(fused, model.product(triton_norm.silu_mul(gate_up), w))
     finally:
         model._gemv_kernels.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [3, 16, 33, 64, 100])
+@pytest.mark.parametrize(("n", "k"), QWEN3_8B_SHAPES[:4])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_bf16_block_gemm_within_fp32_rounding_at_qwen3_8b_shapes(m: int, n: int, k: int, pdl: bool) -> None:
+    """The bf16 block GEMM at ``bf16_tile_config``'s launch (bf16 products on the tensor cores, fp32 sums) against
+    the exact product: the GEMV's bound (fp32 sums of bounded depth) and the bf16 output's rounding (2^-8)."""
+    from kvserving.kernels.triton_fp8_gemm import bf16_gemm, bf16_tile_config
+
+    x = _acts(m, k, seed=n, device="cuda").to(torch.bfloat16)
+    w = _weight(n, k, seed=m, device="cuda").to(torch.bfloat16)
+    out = bf16_gemm(x, w, pdl=pdl)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    exact = x.double() @ w.double().t()
+    e32 = _gemv_bound(x, w.double(), bf16_tile_config(m, n, k), torch.float32)
+    assert ((out.double() - exact).abs() <= e32 + 2.0**-8 * (exact.abs() + e32)).all()
