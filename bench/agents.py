@@ -337,6 +337,11 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
         "admission_pins_gone": float(stats.get("admission_pins_gone", 0)),
         # pages those pins gave up from their tails to live requests (the pin stays with the rest)
         "admission_pages_trimmed": float(stats.get("admission_pages_trimmed", 0)),
+        # admissions placed without the cached pages they matched, and the cached tokens admissions gave up
+        # (lost_tokens with the pin alive: a placement that fit only without them)
+        "admissions_from_scratch": float(stats.get("admissions_from_scratch", 0)),
+        "admission_dropped_tokens": float(stats.get("admission_dropped_tokens", 0)),
+        "age_down_skipped_pages": float(stats.get("age_down_skipped_pages", 0)),
         # prompt tokens the engine computed (on the decode worker: recompute after a preemption or a failed pull)
         "computed_tokens": counter("kvserving_worker_prompt_tokens_total"),
         **{f"{kind}_steps": float(v["count"]) for kind, v in stats.get("steps", {}).items()},
@@ -522,6 +527,9 @@ def run_stack(
                     "lost_tokens",
                     "admission_pins_gone",
                     "admission_pages_trimmed",
+                    "admissions_from_scratch",
+                    "admission_dropped_tokens",
+                    "age_down_skipped_pages",
                     "compiles",
                 ):
                     point[f"{role}_{key}"] = int(after[role][key] - before[role][key])

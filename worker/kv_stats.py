@@ -55,6 +55,11 @@ class KVStats:
     admission_pages_trimmed: int  # pages admission pins gave up from their tails to make room, since start
     capacity_tokens: int  # triaxial: at the expected INT2 share (KVCache.capacity_tokens)
     aged_pages: int = 0  # triaxial: 4-bit pages re-stored at 2 bits (age-down), since start
+    age_down_skipped_pages: int = 0  # triaxial: matched pages wanted at 2 bits, kept at 4 for want of INT2 room, since start
+    # admissions placed with fewer cached pages than they matched (Scheduler._admit), since start: those placed
+    # from scratch, and the cached tokens all of them gave up (computed again)
+    admissions_from_scratch: int = 0
+    admission_dropped_tokens: int = 0
     # Average bits per KV value over the pages held now (owned and cached, each page whole):
     # nominal (2 / 4) and with the fp16 scales and zeros (the page's bytes over its values).
     # None while the pool holds no page.
@@ -117,6 +122,9 @@ def collect(engine: LLMEngine) -> KVStats:
         admission_pages_trimmed=pool.trimmed_pages,
         capacity_tokens=engine.capacity_tokens,
         aged_pages=engine.kv.aged_pages,
+        age_down_skipped_pages=engine.kv.age_down_skipped_pages,
+        admissions_from_scratch=sched.from_scratch_admissions,
+        admission_dropped_tokens=sched.dropped_cached_tokens,
         stored_bits=stored_bits(held, nominal),
         stored_bits_with_metadata=stored_bits(held, kv.bits_per_value),
         owned_stored_bits=stored_bits(owned_by_bits, nominal),

@@ -129,6 +129,21 @@ class WorkerMetrics:
             "triaxial KV pages re-stored from 4 to 2 bits because a later request's tags wanted 2 (age-down)",
             registry=r,
         )
+        self.kv_age_down_skipped_pages = Counter(
+            "kvserving_worker_kv_age_down_skipped_pages_total",
+            "triaxial KV pages a request matched at 4 bits and wanted at 2, kept at 4 for want of INT2 room once it was placed",
+            registry=r,
+        )
+        self.kv_admissions_from_scratch = Counter(
+            "kvserving_worker_kv_admissions_from_scratch_total",
+            "admissions placed without any of the cached pages they matched (a placement fit only without them)",
+            registry=r,
+        )
+        self.kv_admission_dropped_tokens = Counter(
+            "kvserving_worker_kv_admission_dropped_tokens_total",
+            "cached prompt tokens admissions gave up to be placed (from scratch, or keeping only the pages that stay held): computed again",
+            registry=r,
+        )
         self.steps = Counter(
             "kvserving_worker_steps_total", "engine steps by kind: decode (one token a row) or mixed (prompt chunks)", ["kind"], registry=r
         )
@@ -243,6 +258,9 @@ class WorkerMetrics:
         self._grow(self.kv_reclaimed_leases, stats.reclaimed_leases)
         self._grow(self.kv_admission_pages_trimmed, stats.admission_pages_trimmed)
         self._grow(self.kv_aged_pages, stats.aged_pages)
+        self._grow(self.kv_age_down_skipped_pages, stats.age_down_skipped_pages)
+        self._grow(self.kv_admissions_from_scratch, stats.admissions_from_scratch)
+        self._grow(self.kv_admission_dropped_tokens, stats.admission_dropped_tokens)
         for kind, count in stats.step_counts.items():
             self._grow(self.steps.labels(kind=kind), count)
             self._grow(self.step_seconds.labels(kind=kind), stats.step_seconds[kind])

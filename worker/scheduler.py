@@ -26,6 +26,14 @@ bounded number of them. A queue with no other way forward takes the pins
 rather than wait for a prefill worker's transfer leases to be pulled (its
 pool is often held by them and by pins with nothing running): that wait
 would be the turn's time to first token, and no deadlock is possible.
+
+An admission places a request with its whole cached prefix; when that does
+not fit, with only the leading matched pages that stay held whatever it does
+(pulled pages under its own admission pin, unless its pins may yield) -- from
+scratch when none do: dropping a held page makes no room, it only computes
+its tokens again. Pages its tags now want at 2 bits are aged down once it is
+placed, never by an attempt that fails (``_admit``, ``kv/manager.py``).
+Counted: ``from_scratch_admissions``, ``dropped_cached_tokens``.
 """
 
 from __future__ import annotations
@@ -60,6 +68,10 @@ class Scheduler:
         # (the queue's head, the last ``queued`` that may overtake it): set when an idle step first found
         # the head unable to fit without pins (``_overtake``)
         self._held_up: tuple[Sequence, int] | None = None
+        # admissions placed with fewer cached pages than they matched (``_admit``), ever (counters): those
+        # placed from scratch, and the cached tokens all of them gave up (computed again)
+        self.from_scratch_admissions = 0
+        self.dropped_cached_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -106,22 +118,43 @@ class Scheduler:
         length (0: not now). ``reclaim``: the reclaimable pins that may yield (``RECLAIM_FIRST``: retained
         conversations only; ``RECLAIM_LAST``: the waiting requests' admission pins too).
 
-        First with its cached prefix, then, if that placement does not fit,
-        from scratch: matched pages can sit deep inside one end of a triaxial
-        buffer and block the other end, while a fresh placement (evicting
-        those cached pages) fits.
+        First with its whole cached prefix. If that placement does not fit,
+        once more with only the leading matched pages that stay held whatever
+        the placement does (``KVCacheManager.held_prefix``: its own admission
+        pin's pulled pages, unless ``reclaim`` lets that pin yield; from
+        scratch when there are none): matched pages can sit deep inside one
+        end of a triaxial buffer and block the other end, while a placement
+        that evicts them fits. Giving up pages that stay held makes no room
+        and only computes their tokens again, so the retry keeps them.
+
+        Matched pages its tags now want at 2 bits are aged down only once it is
+        placed (``KVCacheManager.age_matched``), in the room the placement left:
+        copies made first take room the placement may need, and a failed
+        attempt would leave them unpinned beside pinned originals that no
+        longer match (``kv/manager.py``).
         """
-        for use_prefix in (True, False):
-            hit = self.kv.match_prefix(seq) if use_prefix else 0
-            n = self._chunk_len(seq, budget)
-            if n and self.kv.allocate_until(seq, seq.num_tokens, reclaim_up_to=reclaim):
-                if seq.num_preemptions == 0:  # first admission (output_ids may be given: the prefill's token)
-                    seq.num_cached_prompt = min(hit, len(seq.prompt_ids))
-                return n
+        page = self.kv.page_size
+        wanted = self.kv.match_unaged(seq)
+        matched = len(wanted)
+        kept = matched
+        n = self._chunk_len(seq, budget)
+        placed = n > 0 and self.kv.allocate_until(seq, seq.num_tokens, reclaim_up_to=reclaim)
+        if not placed and n > 0 and matched:
+            kept = self.kv.held_prefix(seq, reclaim_up_to=reclaim)
+            if kept < matched:
+                self.kv.keep_matched(seq, kept)
+                n = self._chunk_len(seq, budget)
+                placed = n > 0 and self.kv.allocate_until(seq, seq.num_tokens, reclaim_up_to=reclaim)
+        if not placed:
             self.kv.free(seq)  # back to no pages, nothing computed
-            if hit == 0:
-                break
-        return 0
+            return 0
+        self.kv.age_matched(seq, wanted)
+        if kept < matched:
+            self.dropped_cached_tokens += (matched - kept) * page
+            self.from_scratch_admissions += int(kept == 0)
+        if seq.num_preemptions == 0:  # first admission (output_ids may be given: the prefill's token)
+            seq.num_cached_prompt = min(kept * page, len(seq.prompt_ids))
+        return n
 
     def _start(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Move an admitted ``seq`` from the queue to the running sequences, its first chunk ``n`` tokens."""

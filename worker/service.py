@@ -384,8 +384,11 @@ class WorkerService:
             "preemptions": st.preemptions,
             "admission_pins_gone": st.admission_pins_gone,
             "admission_pages_trimmed": st.admission_pages_trimmed,
+            "admissions_from_scratch": st.admissions_from_scratch,
+            "admission_dropped_tokens": st.admission_dropped_tokens,
             "steps": {kind: {"count": st.step_counts[kind], "seconds": round(st.step_seconds[kind], 6)} for kind in st.step_counts},
             "aged_pages": st.aged_pages,  # triaxial age-down: 4-bit pages re-stored at 2 bits
+            "age_down_skipped_pages": st.age_down_skipped_pages,  # ... and those kept at 4 for want of INT2 room
             # bits per value over the pages held (None: none held); the budget they are held to
             "stored_bits": {
                 "excluded": st.stored_bits,

@@ -306,8 +306,29 @@ def test_engine_greedy_tokens_after_aging_equal_a_non_aged_run(tiny_model_dir: P
         metrics.observe(stats)
         metrics.observe(stats)  # moved by the growth only
         assert registry.get_sample_value("kvserving_worker_kv_pages_aged_total") == eng.kv.aged_pages
+        # room for everything: every matched page placed and aged, none dropped
+        assert (stats.age_down_skipped_pages, stats.admissions_from_scratch, stats.admission_dropped_tokens) == (0, 0, 0)
     # measured: equal greedy tokens on the tiny model (12 of 12)
     assert outs[True] == outs[False]
+
+
+def test_admission_and_age_down_counters_reach_the_stats_and_the_metrics(tiny_model_dir: Path) -> None:
+    """Plumbing: the scheduler's and the manager's counters (set here; their paths are
+    tests/worker/test_scheduler_triaxial.py's) in /internal/kv/stats's snapshot and the worker metrics."""
+    eng = engine(tiny_model_dir, age_down=True)
+    eng.scheduler.from_scratch_admissions, eng.scheduler.dropped_cached_tokens = 2, 160
+    eng.kv.age_down_skipped_pages = 3
+    stats = collect(eng)
+    got = stats.to_dict()
+    assert [got[k] for k in ("admissions_from_scratch", "admission_dropped_tokens", "age_down_skipped_pages")] == [2, 160, 3]
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, role="prefill")
+    metrics.observe(stats)
+    metrics.observe(stats)  # moved by the growth only
+    assert [
+        registry.get_sample_value(f"kvserving_worker_kv_{name}_total")
+        for name in ("admissions_from_scratch", "admission_dropped_tokens", "age_down_skipped_pages")
+    ] == [2.0, 160.0, 3.0]
 
 
 @pytest.mark.parametrize("layer", [0, 1])

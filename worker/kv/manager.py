@@ -15,6 +15,14 @@ so a lease or another running sequence reading the old page sees the same
 bytes. Without INT2 room the page stays 4-bit (no eviction of retained
 conversations for it). ``age_cached`` does the same before a KV pull, for
 pages the sender offers at 2 bits that this worker holds at 4.
+
+The scheduler ages a request's pages only once its admission is placed
+(``match_unaged``, ``allocate_until``, then ``age_matched``): the
+copies take room beside originals that an admission pin keeps until the
+request runs, so made first they can make the placement fail; and an attempt
+that failed would leave them cached, unpinned, beside pinned originals that no
+longer match: evicted before the next attempt, the request's match would end
+there and its pulled tokens be computed again.
 """
 
 from __future__ import annotations
@@ -62,6 +70,8 @@ class KVCacheManager:
         self.bits_table = tuple(bits_table) if bits_table is not None else None
         self._requantize = requantize
         self.aged_pages = 0  # 4-bit pages re-stored at 2 bits for a request that wanted 2, ever (a counter)
+        # matched 4-bit pages a request wanted at 2 bits and kept at 4 for want of INT2 room, ever (a counter)
+        self.age_down_skipped_pages = 0
         # Triaxial with bit_budget_control "hold": sets page precision in place of bits_table.
         self.controller: BitBudgetController | None = None
 
@@ -147,8 +157,18 @@ class KVCacheManager:
         follower of the controller (a prefill worker): its pool is a cache of the
         pages its decode workers store, and a copy it makes there takes a page of
         a full pool without changing what the decode worker keeps (a pull takes
-        the twin held there, ``held_page``).
+        the twin held there, ``held_page``). The scheduler matches with
+        ``match_unaged`` and ages with ``age_matched`` once the request's pages
+        are placed (module docstring).
         """
+        self.age_matched(seq, self.match_unaged(seq))
+        return seq.num_computed
+
+    def match_unaged(self, seq: Sequence) -> list[int]:
+        """``match_prefix`` without the age-down: returns the precision the request wants for each
+        matched page, as the match saw it (``age_matched`` takes it; under the controller the cut
+        may move once the request's pages are observed, and the pages follow the cut they were
+        observed at)."""
         assert not seq.page_ids and seq.num_computed == 0
         max_pages = (seq.num_tokens - 1) // self.page_size
         wanted = self.page_bits_for(seq, 0, max_pages)
@@ -175,9 +195,39 @@ class KVCacheManager:
         seq.page_ids = matched
         seq.num_registered_pages = len(matched)
         seq.num_computed = len(matched) * self.page_size
-        if self.age_down and (self.controller is None or self.controller.leader):
-            self._age_down(seq, wanted)
-        return seq.num_computed
+        return wanted[: len(matched)]
+
+    def age_matched(self, seq: Sequence, wanted: Seq[int]) -> int:
+        """Age down ``seq``'s matched pages that ``wanted`` (``match_unaged``'s) puts at 2 bits
+        (``_age_down``) where this worker ages pages; returns how many were aged. The scheduler calls
+        it once the request is placed, so the copies take only the room its placement left."""
+        if not self.age_down or (self.controller is not None and not self.controller.leader):
+            return 0
+        return self._age_down(seq, wanted)
+
+    def held_prefix(self, seq: Sequence, *, reclaim_up_to: int) -> int:
+        """How many of ``seq``'s leading matched pages stay held whatever its placement does: besides
+        its own ref, a running sequence or a pin that ``allocate_until(reclaim_up_to=...)`` does not
+        make yield keeps them (its own admission pin among them, below ``RECLAIM_LAST``). Giving
+        them up makes no room; it only computes their tokens again."""
+        pool = self.pool
+        n = 0
+        for pid in seq.page_ids[: seq.num_computed // self.page_size]:
+            if pool.firm_refs(pid, reclaim_up_to) < 2:  # its own ref only
+                break
+            n += 1
+        return n
+
+    def keep_matched(self, seq: Sequence, num_pages: int) -> None:
+        """Give back ``seq``'s matched pages past its first ``num_pages`` (it holds no other page yet):
+        they go back to the prefix cache, tail first, and their tokens are computed."""
+        p = self.page_size
+        assert len(seq.page_ids) * p == seq.num_computed and 0 <= num_pages <= len(seq.page_ids)
+        self.pool.free(seq.page_ids[num_pages:])
+        del seq.page_ids[num_pages:]
+        del seq.page_hashes[num_pages:]
+        seq.num_registered_pages = num_pages
+        seq.num_computed = num_pages * p
 
     def _admission_pages(self, seq: Sequence) -> Counter[int]:
         """The refs ``seq``'s own admission pin (pages pulled for it) holds, by page: no other holder's."""
@@ -194,7 +244,8 @@ class KVCacheManager:
         """
         assert isinstance(self.pool, TriaxialPagePool) and self._requantize is not None
         pool = self.pool
-        cands = [i for i, pid in enumerate(seq.page_ids) if wanted[i] == 2 and page_id_bits(pid) == 4]
+        matched = seq.page_ids[: seq.num_computed // self.page_size]  # not the pages placed after them
+        cands = [i for i, pid in enumerate(matched) if wanted[i] == 2 and page_id_bits(pid) == 4]
         if self.controller is not None:
             # under the controller only pages no other holder keeps: a copy beside a page a lease or a
             # transfer hold keeps takes a second page until that holder lets go. The request's own admission
@@ -207,6 +258,7 @@ class KVCacheManager:
             if got is None:
                 break
             fresh += got
+        self.age_down_skipped_pages += len(cands) - len(fresh)
         if not fresh:
             return 0
         aged = cands[: len(fresh)]

@@ -400,6 +400,13 @@ class PagePoolBase:
             out[name] = out.get(name, 0) + 1
         return out
 
+    def firm_refs(self, page_id: int, up_to: int) -> int:
+        """Refs on ``page_id`` that no yield to an allocation with ``up_to`` (``allocate_reclaiming``)
+        takes away: requests' refs and the pins of a class it may not release."""
+        page = self._live(page_id)
+        yielding = sum(1 for pin_id in page.pins if RECLAIM_NEVER < self._pins[pin_id].reclaim <= up_to)
+        return page.ref_count - yielding
+
     def ref_count(self, page_id: int) -> int:
         self._check_id(page_id)
         page = self._pages.get(page_id)
