@@ -59,8 +59,8 @@ GROUP = 128  # the scale group along K and the weight tile edge
 
 @triton.jit
 def _block_gemm_kernel(
-    a_ptr,  # [M, K] activations (row-major): e4m3 codes, or bf16 values when not SCALED
-    sa_ptr,  # [M, K/128] fp32 activation scales (row-major); unused when not SCALED
+    a_ptr,  # [M, K] activations (row-major): e4m3 codes, or bf16 values when not SCALED or A16
+    sa_ptr,  # [M, K/128] fp32 activation scales (row-major); unused when not SCALED or A16
     w_ptr,  # [N, K] weight (row-major: K contiguous, what the dot's B wants): e4m3 codes, or bf16 values
     sw_ptr,  # [N/128, K/128] fp32 weight tile scales (row-major); unused when not SCALED
     c_ptr,  # [M, N] output (bf16 or fp32); with SPLIT_K > 1: [SPLIT_K, M, N] fp32 partials
@@ -77,7 +77,9 @@ def _block_gemm_kernel(
     BLOCK_N: tl.constexpr,  # output columns per program, divides 128
     BLOCK_K: tl.constexpr,  # K per step: 128 (one scale group) when SCALED
     SPLIT_K: tl.constexpr,  # programs along K: split s takes a contiguous run of the K / BLOCK_K steps
-    SCALED: tl.constexpr,  # a and w hold e4m3 codes with per-row-group / per-tile scales; False: bf16 values
+    SCALED: tl.constexpr,  # w holds e4m3 codes with per-tile scales (and a codes with per-row-group scales, unless
+    # A16); False: both hold bf16 values
+    A16: tl.constexpr,  # SCALED with bf16 activations as they are: each weight tile widened to bf16 in registers
     PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): wait before any access
     NATIVE: tl.constexpr,  # bf16 values enter the dot as they are; 0 in the interpreter, whose bf16 dot is wrong
     # (numpy has no bf16): they enter as fp32 there, where bf16 values and their products are exact
@@ -103,7 +105,13 @@ def _block_gemm_kernel(
         kk = kb * BLOCK_K + ks
         a = tl.load(a_row + kk[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_col + kk[:, None], mask=col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        if SCALED:
+        if SCALED and A16:  # e4m3 is exact in bf16: the step's products are exact, its sum fp32
+            sw = tl.load(sw_tile + kb)
+            if NATIVE:
+                acc += tl.dot(a, w.to(tl.bfloat16), out_dtype=tl.float32) * sw
+            else:
+                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee", out_dtype=tl.float32) * sw
+        elif SCALED:
             sa = tl.load(sa_row + kb, mask=row_ok, other=0.0)  # [BLOCK_M]
             sw = tl.load(sw_tile + kb)
             acc += tl.dot(a, w, out_dtype=tl.float32) * (sa[:, None] * sw)
@@ -326,6 +334,7 @@ class Tiles:
     stages: int
     split_k: int = 1
     block_k: int = GROUP
+    a16: bool = False  # FP8 weights times the bf16 activations as they are (no activation quantization)
 
     def __post_init__(self) -> None:
         if self.block_m not in (16, 32, 64, 128):
@@ -343,17 +352,18 @@ class Tiles:
 
     @property
     def label(self) -> str:
-        """``16x32w4s3k1``: BLOCK_M x BLOCK_N, warps, stages, K splits, then ``b64`` where a step's K is not 128
-        (``parse`` reads it back)."""
-        tail = "" if self.block_k == GROUP else f"b{self.block_k}"
+        """``16x32w4s3k1``: BLOCK_M x BLOCK_N, warps, stages, K splits, then ``b64`` where a step's K is not 128 and
+        ``a16`` for bf16 activations (``parse`` reads it back)."""
+        tail = ("" if self.block_k == GROUP else f"b{self.block_k}") + ("a16" if self.a16 else "")
         return f"{self.block_m}x{self.block_n}w{self.warps}s{self.stages}k{self.split_k}{tail}"
 
     @classmethod
     def parse(cls, text: str) -> Tiles:
-        found = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)k(\d+)(?:b(\d+))?", text.strip())
+        found = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)k(\d+)(?:b(\d+))?(a16)?", text.strip())
         if found is None:
-            raise ValueError(f"tiles {text!r}: expected BMxBNwWARPSsSTAGESkSPLITS[bBLOCK_K], e.g. 16x32w4s3k1")
-        return cls(*(int(v) for v in found.groups() if v is not None))
+            raise ValueError(f"tiles {text!r}: expected BMxBNwWARPSsSTAGESkSPLITS[bBLOCK_K][a16], e.g. 16x32w4s3k1")
+        bm, bn, warps, stages, split, block_k, a16 = found.groups()
+        return cls(int(bm), int(bn), int(warps), int(stages), int(split), int(block_k or GROUP), a16 is not None)
 
 
 # Programs a decode-sized GEMM aims for: three per SM on a 132-SM H100/H200, so each SM keeps three programs' weight
@@ -491,16 +501,24 @@ def gemv_config(m: int, n: int, k: int) -> Gemv:
     return Gemv(block_n, block_k, 4, 1, gemv_split(triton.cdiv(n, block_n), k // block_k))
 
 
+A16_ROWS = 4  # the most tokens the dispatch gives the block GEMM on unquantized activations (``a16``)
+
+
 def launch_config(m: int, n: int, k: int) -> Tiles | Gemv:
     """The dispatch: the GEMV at M = 1, and at M = 2 where the block GEMM would split K (qkv, o and down of the
-    Qwen3-8B shape): no activation quantization, no padded MMA rows, no split sum of 16-row tiles; else the block
-    GEMM at ``tile_config``'s tiles. Measured on the H200 (us, block GEMM -> GEMV at ``gemv_config``): M = 1 qkv
-    12.0 -> 8.5, o 10.1 -> 6.4, gate_up 28.0 -> 25.5, down 19.8 -> 14.4 (one layer 70.0 -> 54.8); M = 2 qkv 12.2
-    -> 10.2, o 10.3 -> 8.6, down 20.0 -> 19.8, while gate_up (384 column tiles of the block GEMM fill the grid)
-    stays on the block GEMM, 28.3 against 31.7, as M = 4 does on every shape."""
+    Qwen3-8B shape): no activation quantization, no padded MMA rows, no split sum of 16-row tiles; at M 3-4 where it
+    splits K the block GEMM on the activations as they are (``a16``: no quantizer launch); else the block GEMM at
+    ``tile_config``'s tiles on quantized activations. Measured on the H200 (us, block GEMM -> GEMV at
+    ``gemv_config``): M = 1 qkv 12.0 -> 8.5, o 10.1 -> 6.4, gate_up 28.0 -> 25.5, down 19.8 -> 14.4 (one layer 70.0
+    -> 54.8); M = 2 qkv 12.2 -> 10.2, o 10.3 -> 8.6, down 20.0 -> 19.8, while gate_up (384 column tiles of the block
+    GEMM fill the grid) stays on the block GEMM, 28.3 against 31.7. On an H100 at M = 4 (quantizer + block GEMM ->
+    ``a16``): qkv 14.5 -> 13.7, o 11.6 -> 10.1, down 24.5 -> 23.4, gate_up 38.0 -> 41.5 (kept); at M = 8 ``a16``
+    is slower on every shape (the widening of each weight tile in registers costs more than the quantizer saves)."""
     tiles = tile_config(m, n, k)
     if m == 1 or (m <= GEMV_DISPATCH_ROWS and tiles.split_k > 1):
         return gemv_config(m, n, k)
+    if m <= A16_ROWS and tiles.split_k > 1:
+        return dataclasses.replace(tiles, a16=True)
     return tiles
 
 
@@ -539,19 +557,30 @@ def block_gemm(qa: Tensor, sa: Tensor, codes: Tensor, scale: Tensor, *, out_dtyp
         return out
     o = _OVERRIDE.get()
     t = o if isinstance(o, Tiles) else tile_config(m, n, k)
-    if t.block_k != GROUP:
-        raise ValueError(f"block_gemm: FP8 weights step K by their scale group, {GROUP}; tiles {t.label} say {t.block_k}")
+    if t.block_k != GROUP or t.a16:
+        raise ValueError(f"block_gemm: quantized activations step K by their scale group, {GROUP}; tiles {t.label} do not")
+    return _launch(qa, sa, codes, scale, t, out, scaled=True, a16=False, pdl=False)
+
+
+def _launch(a: Tensor, sa: Tensor, w: Tensor, sw: Tensor, t: Tiles, out: Tensor, *, scaled: bool, a16: bool,
+            pdl: bool) -> Tensor:  # fmt: skip
+    """``_block_gemm_kernel`` at tiles ``t`` into ``out`` [M, N] (checked operands, K a multiple of t.block_k), and the
+    partials' sum where K is split."""
+    m, k = a.shape
+    n = w.shape[0]
     # c: the output, or [S, M, N] fp32 partials that the second launch sums in split order
-    c = out if t.split_k == 1 else torch.empty((t.split_k, m, n), dtype=torch.float32, device=qa.device)
+    c = out if t.split_k == 1 else torch.empty((t.split_k, m, n), dtype=torch.float32, device=a.device)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
     _block_gemm_kernel[grid](
-        qa, sa, codes, scale, c, m, n, k,
-        qa.stride(0), sa.stride(0), codes.stride(0), scale.stride(0), c.stride(-2), c.stride(0) if t.split_k > 1 else 0,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=GROUP, SPLIT_K=t.split_k, SCALED=True, PDL=False, NATIVE=True,
-        num_warps=t.warps, num_stages=t.stages,
+        a, sa, w, sw, c, m, n, k,
+        a.stride(0), sa.stride(0) if scaled and not a16 else 0, w.stride(0), sw.stride(0) if scaled else 0, c.stride(-2),
+        c.stride(0) if t.split_k > 1 else 0,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, SCALED=scaled, A16=a16, PDL=pdl,
+        NATIVE=_native_dot(a.device) or (scaled and not a16), num_warps=t.warps, num_stages=t.stages,
+        **triton_pdl.launch_args(pdl),
     )  # fmt: skip
     if t.split_k > 1:
-        _sum_splits(c, out)
+        _sum_splits(c, out, pdl=pdl)
     return out
 
 
@@ -576,23 +605,37 @@ def bf16_gemm(x: Tensor, weight: Tensor, *, out_dtype: torch.dtype = torch.bfloa
     t = o if isinstance(o, Tiles) else bf16_tile_config(m, n, k)
     if k % t.block_k:
         raise ValueError(f"bf16_gemm: BLOCK_K {t.block_k} must divide K = {k}")
+    if t.a16:
+        raise ValueError(f"bf16_gemm: tiles {t.label} are for FP8 weights (a16)")
     x, weight = (v if v.stride(1) == 1 else v.contiguous() for v in (x, weight))
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    # c: the output, or [S, M, N] fp32 partials that the second launch sums in split order
-    c = out if t.split_k == 1 else torch.empty((t.split_k, m, n), dtype=torch.float32, device=x.device)
-    on = triton_pdl.resolve(pdl, x.device)
-    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
-    _block_gemm_kernel[grid](
-        x, x, weight, weight, c, m, n, k,
-        x.stride(0), 0, weight.stride(0), 0, c.stride(-2), c.stride(0) if t.split_k > 1 else 0,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, SCALED=False, PDL=on,
-        NATIVE=_native_dot(x.device), num_warps=t.warps, num_stages=t.stages, **triton_pdl.launch_args(on),
-    )  # fmt: skip
-    if t.split_k > 1:
-        _sum_splits(c, out, pdl=on)
-    return out
+    return _launch(x, x, weight, weight, t, out, scaled=False, a16=False, pdl=triton_pdl.resolve(pdl, x.device))
+
+
+def block_gemm_a16(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
+                   pdl: bool | None = None) -> Tensor:  # fmt: skip
+    """x [M, K] bf16 as it is (no activation quantization) times e4m3 ``codes`` [N, K] with ``scale`` [ceil(N/128),
+    K/128] fp32 -> [M, N] ``out_dtype``: each weight tile widened to bf16 in registers (exact), tensor-core dot with
+    fp32 sums, scaled per 128-wide step, at ``tiles_override``'s launch or ``tile_config``'s with ``a16``.
+    ``pdl``: with programmatic dependent launch (None: ``triton_pdl.resolve``'s choice)."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"block_gemm_a16: x must be bfloat16 [M, K], got {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape
+    if k % GROUP:
+        raise ValueError(f"block_gemm_a16: K = {k} must be a multiple of {GROUP}")
+    _check_weight("block_gemm_a16", k, codes, scale)
+    n = codes.shape[0]
+    o = _OVERRIDE.get()
+    t = o if isinstance(o, Tiles) else dataclasses.replace(tile_config(m, n, k), a16=True)
+    if t.block_k != GROUP or not t.a16:
+        raise ValueError(f"block_gemm_a16: FP8 weights step K by their scale group, {GROUP}, with a16 tiles; got {t.label}")
+    x, codes, scale = (v if v.stride(1) == 1 else v.contiguous() for v in (x, codes, scale))
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    return _launch(x, x, codes, scale, t, out, scaled=True, a16=True, pdl=triton_pdl.resolve(pdl, x.device))
 
 
 def _sum_splits(partials: Tensor, out: Tensor, *, pdl: bool = False) -> None:
@@ -660,11 +703,13 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, *, out_dtype: torch.dt
 
 def linear(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """x [M, K] bf16 -> [M, N] ``out_dtype`` through the kernel ``launch_config`` (or ``tiles_override``) picks: the
-    GEMV on x as it is, or the per-128 quantizer and the block GEMM."""
+    GEMV on x as it is, the block GEMM on x as it is (``a16`` tiles), or the per-128 quantizer and the block GEMM."""
     if x.dim() != 2:
         raise ValueError(f"linear: x must be [M, K], got {tuple(x.shape)}")
     launch = _OVERRIDE.get() or launch_config(x.shape[0], codes.shape[0], x.shape[1])
     if isinstance(launch, Gemv):
         return gemv(x, codes, scale, out_dtype=out_dtype)
+    if launch.a16:
+        return block_gemm_a16(x, codes, scale, out_dtype=out_dtype)
     qa, sa = quantize(x, group=GROUP)
     return block_gemm(qa, sa, codes, scale, out_dtype=out_dtype)

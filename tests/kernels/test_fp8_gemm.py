@@ -309,6 +309,31 @@ def test_bf16_block_gemm_equals_the_exact_product_under_every_tile_shape(label: 
             assert bound.max().item() < 2e-3 * ref.abs().max().item()
 
 
+@interpreter_only
+@pytest.mark.parametrize("label", ["16x64w4s4k1a16", "32x64w4s3k3a16", "64x32w4s4k2a16", "16x128w8s2k5a16"])
+@pytest.mark.parametrize("m", [3, 17, 64])
+def test_a16_block_gemm_equals_the_dequantized_product_under_every_tile_shape(label: str, m: int) -> None:
+    """FP8 block-scaled weights times bf16 activations as they are (each e4m3 tile widened to bf16, exact): the
+    dequantized weight times x in float64 within the GEMV's fp32 bound; N 200 and 72 (last tiles part-used, a
+    half-used 128-row scale tile), K 1024 split 1-5 ways; through ``linear`` (the dispatch reads ``a16``)."""
+    from kvserving.kernels.triton_fp8_gemm import Tiles, linear, tiles_override
+
+    launch = Tiles.parse(label)
+    for out_dtype, n, seed in ((torch.bfloat16, 200, m), (torch.float32, 72, m + 7)):
+        x = _acts(m, 1024, seed=seed).to(torch.bfloat16)
+        codes, scale = fp8_gemm.quantize_blocks(_weight(n, 1024, seed=seed + m))
+        exact = fp8_gemm.dequantize(codes, scale, scheme="block").double()
+        with tiles_override(launch):
+            out = linear(x, codes, scale, out_dtype=out_dtype)
+        assert out.shape == (m, n) and out.dtype == out_dtype
+        ref = x.double() @ exact.t()
+        err = (out.double() - ref).abs()
+        bound = _gemv_bound(x, exact, launch, out_dtype)
+        assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g} at M {m}, N {n}, {label}"
+        if out_dtype == torch.float32:  # and tight: quantizing x (2^-4 a value) would miss it by far
+            assert bound.max().item() < 2e-3 * ref.abs().max().item()
+
+
 def test_bf16_tile_config_takes_one_row_tile_and_splits_k_to_one_program_an_sm() -> None:
     """One row tile holds M (16, 32, 64, 128); 64 columns; K split in powers of two while the grid stays within
     BF16_PROGRAMS (132) with >= 8 steps a split: at the Qwen3-8B shapes qkv none (96 column tiles), o 2 (64 x 2 =
@@ -343,8 +368,9 @@ def test_block_gemm_refuses_a_k_step_other_than_its_scale_group() -> None:
 
     codes, scale = fp8_gemm.quantize_blocks(_weight(128, 256, seed=0))
     qa, sa = fp8_gemm.quantize_activations(_acts(2, 256, seed=1), scheme="block")
-    with tiles_override(Tiles.parse("16x64w4s4k1b64")), pytest.raises(ValueError, match="scale group, 128"):
-        block_gemm(qa, sa, codes, scale)
+    for label in ("16x64w4s4k1b64", "16x64w4s4k1a16"):
+        with tiles_override(Tiles.parse(label)), pytest.raises(ValueError, match="scale group, 128"):
+            block_gemm(qa, sa, codes, scale)
 
 
 def test_tiles_labels_read_back_with_and_without_a_k_step() -> None:
@@ -352,6 +378,9 @@ def test_tiles_labels_read_back_with_and_without_a_k_step() -> None:
 
     assert Tiles.parse("64x64w4s4k2b64") == Tiles(64, 64, 4, 4, 2, 64) and Tiles(64, 64, 4, 4, 2, 64).label == "64x64w4s4k2b64"
     assert Tiles(16, 64, 4, 4, 1).label == "16x64w4s4k1"
+    assert (
+        Tiles.parse("16x64w4s4k4a16") == Tiles(16, 64, 4, 4, 4, a16=True) and Tiles(16, 64, 4, 4, 4, 64, True).label == "16x64w4s4k4b64a16"
+    )
     with pytest.raises(ValueError, match="block_k"):
         Tiles(16, 64, 4, 4, 1, 48)
 
@@ -381,15 +410,15 @@ def test_the_gated_gemv_equals_the_gemv_of_silu_mul_bit_for_bit(weight: str, m: 
         gemv(gate_up[:, 1:], w, scale, gated=True)
 
 
-def test_the_dispatch_takes_the_gemv_at_m_1_and_at_m_2_where_the_block_gemm_splits_k() -> None:
+def test_the_dispatch_takes_the_gemv_at_m_1_and_at_m_2_and_unquantized_activations_at_m_3_4_where_the_block_gemm_splits_k() -> None:
     from kvserving.kernels.triton_fp8_gemm import Gemv, Tiles, gemv_config, gemv_split, launch_config, tile_config
 
-    got = {(n, k): [launch_config(m, n, k).label for m in (1, 2, 3, 4)] for n, k in QWEN3_8B_SHAPES[:4]}
+    got = {(n, k): [launch_config(m, n, k).label for m in (1, 2, 3, 4, 5)] for n, k in QWEN3_8B_SHAPES[:4]}
     assert got == {
-        (6144, 4096): ["g8x1024w4s1k1"] * 2 + ["16x64w4s4k4"] * 2,  # 768 column tiles of 8 rows: no K split
-        (4096, 4096): ["g8x2048w4s1k1", "g8x1024w4s1k1"] + ["16x64w4s4k4"] * 2,  # 512 tiles: 2048-wide steps at M 1
-        (24576, 4096): ["g8x1024w4s1k1"] + ["16x64w4s4k1"] * 3,  # at M 2 the block GEMM's 384 column tiles fill the grid
-        (4096, 12288): ["g8x2048w4s1k1", "g8x1024w4s1k1"] + ["16x64w4s4k4"] * 2,  # 512 tiles, 6 / 12 steps
+        (6144, 4096): ["g8x1024w4s1k1"] * 2 + ["16x64w4s4k4a16"] * 2 + ["16x64w4s4k4"],  # 768 column tiles of 8 rows: no K split
+        (4096, 4096): ["g8x2048w4s1k1", "g8x1024w4s1k1"] + ["16x64w4s4k4a16"] * 2 + ["16x64w4s4k4"],  # 2048-wide steps at M 1
+        (24576, 4096): ["g8x1024w4s1k1"] + ["16x64w4s4k1"] * 4,  # at M 2 the block GEMM's 384 column tiles fill the grid
+        (4096, 12288): ["g8x2048w4s1k1", "g8x1024w4s1k1"] + ["16x64w4s4k4a16"] * 2 + ["16x64w4s4k4"],  # 6 / 12 steps
     }
     for n, k in QWEN3_8B_SHAPES[:4]:
         assert launch_config(5, n, k) == tile_config(5, n, k) and isinstance(launch_config(5, n, k), Tiles)
@@ -611,4 +640,23 @@ def test_gpu_bf16_block_gemm_within_fp32_rounding_at_qwen3_8b_shapes(m: int, n: 
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     exact = x.double() @ w.double().t()
     e32 = _gemv_bound(x, w.double(), bf16_tile_config(m, n, k), torch.float32)
+    assert ((out.double() - exact).abs() <= e32 + 2.0**-8 * (exact.abs() + e32)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [3, 16, 64])
+@pytest.mark.parametrize(("n", "k"), QWEN3_8B_SHAPES[:4])
+@pytest.mark.parametrize("label", ["16x64w4s4k4a16", "64x64w4s4k2a16", "16x128w8s4k2a16"])
+def test_gpu_a16_block_gemm_within_fp32_rounding_at_qwen3_8b_shapes(m: int, n: int, k: int, label: str) -> None:
+    """FP8 block weights times bf16 activations as they are, on the tensor cores: the dequantized product within
+    the GEMV's fp32 bound and the bf16 output's rounding (2^-8)."""
+    from kvserving.kernels.triton_fp8_gemm import Tiles, block_gemm_a16, tiles_override
+
+    x = _acts(m, k, seed=n, device="cuda").to(torch.bfloat16)
+    codes, scale = fp8_gemm.quantize_blocks(_weight(n, k, seed=m, device="cuda"))
+    launch = Tiles.parse(label)
+    with tiles_override(launch):
+        out = block_gemm_a16(x, codes, scale)
+    exact = x.double() @ fp8_gemm.dequantize(codes, scale, scheme="block").double().t()
+    e32 = _gemv_bound(x, fp8_gemm.dequantize(codes, scale, scheme="block").double(), launch, torch.float32)
     assert ((out.double() - exact).abs() <= e32 + 2.0**-8 * (exact.abs() + e32)).all()
