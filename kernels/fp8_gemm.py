@@ -34,9 +34,10 @@ plus, with a static ``input_scale``, all of the excess of a value past 448 * s (
 - ``linear_quantized_ref``: the GPU paths' arithmetic in fp32 torch (activations quantized
   the same way): the spec the kernels are tested against at tiny sizes;
 - ``linear_cuda``: rows through ``torch._scaled_mm`` (row-wise scales, CUTLASS); block
-  at M = 1, and at M = 2 on weights whose column tiles do not fill the GPU (``launch_config``), through our Triton GEMV, which reads the bf16 activations
-  as they are (``uses_gemv``: no activation quantization, so only the fp32 sums and the bf16
-  output round), else through ``torch.nn.functional.scaled_mm`` with BlockWise1x128 x
+  at M = 1, and at M = 2 on weights whose column tiles do not fill the GPU (``launch_config``), through our Triton GEMV,
+  and at M = 3-4 on weights whose block GEMM splits K through our Triton block GEMM on the bf16 activations as they
+  are (``a16``): both read the activations unquantized (``unquantized``: only the fp32 sums and the bf16 output
+  round), else through ``torch.nn.functional.scaled_mm`` with BlockWise1x128 x
   BlockWise128x128 scales (cuBLASLt >= 12.9, sm_90 only) or our Triton block GEMM
   (``triton_fp8_gemm``; every other GPU, and on request).
 """
@@ -238,15 +239,16 @@ def linear_cuda(
 ) -> Tensor:  # fmt: skip
     """x [M, K] bf16 (CUDA) -> [M, N] bf16. ``scale``: rows [N] or block [N/128, K/128] fp32;
     ``scale_cublas``: ``cublas_block_scales(scale)`` (block, built once at load); ``backend`` picks the block
-    GEMM: "auto" (the Triton GEMV where ``uses_gemv``, else cuBLASLt where it runs, else Triton's block GEMM),
-    "cublas" or "triton" (the GEMV or the block GEMM, as ``uses_gemv`` says)."""
+    GEMM: "auto" (Triton where ``unquantized``, else cuBLASLt where it runs, else Triton's block GEMM), "cublas" or
+    "triton" (the GEMV, the block GEMM on unquantized activations or the quantizer and the block GEMM, as
+    ``triton_fp8_gemm.launch_config`` says)."""
     if backend not in BLOCK_BACKENDS:
         raise ValueError(f"backend must be one of {BLOCK_BACKENDS}, got {backend!r}")
     if scheme == "rows":
         qa, sa = quantize_activations(x, scheme=scheme, input_scale=input_scale, fused=True)
         # Row-wise scaled GEMM (both operands per row): scale_a [M, 1], scale_b [1, N]; B column-major.
         return torch._scaled_mm(qa, codes.t(), scale_a=sa, scale_b=scale.view(1, -1), bias=bias, out_dtype=x.dtype)
-    if backend == "cublas" or (backend == "auto" and not uses_gemv(x.shape[0], codes.shape[0], x.shape[1])
+    if backend == "cublas" or (backend == "auto" and not unquantized(x.shape[0], codes.shape[0], x.shape[1])
                                and cublas_block_supported(x.device.index or 0)):  # fmt: skip
         qa, sa = quantize_activations(x, scheme=scheme, fused=True, column_major=True)
         out = _block_cublas(qa, sa, codes, cublas_block_scales(scale) if scale_cublas is None else scale_cublas, x.dtype)
@@ -255,7 +257,9 @@ def linear_cuda(
     return out if bias is None else out + bias
 
 
-def uses_gemv(m: int, n: int, k: int) -> bool:
-    """Whether the block-scaled product of M tokens by an [N, K] weight runs the Triton GEMV (x unquantized) rather
-    than an MMA GEMM on quantized activations: ``triton_fp8_gemm.launch_config``'s dispatch."""
-    return isinstance(_triton_gemm().launch_config(m, n, k), _triton_gemm().Gemv)
+def unquantized(m: int, n: int, k: int) -> bool:
+    """Whether the block-scaled product of M tokens by an [N, K] weight runs Triton on the activations as they are
+    (the GEMV, or the block GEMM's ``a16`` tiles) rather than an MMA GEMM on quantized activations:
+    ``triton_fp8_gemm.launch_config``'s dispatch."""
+    launch = _triton_gemm().launch_config(m, n, k)
+    return isinstance(launch, _triton_gemm().Gemv) or launch.a16

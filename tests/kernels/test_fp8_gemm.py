@@ -422,7 +422,8 @@ def test_the_dispatch_takes_the_gemv_at_m_1_and_at_m_2_and_unquantized_activatio
     }
     for n, k in QWEN3_8B_SHAPES[:4]:
         assert launch_config(5, n, k) == tile_config(5, n, k) and isinstance(launch_config(5, n, k), Tiles)
-        assert not fp8_gemm.uses_gemv(3, n, k) and fp8_gemm.uses_gemv(2, n, k) == (n != 24576) and fp8_gemm.uses_gemv(1, n, k)
+        assert not fp8_gemm.unquantized(5, n, k) and fp8_gemm.unquantized(3, n, k) == (n != 24576)
+        assert fp8_gemm.unquantized(2, n, k) == (n != 24576) and fp8_gemm.unquantized(1, n, k)
     assert gemv_config(1, 512, 384).label == "g8x128w4s1k1"  # K 384: steps of 128; 64 tiles, 3 steps: no split
     assert gemv_config(1, 256, 4096).label == "g8x2048w4s1k1"  # 32 tiles, 2 steps: too few to split
     assert gemv_config(2, 256, 4096).label == "g8x1024w4s1k2"  # 32 tiles, 4 steps: split in two
@@ -524,13 +525,14 @@ def _check_cuda_gemm(m: int, n: int, k: int, scheme: str, backend: str, static: 
     bound = fp8_gemm.gemm_error_bound(x.float(), codes, scale, scheme=scheme, input_scale=input_scale)
     err = (out.float() - ref).abs()
     assert (err <= bound).all(), f"worst excess {(err - bound).max().item()} at {m}x{n}x{k}"
-    if scheme == "block" and backend != "cublas" and fp8_gemm.uses_gemv(m, n, k):
-        # the GEMV: activations not quantized, only the fp32 sums and the bf16 output round (to nearest on the GPU: 2^-8)
-        from kvserving.kernels.triton_fp8_gemm import gemv_config
+    if scheme == "block" and backend != "cublas" and fp8_gemm.unquantized(m, n, k):
+        # the GEMV or the a16 block GEMM: activations not quantized, only the fp32 sums and the bf16 output round (to
+        # nearest on the GPU: 2^-8)
+        from kvserving.kernels.triton_fp8_gemm import launch_config
 
         w64 = fp8_gemm.dequantize(codes, scale, scheme="block").double()
         exact = x.double() @ w64.t()
-        e32 = _gemv_bound(x, w64, gemv_config(m, n, k), torch.float32)
+        e32 = _gemv_bound(x, w64, launch_config(m, n, k), torch.float32)
         assert ((out.double() - exact).abs() <= e32 + 2.0**-8 * (exact.abs() + e32)).all()
         return
     # and the same arithmetic as the torch spec of the quantized product, up to output rounding and sum order
