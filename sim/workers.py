@@ -448,28 +448,31 @@ class Worker:
     def _admit(self, req: Req, budget: int, now: float, *, pins: bool) -> tuple[_Seq, int] | None:
         """``Scheduler._admit`` for a waiting ``req``: its cached prefix, pages for all its known tokens
         (all or nothing); the pull pin goes once it holds its own refs. ``pins``: the waiting requests'
-        admission pins (its own included) may yield to it."""
+        admission pins (its own included) may yield to it.
+
+        One placement, with the whole cached prefix. The worker retries one that does not fit with
+        only the matched pages that stay held (from scratch when none do), for its triaxial slabs,
+        where matched pages inside one end of a buffer can block the other end. In one pool of pages
+        (the replay's, every format's) that retry never fits: each matched page it gives up frees at
+        most one page and needs one more.
+        """
         p = self.page_size
         tokens = self._tokens(req)
         cache = self.cache
         h = cache.match(req.segs, (tokens - 1) // p)
-        while True:  # with the cached prefix, then (when that does not fit) from scratch
-            left = tokens - h * p
-            n = min(left, self.sched.chunk_size, budget)
-            if n < left:
-                n -= n % p
-            if n <= 0:
-                return None
-            hold = cache.new_hold()
-            cache.ref(hold, req.segs, h)
-            need = -(-tokens // p) - h
-            if self.allocate(hold, need, now, pins=pins):
-                break
+        left = tokens - h * p
+        n = min(left, self.sched.chunk_size, budget)
+        if n < left:
+            n -= n % p
+        if n <= 0:
+            return None
+        hold = cache.new_hold()
+        cache.ref(hold, req.segs, h)
+        need = -(-tokens // p) - h
+        if not self.allocate(hold, need, now, pins=pins):
             cache.release(hold)  # the prefix goes back to the cache, evictable like any other
             self._mark_freed()
-            if h == 0:
-                return None
-            h = 0
+            return None
         req.hold = hold
         if not req.preemptions:  # the first admission: what the prompt found cached (usage.cached_tokens)
             req.hit_pages = h

@@ -1,6 +1,6 @@
 """The simulated workers' engine steps (kvserving.sim.workers): pages as sequences grow, the
 newest running sequence preempted when none are left (``worker/scheduler.py``), its cached
-pages reused when it is readmitted, a prefix dropped when only a fresh placement fits, a pull
+pages reused when it is readmitted, an admission placed with its whole cached prefix or not at all, a pull
 waiting for pages (``worker/kv/puller.py``; a prefill worker's does not), pulled pages pinned until
 admission (held against the queue head's admission while a sequence runs), and the benchmark's point window."""
 
@@ -429,3 +429,36 @@ def test_an_engine_call_during_a_run_of_decode_steps_runs_when_the_step_in_progr
     dec.engine_call(after_prompt, None, 0.0)
     sim.run()
     assert len(times) > 6 and calls == [times[5]]
+
+
+def test_an_admission_that_does_not_fit_with_its_pulled_prefix_waits_with_it_and_is_not_placed_from_scratch() -> None:
+    """``Scheduler._admit`` in one pool of pages: an 8-page decode pool, nothing running, a hold no
+    sequence owns on 4 pages; W's pull READs 3 pages ((64 - 1) // 16 usable), pinned, 1 free. W (65
+    tokens: 5 pages, 2 new) is the idle queue's head, so its own pin may yield to it, yet its
+    placement fails: the pin's pages are its prefix. From scratch it would need 5 pages where its
+    pin's 3 and the free one make 4 -- in one pool a placement with fewer matched pages never fits
+    where the whole prefix did not. W waits with its pin whole and nothing evicted; when the hold
+    lets go (10 ms) it is placed with all 3 pulled pages and computes 17 tokens."""
+    reuse = ReuseConfig(recompute_threshold_tokens=32)
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(8), reuse=reuse), LoadSpec())
+    pre, dec = sim.prefill[0], sim.decode[0]
+    done: list[int] = []
+    dec.on_done = lambda req, now: done.append(req.turn_id)
+    blocking = dec.cache.new_hold()
+    assert dec.cache.allocate(blocking, 4)
+    w = _req(3, 64, 4)
+    dec.pull(w, _offer(pre, w, 3, retained=False), 0.0, lambda r, out, now: None)
+    assert w.pin is not None and dec.cache.free == 1
+    dec.arrive(w, 0.0)
+    pin = w.pin
+    assert not dec.running and list(dec.waiting) == [w] and dec.stats.computed_tokens == 0
+    assert pin.alive(0.0) and dec.cache.owned(3) == 3 and dec.cache.evicted == 0 and dec.stats.pages_trimmed == 0
+
+    def let_go(now: float) -> None:
+        dec.cache.release(blocking)
+        dec.on_freed(now)
+
+    sim.at(10e-3, let_go)
+    sim.run()
+    assert done == [3] and (w.in_place, w.hit_pages, w.remote_pages) == (3, 3, 3)
+    assert (dec.stats.computed_tokens, dec.stats.lost_tokens, dec.stats.leases_reclaimed, dec.cache.evicted) == (17, 0, 0, 0)
