@@ -705,8 +705,9 @@ def test_gpu_run_ab_steps_alternate_the_engine_bench_off_and_on_twice(tmp_path: 
         f"== {var}=0, run 1 (exit 0)", f"== {var}=1, run 1 (exit 0)", f"== {var}=0, run 2 (exit 0)", f"== {var}=1, run 2 (exit 4)",
     ]  # fmt: skip
     if step == "gemv":  # the projections' sweep first, with the variable unset
-        assert (out / "gemm.log").read_text() == (f"{var}= python3 bench/fp8_gemm_gpu.py --tokens 1,2 --tiles 16x64w4s4k4 "
-                                                  f"--gemv g8x2048w4s1k1 --out {out}/fp8_gemm_gpu.json\n")  # fmt: skip
+        assert (out / "gemm.log").read_text() == (f"{var}= python3 bench/fp8_gemm_gpu.py --tokens 1,2,8,16 --tiles 16x64w4s4k4 "
+                                                  f"--gemv g8x2048w4s1k1 --bf16-tiles 64w4s4k2,128w8s4k2 "
+                                                  f"--out {out}/fp8_gemm_gpu.json\n")  # fmt: skip
     assert proc.returncode == 1
     assert proc.stderr == f"gpu_run.sh: error: engine_gpu.py failed with {var}=1 (exit 4, log in {out}/engine_{step}1_2.log)\n"
 
