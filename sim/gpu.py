@@ -139,12 +139,14 @@ def reproduce(
         first = len(sim.records)
         start = sim.now
         before = gpu.counters(sim.now)
+        counts_before, seconds_before = dict(gpu.step_counts), dict(gpu.step_seconds)
         point = run_bench_point(sim, range(1000 * n, 1000 * n + n), window_s=p.get("window_s"))
         recs = sim.records[first:]
         point["tpot_p50_ms"] = (
             percentile([(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in recs if r.output_tokens > 1], 0.5) * 1e3
         )
         after = gpu.counters(sim.now)
+        steps = step_times({k: (n - counts_before[k], gpu.step_seconds[k] - seconds_before[k]) for k, n in gpu.step_counts.items()})
         wall = max(point["wall_s"], 1e-9)
         busy = {k: (after[k] - before[k]) / wall for k in after}
         # prompt tokens a second of the prefill worker's steps computed, sharing included: the stack's steps are wall
@@ -176,6 +178,7 @@ def reproduce(
                     "wall_s": point["wall_s"],
                     "requests": point["requests"],
                     "start_s": start,
+                    **steps,
                     **{f"{role}_{k}": point[f"{role}_{k}"] for role in ("prefill", "decode") for k in PULL_COUNTERS},
                     # NIXL regions the replay prices a pull at (costs.pull_s)
                     **{
@@ -206,6 +209,7 @@ def reproduce(
                     **{f"{role}_pages_trimmed": p.get(f"{role}_admission_pages_trimmed") for role in ("prefill", "decode")},
                     "wall_s": p.get("wall_s"),
                     "requests": p.get("requests"),
+                    **{k: p.get(k) for k in steps},
                     "prefill_tok_s": p["prefill_computed_tokens"] / measured_steps_s
                     if measured_steps_s > 0 and "prefill_computed_tokens" in p
                     else None,
@@ -213,6 +217,16 @@ def reproduce(
             }
         )
     return rows
+
+
+def step_times(steps: dict[tuple[str, str], tuple[int, float]]) -> dict[str, float]:
+    """(role, kind) -> (steps, wall seconds) (``SharedGpu.step_counts``, ``step_seconds``) under bench/agents.py's names:
+    ``{role}_{kind}_steps`` and ``{role}_{kind}_step_ms`` (the mean step, sharing included)."""
+    out: dict[str, float] = {}
+    for (role, kind), (n, wall) in steps.items():
+        out[f"{role}_{kind}_steps"] = n
+        out[f"{role}_{kind}_step_ms"] = round(1e3 * wall / n, 3) if n else 0.0
+    return out
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
@@ -238,6 +252,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         "P trimmed pages sim/meas",
         "D regions/pull sim/meas",
         "P tok/s sim/meas",
+        "P step ms sim/meas",
+        "D decode step ms sim/meas",
         "GPU P/D/both",
         "preempt sim/meas",
     ]
@@ -267,6 +283,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                 f"{_count(r['sim_counters'].get('prefill_pages_trimmed'))} / {_count(r['measured_counters'].get('prefill_pages_trimmed'))}",
                 f"{_count(r['sim_counters'].get('decode_regions_per_pull'))} / {_count(r['measured_counters'].get('decode_regions_per_pull'))}",
                 f"{_count(r['sim_counters'].get('prefill_tok_s'))} / {_count(r['measured_counters'].get('prefill_tok_s'))}",
+                _pair(r, "prefill_mixed_step_ms"),
+                _pair(r, "decode_decode_step_ms"),
                 f"{c['prefill_only']:.2f}/{c['decode_only']:.2f}/{c['both']:.2f}",
                 f"{r['sim_counters']['preemptions']} / {r['measured_counters']['preemptions']}",
             ]
@@ -293,6 +311,12 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 def _count(n: Any) -> str:
     return "-" if n is None else str(round(n))
+
+
+def _pair(row: dict[str, Any], key: str) -> str:
+    """``sim / measured`` of a counter both sides may lack (rows and benches written before it)."""
+    s, m = row["sim_counters"].get(key), row["measured_counters"].get(key)
+    return f"{'-' if s is None else f'{s:.1f}'} / {'-' if m is None else f'{m:.1f}'}"
 
 
 def _share(x: Any) -> str:

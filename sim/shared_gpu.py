@@ -12,6 +12,10 @@ both busy.
 A worker alone on the GPU may run identical decode steps as one event (``workers._Run``): the
 GPU then only books their busy time, step by step as stepping would, when the run ends; when the
 other role starts a step meanwhile, the step in progress becomes a GPU job (``resume``).
+
+``step_counts`` / ``step_seconds`` count each role's steps by kind and their wall time, sharing
+included (the worker's ``kvserving_worker_steps_total`` / ``kvserving_worker_step_seconds_total``: ``decode`` for a step of one-token decodes alone,
+``mixed`` for one with prompt tokens), so the replay's step times can be held to the stack's.
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvserving.sim.workers import DecodeWorker, PrefillWorker, Sim, Worker
+
+STEP_KINDS = ("decode", "mixed")
+
+
+def step_kind(plan: Any) -> str:
+    """``mixed`` when a chunk of ``plan`` computes prompt tokens, else ``decode`` (``is_decode_step``)."""
+    return "decode" if all(n == 1 and seq.computed >= seq.req.prompt for seq, n in plan) else "mixed"
 
 
 class SharedGpu:
@@ -37,6 +48,19 @@ class SharedGpu:
         self._share = {prefill: costs.shared_gpu_prefill_share, decode: costs.shared_gpu_decode_share}  # rates while both run
         self.busy_s = {"prefill_only": 0.0, "decode_only": 0.0, "both": 0.0}
         self._run: Worker | None = None  # a worker running merged steps alone
+        # (role, kind) -> steps, their wall seconds; each running step's (start, kind)
+        keys = [(role, kind) for role in ("prefill", "decode") for kind in STEP_KINDS]
+        self.step_counts = dict.fromkeys(keys, 0)
+        self.step_seconds = dict.fromkeys(keys, 0.0)
+        self._began: dict[Worker, tuple[float, str]] = {}
+
+    def _role(self, worker: Worker) -> str:
+        return "prefill" if worker is self.prefill else "decode"
+
+    def _count(self, worker: Worker, kind: str, steps: int, wall: float) -> None:
+        key = (self._role(worker), kind)
+        self.step_counts[key] += steps
+        self.step_seconds[key] += wall
 
     def _progress(self, now: float) -> None:
         """Advance the running steps to ``now`` and count the busy time."""
@@ -60,6 +84,7 @@ class SharedGpu:
             self._run.hand_run_to_gpu(now)
         self._progress(now)
         self._jobs[worker] = [seconds, plan]
+        self._began[worker] = (now, step_kind(plan))
         self._schedule(now)
 
     def _schedule(self, now: float) -> None:
@@ -77,6 +102,8 @@ class SharedGpu:
         finished = [(w, job[1]) for w, job in self._jobs.items() if job[0] <= 1e-9]
         for w, _ in finished:
             del self._jobs[w]
+            began, kind = self._began.pop(w)
+            self._count(w, kind, 1, now - began)
         self._schedule(now)
         for w, plan in finished:
             w._step_done(plan, now)
@@ -93,6 +120,7 @@ class SharedGpu:
     def end_run(self, worker: Worker, times: list[float]) -> None:
         """The run's steps ``[times[j], times[j + 1])`` are over: their busy time, step by step."""
         self._book(worker, times, len(times) - 1)
+        self._count(worker, "decode", len(times) - 1, times[-1] - times[0])
         self._mark = times[-1]
         self._run = None
         self._version += 1
@@ -100,9 +128,11 @@ class SharedGpu:
     def resume(self, worker: Worker, times: list[float], m: int, seconds: float, plan: Any) -> None:
         """Step ``m`` of the run, started at ``times[m]``, is a job of ``seconds`` from now on."""
         self._book(worker, times, m)
+        self._count(worker, "decode", m, times[m] - times[0])
         self._mark = times[m]
         self._run = None
         self._jobs[worker] = [seconds, plan]
+        self._began[worker] = (times[m], "decode")
         self._version += 1
         self.sim.call_at(times[m] + max(0.0, seconds), self._done, self._version)
 

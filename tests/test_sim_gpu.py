@@ -7,6 +7,7 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,7 +15,7 @@ from kvserving.agents.load import LoadSpec, reuse_for_mode
 from kvserving.sim.costs import load_costs
 from kvserving.sim.bench_results import kv_bytes_per_worker
 from kvserving.sim.gpu import GPU_SCHEDULER, HIT_TOL, TPUT_TOL, bench_load, format_rows, reproduce
-from kvserving.sim.shared_gpu import SharedGpu
+from kvserving.sim.shared_gpu import SharedGpu, step_kind
 from kvserving.sim.cluster import ClusterSpec, Simulator, run_bench_point
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
@@ -67,6 +68,22 @@ def test_shared_gpu_runs_each_step_at_its_measured_share_while_both_run_one() ->
     assert math.isclose(busy["prefill_only"], 0.5) and math.isclose(busy["both"], 1.0)
     assert math.isclose(busy["decode_only"], 0.55)
     assert not pre.busy and not dec.busy  # each step's end went back to its worker
+    # each step's wall time, sharing included (an empty plan is a step of decodes alone)
+    assert {k: (n, round(gpu.step_seconds[k], 9)) for k, n in gpu.step_counts.items()} == {
+        ("prefill", "decode"): (1, 1.5),
+        ("prefill", "mixed"): (0, 0.0),
+        ("decode", "decode"): (1, 1.55),
+        ("decode", "mixed"): (0, 0.0),
+    }
+
+
+def test_a_step_with_a_prompt_chunk_is_mixed_and_one_of_decodes_alone_is_decode() -> None:
+    def chunk(computed: int, prompt: int, n: int) -> tuple[SimpleNamespace, int]:
+        return SimpleNamespace(computed=computed, req=SimpleNamespace(prompt=prompt)), n
+
+    assert step_kind([chunk(70, 64, 1), chunk(100, 64, 1)]) == "decode"
+    assert step_kind([chunk(70, 64, 1), chunk(0, 64, 64)]) == "mixed"
+    assert step_kind([chunk(63, 64, 1)]) == "mixed"  # the prompt's last token: a prompt chunk of one
 
 
 def test_replay_of_one_measured_point_is_what_the_simulator_computes() -> None:
