@@ -6,10 +6,11 @@ recompute a chunk the next growth preempts again)."""
 from __future__ import annotations
 
 import torch
+from engine_steps import step
 
 from kvserving.config import SchedulerConfig
 from kvserving.kernels.page_ids import page_id_bits
-from kvserving.worker.kv.leases import pin_for_admission, release_admission
+from kvserving.worker.kv.leases import pin_for_admission
 from kvserving.worker.kv.manager import KVCacheManager
 from kvserving.worker.kv.page_pool import PagePool
 from kvserving.worker.sampling import SamplingParams
@@ -120,29 +121,6 @@ def test_pages_pulled_for_a_waiting_request_never_yield_to_the_admission_ahead_o
     assert waiting.num_cached_prompt == 64
 
 
-def _step(sched: Scheduler) -> list[tuple[str, list[int]]]:
-    """``_advance`` as ``LLMEngine`` runs it for requests with pulled pages (each ends at its own
-    ``max_tokens``): a request's admission pin
-    goes at its admission (``release_admission``; it holds its own refs then). Returns the requests the
-    step admitted, each with its pages at admission."""
-    waiting = list(sched.waiting)
-    out = sched.schedule()
-    admitted = [(seq.request_id, list(seq.page_ids)) for seq in waiting if seq.status is SeqStatus.RUNNING]
-    for c in out.chunks:
-        seq = c.seq
-        if seq.admission_pin is not None:
-            used = release_admission(sched.kv.pool, seq.admission_pin, seq.page_ids[: seq.num_computed // PAGE])
-            seq.num_pulled_prompt = used * PAGE
-            seq.admission_pin = None
-        seq.num_computed = c.start + c.num_tokens
-        sched.kv.publish_full_pages(seq)
-        if c.samples:
-            seq.output_ids.append(1000 + len(seq.output_ids))
-            if len(seq.output_ids) == seq.params.max_tokens:
-                sched.finish(seq, "length")
-    return admitted
-
-
 def _pulled_request(kv: KVCacheManager, sched: Scheduler, name: str, prefix: list[int], rest: list[int]) -> Sequence:
     """A request ``prefix`` (64 tokens) + ``rest`` whose first 4 pages were pulled: the prefix computed
     here (a seed of 65 tokens), its 4 full pages pinned for the request's admission (``Puller._adopt``)."""
@@ -185,7 +163,7 @@ def test_an_idle_queue_runs_a_pulled_request_that_fits_before_the_head_that_woul
     sched.add(a)
     steps = []
     while sched.has_work():
-        steps.append(_step(sched))
+        steps.append(step(sched))
         assert len(steps) < 20
     assert steps == [[("a", [0, 1, 2, 3, 4])], [], [("head", [0, 1, 2, 3, 4, 5, 6])]]
     assert (a.num_cached_prompt, a.num_pulled_prompt) == (64, 64)
@@ -209,7 +187,7 @@ def test_an_idle_queue_that_nothing_else_moves_takes_the_pins_and_runs_to_the_en
         sched.add(seq)
     steps = []
     while sched.has_work():
-        steps.append(_step(sched))
+        steps.append(step(sched))
         assert len(steps) < 20, "the queue never drained"
     assert steps == [
         [("head", [8, 9, 10, 11, 1, 2, 3])],
@@ -237,10 +215,10 @@ def test_only_requests_queued_before_the_head_was_held_up_overtake_it() -> None:
     head = _prompt(140)
     sched.add(head)
     sched.add(b)
-    steps = [_step(sched)]
+    steps = [step(sched)]
     sched.add(c)
     while sched.has_work():
-        steps.append(_step(sched))
+        steps.append(step(sched))
         assert len(steps) < 20
     assert steps == [
         [("b", [0, 1, 2, 3, 8, 9, 10])],
@@ -265,7 +243,7 @@ def test_a_running_sequence_takes_only_the_last_page_of_an_admission_pin_and_the
     seed = Sequence("seed", list(range(500, 629)), SamplingParams(max_tokens=1), torch.Generator())
     sched.add(seed)
     while sched.has_work():
-        _step(sched)
+        step(sched)
     pages = [kv.pool.lookup(h) for h in kv.page_hashes(seed, [page_id_bits(0)] * 8)]
     assert pages == list(range(8))
     waiting = Sequence("pulled", list(range(500, 629)), SamplingParams(max_tokens=2), torch.Generator())
@@ -276,7 +254,7 @@ def test_a_running_sequence_takes_only_the_last_page_of_an_admission_pin_and_the
     steps = []
     trimmed_at = None
     while sched.has_work():
-        steps.append(_step(sched))
+        steps.append(step(sched))
         if trimmed_at is None and len(run.page_ids) == 5:
             trimmed_at = len(steps)
             assert run.page_ids == [8, 9, 10, 11, 7]

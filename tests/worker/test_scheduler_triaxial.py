@@ -13,11 +13,12 @@ from __future__ import annotations
 import itertools
 
 import torch
+from engine_steps import step
 
 from kvserving.config import SchedulerConfig
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG as F
 from kvserving.tags import NUM_TAGS, encode_tag
-from kvserving.worker.kv.leases import pin_for_admission, release_admission
+from kvserving.worker.kv.leases import pin_for_admission
 from kvserving.worker.kv.manager import KVCacheManager
 from kvserving.worker.sampling import SamplingParams
 from kvserving.worker.scheduler import Scheduler
@@ -60,28 +61,6 @@ def _pulled(kv: KVCacheManager, seq: Sequence, pids: list[int], *, keep: int | N
         pool.trim_pin(seq.admission_pin, len(pids) - keep)
 
 
-def _step(sched: Scheduler) -> list[tuple[str, list[int]]]:
-    """One engine step without a model (``LLMEngine._schedule`` and its postprocessing): admission pins
-    go once their requests are admitted, chunks are computed and their full pages published, a token is
-    sampled where a chunk reaches the end, sequences end at ``max_tokens``. Returns the requests the step
-    admitted, each with its pages at admission."""
-    waiting = list(sched.waiting)
-    out = sched.schedule()
-    admitted = [(seq.request_id, list(seq.page_ids)) for seq in waiting if seq.status is SeqStatus.RUNNING]
-    for c in out.chunks:
-        seq = c.seq
-        if seq.admission_pin is not None:
-            seq.num_pulled_prompt = P * release_admission(sched.kv.pool, seq.admission_pin, seq.page_ids[: seq.num_computed // P])
-            seq.admission_pin = None
-        seq.num_computed = c.start + c.num_tokens
-        sched.kv.publish_full_pages(seq)
-        if c.samples:
-            seq.output_ids.append(1000 + len(seq.output_ids))
-            if len(seq.output_ids) == seq.params.max_tokens:
-                sched.finish(seq, "length")
-    return admitted
-
-
 def test_a_pulled_prefix_is_aged_down_after_its_admission_is_placed_not_before() -> None:
     """4 slabs: w's 3 pulled INT4 pages (0-2, slab 0) pinned; another request's pages fill slab 1 (3-5);
     slab 3 is INT2, one page owned (F|0) and 4 cached (F|1-F|4); slab 2 free. w (96 OLD + 1 NOW token)
@@ -101,7 +80,7 @@ def test_a_pulled_prefix_is_aged_down_after_its_admission_is_placed_not_before()
     pool.free(int2[1:])
     _pulled(kv, w, pulled)
     sched.add(w)
-    assert _step(sched) == [("w", [F | 4, F | 3, F | 2, 6])]
+    assert step(sched) == [("w", [F | 4, F | 3, F | 2, 6])]
     assert copies == [([0, 1, 2], [F | 4, F | 3, F | 2])] and kv.aged_pages == 3
     assert (w.num_cached_prompt, w.status) == (96, SeqStatus.FINISHED)
     assert [pool.page(pid) for pid in pulled] == [None, None, None]  # retired: free once the pin went
@@ -125,12 +104,12 @@ def test_an_admission_that_fails_converts_no_pulled_page_and_the_request_later_f
     r = _request("r", [NOW] * 65, first=5000, max_tokens=33)
     sched.add(r)
     sched.add(w)
-    steps = [_step(sched)]
+    steps = [step(sched)]
     assert steps == [[("r", [3, 4, 5])]]
     assert [pool.lookup(h) for h in kv.page_hashes(w, [4, 4, 4])] == [0, 1, 2] and copies == []
     assert pool.held_pages(bits=2) == 0 and pool.slab_precision(2) == 0
     while sched.has_work():
-        steps.append(_step(sched))
+        steps.append(step(sched))
         assert len(steps) < 50
     assert [i + 1 for i, s in enumerate(steps) if s] == [1, 34]
     assert steps[33] == [("w", [0, 1, 2, 5, 6, 7, 8])]
@@ -156,7 +135,7 @@ def test_a_retry_drops_only_the_matched_pages_past_the_pinned_prefix() -> None:
     assert pool.pin_pages(w.admission_pin or "") == [0] and pool.cached_page_ids() == [3]
     sched.add(w)
     int2 = [F | i for i in (*range(0, 5), *range(10, 15))]
-    assert _step(sched) == [("w", [0, 1, *int2])]
+    assert step(sched) == [("w", [0, 1, *int2])]
     assert (w.num_cached_prompt, w.num_pulled_prompt) == (32, 32)
     assert (sched.from_scratch_admissions, sched.dropped_cached_tokens) == (0, 32)
     assert copies == [] and pool.page(3) is None
@@ -174,7 +153,7 @@ def test_an_idle_queue_whose_head_fits_only_without_its_own_pulled_pages_recompu
     assert pulled == [0, 1, 2] and pool.allocate([4] * 6) == [3, 4, 5, 6, 7, 8]
     _pulled(kv, w, pulled)
     sched.add(w)
-    assert _step(sched) == [("w", [F | 10, F | 11, F | 12, F | 13, F | 14])]
+    assert step(sched) == [("w", [F | 10, F | 11, F | 12, F | 13, F | 14])]
     assert (w.num_cached_prompt, w.num_pulled_prompt) == (0, 0)
     assert (pool.trimmed_pages, pool.reclaimed_pins) == (3, 1)
     assert (sched.from_scratch_admissions, sched.dropped_cached_tokens) == (1, 96)
