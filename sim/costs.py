@@ -242,11 +242,15 @@ def _h200_8b() -> CostModel:
 
 
 BUILTIN: dict[str, Any] = {"h200-8b": _h200_8b}
-BUILTIN_FILES = {"cpu-tiny": "sim_costs_cpu.json", "gpu-h200": "sim_costs_gpu_h200.json"}  # bench/sim_costs_gpu.py fits the latter
+BUILTIN_FILES = {
+    "cpu-tiny": "sim_costs_cpu.json",
+    "gpu-h200": "sim_costs_gpu_h200.json",  # bench/sim_costs_gpu.py fits these two
+    "gpu-h100": "sim_costs_gpu_h100.json",  # (--card h100: the H100 agent points ran on one H100)
+}
 
 
 def load_costs(name_or_path: str, *, bench_dir: Path | None = None) -> CostModel:
-    """A built-in profile (``h200-8b``; ``cpu-tiny`` / ``gpu-h200`` from bench/results/sim_costs_{cpu,gpu_h200}.json) or a JSON file."""
+    """A built-in profile (``h200-8b``; ``cpu-tiny`` / ``gpu-h200`` / ``gpu-h100`` from bench/results/sim_costs_{cpu,gpu_h200,gpu_h100}.json) or a JSON file."""
     if name_or_path in BUILTIN:
         model: CostModel = BUILTIN[name_or_path]()
         return model

@@ -51,6 +51,33 @@ def test_gpu_cost_file_loads_and_its_pools_match_the_bench_stacks() -> None:
             assert pages * stack["page_size"] == stack["capacity_tokens"]["decode"]
 
 
+def test_gpu_h100_profile_is_built_in_fitted_from_the_h100_and_names_what_it_borrows() -> None:
+    costs = load_costs("gpu-h100")
+    raw = json.loads((RESULTS / "sim_costs_gpu_h100.json").read_text())
+    assert costs.name == "gpu-h100" and costs.to_dict() == {**costs.to_dict(), **raw}
+    # engine_gpu_h100.json's decode rows and eager step, the H100 agent sweep's serving loop
+    assert (costs.decode_step_s, costs.decode_seq_s, costs.prefill_step_s) == (0.00622, 0.000373, 0.0216)
+    assert costs.decode_ctx_s == {"bf16": 5.18e-08, "fp8_e4m3": 2.55e-08, "nvfp4": 1.47e-08, "triaxial": 1.47e-08}
+    # one-device NIXL READs on the H100, no fixed overhead told apart
+    assert (costs.transfer_overhead_s, costs.transfer_region_s, costs.transfer_bytes_per_s) == (0.0, 6.86e-06, 986000000000.0)
+    # what the H100 has no measurement of comes from the H200, and the notes say so
+    h200 = load_costs("gpu-h200")
+    assert costs.prefill_attn_dtype_s["bf16"] == h200.prefill_attn_dtype_s["bf16"] == 2.11e-09
+    assert (costs.shared_gpu_prefill_share, costs.shared_gpu_decode_share, costs.decode_request_s) == (0.5, 0.45, 0.15)
+    assert sorted(k for k in costs.notes if k.startswith("borrowed_")) == [
+        "borrowed_gateway_s",
+        "borrowed_prefill_attn_bf16",
+        "borrowed_request_s",
+        "borrowed_shared_gpu",
+    ]
+    measured = json.loads((RESULTS / "agents_gpu_h100.json").read_text())
+    kv = kv_bytes_per_worker(measured)
+    for stack in measured["stacks"]:
+        if stack["format"] in ("fp8", "nvfp4"):
+            pages = costs.pool_pages({"fp8": "fp8_e4m3"}.get(stack["format"], "nvfp4"), stack["page_size"], kv_bytes=kv)
+            assert pages * stack["page_size"] == stack["capacity_tokens"]["decode"]
+
+
 def test_shared_gpu_runs_each_step_at_its_measured_share_while_both_run_one() -> None:
     costs = load_costs("gpu-h200")
     # bench/results/sim_shared_gpu_h200.json: the prefill-shaped process kept 0.50, the decode-shaped 0.45
