@@ -80,7 +80,16 @@ def test_soak_200_sessions_no_loss_no_leaked_lease_flat_memory(tiny_model_dir: P
                 assert cached[0] < cached[1] < cached[2], cached
         assert gw.metric("kvserving_gateway_requests_total", {"route": "/v1/chat/completions", "code": "200"}) == 2 * SESSIONS * TURNS
         counts = [len(d.received) for d in decoders]
-        assert sum(counts) == 2 * SESSIONS * TURNS, counts
+        # one decode request a turn, plus one for each turn the gateway sent again after a worker missed a deadline
+        # (a loaded machine can hold the one process's event loop past the first-byte deadline): each counted, rare
+        retries = sum(
+            sample.value
+            for family in gw.state.metrics.registry.collect()
+            for sample in family.samples
+            if sample.name == "kvserving_gateway_routing_decisions_total" and sample.labels.get("role") == "retry"
+        )
+        assert 2 * SESSIONS * TURNS <= sum(counts) <= 2 * SESSIONS * TURNS + retries, (counts, retries)
+        assert retries <= 2 * SESSIONS * TURNS // 20, retries  # at most 5 % of the turns
         assert min(counts) > SESSIONS // 2, counts  # both decode workers took load
         assert grown < 128 << 20, f"RSS grew {grown >> 20} MiB over the second wave"
 
