@@ -254,6 +254,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         "P tok/s sim/meas",
         "P step ms sim/meas",
         "D decode step ms sim/meas",
+        "D mixed steps x ms sim/meas",
         "GPU P/D/both",
         "preempt sim/meas",
     ]
@@ -285,6 +286,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                 f"{_count(r['sim_counters'].get('prefill_tok_s'))} / {_count(r['measured_counters'].get('prefill_tok_s'))}",
                 _pair(r, "prefill_mixed_step_ms"),
                 _pair(r, "decode_decode_step_ms"),
+                f"{_steps(r['sim_counters'], 'decode_mixed')} / {_steps(r['measured_counters'], 'decode_mixed')}",
                 f"{c['prefill_only']:.2f}/{c['decode_only']:.2f}/{c['both']:.2f}",
                 f"{r['sim_counters']['preemptions']} / {r['measured_counters']['preemptions']}",
             ]
@@ -317,6 +319,13 @@ def _pair(row: dict[str, Any], key: str) -> str:
     """``sim / measured`` of a counter both sides may lack (rows and benches written before it)."""
     s, m = row["sim_counters"].get(key), row["measured_counters"].get(key)
     return f"{'-' if s is None else f'{s:.1f}'} / {'-' if m is None else f'{m:.1f}'}"
+
+
+def _steps(counters: dict[str, Any], key: str) -> str:
+    """``N x ms`` of one role's steps of one kind (``{key}_steps``, ``{key}_step_ms``): the decode's steps with
+    prompt tokens run synchronously and hold up every running reply's next token."""
+    n, ms = counters.get(f"{key}_steps"), counters.get(f"{key}_step_ms")
+    return "-" if n is None or ms is None else f"{round(n)} x {ms:.0f}"
 
 
 def _share(x: Any) -> str:

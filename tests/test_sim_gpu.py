@@ -189,6 +189,18 @@ def test_replay_of_one_measured_point_is_what_the_simulator_computes() -> None:
         "/",
         "-" if meas.get("decode_regions_per_pull") is None else str(round(meas["decode_regions_per_pull"])),
     ]
+    # the decode's steps with prompt tokens, replay / stack: how many and their mean wall time
+    sc = row["sim_counters"]
+    col = table[0].index("D mixed steps x ms sim/meas")
+    assert table[2][col:].split()[:7] == [
+        str(sc["decode_mixed_steps"]),
+        "x",
+        f"{sc['decode_mixed_step_ms']:.0f}",
+        "/",
+        str(meas["decode_mixed_steps"]),
+        "x",
+        f"{meas['decode_mixed_step_ms']:.0f}",
+    ]
 
 
 def test_a_page_major_bench_is_replayed_with_a_region_per_run() -> None:
