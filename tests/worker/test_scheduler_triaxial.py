@@ -83,6 +83,7 @@ def test_a_pulled_prefix_is_aged_down_after_its_admission_is_placed_not_before()
     assert step(sched) == [("w", [F | 4, F | 3, F | 2, 6])]
     assert copies == [([0, 1, 2], [F | 4, F | 3, F | 2])] and kv.aged_pages == 3
     assert (w.num_cached_prompt, w.status) == (96, SeqStatus.FINISHED)
+    assert w.num_pulled_prompt == 96  # the INT2 copies hold the pulled content: counted pulled, not local
     assert [pool.page(pid) for pid in pulled] == [None, None, None]  # retired: free once the pin went
     assert (sched.from_scratch_admissions, sched.dropped_cached_tokens, kv.age_down_skipped_pages) == (0, 0, 0)
 

@@ -31,9 +31,11 @@ import hashlib
 from collections import Counter
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 from kvserving.kernels.page_ids import page_id_bits
 from kvserving.worker.bit_budget import BitBudgetController
+from kvserving.worker.kv.leases import AdmissionRecord
 from kvserving.worker.kv.page_pool import RECLAIM_LAST, PagePoolBase
 from kvserving.worker.precision import page_bits, stored_bits
 from kvserving.worker.sequence import Sequence
@@ -229,6 +231,17 @@ class KVCacheManager:
         seq.num_registered_pages = num_pages
         seq.num_computed = num_pages * p
 
+    def _count_aged_as_pulled(self, seq: Sequence, copies: dict[int, int]) -> None:
+        """A pulled page aged at admission is still the pulled content: its copy joins the admission
+        pin's pulled pages, so ``release_admission`` counts the request's pulled tokens whichever
+        precision now holds them. ``copies``: old page -> the page that replaced it."""
+        pin = self.pool.get_pin(seq.admission_pin) if seq.admission_pin is not None else None
+        if pin is None or not isinstance(pin.record, AdmissionRecord):
+            return
+        took = {new for old, new in copies.items() if old in pin.record.pulled}
+        if took:
+            pin.record = replace(pin.record, pulled=pin.record.pulled | took)
+
     def _admission_pages(self, seq: Sequence) -> Counter[int]:
         """The refs ``seq``'s own admission pin (pages pulled for it) holds, by page: no other holder's."""
         pin = seq.admission_pin
@@ -282,6 +295,7 @@ class KVCacheManager:
                 seq.page_ids[i] = new
         if unused:
             pool.free(unused)  # never registered: straight back to the free list
+        self._count_aged_as_pulled(seq, dict(zip(old, (seq.page_ids[i] for i in aged))))
         self._requantize(src, dst)
         for i in written:
             pool.register(seq.page_ids[i], seq.page_hashes[i])
