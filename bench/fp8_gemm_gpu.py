@@ -60,6 +60,7 @@ from kvserving.kernels.triton_fp8_gemm import (
     bf16_tile_config,
     gemv_config,
     gemv_split,
+    row_tile,
     tile_config,
     tiles_override,
 )
@@ -83,8 +84,8 @@ BF16_GEMV_CANDIDATES = ("g8x2048w4s1k1", "g8x1024w4s1k1", "g4x2048w4s1k1", "g4x1
                         "g8x2048w8s1k1", "g16x2048w8s1k1")  # fmt: skip
 
 
-# bf16 block GEMM shapes around bf16_tile_config's (64 columns, 4 stages of 128, K split to ~396 programs): other
-# splits, wider column tiles, 8 warps, 64-wide K steps and deeper pipelines.
+# bf16 block GEMM shapes around bf16_tile_config's (64 columns, 4 stages of 128, K split to about one program an
+# SM): other splits, wider column tiles, 8 warps, 64-wide K steps and deeper pipelines.
 BF16_TILE_CANDIDATES = ("64w4s4k2", "64w4s4k8", "128w4s4k4", "128w8s4k4", "128w8s4k2", "128w4s3k8", "64w4s4k4b64",
                         "64w4s6k4b64", "64w8s4k4", "32w4s4k8", "64w4s5k4", "128w8s4k4b64")  # fmt: skip
 
@@ -100,8 +101,8 @@ def _bf16_tiles_list(text: str) -> list[str]:
 
 
 def _bf16_tiles_at(label: str, m: int) -> Tiles:
-    """A ``--bf16-tiles`` label at M: its BLOCK_M is ``bf16_tile_config``'s row tile for M."""
-    return Tiles.parse(f"{bf16_tile_config(m, 128, 128).block_m}x{label}")
+    """A ``--bf16-tiles`` label at M: its BLOCK_M is the row tile for M (``row_tile``)."""
+    return Tiles.parse(f"{row_tile(m)}x{label}")
 
 
 def _gemv_list(text: str) -> list[str]:

@@ -403,13 +403,17 @@ def tile_config(m: int, n: int, k: int) -> Tiles:
 BF16_PROGRAMS = 132
 
 
+def row_tile(m: int) -> int:
+    """BLOCK_M of a decode-sized bf16 block GEMM: the least of 16, 32, 64, 128 that holds M (128 above)."""
+    return next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
+
+
 def bf16_tile_config(m: int, n: int, k: int) -> Tiles:
     """The bf16 block GEMM's launch shape for an [M, K] x [N, K]^T product at decode sizes: the weight stream
-    binds, so one row tile (BLOCK_M the least of 16, 32, 64, 128 that holds M: every further row tile streams the
-    whole weight again), 64 columns, 4 warps, 4 stages of 128-wide K steps, and K split in powers of two while the
-    grid stays within BF16_PROGRAMS and each split keeps >= 8 steps (Qwen3-8B: o and down 2 splits, qkv and
-    gate_up none)."""
-    block_m = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
+    binds, so one row tile (``row_tile``: every further row tile streams the whole weight again), 64 columns, 4
+    warps, 4 stages of 128-wide K steps, and K split in powers of two while the grid stays within BF16_PROGRAMS and
+    each split keeps >= 8 steps (Qwen3-8B: o and down 2 splits, qkv and gate_up none)."""
+    block_m = row_tile(m)
     block_n = 64
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     steps = triton.cdiv(k, GROUP)
@@ -576,7 +580,7 @@ def _launch(a: Tensor, sa: Tensor, w: Tensor, sw: Tensor, t: Tiles, out: Tensor,
         a.stride(0), sa.stride(0) if scaled and not a16 else 0, w.stride(0), sw.stride(0) if scaled else 0, c.stride(-2),
         c.stride(0) if t.split_k > 1 else 0,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, SCALED=scaled, A16=a16, PDL=pdl,
-        NATIVE=_native_dot(a.device) or (scaled and not a16), num_warps=t.warps, num_stages=t.stages,
+        NATIVE=_native_dot(a.device), num_warps=t.warps, num_stages=t.stages,
         **triton_pdl.launch_args(pdl),
     )  # fmt: skip
     if t.split_k > 1:
@@ -591,10 +595,11 @@ def _native_dot(device: torch.device) -> bool:
     return device.type == "cuda" and not KernelOptions.from_env().interpret
 
 
-def bf16_gemm(x: Tensor, weight: Tensor, *, out_dtype: torch.dtype = torch.bfloat16, pdl: bool | None = None) -> Tensor:
+def bf16_gemm(x: Tensor, weight: Tensor, *, out_dtype: torch.dtype = torch.bfloat16, tiles: Tiles | None = None,
+              pdl: bool | None = None) -> Tensor:  # fmt: skip
     """x [M, K] bf16 times a bf16 weight [N, K] -> [M, N] ``out_dtype``: the block GEMM's tiles on unscaled values,
-    fp32 sums (tensor cores), at ``bf16_tile_config``'s launch (or ``tiles_override``'s). ``pdl``: with programmatic
-    dependent launch (None: ``triton_pdl.resolve``'s choice)."""
+    fp32 sums (tensor cores), at ``tiles_override``'s launch, else ``tiles`` (a caller's ``bf16_launch``), else
+    ``bf16_tile_config``'s. ``pdl``: with programmatic dependent launch (None: ``triton_pdl.resolve``'s choice)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"bf16_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
@@ -602,7 +607,7 @@ def bf16_gemm(x: Tensor, weight: Tensor, *, out_dtype: torch.dtype = torch.bfloa
     m, k = x.shape
     n = weight.shape[0]
     o = _OVERRIDE.get()
-    t = o if isinstance(o, Tiles) else bf16_tile_config(m, n, k)
+    t = o if isinstance(o, Tiles) else tiles or bf16_tile_config(m, n, k)
     if k % t.block_k:
         raise ValueError(f"bf16_gemm: BLOCK_K {t.block_k} must divide K = {k}")
     if t.a16:

@@ -331,8 +331,8 @@ def product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     if x.shape[0] <= BF16_GEMV_ROWS:
         out = k.gemv(x, weight, None, out_dtype=x.dtype)
-    elif k.bf16_launch(x.shape[0], weight.shape[0], weight.shape[1]) is not None:
-        out = k.bf16_gemm(x, weight, out_dtype=x.dtype)
+    elif (tiles := k.bf16_launch(x.shape[0], weight.shape[0], weight.shape[1])) is not None:
+        out = k.bf16_gemm(x, weight, out_dtype=x.dtype, tiles=tiles)
     else:
         return F.linear(x, weight, bias)
     return out if bias is None else out + bias
