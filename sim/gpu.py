@@ -146,7 +146,7 @@ def reproduce(
             percentile([(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in recs if r.output_tokens > 1], 0.5) * 1e3
         )
         after = gpu.counters(sim.now)
-        steps = step_times({k: (n - counts_before[k], gpu.step_seconds[k] - seconds_before[k]) for k, n in gpu.step_counts.items()})
+        steps = step_times({k: (count - counts_before[k], gpu.step_seconds[k] - seconds_before[k]) for k, count in gpu.step_counts.items()})
         wall = max(point["wall_s"], 1e-9)
         busy = {k: (after[k] - before[k]) / wall for k in after}
         # prompt tokens a second of the prefill worker's steps computed, sharing included: the stack's steps are wall

@@ -29,7 +29,7 @@ STEP_KINDS = ("decode", "mixed")
 
 def step_kind(plan: Any) -> str:
     """``mixed`` when a chunk of ``plan`` computes prompt tokens, else ``decode`` (``is_decode_step``)."""
-    return "decode" if all(n == 1 and seq.computed >= seq.req.prompt for seq, n in plan) else "mixed"
+    return "decode" if all(seq.decodes(n) for seq, n in plan) else "mixed"
 
 
 class SharedGpu:

@@ -520,7 +520,7 @@ class Worker:
         tokens = 0
         work = 0.0
         for seq, n in plan:
-            if n == 1 and seq.computed >= seq.req.prompt:
+            if seq.decodes(n):
                 batch += 1
                 context += seq.computed + 1
             else:
@@ -540,7 +540,7 @@ class Worker:
             req = seq.req
             if seq.computed < req.prompt:
                 stats.computed_tokens += n
-            if req.preemptions and not (n == 1 and seq.computed >= req.prompt):
+            if req.preemptions and not seq.decodes(n):
                 stats.recomputed_tokens += n
             seq.computed += n
             if seq.computed >= seq.tokens:
@@ -1219,6 +1219,11 @@ class _Seq:
     pages: int
     start: int
     active: bool = True
+
+    def decodes(self, n: int) -> bool:
+        """Whether a chunk of ``n`` of its tokens is a decode: one token past its prompt (the worker's
+        ``is_decode_step``, chunk by chunk)."""
+        return n == 1 and self.computed >= self.req.prompt
 
 
 class PrefillWorker(Worker):

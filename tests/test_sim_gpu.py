@@ -7,7 +7,6 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -105,8 +104,11 @@ def test_shared_gpu_runs_each_step_at_its_measured_share_while_both_run_one() ->
 
 
 def test_a_step_with_a_prompt_chunk_is_mixed_and_one_of_decodes_alone_is_decode() -> None:
-    def chunk(computed: int, prompt: int, n: int) -> tuple[SimpleNamespace, int]:
-        return SimpleNamespace(computed=computed, req=SimpleNamespace(prompt=prompt)), n
+    from kvserving.sim.workers import Req, _Seq
+
+    def chunk(computed: int, prompt: int, n: int) -> tuple[_Seq, int]:
+        req = Req(0, "c", [], prompt, 16, 0, 0, 0.0)
+        return _Seq(req, tokens=computed + n, computed=computed, pages=0, start=0), n
 
     assert step_kind([chunk(70, 64, 1), chunk(100, 64, 1)]) == "decode"
     assert step_kind([chunk(70, 64, 1), chunk(0, 64, 64)]) == "mixed"
