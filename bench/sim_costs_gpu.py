@@ -103,13 +103,17 @@ def fit_extend(extend: dict[str, Any]) -> tuple[dict[str, float], list[tuple[str
     return out, resid
 
 
+def _fit_relative(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Least squares of ``a @ sol ~ y`` in relative errors (the rows span 0.1 ms .. 190 ms): the solution and
+    its predictions."""
+    w = 1.0 / y
+    sol = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)[0]
+    return sol, a @ sol
+
+
 def fit_transfer(bw: dict[str, Any]) -> tuple[float, float, float, list[tuple[str, int, int, float, float]]]:
     rows = [(f, r["regions"], r["bytes"], r["median_s"]) for f, rs in bw["bw"]["nixl"].items() for r in rs]
-    a = np.array([[1.0, reg, nb] for _, reg, nb, _ in rows])
-    y = np.array([t for *_, t in rows])
-    w = 1.0 / y  # relative errors: the rows span 0.1 ms .. 190 ms
-    sol = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)[0]
-    pred = a @ sol
+    sol, pred = _fit_relative(np.array([[1.0, reg, nb] for _, reg, nb, _ in rows]), np.array([t for *_, t in rows]))
     return float(sol[0]), float(sol[1]), 1.0 / float(sol[2]), [(f, reg, nb, t, float(p)) for (f, reg, nb, t), p in zip(rows, pred)]
 
 
@@ -119,11 +123,7 @@ def fit_read_rows(docs: list[dict[str, Any]]) -> tuple[float, float, float, list
     ``regions * region_s + bytes / bandwidth``. Every row reads the same bytes, so a fixed
     overhead is not told apart from their time: it is 0."""
     rows = [(f"{d['kv_layout']} {r['case']}", r["regions"], int(r["mb"] * 1e6), r["read_ms"] / 1e3) for d in docs for r in d["rows"]]
-    a = np.array([[reg, nb] for _, reg, nb, _ in rows])
-    y = np.array([t for *_, t in rows])
-    w = 1.0 / y
-    sol = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)[0]
-    pred = a @ sol
+    sol, pred = _fit_relative(np.array([[reg, nb] for _, reg, nb, _ in rows]), np.array([t for *_, t in rows]))
     return 0.0, float(sol[0]), 1.0 / float(sol[1]), [(f, reg, nb, t, float(p)) for (f, reg, nb, t), p in zip(rows, pred)]
 
 
@@ -319,27 +319,29 @@ def request_overheads(
 
 
 def _notes(card: Card, bpt: dict[str, float], speed_kv_gib: float) -> dict[str, str]:
+    common = {
+        "prefill_lengths": "every length: prefill_token_s per token + the extend kernel's per-format attention over what precedes it (8K fresh rate less its attention); chunked by the scheduler",
+        "bytes_per_token": json.dumps({f: int(b) for f, b in bpt.items()}) + "; triaxial: the 2.7-bit budget's INT2/INT4 page mix",
+    }
     if card is H200:
         return {
+            **common,
             "kv_bytes_per_worker": "the engine benchmark's 90 GiB pool on one H200 (speed_kv_gib); bench/agents.py --gpu ran 8 GiB per worker",
-            "prefill_lengths": "every length: prefill_token_s per token + the extend kernel's per-format attention over what precedes it (8K fresh rate less its attention); chunked by the scheduler",
             "transfer": "two H200s over NVLink (cuda_ipc); the one-GPU agent stack pulls on the same device, assumed no slower",
             "prefill_step_s": "a step with prompt tokens runs eagerly: engine_gpu_h200.json overhead_b64_4k, the eager step "
             "less its kernels (fp8, batch 64 at 4K); a step with prompt chunks and decodes costs both formulas",
             "shared_gpu": "bench/sim_shared_gpu.py: a prefill-shaped and a decode-shaped process time-slicing one H200, "
             "each one's steps per second together over alone",
-            "bytes_per_token": json.dumps({f: int(b) for f, b in bpt.items()}) + "; triaxial: the 2.7-bit budget's INT2/INT4 page mix",
         }
     return {
+        **common,
         "kv_bytes_per_worker": f"the engine benchmark's {speed_kv_gib:g} GiB pool on one {card.label} (speed_kv_gib); "
         "bench/agents.py --gpu ran 8 GiB per worker",
-        "prefill_lengths": "every length: prefill_token_s per token + the extend kernel's per-format attention over what precedes it (8K fresh rate less its attention); chunked by the scheduler",
         "transfer": f"NIXL READs between two processes on one {card.label} (cuda_ipc), page-major and layer-major "
         "(docs/performance-log/data/" + ", ".join(card.reads) + ")",
         "prefill_step_s": f"a step with prompt tokens runs eagerly: {card.engine} overhead_b64_4k, the eager step "
         "less its kernels (fp8, batch 64 at 4K); a step with prompt chunks and decodes costs both formulas",
         "shared_gpu": "bench/sim_shared_gpu.py on an H200 (see borrowed_shared_gpu)",
-        "bytes_per_token": json.dumps({f: int(b) for f, b in bpt.items()}) + "; triaxial: the 2.7-bit budget's INT2/INT4 page mix",
         **dict(card.borrowed),
     }
 
