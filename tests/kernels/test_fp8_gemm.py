@@ -236,13 +236,27 @@ def _check_gemv(m: int, n: int, k: int, launch: object, *, seed: int, out_dtype:
         exact = codes.double()
     with tiles_override(launch):  # type: ignore[arg-type]
         out = gemv(x, codes, scale, out_dtype=out_dtype)
-    assert out.shape == (m, n) and out.dtype == out_dtype
-    ref = x.double() @ exact.t()
+    _assert_exact_within(out, x, exact, launch, out_dtype)
+
+
+def _assert_exact_within(out: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, launch: object, out_dtype: torch.dtype) -> None:
+    """``out`` is x times the exact weight ``w64`` (float64) within ``_gemv_bound``, and the fp32 bound is tight: a
+    lost or doubled K step (or 128-column group), or a quantized x (2^-4 a value), moves outputs by far more."""
+    assert out.shape == (x.shape[0], w64.shape[0]) and out.dtype == out_dtype
+    ref = x.double() @ w64.t()
     err = (out.double() - ref).abs()
-    bound = _gemv_bound(x, exact, launch, out_dtype)
-    assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g} at M {m}, N {n}, K {k}, {launch}"
-    if out_dtype == torch.float32:  # and tight: a lost or doubled 128-column group moves outputs by ~10 %
+    bound = _gemv_bound(x, w64, launch, out_dtype)
+    assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g} at M x N {tuple(out.shape)}, K {x.shape[1]}, {launch}"
+    if out_dtype == torch.float32:
         assert bound.max().item() < 2e-3 * ref.abs().max().item()
+
+
+def _assert_gpu_exact_within(out: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, launch: object) -> None:
+    """A GPU product with fp32 sums and a bf16 output against the exact one (``w64``: the weight in float64): the
+    GEMV's fp32 bound and the bf16 output's rounding to nearest (2^-8)."""
+    exact = x.double() @ w64.t()
+    e32 = _gemv_bound(x, w64, launch, torch.float32)
+    assert ((out.double() - exact).abs() <= e32 + 2.0**-8 * (exact.abs() + e32)).all()
 
 
 @interpreter_only
@@ -300,13 +314,7 @@ def test_bf16_block_gemm_equals_the_exact_product_under_every_tile_shape(label: 
         w = _weight(n, 1024, seed=seed + m).to(torch.bfloat16)
         with tiles_override(launch):
             out = bf16_gemm(x, w, out_dtype=out_dtype)
-        assert out.shape == (m, n) and out.dtype == out_dtype
-        ref = x.double() @ w.double().t()
-        err = (out.double() - ref).abs()
-        bound = _gemv_bound(x, w.double(), launch, out_dtype)
-        assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g} at M {m}, N {n}, {label}"
-        if out_dtype == torch.float32:  # and tight: a lost or doubled K step moves outputs by ~10 %
-            assert bound.max().item() < 2e-3 * ref.abs().max().item()
+        _assert_exact_within(out, x, w.double(), launch, out_dtype)
 
 
 @interpreter_only
@@ -325,13 +333,7 @@ def test_a16_block_gemm_equals_the_dequantized_product_under_every_tile_shape(la
         exact = fp8_gemm.dequantize(codes, scale, scheme="block").double()
         with tiles_override(launch):
             out = linear(x, codes, scale, out_dtype=out_dtype)
-        assert out.shape == (m, n) and out.dtype == out_dtype
-        ref = x.double() @ exact.t()
-        err = (out.double() - ref).abs()
-        bound = _gemv_bound(x, exact, launch, out_dtype)
-        assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g} at M {m}, N {n}, {label}"
-        if out_dtype == torch.float32:  # and tight: quantizing x (2^-4 a value) would miss it by far
-            assert bound.max().item() < 2e-3 * ref.abs().max().item()
+        _assert_exact_within(out, x, exact, launch, out_dtype)
 
 
 def test_bf16_tile_config_takes_one_row_tile_and_splits_k_to_one_program_an_sm() -> None:
@@ -530,10 +532,7 @@ def _check_cuda_gemm(m: int, n: int, k: int, scheme: str, backend: str, static: 
         # nearest on the GPU: 2^-8)
         from kvserving.kernels.triton_fp8_gemm import launch_config
 
-        w64 = fp8_gemm.dequantize(codes, scale, scheme="block").double()
-        exact = x.double() @ w64.t()
-        e32 = _gemv_bound(x, w64, launch_config(m, n, k), torch.float32)
-        assert ((out.double() - exact).abs() <= e32 + 2.0**-8 * (exact.abs() + e32)).all()
+        _assert_gpu_exact_within(out, x, fp8_gemm.dequantize(codes, scale, scheme="block").double(), launch_config(m, n, k))
         return
     # and the same arithmetic as the torch spec of the quantized product, up to output rounding and sum order
     spec = fp8_gemm.linear_quantized_ref(x, codes, scale, scheme=scheme, input_scale=input_scale)
@@ -611,9 +610,7 @@ def test_gpu_bf16_product_runs_triton_at_up_to_sixteen_tokens_within_fp32_roundi
             assert calls == {"gemv": 0, "bf16_gemm": 0} and torch.equal(out, F.linear(x, w))
             return
         assert calls == ({"gemv": 1, "bf16_gemm": 0} if m <= model.BF16_GEMV_ROWS else {"gemv": 0, "bf16_gemm": 1})
-        exact = x.double() @ w.double().t()
-        e32 = _gemv_bound(x, w.double(), launch, torch.float32)
-        assert ((out.double() - exact).abs() <= e32 + 2.0**-8 * (exact.abs() + e32)).all()
+        _assert_gpu_exact_within(out, x, w.double(), launch)
         if n == 4096:  # the down projection's shape (and o's): SwiGLU formed inside at M <= 2, equal to the unfused pair
             gate_up = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16)
             from kvserving.kernels import triton_norm
@@ -640,9 +637,7 @@ def test_gpu_bf16_block_gemm_within_fp32_rounding_at_qwen3_8b_shapes(m: int, n: 
     w = _weight(n, k, seed=m, device="cuda").to(torch.bfloat16)
     out = bf16_gemm(x, w, pdl=pdl)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
-    exact = x.double() @ w.double().t()
-    e32 = _gemv_bound(x, w.double(), bf16_tile_config(m, n, k), torch.float32)
-    assert ((out.double() - exact).abs() <= e32 + 2.0**-8 * (exact.abs() + e32)).all()
+    _assert_gpu_exact_within(out, x, w.double(), bf16_tile_config(m, n, k))
 
 
 @pytest.mark.gpu
@@ -659,6 +654,4 @@ def test_gpu_a16_block_gemm_within_fp32_rounding_at_qwen3_8b_shapes(m: int, n: i
     launch = Tiles.parse(label)
     with tiles_override(launch):
         out = block_gemm_a16(x, codes, scale)
-    exact = x.double() @ fp8_gemm.dequantize(codes, scale, scheme="block").double().t()
-    e32 = _gemv_bound(x, fp8_gemm.dequantize(codes, scale, scheme="block").double(), launch, torch.float32)
-    assert ((out.double() - exact).abs() <= e32 + 2.0**-8 * (exact.abs() + e32)).all()
+    _assert_gpu_exact_within(out, x, fp8_gemm.dequantize(codes, scale, scheme="block").double(), launch)
