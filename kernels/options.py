@@ -21,9 +21,9 @@ KVSERVING_TRITON_FAST=0/1   triton_fast     force the ``tl`` decode's inline-ass
 KVSERVING_PDL=0             pdl             the decode step's kernels launch without
                                             programmatic dependent launch (unset: with it,
                                             where ``capability``'s PDL column has it)
-KVSERVING_BF16_GEMV=0       bf16_gemv       a bf16 model's projections at 1-16 tokens run cuBLAS
+KVSERVING_BF16_GEMV=0       bf16_gemv       a bf16 model's projections at 1-64 tokens run cuBLAS
                                             instead of the Triton GEMV (1-2) and block GEMM
-                                            (3-16; ``worker.model.product``; unset: Triton)
+                                            (3-64; ``worker.model.product``; unset: Triton)
 TRITON_INTERPRET=1          interpret       kernels run in Triton's interpreter (no assembly)
 ==========================  ==============  ===================================================
 """
@@ -51,7 +51,7 @@ class KernelOptions:
     decode_kernel: str = "auto"
     triton_fast: bool | None = None  # None: inline-assembly decoders on a real GPU
     pdl: bool = True  # programmatic dependent launch where the device has it (``overlaps``)
-    bf16_gemv: bool = True  # bf16 products at 1-16 tokens through the Triton kernels (``worker.model.product``)
+    bf16_gemv: bool = True  # bf16 products at 1-64 tokens through the Triton kernels (``worker.model.product``)
     interpret: bool = False
 
     def __post_init__(self) -> None:

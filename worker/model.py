@@ -21,7 +21,7 @@ kernels (`kernels.triton_norm`): RMSNorm with the residual add, q/k-norm +
 RoPE, SiLU * up. On CPU, and where autograd needs gradients, the same steps
 run as the torch references (`kernels.norm_ref`). The bf16 projections run
 cuBLAS, or at 1-2 tokens the Triton GEMV (`product`; the down projection forms
-SiLU * up itself, `gated_product`) and at 3-16 tokens the Triton block GEMM
+SiLU * up itself, `gated_product`) and at 3-64 tokens the Triton block GEMM
 (`KVSERVING_BF16_GEMV=0` keeps cuBLAS): they read those weights closer to the
 memory's limit than cuBLAS does at those sizes (docs/results.md).
 
@@ -297,7 +297,7 @@ def _fused(x: Tensor, *others: Tensor | None) -> ModuleType | None:
 
 @functools.cache
 def _gemv_kernels(device: torch.device) -> ModuleType | None:
-    """``kernels.triton_fp8_gemm`` when a bf16 weight's product at 1-16 tokens runs its kernels on ``device`` (unless
+    """``kernels.triton_fp8_gemm`` when a bf16 weight's product at 1-64 tokens runs its kernels on ``device`` (unless
     ``KVSERVING_BF16_GEMV=0``; the environment read once per device), else None (cuBLAS)."""
     if not KernelOptions.from_env().bf16_gemv or device.type != "cuda":
         return None
@@ -308,12 +308,14 @@ def _gemv_kernels(device: torch.device) -> ModuleType | None:
 
 BF16_GEMV_ROWS = 2  # the most tokens a bf16 product gives the GEMV (its fp32 sums per row grow with M)
 # the most tokens a bf16 product gives the Triton block GEMM (bf16_tile_config's one program an SM): on an H100 it
-# read the Qwen3-8B projections faster than cuBLAS at 8-16 tokens (one layer 1.06x), not at 32-64 (docs/results.md)
-BF16_BLOCK_ROWS = 16
+# reads the Qwen3-8B projections about as fast as cuBLAS at 24-64 tokens alone (one layer 0.99-1.04x) and faster
+# at 8-16, and in the engine's step, where its PDL launch overlaps the kernel before it, the step is 1-3 % shorter
+# at 24-64 sequences (docs/performance-log/engine-gpu.md); above 64 cuBLAS is faster
+BF16_BLOCK_ROWS = 64
 
 
 def _gemv_for(x: Tensor, weight: Tensor) -> ModuleType | None:
-    """The Triton kernels' module when they run ``x`` [T, *] times ``weight`` [N, K]: CUDA, bf16, T <= 16, K a
+    """The Triton kernels' module when they run ``x`` [T, *] times ``weight`` [N, K]: CUDA, bf16, T <= 64, K a
     multiple of 128, no gradient, and ``_gemv_kernels`` says so."""
     k = _gemv_kernels(x.device) if x.is_cuda else None
     if (k is None or x.dim() != 2 or x.shape[0] > BF16_BLOCK_ROWS or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
@@ -324,7 +326,7 @@ def _gemv_for(x: Tensor, weight: Tensor) -> ModuleType | None:
 
 def product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N]: where the Triton kernels run this call (``_gemv_for``) the GEMV
-    at T <= 2 and at 3-16 tokens the bf16 block GEMM where its grid fills the SMs (``bf16_launch``), else
+    at T <= 2 and at 3-64 tokens the bf16 block GEMM where its grid fills the SMs (``bf16_launch``), else
     ``F.linear`` (cuBLAS)."""
     k = _gemv_for(x, weight)
     if k is None:
@@ -349,7 +351,7 @@ def gated_product(gate_up: Tensor, weight: Tensor, bias: Tensor | None = None) -
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` through ``product``: the decoder's projections (cuBLAS, or the Triton kernels at 1-16 tokens)."""
+    """``nn.Linear`` through ``product``: the decoder's projections (cuBLAS, or the Triton kernels at 1-64 tokens)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return product(x, self.weight, self.bias)

@@ -337,17 +337,17 @@ def test_a16_block_gemm_equals_the_dequantized_product_under_every_tile_shape(la
 
 
 def test_bf16_tile_config_takes_one_row_tile_and_splits_k_to_one_program_an_sm() -> None:
-    """One row tile holds M (16, 32, 64, 128); 64 columns; K split in powers of two while the grid stays within
+    """One row tile holds M (16, 64, 128); 64 columns; K split in powers of two while the grid stays within
     BF16_PROGRAMS (132) with >= 8 steps a split: at the Qwen3-8B shapes qkv none (96 column tiles), o 2 (64 x 2 =
     128 programs), gate_up none (384 column tiles), down 2."""
     from kvserving.kernels.triton_fp8_gemm import bf16_tile_config
 
     got = {(n, k): [bf16_tile_config(m, n, k).label for m in (3, 16, 17, 64, 100)] for n, k in QWEN3_8B_SHAPES[:4]}
     assert got == {
-        (6144, 4096): ["16x64w4s4k1", "16x64w4s4k1", "32x64w4s4k1", "64x64w4s4k1", "128x64w4s4k1"],
-        (4096, 4096): ["16x64w4s4k2", "16x64w4s4k2", "32x64w4s4k2", "64x64w4s4k2", "128x64w4s4k2"],
-        (24576, 4096): ["16x64w4s4k1", "16x64w4s4k1", "32x64w4s4k1", "64x64w4s4k1", "128x64w4s4k1"],
-        (4096, 12288): ["16x64w4s4k2", "16x64w4s4k2", "32x64w4s4k2", "64x64w4s4k2", "128x64w4s4k2"],
+        (6144, 4096): ["16x64w4s4k1", "16x64w4s4k1", "64x64w4s4k1", "64x64w4s4k1", "128x64w4s4k1"],
+        (4096, 4096): ["16x64w4s4k2", "16x64w4s4k2", "64x64w4s4k2", "64x64w4s4k2", "128x64w4s4k2"],
+        (24576, 4096): ["16x64w4s4k1", "16x64w4s4k1", "64x64w4s4k1", "64x64w4s4k1", "128x64w4s4k1"],
+        (4096, 12288): ["16x64w4s4k2", "16x64w4s4k2", "64x64w4s4k2", "64x64w4s4k2", "128x64w4s4k2"],
     }
 
 
@@ -574,14 +574,14 @@ def test_cublas_block_scaling_runs_on_hopper() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 3, 16, 17])
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 17, 64, 65])
 @pytest.mark.parametrize(("n", "k"), QWEN3_8B_SHAPES[:4] + [(151936, 4096)])
-def test_gpu_bf16_product_runs_triton_at_up_to_sixteen_tokens_within_fp32_rounding(
+def test_gpu_bf16_product_runs_triton_at_up_to_sixty_four_tokens_within_fp32_rounding(
     m: int, n: int, k: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``model.product`` (``KVSERVING_BF16_GEMV=1``, the default) at the Qwen3-8B projections and a 151,936-row weight:
-    the GEMV at M <= 2, the bf16 block GEMM at 3-16 where ``bf16_launch`` has a launch (fp32 sums; the bf16 output
-    rounds to nearest, 2^-8), cuBLAS elsewhere and at M 17 (bit-equal to ``F.linear``). Which kernel ran is counted:
+    the GEMV at M <= 2, the bf16 block GEMM at 3-64 where ``bf16_launch`` has a launch (fp32 sums; the bf16 output
+    rounds to nearest, 2^-8), cuBLAS elsewhere and at M 65 (bit-equal to ``F.linear``). Which kernel ran is counted:
     at M >= 3 the block GEMM's bf16 output often equals cuBLAS's bit for bit (both sum on the tensor cores)."""
     import torch.nn.functional as F
 
