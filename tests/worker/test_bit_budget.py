@@ -427,3 +427,31 @@ def test_a_follower_stores_at_the_carried_cut_and_a_leader_keeps_its_own() -> No
     with pytest.raises(ValueError, match="bits_cut"):
         follower.adopt(57.0, follower.ranking)
     assert follower.cut == leader.cut and follower.adopted == 1
+
+
+def test_a_request_waiting_for_room_is_counted_once_when_it_is_placed() -> None:
+    """The controller counts a request's prompt pages once, when its admission is placed: a request the pool
+    cannot place yet is matched again at every step it waits, and counted at each one it would weigh the class
+    mix by its time in the queue. A pool of 4 INT4 pages (class 5 at 4 bits); a's 65 tokens and 20 replies hold 3
+    pages, so b (65 tokens, 3 pages) waits until a ends."""
+    from engine_steps import step
+
+    from kvserving.worker.scheduler import Scheduler
+    from kvserving.worker.sequence import SeqStatus
+
+    pool = TriaxialPagePool(4 * 1024, int4_page_bytes=1024, int2_page_bytes=512, page_size=P)
+    kv = KVCacheManager(pool, page_size=P, bits_table=(4,) * NUM_TAGS)
+    kv.controller = c = BitBudgetController(2.7, ORDER, cut=6.0, page_size=P)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, chunk_size=512), kv)
+    a = Sequence("a", list(range(65)), SamplingParams(max_tokens=20), make_generator(0), tags=[5] * 65)
+    b = Sequence("b", list(range(1000, 1065)), SamplingParams(max_tokens=1), make_generator(0), tags=[5] * 65)
+    sched.add(a)
+    sched.add(b)
+    waited = 0
+    while b.status is SeqStatus.WAITING:
+        admitted = step(sched)
+        waiting = b.status is SeqStatus.WAITING
+        waited += int(waiting)
+        # each request once: two full pages following the cut, the partial third INT4 anyway
+        assert (c.hist[5], c.forced) == ((2.0, 1.0) if waiting else (4.0, 2.0)), admitted
+    assert waited == 20 and a.status is SeqStatus.FINISHED and admitted == [("b", [1, 2, 3])]

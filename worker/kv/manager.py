@@ -22,7 +22,10 @@ copies take room beside originals that an admission pin keeps until the
 request runs, so made first they can make the placement fail; and an attempt
 that failed would leave them cached, unpinned, beside pinned originals that no
 longer match: evicted before the next attempt, the request's match would end
-there and its pulled tokens be computed again.
+there and its pulled tokens be computed again. Under the bit-budget
+controller a request's prompt pages are counted then too (``age_matched``):
+a request that waits in the queue is matched again at every attempt, and
+counted at each one it would weigh the class mix by its time in the queue.
 """
 
 from __future__ import annotations
@@ -169,8 +172,8 @@ class KVCacheManager:
     def match_unaged(self, seq: Sequence) -> list[int]:
         """``match_prefix`` without the age-down: returns the precision the request wants for each
         matched page, as the match saw it (``age_matched`` takes it; under the controller the cut
-        may move once the request's pages are observed, and the pages follow the cut they were
-        observed at)."""
+        may move when ``age_matched`` counts the request's pages, and the pages follow the cut the
+        match saw)."""
         assert not seq.page_ids and seq.num_computed == 0
         max_pages = (seq.num_tokens - 1) // self.page_size
         wanted = self.page_bits_for(seq, 0, max_pages)
@@ -191,8 +194,6 @@ class KVCacheManager:
                 break
             seq.page_hashes.append(found[0])
             matched.append(found[1])
-        if self.controller is not None:
-            self._observe_prompt(seq, matched)
         self.pool.incref(matched)
         seq.page_ids = matched
         seq.num_registered_pages = len(matched)
@@ -200,9 +201,12 @@ class KVCacheManager:
         return wanted[: len(matched)]
 
     def age_matched(self, seq: Sequence, wanted: Seq[int]) -> int:
-        """Age down ``seq``'s matched pages that ``wanted`` (``match_unaged``'s) puts at 2 bits
-        (``_age_down``) where this worker ages pages; returns how many were aged. The scheduler calls
-        it once the request is placed, so the copies take only the room its placement left."""
+        """Count ``seq``'s prompt pages for the controller (``_observe_prompt``, once a request), then
+        age down its matched pages that ``wanted`` (``match_unaged``'s) puts at 2 bits (``_age_down``)
+        where this worker ages pages; returns how many were aged. The scheduler calls it once the
+        request is placed, so the copies take only the room its placement left."""
+        if self.controller is not None:
+            self._observe_prompt(seq, seq.page_ids[: seq.num_computed // self.page_size])
         if not self.age_down or (self.controller is not None and not self.controller.leader):
             return 0
         return self._age_down(seq, wanted)
@@ -374,7 +378,8 @@ class KVCacheManager:
         re-stores them (2-bit pages; 4-bit pages another holder keeps, or that this worker
         never ages: age-down off, a follower), INT4 or INT2 whatever the cut; the others
         follow it (computed at it, or held at 4 bits and aged down when it says 2); the
-        partial last page is INT4. Called before the request takes its refs on ``matched``."""
+        partial last page is INT4. Called once the request is placed, its refs on ``matched``
+        taken."""
         p = self.page_size
         pool = self.pool
         full = len(seq.prompt_ids) // p
@@ -388,7 +393,7 @@ class KVCacheManager:
                 if page_id_bits(pid) == 2:
                     two += 1
                     continue
-                if not ages or pool.ref_count(pid) > own[pid]:  # as ``_age_down``: held elsewhere, kept at 4
+                if not ages or pool.ref_count(pid) - own[pid] > 1:  # as ``_age_down``: held elsewhere, kept at 4
                     four += 1
                     continue
             follow += seq.tags[i * p : (i + 1) * p]
