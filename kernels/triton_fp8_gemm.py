@@ -266,12 +266,15 @@ def _quantize_kernel(
     stride_sg,
     CHUNK: tl.constexpr,  # values a step reads: a power of two >= 128
     ONE_STEP: tl.constexpr,  # CHUNK == width: the group is read once and kept in registers
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): wait before any access
 ):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     lanes = tl.arange(0, CHUNK)
     x_row = x_ptr + row * stride_xm + g * width
     q_row = q_ptr + row * stride_qm + g * width
+    triton_pdl.start(PDL)
+    triton_pdl.wait(PDL)
     if ONE_STEP:
         x = tl.load(x_row + lanes).to(tl.float32)
         s = tl.max(tl.abs(x), axis=0) / 448.0
@@ -297,9 +300,10 @@ def quantize_chunk(width: int) -> int:
     return max(128, min(4096, width & -width))
 
 
-def quantize(x: Tensor, *, group: int | None, column_major: bool = False) -> tuple[Tensor, Tensor]:
+def quantize(x: Tensor, *, group: int | None, column_major: bool = False, pdl: bool = False) -> tuple[Tensor, Tensor]:
     """x [M, K] -> (codes [M, K] e4m3, scales fp32 [M, 1] (``group`` None: per token) or [M, K/group]);
-    ``column_major``: the scales with strides (1, M), as cuBLASLt's 1x128 scaling reads them."""
+    ``column_major``: the scales with strides (1, M), as cuBLASLt's 1x128 scaling reads them; ``pdl``: launched
+    with programmatic dependent launch."""
     if x.dim() != 2:
         raise ValueError(f"quantize: x must be [M, K], got {tuple(x.shape)}")
     m, k = x.shape
@@ -317,7 +321,8 @@ def quantize(x: Tensor, *, group: int | None, column_major: bool = False) -> tup
         chunk = quantize_chunk(width)
         _quantize_kernel[(m, groups)](
             x, q, s, width, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-            CHUNK=chunk, ONE_STEP=chunk == width, num_warps=max(1, min(8, chunk // 512)),
+            CHUNK=chunk, ONE_STEP=chunk == width, PDL=pdl, num_warps=max(1, min(8, chunk // 512)),
+            **triton_pdl.launch_args(pdl),
         )  # fmt: skip
     return q, s
 
@@ -542,8 +547,10 @@ def tiles_override(launch: Tiles | Gemv) -> Iterator[None]:
         _OVERRIDE.reset(token)
 
 
-def block_gemm(qa: Tensor, sa: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """qa [M, K] e4m3, sa [M, K/128] fp32, codes [N, K] e4m3, scale [ceil(N/128), K/128] fp32 -> [M, N] ``out_dtype``."""
+def block_gemm(qa: Tensor, sa: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
+               pdl: bool = False) -> Tensor:  # fmt: skip
+    """qa [M, K] e4m3, sa [M, K/128] fp32, codes [N, K] e4m3, scale [ceil(N/128), K/128] fp32 -> [M, N] ``out_dtype``;
+    ``pdl``: it and the partials' sum launched with programmatic dependent launch."""
     if qa.dim() != 2 or codes.dim() != 2 or qa.shape[1] != codes.shape[1]:
         raise ValueError(f"block_gemm: qa {tuple(qa.shape)} and codes {tuple(codes.shape)} must be [M, K] and [N, K]")
     m, k = qa.shape
@@ -565,7 +572,7 @@ def block_gemm(qa: Tensor, sa: Tensor, codes: Tensor, scale: Tensor, *, out_dtyp
     t = o if isinstance(o, Tiles) else tile_config(m, n, k)
     if t.block_k != GROUP or t.a16:
         raise ValueError(f"block_gemm: quantized activations step K by their scale group, {GROUP}; tiles {t.label} do not")
-    return _launch(qa, sa, codes, scale, t, out, scaled=True, a16=False, pdl=False)
+    return _launch(qa, sa, codes, scale, t, out, scaled=True, a16=False, pdl=pdl)
 
 
 def _launch(a: Tensor, sa: Tensor, w: Tensor, sw: Tensor, t: Tiles, out: Tensor, *, scaled: bool, a16: bool,

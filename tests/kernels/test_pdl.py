@@ -90,13 +90,16 @@ for pdl in (False, True):
     triton_decode.decode_attention(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1, fast=True, pdl=pdl)
     codes, scale = fp8_gemm.quantize_blocks(torch.randn(1024, 4096))
     triton_fp8_gemm.gemv(torch.randn(2, 4096, dtype=torch.bfloat16), codes, scale, pdl=pdl)  # M 2: K split, summed
+    qa, sa = triton_fp8_gemm.quantize(torch.randn(16, 4096, dtype=torch.bfloat16), group=128, pdl=pdl)
+    triton_fp8_gemm.block_gemm(qa, sa, codes, scale, pdl=pdl)  # M 16 x N 1024: K split, summed
 print(json.dumps(out))
 """
 
 # kernel: its griddepcontrol.wait instructions (the GEMV waits after its first step's weight loads, and again
 # before its stores for a program with no step)
 KERNELS = {"_rms_norm_kernel": 1, "_silu_mul_kernel": 1, "_qk_norm_rope_kernel": 1, "_write_kv_kernel": 1,
-           "_merge_kernel": 1, "_decode_kernel": 1, "_gemv_kernel": 2, "_sum_splits_kernel": 1}  # fmt: skip
+           "_merge_kernel": 1, "_decode_kernel": 1, "_gemv_kernel": 2, "_sum_splits_kernel": 1, "_quantize_kernel": 1,
+           "_block_gemm_kernel": 1}  # fmt: skip
 
 
 def test_the_kernels_compile_for_sm90_with_griddepcontrol_only_when_launched_with_pdl() -> None:
@@ -275,3 +278,38 @@ def test_gpu_fp8_gemv_with_pdl_equals_plain_after_a_gemm_in_a_replayed_graph(m: 
         sx.copy_(x)
         graph.replay()
         assert torch.equal(out, triton_fp8_gemm.gemv(x @ a, codes, scale, pdl=False))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [8, 64])
+def test_gpu_fp8_quantizer_and_block_gemm_with_pdl_equal_plain_after_a_gemm_in_a_replayed_graph(m: int) -> None:
+    """The activation quantizer, the block GEMM and the partials' sum (o's shape: K split) wait before any access:
+    in a graph replayed with new x (made by the GEMM before them) ``linear``'s quantized path with PDL equals the
+    plain launch."""
+    from kvserving.kernels import fp8_gemm, triton_fp8_gemm
+
+    _pdl_gpu()
+    g = torch.Generator(device="cuda").manual_seed(m)
+    codes, scale = fp8_gemm.quantize_blocks(torch.randn(4096, 4096, generator=g, device="cuda"))
+    a = (torch.randn(4096, 4096, generator=g, device="cuda") * 0.02).bfloat16()
+    xs = [torch.randn(m, 4096, generator=g, device="cuda").bfloat16() for _ in range(3)]
+    assert triton_fp8_gemm.tile_config(m, 4096, 4096).split_k > 1
+
+    def quantized(x: torch.Tensor, pdl: bool) -> torch.Tensor:
+        qa, sa = triton_fp8_gemm.quantize(x, group=triton_fp8_gemm.GROUP, pdl=pdl)
+        return triton_fp8_gemm.block_gemm(qa, sa, codes, scale, pdl=pdl)
+
+    sx = xs[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        quantized(sx @ a, True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = quantized(sx @ a, True)
+    for x in xs:
+        sx.copy_(x)
+        graph.replay()
+        assert torch.equal(out, quantized(x @ a, False))
