@@ -12,7 +12,7 @@
 #   READ bench with each, $OUT/nixl_read_<layout>.json, then the engine bench alternated twice, sections <layout>_<i> of
 #   $OUT/engine_layout.json; LAYOUT_ARGS, default '--quick --no-breakdown --speed-kv-gib 40 --formats nvfp4,triaxial'),
 #   all (= tests,bench), ncu (one decode
-#   launch per format named in the bench args) or ncux (the extend launches of profile_extend.py's NCUX_ARGS, default
+#   launch per format named in the bench args, at 32x32768 or SHAPE=BxCONTEXT) or ncux (the extend launches of profile_extend.py's NCUX_ARGS, default
 #   'nvfp4 tri fi': nvfp4, triaxial, FlashInfer bf16); NCU_METRICS=m1,m2 (ncu --metrics, regex: allowed) adds metrics to both.
 #   TESTS=paths limits the gpu tests (default: every test file under tests/ that holds a gpu-marked test, so the
 #   tests step runs the whole gpu suite); the Python packages those files import beyond torch and triton come as

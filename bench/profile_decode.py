@@ -1,11 +1,11 @@
-"""Launch decode attention per format at 32x32K for Nsight Compute (ncu): WARM launches of each argument first, then
+"""Launch decode attention per format at 32x32K (or SHAPE) for Nsight Compute (ncu): WARM launches of each argument first, then
 one launch of each, in argument order, so ncu profiles the last len(args) launches (``gpu_run.sh ncu``):
 
     ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip 9 --launch-count 3 \
         --section SpeedOfLight ... python3 bench/profile_decode.py nvfp4 triaxial fp8_e4m3
 
 An argument is a format. TUNING='{"num_warps": 2}' (JSON) passes a tuning to the kernel paged_ops picks; WARM
-(default 3) sets the warm-up launches per argument.
+(default 3) sets the warm-up launches per argument; SHAPE=64x4096 (batch x context) another shape than 32x32768.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import torch
 from decode_gpu import HQ, D, Pool
 
 tuning = json.loads(os.environ.get("TUNING", "{}")) or None
-runs = [(fmt, Pool(fmt, 32, 32768)) for fmt in sys.argv[1:]]
-q = torch.randn(32, HQ, D, device="cuda", dtype=torch.bfloat16)
+batch, context = (int(v) for v in os.environ.get("SHAPE", "32x32768").split("x"))
+runs = [(fmt, Pool(fmt, batch, context)) for fmt in sys.argv[1:]]
+q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
 for _, pool in runs:
     for _ in range(int(os.environ.get("WARM", "3"))):
         pool.decode(q, tuning=tuning)
