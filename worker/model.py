@@ -21,9 +21,10 @@ kernels (`kernels.triton_norm`): RMSNorm with the residual add, q/k-norm +
 RoPE, SiLU * up. On CPU, and where autograd needs gradients, the same steps
 run as the torch references (`kernels.norm_ref`). The bf16 projections run
 cuBLAS, or at 1-2 tokens the Triton GEMV (`product`; the down projection forms
-SiLU * up itself, `gated_product`) and at 3-64 tokens the Triton block GEMM
-(`KVSERVING_BF16_GEMV=0` keeps cuBLAS): they read those weights closer to the
-memory's limit than cuBLAS does at those sizes (docs/results.md).
+SiLU * up itself, `gated_product`) and at 3-64 tokens, in the CUDA-graph decode,
+the Triton block GEMM (`KVSERVING_BF16_GEMV=0` keeps cuBLAS): they read those
+weights closer to the memory's limit than cuBLAS does at those sizes
+(docs/results.md).
 
 Weights are the model dtype's, or FP8 (`weight_format` "fp8": a scale per
 tensor, "fp8_block": a scale per 128x128 tile; `worker.fp8_linear`): an FP8
@@ -33,8 +34,11 @@ a bf16 checkpoint or the dummy weights asked for FP8 are quantized at load.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -313,6 +317,22 @@ BF16_GEMV_ROWS = 2  # the most tokens a bf16 product gives the GEMV (its fp32 su
 # at 24-64 sequences (docs/performance-log/engine-gpu.md); above 64 cuBLAS is faster
 BF16_BLOCK_ROWS = 64
 
+# Set while the CUDA-graph decode runs its forward (the eager run before each capture, and the capture): there a
+# Triton launch's host time is paid once. Run eagerly, the block GEMM's launches (~40 us of host time each, its
+# partials' sum another) cost more than they save: on an H100 the engine's eager step at 64 x 4K took 36.9-37.3 ms
+# with them against 29.3-29.5 with cuBLAS, its kernels 21.0 against 21.1 ms.
+_GRAPH_PASS: contextvars.ContextVar[bool] = contextvars.ContextVar("graph_pass", default=False)
+
+
+@contextlib.contextmanager
+def graph_pass() -> Iterator[None]:
+    """Forward passes inside run as the CUDA-graph decode's: ``product`` may take the bf16 block GEMM."""
+    token = _GRAPH_PASS.set(True)
+    try:
+        yield
+    finally:
+        _GRAPH_PASS.reset(token)
+
 
 def _gemv_for(x: Tensor, weight: Tensor) -> ModuleType | None:
     """The Triton kernels' module when they run ``x`` [T, *] times ``weight`` [N, K]: CUDA, bf16, T <= 64, K a
@@ -326,14 +346,14 @@ def _gemv_for(x: Tensor, weight: Tensor) -> ModuleType | None:
 
 def product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N]: where the Triton kernels run this call (``_gemv_for``) the GEMV
-    at T <= 2 and at 3-64 tokens the bf16 block GEMM where its grid fills the SMs (``bf16_launch``), else
-    ``F.linear`` (cuBLAS)."""
+    at T <= 2 and, in a CUDA graph's pass (``graph_pass``), at 3-64 tokens the bf16 block GEMM where its grid fills
+    the SMs (``bf16_launch``), else ``F.linear`` (cuBLAS)."""
     k = _gemv_for(x, weight)
     if k is None:
         return F.linear(x, weight, bias)
     if x.shape[0] <= BF16_GEMV_ROWS:
         out = k.gemv(x, weight, None, out_dtype=x.dtype)
-    elif (tiles := k.bf16_launch(x.shape[0], weight.shape[0], weight.shape[1])) is not None:
+    elif _GRAPH_PASS.get() and (tiles := k.bf16_launch(x.shape[0], weight.shape[0], weight.shape[1])) is not None:
         out = k.bf16_gemm(x, weight, out_dtype=x.dtype, tiles=tiles)
     else:
         return F.linear(x, weight, bias)

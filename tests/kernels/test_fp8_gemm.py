@@ -580,9 +580,10 @@ def test_gpu_bf16_product_runs_triton_at_up_to_sixty_four_tokens_within_fp32_rou
     m: int, n: int, k: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``model.product`` (``KVSERVING_BF16_GEMV=1``, the default) at the Qwen3-8B projections and a 151,936-row weight:
-    the GEMV at M <= 2, the bf16 block GEMM at 3-64 where ``bf16_launch`` has a launch (fp32 sums; the bf16 output
-    rounds to nearest, 2^-8), cuBLAS elsewhere and at M 65 (bit-equal to ``F.linear``). Which kernel ran is counted:
-    at M >= 3 the block GEMM's bf16 output often equals cuBLAS's bit for bit (both sum on the tensor cores)."""
+    the GEMV at M <= 2, in a CUDA graph's pass (``graph_pass``) the bf16 block GEMM at 3-64 where ``bf16_launch`` has
+    a launch (fp32 sums; the bf16 output rounds to nearest, 2^-8), cuBLAS elsewhere, at M 65 and at 3-64 run eagerly
+    (bit-equal to ``F.linear``). Which kernel ran is counted: at M >= 3 the block GEMM's bf16 output often equals
+    cuBLAS's bit for bit (both sum on the tensor cores)."""
     import torch.nn.functional as F
 
     from kvserving.kernels import triton_fp8_gemm
@@ -603,7 +604,10 @@ def test_gpu_bf16_product_runs_triton_at_up_to_sixty_four_tokens_within_fp32_rou
     try:
         x = _acts(m, k, seed=n, device="cuda").to(torch.bfloat16)
         w = _weight(n, k, seed=m, device="cuda").to(torch.bfloat16)
-        out = model.product(x, w)
+        if m > model.BF16_GEMV_ROWS:  # run eagerly: cuBLAS
+            assert torch.equal(model.product(x, w), F.linear(x, w)) and calls == {"gemv": 0, "bf16_gemm": 0}
+        with model.graph_pass():
+            out = model.product(x, w)
         assert out.shape == (m, n) and out.dtype == torch.bfloat16
         launch = gemv_config(m, n, k) if m <= model.BF16_GEMV_ROWS else bf16_launch(m, n, k)
         if m > model.BF16_BLOCK_ROWS or launch is None:

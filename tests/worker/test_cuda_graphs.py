@@ -160,3 +160,31 @@ def test_async_decode_gives_the_same_streams(tiny_model_dir: Path, dtype: str) -
         assert (engine.stats.overlapped_steps > 10) == async_decode
     assert runs[True] == runs[False]
     assert {r[0]: r[3] for r in runs[True] if r[2]} == {"r0": "stop", "r2": "length", "r3": "length", "r4": "stop"}
+
+
+def test_only_the_graph_decode_runs_its_forward_in_a_graph_pass(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode graphs' forward (the eager run before a capture, the capture; on CPU the run without capture) is a
+    ``graph_pass``, where ``product`` may take kernels whose launches pay off only when replayed; prefill and mixed
+    steps, run eagerly, are not."""
+    from kvserving.worker import model
+    from kvserving.worker.cuda_graphs import DecodeGraphs, pad_pages_needed
+
+    seen: list[tuple[int, bool]] = []
+    product = model.product
+
+    def recorded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        seen.append((x.shape[0], model._GRAPH_PASS.get()))
+        return product(x, weight, bias)
+
+    engine = LLMEngine(config(tiny_model_dir, "bf16"), device="cpu")
+    pad = engine.pool.allocate([4] * pad_pages_needed(8, engine.storage.page_size))
+    assert pad is not None
+    engine.runner.graphs = DecodeGraphs(
+        engine.model, engine.attention, device=torch.device("cpu"), max_batch=8,
+        max_pages=engine.runner.max_pages, pad_pages=pad, capture=False,
+    )  # fmt: skip
+    monkeypatch.setattr(model, "product", recorded)
+    engine.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert engine.runner.graphs.replays == 2  # the two decode steps after the prompt's
+    # the prompt's 7 tokens eagerly, then each decode step padded to a batch bucket of one, in the pass
+    assert {t for t, in_pass in seen if not in_pass} == {7} and {t for t, in_pass in seen if in_pass} == {1}

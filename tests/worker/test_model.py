@@ -312,3 +312,48 @@ def test_fused_model_on_cuda_matches_the_reference_path(tiny_model_dir: Path, mo
                 ref = model.compute_logits(model(ids, torch.arange(40, device="cuda"), DenseCausalAttention()))
         scale = ref.abs().max().item() if dtype == torch.bfloat16 else 1.0
         assert (fused - ref).abs().max().item() < bound * scale, dtype
+
+
+def test_product_takes_the_block_gemm_only_in_a_graph_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``product``'s dispatch where the Triton kernels run the call (a stand-in module records which ran): the GEMV at
+    1-2 tokens always; the bf16 block GEMM at 3-64 tokens only inside ``graph_pass`` (run eagerly its launches' host
+    time costs more than it saves), where ``bf16_launch`` has a launch; cuBLAS otherwise and above 64 tokens."""
+    from types import SimpleNamespace
+
+    from kvserving.worker import model
+
+    ran: list[str] = []
+
+    def kernel(name: str, value: float):  # type: ignore[no-untyped-def]
+        def run(x: torch.Tensor, w: torch.Tensor, *_: object, **__: object) -> torch.Tensor:
+            ran.append(name)
+            return torch.full((x.shape[0], w.shape[0]), value, dtype=x.dtype)
+
+        return run
+
+    fake = SimpleNamespace(gemv=kernel("gemv", 1.0), bf16_gemm=kernel("bf16_gemm", 2.0),
+                           bf16_launch=lambda m, n, k: None if n == 6 else "tiles")  # fmt: skip
+    monkeypatch.setattr(model, "_gemv_for", lambda x, w: fake if x.shape[0] <= model.BF16_BLOCK_ROWS else None)
+    w = torch.randn(8, 16, dtype=torch.bfloat16)
+    got = {}
+    for in_graph in (False, True):
+        for m in (1, 2, 3, 64, 65):
+            ran.clear()
+            x = torch.randn(m, 16, dtype=torch.bfloat16)
+            if in_graph:
+                with model.graph_pass():
+                    out = model.product(x, w)
+            else:
+                out = model.product(x, w)
+            got[in_graph, m] = ran[0] if ran else "cublas"
+            if not ran:
+                assert torch.equal(out, F.linear(x, w))
+        ran.clear()
+        with model.graph_pass():
+            model.product(torch.randn(3, 16, dtype=torch.bfloat16), torch.randn(6, 16, dtype=torch.bfloat16))
+        assert ran == []  # no launch for this shape: cuBLAS
+    assert got == {
+        (False, 1): "gemv", (False, 2): "gemv", (False, 3): "cublas", (False, 64): "cublas", (False, 65): "cublas",
+        (True, 1): "gemv", (True, 2): "gemv", (True, 3): "bf16_gemm", (True, 64): "bf16_gemm", (True, 65): "cublas",
+    }  # fmt: skip
+    assert not model._GRAPH_PASS.get()  # the pass ends with its block
