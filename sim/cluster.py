@@ -405,7 +405,7 @@ class Simulator(Sim):
         req.fallback = out.fallback
         pre = self._prefill_by_url[req.prefill_url]
         if out.seconds > 0:
-            self.call_at(now + out.seconds, pre.arrive, req)
+            pre.read(out, pre.arrive, req, now)
         else:  # nothing pulled: straight on to the engine queue (one event fewer)
             pre.arrive(req, now)
 
@@ -448,9 +448,21 @@ class Simulator(Sim):
         prefill's hold goes once the READ is over, the request joins the decode's engine queue."""
         offer = req.transfer_offer
         req.transfer_offer = None
+        dec = self._decode_by_url[req.decode_url]
+        if out.seconds > 0 and dec.gpu is not None:
+            dec.read(out, self._decode_read, (req, offer), now)
+            return
         if offer is not None:
             self.call_at(now + out.seconds, self._release_offer, offer)
-        self.call_at(now + out.seconds, self._decode_by_url[req.decode_url].arrive, req)
+        self.call_at(now + out.seconds, dec.arrive, req)
+
+    def _decode_read(self, pulled: tuple[Req, WLease | None], now: float) -> None:
+        """The decode's READ on a shared GPU is over (``Worker.read``): the prefill's hold goes, the
+        request joins the decode's engine queue."""
+        req, offer = pulled
+        if offer is not None:
+            self._release_offer(offer, now)
+        self._decode_by_url[req.decode_url].arrive(req, now)
 
     def _release_offer(self, offer: WLease, now: float) -> None:
         if offer.alive(now):
@@ -534,6 +546,8 @@ class Simulator(Sim):
             out[role] = {
                 "computed_tokens": sum(w.stats.computed_tokens for w in workers),
                 "pulls": sum(w.stats.pulls for w in workers),
+                "read_s": sum(w.stats.read_s for w in workers),
+                "read_wait_s": sum(w.stats.read_wait_s for w in workers),
                 "pulled_tokens": sum(w.stats.pulled_pages for w in workers) * self.page_size,
                 "pull_fallbacks": fallbacks,
                 "pull_skipped": skipped,

@@ -13,6 +13,8 @@ Every cost is a small formula over what the simulator knows of an operation::
     KV pull        transfer_overhead_s + regions * transfer_region_s + bytes / transfer_bytes_per_s
                    (regions = layers * transfer_runs: NIXL merges adjacent pages, DESIGN.md Worker;
                    page_major, kv_cache.layout's: transfer_runs, a run of pages one region for every layer)
+                   on a GPU shared by both roles the copy (regions and bytes, ``copy_s``) is GPU work of the
+                   receiver's process and the fixed part its post (kvserving.sim.shared_gpu)
     shared GPU     a prefill and a decode worker on one GPU run their steps at shared_gpu_prefill_share /
                    shared_gpu_decode_share of their speed while both run one (time-slicing, measured)
     a turn         gateway_s (tagging, routing) + prefill_request_s and decode_request_s
@@ -201,6 +203,10 @@ class CostModel:
 
     def pull_s(self, nbytes: float) -> float:
         return self.transfer_overhead_s + self.regions_per_pull() * self.transfer_region_s + nbytes / self.transfer_bytes_per_s
+
+    def copy_s(self, nbytes: float) -> float:
+        """Of ``pull_s``, the copy's GPU time: its regions and bytes (the fixed part is the READ's post)."""
+        return self.regions_per_pull() * self.transfer_region_s + nbytes / self.transfer_bytes_per_s
 
     def server_tokens(self, nominal: int) -> int:
         """A nominal length (agent generator) as the server's token count."""

@@ -180,6 +180,14 @@ def reproduce(
                     "start_s": start,
                     **steps,
                     **{f"{role}_{k}": point[f"{role}_{k}"] for role in ("prefill", "decode") for k in PULL_COUNTERS},
+                    # a READ's own time on the shared GPU, post and copy (the stack's ``read_ms_per_pull``), and its wait
+                    # for the READs into the same worker before it (``Worker.read``)
+                    **{
+                        f"{role}_{name}_ms_per_pull": round(1e3 * point[f"{role}_{name}_s"] / pulls, 2) if pulls else 0.0
+                        for role in ("prefill", "decode")
+                        for pulls in (point[f"{role}_pulls"],)
+                        for name in ("read", "read_wait")
+                    },
                     # NIXL regions the replay prices a pull at (costs.pull_s)
                     **{
                         f"{role}_regions_per_pull": costs.regions_per_pull() if point[f"{role}_pulls"] else 0
@@ -203,6 +211,8 @@ def reproduce(
                             "pulls",
                             "regions_per_pull",
                             "read_gbs",
+                            "read_ms_per_pull",
+                            "post_ms_per_pull",
                         )  # fmt: skip
                     },
                     # the stack's name for the pages its admission pins gave up (``pages_trimmed`` in the replay)

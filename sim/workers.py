@@ -153,7 +153,8 @@ class WLease:
 
 @dataclass(slots=True)
 class PullOutcome:
-    seconds: float = 0.0
+    seconds: float = 0.0  # the READ on an idle GPU: its post and its copy (``CostModel.pull_s``)
+    copy_s: float = 0.0  # of it, the copy: GPU work of the receiver's process on a shared GPU (``Worker.read``)
     fallback: str | None = None
 
 
@@ -179,6 +180,9 @@ class WorkerStats:
     transfer_leases_ended: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SIM_TRANSFER_ENDS, 0))
     transfer_lease_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SIM_TRANSFER_ENDS, 0.0))
     page_wait_s: float = 0.0  # their waits, in all
+    # on a shared GPU (``Worker.read``): the READs' own time, post and copy, and their waits for the READs before them
+    read_s: float = 0.0
+    read_wait_s: float = 0.0
     leases_expired: int = 0
     leases_reclaimed: int = 0  # leases and admission pins released early, trimmed to nothing included
     pages_trimmed: int = 0  # pages admission pins gave up from their tails (``PagePoolBase.trimmed_pages``)
@@ -274,6 +278,10 @@ class Worker:
         self._run_version = 0  # the live run's end event carries it; a cut or a GPU hand-over voids older ones
         self._scratch = Hold(0)  # takes a run's pages in one allocation, then hands them to their holds
         self._calls: list[tuple[Callable[[Any, float], None], Any]] = []  # engine calls waiting for the step to end
+        # READs waiting for the one in progress (``read``): (asked at, outcome, then, arg)
+        self._reads: deque[tuple[float, PullOutcome, Callable[[Any, float], None], Any]] = deque()
+        self._reading = False  # a READ posts or copies
+        self._read_began = 0.0  # when it began, after the READs before it
         self.on_done: Callable[[Req, float], None] = lambda req, now: None
 
     @property
@@ -1075,10 +1083,41 @@ class Worker:
         self.stats.pulls += 1
         self.stats.pulled_pages += want
         self.stats.pulled_bytes += nbytes
-        out = PullOutcome(seconds=self.costs.pull_s(nbytes))
+        out = PullOutcome(seconds=self.costs.pull_s(nbytes), copy_s=self.costs.copy_s(nbytes))
         if diverged:
             out.fallback = self._count("hash_mismatch")
         return out
+
+    def read(self, out: PullOutcome, then: Callable[[Any, float], None], arg: Any, now: float) -> None:
+        """The READ of a pull that got its pages; ``then(arg, t)`` when it is over. Alone on its GPU it
+        takes ``out.seconds``. On a GPU shared with the other role (``SharedGpu``) the worker's READs go
+        one at a time: each posts (``out.seconds - out.copy_s``), then copies as work of this worker's
+        process, which waits for its step in progress and shares the device with the other role's, so
+        a READ slows with the load and the prompts of one burst reach the engine a READ apart."""
+        if self.gpu is None:
+            self.sim.call_at(now + out.seconds, then, arg)
+            return
+        self._reads.append((now, out, then, arg))
+        if not self._reading:
+            self._next_read(now)
+
+    def _next_read(self, now: float) -> None:
+        self._reading = True
+        self._read_began = now
+        out = self._reads[0][1]
+        self.sim.call_at(now + max(0.0, out.seconds - out.copy_s), self._post_done, None)
+
+    def _post_done(self, _: Any, now: float) -> None:
+        self.gpu.copy(self, now, self._reads[0][1].copy_s, self._read_done, None)
+
+    def _read_done(self, _: Any, now: float) -> None:
+        asked, _out, then, arg = self._reads.popleft()
+        self.stats.read_s += now - self._read_began
+        self.stats.read_wait_s += self._read_began - asked
+        self._reading = False
+        if self._reads:
+            self._next_read(now)
+        then(arg, now)
 
     def _mark_freed(self) -> None:
         """Pages came back (or may have): every waiting pull tries again at its next chance."""

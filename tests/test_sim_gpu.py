@@ -55,8 +55,8 @@ def test_gpu_h100_profile_is_built_in_fitted_from_the_h100_and_names_what_it_bor
     raw = json.loads((RESULTS / "sim_costs_gpu_h100.json").read_text())
     assert costs.name == "gpu-h100" and costs.to_dict() == {**costs.to_dict(), **raw}
     # engine_gpu_h100.json's decode rows and eager step, the H100 agent sweep's serving loop
-    assert (costs.decode_step_s, costs.decode_seq_s, costs.prefill_step_s) == (0.00622, 0.000373, 0.0216)
-    assert costs.decode_ctx_s == {"bf16": 5.18e-08, "fp8_e4m3": 2.55e-08, "nvfp4": 1.47e-08, "triaxial": 1.47e-08}
+    assert (costs.decode_step_s, costs.decode_seq_s, costs.prefill_step_s) == (0.00616, 4.7e-05, 0.0295)
+    assert costs.decode_ctx_s == {"bf16": 5.12e-08, "fp8_e4m3": 2.55e-08, "nvfp4": 1.48e-08, "triaxial": 1.5e-08}
     # one-device NIXL READs on the H100, no fixed overhead told apart
     assert (costs.transfer_overhead_s, costs.transfer_region_s, costs.transfer_bytes_per_s) == (0.0, 6.86e-06, 986000000000.0)
     # what the H100 has no measurement of comes from the H200, and the notes say so
@@ -101,6 +101,58 @@ def test_shared_gpu_runs_each_step_at_its_measured_share_while_both_run_one() ->
         ("decode", "decode"): (1, 1.55),
         ("decode", "mixed"): (0, 0.0),
     }
+
+
+def test_a_read_copy_waits_for_its_workers_step_and_shares_the_gpu_with_the_other_role() -> None:
+    costs = load_costs("gpu-h200")
+    assert (costs.shared_gpu_prefill_share, costs.shared_gpu_decode_share) == (0.5, 0.45)
+    sim = Simulator(ClusterSpec("nvfp4", 1, 1, costs, scheduler=GPU_SCHEDULER), _load())
+    pre, dec = sim.prefill[0], sim.decode[0]
+    gpu = SharedGpu(sim, pre, dec)
+    copied: list[tuple[str, float]] = []
+    pre.busy = dec.busy = True
+    gpu.start(dec, 0.0, 1.0, [])
+    sim.at(0.5, lambda t: gpu.copy(dec, t, 0.2, lambda arg, t: copied.append((arg, t)), "first"))
+    sim.at(1.1, lambda t: gpu.start(dec, t, 0.5, []))
+    sim.at(2.0, lambda t: gpu.start(pre, t, 2.0, []))
+    sim.at(2.0, lambda t: gpu.copy(dec, t, 0.45, lambda arg, t: copied.append((arg, t)), "second"))
+    sim.run(until=10.0)
+    # the first copy waits for the decode's step (ends 1.0) and runs alone to 1.2; the step asked at 1.1 waits
+    # for it (1.2 .. 1.7). The second copy shares with the prefill's step: 0.45 GPU-seconds at 0.45 (2.0 .. 3.0),
+    # the prefill's step 0.5 of its 2.0 by then, the rest alone (ends 4.5)
+    assert [(arg, round(t, 9)) for arg, t in copied] == [("first", 1.2), ("second", 3.0)]
+    busy = gpu.counters(10.0)
+    assert {k: round(v, 9) for k, v in busy.items()} == {"prefill_only": 1.5, "decode_only": 1.7, "both": 1.0}
+    # a step's wall time holds its wait for the copy before it (1.1 .. 1.7); copies are not steps
+    assert {k: (n, round(gpu.step_seconds[k], 9)) for k, n in gpu.step_counts.items()} == {
+        ("prefill", "decode"): (1, 2.5),
+        ("prefill", "mixed"): (0, 0.0),
+        ("decode", "decode"): (2, 1.6),
+        ("decode", "mixed"): (0, 0.0),
+    }
+
+
+def test_reads_into_one_worker_go_one_at_a_time_each_its_post_then_its_copy() -> None:
+    from kvserving.sim.workers import PullOutcome
+
+    costs = replace(load_costs("gpu-h200"), transfer_overhead_s=0.1)
+    # the copy is the READ's regions and bytes; the fixed part is its post
+    assert costs.copy_s(8e9) == costs.regions_per_pull() * costs.transfer_region_s + 8e9 / costs.transfer_bytes_per_s
+    assert costs.pull_s(8e9) == 0.1 + costs.copy_s(8e9)
+    ends: dict[str, list[tuple[str, float]]] = {}
+    for shared in (True, False):
+        sim = Simulator(ClusterSpec("nvfp4", 1, 1, costs, scheduler=GPU_SCHEDULER), _load())
+        dec = sim.decode[0]
+        if shared:
+            SharedGpu(sim, sim.prefill[0], dec)
+        done = ends.setdefault("shared" if shared else "alone", [])
+        out = PullOutcome(seconds=0.3, copy_s=0.2)
+        for name in ("a", "b"):
+            sim.at(0.0, lambda t, name=name: dec.read(out, lambda arg, t: done.append((arg, round(t, 9))), name, t))
+        sim.run(until=10.0)
+        if shared:  # a: post 0 .. 0.1, copy .. 0.3; b waits for it: post 0.3 .. 0.4, copy .. 0.6
+            assert (round(dec.stats.read_s, 9), round(dec.stats.read_wait_s, 9)) == (0.6, 0.3)
+    assert ends == {"shared": [("a", 0.3), ("b", 0.6)], "alone": [("a", 0.3), ("b", 0.3)]}
 
 
 def test_a_step_with_a_prompt_chunk_is_mixed_and_one_of_decodes_alone_is_decode() -> None:
