@@ -109,6 +109,22 @@ def test_the_offset_is_the_pools_gap_from_the_mix_averaged_over_looks() -> None:
     assert abs(c.offset) <= 0.01 and c.cut == pytest.approx(2.0, abs=bit_budget.MIN_STEP)
 
 
+def test_what_was_learnt_on_owned_pages_that_left_goes_with_them() -> None:
+    """When the pool owns fewer pages than at the last look (leases released), the offset and the
+    mix's counts keep the share that is still owned: a new set of conversations is not stored at
+    a cut aimed off the budget by what the pool held before."""
+    c = BitBudgetController(3.0, ORDER, cut=2.0, page_size=P)
+    for k in range(4):
+        c.observe([k] * (100 * P), forced=0)  # 100 pages of each of classes 0..3: cut 2 predicts 3.0
+    assert not c.update(3.2, pages=200) and c.offset == pytest.approx(-0.02)  # inside the band
+    # 150 of the 200 owned pages released: a quarter of the offset and of the counts stays
+    assert not c.update(3.0, pages=50)
+    assert c.offset == pytest.approx(0.25 * 0.9 * -0.02) and c.hist[:4] == [25.0] * 4 and c.window == 100.0
+    assert c.predicted() == pytest.approx(3.0)  # the mix's proportions stay
+    # a pool that grows again forgets nothing
+    assert not c.update(3.0, pages=80) and c.hist[:4] == [25.0] * 4
+
+
 def test_a_reused_4_bit_page_that_is_not_aged_counts_at_4_bits_whatever_the_cut() -> None:
     """The mix counts a request's reused 4-bit pages as following the cut only where age-down
     re-stores them: a page a retained lease also keeps stays at 4 bits (never a copy beside

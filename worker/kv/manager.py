@@ -403,7 +403,8 @@ class KVCacheManager:
         """Tell the controller about pages a sequence holds; let it look at the pool when due."""
         assert self.controller is not None
         if self.controller.observe(tags, forced=forced, fixed2=fixed2):
-            self.controller.update(self.held_bits(cached=False))
+            pages = sum(self.pool.held_pages(bits=b, cached=False) for b in (2, 4)) if isinstance(self.pool, TriaxialPagePool) else 0
+            self.controller.update(self.held_bits(cached=False), pages=pages)
 
     def allocate_until(self, seq: Sequence, num_tokens: int, *, reclaim_up_to: int = RECLAIM_LAST) -> bool:
         """Make sure pages cover the first ``num_tokens`` tokens; all or nothing. Reclaimable pins
