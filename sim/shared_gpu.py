@@ -152,7 +152,7 @@ class SharedGpu:
                 job.then(job.arg, now)
 
     def alone(self, worker: Worker) -> bool:
-        """Whether no other step runs: ``worker``'s next steps take their full time."""
+        """Whether no job runs (a step or a copy, either role's): ``worker``'s next steps take their full time."""
         return not self._jobs
 
     def start_run(self, worker: Worker, now: float) -> None:
