@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
-from kvserving.worker.cuda_graphs import BATCH_BUCKETS, batch_bucket, graph_shapes, table_width
+from kvserving.worker.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, batch_bucket, graph_shapes, pad_pages_needed, table_width
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.model_runner import ModelRunner
 from kvserving.worker.sampling import SamplingParams
@@ -21,6 +21,16 @@ def config(model_dir: Path, dtype: str) -> ServingConfig:
         kv_cache=KVCacheConfig(dtype=dtype, memory_bytes=64 << 20),
         scheduler=SchedulerConfig(chunk_size=64),
     )
+
+
+def static_graphs(engine: LLMEngine) -> DecodeGraphs:
+    """Decode graphs for batches up to 8 on a CPU engine, run without capture (the graphs' metadata path)."""
+    pad = engine.pool.allocate([4] * pad_pages_needed(8, engine.storage.page_size))
+    assert pad is not None
+    return DecodeGraphs(
+        engine.model, engine.attention, device=torch.device("cpu"), max_batch=8,
+        max_pages=engine.runner.max_pages, pad_pages=pad, capture=False,
+    )  # fmt: skip
 
 
 def test_buckets() -> None:
@@ -50,17 +60,11 @@ def test_cpu_engine_has_no_graphs_and_still_decodes(tiny_model_dir: Path) -> Non
 @pytest.mark.parametrize("dtype", ["bf16", "triaxial"])
 def test_static_buffer_decode_equals_eager_on_cpu(tiny_model_dir: Path, dtype: str) -> None:
     """The graphs' metadata path (static buffers, padded batch and width), run without capture on CPU."""
-    from kvserving.worker.cuda_graphs import DecodeGraphs, pad_pages_needed
 
     def tokens(static: bool) -> tuple[list[list[int]], LLMEngine]:
         engine = LLMEngine(config(tiny_model_dir, dtype), device="cpu")
         if static:
-            pad = engine.pool.allocate([4] * pad_pages_needed(8, engine.storage.page_size))
-            assert pad is not None
-            engine.runner.graphs = DecodeGraphs(
-                engine.model, engine.attention, device=torch.device("cpu"), max_batch=8,
-                max_pages=engine.runner.max_pages, pad_pages=pad, capture=False,
-            )  # fmt: skip
+            engine.runner.graphs = static_graphs(engine)
             # every shape run once before serving, as the CUDA engine captures them: only padding pages are written
             assert engine.runner.graphs.warm_up() == len(graph_shapes(8, engine.runner.max_pages))
         g = torch.Generator().manual_seed(3)
@@ -167,7 +171,6 @@ def test_only_the_graph_decode_runs_its_forward_in_a_graph_pass(tiny_model_dir: 
     ``graph_pass``, where ``product`` may take kernels whose launches pay off only when replayed; prefill and mixed
     steps, run eagerly, are not."""
     from kvserving.worker import model
-    from kvserving.worker.cuda_graphs import DecodeGraphs, pad_pages_needed
 
     seen: list[tuple[int, bool]] = []
     product = model.product
@@ -177,12 +180,7 @@ def test_only_the_graph_decode_runs_its_forward_in_a_graph_pass(tiny_model_dir: 
         return product(x, weight, bias)
 
     engine = LLMEngine(config(tiny_model_dir, "bf16"), device="cpu")
-    pad = engine.pool.allocate([4] * pad_pages_needed(8, engine.storage.page_size))
-    assert pad is not None
-    engine.runner.graphs = DecodeGraphs(
-        engine.model, engine.attention, device=torch.device("cpu"), max_batch=8,
-        max_pages=engine.runner.max_pages, pad_pages=pad, capture=False,
-    )  # fmt: skip
+    engine.runner.graphs = static_graphs(engine)
     monkeypatch.setattr(model, "product", recorded)
     engine.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert engine.runner.graphs.replays == 2  # the two decode steps after the prompt's
