@@ -232,13 +232,15 @@ class BitBudgetController:
         self.cut = cut
         self.adopted += 1
 
-    def update(self, held: float | None, *, pages: int = 0) -> bool:
+    def update(self, held: float | None, *, pages: int | None = None) -> bool:
         """Look at the pool (``held``: its stored average over the ``pages`` it owns, None when it owns
-        none); True if the cut moved. A follower never moves its own cut."""
+        none; ``pages`` None: not counted, nothing forgotten); True if the cut moved. A follower never
+        moves its own cut."""
         self._since = 0
         if not self.leader:
             return False
-        self._forget(pages)
+        if pages is not None:
+            self._forget(pages)
         predicted = self.predicted()
         if predicted is None or self.window < WARM_PAGES:  # the starting cut stands until the mix is known
             return False
