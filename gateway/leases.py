@@ -149,11 +149,13 @@ class LeaseTable:
         return out
 
     def _needs_renewal(self, lease: Lease, *, now: float) -> bool:
-        """The worker would drop the KV before the gateway calls the conversation idle, and
-        that is within two heartbeats."""
+        """The worker would drop the KV before the gateway's release reaches it, and that is
+        within two heartbeats. The release goes out at the first sweep past the lease TTL, so
+        the worker's lease must outlive the idle mark by two heartbeats: otherwise a late sweep
+        finds it gone and the idle conversation counts as an expiry instead of a release."""
         if not lease.expires_at:
             return False
-        outlives = lease.expires_at >= lease.last_active + self.lease_ttl_s
+        outlives = lease.expires_at >= lease.last_active + self.lease_ttl_s + 2 * self.heartbeat_s
         return not outlives and lease.expires_at - now < 2 * self.heartbeat_s
 
     def _evict_over_capacity(self, *, keep: Conversation) -> list[Lease]:

@@ -99,13 +99,16 @@ def test_two_gateway_replicas_route_a_conversation_to_the_same_kv(stack: Stack, 
 
 
 def test_leases_renew_while_active_and_release_when_idle(stack: Stack, reply: list[int]) -> None:
-    decode = stack.worker(role="both", reply_ids=reply, retention_ttl_s=0.6)  # a worker keeping KV briefly
-    reuse = ReuseConfig(lease_ttl_s=1.5, retention_ttl_s=2.0)
-    gw = stack.gateway(decode=[decode.url], reuse=reuse, lease_heartbeat_s=0.2)
+    # a worker keeping KV briefly (2 s) beside a 4 s lease TTL: only renewals keep it. A heartbeat of 0.5 s
+    # renews within 1 s of the worker's expiry, so an event loop that stalls for most of a second on a
+    # loaded machine still renews in time
+    decode = stack.worker(role="both", reply_ids=reply, retention_ttl_s=2.0)
+    reuse = ReuseConfig(lease_ttl_s=4.0, retention_ttl_s=8.0)
+    gw = stack.gateway(decode=[decode.url], reuse=reuse, lease_heartbeat_s=0.5)
     turn(gw, [SYSTEM, {"role": "user", "content": "hello"}], "idle-one")
     (lease_id,) = decode.leases
-    wait_until(lambda: decode.renewals.count(lease_id) >= 2)  # active (within the lease TTL): kept alive by heartbeat
-    wait_until(lambda: lease_id in decode.releases, timeout_s=5)  # idle past the lease TTL: released
+    wait_until(lambda: decode.renewals.count(lease_id) >= 2)  # active (within the TTL): kept alive
+    wait_until(lambda: lease_id in decode.releases)  # idle past the lease TTL: released
     # the gateway counts a release once the worker has answered it: wait for that, not for the worker's side
     wait_until(lambda: gw.metric("kvserving_gateway_lease_releases_total") >= 1, what="the gateway counting the release")
     assert decode.leases == {}

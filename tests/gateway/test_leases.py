@@ -44,16 +44,26 @@ def test_an_agent_waiting_on_a_tool_stays_active_for_the_lease_ttl() -> None:
     t.renewed("c", lease_id="x", expires_at=8.5, now=2.5)  # the worker grants its own (short) TTL
     assert t.sweep(now=3.0).renew == []  # 5.5 s left
     assert [le.lease_id for le in t.sweep(now=7.0).renew] == ["x"]  # idle 7 s < 10: still active, KV kept
-    t.renewed("c", lease_id="x", expires_at=13.0, now=7.0)
-    assert t.sweep(now=9.9).renew == []  # now outlives the conversation's activity (0 + 10)
+    t.renewed("c", lease_id="x", expires_at=14.0, now=7.0)
+    assert t.sweep(now=9.9).renew == []  # now outlives the conversation's activity by two beats (0 + 10 + 2 x 2)
     assert [le.lease_id for le in t.sweep(now=10.0).release] == ["x"]
     assert len(t) == 0
 
 
 def test_a_lease_that_outlives_the_activity_window_is_never_renewed() -> None:
     t = table(ttl=10.0, beat=2.0)
-    t.put("c", worker_url=W1, params=params("x", expires_at=12.0), now=0.0)  # retention 12 > lease TTL 10
+    t.put("c", worker_url=W1, params=params("x", expires_at=14.0), now=0.0)  # retention 14 >= lease TTL 10 + 2 beats
     assert all(t.sweep(now=now).renew == [] for now in (1.0, 5.0, 9.0, 9.99))
+
+
+def test_a_lease_that_would_end_within_two_beats_of_the_idle_mark_is_renewed_so_the_release_finds_it() -> None:
+    t = table(ttl=10.0, beat=2.0)
+    t.put("c", worker_url=W1, params=params("x", expires_at=12.0), now=0.0)  # outlives the TTL, not the margin
+    assert t.sweep(now=7.9).renew == []  # 4.1 s left: more than two beats
+    assert [le.lease_id for le in t.sweep(now=8.5).renew] == ["x"]
+    t.renewed("c", lease_id="x", expires_at=20.0, now=8.5)
+    sweep = t.sweep(now=10.5)  # a sweep half a beat late still finds the worker's lease: released, not expired
+    assert sweep.expired == [] and [le.lease_id for le in sweep.release] == ["x"]
 
 
 def test_put_returns_the_superseded_lease_and_capacity_evictions() -> None:
