@@ -313,7 +313,7 @@ class ServerThread:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def start(self, *, timeout_s: float = 10.0) -> ServerThread:
+    def start(self, *, timeout_s: float = 30.0) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
@@ -327,9 +327,10 @@ class ServerThread:
         self.thread.join(timeout_s)
 
 
-def start_fake(worker: FakeWorker) -> ServerThread:
-    """Start ``worker`` on a free port; sets ``worker.url``."""
-    server = ServerThread(worker.app())
+def start_fake(worker: FakeWorker, *, timeout_keep_alive: int = 5) -> ServerThread:
+    """Start ``worker`` on a free port; sets ``worker.url``. ``timeout_keep_alive``: how long it keeps an
+    idle connection (a worker's WORKER_KEEP_ALIVE_S by default)."""
+    server = ServerThread(worker.app(), timeout_keep_alive=timeout_keep_alive)
     worker.url = server.url
     return server.start()
 

@@ -68,9 +68,9 @@ class Stack:
         self.model_dir = model_dir
         self.servers: list[Any] = []
 
-    def worker(self, **kwargs: Any) -> FakeWorker:
+    def worker(self, *, keep_alive_s: int = 5, **kwargs: Any) -> FakeWorker:
         worker = FakeWorker(**kwargs)
-        self.servers.append(start_fake(worker))
+        self.servers.append(start_fake(worker, timeout_keep_alive=keep_alive_s))
         return worker
 
     def gateway(self, **kwargs: Any) -> Gateway:

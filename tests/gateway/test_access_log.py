@@ -22,7 +22,7 @@ SECRET = "the secret word is marmalade"
 
 def lines(caplog: pytest.LogCaptureFixture, level: int, count: int) -> list[str]:
     """The access-log lines at ``level`` once there are ``count`` (each is written after its response's last byte)."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while True:
         got = [r.getMessage() for r in caplog.records if r.name == "kvserving.gateway.access" and r.levelno == level]
         if len(got) >= count or time.monotonic() > deadline:

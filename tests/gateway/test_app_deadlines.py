@@ -115,7 +115,7 @@ def test_a_lone_worker_that_misses_its_ready_polls_stays_in_the_rotation(stack: 
     worker = stack.worker(role="both", reply_ids=reply)
     gw = stack.gateway(decode=[worker.url], health_interval_s=0.1, connect_timeout_s=0.25)
     state = gw.state.pool.workers[worker.url]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while not state.healthy:
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -153,7 +153,7 @@ def test_a_draining_decode_worker_before_its_first_byte_is_a_retry_not_an_error_
     prefill = stack.worker(role="prefill", reply_ids=reply)
     draining, alive = by_url([stack.worker(role="decode", reply_ids=reply) for _ in range(2)])
     gw = stack.gateway(prefill=[prefill.url], decode=[draining.url, alive.url], health_interval_s=60)
-    deadline = time.monotonic() + 10  # the gateway's first poll sees both ready (on a loaded machine it may come late)
+    deadline = time.monotonic() + 30  # the gateway's first poll sees both ready (on a loaded machine it may come late)
     while not all(gw.state.pool.workers[w.url].healthy for w in (draining, alive)):
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -245,7 +245,8 @@ def test_a_lease_holder_frozen_after_its_headers_loses_the_decode_at_the_probe_d
     t0 = time.monotonic()
     assert chat(gw, messages, "s") == text  # whole, no error event
     elapsed = time.monotonic() - t0
-    assert EVENTS_LATE_S + PROBE_TIMEOUT_S - 0.1 < elapsed < EVENTS_LATE_S + PROBE_TIMEOUT_S + 2.0, elapsed
+    # the rest of the turn (a prefill, a decode) may take seconds on a loaded machine: still before the 8 s deadline
+    assert EVENTS_LATE_S + PROBE_TIMEOUT_S - 0.1 < elapsed < EVENTS_LATE_S + PROBE_TIMEOUT_S + 4.0, elapsed
     assert len(holder.received) == 2 and len(other.received) == 1
     assert other.received[0]["output_ids"] == reply[:1]  # the decode only: the prefill's token was out already
     assert holder.received[1]["request_id"] in holder.aborted
@@ -266,7 +267,7 @@ def test_a_worker_frozen_mid_reply_ends_the_stream_with_an_error_event_at_the_pr
     with httpx.stream("POST", gw.url + CHAT, json=body, timeout=30) as r:
         assert r.status_code == 200
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert time.monotonic() - t0 < EVENTS_LATE_S + PROBE_TIMEOUT_S + 2.0
+    assert time.monotonic() - t0 < EVENTS_LATE_S + PROBE_TIMEOUT_S + 4.0  # before the 8 s event deadline, on a loaded machine too
     error = json.loads(events[-1])["error"]
     assert (error["type"], error["code"]) == ("server_error", "worker_unavailable")
     assert f"did not answer /health within {PROBE_TIMEOUT_S:g} s" in error["message"]
@@ -317,7 +318,9 @@ def test_a_frozen_lease_holder_loses_the_decode_before_it_is_sent(stack: Stack, 
     t0 = time.monotonic()
     assert chat(gw, messages, "s") == text
     elapsed = time.monotonic() - t0
-    assert FROZEN_FLOOR_S < elapsed < FROZEN_FLOOR_S + 0.5, elapsed
+    # not before the verdict, and long before the holder would answer (the counts below show where the
+    # decode went: a loaded machine stretches the turn by seconds, never shortens it)
+    assert FROZEN_FLOOR_S < elapsed < holder.answer_after_s, elapsed
     assert prefill.received[-1]["kv_transfer_params"]["agent_url"] == holder.url and not prefill.aborted  # nothing to pull
     assert len(holder.received) == 1 and len(other.received) == 2
     assert other.received[1]["output_ids"] == reply[:1]  # the prefill's token, then the decode elsewhere
@@ -331,16 +334,16 @@ def test_a_frozen_lease_holder_loses_the_decode_before_it_is_sent(stack: Stack, 
 def test_a_prefill_pulling_from_a_frozen_holder_is_sent_again_without_its_lease_at_the_verdict(
     stack: Stack, reply: list[int], text: str
 ) -> None:
-    """The prefill's pull from a frozen holder would wait for the worker's peer deadline (here 3 s):
+    """The prefill's pull from a frozen holder would wait for the worker's peer deadline (here 8 s):
     at the holder check's verdict the gateway closes that prefill (the worker aborts it) and sends
     it again without the holder's params; the turn recomputes on the other decode worker."""
     prefill, holder, other, gw, messages = holder_and_other(stack, reply)
     holder.answer_after_s, holder.health_delay_s = 5.0, 5.0
-    prefill.pull_delay_s = 3.0
+    prefill.pull_delay_s = 8.0
     t0 = time.monotonic()
     assert chat(gw, messages, "s") == text
     elapsed = time.monotonic() - t0
-    assert FROZEN_FLOOR_S < elapsed < FROZEN_FLOOR_S + 0.5, elapsed
+    assert FROZEN_FLOOR_S < elapsed < prefill.pull_delay_s, elapsed  # at the verdict, not at the pull's deadline
     pulled, recomputed = prefill.received[1:]
     assert pulled["kv_transfer_params"]["agent_url"] == holder.url and pulled["request_id"] in prefill.aborted
     assert recomputed["kv_transfer_params"] is None and recomputed["request_id"] == pulled["request_id"] + "-recompute"
@@ -378,6 +381,6 @@ def test_a_lease_holder_slower_than_its_ratio_to_a_slow_peer_is_frozen(stack: St
     t0 = time.monotonic()
     assert chat(gw, messages, "s") == text
     elapsed = time.monotonic() - t0
-    assert FROZEN_RATIO * 0.1 < elapsed < FROZEN_RATIO * 0.1 + 0.5, elapsed
+    assert FROZEN_RATIO * 0.1 < elapsed < holder.answer_after_s, elapsed  # at the ratio, not the floor; not waiting for the holder
     assert len(holder.received) == 1 and len(other.received) == 2
     assert gw.metric("kvserving_gateway_reuse_fallbacks_total", {"reason": "holder_unresponsive"}) == 1

@@ -3,12 +3,11 @@ type, and the counters move by what happened."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import openai
 import pytest
 from gw_harness import MODEL, Stack
+from kvs_poll import wait_until
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -73,10 +72,8 @@ def test_counters_move_by_what_happened(stack: Stack) -> None:
         for r in ("least_loaded", "lease", "lease_overloaded")
     )
     assert decisions == 3
-    deadline = time.monotonic() + 5
-    while gw.metric("kvserving_gateway_requests_in_flight") != 0:  # decremented after the last byte
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    # decremented after the last byte
+    wait_until(lambda: gw.metric("kvserving_gateway_requests_in_flight") == 0, what="no request in flight")
     httpx.get(gw.url + "/metrics", timeout=5)
     assert gw.metric("kvserving_gateway_workers_healthy", {"role": "both"}) == 1
 

@@ -135,12 +135,12 @@ def test_gateway_shutdown_leaves_active_leases_and_releases_idle_ones(tiny_model
     try:
         decode = stack.worker(role="both", reply_ids=reply)
         # the TTL bounds how long the second turn and the stop may take on a loaded machine (the recent
-        # lease must still be active at the stop): seconds, not a fraction of one
-        reuse = ReuseConfig(lease_ttl_s=3.0, retention_ttl_s=60.0)
+        # lease must still be active at the stop): longer than a stalled event loop's seconds
+        reuse = ReuseConfig(lease_ttl_s=6.0, retention_ttl_s=60.0)
         gw = stack.gateway(decode=[decode.url], reuse=reuse, lease_heartbeat_s=60)  # no beat before the stop
         turn(gw, [SYSTEM, {"role": "user", "content": "first"}], "old")
         (old,) = decode.leases
-        time.sleep(3.1)  # the old lease idle past the TTL (a lower bound: a slow machine only sleeps longer)
+        time.sleep(6.1)  # the old lease idle past the TTL (a lower bound: a slow machine only sleeps longer)
         turn(gw, [SYSTEM, {"role": "user", "content": "second"}], "recent")
         (recent,) = set(decode.leases) - {old}
         gw.stop()
