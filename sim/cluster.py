@@ -453,7 +453,7 @@ class Simulator(Sim):
             dec.read(out, self._decode_read, (req, offer), now)
             return
         if offer is not None:
-            self.call_at(now + out.seconds, self._release_offer, offer)
+            self.call_at(now + out.seconds, self._let_go_offer, offer)
         self.call_at(now + out.seconds, dec.arrive, req)
 
     def _decode_read(self, pulled: tuple[Req, WLease | None], now: float) -> None:
@@ -461,8 +461,14 @@ class Simulator(Sim):
         request joins the decode's engine queue."""
         req, offer = pulled
         if offer is not None:
-            self._release_offer(offer, now)
+            self._let_go_offer(offer, now)
         self._decode_by_url[req.decode_url].arrive(req, now)
+
+    def _let_go_offer(self, offer: WLease, now: float) -> None:
+        """The decode lets go of the prefill's transfer hold once its pull is over: the release is an
+        engine call on the prefill (``KVTransfer.release``), so a busy prefill keeps the prompt's pages
+        until its step in progress ends."""
+        offer.worker.engine_call(self._release_offer, offer, now)
 
     def _release_offer(self, offer: WLease, now: float) -> None:
         if offer.alive(now):

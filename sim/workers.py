@@ -48,9 +48,10 @@ advances in one event (``_Run``) with the results of stepping each.
   pins at once; ``pins_yield_always=True``: the worker before these rules (and
   before ``pull_pins_local``), whose pins yielded to every allocation. A prefill
   worker's transfer hold is released once the decode's pull is over, read or not.
-  The hold is an **engine call** on the sender (``engine_call``): answered between
-  its steps, so a busy prefill keeps a finished prompt's pages through the
-  planning of its next step (its steps of long prompt chunks: hundreds of ms).
+  The hold and its release are **engine calls** on the sender (``engine_call``):
+  answered between its steps, so a busy prefill keeps a finished prompt's pages
+  through its next step before the READ and until the step in progress ends after
+  it (its steps of long prompt chunks: hundreds of ms each).
 - A decode worker's pull that finds no pages **waits for them** (``Puller.wait_for_pages``):
   it tries again where pages come back -- at the end of an engine step that
   ended sequences, preempted or released leases, or at a release or expiry

@@ -155,7 +155,7 @@ def _replay(merge: bool, fmt: str, n: int) -> str:
 
 
 # below the cliff, and past it (preemptions, the decode's queue waiting for pages: few runs)
-@pytest.mark.parametrize(("fmt", "n", "runs", "handed"), [("nvfp4", 16, 100, 20), ("fp8", 32, 5, 1)])
+@pytest.mark.parametrize(("fmt", "n", "runs", "handed"), [("nvfp4", 16, 100, 20), ("nvfp4", 32, 5, 1)])
 def test_merged_decode_steps_replay_measured_points_on_a_shared_gpu_as_stepping_does(
     calls: Counter[str], fmt: str, n: int, runs: int, handed: int
 ) -> None:

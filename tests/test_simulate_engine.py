@@ -462,3 +462,23 @@ def test_an_admission_that_does_not_fit_with_its_pulled_prefix_waits_with_it_and
     sim.run()
     assert done == [3] and (w.in_place, w.hit_pages, w.remote_pages) == (3, 3, 3)
     assert (dec.stats.computed_tokens, dec.stats.lost_tokens, dec.stats.leases_reclaimed, dec.cache.evicted) == (17, 0, 0, 0)
+
+
+def test_the_decode_lets_go_of_a_transfer_hold_through_an_engine_call_on_the_prefill() -> None:
+    # KVTransfer.release runs on the prefill's engine thread: once the decode's pull is over, an idle
+    # prefill frees the prompt's pages at once, a busy one only when its step in progress ends.
+    sim = _sim(16, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, chunk_size=64))
+    pre = sim.prefill[0]
+    pre.on_done = lambda req, now: None
+    idle, busy = _offer(pre, _req(2, 40, 4), 2, retained=False), _offer(pre, _req(3, 40, 4), 2, retained=False)
+    sim._let_go_offer(idle, 0.25)
+    assert idle.lease_id not in pre.leases and busy.lease_id in pre.leases
+    pre.arrive(_req(1, 60, 20), 0.25)  # one step computes the whole prompt
+    assert pre.busy
+    sim._let_go_offer(busy, 0.25)
+    assert busy.lease_id in pre.leases and pre.cache.used == 4 + 4
+    sim.run()
+    step = pre.stats.prompt_step_s
+    assert pre.stats.prompt_steps == 1 and step > 0 and busy.lease_id not in pre.leases
+    assert pre.stats.transfer_leases_ended == {"released": 2, "expired": 0}
+    assert pre.stats.transfer_lease_seconds == {"released": 0.25 + (0.25 + step), "expired": 0.0}
