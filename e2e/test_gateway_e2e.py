@@ -178,21 +178,23 @@ def rss_bytes(pid: int) -> int:
 def test_soak_concurrent_sessions_through_real_workers(workers: WorkerFactory, tiny_model_dir: Path, tmp_path: Path) -> None:
     """Bounded soak on loopback: 200 concurrent agent sessions x 3 turns through the
     gateway and real workers, then two waves of 60 more; no request lost, later turns
-    reuse KV, leases renewed on the worker while active (worker retention 2 s < the
-    gateway's lease TTL 3 s) and gone once idle, nothing left in flight, and the
+    reuse KV, leases renewed on the worker while active (worker retention 4 s < the
+    gateway's lease TTL 6 s) and gone once idle, nothing left in flight, and the
     gateway's memory flat once what it keeps between turns is at its bounds."""
     import asyncio
 
-    # Workers that retain KV for 2 s behind a gateway that keeps conversations active for 3 s:
+    # Workers that retain KV for 4 s behind a gateway that keeps conversations active for 6 s:
     # the gateway must renew each lease on the decode worker while its conversation is active.
+    # Seconds each (its sweep runs every 1.5 s): a gateway or worker stalled for a second or two
+    # on a loaded machine neither misses a renewal nor calls a conversation between turns idle.
     worker_cfg = config()
-    worker_cfg["reuse"].update({"lease_ttl_s": 1.5, "retention_ttl_s": 2.0})
+    worker_cfg["reuse"].update({"lease_ttl_s": 3.0, "retention_ttl_s": 4.0})
     # Room for every session's retained KV (200 x ~260 tokens x 4 KiB of fp32 KV per token on CPU):
     # under pool pressure a worker releases retained conversations for live requests (by design),
     # and then a later turn may reuse less than the one before it.
     worker_cfg["kv_cache"]["memory_bytes"] = 384 << 20
     gateway_cfg = config()
-    gateway_cfg["reuse"].update({"lease_ttl_s": 3.0, "retention_ttl_s": 4.0})
+    gateway_cfg["reuse"].update({"lease_ttl_s": 6.0, "retention_ttl_s": 8.0})
     # What the gateway keeps between turns bounded below the first wave's worth (200
     # conversations, ~180K prompt tokens): it fills every bound, and the two waves after it
     # must not grow the gateway's memory.
@@ -251,8 +253,8 @@ def test_soak_concurrent_sessions_through_real_workers(workers: WorkerFactory, t
             while httpx.get(decode.url + "/internal/kv/leases", headers=decode.headers, timeout=10).json()["leases"]:
                 assert time.monotonic() < deadline, "decode leases not released after the conversations went idle"
                 time.sleep(0.5)
-            # The worker drops an idle lease at its retention (2 s); the gateway's table drops it
-            # at the lease TTL (3 s) on its next heartbeat sweep, so it may lag by a sweep.
+            # The worker drops an idle lease at its retention (4 s); the gateway's table drops it
+            # at the lease TTL (6 s) on its next heartbeat sweep, so it may lag by a sweep.
             while metric(gateway.url, "kvserving_gateway_leases") != 0:
                 assert time.monotonic() < deadline, "gateway lease table not emptied after the conversations went idle"
                 time.sleep(0.5)

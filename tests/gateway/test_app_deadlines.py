@@ -131,12 +131,12 @@ def test_a_lone_worker_that_misses_its_ready_polls_stays_in_the_rotation(stack: 
 def test_a_decode_worker_that_does_not_answer_in_time_is_left_for_another(stack: Stack, reply: list[int], text: str) -> None:
     prefill = stack.worker(role="prefill", reply_ids=reply)
     frozen, alive = by_url([stack.worker(role="decode", reply_ids=reply) for _ in range(2)])
-    frozen.answer_after_s = 4.0  # long past the deadline (and short enough for the fake to stop soon)
+    frozen.answer_after_s = 6.0  # long past the deadline (and short enough for the fake to stop soon)
     gw = stack.gateway(
         prefill=[prefill.url],
         decode=[frozen.url, alive.url],
         health_interval_s=60,
-        first_byte_timeout_s=1.0,
+        first_byte_timeout_s=2.0,  # the live worker's headers come within it on a stalled machine too
         reuse=ReuseConfig(transfer_timeout_s=0.5),
     )
     t0 = time.monotonic()

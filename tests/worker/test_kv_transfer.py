@@ -352,9 +352,9 @@ def test_concurrent_pulls_from_one_peer(tiny_model_dir: Path, host: Any) -> None
 
 
 def test_a_pull_into_a_full_pool_waits_then_skips_and_counts_the_tokens_it_missed(tiny_model_dir: Path, host: Any) -> None:
-    """A decode worker (transfer_timeout_s 1.0: it waits for pages up to PAGE_WAIT_SHARE of it)
+    """A decode worker (transfer_timeout_s 4.0: it waits for pages up to PAGE_WAIT_SHARE of it)
     whose pool is taken whole by running requests. A 150-token prompt offers (150 - 1) // 16 = 9
-    full pages: the pull waits its 0.5 s, skips (``no_free_pages``) and counts the 144 tokens it
+    full pages: the pull waits its 2 s, skips (``no_free_pages``) and counts the 144 tokens it
     missed; pages freed while the next pull waits give it its 144 tokens. A prefill worker's pull
     skips at once. The counters reach /metrics by their growth."""
     from prometheus_client import CollectorRegistry
@@ -364,7 +364,10 @@ def test_a_pull_into_a_full_pool_waits_then_skips_and_counts_the_tokens_it_misse
     from kvserving.worker.service import lost_before_admission
 
     P = host.open("p-full", _spec(tiny_model_dir, "bf16", "p-full-1", role="prefill"))
-    D = host.open("d-full", _spec(tiny_model_dir, "bf16", "d-full-1", role="decode", transfer_timeout_s=1.0))
+    # seconds, not a fraction of one: the second pull's pages are freed by another thread while it
+    # waits, and it reads them from the prefill, each within its share on a loaded machine too
+    timeout_s = 4.0
+    D = host.open("d-full", _spec(tiny_model_dir, "bf16", "d-full-1", role="decode", transfer_timeout_s=timeout_s))
     ids = _prompt(150, 61)
 
     def offer(rid: str) -> KVTransferParams:
@@ -378,11 +381,11 @@ def test_a_pull_into_a_full_pool_waits_then_skips_and_counts_the_tokens_it_misse
     skipped = D.kvt.pull(ids, None, offer("full-1"))
     waited = time.monotonic() - t0
     assert (skipped.skipped, skipped.missed_tokens, skipped.pulled_tokens, skipped.admission_pin) == ("no_free_pages", 144, 0, None)
-    assert waited >= PAGE_WAIT_SHARE * 1.0 - 0.1  # the wait's last poll starts within one poll of its end
+    assert waited >= PAGE_WAIT_SHARE * timeout_s - 0.1  # the wait's last poll starts within one poll of its end
     c = D.kvt.stats()
     assert c["skips"] == {"nothing_to_pull": 0, "below_threshold": 0, "no_free_pages": 1}
     assert c["missed_tokens"]["no_free_pages"] == 144 and sum(c["missed_tokens"].values()) == 144
-    assert c["page_waits"] == 1 and 0.35 <= c["page_wait_seconds"] <= waited
+    assert c["page_waits"] == 1 and PAGE_WAIT_SHARE * timeout_s - 0.15 <= c["page_wait_seconds"] <= waited
     # what held the pool when the pull's allocation found no room: every page a request's
     held = {"requests": pool.capacity_tokens() // 16, "pins_transfer": 0, "pins_pulling": 0, "pins_retained": 0, "pins_pulled": 0}
     assert (c["no_room"], c["no_room_held_pages"]) == (1, held)
@@ -409,13 +412,13 @@ def test_a_pull_into_a_full_pool_waits_then_skips_and_counts_the_tokens_it_misse
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, role="decode")
     # a prefill worker's pull does not wait (its waits would be the turn's TTFT): it skips at once
-    P2 = host.open("p-full-2", _spec(tiny_model_dir, "bf16", "p-full-2", role="prefill", transfer_timeout_s=1.0))
+    P2 = host.open("p-full-2", _spec(tiny_model_dir, "bf16", "p-full-2", role="prefill", transfer_timeout_s=timeout_s))
     with P2.lock:
         full = P2.engine.pool.allocate([4] * P2.engine.pool.num_free_pages(bits=4))
     assert full is not None
     t0 = time.monotonic()
     at_once = P2.kvt.pull(ids, None, offer("full-3"))
-    assert (at_once.skipped, at_once.missed_tokens) == ("no_free_pages", 144) and time.monotonic() - t0 < PAGE_WAIT_SHARE * 1.0
+    assert (at_once.skipped, at_once.missed_tokens) == ("no_free_pages", 144) and time.monotonic() - t0 < PAGE_WAIT_SHARE * timeout_s
     assert P2.kvt.stats()["page_waits"] == 0 and P2.kvt.stats()["no_room"] == 1
     with P2.lock:
         P2.engine.pool.free(full)
