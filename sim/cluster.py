@@ -389,7 +389,20 @@ class Simulator(Sim):
         return self.table.get(key)
 
     def _at_prefill(self, turn: tuple[_Agent, Req, PrefillWorker, DecodeWorker], now: float) -> None:
+        """The request reaches the prefill's server. A pull plans on the engine thread
+        (``Puller._plan``: match, pin the local prefix, allocate the pages to READ into), so on a
+        busy prefill it plans when the step in progress ends, after the releases of transfer
+        holds queued during that step."""
         ag, req, pre, dec = turn
+        self._ctx[req.turn_id] = (ag, dec, req)
+        offer = req.lease_offer
+        if offer is None or offer.expires_at <= now:  # decided on the server thread: nothing planned
+            pre.pull(req, offer, now, self._prefill_unplanned)
+        else:
+            pre.engine_call(self._prefill_plan, req, now)
+
+    def _prefill_plan(self, req: Req, now: float) -> None:
+        pre = self._prefill_by_url[req.prefill_url]
         if pre._expiry and pre._expiry[0][0] <= now:
             pre.expire(now)
         offer = req.lease_offer
@@ -397,17 +410,37 @@ class Simulator(Sim):
             holder = offer.worker
             if holder._expiry and holder._expiry[0][0] <= now:
                 holder.expire(now)
-        self._ctx[req.turn_id] = (ag, dec, req)
         pre.pull(req, offer, now, self._prefill_pulled)
 
     def _prefill_pulled(self, req: Req, out: PullOutcome, now: float) -> None:
-        """The prefill's pull is over (at once, or after waiting for pages): on to its engine queue."""
+        """The prefill's pull is planned. Each engine call after the plan (the adopt that pins
+        the READ's pages or the local prefix, then ``AsyncEngine.start``'s add) is asked from
+        the pull's thread once the call before it returned, by when a busy engine has queued
+        its next step: each waits for that step."""
         req.fallback = out.fallback
         pre = self._prefill_by_url[req.prefill_url]
-        if out.seconds > 0:
-            pre.read(out, pre.arrive, req, now)
-        else:  # nothing pulled: straight on to the engine queue (one event fewer)
-            pre.arrive(req, now)
+        if out.seconds > 0:  # the adopt is asked once the READ is over
+            pre.read(out, self._prefill_adopt, req, now)
+        elif req.pin is not None:  # the local prefix it matched is pinned for the request: an adopt
+            self.call_at(now, self._prefill_adopt, req)
+        else:
+            self.call_at(now, self._prefill_add, req)
+
+    def _prefill_unplanned(self, req: Req, out: PullOutcome, now: float) -> None:
+        """No offer, or an expired one: nothing planned, the add waits only for the step in progress."""
+        req.fallback = out.fallback
+        self._prefill_by_url[req.prefill_url].arrive(req, now)
+
+    def _prefill_adopt(self, req: Req, now: float) -> None:
+        pre = self._prefill_by_url[req.prefill_url]
+        pre.engine_call(self._prefill_adopted, req, now)
+
+    def _prefill_adopted(self, req: Req, now: float) -> None:
+        self.call_at(now, self._prefill_add, req)
+
+    def _prefill_add(self, req: Req, now: float) -> None:
+        pre = self._prefill_by_url[req.prefill_url]
+        pre.engine_call(pre.arrive, req, now)
 
     def _prefill_done(self, req: Req, now: float) -> None:
         ag, dec, _ = self._ctx[req.turn_id]

@@ -51,7 +51,12 @@ advances in one event (``_Run``) with the results of stepping each.
   The hold and its release are **engine calls** on the sender (``engine_call``):
   answered between its steps, so a busy prefill keeps a finished prompt's pages
   through its next step before the READ and until the step in progress ends after
-  it (its steps of long prompt chunks: hundreds of ms each).
+  it (its steps of long prompt chunks: hundreds of ms each). A prefill's own pull plans
+  on its engine thread too (``Puller._plan``: the match, the local prefix's pin, the pages
+  to READ into), so it finds the room that the releases queued during the step in progress
+  left; the adopt after it and the request's add are engine calls asked once the call
+  before returned, so on a busy prefill each waits for one more step
+  (``Simulator._at_prefill``).
 - A decode worker's pull that finds no pages **waits for them** (``Puller.wait_for_pages``):
   it tries again where pages come back -- at the end of an engine step that
   ended sequences, preempted or released leases, or at a release or expiry

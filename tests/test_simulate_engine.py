@@ -482,3 +482,73 @@ def test_the_decode_lets_go_of_a_transfer_hold_through_an_engine_call_on_the_pre
     assert pre.stats.prompt_steps == 1 and step > 0 and busy.lease_id not in pre.leases
     assert pre.stats.transfer_leases_ended == {"released": 2, "expired": 0}
     assert pre.stats.transfer_lease_seconds == {"released": 0.25 + (0.25 + step), "expired": 0.0}
+
+
+def _at_prefill(sim: Simulator, req: Req, offer: WLease, now: float) -> None:
+    """``req`` reaches the prefill's server with ``offer`` (the gateway's lease table's params)."""
+    pre, dec = sim.prefill[0], sim.decode[0]
+    req.prefill_url, req.decode_url, req.lease_offer = pre.url, dec.url, offer
+    sim._at_prefill((None, req, pre, dec), now)  # type: ignore[arg-type]
+
+
+def test_a_prefill_pull_plans_when_the_step_in_progress_ends_after_the_releases_queued_during_it() -> None:
+    # Puller._plan runs on the engine thread: a pull sent while a step runs plans when it ends, after a
+    # transfer hold's release queued before it. A 12-page prefill pool: X's 6-page transfer hold and A's
+    # 60-token prompt (4 pages) leave 2 free; W (80 tokens) is offered 4 pages by the decode's retained
+    # lease. Planned at once (0 s), its pull would find no room and W would compute all 80 tokens; at
+    # the step's end X's 6 pages are cached and A's partial last page is free: the pull takes the 3 free
+    # pages and evicts 1 of X's, and W's own fifth page another.
+    reuse = ReuseConfig(recompute_threshold_tokens=32)
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(12), reuse=reuse), LoadSpec())
+    pre, dec = sim.prefill[0], sim.decode[0]
+    pre.on_done = lambda req, now: None
+    x = _offer(pre, _req(2, 100, 4), 6, retained=False)
+    pre.arrive(_req(1, 60, 20), 0.0)
+    assert pre.busy and pre.cache.free == 2
+    w = _req(3, 80, 4)
+    sim._let_go_offer(x, 0.0)
+    _at_prefill(sim, w, _offer(dec, w, 4, retained=True), 0.0)
+    assert pre.stats.no_room == 0 and pre.stats.pulls == 0 and x.lease_id in pre.leases  # nothing planned yet
+    sim.run()
+    step = 60 * 1e-4
+    assert pre.stats.prompt_steps == 2 and pre.stats.prompt_step_s == step + 16 * 1e-4  # A, then W's last page
+    assert (pre.stats.no_room, pre.stats.pulls, pre.stats.pulled_pages, pre.stats.skipped["no_free_pages"]) == (0, 1, 4, 0)
+    assert (pre.cache.evicted, w.hit_pages, w.remote_pages) == (2, 4, 4)
+
+
+def test_a_prefill_queues_a_planned_request_a_step_later_per_engine_call_after_the_plan() -> None:
+    # After the plan, the pull's thread asks for each next engine call (the adopt that pins the local
+    # prefix, then AsyncEngine.start's add) once the one before returned, by when the busy engine has
+    # queued its next step. B's 256-token prompt runs in four 64-token steps; W1 and W2 are sent during
+    # the first and offered pages below the READ threshold. W1, with nothing local, is added after the
+    # second step; W2, whose first 2 pages are cached here (pinned by its adopt), after the third. C,
+    # with no offer, plans nothing and joins the queue at once.
+    reuse = ReuseConfig(recompute_threshold_tokens=32)
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, chunk_size=64)
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(64), reuse=reuse, scheduler=sched), LoadSpec())
+    pre, dec = sim.prefill[0], sim.decode[0]
+    pre.on_done = lambda req, now: None
+    w1, w2, c = _req(3, 80, 4), _req(4, 80, 4), _req(5, 80, 4)
+    cached = pre.cache.new_hold()
+    assert pre.cache.allocate(cached, 2)
+    pre.cache.publish(cached, w2.segs, 0, 2)
+    pre.cache.release(cached)
+    queued: list[tuple[int, float]] = []
+    arrive = pre.arrive
+
+    def record(req: Req, now: float) -> None:
+        queued.append((req.turn_id, now))
+        arrive(req, now)
+
+    pre.arrive = record  # type: ignore[method-assign]
+    pre.arrive(_req(1, 256, 4), 0.0)
+    queued.clear()
+    _at_prefill(sim, w1, _offer(dec, w1, 1, retained=True), 1e-3)
+    _at_prefill(sim, w2, _offer(dec, w2, 3, retained=True), 1e-3)
+    c.prefill_url, c.decode_url = pre.url, dec.url
+    sim._at_prefill((None, c, pre, dec), 1e-3)  # type: ignore[arg-type]
+    sim.run()
+    step = 64 * 1e-4
+    assert pre.stats.skipped["below_threshold"] == 2 and pre.stats.pulls == 0
+    assert [(i, round(t / step, 9)) for i, t in queued] == [(5, 1e-3 / step), (3, 2.0), (4, 3.0)]
+    assert (w1.hit_pages, w2.hit_pages, w2.in_place) == (0, 2, 2)
