@@ -311,6 +311,9 @@ class WorkerClient:
         self._short = aiohttp.ClientTimeout(total=max(connect_timeout_s, 1.0) * 2, sock_connect=connect_timeout_s)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        # a generate's retry after a kept-alive connection failed: never from the pool, where the
+        # worker may have closed every other idle connection too
+        self._fresh: aiohttp.ClientSession | None = None
         self._streams: set[_Stream] = set()  # generates in flight (abort_streams ends them)
         self._ending: set[asyncio.Task[None]] = set()  # replies left at [DONE] whose body is still ending
         self._closing = False
@@ -322,14 +325,23 @@ class WorkerClient:
         if self._session is None:
             # idle connections are dropped before the worker's server closes them (WORKER_KEEP_ALIVE_S)
             connector = _Connector(limit=self._max_connections, limit_per_host=0, keepalive_timeout=WORKER_CLIENT_IDLE_S)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=self._generate_timeout,
-                auto_decompress=False,
-                headers=self._headers,
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
+            self._session = self._new_session(connector)
         return self._session
+
+    def _fresh_http(self) -> aiohttp.ClientSession:
+        """A session whose every request opens its own connection (closed after it)."""
+        if self._fresh is None:
+            self._fresh = self._new_session(_Connector(limit=self._max_connections, limit_per_host=0, force_close=True))
+        return self._fresh
+
+    def _new_session(self, connector: aiohttp.BaseConnector) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            connector=connector,
+            timeout=self._generate_timeout,
+            auto_decompress=False,
+            headers=self._headers,
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
 
     def abort_streams(self) -> None:
         """End every generate in flight now (``UpstreamError`` kind ``draining``), and refuse new ones."""
@@ -340,9 +352,10 @@ class WorkerClient:
     async def aclose(self) -> None:
         for task in list(self._ending):
             task.cancel()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
+        self._session = self._fresh = None
 
     async def generate(self, url: str, body: dict[str, Any], *, probe: bool = False) -> AsyncGenerator[list[dict[str, Any]], None]:
         """The events of one generate stream (token events, then the final one), in batches:
@@ -435,8 +448,8 @@ class WorkerClient:
     async def _post(self, url: str, payload: bytes, stream: _Stream, *, probe: bool) -> aiohttp.ClientResponse:
         """The response once its headers are in; a kept-alive connection the worker closed
         meanwhile (it never saw the request) is retried once on a fresh one."""
-        session = self._http()
         for attempt in (0, 1):
+            session = self._fresh_http() if attempt else self._http()
             # a timer, not a task per request: most headers come before the first probe is due
             watch = asyncio.get_running_loop().call_later(PROBE_AFTER_S, self._start_watch, url, stream, probe)
             connecting = _CONNECTING.set(stream)

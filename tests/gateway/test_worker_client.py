@@ -196,6 +196,34 @@ def test_connection_closed_by_the_worker_before_answering_is_retried_once_fresh(
     with_server(script, check)
 
 
+def test_the_retry_opens_a_new_connection_when_every_kept_alive_one_was_closed() -> None:
+    """Two kept-alive connections the worker closed (the gateway's loop stalled past their idle
+    margin): the first attempt takes one, the retry must not take the other."""
+    both = asyncio.Event()
+
+    async def script(n: int, reader: Reader, writer: Writer) -> None:
+        await read_request(reader)
+        if n < 2:
+            if n == 1:
+                both.set()
+            await both.wait()  # two requests in flight at once: two connections in the pool after
+            writer.write(b"".join(sse_reply(EVENTS)) + b"0\r\n\r\n")
+            await writer.drain()
+            await read_request(reader)  # the next request on this connection: closed unanswered
+            return
+        writer.write(b"".join(sse_reply(EVENTS)) + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def check(s: Served) -> None:
+        assert await asyncio.gather(collect(s.client, s.url), collect(s.client, s.url)) == [EVENTS, EVENTS]
+        await ended(s.client)
+        assert await collect(s.client, s.url) == EVENTS
+        assert len(s.conns) == 3  # one stale connection tried, then a new one
+
+    with_server(script, check)
+
+
 def test_refusal_broken_stream_timeout_and_unreachable_worker_are_upstream_errors() -> None:
     async def script(n: int, reader: Reader, writer: Writer) -> None:
         await read_request(reader)
