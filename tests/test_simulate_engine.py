@@ -484,8 +484,8 @@ def test_the_decode_lets_go_of_a_transfer_hold_through_an_engine_call_on_the_pre
     assert pre.stats.transfer_lease_seconds == {"released": 0.25 + (0.25 + step), "expired": 0.0}
 
 
-def _at_prefill(sim: Simulator, req: Req, offer: WLease, now: float) -> None:
-    """``req`` reaches the prefill's server with ``offer`` (the gateway's lease table's params)."""
+def _at_prefill(sim: Simulator, req: Req, offer: WLease | None, now: float) -> None:
+    """``req`` reaches the prefill's server with ``offer`` (the gateway's lease table's params, if any)."""
     pre, dec = sim.prefill[0], sim.decode[0]
     req.prefill_url, req.decode_url, req.lease_offer = pre.url, dec.url, offer
     sim._at_prefill((None, req, pre, dec), now)  # type: ignore[arg-type]
@@ -545,8 +545,7 @@ def test_a_prefill_queues_a_planned_request_a_step_later_per_engine_call_after_t
     queued.clear()
     _at_prefill(sim, w1, _offer(dec, w1, 1, retained=True), 1e-3)
     _at_prefill(sim, w2, _offer(dec, w2, 3, retained=True), 1e-3)
-    c.prefill_url, c.decode_url = pre.url, dec.url
-    sim._at_prefill((None, c, pre, dec), 1e-3)  # type: ignore[arg-type]
+    _at_prefill(sim, c, None, 1e-3)
     sim.run()
     step = 64 * 1e-4
     assert pre.stats.skipped["below_threshold"] == 2 and pre.stats.pulls == 0

@@ -25,6 +25,12 @@ def sse_reply(events: list[dict[str, Any]], *, done: bool = True) -> list[bytes]
     return [head] + [b"%x\r\n%s\r\n" % (len(f), f) for f in frames]
 
 
+async def reply_whole(writer: Writer) -> None:
+    """One reply with its body ended: the connection may carry the next request."""
+    writer.write(b"".join(sse_reply(EVENTS)) + b"0\r\n\r\n")
+    await writer.drain()
+
+
 async def read_request(reader: Reader) -> dict[str, Any] | None:
     head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
     if not head:
@@ -179,12 +185,10 @@ def test_connection_closed_by_the_worker_before_answering_is_retried_once_fresh(
     async def script(n: int, reader: Reader, writer: Writer) -> None:
         await read_request(reader)
         if n == 0:
-            writer.write(b"".join(sse_reply(EVENTS)) + b"0\r\n\r\n")
-            await writer.drain()
+            await reply_whole(writer)
             await read_request(reader)  # the second request on this connection: closed unanswered
             return
-        writer.write(b"".join(sse_reply(EVENTS)) + b"0\r\n\r\n")
-        await writer.drain()
+        await reply_whole(writer)
         await reader.read()
 
     async def check(s: Served) -> None:
@@ -207,12 +211,10 @@ def test_the_retry_opens_a_new_connection_when_every_kept_alive_one_was_closed()
             if n == 1:
                 both.set()
             await both.wait()  # two requests in flight at once: two connections in the pool after
-            writer.write(b"".join(sse_reply(EVENTS)) + b"0\r\n\r\n")
-            await writer.drain()
+            await reply_whole(writer)
             await read_request(reader)  # the next request on this connection: closed unanswered
             return
-        writer.write(b"".join(sse_reply(EVENTS)) + b"0\r\n\r\n")
-        await writer.drain()
+        await reply_whole(writer)
         await reader.read()
 
     async def check(s: Served) -> None:
