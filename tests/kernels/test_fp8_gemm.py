@@ -459,6 +459,35 @@ def test_linear_runs_the_dispatched_kernel_and_the_override_picks_the_other() ->
         assert (out - spec).abs().max().item() <= 1e-5 * top < (out - exact).abs().max().item()
 
 
+@interpreter_only
+def test_linear_launches_the_quantizer_and_the_block_gemm_with_the_pdl_choice_of_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """M 5 (quantizer + block GEMM): both take ``triton_pdl.resolve``'s choice for x's device; the kernels run
+    plain here (the interpreter has no ``griddepcontrol``), so the output is the quantized reference either way."""
+    from kvserving.kernels import triton_fp8_gemm, triton_pdl
+
+    codes, scale = fp8_gemm.quantize_blocks(_weight(128, 2048, seed=3))
+    x = _acts(5, 2048, seed=5).to(torch.bfloat16)
+    spec = fp8_gemm.linear_quantized_ref(x, codes, scale, scheme="block").double()
+    quantize, block_gemm = triton_fp8_gemm.quantize, triton_fp8_gemm.block_gemm
+    for choice in (False, True):
+        asked: list[tuple[str, bool]] = []
+
+        def quantize_rec(*args: object, pdl: bool = False, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+            asked.append(("quantize", pdl))
+            return quantize(*args, **kw)  # type: ignore[arg-type]
+
+        def block_gemm_rec(*args: object, pdl: bool = False, **kw: object) -> torch.Tensor:
+            asked.append(("block_gemm", pdl))
+            return block_gemm(*args, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(triton_pdl, "resolve", lambda pdl, device, c=choice: c if pdl is None else pdl)
+        monkeypatch.setattr(triton_fp8_gemm, "quantize", quantize_rec)
+        monkeypatch.setattr(triton_fp8_gemm, "block_gemm", block_gemm_rec)
+        out = triton_fp8_gemm.linear(x, codes, scale, out_dtype=torch.float32).double()
+        assert asked == [("quantize", choice), ("block_gemm", choice)]
+        assert (out - spec).abs().max().item() <= 1e-5 * spec.abs().max().item()
+
+
 def test_gemv_refuses_bad_operands() -> None:
     from kvserving.kernels.triton_fp8_gemm import Gemv, gemv, tiles_override
 
