@@ -5,6 +5,11 @@ The engine is not thread-safe, so nothing touches it from the event loop:
 ``add``, ``abort``, ``step`` and any ``call(fn)`` (stats, lease operations,
 KV export and import) are queued on one single-thread executor and run in
 submission order. The event loop never waits on a lock held by a step.
+
+Adding a request has two halves: ``adder(stream, ...)`` is the engine-thread
+half (it can run inside another engine-thread call: a KV pull adds its request
+in the same call that pins its pages), ``started(stream)`` the event-loop half
+that lets the request step; ``start`` runs both.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class RequestStream:
         self._owner = owner
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self.aborted = False  # ``abort()`` called: the request is not to run, added or not
         self._closed = False
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -72,6 +78,7 @@ class RequestStream:
         """End the stream with ``finish_reason == "abort"`` and free the request's pages."""
         if self.finished:
             return
+        self.aborted = True
         self._owner._submit_abort(self.request_id)
         self.queue.put_nowait(RequestOutput(self.request_id, [], True, "abort", self.num_prompt_tokens, 0, 0))
 
@@ -167,6 +174,48 @@ class AsyncEngine:
         self._streams[request_id] = stream
         return stream
 
+    def adder(
+        self,
+        stream: RequestStream,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        tags: Seq[int] | None = None,
+        retain: RetainSpec | None = None,
+        output_ids: Seq[int] = (),
+        cache_salt: str | None = None,
+    ) -> Callable[[str | None], None]:
+        """The engine-thread half of ``start``: a function that queues the reserved request on the
+        engine under an admission pin (or none). Run it on the engine thread only (e.g. as a pull's
+        ``admit``), then call ``started(stream)``; its ``ValueError`` means nothing was queued."""
+        engine, rid = self.engine, stream.request_id
+
+        def add(admission_pin: str | None) -> None:
+            engine.add_request(
+                rid,
+                prompt_ids,
+                params,
+                tags=tags,
+                retain=retain,
+                admission_pin=admission_pin,
+                output_ids=output_ids,
+                cache_salt=cache_salt,
+            )
+
+        return add
+
+    def started(self, stream: RequestStream) -> None:
+        """The event-loop half of ``start``, once the request is queued on the engine: it steps with
+        the others, unless its stream was closed or aborted meanwhile; then an abort follows the add
+        (an abort queued before the add found nothing to abort)."""
+        rid = stream.request_id
+        if self._streams.get(rid) is stream and not stream.aborted:
+            self._started.add(rid)
+        else:
+            self._submit_abort(rid)
+        self._ensure_loop()
+        self._wake.set()
+
     async def start(
         self,
         stream: RequestStream,
@@ -179,30 +228,16 @@ class AsyncEngine:
         output_ids: Seq[int] = (),
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a reserved request on the engine; the engine's ``ValueError`` (nothing queued)
-        reaches the caller and releases the id."""
-        rid = stream.request_id
+        """Queue a reserved request on the engine (``adder`` on the engine thread, then ``started``);
+        the engine's ``ValueError`` (nothing queued) reaches the caller and releases the id."""
+        add = self.adder(stream, prompt_ids, params, tags=tags, retain=retain, output_ids=output_ids, cache_salt=cache_salt)
         try:
-            await self.call(
-                lambda e: e.add_request(
-                    rid,
-                    prompt_ids,
-                    params,
-                    tags=tags,
-                    retain=retain,
-                    admission_pin=admission_pin,
-                    output_ids=output_ids,
-                    cache_salt=cache_salt,
-                )
-            )
+            await self.call(lambda _: add(admission_pin))
         except BaseException:
             stream.finished = True  # never added: nothing to abort
             stream.close()
             raise
-        if rid in self._streams:  # not closed while it was being added
-            self._started.add(rid)
-        self._ensure_loop()
-        self._wake.set()
+        self.started(stream)
 
     async def add(
         self,

@@ -23,7 +23,7 @@ from kvserving.worker.async_engine import AsyncEngine, RequestStream
 from kvserving.worker.engine import LLMEngine, RequestOutput
 from kvserving.worker.kv_stats import KVStats, collect
 from kvserving.worker.kv.leases import LeaseMismatchError
-from kvserving.worker.kv.puller import PullResult
+from kvserving.worker.kv.puller import Admit, PullResult
 from kvserving.worker.kv.transfer import KVTransfer
 from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.metrics import WorkerMetrics
@@ -198,57 +198,65 @@ class WorkerService:
 
     async def queue(self, req: Admitted) -> None:
         """Pull what ``kv_transfer_params`` offers, then queue the request on the engine; a pull
-        that fails is not an error (the request recomputes; ``usage.reuse_fallback``). A client
-        that leaves meanwhile leaves nothing behind: a pull in flight drops its pin when it ends,
-        a request being queued is aborted after it (or its pin dropped if it never was)."""
+        that fails is not an error (the request recomputes; ``usage.reuse_fallback``). A pull
+        that pins pages adds the request in the same engine-thread call (``PullResult.admitted``),
+        so the add waits for no engine step of its own. A client that leaves meanwhile leaves
+        nothing behind: a pull in flight drops its pin, or aborts the request it added, when it
+        ends; a request being queued is aborted after it (or its pin dropped if it never was)."""
         body, stream = req.body, req.stream
         engine = self.engine  # admitted: it runs to the end, through a drain too
         assert engine is not None
         kvt = self.transfer
         pull = PullResult()
         try:
-            if kvt is not None and req.remote is not None:
-                pull = await self._pull(kvt, body, req.remote)
-                self._count_pull(pull)
-            req.pull, req.t_pulled = pull, time.perf_counter()
             retain = None
             if kvt is not None and (self.role == "prefill" or body.retain):
                 retain = kvt.retain_spec(conversation_key=body.conversation_key, input_ids=body.input_ids)
-            await engine.start(
-                stream,
-                body.input_ids,
-                req.params,
-                tags=body.tags,
-                retain=retain,
-                admission_pin=pull.admission_pin,
-                output_ids=body.output_ids,
-                cache_salt=body.cache_salt,
+            add = engine.adder(
+                stream, body.input_ids, req.params, tags=body.tags, retain=retain, output_ids=body.output_ids, cache_salt=body.cache_salt
             )
+            if kvt is not None and req.remote is not None:
+                pull = await self._pull(kvt, body, req.remote, add)
+                self._count_pull(pull)
+            req.pull, req.t_pulled = pull, time.perf_counter()
+            if not pull.admitted:
+                await engine.call(lambda _: add(pull.admission_pin))
+            engine.started(stream)
             req.t_queued = time.perf_counter()
         except BaseException:
             stream.finished = True
             stream.close()
             if kvt is not None and pull.admission_pin is not None:
-                # on the engine thread, after the add if it was queued (a cancelled start may
-                # still run it): abort the request, whose abort drops the pin, or drop the pin
+                # on the engine thread, after the add if it was queued (the pull's, or a cancelled
+                # call that still runs it): abort the request, whose abort drops the pin, or drop the pin
                 rid, held = body.request_id, pull
                 engine.submit(lambda e: e.abort(rid) if rid in e.requests else kvt.drop_admission(held))
             raise
 
-    async def _pull(self, kvt: KVTransfer, body: GenerateBody, remote: KVTransferParams) -> PullResult:
-        """``kvt.pull`` on a thread; cancelled while it runs, the pull finishes there and its pin
-        is dropped when it does."""
-        task = asyncio.ensure_future(asyncio.to_thread(kvt.pull, body.input_ids, body.tags, remote, cache_salt=body.cache_salt))
+    async def _pull(self, kvt: KVTransfer, body: GenerateBody, remote: KVTransferParams, admit: Admit) -> PullResult:
+        """``kvt.pull`` on a thread, adding the request (``admit``) in its adopt hop; cancelled while
+        it runs, the pull finishes there, then the request it added is aborted, or its pin dropped."""
+        task = asyncio.ensure_future(
+            asyncio.to_thread(kvt.pull, body.input_ids, body.tags, remote, cache_salt=body.cache_salt, admit=admit)
+        )
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
+            engine, rid = self.engine, body.request_id
+            assert engine is not None
 
-            def drop(done: asyncio.Future[PullResult]) -> None:
-                if not done.cancelled() and done.exception() is None and done.result().admission_pin is not None:
+            def settle(done: asyncio.Future[PullResult]) -> None:
+                if done.cancelled() or done.exception() is not None:
+                    return  # nothing pinned: a pull that raises has released its pins
+                held = done.result()
+                if held.admitted:
+                    # on the engine thread, after the add: its stream is gone, so nothing would read it
+                    engine.submit(lambda e: e.abort(rid))
+                elif held.admission_pin is not None:
                     # the executor holds the call: nothing here needs to keep the future
-                    asyncio.get_running_loop().run_in_executor(None, kvt.drop_admission, done.result())
+                    asyncio.get_running_loop().run_in_executor(None, kvt.drop_admission, held)
 
-            task.add_done_callback(drop)
+            task.add_done_callback(settle)
             raise
 
     def close_stream(self, req: Admitted) -> None:
@@ -303,7 +311,8 @@ class WorkerService:
     def _timings(req: Admitted, out: RequestOutput) -> dict[str, float]:
         """Milliseconds from admission to the first token, by phase: ``pull_*`` the KV pull's
         phases (``PULL_PHASES``), ``queue`` adding the request to the engine, ``wait_step`` until
-        the engine step that first ran it, ``first_step`` from that step to this event."""
+        the engine step that first ran it, ``first_step`` from that step to this event. A request its
+        pull added (``PullResult.admitted``) was added in ``pull_adopt``: its ``queue`` is ~0."""
         now = time.perf_counter()
         ms = {"admit_to_first_token": (now - req.t_admit) * 1e3}
         if req.pull.phases:

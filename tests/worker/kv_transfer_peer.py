@@ -83,18 +83,18 @@ class Worker:
     def generate(self, cmd: dict[str, Any]) -> dict[str, Any]:
         params = KVTransferParams.from_dict(cmd["params"]) if cmd.get("params") else None
         ids, tags = cmd["input_ids"], cmd.get("tags")
-        res = self.kvt.pull(ids, tags, params)
         spec = self.kvt.retain_spec(conversation_key=cmd.get("conversation_key"), input_ids=ids) if cmd.get("retain") else None
         rid = cmd["request_id"]
-        with self.lock:
-            self.engine.add_request(
-                rid,
-                ids,
-                SamplingParams(max_tokens=cmd["max_tokens"], ignore_eos=True),
-                tags=tags,
-                retain=spec,
-                admission_pin=res.admission_pin,
-            )
+
+        def add(pin: str | None) -> None:  # on the engine thread (under ``lock``)
+            sampling = SamplingParams(max_tokens=cmd["max_tokens"], ignore_eos=True)
+            self.engine.add_request(rid, ids, sampling, tags=tags, retain=spec, admission_pin=pin)
+
+        # as the worker server does: the pull adds the request in its adopt hop when it pins pages
+        res = self.kvt.pull(ids, tags, params, admit=add)
+        if not res.admitted:
+            with self.lock:
+                add(res.admission_pin)
         tokens: list[int] = []
         while True:
             with self.lock:

@@ -39,3 +39,27 @@ def test_concurrent_streams_equal_offline_outputs_and_errors_stay_local(tiny_mod
         assert [o.finished for o in outs] == [False] * 11 + [True]
         assert outs[-1].finish_reason == "length"
         assert outs[-1].num_output_tokens == 12
+
+
+@pytest.mark.parametrize("end", ["close", "abort"])
+def test_a_request_added_after_its_stream_ended_is_aborted_after_the_add(tiny_model_dir: Path, end: str) -> None:
+    """The engine-thread half (``adder``, as a KV pull runs it) adds a request whose stream was closed or
+    aborted meanwhile, after that abort ran: ``started`` aborts it again, so it does not run."""
+    config = ServingConfig(model=ModelConfig(path=str(tiny_model_dir)), kv_cache=KVCacheConfig(memory_bytes=4 << 20))
+
+    async def main() -> tuple[bool, bool, list[str | None]]:
+        engine = AsyncEngine(LLMEngine(config))
+        try:
+            stream = engine.reserve("r", 5)
+            add = engine.adder(stream, [30, 31, 32, 33, 34], SamplingParams(max_tokens=4, ignore_eos=True))
+            getattr(stream, end)()  # while its add is on its way (the abort runs first, finding nothing)
+            await engine.call(lambda _: add(None))
+            added = await engine.call(lambda e: "r" in e.requests)
+            engine.started(stream)
+            running = await engine.call(lambda e: "r" in e.requests)
+            reasons = [o.finish_reason async for o in stream] if end == "abort" else []
+            return added, running, reasons
+        finally:
+            await engine.close()
+
+    assert asyncio.run(main()) == (True, False, ["abort"] if end == "abort" else [])

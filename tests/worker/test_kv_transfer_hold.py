@@ -5,14 +5,14 @@ is fetched once per incarnation. Two engines in one process, real NIXL (UCX over
 
 from __future__ import annotations
 
+import functools
 import math
-
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -26,6 +26,8 @@ from kvserving.worker.kv.leases import lease_digest
 from kvserving.worker.kv.protocol import KVTransferParams
 from kvserving.worker.peers import PeerSet
 from kvserving.worker.sampling import SamplingParams
+
+T = TypeVar("T")
 
 
 def _engine(model: Path, **reuse: Any) -> LLMEngine:
@@ -59,10 +61,13 @@ def _run(
 
 class Pair:
     """A prefill and a decode KVTransfer wired by direct calls, each call counted; ``slow_hold_s``
-    delays the decode's hold answers (a slow or frozen sender)."""
+    delays the decode's hold answers (a slow or frozen sender). Each worker's engine thread is its
+    lock in ``engine_locks``; ``hops`` counts the calls onto it by role."""
 
     def __init__(self, model: Path, **reuse: Any) -> None:
         self.calls: Counter[str] = Counter()
+        self.hops: Counter[str] = Counter()
+        self.engine_locks = {role: threading.RLock() for role in ("prefill", "decode")}
         self.slow_hold_s = 0.0
         self.generation_override: int | None = None
         self.w: dict[str, KVTransfer] = {}
@@ -74,12 +79,19 @@ class Pair:
                 engine_id=f"{role}-hold",
                 agent_url=f"local://{role}",
                 role=role,
+                run_on_engine=functools.partial(self.on_engine, role),
                 fetch_agent_info=self._agent,
                 hold_remote=self._hold,
                 release_remote=self._release,
                 peers=PeerSet(["local://prefill", "local://decode"]),
             )
         self.p, self.d = self.w["local://prefill"], self.w["local://decode"]
+
+    def on_engine(self, role: str, fn: Callable[[], T]) -> T:
+        """``fn()`` on ``role``'s engine thread, counted in ``hops``."""
+        with self.engine_locks[role]:
+            self.hops[role] += 1
+            return fn()
 
     def _agent(self, url: str) -> dict[str, Any]:
         self.calls["agent"] += 1
@@ -253,8 +265,8 @@ def test_a_pulls_wait_for_the_engine_thread_is_its_own_phase(pair: Pair) -> None
     params = p.params_for(po.retained)
     busy = threading.Event()
 
-    def engine_busy() -> None:  # a 0.3 s step on the decode's engine thread (its private lock here)
-        with d._lock:
+    def engine_busy() -> None:  # a 0.3 s step on the decode's engine thread (its lock here)
+        with pair.engine_locks["decode"]:
             busy.set()
             time.sleep(0.3)
 
@@ -266,3 +278,127 @@ def test_a_pulls_wait_for_the_engine_thread_is_its_own_phase(pair: Pair) -> None
     assert (result.pulled_tokens, result.fallback) == (144, None)
     assert result.phases["engine_wait"] >= 0.2, result.phases
     assert result.phases["plan"] < 0.2, result.phases
+
+
+def _finish(kvt: KVTransfer, rids: set[str]) -> dict[str, RequestOutput]:
+    """Step until every request of ``rids`` finished; their final outputs."""
+    done: dict[str, RequestOutput] = {}
+    while set(done) != rids:
+        for out in kvt.engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def _adder(kvt: KVTransfer, rid: str, ids: list[int], log: list[str | None]) -> Callable[[str | None], None]:
+    """An ``admit`` (or the caller's own add): the request ``rid`` under the pin it is given, logged."""
+
+    def add(pin: str | None) -> None:
+        log.append(pin)
+        kvt.engine.add_request(rid, ids, SamplingParams(max_tokens=4, ignore_eos=True), admission_pin=pin)
+
+    return add
+
+
+def test_a_pull_that_reads_adds_its_request_in_its_adopt_hop(pair: Pair) -> None:
+    """Two calls onto the engine thread (plan; adopt with the add), not three: the add waits for no step of its own."""
+    p, d = pair.p, pair.d
+    pool = d.engine.pool
+    params = []
+    for k in range(2):
+        po = _run(p, f"p{k}", _ids(150, 20 + k), 1)
+        assert po.retained is not None
+        params.append(p.params_for(po.retained))
+    # without ``admit``: the pull's two hops, then the caller's add is a third
+    added: list[str | None] = []
+    hops = pair.hops["decode"]
+    res = d.pull(_ids(150, 20), None, params[0])
+    assert (res.pulled_tokens, res.admitted, pair.hops["decode"] - hops) == (144, False, 2)
+    assert "caller" not in d.engine.requests and added == []
+    pair.on_engine("decode", lambda: _adder(d, "caller", _ids(150, 20), added)(res.admission_pin))
+    assert pair.hops["decode"] - hops == 3 and added == [res.admission_pin]
+    # with ``admit``: two hops, the add inside the second, under the pin just taken
+    in_hop: list[int] = []  # which of the pull's hops the add ran in
+    add = _adder(d, "pulled", _ids(150, 21), added)
+
+    def admit(pin: str) -> None:
+        in_hop.append(pair.hops["decode"] - hops)
+        add(pin)
+
+    hops = pair.hops["decode"]
+    res2 = d.pull(_ids(150, 21), None, params[1], admit=admit)
+    assert (res2.pulled_tokens, res2.fallback, res2.admitted, pair.hops["decode"] - hops) == (144, None, True, 2)
+    assert in_hop == [2] and added == [res.admission_pin, res2.admission_pin]
+    assert res2.admission_pin is not None and d.engine.requests["pulled"].admission_pin == res2.admission_pin
+    assert len(pool.pin_pages(res2.admission_pin)) == 9  # the 144 pulled tokens' pages, until admission
+    outs = _finish(d, {"caller", "pulled"})
+    assert [(outs[r].num_pulled_tokens, outs[r].num_cached_tokens) for r in ("caller", "pulled")] == [(144, 144), (144, 144)]
+    assert pool.pin_ids() == [] and pool.num_owned == 0
+    _wait_no_holds(p)
+
+
+def test_a_pull_that_reads_nothing_adds_its_request_with_its_local_prefix_pinned(pair: Pair) -> None:
+    """Every matched page is held here: nothing READ, the local prefix pinned and the request added in one hop."""
+    p, d = pair.p, pair.d
+    pool = d.engine.pool
+    ids = _ids(150, 30)
+    _run(d, "local", ids, 1, retain=False)  # the prompt's 9 full pages cached here
+    po = _run(p, "p", ids, 1)
+    assert po.retained is not None
+    params = p.params_for(po.retained)
+    local = [pool.lookup(h) for h in params.page_hashes]
+    assert None not in local and len(local) == 9
+    added: list[str | None] = []
+    hops = pair.hops["decode"]
+    res = d.pull(ids, None, params, admit=_adder(d, "again", ids, added))
+    assert (res.skipped, res.pulled_tokens, res.local_tokens, res.admitted) == ("nothing_to_pull", 0, 144, True)
+    assert pair.hops["decode"] - hops == 2 and added == [res.admission_pin]
+    assert res.admission_pin is not None and sorted(pool.pin_pages(res.admission_pin)) == sorted(local)
+    assert d.engine.requests["again"].admission_pin == res.admission_pin
+    out = _finish(d, {"again"})["again"]
+    assert (out.num_pulled_tokens, out.num_cached_tokens) == (0, 144)
+    assert pool.pin_ids() == [] and pool.num_owned == 0
+    assert p.leases() == []  # the hold consumed the prefill's single-use lease all the same
+    _wait_no_holds(p)
+
+
+def test_a_pull_without_an_adopt_hop_leaves_the_add_to_its_caller(pair: Pair) -> None:
+    """No params (no hop at all), nothing matched and nothing held here (the plan's hop only): ``admit`` never runs."""
+    p, d = pair.p, pair.d
+    kept = [_run(p, f"p{k}", _ids(150, 40 + k), 1).retained for k in range(2)]
+    assert kept[0] is not None and kept[1] is not None
+    other = p.params_for(kept[1])  # another prompt's pages: no hash matches, nothing pinned
+    called: list[str | None] = []
+    for params, want_hops, want_fallback in ((None, 0, None), (other, 1, "hash_mismatch")):
+        hops = pair.hops["decode"]
+        res = d.pull(_ids(150, 40), None, params, admit=called.append)
+        assert (res.admitted, res.admission_pin, res.fallback, pair.hops["decode"] - hops) == (False, None, want_fallback, want_hops)
+    assert called == [] and d.engine.pool.pin_ids() == []
+
+
+@pytest.mark.parametrize("read", [True, False])
+def test_an_admit_that_raises_releases_its_pin_and_reaches_the_caller(pair: Pair, read: bool) -> None:
+    """The engine refuses the add: the admission pin is released in the same engine call, no page stays
+    owned or pinned, and the error leaves ``pull`` (with and without pages READ)."""
+    p, d = pair.p, pair.d
+    pool = d.engine.pool
+    ids = _ids(150, 50)
+    if not read:
+        _run(d, "local", ids, 1, retain=False)
+    po = _run(p, "p", ids, 1)
+    assert po.retained is not None
+    free, cached = pool.num_free_pages(bits=4), pool.num_cached
+    given: list[str] = []
+
+    def refuse(pin: str) -> None:
+        given.append(pin)
+        raise ValueError("refused by the engine")
+
+    hops = pair.hops["decode"]
+    with pytest.raises(ValueError, match="refused by the engine"):
+        d.pull(ids, None, p.params_for(po.retained), admit=refuse)
+    assert pair.hops["decode"] - hops == 2 and len(given) == 1 and pool.get_pin(given[0]) is None
+    assert pool.pin_ids() == [] and pool.num_owned == 0 and d.engine.requests == {}
+    assert pool.num_free_pages(bits=4) == free and pool.num_cached == cached + (9 if read else 0)  # READ pages stay cached
+    assert d.puller.pulls == (1 if read else 0)  # the READ counts whatever the add does
+    _wait_no_holds(p)

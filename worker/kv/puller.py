@@ -18,7 +18,10 @@ Worker: kv_transfer_params; docs/worker-api.md)::
     adopt   register the pages in the prefix cache and pin them, with the local prefix,
             under an admission pin until the engine admits the request; a pull that
             reads nothing (skipped, or a fallback) pins its local prefix the same way
-            (taken from a waiting request, those pages are computed again just the same)
+            (taken from a waiting request, those pages are computed again just the same);
+            given ``admit``, the request is added to the engine under that pin in the
+            same engine-thread call (``PullResult.admitted``): its add waits for no
+            engine step of its own
 
 Worth a READ: at least ``reuse.recompute_threshold_tokens``, or for "auto", when the
 measured transfer is predicted faster than the measured prefill. NIXL reads any page of a
@@ -38,8 +41,11 @@ follower (prefill) worker adopts a carried cut it can honour before it plans.
 URL or one of the deployment's workers (``peers``); anything else is ``unknown_peer``.
 
 Threads: ``pull`` runs on a server thread, never the engine thread: it hops onto the
-engine thread through ``run_on_engine`` for ``plan`` and ``adopt``, and its peer calls
-(agent fetch, hold, release) are injectable callables run on a pool of its own.
+engine thread through ``run_on_engine`` for ``plan`` and for ``adopt`` with the request's
+add (``admit``), each hop a wait for the step in progress, and its peer calls (agent
+fetch, hold, release) are injectable callables run on a pool of its own. A pull that
+ends with no adopt hop (no params, a failure before planning, nothing pinned) does not
+call ``admit``: its caller adds the request.
 """
 
 from __future__ import annotations
@@ -99,9 +105,10 @@ READ_BOUND_SLACK_S = 2.0  # room for a loaded host; still far under the 10 s def
 # ``PullResult.phases``, on the request's path in this order: wait for the engine thread (the step
 # in flight and the calls queued before), hash and match the prompt and allocate (on it), wait for
 # free pages (a full pool only), wait for the sender's hold (sent before planning), build the READ's
-# descriptors, the READ itself, register and pin the pages (one hop), wait for a hold that ended in
-# no READ. ``contact_agent`` / ``contact_hold``: the agent fetch (first pull from an incarnation
-# only) and the hold's round trip, on a peer-call thread beside the planning.
+# descriptors, the READ itself, register and pin the pages and, given ``admit``, add the request (one
+# hop: its wait for the engine thread too), wait for a hold that ended in no READ. ``contact_agent``
+# / ``contact_hold``: the agent fetch (first pull from an incarnation only) and the hold's round
+# trip, on a peer-call thread beside the planning.
 PULL_PHASES = (
     "engine_wait",
     "plan",
@@ -116,6 +123,7 @@ PULL_PHASES = (
 )
 
 FetchAgent = Callable[[str], dict[str, Any]]  # agent_url -> GET /internal/kv/agent's body
+Admit = Callable[[str], None]  # adds the request under this admission pin, on the engine thread
 HoldRemote = Callable[[str, str, str, float, bool, float], dict[str, Any]]  # url, lease, digest, hold_s, consume, wait_s
 ReleaseRemote = Callable[[str, str], None]  # url, lease or hold id
 
@@ -129,7 +137,8 @@ class PullResult:
     num_regions: int = 0
     seconds: float = 0.0
     fallback: str | None = None  # one of FALLBACK_REASONS, or None
-    admission_pin: str | None = None  # pass to LLMEngine.add_request(admission_pin=...)
+    admission_pin: str | None = None  # pass to LLMEngine.add_request(admission_pin=...) unless ``admitted``
+    admitted: bool = False  # ``admit`` added the request under ``admission_pin`` in the adopt hop
     matched_tokens: int = 0  # leading remote tokens whose hashes equal this prompt's
     local_tokens: int = 0  # of those, the leading ones already in the local prefix cache
     skipped: str | None = None  # why nothing was pulled without a fault (one of SKIP_REASONS)
@@ -342,12 +351,16 @@ class Puller:
         params: KVTransferParams | None,
         *,
         cache_salt: str | None = None,
+        admit: Admit | None = None,
     ) -> PullResult:
         """Pull what ``params`` offers of this prompt's KV: plan -> hold -> READ -> adopt. Never
         raises for a transfer fault: the result's ``fallback`` says why nothing (or less) was
         pulled. ValueError only for the caller's own mistake (tags not one per input token).
         ``cache_salt``: the request's, in the hashes its pages are matched by (a sender's pages
-        of another salt never match)."""
+        of another salt never match). ``admit``: called on the engine thread with the admission
+        pin, in the adopt hop right after the pin is taken (the result's ``admitted``); what it
+        raises (the engine's ValueError) releases that pin in the same call and leaves ``pull``.
+        Never called by a pull without an adopt hop: its caller adds the request."""
         ph = _Phases()
         self.reap()
         if params is None:
@@ -381,17 +394,15 @@ class Puller:
         try:
             plan = self._on_engine(plan_on_engine)
             ph.mark("plan")
-            result = self._hold_read_adopt(plan, params, contact, t_send, ph)
+            result = self._hold_read_adopt(plan, params, contact, t_send, ph, admit)
             read = result.admission_pin is not None
             if not read and plan.local_pin is not None:
                 # nothing read: the local prefix it matched waits for the request as pulled pages do
-                local_pids, local_pin = list(plan.local_pids), plan.local_pin
-                pin = self._on_engine(lambda: self._adopt([], [], local_pids, local_pin))
-                plan.local_pin = None
-                result = replace(result, admission_pin=pin)
+                pin = self._adopt_on_engine(plan, [], [], list(plan.local_pids), admit)
+                result = replace(result, admission_pin=pin, admitted=admit is not None)
                 ph.mark("adopt")
         finally:
-            if plan is not None and plan.local_pin is not None and result.admission_pin is None:
+            if plan is not None and plan.local_pin is not None:  # no adopt took the plan's pin
                 pin = plan.local_pin
                 self._on_engine(lambda: release_admission(self.engine.pool, pin, ()))
                 ph.mark("adopt")
@@ -411,8 +422,9 @@ class Puller:
         return result
 
     def drop_admission(self, result: PullResult) -> None:
-        """Release a pull's admission pin when its request never reached the engine."""
-        if result.admission_pin is not None:
+        """Release a pull's admission pin when its request never reached the engine (an admitted
+        request holds it: the engine releases it at the request's admission or abort)."""
+        if result.admission_pin is not None and not result.admitted:
             pin = result.admission_pin
             self._on_engine(lambda: release_admission(self.engine.pool, pin, ()))
 
@@ -524,7 +536,13 @@ class Puller:
 
     # -- hold, READ, adopt
     def _hold_read_adopt(
-        self, plan: _Plan, params: KVTransferParams, contact: Future[_Contact] | None, t_send: float, ph: _Phases
+        self,
+        plan: _Plan,
+        params: KVTransferParams,
+        contact: Future[_Contact] | None,
+        t_send: float,
+        ph: _Phases,
+        admit: Admit | None,
     ) -> PullResult:
         """Wait for the sender's hold, READ, adopt; every early return is a skip or a fallback."""
         p = self.page_size
@@ -565,11 +583,9 @@ class Puller:
         if stats is None:
             return self._fail(reason or "transfer_failed", missed=missed, **base)
         overhead = max(0.0, time.monotonic() - t_send - stats.seconds)  # hold, allocation, planning
-        hashes = [plan.hashes[i] for i in plan.want]
-        local_pids, local_pin = plan.kept, plan.local_pin
-        pin = self._on_engine(lambda: self._adopt(local, hashes, local_pids, local_pin))
+        self._count(stats, len(local) * p, overhead)  # the READ happened, whatever its request's add does
+        pin = self._adopt_on_engine(plan, local, [plan.hashes[i] for i in plan.want], plan.kept, admit)
         ph.mark("adopt")
-        self._count(stats, len(local) * p, overhead)
         fallback = None
         if diverged:
             fallback = "hash_mismatch"
@@ -582,6 +598,7 @@ class Puller:
             seconds=time.monotonic() - t_send,
             fallback=fallback,
             admission_pin=pin,
+            admitted=admit is not None,
             **base,
         )
 
@@ -718,6 +735,25 @@ class Puller:
         ph.add("read", -stats.descriptor_seconds)
         ph.add("descriptors", stats.descriptor_seconds)
         return None, stats
+
+    def _adopt_on_engine(self, plan: _Plan, pages: list[int], hashes: list[int], kept: list[int], admit: Admit | None) -> str:
+        """One hop onto the engine thread: ``_adopt`` (which takes over the plan's own pin), then
+        ``admit(pin)`` given one, so the request's add waits for no engine step of its own. What
+        ``admit`` raises releases the admission pin in the same call and leaves here."""
+        local_pin = plan.local_pin
+
+        def adopt() -> str:
+            pin = self._adopt(pages, hashes, kept, local_pin)
+            plan.local_pin = None  # released by ``_adopt``: ``pull``'s cleanup leaves it alone
+            if admit is not None:
+                try:
+                    admit(pin)
+                except BaseException:
+                    release_admission(self.engine.pool, pin, ())
+                    raise
+            return pin
+
+        return self._on_engine(adopt)
 
     def _adopt(self, pages: list[int], hashes: list[int], local_pids: list[int], local_pin: str | None) -> str:
         """On the engine thread: register pulled pages and pin them with the local prefix under

@@ -17,11 +17,13 @@ API the worker server uses (one ``KVTransfer`` per worker process)::
     # POST /internal/generate, before the request reaches the engine (blocking: run it in a thread,
     # never on the engine thread itself):
     params = KVTransferParams.from_dict(body["kv_transfer_params"]) if body.get(...) else None  # ValueError -> 400
-    res = kvt.pull(input_ids, tags, params, cache_salt=salt)  # -> PullResult; never raises for transfer faults
     spec = kvt.retain_spec(conversation_key=key, input_ids=input_ids) if retain else None   # prefill role: always
-    engine.add_request(rid, input_ids, sampling, tags=tags, retain=spec, admission_pin=res.admission_pin,
-                       cache_salt=salt)
-    #   (if add_request raises: kvt.drop_admission(res))
+    add = lambda pin: engine.add_request(rid, input_ids, sampling, tags=tags, retain=spec, admission_pin=pin,
+                                         cache_salt=salt)   # runs on the engine thread
+    res = kvt.pull(input_ids, tags, params, cache_salt=salt, admit=add)  # -> PullResult; never raises for
+    #   transfer faults; add's ValueError leaves it, its pin already released
+    if not res.admitted:                   # no adopt hop (no params, nothing pinned): add it yourself
+        add(res.admission_pin)             #   (on the engine thread; if it raises: kvt.drop_admission(res))
     # final RequestOutput `out`:
     usage: local_cached_tokens = out.num_cached_tokens - out.num_pulled_tokens,
            remote_pulled_tokens = out.num_pulled_tokens, computed = prompt - out.num_cached_tokens,
@@ -65,7 +67,7 @@ from kvserving.worker.kv.leases import LeaseStore, RetainedKV, RetainSpec
 from kvserving.worker.kv.nixl_io import NixlIO, PageGeometry
 from kvserving.worker.kv.page_pool import PAGE_WAIT_SHARE
 from kvserving.worker.kv.protocol import KVTransferParams, PeerHttp, layout_hash, layout_info
-from kvserving.worker.kv.puller import FetchAgent, HoldRemote, PullResult, Puller, ReleaseRemote
+from kvserving.worker.kv.puller import Admit, FetchAgent, HoldRemote, PullResult, Puller, ReleaseRemote
 from kvserving.worker.peers import PeerSet
 
 T = TypeVar("T")
@@ -178,12 +180,14 @@ class KVTransfer:
         params: KVTransferParams | None,
         *,
         cache_salt: str | None = None,
+        admit: Admit | None = None,
     ) -> PullResult:
-        """``Puller.pull``: plan -> hold -> READ -> adopt."""
-        return self.puller.pull(input_ids, tags, params, cache_salt=cache_salt)
+        """``Puller.pull``: plan -> hold -> READ -> adopt, with the request's add (``admit``) in
+        the adopt's engine-thread call."""
+        return self.puller.pull(input_ids, tags, params, cache_salt=cache_salt, admit=admit)
 
     def drop_admission(self, result: PullResult) -> None:
-        """Release a pull's admission pin when its request never reached the engine."""
+        """Release a pull's admission pin when its request never reached the engine (``Puller.drop_admission``)."""
         self.puller.drop_admission(result)
 
     # ------------------------------------------------------------------ leases
