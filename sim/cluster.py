@@ -413,10 +413,11 @@ class Simulator(Sim):
         pre.pull(req, offer, now, self._prefill_pulled)
 
     def _prefill_pulled(self, req: Req, out: PullOutcome, now: float) -> None:
-        """The prefill's pull is planned. Each engine call after the plan (the adopt that pins
-        the READ's pages or the local prefix, then ``AsyncEngine.start``'s add) is asked from
-        the pull's thread once the call before it returned, by when a busy engine has queued
-        its next step: each waits for that step."""
+        """The prefill's pull is planned. The engine call after the plan (the adopt that pins
+        the READ's pages or the local prefix and adds the request, or the add alone when there
+        is nothing to adopt) is asked from the pull's thread once the plan returned, by when a
+        busy engine has queued its next step: it waits for that step. ``adopt_adds=False``: the
+        add is a call of its own after the adopt's, asked the same way (one step later again)."""
         req.fallback = out.fallback
         pre = self._prefill_by_url[req.prefill_url]
         if out.seconds > 0:  # the adopt is asked once the READ is over
@@ -433,7 +434,7 @@ class Simulator(Sim):
 
     def _prefill_adopt(self, req: Req, now: float) -> None:
         pre = self._prefill_by_url[req.prefill_url]
-        pre.engine_call(self._prefill_adopted, req, now)
+        pre.engine_call(pre.arrive if self.cluster.rules.adopt_adds else self._prefill_adopted, req, now)
 
     def _prefill_adopted(self, req: Req, now: float) -> None:
         self.call_at(now, self._prefill_add, req)

@@ -23,6 +23,9 @@ fails to fit, or a pull, takes the pulled pages of the requests waiting behind i
 ``PullRules(pins_trim=False)`` (``--no-pin-trim``) replays the worker whose admission pins yielded whole
 (every point of bench/results/agents_gpu_h200.json and agents_gpu_h100.json ran it); the current
 worker's give up only the pages an allocation lacks, from their tails.
+``PullRules(adopt_adds=False)`` (``--no-adopt-add``) replays the worker whose prefill added a pulled request
+in an engine call of its own after the adopt's (every point of bench/results/ and docs/performance-log/data/
+ran it); the current worker adds it in the adopt's call.
 """
 
 from __future__ import annotations

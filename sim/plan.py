@@ -325,6 +325,12 @@ def add_arguments(parser: Any) -> None:
         help="pages pulled for a waiting request yield to a running sequence's growth whole, not only the pages it lacks "
         "from their tail (the worker before that rule)",
     )
+    parser.add_argument(
+        "--no-adopt-add",
+        action="store_true",
+        help="a prefill's pull that adopts pages adds its request in an engine call of its own after the adopt's, "
+        "a step later on a busy prefill, instead of in the adopt's call (the worker before that rule)",
+    )
 
 
 def run(args: Any) -> int:
@@ -357,6 +363,7 @@ def run(args: Any) -> int:
                     idle_overtakes=not args.no_idle_overtakes,
                     pull_pins_local=not args.no_pull_pins_local,
                     pins_trim=not args.no_pin_trim,
+                    adopt_adds=not args.no_adopt_add,
                 ),
             )
             print(format_rows(rows))
@@ -479,8 +486,8 @@ def role_counters(point: dict[str, Any], *, simulated: bool) -> dict[str, Any]:
 # bench/results/agents_cpu.json was measured on the worker before a KV pull reclaimed retained
 # conversations (commit eb82190): its pulls were refused on a pool full of them, at once (a pull
 # waits for pages only since later still), and pulled pages' admission pins did not yet hold
-# against admissions while sequences ran (a310ad2)
-CPU_SWEEP_RULES = PullRules(pull_reclaims=False, pull_waits=False, pins_yield_always=True)
+# against admissions while sequences ran (a310ad2), and a pull's adopt and its request's add were two engine calls
+CPU_SWEEP_RULES = PullRules(pull_reclaims=False, pull_waits=False, pins_yield_always=True, adopt_adds=False)
 
 
 def validate_points(

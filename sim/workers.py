@@ -54,9 +54,12 @@ advances in one event (``_Run``) with the results of stepping each.
   it (its steps of long prompt chunks: hundreds of ms each). A prefill's own pull plans
   on its engine thread too (``Puller._plan``: the match, the local prefix's pin, the pages
   to READ into), so it finds the room that the releases queued during the step in progress
-  left; the adopt after it and the request's add are engine calls asked once the call
-  before returned, so on a busy prefill each waits for one more step
-  (``Simulator._at_prefill``).
+  left. A pull that adopts (pins the READ's pages, or the local prefix it matched when it
+  read nothing) adds the request in the adopt's engine call, asked once the plan returned
+  (once the READ is over, for a pull that read), so on a busy prefill it waits for one more
+  step; a pull that adopts nothing adds the request in one call asked the same way
+  (``Simulator._at_prefill``; ``adopt_adds=False``: the worker before, whose add was a call
+  of its own after the adopt's, a step later again).
 - A decode worker's pull that finds no pages **waits for them** (``Puller.wait_for_pages``):
   it tries again where pages come back -- at the end of an engine step that
   ended sequences, preempted or released leases, or at a release or expiry
@@ -101,6 +104,7 @@ class PullRules:
     idle_overtakes: bool = True  # an idle queue's held-up head lets requests that fit without pins run first
     pull_pins_local: bool = True  # a pull that reads nothing keeps the local prefix it matched pinned for admission
     pins_trim: bool = True  # an admission pin gives an allocation only the pages it lacks, from its tail (after idle_overtakes)
+    adopt_adds: bool = True  # a prefill's pull that adopts adds its request in the adopt's engine call (not one call later)
 
 
 @dataclass(slots=True, eq=False)

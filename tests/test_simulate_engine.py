@@ -516,23 +516,69 @@ def test_a_prefill_pull_plans_when_the_step_in_progress_ends_after_the_releases_
     assert (pre.cache.evicted, w.hit_pages, w.remote_pages) == (2, 4, 4)
 
 
-def test_a_prefill_queues_a_planned_request_a_step_later_per_engine_call_after_the_plan() -> None:
-    # After the plan, the pull's thread asks for each next engine call (the adopt that pins the local
-    # prefix, then AsyncEngine.start's add) once the one before returned, by when the busy engine has
-    # queued its next step. B's 256-token prompt runs in four 64-token steps; W1 and W2 are sent during
-    # the first and offered pages below the READ threshold. W1, with nothing local, is added after the
-    # second step; W2, whose first 2 pages are cached here (pinned by its adopt), after the third. C,
-    # with no offer, plans nothing and joins the queue at once.
-    reuse = ReuseConfig(recompute_threshold_tokens=32)
-    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, chunk_size=64)
-    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(64), reuse=reuse, scheduler=sched), LoadSpec())
-    pre, dec = sim.prefill[0], sim.decode[0]
-    pre.on_done = lambda req, now: None
-    w1, w2, c = _req(3, 80, 4), _req(4, 80, 4), _req(5, 80, 4)
-    cached = pre.cache.new_hold()
-    assert pre.cache.allocate(cached, 2)
-    pre.cache.publish(cached, w2.segs, 0, 2)
-    pre.cache.release(cached)
+def test_a_prefill_queues_a_planned_request_in_the_engine_call_after_the_plan_a_step_later() -> None:
+    # After the plan, the pull's thread asks for the next engine call once the plan returned, by when
+    # the busy engine has queued its next step: the adopt, which pins the local prefix and adds the
+    # request, or the add alone when there is nothing to adopt. B's 256-token prompt runs in four
+    # 64-token steps; W1 and W2 are sent during the first and offered pages below the READ threshold.
+    # W1, with nothing local, and W2, whose first 2 pages are cached here (pinned by its adopt), are
+    # both added after the second step. C, with no offer, plans nothing and joins the queue at once.
+    # ``adopt_adds=False`` (the worker before): the add is a call of its own after the adopt's, so W2
+    # is added after the third step.
+    for adopt_adds, w2_at in ((True, 2.0), (False, 3.0)):
+        reuse = ReuseConfig(recompute_threshold_tokens=32)
+        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, chunk_size=64)
+        cluster = ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(64), reuse=reuse, scheduler=sched, rules=PullRules(adopt_adds=adopt_adds))
+        sim = Simulator(cluster, LoadSpec())
+        pre, dec = sim.prefill[0], sim.decode[0]
+        pre.on_done = lambda req, now: None
+        w1, w2, c = _req(3, 80, 4), _req(4, 80, 4), _req(5, 80, 4)
+        cached = pre.cache.new_hold()
+        assert pre.cache.allocate(cached, 2)
+        pre.cache.publish(cached, w2.segs, 0, 2)
+        pre.cache.release(cached)
+        queued = _record_arrivals(pre)
+        pre.arrive(_req(1, 256, 4), 0.0)
+        queued.clear()
+        _at_prefill(sim, w1, _offer(dec, w1, 1, retained=True), 1e-3)
+        _at_prefill(sim, w2, _offer(dec, w2, 3, retained=True), 1e-3)
+        _at_prefill(sim, c, None, 1e-3)
+        sim.run()
+        step = 64 * 1e-4
+        assert pre.stats.skipped["below_threshold"] == 2 and pre.stats.pulls == 0
+        assert [(i, round(t / step, 9)) for i, t in queued] == [(5, 1e-3 / step), (3, 2.0), (4, w2_at)]
+        assert (w1.hit_pages, w2.hit_pages, w2.in_place) == (0, 2, 2)
+
+
+def test_a_pulled_request_on_a_busy_prefill_runs_a_step_sooner_when_its_adopt_adds_it() -> None:
+    # B's 256-token prompt runs in 64-token chunks on a prefill whose steps take 128 tokens, so a
+    # request queued meanwhile runs beside B's next chunk. W (80 tokens) is sent during B's first step
+    # and READs 3 pages of the decode's lease: planned when that step ends (6.4 ms), its READ over
+    # within the second, its adopt runs when the second ends (12.8 ms) and adds W, which computes its
+    # last 32 tokens beside B's third chunk (96 tokens: 9.6 ms) and gives its first token at 22.4 ms.
+    # ``adopt_adds=False`` (the worker before): the add is asked after the adopt returned, so it waits
+    # for the third step (B alone, 6.4 ms) and W runs beside B's last chunk, done at 28.8 ms.
+    for adopt_adds, w_done in ((True, 22.4e-3), (False, 28.8e-3)):
+        reuse = ReuseConfig(recompute_threshold_tokens=32)
+        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, chunk_size=64)
+        cluster = ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(64), reuse=reuse, scheduler=sched, rules=PullRules(adopt_adds=adopt_adds))
+        sim = Simulator(cluster, LoadSpec())
+        pre, dec = sim.prefill[0], sim.decode[0]
+        done: dict[int, float] = {}
+        pre.on_done = lambda req, now: done.setdefault(req.turn_id, now)
+        queued = _record_arrivals(pre)
+        pre.arrive(_req(1, 256, 4), 0.0)
+        w = _req(3, 80, 4)
+        _at_prefill(sim, w, _offer(dec, w, 3, retained=True), 1e-3)
+        sim.run()
+        assert (pre.stats.pulls, pre.stats.pulled_pages, w.hit_pages, w.remote_pages) == (1, 3, 3, 3)
+        assert [(i, round(t, 9)) for i, t in queued] == [(1, 0.0), (3, 12.8e-3 if adopt_adds else 19.2e-3)]
+        assert round(done[3], 9) == w_done and round(done[1], 9) == 28.8e-3
+        assert pre.stats.computed_tokens == 256 + 32
+
+
+def _record_arrivals(pre: Worker) -> list[tuple[int, float]]:
+    """Each request ``pre`` queues, with when (``Worker.arrive``, however it is reached)."""
     queued: list[tuple[int, float]] = []
     arrive = pre.arrive
 
@@ -541,13 +587,4 @@ def test_a_prefill_queues_a_planned_request_a_step_later_per_engine_call_after_t
         arrive(req, now)
 
     pre.arrive = record  # type: ignore[method-assign]
-    pre.arrive(_req(1, 256, 4), 0.0)
-    queued.clear()
-    _at_prefill(sim, w1, _offer(dec, w1, 1, retained=True), 1e-3)
-    _at_prefill(sim, w2, _offer(dec, w2, 3, retained=True), 1e-3)
-    _at_prefill(sim, c, None, 1e-3)
-    sim.run()
-    step = 64 * 1e-4
-    assert pre.stats.skipped["below_threshold"] == 2 and pre.stats.pulls == 0
-    assert [(i, round(t / step, 9)) for i, t in queued] == [(5, 1e-3 / step), (3, 2.0), (4, 3.0)]
-    assert (w1.hit_pages, w2.hit_pages, w2.in_place) == (0, 2, 2)
+    return queued
