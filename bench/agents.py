@@ -321,6 +321,10 @@ def worker_counters(url: str, headers: dict[str, str]) -> dict[str, float]:
         # tokens a pull had in place that its request no longer found at admission (computed instead)
         "lost_tokens": float((stats.get("prompt_tokens") or {}).get("lost_before_admission", 0)),
         "page_wait_s": float(xfer.get("page_wait_seconds", 0.0)),
+        # requests that reached their first token and their time to it summed by phase (the pull's, the add, the
+        # wait for the step, the step)
+        "first_token_requests": float((stats.get("first_token") or {}).get("requests", 0)),
+        **{f"first_token_s_{phase}": float(v) for phase, v in ((stats.get("first_token") or {}).get("seconds") or {}).items()},
         # bytes the worker's successful READs moved and their wall time: the transport's rate
         "pulled_bytes": float(xfer.get("pulled_bytes", 0)),
         "pulled_regions": float(xfer.get("pulled_regions", 0)),  # NIXL descriptors the READs moved (runs x layers)
@@ -555,6 +559,11 @@ def run_stack(
                     point[f"{role}_{name}"] = {k: int(v) for k, v in grown(prefix).items() if v > 0}  # by reason, the ones that moved
                 # pulls that found no room and the pool's pages held then, by holder (summed); transfer leases that
                 # ended in the window, by how, and their seconds (summed): means_per_event divides them
+                # where a request's time to its first token went on this worker, mean ms per request by phase
+                firsts = after[role].get("first_token_requests", 0.0) - before[role].get("first_token_requests", 0.0)
+                point[f"{role}_first_token_ms"] = (
+                    {k: round(1e3 * v / firsts, 1) for k, v in grown("first_token_s_").items() if v > 0} if firsts > 0 else {}
+                )
                 point[f"{role}_no_room"] = int(after[role]["no_room"] - before[role]["no_room"])
                 point[f"{role}_no_room_held"] = grown("held_")
                 point[f"{role}_transfer_leases"] = {end: int(n) for end, n in grown("xfer_ended_").items()}

@@ -74,6 +74,10 @@ def test_agents_bench_small_sweep(tmp_path: Path) -> None:
         for role in ("prefill", "decode"):
             # a pull skipped for no free pages first found no room; per such pull, the pool's held pages by holder
             assert p[f"{role}_no_room"] >= p[f"{role}_skips"].get("no_free_pages", 0)
+            # each worker's mean time to a request's first token by phase: its step always, a pull's plan where it pulled
+            first = p[f"{role}_first_token_ms"]
+            assert first["first_step"] > 0 and all(ms >= 0 for ms in first.values())
+            assert p[f"{role}_pulls"] == 0 or first["pull_plan"] > 0, first
             held = p[f"{role}_no_room_held_pages"]
             assert set(held) == {"requests", "pins_transfer", "pins_pulling", "pins_retained", "pins_pulled"}
             assert 0 <= sum(held.values()) <= 768 // 16 * 16 / 9 + 1  # at most the larger (nvfp4) pool's pages

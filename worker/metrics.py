@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvserving.worker.compiles import PHASES, CompileEvent
 from kvserving.worker.engine import STEP_KINDS
-from kvserving.worker.kv.puller import FALLBACK_REASONS, SKIP_REASONS
+from kvserving.worker.kv.puller import FALLBACK_REASONS, PULL_PHASES, SKIP_REASONS
 from kvserving.worker.kv_stats import KVStats
 
 # Where a prompt token's KV came from.
@@ -35,6 +35,10 @@ TOKEN_SOURCES = ("local_cache", "remote_pull", "computed")
 # A pull runs toward the worker that issues the NIXL READ.
 DIRECTIONS = ("prefill_to_decode", "decode_to_prefill")
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Where a request's time from admission to its first token goes (``WorkerService._timings``): the pull's phases
+# on its path (the sender calls beside its planning, ``contact_*``, are not), adding it to the engine, waiting
+# for the step that first runs it, and that step.
+FIRST_TOKEN_PHASES = (*(f"pull_{p}" for p in PULL_PHASES if not p.startswith("contact_")), "queue", "wait_step", "first_step")
 
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _REGION_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
@@ -163,6 +167,15 @@ class WorkerMetrics:
         self.kernel_compile_seconds = Counter(
             "kvserving_worker_kernel_compile_seconds_total", "seconds spent in those compiles, by phase", ["phase"], registry=r
         )
+        self.first_token_requests = Counter(
+            "kvserving_worker_first_token_requests_total", "requests that reached their first token (or ended before one)", registry=r
+        )
+        self.first_token_seconds = Counter(
+            "kvserving_worker_first_token_phase_seconds_total",
+            "seconds from admission to the first token, by phase (FIRST_TOKEN_PHASES), summed over requests",
+            ["phase"],
+            registry=r,
+        )
         self.queue_depth = Gauge("kvserving_worker_queue_depth", "sequences in the scheduler, by state", ["state"], registry=r)
         self.kv_leases = Gauge("kvserving_worker_kv_leases", "KV leases held now", registry=r)
         self.kv_leased_tokens = Gauge("kvserving_worker_kv_leased_tokens", "tokens of KV pinned by leases now", registry=r)
@@ -221,7 +234,11 @@ class WorkerMetrics:
         for kind in STEP_KINDS:
             self.steps.labels(kind=kind)
             self.step_seconds.labels(kind=kind)
+        for phase in FIRST_TOKEN_PHASES:
+            self.first_token_seconds.labels(phase=phase)
         # the same counts as plain numbers, for GET /internal/kv/stats
+        self.first_token_totals: dict[str, float] = dict.fromkeys(FIRST_TOKEN_PHASES, 0.0)
+        self.first_token_count = 0
         self.prompt_token_totals = dict.fromkeys(TOKEN_SOURCES, 0)
         self.lost_before_admission_total = 0
 
@@ -236,6 +253,17 @@ class WorkerMetrics:
         for source, n in zip(TOKEN_SOURCES, (local_cached, remote_pulled, computed)):
             self.prompt_tokens_by_source.labels(source=source).inc(n)
             self.prompt_token_totals[source] += n
+
+    def first_token(self, timings_ms: Mapping[str, float]) -> None:
+        """One request's ``timings`` (milliseconds by phase, ``WorkerService._timings``) into the phase counters;
+        names outside ``FIRST_TOKEN_PHASES`` (the whole, the pull's sum, its sender calls) are not phases."""
+        self.first_token_requests.inc()
+        self.first_token_count += 1
+        for phase in FIRST_TOKEN_PHASES:
+            seconds = timings_ms.get(phase, 0.0) / 1e3
+            if seconds > 0:
+                self.first_token_seconds.labels(phase=phase).inc(seconds)
+                self.first_token_totals[phase] += seconds
 
     def kernel_compiled(self, event: CompileEvent) -> None:
         """``CompileWatch``'s report: one compile, in its phase."""

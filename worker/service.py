@@ -279,6 +279,7 @@ class WorkerService:
             async for out in req.stream:
                 if timings is None and (out.new_token_ids or out.finished):
                     timings = self._timings(req, out)
+                    self.metrics.first_token(timings)
                     if req.pull.phases:
                         log.debug("request %s: pull and first step, ms: %s", rid, timings)
                 if out.new_token_ids:
@@ -396,6 +397,11 @@ class WorkerService:
             "admissions_from_scratch": st.admissions_from_scratch,
             "admission_dropped_tokens": st.admission_dropped_tokens,
             "steps": {kind: {"count": st.step_counts[kind], "seconds": round(st.step_seconds[kind], 6)} for kind in st.step_counts},
+            # where the time to the first token went, summed over the requests that reached it (FIRST_TOKEN_PHASES)
+            "first_token": {
+                "requests": self.metrics.first_token_count,
+                "seconds": {phase: round(v, 6) for phase, v in self.metrics.first_token_totals.items()},
+            },
             "aged_pages": st.aged_pages,  # triaxial age-down: 4-bit pages re-stored at 2 bits
             "age_down_skipped_pages": st.age_down_skipped_pages,  # ... and those kept at 4 for want of INT2 room
             # bits per value over the pages held (None: none held); the budget they are held to

@@ -122,3 +122,35 @@ def test_a_client_that_leaves_while_its_pull_runs_leaves_no_request_running(tiny
             await svc.close()
 
     asyncio.run(main())
+
+
+def test_the_first_token_phase_counters_sum_each_requests_timings(tiny_model_dir: Path) -> None:
+    """``/internal/kv/stats``' ``first_token``: one request counted per first token, each phase's seconds the sum
+    of the requests' ``timings`` for it (the pulled turn's pull phases among them)."""
+    from kvserving.worker.metrics import FIRST_TOKEN_PHASES
+
+    async def main() -> None:
+        svc = await _serve(_config(tiny_model_dir))
+        try:
+            before = (await svc.kv_stats_body())["first_token"]
+            assert before == {"requests": 0, "seconds": dict.fromkeys(FIRST_TOKEN_PHASES, 0.0)}
+            reply: list[int] = []
+            finals: list[dict[str, Any]] = []
+            async for event in svc.events(svc.admit(_body("t1", PROMPT, retain=True, conversation_key="c1"))):
+                reply.extend(event["token_ids"])
+                if "finish_reason" in event:
+                    finals.append(event)
+            req = svc.admit(_body("t2", PROMPT + reply + list(range(500, 520)), kv_transfer_params=finals[0]["kv_transfer_params"]))
+            finals += [e async for e in svc.events(req) if "finish_reason" in e]
+            assert req.pull.admitted
+            after = (await svc.kv_stats_body())["first_token"]
+            assert after["requests"] == 2
+            timings = [f["timings"] for f in finals]
+            assert "pull_adopt" not in timings[0] and timings[1]["pull_adopt"] > 0
+            for phase in FIRST_TOKEN_PHASES:
+                expect = sum(t.get(phase, 0.0) for t in timings) / 1e3
+                assert abs(after["seconds"][phase] - expect) <= 2e-6, phase  # the timings are rounded to 1 us
+        finally:
+            await svc.close()
+
+    asyncio.run(main())
