@@ -51,17 +51,17 @@ def search(fmt: str, share: float, args: dict[str, Any]) -> dict[str, Any]:
     from dataclasses import replace
 
     from kvserving.sim.costs import load_costs
-    from kvserving.sim.plan import simulate_point
-    from kvserving.sim.cluster import Population
+    from kvserving.sim.plan import engine_for, simulate_point
 
+    engine = engine_for(args["native"])  # the compiled core where built for this source (same results), else pure Python
     costs = replace(load_costs("gpu-h200"), kv_bytes_per_worker=int(args["kv_gib"] * 2**30))
     load = _load()
     shapes: dict[int, Any] = {}
     runs: list[dict[str, Any]] = []
 
     def point(agents: int) -> dict[str, Any]:
-        pop = Population(agents, args["duration_s"], warmup_s=args["warmup_s"], ramp_s=args["ramp_s"], shapes=256)
-        p = simulate_point(FORMATS[fmt], args["gpus"], costs=costs, load=load, pop=pop, prefill_share=share, shapes=shapes)
+        pop = engine.Population(agents, args["duration_s"], warmup_s=args["warmup_s"], ramp_s=args["ramp_s"], shapes=256)
+        p = simulate_point(FORMATS[fmt], args["gpus"], costs=costs, load=load, pop=pop, prefill_share=share, shapes=shapes, engine=engine)
         row = {
             "agents": agents,
             **{
@@ -157,6 +157,11 @@ def main() -> None:
     ap.add_argument("--start-agents", type=int, default=512)
     ap.add_argument("--tolerance", type=float, default=0.03, help="bisection stops within this share of the answer")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument(
+        "--pure-python",
+        action="store_true",
+        help="run the pure-Python simulator even where its compiled core is built (`kvserving simulate --build-native`)",
+    )
     ap.add_argument("--json", type=Path, default=HERE / "results" / "sim_agents_per_gpu_h200.json", help="this run writes its section")
     ap.add_argument(
         "--combine",
@@ -175,6 +180,7 @@ def main() -> None:
         k: getattr(args, k)
         for k in ("ttft_p99_ms", "turn_p99_ms", "gpus", "kv_gib", "duration_s", "warmup_s", "ramp_s", "start_agents", "tolerance")
     }
+    job["native"] = not args.pure_python
     formats = [f for f in args.formats.split(",") if f]
     shares = [float(s) for s in args.prefill_shares.split(",") if s]
     t0 = time.perf_counter()
