@@ -216,21 +216,9 @@ class AsyncEngine:
         self._ensure_loop()
         self._wake.set()
 
-    async def start(
-        self,
-        stream: RequestStream,
-        prompt_ids: Seq[int],
-        params: SamplingParams,
-        *,
-        tags: Seq[int] | None = None,
-        retain: RetainSpec | None = None,
-        admission_pin: str | None = None,
-        output_ids: Seq[int] = (),
-        cache_salt: str | None = None,
-    ) -> None:
-        """Queue a reserved request on the engine (``adder`` on the engine thread, then ``started``);
-        the engine's ``ValueError`` (nothing queued) reaches the caller and releases the id."""
-        add = self.adder(stream, prompt_ids, params, tags=tags, retain=retain, output_ids=output_ids, cache_salt=cache_salt)
+    async def start(self, stream: RequestStream, add: Callable[[str | None], None], *, admission_pin: str | None = None) -> None:
+        """Queue a reserved request on the engine: ``add`` (its ``adder``) on the engine thread, then
+        ``started``; the engine's ``ValueError`` (nothing queued) reaches the caller and releases the id."""
         try:
             await self.call(lambda _: add(admission_pin))
         except BaseException:
@@ -249,7 +237,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """``reserve`` + ``start``: queue a request, get the stream of its outputs."""
         stream = self.reserve(request_id, len(prompt_ids))
-        await self.start(stream, prompt_ids, params, tags=tags)
+        await self.start(stream, self.adder(stream, prompt_ids, params, tags=tags))
         return stream
 
     def run_sync(self, fn: Callable[[], T]) -> T:
