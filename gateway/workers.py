@@ -848,6 +848,7 @@ class WorkerPool:
         self.set_members(prefill=found["prefill"], decode=found["decode"])
 
     def start(self) -> None:
+        """Poll every ``health_interval_s`` from now on (the caller has run the first ``refresh``)."""
         self._stop.clear()
         self._task = asyncio.create_task(self._loop(), name="worker-health")
 
@@ -860,10 +861,14 @@ class WorkerPool:
             self._task = None
 
     async def _loop(self) -> None:
-        while not self._stop.is_set():
+        # the first poll runs before ``start`` (the gateway's startup awaits it), so the loop's first
+        # is an interval later, not a second poll at once whose answers could overtake the first's
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=self.config.health_interval_s)
+            if self._stop.is_set():
+                return
             try:
                 await self.refresh()
             except Exception:  # one failed poll must not end the loop
                 log.exception("worker health poll failed")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), timeout=self.config.health_interval_s)

@@ -252,3 +252,32 @@ def test_with_every_worker_of_a_role_out_the_one_that_answered_last_is_the_fallb
     assert p.fallback(("decode", "both")) is None
     p.workers["http://d1"].polled(True)  # back
     assert p.fallback(("decode", "both")) == p.workers["http://d1"]
+
+
+def test_the_poll_loop_runs_its_first_poll_an_interval_after_start_not_at_once() -> None:
+    """The gateway's startup runs the first poll, then ``start``: the loop's next poll comes
+    ``health_interval_s`` later, so a worker that stops being ready just after the first poll stays
+    in the rotation until then (a second poll at once would have raced the first's answers)."""
+
+    async def main() -> None:
+        plan = ["200", "503"]  # the poll at startup, then the loop's first
+        server = await asyncio.start_server(ready_server(plan), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = WorkerClient(request_timeout_s=5, connect_timeout_s=0.5)
+        p = WorkerPool(GatewayConfig(decode_urls=(url,), health_interval_s=2.0), client)
+        try:
+            await p.refresh()
+            p.start()
+            await asyncio.sleep(0.1)  # far inside the interval: no poll yet
+            assert plan == ["503"] and p.workers[url].healthy
+            deadline = asyncio.get_running_loop().time() + 30.0
+            while p.workers[url].healthy:  # the poll an interval later sees the 503
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.02)
+            assert plan == [] and p.workers[url].refused
+        finally:
+            await p.stop()
+            await client.aclose()
+            server.close()
+
+    asyncio.run(main())
