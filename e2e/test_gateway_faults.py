@@ -370,7 +370,7 @@ def test_sigterm_lets_a_short_stream_finish_and_ends_long_ones_with_an_error_at_
         )
         whole_thread.start()
         runs: dict[str, tuple[list[str], list[BaseException], threading.Event, threading.Thread]] = {}
-        for name, max_tokens in (("long", 950), ("short", 40)):
+        for name, max_tokens in (("long", 950), ("short", 16)):
             lines: list[str] = []
             errors: list[BaseException] = []
             started = threading.Event()
