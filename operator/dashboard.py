@@ -29,6 +29,8 @@ DASHBOARD_METRICS: tuple[tuple[str, str, str], ...] = (
     ("kvserving_worker_kv_leases", "gauge", "conversation KV leases a worker holds"),
     ("kvserving_worker_kv_pool_capacity_tokens", "gauge", "tokens a worker's KV pool holds, by precision"),
     ("kvserving_worker_kernel_compiles_total", "counter", "GPU kernels compiled, by phase: start (before ready) or serving"),
+    ("kvserving_worker_first_token_requests_total", "counter", "requests that reached their first token on a worker"),
+    ("kvserving_worker_first_token_phase_seconds_total", "counter", "time from admission to the first token, by phase"),
 )
 
 # (title, PromQL expression, unit); `$namespace` and `$kvserving` are dashboard
@@ -66,6 +68,14 @@ PANELS: tuple[tuple[str, str, str], ...] = (
     ("Reuse fallbacks / s by reason", f"sum by (reason) (rate(kvserving_worker_kv_reuse_fallbacks_total{{{_SEL}}}[5m]))", "short"),
     ("Active KV leases", f"sum by (pod) (kvserving_worker_kv_leases{{{_SEL}}})", "short"),
     ("KV capacity by precision (tokens)", f"sum by (precision) (kvserving_worker_kv_pool_capacity_tokens{{{_SEL}}})", "short"),
+    # where a worker's time from admission to a request's first token goes: the KV pull's phases, the add, the wait
+    # for the step that runs it, that step (mean per request)
+    (
+        "Worker time to first token by phase (mean per request)",
+        f"sum by (pod, phase) (rate(kvserving_worker_first_token_phase_seconds_total{{{_SEL}}}[5m])) / on (pod) group_left "
+        f"sum by (pod) (rate(kvserving_worker_first_token_requests_total{{{_SEL}}}[5m]))",
+        "s",
+    ),
     # each one stalled a served step (the warm-up before /ready is meant to leave none)
     (
         "Kernels compiled while serving (per 15 min)",
