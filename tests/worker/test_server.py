@@ -311,6 +311,7 @@ def test_metrics_export_every_worker_metric_with_values(live: Live) -> None:
 
     families = scrape()
     steps_before = {kind: value("kvserving_worker_steps", kind=kind) for kind in ("decode", "mixed")}
+    firsts_before = value("kvserving_worker_first_token_requests")
     generate(live, body("metrics-a", list(range(200, 250)), max_tokens=4))
     generate(live, body("metrics-b", list(range(200, 250)), max_tokens=4))  # 3 pages from the cache
     families = scrape()
@@ -318,9 +319,12 @@ def test_metrics_export_every_worker_metric_with_values(live: Live) -> None:
     assert value("kvserving_worker_steps", kind="mixed") - steps_before["mixed"] == 2
     assert value("kvserving_worker_steps", kind="decode") - steps_before["decode"] == 6
     assert value("kvserving_worker_step_seconds", kind="decode") > 0
+    # each request's first token: counted once, its step's time among the phases
+    assert value("kvserving_worker_first_token_requests") - firsts_before == 2
+    assert value("kvserving_worker_first_token_phase_seconds", phase="first_step") > 0
 
     worker_metrics = [(n, t) for n, t, _ in DASHBOARD_METRICS if n.startswith("kvserving_worker_")]
-    assert len(worker_metrics) == 8
+    assert len(worker_metrics) == 10
     for name, kind in worker_metrics:
         base = name.removesuffix("_total") if kind == "counter" else name
         assert base in families, name
