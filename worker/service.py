@@ -219,9 +219,10 @@ class WorkerService:
                 pull = await self._pull(kvt, body, req.remote, add)
                 self._count_pull(pull)
             req.pull, req.t_pulled = pull, time.perf_counter()
-            if not pull.admitted:
-                await engine.call(lambda _: add(pull.admission_pin))
-            engine.started(stream)
+            if pull.admitted:
+                engine.started(stream)
+            else:
+                await engine.start(stream, add, admission_pin=pull.admission_pin)
             req.t_queued = time.perf_counter()
         except BaseException:
             stream.finished = True

@@ -45,15 +45,15 @@ async def _serve(config: ServingConfig) -> WorkerService:
 
 
 async def _first_turn(svc: WorkerService) -> tuple[list[int], dict[str, Any]]:
-    """Turn 1, retained: its reply and its lease's ``kv_transfer_params``."""
+    """Turn 1, retained: its reply and its final event (its lease's ``kv_transfer_params``, its ``timings``)."""
     reply: list[int] = []
-    params: dict[str, Any] | None = None
+    final: dict[str, Any] | None = None
     async for event in svc.events(svc.admit(_body("t1", PROMPT, retain=True, conversation_key="c1"))):
         reply.extend(event["token_ids"])
         if "finish_reason" in event:
-            params = event["kv_transfer_params"]
-    assert params is not None and params["num_tokens"] == 96
-    return reply, params
+            final = event
+    assert final is not None and final["kv_transfer_params"]["num_tokens"] == 96
+    return reply, final
 
 
 def _record_adds(svc: WorkerService, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None, str]]:
@@ -74,9 +74,9 @@ def test_a_request_whose_pull_pins_pages_is_added_once_in_the_adopt_hop(tiny_mod
     async def main() -> None:
         svc = await _serve(_config(tiny_model_dir))
         try:
-            reply, params = await _first_turn(svc)
+            reply, first = await _first_turn(svc)
             adds = _record_adds(svc, monkeypatch)
-            req = svc.admit(_body("t2", PROMPT + reply + list(range(500, 520)), kv_transfer_params=params))
+            req = svc.admit(_body("t2", PROMPT + reply + list(range(500, 520)), kv_transfer_params=first["kv_transfer_params"]))
             final = [e async for e in svc.events(req) if "finish_reason" in e][-1]
             assert (req.pull.skipped, req.pull.admitted) == ("nothing_to_pull", True)
             assert [(rid, pin) for rid, pin, _ in adds] == [("t2", req.pull.admission_pin)]
@@ -98,9 +98,9 @@ def test_a_client_that_leaves_while_its_pull_runs_leaves_no_request_running(tiny
         engine = svc.engine
         assert engine is not None
         try:
-            reply, params = await _first_turn(svc)
+            reply, first = await _first_turn(svc)
             adds = _record_adds(svc, monkeypatch)
-            req = svc.admit(_body("t2", PROMPT + reply + list(range(500, 520)), kv_transfer_params=params))
+            req = svc.admit(_body("t2", PROMPT + reply + list(range(500, 520)), kv_transfer_params=first["kv_transfer_params"]))
             gate = threading.Event()
             engine.submit(lambda _: gate.wait(30.0))  # a long engine step: the pull's hops queue behind it
             task = asyncio.create_task(svc.queue(req))
@@ -134,14 +134,9 @@ def test_the_first_token_phase_counters_sum_each_requests_timings(tiny_model_dir
         try:
             before = (await svc.kv_stats_body())["first_token"]
             assert before == {"requests": 0, "seconds": dict.fromkeys(FIRST_TOKEN_PHASES, 0.0)}
-            reply: list[int] = []
-            finals: list[dict[str, Any]] = []
-            async for event in svc.events(svc.admit(_body("t1", PROMPT, retain=True, conversation_key="c1"))):
-                reply.extend(event["token_ids"])
-                if "finish_reason" in event:
-                    finals.append(event)
-            req = svc.admit(_body("t2", PROMPT + reply + list(range(500, 520)), kv_transfer_params=finals[0]["kv_transfer_params"]))
-            finals += [e async for e in svc.events(req) if "finish_reason" in e]
+            reply, first = await _first_turn(svc)
+            req = svc.admit(_body("t2", PROMPT + reply + list(range(500, 520)), kv_transfer_params=first["kv_transfer_params"]))
+            finals = [first, *[e async for e in svc.events(req) if "finish_reason" in e]]
             assert req.pull.admitted
             after = (await svc.kv_stats_body())["first_token"]
             assert after["requests"] == 2
