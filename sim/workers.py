@@ -51,7 +51,9 @@ advances in one event (``_Run``) with the results of stepping each.
   The hold and its release are **engine calls** on the sender (``engine_call``):
   answered between its steps, so a busy prefill keeps a finished prompt's pages
   through its next step before the READ and until the step in progress ends after
-  it (its steps of long prompt chunks: hundreds of ms each). A prefill's own pull plans
+  it (its steps of long prompt chunks: hundreds of ms each). The calls queued during a step
+  all run before the next step is planned (``_run_calls``), adds among them too, as the
+  engine thread's executor runs them before the step queued after them. A prefill's own pull plans
   on its engine thread too (``Puller._plan``: the match, the local prefix's pin, the pages
   to READ into), so it finds the room that the releases queued during the step in progress
   left. A pull that adopts (pins the READ's pages, or the local prefix it matched when it
@@ -281,6 +283,7 @@ class Worker:
         self.running: list[_Seq] = []  # in admission order
         self.busy = False  # a step runs
         self._planning = False  # a step is being planned: releases must not start another
+        self._batch = False  # the engine calls queued during a step run: the next step waits for them all
         self._arrivals = 0
         self.gpu: Any = None  # a ``SharedGpu`` when the other role runs on the same GPU
         self.merge_steps = True  # a run of identical decode steps advances in one event (``_Run``)
@@ -327,9 +330,16 @@ class Worker:
             self._calls.append((fn, arg))
 
     def _run_calls(self, now: float) -> None:
+        """The engine calls queued during the step that just ended, in order, before the next step is
+        planned: the engine thread is one single-thread executor (``AsyncEngine._run``), and the step
+        is submitted after the calls queued before it, so an add among them does not start the step."""
         calls, self._calls = self._calls, []
-        for fn, arg in calls:
-            fn(arg, now)
+        self._batch = True
+        try:
+            for fn, arg in calls:
+                fn(arg, now)
+        finally:
+            self._batch = False
 
     def arrive(self, req: Req, now: float) -> None:
         run = self._run
@@ -353,8 +363,9 @@ class Worker:
             self._retry_pulls(now)
 
     def _kick(self, now: float) -> None:
-        """Start a step unless one runs or is being planned (a release while planning lands here)."""
-        if not self.busy and not self._planning:
+        """Start a step unless one runs, is being planned (a release while planning lands here) or
+        waits for the batch of engine calls in progress (its caller kicks once they are done)."""
+        if not self.busy and not self._planning and not self._batch:
             self._start_step(now)
 
     def _start_step(self, now: float) -> None:

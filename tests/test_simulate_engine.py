@@ -588,3 +588,32 @@ def _record_arrivals(pre: Worker) -> list[tuple[int, float]]:
 
     pre.arrive = record  # type: ignore[method-assign]
     return queued
+
+
+def test_the_engine_calls_queued_during_a_step_all_run_before_the_next_step_is_planned() -> None:
+    # The engine thread is one single-thread executor: the next step is submitted after the calls
+    # queued during the step in progress, so it plans with all of them done. A 22-page prefill pool:
+    # B's 256-token prompt (16 pages) runs in 64-token chunks in steps of 128 tokens, a transfer
+    # hold keeps 4 pages, 2 are free. During B's first step X and Y (32 tokens, 2 pages each) are
+    # added and the hold is released, each an engine call. When the step ends (6.4 ms) X takes the
+    # free pages and Y the released hold's, and both run beside B's second chunk (128 tokens:
+    # 12.8 ms), done at 19.2 ms. Were the first add to start the step, Y would miss it.
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, chunk_size=64)
+    sim = Simulator(ClusterSpec("fp8_e4m3", 1, 1, tiny_costs(22), scheduler=sched), LoadSpec())
+    pre = sim.prefill[0]
+    done: dict[int, float] = {}
+    pre.on_done = lambda req, now: done.setdefault(req.turn_id, now)
+    hold = _offer(pre, _req(2, 64, 4), 4, retained=False)
+    queued = _record_arrivals(pre)
+    pre.arrive(_req(1, 256, 4), 0.0)
+    assert pre.busy and pre.cache.free == 2
+    x, y = _req(3, 32, 4), _req(4, 32, 4)
+    pre.engine_call(pre.arrive, x, 1e-3)
+    pre.engine_call(pre.arrive, y, 1e-3)
+    sim._let_go_offer(hold, 1e-3)
+    assert hold.lease_id in pre.leases and list(pre.waiting) == []  # nothing runs until the step ends
+    sim.run()
+    assert [(i, round(t, 9)) for i, t in queued] == [(1, 0.0), (3, 6.4e-3), (4, 6.4e-3)]
+    assert pre.stats.transfer_leases_ended == {"released": 1, "expired": 0}
+    assert {i: round(t, 9) for i, t in done.items()} == {3: 19.2e-3, 4: 19.2e-3, 1: 32.0e-3}
+    assert pre.stats.prompt_steps == 4 and round(pre.stats.prompt_step_s, 9) == 32.0e-3
