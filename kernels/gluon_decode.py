@@ -12,8 +12,11 @@ tensor core: no shared-memory round trip of unpacked values in the loop.
 
 One program = one (split, kv head, sequence), W warps. Each warp runs its own
 online softmax over its own pages (NT = pages-per-warp x page-size tokens per
-step) and the warps merge by log-sum-exp at the end; the splits merge in
-``triton_common._merge_kernel``. A step's bytes are staged by ``cp.async`` in
+step) and the warps merge by log-sum-exp at the end. The splits of a (sequence, kv head) merge in the kernel
+with ``FUSE`` 1: each program counts itself in on that pair's arrival counter after storing its partial rows,
+and the last to arrive merges them (``_gl_merge``) and resets the counter, which saves the launch and the round
+trip of ``triton_common._merge_kernel``; with ``FUSE`` 0 (every tuning's, until measured on a device) that launch
+merges them. A step's bytes are staged by ``cp.async`` in
 a shared-memory ring one step ahead (``STAGES``; each thread copies the bytes
 it later reads, in the layouts below), so the next step's loads are in flight
 while this one unpacks. A copy's address is its page's pointer plus a
@@ -68,6 +71,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .capability import device_choice
+from .gluon_attend import _cta_barrier
 from .gluon_fragments import (
     ASM_FP8_K,
     ASM_FP8_V,
@@ -680,6 +684,43 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
 
 
 @gluon.jit
+def _gl_merge(o_ptr, lse_ptr, out_ptr, v_mul, S, head0, G: gl.constexpr, HP: gl.constexpr):
+    """The G query heads' rows of ``out`` from the S splits' partial rows of o and lse (each normalised by its own
+    softmax sum), by log-sum-exp, times ``v_mul``: what ``triton_common._merge_kernel`` computes, run by the last
+    program of a (sequence, kv head) to arrive. Two passes over the splits, SC at a time (the maximum, then the
+    weighted sums); the loads bypass L1 (``.cg``): the rows were written by other SMs."""
+    D: gl.constexpr = 128
+    SC: gl.constexpr = 2  # splits a step: [HP, SC, D] fp32 in registers
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [gl.num_warps(), 1, 1], [2, 1, 0])
+    LS: gl.constexpr = gl.SliceLayout(2, L3)  # [HP, SC]: lse
+    LO: gl.constexpr = gl.SliceLayout(1, L3)  # [HP, D]: the sums
+    gs = gl.expand_dims(gl.arange(0, HP, layout=gl.SliceLayout(1, LS)), 1)  # [HP, 1] head
+    js = gl.expand_dims(gl.arange(0, SC, layout=gl.SliceLayout(0, LS)), 0)  # [1, SC] split within the step
+    rows = (head0 + gs).to(gl.int64) * S  # [HP, 1] the heads' first partial rows
+    top = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, LS))
+    for s0 in range(0, S, SC):
+        lse = gl.load(lse_ptr + rows + s0 + js, mask=(gs < G) & (s0 + js < S), other=float("-inf"), cache_modifier=".cg")
+        top = gl.maximum(top, gl.max(lse, axis=1))
+    top2 = gl.expand_dims(gl.where(top == float("-inf"), 0.0, top), 1)  # all -inf (empty sequence): zeros below
+    d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, LO)), 0), 1)  # [1, 1, D]
+    acc = gl.zeros([HP, D], gl.float32, LO)
+    total = gl.zeros([HP], gl.float32, gl.SliceLayout(1, LS))
+    for s0 in range(0, S, SC):
+        m = (gs < G) & (s0 + js < S)
+        lse = gl.load(lse_ptr + rows + s0 + js, mask=m, other=float("-inf"), cache_modifier=".cg")
+        w = gl.where(lse > float("-inf"), gl.exp2(lse - top2), 0.0)  # [HP, SC]
+        total += gl.sum(w, axis=1)
+        o = gl.load(o_ptr + gl.expand_dims((rows + s0 + js) * D, 2) + d3, mask=gl.expand_dims(m, 2) & (d3 >= 0),
+                    other=0.0, cache_modifier=".cg")  # fmt: skip
+        acc += gl.sum(gl.expand_dims(w, 2) * o, axis=1)
+    inv = v_mul / gl.where(total > 0, total, 1.0)
+    out = acc * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, LO)), 1)
+    go = gl.expand_dims(gl.arange(0, HP, layout=gl.SliceLayout(1, LO)), 1)
+    do = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, LO)), 0)
+    gl.store(out_ptr + (head0 + go).to(gl.int64) * D + do, out.to(out_ptr.dtype.element_ty), mask=(go < G) & (do >= 0))
+
+
+@gluon.jit
 def _gl_decode_kernel(
     q_ptr,  # [B, H*G, 128] queries, contiguous
     o_ptr,  # fp32 [B, H*G, S, 128] per-split outputs (normalised by their own softmax sums)
@@ -693,6 +734,9 @@ def _gl_decode_kernel(
     pt_stride,  # page-table row stride (elements)
     S,  # splits per (sequence, head)
     PPS,  # pages per split
+    out_ptr,  # [B, H*G, 128] the merged output, q's dtype (FUSE)
+    cnt_ptr,  # int32 [B * H] arrival counters, zero between launches (FUSE)
+    v_mul,  # fp32 the V format's folded scale (FUSE)
     FMT: gl.constexpr,  # GL_FMT_* of the plain (or triaxial INT4) pages
     TRIAXIAL: gl.constexpr,  # 0: plain pages; 1: triaxial rows (INT2 pages first), both kinds' splits in one launch
     H: gl.constexpr,
@@ -723,6 +767,7 @@ def _gl_decode_kernel(
     E2M1_CVT: gl.constexpr = 0,  # 1: nvfp4 unpacked by cvt.rn.f16x2.e2m1x2 (sm_100a / sm_120a: capability.TABLE)
     LEAN: gl.constexpr = 0,  # 1: a step's live state cut to fit 128 registers (module docstring)
     PDL: gl.constexpr = 0,  # 1: launched with programmatic dependent launch (triton_pdl): wait before any access
+    FUSE: gl.constexpr = 0,  # 1: the last split of a (sequence, kv head) to finish merges them into out
 ):
     s = gl.program_id(0)
     h = gl.program_id(1)
@@ -753,6 +798,12 @@ def _gl_decode_kernel(
             _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_bytes, S, s, h, head0, lo,
                       gl.minimum(lo + PPS, num_pages), s >= 0, FMT, G, P, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
                       VS_OFF, VZ_OFF, PPW, HP, LV_LOAD, LV_UNPACK, STAGES, E2M1_CVT, LEAN)  # fmt: skip
+    if FUSE:
+        _cta_barrier()  # every thread's partial rows are stored: the counter's release covers them
+        arrived = gl.atomic_add(cnt_ptr + b * H + h, 1, sem="acq_rel", scope="gpu")
+        if arrived == S - 1:  # the last split of this (sequence, kv head)
+            _gl_merge(o_ptr, lse_ptr, out_ptr, v_mul, S, head0, G, HP)
+            gl.store(cnt_ptr + b * H + h, 0)  # zero again for the next launch
 
 
 # ----------------------------------------------------------------------------
@@ -768,6 +819,8 @@ INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", 
 # allows with 4 (RES) or 16 (RES16) query heads per kv head (triton_common.resident_programs of the device's
 # compile, held by tests/kernels/test_gluon_decode.py: a tuning that changes warps, STAGES or maxnreg sets RES
 # too). FILLW: the warps of fill a wave costs in pick_plan (fp8 0: 3 programs an SM already saturate its reads).
+# FUSE: _gl_decode_kernel's FUSE (1: the splits merged by their last program instead of triton_common's merge
+# launch); off in every tuning until a device measures it beside the merge launch (performance log, kernels).
 # LEAN: _gl_decode_kernel's LEAN (triaxial 1: 128 registers without spills, so 4 programs of 4 warps an SM at up to 8
 # query heads per kv head; 16 heads run uncapped, 202 registers, 2 programs; the other formats 0).
 GL_TUNING: dict[str, dict[str, int]] = {
@@ -888,14 +941,39 @@ def launch_decode(
         args2 = {k + "2": v for k, v in a2.items() if k in INT2_ARGS}
     reg_cap = register_cap("triaxial" if kv.triaxial else layout.fmt, cfg, heads=run.group)
     cap = {"maxnreg": reg_cap} if reg_cap else {}
+    counters = arrival_counters(q.device, q.shape[0] * run.kv_heads) if cfg.get("FUSE") else None
+    out = torch.empty_like(run.q) if counters is not None else run.o
     kernel = _gl_decode_kernel[run.grid](
         run.q, run.o, run.lse, kv.base, run.page_table, seq_lens, run.n2, sm_scale * LOG2E * k_fold, kv.int2_top,
-        run.page_table.stride(0), run.splits, run.pages_per_split, TRIAXIAL=int(kv.triaxial),
-        H=run.kv_heads, G=run.group, HP=hp, STAGES=cfg["STAGES"], **args, **args2, **cap,
-        E2M1_CVT=int(layout.fmt == "nvfp4" and device_choice(q.device).e2m1 == "cvt"), LEAN=cfg.get("LEAN", 0),
-        PDL=int(pdl), **triton_pdl.launch_args(pdl),
+        run.page_table.stride(0), run.splits, run.pages_per_split, out, counters if counters is not None else seq_lens,
+        v_fold, TRIAXIAL=int(kv.triaxial), H=run.kv_heads, G=run.group, HP=hp, STAGES=cfg["STAGES"], **args, **args2,
+        **cap, E2M1_CVT=int(layout.fmt == "nvfp4" and device_choice(q.device).e2m1 == "cvt"), LEAN=cfg.get("LEAN", 0),
+        PDL=int(pdl), FUSE=int(counters is not None), **triton_pdl.launch_args(pdl),
     )  # fmt: skip
-    return merge_splits(run, v_mul=v_fold, pdl=pdl), kernel
+    if counters is None:
+        out = merge_splits(run, v_mul=v_fold, pdl=pdl)
+    return out, kernel
+
+
+# Per device: the fused merge's arrival counters (int32, one per (sequence, kv head) of a launch), zero between
+# launches: the last program of each pair resets its own. Allocated once and grown outside CUDA-graph capture, so
+# that every captured launch reads the same buffer; a launch that needs more during a capture merges by
+# triton_common's launch instead.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """At least ``n`` zeroed arrival counters on ``device`` (shared by every launch of the fused merge there),
+    or None where they would have to be allocated during a CUDA-graph capture."""
+    have = _COUNTERS.get(device)
+    if have is not None and have.numel() >= n:
+        return have
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if have is not None:
+        torch.cuda.synchronize(device)  # launches still counting on the old buffer finish first
+    _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def register_cap(fmt: str, cfg: dict[str, int], *, heads: int) -> int | None:
@@ -908,11 +986,13 @@ def register_cap(fmt: str, cfg: dict[str, int], *, heads: int) -> int | None:
     return cfg["maxnreg"]
 
 
-def compile_report_args(fmt: str, *, heads: int = 4, e2m1_cvt: bool = False) -> tuple[dict[str, str], dict[str, Any]]:
+def compile_report_args(fmt: str, *, heads: int = 4, e2m1_cvt: bool = False,
+                        fuse: bool | None = None) -> tuple[dict[str, str], dict[str, Any]]:  # fmt: skip
     """(signature, constexprs incl. num_warps) to compile ``_gl_decode_kernel`` as launched (GL_TUNING) without a
     GPU (compile_report.py, tests): fmt "nvfp4", "fp8_e4m3", "int4" (plain INT4 pages) or "triaxial"; ``heads``
     query heads per kv head; ``e2m1_cvt``: nvfp4 unpacked by cvt (the launch on a capability whose
-    capability.TABLE row says e2m1 "cvt"). The launch caps the registers at ``register_cap``."""
+    capability.TABLE row says e2m1 "cvt"); ``fuse``: FUSE on or off (None: the tuning's). The launch caps the
+    registers at ``register_cap``."""
     plain = "int4" if fmt == "triaxial" else fmt
     cfg = GL_TUNING[plain]
     p = 32 if plain == "int4" else 16
@@ -920,9 +1000,10 @@ def compile_report_args(fmt: str, *, heads: int = 4, e2m1_cvt: bool = False) -> 
     lay2 = PageLayout.build("int2", page_size=32, kv_heads=8, head_dim=128)
     a2 = kernel_args("int2", lay2, num_warps=cfg["num_warps"], ppw=1)
     sig = {"q_ptr": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "buf_ptr": "*u8", "pt_ptr": "*i32", "lens_ptr": "*i32",
-           "n2_ptr": "*i32", "k_mul": "fp32", "total_bytes": "i64", "pt_stride": "i32", "S": "i32", "PPS": "i32"}  # fmt: skip
+           "n2_ptr": "*i32", "k_mul": "fp32", "total_bytes": "i64", "pt_stride": "i32", "S": "i32", "PPS": "i32",
+           "out_ptr": "*bf16", "cnt_ptr": "*i32", "v_mul": "fp32"}  # fmt: skip
     const = dict(TRIAXIAL=int(fmt == "triaxial"), H=8, G=heads, HP=8 if heads <= 8 else 16, STAGES=cfg["STAGES"],
                  **kernel_args(plain, lay, num_warps=cfg["num_warps"], ppw=cfg["PPW"]),
                  **{k + "2": v for k, v in a2.items() if k in INT2_ARGS}, E2M1_CVT=int(e2m1_cvt and fmt == "nvfp4"),
-                 LEAN=cfg.get("LEAN", 0), PDL=0)  # fmt: skip
+                 LEAN=cfg.get("LEAN", 0), PDL=0, FUSE=int(cfg.get("FUSE", 0) if fuse is None else fuse))  # fmt: skip
     return sig, const

@@ -37,21 +37,22 @@ _COMPILE = """
 import json, sys
 from kvserving.kernels import gluon_decode
 from kvserving.kernels.compile_report import loops, report
-fmt, heads = sys.argv[1], int(sys.argv[2])
+fmt, heads, fuse = sys.argv[1], int(sys.argv[2]), {"tuning": None, "on": True}[sys.argv[3]]
 cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
-sig, const = gluon_decode.compile_report_args(fmt, heads=heads)
+sig, const = gluon_decode.compile_report_args(fmt, heads=heads, fuse=fuse)
 warps = const.pop("num_warps")
 r = report(gluon_decode._gl_decode_kernel, sig, const, gluon=True, num_warps=warps, aligned=("total_bytes",),
            maxnreg=gluon_decode.register_cap(fmt, cfg, heads=heads))
 print(json.dumps({"warps": warps, "local": r["local"], "stack": r["stack"], "shared": r["shared"], "regs": r["regs"],
-                  "loops": [dict(c) for c in loops(r["sass"]) if any(op.startswith("HMMA") for op in c)]}))
+                  "loops": [dict(c) for c in loops(r["sass"]) if any(op.startswith("HMMA") for op in c)],
+                  "atomics": sum(n for op, n in r["ops"].items() if op.startswith(("ATOM", "RED")))}))
 """
 
 
-def _compile(fmt: str, heads: int = 4) -> dict[str, Any]:
+def _compile(fmt: str, heads: int = 4, *, fuse: bool = False) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, fmt, str(heads)], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _COMPILE, fmt, str(heads), "on" if fuse else "tuning"], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
@@ -94,6 +95,18 @@ def test_gluon_decode_triaxial_fits_128_registers_so_4_programs_share_an_sm() ->
     assert r["regs"] <= 128 and r["local"] == 0 and r["stack"] == 0, r
     assert resident_programs(regs=r["regs"], warps=r["warps"], shared=r["shared"]) == tuning["RES"] == 4
     assert sorted(c["HMMA.16816.F32"] for c in r["loops"]) == [34, 36], r["loops"]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "triaxial", "fp8_e4m3"])
+def test_gluon_decode_with_the_fused_merge_compiles_without_spills_and_keeps_its_programs_an_sm(fmt: str) -> None:
+    # FUSE 1 (the last split merges, gpu test below) adds one arrival atomic and the merge after the loop: no
+    # spill under the tuning's cap, the same shared memory, so the planner's RES holds with it on
+    plain, fused = _compile(fmt), _compile(fmt, fuse=True)
+    assert fused["local"] == 0 and fused["stack"] == 0, fused
+    assert fused["shared"] == plain["shared"]
+    assert plain["atomics"] == 0 and fused["atomics"] >= 1, (plain["atomics"], fused["atomics"])
+    cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
+    assert resident_programs(regs=fused["regs"], warps=fused["warps"], shared=fused["shared"]) == cfg["RES"], fused
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "triaxial", "fp8_e4m3"])
@@ -155,3 +168,49 @@ def test_gpu_gluon_is_the_default_for_packed_and_fp8_pages_on_hopper(case: str) 
     assert paged_ops.decode_kernel(q, pool.kv(), options=KernelOptions(decode_kernel="tl")) == "tl"
     wide = torch.randn(1, 8 * 24, 128, device="cuda")  # 24 query heads per kv head: more than Gluon's 16
     assert paged_ops.decode_kernel(wide, pool.kv(), options=KernelOptions()) == "tl"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [4, 16])
+@pytest.mark.parametrize("case", ["nvfp4", "triaxial", "fp8_e4m3"])
+def test_gpu_the_fused_merge_equals_the_merge_launch_and_leaves_its_counters_zero(case: str, heads: int) -> None:
+    """FUSE 1 (the last split of each (sequence, kv head) merges them) against FUSE 0 (triton_common's merge
+    launch) on the same partials: equal within bf16 rounding of the same fp32 sums (the two add the splits in
+    another order: 1 bf16 ulp, 2^-8 relative), at 1, 2 and 40 splits with empty ones; every arrival counter is back
+    at zero after each launch, also after a CUDA graph of two launches replayed three times."""
+    from test_triton_paged import _filled_pool
+
+    p = 32 if case == "triaxial" else 16
+    pool, filled, scale = _filled_pool(case, [3, 40 * p, 17 * p + 5, 700], device="cuda", d=128, h=2, p=p)
+    q = torch.randn(4, 2 * heads, 128, device="cuda", dtype=torch.bfloat16)
+    kv = pool.kv(scale, scale)
+    cfg = gluon_decode.GL_TUNING[kv.layout.fmt]
+    step = cfg["num_warps"] * cfg["PPW"]
+
+    def run(fuse: int, plan: tuple[int, int]) -> torch.Tensor:
+        out, _ = gluon_decode.launch_decode(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1,
+                                            num_int2_pages=filled.num_int2, cfg={**cfg, "FUSE": fuse}, plan=plan)  # fmt: skip
+        return out
+
+    counters = gluon_decode.arrival_counters(q.device, 8)
+    assert counters is not None
+    for plan in [gluon_decode.split_plan(q, kv, filled.page_table, cfg), (1, 64 * step), (40, step)]:
+        if kv.triaxial and plan[0] == 1:
+            continue  # a triaxial row always has its INT2 / INT4 boundary's split
+        want, got = run(0, plan).float(), run(1, plan).float()
+        assert int(counters.count_nonzero()) == 0, plan
+        assert torch.allclose(got, want, rtol=2**-7, atol=1e-6), (plan, float((got - want).abs().max()))
+        assert float(want.abs().max()) > 0  # the rows are not all empty
+    plan = (40, step)
+    run(1, plan)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first = run(1, plan)
+        second = run(1, plan)
+    want = run(0, plan).float()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(counters.count_nonzero()) == 0
+        assert torch.allclose(first.float(), want, rtol=2**-7, atol=1e-6)
+        assert torch.equal(first, second)
