@@ -820,7 +820,8 @@ INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", 
 # compile, held by tests/kernels/test_gluon_decode.py: a tuning that changes warps, STAGES or maxnreg sets RES
 # too). FILLW: the warps of fill a wave costs in pick_plan (fp8 0: 3 programs an SM already saturate its reads).
 # FUSE: _gl_decode_kernel's FUSE (1: the splits merged by their last program instead of triton_common's merge
-# launch); off in every tuning until a device measures it beside the merge launch (performance log, kernels).
+# launch); off in every tuning until a device measures it beside the merge launch (performance log, kernels);
+# KernelOptions.fused_merge (KVSERVING_FUSED_MERGE=1) turns it on for decode_attention.
 # LEAN: _gl_decode_kernel's LEAN (triaxial 1: 128 registers without spills, so 4 programs of 4 warps an SM at up to 8
 # query heads per kv head; 16 heads run uncapped, 202 registers, 2 programs; the other formats 0).
 GL_TUNING: dict[str, dict[str, int]] = {
@@ -874,10 +875,12 @@ def decode_attention(
     sm_scale: float,
     num_int2_pages: torch.Tensor | None = None,
     pdl: bool = False,
+    fused_merge: bool = False,
 ) -> torch.Tensor:
     """Launch the Gluon decode (arguments checked by paged_ops; ``supported`` must hold) -> [B, Hq, D] in q.dtype:
-    GL_TUNING's kernel on split_plan's splits; ``pdl``: it and the split merge with programmatic dependent launch."""
-    cfg = GL_TUNING[kv.layout.fmt]
+    GL_TUNING's kernel on split_plan's splits; ``pdl``: it and the split merge with programmatic dependent launch;
+    ``fused_merge``: the splits merged in the kernel (FUSE 1) instead of by the merge launch."""
+    cfg = GL_TUNING[kv.layout.fmt] | ({"FUSE": 1} if fused_merge else {})
     plan = split_plan(q, kv, page_table, cfg)
     out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages, cfg=cfg,
                            plan=plan, pdl=pdl)  # fmt: skip

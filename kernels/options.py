@@ -24,6 +24,9 @@ KVSERVING_PDL=0             pdl             the decode step's kernels launch wit
 KVSERVING_BF16_GEMV=0       bf16_gemv       a bf16 model's projections at 1-64 tokens run cuBLAS
                                             instead of the Triton GEMV (1-2) and block GEMM
                                             (3-64; ``worker.model.product``; unset: Triton)
+KVSERVING_FUSED_MERGE=1     fused_merge     the Gluon decode merges its splits in the kernel
+                                            (``gluon_decode``'s FUSE) instead of a launch of
+                                            their own (unset: the launch, until measured)
 TRITON_INTERPRET=1          interpret       kernels run in Triton's interpreter (no assembly)
 ==========================  ==============  ===================================================
 """
@@ -52,6 +55,7 @@ class KernelOptions:
     triton_fast: bool | None = None  # None: inline-assembly decoders on a real GPU
     pdl: bool = True  # programmatic dependent launch where the device has it (``overlaps``)
     bf16_gemv: bool = True  # bf16 products at 1-64 tokens through the Triton kernels (``worker.model.product``)
+    fused_merge: bool = False  # the Gluon decode's splits merged by their last program (``gluon_decode``'s FUSE)
     interpret: bool = False
 
     def __post_init__(self) -> None:
@@ -80,6 +84,9 @@ class KernelOptions:
         gemv = env.get("KVSERVING_BF16_GEMV") or "1"
         if gemv not in ("0", "1"):
             raise ValueError(f"KVSERVING_BF16_GEMV={gemv!r}; expected 0 or 1 (or unset)")
+        fused = env.get("KVSERVING_FUSED_MERGE") or "0"
+        if fused not in ("0", "1"):
+            raise ValueError(f"KVSERVING_FUSED_MERGE={fused!r}; expected 0 or 1 (or unset)")
         return cls(
             backend=backend,
             check_values=env.get("KVSERVING_CHECK_VALUES") == "1",
@@ -87,6 +94,7 @@ class KernelOptions:
             triton_fast=None if fast is None else fast == "1",
             pdl=pdl == "1",
             bf16_gemv=gemv == "1",
+            fused_merge=fused == "1",
             interpret=env.get("TRITON_INTERPRET") == "1",
         )
 

@@ -145,7 +145,7 @@ def decode_attention(
         from . import gluon_decode
 
         return gluon_decode.decode_attention(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages,
-                                             pdl=opts.overlaps(q.device))  # fmt: skip
+                                             pdl=opts.overlaps(q.device), fused_merge=opts.fused_merge)  # fmt: skip
     from . import triton_decode
 
     fast = opts.fast_decoders(q.device)

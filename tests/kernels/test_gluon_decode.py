@@ -109,6 +109,27 @@ def test_gluon_decode_with_the_fused_merge_compiles_without_spills_and_keeps_its
     assert resident_programs(regs=fused["regs"], warps=fused["warps"], shared=fused["shared"]) == cfg["RES"], fused
 
 
+def test_the_fused_merge_option_reaches_the_gluon_launch_without_changing_the_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
+    # KernelOptions.fused_merge (KVSERVING_FUSED_MERGE=1) launches FUSE 1 through paged_ops; unset, the tuning's 0
+    from test_triton_paged import _filled_pool
+
+    pool, filled, scale = _filled_pool("nvfp4", [40, 7], d=128, h=2, p=16)
+    kv = pool.kv(scale, scale)
+    q = torch.randn(2, 8, 128)
+    seen: list[int] = []
+
+    def launch(q: torch.Tensor, *_: Any, cfg: dict[str, int], **__: Any) -> tuple[torch.Tensor, None]:
+        seen.append(cfg.get("FUSE", 0))
+        return torch.zeros_like(q), None
+
+    monkeypatch.setattr(gluon_decode, "launch_decode", launch)
+    monkeypatch.setattr(paged_ops, "decode_kernel", lambda *_, **__: "gluon")
+    for opts in (KernelOptions(), KernelOptions(fused_merge=True), KernelOptions.from_env({"KVSERVING_FUSED_MERGE": "1"})):
+        paged_ops.decode_attention(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1, options=opts)
+    assert seen == [0, 1, 1]
+    assert "FUSE" not in gluon_decode.GL_TUNING["nvfp4"]
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "triaxial", "fp8_e4m3"])
 def test_gluon_decode_residency_table_matches_the_compiled_kernel(fmt: str) -> None:
     # the split planner (plan_waves) plans on GL_TUNING's RES / RES16: the programs per SM the compiled kernel allows.

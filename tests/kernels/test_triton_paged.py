@@ -265,6 +265,10 @@ def test_kernel_options_read_the_environment_once_and_refuse_bad_values() -> Non
     assert KernelOptions().bf16_gemv and KernelOptions.from_env({"KVSERVING_BF16_GEMV": "0"}) == KernelOptions(bf16_gemv=False)
     with pytest.raises(ValueError, match="KVSERVING_BF16_GEMV='on'"):
         KernelOptions.from_env({"KVSERVING_BF16_GEMV": "on"})
+    assert not KernelOptions().fused_merge
+    assert KernelOptions.from_env({"KVSERVING_FUSED_MERGE": "1"}) == KernelOptions(fused_merge=True)
+    with pytest.raises(ValueError, match="KVSERVING_FUSED_MERGE='yes'"):
+        KernelOptions.from_env({"KVSERVING_FUSED_MERGE": "yes"})
     gpu = torch.device("cuda")
     assert KernelOptions().fast_decoders(gpu) and not KernelOptions(interpret=True).fast_decoders(gpu)
     assert not KernelOptions(triton_fast=False).fast_decoders(gpu) and KernelOptions(triton_fast=True).fast_decoders(torch.device("cpu"))
