@@ -6,7 +6,7 @@
 #   between two processes on the GPU and the transport UCX chose), agents (agents.py --gpu with AGENTS_ARGS, default
 #   fp8 at 12,16,24 agents; its stacks' logs tarred into $OUT), pdl (engine_gpu.py with KVSERVING_PDL=0, 1, 0, 1:
 #   programmatic dependent launch off and on, twice, sections pdl<P>_<i> of $OUT/engine_pdl.json; ENGINE_ARGS, default
-#   '--quick --no-breakdown --speed-kv-gib 40', fits an H100; T_AB caps each run), gemv (bf16 weights at 1-16 tokens:
+#   '--quick --no-breakdown --speed-kv-gib 40', fits an H100; T_AB caps each run, AB_PAIRS sets how many off-on pairs, default 2), gemv (bf16 weights at 1-16 tokens:
 #   fp8_gemm_gpu.py --tokens 1,2,8,16, its bf16_gemv and bf16_tiles paths against cuBLAS, then the engine bench with KVSERVING_BF16_GEMV=0,
 #   1, 0, 1 as the pdl step runs it, sections gemv<V>_<i> of $OUT/engine_gemv.json), layout (kv_cache.layout layer_major vs page_major: the
 #   READ bench with each, $OUT/nixl_read_<layout>.json, then the engine bench alternated twice, sections <layout>_<i> of
@@ -100,9 +100,9 @@ elif has agents; then
   [ -d /tmp/agents_run ] && tar czf $OUT/agents_run.tgz -C /tmp agents_run
   [ "$rc" = 0 ] || { echo "gpu_run.sh: error: agents.py failed (exit $rc, log in $OUT/agents.log)" >&2; status=1; }
 fi
-engine_ab() {  # the engine bench with environment variable $1 at 0 and 1, alternated twice (one machine, one run:
-  # METHOD.md), sections $2<0|1>_<run> of $OUT/engine_$2.json
-  for i in 1 2; do
+engine_ab() {  # the engine bench with environment variable $1 at 0 and 1, alternated AB_PAIRS times (default twice; one
+  # machine, one run: METHOD.md), sections $2<0|1>_<run> of $OUT/engine_$2.json
+  for i in $(seq ${AB_PAIRS:-2}); do
     for v in 0 1; do
       env $1=$v timeout ${T_AB:-280} python3 bench/engine_gpu.py ${ENGINE_ARGS:---quick --no-breakdown --speed-kv-gib 40} \
         --section $2${v}_$i --out $OUT/engine_$2.json > $OUT/engine_$2${v}_$i.log 2>&1
