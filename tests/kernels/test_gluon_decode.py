@@ -197,8 +197,9 @@ def test_gpu_gluon_is_the_default_for_packed_and_fp8_pages_on_hopper(case: str) 
 def test_gpu_the_fused_merge_equals_the_merge_launch_and_leaves_its_counters_zero(case: str, heads: int) -> None:
     """FUSE 1 (the last split of each (sequence, kv head) merges them) against FUSE 0 (triton_common's merge
     launch) on the same partials: equal within bf16 rounding of the same fp32 sums (the two add the splits in
-    another order: 1 bf16 ulp, 2^-8 relative), at 1, 2 and 40 splits with empty ones; every arrival counter is back
-    at zero after each launch, also after a CUDA graph of two launches replayed three times."""
+    another order: 1 bf16 ulp, 2^-8 relative), at the planner's, 1, 2 and 40 splits (empty ones among them; a
+    triaxial row's 2 are its INT2 and INT4 pages); every arrival counter is back at zero after each launch, also
+    after a CUDA graph of two launches replayed three times."""
     from test_triton_paged import _filled_pool
 
     p = 32 if case == "triaxial" else 16
@@ -215,7 +216,9 @@ def test_gpu_the_fused_merge_equals_the_merge_launch_and_leaves_its_counters_zer
 
     counters = gluon_decode.arrival_counters(q.device, 8)
     assert counters is not None
-    for plan in [gluon_decode.split_plan(q, kv, filled.page_table, cfg), (1, 64 * step), (40, step)]:
+    width = filled.page_table.shape[1]
+    two = (2, 64 * step) if kv.triaxial else (2, -(-width // (2 * step)) * step)
+    for plan in [gluon_decode.split_plan(q, kv, filled.page_table, cfg), (1, 64 * step), two, (40, step)]:
         if kv.triaxial and plan[0] == 1:
             continue  # a triaxial row always has its INT2 / INT4 boundary's split
         want, got = run(0, plan).float(), run(1, plan).float()
