@@ -33,11 +33,21 @@ from kvserving.kernels.triton_common import resident_programs
 # compiled in a child process: the test session runs with TRITON_INTERPRET=1, under which Triton's own
 # jit helpers (the reductions' combine functions) cannot be compiled; the kernel as launched (GL_TUNING: warps,
 # pages per warp, ring depth, register cap) with 4 or 16 query heads per kv head
-_COMPILE = """
-import json, sys
+_COMPILE = r"""
+import json, re, sys
 from kvserving.kernels import gluon_decode
 from kvserving.kernels.compile_report import loops, report
 fmt, heads, fuse = sys.argv[1], int(sys.argv[2]), {"tuning": None, "on": True}[sys.argv[3]]
+
+def ordering(sass):
+    # the memory-ordering instructions in program order, runs collapsed: fences, atomics, L1 invalidations and
+    # the loads that bypass L1 (LDG...STRONG.GPU)
+    seen = []
+    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass):
+        tag = "LDG.STRONG.GPU" if op.startswith("LDG") and op.endswith("STRONG.GPU") else op
+        if tag.startswith(("MEMBAR", "ATOM", "RED", "CCTL", "FENCE", "LDG.STRONG")) and (not seen or seen[-1] != tag):
+            seen.append(tag)
+    return seen
 cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
 sig, const = gluon_decode.compile_report_args(fmt, heads=heads, fuse=fuse)
 warps = const.pop("num_warps")
@@ -45,7 +55,8 @@ r = report(gluon_decode._gl_decode_kernel, sig, const, gluon=True, num_warps=war
            maxnreg=gluon_decode.register_cap(fmt, cfg, heads=heads))
 print(json.dumps({"warps": warps, "local": r["local"], "stack": r["stack"], "shared": r["shared"], "regs": r["regs"],
                   "loops": [dict(c) for c in loops(r["sass"]) if any(op.startswith("HMMA") for op in c)],
-                  "atomics": sum(n for op, n in r["ops"].items() if op.startswith(("ATOM", "RED")))}))
+                  "atomics": sum(n for op, n in r["ops"].items() if op.startswith(("ATOM", "RED"))),
+                  "ordering": ordering(r["sass"])}))
 """
 
 
@@ -105,6 +116,10 @@ def test_gluon_decode_with_the_fused_merge_compiles_without_spills_and_keeps_its
     assert fused["local"] == 0 and fused["stack"] == 0, fused
     assert fused["shared"] == plain["shared"]
     assert plain["atomics"] == 0 and fused["atomics"] >= 1, (plain["atomics"], fused["atomics"])
+    # the grid-sync pattern: a gpu-scope release fence before the arrival atomic, L1 invalidated after it (acquire),
+    # then the merge's loads of the other programs' partials past L1; the plain kernel has none of them
+    assert plain["ordering"] == [], plain["ordering"]
+    assert fused["ordering"] == ["MEMBAR.ALL.GPU", "ATOMG.E.ADD.STRONG.GPU", "CCTL.IVALL", "LDG.STRONG.GPU"], fused["ordering"]
     cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
     assert resident_programs(regs=fused["regs"], warps=fused["warps"], shared=fused["shared"]) == cfg["RES"], fused
 
