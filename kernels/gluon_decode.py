@@ -959,24 +959,22 @@ def launch_decode(
 
 
 # Per device: the fused merge's arrival counters (int32, one per (sequence, kv head) of a launch), zero between
-# launches: the last program of each pair resets its own. Allocated once and grown outside CUDA-graph capture, so
-# that every captured launch reads the same buffer; a launch that needs more during a capture merges by
-# triton_common's launch instead.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# launches: the last program of each pair resets its own. Grown only outside a CUDA-graph capture (a launch that
+# needs more during a capture merges by triton_common's launch instead); the newest buffer serves every launch, and
+# an outgrown one stays allocated, since the graphs captured before the growth replay on it.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
     """At least ``n`` zeroed arrival counters on ``device`` (shared by every launch of the fused merge there),
     or None where they would have to be allocated during a CUDA-graph capture."""
-    have = _COUNTERS.get(device)
-    if have is not None and have.numel() >= n:
-        return have
+    buffers = _COUNTERS.setdefault(device, [])
+    if buffers and buffers[-1].numel() >= n:
+        return buffers[-1]
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    if have is not None:
-        torch.cuda.synchronize(device)  # launches still counting on the old buffer finish first
-    _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return _COUNTERS[device]
+    buffers.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def register_cap(fmt: str, cfg: dict[str, int], *, heads: int) -> int | None:

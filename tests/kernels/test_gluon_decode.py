@@ -15,10 +15,12 @@ kernels (fp16 operands and softmax weights: 3e-3 relative).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 from typing import Any
 
 import pytest
@@ -143,6 +145,22 @@ def test_the_fused_merge_option_reaches_the_gluon_launch_without_changing_the_tu
         paged_ops.decode_attention(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1, options=opts)
     assert seen == [0, 1, 1]
     assert "FUSE" not in gluon_decode.GL_TUNING["nvfp4"]
+
+
+def test_an_outgrown_arrival_counter_buffer_stays_allocated_for_the_graphs_captured_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a CUDA graph captured with the fused merge keeps the counters' address: growing the buffer later must not
+    # free the old one (its memory would be reused, the counts never reach S - 1 and the merge never runs)
+    monkeypatch.setattr(gluon_decode, "_COUNTERS", {})
+    dev = torch.device("cpu")
+    first = gluon_decode.arrival_counters(dev, 8)
+    assert first is not None and first.numel() == 4096 and gluon_decode.arrival_counters(dev, 4096) is first
+    old = weakref.ref(first)
+    del first
+    grown = gluon_decode.arrival_counters(dev, 5000)
+    assert grown is not None and grown.numel() == 5000 and int(grown.count_nonzero()) == 0
+    assert gluon_decode.arrival_counters(dev, 8) is grown  # the newest serves every launch
+    gc.collect()
+    assert old() is not None
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "triaxial", "fp8_e4m3"])
