@@ -6,24 +6,25 @@
 #   between two processes on the GPU and the transport UCX chose), agents (agents.py --gpu with AGENTS_ARGS, default
 #   fp8 at 12,16,24 agents; its stacks' logs tarred into $OUT), pdl (engine_gpu.py with KVSERVING_PDL=0, 1, 0, 1:
 #   programmatic dependent launch off and on, twice, sections pdl<P>_<i> of $OUT/engine_pdl.json; ENGINE_ARGS, default
-#   '--quick --no-breakdown --speed-kv-gib 40', fits an H100; T_AB caps each run, AB_PAIRS sets how many off-on pairs, default 2), gemv (bf16 weights at 1-16 tokens:
-#   fp8_gemm_gpu.py --tokens 1,2,8,16, its bf16_gemv and bf16_tiles paths against cuBLAS, then the engine bench with KVSERVING_BF16_GEMV=0,
-#   1, 0, 1 as the pdl step runs it, sections gemv<V>_<i> of $OUT/engine_gemv.json), layout (kv_cache.layout layer_major vs page_major: the
-#   READ bench with each, $OUT/nixl_read_<layout>.json, then the engine bench alternated twice, sections <layout>_<i> of
-#   $OUT/engine_layout.json; LAYOUT_ARGS, default '--quick --no-breakdown --speed-kv-gib 40 --formats nvfp4,triaxial'),
-#   merge (the engine bench with KVSERVING_FUSED_MERGE=0, 1, 0, 1: the Gluon decode's splits merged by a launch of
-#   their own or in the kernel, sections merge<M>_<i> of $OUT/engine_merge.json; ENGINE_ARGS as for pdl),
-#   all (= tests,bench), ncu (one decode
-#   launch per format named in the bench args, at 32x32768 or SHAPE=BxCONTEXT) or ncux (the extend launches of profile_extend.py's NCUX_ARGS, default
-#   'nvfp4 tri fi': nvfp4, triaxial, FlashInfer bf16); NCU_METRICS=m1,m2 (ncu --metrics, regex: allowed) adds metrics to both.
-#   TESTS=paths limits the gpu tests (default: every test file under tests/ that holds a gpu-marked test, so the
-#   tests step runs the whole gpu suite); the Python packages those files import beyond torch and triton come as
-#   wheels in .whl/ (docs/results.md, "Device machine": the list), installed with --target into /tmp/site and put on
-#   PYTHONPATH; a module still missing is named before the tests run. WARM_FI=1 JIT-compiles FlashInfer's prefill in the
+#   '--quick --no-breakdown --speed-kv-gib 40', fits an H100; T_AB caps each run, AB_PAIRS sets how many off-on pairs,
+#   default 2), gemv (bf16 weights at 1-16 tokens: fp8_gemm_gpu.py --tokens 1,2,8,16, its bf16_gemv and bf16_tiles
+#   paths against cuBLAS, then the engine bench with KVSERVING_BF16_GEMV=0, 1, 0, 1 as the pdl step runs it, sections
+#   gemv<V>_<i> of $OUT/engine_gemv.json), layout (kv_cache.layout layer_major vs page_major: the READ bench with
+#   each, $OUT/nixl_read_<layout>.json, then the engine bench alternated twice, sections <layout>_<i> of
+#   $OUT/engine_layout.json; LAYOUT_ARGS, default '--quick --no-breakdown --speed-kv-gib 40 --formats
+#   nvfp4,triaxial'), merge (the engine bench with KVSERVING_FUSED_MERGE=0, 1, 0, 1: the Gluon decode's splits merged
+#   by a launch of their own or in the kernel, sections merge<M>_<i> of $OUT/engine_merge.json; ENGINE_ARGS as for
+#   pdl), all (= tests,bench), ncu (one decode launch per format named in the bench args, at 32x32768 or
+#   SHAPE=BxCONTEXT) or ncux (the extend launches of profile_extend.py's NCUX_ARGS, default 'nvfp4 tri fi': nvfp4,
+#   triaxial, FlashInfer bf16); NCU_METRICS=m1,m2 (ncu --metrics, regex: allowed) adds metrics to both.
+#   TESTS=paths limits the gpu tests (default: every test file under tests/ that holds a gpu-marked test, so the tests
+#   step runs the whole gpu suite); the Python packages those files import beyond torch and triton come as wheels in
+#   .whl/ (docs/results.md, "Device machine": the list), installed with --target into /tmp/site and put on PYTHONPATH;
+#   a module still missing is named before the tests run. WARM_FI=1 JIT-compiles FlashInfer's prefill in the
 #   background while the tests and the decode bench run; T_TESTS / T_BENCH / T_EXTEND cap each step's seconds.
 #   PRE_VARIANTS=a,b compiles those extend_gpu.py variants side by side (one process each, at 512 new on 1K cached:
-#   the bench's specialization) while the tests run; PAR_TESTS="args1;args2" runs those pytest sets side by side
-#   with the tests step (logs in $OUT/par_tests.log; each set is split on spaces, so name tests by node ids: a -k
+#   the bench's specialization) while the tests run; PAR_TESTS="args1;args2" runs those pytest sets side by side with
+#   the tests step (logs in $OUT/par_tests.log; each set is split on spaces, so name tests by node ids: a -k
 #   expression with spaces does not survive). Both are waited for before the extend step.
 # Exits non-zero (with one line saying why) when there is no GPU, and when a step fails.
 set -uo pipefail
