@@ -194,8 +194,11 @@ class Pool:
                                    triaxial=self.kv.triaxial)  # fmt: skip
             else:
                 plan = gluon_decode.split_plan(q, self.kv, self.page_table, cfg)
+            # the merge as decode_attention launches it unless the tuning says: in the kernel at few splits
+            cfg.setdefault("FUSE", int(gluon_decode.merges_in_kernel(plan[0], fused_merge=OPTIONS.fused_merge)))
             out, self.last_kernel = gluon_decode.launch_decode(*args, **kw, cfg=cfg, plan=plan)
-            self.last_plan = f"splits {plan[0]} x {plan[1]} pages, {q.shape[0] * H * plan[0]} programs"
+            merged = ", merged in the kernel" if cfg["FUSE"] else ""
+            self.last_plan = f"splits {plan[0]} x {plan[1]} pages, {q.shape[0] * H * plan[0]} programs{merged}"
         else:
             fast = OPTIONS.fast_decoders(q.device) if fast is None else fast
             cfg = {**triton_decode.TUNING[self.layout.fmt], **(tuning or {})}

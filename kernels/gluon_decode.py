@@ -819,9 +819,9 @@ INT2_ARGS = ("P", "PAGE_BYTES", "K_OFF", "KS_OFF", "KZ_OFF", "V_OFF", "VS_OFF", 
 # allows with 4 (RES) or 16 (RES16) query heads per kv head (triton_common.resident_programs of the device's
 # compile, held by tests/kernels/test_gluon_decode.py: a tuning that changes warps, STAGES or maxnreg sets RES
 # too). FILLW: the warps of fill a wave costs in pick_plan (fp8 0: 3 programs an SM already saturate its reads).
-# FUSE: _gl_decode_kernel's FUSE (1: the splits merged by their last program instead of triton_common's merge
-# launch); off in every tuning until a device measures it beside the merge launch (performance log, kernels);
-# KernelOptions.fused_merge (KVSERVING_FUSED_MERGE=1) turns it on for decode_attention.
+# FUSE is not a tuning: decode_attention launches _gl_decode_kernel's FUSE 1 (the splits merged by their last
+# program instead of triton_common's merge launch) wherever KernelOptions.fused_merge holds (the default) and the
+# plan has at most FUSE_MAX_SPLITS splits.
 # LEAN: _gl_decode_kernel's LEAN (triaxial 1: 128 registers without spills, so 4 programs of 4 warps an SM at up to 8
 # query heads per kv head; 16 heads run uncapped, 202 registers, 2 programs; the other formats 0).
 GL_TUNING: dict[str, dict[str, int]] = {
@@ -829,6 +829,9 @@ GL_TUNING: dict[str, dict[str, int]] = {
     "int4": {"num_warps": 4, "PPW": 1, "PPSM": 16, "maxnreg": 128, "STAGES": 2, "RES": 4, "RES16": 2, "LEAN": 1},  # triaxial
     "fp8_e4m3": {"num_warps": 2, "PPW": 2, "PPSM": 16, "STAGES": 2, "maxnreg": 128, "RES": 6, "RES16": 5, "FILLW": 0},
 }
+# The last program merges the splits two at a time, one L2 round trip each: up to 8 splits that costs less than
+# the merge launch it replaces (the decode 1-6 % faster at 2-4 splits), past it more (13-43 % slower at 32-64).
+FUSE_MAX_SPLITS = 8
 # the min-length planner's splits: at least SPLIT_MIN_TOKENS tokens, unless that leaves fewer than SPLIT_MIN_FILL
 # programs per SM
 SPLIT_MIN_TOKENS = 1536
@@ -875,16 +878,23 @@ def decode_attention(
     sm_scale: float,
     num_int2_pages: torch.Tensor | None = None,
     pdl: bool = False,
-    fused_merge: bool = False,
+    fused_merge: bool = True,
 ) -> torch.Tensor:
     """Launch the Gluon decode (arguments checked by paged_ops; ``supported`` must hold) -> [B, Hq, D] in q.dtype:
     GL_TUNING's kernel on split_plan's splits; ``pdl``: it and the split merge with programmatic dependent launch;
-    ``fused_merge``: the splits merged in the kernel (FUSE 1) instead of by the merge launch."""
-    cfg = GL_TUNING[kv.layout.fmt] | ({"FUSE": 1} if fused_merge else {})
-    plan = split_plan(q, kv, page_table, cfg)
+    ``fused_merge``: the splits merged in the kernel (FUSE 1) where the plan has at most FUSE_MAX_SPLITS, else
+    (and always when off) by the merge launch."""
+    plan = split_plan(q, kv, page_table, GL_TUNING[kv.layout.fmt])
+    cfg = GL_TUNING[kv.layout.fmt] | {"FUSE": int(merges_in_kernel(plan[0], fused_merge=fused_merge))}
     out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages, cfg=cfg,
                            plan=plan, pdl=pdl)  # fmt: skip
     return out
+
+
+def merges_in_kernel(splits: int, *, fused_merge: bool) -> bool:
+    """Whether a launch of ``splits`` splits merges them in the kernel (FUSE 1): asked for (``fused_merge``, the
+    default of KernelOptions) and at most FUSE_MAX_SPLITS of them."""
+    return fused_merge and splits <= FUSE_MAX_SPLITS
 
 
 def min_length_plan(q: torch.Tensor, kv: PagedKV, page_table: torch.Tensor, cfg: dict[str, int]) -> tuple[int, int]:

@@ -24,9 +24,9 @@ KVSERVING_PDL=0             pdl             the decode step's kernels launch wit
 KVSERVING_BF16_GEMV=0       bf16_gemv       a bf16 model's projections at 1-64 tokens run cuBLAS
                                             instead of the Triton GEMV (1-2) and block GEMM
                                             (3-64; ``worker.model.product``; unset: Triton)
-KVSERVING_FUSED_MERGE=1     fused_merge     the Gluon decode merges its splits in the kernel
-                                            (``gluon_decode``'s FUSE) instead of a launch of
-                                            their own (unset: the launch, until measured)
+KVSERVING_FUSED_MERGE=0     fused_merge     the Gluon decode's splits merged by a launch of
+                                            their own (unset: in the kernel, ``gluon_decode``'s
+                                            FUSE, where the plan has at most 8 splits)
 TRITON_INTERPRET=1          interpret       kernels run in Triton's interpreter (no assembly)
 ==========================  ==============  ===================================================
 """
@@ -55,7 +55,7 @@ class KernelOptions:
     triton_fast: bool | None = None  # None: inline-assembly decoders on a real GPU
     pdl: bool = True  # programmatic dependent launch where the device has it (``overlaps``)
     bf16_gemv: bool = True  # bf16 products at 1-64 tokens through the Triton kernels (``worker.model.product``)
-    fused_merge: bool = False  # the Gluon decode's splits merged by their last program (``gluon_decode``'s FUSE)
+    fused_merge: bool = True  # the Gluon decode's splits merged by their last program (``gluon_decode``'s FUSE)
     interpret: bool = False
 
     def __post_init__(self) -> None:
@@ -84,7 +84,7 @@ class KernelOptions:
         gemv = env.get("KVSERVING_BF16_GEMV") or "1"
         if gemv not in ("0", "1"):
             raise ValueError(f"KVSERVING_BF16_GEMV={gemv!r}; expected 0 or 1 (or unset)")
-        fused = env.get("KVSERVING_FUSED_MERGE") or "0"
+        fused = env.get("KVSERVING_FUSED_MERGE") or "1"
         if fused not in ("0", "1"):
             raise ValueError(f"KVSERVING_FUSED_MERGE={fused!r}; expected 0 or 1 (or unset)")
         return cls(

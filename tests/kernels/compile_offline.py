@@ -136,11 +136,13 @@ def _gluon_decode() -> None:
 
     cvt = choose((SM // 10, SM % 10)).e2m1 == "cvt"  # nvfp4 unpacked as that GPU's launch unpacks it
 
-    # every format as launched, and nvfp4 / triaxial launched with programmatic dependent launch ("-pdl")
-    for fmt, pdl in (("nvfp4", 0), ("int4", 0), ("triaxial", 0), ("fp8_e4m3", 0), ("nvfp4", 1), ("triaxial", 1)):
-        name = f"gluon-{fmt}{'-pdl' if pdl else ''}:_gl_decode_kernel"
+    # every format as launched with its split merge launch, nvfp4 / triaxial with programmatic dependent launch
+    # ("-pdl"), and the engine's launch at few splits: with PDL, the splits merged in the kernel ("-pdl-fuse")
+    cases = [(f, 0, 0) for f in ("nvfp4", "int4", "triaxial", "fp8_e4m3")] + [("nvfp4", 1, 0), ("triaxial", 1, 0)]
+    for fmt, pdl, fuse in cases + [(f, 1, 1) for f in ("nvfp4", "triaxial", "fp8_e4m3")]:
+        name = f"gluon-{fmt}{'-pdl' if pdl else ''}{'-fuse' if fuse else ''}:_gl_decode_kernel"
         cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
-        sig, const = gluon_decode.compile_report_args(fmt, heads=4, e2m1_cvt=cvt)
+        sig, const = gluon_decode.compile_report_args(fmt, heads=4, e2m1_cvt=cvt, fuse=bool(fuse))
         const["LEAN"], const["PDL"] = cfg.get("LEAN", 0), pdl
         warps = const.pop("num_warps")
         try:
@@ -149,7 +151,8 @@ def _gluon_decode() -> None:
             RESULTS[name] = {"ok": True, "shared": r["shared"], "local": r["local"], "stack": r["stack"],
                              "e2m1_cvt": const["E2M1_CVT"], "regs": r["regs"],
                              "e2m1_sass": sum(n for op, n in r["ops"].items() if "E2M1" in op),
-                             "griddep_wait": r["ops"].get("ACQBULK", 0)}  # fmt: skip
+                             "griddep_wait": r["ops"].get("ACQBULK", 0),
+                             "atomics": sum(n for op, n in r["ops"].items() if op.startswith(("ATOM", "RED")))}  # fmt: skip
         except Exception as exc:  # noqa: BLE001 -- reported per kernel
             RESULTS[name] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[-400:]}"}
 

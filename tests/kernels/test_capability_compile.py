@@ -70,6 +70,7 @@ def _expected(sm: int) -> set[str]:
         names.add("nvfp4-cvt:_decode_kernel")
     if row.decode == "gluon":
         names |= {f"gluon-{fmt}:_gl_decode_kernel" for fmt in ("nvfp4", "int4", "triaxial", "fp8_e4m3", "nvfp4-pdl", "triaxial-pdl")}
+        names |= {f"gluon-{fmt}-pdl-fuse:_gl_decode_kernel" for fmt in ("nvfp4", "triaxial", "fp8_e4m3")}
     return names
 
 
@@ -98,6 +99,14 @@ def test_every_dispatchable_kernel_compiles_for_blackwell_within_its_shared_memo
         plain, pdl = got[f"gluon-{fmt}:_gl_decode_kernel"], got[f"gluon-{fmt}-pdl:_gl_decode_kernel"]
         assert (plain["griddep_wait"], pdl["griddep_wait"]) == (0, 1), fmt
         assert (pdl["regs"], pdl["stack"], pdl["local"]) == (plain["regs"], plain["stack"], plain["local"]), fmt
+    # the splits merged in the kernel (the engine's launch at few splits): one arrival atomic more, the merge
+    # launch's kernels none; triaxial still in 128 registers with no stack (4 programs an SM)
+    for fmt in ("nvfp4", "triaxial", "fp8_e4m3"):
+        fused = got[f"gluon-{fmt}-pdl-fuse:_gl_decode_kernel"]
+        assert fused["atomics"] >= 1 and fused["griddep_wait"] == 1, (fmt, fused)
+        assert got[f"gluon-{fmt}:_gl_decode_kernel"]["atomics"] == 0, fmt
+    tri_fused = got["gluon-triaxial-pdl-fuse:_gl_decode_kernel"]
+    assert tri_fused["stack"] == 0 and tri_fused["regs"] <= 128, tri_fused
 
 
 # compiled in a child process each: LLVM aborts the process on an instruction the target lacks

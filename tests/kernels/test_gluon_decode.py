@@ -126,25 +126,30 @@ def test_gluon_decode_with_the_fused_merge_compiles_without_spills_and_keeps_its
     assert resident_programs(regs=fused["regs"], warps=fused["warps"], shared=fused["shared"]) == cfg["RES"], fused
 
 
-def test_the_fused_merge_option_reaches_the_gluon_launch_without_changing_the_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
-    # KernelOptions.fused_merge (KVSERVING_FUSED_MERGE=1) launches FUSE 1 through paged_ops; unset, the tuning's 0
+def test_the_splits_merge_in_the_kernel_up_to_eight_splits_unless_the_option_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    # KernelOptions.fused_merge (default; KVSERVING_FUSED_MERGE=0 turns it off) launches FUSE 1 through paged_ops
+    # where the plan has at most FUSE_MAX_SPLITS splits; past that, or off, the merge launch (FUSE 0)
     from test_triton_paged import _filled_pool
 
     pool, filled, scale = _filled_pool("nvfp4", [40, 7], d=128, h=2, p=16)
     kv = pool.kv(scale, scale)
     q = torch.randn(2, 8, 128)
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []
 
-    def launch(q: torch.Tensor, *_: Any, cfg: dict[str, int], **__: Any) -> tuple[torch.Tensor, None]:
-        seen.append(cfg.get("FUSE", 0))
+    def launch(q: torch.Tensor, *_: Any, cfg: dict[str, int], plan: tuple[int, int], **__: Any) -> tuple[torch.Tensor, None]:
+        seen.append((plan[0], cfg["FUSE"]))
         return torch.zeros_like(q), None
 
     monkeypatch.setattr(gluon_decode, "launch_decode", launch)
     monkeypatch.setattr(paged_ops, "decode_kernel", lambda *_, **__: "gluon")
-    for opts in (KernelOptions(), KernelOptions(fused_merge=True), KernelOptions.from_env({"KVSERVING_FUSED_MERGE": "1"})):
-        paged_ops.decode_attention(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1, options=opts)
-    assert seen == [0, 1, 1]
-    assert "FUSE" not in gluon_decode.GL_TUNING["nvfp4"]
+    assert gluon_decode.FUSE_MAX_SPLITS == 8
+    off = KernelOptions.from_env({"KVSERVING_FUSED_MERGE": "0"})
+    for splits in (1, 8, 9, 32):
+        monkeypatch.setattr(gluon_decode, "split_plan", lambda *_, n=splits: (n, 2))
+        for opts in (KernelOptions(), KernelOptions.from_env({}), off):
+            paged_ops.decode_attention(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1, options=opts)
+    assert seen == [(1, 1), (1, 1), (1, 0), (8, 1), (8, 1), (8, 0), (9, 0), (9, 0), (9, 0), (32, 0), (32, 0), (32, 0)]
+    assert all("FUSE" not in cfg for cfg in gluon_decode.GL_TUNING.values())
 
 
 def test_an_outgrown_arrival_counter_buffer_stays_allocated_for_the_graphs_captured_on_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -265,8 +265,8 @@ def test_kernel_options_read_the_environment_once_and_refuse_bad_values() -> Non
     assert KernelOptions().bf16_gemv and KernelOptions.from_env({"KVSERVING_BF16_GEMV": "0"}) == KernelOptions(bf16_gemv=False)
     with pytest.raises(ValueError, match="KVSERVING_BF16_GEMV='on'"):
         KernelOptions.from_env({"KVSERVING_BF16_GEMV": "on"})
-    assert not KernelOptions().fused_merge
-    assert KernelOptions.from_env({"KVSERVING_FUSED_MERGE": "1"}) == KernelOptions(fused_merge=True)
+    assert KernelOptions().fused_merge and KernelOptions.from_env({"KVSERVING_FUSED_MERGE": "1"}) == KernelOptions()
+    assert KernelOptions.from_env({"KVSERVING_FUSED_MERGE": "0"}) == KernelOptions(fused_merge=False)
     with pytest.raises(ValueError, match="KVSERVING_FUSED_MERGE='yes'"):
         KernelOptions.from_env({"KVSERVING_FUSED_MERGE": "yes"})
     gpu = torch.device("cuda")
