@@ -15,8 +15,8 @@ online softmax over its own pages (NT = pages-per-warp x page-size tokens per
 step) and the warps merge by log-sum-exp at the end. The splits of a (sequence, kv head) merge in the kernel
 with ``FUSE`` 1: each program counts itself in on that pair's arrival counter after storing its partial rows,
 and the last to arrive merges them (``_gl_merge``) and resets the counter, which saves the launch and the round
-trip of ``triton_common._merge_kernel``; with ``FUSE`` 0 (every tuning's, until measured on a device) that launch
-merges them. A step's bytes are staged by ``cp.async`` in
+trip of ``triton_common._merge_kernel``; with ``FUSE`` 0 (plans of more than FUSE_MAX_SPLITS splits, or
+``KernelOptions.fused_merge`` off) that launch merges them. A step's bytes are staged by ``cp.async`` in
 a shared-memory ring one step ahead (``STAGES``; each thread copies the bytes
 it later reads, in the layouts below), so the next step's loads are in flight
 while this one unpacks. A copy's address is its page's pointer plus a
