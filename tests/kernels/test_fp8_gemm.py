@@ -351,6 +351,16 @@ def test_bf16_tile_config_takes_one_row_tile_and_splits_k_to_one_program_an_sm()
     }
 
 
+def test_the_l2_prefetch_shares_its_bytes_among_the_launchs_weight_rows_in_bulk_units() -> None:
+    from kvserving.kernels.triton_fp8_gemm import L2_PREFETCH_BYTES, prefetch_row_bytes
+
+    assert L2_PREFETCH_BYTES == 16 << 20
+    # Qwen3-8B at 64 tokens: o (64 column tiles x 2 splits), gate_up (384 tiles); the GEMV at 1 token (qkv: 96 x 8 rows)
+    assert prefetch_row_bytes(128, 64) == 2048 and prefetch_row_bytes(384, 64) == 672 and prefetch_row_bytes(768, 8) == 2720
+    assert prefetch_row_bytes(1 << 20, 64) == 0  # below one 16-byte unit a row: none
+    assert all(prefetch_row_bytes(p, 16) % 16 == 0 for p in range(1, 3000, 7))
+
+
 def test_bf16_launch_leaves_a_grid_that_idles_sms_to_cublas() -> None:
     """At 3-16 tokens the block GEMM takes o, gate_up and down of the Qwen3-8B shape (128, 384 and 128 programs) and
     leaves qkv (96 programs: 36 of 132 SMs idle) to cuBLAS."""
