@@ -17,7 +17,8 @@
 #   pdl), prefetch (the engine bench with KVSERVING_L2_PREFETCH=0, 1, 0, 1: the GEMMs' weight rows asked of L2 before
 #   their PDL wait, sections prefetch<P>_<i> of $OUT/engine_prefetch.json; ENGINE_ARGS as for pdl), all (=
 #   tests,bench), ncu (one decode launch per format named in the bench args, at 32x32768 or SHAPE=BxCONTEXT) or ncux
-#   (the extend launches of profile_extend.py's NCUX_ARGS, default 'nvfp4 tri fi': nvfp4, triaxial, FlashInfer bf16); NCU_METRICS=m1,m2 (ncu --metrics, regex: allowed) adds metrics to both.
+#   (the extend launches of profile_extend.py's NCUX_ARGS, default 'nvfp4 tri fi': nvfp4, triaxial, FlashInfer bf16);
+#   NCU_METRICS=m1,m2 (ncu --metrics, regex: allowed) adds metrics to both.
 #   TESTS=paths limits the gpu tests (default: every test file under tests/ that holds a gpu-marked test, so the tests
 #   step runs the whole gpu suite); the Python packages those files import beyond torch and triton come as wheels in
 #   .whl/ (docs/results.md, "Device machine": the list), installed with --target into /tmp/site and put on PYTHONPATH;
