@@ -884,8 +884,9 @@ def decode_attention(
     GL_TUNING's kernel on split_plan's splits; ``pdl``: it and the split merge with programmatic dependent launch;
     ``fused_merge``: the splits merged in the kernel (FUSE 1) where the plan has at most FUSE_MAX_SPLITS, else
     (and always when off) by the merge launch."""
-    plan = split_plan(q, kv, page_table, GL_TUNING[kv.layout.fmt])
-    cfg = GL_TUNING[kv.layout.fmt] | {"FUSE": int(merges_in_kernel(plan[0], fused_merge=fused_merge))}
+    tuning = GL_TUNING[kv.layout.fmt]
+    plan = split_plan(q, kv, page_table, tuning)
+    cfg = tuning | {"FUSE": int(merges_in_kernel(plan[0], fused_merge=fused_merge))}
     out, _ = launch_decode(q, kv, page_table, seq_lens, sm_scale=sm_scale, num_int2_pages=num_int2_pages, cfg=cfg,
                            plan=plan, pdl=pdl)  # fmt: skip
     return out
