@@ -435,6 +435,13 @@ def prefetch_row_bytes(programs: int, block_n: int) -> int:
     return L2_PREFETCH_BYTES // (programs * block_n) // 16 * 16
 
 
+def _ahead(w: Tensor, programs: int, block_n: int, *, pdl: bool) -> int:
+    """The launch's ``prefetch_bytes``: ``prefetch_row_bytes`` where ``triton_pdl.prefetches`` and the weight's
+    rows start on 16-byte boundaries (the bulk prefetch's alignment), else 0."""
+    aligned = w.data_ptr() % 16 == 0 and w.stride(0) * w.element_size() % 16 == 0
+    return prefetch_row_bytes(programs, block_n) if aligned and triton_pdl.prefetches(pdl, w.device) else 0
+
+
 def row_tile(m: int) -> int:
     """BLOCK_M of a decode-sized bf16 block GEMM: 16 up to 16 rows, 64 up to 64, else 128. No 32-row tile: on an
     H100 at 24-32 tokens it read the Qwen3-8B projections slower than a 64-row tile (qkv 32.5 against 24.9 us,
@@ -611,7 +618,7 @@ def _launch(a: Tensor, sa: Tensor, w: Tensor, sw: Tensor, t: Tiles, out: Tensor,
     # c: the output, or [S, M, N] fp32 partials that the second launch sums in split order
     c = out if t.split_k == 1 else torch.empty((t.split_k, m, n), dtype=torch.float32, device=a.device)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
-    ahead = prefetch_row_bytes(grid[0] * grid[1] * grid[2], t.block_n) if triton_pdl.prefetches(pdl, a.device) else 0
+    ahead = _ahead(w, grid[0] * grid[1] * grid[2], t.block_n, pdl=pdl)
     _block_gemm_kernel[grid](
         a, sa, w, sw, c, m, n, k,
         a.stride(0), sa.stride(0) if scaled and not a16 else 0, w.stride(0), sw.stride(0) if scaled else 0, c.stride(-2),
@@ -734,7 +741,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, *, out_dtype: torch.dt
     c = out if g.split_k == 1 else torch.empty((g.split_k, m, n), dtype=torch.float32, device=x.device)
     on = triton_pdl.resolve(pdl, x.device)
     grid = (triton.cdiv(n, g.block_n), g.split_k)
-    ahead = prefetch_row_bytes(grid[0] * grid[1], g.block_n) if triton_pdl.prefetches(on, x.device) else 0
+    ahead = _ahead(weight, grid[0] * grid[1], g.block_n, pdl=on)
     _gemv_kernel[grid](
         x, weight, sw, c, n, k, x.stride(0), weight.stride(0), sw.stride(0), c.stride(-2), c.stride(0) if g.split_k > 1 else 0,
         ahead, ROWS=m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, STAGES=g.stages, SCALED=scaled,
