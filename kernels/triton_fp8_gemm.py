@@ -32,6 +32,9 @@ The same kernel multiplies by a bf16 weight (``gemv(x, weight, None)``: no scale
 M <= 2 (``worker.model.product``) instead of cuBLAS. On an H100 at M = 1 it reads the Qwen3-8B projections at 79-96 %
 of the streaming read where cuBLAS reads 64-89 % (one layer 135 us against 148).
 
+Launched with PDL, both kernels may ask L2 for their first weight bytes before their wait (``KernelOptions.l2_prefetch``,
+``prefetch_row_bytes``; triton_pdl says why that is safe).
+
 ``launch_config(m, n, k)`` is the dispatch: a ``Gemv`` (``gemv_config``) or a ``Tiles``
 (``tile_config``). ``tiles_override`` launches every GEMM inside it with a given
 ``Tiles`` or ``Gemv`` (benches time candidate shapes and the other kernel through it).
