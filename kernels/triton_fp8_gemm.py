@@ -32,8 +32,8 @@ The same kernel multiplies by a bf16 weight (``gemv(x, weight, None)``: no scale
 M <= 2 (``worker.model.product``) instead of cuBLAS. On an H100 at M = 1 it reads the Qwen3-8B projections at 79-96 %
 of the streaming read where cuBLAS reads 64-89 % (one layer 135 us against 148).
 
-Launched with PDL, both kernels may ask L2 for their first weight bytes before their wait (``KernelOptions.l2_prefetch``,
-``prefetch_row_bytes``; triton_pdl says why that is safe).
+Launched with PDL, both kernels may ask L2 for their first weight bytes before their wait
+(``KernelOptions.l2_prefetch``, ``prefetch_row_bytes``; triton_pdl says why that is safe).
 
 ``launch_config(m, n, k)`` is the dispatch: a ``Gemv`` (``gemv_config``) or a ``Tiles``
 (``tile_config``). ``tiles_override`` launches every GEMM inside it with a given
@@ -107,7 +107,8 @@ def _block_gemm_kernel(
     triton_pdl.start(PDL)
     if PREFETCH:  # the weights are no kernel's output: their first bytes stream while the kernel before drains
         first = pid_k * per_split
-        run = (tl.minimum(steps, first + per_split) - first) * BLOCK_K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        elem = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # bytes a weight value
+        run = (tl.minimum(steps, first + per_split) - first) * BLOCK_K * elem
         if run > 0:
             rows_w = w_ptr + tl.minimum(cols, n - 1).to(tl.int64) * stride_wn + first * BLOCK_K  # [BLOCK_N]
             triton_pdl.prefetch_l2(rows_w, tl.zeros([BLOCK_N], tl.int32) + tl.minimum(prefetch_bytes, run))
@@ -217,7 +218,8 @@ def _gemv_kernel(
     first = pid_k * per_split
     triton_pdl.start(PDL)
     if PREFETCH:  # the weights are no kernel's output: the bytes after the first step stream before the wait too
-        rest = (tl.minimum(steps, first + per_split) - first - 1) * BLOCK_K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        elem = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # bytes a weight value
+        rest = (tl.minimum(steps, first + per_split) - first - 1) * BLOCK_K * elem
         if rest > 0:
             rows_w = w_ptr + tl.minimum(rows, n - 1).to(tl.int64) * stride_wn + (first + 1) * BLOCK_K  # [BLOCK_N]
             triton_pdl.prefetch_l2(rows_w, tl.zeros([BLOCK_N], tl.int32) + tl.minimum(prefetch_bytes, rest))
