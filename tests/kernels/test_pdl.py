@@ -10,6 +10,7 @@ every output with the plain launch bit for bit.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 import os
 import subprocess
 import sys
@@ -276,6 +277,25 @@ def test_gpu_write_and_decode_with_pdl_equal_plain_in_a_replayed_graph(fmt: str)
         assert torch.equal(pools[1].buffer, pools[0].buffer)
 
 
+def _assert_replays_equal_plain(run: Callable[[torch.Tensor, bool], torch.Tensor], a: torch.Tensor, xs: list[torch.Tensor]) -> None:
+    """``run(x @ a, True)`` (with PDL) captured in a CUDA graph after the GEMM that makes its input, then replayed
+    with each x of ``xs``: equal bit for bit to ``run(x @ a, False)`` each time (an early read would see the last
+    replay's input)."""
+    sx = xs[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(sx @ a, True)  # compile before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(sx @ a, True)
+    for x in xs:
+        sx.copy_(x)
+        graph.replay()
+        assert torch.equal(out, run(x @ a, False))
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 2])
@@ -289,19 +309,7 @@ def test_gpu_fp8_gemv_with_pdl_equals_plain_after_a_gemm_in_a_replayed_graph(m: 
     codes, scale = fp8_gemm.quantize_blocks(torch.randn(4096, 4096, generator=g, device="cuda"))
     a = (torch.randn(4096, 4096, generator=g, device="cuda") * 0.02).bfloat16()
     xs = [torch.randn(m, 4096, generator=g, device="cuda").bfloat16() for _ in range(3)]
-    sx = xs[0].clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        triton_fp8_gemm.gemv(sx @ a, codes, scale, pdl=True)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = triton_fp8_gemm.gemv(sx @ a, codes, scale, pdl=True)
-    for x in xs:
-        sx.copy_(x)
-        graph.replay()
-        assert torch.equal(out, triton_fp8_gemm.gemv(x @ a, codes, scale, pdl=False))
+    _assert_replays_equal_plain(lambda x, pdl: triton_fp8_gemm.gemv(x, codes, scale, pdl=pdl), a, xs)
 
 
 @pytest.mark.gpu
@@ -324,19 +332,7 @@ def test_gpu_fp8_quantizer_and_block_gemm_with_pdl_equal_plain_after_a_gemm_in_a
         qa, sa = triton_fp8_gemm.quantize(x, group=triton_fp8_gemm.GROUP, pdl=pdl)
         return triton_fp8_gemm.block_gemm(qa, sa, codes, scale, pdl=pdl)
 
-    sx = xs[0].clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        quantized(sx @ a, True)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = quantized(sx @ a, True)
-    for x in xs:
-        sx.copy_(x)
-        graph.replay()
-        assert torch.equal(out, quantized(x @ a, False))
+    _assert_replays_equal_plain(quantized, a, xs)
 
 
 @pytest.mark.gpu
@@ -371,16 +367,4 @@ def test_gpu_gemms_that_prefetch_their_weights_equal_plain_after_a_gemm_in_a_rep
 
     monkeypatch.setattr(triton_pdl, "_env_prefetches", lambda device: True)
     assert triton_pdl.prefetches(True, torch.device("cuda")) and not triton_pdl.prefetches(False, torch.device("cuda"))
-    sx = xs[0].clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        product(sx @ a, True)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = product(sx @ a, True)
-    for x in xs:
-        sx.copy_(x)
-        graph.replay()
-        assert torch.equal(out, product(x @ a, False))
+    _assert_replays_equal_plain(product, a, xs)
