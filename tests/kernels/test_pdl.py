@@ -10,10 +10,10 @@ every output with the plain launch bit for bit.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
