@@ -111,7 +111,7 @@ def _block_gemm_kernel(
         run = (tl.minimum(steps, first + per_split) - first) * BLOCK_K * elem
         if run > 0:
             rows_w = w_ptr + tl.minimum(cols, n - 1).to(tl.int64) * stride_wn + first * BLOCK_K  # [BLOCK_N]
-            triton_pdl.prefetch_l2(rows_w, tl.zeros([BLOCK_N], tl.int32) + tl.minimum(prefetch_bytes, run))
+            triton_pdl.prefetch_l2(rows_w, tl.minimum(prefetch_bytes, run))
     triton_pdl.wait(PDL)
     for kb in range(pid_k * per_split, tl.minimum(steps, (pid_k + 1) * per_split)):
         kk = kb * BLOCK_K + ks
@@ -222,7 +222,7 @@ def _gemv_kernel(
         rest = (tl.minimum(steps, first + per_split) - first - 1) * BLOCK_K * elem
         if rest > 0:
             rows_w = w_ptr + tl.minimum(rows, n - 1).to(tl.int64) * stride_wn + (first + 1) * BLOCK_K  # [BLOCK_N]
-            triton_pdl.prefetch_l2(rows_w, tl.zeros([BLOCK_N], tl.int32) + tl.minimum(prefetch_bytes, rest))
+            triton_pdl.prefetch_l2(rows_w, tl.minimum(prefetch_bytes, rest))
     for step in tl.range(first, tl.minimum(steps, (pid_k + 1) * per_split), num_stages=STAGES):
         kk = step * BLOCK_K + ks  # [BLOCK_K]
         w = tl.load(w_tile + step * BLOCK_K, mask=row_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
@@ -444,7 +444,7 @@ def _ahead(w: Tensor, programs: int, block_n: int, *, pdl: bool) -> int:
     """The launch's ``prefetch_bytes``: ``prefetch_row_bytes`` where ``triton_pdl.prefetches`` and the weight's
     rows start on 16-byte boundaries (the bulk prefetch's alignment), else 0."""
     aligned = w.data_ptr() % 16 == 0 and w.stride(0) * w.element_size() % 16 == 0
-    return prefetch_row_bytes(programs, block_n) if aligned and triton_pdl.prefetches(pdl, w.device) else 0
+    return prefetch_row_bytes(programs, block_n) if aligned and triton_pdl.prefetches(pdl) else 0
 
 
 def row_tile(m: int) -> int:

@@ -53,10 +53,11 @@ def wait(PDL: tl.constexpr):
 
 @triton.jit
 def prefetch_l2(ptr, nbytes):
-    """Ask L2 for ``nbytes`` (a multiple of 16) at each of ``ptr``'s 16-byte aligned addresses, holding no
-    registers (``cp.async.bulk.prefetch.L2``, sm_90 and later; not in the interpreter). The compiler issues one
-    bulk prefetch per distinct address of a warp, one after another."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [ptr, nbytes],
+    """Ask L2 for ``nbytes`` (an int32 scalar, a multiple of 16) at each of ``ptr``'s 16-byte aligned addresses,
+    holding no registers (``cp.async.bulk.prefetch.L2``, sm_90 and later; not in the interpreter). The compiler
+    issues one bulk prefetch per distinct address of a warp, one after another."""
+    sizes = tl.zeros(ptr.shape, tl.int32) + nbytes
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [ptr, sizes],
                               dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
@@ -71,15 +72,15 @@ def _env_overlaps(device: torch.device) -> bool:
 
 
 @functools.cache
-def _env_prefetches(device: torch.device) -> bool:
+def _env_prefetches() -> bool:
     return KernelOptions.from_env().l2_prefetch
 
 
-def prefetches(pdl: bool, device: torch.device) -> bool:
+def prefetches(pdl: bool) -> bool:
     """Whether a GEMM launched with ``pdl`` asks L2 for its first weight bytes before its wait: only with PDL (with
     none there is no wait to hide them behind) and where ``KernelOptions.l2_prefetch`` holds (the environment read
-    once per device)."""
-    return pdl and _env_prefetches(device)
+    once)."""
+    return pdl and _env_prefetches()
 
 
 def resolve(pdl: bool | None, device: torch.device) -> bool:

@@ -365,14 +365,14 @@ def test_a_launch_prefetches_only_with_pdl_when_asked_and_from_aligned_weight_ro
     from kvserving.kernels import triton_fp8_gemm, triton_pdl
 
     w = torch.zeros(256, 4096, dtype=torch.bfloat16)
-    monkeypatch.setattr(triton_pdl, "_env_prefetches", lambda device: True)
+    monkeypatch.setattr(triton_pdl, "_env_prefetches", lambda: True)
     assert triton_fp8_gemm._ahead(w, 128, 64, pdl=True) == 2048
     assert triton_fp8_gemm._ahead(w, 128, 64, pdl=False) == 0  # no wait to hide it behind
     assert triton_fp8_gemm._ahead(w[:, 1:], 128, 64, pdl=True) == 0  # rows start 2 bytes past a 16-byte boundary
     assert triton_fp8_gemm._ahead(w[:, 8:], 128, 64, pdl=True) == 2048  # 16 bytes in: still aligned
     odd = torch.zeros(256, 4100, dtype=torch.bfloat16)[:, :4096]  # row stride 8,200 bytes
     assert triton_fp8_gemm._ahead(odd, 128, 64, pdl=True) == 0
-    monkeypatch.setattr(triton_pdl, "_env_prefetches", lambda device: False)
+    monkeypatch.setattr(triton_pdl, "_env_prefetches", lambda: False)
     assert triton_fp8_gemm._ahead(w, 128, 64, pdl=True) == 0  # not asked for
 
 

@@ -95,7 +95,7 @@ for pdl in (False, True):
     qa, sa = triton_fp8_gemm.quantize(torch.randn(16, 4096, dtype=torch.bfloat16), group=128, pdl=pdl)
     triton_fp8_gemm.block_gemm(qa, sa, codes, scale, pdl=pdl)  # M 16 x N 1024: K split, summed
 # the GEMMs with PDL again, KVSERVING_L2_PREFETCH=1 (without PDL they compile as the plain launches above: prefetches)
-triton_pdl._env_prefetches = lambda device: True
+triton_pdl._env_prefetches = lambda: True
 label[0] = "prefetch"
 triton_fp8_gemm.gemv(torch.randn(2, 4096, dtype=torch.bfloat16), codes, scale, pdl=True)
 triton_fp8_gemm.bf16_gemm(torch.randn(64, 4096, dtype=torch.bfloat16), torch.randn(4096, 4096, dtype=torch.bfloat16), pdl=True)
@@ -128,13 +128,12 @@ def test_the_kernels_compile_for_sm90_with_griddepcontrol_only_when_launched_wit
 def test_the_gemms_prefetch_only_with_pdl_and_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvserving.kernels import triton_pdl
 
-    gpu = torch.device("cuda", 0)
     triton_pdl._env_prefetches.cache_clear()
     monkeypatch.setenv("KVSERVING_L2_PREFETCH", "1")
-    assert triton_pdl.prefetches(True, gpu) and not triton_pdl.prefetches(False, gpu)
+    assert triton_pdl.prefetches(True) and not triton_pdl.prefetches(False)
     triton_pdl._env_prefetches.cache_clear()
     monkeypatch.delenv("KVSERVING_L2_PREFETCH")
-    assert not triton_pdl.prefetches(True, gpu)  # off unless asked for
+    assert not triton_pdl.prefetches(True)  # off unless asked for
     triton_pdl._env_prefetches.cache_clear()
 
 
@@ -365,6 +364,6 @@ def test_gpu_gemms_that_prefetch_their_weights_equal_plain_after_a_gemm_in_a_rep
         qa, sa = triton_fp8_gemm.quantize(x, group=triton_fp8_gemm.GROUP, pdl=pdl)
         return triton_fp8_gemm.block_gemm(qa, sa, codes, scale, pdl=pdl)
 
-    monkeypatch.setattr(triton_pdl, "_env_prefetches", lambda device: True)
-    assert triton_pdl.prefetches(True, torch.device("cuda")) and not triton_pdl.prefetches(False, torch.device("cuda"))
+    monkeypatch.setattr(triton_pdl, "_env_prefetches", lambda: True)
+    assert triton_pdl.prefetches(True) and not triton_pdl.prefetches(False)
     _assert_replays_equal_plain(product, a, xs)
