@@ -49,7 +49,8 @@ def test_overlaps_needs_the_option_a_gpu_with_pdl_and_no_interpreter(monkeypatch
         KernelOptions.from_env({"KVSERVING_PDL": "yes"})
 
 
-# compiled for sm_90a without a GPU (offline_driver), TRITON_INTERPRET unset: each kernel PDL may launch, on and off
+# compiled without a GPU (offline_driver) for the target argv[2], TRITON_INTERPRET unset: each kernel PDL may
+# launch, with PDL and (sm_90 only: compile_offline.py compiles Blackwell's plain launches) without
 _COMPILE = r"""
 import json, sys
 import torch
@@ -70,9 +71,10 @@ def compile_offline(src, target=None, options=None, **kw):
         "prefetch": ptx.count("cp.async.bulk.prefetch.L2")}
     return NotLaunched()
 
-driver.set_active(OfflineDriver(90))
+sm = int(sys.argv[2])
+driver.set_active(OfflineDriver(sm))
 triton.compiler.compile = compile_offline
-for pdl in (False, True):
+for pdl in ((False, True) if sm == 90 else (True,)):
     label[0] = "pdl" if pdl else "plain"
     x = torch.randn(1, 4096, dtype=torch.bfloat16)
     w = torch.ones(4096, dtype=torch.bfloat16)
@@ -94,7 +96,7 @@ for pdl in (False, True):
     triton_fp8_gemm.gemv(torch.randn(2, 4096, dtype=torch.bfloat16), codes, scale, pdl=pdl)  # M 2: K split, summed
     qa, sa = triton_fp8_gemm.quantize(torch.randn(16, 4096, dtype=torch.bfloat16), group=128, pdl=pdl)
     triton_fp8_gemm.block_gemm(qa, sa, codes, scale, pdl=pdl)  # M 16 x N 1024: K split, summed
-# the GEMMs with PDL again, KVSERVING_L2_PREFETCH=1 (without PDL they compile as the plain launches above: prefetches)
+# the GEMMs with PDL again, KVSERVING_L2_PREFETCH=1 (a GEMM without PDL never prefetches: triton_pdl.prefetches)
 triton_pdl._env_prefetches = lambda: True
 label[0] = "prefetch"
 triton_fp8_gemm.gemv(torch.randn(2, 4096, dtype=torch.bfloat16), codes, scale, pdl=True)
@@ -109,9 +111,13 @@ KERNELS = {"_rms_norm_kernel": 1, "_silu_mul_kernel": 1, "_qk_norm_rope_kernel":
            "_block_gemm_kernel": 1}  # fmt: skip
 
 
-def test_the_kernels_compile_for_sm90_with_griddepcontrol_only_when_launched_with_pdl() -> None:
+@pytest.mark.parametrize("sm", [90, 100, 120])
+def test_the_kernels_compile_with_griddepcontrol_only_when_launched_with_pdl(sm: int) -> None:
+    """sm_90 (Hopper) and sm_100a / sm_120a (Blackwell), whose capability rows launch with PDL too."""
+    assert choose((sm // 10, sm % 10)).pdl
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, str(HERE)], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", _COMPILE, str(HERE), str(sm)], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     for name, waits in KERNELS.items():
@@ -119,7 +125,8 @@ def test_the_kernels_compile_for_sm90_with_griddepcontrol_only_when_launched_wit
         # L2 prefetch unless KVSERVING_L2_PREFETCH asks for it
         want = {"launch_pdl": True, "wait": waits, "launch": 1, "prefetch": 0}
         assert got[f"pdl:{name}"] == want, (name, got[f"pdl:{name}"])
-        assert got[f"plain:{name}"] == {"launch_pdl": False, "wait": 0, "launch": 0, "prefetch": 0}, (name, got[f"plain:{name}"])
+        if sm == 90:
+            assert got[f"plain:{name}"] == {"launch_pdl": False, "wait": 0, "launch": 0, "prefetch": 0}, (name, got[f"plain:{name}"])
     # asked for, the GEMMs launched with PDL prefetch their weight rows (one bulk prefetch in the code)
     for name, waits in (("_gemv_kernel", 2), ("_block_gemm_kernel", 1)):
         assert got[f"prefetch:{name}"] == {"launch_pdl": True, "wait": waits, "launch": 1, "prefetch": 1}, name
