@@ -14,11 +14,9 @@
 #   $OUT/engine_layout.json; LAYOUT_ARGS, default '--quick --no-breakdown --speed-kv-gib 40 --formats
 #   nvfp4,triaxial'), merge (the engine bench with KVSERVING_FUSED_MERGE=0, 1, 0, 1: the Gluon decode's splits merged
 #   by a launch of their own or in the kernel, sections merge<M>_<i> of $OUT/engine_merge.json; ENGINE_ARGS as for
-#   pdl), prefetch (the engine bench with KVSERVING_L2_PREFETCH=0, 1, 0, 1: the GEMMs' weight rows asked of L2 before
-#   their PDL wait, sections prefetch<P>_<i> of $OUT/engine_prefetch.json; ENGINE_ARGS as for pdl), all (=
-#   tests,bench), ncu (one decode launch per format named in the bench args, at 32x32768 or SHAPE=BxCONTEXT) or ncux
-#   (the extend launches of profile_extend.py's NCUX_ARGS, default 'nvfp4 tri fi': nvfp4, triaxial, FlashInfer bf16);
-#   NCU_METRICS=m1,m2 (ncu --metrics, regex: allowed) adds metrics to both.
+#   pdl), all (= tests,bench), ncu (one decode launch per format named in the bench args, at 32x32768 or
+#   SHAPE=BxCONTEXT) or ncux (the extend launches of profile_extend.py's NCUX_ARGS, default 'nvfp4 tri fi': nvfp4,
+#   triaxial, FlashInfer bf16); NCU_METRICS=m1,m2 (ncu --metrics, regex: allowed) adds metrics to both.
 #   TESTS=paths limits the gpu tests (default: every test file under tests/ that holds a gpu-marked test, so the tests
 #   step runs the whole gpu suite); the Python packages those files import beyond torch and triton come as wheels in
 #   .whl/ (docs/results.md, "Device machine": the list), installed with --target into /tmp/site and put on PYTHONPATH;
@@ -33,7 +31,7 @@ set -uo pipefail
 what=${1:-all}; shift || true
 [ "$what" = all ] && what=tests,bench
 for step in ${what//,/ }; do
-  case "$step" in tests|bench|extend|nixl|agents|pdl|merge|prefetch|gemv|layout|ncu|ncux) ;; *) echo "gpu_run.sh: error: unknown step '$step' (tests, bench, extend, nixl, agents, pdl, merge, prefetch, gemv, layout, all, ncu or ncux)" >&2; exit 2;; esac
+  case "$step" in tests|bench|extend|nixl|agents|pdl|merge|gemv|layout|ncu|ncux) ;; *) echo "gpu_run.sh: error: unknown step '$step' (tests, bench, extend, nixl, agents, pdl, merge, gemv, layout, all, ncu or ncux)" >&2; exit 2;; esac
 done
 has() { [[ ",$what," == *",$1,"* ]]; }
 fail() { echo "gpu_run.sh: error: $*" >&2; exit 1; }
@@ -116,7 +114,6 @@ engine_ab() {  # the engine bench with environment variable $1 at 0 and 1, alter
 }
 if has pdl; then engine_ab KVSERVING_PDL pdl; fi  # programmatic dependent launch off and on
 if has merge; then engine_ab KVSERVING_FUSED_MERGE merge; fi  # the decode's split merge: its own launch or in the kernel
-if has prefetch; then engine_ab KVSERVING_L2_PREFETCH prefetch; fi  # the GEMMs' weights asked of L2 before their wait
 if has gemv; then  # bf16 weights at 1-16 tokens: cuBLAS against the Triton GEMV and block GEMM, per projection, then in the engine
   timeout ${T_GEMM:-240} python3 bench/fp8_gemm_gpu.py --tokens 1,2,8,16 --tiles 16x64w4s4k4 --gemv g8x2048w4s1k1 \
     --bf16-tiles 64w4s4k2,128w8s4k2 --out $OUT/fp8_gemm_gpu.json > $OUT/gemm.log 2>&1

@@ -27,9 +27,6 @@ KVSERVING_BF16_GEMV=0       bf16_gemv       a bf16 model's projections at 1-64 t
 KVSERVING_FUSED_MERGE=0     fused_merge     the Gluon decode's splits merged by a launch of
                                             their own (unset: in the kernel, ``gluon_decode``'s
                                             FUSE, where the plan has at most 8 splits)
-KVSERVING_L2_PREFETCH=1     l2_prefetch     the GEMMs launched with PDL ask L2 for their first
-                                            weight bytes before their wait (``triton_pdl``;
-                                            unset: they do not)
 TRITON_INTERPRET=1          interpret       kernels run in Triton's interpreter (no assembly)
 ==========================  ==============  ===================================================
 """
@@ -59,7 +56,6 @@ class KernelOptions:
     pdl: bool = True  # programmatic dependent launch where the device has it (``overlaps``)
     bf16_gemv: bool = True  # bf16 products at 1-64 tokens through the Triton kernels (``worker.model.product``)
     fused_merge: bool = True  # the Gluon decode's splits merged by their last program (``gluon_decode``'s FUSE)
-    l2_prefetch: bool = False  # PDL-launched GEMMs prefetch their first weight bytes into L2 before their wait
     interpret: bool = False
 
     def __post_init__(self) -> None:
@@ -91,9 +87,6 @@ class KernelOptions:
         fused = env.get("KVSERVING_FUSED_MERGE") or "1"
         if fused not in ("0", "1"):
             raise ValueError(f"KVSERVING_FUSED_MERGE={fused!r}; expected 0 or 1 (or unset)")
-        prefetch = env.get("KVSERVING_L2_PREFETCH") or "0"
-        if prefetch not in ("0", "1"):
-            raise ValueError(f"KVSERVING_L2_PREFETCH={prefetch!r}; expected 0 or 1 (or unset)")
         return cls(
             backend=backend,
             check_values=env.get("KVSERVING_CHECK_VALUES") == "1",
@@ -102,7 +95,6 @@ class KernelOptions:
             pdl=pdl == "1",
             bf16_gemv=gemv == "1",
             fused_merge=fused == "1",
-            l2_prefetch=prefetch == "1",
             interpret=env.get("TRITON_INTERPRET") == "1",
         )
 

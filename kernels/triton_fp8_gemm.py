@@ -32,9 +32,6 @@ The same kernel multiplies by a bf16 weight (``gemv(x, weight, None)``: no scale
 M <= 2 (``worker.model.product``) instead of cuBLAS. On an H100 at M = 1 it reads the Qwen3-8B projections at 79-96 %
 of the streaming read where cuBLAS reads 64-89 % (one layer 135 us against 148).
 
-Launched with PDL, both kernels may ask L2 for their first weight bytes before their wait
-(``KernelOptions.l2_prefetch``, ``prefetch_row_bytes``; triton_pdl says why that is safe).
-
 ``launch_config(m, n, k)`` is the dispatch: a ``Gemv`` (``gemv_config``) or a ``Tiles``
 (``tile_config``). ``tiles_override`` launches every GEMM inside it with a given
 ``Tiles`` or ``Gemv`` (benches time candidate shapes and the other kernel through it).
@@ -76,7 +73,6 @@ def _block_gemm_kernel(
     stride_swn,
     stride_cm,
     stride_cs,  # c's stride between K splits (unused at SPLIT_K 1)
-    prefetch_bytes,  # bytes of each weight row's K run asked of L2 before the PDL wait (a multiple of 16; PREFETCH)
     BLOCK_M: tl.constexpr,  # output rows per program (>= 16: the dot's smallest M)
     BLOCK_N: tl.constexpr,  # output columns per program, divides 128
     BLOCK_K: tl.constexpr,  # K per step: 128 (one scale group) when SCALED
@@ -87,7 +83,6 @@ def _block_gemm_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): wait before any access
     NATIVE: tl.constexpr,  # bf16 values enter the dot as they are; 0 in the interpreter, whose bf16 dot is wrong
     # (numpy has no bf16): they enter as fp32 there, where bf16 values and their products are exact
-    PREFETCH: tl.constexpr = 0,  # with PDL: the first prefetch_bytes of each weight row asked of L2 before the wait
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -105,13 +100,6 @@ def _block_gemm_kernel(
     steps = tl.cdiv(k, BLOCK_K)
     per_split = tl.cdiv(steps, SPLIT_K)
     triton_pdl.start(PDL)
-    if PREFETCH:  # the weights are no kernel's output: their first bytes stream while the kernel before drains
-        first = pid_k * per_split
-        elem = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # bytes a weight value
-        run = (tl.minimum(steps, first + per_split) - first) * BLOCK_K * elem
-        if run > 0:
-            rows_w = w_ptr + tl.minimum(cols, n - 1).to(tl.int64) * stride_wn + first * BLOCK_K  # [BLOCK_N]
-            triton_pdl.prefetch_l2(rows_w, tl.minimum(prefetch_bytes, run))
     triton_pdl.wait(PDL)
     for kb in range(pid_k * per_split, tl.minimum(steps, (pid_k + 1) * per_split)):
         kk = kb * BLOCK_K + ks
@@ -187,7 +175,6 @@ def _gemv_kernel(
     stride_swn,
     stride_cm,
     stride_cs,  # c's stride between K splits (unused at SPLIT_K 1)
-    prefetch_bytes,  # bytes of each weight row's K run past the first step asked of L2 before the PDL wait (PREFETCH)
     ROWS: tl.constexpr,  # M, 1..4: one fp32 accumulator [BLOCK_N, BLOCK_K / 16] per activation row
     BLOCK_N: tl.constexpr,  # weight rows per program, divides 128 (one tile scale per 128 columns of a step)
     BLOCK_K: tl.constexpr,  # weight columns per step, a multiple of 128 dividing K
@@ -198,7 +185,6 @@ def _gemv_kernel(
     GATED: tl.constexpr,  # x is [gate | up]: SwiGLU's silu_mul runs inside the product (one launch less a layer)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): the first step's weights are
     # loaded before the wait (no kernel of the step writes them), x after it
-    PREFETCH: tl.constexpr = 0,  # with PDL: prefetch_bytes of each weight row after the first step asked of L2 too
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -217,12 +203,6 @@ def _gemv_kernel(
     per_split = tl.cdiv(steps, SPLIT_K)
     first = pid_k * per_split
     triton_pdl.start(PDL)
-    if PREFETCH:  # the weights are no kernel's output: the bytes after the first step stream before the wait too
-        elem = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # bytes a weight value
-        rest = (tl.minimum(steps, first + per_split) - first - 1) * BLOCK_K * elem
-        if rest > 0:
-            rows_w = w_ptr + tl.minimum(rows, n - 1).to(tl.int64) * stride_wn + (first + 1) * BLOCK_K  # [BLOCK_N]
-            triton_pdl.prefetch_l2(rows_w, tl.minimum(prefetch_bytes, rest))
     for step in tl.range(first, tl.minimum(steps, (pid_k + 1) * per_split), num_stages=STAGES):
         kk = step * BLOCK_K + ks  # [BLOCK_K]
         w = tl.load(w_tile + step * BLOCK_K, mask=row_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
@@ -428,25 +408,6 @@ def tile_config(m: int, n: int, k: int) -> Tiles:
 BF16_PROGRAMS = 132
 
 
-# Weight bytes a GEMM launched with PDL asks L2 for before its wait, over all its programs (where
-# KernelOptions.l2_prefetch holds): a third of the H100's and H200's 50 MB L2, so the rows are still there when the
-# programs that asked read them.
-L2_PREFETCH_BYTES = 16 << 20
-
-
-def prefetch_row_bytes(programs: int, block_n: int) -> int:
-    """Bytes of each of its BLOCK_N weight rows a program asks L2 for before its wait: L2_PREFETCH_BYTES shared by
-    the launch's ``programs``, a multiple of 16 (the bulk prefetch's unit; 0: none)."""
-    return L2_PREFETCH_BYTES // (programs * block_n) // 16 * 16
-
-
-def _ahead(w: Tensor, programs: int, block_n: int, *, pdl: bool) -> int:
-    """The launch's ``prefetch_bytes``: ``prefetch_row_bytes`` where ``triton_pdl.prefetches`` and the weight's
-    rows start on 16-byte boundaries (the bulk prefetch's alignment), else 0."""
-    aligned = w.data_ptr() % 16 == 0 and w.stride(0) * w.element_size() % 16 == 0
-    return prefetch_row_bytes(programs, block_n) if aligned and triton_pdl.prefetches(pdl) else 0
-
-
 def row_tile(m: int) -> int:
     """BLOCK_M of a decode-sized bf16 block GEMM: 16 up to 16 rows, 64 up to 64, else 128. No 32-row tile: on an
     H100 at 24-32 tokens it read the Qwen3-8B projections slower than a 64-row tile (qkv 32.5 against 24.9 us,
@@ -623,13 +584,12 @@ def _launch(a: Tensor, sa: Tensor, w: Tensor, sw: Tensor, t: Tiles, out: Tensor,
     # c: the output, or [S, M, N] fp32 partials that the second launch sums in split order
     c = out if t.split_k == 1 else torch.empty((t.split_k, m, n), dtype=torch.float32, device=a.device)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
-    ahead = _ahead(w, grid[0] * grid[1] * grid[2], t.block_n, pdl=pdl)
     _block_gemm_kernel[grid](
         a, sa, w, sw, c, m, n, k,
         a.stride(0), sa.stride(0) if scaled and not a16 else 0, w.stride(0), sw.stride(0) if scaled else 0, c.stride(-2),
-        c.stride(0) if t.split_k > 1 else 0, ahead,
+        c.stride(0) if t.split_k > 1 else 0,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, SCALED=scaled, A16=a16, PDL=pdl,
-        NATIVE=_native_dot(a.device), PREFETCH=int(ahead > 0), num_warps=t.warps, num_stages=t.stages,
+        NATIVE=_native_dot(a.device), num_warps=t.warps, num_stages=t.stages,
         **triton_pdl.launch_args(pdl),
     )  # fmt: skip
     if t.split_k > 1:
@@ -745,13 +705,10 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, *, out_dtype: torch.dt
     # c: the output, or [S, M, N] fp32 partials that the second launch sums in split order
     c = out if g.split_k == 1 else torch.empty((g.split_k, m, n), dtype=torch.float32, device=x.device)
     on = triton_pdl.resolve(pdl, x.device)
-    grid = (triton.cdiv(n, g.block_n), g.split_k)
-    ahead = _ahead(weight, grid[0] * grid[1], g.block_n, pdl=on)
-    _gemv_kernel[grid](
+    _gemv_kernel[(triton.cdiv(n, g.block_n), g.split_k)](
         x, weight, sw, c, n, k, x.stride(0), weight.stride(0), sw.stride(0), c.stride(-2), c.stride(0) if g.split_k > 1 else 0,
-        ahead, ROWS=m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, STAGES=g.stages, SCALED=scaled,
-        LANE=16 // weight.element_size(), GATED=gated, PDL=on, PREFETCH=int(ahead > 0), num_warps=g.warps,
-        **triton_pdl.launch_args(on),
+        ROWS=m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, STAGES=g.stages, SCALED=scaled, LANE=16 // weight.element_size(),
+        GATED=gated, PDL=on, num_warps=g.warps, **triton_pdl.launch_args(on),
     )  # fmt: skip
     if g.split_k > 1:
         _sum_splits(c, out, pdl=on)

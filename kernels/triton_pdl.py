@@ -15,13 +15,6 @@ ordered whichever kernels take part. ``KernelOptions.overlaps`` says when
     GEMM ──────────────┐ (cuBLAS)
           norm: launch, load w ─ wait ─ load x, reduce, store
                                      add_rms_norm ... (the next PDL kernel may launch here)
-
-A GEMM launched with PDL may also ask L2 for the first bytes of its weight rows
-before it waits (``prefetch_l2``, where ``KernelOptions.l2_prefetch`` holds):
-its programs land on SMs as the kernel before drains, and the weight bytes
-stream during that kernel's tail, when its own reads no longer fill the memory.
-A prefetch is a hint into L2, the point of coherence, so it cannot make a later
-read stale.
 """
 
 from __future__ import annotations
@@ -51,16 +44,6 @@ def wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-@triton.jit
-def prefetch_l2(ptr, nbytes):
-    """Ask L2 for ``nbytes`` (an int32 scalar, a multiple of 16) at each of ``ptr``'s 16-byte aligned addresses,
-    holding no registers (``cp.async.bulk.prefetch.L2``, sm_90 and later; not in the interpreter). The compiler
-    issues one bulk prefetch per distinct address of a warp, one after another."""
-    sizes = tl.zeros(ptr.shape, tl.int32) + nbytes
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [ptr, sizes],
-                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
 def launch_args(pdl: bool) -> dict[str, Any]:
     """The launch's keyword arguments: ``launch_pdl`` when on (none otherwise: the interpreter has no such option)."""
     return {"launch_pdl": True} if pdl else {}
@@ -69,18 +52,6 @@ def launch_args(pdl: bool) -> dict[str, Any]:
 @functools.cache
 def _env_overlaps(device: torch.device) -> bool:
     return KernelOptions.from_env().overlaps(device)
-
-
-@functools.cache
-def _env_prefetches() -> bool:
-    return KernelOptions.from_env().l2_prefetch
-
-
-def prefetches(pdl: bool) -> bool:
-    """Whether a GEMM launched with ``pdl`` asks L2 for its first weight bytes before its wait: only with PDL (with
-    none there is no wait to hide them behind) and where ``KernelOptions.l2_prefetch`` holds (the environment read
-    once)."""
-    return pdl and _env_prefetches()
 
 
 def resolve(pdl: bool | None, device: torch.device) -> bool:

@@ -690,8 +690,7 @@ def test_gpu_run_nixl_and_agents_steps_run_their_benches_and_fail_with_them(tmp_
     assert proc.stderr == f"gpu_run.sh: error: agents.py failed (exit 3, log in {out}/agents.log)\n"
 
 
-@pytest.mark.parametrize(("step", "var"), [("pdl", "KVSERVING_PDL"), ("gemv", "KVSERVING_BF16_GEMV"), ("merge", "KVSERVING_FUSED_MERGE"),
-                                           ("prefetch", "KVSERVING_L2_PREFETCH")])  # fmt: skip
+@pytest.mark.parametrize(("step", "var"), [("pdl", "KVSERVING_PDL"), ("gemv", "KVSERVING_BF16_GEMV"), ("merge", "KVSERVING_FUSED_MERGE")])
 def test_gpu_run_ab_steps_alternate_the_engine_bench_off_and_on_twice(tmp_path: Path, step: str, var: str) -> None:
     # the stand-in python3 prints the step's variable and its arguments; the second run with it on fails
     fake = f'echo "{var}=${var} python3 $*"; case "${var} $*" in "1 "*{step}1_2*) exit 4;; esac; exit 0'

@@ -9,7 +9,7 @@ fits the target's per-block limit (sm_120a has 99 KiB, not Hopper's 227), the
 Gluon decode spills nothing, and Blackwell's E2M1 conversion
 (cvt.rn.f16x2.e2m1x2) assembles in the tl decode and is in the Gluon decode's SASS. sm_90a is covered by the kernels' own tests
 (test_gluon_decode, test_gluon_extend, test_gluon_extend_tri). The launches with programmatic dependent launch,
-which Blackwell's rows take by default, and the GEMMs' L2 prefetch compile for all three targets in test_pdl.
+which Blackwell's rows take by default, compile for all three targets in test_pdl.
 
 The Gluon extend kernels are Hopper's (``wgmma``): the test holds that they
 do not compile for sm_100a / sm_120a, which is why the table runs the ``tl``

@@ -351,31 +351,6 @@ def test_bf16_tile_config_takes_one_row_tile_and_splits_k_to_one_program_an_sm()
     }
 
 
-def test_the_l2_prefetch_shares_its_bytes_among_the_launchs_weight_rows_in_bulk_units() -> None:
-    from kvserving.kernels.triton_fp8_gemm import L2_PREFETCH_BYTES, prefetch_row_bytes
-
-    assert L2_PREFETCH_BYTES == 16 << 20
-    # Qwen3-8B at 64 tokens: o (64 column tiles x 2 splits), gate_up (384 tiles); the GEMV at 1 token (qkv: 96 x 8 rows)
-    assert prefetch_row_bytes(128, 64) == 2048 and prefetch_row_bytes(384, 64) == 672 and prefetch_row_bytes(768, 8) == 2720
-    assert prefetch_row_bytes(1 << 20, 64) == 0  # below one 16-byte unit a row: none
-    assert all(prefetch_row_bytes(p, 16) % 16 == 0 for p in range(1, 3000, 7))
-
-
-def test_a_launch_prefetches_only_with_pdl_when_asked_and_from_aligned_weight_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvserving.kernels import triton_fp8_gemm, triton_pdl
-
-    w = torch.zeros(256, 4096, dtype=torch.bfloat16)
-    monkeypatch.setattr(triton_pdl, "_env_prefetches", lambda: True)
-    assert triton_fp8_gemm._ahead(w, 128, 64, pdl=True) == 2048
-    assert triton_fp8_gemm._ahead(w, 128, 64, pdl=False) == 0  # no wait to hide it behind
-    assert triton_fp8_gemm._ahead(w[:, 1:], 128, 64, pdl=True) == 0  # rows start 2 bytes past a 16-byte boundary
-    assert triton_fp8_gemm._ahead(w[:, 8:], 128, 64, pdl=True) == 2048  # 16 bytes in: still aligned
-    odd = torch.zeros(256, 4100, dtype=torch.bfloat16)[:, :4096]  # row stride 8,200 bytes
-    assert triton_fp8_gemm._ahead(odd, 128, 64, pdl=True) == 0
-    monkeypatch.setattr(triton_pdl, "_env_prefetches", lambda: False)
-    assert triton_fp8_gemm._ahead(w, 128, 64, pdl=True) == 0  # not asked for
-
-
 def test_bf16_launch_leaves_a_grid_that_idles_sms_to_cublas() -> None:
     """At 3-16 tokens the block GEMM takes o, gate_up and down of the Qwen3-8B shape (128, 384 and 128 programs) and
     leaves qkv (96 programs: 36 of 132 SMs idle) to cuBLAS."""

@@ -59,7 +59,7 @@ from triton.runtime import driver
 sys.path.insert(0, sys.argv[1])
 from offline_driver import NotLaunched, OfflineDriver
 from test_paged_ref import fill_sequences, make_pool
-from kvserving.kernels import fp8_gemm, triton_decode, triton_fp8_gemm, triton_norm, triton_pdl, triton_write
+from kvserving.kernels import fp8_gemm, triton_decode, triton_fp8_gemm, triton_norm, triton_write
 
 out, label, _compile = {}, ["?"], triton.compiler.compile
 
@@ -67,8 +67,7 @@ def compile_offline(src, target=None, options=None, **kw):
     kernel = _compile(src, target=target, options=options, **kw)
     ptx = kernel.asm["ptx"]
     out[f"{label[0]}:{src.fn.__name__}"] = {"launch_pdl": bool(kernel.metadata.launch_pdl),
-        "wait": ptx.count("griddepcontrol.wait"), "launch": ptx.count("griddepcontrol.launch_dependents"),
-        "prefetch": ptx.count("cp.async.bulk.prefetch.L2")}
+        "wait": ptx.count("griddepcontrol.wait"), "launch": ptx.count("griddepcontrol.launch_dependents")}
     return NotLaunched()
 
 sm = int(sys.argv[2])
@@ -96,11 +95,6 @@ for pdl in ((False, True) if sm == 90 else (True,)):
     triton_fp8_gemm.gemv(torch.randn(2, 4096, dtype=torch.bfloat16), codes, scale, pdl=pdl)  # M 2: K split, summed
     qa, sa = triton_fp8_gemm.quantize(torch.randn(16, 4096, dtype=torch.bfloat16), group=128, pdl=pdl)
     triton_fp8_gemm.block_gemm(qa, sa, codes, scale, pdl=pdl)  # M 16 x N 1024: K split, summed
-# the GEMMs with PDL again, KVSERVING_L2_PREFETCH=1 (a GEMM without PDL never prefetches: triton_pdl.prefetches)
-triton_pdl._env_prefetches = lambda: True
-label[0] = "prefetch"
-triton_fp8_gemm.gemv(torch.randn(2, 4096, dtype=torch.bfloat16), codes, scale, pdl=True)
-triton_fp8_gemm.bf16_gemm(torch.randn(64, 4096, dtype=torch.bfloat16), torch.randn(4096, 4096, dtype=torch.bfloat16), pdl=True)
 print(json.dumps(out))
 """
 
@@ -121,27 +115,10 @@ def test_the_kernels_compile_with_griddepcontrol_only_when_launched_with_pdl(sm:
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     for name, waits in KERNELS.items():
-        # the waits and one early launch of the next kernel a program, and the launch attribute, with PDL only; no
-        # L2 prefetch unless KVSERVING_L2_PREFETCH asks for it
-        want = {"launch_pdl": True, "wait": waits, "launch": 1, "prefetch": 0}
-        assert got[f"pdl:{name}"] == want, (name, got[f"pdl:{name}"])
+        # the waits and one early launch of the next kernel a program, and the launch attribute, with PDL only
+        assert got[f"pdl:{name}"] == {"launch_pdl": True, "wait": waits, "launch": 1}, (name, got[f"pdl:{name}"])
         if sm == 90:
-            assert got[f"plain:{name}"] == {"launch_pdl": False, "wait": 0, "launch": 0, "prefetch": 0}, (name, got[f"plain:{name}"])
-    # asked for, the GEMMs launched with PDL prefetch their weight rows (one bulk prefetch in the code)
-    for name, waits in (("_gemv_kernel", 2), ("_block_gemm_kernel", 1)):
-        assert got[f"prefetch:{name}"] == {"launch_pdl": True, "wait": waits, "launch": 1, "prefetch": 1}, name
-
-
-def test_the_gemms_prefetch_only_with_pdl_and_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvserving.kernels import triton_pdl
-
-    triton_pdl._env_prefetches.cache_clear()
-    monkeypatch.setenv("KVSERVING_L2_PREFETCH", "1")
-    assert triton_pdl.prefetches(True) and not triton_pdl.prefetches(False)
-    triton_pdl._env_prefetches.cache_clear()
-    monkeypatch.delenv("KVSERVING_L2_PREFETCH")
-    assert not triton_pdl.prefetches(True)  # off unless asked for
-    triton_pdl._env_prefetches.cache_clear()
+            assert got[f"plain:{name}"] == {"launch_pdl": False, "wait": 0, "launch": 0}, (name, got[f"plain:{name}"])
 
 
 # compiled for sm_90 in a child process: a compile in the test session can meet Triton objects the interpreter
@@ -339,38 +316,3 @@ def test_gpu_fp8_quantizer_and_block_gemm_with_pdl_equal_plain_after_a_gemm_in_a
         return triton_fp8_gemm.block_gemm(qa, sa, codes, scale, pdl=pdl)
 
     _assert_replays_equal_plain(quantized, a, xs)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize(("m", "n", "k", "weight"), [(1, 4096, 4096, "bf16"), (2, 4096, 4096, "fp8"), (64, 4096, 4096, "bf16"),
-                                                     (16, 4096, 12288, "bf16"), (16, 4096, 4096, "fp8")])  # fmt: skip
-def test_gpu_gemms_that_prefetch_their_weights_equal_plain_after_a_gemm_in_a_replayed_graph(
-    m: int, n: int, k: int, weight: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With KVSERVING_L2_PREFETCH the GEMV and the block GEMMs ask L2 for their weight rows before the wait (a hint,
-    no registers): in a graph replayed with new x they equal the plain launch bit for bit (o's and down's shapes
-    split K; the GEMV's rows past its first step, the block GEMM's from the first)."""
-    from kvserving.kernels import fp8_gemm, triton_fp8_gemm, triton_pdl
-
-    _pdl_gpu()
-    g = torch.Generator(device="cuda").manual_seed(m + k)
-    w = torch.randn(n, k, generator=g, device="cuda") * 0.02
-    codes, scale = fp8_gemm.quantize_blocks(w)
-    wb = w.bfloat16()
-    a = (torch.randn(4096, k, generator=g, device="cuda") * 0.02).bfloat16()
-    xs = [torch.randn(m, 4096, generator=g, device="cuda").bfloat16() for _ in range(3)]
-
-    def product(x: torch.Tensor, pdl: bool) -> torch.Tensor:
-        if weight == "bf16" and m <= 2:
-            return triton_fp8_gemm.gemv(x, wb, None, pdl=pdl)
-        if weight == "bf16":
-            return triton_fp8_gemm.bf16_gemm(x, wb, pdl=pdl)
-        if m <= 2:
-            return triton_fp8_gemm.gemv(x, codes, scale, pdl=pdl)
-        qa, sa = triton_fp8_gemm.quantize(x, group=triton_fp8_gemm.GROUP, pdl=pdl)
-        return triton_fp8_gemm.block_gemm(qa, sa, codes, scale, pdl=pdl)
-
-    monkeypatch.setattr(triton_pdl, "_env_prefetches", lambda: True)
-    assert triton_pdl.prefetches(True) and not triton_pdl.prefetches(False)
-    _assert_replays_equal_plain(product, a, xs)

@@ -269,10 +269,6 @@ def test_kernel_options_read_the_environment_once_and_refuse_bad_values() -> Non
     assert KernelOptions.from_env({"KVSERVING_FUSED_MERGE": "0"}) == KernelOptions(fused_merge=False)
     with pytest.raises(ValueError, match="KVSERVING_FUSED_MERGE='yes'"):
         KernelOptions.from_env({"KVSERVING_FUSED_MERGE": "yes"})
-    assert not KernelOptions().l2_prefetch and KernelOptions.from_env({"KVSERVING_L2_PREFETCH": "0"}) == KernelOptions()
-    assert KernelOptions.from_env({"KVSERVING_L2_PREFETCH": "1"}) == KernelOptions(l2_prefetch=True)
-    with pytest.raises(ValueError, match="KVSERVING_L2_PREFETCH='2'"):
-        KernelOptions.from_env({"KVSERVING_L2_PREFETCH": "2"})
     gpu = torch.device("cuda")
     assert KernelOptions().fast_decoders(gpu) and not KernelOptions(interpret=True).fast_decoders(gpu)
     assert not KernelOptions(triton_fast=False).fast_decoders(gpu) and KernelOptions(triton_fast=True).fast_decoders(torch.device("cpu"))
