@@ -209,12 +209,15 @@ class Card:
 
     name: str  # the profile's name
     label: str  # the card as the notes name it
-    engine: str  # bench/engine_gpu.py (section ``default``): decode rows, prefill_8k, eager overhead, pool
+    engine: str  # bench/engine_gpu.py (section ``engine_section``): decode rows, prefill_8k, eager overhead, pool
     extend: str  # bench/extend_gpu.py: the paged extend kernel per format
     agents: str  # bench/agents.py --gpu: the sweep the serving loop is fitted to
     held_out: bool  # the engine file has an ``iso`` section of peak rows to check the decode fit on
     reads: tuple[str, ...]  # bench/nixl_read_gpu.py results under docs/performance-log/data; () : the two-H200 rows
     borrowed: tuple[tuple[str, str], ...] = ()  # (note key, what is borrowed and why)
+    # the engine file's section: the engine as it ran the agent sweep (a later run of the engine bench may sit
+    # beside it under ``default``)
+    engine_section: str = "default"
 
 
 H200 = Card("gpu-h200", "H200", "engine_gpu_h200.json", "extend_gpu_h200.json", "agents_gpu_h200.json", True, ())
@@ -243,6 +246,7 @@ H100 = Card(
         ),
         ("borrowed_gateway_s", "docs/performance-log/gateway.md's figure, measured off the GPU"),
     ),
+    "sweep",
 )
 CARDS = {"h200": H200, "h100": H100}
 
@@ -276,7 +280,7 @@ class EngineFit:
 
 
 def fit_engine(card: Card) -> EngineFit:
-    engine = read_section(RESULTS / card.engine, "default")
+    engine = read_section(RESULTS / card.engine, card.engine_section)
     step, seq, ctx, dec_rows = fit_decode(engine)
     attn, ext_rows = fit_extend(_read(card.extend))
     if len(attn) < len(FORMATS):  # formats the card's extend bench did not run: the H200's (Card.borrowed)
@@ -353,7 +357,8 @@ def _source(card: Card) -> str:
             "pd_gpu_h200x2.json, sim_shared_gpu_h200.json; docs/performance-log/gateway.md (gateway_s)"
         )
     return (
-        f"bench/sim_costs_gpu.py --card {card.label.lower()} from bench/results/{card.engine}, {card.extend}, {card.agents}, "
+        f"bench/sim_costs_gpu.py --card {card.label.lower()} from bench/results/{card.engine} (section {card.engine_section}), "
+        f"{card.extend}, {card.agents}, "
         + ", ".join(f"docs/performance-log/data/{r}" for r in card.reads)
         + "; borrowed from the H200: extend_gpu_h200.json (bf16), pd_gpu_h200x2.json (request overheads), "
         "sim_shared_gpu_h200.json; docs/performance-log/gateway.md (gateway_s)"
