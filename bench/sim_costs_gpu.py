@@ -246,7 +246,7 @@ H100 = Card(
         ),
         ("borrowed_gateway_s", "docs/performance-log/gateway.md's figure, measured off the GPU"),
     ),
-    "sweep",
+    engine_section="sweep",
 )
 CARDS = {"h200": H200, "h100": H100}
 
