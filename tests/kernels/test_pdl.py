@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from kvserving.kernels.capability import choose
 from kvserving.kernels.options import KernelOptions
 
 HERE = Path(__file__).resolve().parent
+T = TypeVar("T")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -164,6 +166,20 @@ def _pdl_gpu() -> None:
         pytest.skip("the GPU has no programmatic dependent launch")
 
 
+def _captured(run: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``run()`` once on a side stream (its kernels compile outside the capture), then captured in a CUDA graph:
+    the graph and what the captured run returned (tensors each replay writes again)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
 def _layer(x: torch.Tensor, wts: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, *, pdl: bool) -> list[torch.Tensor]:
     """One decoder layer's non-attention chain as the model runs it (cuBLAS GEMMs between the fused kernels)."""
     from kvserving.kernels import triton_norm
@@ -196,14 +212,7 @@ def test_gpu_norm_kernels_with_pdl_equal_plain_eager_and_in_a_replayed_graph() -
         for a, b in zip(_layer(x, wts, cos, sin, pdl=True), _layer(x, wts, cos, sin, pdl=False), strict=True):
             assert torch.equal(a, b)
     sx, scos, ssin = (t.clone() for t in inputs[0])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _layer(sx, wts, scos, ssin, pdl=True)  # compile before capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = _layer(sx, wts, scos, ssin, pdl=True)
+    graph, outs = _captured(lambda: _layer(sx, wts, scos, ssin, pdl=True))
     for x, cos, sin in inputs[1:]:  # new inputs each replay: an early read would see the last replay's values
         sx.copy_(x), scos.copy_(cos), ssin.copy_(sin)
         graph.replay()
@@ -244,14 +253,7 @@ def test_gpu_write_and_decode_with_pdl_equal_plain_in_a_replayed_graph(fmt: str)
         return paged_ops.decode_attention(q, kv, filled.page_table.cuda(), seq, sm_scale=0.088, num_int2_pages=n2, options=opts)
 
     sk, sv, sq = (t.clone() for t in steps[0])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step(1, sk, sv, sq, over)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(1, sk, sv, sq, over)
+    graph, out = _captured(lambda: step(1, sk, sv, sq, over))
     for k, v, q in steps:
         sk.copy_(k), sv.copy_(v), sq.copy_(q)
         graph.replay()
@@ -265,14 +267,7 @@ def _assert_replays_equal_plain(run: Callable[[torch.Tensor, bool], torch.Tensor
     with each x of ``xs``: equal bit for bit to ``run(x @ a, False)`` each time (an early read would see the last
     replay's input)."""
     sx = xs[0].clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run(sx @ a, True)  # compile before capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(sx @ a, True)
+    graph, out = _captured(lambda: run(sx @ a, True))
     for x in xs:
         sx.copy_(x)
         graph.replay()
