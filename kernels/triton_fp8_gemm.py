@@ -715,12 +715,24 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, *, out_dtype: torch.dt
     return out
 
 
+# Rows at which the quantizer and the block GEMM launch with PDL: the 64-row tile's decode batches. The engine's
+# decode step with FP8 block weights on an H100 (TPOT ms, plain -> PDL; docs/performance-log/engine-gpu.md): fp8 KV
+# at 24 / 32 / 64 x 4K 7.36 -> 7.36, 8.00 -> 7.93, 11.73 -> 11.62, nvfp4 KV 6.52 -> 6.34, 6.90 -> 6.68, 9.29 ->
+# 9.09; at 16-row tiles PDL is slower (8 x 4K 5.38 -> 5.78 and 5.13 -> 5.83, 16 x 4K 6.19 -> 7.30 and 5.77 ->
+# 6.13), and above 64 rows too (96 / 128 x 4K +0.7-1.3 %, nvfp4 256 x 4K 24.9 -> 25.4).
+QUANTIZED_PDL_ROWS = range(17, 65)
+
+
+def quantized_pdl(m: int) -> bool:
+    """The quantizer and the block GEMM on M quantized rows may launch with PDL (``QUANTIZED_PDL_ROWS``)."""
+    return m in QUANTIZED_PDL_ROWS
+
+
 def linear(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """x [M, K] bf16 -> [M, N] ``out_dtype`` through the kernel ``launch_config`` (or ``tiles_override``) picks: the
     GEMV on x as it is, the block GEMM on x as it is (``a16`` tiles), or the per-128 quantizer and the block GEMM.
-    Every launch takes programmatic dependent launch where ``triton_pdl.resolve`` turns it on: the quantizer's and
-    the block GEMM's prologues then overlap the kernel before each (FP8 weights at 64 x 4K: a 0.7-7 % shorter
-    decode step on an H100)."""
+    The GEMV and the ``a16`` block GEMM take programmatic dependent launch where ``triton_pdl.resolve`` turns it
+    on; the quantizer and the block GEMM after it take it only at ``QUANTIZED_PDL_ROWS`` (``quantized_pdl``)."""
     if x.dim() != 2:
         raise ValueError(f"linear: x must be [M, K], got {tuple(x.shape)}")
     launch = _OVERRIDE.get() or launch_config(x.shape[0], codes.shape[0], x.shape[1])
@@ -728,6 +740,6 @@ def linear(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = 
         return gemv(x, codes, scale, out_dtype=out_dtype)
     if launch.a16:
         return block_gemm_a16(x, codes, scale, out_dtype=out_dtype)
-    pdl = triton_pdl.resolve(None, x.device)
+    pdl = quantized_pdl(x.shape[0]) and triton_pdl.resolve(None, x.device)
     qa, sa = quantize(x, group=GROUP, pdl=pdl)
     return block_gemm(qa, sa, codes, scale, out_dtype=out_dtype, pdl=pdl)

@@ -460,15 +460,20 @@ def test_linear_runs_the_dispatched_kernel_and_the_override_picks_the_other() ->
 
 
 @interpreter_only
-def test_linear_launches_the_quantizer_and_the_block_gemm_with_the_pdl_choice_of_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """M 5 (quantizer + block GEMM): both take ``triton_pdl.resolve``'s choice for x's device; the kernels run
-    plain here (the interpreter has no ``griddepcontrol``), so the output is the quantized reference either way."""
+@pytest.mark.parametrize("m", [5, 16, 17, 64, 65])
+def test_linear_launches_the_quantizer_and_the_block_gemm_with_pdl_at_17_to_64_rows_where_the_device_allows(
+    m: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Quantizer + block GEMM: both take ``triton_pdl.resolve``'s choice for x's device at 17-64 rows and launch
+    plain at any other M; the kernels run plain here (the interpreter has no ``griddepcontrol``), so the output is
+    the quantized reference either way."""
     from kvserving.kernels import triton_fp8_gemm, triton_pdl
 
     codes, scale = fp8_gemm.quantize_blocks(_weight(128, 2048, seed=3))
-    x = _acts(5, 2048, seed=5).to(torch.bfloat16)
+    x = _acts(m, 2048, seed=5).to(torch.bfloat16)
     spec = fp8_gemm.linear_quantized_ref(x, codes, scale, scheme="block").double()
     quantize, block_gemm = triton_fp8_gemm.quantize, triton_fp8_gemm.block_gemm
+    assert not triton_fp8_gemm.launch_config(m, 128, 2048).a16  # the quantized path at every M here
     for choice in (False, True):
         asked: list[tuple[str, bool]] = []
 
@@ -484,7 +489,8 @@ def test_linear_launches_the_quantizer_and_the_block_gemm_with_the_pdl_choice_of
         monkeypatch.setattr(triton_fp8_gemm, "quantize", quantize_rec)
         monkeypatch.setattr(triton_fp8_gemm, "block_gemm", block_gemm_rec)
         out = triton_fp8_gemm.linear(x, codes, scale, out_dtype=torch.float32).double()
-        assert asked == [("quantize", choice), ("block_gemm", choice)]
+        on = choice and 17 <= m <= 64
+        assert asked == [("quantize", on), ("block_gemm", on)]
         assert (out - spec).abs().max().item() <= 1e-5 * spec.abs().max().item()
 
 
