@@ -716,10 +716,10 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, *, out_dtype: torch.dt
 
 
 # Rows at which the quantizer and the block GEMM launch with PDL: the 64-row tile's decode batches. The engine's
-# decode step with FP8 block weights on an H100 (TPOT ms, plain -> PDL; docs/performance-log/engine-gpu.md): fp8 KV
-# at 24 / 32 / 64 x 4K 7.36 -> 7.36, 8.00 -> 7.93, 11.73 -> 11.62, nvfp4 KV 6.52 -> 6.34, 6.90 -> 6.68, 9.29 ->
-# 9.09; at 16-row tiles PDL is slower (8 x 4K 5.38 -> 5.78 and 5.13 -> 5.83, 16 x 4K 6.19 -> 7.30 and 5.77 ->
-# 6.13), and above 64 rows too (96 / 128 x 4K +0.7-1.3 %, nvfp4 256 x 4K 24.9 -> 25.4).
+# decode step with FP8 block weights on an H100 (TPOT ms, plain -> PDL; docs/results.md): fp8 KV at 24 / 32 / 64 x
+# 4K 7.36 -> 7.36, 8.00 -> 7.93, 11.73 -> 11.62, nvfp4 KV 6.52 -> 6.34, 6.90 -> 6.68, 9.29 -> 9.09; with 16-row
+# tiles PDL is slower (8 x 4K 5.38 -> 5.78 and 5.13 -> 5.83, 16 x 4K 6.19 -> 7.30 and 5.77 -> 6.13), and above 64
+# rows too (96 and 128 x 4K +0.8-1.4 %, nvfp4 256 x 4K 24.91 -> 25.38).
 QUANTIZED_PDL_ROWS = range(17, 65)
 
 
