@@ -715,24 +715,24 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, *, out_dtype: torch.dt
     return out
 
 
-# Rows at which the quantizer and the block GEMM launch with PDL: the 64-row tile's decode batches. The engine's
-# decode step with FP8 block weights on an H100 (TPOT ms, plain -> PDL; docs/results.md): fp8 KV at 24 / 32 / 64 x
-# 4K 7.36 -> 7.36, 8.00 -> 7.93, 11.73 -> 11.62, nvfp4 KV 6.52 -> 6.34, 6.90 -> 6.68, 9.29 -> 9.09; with 16-row
-# tiles PDL is slower (8 x 4K 5.38 -> 5.78 and 5.13 -> 5.83, 16 x 4K 6.19 -> 7.30 and 5.77 -> 6.13), and above 64
-# rows too (96 and 128 x 4K +0.8-1.4 %, nvfp4 256 x 4K 24.91 -> 25.38).
-QUANTIZED_PDL_ROWS = range(17, 65)
+# Rows at which the activation quantizer launches with PDL (the block GEMM after it takes PDL at every M, as the
+# device allows). The engine's decode step with FP8 block weights on an H100, TPOT ms at B x 4K with fp8 / nvfp4 KV
+# (docs/results.md): the quantizer plain and the GEMM with PDL against both with PDL, 8 tokens 5.10 / 4.79 against
+# 5.78 / 5.83, 16: 5.96 / 5.53 against 7.30 / 6.13, 24: 7.28 / 6.29 against 7.35 / 6.37, 128: 19.10 / 13.96
+# against 19.45 / 14.31; at 32 and 64 both with PDL are 0-1.1 % faster (64: 11.67 / 9.10 against 11.74 / 9.20).
+QUANTIZER_PDL_ROWS = range(32, 65)
 
 
-def quantized_pdl(m: int) -> bool:
-    """The quantizer and the block GEMM on M quantized rows may launch with PDL (``QUANTIZED_PDL_ROWS``)."""
-    return m in QUANTIZED_PDL_ROWS
+def quantizer_pdl(m: int) -> bool:
+    """The activation quantizer on M rows may launch with PDL (``QUANTIZER_PDL_ROWS``)."""
+    return m in QUANTIZER_PDL_ROWS
 
 
 def linear(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """x [M, K] bf16 -> [M, N] ``out_dtype`` through the kernel ``launch_config`` (or ``tiles_override``) picks: the
     GEMV on x as it is, the block GEMM on x as it is (``a16`` tiles), or the per-128 quantizer and the block GEMM.
-    The GEMV and the ``a16`` block GEMM take programmatic dependent launch where ``triton_pdl.resolve`` turns it
-    on; the quantizer and the block GEMM after it take it only at ``QUANTIZED_PDL_ROWS`` (``quantized_pdl``)."""
+    Every launch takes programmatic dependent launch where ``triton_pdl.resolve`` turns it on, but the quantizer
+    only at ``QUANTIZER_PDL_ROWS`` (``quantizer_pdl``)."""
     if x.dim() != 2:
         raise ValueError(f"linear: x must be [M, K], got {tuple(x.shape)}")
     launch = _OVERRIDE.get() or launch_config(x.shape[0], codes.shape[0], x.shape[1])
@@ -740,6 +740,6 @@ def linear(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = 
         return gemv(x, codes, scale, out_dtype=out_dtype)
     if launch.a16:
         return block_gemm_a16(x, codes, scale, out_dtype=out_dtype)
-    pdl = quantized_pdl(x.shape[0]) and triton_pdl.resolve(None, x.device)
-    qa, sa = quantize(x, group=GROUP, pdl=pdl)
+    pdl = triton_pdl.resolve(None, x.device)
+    qa, sa = quantize(x, group=GROUP, pdl=pdl and quantizer_pdl(x.shape[0]))
     return block_gemm(qa, sa, codes, scale, out_dtype=out_dtype, pdl=pdl)

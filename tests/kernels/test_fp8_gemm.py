@@ -460,13 +460,13 @@ def test_linear_runs_the_dispatched_kernel_and_the_override_picks_the_other() ->
 
 
 @interpreter_only
-@pytest.mark.parametrize("m", [5, 16, 17, 64, 65])
-def test_linear_launches_the_quantizer_and_the_block_gemm_with_pdl_at_17_to_64_rows_where_the_device_allows(
+@pytest.mark.parametrize("m", [5, 31, 32, 64, 65])
+def test_linear_launches_the_block_gemm_with_the_pdl_choice_of_the_device_and_the_quantizer_so_at_32_to_64_rows(
     m: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Quantizer + block GEMM: both take ``triton_pdl.resolve``'s choice for x's device at 17-64 rows and launch
-    plain at any other M; the kernels run plain here (the interpreter has no ``griddepcontrol``), so the output is
-    the quantized reference either way."""
+    """Quantizer + block GEMM: the block GEMM takes ``triton_pdl.resolve``'s choice for x's device at every M, the
+    quantizer at 32-64 rows only (plain at any other M); the kernels run plain here (the interpreter has no
+    ``griddepcontrol``), so the output is the quantized reference either way."""
     from kvserving.kernels import triton_fp8_gemm, triton_pdl
 
     codes, scale = fp8_gemm.quantize_blocks(_weight(128, 2048, seed=3))
@@ -489,8 +489,7 @@ def test_linear_launches_the_quantizer_and_the_block_gemm_with_pdl_at_17_to_64_r
         monkeypatch.setattr(triton_fp8_gemm, "quantize", quantize_rec)
         monkeypatch.setattr(triton_fp8_gemm, "block_gemm", block_gemm_rec)
         out = triton_fp8_gemm.linear(x, codes, scale, out_dtype=torch.float32).double()
-        on = choice and 17 <= m <= 64
-        assert asked == [("quantize", on), ("block_gemm", on)]
+        assert asked == [("quantize", choice and 32 <= m <= 64), ("block_gemm", choice)]
         assert (out - spec).abs().max().item() <= 1e-5 * spec.abs().max().item()
 
 
