@@ -45,8 +45,9 @@ the table prints measured / roofline. Where the step's time goes: the kernels
 of three steps of the same shape as the engine runs them (CUDA graphs; torch.profiler
 traces the replayed kernels; a kernel that starts while the one before it runs,
 as PDL launches them, is charged from that one's end) summed by class (GEMMs,
-attention, KV writes, norms and rotary, activation, sampling, other); the step's
-wall time minus their sum
+attention, KV writes, norms and rotary, activation, sampling, other), each class's
+kernels by name beside it (``by_kernel``: where a class's time goes, e.g. the
+decode against its merge launch at batch 1); the step's wall time minus their sum
 is ``host_gap`` (launch gaps, host work the device waits for).
 Step overhead at batch 64 / 4K: step time minus the sum of the step's kernel
 times (torch.profiler), with CUDA graphs and asynchronous decode (the default:
@@ -597,14 +598,18 @@ def ms_by_name(events: list[tuple[str, float]], *, steps: int = 1) -> dict[str, 
 
 def class_breakdown(table: dict[str, float], *, wall_ms: float) -> dict[str, Any]:
     """ms by kernel class of a (kernel name -> ms) ``table``, their sum (``kernels``), ``host_gap``: the wall time
-    they do not fill, and the five most expensive kernels the classes do not name."""
+    they do not fill, the five most expensive kernels the classes do not name (``top_other``), and each named
+    class's kernels by name, most expensive first, four at most (``by_kernel``: class -> [[name, ms], ...])."""
     out: dict[str, Any] = dict.fromkeys([name for name, _ in KERNEL_CLASSES] + ["other"], 0.0)
     for name, ms in table.items():
         out[kernel_class(name)] += ms
     out["kernels"] = sum(out.values())
     out["host_gap"] = wall_ms - out["kernels"]
-    others = sorted(((ms, name) for name, ms in table.items() if kernel_class(name) == "other"), reverse=True)
-    out["top_other"] = [[name[:120], round(ms, 4)] for ms, name in others[:5]]
+    ranked = sorted(((ms, name) for name, ms in table.items()), key=lambda e: (-e[0], e[1]))
+    out["top_other"] = [[name[:120], round(ms, 4)] for ms, name in ranked if kernel_class(name) == "other"][:5]
+    out["by_kernel"] = {
+        cls: top[:4] for cls, _ in KERNEL_CLASSES if (top := [[n[:80], round(ms, 4)] for ms, n in ranked if kernel_class(n) == cls])
+    }
     return out
 
 
