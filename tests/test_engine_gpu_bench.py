@@ -123,3 +123,10 @@ def test_kernels_are_summed_by_class_per_step_with_the_wall_time_they_leave(engi
     # each named class's kernels by name, most expensive first; classes with no kernel are left out
     assert out["by_kernel"] == {"gemm": [["cublas_gemm", 0.6], ["_gemv_kernel", 0.04]],
                                 "attention": [["decode_attention", 0.15], ["_merge_kernel", 0.02]]}  # fmt: skip
+
+
+def test_shapes_parse_as_batch_x_context_and_refuse_anything_else(engine_gpu: ModuleType) -> None:
+    assert engine_gpu.parse_shapes("8x4096, 24x32768") == [(8, 4096), (24, 32768)]
+    for bad in ("8x", "0x4096", "8x4096,x", "8*4096"):
+        with pytest.raises(ValueError, match="BATCHxCONTEXT"):
+            engine_gpu.parse_shapes(bad)
