@@ -612,15 +612,15 @@ def class_breakdown(table: dict[str, float], *, wall_ms: float) -> dict[str, Any
     they do not fill, the five most expensive kernels the classes do not name (``top_other``), and each named
     class's kernels by name, most expensive first, four at most (``by_kernel``: class -> [[name, ms], ...])."""
     out: dict[str, Any] = dict.fromkeys([name for name, _ in KERNEL_CLASSES] + ["other"], 0.0)
-    for name, ms in table.items():
-        out[kernel_class(name)] += ms
+    ranked: dict[str, list[tuple[str, float]]] = {}  # class -> (name, ms), most expensive first
+    for name, ms in sorted(table.items(), key=lambda e: (-e[1], e[0])):
+        cls = kernel_class(name)
+        out[cls] += ms
+        ranked.setdefault(cls, []).append((name, ms))
     out["kernels"] = sum(out.values())
     out["host_gap"] = wall_ms - out["kernels"]
-    ranked = sorted(((ms, name) for name, ms in table.items()), key=lambda e: (-e[0], e[1]))
-    out["top_other"] = [[name[:120], round(ms, 4)] for ms, name in ranked if kernel_class(name) == "other"][:5]
-    out["by_kernel"] = {
-        cls: top[:4] for cls, _ in KERNEL_CLASSES if (top := [[n[:80], round(ms, 4)] for ms, n in ranked if kernel_class(n) == cls])
-    }
+    out["top_other"] = [[name[:120], round(ms, 4)] for name, ms in ranked.get("other", [])[:5]]
+    out["by_kernel"] = {cls: [[name[:80], round(ms, 4)] for name, ms in ranked[cls][:4]] for cls, _ in KERNEL_CLASSES if cls in ranked}
     return out
 
 

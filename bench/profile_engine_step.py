@@ -43,7 +43,10 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--smoke", action="store_true", help="CPU, toy shape: checks the script")
     args = ap.parse_args()
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    try:
+        shapes = engine_gpu.parse_shapes(args.shapes)
+    except ValueError as exc:
+        ap.error(f"--shapes: {exc}")
     vocab = 151936
     if args.smoke:
         engine_gpu.DEVICE = "cpu"
