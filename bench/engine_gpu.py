@@ -504,9 +504,11 @@ def release() -> None:
 
 
 # Kernel classes of a decode step, by kernel name (first match wins; ours are Triton kernels named in kernels/,
-# cuBLAS GEMMs are nvjet / sm90 xmma / cutlass kernels, the sampler is torch's reductions and sorts).
+# cuBLAS GEMMs are nvjet / sm90 xmma / cutlass kernels, the sampler is torch's reductions and sorts; act_quant is
+# the FP8 weights' activation quantizer, a launch before each block GEMM).
 KERNEL_CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("gemm", re.compile(r"gemm|gemv|_sum_splits|nvjet|cutlass|xmma|cublas|matmul|splitk|wgmma", re.I)),
+    ("act_quant", re.compile(r"_quantize_kernel", re.I)),
     ("kv_write", re.compile(r"write_kv|write_int2|_write_", re.I)),
     ("attention", re.compile(r"decode|extend|attn|attention|_merge|flash", re.I)),
     ("norm_rotary", re.compile(r"rms|norm|rope|rotary", re.I)),

@@ -113,15 +113,16 @@ def test_the_next_turn_computes_only_its_new_tokens_over_the_cached_prefix(engin
 def test_kernels_are_summed_by_class_per_step_with_the_wall_time_they_leave(engine_gpu: ModuleType) -> None:
     """Profiled (name, us) events of two steps -> ms per step by name, then by class; host_gap is the wall time left."""
     events = [("cublas_gemm", 600.0), ("decode_attention", 300.0), ("cublas_gemm", 600.0), ("mystery", 100.0),
-              ("_merge_kernel", 40.0), ("_gemv_kernel", 80.0)]  # fmt: skip
+              ("_merge_kernel", 40.0), ("_gemv_kernel", 80.0), ("_quantize_kernel", 20.0)]  # fmt: skip
     table = engine_gpu.ms_by_name(events, steps=2)
-    assert table == {"cublas_gemm": 0.6, "decode_attention": 0.15, "mystery": 0.05, "_merge_kernel": 0.02, "_gemv_kernel": 0.04}
+    assert table == {"cublas_gemm": 0.6, "decode_attention": 0.15, "mystery": 0.05, "_merge_kernel": 0.02, "_gemv_kernel": 0.04,
+                     "_quantize_kernel": 0.01}  # fmt: skip
     out = engine_gpu.class_breakdown(table, wall_ms=1.0)
-    assert (out["gemm"], out["attention"], out["other"], out["kv_write"]) == pytest.approx((0.64, 0.17, 0.05, 0.0))
-    assert out["kernels"] == pytest.approx(0.86) and out["host_gap"] == pytest.approx(0.14)
+    assert (out["gemm"], out["attention"], out["other"], out["kv_write"], out["act_quant"]) == pytest.approx((0.64, 0.17, 0.05, 0.0, 0.01))
+    assert out["kernels"] == pytest.approx(0.87) and out["host_gap"] == pytest.approx(0.13)
     assert out["top_other"] == [["mystery", 0.05]]
     # each named class's kernels by name, most expensive first; classes with no kernel are left out
-    assert out["by_kernel"] == {"gemm": [["cublas_gemm", 0.6], ["_gemv_kernel", 0.04]],
+    assert out["by_kernel"] == {"gemm": [["cublas_gemm", 0.6], ["_gemv_kernel", 0.04]], "act_quant": [["_quantize_kernel", 0.01]],
                                 "attention": [["decode_attention", 0.15], ["_merge_kernel", 0.02]]}  # fmt: skip
 
 
