@@ -7,7 +7,7 @@ neither. The engine's launches take as such integers the step's row count
 (the extend kernels; the prefix is a whole number of pages, the scheduler ends
 every non-final chunk on a page boundary), the decode rows' page-table width
 and split plan; they pick constexpr tiles by row-count classes (powers of two,
-the FP8 GEMM's 16 / 64 / 128 bounds). The warm-up meets each class with
+the FP8 GEMM's 16 / 64 / 128 / 256 / 512 bounds). The warm-up meets each class with
 requests of its own, run through ``LLMEngine.step`` as any request is, so what
 compiles is exactly what a served step of that shape would compile
 (``LLMEngine.warm_up`` runs the plan made here):

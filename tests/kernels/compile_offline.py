@@ -119,6 +119,8 @@ def _engine_kernels() -> None:
     for m in (16, 64, 256):
         qa, sa = fp8_gemm.quantize_groups(torch.randn(m, 4096))
         triton_fp8_gemm.block_gemm(qa, sa, blocks_q, blocks)
+    for m in (16, 256):  # the activation quantizer: one group a program, and 16
+        triton_fp8_gemm.quantize(torch.randn(m, 4096, dtype=torch.bfloat16), group=128)
     for m in (1, 2):
         triton_fp8_gemm.linear(torch.randn(m, 4096, dtype=torch.bfloat16), blocks_q, blocks)
     # bf16 weights: the same GEMV unscaled at M 1 and 2 (model.product, the default)

@@ -66,6 +66,7 @@ def _expected(sm: int) -> set[str]:
     # GEMV at M 1 (no split at N 1024) and M 2 (2 splits: a second specialization of the sum)
     names |= {"fp8:_block_gemm_kernel", "fp8:_block_gemm_kernel#2", "fp8:_block_gemm_kernel#3", "fp8:_sum_splits_kernel"}
     names.add("fp8:_sum_splits_kernel#2")
+    names |= {"fp8:_quantize_kernel", "fp8:_quantize_kernel#2"}  # the activation quantizer: one group a program, 16
     names |= {"fp8:_gemv_kernel", "fp8:_gemv_kernel#2", "bf16w:_gemv_kernel", "bf16w:_gemv_kernel#2", "bf16w:_gemv_kernel#3"}
     if row.e2m1 == "cvt":
         names.add("nvfp4-cvt:_decode_kernel")

@@ -131,6 +131,44 @@ def test_triton_quantizers_equal_the_torch_quantizers(m: int, k: int, dtype: tor
         assert s_cm.stride() == (1, m) and torch.equal(s_cm, rs) and torch.equal(q_cm.view(torch.uint8), rq.view(torch.uint8))
 
 
+def test_the_per_128_quantizer_takes_several_groups_a_program_only_where_the_grid_stays_two_programs_an_sm() -> None:
+    from kvserving.kernels.triton_fp8_gemm import QUANTIZE_ONE_GROUP_ROWS, QUANTIZE_PROGRAMS, quantize_groups_per_program
+
+    assert (QUANTIZE_PROGRAMS, QUANTIZE_ONE_GROUP_ROWS) == (264, 128)
+    # rows -> groups a program for K 4096 (32 groups: qkv, o, gate_up) and K 12288 (96 groups: down)
+    got = {m: (quantize_groups_per_program(m, 32), quantize_groups_per_program(m, 96)) for m in (1, 16, 64, 128, 129, 256, 4096)}
+    assert got == {1: (1, 1), 16: (1, 1), 64: (1, 1), 128: (1, 1), 129: (8, 16), 256: (16, 16), 4096: (16, 16)}
+    assert quantize_groups_per_program(4096, 35) == 1  # an odd count: one group a program
+    assert quantize_groups_per_program(4096, 6) == 2  # a power of two dividing the count
+
+
+@interpreter_only
+@pytest.mark.parametrize(("m", "k", "per"), [(1, 4096, 16), (3, 12288, 16), (2, 384, 1), (2, 768, 2), (3, 4480, 1)])
+def test_the_per_128_quantizer_over_several_groups_a_program_equals_the_torch_quantizer_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, m: int, k: int, per: int
+) -> None:
+    """With the row and grid floors lowered, a program takes up to 16 groups of its row (2,048 values, a
+    [16, 128] tile with one scale a tile row): the same codes and scales as one group a program, signed zeros and an
+    all-zero group among them."""
+    from kvserving.kernels import triton_fp8_gemm
+    from kvserving.kernels.triton_fp8_gemm import quantize, quantize_groups_per_program
+
+    monkeypatch.setattr(triton_fp8_gemm, "QUANTIZE_PROGRAMS", 1)
+    monkeypatch.setattr(triton_fp8_gemm, "QUANTIZE_ONE_GROUP_ROWS", 0)
+    assert quantize_groups_per_program(m, k // 128) == per
+    g = torch.Generator().manual_seed(m * k)
+    x = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-12, 4, (m, k), generator=g).float())).to(torch.bfloat16)
+    x[:, ::7] = 0.0
+    x[:, 3::11] = -0.0
+    x[0, 128:256] = 0.0
+    for column_major in (False, True):
+        q, s = quantize(x, group=128, column_major=column_major)
+        rq, rs = fp8_gemm.quantize_groups(x)
+        assert torch.equal(s, rs) and s[0, 1].item() == 1.0
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+        assert (q.view(torch.uint8) == 0x80).any()
+
+
 @interpreter_only
 @pytest.mark.parametrize("m", [1, 2, 4, 16])
 @pytest.mark.parametrize("k", [4096, 12288, 4096 + 384])
@@ -156,13 +194,18 @@ def test_triton_quantizers_equal_the_torch_quantizers_bit_for_bit_at_model_width
 def test_tile_config_at_the_qwen3_8b_shapes() -> None:
     from kvserving.kernels.triton_fp8_gemm import Tiles, tile_config
 
-    got = {(n, k): [tile_config(m, n, k).label for m in (1, 2, 4, 16, 17, 64, 65, 128, 129)] for n, k in QWEN3_8B_SHAPES[:4]}
-    large = ["64x64w4s4k1", "64x64w4s4k1", "128x128w8s3k1"]
+    rows = (1, 2, 4, 16, 17, 64, 65, 128, 129, 256, 257, 512, 513)
+    got = {(n, k): [tile_config(m, n, k).label for m in rows] for n, k in QWEN3_8B_SHAPES[:4]}
+    mid = ["64x64w4s4k1"] * 2  # 65-128 rows
+    wide = ["64x128w4s4k1"] * 4  # 129-512 rows: 64 x 128 tiles, one an SM or more
+    split = ["64x128w4s4k2"] * 2 + ["64x128w4s4k1"] * 2  # 3-4 row tiles x 32 column tiles < 132: K in two
+    prefill = ["128x128w8s3k1"]
+    small = ["16x64w4s4k4"] * 4 + ["64x64w4s4k4"] * 2  # 1-64 rows: K split in 4 (qkv 96 column tiles x 4 = 384 programs)
     assert got == {
-        (6144, 4096): ["16x64w4s4k4"] * 4 + ["64x64w4s4k4"] * 2 + large,  # 96 column tiles x 4 = 384 programs; 8 K steps a split
-        (4096, 4096): ["16x64w4s4k4"] * 4 + ["64x64w4s4k4"] * 2 + large,  # 64 x 4 = 256 (x 8 = 512 is past the grid)
-        (24576, 4096): ["16x64w4s4k1"] * 4 + ["64x64w4s4k1"] * 2 + large,  # 384 column tiles: the grid is full
-        (4096, 12288): ["16x64w4s4k4"] * 4 + ["64x64w4s4k4"] * 2 + large,  # 96 K steps, 24 a split
+        (6144, 4096): small + mid + wide + prefill,
+        (4096, 4096): small + mid + split + prefill,  # 64 x 4 = 256 (x 8 = 512 is past the grid)
+        (24576, 4096): ["16x64w4s4k1"] * 4 + ["64x64w4s4k1"] * 2 + mid + wide + prefill,  # 384 column tiles: the grid is full
+        (4096, 12288): small + mid + split + prefill,  # 96 K steps, 24 a split
     }
     assert Tiles.parse(" 16x64w2s6k3") == Tiles(16, 64, 2, 6, 3) and Tiles.parse("16x64w2s6k3").label == "16x64w2s6k3"
     for bad in ("16x48w4s4k1", "16x32w3s4k1", "16x32w4s9k1", "16x32w4s4k0", "16x32"):
@@ -191,7 +234,7 @@ def test_triton_block_gemm_at_the_tiles_chosen_for_qwen3_8b_shapes(m: int, n: in
 
 
 @interpreter_only
-@pytest.mark.parametrize("label", ["16x32w4s3k1", "16x64w4s4k3", "16x128w8s6k1", "16x32w2s2k5", "32x64w4s3k2"])
+@pytest.mark.parametrize("label", ["16x32w4s3k1", "16x64w4s4k3", "16x128w8s6k1", "16x32w2s2k5", "32x64w4s3k2", "64x128w4s4k2"])
 def test_triton_block_gemm_matches_its_torch_reference_under_every_tile_shape(label: str) -> None:
     """Splits that do not divide the K steps (5 splits of 3 steps: two are empty and write zeros)."""
     from kvserving.kernels.triton_fp8_gemm import Tiles, block_gemm, tiles_override
@@ -589,6 +632,21 @@ def test_cuda_block_gemm_within_bound_at_qwen3_8b_shapes(m: int, n: int, k: int,
     if backend == "cublas" and not fp8_gemm.cublas_block_supported(0):
         pytest.skip("cuBLASLt's 1x128 x 128x128 scaling does not run here (sm_90 and a torch whose cuBLASLt takes it only)")
     _check_cuda_gemm(m, n, k, "block", backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 256, 1000])
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_gpu_per_128_quantizer_equals_the_torch_quantizer_bit_for_bit(m: int, k: int) -> None:
+    """The launch ``quantize`` picks at decode and prefill sizes (1 to 16 groups a program) against the torch spec."""
+    from kvserving.kernels.triton_fp8_gemm import quantize
+
+    x = _acts(m, k, seed=k, device="cuda").to(torch.bfloat16)
+    x[:, ::7] = 0.0
+    x[0, :128] = 0.0
+    q, s = quantize(x, group=128)
+    rq, rs = fp8_gemm.quantize_groups(x)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 
 @pytest.mark.gpu
