@@ -311,7 +311,7 @@ def quantize_groups_per_program(m: int, groups: int) -> int:
     rows; above, powers of two dividing them, up to 16 (2,048 values), while the grid keeps >= QUANTIZE_PROGRAMS
     programs. One group a program makes M x K/128 programs of one warp, each moving 384 bytes: 8,192 to 24,576 of
     them at a decode step of 256 tokens, where 16 groups a program ran the step 2.8 % faster on an H100 (FP8 weights,
-    nvfp4 KV, 256 x 4K: 24.77 -> 24.07 ms); at 64 tokens 4 a program ran it 1.4 % slower (9.10 -> 9.23 ms)."""
+    nvfp4 KV, 256 x 4K: 24.77 -> 24.07 ms); at 64 tokens 4-16 a program ran it 1.4 % slower (9.10 -> 9.23 ms)."""
     if m <= QUANTIZE_ONE_GROUP_ROWS:
         return 1
     g = 1
@@ -416,8 +416,8 @@ def tile_config(m: int, n: int, k: int) -> Tiles:
     - 64 < M <= 128: 64 x 64 tiles, no split (the row tiles fill the grid; a split re-reads the weight).
     - 128 < M <= 512 (large decode batches, short prompt chunks): 64 x 128 tiles, 4 warps, 4 stages, K split in two
       where the tiles are fewer than one an SM (o and down at 129-256 rows). 128 x 128 tiles left o and down 64
-      programs at 256 rows: on an H100 one layer's four GEMMs with their quantizer ran 202.6 us there against 163.3 (bf16 cuBLAS
-      176.0), and 305.5 against 279.1 at 512 rows.
+      programs at 256 rows: on an H100 one layer's four GEMMs with their quantizer ran 202.6 us there against
+      163.3 (bf16 cuBLAS 176.0), and 305.5 against 279.1 at 512 rows.
     - M > 512 (prefill): 128 x 128 tiles, 8 warps (the tensor cores bind, not the weight stream)."""
     if m > 512:
         return Tiles(128, 128, 8, 3)
