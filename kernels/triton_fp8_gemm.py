@@ -55,6 +55,7 @@ from . import triton_elementwise, triton_pdl
 from .options import KernelOptions
 
 GROUP = 128  # the scale group along K and the weight tile edge
+SMS = 132  # streaming multiprocessors of an H100 / H200: the unit the launch rules size their grids in
 
 
 @triton.jit
@@ -300,8 +301,8 @@ def _quantize_kernel(
         tl.store(s_ptr + row * stride_sm + g * stride_sg, s)
 
 
-# Programs the per-128 quantizer aims for (``quantize_groups_per_program``): two per SM of a 132-SM H100/H200.
-QUANTIZE_PROGRAMS = 264
+# Programs the per-128 quantizer aims for (``quantize_groups_per_program``): two per SM.
+QUANTIZE_PROGRAMS = 2 * SMS
 # Rows up to which the per-128 quantizer takes one group a program (``quantize_groups_per_program``).
 QUANTIZE_ONE_GROUP_ROWS = 128
 
@@ -401,7 +402,7 @@ class Tiles:
 # Programs a decode-sized GEMM aims for: three per SM on a 132-SM H100/H200, so each SM keeps three programs' weight
 # stream in flight (one 4-warp program an SM holds too few bytes in flight for the chip's read rate; on the H200 the
 # Qwen3-8B shapes run fastest at 256-384 programs: docs/results.md, FP8 weights).
-DECODE_PROGRAMS = 396
+DECODE_PROGRAMS = 3 * SMS
 
 
 def tile_config(m: int, n: int, k: int) -> Tiles:
@@ -423,7 +424,7 @@ def tile_config(m: int, n: int, k: int) -> Tiles:
         return Tiles(128, 128, 8, 3)
     if m > 128:
         tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
-        return Tiles(64, 128, 4, 4, 2 if tiles < DECODE_PROGRAMS // 3 else 1)
+        return Tiles(64, 128, 4, 4, 2 if tiles < SMS else 1)
     if m > 64:
         return Tiles(64, 64, 4, 4)
     block_m = 16 if m <= 16 else 64
@@ -439,7 +440,7 @@ def tile_config(m: int, n: int, k: int) -> Tiles:
 # Programs the bf16 block GEMM aims for at decode sizes: one per SM of a 132-SM H100/H200, each with four 16 KiB
 # weight tiles in flight (on an H100, o and down at M = 8-16 ran 13.8 / 36.8 us at 128 programs against 15.5 /
 # 40.4 at 256: more programs each with a shorter K run pay the pipeline's fill and the partials' sum more often).
-BF16_PROGRAMS = 132
+BF16_PROGRAMS = SMS
 
 
 def row_tile(m: int) -> int:
@@ -514,7 +515,7 @@ GEMV_DISPATCH_ROWS = 2  # the largest M the dispatch gives the GEMV (at M = 4 th
 # Programs the GEMV's K split aims for: at least two per SM on a 132-SM H100/H200, so a power-of-two split lands at
 # 2-4 an SM, each with a 16 KiB weight tile in flight (Little's law at the H200's ~4.5 TB/s and ~0.8 us loaded
 # latency asks ~28 KiB an SM).
-GEMV_PROGRAMS = 264
+GEMV_PROGRAMS = 2 * SMS
 
 
 def gemv_split(tiles: int, steps: int) -> int:
