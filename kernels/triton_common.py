@@ -245,7 +245,7 @@ def _merge_kernel(
     BLOCK_S: tl.constexpr,  # splits per step
     D: tl.constexpr,
     ONE: tl.constexpr,  # S <= BLOCK_S: one step, lse and o loaded together (one round trip instead of two)
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): wait before any access
+    PDL: tl.constexpr,  # triton_pdl.mode (OFF, EARLY, LATE): wait before any access
 ):
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
@@ -291,6 +291,7 @@ def merge_splits(launch: SplitLaunch, *, v_mul: float, pdl: bool = False) -> tor
     out = torch.empty(b, hq, d, dtype=launch.q.dtype, device=launch.q.device)
     bs = merge_block(launch.splits)
     one = launch.splits <= bs
-    _merge_kernel[(b * hq,)](launch.o, launch.lse, out, v_mul, launch.splits, BLOCK_S=bs, D=d, ONE=one, PDL=pdl,
-                             num_warps=4 if bs <= 32 else 8, **triton_pdl.launch_args(pdl))  # fmt: skip
+    _merge_kernel[(b * hq,)](launch.o, launch.lse, out, v_mul, launch.splits, BLOCK_S=bs, D=d, ONE=one,
+                             PDL=triton_pdl.mode(pdl, b), num_warps=4 if bs <= 32 else 8,
+                             **triton_pdl.launch_args(pdl))  # fmt: skip
     return out

@@ -81,7 +81,7 @@ def _block_gemm_kernel(
     SCALED: tl.constexpr,  # w holds e4m3 codes with per-tile scales (and a codes with per-row-group scales, unless
     # A16); False: both hold bf16 values
     A16: tl.constexpr,  # SCALED with bf16 activations as they are: each weight tile widened to bf16 in registers
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): wait before any access
+    PDL: tl.constexpr,  # triton_pdl.mode (OFF, EARLY, LATE): wait before any access
     NATIVE: tl.constexpr,  # bf16 values enter the dot as they are; 0 in the interpreter, whose bf16 dot is wrong
     # (numpy has no bf16): they enter as fp32 there, where bf16 values and their products are exact
 ):
@@ -131,7 +131,7 @@ def _sum_splits_kernel(
     total,  # M * N
     SPLIT_K: tl.constexpr,  # partials per element, summed in order 0, 1, ... (deterministic)
     BLOCK: tl.constexpr,  # elements per program
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): wait before any access
+    PDL: tl.constexpr,  # triton_pdl.mode (OFF, EARLY, LATE): wait before any access
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
@@ -184,7 +184,7 @@ def _gemv_kernel(
     SCALED: tl.constexpr,  # w holds e4m3 codes scaled per 128x128 tile by sw; False: w holds bf16 values
     LANE: tl.constexpr,  # weight values a thread loads at once (16 bytes: 16 codes, 8 bf16), summed in the thread
     GATED: tl.constexpr,  # x is [gate | up]: SwiGLU's silu_mul runs inside the product (one launch less a layer)
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): the first step's weights are
+    PDL: tl.constexpr,  # triton_pdl.mode (OFF, EARLY, LATE): the first step's weights are
     # loaded before the wait (no kernel of the step writes them), x after it
 ):
     pid_n = tl.program_id(0)
@@ -269,7 +269,7 @@ def _quantize_kernel(
     ONE_STEP: tl.constexpr,  # CHUNK == width: the group is read once and kept in registers
     GROUPS: tl.constexpr,  # groups a program quantizes (ONE_STEP only; else 1): program g takes groups
     # g * GROUPS ... g * GROUPS + GROUPS - 1 of its row
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): wait before any access
+    PDL: tl.constexpr,  # triton_pdl.mode (OFF, EARLY, LATE): wait before any access
 ):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -349,7 +349,7 @@ def quantize(x: Tensor, *, group: int | None, column_major: bool = False, pdl: b
         per = quantize_groups_per_program(m, groups) if chunk == width else 1
         _quantize_kernel[(m, groups // per)](
             x, q, s, width, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-            CHUNK=chunk, ONE_STEP=chunk == width, GROUPS=per, PDL=pdl, num_warps=max(1, min(8, per * chunk // 512)),
+            CHUNK=chunk, ONE_STEP=chunk == width, GROUPS=per, PDL=triton_pdl.mode(pdl, m), num_warps=max(1, min(8, per * chunk // 512)),
             **triton_pdl.launch_args(pdl),
         )  # fmt: skip
     return q, s
@@ -623,8 +623,8 @@ def _launch(a: Tensor, sa: Tensor, w: Tensor, sw: Tensor, t: Tiles, out: Tensor,
         a, sa, w, sw, c, m, n, k,
         a.stride(0), sa.stride(0) if scaled and not a16 else 0, w.stride(0), sw.stride(0) if scaled else 0, c.stride(-2),
         c.stride(0) if t.split_k > 1 else 0,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, SCALED=scaled, A16=a16, PDL=pdl,
-        NATIVE=_native_dot(a.device), num_warps=t.warps, num_stages=t.stages,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, SCALED=scaled, A16=a16,
+        PDL=triton_pdl.mode(pdl, m), NATIVE=_native_dot(a.device), num_warps=t.warps, num_stages=t.stages,
         **triton_pdl.launch_args(pdl),
     )  # fmt: skip
     if t.split_k > 1:
@@ -691,8 +691,9 @@ def _sum_splits(partials: Tensor, out: Tensor, *, pdl: bool = False) -> None:
     """out [M, N] = partials [S, M, N] (fp32, contiguous) summed over S in split order."""
     block = 1024
     total = out.numel()
-    _sum_splits_kernel[(triton.cdiv(total, block),)](partials, out, total, SPLIT_K=partials.shape[0], BLOCK=block, PDL=pdl,
-                                                     num_warps=4, **triton_pdl.launch_args(pdl))  # fmt: skip
+    _sum_splits_kernel[(triton.cdiv(total, block),)](partials, out, total, SPLIT_K=partials.shape[0], BLOCK=block,
+                                                     PDL=triton_pdl.mode(pdl, out.shape[0]), num_warps=4,
+                                                     **triton_pdl.launch_args(pdl))  # fmt: skip
 
 
 def _check_weight(name: str, k: int, codes: Tensor, scale: Tensor) -> None:
@@ -743,7 +744,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, *, out_dtype: torch.dt
     _gemv_kernel[(triton.cdiv(n, g.block_n), g.split_k)](
         x, weight, sw, c, n, k, x.stride(0), weight.stride(0), sw.stride(0), c.stride(-2), c.stride(0) if g.split_k > 1 else 0,
         ROWS=m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, STAGES=g.stages, SCALED=scaled, LANE=16 // weight.element_size(),
-        GATED=gated, PDL=on, num_warps=g.warps, **triton_pdl.launch_args(on),
+        GATED=gated, PDL=triton_pdl.mode(on, m), num_warps=g.warps, **triton_pdl.launch_args(on),
     )  # fmt: skip
     if g.split_k > 1:
         _sum_splits(c, out, pdl=on)

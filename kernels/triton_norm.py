@@ -43,7 +43,7 @@ def _rms_norm_kernel(
     eps,  # float: added to the mean square
     HAS_RES: tl.constexpr,  # add the residual first and write the sum
     BLOCK: tl.constexpr,  # next power of two >= N
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl)
+    PDL: tl.constexpr,  # programmatic dependent launch: triton_pdl.mode (OFF, EARLY, LATE)
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -96,7 +96,7 @@ def _qk_norm_rope_kernel(
     D: tl.constexpr,  # head_dim (even)
     HAS_NORM: tl.constexpr,  # Qwen3's per-head RMSNorm of q and k before RoPE
     BLOCK: tl.constexpr,  # next power of two >= D / 2
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl)
+    PDL: tl.constexpr,  # programmatic dependent launch: triton_pdl.mode (OFF, EARLY, LATE)
 ):
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # 0..H-1 q, H..H+HKV-1 k, then v
@@ -142,7 +142,7 @@ def _silu_mul_kernel(
     out_stride,
     inter,  # I
     BLOCK: tl.constexpr,  # columns per program
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl)
+    PDL: tl.constexpr,  # programmatic dependent launch: triton_pdl.mode (OFF, EARLY, LATE)
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -183,7 +183,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, pdl: bool | None = None) 
         block, on = triton.next_power_of_2(n), triton_pdl.resolve(pdl, x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, x2, weight, out, out, x2.stride(0), x2.stride(0), out.stride(0), out.stride(0), n, float(eps),
-            HAS_RES=False, BLOCK=block, PDL=on, num_warps=_warps(block), **triton_pdl.launch_args(on),
+            HAS_RES=False, BLOCK=block, PDL=triton_pdl.mode(on, x2.shape[0]), num_warps=_warps(block), **triton_pdl.launch_args(on),
         )  # fmt: skip
     return out.view(x.shape)
 
@@ -200,7 +200,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, pdl
         block, on = triton.next_power_of_2(n), triton_pdl.resolve(pdl, x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, h, x2.stride(0), r2.stride(0), out.stride(0), h.stride(0), n, float(eps),
-            HAS_RES=True, BLOCK=block, PDL=on, num_warps=_warps(block), **triton_pdl.launch_args(on),
+            HAS_RES=True, BLOCK=block, PDL=triton_pdl.mode(on, x2.shape[0]), num_warps=_warps(block), **triton_pdl.launch_args(on),
         )  # fmt: skip
     return out.view(x.shape), h.view(x.shape)
 
@@ -240,7 +240,7 @@ def qk_norm_rope(
         _qk_norm_rope_kernel[(t, num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, q_weight if has_norm else qkv, k_weight if has_norm else qkv, q, k, v,
             qkv.stride(0), cos.stride(0), float(eps),
-            H=num_heads, HKV=num_kv_heads, D=head_dim, HAS_NORM=has_norm, BLOCK=block, PDL=on, num_warps=1,
+            H=num_heads, HKV=num_kv_heads, D=head_dim, HAS_NORM=has_norm, BLOCK=block, PDL=triton_pdl.mode(on, t), num_warps=1,
             **triton_pdl.launch_args(on),
         )  # fmt: skip
     return q, k, v
@@ -256,6 +256,6 @@ def silu_mul(gate_up: Tensor, *, pdl: bool | None = None) -> Tensor:
     if t:
         block = min(1024, triton.next_power_of_2(inter))
         on = triton_pdl.resolve(pdl, gu.device)
-        _silu_mul_kernel[(t, triton.cdiv(inter, block))](gu, out, gu.stride(0), out.stride(0), inter, BLOCK=block, PDL=on,
-                                                         num_warps=4, **triton_pdl.launch_args(on))  # fmt: skip
+        _silu_mul_kernel[(t, triton.cdiv(inter, block))](gu, out, gu.stride(0), out.stride(0), inter, BLOCK=block,
+                                                         PDL=triton_pdl.mode(on, t), num_warps=4, **triton_pdl.launch_args(on))  # fmt: skip
     return out

@@ -178,7 +178,7 @@ def _write_kv_kernel(
     VZ_OFF: tl.constexpr,
     BT: tl.constexpr,  # tokens per program
     GROUPS: tl.constexpr,  # 1: one 32-channel group per thread (int4); 0: token rows
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (triton_pdl): wait before any access
+    PDL: tl.constexpr,  # triton_pdl.mode (OFF, EARLY, LATE): wait before any access
 ):
     h = tl.program_id(1)
     triton_pdl.start(PDL)
@@ -373,7 +373,7 @@ def launch_write_kv(kv: PagedKV, k: torch.Tensor, v: torch.Tensor, page_ids: tor
         k.contiguous(), v.contiguous(), kv.base, page_ids, slots, t, float(kv.k_scale), float(kv.v_scale),
         FMT=FMT_CODES[layout.fmt], H=h, D=d, P=layout.page_size,
         PAGE_BYTES=pb, K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, V_OFF=vo, VS_OFF=vso, VZ_OFF=vzo,
-        BT=bt, GROUPS=int(groups), PDL=pdl, num_warps=num_warps, **triton_pdl.launch_args(pdl),
+        BT=bt, GROUPS=int(groups), PDL=triton_pdl.mode(pdl, t), num_warps=num_warps, **triton_pdl.launch_args(pdl),
     )  # fmt: skip
 
 

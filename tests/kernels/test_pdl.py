@@ -61,22 +61,25 @@ from triton.runtime import driver
 sys.path.insert(0, sys.argv[1])
 from offline_driver import NotLaunched, OfflineDriver
 from test_paged_ref import fill_sequences, make_pool
-from kvserving.kernels import fp8_gemm, triton_decode, triton_fp8_gemm, triton_norm, triton_write
+from kvserving.kernels import fp8_gemm, triton_decode, triton_fp8_gemm, triton_norm, triton_pdl, triton_write
 
 out, label, _compile = {}, ["?"], triton.compiler.compile
 
 def compile_offline(src, target=None, options=None, **kw):
     kernel = _compile(src, target=target, options=options, **kw)
     ptx = kernel.asm["ptx"]
+    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     out[f"{label[0]}:{src.fn.__name__}"] = {"launch_pdl": bool(kernel.metadata.launch_pdl),
-        "wait": ptx.count("griddepcontrol.wait"), "launch": ptx.count("griddepcontrol.launch_dependents")}
+        "wait": ptx.count("griddepcontrol.wait"), "launch": ptx.count("griddepcontrol.launch_dependents"),
+        "launch_first": 0 <= launch < wait}
     return NotLaunched()
 
 sm = int(sys.argv[2])
 driver.set_active(OfflineDriver(sm))
 triton.compiler.compile = compile_offline
-for pdl in ((False, True) if sm == 90 else (True,)):
-    label[0] = "pdl" if pdl else "plain"
+# each launch's mode from its rows: every launch below EARLY (LATE_ROWS 0), then LATE (LATE_ROWS above them all)
+for name, pdl, late_rows in ([("plain", False, 0)] if sm == 90 else []) + [("early", True, 0), ("late", True, 1 << 20)]:
+    label[0], triton_pdl.LATE_ROWS = name, late_rows
     x = torch.randn(1, 4096, dtype=torch.bfloat16)
     w = torch.ones(4096, dtype=torch.bfloat16)
     triton_norm.rms_norm(x, w, 1e-6, pdl=pdl)
@@ -109,7 +112,8 @@ KERNELS = {"_rms_norm_kernel": 1, "_silu_mul_kernel": 1, "_qk_norm_rope_kernel":
 
 @pytest.mark.parametrize("sm", [90, 100, 120])
 def test_the_kernels_compile_with_griddepcontrol_only_when_launched_with_pdl(sm: int) -> None:
-    """sm_90 (Hopper) and sm_100a / sm_120a (Blackwell), whose capability rows launch with PDL too."""
+    """sm_90 (Hopper) and sm_100a / sm_120a (Blackwell), whose capability rows launch with PDL too: EARLY lets the
+    next kernel launch once, before the first wait; LATE after each wait; without PDL neither."""
     assert choose((sm // 10, sm % 10)).pdl
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, str(HERE), str(sm)], env=env, capture_output=True,
@@ -117,10 +121,23 @@ def test_the_kernels_compile_with_griddepcontrol_only_when_launched_with_pdl(sm:
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     for name, waits in KERNELS.items():
-        # the waits and one early launch of the next kernel a program, and the launch attribute, with PDL only
-        assert got[f"pdl:{name}"] == {"launch_pdl": True, "wait": waits, "launch": 1}, (name, got[f"pdl:{name}"])
+        early, late = got[f"early:{name}"], got[f"late:{name}"]
+        assert early == {"launch_pdl": True, "wait": waits, "launch": 1, "launch_first": True}, (name, early)
+        assert late == {"launch_pdl": True, "wait": waits, "launch": waits, "launch_first": False}, (name, late)
         if sm == 90:
-            assert got[f"plain:{name}"] == {"launch_pdl": False, "wait": 0, "launch": 0}, (name, got[f"plain:{name}"])
+            plain = got[f"plain:{name}"]
+            assert plain == {"launch_pdl": False, "wait": 0, "launch": 0, "launch_first": False}, (name, plain)
+
+
+def test_one_row_launches_let_the_next_kernel_launch_late() -> None:
+    from kvserving.kernels import triton_pdl
+
+    assert triton_pdl.LATE_ROWS == 1
+    assert [triton_pdl.mode(True, rows) for rows in (1, 2, 8, 64)] == [triton_pdl.LATE] + [triton_pdl.EARLY] * 3
+    assert [triton_pdl.mode(False, rows) for rows in (1, 2)] == [triton_pdl.OFF] * 2
+    assert (triton_pdl.OFF, triton_pdl.EARLY, triton_pdl.LATE) == (0, 1, 2)  # the literals start / wait test
+    assert triton_pdl.launch_args(triton_pdl.LATE) == triton_pdl.launch_args(True) == {"launch_pdl": True}
+    assert triton_pdl.launch_args(triton_pdl.OFF) == {}
 
 
 # compiled for sm_90 in a child process: a compile in the test session can meet Triton objects the interpreter
@@ -197,7 +214,8 @@ def _layer(x: torch.Tensor, wts: dict[str, torch.Tensor], cos: torch.Tensor, sin
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_norm_kernels_with_pdl_equal_plain_eager_and_in_a_replayed_graph() -> None:
+@pytest.mark.parametrize("rows", [1, 2])  # LATE, EARLY (triton_pdl.mode)
+def test_gpu_norm_kernels_with_pdl_equal_plain_eager_and_in_a_replayed_graph(rows: int) -> None:
     _pdl_gpu()
     g = torch.Generator(device="cuda").manual_seed(5)
 
@@ -207,7 +225,7 @@ def test_gpu_norm_kernels_with_pdl_equal_plain_eager_and_in_a_replayed_graph() -
     wts = {"n1": rand(4096) + 1, "n2": rand(4096) + 1, "qn": rand(128) + 1, "kn": rand(128) + 1,
            "qkv": rand(4096, 48 * 128, scale=0.02), "o": rand(4096, 4096, scale=0.02),
            "gu": rand(4096, 2 * 12288, scale=0.02), "down": rand(12288, 4096, scale=0.02)}  # fmt: skip
-    inputs = [(rand(2, 4096), rand(2, 128), rand(2, 128)) for _ in range(4)]
+    inputs = [(rand(rows, 4096), rand(rows, 128), rand(rows, 128)) for _ in range(4)]
     for x, cos, sin in inputs[:2]:
         for a, b in zip(_layer(x, wts, cos, sin, pdl=True), _layer(x, wts, cos, sin, pdl=False), strict=True):
             assert torch.equal(a, b)
@@ -223,7 +241,8 @@ def test_gpu_norm_kernels_with_pdl_equal_plain_eager_and_in_a_replayed_graph() -
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "nvfp4", "triaxial"])
-def test_gpu_write_and_decode_with_pdl_equal_plain_in_a_replayed_graph(fmt: str) -> None:
+@pytest.mark.parametrize("batch", [1, 2])  # LATE, EARLY (triton_pdl.mode)
+def test_gpu_write_and_decode_with_pdl_equal_plain_in_a_replayed_graph(fmt: str, batch: int) -> None:
     """A decode step's attention: the token's K/V written, the decode (Gluon, or tl for bf16), its split merge:
     all three with PDL."""
     from test_paged_ref import fill_sequences, make_pool
@@ -236,16 +255,16 @@ def test_gpu_write_and_decode_with_pdl_equal_plain_in_a_replayed_graph(fmt: str)
     page_fmt = "int4" if fmt == "triaxial" else fmt
     pools = [make_pool(page_fmt, num_pages=400, page_size=p, kv_heads=8, head_dim=128, device="cuda",
                        num_int2_pages=40 if fmt == "triaxial" else 0) for _ in range(2)]  # fmt: skip
-    lens = [3000, 777]
-    filled = fill_sequences(pools[0], lens, int2_pages=[20, 5] if fmt == "triaxial" else None)
+    lens = [3000, 777][:batch]
+    filled = fill_sequences(pools[0], lens, int2_pages=[20, 5][:batch] if fmt == "triaxial" else None)
     pools[1].buffer.copy_(pools[0].buffer)
     n2 = filled.num_int2 if fmt == "triaxial" else None
     # the next token of each sequence goes to the slot after its last (its page has room: lens are not page multiples)
-    pages = filled.page_table.cpu()[torch.arange(2), torch.tensor(lens) // p].int().cuda()
+    pages = filled.page_table.cpu()[torch.arange(batch), torch.tensor(lens) // p].int().cuda()
     slots = (torch.tensor(lens) % p).int().cuda()
     seq = (torch.tensor(lens) + 1).int().cuda()
     g = torch.Generator(device="cuda").manual_seed(9)
-    steps = [tuple(torch.randn(2, n, 128, generator=g, device="cuda").bfloat16() for n in (8, 8, 32)) for _ in range(3)]
+    steps = [tuple(torch.randn(batch, n, 128, generator=g, device="cuda").bfloat16() for n in (8, 8, 32)) for _ in range(3)]
 
     def step(i: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, opts: KernelOptions) -> torch.Tensor:
         kv = pools[i].kv(1.0, 1.0)
