@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+# Tokens a reply: five whole pages, above the default reuse.recompute_threshold_tokens (64), so every later
+# turn pulls the reply's pages; the demo's claims hold at any such length and each token is a decode step.
+REPLY = 80
 ROW = re.compile(r"^\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)$", re.M)
 
 
@@ -34,7 +37,7 @@ def _leftovers() -> list[str]:
 def test_demo_shows_reuse_on_and_off_with_a_plot(tmp_path: Path) -> None:
     plot = tmp_path / "ttft.png"
     result = subprocess.run(
-        [sys.executable, "-m", "kvserving.cli", "demo", "--max-tokens", "96", "--plot", str(plot)],
+        [sys.executable, "-m", "kvserving.cli", "demo", "--max-tokens", str(REPLY), "--plot", str(plot)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -51,10 +54,10 @@ def test_demo_shows_reuse_on_and_off_with_a_plot(tmp_path: Path) -> None:
             assert r["local"] + r["pulled"] + r["computed"] == r["prompt"]
             assert r["cached"] == r["prompt"] - r["computed"]
     assert on[0]["computed"] == off[0]["computed"] == on[0]["prompt"]  # nothing to reuse on turn 1
-    # later turns pull the decode worker's reply pages (96 tokens, 6 pages) instead of recomputing them
-    assert all(r["pulled"] == 96 for r in on[1:])
+    # later turns pull the decode worker's reply pages instead of recomputing them
+    assert all(r["pulled"] == REPLY for r in on[1:])
     assert all(r["pulled"] == 0 for r in off)
-    assert sum(r["computed"] for r in on[1:]) + 4 * 96 == sum(r["computed"] for r in off[1:])
+    assert sum(r["computed"] for r in on[1:]) + 4 * REPLY == sum(r["computed"] for r in off[1:])
     assert f"TTFT plot: {plot}" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _leftovers() == []
