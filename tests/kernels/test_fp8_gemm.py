@@ -512,13 +512,15 @@ def test_linear_launches_the_block_gemm_with_the_pdl_choice_of_the_device_and_th
     ``griddepcontrol``), so the output is the quantized reference either way."""
     from kvserving.kernels import triton_fp8_gemm, triton_pdl
 
-    codes, scale = fp8_gemm.quantize_blocks(_weight(128, 2048, seed=3))
-    x = _acts(m, 2048, seed=5).to(torch.bfloat16)
+    # K 256, two groups of 128: which launches ``linear`` makes and the PDL choice each takes depend on M and the
+    # device only, and the interpreter runs the quantizer's M x K/128 programs one by one.
+    codes, scale = fp8_gemm.quantize_blocks(_weight(128, 256, seed=3))
+    x = _acts(m, 256, seed=5).to(torch.bfloat16)
     spec = fp8_gemm.linear_quantized_ref(x, codes, scale, scheme="block").double()
     quantize, block_gemm = triton_fp8_gemm.quantize, triton_fp8_gemm.block_gemm
-    assert not triton_fp8_gemm.launch_config(m, 128, 2048).a16  # the quantized path at every M here
-    # The recorders drop ``pdl``, so the quantizer runs plain on the same x under both choices: it runs once (M x 16
-    # programs, most of this test's time in the interpreter) and the second choice gets the same codes and scales.
+    assert not triton_fp8_gemm.launch_config(m, 128, 256).a16  # the quantized path at every M here
+    # The recorders drop ``pdl``, so the quantizer runs plain on the same x under both choices: it runs once and
+    # the second choice gets the same codes and scales.
     quantized: list[tuple[torch.Tensor, torch.Tensor]] = []
     for choice in (False, True):
         asked: list[tuple[str, bool]] = []
