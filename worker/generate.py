@@ -69,15 +69,17 @@ def chat_prompts(model_dir: Path, prompts: list[str]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from tokenizers import Tokenizer
 
-    from kvserving.worker.engine import LLMEngine
-    from kvserving.worker.sampling import SamplingParams
-
     model_dir = Path(args.model)
     check_model_dir(model_dir)
     if args.kv_bytes is not None:
         check_memory_bytes(args.kv_bytes, "--kv-bytes")
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     prompts = chat_prompts(model_dir, list(args.prompt)) if args.chat else list(args.prompt)
+    # torch comes with the engine: imported once the model directory and the prompts are known good, so refused
+    # input answers in a fraction of a second
+    from kvserving.worker.engine import LLMEngine
+    from kvserving.worker.sampling import SamplingParams
+
     config = ServingConfig(
         model=ModelConfig(path=str(model_dir), load_format=args.load_format),
         kv_cache=KVCacheConfig(dtype=args.kv_dtype, memory_bytes=args.kv_bytes),

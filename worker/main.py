@@ -37,12 +37,10 @@ from kvserving.argtypes import check_base_url, check_listen_address, float_in, i
 from kvserving.config import LOAD_FORMATS, ROLES, WORKER_KEEP_ALIVE_S, ServingConfig
 from kvserving.model_dir import resolve_model_dir
 from kvserving.worker.compiles import CompileWatch
-from kvserving.worker.metrics import WorkerMetrics
-from kvserving.worker.server import create_app
-from kvserving.worker.service import WorkerService
 
 if TYPE_CHECKING:
     from kvserving.worker.engine import LLMEngine
+    from kvserving.worker.service import WorkerService
 
 log = logging.getLogger("kvserving.worker")
 
@@ -128,6 +126,12 @@ def run(args: argparse.Namespace) -> int:
     if args.load_format is not None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, load_format=args.load_format))
     engine_id = args.engine_id or f"worker-{args.role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    # torch comes with these: imported once the arguments, the config and the address are known good, so a refused
+    # start answers in a fraction of a second
+    from kvserving.worker.metrics import WorkerMetrics
+    from kvserving.worker.server import create_app
+    from kvserving.worker.service import WorkerService
+
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, role=args.role)
     watch = CompileWatch(metrics.kernel_compiled)  # kernel compiles, by phase: before ready, or in a served step
