@@ -96,12 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the command whose flags they are not, with that command's help
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    try:
-        module = importlib.import_module(args._module)
-        return int(module.run(args) or 0)
-    except (ValueError, OSError) as exc:
-        print(f"kvserving {args.command}: error: {describe(exc)}", file=sys.stderr)
-        return 1
+    try:  # an interrupt while an error is being reported is still an interrupt, not a traceback
+        try:
+            module = importlib.import_module(args._module)
+            return int(module.run(args) or 0)
+        except (ValueError, OSError) as exc:
+            print(f"kvserving {args.command}: error: {describe(exc)}", file=sys.stderr)
+            return 1
     except KeyboardInterrupt:
         print(f"kvserving {args.command}: interrupted", file=sys.stderr)
         return 130
