@@ -19,8 +19,9 @@ ordered whichever kernels take part. ``KernelOptions.overlaps`` says when
 When it signals is the launch's ``mode`` (the constexpr ``PDL``): ``EARLY``, before its own wait (the programs
 of several kernels may then wait on the SMs ahead of the one running), or ``LATE``, right after its wait (at
 most one kernel waits ahead). Launches of one row (a one-token step) signal late, the rest early: the decode
-step measured 3-4 % faster at 1 x 4K with every Triton kernel late, 2.5 % slower at 8 x 4K with FP8 weights,
-the same within 0.7 % at 16 and 64 x 4K and 16 x 32K (docs/performance-log/engine-gpu.md)::
+step measured 2.7-4.1 % faster at 1 x 4K and 1.6-3.5 % at 1 x 32K with one-row launches late, and with every
+Triton kernel late 2.5 % slower at 8 x 4K with FP8 weights, the same within 0.7 % at 16 and 64 x 4K and 16 x 32K
+(docs/performance-log/engine-gpu.md)::
 
     EARLY: launch ─ load w ─ wait ─ ...       LATE: load w ─ wait ─ launch ─ ...
 """
