@@ -292,6 +292,5 @@ def merge_splits(launch: SplitLaunch, *, v_mul: float, pdl: bool = False) -> tor
     bs = merge_block(launch.splits)
     one = launch.splits <= bs
     _merge_kernel[(b * hq,)](launch.o, launch.lse, out, v_mul, launch.splits, BLOCK_S=bs, D=d, ONE=one,
-                             PDL=triton_pdl.mode(pdl, b), num_warps=4 if bs <= 32 else 8,
-                             **triton_pdl.launch_args(pdl))  # fmt: skip
+                             num_warps=4 if bs <= 32 else 8, **triton_pdl.launch(pdl, b))  # fmt: skip
     return out

@@ -538,7 +538,7 @@ def launch_decode(
             PAGE_BYTES2=lay2[0], K_OFF2=lay2[1], KS_OFF2=lay2[2], KZ_OFF2=lay2[3], V_OFF2=lay2[4], VS_OFF2=lay2[5],
             VZ_OFF2=lay2[6], BLOCK_H=max(16, triton.next_power_of_2(run.group)),
             PPI=ppi2 if part == 2 else cfg["PPI"], NUM_STAGES=cfg["NUM_STAGES"],
-            FAST=2 if fast and e2m1_cvt else int(fast), PDL=triton_pdl.mode(pdl, q.shape[0]), num_warps=cfg["num_warps"], **extra,
-            **triton_pdl.launch_args(pdl),
+            FAST=2 if fast and e2m1_cvt else int(fast), num_warps=cfg["num_warps"], **extra,
+            **triton_pdl.launch(pdl, q.shape[0]),
         )  # fmt: skip
     return merge_splits(run, v_mul=v_fold, pdl=pdl), kernel

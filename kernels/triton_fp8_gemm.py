@@ -349,8 +349,8 @@ def quantize(x: Tensor, *, group: int | None, column_major: bool = False, pdl: b
         per = quantize_groups_per_program(m, groups) if chunk == width else 1
         _quantize_kernel[(m, groups // per)](
             x, q, s, width, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-            CHUNK=chunk, ONE_STEP=chunk == width, GROUPS=per, PDL=triton_pdl.mode(pdl, m), num_warps=max(1, min(8, per * chunk // 512)),
-            **triton_pdl.launch_args(pdl),
+            CHUNK=chunk, ONE_STEP=chunk == width, GROUPS=per, num_warps=max(1, min(8, per * chunk // 512)),
+            **triton_pdl.launch(pdl, m),
         )  # fmt: skip
     return q, s
 
@@ -624,8 +624,7 @@ def _launch(a: Tensor, sa: Tensor, w: Tensor, sw: Tensor, t: Tiles, out: Tensor,
         a.stride(0), sa.stride(0) if scaled and not a16 else 0, w.stride(0), sw.stride(0) if scaled else 0, c.stride(-2),
         c.stride(0) if t.split_k > 1 else 0,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, SCALED=scaled, A16=a16,
-        PDL=triton_pdl.mode(pdl, m), NATIVE=_native_dot(a.device), num_warps=t.warps, num_stages=t.stages,
-        **triton_pdl.launch_args(pdl),
+        NATIVE=_native_dot(a.device), num_warps=t.warps, num_stages=t.stages, **triton_pdl.launch(pdl, m),
     )  # fmt: skip
     if t.split_k > 1:
         _sum_splits(c, out, pdl=pdl)
@@ -692,8 +691,7 @@ def _sum_splits(partials: Tensor, out: Tensor, *, pdl: bool = False) -> None:
     block = 1024
     total = out.numel()
     _sum_splits_kernel[(triton.cdiv(total, block),)](partials, out, total, SPLIT_K=partials.shape[0], BLOCK=block,
-                                                     PDL=triton_pdl.mode(pdl, out.shape[0]), num_warps=4,
-                                                     **triton_pdl.launch_args(pdl))  # fmt: skip
+                                                     num_warps=4, **triton_pdl.launch(pdl, out.shape[0]))  # fmt: skip
 
 
 def _check_weight(name: str, k: int, codes: Tensor, scale: Tensor) -> None:
@@ -744,7 +742,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None, *, out_dtype: torch.dt
     _gemv_kernel[(triton.cdiv(n, g.block_n), g.split_k)](
         x, weight, sw, c, n, k, x.stride(0), weight.stride(0), sw.stride(0), c.stride(-2), c.stride(0) if g.split_k > 1 else 0,
         ROWS=m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, STAGES=g.stages, SCALED=scaled, LANE=16 // weight.element_size(),
-        GATED=gated, PDL=triton_pdl.mode(on, m), num_warps=g.warps, **triton_pdl.launch_args(on),
+        GATED=gated, num_warps=g.warps, **triton_pdl.launch(on, m),
     )  # fmt: skip
     if g.split_k > 1:
         _sum_splits(c, out, pdl=on)

@@ -183,7 +183,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, pdl: bool | None = None) 
         block, on = triton.next_power_of_2(n), triton_pdl.resolve(pdl, x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, x2, weight, out, out, x2.stride(0), x2.stride(0), out.stride(0), out.stride(0), n, float(eps),
-            HAS_RES=False, BLOCK=block, PDL=triton_pdl.mode(on, x2.shape[0]), num_warps=_warps(block), **triton_pdl.launch_args(on),
+            HAS_RES=False, BLOCK=block, num_warps=_warps(block), **triton_pdl.launch(on, x2.shape[0]),
         )  # fmt: skip
     return out.view(x.shape)
 
@@ -200,7 +200,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, pdl
         block, on = triton.next_power_of_2(n), triton_pdl.resolve(pdl, x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, h, x2.stride(0), r2.stride(0), out.stride(0), h.stride(0), n, float(eps),
-            HAS_RES=True, BLOCK=block, PDL=triton_pdl.mode(on, x2.shape[0]), num_warps=_warps(block), **triton_pdl.launch_args(on),
+            HAS_RES=True, BLOCK=block, num_warps=_warps(block), **triton_pdl.launch(on, x2.shape[0]),
         )  # fmt: skip
     return out.view(x.shape), h.view(x.shape)
 
@@ -240,8 +240,8 @@ def qk_norm_rope(
         _qk_norm_rope_kernel[(t, num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, q_weight if has_norm else qkv, k_weight if has_norm else qkv, q, k, v,
             qkv.stride(0), cos.stride(0), float(eps),
-            H=num_heads, HKV=num_kv_heads, D=head_dim, HAS_NORM=has_norm, BLOCK=block, PDL=triton_pdl.mode(on, t), num_warps=1,
-            **triton_pdl.launch_args(on),
+            H=num_heads, HKV=num_kv_heads, D=head_dim, HAS_NORM=has_norm, BLOCK=block, num_warps=1,
+            **triton_pdl.launch(on, t),
         )  # fmt: skip
     return q, k, v
 
@@ -257,5 +257,5 @@ def silu_mul(gate_up: Tensor, *, pdl: bool | None = None) -> Tensor:
         block = min(1024, triton.next_power_of_2(inter))
         on = triton_pdl.resolve(pdl, gu.device)
         _silu_mul_kernel[(t, triton.cdiv(inter, block))](gu, out, gu.stride(0), out.stride(0), inter, BLOCK=block,
-                                                         PDL=triton_pdl.mode(on, t), num_warps=4, **triton_pdl.launch_args(on))  # fmt: skip
+                                                         num_warps=4, **triton_pdl.launch(on, t))  # fmt: skip
     return out

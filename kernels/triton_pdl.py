@@ -66,10 +66,14 @@ def wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def launch_args(pdl: bool | int) -> dict[str, Any]:
-    """The launch's keyword arguments: ``launch_pdl`` when on (any mode but OFF; none otherwise: the interpreter has
-    no such option)."""
+def launch_args(pdl: bool) -> dict[str, Any]:
+    """The launch's keyword arguments: ``launch_pdl`` when on (none otherwise: the interpreter has no such option)."""
     return {"launch_pdl": True} if pdl else {}
+
+
+def launch(pdl: bool, rows: int) -> dict[str, Any]:
+    """A ``start`` / ``wait`` kernel's launch keywords: its constexpr ``PDL`` (``mode``) and ``launch_args``."""
+    return {"PDL": mode(pdl, rows), **launch_args(pdl)}
 
 
 @functools.cache

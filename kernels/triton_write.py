@@ -373,7 +373,7 @@ def launch_write_kv(kv: PagedKV, k: torch.Tensor, v: torch.Tensor, page_ids: tor
         k.contiguous(), v.contiguous(), kv.base, page_ids, slots, t, float(kv.k_scale), float(kv.v_scale),
         FMT=FMT_CODES[layout.fmt], H=h, D=d, P=layout.page_size,
         PAGE_BYTES=pb, K_OFF=ko, KS_OFF=kso, KZ_OFF=kzo, V_OFF=vo, VS_OFF=vso, VZ_OFF=vzo,
-        BT=bt, GROUPS=int(groups), PDL=triton_pdl.mode(pdl, t), num_warps=num_warps, **triton_pdl.launch_args(pdl),
+        BT=bt, GROUPS=int(groups), num_warps=num_warps, **triton_pdl.launch(pdl, t),
     )  # fmt: skip
 
 

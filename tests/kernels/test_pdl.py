@@ -136,8 +136,10 @@ def test_one_row_launches_let_the_next_kernel_launch_late() -> None:
     assert [triton_pdl.mode(True, rows) for rows in (1, 2, 8, 64)] == [triton_pdl.LATE] + [triton_pdl.EARLY] * 3
     assert [triton_pdl.mode(False, rows) for rows in (1, 2)] == [triton_pdl.OFF] * 2
     assert (triton_pdl.OFF, triton_pdl.EARLY, triton_pdl.LATE) == (0, 1, 2)  # the literals start / wait test
-    assert triton_pdl.launch_args(triton_pdl.LATE) == triton_pdl.launch_args(True) == {"launch_pdl": True}
-    assert triton_pdl.launch_args(triton_pdl.OFF) == {}
+    # a launch's keywords: the mode and the launch attribute from the same choice (the interpreter gets no attribute)
+    assert triton_pdl.launch(True, 1) == {"PDL": triton_pdl.LATE, "launch_pdl": True}
+    assert triton_pdl.launch(True, 2) == {"PDL": triton_pdl.EARLY, "launch_pdl": True}
+    assert triton_pdl.launch(False, 1) == triton_pdl.launch(False, 2) == {"PDL": triton_pdl.OFF}
 
 
 # compiled for sm_90 in a child process: a compile in the test session can meet Triton objects the interpreter
