@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kvserving import jsonfmt
+from kvserving.argtypes import decode_shapes
 from kvserving.kernels import paged_ops, triton_decode, triton_gather, triton_write
 from kvserving.kernels.layout import PageLayout
 from kvserving.kernels.options import KernelOptions
@@ -267,14 +268,14 @@ def main() -> None:
     ap.add_argument("--out", default="decode_gpu.json")
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time tuning variants (Gluon: every shape; tl: 32x32K)")
-    ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
+    ap.add_argument("--shapes", type=decode_shapes, default=",".join(f"{b}x{c}" for b, c in SHAPES))
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--variants", default="", help='JSON list of Gluon tunings timed next to the default, e.g. [{"SPLITS": 3}]')
     ap.add_argument("--no-tl", action="store_true", help="skip the tl kernel rows of the packed formats")
     ap.add_argument("--no-writes", action="store_true", help="skip the write / gather rows")
     args = ap.parse_args()
     gl_variants: list[dict[str, Any]] = json.loads(args.variants) if args.variants else []
-    shapes = [(int(s.split("x")[0]), int(s.split("x")[1])) for s in args.shapes.split(",")]
+    shapes = args.shapes
     formats = args.formats.split(",")
     if unknown := [f for f in formats if f not in FORMATS]:
         ap.error(f"--formats: unknown {', '.join(unknown)}; expected some of {', '.join(FORMATS)}")

@@ -73,6 +73,7 @@ from typing import Any
 
 import torch
 
+from kvserving.argtypes import decode_shapes
 from kvserving.bits import MODAL_SHARE, SEMANTIC_SHARE, TEMPORAL_SHARE
 from kvserving.config import KV_LAYOUTS, KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
 from kvserving.kernels.options import KernelOptions
@@ -524,17 +525,6 @@ KERNEL_CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 
 
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """``"8x4096,24x32768"`` -> [(8, 4096), (24, 32768)]: decode shapes, batch x context, both positive."""
-    shapes = []
-    for item in text.split(","):
-        found = re.fullmatch(r"\s*(\d+)x(\d+)\s*", item)
-        if found is None or 0 in (b := int(found[1]), c := int(found[2])):
-            raise ValueError(f"{item.strip()!r} is not BATCHxCONTEXT with both positive, e.g. 16x4096")
-        shapes.append((b, c))
-    return shapes
-
-
 def kernel_class(name: str) -> str:
     for cls, pattern in KERNEL_CLASSES:
         if pattern.search(name):
@@ -644,7 +634,10 @@ def main() -> None:
     )
     ap.add_argument("--quick", action="store_true", help="batch 1 and 64 at 4K only, short loops")
     ap.add_argument(
-        "--shapes", default=None, help="decode shapes BATCHxCONTEXT, comma-separated (default: BATCHES x CONTEXTS; --quick: 1x4096,64x4096)"
+        "--shapes",
+        type=decode_shapes,
+        default=None,
+        help="decode shapes BATCHxCONTEXT, comma-separated (default: BATCHES x CONTEXTS; --quick: 1x4096,64x4096)",
     )
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--kv-gib", type=float, default=40.0, help="KV budget of the capacity measurement")
@@ -695,16 +688,7 @@ def main() -> None:
         ap.error(f"--formats: unknown {', '.join(unknown)}; expected some of {', '.join(FORMATS)}")
     if args.shapes and not args.section:
         ap.error("--shapes: name the run's --section too (a table of other shapes must not replace a full one)")
-    try:
-        shapes = (
-            parse_shapes(args.shapes)
-            if args.shapes
-            else [(1, 4096), (64, 4096)]
-            if args.quick
-            else [(b, c) for c in CONTEXTS for b in BATCHES]
-        )
-    except ValueError as exc:
-        ap.error(f"--shapes: {exc}")
+    shapes = args.shapes or ([(1, 4096), (64, 4096)] if args.quick else [(b, c) for c in CONTEXTS for b in BATCHES])
     over = (64, 4096)
     if args.smoke:
         shapes, over = [(1, 512), (4, 512)], (4, 512)

@@ -18,8 +18,10 @@ from typing import Any
 import torch
 from decode_gpu import HQ, D, Pool
 
+from kvserving.argtypes import decode_shapes
+
 tuning = json.loads(os.environ.get("TUNING", "{}")) or None
-batch, context = (int(v) for v in os.environ.get("SHAPE", "32x32768").split("x"))
+((batch, context),) = decode_shapes(os.environ.get("SHAPE", "32x32768"))
 runs = [(fmt, Pool(fmt, batch, context)) for fmt in sys.argv[1:]]
 q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
 for _, pool in runs:

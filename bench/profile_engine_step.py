@@ -18,6 +18,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from kvserving.argtypes import decode_shapes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_gpu.py beside this file
 import engine_gpu  # noqa: E402
@@ -39,14 +40,11 @@ def kernel_table(engine: engine_gpu.LLMEngine, *, steps: int) -> list[tuple[str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default="bf16,nvfp4")
-    ap.add_argument("--shapes", default="1x4096,64x4096", help="batch x context, comma-separated")
+    ap.add_argument("--shapes", type=decode_shapes, default="1x4096,64x4096", help="batch x context, comma-separated")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--smoke", action="store_true", help="CPU, toy shape: checks the script")
     args = ap.parse_args()
-    try:
-        shapes = engine_gpu.parse_shapes(args.shapes)
-    except ValueError as exc:
-        ap.error(f"--shapes: {exc}")
+    shapes = args.shapes
     vocab = 151936
     if args.smoke:
         engine_gpu.DEVICE = "cpu"

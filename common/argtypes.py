@@ -8,6 +8,7 @@ import errno
 import json
 import math
 import os
+import re
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +47,17 @@ def float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[st
         return value
 
     return parse
+
+
+def decode_shapes(text: str) -> list[tuple[int, int]]:
+    """``"8x4096,24x32768"`` -> [(8, 4096), (24, 32768)]: decode shapes, batch x context, both positive."""
+    shapes = []
+    for item in text.split(","):
+        found = re.fullmatch(r"\s*(\d+)x(\d+)\s*", item)
+        if found is None or 0 in (batch := int(found[1]), context := int(found[2])):
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not BATCHxCONTEXT with both positive, e.g. 16x4096")
+        shapes.append((batch, context))
+    return shapes
 
 
 def path_arg(text: str) -> Path:

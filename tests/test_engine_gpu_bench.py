@@ -3,10 +3,13 @@ bit budget the controller holds and reports the stored bits beside the fixed tab
 
 from __future__ import annotations
 
+import argparse
 from types import ModuleType
 
 import pytest
 from bench_module import load_bench
+
+from kvserving.argtypes import decode_shapes
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +129,8 @@ def test_kernels_are_summed_by_class_per_step_with_the_wall_time_they_leave(engi
                                 "attention": [["decode_attention", 0.15], ["_merge_kernel", 0.02]]}  # fmt: skip
 
 
-def test_shapes_parse_as_batch_x_context_and_refuse_anything_else(engine_gpu: ModuleType) -> None:
-    assert engine_gpu.parse_shapes("8x4096, 24x32768") == [(8, 4096), (24, 32768)]
+def test_shapes_parse_as_batch_x_context_and_refuse_anything_else() -> None:
+    assert decode_shapes("8x4096, 24x32768") == [(8, 4096), (24, 32768)]
     for bad in ("8x", "0x4096", "8x4096,x", "8*4096"):
-        with pytest.raises(ValueError, match="BATCHxCONTEXT"):
-            engine_gpu.parse_shapes(bad)
+        with pytest.raises(argparse.ArgumentTypeError, match="BATCHxCONTEXT"):
+            decode_shapes(bad)
