@@ -322,7 +322,10 @@ class ServerThread:
             time.sleep(0.01)
         return self
 
-    def stop(self, *, timeout_s: float = 10.0) -> None:
+    def stop(self, *, timeout_s: float = 10.0, wait_for_requests: bool = True) -> None:
+        """Stop serving; ``wait_for_requests=False`` ends requests still in flight instead of waiting for
+        them (a frozen fake's health answer or stream sleeps for seconds to an hour)."""
+        self.server.force_exit = not wait_for_requests
         self.server.should_exit = True
         self.thread.join(timeout_s)
 
