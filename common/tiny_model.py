@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from kvserving import tokenizer_data
+
+if TYPE_CHECKING:
+    import torch
 
 # config.json of the tiny model: ~5.0M parameters (1M embedding, 1M untied
 # lm_head, 0.7M per layer).
@@ -81,6 +82,8 @@ def random_weights(config: dict[str, object], *, seed: int = 0, std: float = 0.0
       the winner;
     - all norms 1.
     """
+    import torch  # here, not at import: the gateway finds the cached model's tokenizer through this module
+
     gen = torch.Generator().manual_seed(seed)
     hidden = int(config["hidden_size"])  # type: ignore[call-overload]
     inter = int(config["intermediate_size"])  # type: ignore[call-overload]
@@ -146,6 +149,8 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, shape: str = "tiny")
         },
     )
     if shape == "tiny":
+        from safetensors.torch import save_file
+
         save_file(random_weights(config, seed=seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 

@@ -117,11 +117,6 @@ def model_dir(config: ServingConfig) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prometheus_client import CollectorRegistry
-
-    from .app import build_app, build_state
-    from .completions import ModelInfo
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args)
     if not (config.gateway.prefill_urls or config.gateway.decode_urls or config.gateway.decode_service):
@@ -133,6 +128,13 @@ def run(args: argparse.Namespace) -> int:
         )
     where = model_dir(config)
     check_listen_address(args.host, args.port)  # before the tokenizer loads, not after
+    # the app's modules (FastAPI, the tokenizer's libraries) load once the input is known good: a refused start
+    # answers at once
+    from prometheus_client import CollectorRegistry
+
+    from .app import build_app, build_state
+    from .completions import ModelInfo
+
     model = ModelInfo.load(
         where,
         served_name=config.model.served_name,

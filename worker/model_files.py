@@ -11,14 +11,18 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from kvserving.argtypes import path_arg
-from kvserving.kernels import fp8_gemm
+from kvserving.config import WEIGHT_FORMATS as ENGINE_WEIGHT_FORMATS
 from kvserving.tiny_model import SHAPES, build_tiny_model
-from kvserving.worker.weights import WEIGHT_FORMATS, Fp8Scheme
+
+# torch and the engine's modules load in the functions that write weights: `kvserving tiny-model` refuses a
+# bad DIR or argument before importing them
+if TYPE_CHECKING:
+    import torch
+
+    from kvserving.worker.weights import Fp8Scheme
 
 FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 INPUT_SAMPLE_TOKENS = 256  # random token ids whose activations set the static input scales
@@ -30,6 +34,10 @@ def build_model_dir(
     """``build_tiny_model``'s directory; ``weight_format`` "fp8" / "fp8_block" writes it as an FP8 checkpoint
     (``static_input``: with measured ``input_scale`` tensors, per tensor only). A shape other than "tiny" has no
     weights: its config.json then names the FP8 scheme the dummy load format quantizes to."""
+    from safetensors.torch import save_file
+
+    from kvserving.worker.weights import WEIGHT_FORMATS, Fp8Scheme
+
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weight_format!r}; known: {list(WEIGHT_FORMATS)}")
     if static_input and (weight_format != "fp8" or shape != "tiny"):
@@ -53,6 +61,8 @@ def fp8_checkpoint(model_dir: Path, scheme: Fp8Scheme) -> dict[str, torch.Tensor
     scheme ``input_scale`` [] = amax / 448 of the layer's input over a sample of random token ids."""
     from safetensors.torch import load_file
 
+    from kvserving.kernels import fp8_gemm
+
     weights = load_file(str(model_dir / "model.safetensors"))
     inputs = _input_amax(model_dir) if scheme.static_input else {}
     out: dict[str, torch.Tensor] = {}
@@ -70,9 +80,10 @@ def fp8_checkpoint(model_dir: Path, scheme: Fp8Scheme) -> dict[str, torch.Tensor
     return out
 
 
-@torch.no_grad()
 def _input_amax(model_dir: Path) -> dict[str, torch.Tensor]:
     """Hugging Face linear module name -> amax of its input over one prefill of random token ids."""
+    import torch
+
     from kvserving.worker.model import DenseCausalAttention, linear_parts, load_model
 
     args, model = load_model(model_dir)
@@ -86,7 +97,8 @@ def _input_amax(model_dir: Path) -> dict[str, torch.Tensor]:
 
         hooks.append(model.get_submodule(module).register_forward_pre_hook(record))
     ids = torch.randint(0, args.vocab_size, (INPUT_SAMPLE_TOKENS,), generator=torch.Generator().manual_seed(0))
-    model(ids, torch.arange(len(ids)), DenseCausalAttention())
+    with torch.no_grad():
+        model(ids, torch.arange(len(ids)), DenseCausalAttention())
     for h in hooks:
         h.remove()
     return amax
@@ -104,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--weights",
-        choices=WEIGHT_FORMATS,
+        choices=[f for f in ENGINE_WEIGHT_FORMATS if f != "auto"],  # a checkpoint is written in one of them
         default="bf16",
         help="'fp8' (a scale per tensor) or 'fp8_block' (per 128x128 tile): the linear layers as FP8 "
         "checkpoints store them (qwen3-8b: config.json's quantization_config only)",
