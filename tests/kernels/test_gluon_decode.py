@@ -39,7 +39,7 @@ _COMPILE = r"""
 import json, re, sys
 from kvserving.kernels import gluon_decode
 from kvserving.kernels.compile_report import loops, report
-fmt, heads, fuse = sys.argv[1], int(sys.argv[2]), {"tuning": None, "on": True}[sys.argv[3]]
+fmt, heads, fuse, merge_sc = sys.argv[1], int(sys.argv[2]), {"tuning": None, "on": True}[sys.argv[3]], int(sys.argv[4])
 
 def ordering(sass):
     # the memory-ordering instructions in program order, runs collapsed: fences, atomics, L1 invalidations and
@@ -50,22 +50,32 @@ def ordering(sass):
         if tag.startswith(("MEMBAR", "ATOM", "RED", "CCTL", "FENCE", "LDG.STRONG")) and (not seen or seen[-1] != tag):
             seen.append(tag)
     return seen
+def merge_loop(sass):
+    # the opcodes, in program order, of the innermost loop whose loads bypass L1: the wide merge's steps
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*)", sass)
+    for addr, op, rest in lines:
+        t = re.match(r"\s*0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if t and int(t.group(1), 16) < int(addr, 16):
+            body = [o for a, o, _ in lines if int(t.group(1), 16) <= int(a, 16) <= int(addr, 16)]
+            if any(o.startswith("LDG") and o.endswith("STRONG.GPU") for o in body):
+                return body
+    return []
 cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
-sig, const = gluon_decode.compile_report_args(fmt, heads=heads, fuse=fuse)
+sig, const = gluon_decode.compile_report_args(fmt, heads=heads, fuse=fuse, merge_sc=merge_sc)
 warps = const.pop("num_warps")
 r = report(gluon_decode._gl_decode_kernel, sig, const, gluon=True, num_warps=warps, aligned=("total_bytes",),
            maxnreg=gluon_decode.register_cap(fmt, cfg, heads=heads))
 print(json.dumps({"warps": warps, "local": r["local"], "stack": r["stack"], "shared": r["shared"], "regs": r["regs"],
                   "loops": [dict(c) for c in loops(r["sass"]) if any(op.startswith("HMMA") for op in c)],
                   "atomics": sum(n for op, n in r["ops"].items() if op.startswith(("ATOM", "RED"))),
-                  "ordering": ordering(r["sass"])}))
+                  "ordering": ordering(r["sass"]), "merge_loop": merge_loop(r["sass"])}))
 """
 
 
-def _compile(fmt: str, heads: int = 4, *, fuse: bool = False) -> dict[str, Any]:
+def _compile(fmt: str, heads: int = 4, *, fuse: bool = False, merge_sc: int = 0) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, fmt, str(heads), "on" if fuse else "tuning"], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    args = [fmt, str(heads), "on" if fuse else "tuning", str(merge_sc)]
+    done = subprocess.run([sys.executable, "-c", _COMPILE, *args], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
@@ -124,6 +134,44 @@ def test_gluon_decode_with_the_fused_merge_compiles_without_spills_and_keeps_its
     assert fused["ordering"] == ["MEMBAR.ALL.GPU", "ATOMG.E.ADD.STRONG.GPU", "CCTL.IVALL", "LDG.STRONG.GPU"], fused["ordering"]
     cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
     assert resident_programs(regs=fused["regs"], warps=fused["warps"], shared=fused["shared"]) == cfg["RES"], fused
+
+
+@pytest.mark.parametrize("heads", [4, 16])
+@pytest.mark.parametrize("fmt", ["nvfp4", "triaxial", "fp8_e4m3"])
+def test_the_wide_merge_compiles_without_spills_and_issues_a_steps_loads_before_its_sums(fmt: str, heads: int) -> None:
+    # MERGE_SC 8 (_gl_merge_wide): no spill under the tuning's cap, the plain kernel's shared memory and at least its
+    # programs per SM (the tuning's RES at 4 heads), the arrival pattern of the fused merge; one loop over the steps
+    # whose SC splits' 16-byte loads all issue before the step's first multiply, so their L2 latencies overlap
+    plain, wide = _compile(fmt, heads), _compile(fmt, heads, fuse=True, merge_sc=8)
+    assert wide["local"] == 0 and wide["stack"] == 0, wide
+    assert wide["shared"] == plain["shared"]
+    assert wide["ordering"] == ["MEMBAR.ALL.GPU", "ATOMG.E.ADD.STRONG.GPU", "CCTL.IVALL", "LDG.STRONG.GPU"], wide["ordering"]
+    cfg = gluon_decode.GL_TUNING["int4" if fmt == "triaxial" else fmt]
+    res = resident_programs(regs=wide["regs"], warps=wide["warps"], shared=wide["shared"])
+    assert res >= resident_programs(regs=plain["regs"], warps=plain["warps"], shared=plain["shared"]), (wide, plain)
+    if heads <= 8:
+        assert res == cfg["RES"], wide
+    # a step: [GP, SC, 128] fp32 over the program's threads, 4 channels a load; GP = the heads padded to a power of
+    # two, SC = MERGE_SC capped so that a step's tile takes at most 64 registers a thread, 32 at 16 heads (_merge_step)
+    threads = 32 * wide["warps"]
+    sc = min(8, (64 if heads <= 8 else 32) * threads // (heads * 128))
+    body = wide["merge_loop"]
+    loads = [i for i, op in enumerate(body) if op == "LDG.E.128.STRONG.GPU"]
+    sums = [i for i, op in enumerate(body) if op.startswith(("FFMA", "FMUL", "FADD"))]
+    assert len(loads) == heads * sc * 128 // (threads * 4), body
+    assert sums and loads[-1] < sums[0], body
+
+
+def test_merge_step_is_the_tunings_merge_sc_up_to_64_splits() -> None:
+    # 0 (no MERGE_SC: _gl_merge) unless asked for; past MERGE_MAX_SPLITS the two-pass merge, which has no limit
+    assert gluon_decode.MERGE_MAX_SPLITS == 64
+    assert gluon_decode.merge_step({}, splits=33) == 0
+    assert gluon_decode.merge_step({"MERGE_SC": 8}, splits=64) == 8
+    assert gluon_decode.merge_step({"MERGE_SC": 8}, splits=65) == 0
+    for bad in (3, -2):
+        with pytest.raises(ValueError, match="MERGE_SC"):
+            gluon_decode.merge_step({"MERGE_SC": bad}, splits=4)
+    assert all("MERGE_SC" not in cfg for cfg in gluon_decode.GL_TUNING.values())
 
 
 def test_the_splits_merge_in_the_kernel_up_to_eight_splits_unless_the_option_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -237,7 +285,8 @@ def test_gpu_the_fused_merge_equals_the_merge_launch_and_leaves_its_counters_zer
     launch) on the same partials: equal within bf16 rounding of the same fp32 sums (the two add the splits in
     another order: 1 bf16 ulp, 2^-8 relative), at the planner's, 1, 2 and 40 splits (empty ones among them; a
     triaxial row's 2 are its INT2 and INT4 pages); every arrival counter is back at zero after each launch, also
-    after a CUDA graph of two launches replayed three times."""
+    after a CUDA graph of two launches replayed three times. The wide merge (MERGE_SC 2 and 8) at 1, 2, the
+    planner's, 33 and 64 splits against the same merge launch."""
     from test_triton_paged import _filled_pool
 
     p = 32 if case == "triaxial" else 16
@@ -247,9 +296,10 @@ def test_gpu_the_fused_merge_equals_the_merge_launch_and_leaves_its_counters_zer
     cfg = gluon_decode.GL_TUNING[kv.layout.fmt]
     step = cfg["num_warps"] * cfg["PPW"]
 
-    def run(fuse: int, plan: tuple[int, int]) -> torch.Tensor:
+    def run(fuse: int, plan: tuple[int, int], merge_sc: int = 0) -> torch.Tensor:
+        tuning = {**cfg, "FUSE": fuse, "MERGE_SC": merge_sc}
         out, _ = gluon_decode.launch_decode(q, kv, filled.page_table, filled.seq_lens, sm_scale=0.1,
-                                            num_int2_pages=filled.num_int2, cfg={**cfg, "FUSE": fuse}, plan=plan)  # fmt: skip
+                                            num_int2_pages=filled.num_int2, cfg=tuning, plan=plan)  # fmt: skip
         return out
 
     counters = gluon_decode.arrival_counters(q.device, 8)
@@ -263,6 +313,15 @@ def test_gpu_the_fused_merge_equals_the_merge_launch_and_leaves_its_counters_zer
         assert int(counters.count_nonzero()) == 0, plan
         assert torch.allclose(got, want, rtol=2**-7, atol=1e-6), (plan, float((got - want).abs().max()))
         assert float(want.abs().max()) > 0  # the rows are not all empty
+    planned = gluon_decode.split_plan(q, kv, filled.page_table, cfg)
+    for plan in [(1, 64 * step), two, planned, (33, step), (64, step)]:
+        if kv.triaxial and plan[0] == 1:
+            continue
+        want = run(0, plan).float()
+        for merge_sc in (2, 8):
+            got = run(1, plan, merge_sc).float()
+            assert int(counters.count_nonzero()) == 0, (plan, merge_sc)
+            assert torch.allclose(got, want, rtol=2**-7, atol=1e-6), (plan, merge_sc, float((got - want).abs().max()))
     plan = (40, step)
     run(1, plan)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
