@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("kvserving.operator.main", "run the kopf operator"),
     "tiny-model": ("kvserving.worker.model_files", "write the built-in tiny model (HF format) to DIR"),
     "generate": ("kvserving.worker.generate", "offline generation with the engine (no server)"),
-    "calibrate": ("kvserving.calibrate.measure", "measure KV sensitivity per token class: bits tables per budget and fp8/nvfp4 scales"),
+    "calibrate": ("kvserving.calibrate.main", "measure KV sensitivity per token class: bits tables per budget and fp8/nvfp4 scales"),
     "config": ("kvserving.config_file", "write the engine-config file (every field, its default) that --config takes"),
     "worker": ("kvserving.worker.main", "serve one worker (prefill, decode or both): the worker HTTP API, engine and NIXL agent"),
     "gateway": ("kvserving.gateway.main", "the OpenAI-compatible gateway in front of prefill/decode workers"),
