@@ -257,21 +257,6 @@ def linear_cuda(
     return out if bias is None else out + bias
 
 
-def gated_linear_cuda(
-    gate_up: Tensor, codes: Tensor, scale: Tensor, *, scheme: str, bias: Tensor | None = None, backend: str = "auto"
-) -> Tensor | None:
-    """SwiGLU's down projection for gate_up [M, 2 I] bf16 (CUDA) and an [N, I] weight in one launch: what
-    ``linear_cuda`` gives for ``silu_mul(gate_up)``, bit for bit, where it would run Triton's GEMV (block scales,
-    backend "auto" or "triton", M where ``launch_config`` picks the GEMV); None elsewhere (the caller runs silu_mul
-    and ``linear_cuda``)."""
-    if backend not in BLOCK_BACKENDS:
-        raise ValueError(f"backend must be one of {BLOCK_BACKENDS}, got {backend!r}")
-    if scheme != "block" or backend == "cublas":
-        return None
-    out = _triton_gemm().gated_linear(gate_up, codes, scale, out_dtype=gate_up.dtype)
-    return out if out is None or bias is None else out + bias
-
-
 def unquantized(m: int, n: int, k: int) -> bool:
     """Whether the block-scaled product of M tokens by an [N, K] weight runs Triton on the activations as they are
     (the GEMV, or the block GEMM's ``a16`` tiles) rather than an MMA GEMM on quantized activations:

@@ -762,11 +762,6 @@ def quantizer_pdl(m: int) -> bool:
     return m in QUANTIZER_PDL_ROWS
 
 
-def chosen_launch(m: int, n: int, k: int) -> Tiles | Gemv:
-    """The kernel ``linear`` runs for M tokens by an [N, K] weight: ``tiles_override``'s, else ``launch_config``'s."""
-    return _OVERRIDE.get() or launch_config(m, n, k)
-
-
 def linear(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """x [M, K] bf16 -> [M, N] ``out_dtype`` through the kernel ``launch_config`` (or ``tiles_override``) picks: the
     GEMV on x as it is, the block GEMM on x as it is (``a16`` tiles), or the per-128 quantizer and the block GEMM.
@@ -774,7 +769,7 @@ def linear(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = 
     only at ``QUANTIZER_PDL_ROWS`` (``quantizer_pdl``)."""
     if x.dim() != 2:
         raise ValueError(f"linear: x must be [M, K], got {tuple(x.shape)}")
-    launch = chosen_launch(x.shape[0], codes.shape[0], x.shape[1])
+    launch = _OVERRIDE.get() or launch_config(x.shape[0], codes.shape[0], x.shape[1])
     if isinstance(launch, Gemv):
         return gemv(x, codes, scale, out_dtype=out_dtype)
     if launch.a16:
@@ -782,15 +777,3 @@ def linear(x: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = 
     pdl = triton_pdl.resolve(None, x.device)
     qa, sa = quantize(x, group=GROUP, pdl=pdl and quantizer_pdl(x.shape[0]))
     return block_gemm(qa, sa, codes, scale, out_dtype=out_dtype, pdl=pdl)
-
-
-def gated_linear(gate_up: Tensor, codes: Tensor, scale: Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> Tensor | None:
-    """SwiGLU's down projection, ``linear(triton_norm.silu_mul(gate_up), codes, scale)`` for gate_up [M, 2 I] and an
-    [N, I] weight, in one launch where ``linear`` would run the GEMV: the GEMV forms silu(gate) * up in its
-    registers (``gated``), equal to the pair bit for bit, and the silu_mul launch of the layer goes. None where
-    ``linear`` runs another kernel (the caller runs the pair)."""
-    if gate_up.dim() != 2 or gate_up.shape[1] != 2 * codes.shape[1]:
-        return None
-    if not isinstance(chosen_launch(gate_up.shape[0], codes.shape[0], codes.shape[1]), Gemv):
-        return None
-    return gemv(gate_up, codes, scale, out_dtype=out_dtype, gated=True)

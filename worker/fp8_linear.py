@@ -91,14 +91,6 @@ class Fp8Linear(nn.Module):
             out = fp8_gemm.linear_ref(x2, self.weight, self.weight_scale, scheme=self.scheme, bias=self.bias)
         return out.view(*lead, self.out_features)
 
-    def gated_forward(self, gate_up: Tensor) -> Tensor | None:
-        """``forward(silu_mul(gate_up))`` for SwiGLU's [T, 2 I] gate and up in one launch where the GPU path runs
-        the GEMV on this many tokens (``fp8_gemm.gated_linear_cuda``), equal to the pair bit for bit; else None."""
-        if self.backend == "torch" or gate_up.dim() != 2 or not fp8_gemm.cuda_supported(gate_up):
-            return None
-        backend = self.backend if self.scale_cublas is not None or self.backend != "auto" else "triton"
-        return fp8_gemm.gated_linear_cuda(gate_up, self.weight, self.weight_scale, scheme=self.scheme, bias=self.bias, backend=backend)
-
     def dequantized_weight(self) -> Tensor:
         """The fp32 weight [N, K] the codes and scales stand for."""
         return fp8_gemm.dequantize(self.weight, self.weight_scale, scheme=self.scheme)

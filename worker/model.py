@@ -21,8 +21,7 @@ kernels (`kernels.triton_norm`): RMSNorm with the residual add, q/k-norm +
 RoPE, SiLU * up. On CPU, and where autograd needs gradients, the same steps
 run as the torch references (`kernels.norm_ref`). The bf16 projections run
 cuBLAS, or at 1-2 tokens the Triton GEMV (`product`; the down projection forms
-SiLU * up itself, `gated_product`; so does the FP8 GEMV, `Fp8Linear.gated_forward`)
-and at 3-64 tokens, in the CUDA-graph decode,
+SiLU * up itself, `gated_product`) and at 3-64 tokens, in the CUDA-graph decode,
 the Triton block GEMM (`KVSERVING_BF16_GEMV=0` keeps cuBLAS): they read those
 weights closer to the memory's limit than cuBLAS does at those sizes
 (docs/results.md).
@@ -434,10 +433,7 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
         down = self.down_proj
-        if isinstance(down, Linear):
-            fused = gated_product(gate_up, down.weight, down.bias)
-        else:
-            fused = down.gated_forward(gate_up) if isinstance(down, Fp8Linear) else None
+        fused = gated_product(gate_up, down.weight, down.bias) if isinstance(down, Linear) else None
         if fused is not None:  # the GEMV formed silu(gate) * up itself
             return fused
         k = _fused(gate_up)

@@ -123,8 +123,6 @@ def _engine_kernels() -> None:
         triton_fp8_gemm.quantize(torch.randn(m, 4096, dtype=torch.bfloat16), group=128)
     for m in (1, 2):
         triton_fp8_gemm.linear(torch.randn(m, 4096, dtype=torch.bfloat16), blocks_q, blocks)
-    # the FP8 down projection's GEMV, SwiGLU formed inside (Fp8Linear.gated_forward)
-    triton_fp8_gemm.gated_linear(torch.randn(1, 2 * 4096, dtype=torch.bfloat16), blocks_q, blocks)
     # bf16 weights: the same GEMV unscaled at M 1 and 2 (model.product, the default)
     _label[0] = "bf16w"
     for m in (1, 2):

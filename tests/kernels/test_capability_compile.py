@@ -63,19 +63,11 @@ def _expected(sm: int) -> set[str]:
     names |= {"bf16:_merge_kernel", "fp8_e4m3:_merge_kernel"}
     names |= {"triaxial:_write_int2_keys_kernel", "triaxial:_write_int2_values_kernel", "triaxial:_decode_kernel#2"}
     # FP8 weights: the block GEMM per tile shape (M 16, 64, 256); M 16 splits K in 4, so its partials' sum too; the
-    # GEMV at M 1 (no split at N 1024) and M 2 (2 splits: a second specialization of the sum), and at M 1 gated
-    # (the down projection forming SwiGLU)
+    # GEMV at M 1 (no split at N 1024) and M 2 (2 splits: a second specialization of the sum)
     names |= {"fp8:_block_gemm_kernel", "fp8:_block_gemm_kernel#2", "fp8:_block_gemm_kernel#3", "fp8:_sum_splits_kernel"}
     names.add("fp8:_sum_splits_kernel#2")
     names |= {"fp8:_quantize_kernel", "fp8:_quantize_kernel#2"}  # the activation quantizer: one group a program, 16
-    names |= {
-        "fp8:_gemv_kernel",
-        "fp8:_gemv_kernel#2",
-        "fp8:_gemv_kernel#3",
-        "bf16w:_gemv_kernel",
-        "bf16w:_gemv_kernel#2",
-        "bf16w:_gemv_kernel#3",
-    }
+    names |= {"fp8:_gemv_kernel", "fp8:_gemv_kernel#2", "bf16w:_gemv_kernel", "bf16w:_gemv_kernel#2", "bf16w:_gemv_kernel#3"}
     if row.e2m1 == "cvt":
         names.add("nvfp4-cvt:_decode_kernel")
     if row.decode == "gluon":
