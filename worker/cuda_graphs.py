@@ -35,6 +35,9 @@ compiles and its capture (up to seconds) inside a running decode batch.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -103,6 +106,24 @@ class _Row:
     n: int  # pages covered
     table: np.ndarray  # int32 [capacity], the first n used
     n2: int  # INT2 pages leading the row
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Garbage collected on entry, and no automatic collection inside (the state before restored on exit; a nested
+    use neither collects nor re-enables). A CUDA graph or a compiled Triton kernel left in a reference cycle (an
+    engine that is gone) is destroyed whenever the collector runs: during a capture its destructor's calls are ones
+    a capturing stream forbids, and the capture fails ("operation failed due to a previous error during capture").
+    ``torch.cuda.graph`` itself does not collect before capturing."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 class DecodeGraphs:
@@ -246,12 +267,13 @@ class DecodeGraphs:
         """Capture the graph of every shape in ``graph_shapes`` not captured yet (without capture, on CPU in
         tests: run each once), widest first; returns how many. Only padding pages are written."""
         shapes = [s for s in reversed(graph_shapes(self.max_batch, self.max_pages)) if s not in self.graphs]
-        for b, width in shapes:
-            self._fill_padding(b, width)
-            if self.capture:
-                self._capture(b, width)
-            else:
-                self._forward(b, width)
+        with gc_paused():  # one collection for all the captures
+            for b, width in shapes:
+                self._fill_padding(b, width)
+                if self.capture:
+                    self._capture(b, width)
+                else:
+                    self._forward(b, width)
         return len(shapes)
 
     def _meta(self, b: int, width: int) -> AttentionMetadata:
@@ -287,7 +309,7 @@ class DecodeGraphs:
             self._forward(b, width)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with gc_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self._forward(b, width)
         self.graphs[(b, width)] = graph
         return graph

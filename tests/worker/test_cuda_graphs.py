@@ -3,13 +3,23 @@ every KV format (greedy and seeded sampling), and decode steps really replay gra
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
-from kvserving.worker.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, batch_bucket, graph_shapes, pad_pages_needed, table_width
+from kvserving.worker.cuda_graphs import (
+    BATCH_BUCKETS,
+    DecodeGraphs,
+    batch_bucket,
+    gc_paused,
+    graph_shapes,
+    pad_pages_needed,
+    table_width,
+)
 from kvserving.worker.engine import LLMEngine
 from kvserving.worker.model_runner import ModelRunner
 from kvserving.worker.sampling import SamplingParams
@@ -31,6 +41,40 @@ def static_graphs(engine: LLMEngine) -> DecodeGraphs:
         engine.model, engine.attention, device=torch.device("cpu"), max_batch=8,
         max_pages=engine.runner.max_pages, pad_pages=pad, capture=False,
     )  # fmt: skip
+
+
+class _Cycle:
+    """An object only a reference cycle keeps (as a gone engine's CUDA graphs can be): the collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_garbage_is_collected_before_a_capture_and_not_during_it() -> None:
+    # a collection inside a capture would destroy such a graph there, and its destructor invalidates the capture
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        gc.disable()  # keep the cycle alive until gc_paused collects it
+        dead = weakref.ref(_Cycle())
+        assert dead() is not None
+        gc.enable()
+        with gc_paused():
+            assert dead() is None and not gc.isenabled()
+            later = weakref.ref(_Cycle())
+            with gc_paused():  # nested: neither collects nor turns collection back on
+                assert not gc.isenabled()
+            assert later() is not None and not gc.isenabled()
+        assert gc.isenabled()
+        with pytest.raises(RuntimeError), gc_paused():  # restored when the capture fails too
+            raise RuntimeError("capture failed")
+        assert gc.isenabled()
+        gc.disable()
+        with gc_paused():  # disabled by the caller: left as it is
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable() if was else gc.disable()
 
 
 def test_buckets() -> None:
