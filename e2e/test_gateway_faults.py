@@ -184,28 +184,31 @@ def test_a_frozen_lease_holder_costs_the_turn_a_recompute_on_the_other_decode_wo
         """A fault-free turn 2 and the same turn with the holder frozen, each timed; up to ATTEMPTS
         pairs until the frozen one is within the bound (a regression misses it every time; one
         noisy pair on a loaded 2-core machine missed it by 73 ms). Every frozen turn is counted
-        once and gives the reference.
+        once and gives the reference. A pull the worker's own peer deadline ended instead of the verdict
+        (the gateway starved of CPU for seconds on an overloaded machine) is a correct turn that shows
+        nothing of the verdict: that pair is timed again too.
 
         The bound: twice the fault-free turn (the verdict takes FROZEN_FLOOR_S, mostly beside the
         prefill; then the turn's prefill or decode runs again), plus NOISE_S: the reference is one
         turn's time on a shared 2-core machine. (Unbounded, the case hung until the client gave up,
         102 s; with a fixed 1 s /health deadline it took 1.42-1.51 s against 0.17-0.21 s.)"""
-        times: list[tuple[float, float]] = []
+        times: list[tuple[float, float, bool]] = []  # (frozen s, fault-free s, ended by the verdict)
         for attempt in range(ATTEMPTS):
             counted = fallbacks()
+            unreachable = worker_metric(prefill, "kvserving_worker_kv_reuse_fallbacks_total", reason="remote_unreachable")
             ref_salt, frozen_salt = (salt, salt) if warm else (f"{salt}-ref-{attempt}", f"{salt}-frozen-{attempt}")
             replies, normal = conversation(f"{case}-fault-free-{attempt}", ref_salt)
             assert replies == reference
             replies, t_frozen = conversation(f"{case}-frozen-{attempt}", frozen_salt, freeze=True, stream=warm)
             assert replies == reference
             assert fallbacks() == counted + 1
-            # (a pull was dropped at the verdict, not ended by the worker's peer deadline)
-            assert worker_metric(prefill, "kvserving_worker_kv_reuse_fallbacks_total", reason="remote_unreachable") == 0
-            times.append((t_frozen, normal))
-            print(f"turn 2, {case}: holder frozen {t_frozen:.2f} s against {normal:.2f} s fault-free")
-            if t_frozen <= 2 * normal + NOISE_S:
+            # the pull dropped at the verdict, not ended by the worker's peer deadline
+            by_verdict = worker_metric(prefill, "kvserving_worker_kv_reuse_fallbacks_total", reason="remote_unreachable") == unreachable
+            times.append((t_frozen, normal, by_verdict))
+            print(f"turn 2, {case}: holder frozen {t_frozen:.2f} s against {normal:.2f} s fault-free, by verdict: {by_verdict}")
+            if by_verdict and t_frozen <= 2 * normal + NOISE_S:
                 return
-        raise AssertionError(f"{case}: every frozen turn over twice its fault-free time: {times}")
+        raise AssertionError(f"{case}: no frozen turn ended by the verdict within twice its fault-free time: {times}")
 
     try:
         # the reference: fault-free, cold; its cache (salt "a") is the warm case's below
