@@ -350,6 +350,14 @@ def test_tiny_model_cli_writes_an_8b_fp8_config(tmp_path: Path, capsys: pytest.C
     assert read_quantization(config) == Fp8Scheme("fp8_block") and not list(out.glob("*.safetensors"))
 
 
+def test_tiny_model_offers_every_weight_format_a_checkpoint_can_hold() -> None:
+    # its --weights choices come from the engine config (torch-free) while the writer checks worker.weights'
+    from kvserving.config import WEIGHT_FORMATS as ENGINE
+    from kvserving.worker.weights import WEIGHT_FORMATS as CHECKPOINT
+
+    assert [f for f in ENGINE if f != "auto"] == list(CHECKPOINT)
+
+
 def test_the_operator_renders_the_weight_format_the_crd_admits() -> None:
     import yaml
 
