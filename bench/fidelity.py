@@ -109,8 +109,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_file import combine, write_section  # noqa: E402  (bench/ beside this file)
 
 from kvserving.bits import bits_table_for_budget, count_page_mixes, default_sensitivity, format_bits_table, page_records
+from kvserving.calibrate import METRICS
 from kvserving.calibrate.data import TaggedSeq, agent_wrap, chars_per_token, load_data
-from kvserving.calibrate.measure import METRICS, calibrate, capture_qkv, select_tables
+from kvserving.calibrate.measure import calibrate, capture_qkv, select_tables
 from kvserving.calibrate.kl import kl_sum, log_probs, predicted, table_attn_distortion, table_bits
 from kvserving.calibration import Calibration, budget_key
 from kvserving.config import KVCacheConfig, ModelConfig, SchedulerConfig, ServingConfig
