@@ -29,7 +29,7 @@ import pytest
 import torch
 from test_triton_paged import _check_decode
 
-from kvserving.kernels import gluon_decode, paged_ops
+from kvserving.kernels import gluon_decode, gluon_merge, paged_ops
 from kvserving.kernels.options import KernelOptions
 from kvserving.kernels.triton_common import resident_programs
 
@@ -148,7 +148,7 @@ def test_gluon_decode_with_the_fused_merge_compiles_without_spills_and_keeps_its
 # 1 for the 2-warp formats, the two-pass merge's loop shape)
 @pytest.mark.parametrize(("fmt", "heads"), [("nvfp4", 4), ("triaxial", 4), ("fp8_e4m3", 4), ("triaxial", 16)])
 def test_the_wide_merge_compiles_without_spills_and_issues_a_steps_loads_before_its_sums(fmt: str, heads: int) -> None:
-    # MERGE_SC 8 (_gl_merge_wide): no spill under the tuning's cap, the plain kernel's shared memory and at least its
+    # MERGE_SC 8 (gluon_merge.merge_wide): no spill under the tuning's cap, the plain kernel's shared memory and at least its
     # programs per SM (the tuning's RES at 4 heads), the arrival pattern of the fused merge; one loop over the steps
     # whose SC splits' 16-byte loads all issue before the step's first multiply, so their L2 latencies overlap
     plain, wide = _compile(fmt, heads), _compile(fmt, heads, fuse=True, merge_sc=8)
@@ -172,14 +172,14 @@ def test_the_wide_merge_compiles_without_spills_and_issues_a_steps_loads_before_
 
 
 def test_merge_step_is_the_tunings_merge_sc_up_to_64_splits() -> None:
-    # 0 (no MERGE_SC: _gl_merge) unless asked for; past MERGE_MAX_SPLITS the two-pass merge, which has no limit
-    assert gluon_decode.MERGE_MAX_SPLITS == 64
-    assert gluon_decode.merge_step({}, splits=33) == 0
-    assert gluon_decode.merge_step({"MERGE_SC": 8}, splits=64) == 8
-    assert gluon_decode.merge_step({"MERGE_SC": 8}, splits=65) == 0
+    # 0 (no MERGE_SC: merge_pairs) unless asked for; past MERGE_MAX_SPLITS the two-pass merge, which has no limit
+    assert gluon_merge.MERGE_MAX_SPLITS == 64
+    assert gluon_merge.merge_step({}, splits=33) == 0
+    assert gluon_merge.merge_step({"MERGE_SC": 8}, splits=64) == 8
+    assert gluon_merge.merge_step({"MERGE_SC": 8}, splits=65) == 0
     for bad in (3, -2):
         with pytest.raises(ValueError, match="MERGE_SC"):
-            gluon_decode.merge_step({"MERGE_SC": bad}, splits=4)
+            gluon_merge.merge_step({"MERGE_SC": bad}, splits=4)
     assert all("MERGE_SC" not in cfg for cfg in gluon_decode.GL_TUNING.values())
 
 
@@ -212,15 +212,15 @@ def test_the_splits_merge_in_the_kernel_up_to_eight_splits_unless_the_option_is_
 def test_an_outgrown_arrival_counter_buffer_stays_allocated_for_the_graphs_captured_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
     # a CUDA graph captured with the fused merge keeps the counters' address: growing the buffer later must not
     # free the old one (its memory would be reused, the counts never reach S - 1 and the merge never runs)
-    monkeypatch.setattr(gluon_decode, "_COUNTERS", {})
+    monkeypatch.setattr(gluon_merge, "_COUNTERS", {})
     dev = torch.device("cpu")
-    first = gluon_decode.arrival_counters(dev, 8)
-    assert first is not None and first.numel() == 4096 and gluon_decode.arrival_counters(dev, 4096) is first
+    first = gluon_merge.arrival_counters(dev, 8)
+    assert first is not None and first.numel() == 4096 and gluon_merge.arrival_counters(dev, 4096) is first
     old = weakref.ref(first)
     del first
-    grown = gluon_decode.arrival_counters(dev, 5000)
+    grown = gluon_merge.arrival_counters(dev, 5000)
     assert grown is not None and grown.numel() == 5000 and int(grown.count_nonzero()) == 0
-    assert gluon_decode.arrival_counters(dev, 8) is grown  # the newest serves every launch
+    assert gluon_merge.arrival_counters(dev, 8) is grown  # the newest serves every launch
     gc.collect()
     assert old() is not None
 
@@ -311,7 +311,7 @@ def test_gpu_the_fused_merge_equals_the_merge_launch_and_leaves_its_counters_zer
                                             num_int2_pages=filled.num_int2, cfg=tuning, plan=plan)  # fmt: skip
         return out
 
-    counters = gluon_decode.arrival_counters(q.device, 8)
+    counters = gluon_merge.arrival_counters(q.device, 8)
     assert counters is not None
     width = filled.page_table.shape[1]
     two = (2, 64 * step) if kv.triaxial else (2, -(-width // (2 * step)) * step)
