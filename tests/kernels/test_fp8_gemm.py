@@ -19,17 +19,32 @@ Qwen3-8B projection shapes through torch._scaled_mm, cuBLASLt's block scaling an
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Hashable
 
 import pytest
 import torch
 
 from kvserving.kernels import fp8_gemm
+from kvserving.kernels.triton_fp8_gemm import gemv_config, tile_config
 
 interpreter_only = pytest.mark.skipif(
     torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", reason="CPU-tensor kernel tests need TRITON_INTERPRET=1"
 )
 # Qwen3-8B's projections (N, K): merged q/k/v, o, merged gate/up, down, and k or v alone.
 QWEN3_8B_SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (1024, 4096), (12288, 4096)]
+
+
+def _distinct_launches(launch: Callable[[int, int, int], Hashable], rows: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(M, N, K) for each distinct launch ``launch(M, N, K)`` picks at M in ``rows`` and QWEN3_8B_SHAPES[:4] (qkv, o,
+    gate_up, down), once each, at the smallest K that picks it. The interpreter tests run a row slice of the weight,
+    so two shapes with the same launch and K run the same programs on other values, and a larger K only walks more
+    steps a split through them: down (K 12288) takes qkv's or o's launch at every M here (test_tile_config and the
+    dispatch test pin them)."""
+    cases: dict[tuple[int, Hashable], tuple[int, int, int]] = {}
+    for m in rows:
+        for n, k in sorted(QWEN3_8B_SHAPES[:4], key=lambda shape: shape[1]):
+            cases.setdefault((m, launch(m, n, k)), (m, n, k))
+    return list(cases.values())
 
 
 def _weight(n: int, k: int, seed: int, device: str = "cpu") -> torch.Tensor:
@@ -143,7 +158,7 @@ def test_the_per_128_quantizer_takes_several_groups_a_program_only_where_the_gri
 
 
 @interpreter_only
-@pytest.mark.parametrize(("m", "k", "per"), [(1, 4096, 16), (3, 12288, 16), (2, 384, 1), (2, 768, 2), (3, 4480, 1)])
+@pytest.mark.parametrize(("m", "k", "per"), [(1, 4096, 16), (3, 12288, 16), (2, 384, 1), (2, 768, 2)])
 def test_the_per_128_quantizer_over_several_groups_a_program_equals_the_torch_quantizer_bit_for_bit(
     monkeypatch: pytest.MonkeyPatch, m: int, k: int, per: int
 ) -> None:
@@ -170,11 +185,12 @@ def test_the_per_128_quantizer_over_several_groups_a_program_equals_the_torch_qu
 
 
 @interpreter_only
-@pytest.mark.parametrize("m", [1, 2, 4, 16])
+@pytest.mark.parametrize("m", [1, 2, 4])
 @pytest.mark.parametrize("k", [4096, 12288, 4096 + 384])
 def test_triton_quantizers_equal_the_torch_quantizers_bit_for_bit_at_model_widths(m: int, k: int) -> None:
     """K 4096 (one step), 12288 (three 4096 steps: the width is no power of two) and 4480 (35 steps of 128):
-    per token and per 128, with signed zeros and an all-zero row among the values."""
+    per token and per 128, with signed zeros and an all-zero row among the values. A program quantizes one row
+    (per token) or one group of it (per 128, up to QUANTIZE_ONE_GROUP_ROWS rows), the same program at every M."""
     from kvserving.kernels.triton_fp8_gemm import quantize, quantize_chunk
 
     assert (quantize_chunk(4096), quantize_chunk(12288), quantize_chunk(4480), quantize_chunk(300)) == (4096, 4096, 128, 128)
@@ -183,7 +199,7 @@ def test_triton_quantizers_equal_the_torch_quantizers_bit_for_bit_at_model_width
     x[:, ::7] = 0.0
     x[:, 3::11] = -0.0
     x[-1] = 0.0 if m > 1 else x[-1]
-    for group in (None, 128) if m <= 4 else (None,):  # per 128 at M 16: M x K/128 programs, slow in the interpreter
+    for group in (None, 128) if m <= 2 else (None,):  # per 128: M x K/128 programs, slow in the interpreter
         q, s = quantize(x, group=group)
         rq, rs = fp8_gemm.quantize_rows(x) if group is None else fp8_gemm.quantize_groups(x)
         assert torch.equal(s, rs)
@@ -214,12 +230,12 @@ def test_tile_config_at_the_qwen3_8b_shapes() -> None:
 
 
 @interpreter_only
-@pytest.mark.parametrize("m", [1, 2, 4, 16, 64])
-@pytest.mark.parametrize(("n", "k"), QWEN3_8B_SHAPES[:4])
+@pytest.mark.parametrize(("m", "n", "k"), _distinct_launches(tile_config, (1, 2, 4, 16, 64)))
 def test_triton_block_gemm_at_the_tiles_chosen_for_qwen3_8b_shapes(m: int, n: int, k: int) -> None:
-    """The launch shape ``tile_config`` picks at each full shape, run on a 192-row slice of such a weight (the
-    interpreter is slow): every K split, the partials' sum, a last column tile half full."""
-    from kvserving.kernels.triton_fp8_gemm import block_gemm, tile_config, tiles_override
+    """Each launch shape ``tile_config`` picks at the full shapes (K split in 4 or not, 16- and 64-row tiles), run on a
+    192-row slice of such a weight (the interpreter is slow): every K split, the partials' sum, a last weight scale
+    tile half full."""
+    from kvserving.kernels.triton_fp8_gemm import block_gemm, tiles_override
 
     x = _acts(m, k, seed=n)
     codes, scale = fp8_gemm.quantize_blocks(_weight(192, k, seed=m))
@@ -303,26 +319,25 @@ def _assert_gpu_exact_within(out: torch.Tensor, x: torch.Tensor, w64: torch.Tens
 
 
 @interpreter_only
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize(("n", "k"), QWEN3_8B_SHAPES[:4])
+@pytest.mark.parametrize(("m", "n", "k"), _distinct_launches(gemv_config, (1, 2, 3, 4)))
 def test_gemv_equals_the_dequantized_product_at_the_launch_chosen_for_qwen3_8b_shapes(m: int, n: int, k: int) -> None:
-    """``gemv_config``'s launch at each full shape (K splits 2, 4, 1 and 4) on a 128-row slice of such a weight."""
-    from kvserving.kernels.triton_fp8_gemm import gemv_config
-
+    """Each launch ``gemv_config`` picks at the full shapes (at M 3-4 K splits 2, 4 and 1) on a 128-row slice of such
+    a weight."""
     _check_gemv(m, 128, k, gemv_config(m, n, k), seed=n + k)
 
 
 @interpreter_only
 @pytest.mark.parametrize("label", ["g32x512w4s2k1", "g32x256w4s1k3", "g16x128w2s3k5", "g8x1024w8s2k2", "g64x128w4s1k16"])
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4])
 def test_gemv_equals_the_dequantized_product_at_uneven_n_under_every_split(label: str, m: int) -> None:
-    """N 200 (a last tile of 8 rows in a half-used 128-row scale tile) and 72; K 1024 in 2-8 steps, split 1-16 ways
+    """N 136 (a last tile of 8 rows, alone in its 128-row scale tile) and 72; K 1024 in 2-8 steps, split 1-16 ways
     (3, 5 and 16 splits do not divide the steps: some splits hold one step less, some none and write zeros);
-    bf16 and fp32 outputs, bf16 and fp32 activations."""
+    bf16 and fp32 outputs, bf16 and fp32 activations; M 1 and 2 (the dispatch's) and 4 (every row's accumulator:
+    M 3 runs the launches the dispatch picks, in the test above)."""
     from kvserving.kernels.triton_fp8_gemm import Gemv
 
     launch = Gemv.parse(label)
-    _check_gemv(m, 200, 1024, launch, seed=m, out_dtype=torch.bfloat16)
+    _check_gemv(m, 136, 1024, launch, seed=m, out_dtype=torch.bfloat16)
     _check_gemv(m, 72, 1024, launch, seed=m + 7, x_dtype=torch.float32)
 
 
@@ -331,28 +346,28 @@ def test_gemv_equals_the_dequantized_product_at_uneven_n_under_every_split(label
 @pytest.mark.parametrize("m", [1, 2, 3])
 def test_gemv_on_a_bf16_weight_equals_the_exact_product(label: str, m: int) -> None:
     """The unscaled GEMV (bf16 weight, no tile scales: what a bf16 model's projections run at 1-2 tokens) at the
-    dispatch's M = 1 and 2 shapes and uneven splits; N 200 and 72 (last tiles part-used), K 2048 and 4096; bf16 and
-    fp32 outputs and activations. A weight read through the scaled path (a tile scale taken from the weight's own
-    bytes) would miss the bound by orders of magnitude."""
+    dispatch's M = 1 and 2 shapes and uneven splits; N 72 and 40 (last tiles part-used; no 128-row scale tiles to
+    cross), K 4096 and 2048; bf16 and fp32 outputs and activations. A weight read through the scaled path (a tile
+    scale taken from the weight's own bytes) would miss the bound by orders of magnitude."""
     from kvserving.kernels.triton_fp8_gemm import Gemv
 
     launch = Gemv.parse(label)
-    _check_gemv(m, 200, 4096, launch, seed=m, out_dtype=torch.bfloat16, weight="bf16")
-    _check_gemv(m, 72, 2048, launch, seed=m + 7, x_dtype=torch.float32, weight="bf16")
+    _check_gemv(m, 72, 4096, launch, seed=m, out_dtype=torch.bfloat16, weight="bf16")
+    _check_gemv(m, 40, 2048, launch, seed=m + 7, x_dtype=torch.float32, weight="bf16")
 
 
 @interpreter_only
 @pytest.mark.parametrize("label", ["16x64w4s4k1", "32x64w4s3k3", "64x32w4s4k2b64", "16x128w8s2k5b32"])
 @pytest.mark.parametrize("m", [3, 17, 64])
 def test_bf16_block_gemm_equals_the_exact_product_under_every_tile_shape(label: str, m: int) -> None:
-    """The block GEMM on bf16 values (no scales: a bf16 model's projections at decode batch sizes): N 200 (a last
+    """The block GEMM on bf16 values (no scales: a bf16 model's projections at decode batch sizes): N 136 (a last
     column tile part-used), K 1024 in 128-, 64- and 32-wide steps, split 1-5 ways (3 and 5 do not divide the
     steps: some splits hold one step less, some none and write zeros), M 3 to 64 in row tiles of 16 to 64; bf16
     and fp32 outputs. Fp32 sums: the GEMV's bound (``_gemv_bound``, depth from the steps and splits)."""
     from kvserving.kernels.triton_fp8_gemm import Tiles, bf16_gemm, tiles_override
 
     launch = Tiles.parse(label)
-    for out_dtype, n, seed in ((torch.bfloat16, 200, m), (torch.float32, 72, m + 7)):
+    for out_dtype, n, seed in ((torch.bfloat16, 136, m), (torch.float32, 72, m + 7)):
         x = _acts(m, 1024, seed=seed).to(torch.bfloat16)
         w = _weight(n, 1024, seed=seed + m).to(torch.bfloat16)
         with tiles_override(launch):
@@ -365,12 +380,12 @@ def test_bf16_block_gemm_equals_the_exact_product_under_every_tile_shape(label: 
 @pytest.mark.parametrize("m", [3, 17, 64])
 def test_a16_block_gemm_equals_the_dequantized_product_under_every_tile_shape(label: str, m: int) -> None:
     """FP8 block-scaled weights times bf16 activations as they are (each e4m3 tile widened to bf16, exact): the
-    dequantized weight times x in float64 within the GEMV's fp32 bound; N 200 and 72 (last tiles part-used, a
-    half-used 128-row scale tile), K 1024 split 1-5 ways; through ``linear`` (the dispatch reads ``a16``)."""
+    dequantized weight times x in float64 within the GEMV's fp32 bound; N 136 and 72 (last tiles part-used, a
+    128-row scale tile holding 8 rows), K 1024 split 1-5 ways; through ``linear`` (the dispatch reads ``a16``)."""
     from kvserving.kernels.triton_fp8_gemm import Tiles, linear, tiles_override
 
     launch = Tiles.parse(label)
-    for out_dtype, n, seed in ((torch.bfloat16, 200, m), (torch.float32, 72, m + 7)):
+    for out_dtype, n, seed in ((torch.bfloat16, 136, m), (torch.float32, 72, m + 7)):
         x = _acts(m, 1024, seed=seed).to(torch.bfloat16)
         codes, scale = fp8_gemm.quantize_blocks(_weight(n, 1024, seed=seed + m))
         exact = fp8_gemm.dequantize(codes, scale, scheme="block").double()
