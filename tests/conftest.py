@@ -21,6 +21,54 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _nested_calls_without_repatching() -> None:
+    """Triton's interpreter patches the language modules a kernel's module sees when its grid starts and restores
+    them when the grid ends; every call of a nested ``@triton.jit`` function inside the grid (``tl.zeros``,
+    ``tl.sum``, our helpers) patches its own module's again: a scan of every member of ``tl``, ``tl.core``,
+    ``tl.tensor`` and ``tl.math`` a call, the larger part of an interpreted GEMV's time. Here a grid patches all of
+    them once, before the kernel's own (a superset of what any function's patch covers), so nested calls run
+    without patching: the same functions run. Applied to the Triton version pinned in requirements only, whose
+    interpreter these names are."""
+    import types
+
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    if triton.__version__ != "3.9.0":
+        return
+    # _patch_lang(fn) patches those of tl and tl.core that fn's module sees: with both seen, all of them
+    both = types.FunctionType((lambda: None).__code__, {"tl": tl, "core": tl.core})
+    depth = [0]  # grids running (the interpreter runs a grid at a time, on the calling thread)
+
+    grid_call, nested_call = interp.GridExecutor.__call__, interp.InterpretedFunction.__call__
+
+    def run_grid(self: interp.GridExecutor, *args: object, **kwargs: object) -> object:
+        scope = interp._patch_lang(both)
+        depth[0] += 1
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+            scope.restore()
+
+    def call_nested(self: interp.InterpretedFunction, *args: object, **kwargs: object) -> object:
+        if not depth[0]:
+            return nested_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interp.InterpreterError(repr(e)) from e
+
+    interp.GridExecutor.__call__ = run_grid
+    interp.InterpretedFunction.__call__ = call_nested
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _nested_calls_without_repatching()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
