@@ -5,10 +5,9 @@ device pass, so a refused start answers at once."""
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
-from kvserving.argtypes import check_device, check_output_file, int_in
+from kvserving.argtypes import check_device, check_output_file, float_in, int_in
 from kvserving.bits import format_bits_table
 from kvserving.calibrate import DEFAULT_CHUNK, METRICS
 from kvserving.calibrate.data import WRAPS
@@ -17,26 +16,6 @@ from kvserving.model_dir import resolve_model_dir
 from kvserving.progress import add_quiet_argument
 
 DEFAULT_BUDGETS = (2.5, 2.7, 3.0, 3.5)
-
-
-def _budget(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bit budget must be a number in [2, 4], got {text!r}") from None
-    if not math.isfinite(value) or not 2.0 <= value <= 4.0:
-        raise argparse.ArgumentTypeError(f"bit budget must be in [2, 4], got {text}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--bit-budget",
-        type=_budget,
+        type=float_in(2.0, 4.0),
         nargs="+",
         default=list(DEFAULT_BUDGETS),
         dest="bit_budgets",
@@ -58,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="triaxial budgets to write tables for (default: 2.5 2.7 3.0 3.5)",
     )
     parser.add_argument("--out", type=Path, required=True, help="calibration JSON to write")
-    parser.add_argument("--seq-len", type=_positive, default=2048, help="tokens per calibration prompt")
-    parser.add_argument("--max-tokens", type=_positive, default=16384, help="calibration tokens in all")
+    parser.add_argument("--seq-len", type=int_in(2), default=2048, help="tokens per calibration prompt")
+    parser.add_argument("--max-tokens", type=int_in(2), default=16384, help="calibration tokens in all")
     parser.add_argument(
         "--scale-search", action="store_true", help="choose fp8/nvfp4 scales by attention-output error among multiples of the amax scale"
     )
@@ -96,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--page-seq-len",
-        type=_positive,
+        type=int_in(2),
         nargs="+",
         default=[],
         dest="page_seq_lens",

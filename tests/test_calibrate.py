@@ -235,8 +235,8 @@ def test_plain_text_becomes_agent_conversations_and_jsonl_is_read_as_requests(tm
     ("argv", "code", "message"),
     [
         (["--data", "missing.txt"], 1, "kvserving calibrate: error: data file missing.txt does not exist"),
-        (["--data", "x.txt", "--bit-budget", "5"], 2, "argument --bit-budget: bit budget must be in [2, 4], got 5"),
-        (["--data", "x.txt", "--bit-budget", "lots"], 2, "bit budget must be a number in [2, 4], got 'lots'"),
+        (["--data", "x.txt", "--bit-budget", "5"], 2, "argument --bit-budget: must be a number in [2, 4], got 5"),
+        (["--data", "x.txt", "--bit-budget", "lots"], 2, "argument --bit-budget: must be a number in [2, 4], got 'lots'"),
         (["--data", "empty.txt"], 1, "kvserving calibrate: error: data file"),
     ],
 )
