@@ -39,9 +39,10 @@ endif
 fmt: install
 	$(VENV)/bin/ruff format .
 
+# e2e first: its files are the longest, and the two workers end together when the short ones come last.
 test: install tools lint
 	$(PY) -m mypy -p kvserving
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests e2e
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile e2e tests
 
 demo: install
 	$(PY) -m kvserving.cli demo
