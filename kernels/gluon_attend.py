@@ -10,7 +10,8 @@ is only the producer's prefix; the chunk's own keys are staged the same way
 (``_pp_chunk``). Everything here is device code of those kernels, but for what
 both launches prepare on the host: q and the output (``launch_io``), the
 chunk's k, v in that layout (``chunk_kv``) and the page-id list the kernel
-reads (``launch_pages``).
+reads (``launch_pages``). ``_cta_barrier``, ``_as_type`` and ``_row_major_shared`` serve the Gluon decode and its
+merge too.
 """
 
 from __future__ import annotations
@@ -127,6 +128,13 @@ def _as_type_39(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.const
 
 # a shared tile viewed as another type: `_reinterpret` in triton 3.6 (the device), `reinterpret` by 3.9 (CI)
 _as_type = _as_type_39 if hasattr(shared_memory_descriptor, "reinterpret") else _as_type_36
+
+
+@gluon.constexpr_function
+def _row_major_shared(rank: int) -> Any:
+    """Plain row-major shared layout of rank dims, unswizzled: the threads that read a slot wrote it in the same layout
+    (the decode's staging rings, the merge's weights)."""
+    return gl.SwizzledSharedLayout(1, 1, 1, list(range(rank - 1, -1, -1)))
 
 
 @gluon.jit

@@ -70,6 +70,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .capability import device_choice
+from .gluon_attend import _row_major_shared
 from .gluon_merge import arrival_counters, merge_if_last, merge_step
 from .gluon_fragments import (
     ASM_FP8_K,
@@ -209,12 +210,6 @@ def _load_q_piece(q_row_ptr, G, KB: gl.constexpr, PER: gl.constexpr, PIECE: gl.c
 
 
 @gluon.constexpr_function
-def _ring_layout(rank: int) -> Any:
-    """Plain row-major shared layout of one slot (rank dims) of a staging ring: the copies write what the reads read."""
-    return gl.SwizzledSharedLayout(1, 1, 1, list(range(rank - 1, -1, -1)))
-
-
-@gluon.constexpr_function
 def _row_layout(w: int, rows: int, per_thread: int) -> Any:
     """[W, rows, n] with per_thread contiguous elements a thread (one cp.async of 8 bytes), rows over the lanes."""
     return gl.BlockedLayout([1, 1, per_thread], [1, 32, 1], [w, 1, 1], [2, 1, 0])
@@ -230,27 +225,27 @@ def _rings(FMT: gl.constexpr, NT: gl.constexpr, HP: gl.constexpr, STAGES: gl.con
     KB: gl.constexpr = _kb(FMT)
     VG: gl.constexpr = _vg(FMT)
     NGR: gl.constexpr = D // 32
-    kr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, KB], _ring_layout(3))
-    vr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, KB // VG, VG], _ring_layout(4))
+    kr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, KB], _row_major_shared(3))
+    vr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, KB // VG, VG], _row_major_shared(4))
     if FMT == GL_FMT_FP8:  # no scales: the unused rings alias the K ring
         ksr = kr
         vsr = kr
         kzr = kr
         vzr = kr
     elif FMT == GL_FMT_NVFP4:
-        ksr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, D // 16], _ring_layout(3))
-        vsr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, D // 16], _ring_layout(3))
+        ksr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, D // 16], _row_major_shared(3))
+        vsr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, D // 16], _row_major_shared(3))
         kzr = ksr
         vzr = vsr
     else:
-        vsr = gl.allocate_shared_memory(gl.int32, [STAGES, W, NGR, NT // 2], _ring_layout(3))
-        vzr = gl.allocate_shared_memory(gl.int32, [STAGES, W, NGR, NT // 2], _ring_layout(3))
+        vsr = gl.allocate_shared_memory(gl.int32, [STAGES, W, NGR, NT // 2], _row_major_shared(3))
+        vzr = gl.allocate_shared_memory(gl.int32, [STAGES, W, NGR, NT // 2], _row_major_shared(3))
         if INT2:
-            ksr = gl.allocate_shared_memory(gl.float16, [STAGES, W, D], _ring_layout(2))
-            kzr = gl.allocate_shared_memory(gl.float16, [STAGES, W, D], _ring_layout(2))
+            ksr = gl.allocate_shared_memory(gl.float16, [STAGES, W, D], _row_major_shared(2))
+            kzr = gl.allocate_shared_memory(gl.float16, [STAGES, W, D], _row_major_shared(2))
         else:
-            ksr = gl.allocate_shared_memory(gl.float16, [STAGES, W, NT, NGR], _ring_layout(3))
-            kzr = gl.allocate_shared_memory(gl.float16, [STAGES, W, NT, NGR], _ring_layout(3))
+            ksr = gl.allocate_shared_memory(gl.float16, [STAGES, W, NT, NGR], _row_major_shared(3))
+            kzr = gl.allocate_shared_memory(gl.float16, [STAGES, W, NT, NGR], _row_major_shared(3))
     return kr, vr, ksr, kzr, vsr, vzr
 
 

@@ -15,19 +15,11 @@ The host side: ``merge_step`` (the launch's MERGE_SC) and ``arrival_counters`` (
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .gluon_attend import _cta_barrier
-
-
-@gluon.constexpr_function
-def _shared_layout(rank: int) -> Any:
-    """Plain row-major shared layout of rank dims: the store writes what the step's loads read."""
-    return gl.SwizzledSharedLayout(1, 1, 1, list(range(rank - 1, -1, -1)))
+from .gluon_attend import _as_type, _cta_barrier, _row_major_shared
 
 
 @gluon.jit
@@ -70,8 +62,6 @@ def merge_pairs(o_ptr, lse_ptr, out_ptr, v_mul, S, head0, G: gl.constexpr, HP: g
 # The wide merge (MERGE_SC > 0) holds every split's weight of the G heads at once: up to this many splits.
 MERGE_MAX_SPLITS = 64
 _MERGE_MAX: gl.constexpr = gl.constexpr(MERGE_MAX_SPLITS)
-# a shared-memory view of another shape or layout: `_reinterpret` in triton 3.6 (the device), `reinterpret` by 3.9
-_REINTERPRET: gl.constexpr = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
 @gluon.constexpr_function
@@ -131,11 +121,8 @@ def merge_wide(o_ptr, lse_ptr, out_ptr, v_mul, S, head0, G: gl.constexpr, MERGE_
     total = gl.sum(gl.sum(w, axis=2), axis=0)  # [GP]
     # step k's [GP, SC] is wts.index(k) (a layout of rank 2); the store sees the same bytes as one
     # [NK, GP, SC] tensor (a layout of rank 3)
-    wts = gl.allocate_shared_memory(gl.float32, [NK, GP, SC], _shared_layout(2))
-    if _REINTERPRET:
-        whole = wts.reinterpret(gl.float32, [NK, GP, SC], _shared_layout(3))
-    else:
-        whole = wts._reinterpret(gl.float32, [NK, GP, SC], _shared_layout(3))
+    wts = gl.allocate_shared_memory(gl.float32, [NK, GP, SC], _row_major_shared(2))
+    whole = _as_type(wts, gl.float32, [NK, GP, SC], _row_major_shared(3))
     whole.store(w)
     _cta_barrier()  # every thread's weights are stored before any thread reads a step's
 
