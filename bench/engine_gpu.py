@@ -66,6 +66,7 @@ import gc
 import json
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 from collections.abc import Callable
@@ -86,6 +87,9 @@ from kvserving.worker.model import random_model as worker_random_model
 from kvserving.worker.model import weight_bytes_per_step
 from kvserving.worker.sampling import SamplingParams, make_generator
 from kvserving.worker.sequence import Sequence, SeqStatus
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file beside this file, also under PYTHONSAFEPATH
+from results_file import combine, write_section  # noqa: E402
 
 FORMATS = ("bf16", "fp8_e4m3", "nvfp4", "triaxial")
 BATCHES = (1, 16, 64, 256)
@@ -673,8 +677,6 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.combine:
-        from results_file import combine  # bench/ beside this file
-
         doc = combine([Path(f) for f in args.combine], Path(args.out), what=WHAT, name_of=section_name)
         print(f"wrote {args.out}: sections {', '.join(doc['sections'])}")
         return
@@ -798,8 +800,6 @@ def section_name(run: dict[str, Any]) -> str:
 
 
 def dump(args: argparse.Namespace, dev: str, weights: int, results: dict[str, Any], seconds: float, *, read: int, bw_tb_s: float) -> None:
-    from results_file import write_section  # bench/ beside this file
-
     out = {"device": dev, "torch": torch.__version__, "model": f"Qwen3-8B shape, random {args.weights} weights", "weights": args.weights, "vocab": args.vocab,
            "weights_bytes": weights, "weights_read_bytes": read, "read_bandwidth_tb_s": bw_tb_s, "kv_gib": args.kv_gib, "speed_kv_gib": args.speed_kv_gib, "quick": args.quick,
            "enforce_eager": args.enforce_eager, "bit_budget": args.bit_budget, "bit_budget_control": args.bit_budget_control,

@@ -1,7 +1,9 @@
 """Shared pytest setup: deterministic seeds, no GPU assumptions, nothing from the
 network, and the built-in tiny model every test folder uses."""
 
+import gc
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_given_back(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a gpu test, its tensors collected and torch's cached blocks returned to the driver: bench/gpu_run.sh runs
+    the gpu suite in several processes on one GPU, and memory one process keeps cached is memory another lacks."""
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")

@@ -668,12 +668,25 @@ def test_gpu_run_tests_step_runs_every_file_with_a_gpu_test(tmp_path: Path) -> N
     # gpu-marked test (the worker's included), and no file without one
     proc = gpu_run(tmp_path, "tests", {"nvidia-smi": NVIDIA_SMI, "python3": 'case "$*" in *"-m pytest"*) echo "PYTEST $*";; esac; exit 0'})
     assert proc.returncode == 0, proc.stderr
-    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("PYTEST ")]
-    ran = {a for a in line.split() if a.startswith("tests/")}
+    shared, alone = [ln for ln in proc.stdout.splitlines() if ln.startswith("PYTEST ")]
+    # the tests that share the GPU side by side (the stand-in has no pytest-xdist: one process), then the rest alone
+    assert "-m gpu and not gpu_alone " in shared and "-m gpu and gpu_alone " in alone
+    ran = {a for a in shared.split() if a.startswith("tests/")}
+    assert ran == {a for a in alone.split() if a.startswith("tests/")}
     marked = {str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")
               if re.search(r"mark\.gpu|pytestmark.*gpu", f.read_text())}  # fmt: skip
     assert ran == marked and "tests/worker/test_engine_gpu.py" in ran and "tests/kernels/test_gluon_decode.py" in ran
     assert "tests/worker/test_server.py" not in ran  # no gpu test: its imports stay off the device's collection
+
+
+def test_gpu_run_tests_step_fails_once_with_the_first_failing_part(tmp_path: Path) -> None:
+    # the shared part passes, the alone part fails with 2; a part that selects nothing (exit 5) is not a failure
+    fake = 'case "$*" in *"not gpu_alone"*) echo "shared"; exit 5;; *"-m pytest"*) echo "1 failed"; exit 2;; esac; exit 0'
+    proc = gpu_run(tmp_path, "tests", {"nvidia-smi": NVIDIA_SMI, "python3": fake})
+    out = tmp_path / "out"
+    assert proc.returncode == 1
+    assert (out / "gpu_tests.log").read_text() == "shared\n1 failed\n"
+    assert proc.stderr == f"gpu_run.sh: error: gpu tests failed (exit 2, log in {out}/gpu_tests.log)\n"
 
 
 def test_gpu_run_nixl_and_agents_steps_run_their_benches_and_fail_with_them(tmp_path: Path) -> None:

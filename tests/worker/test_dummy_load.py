@@ -116,6 +116,7 @@ def test_cli_writes_a_weightless_qwen3_8b_directory(tmp_path: Path, capsys: pyte
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone
 def test_qwen3_8b_dummy_logits_equal_in_two_gpu_processes(tmp_path: Path) -> None:
     out = tmp_path / "q8b"
     assert cli.main(["tiny-model", str(out), "--shape", "qwen3-8b"]) == 0
@@ -125,6 +126,7 @@ def test_qwen3_8b_dummy_logits_equal_in_two_gpu_processes(tmp_path: Path) -> Non
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone
 def test_one_gpu_stack_serves_the_8b_shape_and_pulls_back(tmp_path: Path) -> None:
     """Prefill and decode worker of the Qwen3-8B shape share GPU 0, each with its own KV
     budget; turn 2 pulls the decode worker's KV back over NIXL on the same device."""

@@ -394,6 +394,7 @@ def test_gpu_fp8_greedy_tokens_equal_the_dequantized_reference(
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_block"])
 def test_gpu_engine_serves_the_8b_fp8_dummy_model(tmp_path: Path, fmt: str) -> None:
     """The 8B-shaped dummy model in FP8 through the engine with CUDA graphs: the weights a step reads are what

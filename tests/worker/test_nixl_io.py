@@ -338,6 +338,7 @@ def test_read_bench_moves_the_senders_bytes_between_two_processes(tmp_path: Path
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone
 def test_two_workers_on_one_gpu_read_over_cuda_ipc(tmp_path: Path) -> None:
     """Two processes on one GPU (two workers sharing it): UCX reads over CUDA IPC, not TCP. With GET
     over CUDA IPC off (UCX's default without NVLink) the READ ran as TCP emulation through host
@@ -354,6 +355,7 @@ def test_two_workers_on_one_gpu_read_over_cuda_ipc(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone
 def test_page_major_reads_between_two_gpu_processes_move_a_run_in_one_region(tmp_path: Path) -> None:
     """The same pages of all 36 layers registered page-major (kv_cache.layout page_major): READ over CUDA IPC, every
     byte checked by the bench, a run of pages one region and every other page one region each."""

@@ -230,6 +230,7 @@ def test_state_kept_refuses_a_busy_engine(tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone
 @pytest.mark.parametrize("dtype,weights", [("fp8_e4m3", "fp8_block"), ("nvfp4", "auto"), ("triaxial", "auto")])
 def test_gpu_turns_served_after_the_warm_up_compile_no_kernel(tmp_path: Path, dtype: str, weights: str) -> None:
     """The Qwen3-8B shape (two layers: no kernel specializes on the layer count; a 16K context), warmed up, then a
