@@ -19,9 +19,8 @@ with ``FUSE`` 1, by the last of them to finish (``gluon_merge.py``: ``merge_pair
 A step's bytes are staged by ``cp.async`` in a shared-memory ring one step ahead (``STAGES``; each thread copies the bytes
 it later reads, in the layouts below), so the next step's loads are in flight
 while this one unpacks. A copy's address is its page's pointer plus a
-loop-invariant offset and an immediate, and only a split's last step masks
-(``_stage_copies``), which keeps the step's address arithmetic to a few
-instructions. Per warp and step::
+loop-invariant offset and an immediate, and only a split's last step masks, which keeps the step's address
+arithmetic to a few instructions (the ring, its copies and the reads back: ``gluon_ring.py``). Per warp and step::
 
     S^T[NT, HP] = K[NT, D] . q^T[D, HP]         K: A operand (rows = tokens), HP = query heads padded to 8
     O^T[D, HP] += V^T[D, NT] . P^T[NT, HP]      V^T: A operand (rows = channels), P^T: B operand
@@ -47,7 +46,7 @@ cap of 128 registers without spills (4 programs of 4 warps an SM where 168 allow
 nibbles / crumbs of each unpacked K word one k-step after the other (``weave_a``), so a word's pieces die together
 instead of three of four waiting for the first piece's whole mma chain; the V bytes and scales are read from the
 ring after the softmax instead of with K; and the token masks compare each register's constant part with a
-per-thread limit (``_before``) instead of holding every element's token index across the loop. The same sums, in
+per-thread limit (``in_limit``) instead of holding every element's token index across the loop. The same sums, in
 another k order. nvfp4 and fp8 keep LEAN 0 (their steps fit their caps as they are).
 
 Supported (``supported``): head_dim 128, up to 16 query heads per kv head,
@@ -70,25 +69,31 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .capability import device_choice
-from .gluon_attend import _row_major_shared
 from .gluon_merge import arrival_counters, merge_if_last, merge_step
+from .gluon_ring import (
+    in_limit,
+    make_rings,
+    read_kb,
+    read_kscales,
+    read_step,
+    read_v,
+    row_bytes,
+    stage_step,
+    valid_tokens,
+)
 from .gluon_fragments import (
     ASM_FP8_K,
     ASM_FP8_V,
     ASM_INT2_K,
     ASM_INT2_V,
+    GL_FMT_FP8,
     GL_FMT_INT2,
-    GL_FMT_INT4,
     GL_FMT_NVFP4,
     as_a_channels,
     as_a_rows,
-    chan_layout,
-    cp_async,
     crumbs,
     fp8_as_a_rows,
     idx3,
-    idx4,
-    pair_layout,
     pairs_to_tokens,
     q_k_dims,
     rescale,
@@ -101,7 +106,6 @@ from .gluon_fragments import (
     weave_b,
 )
 from .layout import PageLayout
-from .page_ids import INT2_PAGE_FLAG
 from . import triton_pdl
 from .paged_kv import PagedKV
 from .triton_common import (
@@ -117,86 +121,14 @@ from .triton_common import (
     sm_count,
 )
 
-FLAG: gl.constexpr = gl.constexpr(INT2_PAGE_FLAG)
-GL_FMT_FP8: gl.constexpr = gl.constexpr(3)
 # LAZY softmax: a row's reference max moves only when its scores pass it by more than this (base 2), so the
 # probabilities stay <= 2^8 in fp16 and the rescale of the accumulator is rare
 TAU: gl.constexpr = gl.constexpr(8.0)
 
 
-@gluon.constexpr_function
-def _kb(fmt: int) -> int:
-    """Bytes per token row of head_dim 128: INT2 32, nvfp4 / int4 64, fp8 128."""
-    return {0: 64, 1: 64, 2: 32, 3: 128}[fmt]
-
-
-@gluon.constexpr_function
-def _vg(fmt: int) -> int:
-    """Bytes of a V row per scale group in the V layouts (v_layouts): an nvfp4 block pair 8, an int group 16 / 8;
-    fp8 has no groups: 16 = a thread's D/8 channels."""
-    return {0: 8, 1: 16, 2: 8, 3: 16}[fmt]
-
-
 # ----------------------------------------------------------------------------
 # device helpers
 # ----------------------------------------------------------------------------
-
-
-@gluon.jit
-def _rows(pt_row_ptr, base, page_hi, num_tokens, h, total_bytes, wi, ni,
-          P: gl.constexpr, PPW: gl.constexpr, PAGE_BYTES: gl.constexpr, INT2: gl.constexpr):  # fmt: skip
-    """Page byte offset (int64), row index inside a [H, P, ...] field and validity of each token (wi, ni)."""
-    pidx = base + wi * PPW + ni // P
-    slot = ni % P
-    inb = pidx < page_hi
-    ok = inb & (pidx * P + slot < num_tokens)
-    pid = gl.load(pt_row_ptr + pidx, mask=inb, other=0)
-    if INT2:
-        off = total_bytes - ((pid & ~FLAG) + 1).to(gl.int64) * PAGE_BYTES
-    else:
-        off = pid.to(gl.int64) * PAGE_BYTES
-    return off, h * P + slot, ok
-
-
-@gluon.jit
-def _page(pt_row_ptr, pidx, page_hi, buf_ptr, total_bytes, PAGE_BYTES: gl.constexpr, INT2: gl.constexpr):
-    """uint8 pointer to the start of page pidx (INT2 pages grow from the top); page ids past page_hi read page 0.
-
-    One value per distinct page a thread touches (the compiler shares it between the rows of that page), so a
-    copy's address is this pointer plus a loop-invariant int32 offset and an immediate."""
-    pid = gl.load(pt_row_ptr + pidx, mask=pidx < page_hi, other=0)
-    if INT2:
-        off = total_bytes - ((pid & ~FLAG) + 1).to(gl.int64) * PAGE_BYTES
-    else:
-        off = pid.to(gl.int64) * PAGE_BYTES
-    return buf_ptr + off
-
-
-@gluon.jit
-def _limit(base, page_hi, num_tokens, P: gl.constexpr):
-    """Tokens of the step starting at page base that are valid (the split's pages and the sequence's tokens):
-    token t of the step (t = warp * NT + token in the warp) is valid iff t < _limit(...)."""
-    return gl.minimum(page_hi * P, num_tokens) - base * P
-
-
-@gluon.jit
-def _before(lim, w, n, NT: gl.constexpr, LANES: gl.constexpr, LEAN: gl.constexpr):
-    """w * NT + n < lim for token n of warp w's step. LEAN: as (n & ~LANES) < lim - w * NT - (n & LANES), with LANES
-    the bits of n that the lanes hold, so a thread keeps one lane-dependent value and compares each register's
-    constant part, where w * NT + n keeps one register per element across the loop."""
-    if LEAN:
-        ok = (n & ~LANES) < lim - w * NT - (n & LANES)
-    else:
-        ok = w * NT + n < lim
-    return ok
-
-
-@gluon.jit
-def _int2_page(pt_row_ptr, pidx, page_hi, h, buf_ptr, total_bytes, PAGE_BYTES: gl.constexpr, FIELD: gl.constexpr):
-    """fp16 pointer to kv head h's row of a per-channel field of INT2 page pidx (page ids grow from the top)."""
-    pid = gl.load(pt_row_ptr + pidx, mask=pidx < page_hi, other=0)
-    page = buf_ptr + total_bytes - ((pid & ~FLAG) + 1).to(gl.int64) * PAGE_BYTES + FIELD
-    return page.to(gl.pointer_type(gl.float16), bitcast=True) + h * 128
 
 
 @gluon.jit
@@ -207,264 +139,6 @@ def _load_q_piece(q_row_ptr, G, KB: gl.constexpr, PER: gl.constexpr, PIECE: gl.c
     ch = q_k_dims(ki, KB, PER, PIECE)
     q = gl.load(q_row_ptr + hi * 128 + ch + wi * 0, mask=(hi < G) & (wi >= 0), other=0.0)
     return (q.to(gl.float32) * SCALE).to(gl.float16)
-
-
-@gluon.constexpr_function
-def _row_layout(w: int, rows: int, per_thread: int) -> Any:
-    """[W, rows, n] with per_thread contiguous elements a thread (one cp.async of 8 bytes), rows over the lanes."""
-    return gl.BlockedLayout([1, 1, per_thread], [1, 32, 1], [w, 1, 1], [2, 1, 0])
-
-
-@gluon.jit
-def _rings(FMT: gl.constexpr, NT: gl.constexpr, HP: gl.constexpr, STAGES: gl.constexpr, LV_LOAD: gl.constexpr):
-    """Shared-memory rings of STAGES steps for every field a step reads: (K bytes, V bytes, K scales, K zeros,
-    V scales, V zeros); nvfp4 has no zeros (its rings alias the scales')."""
-    D: gl.constexpr = 128
-    W: gl.constexpr = gl.num_warps()
-    INT2: gl.constexpr = FMT == GL_FMT_INT2
-    KB: gl.constexpr = _kb(FMT)
-    VG: gl.constexpr = _vg(FMT)
-    NGR: gl.constexpr = D // 32
-    kr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, KB], _row_major_shared(3))
-    vr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, KB // VG, VG], _row_major_shared(4))
-    if FMT == GL_FMT_FP8:  # no scales: the unused rings alias the K ring
-        ksr = kr
-        vsr = kr
-        kzr = kr
-        vzr = kr
-    elif FMT == GL_FMT_NVFP4:
-        ksr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, D // 16], _row_major_shared(3))
-        vsr = gl.allocate_shared_memory(gl.uint8, [STAGES, W, NT, D // 16], _row_major_shared(3))
-        kzr = ksr
-        vzr = vsr
-    else:
-        vsr = gl.allocate_shared_memory(gl.int32, [STAGES, W, NGR, NT // 2], _row_major_shared(3))
-        vzr = gl.allocate_shared_memory(gl.int32, [STAGES, W, NGR, NT // 2], _row_major_shared(3))
-        if INT2:
-            ksr = gl.allocate_shared_memory(gl.float16, [STAGES, W, D], _row_major_shared(2))
-            kzr = gl.allocate_shared_memory(gl.float16, [STAGES, W, D], _row_major_shared(2))
-        else:
-            ksr = gl.allocate_shared_memory(gl.float16, [STAGES, W, NT, NGR], _row_major_shared(3))
-            kzr = gl.allocate_shared_memory(gl.float16, [STAGES, W, NT, NGR], _row_major_shared(3))
-    return kr, vr, ksr, kzr, vsr, vzr
-
-
-@gluon.jit
-def _stage_step(rings, slot, pt_row, base, hi, num_tokens, h, buf_ptr, total_bytes, FMT: gl.constexpr,
-                P: gl.constexpr, PPW: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
-                KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
-                VZ_OFF: gl.constexpr, LV_LOAD: gl.constexpr, LEAN: gl.constexpr = 0):  # fmt: skip
-    """Start the cp.async copies of one step's bytes (pages base + w*PPW .. of warp w) into ring slot ``slot``;
-    tokens past the split or the sequence are zero-filled, so they read as 0. A step whose
-    tokens are all valid (every step of a split but its last) copies without masks (_stage_copies)."""
-    W: gl.constexpr = gl.num_warps()
-    lim = _limit(base, hi, num_tokens, P)
-    if lim >= W * PPW * P:
-        _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, FMT, P, PPW, PAGE_BYTES, K_OFF,
-                      KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, False, LEAN)  # fmt: skip
-    else:
-        _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, FMT, P, PPW, PAGE_BYTES, K_OFF,
-                      KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, True, LEAN)  # fmt: skip
-
-
-@gluon.jit
-def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, FMT: gl.constexpr, P: gl.constexpr,
-                  PPW: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr, KS_OFF: gl.constexpr,
-                  KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr,
-                  LV_LOAD: gl.constexpr, MASKED: gl.constexpr, LEAN: gl.constexpr = 0):  # fmt: skip
-    """_stage_step's copies with each address = its page's pointer (_page) + a loop-invariant int32 offset; masked
-    (zero-fill past ``lim`` valid tokens of the step, see _limit) only where MASKED: a step whose pages are all
-    inside the split and the sequence (every step but a split's last) runs the copies without masks or size
-    selects."""
-    D: gl.constexpr = 128
-    W: gl.constexpr = gl.num_warps()
-    NT: gl.constexpr = PPW * P
-    INT2: gl.constexpr = FMT == GL_FMT_INT2
-    KB: gl.constexpr = _kb(FMT)
-    VG: gl.constexpr = _vg(FMT)
-    NGR: gl.constexpr = D // 32
-    kr, vr, ksr, kzr, vsr, vzr = rings
-    LK3: gl.constexpr = gl.BlockedLayout([1, 1, KB // 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
-    kw, kn, kj = idx3(LK3, W, NT, KB)
-    # each offset = a part fixed by the lane (shared by a thread's copies of one page) + a constant per register
-    # (an immediate of the copy): K rows g + 8r (lanes g: token bits 0-2), bytes c * KB/4 + j (lanes c)
-    KT: gl.constexpr = KB // 4  # K bytes a thread copies per row
-    kp = _page(pt_row, base + kw * PPW + kn // P, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
-    kp = (kp + (K_OFF + (h * P + (kn & 7)) * KB + kj // KT * KT)) + ((kn & ~7) % P * KB + kj % KT)
-    # V: tokens 2c + {0, 1, 8, 9, ..} (lanes c: token bits 1-2), KB/8 contiguous bytes a thread (v_layouts)
-    VT: gl.constexpr = KB // 8
-    vw, vn, vg, vj = idx4(LV_LOAD, W, NT, KB // VG, VG)
-    vb = vg * VG + vj
-    vp = _page(pt_row, base + vw * PPW + vn // P, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
-    vp = (vp + (V_OFF + (h * P + (vn & 6)) * KB + vb // VT * VT)) + ((vn & ~6) % P * KB + vb % VT)
-    if MASKED:
-        cp_async(kr.index(slot), kp, mask=_before(lim, kw, kn, NT, 7, LEAN))
-        cp_async(vr.index(slot), vp, mask=_before(lim, vw, vn, NT, 6, LEAN))
-    else:
-        cp_async(kr.index(slot), kp)
-        cp_async(vr.index(slot), vp)
-    if FMT == GL_FMT_FP8:
-        pass  # no scales
-    elif FMT == GL_FMT_NVFP4:
-        LS: gl.constexpr = _row_layout(W, NT, D // 16)  # a token's 8 block scales: one 8-byte copy
-        sw, sn, sj = idx3(LS, W, NT, D // 16)
-        sp = _page(pt_row, base + sw * PPW + sn // P, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
-        sp = sp + ((h * P + sn % P) * (D // 16) + sj)
-        if MASKED:
-            sok = _before(lim, sw, sn, NT, 31, LEAN)
-            cp_async(ksr.index(slot), sp + KS_OFF, mask=sok)
-            cp_async(vsr.index(slot), sp + VS_OFF, mask=sok)
-        else:
-            cp_async(ksr.index(slot), sp + KS_OFF)
-            cp_async(vsr.index(slot), sp + VS_OFF)
-    else:
-        # V scales / zeros: the warp's page's [D/32, P] token-minor fp16 rows as int32 token pairs (8 bytes a thread)
-        LP: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, NGR, 32 // NGR], [W, 1, 1], [2, 1, 0])
-        pw, pg, pn = idx3(LP, W, NGR, NT // 2)
-        pp = _page(pt_row, base + pw * PPW + (2 * pn) // P, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
-        prow = h * P + (2 * pn) % P
-        pp = pp.to(gl.pointer_type(gl.int32), bitcast=True) + ((prow // P) * NGR + pg) * (P // 2) + (prow % P) // 2
-        if MASKED:
-            pok = _before(lim, pw, 2 * pn, NT, 28, LEAN)
-            cp_async(vsr.index(slot), pp + VS_OFF // 4, mask=pok)
-            cp_async(vzr.index(slot), pp + VZ_OFF // 4, mask=pok)
-        else:
-            cp_async(vsr.index(slot), pp + VS_OFF // 4)
-            cp_async(vzr.index(slot), pp + VZ_OFF // 4)
-        if INT2:
-            # the warp's page's per-channel key scales and zeros [D] fp16 (8 bytes a thread)
-            LC: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
-            cw = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, LC)), 1)
-            cc = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, LC)), 0)
-            cp = _page(pt_row, base + cw, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
-            cp = cp.to(gl.pointer_type(gl.float16), bitcast=True) + (h * 128 + cc)
-            if MASKED:
-                cok = (cw * NT < lim) & (cc >= 0)
-                cp_async(ksr.index(slot), cp + KS_OFF // 2, mask=cok)
-                cp_async(kzr.index(slot), cp + KZ_OFF // 2, mask=cok)
-            else:
-                cp_async(ksr.index(slot), cp + KS_OFF // 2)
-                cp_async(kzr.index(slot), cp + KZ_OFF // 2)
-        else:
-            LS4: gl.constexpr = _row_layout(W, NT, NGR)  # a token's 4 group scales (zeros): one 8-byte copy
-            sw, sn, sj = idx3(LS4, W, NT, NGR)
-            sp = _page(pt_row, base + sw * PPW + sn // P, hi, buf_ptr, total_bytes, PAGE_BYTES, INT2)
-            sp = sp.to(gl.pointer_type(gl.float16), bitcast=True) + ((h * P + sn % P) * NGR + sj)
-            if MASKED:
-                sok = _before(lim, sw, sn, NT, 31, LEAN)
-                cp_async(ksr.index(slot), sp + KS_OFF // 2, mask=sok)
-                cp_async(kzr.index(slot), sp + KZ_OFF // 2, mask=sok)
-            else:
-                cp_async(ksr.index(slot), sp + KS_OFF // 2)
-                cp_async(kzr.index(slot), sp + KZ_OFF // 2)
-
-
-@gluon.jit
-def _read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: gl.constexpr, P: gl.constexpr,
-               PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, LV_LOAD: gl.constexpr,
-               LV_UNPACK: gl.constexpr):  # fmt: skip
-    """One staged step from ring slot ``slot`` into registers, raw: (K bytes, V bytes, K scales, K zeros, V scales,
-    V zeros), in the layouts _step unpacks."""
-    kb = _read_kb(rings, slot, FMT, PPW * P)
-    vb = rings[1].index(slot).load(LV_LOAD)
-    # the order of the loads steers ptxas's schedule: nvfp4 reads K scales first, INT4 / INT2 V scales first
-    if FMT == GL_FMT_NVFP4:
-        ks, kz = _read_kscales(rings, slot, kb, FMT, HP)
-        vs, vz = _read_vscales(rings, slot, vb, base, hi, num_tokens, FMT, P, PPW, LV_UNPACK)
-    else:
-        vs, vz = _read_vscales(rings, slot, vb, base, hi, num_tokens, FMT, P, PPW, LV_UNPACK)
-        ks, kz = _read_kscales(rings, slot, kb, FMT, HP)
-    return kb, vb, ks, kz, vs, vz
-
-
-@gluon.constexpr_function
-def _k_layout(fmt: int, w: int) -> Any:
-    """Layout [W, NT, groups, per group] of a step's K bytes as _step unpacks them (one scale group a row of 4th
-    dim; INT2 / fp8 keep the copy's [W, NT, KB] layout)."""
-    kb = _kb(fmt)
-    kg = 8 if fmt == 0 else (16 if fmt == 1 else kb // 4)
-    return gl.BlockedLayout([1, 1, (kb // 4) // kg, kg], [1, 8, 4, 1], [w, 1, 1, 1], [3, 2, 1, 0])
-
-
-@gluon.jit
-def _read_kb(rings, slot, FMT: gl.constexpr, NT: gl.constexpr):
-    """A staged step's K bytes from ring slot ``slot``."""
-    W: gl.constexpr = gl.num_warps()
-    KB: gl.constexpr = _kb(FMT)
-    KG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else (16 if FMT == GL_FMT_INT4 else KB // 4)
-    LK3: gl.constexpr = gl.BlockedLayout([1, 1, KB // 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
-    kb = rings[0].index(slot).load(LK3)
-    if FMT == GL_FMT_NVFP4 or FMT == GL_FMT_INT4:
-        kb = gl.convert_layout(gl.reshape(kb, [W, NT, KB // KG, KG]), _k_layout(FMT, W), assert_trivial=True)
-    return kb
-
-
-@gluon.jit
-def _read_kscales(rings, slot, kb, FMT: gl.constexpr, HP: gl.constexpr):
-    """A staged step's K scales and zeros from ring slot ``slot`` (kb: the step's K bytes, which fp8 returns in
-    their place)."""
-    D: gl.constexpr = 128
-    W: gl.constexpr = gl.num_warps()
-    INT2: gl.constexpr = FMT == GL_FMT_INT2
-    kr, vr, ksr, kzr, vsr, vzr = rings
-    LK: gl.constexpr = _k_layout(FMT, W)
-    if FMT == GL_FMT_FP8:
-        ks = kb
-        kz = kb
-    elif FMT == GL_FMT_NVFP4:
-        ks = ksr.index(slot).load(gl.SliceLayout(3, LK))
-        kz = ks
-    elif INT2:
-        CL: gl.constexpr = chan_layout(W, HP)
-        full = gl.zeros([W, D, HP], gl.float16, CL)
-        ks = gl.broadcast(gl.expand_dims(ksr.index(slot).load(gl.SliceLayout(2, CL)), 2), full)[0]
-        kz = gl.broadcast(gl.expand_dims(kzr.index(slot).load(gl.SliceLayout(2, CL)), 2), full)[0]
-    else:
-        ks = ksr.index(slot).load(gl.SliceLayout(3, LK))
-        kz = kzr.index(slot).load(gl.SliceLayout(3, LK))
-    return ks, kz
-
-
-@gluon.jit
-def _read_v(rings, slot, base, hi, num_tokens, FMT: gl.constexpr, P: gl.constexpr, PPW: gl.constexpr,
-            LV_LOAD: gl.constexpr, LV_UNPACK: gl.constexpr, LEAN: gl.constexpr = 0):  # fmt: skip
-    """A staged step's V side from ring slot ``slot``: (V bytes, V scales, V zeros)."""
-    vb = rings[1].index(slot).load(LV_LOAD)
-    vs, vz = _read_vscales(rings, slot, vb, base, hi, num_tokens, FMT, P, PPW, LV_UNPACK, LEAN)
-    return vb, vs, vz
-
-
-@gluon.jit
-def _read_vscales(rings, slot, vb, base, hi, num_tokens, FMT: gl.constexpr, P: gl.constexpr, PPW: gl.constexpr,
-                  LV_UNPACK: gl.constexpr, LEAN: gl.constexpr = 0):  # fmt: skip
-    """A staged step's V scales and zeros from ring slot ``slot`` (vb: the step's V bytes, which fp8 returns in
-    their place).
-
-    The V scale / zero pairs of INT4 / INT2 pages are masked in every step: masking them only in a split's last
-    step (behind a uniform test) takes more registers and is slower."""
-    W: gl.constexpr = gl.num_warps()
-    NT: gl.constexpr = PPW * P
-    kr, vr, ksr, kzr, vsr, vzr = rings
-    if FMT == GL_FMT_FP8:
-        vs = vb
-        vz = vb
-    elif FMT == GL_FMT_NVFP4:
-        vs = vsr.index(slot).load(gl.SliceLayout(3, LV_UNPACK))
-        vz = vs
-    else:
-        LVP: gl.constexpr = pair_layout(LV_UNPACK)
-        pw, pn, pg = idx3(LVP, W, NT // 2, 1)
-        lim = _limit(base, hi, num_tokens, P)
-        vs = vsr.index(slot).permute([0, 2, 1]).load(LVP)
-        vz = vzr.index(slot).permute([0, 2, 1]).load(LVP)
-        if LEAN:
-            second = _before(lim - 1, pw, 2 * pn, NT, 6, LEAN)
-        else:
-            second = pw * NT + 2 * pn + 1 < lim
-        keep = gl.where(second, -1, 0xFFFF)  # the second token of a pair past the
-        vs = vs & keep  # sequence reads 0 (its bytes may be any stale fp16, inf or NaN)
-        vz = vz & keep
-    return vs, vz
 
 
 # ----------------------------------------------------------------------------
@@ -484,7 +158,7 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P
     INT2: gl.constexpr = FMT == GL_FMT_INT2
-    KB: gl.constexpr = _kb(FMT)
+    KB: gl.constexpr = row_bytes(FMT)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
     A: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -548,9 +222,9 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
     # rescale of acc and l is skipped by one uniform branch (rescale); l is summed by the tensor core
     # (ones . P^T, every row the same), not by shuffles. Only a split's last step masks its scores, and
     # they stay raw: k_mul (> 0) scales the row max and enters p's exponent in one fma.
-    lim = _limit(base, hi, num_tokens, P)
+    lim = valid_tokens(base, hi, num_tokens, P)
     if lim < W * NT:
-        sc = gl.where(_before(lim, mw, mn, NT, 7, LEAN) & (mh >= 0), sc, float("-inf"))
+        sc = gl.where(in_limit(lim, mw, mn, NT, 7, LEAN) & (mh >= 0), sc, float("-inf"))
     top = gl.max(sc, axis=1) * k_mul
     grow = top > m_i + TAU
     m_new = gl.where(grow, top, m_i)
@@ -566,7 +240,7 @@ def _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, tot
 
     # ---- O^T += V^T . P^T ----
     if LEAN:
-        vb, vs, vz = _read_v(rings, slot, base, hi, num_tokens, FMT, P, PPW, LV_LOAD, LV_UNPACK, LEAN)
+        vb, vs, vz = read_v(rings, slot, base, hi, num_tokens, FMT, P, PPW, LV_LOAD, LV_UNPACK, LEAN)
         vs = pairs_to_tokens(vs, W, NT, gl.SliceLayout(3, LV_UNPACK))
         vz = pairs_to_tokens(vz, W, NT, gl.SliceLayout(3, LV_UNPACK))
     vb = gl.convert_layout(vb, LV_UNPACK, assert_trivial=True)
@@ -606,7 +280,7 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
     W: gl.constexpr = gl.num_warps()
     NT: gl.constexpr = PPW * P  # tokens per warp per step
     INT2: gl.constexpr = FMT == GL_FMT_INT2
-    KB: gl.constexpr = _kb(FMT)  # bytes per token row
+    KB: gl.constexpr = row_bytes(FMT)  # bytes per token row
     PER: gl.constexpr = 4 if INT2 else (1 if FMT == GL_FMT_FP8 else 2)  # values per byte
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
     B: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -629,25 +303,25 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
     l_i = gl.zeros([W, 16, HP], gl.float32, MMA)
     acc = gl.zeros([W, D, HP], gl.float32, MMA)
     STEP: gl.constexpr = W * PPW
-    rings = _rings(FMT, NT, HP, STAGES, LV_LOAD)
+    rings = make_rings(FMT, NT, HP, STAGES, LV_LOAD)
     for i in gl.static_range(STAGES - 1):
-        _stage_step(rings, i, pt_row, lo + i * STEP, hi, num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW,
+        stage_step(rings, i, pt_row, lo + i * STEP, hi, num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW,
                     PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, LEAN)  # fmt: skip
         async_copy.commit_group()
     rd = 0  # the ring slot this step reads; the copies go to the one before it (read by the step before)
     for j in range(0, gl.cdiv(hi - lo, STEP)):
-        _stage_step(rings, gl.where(rd == 0, STAGES - 1, rd - 1), pt_row, lo + (j + STAGES - 1) * STEP, hi,
+        stage_step(rings, gl.where(rd == 0, STAGES - 1, rd - 1), pt_row, lo + (j + STAGES - 1) * STEP, hi,
                     num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
                     VS_OFF, VZ_OFF, LV_LOAD, LEAN)  # fmt: skip
         async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
         base = lo + j * STEP
         if LEAN:
-            kb = _read_kb(rings, rd, FMT, NT)
-            ks, kz = _read_kscales(rings, rd, kb, FMT, HP)
+            kb = read_kb(rings, rd, FMT, NT)
+            ks, kz = read_kscales(rings, rd, kb, FMT, HP)
             d = (kb, kb, ks, kz, ks, kz)  # V is read inside _step
         else:
-            d = _read_step(rings, rd, pt_row, base, hi, num_tokens, h, total_bytes, FMT, P, PPW, HP, PAGE_BYTES,
+            d = read_step(rings, rd, pt_row, base, hi, num_tokens, h, total_bytes, FMT, P, PPW, HP, PAGE_BYTES,
                            LV_LOAD, LV_UNPACK)  # fmt: skip
         cur = rd
         rd = gl.where(rd == STAGES - 1, 0, rd + 1)

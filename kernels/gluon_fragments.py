@@ -35,6 +35,7 @@ cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_glob
 GL_FMT_NVFP4: gl.constexpr = gl.constexpr(0)
 GL_FMT_INT4: gl.constexpr = gl.constexpr(1)
 GL_FMT_INT2: gl.constexpr = gl.constexpr(2)
+GL_FMT_FP8: gl.constexpr = gl.constexpr(3)
 
 # ----------------------------------------------------------------------------
 # unpackers (PTX). Operands: outputs first ($0..), then the packed word, then

@@ -5,6 +5,7 @@
     triton_common, triton_pdl           what the kernels share; import no kernel module
     gluon_fragments, gluon_attend       what the Gluon kernels share (device code)
     gluon_merge                         the Gluon decode's in-kernel split merge (device code and its host side)
+    gluon_ring                          the Gluon decode's shared-memory ring: a step's copies and reads (device code)
     triton_write/_gather/_decode/_norm/_prefill, gluon_decode/_extend/_extend_tri   kernels: import each other never
     paged_ops                           the dispatch point: imports kernel modules only inside functions
     fp8_gemm, triton_fp8_gemm           FP8 weight GEMMs: torch references and dispatch, the Triton kernel
@@ -24,7 +25,7 @@ PKG = "kvserving.kernels"
 # modules that hold Triton or Gluon kernels (or only make sense next to them)
 TRITON_MODULES = {"triton_codec", "triton_common", "triton_decode", "triton_gather", "triton_write", "triton_prefill",
                   "triton_norm", "gluon_decode", "gluon_extend", "gluon_extend_tri", "gluon_fragments", "gluon_attend",
-                  "gluon_merge", "compile_report", "triton_fp8_gemm", "fp8_gemm", "triton_pdl", "triton_elementwise"}  # fmt: skip
+                  "gluon_merge", "gluon_ring", "compile_report", "triton_fp8_gemm", "fp8_gemm", "triton_pdl", "triton_elementwise"}  # fmt: skip
 KERNEL_MODULES = {"triton_decode", "triton_gather", "triton_write", "triton_prefill", "triton_norm", "gluon_decode",
                   "gluon_extend", "gluon_extend_tri", "triton_fp8_gemm"}  # fmt: skip
 REFERENCES = {"page_ids", "options", "layout", "paged_kv", "fp8", "nvfp4", "intquant", "quant_checks", "paged_ref", "capacity", "capability",
