@@ -306,13 +306,13 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
     rings = make_rings(FMT, NT, HP, STAGES, LV_LOAD)
     for i in gl.static_range(STAGES - 1):
         stage_step(rings, i, pt_row, lo + i * STEP, hi, num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW,
-                    PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, LEAN)  # fmt: skip
+                   PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF, VS_OFF, VZ_OFF, LV_LOAD, LEAN)  # fmt: skip
         async_copy.commit_group()
     rd = 0  # the ring slot this step reads; the copies go to the one before it (read by the step before)
     for j in range(0, gl.cdiv(hi - lo, STEP)):
         stage_step(rings, gl.where(rd == 0, STAGES - 1, rd - 1), pt_row, lo + (j + STAGES - 1) * STEP, hi,
-                    num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
-                    VS_OFF, VZ_OFF, LV_LOAD, LEAN)  # fmt: skip
+                   num_tokens, h, buf_ptr, total_bytes, FMT, P, PPW, PAGE_BYTES, K_OFF, KS_OFF, KZ_OFF, V_OFF,
+                   VS_OFF, VZ_OFF, LV_LOAD, LEAN)  # fmt: skip
         async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
         base = lo + j * STEP
@@ -322,7 +322,7 @@ def _gl_split(q_row, o_ptr, lse_ptr, buf_ptr, pt_row, num_tokens, k_mul, total_b
             d = (kb, kb, ks, kz, ks, kz)  # V is read inside _step
         else:
             d = read_step(rings, rd, pt_row, base, hi, num_tokens, h, total_bytes, FMT, P, PPW, HP, PAGE_BYTES,
-                           LV_LOAD, LV_UNPACK)  # fmt: skip
+                          LV_LOAD, LV_UNPACK)  # fmt: skip
         cur = rd
         rd = gl.where(rd == STAGES - 1, 0, rd + 1)
         m_i, l_i, acc = _step(d, m_i, l_i, acc, q0, q1, q2, q3, pt_row, base, hi, num_tokens, h, total_bytes,

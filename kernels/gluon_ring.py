@@ -111,9 +111,9 @@ def make_rings(FMT: gl.constexpr, NT: gl.constexpr, HP: gl.constexpr, STAGES: gl
 
 @gluon.jit
 def stage_step(rings, slot, pt_row, base, hi, num_tokens, h, buf_ptr, total_bytes, FMT: gl.constexpr,
-                P: gl.constexpr, PPW: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
-                KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
-                VZ_OFF: gl.constexpr, LV_LOAD: gl.constexpr, LEAN: gl.constexpr = 0):  # fmt: skip
+               P: gl.constexpr, PPW: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFF: gl.constexpr,
+               KS_OFF: gl.constexpr, KZ_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
+               VZ_OFF: gl.constexpr, LV_LOAD: gl.constexpr, LEAN: gl.constexpr = 0):  # fmt: skip
     """Start the cp.async copies of one step's bytes (pages base + w*PPW .. of warp w) into ring slot ``slot``;
     tokens past the split or the sequence are zero-filled, so they read as 0. A step whose
     tokens are all valid (every step of a split but its last) copies without masks (_stage_copies)."""
@@ -221,8 +221,8 @@ def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, F
 
 @gluon.jit
 def read_step(rings, slot, pt_row, base, hi, num_tokens, h, total_bytes, FMT: gl.constexpr, P: gl.constexpr,
-               PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, LV_LOAD: gl.constexpr,
-               LV_UNPACK: gl.constexpr):  # fmt: skip
+              PPW: gl.constexpr, HP: gl.constexpr, PAGE_BYTES: gl.constexpr, LV_LOAD: gl.constexpr,
+              LV_UNPACK: gl.constexpr):  # fmt: skip
     """One staged step from ring slot ``slot`` into registers, raw: (K bytes, V bytes, K scales, K zeros, V scales,
     V zeros), in the layouts _step unpacks."""
     kb = read_kb(rings, slot, FMT, PPW * P)
@@ -287,7 +287,7 @@ def read_kscales(rings, slot, kb, FMT: gl.constexpr, HP: gl.constexpr):
 
 @gluon.jit
 def read_v(rings, slot, base, hi, num_tokens, FMT: gl.constexpr, P: gl.constexpr, PPW: gl.constexpr,
-            LV_LOAD: gl.constexpr, LV_UNPACK: gl.constexpr, LEAN: gl.constexpr = 0):  # fmt: skip
+           LV_LOAD: gl.constexpr, LV_UNPACK: gl.constexpr, LEAN: gl.constexpr = 0):  # fmt: skip
     """A staged step's V side from ring slot ``slot``: (V bytes, V scales, V zeros)."""
     vb = rings[1].index(slot).load(LV_LOAD)
     vs, vz = _read_vscales(rings, slot, vb, base, hi, num_tokens, FMT, P, PPW, LV_UNPACK, LEAN)
