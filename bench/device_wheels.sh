@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Here (not on the device): the wheels the device machine's Python (3.12, x86-64) lacks for the gpu tests and the
-# benches that start the stack, into .whl/ (ignored by git; carried with `carry: [".whl"]`), pinned to the versions
-# requirements.txt and make install use. NIXL is the CUDA 13 build (the device's torch is cu130), slimmed to its
+# benches that start the stack, and the decode / extend benches' peer (FlashInfer 0.6.0 with apache-tvm-ffi), into
+# .whl/ (ignored by git; carried with `carry: [".whl"]`), pinned to the versions requirements.txt and make install use. NIXL is the CUDA 13 build (the device's torch is cu130), slimmed to its
 # runtime (its nixl_ep extensions, headers and UCX perftest dropped: 59 -> 29 MiB). bench/gpu_run.sh installs them.
 # Usage (repo root): bash bench/device_wheels.sh
 set -euo pipefail
@@ -17,6 +17,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 \
   typing_extensions==4.16.0 opentelemetry-api==1.45.3 importlib_metadata==10.2.0 \
   openai==3.51.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1 httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5 \
+  flashinfer-python==0.6.0 apache-tvm-ffi==0.1.15.post2 \
   2>&1 | grep -v "^WARNING: Location" || true
 nixl=$(ls .whl/nixl_cu13-1.5.1-*.whl)
 listing=$(unzip -l "$nixl")
