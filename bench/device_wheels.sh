@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Here (not on the device): the wheels the device machine's Python (3.12, x86-64) lacks for the gpu tests and the
 # benches that start the stack, and the decode / extend benches' peer (FlashInfer 0.6.0 with apache-tvm-ffi), into
-# .whl/ (ignored by git; carried with `carry: [".whl"]`), pinned to the versions requirements.txt and make install use. NIXL is the CUDA 13 build (the device's torch is cu130), slimmed to its
-# runtime (its nixl_ep extensions, headers and UCX perftest dropped: 59 -> 29 MiB). bench/gpu_run.sh installs them.
+# .whl/ (ignored by git; carried with `carry: [".whl"]`), pinned to the versions requirements.txt and make install
+# use. NIXL is the CUDA 13 build (the device's torch is cu130), slimmed to its runtime (its nixl_ep extensions,
+# headers and UCX perftest dropped: 59 -> 29 MiB). bench/gpu_run.sh installs them.
 # Usage (repo root): bash bench/device_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
