@@ -70,6 +70,19 @@ def in_limit(lim, w, n, NT: gl.constexpr, LANES: gl.constexpr, LEAN: gl.constexp
 
 
 @gluon.constexpr_function
+def _k_rows_layout(fmt: int, w: int) -> Any:
+    """[W, NT, KB] of a step's K bytes as thread (g, c) copies them and reads them back: rows g + 8r, bytes
+    [c * KB/4, (c+1) * KB/4) of each (one layout for both, so each thread reads only what it copied)."""
+    return gl.BlockedLayout([1, 1, row_bytes(fmt) // 4], [1, 8, 4], [w, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _k_group_bytes(fmt: int) -> int:
+    """K bytes per scale group: an nvfp4 block pair 8, an INT4 group 16; INT2 / fp8 a thread's KB/4 (no split)."""
+    return 8 if fmt == 0 else (16 if fmt == 1 else row_bytes(fmt) // 4)
+
+
+@gluon.constexpr_function
 def _row_layout(w: int, rows: int, per_thread: int) -> Any:
     """[W, rows, n] with per_thread contiguous elements a thread (one cp.async of 8 bytes), rows over the lanes."""
     return gl.BlockedLayout([1, 1, per_thread], [1, 32, 1], [w, 1, 1], [2, 1, 0])
@@ -144,7 +157,7 @@ def _stage_copies(rings, slot, pt_row, base, hi, lim, h, buf_ptr, total_bytes, F
     VG: gl.constexpr = v_group_bytes(FMT)
     NGR: gl.constexpr = D // 32
     kr, vr, ksr, kzr, vsr, vzr = rings
-    LK3: gl.constexpr = gl.BlockedLayout([1, 1, KB // 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
+    LK3: gl.constexpr = _k_rows_layout(FMT, W)
     kw, kn, kj = idx3(LK3, W, NT, KB)
     # each offset = a part fixed by the lane (shared by a thread's copies of one page) + a constant per register
     # (an immediate of the copy): K rows g + 8r (lanes g: token bits 0-2), bytes c * KB/4 + j (lanes c)
@@ -242,7 +255,7 @@ def _k_layout(fmt: int, w: int) -> Any:
     """Layout [W, NT, groups, per group] of a step's K bytes as _step unpacks them (one scale group a row of 4th
     dim; INT2 / fp8 keep the copy's [W, NT, KB] layout)."""
     kb = row_bytes(fmt)
-    kg = 8 if fmt == 0 else (16 if fmt == 1 else kb // 4)
+    kg = _k_group_bytes(fmt)
     return gl.BlockedLayout([1, 1, (kb // 4) // kg, kg], [1, 8, 4, 1], [w, 1, 1, 1], [3, 2, 1, 0])
 
 
@@ -251,9 +264,8 @@ def read_kb(rings, slot, FMT: gl.constexpr, NT: gl.constexpr):
     """A staged step's K bytes from ring slot ``slot``."""
     W: gl.constexpr = gl.num_warps()
     KB: gl.constexpr = row_bytes(FMT)
-    KG: gl.constexpr = 8 if FMT == GL_FMT_NVFP4 else (16 if FMT == GL_FMT_INT4 else KB // 4)
-    LK3: gl.constexpr = gl.BlockedLayout([1, 1, KB // 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
-    kb = rings[0].index(slot).load(LK3)
+    KG: gl.constexpr = _k_group_bytes(FMT)
+    kb = rings[0].index(slot).load(_k_rows_layout(FMT, W))
     if FMT == GL_FMT_NVFP4 or FMT == GL_FMT_INT4:
         kb = gl.convert_layout(gl.reshape(kb, [W, NT, KB // KG, KG]), _k_layout(FMT, W), assert_trivial=True)
     return kb
