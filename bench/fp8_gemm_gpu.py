@@ -53,7 +53,7 @@ from triton.errors import TritonError
 
 from kvserving import jsonfmt
 from kvserving.kernels import fp8_gemm, triton_fp8_gemm
-from kvserving.kernels.triton_fp8_gemm import (
+from kvserving.kernels.gemm_plan import (
     GEMV_ROWS,
     Gemv,
     Tiles,

@@ -52,6 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .gemm_plan import Gemv, launch_config
+
 E4M3_MAX = 448.0
 BLOCK = 128  # the block-scaled layout's tile edge and the activation group
 SCHEMES = ("rows", "block")
@@ -241,7 +243,7 @@ def linear_cuda(
     ``scale_cublas``: ``cublas_block_scales(scale)`` (block, built once at load); ``backend`` picks the block
     GEMM: "auto" (Triton where ``unquantized``, else cuBLASLt where it runs, else Triton's block GEMM), "cublas" or
     "triton" (the GEMV, the block GEMM on unquantized activations or the quantizer and the block GEMM, as
-    ``triton_fp8_gemm.launch_config`` says)."""
+    ``gemm_plan.launch_config`` says)."""
     if backend not in BLOCK_BACKENDS:
         raise ValueError(f"backend must be one of {BLOCK_BACKENDS}, got {backend!r}")
     if scheme == "rows":
@@ -260,6 +262,6 @@ def linear_cuda(
 def unquantized(m: int, n: int, k: int) -> bool:
     """Whether the block-scaled product of M tokens by an [N, K] weight runs Triton on the activations as they are
     (the GEMV, or the block GEMM's ``a16`` tiles) rather than an MMA GEMM on quantized activations:
-    ``triton_fp8_gemm.launch_config``'s dispatch."""
-    launch = _triton_gemm().launch_config(m, n, k)
-    return isinstance(launch, _triton_gemm().Gemv) or launch.a16
+    ``gemm_plan.launch_config``'s dispatch."""
+    launch = launch_config(m, n, k)
+    return isinstance(launch, Gemv) or launch.a16

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserving.kernels.capacity import decode_weight_bytes
+from kvserving.kernels.gemm_plan import bf16_launch
 from kvserving.kernels.options import KernelOptions
 from kvserving.kernels.norm_ref import add_rms_norm_ref, qk_norm_rope_ref, rms_norm_ref, silu_mul_ref
 from kvserving.worker.fp8_linear import Fp8Linear, checkpoint_fp8_layers, checkpoint_fp8_state, quantize_layers
@@ -353,7 +354,7 @@ def product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     if x.shape[0] <= BF16_GEMV_ROWS:
         out = k.gemv(x, weight, None, out_dtype=x.dtype)
-    elif _GRAPH_PASS.get() and (tiles := k.bf16_launch(x.shape[0], weight.shape[0], weight.shape[1])) is not None:
+    elif _GRAPH_PASS.get() and (tiles := bf16_launch(x.shape[0], weight.shape[0], weight.shape[1])) is not None:
         out = k.bf16_gemm(x, weight, out_dtype=x.dtype, tiles=tiles)
     else:
         return F.linear(x, weight, bias)

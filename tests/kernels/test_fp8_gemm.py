@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kvserving.kernels import fp8_gemm
-from kvserving.kernels.triton_fp8_gemm import gemv_config, tile_config
+from kvserving.kernels.gemm_plan import gemv_config, tile_config
 
 interpreter_only = pytest.mark.skipif(
     torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", reason="CPU-tensor kernel tests need TRITON_INTERPRET=1"
@@ -208,7 +208,7 @@ def test_triton_quantizers_equal_the_torch_quantizers_bit_for_bit_at_model_width
 
 
 def test_tile_config_at_the_qwen3_8b_shapes() -> None:
-    from kvserving.kernels.triton_fp8_gemm import Tiles, tile_config
+    from kvserving.kernels.gemm_plan import Tiles, tile_config
 
     rows = (1, 2, 4, 16, 17, 64, 65, 128, 129, 256, 257, 512, 513)
     got = {(n, k): [tile_config(m, n, k).label for m in rows] for n, k in QWEN3_8B_SHAPES[:4]}
@@ -235,7 +235,8 @@ def test_triton_block_gemm_at_the_tiles_chosen_for_qwen3_8b_shapes(m: int, n: in
     """Each launch shape ``tile_config`` picks at the full shapes (K split in 4 or not, 16- and 64-row tiles), run on a
     192-row slice of such a weight (the interpreter is slow): every K split, the partials' sum, a last weight scale
     tile half full."""
-    from kvserving.kernels.triton_fp8_gemm import block_gemm, tiles_override
+    from kvserving.kernels.gemm_plan import tiles_override
+    from kvserving.kernels.triton_fp8_gemm import block_gemm
 
     x = _acts(m, k, seed=n)
     codes, scale = fp8_gemm.quantize_blocks(_weight(192, k, seed=m))
@@ -253,7 +254,8 @@ def test_triton_block_gemm_at_the_tiles_chosen_for_qwen3_8b_shapes(m: int, n: in
 @pytest.mark.parametrize("label", ["16x32w4s3k1", "16x64w4s4k3", "16x128w8s6k1", "16x32w2s2k5", "32x64w4s3k2", "64x128w4s4k2"])
 def test_triton_block_gemm_matches_its_torch_reference_under_every_tile_shape(label: str) -> None:
     """Splits that do not divide the K steps (5 splits of 3 steps: two are empty and write zeros)."""
-    from kvserving.kernels.triton_fp8_gemm import Tiles, block_gemm, tiles_override
+    from kvserving.kernels.gemm_plan import Tiles, tiles_override
+    from kvserving.kernels.triton_fp8_gemm import block_gemm
 
     for m, n, k in ((1, 256, 384), (3, 200, 384), (16, 128, 640)):
         x = _acts(m, k, seed=n)
@@ -284,7 +286,8 @@ def _gemv_bound(x: torch.Tensor, w: torch.Tensor, launch: object, out_dtype: tor
 def _check_gemv(m: int, n: int, k: int, launch: object, *, seed: int, out_dtype: torch.dtype = torch.float32,
                 x_dtype: torch.dtype = torch.bfloat16, weight: str = "fp8") -> None:  # fmt: skip
     """The GEMV on an fp8 block-scaled weight (``weight`` "fp8") or a bf16 one ("bf16", no scales)."""
-    from kvserving.kernels.triton_fp8_gemm import gemv, tiles_override
+    from kvserving.kernels.gemm_plan import tiles_override
+    from kvserving.kernels.triton_fp8_gemm import gemv
 
     x = _acts(m, k, seed=seed).to(x_dtype)
     if weight == "fp8":
@@ -334,7 +337,7 @@ def test_gemv_equals_the_dequantized_product_at_uneven_n_under_every_split(label
     (3, 5 and 16 splits do not divide the steps: some splits hold one step less, some none and write zeros);
     bf16 and fp32 outputs, bf16 and fp32 activations; M 1 and 2 (the dispatch's) and 4 (every row's accumulator:
     M 3 runs the launches the dispatch picks, in the test above)."""
-    from kvserving.kernels.triton_fp8_gemm import Gemv
+    from kvserving.kernels.gemm_plan import Gemv
 
     launch = Gemv.parse(label)
     _check_gemv(m, 136, 1024, launch, seed=m, out_dtype=torch.bfloat16)
@@ -349,7 +352,7 @@ def test_gemv_on_a_bf16_weight_equals_the_exact_product(label: str, m: int) -> N
     dispatch's M = 1 and 2 shapes and uneven splits; N 72 and 40 (last tiles part-used; no 128-row scale tiles to
     cross), K 4096 and 2048; bf16 and fp32 outputs and activations. A weight read through the scaled path (a tile
     scale taken from the weight's own bytes) would miss the bound by orders of magnitude."""
-    from kvserving.kernels.triton_fp8_gemm import Gemv
+    from kvserving.kernels.gemm_plan import Gemv
 
     launch = Gemv.parse(label)
     _check_gemv(m, 72, 4096, launch, seed=m, out_dtype=torch.bfloat16, weight="bf16")
@@ -364,7 +367,8 @@ def test_bf16_block_gemm_equals_the_exact_product_under_every_tile_shape(label: 
     column tile part-used), K 1024 in 128-, 64- and 32-wide steps, split 1-5 ways (3 and 5 do not divide the
     steps: some splits hold one step less, some none and write zeros), M 3 to 64 in row tiles of 16 to 64; bf16
     and fp32 outputs. Fp32 sums: the GEMV's bound (``_gemv_bound``, depth from the steps and splits)."""
-    from kvserving.kernels.triton_fp8_gemm import Tiles, bf16_gemm, tiles_override
+    from kvserving.kernels.gemm_plan import Tiles, tiles_override
+    from kvserving.kernels.triton_fp8_gemm import bf16_gemm
 
     launch = Tiles.parse(label)
     for out_dtype, n, seed in ((torch.bfloat16, 136, m), (torch.float32, 72, m + 7)):
@@ -382,7 +386,8 @@ def test_a16_block_gemm_equals_the_dequantized_product_under_every_tile_shape(la
     """FP8 block-scaled weights times bf16 activations as they are (each e4m3 tile widened to bf16, exact): the
     dequantized weight times x in float64 within the GEMV's fp32 bound; N 136 and 72 (last tiles part-used, a
     128-row scale tile holding 8 rows), K 1024 split 1-5 ways; through ``linear`` (the dispatch reads ``a16``)."""
-    from kvserving.kernels.triton_fp8_gemm import Tiles, linear, tiles_override
+    from kvserving.kernels.gemm_plan import Tiles, tiles_override
+    from kvserving.kernels.triton_fp8_gemm import linear
 
     launch = Tiles.parse(label)
     for out_dtype, n, seed in ((torch.bfloat16, 136, m), (torch.float32, 72, m + 7)):
@@ -398,7 +403,7 @@ def test_bf16_tile_config_takes_one_row_tile_and_splits_k_to_one_program_an_sm()
     """One row tile holds M (16, 64, 128); 64 columns; K split in powers of two while the grid stays within
     BF16_PROGRAMS (132) with >= 8 steps a split: at the Qwen3-8B shapes qkv none (96 column tiles), o 2 (64 x 2 =
     128 programs), gate_up none (384 column tiles), down 2."""
-    from kvserving.kernels.triton_fp8_gemm import bf16_tile_config
+    from kvserving.kernels.gemm_plan import bf16_tile_config
 
     got = {(n, k): [bf16_tile_config(m, n, k).label for m in (3, 16, 17, 64, 100)] for n, k in QWEN3_8B_SHAPES[:4]}
     assert got == {
@@ -412,7 +417,7 @@ def test_bf16_tile_config_takes_one_row_tile_and_splits_k_to_one_program_an_sm()
 def test_bf16_launch_leaves_a_grid_that_idles_sms_to_cublas() -> None:
     """At 3-16 tokens the block GEMM takes o, gate_up and down of the Qwen3-8B shape (128, 384 and 128 programs) and
     leaves qkv (96 programs: 36 of 132 SMs idle) to cuBLAS."""
-    from kvserving.kernels.triton_fp8_gemm import bf16_launch
+    from kvserving.kernels.gemm_plan import bf16_launch
 
     got = {(n, k): [getattr(bf16_launch(m, n, k), "label", None) for m in (3, 16)] for n, k in QWEN3_8B_SHAPES[:4]}
     assert got == {
@@ -424,7 +429,8 @@ def test_bf16_launch_leaves_a_grid_that_idles_sms_to_cublas() -> None:
 
 
 def test_block_gemm_refuses_a_k_step_other_than_its_scale_group() -> None:
-    from kvserving.kernels.triton_fp8_gemm import Tiles, block_gemm, tiles_override
+    from kvserving.kernels.gemm_plan import Tiles, tiles_override
+    from kvserving.kernels.triton_fp8_gemm import block_gemm
 
     codes, scale = fp8_gemm.quantize_blocks(_weight(128, 256, seed=0))
     qa, sa = fp8_gemm.quantize_activations(_acts(2, 256, seed=1), scheme="block")
@@ -434,7 +440,7 @@ def test_block_gemm_refuses_a_k_step_other_than_its_scale_group() -> None:
 
 
 def test_tiles_labels_read_back_with_and_without_a_k_step() -> None:
-    from kvserving.kernels.triton_fp8_gemm import Tiles
+    from kvserving.kernels.gemm_plan import Tiles
 
     assert Tiles.parse("64x64w4s4k2b64") == Tiles(64, 64, 4, 4, 2, 64) and Tiles(64, 64, 4, 4, 2, 64).label == "64x64w4s4k2b64"
     assert Tiles(16, 64, 4, 4, 1).label == "16x64w4s4k1"
@@ -453,7 +459,8 @@ def test_the_gated_gemv_equals_the_gemv_of_silu_mul_bit_for_bit(weight: str, m: 
     it, so the output equals the GEMV of ``silu_mul``'s output exactly (same inputs, same sum order); a gate and up
     taken the other way round, or the product left unrounded, changes it."""
     from kvserving.kernels import triton_norm
-    from kvserving.kernels.triton_fp8_gemm import Gemv, gemv, tiles_override
+    from kvserving.kernels.gemm_plan import Gemv, tiles_override
+    from kvserving.kernels.triton_fp8_gemm import gemv
 
     k = 1024
     gate_up = (torch.randn(m, 2 * k, generator=torch.Generator().manual_seed(m)) * 3).to(torch.bfloat16)
@@ -471,7 +478,7 @@ def test_the_gated_gemv_equals_the_gemv_of_silu_mul_bit_for_bit(weight: str, m: 
 
 
 def test_the_dispatch_takes_the_gemv_at_m_1_and_at_m_2_and_unquantized_activations_at_m_3_4_where_the_block_gemm_splits_k() -> None:
-    from kvserving.kernels.triton_fp8_gemm import Gemv, Tiles, gemv_config, gemv_split, launch_config, tile_config
+    from kvserving.kernels.gemm_plan import Gemv, Tiles, gemv_config, gemv_split, launch_config, tile_config
 
     got = {(n, k): [launch_config(m, n, k).label for m in (1, 2, 3, 4, 5)] for n, k in QWEN3_8B_SHAPES[:4]}
     assert got == {
@@ -500,7 +507,8 @@ def test_the_dispatch_takes_the_gemv_at_m_1_and_at_m_2_and_unquantized_activatio
 def test_linear_runs_the_dispatched_kernel_and_the_override_picks_the_other() -> None:
     """M 2 at K 2048 (the block GEMM would split K): the GEMV (x unquantized); under a ``Tiles`` override the
     quantizer and the block GEMM (x quantized per 128: the quantized reference); M 5: the block GEMM."""
-    from kvserving.kernels.triton_fp8_gemm import Gemv, Tiles, launch_config, linear, tiles_override
+    from kvserving.kernels.gemm_plan import Gemv, Tiles, launch_config, tiles_override
+    from kvserving.kernels.triton_fp8_gemm import linear
 
     codes, scale = fp8_gemm.quantize_blocks(_weight(128, 2048, seed=3))
     assert isinstance(launch_config(2, 128, 2048), Gemv) and isinstance(launch_config(5, 128, 2048), Tiles)
@@ -525,7 +533,7 @@ def test_linear_launches_the_block_gemm_with_the_pdl_choice_of_the_device_and_th
     """Quantizer + block GEMM: the block GEMM takes ``triton_pdl.resolve``'s choice for x's device at every M, the
     quantizer at 32-64 rows only (plain at any other M); the kernels run plain here (the interpreter has no
     ``griddepcontrol``), so the output is the quantized reference either way."""
-    from kvserving.kernels import triton_fp8_gemm, triton_pdl
+    from kvserving.kernels import gemm_plan, triton_fp8_gemm, triton_pdl
 
     # K 256, two groups of 128: which launches ``linear`` makes and the PDL choice each takes depend on M and the
     # device only, and the interpreter runs the quantizer's M x K/128 programs one by one.
@@ -533,7 +541,7 @@ def test_linear_launches_the_block_gemm_with_the_pdl_choice_of_the_device_and_th
     x = _acts(m, 256, seed=5).to(torch.bfloat16)
     spec = fp8_gemm.linear_quantized_ref(x, codes, scale, scheme="block").double()
     quantize, block_gemm = triton_fp8_gemm.quantize, triton_fp8_gemm.block_gemm
-    assert not triton_fp8_gemm.launch_config(m, 128, 256).a16  # the quantized path at every M here
+    assert not gemm_plan.launch_config(m, 128, 256).a16  # the quantized path at every M here
     # The recorders drop ``pdl``, so the quantizer runs plain on the same x under both choices: it runs once and
     # the second choice gets the same codes and scales.
     quantized: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -559,7 +567,8 @@ def test_linear_launches_the_block_gemm_with_the_pdl_choice_of_the_device_and_th
 
 
 def test_gemv_refuses_bad_operands() -> None:
-    from kvserving.kernels.triton_fp8_gemm import Gemv, gemv, tiles_override
+    from kvserving.kernels.gemm_plan import Gemv, tiles_override
+    from kvserving.kernels.triton_fp8_gemm import gemv
 
     codes, scale = fp8_gemm.quantize_blocks(torch.randn(128, 256))
     with pytest.raises(ValueError, match="M <= 4"):
@@ -629,7 +638,7 @@ def _check_cuda_gemm(m: int, n: int, k: int, scheme: str, backend: str, static: 
     if scheme == "block" and backend != "cublas" and fp8_gemm.unquantized(m, n, k):
         # the GEMV or the a16 block GEMM: activations not quantized, only the fp32 sums and the bf16 output round (to
         # nearest on the GPU: 2^-8)
-        from kvserving.kernels.triton_fp8_gemm import launch_config
+        from kvserving.kernels.gemm_plan import launch_config
 
         _assert_gpu_exact_within(out, x, fp8_gemm.dequantize(codes, scale, scheme="block").double(), launch_config(m, n, k))
         return
@@ -701,7 +710,7 @@ def test_gpu_bf16_product_runs_triton_at_up_to_sixty_four_tokens_within_fp32_rou
     import torch.nn.functional as F
 
     from kvserving.kernels import triton_fp8_gemm
-    from kvserving.kernels.triton_fp8_gemm import bf16_launch, gemv_config
+    from kvserving.kernels.gemm_plan import bf16_launch, gemv_config
     from kvserving.worker import model
 
     calls = {"gemv": 0, "bf16_gemm": 0}
@@ -749,7 +758,8 @@ def test_gpu_bf16_product_runs_triton_at_up_to_sixty_four_tokens_within_fp32_rou
 def test_gpu_bf16_block_gemm_within_fp32_rounding_at_qwen3_8b_shapes(m: int, n: int, k: int, pdl: bool) -> None:
     """The bf16 block GEMM at ``bf16_tile_config``'s launch (bf16 products on the tensor cores, fp32 sums) against
     the exact product: the GEMV's bound (fp32 sums of bounded depth) and the bf16 output's rounding (2^-8)."""
-    from kvserving.kernels.triton_fp8_gemm import bf16_gemm, bf16_tile_config
+    from kvserving.kernels.gemm_plan import bf16_tile_config
+    from kvserving.kernels.triton_fp8_gemm import bf16_gemm
 
     x = _acts(m, k, seed=n, device="cuda").to(torch.bfloat16)
     w = _weight(n, k, seed=m, device="cuda").to(torch.bfloat16)
@@ -765,7 +775,8 @@ def test_gpu_bf16_block_gemm_within_fp32_rounding_at_qwen3_8b_shapes(m: int, n: 
 def test_gpu_a16_block_gemm_within_fp32_rounding_at_qwen3_8b_shapes(m: int, n: int, k: int, label: str) -> None:
     """FP8 block weights times bf16 activations as they are, on the tensor cores: the dequantized product within
     the GEMV's fp32 bound and the bf16 output's rounding (2^-8)."""
-    from kvserving.kernels.triton_fp8_gemm import Tiles, block_gemm_a16, tiles_override
+    from kvserving.kernels.gemm_plan import Tiles, tiles_override
+    from kvserving.kernels.triton_fp8_gemm import block_gemm_a16
 
     x = _acts(m, k, seed=n, device="cuda").to(torch.bfloat16)
     codes, scale = fp8_gemm.quantize_blocks(_weight(n, k, seed=m, device="cuda"))

@@ -8,7 +8,8 @@
     gluon_ring                          the Gluon decode's shared-memory ring: a step's copies and reads (device code)
     triton_write/_gather/_decode/_norm/_prefill, gluon_decode/_extend/_extend_tri   kernels: import each other never
     paged_ops                           the dispatch point: imports kernel modules only inside functions
-    fp8_gemm, triton_fp8_gemm           FP8 weight GEMMs: torch references and dispatch, the Triton kernel
+    gemm_plan                           the GEMMs' launch plan: which kernel, what launch shape (stdlib only)
+    fp8_gemm, triton_fp8_gemm           FP8 weight GEMMs: torch references and dispatch, the Triton kernels
 
 and no module but page_ids defines INT2_PAGE_FLAG or writes the INT2 offset formula in Python.
 """
@@ -28,7 +29,7 @@ TRITON_MODULES = {"triton_codec", "triton_common", "triton_decode", "triton_gath
                   "gluon_merge", "gluon_ring", "compile_report", "triton_fp8_gemm", "fp8_gemm", "triton_pdl", "triton_elementwise"}  # fmt: skip
 KERNEL_MODULES = {"triton_decode", "triton_gather", "triton_write", "triton_prefill", "triton_norm", "gluon_decode",
                   "gluon_extend", "gluon_extend_tri", "triton_fp8_gemm"}  # fmt: skip
-REFERENCES = {"page_ids", "options", "layout", "paged_kv", "fp8", "nvfp4", "intquant", "quant_checks", "paged_ref", "capacity", "capability",
+REFERENCES = {"page_ids", "options", "gemm_plan", "layout", "paged_kv", "fp8", "nvfp4", "intquant", "quant_checks", "paged_ref", "capacity", "capability",
               "norm_ref"}  # fmt: skip
 
 
@@ -108,6 +109,11 @@ def test_page_ids_is_torch_free_at_run_time() -> None:
     tree = _tree("page_ids")
     stdlib = {"__future__", "typing", "math", "dataclasses"}
     assert {n.split(".")[0] for n in _imports(tree, top_level_only=True)} <= stdlib
+
+
+def test_gemm_plan_is_pure_rules() -> None:
+    stdlib = {"__future__", "contextlib", "contextvars", "dataclasses", "re", "collections"}
+    assert {n.split(".")[0] for n in _imports(_tree("gemm_plan"))} <= stdlib
 
 
 def test_paged_ops_loads_kernels_only_on_first_use() -> None:

@@ -318,17 +318,17 @@ def test_gpu_fp8_quantizer_and_block_gemm_with_pdl_equal_plain_after_a_gemm_in_a
     """The activation quantizer, the block GEMM and the partials' sum (o's shape: K split) wait before any access:
     in a graph replayed with new x (made by the GEMM before them) ``linear``'s quantized path with PDL equals the
     plain launch."""
-    from kvserving.kernels import fp8_gemm, triton_fp8_gemm
+    from kvserving.kernels import fp8_gemm, gemm_plan, triton_fp8_gemm
 
     _pdl_gpu()
     g = torch.Generator(device="cuda").manual_seed(m)
     codes, scale = fp8_gemm.quantize_blocks(torch.randn(4096, 4096, generator=g, device="cuda"))
     a = (torch.randn(4096, 4096, generator=g, device="cuda") * 0.02).bfloat16()
     xs = [torch.randn(m, 4096, generator=g, device="cuda").bfloat16() for _ in range(3)]
-    assert triton_fp8_gemm.tile_config(m, 4096, 4096).split_k > 1
+    assert gemm_plan.tile_config(m, 4096, 4096).split_k > 1
 
     def quantized(x: torch.Tensor, pdl: bool) -> torch.Tensor:
-        qa, sa = triton_fp8_gemm.quantize(x, group=triton_fp8_gemm.GROUP, pdl=pdl)
+        qa, sa = triton_fp8_gemm.quantize(x, group=gemm_plan.GROUP, pdl=pdl)
         return triton_fp8_gemm.block_gemm(qa, sa, codes, scale, pdl=pdl)
 
     _assert_replays_equal_plain(quantized, a, xs)

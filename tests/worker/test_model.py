@@ -331,9 +331,9 @@ def test_product_takes_the_block_gemm_only_in_a_graph_pass(monkeypatch: pytest.M
 
         return run
 
-    fake = SimpleNamespace(gemv=kernel("gemv", 1.0), bf16_gemm=kernel("bf16_gemm", 2.0),
-                           bf16_launch=lambda m, n, k: None if n == 6 else "tiles")  # fmt: skip
+    fake = SimpleNamespace(gemv=kernel("gemv", 1.0), bf16_gemm=kernel("bf16_gemm", 2.0))
     monkeypatch.setattr(model, "_gemv_for", lambda x, w: fake if x.shape[0] <= model.BF16_BLOCK_ROWS else None)
+    monkeypatch.setattr(model, "bf16_launch", lambda m, n, k: None if n == 6 else "tiles")
     w = torch.randn(8, 16, dtype=torch.bfloat16)
     got = {}
     for in_graph in (False, True):
