@@ -2,7 +2,9 @@
 # Device-machine entry: make the repo importable as `kvserving` without installing (bench/device_env.sh),
 # carry FlashInfer wheels if present, run the gpu tests, then the benchmark.
 # Usage (repo root): bash bench/gpu_run.sh [STEPS] [bench args...]
-#   STEPS: comma-separated tests, bench (decode_gpu.py), extend (extend_gpu.py), nixl (nixl_read_gpu.py: the READ
+#   STEPS: comma-separated tests, bench (decode_gpu.py), extend (extend_gpu.py), engine (engine_gpu.py: the engine
+#   table with bf16 weights and its breakdown, then with FP8 block weights, sections default and weights_fp8_block of
+#   $OUT/engine_gpu.json; ENGINE_TABLE_ARGS, default '--speed-kv-gib 40', T_ENGINE caps each run), nixl (nixl_read_gpu.py: the READ
 #   between two processes on the GPU and the transport UCX chose), agents (agents.py --gpu with AGENTS_ARGS, default
 #   fp8 at 12,16,24 agents; its stacks' logs tarred into $OUT), pdl (engine_gpu.py with KVSERVING_PDL=0, 1, 0, 1:
 #   programmatic dependent launch off and on, twice, sections pdl<P>_<i> of $OUT/engine_pdl.json; ENGINE_ARGS, default
@@ -32,7 +34,7 @@ set -uo pipefail
 what=${1:-all}; shift || true
 [ "$what" = all ] && what=tests,bench
 for step in ${what//,/ }; do
-  case "$step" in tests|bench|extend|nixl|agents|pdl|merge|gemv|layout|ncu|ncux) ;; *) echo "gpu_run.sh: error: unknown step '$step' (tests, bench, extend, nixl, agents, pdl, merge, gemv, layout, all, ncu or ncux)" >&2; exit 2;; esac
+  case "$step" in tests|bench|extend|engine|nixl|agents|pdl|merge|gemv|layout|ncu|ncux) ;; *) echo "gpu_run.sh: error: unknown step '$step' (tests, bench, extend, engine, nixl, agents, pdl, merge, gemv, layout, all, ncu or ncux)" >&2; exit 2;; esac
 done
 has() { [[ ",$what," == *",$1,"* ]]; }
 fail() { echo "gpu_run.sh: error: $*" >&2; exit 1; }
@@ -99,6 +101,15 @@ if has extend; then
   [ -n "$warm" ] && { wait $warm; cat $OUT/warm_fi.log; warm=""; }
   timeout ${T_EXTEND:-600} python3 bench/extend_gpu.py --out $OUT/extend_gpu.json ${EXTEND_ARGS:-} 2>&1 | tee $OUT/extend.log
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_run.sh: error: extend benchmark failed (exit $rc, log in $OUT/extend.log)" >&2; status=1; }
+fi
+if has engine; then  # the engine table (bf16 weights, with the breakdown), then with FP8 block weights: one file
+  for weights in bf16 fp8_block; do
+    extra=(); [ $weights = fp8_block ] && extra=(--weights fp8_block --no-breakdown)
+    timeout ${T_ENGINE:-280} python3 bench/engine_gpu.py ${ENGINE_TABLE_ARGS:---speed-kv-gib 40} "${extra[@]}" --out $OUT/engine_gpu.json \
+      > $OUT/engine_$weights.log 2>&1
+    rc=$?; echo "== engine, $weights weights (exit $rc)"; sed -n '/^format/,$p' $OUT/engine_$weights.log
+    [ "$rc" = 0 ] || { echo "gpu_run.sh: error: engine_gpu.py failed with $weights weights (exit $rc, log in $OUT/engine_$weights.log)" >&2; status=1; }
+  done
 fi
 nixl_ok=1
 if has nixl; then  # the READ between two processes on the GPU must go over CUDA IPC, or the agent points measure TCP

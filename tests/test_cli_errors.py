@@ -703,6 +703,23 @@ def test_gpu_run_nixl_and_agents_steps_run_their_benches_and_fail_with_them(tmp_
     assert proc.stderr == f"gpu_run.sh: error: agents.py failed (exit 3, log in {out}/agents.log)\n"
 
 
+def test_gpu_run_engine_step_writes_both_weight_formats_tables_into_one_file(tmp_path: Path) -> None:
+    # the stand-in python3 prints its arguments and a table line; the FP8 run fails: the script says so and exits 1
+    fake = 'echo "python3 $*"; case "$*" in *engine_gpu.py*) echo "format  1x4K";; esac; case "$*" in *fp8_block*) exit 3;; esac'
+    proc = gpu_run(tmp_path, "engine", {"nvidia-smi": NVIDIA_SMI, "python3": fake})
+    out = tmp_path / "out"
+    bf16 = f"python3 bench/engine_gpu.py --speed-kv-gib 40 --out {out}/engine_gpu.json\nformat  1x4K\n"
+    assert (out / "engine_bf16.log").read_text() == bf16
+    assert (out / "engine_fp8_block.log").read_text().splitlines()[0] == (
+        f"python3 bench/engine_gpu.py --speed-kv-gib 40 --weights fp8_block --no-breakdown --out {out}/engine_gpu.json"
+    )
+    assert [ln for ln in proc.stdout.splitlines() if ln.startswith(("== ", "format"))] == [
+        "== engine, bf16 weights (exit 0)", "format  1x4K", "== engine, fp8_block weights (exit 3)", "format  1x4K",
+    ]  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr == f"gpu_run.sh: error: engine_gpu.py failed with fp8_block weights (exit 3, log in {out}/engine_fp8_block.log)\n"
+
+
 @pytest.mark.parametrize(("step", "var"), [("pdl", "KVSERVING_PDL"), ("gemv", "KVSERVING_BF16_GEMV"), ("merge", "KVSERVING_FUSED_MERGE")])
 def test_gpu_run_ab_steps_alternate_the_engine_bench_off_and_on_twice(tmp_path: Path, step: str, var: str) -> None:
     # the stand-in python3 prints the step's variable and its arguments; the second run with it on fails
