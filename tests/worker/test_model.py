@@ -164,6 +164,17 @@ def test_bf16_load_keeps_logits_fp32(tiny_model_dir: Path) -> None:
     assert logits.dtype == torch.float32 and (logits - ref).abs().max().item() < 0.1
 
 
+def test_logits_written_into_a_buffer_equal_the_returned_ones(tiny_model_dir: Path) -> None:
+    """``compute_logits(out=)`` (the CUDA-graph decode's static buffer) widens the bf16 logits into the buffer
+    itself: the same values as the fp32 tensor it returns otherwise, the buffer returned, its other rows untouched."""
+    _, model = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    hidden = model(_ids(6, 4096), torch.arange(6), DenseCausalAttention())
+    buf = torch.full((8, model.embed_tokens.weight.shape[0]), -7.0)
+    got = model.compute_logits(hidden, out=buf[:6])
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(buf[:6], model.compute_logits(hidden))
+    assert bool((buf[6:] == -7.0).all())
+
+
 # --- bad input ---------------------------------------------------------------------
 
 
