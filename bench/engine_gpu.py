@@ -7,7 +7,8 @@ Run on the device machine (docs/performance-log/engine-gpu.md)::
         --out bench/results/engine_gpu_h200.json
 
 The result file holds one section per configuration (``bench/results_file.py``): ``default`` (every
-format), ``iso`` (``--iso``), ``hold_2.7`` (``--bit-budget 2.7 --bit-budget-control hold``),
+format as the product runs it: triaxial under the config's bit-budget control, ``hold``), ``iso`` (``--iso``),
+``fixed`` (``--bit-budget-control fixed``: triaxial by the bits table alone), ``hold_2.7`` (``--bit-budget 2.7``),
 ``weights_fp8_block`` (``--weights fp8_block``), ``extend`` (``--extend``: an agent's next turn on a prefill
 worker, ``EXTEND_SHAPES``), with ``_quick`` after a ``--quick`` run's name; a run
 rewrites its own section of ``--out`` and keeps the others, ``--combine`` joins files of runs made
@@ -151,7 +152,7 @@ class Bench:
         enforce_eager: bool,
         breakdown: bool = True,
         bit_budget: float | None = None,
-        bit_budget_control: str = "fixed",
+        bit_budget_control: str = KVCacheConfig().bit_budget_control,
         kv_layout: str = KVCacheConfig().layout,
     ) -> None:
         self.model = model
@@ -672,8 +673,9 @@ def main() -> None:
     ap.add_argument(
         "--bit-budget-control",
         choices=("fixed", "hold"),
-        default="fixed",
-        help="triaxial: kv_cache.bit_budget_control (hold: the controller holds the stored bits at the budget)",
+        default=KVCacheConfig().bit_budget_control,
+        help="triaxial: kv_cache.bit_budget_control (default: the config's, hold: the controller holds the stored bits at "
+        "the budget; fixed: the bits table alone)",
     )
     args = ap.parse_args()
     if args.combine:
@@ -779,7 +781,8 @@ WHAT = "bench/engine_gpu.py: the engine at the Qwen3-8B shape per KV format; one
 
 
 def section_name(run: dict[str, Any]) -> str:
-    """A run's section, from its options: ``iso``, ``extend``, ``hold_<budget>`` or ``default``; ``weights_<format>`` for
+    """A run's section, from its options: ``iso``, ``extend``, ``default`` (triaxial, if it ran, as the product runs it:
+    the config's bit-budget control and budget), else ``<control>[_<budget>]`` (``fixed``, ``hold_2.7``); ``weights_<format>`` for
     a run of FP8 weights, ``_<layout>`` after a run of a KV layout other than the default, and ``_quick`` after a
     ``--quick`` run's name (none of them replaces the full bf16 run). A run that does not record its layout ran
     layer-major (the layout before it was recorded)."""
@@ -787,8 +790,10 @@ def section_name(run: dict[str, Any]) -> str:
         name = "iso"
     elif "extend" in run["formats"]:
         name = "extend"
-    elif run.get("bit_budget_control") == "hold":
-        name = f"hold_{run['bit_budget']:g}"
+    elif "triaxial" in run["formats"] and (
+        (control := run.get("bit_budget_control") or "fixed") != KVCacheConfig().bit_budget_control or run.get("bit_budget") is not None
+    ):  # triaxial not as the product runs it: named by its control and budget (a run that records none ran fixed)
+        name = control if run.get("bit_budget") is None else f"{control}_{run['bit_budget']:g}"
     else:
         name = "default"
     if run.get("weights", "bf16") != "bf16":

@@ -88,6 +88,26 @@ def test_a_page_major_run_fills_every_layer_and_names_its_section(engine_gpu: Mo
     assert engine_gpu.section_name({"formats": {}, "weights": "fp8_block"}) == "weights_fp8_block_layer_major"
 
 
+def test_the_plain_section_runs_triaxial_as_the_product_does(engine_gpu: ModuleType) -> None:
+    """``default`` is every format as a deployment runs it: triaxial under the config's bit-budget control (hold) and
+    budget; a triaxial run otherwise names its control and budget, and a run that recorded no control ran fixed. The
+    control names nothing where triaxial did not run."""
+    from kvserving.config import KVCacheConfig
+
+    assert KVCacheConfig().bit_budget_control == "hold"
+
+    def name(**run: object) -> str:
+        return engine_gpu.section_name({"kv_layout": "page_major", **run})
+
+    tri = {"triaxial": {}, "nvfp4": {}}
+    assert name(formats=tri, bit_budget=None, bit_budget_control="hold") == "default"
+    assert name(formats=tri, bit_budget=None, bit_budget_control="hold", weights="fp8_block") == "weights_fp8_block"
+    assert name(formats=tri, bit_budget=None, bit_budget_control="fixed") == "fixed"
+    assert name(formats=tri, bit_budget=2.7, bit_budget_control="hold", quick=True) == "hold_2.7_quick"
+    assert name(formats=tri, bit_budget=2.7) == "fixed_2.7"  # recorded before the control was
+    assert name(formats={"nvfp4": {}}, bit_budget=None, bit_budget_control="fixed") == "default"
+
+
 def test_overlapping_kernels_are_charged_the_busy_time_once(engine_gpu: ModuleType) -> None:
     """With PDL a kernel starts while the one before it runs: each is charged from the end of what ran before it, so
     the charges add up to the busy time (here 0-10 and 12-15 us: 13 us), not to the summed durations (20 us)."""
