@@ -22,7 +22,7 @@ included.
 Inside ``worker/``, the engine's layers, lowest first (a module never imports,
 directly or through other worker modules, one ranked above it)::
 
-    kv.page_pool < triaxial_pool, kv.leases < precision, sequence < kv.manager < kv.cache
+    kv.page_runs < kv.page_pool < triaxial_pool, kv.leases < precision, sequence < kv.manager < kv.cache
       < scheduler < model_runner < engine < async_engine and the server side
       (server, main, metrics, kv.transfer, kv.puller, kv.nixl_io)
 
@@ -95,6 +95,7 @@ def test_the_engine_data_imports_nothing() -> None:
 
 
 WORKER_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("kv.page_runs",),
     ("kv.page_pool",),
     ("triaxial_pool", "kv.leases"),
     ("precision", "sequence"),

@@ -71,7 +71,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvserving.kernels.page_ids import INT2_PAGE_FLAG, Slabs, page_byte_offset, page_id_bits, page_index, slab_bytes
 
-from kvserving.worker.kv.page_pool import PagePoolBase, _Region
+from kvserving.worker.kv.page_pool import PagePoolBase
+from kvserving.worker.kv.page_runs import Region
 
 BITS = (2, 4)
 FREE = 0  # the precision of a slab that holds no page
@@ -81,7 +82,7 @@ FREE = 0  # the precision of a slab that holds no page
 _Key = tuple[int, bool, bool]
 
 
-class _Side(_Region):
+class _Side(Region):
     """One precision as ``PagePoolBase`` sees it: the id flag and the LRU of its cached pages;
     ``put_free`` (an owned page without a hash lost its last ref) gives the slot back to its slab."""
 
@@ -158,7 +159,7 @@ class TriaxialPagePool(PagePoolBase):
         """4 or 2 for a slab holding pages of that precision, 0 for a free slab."""
         return self._kind[slab]
 
-    def _region_of(self, page_id: int) -> _Region:
+    def _region_of(self, page_id: int) -> Region:
         return self._r[page_id_bits(page_id)]
 
     def _check_id(self, page_id: int) -> None:
