@@ -786,14 +786,14 @@ def section_name(run: dict[str, Any]) -> str:
     a run of FP8 weights, ``_<layout>`` after a run of a KV layout other than the default, and ``_quick`` after a
     ``--quick`` run's name (none of them replaces the full bf16 run). A run that does not record its layout ran
     layer-major (the layout before it was recorded)."""
+    control = run.get("bit_budget_control") or "fixed"  # a run that records no control ran fixed
+    budget = run.get("bit_budget")
     if "iso" in run["formats"]:
         name = "iso"
     elif "extend" in run["formats"]:
         name = "extend"
-    elif "triaxial" in run["formats"] and (
-        (control := run.get("bit_budget_control") or "fixed") != KVCacheConfig().bit_budget_control or run.get("bit_budget") is not None
-    ):  # triaxial not as the product runs it: named by its control and budget (a run that records none ran fixed)
-        name = control if run.get("bit_budget") is None else f"{control}_{run['bit_budget']:g}"
+    elif "triaxial" in run["formats"] and (control != KVCacheConfig().bit_budget_control or budget is not None):
+        name = control if budget is None else f"{control}_{budget:g}"  # triaxial not as the product runs it
     else:
         name = "default"
     if run.get("weights", "bf16") != "bf16":
